@@ -1,0 +1,122 @@
+"""Shared helpers for device benchmarks: environment facts, GPU timing, results files.
+
+Timing follows ../shared/GPU.md: CUDA events, warm-up, CUDA graphs where launch overhead is not
+what is measured, L2 flushed by *reading* a 256 MB buffer, median of many repetitions.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+
+
+def git_sha() -> str:
+    sha = os.environ.get("SPECPILOT_GIT_SHA")
+    if sha:
+        return sha
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=REPO, text=True,
+                                       stderr=subprocess.DEVNULL).strip()
+    except Exception:
+        return "unknown"
+
+
+def environment() -> dict:
+    env = {"git_sha": git_sha(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+           "python": sys.version.split()[0]}
+    try:
+        import torch
+
+        env["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            env["gpu"] = torch.cuda.get_device_name(0)
+            env["cuda"] = torch.version.cuda
+    except Exception:
+        pass
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except Exception:
+        env["triton"] = None
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        env["driver"] = pynvml.nvmlSystemGetDriverVersion()
+        if isinstance(env["driver"], bytes):
+            env["driver"] = env["driver"].decode()
+    except Exception:
+        env.setdefault("driver", None)
+    env.setdefault("gpu", "cpu")
+    return env
+
+
+def write_results(name: str, rows: list[dict], extra: dict | None = None, out_dir: str | None = None) -> Path:
+    """Write ``{benchmark, git_sha, date, gpu, driver, torch, triton, rows}`` to results and $OUT."""
+    doc = {"benchmark": name, **environment(), **(extra or {}), "rows": rows}
+    paths = []
+    for d in filter(None, [out_dir or os.environ.get("OUT"), str(RESULTS)]):
+        p = Path(d) / f"{name}.json"
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps(doc, indent=2) + "\n")
+        paths.append(p)
+    return paths[0]
+
+
+class L2Flusher:
+    """Flush L2 by reading a large buffer (writing leaves dirty lines that slow the next kernel)."""
+
+    def __init__(self, nbytes: int = 256 << 20):
+        import torch
+
+        self.buf = torch.randn(nbytes // 4, device="cuda", dtype=torch.float32)
+        self.sink = torch.empty((), device="cuda", dtype=torch.float32)
+
+    def __call__(self):
+        import torch
+
+        torch.sum(self.buf, out=self.sink)
+
+
+def time_cuda_graph(fn, *, reps: int = 50, warmup: int = 5, flush: L2Flusher | None = None) -> float:
+    """Median microseconds of ``fn`` replayed from a CUDA graph, L2 flushed before each replay."""
+    import torch
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    for _ in range(warmup):
+        g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        if flush is not None:
+            flush()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def print_table(rows: list[dict], cols: list[str]) -> None:
+    from tabulate import tabulate
+
+    print(tabulate([[r.get(c) for c in cols] for r in rows], headers=cols, floatfmt=".3g"))
