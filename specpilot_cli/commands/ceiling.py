@@ -1,0 +1,133 @@
+"""``specpilot ceiling``: byte floors, the floor c(N) curve, and the tau/c ceiling."""
+
+from __future__ import annotations
+
+import click
+
+from specpilot.output import Report, Section, emit, output_options
+
+DTYPES = ["bf16", "fp16", "fp8", "w12", "int8", "int4"]
+
+
+@click.command("ceiling")
+@click.option("--model", "model_name", metavar="NAME|PATH",
+              help="Target model: catalog name (llama-3.1-8b, qwen3-8b, ...) or config.json / model folder.")
+@click.option("--gpu", "gpu_name", default="auto", show_default=True, metavar="NAME",
+              help="GPU from the catalog (h100, h200, a100, b200, l40s, rtx-pro-6000) or 'auto' (NVML).")
+@click.option("--bandwidth", type=float, metavar="TB/S", help="Measured peak bandwidth, replaces the datasheet.")
+@click.option("--flops", type=float, metavar="TFLOP/S", help="Measured dense bf16 TFLOP/s, replaces the datasheet.")
+@click.option("--fp8-flops", type=float, metavar="TFLOP/S", help="Measured dense fp8 TFLOP/s.")
+@click.option("--rows", default="1", show_default=True, metavar="N[,N...]",
+              help="Rows verified per request per step, e.g. 1,8,32,64 or 1,2,4,...,256.")
+@click.option("--batch", default=1, show_default=True, type=int, help="Requests per step.")
+@click.option("--context", default=2048, show_default=True, type=int, help="Committed context tokens per request.")
+@click.option("--weight-dtype", type=click.Choice(DTYPES), default="bf16", show_default=True,
+              help="Storage of projection and expert weights (w12 = 12.02 bits/weight).")
+@click.option("--lm-head-dtype", type=click.Choice(DTYPES), default=None,
+              help="LM head storage [default: bf16 with w12 weights, else the weight dtype].")
+@click.option("--kv-dtype", type=click.Choice(["bf16", "fp16", "fp8"]), default="bf16", show_default=True)
+@click.option("--drafter", "drafter_name", metavar="NAME|PATH", help="Drafter model: adds its step as the drafter class.")
+@click.option("--draft-rows", type=int, help="Drafter rows per request per step [default: --rows].")
+@click.option("--flops-fraction", default=0.60, show_default=True, type=float, help="Reachable share of peak FLOP/s.")
+@click.option("--bw-fraction", default=0.90, show_default=True, type=float, help="Reachable share of peak bandwidth.")
+@click.option("--tau", type=float, help="Measured tokens accepted per verification pass.")
+@click.option("--tau-best", type=float, help="Best reachable tau (any tree; e.g. replay's oracle).")
+@click.option("--step-ms", type=float, help="Measured step wall time T_step(N), drafting included.")
+@click.option("--ar-ms", type=float, help="Measured AR step time T_AR in the same engine.")
+@click.option("--profile-ms", type=float, help="Profiled GPU kernel time per step.")
+@click.option("--profile", "profile_file", type=click.Path(dir_okay=False), help="specpilot profile JSON.")
+@click.option("--replay", "replay_file", type=click.Path(dir_okay=False), help="specpilot replay JSON.")
+@click.option("--rows-probe", "rows_file", type=click.Path(dir_okay=False), help="specpilot probe rows JSON.")
+@click.option("--policy", default="chain", show_default=True,
+              help="Replay policy that is the current system (the others give the best reachable tau).")
+@output_options
+def command(model_name, gpu_name, bandwidth, flops, fp8_flops, rows, batch, context, weight_dtype, lm_head_dtype,
+            kv_dtype, drafter_name, draft_rows, flops_fraction, bw_fraction, tau, tau_best, step_ms, ar_ms,
+            profile_ms, profile_file, replay_file, rows_file, policy, fmt, out):
+    """How much faster could this deployment be, and which factor should be attacked?
+
+    \b
+    What-if (no GPU needed): bytes, FLOPs and byte floor per kernel class for one
+    decode/verify step, and the floor c(N) = floor(N) / floor(AR) curve:
+      specpilot ceiling --model llama-3.1-8b --gpu h100 --rows 1,8,32,64 --batch 1 --context 2048
+    With measurements: speedup = tau / c, c = T_step / T_AR, and the ceiling
+    = speedup x tree x kernel x outside factors, naming the largest:
+      specpilot ceiling --model llama-3.1-8b --gpu h200 --rows 32 \\
+          --tau 4.25 --tau-best 6.4 --step-ms 24.1 --ar-ms 18.0 --profile-ms 21.0
+    Files from other verbs can replace the numbers: --profile, --replay, --rows-probe.
+
+    Floor of a class = max(FLOPs / (0.60 x peak), bytes / (0.90 x bandwidth)).
+    """
+    from specpilot.errors import InputError
+    from specpilot.gpus import custom_gpu, get_gpu, with_overrides
+    from specpilot.models import load_model_spec
+    from specpilot.options import parse_int_list
+    from specpilot.probes.ceiling import Measurements, compute_ceiling
+
+    row_list = parse_int_list(rows, "--rows")
+    if draft_rows is not None and draft_rows <= 0:
+        raise InputError(f"--draft-rows must be positive, got {draft_rows}")
+    model = load_model_spec(model_name) if model_name else None
+    drafter = load_model_spec(drafter_name) if drafter_name else None
+    gpu = None
+    if model is not None:
+        if gpu_name == "auto" and bandwidth and flops:
+            gpu = custom_gpu(bandwidth, flops, fp8_flops)
+        else:
+            gpu = with_overrides(get_gpu(gpu_name), bandwidth, flops, fp8_flops)
+        if gpu.bf16_tflops != gpu.bf16_tflops:  # NaN: detected GPU without catalog FLOPs
+            raise InputError(f"{gpu.name} is not in the catalog: give --flops (dense bf16 TFLOP/s)")
+    m = Measurements()
+    for name, v in (("tau", tau), ("tau_best", tau_best), ("step_ms", step_ms), ("ar_ms", ar_ms),
+                    ("profile_ms", profile_ms)):
+        m.set(name, v, "command line")
+    protect = [p for p in (profile_file, replay_file, rows_file) if p]
+    res = compute_ceiling(model, gpu, row_list, batch, context, weight_dtype, lm_head_dtype, kv_dtype, drafter,
+                          draft_rows, flops_fraction, bw_fraction, m, profile_file, replay_file, rows_file, policy)
+    emit(_report(res), fmt, out, protect=protect)
+    return 0
+
+
+def _report(res) -> Report:
+    sections = []
+    lines = []
+    if res.floors:
+        f0 = res.floors[0]
+        g = res.gpu
+        title = (f"Byte floors: {res.model.name} on {g.name} ({g.bandwidth_tbs:g} TB/s, {g.bf16_tflops:g} bf16 TFLOP/s"
+                 f"{', measured ' + '+'.join(g.measured) if g.measured else ''}), batch {f0.batch}, context {f0.context}, "
+                 f"weights {f0.weight_dtype}")
+        rows = []
+        for f in res.floors:
+            for name, c in f.classes.items():
+                if c.bytes == 0 and c.flops == 0:
+                    continue
+                rows.append([f.rows, name, c.bytes / 1e9, c.flops / 1e9, c.floor_ms, c.bound])
+        sections.append(Section(title, ["rows", "class", "GB", "GFLOP", "floor ms", "bound"], rows))
+        curve = []
+        for f in res.floors:
+            cf = res.c_floor(f)
+            curve.append([f.rows, f.total_bytes / 1e9, f.total_floor_ms, cf, f.rows * f.batch / (f.total_floor_ms / 1e3)])
+        sections.append(Section("Floor per step and floor c(N) = floor(N) / floor(AR, 1 row)",
+                                ["rows", "GB", "floor ms", "c floor", "rows/s at floor"], curve,
+                                note=f"AR floor (1 row, no drafter): {res.ar_floor.total_floor_ms:.4g} ms/token; "
+                                     f"fractions {res.fractions['flops']:.2f} of peak FLOP/s, "
+                                     f"{res.fractions['bandwidth']:.2f} of peak bandwidth."))
+    if res.cost:
+        c = res.cost
+        rows = [["current speedup (tau / c)", c.speedup, f"tau {c.tau:.4g}, c {c.c:.4g} = {c.step_ms:.4g} / {c.ar_ms:.4g} ms"]]
+        desc = {"tree": "best reachable tau / tau", "kernel": "profiled GPU ms / byte floor ms",
+                "outside": "step wall ms / profiled GPU ms"}
+        for k in ("tree", "kernel", "outside"):
+            v = c.factors[k]
+            rows.append([f"{k} factor", v if v is not None else "unknown",
+                         desc[k] + (f" -> {c.if_removed[k]:.3g}x if removed" if v is not None else "")])
+        rows.append(["ceiling", c.ceiling, "speedup x known factors"])
+        title = "Cost model" + (f" at {res.rows_for_cost} rows" if res.rows_for_cost else "")
+        sections.append(Section(title, ["", "value", "how"], rows))
+        if c.largest:
+            from specpilot.probes.costmodel import ADVICE
+
+            lines.append(f"Largest factor: {c.largest} ({c.factors[c.largest]:.3g}x): {ADVICE[c.largest]}.")
+        lines.extend(f"note: {n}" for n in c.notes)
+    return Report(data=res.as_dict(), sections=sections, lines=lines)

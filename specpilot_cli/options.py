@@ -1,0 +1,52 @@
+"""Parsing of option values shared by several verbs."""
+
+from __future__ import annotations
+
+from .errors import InputError
+
+
+def parse_int_list(text: str, name: str = "--rows", minimum: int = 1) -> list[int]:
+    """``"1,8,32"``; ``"1,2,4,...,256"`` continues a doubling (or constant-step) series to its end.
+
+    Values must be >= ``minimum``; duplicates are dropped, order kept.
+    """
+    parts = [p.strip() for p in str(text).split(",") if p.strip()]
+    if not parts:
+        raise InputError(f"{name}: give at least one value, e.g. {name} 1,8,32")
+    values: list[int] = []
+    i = 0
+    while i < len(parts):
+        p = parts[i]
+        if p in ("...", "…"):
+            if len(values) < 2 or i + 1 >= len(parts):
+                raise InputError(f"{name}: '...' needs two values before it and one after, e.g. 1,2,4,...,256")
+            a, b = values[-2], values[-1]
+            end = _to_int(parts[i + 1], name, minimum)
+            if a > 0 and b % a == 0 and b // a > 1:
+                r = b // a
+                v = b * r
+                while v < end:
+                    values.append(v)
+                    v *= r
+            elif b > a:
+                v = b + (b - a)
+                while v < end:
+                    values.append(v)
+                    v += b - a
+            else:
+                raise InputError(f"{name}: cannot continue the series {a},{b},...")
+            i += 1
+            continue
+        values.append(_to_int(p, name, minimum))
+        i += 1
+    return list(dict.fromkeys(values))
+
+
+def _to_int(p: str, name: str, minimum: int) -> int:
+    try:
+        v = int(p)
+    except ValueError:
+        raise InputError(f"{name}: {p!r} is not a whole number") from None
+    if v < minimum:
+        raise InputError(f"{name}: values must be >= {minimum}, got {v}")
+    return v

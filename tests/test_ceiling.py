@@ -1,0 +1,199 @@
+"""Byte floors, the cost model and `specpilot ceiling` end to end."""
+
+import json
+
+import pytest
+
+from specpilot.errors import InputError
+from specpilot.gpus import GPUSpec
+from specpilot.models import spec_from_config
+from specpilot.options import parse_int_list
+from specpilot.probes.costmodel import cost_model
+from specpilot.probes.floors import step_floor
+
+from model_configs import HYBRID, LLAMA_8B
+
+GPU = GPUSpec(key="test", name="Test GPU", bandwidth_tbs=3.35, bf16_tflops=989.4, fp8_tflops=1978.9)
+
+
+def test_floor_rule_by_hand():
+    m = spec_from_config(LLAMA_8B)
+    f = step_floor(m, GPU, rows=1, batch=1, context=2048)
+    lin = f.classes["linear"]
+    # weights 13.96 GB + bf16 activations; floor = bytes / (0.9 x 3.35 TB/s)
+    assert lin.bytes == pytest.approx(2 * 6979321856 + 2 * sum(
+        c * (k + n) for _, k, n, c in __import__("specpilot.probes.floors", fromlist=["gemms"]).gemms(m)), rel=1e-12)
+    assert lin.floor_ms == pytest.approx(lin.bytes / (0.9 * 3.35e12) * 1e3)
+    assert lin.bound == "bytes"
+    assert f.classes["lm_head"].bytes == pytest.approx(128256 * 4096 * 2 + (4096 + 128256) * 2)
+    # attention at 2048 context: K+V of 2048 tokens x 32 layers x 8 kv heads x 128 x 2 bytes
+    assert f.classes["attention"].bytes == pytest.approx(2048 * 131072 + 32 * (2 * 8 * 128 * 2 + 2 * 32 * 128 * 2))
+    assert f.total_floor_ms == pytest.approx(sum(c.floor_ms for c in f.classes.values()))
+    # fractions are options
+    g = step_floor(m, GPU, rows=1, bw_fraction=0.45)
+    assert g.classes["linear"].floor_ms == pytest.approx(2 * lin.floor_ms)
+
+
+def test_flops_bound_at_many_rows():
+    m = spec_from_config(LLAMA_8B)
+    f = step_floor(m, GPU, rows=4096)
+    lin = f.classes["linear"]
+    assert lin.bound == "flops"
+    assert lin.floor_ms == pytest.approx(lin.flops / (0.6 * 989.4e12) * 1e3)
+
+
+def test_w12_and_fp8_weights():
+    m = spec_from_config(LLAMA_8B)
+    bf16 = step_floor(m, GPU, rows=1).classes["linear"].bytes
+    w12 = step_floor(m, GPU, rows=1, weight_dtype="w12")
+    assert w12.classes["linear"].bytes == pytest.approx(bf16 * 12.02 / 16, rel=0.001)
+    assert w12.classes["lm_head"].bytes == pytest.approx(128256 * 4096 * 2, rel=0.01)  # head stays bf16
+    fp8 = step_floor(m, GPU, rows=4096, weight_dtype="fp8")
+    assert fp8.classes["linear"].floor_ms == pytest.approx(fp8.classes["linear"].flops / (0.6 * 1978.9e12) * 1e3)
+
+
+def test_gdn_state_bytes_and_drafter():
+    m = spec_from_config(HYBRID)
+    f1 = step_floor(m, GPU, rows=1, batch=1, context=0)
+    f4 = step_floor(m, GPU, rows=1, batch=4, context=0)
+    state = 32 * 128 * 128 * 4
+    # state is read and written once per request and layer: grows with batch, not with rows
+    assert f4.classes["gdn"].bytes - f1.classes["gdn"].bytes == pytest.approx(
+        6 * 3 * (2 * state + 2 * 3 * (2 * 2048 + 4096) * 2) + 6 * 3 * ((2 * 2048 + 4096) + 4096 + 64) * 4, rel=1e-9)
+    d = spec_from_config(dict(LLAMA_8B, num_hidden_layers=1))
+    with_d = step_floor(m, GPU, rows=16, drafter=d, draft_rows=16)
+    assert with_d.classes["drafter"].floor_ms > 0
+    assert with_d.total_floor_ms == pytest.approx(step_floor(m, GPU, rows=16).total_floor_ms
+                                                  + with_d.classes["drafter"].floor_ms)
+
+
+def test_bad_shapes():
+    m = spec_from_config(LLAMA_8B)
+    with pytest.raises(InputError):
+        step_floor(m, GPU, rows=0)
+    with pytest.raises(InputError):
+        step_floor(m, GPU, rows=1, batch=-1)
+    with pytest.raises(InputError):
+        step_floor(m, GPU, rows=1, bw_fraction=1.5)
+
+
+def test_cost_model_factors():
+    c = cost_model(tau=4.0, step_ms=20.0, ar_ms=16.0, tau_best=6.0, profile_ms=18.0, floor_ms=12.0)
+    assert c.c == pytest.approx(1.25)
+    assert c.speedup == pytest.approx(3.2)
+    assert c.factors == {"tree": pytest.approx(1.5), "kernel": pytest.approx(1.5), "outside": pytest.approx(20 / 18)}
+    # ceiling = tau_best / (floor / T_AR)
+    assert c.ceiling == pytest.approx(6.0 / (12.0 / 16.0))
+    assert c.largest in ("tree", "kernel")
+    c2 = cost_model(tau=4.0, step_ms=20.0, ar_ms=16.0)
+    assert c2.ceiling == pytest.approx(c2.speedup) and c2.largest is None
+    assert any("unknown" in n for n in c2.notes)
+    with pytest.raises(InputError):
+        cost_model(tau=0.5, step_ms=1, ar_ms=1)
+
+
+def test_parse_int_list():
+    assert parse_int_list("1,8,32,64") == [1, 8, 32, 64]
+    assert parse_int_list("1,2,4,...,256") == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert parse_int_list("8,16,...,64") == [8, 16, 32, 64]
+    for bad in ("0", "1,x", "", "1,...,8", "-3"):
+        with pytest.raises(InputError):
+            parse_int_list(bad)
+
+
+def _cli_gpu():
+    return ["--gpu", "auto", "--bandwidth", "3.35", "--flops", "989.4"]
+
+
+def test_cli_what_if_table_and_json(run_cli, tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(LLAMA_8B))
+    code, out, err = run_cli("ceiling", "--model", cfg, *_cli_gpu(), "--rows", "1,8,32,64", "--batch", "1",
+                             "--context", "2048")
+    assert code == 0, err
+    assert "lm_head" in out and "c floor" in out
+    code, out, err = run_cli("ceiling", "--model", cfg, *_cli_gpu(), "--rows", "1,64", "--format", "json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["schema"] == "specpilot.ceiling/1"
+    assert set(doc["classes"]) == {"linear", "lm_head", "attention", "gdn", "moe", "norm", "drafter"}
+    assert set(doc["by_rows"]) == {"1", "64"}
+    assert doc["by_rows"]["1"]["c_floor"] == pytest.approx(1.0)
+    assert doc["by_rows"]["64"]["c_floor"] > 1.0
+    assert doc["total_floor_ms"] == pytest.approx(doc["by_rows"]["1"]["total_floor_ms"])
+    for fmt in ("yaml", "markdown"):
+        code, out, _ = run_cli("ceiling", "--model", cfg, *_cli_gpu(), "--format", fmt)
+        assert code == 0 and "lm_head" in out
+
+
+def test_cli_measured_and_files(run_cli, tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(LLAMA_8B))
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({"schema": "specpilot.profile/1", "kernel_busy_ms": 5.0, "step_wall_ms": 6.0,
+                                   "steps": 10, "classes": {}}))
+    replay = tmp_path / "replay.json"
+    replay.write_text(json.dumps({"schema": "specpilot.replay/1", "policies": [
+        {"policy": "chain", "tau": 4.25}, {"policy": "best-first:32", "tau": 5.38}, {"policy": "oracle:16", "tau": 6.42}]}))
+    out_file = tmp_path / "ceiling.json"
+    code, out, err = run_cli("ceiling", "--model", cfg, *_cli_gpu(), "--rows", "32", "--ar-ms", "4.5",
+                             "--profile", profile, "--replay", replay, "--format", "json", "--out", out_file)
+    assert code == 0, err
+    doc = json.loads(out_file.read_text())
+    cm = doc["cost_model"]
+    assert cm["tau"] == 4.25 and cm["factors"]["tree"] == pytest.approx(6.42 / 4.25)
+    assert cm["factors"]["outside"] == pytest.approx(6.0 / 5.0)
+    assert cm["factors"]["kernel"] == pytest.approx(5.0 / doc["total_floor_ms"])
+    assert cm["speedup"] == pytest.approx(4.25 / (6.0 / 4.5))
+    assert cm["largest_factor"] in ("tree", "kernel", "outside")
+    # table names the largest factor
+    code, out, err = run_cli("ceiling", "--model", cfg, *_cli_gpu(), "--rows", "32", "--tau", "4", "--tau-best",
+                             "6", "--step-ms", "6", "--ar-ms", "4.5", "--profile-ms", "5")
+    assert code == 0 and "Largest factor" in out
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--rows", "0"], "--rows"),
+    (["--rows", "1,8", "--tau", "4", "--step-ms", "5", "--ar-ms", "4"], "one row count"),
+    (["--tau", "4"], "needs"),
+    (["--batch", "0"], "--batch"),
+    (["--gpu", "tpu-v9"], "unknown GPU"),
+])
+def test_cli_bad_input(run_cli, tmp_path, args, msg):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(LLAMA_8B))
+    gpu = [] if "--gpu" in args else _cli_gpu()
+    code, out, err = run_cli("ceiling", "--model", cfg, *gpu, *args)
+    assert code == 2
+    assert err.startswith("specpilot: error:") and msg in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_cli_bad_files(run_cli, tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text("{broken")
+    code, _, err = run_cli("ceiling", "--model", cfg, *_cli_gpu())
+    assert code == 2 and "not valid JSON" in err
+    cfg.write_text(json.dumps(LLAMA_8B))
+    wrong = tmp_path / "p.json"
+    wrong.write_text(json.dumps({"schema": "other/1"}))
+    code, _, err = run_cli("ceiling", "--model", cfg, *_cli_gpu(), "--profile", wrong, "--ar-ms", "1", "--tau", "2")
+    assert code == 2 and "unknown schema" in err
+    # --out never overwrites an input, and leaves no partial file
+    prof = tmp_path / "prof.json"
+    prof.write_text(json.dumps({"schema": "specpilot.profile/1", "kernel_busy_ms": 5.0, "step_wall_ms": 6.0}))
+    before = prof.read_text()
+    code, _, err = run_cli("ceiling", "--model", cfg, *_cli_gpu(), "--profile", prof, "--tau", "3", "--ar-ms", "5",
+                           "--out", prof)
+    assert code == 2 and "refusing to overwrite" in err
+    assert prof.read_text() == before
+    assert not list(tmp_path.glob("*.part"))
+
+
+def test_version_and_help(run_cli):
+    code, out, _ = run_cli("--version")
+    assert code == 0 and "specpilot" in out
+    code, out, _ = run_cli("ceiling", "--help")
+    assert code == 0 and "byte floor" in out.lower()
+    code, _, err = run_cli("no-such-verb")
+    assert code == 2 and err.startswith("specpilot: error:")
