@@ -82,10 +82,18 @@ def match_gpu_name(name: str) -> GPUSpec | None:
     for spec, aliases in cat.values():
         if n in aliases:
             return spec
+    # a short name that begins exactly one entry's key or alias ("h100" -> h100-sxm)
+    prefixed = {spec.key for spec, aliases in cat.values() if any(a.startswith(n) for a in aliases)}
+    if len(prefixed) == 1:
+        return cat[prefixed.pop()][0]
     # longest alias contained in the reported name wins ("nvidiah10080gbhbm3" contains "h100")
+    # (a different SKU of the same chip - H200 NVL, H100 PCIe - is not the catalog's SXM part)
+    variant = [v for v in ("nvl", "pcie") if v in n]
     best, best_len = None, 0
     for spec, aliases in cat.values():
         for a in aliases:
+            if any(v not in a for v in variant):
+                continue
             if len(a) >= 4 and a in n and len(a) > best_len:
                 best, best_len = spec, len(a)
     return best

@@ -120,6 +120,8 @@ def test_gpu_catalog_and_names():
     assert match_gpu_name("NVIDIA H200").key.startswith("h200")
     assert match_gpu_name("NVIDIA H100 80GB HBM3").key == h100.key
     assert match_gpu_name("Some Unknown Accelerator") is None
+    assert match_gpu_name("NVIDIA H200 NVL") is None  # a different, lower-power SKU
+    assert get_gpu("rtx-pro-6000").key == "rtx-pro-6000-blackwell-server"
     with pytest.raises(InputError, match="unknown GPU"):
         get_gpu("tpu-v5")
     g = with_overrides(h100, bandwidth_tbs=3.0)
