@@ -1,0 +1,360 @@
+"""Draft-tree policies for exact tau replay over a candidate lattice.
+
+A policy turns one lattice step (the drafter's top-K candidates per draft position, their scores,
+optional parent-conditioned transitions) into the set of nodes a target would verify, and the
+target's greedy continuation decides how many of them are accepted (tau = accepted + 1).
+
+Policies (``parse_policy`` spells them the way the CLI does):
+
+``chain`` / ``chain:N``
+    Stock's chain: the drafter's top candidate at each of the first N positions (all positions when
+    N is omitted).
+``best-first:N``
+    The N nodes with the highest path score sum log p(child | parent) (parent-conditioned when the
+    lattice has transitions, marginal otherwise). Built by ``specpilot.kernels.tree``, the same
+    builder the engine runs.
+``eagle2:TOPK,DEPTH,N``
+    EAGLE-2: per depth, every beam node expands its TOPK best children, the TOPK best of those by
+    path score form the next beam; after DEPTH levels every scored node is reranked globally and
+    the N best are kept.
+``sequoia:N``
+    A Sequoia-style static tree: acceptance probability by sibling rank is measured on a lattice
+    (``calibrate``), and the N rank-paths with the highest product of acceptance probabilities form
+    a fixed tree shape that every step instantiates with its own candidates.
+``oracle:K``
+    Accept while the target's token is among the drafter's top K candidates at that position (an
+    upper bound for any tree drawn from the top K).
+
+Trees are plain :class:`Tree` objects with the field names of ``specpilot.kernels.tree.DraftTree``
+(``tokens``, ``parents``, ``depth``, ``cand``, ``score``); a node's parent index is -1 for a child
+of the root, and parents always come before their children.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from specpilot.errors import InputError
+
+FAMILIES = ("chain", "best-first", "eagle2", "sequoia", "oracle")
+MAX_NODES = 4096
+
+
+@dataclass
+class Tree:
+    tokens: list[int]
+    parents: list[int]
+    depth: list[int]
+    cand: list[int]
+    score: list[float]
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass
+class StepView:
+    """What a policy sees of one lattice step (numpy arrays)."""
+
+    tokens: np.ndarray          # [m, K] int64
+    logprobs: np.ndarray        # [m, K] float64
+    transitions: np.ndarray | None  # [m-1, K, K] float64 or None
+    target: np.ndarray          # [>= m+1] int64
+
+    @property
+    def m(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def k(self) -> int:
+        return int(self.tokens.shape[1])
+
+    def edge_scores(self, depth: int, parent_cand: int) -> np.ndarray:
+        """Scores of the K candidates at ``depth`` as children of candidate ``parent_cand``."""
+        if depth == 0 or self.transitions is None:
+            return self.logprobs[depth]
+        return self.transitions[depth - 1, parent_cand]
+
+
+def accept_length(tree, target: Sequence[int]) -> int:
+    """Number of draft tokens accepted: the longest root path equal to a prefix of ``target``."""
+    children: dict[int, dict[int, int]] = {}
+    toks, pars = list(map(int, tree.tokens)), list(map(int, tree.parents))
+    for i, (t, p) in enumerate(zip(toks, pars)):
+        children.setdefault(p, {}).setdefault(t, i)
+    node, accepted = -1, 0
+    while accepted < len(target):
+        nxt = children.get(node, {}).get(int(target[accepted]))
+        if nxt is None:
+            break
+        node, accepted = nxt, accepted + 1
+    return accepted
+
+
+@dataclass
+class Policy:
+    family: str
+    nodes: int | None = None       # N (chain: positions; oracle: None)
+    topk: int | None = None        # eagle2
+    depth: int | None = None       # eagle2
+    k: int | None = None           # oracle
+    rank_accept: np.ndarray | None = field(default=None, repr=False)  # sequoia calibration
+
+    @property
+    def spec(self) -> str:
+        if self.family == "chain":
+            return "chain" if self.nodes is None else f"chain:{self.nodes}"
+        if self.family == "oracle":
+            return f"oracle:{self.k}"
+        if self.family == "eagle2":
+            return f"eagle2:{self.topk},{self.depth},{self.nodes}"
+        return f"{self.family}:{self.nodes}"
+
+    @property
+    def curve_key(self) -> str | None:
+        """The family name a tau(N) curve is filed under (None: the policy has no node budget)."""
+        if self.family in ("best-first", "sequoia"):
+            return self.family
+        if self.family == "eagle2":
+            return f"eagle2:{self.topk},{self.depth}"
+        if self.family == "chain":
+            return "chain"
+        return None
+
+    def with_nodes(self, n: int) -> "Policy":
+        return Policy(self.family, n, self.topk, self.depth, self.k, self.rank_accept)
+
+    def node_count(self, m: int) -> int | None:
+        if self.family == "chain":
+            return m if self.nodes is None else min(self.nodes, m)
+        if self.family == "oracle":
+            return None
+        return self.nodes
+
+    # ---- the work ----
+    def tau(self, step: StepView) -> int:
+        if self.family == "oracle":
+            return oracle_tau(step, self.k)
+        return accept_length(self.tree(step), step.target) + 1
+
+    def tree(self, step: StepView) -> Tree:
+        if self.family == "chain":
+            return chain_tree(step, self.nodes)
+        if self.family == "best-first":
+            return best_first_tree(step, self.nodes)
+        if self.family == "eagle2":
+            return eagle2_tree(step, self.topk, self.depth, self.nodes)
+        if self.family == "sequoia":
+            if self.rank_accept is None:
+                raise InputError("sequoia policy used before calibration (call Policy.calibrate)")
+            return sequoia_tree(step, sequoia_shape(self.rank_accept, self.nodes, step.m))
+        raise InputError(f"policy {self.spec} does not build a tree")
+
+    def calibrate(self, steps: Sequence[StepView]) -> None:
+        if self.family == "sequoia":
+            self.rank_accept = rank_acceptance(steps)
+
+
+def _int(text: str, what: str, spec: str, lo: int = 1, hi: int = MAX_NODES) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise InputError(f"policy {spec!r}: {what} must be an integer, got {text!r}") from None
+    if not lo <= v <= hi:
+        raise InputError(f"policy {spec!r}: {what} must be between {lo} and {hi}, got {v}")
+    return v
+
+
+def parse_policy(spec: str) -> Policy:
+    """``chain``, ``chain:N``, ``best-first:N``, ``eagle2:TOPK,DEPTH,N``, ``sequoia:N``, ``oracle:K``."""
+    text = spec.strip()
+    name, _, arg = text.partition(":")
+    name = name.strip().lower()
+    hint = "chain, chain:N, best-first:N, eagle2:TOPK,DEPTH,N, sequoia:N, oracle:K"
+    if name not in FAMILIES:
+        raise InputError(f"unknown policy {spec!r}; use one of {hint}")
+    if name == "chain":
+        return Policy("chain", _int(arg, "N", spec) if arg else None)
+    if not arg:
+        raise InputError(f"policy {spec!r} needs a parameter; use one of {hint}")
+    if name == "eagle2":
+        parts = arg.split(",")
+        if len(parts) != 3:
+            raise InputError(f"policy {spec!r}: eagle2 takes TOPK,DEPTH,N (e.g. eagle2:4,6,16)")
+        return Policy("eagle2", nodes=_int(parts[2], "N", spec), topk=_int(parts[0], "TOPK", spec),
+                      depth=_int(parts[1], "DEPTH", spec))
+    if name == "oracle":
+        return Policy("oracle", k=_int(arg, "K", spec))
+    return Policy(name, nodes=_int(arg, "N", spec))
+
+
+# --------------------------------------------------------------------------------------------
+# policies
+
+def chain_tree(step: StepView, n: int | None = None) -> Tree:
+    m = step.m if n is None else min(n, step.m)
+    return Tree(tokens=[int(step.tokens[d, 0]) for d in range(m)], parents=[d - 1 for d in range(m)],
+                depth=list(range(m)), cand=[0] * m,
+                score=list(np.cumsum([float(step.edge_scores(d, 0)[0]) for d in range(m)])))
+
+
+def oracle_tau(step: StepView, k: int) -> int:
+    accepted = 0
+    for d in range(step.m):
+        if int(step.target[d]) in set(map(int, step.tokens[d, :k])):
+            accepted += 1
+        else:
+            break
+    return accepted + 1
+
+
+def best_first_tree(step: StepView, n: int):
+    """The engine's best-first builder (``specpilot.kernels.tree.build_best_first``)."""
+    from specpilot.kernels.tree import build_best_first
+
+    return build_best_first(step.tokens, step.logprobs, step.transitions, n)
+
+
+def _order_key(score: float, depth: int, seq: int):
+    return (-score, depth, seq)
+
+
+def eagle2_tree(step: StepView, topk: int, depth: int, n: int) -> Tree:
+    """EAGLE-2's dynamic tree: per-depth beam of TOPK, then a global rerank to N nodes."""
+    depth = min(depth, step.m)
+    pool: list[tuple] = []  # (score, depth, seq, parent_pool_idx, cand)
+    seq = 0
+    # depth 0: the root's TOPK children
+    s0 = step.edge_scores(0, 0)
+    kk = min(topk, step.k)
+    beam = []
+    for j in _topk_idx(s0, kk):
+        pool.append((float(s0[j]), 0, seq, -1, int(j)))
+        beam.append(len(pool) - 1)
+        seq += 1
+    for d in range(1, depth):
+        cands = []
+        for b in beam:
+            ps, _, _, _, pc = pool[b]
+            es = step.edge_scores(d, pc)
+            for j in _topk_idx(es, kk):
+                cands.append((ps + float(es[j]), d, seq, b, int(j)))
+                seq += 1
+        pool.extend(cands)
+        base = len(pool) - len(cands)
+        order = sorted(range(len(cands)), key=lambda i: _order_key(cands[i][0], d, cands[i][2]))
+        beam = [base + i for i in order[:kk]]
+    keep = sorted(range(len(pool)), key=lambda i: _order_key(pool[i][0], pool[i][1], pool[i][2]))[:n]
+    return _compact(pool, keep, step)
+
+
+def _topk_idx(scores: np.ndarray, k: int) -> list[int]:
+    # stable: equal scores keep candidate order
+    order = np.argsort(-np.asarray(scores), kind="stable")[:k]
+    return [int(j) for j in order if np.isfinite(scores[j])]
+
+
+def _compact(pool, keep, step: StepView) -> Tree:
+    """Renumber the kept pool entries (parents first) into a Tree."""
+    keep_sorted = sorted(keep, key=lambda i: (pool[i][1], _order_key(pool[i][0], pool[i][1], pool[i][2])))
+    index = {}
+    tree = Tree([], [], [], [], [])
+    for i in keep_sorted:
+        score, d, _, parent, c = pool[i]
+        if parent != -1 and parent not in index:  # cannot happen: rerank keeps parents first
+            raise AssertionError("tree not prefix-closed")
+        index[i] = len(tree.tokens)
+        tree.tokens.append(int(step.tokens[d, c]))
+        tree.parents.append(-1 if parent == -1 else index[parent])
+        tree.depth.append(d)
+        tree.cand.append(c)
+        tree.score.append(score)
+    return tree
+
+
+def rank_acceptance(steps: Sequence[StepView]) -> np.ndarray:
+    """P(target's token has sibling rank r | its parent was accepted), r = 0..K-1, measured.
+
+    Walks each step's target path while it stays inside the lattice; at each reached position
+    records the rank of the target's token among the candidates ordered by the edge score under
+    the accepted parent (K means: not among the candidates).
+    """
+    if not steps:
+        raise InputError("sequoia: no lattice steps to measure acceptance by rank")
+    k = max(s.k for s in steps)
+    counts = np.zeros(k + 1)
+    for s in steps:
+        parent = 0
+        for d in range(s.m):
+            order = np.argsort(-s.edge_scores(d, parent), kind="stable")
+            ranked = s.tokens[d, order]
+            hit = np.nonzero(ranked == s.target[d])[0]
+            if hit.size == 0:
+                counts[k] += 1
+                break
+            counts[int(hit[0])] += 1
+            parent = int(order[hit[0]])
+    reached = counts.sum()
+    return counts[:k] / reached
+
+
+def sequoia_shape(rank_accept: np.ndarray, n: int, max_depth: int) -> list[tuple[int, ...]]:
+    """The N rank-paths with the highest product of acceptance-by-rank, best first.
+
+    Under Sequoia's position-independent model a node's value is the probability that it is
+    reached and accepted: the product of the acceptance probabilities of the ranks on its path.
+    That value never grows along a path, so the best-first fill over rank-paths is the optimal
+    size-N tree of depth <= ``max_depth``. Ranks never seen accepted get a tiny floor so the
+    budget is still spent (those nodes come last).
+    """
+    p = np.maximum(np.asarray(rank_accept, dtype=np.float64), 1e-12)
+    logp = np.log(p)
+    heap = [(-logp[r], 1, r, (r,)) for r in range(len(p))]
+    heapq.heapify(heap)
+    out: list[tuple[int, ...]] = []
+    while heap and len(out) < n:
+        negs, d, _, path = heapq.heappop(heap)
+        out.append(path)
+        if d < max_depth:
+            for r in range(len(p)):
+                heapq.heappush(heap, (negs - logp[r], d + 1, r, path + (r,)))
+    return out
+
+
+def sequoia_tree(step: StepView, shape: list[tuple[int, ...]]) -> Tree:
+    index: dict[tuple[int, ...], int] = {}
+    tree = Tree([], [], [], [], [])
+    for path in sorted(shape, key=len):
+        d = len(path) - 1
+        if d >= step.m or path[-1] >= step.k:
+            continue
+        parent = index.get(path[:-1], -1) if d else -1
+        if d and path[:-1] not in index:
+            continue
+        pc = tree.cand[parent] if parent >= 0 else 0
+        es = step.edge_scores(d, pc)
+        c = int(np.argsort(-es, kind="stable")[path[-1]])
+        index[path] = len(tree.tokens)
+        tree.tokens.append(int(step.tokens[d, c]))
+        tree.parents.append(parent)
+        tree.depth.append(d)
+        tree.cand.append(c)
+        tree.score.append((tree.score[parent] if parent >= 0 else 0.0) + float(es[c]))
+    return tree
+
+
+def tree_is_prefix_closed(tree) -> bool:
+    pars = list(map(int, tree.parents))
+    depth = list(map(int, tree.depth))
+    for i, p in enumerate(pars):
+        if p == -1:
+            if depth[i] != 0:
+                return False
+        elif not (0 <= p < i and depth[p] == depth[i] - 1):
+            return False
+    return True
+

@@ -1,0 +1,320 @@
+"""Exact tau replay: how many tokens each draft-tree policy would accept on recorded lattices.
+
+A lattice file (JSONL, ``specpilot.lattice/1``, one row per verification step) records what the
+drafter proposed and what the target finally committed. Because greedy verification is exact,
+replaying a policy over those rows gives the tau the policy would have had, with no GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+
+from specpilot.errors import InputError
+from specpilot.fileio import iter_jsonl
+
+from .policies import Policy, StepView, parse_policy
+
+LATTICE_KIND = "lattice"
+REPLAY_SCHEMA = "specpilot.replay/1"
+_KEYS = ("request", "step", "tokens", "logprobs", "transitions", "target")
+
+
+@dataclass
+class LatticeStep(StepView):
+    request: object = None
+    step: int = 0
+
+
+@dataclass
+class Lattice:
+    path: str
+    steps: list[LatticeStep]
+
+    @property
+    def requests(self) -> list:
+        seen = {}
+        for s in self.steps:
+            seen.setdefault(_req_key(s.request), None)
+        return list(seen)
+
+    @property
+    def m(self) -> int:
+        return max(s.m for s in self.steps)
+
+    @property
+    def k(self) -> int:
+        return max(s.k for s in self.steps)
+
+    @property
+    def has_transitions(self) -> bool:
+        return any(s.transitions is not None for s in self.steps)
+
+
+def _req_key(r):
+    return r if isinstance(r, (int, str)) else str(r)
+
+
+def _matrix(v, where: str, name: str, dtype, shape=None) -> np.ndarray:
+    if not isinstance(v, list) or not v or not all(isinstance(r, list) for r in v):
+        raise InputError(f"{where}: \"{name}\" must be a non-empty list of lists")
+    widths = {len(r) for r in v}
+    if len(widths) != 1 or 0 in widths:
+        raise InputError(f"{where}: \"{name}\" rows must all have the same non-zero length")
+    try:
+        a = np.array(v, dtype=dtype)
+    except (TypeError, ValueError, OverflowError):
+        raise InputError(f"{where}: \"{name}\" must hold numbers") from None
+    if a.ndim != 2:
+        raise InputError(f"{where}: \"{name}\" must be [m][K]")
+    if shape is not None and a.shape != shape:
+        raise InputError(f"{where}: \"{name}\" is {list(a.shape)}, expected {list(shape)} like \"tokens\"")
+    return a
+
+
+def _ints(v, name, where):
+    if any(isinstance(x, bool) or not isinstance(x, int) for x in v):
+        raise InputError(f"{where}: \"{name}\" must hold integer token ids")
+
+
+def parse_row(row: dict, where: str) -> LatticeStep:
+    """Validate one ``specpilot.lattice/1`` row (``where`` = ``file:line``) into a LatticeStep."""
+    missing = [k for k in _KEYS if k not in row]
+    if missing:
+        raise InputError(f"{where}: missing {', '.join(repr(k) for k in missing)} (lattice rows need "
+                         f"{', '.join(_KEYS)})")
+    step = row["step"]
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise InputError(f"{where}: \"step\" must be a non-negative integer")
+    req = row["request"]
+    if not isinstance(req, (int, str)) or isinstance(req, bool):
+        raise InputError(f"{where}: \"request\" must be an integer or a string")
+    raw_tokens = row["tokens"]
+    tokens = _matrix(raw_tokens, where, "tokens", np.float64)
+    for r in raw_tokens:
+        _ints(r, "tokens", where)
+    tokens = tokens.astype(np.int64)
+    m, k = tokens.shape
+    for i in range(m):
+        if len(set(tokens[i].tolist())) != k:
+            raise InputError(f"{where}: \"tokens\"[{i}] repeats a token; candidates must be distinct")
+    logprobs = _matrix(row["logprobs"], where, "logprobs", np.float64, (m, k))
+    _check_scores(logprobs, where, "logprobs")
+    trans = row["transitions"]
+    if trans is not None:
+        try:
+            t = np.array(trans, dtype=np.float64)
+        except (TypeError, ValueError):
+            raise InputError(f"{where}: \"transitions\" must be null or [m-1][K][K] numbers") from None
+        if t.shape != (m - 1, k, k) and not (m == 1 and t.size == 0):
+            raise InputError(f"{where}: \"transitions\" is {list(t.shape)}, expected {[m - 1, k, k]} "
+                             "(null when the drafter has no parent conditioning)")
+        _check_scores(t, where, "transitions")
+        trans = t.reshape(max(m - 1, 0), k, k)
+    target = row["target"]
+    if not isinstance(target, list):
+        raise InputError(f"{where}: \"target\" must be a list of token ids")
+    _ints(target, "target", where)
+    if len(target) < m + 1:
+        raise InputError(f"{where}: \"target\" has {len(target)} tokens, needs at least m+1 = {m + 1}")
+    return LatticeStep(tokens=tokens, logprobs=logprobs, transitions=trans,
+                       target=np.array(target, dtype=np.int64), request=req, step=step)
+
+
+def _check_scores(a: np.ndarray, where: str, name: str) -> None:
+    if np.isnan(a).any() or np.isposinf(a).any():
+        raise InputError(f"{where}: \"{name}\" holds NaN or +inf")
+    if (a > 1e-6).any():
+        raise InputError(f"{where}: \"{name}\" holds positive values; scores are log-probabilities (<= 0)")
+
+
+def read_lattice(path) -> Lattice:
+    """Read and validate a lattice JSONL file; every error names ``file:line``."""
+    steps = []
+    p = Path(path)
+    if not p.is_file():
+        raise InputError(f"{p}: no such file")
+    # iter_jsonl checks the schema of every row and reports file:line for JSON errors
+    for lineno, row in _numbered(iter_jsonl(p, LATTICE_KIND), p):
+        steps.append(parse_row(row, f"{p}:{lineno}"))
+    if not steps:
+        raise InputError(f"{p}: no lattice rows")
+    seen = set()
+    for s in steps:
+        key = (_req_key(s.request), s.step)
+        if key in seen:
+            raise InputError(f"{p}: request {s.request!r} step {s.step} appears twice")
+        seen.add(key)
+    return Lattice(str(p), steps)
+
+
+def _numbered(rows: Iterable[dict], path: Path):
+    """Pair rows from iter_jsonl with their line numbers (iter_jsonl skips blank lines)."""
+    import gzip
+
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as fh:
+        numbers = [i for i, line in enumerate(fh, 1) if line.strip()]
+    for n, row in zip(numbers, rows):
+        yield n, row
+
+
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class PolicyResult:
+    policy: str
+    nodes: int | None
+    tau: float
+    tau_ci: tuple[float, float]
+    accepted_hist: list[int] = field(default_factory=list)  # steps by tau value 1..m+1
+
+
+@dataclass
+class ReplayResult:
+    lattice: str
+    steps: int
+    requests: int
+    m: int
+    k: int
+    transitions: bool
+    policies: list[PolicyResult]
+    curves: dict[str, dict[str, float]] | None = None
+    rank_accept: list[float] | None = None
+
+    def to_json(self) -> dict:
+        d = {"schema": REPLAY_SCHEMA, "lattice": self.lattice, "steps": self.steps,
+             "requests": self.requests, "positions": self.m, "candidates": self.k,
+             "transitions": self.transitions,
+             "policies": [{"policy": p.policy, "nodes": p.nodes, "tau": p.tau, "tau_ci": list(p.tau_ci),
+                           "tau_hist": p.accepted_hist} for p in self.policies]}
+        if self.curves is not None:
+            d["curves"] = self.curves
+        if self.rank_accept is not None:
+            d["sequoia_rank_acceptance"] = self.rank_accept
+        return d
+
+
+def bootstrap_mean_ci(values: np.ndarray, groups: np.ndarray, n_boot: int = 1000, seed: int = 0,
+                      level: float = 0.95) -> tuple[float, float]:
+    """Percentile CI of the mean of ``values``, resampling whole groups (requests), not steps."""
+    uniq, inv = np.unique(groups, return_inverse=True)
+    g = len(uniq)
+    sums = np.bincount(inv, weights=values, minlength=g)
+    cnts = np.bincount(inv, minlength=g).astype(np.float64)
+    if g < 2:
+        m = float(values.mean())
+        return (m, m)
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, g, size=(n_boot, g))
+    means = sums[idx].sum(1) / cnts[idx].sum(1)
+    a = (1 - level) / 2
+    lo, hi = np.quantile(means, [a, 1 - a])
+    return (float(lo), float(hi))
+
+
+def policy_taus(policy: Policy, steps: Sequence[StepView]) -> np.ndarray:
+    return np.array([policy.tau(s) for s in steps], dtype=np.float64)
+
+
+def replay(lattice: Lattice, policies: Sequence[Policy | str], nodes: Sequence[int] | None = None,
+           n_boot: int = 1000, seed: int = 0, calibration: Lattice | None = None,
+           tick: Callable[[], None] | None = None) -> ReplayResult:
+    """tau per policy (mean over steps, 95% CI resampling requests), and tau(N) curves."""
+    pols = [parse_policy(p) if isinstance(p, str) else p for p in policies]
+    if not pols:
+        raise InputError("give at least one --policy")
+    for p in pols:
+        if p.family == "oracle" and p.k > lattice.k:
+            raise InputError(f"policy {p.spec}: the lattice has only K = {lattice.k} candidates per position")
+    calib_steps = (calibration or lattice).steps
+    for p in pols:
+        p.calibrate(calib_steps)
+    ids: dict = {}
+    groups = np.array([ids.setdefault(_req_key(s.request), len(ids)) for s in lattice.steps])
+    m = lattice.m
+
+    def run(p: Policy) -> PolicyResult:
+        taus = []
+        for s in lattice.steps:
+            taus.append(p.tau(s))
+            if tick:
+                tick()
+        t = np.array(taus, dtype=np.float64)
+        hist = np.bincount(t.astype(int), minlength=m + 2)[1:m + 2].tolist()
+        return PolicyResult(p.spec, p.node_count(m), float(t.mean()),
+                            bootstrap_mean_ci(t, groups, n_boot, seed), hist)
+
+    results = [run(p) for p in pols]
+    curves = None
+    if nodes:
+        curves = {}
+        for p in pols:
+            key = p.curve_key
+            if key is None or key in curves:
+                continue
+            curves[key] = {}
+            for n in nodes:
+                q = p.with_nodes(n)
+                curves[key][str(n)] = run(q).tau
+    rank = None
+    if any(p.family == "sequoia" for p in pols):
+        rank = [float(x) for x in next(p for p in pols if p.family == "sequoia").rank_accept]
+    return ReplayResult(lattice.path, len(lattice.steps), len(lattice.requests), m, lattice.k,
+                        lattice.has_transitions, results, curves, rank)
+
+
+def default_policies(lattice: Lattice) -> list[str]:
+    return ["chain", "best-first:32", f"oracle:{lattice.k}"]
+
+
+def parse_nodes(text: str | None) -> list[int] | None:
+    if not text:
+        return None
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        try:
+            n = int(part)
+        except ValueError:
+            raise InputError(f"--nodes: {part!r} is not an integer (e.g. --nodes 8,16,32,63)") from None
+        if not 1 <= n <= 4096:
+            raise InputError(f"--nodes: {n} out of range 1..4096")
+        out.append(n)
+    return sorted(set(out))
+
+
+def total_work(lattice: Lattice, policies: Sequence[Policy], nodes: Sequence[int] | None) -> int:
+    n_curves = len({p.curve_key for p in policies if p.curve_key}) * len(nodes or [])
+    return len(lattice.steps) * (len(policies) + n_curves)
+
+
+
+def synthetic_rows(requests: int = 4, steps: int = 10, m: int = 8, k: int = 8, transitions: bool = False,
+                   seed: int = 0, hit: float = 0.8, rank_p: float = 0.5) -> list[dict]:
+    """Random ``specpilot.lattice/1`` rows for tests and demos (not measurements).
+
+    At each position the target's token is, with probability ``hit``, the candidate of geometric
+    rank (parameter ``rank_p``) under the drafter's ordering, otherwise a token outside the lattice.
+    """
+    rng = np.random.default_rng(seed)
+    rows = []
+    for r in range(requests):
+        for st in range(steps):
+            toks = np.stack([rng.choice(50000, size=k, replace=False) for _ in range(m)])
+            lp = np.sort(np.log(rng.dirichlet(np.full(k, 0.5), size=m) + 1e-30), axis=1)[:, ::-1]
+            tr = np.log(rng.dirichlet(np.full(k, 0.5), size=(m - 1, k)) + 1e-30) if transitions else None
+            target = []
+            for d in range(m + 1):
+                if d < m and rng.random() < hit:
+                    j = min(int(rng.geometric(rank_p)) - 1, k - 1)
+                    target.append(int(toks[d, j]))
+                else:
+                    target.append(int(rng.integers(50000, 60000)))
+            rows.append({"schema": "specpilot.lattice/1", "request": r, "step": st, "tokens": toks.tolist(),
+                         "logprobs": lp.tolist(), "transitions": None if tr is None else tr.tolist(),
+                         "target": target})
+    return rows

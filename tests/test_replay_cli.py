@@ -1,0 +1,150 @@
+"""``specpilot replay`` through the CLI: real files, JSON contract, curves, bad input."""
+
+import json
+
+import numpy as np
+import pytest
+
+from specpilot.auditors.replay import bootstrap_mean_ci, read_lattice, replay, synthetic_rows
+
+
+def write(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+HAND = {"schema": "specpilot.lattice/1", "request": 0, "step": 0,
+        "tokens": [[10, 11, 12], [20, 21, 22], [30, 31, 32]],
+        "logprobs": np.log([[.6, .3, .1], [.55, .35, .1], [.7, .2, .1]]).tolist(),
+        "transitions": None, "target": [11, 21, 30, 99]}
+
+
+def test_hand_lattice_json(tmp_path, run_cli):
+    rows = [dict(HAND, request=r, step=s) for r in range(2) for s in range(2)]
+    lat = write(tmp_path / "l.jsonl", rows)
+    code, out, err = run_cli("replay", lat, "--policy", "chain", "--policy", "best-first:11",
+                             "--policy", "oracle:2", "--policy", "eagle2:2,3,10", "--format", "json")
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["schema"] == "specpilot.replay/1" and d["steps"] == 4 and d["requests"] == 2
+    got = {p["policy"]: p["tau"] for p in d["policies"]}
+    assert got == {"chain": 1.0, "best-first:11": 4.0, "oracle:2": 4.0, "eagle2:2,3,10": 3.0}
+    bf = d["policies"][1]
+    assert bf["nodes"] == 11 and bf["tau_ci"] == [4.0, 4.0]
+    assert "curves" not in d
+
+
+def test_curves_and_out_file(tmp_path, run_cli):
+    lat = write(tmp_path / "l.jsonl", synthetic_rows(requests=3, steps=5, m=6, k=4, seed=1))
+    out = tmp_path / "r.json"
+    code, _, err = run_cli("replay", lat, "--policy", "best-first:8", "--policy", "sequoia:8",
+                           "--policy", "oracle:4", "--nodes", "16,4,8", "--out", out, "--format", "json")
+    assert code == 0, err
+    d = json.loads(out.read_text())
+    assert set(d["curves"]) == {"best-first", "sequoia"}
+    c = d["curves"]["best-first"]
+    assert list(c) == ["4", "8", "16"] and c["4"] <= c["8"] <= c["16"]
+    assert c["8"] == d["policies"][0]["tau"]
+    assert all(p["tau_ci"][0] <= p["tau"] <= p["tau_ci"][1] for p in d["policies"])
+    assert "sequoia_rank_acceptance" in d
+
+
+def test_default_policies_table(tmp_path, run_cli):
+    lat = write(tmp_path / "l.jsonl", synthetic_rows(requests=2, steps=3, m=4, k=4, transitions=True))
+    code, out, _ = run_cli("replay", lat)
+    assert code == 0
+    assert "chain" in out and "best-first:32" in out and "oracle:4" in out and "parent-conditioned" in out
+
+
+def test_gzip_input(tmp_path, run_cli):
+    import gzip
+
+    p = tmp_path / "l.jsonl.gz"
+    with gzip.open(p, "wt") as fh:
+        for r in synthetic_rows(requests=2, steps=2, m=3, k=3):
+            fh.write(json.dumps(r) + "\n")
+    assert run_cli("replay", p, "--policy", "chain")[0] == 0
+
+
+def bad(field, value):
+    r = dict(HAND)
+    if value is KeyError:
+        del r[field]
+    else:
+        r[field] = value
+    return r
+
+
+@pytest.mark.parametrize("row,msg", [
+    (bad("target", [11, 21, 30]), "needs at least m+1"),
+    (bad("logprobs", [[0.5, -1, -2], [-1, -1, -1], [-1, -1, -1]]), "positive"),
+    (bad("logprobs", [[-1, -1], [-1, -1], [-1, -1]]), "expected [3, 3]"),
+    (bad("tokens", [[1, 1, 2], [3, 4, 5], [6, 7, 8]]), "repeats"),
+    (bad("tokens", [[1.5, 2, 3], [3, 4, 5], [6, 7, 8]]), "integer"),
+    (bad("tokens", [[1, 2], [3, 4, 5], [6, 7, 8]]), "same non-zero length"),
+    (bad("transitions", [[[-1.0] * 3] * 3]), "expected [2, 3, 3]"),
+    (bad("target", KeyError), "missing 'target'"),
+    (bad("schema", "specpilot.lattice/9"), "unknown schema"),
+    (bad("step", -1), "non-negative"),
+    (bad("logprobs", [[float("nan"), -1, -1], [-1, -1, -1], [-1, -1, -1]]), "NaN"),
+])
+def test_malformed_rows_name_file_and_line(tmp_path, run_cli, row, msg):
+    lat = tmp_path / "l.jsonl"
+    lat.write_text(json.dumps(HAND) + "\n\n" + json.dumps(row).replace("NaN", "NaN") + "\n")
+    out = tmp_path / "o.json"
+    code, stdout, err = run_cli("replay", lat, "--out", out)
+    assert code == 2
+    assert err.startswith("specpilot: error: ") and err.count("\n") == 1
+    assert f"{lat}:3" in err and msg in err
+    assert not out.exists() and stdout == ""
+
+
+def test_bad_json_line_and_missing_file(tmp_path, run_cli):
+    lat = tmp_path / "l.jsonl"
+    lat.write_text(json.dumps(HAND) + "\n{not json\n")
+    code, _, err = run_cli("replay", lat)
+    assert code == 2 and f"{lat}:2" in err
+    code, _, err = run_cli("replay", tmp_path / "nope.jsonl")
+    assert code == 2 and "no such file" in err
+    empty = tmp_path / "e.jsonl"
+    empty.write_text("\n")
+    assert run_cli("replay", empty)[0] == 2
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--policy", "beam:4"], "unknown policy"),
+    (["--policy", "oracle:9"], "only K = 3"),
+    (["--nodes", "8,x"], "--nodes"),
+    (["--policy", "eagle2:4,4"], "TOPK,DEPTH,N"),
+])
+def test_bad_options(tmp_path, run_cli, args, msg):
+    lat = write(tmp_path / "l.jsonl", [HAND])
+    code, _, err = run_cli("replay", lat, *args)
+    assert code == 2 and msg in err, err
+
+
+def test_duplicate_step_and_overwrite_input(tmp_path, run_cli):
+    lat = write(tmp_path / "l.jsonl", [HAND, HAND])
+    code, _, err = run_cli("replay", lat)
+    assert code == 2 and "appears twice" in err
+    lat = write(tmp_path / "l.jsonl", [HAND])
+    code, _, err = run_cli("replay", lat, "--out", lat)
+    assert code == 2 and "refusing to overwrite" in err
+    assert json.loads(lat.read_text().splitlines()[0])["schema"] == "specpilot.lattice/1"
+
+
+def test_bootstrap_resamples_requests():
+    # two requests with very different tau: the CI must be wide; one request: degenerate
+    vals = np.array([1.0] * 50 + [5.0] * 50)
+    groups = np.array([0] * 50 + [1] * 50)
+    lo, hi = bootstrap_mean_ci(vals, groups, 2000, 0)
+    assert lo <= 1.5 and hi >= 4.5
+    assert bootstrap_mean_ci(vals[:50], groups[:50]) == (1.0, 1.0)
+
+
+def test_library_replay_matches_cli_numbers(tmp_path):
+    lat = write(tmp_path / "l.jsonl", synthetic_rows(requests=2, steps=4, m=5, k=4, seed=3))
+    res = replay(read_lattice(lat), ["chain", "oracle:4"], nodes=[2, 4])
+    assert res.policies[0].tau <= res.policies[1].tau
+    assert res.curves == {"chain": {"2": replay(read_lattice(lat), ["chain:2"]).policies[0].tau,
+                                    "4": replay(read_lattice(lat), ["chain:4"]).policies[0].tau}}
