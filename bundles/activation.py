@@ -1,0 +1,280 @@
+"""``apply`` / ``revert`` / ``status``: the activation file inside a target environment.
+
+``apply`` never edits SGLang's files. It writes one file, ``<site-packages>/specpilot_activation.json``
+(schema ``specpilot.activation/1``), atomically: a temporary file in the same folder, fsync, rename.
+A kill at any point leaves the old activation (or none) or the new one; a leftover temporary file
+is swept by the next apply/revert/status. SpecPilot's SGLang plugin (entry point ``specpilot`` in
+group ``sglang.srt.plugins``) reads that file in every SGLang process and installs only the hooks
+it lists. ``revert`` removes the file, so the environment's files are byte-identical to before.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from specpilot import __version__
+from specpilot.errors import EnvironmentMissing, InputError
+from specpilot.fileio import atomic_open, check_schema
+
+from . import memory as mem
+from .inspect_sglang import TargetCheck, check_targets
+from .sglang_env import SUPPORTED_SGLANG, TargetEnv, probe
+
+ACTIVATION_NAME = "specpilot_activation.json"
+ACTIVATION_SCHEMA = "specpilot.activation/1"
+ENTRY_POINT = "specpilot.bundles.plugin:register"
+PLUGIN_NAME = "specpilot"
+
+
+def activation_path(purelib: str | Path) -> Path:
+    return Path(purelib) / ACTIVATION_NAME
+
+
+def sweep_partial(purelib: str | Path) -> list[str]:
+    """Remove temporary files an interrupted apply left behind."""
+    removed = []
+    for p in Path(purelib).glob(f".{ACTIVATION_NAME}.*.part"):
+        try:
+            p.unlink()
+            removed.append(str(p))
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def read_activation(path: Path) -> dict | None:
+    if not path.is_file():
+        return None
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"{path}: not valid JSON ({e}); run 'specpilot revert' to remove it") from None
+    check_schema(obj, "activation", str(path))
+    return obj
+
+
+def parse_bundle_list(text: str) -> list[str]:
+    names = [n.strip() for n in str(text).split(",") if n.strip()]
+    if not names:
+        raise InputError("name at least one bundle, e.g. 'specpilot apply w12,tree'")
+    return list(dict.fromkeys(names))
+
+
+def parse_settings(pairs, entries: dict[str, mem.Entry], ids: list[str]) -> dict[str, Any]:
+    """``--set name=value`` over the variant registries of ``ids``; checked against ranges."""
+    import yaml
+
+    registry: dict[str, tuple[str, mem.Variant]] = {}
+    for i in ids:
+        for v in entries[i].variants:
+            registry[v.name] = (i, v)
+    values = {name: v.default for name, (_, v) in registry.items()}
+    for pair in pairs or ():
+        if "=" not in pair:
+            raise InputError(f"--set {pair}: expected NAME=VALUE")
+        name, raw = pair.split("=", 1)
+        name = name.strip()
+        if name not in registry:
+            known = ", ".join(sorted(registry)) or "none"
+            raise InputError(f"--set {name}: not a variant of the applied bundles (known: {known})")
+        owner, var = registry[name]
+        value = yaml.safe_load(raw)
+        if var.choices is not None and value not in var.choices:
+            raise InputError(f"--set {name}={raw}: must be one of {var.choices} ({owner})")
+        if var.range is not None:
+            lo, hi = var.range
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not (lo <= value <= hi):
+                raise InputError(f"--set {name}={raw}: must be a number in [{lo}, {hi}] ({owner})")
+            if isinstance(var.default, int) and not isinstance(value, int):
+                raise InputError(f"--set {name}={raw}: must be an integer ({owner})")
+        values[name] = value
+    return values
+
+
+@dataclass
+class ApplyResult:
+    activation: dict
+    path: str
+    env: TargetEnv
+    checks: list[TargetCheck]
+    previous: list[str] | None
+    launch: str
+    swept: list[str] = field(default_factory=list)
+    dry_run: bool = False
+
+
+@dataclass
+class RevertResult:
+    path: str
+    removed: list[str] | None  # the bundles that were active, None when nothing was
+    swept: list[str]
+
+
+@dataclass
+class StatusResult:
+    path: str
+    env: TargetEnv
+    activation: dict | None
+    checks: list[TargetCheck]
+    problems: list[str]
+    swept: list[str]
+
+    @property
+    def matches(self) -> bool:
+        return self.activation is None or not self.problems
+
+
+def _require_sglang(env: TargetEnv) -> None:
+    if env.sglang_package is None:
+        raise EnvironmentMissing(f"SGLang is not installed for {env.executable}; install sglang=="
+                                 f"{SUPPORTED_SGLANG[-1]} there or pass --python /path/to/env/bin/python")
+
+
+def _require_specpilot(env: TargetEnv) -> None:
+    fix = f"run '{env.executable} -m pip install specpilot' (or 'pip install -e' of this checkout) there"
+    if env.specpilot_version is None:
+        raise EnvironmentMissing(f"SpecPilot is not installed in {env.prefix}, so SGLang cannot load its plugin; {fix}")
+    ep = (env.specpilot_entry_point or {}).get(PLUGIN_NAME)
+    if ep != ENTRY_POINT:
+        raise EnvironmentMissing(f"SpecPilot in {env.prefix} does not declare the SGLang plugin entry point "
+                                 f"({PLUGIN_NAME} = {ENTRY_POINT}); {fix}")
+
+
+def launch_command(entries: dict[str, mem.Entry], ids: list[str], settings: dict, python: str) -> str:
+    env = {"SGLANG_PLUGINS": PLUGIN_NAME}
+    args: list[str] = []
+    for i in ids:
+        launch = entries[i].launch
+        for k, v in (launch.get("env") or {}).items():
+            env[k] = str(v).format(**settings)
+        for a in launch.get("args") or []:
+            args.append(str(a).format(**settings))
+    head = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+    tail = " ".join(shlex.quote(a) if "{" not in a else a for a in args)
+    return f"{head} {shlex.quote(python)} -m sglang.launch_server --model-path MODEL {tail}".rstrip()
+
+
+def apply(bundles: str, python: str | None = None, force: bool = False, experimental: bool = False,
+          settings=(), dry_run: bool = False, memory_dir=None) -> ApplyResult:
+    entries = mem.load_memory(memory_dir)
+    asked = parse_bundle_list(bundles)
+    for name in asked:
+        mem.get_entry(entries, name)
+    ids = mem.closure(entries, asked)
+    unwired = [i for i in ids if entries[i].status == "library"]
+    if unwired:
+        raise InputError(f"{', '.join(unwired)}: not wired into SGLang yet (status library; see "
+                         f"'specpilot memory show {unwired[0]}'), so there is nothing to apply")
+    risky = [i for i in ids if entries[i].status == "experimental"]
+    if risky and not experimental:
+        raise InputError(f"{', '.join(risky)} {'is' if len(risky) == 1 else 'are'} experimental "
+                         f"(see 'specpilot memory show {risky[0]}'); pass --experimental to apply anyway")
+    values = parse_settings(settings, entries, ids)
+    state = mem.compose(entries, ids)
+
+    env = probe(python)
+    _require_sglang(env)
+    checked = sorted({v for i in ids for v in entries[i].sglang_checked})
+    if not env.supported or env.sglang_version not in checked:
+        if not force:
+            raise EnvironmentMissing(
+                f"SGLang {env.sglang_version or '(unknown version)'} in {env.prefix} is not supported; "
+                f"the bundles were checked against {', '.join(checked) or 'no version'} "
+                "(--force applies anyway, after the static target check)")
+    hooks = mem.hooks_of(entries, ids)
+    symbols = [s for i in ids for s in entries[i].symbols]
+    checks = check_targets(env.sglang_root, hooks, symbols)
+    bad = [c for c in checks if not c.ok]
+    if bad:
+        first = bad[0]
+        raise EnvironmentMissing(f"SGLang {env.sglang_version} in {env.prefix}: {len(bad)} hook target(s) do not "
+                                 f"match: {first.target}: {first.problem}; nothing was applied")
+    _require_specpilot(env)
+
+    path = activation_path(env.purelib)
+    swept = [] if dry_run else sweep_partial(env.purelib)
+    previous = read_activation(path)
+    launch = launch_command(entries, ids, values, env.executable)
+    activation = {
+        "schema": ACTIVATION_SCHEMA,
+        "bundles": asked,
+        "closure": ids,
+        "settings": values,
+        "sglang": {"version": env.sglang_version, "package": env.sglang_package, "forced": bool(force and not (
+            env.supported and env.sglang_version in checked))},
+        "hooks": [{"target": h.target, "type": h.type, "handler": h.handler} for h in hooks],
+        "setup": [entries[i].setup for i in ids if entries[i].setup],
+        "quantization": state.quantization,
+        "fingerprints": state.fingerprints,
+        "targets": {c.target: c.file_sha256 for c in checks},
+        "specpilot_version": __version__,
+        "applied_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "launch": launch,
+    }
+    if not dry_run:
+        if not os.access(env.purelib, os.W_OK):
+            raise EnvironmentMissing(f"{env.purelib} is not writable; run as the environment's owner")
+        with atomic_open(path, "w") as fh:
+            fh.write(json.dumps(activation, indent=2) + "\n")
+    return ApplyResult(activation=activation, path=str(path), env=env, checks=checks,
+                       previous=previous and previous.get("bundles"), launch=launch, swept=swept, dry_run=dry_run)
+
+
+def revert(python: str | None = None) -> RevertResult:
+    env = probe(python)
+    path = activation_path(env.purelib)
+    swept = sweep_partial(env.purelib)
+    removed = None
+    if path.exists():
+        try:
+            removed = (read_activation(path) or {}).get("bundles")
+        except InputError:
+            removed = ["(unreadable activation)"]
+        path.unlink()
+    return RevertResult(path=str(path), removed=removed, swept=swept)
+
+
+def status(python: str | None = None, memory_dir=None) -> StatusResult:
+    env = probe(python)
+    path = activation_path(env.purelib)
+    swept = sweep_partial(env.purelib)
+    act = read_activation(path)
+    problems: list[str] = []
+    checks: list[TargetCheck] = []
+    if act is None:
+        return StatusResult(path=str(path), env=env, activation=None, checks=[], problems=[], swept=swept)
+    recorded = act.get("sglang", {}).get("version")
+    if env.sglang_package is None:
+        problems.append("SGLang is no longer installed")
+    else:
+        if env.sglang_version != recorded:
+            problems.append(f"SGLang is {env.sglang_version}, the activation was applied to {recorded}")
+        entries = mem.load_memory(memory_dir)
+        unknown = [i for i in act.get("closure", []) if i not in entries]
+        if unknown:
+            problems.append(f"this SpecPilot does not know bundle(s) {', '.join(unknown)}")
+        else:
+            hooks = mem.hooks_of(entries, act["closure"])
+            symbols = [s for i in act["closure"] for s in entries[i].symbols]
+            checks = check_targets(env.sglang_root, hooks, symbols)
+            for c in checks:
+                if not c.ok:
+                    problems.append(f"{c.target}: {c.problem}")
+                elif act.get("targets", {}).get(c.target) not in (None, c.file_sha256):
+                    problems.append(f"{c.target}: {Path(c.file).name} changed since apply")
+            now = mem.compose(entries, act["closure"])
+            listed = sorted(f"{h['type']} {h['target']} <- {h['handler']}" for h in act.get("hooks", []))
+            if listed != now.hooks:
+                problems.append("the bundles' hook set changed since apply (SpecPilot was updated); apply again")
+            for m, fp in act.get("fingerprints", {}).items():
+                if now.fingerprints.get(m) != fp:
+                    problems.append(f"bundle module {m} changed since apply; apply again")
+    if env.specpilot_version is None:
+        problems.append("SpecPilot is no longer installed there: SGLang will not load the plugin")
+    return StatusResult(path=str(path), env=env, activation=act, checks=checks, problems=problems, swept=swept)

@@ -1,0 +1,188 @@
+"""Static inspection of an installed SGLang: do the hook targets exist with the signatures the
+bundles rely on? Reads the installed source files with ``ast``; imports nothing from SGLang (so it
+needs neither torch nor a GPU, and works on an environment SpecPilot does not run in).
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from .memory import Hook, Symbol
+
+
+@dataclass
+class TargetCheck:
+    target: str
+    kind: str              # hook type, or "symbol"
+    ok: bool
+    found: str | None      # what was found: "function", "method", "class", "name"
+    signature: str | None  # the installed signature, rendered
+    expected: str | None
+    file: str | None
+    file_sha256: str | None
+    problem: str | None = None
+
+
+def render_params(params) -> str:
+    return "(" + ", ".join(params) + ")"
+
+
+def _signature(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> list[tuple[str, bool]]:
+    """[(token, has_default)]: names, '/' after positional-only, '*' before keyword-only,
+    '*args' and '**kwargs' spelled as such."""
+    a = fn.args
+    out: list[tuple[str, bool]] = []
+    positional = list(a.posonlyargs) + list(a.args)
+    defaults_from = len(positional) - len(a.defaults)
+    for i, arg in enumerate(positional):
+        out.append((arg.arg, i >= defaults_from))
+        if a.posonlyargs and i == len(a.posonlyargs) - 1:
+            out.append(("/", True))
+    if a.vararg is not None:
+        out.append(("*" + a.vararg.arg, True))
+    elif a.kwonlyargs:
+        out.append(("*", True))
+    for arg, default in zip(a.kwonlyargs, a.kw_defaults):
+        out.append((arg.arg, default is not None))
+    if a.kwarg is not None:
+        out.append(("**" + a.kwarg.arg, True))
+    return out
+
+
+def params_compatible(actual: list[tuple[str, bool]], expected: tuple[str, ...], match: str) -> bool:
+    names = [n for n, _ in actual]
+    if match == "exact":
+        return names == list(expected)
+    if names[: len(expected)] != list(expected):
+        return False
+    return all(has_default for _, has_default in actual[len(expected):])
+
+
+class SGLangSource:
+    """The installed ``sglang`` package under ``root`` (the folder holding ``sglang/``)."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        self._trees: dict[Path, ast.Module] = {}
+
+    def module_path(self, dotted: str) -> Path | None:
+        rel = Path(*dotted.split("."))
+        for cand in (self.root / rel.with_suffix(".py"), self.root / rel / "__init__.py"):
+            if cand.is_file():
+                return cand
+        return None
+
+    def tree(self, path: Path) -> ast.Module:
+        if path not in self._trees:
+            self._trees[path] = ast.parse(path.read_bytes(), filename=str(path))
+        return self._trees[path]
+
+    def split(self, target: str) -> tuple[str, Path, list[str]] | None:
+        """Longest module prefix of ``target`` that is an installed file, and the attribute path."""
+        parts = target.split(".")
+        for i in range(len(parts), 0, -1):
+            path = self.module_path(".".join(parts[:i]))
+            if path is not None:
+                return ".".join(parts[:i]), path, parts[i:]
+        return None
+
+    @staticmethod
+    def _find(body, name):
+        found = None
+        for node in body:  # the last binding wins, as at import time
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
+                found = node
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+                    found = node
+            elif isinstance(node, (ast.ImportFrom, ast.Import)):
+                if any((al.asname or al.name.split(".")[0]) == name for al in node.names):
+                    found = node
+            elif isinstance(node, (ast.If, ast.Try)):
+                inner = SGLangSource._find(node.body, name)
+                if inner is not None:
+                    found = inner
+        return found
+
+    def resolve(self, target: str):
+        """(kind, node, file) for a dotted target, or (None, reason, file)."""
+        split = self.split(target)
+        if split is None:
+            return None, "module not found", None
+        _mod, path, attrs = split
+        if not attrs:
+            return "module", None, path
+        node = None
+        body = self.tree(path).body
+        kind = None
+        for depth, name in enumerate(attrs):
+            node = self._find(body, name)
+            if node is None:
+                where = "module" if depth == 0 else f"class {attrs[depth - 1]}"
+                return None, f"{name} not defined in {where}", path
+            if isinstance(node, ast.ClassDef):
+                kind, body = "class", node.body
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                kind = "method" if depth > 0 else "function"
+                if depth != len(attrs) - 1:
+                    return None, f"{name} is a function, not a class", path
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                kind = "import"
+                if depth != len(attrs) - 1:
+                    return None, f"{name} is imported here; hook it where it is defined", path
+            else:
+                kind = "name"
+                if depth != len(attrs) - 1:
+                    return None, f"{name} is a value, not a class", path
+        return kind, node, path
+
+
+def _sha(path: Path | None) -> str | None:
+    return None if path is None else "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def check_hook(src: SGLangSource, hook: Hook) -> TargetCheck:
+    kind, node, path = src.resolve(hook.target)
+    expected = render_params(hook.params) if hook.params else None
+    base = dict(target=hook.target, kind=hook.type, file=str(path) if path else None, file_sha256=_sha(path),
+                expected=expected)
+    if kind is None:
+        return TargetCheck(ok=False, found=None, signature=None, problem=node, **base)
+    if kind not in ("function", "method"):
+        return TargetCheck(ok=False, found=kind, signature=None,
+                           problem=f"is a {kind}; the hook wraps a function", **base)
+    sig = _signature(node)
+    rendered = render_params(n for n, _ in sig)
+    ok = not hook.params or params_compatible(sig, hook.params, hook.match)
+    return TargetCheck(ok=ok, found=kind, signature=rendered,
+                       problem=None if ok else f"signature {rendered} is not compatible with {expected} ({hook.match})",
+                       **base)
+
+
+def check_symbol(src: SGLangSource, sym: Symbol) -> TargetCheck:
+    kind, node, path = src.resolve(sym.path)
+    expected = render_params(sym.params) if sym.params else None
+    base = dict(target=sym.path, kind="symbol", file=str(path) if path else None, file_sha256=_sha(path),
+                expected=expected)
+    if kind is None:
+        return TargetCheck(ok=False, found=None, signature=None, problem=node, **base)
+    want = {"name": ("name", "import", "class", "function"), "function": ("function",),
+            "class": ("class",), "method": ("method",)}.get(sym.kind, (sym.kind,))
+    if kind not in want:
+        return TargetCheck(ok=False, found=kind, signature=None, problem=f"is a {kind}, expected a {sym.kind}", **base)
+    if kind in ("function", "method"):
+        sig = _signature(node)
+        rendered = render_params(n for n, _ in sig)
+        ok = not sym.params or params_compatible(sig, sym.params, sym.match)
+        return TargetCheck(ok=ok, found=kind, signature=rendered,
+                           problem=None if ok else f"signature {rendered} is not compatible with {expected}", **base)
+    return TargetCheck(ok=True, found=kind, signature=None, **base)
+
+
+def check_targets(root: str | Path, hooks, symbols=()) -> list[TargetCheck]:
+    src = SGLangSource(root)
+    return [check_hook(src, h) for h in hooks] + [check_symbol(src, s) for s in symbols]

@@ -1,0 +1,323 @@
+"""The memory of verified mechanisms (paper 3.5): one YAML entry per mechanism.
+
+An entry holds its code delta relative to the entries it ``requires`` (modules it adds, SGLang hook
+targets it patches, quantization methods it registers), a variant registry (tunables with ranges),
+correctness contracts, evidence with the deployment and hardware it came from, limits and what is
+``unverified``. It also records ``system``: the hook set and module fingerprints that applying it
+with its requirements to stock produced when it was verified. An entry survives only while
+applying it to stock with its requirements reproduces that recorded system exactly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from specpilot.errors import InputError
+
+SCHEMA = "specpilot.memory-entry/1"
+MEMORY_DIR = Path(__file__).resolve().parent / "memory"
+HOOK_TYPES = ("before", "after", "around", "replace")
+STATUSES = ("stable", "observe", "experimental", "library")  # library: no SGLang hooks yet
+_REQUIRED = ("id", "summary", "status", "requires", "sglang", "code", "variants", "contracts",
+             "evidence", "limits", "unverified", "system")
+
+
+@dataclass(frozen=True)
+class Hook:
+    """One SGLang hook: ``type`` on ``target`` (a dotted path) by ``handler`` ("module:attr").
+
+    ``params`` is the parameter list the handler relies on; ``match`` says how the installed
+    function must agree: ``exact`` (same names, order and kinds) or ``prefix`` (these first, any
+    further parameters must have defaults).
+    """
+
+    target: str
+    type: str
+    handler: str
+    params: tuple[str, ...] = ()
+    match: str = "exact"
+
+    def key(self) -> str:
+        return f"{self.type} {self.target} <- {self.handler}"
+
+
+@dataclass(frozen=True)
+class Symbol:
+    """A module-level name or class method the bundle uses without hooking it (static check)."""
+
+    path: str
+    kind: str = "name"  # name | function | class | method
+    params: tuple[str, ...] = ()
+    match: str = "prefix"
+
+
+@dataclass
+class Variant:
+    name: str
+    default: Any
+    range: list | None = None
+    choices: list | None = None
+    doc: str = ""
+
+
+@dataclass
+class Entry:
+    id: str
+    summary: str
+    status: str
+    requires: list[str]
+    sglang_checked: list[str]
+    modules: list[str]
+    uses: list[str]
+    hooks: list[Hook]
+    symbols: list[Symbol]
+    quantization: list[str]
+    setup: str | None
+    launch: dict
+    variants: list[Variant]
+    contracts: list[str]
+    evidence: list[dict]
+    limits: list[str]
+    unverified: list[str]
+    system: dict
+    path: Path
+    raw: dict = field(repr=False, default_factory=dict)
+
+
+@dataclass
+class SystemState:
+    """The system produced by applying entries to stock: hooks, modules and their fingerprints."""
+
+    entries: list[str]
+    hooks: list[str]
+    fingerprints: dict[str, str]
+    quantization: list[str]
+
+    def as_record(self) -> dict:
+        return {"hooks": list(self.hooks), "fingerprints": dict(self.fingerprints)}
+
+
+@dataclass
+class VerifyRow:
+    id: str
+    closure: list[str]
+    hooks: int
+    ok: bool
+    problems: list[str]
+
+
+# ---------------------------------------------------------------------------------------- loading
+
+def _as_list(value, what: str, source: str) -> list:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise InputError(f"{source}: '{what}' must be a list")
+    return value
+
+
+def parse_entry(raw: Any, source: str, path: Path | None = None) -> Entry:
+    if not isinstance(raw, dict):
+        raise InputError(f"{source}: a memory entry must be a YAML mapping")
+    if raw.get("schema") != SCHEMA:
+        raise InputError(f"{source}: unknown schema {raw.get('schema')!r}; expected {SCHEMA}")
+    missing = [k for k in _REQUIRED if k not in raw]
+    if missing:
+        raise InputError(f"{source}: missing field(s) {', '.join(missing)}")
+    if raw["status"] not in STATUSES:
+        raise InputError(f"{source}: status must be one of {', '.join(STATUSES)}")
+    code = raw["code"] or {}
+    if not isinstance(code, dict):
+        raise InputError(f"{source}: 'code' must be a mapping")
+    hooks = []
+    for h in _as_list(code.get("hooks"), "code.hooks", source):
+        try:
+            hook = Hook(target=h["target"], type=h["type"], handler=h["handler"],
+                        params=tuple(h.get("params") or ()), match=h.get("match", "exact"))
+        except (KeyError, TypeError):
+            raise InputError(f"{source}: each hook needs target, type and handler") from None
+        if hook.type not in HOOK_TYPES:
+            raise InputError(f"{source}: hook type {hook.type!r} is not one of {', '.join(HOOK_TYPES)}")
+        if hook.match not in ("exact", "prefix"):
+            raise InputError(f"{source}: hook match must be exact or prefix")
+        if ":" not in hook.handler:
+            raise InputError(f"{source}: hook handler {hook.handler!r} must be 'module:attr'")
+        hooks.append(hook)
+    symbols = []
+    for s in _as_list(code.get("symbols"), "code.symbols", source):
+        if not isinstance(s, dict) or "path" not in s:
+            raise InputError(f"{source}: each symbol needs a path")
+        symbols.append(Symbol(path=s["path"], kind=s.get("kind", "name"),
+                              params=tuple(s.get("params") or ()), match=s.get("match", "prefix")))
+    variants = []
+    for name, v in (raw.get("variants") or {}).items():
+        if not isinstance(v, dict) or "default" not in v:
+            raise InputError(f"{source}: variant {name!r} needs a default")
+        variants.append(Variant(name=name, default=v["default"], range=v.get("range"),
+                                choices=v.get("choices"), doc=v.get("doc", "")))
+    sglang = raw["sglang"] or {}
+    system = raw["system"] or {}
+    if not isinstance(system, dict):
+        raise InputError(f"{source}: 'system' must be a mapping with hooks and fingerprints")
+    return Entry(
+        id=str(raw["id"]), summary=str(raw["summary"]).strip(), status=raw["status"],
+        requires=[str(r) for r in _as_list(raw["requires"], "requires", source)],
+        sglang_checked=[str(v) for v in _as_list(sglang.get("checked"), "sglang.checked", source)],
+        modules=[str(m) for m in _as_list(code.get("modules"), "code.modules", source)],
+        uses=[str(m) for m in _as_list(code.get("uses"), "code.uses", source)],
+        hooks=hooks, symbols=symbols,
+        quantization=[str(q) for q in _as_list(code.get("quantization"), "code.quantization", source)],
+        setup=code.get("setup"), launch=dict(raw.get("launch") or {}),
+        variants=variants,
+        contracts=[str(c).strip() for c in _as_list(raw["contracts"], "contracts", source)],
+        evidence=_as_list(raw["evidence"], "evidence", source),
+        limits=[str(c).strip() for c in _as_list(raw["limits"], "limits", source)],
+        unverified=[str(c).strip() for c in _as_list(raw["unverified"], "unverified", source)],
+        system={"hooks": list(system.get("hooks") or []), "fingerprints": dict(system.get("fingerprints") or {})},
+        path=path or Path(source), raw=raw,
+    )
+
+
+def load_memory(directory: str | Path | None = None) -> dict[str, Entry]:
+    """All entries in ``directory`` (default: the packaged ``bundles/memory``), keyed by id."""
+    import yaml
+
+    directory = Path(directory) if directory else MEMORY_DIR
+    if not directory.is_dir():
+        raise InputError(f"{directory}: no such memory folder")
+    entries: dict[str, Entry] = {}
+    for path in sorted(directory.glob("*.yaml")):
+        try:
+            raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except yaml.YAMLError as e:
+            raise InputError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+        entry = parse_entry(raw, str(path), path)
+        if entry.id in entries:
+            raise InputError(f"{path}: duplicate memory id {entry.id!r} (also in {entries[entry.id].path})")
+        entries[entry.id] = entry
+    return entries
+
+
+def get_entry(entries: dict[str, Entry], name: str) -> Entry:
+    if name not in entries:
+        raise InputError(f"unknown mechanism {name!r}; known: {', '.join(sorted(entries))}")
+    return entries[name]
+
+
+# ---------------------------------------------------------------------------------- composition
+
+def closure(entries: dict[str, Entry], ids: Iterable[str]) -> list[str]:
+    """The ids with all their requirements, requirements first; a cycle or a missing one is an error."""
+    order: list[str] = []
+    state: dict[str, str] = {}
+
+    def visit(name: str, chain: list[str]):
+        if name not in entries:
+            via = f" (required by {chain[-1]})" if chain else ""
+            raise InputError(f"unknown mechanism {name!r}{via}; known: {', '.join(sorted(entries))}")
+        if state.get(name) == "done":
+            return
+        if state.get(name) == "active":
+            cycle = " -> ".join(chain[chain.index(name):] + [name])
+            raise InputError(f"requirement cycle in memory: {cycle}")
+        state[name] = "active"
+        for req in entries[name].requires:
+            visit(req, chain + [name])
+        state[name] = "done"
+        order.append(name)
+
+    for name in ids:
+        visit(name, [])
+    return order
+
+
+def module_file(module: str) -> Path:
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.origin or not Path(spec.origin).is_file():
+        raise InputError(f"module {module} not found")
+    return Path(spec.origin)
+
+
+def fingerprint(module: str) -> str:
+    """sha256 of the module's source file (what the memory entry pins)."""
+    return "sha256:" + hashlib.sha256(module_file(module).read_bytes()).hexdigest()
+
+
+def compose(entries: dict[str, Entry], ids: Iterable[str]) -> SystemState:
+    """Apply ``ids`` with their requirements to stock: the resulting hooks and module fingerprints.
+
+    Two entries replacing the same target conflict (only one REPLACE can take effect).
+    """
+    order = closure(entries, ids)
+    hooks: dict[str, Hook] = {}
+    replaced: dict[str, str] = {}
+    modules: list[str] = []
+    quant: list[str] = []
+    for name in order:
+        e = entries[name]
+        for h in e.hooks:
+            if h.type == "replace":
+                if h.target in replaced and replaced[h.target] != name:
+                    raise InputError(f"{name} and {replaced[h.target]} both replace {h.target}")
+                replaced[h.target] = name
+            hooks[h.key()] = h
+        modules += [m for m in e.modules if m not in modules]
+        quant += [q for q in e.quantization if q not in quant]
+    return SystemState(entries=order, hooks=sorted(hooks), quantization=quant,
+                       fingerprints={m: fingerprint(m) for m in sorted(modules)})
+
+
+def hooks_of(entries: dict[str, Entry], ids: Iterable[str]) -> list[Hook]:
+    out: dict[str, Hook] = {}
+    for name in closure(entries, ids):
+        for h in entries[name].hooks:
+            out[h.key()] = h
+    return [out[k] for k in sorted(out)]
+
+
+def verify(entries: dict[str, Entry], ids: Iterable[str] | None = None) -> list[VerifyRow]:
+    """The survival rule: each entry applied with its requirements to stock must reproduce the
+    hook set and module fingerprints it recorded."""
+    rows = []
+    for name in (list(ids) if ids else sorted(entries)):
+        e = get_entry(entries, name)
+        state = compose(entries, [name])
+        problems = []
+        rec_hooks = sorted(e.system.get("hooks", []))
+        if rec_hooks != state.hooks:
+            extra = sorted(set(state.hooks) - set(rec_hooks))
+            gone = sorted(set(rec_hooks) - set(state.hooks))
+            if extra:
+                problems.append("hooks not recorded: " + "; ".join(extra))
+            if gone:
+                problems.append("recorded hooks missing: " + "; ".join(gone))
+        rec_fp = e.system.get("fingerprints", {})
+        for mod in sorted(set(rec_fp) | set(state.fingerprints)):
+            if mod not in state.fingerprints:
+                problems.append(f"recorded module {mod} is no longer part of the system")
+            elif mod not in rec_fp:
+                problems.append(f"module {mod} has no recorded fingerprint")
+            elif rec_fp[mod] != state.fingerprints[mod]:
+                problems.append(f"module {mod} changed since it was verified")
+        rows.append(VerifyRow(id=name, closure=state.entries, hooks=len(state.hooks),
+                              ok=not problems, problems=problems))
+    return rows
+
+
+def record_system(entry: Entry, entries: dict[str, Entry]) -> str:
+    """The entry's YAML text with its ``system`` block (the file's last key) rewritten to what
+    composing it produces now. Maintainers run it after re-verifying the mechanism; the caller
+    writes the text back atomically."""
+    import yaml
+
+    text = entry.path.read_text(encoding="utf-8")
+    marker = "\nsystem:"
+    if marker not in text:
+        raise InputError(f"{entry.path}: 'system' must be the last key of the entry")
+    head = text[: text.index(marker) + 1]
+    block = yaml.safe_dump({"system": compose(entries, [entry.id]).as_record()}, sort_keys=False, width=200)
+    return head + block

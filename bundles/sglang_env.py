@@ -1,0 +1,97 @@
+"""Find SGLang and SpecPilot in a target Python environment without importing SGLang.
+
+The probe runs the target interpreter with a short script that uses ``importlib.util.find_spec``
+and ``importlib.metadata`` only, so it works on a serving environment whose CUDA stack cannot load
+here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from specpilot.errors import EnvironmentMissing, InputError
+
+SUPPORTED_SGLANG = ("0.5.23",)
+
+_PROBE = r"""
+import importlib.metadata as md, importlib.util, json, sys, sysconfig
+out = {"executable": sys.executable, "python": "%d.%d.%d" % sys.version_info[:3], "prefix": sys.prefix,
+       "purelib": sysconfig.get_paths()["purelib"], "sglang": None, "specpilot": None}
+try:
+    spec = importlib.util.find_spec("sglang")
+except Exception as e:
+    spec = None
+if spec is not None and spec.submodule_search_locations:
+    try:
+        version = md.version("sglang")
+    except md.PackageNotFoundError:
+        version = None
+    out["sglang"] = {"version": version, "package": list(spec.submodule_search_locations)[0]}
+try:
+    dist = md.distribution("specpilot")
+    eps = [ep for ep in dist.entry_points if ep.group == "sglang.srt.plugins"]
+    out["specpilot"] = {"version": dist.version,
+                        "entry_point": {ep.name: ep.value for ep in eps}}
+except md.PackageNotFoundError:
+    pass
+print(json.dumps(out))
+"""
+
+
+@dataclass
+class TargetEnv:
+    python: str
+    executable: str
+    python_version: str
+    prefix: str
+    purelib: str
+    sglang_version: str | None
+    sglang_package: str | None     # .../sglang
+    specpilot_version: str | None
+    specpilot_entry_point: dict | None
+
+    @property
+    def sglang_root(self) -> Path | None:
+        return Path(self.sglang_package).parent if self.sglang_package else None
+
+    @property
+    def supported(self) -> bool:
+        return self.sglang_version in SUPPORTED_SGLANG
+
+
+def probe(python: str | None = None, timeout: float = 60.0) -> TargetEnv:
+    """Describe the environment of interpreter ``python`` (default: this one)."""
+    python = python or sys.executable
+    exe = Path(python)
+    if not exe.exists():
+        raise InputError(f"--python {python}: no such file")
+    if not os.access(exe, os.X_OK) or exe.is_dir():
+        raise InputError(f"--python {python}: not an executable Python interpreter")
+    try:
+        # -B: the probe must not leave __pycache__ files behind in the target environment
+        env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+        proc = subprocess.run([str(exe), "-B", "-c", _PROBE], capture_output=True, text=True, timeout=timeout,
+                              env=env)
+    except OSError as e:
+        raise InputError(f"--python {python}: cannot run it ({e.strerror or e})") from None
+    except subprocess.TimeoutExpired:
+        raise EnvironmentMissing(f"--python {python}: did not answer within {timeout:.0f} s") from None
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise InputError(f"--python {python}: the probe failed ({last}); is it Python >= 3.10?")
+    try:
+        info = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (json.JSONDecodeError, IndexError):
+        raise InputError(f"--python {python}: unexpected probe output") from None
+    sg, sp = info.get("sglang"), info.get("specpilot")
+    return TargetEnv(
+        python=str(python), executable=info["executable"], python_version=info["python"],
+        prefix=info["prefix"], purelib=info["purelib"],
+        sglang_version=sg and sg.get("version"), sglang_package=sg and sg.get("package"),
+        specpilot_version=sp and sp.get("version"), specpilot_entry_point=sp and sp.get("entry_point"),
+    )

@@ -1,0 +1,106 @@
+"""Test support for the bundles (used by tests/test_bundles_*.py; no effect on users).
+
+* :func:`sglang_dir`: the real SGLang wheel installed with ``--no-deps`` by
+  ``scripts/install_sglang.sh`` (``cache/sglang/<version>``, or ``$SPECPILOT_SGLANG_DIR``).
+* :func:`make_env`: a throw-away Python environment (a venv without pip) that sees that SGLang and,
+  optionally, this SpecPilot: what ``specpilot apply --python`` is pointed at in the tests.
+* :func:`load_sglang_function`: one function from the installed SGLang source, compiled on its own
+  (SGLang's heavy imports are not executed), to compare SpecPilot's replacements with the real code.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import venv
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SGLANG_VERSION = "0.5.23"
+
+
+def sglang_dir(version: str = SGLANG_VERSION) -> Path | None:
+    d = Path(os.environ.get("SPECPILOT_SGLANG_DIR") or REPO / "cache" / "sglang" / version)
+    return d if (d / "sglang" / "srt" / "plugins" / "hook_registry.py").is_file() else None
+
+
+SKIP_REASON = ("SGLang 0.5.23 wheel not installed: run 'bash scripts/install_sglang.sh' "
+               "(or set SPECPILOT_SGLANG_DIR)")
+
+
+def make_env(where: Path, sglang_root: Path | None, with_specpilot: bool = True) -> Path:
+    """Create a venv at ``where`` whose site-packages points at ``sglang_root`` (and at this
+    interpreter's site-packages when ``with_specpilot``); returns its python."""
+    venv.EnvBuilder(with_pip=False, symlinks=True).create(where)
+    py = where / "bin" / "python"
+    purelib = Path(subprocess.run([str(py), "-B", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                  capture_output=True, text=True, check=True).stdout.strip())
+    if sglang_root is not None:
+        (purelib / "_sglang_under_test.pth").write_text(str(sglang_root) + "\n")
+    if with_specpilot:
+        here = sysconfig.get_paths()["purelib"]
+        (purelib / "_specpilot_under_test.pth").write_text(f"import site; site.addsitedir({here!r})\n")
+    return py
+
+
+def fake_version_root(where: Path, real_root: Path, version: str) -> Path:
+    """A root whose ``sglang`` package is the real one but whose metadata says ``version``."""
+    where.mkdir(parents=True, exist_ok=True)
+    (where / "sglang").symlink_to(real_root / "sglang")
+    src = next(real_root.glob("sglang-*.dist-info"))
+    dst = where / f"sglang-{version}.dist-info"
+    shutil.copytree(src, dst)
+    meta = (dst / "METADATA").read_text(encoding="utf-8").splitlines()
+    meta = [f"Version: {version}" if line.startswith("Version: ") else line for line in meta]
+    (dst / "METADATA").write_text("\n".join(meta) + "\n", encoding="utf-8")
+    return where
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    """Every file under ``root`` (links not followed) with its sha256: to prove byte-identical."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            rel = str(p.relative_to(root))
+            if p.is_symlink():
+                out[rel] = "link:" + os.readlink(p)
+            elif p.is_file():
+                out[rel] = hashlib.sha256(p.read_bytes()).hexdigest()
+            else:
+                out[rel] = "dir"
+        dirnames[:] = [d for d in dirnames if not (Path(dirpath) / d).is_symlink()]
+    return out
+
+
+def load_sglang_function(root: Path, module: str, name: str, namespace: dict, keep_decorators: bool = False):
+    """Compile function ``name`` of SGLang module ``module`` (source under ``root``) alone, in
+    ``namespace`` (which must provide the names it uses); returns the function."""
+    path = root / Path(*module.split(".")).with_suffix(".py")
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    node = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name), None)
+    if node is None:
+        raise LookupError(f"{name} not found in {path}")
+    if not keep_decorators:
+        node.decorator_list = []
+    mod = ast.Module(body=[node], type_ignores=[])
+    exec(compile(mod, str(path), "exec"), namespace)
+    return namespace[name]
+
+
+def load_sglang_module_file(root: Path, module: str, alias: str):
+    """Import one SGLang source file under another name (for files with stdlib-only imports,
+    such as ``sglang.srt.plugins.hook_registry``)."""
+    import importlib.util
+
+    path = root / Path(*module.split(".")).with_suffix(".py")
+    spec = importlib.util.spec_from_file_location(alias, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[alias] = mod
+    spec.loader.exec_module(mod)
+    return mod

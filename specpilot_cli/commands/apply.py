@@ -1,0 +1,57 @@
+"""``specpilot apply``: activate mechanism bundles in an SGLang environment."""
+
+from __future__ import annotations
+
+import click
+
+from specpilot.output import Report, Section, emit, output_options
+
+
+def _short(text: str, width: int = 60) -> str:
+    return text if len(text) <= width else text[: width - 4] + " ...)"
+
+
+@click.command("apply")
+@click.argument("bundles")
+@click.option("--python", "python", default=None, metavar="PATH",
+              help="Interpreter of the SGLang environment (default: this one).")
+@click.option("--set", "settings", multiple=True, metavar="NAME=VALUE",
+              help="Set a bundle variant (see 'specpilot memory show ID'); repeatable.")
+@click.option("--force", is_flag=True, help="Apply to an SGLang version the bundles were not checked against.")
+@click.option("--experimental", is_flag=True, help="Allow bundles whose memory status is experimental.")
+@click.option("--dry-run", is_flag=True, help="Check everything and print the launch command; write nothing.")
+@output_options
+def command(bundles, python, settings, force, experimental, dry_run, fmt, out):
+    """Activate BUNDLES (comma-separated, e.g. tree,lattice-trace) in an SGLang installation.
+
+    Finds SGLang in the environment of --python without importing it, refuses an unsupported
+    version (exit 3; --force overrides), checks statically (AST of the installed files) that
+    every hook target exists with a compatible signature, checks that SpecPilot is installed
+    there, then writes the activation atomically into that environment's site-packages and
+    prints the launch command. SGLang's files are never edited; 'specpilot revert' undoes it.
+
+    \b
+    Example:
+      specpilot apply tree,lattice-trace --python /opt/sglang/bin/python --set node_budget=32
+    """
+    from specpilot.bundles.activation import apply
+
+    res = apply(bundles, python=python, force=force, experimental=experimental, settings=settings,
+                dry_run=dry_run)
+    act = res.activation
+    rows = [[c.target, c.kind, "ok" if c.ok else "FAIL", _short(c.signature or c.found or "-")] for c in res.checks]
+    data = {"schema": "specpilot.apply/1", "dry_run": dry_run, "activation_path": res.path,
+            "previous": res.previous, "activation": act, "swept": res.swept,
+            "checks": [c.__dict__ for c in res.checks]}
+    verb = "would write" if dry_run else "wrote"
+    lines = [f"SGLang {res.env.sglang_version} at {res.env.sglang_package}"
+             + (" (forced: not a checked version)" if act["sglang"]["forced"] else ""),
+             f"{verb} {res.path}: {', '.join(act['closure'])}"
+             + (f" (replaces {', '.join(res.previous)})" if res.previous else ""),
+             "", "launch with:", f"  {res.launch}"]
+    settings_rows = [[k, v] for k, v in act["settings"].items()]
+    sections = [Section("hook targets and symbols (static check)", ["target", "kind", "check", "installed"], rows)]
+    if settings_rows:
+        sections.append(Section("variants", ["name", "value"], settings_rows))
+    emit(Report(data=data, sections=sections, lines=lines, title=f"specpilot apply {bundles}"), fmt, out)
+    return 0

@@ -1,0 +1,106 @@
+"""``specpilot memory``: the memory of verified mechanisms (list, show, verify)."""
+
+from __future__ import annotations
+
+import click
+
+from specpilot.output import Report, Section, emit, output_options
+
+_memdir = click.option("--memory-dir", "memory_dir", type=click.Path(file_okay=False), default=None,
+                       help="Read entries from this folder instead of the packaged memory.")
+
+
+@click.group("memory")
+def command():
+    """The memory of verified mechanisms: one YAML entry per mechanism (paper 3.5).
+
+    \b
+    Examples:
+      specpilot memory list
+      specpilot memory show tree
+      specpilot memory verify            # the survival rule, exit 1 if an entry drifted
+    """
+
+
+def _first_words(text: str, width: int = 64) -> str:
+    text = text.split(": ")[0] if len(text.split(": ")[0]) < width else text
+    return text if len(text) <= width else text[: text.rfind(" ", 0, width - 4)] + " ..."
+
+
+@command.command("list")
+@_memdir
+@output_options
+def list_(memory_dir, fmt, out):
+    """List the entries: id, status, requirements, hooks, SGLang versions checked."""
+    from specpilot.bundles import memory as mem
+
+    entries = mem.load_memory(memory_dir)
+    rows = [[e.id, e.status, ", ".join(e.requires) or "-", len(e.hooks), ", ".join(e.sglang_checked) or "-",
+             _first_words(e.summary)] for e in entries.values()]
+    data = {"schema": "specpilot.memory-list/1",
+            "entries": [{"id": e.id, "status": e.status, "requires": e.requires, "hooks": len(e.hooks),
+                         "sglang_checked": e.sglang_checked, "summary": e.summary} for e in entries.values()]}
+    emit(Report(data=data, sections=[Section(None, ["id", "status", "requires", "hooks", "sglang", "summary"], rows)]),
+         fmt, out)
+    return 0
+
+
+@command.command("show")
+@click.argument("entry_id", metavar="ID")
+@_memdir
+@output_options
+def show(entry_id, memory_dir, fmt, out):
+    """Show one entry in full: code, hooks, variants, contracts, evidence, limits, unverified."""
+    from specpilot.bundles import memory as mem
+
+    entries = mem.load_memory(memory_dir)
+    e = mem.get_entry(entries, entry_id)
+    sections = [
+        Section("hooks", ["type", "target", "handler"], [[h.type, h.target, h.handler] for h in e.hooks]),
+        Section("variants", ["name", "default", "range/choices", "meaning"],
+                [[v.name, v.default, v.range or v.choices or "-", v.doc] for v in e.variants]),
+        Section("evidence", ["kind", "what", "where"],
+                [[ev.get("kind"), " ".join(str(ev.get("what", "")).split()), ev.get("deployment") or ev.get("hardware")]
+                 for ev in e.evidence]),
+    ]
+    lines = [f"status: {e.status}; requires: {', '.join(e.requires) or 'nothing'}; "
+             f"SGLang checked: {', '.join(e.sglang_checked) or 'none'}",
+             f"modules: {', '.join(e.modules) or '-'}; uses: {', '.join(e.uses) or '-'}"
+             + (f"; setup: {e.setup}" if e.setup else "")]
+    for title, items in (("contracts", e.contracts), ("limits", e.limits), ("unverified", e.unverified)):
+        lines += ["", f"{title}:"] + [f"  - {x}" for x in items]
+    data = {"schema": "specpilot.memory-entry/1", **{k: v for k, v in e.raw.items() if k != "schema"}}
+    emit(Report(data=data, sections=sections, lines=lines, title=f"{e.id}: {e.summary}"), fmt, out)
+    return 0
+
+
+@command.command("verify")
+@click.argument("ids", nargs=-1, metavar="[ID]...")
+@click.option("--record", is_flag=True,
+              help="Maintainers: rewrite each entry's recorded system to the current one (after re-verifying it).")
+@_memdir
+@output_options
+def verify(ids, record, memory_dir, fmt, out):
+    """Apply each entry with its requirements to stock and check it reproduces its recorded system.
+
+    The recorded system is the hook set and the sha256 of every module the entry and its
+    requirements add. An entry whose code changed since it was verified fails (exit 1); a
+    requirement cycle or a missing requirement is an error (exit 2).
+    """
+    from specpilot.bundles import memory as mem
+    from specpilot.fileio import write_text_atomic
+
+    entries = mem.load_memory(memory_dir)
+    if record:
+        for i in ids or sorted(entries):
+            e = mem.get_entry(entries, i)
+            write_text_atomic(e.path, mem.record_system(e, entries))
+        entries = mem.load_memory(memory_dir)
+    rows = mem.verify(entries, ids or None)
+    data = {"schema": "specpilot.memory-verify/1", "ok": all(r.ok for r in rows),
+            "entries": [r.__dict__ for r in rows]}
+    table = [[r.id, " + ".join(r.closure), r.hooks, "reproduced" if r.ok else "DRIFT"] for r in rows]
+    lines = [f"{r.id}: {p}" for r in rows for p in r.problems]
+    emit(Report(data=data, sections=[Section(None, ["id", "applied with requirements", "hooks", "system"], table)],
+                lines=lines), fmt, out)
+    return 0 if data["ok"] else 1
