@@ -1,0 +1,271 @@
+"""PyTorch profiler (Kineto) Chrome traces: ``.json`` / ``.json.gz``, CUDA and ROCm.
+
+One streaming pass keeps only what the profile needs, in compact columns: GPU events
+(``kernel``, ``gpu_memcpy``, ``gpu_memset``), ranges (``user_annotation`` on the CPU,
+``gpu_user_annotation`` on the GPU), runtime launches (``cuda_runtime``/``cuda_driver``: launch
+time and CUDA/HIP graph launches, joined to kernels by ``correlation``) and, when the trace was
+recorded with shapes, the ``Input Dims`` of the ``cpu_op`` that launched each kernel (joined by
+``External id``). Aggregation per step then runs in numpy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from specpilot.errors import InputError
+
+from .. import steps as st
+from .jsonstream import iter_chrome_trace
+from .model import Aggregate, GPUInfo, KernelGroup, Range, StepInfo, StepRequest
+
+GPU_CATS = {"kernel": 0, "gpu_memcpy": 1, "gpu_memset": 2, "Kernel": 0, "Memcpy": 1, "Memset": 2}
+RUNTIME_CATS = ("cuda_runtime", "cuda_driver", "runtime")
+GRAPH_LAUNCH = ("cudaGraphLaunch", "hipGraphLaunch", "cuGraphLaunch")
+
+
+def _ns(x) -> int:
+    return int(round(float(x) * 1000.0))
+
+
+class KinetoTrace:
+    """The columns of one Kineto trace that profiling needs."""
+
+    def __init__(self, path: str | os.PathLike, on_read: Callable[[int], None] | None = None):
+        self.path = str(path)
+        p = Path(path)
+        if not p.is_file():
+            raise InputError(f"{path}: no such file")
+        if p.stat().st_size == 0:
+            raise InputError(f"{path}: empty file")
+        self.header: dict = {}
+        names: dict[str, int] = {}
+        dims_ids: dict[str, int] = {}
+        cols = {k: [] for k in ("kind", "start", "dur", "stream", "corr", "name", "ext", "device")}
+        runtime_ts: dict[int, int] = {}
+        graph_corr: list[int] = []
+        op_dims: dict[int, int] = {}
+        ranges: list[Range] = []
+        n_events = 0
+
+        def header(key, value):
+            self.header[key] = value
+
+        for ev in iter_chrome_trace(path, header, on_read):
+            n_events += 1
+            if ev.get("ph") != "X":
+                continue
+            cat = ev.get("cat")
+            try:
+                if cat in GPU_CATS:
+                    a = ev.get("args") or {}
+                    nm = ev.get("name", "")
+                    cols["kind"].append(GPU_CATS[cat])
+                    cols["start"].append(_ns(ev["ts"]))
+                    cols["dur"].append(_ns(ev.get("dur", 0)))
+                    cols["stream"].append(int(a.get("stream", -1)))
+                    cols["corr"].append(int(a.get("correlation", -1)))
+                    cols["name"].append(names.setdefault(nm, len(names)))
+                    cols["ext"].append(int(a.get("External id", -1)))
+                    cols["device"].append(int(a.get("device", -1)))
+                elif cat in RUNTIME_CATS:
+                    a = ev.get("args") or {}
+                    c = a.get("correlation")
+                    if c is not None:
+                        runtime_ts[int(c)] = _ns(ev["ts"])
+                        if ev.get("name", "").startswith(GRAPH_LAUNCH):
+                            graph_corr.append(int(c))
+                elif cat == "user_annotation" or cat == "gpu_user_annotation":
+                    s = _ns(ev["ts"])
+                    ranges.append(Range(name=str(ev.get("name", "")), start=s, end=s + _ns(ev.get("dur", 0)),
+                                        thread=(ev.get("pid"), ev.get("tid")), gpu=(cat == "gpu_user_annotation")))
+                elif cat == "cpu_op":
+                    a = ev.get("args")
+                    if a and "Input Dims" in a and "External id" in a:
+                        d = json.dumps(a["Input Dims"], separators=(",", ""))
+                        op_dims[int(a["External id"])] = dims_ids.setdefault(f"{ev.get('name', '')}{d}", len(dims_ids))
+            except (KeyError, TypeError, ValueError) as e:
+                raise InputError(f"{path}: malformed {cat} event ({type(e).__name__}: {e}) in {str(ev)[:120]}") from None
+        if not isinstance(self.header.get("traceEvents", []), list):
+            raise InputError(f"{path}: traceEvents is not a list")
+        self.n_events = n_events
+        self.names = list(names)
+        self.dims = list(dims_ids)
+        self.cols = {k: np.asarray(v, dtype=np.int64) for k, v in cols.items()}
+        self.runtime_ts = runtime_ts
+        self.graph_corr = sorted(set(graph_corr))
+        self.op_dims = op_dims
+        self.ranges = ranges
+        if n_events == 0:
+            raise InputError(f"{path}: the trace has no events")
+
+    def gpu(self) -> GPUInfo | None:
+        props = self.header.get("deviceProperties")
+        if not isinstance(props, list) or not props:
+            return None
+        devs = self.cols["device"]
+        want = int(np.bincount(devs[devs >= 0]).argmax()) if (devs >= 0).any() else None
+        chosen = next((p for p in props if isinstance(p, dict) and p.get("id") == want), None) or props[0]
+        if not isinstance(chosen, dict) or not chosen.get("name"):
+            return None
+        mem = chosen.get("totalGlobalMem")
+        return GPUInfo(name=str(chosen["name"]), sm_count=chosen.get("numSms"),
+                       memory_gb=(mem / 1e9 if isinstance(mem, (int, float)) else None), source="deviceProperties")
+
+
+def read_kineto(path: str | os.PathLike, req: StepRequest | None = None,
+                on_read: Callable[[int], None] | None = None) -> Aggregate:
+    req = req or StepRequest()
+    tr = KinetoTrace(path, on_read)
+    return aggregate_kineto(tr, req)
+
+
+def aggregate_kineto(tr: KinetoTrace, req: StepRequest) -> Aggregate:
+    c = tr.cols
+    notes: list[str] = []
+    n = len(c["start"])
+    if n == 0:
+        raise InputError(f"{tr.path}: the trace has no GPU events (kernel, gpu_memcpy, gpu_memset); "
+                         "profile with ProfilerActivity.CUDA")
+    sel = np.ones(n, dtype=bool)
+    devs = c["device"]
+    present = sorted({int(d) for d in np.unique(devs)})
+    if req.device is not None:
+        if req.device not in present:
+            raise InputError(f"{tr.path}: no kernels on device {req.device} (devices: {', '.join(map(str, present))})")
+        sel = devs == req.device
+    elif len(present) > 1:
+        main = int(np.bincount(devs - devs.min()).argmax() + devs.min())
+        sel = devs == main
+        notes.append(f"kernels on {len(present)} GPUs; profiling device {main} (choose with --device)")
+    kind, start, dur = c["kind"][sel], c["start"][sel], c["dur"][sel]
+    end = start + dur
+    stream, corr, name, ext = c["stream"][sel], c["corr"][sel], c["name"][sel], c["ext"][sel]
+    launch = np.array([tr.runtime_ts.get(int(x), -1) for x in corr], dtype=np.int64)
+    no_launch = launch < 0
+    if no_launch.any():
+        launch = np.where(no_launch, start, launch)
+    if not tr.runtime_ts:
+        notes.append("no cuda_runtime events: kernels are attributed to ranges by GPU time, not launch")
+
+    cpu_ranges = [r for r in tr.ranges if not r.gpu]
+    gpu_ranges = [r for r in tr.ranges if r.gpu]
+    mode = req.mode
+    if mode == "auto":
+        mode = "range" if req.range_regex else ("graph" if len(tr.graph_corr) >= 2 else "gap")
+    if mode == "range" and not req.range_regex:
+        raise InputError("--step-mode range needs --step-range REGEX")
+    step = np.full(len(start), -1, dtype=np.int64)
+    labels: list[str] = []
+    step_ranges: list[Range] = []
+    detail = ""
+    if mode == "range":
+        rx = st.compile_regex(req.range_regex, "--step-range")
+        on_gpu = not any(rx.search(r.name) for r in cpu_ranges)
+        step_ranges = st.select_step_ranges(gpu_ranges if on_gpu else cpu_ranges, req.range_regex, tr.path)
+        key = start if on_gpu else launch
+        step = _assign(key, [(r.start, r.end, i) for i, r in enumerate(step_ranges)])
+        labels = [r.name for r in step_ranges]
+        detail = f"{len(step_ranges)} {'GPU' if on_gpu else 'CPU'} annotation ranges matching {req.range_regex!r}"
+    elif mode == "graph":
+        if not tr.graph_corr:
+            raise InputError(f"{tr.path}: no CUDA/HIP graph launches in the trace; use --step-range or --step-mode gap")
+        first_name = {}
+        for cc, nm in zip(corr.tolist(), name.tolist()):
+            first_name.setdefault(cc, nm)
+        launches = [(cc, first_name.get(cc, -1)) for cc in tr.graph_corr]
+        starters = st.graph_step_starters(launches)
+        idx = np.searchsorted(np.asarray(starters), corr, side="right") - 1
+        step = np.where(corr >= starters[0], idx, -1)
+        labels = [f"graph launch {x}" for x in starters]
+        detail = f"{len(starters)} launches of the most frequent CUDA graph ({len(tr.graph_corr)} graph launches)"
+    elif mode == "gap":
+        gap_ns = int(req.gap_us * 1e3) if req.gap_us else st.gap_threshold_ns(start, end, name)
+        b = st.gap_boundaries(start, end, gap_ns) if gap_ns is not None else []
+        if len(b) >= 2 or (req.gap_us and b):
+            step = np.searchsorted(np.asarray(b), start, side="right") - 1
+            labels = [f"gap step {i}" for i in range(len(b))]
+            detail = f"{len(b)} steps separated by GPU idle gaps > {gap_ns / 1e3:.1f} us"
+        else:
+            mode = "whole"
+    if mode == "whole":
+        step[:] = 0
+        labels = ["whole trace"]
+        detail = "no step ranges, graph launches or repeating gaps: the whole trace is one step"
+        notes.append("steps not found; pass --step-range REGEX to profile per step")
+
+    tag = np.full(len(start), -1, dtype=np.int64)
+    tag_names: list[str] = []
+    if req.tag_regex and tr.ranges:
+        rx = st.compile_regex(req.tag_regex, "rule range")
+        sset = set(step_ranges)
+        for rs, key in ((cpu_ranges, launch), (gpu_ranges, start)):
+            tagged = [r for r in rs if r not in sset and rx.search(r.name)]
+            if not tagged:
+                continue
+            segs = st.innermost_segments(tagged)
+            for nm in sorted({x for _, _, x in segs}):
+                if nm not in tag_names:
+                    tag_names.append(nm)
+            t = _assign(key, [(s, e - 1, tag_names.index(nm)) for s, e, nm in segs])
+            tag = np.where(tag < 0, t, tag)
+
+    dims = np.array([tr.op_dims.get(int(x), -1) for x in ext], dtype=np.int64) if tr.op_dims else np.full(len(start), -1)
+
+    keep = step >= 0
+    groups: list[KernelGroup] = []
+    steps: list[StepInfo] = []
+    if keep.any():
+        keys = np.stack([step[keep], tag[keep], name[keep], kind[keep], stream[keep], dims[keep]], axis=1)
+        uniq, inv = np.unique(keys, axis=0, return_inverse=True)
+        inv = inv.reshape(-1)
+        cnt = np.bincount(inv)
+        tot = np.bincount(inv, weights=dur[keep]).astype(np.int64)
+        for (s_, t_, n_, k_, str_, d_), cn, to in zip(uniq.tolist(), cnt.tolist(), tot.tolist()):
+            groups.append(KernelGroup(step=s_, name=tr.names[n_], kind=("kernel", "memcpy", "memset")[k_],
+                                      stream=str_, tag=(tag_names[t_] if t_ >= 0 else None),
+                                      dims=(tr.dims[d_] if d_ >= 0 else None), count=cn, total_ns=to))
+        ks, kst, ken = step[keep], start[keep], end[keep]
+        order = np.argsort(ks, kind="stable")
+        ks, kst, ken = ks[order], kst[order], ken[order]
+        cuts = np.nonzero(np.diff(ks))[0] + 1
+        bounds = np.concatenate([[0], cuts, [len(ks)]])
+        present_steps = [int(ks[b]) for b in bounds[:-1]]
+        for j, i in enumerate(present_steps):
+            a, b = bounds[j], bounds[j + 1]
+            g0, g1 = int(kst[a:b].min()), int(ken[a:b].max())
+            if mode == "range":
+                r = step_ranges[i]
+                w0, w1 = (r.start, max(r.end, g1))
+            else:
+                w0 = g0
+                w1 = int(kst[bounds[j + 1]:bounds[j + 2]].min()) if j + 1 < len(present_steps) else g1
+            steps.append(StepInfo(index=i, label=labels[i] if i < len(labels) else str(i), start=w0, end=w1,
+                                  gpu_start=g0, gpu_end=g1, busy_ns=st.union_ns(kst[a:b], ken[a:b]), events=int(b - a)))
+    empty = len(labels) - len(steps)
+    if empty > 0:
+        notes.append(f"{empty} step(s) launched no GPU work and were left out")
+    version = str(tr.header.get("schemaVersion", "unknown"))
+    return Aggregate(path=tr.path, format="kineto", format_version=version, gpu=tr.gpu(), step_mode=mode,
+                     step_detail=detail, steps=steps, groups=groups, total_events=int(n), notes=notes)
+
+
+def _assign(key: np.ndarray, intervals: list[tuple[int, int, int]]) -> np.ndarray:
+    """Index of the interval (start, end inclusive, value) holding each key; -1 outside all."""
+    out = np.full(len(key), -1, dtype=np.int64)
+    if not intervals:
+        return out
+    iv = sorted(intervals)
+    s = np.array([x[0] for x in iv], dtype=np.int64)
+    e = np.array([x[1] for x in iv], dtype=np.int64)
+    v = np.array([x[2] for x in iv], dtype=np.int64)
+    j = np.searchsorted(s, key, side="right") - 1
+    ok = j >= 0
+    jj = np.where(ok, j, 0)
+    ok &= key <= e[jj]
+    out[ok] = v[jj[ok]]
+    return out

@@ -1,0 +1,416 @@
+"""Nsight Systems SQLite exports (schema 2.x ``EXPORT_META_DATA`` and 3.x ``META_DATA_EXPORT``).
+
+The aggregation runs inside SQLite: kernels, memcpys and memsets are tagged with their step by an
+indexed lookup in a small temporary table (keyed by CUDA correlation id or by GPU time) and
+grouped per (step, name, stream), so Python only sees one row per kernel name and step. The file
+is opened read-only and never modified.
+
+Tables used: ``StringIds``, ``CUPTI_ACTIVITY_KIND_KERNEL`` (+ ``_MEMCPY``, ``_MEMSET``),
+``CUPTI_ACTIVITY_KIND_RUNTIME`` (launch correlation, graph launches), ``NVTX_EVENTS``
+(push/pop and start/end ranges, ``text`` or ``textId``), ``TARGET_INFO_GPU``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sqlite3
+from pathlib import Path
+from urllib.parse import quote
+
+import numpy as np
+
+from specpilot.errors import InputError
+
+from .. import steps as st
+from .model import KINDS, Aggregate, GPUInfo, KernelGroup, Range, StepInfo, StepRequest
+
+SQLITE_MAGIC = b"SQLite format 3\x00"
+META_TABLES = ("META_DATA_EXPORT", "EXPORT_META_DATA")  # 3.x, 2.x
+KERNEL = "CUPTI_ACTIVITY_KIND_KERNEL"
+MEMCPY = "CUPTI_ACTIVITY_KIND_MEMCPY"
+MEMSET = "CUPTI_ACTIVITY_KIND_MEMSET"
+RUNTIME = "CUPTI_ACTIVITY_KIND_RUNTIME"
+GRAPH_TRACE = "CUPTI_ACTIVITY_KIND_GRAPH_TRACE"  # whole-graph records (nsys --cuda-graph-trace=graph)
+NVTX = "NVTX_EVENTS"
+# ENUM_NSYS_EVENT_TYPE ids used when the export has no enum table (stable since 2.x)
+NVTX_RANGE_TYPES = {"NvtxPushPopRange": 59, "NvtxStartEndRange": 60, "NvtxtPushPopRange": 70,
+                    "NvtxtStartEndRange": 71}
+MEMCPY_KINDS = {0: "Unknown", 1: "HtoD", 2: "DtoH", 3: "HtoA", 4: "AtoH", 5: "AtoA", 6: "AtoD", 7: "DtoA",
+                8: "DtoD", 9: "HtoH", 10: "PtoP"}
+KERNEL_COLUMNS = ("start", "end", "deviceId", "streamId", "correlationId", "demangledName", "shortName")
+
+
+def is_sqlite(path: str | os.PathLike) -> bool:
+    with open(path, "rb") as fh:
+        return fh.read(16) == SQLITE_MAGIC
+
+
+class NsysExport:
+    """An open, validated Nsight Systems SQLite export."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = str(path)
+        p = Path(path)
+        if not p.is_file():
+            raise InputError(f"{path}: no such file")
+        size = p.stat().st_size
+        if size == 0:
+            raise InputError(f"{path}: empty file")
+        if not is_sqlite(p):
+            raise InputError(f"{path}: not a SQLite database (expected an Nsight Systems export: "
+                             "nsys export --type sqlite)")
+        if size < 512 or size % 512:
+            raise InputError(f"{path}: truncated SQLite file ({size} bytes is not a whole number of pages)")
+        uri = f"file:{quote(str(p.resolve()))}?mode=ro&immutable=1"
+        try:
+            self.con = sqlite3.connect(uri, uri=True)
+            self.con.execute("PRAGMA temp_store = MEMORY")
+            self.tables = {r[0] for r in self.con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+            if self.con.execute("PRAGMA quick_check(1)").fetchone()[0] != "ok":
+                raise sqlite3.DatabaseError("integrity check failed")
+        except sqlite3.DatabaseError as e:
+            raise InputError(f"{path}: unreadable SQLite file ({e}); is it truncated?") from None
+        meta = next((t for t in META_TABLES if t in self.tables), None)
+        if meta is None:
+            raise InputError(f"{path}: SQLite file but not an Nsight Systems export "
+                             "(no META_DATA_EXPORT or EXPORT_META_DATA table)")
+        self.meta = dict(self._q(f"SELECT name, value FROM {meta}"))
+        self.schema_version = str(self.meta.get("EXPORT_SCHEMA_VERSION", "unknown"))
+        major = self.schema_version.split(".")[0]
+        if major not in ("2", "3"):
+            raise InputError(f"{path}: Nsight export schema {self.schema_version} is not supported (2.x and 3.x are)")
+        if "StringIds" not in self.tables:
+            raise InputError(f"{path}: Nsight export without a StringIds table; re-export with nsys export --type sqlite")
+        self.notes: list[str] = []
+        self.has_kernels = KERNEL in self.tables
+        if self.has_kernels:
+            cols = self.columns(KERNEL)
+            missing = [c for c in KERNEL_COLUMNS if c not in cols]
+            if missing:
+                raise InputError(f"{path}: {KERNEL} lacks columns {', '.join(missing)}; unsupported Nsight schema")
+        else:
+            self.notes.append("no CUDA kernels recorded (CUPTI_ACTIVITY_KIND_KERNEL missing: profile with -t cuda)")
+        if RUNTIME not in self.tables:
+            self.notes.append("no CUDA runtime table: kernels are attributed to ranges by GPU time, not launch")
+        if NVTX not in self.tables:
+            self.notes.append("no NVTX_EVENTS table (profile with -t cuda,nvtx for step ranges)")
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _q(self, sql: str, params=()):
+        try:
+            return self.con.execute(sql, params).fetchall()
+        except sqlite3.DatabaseError as e:
+            raise InputError(f"{self.path}: unreadable Nsight export ({e})") from None
+
+    def columns(self, table: str) -> set[str]:
+        return {r[1] for r in self._q(f"PRAGMA table_info({table})")}
+
+    def close(self):
+        self.con.close()
+
+    # -- small tables ---------------------------------------------------------------------------
+    def gpus(self) -> dict[int, GPUInfo]:
+        if "TARGET_INFO_GPU" not in self.tables:
+            return {}
+        cols = self.columns("TARGET_INFO_GPU")
+        want = [c for c in ("id", "name", "smCount", "memoryBandwidth", "totalMemory", "l2CacheSize") if c in cols]
+        out = {}
+        for row in self._q(f"SELECT {', '.join(want)} FROM TARGET_INFO_GPU"):
+            d = dict(zip(want, row))
+            bw = d.get("memoryBandwidth")
+            out[int(d.get("id") or 0)] = GPUInfo(
+                name=str(d.get("name") or "unknown"), sm_count=d.get("smCount"),
+                bandwidth_tbs=(bw / 1e12 if bw else None),
+                memory_gb=(d["totalMemory"] / 1e9 if d.get("totalMemory") else None),
+                l2_mb=(d["l2CacheSize"] / 2**20 if d.get("l2CacheSize") else None), source="TARGET_INFO_GPU")
+        return out
+
+    def ranges(self) -> list[Range]:
+        if NVTX not in self.tables:
+            return []
+        cols = self.columns(NVTX)
+        types = dict(NVTX_RANGE_TYPES)
+        if "ENUM_NSYS_EVENT_TYPE" in self.tables:
+            enum = dict(self._q("SELECT name, id FROM ENUM_NSYS_EVENT_TYPE"))
+            types.update({k: enum[k] for k in NVTX_RANGE_TYPES if k in enum})
+        ids = ",".join(str(int(v)) for v in types.values())
+        name = "n.text"
+        join = ""
+        if "textId" in cols:
+            name = "coalesce(n.text, s.value)" if "text" in cols else "s.value"
+            join = "LEFT JOIN StringIds s ON s.id = n.textId"
+        tid = "n.globalTid" if "globalTid" in cols else "NULL"
+        rows = self._q(f"SELECT n.start, n.end, {name}, {tid} FROM {NVTX} n {join} "
+                       f"WHERE n.eventType IN ({ids}) AND n.end IS NOT NULL AND n.end >= n.start")
+        return [Range(name=str(r[2] or ""), start=int(r[0]), end=int(r[1]), thread=r[3]) for r in rows]
+
+    def kernel_devices(self) -> dict[int, int]:
+        if not self.has_kernels:
+            return {}
+        return {int(d): int(n) for d, n in self._q(f"SELECT deviceId, count(*) FROM {KERNEL} GROUP BY deviceId")}
+
+    def strings(self, ids) -> dict[int, str]:
+        ids = sorted({int(i) for i in ids if i is not None and i >= 0})
+        out: dict[int, str] = {}
+        for i in range(0, len(ids), 500):
+            chunk = ids[i:i + 500]
+            q = ",".join("?" * len(chunk))
+            out.update({int(k): v for k, v in self._q(f"SELECT id, value FROM StringIds WHERE id IN ({q})", chunk)})
+        return out
+
+    def memcpy_names(self) -> dict[int, str]:
+        names = dict(MEMCPY_KINDS)
+        if "ENUM_CUDA_MEMCPY_OPER" in self.tables:
+            cols = self.columns("ENUM_CUDA_MEMCPY_OPER")
+            if {"id", "label"} <= cols:
+                names.update({int(i): str(lbl) for i, lbl in self._q("SELECT id, label FROM ENUM_CUDA_MEMCPY_OPER")})
+        return names
+
+    # -- the GPU activity as one relation -------------------------------------------------------
+    def activity_sql(self, device: int | None) -> str:
+        """start, end, stream, corr, name, kind[, graph] over kernels, memcpys and memsets."""
+        where = "" if device is None else f" WHERE deviceId = {int(device)}"
+        parts = []
+        if self.has_kernels:
+            parts.append(f"SELECT start, end, streamId AS stream, correlationId AS corr, demangledName AS name, "
+                         f"0 AS kind FROM {KERNEL}{where}")
+        if MEMCPY in self.tables and {"copyKind", "streamId", "correlationId"} <= self.columns(MEMCPY):
+            parts.append(f"SELECT start, end, streamId, correlationId, -1000 - copyKind, 1 FROM {MEMCPY}{where}")
+        if MEMSET in self.tables and {"streamId", "correlationId"} <= self.columns(MEMSET):
+            parts.append(f"SELECT start, end, streamId, correlationId, -1, 2 FROM {MEMSET}{where}")
+        if GRAPH_TRACE in self.tables and {"graphExecId", "correlationId"} <= self.columns(GRAPH_TRACE):
+            parts.append(f"SELECT start, end, streamId, correlationId, -2000 - graphExecId, 3 FROM {GRAPH_TRACE}{where}")
+        if not parts:
+            return ""
+        return " UNION ALL ".join(parts)
+
+
+def _seek(table: str, key: str) -> str:
+    return f"(SELECT v FROM temp.{table} WHERE k <= {key} ORDER BY k DESC LIMIT 1)"
+
+
+def _load_bounds(con, table: str, intervals: list[tuple[int, int, int]]) -> None:
+    """Temp table (k PRIMARY KEY, v): v at each interval start, -1 just after each end."""
+    con.execute(f"DROP TABLE IF EXISTS temp.{table}")
+    con.execute(f"CREATE TEMP TABLE {table} (k INTEGER PRIMARY KEY, v INTEGER NOT NULL)")
+    con.executemany(f"INSERT OR REPLACE INTO temp.{table} VALUES (?, -1)", [(e + 1,) for _, e, _ in intervals])
+    con.executemany(f"INSERT OR REPLACE INTO temp.{table} VALUES (?, ?)", [(s, v) for s, _, v in intervals])
+
+
+def _ranges_to_corr(ex: NsysExport, intervals: list[tuple[int, int, int]], threads) -> list[tuple[int, int, int]]:
+    """CPU time intervals -> correlation-id intervals of the runtime calls made inside them."""
+    _load_bounds(ex.con, "tb", intervals)
+    thread_ids = sorted({t for t in threads if t is not None})
+    where = f"WHERE r.globalTid IN ({','.join(str(int(t)) for t in thread_ids)})" if thread_ids else ""
+    rows = ex._q(f"SELECT v, min(c), max(c) FROM (SELECT {_seek('tb', 'r.start')} AS v, r.correlationId AS c "
+                 f"FROM {RUNTIME} r {where}) WHERE v >= 0 AND c IS NOT NULL GROUP BY v")
+    return sorted(((int(a), int(b), int(v)) for v, a, b in rows), key=lambda x: x[0])
+
+
+def read_nsys_sqlite(path: str | os.PathLike, req: StepRequest | None = None) -> Aggregate:
+    req = req or StepRequest()
+    ex = NsysExport(path)
+    try:
+        return _aggregate(ex, req)
+    finally:
+        ex.close()
+
+
+def _aggregate(ex: NsysExport, req: StepRequest) -> Aggregate:
+    notes = list(ex.notes)
+    gpus = ex.gpus()
+    devices = ex.kernel_devices()
+    device = req.device
+    if device is not None and devices and device not in devices:
+        raise InputError(f"{ex.path}: no kernels on device {device} (devices with kernels: "
+                         f"{', '.join(map(str, sorted(devices)))})")
+    if device is None and len(devices) > 1:
+        device = max(devices, key=devices.get)
+        notes.append(f"kernels on {len(devices)} GPUs; profiling device {device} (choose with --device)")
+    gpu = gpus.get(device if device is not None else (next(iter(devices)) if devices else 0))
+    if gpu is None and gpus:
+        gpu = next(iter(gpus.values()))
+    if gpu is None:
+        notes.append("the trace names no GPU (no TARGET_INFO_GPU): give --gpu for floors")
+    act = ex.activity_sql(device)
+    if not act:
+        raise InputError(f"{ex.path}: the trace has no GPU activity (no kernel, memcpy or memset tables)")
+    has_runtime = RUNTIME in ex.tables
+
+    ranges = ex.ranges()
+    mode = req.mode
+    if mode == "auto":
+        mode = "range" if req.range_regex else None
+    graph_launches: list[tuple[int, int]] = []
+    if mode in (None, "graph") and ex.has_kernels and "graphNodeId" in ex.columns(KERNEL):
+        dev = "" if device is None else f" AND deviceId = {int(device)}"
+        graph_launches = [(int(c), int(g)) for c, g in ex._q(
+            f"SELECT correlationId, min(graphNodeId) FROM {KERNEL} WHERE graphNodeId IS NOT NULL{dev} "
+            f"GROUP BY correlationId ORDER BY correlationId")]
+    if mode in (None, "graph") and GRAPH_TRACE in ex.tables:
+        dev = "" if device is None else f" WHERE deviceId = {int(device)}"
+        whole = ex._q(f"SELECT correlationId, -1 - graphExecId FROM {GRAPH_TRACE}{dev} ORDER BY correlationId")
+        if whole:
+            graph_launches = sorted(graph_launches + [(int(c), int(g)) for c, g in whole])
+            notes.append(f"{len(whole)} CUDA graph launches were traced as whole graphs (nsys --cuda-graph-trace=graph):"
+                         " their kernels are not broken down; profile with --cuda-graph-trace=node for per-kernel classes")
+    if mode is None:
+        mode = "graph" if len(graph_launches) >= 2 else "gap"
+    if mode == "range" and not req.range_regex:
+        raise InputError("--step-mode range needs --step-range REGEX")
+    if mode == "graph" and len(graph_launches) < 1:
+        raise InputError(f"{ex.path}: no CUDA graph launches in the trace; use --step-range or --step-mode gap")
+
+    step_ranges: list[Range] = []
+    step_key = None  # ("corr"|"time", intervals)
+    labels: list[str] = []
+    detail = ""
+    if mode == "range":
+        step_ranges = st.select_step_ranges(ranges, req.range_regex, ex.path)
+        intervals = [(r.start, r.end, i) for i, r in enumerate(step_ranges)]
+        labels = [r.name for r in step_ranges]
+        if has_runtime:
+            step_key = ("corr", _ranges_to_corr(ex, intervals, [r.thread for r in step_ranges]))
+        else:
+            step_key = ("time", intervals)
+        detail = f"{len(step_ranges)} ranges matching {req.range_regex!r}"
+    elif mode == "graph":
+        starters = st.graph_step_starters(graph_launches)
+        last_corr = ex._q(f"SELECT max(corr) FROM ({act})")[0][0]
+        bounds = starters + [int(last_corr) + 1]
+        step_key = ("corr", [(bounds[i], bounds[i + 1] - 1, i) for i in range(len(starters))])
+        labels = [f"graph launch {c}" for c in starters]
+        detail = f"{len(starters)} launches of the most frequent CUDA graph ({len(graph_launches)} graph launches)"
+    elif mode == "gap":
+        se = np.array(ex._q(f"SELECT start, end, name FROM ({act})"), dtype=np.int64).reshape(-1, 3)
+        gap_ns = int(req.gap_us * 1e3) if req.gap_us else st.gap_threshold_ns(se[:, 0], se[:, 1], se[:, 2])
+        if gap_ns is None or len(se) == 0:
+            mode = "whole"
+        else:
+            b = st.gap_boundaries(se[:, 0], se[:, 1], gap_ns)
+            if len(b) < 2 and not req.gap_us:
+                mode = "whole"
+            else:
+                end = int(se[:, 1].max())
+                bb = b + [end + 1]
+                step_key = ("time", [(bb[i], bb[i + 1] - 1, i) for i in range(len(b))])
+                labels = [f"gap step {i}" for i in range(len(b))]
+                detail = f"{len(b)} steps separated by GPU idle gaps > {gap_ns / 1e3:.1f} us"
+    if mode == "whole":
+        step_key = None
+        labels = ["whole trace"]
+        detail = "no step ranges, graph launches or repeating gaps: the whole trace is one step"
+        notes.append("steps not found; pass --step-range REGEX to profile per step")
+
+    # tags: ranges that rules test with range: (drafter, lm_head ...), outside the step ranges
+    tag_key = None
+    tag_names: list[str] = []
+    if req.tag_regex and ranges:
+        rx = st.compile_regex(req.tag_regex, "rule range")
+        step_set = set(step_ranges)
+        tagged = [r for r in ranges if r not in step_set and rx.search(r.name)]
+        if tagged:
+            segs = st.innermost_segments(tagged)
+            tag_names = sorted({n for _, _, n in segs})
+            idx = {n: i for i, n in enumerate(tag_names)}
+            if has_runtime:
+                per_seg = _ranges_to_corr(ex, [(s, e - 1, i) for i, (s, e, _) in enumerate(segs)],
+                                          [r.thread for r in tagged])
+                tag_key = ("corr", [(a, b, idx[segs[i][2]]) for a, b, i in per_seg])
+            else:
+                tag_key = ("time", [(s, e - 1, idx[n]) for s, e, n in segs])
+
+    step_expr = "0"
+    if step_key is not None:
+        _load_bounds(ex.con, "sb", step_key[1])
+        step_expr = _seek("sb", "a.corr" if step_key[0] == "corr" else "a.start")
+    tag_expr = "-1"
+    if tag_key is not None:
+        _load_bounds(ex.con, "gb", tag_key[1])
+        tag_expr = _seek("gb", "a.corr" if tag_key[0] == "corr" else "a.start")
+
+    tagged_sql = (f"SELECT {step_expr} AS step, {tag_expr} AS tag, a.start, a.end, a.stream, a.name, a.kind "
+                  f"FROM ({act}) a")
+    rows = ex._q(f"SELECT step, tag, name, kind, stream, count(*), sum(end - start), min(start), max(end) "
+                 f"FROM ({tagged_sql}) WHERE step >= 0 GROUP BY step, tag, name, kind, stream")
+    total_events = ex._q(f"SELECT count(*) FROM ({act})")[0][0]
+
+    names = ex.strings(r[2] for r in rows if r[3] == 0)
+    mnames = ex.memcpy_names()
+
+    def _name(nid, kind):
+        if kind == 0:
+            return names.get(int(nid), f"<string {nid}>")
+        if kind == 1:
+            return f"Memcpy {mnames.get(-1000 - int(nid), 'Unknown')}"
+        if kind == 3:
+            return f"CUDA graph exec {-2000 - int(nid)} (whole graph)"
+        return "Memset"
+
+    groups: list[KernelGroup] = []
+    per_step: dict[int, dict] = {}
+    streams_per_step: dict[int, set] = {}
+    for step, tag, nid, kind, stream, n, dur, s0, e1 in rows:
+        step = int(step)
+        groups.append(KernelGroup(step=step, name=_name(nid, kind), kind=KINDS[int(kind)],
+                                  stream=stream, tag=(tag_names[int(tag)] if tag is not None and tag >= 0 else None),
+                                  count=int(n), total_ns=int(dur)))
+        p = per_step.setdefault(step, {"s": s0, "e": e1, "busy": 0, "n": 0})
+        p["s"], p["e"] = min(p["s"], s0), max(p["e"], e1)
+        p["busy"] += int(dur)
+        p["n"] += int(n)
+        streams_per_step.setdefault(step, set()).add(stream)
+
+    if any(len(s) > 1 for s in streams_per_step.values()):
+        # several streams: busy time is the union of intervals, not the sum of durations
+        union = ex._q(
+            f"SELECT step, sum(max(0, end - max(start, coalesce(pe, start)))) FROM ("
+            f"SELECT step, start, end, max(end) OVER (PARTITION BY step ORDER BY start "
+            f"ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS pe FROM ({tagged_sql})) "
+            f"WHERE step >= 0 GROUP BY step")
+        for step, busy in union:
+            if int(step) in per_step:
+                per_step[int(step)]["busy"] = int(busy)
+
+    steps = _build_steps(mode, labels, step_ranges, per_step)
+    empty = len(labels) - len(steps)
+    if empty > 0:
+        notes.append(f"{empty} step(s) launched no GPU work and were left out")
+    return Aggregate(path=ex.path, format="nsys-sqlite", format_version=ex.schema_version, gpu=gpu,
+                     step_mode=mode, step_detail=detail, steps=steps, groups=groups,
+                     total_events=int(total_events), notes=notes)
+
+
+def _build_steps(mode: str, labels: list[str], step_ranges: list[Range], per_step: dict[int, dict]) -> list[StepInfo]:
+    """StepInfo per step with GPU work; wall windows as documented in :class:`StepInfo`."""
+    present = sorted(per_step)
+    steps = []
+    for j, i in enumerate(present):
+        p = per_step[i]
+        if mode == "range":
+            r = step_ranges[i]
+            start, end = r.start, max(r.end, p["e"])
+        else:
+            start = p["s"]
+            end = per_step[present[j + 1]]["s"] if j + 1 < len(present) else p["e"]
+        steps.append(StepInfo(index=i, label=labels[i] if i < len(labels) else str(i), start=int(start),
+                              end=int(end), gpu_start=int(p["s"]), gpu_end=int(p["e"]), busy_ns=int(p["busy"]),
+                              events=int(p["n"])))
+    return steps
+
+
+def describe(path: str | os.PathLike) -> dict:
+    """What the export holds: schema version, GPUs, counts, and what is missing."""
+    ex = NsysExport(path)
+    try:
+        counts = {}
+        for t in (KERNEL, MEMCPY, MEMSET, NVTX, RUNTIME):
+            counts[t] = ex._q(f"SELECT count(*) FROM {t}")[0][0] if t in ex.tables else None
+        return {"format": "nsys-sqlite", "schema_version": ex.schema_version,
+                "product": ex.meta.get("EXPORT_PRODUCT_VERSION"), "gpus": [g.__dict__ for g in ex.gpus().values()],
+                "counts": counts, "notes": ex.notes}
+    finally:
+        ex.close()
+
+
