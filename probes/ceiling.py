@@ -52,6 +52,7 @@ class CeilingResult:
     rows_for_cost: int | None
     fractions: dict[str, float]
     tau_curve: dict[str, dict[int, float]] = field(default_factory=dict)
+    by_nodes: list[dict] = field(default_factory=list)  # predicted speedup tau(N) / c(N) per node budget
 
     def c_floor(self, f: StepFloor) -> float | None:
         return f.total_floor_ms / self.ar_floor.total_floor_ms if self.ar_floor else None
@@ -76,6 +77,7 @@ class CeilingResult:
             "by_rows": by_rows,
             "cost_model": ({**self.cost.as_dict(), "rows": self.rows_for_cost,
                             "sources": self.measurements.sources} if self.cost else None),
+            "by_nodes": self.by_nodes,
         }
 
 
@@ -161,8 +163,7 @@ def compute_ceiling(model: ModelSpec | None, gpu: GPUSpec | None, rows: list[int
         if isinstance(shape_rows, int) and shape_rows in rows:
             cost_rows = shape_rows
     curves = read_replay(replay, m, policy, cost_rows) if replay else {}
-    if rows_probe:
-        read_rows_probe(rows_probe, m, cost_rows)
+    step_curve = read_rows_probe(rows_probe, m, cost_rows) if rows_probe else {}
 
     floors: list[StepFloor] = []
     ar_floor = None
@@ -178,7 +179,9 @@ def compute_ceiling(model: ModelSpec | None, gpu: GPUSpec | None, rows: list[int
                 m.set("floor_ms", f.total_floor_ms, f"byte floor of {model.name} at {cost_rows} rows")
 
     cost = None
-    if m.any:
+    measured = {k: v for k, v in m.sources.items() if k != "floor_ms"}
+    replay_only = bool(measured) and all(src.startswith("replay") for src in measured.values())
+    if m.any and not (replay_only and model is not None):
         if len(rows) > 1 and cost_rows is None:
             raise InputError("measurements apply to one row count: give a single --rows N with --tau/--step-ms/...")
         missing = [n for n, v in (("--tau (or --replay)", m.tau), ("--step-ms (or --profile)", m.step_ms),
@@ -188,6 +191,34 @@ def compute_ceiling(model: ModelSpec | None, gpu: GPUSpec | None, rows: list[int
         cost = cost_model(m.tau, m.step_ms, m.ar_ms, m.tau_best, m.profile_ms, m.floor_ms)
     elif model is None:
         raise InputError("give --model for byte floors, or measurements (--tau, --step-ms, --ar-ms, --profile ...)")
-    return CeilingResult(model=model, gpu=gpu, floors=floors, ar_floor=ar_floor, cost=cost, measurements=m,
-                         rows_for_cost=cost_rows, fractions={"flops": flops_fraction, "bandwidth": bw_fraction},
-                         tau_curve=curves)
+    res = CeilingResult(model=model, gpu=gpu, floors=floors, ar_floor=ar_floor, cost=cost, measurements=m,
+                        rows_for_cost=cost_rows, fractions={"flops": flops_fraction, "bandwidth": bw_fraction},
+                        tau_curve=curves)
+    res.by_nodes = predict_by_nodes(curves, step_curve, m.ar_ms, res, model, gpu, batch, context, weight_dtype,
+                                    lm_head_dtype, kv_dtype, drafter, draft_rows, flops_fraction, bw_fraction)
+    return res
+
+
+def predict_by_nodes(curves, step_curve, ar_ms, res, model, gpu, batch, context, weight_dtype, lm_head_dtype,
+                     kv_dtype, drafter, draft_rows, flops_fraction, bw_fraction) -> list[dict]:
+    """Speedup tau(N) / c(N) for every node budget N of the replay's tau(N) curves.
+
+    c(N) is measured (rows probe: T_step(N) / T_AR) when a rows probe is given (node budgets it did
+    not measure are left out, never mixed with floors), else the floor c(N) of the model (the
+    regime where every kernel sits at its byte floor).
+    """
+    out = []
+    for policy, pts in curves.items():
+        for n, tau in sorted(pts.items()):
+            if step_curve:
+                if n not in step_curve or not ar_ms:
+                    continue
+                c, source = step_curve[n] / ar_ms, "measured"
+            elif model is not None and gpu is not None and res.ar_floor is not None:
+                f = step_floor(model, gpu, n, batch, context, weight_dtype, lm_head_dtype, kv_dtype, drafter,
+                               draft_rows, flops_fraction, bw_fraction)
+                c, source = f.total_floor_ms / res.ar_floor.total_floor_ms, "floor"
+            else:
+                continue
+            out.append({"policy": policy, "nodes": n, "tau": tau, "c": c, "c_source": source, "speedup": tau / c})
+    return out

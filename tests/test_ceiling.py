@@ -197,3 +197,29 @@ def test_version_and_help(run_cli):
     assert code == 0 and "byte floor" in out.lower()
     code, _, err = run_cli("no-such-verb")
     assert code == 2 and err.startswith("specpilot: error:")
+
+
+def test_cli_predicted_speedup_by_nodes(run_cli, tmp_path):
+    replay = tmp_path / "replay.json"
+    replay.write_text(json.dumps({"schema": "specpilot.replay/1", "policies": [{"policy": "chain", "tau": 4.0}],
+                                  "curves": {"best-first": {"8": 4.5, "32": 5.4, "63": 5.6}}}))
+    rows = tmp_path / "rows.json"
+    rows.write_text(json.dumps({"schema": "specpilot.rows/1", "ar_ms": 10.0, "points": [
+        {"rows": 1, "step_ms": 10.0}, {"rows": 8, "step_ms": 10.2}, {"rows": 32, "step_ms": 10.8}]}))
+    code, out, err = run_cli("ceiling", "--model", "llama-3.1-8b", "--gpu", "h100", "--rows", "32",
+                             "--replay", replay, "--rows-probe", rows, "--format", "json")
+    assert code == 0, err
+    doc = json.loads(out)
+    by = {r["nodes"]: r for r in doc["by_nodes"]}
+    assert by[32]["c_source"] == "measured" and by[32]["c"] == pytest.approx(1.08)
+    assert by[32]["speedup"] == pytest.approx(5.4 / 1.08)
+    assert 63 not in by  # not probed: measured and floor c are never mixed
+    code, out, err = run_cli("ceiling", "--model", "llama-3.1-8b", "--gpu", "h100", "--rows", "32",
+                             "--replay", replay, "--format", "json")
+    floor_by = {r["nodes"]: r for r in json.loads(out)["by_nodes"]}
+    assert floor_by[63]["c_source"] == "floor" and floor_by[63]["c"] > floor_by[8]["c"] > 1.0
+    # T_step(32) and T_AR came from the rows probe
+    assert doc["cost_model"]["step_ms"] == 10.8 and doc["cost_model"]["ar_ms"] == 10.0
+    code, out, err = run_cli("ceiling", "--model", "llama-3.1-8b", "--gpu", "h100", "--rows", "32",
+                             "--replay", replay, "--rows-probe", rows)
+    assert code == 0 and "Best: best-first at 32 nodes" in out

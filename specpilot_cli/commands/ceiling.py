@@ -113,6 +113,13 @@ def _report(res) -> Report:
                                 note=f"AR floor (1 row, no drafter): {res.ar_floor.total_floor_ms:.4g} ms/token; "
                                      f"fractions {res.fractions['flops']:.2f} of peak FLOP/s, "
                                      f"{res.fractions['bandwidth']:.2f} of peak bandwidth."))
+    if res.by_nodes:
+        best = max(res.by_nodes, key=lambda r: r["speedup"])
+        sections.append(Section("Predicted speedup by node budget: tau(N) / c(N)",
+                                ["policy", "nodes", "tau", "c", "c from", "speedup"],
+                                [[r["policy"], r["nodes"], r["tau"], r["c"], r["c_source"], r["speedup"]]
+                                 for r in res.by_nodes],
+                                note=f"Best: {best['policy']} at {best['nodes']} nodes ({best['speedup']:.3g}x over AR)."))
     if res.cost:
         c = res.cost
         rows = [["current speedup (tau / c)", c.speedup, f"tau {c.tau:.4g}, c {c.c:.4g} = {c.step_ms:.4g} / {c.ar_ms:.4g} ms"]]
