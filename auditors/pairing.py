@@ -1,0 +1,330 @@
+"""Running two systems as paired timing runs: what a system is, and the ABBA / GPU-swap schedules.
+
+Systems:
+
+- :class:`ShellSystem` - a shell command; its measurement is the wall time of one run (lower is
+  better) or a throughput it prints as a JSON object on its last stdout line (``--metric KEY``,
+  higher is better). ``{gpu}`` in the command and ``CUDA_VISIBLE_DEVICES`` name the GPU it runs on
+  when the schedule pins GPUs.
+- :class:`GenerateSystem` - an embedded-engine spec or an SGLang-compatible server (through
+  ``specpilot.auditors.systems``): one run generates greedily for the same prompts in the same order
+  and measures output tokens per second.
+
+Schedules (:func:`run_pairs`):
+
+- ABBA (one GPU or CPU): blocks of A B B A. Pair 1 is (A, B), pair 2 is (A, B) measured in the
+  reverse order, so a linear drift cancels within a block; the two A runs of a block are the A/A
+  split that measures stock's own noise.
+- GPU swap (``gpus=(g0, g1)``, shell commands): A on g0 and B on g1 at the same time, then A on g1
+  and B on g0; the A/A split is A on g0 vs A on g1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from specpilot.errors import EnvironmentMissing, InputError
+
+from .timing import Sample
+
+
+class System:
+    label: str
+    metric: str = "wall"
+    unit: str = "s"
+    higher_is_better: bool = False
+
+    def measure(self, gpu: str | None = None) -> float:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def start(self, gpu: str | None = None):  # concurrent runs; default: not supported
+        raise InputError(f"{self.label}: running two systems at once on two GPUs needs shell commands "
+                         "(--base-cmd/--candidate-cmd)")
+
+    def close(self) -> None:
+        pass
+
+
+def _tail(text: str, n: int = 160) -> str:
+    t = " ".join((text or "").split())
+    return ("..." + t[-n:]) if len(t) > n else t
+
+
+class ShellSystem(System):
+    def __init__(self, cmd: str, role: str, metric: str = "wall", timeout: float | None = None,
+                 cwd: str | None = None):
+        if not cmd or not cmd.strip():
+            raise InputError(f"--{role}-cmd is empty")
+        self.cmd, self.role, self.timeout, self.cwd = cmd, role, timeout, cwd
+        self.label = cmd
+        self.metric = metric
+        if metric == "wall":
+            self.unit, self.higher_is_better = "s", False
+        else:
+            self.unit, self.higher_is_better = metric, True
+        self.runs = 0
+
+    def _argv(self, gpu):
+        cmd = self.cmd.replace("{gpu}", shlex.quote(gpu)) if gpu is not None else self.cmd
+        env = dict(os.environ)
+        if gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpu
+        return cmd, env
+
+    def measure(self, gpu=None) -> float:
+        return self.finish(self.start(gpu))
+
+    def start(self, gpu=None):
+        cmd, env = self._argv(gpu)
+        t0 = time.perf_counter()
+        try:
+            p = subprocess.Popen(cmd, shell=True, env=env, cwd=self.cwd, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
+        except OSError as e:
+            raise InputError(f"{self.role} command could not start: {e}") from None
+        return (p, t0)
+
+    def finish(self, handle) -> float:
+        p, t0 = handle
+        try:
+            out, err = p.communicate(timeout=self.timeout)
+        except subprocess.TimeoutExpired:
+            _kill(p)
+            raise InputError(f"{self.role} command ran past --timeout {self.timeout:g} s on run {self.runs + 1}: "
+                             f"{self.cmd}") from None
+        except BaseException:
+            _kill(p)
+            raise
+        wall = time.perf_counter() - t0
+        self.runs += 1
+        if p.returncode != 0:
+            raise InputError(f"{self.role} command failed (exit {p.returncode}) on run {self.runs}: {self.cmd}"
+                             + (f"; stderr: {_tail(err)}" if err and err.strip() else ""))
+        if self.metric == "wall":
+            return wall
+        return _metric_from_stdout(out, self.metric, f"{self.role} command run {self.runs}")
+
+
+def _kill(p: subprocess.Popen) -> None:
+    import signal
+
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        p.communicate(timeout=5)
+    except Exception:
+        pass
+
+
+def _metric_from_stdout(out: str, key: str, where: str) -> float:
+    lines = [ln for ln in (out or "").splitlines() if ln.strip()]
+    if not lines:
+        raise InputError(f"{where}: printed nothing; --metric {key} expects a JSON object like "
+                         f"{{\"{key}\": 123.4}} on its last line")
+    try:
+        obj = json.loads(lines[-1])
+    except json.JSONDecodeError:
+        raise InputError(f"{where}: last stdout line is not JSON ({_tail(lines[-1], 60)!r}); --metric {key} "
+                         f"expects {{\"{key}\": number}}") from None
+    v = obj
+    for part in key.split("."):
+        if not isinstance(v, dict) or part not in v:
+            raise InputError(f"{where}: the JSON on its last line has no {key!r}")
+        v = v[part]
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or v != v or v == float("inf"):
+        raise InputError(f"{where}: {key!r} must be a positive number, got {v!r}")
+    return float(v)
+
+
+class GenerateSystem(System):
+    """An engine spec or HTTP server: tokens/s over the prompt set, one run = every prompt once."""
+
+    def __init__(self, spec: str, prompts, max_new_tokens: int, timeout: float = 120.0):
+        from .systems import make_generator, parse_system
+
+        if not prompts:
+            raise InputError(f"{spec}: timing an engine or a server needs --prompts FILE")
+        if max_new_tokens < 1:
+            raise InputError(f"--max-new-tokens {max_new_tokens}: must be at least 1")
+        self.system = parse_system(spec)
+        if self.system.kind == "file":
+            raise InputError(f"{spec}: an outputs file cannot be timed; give an engine: spec, a server URL, "
+                             "or --base-cmd/--candidate-cmd")
+        self.label = spec
+        self.metric, self.unit, self.higher_is_better = "throughput", "tok/s", True
+        self.prompts = list(prompts)
+        self.max_new_tokens = max_new_tokens
+        self.gen = make_generator(self.system, timeout=timeout)
+        self.outputs: list[list[int]] | None = None
+        self.outputs_stable = True
+
+    def measure(self, gpu=None) -> float:
+        t0 = time.perf_counter()
+        outs, tokens = [], 0
+        for p in self.prompts:
+            ids = self.gen.generate(list(p.prompt_ids), self.max_new_tokens)
+            outs.append(list(ids))
+            tokens += len(ids)
+        wall = time.perf_counter() - t0
+        if self.outputs is None:
+            self.outputs = outs
+        elif outs != self.outputs:
+            self.outputs_stable = False
+        if tokens == 0:
+            raise InputError(f"{self.label}: generated no tokens")
+        return tokens / wall
+
+    def close(self):
+        self.gen.close()
+
+
+def make_system(spec: str | None, cmd: str | None, role: str, *, metric: str, timeout: float | None,
+                prompts=None, max_new_tokens: int = 128) -> System:
+    if cmd is not None:
+        return ShellSystem(cmd, role, metric=metric, timeout=timeout)
+    if spec is None:
+        raise InputError(f"give --{role} SPEC or --{role}-cmd CMD")
+    if metric != "wall":
+        raise InputError("--metric applies to shell commands; engines and servers are timed in tokens/s")
+    return GenerateSystem(spec, prompts, max_new_tokens, timeout=timeout or 120.0)
+
+
+@dataclass
+class PairRun:
+    samples: list[Sample]
+    aa: list[tuple[float, float]]
+
+
+def run_block(a: System, b: System, block: int, pair0: int, gpus: Sequence[str] | None) -> tuple[list[Sample], tuple]:
+    if gpus:
+        g0, g1 = gpus
+        out = []
+        firsts = []
+        for ga, gb in ((g0, g1), (g1, g0)):
+            ha = a.start(ga)
+            hb = b.start(gb)
+            va, vb = a.finish(ha), b.finish(hb)
+            firsts.append(va)
+            out.append(Sample(pair0 + len(out), block, va, vb, "||", ga, gb))
+        return out, (firsts[0], firsts[1])
+    a1 = a.measure()
+    b1 = b.measure()
+    b2 = b.measure()
+    a2 = a.measure()
+    return [Sample(pair0, block, a1, b1, "AB"), Sample(pair0 + 1, block, a2, b2, "BA")], (a1, a2)
+
+
+def run_pairs(a: System, b: System, n_pairs: int, *, gpus: Sequence[str] | None = None, start_block: int = 0,
+              start_pair: int = 0, tick: Callable[[int], None] | None = None) -> PairRun:
+    """``n_pairs`` (rounded up to whole blocks of 2) paired samples on the chosen schedule."""
+    samples: list[Sample] = []
+    aa = []
+    block = start_block
+    while len(samples) < n_pairs:
+        s, pair_aa = run_block(a, b, block, start_pair + len(samples), gpus)
+        samples.extend(s)
+        aa.append(pair_aa)
+        block += 1
+        if tick:
+            tick(len(s))
+    return PairRun(samples, aa)
+
+
+def warm_up(a: System, b: System, n: int, gpus: Sequence[str] | None = None) -> None:
+    for _ in range(n):
+        if gpus:
+            run_block(a, b, -1, 0, gpus)
+        else:
+            a.measure()
+            b.measure()
+
+
+def parse_gpus(text: str | None) -> tuple[str, str] | None:
+    if not text:
+        return None
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if len(parts) != 2 or parts[0] == parts[1]:
+        raise InputError(f"--gpus {text!r}: give two different GPU ids, e.g. --gpus 0,1")
+    try:
+        import torch
+
+        n = torch.cuda.device_count()
+    except Exception:
+        n = None
+    if n is not None and n >= 1:
+        for p in parts:
+            if p.isdigit() and int(p) >= n:
+                raise EnvironmentMissing(f"--gpus {text}: GPU {p} does not exist ({n} visible)")
+    return parts[0], parts[1]
+
+
+def paired_compare(a: System, b: System, *, runs: int | None = None, warmup: int = 1,
+                   gpus: Sequence[str] | None = None, noise: float | None = None, changes_output: bool = False,
+                   max_runs: int = 200, n_boot: int = 4000, seed: int = 0,
+                   tick: Callable[[int], None] | None = None, set_total: Callable[[int], None] | None = None):
+    """Warm up, run paired samples (a pilot and a power-planned total when ``runs`` is None), judge."""
+    import math
+
+    import numpy as np
+
+    from .power import PILOT_PAIRS, plan_runs
+    from .timing import TimingResult, judge, speed_ratios
+
+    if runs is not None and runs < 2:
+        raise InputError(f"--runs {runs}: need at least 2 pairs")
+    if a.higher_is_better != b.higher_is_better or a.unit != b.unit:
+        raise InputError("base and candidate must be measured in the same metric")
+    hib = a.higher_is_better
+    warm_up(a, b, warmup, gpus)
+    plan = None
+    if runs is None:
+        if set_total:
+            set_total(PILOT_PAIRS)
+        pilot = run_pairs(a, b, PILOT_PAIRS, gpus=gpus, tick=tick)
+        lr = np.log(speed_ratios(pilot.samples, hib))
+        aa = np.array(pilot.aa, dtype=float)
+        aa_lr = np.log(aa[:, 0] / aa[:, 1])
+        # plan for a true 3% gain, or for half the pilot's gain when that is larger (a clear win
+        # does not need the runs a 3% gain needs; under no gain this is the 3% plan)
+        target = max(1.03, 1.0 + (math.exp(float(lr.mean())) - 1.0) / 2.0)
+        p = plan_runs(float(lr.std(ddof=1)), float(aa_lr.std(ddof=1)) if len(aa_lr) > 1 else 0.0,
+                      len(lr), target_gain=target, changes_output=changes_output, noise=noise,
+                      max_pairs=max_runs)
+        plan = p.to_json()
+        samples, aa_pairs = list(pilot.samples), list(pilot.aa)
+        if set_total:
+            set_total(max(p.pairs, len(samples)))
+        if p.pairs > len(samples):
+            rest = run_pairs(a, b, p.pairs - len(samples), gpus=gpus, start_block=len(pilot.aa),
+                             start_pair=len(samples), tick=tick)
+            samples += rest.samples
+            aa_pairs += rest.aa
+    else:
+        if set_total:
+            set_total(runs + runs % 2)
+        r = run_pairs(a, b, runs, gpus=gpus, tick=tick)
+        samples, aa_pairs = r.samples, r.aa
+    extra = {}
+    outputs_differ = False
+    if isinstance(a, GenerateSystem) and isinstance(b, GenerateSystem):
+        outputs_differ = a.outputs != b.outputs
+        extra["outputs_identical"] = not outputs_differ
+        extra["outputs_stable"] = a.outputs_stable and b.outputs_stable
+        extra["prompts"] = len(a.prompts)
+        extra["max_new_tokens"] = a.max_new_tokens
+        if outputs_differ and not changes_output:
+            changes_output = True
+            extra["changes_output_reason"] = "candidate outputs differ from base outputs: the 3% rule applies"
+    v = judge(samples, higher_is_better=hib, aa_pairs=aa_pairs, noise=noise, changes_output=changes_output,
+              n_boot=n_boot, seed=seed)
+    schedule = f"GPU swap on {gpus[0]},{gpus[1]}" if gpus else "ABBA"
+    return TimingResult(a.label, b.label, a.metric, a.unit, hib, schedule, changes_output, samples, aa_pairs, v,
+                        warmup=warmup, plan=plan, extra=extra)

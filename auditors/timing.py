@@ -1,0 +1,205 @@
+"""Paired-timing statistics and the approval rule (paper 3.3).
+
+Each paired sample is one measurement of the base and one of the candidate under the same
+conditions (same requests, adjacent in time or at the same time on two GPUs). Its *speed ratio*
+is candidate speed / base speed (base time / candidate time for wall times, candidate throughput /
+base throughput for throughputs), so a ratio above 1 means the candidate is faster.
+
+- gain: geometric mean of the paired ratios.
+- 95% interval: paired bootstrap, resampling whole blocks (an ABBA block or a GPU-swap block keeps
+  its two pairs together so drift cancellation survives resampling); a t-interval on the log ratios
+  is computed beside it as a check, and approval needs both lower bounds to clear the threshold.
+- noise: stock's own noise from an A/A split in the same run (the base measured twice per block:
+  |geometric mean of base_first / base_second - 1|), or given.
+- approve when the lower bound > 1% + 2 x noise; a change that alters outputs must clear 3% (or
+  1% + 2 x noise when that is larger), the paper's rule for patches that may carry a loss.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from specpilot.errors import InputError
+
+TIMING_SCHEMA = "specpilot.timing/1"
+BASE_MARGIN = 0.01
+CHANGES_OUTPUT_MARGIN = 0.03
+
+
+@dataclass
+class Sample:
+    """One paired measurement. ``base``/``candidate`` are in the metric's own unit."""
+
+    pair: int
+    block: int
+    base: float
+    candidate: float
+    order: str = "AB"          # which ran first ("AB", "BA") or "||" when concurrent
+    gpu_base: str | None = None
+    gpu_candidate: str | None = None
+
+
+@dataclass
+class Verdict:
+    gain: float
+    ci_low: float
+    ci_high: float
+    t_ci: tuple[float, float]
+    noise: float
+    noise_source: str
+    threshold: float
+    approved: bool
+    pairs: int
+    blocks: int
+    sd_log_ratio: float
+    reason: str
+
+    @property
+    def verdict(self) -> str:
+        return "approved" if self.approved else "not approved"
+
+
+def speed_ratios(samples: Sequence[Sample], higher_is_better: bool) -> np.ndarray:
+    b = np.array([s.base for s in samples], dtype=np.float64)
+    c = np.array([s.candidate for s in samples], dtype=np.float64)
+    if (b <= 0).any() or (c <= 0).any() or not np.isfinite(b).all() or not np.isfinite(c).all():
+        raise InputError("every measurement must be a positive finite number")
+    return c / b if higher_is_better else b / c
+
+
+def threshold_for(noise: float, changes_output: bool) -> float:
+    """The gain the lower bound must beat, as a fraction (0.012 = 1.2%)."""
+    base = BASE_MARGIN + 2.0 * noise
+    return max(CHANGES_OUTPUT_MARGIN, base) if changes_output else base
+
+
+def aa_noise(aa_pairs: Sequence[tuple[float, float]], higher_is_better: bool) -> float:
+    """|geometric mean of first/second - 1| over the A/A split (first vs second base run per block)."""
+    if not aa_pairs:
+        return 0.0
+    a = np.array(aa_pairs, dtype=np.float64)
+    r = a[:, 0] / a[:, 1] if higher_is_better else a[:, 1] / a[:, 0]
+    return float(abs(math.exp(np.log(r).mean()) - 1.0))
+
+
+def bootstrap_gain_ci(log_r: np.ndarray, blocks: np.ndarray, n_boot: int = 4000, seed: int = 0,
+                      level: float = 0.95) -> tuple[float, float]:
+    """Percentile interval of exp(mean log ratio), resampling blocks with replacement."""
+    uniq, inv = np.unique(blocks, return_inverse=True)
+    g = len(uniq)
+    sums = np.bincount(inv, weights=log_r, minlength=g)
+    cnts = np.bincount(inv, minlength=g).astype(np.float64)
+    if g < 2:
+        v = math.exp(float(log_r.mean()))
+        return (v, v)
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, g, size=(n_boot, g))
+    means = sums[idx].sum(1) / cnts[idx].sum(1)
+    a = (1 - level) / 2
+    lo, hi = np.quantile(means, [a, 1 - a])
+    return (math.exp(lo), math.exp(hi))
+
+
+def t_interval(log_r: np.ndarray, level: float = 0.95) -> tuple[float, float]:
+    from scipy import stats
+
+    n = len(log_r)
+    mu = float(log_r.mean())
+    if n < 2:
+        return (math.exp(mu), math.exp(mu))
+    se = float(log_r.std(ddof=1)) / math.sqrt(n)
+    t = float(stats.t.ppf(0.5 + level / 2, n - 1))
+    return (math.exp(mu - t * se), math.exp(mu + t * se))
+
+
+def judge(samples: Sequence[Sample], *, higher_is_better: bool, aa_pairs: Sequence[tuple[float, float]] = (),
+          noise: float | None = None, changes_output: bool = False, n_boot: int = 4000,
+          seed: int = 0) -> Verdict:
+    """Gain, intervals, noise and the approval verdict for paired samples."""
+    if len(samples) < 2:
+        raise InputError(f"need at least 2 paired samples, got {len(samples)}")
+    r = speed_ratios(samples, higher_is_better)
+    log_r = np.log(r)
+    blocks = np.array([s.block for s in samples])
+    gain = math.exp(float(log_r.mean()))
+    lo, hi = bootstrap_gain_ci(log_r, blocks, n_boot, seed)
+    t_lo, t_hi = t_interval(log_r)
+    if noise is None:
+        noise_v, src = aa_noise(aa_pairs, higher_is_better), "A/A split (base first vs second run per block)"
+        if not aa_pairs:
+            src = "none measured (no A/A split)"
+    else:
+        if not 0 <= noise < 1:
+            raise InputError(f"--noise must be a fraction in [0, 1), got {noise}")
+        noise_v, src = float(noise), "given"
+    thr = threshold_for(noise_v, changes_output)
+    need = 1.0 + thr
+    ok_boot, ok_t = lo > need, t_lo > need
+    approved = ok_boot and ok_t
+    if approved:
+        reason = f"lower bound {_pct(min(lo, t_lo))} > threshold {_pct(need)}"
+    elif ok_boot != ok_t:
+        reason = (f"bootstrap ({_pct(lo)}) and t ({_pct(t_lo)}) lower bounds disagree about the threshold "
+                  f"{_pct(need)}: more runs needed")
+    else:
+        reason = f"lower bound {_pct(lo)} <= threshold {_pct(need)}"
+    sd = float(log_r.std(ddof=1)) if len(log_r) > 1 else 0.0
+    return Verdict(gain, lo, hi, (t_lo, t_hi), noise_v, src, thr, approved, len(samples),
+                   len(np.unique(blocks)), sd, reason)
+
+
+def _pct(ratio: float) -> str:
+    return f"{(ratio - 1) * 100:+.2f}%"
+
+
+@dataclass
+class TimingResult:
+    base: str
+    candidate: str
+    metric: str
+    unit: str
+    higher_is_better: bool
+    schedule: str
+    changes_output: bool
+    samples: list[Sample]
+    aa: list[tuple[float, float]]
+    verdict: Verdict
+    warmup: int = 0
+    plan: dict | None = None
+    extra: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        v = self.verdict
+        ratios = speed_ratios(self.samples, self.higher_is_better)
+        samples = []
+        for s, r in zip(self.samples, ratios):
+            d = asdict(s)
+            d["ratio"] = float(r)
+            samples.append(d)
+        return {
+            "schema": TIMING_SCHEMA, "base": self.base, "candidate": self.candidate,
+            "metric": self.metric, "unit": self.unit, "higher_is_better": self.higher_is_better,
+            "schedule": self.schedule, "warmup": self.warmup, "runs": len(self.samples),
+            "samples": samples,
+            "aa": [{"block": i, "first": a, "second": b} for i, (a, b) in enumerate(self.aa)],
+            "gain": v.gain, "ci_low": v.ci_low, "ci_high": v.ci_high, "t_ci": list(v.t_ci),
+            "sd_log_ratio": v.sd_log_ratio, "noise": v.noise, "noise_source": v.noise_source,
+            "changes_output": self.changes_output, "threshold": v.threshold,
+            "approved": v.approved, "verdict": v.verdict, "reason": v.reason,
+            **({"plan": self.plan} if self.plan else {}), **self.extra,
+        }
+
+
+def read_timing(path) -> dict:
+    """Read a ``specpilot.timing/1`` file (for other verbs and for re-judging)."""
+    from specpilot.fileio import read_json
+
+    d = read_json(path, "timing")
+    for k in ("samples", "gain", "ci_low", "approved"):
+        if k not in d:
+            raise InputError(f"{path}: timing file lacks {k!r}")
+    return d

@@ -1,0 +1,145 @@
+"""``specpilot compare``: is a candidate really faster than the base? Paired runs, a confidence
+bound, and the paper's approval rule."""
+
+from __future__ import annotations
+
+import click
+
+from specpilot.output import Report, Section, emit, output_options
+
+
+def _runs(ctx, param, value):
+    if value is None or value.strip().lower() == "auto":
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a number or 'auto'") from None
+    if n < 2:
+        raise click.BadParameter("need at least 2 pairs")
+    return n
+
+
+@click.command("compare")
+@click.option("--base", "base", metavar="SYSTEM", default=None,
+              help="Base system: an engine spec (engine:model=smollm2,mode=chain) or a server URL.")
+@click.option("--candidate", "candidate", metavar="SYSTEM", default=None, help="Candidate system (as --base).")
+@click.option("--base-cmd", default=None, metavar="CMD", help="Base shell command (timed per run).")
+@click.option("--candidate-cmd", default=None, metavar="CMD", help="Candidate shell command.")
+@click.option("--metric", default="wall", show_default=True, metavar="wall|KEY",
+              help="Shell commands: 'wall' times each run; KEY reads a throughput (higher is better) from "
+                   "the JSON object the command prints on its last stdout line, e.g. tokens_per_s.")
+@click.option("--prompts", type=click.Path(dir_okay=False), default=None,
+              help="Request set for engines/servers (specpilot.prompts/1 or outputs JSONL); same requests, "
+                   "same order, every run.")
+@click.option("--max-new-tokens", type=click.IntRange(1, 100000), default=128, show_default=True)
+@click.option("--runs", callback=_runs, default="auto", show_default=True, metavar="N|auto",
+              help="Paired samples (rounded up to whole blocks of 2). auto: a pilot of 8 pairs, then as many "
+                   "as give 80% power to approve a true 3% gain.")
+@click.option("--max-runs", type=click.IntRange(2, 100000), default=200, show_default=True,
+              help="Cap on the pairs --runs auto may plan.")
+@click.option("--warmup", type=click.IntRange(0, 1000), default=1, show_default=True,
+              help="Unmeasured runs of each system first.")
+@click.option("--gpus", default=None, metavar="G0,G1",
+              help="Shell commands on two GPUs: both at once (CUDA_VISIBLE_DEVICES, or {gpu} in the command), "
+                   "then swapped.")
+@click.option("--noise", type=float, default=None,
+              help="Stock noise as a fraction (0.001 = 0.1%) instead of the A/A split measured in this run.")
+@click.option("--changes-output", is_flag=True,
+              help="The candidate changes outputs: approve only above 3% (engines/servers: set automatically "
+                   "when outputs differ).")
+@click.option("--timeout", type=float, default=None, help="Seconds allowed per run (shell) or per request (server).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Bootstrap seed.")
+@output_options
+def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, max_new_tokens, runs, max_runs, warmup,
+            gpus, noise, changes_output, timeout, seed, fmt, out):
+    """Time a candidate against a base with paired runs and approve it only when it is faster.
+
+    Runs are interleaved ABBA (same requests, same order), or with --gpus both systems at once on
+    two GPUs, then swapped. gain = geometric mean of paired speed ratios; 95% interval by paired
+    bootstrap over blocks (a t-interval on log ratios as a check). Approved when both lower bounds
+    exceed 1% + 2 x stock noise (A/A split of the base runs), or 3% with --changes-output.
+    Exit 0 approved, 1 not approved, 2 bad input, 3 missing environment.
+
+    \b
+    Examples:
+      specpilot compare --base-cmd "python bench.py --old" --candidate-cmd "python bench.py --new"
+      specpilot compare --base-cmd "./serve_bench --tree 0" --candidate-cmd "./serve_bench --tree 32" \\
+          --metric tokens_per_s --runs 20 --out timing.json --format json
+      specpilot compare --base engine:model=smollm2,mode=chain \\
+          --candidate engine:model=smollm2,mode=tree,nodes=32 --prompts prompts.jsonl
+    """
+    from specpilot.auditors.pairing import make_system, paired_compare, parse_gpus
+    from specpilot.errors import InputError
+    from specpilot.output import progress
+
+    if (base is None) == (base_cmd is None):
+        raise InputError("give exactly one of --base SYSTEM and --base-cmd CMD")
+    if (candidate is None) == (candidate_cmd is None):
+        raise InputError("give exactly one of --candidate SYSTEM and --candidate-cmd CMD")
+    if (base_cmd is None) != (candidate_cmd is None):
+        raise InputError("compare like with like: two shell commands, or two systems")
+    if noise is not None and not 0 <= noise < 1:
+        raise InputError(f"--noise {noise}: a fraction in [0, 1), e.g. 0.001 for 0.1%")
+    if timeout is not None and timeout <= 0:
+        raise InputError(f"--timeout {timeout}: must be positive")
+    gpu_pair = parse_gpus(gpus)
+    if gpu_pair and base_cmd is None:
+        raise InputError("--gpus runs shell commands on two GPUs; for engines/servers start each on its own GPU")
+    prompt_rows = None
+    if prompts:
+        from specpilot.auditors.outputs import read_prompts
+
+        prompt_rows = read_prompts(prompts)
+    elif base_cmd is None:
+        raise InputError("timing engines or servers needs --prompts FILE (the request set)")
+    a = make_system(base, base_cmd, "base", metric=metric, timeout=timeout, prompts=prompt_rows,
+                    max_new_tokens=max_new_tokens)
+    try:
+        b = make_system(candidate, candidate_cmd, "candidate", metric=metric, timeout=timeout, prompts=prompt_rows,
+                        max_new_tokens=max_new_tokens)
+    except BaseException:
+        a.close()
+        raise
+    bar = progress(total=runs or 8, desc="paired runs", unit="pair")
+    try:
+        def set_total(n):
+            bar.total = n
+            bar.refresh()
+
+        result = paired_compare(a, b, runs=runs, warmup=warmup, gpus=gpu_pair, noise=noise,
+                                changes_output=changes_output, max_runs=max_runs, seed=seed,
+                                tick=bar.update, set_total=set_total)
+    finally:
+        bar.close()
+        a.close()
+        b.close()
+    emit(report(result), fmt, out, protect=[p for p in [prompts] if p])
+    return 0 if result.verdict.approved else 1
+
+
+def report(result) -> Report:
+    v = result.verdict
+    pct = lambda r: f"{(r - 1) * 100:+.2f}%"  # noqa: E731
+    rows = [
+        ["gain (geometric mean of paired speed ratios)", f"{v.gain:.4f}x ({pct(v.gain)})"],
+        ["95% CI, paired bootstrap over blocks", f"[{v.ci_low:.4f}, {v.ci_high:.4f}]"],
+        ["95% CI, t on log ratios (check)", f"[{v.t_ci[0]:.4f}, {v.t_ci[1]:.4f}]"],
+        ["stock noise", f"{v.noise * 100:.3f}% ({v.noise_source})"],
+        ["threshold on the lower bound", f"{v.threshold * 100:+.2f}%" + ("  (changes output)" if result.changes_output else "")],
+        ["pairs / blocks", f"{v.pairs} / {v.blocks} ({result.schedule}, warm-up {result.warmup})"],
+        ["sd of log ratio per pair", f"{v.sd_log_ratio * 100:.3f}%"],
+    ]
+    if result.plan:
+        p = result.plan
+        rows.append(["run count (power plan)", f"{p['pairs']} pairs for {p['power'] * 100:.0f}% power at a true "
+                     f"{(p['target_gain'] - 1) * 100:.0f}% gain" + ("  (capped by --max-runs)" if p["capped"] else "")])
+    unit = result.unit
+    med_b = sorted(s.base for s in result.samples)[len(result.samples) // 2]
+    med_c = sorted(s.candidate for s in result.samples)[len(result.samples) // 2]
+    rows.insert(0, ["median base / candidate", f"{med_b:.6g} / {med_c:.6g} {unit}"])
+    lines = [f"verdict: {v.verdict.upper()}: {v.reason}"]
+    if result.extra.get("changes_output_reason"):
+        lines.insert(0, f"note: {result.extra['changes_output_reason']}")
+    return Report(data=result.to_json(), sections=[Section(f"{result.candidate}  vs  {result.base}",
+                                                           ["measure", "value"], rows)], lines=lines)

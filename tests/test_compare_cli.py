@@ -1,0 +1,120 @@
+"""``specpilot compare`` with real shell commands through the CLI."""
+
+import json
+import sys
+
+import pytest
+
+from specpilot.auditors.pairing import ShellSystem, run_pairs
+
+PY = sys.executable
+
+
+def emit_cmd(value, key="tokens_per_s"):
+    return f"echo '{{\"{key}\": {value}}}'"
+
+
+def test_throughput_metric_approved(tmp_path, run_cli):
+    out = tmp_path / "t.json"
+    code, stdout, err = run_cli("compare", "--base-cmd", emit_cmd(100), "--candidate-cmd", emit_cmd(150),
+                                "--metric", "tokens_per_s", "--runs", "6", "--warmup", "0",
+                                "--out", out, "--format", "json")
+    assert code == 0, err
+    d = json.loads(out.read_text())
+    assert d["schema"] == "specpilot.timing/1"
+    assert d["gain"] == pytest.approx(1.5) and d["ci_low"] == pytest.approx(1.5)
+    assert d["approved"] is True and d["verdict"] == "approved"
+    assert d["noise"] == 0.0 and d["threshold"] == pytest.approx(0.01)
+    assert len(d["samples"]) == 6 and [s["order"] for s in d["samples"][:2]] == ["AB", "BA"]
+    assert all(s["ratio"] == pytest.approx(1.5) for s in d["samples"])
+    assert len(d["aa"]) == 3 and d["t_ci"][0] == pytest.approx(1.5)
+
+
+def test_same_command_not_approved_exit_1(tmp_path, run_cli):
+    code, stdout, err = run_cli("compare", "--base-cmd", emit_cmd(100), "--candidate-cmd", emit_cmd(100),
+                                "--metric", "tokens_per_s", "--runs", "4", "--warmup", "0")
+    assert code == 1
+    assert "NOT APPROVED" in stdout and "+0.00%" in stdout
+
+
+def test_changes_output_needs_3_percent(run_cli):
+    args = ["compare", "--base-cmd", emit_cmd(100), "--candidate-cmd", emit_cmd(102), "--metric", "tokens_per_s",
+            "--runs", "4", "--warmup", "0", "--format", "json"]
+    code, out, _ = run_cli(*args)
+    assert code == 0 and json.loads(out)["approved"]
+    code, out, _ = run_cli(*args, "--changes-output")
+    assert code == 1 and json.loads(out)["threshold"] == pytest.approx(0.03)
+
+
+def test_given_noise(run_cli):
+    code, out, _ = run_cli("compare", "--base-cmd", emit_cmd(100), "--candidate-cmd", emit_cmd(102),
+                           "--metric", "tokens_per_s", "--runs", "4", "--warmup", "0", "--noise", "0.01",
+                           "--format", "json")
+    d = json.loads(out)
+    assert code == 1 and d["noise"] == 0.01 and d["noise_source"] == "given" and d["threshold"] == pytest.approx(0.03)
+
+
+def test_wall_time_of_real_commands(run_cli):
+    # a 40x slower command is slower however loaded the machine is
+    code, out, err = run_cli("compare", "--base-cmd", "sleep 0.2", "--candidate-cmd", "sleep 0.005",
+                             "--runs", "2", "--warmup", "0", "--format", "json")
+    d = json.loads(out)
+    assert d["unit"] == "s" and d["higher_is_better"] is False
+    assert all(s["base"] >= 0.2 for s in d["samples"])
+    assert d["gain"] > 2
+
+
+def test_auto_runs_plans_from_pilot(run_cli):
+    code, out, err = run_cli("compare", "--base-cmd", emit_cmd(100), "--candidate-cmd", emit_cmd(100),
+                             "--metric", "tokens_per_s", "--warmup", "0", "--format", "json")
+    d = json.loads(out)
+    assert code == 1
+    assert d["plan"]["pairs"] == 8 and d["runs"] == 8      # zero spread: the pilot is enough
+
+
+def test_gpu_swap_schedule():
+    a = ShellSystem(f"{PY} -c \"import os,json; print(json.dumps({{'t': 100 + int(os.environ['CUDA_VISIBLE_DEVICES'])}}))\"",
+                    "base", metric="t")
+    b = ShellSystem("echo '{\"t\": 1{gpu}0}'", "candidate", metric="t")   # {gpu} substituted
+    r = run_pairs(a, b, 4, gpus=("0", "1"))
+    assert [(s.gpu_base, s.gpu_candidate) for s in r.samples] == [("0", "1"), ("1", "0")] * 2
+    assert [s.order for s in r.samples] == ["||"] * 4
+    assert [(s.base, s.candidate) for s in r.samples[:2]] == [(100.0, 110.0), (101.0, 100.0)]
+    assert r.aa == [(100.0, 101.0)] * 2
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--base-cmd", "exit 3", "--candidate-cmd", "true"], "base command failed (exit 3)"),
+    (["--base-cmd", "echo hi", "--candidate-cmd", "true", "--metric", "tps"], "not JSON"),
+    (["--base-cmd", emit_cmd(1, "x"), "--candidate-cmd", "true", "--metric", "tps"], "no 'tps'"),
+    (["--base-cmd", emit_cmd(-1), "--candidate-cmd", "true", "--metric", "tokens_per_s"], "positive"),
+    (["--base-cmd", "sleep 5", "--candidate-cmd", "true", "--timeout", "0.2"], "--timeout"),
+    (["--base-cmd", "true"], "--candidate"),
+    (["--base-cmd", "true", "--candidate", "engine:model=x"], "like with like"),
+    (["--base", "engine:model=x", "--candidate", "engine:model=y"], "--prompts"),
+    (["--base-cmd", "true", "--candidate-cmd", "true", "--runs", "1"], "at least 2"),
+    (["--base-cmd", "true", "--candidate-cmd", "true", "--noise", "2"], "--noise"),
+    (["--base-cmd", "true", "--candidate-cmd", "true", "--gpus", "0"], "two different GPU ids"),
+])
+def test_bad_input_exit_2(tmp_path, run_cli, args, msg):
+    out = tmp_path / "t.json"
+    code, stdout, err = run_cli("compare", *args, "--warmup", "0", "--out", out)
+    assert code == 2, (code, err)
+    assert err.startswith("specpilot: error: ") and msg in err, err
+    assert not out.exists()
+
+
+def test_prompts_file_errors(tmp_path, run_cli):
+    p = tmp_path / "p.jsonl"
+    p.write_text('{"schema": "specpilot.prompts/1", "id": 0}\n')
+    code, _, err = run_cli("compare", "--base", "http://127.0.0.1:9", "--candidate", "http://127.0.0.1:9",
+                           "--prompts", p)
+    assert code == 2 and "prompt_ids" in err
+
+
+def test_unreachable_server_exit_3(tmp_path, run_cli):
+    p = tmp_path / "p.jsonl"
+    p.write_text('{"schema": "specpilot.prompts/1", "id": 0, "prompt_ids": [1, 2, 3]}\n')
+    code, _, err = run_cli("compare", "--base", "http://127.0.0.1:9", "--candidate", "http://127.0.0.1:9",
+                           "--prompts", p, "--timeout", "2")
+    assert code == 3 and "connection refused" in err
