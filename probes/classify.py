@@ -1,0 +1,232 @@
+"""Kernel classes: a YAML rule table (``kernel_classes.yaml``) users can extend with ``--rules``.
+
+Each rule names a class and conditions (regex on the kernel name, enclosing range, kind, stream,
+input dims, runs per step); the first rule whose conditions all hold wins. ``Classifier.explain``
+says which rule classified each kernel name, so a user can see and fix a misclassification.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+import yaml
+
+from specpilot.errors import InputError
+
+from .traces.model import KINDS, Aggregate, KernelGroup
+
+SCHEMA = "specpilot.kernel_classes/1"
+FLOOR_CLASSES = ("linear", "lm_head", "attention", "gdn", "moe", "norm", "drafter")
+CONDITIONS = ("match", "range", "kind", "stream", "dims", "per_step")
+
+
+@dataclass
+class Rule:
+    index: int
+    cls: str
+    source: str  # "default" or the user's file
+    match: re.Pattern | None = None
+    range: re.Pattern | None = None
+    kind: tuple[str, ...] | None = None
+    stream: tuple[int, ...] | None = None
+    dims: int | str | None = None
+    per_step: float | None = None
+    note: str = ""
+
+    def describe(self) -> str:
+        parts = []
+        if self.kind:
+            parts.append(f"kind={'|'.join(self.kind)}")
+        if self.range:
+            parts.append(f"range~/{self.range.pattern}/")
+        if self.match:
+            pat = self.match.pattern
+            parts.append(f"name~/{pat if len(pat) <= 40 else pat[:37] + '...'}/")
+        if self.stream:
+            parts.append(f"stream={','.join(map(str, self.stream))}")
+        if self.dims is not None:
+            parts.append(f"dims has {self.dims}")
+        if self.per_step is not None:
+            parts.append(f"{self.per_step:g} per step")
+        return f"{self.source}#{self.index}: " + " ".join(parts)
+
+
+@dataclass
+class RuleTable:
+    classes: list[str]
+    rules: list[Rule]
+    sources: list[str] = field(default_factory=list)
+
+    @property
+    def range_regex(self) -> str | None:
+        """One regex for every range a rule tests: the readers track only those ranges."""
+        pats = [r.range.pattern for r in self.rules if r.range is not None]
+        return "|".join(f"(?:{p})" for p in pats) if pats else None
+
+
+def _parse(doc: Any, source: str, start_index: int = 0) -> tuple[list[str], list[Rule], bool]:
+    if not isinstance(doc, dict):
+        raise InputError(f"{source}: expected a YAML mapping with schema: {SCHEMA} and rules: [...]")
+    if doc.get("schema") != SCHEMA:
+        raise InputError(f"{source}: unknown schema {doc.get('schema')!r}; expected {SCHEMA}")
+    raw = doc.get("rules")
+    if not isinstance(raw, list) or not raw:
+        raise InputError(f"{source}: 'rules' must be a non-empty list")
+    classes = doc.get("classes") or []
+    if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes):
+        raise InputError(f"{source}: 'classes' must be a list of names")
+    rules = []
+    for i, r in enumerate(raw, start_index):
+        where = f"{source}: rule {i}"
+        if not isinstance(r, dict) or not isinstance(r.get("class"), str) or not r["class"]:
+            raise InputError(f"{where}: each rule needs a 'class' name")
+        unknown = set(r) - set(CONDITIONS) - {"class", "note"}
+        if unknown:
+            raise InputError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; "
+                             f"conditions are {', '.join(CONDITIONS)}")
+        if not any(k in r for k in CONDITIONS):
+            raise InputError(f"{where}: no condition (use match: '.' to catch everything)")
+        rule = Rule(index=i, cls=r["class"], source=source, note=str(r.get("note", "")))
+        for key in ("match", "range"):
+            if key in r:
+                if not isinstance(r[key], str):
+                    raise InputError(f"{where}: {key} must be a regex string")
+                try:
+                    setattr(rule, key, re.compile(r[key], re.IGNORECASE))
+                except re.error as e:
+                    raise InputError(f"{where}: {key} {r[key]!r} is not a valid regex ({e})") from None
+        if "kind" in r:
+            kinds = tuple([r["kind"]] if isinstance(r["kind"], str) else r["kind"] or ())
+            bad = [k for k in kinds if k not in KINDS]
+            if bad or not kinds:
+                raise InputError(f"{where}: kind must be among {', '.join(KINDS)}")
+            rule.kind = kinds
+        if "stream" in r:
+            s = r["stream"] if isinstance(r["stream"], list) else [r["stream"]]
+            if not all(isinstance(x, int) and not isinstance(x, bool) for x in s):
+                raise InputError(f"{where}: stream must be an integer or a list of integers")
+            rule.stream = tuple(s)
+        if "dims" in r:
+            d = r["dims"]
+            if not (d == "vocab" or (isinstance(d, int) and not isinstance(d, bool) and d > 0)):
+                raise InputError(f"{where}: dims must be 'vocab' or a positive integer")
+            rule.dims = d
+        if "per_step" in r:
+            p = r["per_step"]
+            if isinstance(p, bool) or not isinstance(p, (int, float)) or p <= 0:
+                raise InputError(f"{where}: per_step must be a positive number")
+            rule.per_step = float(p)
+        rules.append(rule)
+    return classes, rules, bool(doc.get("replace", False))
+
+
+def default_table_text() -> str:
+    return (resources.files("specpilot.probes") / "kernel_classes.yaml").read_text(encoding="utf-8")
+
+
+def load_rules(user_files: list[str] | tuple[str, ...] = ()) -> RuleTable:
+    """The default table, with each user file's rules placed before it (``replace: true`` drops it)."""
+    classes, rules, _ = _parse(yaml.safe_load(default_table_text()), "default")
+    sources = ["default"]
+    for f in reversed(list(user_files)):
+        p = Path(f)
+        if not p.is_file():
+            raise InputError(f"{f}: no such rules file")
+        try:
+            doc = yaml.safe_load(p.read_text(encoding="utf-8"))
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            raise InputError(f"{f}: not valid YAML ({str(e).splitlines()[0]})") from None
+        ucls, urules, replace = _parse(doc, p.name)
+        rules = urules + ([] if replace else rules)
+        classes = list(dict.fromkeys([*classes, *ucls, *(r.cls for r in urules)]))
+        sources.insert(0, p.name)
+    for r in rules:
+        if r.cls not in classes:
+            classes.append(r.cls)
+    return RuleTable(classes=classes, rules=rules, sources=sources)
+
+
+_DIM_RX = re.compile(r"\d+")
+
+
+@dataclass
+class Decision:
+    cls: str
+    rule: Rule | None
+
+
+class Classifier:
+    def __init__(self, table: RuleTable, vocab: int | None = None):
+        self.table = table
+        self.vocab = vocab
+        self._cache: dict[tuple, Decision] = {}
+        self.per_step: dict[str, float] = {}
+
+    def fit(self, agg: Aggregate) -> "Classifier":
+        """Per-step run counts per kernel name (for ``per_step`` rules)."""
+        steps = [s.index for s in agg.steps]
+        counts: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
+        for g in agg.groups:
+            counts[g.name][g.step] += g.count
+        self.per_step = {n: float(median([c.get(s, 0) for s in steps])) if steps else 0.0 for n, c in counts.items()}
+        return self
+
+    def classify(self, g: KernelGroup) -> Decision:
+        key = (g.name, g.kind, g.stream, g.tag, g.dims)
+        d = self._cache.get(key)
+        if d is None:
+            d = self._decide(g)
+            self._cache[key] = d
+        return d
+
+    def _decide(self, g: KernelGroup) -> Decision:
+        for r in self.table.rules:
+            if r.kind is not None and g.kind not in r.kind:
+                continue
+            if r.stream is not None and g.stream not in r.stream:
+                continue
+            if r.range is not None and not (g.tag and r.range.search(g.tag)):
+                continue
+            if r.match is not None and not r.match.search(g.name):
+                continue
+            if r.dims is not None:
+                want = self.vocab if r.dims == "vocab" else r.dims
+                if want is None or not g.dims or str(want) not in _DIM_RX.findall(g.dims.split("[", 1)[-1]):
+                    continue
+            if r.per_step is not None and self.per_step.get(g.name) != r.per_step:
+                continue
+            return Decision(r.cls, r)
+        return Decision("other", None)
+
+
+@dataclass
+class ExplainRow:
+    name: str
+    kind: str
+    tag: str | None
+    cls: str
+    rule: str
+    per_step: float
+    ms_per_step: float
+
+
+def explain(agg: Aggregate, clf: Classifier) -> list[ExplainRow]:
+    """One row per distinct (name, kind, range) with its class, rule and time per step."""
+    n_steps = max(len(agg.steps), 1)
+    acc: dict[tuple, list] = {}
+    for g in agg.groups:
+        d = clf.classify(g)
+        key = (g.name, g.kind, g.tag, d.cls, d.rule.describe() if d.rule else "no rule matched")
+        a = acc.setdefault(key, [0, 0])
+        a[0] += g.count
+        a[1] += g.total_ns
+    rows = [ExplainRow(name=k[0], kind=k[1], tag=k[2], cls=k[3], rule=k[4], per_step=v[0] / n_steps,
+                       ms_per_step=v[1] / n_steps / 1e6) for k, v in acc.items()]
+    rows.sort(key=lambda r: -r.ms_per_step)
+    return rows

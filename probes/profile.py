@@ -1,0 +1,222 @@
+"""Build a profile: per step, where GPU time goes by kernel class, and how far each class is
+from its byte floor.
+
+Per step the trace gives the wall window, the GPU busy time (union of kernel/memcpy/memset
+intervals) and each class's kernel time (sum of its kernels' durations). The profile reports the
+median over steps of each (so a warm-up step does not move it) with the spread, and
+
+- ``outside_ms`` = step wall ms - kernel busy ms (time the GPU sits idle inside a step)
+- ``kernel_factor`` = kernel busy ms / total floor ms (how far kernels are from the floor)
+- ``outside_factor`` = step wall ms / kernel busy ms
+
+which ``specpilot ceiling --profile`` reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from statistics import median
+from typing import Any
+
+from specpilot.errors import InputError
+
+from . import steps as st
+from .classify import FLOOR_CLASSES, Classifier, ExplainRow, RuleTable, explain
+from .traces.model import Aggregate
+
+SCHEMA = "specpilot.profile/1"
+
+
+@dataclass
+class Floors:
+    """Per-class floors from ``step_floor`` or a ceiling JSON."""
+
+    source: str
+    classes: dict[str, dict]  # name -> {"bytes", "flops", "floor_ms", "bound"?}
+    total_floor_ms: float
+    gpu: dict | None = None
+    shape: dict = field(default_factory=dict)
+
+
+@dataclass
+class ClassRow:
+    name: str
+    ms: float  # median per step
+    ms_mean: float
+    share: float  # of the summed class time
+    calls: float  # median kernels per step
+    bytes: float | None = None
+    flops: float | None = None
+    floor_ms: float | None = None
+    efficiency: float | None = None  # floor / measured
+
+    def as_dict(self) -> dict:
+        return {"ms": self.ms, "share": self.share, "bytes": self.bytes, "flops": self.flops,
+                "floor_ms": self.floor_ms, "efficiency": self.efficiency, "ms_mean": self.ms_mean,
+                "calls": self.calls}
+
+
+@dataclass
+class Profile:
+    trace: dict
+    gpu: dict | None
+    model: str | None
+    shape: dict
+    steps: int
+    step_mode: str
+    step_detail: str
+    step_wall: st.Spread
+    kernel_busy: st.Spread
+    outside_ms: float
+    total_floor_ms: float | None
+    kernel_factor: float | None
+    outside_factor: float | None
+    classes: dict[str, ClassRow]
+    per_step: list[dict]
+    floor_source: str | None
+    notes: list[str]
+    explain: list[ExplainRow] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        d = {
+            "schema": SCHEMA,
+            "gpu": self.gpu,
+            "model": self.model,
+            "shape": self.shape,
+            "steps": self.steps,
+            "step_wall_ms": self.step_wall.median,
+            "kernel_busy_ms": self.kernel_busy.median,
+            "outside_ms": self.outside_ms,
+            "kernel_factor": self.kernel_factor,
+            "outside_factor": self.outside_factor,
+            "total_floor_ms": self.total_floor_ms,
+            "classes": {k: v.as_dict() for k, v in self.classes.items()},
+            "trace": self.trace,
+            "step_mode": self.step_mode,
+            "step_detail": self.step_detail,
+            "floor_source": self.floor_source,
+            "spread": {"step_wall_ms": self.step_wall.as_dict(), "kernel_busy_ms": self.kernel_busy.as_dict()},
+            "per_step": self.per_step,
+            "notes": self.notes,
+        }
+        if self.explain is not None:
+            d["explain"] = [{"name": r.name, "kind": r.kind, "range": r.tag, "class": r.cls, "rule": r.rule,
+                             "per_step": r.per_step, "ms_per_step": r.ms_per_step} for r in self.explain]
+        return d
+
+
+def build_profile(agg: Aggregate, table: RuleTable, floors: Floors | None = None, vocab: int | None = None,
+                  skip_steps: int = 0, model: str | None = None, gpu: dict | None = None,
+                  want_explain: bool = False) -> Profile:
+    if skip_steps < 0:
+        raise InputError("--skip-steps must be >= 0")
+    notes = list(agg.notes)
+    steps = agg.steps[skip_steps:]
+    if not steps:
+        raise InputError(f"{agg.path}: no steps left to profile ({len(agg.steps)} found, {skip_steps} skipped)")
+    keep = {s.index for s in steps}
+    agg_kept = Aggregate(**{**agg.__dict__, "steps": steps, "groups": [g for g in agg.groups if g.step in keep]})
+    clf = Classifier(table, vocab=vocab).fit(agg_kept)
+
+    per_class: dict[str, dict[int, float]] = {}
+    calls: dict[str, dict[int, int]] = {}
+    for g in agg_kept.groups:
+        c = clf.classify(g).cls
+        per_class.setdefault(c, {}).setdefault(g.step, 0.0)
+        per_class[c][g.step] += g.total_ns / 1e6
+        calls.setdefault(c, {}).setdefault(g.step, 0)
+        calls[c][g.step] += g.count
+    idx = [s.index for s in steps]
+    order = [c for c in table.classes if c in per_class] + [c for c in per_class if c not in table.classes]
+    if floors:
+        order += [c for c in floors.classes if c not in order and (floors.classes[c].get("floor_ms") or 0) > 0]
+    meds = {c: median([per_class.get(c, {}).get(i, 0.0) for i in idx]) for c in order}
+    total = sum(meds.values())
+    classes: dict[str, ClassRow] = {}
+    for c in order:
+        vals = [per_class.get(c, {}).get(i, 0.0) for i in idx]
+        row = ClassRow(name=c, ms=meds[c], ms_mean=sum(vals) / len(vals), share=(meds[c] / total if total else 0.0),
+                       calls=float(median([calls.get(c, {}).get(i, 0) for i in idx])))
+        if floors and c in floors.classes:
+            f = floors.classes[c]
+            row.bytes, row.flops, row.floor_ms = f.get("bytes"), f.get("flops"), f.get("floor_ms")
+            if row.floor_ms is not None and row.ms > 0:
+                row.efficiency = row.floor_ms / row.ms
+        classes[c] = row
+    if floors:
+        for c in FLOOR_CLASSES:
+            if c in floors.classes and (floors.classes[c].get("floor_ms") or 0) > 0 and meds.get(c, 0) == 0:
+                notes.append(f"class {c!r} has a floor but no kernels were classified as {c}; "
+                             "check the rules (--explain) or add a --rules file")
+
+    wall = st.spread(s.wall_ns / 1e6 for s in steps)
+    busy = st.spread(s.busy_ns / 1e6 for s in steps)
+    outside = wall.median - busy.median
+    total_floor = floors.total_floor_ms if floors else None
+    kf = busy.median / total_floor if total_floor else None
+    of = wall.median / busy.median if busy.median > 0 else None
+    if kf is not None and kf < 1:
+        notes.append("kernel busy time is below the byte floor: check --rows/--batch/--context and the model")
+    per_step = [{"index": s.index, "label": s.label, "wall_ms": s.wall_ns / 1e6, "busy_ms": s.busy_ns / 1e6,
+                 "events": s.events} for s in steps]
+    trace = {"path": agg.path, "format": agg.format, "format_version": agg.format_version,
+             "events": agg.total_events, "steps_found": len(agg.steps), "steps_skipped": skip_steps,
+             "rules": table.sources}
+    return Profile(trace=trace, gpu=gpu, model=model, shape=(floors.shape if floors else {}), steps=len(steps),
+                   step_mode=agg.step_mode, step_detail=agg.step_detail, step_wall=wall, kernel_busy=busy,
+                   outside_ms=outside, total_floor_ms=total_floor, kernel_factor=kf, outside_factor=of,
+                   classes=classes, per_step=per_step, floor_source=(floors.source if floors else None), notes=notes,
+                   explain=(explain(agg_kept, clf) if want_explain else None))
+
+
+def floors_from_model(model_spec, gpu_spec, rows: int, batch: int, context: int, weight_dtype: str = "bf16",
+                      lm_head_dtype: str | None = None, kv_dtype: str = "bf16", drafter=None,
+                      draft_rows: int | None = None, flops_fraction: float = 0.6, bw_fraction: float = 0.9) -> Floors:
+    from .floors import step_floor
+
+    f = step_floor(model_spec, gpu_spec, rows=rows, batch=batch, context=context, weight_dtype=weight_dtype,
+                   lm_head_dtype=lm_head_dtype, kv_dtype=kv_dtype, drafter=drafter, draft_rows=draft_rows,
+                   flops_fraction=flops_fraction, bw_fraction=bw_fraction)
+    classes = {k: {"bytes": v.bytes, "flops": v.flops, "floor_ms": v.floor_ms, "bound": v.bound}
+               for k, v in f.classes.items()}
+    shape = {"rows": rows, "batch": batch, "context": context, "weight_dtype": weight_dtype,
+             "kv_dtype": kv_dtype, "flops_fraction": flops_fraction, "bw_fraction": bw_fraction}
+    if drafter is not None:
+        shape.update({"drafter": drafter.name, "draft_rows": draft_rows or rows})
+    return Floors(source=f"step_floor({model_spec.name}, {gpu_spec.key})", classes=classes,
+                  total_floor_ms=f.total_floor_ms, shape=shape)
+
+
+def floors_from_ceiling(path: str, rows: int | None = None) -> Floors:
+    """Per-class floors from a ``specpilot.ceiling/1`` JSON (``by_rows`` entry or ``classes``)."""
+    from specpilot.fileio import read_json
+
+    doc = read_json(path, kind="ceiling")
+    block, shape = doc, {}
+    by_rows = doc.get("by_rows") or {}
+    if not isinstance(by_rows, dict):
+        by_rows = {}
+    if rows is None and len(by_rows) > 1:
+        raise InputError(f"{path}: ceiling has floors for several rows ({', '.join(by_rows)}); choose one with --rows")
+    if rows is not None and by_rows:
+        if str(rows) not in by_rows:
+            raise InputError(f"{path}: ceiling has no floors for --rows {rows} (it has rows "
+                             f"{', '.join(sorted(by_rows, key=lambda x: int(x) if x.isdigit() else 0))})")
+        block = by_rows[str(rows)]
+        shape = {k: block.get(k) for k in ("rows", "batch", "context") if k in block}
+    elif len(by_rows) == 1:
+        shape = {k: v for k, v in next(iter(by_rows.values())).items() if k in ("rows", "batch", "context")}
+    classes = block.get("classes") if isinstance(block, dict) else None
+    if not isinstance(classes, dict) or not classes:
+        raise InputError(f"{path}: ceiling has no per-class floors ('classes'); run specpilot ceiling with --model")
+    out = {}
+    for name, c in classes.items():
+        if not isinstance(c, dict) or not isinstance(c.get("floor_ms"), (int, float)):
+            raise InputError(f"{path}: class {name!r} has no numeric floor_ms")
+        out[name] = {"bytes": c.get("bytes"), "flops": c.get("flops"), "floor_ms": float(c["floor_ms"]),
+                     "bound": c.get("bound")}
+    total = block.get("total_floor_ms")
+    if not isinstance(total, (int, float)):
+        total = sum(c["floor_ms"] for c in out.values())
+    return Floors(source=f"ceiling {path}", classes=out, total_floor_ms=float(total), shape=shape,
+                  gpu=doc.get("gpu") if isinstance(doc.get("gpu"), dict) else None)
