@@ -1,1 +1,4 @@
+"""The embedded reference engine: a small gpt-fast-style decoder with AR, chain and tree decoding.
 
+Start at :mod:`specpilot.engine.api` (``EngineSpec``, ``load_engine``).
+"""

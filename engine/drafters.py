@@ -1,0 +1,203 @@
+"""Drafters: each proposes a candidate lattice (DESIGN.md) for the next draft positions.
+
+A :class:`Lattice` holds, per draft position i, up to K candidate tokens sorted by score with
+their log-probabilities, and optionally parent-conditioned ``transitions[i-1][k][j]``. Rows may
+have fewer than K candidates (the n-gram drafter often knows fewer), and a drafter may return
+fewer than m positions, or none (the step then verifies the pending token alone: an AR step).
+
+- ``ngram``: prompt lookup. The last n tokens (n from ``n_max`` down to 1) are looked up in the
+  context; the continuations after every earlier match vote. Position-i scores are the log of the
+  vote share; transitions are the vote share of candidate j at i among the matches whose token at
+  i-1 is candidate k (parent conditioning, at no extra cost).
+- ``self``: the target's first ``layers`` layers with its final norm and LM head (early exit).
+  It reuses the target's KV cache for those layers, which holds exactly the right keys/values
+  because a layer's input depends only on the layers below it.
+- ``model``: a separate small model sharing the tokenizer, with its own cache.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from specpilot.engine.model import StepInput, Transformer
+
+
+@dataclass
+class Lattice:
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    transitions: list[list[list[float]]] | None = None
+
+    @property
+    def m(self) -> int:
+        return len(self.tokens)
+
+    def top1(self) -> list[int]:
+        return [row[0] for row in self.tokens]
+
+    @staticmethod
+    def empty() -> "Lattice":
+        return Lattice([], [], None)
+
+
+class NGramDrafter:
+    name = "ngram"
+
+    def __init__(self, n_max: int = 3, n_min: int = 1, max_matches: int = 64):
+        self.n_max, self.n_min, self.max_matches = n_max, n_min, max_matches
+
+    def reset(self, model, prompt_ids):
+        pass
+
+    def propose(self, context: list[int], n_cache: int, m: int, k: int) -> Lattice:
+        L = len(context)
+        for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
+            key = context[L - n:]
+            conts = []
+            # most recent matches first; a match must leave at least one token after it
+            for s in range(L - n - 1, -1, -1):
+                if context[s:s + n] == key:
+                    conts.append(context[s + n:s + n + m])
+                    if len(conts) >= self.max_matches:
+                        break
+            if conts:
+                return self._lattice(conts, m, k)
+        return Lattice.empty()
+
+    @staticmethod
+    def _lattice(conts: list[list[int]], m: int, k: int) -> Lattice:
+        tokens, logprobs, trans = [], [], []
+        for i in range(m):
+            col = [c[i] for c in conts if len(c) > i]
+            if not col:
+                break
+            cnt = Counter(col)
+            # sort by votes, then by recency (first seen in the most-recent-first list)
+            first = {}
+            for t in col:
+                first.setdefault(t, len(first))
+            cands = sorted(cnt, key=lambda t: (-cnt[t], first[t]))[:k]
+            tokens.append(cands)
+            logprobs.append([math.log(cnt[t] / len(col)) for t in cands])
+            if i > 0:
+                prev = tokens[i - 1]
+                rows = []
+                for pk in prev:
+                    sub = Counter(c[i] for c in conts if len(c) > i and c[i - 1] == pk)
+                    tot = sum(sub.values())
+                    # add-one-half smoothing toward the position's vote share keeps every score finite
+                    rows.append([math.log((sub.get(t, 0) + 0.5 * cnt[t] / len(col)) / (tot + 0.5)) for t in cands])
+                trans.append(rows)
+        return Lattice(tokens, logprobs, trans if tokens else None)
+
+
+def _topk_rows(logits: torch.Tensor, k: int):
+    lp = torch.log_softmax(logits.float(), -1)
+    v, i = lp.topk(k, -1)
+    return i.tolist(), v.tolist()
+
+
+class _ModelRollout:
+    """AR rollout of m positions from ``model`` (its first ``layers`` layers), GDN states restored."""
+
+    @staticmethod
+    @torch.no_grad()
+    def rollout(model: Transformer, first_logits, n_next: int, m: int, k: int, layers, kv_len_fn) -> Lattice:
+        gdn = model.gdn_layers(layers)
+        saved = [(g.state.clone(), g.conv_state.clone()) for g in gdn]
+        tokens, logprobs = [], []
+        logits = first_logits
+        slot = n_next
+        try:
+            for i in range(m):
+                t, lp = _topk_rows(logits, k)
+                tokens.append(t)
+                logprobs.append(lp)
+                if i == m - 1:
+                    break
+                dev = model.device
+                inp = StepInput(tokens=torch.tensor([t[0]], device=dev), pos=torch.tensor([slot], device=dev),
+                                slots=torch.tensor([slot], device=dev),
+                                mask=torch.arange(kv_len_fn(slot + 1), device=dev)[None] <= slot, gdn_mode="seq")
+                logits = model(inp, kv_len=kv_len_fn(slot + 1), layers=layers)[-1]
+                slot += 1
+        finally:
+            for g, (s, c) in zip(gdn, saved):
+                g.state.copy_(s)
+                g.conv_state.copy_(c)
+        return Lattice(tokens, logprobs, None)
+
+
+class SelfDrafter:
+    """Early exit from the target's first ``layers`` layers (shares the target's cache)."""
+
+    name = "self"
+
+    def __init__(self, target: Transformer, layers: int):
+        self.target, self.layers = target, layers
+
+    def reset(self, model, prompt_ids):
+        pass
+
+    @torch.no_grad()
+    def propose(self, context, n_cache, m, k) -> Lattice:
+        t = self.target
+        if m <= 0 or n_cache + m + 1 > t.max_seq:
+            return Lattice.empty()
+        dev = t.device
+        kv = _kv_len_fn(t.max_seq, dev)
+        gdn = t.gdn_layers(self.layers)
+        saved = [(g.state.clone(), g.conv_state.clone()) for g in gdn]
+        try:
+            inp = StepInput(tokens=torch.tensor([context[-1]], device=dev), pos=torch.tensor([n_cache], device=dev),
+                            slots=torch.tensor([n_cache], device=dev),
+                            mask=torch.arange(kv(n_cache + 1), device=dev)[None] <= n_cache, gdn_mode="seq")
+            logits = t(inp, kv_len=kv(n_cache + 1), layers=self.layers)[-1]
+            return _ModelRollout.rollout(t, logits, n_cache + 1, m, k, self.layers, kv)
+        finally:
+            for g, (s, c) in zip(gdn, saved):
+                g.state.copy_(s)
+                g.conv_state.copy_(c)
+
+
+class ModelDrafter:
+    """A separate (small) model sharing the target's tokenizer, with its own cache."""
+
+    name = "model"
+
+    def __init__(self, draft: Transformer):
+        self.draft = draft
+        self.n_done = 0
+
+    def reset(self, model, prompt_ids):
+        self.draft.reset()
+        self.n_done = 0
+
+    @torch.no_grad()
+    def propose(self, context, n_cache, m, k) -> Lattice:
+        d = self.draft
+        L = len(context)
+        if m <= 0 or L + m + 1 > d.max_seq:
+            return Lattice.empty()
+        dev = d.device
+        kv = _kv_len_fn(d.max_seq, dev)
+        new = context[self.n_done:]
+        T = len(new)
+        slots = torch.arange(self.n_done, L, device=dev)
+        mask = torch.arange(kv(L), device=dev)[None] <= slots[:, None]
+        inp = StepInput(tokens=torch.tensor(new, device=dev), pos=slots, slots=slots, mask=mask, gdn_mode="seq")
+        logits = d(inp, kv_len=kv(L))[-1]
+        self.n_done = L
+        del T
+        return _ModelRollout.rollout(d, logits, L, m, k, None, kv)
+
+
+def _kv_len_fn(max_seq: int, device):
+    """Attention reads only the used part of the cache, rounded up to 64 slots (CPU/eager path)."""
+    def f(n: int) -> int:
+        return min(max_seq, ((n + 63) // 64) * 64)
+    return f

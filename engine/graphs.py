@@ -1,0 +1,68 @@
+"""CUDA graphs for fixed-shape steps (gpt-fast style): one captured graph per row count T.
+
+Static input buffers (tokens, positions, slots, mask over the whole ``max_seq`` cache) are
+filled before each replay; the graph reads the full static cache, so a step's shape never
+changes. Used for AR decode and for ``probe rows`` (T = N rows). Dense models only: the GDN
+path code walks data-dependent shapes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specpilot.engine.model import StepInput, Transformer
+
+
+class GraphRunner:
+    def __init__(self, model: Transformer, warmup: int = 2):
+        self.model = model
+        self.graphs: dict[int, tuple] = {}
+        self.warmup = warmup
+
+    def _capture(self, T: int):
+        m = self.model
+        dev = m.device
+        S = m.max_seq
+        tokens = torch.zeros(T, dtype=torch.long, device=dev)
+        pos = torch.zeros(T, dtype=torch.long, device=dev)
+        slots = torch.arange(T, dtype=torch.long, device=dev)
+        mask = torch.zeros(T, S, dtype=torch.bool, device=dev)
+        mask[:, 0] = True
+        inp = StepInput(tokens, pos, slots, mask, "seq")
+
+        def fn():
+            return m(inp, kv_len=S).argmax(-1)
+
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(self.warmup):
+                fn()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = fn()
+        self.graphs[T] = (g, inp, out)
+        return self.graphs[T]
+
+    def get(self, T: int):
+        return self.graphs.get(T) or self._capture(T)
+
+    def run(self, tokens, pos, slots, mask):
+        """Replay the graph for T = len(tokens) rows; returns the argmax per row (device tensor)."""
+        g, inp, out = self.get(len(tokens))
+        inp.tokens.copy_(tokens)
+        inp.pos.copy_(pos)
+        inp.slots.copy_(slots)
+        inp.mask.copy_(mask)
+        g.replay()
+        return out
+
+    def ar_step(self, token: int, n_cache: int) -> int:
+        g, inp, out = self.get(1)
+        inp.tokens.fill_(token)
+        inp.pos.fill_(n_cache)
+        inp.slots.fill_(n_cache)
+        inp.mask.copy_(torch.arange(self.model.max_seq, device=inp.mask.device)[None] <= n_cache)
+        g.replay()
+        return int(out[0])

@@ -1,0 +1,366 @@
+"""The engine's decoder: Llama / Qwen2 / Qwen3 dense layers and Gated DeltaNet hybrids.
+
+Modelled on gpt-fast: a static KV cache indexed by slot, one ``forward`` for prefill, AR decode,
+chain and tree verification (rows at given slots and positions, with an explicit attention
+mask), fused q/k/v and gate/up projections, CUDA-graph friendly (no data-dependent shapes in a
+step). Batch size is one request; a step's rows are its tokens.
+
+GDN (linear-attention) layers keep a fp32 recurrent state and a conv state per layer. How a step
+treats them is given by ``gdn_mode``:
+
+- ``"seq"``: rows are consecutive tokens; states advance in place (prefill, AR, drafting).
+- ``"chain"``: rows are a chain; per-row state snapshots are kept (stock verification) and
+  :meth:`Transformer.commit_gdn` picks the one of the last accepted row.
+- ``"tree"``: rows form a tree (``paths``); each row walks its root path from the committed state
+  (no snapshots) and :meth:`Transformer.commit_gdn` replays the accepted rows (paper 4.2).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specpilot.errors import InputError
+from specpilot.kernels.gdn import naive as gdn_ref
+from specpilot.kernels.gdn import path as gdn_path
+from specpilot.models import FULL_ATTENTION, ModelSpec
+
+
+def rms_norm(x, weight, eps):
+    dt = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dt)
+
+
+def rope_tables(spec: ModelSpec, max_pos: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    rot = int(spec.head_dim * spec.partial_rotary_factor)
+    rot -= rot % 2
+    inv = 1.0 / (spec.rope_theta ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot))
+    scaling = spec.raw.get("rope_scaling") or (spec.raw.get("text_config") or {}).get("rope_scaling") \
+        or spec.raw.get("rope_parameters") or {}
+    if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) == "llama3":
+        factor = scaling["factor"]
+        lo, hi = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old = scaling.get("original_max_position_embeddings", 8192)
+        wavelen = 2 * math.pi / inv
+        smooth = ((old / wavelen) - lo) / (hi - lo)
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        mid = (wavelen <= old / lo) & (wavelen >= old / hi)
+        inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    t = torch.arange(max_pos, dtype=torch.float64)
+    freqs = torch.outer(t, inv)
+    emb = torch.cat([freqs, freqs], -1).float()
+    return emb.cos().to(device), emb.sin().to(device)
+
+
+def apply_rope(x, cos, sin):
+    """x [T, H, D]; cos/sin [T, rot]. Rotates the first ``rot`` dims (rotate-half layout, as HF)."""
+    rot = cos.shape[-1]
+    xr, xp = x[..., :rot], x[..., rot:]
+    x1, x2 = xr[..., : rot // 2], xr[..., rot // 2:]
+    rotated = torch.cat([-x2, x1], -1)
+    c, s = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
+    out = xr * c + rotated * s
+    return torch.cat([out, xp], -1) if xp.shape[-1] else out
+
+
+@dataclass
+class StepInput:
+    """One forward's rows. ``tokens``, ``pos`` (rope positions), ``slots`` (KV-cache slots) are
+    [T] long tensors; ``mask`` is bool [T, kv_len] (True = may attend); ``paths`` [T, D] only
+    for ``gdn_mode == "tree"``."""
+
+    tokens: torch.Tensor
+    pos: torch.Tensor
+    slots: torch.Tensor
+    mask: torch.Tensor
+    gdn_mode: str = "seq"
+    paths: torch.Tensor | None = None
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, max_seq: int, dtype, device):
+        super().__init__()
+        d, hd = spec.hidden_size, spec.head_dim
+        self.nh, self.nkv, self.hd = spec.num_heads, spec.num_kv_heads, hd
+        self.gate = spec.attn_output_gate
+        q_out = self.nh * hd * (2 if self.gate else 1)
+        bias = bool(spec.raw.get("attention_bias", spec.arch == "qwen2"))
+        self.q_out, self.kv_out = q_out, self.nkv * hd
+        self.wqkv = nn.Linear(d, q_out + 2 * self.kv_out, bias=bias, dtype=dtype, device=device)
+        self.wo = nn.Linear(self.nh * hd, d, bias=False, dtype=dtype, device=device)
+        self.qk_norm = spec.qk_norm
+        if self.qk_norm:
+            self.q_norm = nn.Parameter(torch.ones(hd, dtype=dtype, device=device))
+            self.k_norm = nn.Parameter(torch.ones(hd, dtype=dtype, device=device))
+        self.eps = spec.rms_norm_eps
+        self.register_buffer("k_cache", torch.zeros(1, self.nkv, max_seq, hd, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(1, self.nkv, max_seq, hd, dtype=dtype, device=device), persistent=False)
+
+    def forward(self, x, inp: StepInput, cos, sin, kv_len: int):
+        T = x.shape[0]
+        qkv = self.wqkv(x)
+        q, k, v = qkv.split([self.q_out, self.kv_out, self.kv_out], -1)
+        if self.gate:
+            q, g = q.view(T, self.nh, 2 * self.hd).chunk(2, -1)
+            g = g.reshape(T, self.nh * self.hd)
+        q = q.reshape(T, self.nh, self.hd)
+        k = k.view(T, self.nkv, self.hd)
+        v = v.view(T, self.nkv, self.hd)
+        if self.qk_norm:
+            q = rms_norm(q, self.q_norm, self.eps)
+            k = rms_norm(k, self.k_norm, self.eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        self.k_cache[0, :, inp.slots] = k.transpose(0, 1)
+        self.v_cache[0, :, inp.slots] = v.transpose(0, 1)
+        kc, vc = self.k_cache[:, :, :kv_len], self.v_cache[:, :, :kv_len]
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kc, vc, attn_mask=inp.mask[None, None],
+                                           enable_gqa=self.nkv != self.nh)
+        o = o[0].transpose(0, 1).reshape(T, self.nh * self.hd)
+        if self.gate:
+            o = o * torch.sigmoid(g)
+        return self.wo(o)
+
+    def commit(self, start: int, rows: torch.Tensor):
+        """Move the KV of accepted rows (slots start + rows) to slots start .. start+len-1."""
+        src = start + rows
+        dst = start + torch.arange(rows.numel(), device=rows.device)
+        self.k_cache[0, :, dst] = self.k_cache[0, :, src]
+        self.v_cache[0, :, dst] = self.v_cache[0, :, src]
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3.5-style GDN layer with the plain torch gated delta rule (kernels/gdn)."""
+
+    def __init__(self, spec: ModelSpec, dtype, device):
+        super().__init__()
+        g = spec.gdn
+        d = spec.hidden_size
+        self.nk, self.nv, self.dk, self.dv, self.kernel = (g.num_key_heads, g.num_value_heads, g.key_head_dim,
+                                                           g.value_head_dim, g.conv_kernel)
+        self.key_dim, self.value_dim, self.conv_dim = g.key_dim, g.value_dim, g.conv_dim
+        self.in_proj_qkv = nn.Linear(d, self.conv_dim, bias=False, dtype=dtype, device=device)
+        self.in_proj_z = nn.Linear(d, self.value_dim, bias=False, dtype=dtype, device=device)
+        self.in_proj_ba = nn.Linear(d, 2 * self.nv, bias=False, dtype=dtype, device=device)
+        self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, self.kernel, dtype=dtype, device=device))
+        self.dt_bias = nn.Parameter(torch.ones(self.nv, dtype=dtype, device=device))
+        self.A_log = nn.Parameter(torch.zeros(self.nv, dtype=torch.float32, device=device))
+        self.norm = nn.Parameter(torch.ones(self.dv, dtype=dtype, device=device))
+        self.out_proj = nn.Linear(self.value_dim, d, bias=False, dtype=dtype, device=device)
+        self.eps = spec.rms_norm_eps
+        self.register_buffer("state", torch.zeros(self.nv, self.dk, self.dv, dtype=torch.float32, device=device),
+                             persistent=False)
+        self.register_buffer("conv_state", torch.zeros(self.kernel - 1, self.conv_dim, dtype=dtype, device=device),
+                             persistent=False)
+        self._stash = None
+
+    def reset(self):
+        self.state.zero_()
+        self.conv_state.zero_()
+
+    def forward(self, x, inp: StepInput):
+        T = x.shape[0]
+        mixed = self.in_proj_qkv(x)
+        if inp.gdn_mode == "tree":
+            windows = gdn_path.conv_windows(inp.paths.cpu(), self.kernel).to(x.device)
+        else:
+            windows = gdn_path.chain_windows(T, self.kernel).to(x.device)
+        conv = gdn_path.causal_conv(mixed, self.conv_state, windows, self.conv_weight)
+        q, k, v = conv.split([self.key_dim, self.key_dim, self.value_dim], -1)
+        q = q.reshape(T, self.nk, self.dk)
+        k = k.reshape(T, self.nk, self.dk)
+        v = v.reshape(T, self.nv, self.dv)
+        if self.nv != self.nk:
+            q = q.repeat_interleave(self.nv // self.nk, dim=1)
+            k = k.repeat_interleave(self.nv // self.nk, dim=1)
+        b, a = self.in_proj_ba(x).float().chunk(2, -1)
+        beta = torch.sigmoid(b)
+        g = -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())
+        q, k, v, g, beta = gdn_ref.prepare(q, k, v, g, beta)
+        if inp.gdn_mode == "tree":
+            out = gdn_path.path_verify(q, k, v, g, beta, self.state, inp.paths.to(x.device))
+            self._stash = ("tree", mixed, (q, k, v, g, beta))
+        else:
+            out, states = gdn_ref.recurrent(q, k, v, g, beta, self.state, keep_states=inp.gdn_mode == "chain")
+            if inp.gdn_mode == "seq":
+                if T:
+                    self.state.copy_(states[-1])
+                    self._advance_conv(mixed)
+                self._stash = None
+            else:
+                self._stash = ("chain", mixed, states)
+        z = self.in_proj_z(x).view(T, self.nv, self.dv)
+        o = rms_norm(out.to(x.dtype), self.norm, self.eps) * F.silu(z)
+        return self.out_proj(o.reshape(T, self.value_dim))
+
+    def _advance_conv(self, rows_in):
+        buf = torch.cat([self.conv_state, rows_in.to(self.conv_state.dtype)], 0)
+        self.conv_state.copy_(buf[buf.shape[0] - (self.kernel - 1):])
+
+    def commit(self, rows: list[int]):
+        """Commit the accepted rows of the last chain/tree step (row 0 first)."""
+        kind, mixed, data = self._stash
+        if kind == "chain":
+            self.state.copy_(data[rows[-1]])
+        else:
+            self.state.copy_(gdn_path.commit(*data, self.state, rows))
+        self._advance_conv(mixed[torch.tensor(rows, device=mixed.device)])
+        self._stash = None
+
+
+class Block(nn.Module):
+    def __init__(self, spec: ModelSpec, kind: str, max_seq: int, dtype, device):
+        super().__init__()
+        self.kind = kind
+        d = spec.hidden_size
+        self.attn_norm = nn.Parameter(torch.ones(d, dtype=dtype, device=device))
+        self.mlp_norm = nn.Parameter(torch.ones(d, dtype=dtype, device=device))
+        if kind == FULL_ATTENTION:
+            self.mixer = Attention(spec, max_seq, dtype, device)
+        else:
+            self.mixer = GatedDeltaNet(spec, dtype, device)
+        self.inter = spec.intermediate_size
+        self.w13 = nn.Linear(d, 2 * self.inter, bias=False, dtype=dtype, device=device)
+        self.w2 = nn.Linear(self.inter, d, bias=False, dtype=dtype, device=device)
+        self.eps = spec.rms_norm_eps
+
+    def forward(self, x, inp, cos, sin, kv_len):
+        h = rms_norm(x, self.attn_norm, self.eps)
+        if self.kind == FULL_ATTENTION:
+            x = x + self.mixer(h, inp, cos, sin, kv_len)
+        else:
+            x = x + self.mixer(h, inp)
+        h = rms_norm(x, self.mlp_norm, self.eps)
+        gate, up = self.w13(h).split([self.inter, self.inter], -1)
+        return x + self.w2(F.silu(gate) * up)
+
+
+class Transformer(nn.Module):
+    """A decoder with a static cache of ``max_seq`` slots for one request."""
+
+    def __init__(self, spec: ModelSpec, max_seq: int = 2048, dtype=torch.float32, device="cpu"):
+        super().__init__()
+        if spec.moe is not None and any(spec.moe_layers):
+            raise InputError(f"{spec.name}: MoE layers are not supported by the embedded engine (dense and GDN only)")
+        if spec.is_hybrid and spec.gdn is not None and spec.gdn.num_value_heads % spec.gdn.num_key_heads:
+            raise InputError(f"{spec.name}: linear value heads must be a multiple of key heads")
+        self.spec, self.max_seq, self.dtype = spec, max_seq, dtype
+        self.device = torch.device(device)
+        self.embed = nn.Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(Block(spec, kind, max_seq, dtype, device) for kind in spec.layer_types)
+        self.norm = nn.Parameter(torch.ones(spec.hidden_size, dtype=dtype, device=device))
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype, device=device)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+        max_pos = max(max_seq, 1) + 1
+        cos, sin = rope_tables(spec, max_pos, device)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    # ---- construction --------------------------------------------------------------
+    @torch.no_grad()
+    def init_random(self, seed: int = 0, std: float = 0.02):
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        for name, p in self.named_parameters():
+            if name.endswith(("norm", "norm.weight")) or name.endswith("dt_bias"):
+                p.fill_(1.0)
+            elif name.endswith("A_log"):
+                p.copy_(torch.log(torch.empty(p.shape).uniform_(1, 16, generator=gen)))
+            elif name.endswith("conv_weight"):
+                p.copy_((torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1])).to(p.dtype))
+            else:
+                p.copy_((torch.randn(p.shape, generator=gen) * std).to(p.dtype))
+        return self
+
+    @torch.no_grad()
+    def init_random_fast(self, seed: int = 0, std: float = 0.02):
+        """Random weights generated on the model's device (for big shapes on a GPU)."""
+        torch.manual_seed(seed)
+        for name, p in self.named_parameters():
+            if name.endswith(("norm", "dt_bias")):
+                p.fill_(1.0)
+            elif name.endswith("A_log"):
+                p.uniform_(0, 2.7)
+            elif name.endswith("conv_weight"):
+                p.normal_(0, 1 / math.sqrt(p.shape[-1]))
+            else:
+                p.normal_(0, std)
+        return self
+
+    @torch.no_grad()
+    def load_hf_state(self, state: dict):
+        """Load Hugging Face tensor names (model.layers.N.self_attn.q_proj.weight, ...)."""
+        def take(name, required=True):
+            t = state.get(name)
+            if t is None and required:
+                raise InputError(f"checkpoint has no tensor {name!r}; is it a {self.spec.arch} model?")
+            return t
+
+        def put(param, tensor, name):
+            if tuple(param.shape) != tuple(tensor.shape):
+                raise InputError(f"{name}: shape {tuple(tensor.shape)} does not match the config ({tuple(param.shape)})")
+            param.copy_(tensor.to(param.dtype))
+
+        put(self.embed.weight, take("model.embed_tokens.weight"), "model.embed_tokens.weight")
+        put(self.norm, take("model.norm.weight"), "model.norm.weight")
+        if not self.spec.tie_word_embeddings:
+            put(self.lm_head.weight, take("lm_head.weight"), "lm_head.weight")
+        for i, blk in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            put(blk.attn_norm, take(p + "input_layernorm.weight"), p + "input_layernorm.weight")
+            put(blk.mlp_norm, take(p + "post_attention_layernorm.weight"), p + "post_attention_layernorm.weight")
+            put(blk.w13.weight, torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]), p + "mlp")
+            put(blk.w2.weight, take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
+            m = blk.mixer
+            if isinstance(m, Attention):
+                a = p + "self_attn."
+                put(m.wqkv.weight, torch.cat([take(a + "q_proj.weight"), take(a + "k_proj.weight"),
+                                              take(a + "v_proj.weight")]), a + "qkv")
+                if m.wqkv.bias is not None:
+                    put(m.wqkv.bias, torch.cat([take(a + "q_proj.bias"), take(a + "k_proj.bias"),
+                                                take(a + "v_proj.bias")]), a + "qkv bias")
+                put(m.wo.weight, take(a + "o_proj.weight"), a + "o_proj.weight")
+                if m.qk_norm:
+                    put(m.q_norm, take(a + "q_norm.weight"), a + "q_norm.weight")
+                    put(m.k_norm, take(a + "k_norm.weight"), a + "k_norm.weight")
+            else:
+                raise InputError("loading Gated DeltaNet checkpoints is not supported; use --random-weights")
+        return self
+
+    # ---- caches --------------------------------------------------------------------
+    def reset(self):
+        for blk in self.layers:
+            if isinstance(blk.mixer, GatedDeltaNet):
+                blk.mixer.reset()
+
+    def gdn_layers(self, upto: int | None = None):
+        return [b.mixer for b in self.layers[:upto] if isinstance(b.mixer, GatedDeltaNet)]
+
+    def commit(self, start: int, rows: list[int], mode: str):
+        """Keep the accepted rows (row 0 = the pending token) of the step that began at slot ``start``."""
+        if rows != list(range(len(rows))):
+            r = torch.tensor(rows, device=self.device)
+            for blk in self.layers:
+                if isinstance(blk.mixer, Attention):
+                    blk.mixer.commit(start, r)
+        if mode in ("chain", "tree"):
+            for m in self.gdn_layers():
+                m.commit(rows)
+
+    # ---- forward -------------------------------------------------------------------
+    def hidden(self, inp: StepInput, kv_len: int, layers: int | None = None):
+        x = self.embed(inp.tokens)
+        cos, sin = self.cos[inp.pos], self.sin[inp.pos]
+        for blk in self.layers[:layers]:
+            x = blk(x, inp, cos, sin, kv_len)
+        return rms_norm(x, self.norm, self.spec.rms_norm_eps)
+
+    def forward(self, inp: StepInput, kv_len: int | None = None, layers: int | None = None):
+        """Logits [T, vocab] of the step's rows (``layers`` < all: an early-exit self-draft)."""
+        kv_len = self.max_seq if kv_len is None else kv_len
+        return self.lm_head(self.hidden(inp, kv_len, layers))
