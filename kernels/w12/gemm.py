@@ -1,0 +1,370 @@
+"""Fused W12 GEMM in Triton: ``y = x @ W.T`` decoding 12 KB records in registers.
+
+Design (see docs/w12.md):
+* a program owns ``BLOCK_N`` output channels and a contiguous range of k-tiles (split-K);
+  per step it loads ``BLOCK_K/64`` records' slices with 16-byte loads (8-bit view as int64,
+  nibbles as int32), decodes four bf16 pairs per 8 weights with a handful of 32-bit integer ops,
+  and either feeds the tensor cores (``tl.dot``, the decoded tile is the A operand, x^T the B
+  operand) or, for one row, multiplies on the CUDA cores (``GEMV`` variant);
+* the decoded values are ``w * 2**(112 - L_n)``; the row scale ``2**(L_n - 112)`` is applied in
+  the epilogue, then the escape corrections ``x[:, k] * (w - 2**(L_n - 127))``;
+* split-K partials go to a workspace; the last program of an output block (a counter, not an
+  atomic on the data) sums them in split order, so the result is bitwise identical run to run.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .format import KERNEL_EXP_BIAS, TILE_K, TILE_N, W12Tensor, repad
+
+try:  # triton is optional at import time (CPU-only installs still import this module)
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover
+    triton = None
+    tl = None
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU layout
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class KernelPack:
+    """W12 weights laid out for the kernel: 128-row record tiles plus escape CSR with deltas."""
+
+    shape: tuple[int, int]
+    rows_stored: int
+    rec64: torch.Tensor        # int64 view of the records
+    rec32: torch.Tensor        # int32 view of the same bytes
+    low_exp: torch.Tensor      # uint8 [N]
+    esc_rowptr: torch.Tensor   # int32 [N + 1]
+    esc_row: torch.Tensor      # int32 [nnz]
+    esc_col: torch.Tensor      # int32 [nnz]
+    esc_delta: torch.Tensor    # fp32 [nnz]: w - 2**(L_n - 127) (exact weight minus decoded slot)
+    esc_delta_q: torch.Tensor  # fp32 [nnz]: same for the Q pass (slot decodes to 1.0001b * 2**...)
+    max_escapes_per_row: int
+
+    @property
+    def k_tiles(self) -> int:
+        return (self.shape[1] + TILE_K - 1) // TILE_K
+
+    def nbytes(self) -> int:
+        return int(self.rec64.numel() * 8 + self.low_exp.numel() + self.esc_row.numel() * 16
+                   + self.esc_rowptr.numel() * 4)
+
+    @staticmethod
+    def from_w12(t: W12Tensor, device=None) -> "KernelPack":
+        device = torch.device(device) if device is not None else t.records.device
+        t = repad(t.to("cpu"), TILE_N) if t.rows_stored % TILE_N else t.to("cpu")
+        n, k = t.shape
+        rec = t.records.contiguous()
+        if rec.numel() % 8:
+            raise ValueError("record bytes not a multiple of 8")
+        rows = torch.div(t.esc_pos, k, rounding_mode="floor") if n and k else t.esc_pos
+        cols = t.esc_pos - rows * k
+        counts = torch.bincount(rows, minlength=n) if rows.numel() else torch.zeros(n, dtype=torch.int64)
+        rowptr = torch.zeros(n + 1, dtype=torch.int64)
+        rowptr[1:] = torch.cumsum(counts, 0)
+        low = t.low_exp.to(torch.int64)[rows] if rows.numel() else torch.zeros(0, dtype=torch.int64)
+        w = (t.esc_bits.to(torch.int32) << 16).view(torch.float32)
+        base = torch.ldexp(torch.ones_like(w), (low - 127).to(torch.float32))
+        baseq = base * (1.0 + 8.0 / 128.0)
+        dev = device
+        return KernelPack(
+            (n, k), t.rows_stored,
+            rec.view(torch.int64).to(dev), rec.view(torch.int32).to(dev),
+            t.low_exp.to(dev),
+            rowptr.to(torch.int32).to(dev), rows.to(torch.int32).to(dev), cols.to(torch.int32).to(dev),
+            (w - base).to(dev), (w - baseq).to(dev),
+            int(counts.max()) if counts.numel() else 0,
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# kernel
+# ----------------------------------------------------------------------------------------------
+
+if triton is not None:
+
+    @triton.jit
+    def _decode_pairs(b64, n32, QPASS: tl.constexpr):
+        """int64 [.., G] 8-bit views + int32 [.., G] nibbles -> 4 uint32 bf16-pair tensors."""
+        be = b64.to(tl.uint32)
+        bo = (b64 >> 32).to(tl.uint32)
+        SGN: tl.constexpr = 0x80008000
+        MAG: tl.constexpr = 0x07F007F0
+        NIB: tl.constexpr = 0x000F000F
+        EXP: tl.constexpr = 0x38003800
+        if QPASS:
+            ln0 = 0x00080008
+            ln1 = 0x00080008
+            ln2 = 0x00080008
+            ln3 = 0x00080008
+        else:
+            nn = n32.to(tl.uint32)
+            ln0 = nn & NIB
+            ln1 = (nn >> 4) & NIB
+            ln2 = (nn >> 8) & NIB
+            ln3 = (nn >> 12) & NIB
+        p0 = ((be << 8) & SGN) | ((be << 4) & MAG) | ln0 | EXP
+        p1 = (be & SGN) | ((be >> 4) & MAG) | ln1 | EXP
+        p2 = ((bo << 8) & SGN) | ((bo << 4) & MAG) | ln2 | EXP
+        p3 = (bo & SGN) | ((bo >> 4) & MAG) | ln3 | EXP
+        return p0, p1, p2, p3
+
+    @triton.jit
+    def _lo_bf16(p):
+        return (p & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+    @triton.jit
+    def _hi_bf16(p):
+        return (p >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+    @triton.jit
+    def _lo_f32(p):
+        return (p << 16).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _hi_f32(p):
+        return (p & 0xFFFF0000).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _w12_gemm_kernel(
+        x_ptr, y_ptr, rec64_ptr, rec32_ptr, low_ptr,
+        eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr,
+        ws_ptr, lock_ptr,
+        M, N, K, KT, TILES_PER_SPLIT, NUM_N_BLOCKS, SPLIT_K,
+        stride_xm, stride_ym,
+        BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+        USE_SPLIT: tl.constexpr, GEMV: tl.constexpr, QPASS: tl.constexpr, UPCAST: tl.constexpr,
+        ESC_CH: tl.constexpr,
+    ):
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        pid_m = tl.program_id(2)
+        G: tl.constexpr = BLOCK_K // 8          # 8-weight groups per step
+        RECS: tl.constexpr = BLOCK_K // 64    # records per step
+        n0 = pid_n * BLOCK_N
+        tn = n0 // 128
+        r = (n0 % 128) + tl.arange(0, BLOCK_N)
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        j = tl.arange(0, G)
+        g = j // 8
+        jj = j % 8
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < M
+
+        t_begin = pid_k * TILES_PER_SPLIT
+        t_end = tl.minimum(t_begin + TILES_PER_SPLIT, KT)
+        tile_row = tn.to(tl.int64) * KT
+
+        if GEMV:
+            acc_v = tl.zeros((BLOCK_N, G), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            # natural k of column q of the decoded tile (q = 4b + 2a + c -> 4a + 2b + c)
+            q = tl.arange(0, BLOCK_K)
+            qq = q % 8
+            k_in_step = (q // 8) * 8 + ((qq & 1) | (((qq >> 2) & 1) << 1) | (((qq >> 1) & 1) << 2))
+
+        for t in range(t_begin, t_end, RECS):
+            rec = tile_row + t + g                              # [G] record index
+            kmask = (t + g) < t_end
+            b_idx = rec[None, :] * 1536 + r[:, None] * 8 + jj[None, :]
+            b64 = tl.load(rec64_ptr + b_idx, mask=kmask[None, :], other=0)
+            if QPASS:
+                n32 = b64.to(tl.int32)
+            else:
+                n_idx = rec[None, :] * 3072 + 2048 + r[:, None] * 8 + jj[None, :]
+                n32 = tl.load(rec32_ptr + n_idx, mask=kmask[None, :], other=0)
+            p0, p1, p2, p3 = _decode_pairs(b64, n32, QPASS)
+            kbase = t * 64
+            if GEMV:
+                k8 = kbase + j * 8
+                xk = x_ptr + pid_m * stride_xm + k8
+                x0 = tl.load(xk + 0, mask=kmask & (k8 + 0 < K), other=0.0).to(tl.float32)
+                x1 = tl.load(xk + 1, mask=kmask & (k8 + 1 < K), other=0.0).to(tl.float32)
+                x2 = tl.load(xk + 2, mask=kmask & (k8 + 2 < K), other=0.0).to(tl.float32)
+                x3 = tl.load(xk + 3, mask=kmask & (k8 + 3 < K), other=0.0).to(tl.float32)
+                x4 = tl.load(xk + 4, mask=kmask & (k8 + 4 < K), other=0.0).to(tl.float32)
+                x5 = tl.load(xk + 5, mask=kmask & (k8 + 5 < K), other=0.0).to(tl.float32)
+                x6 = tl.load(xk + 6, mask=kmask & (k8 + 6 < K), other=0.0).to(tl.float32)
+                x7 = tl.load(xk + 7, mask=kmask & (k8 + 7 < K), other=0.0).to(tl.float32)
+                acc_v += _lo_f32(p0) * x0[None, :]
+                acc_v += _hi_f32(p0) * x1[None, :]
+                acc_v += _lo_f32(p1) * x2[None, :]
+                acc_v += _hi_f32(p1) * x3[None, :]
+                acc_v += _lo_f32(p2) * x4[None, :]
+                acc_v += _hi_f32(p2) * x5[None, :]
+                acc_v += _lo_f32(p3) * x6[None, :]
+                acc_v += _hi_f32(p3) * x7[None, :]
+            else:
+                t01 = tl.join(p0, p1)
+                t23 = tl.join(p2, p3)
+                tt = tl.join(t01, t23)
+                w5 = tl.join(_lo_bf16(tt), _hi_bf16(tt))
+                w = tl.reshape(w5, (BLOCK_N, BLOCK_K))
+                kk = kbase + k_in_step
+                xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + kk[:, None],
+                             mask=m_mask[None, :] & (((kk // 64) < t_end) & (kk < K))[:, None], other=0.0)
+                if UPCAST:
+                    acc += tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
+                else:
+                    acc += tl.dot(w, xt.to(tl.bfloat16))
+
+        if GEMV:
+            acc = tl.reshape(tl.sum(acc_v, axis=1), (BLOCK_N, 1))
+
+        if not USE_SPLIT:
+            _finalize(acc, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr,
+                      offs_n, offs_m, n0, M, N, stride_xm, stride_ym, BLOCK_N, BLOCK_M, ESC_CH)
+        else:
+            blk = pid_m * NUM_N_BLOCKS + pid_n
+            ws_base = ws_ptr + blk.to(tl.int64) * (SPLIT_K * BLOCK_N * BLOCK_M)
+            tile_offs = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+            tl.store(ws_base + pid_k * (BLOCK_N * BLOCK_M) + tile_offs, acc)
+            tl.debug_barrier()
+            count = tl.atomic_add(lock_ptr + blk, 1, sem="acq_rel", scope="gpu")
+            if count == SPLIT_K - 1:
+                total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+                for s in range(SPLIT_K):   # fixed order: bitwise identical results
+                    total += tl.load(ws_base + s * (BLOCK_N * BLOCK_M) + tile_offs, cache_modifier=".cg")
+                tl.atomic_xchg(lock_ptr + blk, 0)
+                _finalize(total, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr,
+                          offs_n, offs_m, n0, M, N, stride_xm, stride_ym, BLOCK_N, BLOCK_M, ESC_CH)
+
+    @triton.jit
+    def _finalize(acc, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr,
+                  offs_n, offs_m, n0, M, N, stride_xm, stride_ym,
+                  BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, ESC_CH: tl.constexpr):
+        n_mask = offs_n < N
+        m_mask = offs_m < M
+        low = tl.load(low_ptr + offs_n, mask=n_mask, other=112).to(tl.int32)
+        scale = ((low + (127 - 112)) << 23).to(tl.float32, bitcast=True)
+        y = acc * scale[:, None]
+        e_lo = tl.load(eptr_ptr + n0)
+        e_hi = tl.load(eptr_ptr + tl.minimum(n0 + BLOCK_N, N))
+        for e in range(e_lo, e_hi, ESC_CH):
+            idx = e + tl.arange(0, ESC_CH)
+            em = idx < e_hi
+            er = tl.load(erow_ptr + idx, mask=em, other=-1)
+            ec = tl.load(ecol_ptr + idx, mask=em, other=0)
+            ed = tl.load(edelta_ptr + idx, mask=em, other=0.0)
+            xv = tl.load(x_ptr + offs_m[None, :] * stride_xm + ec[:, None],
+                         mask=em[:, None] & m_mask[None, :], other=0.0).to(tl.float32)
+            contrib = xv * ed[:, None]                                   # [CH, BM]
+            hit = er[None, :] == offs_n[:, None]                         # [BN, CH]
+            y += tl.sum(tl.where(hit[:, :, None], contrib[None, :, :], 0.0), axis=1)
+        tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None],
+                 y.to(y_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
+
+
+
+# ----------------------------------------------------------------------------------------------
+# launcher
+# ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Config:
+    block_n: int = 64
+    block_k: int = 256
+    split_k: int = 1
+    gemv: bool = False
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def key(self) -> str:
+        return (f"{'gemv' if self.gemv else 'dot'}-n{self.block_n}-k{self.block_k}-s{self.split_k}"
+                f"-w{self.num_warps}-st{self.num_stages}")
+
+
+def block_m_for(m: int, gemv: bool) -> int:
+    if gemv:
+        return 1
+    return 16 if m <= 16 else 32 if m <= 32 else 64
+
+
+def default_config(m: int, n: int, k: int) -> Config:
+    """Heuristic config; measured per shape tables (``TUNED``) take precedence."""
+    tuned = TUNED.get((n, k, bucket(m)))
+    if tuned is not None:
+        return tuned
+    kt = (k + TILE_K - 1) // TILE_K
+    bn = 64
+    blocks = (n + bn - 1) // bn
+    split = 1
+    while blocks * split < 264 and kt // (split * 2) >= 4:
+        split *= 2
+    return Config(block_n=bn, block_k=256 if kt >= 4 else 64, split_k=split, gemv=False)
+
+
+def bucket(m: int) -> int:
+    return 1 if m <= 1 else 16 if m <= 16 else 32 if m <= 32 else 64
+
+
+# measured on the H200 by benchmarks/w12_gemm.py (filled from its results; see docs/w12.md)
+TUNED: dict[tuple[int, int, int], Config] = {}
+
+_WORKSPACES: dict = {}
+
+
+def _workspace(device, nbytes_f32: int, nlocks: int):
+    key = (str(device),)
+    ws, lk = _WORKSPACES.get(key, (None, None))
+    if ws is None or ws.numel() < nbytes_f32:
+        ws = torch.empty(max(nbytes_f32, 1 << 16), dtype=torch.float32, device=device)
+    if lk is None or lk.numel() < nlocks:
+        lk = torch.zeros(max(nlocks, 4096), dtype=torch.int32, device=device)
+    _WORKSPACES[key] = (ws, lk)
+    return ws, lk
+
+
+def w12_linear(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: Config | None = None,
+               out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x @ W.T`` for x ``[M, K]`` (bf16), W in W12 form; fp32 accumulation, deterministic."""
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    if x.dim() != 2 or x.shape[1] != packed.shape[1]:
+        raise ValueError(f"x shape {tuple(x.shape)} does not match weight {packed.shape}")
+    m, k = x.shape
+    n = packed.shape[0]
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    cfg = config or default_config(m, n, k)
+    bm = block_m_for(m, cfg.gemv)
+    if cfg.gemv and m != 1:
+        cfg = Config(cfg.block_n, cfg.block_k, cfg.split_k, False, cfg.num_warps, cfg.num_stages)
+        bm = block_m_for(m, False)
+    if out is None:
+        out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+    kt = packed.k_tiles
+    recs = cfg.block_k // TILE_K
+    tps = (kt + cfg.split_k - 1) // cfg.split_k
+    tps = (tps + recs - 1) // recs * recs
+    split = (kt + tps - 1) // tps
+    nb = (n + cfg.block_n - 1) // cfg.block_n
+    mb = (m + bm - 1) // bm
+    ws, locks = _workspace(x.device, nb * mb * split * cfg.block_n * bm if split > 1 else 1, nb * mb)
+    esc_ch = max(1, min(16, 4096 // (cfg.block_n * bm)))
+    esc_ch = 1 << (esc_ch.bit_length() - 1)
+    grid = (nb, split, mb)
+    _w12_gemm_kernel[grid](
+        x, out, packed.rec64, packed.rec32, packed.low_exp,
+        packed.esc_rowptr, packed.esc_row, packed.esc_col, packed.esc_delta_q if qpass else packed.esc_delta,
+        ws, locks,
+        m, n, k, kt, tps, nb, split,
+        x.stride(0), out.stride(0),
+        BLOCK_N=cfg.block_n, BLOCK_M=bm, BLOCK_K=cfg.block_k, USE_SPLIT=split > 1, GEMV=cfg.gemv,
+        QPASS=qpass, UPCAST=interpreting(), ESC_CH=esc_ch,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
