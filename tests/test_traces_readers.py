@@ -1,0 +1,168 @@
+"""Trace readers against real fixtures (two Nsight generations, MI300X/H200 Kineto) and synthetic
+traces with known answers."""
+
+from __future__ import annotations
+
+import shutil
+import sqlite3
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from specpilot.errors import EnvironmentMissing, InputError
+from specpilot.probes.traces import StepRequest, read_trace, sniff
+from specpilot.probes.traces.nsys_sqlite import describe
+from specpilot.probes.traces.synthetic import SynthSpec, truth, write_kineto, write_nsys_sqlite
+
+LOCAL = Path(__file__).parent / "fixtures"
+H200_EAGER = LOCAL / "nsys_h200_decode_eager.sqlite"
+H200_GRAPH = LOCAL / "nsys_h200_decode_graph.sqlite"
+H200_KINETO = LOCAL / "kineto_h200_decode_eager.json.gz"
+H200_REP = LOCAL / "nsys_h200_decode_eager.nsys-rep"
+
+
+# ---- shared fixtures ------------------------------------------------------------------------
+def test_nsys_3x_fixture_steps_by_nvtx_range(fixtures_dir):
+    a = read_trace(fixtures_dir / "nsys_h200_linear_softmax_schema3.20.sqlite", StepRequest(range_regex=r"^step_\d+$"))
+    assert a.format == "nsys-sqlite" and a.format_version.startswith("3.")
+    assert a.gpu.name == "NVIDIA H200" and a.gpu.sm_count == 132
+    assert a.gpu.bandwidth_tbs == pytest.approx(4.814304)
+    assert [s.label for s in a.steps] == [f"step_{i}" for i in range(20)]
+    # every step launched exactly the linear (nvjet + split-K reduce), a copy and a softmax
+    for s in a.steps:
+        names = [g.name for g in a.groups if g.step == s.index]
+        assert s.events == 4 and len(names) == 4
+        assert any("nvjet" in n for n in names) and any("SoftMaxForward" in n for n in names)
+    # busy time is what the kernels took: compare with the raw table
+    con = sqlite3.connect(fixtures_dir / "nsys_h200_linear_softmax_schema3.20.sqlite")
+    total = con.execute("SELECT sum(end-start) FROM CUPTI_ACTIVITY_KIND_KERNEL WHERE shortName IN "
+                        "(SELECT id FROM StringIds WHERE value != 'distribution_elementwise_grid_stride_kernel')"
+                        ).fetchone()[0]
+    assert sum(s.busy_ns for s in a.steps) == total
+
+
+def test_nsys_2x_fixture_memcpy_and_textid_ranges(fixtures_dir):
+    path = fixtures_dir / "nsys_saxpy_a100_schema2.9.sqlite"
+    a = read_trace(path, StepRequest())
+    assert a.format_version.startswith("2.") and a.gpu.name == "NVIDIA A100-SXM4-40GB"
+    assert a.gpu.bandwidth_tbs == pytest.approx(1.5552)
+    kinds = Counter(g.kind for g in a.groups for _ in range(g.count))
+    assert kinds == {"kernel": 5, "memcpy": 15}
+    assert {g.name for g in a.groups if g.kind == "memcpy"} == {"Memcpy HtoD", "Memcpy DtoH"}
+    assert a.step_mode == "gap" and len(a.steps) == 5  # five saxpy rounds, found from idle gaps
+    d = describe(path)
+    assert d["schema_version"] == "2.9.1" and d["counts"]["CUPTI_ACTIVITY_KIND_KERNEL"] == 5
+
+
+def test_kineto_mi300x_sglang_decode(fixtures_dir):
+    path = fixtures_dir / "kineto_sglang_qwen3-8b_decode_mi300x.json.gz"
+    a = read_trace(path, StepRequest(range_regex=r"^step\["))
+    assert a.format == "kineto" and a.gpu.name == "AMD Instinct MI300X" and a.gpu.sm_count == 304
+    assert len(a.steps) == 1 and a.steps[0].label == "step[DECODE bs=32]"
+    # 544 kernels of the HIP graph replay + the eager kernels and copies launched inside the range
+    assert sum(g.count for g in a.groups) == a.steps[0].events == 551
+    assert sum(g.count for g in a.groups if g.name.startswith("Cijk_")) == 36 * 4 + 1
+    assert a.total_events == 558
+
+
+def test_kineto_torch_compile_triton_shapes(fixtures_dir):
+    a = read_trace(fixtures_dir / "kineto_torch_compile_triton.json.gz", StepRequest(range_regex="CompiledFxGraph"))
+    assert len(a.steps) == 1 and a.steps[0].events == 12
+    mm = [g for g in a.groups if g.name.startswith("Cijk_")]
+    assert mm and all(g.dims and g.dims.startswith("aten::mm[") for g in mm)
+    assert any(g.name.startswith("triton_") for g in a.groups)
+
+
+# ---- our H200 captures: Nsight and Kineto of the same loop agree ------------------------------
+def _by_tag(a):
+    c = Counter()
+    for g in a.groups:
+        c[(g.tag, g.kind)] += g.count
+    return c
+
+
+def test_h200_nsys_and_kineto_agree_on_steps_and_ranges():
+    req = StepRequest(range_regex=r"^decode_step_\d+$", tag_regex="draft|lm_head")
+    n = read_trace(H200_EAGER, req)
+    k = read_trace(H200_KINETO, req)
+    assert len(n.steps) == len(k.steps) == 12
+    assert [s.events for s in n.steps] == [s.events for s in k.steps] == [262] * 12
+    assert _by_tag(n) == _by_tag(k)
+    assert _by_tag(n)[("draft/lm_head", "kernel")] == 3 * 12  # the drafter's own LM head, 3 drafts a step
+    assert _by_tag(n)[("lm_head", "kernel")] == 12
+    # same GPU work, two profilers: busy time per step within 5%
+    for a, b in zip(n.steps, k.steps):
+        assert a.busy_ns == pytest.approx(b.busy_ns, rel=0.05)
+
+
+def test_h200_graph_trace_whole_graph_records_are_steps():
+    a = read_trace(H200_GRAPH, StepRequest())
+    assert a.step_mode == "graph" and len(a.steps) == 12
+    assert {g.kind for g in a.groups} == {"graph", "memcpy"}
+    assert any("cuda-graph-trace=node" in n for n in a.notes)
+    # wall (launch to launch) covers the busy time
+    assert all(s.wall_ns >= s.busy_ns > 0 for s in a.steps[:-1])
+
+
+def test_nsys_rep_needs_nsys(monkeypatch, tmp_path):
+    import specpilot.probes.traces.nsys_rep as rep
+
+    monkeypatch.setattr(rep, "find_nsys", lambda: None)
+    assert sniff(H200_REP) == "nsys-rep"
+    with pytest.raises(EnvironmentMissing, match="nsys"):
+        read_trace(H200_REP)
+
+
+@pytest.mark.skipif(shutil.which("nsys") is None, reason="needs nsys")
+def test_nsys_rep_export(tmp_path):
+    dst = tmp_path / "r.nsys-rep"
+    shutil.copy(H200_REP, dst)
+    a = read_trace(dst, StepRequest(range_regex="^decode_step"))
+    assert len(a.steps) == 12
+
+
+# ---- synthetic traces with exact answers ------------------------------------------------------
+@pytest.mark.parametrize("kw", [{}, {"graphs": True}, {"second_stream": True, "overlap_ns": 3000},
+                                {"schema2": True, "nvtx_text_ids": True}])
+@pytest.mark.parametrize("fmt", ["sqlite", "json", "json.gz"])
+@pytest.mark.parametrize("mode", ["range", "auto"])
+def test_synthetic_exact(tmp_path, kw, fmt, mode):
+    spec = SynthSpec(steps=5, layers=2, **kw)
+    path = tmp_path / f"t.{fmt}"
+    (write_nsys_sqlite if fmt == "sqlite" else write_kineto)(path, spec)
+    req = StepRequest(range_regex="decode_step" if mode == "range" else None)
+    a = read_trace(path, req)
+    tr = truth(spec)
+    assert a.step_mode == ("range" if mode == "range" else ("graph" if kw.get("graphs") else "gap"))
+    assert len(a.steps) == spec.steps
+    for s, t in zip(a.steps, tr):
+        assert s.busy_ns == t["busy_ns"]
+        assert (s.gpu_start, s.gpu_end) == t["gpu"]
+        names = {}
+        for g in a.groups:
+            if g.step == s.index:
+                n = names.setdefault(g.name, [0, 0])
+                n[0] += g.count
+                n[1] += g.total_ns
+        assert names == {k: list(v) for k, v in t["names"].items()}
+        if mode == "range":
+            assert (s.start, s.end) == t["cpu"]
+    if mode != "range":  # launch-to-launch period: GPU start of the next step
+        assert a.steps[0].end == tr[1]["gpu"][0]
+
+
+def test_step_range_that_matches_nothing_lists_ranges(tmp_path):
+    p = write_nsys_sqlite(tmp_path / "t.sqlite", SynthSpec(steps=3))
+    with pytest.raises(InputError, match=r"no NVTX/annotation range matches.*'decode_step_N' x3"):
+        read_trace(p, StepRequest(range_regex="^verify"))
+    with pytest.raises(InputError, match="not a valid regular expression"):
+        read_trace(p, StepRequest(range_regex="("))
+
+
+def test_gap_override_and_whole_mode(tmp_path):
+    p = write_kineto(tmp_path / "t.json", SynthSpec(steps=3, layers=1))
+    a = read_trace(p, StepRequest(mode="gap", gap_us=100))
+    assert len(a.steps) == 3
+    w = read_trace(p, StepRequest(mode="whole"))
+    assert len(w.steps) == 1 and w.steps[0].events == 3 * (8 + 2 + 1)
