@@ -19,7 +19,10 @@ from specpilot.errors import EnvironmentMissing, InputError
 SUPPORTED_SGLANG = ("0.5.23",)
 
 _PROBE = r"""
-import importlib.metadata as md, importlib.util, json, sys, sysconfig
+import os, sys
+# what the environment has installed, not what the current folder happens to hold
+sys.path[:] = [p for p in sys.path if p not in ("", ".", os.getcwd())]
+import importlib.metadata as md, importlib.util, json, sysconfig
 out = {"executable": sys.executable, "python": "%d.%d.%d" % sys.version_info[:3], "prefix": sys.prefix,
        "purelib": sysconfig.get_paths()["purelib"], "sglang": None, "specpilot": None}
 try:

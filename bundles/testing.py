@@ -79,11 +79,11 @@ def tree_digest(root: Path) -> dict[str, str]:
 
 
 def load_sglang_function(root: Path, module: str, name: str, namespace: dict, keep_decorators: bool = False):
-    """Compile function ``name`` of SGLang module ``module`` (source under ``root``) alone, in
+    """Compile function or class ``name`` of SGLang module ``module`` (source under ``root``) alone, in
     ``namespace`` (which must provide the names it uses); returns the function."""
     path = root / Path(*module.split(".")).with_suffix(".py")
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-    node = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name), None)
+    node = next((n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == name), None)
     if node is None:
         raise LookupError(f"{name} not found in {path}")
     if not keep_decorators:

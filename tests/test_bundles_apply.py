@@ -1,0 +1,199 @@
+"""apply / revert / status against the real SGLang 0.5.23 wheel (installed --no-deps)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from specpilot.bundles import activation as act
+from specpilot.bundles.testing import SKIP_REASON, fake_version_root, make_env, sglang_dir, tree_digest
+
+SGL = sglang_dir()
+pytestmark = pytest.mark.skipif(SGL is None, reason=SKIP_REASON)
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """A target environment: SGLang 0.5.23 + this SpecPilot."""
+    return make_env(tmp_path_factory.mktemp("sglenv") / "env", SGL)
+
+
+def _purelib(py: Path) -> Path:
+    return Path(subprocess.run([str(py), "-B", "-c", "import sysconfig;print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+
+
+def test_round_trip_leaves_environment_byte_identical(run_cli, env):
+    root = env.parent.parent
+    before = tree_digest(root)
+    code, out, err = run_cli("apply", "tree,lattice-trace", "--python", env, "--set", "node_budget=24")
+    assert code == 0, err
+    path = _purelib(env) / act.ACTIVATION_NAME
+    data = json.loads(path.read_text())
+    assert data["schema"] == "specpilot.activation/1"
+    assert data["closure"] == ["tree", "lattice-trace"]
+    assert data["settings"]["node_budget"] == 24
+    assert "--speculative-num-draft-tokens 24" in out and "SGLANG_PLUGINS=specpilot" in out
+    assert {h["target"] for h in data["hooks"]} >= {
+        "sglang.srt.speculative.eagle_utils.organize_draft_results",
+        "sglang.srt.models.dflash.CandidateSelector.build_lattice"}
+    assert tree_digest(root) != before
+
+    code, out, err = run_cli("status", "--python", env, "--format", "json")
+    assert code == 0, err
+    st = json.loads(out)
+    assert st["active"] and st["matches"] and st["problems"] == []
+    assert st["activation"]["closure"] == ["tree", "lattice-trace"]
+
+    code, out, err = run_cli("revert", "--python", env)
+    assert code == 0 and "tree, lattice-trace no longer active" in out
+    assert tree_digest(root) == before
+    code, out, _ = run_cli("status", "--python", env)
+    assert code == 0 and "no bundles active" in out
+    code, out, _ = run_cli("revert", "--python", env)
+    assert code == 0 and "nothing was active" in out
+
+
+def test_apply_replaces_previous_activation(run_cli, env):
+    assert run_cli("apply", "tree", "--python", env)[0] == 0
+    code, out, _ = run_cli("apply", "lattice-trace", "--python", env, "--format", "json")
+    assert code == 0
+    res = json.loads(out)
+    assert res["previous"] == ["tree"] and res["activation"]["closure"] == ["lattice-trace"]
+    assert run_cli("revert", "--python", env)[0] == 0
+
+
+def test_dry_run_writes_nothing(run_cli, env):
+    root = env.parent.parent
+    before = tree_digest(root)
+    code, out, _ = run_cli("apply", "tree", "--python", env, "--dry-run")
+    assert code == 0 and "would write" in out
+    assert tree_digest(root) == before
+
+
+def test_unsupported_version_refused_then_forced(run_cli, tmp_path):
+    root = fake_version_root(tmp_path / "sgl", SGL, "0.5.22")
+    py = make_env(tmp_path / "env", root)
+    code, out, err = run_cli("apply", "tree", "--python", py)
+    assert code == 3 and out == ""
+    assert err.startswith("specpilot: error: SGLang 0.5.22") and "--force" in err and len(err.strip().splitlines()) == 1
+    assert not (_purelib(py) / act.ACTIVATION_NAME).exists()
+    code, out, err = run_cli("apply", "tree", "--python", py, "--force", "--format", "json")
+    assert code == 0, err
+    assert json.loads(out)["activation"]["sglang"]["forced"] is True
+
+
+def test_missing_sglang_and_missing_specpilot(run_cli, tmp_path):
+    no_sgl = make_env(tmp_path / "a", None)
+    code, _, err = run_cli("apply", "tree", "--python", no_sgl)
+    assert code == 3 and "SGLang is not installed" in err
+    no_sp = make_env(tmp_path / "b", SGL, with_specpilot=False)
+    code, _, err = run_cli("apply", "tree", "--python", no_sp)
+    assert code == 3 and "SpecPilot is not installed" in err
+    assert not (_purelib(no_sp) / act.ACTIVATION_NAME).exists()
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["apply", "nope"], "unknown mechanism 'nope'"),
+    (["apply", ","], "name at least one bundle"),
+    (["apply", "tlv"], "not wired into SGLang"),
+    (["apply", "w12"], "experimental"),
+    (["apply", "tree", "--set", "node_budget=1"], "must be a number in [2, 256]"),
+    (["apply", "tree", "--set", "node_budget=abc"], "must be a number"),
+    (["apply", "tree", "--set", "bogus=3"], "not a variant"),
+    (["apply", "tree", "--python", "/nonexistent/python"], "no such file"),
+])
+def test_bad_input_exit_2(run_cli, env, args, msg):
+    if "--python" not in args:
+        args = args + ["--python", str(env)]
+    code, out, err = run_cli(*args)
+    assert code == 2, err
+    assert err.startswith("specpilot: error:") and msg in err and len(err.strip().splitlines()) == 1
+
+
+def test_status_detects_drift(run_cli, tmp_path):
+    """Status fails (exit 1) when the installed SGLang changed under an activation."""
+    import shutil
+
+    root = tmp_path / "sgl"
+    shutil.copytree(SGL / "sglang" / "srt" / "speculative", root / "sglang" / "srt" / "speculative")
+    # a root with the real package as a symlink, except eagle_utils.py which we edit after apply
+    root2 = tmp_path / "sgl2"
+    (root2 / "sglang").mkdir(parents=True)
+    for item in (SGL / "sglang").iterdir():
+        if item.name != "srt":
+            (root2 / "sglang" / item.name).symlink_to(item)
+    (root2 / "sglang" / "srt").mkdir()
+    for item in (SGL / "sglang" / "srt").iterdir():
+        if item.name != "speculative":
+            (root2 / "sglang" / "srt" / item.name).symlink_to(item)
+    (root2 / "sglang" / "srt" / "speculative").symlink_to(root / "sglang" / "srt" / "speculative")
+    shutil.copytree(next(SGL.glob("sglang-*.dist-info")), root2 / "sglang-0.5.23.dist-info")
+    py = make_env(tmp_path / "env", root2)
+    assert run_cli("apply", "tree", "--python", py)[0] == 0
+    f = root / "sglang" / "srt" / "speculative" / "eagle_utils.py"
+    f.write_text(f.read_text().replace("    num_draft_token: int,\n):\n    # b, n, topk",
+                                       "    num_draft_token: int,\n    extra,\n):\n    # b, n, topk"))
+    code, out, err = run_cli("status", "--python", py, "--format", "json")
+    assert code == 1
+    problems = json.loads(out)["problems"]
+    assert any("organize_draft_results" in p and "not compatible" in p for p in problems)
+    # and apply now refuses: the target no longer matches
+    code, _, err = run_cli("apply", "tree", "--python", py)
+    assert code == 3 and "do not match" in err
+
+
+_KILL_AT_RENAME = r"""
+import os, signal, sys
+real = os.replace
+def dying_replace(src, dst):
+    if str(dst).endswith("specpilot_activation.json"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(src, dst)
+os.replace = dying_replace
+from specpilot.cli import main
+main(sys.argv[1:])
+"""
+
+
+def _state(purelib: Path):
+    p = purelib / act.ACTIVATION_NAME
+    return None if not p.exists() else json.loads(p.read_text())["closure"]
+
+
+def test_kill_during_apply_leaves_old_or_new_state(run_cli, env, tmp_path):
+    purelib = _purelib(env)
+    root = env.parent.parent
+    assert run_cli("revert", "--python", env)[0] == 0
+    stock = tree_digest(root)
+    assert run_cli("apply", "tree", "--python", env)[0] == 0
+    old = tree_digest(root)
+    # 1) killed at the worst moment: the new file fully written, not yet renamed
+    proc = subprocess.run([sys.executable, "-c", _KILL_AT_RENAME, "apply", "lattice-trace", "--python", str(env)],
+                          capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGKILL
+    assert _state(purelib) == ["tree"]                      # the old state
+    assert list(purelib.glob(f".{act.ACTIVATION_NAME}.*.part"))  # a leftover temporary file
+    code, out, _ = run_cli("status", "--python", env)
+    assert code == 0 and not list(purelib.glob(f".{act.ACTIVATION_NAME}.*.part"))  # swept
+    assert tree_digest(root) == old
+    # 2) killed at arbitrary times: always the old or the new state, never a broken file
+    for delay in (0.05, 0.4, 0.8):
+        p = subprocess.Popen([sys.executable, "-m", "specpilot", "apply", "lattice-trace", "--python", str(env)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(delay)
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        state = _state(purelib)  # parses: never a half-written file
+        assert state in (["tree"], ["lattice-trace"])
+        assert run_cli("apply", "tree", "--python", env)[0] == 0  # back to old; sweeps leftovers
+    assert set(tree_digest(root)) == set(old)  # same files (the new one differs only in applied_at)
+    assert run_cli("revert", "--python", env)[0] == 0
+    assert tree_digest(root) == stock
