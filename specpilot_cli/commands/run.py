@@ -1,0 +1,162 @@
+"""``specpilot run``: generate with the embedded engine (AR, chain or best-first tree)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from specpilot.engine.options import engine_options, spec_from_cli
+from specpilot.errors import InputError
+from specpilot.output import Report, Section, emit, output_options, progress
+
+
+def read_prompts(path: str) -> list[dict]:
+    """Prompts from a file: JSONL rows with ``prompt``/``text`` or ``prompt_ids``/``input_ids``
+    (optional ``id``), or plain text with one prompt per line."""
+    p = Path(path)
+    if not p.is_file():
+        raise InputError(f"{p}: no such prompts file")
+    try:
+        lines = p.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise InputError(f"{p}: not UTF-8 text") from None
+    rows = []
+    jsonl = p.suffix in (".jsonl", ".json") or (lines and lines[0].lstrip().startswith("{"))
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if not jsonl:
+            rows.append({"id": len(rows), "text": line})
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise InputError(f"{p}:{n}: not valid JSON ({e.msg})") from None
+        if not isinstance(obj, dict):
+            raise InputError(f"{p}:{n}: expected an object with \"prompt\" or \"prompt_ids\"")
+        ids = obj.get("prompt_ids", obj.get("input_ids"))
+        text = obj.get("prompt", obj.get("text"))
+        if ids is not None:
+            if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise InputError(f"{p}:{n}: prompt_ids must be a non-empty list of integers")
+            rows.append({"id": obj.get("id", len(rows)), "ids": ids})
+        elif isinstance(text, str) and text:
+            rows.append({"id": obj.get("id", len(rows)), "text": text})
+        else:
+            raise InputError(f"{p}:{n}: needs a non-empty \"prompt\" (text) or \"prompt_ids\" (token ids)")
+    if not rows:
+        raise InputError(f"{p}: no prompts in the file")
+    return rows
+
+
+def run_requests(engine, prompts: list[dict], max_new: int, chat: bool | None, lattice: bool):
+    """Generate every prompt; returns per-request dicts and the lattice rows."""
+    use_chat = chat
+    if use_chat is None:
+        use_chat = bool(engine.tokenizer is not None and getattr(engine.tokenizer, "chat_template", None))
+    results, lattice_rows = [], []
+    for i, pr in enumerate(progress(prompts, total=len(prompts), desc="run", unit="prompt")):
+        ids = pr.get("ids") or engine.encode(pr["text"], chat=use_chat)
+        r = engine.generate(ids, max_new, record_lattice=lattice, request=pr["id"])
+        lattice_rows.extend(r.lattice_steps)
+        results.append({"id": pr["id"], "prompt_ids": ids, "output_ids": r.output_ids,
+                        "text": engine.decode(r.output_ids), "steps": r.steps, "tau": r.tau,
+                        "tokens": len(r.output_ids), "seconds": r.seconds, "prefill_seconds": r.prefill_seconds,
+                        "tokens_per_s": r.tokens_per_second, "decode_tokens_per_s": r.decode_tokens_per_second,
+                        "stop": r.stop_reason})
+    return results, lattice_rows, use_chat
+
+
+@click.command("run")
+@engine_options
+@click.option("--prompt", "prompt_text", default=None, help="One prompt (text).")
+@click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False), default=None,
+              help="Prompts file: JSONL with prompt/prompt_ids per line, or plain text lines.")
+@click.option("--prompt-ids", default=None, help="One prompt as comma-separated token ids.")
+@click.option("--chat/--raw", "chat", default=None,
+              help="Wrap text prompts in the model's chat template (default when it has one) or not.")
+@click.option("--max-new-tokens", type=int, default=128, show_default=True)
+@click.option("--outputs-out", type=click.Path(dir_okay=False), default=None,
+              help="Write the outputs JSONL (audit input): one line per prompt.")
+@click.option("--lattice-out", type=click.Path(dir_okay=False), default=None,
+              help="Write every step's draft lattice (replay input), target filled from committed tokens.")
+@output_options
+def command(prompt_text, prompts_file, prompt_ids, chat, max_new_tokens, outputs_out, lattice_out, fmt, out, **kw):
+    """Generate greedily with the embedded engine and report tau and tokens/s.
+
+    \b
+    Examples:
+      specpilot run --model smollm2 --mode tree --nodes 32 --prompt "Count to ten."
+      specpilot run --model smollm2 --mode ar --prompts prompts.jsonl --outputs-out ar.jsonl
+      specpilot run --model tiny --mode tree --prompt "abcabcabc" --lattice-out lat.jsonl --format json
+
+    chain and tree outputs equal ar outputs (greedy, lossless); tau is tokens per verification pass.
+    """
+    spec = spec_from_cli(kw)
+    given = [x is not None for x in (prompt_text, prompts_file, prompt_ids)]
+    if sum(given) != 1:
+        raise InputError("give exactly one of --prompt TEXT, --prompts FILE or --prompt-ids IDS")
+    if max_new_tokens < 1:
+        raise InputError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if prompts_file:
+        prompts = read_prompts(prompts_file)
+    elif prompt_ids is not None:
+        try:
+            ids = [int(x) for x in prompt_ids.split(",") if x.strip()]
+        except ValueError:
+            raise InputError(f"--prompt-ids must be comma-separated integers, got {prompt_ids!r}") from None
+        if not ids:
+            raise InputError("--prompt-ids is empty")
+        prompts = [{"id": 0, "ids": ids}]
+    else:
+        if not prompt_text:
+            raise InputError("--prompt is empty")
+        prompts = [{"id": 0, "text": prompt_text}]
+    inputs = [p for p in (prompts_file,) if p]
+    for path in (outputs_out, lattice_out, out):
+        if path and any(Path(path).exists() and Path(path).resolve() == Path(i).resolve() for i in inputs):
+            raise InputError(f"refusing to overwrite input file {path}; choose another output path")
+
+    from specpilot.engine.api import load_engine
+
+    engine = load_engine(spec)
+    results, lattice_rows, used_chat = run_requests(engine, prompts, max_new_tokens, chat, bool(lattice_out))
+
+    from specpilot.fileio import write_jsonl_atomic
+
+    if outputs_out:
+        write_jsonl_atomic(outputs_out, ({"schema": "specpilot.outputs/1", "id": r["id"], "prompt_ids": r["prompt_ids"],
+                                          "output_ids": r["output_ids"]} for r in results), protect=inputs)
+        click.echo(f"wrote {outputs_out}", err=True)
+    if lattice_out:
+        write_jsonl_atomic(lattice_out, lattice_rows, protect=inputs)
+        click.echo(f"wrote {lattice_out}", err=True)
+
+    tokens = sum(r["tokens"] for r in results)
+    steps = sum(r["steps"] for r in results)
+    seconds = sum(r["seconds"] for r in results)
+    committed = sum(r["tau"] * r["steps"] for r in results)
+    summary = {"requests": len(results), "tokens": tokens, "steps": steps,
+               "tau": committed / steps if steps else 1.0, "seconds": seconds,
+               "tokens_per_s": tokens / seconds if seconds > 0 else 0.0}
+    data = {"schema": "specpilot.run/1", "engine": str(spec), "model": engine.model_name, "mode": spec.mode,
+            "drafter": spec.drafter if spec.mode != "ar" else None, "nodes": spec.nodes if spec.mode == "tree" else None,
+            "dtype": engine.info["dtype"], "device": spec.device, "chat": used_chat, "max_new_tokens": max_new_tokens,
+            **summary, "results": results}
+    if len(results) == 1:
+        data.update({k: results[0][k] for k in ("prompt_ids", "output_ids", "text")})
+    rows = [[r["id"], r["tokens"], r["steps"], r["tau"], r["tokens_per_s"], r["stop"]] for r in results]
+    lines = []
+    if engine.tokenizer is not None:
+        for r in results:
+            lines.append(f"--- {r['id']} ---" if len(results) > 1 else "")
+            lines.append(r["text"])
+    report = Report(data=data, title=None, lines=[x for x in lines if x != ""] if len(results) == 1 else lines,
+                    sections=[Section(f"{engine.model_name} {spec.mode} ({engine.info['dtype']}, {spec.device})",
+                                      ["id", "tokens", "steps", "tau", "tokens/s", "stop"], rows,
+                                      note=f"total: {tokens} tokens, {steps} passes, tau {summary['tau']:.3f}, "
+                                           f"{summary['tokens_per_s']:.1f} tokens/s")])
+    emit(report, fmt, out, protect=inputs)
+    return 0
