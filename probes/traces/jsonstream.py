@@ -83,8 +83,10 @@ class _Buf:
                 self.i = end
                 return obj
             except json.JSONDecodeError as e:
-                # an error far from the end of the buffer is not a value cut by the chunk boundary
-                if len(self.s) - self.i > MAX_VALUE or len(self.s) - e.pos > 4 * CHUNK:
+                # a value cut by the chunk boundary fails at the end of the buffer (or inside a string
+                # that the boundary left open); an error well before the end is malformed JSON
+                cut = e.msg.startswith("Unterminated string") or len(self.s) - e.pos <= 16
+                if len(self.s) - self.i > MAX_VALUE or not cut:
                     self.fail(f"malformed JSON ({e.msg} at character {e.pos})")
                 if not self.more():
                     self.fail(f"truncated or malformed JSON ({e.msg})")

@@ -1,0 +1,210 @@
+"""Bad input gets one clear InputError (exit 2 at the CLI), never a traceback: empty, truncated,
+non-SQLite, wrong-schema and gzip-corrupt files, plus property-based fuzzing of the readers."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import sqlite3
+import zlib
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as hs
+
+from specpilot.errors import InputError
+from specpilot.probes.steps import gap_boundaries, innermost_segments, union_ns
+from specpilot.probes.traces import Range, StepRequest, read_trace
+from specpilot.probes.traces.jsonstream import iter_chrome_trace
+from specpilot.probes.traces.synthetic import SynthSpec, write_kineto, write_nsys_sqlite
+
+FUZZ = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    d = tmp_path_factory.mktemp("good")
+    spec = SynthSpec(steps=3, layers=1)
+    return {"sqlite": write_nsys_sqlite(d / "t.sqlite", spec), "json": write_kineto(d / "t.json", spec),
+            "gz": write_kineto(d / "t.json.gz", spec)}
+
+
+def _err(path, **kw) -> str:
+    with pytest.raises(InputError) as e:
+        read_trace(path, StepRequest(**kw))
+    msg = str(e.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_empty_missing_and_folder(tmp_path):
+    (tmp_path / "e.sqlite").write_bytes(b"")
+    assert "empty file" in _err(tmp_path / "e.sqlite")
+    assert "no such file" in _err(tmp_path / "nope.sqlite")
+    assert "is a folder" in _err(tmp_path)
+
+
+def test_not_a_trace(tmp_path):
+    p = tmp_path / "x.sqlite"
+    p.write_bytes(b"hello, this is text and not a database\n")
+    assert "unknown trace format" in _err(p)
+    q = tmp_path / "run.qdstrm"
+    q.write_bytes(b"\x00\x01qdstrm")
+    assert "QdstrmImporter" in _err(q)
+
+
+def test_sqlite_without_nsight_tables(tmp_path):
+    p = tmp_path / "other.sqlite"
+    con = sqlite3.connect(p)
+    con.execute("CREATE TABLE t (a INTEGER)")
+    con.commit()
+    con.close()
+    assert "not an Nsight Systems export" in _err(p)
+
+
+def test_sqlite_unsupported_schema_version(tmp_path, good):
+    p = tmp_path / "v9.sqlite"
+    p.write_bytes(good["sqlite"].read_bytes())
+    con = sqlite3.connect(p)
+    con.execute("UPDATE META_DATA_EXPORT SET value = '9.1.0' WHERE name = 'EXPORT_SCHEMA_VERSION'")
+    con.commit()
+    con.close()
+    assert "schema 9.1.0 is not supported" in _err(p)
+
+
+def test_sqlite_missing_kernel_columns(tmp_path):
+    p = tmp_path / "cols.sqlite"
+    con = sqlite3.connect(p)
+    con.executescript("CREATE TABLE META_DATA_EXPORT (name TEXT, value TEXT);"
+                      "INSERT INTO META_DATA_EXPORT VALUES ('EXPORT_SCHEMA_VERSION', '3.1.0');"
+                      "CREATE TABLE StringIds (id INTEGER PRIMARY KEY, value TEXT);"
+                      "CREATE TABLE CUPTI_ACTIVITY_KIND_KERNEL (start INTEGER, end INTEGER);")
+    con.close()
+    assert "lacks columns" in _err(p)
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.9])
+def test_sqlite_truncated(tmp_path, good, keep):
+    data = good["sqlite"].read_bytes()
+    p = tmp_path / "cut.sqlite"
+    p.write_bytes(data[: int(len(data) * keep)])
+    assert "truncated" in _err(p) or "unreadable" in _err(p)
+
+
+def test_kineto_wrong_shapes(tmp_path):
+    cases = {"a.json": "{}", "b.json": '{"traceEvents": 3}', "c.json": "[1, 2",
+             "d.json": '{"traceEvents": []}', "e.json": '{"traceEvents": [{"ph": "X", "cat": "kernel"}]}',
+             "f.json": '{"traceEvents": [], "x": 1} trailing'}
+    want = {"a.json": "no traceEvents", "b.json": "not an array", "c.json": "truncated", "d.json": "no events",
+            "e.json": "malformed kernel event", "f.json": "trailing data"}
+    for name, text in cases.items():
+        (tmp_path / name).write_text(text)
+        assert want[name] in _err(tmp_path / name), name
+
+
+def test_gzip_corrupt_and_truncated(tmp_path, good):
+    data = good["gz"].read_bytes()
+    cut = tmp_path / "cut.json.gz"
+    cut.write_bytes(data[: len(data) // 2])
+    assert "gzip" in _err(cut) or "truncated" in _err(cut)
+    bad = bytearray(data)
+    for i in range(40, min(len(bad), 400)):
+        bad[i] ^= 0x5A
+    flipped = tmp_path / "flip.json.gz"
+    flipped.write_bytes(bytes(bad))
+    _err(flipped)
+
+
+@FUZZ
+@given(cut=hs.floats(min_value=0.0, max_value=0.999), kind=hs.sampled_from(["json", "gz", "sqlite"]))
+def test_fuzz_truncation_never_crashes(tmp_path, good, cut, kind):
+    data = good[kind].read_bytes()
+    p = tmp_path / f"fz.{ 'json.gz' if kind == 'gz' else kind}"
+    p.write_bytes(data[: int(len(data) * cut)])
+    try:
+        read_trace(p, StepRequest(range_regex="decode"))
+    except InputError as e:
+        assert "\n" not in str(e)
+
+
+@FUZZ
+@given(pos=hs.integers(min_value=0, max_value=10**9), byte=hs.integers(min_value=0, max_value=255),
+       kind=hs.sampled_from(["json", "gz", "sqlite"]))
+def test_fuzz_byte_flips_never_crash(tmp_path, good, pos, byte, kind):
+    data = bytearray(good[kind].read_bytes())
+    data[pos % len(data)] = byte
+    p = tmp_path / f"flip.{ 'json.gz' if kind == 'gz' else kind}"
+    p.write_bytes(bytes(data))
+    try:
+        a = read_trace(p, StepRequest(range_regex="decode"))
+        assert all(s.busy_ns >= 0 for s in a.steps)
+    except InputError as e:
+        assert "\n" not in str(e)
+
+
+# ---- streaming JSON equals json.load ----------------------------------------------------------
+json_leaf = hs.one_of(hs.none(), hs.booleans(), hs.integers(-10**12, 10**12), hs.text(max_size=20),
+                      hs.floats(allow_nan=False, allow_infinity=False))
+json_val = hs.recursive(json_leaf, lambda ch: hs.lists(ch, max_size=4) | hs.dictionaries(hs.text(max_size=8), ch,
+                                                                                           max_size=4), max_leaves=12)
+events = hs.lists(hs.dictionaries(hs.sampled_from(["ph", "cat", "name", "ts", "args", "x}", "[y"]), json_val,
+                                  max_size=5), max_size=30)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(evs=events, header=hs.dictionaries(hs.sampled_from(["schemaVersion", "deviceProperties", "a\"b"]), json_val,
+                                          max_size=3), indent=hs.sampled_from([None, 0, 2]),
+       chunk=hs.sampled_from([7, 64, 1 << 20]), gz=hs.booleans(), before=hs.booleans())
+def test_fuzz_stream_parser_matches_json_load(tmp_path, monkeypatch, evs, header, indent, chunk, gz, before):
+    import specpilot.probes.traces.jsonstream as js
+
+    monkeypatch.setattr(js, "CHUNK", chunk)
+    doc = {**(header if before else {}), "traceEvents": evs, **({} if before else header)}
+    text = json.dumps(doc, indent=indent)
+    p = tmp_path / ("s.json.gz" if gz else "s.json")
+    p.write_bytes(gzip.compress(text.encode()) if gz else text.encode())
+    got_header = {}
+    got = list(iter_chrome_trace(p, lambda k, v: got_header.__setitem__(k, v)))
+    assert got == [e for e in evs if isinstance(e, dict)]
+    assert got_header == {k: v for k, v in header.items() if k != "traceEvents"}
+
+
+# ---- step helpers against brute force ---------------------------------------------------------
+intervals = hs.lists(hs.tuples(hs.integers(0, 500), hs.integers(0, 60)), min_size=1, max_size=40)
+
+
+@FUZZ
+@given(iv=intervals)
+def test_union_matches_brute_force(iv):
+    s = np.array([a for a, _ in iv], dtype=np.int64)
+    e = s + np.array([d for _, d in iv], dtype=np.int64)
+    covered = set()
+    for a, b in zip(s.tolist(), e.tolist()):
+        covered.update(range(a, b))
+    assert union_ns(s, e) == len(covered)
+
+
+@FUZZ
+@given(iv=intervals, gap=hs.integers(1, 50))
+def test_gap_boundaries_split_only_at_idle_gaps(iv, gap):
+    s = np.array([a for a, _ in iv], dtype=np.int64)
+    e = s + np.array([d for _, d in iv], dtype=np.int64)
+    b = gap_boundaries(s, e, gap)
+    assert b[0] == s.min() and b == sorted(b)
+    for x in b[1:]:
+        before = e[s < x]
+        assert before.size and x - before.max() > gap  # the GPU was idle more than gap before x
+
+
+def test_innermost_segments_paths():
+    r = [Range("draft", 0, 100), Range("lm_head", 40, 60), Range("lm_head", 150, 160)]
+    assert innermost_segments(r) == [(0, 40, "draft"), (40, 60, "draft/lm_head"), (60, 100, "draft"),
+                                     (150, 160, "lm_head")]
+
+
+def test_zlib_error_is_input_error(tmp_path):
+    raw = zlib.compress(b'{"traceEvents": []}')
+    p = tmp_path / "z.json.gz"
+    p.write_bytes(b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\x03" + raw[2:-4] + b"\x00" * 3)
+    _err(p)
