@@ -1,0 +1,111 @@
+"""The kernel-class rule table: defaults on real kernel names, conditions, user rules."""
+
+from __future__ import annotations
+
+import pytest
+
+from specpilot.errors import InputError
+from specpilot.probes.classify import Classifier, load_rules
+from specpilot.probes.traces.model import Aggregate, KernelGroup, StepInfo
+
+
+def _cls(name, kind="kernel", tag=None, dims=None, stream=7, vocab=None, table=None, per_step_agg=None):
+    clf = Classifier(table or load_rules(), vocab=vocab)
+    if per_step_agg is not None:
+        clf.fit(per_step_agg)
+    return clf.classify(KernelGroup(step=0, name=name, kind=kind, stream=stream, tag=tag, dims=dims, count=1))
+
+
+@pytest.mark.parametrize("name,want", [
+    ("nvjet_sm90_tst_64x8_64x16_4x1_v_bz_TNT", "linear"),
+    ("Cijk_Alik_Bljk_BBS_BH_Bias_HA_S_SAV_UserArgs_MT64x32x256_MI16x16x1_SN_LDSB1", "linear"),
+    ("void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4_tn_align8>(T1::Params)", "linear"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64_warpgroupsize1x1x1", "linear"),
+    ("void cublasLt::splitKreduce_kernel<(int)32, (int)16, int, float>", "linear"),
+    ("void paged_attention_ll4mi_QKV_mfma16_kernel<0, __hip_bfloat16>", "attention"),
+    ("void flash::flash_fwd_splitkv_kernel<Flash_fwd_kernel_traits<128>>", "attention"),
+    ("cudnn_generated_fort_native_sdpa_sm80_flash_fprop_wmma_f16_knob_35", "attention"),
+    ("BatchDecodeWithPagedKVCacheKernel", "attention"),
+    ("void (anonymous namespace)::store_kvcache<2048l, 4, false, long>", "attention"),
+    ("chunk_gated_delta_rule_fwd_kernel_h_blockdim64", "gdn"),
+    ("_causal_conv1d_update_kernel", "gdn"),
+    ("fused_moe_kernel", "moe"),
+    ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "communication"),
+    ("cross_device_reduce_1stage<__nv_bfloat16, 8>", "communication"),
+    ("_ZN5aiter24add_rmsnorm_quant_kernelIDF16bDF16bLi64ELi8ELb0ELb0ELb1ELi1EEEvPT0_PT_PfS4_S4_S4_diiiiiiib", "norm"),
+    ("void rotary_embedding_kernel<c10::BFloat16, true>", "norm"),
+    ("triton_red_fused_add_mean_mul_pow_rsqrt_0", "norm"),
+    ("_ZN7sgl_hip10activation18act_and_mul_kernelI14__hip_bfloat16", "norm"),
+    ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::ArgMaxOps<float>>>", "sampling"),
+    ("top_k_top_p_sampling_from_probs_kernel", "sampling"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>", "elementwise"),
+    ("triton_poi_fused_add_0", "elementwise"),
+    ("some_custom_kernel_nobody_knows", "other"),
+])
+def test_default_rules_on_real_names(name, want):
+    assert _cls(name).cls == want
+
+
+def test_kinds_and_ranges():
+    assert _cls("Memcpy DtoH (Device -> Host)", kind="memcpy").cls == "memcpy"
+    assert _cls("Memset", kind="memset").cls == "memcpy"
+    assert _cls("CUDA graph exec 2 (whole graph)", kind="graph").cls == "other"
+    # ranges beat names: a GEMM launched by the drafter is drafter time, the drafter's LM head too
+    assert _cls("nvjet_sm90_tst_64x8", tag="draft").cls == "drafter"
+    assert _cls("nvjet_sm90_tst_256x8", tag="draft/lm_head").cls == "drafter"
+    assert _cls("nvjet_sm90_tst_256x8", tag="lm_head").cls == "lm_head"
+    assert _cls("nvjet_sm90_tst_256x8", tag="not_a_head").cls == "linear"
+
+
+def test_dims_vocab_needs_the_model():
+    name, dims = "Cijk_Alik_Bljk_MT256x48x64", "aten::mm[[32,4096],[4096,151936]]"
+    assert _cls(name, dims=dims, vocab=151936).cls == "lm_head"
+    assert _cls(name, dims=dims, vocab=None).cls == "linear"
+    assert _cls(name, dims="aten::mm[[32,4096],[4096,12288]]", vocab=151936).cls == "linear"
+
+
+def test_per_step_rule():
+    steps = [StepInfo(index=i, label=str(i), start=0, end=1) for i in range(3)]
+    groups = []
+    for i in range(3):
+        groups += [KernelGroup(i, "Cijk_layer", count=36), KernelGroup(i, "Cijk_head", count=1)]
+    agg = Aggregate("x", "kineto", "1", None, "range", "", steps, groups)
+    assert _cls("Cijk_head", per_step_agg=agg).cls == "lm_head"
+    assert _cls("Cijk_layer", per_step_agg=agg).cls == "linear"
+
+
+def test_user_rules_go_first_and_can_replace(tmp_path):
+    f = tmp_path / "mine.yaml"
+    f.write_text("schema: specpilot.kernel_classes/1\nrules:\n"
+                 "  - {class: norm, match: 'reduce_kernel<.*MeanOps'}\n"
+                 "  - {class: drafter, stream: 13}\n"
+                 "  - {class: w12, match: 'w12_gemv'}\n")
+    t = load_rules([str(f)])
+    assert t.sources == ["mine.yaml", "default"] and "w12" in t.classes
+    assert _cls("void at::native::reduce_kernel<512, 1, ReduceOp<float, MeanOps<float>>>", table=t).cls == "norm"
+    assert _cls("nvjet_sm90", stream=13, table=t).cls == "drafter"
+    d = _cls("w12_gemv_kernel", table=t)
+    assert d.cls == "w12" and d.rule.source == "mine.yaml" and "mine.yaml#2" in d.rule.describe()
+    r = tmp_path / "only.yaml"
+    r.write_text("schema: specpilot.kernel_classes/1\nreplace: true\nrules:\n  - {class: everything, match: '.'}\n")
+    t2 = load_rules([str(r)])
+    assert _cls("nvjet", table=t2).cls == "everything" and len(t2.rules) == 1
+
+
+@pytest.mark.parametrize("text,msg", [
+    ("rules: []", "unknown schema"),
+    ("schema: specpilot.kernel_classes/1\nrules: []", "non-empty list"),
+    ("schema: specpilot.kernel_classes/1\nrules: [{match: x}]", "needs a 'class'"),
+    ("schema: specpilot.kernel_classes/1\nrules: [{class: a}]", "no condition"),
+    ("schema: specpilot.kernel_classes/1\nrules: [{class: a, match: '('}]", "not a valid regex"),
+    ("schema: specpilot.kernel_classes/1\nrules: [{class: a, colour: red}]", "unknown key"),
+    ("schema: specpilot.kernel_classes/1\nrules: [{class: a, kind: gpu}]", "kind must be"),
+    ("schema: specpilot.kernel_classes/1\nrules: [{class: a, dims: big}]", "dims must be"),
+    ("schema: specpilot.kernel_classes/1\nrules: [{class: a, per_step: -1}]", "per_step must be"),
+    ("schema: [unclosed", "not valid YAML"),
+])
+def test_bad_rule_files(tmp_path, text, msg):
+    f = tmp_path / "bad.yaml"
+    f.write_text(text)
+    with pytest.raises(InputError, match=msg):
+        load_rules([str(f)])

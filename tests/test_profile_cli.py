@@ -1,0 +1,153 @@
+"""``specpilot profile`` as users run it: real trace files through the CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from specpilot.probes.traces.synthetic import SynthSpec, truth, write_kineto, write_nsys_sqlite
+
+LOCAL = Path(__file__).parent / "fixtures"
+H200_EAGER = LOCAL / "nsys_h200_decode_eager.sqlite"
+H200_KINETO = LOCAL / "kineto_h200_decode_eager.json.gz"
+CONFIG = LOCAL / "decode_target_config.json"
+PROFILE_KEYS = {"schema", "gpu", "model", "shape", "steps", "step_wall_ms", "kernel_busy_ms", "outside_ms",
+                "kernel_factor", "outside_factor", "total_floor_ms", "classes"}
+CLASS_KEYS = {"ms", "share", "bytes", "flops", "floor_ms", "efficiency"}
+
+
+def test_profile_h200_capture_with_floors(run_cli, tmp_path):
+    out = tmp_path / "p.json"
+    code, stdout, err = run_cli("profile", H200_EAGER, "--step-range", r"^decode_step_\d+$", "--model", CONFIG,
+                                "--drafter", CONFIG, "--context", 512, "--format", "json", "--out", out)
+    assert code == 0, err
+    d = json.loads(out.read_text())
+    assert PROFILE_KEYS <= set(d) and d["schema"] == "specpilot.profile/1"
+    assert d["gpu"]["name"] == "NVIDIA H200" and d["gpu"]["key"] == "h200" and d["steps"] == 12
+    for c in d["classes"].values():
+        assert CLASS_KEYS <= set(c)
+    assert {"linear", "lm_head", "attention", "drafter", "elementwise"} <= set(d["classes"])
+    assert d["classes"]["lm_head"]["floor_ms"] > 0 and d["classes"]["drafter"]["floor_ms"] > 0
+    assert sum(c["share"] for c in d["classes"].values()) == pytest.approx(1.0)
+    assert d["outside_ms"] == pytest.approx(d["step_wall_ms"] - d["kernel_busy_ms"])
+    assert d["kernel_factor"] == pytest.approx(d["kernel_busy_ms"] / d["total_floor_ms"])
+    assert d["outside_factor"] == pytest.approx(d["step_wall_ms"] / d["kernel_busy_ms"])
+    for c in d["classes"].values():
+        if c["floor_ms"] and c["ms"]:
+            assert c["efficiency"] == pytest.approx(c["floor_ms"] / c["ms"])
+    # the ceiling verb reads it
+    from specpilot.probes.ceiling import Measurements, read_profile
+
+    m = Measurements()
+    read_profile(str(out), m)
+    assert m.profile_ms == d["kernel_busy_ms"] and m.step_ms == d["step_wall_ms"]
+
+
+def test_table_explain_and_plot(run_cli, tmp_path):
+    png = tmp_path / "p.png"
+    code, out, err = run_cli("profile", H200_KINETO, "--step-range", "^decode_step", "--explain", "--plot", png)
+    assert code == 0, err
+    assert "Kernel time per class" in out and "Classification (--explain)" in out
+    assert "default#2: range~" in out  # the drafter range rule shows in the explanation
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_synthetic_numbers_exact(run_cli, tmp_path):
+    spec = SynthSpec(steps=6, layers=3)
+    p = write_nsys_sqlite(tmp_path / "s.sqlite", spec)
+    code, out, err = run_cli("profile", p, "--step-range", "decode_step", "--format", "json")
+    assert code == 0, err
+    d = json.loads(out)
+    t = truth(spec)[0]
+    assert d["kernel_busy_ms"] == pytest.approx(t["busy_ns"] / 1e6)
+    assert d["step_wall_ms"] == pytest.approx((t["cpu"][1] - t["cpu"][0]) / 1e6)
+    ms = lambda prefix: sum(v[1] for k, v in t["names"].items() if k.startswith(prefix)) / 1e6  # noqa: E731
+    assert d["classes"]["attention"]["ms"] == pytest.approx(ms("flash"))
+    assert d["classes"]["norm"]["ms"] == pytest.approx(ms("rms_norm") + ms("act_and_mul"))
+    assert d["classes"]["lm_head"]["ms"] == pytest.approx(ms("nvjet_sm90_tst_256x8"))  # once per step
+    assert d["classes"]["memcpy"]["calls"] == 1
+
+
+def test_ceiling_json_supplies_floors(run_cli, tmp_path):
+    ceil = tmp_path / "c.json"
+    ceil.write_text(json.dumps({"schema": "specpilot.ceiling/1", "classes": {
+        "linear": {"bytes": 1e8, "flops": 2e8, "floor_ms": 0.02}, "attention": {"bytes": 1e6, "flops": 0, "floor_ms": 0.001}},
+        "total_floor_ms": 0.021, "by_rows": {"1": {"rows": 1, "batch": 1, "context": 512, "total_floor_ms": 0.021,
+                                               "classes": {"linear": {"bytes": 1e8, "flops": 2e8, "floor_ms": 0.02},
+                                                           "attention": {"bytes": 1e6, "flops": 0, "floor_ms": 0.001}}}}}))
+    code, out, err = run_cli("profile", H200_EAGER, "--step-range", "^decode_step", "--ceiling", ceil, "--format", "json")
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["total_floor_ms"] == 0.021 and d["classes"]["linear"]["floor_ms"] == 0.02
+    assert d["shape"] == {"rows": 1, "batch": 1, "context": 512}
+    code, _, err = run_cli("profile", H200_EAGER, "--step-range", "^decode_step", "--ceiling", ceil, "--rows", 8)
+    assert code == 2 and "no floors for --rows 8" in err
+
+
+def test_gpu_from_flag_and_unknown_gpu(run_cli, fixtures_dir):
+    mi = fixtures_dir / "kineto_sglang_qwen3-8b_decode_mi300x.json.gz"
+    code, _, err = run_cli("profile", mi, "--step-range", r"^step\[", "--model", "qwen3-8b")
+    assert code == 2 and "not in the GPU catalog" in err and "--bandwidth" in err
+    code, out, err = run_cli("profile", mi, "--step-range", r"^step\[", "--model", "qwen3-8b", "--batch", 32,
+                             "--bandwidth", 5.3, "--flops", 1307, "--format", "json")
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["gpu"]["name"] == "AMD Instinct MI300X" and d["gpu"]["bandwidth_tbs"] == 5.3
+    assert d["classes"]["lm_head"]["ms"] > 0  # the once-per-step GEMM is the LM head
+    assert d["classes"]["linear"]["calls"] == 36 * 4
+
+
+@pytest.mark.parametrize("fmt", ["yaml", "markdown"])
+def test_other_formats(run_cli, tmp_path, fmt):
+    p = write_kineto(tmp_path / "s.json.gz", SynthSpec(steps=3, layers=1))
+    code, out, err = run_cli("profile", p, "--format", fmt)
+    assert code == 0, err
+    assert ("schema: specpilot.profile/1" in out) if fmt == "yaml" else ("## Kernel time per class" in out)
+
+
+def _bad(run_cli, *args, out=None):
+    extra = ("--out", out) if out else ()
+    code, stdout, err = run_cli("profile", *args, *extra)
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("specpilot: error:"), err
+    if out:
+        assert not Path(out).exists() and not list(Path(out).parent.glob(f".{Path(out).name}.*"))
+    return lines[0]
+
+
+def test_bad_inputs_exit_2_without_output(run_cli, tmp_path):
+    out = tmp_path / "o.json"
+    (tmp_path / "empty.json").write_text("")
+    (tmp_path / "junk.sqlite").write_bytes(b"junk" * 100)
+    good = write_nsys_sqlite(tmp_path / "g.sqlite", SynthSpec(steps=2, layers=1))
+    assert "empty" in _bad(run_cli, tmp_path / "empty.json", out=out)
+    assert "unknown trace format" in _bad(run_cli, tmp_path / "junk.sqlite", out=out)
+    assert "no such file" in _bad(run_cli, tmp_path / "missing.json", out=out)
+    assert "no NVTX" in _bad(run_cli, good, "--step-range", "^nothing", out=out)
+    assert "unknown model" in _bad(run_cli, good, "--model", "no-such-model", out=out)
+    assert "not both" in _bad(run_cli, good, "--model", CONFIG, "--ceiling", CONFIG)
+    assert "no steps left" in _bad(run_cli, good, "--skip-steps", 5, out=out)
+    rules = tmp_path / "r.yaml"
+    rules.write_text("schema: nope\nrules: []\n")
+    assert "unknown schema" in _bad(run_cli, good, "--rules", rules, out=out)
+    assert "refusing to overwrite" in _bad(run_cli, good, "--out", good)
+
+
+def test_nsys_rep_without_nsys_exits_3(run_cli, monkeypatch):
+    import specpilot.probes.traces.nsys_rep as rep
+
+    monkeypatch.setattr(rep, "find_nsys", lambda: None)
+    code, _, err = run_cli("profile", LOCAL / "nsys_h200_decode_eager.nsys-rep")
+    assert code == 3 and "nsys" in err and len(err.strip().splitlines()) == 1
+
+
+def test_skip_steps_and_gap_mode(run_cli, tmp_path):
+    p = write_kineto(tmp_path / "s.json", SynthSpec(steps=5, layers=1))
+    code, out, err = run_cli("profile", p, "--step-mode", "gap", "--skip-steps", 2, "--format", "json")
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["steps"] == 3 and d["trace"]["steps_found"] == 5 and d["step_mode"] == "gap"
+    assert [s["index"] for s in d["per_step"]] == [2, 3, 4]
