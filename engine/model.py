@@ -118,10 +118,14 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         self.k_cache[0, :, inp.slots] = k.transpose(0, 1)
         self.v_cache[0, :, inp.slots] = v.transpose(0, 1)
-        kc, vc = self.k_cache[:, :, :kv_len], self.v_cache[:, :, :kv_len]
-        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kc, vc, attn_mask=inp.mask[None, None],
-                                           enable_gqa=self.nkv != self.nh)
-        o = o[0].transpose(0, 1).reshape(T, self.nh * self.hd)
+        kc, vc = self.k_cache[0, :, :kv_len], self.v_cache[0, :, :kv_len]
+        # grouped-query attention without repeating K/V: the group's query rows share one KV head
+        grp = self.nh // self.nkv
+        qg = q.view(T, self.nkv, grp, self.hd).permute(1, 2, 0, 3).reshape(self.nkv, grp * T, self.hd)
+        scores = torch.matmul(qg, kc.transpose(-1, -2)).float() * (self.hd ** -0.5)
+        mask = inp.mask[:, :kv_len].repeat(grp, 1)
+        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1).to(vc.dtype)
+        o = torch.matmul(probs, vc).view(self.nkv, grp, T, self.hd).permute(2, 0, 1, 3).reshape(T, self.nh * self.hd)
         if self.gate:
             o = o * torch.sigmoid(g)
         return self.wo(o)
@@ -240,6 +244,10 @@ class Block(nn.Module):
         return x + self.w2(F.silu(gate) * up)
 
 
+def _block_call(blk, x, inp, cos, sin, kv_len):
+    return blk(x, inp, cos, sin, kv_len)
+
+
 class Transformer(nn.Module):
     """A decoder with a static cache of ``max_seq`` slots for one request."""
 
@@ -261,6 +269,15 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(spec, max_pos, device)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
+        self._block_call = None
+
+    def compile_blocks(self, **kw):
+        """torch.compile one layer's step (shared by every layer of the same kind: parameters are
+        graph inputs), fusing norms, RoPE and activations as gpt-fast does. Dense layers only."""
+        if self.spec.is_hybrid:
+            raise InputError("compile is for dense models (the GDN path code has data-dependent shapes)")
+        self._block_call = torch.compile(_block_call, **kw)
+        return self
 
     # ---- construction --------------------------------------------------------------
     @torch.no_grad()
@@ -356,8 +373,9 @@ class Transformer(nn.Module):
     def hidden(self, inp: StepInput, kv_len: int, layers: int | None = None):
         x = self.embed(inp.tokens)
         cos, sin = self.cos[inp.pos], self.sin[inp.pos]
+        call = self._block_call or _block_call
         for blk in self.layers[:layers]:
-            x = blk(x, inp, cos, sin, kv_len)
+            x = call(blk, x, inp, cos, sin, kv_len)
         return rms_norm(x, self.norm, self.spec.rms_norm_eps)
 
     def forward(self, inp: StepInput, kv_len: int | None = None, layers: int | None = None):

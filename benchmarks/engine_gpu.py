@@ -1,0 +1,208 @@
+"""Embedded engine on the GPU: lossless checks, Llama-3.1-8B AR decode vs its byte limit, T_step(N).
+
+    python benchmarks/engine_gpu.py            # on the H200 -> results/engine_ar_decode.json,
+                                               #   results/engine_rows.json, results/engine_rows_probe.json
+    python benchmarks/engine_gpu.py --quick    # tiny shapes, any device (a dry run of the script)
+
+1. Correctness: the tiny and tiny-hybrid models in fp32 on the device: chain and tree (n-gram)
+   outputs equal AR outputs; the CUDA-graph AR step equals the eager one.
+2. Llama-3.1-8B shapes, random bf16 weights (std 0.02), batch 1, context 1024: AR decode step as
+   a CUDA graph (eager layers, then torch.compile'd layers), CUDA events, median; the decode loop
+   (graph replay + host argmax read per token) in tokens/s; bytes per step = projection + LM-head
+   weights + KV at the context, against 4.4 TB/s (what cuBLAS reaches on large layers here).
+3. T_step(N), N = 1..256 rows at context 1024 (the verify step: LM head and argmax included).
+Every section is written as soon as it is done, so a time-out keeps what was measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+
+def _bootstrap() -> None:
+    try:
+        import specpilot.engine.api  # noqa: F401
+        return
+    except ImportError:
+        pass
+    for name, folder in [("specpilot", "specpilot_cli"), ("specpilot.kernels", "kernels"),
+                         ("specpilot.engine", "engine")]:
+        spec = importlib.util.spec_from_file_location(name, REPO / folder / "__init__.py",
+                                                      submodule_search_locations=[str(REPO / folder)])
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+
+
+_bootstrap()
+
+import torch  # noqa: E402
+
+from common import environment, print_table, write_results  # noqa: E402
+
+T0 = time.time()
+BW = 4.4e12  # bytes/s cuBLAS reaches on large bf16 layers on the H200 (GPU.md)
+
+
+def log(msg):
+    print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
+
+
+def correctness(device):
+    from specpilot.engine.api import load_engine
+
+    rows = []
+    for model in ("tiny", "tiny-hybrid"):
+        outs = {}
+        for mode in ("ar", "chain", "tree"):
+            e = load_engine(f"engine:model={model},mode={mode},dtype=float32,device={device},ctx=512,graphs=0")
+            prompt = e.encode("abcabcabc hello hello abcabc")
+            r = e.generate(prompt, 64)
+            outs[mode] = r
+        rows.append({"model": model, "ar_equals_chain": outs["chain"].output_ids == outs["ar"].output_ids,
+                     "ar_equals_tree": outs["tree"].output_ids == outs["ar"].output_ids,
+                     "tau_chain": outs["chain"].tau, "tau_tree": outs["tree"].tau})
+    if device.startswith("cuda"):
+        a = load_engine(f"engine:model=tiny,mode=ar,dtype=float32,device={device},ctx=512,graphs=0")
+        b = load_engine(f"engine:model=tiny,mode=ar,dtype=float32,device={device},ctx=512,graphs=1")
+        p = a.encode("graphs versus eager")
+        rows.append({"model": "tiny", "graph_ar_equals_eager": a.generate(p, 64).output_ids == b.generate(p, 64).output_ids})
+    return rows
+
+
+def time_graph(g, reps):
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    return statistics.median(ts)
+
+
+def ar_section(model, spec, context, new_tokens, variant, reps):
+    from specpilot.engine.decode import Decoder
+    from specpilot.engine.graphs import GraphRunner
+
+    runner = GraphRunner(model)
+    dec = Decoder(model, "ar", runner=runner)
+    prompt = torch.randint(0, spec.vocab_size, (context,), generator=torch.Generator().manual_seed(0)).tolist()
+    t = time.time()
+    res = dec.generate(prompt, new_tokens)
+    first_s = time.time() - t
+    res = dec.generate(prompt, new_tokens)  # second run: graphs captured, steady state
+    g, inp, _ = runner.get(1)
+    n = context + new_tokens
+    inp.mask.copy_(torch.arange(model.max_seq, device=inp.mask.device)[None] <= n)
+    inp.pos.fill_(n)
+    inp.slots.fill_(n)
+    step_ms = time_graph(g, reps)
+    w_bytes = (spec.linear_params() + spec.lm_head_params()) * 2
+    kv_bytes = spec.kv_bytes_per_token(16) * context
+    limit_ms = (w_bytes + kv_bytes) / BW * 1e3
+    loop_tps = res.decode_tokens_per_second
+    return {"variant": variant, "context": context, "new_tokens": new_tokens, "step_ms_graph": step_ms,
+            "tokens_per_s_graph": 1e3 / step_ms, "tokens_per_s_loop": loop_tps,
+            "weight_GB": w_bytes / 1e9, "kv_GB": kv_bytes / 1e9, "limit_ms_at_4.4TBps": limit_ms,
+            "fraction_of_limit": limit_ms / step_ms, "achieved_TBps": (w_bytes + kv_bytes) / (step_ms * 1e-3) / 1e12,
+            "meets_85pct": limit_ms / step_ms >= 0.85, "first_run_s": first_s,
+            "output_ids_head": res.output_ids[:8]}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--budget-s", type=float, default=270.0)
+    ap.add_argument("--no-compile", action="store_true")
+    args = ap.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.set_grad_enabled(False)
+    env = environment()
+    log(f"device {env.get('gpu')} torch {env.get('torch')}")
+
+    corr = correctness(device)
+    print_table(corr, list({k for r in corr for k in r}))
+    write_results("engine_correctness", corr)
+    log("correctness done")
+    if device == "cpu" and not args.quick:
+        print("no CUDA device: only the correctness section ran")
+        return
+
+    from specpilot.engine.api import TINY_CONFIGS
+    from specpilot.engine.model import Transformer
+    from specpilot.engine.rows import measure_rows
+    from specpilot.models import load_model_spec, spec_from_config
+
+    if args.quick:
+        spec = spec_from_config(dict(TINY_CONFIGS["tiny"]), name="tiny")
+        context, new, rows_n, reps = 64, 16, [1, 2, 4, 8], 5
+        dtype = torch.float32
+    else:
+        spec = load_model_spec("llama-3.1-8b")
+        context, new, rows_n, reps = 1024, 128, [1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256], 50
+        dtype = torch.bfloat16
+    model = Transformer(spec, max_seq=context + max(rows_n) + 64, dtype=dtype, device=device).init_random_fast(0)
+    model.eval()
+    log(f"built {spec.name} ({sum(p.numel() for p in model.parameters()) / 1e9:.2f} B params)")
+    ar_rows, rows_rows = [], []
+    extra = {"model": spec.name, "dtype": str(dtype).replace("torch.", ""), "batch": 1, "bandwidth_assumed_TBps": BW / 1e12}
+    if device == "cuda":
+        ar_rows.append(ar_section(model, spec, context, new, "eager layers + CUDA graph", reps * 2))
+        log(f"AR eager: {ar_rows[-1]['step_ms_graph']:.3f} ms")
+        write_results("engine_ar_decode", ar_rows, extra)
+        res = measure_rows(model, rows_n, context, reps=reps)
+        for p in res.points:
+            rows_rows.append({"variant": "eager layers + CUDA graph", **p})
+        write_results("engine_rows", rows_rows, {**extra, "context": context})
+        log("rows eager done")
+        compiled = False
+        if not args.no_compile and time.time() - T0 < args.budget_s * 0.4:
+            try:
+                torch._dynamo.config.cache_size_limit = 64
+                torch._dynamo.config.inline_inbuilt_nn_modules = True  # one graph for all 32 layers
+                model.compile_blocks()
+                ar_rows.append(ar_section(model, spec, context, new, "torch.compile layers + CUDA graph", reps * 2))
+                compiled = True
+                log(f"AR compiled: {ar_rows[-1]['step_ms_graph']:.3f} ms")
+                write_results("engine_ar_decode", ar_rows, extra)
+            except Exception as e:  # report, keep the eager numbers
+                ar_rows.append({"variant": "torch.compile layers + CUDA graph", "error": f"{type(e).__name__}: {e}"[:400]})
+                write_results("engine_ar_decode", ar_rows, extra)
+                log(f"compile failed: {e}")
+        if compiled and time.time() - T0 < args.budget_s * 0.75:
+            res_c = measure_rows(model, [n for n in rows_n if n <= 256], context, reps=reps)
+            for p in res_c.points:
+                rows_rows.append({"variant": "torch.compile layers + CUDA graph", **p})
+            write_results("engine_rows", rows_rows, {**extra, "context": context})
+            res = res_c
+            log("rows compiled done")
+        # the specpilot.rows/1 file `ceiling --rows-probe` reads (best variant measured)
+        import json
+        import os
+
+        doc = res.to_json()
+        doc["model"] = spec.name
+        for d in filter(None, [os.environ.get("OUT"), str(REPO / "benchmarks" / "results")]):
+            Path(d).mkdir(parents=True, exist_ok=True)
+            (Path(d) / "engine_rows_probe.json").write_text(json.dumps(doc, indent=2) + "\n")
+    print_table(ar_rows, ["variant", "step_ms_graph", "tokens_per_s_graph", "tokens_per_s_loop", "fraction_of_limit",
+                          "achieved_TBps", "meets_85pct"])
+    print_table(rows_rows, ["variant", "rows", "step_ms", "c"])
+    log("done")
+
+
+if __name__ == "__main__":
+    main()

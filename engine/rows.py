@@ -1,0 +1,143 @@
+"""T_step(N): the time of one target forward over N rows at a given context (``probe rows``).
+
+c(N) = T_step(N) / T_step(1) is the verification cost factor of the cost model (speedup over AR
+= tau(N) / c(N)). On a GPU each N is a captured CUDA graph (the engine's verify step: N rows at
+slots context..context+N-1 attending to the context plus their own chain, LM head and argmax
+included), timed with CUDA events, median of ``reps`` replays. On the CPU the same forward is
+timed with a wall clock (median); there, compute grows with N from the first rows, the opposite
+of a GPU's flat, bandwidth-bound region.
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+
+from specpilot.errors import InputError
+
+
+@dataclass
+class RowsResult:
+    model: str
+    gpu: str | None
+    device: str
+    dtype: str
+    context: int
+    ar_ms: float
+    points: list[dict]
+    reps: int
+    method: str
+    cpu: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"schema": "specpilot.rows/1", "model": self.model, "gpu": self.gpu, "device": self.device,
+                "dtype": self.dtype, "context": self.context, "ar_ms": self.ar_ms, "points": self.points,
+                "reps": self.reps, "method": self.method, "cpu": self.cpu, **self.extra}
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _inputs(model, T: int, context: int):
+    import torch
+
+    from specpilot.engine.model import StepInput
+
+    dev = model.device
+    S = model.max_seq
+    slots = context + torch.arange(T, device=dev)
+    mask = torch.zeros(T, S, dtype=torch.bool, device=dev)
+    mask[:, :context] = True
+    mask[:, context:context + T] = torch.tril(torch.ones(T, T, dtype=torch.bool, device=dev))
+    tokens = torch.randint(0, model.spec.vocab_size, (T,), device=dev)
+    return StepInput(tokens, slots.clone(), slots, mask, "chain" if model.spec.is_hybrid else "seq")
+
+
+def measure_rows(model, rows: list[int], context: int, reps: int = 50, warmup: int = 5, progress=None) -> RowsResult:
+    """Median step time per row count on an already-built model (cache of >= context + max(rows) slots)."""
+    import torch
+
+    if context < 1:
+        raise InputError(f"--context must be >= 1, got {context}")
+    if context + max(rows) > model.max_seq:
+        raise InputError(f"context {context} + {max(rows)} rows exceed the cache ({model.max_seq} slots)")
+    cuda = model.device.type == "cuda"
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    for blk in model.layers:  # a realistic (non-zero) KV cache
+        m = blk.mixer
+        if hasattr(m, "k_cache"):
+            m.k_cache.copy_(torch.randn(m.k_cache.shape, generator=gen).to(m.k_cache.dtype))
+            m.v_cache.copy_(torch.randn(m.v_cache.shape, generator=gen).to(m.v_cache.dtype))
+    order = sorted(set(rows))
+    if 1 not in order:
+        order = [1] + order
+    times = {}
+    graphs = cuda and not model.spec.is_hybrid
+    it = order if progress is None else progress(order, total=len(order), desc="rows", unit="N")
+    for T in it:
+        inp = _inputs(model, T, context)
+        if graphs:
+            from specpilot.engine.graphs import GraphRunner
+
+            runner = GraphRunner(model)
+            g, sinp, _ = runner.get(T)
+            sinp.tokens.copy_(inp.tokens)
+            sinp.pos.copy_(inp.pos)
+            sinp.slots.copy_(inp.slots)
+            sinp.mask.copy_(inp.mask)
+            for _ in range(warmup):
+                g.replay()
+            torch.cuda.synchronize()
+            samples = []
+            for _ in range(reps):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                g.replay()
+                b.record()
+                b.synchronize()
+                samples.append(a.elapsed_time(b))
+            del runner, g
+        else:
+            kv = model.max_seq if cuda else min(model.max_seq, ((context + T + 63) // 64) * 64)
+            inp.mask = inp.mask[:, :kv]
+
+            def once():
+                model(inp, kv_len=kv).argmax(-1)
+                for gl in model.gdn_layers():
+                    gl._stash = None
+
+            for _ in range(warmup):
+                once()
+            samples = []
+            for _ in range(reps):
+                if cuda:
+                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    a.record()
+                    once()
+                    b.record()
+                    b.synchronize()
+                    samples.append(a.elapsed_time(b))
+                else:
+                    t0 = time.perf_counter()
+                    once()
+                    samples.append((time.perf_counter() - t0) * 1e3)
+        times[T] = statistics.median(samples)
+    ar = times[1]
+    points = [{"rows": T, "step_ms": times[T], "c": times[T] / ar} for T in order if T in set(rows) or T == 1]
+    gpu = torch.cuda.get_device_name(model.device) if cuda else None
+    method = ("cuda graph, CUDA events, median" if graphs else
+              "eager, CUDA events, median" if cuda else "eager, wall clock, median")
+    return RowsResult(model.spec.name, gpu, str(model.device), str(model.dtype).replace("torch.", ""), context, ar,
+                      points, reps, method, cpu=None if cuda else cpu_name(),
+                      extra={"torch": torch.__version__, "threads": torch.get_num_threads()})
