@@ -23,12 +23,6 @@ class W12LayerStats:
     bits_per_weight: float
 
 
-def _kernels():
-    from specpilot.kernels import w12
-
-    return w12
-
-
 def create_weights(layer, input_size_per_partition: int, output_partition_sizes, params_dtype, **extra_weight_attrs):
     """The same bf16 ``weight`` parameter SGLang's unquantized method creates (the checkpoint's
     loader writes into it), marked for W12 conversion after loading."""
@@ -42,40 +36,58 @@ def create_weights(layer, input_size_per_partition: int, output_partition_sizes,
 
 
 def convert_weight(weight):
-    """Pack ``weight`` (bf16 [out, in]) to W12 and check the restore bit for bit; returns
-    (packed, stats). Raises :class:`W12LoadError` naming the first differing element."""
+    """Encode ``weight`` (bf16 [out, in]) to W12 and check the restore bit for bit; returns
+    (W12Tensor, stats). Raises :class:`W12LoadError` naming the first differing element."""
     import torch
 
-    k = _kernels()
-    if weight.dtype != torch.bfloat16:
-        raise W12LoadError(f"W12 converts bf16 weights; this layer holds {weight.dtype}")
-    packed = k.pack(weight)
-    restored = k.decode(packed)
-    a = weight.contiguous().view(torch.int16)
+    from specpilot.kernels.w12 import decode, encode
+
+    if weight.dtype != torch.bfloat16 or weight.dim() != 2:
+        raise W12LoadError(f"W12 converts 2-D bf16 weights; this layer holds {weight.dtype} {tuple(weight.shape)}")
+    t = encode(weight.detach())
+    restored = decode(t)
+    a = weight.detach().contiguous().view(torch.int16)
     b = restored.to(weight.device).contiguous().view(torch.int16)
-    if a.shape != b.shape or not torch.equal(a, b):
-        if a.shape != b.shape:
-            raise W12LoadError(f"W12 restore has shape {tuple(b.shape)}, checkpoint {tuple(a.shape)}")
-        idx = (a != b).nonzero()[0].tolist()
-        raise W12LoadError(f"W12 restore differs from the checkpoint at {idx} "
-                           f"({weight[tuple(idx)].item()!r} vs {restored[tuple(idx)].item()!r})")
+    if a.shape != b.shape:
+        raise W12LoadError(f"W12 restore has shape {tuple(b.shape)}, checkpoint {tuple(a.shape)}")
+    if not torch.equal(a, b):
+        idx = tuple((a != b).nonzero()[0].tolist())
+        raise W12LoadError(f"W12 restore differs from the checkpoint at {list(idx)} "
+                           f"(bits {int(a[idx]) & 0xFFFF:#06x} vs {int(b[idx]) & 0xFFFF:#06x})")
     out, inp = weight.shape
-    escapes = int(getattr(packed, "num_escapes", getattr(packed, "escapes", 0)) if not callable(
-        getattr(packed, "num_escapes", None)) else packed.num_escapes())
-    bits = float(k.bits_per_weight(packed)) if hasattr(k, "bits_per_weight") else float("nan")
-    return packed, W12LayerStats(out, inp, escapes, bits)
+    return t, W12LayerStats(out, inp, t.num_escapes, t.bits_per_weight())
 
 
 def process_weights_after_loading(layer) -> W12LayerStats:
-    """Convert ``layer.weight`` in place: the bf16 parameter is dropped, ``layer.w12`` holds the
-    packed weight. Raises :class:`W12LoadError` if the restore is not bit-exact."""
-    packed, stats = convert_weight(layer.weight.data)
+    """Convert ``layer.weight`` in place: the bf16 parameter is dropped; on CUDA ``layer.w12`` is
+    the kernel layout (``KernelPack``), on CPU the W12 tensor for the plain-torch path. Raises
+    :class:`W12LoadError` if the restore is not bit-exact (the server must not serve the layer)."""
+    t, stats = convert_weight(layer.weight.data)
+    device = layer.weight.device
     del layer.weight
-    layer.w12 = packed
+    if device.type == "cuda":
+        from specpilot.kernels.w12.gemm import KernelPack
+
+        layer.w12 = KernelPack.from_w12(t, device=device)
+    else:
+        layer.w12 = t
     layer.w12_stats = stats
     return stats
 
 
 def apply(layer, x, bias=None):
-    """y = x W^T + b with the W12 GEMM (the exact pass: all 16 bits restored)."""
-    return _kernels().w12_linear(x, layer.w12, bias)
+    """y = x W^T + b, W the restored weights: the fused W12 GEMM on CUDA, the plain torch
+    reference (``specpilot.kernels.w12.naive``) elsewhere. Accepts x of shape [..., in]."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.is_cuda:
+        from specpilot.kernels.w12.gemm import w12_linear
+
+        y = w12_linear(x2, layer.w12)
+        if bias is not None:
+            y = y + bias
+    else:
+        from specpilot.kernels.w12.naive import w12_linear_ref
+
+        y = w12_linear_ref(x2, layer.w12, bias=bias)
+    return y.reshape(*lead, y.shape[-1])

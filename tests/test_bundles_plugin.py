@@ -1,0 +1,121 @@
+"""The SGLang plugin: what ``register`` installs, through SGLang 0.5.23's real HookRegistry."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+
+import pytest
+
+from specpilot.bundles import activation as act
+from specpilot.bundles import plugin
+from specpilot.bundles.testing import SKIP_REASON, load_sglang_module_file, make_env, sglang_dir
+
+SGL = sglang_dir()
+pytestmark = pytest.mark.skipif(SGL is None, reason=SKIP_REASON)
+
+
+@pytest.fixture
+def hooks():
+    """A fresh copy of SGLang's hook_registry module (stdlib-only imports)."""
+    mod = load_sglang_module_file(SGL, "sglang.srt.plugins.hook_registry", "_sp_hook_registry_under_test")
+    mod.HookRegistry.reset()
+    yield mod
+    mod.HookRegistry.reset()
+    sys.modules.pop("_sp_hook_registry_under_test", None)
+
+
+@pytest.fixture(scope="module")
+def activation_of(tmp_path_factory):
+    py = make_env(tmp_path_factory.mktemp("plugenv") / "env", SGL)
+
+    def _make(bundles, where):
+        res = act.apply(bundles, python=str(py), dry_run=True)
+        path = where / "activation.json"
+        path.write_text(json.dumps(res.activation))
+        return path, res.activation
+
+    return _make
+
+
+def test_registers_exactly_the_applied_hooks(hooks, activation_of, tmp_path, monkeypatch):
+    monkeypatch.setattr(plugin, "installed_sglang_version", lambda: "0.5.23")
+    path, activation = activation_of("tree,lattice-trace", tmp_path)
+    done = plugin.register(hooks.HookRegistry, hooks.HookType, path)
+    reg = hooks.HookRegistry._hooks
+    assert set(reg) == {h["target"] for h in activation["hooks"]}
+    for h in activation["hooks"]:
+        (kind, fn, _src), = reg[h["target"]]
+        assert kind == hooks.HookType[h["type"].upper()]
+        assert fn is plugin.resolve(h["handler"])
+    assert len([d for d in done if not d.startswith("setup")]) == 4
+    assert plugin.current_settings()["node_budget"] == 32
+
+
+def test_refuses_other_sglang_version_and_registers_nothing(hooks, activation_of, tmp_path, monkeypatch):
+    monkeypatch.setattr(plugin, "installed_sglang_version", lambda: "0.5.24")
+    path, _ = activation_of("tree", tmp_path)
+    with pytest.raises(plugin.ActivationError, match="SGLang is 0.5.24"):
+        plugin.register(hooks.HookRegistry, hooks.HookType, path)
+    assert dict(hooks.HookRegistry._hooks) == {}
+
+
+def test_refuses_a_tampered_hook_set(hooks, activation_of, tmp_path, monkeypatch):
+    monkeypatch.setattr(plugin, "installed_sglang_version", lambda: "0.5.23")
+    path, activation = activation_of("tree", tmp_path)
+    activation["hooks"].append({"target": "sglang.srt.x.y", "type": "replace", "handler": "os:system"})
+    path.write_text(json.dumps(activation))
+    with pytest.raises(plugin.ActivationError, match="different hook set"):
+        plugin.register(hooks.HookRegistry, hooks.HookType, path)
+    assert dict(hooks.HookRegistry._hooks) == {}
+
+
+def test_no_activation_installs_nothing(hooks, tmp_path):
+    assert plugin.register(hooks.HookRegistry, hooks.HookType, tmp_path / "absent.json") == []
+    assert dict(hooks.HookRegistry._hooks) == {}
+
+
+def test_hooks_through_sglang_wrappers_keep_stock_values(hooks):
+    """SGLang's own wrapper code calls our handlers with the conventions they assume: AFTER hooks
+    get (result, self, **kwargs) and returning None keeps stock's result; REPLACE gets the args."""
+    import torch
+
+    from specpilot.bundles import lattice_trace as lt
+    from specpilot.bundles import tree
+
+    fake = types.ModuleType("_sp_fake_sglang")
+
+    class CandidateSelector:
+        def build_lattice(self, *, candidate_ids, unary_logits, hidden_states, anchor_token_ids):
+            return unary_logits[:, :, None, :].expand(-1, -1, unary_logits.shape[-1], -1) + 0.5
+
+    def organize_draft_results(score_list, token_list, parents_list, num_draft_token):
+        raise AssertionError("stock must be replaced")
+
+    fake.CandidateSelector, fake.organize_draft_results = CandidateSelector, organize_draft_results
+    sys.modules["_sp_fake_sglang"] = fake
+    try:
+        hooks.HookRegistry.register("_sp_fake_sglang.CandidateSelector.build_lattice", lt.after_build_lattice,
+                                    hooks.HookType.AFTER)
+        hooks.HookRegistry.register("_sp_fake_sglang.organize_draft_results", tree.organize_draft_results,
+                                    hooks.HookType.REPLACE)
+        hooks.HookRegistry.apply_hooks()
+        cand = torch.arange(12).view(1, 3, 4)
+        unary = torch.randn(1, 3, 4)
+        step = {"lattice": None, "commit": None}
+        token = lt._step.set(step)
+        try:
+            out = CandidateSelector().build_lattice(candidate_ids=cand, unary_logits=unary, hidden_states=None,
+                                                    anchor_token_ids=torch.tensor([1]))
+        finally:
+            lt._step.reset(token)
+        assert torch.equal(out, unary[:, :, None, :].expand(-1, -1, 4, -1) + 0.5)  # stock value
+        assert step["lattice"][0] is cand and step["lattice"][2] is out
+        scores = [torch.rand(1, 1, 2), torch.rand(1, 2, 2)]
+        tokens = [torch.tensor([[5, 6]]), torch.tensor([[7, 8, 9, 10]])]
+        parents = [torch.arange(-1, 2).expand(1, -1), torch.tensor([[2, 3]])]
+        pl, sel, draft = fake.organize_draft_results(scores, tokens, parents, 4)
+        assert sel.shape == (1, 3) and draft.shape == (1, 3)
+    finally:
+        sys.modules.pop("_sp_fake_sglang", None)

@@ -1,0 +1,144 @@
+"""The mechanism memory: entries, the survival rule (memory verify), list/show, bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from specpilot.bundles import memory as mem
+
+MEMORY = Path(mem.__file__).resolve().parent / "memory"
+
+
+def test_packaged_memory_reproduces_its_recorded_systems(run_cli):
+    code, out, err = run_cli("memory", "verify", "--format", "json")
+    assert code == 0, out + err
+    data = json.loads(out)
+    assert data["schema"] == "specpilot.memory-verify/1" and data["ok"]
+    ids = {r["id"] for r in data["entries"]}
+    assert ids == {"lattice-trace", "w12", "tree", "batching", "tlv"}
+    tlv = next(r for r in data["entries"] if r["id"] == "tlv")
+    assert tlv["closure"] == ["w12", "tree", "tlv"]
+
+
+def test_every_entry_is_complete_and_honest():
+    entries = mem.load_memory()
+    for e in entries.values():
+        assert e.summary and e.contracts and e.limits and e.unverified, e.id
+        assert any("NOT run on a GPU" in u for u in e.unverified), e.id
+        for ev in e.evidence:
+            assert ev.get("kind") in ("cpu-test", "paper", "gpu"), e.id
+            if ev["kind"] == "paper":
+                assert "not measured here" in ev["deployment"], e.id
+        if e.status != "library":
+            assert e.sglang_checked == ["0.5.23"] and (e.hooks or e.setup), e.id
+        for v in e.variants:
+            if v.range:
+                assert v.range[0] <= v.default <= v.range[1]
+
+
+def _copy(tmp_path) -> Path:
+    d = tmp_path / "mem"
+    shutil.copytree(MEMORY, d)
+    return d
+
+
+def _edit(path: Path, **changes):
+    raw = yaml.safe_load(path.read_text())
+    raw.update(changes)
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+
+
+def test_drift_is_detected_and_record_repairs_it(run_cli, tmp_path):
+    d = _copy(tmp_path)
+    raw = yaml.safe_load((d / "tree.yaml").read_text())
+    raw["system"]["fingerprints"]["specpilot.bundles.tree"] = "sha256:" + "0" * 64
+    (d / "tree.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    code, out, _ = run_cli("memory", "verify", "--memory-dir", d)
+    assert code == 1 and "DRIFT" in out and "specpilot.bundles.tree changed since it was verified" in out
+    assert out.count("DRIFT") == 1  # only tree's own record was altered
+    code, out, _ = run_cli("memory", "verify", "--memory-dir", d, "--record", "tree")
+    assert code == 0 and "reproduced" in out
+    assert run_cli("memory", "verify", "--memory-dir", d, "tree")[0] == 0
+
+
+def test_recorded_hook_set_must_match(run_cli, tmp_path):
+    d = _copy(tmp_path)
+    raw = yaml.safe_load((d / "lattice-trace.yaml").read_text())
+    raw["code"]["hooks"] = raw["code"]["hooks"][:2]  # a hook removed from the code, not from the record
+    (d / "lattice-trace.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    code, out, _ = run_cli("memory", "verify", "--memory-dir", d, "lattice-trace")
+    assert code == 1 and "recorded hooks missing" in out
+
+
+def test_cycle_and_missing_requirement_are_errors(run_cli, tmp_path):
+    d = _copy(tmp_path)
+    _edit(d / "tree.yaml", requires=["tlv"])
+    code, _, err = run_cli("memory", "verify", "--memory-dir", d)
+    assert code == 2 and "requirement cycle" in err and "tlv" in err and len(err.strip().splitlines()) == 1
+    d2 = _copy(tmp_path / "b")
+    _edit(d2 / "tree.yaml", requires=["gdn-wy"])
+    code, _, err = run_cli("memory", "verify", "--memory-dir", d2)
+    assert code == 2 and "unknown mechanism 'gdn-wy' (required by tree)" in err
+
+
+def test_two_replacements_of_one_target_conflict(tmp_path):
+    d = _copy(tmp_path)
+    raw = yaml.safe_load((d / "tree.yaml").read_text())
+    raw["id"] = "tree2"
+    raw["requires"] = ["tree"]
+    raw["code"]["hooks"][0]["handler"] = "specpilot.bundles.tree:eagle_parents"
+    (d / "tree2.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    entries = mem.load_memory(d)
+    with pytest.raises(Exception, match="both replace"):
+        mem.compose(entries, ["tree2"])
+
+
+def test_list_and_show(run_cli):
+    code, out, _ = run_cli("memory", "list")
+    assert code == 0 and "lattice-trace" in out and "observe" in out
+    code, out, _ = run_cli("memory", "show", "tree")
+    assert code == 0
+    assert "replace  sglang.srt.speculative.eagle_utils.organize_draft_results" in out
+    assert "node_budget" in out and "unverified:" in out and "NOT run on a GPU" in out
+    code, out, _ = run_cli("memory", "show", "w12", "--format", "json")
+    data = json.loads(out)
+    assert data["schema"] == "specpilot.memory-entry/1" and data["code"]["quantization"] == ["w12"]
+
+
+@pytest.mark.parametrize("mutate, msg", [
+    (lambda raw: raw.update(schema="specpilot.memory-entry/9"), "unknown schema"),
+    (lambda raw: raw.pop("unverified"), "missing field(s) unverified"),
+    (lambda raw: raw.update(status="great"), "status must be one of"),
+    (lambda raw: raw["code"]["hooks"][0].update(type="sideways"), "hook type 'sideways'"),
+])
+def test_bad_entries_exit_2(run_cli, tmp_path, mutate, msg):
+    d = _copy(tmp_path)
+    raw = yaml.safe_load((d / "tree.yaml").read_text())
+    mutate(raw)
+    (d / "tree.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    code, out, err = run_cli("memory", "list", "--memory-dir", d)
+    assert code == 2 and msg in err and out == ""
+
+
+def test_unknown_id_and_broken_yaml(run_cli, tmp_path):
+    code, _, err = run_cli("memory", "show", "nope")
+    assert code == 2 and "unknown mechanism 'nope'" in err
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "x.yaml").write_text("id: [unclosed\n")
+    code, _, err = run_cli("memory", "list", "--memory-dir", d)
+    assert code == 2 and "not valid YAML" in err
+
+
+def test_out_file_is_atomic_and_protects_nothing_half_written(run_cli, tmp_path):
+    out = tmp_path / "verify.json"
+    code, _, _ = run_cli("memory", "verify", "--format", "json", "--out", out)
+    assert code == 0 and json.loads(out.read_text())["ok"]
+    code, _, err = run_cli("memory", "list", "--out", tmp_path / "no" / "such" / "dir.txt")
+    assert code == 2 and "does not exist" in err
+    assert not list(tmp_path.glob("**/*.part"))
