@@ -148,18 +148,21 @@ json_leaf = hs.one_of(hs.none(), hs.booleans(), hs.integers(-10**12, 10**12), hs
                       hs.floats(allow_nan=False, allow_infinity=False))
 json_val = hs.recursive(json_leaf, lambda ch: hs.lists(ch, max_size=4) | hs.dictionaries(hs.text(max_size=8), ch,
                                                                                            max_size=4), max_leaves=12)
-events = hs.lists(hs.dictionaries(hs.sampled_from(["ph", "cat", "name", "ts", "args", "x}", "[y"]), json_val,
-                                  max_size=5), max_size=30)
+events = hs.lists(hs.dictionaries(hs.sampled_from(["ph", "cat", "name", "ts", "args", "x}, {", "[y"]),
+                                  json_val | hs.sampled_from(["}, {", "a}, {\"b", "[{}, {}]"]), max_size=5),
+                  max_size=30)
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(evs=events, header=hs.dictionaries(hs.sampled_from(["schemaVersion", "deviceProperties", "a\"b"]), json_val,
                                           max_size=3), indent=hs.sampled_from([None, 0, 2]),
-       chunk=hs.sampled_from([7, 64, 1 << 20]), gz=hs.booleans(), before=hs.booleans())
-def test_fuzz_stream_parser_matches_json_load(tmp_path, monkeypatch, evs, header, indent, chunk, gz, before):
+       chunk=hs.sampled_from([7, 64, 1 << 20]), gz=hs.booleans(), before=hs.booleans(),
+       batch_min=hs.sampled_from([0, 50, 4096]))
+def test_fuzz_stream_parser_matches_json_load(tmp_path, monkeypatch, evs, header, indent, chunk, gz, before, batch_min):
     import specpilot.probes.traces.jsonstream as js
 
     monkeypatch.setattr(js, "CHUNK", chunk)
+    monkeypatch.setattr(js, "BATCH_MIN", batch_min)
     doc = {**(header if before else {}), "traceEvents": evs, **({} if before else header)}
     text = json.dumps(doc, indent=indent)
     p = tmp_path / ("s.json.gz" if gz else "s.json")

@@ -17,7 +17,9 @@ from specpilot.errors import InputError
 
 CHUNK = 1 << 20
 MAX_VALUE = 256 << 20  # one JSON value larger than this is treated as malformed
+BATCH_MIN = 4096  # decode events in batches when at least this much text is buffered
 _WS = " \t\r\n"
+_NUM = "0123456789+-.eE"
 
 
 def open_text(path: str | os.PathLike):
@@ -78,10 +80,6 @@ class _Buf:
         while True:
             try:
                 obj, end = self.dec.raw_decode(self.s, self.i)
-                if end >= len(self.s) and not self.eof and isinstance(obj, (int, float)):
-                    raise json.JSONDecodeError("number may continue", self.s, self.i)  # e.g. "12" of "1234"
-                self.i = end
-                return obj
             except json.JSONDecodeError as e:
                 # a value cut by the chunk boundary fails at the end of the buffer (or inside a string
                 # that the boundary left open); an error well before the end is malformed JSON
@@ -90,6 +88,16 @@ class _Buf:
                     self.fail(f"malformed JSON ({e.msg} at character {e.pos})")
                 if not self.more():
                     self.fail(f"truncated or malformed JSON ({e.msg})")
+                continue
+            if isinstance(obj, (int, float)) and not isinstance(obj, bool) and not self.eof:
+                # "-100." at the end of the buffer may be "-100.5": read on before trusting it
+                k, s = end, self.s
+                while k < len(s) and s[k] in _NUM:
+                    k += 1
+                if k == len(s) and self.more():
+                    continue
+            self.i = end
+            return obj
 
     def fail(self, msg: str):
         raise InputError(f"{self.path}: not a valid trace JSON: {msg}")
@@ -145,6 +153,10 @@ def iter_chrome_trace(path: str | os.PathLike, on_header: Callable[[str, object]
 
 
 def _array(b: _Buf) -> Iterator[dict]:
+    """Events of the array. Fast path: cut the buffer after the last ``}, {`` and decode all
+    events before it with one ``json.loads`` (valid only if the cut falls between events; if it
+    falls inside one, the decode fails and that stretch is decoded one event at a time)."""
+    loads = json.loads
     while True:
         c = b.skip_ws()
         if c == "]":
@@ -155,6 +167,40 @@ def _array(b: _Buf) -> Iterator[dict]:
             continue
         if c == "":
             b.fail("ended inside traceEvents (truncated file?)")
+        if c == "{" and len(b.s) - b.i > BATCH_MIN:
+            cut = _last_boundary(b.s, b.i)
+            if cut is not None:
+                try:
+                    batch = loads("[" + b.s[b.i:cut + 1] + "]")
+                except ValueError:
+                    batch = None
+                if batch is not None:
+                    b.i = cut + 1
+                    for ev in batch:
+                        if isinstance(ev, dict):
+                            yield ev
+                    if len(b.s) - b.i < CHUNK:
+                        b.more()
+                    continue
         ev = b.value()
         if isinstance(ev, dict):
             yield ev
+
+
+def _last_boundary(s: str, start: int) -> int | None:
+    """Index of the '}' of the last ``}, {`` after ``start`` (None when there is none)."""
+    end = len(s)
+    while True:
+        j = s.rfind("{", start + 1, end)
+        if j < 0:
+            return None
+        k = j - 1
+        while k > start and s[k] in _WS:
+            k -= 1
+        if s[k] == ",":
+            k -= 1
+            while k > start and s[k] in _WS:
+                k -= 1
+            if s[k] == "}":
+                return k
+        end = j

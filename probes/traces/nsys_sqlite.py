@@ -65,12 +65,13 @@ class NsysExport:
         uri = f"file:{quote(str(p.resolve()))}?mode=ro&immutable=1"
         try:
             self.con = sqlite3.connect(uri, uri=True)
+            self.con.text_factory = lambda b: b.decode("utf-8", "replace")
             self.con.execute("PRAGMA temp_store = MEMORY")
             self.tables = {r[0] for r in self.con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
             if self.con.execute("PRAGMA quick_check(1)").fetchone()[0] != "ok":
                 raise sqlite3.DatabaseError("integrity check failed")
-        except sqlite3.DatabaseError as e:
-            raise InputError(f"{path}: unreadable SQLite file ({e}); is it truncated?") from None
+        except (sqlite3.DatabaseError, UnicodeDecodeError) as e:
+            raise InputError(f"{path}: unreadable SQLite file ({str(e)[:120]}); is it truncated or corrupt?") from None
         meta = next((t for t in META_TABLES if t in self.tables), None)
         if meta is None:
             raise InputError(f"{path}: SQLite file but not an Nsight Systems export "
@@ -100,7 +101,7 @@ class NsysExport:
     def _q(self, sql: str, params=()):
         try:
             return self.con.execute(sql, params).fetchall()
-        except sqlite3.DatabaseError as e:
+        except (sqlite3.DatabaseError, UnicodeDecodeError) as e:
             raise InputError(f"{self.path}: unreadable Nsight export ({e})") from None
 
     def columns(self, table: str) -> set[str]:
@@ -168,22 +169,27 @@ class NsysExport:
         return names
 
     # -- the GPU activity as one relation -------------------------------------------------------
-    def activity_sql(self, device: int | None) -> str:
-        """start, end, stream, corr, name, kind[, graph] over kernels, memcpys and memsets."""
+    def activity_parts(self, device: int | None) -> list[str]:
+        """One SELECT per GPU activity table: start, end, stream, corr, name, kind.
+
+        Aggregating each table on its own (not through a UNION ALL) lets SQLite scan the table
+        directly, which is about twice as fast on a kernel table of millions of rows.
+        """
         where = "" if device is None else f" WHERE deviceId = {int(device)}"
         parts = []
         if self.has_kernels:
             parts.append(f"SELECT start, end, streamId AS stream, correlationId AS corr, demangledName AS name, "
                          f"0 AS kind FROM {KERNEL}{where}")
         if MEMCPY in self.tables and {"copyKind", "streamId", "correlationId"} <= self.columns(MEMCPY):
-            parts.append(f"SELECT start, end, streamId, correlationId, -1000 - copyKind, 1 FROM {MEMCPY}{where}")
+            parts.append(f"SELECT start, end, streamId AS stream, correlationId AS corr, -1000 - copyKind AS name, "
+                         f"1 AS kind FROM {MEMCPY}{where}")
         if MEMSET in self.tables and {"streamId", "correlationId"} <= self.columns(MEMSET):
-            parts.append(f"SELECT start, end, streamId, correlationId, -1, 2 FROM {MEMSET}{where}")
+            parts.append(f"SELECT start, end, streamId AS stream, correlationId AS corr, -1 AS name, 2 AS kind "
+                         f"FROM {MEMSET}{where}")
         if GRAPH_TRACE in self.tables and {"graphExecId", "correlationId"} <= self.columns(GRAPH_TRACE):
-            parts.append(f"SELECT start, end, streamId, correlationId, -2000 - graphExecId, 3 FROM {GRAPH_TRACE}{where}")
-        if not parts:
-            return ""
-        return " UNION ALL ".join(parts)
+            parts.append(f"SELECT start, end, streamId AS stream, correlationId AS corr, -2000 - graphExecId AS name, "
+                         f"3 AS kind FROM {GRAPH_TRACE}{where}")
+        return parts
 
 
 def _seek(table: str, key: str) -> str:
@@ -220,7 +226,7 @@ def read_nsys_sqlite(path: str | os.PathLike, req: StepRequest | None = None) ->
 def _aggregate(ex: NsysExport, req: StepRequest) -> Aggregate:
     notes = list(ex.notes)
     gpus = ex.gpus()
-    devices = ex.kernel_devices()
+    devices = ex.kernel_devices() if (len(gpus) > 1 or req.device is not None) else {}
     device = req.device
     if device is not None and devices and device not in devices:
         raise InputError(f"{ex.path}: no kernels on device {device} (devices with kernels: "
@@ -233,8 +239,9 @@ def _aggregate(ex: NsysExport, req: StepRequest) -> Aggregate:
         gpu = next(iter(gpus.values()))
     if gpu is None:
         notes.append("the trace names no GPU (no TARGET_INFO_GPU): give --gpu for floors")
-    act = ex.activity_sql(device)
-    if not act:
+    parts = ex.activity_parts(device)
+    act = " UNION ALL ".join(parts)
+    if not parts:
         raise InputError(f"{ex.path}: the trace has no GPU activity (no kernel, memcpy or memset tables)")
     has_runtime = RUNTIME in ex.tables
 
@@ -330,11 +337,14 @@ def _aggregate(ex: NsysExport, req: StepRequest) -> Aggregate:
         _load_bounds(ex.con, "gb", tag_key[1])
         tag_expr = _seek("gb", "a.corr" if tag_key[0] == "corr" else "a.start")
 
-    tagged_sql = (f"SELECT {step_expr} AS step, {tag_expr} AS tag, a.start, a.end, a.stream, a.name, a.kind "
-                  f"FROM ({act}) a")
-    rows = ex._q(f"SELECT step, tag, name, kind, stream, count(*), sum(end - start), min(start), max(end) "
-                 f"FROM ({tagged_sql}) WHERE step >= 0 GROUP BY step, tag, name, kind, stream")
-    total_events = ex._q(f"SELECT count(*) FROM ({act})")[0][0]
+    rows = []
+    total_events = 0
+    for part in parts:
+        tagged = f"SELECT {step_expr} AS step, {tag_expr} AS tag, a.start, a.end, a.stream, a.name, a.kind FROM ({part}) a"
+        rows += ex._q(f"SELECT step, tag, name, kind, stream, count(*), sum(end - start), min(start), max(end) "
+                      f"FROM ({tagged}) WHERE step >= 0 GROUP BY step, tag, name, kind, stream")
+        total_events += ex._q(f"SELECT count(*) FROM ({part})")[0][0]
+    tagged_sql = (f"SELECT {step_expr} AS step, a.start, a.end FROM ({act}) a")
 
     names = ex.strings(r[2] for r in rows if r[3] == 0)
     mnames = ex.memcpy_names()
