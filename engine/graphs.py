@@ -33,6 +33,10 @@ class GraphRunner:
         def fn():
             return m(inp, kv_len=S).argmax(-1)
 
+        # warm-up and capture really run the step: they write K/V at ``slots``; keep the cache intact
+        caches = [t for blk in m.layers for t in (getattr(blk.mixer, "k_cache", None), getattr(blk.mixer, "v_cache", None))
+                  if t is not None]
+        saved = [c[:, :, :T].clone() for c in caches]
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
@@ -42,6 +46,8 @@ class GraphRunner:
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             out = fn()
+        for c, sv in zip(caches, saved):
+            c[:, :, :T].copy_(sv)
         self.graphs[T] = (g, inp, out)
         return self.graphs[T]
 
