@@ -146,7 +146,8 @@ def _require_specpilot(env: TargetEnv) -> None:
                                  f"({PLUGIN_NAME} = {ENTRY_POINT}); {fix}")
 
 
-def launch_command(entries: dict[str, mem.Entry], ids: list[str], settings: dict, python: str) -> str:
+def launch_command(entries: dict[str, mem.Entry], ids: list[str], settings: dict, python: str,
+                   model: str = "MODEL") -> str:
     env = {"SGLANG_PLUGINS": PLUGIN_NAME}
     args: list[str] = []
     for i in ids:
@@ -157,11 +158,11 @@ def launch_command(entries: dict[str, mem.Entry], ids: list[str], settings: dict
             args.append(str(a).format(**settings))
     head = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
     tail = " ".join(shlex.quote(a) if "{" not in a else a for a in args)
-    return f"{head} {shlex.quote(python)} -m sglang.launch_server --model-path MODEL {tail}".rstrip()
+    return f"{head} {shlex.quote(python)} -m sglang.launch_server --model-path {shlex.quote(model)} {tail}".rstrip()
 
 
 def apply(bundles: str, python: str | None = None, force: bool = False, experimental: bool = False,
-          settings=(), dry_run: bool = False, memory_dir=None) -> ApplyResult:
+          settings=(), dry_run: bool = False, memory_dir=None, model: str = "MODEL") -> ApplyResult:
     entries = mem.load_memory(memory_dir)
     asked = parse_bundle_list(bundles)
     for name in asked:
@@ -200,7 +201,7 @@ def apply(bundles: str, python: str | None = None, force: bool = False, experime
     path = activation_path(env.purelib)
     swept = [] if dry_run else sweep_partial(env.purelib)
     previous = read_activation(path)
-    launch = launch_command(entries, ids, values, env.executable)
+    launch = launch_command(entries, ids, values, env.executable, model)
     activation = {
         "schema": ACTIVATION_SCHEMA,
         "bundles": asked,

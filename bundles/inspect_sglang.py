@@ -185,4 +185,11 @@ def check_symbol(src: SGLangSource, sym: Symbol) -> TargetCheck:
 
 def check_targets(root: str | Path, hooks, symbols=()) -> list[TargetCheck]:
     src = SGLangSource(root)
-    return [check_hook(src, h) for h in hooks] + [check_symbol(src, s) for s in symbols]
+    hooked = {h.target for h in hooks}
+    seen: set[str] = set()
+    syms = []
+    for s in symbols:  # a symbol already checked as a hook target, or listed twice, is checked once
+        if s.path not in hooked and s.path not in seen:
+            seen.add(s.path)
+            syms.append(s)
+    return [check_hook(src, h) for h in hooks] + [check_symbol(src, s) for s in syms]

@@ -17,11 +17,13 @@ def _short(text: str, width: int = 60) -> str:
               help="Interpreter of the SGLang environment (default: this one).")
 @click.option("--set", "settings", multiple=True, metavar="NAME=VALUE",
               help="Set a bundle variant (see 'specpilot memory show ID'); repeatable.")
+@click.option("--model", "model", default="MODEL", metavar="PATH",
+              help="Model path to put in the printed launch command.")
 @click.option("--force", is_flag=True, help="Apply to an SGLang version the bundles were not checked against.")
 @click.option("--experimental", is_flag=True, help="Allow bundles whose memory status is experimental.")
 @click.option("--dry-run", is_flag=True, help="Check everything and print the launch command; write nothing.")
 @output_options
-def command(bundles, python, settings, force, experimental, dry_run, fmt, out):
+def command(bundles, python, settings, model, force, experimental, dry_run, fmt, out):
     """Activate BUNDLES (comma-separated, e.g. tree,lattice-trace) in an SGLang installation.
 
     Finds SGLang in the environment of --python without importing it, refuses an unsupported
@@ -37,7 +39,7 @@ def command(bundles, python, settings, force, experimental, dry_run, fmt, out):
     from specpilot.bundles.activation import apply
 
     res = apply(bundles, python=python, force=force, experimental=experimental, settings=settings,
-                dry_run=dry_run)
+                dry_run=dry_run, model=model)
     act = res.activation
     rows = [[c.target, c.kind, "ok" if c.ok else "FAIL", _short(c.signature or c.found or "-")] for c in res.checks]
     data = {"schema": "specpilot.apply/1", "dry_run": dry_run, "activation_path": res.path,
@@ -48,7 +50,7 @@ def command(bundles, python, settings, force, experimental, dry_run, fmt, out):
              + (" (forced: not a checked version)" if act["sglang"]["forced"] else ""),
              f"{verb} {res.path}: {', '.join(act['closure'])}"
              + (f" (replaces {', '.join(res.previous)})" if res.previous else ""),
-             "", "launch with:", f"  {res.launch}"]
+             "", "launch with (add your usual drafter and parallelism flags):", f"  {res.launch}"]
     settings_rows = [[k, v] for k, v in act["settings"].items()]
     sections = [Section("hook targets and symbols (static check)", ["target", "kind", "check", "installed"], rows)]
     if settings_rows:
