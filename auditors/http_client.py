@@ -1,0 +1,140 @@
+"""A client for SGLang-compatible servers' native ``/generate`` endpoint, with token ids in and out.
+
+Request (greedy)::
+
+    POST /generate {"input_ids": [...], "sampling_params": {"temperature": 0, "max_new_tokens": N}}
+
+Response: a JSON object with ``output_ids`` (the generated token ids; SGLang >= 0.4 and
+``specpilot serve``), or, from older servers, ``meta_info.output_token_logprobs`` entries
+``[logprob, token_id, text]`` when ``return_logprob`` was asked for. ``GET /health`` answers 200
+when the server is up.
+
+Every failure raises :class:`ServerError` (exit 3) with one line that says what happened and
+where: the server is unreachable, it did not answer within the timeout, it closed the
+connection (died), it answered with an HTTP error, or its answer is not what /generate returns.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Sequence
+
+from specpilot.errors import EnvironmentMissing, InputError
+
+
+class ServerError(EnvironmentMissing):
+    """The server failed us (exit 3): unreachable, timed out, died, HTTP error, malformed answer."""
+
+
+def parse_url(url: str) -> str:
+    """Normalise ``http://host:port[/prefix]``; raise InputError when it is not an http(s) URL."""
+    u = urllib.parse.urlparse(url)
+    if u.scheme not in ("http", "https") or not u.hostname:
+        raise InputError(f"{url!r}: expected a server URL like http://127.0.0.1:30000")
+    try:
+        u.port
+    except ValueError:
+        raise InputError(f"{url!r}: bad port") from None
+    return url.rstrip("/")
+
+
+class GenerateClient:
+    """Greedy generation through a server's native ``/generate`` endpoint."""
+
+    def __init__(self, url: str, timeout: float = 120.0, return_logprob: bool = False):
+        if not timeout > 0:
+            raise InputError(f"--timeout {timeout}: must be positive")
+        self.url = parse_url(url)
+        self.timeout = float(timeout)
+        self.return_logprob = return_logprob
+
+    # -----------------------------------------------------------------------------------
+    def _request(self, path: str, body: dict | None):
+        target = self.url + path
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(target, data=data, method="GET" if body is None else "POST",
+                                     headers={"Content-Type": "application/json", "Accept": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                status = resp.status
+                raw = resp.read()
+        except urllib.error.HTTPError as e:
+            try:
+                detail = e.read()[:200].decode("utf-8", "replace").strip().replace("\n", " ")
+            except Exception:
+                detail = ""
+            raise ServerError(f"{target}: server answered HTTP {e.code} {e.reason}"
+                              + (f": {detail}" if detail else "")) from None
+        except urllib.error.URLError as e:
+            reason = e.reason
+            if isinstance(reason, (socket.timeout, TimeoutError)):
+                raise ServerError(f"{target}: no answer within {self.timeout:g} s (--timeout)") from None
+            if isinstance(reason, ConnectionRefusedError):
+                raise ServerError(f"{target}: connection refused; is the server running at {self.url}?") from None
+            raise ServerError(f"{target}: cannot reach the server ({reason})") from None
+        except (socket.timeout, TimeoutError):
+            raise ServerError(f"{target}: no answer within {self.timeout:g} s (--timeout)") from None
+        except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError, http.client.IncompleteRead):
+            raise ServerError(f"{target}: the server closed the connection without a full answer "
+                              "(did it crash or get killed?)") from None
+        except http.client.HTTPException as e:
+            raise ServerError(f"{target}: malformed HTTP answer ({type(e).__name__}: {str(e)[:80]})") from None
+        except OSError as e:
+            raise ServerError(f"{target}: connection failed ({e})") from None
+        return status, raw
+
+    def health(self) -> None:
+        """Raise ServerError unless ``GET /health`` answers 200."""
+        status, _ = self._request("/health", None)
+        if status != 200:
+            raise ServerError(f"{self.url}/health: answered HTTP {status}, expected 200")
+
+    def generate(self, input_ids: Sequence[int], max_new_tokens: int) -> list[int]:
+        """Greedy continuation of ``input_ids``: the generated token ids."""
+        body = {"input_ids": list(map(int, input_ids)),
+                "sampling_params": {"temperature": 0.0, "max_new_tokens": int(max_new_tokens)}}
+        if self.return_logprob:
+            body["return_logprob"] = True
+        _, raw = self._request("/generate", body)
+        return parse_generate_response(raw, self.url + "/generate", max_new_tokens)
+
+
+def _bad(where: str, what: str) -> ServerError:
+    return ServerError(f"{where}: malformed /generate answer: {what}")
+
+
+def parse_generate_response(raw: bytes, where: str, max_new_tokens: int | None = None) -> list[int]:
+    """The generated ids from a /generate answer, checked for shape and consistency."""
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        snippet = raw[:60].decode("utf-8", "replace").replace("\n", " ")
+        raise _bad(where, f"not JSON (starts with {snippet!r})") from None
+    if isinstance(obj, list) and len(obj) == 1:
+        obj = obj[0]
+    if not isinstance(obj, dict):
+        raise _bad(where, f"expected a JSON object, got {type(obj).__name__}")
+    meta = obj.get("meta_info") if isinstance(obj.get("meta_info"), dict) else {}
+    ids = obj.get("output_ids")
+    if ids is None and isinstance(meta.get("output_token_logprobs"), list):
+        try:
+            ids = [entry[1] for entry in meta["output_token_logprobs"]]
+        except (TypeError, IndexError, KeyError):
+            raise _bad(where, "meta_info.output_token_logprobs entries are not [logprob, token_id, ...]") from None
+    if ids is None:
+        keys = ", ".join(sorted(map(str, obj))) or "none"
+        raise _bad(where, f"no \"output_ids\" (keys: {keys}); the server must return generated token ids "
+                          "(SGLang >= 0.4 does)")
+    if not isinstance(ids, list) or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+        raise _bad(where, "\"output_ids\" is not a list of non-negative integers")
+    if max_new_tokens is not None and len(ids) > max_new_tokens:
+        raise _bad(where, f"{len(ids)} tokens returned for max_new_tokens={max_new_tokens}")
+    ct = meta.get("completion_tokens")
+    if isinstance(ct, int) and not isinstance(ct, bool) and ct != len(ids):
+        raise _bad(where, f"meta_info.completion_tokens={ct} but {len(ids)} output_ids")
+    return ids

