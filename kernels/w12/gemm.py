@@ -138,6 +138,36 @@ if triton is not None:
         return (p & 0xFFFF0000).to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _load_step(rec64_ptr, rec32_ptr, tile_row, t, t_end, g, jj, r, QPASS: tl.constexpr):
+        rec = tile_row + t + g                              # [G] record index
+        kmask = (t + g) < t_end
+        b_idx = rec[None, :] * 1536 + r[:, None] * 8 + jj[None, :]
+        b64 = tl.load(rec64_ptr + b_idx, mask=kmask[None, :], other=0)
+        if QPASS:
+            n32 = b64.to(tl.int32)
+        else:
+            n_idx = rec[None, :] * 3072 + 2048 + r[:, None] * 8 + jj[None, :]
+            n32 = tl.load(rec32_ptr + n_idx, mask=kmask[None, :], other=0)
+        return b64, n32
+
+    @triton.jit
+    def _fma_lane(acc3, wf, xk, i: tl.constexpr, kv, k8, K, m_mask):
+        xv = tl.load(xk + i, mask=(kv & (k8 + i < K))[:, None] & m_mask[None, :], other=0.0).to(tl.float32)
+        return wf[:, :, None] * xv[None, :, :]
+
+    @triton.jit
+    def _mma(acc, w, xt, UPCAST: tl.constexpr):
+        if UPCAST:
+            return acc + tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
+        else:
+            return tl.dot(w, xt.to(tl.bfloat16), acc)
+
+    @triton.jit
+    def _mma_lane(acc, wb, xk, i: tl.constexpr, kv, k8, K, m_mask, UPCAST: tl.constexpr):
+        xv = tl.load(xk + i, mask=(kv & (k8 + i < K))[:, None] & m_mask[None, :], other=0.0)
+        return _mma(acc, wb, xv, UPCAST)
+
+    @triton.jit
     def _w12_gemm_kernel(
         x_ptr, y_ptr, rec64_ptr, rec32_ptr, low_ptr,
         eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr,
@@ -145,7 +175,7 @@ if triton is not None:
         M, N, K, KT, TILES_PER_SPLIT, NUM_N_BLOCKS, SPLIT_K,
         stride_xm, stride_ym,
         BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-        USE_SPLIT: tl.constexpr, GEMV: tl.constexpr, QPASS: tl.constexpr, UPCAST: tl.constexpr,
+        USE_SPLIT: tl.constexpr, MODE: tl.constexpr, PREFETCH: tl.constexpr, QPASS: tl.constexpr, UPCAST: tl.constexpr,
         ESC_CH: tl.constexpr,
     ):
         pid_n = tl.program_id(0)
@@ -167,47 +197,39 @@ if triton is not None:
         t_end = tl.minimum(t_begin + TILES_PER_SPLIT, KT)
         tile_row = tn.to(tl.int64) * KT
 
-        if GEMV:
-            acc_v = tl.zeros((BLOCK_N, G), dtype=tl.float32)
-        else:
+        if MODE == 0:
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             # natural k of column q of the decoded tile (q = 4b + 2a + c -> 4a + 2b + c)
             q = tl.arange(0, BLOCK_K)
             qq = q % 8
             k_in_step = (q // 8) * 8 + ((qq & 1) | (((qq >> 2) & 1) << 1) | (((qq >> 1) & 1) << 2))
+        elif MODE == 1:
+            acc3 = tl.zeros((BLOCK_N, G, BLOCK_M), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
 
+        b_cur, n_cur = _load_step(rec64_ptr, rec32_ptr, tile_row, t_begin, t_end, g, jj, r, QPASS)
         for t in range(t_begin, t_end, RECS):
-            rec = tile_row + t + g                              # [G] record index
-            kmask = (t + g) < t_end
-            b_idx = rec[None, :] * 1536 + r[:, None] * 8 + jj[None, :]
-            b64 = tl.load(rec64_ptr + b_idx, mask=kmask[None, :], other=0)
-            if QPASS:
-                n32 = b64.to(tl.int32)
+            if PREFETCH:  # registers double-buffered: next step's loads fly during this step's math
+                b_nxt, n_nxt = _load_step(rec64_ptr, rec32_ptr, tile_row, t + RECS, t_end, g, jj, r, QPASS)
             else:
-                n_idx = rec[None, :] * 3072 + 2048 + r[:, None] * 8 + jj[None, :]
-                n32 = tl.load(rec32_ptr + n_idx, mask=kmask[None, :], other=0)
-            p0, p1, p2, p3 = _decode_pairs(b64, n32, QPASS)
+                b_cur, n_cur = _load_step(rec64_ptr, rec32_ptr, tile_row, t, t_end, g, jj, r, QPASS)
+                b_nxt, n_nxt = b_cur, n_cur
+            p0, p1, p2, p3 = _decode_pairs(b_cur, n_cur, QPASS)
             kbase = t * 64
-            if GEMV:
+            if MODE == 1:
                 k8 = kbase + j * 8
-                xk = x_ptr + pid_m * stride_xm + k8
-                x0 = tl.load(xk + 0, mask=kmask & (k8 + 0 < K), other=0.0).to(tl.float32)
-                x1 = tl.load(xk + 1, mask=kmask & (k8 + 1 < K), other=0.0).to(tl.float32)
-                x2 = tl.load(xk + 2, mask=kmask & (k8 + 2 < K), other=0.0).to(tl.float32)
-                x3 = tl.load(xk + 3, mask=kmask & (k8 + 3 < K), other=0.0).to(tl.float32)
-                x4 = tl.load(xk + 4, mask=kmask & (k8 + 4 < K), other=0.0).to(tl.float32)
-                x5 = tl.load(xk + 5, mask=kmask & (k8 + 5 < K), other=0.0).to(tl.float32)
-                x6 = tl.load(xk + 6, mask=kmask & (k8 + 6 < K), other=0.0).to(tl.float32)
-                x7 = tl.load(xk + 7, mask=kmask & (k8 + 7 < K), other=0.0).to(tl.float32)
-                acc_v += _lo_f32(p0) * x0[None, :]
-                acc_v += _hi_f32(p0) * x1[None, :]
-                acc_v += _lo_f32(p1) * x2[None, :]
-                acc_v += _hi_f32(p1) * x3[None, :]
-                acc_v += _lo_f32(p2) * x4[None, :]
-                acc_v += _hi_f32(p2) * x5[None, :]
-                acc_v += _lo_f32(p3) * x6[None, :]
-                acc_v += _hi_f32(p3) * x7[None, :]
-            else:
+                kv = (t + g) < t_end
+                xk = x_ptr + offs_m[None, :] * stride_xm + k8[:, None]
+                acc3 += _fma_lane(acc3, _lo_f32(p0), xk, 0, kv, k8, K, m_mask)
+                acc3 += _fma_lane(acc3, _hi_f32(p0), xk, 1, kv, k8, K, m_mask)
+                acc3 += _fma_lane(acc3, _lo_f32(p1), xk, 2, kv, k8, K, m_mask)
+                acc3 += _fma_lane(acc3, _hi_f32(p1), xk, 3, kv, k8, K, m_mask)
+                acc3 += _fma_lane(acc3, _lo_f32(p2), xk, 4, kv, k8, K, m_mask)
+                acc3 += _fma_lane(acc3, _hi_f32(p2), xk, 5, kv, k8, K, m_mask)
+                acc3 += _fma_lane(acc3, _lo_f32(p3), xk, 6, kv, k8, K, m_mask)
+                acc3 += _fma_lane(acc3, _hi_f32(p3), xk, 7, kv, k8, K, m_mask)
+            elif MODE == 0:
                 t01 = tl.join(p0, p1)
                 t23 = tl.join(p2, p3)
                 tt = tl.join(t01, t23)
@@ -216,13 +238,23 @@ if triton is not None:
                 kk = kbase + k_in_step
                 xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + kk[:, None],
                              mask=m_mask[None, :] & (((kk // 64) < t_end) & (kk < K))[:, None], other=0.0)
-                if UPCAST:
-                    acc += tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
-                else:
-                    acc += tl.dot(w, xt.to(tl.bfloat16))
+                acc = _mma(acc, w, xt, UPCAST)
+            else:
+                k8 = kbase + j * 8
+                kv = (t + g) < t_end
+                xk = x_ptr + offs_m[None, :] * stride_xm + k8[:, None]
+                acc = _mma_lane(acc, _lo_bf16(p0), xk, 0, kv, k8, K, m_mask, UPCAST)
+                acc = _mma_lane(acc, _hi_bf16(p0), xk, 1, kv, k8, K, m_mask, UPCAST)
+                acc = _mma_lane(acc, _lo_bf16(p1), xk, 2, kv, k8, K, m_mask, UPCAST)
+                acc = _mma_lane(acc, _hi_bf16(p1), xk, 3, kv, k8, K, m_mask, UPCAST)
+                acc = _mma_lane(acc, _lo_bf16(p2), xk, 4, kv, k8, K, m_mask, UPCAST)
+                acc = _mma_lane(acc, _hi_bf16(p2), xk, 5, kv, k8, K, m_mask, UPCAST)
+                acc = _mma_lane(acc, _lo_bf16(p3), xk, 6, kv, k8, K, m_mask, UPCAST)
+                acc = _mma_lane(acc, _hi_bf16(p3), xk, 7, kv, k8, K, m_mask, UPCAST)
+            b_cur, n_cur = b_nxt, n_nxt
 
-        if GEMV:
-            acc = tl.reshape(tl.sum(acc_v, axis=1), (BLOCK_N, 1))
+        if MODE == 1:
+            acc = tl.sum(acc3, axis=1)
 
         if not USE_SPLIT:
             _finalize(acc, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr,
@@ -273,42 +305,60 @@ if triton is not None:
 # launcher
 # ----------------------------------------------------------------------------------------------
 
+MODES = {"dot": 0, "gemv": 1, "dot8": 2}
+
+
 @dataclass(frozen=True)
 class Config:
+    """One kernel variant. ``mode``: ``gemv`` (CUDA-core FMA, M <= 8), ``dot`` (one tensor-core
+    dot per step on the joined tile) or ``dot8`` (eight dots per step, one per bf16 lane)."""
+
     block_n: int = 64
     block_k: int = 256
     split_k: int = 1
-    gemv: bool = False
+    mode: str = "gemv"
     num_warps: int = 4
-    num_stages: int = 2
+    num_stages: int = 1
+    prefetch: bool = True
 
     def key(self) -> str:
-        return (f"{'gemv' if self.gemv else 'dot'}-n{self.block_n}-k{self.block_k}-s{self.split_k}"
-                f"-w{self.num_warps}-st{self.num_stages}")
+        return (f"{self.mode}-n{self.block_n}-k{self.block_k}-s{self.split_k}-w{self.num_warps}"
+                f"{'-pf' if self.prefetch else ''}")
+
+    def for_rows(self, m: int) -> "Config":
+        """The same config made valid for m rows (the FMA path serves at most 8 rows)."""
+        if self.mode == "gemv" and m > 8:
+            return Config(self.block_n, max(self.block_k, 128), self.split_k, "dot8", self.num_warps,
+                          self.num_stages, self.prefetch)
+        if self.mode == "dot8" and self.block_k < 128:
+            return Config(self.block_n, 128, self.split_k, "dot8", self.num_warps, self.num_stages, self.prefetch)
+        return self
 
 
-def block_m_for(m: int, gemv: bool) -> int:
-    if gemv:
-        return 1
+def block_m_for(m: int, mode: str) -> int:
+    if mode == "gemv":
+        return 1 if m <= 1 else 2 if m <= 2 else 4 if m <= 4 else 8
     return 16 if m <= 16 else 32 if m <= 32 else 64
 
 
 def default_config(m: int, n: int, k: int) -> Config:
-    """Heuristic config; measured per shape tables (``TUNED``) take precedence."""
+    """Measured per-shape table (``TUNED``) first, else a heuristic split for about 2 waves."""
     tuned = TUNED.get((n, k, bucket(m)))
     if tuned is not None:
         return tuned
     kt = (k + TILE_K - 1) // TILE_K
-    bn = 64
+    mode = "gemv" if m <= 8 else "dot8"
+    bn = 64 if mode == "gemv" else 128
+    bk = 256 if kt >= 4 else 128 if mode == "dot8" else 64
     blocks = (n + bn - 1) // bn
     split = 1
-    while blocks * split < 264 and kt // (split * 2) >= 4:
+    while blocks * split < 264 and kt // (split * 2) >= bk // 64:
         split *= 2
-    return Config(block_n=bn, block_k=256 if kt >= 4 else 64, split_k=split, gemv=False)
+    return Config(block_n=bn, block_k=bk, split_k=split, mode=mode)
 
 
 def bucket(m: int) -> int:
-    return 1 if m <= 1 else 16 if m <= 16 else 32 if m <= 32 else 64
+    return 1 if m <= 1 else 2 if m <= 2 else 4 if m <= 4 else 8 if m <= 8 else 16 if m <= 16 else 32 if m <= 32 else 64
 
 
 # measured on the H200 by benchmarks/w12_gemm.py (filled from its results; see docs/w12.md)
@@ -339,11 +389,8 @@ def w12_linear(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config:
     n = packed.shape[0]
     if x.stride(1) != 1:
         x = x.contiguous()
-    cfg = config or default_config(m, n, k)
-    bm = block_m_for(m, cfg.gemv)
-    if cfg.gemv and m != 1:
-        cfg = Config(cfg.block_n, cfg.block_k, cfg.split_k, False, cfg.num_warps, cfg.num_stages)
-        bm = block_m_for(m, False)
+    cfg = (config or default_config(m, n, k)).for_rows(m)
+    bm = block_m_for(m, cfg.mode)
     if out is None:
         out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     kt = packed.k_tiles
@@ -363,7 +410,7 @@ def w12_linear(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config:
         ws, locks,
         m, n, k, kt, tps, nb, split,
         x.stride(0), out.stride(0),
-        BLOCK_N=cfg.block_n, BLOCK_M=bm, BLOCK_K=cfg.block_k, USE_SPLIT=split > 1, GEMV=cfg.gemv,
+        BLOCK_N=cfg.block_n, BLOCK_M=bm, BLOCK_K=cfg.block_k, USE_SPLIT=split > 1, MODE=MODES[cfg.mode], PREFETCH=cfg.prefetch,
         QPASS=qpass, UPCAST=interpreting(), ESC_CH=esc_ch,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
