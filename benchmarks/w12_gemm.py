@@ -70,13 +70,15 @@ def sweep_configs(m: int, kt: int, n: int, sms: int):
     elif m <= 8:
         for bn, bk, w in ((16, 256, 4), (32, 128, 4), (32, 256, 8), (64, 128, 8)):
             base.append(Config(bn, bk, 1, "gemv", w, 1, True))
-        for bn, bk, w in ((64, 128, 4), (128, 128, 4), (128, 256, 8)):
+        for bn, bk, w in ((64, 128, 4), (128, 128, 4)):
             base.append(Config(bn, bk, 1, "dot8", w, 1, True))
-        base += [Config(128, 128, 1, "dot", 4, 1, False), Config(32, 128, 1, "dot", 4, 1, False)]
+            base.append(Config(bn, bk, 1, "dot8t", w, 1, True))
+        base += [Config(128, 128, 1, "dot", 4, 1, False)]
     else:
         for bn, bk, w in ((64, 128, 4), (128, 128, 4), (128, 256, 8)):
             base.append(Config(bn, bk, 1, "dot8", w, 1, True))
-        base += [Config(128, 128, 1, "dot", 4, 1, True), Config(128, 128, 1, "dot", 4, 1, False)]
+        base += [Config(64, 128, 1, "dot8t", 4, 1, True), Config(128, 128, 1, "dot8t", 4, 1, True),
+                 Config(128, 128, 1, "dot", 4, 1, False)]
     out = []
     for c in base:
         nb = (n + c.block_n - 1) // c.block_n

@@ -156,6 +156,20 @@ if triton is not None:
         return wf[:, :, None] * xv[None, :, :]
 
     @triton.jit
+    def _fma_vec(wf, xk, i: tl.constexpr, kv, k8, K):
+        xv = tl.load(xk + i, mask=kv & (k8 + i < K), other=0.0).to(tl.float32)
+        return wf * xv[None, :]
+
+    @triton.jit
+    def _mma_lane_t(acc_t, wb, xk, i: tl.constexpr, kv, k8, K, m_mask, UPCAST: tl.constexpr):
+        # x lane [BM, G] as the A operand, the decoded lane transposed [G, BN] as B (shared memory)
+        xv = tl.load(xk + i, mask=m_mask[:, None] & (kv & (k8 + i < K))[None, :], other=0.0)
+        if UPCAST:
+            return acc_t + tl.dot(xv.to(tl.float32), tl.trans(wb).to(tl.float32), input_precision="ieee")
+        else:
+            return tl.dot(xv.to(tl.bfloat16), tl.trans(wb), acc_t)
+
+    @triton.jit
     def _mma(acc, w, xt, UPCAST: tl.constexpr):
         if UPCAST:
             return acc + tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
@@ -204,9 +218,14 @@ if triton is not None:
             qq = q % 8
             k_in_step = (q // 8) * 8 + ((qq & 1) | (((qq >> 2) & 1) << 1) | (((qq >> 1) & 1) << 2))
         elif MODE == 1:
-            acc3 = tl.zeros((BLOCK_N, G, BLOCK_M), dtype=tl.float32)
-        else:
+            if BLOCK_M == 1:
+                acc2 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
+            else:
+                acc3 = tl.zeros((BLOCK_N, G, BLOCK_M), dtype=tl.float32)
+        elif MODE == 2:
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc_t = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
         b_cur, n_cur = _load_step(rec64_ptr, rec32_ptr, tile_row, t_begin, t_end, g, jj, r, QPASS)
         for t in range(t_begin, t_end, RECS):
@@ -217,7 +236,19 @@ if triton is not None:
                 b_nxt, n_nxt = b_cur, n_cur
             p0, p1, p2, p3 = _decode_pairs(b_cur, n_cur, QPASS)
             kbase = t * 64
-            if MODE == 1:
+            if MODE == 1 and BLOCK_M == 1:
+                k8 = kbase + j * 8
+                kv = (t + g) < t_end
+                xk = x_ptr + pid_m * stride_xm + k8
+                acc2 += _fma_vec(_lo_f32(p0), xk, 0, kv, k8, K)
+                acc2 += _fma_vec(_hi_f32(p0), xk, 1, kv, k8, K)
+                acc2 += _fma_vec(_lo_f32(p1), xk, 2, kv, k8, K)
+                acc2 += _fma_vec(_hi_f32(p1), xk, 3, kv, k8, K)
+                acc2 += _fma_vec(_lo_f32(p2), xk, 4, kv, k8, K)
+                acc2 += _fma_vec(_hi_f32(p2), xk, 5, kv, k8, K)
+                acc2 += _fma_vec(_lo_f32(p3), xk, 6, kv, k8, K)
+                acc2 += _fma_vec(_hi_f32(p3), xk, 7, kv, k8, K)
+            elif MODE == 1:
                 k8 = kbase + j * 8
                 kv = (t + g) < t_end
                 xk = x_ptr + offs_m[None, :] * stride_xm + k8[:, None]
@@ -239,6 +270,18 @@ if triton is not None:
                 xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + kk[:, None],
                              mask=m_mask[None, :] & (((kk // 64) < t_end) & (kk < K))[:, None], other=0.0)
                 acc = _mma(acc, w, xt, UPCAST)
+            elif MODE == 3:
+                k8 = kbase + j * 8
+                kv = (t + g) < t_end
+                xk = x_ptr + offs_m[:, None] * stride_xm + k8[None, :]
+                acc_t = _mma_lane_t(acc_t, _lo_bf16(p0), xk, 0, kv, k8, K, m_mask, UPCAST)
+                acc_t = _mma_lane_t(acc_t, _hi_bf16(p0), xk, 1, kv, k8, K, m_mask, UPCAST)
+                acc_t = _mma_lane_t(acc_t, _lo_bf16(p1), xk, 2, kv, k8, K, m_mask, UPCAST)
+                acc_t = _mma_lane_t(acc_t, _hi_bf16(p1), xk, 3, kv, k8, K, m_mask, UPCAST)
+                acc_t = _mma_lane_t(acc_t, _lo_bf16(p2), xk, 4, kv, k8, K, m_mask, UPCAST)
+                acc_t = _mma_lane_t(acc_t, _hi_bf16(p2), xk, 5, kv, k8, K, m_mask, UPCAST)
+                acc_t = _mma_lane_t(acc_t, _lo_bf16(p3), xk, 6, kv, k8, K, m_mask, UPCAST)
+                acc_t = _mma_lane_t(acc_t, _hi_bf16(p3), xk, 7, kv, k8, K, m_mask, UPCAST)
             else:
                 k8 = kbase + j * 8
                 kv = (t + g) < t_end
@@ -254,7 +297,12 @@ if triton is not None:
             b_cur, n_cur = b_nxt, n_nxt
 
         if MODE == 1:
-            acc = tl.sum(acc3, axis=1)
+            if BLOCK_M == 1:
+                acc = tl.reshape(tl.sum(acc2, axis=1), (BLOCK_N, 1))
+            else:
+                acc = tl.sum(acc3, axis=1)
+        elif MODE == 3:
+            acc = tl.trans(acc_t)
 
         if not USE_SPLIT:
             _finalize(acc, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr,
@@ -305,7 +353,7 @@ if triton is not None:
 # launcher
 # ----------------------------------------------------------------------------------------------
 
-MODES = {"dot": 0, "gemv": 1, "dot8": 2}
+MODES = {"dot": 0, "gemv": 1, "dot8": 2, "dot8t": 3}
 
 
 @dataclass(frozen=True)
@@ -330,8 +378,9 @@ class Config:
         if self.mode == "gemv" and m > 8:
             return Config(self.block_n, max(self.block_k, 128), self.split_k, "dot8", self.num_warps,
                           self.num_stages, self.prefetch)
-        if self.mode == "dot8" and self.block_k < 128:
-            return Config(self.block_n, 128, self.split_k, "dot8", self.num_warps, self.num_stages, self.prefetch)
+        if self.mode in ("dot8", "dot8t") and self.block_k < 128:
+            return Config(self.block_n, 128, self.split_k, self.mode, self.num_warps, self.num_stages,
+                          self.prefetch)
         return self
 
 
