@@ -90,23 +90,33 @@ class SGLangSource:
         return None
 
     @staticmethod
-    def _find(body, name):
-        found = None
-        for node in body:  # the last binding wins, as at import time
+    def _find_all(body, name) -> list:
+        """Every binding of ``name`` in a body, in source order, looking into if/else and try
+        branches (which one runs is decided at import time, so all must be acceptable)."""
+        found = []
+        for node in body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
-                found = node
+                found.append(node)
             elif isinstance(node, (ast.Assign, ast.AnnAssign)):
                 targets = node.targets if isinstance(node, ast.Assign) else [node.target]
                 if any(isinstance(t, ast.Name) and t.id == name for t in targets):
-                    found = node
+                    found.append(node)
             elif isinstance(node, (ast.ImportFrom, ast.Import)):
                 if any((al.asname or al.name.split(".")[0]) == name for al in node.names):
-                    found = node
-            elif isinstance(node, (ast.If, ast.Try)):
-                inner = SGLangSource._find(node.body, name)
-                if inner is not None:
-                    found = inner
+                    found.append(node)
+            elif isinstance(node, ast.If):
+                found += SGLangSource._find_all(node.body, name) + SGLangSource._find_all(node.orelse, name)
+            elif isinstance(node, ast.Try):
+                found += SGLangSource._find_all(node.body, name)
+                for h in node.handlers:
+                    found += SGLangSource._find_all(h.body, name)
+                found += SGLangSource._find_all(node.orelse, name) + SGLangSource._find_all(node.finalbody, name)
         return found
+
+    @staticmethod
+    def _find(body, name):
+        found = SGLangSource._find_all(body, name)
+        return found[-1] if found else None
 
     def resolve(self, target: str):
         """(kind, node, file) for a dotted target, or (None, reason, file)."""
@@ -123,7 +133,8 @@ class SGLangSource:
             node = self._find(body, name)
             if node is None:
                 where = "module" if depth == 0 else f"class {attrs[depth - 1]}"
-                return None, f"{name} not defined in {where}", path
+                where = f"module {_mod}" if depth == 0 else where
+                return None, f"{name} not defined in {where} (no such name or submodule)", path
             if isinstance(node, ast.ClassDef):
                 kind, body = "class", node.body
             elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -139,6 +150,20 @@ class SGLangSource:
                 if depth != len(attrs) - 1:
                     return None, f"{name} is a value, not a class", path
         return kind, node, path
+
+    def alternatives(self, target: str) -> list:
+        """All function definitions bound to ``target``'s last name (see ``_find_all``)."""
+        split = self.split(target)
+        if split is None or not split[2]:
+            return []
+        _mod, path, attrs = split
+        body = self.tree(path).body
+        for name in attrs[:-1]:
+            node = self._find(body, name)
+            if not isinstance(node, ast.ClassDef):
+                return []
+            body = node.body
+        return [n for n in self._find_all(body, attrs[-1]) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
 
 
 def _sha(path: Path | None) -> str | None:
@@ -157,10 +182,15 @@ def check_hook(src: SGLangSource, hook: Hook) -> TargetCheck:
                            problem=f"is a {kind}; the hook wraps a function", **base)
     sig = _signature(node)
     rendered = render_params(n for n, _ in sig)
-    ok = not hook.params or params_compatible(sig, hook.params, hook.match)
-    return TargetCheck(ok=ok, found=kind, signature=rendered,
-                       problem=None if ok else f"signature {rendered} is not compatible with {expected} ({hook.match})",
-                       **base)
+    problem = None
+    if hook.params:
+        for alt in src.alternatives(hook.target) or [node]:
+            alt_sig = _signature(alt)
+            if not params_compatible(alt_sig, hook.params, hook.match):
+                alt_r = render_params(n for n, _ in alt_sig)
+                problem = f"signature {alt_r} (line {alt.lineno}) is not compatible with {expected} ({hook.match})"
+                break
+    return TargetCheck(ok=problem is None, found=kind, signature=rendered, problem=problem, **base)
 
 
 def check_symbol(src: SGLangSource, sym: Symbol) -> TargetCheck:

@@ -21,7 +21,9 @@ from specpilot.errors import InputError
 SCHEMA = "specpilot.memory-entry/1"
 MEMORY_DIR = Path(__file__).resolve().parent / "memory"
 HOOK_TYPES = ("before", "after", "around", "replace")
-STATUSES = ("stable", "observe", "experimental", "library")  # library: no SGLang hooks yet
+# checked: hooks checked statically and contracts on CPU against SGLang's code; observe: changes no
+# output; experimental: needs --experimental; library: no SGLang hooks yet (apply refuses it)
+STATUSES = ("checked", "observe", "experimental", "library")
 _REQUIRED = ("id", "summary", "status", "requires", "sglang", "code", "variants", "contracts",
              "evidence", "limits", "unverified", "system")
 
