@@ -268,7 +268,7 @@ def parse_gpus(text: str | None) -> tuple[str, str] | None:
 
 def paired_compare(a: System, b: System, *, runs: int | None = None, warmup: int = 1,
                    gpus: Sequence[str] | None = None, noise: float | None = None, changes_output: bool = False,
-                   max_runs: int = 200, n_boot: int = 4000, seed: int = 0,
+                   max_runs: int = 400, n_boot: int = 4000, seed: int = 0,
                    tick: Callable[[int], None] | None = None, set_total: Callable[[int], None] | None = None):
     """Warm up, run paired samples (a pilot and a power-planned total when ``runs`` is None), judge."""
     import math
@@ -286,27 +286,30 @@ def paired_compare(a: System, b: System, *, runs: int | None = None, warmup: int
     warm_up(a, b, warmup, gpus)
     plan = None
     if runs is None:
-        if set_total:
-            set_total(PILOT_PAIRS)
-        pilot = run_pairs(a, b, PILOT_PAIRS, gpus=gpus, tick=tick)
-        lr = np.log(speed_ratios(pilot.samples, hib))
-        aa = np.array(pilot.aa, dtype=float)
-        aa_lr = np.log(aa[:, 0] / aa[:, 1])
-        # plan for a true 3% gain, or for half the pilot's gain when that is larger (a clear win
-        # does not need the runs a 3% gain needs; under no gain this is the 3% plan)
-        target = max(1.03, 1.0 + (math.exp(float(lr.mean())) - 1.0) / 2.0)
-        p = plan_runs(float(lr.std(ddof=1)), float(aa_lr.std(ddof=1)) if len(aa_lr) > 1 else 0.0,
-                      len(lr), target_gain=target, changes_output=changes_output, noise=noise,
-                      max_pairs=max_runs)
-        plan = p.to_json()
-        samples, aa_pairs = list(pilot.samples), list(pilot.aa)
-        if set_total:
-            set_total(max(p.pairs, len(samples)))
-        if p.pairs > len(samples):
-            rest = run_pairs(a, b, p.pairs - len(samples), gpus=gpus, start_block=len(pilot.aa),
-                             start_pair=len(samples), tick=tick)
-            samples += rest.samples
-            aa_pairs += rest.aa
+        samples, aa_pairs, stages = [], [], []
+        want = PILOT_PAIRS
+        for stage in range(8):  # the pilot, then re-plans from all samples so far
+            if set_total:
+                set_total(max(want, len(samples)))
+            if want > len(samples):
+                more = run_pairs(a, b, want - len(samples), gpus=gpus, start_block=len(aa_pairs),
+                                 start_pair=len(samples), tick=tick)
+                samples += more.samples
+                aa_pairs += more.aa
+            lr = np.log(speed_ratios(samples, hib))
+            aa = np.array(aa_pairs, dtype=float)
+            aa_lr = np.log(aa[:, 0] / aa[:, 1]) if hib else np.log(aa[:, 1] / aa[:, 0])
+            # plan for a true 3% gain, or half the gain seen so far when larger: a clear win does
+            # not need the runs a 3% gain needs (with no gain this is the 3% plan)
+            target = max(1.03, 1.0 + (math.exp(float(lr.mean())) - 1.0) / 2.0)
+            p = plan_runs(float(lr.std(ddof=1)), float(aa_lr.std(ddof=1)) if len(aa_lr) > 1 else 0.0,
+                          len(lr), target_gain=target, changes_output=changes_output, noise=noise,
+                          aa_mean=float(aa_lr.mean()), max_pairs=max_runs)
+            stages.append(p.to_json() | {"after_pairs": len(samples)})
+            if p.pairs <= len(samples) or len(samples) >= max_runs:
+                break
+            want = min(p.pairs, 2 * len(samples))   # at most double per stage, then re-plan
+        plan = stages[-1] | {"stages": stages}
     else:
         if set_total:
             set_total(runs + runs % 2)

@@ -36,7 +36,7 @@ def _runs(ctx, param, value):
 @click.option("--runs", callback=_runs, default="auto", show_default=True, metavar="N|auto",
               help="Paired samples (rounded up to whole blocks of 2). auto: a pilot of 8 pairs, then as many "
                    "as give 80% power to approve a true 3% gain.")
-@click.option("--max-runs", type=click.IntRange(2, 100000), default=200, show_default=True,
+@click.option("--max-runs", type=click.IntRange(2, 100000), default=400, show_default=True,
               help="Cap on the pairs --runs auto may plan.")
 @click.option("--warmup", type=click.IntRange(0, 1000), default=1, show_default=True,
               help="Unmeasured runs of each system first.")
