@@ -86,14 +86,14 @@ def test_prefix_closed_under_ties(sgl):
 
     gen = torch.Generator().manual_seed(1)
     topk, broken_stock = 4, 0
-    for _ in range(20):
+    for _ in range(8):
         inputs = eagle_draft(sgl, 2, topk, 5, gen, ties=True)
         pl, sel, _ = organize_draft_results(*inputs, 12)
         assert all(p != -2 for row in eagle_parents(pl, sel, topk) for p in row)
         spl, ssel, _ = sgl["organize"](*inputs, 12)
         broken_stock += sum(p == -2 for row in eagle_parents(spl, ssel, topk) for p in row)
     # stock's torch.topk is free to drop a tied parent; ours never does (asserted above)
-    print(f"stock selections with an orphan node: {broken_stock}")
+    print(f"orphan nodes in stock's selections over 8 tie-heavy drafts (bs 2, topk 4, 5 steps, 11 nodes): {broken_stock}")
 
 
 def _sglang_layout(sgl, parent_list, sel, seq_lens, topk, steps, n, mode):
