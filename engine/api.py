@@ -20,6 +20,7 @@ dtype          float32 | bfloat16 | float16                                float
 device         cpu | cuda | cuda:N                                         cpu
 ctx            KV-cache slots (prompt + new tokens + draft rows)           2048
 graphs         1 = CUDA graphs for AR steps (cuda, dense models)           1
+threads        CPU threads for torch (0 = torch's default)                 1 for tiny*, else 0
 =============  ==========================================================  ==========
 """
 
@@ -47,7 +48,7 @@ TINY_CONFIGS = {
 }
 
 _INT_KEYS = {"nodes": (0, 4096), "depth": (0, 64), "topk": (1, 64), "draft_layers": (1, 1024), "seed": (0, 2**31),
-             "ctx": (16, 1 << 20)}
+             "ctx": (16, 1 << 20), "threads": (0, 1024)}
 _BOOL_KEYS = {"random", "graphs"}
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16"}
@@ -69,6 +70,7 @@ class EngineSpec:
     device: str = "cpu"
     ctx: int = 2048
     graphs: bool = True
+    threads: int | None = None
 
     @classmethod
     def parse(cls, text: str) -> "EngineSpec":
@@ -313,6 +315,7 @@ def load_engine(spec: EngineSpec | str) -> Engine:
     if isinstance(spec, str):
         spec = EngineSpec.parse(spec)
     torch.set_grad_enabled(False)
+    threads = spec.threads if spec.threads is not None else (1 if spec.model.lower() in TINY_CONFIGS else 0)
     dtype = _torch_dtype(spec)
     model, folder, display = build_model(spec.model, spec.random, dtype, spec.device, spec.ctx, spec.seed)
     tok = _tokenizer(folder, display)
@@ -339,6 +342,8 @@ def load_engine(spec: EngineSpec | str) -> Engine:
         runner = GraphRunner(model)
     eos = _eos_ids(folder, tok)
     dec = Decoder(model, spec.mode, drafter, spec.nodes, spec.depth, spec.topk, eos, runner)
+    if threads and spec.device == "cpu":
+        dec.threads = threads  # tiny models: thread hand-offs cost more than the math
     return Engine(spec, model, dec, tok, display, eos,
                   info={"dtype": str(dtype).replace("torch.", ""), "device": spec.device,
                         "params": sum(p.numel() for p in model.parameters()), "weights": str(folder) if folder else "random"})

@@ -62,6 +62,7 @@ class Decoder:
         self.nodes, self.depth, self.topk = nodes, depth, topk if mode == "tree" else 1
         self.eos_ids = set(eos_ids or ())
         self.runner = runner  # optional CUDA-graph runner for fixed-shape AR steps
+        self.threads = 0  # > 0: torch CPU threads while generating (restored afterwards)
 
     def _sync(self):
         if self.model.device.type == "cuda":
@@ -120,9 +121,20 @@ class Decoder:
             m.commit(n_cache, rows, "tree" if mode == "tree" else "chain")
         return toks, lat, tree
 
-    @torch.no_grad()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, record_lattice: bool = False,
                  request=0) -> GenerationResult:
+        if not self.threads:
+            return self._generate(prompt_ids, max_new_tokens, record_lattice, request)
+        old = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        try:
+            return self._generate(prompt_ids, max_new_tokens, record_lattice, request)
+        finally:
+            torch.set_num_threads(old)
+
+    @torch.no_grad()
+    def _generate(self, prompt_ids: list[int], max_new_tokens: int, record_lattice: bool = False,
+                  request=0) -> GenerationResult:
         prompt_ids = [int(t) for t in prompt_ids]
         if not prompt_ids:
             raise InputError("empty prompt: give at least one token")

@@ -22,6 +22,7 @@ def engine_options(f):
         click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N]."),
         click.option("--ctx", type=int, default=2048, show_default=True, help="KV-cache slots."),
         click.option("--seed", type=int, default=0, show_default=True, help="Random-weight seed."),
+        click.option("--threads", type=int, default=None, help="CPU threads for torch (default: 1 for tiny models)."),
         click.option("--engine", "engine_spec", default=None,
                      help="A whole engine spec (engine:model=...,mode=...); overrides the options above."),
     ]
@@ -36,7 +37,7 @@ def spec_from_cli(kw: dict):
 
     text = kw.pop("engine_spec", None)
     vals = {k: kw.pop(k) for k in ("model", "random_weights", "mode", "nodes", "depth", "topk", "drafter",
-                                    "draft_layers", "draft_model", "dtype", "device", "ctx", "seed")}
+                                    "draft_layers", "draft_model", "dtype", "device", "ctx", "seed", "threads")}
     if text:
         return EngineSpec.parse(text)
     vals["random"] = vals.pop("random_weights")

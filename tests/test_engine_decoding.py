@@ -1,0 +1,118 @@
+"""Tree masks/positions/commit against plain sequential AR; lossless chain/tree decoding; lattices."""
+
+import pytest
+import torch
+
+from specpilot.engine.api import EngineSpec, load_engine
+from specpilot.engine.model import StepInput
+from specpilot.errors import InputError
+from specpilot.kernels import tree as T
+from specpilot.kernels.gdn.path import row_paths
+
+CTX = 256
+
+
+def _prefill(m, ids):
+    m.reset()
+    pos = torch.arange(len(ids))
+    mask = torch.arange(CTX)[None, :] <= pos[:, None]
+    return m(StepInput(torch.tensor(ids), pos, pos, mask, "seq"))
+
+
+def _verify(m, n, pending, tree, mode):
+    Tn = 1 + len(tree)
+    slots = n + torch.arange(Tn)
+    pos = torch.tensor([n] + [n + 1 + d for d in tree.depth])
+    anc = torch.zeros(Tn, Tn, dtype=torch.bool)
+    anc[:, 0] = True
+    anc[1:, 1:] = torch.from_numpy(T.ancestor_mask(tree))
+    mask = torch.zeros(Tn, CTX, dtype=torch.bool)
+    mask[:, :n] = True
+    mask[:, n:n + Tn] = anc
+    paths = row_paths([-1] + [p + 1 for p in tree.parents])
+    return m(StepInput(torch.tensor([pending] + list(tree.tokens)), pos, slots, mask, mode, paths))
+
+
+TREE = T.DraftTree((5, 9, 7, 11, 3, 9), (-1, 0, 0, -1, 3, 4), (0, 1, 1, 0, 1, 2), (0, 0, 1, 1, 0, 0), (0.0,) * 6)
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-hybrid"])
+def test_tree_rows_equal_sequential_ar_and_commit(model):
+    e = load_engine(f"engine:model={model},ctx={CTX}")
+    m = e.model
+    prompt = list(b"the tree test ")
+    pending = 42
+    _prefill(m, prompt)
+    got = _verify(m, len(prompt), pending, TREE, "tree")
+    # every row must equal plain AR over prompt + pending + its root path
+    for r in range(len(TREE) + 1):
+        path = [] if r == 0 else [TREE.tokens[i] for i in TREE.path(r - 1)]
+        ref = _prefill(m, prompt + [pending] + path)[-1]
+        assert torch.allclose(got[r], ref, atol=1e-4, rtol=1e-4), r
+    # commit a path, then the next step must equal AR on the committed sequence
+    _prefill(m, prompt)
+    _verify(m, len(prompt), pending, TREE, "tree")
+    accepted = [0, 1 + 3, 1 + 4]  # root, node 3, node 4 (path 11 -> 3)
+    m.commit(len(prompt), accepted, "tree")
+    seq = prompt + [pending, 11, 3]
+    n = len(seq)
+    nxt = 77
+    mask = torch.arange(CTX)[None, :] <= n
+    step = m(StepInput(torch.tensor([nxt]), torch.tensor([n]), torch.tensor([n]), mask, "seq"))[-1]
+    ref = _prefill(m, seq + [nxt])[-1]
+    assert torch.allclose(step, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-hybrid"])
+def test_modes_and_drafters_are_lossless(model):
+    prompt = list(b"abcabcabc hello hello abc")
+    ref = load_engine(f"engine:model={model},mode=ar,ctx={CTX}").generate(prompt, 24)
+    assert ref.tau == 1.0 and ref.steps == 23
+    variants = ["mode=chain,drafter=ngram", "mode=tree,drafter=ngram,nodes=12",
+                "mode=tree,drafter=self,draft_layers=2,depth=3,topk=2,nodes=6",
+                "mode=tree,drafter=model,draft_model=tiny,depth=3,topk=2,nodes=6"]
+    for v in variants:
+        r = load_engine(f"engine:model={model},{v},ctx={CTX}").generate(prompt, 24)
+        assert r.output_ids == ref.output_ids, v
+        assert r.tau >= 1.0 and r.steps <= ref.steps
+
+
+def test_ngram_tree_accepts_more_than_one_token_per_pass_on_repetitive_text():
+    prompt = list(b"abcabcabc hello hello abc")
+    r = load_engine(f"engine:model=tiny,mode=tree,ctx={CTX}").generate(prompt, 40)
+    assert r.tau > 1.5
+    assert r.steps == len(r.accept_lengths)
+    assert abs(r.tau - (sum(r.accept_lengths) + r.steps) / r.steps) < 1e-12
+
+
+def test_lattice_targets_replay_to_the_engine_acceptance():
+    e = load_engine(f"engine:model=tiny,mode=tree,nodes=10,depth=4,topk=3,ctx={CTX}")
+    r = e.generate(list(b"xyzxyzxyz xy"), 30, record_lattice=True, request="p0")
+    assert len(r.lattice_steps) == r.steps
+    for row, acc in zip(r.lattice_steps, r.accept_lengths):
+        assert row["schema"] == "specpilot.lattice/1" and row["request"] == "p0"
+        m = len(row["tokens"])
+        assert len(row["target"]) >= m + 1
+        tree = T.build_best_first(row["tokens"], row["logprobs"], row["transitions"], 10)
+        path, _ = T.accept_greedy(tree, row["target"])
+        assert len(path) == acc
+
+
+def test_engine_spec_parse_and_errors():
+    s = EngineSpec.parse("engine:model=smollm2,mode=tree,nodes=32,drafter=ngram,dtype=float32,device=cpu")
+    assert (s.model, s.mode, s.nodes, s.drafter, s.dtype) == ("smollm2", "tree", 32, "ngram", "float32")
+    assert EngineSpec.parse(str(s)) == s
+    for bad in ("engine:mode=beam", "engine:nodes=x", "engine:foo=1", "engine:nodes", "engine:device=tpu",
+                "engine:nodes=-1"):
+        with pytest.raises(InputError):
+            EngineSpec.parse(bad)
+
+
+def test_capacity_and_token_range_errors():
+    e = load_engine("engine:model=tiny,mode=tree,ctx=64")
+    with pytest.raises(InputError, match="cache slots"):
+        e.generate([1] * 40, 30)
+    with pytest.raises(InputError, match="vocabulary"):
+        e.generate([1, 999], 4)
+    with pytest.raises(InputError):
+        e.generate([], 4)
