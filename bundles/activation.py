@@ -10,6 +10,7 @@ it lists. ``revert`` removes the file, so the environment's files are byte-ident
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import os
@@ -34,6 +35,29 @@ PLUGIN_NAME = "specpilot"
 
 def activation_path(purelib: str | Path) -> Path:
     return Path(purelib) / ACTIVATION_NAME
+
+
+@contextlib.contextmanager
+def locked(purelib: str | Path, timeout: float = 30.0):
+    """Serialize apply/revert/status on one environment: an advisory lock on the site-packages
+    folder itself (no lock file is created, so nothing is left behind; a killed holder releases it)."""
+    import fcntl
+    import time
+
+    fd = os.open(str(purelib), os.O_RDONLY)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise EnvironmentMissing(f"another specpilot apply/revert holds {purelib}; try again") from None
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)
 
 
 def sweep_partial(purelib: str | Path) -> list[str]:
@@ -148,7 +172,8 @@ def _require_specpilot(env: TargetEnv) -> None:
 
 def launch_command(entries: dict[str, mem.Entry], ids: list[str], settings: dict, python: str,
                    model: str = "MODEL") -> str:
-    env = {"SGLANG_PLUGINS": PLUGIN_NAME}
+    others = [p.strip() for p in os.environ.get("SGLANG_PLUGINS", "").split(",") if p.strip() and p.strip() != PLUGIN_NAME]
+    env = {"SGLANG_PLUGINS": ",".join([PLUGIN_NAME] + others)}
     args: list[str] = []
     for i in ids:
         launch = entries[i].launch
@@ -199,10 +224,22 @@ def apply(bundles: str, python: str | None = None, force: bool = False, experime
     _require_specpilot(env)
 
     path = activation_path(env.purelib)
-    swept = [] if dry_run else sweep_partial(env.purelib)
-    previous = read_activation(path)
+    if not dry_run and not os.access(env.purelib, os.W_OK):
+        raise EnvironmentMissing(f"{env.purelib} is not writable; run as the environment's owner")
     launch = launch_command(entries, ids, values, env.executable, model)
-    activation = {
+    with locked(env.purelib):
+        swept = [] if dry_run else sweep_partial(env.purelib)
+        previous = read_activation(path)
+        activation = _activation(asked, ids, values, env, force, checked, hooks, entries, state, checks, launch)
+        if not dry_run:
+            with atomic_open(path, "w") as fh:
+                fh.write(json.dumps(activation, indent=2) + "\n")
+    return ApplyResult(activation=activation, path=str(path), env=env, checks=checks,
+                       previous=previous and previous.get("bundles"), launch=launch, swept=swept, dry_run=dry_run)
+
+
+def _activation(asked, ids, values, env, force, checked, hooks, entries, state, checks, launch) -> dict:
+    return {
         "schema": ACTIVATION_SCHEMA,
         "bundles": asked,
         "closure": ids,
@@ -218,34 +255,29 @@ def apply(bundles: str, python: str | None = None, force: bool = False, experime
         "applied_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "launch": launch,
     }
-    if not dry_run:
-        if not os.access(env.purelib, os.W_OK):
-            raise EnvironmentMissing(f"{env.purelib} is not writable; run as the environment's owner")
-        with atomic_open(path, "w") as fh:
-            fh.write(json.dumps(activation, indent=2) + "\n")
-    return ApplyResult(activation=activation, path=str(path), env=env, checks=checks,
-                       previous=previous and previous.get("bundles"), launch=launch, swept=swept, dry_run=dry_run)
 
 
 def revert(python: str | None = None) -> RevertResult:
     env = probe(python)
     path = activation_path(env.purelib)
-    swept = sweep_partial(env.purelib)
-    removed = None
-    if path.exists():
-        try:
-            removed = (read_activation(path) or {}).get("bundles")
-        except InputError:
-            removed = ["(unreadable activation)"]
-        path.unlink()
+    with locked(env.purelib):
+        swept = sweep_partial(env.purelib)
+        removed = None
+        if path.exists():
+            try:
+                removed = (read_activation(path) or {}).get("bundles")
+            except InputError:
+                removed = ["(unreadable activation)"]
+            path.unlink()
     return RevertResult(path=str(path), removed=removed, swept=swept)
 
 
 def status(python: str | None = None, memory_dir=None) -> StatusResult:
     env = probe(python)
     path = activation_path(env.purelib)
-    swept = sweep_partial(env.purelib)
-    act = read_activation(path)
+    with locked(env.purelib):
+        swept = sweep_partial(env.purelib) if os.access(env.purelib, os.W_OK) else []
+        act = read_activation(path)
     problems: list[str] = []
     checks: list[TargetCheck] = []
     if act is None:

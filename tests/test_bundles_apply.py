@@ -197,3 +197,19 @@ def test_kill_during_apply_leaves_old_or_new_state(run_cli, env, tmp_path):
     assert set(tree_digest(root)) == set(old)  # same files (the new one differs only in applied_at)
     assert run_cli("revert", "--python", env)[0] == 0
     assert tree_digest(root) == stock
+
+
+def test_concurrent_commands_are_serialized(env):
+    purelib = _purelib(env)
+    with act.locked(purelib):
+        with pytest.raises(act.EnvironmentMissing, match="holds"):
+            with act.locked(purelib, timeout=0.2):
+                pass
+    with act.locked(purelib, timeout=0.2):  # released
+        pass
+
+
+def test_other_plugins_stay_enabled_in_the_launch_command(run_cli, env, monkeypatch):
+    monkeypatch.setenv("SGLANG_PLUGINS", "xpu_hooks")
+    code, out, _ = run_cli("apply", "tree", "--python", env, "--dry-run", "--format", "json")
+    assert code == 0 and json.loads(out)["activation"]["launch"].startswith("SGLANG_PLUGINS=specpilot,xpu_hooks ")
