@@ -169,13 +169,13 @@ def tiny(tmp_path_factory):
     scorer = Scorer.load(str(d / "model"), device="cpu")
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, V, (int(torch.randint(2, 10, (1,), generator=g)),), generator=g).tolist()
-               for _ in range(12)]
+               for _ in range(8)]
     bias = torch.zeros(V)
     bias[torch.randperm(V, generator=g)[:10]] = 2.0
-    gens = {"ar": greedy(scorer.model, prompts, 16, batch_size=1),
-            "stock": greedy(scorer.model, prompts, 16, batch_size=12),
-            "batch4": greedy(scorer.model, prompts, 16, batch_size=4),
-            "biased": greedy(scorer.model, prompts, 16, batch_size=12, bias=bias)}
+    gens = {"ar": greedy(scorer.model, prompts, 12, batch_size=2),
+            "stock": greedy(scorer.model, prompts, 12, batch_size=8),
+            "batch4": greedy(scorer.model, prompts, 12, batch_size=4),
+            "biased": greedy(scorer.model, prompts, 12, batch_size=8, bias=bias)}
     files = {}
     for name, outs in gens.items():
         files[name] = d / f"{name}.jsonl"
@@ -322,7 +322,7 @@ def test_read_prompts_formats(tmp_path, tiny):
     with pytest.raises(InputError, match="tokenizer"):
         read_prompts(p)
     # an outputs file works as prompts
-    assert len(read_prompts(tiny["files"]["stock"])) == 12
+    assert len(read_prompts(tiny["files"]["stock"])) == 8
     dup = _write(tmp_path / "d.jsonl", [{"schema": "specpilot.prompts/1", "id": 1, "prompt_ids": [1]}] * 2)
     with pytest.raises(InputError, match="duplicate id"):
         read_prompts(dup)

@@ -1,0 +1,356 @@
+"""The audit's HTTP path against real servers on loopback, never a mock of the client.
+
+- ``specpilot serve`` (the embedded engine, SGLang-native /generate) serving a tiny Llama folder:
+  outputs match the model's own greedy decoding, a full audit runs over HTTP, and killing the
+  server mid-run keeps the outputs already collected.
+- Small stdlib HTTP servers on loopback that misbehave for real: garbage bodies, no output_ids,
+  HTTP 500, never answering (timeout), closing the connection, dying after two answers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from specpilot.auditors.http_client import GenerateClient, ServerError, parse_generate_response
+from specpilot.auditors.outputs import Prompt, read_outputs
+
+V = 96
+PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13], [20, 21, 22, 23, 24], [30, 31]]
+
+
+def _make_tiny(folder):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+                      initializer_range=0.5, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).eval().save_pretrained(str(folder))
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return _make_tiny(tmp_path_factory.mktemp("audit_http") / "model")
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    p = tmp_path_factory.mktemp("audit_http_prompts") / "prompts.jsonl"
+    p.write_text("".join(json.dumps({"schema": "specpilot.prompts/1", "id": f"r{i}", "prompt_ids": ids}) + "\n"
+                         for i, ids in enumerate(PROMPTS)))
+    return p
+
+
+class _Serve:
+    """``specpilot serve`` in a subprocess on a free loopback port; started early, awaited lazily."""
+
+    def __init__(self, model_dir):
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen([sys.executable, "-m", "specpilot", "serve", "--model", model_dir, "--mode",
+                                      "tree", "--nodes", "8", "--port", "0", "--threads", "1"],
+                                     stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+        self.url = None
+        self.log: list[str] = []
+
+    def wait(self, timeout=180.0):
+        if self.url:
+            return self.url
+        found = {}
+
+        def reader():
+            for line in self.proc.stderr:
+                self.log.append(line)
+                m = re.search(r"on (http://127\.0\.0\.1:\d+)", line)
+                if m and "url" not in found:
+                    found["url"] = m.group(1)
+
+        t = threading.Thread(target=reader, daemon=True)
+        t.start()
+        deadline = time.time() + timeout
+        while time.time() < deadline and "url" not in found:
+            if self.proc.poll() is not None:
+                time.sleep(0.2)
+                pytest.fail("specpilot serve exited: " + "".join(self.log)[-800:])
+            time.sleep(0.1)
+        if "url" not in found:
+            pytest.fail("specpilot serve did not start in time: " + "".join(self.log)[-800:])
+        self.url = found["url"]
+        client = GenerateClient(self.url, timeout=30)
+        for _ in range(100):
+            try:
+                client.health()
+                break
+            except ServerError:
+                time.sleep(0.1)
+        return self.url
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def serve(tiny_dir):
+    s = _Serve(tiny_dir)  # starts loading now; the stdlib-server tests below run meanwhile
+    yield s
+    s.stop()
+
+
+# ----------------------------------------------------------------------------------------------
+# misbehaving servers (real sockets on loopback)
+def _good_answer(body):
+    ids = body["input_ids"]
+    n = body["sampling_params"]["max_new_tokens"]
+    out = [(ids[-1] + k + 1) % V for k in range(n)]
+    return {"text": "", "output_ids": out, "meta_info": {"completion_tokens": len(out)}}
+
+
+class _Stdlib:
+    def __init__(self, behaviour):
+        outer = self
+
+        class H(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a):
+                pass
+
+            def _send(self, code, payload: bytes):
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def do_GET(self):
+                self._send(200, b"")
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                outer.requests += 1
+                behaviour(self, body, outer.requests)
+
+        self.requests = 0
+        self.srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.srv.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.srv.server_address[1]}"
+        threading.Thread(target=self.srv.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.srv.shutdown()
+        self.srv.server_close()
+
+
+@pytest.fixture
+def stdlib_server():
+    made = []
+
+    def make(behaviour):
+        s = _Stdlib(behaviour)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.close()
+
+
+def _collect(run_cli, url, prompts_file, save, *extra):
+    return run_cli("audit", "collect", url, "--prompts", prompts_file, "--save", save, "--max-new-tokens", 4,
+                   *extra)
+
+
+def test_garbage_after_two_answers_keeps_partial(run_cli, stdlib_server, prompts_file, tmp_path, serve):
+    def behaviour(h, body, n):
+        if n <= 2:
+            h._send(200, json.dumps(_good_answer(body)).encode())
+        else:
+            h._send(200, b"<html>oops</html>")
+
+    s = stdlib_server(behaviour)
+    save = tmp_path / "partial.jsonl"
+    code, out, err = _collect(run_cli, s.url, prompts_file, save)
+    assert code == 3, err
+    assert err.startswith("specpilot: error:") and len(err.strip().splitlines()) == 1
+    assert "malformed /generate answer: not JSON" in err and "kept the 2 of 5 outputs" in err and str(save) in err
+    rows = read_outputs(save).rows
+    assert [r.id for r in rows] == ["r0", "r1"]
+    assert rows[0].output_ids == [9, 10, 11, 12] and rows[0].prompt_ids == PROMPTS[0]
+
+
+@pytest.mark.parametrize("answer, message", [
+    ({"text": "hi", "meta_info": {}}, "no \"output_ids\""),
+    ({"output_ids": [1, "x"]}, "not a list of non-negative integers"),
+    ({"output_ids": [1, 2], "meta_info": {"completion_tokens": 3}}, "completion_tokens=3"),
+    ({"output_ids": [1, 2, 3, 4, 5, 6]}, "6 tokens returned for max_new_tokens=4"),
+    ([1, 2, 3], "expected a JSON object"),
+])
+def test_malformed_answers(stdlib_server, answer, message):
+    s = stdlib_server(lambda h, body, n: h._send(200, json.dumps(answer).encode()))
+    with pytest.raises(ServerError, match=re.escape(message)):
+        GenerateClient(s.url, timeout=5).generate([1, 2], 4)
+
+
+def test_http_error_status(stdlib_server):
+    s = stdlib_server(lambda h, body, n: h._send(500, b'{"error": "CUDA out of memory"}'))
+    with pytest.raises(ServerError, match="HTTP 500.*CUDA out of memory"):
+        GenerateClient(s.url, timeout=5).generate([1], 4)
+
+
+def test_timeout(run_cli, stdlib_server, prompts_file, tmp_path):
+    release = threading.Event()
+
+    def behaviour(h, body, n):
+        if n == 1:
+            h._send(200, json.dumps(_good_answer(body)).encode())
+        else:
+            release.wait(10)  # never answers in time
+
+    s = stdlib_server(behaviour)
+    save = tmp_path / "t.jsonl"
+    t0 = time.time()
+    code, out, err = _collect(run_cli, s.url, prompts_file, save, "--timeout", "0.5")
+    release.set()
+    assert code == 3 and "no answer within 0.5 s" in err and "kept the 1 of 5" in err
+    assert time.time() - t0 < 8
+    assert len(read_outputs(save).rows) == 1
+
+
+def test_connection_closed_without_answer(stdlib_server):
+    def behaviour(h, body, n):
+        h.close_connection = True
+        h.connection.shutdown(socket.SHUT_RDWR)
+
+    s = stdlib_server(behaviour)
+    with pytest.raises(ServerError, match="closed the connection"):
+        GenerateClient(s.url, timeout=5).generate([1], 4)
+
+
+def test_nothing_listening(run_cli, prompts_file, tmp_path):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    code, out, err = _collect(run_cli, f"http://127.0.0.1:{port}", prompts_file, tmp_path / "x.jsonl")
+    assert code == 3 and "connection refused" in err
+    assert not (tmp_path / "x.jsonl").exists()  # nothing was collected: no file
+
+
+def test_bad_urls(run_cli, prompts_file, tmp_path):
+    code, out, err = _collect(run_cli, "http://", prompts_file, tmp_path / "x.jsonl")
+    assert code == 2 and "server URL" in err
+    code, out, err = _collect(run_cli, "http://127.0.0.1:99999", prompts_file, tmp_path / "x.jsonl")
+    assert code == 2 and "bad port" in err
+
+
+_DYING = textwrap.dedent("""
+    import json, os, sys
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+    served = 0
+    class H(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        def log_message(self, *a): pass
+        def _send(self, payload):
+            self.send_response(200); self.send_header("Content-Length", str(len(payload))); self.end_headers()
+            self.wfile.write(payload); self.wfile.flush()
+        def do_GET(self): self._send(b"")
+        def do_POST(self):
+            global served
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if served == 2:
+                os._exit(1)  # dies mid-run, mid-request
+            served += 1
+            self._send(json.dumps({"output_ids": [body["input_ids"][-1] + 1] * 3}).encode())
+    srv = HTTPServer(("127.0.0.1", 0), H)
+    print(srv.server_address[1], flush=True)
+    srv.serve_forever()
+""")
+
+
+def test_server_process_dies_mid_run(run_cli, prompts_file, tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", _DYING], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(proc.stdout.readline())
+        save = tmp_path / "died.jsonl"
+        code, out, err = _collect(run_cli, f"http://127.0.0.1:{port}", prompts_file, save)
+        assert code == 3, err
+        assert "closed the connection" in err and "kept the 2 of 5" in err
+        assert [r.output_ids for r in read_outputs(save).rows] == [[9, 9, 9], [11, 11, 11]]
+        assert proc.wait(timeout=10) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_response_parser_accepts_sglang_logprob_form():
+    raw = json.dumps({"text": "ab", "meta_info": {"output_token_logprobs": [[-0.1, 7, None], [-0.2, 8, None]],
+                                                  "completion_tokens": 2}}).encode()
+    assert parse_generate_response(raw, "x", 4) == [7, 8]
+    assert parse_generate_response(json.dumps([{"output_ids": [3]}]).encode(), "x", 4) == [3]
+
+
+# ----------------------------------------------------------------------------------------------
+# the real `specpilot serve` (these run last: the server loads while the tests above run)
+def test_collect_from_specpilot_serve_matches_greedy(run_cli, serve, tiny_dir, prompts_file, tmp_path):
+    from specpilot.auditors.scorer import Scorer
+    from specpilot.auditors.selftest import greedy
+
+    url = serve.wait()
+    save = tmp_path / "served.jsonl"
+    code, out, err = run_cli("audit", "collect", url, "--prompts", prompts_file, "--save", save,
+                             "--max-new-tokens", 6, "--format", "json")
+    assert code == 0, err
+    assert json.loads(out)["tokens"] == 30
+    rows = read_outputs(save).rows
+    model = Scorer.load(tiny_dir, device="cpu").model
+    assert [r.output_ids for r in rows] == greedy(model, PROMPTS, 6)
+
+
+def test_audit_over_http_end_to_end(run_cli, serve, tiny_dir, prompts_file, tmp_path):
+    url = serve.wait()
+    saved = tmp_path / "outs"
+    code, out, err = run_cli("audit", url, "--against", f"engine:model={tiny_dir},mode=ar", "--scorer", tiny_dir,
+                             "--prompts", prompts_file, "--max-new-tokens", 6, "--save-outputs", saved,
+                             "--device", "cpu", "--format", "json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["verdict"] == "pass"
+    sysrow = [s for s in data["systems"] if s["role"] == "system"][0]
+    assert sysrow["tokens"] == 30 and sysrow["mismatch_rate"] == 0.0
+    assert sorted(p.name for p in saved.iterdir()) == ["stock.outputs.jsonl", "system.outputs.jsonl"]
+
+
+def test_specpilot_serve_killed_mid_run_keeps_outputs(serve, tmp_path):
+    from specpilot.auditors.systems import CollectError, HttpGenerator, collect
+
+    url = serve.wait()
+    save = tmp_path / "killed.jsonl"
+
+    def kill_after_two(row):
+        if int(row.id[1:]) == 1:
+            serve.proc.kill()
+            serve.proc.wait()
+
+    prompts = [Prompt(f"r{i}", p) for i, p in enumerate(PROMPTS)]
+    with pytest.raises(CollectError) as ei:
+        collect(HttpGenerator(url, timeout=10), prompts, 4, save_to=str(save), on_row=kill_after_two)
+    assert ei.value.exit_code == 3 and ei.value.kept == 2
+    assert "connection refused" in str(ei.value) and "kept the 2 of 5" in str(ei.value)
+    assert [r.id for r in read_outputs(save).rows] == ["r0", "r1"]
