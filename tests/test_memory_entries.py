@@ -142,3 +142,19 @@ def test_out_file_is_atomic_and_protects_nothing_half_written(run_cli, tmp_path)
     code, _, err = run_cli("memory", "list", "--out", tmp_path / "no" / "such" / "dir.txt")
     assert code == 2 and "does not exist" in err
     assert not list(tmp_path.glob("**/*.part"))
+
+
+def test_verify_against_an_installed_sglang(run_cli, tmp_path):
+    from specpilot.bundles.testing import SKIP_REASON, make_env, sglang_dir
+
+    if sglang_dir() is None:
+        pytest.skip(SKIP_REASON)
+    py = make_env(tmp_path / "env", sglang_dir())
+    code, out, err = run_cli("memory", "verify", "--python", py, "--format", "json")
+    assert code == 0, out + err
+    d = _copy(tmp_path)
+    raw = yaml.safe_load((d / "tree.yaml").read_text())
+    raw["code"]["hooks"][0]["params"] = ["score_list", "token_list"]  # stock takes four: exact fails
+    (d / "tree.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    code, out, _ = run_cli("memory", "verify", "--memory-dir", d, "--python", py, "tree")
+    assert code == 1 and "SGLang 0.5.23: sglang.srt.speculative.eagle_utils.organize_draft_results" in out

@@ -76,16 +76,19 @@ def show(entry_id, memory_dir, fmt, out):
 
 @command.command("verify")
 @click.argument("ids", nargs=-1, metavar="[ID]...")
+@click.option("--python", "python", default=None, metavar="PATH",
+              help="Also check every entry's hook targets statically against the SGLang of this interpreter.")
 @click.option("--record", is_flag=True,
               help="Maintainers: rewrite each entry's recorded system to the current one (after re-verifying it).")
 @_memdir
 @output_options
-def verify(ids, record, memory_dir, fmt, out):
+def verify(ids, python, record, memory_dir, fmt, out):
     """Apply each entry with its requirements to stock and check it reproduces its recorded system.
 
     The recorded system is the hook set and the sha256 of every module the entry and its
     requirements add. An entry whose code changed since it was verified fails (exit 1); a
-    requirement cycle or a missing requirement is an error (exit 2).
+    requirement cycle or a missing requirement is an error (exit 2). With --python, every
+    entry's hook targets are also checked (statically) against that environment's SGLang.
     """
     from specpilot.bundles import memory as mem
     from specpilot.fileio import write_text_atomic
@@ -97,6 +100,22 @@ def verify(ids, record, memory_dir, fmt, out):
             write_text_atomic(e.path, mem.record_system(e, entries))
         entries = mem.load_memory(memory_dir)
     rows = mem.verify(entries, ids or None)
+    if python:
+        from specpilot.bundles.activation import _require_sglang
+        from specpilot.bundles.inspect_sglang import check_targets
+        from specpilot.bundles.sglang_env import probe
+
+        env = probe(python)
+        _require_sglang(env)
+        for r in rows:
+            if entries[r.id].status == "library":
+                continue
+            hooks = mem.hooks_of(entries, r.closure)
+            symbols = [s for i in r.closure for s in entries[i].symbols]
+            for c in check_targets(env.sglang_root, hooks, symbols):
+                if not c.ok:
+                    r.problems.append(f"SGLang {env.sglang_version}: {c.target}: {c.problem}")
+                    r.ok = False
     data = {"schema": "specpilot.memory-verify/1", "ok": all(r.ok for r in rows),
             "entries": [r.__dict__ for r in rows]}
     table = [[r.id, " + ".join(r.closure), r.hooks, "reproduced" if r.ok else "DRIFT"] for r in rows]
