@@ -44,7 +44,7 @@ def _hf_tiny(tmp_path, kind):
 @pytest.mark.parametrize("kind", ["llama", "llama3-rope", "qwen2", "qwen3"])
 def test_logits_match_transformers(tmp_path, kind):
     hf, folder = _hf_tiny(tmp_path, kind)
-    eng = load_engine(f"engine:model={folder},dtype=float32,ctx=256")
+    eng = load_engine(f"engine:model={folder},dtype=float32,ctx=256,threads=1")
     ids = torch.randint(0, 300, (90,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = hf(ids[None]).logits[0]
@@ -64,7 +64,7 @@ def test_greedy_equals_transformers_generate(tmp_path, kind):
         ref = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None,
                           pad_token_id=0)[0, len(prompt):].tolist()
     for mode in ("ar", "chain", "tree"):
-        eng = load_engine(f"engine:model={folder},mode={mode},dtype=float32,ctx=256")
+        eng = load_engine(f"engine:model={folder},mode={mode},dtype=float32,ctx=256,threads=1")
         eng.decoder.eos_ids = set()
         assert eng.generate(prompt, 24).output_ids == ref, mode
 

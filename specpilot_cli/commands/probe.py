@@ -29,8 +29,9 @@ def command():
               help="Default: bfloat16 on cuda, float32 on cpu.")
 @click.option("--reps", type=int, default=50, show_default=True, help="Timed repetitions per N (median).")
 @click.option("--warmup", type=int, default=5, show_default=True)
+@click.option("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice).")
 @output_options
-def rows(model, random_weights, rows_text, context, device, dtype, reps, warmup, fmt, out):
+def rows(model, random_weights, rows_text, context, device, dtype, reps, warmup, threads, fmt, out):
     """T_step(N) for N verification rows and c(N) = T_step(N) / T_step(1) (JSON for ``ceiling --rows-probe``).
 
     On a GPU each N is a CUDA graph timed with CUDA events (median); on the CPU a wall clock.
@@ -55,6 +56,10 @@ def rows(model, random_weights, rows_text, context, device, dtype, reps, warmup,
         raise InputError(f"unknown --device {device!r}; use cpu or cuda[:N]")
     tdtype = getattr(torch, DTYPES[dtype] if dtype else ("bfloat16" if device.startswith("cuda") else "float32"))
     torch.set_grad_enabled(False)
+    if threads is not None:
+        if threads < 1:
+            raise InputError(f"--threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
     m, _, name = build_model(model, random_weights, tdtype, device, context + max(row_list) + 64)
     res = measure_rows(m, row_list, context, reps=reps, warmup=warmup, progress=progress)
     res.model = name

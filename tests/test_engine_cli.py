@@ -1,0 +1,167 @@
+"""specpilot run / probe rows / serve as users call them (real files, HTTP on loopback)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+
+def test_run_json_outputs_and_lattice(run_cli, tmp_path):
+    outs, lat = tmp_path / "o.jsonl", tmp_path / "l.jsonl"
+    code, out, err = run_cli("run", "--model", "tiny", "--mode", "tree", "--prompt", "abcabcabc abc",
+                             "--max-new-tokens", "16", "--format", "json", "--outputs-out", outs, "--lattice-out", lat)
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["schema"] == "specpilot.run/1" and d["mode"] == "tree"
+    assert d["prompt_ids"] == list(b"abcabcabc abc") and len(d["output_ids"]) == 16
+    assert d["tau"] >= 1 and d["steps"] >= 1 and d["tokens_per_s"] > 0
+    rows = [json.loads(x) for x in outs.read_text().splitlines()]
+    assert rows == [{"schema": "specpilot.outputs/1", "id": 0, "prompt_ids": d["prompt_ids"],
+                     "output_ids": d["output_ids"]}]
+    lrows = [json.loads(x) for x in lat.read_text().splitlines()]
+    assert len(lrows) == d["steps"]
+    assert all(r["schema"] == "specpilot.lattice/1" and len(r["target"]) >= len(r["tokens"]) + 1 for r in lrows)
+    # the AR run over the same prompt gives the same tokens (lossless), through the CLI
+    code, out2, _ = run_cli("run", "--model", "tiny", "--mode", "ar", "--prompt", "abcabcabc abc",
+                            "--max-new-tokens", "16", "--format", "json")
+    assert json.loads(out2)["output_ids"] == d["output_ids"]
+
+
+def test_run_prompts_file_table(run_cli, tmp_path):
+    p = tmp_path / "p.jsonl"
+    p.write_text('{"id": "a", "prompt_ids": [1, 2, 3, 1, 2, 3]}\n{"id": "b", "prompt": "xyzxyz"}\n')
+    outs = tmp_path / "o.jsonl"
+    code, out, err = run_cli("run", "--model", "tiny", "--mode", "chain", "--prompts", p, "--max-new-tokens", "8",
+                             "--outputs-out", outs)
+    assert code == 0, err
+    assert "tau" in out and "tiny chain" in out
+    ids = [json.loads(x)["id"] for x in outs.read_text().splitlines()]
+    assert ids == ["a", "b"]
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--prompt", "x", "--prompt-ids", "1"], "exactly one"),
+    (["--prompt-ids", "1,a"], "integers"),
+    (["--prompts", "/nonexistent/p.jsonl"], "no such prompts file"),
+    (["--prompt", "x", "--max-new-tokens", "0"], "max-new-tokens"),
+    (["--prompt-ids", "1,999"], "vocabulary"),
+    (["--prompt", "x", "--engine", "engine:mode=beam"], "unknown mode"),
+])
+def test_run_bad_input_exit_2_one_line_no_file(run_cli, tmp_path, args, msg):
+    outs = tmp_path / "o.jsonl"
+    code, out, err = run_cli("run", "--model", "tiny", *args, "--outputs-out", outs)
+    assert code == 2
+    assert err.startswith("specpilot: error:") and msg in err and err.count("\n") == 1
+    assert not outs.exists()
+
+
+def test_run_refuses_to_overwrite_its_prompts(run_cli, tmp_path):
+    p = tmp_path / "p.txt"
+    p.write_text("abc\n")
+    code, _, err = run_cli("run", "--model", "tiny", "--prompts", p, "--outputs-out", p)
+    assert code == 2 and "overwrite" in err
+    assert p.read_text() == "abc\n"
+
+
+def test_run_bad_prompts_file_line(run_cli, tmp_path):
+    p = tmp_path / "p.jsonl"
+    p.write_text('{"prompt_ids": [1, 2]}\n{"prompt_ids": "nope"}\n')
+    code, _, err = run_cli("run", "--model", "tiny", "--prompts", p)
+    assert code == 2 and "p.jsonl:2" in err
+
+
+def test_probe_rows_cpu_writes_rows_schema(run_cli, tmp_path):
+    out = tmp_path / "rows.json"
+    code, _, err = run_cli("probe", "rows", "--model", "tiny", "--random-weights", "--rows", "1,2,4", "--context", "32",
+                           "--device", "cpu", "--reps", "3", "--warmup", "1", "--threads", "1", "--format", "json", "--out", out)
+    assert code == 0, err
+    d = json.loads(out.read_text())
+    assert d["schema"] == "specpilot.rows/1" and d["device"] == "cpu" and d["gpu"] is None
+    assert [p["rows"] for p in d["points"]] == [1, 2, 4]
+    assert d["points"][0]["c"] == 1.0 and d["ar_ms"] == d["points"][0]["step_ms"] > 0
+    for p in d["points"]:
+        assert abs(p["c"] - p["step_ms"] / d["ar_ms"]) < 1e-9
+
+
+def test_probe_rows_bad_input(run_cli, tmp_path):
+    code, _, err = run_cli("probe", "rows", "--model", "tiny", "--rows", "0,2", "--device", "cpu")
+    assert code == 2 and err.startswith("specpilot: error:")
+    code, _, err = run_cli("probe", "rows", "--model", "llama-3.1-8b", "--device", "cpu")
+    assert code == 2 and "--random-weights" in err
+
+
+def _post(url, body):
+    req = urllib.request.Request(url, data=json.dumps(body).encode() if not isinstance(body, bytes) else body,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_server_generate_health_and_400s():
+    from specpilot.engine.api import load_engine
+    from specpilot.engine.server import make_server
+
+    eng = load_engine("engine:model=tiny,mode=tree,ctx=256")
+    srv = make_server(eng, "127.0.0.1", 0)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    base = f"http://127.0.0.1:{srv.server_address[1]}"
+    try:
+        with urllib.request.urlopen(base + "/health", timeout=10) as r:
+            assert r.status == 200
+        code, d = _post(base + "/generate", {"input_ids": [97, 98, 99, 97, 98, 99],
+                                             "sampling_params": {"max_new_tokens": 10, "temperature": 0}})
+        assert code == 200
+        ref = eng.generate([97, 98, 99, 97, 98, 99], 10)
+        assert d["output_ids"] == ref.output_ids
+        mi = d["meta_info"]
+        assert mi["completion_tokens"] == 10 and mi["spec_verify_ct"] == ref.steps and mi["e2e_latency"] > 0
+        code, d = _post(base + "/generate", {"text": ["abcabc", "xyz"], "sampling_params": {"max_new_tokens": 3}})
+        assert code == 200 and isinstance(d, list) and len(d) == 2 and len(d[1]["output_ids"]) == 3
+        for bad in ({"sampling_params": {"max_new_tokens": 3}}, {"input_ids": [1], "text": "a"},
+                    {"input_ids": [1, "x"]}, {"input_ids": [1], "sampling_params": {"temperature": 0.8}},
+                    {"input_ids": [1], "sampling_params": {"max_new_tokens": 0}}, {"input_ids": [1, 100000]},
+                    b"not json", [1, 2]):
+            code, d = _post(base + "/generate", bad)
+            assert code == 400 and d["error"]["message"], bad
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+@pytest.mark.slow
+def test_serve_cli_stops_cleanly_on_sigterm(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "served.json"
+    proc = subprocess.Popen([sys.executable, "-m", "specpilot", "serve", "--model", "tiny", "--port", str(port),
+                             "--format", "json", "--out", str(out)], stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(240):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.5)
+        code, d = _post(f"http://127.0.0.1:{port}/generate", {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}})
+        assert code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        served = json.loads(out.read_text())
+        assert served["requests"] == 1 and served["completion_tokens"] == 4
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
