@@ -82,6 +82,8 @@ def load_sglang_function(root: Path, module: str, name: str, namespace: dict, ke
     """Compile function or class ``name`` of SGLang module ``module`` (source under ``root``) alone, in
     ``namespace`` (which must provide the names it uses); returns the function."""
     path = root / Path(*module.split(".")).with_suffix(".py")
+    if not path.is_file():
+        path = root / Path(*module.split(".")) / "__init__.py"
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
     node = next((n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == name), None)
     if node is None:

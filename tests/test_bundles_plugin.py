@@ -119,3 +119,55 @@ def test_hooks_through_sglang_wrappers_keep_stock_values(hooks):
         assert sel.shape == (1, 3) and draft.shape == (1, 3)
     finally:
         sys.modules.pop("_sp_fake_sglang", None)
+
+
+_DISCOVER = r"""
+import json, os, sys, types
+from pathlib import Path
+sys.path[:] = [p for p in sys.path if p not in ("", ".")]
+from specpilot.bundles import plugin
+from specpilot.bundles.testing import load_sglang_function, load_sglang_module_file, sglang_dir
+root = sglang_dir()
+hr = load_sglang_module_file(root, "sglang.srt.plugins.hook_registry", "hook_registry_under_test")
+
+class _Env:  # SGLang's envs.SGLANG_PLUGINS.get(), read from the environment as SGLang does
+    class SGLANG_PLUGINS:
+        @staticmethod
+        def get():
+            return os.environ.get("SGLANG_PLUGINS", "")
+
+from importlib.metadata import entry_points
+import logging
+ns = {"envs": _Env, "entry_points": entry_points, "logger": logging.getLogger("x"), "Callable": object, "Any": object}
+load = load_sglang_function(root, "sglang.srt.plugins", "load_plugins_by_group", ns)
+found = load("sglang.srt.plugins")
+out = {"found": sorted(found)}
+if "specpilot" in found:
+    func, dist = found["specpilot"]
+    plugin.installed_sglang_version = lambda: "0.5.23"
+    out["dist"] = dist
+    out["registered"] = func(hr.HookRegistry, hr.HookType)
+print(json.dumps(out))
+"""
+
+
+def test_sglang_discovers_the_entry_point_in_the_target_env(tmp_path):
+    """SGLang's own load_plugins_by_group, run by the target interpreter, finds SpecPilot's entry
+    point under SGLANG_PLUGINS=specpilot, skips it when filtered out, and register() installs the
+    activation written by apply."""
+    import os
+    import subprocess
+
+    py = make_env(tmp_path / "env", SGL)
+    res = act.apply("tree", python=str(py))
+    env = dict(os.environ, SGLANG_PLUGINS="specpilot", SPECPILOT_SGLANG_DIR=str(SGL))
+    env.pop("SPECPILOT_ACTIVATION", None)
+    proc = subprocess.run([str(py), "-B", "-c", _DISCOVER], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["found"] == ["specpilot"] and out["dist"] == "specpilot"
+    assert out["registered"] == [f"{h['type']} {h['target']} <- {h['handler']}" for h in res.activation["hooks"]]
+    env["SGLANG_PLUGINS"] = "someone_else"
+    proc = subprocess.run([str(py), "-B", "-c", _DISCOVER], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"found": []}
+    act.revert(str(py))

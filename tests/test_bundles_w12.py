@@ -86,3 +86,52 @@ def test_smollm2_layers_convert_bit_exact():
             assert stats.bits_per_weight < 12.5
             n += 1
     assert n >= 200
+
+
+def _methods(cls_node):
+    import ast
+
+    from specpilot.bundles.inspect_sglang import _signature
+
+    out = {}
+    for n in cls_node.body:
+        if isinstance(n, ast.FunctionDef):
+            decos = {d.id for d in n.decorator_list if isinstance(d, ast.Name)}
+            out[n.name] = ([t for t, _ in _signature(n)], decos & {"classmethod", "staticmethod"},
+                           "abstractmethod" in decos)
+    return out
+
+
+def test_sglang_classes_implement_every_abstract_method_of_the_installed_base():
+    """W12Config / W12LinearMethod define every @abstractmethod of SGLang 0.5.23's
+    QuantizationConfig / LinearMethodBase (else SGLang could not instantiate them), with the same
+    parameters and the same classmethod/staticmethod kind, plus the overridden create_weights."""
+    import ast
+    from pathlib import Path
+
+    from specpilot.bundles import w12_sglang
+    from specpilot.bundles.testing import SKIP_REASON, sglang_dir
+
+    root = sglang_dir()
+    if root is None:
+        pytest.skip(SKIP_REASON)
+    base = ast.parse((root / "sglang/srt/layers/quantization/base_config.py").read_text())
+    bases = {n.name: _methods(n) for n in base.body if isinstance(n, ast.ClassDef)}
+    mine = {n.name: _methods(n) for n in ast.walk(ast.parse(Path(w12_sglang.__file__).read_text()))
+            if isinstance(n, ast.ClassDef)}
+    pairs = {"W12Config": ["QuantizationConfig"], "W12LinearMethod": ["LinearMethodBase", "QuantizeMethodBase"]}
+    checked = 0
+    for cls, chain in pairs.items():
+        required = {}
+        for b in reversed(chain):
+            required.update({k: v for k, v in bases[b].items() if v[2]})
+        required.update({k: bases["LinearMethodBase"][k] for k in ("create_weights",) if cls == "W12LinearMethod"})
+        required.update({k: bases["QuantizeMethodBase"][k] for k in ("process_weights_after_loading",)
+                         if cls == "W12LinearMethod"})
+        assert required
+        for name, (params, kind, _) in required.items():
+            assert name in mine[cls], f"{cls} lacks {name}"
+            assert mine[cls][name][0] == params, (cls, name, mine[cls][name][0], params)
+            assert mine[cls][name][1] == kind, (cls, name)
+            checked += 1
+    assert checked >= 10
