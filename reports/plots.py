@@ -13,41 +13,46 @@ CLASS_COLORS = {
 
 
 def plot_profile(profile, path: str, protect=()) -> None:
-    """Two stacked bars per step: measured ms per class beside floor ms per class (+ the outside time)."""
+    """Left: measured kernel ms per class stacked beside the byte floor per class (hatched).
+    Right: the step wall time split into GPU busy and outside time."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    classes = list(profile.classes.values())
-    fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=120)
-    bars = {"measured": 0.0, "floor": 0.0}
-    x = {"measured": 0, "floor": 1}
-    extra = 2
-    for c in classes:
-        color = CLASS_COLORS.get(c.name, None)
-        ax.bar(x["measured"], c.ms, bottom=bars["measured"], color=color, edgecolor="white", linewidth=0.5,
-               label=c.name)
-        bars["measured"] += c.ms
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(9, 4.8), dpi=120, gridspec_kw={"width_ratios": [2, 1]})
+    tops = [0.0, 0.0]
+    for c in profile.classes.values():
+        if not (c.ms or c.floor_ms):
+            continue
+        color = CLASS_COLORS.get(c.name)
+        ax.bar(0, c.ms, bottom=tops[0], color=color, edgecolor="white", linewidth=0.5, label=c.name)
+        tops[0] += c.ms
         if c.floor_ms:
-            ax.bar(x["floor"], c.floor_ms, bottom=bars["floor"], color=color, edgecolor="white", linewidth=0.5,
-                   hatch="//")
-            bars["floor"] += c.floor_ms
-    wall = profile.step_wall.median
-    busy = profile.kernel_busy.median
-    ax.bar(extra, wall, color="#EEEEEE", edgecolor="#666666", linewidth=0.8)
-    ax.bar(extra, busy, color="#999999")
-    ax.set_xticks([0, 1, 2], ["measured\n(kernel ms, by class)", "byte floor" if bars["floor"] else "byte floor\n(no --model)",
-                              "step wall\n(busy | outside)"])
-    ax.set_ylabel("ms per step (median)")
-    title = f"{profile.model or 'profile'} on {(profile.gpu or {}).get('name', 'unknown GPU')}: {profile.steps} steps"
-    ax.set_title(title, fontsize=10)
-    ymax = max(bars["measured"], bars["floor"], wall) or 1.0
-    for xi, v in ((0, bars["measured"]), (1, bars["floor"]), (2, wall)):
+            ax.bar(1, c.floor_ms, bottom=tops[1], color=color, edgecolor="white", linewidth=0.5, hatch="//")
+            tops[1] += c.floor_ms
+    ax.set_xticks([0, 1], ["measured kernel time", "byte floor" if tops[1] else "byte floor (give --model)"])
+    ax.set_ylabel("ms per step (median over steps)")
+    ymax = max(tops) or 1.0
+    for xi, v in enumerate(tops):
         if v:
-            ax.text(xi, v + ymax * 0.01, f"{v:.3g}", ha="center", va="bottom", fontsize=8)
+            ax.text(xi, v + ymax * 0.01, f"{v:.3g} ms", ha="center", va="bottom", fontsize=8)
     ax.set_ylim(0, ymax * 1.12)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    if profile.kernel_factor:
+        ax.set_title(f"kernel factor (busy / floor) {profile.kernel_factor:.2f}x", fontsize=9)
+    ax.legend(loc="upper right", fontsize=7, frameon=False)
+
+    wall, busy = profile.step_wall.median, profile.kernel_busy.median
+    ax2.bar(0, busy, color="#777777", label="GPU busy")
+    ax2.bar(0, max(wall - busy, 0.0), bottom=busy, color="#E6E6E6", edgecolor="#777777", label="outside")
+    ax2.set_xticks([0], ["step wall"])
+    ax2.text(0, wall * 1.01, f"{wall:.3g} ms", ha="center", va="bottom", fontsize=8)
+    ax2.set_ylim(0, (wall or 1.0) * 1.12)
+    if profile.outside_factor:
+        ax2.set_title(f"outside factor (wall / busy) {profile.outside_factor:.2f}x", fontsize=9)
+    ax2.legend(loc="upper right", fontsize=7, frameon=False)
+    gpu = (profile.gpu or {}).get("name", "unknown GPU")
+    fig.suptitle(f"{profile.model or 'profile'} on {gpu}: {profile.steps} steps", fontsize=10)
     fig.tight_layout()
     with atomic_open(path, "wb", protect=protect) as fh:
         fig.savefig(fh, format="png")

@@ -166,3 +166,22 @@ def test_gap_override_and_whole_mode(tmp_path):
     assert len(a.steps) == 3
     w = read_trace(p, StepRequest(mode="whole"))
     assert len(w.steps) == 1 and w.steps[0].events == 3 * (8 + 2 + 1)
+
+
+def test_parallel_grouping_equals_serial(tmp_path, monkeypatch):
+    import specpilot.probes.traces.nsys_sqlite as ns
+
+    p = write_nsys_sqlite(tmp_path / "p.sqlite", SynthSpec(steps=12, layers=2, second_stream=True, overlap_ns=2000))
+    g = write_nsys_sqlite(tmp_path / "g.sqlite", SynthSpec(steps=12, layers=2, graphs=True))
+
+    def run():
+        out = []
+        for path, req in ((p, StepRequest(range_regex="decode", tag_regex="rms")), (p, StepRequest()), (g, StepRequest())):
+            a = read_trace(path, req)
+            out.append(([(s.busy_ns, s.start, s.end, s.events) for s in a.steps],
+                        sorted((x.step, x.name, x.tag, x.kind, x.count, x.total_ns) for x in a.groups)))
+        return out
+
+    serial = run()
+    monkeypatch.setattr(ns, "PARALLEL_MIN_ROWS", 50)  # several threads, each on a slice of rowids
+    assert run() == serial

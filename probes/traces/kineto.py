@@ -28,6 +28,19 @@ RUNTIME_CATS = ("cuda_runtime", "cuda_driver", "runtime")
 GRAPH_LAUNCH = ("cudaGraphLaunch", "hipGraphLaunch", "cuGraphLaunch")
 
 
+FLUSH = 65_536
+
+
+def _block(rows: list[tuple], ncols: int, path) -> np.ndarray:
+    try:
+        arr = np.array(rows, dtype=np.float64).reshape(-1, ncols)
+    except (TypeError, ValueError) as e:
+        raise InputError(f"{path}: malformed event field ({e})") from None
+    if not np.isfinite(arr).all():
+        raise InputError(f"{path}: an event has a non-finite time or id")
+    return arr
+
+
 def _ns(x) -> int:
     return int(round(float(x) * 1000.0))
 
@@ -45,38 +58,45 @@ class KinetoTrace:
         self.header: dict = {}
         names: dict[str, int] = {}
         dims_ids: dict[str, int] = {}
-        cols = {k: [] for k in ("kind", "start", "dur", "stream", "corr", "name", "ext", "device")}
-        runtime_ts: dict[int, int] = {}
+        gpu_rows: list[tuple] = []  # kind, ts, dur, stream, corr, name, ext, device (floats, us)
+        gpu_blocks: list[np.ndarray] = []  # gpu_rows moved to numpy every FLUSH rows (memory)
+        rt_rows: list[tuple] = []  # (correlation, launch ts) of runtime calls
+        rt_blocks: list[np.ndarray] = []
         graph_corr: list[int] = []
         op_dims: dict[int, int] = {}
         ranges: list[Range] = []
         n_events = 0
+        append = gpu_rows.append
 
         def header(key, value):
             self.header[key] = value
 
         for ev in iter_chrome_trace(path, header, on_read):
             n_events += 1
-            if ev.get("ph") != "X":
-                continue
             cat = ev.get("cat")
+            if cat is None or ev.get("ph") != "X":
+                continue
             try:
-                if cat in GPU_CATS:
+                kind = GPU_CATS.get(cat)
+                if kind is not None:
                     a = ev.get("args") or {}
                     nm = ev.get("name", "")
-                    cols["kind"].append(GPU_CATS[cat])
-                    cols["start"].append(_ns(ev["ts"]))
-                    cols["dur"].append(_ns(ev.get("dur", 0)))
-                    cols["stream"].append(int(a.get("stream", -1)))
-                    cols["corr"].append(int(a.get("correlation", -1)))
-                    cols["name"].append(names.setdefault(nm, len(names)))
-                    cols["ext"].append(int(a.get("External id", -1)))
-                    cols["device"].append(int(a.get("device", -1)))
+                    nid = names.get(nm)
+                    if nid is None:
+                        nid = names[nm] = len(names)
+                    append((kind, ev["ts"], ev.get("dur", 0), a.get("stream", -1), a.get("correlation", -1), nid,
+                            a.get("External id", -1), a.get("device", -1)))
+                    if len(gpu_rows) >= FLUSH:
+                        gpu_blocks.append(_block(gpu_rows, 8, path))
+                        gpu_rows.clear()
                 elif cat in RUNTIME_CATS:
                     a = ev.get("args") or {}
                     c = a.get("correlation")
                     if c is not None:
-                        runtime_ts[int(c)] = _ns(ev["ts"])
+                        rt_rows.append((c, ev["ts"]))
+                        if len(rt_rows) >= FLUSH:
+                            rt_blocks.append(_block(rt_rows, 2, path))
+                            rt_rows.clear()
                         if ev.get("name", "").startswith(GRAPH_LAUNCH):
                             graph_corr.append(int(c))
                 elif cat == "user_annotation" or cat == "gpu_user_annotation":
@@ -86,17 +106,25 @@ class KinetoTrace:
                 elif cat == "cpu_op":
                     a = ev.get("args")
                     if a and "Input Dims" in a and "External id" in a:
-                        d = json.dumps(a["Input Dims"], separators=(",", ""))
+                        d = json.dumps(a["Input Dims"], separators=(",", ":"))
                         op_dims[int(a["External id"])] = dims_ids.setdefault(f"{ev.get('name', '')}{d}", len(dims_ids))
-            except (KeyError, TypeError, ValueError) as e:
+            except (KeyError, TypeError, ValueError, AttributeError) as e:
                 raise InputError(f"{path}: malformed {cat} event ({type(e).__name__}: {e}) in {str(ev)[:120]}") from None
         if not isinstance(self.header.get("traceEvents", []), list):
             raise InputError(f"{path}: traceEvents is not a list")
         self.n_events = n_events
         self.names = list(names)
         self.dims = list(dims_ids)
-        self.cols = {k: np.asarray(v, dtype=np.int64) for k, v in cols.items()}
-        self.runtime_ts = runtime_ts
+        arr = np.concatenate(gpu_blocks + [_block(gpu_rows, 8, path)])
+        self.cols = {"kind": arr[:, 0].astype(np.int64), "start": np.rint(arr[:, 1] * 1000.0).astype(np.int64),
+                     "dur": np.rint(arr[:, 2] * 1000.0).astype(np.int64), "stream": arr[:, 3].astype(np.int64),
+                     "corr": arr[:, 4].astype(np.int64), "name": arr[:, 5].astype(np.int64),
+                     "ext": arr[:, 6].astype(np.int64), "device": arr[:, 7].astype(np.int64)}
+        del arr
+        rt = np.concatenate(rt_blocks + [_block(rt_rows, 2, path)])
+        order = np.argsort(rt[:, 0], kind="stable")
+        self.rt_corr = rt[order, 0].astype(np.int64)
+        self.rt_ts = np.rint(rt[order, 1] * 1000.0).astype(np.int64)
         self.graph_corr = sorted(set(graph_corr))
         self.op_dims = op_dims
         self.ranges = ranges
@@ -145,11 +173,15 @@ def aggregate_kineto(tr: KinetoTrace, req: StepRequest) -> Aggregate:
     kind, start, dur = c["kind"][sel], c["start"][sel], c["dur"][sel]
     end = start + dur
     stream, corr, name, ext = c["stream"][sel], c["corr"][sel], c["name"][sel], c["ext"][sel]
-    launch = np.array([tr.runtime_ts.get(int(x), -1) for x in corr], dtype=np.int64)
+    launch = np.full(len(corr), -1, dtype=np.int64)
+    if len(tr.rt_corr):
+        j = np.clip(np.searchsorted(tr.rt_corr, corr), 0, len(tr.rt_corr) - 1)
+        hit = tr.rt_corr[j] == corr
+        launch[hit] = tr.rt_ts[j[hit]]
     no_launch = launch < 0
     if no_launch.any():
         launch = np.where(no_launch, start, launch)
-    if not tr.runtime_ts:
+    if not len(tr.rt_corr):
         notes.append("no cuda_runtime events: kernels are attributed to ranges by GPU time, not launch")
 
     cpu_ranges = [r for r in tr.ranges if not r.gpu]

@@ -38,6 +38,7 @@ NVTX_RANGE_TYPES = {"NvtxPushPopRange": 59, "NvtxStartEndRange": 60, "NvtxtPushP
                     "NvtxtStartEndRange": 71}
 MEMCPY_KINDS = {0: "Unknown", 1: "HtoD", 2: "DtoH", 3: "HtoA", 4: "AtoH", 5: "AtoA", 6: "AtoD", 7: "DtoA",
                 8: "DtoD", 9: "HtoH", 10: "PtoP"}
+PARALLEL_MIN_ROWS = 250_000  # split a GROUP BY across threads above this many rows per thread
 KERNEL_COLUMNS = ("start", "end", "deviceId", "streamId", "correlationId", "demangledName", "shortName")
 
 
@@ -62,11 +63,10 @@ class NsysExport:
                              "nsys export --type sqlite)")
         if size < 512 or size % 512:
             raise InputError(f"{path}: truncated SQLite file ({size} bytes is not a whole number of pages)")
-        uri = f"file:{quote(str(p.resolve()))}?mode=ro&immutable=1"
+        self.uri = f"file:{quote(str(p.resolve()))}?mode=ro&immutable=1"
+        self.bounds: dict[str, list[tuple[int, int, int]]] = {}
         try:
-            self.con = sqlite3.connect(uri, uri=True)
-            self.con.text_factory = lambda b: b.decode("utf-8", "replace")
-            self.con.execute("PRAGMA temp_store = MEMORY")
+            self.con = self._connect()
             self.tables = {r[0] for r in self.con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
             if self.con.execute("PRAGMA quick_check(1)").fetchone()[0] != "ok":
                 raise sqlite3.DatabaseError("integrity check failed")
@@ -98,6 +98,64 @@ class NsysExport:
             self.notes.append("no NVTX_EVENTS table (profile with -t cuda,nvtx for step ranges)")
 
     # -- helpers ------------------------------------------------------------------------------
+    def _connect(self):
+        con = sqlite3.connect(self.uri, uri=True, check_same_thread=False)
+        con.text_factory = lambda b: b.decode("utf-8", "replace")
+        con.execute("PRAGMA temp_store = MEMORY")
+        con.execute("PRAGMA mmap_size = 1073741824")
+        for name, intervals in self.bounds.items():
+            _load_bounds(con, name, intervals)
+        return con
+
+    def set_bounds(self, name: str, intervals: list[tuple[int, int, int]]) -> None:
+        """A lookup table (on every connection) mapping a key to the interval holding it."""
+        self.bounds[name] = intervals
+        _load_bounds(self.con, name, intervals)
+
+    def grouped(self, table: str, sql: str, nkeys: int, aggs: tuple[str, ...], alias: str | None = None) -> list[tuple]:
+        """Run a GROUP BY over ``table`` split by rowid across threads, then merge the groups.
+
+        ``sql`` holds ``{rows}``, a condition on ``table``'s rowid; ``aggs`` says how each value
+        column merges ("sum", "min", "max"). SQLite sorts to group, so halving the rows per query
+        on separate connections (the sqlite3 module releases the GIL) uses the machine's cores.
+        """
+        lo, hi = self._q(f"SELECT min(rowid), max(rowid) FROM {table}")[0]
+        if lo is None:
+            return []
+        workers = max(1, min(os.cpu_count() or 1, 8, (hi - lo + 1) // PARALLEL_MIN_ROWS))
+        if workers == 1:
+            return self._q(sql.format(rows="1"))
+        step = (hi - lo + 1 + workers - 1) // workers
+        ranges = [(lo + i * step, min(hi, lo + (i + 1) * step - 1)) for i in range(workers)]
+
+        def run(r):
+            con = self._connect()
+            try:
+                return con.execute(sql.format(rows=f"{alias or table}.rowid BETWEEN {r[0]} AND {r[1]}")).fetchall()
+            finally:
+                con.close()
+
+        from concurrent.futures import ThreadPoolExecutor
+
+        try:
+            with ThreadPoolExecutor(workers) as pool:
+                parts = list(pool.map(run, ranges))
+        except (sqlite3.DatabaseError, UnicodeDecodeError) as e:
+            raise InputError(f"{self.path}: unreadable Nsight export ({e})") from None
+        merged: dict[tuple, list] = {}
+        ops = {"sum": lambda a, b: a + b, "min": min, "max": max}
+        for rows in parts:
+            for row in rows:
+                key, vals = tuple(row[:nkeys]), row[nkeys:]
+                cur = merged.get(key)
+                if cur is None:
+                    merged[key] = list(vals)
+                else:
+                    for i, (op, v) in enumerate(zip(aggs, vals)):
+                        if v is not None:
+                            cur[i] = v if cur[i] is None else ops[op](cur[i], v)
+        return [(*k, *v) for k, v in merged.items()]
+
     def _q(self, sql: str, params=()):
         try:
             return self.con.execute(sql, params).fetchall()
@@ -169,27 +227,42 @@ class NsysExport:
         return names
 
     # -- the GPU activity as one relation -------------------------------------------------------
-    def activity_parts(self, device: int | None) -> list[str]:
-        """One SELECT per GPU activity table: start, end, stream, corr, name, kind.
+    def activity_parts(self, device: int | None) -> list[tuple[str, str]]:
+        """(table, SELECT) per GPU activity table: start, end, stream, corr, name, kind.
 
-        Aggregating each table on its own (not through a UNION ALL) lets SQLite scan the table
-        directly, which is about twice as fast on a kernel table of millions of rows.
+        Each SELECT has a ``{rows}`` placeholder (a rowid condition, "1" for all rows).
+        Aggregating each table on its own (not through a UNION ALL) lets SQLite scan it directly.
         """
-        where = "" if device is None else f" WHERE deviceId = {int(device)}"
+        dev = "" if device is None else f" AND deviceId = {int(device)}"
         parts = []
         if self.has_kernels:
-            parts.append(f"SELECT start, end, streamId AS stream, correlationId AS corr, demangledName AS name, "
-                         f"0 AS kind FROM {KERNEL}{where}")
+            parts.append((KERNEL, f"SELECT start, end, streamId AS stream, correlationId AS corr, demangledName AS name, "
+                                  f"0 AS kind FROM {KERNEL} WHERE {{rows}}{dev}"))
         if MEMCPY in self.tables and {"copyKind", "streamId", "correlationId"} <= self.columns(MEMCPY):
-            parts.append(f"SELECT start, end, streamId AS stream, correlationId AS corr, -1000 - copyKind AS name, "
-                         f"1 AS kind FROM {MEMCPY}{where}")
+            parts.append((MEMCPY, f"SELECT start, end, streamId AS stream, correlationId AS corr, -1000 - copyKind AS name, "
+                                  f"1 AS kind FROM {MEMCPY} WHERE {{rows}}{dev}"))
         if MEMSET in self.tables and {"streamId", "correlationId"} <= self.columns(MEMSET):
-            parts.append(f"SELECT start, end, streamId AS stream, correlationId AS corr, -1 AS name, 2 AS kind "
-                         f"FROM {MEMSET}{where}")
+            parts.append((MEMSET, f"SELECT start, end, streamId AS stream, correlationId AS corr, -1 AS name, 2 AS kind "
+                                  f"FROM {MEMSET} WHERE {{rows}}{dev}"))
         if GRAPH_TRACE in self.tables and {"graphExecId", "correlationId"} <= self.columns(GRAPH_TRACE):
-            parts.append(f"SELECT start, end, streamId AS stream, correlationId AS corr, -2000 - graphExecId AS name, "
-                         f"3 AS kind FROM {GRAPH_TRACE}{where}")
+            parts.append((GRAPH_TRACE, f"SELECT start, end, streamId AS stream, correlationId AS corr, "
+                                       f"-2000 - graphExecId AS name, 3 AS kind FROM {GRAPH_TRACE} WHERE {{rows}}{dev}"))
         return parts
+
+
+def _fetch_array(ex: NsysExport, sql: str, ncols: int, chunk: int = 262_144) -> np.ndarray:
+    """Rows of integers into one int64 array, fetched in chunks (no list of millions of tuples)."""
+    try:
+        cur = ex.con.execute(sql)
+        parts = []
+        while True:
+            rows = cur.fetchmany(chunk)
+            if not rows:
+                break
+            parts.append(np.array(rows, dtype=np.int64).reshape(-1, ncols))
+    except (sqlite3.DatabaseError, UnicodeDecodeError, TypeError, OverflowError) as e:
+        raise InputError(f"{ex.path}: unreadable Nsight export ({e})") from None
+    return np.concatenate(parts) if parts else np.zeros((0, ncols), dtype=np.int64)
 
 
 def _seek(table: str, key: str) -> str:
@@ -205,12 +278,20 @@ def _load_bounds(con, table: str, intervals: list[tuple[int, int, int]]) -> None
 
 
 def _ranges_to_corr(ex: NsysExport, intervals: list[tuple[int, int, int]], threads) -> list[tuple[int, int, int]]:
-    """CPU time intervals -> correlation-id intervals of the runtime calls made inside them."""
-    _load_bounds(ex.con, "tb", intervals)
+    """CPU time intervals -> correlation-id intervals of the launches made inside them."""
+    ex.set_bounds("tb", intervals)
+    cond = []
     thread_ids = sorted({t for t in threads if t is not None})
-    where = f"WHERE r.globalTid IN ({','.join(str(int(t)) for t in thread_ids)})" if thread_ids else ""
-    rows = ex._q(f"SELECT v, min(c), max(c) FROM (SELECT {_seek('tb', 'r.start')} AS v, r.correlationId AS c "
-                 f"FROM {RUNTIME} r {where}) WHERE v >= 0 AND c IS NOT NULL GROUP BY v")
+    if thread_ids:
+        cond.append(f"r.globalTid IN ({','.join(str(int(t)) for t in thread_ids)})")
+    launch_ids = [i for i, v in ex._q("SELECT id, value FROM StringIds WHERE value LIKE '%Launch%' OR "
+                                      "value LIKE '%emcpy%' OR value LIKE '%emset%'")]
+    if launch_ids:
+        cond.append(f"r.nameId IN ({','.join(str(int(i)) for i in launch_ids)})")
+    where = " AND ".join(["{rows}"] + cond)
+    rows = ex.grouped(RUNTIME, f"SELECT v, min(c), max(c) FROM (SELECT {_seek('tb', 'r.start')} AS v, r.correlationId AS c "
+                               f"FROM {RUNTIME} r WHERE {where}) "
+                               f"WHERE v >= 0 AND c IS NOT NULL GROUP BY v", 1, ("min", "max"), alias="r")
     return sorted(((int(a), int(b), int(v)) for v, a, b in rows), key=lambda x: x[0])
 
 
@@ -240,7 +321,7 @@ def _aggregate(ex: NsysExport, req: StepRequest) -> Aggregate:
     if gpu is None:
         notes.append("the trace names no GPU (no TARGET_INFO_GPU): give --gpu for floors")
     parts = ex.activity_parts(device)
-    act = " UNION ALL ".join(parts)
+    act = " UNION ALL ".join(sql.format(rows="1") for _, sql in parts)
     if not parts:
         raise InputError(f"{ex.path}: the trace has no GPU activity (no kernel, memcpy or memset tables)")
     has_runtime = RUNTIME in ex.tables
@@ -252,9 +333,9 @@ def _aggregate(ex: NsysExport, req: StepRequest) -> Aggregate:
     graph_launches: list[tuple[int, int]] = []
     if mode in (None, "graph") and ex.has_kernels and "graphNodeId" in ex.columns(KERNEL):
         dev = "" if device is None else f" AND deviceId = {int(device)}"
-        graph_launches = [(int(c), int(g)) for c, g in ex._q(
-            f"SELECT correlationId, min(graphNodeId) FROM {KERNEL} WHERE graphNodeId IS NOT NULL{dev} "
-            f"GROUP BY correlationId ORDER BY correlationId")]
+        graph_launches = sorted((int(c), int(g)) for c, g in ex.grouped(
+            KERNEL, f"SELECT correlationId, min(graphNodeId) FROM {KERNEL} WHERE {{rows}} AND graphNodeId IS NOT NULL{dev} "
+                    f"GROUP BY correlationId", 1, ("min",)))
     if mode in (None, "graph") and GRAPH_TRACE in ex.tables:
         dev = "" if device is None else f" WHERE deviceId = {int(device)}"
         whole = ex._q(f"SELECT correlationId, -1 - graphExecId FROM {GRAPH_TRACE}{dev} ORDER BY correlationId")
@@ -284,13 +365,12 @@ def _aggregate(ex: NsysExport, req: StepRequest) -> Aggregate:
         detail = f"{len(step_ranges)} ranges matching {req.range_regex!r}"
     elif mode == "graph":
         starters = st.graph_step_starters(graph_launches)
-        last_corr = ex._q(f"SELECT max(corr) FROM ({act})")[0][0]
-        bounds = starters + [int(last_corr) + 1]
+        bounds = starters + [2 ** 62]  # the last step runs to the end of the trace
         step_key = ("corr", [(bounds[i], bounds[i + 1] - 1, i) for i in range(len(starters))])
         labels = [f"graph launch {c}" for c in starters]
         detail = f"{len(starters)} launches of the most frequent CUDA graph ({len(graph_launches)} graph launches)"
     elif mode == "gap":
-        se = np.array(ex._q(f"SELECT start, end, name FROM ({act})"), dtype=np.int64).reshape(-1, 3)
+        se = _fetch_array(ex, f"SELECT start, end, name FROM ({act})", 3)
         gap_ns = int(req.gap_us * 1e3) if req.gap_us else st.gap_threshold_ns(se[:, 0], se[:, 1], se[:, 2])
         if gap_ns is None or len(se) == 0:
             mode = "whole"
@@ -330,20 +410,21 @@ def _aggregate(ex: NsysExport, req: StepRequest) -> Aggregate:
 
     step_expr = "0"
     if step_key is not None:
-        _load_bounds(ex.con, "sb", step_key[1])
+        ex.set_bounds("sb", step_key[1])
         step_expr = _seek("sb", "a.corr" if step_key[0] == "corr" else "a.start")
     tag_expr = "-1"
     if tag_key is not None:
-        _load_bounds(ex.con, "gb", tag_key[1])
+        ex.set_bounds("gb", tag_key[1])
         tag_expr = _seek("gb", "a.corr" if tag_key[0] == "corr" else "a.start")
 
     rows = []
     total_events = 0
-    for part in parts:
+    for table, part in parts:
         tagged = f"SELECT {step_expr} AS step, {tag_expr} AS tag, a.start, a.end, a.stream, a.name, a.kind FROM ({part}) a"
-        rows += ex._q(f"SELECT step, tag, name, kind, stream, count(*), sum(end - start), min(start), max(end) "
-                      f"FROM ({tagged}) WHERE step >= 0 GROUP BY step, tag, name, kind, stream")
-        total_events += ex._q(f"SELECT count(*) FROM ({part})")[0][0]
+        rows += ex.grouped(table, f"SELECT step, tag, name, kind, stream, count(*), sum(end - start), min(start), max(end) "
+                                  f"FROM ({tagged}) WHERE step >= 0 GROUP BY step, tag, name, kind, stream",
+                           5, ("sum", "sum", "min", "max"))
+        total_events += ex._q(f"SELECT count(*) FROM ({part.format(rows='1')})")[0][0]
     tagged_sql = (f"SELECT {step_expr} AS step, a.start, a.end FROM ({act}) a")
 
     names = ex.strings(r[2] for r in rows if r[3] == 0)
