@@ -190,7 +190,33 @@ def check_hook(src: SGLangSource, hook: Hook) -> TargetCheck:
                 alt_r = render_params(n for n, _ in alt_sig)
                 problem = f"signature {alt_r} (line {alt.lineno}) is not compatible with {expected} ({hook.match})"
                 break
+    if problem is None and hook.returns:
+        problem = _check_returns(node, hook.returns)
     return TargetCheck(ok=problem is None, found=kind, signature=rendered, problem=problem, **base)
+
+
+def _returns(fn) -> list[ast.Return]:
+    out, todo = [], list(fn.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            continue  # a nested function's returns are not this function's
+        if isinstance(node, ast.Return):
+            out.append(node)
+        todo.extend(ast.iter_child_nodes(node))
+    return out
+
+
+def _check_returns(fn, names: tuple[str, ...]) -> str | None:
+    rets = _returns(fn)
+    if not rets:
+        return f"returns nothing; the hook expects ({', '.join(names)})"
+    for r in rets:
+        got = [e.id if isinstance(e, ast.Name) else ast.unparse(e) for e in r.value.elts] \
+            if isinstance(r.value, ast.Tuple) else [ast.unparse(r.value) if r.value is not None else "None"]
+        if got != list(names):
+            return f"line {r.lineno} returns ({', '.join(got)}); the hook expects ({', '.join(names)})"
+    return None
 
 
 def check_symbol(src: SGLangSource, sym: Symbol) -> TargetCheck:

@@ -42,6 +42,7 @@ class Hook:
     handler: str
     params: tuple[str, ...] = ()
     match: str = "exact"
+    returns: tuple[str, ...] = ()  # names every `return` must give, in order (AFTER hooks index results)
 
     def key(self) -> str:
         return f"{self.type} {self.target} <- {self.handler}"
@@ -139,7 +140,8 @@ def parse_entry(raw: Any, source: str, path: Path | None = None) -> Entry:
     for h in _as_list(code.get("hooks"), "code.hooks", source):
         try:
             hook = Hook(target=h["target"], type=h["type"], handler=h["handler"],
-                        params=tuple(h.get("params") or ()), match=h.get("match", "exact"))
+                        params=tuple(h.get("params") or ()), match=h.get("match", "exact"),
+                        returns=tuple(h.get("returns") or ()))
         except (KeyError, TypeError):
             raise InputError(f"{source}: each hook needs target, type and handler") from None
         if hook.type not in HOOK_TYPES:

@@ -30,7 +30,16 @@ class C:
     ATTR: int = 3
 
     def m(self, x, y=None):
-        pass
+        def inner():
+            return 1
+        if x:
+            return x, y
+        return x, y
+
+    def n(self):
+        if self:
+            return 1, 2
+        return 3
 
     @classmethod
     def k(cls, z):
@@ -83,6 +92,16 @@ def test_signature_rules(src, target, params, match, ok):
 def test_bad_targets(src, target, problem):
     res = check_hook(src, Hook(target, "replace", "x:y"))
     assert not res.ok and problem in res.problem
+
+
+def test_return_shapes(src):
+    assert check_hook(src, Hook("sglang.srt.mod.C.m", "after", "x:y", returns=("x", "y"))).ok
+    res = check_hook(src, Hook("sglang.srt.mod.C.m", "after", "x:y", returns=("y", "x")))
+    assert not res.ok and "returns (x, y); the hook expects (y, x)" in res.problem
+    res = check_hook(src, Hook("sglang.srt.mod.C.n", "after", "x:y", returns=("a", "b")))
+    assert not res.ok and "returns" in res.problem
+    res = check_hook(src, Hook("sglang.srt.mod.f", "after", "x:y", returns=("a",)))
+    assert not res.ok and "returns nothing" in res.problem
 
 
 def test_symbols(src):
