@@ -204,7 +204,7 @@ def apply(bundles: str, python: str | None = None, force: bool = False, experime
     values = parse_settings(settings, entries, ids)
     state = mem.compose(entries, ids)
 
-    env = probe(python)
+    env = probe(python, modules=state.fingerprints)
     _require_sglang(env)
     checked = sorted({v for i in ids for v in entries[i].sglang_checked})
     if not env.supported or env.sglang_version not in checked:
@@ -222,6 +222,10 @@ def apply(bundles: str, python: str | None = None, force: bool = False, experime
         raise EnvironmentMissing(f"SGLang {env.sglang_version} in {env.prefix}: {len(bad)} hook target(s) do not "
                                  f"match: {first.target}: {first.problem}; nothing was applied")
     _require_specpilot(env)
+    differ = sorted(m for m, fp in state.fingerprints.items() if env.fingerprints.get(m) != fp)
+    if differ:
+        raise EnvironmentMissing(f"the SpecPilot installed in {env.prefix} differs from this one ({', '.join(differ)}); "
+                                 f"run that environment's own: {env.executable} -m specpilot apply {bundles}")
 
     path = activation_path(env.purelib)
     if not dry_run and not os.access(env.purelib, os.W_OK):
@@ -278,6 +282,8 @@ def status(python: str | None = None, memory_dir=None) -> StatusResult:
     with locked(env.purelib):
         swept = sweep_partial(env.purelib) if os.access(env.purelib, os.W_OK) else []
         act = read_activation(path)
+    if act is not None and act.get("fingerprints"):
+        env = probe(python, modules=act["fingerprints"])
     problems: list[str] = []
     checks: list[TargetCheck] = []
     if act is None:
@@ -305,9 +311,9 @@ def status(python: str | None = None, memory_dir=None) -> StatusResult:
             listed = sorted(f"{h['type']} {h['target']} <- {h['handler']}" for h in act.get("hooks", []))
             if listed != now.hooks:
                 problems.append("the bundles' hook set changed since apply (SpecPilot was updated); apply again")
-            for m, fp in act.get("fingerprints", {}).items():
-                if now.fingerprints.get(m) != fp:
-                    problems.append(f"bundle module {m} changed since apply; apply again")
+    for m, fp in act.get("fingerprints", {}).items():
+        if env.fingerprints.get(m) != fp:
+            problems.append(f"bundle module {m} in that environment changed since apply; apply again")
     if env.specpilot_version is None:
         problems.append("SpecPilot is no longer installed there: SGLang will not load the plugin")
     return StatusResult(path=str(path), env=env, activation=act, checks=checks, problems=problems, swept=swept)

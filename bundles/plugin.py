@@ -84,6 +84,10 @@ def plan(activation: dict, sglang_version: str | None, memory_dir=None):
     if listed != state.hooks:
         raise ActivationError("the installed SpecPilot bundles produce a different hook set than the one applied; "
                               "run 'specpilot apply' again")
+    changed = sorted(m for m, fp in activation.get("fingerprints", {}).items() if state.fingerprints.get(m) != fp)
+    if changed:
+        raise ActivationError(f"bundle module(s) {', '.join(changed)} changed since 'specpilot apply' "
+                              "(not the applied system); run 'specpilot apply' again")
     hooks = [(h["target"], h["type"], resolve(h["handler"]), h["handler"]) for h in activation["hooks"]]
     setups = [(s, resolve(s)) for s in activation.get("setup", [])]
     return hooks, setups

@@ -42,6 +42,15 @@ try:
                         "entry_point": {ep.name: ep.value for ep in eps}}
 except md.PackageNotFoundError:
     pass
+import hashlib
+fps = {}
+for name in MODULES:
+    try:
+        spec = importlib.util.find_spec(name)
+        fps[name] = "sha256:" + hashlib.sha256(open(spec.origin, "rb").read()).hexdigest()
+    except Exception:
+        fps[name] = None
+out["fingerprints"] = fps
 print(json.dumps(out))
 """
 
@@ -57,6 +66,7 @@ class TargetEnv:
     sglang_package: str | None     # .../sglang
     specpilot_version: str | None
     specpilot_entry_point: dict | None
+    fingerprints: dict  # module -> sha256 of its source in the target environment (None: absent)
 
     @property
     def sglang_root(self) -> Path | None:
@@ -67,8 +77,9 @@ class TargetEnv:
         return self.sglang_version in SUPPORTED_SGLANG
 
 
-def probe(python: str | None = None, timeout: float = 60.0) -> TargetEnv:
-    """Describe the environment of interpreter ``python`` (default: this one)."""
+def probe(python: str | None = None, timeout: float = 60.0, modules=()) -> TargetEnv:
+    """Describe the environment of interpreter ``python`` (default: this one); ``modules``: also
+    fingerprint these modules' source files as that environment would import them."""
     python = python or sys.executable
     exe = Path(python)
     if not exe.exists():
@@ -78,7 +89,8 @@ def probe(python: str | None = None, timeout: float = 60.0) -> TargetEnv:
     try:
         # -B: the probe must not leave __pycache__ files behind in the target environment
         env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
-        proc = subprocess.run([str(exe), "-B", "-c", _PROBE], capture_output=True, text=True, timeout=timeout,
+        script = f"MODULES = {sorted(modules)!r}\n" + _PROBE
+        proc = subprocess.run([str(exe), "-B", "-c", script], capture_output=True, text=True, timeout=timeout,
                               env=env)
     except OSError as e:
         raise InputError(f"--python {python}: cannot run it ({e.strerror or e})") from None
@@ -97,4 +109,5 @@ def probe(python: str | None = None, timeout: float = 60.0) -> TargetEnv:
         prefix=info["prefix"], purelib=info["purelib"],
         sglang_version=sg and sg.get("version"), sglang_package=sg and sg.get("package"),
         specpilot_version=sp and sp.get("version"), specpilot_entry_point=sp and sp.get("entry_point"),
+        fingerprints=info.get("fingerprints") or {},
     )

@@ -213,3 +213,17 @@ def test_other_plugins_stay_enabled_in_the_launch_command(run_cli, env, monkeypa
     monkeypatch.setenv("SGLANG_PLUGINS", "xpu_hooks")
     code, out, _ = run_cli("apply", "tree", "--python", env, "--dry-run", "--format", "json")
     assert code == 0 and json.loads(out)["activation"]["launch"].startswith("SGLANG_PLUGINS=specpilot,xpu_hooks ")
+
+
+def test_refuses_a_target_with_a_different_specpilot(run_cli, env, monkeypatch):
+    real = act.probe
+
+    def other_specpilot(python=None, timeout=60.0, modules=()):
+        e = real(python, timeout, modules)
+        e.fingerprints = {m: "sha256:" + "2" * 64 for m in e.fingerprints}
+        return e
+
+    monkeypatch.setattr(act, "probe", other_specpilot)
+    code, _, err = run_cli("apply", "tree", "--python", env)
+    assert code == 3 and "differs from this one" in err and f"{env} -m specpilot apply tree" in err
+    assert not (_purelib(env) / act.ACTIVATION_NAME).exists()

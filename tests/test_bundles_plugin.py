@@ -71,6 +71,16 @@ def test_refuses_a_tampered_hook_set(hooks, activation_of, tmp_path, monkeypatch
     assert dict(hooks.HookRegistry._hooks) == {}
 
 
+def test_refuses_changed_bundle_code(hooks, activation_of, tmp_path, monkeypatch):
+    monkeypatch.setattr(plugin, "installed_sglang_version", lambda: "0.5.23")
+    path, activation = activation_of("tree", tmp_path)
+    activation["fingerprints"]["specpilot.bundles.tree"] = "sha256:" + "1" * 64
+    path.write_text(json.dumps(activation))
+    with pytest.raises(plugin.ActivationError, match="specpilot.bundles.tree changed since"):
+        plugin.register(hooks.HookRegistry, hooks.HookType, path)
+    assert dict(hooks.HookRegistry._hooks) == {}
+
+
 def test_no_activation_installs_nothing(hooks, tmp_path):
     assert plugin.register(hooks.HookRegistry, hooks.HookType, tmp_path / "absent.json") == []
     assert dict(hooks.HookRegistry._hooks) == {}
