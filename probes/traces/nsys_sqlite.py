@@ -68,8 +68,10 @@ class NsysExport:
         try:
             self.con = self._connect()
             self.tables = {r[0] for r in self.con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
-            if self.con.execute("PRAGMA quick_check(1)").fetchone()[0] != "ok":
-                raise sqlite3.DatabaseError("integrity check failed")
+            pages, page_size = (self.con.execute(f"PRAGMA {k}").fetchone()[0] for k in ("page_count", "page_size"))
+            if pages * page_size > size:  # O(1); corrupt pages surface as errors of the queries
+                raise InputError(f"{path}: truncated SQLite file ({size} bytes, the header says "
+                                 f"{pages * page_size})")
         except (sqlite3.DatabaseError, UnicodeDecodeError) as e:
             raise InputError(f"{path}: unreadable SQLite file ({str(e)[:120]}); is it truncated or corrupt?") from None
         meta = next((t for t in META_TABLES if t in self.tables), None)
@@ -101,8 +103,8 @@ class NsysExport:
     def _connect(self):
         con = sqlite3.connect(self.uri, uri=True, check_same_thread=False)
         con.text_factory = lambda b: b.decode("utf-8", "replace")
-        con.execute("PRAGMA temp_store = MEMORY")
-        con.execute("PRAGMA mmap_size = 1073741824")
+        # SQLite's default cache (2 MB) and temp store: the GROUP BY sorter spills to temporary
+        # files, so memory stays far below the trace's size
         for name, intervals in self.bounds.items():
             _load_bounds(con, name, intervals)
         return con
