@@ -237,9 +237,8 @@ def resolve_model(name: str, random: bool):
             raise InputError(f"{p}: no such GGUF file")
         folder = _gguf_folder(p)
         return load_model_spec(str(folder)), folder, p.stem
-    if key.lower() in ("smollm2", "smollm2-135m", "smollm2-135m-instruct"):
-        folder = weights.smollm2_dir()
-        return load_model_spec(str(folder)), None, "smollm2-135m-instruct"
+    if key.lower() in ("smollm2", "smollm2-135m-instruct"):  # random weights, SmolLM2 shapes (catalog)
+        return load_model_spec("smollm2-135m"), None, "smollm2-135m"
     spec = load_model_spec(key)
     folder = p if p.is_dir() else (p.parent if p.is_file() else None)
     if random:
