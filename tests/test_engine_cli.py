@@ -165,3 +165,17 @@ def test_serve_cli_stops_cleanly_on_sigterm(tmp_path):
     finally:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_run_smollm2_tree_equals_ar_through_the_cli(run_cli, tmp_path):
+    args = ["run", "--model", "smollm2", "--prompt", "List three colors.", "--max-new-tokens", "24", "--format", "json"]
+    code, out_ar, err = run_cli(*args, "--mode", "ar")
+    assert code == 0, err
+    lat = tmp_path / "lat.jsonl"
+    code, out_tree, err = run_cli(*args, "--mode", "tree", "--nodes", "16", "--lattice-out", lat)
+    assert code == 0, err
+    ar, tree = json.loads(out_ar), json.loads(out_tree)
+    assert tree["output_ids"] == ar["output_ids"] and tree["text"] == ar["text"] and ar["text"].strip()
+    assert tree["steps"] <= ar["steps"]
+    assert len(lat.read_text().splitlines()) == tree["steps"]
