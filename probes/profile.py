@@ -143,7 +143,11 @@ def build_profile(agg: Aggregate, table: RuleTable, floors: Floors | None = None
             if row.floor_ms is not None and row.ms > 0:
                 row.efficiency = row.floor_ms / row.ms
         classes[c] = row
-    if floors:
+    whole_graphs = any(g.kind == "graph" for g in agg_kept.groups)
+    if whole_graphs:
+        notes.append("whole-graph records count as busy for their whole span (gaps between the graph's kernels "
+                     "included) and as class 'other'")
+    if floors and not whole_graphs:
         for c in FLOOR_CLASSES:
             if c in floors.classes and (floors.classes[c].get("floor_ms") or 0) > 0 and meds.get(c, 0) == 0:
                 notes.append(f"class {c!r} has a floor but no kernels were classified as {c}; "

@@ -21,7 +21,7 @@ CLASS_KEYS = {"ms", "share", "bytes", "flops", "floor_ms", "efficiency"}
 def test_profile_h200_capture_with_floors(run_cli, tmp_path):
     out = tmp_path / "p.json"
     code, stdout, err = run_cli("profile", H200_EAGER, "--step-range", r"^decode_step_\d+$", "--model", CONFIG,
-                                "--drafter", CONFIG, "--context", 512, "--format", "json", "--out", out)
+                                "--drafter", LOCAL / "decode_drafter_config.json", "--context", 512, "--format", "json", "--out", out)
     assert code == 0, err
     d = json.loads(out.read_text())
     assert PROFILE_KEYS <= set(d) and d["schema"] == "specpilot.profile/1"
