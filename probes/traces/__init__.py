@@ -47,18 +47,19 @@ def sniff(path: str | os.PathLike) -> str:
 
 def read_trace(path: str | os.PathLike, request: StepRequest | None = None,
                on_read: Callable[[int], None] | None = None) -> Aggregate:
+    """``on_read(n)`` is called as work proceeds: bytes of JSON read, or SQLite progress ticks."""
     kind = sniff(path)
     if kind == "nsys-sqlite":
         from .nsys_sqlite import read_nsys_sqlite
 
-        return read_nsys_sqlite(path, request)
+        return read_nsys_sqlite(path, request, on_read)
     if kind == "nsys-rep":
         from .nsys_rep import export_sqlite
         from .nsys_sqlite import read_nsys_sqlite
 
         db, temporary = export_sqlite(path)
         try:
-            agg = read_nsys_sqlite(db, request)
+            agg = read_nsys_sqlite(db, request, on_read)
             agg.path = str(path)
             agg.notes.append(f"exported with nsys to {'a temporary file' if temporary else db}")
             return agg

@@ -50,8 +50,9 @@ def is_sqlite(path: str | os.PathLike) -> bool:
 class NsysExport:
     """An open, validated Nsight Systems SQLite export."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, on_progress=None):
         self.path = str(path)
+        self.on_progress = on_progress  # called now and then during long queries (progress bar)
         p = Path(path)
         if not p.is_file():
             raise InputError(f"{path}: no such file")
@@ -103,6 +104,9 @@ class NsysExport:
     def _connect(self):
         con = sqlite3.connect(self.uri, uri=True, check_same_thread=False)
         con.text_factory = lambda b: b.decode("utf-8", "replace")
+        if self.on_progress is not None:
+            tick = self.on_progress
+            con.set_progress_handler(lambda: tick(1) and 0, 2_000_000)  # every ~2M VM steps; 0 = go on
         # SQLite's default cache (2 MB) and temp store: the GROUP BY sorter spills to temporary
         # files, so memory stays far below the trace's size
         for name, intervals in self.bounds.items():
@@ -297,9 +301,9 @@ def _ranges_to_corr(ex: NsysExport, intervals: list[tuple[int, int, int]], threa
     return sorted(((int(a), int(b), int(v)) for v, a, b in rows), key=lambda x: x[0])
 
 
-def read_nsys_sqlite(path: str | os.PathLike, req: StepRequest | None = None) -> Aggregate:
+def read_nsys_sqlite(path: str | os.PathLike, req: StepRequest | None = None, on_progress=None) -> Aggregate:
     req = req or StepRequest()
-    ex = NsysExport(path)
+    ex = NsysExport(path, on_progress)
     try:
         return _aggregate(ex, req)
     finally:

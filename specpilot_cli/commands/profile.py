@@ -83,7 +83,7 @@ def command(trace, step_range, step_mode, gap_us, skip_steps, device, rules_file
 
     req = StepRequest(range_regex=step_range, mode=step_mode, gap_us=gap_us, tag_regex=table.range_regex,
                       device=device)
-    bar = progress(desc="reading trace", unit="B", total=None)
+    bar = progress(desc="reading trace", unit="", total=None)
     try:
         agg = read_trace(trace, req, on_read=lambda n: bar.update(n))
     finally:
