@@ -92,18 +92,21 @@ def _gaps(starts: np.ndarray, ends: np.ndarray):
 
 
 def gap_threshold_ns(starts: np.ndarray, ends: np.ndarray, names: np.ndarray | None = None,
-                     min_gap_ns: int = 1_000, candidates: int = 48) -> int | None:
+                     min_gap_ns: int = 1_000, candidates: int = 48, sample: int = 200_000) -> int | None:
     """Idle-gap length that separates steps, found by repetition.
 
     Every candidate threshold (quantiles of the idle gaps) cuts the timeline into segments; a
     segment's signature is its sequence of event names. The threshold whose most common signature
     covers the most events wins (ties: the larger threshold), provided that signature repeats at
-    least twice. Returns None when nothing repeats.
+    least twice. Only the first ``sample`` events (in time order) are searched. Returns None when
+    nothing repeats.
     """
-    n = len(starts)
-    if n < 2:
+    if len(starts) < 2:
         return None
     order, s, gaps = _gaps(starts, ends)
+    if len(order) > sample:  # the repeating structure shows in the first events; saves time and memory
+        order, gaps = order[:sample], gaps[:sample - 1]
+    n = len(order)
     nm = (np.zeros(n, dtype=np.int64) if names is None else np.asarray(names, dtype=np.int64)[order])
     # a per-event hash that depends on the name; segment signatures combine it with the position
     h = (nm * np.int64(0x9E3779B1) + np.int64(0x7F4A7C15)) & np.int64(0xFFFFFFFF)
