@@ -118,3 +118,46 @@ def test_unreachable_server_exit_3(tmp_path, run_cli):
     code, _, err = run_cli("compare", "--base", "http://127.0.0.1:9", "--candidate", "http://127.0.0.1:9",
                            "--prompts", p, "--timeout", "2")
     assert code == 3 and "connection refused" in err
+
+
+def _serve_tiny():
+    """``specpilot serve`` (tiny random model) on a free loopback port; returns (proc, url)."""
+    import os
+    import re
+    import subprocess
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "specpilot", "serve", "--model", "tiny", "--mode", "ar",
+                             "--port", "0"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    deadline = time.time() + 120
+    for line in proc.stderr:
+        m = re.search(r"on (http://127\.0\.0\.1:\d+)", line)
+        if m:
+            return proc, m.group(1)
+        if time.time() > deadline:
+            break
+    proc.kill()
+    pytest.fail("specpilot serve did not start")
+
+
+def test_http_server_a_a(tmp_path, run_cli):
+    """The same loopback server as base and candidate: same requests each run, outputs identical,
+    not approved; then the server dies and compare says so (exit 3)."""
+    p = tmp_path / "p.jsonl"
+    p.write_text("".join(json.dumps({"schema": "specpilot.prompts/1", "id": i, "prompt_ids": [5 + i, 9, 77]}) + "\n"
+                         for i in range(3)))
+    proc, url = _serve_tiny()
+    try:
+        code, out, err = run_cli("compare", "--base", url, "--candidate", url, "--prompts", p, "--max-new-tokens", "6",
+                                 "--runs", "2", "--warmup", "0", "--format", "json")
+        d = json.loads(out)
+        assert code == 1, err
+        assert d["unit"] == "tok/s" and d["outputs_identical"] is True and d["prompts"] == 3
+        assert len(d["samples"]) == 2 and d["approved"] is False
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+    code, _, err = run_cli("compare", "--base", url, "--candidate", url, "--prompts", p, "--runs", "2",
+                           "--warmup", "0", "--timeout", "5")
+    assert code == 3 and "connection refused" in err

@@ -148,3 +148,13 @@ def test_library_replay_matches_cli_numbers(tmp_path):
     assert res.policies[0].tau <= res.policies[1].tau
     assert res.curves == {"chain": {"2": replay(read_lattice(lat), ["chain:2"]).policies[0].tau,
                                     "4": replay(read_lattice(lat), ["chain:4"]).policies[0].tau}}
+
+
+def test_sequoia_calibration_file(tmp_path, run_cli):
+    lat = write(tmp_path / "l.jsonl", synthetic_rows(requests=2, steps=4, m=4, k=4, seed=5))
+    cal = write(tmp_path / "c.jsonl", synthetic_rows(requests=3, steps=4, m=4, k=4, seed=6, rank_p=0.9))
+    code, out, err = run_cli("replay", lat, "--policy", "sequoia:6", "--calibrate", cal, "--format", "json")
+    assert code == 0, err
+    own = json.loads(run_cli("replay", lat, "--policy", "sequoia:6", "--format", "json")[1])
+    assert json.loads(out)["sequoia_rank_acceptance"] != own["sequoia_rank_acceptance"]
+    assert json.loads(out)["sequoia_rank_acceptance"][0] > 0.7     # calibrated where rank 0 dominates
