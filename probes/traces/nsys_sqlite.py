@@ -13,7 +13,6 @@ Tables used: ``StringIds``, ``CUPTI_ACTIVITY_KIND_KERNEL`` (+ ``_MEMCPY``, ``_ME
 from __future__ import annotations
 
 import os
-import re
 import sqlite3
 from pathlib import Path
 from urllib.parse import quote
