@@ -226,6 +226,8 @@ def _order_key(score: float, depth: int, seq: int):
 def eagle2_tree(step: StepView, topk: int, depth: int, n: int) -> Tree:
     """EAGLE-2's dynamic tree: per-depth beam of TOPK, then a global rerank to N nodes."""
     depth = min(depth, step.m)
+    if depth == 0:
+        return Tree([], [], [], [], [])
     pool: list[tuple] = []  # (score, depth, seq, parent_pool_idx, cand)
     seq = 0
     # depth 0: the root's TOPK children
@@ -299,7 +301,7 @@ def rank_acceptance(steps: Sequence[StepView]) -> np.ndarray:
             counts[int(hit[0])] += 1
             parent = int(order[hit[0]])
     reached = counts.sum()
-    return counts[:k] / reached
+    return counts[:k] / reached if reached else np.zeros(k)
 
 
 def sequoia_shape(rank_accept: np.ndarray, n: int, max_depth: int) -> list[tuple[int, ...]]:
@@ -338,6 +340,8 @@ def sequoia_tree(step: StepView, shape: list[tuple[int, ...]]) -> Tree:
         pc = tree.cand[parent] if parent >= 0 else 0
         es = step.edge_scores(d, pc)
         c = int(np.argsort(-es, kind="stable")[path[-1]])
+        if not np.isfinite(es[c]):  # a padded (missing) candidate or an impossible edge
+            continue
         index[path] = len(tree.tokens)
         tree.tokens.append(int(step.tokens[d, c]))
         tree.parents.append(parent)

@@ -58,21 +58,14 @@ def _req_key(r):
     return r if isinstance(r, (int, str)) else str(r)
 
 
-def _matrix(v, where: str, name: str, dtype, shape=None) -> np.ndarray:
-    if not isinstance(v, list) or not v or not all(isinstance(r, list) for r in v):
-        raise InputError(f"{where}: \"{name}\" must be a non-empty list of lists")
-    widths = {len(r) for r in v}
-    if len(widths) != 1 or 0 in widths:
-        raise InputError(f"{where}: \"{name}\" rows must all have the same non-zero length")
-    try:
-        a = np.array(v, dtype=dtype)
-    except (TypeError, ValueError, OverflowError):
-        raise InputError(f"{where}: \"{name}\" must hold numbers") from None
-    if a.ndim != 2:
-        raise InputError(f"{where}: \"{name}\" must be [m][K]")
-    if shape is not None and a.shape != shape:
-        raise InputError(f"{where}: \"{name}\" is {list(a.shape)}, expected {list(shape)} like \"tokens\"")
-    return a
+def _num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _rows(v, where: str, name: str) -> list[list]:
+    if not isinstance(v, list) or not all(isinstance(r, list) for r in v):
+        raise InputError(f"{where}: \"{name}\" must be a list of lists ([m][K])")
+    return v
 
 
 def _ints(v, name, where):
@@ -81,7 +74,12 @@ def _ints(v, name, where):
 
 
 def parse_row(row: dict, where: str) -> LatticeStep:
-    """Validate one ``specpilot.lattice/1`` row (``where`` = ``file:line``) into a LatticeStep."""
+    """Validate one ``specpilot.lattice/1`` row (``where`` = ``file:line``) into a LatticeStep.
+
+    Rows may be ragged (position i has K_i <= K candidates) and a step may have no draft at all
+    (``"tokens": []``, tau 1). Ragged rows are padded to the step's K with token -1 and score
+    -inf, which no policy ever expands or accepts.
+    """
     missing = [k for k in _KEYS if k not in row]
     if missing:
         raise InputError(f"{where}: missing {', '.join(repr(k) for k in missing)} (lattice rows need "
@@ -92,28 +90,45 @@ def parse_row(row: dict, where: str) -> LatticeStep:
     req = row["request"]
     if not isinstance(req, (int, str)) or isinstance(req, bool):
         raise InputError(f"{where}: \"request\" must be an integer or a string")
-    raw_tokens = row["tokens"]
-    tokens = _matrix(raw_tokens, where, "tokens", np.float64)
-    for r in raw_tokens:
-        _ints(r, "tokens", where)
-    tokens = tokens.astype(np.int64)
-    m, k = tokens.shape
-    for i in range(m):
-        if len(set(tokens[i].tolist())) != k:
+    raw_tokens = _rows(row["tokens"], where, "tokens")
+    raw_lp = _rows(row["logprobs"], where, "logprobs")
+    m = len(raw_tokens)
+    if len(raw_lp) != m:
+        raise InputError(f"{where}: \"logprobs\" has {len(raw_lp)} positions, \"tokens\" has {m}")
+    widths = [len(r) for r in raw_tokens]
+    k = max(widths, default=0)
+    tokens = np.full((m, k), -1, dtype=np.int64)
+    logprobs = np.full((m, k), -np.inf)
+    for i, (tr_, lr_) in enumerate(zip(raw_tokens, raw_lp)):
+        if not tr_:
+            raise InputError(f"{where}: \"tokens\"[{i}] is empty; a position needs at least one candidate")
+        _ints(tr_, "tokens", where)
+        if len(lr_) != len(tr_):
+            raise InputError(f"{where}: \"logprobs\"[{i}] has {len(lr_)} scores for {len(tr_)} tokens")
+        if not all(_num(x) for x in lr_):
+            raise InputError(f"{where}: \"logprobs\"[{i}] must hold numbers")
+        if len(set(tr_)) != len(tr_):
             raise InputError(f"{where}: \"tokens\"[{i}] repeats a token; candidates must be distinct")
-    logprobs = _matrix(row["logprobs"], where, "logprobs", np.float64, (m, k))
-    _check_scores(logprobs, where, "logprobs")
+        if any(t < 0 for t in tr_):
+            raise InputError(f"{where}: \"tokens\"[{i}] holds a negative token id")
+        tokens[i, :len(tr_)] = tr_
+        logprobs[i, :len(lr_)] = lr_
+    _check_scores(logprobs[~np.isneginf(logprobs)], where, "logprobs")
     trans = row["transitions"]
     if trans is not None:
-        try:
-            t = np.array(trans, dtype=np.float64)
-        except (TypeError, ValueError):
-            raise InputError(f"{where}: \"transitions\" must be null or [m-1][K][K] numbers") from None
-        if t.shape != (m - 1, k, k) and not (m == 1 and t.size == 0):
-            raise InputError(f"{where}: \"transitions\" is {list(t.shape)}, expected {[m - 1, k, k]} "
-                             "(null when the drafter has no parent conditioning)")
-        _check_scores(t, where, "transitions")
-        trans = t.reshape(max(m - 1, 0), k, k)
+        t = np.full((max(m - 1, 0), k, k), -np.inf)
+        if not isinstance(trans, list) or len(trans) != max(m - 1, 0):
+            raise InputError(f"{where}: \"transitions\" must be null or [m-1][K_i][K_i+1] "
+                             f"(m-1 = {max(m - 1, 0)} entries)")
+        for i, block in enumerate(trans):
+            ok = (isinstance(block, list) and len(block) == widths[i]
+                  and all(isinstance(r, list) and len(r) == widths[i + 1] and all(_num(x) for x in r) for r in block))
+            if not ok:
+                raise InputError(f"{where}: \"transitions\"[{i}] must be [{widths[i]}][{widths[i + 1]}] numbers "
+                                 "(parent candidates x child candidates)")
+            t[i, :widths[i], :widths[i + 1]] = block
+        _check_scores(t[~np.isneginf(t)], where, "transitions")
+        trans = t
     target = row["target"]
     if not isinstance(target, list):
         raise InputError(f"{where}: \"target\" must be a list of token ids")

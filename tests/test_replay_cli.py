@@ -78,11 +78,13 @@ def bad(field, value):
 @pytest.mark.parametrize("row,msg", [
     (bad("target", [11, 21, 30]), "needs at least m+1"),
     (bad("logprobs", [[0.5, -1, -2], [-1, -1, -1], [-1, -1, -1]]), "positive"),
-    (bad("logprobs", [[-1, -1], [-1, -1], [-1, -1]]), "expected [3, 3]"),
+    (bad("logprobs", [[-1, -1], [-1, -1], [-1, -1]]), "2 scores for 3 tokens"),
     (bad("tokens", [[1, 1, 2], [3, 4, 5], [6, 7, 8]]), "repeats"),
     (bad("tokens", [[1.5, 2, 3], [3, 4, 5], [6, 7, 8]]), "integer"),
-    (bad("tokens", [[1, 2], [3, 4, 5], [6, 7, 8]]), "same non-zero length"),
-    (bad("transitions", [[[-1.0] * 3] * 3]), "expected [2, 3, 3]"),
+    (bad("tokens", [[1, 2], [3, 4, 5], [6, 7, 8]]), "3 scores for 2 tokens"),
+    (bad("tokens", [[1, 2, 3], [3, 4, 5]]), "\"logprobs\" has 3 positions"),
+    (bad("transitions", [[[-1.0] * 3] * 3]), "m-1 = 2 entries"),
+    (bad("transitions", [[[-1.0] * 3] * 3, [[-1.0] * 2] * 3]), "transitions\"[1] must be [3][3]"),
     (bad("target", KeyError), "missing 'target'"),
     (bad("schema", "specpilot.lattice/9"), "unknown schema"),
     (bad("step", -1), "non-negative"),
@@ -158,3 +160,43 @@ def test_sequoia_calibration_file(tmp_path, run_cli):
     own = json.loads(run_cli("replay", lat, "--policy", "sequoia:6", "--format", "json")[1])
     assert json.loads(out)["sequoia_rank_acceptance"] != own["sequoia_rank_acceptance"]
     assert json.loads(out)["sequoia_rank_acceptance"][0] > 0.7     # calibrated where rank 0 dominates
+
+
+def test_ragged_and_empty_steps_from_the_engine(tmp_path, run_cli):
+    """Rows shorter than K, parent-conditioned ragged transitions, and a step with no draft."""
+    rows = [
+        {"schema": "specpilot.lattice/1", "request": 0, "step": 0, "tokens": [[66], [196, 12], [170]],
+         "logprobs": [[0.0], [-0.29, -1.39], [0.0]], "transitions": [[[-0.22, -1.6]], [[-0.05], [-1.2]]],
+         "target": [66, 12, 170, 16]},
+        {"schema": "specpilot.lattice/1", "request": 0, "step": 1, "tokens": [], "logprobs": [],
+         "transitions": None, "target": [5]},
+        {"schema": "specpilot.lattice/1", "request": 1, "step": 0, "tokens": [[7, 8, 9]],
+         "logprobs": [[-0.1, -2.0, -3.0]], "transitions": None, "target": [9, 1]},
+    ]
+    lat = write(tmp_path / "l.jsonl", rows)
+    code, out, err = run_cli("replay", lat, "--policy", "chain", "--policy", "best-first:4", "--policy", "oracle:3",
+                             "--policy", "eagle2:2,3,4", "--policy", "sequoia:4", "--format", "json")
+    assert code == 0, err
+    tau = {p["policy"]: p["tau"] for p in json.loads(out)["policies"]}
+    # step 0: chain 66-196 stops after 66 (tau 2); 4 best-first nodes are 66, 66-196, 66-196-170, 66-12
+    # (66-12-170 scores -2.8): tau 3; the oracle follows 66-12-170: tau 4.
+    # step 1: no draft (tau 1); request 1: chain misses 9 (tau 1), trees of >= 3 candidates take it (tau 2)
+    assert tau["chain"] == pytest.approx((2 + 1 + 1) / 3)
+    assert tau["best-first:4"] == pytest.approx((3 + 1 + 2) / 3)
+    assert tau["oracle:3"] == pytest.approx((4 + 1 + 2) / 3)
+    assert tau["eagle2:2,3,4"] == pytest.approx((3 + 1 + 1) / 3)     # top-2 never drafts 9
+
+
+@pytest.mark.parametrize("field,value,msg", [
+    ("transitions", [[[-0.2, -1.6, -1.0]], [[-0.05], [-1.2]]], "transitions\"[0] must be [1][2]"),
+    ("logprobs", [[0.0], [-0.29], [0.0]], "1 scores for 2 tokens"),
+    ("tokens", [[66], [], [170]], "is empty"),
+])
+def test_ragged_rows_checked(tmp_path, run_cli, field, value, msg):
+    row = {"schema": "specpilot.lattice/1", "request": 0, "step": 0, "tokens": [[66], [196, 12], [170]],
+           "logprobs": [[0.0], [-0.29, -1.39], [0.0]], "transitions": [[[-0.22, -1.6]], [[-0.05], [-1.2]]],
+           "target": [66, 12, 170, 16]}
+    row[field] = value
+    lat = write(tmp_path / "l.jsonl", [row])
+    code, _, err = run_cli("replay", lat)
+    assert code == 2 and msg in err and f"{lat}:1" in err, err
