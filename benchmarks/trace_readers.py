@@ -9,7 +9,8 @@ and the process's peak RSS (and its growth over a process that only imported the
     python benchmarks/trace_readers.py [--kernels 2000000] [--kineto-mb 200] [--keep DIR]
 
 Targets (issue 5): >= 1 M kernel events/s for SQLite, >= 200 k events/s for Kineto, peak memory
-well under the file size.
+well under the file size. Wall time depends on what else the machine runs, so CPU seconds (all
+threads) are recorded too, with the load average before and after.
 """
 
 from __future__ import annotations
@@ -31,13 +32,17 @@ sys.path.insert(0, str(HERE))
 CHILD = r"""
 import json, resource, sys, time
 from specpilot.probes.traces import read_trace, StepRequest
+import numpy, specpilot.probes.traces.kineto, specpilot.probes.traces.nsys_sqlite  # imports before the baseline
 path, mode, rx = sys.argv[1], sys.argv[2], sys.argv[3] or None
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+r0 = resource.getrusage(resource.RUSAGE_SELF)
+base = r0.ru_maxrss
 t0 = time.perf_counter()
 agg = read_trace(path, StepRequest(range_regex=rx, mode=mode))
 dt = time.perf_counter() - t0
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print(json.dumps({"seconds": dt, "peak_rss_kb": peak, "base_rss_kb": base, "steps": len(agg.steps),
+r1 = resource.getrusage(resource.RUSAGE_SELF)
+peak = r1.ru_maxrss
+cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+print(json.dumps({"seconds": dt, "cpu_seconds": cpu, "peak_rss_kb": peak, "base_rss_kb": base, "steps": len(agg.steps),
                   "mode": agg.step_mode, "events": agg.total_events,
                   "busy_ns": [s.busy_ns for s in agg.steps[:3]], "group_events": sum(g.count for g in agg.groups)}))
 """
@@ -93,6 +98,7 @@ def main():
             rows.append({"reader": "nsys-sqlite", "variant": label, "file_mb": p.stat().st_size / 1e6,
                          "kernels": kernels, "events": r["events"], "steps": r["steps"], "correct": ok,
                          "seconds": r["seconds"], "kernels_per_s": kernels / r["seconds"],
+                         "cpu_seconds": r["cpu_seconds"], "kernels_per_cpu_s": kernels / r["cpu_seconds"],
                          "peak_rss_mb": r["peak_rss_kb"] / 1024, "rss_growth_mb": (r["peak_rss_kb"] - r["base_rss_kb"]) / 1024,
                          "generate_seconds": gen})
             print(rows[-1], flush=True)
@@ -114,6 +120,7 @@ def main():
             rows.append({"reader": "kineto", "variant": name, "file_mb": p.stat().st_size / 1e6, "json_mb": raw_mb,
                          "events": total_events, "gpu_events": gpu_events, "steps": r["steps"], "correct": ok,
                          "seconds": r["seconds"], "events_per_s": total_events / r["seconds"],
+                         "cpu_seconds": r["cpu_seconds"], "events_per_cpu_s": total_events / r["cpu_seconds"],
                          "gpu_events_per_s": gpu_events / r["seconds"], "peak_rss_mb": r["peak_rss_kb"] / 1024,
                          "rss_growth_mb": (r["peak_rss_kb"] - r["base_rss_kb"]) / 1024})
             print(rows[-1], flush=True)
@@ -127,8 +134,8 @@ def main():
     path = write_results("trace_readers", rows, extra=env)
     from common import print_table
 
-    print_table(rows, ["reader", "variant", "file_mb", "steps", "correct", "seconds", "kernels_per_s", "events_per_s",
-                       "peak_rss_mb", "rss_growth_mb"])
+    print_table(rows, ["reader", "variant", "file_mb", "steps", "correct", "seconds", "cpu_seconds", "kernels_per_s",
+                       "kernels_per_cpu_s", "events_per_s", "events_per_cpu_s", "peak_rss_mb", "rss_growth_mb"])
     print(f"wrote {path}")
 
 
