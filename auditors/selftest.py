@@ -6,8 +6,9 @@ Systems, all greedy on the same chat prompts:
 - ``stock``: batches of 8 with left padding and a KV cache (a serving engine's numerics);
 - lossless ``batch4``: batches of 4 (other padding, other matmul shapes);
 - lossless ``eager-attention``: batches of 8 with the eager attention kernel instead of SDPA;
-- lossless embedded-engine systems (``engine:...,mode=chain`` / ``tree``) when the engine is
-  available;
+- lossless embedded-engine systems (``engine:model=smollm2,mode=chain`` / ``mode=tree,nodes=32``)
+  on the first ``engine_prompts`` prompts (the engine is slow on a small CPU), audited against
+  stock and AR on those prompts, beside the largest planted bias as a positive control;
 - defective ``bias=b``: stock with ``b`` added to the logits of a fixed random subset of the
   vocabulary before the argmax - a real, planted defect of the kind that accuracy misses.
 
@@ -56,6 +57,8 @@ class SelftestResult:
     biases: list[float]
     engine_systems: list[str]
     engine_note: str | None
+    engine_prompts: int
+    engine_audit: AuditResult | None
     full: AuditResult
     repeated: list[RepeatRow]
     false_reject_rate: float
@@ -154,18 +157,19 @@ def _subset(s: Scored, ids: list) -> Scored:
                   [s.scores[i] for i in idx])
 
 
-def _engine_generators(device: str):
-    """Embedded-engine lossless systems, or a note why there are none."""
+def _engine_specs(device: str) -> tuple[list[str], str | None]:
+    """Embedded-engine lossless systems (SmolLM2, chain and best-first tree), or why there are none."""
     try:
         from specpilot.engine.api import EngineSpec, load_engine  # noqa: F401
     except ImportError as e:
         return [], f"embedded engine not available ({e})"
-    specs = ["engine:model=smollm2,mode=chain", "engine:model=smollm2,mode=tree,nodes=32"]
-    return specs, None
+    dev = "cuda" if device.startswith("cuda") else "cpu"
+    extra = f",device={dev}" + (",threads=1" if dev == "cpu" else "")
+    return [f"engine:model=smollm2,mode=chain{extra}", f"engine:model=smollm2,mode=tree,nodes=32{extra}"], None
 
 
-def run_selftest(*, n_prompts: int = 32, max_new_tokens: int = 48, repeats: int = 8, biases=(4.0, 2.0, 1.0, 0.5),
-                 bias_fraction: float = 0.1, use_engine: bool = True, device: str | None = None, seed: int = 0,
+def run_selftest(*, n_prompts: int = 24, max_new_tokens: int = 32, repeats: int = 6, biases=(2.0, 1.0, 0.5, 0.25, 0.125),
+                 bias_fraction: float = 0.1, engine_prompts: int = 4, device: str | None = None, seed: int = 0,
                  bootstrap: int = 1000, progress: Callable | None = None, scorer=None) -> SelftestResult:
     import time
 
@@ -229,22 +233,23 @@ def run_selftest(*, n_prompts: int = 32, max_new_tokens: int = 48, repeats: int 
 
     engine_note = None
     engine_specs: list[str] = []
-    if use_engine:
-        specs, engine_note = _engine_generators(str(scorer.device))
+    engine_outputs: dict[str, Outputs] = {}
+    k_eng = min(engine_prompts, n_prompts)
+    if k_eng > 0:
+        specs, engine_note = _engine_specs(str(scorer.device))
         for spec in specs:
             try:
                 t0 = time.perf_counter()
                 gen = EngineGenerator(spec)
-                out = collect(gen, [Prompt(pid, p) for pid, p in zip(pids, prompt_ids)], max_new_tokens,
-                              name=spec, progress=progress)
+                out = collect(gen, [Prompt(pid, p) for pid, p in zip(pids[:k_eng], prompt_ids[:k_eng])],
+                              max_new_tokens, name=spec, progress=progress)
                 gen_s[spec] = round(time.perf_counter() - t0, 2)
-                systems[spec] = out
-                lossless.append(spec)
+                engine_outputs[spec] = out
                 engine_specs.append(spec)
             except Exception as e:  # the engine is optional here; say why it was left out
                 engine_note = f"{spec}: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
     else:
-        engine_note = "left out (--no-engine)"
+        engine_note = "left out (--engine-prompts 0)"
 
     V = scorer.vocab_size
     g = torch.Generator().manual_seed(seed)
@@ -265,6 +270,12 @@ def run_selftest(*, n_prompts: int = 32, max_new_tokens: int = 48, repeats: int 
     cands = [scored[n] for n in lossless] + [scored[n] for n, _ in defective]
     full = audit(cands, scored["stock"], scored["ar"], bootstrap=bootstrap, seed=seed)
     by_name = {s.name: s for s in full.systems}
+    engine_audit = None
+    if engine_outputs:
+        sub = pids[:k_eng]
+        eng_scored = [score_outputs(scorer, o, "system", **kw) for o in engine_outputs.values()]
+        engine_audit = audit(eng_scored + [_subset(scored[n], sub) for n, _ in defective[:1]],
+                             _subset(scored["stock"], sub), _subset(scored["ar"], sub), bootstrap=bootstrap, seed=seed)
 
     per = n_prompts // repeats
     rng = np.random.default_rng(seed)
@@ -297,12 +308,17 @@ def run_selftest(*, n_prompts: int = 32, max_new_tokens: int = 48, repeats: int 
     for n in lossless:
         if by_name[n].verdict != "pass":
             problems.append(f"lossless system {n} was rejected on the full prompt set")
+    if engine_audit is not None:
+        for sa in engine_audit.systems:
+            if sa.name in engine_specs and sa.verdict != "pass":
+                problems.append(f"lossless engine system {sa.name} was rejected")
     top = defective[0][0]
     if by_name[top].verdict != "reject":
         problems.append(f"the largest planted bias ({top}) was not rejected")
     return SelftestResult(
         model=scorer.info.path, device=str(scorer.device), cpu=cpu_name(), prompts=n_prompts,
         max_new_tokens=max_new_tokens, repeats=repeats, prompts_per_repeat=per, bias_fraction=bias_fraction,
-        biases=biases, engine_systems=engine_specs, engine_note=engine_note, full=full, repeated=repeated,
+        biases=biases, engine_systems=engine_specs, engine_note=engine_note, engine_prompts=k_eng,
+        engine_audit=engine_audit, full=full, repeated=repeated,
         false_reject_rate=fr_r / fr_a if fr_a else 0.0, false_reject_audits=fr_a, detection=detection,
         generation_s=gen_s, ok=not problems, problems=problems)

@@ -249,20 +249,20 @@ def collect_cmd(system, prompts_path, max_new_tokens, timeout, save, tokenizer, 
 
 
 @command.command("selftest")
-@click.option("--prompts", "n_prompts", type=int, default=32, show_default=True, help="Built-in prompts to use.")
-@click.option("--max-new-tokens", type=int, default=48, show_default=True)
-@click.option("--repeats", type=int, default=8, show_default=True,
+@click.option("--prompts", "n_prompts", type=int, default=24, show_default=True, help="Built-in prompts to use.")
+@click.option("--max-new-tokens", type=int, default=32, show_default=True)
+@click.option("--repeats", type=int, default=6, show_default=True,
               help="Disjoint prompt subsets audited separately for the false-reject and detection rates.")
-@click.option("--biases", default="4,2,1,0.5", show_default=True,
+@click.option("--biases", default="2,1,0.5,0.25,0.125", show_default=True,
               help="Logit biases of the defective system, largest first.")
 @click.option("--bias-fraction", type=float, default=0.1, show_default=True,
               help="Fraction of the vocabulary whose logits get the bias.")
-@click.option("--engine/--no-engine", "use_engine", default=True, show_default=True,
-              help="Include the embedded engine's chain/tree systems when it is available.")
+@click.option("--engine-prompts", type=int, default=4, show_default=True,
+              help="Prompts on which the embedded engine's chain and tree systems are run and audited (0: none).")
 @click.option("--device", default=None)
 @click.option("--seed", type=int, default=0, show_default=True)
 @output_options
-def selftest_cmd(n_prompts, max_new_tokens, repeats, biases, bias_fraction, use_engine, device, seed, fmt, out):
+def selftest_cmd(n_prompts, max_new_tokens, repeats, biases, bias_fraction, engine_prompts, device, seed, fmt, out):
     """The paper's validation on the real SmolLM2: a planted logit bias must be rejected, lossless systems pass.
 
     Reports the full audit, the false-reject rate over repeated lossless audits (disjoint prompt
@@ -273,7 +273,7 @@ def selftest_cmd(n_prompts, max_new_tokens, repeats, biases, bias_fraction, use_
 
     bias_list = _float_list(biases, "--biases")
     res = run_selftest(n_prompts=n_prompts, max_new_tokens=max_new_tokens, repeats=repeats, biases=bias_list,
-                       bias_fraction=bias_fraction, use_engine=use_engine, device=device, seed=seed,
+                       bias_fraction=bias_fraction, engine_prompts=engine_prompts, device=device, seed=seed,
                        progress=progress)
     emit(selftest_report(res), fmt, out)
     return 0 if res.ok else 1
@@ -294,49 +294,90 @@ def _float_list(text: str, name: str) -> list[float]:
     return vals
 
 
+def _environment() -> dict:
+    """Facts a measured figure needs beside it (the benchmark-results keys of benchmarks/common.py)."""
+    import datetime as dt
+    import platform
+    import subprocess
+    from pathlib import Path
+
+    env = {"benchmark": "audit_selftest", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+           "python": platform.python_version()}
+    try:
+        env["git_sha"] = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL,
+                                                 cwd=Path(__file__).resolve().parent).strip()
+    except Exception:
+        env["git_sha"] = "unknown"
+    for mod in ("torch", "transformers", "triton"):
+        try:
+            env[mod] = __import__(mod).__version__
+        except Exception:
+            env[mod] = None
+    try:
+        import torch
+
+        env["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+        env["cpu_threads"] = torch.get_num_threads()
+    except Exception:
+        env["gpu"] = "cpu"
+    env["driver"] = None
+    return env
+
+
 def selftest_report(res) -> Report:
     from dataclasses import asdict
 
     full = audit_report(res.full, None)
+    eng = audit_report(res.engine_audit, None) if res.engine_audit is not None else None
+    rows = [asdict(r) for r in res.repeated]
     data = {
         "schema": "specpilot.audit-selftest/1",
+        **_environment(),
+        "cpu": res.cpu,
+        "device": res.device,
         "ok": res.ok,
         "problems": res.problems,
         "model": res.model,
-        "device": res.device,
-        "cpu": res.cpu,
         "prompts": res.prompts,
         "max_new_tokens": res.max_new_tokens,
         "bias_fraction": res.bias_fraction,
-        "engine_systems": res.engine_systems,
-        "engine_note": res.engine_note,
-        "generation_s": res.generation_s,
-        "full_audit": full.data,
-        "repeats": res.repeats,
-        "prompts_per_repeat": res.prompts_per_repeat,
         "false_reject_rate": res.false_reject_rate,
         "false_reject_audits": res.false_reject_audits,
         "detection_rate": res.detection,
-        "repeated": [asdict(r) for r in res.repeated],
+        "repeats": res.repeats,
+        "prompts_per_repeat": res.prompts_per_repeat,
+        "rows": rows,
+        "full_audit": full.data,
+        "engine_prompts": res.engine_prompts,
+        "engine_systems": res.engine_systems,
+        "engine_note": res.engine_note,
+        "engine_audit": eng.data if eng else None,
+        "generation_s": res.generation_s,
     }
     rep_rows = [[r.system, r.kind, r.audits, r.rejected, f"{100 * r.rate:.0f}%", _pct(r.mean_mismatch_rate),
                  fmt_num(r.mean_events)] for r in res.repeated]
-    lines = list(full.lines)
+    sections = [Section("Full audit, all prompts: " + s.title, s.headers, s.rows) for s in full.sections]
+    lines = [ln for ln in full.lines if not ln.startswith("verdict:")]
+    if eng is not None:
+        sections += [Section(f"Embedded engine, first {res.engine_prompts} prompts: " + s.title, s.headers, s.rows)
+                     for s in eng.sections[:1]]
+        lines += [f"engine audit: delta = {res.engine_audit.delta:g}, verdict "
+                  f"{res.engine_audit.verdict.upper()} (the bias row is the positive control)"]
+    sections.append(Section(f"Repeated audits ({res.repeats} disjoint subsets of {res.prompts_per_repeat} prompts)",
+                            ["system", "kind", "audits", "rejected", "reject rate", "mean mismatch rate",
+                             "mean events"], rep_rows))
     lines.append("")
-    lines.append(f"false-reject rate of lossless systems: {sum(r.rejected for r in res.repeated if r.kind == 'lossless')}"
-                 f"/{res.false_reject_audits} audits ({100 * res.false_reject_rate:.1f}%) on "
-                 f"{res.repeats} disjoint subsets of {res.prompts_per_repeat} prompts")
+    fr = sum(r.rejected for r in res.repeated if r.kind == "lossless")
+    lines.append(f"false-reject rate of lossless systems: {fr}/{res.false_reject_audits} audits "
+                 f"({100 * res.false_reject_rate:.1f}%) on {res.repeats} disjoint subsets of "
+                 f"{res.prompts_per_repeat} prompts")
     lines.append("detection rate by bias: " + ", ".join(f"bias {b}: {100 * v:.0f}%" for b, v in res.detection.items()))
     if res.engine_note:
         lines.append(f"engine systems: {res.engine_note}")
-    lines.append(f"model {res.model} on {res.device} ({res.cpu}); {res.prompts} prompts x up to "
+    lines.append(f"model {res.model} on {res.device} ({res.cpu}); {res.prompts} chat prompts x up to "
                  f"{res.max_new_tokens} new tokens; bias on {100 * res.bias_fraction:g}% of the vocabulary")
     for p in res.problems:
         lines.append(f"PROBLEM: {p}")
     lines.append(f"selftest: {'OK' if res.ok else 'FAILED'}")
-    return Report(data=data, title="Audit self-test on SmolLM2-135M-Instruct (paper 3.4)",
-                  sections=list(full.sections) + [Section(
-                      f"Repeated audits ({res.repeats} disjoint subsets of {res.prompts_per_repeat} prompts)",
-                      ["system", "kind", "audits", "rejected", "reject rate", "mean mismatch rate",
-                       "mean events"], rep_rows)],
+    return Report(data=data, title="Audit self-test on SmolLM2-135M-Instruct (paper 3.4)", sections=sections,
                   lines=lines)
