@@ -28,7 +28,7 @@ MODES = ("ar", "chain", "tree")
 class GenerationResult:
     output_ids: list[int]
     steps: int  # target forward passes after prefill (verification passes)
-    tau: float  # tokens committed per verification pass
+    tau: float  # output tokens per verification pass (prefill token excluded)
     seconds: float  # wall time of the whole request (prefill included)
     lattice_steps: list[dict] = field(default_factory=list)
     prefill_seconds: float = 0.0
@@ -191,5 +191,7 @@ class Decoder:
             for r in lattice:
                 at, mm = r.pop("_at"), r.pop("_m")
                 r["target"] = full[at:at + max(mm + 1, 1)]
-        tau = (sum(accepts) + len(accepts)) / steps if steps else 1.0
+        # tau: tokens the verification passes delivered (the prefill's first token excluded), per pass;
+        # tokens a last pass committed past EOS or the limit are not counted (accept_lengths keeps them)
+        tau = (len(out) - 1) / steps if steps else 1.0
         return GenerationResult(out, steps, tau, seconds, lattice, t_prefill, accepts, stop)

@@ -137,9 +137,9 @@ def command(prompt_text, prompts_file, prompt_ids, chat, max_new_tokens, outputs
     tokens = sum(r["tokens"] for r in results)
     steps = sum(r["steps"] for r in results)
     seconds = sum(r["seconds"] for r in results)
-    committed = sum(r["tau"] * r["steps"] for r in results)
+    delivered = sum(r["tokens"] - 1 for r in results)  # tokens from verification passes (not prefill)
     summary = {"requests": len(results), "tokens": tokens, "steps": steps,
-               "tau": committed / steps if steps else 1.0, "seconds": seconds,
+               "tau": delivered / steps if steps else 1.0, "seconds": seconds,
                "tokens_per_s": tokens / seconds if seconds > 0 else 0.0}
     data = {"schema": "specpilot.run/1", "engine": str(spec), "model": engine.model_name, "mode": spec.mode,
             "drafter": spec.drafter if spec.mode != "ar" else None, "nodes": spec.nodes if spec.mode == "tree" else None,
