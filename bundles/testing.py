@@ -85,9 +85,13 @@ def load_sglang_function(root: Path, module: str, name: str, namespace: dict, ke
     if not path.is_file():
         path = root / Path(*module.split(".")) / "__init__.py"
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-    node = next((n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == name), None)
+    body, parts = tree.body, name.split(".")
+    for part in parts[:-1]:  # "Class.method": the method, compiled as a plain function
+        body = next((n.body for n in body if isinstance(n, ast.ClassDef) and n.name == part), [])
+    name = parts[-1]
+    node = next((n for n in body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == name), None)
     if node is None:
-        raise LookupError(f"{name} not found in {path}")
+        raise LookupError(f"{'.'.join(parts)} not found in {path}")
     if not keep_decorators:
         node.decorator_list = []
     mod = ast.Module(body=[node], type_ignores=[])
