@@ -302,11 +302,14 @@ def status(python: str | None = None, memory_dir=None) -> StatusResult:
             hooks = mem.hooks_of(entries, act["closure"])
             symbols = [s for i in act["closure"] for s in entries[i].symbols]
             checks = check_targets(env.sglang_root, hooks, symbols)
+            changed: dict[str, list[str]] = {}
             for c in checks:
                 if not c.ok:
                     problems.append(f"{c.target}: {c.problem}")
                 elif act.get("targets", {}).get(c.target) not in (None, c.file_sha256):
-                    problems.append(f"{c.target}: {Path(c.file).name} changed since apply")
+                    changed.setdefault(c.file, []).append(c.target.rsplit(".", 1)[-1])
+            for file, names in changed.items():
+                problems.append(f"{file} changed since apply (defines {', '.join(names)}); check and apply again")
             now = mem.compose(entries, act["closure"])
             listed = sorted(f"{h['type']} {h['target']} <- {h['handler']}" for h in act.get("hooks", []))
             if listed != now.hooks:
