@@ -135,11 +135,16 @@ def _layout_records(byte: torch.Tensor, nib: torch.Tensor, rows_stored: int) -> 
     nb = (nv[..., list(_NIB_LO)] | (nv[..., list(_NIB_HI)] << 4)).reshape(rs, kp // 2)
     bp = bp.to(torch.uint8)
     nb = nb.to(torch.uint8)
+    full = rs // TILE_N
     out = []
-    for t0 in range(0, rs, TILE_N):
-        r = min(TILE_N, rs - t0)
-        b = bp[t0:t0 + r].view(r, kt, TILE_K).permute(1, 0, 2).reshape(kt, r * TILE_K)
-        q = nb[t0:t0 + r].view(r, kt, TILE_K // 2).permute(1, 0, 2).reshape(kt, r * TILE_K // 2)
+    if full:  # all full 128-row tiles at once
+        b = bp[:full * TILE_N].reshape(full, TILE_N, kt, TILE_K).permute(0, 2, 1, 3).reshape(full, kt, -1)
+        q = nb[:full * TILE_N].reshape(full, TILE_N, kt, TILE_K // 2).permute(0, 2, 1, 3).reshape(full, kt, -1)
+        out.append(torch.cat([b, q], dim=2).reshape(-1))
+    r = rs - full * TILE_N
+    if r:     # the last tile holds only the rows present
+        b = bp[full * TILE_N:].reshape(r, kt, TILE_K).permute(1, 0, 2).reshape(kt, r * TILE_K)
+        q = nb[full * TILE_N:].reshape(r, kt, TILE_K // 2).permute(1, 0, 2).reshape(kt, r * TILE_K // 2)
         out.append(torch.cat([b, q], dim=1).reshape(-1))
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.uint8, device=byte.device)
 
@@ -210,13 +215,18 @@ def unpack_codes(t: W12Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     kt = kp // TILE_K
     bp = torch.empty(rs, kp, dtype=torch.uint8, device=t.records.device)
     nb = torch.empty(rs, kp // 2, dtype=torch.uint8, device=t.records.device)
-    off = 0
-    for t0 in range(0, rs, TILE_N):
-        r = min(TILE_N, rs - t0)
-        rec = t.records[off:off + kt * r * 96].view(kt, r * 96)
-        off += kt * r * 96
-        bp[t0:t0 + r] = rec[:, :r * TILE_K].reshape(kt, r, TILE_K).permute(1, 0, 2).reshape(r, kp)
-        nb[t0:t0 + r] = rec[:, r * TILE_K:].reshape(kt, r, TILE_K // 2).permute(1, 0, 2).reshape(r, kp // 2)
+    full = rs // TILE_N
+    if full:
+        rec = t.records[:full * kt * RECORD_BYTES].view(full, kt, RECORD_BYTES)
+        bp[:full * TILE_N] = rec[..., :TILE_N * TILE_K].reshape(full, kt, TILE_N, TILE_K).permute(0, 2, 1, 3) \
+            .reshape(full * TILE_N, kp)
+        nb[:full * TILE_N] = rec[..., TILE_N * TILE_K:].reshape(full, kt, TILE_N, TILE_K // 2) \
+            .permute(0, 2, 1, 3).reshape(full * TILE_N, kp // 2)
+    r = rs - full * TILE_N
+    if r:
+        rec = t.records[full * kt * RECORD_BYTES:].view(kt, r * 96)
+        bp[full * TILE_N:] = rec[:, :r * TILE_K].reshape(kt, r, TILE_K).permute(1, 0, 2).reshape(r, kp)
+        nb[full * TILE_N:] = rec[:, r * TILE_K:].reshape(kt, r, TILE_K // 2).permute(1, 0, 2).reshape(r, kp // 2)
     inv = [_BYTE_PERM.index(i) for i in range(4)]
     byte = bp.view(rs, kp // 4, 4)[..., inv].reshape(rs, kp).to(torch.int32)
     nbv = nb.view(rs, kp // 8, 4).to(torch.int32)

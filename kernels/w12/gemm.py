@@ -410,8 +410,35 @@ def bucket(m: int) -> int:
     return 1 if m <= 1 else 2 if m <= 2 else 4 if m <= 4 else 8 if m <= 8 else 16 if m <= 16 else 32 if m <= 32 else 64
 
 
-# measured on the H200 by benchmarks/w12_gemm.py (filled from its results; see docs/w12.md)
-TUNED: dict[tuple[int, int, int], Config] = {}
+# Fastest correct variant per (N, K, rows) measured on the H200 by benchmarks/w12_gemm.py
+# (benchmarks/results/w12_gemm.json, 2026-11-30; the comment is the speedup over cuBLAS there).
+TUNED: dict[tuple[int, int, int], Config] = {
+    (6144, 4096, 1): Config(64, 256, 3, "gemv", 4, 1, True),  # 0.826x
+    (6144, 4096, 8): Config(128, 128, 6, "dot8t", 4, 1, True),  # 0.454x
+    (6144, 4096, 32): Config(128, 128, 6, "dot", 4, 1, False),  # 0.325x
+    (6144, 4096, 64): Config(64, 128, 3, "dot8", 4, 1, True),  # 0.253x
+    (4096, 4096, 1): Config(64, 256, 4, "gemv", 4, 1, True),  # 0.91x
+    (4096, 4096, 8): Config(128, 128, 8, "dot", 4, 1, False),  # 0.392x
+    (4096, 4096, 32): Config(128, 128, 8, "dot", 4, 1, False),  # 0.277x
+    (4096, 4096, 64): Config(64, 128, 4, "dot8", 4, 1, True),  # 0.259x
+    (28672, 4096, 1): Config(32, 256, 1, "gemv", 4, 1, True),  # 0.868x
+    (28672, 4096, 8): Config(128, 128, 1, "dot8t", 4, 1, True),  # 0.573x
+    (28672, 4096, 32): Config(128, 128, 1, "dot", 4, 1, False),  # 0.463x
+    (28672, 4096, 64): Config(128, 128, 1, "dot", 4, 1, False),  # 0.382x
+    (4096, 14336, 1): Config(64, 256, 4, "gemv", 4, 1, True),  # 0.864x
+    (4096, 14336, 8): Config(128, 128, 8, "dot8t", 4, 1, True),  # 0.346x
+    (4096, 14336, 32): Config(128, 128, 8, "dot", 4, 1, False),  # 0.23x
+    (4096, 14336, 64): Config(64, 128, 4, "dot8", 4, 1, True),  # 0.242x
+    (7168, 5120, 1): Config(64, 256, 2, "gemv", 4, 1, True),  # 0.915x
+    (7168, 5120, 8): Config(128, 128, 5, "dot", 4, 1, False),  # 0.456x
+    (7168, 5120, 32): Config(128, 128, 5, "dot", 4, 1, False),  # 0.265x
+    (7168, 5120, 64): Config(64, 128, 2, "dot8", 4, 1, True),  # 0.238x
+    (34816, 5120, 1): Config(64, 256, 1, "gemv", 4, 1, True),  # 0.978x
+    (34816, 5120, 8): Config(128, 128, 1, "dot", 4, 1, False),  # 0.581x
+    (34816, 5120, 32): Config(128, 128, 1, "dot", 4, 1, False),  # 0.463x
+    (34816, 5120, 64): Config(128, 128, 1, "dot", 4, 1, False),  # 0.3x
+    (5120, 17408, 1): Config(64, 256, 3, "gemv", 4, 1, True),  # 0.905x (log of the same run)
+}
 
 _WORKSPACES: dict = {}
 

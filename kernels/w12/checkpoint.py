@@ -1,0 +1,422 @@
+"""W12 checkpoints: pack a safetensors file/folder, verify it bit for bit, report its size.
+
+A converted weight ``NAME`` (bf16 ``[N, K]``) is stored as four tensors
+
+    NAME.w12.records   uint8  the 12 KB records (last row tile cut to the rows present)
+    NAME.w12.low_exp   uint8  [N]   window low end per output channel
+    NAME.w12.esc_pos   int32  [nnz] flat positions n*K + k of escapes (int64 if N*K >= 2**31)
+    NAME.w12.esc_bits  int16  [nnz] their bf16 bit patterns
+
+and described in the safetensors metadata key ``specpilot.w12`` (JSON, schema ``specpilot.w12/1``):
+format version, tile, row padding, per tensor its shape, stored rows, padded K and a CRC-32 of each
+stored part (so ``verify`` catches a corrupted record even without the original). Every other
+tensor is copied unchanged; other metadata keys are kept.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import shutil
+import tempfile
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+
+from .format import (FORMAT_VERSION, ROW_ALIGN_FILE, TILE_K, TILE_N, W12Tensor, check, decode, encode,
+                     expected_record_bytes)
+
+META_KEY = "specpilot.w12"
+SCHEMA = "specpilot.w12/1"
+PARTS = ("records", "low_exp", "esc_pos", "esc_bits")
+DEFAULT_INCLUDE = ("*proj.weight", "*fc1.weight", "*fc2.weight", "*c_fc.weight", "*c_proj.weight",
+                   "*query_key_value.weight", "*dense*.weight", "*experts*.weight")
+DEFAULT_EXCLUDE = ("*embed*", "lm_head.weight", "*norm*", "*.w12.*")
+
+
+class W12FormatError(ValueError):
+    """The file is not a valid W12 checkpoint (or a part of it is corrupted)."""
+
+
+# ----------------------------------------------------------------------------------------------
+# checkpoint discovery
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class Checkpoint:
+    root: Path                  # the file, or the folder
+    files: list[Path]           # safetensors files
+    index: Path | None = None   # model.safetensors.index.json, if sharded
+    is_folder: bool = False
+
+
+def find_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    p = Path(path)
+    if p.is_file():
+        if p.name.endswith(".index.json"):
+            return _from_index(p)
+        if p.suffix != ".safetensors":
+            raise FileNotFoundError(f"{p}: expected a .safetensors file, an index .json or a model folder")
+        return Checkpoint(p, [p])
+    if p.is_dir():
+        idx = sorted(p.glob("*.safetensors.index.json"))
+        if idx:
+            return _from_index(idx[0])
+        files = sorted(p.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{p}: no *.safetensors files in this folder")
+        return Checkpoint(p, files, None, True)
+    raise FileNotFoundError(f"{p}: no such file or folder")
+
+
+def _from_index(index: Path) -> Checkpoint:
+    try:
+        doc = json.loads(index.read_text())
+        shards = sorted(set(doc["weight_map"].values()))
+    except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
+        raise FileNotFoundError(f"{index}: not a safetensors index ({type(e).__name__})") from None
+    files = [index.parent / s for s in shards]
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise FileNotFoundError(f"{index}: shard {missing[0]} is missing")
+    return Checkpoint(index.parent, files, index, True)
+
+
+def read_file(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = dict(f.metadata() or {})
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # safetensors raises its own error types for malformed headers
+        raise W12FormatError(f"{path}: not a readable safetensors file ({str(e).splitlines()[0][:160]})") from None
+    return tensors, meta
+
+
+# ----------------------------------------------------------------------------------------------
+# pack
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class TensorStat:
+    name: str
+    shape: tuple[int, int]
+    bits_per_weight: float
+    escapes: int
+    escape_rate: float
+    stored_bytes: int
+
+
+@dataclass
+class PackResult:
+    output: str
+    converted: list[TensorStat] = field(default_factory=list)
+    kept: list[str] = field(default_factory=list)
+    skipped_not_bf16: list[str] = field(default_factory=list)
+
+    @property
+    def weights(self) -> int:
+        return sum(t.shape[0] * t.shape[1] for t in self.converted)
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(t.stored_bytes for t in self.converted)
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8.0 * self.stored_bytes / self.weights if self.weights else 0.0
+
+    @property
+    def escape_rate(self) -> float:
+        return sum(t.escapes for t in self.converted) / self.weights if self.weights else 0.0
+
+
+def selected(name: str, t: torch.Tensor, include: Iterable[str], exclude: Iterable[str]) -> bool:
+    return (t.dim() == 2 and any(fnmatch.fnmatch(name, p) for p in include)
+            and not any(fnmatch.fnmatch(name, p) for p in exclude))
+
+
+def w12_parts(name: str, t: W12Tensor) -> dict[str, torch.Tensor]:
+    pos = t.esc_pos.to(torch.int32 if t.numel < 2**31 else torch.int64)
+    return {f"{name}.w12.records": t.records.contiguous(), f"{name}.w12.low_exp": t.low_exp.contiguous(),
+            f"{name}.w12.esc_pos": pos.contiguous(), f"{name}.w12.esc_bits": t.esc_bits.contiguous()}
+
+
+def _crc(t: torch.Tensor) -> int:
+    return zlib.crc32(t.contiguous().view(torch.uint8).numpy().tobytes()) if t.numel() else 0
+
+
+def pack_tensors(tensors: dict[str, torch.Tensor], meta: dict[str, str], include, exclude,
+                 result: PackResult, device: str = "cpu", on_tensor: Callable[[str], None] | None = None):
+    """Convert the selected bf16 tensors of one file; returns (tensors, metadata) to save."""
+    out: dict[str, torch.Tensor] = {}
+    info: dict[str, dict] = {}
+    for name, t in tensors.items():
+        if on_tensor:
+            on_tensor(name)
+        if not selected(name, t, include, exclude):
+            out[name] = t
+            result.kept.append(name)
+            continue
+        if t.dtype != torch.bfloat16:
+            out[name] = t
+            result.skipped_not_bf16.append(name)
+            continue
+        w12 = encode(t.to(device)).to("cpu")
+        parts = w12_parts(name, w12)
+        out.update(parts)
+        info[name] = {"shape": list(w12.shape), "rows_stored": w12.rows_stored, "k_pad": w12.k_pad,
+                      "dtype": "bfloat16", "crc32": {p: _crc(parts[f"{name}.w12.{p}"]) for p in PARTS}}
+        result.converted.append(TensorStat(name, w12.shape, w12.bits_per_weight(), w12.num_escapes,
+                                           w12.escape_rate(), w12.stored_bytes()))
+    new_meta = dict(meta)
+    new_meta.pop(META_KEY, None)
+    if info:
+        new_meta[META_KEY] = json.dumps({"schema": SCHEMA, "version": FORMAT_VERSION, "tile": [TILE_N, TILE_K],
+                                         "row_align": ROW_ALIGN_FILE, "tensors": info}, separators=(",", ":"))
+    return out, new_meta
+
+
+def _save_bytes(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> bytes:
+    from safetensors.torch import save
+
+    return save({k: v.contiguous() for k, v in tensors.items()}, metadata=meta or None)
+
+
+def pack(src: str, dst: str, include=DEFAULT_INCLUDE, exclude=DEFAULT_EXCLUDE, device: str = "cpu",
+         progress: Callable | None = None) -> PackResult:
+    """Pack a checkpoint (file, sharded folder or folder of files) into ``dst`` atomically."""
+    ck = find_checkpoint(src)
+    dst_p = Path(dst)
+    res = PackResult(str(dst_p))
+    if ck.is_folder:
+        if dst_p.exists() and (not dst_p.is_dir() or any(dst_p.iterdir())):
+            raise FileExistsError(f"{dst_p} exists and is not an empty folder")
+        if dst_p.resolve() == ck.root.resolve():
+            raise FileExistsError("the output folder is the input folder")
+        parent = dst_p.parent if str(dst_p.parent) else Path(".")
+        if not parent.is_dir():
+            raise FileNotFoundError(f"folder {parent} does not exist")
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dst_p.name}.", suffix=".part", dir=parent))
+        try:
+            weight_map: dict[str, str] = {}
+            for f in ck.files:
+                tensors, meta = read_file(f)
+                bar = progress(total=len(tensors), desc=f.name) if progress else None
+                out, new_meta = pack_tensors(tensors, meta, include, exclude, res, device,
+                                             (lambda _n: bar.update(1)) if bar else None)
+                if bar:
+                    bar.close()
+                (tmp / f.name).write_bytes(_save_bytes(out, new_meta))
+                weight_map.update({k: f.name for k in out})
+            for other in ck.root.iterdir():  # config, tokenizer, ... copied as they are
+                if other.is_file() and other.suffix != ".safetensors" and not other.name.endswith(".index.json"):
+                    shutil.copy2(other, tmp / other.name)
+            if ck.index is not None:
+                doc = json.loads(ck.index.read_text())
+                doc["weight_map"] = dict(sorted(weight_map.items()))
+                doc.setdefault("metadata", {})["specpilot.w12"] = SCHEMA
+                (tmp / ck.index.name).write_text(json.dumps(doc, indent=2) + "\n")
+            _require_converted(res, src, include)
+            if dst_p.exists():
+                dst_p.rmdir()
+            os.replace(tmp, dst_p)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    else:
+        if dst_p.exists() and dst_p.resolve() == ck.root.resolve():
+            raise FileExistsError("the output file is the input file")
+        tensors, meta = read_file(ck.files[0])
+        bar = progress(total=len(tensors), desc=ck.files[0].name) if progress else None
+        out, new_meta = pack_tensors(tensors, meta, include, exclude, res, device,
+                                     (lambda _n: bar.update(1)) if bar else None)
+        if bar:
+            bar.close()
+        _require_converted(res, src, include)
+        from specpilot.fileio import atomic_open
+
+        with atomic_open(dst_p, "wb", protect=[src]) as fh:
+            fh.write(_save_bytes(out, new_meta))
+    return res
+
+
+def _require_converted(res: PackResult, src: str, include) -> None:
+    if not res.converted:
+        extra = (f"; {len(res.skipped_not_bf16)} matching tensors are not bf16 (W12 is exact for bf16 only)"
+                 if res.skipped_not_bf16 else "")
+        raise W12FormatError(f"{src}: no tensor matched --include ({', '.join(include)}) among bf16 2-D "
+                             f"weights{extra}; nothing written")
+
+
+# ----------------------------------------------------------------------------------------------
+# read back, verify, stats
+# ----------------------------------------------------------------------------------------------
+
+def w12_info(meta: dict[str, str], source: str) -> dict:
+    raw = meta.get(META_KEY)
+    if raw is None:
+        return {}
+    try:
+        doc = json.loads(raw)
+    except json.JSONDecodeError:
+        raise W12FormatError(f"{source}: the {META_KEY} metadata is not valid JSON") from None
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
+        raise W12FormatError(f"{source}: unknown W12 schema {doc.get('schema') if isinstance(doc, dict) else doc!r}; "
+                             f"this SpecPilot reads {SCHEMA}")
+    if doc.get("version") != FORMAT_VERSION or doc.get("tile") != [TILE_N, TILE_K]:
+        raise W12FormatError(f"{source}: W12 version {doc.get('version')} tile {doc.get('tile')} is not supported")
+    return doc.get("tensors", {})
+
+
+def load_w12(tensors: dict[str, torch.Tensor], name: str, entry: dict, source: str,
+             check_crc: bool = True) -> W12Tensor:
+    parts = {}
+    for p in PARTS:
+        key = f"{name}.w12.{p}"
+        if key not in tensors:
+            raise W12FormatError(f"{source}: {name}: part {key} is missing")
+        parts[p] = tensors[key]
+        if check_crc and _crc(parts[p]) != int(entry.get("crc32", {}).get(p, -1)):
+            raise W12FormatError(f"{source}: {name}: {p} is corrupted (CRC-32 mismatch)")
+    try:
+        t = W12Tensor(tuple(int(x) for x in entry["shape"]), int(entry["rows_stored"]),
+                      parts["records"].to(torch.uint8), parts["low_exp"].to(torch.uint8),
+                      parts["esc_pos"].to(torch.int64), parts["esc_bits"].to(torch.int16))
+        check(t)
+    except (KeyError, ValueError, TypeError) as e:
+        raise W12FormatError(f"{source}: {name}: {e}") from None
+    if t.records.numel() != expected_record_bytes(t.shape, t.rows_stored):
+        raise W12FormatError(f"{source}: {name}: record size mismatch")
+    return t
+
+
+@dataclass
+class VerifyResult:
+    checked: list[str] = field(default_factory=list)
+    mismatched: list[tuple[str, str]] = field(default_factory=list)   # (tensor, what)
+    kept_checked: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatched
+
+
+def verify(packed: str, against: str | None = None, progress: Callable | None = None) -> VerifyResult:
+    """Restore every W12 tensor and compare bit for bit with ``against`` (CRC and structure always)."""
+    ck = find_checkpoint(packed)
+    ref_files: dict[str, Path] = {}
+    if against is not None:
+        ref = find_checkpoint(against)
+        from safetensors import safe_open
+
+        for f in ref.files:
+            try:
+                with safe_open(str(f), framework="pt") as h:
+                    for k in h.keys():
+                        ref_files[k] = f
+            except Exception as e:
+                raise W12FormatError(f"{f}: not a readable safetensors file ({str(e)[:120]})") from None
+    res = VerifyResult()
+    cache: dict[Path, dict] = {}
+
+    def ref_tensor(name):
+        f = ref_files.get(name)
+        if f is None:
+            return None
+        if f not in cache:
+            cache.clear()
+            cache[f] = read_file(f)[0]
+        return cache[f][name]
+
+    any_w12 = False
+    for f in ck.files:
+        tensors, meta = read_file(f)
+        info = w12_info(meta, str(f))
+        any_w12 = any_w12 or bool(info)
+        items = list(info.items())
+        bar = progress(total=len(items), desc=f"verify {f.name}") if progress else None
+        for name, entry in items:
+            if bar:
+                bar.update(1)
+            try:
+                t = load_w12(tensors, name, entry, str(f))
+                restored = decode(t)
+            except W12FormatError as e:
+                res.mismatched.append((name, str(e).split(": ", 1)[-1]))
+                continue
+            res.checked.append(name)
+            if against is not None:
+                r = ref_tensor(name)
+                if r is None:
+                    res.mismatched.append((name, "not in the reference checkpoint"))
+                elif r.dtype != torch.bfloat16 or tuple(r.shape) != t.shape:
+                    res.mismatched.append((name, f"reference is {r.dtype} {tuple(r.shape)}"))
+                else:
+                    diff = restored.view(torch.int16) != r.view(torch.int16)
+                    if bool(diff.any()):
+                        n = int(diff.sum())
+                        first = diff.flatten().nonzero()[0].item()
+                        res.mismatched.append((name, f"{n} weights differ (first at flat index {first})"))
+        if bar:
+            bar.close()
+        if against is not None:   # tensors kept as they were must be identical too
+            w12_names = {f"{n}.w12.{p}" for n in info for p in PARTS}
+            for k, v in tensors.items():
+                if k in w12_names:
+                    continue
+                r = ref_tensor(k)
+                if r is None or r.dtype != v.dtype or r.shape != v.shape or not torch.equal(
+                        r.contiguous().view(torch.uint8), v.contiguous().view(torch.uint8)):
+                    res.mismatched.append((k, "kept tensor differs from the reference"))
+                else:
+                    res.kept_checked += 1
+    if not any_w12:
+        raise W12FormatError(f"{packed}: no W12 tensors found (no {META_KEY} metadata); pack it first")
+    return res
+
+
+@dataclass
+class StatsResult:
+    tensors: list[TensorStat]
+    other_bytes: int
+
+    @property
+    def weights(self) -> int:
+        return sum(t.shape[0] * t.shape[1] for t in self.tensors)
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(t.stored_bytes for t in self.tensors)
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8.0 * self.stored_bytes / self.weights if self.weights else 0.0
+
+    @property
+    def escape_rate(self) -> float:
+        return sum(t.escapes for t in self.tensors) / self.weights if self.weights else 0.0
+
+
+def stats(path: str) -> StatsResult:
+    ck = find_checkpoint(path)
+    out: list[TensorStat] = []
+    other = 0
+    for f in ck.files:
+        tensors, meta = read_file(f)
+        info = w12_info(meta, str(f))
+        names = set()
+        for name, entry in info.items():
+            t = load_w12(tensors, name, entry, str(f), check_crc=False)
+            names.update(f"{name}.w12.{p}" for p in PARTS)
+            out.append(TensorStat(name, t.shape, t.bits_per_weight(), t.num_escapes, t.escape_rate(),
+                                  t.stored_bytes()))
+        other += sum(v.numel() * v.element_size() for k, v in tensors.items() if k not in names)
+    if not out:
+        raise W12FormatError(f"{path}: no W12 tensors found (no {META_KEY} metadata); pack it first")
+    return StatsResult(out, other)

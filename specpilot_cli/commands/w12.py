@@ -1,0 +1,147 @@
+"""``specpilot w12``: pack checkpoints into lossless 12-bit W12, verify them bit for bit, report sizes."""
+
+from __future__ import annotations
+
+import click
+
+from specpilot.errors import EnvironmentMissing, InputError
+from specpilot.output import Report, Section, emit, output_options, progress
+
+
+def _lib():
+    try:
+        from specpilot.kernels.w12 import checkpoint
+    except ImportError as e:  # torch / safetensors missing
+        raise EnvironmentMissing(f"W12 needs torch and safetensors ({e}); pip install torch safetensors") from None
+    return checkpoint
+
+
+def _user_errors(fn):
+    """Turn the library's file errors into one-line exit-2 errors."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*a, **kw):
+        ck = _lib()
+        try:
+            return fn(*a, **kw)
+        except (FileNotFoundError, FileExistsError, NotADirectoryError, ck.W12FormatError) as e:
+            raise InputError(str(e).replace("[Errno 2] ", "")) from None
+    return wrapper
+
+
+@click.group("w12")
+def command():
+    """W12: lossless 12-bit bf16 weights (paper 4.1).
+
+    \b
+      specpilot w12 pack model/ -o model-w12/        convert the linear weights
+      specpilot w12 verify model-w12/ --against model/   restore and compare bit for bit
+      specpilot w12 stats model-w12/                 bits/weight and escape rate
+
+    IN is a .safetensors file, a sharded folder (model.safetensors.index.json) or a folder of
+    .safetensors files. Only bf16 2-D weights are converted (W12 is exact for bf16); embeddings,
+    norms and lm_head are kept unless --include says otherwise.
+    """
+
+
+def _tensor_rows(tensors):
+    return [[t.name, "x".join(map(str, t.shape)), round(t.bits_per_weight, 4), t.escapes,
+             float(f"{t.escape_rate:.3e}")] for t in tensors]
+
+
+@command.command("pack")
+@click.argument("src", metavar="IN", type=click.Path())
+@click.option("-o", "--output", "dst", required=True, type=click.Path(), help="Output file or folder (atomic).")
+@click.option("--include", multiple=True, metavar="GLOB",
+              help="Tensor names to convert (repeatable; default: *proj.weight, *fc1/fc2.weight, ...).")
+@click.option("--exclude", multiple=True, metavar="GLOB",
+              help="Tensor names to keep as they are (repeatable; default: *embed*, lm_head.weight, *norm*).")
+@click.option("--device", default="cpu", show_default=True, help="Where to encode (cpu or cuda).")
+@output_options
+@_user_errors
+def pack_cmd(src, dst, include, exclude, device, fmt, out):
+    """Convert the linear weights of IN to W12 and write OUT (a file for a file, a folder for a folder).
+
+    \b
+    Example:
+      specpilot w12 pack model.safetensors -o model.w12.safetensors
+    """
+    ck = _lib()
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise EnvironmentMissing("--device cuda: no CUDA device here; use --device cpu")
+    inc = tuple(include) or ck.DEFAULT_INCLUDE
+    exc = tuple(exclude) or ck.DEFAULT_EXCLUDE
+    res = ck.pack(src, dst, inc, exc, device=device, progress=lambda **kw: progress(unit="tensor", **kw))
+    data = {"schema": "specpilot.w12-pack/1", "input": src, "output": dst,
+            "bits_per_weight": res.bits_per_weight, "escape_rate": res.escape_rate,
+            "converted": len(res.converted), "kept": len(res.kept),
+            "skipped_not_bf16": res.skipped_not_bf16,
+            "tensors": [t.__dict__ for t in res.converted]}
+    rep = Report(data, [Section("converted tensors", ["tensor", "shape", "bits/weight", "escapes", "escape rate"],
+                                _tensor_rows(res.converted))],
+                 [f"wrote {dst}: {len(res.converted)} tensors converted, {len(res.kept)} kept; "
+                  f"{res.bits_per_weight:.4f} bits/weight, escape rate {res.escape_rate:.3e}"]
+                 + ([f"not converted (not bf16): {', '.join(res.skipped_not_bf16[:5])}"
+                     + (" ..." if len(res.skipped_not_bf16) > 5 else "")] if res.skipped_not_bf16 else []),
+                 title="W12 pack")
+    emit(rep, fmt, out, protect=[src, dst])
+    return 0
+
+
+@command.command("verify")
+@click.argument("packed", metavar="OUT", type=click.Path())
+@click.option("--against", "against", type=click.Path(), default=None,
+              help="The original checkpoint; without it only CRCs and structure are checked.")
+@output_options
+@_user_errors
+def verify_cmd(packed, against, fmt, out):
+    """Restore every W12 tensor of OUT and compare it bit for bit with --against IN.
+
+    Exit 0 when every tensor (and every kept tensor) is identical, 1 on any difference or
+    corrupted record, naming the tensor.
+    """
+    ck = _lib()
+    res = ck.verify(packed, against, progress=lambda **kw: progress(unit="tensor", **kw))
+    data = {"schema": "specpilot.w12-verify/1", "packed": packed, "against": against, "ok": res.ok,
+            "checked": len(res.checked), "kept_checked": res.kept_checked,
+            "mismatches": [{"tensor": n, "what": w} for n, w in res.mismatched]}
+    lines = [f"{'OK' if res.ok else 'FAILED'}: {len(res.checked)} W12 tensors restored"
+             + (f" and compared bit for bit with {against}" if against else " (CRC and structure only)")
+             + (f"; {res.kept_checked} kept tensors identical" if against else "")]
+    sections = []
+    if res.mismatched:
+        sections.append(Section("differences", ["tensor", "what"], [[n, w] for n, w in res.mismatched]))
+    emit(Report(data, sections, lines, title="W12 verify"), fmt, out, protect=[packed] + ([against] if against else []))
+    if not res.ok:
+        n, w = res.mismatched[0]
+        click.echo(f"specpilot: w12 verify failed: {n}: {w}"
+                   + (f" (and {len(res.mismatched) - 1} more)" if len(res.mismatched) > 1 else ""), err=True)
+        return 1
+    return 0
+
+
+@command.command("stats")
+@click.argument("path", metavar="FILE", type=click.Path())
+@output_options
+@_user_errors
+def stats_cmd(path, fmt, out):
+    """Bits per weight (escapes and per-channel metadata included) and escape rate, per tensor and overall."""
+    ck = _lib()
+    st = ck.stats(path)
+    data = {"schema": "specpilot.w12-stats/1", "path": path, "bits_per_weight": st.bits_per_weight,
+            "escape_rate": st.escape_rate, "weights": st.weights, "w12_bytes": st.stored_bytes,
+            "bf16_bytes": 2 * st.weights, "other_bytes": st.other_bytes,
+            "tensors": [t.__dict__ for t in st.tensors]}
+    rows = _tensor_rows(st.tensors)
+    rows.append(["(all W12 tensors)", f"{st.weights} weights", round(st.bits_per_weight, 4),
+                 sum(t.escapes for t in st.tensors), float(f"{st.escape_rate:.3e}")])
+    lines = [f"{st.bits_per_weight:.4f} bits/weight over {len(st.tensors)} tensors "
+             f"({st.stored_bytes / 2**20:.1f} MiB vs {2 * st.weights / 2**20:.1f} MiB bf16); "
+             f"escape rate {st.escape_rate:.3e}"]
+    emit(Report(data, [Section(None, ["tensor", "shape", "bits/weight", "escapes", "escape rate"], rows)], lines,
+                title="W12 stats"), fmt, out, protect=[path])
+    return 0
