@@ -115,7 +115,6 @@ def test_bad_json_line_and_missing_file(tmp_path, run_cli):
 
 @pytest.mark.parametrize("args,msg", [
     (["--policy", "beam:4"], "unknown policy"),
-    (["--policy", "oracle:9"], "only K = 3"),
     (["--nodes", "8,x"], "--nodes"),
     (["--policy", "eagle2:4,4"], "TOPK,DEPTH,N"),
 ])
@@ -200,3 +199,29 @@ def test_ragged_rows_checked(tmp_path, run_cli, field, value, msg):
     lat = write(tmp_path / "l.jsonl", [row])
     code, _, err = run_cli("replay", lat)
     assert code == 2 and msg in err and f"{lat}:1" in err, err
+
+
+def test_oracle_wider_than_the_lattice_takes_every_candidate(tmp_path, run_cli):
+    lat = write(tmp_path / "l.jsonl", [HAND])
+    d = json.loads(run_cli("replay", lat, "--policy", "oracle:3", "--policy", "oracle:16", "--format", "json")[1])
+    assert d["policies"][0]["tau"] == d["policies"][1]["tau"] == 4.0
+
+
+def test_engine_recorded_lattice_replays_to_the_engines_acceptance(tmp_path, run_cli):
+    """A lattice the embedded engine recorded (tiny model, n-gram drafter, tree of 16): replaying
+    best-first:16 gives exactly the tokens the engine accepted at every step."""
+    from specpilot.engine.api import load_engine
+
+    eng = load_engine("engine:model=tiny,mode=tree,nodes=16,depth=6,topk=4")
+    steps, accepts = [], []
+    for i, prompt in enumerate([b"abcabcabcabcabc abcabc", b"the cat the cat the cat"]):
+        r = eng.generate(list(prompt), 24, record_lattice=True, request=i)
+        steps += r.lattice_steps
+        accepts += r.accept_lengths
+    lat = write(tmp_path / "engine.lattice.jsonl", steps)
+    code, out, err = run_cli("replay", lat, "--policy", "best-first:16", "--policy", "chain", "--format", "json")
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["requests"] == 2 and d["steps"] == len(accepts)
+    assert d["policies"][0]["tau"] == pytest.approx(sum(a + 1 for a in accepts) / len(accepts))
+    assert d["policies"][1]["tau"] <= d["policies"][0]["tau"]
