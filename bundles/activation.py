@@ -131,6 +131,7 @@ class ApplyResult:
     launch: str
     swept: list[str] = field(default_factory=list)
     dry_run: bool = False
+    notes: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -238,8 +239,10 @@ def apply(bundles: str, python: str | None = None, force: bool = False, experime
         if not dry_run:
             with atomic_open(path, "w") as fh:
                 fh.write(json.dumps(activation, indent=2) + "\n")
+    notes = [f"{i}: " + str(entries[i].launch["note"]).format(**values) for i in ids if entries[i].launch.get("note")]
     return ApplyResult(activation=activation, path=str(path), env=env, checks=checks,
-                       previous=previous and previous.get("bundles"), launch=launch, swept=swept, dry_run=dry_run)
+                       previous=previous and previous.get("bundles"), launch=launch, swept=swept, dry_run=dry_run,
+                       notes=notes)
 
 
 def _activation(asked, ids, values, env, force, checked, hooks, entries, state, checks, launch) -> dict:

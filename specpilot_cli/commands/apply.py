@@ -44,13 +44,15 @@ def command(bundles, python, settings, model, force, experimental, dry_run, fmt,
     rows = [[c.target, c.kind, "ok" if c.ok else "FAIL", _short(c.signature or c.found or "-")] for c in res.checks]
     data = {"schema": "specpilot.apply/1", "dry_run": dry_run, "activation_path": res.path,
             "previous": res.previous, "activation": act, "swept": res.swept,
-            "checks": [c.__dict__ for c in res.checks]}
+            "checks": [c.__dict__ for c in res.checks], "notes": res.notes}
     verb = "would write" if dry_run else "wrote"
     lines = [f"SGLang {res.env.sglang_version} at {res.env.sglang_package}"
              + (" (forced: not a checked version)" if act["sglang"]["forced"] else ""),
              f"{verb} {res.path}: {', '.join(act['closure'])}"
              + (f" (replaces {', '.join(res.previous)})" if res.previous else ""),
              "", "launch with (add your usual drafter and parallelism flags):", f"  {res.launch}"]
+    if res.notes:
+        lines += [""] + [f"note: {n}" for n in res.notes]
     settings_rows = [[k, v] for k, v in act["settings"].items()]
     sections = [Section("hook targets and symbols (static check)", ["target", "kind", "check", "installed"], rows)]
     if settings_rows:
