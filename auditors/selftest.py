@@ -170,7 +170,8 @@ def _engine_specs(device: str) -> tuple[list[str], str | None]:
 
 def run_selftest(*, n_prompts: int = 24, max_new_tokens: int = 32, repeats: int = 6, biases=(2.0, 1.0, 0.5, 0.25, 0.125),
                  bias_fraction: float = 0.1, engine_prompts: int = 4, device: str | None = None, seed: int = 0,
-                 bootstrap: int = 1000, progress: Callable | None = None, scorer=None) -> SelftestResult:
+                 bootstrap: int = 1000, progress: Callable | None = None, scorer=None,
+                 save_dir: str | None = None) -> SelftestResult:
     import time
 
     import torch
@@ -261,6 +262,16 @@ def run_selftest(*, n_prompts: int = 24, max_new_tokens: int = 32, repeats: int 
         name = f"bias={b:g}"
         run(name, batch_size=8, bias=vec)
         defective.append((name, b))
+
+    if save_dir:
+        from pathlib import Path
+
+        from .outputs import write_outputs
+
+        Path(save_dir).mkdir(parents=True, exist_ok=True)
+        for name, o in list(systems.items()) + list(engine_outputs.items()):
+            safe = "".join(c if c.isalnum() or c in "=.-" else "_" for c in name)
+            write_outputs(Path(save_dir) / f"{safe}.jsonl", o.rows)
 
     kw = {"progress": progress}
     scored: dict[str, Scored] = {}

@@ -14,7 +14,10 @@ class _AuditGroup(click.Group):
     """``specpilot audit SYSTEM --against STOCK`` is ``specpilot audit check SYSTEM --against STOCK``."""
 
     def parse_args(self, ctx, args):
-        if args and args[0] not in self.commands and args[0] not in ("-h", "--help"):
+        if not args:
+            click.echo(ctx.get_help())
+            ctx.exit(0)
+        if args[0] not in self.commands and args[0] not in ("-h", "--help"):
             args = ["check", *args]
         return super().parse_args(ctx, args)
 
@@ -259,10 +262,13 @@ def collect_cmd(system, prompts_path, max_new_tokens, timeout, save, tokenizer, 
               help="Fraction of the vocabulary whose logits get the bias.")
 @click.option("--engine-prompts", type=int, default=4, show_default=True,
               help="Prompts on which the embedded engine's chain and tree systems are run and audited (0: none).")
-@click.option("--device", default=None)
+@click.option("--device", default=None, help="cpu or cuda (default: cuda when present).")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--save-outputs", "save_dir", type=click.Path(file_okay=False), default=None,
+              help="Also write every system's outputs JSONL to this folder (to re-audit them with 'specpilot audit').")
 @output_options
-def selftest_cmd(n_prompts, max_new_tokens, repeats, biases, bias_fraction, engine_prompts, device, seed, fmt, out):
+def selftest_cmd(n_prompts, max_new_tokens, repeats, biases, bias_fraction, engine_prompts, device, seed, save_dir,
+                 fmt, out):
     """The paper's validation on the real SmolLM2: a planted logit bias must be rejected, lossless systems pass.
 
     Reports the full audit, the false-reject rate over repeated lossless audits (disjoint prompt
@@ -274,7 +280,7 @@ def selftest_cmd(n_prompts, max_new_tokens, repeats, biases, bias_fraction, engi
     bias_list = _float_list(biases, "--biases")
     res = run_selftest(n_prompts=n_prompts, max_new_tokens=max_new_tokens, repeats=repeats, biases=bias_list,
                        bias_fraction=bias_fraction, engine_prompts=engine_prompts, device=device, seed=seed,
-                       progress=progress)
+                       progress=progress, save_dir=save_dir)
     emit(selftest_report(res), fmt, out)
     return 0 if res.ok else 1
 
