@@ -161,3 +161,14 @@ def test_http_server_a_a(tmp_path, run_cli):
     code, _, err = run_cli("compare", "--base", url, "--candidate", url, "--prompts", p, "--runs", "2",
                            "--warmup", "0", "--timeout", "5")
     assert code == 3 and "connection refused" in err
+
+
+def test_gpu_swap_through_cli(run_cli):
+    # the candidate is faster on GPU "1" only: swapping GPUs exposes it in the A/A split and the pairs
+    code, out, err = run_cli("compare", "--base-cmd", "echo '{\"t\": 100}'", "--candidate-cmd", "echo '{\"t\": 10{gpu}}'",
+                             "--metric", "t", "--gpus", "0,1", "--runs", "4", "--warmup", "0", "--format", "json")
+    d = json.loads(out)
+    assert d["schedule"] == "GPU swap on 0,1"
+    assert [(s["gpu_base"], s["gpu_candidate"], s["candidate"]) for s in d["samples"]] == \
+        [("0", "1", 101.0), ("1", "0", 100.0)] * 2
+    assert code == 1 and d["gain"] == pytest.approx(1.005, abs=1e-3)
