@@ -28,7 +28,7 @@ RUNTIME_CATS = ("cuda_runtime", "cuda_driver", "runtime")
 GRAPH_LAUNCH = ("cudaGraphLaunch", "hipGraphLaunch", "cuGraphLaunch")
 
 
-FLUSH = 65_536
+FLUSH = 8_192
 
 
 def _block(rows: list[tuple], ncols: int, path) -> np.ndarray:
@@ -39,6 +39,19 @@ def _block(rows: list[tuple], ncols: int, path) -> np.ndarray:
     if not np.isfinite(arr).all():
         raise InputError(f"{path}: an event has a non-finite time or id")
     return arr
+
+
+COLUMNS = {"kind": np.int8, "start": np.int64, "dur": np.int64, "stream": np.int32, "corr": np.int64,
+           "name": np.int32, "ext": np.int64, "device": np.int16}
+
+
+def _gpu_columns(arr: np.ndarray) -> dict[str, np.ndarray]:
+    """Float rows (kind, ts us, dur us, stream, corr, name, ext, device) -> compact integer columns."""
+    out = {}
+    for i, (k, dt) in enumerate(COLUMNS.items()):
+        col = np.rint(arr[:, i] * 1000.0) if k in ("start", "dur") else arr[:, i]
+        out[k] = col.astype(dt)
+    return out
 
 
 def _ns(x) -> int:
@@ -59,7 +72,7 @@ class KinetoTrace:
         names: dict[str, int] = {}
         dims_ids: dict[str, int] = {}
         gpu_rows: list[tuple] = []  # kind, ts, dur, stream, corr, name, ext, device (floats, us)
-        gpu_blocks: list[np.ndarray] = []  # gpu_rows moved to numpy every FLUSH rows (memory)
+        gpu_blocks: list[dict] = []  # gpu_rows moved to compact numpy columns every FLUSH rows (memory)
         rt_rows: list[tuple] = []  # (correlation, launch ts) of runtime calls
         rt_blocks: list[np.ndarray] = []
         graph_corr: list[int] = []
@@ -87,7 +100,7 @@ class KinetoTrace:
                     append((kind, ev["ts"], ev.get("dur", 0), a.get("stream", -1), a.get("correlation", -1), nid,
                             a.get("External id", -1), a.get("device", -1)))
                     if len(gpu_rows) >= FLUSH:
-                        gpu_blocks.append(_block(gpu_rows, 8, path))
+                        gpu_blocks.append(_gpu_columns(_block(gpu_rows, 8, path)))
                         gpu_rows.clear()
                 elif cat in RUNTIME_CATS:
                     a = ev.get("args") or {}
@@ -115,12 +128,9 @@ class KinetoTrace:
         self.n_events = n_events
         self.names = list(names)
         self.dims = list(dims_ids)
-        arr = np.concatenate(gpu_blocks + [_block(gpu_rows, 8, path)])
-        self.cols = {"kind": arr[:, 0].astype(np.int64), "start": np.rint(arr[:, 1] * 1000.0).astype(np.int64),
-                     "dur": np.rint(arr[:, 2] * 1000.0).astype(np.int64), "stream": arr[:, 3].astype(np.int64),
-                     "corr": arr[:, 4].astype(np.int64), "name": arr[:, 5].astype(np.int64),
-                     "ext": arr[:, 6].astype(np.int64), "device": arr[:, 7].astype(np.int64)}
-        del arr
+        gpu_blocks.append(_gpu_columns(_block(gpu_rows, 8, path)))
+        self.cols = {k: np.concatenate([b[k] for b in gpu_blocks]) for k in COLUMNS}
+        del gpu_blocks, gpu_rows
         rt = np.concatenate(rt_blocks + [_block(rt_rows, 2, path)])
         order = np.argsort(rt[:, 0], kind="stable")
         self.rt_corr = rt[order, 0].astype(np.int64)
@@ -170,9 +180,10 @@ def aggregate_kineto(tr: KinetoTrace, req: StepRequest) -> Aggregate:
         main = int(np.bincount(devs - devs.min()).argmax() + devs.min())
         sel = devs == main
         notes.append(f"kernels on {len(present)} GPUs; profiling device {main} (choose with --device)")
-    kind, start, dur = c["kind"][sel], c["start"][sel], c["dur"][sel]
+    pick = (lambda a: a) if sel.all() else (lambda a: a[sel])  # no copies when every event is kept
+    kind, start, dur = pick(c["kind"]), pick(c["start"]), pick(c["dur"])
     end = start + dur
-    stream, corr, name, ext = c["stream"][sel], c["corr"][sel], c["name"][sel], c["ext"][sel]
+    stream, corr, name, ext = pick(c["stream"]), pick(c["corr"]), pick(c["name"]), pick(c["ext"])
     launch = np.full(len(corr), -1, dtype=np.int64)
     if len(tr.rt_corr):
         j = np.clip(np.searchsorted(tr.rt_corr, corr), 0, len(tr.rt_corr) - 1)
@@ -252,16 +263,33 @@ def aggregate_kineto(tr: KinetoTrace, req: StepRequest) -> Aggregate:
     groups: list[KernelGroup] = []
     steps: list[StepInfo] = []
     if keep.any():
-        keys = np.stack([step[keep], tag[keep], name[keep], kind[keep], stream[keep], dims[keep]], axis=1)
-        uniq, inv = np.unique(keys, axis=0, return_inverse=True)
+        kp = (lambda a: a) if keep.all() else (lambda a: a[keep])
+        cols = [kp(step), kp(tag), kp(name), kp(kind), kp(stream), kp(dims)]
+        # one int64 key per event: mixed radix over each column's distinct values (sorting one
+        # integer column takes far less memory than np.unique over rows of six)
+        uniques = [np.unique(col, return_inverse=True) for col in cols]
+        values = [u for u, _ in uniques]
+        if np.prod([float(len(u)) for u in values]) >= 2.0 ** 62:
+            raise InputError(f"{tr.path}: too many distinct kernel keys to aggregate")
+        key = np.zeros(int(keep.sum()), dtype=np.int64)
+        for u, r in uniques:
+            key = key * len(u) + r.reshape(-1)
+        del uniques, cols
+        ukey, inv = np.unique(key, return_inverse=True)
         inv = inv.reshape(-1)
         cnt = np.bincount(inv)
-        tot = np.bincount(inv, weights=dur[keep]).astype(np.int64)
+        tot = np.bincount(inv, weights=kp(dur)).astype(np.int64)
+        digits = []
+        rest = ukey.copy()
+        for u in reversed(values):
+            digits.append(u[rest % len(u)])
+            rest //= len(u)
+        uniq = np.stack(digits[::-1], axis=1)
         for (s_, t_, n_, k_, str_, d_), cn, to in zip(uniq.tolist(), cnt.tolist(), tot.tolist()):
             groups.append(KernelGroup(step=s_, name=tr.names[n_], kind=("kernel", "memcpy", "memset")[k_],
                                       stream=str_, tag=(tag_names[t_] if t_ >= 0 else None),
                                       dims=(tr.dims[d_] if d_ >= 0 else None), count=cn, total_ns=to))
-        ks, kst, ken = step[keep], start[keep], end[keep]
+        ks, kst, ken = kp(step), kp(start), kp(end)
         order = np.argsort(ks, kind="stable")
         ks, kst, ken = ks[order], kst[order], ken[order]
         cuts = np.nonzero(np.diff(ks))[0] + 1
