@@ -181,3 +181,18 @@ def test_sglang_discovers_the_entry_point_in_the_target_env(tmp_path):
     proc = subprocess.run([str(py), "-B", "-c", _DISCOVER], capture_output=True, text=True, env=env, cwd=tmp_path)
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"found": []}
     act.revert(str(py))
+
+
+def test_w12_activation_plans_its_setup_and_head_hook(activation_of, tmp_path):
+    from specpilot.bundles import lm_head, w12_sglang
+
+    res = act.apply("w12", python=str(make_env(tmp_path / "e", SGL)), dry_run=True, experimental=True)
+    activation = res.activation
+    assert activation["setup"] == ["specpilot.bundles.w12_sglang:install"]
+    assert activation["quantization"] == ["w12"]
+    assert "--quantization w12" in activation["launch"]
+    hooks, setups = plugin.plan(activation, "0.5.23")
+    assert setups == [("specpilot.bundles.w12_sglang:install", w12_sglang.install)]
+    assert [(t, k, fn) for t, k, fn, _ in hooks] == [
+        ("sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2._greedy_sample_from_vocab_parallel_head",
+         "around", lm_head.around_greedy_sample_from_head)]
