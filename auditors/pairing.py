@@ -266,6 +266,11 @@ def parse_gpus(text: str | None) -> tuple[str, str] | None:
     return parts[0], parts[1]
 
 
+def _outputs_differ(a: System, b: System) -> bool:
+    return (isinstance(a, GenerateSystem) and isinstance(b, GenerateSystem) and a.outputs is not None
+            and b.outputs is not None and a.outputs != b.outputs)
+
+
 def paired_compare(a: System, b: System, *, runs: int | None = None, warmup: int = 1,
                    gpus: Sequence[str] | None = None, noise: float | None = None, changes_output: bool = False,
                    max_runs: int = 400, n_boot: int = 4000, seed: int = 0,
@@ -283,11 +288,12 @@ def paired_compare(a: System, b: System, *, runs: int | None = None, warmup: int
     if a.higher_is_better != b.higher_is_better or a.unit != b.unit:
         raise InputError("base and candidate must be measured in the same metric")
     hib = a.higher_is_better
+    user_changes_output = changes_output
     warm_up(a, b, warmup, gpus)
     plan = None
     if runs is None:
         samples, aa_pairs, stages = [], [], []
-        want = PILOT_PAIRS
+        want = min(PILOT_PAIRS, max_runs)
         for stage in range(8):  # the pilot, then re-plans from all samples so far
             if set_total:
                 set_total(max(want, len(samples)))
@@ -296,6 +302,8 @@ def paired_compare(a: System, b: System, *, runs: int | None = None, warmup: int
                                  start_pair=len(samples), tick=tick)
                 samples += more.samples
                 aa_pairs += more.aa
+            if _outputs_differ(a, b):
+                changes_output = True  # plan for the rule that will judge it
             lr = np.log(speed_ratios(samples, hib))
             aa = np.array(aa_pairs, dtype=float)
             aa_lr = np.log(aa[:, 0] / aa[:, 1]) if hib else np.log(aa[:, 1] / aa[:, 0])
@@ -316,14 +324,13 @@ def paired_compare(a: System, b: System, *, runs: int | None = None, warmup: int
         r = run_pairs(a, b, runs, gpus=gpus, tick=tick)
         samples, aa_pairs = r.samples, r.aa
     extra = {}
-    outputs_differ = False
     if isinstance(a, GenerateSystem) and isinstance(b, GenerateSystem):
-        outputs_differ = a.outputs != b.outputs
+        outputs_differ = _outputs_differ(a, b)
         extra["outputs_identical"] = not outputs_differ
         extra["outputs_stable"] = a.outputs_stable and b.outputs_stable
         extra["prompts"] = len(a.prompts)
         extra["max_new_tokens"] = a.max_new_tokens
-        if outputs_differ and not changes_output:
+        if outputs_differ and not user_changes_output:
             changes_output = True
             extra["changes_output_reason"] = "candidate outputs differ from base outputs: the 3% rule applies"
     v = judge(samples, higher_is_better=hib, aa_pairs=aa_pairs, noise=noise, changes_output=changes_output,

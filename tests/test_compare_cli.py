@@ -172,3 +172,16 @@ def test_gpu_swap_through_cli(run_cli):
     assert [(s["gpu_base"], s["gpu_candidate"], s["candidate"]) for s in d["samples"]] == \
         [("0", "1", 101.0), ("1", "0", 100.0)] * 2
     assert code == 1 and d["gain"] == pytest.approx(1.005, abs=1e-3)
+
+
+def test_engines_with_different_outputs_get_the_3_percent_rule(tmp_path, run_cli):
+    p = tmp_path / "p.jsonl"
+    p.write_text("".join(json.dumps({"schema": "specpilot.prompts/1", "id": i, "prompt_ids": [5 + i, 9, 77]}) + "\n"
+                         for i in range(2)))
+    code, out, err = run_cli("compare", "--base", "engine:model=tiny,mode=ar", "--candidate",
+                             "engine:model=tiny,mode=ar,seed=1", "--prompts", p, "--max-new-tokens", "4",
+                             "--runs", "2", "--warmup", "0", "--format", "json")
+    d = json.loads(out)
+    assert d["outputs_identical"] is False and d["changes_output"] is True
+    assert d["threshold"] >= 0.03 and "differ" in d["changes_output_reason"]
+    assert d["unit"] == "tok/s" and len(d["samples"]) == 2
