@@ -124,6 +124,8 @@ if triton is not None:
         left = tl.sum(keep.to(tl.int32), axis=0)
         if left > 0:
             tl.atomic_add(cnt_ptr + m, left)
+        # more than CAP here means more than CAP in the row: it goes to the full head, skip the rescoring
+        left = tl.where(left > CAP, 0, left)
         offs_h = tl.arange(0, BLOCK_H)
         while left > 0:
             v = tl.min(tl.where(keep, offs_v, 2147483647), axis=0)
