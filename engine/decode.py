@@ -63,6 +63,7 @@ class Decoder:
         self.eos_ids = set(eos_ids or ())
         self.runner = runner  # optional CUDA-graph runner for fixed-shape AR steps
         self.threads = 0  # > 0: torch CPU threads while generating (restored afterwards)
+        self.prefill_chunk = 512
 
     def _sync(self):
         if self.model.device.type == "cuda":
@@ -77,10 +78,14 @@ class Decoder:
         m, dev = self.model, self.model.device
         n = len(prompt_ids)
         m.reset()
-        pos = torch.arange(n, device=dev)
-        kv = _kv_len(m.max_seq, n)
-        mask = torch.arange(kv, device=dev)[None] <= pos[:, None]
-        logits = m(StepInput(torch.tensor(prompt_ids, device=dev), pos, pos, mask, "seq"), kv_len=kv)
+        ids = torch.tensor(prompt_ids, device=dev)
+        # chunks bound the attention scores' memory ([heads, chunk, kv] fp32) on long prompts
+        for a in range(0, n, self.prefill_chunk):
+            b = min(n, a + self.prefill_chunk)
+            pos = torch.arange(a, b, device=dev)
+            kv = _kv_len(m.max_seq, b)
+            mask = torch.arange(kv, device=dev)[None] <= pos[:, None]
+            logits = m(StepInput(ids[a:b], pos, pos, mask, "seq"), kv_len=kv)
         return int(logits[-1].argmax())
 
     @torch.no_grad()

@@ -101,35 +101,33 @@ def _topk_rows(logits: torch.Tensor, k: int):
     return i.tolist(), v.tolist()
 
 
-class _ModelRollout:
-    """AR rollout of m positions from ``model`` (its first ``layers`` layers), GDN states restored."""
-
-    @staticmethod
-    @torch.no_grad()
-    def rollout(model: Transformer, first_logits, n_next: int, m: int, k: int, layers, kv_len_fn) -> Lattice:
-        gdn = model.gdn_layers(layers)
-        saved = [(g.state.clone(), g.conv_state.clone()) for g in gdn]
-        tokens, logprobs = [], []
-        logits = first_logits
-        slot = n_next
-        try:
-            for i in range(m):
-                t, lp = _topk_rows(logits, k)
-                tokens.append(t)
-                logprobs.append(lp)
-                if i == m - 1:
-                    break
-                dev = model.device
-                inp = StepInput(tokens=torch.tensor([t[0]], device=dev), pos=torch.tensor([slot], device=dev),
-                                slots=torch.tensor([slot], device=dev),
-                                mask=torch.arange(kv_len_fn(slot + 1), device=dev)[None] <= slot, gdn_mode="seq")
-                logits = model(inp, kv_len=kv_len_fn(slot + 1), layers=layers)[-1]
-                slot += 1
-        finally:
-            for g, (s, c) in zip(gdn, saved):
-                g.state.copy_(s)
-                g.conv_state.copy_(c)
-        return Lattice(tokens, logprobs, None)
+@torch.no_grad()
+def _rollout(model: Transformer, first_logits, n_next: int, m: int, k: int, layers, kv_len_fn) -> Lattice:
+    """AR rollout of m positions from ``model`` (its first ``layers`` layers) along the top-1 chain;
+    candidates per position are the top-k of each step's distribution. GDN states are restored."""
+    gdn = model.gdn_layers(layers)
+    saved = [(g.state.clone(), g.conv_state.clone()) for g in gdn]
+    tokens, logprobs = [], []
+    logits = first_logits
+    slot = n_next
+    try:
+        for i in range(m):
+            t, lp = _topk_rows(logits, k)
+            tokens.append(t)
+            logprobs.append(lp)
+            if i == m - 1:
+                break
+            dev = model.device
+            inp = StepInput(tokens=torch.tensor([t[0]], device=dev), pos=torch.tensor([slot], device=dev),
+                            slots=torch.tensor([slot], device=dev),
+                            mask=torch.arange(kv_len_fn(slot + 1), device=dev)[None] <= slot, gdn_mode="seq")
+            logits = model(inp, kv_len=kv_len_fn(slot + 1), layers=layers)[-1]
+            slot += 1
+    finally:
+        for g, (s, c) in zip(gdn, saved):
+            g.state.copy_(s)
+            g.conv_state.copy_(c)
+    return Lattice(tokens, logprobs, None)
 
 
 class SelfDrafter:
@@ -157,7 +155,7 @@ class SelfDrafter:
                             slots=torch.tensor([n_cache], device=dev),
                             mask=torch.arange(kv(n_cache + 1), device=dev)[None] <= n_cache, gdn_mode="seq")
             logits = t(inp, kv_len=kv(n_cache + 1), layers=self.layers)[-1]
-            return _ModelRollout.rollout(t, logits, n_cache + 1, m, k, self.layers, kv)
+            return _rollout(t, logits, n_cache + 1, m, k, self.layers, kv)
         finally:
             for g, (s, c) in zip(gdn, saved):
                 g.state.copy_(s)
@@ -186,14 +184,12 @@ class ModelDrafter:
         dev = d.device
         kv = _kv_len_fn(d.max_seq, dev)
         new = context[self.n_done:]
-        T = len(new)
         slots = torch.arange(self.n_done, L, device=dev)
         mask = torch.arange(kv(L), device=dev)[None] <= slots[:, None]
         inp = StepInput(tokens=torch.tensor(new, device=dev), pos=slots, slots=slots, mask=mask, gdn_mode="seq")
         logits = d(inp, kv_len=kv(L))[-1]
         self.n_done = L
-        del T
-        return _ModelRollout.rollout(d, logits, L, m, k, None, kv)
+        return _rollout(d, logits, L, m, k, None, kv)
 
 
 def _kv_len_fn(max_seq: int, device):

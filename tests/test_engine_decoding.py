@@ -117,3 +117,12 @@ def test_capacity_and_token_range_errors():
         e.generate([1, 999], 4)
     with pytest.raises(InputError):
         e.generate([], 4)
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-hybrid"])
+def test_chunked_prefill_equals_one_shot(model):
+    prompt = list(b"a prompt longer than one chunk, with state")
+    e = load_engine(f"engine:model={model},mode=tree,ctx={CTX}")
+    ref = e.generate(prompt, 12).output_ids
+    e.decoder.prefill_chunk = 5
+    assert e.generate(prompt, 12).output_ids == ref
