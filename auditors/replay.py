@@ -249,10 +249,30 @@ def replay(lattice: Lattice, policies: Sequence[Policy | str], nodes: Sequence[i
     groups = np.array([ids.setdefault(_req_key(s.request), len(ids)) for s in lattice.steps])
     m = lattice.m
 
+    # best-first trees are prefixes of one another (the heap pops the same nodes in the same order
+    # whatever the budget), so one tree per step at the largest budget answers every budget
+    bf_max = max([p.nodes for p in pols if p.family == "best-first"]
+                 + ([max(nodes)] if nodes and any(p.family == "best-first" for p in pols) else []), default=0)
+    bf_paths: list[list[int]] | None = None
+
+    def best_first_tau(s_idx: int, n: int) -> int:
+        nonlocal bf_paths
+        if bf_paths is None:
+            from specpilot.kernels.tree import accept_greedy
+
+            from .policies import best_first_tree
+
+            bf_paths = [accept_greedy(best_first_tree(st, bf_max), st.target)[0] for st in lattice.steps]
+        path = bf_paths[s_idx]
+        k = 0
+        while k < len(path) and path[k] < n:
+            k += 1
+        return k + 1
+
     def run(p: Policy) -> PolicyResult:
         taus = []
-        for s in lattice.steps:
-            taus.append(p.tau(s))
+        for i, s in enumerate(lattice.steps):
+            taus.append(best_first_tau(i, p.nodes) if p.family == "best-first" else p.tau(s))
             if tick:
                 tick()
         t = np.array(taus, dtype=np.float64)

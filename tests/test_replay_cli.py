@@ -225,3 +225,16 @@ def test_engine_recorded_lattice_replays_to_the_engines_acceptance(tmp_path, run
     assert d["requests"] == 2 and d["steps"] == len(accepts)
     assert d["policies"][0]["tau"] == pytest.approx(sum(a + 1 for a in accepts) / len(accepts))
     assert d["policies"][1]["tau"] <= d["policies"][0]["tau"]
+
+
+def test_best_first_curve_matches_direct_trees(tmp_path):
+    """The curve reuses one tree per step at the largest budget; it must equal building each budget."""
+    from specpilot.auditors.policies import parse_policy
+
+    lat = read_lattice(write(tmp_path / "l.jsonl", synthetic_rows(requests=3, steps=6, m=6, k=5, seed=9,
+                                                                   transitions=True)))
+    res = replay(lat, ["best-first:7"], nodes=[1, 3, 7, 20, 63])
+    for n, tau in res.curves["best-first"].items():
+        direct = np.mean([parse_policy(f"best-first:{n}").tau(s) for s in lat.steps])
+        assert tau == pytest.approx(direct), n
+    assert res.policies[0].tau == pytest.approx(np.mean([parse_policy("best-first:7").tau(s) for s in lat.steps]))
