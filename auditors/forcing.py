@@ -12,7 +12,9 @@ teacher-forced argmax/margin for every output token (``specpilot.auditors.scorer
   reference made the same choice; otherwise it is unexplained.
 - Verdict (paper 3.4): reject a system when its mismatch rate exceeds stock's by more than
   0.5 percentage points, or when it has more events than stock would have on as many tokens
-  (events > ceil(stock_events x tokens / stock_tokens)).
+  (events > ceil(stock_events x tokens / stock_tokens)). A system that produced no tokens while
+  stock did is rejected too (there is nothing to audit); one with < 90% of stock's tokens is
+  flagged in the warnings.
 - Mismatches cluster within prompts, so intervals resample prompts, not tokens.
 """
 
@@ -242,6 +244,11 @@ def audit(systems: list[Scored], stock: Scored, ar: Scored | None = None, *, del
                 sa.reasons.append(f"{sa.events} events (margin >= 2 delta = {2 * d:g}) vs {allowed} allowed by "
                                   f"stock's {int(st_evt.sum())} on {st_tokens} tokens "
                                   f"({sa.unexplained_events} unexplained)")
+            if tokens == 0 and st_tokens > 0:
+                sa.reasons.append("produced no tokens (stock produced some): nothing to audit")
+            elif st_tokens and tokens < 0.9 * st_tokens:
+                warnings.append(f"{sa.name}: {tokens} tokens vs stock's {st_tokens}; a system that stops early is "
+                                "audited only on what it produced")
             sa.verdict = "reject" if sa.reasons else "pass"
             half = (hi - lo) / 2
             if sa.verdict == "pass" and half > max_increase:

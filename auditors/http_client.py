@@ -22,6 +22,7 @@ import socket
 import urllib.error
 import urllib.parse
 import urllib.request
+from dataclasses import dataclass
 from typing import Sequence
 
 from specpilot.errors import EnvironmentMissing, InputError
@@ -96,19 +97,37 @@ class GenerateClient:
 
     def generate(self, input_ids: Sequence[int], max_new_tokens: int) -> list[int]:
         """Greedy continuation of ``input_ids``: the generated token ids."""
+        return self.generate_full(input_ids, max_new_tokens).output_ids
+
+    def generate_full(self, input_ids: Sequence[int], max_new_tokens: int) -> "GenerateResult":
+        """Greedy continuation with the server's ``meta_info`` and the request's wall time."""
+        import time
+
         body = {"input_ids": list(map(int, input_ids)),
                 "sampling_params": {"temperature": 0.0, "max_new_tokens": int(max_new_tokens)}}
         if self.return_logprob:
             body["return_logprob"] = True
+        t0 = time.perf_counter()
         _, raw = self._request("/generate", body)
-        return parse_generate_response(raw, self.url + "/generate", max_new_tokens)
+        seconds = time.perf_counter() - t0
+        meta: dict = {}
+        ids = parse_generate_response(raw, self.url + "/generate", max_new_tokens, meta_out=meta)
+        return GenerateResult(ids, meta, seconds)
+
+
+@dataclass
+class GenerateResult:
+    output_ids: list[int]
+    meta_info: dict
+    seconds: float  # wall time of the HTTP request, connection included
 
 
 def _bad(where: str, what: str) -> ServerError:
     return ServerError(f"{where}: malformed /generate answer: {what}")
 
 
-def parse_generate_response(raw: bytes, where: str, max_new_tokens: int | None = None) -> list[int]:
+def parse_generate_response(raw: bytes, where: str, max_new_tokens: int | None = None,
+                            meta_out: dict | None = None) -> list[int]:
     """The generated ids from a /generate answer, checked for shape and consistency."""
     try:
         obj = json.loads(raw.decode("utf-8"))
@@ -120,6 +139,8 @@ def parse_generate_response(raw: bytes, where: str, max_new_tokens: int | None =
     if not isinstance(obj, dict):
         raise _bad(where, f"expected a JSON object, got {type(obj).__name__}")
     meta = obj.get("meta_info") if isinstance(obj.get("meta_info"), dict) else {}
+    if meta_out is not None:
+        meta_out.update(meta)
     ids = obj.get("output_ids")
     if ids is None and isinstance(meta.get("output_token_logprobs"), list):
         try:

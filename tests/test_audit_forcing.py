@@ -326,3 +326,13 @@ def test_read_prompts_formats(tmp_path, tiny):
     dup = _write(tmp_path / "d.jsonl", [{"schema": "specpilot.prompts/1", "id": 1, "prompt_ids": [1]}] * 2)
     with pytest.raises(InputError, match="duplicate id"):
         read_prompts(dup)
+
+
+def test_empty_or_short_outputs_cannot_sneak_through():
+    stock = _scored("stock", "stock", _rows(3, 20), [[0] * 20] * 3)
+    empty = _scored("empty", "system", _rows(3, 0), [[]] * 3)
+    short = _scored("short", "system", _rows(3, 5), [[0] * 5] * 3)
+    res = audit([empty, short], stock, delta=0.125, bootstrap=200)
+    by = {s.name: s for s in res.systems}
+    assert by["empty"].verdict == "reject" and "no tokens" in by["empty"].reasons[0]
+    assert by["short"].verdict == "pass" and any("short" in w and "stops early" in w for w in res.warnings)

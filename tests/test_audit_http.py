@@ -318,6 +318,8 @@ def test_collect_from_specpilot_serve_matches_greedy(run_cli, serve, tiny_dir, p
                              "--max-new-tokens", 6, "--format", "json")
     assert code == 0, err
     assert json.loads(out)["tokens"] == 30
+    full = GenerateClient(url, timeout=30).generate_full(PROMPTS[0], 3)  # the form compare reuses
+    assert full.meta_info["completion_tokens"] == len(full.output_ids) == 3 and full.seconds > 0
     rows = read_outputs(save).rows
     model = Scorer.load(tiny_dir, device="cpu").model
     assert [r.output_ids for r in rows] == greedy(model, PROMPTS, 6)
