@@ -213,7 +213,7 @@ def aggregate_kineto(tr: KinetoTrace, req: StepRequest) -> Aggregate:
         key = start if on_gpu else launch
         step = _assign(key, [(r.start, r.end, i) for i, r in enumerate(step_ranges)])
         labels = [r.name for r in step_ranges]
-        detail = f"{len(step_ranges)} {'GPU' if on_gpu else 'CPU'} annotation ranges matching {req.range_regex!r}"
+        detail = f"{len(step_ranges)} {'GPU' if on_gpu else 'CPU'} annotation ranges matching '{req.range_regex}'"
     elif mode == "graph":
         if not tr.graph_corr:
             raise InputError(f"{tr.path}: no CUDA/HIP graph launches in the trace; use --step-range or --step-mode gap")

@@ -367,7 +367,7 @@ def _aggregate(ex: NsysExport, req: StepRequest) -> Aggregate:
             step_key = ("corr", _ranges_to_corr(ex, intervals, [r.thread for r in step_ranges]))
         else:
             step_key = ("time", intervals)
-        detail = f"{len(step_ranges)} ranges matching {req.range_regex!r}"
+        detail = f"{len(step_ranges)} ranges matching '{req.range_regex}'"
     elif mode == "graph":
         starters = st.graph_step_starters(graph_launches)
         bounds = starters + [2 ** 62]  # the last step runs to the end of the trace

@@ -151,7 +151,7 @@ def _resolve_gpu(agg, gpu_name, bandwidth, flops, needed: bool):
 
 def _report(p) -> Report:
     g = p.gpu or {}
-    title = (f"Profile: {p.steps} steps ({p.step_detail}) on {g.get('name', 'an unnamed GPU')}"
+    title = (f"Profile: {p.steps} step{'s' if p.steps != 1 else ''} ({p.step_detail}) on {g.get('name', 'an unnamed GPU')}"
              + (f", {p.model} rows {p.shape.get('rows')} batch {p.shape.get('batch')} context {p.shape.get('context')}"
                 if p.model else ""))
     has_floor = p.total_floor_ms is not None
