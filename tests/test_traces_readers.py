@@ -185,3 +185,22 @@ def test_parallel_grouping_equals_serial(tmp_path, monkeypatch):
     serial = run()
     monkeypatch.setattr(ns, "PARALLEL_MIN_ROWS", 50)  # several threads, each on a slice of rowids
     assert run() == serial
+
+
+def test_two_gpus_busiest_by_default_and_device_option(tmp_path):
+    p = write_nsys_sqlite(tmp_path / "two.sqlite", SynthSpec(steps=4, layers=1))
+    con = sqlite3.connect(p)
+    con.execute("INSERT INTO TARGET_INFO_GPU VALUES (0, 1, 'NVIDIA A100-SXM4-80GB', 2039000000000, 108, 0, 0)")
+    # the attention kernels ran on GPU 1 (a second rank); everything else on GPU 0
+    con.execute("UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET deviceId = 1 WHERE demangledName IN "
+                "(SELECT id FROM StringIds WHERE value LIKE 'flash%')")
+    con.commit()
+    con.close()
+    a = read_trace(p, StepRequest(range_regex="decode"))
+    assert a.gpu.name == "NVIDIA H200" and any("--device" in n for n in a.notes)
+    assert not any(g.name.startswith("flash") for g in a.groups)
+    b = read_trace(p, StepRequest(range_regex="decode", device=1))
+    assert b.gpu.name == "NVIDIA A100-SXM4-80GB"
+    assert {g.name for g in b.groups if g.kind == "kernel"} == {"flash_fwd_splitkv_kernel"}
+    with pytest.raises(InputError, match="no kernels on device 5"):
+        read_trace(p, StepRequest(device=5))
