@@ -45,3 +45,19 @@ def test_qpass_module_uses_the_8bit_view():
     q = W12Linear.from_linear(lin, qpass=True)
     bits = q.restored_weight().view(torch.int16).to(torch.int32) & 0xF
     assert bool(((bits == 8) | (lin.weight.view(torch.int16).to(torch.int32) & 0x7F80 == 0)).all())
+
+
+def test_pack_a_saved_model_then_load_it_back(tmp_path, run_cli):
+    from specpilot.kernels.w12.checkpoint import load_into
+
+    transformers = pytest.importorskip("transformers")
+    model = tiny_llama()
+    model.save_pretrained(tmp_path / "bf16")
+    code, _, err = run_cli("w12", "pack", tmp_path / "bf16", "-o", tmp_path / "w12")
+    assert code == 0, err
+    fresh = transformers.LlamaForCausalLM(model.config).to(torch.bfloat16).eval()
+    res = load_into(fresh, str(tmp_path / "w12"))
+    assert len(res.w12_modules) == 14
+    ids = torch.randint(0, 256, (1, 9))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, fresh(ids).logits)

@@ -420,3 +420,57 @@ def stats(path: str) -> StatsResult:
     if not out:
         raise W12FormatError(f"{path}: no W12 tensors found (no {META_KEY} metadata); pack it first")
     return StatsResult(out, other)
+
+
+# ----------------------------------------------------------------------------------------------
+# load a packed checkpoint into a model
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class LoadResult:
+    w12_modules: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+
+
+def load_into(model: torch.nn.Module, path: str, qpass: bool = False, strict: bool = True) -> LoadResult:
+    """Load a packed checkpoint into ``model`` (built from the same config): every W12 weight's
+    ``nn.Linear`` becomes a ``W12Linear`` (CRC and structure checked), other tensors are copied."""
+    from .module import W12Linear
+
+    ck = find_checkpoint(path)
+    res = LoadResult()
+    plain: dict[str, torch.Tensor] = {}
+    packed: dict[str, W12Tensor] = {}
+    for f in ck.files:
+        tensors, meta = read_file(f)
+        info = w12_info(meta, str(f))
+        parts = {f"{n}.w12.{p}" for n in info for p in PARTS}
+        for name, entry in info.items():
+            packed[name] = load_w12(tensors, name, entry, str(f))
+        plain.update({k: v for k, v in tensors.items() if k not in parts})
+    modules = dict(model.named_modules())
+    for name, t in packed.items():
+        mod_name = name[:-len(".weight")] if name.endswith(".weight") else None
+        lin = modules.get(mod_name) if mod_name is not None else None
+        if not isinstance(lin, torch.nn.Linear) or tuple(lin.weight.shape) != t.shape:
+            raise W12FormatError(f"{path}: {name} does not match an nn.Linear of shape {t.shape} in the model")
+        bias_key = f"{mod_name}.bias"
+        bias = plain.pop(bias_key, None) if lin.bias is not None else None
+        new = W12Linear(t, bias if bias is not None else (lin.bias.detach() if lin.bias is not None else None),
+                        qpass=qpass).to(lin.weight.device)
+        parent_name, _, child = mod_name.rpartition(".")
+        setattr(modules[parent_name] if parent_name else model, child, new)
+        res.w12_modules.append(mod_name)
+    state_keys = set(model.state_dict().keys())
+    loadable = {k: v for k, v in plain.items() if k in state_keys}
+    res.unexpected = sorted(k for k in plain if k not in state_keys)
+    incompatible = model.load_state_dict(loadable, strict=False)
+    tied = {k for k in incompatible.missing_keys if k.endswith("lm_head.weight")}   # tied embeddings
+    res.missing = sorted(k for k in incompatible.missing_keys if k not in tied)
+    if strict and (res.missing or res.unexpected):
+        raise W12FormatError(f"{path}: tensors do not match the model: missing {res.missing[:3]}, "
+                             f"unexpected {res.unexpected[:3]}")
+    if tied and hasattr(model, "tie_weights"):
+        model.tie_weights()
+    return res
