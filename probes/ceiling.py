@@ -149,7 +149,7 @@ def compute_ceiling(model: ModelSpec | None, gpu: GPUSpec | None, rows: list[int
                     flops_fraction: float = 0.60, bw_fraction: float = 0.90,
                     measurements: Measurements | None = None, profile: str | None = None,
                     replay: str | None = None, rows_probe: str | None = None,
-                    policy: str = "chain") -> CeilingResult:
+                    policy: str = "chain", draft_passes: int = 1) -> CeilingResult:
     m = measurements or Measurements()
     if batch <= 0:
         raise InputError(f"--batch must be positive, got {batch}")
@@ -170,7 +170,7 @@ def compute_ceiling(model: ModelSpec | None, gpu: GPUSpec | None, rows: list[int
     if model is not None and gpu is not None:
         for n in rows:
             floors.append(step_floor(model, gpu, n, batch, context, weight_dtype, lm_head_dtype, kv_dtype,
-                                     drafter, draft_rows, flops_fraction, bw_fraction))
+                                     drafter, draft_rows, flops_fraction, bw_fraction, draft_passes))
         ar_floor = step_floor(model, gpu, 1, batch, context, weight_dtype, lm_head_dtype, kv_dtype,
                               None, None, flops_fraction, bw_fraction)
         if cost_rows is not None:
@@ -195,12 +195,13 @@ def compute_ceiling(model: ModelSpec | None, gpu: GPUSpec | None, rows: list[int
                         rows_for_cost=cost_rows, fractions={"flops": flops_fraction, "bandwidth": bw_fraction},
                         tau_curve=curves)
     res.by_nodes = predict_by_nodes(curves, step_curve, m.ar_ms, res, model, gpu, batch, context, weight_dtype,
-                                    lm_head_dtype, kv_dtype, drafter, draft_rows, flops_fraction, bw_fraction)
+                                    lm_head_dtype, kv_dtype, drafter, draft_rows, flops_fraction, bw_fraction,
+                                    draft_passes)
     return res
 
 
 def predict_by_nodes(curves, step_curve, ar_ms, res, model, gpu, batch, context, weight_dtype, lm_head_dtype,
-                     kv_dtype, drafter, draft_rows, flops_fraction, bw_fraction) -> list[dict]:
+                     kv_dtype, drafter, draft_rows, flops_fraction, bw_fraction, draft_passes=1) -> list[dict]:
     """Speedup tau(N) / c(N) for every node budget N of the replay's tau(N) curves.
 
     c(N) is measured (rows probe: T_step(N) / T_AR) when a rows probe is given (node budgets it did
@@ -216,7 +217,7 @@ def predict_by_nodes(curves, step_curve, ar_ms, res, model, gpu, batch, context,
                 c, source = step_curve[n] / ar_ms, "measured"
             elif model is not None and gpu is not None and res.ar_floor is not None:
                 f = step_floor(model, gpu, n, batch, context, weight_dtype, lm_head_dtype, kv_dtype, drafter,
-                               draft_rows, flops_fraction, bw_fraction)
+                               draft_rows, flops_fraction, bw_fraction, draft_passes)
                 c, source = f.total_floor_ms / res.ar_floor.total_floor_ms, "floor"
             else:
                 continue

@@ -25,7 +25,8 @@ sum of class floors. Counting rules (stated so that users can check them by hand
 - ``norm``: RMSNorms, residual adds, SwiGLU and RoPE: bf16 activations read and written per row,
   plus norm weights.
 - ``drafter``: when a drafter model is given, its own whole step (all its classes) for
-  ``draft_rows`` rows per request.
+  ``draft_rows`` rows per request, times ``draft_passes`` for a sequential drafter (one pass per
+  drafted position, each re-reading the drafter's weights); a parallel (block) drafter is one pass.
 """
 
 from __future__ import annotations
@@ -206,15 +207,20 @@ def apply_floors(costs: dict[str, ClassCost], gpu: GPUSpec, flops_dtype: str = "
 def step_floor(model: ModelSpec, gpu: GPUSpec, rows: int, batch: int = 1, context: int = 2048,
                weight_dtype: str = "bf16", lm_head_dtype: str | None = None, kv_dtype: str = "bf16",
                drafter: ModelSpec | None = None, draft_rows: int | None = None,
-               flops_fraction: float = 0.60, bw_fraction: float = 0.90) -> StepFloor:
+               flops_fraction: float = 0.60, bw_fraction: float = 0.90, draft_passes: int = 1) -> StepFloor:
     """The floor of one decode/verify step, per kernel class (see module docs for the rules)."""
     costs = class_costs(model, rows, batch, context, weight_dtype, lm_head_dtype, kv_dtype)
     flops_dtype = "fp8" if weight_dtype == "fp8" else "bf16"
     total = apply_floors(costs, gpu, flops_dtype, flops_fraction, bw_fraction)
     drafter_cost = ClassCost(0.0, 0.0)
     if drafter is not None:
-        # the drafter's whole step: its own classes floored separately, summed (they run in sequence)
+        # the drafter's whole step: its own classes floored separately, summed (they run in sequence);
+        # a sequential drafter (EAGLE-style) runs ``draft_passes`` passes of ``draft_rows`` rows each
+        if draft_passes < 1:
+            raise InputError(f"--draft-passes must be >= 1, got {draft_passes}")
         dcosts = class_costs(drafter, draft_rows or rows, batch, context, "bf16", None, kv_dtype)
+        for c in dcosts.values():
+            c.bytes, c.flops = c.bytes * draft_passes, c.flops * draft_passes
         d_total = apply_floors(dcosts, gpu, "bf16", flops_fraction, bw_fraction)
         bound = "flops" if sum(c.floor_ms for c in dcosts.values() if c.bound == "flops") > d_total / 2 else "bytes"
         drafter_cost = ClassCost(sum(c.bytes for c in dcosts.values()), sum(c.flops for c in dcosts.values()),

@@ -175,18 +175,19 @@ def build_profile(agg: Aggregate, table: RuleTable, floors: Floors | None = None
 
 def floors_from_model(model_spec, gpu_spec, rows: int, batch: int, context: int, weight_dtype: str = "bf16",
                       lm_head_dtype: str | None = None, kv_dtype: str = "bf16", drafter=None,
-                      draft_rows: int | None = None, flops_fraction: float = 0.6, bw_fraction: float = 0.9) -> Floors:
+                      draft_rows: int | None = None, flops_fraction: float = 0.6, bw_fraction: float = 0.9,
+                      draft_passes: int = 1) -> Floors:
     from .floors import step_floor
 
     f = step_floor(model_spec, gpu_spec, rows=rows, batch=batch, context=context, weight_dtype=weight_dtype,
                    lm_head_dtype=lm_head_dtype, kv_dtype=kv_dtype, drafter=drafter, draft_rows=draft_rows,
-                   flops_fraction=flops_fraction, bw_fraction=bw_fraction)
+                   flops_fraction=flops_fraction, bw_fraction=bw_fraction, draft_passes=draft_passes)
     classes = {k: {"bytes": v.bytes, "flops": v.flops, "floor_ms": v.floor_ms, "bound": v.bound}
                for k, v in f.classes.items()}
     shape = {"rows": rows, "batch": batch, "context": context, "weight_dtype": weight_dtype,
              "kv_dtype": kv_dtype, "flops_fraction": flops_fraction, "bw_fraction": bw_fraction}
     if drafter is not None:
-        shape.update({"drafter": drafter.name, "draft_rows": draft_rows or rows})
+        shape.update({"drafter": drafter.name, "draft_rows": draft_rows or rows, "draft_passes": draft_passes})
     return Floors(source=f"step_floor({model_spec.name}, {gpu_spec.key})", classes=classes,
                   total_floor_ms=f.total_floor_ms, shape=shape)
 

@@ -223,3 +223,20 @@ def test_cli_predicted_speedup_by_nodes(run_cli, tmp_path):
     code, out, err = run_cli("ceiling", "--model", "llama-3.1-8b", "--gpu", "h100", "--rows", "32",
                              "--replay", replay, "--rows-probe", rows)
     assert code == 0 and "Best: best-first at 32 nodes" in out
+
+
+def test_sequential_drafter_passes():
+    m = spec_from_config(LLAMA_8B)
+    d = spec_from_config(dict(LLAMA_8B, num_hidden_layers=1))
+    one = step_floor(m, GPU, rows=8, drafter=d, draft_rows=1)
+    seven = step_floor(m, GPU, rows=8, drafter=d, draft_rows=1, draft_passes=7)
+    assert seven.classes["drafter"].bytes == pytest.approx(7 * one.classes["drafter"].bytes)
+    assert seven.classes["drafter"].floor_ms == pytest.approx(7 * one.classes["drafter"].floor_ms)
+    with pytest.raises(InputError):
+        step_floor(m, GPU, rows=8, drafter=d, draft_passes=0)
+
+
+def test_amd_gpus_in_catalog():
+    from specpilot.gpus import match_gpu_name
+
+    assert match_gpu_name("AMD Instinct MI300X").key == "mi300x"

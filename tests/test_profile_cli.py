@@ -88,8 +88,12 @@ def test_ceiling_json_supplies_floors(run_cli, tmp_path):
 
 def test_gpu_from_flag_and_unknown_gpu(run_cli, fixtures_dir):
     mi = fixtures_dir / "kineto_sglang_qwen3-8b_decode_mi300x.json.gz"
-    code, _, err = run_cli("profile", mi, "--step-range", r"^step\[", "--model", "qwen3-8b")
-    assert code == 2 and "not in the GPU catalog" in err and "--bandwidth" in err
+    # the trace names its GPU (MI300X, in the catalog): floors need no flags
+    code, out, err = run_cli("profile", mi, "--step-range", r"^step\[", "--model", "qwen3-8b", "--format", "json")
+    assert code == 0, err
+    assert json.loads(out)["total_floor_ms"] > 0
+    code, _, err = run_cli("profile", mi, "--step-range", r"^step\[", "--model", "qwen3-8b", "--gpu", "tpu-v9")
+    assert code == 2 and "unknown GPU" in err
     code, out, err = run_cli("profile", mi, "--step-range", r"^step\[", "--model", "qwen3-8b", "--batch", 32,
                              "--bandwidth", 5.3, "--flops", 1307, "--format", "json")
     assert code == 0, err

@@ -27,7 +27,9 @@ DTYPES = ["bf16", "fp16", "fp8", "w12", "int8", "int4"]
               help="LM head storage [default: bf16 with w12 weights, else the weight dtype].")
 @click.option("--kv-dtype", type=click.Choice(["bf16", "fp16", "fp8"]), default="bf16", show_default=True)
 @click.option("--drafter", "drafter_name", metavar="NAME|PATH", help="Drafter model: adds its step as the drafter class.")
-@click.option("--draft-rows", type=int, help="Drafter rows per request per step [default: --rows].")
+@click.option("--draft-rows", type=int, help="Drafter rows per request per pass [default: --rows].")
+@click.option("--draft-passes", type=int, default=1, show_default=True,
+              help="Drafter passes per step: 1 for a block drafter (DFlash), k for a sequential one (EAGLE).")
 @click.option("--flops-fraction", default=0.60, show_default=True, type=float, help="Reachable share of peak FLOP/s.")
 @click.option("--bw-fraction", default=0.90, show_default=True, type=float, help="Reachable share of peak bandwidth.")
 @click.option("--tau", type=float, help="Measured tokens accepted per verification pass.")
@@ -42,7 +44,7 @@ DTYPES = ["bf16", "fp16", "fp8", "w12", "int8", "int4"]
               help="Replay policy that is the current system (the others give the best reachable tau).")
 @output_options
 def command(model_name, gpu_name, bandwidth, flops, fp8_flops, rows, batch, context, weight_dtype, lm_head_dtype,
-            kv_dtype, drafter_name, draft_rows, flops_fraction, bw_fraction, tau, tau_best, step_ms, ar_ms,
+            kv_dtype, drafter_name, draft_rows, draft_passes, flops_fraction, bw_fraction, tau, tau_best, step_ms, ar_ms,
             profile_ms, profile_file, replay_file, rows_file, policy, fmt, out):
     """How much faster could this deployment be, and which factor should be attacked?
 
@@ -83,7 +85,8 @@ def command(model_name, gpu_name, bandwidth, flops, fp8_flops, rows, batch, cont
         m.set(name, v, "command line")
     protect = [p for p in (profile_file, replay_file, rows_file) if p]
     res = compute_ceiling(model, gpu, row_list, batch, context, weight_dtype, lm_head_dtype, kv_dtype, drafter,
-                          draft_rows, flops_fraction, bw_fraction, m, profile_file, replay_file, rows_file, policy)
+                          draft_rows, flops_fraction, bw_fraction, m, profile_file, replay_file, rows_file, policy,
+                          draft_passes)
     emit(_report(res), fmt, out, protect=protect)
     return 0
 

@@ -27,7 +27,9 @@ STEP_MODES = ["auto", "range", "graph", "gap", "whole"]
 @click.option("--model", "model_name", metavar="NAME|PATH", help="Target model for byte floors (catalog name or config.json).")
 @click.option("--drafter", "drafter_name", metavar="NAME|PATH", help="Drafter model: its step is the drafter floor.")
 @click.option("--rows", type=int, help="Rows verified per request per step [default 1 with --model].")
-@click.option("--draft-rows", type=int, help="Drafter rows per request per step [default: --rows].")
+@click.option("--draft-rows", type=int, help="Drafter rows per request per pass [default: --rows].")
+@click.option("--draft-passes", type=int, default=1, show_default=True,
+              help="Drafter passes per step: 1 for a block drafter, k for a sequential (EAGLE-style) one.")
 @click.option("--batch", type=int, default=1, show_default=True, help="Requests per step.")
 @click.option("--context", type=int, default=2048, show_default=True, help="Committed context tokens per request.")
 @click.option("--weight-dtype", type=click.Choice(DTYPES), default="bf16", show_default=True)
@@ -43,7 +45,7 @@ STEP_MODES = ["auto", "range", "graph", "gap", "whole"]
 @click.option("--plot", "plot_file", type=click.Path(dir_okay=False), help="Draw measured vs floor per class (PNG).")
 @output_options
 def command(trace, step_range, step_mode, gap_us, skip_steps, device, rules_files, explain, model_name, drafter_name,
-            rows, draft_rows, batch, context, weight_dtype, lm_head_dtype, kv_dtype, gpu_name, bandwidth, flops, ceiling_file,
+            rows, draft_rows, draft_passes, batch, context, weight_dtype, lm_head_dtype, kv_dtype, gpu_name, bandwidth, flops, ceiling_file,
             flops_fraction, bw_fraction, plot_file, fmt, out):
     """Profile decode/verify steps from a trace: time per kernel class against byte floors.
 
@@ -95,7 +97,7 @@ def command(trace, step_range, step_mode, gap_us, skip_steps, device, rules_file
         floors = floors_from_model(model_spec, gpu_spec, rows=rows or 1, batch=batch, context=context,
                                    weight_dtype=weight_dtype, lm_head_dtype=lm_head_dtype, kv_dtype=kv_dtype,
                                    drafter=drafter_spec, draft_rows=draft_rows, flops_fraction=flops_fraction,
-                                   bw_fraction=bw_fraction)
+                                   bw_fraction=bw_fraction, draft_passes=draft_passes)
     elif ceiling_file:
         floors = floors_from_ceiling(ceiling_file, rows)
         if gpu_info is not None and floors.gpu and floors.gpu.get("name"):
