@@ -93,3 +93,13 @@ def test_fast_path_matches_reference():
     assert torch.equal(res2.argmax, res.argmax)
     with pytest.raises(ValueError):
         ch(torch.zeros(40, 128, dtype=torch.bfloat16, device=DEV))
+
+
+@pytest.mark.gpu
+def test_cuda_head_at_a_real_vocab():
+    from specpilot.kernels.lm_head.certified import CertifiedHead
+
+    w = head_with_ties(32000, 2048).cuda()
+    ch = CertifiedHead(w, max_rows=64)
+    h = rows(w.cpu(), 64).cuda()
+    assert torch.equal(ch(h).argmax, exact_argmax(h, w))

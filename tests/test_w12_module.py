@@ -61,3 +61,14 @@ def test_pack_a_saved_model_then_load_it_back(tmp_path, run_cli):
     ids = torch.randint(0, 256, (1, 9))
     with torch.no_grad():
         assert torch.equal(model(ids).logits, fresh(ids).logits)
+
+
+@pytest.mark.gpu
+def test_converted_model_on_cuda_matches_cpu_restore():
+    model = tiny_llama().cuda()
+    ids = torch.randint(0, 256, (1, 12), device="cuda")
+    with torch.no_grad():
+        before = model(ids).logits.float()
+        convert_model(model)
+        after = model(ids).logits.float()
+    assert float((after - before).abs().max()) < 0.05 * float(before.abs().max())

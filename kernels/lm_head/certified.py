@@ -20,6 +20,9 @@ import torch
 
 from .naive import MARGIN_REL, Int8Head, exact_argmax, exact_logits, quantize_head
 
+if not torch.cuda.is_available():  # no GPU: the kernels can only run under Triton's interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 try:
     import triton
     import triton.language as tl

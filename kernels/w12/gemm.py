@@ -21,6 +21,9 @@ import torch
 
 from .format import KERNEL_EXP_BIAS, TILE_K, TILE_N, W12Tensor, repad
 
+if not torch.cuda.is_available():  # no GPU: the kernels can only run under Triton's interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 try:  # triton is optional at import time (CPU-only installs still import this module)
     import triton
     import triton.language as tl
