@@ -239,7 +239,12 @@ def resolve_model(name: str, random: bool):
         return load_model_spec(str(folder)), folder, p.stem
     if key.lower() in ("smollm2", "smollm2-135m-instruct"):  # random weights, SmolLM2 shapes (catalog)
         return load_model_spec("smollm2-135m"), None, "smollm2-135m"
-    spec = load_model_spec(key)
+    try:
+        spec = load_model_spec(key)
+    except InputError as e:
+        if p.exists():
+            raise
+        raise InputError(f"{e}; the engine also knows smollm2, tiny, tiny-hybrid") from None
     folder = p if p.is_dir() else (p.parent if p.is_file() else None)
     if random:
         return spec, None, spec.name
