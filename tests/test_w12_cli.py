@@ -151,3 +151,15 @@ def test_bad_input_leaves_no_output(tmp_path, run_cli):
     code, _, err = run_cli("w12", "stats", junk)
     assert code == 2 and err.startswith("specpilot: error:")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["junk.safetensors", "m.safetensors"]
+
+
+def test_device_option(tmp_path, run_cli):
+    src = tmp_path / "m.safetensors"
+    make_checkpoint(src)
+    code, _, err = run_cli("w12", "pack", src, "-o", tmp_path / "o.safetensors", "--device", "tpu")
+    assert code == 2 and "--device tpu" in err
+    if not torch.cuda.is_available():
+        code, _, err = run_cli("w12", "pack", src, "-o", tmp_path / "o.safetensors", "--device", "cuda")
+        assert code == 3 and "no CUDA device" in err
+    assert run_cli("w12", "pack", src, "-o", tmp_path / "o.safetensors", "--device", "cpu")[0] == 0
+    assert run_cli("w12", "verify", tmp_path / "o.safetensors", "--against", src, "--device", "auto")[0] == 0

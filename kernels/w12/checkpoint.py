@@ -307,7 +307,8 @@ class VerifyResult:
         return not self.mismatched
 
 
-def verify(packed: str, against: str | None = None, progress: Callable | None = None) -> VerifyResult:
+def verify(packed: str, against: str | None = None, progress: Callable | None = None,
+           device: str = "cpu") -> VerifyResult:
     """Restore every W12 tensor and compare bit for bit with ``against`` (CRC and structure always)."""
     ck = find_checkpoint(packed)
     ref_files: dict[str, Path] = {}
@@ -346,7 +347,7 @@ def verify(packed: str, against: str | None = None, progress: Callable | None = 
                 bar.update(1)
             try:
                 t = load_w12(tensors, name, entry, str(f))
-                restored = decode(t)
+                restored = decode(t.to(device))
             except W12FormatError as e:
                 res.mismatched.append((name, str(e).split(": ", 1)[-1]))
                 continue
@@ -358,7 +359,7 @@ def verify(packed: str, against: str | None = None, progress: Callable | None = 
                 elif r.dtype != torch.bfloat16 or tuple(r.shape) != t.shape:
                     res.mismatched.append((name, f"reference is {r.dtype} {tuple(r.shape)}"))
                 else:
-                    diff = restored.view(torch.int16) != r.view(torch.int16)
+                    diff = restored.view(torch.int16) != r.to(restored.device).view(torch.int16)
                     if bool(diff.any()):
                         n = int(diff.sum())
                         first = diff.flatten().nonzero()[0].item()

@@ -50,6 +50,18 @@ def _tensor_rows(tensors):
              float(f"{t.escape_rate:.3e}")] for t in tensors]
 
 
+def _device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise EnvironmentMissing(f"--device {device}: no CUDA device here; use --device cpu")
+    if not (device == "cpu" or device.startswith("cuda")):
+        raise InputError(f"--device {device}: expected auto, cpu or cuda[:N]")
+    return device
+
+
 @command.command("pack")
 @click.argument("src", metavar="IN", type=click.Path())
 @click.option("-o", "--output", "dst", required=True, type=click.Path(), help="Output file or folder (atomic).")
@@ -57,7 +69,8 @@ def _tensor_rows(tensors):
               help="Tensor names to convert (repeatable; default: *proj.weight, *fc1/fc2.weight, ...).")
 @click.option("--exclude", multiple=True, metavar="GLOB",
               help="Tensor names to keep as they are (repeatable; default: *embed*, lm_head.weight, *norm*).")
-@click.option("--device", default="cpu", show_default=True, help="Where to encode (cpu or cuda).")
+@click.option("--device", default="auto", show_default=True,
+              help="Where to encode: cuda, cpu, or auto (cuda when there is one).")
 @output_options
 @_user_errors
 def pack_cmd(src, dst, include, exclude, device, fmt, out):
@@ -68,11 +81,7 @@ def pack_cmd(src, dst, include, exclude, device, fmt, out):
       specpilot w12 pack model.safetensors -o model.w12.safetensors
     """
     ck = _lib()
-    if device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise EnvironmentMissing("--device cuda: no CUDA device here; use --device cpu")
+    device = _device(device)
     inc = tuple(include) or ck.DEFAULT_INCLUDE
     exc = tuple(exclude) or ck.DEFAULT_EXCLUDE
     res = ck.pack(src, dst, inc, exc, device=device, progress=lambda **kw: progress(unit="tensor", **kw))
@@ -96,16 +105,17 @@ def pack_cmd(src, dst, include, exclude, device, fmt, out):
 @click.argument("packed", metavar="OUT", type=click.Path())
 @click.option("--against", "against", type=click.Path(), default=None,
               help="The original checkpoint; without it only CRCs and structure are checked.")
+@click.option("--device", default="auto", show_default=True, help="Where to restore: cuda, cpu or auto.")
 @output_options
 @_user_errors
-def verify_cmd(packed, against, fmt, out):
+def verify_cmd(packed, against, device, fmt, out):
     """Restore every W12 tensor of OUT and compare it bit for bit with --against IN.
 
     Exit 0 when every tensor (and every kept tensor) is identical, 1 on any difference or
     corrupted record, naming the tensor.
     """
     ck = _lib()
-    res = ck.verify(packed, against, progress=lambda **kw: progress(unit="tensor", **kw))
+    res = ck.verify(packed, against, progress=lambda **kw: progress(unit="tensor", **kw), device=_device(device))
     data = {"schema": "specpilot.w12-verify/1", "packed": packed, "against": against, "ok": res.ok,
             "checked": len(res.checked), "kept_checked": res.kept_checked,
             "mismatches": [{"tensor": n, "what": w} for n, w in res.mismatched]}
