@@ -140,6 +140,7 @@ def test_server_generate_health_and_400s():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_serve_cli_stops_cleanly_on_sigterm(tmp_path):
     import socket
 
@@ -168,6 +169,7 @@ def test_serve_cli_stops_cleanly_on_sigterm(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)
 def test_run_smollm2_tree_equals_ar_through_the_cli(run_cli, tmp_path):
     args = ["run", "--model", "smollm2", "--prompt", "List three colors.", "--max-new-tokens", "24", "--format", "json"]
     code, out_ar, err = run_cli(*args, "--mode", "ar")

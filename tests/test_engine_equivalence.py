@@ -70,6 +70,7 @@ def test_greedy_equals_transformers_generate(tmp_path, kind):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # the real model on a shared 2-core CPU
 def test_smollm2_greedy_equals_transformers():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -84,7 +85,7 @@ def test_smollm2_greedy_equals_transformers():
                                          add_generation_prompt=True, tokenize=True, return_dict=False)
     assert prompt == list(ref_prompt)
     with torch.no_grad():
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=48, do_sample=False)[0, len(prompt):].tolist()
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False)[0, len(prompt):].tolist()
     for mode in ("ar", "tree"):
-        got = load_engine(f"engine:model=smollm2,mode={mode},dtype=float32,ctx=512").generate(prompt, 48).output_ids
-        assert got == ref, mode
+        got = load_engine(f"engine:model=smollm2,mode={mode},dtype=float32,ctx=512,threads=1").generate(prompt, 32)
+        assert got.output_ids == ref, mode
