@@ -109,3 +109,21 @@ def test_hybrid_tree_forward_with_chain_shape_equals_chain_mode():
     assert torch.equal(a, b)
     for (s1, c1), g in zip(after_chain, m.gdn_layers()):
         assert torch.equal(s1, g.state) and torch.equal(c1, g.conv_state)
+
+
+def test_naive_rule_matches_transformers_qwen3_next_reference():
+    """Our gated delta rule equals transformers' torch_recurrent_gated_delta_rule (Qwen3-Next)."""
+    mod = __import__("pytest").importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+    gen = torch.Generator().manual_seed(7)
+    Tn, H, dk, dv = 6, 2, 8, 4
+    q, k = torch.randn(1, Tn, H, dk, generator=gen), torch.randn(1, Tn, H, dk, generator=gen)
+    v = torch.randn(1, Tn, H, dv, generator=gen)
+    g = -torch.rand(1, Tn, H, generator=gen)
+    beta = torch.rand(1, Tn, H, generator=gen)
+    state = torch.randn(1, H, dk, dv, generator=gen)
+    ref_out, ref_state = mod.torch_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=state.clone(),
+                                                              output_final_state=True, use_qk_l2norm_in_kernel=True)
+    pq, pk, pv, pg, pb = naive.prepare(q[0], k[0], v[0], g[0], beta[0])
+    out, states = naive.recurrent(pq, pk, pv, pg, pb, state[0])
+    assert torch.allclose(out, ref_out[0], atol=1e-5)
+    assert torch.allclose(states[-1], ref_state[0], atol=1e-5)
