@@ -160,3 +160,31 @@ def test_triton_on_cuda_and_graph_capture():
     torch.cuda.synchronize()
     assert int(buf.count.sum()) == 512
     assert math.isfinite(float(buf.score[buf.valid].min()))
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=40, deadline=None)
+@given(B=st.integers(1, 4), m=st.integers(1, 5), K=st.integers(1, 5), n=st.integers(1, 12),
+       budget=st.one_of(st.none(), st.integers(0, 40)), cond=st.booleans(), seed=st.integers(0, 10**6))
+def test_batched_invariants(B, m, K, n, budget, cond, seed):
+    """Prefix closure, budget, cap and agreement with the engine's heap, for any shape."""
+    tok, lp, tr = lattice(B, m, K, seed)
+    out = build_batched(tok, lp, tr if cond else None, n, budget=budget)
+    count = out.count.tolist()
+    assert all(0 <= c <= n for c in count)
+    if budget is not None:
+        total_nodes = sum(min(n, sum(K ** d for d in range(1, m + 1))) for _ in range(B))
+        assert sum(count) == min(budget, total_nodes)
+    for b in range(B):
+        t = out.request(b)
+        assert all(-1 <= p < i for i, p in enumerate(t.parents))                        # parents first
+        assert all((p == -1) == (d == 0) for p, d in zip(t.parents, t.depth))
+        assert all(t.depth[p] + 1 == d for p, d in zip(t.parents, t.depth) if p >= 0)   # prefix-closed
+        assert list(t.score) == sorted(t.score, reverse=True)                            # best first
+        assert bool(out.valid[b, :count[b]].all()) and not bool(out.valid[b, count[b]:].any())
+        if budget is None:
+            want = build_best_first(host(tok[b]), host(lp[b]), host(tr[b]) if cond else None, n)
+            assert same(t, want)
