@@ -147,7 +147,7 @@ def _metric_from_stdout(out: str, key: str, where: str) -> float:
 class GenerateSystem(System):
     """An engine spec or HTTP server: tokens/s over the prompt set, one run = every prompt once."""
 
-    def __init__(self, spec: str, prompts, max_new_tokens: int, timeout: float = 120.0):
+    def __init__(self, spec: str, prompts, max_new_tokens: int, timeout: float = 120.0, concurrency: int = 1):
         from .systems import make_generator, parse_system
 
         if not prompts:
@@ -158,6 +158,11 @@ class GenerateSystem(System):
         if self.system.kind == "file":
             raise InputError(f"{spec}: an outputs file cannot be timed; give an engine: spec, a server URL, "
                              "or --base-cmd/--candidate-cmd")
+        if concurrency < 1:
+            raise InputError(f"--concurrency {concurrency}: must be at least 1")
+        if concurrency > 1 and self.system.kind != "http":
+            raise InputError("--concurrency applies to servers; the embedded engine serves one request at a time")
+        self.concurrency = concurrency
         self.label = spec
         self.metric, self.unit, self.higher_is_better = "throughput", "tok/s", True
         self.prompts = list(prompts)
@@ -168,11 +173,15 @@ class GenerateSystem(System):
 
     def measure(self, gpu=None) -> float:
         t0 = time.perf_counter()
-        outs, tokens = [], 0
-        for p in self.prompts:
-            ids = self.gen.generate(list(p.prompt_ids), self.max_new_tokens)
-            outs.append(list(ids))
-            tokens += len(ids)
+        one = lambda p: list(self.gen.generate(list(p.prompt_ids), self.max_new_tokens))  # noqa: E731
+        if self.concurrency > 1:  # the same requests, C in flight at once, answers kept in request order
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
+                outs = list(pool.map(one, self.prompts))
+        else:
+            outs = [one(p) for p in self.prompts]
+        tokens = sum(len(o) for o in outs)
         wall = time.perf_counter() - t0
         if self.outputs is None:
             self.outputs = outs
@@ -187,14 +196,14 @@ class GenerateSystem(System):
 
 
 def make_system(spec: str | None, cmd: str | None, role: str, *, metric: str, timeout: float | None,
-                prompts=None, max_new_tokens: int = 128) -> System:
+                prompts=None, max_new_tokens: int = 128, concurrency: int = 1) -> System:
     if cmd is not None:
         return ShellSystem(cmd, role, metric=metric, timeout=timeout)
     if spec is None:
         raise InputError(f"give --{role} SPEC or --{role}-cmd CMD")
     if metric != "wall":
         raise InputError("--metric applies to shell commands; engines and servers are timed in tokens/s")
-    return GenerateSystem(spec, prompts, max_new_tokens, timeout=timeout or 120.0)
+    return GenerateSystem(spec, prompts, max_new_tokens, timeout=timeout or 120.0, concurrency=concurrency)
 
 
 @dataclass
@@ -330,6 +339,7 @@ def paired_compare(a: System, b: System, *, runs: int | None = None, warmup: int
         extra["outputs_stable"] = a.outputs_stable and b.outputs_stable
         extra["prompts"] = len(a.prompts)
         extra["max_new_tokens"] = a.max_new_tokens
+        extra["concurrency"] = a.concurrency
         if outputs_differ and not user_changes_output:
             changes_output = True
             extra["changes_output_reason"] = "candidate outputs differ from base outputs: the 3% rule applies"

@@ -95,6 +95,7 @@ def test_gpu_swap_schedule():
     (["--base-cmd", "true", "--candidate-cmd", "true", "--runs", "1"], "at least 2"),
     (["--base-cmd", "true", "--candidate-cmd", "true", "--noise", "2"], "--noise"),
     (["--base-cmd", "true", "--candidate-cmd", "true", "--gpus", "0"], "two different GPU ids"),
+    (["--base-cmd", "true", "--candidate-cmd", "true", "--concurrency", "2"], "--concurrency applies to servers"),
 ])
 def test_bad_input_exit_2(tmp_path, run_cli, args, msg):
     out = tmp_path / "t.json"
@@ -150,10 +151,11 @@ def test_http_server_a_a(tmp_path, run_cli):
     proc, url = _serve_tiny()
     try:
         code, out, err = run_cli("compare", "--base", url, "--candidate", url, "--prompts", p, "--max-new-tokens", "6",
-                                 "--runs", "2", "--warmup", "0", "--format", "json")
+                                 "--runs", "2", "--warmup", "0", "--format", "json", "--concurrency", "3")
         d = json.loads(out)
         assert code == 1, err
-        assert d["unit"] == "tok/s" and d["outputs_identical"] is True and d["prompts"] == 3
+        assert d["unit"] == "tok/s" and d["outputs_identical"] is True and d["outputs_stable"] is True
+        assert d["prompts"] == 3 and d["concurrency"] == 3
         assert len(d["samples"]) == 2 and d["approved"] is False
     finally:
         proc.terminate()

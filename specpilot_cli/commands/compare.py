@@ -33,6 +33,8 @@ def _runs(ctx, param, value):
               help="Request set for engines/servers (specpilot.prompts/1 or outputs JSONL); same requests, "
                    "same order, every run.")
 @click.option("--max-new-tokens", type=click.IntRange(1, 100000), default=128, show_default=True)
+@click.option("--concurrency", type=click.IntRange(1, 4096), default=1, show_default=True,
+              help="Servers: requests in flight at once (the same set every run; tokens/s of the whole set).")
 @click.option("--runs", callback=_runs, default="auto", show_default=True, metavar="N|auto",
               help="Paired samples (rounded up to whole blocks of 2). auto: a pilot of 8 pairs, then as many "
                    "as give 80% power to approve a true 3% gain.")
@@ -51,7 +53,7 @@ def _runs(ctx, param, value):
 @click.option("--timeout", type=float, default=None, help="Seconds allowed per run (shell) or per request (server).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Bootstrap seed.")
 @output_options
-def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, max_new_tokens, runs, max_runs, warmup,
+def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, max_new_tokens, concurrency, runs, max_runs, warmup,
             gpus, noise, changes_output, timeout, seed, fmt, out):
     """Time a candidate against a base with paired runs and approve it only when it is faster.
 
@@ -93,11 +95,13 @@ def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, max_new_t
         prompt_rows = read_prompts(prompts)
     elif base_cmd is None:
         raise InputError("timing engines or servers needs --prompts FILE (the request set)")
+    if concurrency > 1 and base_cmd is not None:
+        raise InputError("--concurrency applies to servers (--base/--candidate http://...)")
     a = make_system(base, base_cmd, "base", metric=metric, timeout=timeout, prompts=prompt_rows,
-                    max_new_tokens=max_new_tokens)
+                    max_new_tokens=max_new_tokens, concurrency=concurrency)
     try:
         b = make_system(candidate, candidate_cmd, "candidate", metric=metric, timeout=timeout, prompts=prompt_rows,
-                        max_new_tokens=max_new_tokens)
+                        max_new_tokens=max_new_tokens, concurrency=concurrency)
     except BaseException:
         a.close()
         raise
