@@ -290,6 +290,8 @@ def replay(lattice: Lattice, policies: Sequence[Policy | str], nodes: Sequence[i
                 continue
             curves[key] = {}
             for n in nodes:
+                if p.family == "chain" and n > m:
+                    continue  # a chain cannot use more nodes than draft positions
                 q = p.with_nodes(n)
                 curves[key][str(n)] = run(q).tau
     rank = None

@@ -238,3 +238,18 @@ def test_best_first_curve_matches_direct_trees(tmp_path):
         direct = np.mean([parse_policy(f"best-first:{n}").tau(s) for s in lat.steps])
         assert tau == pytest.approx(direct), n
     assert res.policies[0].tau == pytest.approx(np.mean([parse_policy("best-first:7").tau(s) for s in lat.steps]))
+
+
+def test_chain_curve_stops_at_the_draft_length(tmp_path):
+    lat = read_lattice(write(tmp_path / "l.jsonl", synthetic_rows(requests=2, steps=3, m=4, k=3, seed=2)))
+    res = replay(lat, ["chain", "best-first:4"], nodes=[2, 4, 8, 16])
+    assert list(res.curves["chain"]) == ["2", "4"]
+    assert list(res.curves["best-first"]) == ["2", "4", "8", "16"]
+
+
+def test_table_with_a_short_chain_curve(tmp_path, run_cli):
+    lat = write(tmp_path / "l.jsonl", synthetic_rows(requests=2, steps=3, m=4, k=3, seed=2))
+    code, out, err = run_cli("replay", lat, "--policy", "chain", "--policy", "best-first:4", "--nodes", "2,8")
+    assert code == 0, err
+    chain_row = [ln for ln in out.splitlines() if ln.startswith("chain ")][-1]
+    assert chain_row.split()[-1] == "-"

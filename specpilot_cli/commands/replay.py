@@ -63,7 +63,7 @@ def _report(result) -> Report:
                         ["policy", "nodes", "tau", "95% CI (requests resampled)"], rows)]
     if result.curves:
         ns = sorted({int(n) for c in result.curves.values() for n in c})
-        crow = [[k] + [round(c[str(n)], 4) for n in ns] for k, c in result.curves.items()]
+        crow = [[k] + [round(c[str(n)], 4) if str(n) in c else None for n in ns] for k, c in result.curves.items()]
         sections.append(Section("tau(N) curves", ["policy"] + [f"N={n}" for n in ns], crow))
     lines = []
     if result.rank_accept is not None:
