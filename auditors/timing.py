@@ -203,3 +203,27 @@ def read_timing(path) -> dict:
         if k not in d:
             raise InputError(f"{path}: timing file lacks {k!r}")
     return d
+
+
+def rejudge(path, *, noise: float | None = None, changes_output: bool | None = None, n_boot: int = 4000,
+            seed: int = 0) -> TimingResult:
+    """Judge the paired samples of a stored ``specpilot.timing/1`` file again (e.g. in CI, with
+    a given noise or the changes-output rule). Every sample is checked; the rule is the same."""
+    d = read_timing(path)
+    try:
+        hib = bool(d["higher_is_better"])
+        samples = [Sample(int(x["pair"]), int(x["block"]), float(x["base"]), float(x["candidate"]),
+                          str(x.get("order", "AB")), x.get("gpu_base"), x.get("gpu_candidate"))
+                   for x in d["samples"]]
+        aa = [(float(x["first"]), float(x["second"])) for x in d.get("aa", [])]
+    except (KeyError, TypeError, ValueError) as e:
+        raise InputError(f"{path}: malformed timing samples ({type(e).__name__}: {e})") from None
+    co = bool(d.get("changes_output", False)) if changes_output is None else (changes_output or
+                                                                               bool(d.get("changes_output")))
+    v = judge(samples, higher_is_better=hib, aa_pairs=aa, noise=noise, changes_output=co, n_boot=n_boot, seed=seed)
+    keep = {k: d[k] for k in ("outputs_identical", "outputs_stable", "prompts", "max_new_tokens", "concurrency",
+                              "changes_output_reason") if k in d}
+    keep["rejudged_from"] = str(path)
+    return TimingResult(str(d.get("base", "?")), str(d.get("candidate", "?")), str(d.get("metric", "?")),
+                        str(d.get("unit", "")), hib, str(d.get("schedule", "?")), co, samples, aa, v,
+                        warmup=int(d.get("warmup", 0)), plan=d.get("plan"), extra=keep)

@@ -187,3 +187,30 @@ def test_engines_with_different_outputs_get_the_3_percent_rule(tmp_path, run_cli
     assert d["outputs_identical"] is False and d["changes_output"] is True
     assert d["threshold"] >= 0.03 and "differ" in d["changes_output_reason"]
     assert d["unit"] == "tok/s" and len(d["samples"]) == 2
+
+
+def test_rejudge_from_stored_file(tmp_path, run_cli):
+    t = tmp_path / "t.json"
+    code, _, err = run_cli("compare", "--base-cmd", emit_cmd(100), "--candidate-cmd", emit_cmd(102),
+                           "--metric", "tokens_per_s", "--runs", "4", "--warmup", "0", "--out", t, "--format", "json")
+    assert code == 0, err
+    code, out, _ = run_cli("compare", "--from", t, "--format", "json")
+    d = json.loads(out)
+    assert code == 0 and d["gain"] == pytest.approx(1.02) and d["rejudged_from"] == str(t)
+    code, out, _ = run_cli("compare", "--from", t, "--changes-output", "--format", "json")
+    assert code == 1 and json.loads(out)["threshold"] == pytest.approx(0.03)
+    code, out, _ = run_cli("compare", "--from", t, "--noise", "0.01", "--format", "json")
+    assert code == 1 and json.loads(out)["noise_source"] == "given"
+    # bad inputs: another schema, a mangled sample, systems besides --from, overwriting the input
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"schema": "specpilot.replay/1"}))
+    code, _, err = run_cli("compare", "--from", bad)
+    assert code == 2 and "unknown schema" in err
+    d["samples"][0]["base"] = "fast"
+    bad.write_text(json.dumps(d))
+    code, _, err = run_cli("compare", "--from", bad)
+    assert code == 2 and "malformed timing samples" in err
+    code, _, err = run_cli("compare", "--from", t, "--base-cmd", "true")
+    assert code == 2 and "--from" in err
+    code, _, err = run_cli("compare", "--from", t, "--out", t)
+    assert code == 2 and "refusing to overwrite" in err

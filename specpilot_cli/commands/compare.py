@@ -52,9 +52,12 @@ def _runs(ctx, param, value):
                    "when outputs differ).")
 @click.option("--timeout", type=float, default=None, help="Seconds allowed per run (shell) or per request (server).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Bootstrap seed.")
+@click.option("--from", "from_file", type=click.Path(dir_okay=False), default=None, metavar="TIMING.json",
+              help="Judge the samples of a stored specpilot.timing/1 file again (no runs; with --noise or "
+                   "--changes-output to apply a stricter rule).")
 @output_options
 def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, max_new_tokens, concurrency, runs, max_runs, warmup,
-            gpus, noise, changes_output, timeout, seed, fmt, out):
+            gpus, noise, changes_output, timeout, seed, from_file, fmt, out):
     """Time a candidate against a base with paired runs and approve it only when it is faster.
 
     Runs are interleaved ABBA (same requests, same order), or with --gpus both systems at once on
@@ -70,10 +73,22 @@ def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, max_new_t
           --metric tokens_per_s --runs 20 --out timing.json --format json
       specpilot compare --base engine:model=smollm2,mode=chain \\
           --candidate engine:model=smollm2,mode=tree,nodes=32 --prompts prompts.jsonl
+      specpilot compare --from timing.json --changes-output     # re-judge stored samples
     """
     from specpilot.auditors.pairing import make_system, paired_compare, parse_gpus
     from specpilot.errors import InputError
     from specpilot.output import progress
+
+    if from_file is not None:
+        if any(x is not None for x in (base, candidate, base_cmd, candidate_cmd, prompts, gpus)):
+            raise InputError("--from judges a stored timing file; do not also give systems, commands or prompts")
+        if noise is not None and not 0 <= noise < 1:
+            raise InputError(f"--noise {noise}: a fraction in [0, 1), e.g. 0.001 for 0.1%")
+        from specpilot.auditors.timing import rejudge
+
+        result = rejudge(from_file, noise=noise, changes_output=changes_output or None, seed=seed)
+        emit(report(result), fmt, out, protect=[from_file])
+        return 0 if result.verdict.approved else 1
 
     if (base is None) == (base_cmd is None):
         raise InputError("give exactly one of --base SYSTEM and --base-cmd CMD")
