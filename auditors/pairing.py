@@ -219,8 +219,17 @@ def run_block(a: System, b: System, block: int, pair0: int, gpus: Sequence[str] 
         firsts = []
         for ga, gb in ((g0, g1), (g1, g0)):
             ha = a.start(ga)
-            hb = b.start(gb)
-            va, vb = a.finish(ha), b.finish(hb)
+            try:
+                hb = b.start(gb)
+            except BaseException:
+                _kill(ha[0])
+                raise
+            try:
+                va = a.finish(ha)
+            except BaseException:
+                _kill(hb[0])  # never leave the other system running on its GPU
+                raise
+            vb = b.finish(hb)
             firsts.append(va)
             out.append(Sample(pair0 + len(out), block, va, vb, "||", ga, gb))
         return out, (firsts[0], firsts[1])

@@ -214,3 +214,17 @@ def test_rejudge_from_stored_file(tmp_path, run_cli):
     assert code == 2 and "--from" in err
     code, _, err = run_cli("compare", "--from", t, "--out", t)
     assert code == 2 and "refusing to overwrite" in err
+
+
+def test_gpu_swap_failure_stops_the_other_run(tmp_path):
+    from specpilot.errors import InputError
+
+    marker = tmp_path / "finished"
+    a = ShellSystem("exit 3", "base")
+    b = ShellSystem(f"sleep 1 && touch {marker}", "candidate")
+    with pytest.raises(InputError, match="base command failed"):
+        run_pairs(a, b, 2, gpus=("0", "1"))
+    import time
+
+    time.sleep(1.5)
+    assert not marker.exists()
