@@ -13,6 +13,12 @@ Policies (``parse_policy`` spells them the way the CLI does):
     The N nodes with the highest path score sum log p(child | parent) (parent-conditioned when the
     lattice has transitions, marginal otherwise). Built by ``specpilot.kernels.tree``, the same
     builder the engine runs.
+``shared:N``
+    Batched serving with one node budget shared across requests (paper 4.4): the steps with the
+    same ``step`` index form one batch, which gets N nodes per request in total, filled from the
+    highest path score over all its requests (``specpilot.kernels.tree.build_best_first_shared``).
+    Compare with ``best-first:N`` (the same nodes split equally). Replayed by
+    ``specpilot.auditors.replay`` (it needs the whole batch, not one step).
 ``eagle2:TOPK,DEPTH,N``
     EAGLE-2: per depth, every beam node expands its TOPK best children, the TOPK best of those by
     path score form the next beam; after DEPTH levels every scored node is reranked globally and
@@ -40,7 +46,7 @@ import numpy as np
 
 from specpilot.errors import InputError
 
-FAMILIES = ("chain", "best-first", "eagle2", "sequoia", "oracle")
+FAMILIES = ("chain", "best-first", "shared", "eagle2", "sequoia", "oracle")
 MAX_NODES = 4096
 
 
@@ -117,7 +123,7 @@ class Policy:
     @property
     def curve_key(self) -> str | None:
         """The family name a tau(N) curve is filed under (None: the policy has no node budget)."""
-        if self.family in ("best-first", "sequoia"):
+        if self.family in ("best-first", "sequoia", "shared"):
             return self.family
         if self.family == "eagle2":
             return f"eagle2:{self.topk},{self.depth}"
@@ -137,6 +143,8 @@ class Policy:
 
     # ---- the work ----
     def tau(self, step: StepView) -> int:
+        if self.family == "shared":  # alone in its batch, a shared budget is a best-first tree
+            return accept_length(best_first_tree(step, self.nodes), step.target) + 1
         if self.family == "oracle":
             return oracle_tau(step, self.k)
         return accept_length(self.tree(step), step.target) + 1
@@ -174,7 +182,7 @@ def parse_policy(spec: str) -> Policy:
     text = spec.strip()
     name, _, arg = text.partition(":")
     name = name.strip().lower()
-    hint = "chain, chain:N, best-first:N, eagle2:TOPK,DEPTH,N, sequoia:N, oracle:K"
+    hint = "chain, chain:N, best-first:N, shared:N, eagle2:TOPK,DEPTH,N, sequoia:N, oracle:K"
     if name not in FAMILIES:
         raise InputError(f"unknown policy {spec!r}; use one of {hint}")
     if name == "chain":

@@ -269,10 +269,30 @@ def replay(lattice: Lattice, policies: Sequence[Policy | str], nodes: Sequence[i
             k += 1
         return k + 1
 
+    batches: dict[int, list[int]] = {}
+    for i, s in enumerate(lattice.steps):
+        batches.setdefault(s.step, []).append(i)
+
+    def shared_taus(n: int) -> list[int]:
+        """Steps with the same index are one batch sharing n nodes per request (paper 4.4)."""
+        from specpilot.kernels.tree import accept_greedy, build_best_first_shared
+
+        out = [0] * len(lattice.steps)
+        for idx in batches.values():
+            sts = [lattice.steps[i] for i in idx]
+            trees = build_best_first_shared([(st.tokens, st.logprobs, st.transitions) for st in sts], n * len(sts))
+            for i, st, tr in zip(idx, sts, trees):
+                out[i] = len(accept_greedy(tr, st.target)[0]) + 1
+        return out
+
     def run(p: Policy) -> PolicyResult:
         taus = []
+        shared = shared_taus(p.nodes) if p.family == "shared" else None
         for i, s in enumerate(lattice.steps):
-            taus.append(best_first_tau(i, p.nodes) if p.family == "best-first" else p.tau(s))
+            if shared is not None:
+                taus.append(shared[i])
+            else:
+                taus.append(best_first_tau(i, p.nodes) if p.family == "best-first" else p.tau(s))
             if tick:
                 tick()
         t = np.array(taus, dtype=np.float64)

@@ -120,6 +120,6 @@ def test_parse_rejects(bad):
 
 
 def test_parse_roundtrip():
-    for spec in ["chain", "chain:4", "best-first:32", "eagle2:4,6,16", "sequoia:63", "oracle:16"]:
+    for spec in ["chain", "chain:4", "best-first:32", "shared:8", "eagle2:4,6,16", "sequoia:63", "oracle:16"]:
         assert parse_policy(spec).spec == spec
     assert parse_policy(" Best-First:8 ").spec == "best-first:8"

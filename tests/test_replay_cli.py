@@ -253,3 +253,24 @@ def test_table_with_a_short_chain_curve(tmp_path, run_cli):
     assert code == 0, err
     chain_row = [ln for ln in out.splitlines() if ln.startswith("chain ")][-1]
     assert chain_row.split()[-1] == "-"
+
+
+def test_shared_budget_policy(tmp_path, run_cli):
+    """Two requests verified in the same step: a confident one (A) and an unsure one (B).
+    best-first:2 gives each 2 nodes: A accepts 2 of its 3 (tau 3), B takes its top candidate (tau 2).
+    shared:2 puts the batch's 4 nodes where path scores are highest: A's whole chain (.99, .98, .97)
+    and B's top candidate (.5): A tau 4, B tau 2."""
+    def row(req, probs, target):
+        return {"schema": "specpilot.lattice/1", "request": req, "step": 0,
+                "tokens": [[10 * req + 1, 10 * req + 2]] * 1 + [[10 * req + 3, 10 * req + 4]] + [[10 * req + 5, 10 * req + 6]],
+                "logprobs": np.log(probs).tolist(), "transitions": None, "target": target}
+    a = row(1, [[.99, .01], [.99, .01], [.99, .01]], [11, 13, 15, 0])
+    b = row(2, [[.5, .5], [.5, .5], [.5, .5]], [21, 99, 99, 99])
+    lat = write(tmp_path / "l.jsonl", [a, b])
+    code, out, err = run_cli("replay", lat, "--policy", "best-first:2", "--policy", "shared:2", "--nodes", "1,2",
+                             "--format", "json")
+    assert code == 0, err
+    d = json.loads(out)
+    tau = {p["policy"]: p["tau"] for p in d["policies"]}
+    assert tau == {"best-first:2": 2.5, "shared:2": 3.0}
+    assert d["curves"]["shared"]["2"] == 3.0 and d["curves"]["best-first"]["1"] == 2.0
