@@ -17,6 +17,32 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 
 
+ROOTS = [("specpilot", "specpilot_cli"), ("specpilot.probes", "probes"), ("specpilot.kernels", "kernels"),
+         ("specpilot.auditors", "auditors"), ("specpilot.reports", "reports"), ("specpilot.engine", "engine"),
+         ("specpilot.bundles", "bundles")]
+
+
+def bootstrap() -> None:
+    """Import ``specpilot`` from the working tree when it is not installed (the lent GPU).
+
+    Maps the design card's folders under the one import root, as setup.py does.
+    """
+    try:
+        import specpilot.probes  # noqa: F401
+
+        return
+    except ImportError:
+        pass
+    import importlib.util
+
+    for name, folder in ROOTS:
+        spec = importlib.util.spec_from_file_location(name, REPO / folder / "__init__.py",
+                                                      submodule_search_locations=[str(REPO / folder)])
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+
+
 def git_sha() -> str:
     sha = os.environ.get("SPECPILOT_GIT_SHA")
     if sha:
@@ -78,10 +104,14 @@ class L2Flusher:
         import torch
 
         self.buf = torch.randn(nbytes // 4, device="cuda", dtype=torch.float32)
+        self.sink = torch.empty((1,), device="cuda", dtype=torch.float32)
 
     def __call__(self):
-        # a reduction reads every byte and writes one scalar (no dirty lines left in L2)
-        self.buf.sum()
+        import torch
+
+        # a reduction reads every byte and writes one value (no dirty lines left in L2);
+        # dim/keepdim keep ``out=`` valid on torch 2.11 as well as 2.13
+        torch.sum(self.buf, dim=0, keepdim=True, out=self.sink)
 
 
 def time_cuda_graph(fn, *, reps: int = 50, warmup: int = 5, flush: L2Flusher | None = None) -> float:

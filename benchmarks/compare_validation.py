@@ -18,7 +18,6 @@ pilot, power-planned run count, ABBA schedule, bootstrap + t intervals, A/A nois
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import math
 import sys
 import time
@@ -28,21 +27,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 
-def _bootstrap() -> None:
-    try:
-        import specpilot.auditors.pairing  # noqa: F401
-        return
-    except ImportError:
-        pass
-    for name, folder in [("specpilot", "specpilot_cli"), ("specpilot.auditors", "auditors")]:
-        spec = importlib.util.spec_from_file_location(name, REPO / folder / "__init__.py",
-                                                      submodule_search_locations=[str(REPO / folder)])
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
+from common import bootstrap  # noqa: E402
 
-
-_bootstrap()
+bootstrap()
 
 import numpy as np  # noqa: E402
 

@@ -20,9 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from w12_gemm import ReadFlusher, _bootstrap  # noqa: E402
+from common import L2Flusher, bootstrap  # noqa: E402
 
-_bootstrap()
+bootstrap()
 
 from common import print_table, time_cuda_graph, write_results  # noqa: E402
 
@@ -78,7 +78,7 @@ def main() -> int:
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev)
     gen.manual_seed(0)
-    flush = ReadFlusher()
+    flush = L2Flusher()
     rows, checks = [], []
     t0 = time.time()
     for v, hd in SHAPES:

@@ -10,7 +10,6 @@ marginal or parent-conditioned scores. Target (issue 6): <= 50 us for 32 x 32 no
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 import time
 import traceback
@@ -20,39 +19,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 
-def _bootstrap() -> None:
-    """Import ``specpilot`` from the working tree when it is not installed (the lent GPU)."""
-    try:
-        import specpilot.kernels.tree_batched  # noqa: F401
-        import specpilot.auditors.timing  # noqa: F401
-        return
-    except ImportError:
-        pass
-    for name, folder in [("specpilot", "specpilot_cli"), ("specpilot.kernels", "kernels"),
-                         ("specpilot.auditors", "auditors")]:
-        spec = importlib.util.spec_from_file_location(name, REPO / folder / "__init__.py",
-                                                      submodule_search_locations=[str(REPO / folder)])
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
+from common import bootstrap  # noqa: E402
 
+bootstrap()
 
-_bootstrap()
-
-from common import environment, print_table, write_results  # noqa: E402
-
-
-class Flusher:
-    def __init__(self, nbytes=256 << 20):
-        import torch
-
-        self.buf = torch.randn(nbytes // 4, device="cuda")
-        self.sink = torch.empty((1,), device="cuda")
-
-    def __call__(self):
-        import torch
-
-        torch.sum(self.buf, dim=0, keepdim=True, out=self.sink)
+from common import L2Flusher, environment, print_table, write_results  # noqa: E402
 
 
 def lattice(B, m, K, seed, device):
@@ -228,7 +199,7 @@ def main():
     if not torch.cuda.is_available():
         print("needs CUDA", file=sys.stderr)
         return 3
-    flush = Flusher()
+    flush = L2Flusher()
     configs = [
         (32, 16, 16, 32, None, False), (32, 16, 16, 32, None, True),
         (32, 16, 16, 32, 512, True), (32, 16, 16, 32, 1024, True),

@@ -12,7 +12,6 @@ in CUDA graphs with L2 flushed by reading 256 MB before each replay (median).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 import time
@@ -22,33 +21,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 
-def _bootstrap() -> None:
-    """Import ``specpilot`` from the working tree when it is not installed (the lent GPU)."""
-    try:
-        import specpilot.kernels.w12  # noqa: F401
-        return
-    except ImportError:
-        pass
-    for name, folder in [("specpilot", "specpilot_cli"), ("specpilot.kernels", "kernels")]:
-        spec = importlib.util.spec_from_file_location(name, REPO / folder / "__init__.py",
-                                                      submodule_search_locations=[str(REPO / folder)])
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
+from common import bootstrap  # noqa: E402
 
-
-_bootstrap()
+bootstrap()
 
 from common import L2Flusher, environment, print_table, time_cuda_graph, write_results  # noqa: E402,F401
 
 
-class ReadFlusher(L2Flusher):
-    """L2Flusher whose read also works on torch 2.11 (``torch.sum(buf, out=0-d)`` needs a dim)."""
-
-    def __call__(self):
-        import torch
-
-        torch.sum(self.buf, dim=0, out=self.sink)
 
 SHAPES = [  # (name, K_in, N_out)
     ("llama8b.qkv", 4096, 6144), ("llama8b.o", 4096, 4096), ("llama8b.gate_up", 4096, 28672),
@@ -133,7 +112,7 @@ def main() -> int:
     torch.manual_seed(0)
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    flush = ReadFlusher()
+    flush = L2Flusher()
     tuned = {}
     if args.tuned:
         for key, c in json.loads(Path(args.tuned).read_text()).items():
