@@ -6,7 +6,8 @@ Endpoints (what SpecPilot's clients use):
   ``sampling_params`` {``max_new_tokens``, greedy only: ``temperature`` 0 / ``top_k`` 1}. Returns
   ``{"text", "output_ids", "meta_info": {"id", "prompt_tokens", "completion_tokens",
   "spec_verify_ct", "e2e_latency", "finish_reason"}}`` (a list for batched input).
-- ``GET /health``, ``GET /health_generate``, ``GET /get_model_info``, ``GET /get_server_info``.
+- ``GET /health``, ``GET /health_generate``, ``GET /get_model_info``, ``GET /get_server_info``,
+  ``/flush_cache`` (200; the engine keeps nothing between requests).
 
 Requests run one at a time (one engine, one cache); bad requests get HTTP 400 with a message.
 """
@@ -132,7 +133,7 @@ def make_server(engine, host: str = "127.0.0.1", port: int = 30000, log=None) ->
 
         def do_GET(self):
             path = self.path.split("?")[0]
-            if path in ("/health", "/health_generate"):
+            if path in ("/health", "/health_generate", "/flush_cache"):
                 self._send(200, text="")
             elif path == "/get_model_info":
                 self._send(200, {"model_path": engine.model_name, "tokenizer_path": engine.model_name,
@@ -146,6 +147,9 @@ def make_server(engine, host: str = "127.0.0.1", port: int = 30000, log=None) ->
 
         def do_POST(self):
             path = self.path.split("?")[0]
+            if path == "/flush_cache":  # nothing is cached across requests
+                self._send(200, text="")
+                return
             if path != "/generate":
                 self._send(404, {"error": {"message": f"no such endpoint: POST {path}"}})
                 return

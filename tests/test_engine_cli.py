@@ -119,6 +119,13 @@ def test_server_generate_health_and_400s():
     try:
         with urllib.request.urlopen(base + "/health", timeout=10) as r:
             assert r.status == 200
+        with urllib.request.urlopen(base + "/get_model_info", timeout=10) as r:
+            assert json.loads(r.read())["model_path"] == "tiny"
+        with urllib.request.urlopen(base + "/health_generate", timeout=10) as r:
+            assert r.status == 200
+        with pytest.raises(urllib.error.HTTPError) as ei:
+            urllib.request.urlopen(base + "/nope", timeout=10)
+        assert ei.value.code == 404
         code, d = _post(base + "/generate", {"input_ids": [97, 98, 99, 97, 98, 99],
                                              "sampling_params": {"max_new_tokens": 10, "temperature": 0}})
         assert code == 200
