@@ -97,11 +97,11 @@ def handle_generate(engine, body: dict, stats: ServerStats, lock: threading.Lock
                 r = engine.generate(p, max_new)
             except InputError as e:
                 raise BadRequest(str(e)) from None
-        dt = time.perf_counter() - t0
-        stats.requests += 1
-        stats.completion_tokens += len(r.output_ids)
-        stats.verify_steps += r.steps
-        stats.busy_seconds += dt
+            dt = time.perf_counter() - t0  # includes waiting for the lock, as a client sees it
+            stats.requests += 1
+            stats.completion_tokens += len(r.output_ids)
+            stats.verify_steps += r.steps
+            stats.busy_seconds += dt
         fin = ({"type": "stop", "matched": r.output_ids[-1]} if r.stop_reason == "eos"
                else {"type": "length", "length": len(r.output_ids)})
         outs.append({"text": engine.decode(r.output_ids), "output_ids": r.output_ids,
