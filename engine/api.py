@@ -21,6 +21,7 @@ device         cpu | cuda | cuda:N                                         cpu
 ctx            KV-cache slots (prompt + new tokens + draft rows)           2048
 graphs         1 = CUDA graphs for AR steps (cuda, dense models)           1
 threads        CPU threads for torch (0 = torch's default)                 1 for tiny*, else 0
+compile        1 = torch.compile the layers (cuda, dense; ~20 s once)      0
 =============  ==========================================================  ==========
 """
 
@@ -49,7 +50,7 @@ TINY_CONFIGS = {
 
 _INT_KEYS = {"nodes": (0, 4096), "depth": (0, 64), "topk": (1, 64), "draft_layers": (1, 1024), "seed": (0, 2**31),
              "ctx": (16, 1 << 20), "threads": (0, 1024)}
-_BOOL_KEYS = {"random", "graphs"}
+_BOOL_KEYS = {"random", "graphs", "compile"}
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16"}
 
@@ -71,6 +72,7 @@ class EngineSpec:
     ctx: int = 2048
     graphs: bool = True
     threads: int | None = None
+    compile: bool = False
 
     @classmethod
     def parse(cls, text: str) -> "EngineSpec":
@@ -339,6 +341,10 @@ def load_engine(spec: EngineSpec | str) -> Engine:
                 raise InputError(f"draft model vocabulary ({dm.spec.vocab_size}) differs from the target's "
                                  f"({model.spec.vocab_size}); they must share the tokenizer")
             drafter = ModelDrafter(dm)
+    if spec.compile:
+        if not spec.device.startswith("cuda") or model.spec.is_hybrid:
+            raise InputError("compile=1 is for dense models on cuda (it is what benchmarks/engine_gpu.py measured)")
+        model.compile_blocks()
     runner = None
     if spec.device.startswith("cuda") and spec.graphs and not model.spec.is_hybrid:
         from specpilot.engine.graphs import GraphRunner

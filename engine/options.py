@@ -23,6 +23,7 @@ def engine_options(f):
         click.option("--ctx", type=int, default=2048, show_default=True, help="KV-cache slots."),
         click.option("--seed", type=int, default=0, show_default=True, help="Random-weight seed."),
         click.option("--threads", type=int, default=None, help="CPU threads for torch (default: 1 for tiny models)."),
+        click.option("--compile", "compile_", is_flag=True, help="torch.compile the layers (cuda, dense models)."),
         click.option("--engine", "engine_spec", default=None,
                      help="A whole engine spec (engine:model=...,mode=...); overrides the options above."),
     ]
@@ -37,8 +38,9 @@ def spec_from_cli(kw: dict):
 
     text = kw.pop("engine_spec", None)
     vals = {k: kw.pop(k) for k in ("model", "random_weights", "mode", "nodes", "depth", "topk", "drafter",
-                                    "draft_layers", "draft_model", "dtype", "device", "ctx", "seed", "threads")}
+                                    "draft_layers", "draft_model", "dtype", "device", "ctx", "seed", "threads", "compile_")}
     if text:
         return EngineSpec.parse(text)
     vals["random"] = vals.pop("random_weights")
+    vals["compile"] = vals.pop("compile_")
     return EngineSpec.from_options(**vals)
