@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 def _bootstrap() -> None:
     try:
-        import specpilot.engine.api  # noqa: F401
+        import specpilot.engine.api  # noqa: F401 (installed: nothing to bootstrap)
         return
     except ImportError:
         pass
