@@ -66,7 +66,13 @@ def convert_gguf(gguf: Path, folder: Path) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype="float32")
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype="float32")
+        except TypeError:  # transformers < 4.56 names it torch_dtype
+            import torch
+
+            model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                         torch_dtype=torch.float32)
         state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
         if model.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
