@@ -53,9 +53,11 @@ def test_run_prompts_file_table(run_cli, tmp_path):
     (["--prompt", "x", "--max-new-tokens", "0"], "max-new-tokens"),
     (["--prompt-ids", "1,999"], "vocabulary"),
     (["--prompt", "x", "--engine", "engine:mode=beam"], "unknown mode"),
+    (["--prompt", "x", "--lattice-out", "SAME"], "different files"),
 ])
 def test_run_bad_input_exit_2_one_line_no_file(run_cli, tmp_path, args, msg):
     outs = tmp_path / "o.jsonl"
+    args = [str(outs) if a == "SAME" else a for a in args]
     code, out, err = run_cli("run", "--model", "tiny", *args, "--outputs-out", outs)
     assert code == 2
     assert err.startswith("specpilot: error:") and msg in err and err.count("\n") == 1

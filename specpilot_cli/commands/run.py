@@ -115,6 +115,9 @@ def command(prompt_text, prompts_file, prompt_ids, chat, max_new_tokens, outputs
             raise InputError("--prompt is empty")
         prompts = [{"id": 0, "text": prompt_text}]
     inputs = [p for p in (prompts_file,) if p]
+    outs = [Path(x).resolve() for x in (outputs_out, lattice_out, out) if x]
+    if len(set(outs)) != len(outs):
+        raise InputError("--outputs-out, --lattice-out and --out must be different files")
     for path in (outputs_out, lattice_out, out):
         if path and any(Path(path).exists() and Path(path).resolve() == Path(i).resolve() for i in inputs):
             raise InputError(f"refusing to overwrite input file {path}; choose another output path")
