@@ -3,7 +3,6 @@
 import torch
 
 from specpilot.kernels.gdn import naive, path as gpath
-from specpilot.kernels.tree import DraftTree
 
 
 def _inputs(R, H=2, dk=4, dv=3, seed=0):
