@@ -17,7 +17,6 @@ Every section is written as soon as it is done, so a time-out keeps what was mea
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 import sys
 import time
@@ -27,22 +26,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 
-def _bootstrap() -> None:
-    try:
-        import specpilot.engine.api  # noqa: F401 (installed: nothing to bootstrap)
-        return
-    except ImportError:
-        pass
-    for name, folder in [("specpilot", "specpilot_cli"), ("specpilot.kernels", "kernels"),
-                         ("specpilot.engine", "engine")]:
-        spec = importlib.util.spec_from_file_location(name, REPO / folder / "__init__.py",
-                                                      submodule_search_locations=[str(REPO / folder)])
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
+from common import bootstrap  # noqa: E402
 
-
-_bootstrap()
+bootstrap()
 
 import torch  # noqa: E402
 
