@@ -257,6 +257,10 @@ def audit(systems: list[Scored], stock: Scored, ar: Scored | None = None, *, del
         rows.append(sa)
     if int(st_tok.sum()) == 0:
         warnings.append("stock produced no tokens; the audit has nothing to compare")
+    elif int(st_tok.sum()) < 1000:
+        n = int(st_tok.sum())
+        warnings.append(f"only {n} stock tokens: one mismatch moves a rate by {100 / n:.2f} pp; audit 1000+ tokens "
+                        f"for the {100 * max_increase:.1f} pp rule to mean much")
     if ph.source == "default":
         warnings.append("no --ar outputs: delta = 1/8 by default (phase 0 needs AR outputs)")
     verdict = "reject" if any(r.verdict == "reject" for r in rows) else "pass"
