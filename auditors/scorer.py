@@ -250,3 +250,8 @@ def load_tokenizer(spec: str):
     except Exception as e:
         raise InputError(f"{spec}: no usable tokenizer for text prompts ({str(e).splitlines()[0][:120]}); "
                          "give prompts as token ids") from None
+
+
+def check_scorer_spec(spec: str) -> None:
+    """Raise InputError/EnvironmentMissing now when ``--scorer`` cannot name a model (cheap: no loading)."""
+    _resolve_path(spec)

@@ -61,6 +61,8 @@ class Generator:
 
 
 class HttpGenerator(Generator):
+    thread_safe = True  # one urllib request per call
+
     def __init__(self, url: str, timeout: float):
         from .http_client import GenerateClient
 
@@ -122,19 +124,61 @@ class CollectError(SpecPilotError):
 
 def collect(generator: Generator, prompts: Sequence[Prompt], max_new_tokens: int, save_to: str | None = None,
             name: str = "system", progress: Callable | None = None,
-            on_row: Callable[[OutputRow], None] | None = None, protect: Sequence = ()) -> Outputs:
-    """Generate for every prompt; save the outputs file (also on failure, with the rows so far)."""
+            on_row: Callable[[OutputRow], None] | None = None, protect: Sequence = (),
+            concurrency: int = 1) -> Outputs:
+    """Generate for every prompt; save the outputs file (also on failure, with the rows so far).
+
+    With ``concurrency`` > 1 (servers only) that many requests are in flight at once; the file
+    keeps prompt order, and on a failure every request that completed is kept.
+    """
     if max_new_tokens < 1:
         raise InputError(f"--max-new-tokens {max_new_tokens}: must be at least 1")
-    rows: list[OutputRow] = []
-    it = progress(prompts, total=len(prompts), desc=f"running {name}") if progress else prompts
+    if concurrency < 1:
+        raise InputError(f"--concurrency {concurrency}: must be at least 1")
+    if concurrency > 1 and not getattr(generator, "thread_safe", False):
+        concurrency = 1  # the embedded engine runs one request at a time
+    done: dict[int, OutputRow] = {}
+    bar = progress(total=len(prompts), desc=f"running {name}") if progress else None
+
+    def finish(i: int, ids) -> None:
+        p = prompts[i]
+        done[i] = OutputRow(p.id, list(p.prompt_ids), list(ids))
+        if bar is not None:
+            bar.update(1)
+        if on_row is not None:
+            on_row(done[i])
+
     try:
-        for p in it:
-            ids = generator.generate(list(p.prompt_ids), max_new_tokens)
-            rows.append(OutputRow(p.id, list(p.prompt_ids), list(ids)))
-            if on_row is not None:
-                on_row(rows[-1])
+        if concurrency == 1:
+            for i, p in enumerate(prompts):
+                finish(i, generator.generate(list(p.prompt_ids), max_new_tokens))
+        else:
+            from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+
+            with ThreadPoolExecutor(max_workers=concurrency) as pool:
+                futs = {pool.submit(generator.generate, list(p.prompt_ids), max_new_tokens): i
+                        for i, p in enumerate(prompts)}
+                pending = set(futs)
+                error = None
+                while pending and error is None:
+                    finished, pending = wait(pending, return_when=FIRST_EXCEPTION)
+                    for f in finished:
+                        if f.exception() is None:
+                            finish(futs[f], f.result())
+                        elif error is None:
+                            error = f.exception()
+                if error is not None:
+                    for f in pending:
+                        f.cancel()
+                    for f in pending:  # requests already in flight: keep the ones that complete
+                        if not f.cancelled():
+                            try:
+                                finish(futs[f], f.result())
+                            except Exception:
+                                pass
+                    raise error
     except (SpecPilotError, KeyboardInterrupt) as e:
+        rows = [done[i] for i in sorted(done)]
         where = None
         if save_to and rows:
             write_outputs(save_to, rows, protect=protect)
@@ -146,7 +190,10 @@ def collect(generator: Generator, prompts: Sequence[Prompt], max_new_tokens: int
             raise
         raise CollectError(f"{name}: {e}{kept}", getattr(e, "exit_code", 2), len(rows), where) from None
     finally:
+        if bar is not None:
+            bar.close()
         generator.close()
+    rows = [done[i] for i in sorted(done)]
     if save_to:
         write_outputs(save_to, rows, protect=protect)
     return Outputs(name, rows, save_to or name)
@@ -154,7 +201,7 @@ def collect(generator: Generator, prompts: Sequence[Prompt], max_new_tokens: int
 
 def load_system(system: SystemSpec, prompts: Sequence[Prompt] | None, max_new_tokens: int,
                 save_to: str | None = None, timeout: float = 120.0, progress: Callable | None = None,
-                protect: Sequence = ()) -> Outputs:
+                protect: Sequence = (), concurrency: int = 1) -> Outputs:
     """Outputs of a system: read its file, or run it over the prompts."""
     if system.kind == "file":
         return read_outputs(system.spec, name=system.name)
@@ -162,7 +209,7 @@ def load_system(system: SystemSpec, prompts: Sequence[Prompt] | None, max_new_to
         raise InputError(f"{system.spec}: running a system needs --prompts FILE")
     gen = make_generator(system, timeout=timeout)
     return collect(gen, prompts, max_new_tokens, save_to=save_to, name=system.name, progress=progress,
-                   protect=protect)
+                   protect=protect, concurrency=concurrency)
 
 
 def default_save_path(folder: str, role: str, index: int = 0) -> str:

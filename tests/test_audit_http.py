@@ -195,6 +195,26 @@ def test_garbage_after_two_answers_keeps_partial(run_cli, stdlib_server, prompts
     assert rows[0].output_ids == [9, 10, 11, 12] and rows[0].prompt_ids == PROMPTS[0]
 
 
+def test_concurrent_requests_keep_completed_outputs_on_failure(run_cli, stdlib_server, prompts_file, tmp_path):
+    def behaviour(h, body, n):
+        if n == 3:
+            h._send(200, b"garbage")
+        else:
+            h._send(200, json.dumps(_good_answer(body)).encode())
+
+    s = stdlib_server(behaviour)
+    save = tmp_path / "conc.jsonl"
+    code, out, err = _collect(run_cli, s.url, prompts_file, save, "--concurrency", 2)
+    assert code == 3 and "not JSON" in err
+    rows = read_outputs(save).rows
+    kept = re.search(r"kept the (\d) of 5", err)
+    assert kept and int(kept.group(1)) == len(rows) and 2 <= len(rows) <= 4
+    by_id = {f"r{i}": p for i, p in enumerate(PROMPTS)}
+    for r in rows:  # every kept row is a complete, correct answer for its own prompt, in prompt order
+        assert r.prompt_ids == by_id[r.id] and r.output_ids == [(r.prompt_ids[-1] + k + 1) % V for k in range(4)]
+    assert [r.id for r in rows] == sorted((r.id for r in rows), key=lambda x: int(x[1:]))
+
+
 @pytest.mark.parametrize("answer, message", [
     ({"text": "hi", "meta_info": {}}, "no \"output_ids\""),
     ({"output_ids": [1, "x"]}, "not a list of non-negative integers"),
@@ -299,6 +319,27 @@ def test_server_process_dies_mid_run(run_cli, prompts_file, tmp_path):
             proc.wait()
 
 
+def test_audit_check_keeps_partial_outputs_when_server_dies(run_cli, prompts_file, tmp_path, tiny_dir):
+    stock = tmp_path / "stock.jsonl"
+    stock.write_text("".join(json.dumps({"schema": "specpilot.outputs/1", "id": f"r{i}", "prompt_ids": p,
+                                         "output_ids": [1, 2]}) + "\n" for i, p in enumerate(PROMPTS)))
+    proc = subprocess.Popen([sys.executable, "-c", _DYING], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(proc.stdout.readline())
+        saved = tmp_path / "outs"
+        code, out, err = run_cli("audit", f"http://127.0.0.1:{port}", "--against", stock, "--scorer", tmp_path,
+                                 "--prompts", prompts_file, "--save-outputs", saved)
+        assert code == 2 and "config.json" in err and not saved.exists()  # a bad --scorer fails before any run
+        code, out, err = run_cli("audit", f"http://127.0.0.1:{port}", "--against", stock, "--scorer", tiny_dir,
+                                 "--prompts", prompts_file, "--save-outputs", saved)
+        assert code == 3 and "kept the 2 of 5" in err and out == ""
+        assert len(read_outputs(saved / "system.outputs.jsonl").rows) == 2
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
 def test_response_parser_accepts_sglang_logprob_form():
     raw = json.dumps({"text": "ab", "meta_info": {"output_token_logprobs": [[-0.1, 7, None], [-0.2, 8, None]],
                                                   "completion_tokens": 2}}).encode()
@@ -323,6 +364,12 @@ def test_collect_from_specpilot_serve_matches_greedy(run_cli, serve, tiny_dir, p
     rows = read_outputs(save).rows
     model = Scorer.load(tiny_dir, device="cpu").model
     assert [r.output_ids for r in rows] == greedy(model, PROMPTS, 6)
+    # several requests in flight: same outputs, prompt order kept
+    save3 = tmp_path / "served3.jsonl"
+    code, out, err = run_cli("audit", "collect", url, "--prompts", prompts_file, "--save", save3,
+                             "--max-new-tokens", 6, "--concurrency", 3)
+    assert code == 0, err
+    assert [(r.id, r.output_ids) for r in read_outputs(save3).rows] == [(r.id, r.output_ids) for r in rows]
 
 
 def test_audit_over_http_end_to_end(run_cli, serve, tiny_dir, prompts_file, tmp_path):

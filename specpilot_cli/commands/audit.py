@@ -125,6 +125,8 @@ def _read_prompts(path, scorer_spec):
 
 
 def _common_run_options(f):
+    f = click.option("--concurrency", type=int, default=1, show_default=True,
+                     help="Requests in flight at once to an http:// server (the engine runs one at a time).")(f)
     f = click.option("--timeout", type=float, default=120.0, show_default=True,
                      help="Seconds to wait for a server's answer to one request.")(f)
     f = click.option("--max-new-tokens", type=int, default=128, show_default=True,
@@ -155,7 +157,7 @@ def _common_run_options(f):
 @click.option("--bootstrap", type=int, default=2000, show_default=True, help="Prompt resamples for intervals.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @output_options
-def check(systems, stock_spec, ar_spec, scorer_spec, prompts_path, max_new_tokens, timeout, save_dir, delta,
+def check(systems, stock_spec, ar_spec, scorer_spec, prompts_path, max_new_tokens, timeout, concurrency, save_dir, delta,
           max_increase, device, scorer_dtype, batch_tokens, bootstrap, seed, fmt, out):
     """Audit SYSTEM(s) against stock by token forcing; exit 1 when one is rejected.
 
@@ -172,6 +174,9 @@ def check(systems, stock_spec, ar_spec, scorer_spec, prompts_path, max_new_token
         raise InputError("--batch-tokens must be >= 1 and --bootstrap >= 100")
     if not max_increase >= 0:
         raise InputError("--max-increase must be >= 0")
+    from specpilot.auditors.scorer import check_scorer_spec
+
+    check_scorer_spec(scorer_spec)  # fail before spending time running systems
     specs = [("system", parse_system(s)) for s in systems]
     specs = [("stock", parse_system(stock_spec))] + ([("ar", parse_system(ar_spec))] if ar_spec else []) + specs
     inputs = [s.spec for _, s in specs if s.kind == "file"] + ([prompts_path] if prompts_path else [])
@@ -188,7 +193,7 @@ def check(systems, stock_spec, ar_spec, scorer_spec, prompts_path, max_new_token
             save = default_save_path(save_dir, role, counters.get(role, 0))
             counters[role] = counters.get(role, 0) + 1
         loaded[id(spec)] = load_system(spec, prompts, max_new_tokens, save_to=save, timeout=timeout,
-                                       progress=progress, protect=inputs)
+                                       progress=progress, protect=inputs, concurrency=concurrency)
     result, info = run_audit(
         [loaded[id(s)] for r, s in specs if r == "system"], loaded[id(specs[0][1])],
         loaded[id(specs[1][1])] if ar_spec else None, scorer_spec, device=device, dtype=scorer_dtype,
@@ -225,7 +230,7 @@ def run_audit(system_outputs, stock_outputs, ar_outputs, scorer_spec, *, device=
               help="Outputs JSONL to write (also written with the rows collected so far when a run fails).")
 @click.option("--tokenizer", default=None, help="Model whose tokenizer turns text prompts into ids.")
 @output_options
-def collect_cmd(system, prompts_path, max_new_tokens, timeout, save, tokenizer, fmt, out):
+def collect_cmd(system, prompts_path, max_new_tokens, timeout, concurrency, save, tokenizer, fmt, out):
     """Run SYSTEM (engine: spec or http:// server) over --prompts and save its outputs file.
 
     \b
@@ -241,7 +246,7 @@ def collect_cmd(system, prompts_path, max_new_tokens, timeout, save, tokenizer, 
         raise InputError("collect needs --prompts FILE")
     prompts = _read_prompts(prompts_path, tokenizer)
     outputs = collect(make_generator(spec, timeout=timeout), prompts, max_new_tokens, save_to=save, name=spec.name,
-                      progress=progress, protect=[prompts_path])
+                      progress=progress, protect=[prompts_path], concurrency=concurrency)
     lens = [len(r.output_ids) for r in outputs.rows]
     data = {"schema": "specpilot.audit-collect/1", "system": spec.spec, "prompts": len(prompts),
             "tokens": sum(lens), "max_new_tokens": max_new_tokens, "saved": save}
