@@ -336,3 +336,29 @@ def test_empty_or_short_outputs_cannot_sneak_through():
     by = {s.name: s for s in res.systems}
     assert by["empty"].verdict == "reject" and "no tokens" in by["empty"].reasons[0]
     assert by["short"].verdict == "pass" and any("short" in w and "stops early" in w for w in res.warnings)
+
+
+def test_cli_other_formats(run_cli, tiny):
+    import yaml
+
+    f = tiny["files"]
+    code, out, err = run_cli("audit", f["batch4"], "--against", f["stock"], "--ar", f["ar"], "--scorer", tiny["model"],
+                             "--device", "cpu", "--format", "yaml")
+    assert code == 0, err
+    data = yaml.safe_load(out)
+    assert data["schema"] == "specpilot.audit/1" and data["phase0"]["source"] == "phase0"
+    code, out, err = run_cli("audit", f["batch4"], "--against", f["stock"], "--scorer", tiny["model"],
+                             "--device", "cpu", "--format", "markdown")
+    assert code == 0 and "## Systems" in out and "| batch4.jsonl" in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prompts", "0"], "--prompts 0"),
+    (["--prompts", "999"], "--prompts 999"),
+    (["--biases", "2,x"], "not a number"),
+    (["--biases", "-1"], "positive"),
+    (["--repeats", "50", "--prompts", "8"], "--repeats 50"),
+])
+def test_selftest_bad_options(run_cli, args, message):
+    code, out, err = run_cli("audit", "selftest", *args)
+    assert code == 2 and message in err and err.startswith("specpilot: error:")
