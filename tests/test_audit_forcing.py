@@ -172,10 +172,10 @@ def tiny(tmp_path_factory):
                for _ in range(8)]
     bias = torch.zeros(V)
     bias[torch.randperm(V, generator=g)[:10]] = 2.0
-    gens = {"ar": greedy(scorer.model, prompts, 12, batch_size=2),
-            "stock": greedy(scorer.model, prompts, 12, batch_size=8),
-            "batch4": greedy(scorer.model, prompts, 12, batch_size=4),
-            "biased": greedy(scorer.model, prompts, 12, batch_size=8, bias=bias)}
+    gens = {"ar": greedy(scorer.model, prompts, 10, batch_size=2),
+            "stock": greedy(scorer.model, prompts, 10, batch_size=8),
+            "batch4": greedy(scorer.model, prompts, 10, batch_size=4),
+            "biased": greedy(scorer.model, prompts, 10, batch_size=8, bias=bias)}
     files = {}
     for name, outs in gens.items():
         files[name] = d / f"{name}.jsonl"
