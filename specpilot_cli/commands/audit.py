@@ -107,21 +107,10 @@ def audit_report(result, scorer_info: dict | None) -> Report:
     ])
 
 
-def _read_prompts(path, scorer_spec):
-    from specpilot.auditors.outputs import read_prompts
+def _read_prompts(path, tokenizer_spec):
+    from specpilot.auditors.outputs import read_prompts_tokenized
 
-    tok = {}
-
-    def tokenize(text):
-        if "t" not in tok:
-            if not scorer_spec:
-                raise InputError(f"{path}: text prompts need a tokenizer; give --tokenizer MODEL or token ids")
-            from specpilot.auditors.scorer import load_tokenizer
-
-            tok["t"] = load_tokenizer(scorer_spec)
-        return tok["t"](text)["input_ids"]
-
-    return read_prompts(path, tokenize)
+    return read_prompts_tokenized(path, tokenizer_spec)
 
 
 def _common_run_options(f):

@@ -32,6 +32,8 @@ def _runs(ctx, param, value):
 @click.option("--prompts", type=click.Path(dir_okay=False), default=None,
               help="Request set for engines/servers (specpilot.prompts/1 or outputs JSONL); same requests, "
                    "same order, every run.")
+@click.option("--tokenizer", default=None, metavar="MODEL",
+              help="Model whose tokenizer turns text prompts into ids [default: the base engine's model].")
 @click.option("--max-new-tokens", type=click.IntRange(1, 100000), default=128, show_default=True)
 @click.option("--concurrency", type=click.IntRange(1, 4096), default=1, show_default=True,
               help="Servers: requests in flight at once (the same set every run; tokens/s of the whole set).")
@@ -56,7 +58,7 @@ def _runs(ctx, param, value):
               help="Judge the samples of a stored specpilot.timing/1 file again (no runs; with --noise or "
                    "--changes-output to apply a stricter rule).")
 @output_options
-def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, max_new_tokens, concurrency, runs, max_runs, warmup,
+def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, tokenizer, max_new_tokens, concurrency, runs, max_runs, warmup,
             gpus, noise, changes_output, timeout, seed, from_file, fmt, out):
     """Time a candidate against a base with paired runs and approve it only when it is faster.
 
@@ -105,9 +107,13 @@ def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, max_new_t
         raise InputError("--gpus runs shell commands on two GPUs; for engines/servers start each on its own GPU")
     prompt_rows = None
     if prompts:
-        from specpilot.auditors.outputs import read_prompts
+        from specpilot.auditors.outputs import read_prompts_tokenized
 
-        prompt_rows = read_prompts(prompts)
+        if tokenizer is None and base and base.strip().startswith("engine"):
+            from specpilot.engine.api import EngineSpec
+
+            tokenizer = EngineSpec.parse(base).model
+        prompt_rows = read_prompts_tokenized(prompts, tokenizer)
     elif base_cmd is None:
         raise InputError("timing engines or servers needs --prompts FILE (the request set)")
     if concurrency > 1 and base_cmd is not None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
@@ -13,42 +12,11 @@ from specpilot.output import Report, Section, emit, output_options, progress
 
 
 def read_prompts(path: str) -> list[dict]:
-    """Prompts from a file: JSONL rows with ``prompt``/``text`` or ``prompt_ids``/``input_ids``
-    (optional ``id``), or plain text with one prompt per line."""
-    p = Path(path)
-    if not p.is_file():
-        raise InputError(f"{p}: no such prompts file")
-    try:
-        lines = p.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError:
-        raise InputError(f"{p}: not UTF-8 text") from None
-    rows = []
-    jsonl = p.suffix in (".jsonl", ".json") or (lines and lines[0].lstrip().startswith("{"))
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        if not jsonl:
-            rows.append({"id": len(rows), "text": line})
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InputError(f"{p}:{n}: not valid JSON ({e.msg})") from None
-        if not isinstance(obj, dict):
-            raise InputError(f"{p}:{n}: expected an object with \"prompt\" or \"prompt_ids\"")
-        ids = obj.get("prompt_ids", obj.get("input_ids"))
-        text = obj.get("prompt", obj.get("text"))
-        if ids is not None:
-            if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                raise InputError(f"{p}:{n}: prompt_ids must be a non-empty list of integers")
-            rows.append({"id": obj.get("id", len(rows)), "ids": ids})
-        elif isinstance(text, str) and text:
-            rows.append({"id": obj.get("id", len(rows)), "text": text})
-        else:
-            raise InputError(f"{p}:{n}: needs a non-empty \"prompt\" (text) or \"prompt_ids\" (token ids)")
-    if not rows:
-        raise InputError(f"{p}: no prompts in the file")
-    return rows
+    """Prompts from a file (``specpilot.prompts/1`` or outputs JSONL, or plain text lines)."""
+    from specpilot.auditors.outputs import read_prompt_rows
+
+    return [{"id": r.id, "ids": r.prompt_ids} if r.prompt_ids is not None else {"id": r.id, "text": r.text}
+            for r in read_prompt_rows(path)]
 
 
 def run_requests(engine, prompts: list[dict], max_new: int, chat: bool | None, lattice: bool):
@@ -73,7 +41,7 @@ def run_requests(engine, prompts: list[dict], max_new: int, chat: bool | None, l
 @engine_options
 @click.option("--prompt", "prompt_text", default=None, help="One prompt (text).")
 @click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False), default=None,
-              help="Prompts file: JSONL with prompt/prompt_ids per line, or plain text lines.")
+              help="Prompts file: specpilot.prompts/1 JSONL (prompt_ids or text; an outputs file works too), or plain text, one prompt per line.")
 @click.option("--prompt-ids", default=None, help="One prompt as comma-separated token ids.")
 @click.option("--chat/--raw", "chat", default=None,
               help="Wrap text prompts in the model's chat template (default when it has one) or not.")
