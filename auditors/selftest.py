@@ -20,7 +20,6 @@ detection rate of each bias.
 
 from __future__ import annotations
 
-import platform
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -30,6 +29,7 @@ from specpilot.errors import InputError
 
 from .forcing import AuditResult, Scored, audit, score_outputs
 from .outputs import OutputRow, Outputs
+from specpilot.machine import cpu_name
 
 
 @dataclass
@@ -67,17 +67,6 @@ class SelftestResult:
     generation_s: dict
     ok: bool
     problems: list[str] = field(default_factory=list)
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def greedy(model, prompts: list[list[int]], max_new_tokens: int, *, batch_size: int = 1, use_cache: bool = True,

@@ -116,6 +116,14 @@ class L2Flusher:
 
 def time_cuda_graph(fn, *, reps: int = 50, warmup: int = 5, flush: L2Flusher | None = None) -> float:
     """Median microseconds of ``fn`` replayed from a CUDA graph, L2 flushed before each replay."""
+    return capture_and_time(fn, reps=reps, warmup=warmup, flush=flush)[0]
+
+
+def capture_and_time(fn, *, reps: int = 50, warmup: int = 5, flush: L2Flusher | None = None):
+    """Capture ``fn`` in a CUDA graph (after eager warm-up on a side stream) and time replays.
+
+    Returns (median microseconds, the graph), so a caller can also check the graph's output.
+    """
     import torch
 
     s = torch.cuda.Stream()
@@ -141,7 +149,7 @@ def time_cuda_graph(fn, *, reps: int = 50, warmup: int = 5, flush: L2Flusher | N
         b.synchronize()
         times.append(a.elapsed_time(b) * 1e3)
     times.sort()
-    return times[len(times) // 2]
+    return times[len(times) // 2], g
 
 
 def print_table(rows: list[dict], cols: list[str]) -> None:

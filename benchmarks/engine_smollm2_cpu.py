@@ -46,7 +46,7 @@ def main():
     ap.add_argument("--name", default="engine_smollm2_cpu", help="results file name (without .json)")
     args = ap.parse_args()
     from specpilot.engine.api import load_engine
-    from specpilot.engine.rows import cpu_name
+    from specpilot.machine import cpu_name
 
     load = os.getloadavg()[0]
     rows, ref = [], None

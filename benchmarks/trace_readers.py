@@ -48,16 +48,6 @@ print(json.dumps({"seconds": dt, "cpu_seconds": cpu, "peak_rss_kb": peak, "base_
 """
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def measure(path: Path, mode: str, rx: str | None) -> dict:
     out = subprocess.run([sys.executable, "-c", CHILD, str(path), mode, rx or ""], capture_output=True, text=True,
                          check=True)
@@ -71,6 +61,8 @@ def main():
     ap.add_argument("--keep", help="keep the generated traces in this folder")
     args = ap.parse_args()
     from common import write_results
+
+    from specpilot.machine import cpu_name
 
     from specpilot.probes.traces.synthetic import SynthSpec, truth, write_kineto, write_nsys_sqlite
 

@@ -23,7 +23,7 @@ from common import bootstrap  # noqa: E402
 
 bootstrap()
 
-from common import L2Flusher, environment, print_table, write_results  # noqa: E402
+from common import L2Flusher, capture_and_time, environment, print_table, write_results  # noqa: E402
 
 
 def lattice(B, m, K, seed, device):
@@ -70,32 +70,7 @@ def check(B, m, K, n, budget, trans, backend):
 
 
 def graph_us(fn, reps=200, flush=None):
-    import torch
-
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(10):
-        g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        if flush is not None:
-            flush()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    times.sort()
-    return times[len(times) // 2], g
+    return capture_and_time(fn, reps=reps, warmup=10, flush=flush)
 
 
 def bench_row(B, m, K, n, budget, trans, flush):

@@ -10,12 +10,12 @@ of a GPU's flat, bandwidth-bound region.
 
 from __future__ import annotations
 
-import platform
 import statistics
 import time
 from dataclasses import dataclass, field
 
 from specpilot.errors import InputError
+from specpilot.machine import cpu_name
 
 
 @dataclass
@@ -36,17 +36,6 @@ class RowsResult:
         return {"schema": "specpilot.rows/1", "model": self.model, "gpu": self.gpu, "device": self.device,
                 "dtype": self.dtype, "context": self.context, "ar_ms": self.ar_ms, "points": self.points,
                 "reps": self.reps, "method": self.method, "cpu": self.cpu, **self.extra}
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _inputs(model, T: int, context: int):
