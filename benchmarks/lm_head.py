@@ -29,6 +29,10 @@ from common import print_table, time_cuda_graph, write_results  # noqa: E402
 SHAPES = [(151936, 5120), (128256, 4096)]
 MS = (1, 8, 32)
 CONFIGS = [(128, 128, 4, 4), (128, 256, 4, 3), (256, 128, 8, 3)]
+# --wide: a larger sweep of the INT8 bounds GEMM tiles (block_v, block_k, warps, stages) at M=1,
+# where the head is a pure weight stream
+WIDE_M1 = [(bv, bk, w, st) for bv in (64, 128, 256) for bk in (256, 512) for w in (4, 8) for st in (3, 4, 5)
+           if not (bv == 256 and bk == 512)]
 
 
 def make_head(v: int, h: int, gen, dev):
@@ -67,6 +71,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=100_000)
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--wide", action="store_true", help="sweep more tile configs at M=1")
     args = ap.parse_args()
 
     import torch
@@ -111,7 +116,8 @@ def main() -> int:
             res = ch(hb)
             ok = bool((res.argmax == exact_argmax(hb, w64)).all()) and not bool(res.fallback.any())
             best = None
-            for cfg in CONFIGS:   # tile shapes of the INT8 bounds GEMM, best one re-timed below
+            configs = CONFIGS + (WIDE_M1 if args.wide and m == 1 else [])
+            for cfg in configs:   # tile shapes of the INT8 bounds GEMM, best one re-timed below
                 ch.configure(*cfg)
                 try:
                     r2 = ch(hb)
@@ -122,6 +128,7 @@ def main() -> int:
                     continue
                 if good and (best is None or us < best[1]):
                     best = (cfg, us)
+            print(f"m={m}: best config {best[0]} at {best[1]:.1f} us over {len(configs)} configs", flush=True)
             ch.configure(*best[0])
             ct, bt, lt = [], [], []
             for _ in range(3):
