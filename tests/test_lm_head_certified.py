@@ -95,6 +95,26 @@ def test_fast_path_matches_reference():
         ch(torch.zeros(40, 128, dtype=torch.bfloat16, device=DEV))
 
 
+def test_tile_by_row_count_and_fixed_config():
+    pytest.importorskip("triton")
+    from specpilot.kernels.lm_head.certified import CertifiedHead
+
+    w = head_with_ties(700, 128).to(DEV)
+    ch = CertifiedHead(w, max_rows=8, max_survivors=64)
+    assert ch.tile(1)[0] == 64 and ch.tile(8)[0] == 128  # narrow tiles for the one-row weight stream
+    h8 = rows(w.cpu(), 8).to(DEV)
+    h1 = h8[:1].clone()
+    auto1, auto8 = ch(h1).argmax, ch(h8).argmax
+    assert torch.equal(auto1, exact_argmax(h1, w)) and torch.equal(auto8, exact_argmax(h8, w))
+    ch.configure(128, 128, 4, 4)                     # a fixed tile gives the same answers
+    assert ch.tile(1) == (128, 128, 4, 4)
+    assert torch.equal(ch(h1).argmax, auto1) and torch.equal(ch(h8).argmax, auto8)
+    ch.configure(None)
+    assert ch.tile(1)[0] == 64
+    with pytest.raises(ValueError):
+        ch.configure(32)
+
+
 @pytest.mark.gpu
 def test_cuda_head_at_a_real_vocab():
     from specpilot.kernels.lm_head.certified import CertifiedHead

@@ -178,8 +178,14 @@ class CertifiedHead:
     where more than ``max_survivors`` tokens survived (a host sync).
     """
 
+    # Tile of the INT8 bounds GEMM (block_v, block_k, num_warps, num_stages) by row count, from the
+    # sweep in benchmarks/lm_head.py --wide on an H200 (151936 x 5120): at one row the head is a pure
+    # weight stream and narrow, deep tiles read fastest.
+    TUNED = ((1, (64, 256, 4, 3)), (64, (128, 128, 4, 4)))
+    MIN_BLOCK_V = 64
+
     def __init__(self, weight: torch.Tensor, max_rows: int = 64, max_survivors: int = 256,
-                 block_v: int = 128, block_k: int = 128, num_warps: int = 4, num_stages: int = 4):
+                 block_v: int | None = None, block_k: int = 128, num_warps: int = 4, num_stages: int = 4):
         if triton is None:
             raise RuntimeError("triton is not installed")
         self.head: Int8Head = quantize_head(weight)
@@ -187,7 +193,11 @@ class CertifiedHead:
         self.max_rows = max_rows
         self.cap = max_survivors
         dev = weight.device
-        self.configure(block_v, block_k, num_warps, num_stages)
+        # per-block lower bounds, sized for the narrowest tile any config uses
+        self.blk = torch.empty(max_rows, triton.cdiv(self.vocab, self.MIN_BLOCK_V), dtype=torch.float32, device=dev)
+        self.fixed = None
+        if block_v is not None:
+            self.configure(block_v, block_k, num_warps, num_stages)
         self.m_pad = max(16, max_rows)
         self.hq = torch.zeros(2 * self.m_pad, self.hidden, dtype=torch.int8, device=dev)
         self.hs = torch.zeros(self.m_pad, 4, dtype=torch.float32, device=dev)
@@ -201,12 +211,24 @@ class CertifiedHead:
         self.count = torch.zeros(max_rows, dtype=torch.int32, device=dev)
 
     def configure(self, block_v: int = 128, block_k: int = 128, num_warps: int = 4, num_stages: int = 4):
-        """Tile shape of the INT8 bounds GEMM (benchmarks/lm_head.py measures a few)."""
-        self.block_v, self.block_k = block_v, block_k
-        self.num_warps, self.num_stages = num_warps, num_stages
-        self.nb = triton.cdiv(self.vocab, block_v)
-        self.blk = torch.empty(self.max_rows, self.nb, dtype=torch.float32, device=self.head.weight.device)
+        """Fix the tile of the INT8 bounds GEMM (benchmarks/lm_head.py measures several); ``None``
+        returns to the per-row-count table ``TUNED``."""
+        if block_v is None:
+            self.fixed = None
+            return self
+        if block_v < self.MIN_BLOCK_V:
+            raise ValueError(f"block_v must be >= {self.MIN_BLOCK_V}")
+        self.fixed = (block_v, block_k, num_warps, num_stages)
         return self
+
+    def tile(self, m: int) -> tuple[int, int, int, int]:
+        """The bounds-GEMM tile used for ``m`` rows."""
+        if self.fixed is not None:
+            return self.fixed
+        for rows, cfg in self.TUNED:
+            if m <= rows:
+                return cfg
+        return self.TUNED[-1][1]
 
     def nbytes_int8(self) -> int:
         return self.head.q.numel() + 12 * self.vocab
@@ -223,15 +245,17 @@ class CertifiedHead:
         _prep[(m,)](h, self.hq, self.hs, hd, h.stride(0), self.m_pad, BLOCK_H=block_h,
                     num_warps=8 if block_h >= 4096 else 4)
         bm = 16 if m <= 16 else 32 if m <= 32 else 64
-        _bounds[(self.nb, triton.cdiv(m, bm))](
+        block_v, block_k, warps, stages = self.tile(m)
+        nb = triton.cdiv(self.vocab, block_v)
+        _bounds[(nb, triton.cdiv(m, bm))](
             self.head.q, self.hq, self.hs, self.head.scale, self.head.resid, self.head.qnorm,
-            self.ub, self.blk, m, self.vocab, hd, self.m_pad, self.nb,
-            BLOCK_V=self.block_v, BLOCK_M=bm, BLOCK_K=self.block_k, UPCAST=up,
-            num_warps=self.num_warps, num_stages=self.num_stages)
+            self.ub, self.blk, m, self.vocab, hd, self.m_pad, nb,
+            BLOCK_V=block_v, BLOCK_M=bm, BLOCK_K=block_k, UPCAST=up,
+            num_warps=warps, num_stages=stages)
         sel_v = 1024
         _select[(triton.cdiv(self.vocab, sel_v), m)](
             h, self.head.weight, self.ub, self.blk, self.key, self.cnt, self.slot, self.sidx, self.sval,
-            self.vocab, hd, self.nb, h.stride(0), self.cap,
+            self.vocab, hd, nb, h.stride(0), self.cap,
             BLOCK_V=sel_v, BLOCK_NB=1024, BLOCK_H=min(1024, block_h), num_warps=4)
         _finish[(m,)](self.key, self.cnt, self.slot, self.out, self.count)
         return self.out[:m], self.count[:m]
