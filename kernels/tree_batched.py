@@ -63,7 +63,7 @@ def _check(tokens, logprobs, transitions, max_nodes):
 
 def build_batched(tokens: torch.Tensor, logprobs: torch.Tensor, transitions: torch.Tensor | None,
                   max_nodes: int, budget: torch.Tensor | int | None = None, *, backend: str = "auto",
-                  out: BatchedTrees | None = None) -> BatchedTrees:
+                  out: BatchedTrees | None = None, num_warps: int | None = None) -> BatchedTrees:
     """Best-first trees for a batch of lattices (see module doc). ``backend``: auto|triton|torch.
 
     ``out`` reuses preallocated outputs (for CUDA-graph capture); the Triton backend needs float32
@@ -77,7 +77,12 @@ def build_batched(tokens: torch.Tensor, logprobs: torch.Tensor, transitions: tor
         return build_batched_ref(tokens, logprobs, transitions, max_nodes, budget)
     if triton is None:
         raise RuntimeError("triton is not installed")
-    return _build_triton(tokens, logprobs, transitions, max_nodes, budget, out)
+    return _build_triton(tokens, logprobs, transitions, max_nodes, budget, out, num_warps)
+
+
+# warps per program of the per-request kernel (one program sorts BN x BK keys per depth): 8 was
+# fastest on the H200 (benchmarks/results/tree_builder_warps.json: 62 us vs 72-100 us with 4, 64 with 16)
+LEVEL_WARPS = 8
 
 
 def _pow2(x: int) -> int:
@@ -90,7 +95,7 @@ def alloc(B: int, n: int, device, dtype=torch.float32) -> BatchedTrees:
                         z(torch.bool), torch.empty((B,), dtype=torch.long, device=device))
 
 
-def _build_triton(tokens, logprobs, transitions, max_nodes, budget, out):
+def _build_triton(tokens, logprobs, transitions, max_nodes, budget, out, num_warps=None):
     B, m, K = tokens.shape
     n = int(max_nodes)
     dev = tokens.device
@@ -106,7 +111,7 @@ def _build_triton(tokens, logprobs, transitions, max_nodes, budget, out):
     _tree_levels_kernel[(B,)](tok, lp, tr, lv_s, lv_c, lv_p, out.tokens, out.parents, out.depth, out.cand,
                               out.score, out.valid, out.count,
                               M=m, K=K, N=n, BM=BM, BK=BK, BN=BN, HAS_TR=transitions is not None,
-                              num_warps=4)
+                              num_warps=num_warps or LEVEL_WARPS)
     if budget is not None:
         b = budget if isinstance(budget, torch.Tensor) else torch.full((), int(budget), dtype=torch.int64, device=dev)
         BB = _pow2(B)
