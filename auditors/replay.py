@@ -17,6 +17,7 @@ from specpilot.errors import InputError
 from specpilot.fileio import iter_jsonl
 
 from .policies import Policy, StepView, parse_policy
+from .resample import bootstrap_mean_ci
 
 LATTICE_KIND = "lattice"
 REPLAY_SCHEMA = "specpilot.replay/1"
@@ -211,24 +212,6 @@ class ReplayResult:
         if self.rank_accept is not None:
             d["sequoia_rank_acceptance"] = self.rank_accept
         return d
-
-
-def bootstrap_mean_ci(values: np.ndarray, groups: np.ndarray, n_boot: int = 1000, seed: int = 0,
-                      level: float = 0.95) -> tuple[float, float]:
-    """Percentile CI of the mean of ``values``, resampling whole groups (requests), not steps."""
-    uniq, inv = np.unique(groups, return_inverse=True)
-    g = len(uniq)
-    sums = np.bincount(inv, weights=values, minlength=g)
-    cnts = np.bincount(inv, minlength=g).astype(np.float64)
-    if g < 2:
-        m = float(values.mean())
-        return (m, m)
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, g, size=(n_boot, g))
-    means = sums[idx].sum(1) / cnts[idx].sum(1)
-    a = (1 - level) / 2
-    lo, hi = np.quantile(means, [a, 1 - a])
-    return (float(lo), float(hi))
 
 
 def policy_taus(policy: Policy, steps: Sequence[StepView]) -> np.ndarray:

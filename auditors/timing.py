@@ -25,6 +25,8 @@ import numpy as np
 
 from specpilot.errors import InputError
 
+from .resample import bootstrap_mean_ci
+
 TIMING_SCHEMA = "specpilot.timing/1"
 BASE_MARGIN = 0.01
 CHANGES_OUTPUT_MARGIN = 0.03
@@ -89,18 +91,7 @@ def aa_noise(aa_pairs: Sequence[tuple[float, float]], higher_is_better: bool) ->
 def bootstrap_gain_ci(log_r: np.ndarray, blocks: np.ndarray, n_boot: int = 4000, seed: int = 0,
                       level: float = 0.95) -> tuple[float, float]:
     """Percentile interval of exp(mean log ratio), resampling blocks with replacement."""
-    uniq, inv = np.unique(blocks, return_inverse=True)
-    g = len(uniq)
-    sums = np.bincount(inv, weights=log_r, minlength=g)
-    cnts = np.bincount(inv, minlength=g).astype(np.float64)
-    if g < 2:
-        v = math.exp(float(log_r.mean()))
-        return (v, v)
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, g, size=(n_boot, g))
-    means = sums[idx].sum(1) / cnts[idx].sum(1)
-    a = (1 - level) / 2
-    lo, hi = np.quantile(means, [a, 1 - a])
+    lo, hi = bootstrap_mean_ci(log_r, blocks, n_boot, seed, level)
     return (math.exp(lo), math.exp(hi))
 
 
