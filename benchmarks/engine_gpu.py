@@ -65,18 +65,9 @@ def correctness(device):
 
 
 def time_graph(g, reps):
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
+    from specpilot.engine.graphs import time_replays
+
+    return statistics.median(time_replays(g, reps))
 
 
 def ar_section(model, spec, context, new_tokens, variant, reps):

@@ -13,6 +13,22 @@ import torch
 from specpilot.engine.model import StepInput, Transformer
 
 
+def time_replays(g: "torch.cuda.CUDAGraph", reps: int, warmup: int = 3) -> list[float]:
+    """Milliseconds of ``reps`` replays of a captured graph, each timed with CUDA events."""
+    for _ in range(warmup):
+        g.replay()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        samples.append(a.elapsed_time(b))
+    return samples
+
+
 class GraphRunner:
     def __init__(self, model: Transformer, warmup: int = 2):
         self.model = model

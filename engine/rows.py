@@ -77,7 +77,7 @@ def measure_rows(model, rows: list[int], context: int, reps: int = 50, warmup: i
     for T in it:
         inp = _inputs(model, T, context)
         if graphs:
-            from specpilot.engine.graphs import GraphRunner
+            from specpilot.engine.graphs import GraphRunner, time_replays
 
             runner = GraphRunner(model)
             g, sinp, _ = runner.get(T)
@@ -85,17 +85,7 @@ def measure_rows(model, rows: list[int], context: int, reps: int = 50, warmup: i
             sinp.pos.copy_(inp.pos)
             sinp.slots.copy_(inp.slots)
             sinp.mask.copy_(inp.mask)
-            for _ in range(warmup):
-                g.replay()
-            torch.cuda.synchronize()
-            samples = []
-            for _ in range(reps):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                g.replay()
-                b.record()
-                b.synchronize()
-                samples.append(a.elapsed_time(b))
+            samples = time_replays(g, reps, warmup)
             del runner, g
         else:
             kv = model.max_seq if cuda else min(model.max_seq, ((context + T + 63) // 64) * 64)
