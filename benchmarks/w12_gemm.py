@@ -94,14 +94,128 @@ def model_check() -> dict:
             "greedy_tokens_equal": bool(torch.equal(gen, ref_gen))}
 
 
+def gemv_configs(m: int, kt: int, n: int, sms: int):
+    """Streaming-GEMV variants for one (shape, m): rows per program, records per step, warps, and
+    split-K for about 2, 4 and 8 programs per SM."""
+    from specpilot.kernels.w12.gemv import GemvConfig
+
+    out = []
+    for bn, w in ((32, 2), (64, 2), (64, 4), (128, 4), (128, 8)):
+        for recs in (2, 4):
+            if kt % recs:
+                continue
+            nb = (n + bn - 1) // bn * m
+            seen = set()
+            for per_sm in (2, 4, 8):
+                split = max(1, min(kt // recs, round(per_sm * sms / nb)))
+                if split not in seen:
+                    seen.add(split)
+                    out.append(GemvConfig(bn, recs, split, w, True))
+    out.append(GemvConfig(64, 2, max(1, min(kt // 2, round(4 * sms / ((n + 63) // 64 * m)))), 4, False))
+    return out
+
+
+def gemv_sweep(args) -> int:
+    """M = 1, 2, 4: every streaming-GEMV variant, the general kernel's tuned variant and cuBLAS, side by
+    side in one run (correctness and determinism checked before timing)."""
+    import math
+
+    import torch
+    import torch.nn.functional as F
+
+    from specpilot.kernels.w12 import decode, encode
+    from specpilot.kernels.w12 import gemm
+    from specpilot.kernels.w12.gemm import KernelPack, w12_linear
+    from specpilot.kernels.w12.gemv import w12_gemv
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    flush = L2Flusher()
+    rows, sweep_rows = [], []
+    shapes = [s for s in SHAPES if not args.shapes or s[0] in args.shapes.split(",")]
+    ms = [int(v) for v in (args.rows or "1,2,4").split(",")]
+    t0 = time.time()
+    for name, k, n in shapes:
+        w = (torch.randn(n, k, device=dev) * 0.02).to(torch.bfloat16)
+        packed = encode(w)
+        assert torch.equal(decode(packed).view(torch.int16), w.view(torch.int16)), f"{name}: restore differs"
+        kp = KernelPack.from_w12(packed, device=dev)
+        w12_bytes = kp.rec64.numel() * 8 + kp.low_exp.numel() + kp.esc_row.numel() * 12
+        for m in ms:
+            x = torch.randn(m, k, device=dev).to(torch.bfloat16)
+            ref = x.float() @ w.float().T
+            tol = 2.0 ** -7 * ref.abs() + 1e-3 * ref.abs().max()
+            old_cfg = gemm.default_config(m, n, k)
+            best = None
+            for cfg in gemv_configs(m, kp.k_tiles, n, sms):
+                out = torch.full((m, n), float("nan"), device=dev, dtype=torch.bfloat16)
+                try:
+                    y = w12_gemv(x, kp, config=cfg, out=out)
+                    torch.cuda.synchronize()
+                except Exception as e:
+                    sweep_rows.append({"shape": name, "m": m, "config": cfg.key(), "error": str(e).splitlines()[0][:200]})
+                    continue
+                ok = bool(((y.float() - ref).abs() <= tol).all())
+                det = bool(torch.equal(y.view(torch.int16), w12_gemv(x, kp, config=cfg).view(torch.int16)))
+                us = time_cuda_graph(lambda: w12_gemv(x, kp, config=cfg), reps=args.reps, flush=flush)
+                r = {"shape": name, "m": m, "config": cfg.key(), "cfg": cfg.__dict__, "us": round(us, 2),
+                     "correct": ok, "deterministic": det}
+                sweep_rows.append(r)
+                if ok and det and (best is None or us < best["us"]):
+                    best = r
+            if best is None:
+                continue
+            from specpilot.kernels.w12.gemv import GemvConfig
+            cfg = GemvConfig(**best["cfg"])
+            g_t, o_t, c_t, q_t = [], [], [], []
+            for _ in range(3):   # re-time the chosen variant, the old kernel and cuBLAS, interleaved
+                g_t.append(time_cuda_graph(lambda: w12_gemv(x, kp, config=cfg), reps=args.reps, flush=flush))
+                o_t.append(time_cuda_graph(lambda: w12_linear(x, kp, config=old_cfg), reps=args.reps, flush=flush))
+                c_t.append(time_cuda_graph(lambda: F.linear(x, w), reps=args.reps, flush=flush))
+                q_t.append(time_cuda_graph(lambda: w12_gemv(x, kp, qpass=True, config=cfg), reps=args.reps, flush=flush))
+            g_us, o_us, c_us, q_us = (sorted(v)[1] for v in (g_t, o_t, c_t, q_t))
+            row = {"shape": name, "k": k, "n": n, "m": m, "config": cfg.key(), "cfg": cfg.__dict__,
+                   "w12_us": round(g_us, 2), "cublas_us": round(c_us, 2), "speedup": round(c_us / g_us, 3),
+                   "old_kernel_us": round(o_us, 2), "old_config": old_cfg.key(),
+                   "old_speedup": round(c_us / o_us, 3), "qpass_us": round(q_us, 2),
+                   "qpass_speedup": round(c_us / q_us, 3),
+                   "w12_TBps": round(w12_bytes / g_us / 1e6, 3), "cublas_TBps": round(w.numel() * 2 / c_us / 1e6, 3),
+                   "selected_from": sum(1 for r in sweep_rows if r.get("shape") == name and r.get("m") == m)}
+            rows.append(row)
+            print(f"{name:16s} m={m} gemv {g_us:7.2f} old {o_us:7.2f} cublas {c_us:7.2f} us  x{row['speedup']:.3f} "
+                  f"(old x{row['old_speedup']:.3f}, q x{row['qpass_speedup']:.3f}) {cfg.key()} ({time.time() - t0:.0f}s)",
+                  flush=True)
+        del w, packed, kp
+        torch.cuda.empty_cache()
+        write_results(args.name or "w12_gemv", rows, {"partial": True, "sweep": sweep_rows})
+    summary = {}
+    for m in ms:
+        for key in ("speedup", "old_speedup", "qpass_speedup"):
+            sp = [r[key] for r in rows if r["m"] == m]
+            if sp:
+                summary[f"geomean_{key}_m{m}"] = round(math.exp(sum(map(math.log, sp)) / len(sp)), 3)
+        sp = [r["speedup"] for r in rows if r["m"] == m]
+        if sp:
+            summary[f"min_speedup_m{m}"] = min(sp)
+    write_results(args.name or "w12_gemv", rows, {"mode": "gemv", "summary": summary, "reps": args.reps,
+                                                  "weights": "randn*0.02 bf16", "sweep": sweep_rows})
+    print_table(rows, ["shape", "m", "w12_us", "old_kernel_us", "cublas_us", "speedup", "w12_TBps", "config"])
+    print(json.dumps(summary))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=["sweep", "final"], default="final")
+    ap.add_argument("--mode", choices=["sweep", "final", "gemv"], default="final")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--tuned", default=None, help="JSON of best configs from a sweep")
     ap.add_argument("--shapes", default=None, help="comma list of shape names")
     ap.add_argument("--name", default=None)
+    ap.add_argument("--rows", default=None, help="gemv mode: comma list of M (default 1,2,4)")
     args = ap.parse_args()
+    if args.mode == "gemv":
+        return gemv_sweep(args)
 
     import torch
     import torch.nn.functional as F

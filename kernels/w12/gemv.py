@@ -1,0 +1,231 @@
+"""Streaming W12 GEMV for one to a few rows: ``y = x @ W.T`` at the speed of the weight bytes.
+
+The general kernel (:mod:`.gemm`) indexes records per 8-weight group, which Triton turns into
+8-byte and 4-byte loads of the records and one 2-byte load per x element and lane. This kernel
+is written for the decode regime (M <= 4, where only the bytes matter):
+
+* a program owns ``BLOCK_N`` rows of one 128-row record tile and a contiguous range of k-tiles
+  (split-K); per record it loads its rows' 8-bit view as an ``[BLOCK_N, 8]`` int64 tile and the low
+  nibbles as an ``[BLOCK_N, 8]`` int32 tile, both contiguous along the last axis, so the loads are
+  16-byte and 8-byte vector loads with no masks (records are padded to whole tiles);
+* ``RECS`` records are loaded per iteration and, with ``PREFETCH``, the next iteration's records
+  are issued before this iteration's math, so enough bytes are in flight to cover DRAM latency;
+* x is read as bf16 pairs (int32), one load per pair and group, shared by all rows of the program;
+* decode is the same 32-bit integer recipe as :func:`.gemm._decode_pairs`, the pair halves become
+  fp32 with one shift or mask, fp32 accumulation;
+* the epilogue (row scale, exact escape corrections, fixed-order split-K reduction) is the general
+  kernel's, so results are bitwise identical run to run.
+
+The plain reference is :func:`.naive.w12_matmul_reference`; tests compare both, on the CPU under
+``TRITON_INTERPRET=1`` and on the GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .format import TILE_K, TILE_N
+from .gemm import KernelPack, _workspace, tl, triton
+
+if triton is not None:
+    from .gemm import _decode_pairs, _finalize
+
+    @triton.jit
+    def _lo(p):
+        return (p << 16).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _hi(p):
+        return (p & 0xFFFF0000).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _load_rec(rec64_ptr, rec32_ptr, rec, rr, jj, QPASS: tl.constexpr):
+        b = tl.load(rec64_ptr + rec * 1536 + rr[:, None] * 8 + jj[None, :])
+        if QPASS:
+            n = b.to(tl.int32)
+        else:
+            n = tl.load(rec32_ptr + rec * 3072 + 2048 + rr[:, None] * 8 + jj[None, :])
+        return b, n
+
+    @triton.jit
+    def _rec_fma(acc, b, n, x32_ptr, t, jj, KH, QPASS: tl.constexpr):
+        p0, p1, p2, p3 = _decode_pairs(b, n, QPASS)
+        # the record's 32 x pairs as an [8 groups, 4 pairs] tile (16-byte loads), split into columns
+        xi = t * 32 + jj[:, None] * 4 + tl.arange(0, 4)[None, :]
+        xt = tl.load(x32_ptr + xi, mask=xi < KH, other=0).to(tl.uint32)
+        xa, xb = tl.split(tl.reshape(xt, (8, 2, 2)))
+        x0, x2 = tl.split(xa)
+        x1, x3 = tl.split(xb)
+        acc += _lo(p0) * _lo(x0)[None, :]
+        acc += _hi(p0) * _hi(x0)[None, :]
+        acc += _lo(p1) * _lo(x1)[None, :]
+        acc += _hi(p1) * _hi(x1)[None, :]
+        acc += _lo(p2) * _lo(x2)[None, :]
+        acc += _hi(p2) * _hi(x2)[None, :]
+        acc += _lo(p3) * _lo(x3)[None, :]
+        acc += _hi(p3) * _hi(x3)[None, :]
+        return acc
+
+    @triton.jit
+    def _w12_gemv_kernel(
+        x_ptr, x32_ptr, y_ptr, rec64_ptr, rec32_ptr, low_ptr,
+        eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr,
+        ws_ptr, lock_ptr,
+        M, N, K, KH, KT, TILES_PER_SPLIT, NUM_N_BLOCKS, SPLIT_K,
+        stride_xm, stride_x32m, stride_ym,
+        BLOCK_N: tl.constexpr, RECS: tl.constexpr, PREFETCH: tl.constexpr,
+        USE_SPLIT: tl.constexpr, QPASS: tl.constexpr, ESC_CH: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)      # rows of x next to each other: they share the weight bytes in L2
+        pid_n = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        n0 = pid_n * BLOCK_N
+        rr = (n0 % 128) + tl.arange(0, BLOCK_N)
+        jj = tl.arange(0, 8)
+        tile_row = (n0 // 128).to(tl.int64) * KT
+        t_begin = pid_k * TILES_PER_SPLIT
+        t_end = tl.minimum(t_begin + TILES_PER_SPLIT, KT)
+        xrow = x32_ptr + pid_m * stride_x32m
+        acc = tl.zeros((BLOCK_N, 8), dtype=tl.float32)
+
+        # RECS records per iteration; the launcher makes every split a whole number of iterations
+        b0, n0_ = _load_rec(rec64_ptr, rec32_ptr, tile_row + t_begin, rr, jj, QPASS)
+        if RECS >= 2:
+            b1, n1 = _load_rec(rec64_ptr, rec32_ptr, tile_row + t_begin + 1, rr, jj, QPASS)
+        if RECS >= 4:
+            b2, n2 = _load_rec(rec64_ptr, rec32_ptr, tile_row + t_begin + 2, rr, jj, QPASS)
+            b3, n3 = _load_rec(rec64_ptr, rec32_ptr, tile_row + t_begin + 3, rr, jj, QPASS)
+        for t in range(t_begin, t_end, RECS):
+            if PREFETCH:
+                # next iteration's records (clamped to the last record: always a valid address)
+                tn = tl.minimum(t + RECS, t_end - RECS)
+                c0, m0 = _load_rec(rec64_ptr, rec32_ptr, tile_row + tn, rr, jj, QPASS)
+                if RECS >= 2:
+                    c1, m1 = _load_rec(rec64_ptr, rec32_ptr, tile_row + tn + 1, rr, jj, QPASS)
+                if RECS >= 4:
+                    c2, m2 = _load_rec(rec64_ptr, rec32_ptr, tile_row + tn + 2, rr, jj, QPASS)
+                    c3, m3 = _load_rec(rec64_ptr, rec32_ptr, tile_row + tn + 3, rr, jj, QPASS)
+            acc = _rec_fma(acc, b0, n0_, xrow, t, jj, KH, QPASS)
+            if RECS >= 2:
+                acc = _rec_fma(acc, b1, n1, xrow, t + 1, jj, KH, QPASS)
+            if RECS >= 4:
+                acc = _rec_fma(acc, b2, n2, xrow, t + 2, jj, KH, QPASS)
+                acc = _rec_fma(acc, b3, n3, xrow, t + 3, jj, KH, QPASS)
+            if PREFETCH:
+                b0, n0_ = c0, m0
+                if RECS >= 2:
+                    b1, n1 = c1, m1
+                if RECS >= 4:
+                    b2, n2 = c2, m2
+                    b3, n3 = c3, m3
+            else:
+                tn = tl.minimum(t + RECS, t_end - RECS)
+                b0, n0_ = _load_rec(rec64_ptr, rec32_ptr, tile_row + tn, rr, jj, QPASS)
+                if RECS >= 2:
+                    b1, n1 = _load_rec(rec64_ptr, rec32_ptr, tile_row + tn + 1, rr, jj, QPASS)
+                if RECS >= 4:
+                    b2, n2 = _load_rec(rec64_ptr, rec32_ptr, tile_row + tn + 2, rr, jj, QPASS)
+                    b3, n3 = _load_rec(rec64_ptr, rec32_ptr, tile_row + tn + 3, rr, jj, QPASS)
+
+        out = tl.reshape(tl.sum(acc, axis=1), (BLOCK_N, 1))
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        offs_m = pid_m + tl.arange(0, 1)
+        if not USE_SPLIT:
+            _finalize(out, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr,
+                      offs_n, offs_m, n0, M, N, stride_xm, stride_ym, BLOCK_N, 1, ESC_CH)
+        else:
+            blk = pid_m * NUM_N_BLOCKS + pid_n
+            ws_base = ws_ptr + blk.to(tl.int64) * (SPLIT_K * BLOCK_N)
+            offs = tl.arange(0, BLOCK_N)[:, None] + tl.arange(0, 1)[None, :]
+            tl.store(ws_base + pid_k * BLOCK_N + offs, out)
+            tl.debug_barrier()
+            count = tl.atomic_add(lock_ptr + blk, 1, sem="acq_rel", scope="gpu")
+            if count == SPLIT_K - 1:
+                total = tl.zeros((BLOCK_N, 1), dtype=tl.float32)
+                for s in range(SPLIT_K):   # fixed order: bitwise identical results
+                    total += tl.load(ws_base + s * BLOCK_N + offs, cache_modifier=".cg")
+                tl.atomic_xchg(lock_ptr + blk, 0)
+                _finalize(total, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr,
+                          offs_n, offs_m, n0, M, N, stride_xm, stride_ym, BLOCK_N, 1, ESC_CH)
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """``block_n`` rows per program (divides 128), ``recs`` records per iteration, ``split_k``."""
+
+    block_n: int = 64
+    recs: int = 2
+    split_k: int = 1
+    num_warps: int = 4
+    prefetch: bool = True
+
+    def key(self) -> str:
+        return f"gemv2-n{self.block_n}-r{self.recs}-s{self.split_k}-w{self.num_warps}{'-pf' if self.prefetch else ''}"
+
+
+MAX_ROWS = 4  # one program row per input row; above this the general kernel decodes once for all rows
+
+
+def supported(x: torch.Tensor, packed: KernelPack) -> bool:
+    """The streaming GEMV needs bf16/fp16 rows of even length (x is read as 32-bit pairs)."""
+    return (x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.shape[1] % 2 == 0 and x.stride(1) == 1
+            and x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0 and x.element_size() == 2)
+
+
+def default_config(m: int, n: int, k: int, sms: int = 132) -> GemvConfig:
+    """Measured table first (:data:`TUNED`), else split-K for about three programs per SM."""
+    tuned = TUNED.get((n, k))
+    if tuned is not None:
+        return tuned
+    kt = (k + TILE_K - 1) // TILE_K
+    bn = 64
+    recs = 4 if kt % 4 == 0 else 2 if kt % 2 == 0 else 1
+    blocks = (n + bn - 1) // bn * m
+    split = max(1, min(kt // recs, round(3 * sms / blocks)))
+    return GemvConfig(bn, recs, split)
+
+
+# Fastest config per (N, K) at M=1 on the H200 (benchmarks/w12_gemm.py --mode gemv).
+TUNED: dict[tuple[int, int], GemvConfig] = {}
+
+
+def w12_gemv(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: GemvConfig | None = None,
+             out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x @ W.T`` for a few rows (``supported(x, packed)``), fp32 accumulation, deterministic."""
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    if x.dim() != 2 or x.shape[1] != packed.shape[1]:
+        raise ValueError(f"x shape {tuple(x.shape)} does not match weight {packed.shape}")
+    if not supported(x, packed):
+        raise ValueError("w12_gemv needs at most 4 contiguous bf16/fp16 rows of even length")
+    m, k = x.shape
+    n = packed.shape[0]
+    cfg = config or default_config(m, n, k)
+    if TILE_N % cfg.block_n:
+        raise ValueError(f"block_n {cfg.block_n} must divide {TILE_N}")
+    kt = packed.k_tiles
+    recs = cfg.recs
+    while kt % recs:
+        recs //= 2
+    if out is None:
+        out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+    tps = (kt + cfg.split_k - 1) // cfg.split_k
+    tps = (tps + recs - 1) // recs * recs
+    split = (kt + tps - 1) // tps
+    nb = (n + cfg.block_n - 1) // cfg.block_n
+    ws, locks = _workspace(x.device, nb * m * split * cfg.block_n if split > 1 else 1, nb * m)
+    esc_ch = 16
+    x32 = x.view(torch.int32)
+    _w12_gemv_kernel[(m, nb, split)](
+        x, x32, out, packed.rec64, packed.rec32, packed.low_exp,
+        packed.esc_rowptr, packed.esc_row, packed.esc_col, packed.esc_delta_q if qpass else packed.esc_delta,
+        ws, locks,
+        m, n, k, k // 2, kt, tps, nb, split,
+        x.stride(0), x32.stride(0), out.stride(0),
+        BLOCK_N=cfg.block_n, RECS=recs, PREFETCH=cfg.prefetch,
+        USE_SPLIT=split > 1, QPASS=qpass, ESC_CH=esc_ch,
+        num_warps=cfg.num_warps, num_stages=1,
+    )
+    return out

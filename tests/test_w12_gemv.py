@@ -1,0 +1,55 @@
+"""The streaming W12 GEMV (kernels/w12/gemv.py) against the fp32 reference and the general kernel."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # must be set before the kernels are defined
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+triton = pytest.importorskip("triton")
+
+from specpilot.kernels.w12 import decode, encode  # noqa: E402
+from specpilot.kernels.w12.gemm import KernelPack, w12_linear  # noqa: E402
+from specpilot.kernels.w12.gemv import GemvConfig, supported, w12_gemv  # noqa: E402
+
+from test_w12_gemm import DEV, check_close, make_weight  # noqa: E402
+
+
+@pytest.mark.parametrize("m,n,k,cfg", [
+    (1, 40, 200, GemvConfig(16, 2, 2)),                 # partial row tile, partial record, split-K
+    (1, 130, 256, GemvConfig(64, 4, 1, prefetch=False)),  # two row tiles, one split, no prefetch
+    (2, 40, 384, GemvConfig(32, 2, 3)),                 # two rows, three splits
+])
+def test_w12_gemv_matches_fp32_reference(m, n, k, cfg):
+    w = make_weight(n, k)
+    kp = KernelPack.from_w12(encode(w), device=DEV)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16().to(DEV)
+    y = w12_gemv(x, kp, config=cfg, out_dtype=torch.float32)
+    check_close(y.cpu(), x.cpu(), w)
+    y2 = w12_gemv(x, kp, config=cfg, out_dtype=torch.float32)
+    assert torch.equal(y.view(torch.int32), y2.view(torch.int32))      # bitwise run to run
+
+
+def test_w12_gemv_qpass_matches_reference():
+    w = make_weight(40, 128)
+    kp = KernelPack.from_w12(encode(w), device=DEV)
+    x = torch.randn(1, 128, generator=torch.Generator().manual_seed(5)).bfloat16().to(DEV)
+    y = w12_gemv(x, kp, qpass=True, config=GemvConfig(16, 2, 1), out_dtype=torch.float32).cpu()
+    ref = x.cpu().float() @ decode(encode(w), qpass=True).float().T
+    assert torch.allclose(y, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_w12_linear_routes_one_row_to_gemv():
+    w = make_weight(24, 64)
+    kp = KernelPack.from_w12(encode(w), device=DEV)
+    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(1)).bfloat16().to(DEV)
+    assert supported(x, kp)
+    assert torch.equal(w12_linear(x, kp, out_dtype=torch.float32), w12_gemv(x, kp, out_dtype=torch.float32))
+    odd = torch.randn(1, 63).bfloat16()
+    assert not supported(odd, kp) and not supported(torch.randn(5, 64).bfloat16(), kp)
+    with pytest.raises(ValueError):
+        w12_gemv(torch.randn(1, 32).bfloat16().to(DEV), kp)
