@@ -22,6 +22,7 @@ ctx            KV-cache slots (prompt + new tokens + draft rows)           2048
 graphs         1 = CUDA graphs for AR steps (cuda, dense models)           1
 threads        CPU threads for torch (0 = torch's default)                 1 for tiny*, else 0
 compile        1 = torch.compile the layers (cuda, dense; ~20 s once)      0
+w12            1 = target projections as W12 (engine/w12.py; bf16)         0
 =============  ==========================================================  ==========
 """
 
@@ -50,7 +51,7 @@ TINY_CONFIGS = {
 
 _INT_KEYS = {"nodes": (0, 4096), "depth": (0, 64), "topk": (1, 64), "draft_layers": (1, 1024), "seed": (0, 2**31),
              "ctx": (16, 1 << 20), "threads": (0, 1024)}
-_BOOL_KEYS = {"random", "graphs", "compile"}
+_BOOL_KEYS = {"random", "graphs", "compile", "w12"}
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16"}
 
@@ -73,6 +74,7 @@ class EngineSpec:
     graphs: bool = True
     threads: int | None = None
     compile: bool = False
+    w12: bool = False
 
     @classmethod
     def parse(cls, text: str) -> "EngineSpec":
@@ -198,7 +200,9 @@ class Engine:
 def _torch_dtype(spec: EngineSpec):
     import torch
 
-    name = DTYPES[spec.dtype] if spec.dtype else ("bfloat16" if spec.device.startswith("cuda") else "float32")
+    # W12 is a bf16 format: w12=1 without a dtype means bfloat16 on the CPU too
+    name = DTYPES[spec.dtype] if spec.dtype else (
+        "bfloat16" if spec.device.startswith("cuda") or spec.w12 else "float32")
     return getattr(torch, name)
 
 
@@ -324,6 +328,12 @@ def load_engine(spec: EngineSpec | str) -> Engine:
     threads = spec.threads if spec.threads is not None else (1 if spec.model.lower() in TINY_CONFIGS else 0)
     dtype = _torch_dtype(spec)
     model, folder, display = build_model(spec.model, spec.random, dtype, spec.device, spec.ctx, spec.seed)
+    params = sum(p.numel() for p in model.parameters())
+    w12 = None
+    if spec.w12:  # before drafters, compile and graphs: they all see the converted projections
+        from specpilot.engine.w12 import convert_engine_model
+
+        w12 = convert_engine_model(model).to_json()
     tok = _tokenizer(folder, display)
     drafter = None
     if spec.mode != "ar":
@@ -356,4 +366,4 @@ def load_engine(spec: EngineSpec | str) -> Engine:
         dec.threads = threads  # tiny models: thread hand-offs cost more than the math
     return Engine(spec, model, dec, tok, display, eos,
                   info={"dtype": str(dtype).replace("torch.", ""), "device": spec.device,
-                        "params": sum(p.numel() for p in model.parameters()), "weights": str(folder) if folder else "random"})
+                        "params": params, "weights": str(folder) if folder else "random", "w12": w12})

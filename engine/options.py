@@ -24,6 +24,9 @@ def engine_options(f):
         click.option("--seed", type=int, default=0, show_default=True, help="Random-weight seed."),
         click.option("--threads", type=int, default=None, help="CPU threads for torch (default: 1 for tiny models)."),
         click.option("--compile", "compile_", is_flag=True, help="torch.compile the layers (cuda, dense models)."),
+        click.option("--w12", is_flag=True,
+                     help="Target projections as lossless W12 (verified at load; fused kernel on cuda bf16, "
+                          "decoded weights elsewhere; implies bfloat16 unless --dtype is given)."),
         click.option("--engine", "engine_spec", default=None,
                      help="A whole engine spec (engine:model=...,mode=...); overrides the options above."),
     ]
@@ -38,7 +41,8 @@ def spec_from_cli(kw: dict):
 
     text = kw.pop("engine_spec", None)
     vals = {k: kw.pop(k) for k in ("model", "random_weights", "mode", "nodes", "depth", "topk", "drafter",
-                                    "draft_layers", "draft_model", "dtype", "device", "ctx", "seed", "threads", "compile_")}
+                                    "draft_layers", "draft_model", "dtype", "device", "ctx", "seed", "threads", "compile_",
+                                    "w12")}
     if text:
         return EngineSpec.parse(text)
     vals["random"] = vals.pop("random_weights")

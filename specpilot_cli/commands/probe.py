@@ -30,8 +30,9 @@ def command():
 @click.option("--reps", type=int, default=50, show_default=True, help="Timed repetitions per N (median).")
 @click.option("--warmup", type=int, default=5, show_default=True)
 @click.option("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice).")
+@click.option("--w12", is_flag=True, help="Projections as W12 (as run --w12; bfloat16 unless --dtype is given).")
 @output_options
-def rows(model, random_weights, rows_text, context, device, dtype, reps, warmup, threads, fmt, out):
+def rows(model, random_weights, rows_text, context, device, dtype, reps, warmup, threads, w12, fmt, out):
     """T_step(N) for N verification rows and c(N) = T_step(N) / T_step(1) (JSON for ``ceiling --rows-probe``).
 
     On a GPU each N is a CUDA graph timed with CUDA events (median); on the CPU a wall clock.
@@ -54,18 +55,25 @@ def rows(model, random_weights, rows_text, context, device, dtype, reps, warmup,
         raise EnvironmentMissing("--device cuda but no CUDA GPU is visible; use --device cpu")
     if not (device == "cpu" or device.startswith("cuda")):
         raise InputError(f"unknown --device {device!r}; use cpu or cuda[:N]")
-    tdtype = getattr(torch, DTYPES[dtype] if dtype else ("bfloat16" if device.startswith("cuda") else "float32"))
+    tdtype = getattr(torch, DTYPES[dtype] if dtype else ("bfloat16" if device.startswith("cuda") or w12 else "float32"))
     torch.set_grad_enabled(False)
     if threads is not None:
         if threads < 1:
             raise InputError(f"--threads must be >= 1, got {threads}")
         torch.set_num_threads(threads)
     m, _, name = build_model(model, random_weights, tdtype, device, context + max(row_list) + 64)
+    w12_info = None
+    if w12:
+        from specpilot.engine.w12 import convert_engine_model
+
+        w12_info = convert_engine_model(m).to_json()
     res = measure_rows(m, row_list, context, reps=reps, warmup=warmup, progress=progress)
     res.model = name
     data = res.to_json()
+    data["w12"] = w12_info
     hw = res.gpu or f"CPU {res.cpu}"
-    emit(Report(data=data, sections=[Section(f"{name} {res.dtype}, context {context}, {hw}",
+    label = f", W12 {w12_info['path']}" if w12_info else ""
+    emit(Report(data=data, sections=[Section(f"{name} {res.dtype}{label}, context {context}, {hw}",
                                              ["rows", "step ms", "c = T(N)/T(1)"],
                                              [[p["rows"], p["step_ms"], p["c"]] for p in res.points],
                                              note=f"{res.method} of {reps} steps")]), fmt, out)

@@ -37,6 +37,12 @@ def run_requests(engine, prompts: list[dict], max_new: int, chat: bool | None, l
     return results, lattice_rows, use_chat
 
 
+def _w12_label(w12: dict | None) -> str:
+    if not w12:
+        return ""
+    return f", W12 {w12['path']}: {w12['tensors']} projections, {w12['bits_per_weight']:.3f} bits/weight"
+
+
 @click.command("run")
 @engine_options
 @click.option("--prompt", "prompt_text", default=None, help="One prompt (text).")
@@ -115,7 +121,7 @@ def command(prompt_text, prompts_file, prompt_ids, chat, max_new_tokens, outputs
     data = {"schema": "specpilot.run/1", "engine": str(spec), "model": engine.model_name, "mode": spec.mode,
             "drafter": spec.drafter if spec.mode != "ar" else None, "nodes": spec.nodes if spec.mode == "tree" else None,
             "dtype": engine.info["dtype"], "device": spec.device, "chat": used_chat, "max_new_tokens": max_new_tokens,
-            **summary, "results": results}
+            "w12": engine.info.get("w12"), **summary, "results": results}
     if len(results) == 1:
         data.update({k: results[0][k] for k in ("prompt_ids", "output_ids", "text")})
     rows = [[r["id"], r["tokens"], r["steps"], r["tau"], r["tokens_per_s"], r["stop"]] for r in results]
@@ -125,7 +131,8 @@ def command(prompt_text, prompts_file, prompt_ids, chat, max_new_tokens, outputs
             lines.append(f"--- {r['id']} ---" if len(results) > 1 else "")
             lines.append(r["text"])
     report = Report(data=data, title=None, lines=[x for x in lines if x != ""] if len(results) == 1 else lines,
-                    sections=[Section(f"{engine.model_name} {spec.mode} ({engine.info['dtype']}, {spec.device})",
+                    sections=[Section(f"{engine.model_name} {spec.mode} ({engine.info['dtype']}, {spec.device}"
+                                      f"{_w12_label(engine.info.get('w12'))})",
                                       ["id", "tokens", "steps", "tau", "tokens/s", "stop"], rows,
                                       note=f"total: {tokens} tokens, {steps} passes, tau {summary['tau']:.3f}, "
                                            f"{summary['tokens_per_s']:.1f} tokens/s")])

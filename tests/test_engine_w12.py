@@ -1,0 +1,144 @@
+"""The engine's w12=1 option: projections converted to W12 at load, outputs unchanged on the CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+# the fused-path test runs the Triton kernel under the interpreter on a CPU-only machine, which works
+# only when Triton is imported after TRITON_INTERPRET is set (as tests/test_w12_gemm.py does)
+_TRITON_LATE = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from specpilot.engine.api import EngineSpec, load_engine
+from specpilot.errors import InputError
+
+PROMPT = list(b"abcabcabc hello hello abcabc the cat sat on the mat")
+
+
+@pytest.mark.parametrize("model,mode", [("tiny", "ar"), ("tiny", "tree"), ("tiny-hybrid", "chain")])
+def test_w12_engine_equals_plain_engine_token_for_token(model, mode):
+    plain = load_engine(f"engine:model={model},mode={mode},dtype=bfloat16,ctx=256")
+    w12 = load_engine(f"engine:model={model},mode={mode},w12=1,ctx=256")  # w12 implies bfloat16
+    assert w12.info["dtype"] == "bfloat16" and plain.info["w12"] is None
+    info = w12.info["w12"]
+    # every projection of every layer: wqkv/wo (or the 4 GDN projections), w13, w2
+    expect = 16 if model == "tiny" else 3 * 6 + 4
+    assert info["path"] == "decoded" and info["tensors"] == expect
+    assert 12.0 < info["bits_per_weight"] < 13.0 and info["w12_bytes"] < info["bf16_bytes"]
+    a = plain.generate(PROMPT, 24)
+    b = w12.generate(PROMPT, 24)
+    assert b.output_ids == a.output_ids and b.steps == a.steps
+    # the logits of a whole prompt are identical bit for bit (weights restored exactly)
+    from specpilot.engine.model import StepInput
+
+    for e in (plain, w12):
+        e.model.reset()
+    n = len(PROMPT)
+    pos = torch.arange(n)
+    inp = StepInput(torch.tensor(PROMPT), pos, pos, pos[None, :] <= pos[:, None], "seq")
+    la, lb = plain.model(inp, kv_len=n), w12.model(inp, kv_len=n)
+    assert torch.equal(la.view(torch.int16), lb.view(torch.int16))
+
+
+def test_w12_spec_parse_print_and_bad_values():
+    s = EngineSpec.parse("engine:model=tiny,mode=tree,nodes=32,w12=1")
+    assert s.w12 is True and "w12=True" in str(s) and EngineSpec.parse(str(s)) == s
+    assert EngineSpec.parse("engine:model=tiny").w12 is False
+    for bad in ("w12=2", "w12=yes please", "w12="):
+        with pytest.raises(InputError, match="w12"):
+            EngineSpec.parse(f"engine:model=tiny,{bad}")
+
+
+def test_w12_refuses_weights_bf16_cannot_hold():
+    # tiny's random fp32 weights are not bf16 values: W12 would change the model
+    with pytest.raises(InputError, match="not exactly representable in bf16"):
+        load_engine("engine:model=tiny,w12=1,dtype=float32,ctx=64")
+
+
+def test_w12_fp32_engine_with_bf16_exact_weights_is_exact():
+    from specpilot.engine.api import build_model
+    from specpilot.engine.decode import Decoder
+    from specpilot.engine.w12 import convert_engine_model
+
+    torch.set_grad_enabled(False)
+    outs = []
+    for convert in (False, True):
+        m, _, _ = build_model("tiny", True, torch.float32, "cpu", 128)
+        for p in m.parameters():  # fp32 weights that are bf16 values (a bf16 checkpoint read as fp32)
+            p.copy_(p.to(torch.bfloat16).float())
+        if convert:
+            rep = convert_engine_model(m)
+            assert rep.path == "decoded" and len(rep.tensors) == 16
+            assert m.layers[0].w13.weight.dtype == torch.float32
+        outs.append(Decoder(m, "ar").generate(PROMPT, 16).output_ids)
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.skipif(_TRITON_LATE and not torch.cuda.is_available(),
+                    reason="Triton was imported before TRITON_INTERPRET was set")
+def test_w12_fused_path_under_the_interpreter(monkeypatch):
+    """The fused path (W12Projection -> w12_linear), run on the CPU by Triton's interpreter."""
+    pytest.importorskip("triton")
+    from specpilot.engine import w12 as ew
+    from specpilot.engine.api import build_model
+    from specpilot.engine.model import StepInput
+
+    torch.set_grad_enabled(False)
+    m, _, _ = build_model("tiny", True, torch.bfloat16, "cpu", 64)
+    ref = {name: getattr(parent, attr).weight.clone() for parent, attr, name in ew.projections(m)}
+    rep = ew.convert_engine_model(m, fused=True)
+    assert rep.path == "fused"
+    proj = m.layers[0].w13
+    assert isinstance(proj, ew.W12Projection) and not hasattr(proj, "weight")
+    # rows beyond the per-launch limit are cut into chunks; each row matches x @ W.T in fp32
+    monkeypatch.setattr(ew, "KERNEL_MAX_ROWS", 2)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
+    y = proj(x)
+    want = x.float() @ ref["layers.0.w13"].float().T
+    scale = x.float().abs() @ ref["layers.0.w13"].float().abs().T
+    assert y.shape == (5, 256) and float(((y.float() - want).abs() / (scale + 1e-6)).max()) < 1e-2
+    # a whole forward of a few rows gives the plain model's argmax
+    plain, _, _ = build_model("tiny", True, torch.bfloat16, "cpu", 64)
+    toks = torch.tensor(PROMPT[:3])
+    pos = torch.arange(3)
+    mask = torch.zeros(3, 64, dtype=torch.bool)
+    mask[:, :3] = pos[None, :] <= pos[:, None]
+    la = plain(StepInput(toks, pos, pos, mask, "seq"), kv_len=64)
+    lb = m(StepInput(toks, pos, pos, mask, "seq"), kv_len=64)
+    assert (la.float() - lb.float()).abs().max() < 0.1 * la.float().abs().max()
+
+
+def test_run_and_probe_rows_take_w12(run_cli, tmp_path):
+    code, out, err = run_cli("run", "--model", "tiny", "--mode", "tree", "--w12", "--prompt", "abcabc abcabc",
+                             "--max-new-tokens", "8", "--format", "json")
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["dtype"] == "bfloat16" and d["w12"]["tensors"] == 16 and "w12=True" in d["engine"]
+    code2, out2, _ = run_cli("run", "--model", "tiny", "--mode", "tree", "--dtype", "bfloat16",
+                             "--prompt", "abcabc abcabc", "--max-new-tokens", "8", "--format", "json")
+    assert code2 == 0 and json.loads(out2)["output_ids"] == d["output_ids"] and json.loads(out2)["w12"] is None
+    code, out, err = run_cli("run", "--model", "tiny", "--w12", "--prompt", "abc", "--max-new-tokens", "2")
+    assert code == 0 and "W12 decoded: 16 projections" in out
+    rows = tmp_path / "rows.json"
+    code, _, err = run_cli("probe", "rows", "--model", "tiny", "--random-weights", "--w12", "--rows", "1,2",
+                           "--context", "16", "--device", "cpu", "--reps", "1", "--warmup", "0", "--threads", "1",
+                           "--format", "json", "--out", rows)
+    assert code == 0, err
+    r = json.loads(rows.read_text())
+    assert r["dtype"] == "bfloat16" and r["w12"]["path"] == "decoded"
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--w12", "--dtype", "float32"], "not exactly representable in bf16"),
+    (["--engine", "engine:model=tiny,w12=2"], "w12='2' must be 0 or 1"),
+    (["--engine", "engine:model=tiny,w12=on-gpu"], "must be 0 or 1"),
+])
+def test_run_w12_bad_input_exit_2(run_cli, args, msg):
+    code, _, err = run_cli("run", "--model", "tiny", "--prompt", "abc", "--max-new-tokens", "2", *args)
+    assert code == 2 and err.startswith("specpilot: error:") and msg in err and err.count("\n") == 1
