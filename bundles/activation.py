@@ -111,6 +111,10 @@ def parse_settings(pairs, entries: dict[str, mem.Entry], ids: list[str]) -> dict
         value = yaml.safe_load(raw)
         if var.choices is not None and value not in var.choices:
             raise InputError(f"--set {name}={raw}: must be one of {var.choices} ({owner})")
+        if isinstance(var.default, list):
+            kinds = {type(x) for x in var.default}
+            if not isinstance(value, list) or not value or any(type(x) not in kinds for x in value):
+                raise InputError(f"--set {name}={raw}: must be a non-empty list like {var.default} ({owner})")
         if var.range is not None:
             lo, hi = var.range
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not (lo <= value <= hi):
