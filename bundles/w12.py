@@ -8,7 +8,13 @@ GEMM. The format and the kernels are ``specpilot.kernels.w12``.
 
 from __future__ import annotations
 
+import contextvars
 from dataclasses import dataclass
+
+# Set by the ``tlv`` bundle around its Q pass: W12 layers then read only the 8-bit view (low
+# mantissa bits at their midpoint, ``specpilot.kernels.w12`` ``qpass``). False (the exact pass)
+# everywhere else.
+QPASS: contextvars.ContextVar[bool] = contextvars.ContextVar("specpilot_w12_qpass", default=False)
 
 
 class W12LoadError(RuntimeError):
@@ -77,17 +83,19 @@ def process_weights_after_loading(layer) -> W12LayerStats:
 
 def apply(layer, x, bias=None):
     """y = x W^T + b, W the restored weights: the fused W12 GEMM on CUDA, the plain torch
-    reference (``specpilot.kernels.w12.naive``) elsewhere. Accepts x of shape [..., in]."""
+    reference (``specpilot.kernels.w12.naive``) elsewhere. Accepts x of shape [..., in].
+    Inside a Q pass (:data:`QPASS` set) W is the 8-bit view instead."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
+    qpass = QPASS.get()
     if x2.is_cuda:
         from specpilot.kernels.w12.gemm import w12_linear
 
-        y = w12_linear(x2, layer.w12)
+        y = w12_linear(x2, layer.w12, qpass=qpass)
         if bias is not None:
             y = y + bias
     else:
         from specpilot.kernels.w12.naive import w12_linear_ref
 
-        y = w12_linear_ref(x2, layer.w12, bias=bias)
+        y = w12_linear_ref(x2, layer.w12, qpass=qpass, bias=bias)
     return y.reshape(*lead, y.shape[-1])

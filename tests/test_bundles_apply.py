@@ -60,6 +60,45 @@ def test_round_trip_leaves_environment_byte_identical(run_cli, env):
     assert code == 0 and "nothing was active" in out
 
 
+def test_batching_and_tlv_round_trip(run_cli, env):
+    root = env.parent.parent
+    before = tree_digest(root)
+    code, out, err = run_cli("apply", "batching,tlv", "--python", env, "--experimental",
+                             "--set", "shared_budget=256", "--set", "block_sizes=[12,8]")
+    assert code == 0, err
+    assert out.count(" ok ") >= 9 and "SGLANG_RAGGED_VERIFY_MODE=compact" in out
+    assert "SGLANG_DFLASH_EAGER_DRAFT_SAMPLER=1" in out and "--quantization w12" in out
+    data = json.loads((_purelib(env) / act.ACTIVATION_NAME).read_text())
+    assert data["closure"] == ["batching", "w12", "tlv"]
+    assert data["settings"]["shared_budget"] == 256 and data["settings"]["block_sizes"] == [12, 8]
+    targets = {h["target"].rsplit(".", 2)[-2] + "." + h["target"].rsplit(".", 1)[-1] for h in data["hooks"]}
+    assert {"DSparkVerifyPlanner._schedule_verify_lens", "Scheduler._should_defer_prefill",
+            "DFlashWorkerV2.forward_batch_generation"} <= targets
+    assert set(data["fingerprints"]) >= {"specpilot.bundles.batching", "specpilot.bundles.tlv", "specpilot.bundles.w12"}
+    code, out, err = run_cli("status", "--python", env, "--format", "json")
+    st = json.loads(out)
+    assert code == 0 and st["matches"] and st["problems"] == [] and all(c["ok"] for c in st["checks"])
+    assert run_cli("revert", "--python", env)[0] == 0
+    assert tree_digest(root) == before
+
+
+def test_a_library_entry_cannot_be_applied(tmp_path):
+    import shutil
+
+    import yaml
+
+    from specpilot.bundles import memory as mem
+    from specpilot.errors import InputError
+
+    d = tmp_path / "mem"
+    shutil.copytree(mem.MEMORY_DIR, d)
+    raw = yaml.safe_load((d / "batching.yaml").read_text())
+    raw.update(status="library")
+    (d / "batching.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    with pytest.raises(InputError, match="not wired into SGLang"):
+        act.apply("batching", memory_dir=d)
+
+
 def test_apply_replaces_previous_activation(run_cli, env):
     assert run_cli("apply", "tree", "--python", env)[0] == 0
     code, out, _ = run_cli("apply", "lattice-trace", "--python", env, "--format", "json")
@@ -102,7 +141,9 @@ def test_missing_sglang_and_missing_specpilot(run_cli, tmp_path):
 @pytest.mark.parametrize("args, msg", [
     (["apply", "nope"], "unknown mechanism 'nope'"),
     (["apply", ","], "name at least one bundle"),
-    (["apply", "tlv"], "not wired into SGLang"),
+    (["apply", "tlv"], "w12, tlv are experimental"),
+    (["apply", "batching", "--set", "shared_budget=-1"], "must be a number in [0, 4096]"),
+    (["apply", "batching", "--set", "block_sizes=16"], "must be a non-empty list like [16, 12, 8]"),
     (["apply", "w12"], "experimental"),
     (["apply", "tree", "--set", "node_budget=1"], "must be a number in [2, 256]"),
     (["apply", "tree", "--set", "node_budget=abc"], "must be a number"),

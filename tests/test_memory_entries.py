@@ -22,7 +22,7 @@ def test_packaged_memory_reproduces_its_recorded_systems(run_cli):
     ids = {r["id"] for r in data["entries"]}
     assert ids == {"lattice-trace", "w12", "tree", "batching", "tlv"}
     tlv = next(r for r in data["entries"] if r["id"] == "tlv")
-    assert tlv["closure"] == ["w12", "tree", "tlv"]
+    assert tlv["closure"] == ["w12", "tlv"]
 
 
 def test_every_entry_is_complete_and_honest():
@@ -77,7 +77,7 @@ def test_recorded_hook_set_must_match(run_cli, tmp_path):
 
 def test_cycle_and_missing_requirement_are_errors(run_cli, tmp_path):
     d = _copy(tmp_path)
-    _edit(d / "tree.yaml", requires=["tlv"])
+    _edit(d / "w12.yaml", requires=["tlv"])  # tlv requires w12
     code, _, err = run_cli("memory", "verify", "--memory-dir", d)
     assert code == 2 and "requirement cycle" in err and "tlv" in err and len(err.strip().splitlines()) == 1
     d2 = _copy(tmp_path / "b")
