@@ -11,7 +11,14 @@
    (graph replay + host argmax read per token) in tokens/s; bytes per step = projection + LM-head
    weights + KV at the context, against 4.4 TB/s (what cuBLAS reaches on large layers here).
 3. T_step(N), N = 1..256 rows at context 1024 (the verify step: LM head and argmax included).
+4. W12 (``--no-w12`` skips it; runs last, it converts the model in place): the same model with
+   its projections converted by ``engine/w12.py`` (restored bit for bit, then the fused Triton
+   kernel), AR decode step with eager layers + CUDA graph (compare with the bf16 eager row), then
+   with compiled layers if the bf16 compiled row was measured and time is left. Bytes per step
+   count the W12 bytes. On the device, the tiny model's W12 graph step is checked against eager.
 Every section is written as soon as it is done, so a time-out keeps what was measured.
+
+    python benchmarks/engine_gpu.py --no-compile --skip-rows   # bf16 vs W12, eager layers, quickly
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ def log(msg):
     print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
 
 
-def correctness(device):
+def correctness(device, with_w12=False):
     from specpilot.engine.api import load_engine
 
     rows = []
@@ -61,6 +68,18 @@ def correctness(device):
         b = load_engine(f"engine:model=tiny,mode=ar,dtype=float32,device={device},ctx=512,graphs=1")
         p = a.encode("graphs versus eager")
         rows.append({"model": "tiny", "graph_ar_equals_eager": a.generate(p, 64).output_ids == b.generate(p, 64).output_ids})
+        if with_w12:
+            # W12 (bf16, fused kernel): graph step == eager step (same kernel, deterministic); the
+            # agreement with the dense bf16 engine is reported, not required (fp32 summation order)
+            base = load_engine(f"engine:model=tiny,mode=ar,dtype=bfloat16,device={device},ctx=512,graphs=0")
+            we = load_engine(f"engine:model=tiny,mode=ar,w12=1,device={device},ctx=512,graphs=0")
+            wg = load_engine(f"engine:model=tiny,mode=ar,w12=1,device={device},ctx=512,graphs=1")
+            wt = load_engine(f"engine:model=tiny,mode=tree,w12=1,device={device},ctx=512")
+            o_base, o_e, o_g, o_t = (e.generate(p, 64).output_ids for e in (base, we, wg, wt))
+            agree = next((i for i, (x, y) in enumerate(zip(o_base, o_e)) if x != y), len(o_e))
+            rows.append({"model": "tiny w12 (bf16)", "w12_path": we.info["w12"]["path"],
+                         "w12_graph_ar_equals_eager": o_g == o_e, "w12_tree_equals_w12_ar": o_t == o_e,
+                         "w12_ar_tokens_agreeing_with_bf16_ar": agree, "tokens": len(o_e)})
     return rows
 
 
@@ -70,7 +89,7 @@ def time_graph(g, reps):
     return statistics.median(time_replays(g, reps))
 
 
-def ar_section(model, spec, context, new_tokens, variant, reps):
+def ar_section(model, spec, context, new_tokens, variant, reps, w_bytes=None):
     from specpilot.engine.decode import Decoder
     from specpilot.engine.graphs import GraphRunner
 
@@ -87,7 +106,8 @@ def ar_section(model, spec, context, new_tokens, variant, reps):
     inp.pos.fill_(n)
     inp.slots.fill_(n)
     step_ms = time_graph(g, reps)
-    w_bytes = (spec.linear_params() + spec.lm_head_params()) * 2
+    if w_bytes is None:
+        w_bytes = (spec.linear_params() + spec.lm_head_params()) * 2
     kv_bytes = spec.kv_bytes_per_token(16) * context
     limit_ms = (w_bytes + kv_bytes) / BW * 1e3
     loop_tps = res.decode_tokens_per_second
@@ -99,6 +119,47 @@ def ar_section(model, spec, context, new_tokens, variant, reps):
             "output_ids_head": res.output_ids[:8]}
 
 
+def w12_section(model, spec, context, new, reps, ar_rows, extra, compiled, budget_s):
+    """Convert the model's projections to W12 in place and time the AR decode step again."""
+    from specpilot.engine.w12 import convert_engine_model
+
+    model._block_call = None  # eager layers first: compare with the bf16 eager row
+    try:
+        info = convert_engine_model(model).to_json()
+    except Exception as e:
+        ar_rows.append({"variant": "W12 eager layers + CUDA graph", "error": f"{type(e).__name__}: {e}"[:400]})
+        write_results("engine_ar_decode", ar_rows, extra)
+        log(f"W12 conversion failed: {e}")
+        return
+    log(f"W12: {info['tensors']} projections, {info['bits_per_weight']:.4f} bits/weight, converted in "
+        f"{info['convert_seconds']:.1f} s, kernel warm-up {info['warmup_seconds']:.1f} s")
+    # bytes per step: W12 projections + whatever stayed bf16 (the LM head)
+    w_bytes = info["w12_bytes"] + (spec.linear_params() - info["weights"] + spec.lm_head_params()) * 2
+    bf16_head = next((r.get("output_ids_head") for r in ar_rows if r.get("variant") == "eager layers + CUDA graph"), None)
+    fields = {"w12_bits_per_weight": info["bits_per_weight"], "w12_convert_s": info["convert_seconds"],
+              "w12_warmup_s": info["warmup_seconds"], "w12_tensors": info["tensors"], "w12_path": info["path"]}
+    variants = [("W12 eager layers + CUDA graph", False)]
+    if compiled:
+        variants.append(("W12 + torch.compile layers (W12 GEMM outside the compiled graph) + CUDA graph", True))
+    for vname, comp in variants:
+        if comp and time.time() - T0 > budget_s * 0.85:
+            log(f"{vname} skipped: time budget spent")
+            break
+        try:
+            if comp:
+                torch._dynamo.reset()
+                model.compile_blocks()
+            row = ar_section(model, spec, context, new, vname, reps * 2, w_bytes=w_bytes)
+            row.update(fields)
+            row["same_first_8_tokens_as_bf16_eager"] = (row["output_ids_head"] == bf16_head) if bf16_head else None
+            ar_rows.append(row)
+            log(f"AR {vname}: {row['step_ms_graph']:.3f} ms")
+        except Exception as e:
+            ar_rows.append({"variant": vname, "error": f"{type(e).__name__}: {e}"[:400], **fields})
+            log(f"{vname} failed: {e}")
+        write_results("engine_ar_decode", ar_rows, extra)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -106,13 +167,14 @@ def main():
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--variants", action="store_true", help="also time the tuned compile variants")
     ap.add_argument("--skip-rows", action="store_true", help="skip the compiled T_step(N) curve")
+    ap.add_argument("--no-w12", action="store_true", help="skip the W12 rows (section 4)")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.set_grad_enabled(False)
     env = environment()
     log(f"device {env.get('gpu')} torch {env.get('torch')}")
 
-    corr = correctness(device)
+    corr = correctness(device, with_w12=not args.no_w12)
     print_table(corr, list({k for r in corr for k in r}))
     write_results("engine_correctness", corr)
     log("correctness done")
@@ -191,6 +253,11 @@ def main():
             write_results("engine_rows", rows_rows, {**extra, "context": context})
             res = res_c
             log("rows compiled done")
+        if not args.no_w12 and dtype == torch.bfloat16:  # W12 is for bf16 weights (not --quick's fp32)
+            if time.time() - T0 < args.budget_s * 0.8:
+                w12_section(model, spec, context, new, reps, ar_rows, extra, compiled, args.budget_s)
+            else:
+                log("W12 section skipped: time budget spent")
         # the specpilot.rows/1 file `ceiling --rows-probe` reads (best variant measured)
         if args.skip_rows:
             print_table(ar_rows, ["variant", "step_ms_graph", "tokens_per_s_graph", "tokens_per_s_loop",

@@ -103,15 +103,16 @@ def test_w12_fused_path_under_the_interpreter(monkeypatch):
     want = x.float() @ ref["layers.0.w13"].float().T
     scale = x.float().abs() @ ref["layers.0.w13"].float().abs().T
     assert y.shape == (5, 256) and float(((y.float() - want).abs() / (scale + 1e-6)).max()) < 1e-2
-    # a whole forward of a few rows gives the plain model's argmax
+    # a forward through the first layer (its four projections on the kernel) and the LM head gives
+    # the plain model's logits up to bf16 rounding (the interpreter is slow: one layer, three rows)
     plain, _, _ = build_model("tiny", True, torch.bfloat16, "cpu", 64)
     toks = torch.tensor(PROMPT[:3])
     pos = torch.arange(3)
     mask = torch.zeros(3, 64, dtype=torch.bool)
     mask[:, :3] = pos[None, :] <= pos[:, None]
-    la = plain(StepInput(toks, pos, pos, mask, "seq"), kv_len=64)
-    lb = m(StepInput(toks, pos, pos, mask, "seq"), kv_len=64)
-    assert (la.float() - lb.float()).abs().max() < 0.1 * la.float().abs().max()
+    la = plain(StepInput(toks, pos, pos, mask, "seq"), kv_len=64, layers=1).float()
+    lb = m(StepInput(toks, pos, pos, mask, "seq"), kv_len=64, layers=1).float()
+    assert (la - lb).abs().max() < 0.05 * la.abs().max()
 
 
 def test_run_and_probe_rows_take_w12(run_cli, tmp_path):
@@ -142,3 +143,24 @@ def test_run_and_probe_rows_take_w12(run_cli, tmp_path):
 def test_run_w12_bad_input_exit_2(run_cli, args, msg):
     code, _, err = run_cli("run", "--model", "tiny", "--prompt", "abc", "--max-new-tokens", "2", *args)
     assert code == 2 and err.startswith("specpilot: error:") and msg in err and err.count("\n") == 1
+
+
+@pytest.mark.slow
+def test_w12_hf_benchmark_tiny_dry_run(tmp_path):
+    """benchmarks/w12_hf.py --tiny: stock and converted HF Llama give the same greedy tokens on the CPU."""
+    import subprocess
+
+    pytest.importorskip("transformers")
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    out = tmp_path / "w12_hf_tiny.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("OUT", "TRITON_INTERPRET")}
+    r = subprocess.run([sys.executable, str(repo / "benchmarks" / "w12_hf.py"), "--tiny", "--context", "20",
+                        "--check-steps", "8", "--steps", "2", "--rounds", "1", "--device", "cpu", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    d = json.loads(out.read_text())
+    assert d["benchmark"] == "w12_hf_tiny" and d["tokens_identical"] is True and d["converted"] == 14
+    assert d["first_step_max_abs_logit_diff"] == 0.0 and len(d["rows"]) == 2
+    assert {"ms_per_token", "bf16_ms_per_token", "speedup", "variant"} <= set(d["rows"][1])
