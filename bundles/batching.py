@@ -217,13 +217,20 @@ def _fallback(where: str) -> None:
 
 # ----------------------------------------------------- SGLang 0.5.23 hooks: the DSpark planner
 
+def _compact(planner) -> bool:
+    """Compact ragged verify (only the scheduled rows run). In SGLang's other ragged mode,
+    cap-accept, every row still runs and the schedule only caps acceptance: the rules would cost
+    accepted tokens and save nothing, so they stay off there."""
+    return bool(getattr(planner, "is_compact_mode", True))
+
+
 def after_planner_init(result, self, *args, **kwargs):
     """AFTER ``DSparkVerifyPlanner.__init__``: with a shared budget, a ragged-verify planner whose
     step-time table is flat no longer "verifies all" (SGLang's shortcut for having no budget);
     the shared budget is the budget. Returns None."""
     try:
         if (int(settings()["shared_budget"]) > 0 and getattr(self, "_budget_planner", None) is not None
-                and getattr(self, "_is_verify_all", False)):
+                and getattr(self, "_is_verify_all", False) and _compact(self)):
             self._is_verify_all = False
             logger.info("SpecPilot batching: DSpark verify lengths come from the shared budget (%s rows per step)",
                         settings()["shared_budget"])
@@ -241,7 +248,7 @@ def around_budget_from_resolved(original, self, *args, **kwargs):
         shared = int(settings()["shared_budget"])
         rows = kwargs.get("req_pool_indices_cpu")
         planner = getattr(self, "_budget_planner", None)
-        if (budget is None or shared <= 0 or rows is None or planner is None or args
+        if (budget is None or shared <= 0 or rows is None or planner is None or args or not _compact(self)
                 or getattr(self, "_is_verify_all", False) or getattr(planner, "forced_budget_frac", None) is not None):
             return budget
         cfg = self._schedule_cfg
@@ -262,7 +269,7 @@ def around_schedule_verify_lens(original, self, *args, **kwargs):
     lengths: int32 [bs] as stock, each at most floor + block."""
     confidence = kwargs.get("confidence")
     rows = kwargs.get("req_pool_indices")
-    if args or confidence is None or rows is None:
+    if args or confidence is None or rows is None or not _compact(self):
         return original(self, *args, **kwargs)
     try:
         policy = block_policy()

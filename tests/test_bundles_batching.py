@@ -393,3 +393,20 @@ def test_hooks_through_sglangs_hook_registry(sgl, fresh):
     finally:
         sys.modules.pop(fake.__name__, None)
         sys.modules.pop("_sp_hook_registry_batching", None)
+
+
+def test_planner_hooks_stay_off_outside_compact_mode(sgl, fresh):
+    """SGLang's cap-accept mode runs every row and only caps acceptance: the rules stay off."""
+    planner = _planner(sgl, 16)
+    planner.is_compact_mode = False
+    planner._is_verify_all = True
+    batching.after_planner_init(None, planner)
+    assert planner._is_verify_all is True
+    planner._is_verify_all = False
+    planner._budget_planner.compute_budget = lambda **kw: 7
+    resolved = SimpleNamespace(confidence=torch.rand(2, 16), generation=torch.ones(2, dtype=torch.int64))
+    assert batching.around_budget_from_resolved(sgl["budget"], planner, resolved=resolved,
+                                                req_pool_indices_cpu=torch.arange(2)) == 7
+    batching.history().pending[0] = 8
+    conf, rows = torch.ones(2, 16), torch.tensor([0, 1])
+    assert torch.equal(_schedule(sgl, planner, conf, rows, 30), _schedule(sgl, planner, conf, rows, 30, hook=False))
