@@ -8,16 +8,27 @@ request alone. With ``budget`` (an int or a 0-d device tensor) the whole batch s
 nodes, taken from the highest path score over all requests; ``valid``/``count`` say which nodes
 each request keeps, always a prefix of its best-first list, so each share is a prefix-closed tree.
 
-The Triton kernel runs one program per request: per depth it scores the K children of the N nodes
-kept one level up (transitions gathered by parent candidate), packs (score, tie index) into int64
-keys and keeps the N best by a bitonic sort in registers; then it takes the N best of the m*N kept
-nodes and resolves parents. A second one-program kernel applies the shared budget. No host syncs
-and fixed shapes, so the whole builder can be captured in a CUDA graph. ``tree_batched_ref`` is
-the plain-torch reference with the same contract.
+Two Triton algorithms, both one program per request, both exact (the same trees as the engine's
+heap for the same float32 scores) and selectable with ``kernel=``:
+
+- ``"frontier"`` (the default): the engine's heap itself, in registers. The frontier is a
+  [N, K] tile of int64 keys (score, then depth, parent node, candidate); each of the N steps pops
+  the maximum (one reduction), records the node and pushes its K children into the frontier row of
+  that node (one K-wide load, from L1: the request's lattice is prefetched at the start). Parents
+  come out directly (the row a node was popped from). The shared budget is a second kernel, one
+  program per request: a node is kept when fewer than ``budget`` nodes of the batch beat it.
+- ``"levels"`` (the earlier kernel): per depth it scores the K children of the N nodes kept one
+  level up, packs (score, tie index) into int64 keys and keeps the N best by a bitonic sort in
+  registers; then it takes the N best of the m*N kept nodes and resolves parents. A second
+  one-program kernel sorts the batch for the shared budget.
+
+No host syncs and fixed shapes, so the whole builder can be captured in a CUDA graph.
+``tree_batched_ref`` is the plain-torch reference with the same contract.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -63,11 +74,14 @@ def _check(tokens, logprobs, transitions, max_nodes):
 
 def build_batched(tokens: torch.Tensor, logprobs: torch.Tensor, transitions: torch.Tensor | None,
                   max_nodes: int, budget: torch.Tensor | int | None = None, *, backend: str = "auto",
-                  out: BatchedTrees | None = None, num_warps: int | None = None) -> BatchedTrees:
+                  out: BatchedTrees | None = None, num_warps: int | None = None,
+                  kernel: str | None = None) -> BatchedTrees:
     """Best-first trees for a batch of lattices (see module doc). ``backend``: auto|triton|torch.
 
     ``out`` reuses preallocated outputs (for CUDA-graph capture); the Triton backend needs float32
-    scores and runs on CUDA, or anywhere under ``TRITON_INTERPRET=1``.
+    scores and runs on CUDA, or anywhere under ``TRITON_INTERPRET=1``. ``kernel`` picks the Triton
+    algorithm: ``"frontier"`` (the default, :data:`DEFAULT_KERNEL`) or ``"levels"`` (the earlier
+    level-sort kernel, kept for side-by-side benchmarks); both give the same trees.
     """
     _check(tokens, logprobs, transitions, max_nodes)
     use_triton = backend == "triton" or (backend == "auto" and triton is not None and tokens.is_cuda)
@@ -77,7 +91,12 @@ def build_batched(tokens: torch.Tensor, logprobs: torch.Tensor, transitions: tor
         return build_batched_ref(tokens, logprobs, transitions, max_nodes, budget)
     if triton is None:
         raise RuntimeError("triton is not installed")
-    return _build_triton(tokens, logprobs, transitions, max_nodes, budget, out, num_warps)
+    kernel = kernel or DEFAULT_KERNEL
+    if kernel == "levels":
+        return _build_triton(tokens, logprobs, transitions, max_nodes, budget, out, num_warps)
+    if kernel == "frontier":
+        return _build_frontier(tokens, logprobs, transitions, max_nodes, budget, out, num_warps)
+    raise ValueError(f"kernel must be 'frontier' or 'levels', got {kernel!r}")
 
 
 # warps per program of the per-request kernel (one program sorts BN x BK keys per depth): 8 was
@@ -117,6 +136,53 @@ def _build_triton(tokens, logprobs, transitions, max_nodes, budget, out, num_war
         BB = _pow2(B)
         _shared_budget_kernel[(1,)](out.score, out.valid, out.count, b.reshape(1).to(torch.int64),
                                     B=B, N=n, BB=BB, BN=BN, num_warps=8)
+    return out
+
+
+# the frontier kernel (one program per request, one node popped per step) and its budget kernel.
+# Warps per program: not yet measured; one warp per 512 frontier slots is a guess from the compiled
+# code (1 warp: 233 instructions per pop, no barrier; 4 warps: 140 per warp and 3 barriers) until
+# the H200 side-by-side (benchmarks/tree_builder.py, which sweeps it) picks one.
+DEFAULT_KERNEL = "frontier"
+FRONTIER_WARPS = None
+BUDGET_WARPS = 8
+
+
+def _frontier_warps(BN: int, BK: int) -> int:
+    return FRONTIER_WARPS or max(1, min(4, BN * BK // 512))
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _build_frontier(tokens, logprobs, transitions, max_nodes, budget, out, num_warps=None, prefetch=None):
+    B, m, K = tokens.shape
+    n = int(max_nodes)
+    dev = tokens.device
+    lp = logprobs.contiguous().to(torch.float32)
+    tok = tokens.contiguous()
+    has_tr = transitions is not None and m > 1
+    tr = transitions.contiguous().to(torch.float32) if has_tr else lp
+    BK, BN = _pow2(K), _pow2(n)
+    if out is None:
+        out = alloc(B, n, dev)
+    if prefetch is None:
+        prefetch = tokens.is_cuda and not _interpreting()
+    # L1 prefetch of the request's lattice: one address per 128-byte line (32 floats, 16 int64)
+    PF_TR = _pow2((m - 1) * K * K // 32 + 2) if has_tr else 1
+    PF_LP = _pow2(m * K // 32 + 2)
+    PF_TOK = _pow2(m * K // 16 + 2)
+    _frontier_kernel[(B,)](tok, lp, tr, out.tokens, out.parents, out.depth, out.cand, out.score, out.valid,
+                           out.count, M=m, K=K, N=n, BK=BK, BN=BN, LOG_BK=BK.bit_length() - 1,
+                           LOG_BN=BN.bit_length() - 1, HAS_TR=has_tr, PREFETCH=bool(prefetch),
+                           PF_TR=PF_TR, PF_LP=PF_LP, PF_TOK=PF_TOK, num_warps=num_warps or _frontier_warps(BN, BK))
+    if budget is not None:
+        b = budget if isinstance(budget, torch.Tensor) else torch.full((), int(budget), dtype=torch.int64, device=dev)
+        total = B * n
+        CH = min(_pow2(total), max(32, 32768 // BN))          # nodes of the batch compared per step
+        _budget_rank_kernel[(B,)](out.score, out.valid, out.count, b.reshape(1).to(torch.int64),
+                                  TOTAL=total, N=n, BN=BN, CH=CH, NCH=-(-total // CH), num_warps=BUDGET_WARPS)
     return out
 
 
@@ -237,3 +303,103 @@ if triton is not None:
         keep = v & (keys >= thr) & (budget > 0)
         tl.store(valid_ptr + offs, keep.to(tl.int1), mask=m)
         tl.store(count_ptr + rb, tl.sum(keep.to(tl.int64), axis=1), mask=rb < B)
+
+
+    @triton.jit
+    def _prefetch_l1(ptrs):
+        """Hint: bring the lines at ``ptrs`` into L1 (no result; compiled only on CUDA)."""
+        return tl.inline_asm_elementwise("prefetch.global.L1 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
+                                         dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
+    def _frontier_kernel(tok_ptr, lp_ptr, tr_ptr, o_tok, o_par, o_dep, o_cand, o_score, o_valid, o_count,
+                         M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
+                         LOG_BK: tl.constexpr, LOG_BN: tl.constexpr, HAS_TR: tl.constexpr,
+                         PREFETCH: tl.constexpr, PF_TR: tl.constexpr, PF_LP: tl.constexpr, PF_TOK: tl.constexpr):
+        """The engine's heap, in registers: N steps, each pops the best frontier child and pushes its
+        K children. Frontier slot [row, j] holds child j of row ``row`` (row 0: the root, row q + 1:
+        node q); its key orders by score, then depth, then parent node, then candidate, exactly as
+        specpilot.kernels.tree's heap does (tie index depth * BN * BK + row * BK + j)."""
+        b = tl.program_id(0).to(tl.int64)
+        TIE: tl.constexpr = M * BN * BK
+        NEG = float("-inf")
+        EMPTY = -9223372036854775807 - 1
+        if PREFETCH:
+            if HAS_TR:
+                q = tl.minimum(tl.arange(0, PF_TR) * 32, (M - 1) * K * K - 1)
+                _prefetch_l1(tr_ptr + b * (M - 1) * K * K + q)
+            q = tl.minimum(tl.arange(0, PF_LP) * 32, M * K - 1)
+            _prefetch_l1(lp_ptr + b * M * K + q)
+            q = tl.minimum(tl.arange(0, PF_TOK) * 16, M * K - 1)
+            _prefetch_l1(tok_ptr + b * M * K + q)
+        rk = tl.arange(0, BK)
+        rows = tl.arange(0, BN)[:, None]
+        cols = rk[None, :]
+        # depth 0: the root's children, row 0
+        e0 = tl.load(lp_ptr + b * M * K + rk, mask=rk < K, other=NEG)
+        k0 = tl.where(tl.abs(e0) < float("inf"), _key(tl.where(e0 == 0.0, 0.0, e0), rk, TIE), EMPTY)
+        front = tl.where(rows == 0, k0[None, :], EMPTY)
+        rn = tl.arange(0, BN)
+        o_s = tl.full([BN], NEG, tl.float32)
+        o_d = tl.zeros([BN], tl.int32)
+        o_c = tl.zeros([BN], tl.int32)
+        o_p = tl.full([BN], -1, tl.int32)
+        for n in range(N):
+            best = tl.max(front)
+            ok = best != EMPTY
+            score, tie = _unkey(best, TIE)
+            depth = tie >> (LOG_BN + LOG_BK)
+            prow = (tie >> LOG_BK) & (BN - 1)
+            cj = tie & (BK - 1)
+            here = tl.where(ok, rn == n, False)
+            o_s = tl.where(here, score, o_s)
+            o_d = tl.where(here, depth, o_d)
+            o_c = tl.where(here, cj, o_c)
+            o_p = tl.where(here, prow - 1, o_p)
+            # push node n's children into row n + 1 (node N - 1's are never popped); pop the best
+            cd = depth + 1
+            grow = ok & (cd < M) & (n + 1 < N)
+            mk = tl.where(grow, rk < K, False)        # (a where: the interpreter rejects tensor & scalar masks)
+            if HAS_TR:
+                e = tl.load(tr_ptr + ((b * (M - 1) + depth) * K + cj) * K + rk, mask=mk, other=NEG)
+            else:
+                e = tl.load(lp_ptr + (b * M + cd) * K + rk, mask=mk, other=NEG)
+            cs = score + e
+            nk = _key(tl.where(cs == 0.0, 0.0, cs), (cd << (LOG_BN + LOG_BK)) + ((n + 1) << LOG_BK) + rk, TIE)
+            nk = tl.where(tl.abs(e) < float("inf"), nk, EMPTY)
+            front = tl.where((rows == prow) & (cols == cj), EMPTY, front)
+            front = tl.where(rows == n + 1, nk[None, :], front)
+        valid = o_s > NEG
+        om = rn < N
+        tokv = tl.load(tok_ptr + b * M * K + o_d * K + o_c, mask=valid & om, other=0)
+        o = b * N + rn
+        tl.store(o_tok + o, tokv, mask=om)
+        tl.store(o_par + o, o_p.to(tl.int64), mask=om)
+        tl.store(o_dep + o, o_d.to(tl.int64), mask=om)
+        tl.store(o_cand + o, o_c.to(tl.int64), mask=om)
+        tl.store(o_score + o, o_s, mask=om)
+        tl.store(o_valid + o, valid.to(tl.int1), mask=om)
+        tl.store(o_count + b, tl.sum((valid & om).to(tl.int64), axis=0))
+
+    @triton.jit
+    def _budget_rank_kernel(score_ptr, valid_ptr, count_ptr, budget_ptr, TOTAL: tl.constexpr, N: tl.constexpr,
+                            BN: tl.constexpr, CH: tl.constexpr, NCH: tl.constexpr):
+        """Shared budget, one program per request: a node is kept when fewer than ``budget`` nodes of
+        the whole batch beat it (higher score, then earlier request, then earlier rank). A node is
+        valid when its score is > -inf (``valid`` is only written, so programs never race)."""
+        b = tl.program_id(0)
+        rn = tl.arange(0, BN)
+        own = b * N + rn
+        om = rn < N
+        s = tl.load(score_ptr + own, mask=om, other=float("-inf"))
+        v = s > float("-inf")
+        rank = tl.zeros([BN], tl.int32)
+        for c in tl.static_range(NCH):
+            q = c * CH + tl.arange(0, CH)
+            S = tl.load(score_ptr + q, mask=q < TOTAL, other=float("-inf"))
+            beats = (S[None, :] > s[:, None]) | ((S[None, :] == s[:, None]) & (q[None, :] < own[:, None]))
+            rank += tl.sum(beats.to(tl.int32), axis=1)
+        budget = tl.load(budget_ptr)
+        keep = v & om & (rank < budget)
+        tl.store(valid_ptr + own, keep.to(tl.int1), mask=om)
+        tl.store(count_ptr + b, tl.sum(keep.to(tl.int64), axis=0))
