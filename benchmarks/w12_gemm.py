@@ -100,13 +100,13 @@ def gemv_configs(m: int, kt: int, n: int, sms: int):
     from specpilot.kernels.w12.gemv import GemvConfig
 
     out = []
-    for bn, w in ((32, 2), (64, 2), (64, 4), (128, 4), (128, 8)):
+    for bn, w in ((32, 2), (64, 2), (64, 4), (128, 2), (128, 4)):
         for recs in (2, 4):
             if kt % recs:
                 continue
             nb = (n + bn - 1) // bn * m
             seen = set()
-            for per_sm in (2, 4, 8):
+            for per_sm in (2, 4, 8, 12):
                 split = max(1, min(kt // recs, round(per_sm * sms / nb)))
                 if split not in seen:
                     seen.add(split)

@@ -445,14 +445,20 @@ TUNED: dict[tuple[int, int, int], Config] = {
 }
 
 _WORKSPACES: dict = {}
+_RETIRED: list = []   # outgrown workspaces stay alive: a CUDA graph captured earlier still points at them
 
 
 def _workspace(device, nbytes_f32: int, nlocks: int):
+    """Split-K partials and per-block counters (zero between uses), shared by launches on a stream."""
     key = (str(device),)
     ws, lk = _WORKSPACES.get(key, (None, None))
     if ws is None or ws.numel() < nbytes_f32:
-        ws = torch.empty(max(nbytes_f32, 1 << 16), dtype=torch.float32, device=device)
+        if ws is not None:
+            _RETIRED.append(ws)
+        ws = torch.empty(max(nbytes_f32, 1 << 20), dtype=torch.float32, device=device)
     if lk is None or lk.numel() < nlocks:
+        if lk is not None:
+            _RETIRED.append(lk)
         lk = torch.zeros(max(nlocks, 4096), dtype=torch.int32, device=device)
     _WORKSPACES[key] = (ws, lk)
     return ws, lk
