@@ -1,4 +1,5 @@
-"""Warps per program of the batched tree builder's level kernel: exactness and time (H200).
+"""Warps per program of the batched tree builder's level-sort kernel (kernel="levels"): exactness and time (H200).
+The frontier kernel's warps are swept by tree_builder.py.
 
     python benchmarks/tree_builder_warps.py [WARPS ...]   (default: 1 2 4 8)
 
@@ -35,11 +36,11 @@ def main() -> int:
             tok = torch.randint(0, 150000, (B, m, K), device=dev, generator=g)
             lp = torch.log_softmax(torch.randn(B, m, K, device=dev, generator=g) * 2, -1).sort(-1, descending=True).values
             tr = torch.log_softmax(torch.randn(B, m - 1, K, K, device=dev, generator=g) * 2, -1) if trans else None
-            ref = build_batched(tok, lp, tr, n, num_warps=4)
+            ref = build_batched(tok, lp, tr, n, num_warps=4, kernel="levels")
             ref = (ref.tokens.clone(), ref.parents.clone())
             for w in warps:
                 out = alloc(B, n, dev)
-                fn = lambda: build_batched(tok, lp, tr, n, out=out, num_warps=w)  # noqa: E731
+                fn = lambda: build_batched(tok, lp, tr, n, out=out, num_warps=w, kernel="levels")  # noqa: E731
                 fn()
                 exact = bool(torch.equal(out.tokens, ref[0]) and torch.equal(out.parents, ref[1]))
                 us, _ = capture_and_time(fn, reps=200, warmup=10, flush=flush)
