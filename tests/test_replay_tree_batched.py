@@ -256,6 +256,23 @@ def test_triton_on_cuda_and_graph_capture():
     assert math.isfinite(float(buf.score[buf.valid].min()))
 
 
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quant", [None, 4])
+def test_frontier_equals_levels_on_cuda(quant):
+    """The two Triton kernels, compiled, give identical trees (every field, valid, count)."""
+    tok, lp, tr = lattice(32, 16, 16, 1, dtype=torch.float32)
+    if quant:   # dyadic scores: exact ties
+        lp, tr = (lp * quant).round() / quant, (tr * quant).round() / quant
+    tok, lp, tr = tok.cuda(), lp.cuda(), tr.cuda()
+    for t, budget in ((None, None), (tr, None), (tr, torch.tensor(512, device="cuda"))):
+        a = build_batched(tok, lp, t, 32, budget=budget, kernel="frontier")
+        c = build_batched(tok, lp, t, 32, budget=budget, kernel="levels")
+        assert torch.equal(a.valid, c.valid) and torch.equal(a.count, c.count)
+        for x, y in ((a.tokens, c.tokens), (a.parents, c.parents), (a.depth, c.depth), (a.cand, c.cand),
+                     (a.score, c.score)):
+            assert torch.equal(x[a.valid], y[c.valid])
+
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
