@@ -140,7 +140,7 @@ def w12_section(model, spec, context, new, reps, ar_rows, extra, compiled, budge
               "w12_warmup_s": info["warmup_seconds"], "w12_tensors": info["tensors"], "w12_path": info["path"]}
     variants = [("W12 eager layers + CUDA graph", False)]
     if compiled:
-        variants.append(("W12 + torch.compile layers (W12 GEMM outside the compiled graph) + CUDA graph", True))
+        variants.append(("W12 + torch.compile layers (W12 GEMM as a custom op) + CUDA graph", True))
     for vname, comp in variants:
         if comp and time.time() - T0 > budget_s * 0.85:
             log(f"{vname} skipped: time budget spent")

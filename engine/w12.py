@@ -82,12 +82,34 @@ _MATMUL = None
 
 
 def _matmul():
-    """``_w12_matmul`` kept out of ``torch.compile`` graphs (``compile=1`` compiles the rest of each
-    layer). Wrapped on first use: ``torch.compiler`` imports Triton, and on a CPU-only machine Triton
-    must be imported after ``TRITON_INTERPRET`` is set (kernels/w12/gemm.py sets it)."""
+    """The fused matmul as a torch custom op (``specpilot::w12_matmul``), so ``compile=1`` compiles
+    each layer around it in one graph (an opaque op, no graph break). Defined on first use:
+    ``torch.library`` imports Triton, and on a CPU-only machine Triton must be imported after
+    ``TRITON_INTERPRET`` is set (kernels/w12/gemm.py sets it)."""
     global _MATMUL
     if _MATMUL is None:
-        _MATMUL = torch.compiler.disable(_w12_matmul)
+        from specpilot.kernels.w12.gemm import KernelPack
+
+        @torch.library.custom_op("specpilot::w12_matmul", mutates_args=())
+        def w12_matmul(x2: torch.Tensor, rec64: torch.Tensor, rec32: torch.Tensor, low_exp: torch.Tensor,
+                       esc_rowptr: torch.Tensor, esc_row: torch.Tensor, esc_col: torch.Tensor,
+                       esc_delta: torch.Tensor, esc_delta_q: torch.Tensor, n: int, k: int, rows_stored: int,
+                       max_escapes: int) -> torch.Tensor:
+            kp = KernelPack((n, k), rows_stored, rec64, rec32, low_exp, esc_rowptr, esc_row, esc_col,
+                            esc_delta, esc_delta_q, max_escapes)
+            return _w12_matmul(x2, kp)
+
+        @w12_matmul.register_fake
+        def _(x2, rec64, rec32, low_exp, esc_rowptr, esc_row, esc_col, esc_delta, esc_delta_q, n, k,
+              rows_stored, max_escapes):
+            return x2.new_empty(x2.shape[0], n)
+
+        def call(x2, kp):
+            return w12_matmul(x2, kp.rec64, kp.rec32, kp.low_exp, kp.esc_rowptr, kp.esc_row, kp.esc_col,
+                              kp.esc_delta, kp.esc_delta_q, kp.shape[0], kp.shape[1], kp.rows_stored,
+                              kp.max_escapes_per_row)
+
+        _MATMUL = call
     return _MATMUL
 
 

@@ -180,15 +180,24 @@ def default_config(m: int, n: int, k: int, sms: int = 132) -> GemvConfig:
     if tuned is not None:
         return tuned
     kt = (k + TILE_K - 1) // TILE_K
-    bn = 64
-    recs = 4 if kt % 4 == 0 else 2 if kt % 2 == 0 else 1
+    bn = 32 if n < 16384 else 64        # what the sweep chose: 2 warps, 2 records per step
+    recs = 2 if kt % 2 == 0 else 1
     blocks = (n + bn - 1) // bn * m
-    split = max(1, min(kt // recs, round(3 * sms / blocks)))
-    return GemvConfig(bn, recs, split)
+    split = max(1, min(kt // recs, round(8 * sms / blocks)))
+    return GemvConfig(bn, recs, split, num_warps=2)
 
 
-# Fastest config per (N, K) at M=1 on the H200 (benchmarks/w12_gemm.py --mode gemv).
-TUNED: dict[tuple[int, int], GemvConfig] = {}
+# Fastest config per (N, K) at M=1 on the H200 (benchmarks/w12_gemm.py --mode gemv --rows 1,
+# benchmarks/results/w12_gemv.json; the comment is the speedup over cuBLAS bf16 in that run).
+TUNED: dict[tuple[int, int], GemvConfig] = {
+    (6144, 4096): GemvConfig(32, 2, 8, 2, True),  # 0.947x
+    (4096, 4096): GemvConfig(32, 2, 12, 2, True),  # 1.024x
+    (28672, 4096): GemvConfig(32, 2, 2, 2, True),  # 1.119x
+    (4096, 14336): GemvConfig(32, 2, 8, 2, True),  # 1.012x
+    (7168, 5120): GemvConfig(32, 2, 7, 2, True),  # 1.08x
+    (34816, 5120): GemvConfig(64, 2, 2, 2, True),  # 1.183x
+    (5120, 17408): GemvConfig(32, 2, 10, 2, True),  # 1.154x
+}
 
 
 def w12_gemv(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: GemvConfig | None = None,
