@@ -1,9 +1,22 @@
 """Nsight Systems SQLite exports (schema 2.x ``EXPORT_META_DATA`` and 3.x ``META_DATA_EXPORT``).
 
-The aggregation runs inside SQLite: kernels, memcpys and memsets are tagged with their step by an
-indexed lookup in a small temporary table (keyed by CUDA correlation id or by GPU time) and
-grouped per (step, name, stream), so Python only sees one row per kernel name and step. The file
-is opened read-only and never modified.
+The aggregation runs inside SQLite, in one pass over each GPU activity table and without sorting
+it (SQLite's GROUP BY sorts every row; on millions of kernels that sort is most of the time):
+
+- steps (and the ranges rules test) are step functions of the CUDA correlation id or the GPU
+  start time, given by a few thousand change points. Each row finds its value through an
+  equality join on a small bucket table (``_Lookup``): a bucket holds the value at its start and
+  the one change point inside it, so a row costs one rowid lookup instead of a search;
+- rows are summed per (step, range, name, stream) by an UPSERT into a small temporary table keyed
+  by one integer that packs the group (``_pack``), so Python only sees one row per kernel name
+  and step;
+- idle-gap steps are found without fetching every row when the tables are stored in time order
+  (Nsight writes them so): a self-join on rowid + 1 lists the idle gaps, and the busy stretches
+  between them stand in for their kernels in :func:`steps.gap_boundaries`.
+
+Every fast path checks its preconditions and falls back to the plain query (GROUP BY, or
+fetching the rows) when they do not hold. Large tables are split by rowid across threads, each
+on its own read-only connection. The file is opened read-only and never modified.
 
 Tables used: ``StringIds``, ``CUPTI_ACTIVITY_KIND_KERNEL`` (+ ``_MEMCPY``, ``_MEMSET``),
 ``CUPTI_ACTIVITY_KIND_RUNTIME`` (launch correlation, graph launches), ``NVTX_EVENTS``
@@ -12,8 +25,12 @@ Tables used: ``StringIds``, ``CUPTI_ACTIVITY_KIND_KERNEL`` (+ ``_MEMCPY``, ``_ME
 
 from __future__ import annotations
 
+import itertools
 import os
 import sqlite3
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
@@ -37,7 +54,13 @@ NVTX_RANGE_TYPES = {"NvtxPushPopRange": 59, "NvtxStartEndRange": 60, "NvtxtPushP
                     "NvtxtStartEndRange": 71}
 MEMCPY_KINDS = {0: "Unknown", 1: "HtoD", 2: "DtoH", 3: "HtoA", 4: "AtoH", 5: "AtoA", 6: "AtoD", 7: "DtoA",
                 8: "DtoD", 9: "HtoH", 10: "PtoP"}
-PARALLEL_MIN_ROWS = 250_000  # split a GROUP BY across threads above this many rows per thread
+PARALLEL_MIN_ROWS = 250_000  # split a pass across threads above this many rows per thread
+BUCKETS_PER_POINT = 8  # bucket table rows per change point of a step function, at most BUCKETS_MAX
+BUCKETS_MAX = 1 << 20
+GAP_SAMPLE = 200_000  # events (in time order) searched for the repeating idle gap
+GAP_FETCH_MAX = 200_000  # gap mode fetches the rows of tables up to this size; larger ones by their idle gaps
+PACK_LIMIT = 1 << 62  # packed group keys stay below this (SQLite integers are 64-bit)
+STREAM_SLOTS = 4096  # stream ids the packed key holds (0 ..), fewer when steps x names need the bits
 KERNEL_COLUMNS = ("start", "end", "deviceId", "streamId", "correlationId", "demangledName", "shortName")
 
 
@@ -64,7 +87,10 @@ class NsysExport:
         if size < 512 or size % 512:
             raise InputError(f"{path}: truncated SQLite file ({size} bytes is not a whole number of pages)")
         self.uri = f"file:{quote(str(p.resolve()))}?mode=ro&immutable=1"
-        self.bounds: dict[str, list[tuple[int, int, int]]] = {}
+        self.lookups: dict[str, _Lookup] = {}
+        self._lk_image: bytes | None = None
+        self._tmp = 0
+        self._tmp_lock = threading.Lock()
         try:
             self.con = self._connect()
             self.tables = {r[0] for r in self.con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
@@ -106,60 +132,85 @@ class NsysExport:
         if self.on_progress is not None:
             tick = self.on_progress
             con.set_progress_handler(lambda: tick(1) and 0, 2_000_000)  # every ~2M VM steps; 0 = go on
-        # SQLite's default cache (2 MB) and temp store: the GROUP BY sorter spills to temporary
-        # files, so memory stays far below the trace's size
-        for name, intervals in self.bounds.items():
-            _load_bounds(con, name, intervals)
+        # SQLite's default cache (2 MB) and temp store: temporary tables beyond it spill to
+        # temporary files, so memory stays far below the trace's size
+        self._attach_lookups(con)
         return con
 
-    def set_bounds(self, name: str, intervals: list[tuple[int, int, int]]) -> None:
-        """A lookup table (on every connection) mapping a key to the interval holding it."""
-        self.bounds[name] = intervals
-        _load_bounds(self.con, name, intervals)
+    def _attach_lookups(self, con) -> None:
+        """The lookups' tables as schema ``lk`` of ``con`` (a copy of one in-memory database)."""
+        if not any(r[1] == "lk" for r in con.execute("PRAGMA database_list")):
+            con.execute("ATTACH ':memory:' AS lk")
+        if self._lk_image is not None:
+            con.deserialize(self._lk_image, name="lk")
+        else:
+            for name in [r[0] for r in con.execute("SELECT name FROM lk.sqlite_master WHERE type = 'table'")]:
+                con.execute(f"DROP TABLE lk.{name}")
+            for lk in self.lookups.values():
+                lk.fill(con, "lk")
 
-    def grouped(self, table: str, sql: str, nkeys: int, aggs: tuple[str, ...], alias: str | None = None) -> list[tuple]:
-        """Run a GROUP BY over ``table`` split by rowid across threads, then merge the groups.
+    def add_lookup(self, name: str, intervals: list[tuple[int, int, int]]) -> "_Lookup":
+        """A step function (on every connection): key -> the v of the interval (lo, hi, v) holding it."""
+        self.lookups[name] = _Lookup(name, intervals)
+        self._publish_lookups()
+        return self.lookups[name]
 
-        ``sql`` holds ``{rows}``, a condition on ``table``'s rowid; ``aggs`` says how each value
-        column merges ("sum", "min", "max"). SQLite sorts to group, so halving the rows per query
-        on separate connections (the sqlite3 module releases the GIL) uses the machine's cores.
-        """
-        lo, hi = self._q(f"SELECT min(rowid), max(rowid) FROM {table}")[0]
+    def drop_lookup(self, name: str) -> None:
+        if self.lookups.pop(name, None) is not None:
+            self._publish_lookups()
+
+    def _publish_lookups(self) -> None:
+        self._lk_image = None
+        if self.lookups and hasattr(self.con, "serialize"):  # build once, copy the database to each connection
+            mem = sqlite3.connect(":memory:")
+            try:
+                for lk in self.lookups.values():
+                    lk.fill(mem, "main")
+                mem.commit()
+                self._lk_image = mem.serialize()
+            finally:
+                mem.close()
+        self._attach_lookups(self.con)
+
+    def temp_name(self, stem: str) -> str:
+        with self._tmp_lock:
+            self._tmp += 1
+            return f"{stem}_{self._tmp}"
+
+    def slices(self, table: str) -> list[tuple[int, int]]:
+        """Rowid ranges splitting ``table`` across threads (one range: no split)."""
+        lo = self._q(f"SELECT min(rowid) FROM {table}")[0][0]
         if lo is None:
             return []
+        hi = self._q(f"SELECT max(rowid) FROM {table}")[0][0]
         workers = max(1, min(os.cpu_count() or 1, 8, (hi - lo + 1) // PARALLEL_MIN_ROWS))
-        if workers == 1:
-            return self._q(sql.format(rows="1"))
         step = (hi - lo + 1 + workers - 1) // workers
-        ranges = [(lo + i * step, min(hi, lo + (i + 1) * step - 1)) for i in range(workers)]
+        return [(lo + i * step, min(hi, lo + (i + 1) * step - 1)) for i in range(workers)]
+
+    def parallel(self, table: str, work, alias: str = "a") -> list:
+        """``work(con, rows, width)`` over slices of ``table``'s rowids: ``rows`` is a condition on
+        ``alias.rowid``, ``width`` the number of rowids in it (an upper bound on its rows); one
+        result per slice. Several slices run on their own connections and threads (the sqlite3
+        module releases the GIL while SQLite works)."""
+        slices = self.slices(table)
+        if len(slices) <= 1:
+            return [self.guard(work, self.con, "1", s[1] - s[0] + 1) for s in slices]
 
         def run(r):
             con = self._connect()
             try:
-                return con.execute(sql.format(rows=f"{alias or table}.rowid BETWEEN {r[0]} AND {r[1]}")).fetchall()
+                return work(con, f"{alias}.rowid BETWEEN {r[0]} AND {r[1]}", r[1] - r[0] + 1)
             finally:
                 con.close()
 
-        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(len(slices)) as pool:
+            return self.guard(lambda: list(pool.map(run, slices)))
 
+    def guard(self, fn, *args):
         try:
-            with ThreadPoolExecutor(workers) as pool:
-                parts = list(pool.map(run, ranges))
-        except (sqlite3.DatabaseError, UnicodeDecodeError) as e:
-            raise InputError(f"{self.path}: unreadable Nsight export ({e})") from None
-        merged: dict[tuple, list] = {}
-        ops = {"sum": lambda a, b: a + b, "min": min, "max": max}
-        for rows in parts:
-            for row in rows:
-                key, vals = tuple(row[:nkeys]), row[nkeys:]
-                cur = merged.get(key)
-                if cur is None:
-                    merged[key] = list(vals)
-                else:
-                    for i, (op, v) in enumerate(zip(aggs, vals)):
-                        if v is not None:
-                            cur[i] = v if cur[i] is None else ops[op](cur[i], v)
-        return [(*k, *v) for k, v in merged.items()]
+            return fn(*args)
+        except (sqlite3.DatabaseError, UnicodeDecodeError, TypeError, OverflowError) as e:
+            raise InputError(f"{self.path}: unreadable Nsight export ({str(e)[:200]})") from None
 
     def _q(self, sql: str, params=()):
         try:
@@ -231,60 +282,144 @@ class NsysExport:
                 names.update({int(i): str(lbl) for i, lbl in self._q("SELECT id, label FROM ENUM_CUDA_MEMCPY_OPER")})
         return names
 
-    # -- the GPU activity as one relation -------------------------------------------------------
-    def activity_parts(self, device: int | None) -> list[tuple[str, str]]:
-        """(table, SELECT) per GPU activity table: start, end, stream, corr, name, kind.
+    # -- the GPU activity ------------------------------------------------------------------------
+    def activity_parts(self, device: int | None) -> list["Part"]:
+        """The GPU activity tables, each as a :class:`Part` (kernels, memcpy, memset, whole graphs).
 
-        Each SELECT has a ``{rows}`` placeholder (a rowid condition, "1" for all rows).
-        Aggregating each table on its own (not through a UNION ALL) lets SQLite scan it directly.
+        Each table is aggregated on its own (not through a UNION ALL) so SQLite scans it directly.
         """
-        dev = "" if device is None else f" AND deviceId = {int(device)}"
+        dev = "" if device is None else f" AND a.deviceId = {int(device)}"
         parts = []
         if self.has_kernels:
-            parts.append((KERNEL, f"SELECT start, end, streamId AS stream, correlationId AS corr, demangledName AS name, "
-                                  f"0 AS kind FROM {KERNEL} WHERE {{rows}}{dev}"))
+            top = self._q("SELECT max(id) FROM StringIds")[0][0]
+            parts.append(Part(KERNEL, "a.demangledName", 0, dev, (0, top if type(top) is int else 0)))
         if MEMCPY in self.tables and {"copyKind", "streamId", "correlationId"} <= self.columns(MEMCPY):
-            parts.append((MEMCPY, f"SELECT start, end, streamId AS stream, correlationId AS corr, -1000 - copyKind AS name, "
-                                  f"1 AS kind FROM {MEMCPY} WHERE {{rows}}{dev}"))
+            parts.append(Part(MEMCPY, "-1000 - a.copyKind", 1, dev, (-1255, -1000)))
         if MEMSET in self.tables and {"streamId", "correlationId"} <= self.columns(MEMSET):
-            parts.append((MEMSET, f"SELECT start, end, streamId AS stream, correlationId AS corr, -1 AS name, 2 AS kind "
-                                  f"FROM {MEMSET} WHERE {{rows}}{dev}"))
+            parts.append(Part(MEMSET, "-1", 2, dev, (-1, -1)))
         if GRAPH_TRACE in self.tables and {"graphExecId", "correlationId"} <= self.columns(GRAPH_TRACE):
-            parts.append((GRAPH_TRACE, f"SELECT start, end, streamId AS stream, correlationId AS corr, "
-                                       f"-2000 - graphExecId AS name, 3 AS kind FROM {GRAPH_TRACE} WHERE {{rows}}{dev}"))
+            parts.append(Part(GRAPH_TRACE, "-2000 - a.graphExecId", 3, dev))
         return parts
 
 
-def _fetch_array(ex: NsysExport, sql: str, ncols: int, chunk: int = 262_144) -> np.ndarray:
-    """Rows of integers into one int64 array, fetched in chunks (no list of millions of tuples)."""
+@dataclass(frozen=True)
+class Part:
+    """One GPU activity table read as (start, end, stream, corr, name, kind); the table's alias is ``a``.
+
+    ``name`` is the kernel's StringIds id; copies are -1000 - copyKind, fills -1, whole graphs
+    -2000 - graphExecId.
+    """
+
+    table: str
+    name: str
+    kind: int
+    dev: str = ""  # " AND a.deviceId = N" or ""
+    names: tuple[int, int] | None = None  # the range of ``name`` when known without reading the table
+
+    def select(self, rows: str = "1", extra: str = "") -> str:
+        return (f"SELECT a.start AS start, a.end AS end, a.streamId AS stream, a.correlationId AS corr, "
+                f"{self.name} AS name, {self.kind} AS kind{extra} FROM {self.table} a WHERE {rows}{self.dev}")
+
+
+class _Lookup:
+    """A step function over integer keys (correlation ids or GPU times), evaluated inside SQLite.
+
+    Built from intervals (lo, hi, v): the value is v at lo, -1 just after hi (later intervals win
+    where points coincide), and NULL below the first point - a key maps to the value of the
+    greatest point at or below it. ``sql(key, alias)`` gives the value expression and its join.
+
+    The points go to ``lk.<name>`` (k INTEGER PRIMARY KEY, v), where a key's value is one
+    ``k <= key ORDER BY k DESC LIMIT 1`` search. Faster, most keys find it through one equality
+    join on ``lk.<name>_bk``: keys are cut into buckets of 2**shift from the first point, and each
+    bucket holds its value at its start (s1) and up to two change points inside it (nb1 -> s2,
+    nb2 -> s3), or NULL when more fall in it (then the search runs). The bucket width is the 10 %
+    quantile of the distance between every other point, so most buckets hold at most two changes;
+    the table has at most 1024 + BUCKETS_PER_POINT x points rows (BUCKETS_MAX at most), wider
+    buckets when needed; keys beyond the buckets search.
+    """
+
+    def __init__(self, name: str, intervals):
+        points: dict[int, int] = {}
+        for _, hi, _ in intervals:
+            points[int(hi) + 1] = -1
+        for lo, _, v in intervals:
+            points[int(lo)] = int(v)
+        self.name = name
+        self.ks = sorted(points)
+        self.vs = [points[k] for k in self.ks]
+        self.vmax = max(self.vs, default=-1)
+        self.buckets: tuple[np.ndarray, ...] | None = None  # b, s1, nb1, s2, nb2, s3, more
+        self.shift = 0
+        if len(self.ks) < 2:
+            return
+        ks = np.array(self.ks, dtype=np.int64)
+        vs = np.array(self.vs, dtype=np.int64)
+        base, last = int(ks[0]), int(ks[-1])
+        two = ks[2:] - ks[:-2] if len(ks) > 2 else ks[1:] - ks[:1]
+        self.shift = max(int(np.quantile(two, 0.1, method="lower")).bit_length() - 1, 0)
+        cap = min(1024 + BUCKETS_PER_POINT * len(ks), BUCKETS_MAX)
+        while (((last - 1 - base) >> self.shift) + 1 > cap and self.shift < 61
+               and (two >= (1 << (self.shift + 1))).mean() > 0.5):
+            self.shift += 1  # wider buckets while most of them still hold at most two changes
+        n = min(cap, ((last - 1 - base) >> self.shift) + 1)
+        w = 1 << self.shift
+        b = np.arange(n, dtype=np.int64)
+        b0 = base + (b << self.shift)
+        i0 = np.searchsorted(ks, b0, side="right") - 1  # the point at or below the bucket's start
+        changes = np.searchsorted(ks, b0 + (w - 1), side="right") - 1 - i0
+        top = len(ks) - 1
+        i1, i2 = np.minimum(i0 + 1, top), np.minimum(i0 + 2, top)
+        past = b0 + w  # a point past the bucket: never reached
+        nb1 = np.where(changes >= 1, ks[i1], past)
+        s2 = np.where(changes >= 1, vs[i1], vs[i0])
+        nb2 = np.where(changes >= 2, ks[i2], past)
+        s3 = np.where(changes >= 2, vs[i2], s2)
+        self.buckets = (b, vs[i0], nb1, s2, nb2, s3, changes > 2)
+
+    def fill(self, con, schema: str) -> None:
+        """Create and fill this lookup's two tables in ``schema``."""
+        con.execute(f"CREATE TABLE {schema}.{self.name} (k INTEGER PRIMARY KEY, v INTEGER NOT NULL)")
+        con.execute(f"CREATE TABLE {schema}.{self.name}_bk (b INTEGER PRIMARY KEY, s1 INTEGER, nb1 INTEGER, "
+                    f"s2 INTEGER, nb2 INTEGER, s3 INTEGER)")
+        con.executemany(f"INSERT INTO {schema}.{self.name} VALUES (?, ?)", zip(self.ks, self.vs))
+        if self.buckets is None:
+            return
+        for i in range(0, len(self.buckets[0]), 65_536):
+            b, s1, nb1, s2, nb2, s3, more = (x[i:i + 65_536].tolist() for x in self.buckets)
+            con.executemany(f"INSERT INTO {schema}.{self.name}_bk VALUES (?, ?, ?, ?, ?, ?)",
+                            zip(b, s1, [None if m else z for z, m in zip(nb1, more)], s2, nb2, s3))
+
+    def sql(self, key: str, alias: str) -> tuple[str, str]:
+        """(LEFT JOIN clause, value expression) for the key expression ``key``."""
+        if not self.ks:
+            return "", "NULL"
+        search = f"(SELECT v FROM lk.{self.name} WHERE k <= {key} ORDER BY k DESC LIMIT 1)"
+        slow = f"(CASE WHEN {key} >= {self.ks[-1]} THEN {self.vs[-1]} WHEN {key} >= {self.ks[0]} THEN {search} END)"
+        if self.buckets is None:
+            return "", slow
+        join = f"LEFT JOIN lk.{self.name}_bk {alias} ON {alias}.b = (({key}) - {self.ks[0]}) >> {self.shift}"
+        value = (f"(CASE WHEN {alias}.nb1 IS NULL THEN {slow} WHEN {key} < {alias}.nb1 THEN {alias}.s1 "
+                 f"WHEN {key} < {alias}.nb2 THEN {alias}.s2 ELSE {alias}.s3 END)")
+        return join, value
+
+
+def _fetch_array(ex: NsysExport, sql: str, ncols: int) -> np.ndarray:
+    """Rows of integers into one int64 array (straight from the cursor, no list of tuples)."""
     try:
-        cur = ex.con.execute(sql)
-        parts = []
-        while True:
-            rows = cur.fetchmany(chunk)
-            if not rows:
-                break
-            parts.append(np.array(rows, dtype=np.int64).reshape(-1, ncols))
-    except (sqlite3.DatabaseError, UnicodeDecodeError, TypeError, OverflowError) as e:
+        flat = np.fromiter(itertools.chain.from_iterable(ex.con.execute(sql)), dtype=np.int64)
+    except (sqlite3.DatabaseError, UnicodeDecodeError, TypeError, OverflowError, ValueError) as e:
         raise InputError(f"{ex.path}: unreadable Nsight export ({e})") from None
-    return np.concatenate(parts) if parts else np.zeros((0, ncols), dtype=np.int64)
+    return flat.reshape(-1, ncols)
 
 
-def _seek(table: str, key: str) -> str:
-    return f"(SELECT v FROM temp.{table} WHERE k <= {key} ORDER BY k DESC LIMIT 1)"
-
-
-def _load_bounds(con, table: str, intervals: list[tuple[int, int, int]]) -> None:
-    """Temp table (k PRIMARY KEY, v): v at each interval start, -1 just after each end."""
-    con.execute(f"DROP TABLE IF EXISTS temp.{table}")
-    con.execute(f"CREATE TEMP TABLE {table} (k INTEGER PRIMARY KEY, v INTEGER NOT NULL)")
-    con.executemany(f"INSERT OR REPLACE INTO temp.{table} VALUES (?, -1)", [(e + 1,) for _, e, _ in intervals])
-    con.executemany(f"INSERT OR REPLACE INTO temp.{table} VALUES (?, ?)", [(s, v) for s, _, v in intervals])
+def _upsert_table(con, name: str, cols: str) -> None:
+    con.execute(f"DROP TABLE IF EXISTS temp.{name}")
+    con.execute(f"CREATE TEMP TABLE {name} (k INTEGER PRIMARY KEY, {cols})")
 
 
 def _ranges_to_corr(ex: NsysExport, intervals: list[tuple[int, int, int]], threads) -> list[tuple[int, int, int]]:
     """CPU time intervals -> correlation-id intervals of the launches made inside them."""
-    ex.set_bounds("tb", intervals)
+    lk = ex.add_lookup("tb", intervals)
     cond = []
     thread_ids = sorted({t for t in threads if t is not None})
     if thread_ids:
@@ -293,11 +428,242 @@ def _ranges_to_corr(ex: NsysExport, intervals: list[tuple[int, int, int]], threa
                                       "value LIKE '%emcpy%' OR value LIKE '%emset%'")]
     if launch_ids:
         cond.append(f"r.nameId IN ({','.join(str(int(i)) for i in launch_ids)})")
-    where = " AND ".join(["{rows}"] + cond)
-    rows = ex.grouped(RUNTIME, f"SELECT v, min(c), max(c) FROM (SELECT {_seek('tb', 'r.start')} AS v, r.correlationId AS c "
-                               f"FROM {RUNTIME} r WHERE {where}) "
-                               f"WHERE v >= 0 AND c IS NOT NULL GROUP BY v", 1, ("min", "max"), alias="r")
-    return sorted(((int(a), int(b), int(v)) for v, a, b in rows), key=lambda x: x[0])
+    join, v = lk.sql("r.start", "tbk")
+
+    def work(con, rows, width):
+        # min/max correlation id per interval, by an UPSERT keyed by interval + 1 (0: outside all)
+        t = ex.temp_name("rc")
+        _upsert_table(con, t, "lo, hi")
+        try:
+            con.execute(f"INSERT INTO temp.{t} (k, lo, hi) SELECT coalesce({v} + 1, 0), r.correlationId, "
+                        f"r.correlationId FROM {RUNTIME} r {join} WHERE {' AND '.join([rows, *cond])} "
+                        f"AND r.correlationId IS NOT NULL "
+                        f"ON CONFLICT(k) DO UPDATE SET lo = min(lo, excluded.lo), hi = max(hi, excluded.hi)")
+            return con.execute(f"SELECT k - 1, lo, hi FROM temp.{t} WHERE k > 0").fetchall()
+        finally:
+            con.execute(f"DROP TABLE temp.{t}")
+
+    merged: dict[int, list] = {}
+    for part in ex.parallel(RUNTIME, work, alias="r"):
+        for v_, lo, hi in part:
+            cur = merged.setdefault(v_, [lo, hi])
+            cur[0], cur[1] = min(cur[0], lo), max(cur[1], hi)
+    return sorted(((int(a), int(b), int(v_)) for v_, (a, b) in merged.items()), key=lambda x: x[0])
+
+
+def _graph_launches(ex: NsysExport, device: int | None) -> list[tuple[int, int]]:
+    """(correlation id, smallest graph node id) per CUDA graph launch whose kernels were traced."""
+    dev = "" if device is None else f" AND a.deviceId = {int(device)}"
+
+    def work(con, rows, width):
+        t = ex.temp_name("gl")
+        _upsert_table(con, t, "g")
+        try:
+            con.execute(f"INSERT INTO temp.{t} (k, g) SELECT a.correlationId, a.graphNodeId FROM {KERNEL} a "
+                        f"WHERE {rows} AND a.graphNodeId IS NOT NULL AND a.correlationId IS NOT NULL{dev} "
+                        f"ON CONFLICT(k) DO UPDATE SET g = min(g, excluded.g)")
+            return con.execute(f"SELECT k, g FROM temp.{t}").fetchall()
+        finally:
+            con.execute(f"DROP TABLE temp.{t}")
+
+    merged: dict[int, int] = {}
+    for part in ex.parallel(KERNEL, work):
+        for c, g in part:
+            merged[c] = g if c not in merged else min(merged[c], g)
+    return sorted((int(c), int(g)) for c, g in merged.items())
+
+
+def _aggregate_part(ex: NsysExport, part: Part, step: tuple[_Lookup, str] | None,
+                    tag: tuple[_Lookup, str] | None) -> tuple[list[tuple], bool]:
+    """(step, tag, name, kind, stream, count, sum of durations, min start, max end) per group of
+    ``part``'s rows, every row included: step is -1 (or None) for rows outside all steps; and
+    whether every value came through the packed path (integers, no NULL).
+
+    ``step``/``tag``: a lookup and the column it keys on ("a.correlationId" or "a.start").
+    Each row goes into one UPSERT on a temporary table keyed by one integer packing (step, tag,
+    stream, name); count and duration share one column (duration x 2**bits + 1). Rows the packing
+    cannot hold (a stream id or name outside the assumed ranges, NULLs, sums past 64 bits) send
+    their slice to a plain GROUP BY, which gives the same groups, only slower.
+    """
+    joins, step_v, tag_v = [], "0", "-1"
+    if step is not None:
+        j, step_v = step[0].sql(step[1], "sbk")
+        joins.append(j)
+    if tag is not None:
+        j, tag_v = tag[0].sql(tag[1], "gbk")
+        joins.append(j)
+    join = " ".join(joins)
+    nst = (step[0].vmax + 2) if step is not None else 2  # step slots: 0 outside (-1 or NULL), v + 1
+    nt = (tag[0].vmax + 3) if tag is not None else 2  # tag slots: 0 NULL, 1 for -1, v + 2
+    n_lo, n_hi = part.names if part.names is not None else ex._q(
+        f"SELECT coalesce(min({part.name}), 0), coalesce(max({part.name}), 0) FROM {part.table} a WHERE 1{part.dev}")[0]
+    ok = all(type(x) is int for x in (n_lo, n_hi))
+    nn = n_hi - n_lo + 1 if ok else 0
+    streams = STREAM_SLOTS
+    while ok and streams > 16 and nst * nt * streams * nn >= PACK_LIMIT:
+        streams //= 16
+    ok = ok and nst * nt * streams * nn < PACK_LIMIT
+
+    def grouped(con, rows):  # plain GROUP BY (sorts every row)
+        return con.execute(
+            f"SELECT step, tag, name, kind, stream, count(*), sum(end - start), min(start), max(end) FROM ("
+            f"SELECT coalesce({step_v}, -1) AS step, {tag_v} AS tag, a.start AS start, a.end AS end, "
+            f"a.streamId AS stream, {part.name} AS name, {part.kind} AS kind FROM {part.table} a {join} "
+            f"WHERE {rows}{part.dev}) GROUP BY step, tag, name, kind, stream").fetchall()
+
+    def work(con, rows, width):
+        if not ok:
+            return grouped(con, rows)
+        bits = max(width, 1).bit_length()  # a group's count stays below 2**bits
+        key = (f"CASE WHEN a.streamId >= 0 AND a.streamId < {streams} AND {part.name} >= {n_lo} AND "
+               f"{part.name} <= {n_hi} THEN ((coalesce({step_v} + 1, 0) * {nt} + coalesce({tag_v} + 2, 0)) "
+               f"* {streams} + a.streamId) * {nn} + {part.name} - {n_lo} ELSE -1 END")
+        t = ex.temp_name("agg")
+        _upsert_table(con, t, "nd, s0, e1")
+        try:
+            con.execute(f"INSERT INTO temp.{t} (k, nd, s0, e1) SELECT {key}, (a.end - a.start) * {1 << bits} + 1, "
+                        f"a.start, a.end FROM {part.table} a {join} WHERE {rows}{part.dev} ON CONFLICT(k) DO UPDATE "
+                        f"SET nd = nd + excluded.nd, s0 = min(s0, excluded.s0), e1 = max(e1, excluded.e1)")
+            n, bad = con.execute(f"SELECT count(*), count(*) FILTER (WHERE k < 0 OR typeof(nd) != 'integer' OR "
+                                 f"typeof(s0) != 'integer' OR typeof(e1) != 'integer') FROM temp.{t}").fetchone()
+            if bad:
+                return grouped(con, rows)
+            a = np.fromiter(itertools.chain.from_iterable(con.execute(f"SELECT k, nd, s0, e1 FROM temp.{t}")),
+                            dtype=np.int64, count=4 * n).reshape(n, 4)
+            nd = a[:, 1]
+            return a[:, 0], nd & ((1 << bits) - 1), nd >> bits, a[:, 2], a[:, 3]
+        finally:
+            con.execute(f"DROP TABLE temp.{t}")
+
+    results = ex.parallel(part.table, work)
+    packed = [r for r in results if isinstance(r, tuple)]
+    if packed:  # merge the slices' groups, then unpack (step, tag, stream, name) from the key
+        k, n, d, s0, e1 = (np.concatenate(x) for x in zip(*packed))
+        if len(packed) > 1:
+            k, inv = np.unique(k, return_inverse=True)
+            sums = np.zeros((2, len(k)), dtype=np.int64)
+            np.add.at(sums, (0, inv), n)
+            np.add.at(sums, (1, inv), d)
+            lo = np.full(len(k), np.iinfo(np.int64).max)
+            hi = np.full(len(k), np.iinfo(np.int64).min)
+            np.minimum.at(lo, inv, s0)
+            np.maximum.at(hi, inv, e1)
+            n, d, s0, e1 = sums[0], sums[1], lo, hi
+        k, name = np.divmod(k, nn)
+        k, stream = np.divmod(k, streams)
+        st_slot, tag_slot = np.divmod(k, nt)
+        tags = [None if x == 0 else x - 2 for x in tag_slot.tolist()]
+        packed = list(zip((st_slot - 1).tolist(), tags, (name + n_lo).tolist(), itertools.repeat(part.kind),
+                          stream.tolist(), n.tolist(), d.tolist(), s0.tolist(), e1.tolist()))
+    plain = [r for r in results if not isinstance(r, tuple)]
+    if not plain:
+        return packed, True
+    merged: dict[tuple, list] = {}
+    for row in itertools.chain(packed, *plain):
+        key, vals = row[:5], row[5:]
+        cur = merged.get(key)
+        if cur is None:
+            merged[key] = list(vals)
+            continue
+        cur[0] += vals[0]
+        for i, op in ((1, None), (2, min), (3, max)):
+            v = vals[i]
+            if v is not None:
+                cur[i] = v if cur[i] is None else (cur[i] + v if op is None else op(cur[i], v))
+    return [(*k, *v) for k, v in merged.items()], False
+
+
+def _gap_events(ex: NsysExport, parts: list[Part], device: int | None):
+    """What gap mode needs from the activity: (sample, reduced, total) or None (use every row).
+
+    ``sample``: (start, end, name) rows holding the first GAP_SAMPLE events in time order;
+    ``reduced``: start and end arrays in which each large table's kernels are replaced by its busy
+    stretches (runs of activity with no idle gap above the threshold) - the same step boundaries
+    come out of :func:`steps.gap_boundaries`. Needs each large table stored in time order with
+    contiguous rowids and ends in order too (Nsight exports are); returns None otherwise.
+    """
+    if device is not None:
+        return None
+    info = []
+    for p in parts:
+        n = ex._q(f"SELECT count(*) FROM {p.table}")[0][0]
+        lo = ex._q(f"SELECT min(rowid) FROM {p.table}")[0][0]
+        hi = ex._q(f"SELECT max(rowid) FROM {p.table}")[0][0]
+        big = n > GAP_FETCH_MAX
+        if big and hi - lo + 1 != n:
+            return None
+        info.append((p, n, lo, hi, big))
+    if not any(big for *_, big in info):
+        return None
+    sample = []
+    for p, n, lo, hi, big in info:
+        limit = f" AND a.rowid < {lo + GAP_SAMPLE}" if big else ""
+        sample.append(_fetch_array(ex, f"SELECT a.start, a.end, {p.name} FROM {p.table} a WHERE 1{limit} "
+                                       f"ORDER BY a.rowid", 3))
+    return info, np.concatenate(sample)
+
+
+def _idle_gaps(ex: NsysExport, p: Part, lo: int, hi: int, gap_ns: int | None):
+    """Busy stretches (starts, ends) of table ``p`` split at idle gaps > gap_ns, or None when the
+    table is not in time order (start and end non-decreasing in rowid order)."""
+    gap = (1 << 62) if gap_ns is None else int(gap_ns)
+
+    def work(con, rows, width):
+        return con.execute(
+            f"SELECT a.rowid, a.end, b.start, coalesce(b.start < a.start OR b.end < a.end, 1) FROM {p.table} a "
+            f"JOIN {p.table} b ON b.rowid = a.rowid + 1 WHERE {rows} AND "
+            f"coalesce(b.start < a.start OR b.end < a.end OR b.start - a.end > {gap}, 1)").fetchall()
+
+    found = [r for part in ex.parallel(p.table, work) for r in part]
+    if any(bad for *_, bad in found):
+        return None
+    first = ex._q(f"SELECT start FROM {p.table} WHERE rowid = {lo}")[0][0]
+    last = ex._q(f"SELECT end FROM {p.table} WHERE rowid = {hi}")[0][0]
+    found.sort()
+    starts = np.array([first] + [b for _, _, b, _ in found], dtype=np.int64)
+    ends = np.array([a for _, a, _, _ in found] + [last], dtype=np.int64)
+    return starts, ends
+
+
+def _gap_steps(ex: NsysExport, parts: list[Part], req: StepRequest, device: int | None):
+    """Gap mode: (step start times, end of the last step, gap ns), or None (the whole trace)."""
+    fast = _gap_events(ex, parts, device)
+    if fast is not None:
+        info, sample = fast
+        gap_ns = int(req.gap_us * 1e3) if req.gap_us else st.gap_threshold_ns(sample[:, 0], sample[:, 1],
+                                                                               sample[:, 2], sample=GAP_SAMPLE)
+        starts, ends, ok = [], [], True
+        i = 0
+        for p, n, lo, hi, big in info:
+            if big:
+                stretches = _idle_gaps(ex, p, lo, hi, gap_ns)
+                if stretches is None:
+                    ok = False
+                    break
+                starts.append(stretches[0])
+                ends.append(stretches[1])
+            else:
+                starts.append(sample[i:i + n, 0])
+                ends.append(sample[i:i + n, 1])
+            i += min(n, GAP_SAMPLE) if big else n
+        if ok:
+            if gap_ns is None:
+                return None
+            s, e = np.concatenate(starts), np.concatenate(ends)
+            b = st.gap_boundaries(s, e, gap_ns)
+            if len(b) < 2 and not req.gap_us:
+                return None
+            return b, int(e.max()), gap_ns
+    act = " UNION ALL ".join(p.select() for p in parts)
+    se = _fetch_array(ex, f"SELECT start, end, name FROM ({act})", 3)
+    gap_ns = int(req.gap_us * 1e3) if req.gap_us else st.gap_threshold_ns(se[:, 0], se[:, 1], se[:, 2],
+                                                                           sample=GAP_SAMPLE)
+    if gap_ns is None or len(se) == 0:
+        return None
+    b = st.gap_boundaries(se[:, 0], se[:, 1], gap_ns)
+    if len(b) < 2 and not req.gap_us:
+        return None
+    return b, int(se[:, 1].max()), gap_ns
 
 
 def read_nsys_sqlite(path: str | os.PathLike, req: StepRequest | None = None, on_progress=None) -> Aggregate:
@@ -326,7 +692,6 @@ def _aggregate(ex: NsysExport, req: StepRequest) -> Aggregate:
     if gpu is None:
         notes.append("the trace names no GPU (no TARGET_INFO_GPU): give --gpu for floors")
     parts = ex.activity_parts(device)
-    act = " UNION ALL ".join(sql.format(rows="1") for _, sql in parts)
     if not parts:
         raise InputError(f"{ex.path}: the trace has no GPU activity (no kernel, memcpy or memset tables)")
     has_runtime = RUNTIME in ex.tables
@@ -337,10 +702,7 @@ def _aggregate(ex: NsysExport, req: StepRequest) -> Aggregate:
         mode = "range" if req.range_regex else None
     graph_launches: list[tuple[int, int]] = []
     if mode in (None, "graph") and ex.has_kernels and "graphNodeId" in ex.columns(KERNEL):
-        dev = "" if device is None else f" AND deviceId = {int(device)}"
-        graph_launches = sorted((int(c), int(g)) for c, g in ex.grouped(
-            KERNEL, f"SELECT correlationId, min(graphNodeId) FROM {KERNEL} WHERE {{rows}} AND graphNodeId IS NOT NULL{dev} "
-                    f"GROUP BY correlationId", 1, ("min",)))
+        graph_launches = _graph_launches(ex, device)
     if mode in (None, "graph") and GRAPH_TRACE in ex.tables:
         dev = "" if device is None else f" WHERE deviceId = {int(device)}"
         whole = ex._q(f"SELECT correlationId, -1 - graphExecId FROM {GRAPH_TRACE}{dev} ORDER BY correlationId")
@@ -375,20 +737,15 @@ def _aggregate(ex: NsysExport, req: StepRequest) -> Aggregate:
         labels = [f"graph launch {c}" for c in starters]
         detail = f"{len(starters)} launches of the most frequent CUDA graph ({len(graph_launches)} graph launches)"
     elif mode == "gap":
-        se = _fetch_array(ex, f"SELECT start, end, name FROM ({act})", 3)
-        gap_ns = int(req.gap_us * 1e3) if req.gap_us else st.gap_threshold_ns(se[:, 0], se[:, 1], se[:, 2])
-        if gap_ns is None or len(se) == 0:
+        found = _gap_steps(ex, parts, req, device)
+        if found is None:
             mode = "whole"
         else:
-            b = st.gap_boundaries(se[:, 0], se[:, 1], gap_ns)
-            if len(b) < 2 and not req.gap_us:
-                mode = "whole"
-            else:
-                end = int(se[:, 1].max())
-                bb = b + [end + 1]
-                step_key = ("time", [(bb[i], bb[i + 1] - 1, i) for i in range(len(b))])
-                labels = [f"gap step {i}" for i in range(len(b))]
-                detail = f"{len(b)} steps separated by GPU idle gaps > {gap_ns / 1e3:.1f} us"
+            b, end, gap_ns = found
+            bb = b + [end + 1]
+            step_key = ("time", [(bb[i], bb[i + 1] - 1, i) for i in range(len(b))])
+            labels = [f"gap step {i}" for i in range(len(b))]
+            detail = f"{len(b)} steps separated by GPU idle gaps > {gap_ns / 1e3:.1f} us"
     if mode == "whole":
         step_key = None
         labels = ["whole trace"]
@@ -412,25 +769,22 @@ def _aggregate(ex: NsysExport, req: StepRequest) -> Aggregate:
                 tag_key = ("corr", [(a, b, idx[segs[i][2]]) for a, b, i in per_seg])
             else:
                 tag_key = ("time", [(s, e - 1, idx[n]) for s, e, n in segs])
+    ex.drop_lookup("tb")  # launch ranges are done with: worker connections need not copy them
 
-    step_expr = "0"
-    if step_key is not None:
-        ex.set_bounds("sb", step_key[1])
-        step_expr = _seek("sb", "a.corr" if step_key[0] == "corr" else "a.start")
-    tag_expr = "-1"
-    if tag_key is not None:
-        ex.set_bounds("gb", tag_key[1])
-        tag_expr = _seek("gb", "a.corr" if tag_key[0] == "corr" else "a.start")
+    column = {"corr": "a.correlationId", "time": "a.start"}
+    step = (ex.add_lookup("sb", step_key[1]), column[step_key[0]]) if step_key is not None else None
+    tag = (ex.add_lookup("gb", tag_key[1]), column[tag_key[0]]) if tag_key is not None else None
 
     rows = []
     total_events = 0
-    for table, part in parts:
-        tagged = f"SELECT {step_expr} AS step, {tag_expr} AS tag, a.start, a.end, a.stream, a.name, a.kind FROM ({part}) a"
-        rows += ex.grouped(table, f"SELECT step, tag, name, kind, stream, count(*), sum(end - start), min(start), max(end) "
-                                  f"FROM ({tagged}) WHERE step >= 0 GROUP BY step, tag, name, kind, stream",
-                           5, ("sum", "sum", "min", "max"))
-        total_events += ex._q(f"SELECT count(*) FROM ({part.format(rows='1')})")[0][0]
-    tagged_sql = (f"SELECT {step_expr} AS step, a.start, a.end FROM ({act}) a")
+    exact = True  # every count, duration and time an integer (the packed path): per-step sums in numpy
+    for part in parts:
+        part_rows, part_exact = _aggregate_part(ex, part, step, tag)
+        exact = exact and part_exact
+        for row in part_rows:
+            total_events += row[5]
+            if row[0] is not None and row[0] >= 0:
+                rows.append(row)
 
     names = ex.strings(r[2] for r in rows if r[3] == 0)
     mnames = ex.memcpy_names()
@@ -444,30 +798,50 @@ def _aggregate(ex: NsysExport, req: StepRequest) -> Aggregate:
             return f"CUDA graph exec {-2000 - int(nid)} (whole graph)"
         return "Memset"
 
-    groups: list[KernelGroup] = []
+    name_of = {key: _name(*key) for key in {(r[2], r[3]) for r in rows}}
+    tag_of = {tg: (tag_names[int(tg)] if tg is not None and tg >= 0 else None) for tg in {r[1] for r in rows}}
+    # positional: KernelGroup(step, name, kind, stream, tag, dims, count, total_ns), the fastest way to
+    # build tens of thousands of them
+    groups = [KernelGroup(int(st_i), name_of[(nid, kind)], KINDS[int(kind)], stream, tag_of[tg], None, int(n),
+                          int(dur)) for st_i, tg, nid, kind, stream, n, dur, _, _ in rows]
     per_step: dict[int, dict] = {}
+    if exact and rows:
+        a = np.array([(r[0], r[5], r[6], r[7], r[8]) for r in rows], dtype=np.int64)
+        idx, inv = np.unique(a[:, 0], return_inverse=True)
+        sums = np.zeros((2, len(idx)), dtype=np.int64)
+        np.add.at(sums, (0, inv), a[:, 1])
+        np.add.at(sums, (1, inv), a[:, 2])
+        lo = np.full(len(idx), np.iinfo(np.int64).max)
+        hi = np.full(len(idx), np.iinfo(np.int64).min)
+        np.minimum.at(lo, inv, a[:, 3])
+        np.maximum.at(hi, inv, a[:, 4])
+        per_step = {i: {"s": s0, "e": e1, "busy": b, "n": n} for i, s0, e1, b, n in
+                    zip(idx.tolist(), lo.tolist(), hi.tolist(), sums[1].tolist(), sums[0].tolist())}
+    else:
+        for st_i, _, _, _, _, n, dur, s0, e1 in rows:
+            p = per_step.setdefault(int(st_i), {"s": s0, "e": e1, "busy": 0, "n": 0})
+            p["s"], p["e"] = min(p["s"], s0), max(p["e"], e1)
+            p["busy"] += int(dur)
+            p["n"] += int(n)
     streams_per_step: dict[int, set] = {}
-    for step, tag, nid, kind, stream, n, dur, s0, e1 in rows:
-        step = int(step)
-        groups.append(KernelGroup(step=step, name=_name(nid, kind), kind=KINDS[int(kind)],
-                                  stream=stream, tag=(tag_names[int(tag)] if tag is not None and tag >= 0 else None),
-                                  count=int(n), total_ns=int(dur)))
-        p = per_step.setdefault(step, {"s": s0, "e": e1, "busy": 0, "n": 0})
-        p["s"], p["e"] = min(p["s"], s0), max(p["e"], e1)
-        p["busy"] += int(dur)
-        p["n"] += int(n)
-        streams_per_step.setdefault(step, set()).add(stream)
+    for st_i, stream in {(int(r[0]), r[4]) for r in rows}:
+        streams_per_step.setdefault(st_i, set()).add(stream)
 
     if any(len(s) > 1 for s in streams_per_step.values()):
         # several streams: busy time is the union of intervals, not the sum of durations
+        step_sql, join = "0", ""
+        if step is not None:
+            join, step_sql = step[0].sql(step[1], "sbk")
+        act = " UNION ALL ".join(f"SELECT {step_sql} AS step, a.start AS start, a.end AS end FROM {p.table} a {join} "
+                                 f"WHERE 1{p.dev}" for p in parts)
         union = ex._q(
             f"SELECT step, sum(max(0, end - max(start, coalesce(pe, start)))) FROM ("
             f"SELECT step, start, end, max(end) OVER (PARTITION BY step ORDER BY start "
-            f"ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS pe FROM ({tagged_sql})) "
+            f"ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS pe FROM ({act})) "
             f"WHERE step >= 0 GROUP BY step")
-        for step, busy in union:
-            if int(step) in per_step:
-                per_step[int(step)]["busy"] = int(busy)
+        for st_i, busy in union:
+            if int(st_i) in per_step:
+                per_step[int(st_i)]["busy"] = int(busy)
 
     steps = _build_steps(mode, labels, step_ranges, per_step)
     empty = len(labels) - len(steps)
