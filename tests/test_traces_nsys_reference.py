@@ -289,12 +289,14 @@ def test_synthetic_matches_reference(tmp_path, fast_paths, kw):
         check(path, req)
 
 
-def test_unsorted_huge_ids_and_nulls_fall_back(tmp_path, monkeypatch):
+@pytest.mark.parametrize("graphs", [False, True])
+def test_unsorted_and_huge_ids_fall_back(tmp_path, monkeypatch, graphs):
     """Rows out of time order (idle gaps found from fetched rows) and stream ids past the packed key's
-    range (plain GROUP BY for those slices) still give the reference's answer."""
+    range (plain GROUP BY for those slices, graph launches by their own pass) still give the
+    reference's answer."""
     monkeypatch.setattr(ns, "PARALLEL_MIN_ROWS", 40)
     monkeypatch.setattr(ns, "GAP_FETCH_MAX", 10)
-    src = write_nsys_sqlite(tmp_path / "s.sqlite", SynthSpec(steps=5, layers=2))
+    src = write_nsys_sqlite(tmp_path / "s.sqlite", SynthSpec(steps=5, layers=2, graphs=graphs))
     con = sqlite3.connect(src)
     con.executescript(f"""
         CREATE TABLE k2 AS SELECT * FROM {ns.KERNEL} ORDER BY (rowid * 7919) % 1009;
@@ -302,18 +304,21 @@ def test_unsorted_huge_ids_and_nulls_fall_back(tmp_path, monkeypatch):
         UPDATE {ns.KERNEL} SET streamId = 1 << 40 WHERE rowid % 7 = 0;""")
     con.commit()
     con.close()
-    for req in (StepRequest(mode="gap"), StepRequest(range_regex="decode_step"), StepRequest(mode="whole")):
+    for req in (StepRequest(mode="gap"), StepRequest(range_regex="decode_step"), StepRequest(mode="whole"),
+                StepRequest()):
         check(src, req)
 
 
-def test_without_runtime_table_ranges_by_gpu_time(tmp_path, fast_paths):
-    src = write_nsys_sqlite(tmp_path / "s.sqlite", SynthSpec(steps=5, layers=2, second_stream=True, overlap_ns=2000))
+@pytest.mark.parametrize("graphs", [False, True])
+def test_without_runtime_table_ranges_by_gpu_time(tmp_path, fast_paths, graphs):
+    spec = SynthSpec(steps=5, layers=2, second_stream=True, overlap_ns=2000, graphs=graphs)
+    src = write_nsys_sqlite(tmp_path / "s.sqlite", spec)
     con = sqlite3.connect(src)
     con.execute(f"DROP TABLE {ns.RUNTIME}")
     con.commit()
     con.close()
     for req in (StepRequest(range_regex="decode_step", tag_regex="decode"), StepRequest(mode="gap", tag_regex="dec"),
-                StepRequest(mode="auto")):
+                StepRequest(mode="auto"), StepRequest(mode="auto", tag_regex="dec")):
         check(src, req)
 
 

@@ -30,7 +30,7 @@ import os
 import sqlite3
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from urllib.parse import quote
 
@@ -358,6 +358,9 @@ class _Lookup:
         two = ks[2:] - ks[:-2] if len(ks) > 2 else ks[1:] - ks[:1]
         self.shift = max(int(np.quantile(two, 0.1, method="lower")).bit_length() - 1, 0)
         cap = min(1024 + BUCKETS_PER_POINT * len(ks), BUCKETS_MAX)
+        gaps = np.diff(ks)
+        if len(ks) > 2 and gaps[-1] > 64 * max(int(np.median(gaps[:-1])), 1):
+            last = int(ks[-2]) + 1  # a far last point (graph steps end at 2**62): keys past the one before search
         while (((last - 1 - base) >> self.shift) + 1 > cap and self.shift < 61
                and (two >= (1 << (self.shift + 1))).mean() > 0.5):
             self.shift += 1  # wider buckets while most of them still hold at most two changes
@@ -412,6 +415,13 @@ def _fetch_array(ex: NsysExport, sql: str, ncols: int) -> np.ndarray:
     return flat.reshape(-1, ncols)
 
 
+def _keep(col: str, op: str) -> str:
+    """UPSERT update keeping the smaller (op "<") or larger (">") value: a CASE, not min()/max() - the
+    function call per row costs more than the rest of the update. Unlike min() it does not carry a
+    NULL; the callers check for NULLs in the packed sums instead."""
+    return f"{col} = CASE WHEN excluded.{col} {op} {col} THEN excluded.{col} ELSE {col} END"
+
+
 def _upsert_table(con, name: str, cols: str) -> None:
     con.execute(f"DROP TABLE IF EXISTS temp.{name}")
     con.execute(f"CREATE TEMP TABLE {name} (k INTEGER PRIMARY KEY, {cols})")
@@ -438,7 +448,7 @@ def _ranges_to_corr(ex: NsysExport, intervals: list[tuple[int, int, int]], threa
             con.execute(f"INSERT INTO temp.{t} (k, lo, hi) SELECT coalesce({v} + 1, 0), r.correlationId, "
                         f"r.correlationId FROM {RUNTIME} r {join} WHERE {' AND '.join([rows, *cond])} "
                         f"AND r.correlationId IS NOT NULL "
-                        f"ON CONFLICT(k) DO UPDATE SET lo = min(lo, excluded.lo), hi = max(hi, excluded.hi)")
+                        f"ON CONFLICT(k) DO UPDATE SET {_keep('lo', '<')}, {_keep('hi', '>')}")
             return con.execute(f"SELECT k - 1, lo, hi FROM temp.{t} WHERE k > 0").fetchall()
         finally:
             con.execute(f"DROP TABLE temp.{t}")
@@ -461,7 +471,7 @@ def _graph_launches(ex: NsysExport, device: int | None) -> list[tuple[int, int]]
         try:
             con.execute(f"INSERT INTO temp.{t} (k, g) SELECT a.correlationId, a.graphNodeId FROM {KERNEL} a "
                         f"WHERE {rows} AND a.graphNodeId IS NOT NULL AND a.correlationId IS NOT NULL{dev} "
-                        f"ON CONFLICT(k) DO UPDATE SET g = min(g, excluded.g)")
+                        f"ON CONFLICT(k) DO UPDATE SET {_keep('g', '<')}")
             return con.execute(f"SELECT k, g FROM temp.{t}").fetchall()
         finally:
             con.execute(f"DROP TABLE temp.{t}")
@@ -471,6 +481,125 @@ def _graph_launches(ex: NsysExport, device: int | None) -> list[tuple[int, int]]
         for c, g in part:
             merged[c] = g if c not in merged else min(merged[c], g)
     return sorted((int(c), int(g)) for c, g in merged.items())
+
+
+@dataclass
+class _LaunchGroups:
+    """CUDA graph kernels summed per (launch correlation id, stream, name), smallest graph node id
+    per group: every kernel of a graph launch shares its correlation id, so this is small, and steps
+    and ranges keyed by correlation id apply to it without reading the kernels again."""
+
+    corr: np.ndarray
+    stream: np.ndarray
+    name: np.ndarray
+    n: np.ndarray
+    d: np.ndarray
+    s0: np.ndarray
+    e1: np.ndarray
+    g: np.ndarray
+
+    def launches(self) -> list[tuple[int, int]]:
+        """(correlation id, smallest graph node id) per graph launch."""
+        corr, inv = np.unique(self.corr, return_inverse=True)
+        g = np.full(len(corr), np.iinfo(np.int64).max)
+        np.minimum.at(g, inv, self.g)
+        return list(zip(corr.tolist(), g.tolist()))
+
+    def rows(self, step: "_Lookup | None", tag: "_Lookup | None") -> list[tuple]:
+        """Rows as :func:`_aggregate_part` gives them, for steps and ranges keyed by correlation id."""
+        def value(lk):  # the lookup's value per group; NULL as -2
+            if lk is None or not lk.ks:
+                return np.full(len(self.corr), -2, dtype=np.int64)
+            i = np.searchsorted(np.array(lk.ks, dtype=np.int64), self.corr, side="right") - 1
+            return np.where(i >= 0, np.array(lk.vs, dtype=np.int64)[np.maximum(i, 0)], -2)
+
+        st_v = np.maximum(value(step), -1) if step is not None else np.zeros(len(self.corr), dtype=np.int64)
+        tg_v = value(tag) if tag is not None else np.full(len(self.corr), -1, dtype=np.int64)
+        keys, inv = np.unique(np.stack([st_v, tg_v, self.name, self.stream], axis=1), axis=0, return_inverse=True)
+        inv = inv.reshape(-1)
+        sums = np.zeros((2, len(keys)), dtype=np.int64)
+        np.add.at(sums, (0, inv), self.n)
+        np.add.at(sums, (1, inv), self.d)
+        lo = np.full(len(keys), np.iinfo(np.int64).max)
+        hi = np.full(len(keys), np.iinfo(np.int64).min)
+        np.minimum.at(lo, inv, self.s0)
+        np.maximum.at(hi, inv, self.e1)
+        return [(st_i, None if tg == -2 else tg, nid, 0, stream, n, d, a, b) for (st_i, tg, nid, stream), n, d, a, b in
+                zip(keys.tolist(), sums[0].tolist(), sums[1].tolist(), lo.tolist(), hi.tolist())]
+
+
+def _graph_kernels(ex: NsysExport, part: Part) -> _LaunchGroups | None:
+    """The graph kernels of ``part`` (the kernel table) as :class:`_LaunchGroups`, in one UPSERT pass
+    keyed by packed (correlation id, stream, name); None when the packing cannot hold them (then
+    :func:`_graph_launches` and the plain passes run)."""
+    n_lo, n_hi = part.names
+    nn, streams = n_hi - n_lo + 1, STREAM_SLOTS
+    corr_max = PACK_LIMIT // (streams * nn)
+    if corr_max < 1:
+        return None
+
+    def work(con, rows, width):
+        bits = max(width, 1).bit_length()
+        key = (f"CASE WHEN a.correlationId >= 0 AND a.correlationId < {corr_max} AND a.streamId >= 0 AND "
+               f"a.streamId < {streams} AND {part.name} >= {n_lo} AND {part.name} <= {n_hi} THEN "
+               f"(a.correlationId * {streams} + a.streamId) * {nn} + {part.name} - {n_lo} ELSE -1 END")
+        t = ex.temp_name("lg")
+        _upsert_table(con, t, "nd, s0, e1, g")
+        try:
+            con.execute(f"INSERT INTO temp.{t} (k, nd, s0, e1, g) SELECT {key}, (a.end - a.start) * {1 << bits} + 1, "
+                        f"a.start, a.end, a.graphNodeId FROM {part.table} a WHERE {rows} AND a.graphNodeId IS NOT NULL "
+                        f"AND a.correlationId IS NOT NULL{part.dev} ON CONFLICT(k) DO UPDATE SET nd = nd + excluded.nd, "
+                        f"{_keep('s0', '<')}, {_keep('e1', '>')}, {_keep('g', '<')}")
+            n, bad = con.execute(f"SELECT count(*), count(*) FILTER (WHERE k < 0 OR typeof(nd) != 'integer' OR "
+                                 f"typeof(s0) != 'integer' OR typeof(e1) != 'integer' OR typeof(g) != 'integer') "
+                                 f"FROM temp.{t}").fetchone()
+            if bad:
+                return None
+            a = np.fromiter(itertools.chain.from_iterable(con.execute(f"SELECT k, nd, s0, e1, g FROM temp.{t}")),
+                            dtype=np.int64, count=5 * n).reshape(n, 5)
+            nd = a[:, 1]
+            return a[:, 0], nd & ((1 << bits) - 1), nd >> bits, a[:, 2], a[:, 3], a[:, 4]
+        finally:
+            con.execute(f"DROP TABLE temp.{t}")
+
+    results = ex.parallel(part.table, work)
+    if any(r is None for r in results):
+        return None
+    if not results:
+        results = [tuple(np.zeros(0, dtype=np.int64) for _ in range(6))]
+    k, n, d, s0, e1, g = (np.concatenate(x) for x in zip(*results))
+    if len(results) > 1:
+        k, inv = np.unique(k, return_inverse=True)
+        sums = np.zeros((2, len(k)), dtype=np.int64)
+        np.add.at(sums, (0, inv), n)
+        np.add.at(sums, (1, inv), d)
+        big, small = np.iinfo(np.int64).max, np.iinfo(np.int64).min
+        lo, hi, gm = np.full(len(k), big), np.full(len(k), small), np.full(len(k), big)
+        np.minimum.at(lo, inv, s0)
+        np.maximum.at(hi, inv, e1)
+        np.minimum.at(gm, inv, g)
+        n, d, s0, e1, g = sums[0], sums[1], lo, hi, gm
+    k, name = np.divmod(k, nn)
+    corr, stream = np.divmod(k, streams)
+    return _LaunchGroups(corr=corr, stream=stream, name=name + n_lo, n=n, d=d, s0=s0, e1=e1, g=g)
+
+
+def _merge_rows(rows) -> list[tuple]:
+    """Rows with the same (step, tag, name, kind, stream) merged: counts and durations summed, the
+    earliest start and the latest end kept (NULLs ignored, as SQL aggregates do)."""
+    merged: dict[tuple, list] = {}
+    for row in rows:
+        key, vals = row[:5], row[5:]
+        cur = merged.get(key)
+        if cur is None:
+            merged[key] = list(vals)
+            continue
+        cur[0] += vals[0]
+        for i, op in ((1, None), (2, min), (3, max)):
+            v = vals[i]
+            if v is not None:
+                cur[i] = v if cur[i] is None else (cur[i] + v if op is None else op(cur[i], v))
+    return [(*k, *v) for k, v in merged.items()]
 
 
 def _aggregate_part(ex: NsysExport, part: Part, step: tuple[_Lookup, str] | None,
@@ -523,7 +652,7 @@ def _aggregate_part(ex: NsysExport, part: Part, step: tuple[_Lookup, str] | None
         try:
             con.execute(f"INSERT INTO temp.{t} (k, nd, s0, e1) SELECT {key}, (a.end - a.start) * {1 << bits} + 1, "
                         f"a.start, a.end FROM {part.table} a {join} WHERE {rows}{part.dev} ON CONFLICT(k) DO UPDATE "
-                        f"SET nd = nd + excluded.nd, s0 = min(s0, excluded.s0), e1 = max(e1, excluded.e1)")
+                        f"SET nd = nd + excluded.nd, {_keep('s0', '<')}, {_keep('e1', '>')}")
             n, bad = con.execute(f"SELECT count(*), count(*) FILTER (WHERE k < 0 OR typeof(nd) != 'integer' OR "
                                  f"typeof(s0) != 'integer' OR typeof(e1) != 'integer') FROM temp.{t}").fetchone()
             if bad:
@@ -552,25 +681,15 @@ def _aggregate_part(ex: NsysExport, part: Part, step: tuple[_Lookup, str] | None
         k, name = np.divmod(k, nn)
         k, stream = np.divmod(k, streams)
         st_slot, tag_slot = np.divmod(k, nt)
-        tags = [None if x == 0 else x - 2 for x in tag_slot.tolist()]
+        tags = (tag_slot - 2).astype(object)
+        tags[tag_slot == 0] = None
+        tags = tags.tolist()
         packed = list(zip((st_slot - 1).tolist(), tags, (name + n_lo).tolist(), itertools.repeat(part.kind),
                           stream.tolist(), n.tolist(), d.tolist(), s0.tolist(), e1.tolist()))
     plain = [r for r in results if not isinstance(r, tuple)]
     if not plain:
         return packed, True
-    merged: dict[tuple, list] = {}
-    for row in itertools.chain(packed, *plain):
-        key, vals = row[:5], row[5:]
-        cur = merged.get(key)
-        if cur is None:
-            merged[key] = list(vals)
-            continue
-        cur[0] += vals[0]
-        for i, op in ((1, None), (2, min), (3, max)):
-            v = vals[i]
-            if v is not None:
-                cur[i] = v if cur[i] is None else (cur[i] + v if op is None else op(cur[i], v))
-    return [(*k, *v) for k, v in merged.items()], False
+    return _merge_rows(itertools.chain(packed, *plain)), False
 
 
 def _gap_events(ex: NsysExport, parts: list[Part], device: int | None):
@@ -701,8 +820,12 @@ def _aggregate(ex: NsysExport, req: StepRequest) -> Aggregate:
     if mode == "auto":
         mode = "range" if req.range_regex else None
     graph_launches: list[tuple[int, int]] = []
+    launch_groups = None  # graph kernels per launch, when steps turn out keyed by correlation id
     if mode in (None, "graph") and ex.has_kernels and "graphNodeId" in ex.columns(KERNEL):
-        graph_launches = _graph_launches(ex, device)
+        launch_groups = _graph_kernels(ex, parts[0])
+        graph_launches = launch_groups.launches() if launch_groups is not None else _graph_launches(ex, device)
+        if launch_groups is not None and len(launch_groups.corr) == 0:
+            launch_groups = None  # no graph kernels: nothing to split off the kernel pass
     if mode in (None, "graph") and GRAPH_TRACE in ex.tables:
         dev = "" if device is None else f" WHERE deviceId = {int(device)}"
         whole = ex._q(f"SELECT correlationId, -1 - graphExecId FROM {GRAPH_TRACE}{dev} ORDER BY correlationId")
@@ -778,8 +901,17 @@ def _aggregate(ex: NsysExport, req: StepRequest) -> Aggregate:
     rows = []
     total_events = 0
     exact = True  # every count, duration and time an integer (the packed path): per-step sums in numpy
+    if launch_groups is not None and not ((step is None or step[1] == column["corr"])
+                                          and (tag is None or tag[1] == column["corr"])):
+        launch_groups = None  # steps or ranges by GPU time: every kernel goes through the plain pass
     for part in parts:
-        part_rows, part_exact = _aggregate_part(ex, part, step, tag)
+        if part.kind == 0 and launch_groups is not None:
+            eager = replace(part, dev=part.dev + " AND (a.graphNodeId IS NULL OR a.correlationId IS NULL)")
+            part_rows, part_exact = _aggregate_part(ex, eager, step, tag)
+            graph_rows = launch_groups.rows(step[0] if step else None, tag[0] if tag else None)
+            part_rows = _merge_rows(itertools.chain(part_rows, graph_rows)) if part_rows else graph_rows
+        else:
+            part_rows, part_exact = _aggregate_part(ex, part, step, tag)
         exact = exact and part_exact
         for row in part_rows:
             total_events += row[5]
