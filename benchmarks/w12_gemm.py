@@ -205,104 +205,9 @@ def gemv_sweep(args) -> int:
     return 0
 
 
-def tc_configs(m: int, kt: int, n: int, sms: int):
-    from specpilot.kernels.w12.gemm_tc import TcConfig, block_m_for
-
-    out = []
-    for bn in (64, 128):
-        for bk in (64, 128):
-            for st in (3, 4):
-                nb = (n + bn - 1) // bn * ((m + block_m_for(m) - 1) // block_m_for(m))
-                seen = set()
-                for waves in (1, 2):
-                    split = max(1, min(kt // (bk // 64), round(waves * sms / nb)))
-                    if split not in seen:
-                        seen.add(split)
-                        out.append(TcConfig(bn, bk, split, 4, st))
-    return out
-
-
-def tc_sweep(args) -> int:
-    """M = 8, 32, 64: tensor-core variants (kernels/w12/gemm_tc.py), the general kernel's tuned
-    variant and cuBLAS side by side (correctness and determinism checked before timing)."""
-    import math
-
-    import torch
-    import torch.nn.functional as F
-
-    from specpilot.kernels.w12 import decode, encode
-    from specpilot.kernels.w12 import gemm
-    from specpilot.kernels.w12.gemm import KernelPack, w12_linear
-    from specpilot.kernels.w12.gemm_tc import TcConfig, w12_linear_tc
-
-    torch.manual_seed(0)
-    dev = torch.device("cuda")
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    flush = L2Flusher()
-    rows, sweep_rows = [], []
-    shapes = [s for s in SHAPES if not args.shapes or s[0] in args.shapes.split(",")]
-    ms = [int(v) for v in (args.rows or "8,32,64").split(",")]
-    t0 = time.time()
-    for name, k, n in shapes:
-        w = (torch.randn(n, k, device=dev) * 0.02).to(torch.bfloat16)
-        packed = encode(w)
-        assert torch.equal(decode(packed).view(torch.int16), w.view(torch.int16)), f"{name}: restore differs"
-        kp = KernelPack.from_w12(packed, device=dev)
-        for m in ms:
-            x = torch.randn(m, k, device=dev).to(torch.bfloat16)
-            ref = x.float() @ w.float().T
-            tol = 2.0 ** -7 * ref.abs() + 1e-3 * ref.abs().max()
-            old_cfg = gemm.default_config(m, n, k)
-            best = None
-            for cfg in tc_configs(m, kp.k_tiles, n, sms):
-                out = torch.full((m, n), float("nan"), device=dev, dtype=torch.bfloat16)
-                try:
-                    y = w12_linear_tc(x, kp, config=cfg, out=out)
-                    torch.cuda.synchronize()
-                except Exception as e:
-                    sweep_rows.append({"shape": name, "m": m, "config": cfg.key(), "error": str(e).splitlines()[0][:200]})
-                    continue
-                ok = bool(((y.float() - ref).abs() <= tol).all())
-                det = bool(torch.equal(y.view(torch.int16), w12_linear_tc(x, kp, config=cfg).view(torch.int16)))
-                us = time_cuda_graph(lambda: w12_linear_tc(x, kp, config=cfg), reps=args.reps, flush=flush)
-                r = {"shape": name, "m": m, "config": cfg.key(), "cfg": cfg.__dict__, "us": round(us, 2),
-                     "correct": ok, "deterministic": det}
-                sweep_rows.append(r)
-                if ok and det and (best is None or us < best["us"]):
-                    best = r
-            if best is None:
-                continue
-            cfg = TcConfig(**best["cfg"])
-            g_t, o_t, c_t = [], [], []
-            for _ in range(3):
-                g_t.append(time_cuda_graph(lambda: w12_linear_tc(x, kp, config=cfg), reps=args.reps, flush=flush))
-                o_t.append(time_cuda_graph(lambda: w12_linear(x, kp, config=old_cfg), reps=args.reps, flush=flush))
-                c_t.append(time_cuda_graph(lambda: F.linear(x, w), reps=args.reps, flush=flush))
-            g_us, o_us, c_us = (sorted(v)[1] for v in (g_t, o_t, c_t))
-            row = {"shape": name, "k": k, "n": n, "m": m, "config": cfg.key(), "cfg": cfg.__dict__,
-                   "w12_us": round(g_us, 2), "cublas_us": round(c_us, 2), "speedup": round(c_us / g_us, 3),
-                   "old_kernel_us": round(o_us, 2), "old_config": old_cfg.key(), "old_speedup": round(c_us / o_us, 3)}
-            rows.append(row)
-            print(f"{name:16s} m={m:2d} tc {g_us:7.2f} old {o_us:7.2f} cublas {c_us:7.2f} us  x{row['speedup']:.3f} "
-                  f"(old x{row['old_speedup']:.3f}) {cfg.key()} ({time.time() - t0:.0f}s)", flush=True)
-        del w, packed, kp
-        torch.cuda.empty_cache()
-        write_results(args.name or "w12_gemm_tc", rows, {"partial": True, "sweep": sweep_rows})
-    summary = {}
-    for m in ms:
-        for key in ("speedup", "old_speedup"):
-            sp = [r[key] for r in rows if r["m"] == m]
-            if sp:
-                summary[f"geomean_{key}_m{m}"] = round(math.exp(sum(map(math.log, sp)) / len(sp)), 3)
-    write_results(args.name or "w12_gemm_tc", rows, {"mode": "tc", "summary": summary, "reps": args.reps,
-                                                     "weights": "randn*0.02 bf16", "sweep": sweep_rows})
-    print(json.dumps(summary))
-    return 0
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=["sweep", "final", "gemv", "tc"], default="final")
+    ap.add_argument("--mode", choices=["sweep", "final", "gemv"], default="final")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--tuned", default=None, help="JSON of best configs from a sweep")
     ap.add_argument("--shapes", default=None, help="comma list of shape names")
@@ -311,8 +216,6 @@ def main() -> int:
     args = ap.parse_args()
     if args.mode == "gemv":
         return gemv_sweep(args)
-    if args.mode == "tc":
-        return tc_sweep(args)
 
     import torch
     import torch.nn.functional as F
