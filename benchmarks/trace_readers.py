@@ -6,11 +6,12 @@ ranges, CUDA graph launches, steps found from idle gaps) and a >= 200 MB PyTorch
 checks the result against the generator's exact answer, and records wall time, events per second
 and the process's peak RSS (and its growth over a process that only imported the reader).
 
-    python benchmarks/trace_readers.py [--kernels 2000000] [--kineto-mb 200] [--keep DIR]
+    python benchmarks/trace_readers.py [--kernels 2000000] [--kineto-mb 200] [--keep DIR] [--repeat 3]
 
 Targets (issue 5): >= 1 M kernel events/s for SQLite, >= 200 k events/s for Kineto, peak memory
-well under the file size. Wall time depends on what else the machine runs, so CPU seconds (all
-threads) are recorded too, with the load average before and after.
+well under the file size. Wall time depends on what else the machine runs, so each trace is read
+``--repeat`` times (the median run is reported, every run's wall time and 1-minute load average are
+kept) and CPU seconds (all threads) are recorded too, with the load average before and after.
 """
 
 from __future__ import annotations
@@ -48,10 +49,17 @@ print(json.dumps({"seconds": dt, "cpu_seconds": cpu, "peak_rss_kb": peak, "base_
 """
 
 
-def measure(path: Path, mode: str, rx: str | None) -> dict:
-    out = subprocess.run([sys.executable, "-c", CHILD, str(path), mode, rx or ""], capture_output=True, text=True,
-                         check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def measure(path: Path, mode: str, rx: str | None, repeat: int = 1) -> dict:
+    """The run with the median wall time of ``repeat`` fresh processes, with every run's wall time and
+    the load average before each (the machine may be shared)."""
+    runs = []
+    for _ in range(repeat):
+        load = os.getloadavg()[0]
+        out = subprocess.run([sys.executable, "-c", CHILD, str(path), mode, rx or ""], capture_output=True, text=True,
+                             check=True)
+        runs.append({**json.loads(out.stdout.strip().splitlines()[-1]), "load_1min": load})
+    med = sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
+    return {**med, "runs_seconds": [r["seconds"] for r in runs], "runs_load_1min": [r["load_1min"] for r in runs]}
 
 
 def main():
@@ -59,6 +67,8 @@ def main():
     ap.add_argument("--kernels", type=int, default=2_000_000)
     ap.add_argument("--kineto-mb", type=float, default=200)
     ap.add_argument("--keep", help="keep the generated traces in this folder")
+    ap.add_argument("--repeat", type=int, default=3, help="read each trace this many times (fresh processes); "
+                    "the row reports the run with the median wall time and lists all")
     args = ap.parse_args()
     from common import write_results
 
@@ -83,7 +93,7 @@ def main():
             if not p.exists():
                 write_nsys_sqlite(p, spec)
             gen = time.perf_counter() - t0
-            r = measure(p, mode, rx)
+            r = measure(p, mode, rx, args.repeat)
             t = truth(SynthSpec(steps=1, layers=layers, graphs=spec.graphs))[0]
             kernels = nsteps * per_step
             ok = r["steps"] == nsteps and r["busy_ns"][0] == t["busy_ns"] and r["group_events"] == r["events"]
@@ -92,7 +102,8 @@ def main():
                          "seconds": r["seconds"], "kernels_per_s": kernels / r["seconds"],
                          "cpu_seconds": r["cpu_seconds"], "kernels_per_cpu_s": kernels / r["cpu_seconds"],
                          "peak_rss_mb": r["peak_rss_kb"] / 1024, "rss_growth_mb": (r["peak_rss_kb"] - r["base_rss_kb"]) / 1024,
-                         "generate_seconds": gen})
+                         "generate_seconds": gen, "runs_seconds": r["runs_seconds"],
+                         "runs_load_1min": r["runs_load_1min"]})
             print(rows[-1], flush=True)
         # Kineto: steps sized so the plain JSON passes --kineto-mb
         spec = SynthSpec(steps=1, layers=layers)
@@ -103,7 +114,7 @@ def main():
             p = work / name
             if not p.exists():
                 write_kineto(p, spec, cpu_noise=1)
-            r = measure(p, "range", "decode_step")
+            r = measure(p, "range", "decode_step", args.repeat)
             t = truth(SynthSpec(steps=1, layers=layers))[0]
             gpu_events = ksteps * (per_step + 1)
             ok = r["steps"] == ksteps and r["busy_ns"][0] == t["busy_ns"]
@@ -114,7 +125,8 @@ def main():
                          "seconds": r["seconds"], "events_per_s": total_events / r["seconds"],
                          "cpu_seconds": r["cpu_seconds"], "events_per_cpu_s": total_events / r["cpu_seconds"],
                          "gpu_events_per_s": gpu_events / r["seconds"], "peak_rss_mb": r["peak_rss_kb"] / 1024,
-                         "rss_growth_mb": (r["peak_rss_kb"] - r["base_rss_kb"]) / 1024})
+                         "rss_growth_mb": (r["peak_rss_kb"] - r["base_rss_kb"]) / 1024,
+                         "runs_seconds": r["runs_seconds"], "runs_load_1min": r["runs_load_1min"]})
             print(rows[-1], flush=True)
     finally:
         if not args.keep:

@@ -930,12 +930,16 @@ def _aggregate(ex: NsysExport, req: StepRequest) -> Aggregate:
             return f"CUDA graph exec {-2000 - int(nid)} (whole graph)"
         return "Memset"
 
-    name_of = {key: _name(*key) for key in {(r[2], r[3]) for r in rows}}
-    tag_of = {tg: (tag_names[int(tg)] if tg is not None and tg >= 0 else None) for tg in {r[1] for r in rows}}
-    # positional: KernelGroup(step, name, kind, stream, tag, dims, count, total_ns), the fastest way to
-    # build tens of thousands of them
-    groups = [KernelGroup(int(st_i), name_of[(nid, kind)], KINDS[int(kind)], stream, tag_of[tg], None, int(n),
-                          int(dur)) for st_i, tg, nid, kind, stream, n, dur, _, _ in rows]
+    # (name, kind, tag) per distinct (name id, kind, tag value); positional KernelGroup(step, name, kind,
+    # stream, tag, dims, count, total_ns): the fastest way to build tens of thousands of them
+    label = {key: (_name(key[0], key[1]), KINDS[int(key[1])], tag_names[int(key[2])]
+                   if key[2] is not None and key[2] >= 0 else None) for key in {(r[2], r[3], r[1]) for r in rows}}
+    if exact:
+        groups = [KernelGroup(st_i, *label[(nid, kind, tg)][:2], stream, label[(nid, kind, tg)][2], None, n, dur)
+                  for st_i, tg, nid, kind, stream, n, dur, _, _ in rows]
+    else:
+        groups = [KernelGroup(int(st_i), *label[(nid, kind, tg)][:2], stream, label[(nid, kind, tg)][2], None,
+                              int(n), int(dur)) for st_i, tg, nid, kind, stream, n, dur, _, _ in rows]
     per_step: dict[int, dict] = {}
     if exact and rows:
         a = np.array([(r[0], r[5], r[6], r[7], r[8]) for r in rows], dtype=np.int64)
@@ -996,9 +1000,9 @@ def _build_steps(mode: str, labels: list[str], step_ranges: list[Range], per_ste
         else:
             start = p["s"]
             end = per_step[present[j + 1]]["s"] if j + 1 < len(present) else p["e"]
-        steps.append(StepInfo(index=i, label=labels[i] if i < len(labels) else str(i), start=int(start),
-                              end=int(end), gpu_start=int(p["s"]), gpu_end=int(p["e"]), busy_ns=int(p["busy"]),
-                              events=int(p["n"])))
+        # positional: StepInfo(index, label, start, end, gpu_start, gpu_end, busy_ns, events)
+        steps.append(StepInfo(i, labels[i] if i < len(labels) else str(i), int(start), int(end), int(p["s"]),
+                              int(p["e"]), int(p["busy"]), int(p["n"])))
     return steps
 
 
