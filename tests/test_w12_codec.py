@@ -136,3 +136,50 @@ def test_check_catches_structural_damage():
     t.records = t.records[:-1]
     with pytest.raises(ValueError):
         check(t)
+
+
+# ----------------------------------------------------------------------------------------------
+# compact side data of checkpoint files (format 2)
+# ----------------------------------------------------------------------------------------------
+
+from specpilot.kernels.w12.format import (pack_positions, pack_windows, positions_bytes,  # noqa: E402
+                                          unpack_positions, unpack_windows, windows_bytes)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 2**40), max_size=60, unique=True))
+def test_positions_round_trip_with_any_gaps(values):
+    pos = torch.tensor(sorted(values), dtype=torch.int64)
+    codes = pack_positions(pos)
+    assert codes.dtype == torch.int16 and codes.numel() * 2 == positions_bytes(pos)
+    assert torch.equal(unpack_positions(codes), pos)
+
+
+def test_positions_edge_gaps():
+    for vals in ([0], [65534], [65535], [65536], [0, 65535, 131070, 131071], [5, 5 + 3 * 65535]):
+        pos = torch.tensor(vals, dtype=torch.int64)
+        assert torch.equal(unpack_positions(pack_positions(pos)), pos), vals
+    with pytest.raises(ValueError):
+        pack_positions(torch.tensor([3, 3]))          # not distinct
+    with pytest.raises(ValueError):
+        unpack_positions(torch.tensor([-1], dtype=torch.int16))   # ends in a skip code
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 239), min_size=0, max_size=40))
+def test_windows_round_trip(values):
+    low = torch.tensor(values, dtype=torch.uint8)
+    stored, base = pack_windows(low)
+    assert stored.numel() == windows_bytes(low)
+    assert (base is None) == (not values or max(values) - min(values) > 15)
+    assert torch.equal(unpack_windows(stored, len(values), base), low)
+
+
+def test_compact_side_data_cuts_bits_per_weight():
+    w = (torch.randn(576, 576, generator=torch.Generator().manual_seed(0)) * 0.02).bfloat16()
+    w[::7, ::11] = 0.0                                   # plenty of escapes
+    t = encode(w)
+    side_v1 = t.low_exp.numel() + 4 * t.num_escapes      # format 1: a byte per window, int32 positions
+    side_v2 = windows_bytes(t.low_exp) + positions_bytes(t.esc_pos)
+    assert side_v2 < side_v1 / 1.8
+    assert t.stored_bytes() == t.records.numel() + side_v2 + 2 * t.num_escapes

@@ -40,6 +40,7 @@ def test_smollm2_pack_verify_stats(tmp_path, run_cli):
     code, out, _ = run_cli("w12", "stats", dst, "--format", "json")
     doc = json.loads(out)
     assert len(doc["tensors"]) == 14
-    # Q4_1-dequantized weights at K=576/1536: measured 12.027 bits/weight over the whole model
-    assert 12.0 < doc["bits_per_weight"] < 12.06
+    # Q4_1-dequantized weights at K=576/1536: 12.016 bits/weight over the whole model (format 2;
+    # format 1 files took 12.027): the target is <= 12.02
+    assert 12.0 < doc["bits_per_weight"] <= 12.02
     assert doc["escape_rate"] < 1e-3

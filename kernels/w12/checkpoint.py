@@ -1,15 +1,19 @@
 """W12 checkpoints: pack a safetensors file/folder, verify it bit for bit, report its size.
 
-A converted weight ``NAME`` (bf16 ``[N, K]``) is stored as four tensors
+A converted weight ``NAME`` (bf16 ``[N, K]``) is stored as four tensors (format version 2)
 
     NAME.w12.records   uint8  the 12 KB records (last row tile cut to the rows present)
-    NAME.w12.low_exp   uint8  [N]   window low end per output channel
-    NAME.w12.esc_pos   int32  [nnz] flat positions n*K + k of escapes (int64 if N*K >= 2**31)
+    NAME.w12.low_exp   uint8  window low end per output channel: 4-bit offsets from ``low_base``
+                              (two per byte) when the windows span <= 16 binades, else [N] bytes
+    NAME.w12.esc_pos   int16  flat positions n*K + k of escapes as 16-bit delta codes
+                              (format.pack_positions; 0xFFFF = skip 65535)
     NAME.w12.esc_bits  int16  [nnz] their bf16 bit patterns
 
 and described in the safetensors metadata key ``specpilot.w12`` (JSON, schema ``specpilot.w12/1``):
-format version, tile, row padding, per tensor its shape, stored rows, padded K and a CRC-32 of each
-stored part (so ``verify`` catches a corrupted record even without the original). Every other
+format version, tile, row padding, per tensor its shape, stored rows, padded K, ``low_base`` (null
+for the byte form), the escape count and a CRC-32 of each stored part (so ``verify`` catches a
+corrupted record even without the original). Format 1 files (windows as bytes, positions as
+int32/int64) are still read. Every other
 tensor is copied unchanged; other metadata keys are kept.
 """
 
@@ -28,7 +32,7 @@ from typing import Callable, Iterable
 import torch
 
 from .format import (FORMAT_VERSION, ROW_ALIGN_FILE, TILE_K, TILE_N, W12Tensor, check, decode, encode,
-                     expected_record_bytes)
+                     expected_record_bytes, pack_positions, pack_windows, unpack_positions, unpack_windows)
 
 META_KEY = "specpilot.w12"
 SCHEMA = "specpilot.w12/1"
@@ -141,10 +145,12 @@ def selected(name: str, t: torch.Tensor, include: Iterable[str], exclude: Iterab
             and not any(fnmatch.fnmatch(name, p) for p in exclude))
 
 
-def w12_parts(name: str, t: W12Tensor) -> dict[str, torch.Tensor]:
-    pos = t.esc_pos.to(torch.int32 if t.numel < 2**31 else torch.int64)
-    return {f"{name}.w12.records": t.records.contiguous(), f"{name}.w12.low_exp": t.low_exp.contiguous(),
-            f"{name}.w12.esc_pos": pos.contiguous(), f"{name}.w12.esc_bits": t.esc_bits.contiguous()}
+def w12_parts(name: str, t: W12Tensor) -> tuple[dict[str, torch.Tensor], dict]:
+    """The four stored tensors of a W12 weight (format 2) and the metadata entries they need."""
+    low, base = pack_windows(t.low_exp.cpu())
+    parts = {f"{name}.w12.records": t.records.contiguous(), f"{name}.w12.low_exp": low,
+             f"{name}.w12.esc_pos": pack_positions(t.esc_pos), f"{name}.w12.esc_bits": t.esc_bits.contiguous()}
+    return parts, {"low_base": base, "escapes": t.num_escapes}
 
 
 def _crc(t: torch.Tensor) -> int:
@@ -168,10 +174,10 @@ def pack_tensors(tensors: dict[str, torch.Tensor], meta: dict[str, str], include
             result.skipped_not_bf16.append(name)
             continue
         w12 = encode(t.to(device)).to("cpu")
-        parts = w12_parts(name, w12)
+        parts, extra = w12_parts(name, w12)
         out.update(parts)
         info[name] = {"shape": list(w12.shape), "rows_stored": w12.rows_stored, "k_pad": w12.k_pad,
-                      "dtype": "bfloat16", "crc32": {p: _crc(parts[f"{name}.w12.{p}"]) for p in PARTS}}
+                      "dtype": "bfloat16", **extra, "crc32": {p: _crc(parts[f"{name}.w12.{p}"]) for p in PARTS}}
         result.converted.append(TensorStat(name, w12.shape, w12.bits_per_weight(), w12.num_escapes,
                                            w12.escape_rate(), w12.stored_bytes()))
     new_meta = dict(meta)
@@ -269,9 +275,15 @@ def w12_info(meta: dict[str, str], source: str) -> dict:
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
         raise W12FormatError(f"{source}: unknown W12 schema {doc.get('schema') if isinstance(doc, dict) else doc!r}; "
                              f"this SpecPilot reads {SCHEMA}")
-    if doc.get("version") != FORMAT_VERSION or doc.get("tile") != [TILE_N, TILE_K]:
+    if doc.get("version") not in (1, FORMAT_VERSION) or doc.get("tile") != [TILE_N, TILE_K]:
         raise W12FormatError(f"{source}: W12 version {doc.get('version')} tile {doc.get('tile')} is not supported")
-    return doc.get("tensors", {})
+    tensors = doc.get("tensors", {})
+    if not isinstance(tensors, dict):
+        raise W12FormatError(f"{source}: the {META_KEY} metadata has no tensor table")
+    for entry in tensors.values():
+        if isinstance(entry, dict):
+            entry["_version"] = doc["version"]
+    return tensors
 
 
 def load_w12(tensors: dict[str, torch.Tensor], name: str, entry: dict, source: str,
@@ -285,9 +297,17 @@ def load_w12(tensors: dict[str, torch.Tensor], name: str, entry: dict, source: s
         if check_crc and _crc(parts[p]) != int(entry.get("crc32", {}).get(p, -1)):
             raise W12FormatError(f"{source}: {name}: {p} is corrupted (CRC-32 mismatch)")
     try:
-        t = W12Tensor(tuple(int(x) for x in entry["shape"]), int(entry["rows_stored"]),
-                      parts["records"].to(torch.uint8), parts["low_exp"].to(torch.uint8),
-                      parts["esc_pos"].to(torch.int64), parts["esc_bits"].to(torch.int16))
+        shape = tuple(int(x) for x in entry["shape"])
+        if entry.get("_version", FORMAT_VERSION) == 1:
+            low, pos = parts["low_exp"].to(torch.uint8), parts["esc_pos"].to(torch.int64)
+        else:
+            base = entry["low_base"]
+            low = unpack_windows(parts["low_exp"], shape[0], None if base is None else int(base))
+            pos = unpack_positions(parts["esc_pos"])
+            if pos.numel() != int(entry["escapes"]):
+                raise ValueError(f"{pos.numel()} escape positions, the metadata says {entry['escapes']}")
+        t = W12Tensor(shape, int(entry["rows_stored"]), parts["records"].to(torch.uint8), low, pos,
+                      parts["esc_bits"].to(torch.int16))
         check(t)
     except (KeyError, ValueError, TypeError) as e:
         raise W12FormatError(f"{source}: {name}: {e}") from None

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2   # checkpoint files: 2 = compact windows and escape positions (1 is still read)
 TILE_N = 128
 TILE_K = 64
 ROW_ALIGN_FILE = 16
@@ -77,9 +77,11 @@ class W12Tensor:
         return self.shape[0] * self.shape[1]
 
     def stored_bytes(self) -> int:
-        """Bytes on disk: records, per-channel window byte, escape positions and values."""
-        pos_bytes = 4 if self.numel < 2**31 else 8
-        return int(self.records.numel() + self.low_exp.numel() + self.num_escapes * (pos_bytes + 2))
+        """Bytes in a checkpoint file (format 2): records, the per-channel windows (4 bits each
+        when a tensor's windows span at most 16 binades, else a byte), escape positions as
+        16-bit deltas and their 16-bit values. See :func:`pack_windows` / :func:`pack_positions`."""
+        return int(self.records.numel() + windows_bytes(self.low_exp) + positions_bytes(self.esc_pos)
+                   + 2 * self.num_escapes)
 
     def bits_per_weight(self) -> float:
         return 8.0 * self.stored_bytes() / max(1, self.numel)
@@ -90,6 +92,93 @@ class W12Tensor:
     def to(self, device) -> "W12Tensor":
         return W12Tensor(self.shape, self.rows_stored, self.records.to(device), self.low_exp.to(device),
                          self.esc_pos.to(device), self.esc_bits.to(device))
+
+
+# ----------------------------------------------------------------------------------------------
+# compact side data of checkpoint files (format 2)
+# ----------------------------------------------------------------------------------------------
+# Windows: when max(L) - min(L) <= 15 the per-channel window is a 4-bit offset from the tensor's
+# lowest window (two per byte, low nibble first; the base goes to the file's metadata), else a
+# byte per channel. Escape positions (sorted flat n*K + k): 16-bit deltas from the previous
+# position (from 0 for the first); a gap g >= 65535 is written as g // 65535 codes 0xFFFF (skip
+# 65535, no escape) followed by g % 65535.
+
+DELTA_SKIP = 0xFFFF
+
+
+def windows_bytes(low: torch.Tensor) -> int:
+    n = int(low.numel())
+    if n and int(low.max()) - int(low.min()) <= 15:
+        return (n + 1) // 2
+    return n
+
+
+def pack_windows(low: torch.Tensor) -> tuple[torch.Tensor, int | None]:
+    """uint8 [N] windows -> (stored uint8 tensor, base) with base None for the byte form."""
+    n = int(low.numel())
+    if not n or int(low.max()) - int(low.min()) > 15:
+        return low.to(torch.uint8).contiguous(), None
+    base = int(low.min())
+    off = (low.to(torch.int32) - base)
+    if n % 2:
+        off = torch.cat([off, off.new_zeros(1)])
+    pairs = off.view(-1, 2)
+    return (pairs[:, 0] | (pairs[:, 1] << 4)).to(torch.uint8).contiguous(), base
+
+
+def unpack_windows(stored: torch.Tensor, n: int, base: int | None) -> torch.Tensor:
+    if base is None:
+        if stored.numel() != n:
+            raise ValueError(f"{stored.numel()} window bytes for {n} channels")
+        return stored.to(torch.uint8)
+    if stored.numel() != (n + 1) // 2:
+        raise ValueError(f"{stored.numel()} packed window bytes for {n} channels")
+    v = stored.to(torch.int32)
+    off = torch.stack([v & 15, v >> 4], dim=1).reshape(-1)[:n]
+    out = off + int(base)
+    if n and (int(out.min()) < 1 or int(out.max()) > 239):
+        raise ValueError("window out of range")
+    return out.to(torch.uint8)
+
+
+def _gaps(pos: torch.Tensor) -> torch.Tensor:
+    prev = torch.cat([pos.new_zeros(1), pos[:-1]])
+    return pos - prev
+
+
+def positions_bytes(pos: torch.Tensor) -> int:
+    if not pos.numel():
+        return 0
+    return 2 * int(pos.numel() + (_gaps(pos) // DELTA_SKIP).sum())
+
+
+def pack_positions(pos: torch.Tensor) -> torch.Tensor:
+    """Sorted int64 flat positions -> int16 tensor of 16-bit delta codes (bit patterns)."""
+    if not pos.numel():
+        return torch.zeros(0, dtype=torch.int16)
+    pos = pos.to(torch.int64).cpu()
+    gaps = _gaps(pos)
+    if int(pos[0]) < 0 or (gaps.numel() > 1 and int(gaps[1:].min()) <= 0):
+        raise ValueError("escape positions must be sorted, distinct and non-negative")
+    skips = gaps // DELTA_SKIP
+    rest = gaps % DELTA_SKIP
+    # escape i takes skips[i] codes 0xFFFF, then its rest: fill with 0xFFFF, write each rest at its end
+    counts = skips + 1
+    codes = torch.full((int(counts.sum()),), DELTA_SKIP, dtype=torch.int64)
+    ends = torch.cumsum(counts, 0) - 1
+    codes[ends] = rest
+    return codes.to(torch.int32).to(torch.int16)   # bit patterns: 0xFFFF -> -1
+
+
+def unpack_positions(stored: torch.Tensor) -> torch.Tensor:
+    if not stored.numel():
+        return torch.zeros(0, dtype=torch.int64)
+    v = stored.to(torch.int64) & 0xFFFF
+    run = torch.cumsum(v, 0)
+    keep = v != DELTA_SKIP
+    if not bool(keep[-1]):
+        raise ValueError("escape positions end in a skip code")
+    return run[keep]
 
 
 def expected_record_bytes(shape: tuple[int, int], rows_stored: int) -> int:
