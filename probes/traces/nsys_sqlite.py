@@ -1,22 +1,27 @@
 """Nsight Systems SQLite exports (schema 2.x ``EXPORT_META_DATA`` and 3.x ``META_DATA_EXPORT``).
 
 The aggregation runs inside SQLite, in one pass over each GPU activity table and without sorting
-it (SQLite's GROUP BY sorts every row; on millions of kernels that sort is most of the time):
+it (SQLite has no hash aggregate: a GROUP BY sorts every row, and on millions of kernels that sort
+was most of the time):
 
 - steps (and the ranges rules test) are step functions of the CUDA correlation id or the GPU
-  start time, given by a few thousand change points. Each row finds its value through an
-  equality join on a small bucket table (``_Lookup``): a bucket holds the value at its start and
-  the one change point inside it, so a row costs one rowid lookup instead of a search;
+  start time with a few thousand change points. A row finds its value through one equality join
+  on a bucket table (:class:`_Lookup`: each bucket holds its value and up to two change points)
+  instead of a search; the tables are built once and copied to each connection;
 - rows are summed per (step, range, name, stream) by an UPSERT into a small temporary table keyed
-  by one integer that packs the group (``_pack``), so Python only sees one row per kernel name
-  and step;
+  by one integer packing the group, count and duration packed in one column, so Python only sees
+  one row per kernel name and step;
+- CUDA graph kernels are summed per (launch, stream, name) in the pass that finds the graph
+  launches (:class:`_LaunchGroups`); steps keyed by correlation id then apply to those sums, and
+  the kernel pass reads eager kernels only;
 - idle-gap steps are found without fetching every row when the tables are stored in time order
   (Nsight writes them so): a self-join on rowid + 1 lists the idle gaps, and the busy stretches
   between them stand in for their kernels in :func:`steps.gap_boundaries`.
 
-Every fast path checks its preconditions and falls back to the plain query (GROUP BY, or
-fetching the rows) when they do not hold. Large tables are split by rowid across threads, each
-on its own read-only connection. The file is opened read-only and never modified.
+Every fast path checks its preconditions and falls back to the plain query (GROUP BY, or fetching
+the rows) when they do not hold, with the same result (``tests/test_traces_nsys_reference.py``
+compares with a plain Python reader). Large tables are split by rowid across threads, each on its
+own read-only connection. The file is opened read-only and never modified.
 
 Tables used: ``StringIds``, ``CUPTI_ACTIVITY_KIND_KERNEL`` (+ ``_MEMCPY``, ``_MEMSET``),
 ``CUPTI_ACTIVITY_KIND_RUNTIME`` (launch correlation, graph launches), ``NVTX_EVENTS``
