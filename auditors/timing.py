@@ -9,7 +9,8 @@ base throughput for throughputs), so a ratio above 1 means the candidate is fast
 - 95% interval: paired bootstrap, resampling whole blocks (an ABBA block or a GPU-swap block keeps
   its two pairs together so drift cancellation survives resampling); a t-interval on the log ratios
   is computed beside it as a check, and approval needs both lower bounds to clear the threshold.
-- noise: stock's own noise from an A/A split in the same run (the base measured twice per block:
+- noise: stock's own noise from an A/A split in the same run (the base measured twice per block;
+  with a GPU swap, base runs on the same GPU in consecutive blocks:
   |geometric mean of base_first / base_second - 1|), or given.
 - approve when the lower bound > 1% + 2 x noise; a change that alters outputs must clear 3% (or
   1% + 2 x noise when that is larger), the paper's rule for patches that may carry a loss.
@@ -79,8 +80,15 @@ def threshold_for(noise: float, changes_output: bool) -> float:
     return max(CHANGES_OUTPUT_MARGIN, base) if changes_output else base
 
 
-def aa_noise(aa_pairs: Sequence[tuple[float, float]], higher_is_better: bool) -> float:
-    """|geometric mean of first/second - 1| over the A/A split (first vs second base run per block)."""
+def aa_noise(aa_pairs: Sequence[tuple[float, float]], higher_is_better: bool, swap: bool = False) -> float:
+    """|geometric mean of first/second - 1| over the A/A split.
+
+    ABBA: the two base runs of each block (first vs second). GPU swap (``swap``): a block's two base
+    runs ran on *different* GPUs, so their ratio is mostly the GPUs' own speed difference, which the
+    swap cancels out of the gain; the split then pairs base runs on the *same* GPU in consecutive
+    blocks (block i vs block i+1, each GPU), which sees drift over the run the way ABBA's does."""
+    if swap:
+        aa_pairs = [(p[g], q[g]) for p, q in zip(aa_pairs, aa_pairs[1:]) for g in (0, 1)]
     if not aa_pairs:
         return 0.0
     a = np.array(aa_pairs, dtype=np.float64)
@@ -120,8 +128,11 @@ def judge(samples: Sequence[Sample], *, higher_is_better: bool, aa_pairs: Sequen
     lo, hi = bootstrap_gain_ci(log_r, blocks, n_boot, seed)
     t_lo, t_hi = t_interval(log_r)
     if noise is None:
-        noise_v, src = aa_noise(aa_pairs, higher_is_better), "A/A split (base first vs second run per block)"
-        if not aa_pairs:
+        swap = any(s.order == "||" for s in samples)
+        noise_v = aa_noise(aa_pairs, higher_is_better, swap=swap)
+        src = ("A/A split (base on the same GPU, consecutive blocks)" if swap
+               else "A/A split (base first vs second run per block)")
+        if not aa_pairs or (swap and len(aa_pairs) < 2):
             src = "none measured (no A/A split)"
     else:
         if not 0 <= noise < 1:

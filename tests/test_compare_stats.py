@@ -92,3 +92,25 @@ def test_power_plan_grows_with_spread():
     assert plan_runs(0.5, 0.5, 8, max_pairs=50).capped
     assert predicted_power(big.pairs, big.sd_planned, 0.03 * big.sd_planned / 0.03) >= 0.8
     assert predicted_power(1000, 0.01, 0.01, target_gain=1.0) < 0.01
+
+
+def test_gpu_swap_noise_ignores_the_gpus_own_speed_difference():
+    """With a GPU swap the two base runs of a block ran on different GPUs: a GPU 3% slower than the
+    other is not stock noise (the swap cancels it from the gain), so a true 4% gain is approved."""
+    import random
+
+    rnd = random.Random(0)
+    samples, aa = [], []
+    for blk in range(8):
+        runs = []
+        for k, (ga, gb) in enumerate((("0", "1"), ("1", "0"))):
+            speed = {"0": 1.0, "1": 0.97}      # GPU 1 is 3% slower, for both systems
+            base = 100.0 * speed[ga] * (1 + rnd.gauss(0, 0.002))
+            cand = 104.0 * speed[gb] * (1 + rnd.gauss(0, 0.002))
+            samples.append(Sample(2 * blk + k, blk, base, cand, "||", ga, gb))
+            runs.append(base)
+        aa.append(tuple(runs))
+    assert aa_noise(aa, higher_is_better=True) == pytest.approx(0.03, abs=0.005)   # the ABBA split would
+    assert aa_noise(aa, higher_is_better=True, swap=True) < 0.005                  # same GPU, next block
+    v = judge(samples, higher_is_better=True, aa_pairs=aa)
+    assert v.approved and "same GPU" in v.noise_source and v.gain == pytest.approx(1.04, abs=0.005)
