@@ -213,22 +213,36 @@ def test_unknown_kernel_is_refused():
 
 
 def test_frontier_kernel_compiles_for_sm90():
-    """Compiled (not run) for the H200's architecture: the interpreter skips the L1 prefetch."""
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    """Compiled (not run) for the H200's architecture: the interpreter skips the L1 prefetch.
 
-    from specpilot.kernels import tree_batched as tb
+    In a fresh interpreter with ``TRITON_INTERPRET=0``: other test modules turn the interpreter on
+    for this process, and kernels defined under it cannot be compiled."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
 
-    sig = {a: "*fp32" for a in ("lp_ptr", "tr_ptr", "o_score")}
-    sig.update({a: "*i64" for a in ("tok_ptr", "o_tok", "o_par", "o_dep", "o_cand", "o_count")})
-    sig["o_valid"] = "*i1"
-    const = {"M": 16, "K": 16, "N": 32, "BK": 16, "BN": 32, "LOG_BK": 4, "LOG_BN": 5, "HAS_TR": True,
-             "PREFETCH": True, "PF_TR": 128, "PF_LP": 16, "PF_TOK": 32}
-    sig.update({k: "constexpr" for k in const})
-    k = triton.compile(ASTSource(fn=tb._frontier_kernel, signature=sig, constexprs=const),
-                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
-    assert "prefetch.global.L1" in k.asm["ptx"]
+    pytest.importorskip("triton")
+    code = textwrap.dedent("""
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        from specpilot.kernels import tree_batched as tb
+        sig = {a: "*fp32" for a in ("lp_ptr", "tr_ptr", "o_score")}
+        sig.update({a: "*i64" for a in ("tok_ptr", "o_tok", "o_par", "o_dep", "o_cand", "o_count")})
+        sig["o_valid"] = "*i1"
+        const = {"M": 16, "K": 16, "N": 32, "BK": 16, "BN": 32, "LOG_BK": 4, "LOG_BN": 5, "HAS_TR": True,
+                 "PREFETCH": True, "PF_TR": 128, "PF_LP": 16, "PF_TOK": 32}
+        sig.update({k: "constexpr" for k in const})
+        k = triton.compile(ASTSource(fn=tb._frontier_kernel, signature=sig, constexprs=const),
+                           target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
+        print("prefetch.global.L1" in k.asm["ptx"])
+    """)
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip().splitlines()[-1] == "True"
+
 
 @pytest.mark.gpu
 def test_triton_on_cuda_and_graph_capture():
