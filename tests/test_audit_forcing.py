@@ -362,3 +362,32 @@ def test_cli_other_formats(run_cli, tiny):
 def test_selftest_bad_options(run_cli, args, message):
     code, out, err = run_cli("audit", "selftest", *args)
     assert code == 2 and message in err and err.startswith("specpilot: error:")
+
+
+@pytest.mark.gpu
+def test_scorer_on_cuda_matches_cpu(tiny):
+    """The scorer's CUDA path (batched, bf16 hidden states by default there, FP32 head): the same
+    margins as the float32 CPU scorer up to bf16 rounding, and the same argmax away from near ties;
+    the audit's verdicts on the tiny systems agree."""
+    import torch
+
+    from specpilot.auditors.scorer import Scorer
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA")
+    gpu = Scorer.load(tiny["model"], device="cuda")
+    assert gpu.info.device.startswith("cuda") and gpu.info.lm_head == "float32"
+    outs = read_outputs(tiny["files"]["biased"])
+    seqs = [(r.prompt_ids, r.output_ids) for r in outs.rows]
+    got = gpu.score(seqs, batch_tokens=40, head_chunk=7)
+    ref = tiny["scorer"].score(seqs)
+    same, total = 0, 0
+    for g, r in zip(got, ref):
+        np.testing.assert_allclose(g.margin, r.margin, atol=0.05 * max(1.0, float(np.abs(r.margin).max())))
+        clear = r.margin > 0.1          # clear mismatches: bf16 hidden states may still flip a near tie
+        same += int((g.argmax[clear] == r.argmax[clear]).sum())
+        total += int(clear.sum())
+    assert total > 0 and same >= 0.9 * total
+    f32 = Scorer.load(tiny["model"], device="cuda", dtype="float32")
+    for g, r in zip(f32.score(seqs), ref):
+        np.testing.assert_allclose(g.margin, r.margin, atol=2e-3)
