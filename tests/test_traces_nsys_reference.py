@@ -309,6 +309,37 @@ def test_unsorted_and_huge_ids_fall_back(tmp_path, monkeypatch, graphs):
         check(src, req)
 
 
+@pytest.mark.parametrize("probe", [1, 4096])
+def test_graph_trace_with_eager_kernels_inside(tmp_path, monkeypatch, probe):
+    """Eager kernels (no graph node or no correlation id) only in the middle of a graph trace: with a
+    one-row probe the graph-launch pass reads every row and must notice them (the eager pass runs);
+    with a large probe they are found first and filtered out of that pass."""
+    monkeypatch.setattr(ns, "PARALLEL_MIN_ROWS", 40)
+    monkeypatch.setattr(ns, "EAGER_PROBE", probe)
+    src = write_nsys_sqlite(tmp_path / "s.sqlite", SynthSpec(steps=6, layers=2, graphs=True, second_stream=True,
+                                                             overlap_ns=2000))
+    con = sqlite3.connect(src)
+    n = con.execute(f"SELECT max(rowid) FROM {ns.KERNEL}").fetchone()[0]
+    con.execute(f"UPDATE {ns.KERNEL} SET graphNodeId = NULL WHERE rowid BETWEEN {n // 3} AND {n // 3 + 4}")
+    con.execute(f"UPDATE {ns.KERNEL} SET correlationId = NULL WHERE rowid = {n // 2}")
+    con.commit()
+    con.close()
+    for req in (StepRequest(), StepRequest(mode="graph", tag_regex="decode"), StepRequest(mode="gap")):
+        check(src, req)
+
+
+def test_unique_rows_matches_numpy():
+    rng = np.random.default_rng(3)
+    for trial in range(50):
+        n = int(rng.integers(1, 200))
+        cols = [rng.integers(-3, int(rng.integers(-2, 40)), n) for _ in range(4)]
+        if trial % 5 == 0:
+            cols[1] = rng.integers(-(1 << 60), 1 << 60, n)  # too wide to pack: numpy's own path
+        keys, inv = ns._unique_rows(cols)
+        want, want_inv = np.unique(np.stack(cols, axis=1), axis=0, return_inverse=True)
+        assert (keys == want).all() and (inv == want_inv.reshape(-1)).all()
+
+
 @pytest.mark.parametrize("graphs", [False, True])
 def test_without_runtime_table_ranges_by_gpu_time(tmp_path, fast_paths, graphs):
     spec = SynthSpec(steps=5, layers=2, second_stream=True, overlap_ns=2000, graphs=graphs)

@@ -13,10 +13,13 @@ was most of the time):
   one row per kernel name and step;
 - CUDA graph kernels are summed per (launch, stream, name) in the pass that finds the graph
   launches (:class:`_LaunchGroups`); steps keyed by correlation id then apply to those sums, and
-  the kernel pass reads eager kernels only;
+  the kernel pass reads eager kernels only - or does not run at all when that pass saw every row
+  and no eager kernel (probed at both ends of the table first);
 - idle-gap steps are found without fetching every row when the tables are stored in time order
   (Nsight writes them so): a self-join on rowid + 1 lists the idle gaps, and the busy stretches
-  between them stand in for their kernels in :func:`steps.gap_boundaries`.
+  between them stand in for their kernels in :func:`steps.gap_boundaries`. That check also lets
+  the kernel pass read such a table in rowid order and keep a group's first start and last end
+  instead of comparing every row.
 
 Every fast path checks its preconditions and falls back to the plain query (GROUP BY, or fetching
 the rows) when they do not hold, with the same result (``tests/test_traces_nsys_reference.py``
@@ -31,6 +34,7 @@ Tables used: ``StringIds``, ``CUPTI_ACTIVITY_KIND_KERNEL`` (+ ``_MEMCPY``, ``_ME
 from __future__ import annotations
 
 import itertools
+import operator
 import os
 import sqlite3
 import threading
@@ -66,6 +70,7 @@ GAP_SAMPLE = 200_000  # events (in time order) searched for the repeating idle g
 GAP_FETCH_MAX = 200_000  # gap mode fetches the rows of tables up to this size; larger ones by their idle gaps
 PACK_LIMIT = 1 << 62  # packed group keys stay below this (SQLite integers are 64-bit)
 STREAM_SLOTS = 4096  # stream ids the packed key holds (0 ..), fewer when steps x names need the bits
+EAGER_PROBE = 4096  # rows at each end of the kernel table probed for eager kernels (see _graph_kernels)
 KERNEL_COLUMNS = ("start", "end", "deviceId", "streamId", "correlationId", "demangledName", "shortName")
 
 
@@ -320,6 +325,7 @@ class Part:
     kind: int
     dev: str = ""  # " AND a.deviceId = N" or ""
     names: tuple[int, int] | None = None  # the range of ``name`` when known without reading the table
+    ordered: bool = False  # start and end non-NULL and non-decreasing in rowid order (checked by _idle_gaps)
 
     def select(self, rows: str = "1", extra: str = "") -> str:
         return (f"SELECT a.start AS start, a.end AS end, a.streamId AS stream, a.correlationId AS corr, "
@@ -492,7 +498,9 @@ def _graph_launches(ex: NsysExport, device: int | None) -> list[tuple[int, int]]
 class _LaunchGroups:
     """CUDA graph kernels summed per (launch correlation id, stream, name), smallest graph node id
     per group: every kernel of a graph launch shares its correlation id, so this is small, and steps
-    and ranges keyed by correlation id apply to it without reading the kernels again."""
+    and ranges keyed by correlation id apply to it without reading the kernels again. ``eager``:
+    whether the table may hold kernels outside graph launches (False only when the pass saw every
+    row and found none: then the kernel pass for eager kernels is skipped)."""
 
     corr: np.ndarray
     stream: np.ndarray
@@ -502,6 +510,7 @@ class _LaunchGroups:
     s0: np.ndarray
     e1: np.ndarray
     g: np.ndarray
+    eager: bool = True
 
     def launches(self) -> list[tuple[int, int]]:
         """(correlation id, smallest graph node id) per graph launch."""
@@ -520,8 +529,7 @@ class _LaunchGroups:
 
         st_v = np.maximum(value(step), -1) if step is not None else np.zeros(len(self.corr), dtype=np.int64)
         tg_v = value(tag) if tag is not None else np.full(len(self.corr), -1, dtype=np.int64)
-        keys, inv = np.unique(np.stack([st_v, tg_v, self.name, self.stream], axis=1), axis=0, return_inverse=True)
-        inv = inv.reshape(-1)
+        keys, inv = _unique_rows([st_v, tg_v, self.name, self.stream])
         sums = np.zeros((2, len(keys)), dtype=np.int64)
         np.add.at(sums, (0, inv), self.n)
         np.add.at(sums, (1, inv), self.d)
@@ -533,43 +541,84 @@ class _LaunchGroups:
                 zip(keys.tolist(), sums[0].tolist(), sums[1].tolist(), lo.tolist(), hi.tolist())]
 
 
+def _unique_rows(cols: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(np.stack(cols, axis=1), axis=0, return_inverse=True)`` (rows in lexicographic
+    order), through one packed int64 key when the columns' ranges allow: several times faster."""
+    if len(cols[0]) and all(len(c) == len(cols[0]) for c in cols):
+        los = [int(c.min()) for c in cols]
+        widths = [int(c.max()) - lo + 1 for c, lo in zip(cols, los)]
+        total = 1
+        for w in widths:
+            total *= w
+        if total < PACK_LIMIT:
+            key = np.zeros(len(cols[0]), dtype=np.int64)
+            for c, lo, w in zip(cols, los, widths):
+                key = key * w + (c - lo)
+            key, inv = np.unique(key, return_inverse=True)
+            out = np.empty((len(key), len(cols)), dtype=np.int64)
+            for j in range(len(cols) - 1, -1, -1):
+                key, out[:, j] = np.divmod(key, widths[j])
+                out[:, j] += los[j]
+            return out, inv.reshape(-1)
+    keys, inv = np.unique(np.stack(cols, axis=1), axis=0, return_inverse=True)
+    return keys, inv.reshape(-1)
+
+
 def _graph_kernels(ex: NsysExport, part: Part) -> _LaunchGroups | None:
     """The graph kernels of ``part`` (the kernel table) as :class:`_LaunchGroups`, in one UPSERT pass
     keyed by packed (correlation id, stream, name); None when the packing cannot hold them (then
-    :func:`_graph_launches` and the plain passes run)."""
+    :func:`_graph_launches` and the plain passes run).
+
+    When the first and last EAGER_PROBE rows hold no eager kernel (graph node or correlation id
+    NULL), the pass reads every row and sends eager ones to one row keyed -2 instead of filtering
+    them out: if that row stays absent the table has no eager kernel and the kernel pass that would
+    look for them is skipped. When the probe finds one, eager kernels exist and are filtered out
+    here as before (the kernel pass reads them)."""
     n_lo, n_hi = part.names
     nn, streams = n_hi - n_lo + 1, STREAM_SLOTS
     corr_max = PACK_LIMIT // (streams * nn)
     if corr_max < 1:
         return None
+    eager_sql = "a.graphNodeId IS NULL OR a.correlationId IS NULL"
+    probe = " UNION ALL ".join(f"SELECT * FROM (SELECT {eager_sql} AS e FROM {part.table} a WHERE 1{part.dev} "
+                               f"ORDER BY a.rowid{d} LIMIT {EAGER_PROBE})" for d in ("", " DESC"))
+    fold = not ex._q(f"SELECT coalesce(max(e), 0) FROM ({probe})")[0][0]
 
     def work(con, rows, width):
         bits = max(width, 1).bit_length()
         key = (f"CASE WHEN a.correlationId >= 0 AND a.correlationId < {corr_max} AND a.streamId >= 0 AND "
                f"a.streamId < {streams} AND {part.name} >= {n_lo} AND {part.name} <= {n_hi} THEN "
                f"(a.correlationId * {streams} + a.streamId) * {nn} + {part.name} - {n_lo} ELSE -1 END")
+        if fold:
+            key = f"CASE WHEN {eager_sql} THEN -2 ELSE {key} END"
+            where = f"{rows}{part.dev}"
+        else:
+            where = f"{rows} AND a.graphNodeId IS NOT NULL AND a.correlationId IS NOT NULL{part.dev}"
         t = ex.temp_name("lg")
         _upsert_table(con, t, "nd, s0, e1, g")
         try:
             con.execute(f"INSERT INTO temp.{t} (k, nd, s0, e1, g) SELECT {key}, (a.end - a.start) * {1 << bits} + 1, "
-                        f"a.start, a.end, a.graphNodeId FROM {part.table} a WHERE {rows} AND a.graphNodeId IS NOT NULL "
-                        f"AND a.correlationId IS NOT NULL{part.dev} ON CONFLICT(k) DO UPDATE SET nd = nd + excluded.nd, "
-                        f"{_keep('s0', '<')}, {_keep('e1', '>')}, {_keep('g', '<')}")
-            n, bad = con.execute(f"SELECT count(*), count(*) FILTER (WHERE k < 0 OR typeof(nd) != 'integer' OR "
-                                 f"typeof(s0) != 'integer' OR typeof(e1) != 'integer' OR typeof(g) != 'integer') "
-                                 f"FROM temp.{t}").fetchone()
+                        f"a.start, a.end, a.graphNodeId FROM {part.table} a WHERE {where} ON CONFLICT(k) DO UPDATE SET "
+                        f"nd = nd + excluded.nd, {_keep('s0', '<')}, {_keep('e1', '>')}, {_keep('g', '<')}")
+            n, bad, eager = con.execute(
+                f"SELECT count(*) FILTER (WHERE k >= 0), count(*) FILTER (WHERE k = -1 OR k >= 0 AND "
+                f"(typeof(nd) != 'integer' OR typeof(s0) != 'integer' OR typeof(e1) != 'integer' OR "
+                f"typeof(g) != 'integer')), count(*) FILTER (WHERE k = -2) FROM temp.{t}").fetchone()
             if bad:
                 return None
-            a = np.fromiter(itertools.chain.from_iterable(con.execute(f"SELECT k, nd, s0, e1, g FROM temp.{t}")),
-                            dtype=np.int64, count=5 * n).reshape(n, 5)
+            a = np.fromiter(itertools.chain.from_iterable(
+                con.execute(f"SELECT k, nd, s0, e1, g FROM temp.{t} WHERE k >= 0")), dtype=np.int64,
+                count=5 * n).reshape(n, 5)
             nd = a[:, 1]
-            return a[:, 0], nd & ((1 << bits) - 1), nd >> bits, a[:, 2], a[:, 3], a[:, 4]
+            return a[:, 0], nd & ((1 << bits) - 1), nd >> bits, a[:, 2], a[:, 3], a[:, 4], eager > 0
         finally:
             con.execute(f"DROP TABLE temp.{t}")
 
     results = ex.parallel(part.table, work)
     if any(r is None for r in results):
         return None
+    eager = not fold or any(r[6] for r in results)
+    results = [r[:6] for r in results]
     if not results:
         results = [tuple(np.zeros(0, dtype=np.int64) for _ in range(6))]
     k, n, d, s0, e1, g = (np.concatenate(x) for x in zip(*results))
@@ -586,7 +635,7 @@ def _graph_kernels(ex: NsysExport, part: Part) -> _LaunchGroups | None:
         n, d, s0, e1, g = sums[0], sums[1], lo, hi, gm
     k, name = np.divmod(k, nn)
     corr, stream = np.divmod(k, streams)
-    return _LaunchGroups(corr=corr, stream=stream, name=name + n_lo, n=n, d=d, s0=s0, e1=e1, g=g)
+    return _LaunchGroups(corr=corr, stream=stream, name=name + n_lo, n=n, d=d, s0=s0, e1=e1, g=g, eager=eager)
 
 
 def _merge_rows(rows) -> list[tuple]:
@@ -654,10 +703,13 @@ def _aggregate_part(ex: NsysExport, part: Part, step: tuple[_Lookup, str] | None
                f"* {streams} + a.streamId) * {nn} + {part.name} - {n_lo} ELSE -1 END")
         t = ex.temp_name("agg")
         _upsert_table(con, t, "nd, s0, e1")
+        # rows in time order, read in rowid order: a group's first row has its earliest start, its last
+        # row its latest end (the ORDER BY is the scan's own order: SQLite does not sort)
+        keep = ("ORDER BY a.rowid ON CONFLICT(k) DO UPDATE SET nd = nd + excluded.nd, e1 = excluded.e1" if part.ordered
+                else f"ON CONFLICT(k) DO UPDATE SET nd = nd + excluded.nd, {_keep('s0', '<')}, {_keep('e1', '>')}")
         try:
             con.execute(f"INSERT INTO temp.{t} (k, nd, s0, e1) SELECT {key}, (a.end - a.start) * {1 << bits} + 1, "
-                        f"a.start, a.end FROM {part.table} a {join} WHERE {rows}{part.dev} ON CONFLICT(k) DO UPDATE "
-                        f"SET nd = nd + excluded.nd, {_keep('s0', '<')}, {_keep('e1', '>')}")
+                        f"a.start, a.end FROM {part.table} a {join} WHERE {rows}{part.dev} {keep}")
             n, bad = con.execute(f"SELECT count(*), count(*) FILTER (WHERE k < 0 OR typeof(nd) != 'integer' OR "
                                  f"typeof(s0) != 'integer' OR typeof(e1) != 'integer') FROM temp.{t}").fetchone()
             if bad:
@@ -750,13 +802,14 @@ def _idle_gaps(ex: NsysExport, p: Part, lo: int, hi: int, gap_ns: int | None):
 
 
 def _gap_steps(ex: NsysExport, parts: list[Part], req: StepRequest, device: int | None):
-    """Gap mode: (step start times, end of the last step, gap ns), or None (the whole trace)."""
+    """Gap mode: (step start times, end of the last step, gap ns, tables checked to be in time
+    order), or None (the whole trace)."""
     fast = _gap_events(ex, parts, device)
     if fast is not None:
         info, sample = fast
         gap_ns = int(req.gap_us * 1e3) if req.gap_us else st.gap_threshold_ns(sample[:, 0], sample[:, 1],
                                                                                sample[:, 2], sample=GAP_SAMPLE)
-        starts, ends, ok = [], [], True
+        starts, ends, ok, ordered = [], [], True, set()
         i = 0
         for p, n, lo, hi, big in info:
             if big:
@@ -764,6 +817,7 @@ def _gap_steps(ex: NsysExport, parts: list[Part], req: StepRequest, device: int 
                 if stretches is None:
                     ok = False
                     break
+                ordered.add(p.table)
                 starts.append(stretches[0])
                 ends.append(stretches[1])
             else:
@@ -777,7 +831,7 @@ def _gap_steps(ex: NsysExport, parts: list[Part], req: StepRequest, device: int 
             b = st.gap_boundaries(s, e, gap_ns)
             if len(b) < 2 and not req.gap_us:
                 return None
-            return b, int(e.max()), gap_ns
+            return b, int(e.max()), gap_ns, ordered
     act = " UNION ALL ".join(p.select() for p in parts)
     se = _fetch_array(ex, f"SELECT start, end, name FROM ({act})", 3)
     gap_ns = int(req.gap_us * 1e3) if req.gap_us else st.gap_threshold_ns(se[:, 0], se[:, 1], se[:, 2],
@@ -787,7 +841,7 @@ def _gap_steps(ex: NsysExport, parts: list[Part], req: StepRequest, device: int 
     b = st.gap_boundaries(se[:, 0], se[:, 1], gap_ns)
     if len(b) < 2 and not req.gap_us:
         return None
-    return b, int(se[:, 1].max()), gap_ns
+    return b, int(se[:, 1].max()), gap_ns, set()
 
 
 def read_nsys_sqlite(path: str | os.PathLike, req: StepRequest | None = None, on_progress=None) -> Aggregate:
@@ -869,7 +923,8 @@ def _aggregate(ex: NsysExport, req: StepRequest) -> Aggregate:
         if found is None:
             mode = "whole"
         else:
-            b, end, gap_ns = found
+            b, end, gap_ns, ordered = found
+            parts = [replace(p, ordered=True) if p.table in ordered else p for p in parts]
             bb = b + [end + 1]
             step_key = ("time", [(bb[i], bb[i + 1] - 1, i) for i in range(len(b))])
             labels = [f"gap step {i}" for i in range(len(b))]
@@ -911,8 +966,10 @@ def _aggregate(ex: NsysExport, req: StepRequest) -> Aggregate:
         launch_groups = None  # steps or ranges by GPU time: every kernel goes through the plain pass
     for part in parts:
         if part.kind == 0 and launch_groups is not None:
-            eager = replace(part, dev=part.dev + " AND (a.graphNodeId IS NULL OR a.correlationId IS NULL)")
-            part_rows, part_exact = _aggregate_part(ex, eager, step, tag)
+            part_rows, part_exact = [], True  # the graph-launch pass saw every row: no eager kernel
+            if launch_groups.eager:
+                eager = replace(part, dev=part.dev + " AND (a.graphNodeId IS NULL OR a.correlationId IS NULL)")
+                part_rows, part_exact = _aggregate_part(ex, eager, step, tag)
             graph_rows = launch_groups.rows(step[0] if step else None, tag[0] if tag else None)
             part_rows = _merge_rows(itertools.chain(part_rows, graph_rows)) if part_rows else graph_rows
         else:
@@ -940,14 +997,19 @@ def _aggregate(ex: NsysExport, req: StepRequest) -> Aggregate:
     label = {key: (_name(key[0], key[1]), KINDS[int(key[1])], tag_names[int(key[2])]
                    if key[2] is not None and key[2] >= 0 else None) for key in {(r[2], r[3], r[1]) for r in rows}}
     if exact:
-        groups = [KernelGroup(st_i, *label[(nid, kind, tg)][:2], stream, label[(nid, kind, tg)][2], None, n, dur)
-                  for st_i, tg, nid, kind, stream, n, dur, _, _ in rows]
+        groups = []
+        add = groups.append
+        for st_i, tg, nid, kind, stream, n, dur, _, _ in rows:
+            name, kind_name, tag_name = label[nid, kind, tg]
+            add(KernelGroup(st_i, name, kind_name, stream, tag_name, None, n, dur))
     else:
         groups = [KernelGroup(int(st_i), *label[(nid, kind, tg)][:2], stream, label[(nid, kind, tg)][2], None,
                               int(n), int(dur)) for st_i, tg, nid, kind, stream, n, dur, _, _ in rows]
     per_step: dict[int, dict] = {}
+    several_streams = False  # a step with work on more than one stream
     if exact and rows:
-        a = np.array([(r[0], r[5], r[6], r[7], r[8]) for r in rows], dtype=np.int64)
+        a = np.fromiter(itertools.chain.from_iterable(map(operator.itemgetter(0, 5, 6, 7, 8, 4), rows)),
+                        dtype=np.int64, count=6 * len(rows)).reshape(-1, 6)
         idx, inv = np.unique(a[:, 0], return_inverse=True)
         sums = np.zeros((2, len(idx)), dtype=np.int64)
         np.add.at(sums, (0, inv), a[:, 1])
@@ -958,17 +1020,20 @@ def _aggregate(ex: NsysExport, req: StepRequest) -> Aggregate:
         np.maximum.at(hi, inv, a[:, 4])
         per_step = {i: {"s": s0, "e": e1, "busy": b, "n": n} for i, s0, e1, b, n in
                     zip(idx.tolist(), lo.tolist(), hi.tolist(), sums[1].tolist(), sums[0].tolist())}
+        pairs = _unique_rows([a[:, 0], a[:, 5]])[0]  # distinct (step, stream), sorted by step
+        several_streams = bool(np.any(pairs[1:, 0] == pairs[:-1, 0]))
     else:
         for st_i, _, _, _, _, n, dur, s0, e1 in rows:
             p = per_step.setdefault(int(st_i), {"s": s0, "e": e1, "busy": 0, "n": 0})
             p["s"], p["e"] = min(p["s"], s0), max(p["e"], e1)
             p["busy"] += int(dur)
             p["n"] += int(n)
-    streams_per_step: dict[int, set] = {}
-    for st_i, stream in {(int(r[0]), r[4]) for r in rows}:
-        streams_per_step.setdefault(st_i, set()).add(stream)
+        streams_per_step: dict[int, set] = {}
+        for st_i, stream in {(int(r[0]), r[4]) for r in rows}:
+            streams_per_step.setdefault(st_i, set()).add(stream)
+        several_streams = any(len(s) > 1 for s in streams_per_step.values())
 
-    if any(len(s) > 1 for s in streams_per_step.values()):
+    if several_streams:
         # several streams: busy time is the union of intervals, not the sum of durations
         step_sql, join = "0", ""
         if step is not None:
