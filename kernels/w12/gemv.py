@@ -31,14 +31,8 @@ from .gemm import KernelPack, _workspace, tl, triton
 
 if triton is not None:
     from .gemm import _decode_pairs, _finalize
-
-    @triton.jit
-    def _lo(p):
-        return (p << 16).to(tl.float32, bitcast=True)
-
-    @triton.jit
-    def _hi(p):
-        return (p & 0xFFFF0000).to(tl.float32, bitcast=True)
+    from .gemm import _hi_f32 as _hi
+    from .gemm import _lo_f32 as _lo
 
     @triton.jit
     def _load_rec(rec64_ptr, rec32_ptr, rec, rr, jj, QPASS: tl.constexpr):
@@ -69,6 +63,29 @@ if triton is not None:
         return acc
 
     @triton.jit
+    def _load_step(rec64_ptr, rec32_ptr, rec, rr, jj, RECS: tl.constexpr, QPASS: tl.constexpr):
+        """The RECS records of one iteration, from record ``rec`` (unused slots repeat the first)."""
+        b0, n0 = _load_rec(rec64_ptr, rec32_ptr, rec, rr, jj, QPASS)
+        b1, n1, b2, n2, b3, n3 = b0, n0, b0, n0, b0, n0
+        if RECS >= 2:
+            b1, n1 = _load_rec(rec64_ptr, rec32_ptr, rec + 1, rr, jj, QPASS)
+        if RECS >= 4:
+            b2, n2 = _load_rec(rec64_ptr, rec32_ptr, rec + 2, rr, jj, QPASS)
+            b3, n3 = _load_rec(rec64_ptr, rec32_ptr, rec + 3, rr, jj, QPASS)
+        return b0, n0, b1, n1, b2, n2, b3, n3
+
+    @triton.jit
+    def _step_fma(acc, b0, n0, b1, n1, b2, n2, b3, n3, x32_ptr, t, jj, KH, RECS: tl.constexpr,
+                  QPASS: tl.constexpr):
+        acc = _rec_fma(acc, b0, n0, x32_ptr, t, jj, KH, QPASS)
+        if RECS >= 2:
+            acc = _rec_fma(acc, b1, n1, x32_ptr, t + 1, jj, KH, QPASS)
+        if RECS >= 4:
+            acc = _rec_fma(acc, b2, n2, x32_ptr, t + 2, jj, KH, QPASS)
+            acc = _rec_fma(acc, b3, n3, x32_ptr, t + 3, jj, KH, QPASS)
+        return acc
+
+    @triton.jit
     def _w12_gemv_kernel(
         x_ptr, x32_ptr, y_ptr, rec64_ptr, rec32_ptr, low_ptr,
         eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr,
@@ -91,43 +108,18 @@ if triton is not None:
         acc = tl.zeros((BLOCK_N, 8), dtype=tl.float32)
 
         # RECS records per iteration; the launcher makes every split a whole number of iterations
-        b0, n0_ = _load_rec(rec64_ptr, rec32_ptr, tile_row + t_begin, rr, jj, QPASS)
-        if RECS >= 2:
-            b1, n1 = _load_rec(rec64_ptr, rec32_ptr, tile_row + t_begin + 1, rr, jj, QPASS)
-        if RECS >= 4:
-            b2, n2 = _load_rec(rec64_ptr, rec32_ptr, tile_row + t_begin + 2, rr, jj, QPASS)
-            b3, n3 = _load_rec(rec64_ptr, rec32_ptr, tile_row + t_begin + 3, rr, jj, QPASS)
+        b0, n0_, b1, n1, b2, n2, b3, n3 = _load_step(rec64_ptr, rec32_ptr, tile_row + t_begin, rr, jj, RECS, QPASS)
         for t in range(t_begin, t_end, RECS):
+            # next iteration's records (clamped to the last step: always a valid address), issued
+            # before this iteration's math with PREFETCH, after it without
             if PREFETCH:
-                # next iteration's records (clamped to the last record: always a valid address)
                 tn = tl.minimum(t + RECS, t_end - RECS)
-                c0, m0 = _load_rec(rec64_ptr, rec32_ptr, tile_row + tn, rr, jj, QPASS)
-                if RECS >= 2:
-                    c1, m1 = _load_rec(rec64_ptr, rec32_ptr, tile_row + tn + 1, rr, jj, QPASS)
-                if RECS >= 4:
-                    c2, m2 = _load_rec(rec64_ptr, rec32_ptr, tile_row + tn + 2, rr, jj, QPASS)
-                    c3, m3 = _load_rec(rec64_ptr, rec32_ptr, tile_row + tn + 3, rr, jj, QPASS)
-            acc = _rec_fma(acc, b0, n0_, xrow, t, jj, KH, QPASS)
-            if RECS >= 2:
-                acc = _rec_fma(acc, b1, n1, xrow, t + 1, jj, KH, QPASS)
-            if RECS >= 4:
-                acc = _rec_fma(acc, b2, n2, xrow, t + 2, jj, KH, QPASS)
-                acc = _rec_fma(acc, b3, n3, xrow, t + 3, jj, KH, QPASS)
-            if PREFETCH:
-                b0, n0_ = c0, m0
-                if RECS >= 2:
-                    b1, n1 = c1, m1
-                if RECS >= 4:
-                    b2, n2 = c2, m2
-                    b3, n3 = c3, m3
-            else:
+                c0, m0, c1, m1, c2, m2, c3, m3 = _load_step(rec64_ptr, rec32_ptr, tile_row + tn, rr, jj, RECS, QPASS)
+            acc = _step_fma(acc, b0, n0_, b1, n1, b2, n2, b3, n3, xrow, t, jj, KH, RECS, QPASS)
+            if not PREFETCH:
                 tn = tl.minimum(t + RECS, t_end - RECS)
-                b0, n0_ = _load_rec(rec64_ptr, rec32_ptr, tile_row + tn, rr, jj, QPASS)
-                if RECS >= 2:
-                    b1, n1 = _load_rec(rec64_ptr, rec32_ptr, tile_row + tn + 1, rr, jj, QPASS)
-                if RECS >= 4:
-                    b2, n2 = _load_rec(rec64_ptr, rec32_ptr, tile_row + tn + 2, rr, jj, QPASS)
-                    b3, n3 = _load_rec(rec64_ptr, rec32_ptr, tile_row + tn + 3, rr, jj, QPASS)
+                c0, m0, c1, m1, c2, m2, c3, m3 = _load_step(rec64_ptr, rec32_ptr, tile_row + tn, rr, jj, RECS, QPASS)
+            b0, n0_, b1, n1, b2, n2, b3, n3 = c0, m0, c1, m1, c2, m2, c3, m3
 
         out = tl.reshape(tl.sum(acc, axis=1), (BLOCK_N, 1))
         offs_n = n0 + tl.arange(0, BLOCK_N)
