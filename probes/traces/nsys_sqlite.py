@@ -33,6 +33,7 @@ Tables used: ``StringIds``, ``CUPTI_ACTIVITY_KIND_KERNEL`` (+ ``_MEMCPY``, ``_ME
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import operator
 import os
@@ -433,9 +434,16 @@ def _keep(col: str, op: str) -> str:
     return f"{col} = CASE WHEN excluded.{col} {op} {col} THEN excluded.{col} ELSE {col} END"
 
 
-def _upsert_table(con, name: str, cols: str) -> None:
+@contextlib.contextmanager
+def _upsert_table(con, ex: "NsysExport", prefix: str, cols: str):
+    """A TEMP table keyed by one INTEGER PRIMARY KEY ``k`` (UPSERT aggregation), dropped on exit."""
+    name = ex.temp_name(prefix)
     con.execute(f"DROP TABLE IF EXISTS temp.{name}")
     con.execute(f"CREATE TEMP TABLE {name} (k INTEGER PRIMARY KEY, {cols})")
+    try:
+        yield name
+    finally:
+        con.execute(f"DROP TABLE temp.{name}")
 
 
 def _ranges_to_corr(ex: NsysExport, intervals: list[tuple[int, int, int]], threads) -> list[tuple[int, int, int]]:
@@ -453,16 +461,12 @@ def _ranges_to_corr(ex: NsysExport, intervals: list[tuple[int, int, int]], threa
 
     def work(con, rows, width):
         # min/max correlation id per interval, by an UPSERT keyed by interval + 1 (0: outside all)
-        t = ex.temp_name("rc")
-        _upsert_table(con, t, "lo, hi")
-        try:
+        with _upsert_table(con, ex, "rc", "lo, hi") as t:
             con.execute(f"INSERT INTO temp.{t} (k, lo, hi) SELECT coalesce({v} + 1, 0), r.correlationId, "
                         f"r.correlationId FROM {RUNTIME} r {join} WHERE {' AND '.join([rows, *cond])} "
                         f"AND r.correlationId IS NOT NULL "
                         f"ON CONFLICT(k) DO UPDATE SET {_keep('lo', '<')}, {_keep('hi', '>')}")
             return con.execute(f"SELECT k - 1, lo, hi FROM temp.{t} WHERE k > 0").fetchall()
-        finally:
-            con.execute(f"DROP TABLE temp.{t}")
 
     merged: dict[int, list] = {}
     for part in ex.parallel(RUNTIME, work, alias="r"):
@@ -477,15 +481,11 @@ def _graph_launches(ex: NsysExport, device: int | None) -> list[tuple[int, int]]
     dev = "" if device is None else f" AND a.deviceId = {int(device)}"
 
     def work(con, rows, width):
-        t = ex.temp_name("gl")
-        _upsert_table(con, t, "g")
-        try:
+        with _upsert_table(con, ex, "gl", "g") as t:
             con.execute(f"INSERT INTO temp.{t} (k, g) SELECT a.correlationId, a.graphNodeId FROM {KERNEL} a "
                         f"WHERE {rows} AND a.graphNodeId IS NOT NULL AND a.correlationId IS NOT NULL{dev} "
                         f"ON CONFLICT(k) DO UPDATE SET {_keep('g', '<')}")
             return con.execute(f"SELECT k, g FROM temp.{t}").fetchall()
-        finally:
-            con.execute(f"DROP TABLE temp.{t}")
 
     merged: dict[int, int] = {}
     for part in ex.parallel(KERNEL, work):
@@ -594,9 +594,7 @@ def _graph_kernels(ex: NsysExport, part: Part) -> _LaunchGroups | None:
             where = f"{rows}{part.dev}"
         else:
             where = f"{rows} AND a.graphNodeId IS NOT NULL AND a.correlationId IS NOT NULL{part.dev}"
-        t = ex.temp_name("lg")
-        _upsert_table(con, t, "nd, s0, e1, g")
-        try:
+        with _upsert_table(con, ex, "lg", "nd, s0, e1, g") as t:
             con.execute(f"INSERT INTO temp.{t} (k, nd, s0, e1, g) SELECT {key}, (a.end - a.start) * {1 << bits} + 1, "
                         f"a.start, a.end, a.graphNodeId FROM {part.table} a WHERE {where} ON CONFLICT(k) DO UPDATE SET "
                         f"nd = nd + excluded.nd, {_keep('s0', '<')}, {_keep('e1', '>')}, {_keep('g', '<')}")
@@ -611,8 +609,6 @@ def _graph_kernels(ex: NsysExport, part: Part) -> _LaunchGroups | None:
                 count=5 * n).reshape(n, 5)
             nd = a[:, 1]
             return a[:, 0], nd & ((1 << bits) - 1), nd >> bits, a[:, 2], a[:, 3], a[:, 4], eager > 0
-        finally:
-            con.execute(f"DROP TABLE temp.{t}")
 
     results = ex.parallel(part.table, work)
     if any(r is None for r in results):
@@ -701,13 +697,11 @@ def _aggregate_part(ex: NsysExport, part: Part, step: tuple[_Lookup, str] | None
         key = (f"CASE WHEN a.streamId >= 0 AND a.streamId < {streams} AND {part.name} >= {n_lo} AND "
                f"{part.name} <= {n_hi} THEN ((coalesce({step_v} + 1, 0) * {nt} + coalesce({tag_v} + 2, 0)) "
                f"* {streams} + a.streamId) * {nn} + {part.name} - {n_lo} ELSE -1 END")
-        t = ex.temp_name("agg")
-        _upsert_table(con, t, "nd, s0, e1")
         # rows in time order, read in rowid order: a group's first row has its earliest start, its last
         # row its latest end (the ORDER BY is the scan's own order: SQLite does not sort)
         keep = ("ORDER BY a.rowid ON CONFLICT(k) DO UPDATE SET nd = nd + excluded.nd, e1 = excluded.e1" if part.ordered
                 else f"ON CONFLICT(k) DO UPDATE SET nd = nd + excluded.nd, {_keep('s0', '<')}, {_keep('e1', '>')}")
-        try:
+        with _upsert_table(con, ex, "agg", "nd, s0, e1") as t:
             con.execute(f"INSERT INTO temp.{t} (k, nd, s0, e1) SELECT {key}, (a.end - a.start) * {1 << bits} + 1, "
                         f"a.start, a.end FROM {part.table} a {join} WHERE {rows}{part.dev} {keep}")
             n, bad = con.execute(f"SELECT count(*), count(*) FILTER (WHERE k < 0 OR typeof(nd) != 'integer' OR "
@@ -718,8 +712,6 @@ def _aggregate_part(ex: NsysExport, part: Part, step: tuple[_Lookup, str] | None
                             dtype=np.int64, count=4 * n).reshape(n, 4)
             nd = a[:, 1]
             return a[:, 0], nd & ((1 << bits) - 1), nd >> bits, a[:, 2], a[:, 3]
-        finally:
-            con.execute(f"DROP TABLE temp.{t}")
 
     results = ex.parallel(part.table, work)
     packed = [r for r in results if isinstance(r, tuple)]
