@@ -94,6 +94,21 @@ def model_check() -> dict:
             "greedy_tokens_equal": bool(torch.equal(gen, ref_gen))}
 
 
+def random_layer(name: str, k: int, n: int, dev):
+    """A random bf16 layer (std 0.02), its W12 encoding checked bit for bit, the GPU layout and the
+    bytes the kernel reads."""
+    import torch
+
+    from specpilot.kernels.w12 import decode, encode
+    from specpilot.kernels.w12.gemm import KernelPack
+
+    w = (torch.randn(n, k, device=dev) * 0.02).to(torch.bfloat16)
+    packed = encode(w)
+    assert torch.equal(decode(packed).view(torch.int16), w.view(torch.int16)), f"{name}: restore differs"
+    kp = KernelPack.from_w12(packed, device=dev)
+    return w, packed, kp, kp.rec64.numel() * 8 + kp.low_exp.numel() + kp.esc_row.numel() * 12
+
+
 def gemv_configs(m: int, kt: int, n: int, sms: int):
     """Streaming-GEMV variants for one (shape, m): rows per program, records per step, warps, and
     split-K for about 2, 4 and 8 programs per SM."""
@@ -123,9 +138,8 @@ def gemv_sweep(args) -> int:
     import torch
     import torch.nn.functional as F
 
-    from specpilot.kernels.w12 import decode, encode
     from specpilot.kernels.w12 import gemm
-    from specpilot.kernels.w12.gemm import KernelPack, w12_linear
+    from specpilot.kernels.w12.gemm import w12_linear
     from specpilot.kernels.w12.gemv import w12_gemv
 
     torch.manual_seed(0)
@@ -137,11 +151,7 @@ def gemv_sweep(args) -> int:
     ms = [int(v) for v in (args.rows or "1,2,4").split(",")]
     t0 = time.time()
     for name, k, n in shapes:
-        w = (torch.randn(n, k, device=dev) * 0.02).to(torch.bfloat16)
-        packed = encode(w)
-        assert torch.equal(decode(packed).view(torch.int16), w.view(torch.int16)), f"{name}: restore differs"
-        kp = KernelPack.from_w12(packed, device=dev)
-        w12_bytes = kp.rec64.numel() * 8 + kp.low_exp.numel() + kp.esc_row.numel() * 12
+        w, packed, kp, w12_bytes = random_layer(name, k, n, dev)
         for m in ms:
             x = torch.randn(m, k, device=dev).to(torch.bfloat16)
             ref = x.float() @ w.float().T
@@ -220,8 +230,7 @@ def main() -> int:
     import torch
     import torch.nn.functional as F
 
-    from specpilot.kernels.w12 import decode, encode
-    from specpilot.kernels.w12.gemm import Config, KernelPack, w12_linear
+    from specpilot.kernels.w12.gemm import Config, w12_linear
 
     torch.manual_seed(0)
     dev = torch.device("cuda")
@@ -242,11 +251,7 @@ def main() -> int:
     shapes = [s for s in SHAPES if not args.shapes or s[0] in args.shapes.split(",")]
     t_start = time.time()
     for name, k, n in shapes:
-        w = (torch.randn(n, k, device=dev) * 0.02).to(torch.bfloat16)
-        packed = encode(w)
-        assert torch.equal(decode(packed).view(torch.int16), w.view(torch.int16)), f"{name}: restore differs"
-        kp = KernelPack.from_w12(packed, device=dev)
-        w12_bytes = kp.rec64.numel() * 8 + kp.low_exp.numel() + kp.esc_row.numel() * 12
+        w, packed, kp, w12_bytes = random_layer(name, k, n, dev)
         for m in MS:
             x = torch.randn(m, k, device=dev).to(torch.bfloat16)
             ref = x.float() @ w.float().T

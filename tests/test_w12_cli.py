@@ -165,19 +165,27 @@ def test_device_option(tmp_path, run_cli):
     assert run_cli("w12", "verify", tmp_path / "o.safetensors", "--against", src, "--device", "auto")[0] == 0
 
 
-def test_format_1_files_are_still_read(tmp_path, run_cli):
-    """A checkpoint written by format 1 (windows as bytes, int32 positions) stats and verifies."""
+def read_packed(path):
+    """(tensors, safetensors metadata, the parsed specpilot.w12 document) of a packed file."""
     from safetensors import safe_open
 
+    with safe_open(str(path), "pt") as f:
+        meta = dict(f.metadata())
+    return load_file(str(path)), meta, json.loads(meta["specpilot.w12"])
+
+
+def write_packed(path, tensors, meta, doc):
+    save_file(tensors, str(path), metadata={**meta, "specpilot.w12": json.dumps(doc)})
+
+
+def test_format_1_files_are_still_read(tmp_path, run_cli):
+    """A checkpoint written by format 1 (windows as bytes, int32 positions) stats and verifies."""
     src, dst, old = tmp_path / "m.safetensors", tmp_path / "w.safetensors", tmp_path / "v1.safetensors"
     make_checkpoint(src)
     assert run_cli("w12", "pack", src, "-o", dst)[0] == 0
     from specpilot.kernels.w12.checkpoint import _crc, load_w12, w12_info
 
-    tensors = load_file(str(dst))
-    with safe_open(str(dst), "pt") as f:
-        meta = dict(f.metadata())
-    doc = json.loads(meta["specpilot.w12"])
+    tensors, meta, doc = read_packed(dst)
     for name, entry in w12_info(meta, "x").items():
         t = load_w12(tensors, name, entry, "x")
         tensors[f"{name}.w12.low_exp"] = t.low_exp.clone()
@@ -188,8 +196,7 @@ def test_format_1_files_are_still_read(tmp_path, run_cli):
         e["crc32"]["low_exp"] = _crc(tensors[f"{name}.w12.low_exp"])
         e["crc32"]["esc_pos"] = _crc(tensors[f"{name}.w12.esc_pos"])
     doc["version"] = 1
-    meta["specpilot.w12"] = json.dumps(doc)
-    save_file(tensors, str(old), metadata=meta)
+    write_packed(old, tensors, meta, doc)
     code, out, err = run_cli("w12", "verify", old, "--against", src)
     assert code == 0, err
     code, out, err = run_cli("w12", "stats", old, "--format", "json")
@@ -197,17 +204,11 @@ def test_format_1_files_are_still_read(tmp_path, run_cli):
 
 
 def test_escape_count_mismatch_is_a_format_error(tmp_path, run_cli):
-    from safetensors import safe_open
-
     src, dst = tmp_path / "m.safetensors", tmp_path / "w.safetensors"
     make_checkpoint(src)
     assert run_cli("w12", "pack", src, "-o", dst)[0] == 0
-    tensors = load_file(str(dst))
-    with safe_open(str(dst), "pt") as f:
-        meta = dict(f.metadata())
-    doc = json.loads(meta["specpilot.w12"])
+    tensors, meta, doc = read_packed(dst)
     doc["tensors"][Q]["escapes"] += 1
-    meta["specpilot.w12"] = json.dumps(doc)
-    save_file(tensors, str(dst), metadata=meta)
+    write_packed(dst, tensors, meta, doc)
     code, out, err = run_cli("w12", "stats", dst)
     assert code == 2 and "escape positions" in err and len(err.strip().splitlines()) == 1

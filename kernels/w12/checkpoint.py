@@ -116,20 +116,19 @@ class TensorStat:
     stored_bytes: int
 
 
-@dataclass
-class PackResult:
-    output: str
-    converted: list[TensorStat] = field(default_factory=list)
-    kept: list[str] = field(default_factory=list)
-    skipped_not_bf16: list[str] = field(default_factory=list)
+class _Totals:
+    """Whole-checkpoint figures over the W12 tensors of ``_stats()``."""
+
+    def _stats(self) -> list[TensorStat]:
+        raise NotImplementedError
 
     @property
     def weights(self) -> int:
-        return sum(t.shape[0] * t.shape[1] for t in self.converted)
+        return sum(t.shape[0] * t.shape[1] for t in self._stats())
 
     @property
     def stored_bytes(self) -> int:
-        return sum(t.stored_bytes for t in self.converted)
+        return sum(t.stored_bytes for t in self._stats())
 
     @property
     def bits_per_weight(self) -> float:
@@ -137,7 +136,18 @@ class PackResult:
 
     @property
     def escape_rate(self) -> float:
-        return sum(t.escapes for t in self.converted) / self.weights if self.weights else 0.0
+        return sum(t.escapes for t in self._stats()) / self.weights if self.weights else 0.0
+
+
+@dataclass
+class PackResult(_Totals):
+    output: str
+    converted: list[TensorStat] = field(default_factory=list)
+    kept: list[str] = field(default_factory=list)
+    skipped_not_bf16: list[str] = field(default_factory=list)
+
+    def _stats(self) -> list[TensorStat]:
+        return self.converted
 
 
 def selected(name: str, t: torch.Tensor, include: Iterable[str], exclude: Iterable[str]) -> bool:
@@ -403,25 +413,12 @@ def verify(packed: str, against: str | None = None, progress: Callable | None = 
 
 
 @dataclass
-class StatsResult:
+class StatsResult(_Totals):
     tensors: list[TensorStat]
     other_bytes: int
 
-    @property
-    def weights(self) -> int:
-        return sum(t.shape[0] * t.shape[1] for t in self.tensors)
-
-    @property
-    def stored_bytes(self) -> int:
-        return sum(t.stored_bytes for t in self.tensors)
-
-    @property
-    def bits_per_weight(self) -> float:
-        return 8.0 * self.stored_bytes / self.weights if self.weights else 0.0
-
-    @property
-    def escape_rate(self) -> float:
-        return sum(t.escapes for t in self.tensors) / self.weights if self.weights else 0.0
+    def _stats(self) -> list[TensorStat]:
+        return self.tensors
 
 
 def stats(path: str) -> StatsResult:
