@@ -214,6 +214,18 @@ if triton is not None:
         return tl.max(tl.where(r == 0, srt2, lowest), axis=0)
 
     @triton.jit
+    def _store_tree(o_tok, o_par, o_dep, o_cand, o_score, o_valid, o_count, b, o, mask, tokv, par, dep, cand,
+                    score, valid, kept):
+        """One request's N node slots and its node count (``kept``: the valid slots inside N)."""
+        tl.store(o_tok + o, tokv, mask=mask)
+        tl.store(o_par + o, par.to(tl.int64), mask=mask)
+        tl.store(o_dep + o, dep.to(tl.int64), mask=mask)
+        tl.store(o_cand + o, cand.to(tl.int64), mask=mask)
+        tl.store(o_score + o, score, mask=mask)
+        tl.store(o_valid + o, valid.to(tl.int1), mask=mask)
+        tl.store(o_count + b, tl.sum(kept.to(tl.int64), axis=0))
+
+    @triton.jit
     def _tree_levels_kernel(tok_ptr, lp_ptr, tr_ptr, lvs_ptr, lvc_ptr, lvp_ptr,
                             o_tok, o_par, o_dep, o_cand, o_score, o_valid, o_count,
                             M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, BM: tl.constexpr,
@@ -273,15 +285,8 @@ if triton is not None:
         parent = tl.where(dep > 0, pidx, -1)
         valid = (score > NEG) & (rn < N)
         tokv = tl.load(tok_ptr + b * M * K + dep * K + cand, mask=valid, other=0)
-        o = b * N + rn
-        mask = rn < N
-        tl.store(o_tok + o, tokv, mask=mask)
-        tl.store(o_par + o, parent.to(tl.int64), mask=mask)
-        tl.store(o_dep + o, dep.to(tl.int64), mask=mask)
-        tl.store(o_cand + o, cand.to(tl.int64), mask=mask)
-        tl.store(o_score + o, score, mask=mask)
-        tl.store(o_valid + o, valid.to(tl.int1), mask=mask)
-        tl.store(o_count + b, tl.sum(valid.to(tl.int64), axis=0))
+        _store_tree(o_tok, o_par, o_dep, o_cand, o_score, o_valid, o_count, b, b * N + rn, rn < N, tokv,
+                    parent, dep, cand, score, valid, valid)
 
     @triton.jit
     def _shared_budget_kernel(score_ptr, valid_ptr, count_ptr, budget_ptr, B: tl.constexpr, N: tl.constexpr,
@@ -372,14 +377,8 @@ if triton is not None:
         valid = o_s > NEG
         om = rn < N
         tokv = tl.load(tok_ptr + b * M * K + o_d * K + o_c, mask=valid & om, other=0)
-        o = b * N + rn
-        tl.store(o_tok + o, tokv, mask=om)
-        tl.store(o_par + o, o_p.to(tl.int64), mask=om)
-        tl.store(o_dep + o, o_d.to(tl.int64), mask=om)
-        tl.store(o_cand + o, o_c.to(tl.int64), mask=om)
-        tl.store(o_score + o, o_s, mask=om)
-        tl.store(o_valid + o, valid.to(tl.int1), mask=om)
-        tl.store(o_count + b, tl.sum((valid & om).to(tl.int64), axis=0))
+        _store_tree(o_tok, o_par, o_dep, o_cand, o_score, o_valid, o_count, b, b * N + rn, om, tokv,
+                    o_p, o_d, o_c, o_s, valid, valid & om)
 
     @triton.jit
     def _budget_rank_kernel(score_ptr, valid_ptr, count_ptr, budget_ptr, TOTAL: tl.constexpr, N: tl.constexpr,
