@@ -39,8 +39,9 @@ except Exception:  # pragma: no cover
     KERNEL_MAX_ROWS = 256
 
 # row counts run once after conversion on CUDA (one per kernel row bucket, and the largest chunk):
-# compiles the kernel variants and lets the kernel's shared split-K workspace reach its largest
-# size before any CUDA graph is captured (a graph keeps the workspace address it was captured with)
+# compiles the kernel variants before any CUDA graph is captured, and grows the kernel's shared
+# split-K workspace to its final size up front (kernels/w12/gemm.py keeps outgrown workspaces
+# alive, so a graph captured earlier stays valid either way)
 WARMUP_ROWS = (1, 2, 4, 8, 16, 32, 64, KERNEL_MAX_ROWS)
 
 
