@@ -23,6 +23,7 @@ graphs         1 = CUDA graphs for AR steps (cuda, dense models)           1
 threads        CPU threads for torch (0 = torch's default)                 1 for tiny*, else 0
 compile        1 = torch.compile the layers (cuda, dense; ~20 s once)      0
 w12            1 = target projections as W12 (engine/w12.py; bf16)         0
+attn           auto | torch | fused (split-KV Triton kernel; cuda)         auto (fused on cuda)
 =============  ==========================================================  ==========
 """
 
@@ -75,6 +76,7 @@ class EngineSpec:
     threads: int | None = None
     compile: bool = False
     w12: bool = False
+    attn: str = "auto"
 
     @classmethod
     def parse(cls, text: str) -> "EngineSpec":
@@ -137,6 +139,9 @@ class EngineSpec:
             raise InputError(f"unknown dtype {self.dtype!r}; choose float32, bfloat16 or float16")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise InputError(f"unknown device {self.device!r}; use cpu or cuda[:N]")
+        from specpilot.engine.attention import resolve
+
+        resolve(self.attn, self.device)
 
     def with_(self, **kw) -> "EngineSpec":
         s = replace(self, **kw)
@@ -329,6 +334,7 @@ def load_engine(spec: EngineSpec | str) -> Engine:
     dtype = _torch_dtype(spec)
     model, folder, display = build_model(spec.model, spec.random, dtype, spec.device, spec.ctx, spec.seed)
     params = sum(p.numel() for p in model.parameters())
+    attn = model.set_attention(spec.attn)
     w12 = None
     if spec.w12:  # before drafters, compile and graphs: they all see the converted projections
         from specpilot.engine.w12 import convert_engine_model
@@ -350,6 +356,7 @@ def load_engine(spec: EngineSpec | str) -> Engine:
             if dm.spec.vocab_size != model.spec.vocab_size:
                 raise InputError(f"draft model vocabulary ({dm.spec.vocab_size}) differs from the target's "
                                  f"({model.spec.vocab_size}); they must share the tokenizer")
+            dm.set_attention(spec.attn)
             drafter = ModelDrafter(dm)
     if spec.compile:
         if not spec.device.startswith("cuda") or model.spec.is_hybrid:
@@ -366,4 +373,5 @@ def load_engine(spec: EngineSpec | str) -> Engine:
         dec.threads = threads  # tiny models: thread hand-offs cost more than the math
     return Engine(spec, model, dec, tok, display, eos,
                   info={"dtype": str(dtype).replace("torch.", ""), "device": spec.device,
-                        "params": params, "weights": str(folder) if folder else "random", "w12": w12})
+                        "params": params, "weights": str(folder) if folder else "random", "w12": w12,
+                        "attn": attn})

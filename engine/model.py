@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specpilot.engine.attention import store_and_attend
 from specpilot.errors import InputError
 from specpilot.kernels.gdn import naive as gdn_ref
 from specpilot.kernels.gdn import path as gdn_path
@@ -101,6 +102,7 @@ class Attention(nn.Module):
         self.eps = spec.rms_norm_eps
         self.register_buffer("k_cache", torch.zeros(1, self.nkv, max_seq, hd, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v_cache", torch.zeros(1, self.nkv, max_seq, hd, dtype=dtype, device=device), persistent=False)
+        self.fused = False  # Transformer.set_attention: the Triton kernel instead of the torch reference
 
     def forward(self, x, inp: StepInput, cos, sin, kv_len: int):
         T = x.shape[0]
@@ -116,16 +118,8 @@ class Attention(nn.Module):
             q = rms_norm(q, self.q_norm, self.eps)
             k = rms_norm(k, self.k_norm, self.eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        self.k_cache[0, :, inp.slots] = k.transpose(0, 1)
-        self.v_cache[0, :, inp.slots] = v.transpose(0, 1)
-        kc, vc = self.k_cache[0, :, :kv_len], self.v_cache[0, :, :kv_len]
-        # grouped-query attention without repeating K/V: the group's query rows share one KV head
-        grp = self.nh // self.nkv
-        qg = q.view(T, self.nkv, grp, self.hd).permute(1, 2, 0, 3).reshape(self.nkv, grp * T, self.hd)
-        scores = torch.matmul(qg, kc.transpose(-1, -2)).float() * (self.hd ** -0.5)
-        mask = inp.mask[:, :kv_len].repeat(grp, 1)
-        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1).to(vc.dtype)
-        o = torch.matmul(probs, vc).view(self.nkv, grp, T, self.hd).permute(2, 0, 1, 3).reshape(T, self.nh * self.hd)
+        o = store_and_attend(q, k, v, self.k_cache, self.v_cache, inp.slots, inp.mask, kv_len, self.hd ** -0.5,
+                             self.fused)
         if self.gate:
             o = o * torch.sigmoid(g)
         return self.wo(o)
@@ -278,6 +272,16 @@ class Transformer(nn.Module):
             raise InputError("compile is for dense models (the GDN path code has data-dependent shapes)")
         self._block_call = torch.compile(_block_call, **kw)
         return self
+
+    def set_attention(self, impl: str) -> str:
+        """``torch`` | ``fused`` | ``auto`` (fused on CUDA) for every attention layer; returns the choice."""
+        from specpilot.engine.attention import resolve
+
+        impl = resolve(impl, self.device.type)
+        for blk in self.layers:
+            if isinstance(blk.mixer, Attention):
+                blk.mixer.fused = impl == "fused"
+        return impl
 
     # ---- construction --------------------------------------------------------------
     @torch.no_grad()

@@ -27,6 +27,9 @@ def engine_options(f):
         click.option("--w12", is_flag=True,
                      help="Target projections as lossless W12 (verified at load; fused kernel on cuda bf16, "
                           "decoded weights elsewhere; implies bfloat16 unless --dtype is given)."),
+        click.option("--attn", type=click.Choice(["auto", "torch", "fused"]), default="auto", show_default=True,
+                     help="Attention: torch (plain reference) or fused (split-KV Triton kernel, cuda); auto = fused "
+                          "on cuda."),
         click.option("--engine", "engine_spec", default=None,
                      help="A whole engine spec (engine:model=...,mode=...); overrides the options above."),
     ]
@@ -42,7 +45,7 @@ def spec_from_cli(kw: dict):
     text = kw.pop("engine_spec", None)
     vals = {k: kw.pop(k) for k in ("model", "random_weights", "mode", "nodes", "depth", "topk", "drafter",
                                     "draft_layers", "draft_model", "dtype", "device", "ctx", "seed", "threads", "compile_",
-                                    "w12")}
+                                    "w12", "attn")}
     if text:
         return EngineSpec.parse(text)
     vals["random"] = vals.pop("random_weights")

@@ -31,8 +31,10 @@ def command():
 @click.option("--warmup", type=int, default=5, show_default=True)
 @click.option("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice).")
 @click.option("--w12", is_flag=True, help="Projections as W12 (as run --w12; bfloat16 unless --dtype is given).")
+@click.option("--attn", type=click.Choice(["auto", "torch", "fused"]), default="auto", show_default=True,
+              help="Attention: torch reference or fused split-KV Triton kernel (cuda); auto = fused on cuda.")
 @output_options
-def rows(model, random_weights, rows_text, context, device, dtype, reps, warmup, threads, w12, fmt, out):
+def rows(model, random_weights, rows_text, context, device, dtype, reps, warmup, threads, w12, attn, fmt, out):
     """T_step(N) for N verification rows and c(N) = T_step(N) / T_step(1) (JSON for ``ceiling --rows-probe``).
 
     On a GPU each N is a CUDA graph timed with CUDA events (median); on the CPU a wall clock.
@@ -62,6 +64,7 @@ def rows(model, random_weights, rows_text, context, device, dtype, reps, warmup,
             raise InputError(f"--threads must be >= 1, got {threads}")
         torch.set_num_threads(threads)
     m, _, name = build_model(model, random_weights, tdtype, device, context + max(row_list) + 64)
+    attn = m.set_attention(attn)
     w12_info = None
     if w12:
         from specpilot.engine.w12 import convert_engine_model
@@ -71,6 +74,7 @@ def rows(model, random_weights, rows_text, context, device, dtype, reps, warmup,
     res.model = name
     data = res.to_json()
     data["w12"] = w12_info
+    data["attn"] = attn
     hw = res.gpu or f"CPU {res.cpu}"
     label = f", W12 {w12_info['path']}" if w12_info else ""
     emit(Report(data=data, sections=[Section(f"{name} {res.dtype}{label}, context {context}, {hw}",
