@@ -40,6 +40,13 @@ def _cls(name, kind="kernel", tag=None, dims=None, stream=7, vocab=None, table=N
     ("top_k_top_p_sampling_from_probs_kernel", "sampling"),
     ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>", "elementwise"),
     ("triton_poi_fused_add_0", "elementwise"),
+    # inductor names list every op fused in, including the custom GEMM or attention op they feed
+    ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_w12_matmul_6", "norm"),
+    ("triton_poi_fused_mul_silu_split_with_sizes_w12_matmul_7", "elementwise"),
+    ("triton_poi_fused__to_copy_add_cat_mul_neg_slice_split_with_sizes_store_kv_attention_unsqueeze_view_1",
+     "elementwise"),
+    ("_store_kv", "attention"),
+    ("_attn_split", "attention"),
     ("some_custom_kernel_nobody_knows", "other"),
 ])
 def test_default_rules_on_real_names(name, want):
