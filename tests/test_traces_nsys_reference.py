@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import specpilot.probes.traces.nsys_groups as gr
 import specpilot.probes.traces.nsys_sqlite as ns
 from specpilot.errors import InputError
 from specpilot.probes import steps as st
@@ -260,12 +261,16 @@ MODES = [dict(), dict(mode="range"), dict(mode="graph"), dict(mode="gap"), dict(
 
 @pytest.fixture(params=["default", "forced"])
 def fast_paths(request, monkeypatch):
-    """'forced': threads on a few hundred rows, the idle-gap path on small tables, tiny bucket tables."""
+    """'forced': threads on a few hundred rows, the idle-gap path on small tables, tiny bucket tables,
+    rows fetched by several threads a few rows at a time."""
     if request.param == "forced":
         monkeypatch.setattr(ns, "PARALLEL_MIN_ROWS", 40)
         monkeypatch.setattr(ns, "GAP_FETCH_MAX", 10)
         monkeypatch.setattr(ns, "BUCKETS_PER_POINT", 0)
         monkeypatch.setattr(ns, "BUCKETS_MAX", 8)
+        monkeypatch.setattr(ns, "FETCH_ROWS", 3)
+        monkeypatch.setattr(ns, "FETCH_MIN_ROWS", 7)
+        monkeypatch.setattr(ns, "FETCH_MIN_THREADS", 1)
     return request.param
 
 
@@ -335,7 +340,7 @@ def test_unique_rows_matches_numpy():
         cols = [rng.integers(-3, int(rng.integers(-2, 40)), n) for _ in range(4)]
         if trial % 5 == 0:
             cols[1] = rng.integers(-(1 << 60), 1 << 60, n)  # too wide to pack: numpy's own path
-        keys, inv = ns._unique_rows(cols)
+        keys, inv = gr.unique_rows(cols)
         want, want_inv = np.unique(np.stack(cols, axis=1), axis=0, return_inverse=True)
         assert (keys == want).all() and (inv == want_inv.reshape(-1)).all()
 

@@ -24,7 +24,10 @@ was most of the time):
 Every fast path checks its preconditions and falls back to the plain query (GROUP BY, or fetching
 the rows) when they do not hold, with the same result (``tests/test_traces_nsys_reference.py``
 compares with a plain Python reader). Large tables are split by rowid across threads, each on its
-own read-only connection. The file is opened read-only and never modified.
+own read-only connection; the threads hand their groups (and gap mode's sample of rows) back as
+hex strings, not row by row (see :func:`_fetch_ints`), and the groups stay numpy columns up to the
+output (:mod:`.nsys_groups`): what runs on one core after the threads is kept small, since on a
+many-core machine it costs as much as a pass. The file is opened read-only and never modified.
 
 Tables used: ``StringIds``, ``CUPTI_ACTIVITY_KIND_KERNEL`` (+ ``_MEMCPY``, ``_MEMSET``),
 ``CUPTI_ACTIVITY_KIND_RUNTIME`` (launch correlation, graph launches), ``NVTX_EVENTS``
@@ -33,9 +36,9 @@ Tables used: ``StringIds``, ``CUPTI_ACTIVITY_KIND_KERNEL`` (+ ``_MEMCPY``, ``_ME
 
 from __future__ import annotations
 
+import binascii
 import contextlib
 import itertools
-import operator
 import os
 import sqlite3
 import threading
@@ -49,7 +52,8 @@ import numpy as np
 from specpilot.errors import InputError
 
 from .. import steps as st
-from .model import KINDS, Aggregate, GPUInfo, KernelGroup, Range, StepInfo, StepRequest
+from . import nsys_groups as gr
+from .model import KINDS, Aggregate, GPUInfo, KernelGroup, Range, StepRequest
 
 SQLITE_MAGIC = b"SQLite format 3\x00"
 META_TABLES = ("META_DATA_EXPORT", "EXPORT_META_DATA")  # 3.x, 2.x
@@ -64,13 +68,20 @@ NVTX_RANGE_TYPES = {"NvtxPushPopRange": 59, "NvtxStartEndRange": 60, "NvtxtPushP
                     "NvtxtStartEndRange": 71}
 MEMCPY_KINDS = {0: "Unknown", 1: "HtoD", 2: "DtoH", 3: "HtoA", 4: "AtoH", 5: "AtoA", 6: "AtoD", 7: "DtoA",
                 8: "DtoD", 9: "HtoH", 10: "PtoP"}
-PARALLEL_MIN_ROWS = 250_000  # split a pass across threads above this many rows per thread
+PARALLEL_MIN_ROWS = 125_000  # split a pass across threads above this many rows per thread
+FETCH_MIN_ROWS = 25_000  # ... and a fetch of rows (formatting them costs SQLite more per row than a pass),
+FETCH_MIN_THREADS = 4  # ... when it gets this many threads (see _fetch_rows)
+# threads of a pass at most (and no more than the CPUs this process may use): on 16 cores, 16 threads
+# read 2 M kernels 0.14-0.23 s faster than 8 threads, for 0.1-0.35 CPU-s more
+MAX_THREADS = 16
+WORKER_CACHE_KB = 256  # page cache of the main database on each worker's connection
 BUCKETS_PER_POINT = 8  # bucket table rows per change point of a step function, at most BUCKETS_MAX
 BUCKETS_MAX = 1 << 20
 GAP_SAMPLE = 200_000  # events (in time order) searched for the repeating idle gap
 GAP_FETCH_MAX = 200_000  # gap mode fetches the rows of tables up to this size; larger ones by their idle gaps
-PACK_LIMIT = 1 << 62  # packed group keys stay below this (SQLite integers are 64-bit)
+PACK_LIMIT = gr.PACK_LIMIT  # packed group keys stay below this (SQLite integers are 64-bit)
 STREAM_SLOTS = 4096  # stream ids the packed key holds (0 ..), fewer when steps x names need the bits
+FETCH_ROWS = 1 << 14  # rows per string of _fetch_ints (about 1 MB of hex for 4 columns)
 EAGER_PROBE = 4096  # rows at each end of the kernel table probed for eager kernels (see _graph_kernels)
 KERNEL_COLUMNS = ("start", "end", "deviceId", "streamId", "correlationId", "demangledName", "shortName")
 
@@ -188,29 +199,42 @@ class NsysExport:
             self._tmp += 1
             return f"{stem}_{self._tmp}"
 
-    def slices(self, table: str) -> list[tuple[int, int]]:
-        """Rowid ranges splitting ``table`` across threads (one range: no split)."""
-        lo = self._q(f"SELECT min(rowid) FROM {table}")[0][0]
-        if lo is None:
+    def slices(self, table: str, bounds: tuple[int, int] | None = None,
+               min_rows: int | None = None) -> list[tuple[int, int]]:
+        """Rowid ranges splitting ``table`` (its rowids ``bounds``, or all) across threads, at least
+        ``min_rows`` (PARALLEL_MIN_ROWS) rowids each (one range: no split)."""
+        lo, hi = bounds or (self._q(f"SELECT min(rowid) FROM {table}")[0][0],
+                            self._q(f"SELECT max(rowid) FROM {table}")[0][0])
+        if lo is None or hi < lo:
             return []
-        hi = self._q(f"SELECT max(rowid) FROM {table}")[0][0]
-        workers = max(1, min(os.cpu_count() or 1, 8, (hi - lo + 1) // PARALLEL_MIN_ROWS))
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        workers = max(1, min(cpus, MAX_THREADS, (hi - lo + 1) // (min_rows or PARALLEL_MIN_ROWS)))
         step = (hi - lo + 1 + workers - 1) // workers
         return [(lo + i * step, min(hi, lo + (i + 1) * step - 1)) for i in range(workers)]
 
     def parallel(self, table: str, work, alias: str = "a") -> list:
         """``work(con, rows, width)`` over slices of ``table``'s rowids: ``rows`` is a condition on
         ``alias.rowid``, ``width`` the number of rowids in it (an upper bound on its rows); one
-        result per slice. Several slices run on their own connections and threads (the sqlite3
-        module releases the GIL while SQLite works)."""
+        result per slice (see :meth:`map_slices`)."""
         slices = self.slices(table)
         if len(slices) <= 1:
             return [self.guard(work, self.con, "1", s[1] - s[0] + 1) for s in slices]
+        return self.map_slices(slices, lambda con, r: work(con, f"{alias}.rowid BETWEEN {r[0]} AND {r[1]}",
+                                                           r[1] - r[0] + 1))
+
+    def map_slices(self, slices: list[tuple[int, int]], fn) -> list:
+        """``fn(con, (lo, hi))`` per rowid range, in order. Several ranges run on their own connections
+        and threads (the sqlite3 module releases the GIL while SQLite works); one, on this thread."""
+        if len(slices) <= 1:
+            return [self.guard(fn, self.con, r) for r in slices]
 
         def run(r):
             con = self._connect()
+            # a slice is read once, in rowid order: a small page cache reads it as fast as the default
+            # 2 MB, and with a connection per core that is tens of MB less at the peak
+            con.execute(f"PRAGMA main.cache_size = -{WORKER_CACHE_KB}")
             try:
-                return work(con, f"{alias}.rowid BETWEEN {r[0]} AND {r[1]}", r[1] - r[0] + 1)
+                return fn(con, r)
             finally:
                 con.close()
 
@@ -347,7 +371,9 @@ class _Lookup:
     nb2 -> s3), or NULL when more fall in it (then the search runs). The bucket width is the 10 %
     quantile of the distance between every other point, so most buckets hold at most two changes;
     the table has at most 1024 + BUCKETS_PER_POINT x points rows (BUCKETS_MAX at most), wider
-    buckets when needed; keys beyond the buckets search.
+    buckets when needed; keys beyond the buckets search, except past the last two points (their
+    values are constants of the expression). ``lk.<name>`` stays empty when no key can search
+    (``search`` False: filling it was most of the serial time of building the tables).
     """
 
     def __init__(self, name: str, intervals):
@@ -362,6 +388,7 @@ class _Lookup:
         self.vmax = max(self.vs, default=-1)
         self.buckets: tuple[np.ndarray, ...] | None = None  # b, s1, nb1, s2, nb2, s3, more
         self.shift = 0
+        self.search = len(self.ks) > 2  # whether some key may search lk.<name>
         if len(self.ks) < 2:
             return
         ks = np.array(self.ks, dtype=np.int64)
@@ -390,13 +417,16 @@ class _Lookup:
         nb2 = np.where(changes >= 2, ks[i2], past)
         s3 = np.where(changes >= 2, vs[i2], s2)
         self.buckets = (b, vs[i0], nb1, s2, nb2, s3, changes > 2)
+        # keys from the first point to the one before the last find a bucket (or are past it)
+        self.search = bool(self.buckets[6].any()) or base + (n << self.shift) < int(ks[-2])
 
     def fill(self, con, schema: str) -> None:
         """Create and fill this lookup's two tables in ``schema``."""
         con.execute(f"CREATE TABLE {schema}.{self.name} (k INTEGER PRIMARY KEY, v INTEGER NOT NULL)")
         con.execute(f"CREATE TABLE {schema}.{self.name}_bk (b INTEGER PRIMARY KEY, s1 INTEGER, nb1 INTEGER, "
                     f"s2 INTEGER, nb2 INTEGER, s3 INTEGER)")
-        con.executemany(f"INSERT INTO {schema}.{self.name} VALUES (?, ?)", zip(self.ks, self.vs))
+        if self.search:
+            con.executemany(f"INSERT INTO {schema}.{self.name} VALUES (?, ?)", zip(self.ks, self.vs))
         if self.buckets is None:
             return
         for i in range(0, len(self.buckets[0]), 65_536):
@@ -409,7 +439,8 @@ class _Lookup:
         if not self.ks:
             return "", "NULL"
         search = f"(SELECT v FROM lk.{self.name} WHERE k <= {key} ORDER BY k DESC LIMIT 1)"
-        slow = f"(CASE WHEN {key} >= {self.ks[-1]} THEN {self.vs[-1]} WHEN {key} >= {self.ks[0]} THEN {search} END)"
+        past = "".join(f"WHEN {key} >= {k} THEN {v} " for k, v in zip(self.ks[:-3:-1], self.vs[:-3:-1]))
+        slow = f"(CASE {past}WHEN {key} >= {self.ks[0]} THEN {search} END)"
         if self.buckets is None:
             return "", slow
         join = f"LEFT JOIN lk.{self.name}_bk {alias} ON {alias}.b = (({key}) - {self.ks[0]}) >> {self.shift}"
@@ -425,6 +456,62 @@ def _fetch_array(ex: NsysExport, sql: str, ncols: int) -> np.ndarray:
     except (sqlite3.DatabaseError, UnicodeDecodeError, TypeError, OverflowError, ValueError) as e:
         raise InputError(f"{ex.path}: unreadable Nsight export ({e})") from None
     return flat.reshape(-1, ncols)
+
+
+def _fetch_ints(con, cols: list[str], source: str, where: str = "1", lo: int | None = None,
+                hi: int | None = None) -> np.ndarray | None:
+    """The rows of ``SELECT cols FROM source WHERE where`` with ``lo <= cols[0] <= hi`` as an int64
+    array ordered by ``cols[0]`` (a unique integer key: a rowid or INTEGER PRIMARY KEY, which
+    ``where`` must not bound: SQLite seeks with one lower bound and filters by the others); None
+    when a value is not an integer.
+
+    The rows come as hex strings of FETCH_ROWS rows each (one ``group_concat`` call into SQLite per
+    string, handed over as a BLOB, parsed by numpy), not row by row: formatting them is SQLite's
+    work, on the calling thread without the GIL, and fetching rows one by one from several threads
+    hands the GIL back and forth at every row. Where thread switches are slow (a 16-core gVisor
+    machine), a worker fetching its groups that way made the other workers' passes 5x slower than
+    their SQL alone.
+    """
+    alias = [f"c{i}" for i in range(len(cols))]
+    inner = ", ".join(f"{c} AS {a}" for c, a in zip(cols, alias))
+    ints = " AND ".join(f"typeof({a}) = 'integer'" for a in alias)
+    hexes = f"printf('{'%016x' * len(cols)}', {', '.join(alias)})"  # 16 hex digits per value, negatives too
+    upper = "" if hi is None else f" AND {cols[0]} <= {hi}"
+    out = []
+    while True:
+        lower = "" if lo is None else f" AND {cols[0]} >= {lo}"
+        blob, bad = con.execute(
+            f"SELECT CAST(group_concat({hexes}, '') AS BLOB), count(*) FILTER (WHERE NOT ({ints})) FROM "
+            f"(SELECT {inner} FROM {source} WHERE ({where}){lower}{upper} ORDER BY {cols[0]} LIMIT {FETCH_ROWS})"
+        ).fetchone()
+        if bad:
+            return None
+        if not blob:
+            break
+        out.append(np.frombuffer(binascii.unhexlify(blob), dtype=">i8").astype(np.int64).reshape(-1, len(cols)))
+        if len(out[-1]) < FETCH_ROWS:
+            break
+        lo = int(out[-1][:, 0].max()) + 1
+    a = np.concatenate(out) if out else np.zeros((0, len(cols)), dtype=np.int64)
+    return a if np.all(a[1:, 0] > a[:-1, 0]) else a[np.argsort(a[:, 0], kind="stable")]
+
+
+def _fetch_rows(ex: NsysExport, p: "Part", cols: list[str], lo: int, hi: int) -> np.ndarray:
+    """Integer columns ``cols`` (over alias ``a``) of ``p``'s rows with rowids lo..hi, in rowid
+    order: fetched by FETCH_MIN_THREADS threads or more in parallel (:func:`_fetch_ints`), else
+    (or when a value is not an integer) through Python (:func:`_fetch_array`): the hex strings cost
+    SQLite about 1.5x the CPU time of fetching the rows one by one, which a few threads do not
+    win back."""
+    if lo is None:  # an empty table
+        return np.zeros((0, len(cols)), dtype=np.int64)
+    slices = ex.slices(p.table, (lo, hi), FETCH_MIN_ROWS)
+    if len(slices) >= FETCH_MIN_THREADS:
+        parts = ex.map_slices(slices, lambda con, r: _fetch_ints(con, ["a.rowid", *cols], f"{p.table} a",
+                                                                 f"1{p.dev}", *r))
+        if all(a is not None for a in parts):
+            return np.concatenate(parts)[:, 1:]
+    return _fetch_array(ex, f"SELECT {', '.join(cols)} FROM {p.table} a WHERE a.rowid BETWEEN {lo} AND {hi}"
+                            f"{p.dev} ORDER BY a.rowid", len(cols))
 
 
 def _keep(col: str, op: str) -> str:
@@ -515,53 +602,23 @@ class _LaunchGroups:
     def launches(self) -> list[tuple[int, int]]:
         """(correlation id, smallest graph node id) per graph launch."""
         corr, inv = np.unique(self.corr, return_inverse=True)
-        g = np.full(len(corr), np.iinfo(np.int64).max)
-        np.minimum.at(g, inv, self.g)
+        (g,) = gr.reduce_by(inv, len(corr), mins=(self.g,))
         return list(zip(corr.tolist(), g.tolist()))
 
-    def rows(self, step: "_Lookup | None", tag: "_Lookup | None") -> list[tuple]:
-        """Rows as :func:`_aggregate_part` gives them, for steps and ranges keyed by correlation id."""
+    def groups(self, step: "_Lookup | None", tag: "_Lookup | None") -> np.ndarray:
+        """Groups as :func:`_aggregate_part` gives them, for steps and ranges keyed by correlation id."""
         def value(lk):  # the lookup's value per group; NULL as -2
             if lk is None or not lk.ks:
-                return np.full(len(self.corr), -2, dtype=np.int64)
+                return np.full(len(self.corr), gr.NULL_TAG, dtype=np.int64)
             i = np.searchsorted(np.array(lk.ks, dtype=np.int64), self.corr, side="right") - 1
-            return np.where(i >= 0, np.array(lk.vs, dtype=np.int64)[np.maximum(i, 0)], -2)
+            return np.where(i >= 0, np.array(lk.vs, dtype=np.int64)[np.maximum(i, 0)], gr.NULL_TAG)
 
         st_v = np.maximum(value(step), -1) if step is not None else np.zeros(len(self.corr), dtype=np.int64)
         tg_v = value(tag) if tag is not None else np.full(len(self.corr), -1, dtype=np.int64)
-        keys, inv = _unique_rows([st_v, tg_v, self.name, self.stream])
-        sums = np.zeros((2, len(keys)), dtype=np.int64)
-        np.add.at(sums, (0, inv), self.n)
-        np.add.at(sums, (1, inv), self.d)
-        lo = np.full(len(keys), np.iinfo(np.int64).max)
-        hi = np.full(len(keys), np.iinfo(np.int64).min)
-        np.minimum.at(lo, inv, self.s0)
-        np.maximum.at(hi, inv, self.e1)
-        return [(st_i, None if tg == -2 else tg, nid, 0, stream, n, d, a, b) for (st_i, tg, nid, stream), n, d, a, b in
-                zip(keys.tolist(), sums[0].tolist(), sums[1].tolist(), lo.tolist(), hi.tolist())]
-
-
-def _unique_rows(cols: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """``np.unique(np.stack(cols, axis=1), axis=0, return_inverse=True)`` (rows in lexicographic
-    order), through one packed int64 key when the columns' ranges allow: several times faster."""
-    if len(cols[0]) and all(len(c) == len(cols[0]) for c in cols):
-        los = [int(c.min()) for c in cols]
-        widths = [int(c.max()) - lo + 1 for c, lo in zip(cols, los)]
-        total = 1
-        for w in widths:
-            total *= w
-        if total < PACK_LIMIT:
-            key = np.zeros(len(cols[0]), dtype=np.int64)
-            for c, lo, w in zip(cols, los, widths):
-                key = key * w + (c - lo)
-            key, inv = np.unique(key, return_inverse=True)
-            out = np.empty((len(key), len(cols)), dtype=np.int64)
-            for j in range(len(cols) - 1, -1, -1):
-                key, out[:, j] = np.divmod(key, widths[j])
-                out[:, j] += los[j]
-            return out, inv.reshape(-1)
-    keys, inv = np.unique(np.stack(cols, axis=1), axis=0, return_inverse=True)
-    return keys, inv.reshape(-1)
+        keys, inv = gr.unique_rows([st_v, tg_v, self.name, self.stream])
+        st_v, tg_v, name, stream = keys.T
+        return np.vstack([st_v, tg_v, name, np.zeros_like(name), stream,
+                          *gr.reduce_by(inv, len(keys), (self.n, self.d), (self.s0,), (self.e1,))])
 
 
 def _graph_kernels(ex: NsysExport, part: Part) -> _LaunchGroups | None:
@@ -598,17 +655,15 @@ def _graph_kernels(ex: NsysExport, part: Part) -> _LaunchGroups | None:
             con.execute(f"INSERT INTO temp.{t} (k, nd, s0, e1, g) SELECT {key}, (a.end - a.start) * {1 << bits} + 1, "
                         f"a.start, a.end, a.graphNodeId FROM {part.table} a WHERE {where} ON CONFLICT(k) DO UPDATE SET "
                         f"nd = nd + excluded.nd, {_keep('s0', '<')}, {_keep('e1', '>')}, {_keep('g', '<')}")
-            n, bad, eager = con.execute(
-                f"SELECT count(*) FILTER (WHERE k >= 0), count(*) FILTER (WHERE k = -1 OR k >= 0 AND "
+            bad, eager = con.execute(
+                f"SELECT count(*) FILTER (WHERE k = -1 OR k >= 0 AND "
                 f"(typeof(nd) != 'integer' OR typeof(s0) != 'integer' OR typeof(e1) != 'integer' OR "
                 f"typeof(g) != 'integer')), count(*) FILTER (WHERE k = -2) FROM temp.{t}").fetchone()
             if bad:
                 return None
-            a = np.fromiter(itertools.chain.from_iterable(
-                con.execute(f"SELECT k, nd, s0, e1, g FROM temp.{t} WHERE k >= 0")), dtype=np.int64,
-                count=5 * n).reshape(n, 5)
+            a = _fetch_ints(con, ["k", "nd", "s0", "e1", "g"], f"temp.{t}", lo=0)
             nd = a[:, 1]
-            return a[:, 0], nd & ((1 << bits) - 1), nd >> bits, a[:, 2], a[:, 3], a[:, 4], eager > 0
+            return a[:, 0], nd & ((1 << bits) - 1), nd >> bits, a[:, 2], a[:, 4], a[:, 3], eager > 0
 
     results = ex.parallel(part.table, work)
     if any(r is None for r in results):
@@ -617,18 +672,7 @@ def _graph_kernels(ex: NsysExport, part: Part) -> _LaunchGroups | None:
     results = [r[:6] for r in results]
     if not results:
         results = [tuple(np.zeros(0, dtype=np.int64) for _ in range(6))]
-    k, n, d, s0, e1, g = (np.concatenate(x) for x in zip(*results))
-    if len(results) > 1:
-        k, inv = np.unique(k, return_inverse=True)
-        sums = np.zeros((2, len(k)), dtype=np.int64)
-        np.add.at(sums, (0, inv), n)
-        np.add.at(sums, (1, inv), d)
-        big, small = np.iinfo(np.int64).max, np.iinfo(np.int64).min
-        lo, hi, gm = np.full(len(k), big), np.full(len(k), small), np.full(len(k), big)
-        np.minimum.at(lo, inv, s0)
-        np.maximum.at(hi, inv, e1)
-        np.minimum.at(gm, inv, g)
-        n, d, s0, e1, g = sums[0], sums[1], lo, hi, gm
+    k, n, d, s0, g, e1 = gr.merge_keyed(results, sums=2, mins=2)
     k, name = np.divmod(k, nn)
     corr, stream = np.divmod(k, streams)
     return _LaunchGroups(corr=corr, stream=stream, name=name + n_lo, n=n, d=d, s0=s0, e1=e1, g=g, eager=eager)
@@ -653,10 +697,11 @@ def _merge_rows(rows) -> list[tuple]:
 
 
 def _aggregate_part(ex: NsysExport, part: Part, step: tuple[_Lookup, str] | None,
-                    tag: tuple[_Lookup, str] | None) -> tuple[list[tuple], bool]:
+                    tag: tuple[_Lookup, str] | None) -> tuple[np.ndarray, list[tuple]]:
     """(step, tag, name, kind, stream, count, sum of durations, min start, max end) per group of
-    ``part``'s rows, every row included: step is -1 (or None) for rows outside all steps; and
-    whether every value came through the packed path (integers, no NULL).
+    ``part``'s rows, every row included: step is -1 (or None) for rows outside all steps. The groups
+    of the slices that took the packed path as :mod:`.nsys_groups` columns (integers, no NULL), those
+    of the other slices as plain rows (not merged with the former).
 
     ``step``/``tag``: a lookup and the column it keys on ("a.correlationId" or "a.start").
     Each row goes into one UPSERT on a temporary table keyed by one integer packing (step, tag,
@@ -704,41 +749,26 @@ def _aggregate_part(ex: NsysExport, part: Part, step: tuple[_Lookup, str] | None
         with _upsert_table(con, ex, "agg", "nd, s0, e1") as t:
             con.execute(f"INSERT INTO temp.{t} (k, nd, s0, e1) SELECT {key}, (a.end - a.start) * {1 << bits} + 1, "
                         f"a.start, a.end FROM {part.table} a {join} WHERE {rows}{part.dev} {keep}")
-            n, bad = con.execute(f"SELECT count(*), count(*) FILTER (WHERE k < 0 OR typeof(nd) != 'integer' OR "
+            (bad,) = con.execute(f"SELECT count(*) FILTER (WHERE k < 0 OR typeof(nd) != 'integer' OR "
                                  f"typeof(s0) != 'integer' OR typeof(e1) != 'integer') FROM temp.{t}").fetchone()
             if bad:
                 return grouped(con, rows)
-            a = np.fromiter(itertools.chain.from_iterable(con.execute(f"SELECT k, nd, s0, e1 FROM temp.{t}")),
-                            dtype=np.int64, count=4 * n).reshape(n, 4)
+            a = _fetch_ints(con, ["k", "nd", "s0", "e1"], f"temp.{t}")
             nd = a[:, 1]
             return a[:, 0], nd & ((1 << bits) - 1), nd >> bits, a[:, 2], a[:, 3]
 
     results = ex.parallel(part.table, work)
+    plain = [row for r in results if not isinstance(r, tuple) for row in r]
     packed = [r for r in results if isinstance(r, tuple)]
-    if packed:  # merge the slices' groups, then unpack (step, tag, stream, name) from the key
-        k, n, d, s0, e1 = (np.concatenate(x) for x in zip(*packed))
-        if len(packed) > 1:
-            k, inv = np.unique(k, return_inverse=True)
-            sums = np.zeros((2, len(k)), dtype=np.int64)
-            np.add.at(sums, (0, inv), n)
-            np.add.at(sums, (1, inv), d)
-            lo = np.full(len(k), np.iinfo(np.int64).max)
-            hi = np.full(len(k), np.iinfo(np.int64).min)
-            np.minimum.at(lo, inv, s0)
-            np.maximum.at(hi, inv, e1)
-            n, d, s0, e1 = sums[0], sums[1], lo, hi
-        k, name = np.divmod(k, nn)
-        k, stream = np.divmod(k, streams)
-        st_slot, tag_slot = np.divmod(k, nt)
-        tags = (tag_slot - 2).astype(object)
-        tags[tag_slot == 0] = None
-        tags = tags.tolist()
-        packed = list(zip((st_slot - 1).tolist(), tags, (name + n_lo).tolist(), itertools.repeat(part.kind),
-                          stream.tolist(), n.tolist(), d.tolist(), s0.tolist(), e1.tolist()))
-    plain = [r for r in results if not isinstance(r, tuple)]
-    if not plain:
-        return packed, True
-    return _merge_rows(itertools.chain(packed, *plain)), False
+    if not packed:
+        return gr.empty(), plain
+    # merge the slices' groups, then unpack (step, tag, stream, name) from the key
+    k, n, d, s0, e1 = gr.merge_keyed(packed, sums=2, mins=1)
+    k, name = np.divmod(k, nn)
+    k, stream = np.divmod(k, streams)
+    st_slot, tag_slot = np.divmod(k, nt)
+    tags = np.where(tag_slot == 0, gr.NULL_TAG, tag_slot - 2)
+    return np.vstack([st_slot - 1, tags, name + n_lo, np.full_like(name, part.kind), stream, n, d, s0, e1]), plain
 
 
 def _gap_events(ex: NsysExport, parts: list[Part], device: int | None):
@@ -763,11 +793,8 @@ def _gap_events(ex: NsysExport, parts: list[Part], device: int | None):
         info.append((p, n, lo, hi, big))
     if not any(big for *_, big in info):
         return None
-    sample = []
-    for p, n, lo, hi, big in info:
-        limit = f" AND a.rowid < {lo + GAP_SAMPLE}" if big else ""
-        sample.append(_fetch_array(ex, f"SELECT a.start, a.end, {p.name} FROM {p.table} a WHERE 1{limit} "
-                                       f"ORDER BY a.rowid", 3))
+    sample = [_fetch_rows(ex, p, ["a.start", "a.end", p.name], lo, min(hi, lo + GAP_SAMPLE - 1) if big else hi)
+              for p, n, lo, hi, big in info]
     return info, np.concatenate(sample)
 
 
@@ -776,20 +803,19 @@ def _idle_gaps(ex: NsysExport, p: Part, lo: int, hi: int, gap_ns: int | None):
     table is not in time order (start and end non-decreasing in rowid order)."""
     gap = (1 << 62) if gap_ns is None else int(gap_ns)
 
-    def work(con, rows, width):
-        return con.execute(
-            f"SELECT a.rowid, a.end, b.start, coalesce(b.start < a.start OR b.end < a.end, 1) FROM {p.table} a "
-            f"JOIN {p.table} b ON b.rowid = a.rowid + 1 WHERE {rows} AND "
-            f"coalesce(b.start < a.start OR b.end < a.end OR b.start - a.end > {gap}, 1)").fetchall()
+    def work(con, r):
+        return _fetch_ints(con, ["a.rowid", "a.end", "b.start", "coalesce(b.start < a.start OR b.end < a.end, 1)"],
+                           f"{p.table} a JOIN {p.table} b ON b.rowid = a.rowid + 1",
+                           f"coalesce(b.start < a.start OR b.end < a.end OR b.start - a.end > {gap}, 1)", *r)
 
-    found = [r for part in ex.parallel(p.table, work) for r in part]
-    if any(bad for *_, bad in found):
+    found = ex.map_slices(ex.slices(p.table, (lo, hi)), work)
+    if any(f is None or f[:, 3].any() for f in found):  # out of order, or NULL times
         return None
+    found = np.concatenate(found)  # slices in rowid order, each sorted
     first = ex._q(f"SELECT start FROM {p.table} WHERE rowid = {lo}")[0][0]
     last = ex._q(f"SELECT end FROM {p.table} WHERE rowid = {hi}")[0][0]
-    found.sort()
-    starts = np.array([first] + [b for _, _, b, _ in found], dtype=np.int64)
-    ends = np.array([a for _, a, _, _ in found] + [last], dtype=np.int64)
+    starts = np.concatenate([np.array([first], dtype=np.int64), found[:, 2]])
+    ends = np.concatenate([found[:, 1], np.array([last], dtype=np.int64)])
     return starts, ends
 
 
@@ -866,7 +892,8 @@ def _aggregate(ex: NsysExport, req: StepRequest) -> Aggregate:
         raise InputError(f"{ex.path}: the trace has no GPU activity (no kernel, memcpy or memset tables)")
     has_runtime = RUNTIME in ex.tables
 
-    ranges = ex.ranges()
+    # NVTX ranges matter to range steps and tags only (reading them is serial Python work)
+    ranges = ex.ranges() if req.range_regex or req.tag_regex else []
     mode = req.mode
     if mode == "auto":
         mode = "range" if req.range_regex else None
@@ -950,80 +977,49 @@ def _aggregate(ex: NsysExport, req: StepRequest) -> Aggregate:
     step = (ex.add_lookup("sb", step_key[1]), column[step_key[0]]) if step_key is not None else None
     tag = (ex.add_lookup("gb", tag_key[1]), column[tag_key[0]]) if tag_key is not None else None
 
-    rows = []
-    total_events = 0
-    exact = True  # every count, duration and time an integer (the packed path): per-step sums in numpy
     if launch_groups is not None and not ((step is None or step[1] == column["corr"])
                                           and (tag is None or tag[1] == column["corr"])):
         launch_groups = None  # steps or ranges by GPU time: every kernel goes through the plain pass
+    packed, plain = [], []  # groups as nsys_groups columns; plain rows of the slices that took a GROUP BY
     for part in parts:
         if part.kind == 0 and launch_groups is not None:
-            part_rows, part_exact = [], True  # the graph-launch pass saw every row: no eager kernel
-            if launch_groups.eager:
+            g = launch_groups.groups(step[0] if step else None, tag[0] if tag else None)
+            if launch_groups.eager:  # else the graph-launch pass saw every row: no eager kernel
                 eager = replace(part, dev=part.dev + " AND (a.graphNodeId IS NULL OR a.correlationId IS NULL)")
-                part_rows, part_exact = _aggregate_part(ex, eager, step, tag)
-            graph_rows = launch_groups.rows(step[0] if step else None, tag[0] if tag else None)
-            part_rows = _merge_rows(itertools.chain(part_rows, graph_rows)) if part_rows else graph_rows
+                g_eager, p_rows = _aggregate_part(ex, eager, step, tag)
+                g, plain = gr.merge(np.hstack([g, g_eager])), plain + p_rows
         else:
-            part_rows, part_exact = _aggregate_part(ex, part, step, tag)
-        exact = exact and part_exact
-        for row in part_rows:
-            total_events += row[5]
-            if row[0] is not None and row[0] >= 0:
-                rows.append(row)
-
-    names = ex.strings(r[2] for r in rows if r[3] == 0)
+            g, p_rows = _aggregate_part(ex, part, step, tag)
+            plain += p_rows
+        packed.append(g)
+    g = np.hstack(packed)
+    if plain:  # values may be NULL or not integers: groups and sums in Python
+        rows = _merge_rows(itertools.chain(gr.as_rows(g), plain))
+        total_events = sum(r[5] for r in rows)
+        rows = [r for r in rows if r[0] is not None and r[0] >= 0]
+        names = ex.strings(r[2] for r in rows if r[3] == 0)
+    else:
+        total_events = int(g[gr.N].sum())
+        g = g[:, g[gr.STEP] >= 0]
+        names = ex.strings(np.unique(g[gr.NAME][g[gr.KIND] == 0]).tolist())
     mnames = ex.memcpy_names()
 
-    def _name(nid, kind):
+    def label(nid, kind, tg):  # (name, kind name, tag name) of a group
         if kind == 0:
-            return names.get(int(nid), f"<string {nid}>")
-        if kind == 1:
-            return f"Memcpy {mnames.get(-1000 - int(nid), 'Unknown')}"
-        if kind == 3:
-            return f"CUDA graph exec {-2000 - int(nid)} (whole graph)"
-        return "Memset"
+            name = names.get(int(nid), f"<string {nid}>")
+        elif kind == 1:
+            name = f"Memcpy {mnames.get(-1000 - int(nid), 'Unknown')}"
+        elif kind == 3:
+            name = f"CUDA graph exec {-2000 - int(nid)} (whole graph)"
+        else:
+            name = "Memset"
+        return name, KINDS[int(kind)], tag_names[int(tg)] if tg is not None and tg >= 0 else None
 
-    # (name, kind, tag) per distinct (name id, kind, tag value); positional KernelGroup(step, name, kind,
-    # stream, tag, dims, count, total_ns): the fastest way to build tens of thousands of them
-    label = {key: (_name(key[0], key[1]), KINDS[int(key[1])], tag_names[int(key[2])]
-                   if key[2] is not None and key[2] >= 0 else None) for key in {(r[2], r[3], r[1]) for r in rows}}
-    if exact:
-        groups = []
-        add = groups.append
-        for st_i, tg, nid, kind, stream, n, dur, _, _ in rows:
-            name, kind_name, tag_name = label[nid, kind, tg]
-            add(KernelGroup(st_i, name, kind_name, stream, tag_name, None, n, dur))
+    if plain:
+        groups, per_step, several_streams = _plain_groups(rows, label)
     else:
-        groups = [KernelGroup(int(st_i), *label[(nid, kind, tg)][:2], stream, label[(nid, kind, tg)][2], None,
-                              int(n), int(dur)) for st_i, tg, nid, kind, stream, n, dur, _, _ in rows]
-    per_step: dict[int, dict] = {}
-    several_streams = False  # a step with work on more than one stream
-    if exact and rows:
-        a = np.fromiter(itertools.chain.from_iterable(map(operator.itemgetter(0, 5, 6, 7, 8, 4), rows)),
-                        dtype=np.int64, count=6 * len(rows)).reshape(-1, 6)
-        idx, inv = np.unique(a[:, 0], return_inverse=True)
-        sums = np.zeros((2, len(idx)), dtype=np.int64)
-        np.add.at(sums, (0, inv), a[:, 1])
-        np.add.at(sums, (1, inv), a[:, 2])
-        lo = np.full(len(idx), np.iinfo(np.int64).max)
-        hi = np.full(len(idx), np.iinfo(np.int64).min)
-        np.minimum.at(lo, inv, a[:, 3])
-        np.maximum.at(hi, inv, a[:, 4])
-        per_step = {i: {"s": s0, "e": e1, "busy": b, "n": n} for i, s0, e1, b, n in
-                    zip(idx.tolist(), lo.tolist(), hi.tolist(), sums[1].tolist(), sums[0].tolist())}
-        pairs = _unique_rows([a[:, 0], a[:, 5]])[0]  # distinct (step, stream), sorted by step
-        several_streams = bool(np.any(pairs[1:, 0] == pairs[:-1, 0]))
-    else:
-        for st_i, _, _, _, _, n, dur, s0, e1 in rows:
-            p = per_step.setdefault(int(st_i), {"s": s0, "e": e1, "busy": 0, "n": 0})
-            p["s"], p["e"] = min(p["s"], s0), max(p["e"], e1)
-            p["busy"] += int(dur)
-            p["n"] += int(n)
-        streams_per_step: dict[int, set] = {}
-        for st_i, stream in {(int(r[0]), r[4]) for r in rows}:
-            streams_per_step.setdefault(st_i, set()).add(stream)
-        several_streams = any(len(s) > 1 for s in streams_per_step.values())
+        groups = gr.kernel_groups(g, label)
+        per_step, several_streams = gr.step_sums(g)
 
     if several_streams:
         # several streams: busy time is the union of intervals, not the sum of durations
@@ -1037,11 +1033,12 @@ def _aggregate(ex: NsysExport, req: StepRequest) -> Aggregate:
             f"SELECT step, start, end, max(end) OVER (PARTITION BY step ORDER BY start "
             f"ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS pe FROM ({act})) "
             f"WHERE step >= 0 GROUP BY step")
+        pos = {i: j for j, i in enumerate(per_step[0].tolist())}
         for st_i, busy in union:
-            if int(st_i) in per_step:
-                per_step[int(st_i)]["busy"] = int(busy)
+            if int(st_i) in pos:
+                per_step[3, pos[int(st_i)]] = int(busy)
 
-    steps = _build_steps(mode, labels, step_ranges, per_step)
+    steps = gr.build_steps(mode, labels, step_ranges, per_step)
     empty = len(labels) - len(steps)
     if empty > 0:
         notes.append(f"{empty} step(s) launched no GPU work and were left out")
@@ -1050,22 +1047,23 @@ def _aggregate(ex: NsysExport, req: StepRequest) -> Aggregate:
                      total_events=int(total_events), notes=notes)
 
 
-def _build_steps(mode: str, labels: list[str], step_ranges: list[Range], per_step: dict[int, dict]) -> list[StepInfo]:
-    """StepInfo per step with GPU work; wall windows as documented in :class:`StepInfo`."""
-    present = sorted(per_step)
-    steps = []
-    for j, i in enumerate(present):
-        p = per_step[i]
-        if mode == "range":
-            r = step_ranges[i]
-            start, end = r.start, max(r.end, p["e"])
-        else:
-            start = p["s"]
-            end = per_step[present[j + 1]]["s"] if j + 1 < len(present) else p["e"]
-        # positional: StepInfo(index, label, start, end, gpu_start, gpu_end, busy_ns, events)
-        steps.append(StepInfo(i, labels[i] if i < len(labels) else str(i), int(start), int(end), int(p["s"]),
-                              int(p["e"]), int(p["busy"]), int(p["n"])))
-    return steps
+def _plain_groups(rows: list[tuple], label) -> tuple[list[KernelGroup], np.ndarray, bool]:
+    """:func:`nsys_groups.kernel_groups` and :func:`nsys_groups.step_sums` for plain rows (values may
+    be NULL or not integers: the slow path of slices the packed UPSERT could not hold)."""
+    lab = {k: label(*k) for k in {(r[2], r[3], r[1]) for r in rows}}
+    groups = [KernelGroup(int(st_i), *lab[(nid, kind, tg)][:2], stream, lab[(nid, kind, tg)][2], None,
+                          int(n), int(dur)) for st_i, tg, nid, kind, stream, n, dur, _, _ in rows]
+    per_step: dict[int, list] = {}
+    for st_i, _, _, _, _, n, dur, s0, e1 in rows:
+        p = per_step.setdefault(int(st_i), [s0, e1, 0, 0])
+        p[0], p[1] = min(p[0], s0), max(p[1], e1)
+        p[2] += int(dur)
+        p[3] += int(n)
+    streams_per_step: dict[int, set] = {}
+    for st_i, stream in {(int(r[0]), r[4]) for r in rows}:
+        streams_per_step.setdefault(st_i, set()).add(stream)
+    sums = np.array([[i, *p] for i, p in sorted(per_step.items())], dtype=np.int64).reshape(-1, 5).T
+    return groups, sums, any(len(s) > 1 for s in streams_per_step.values())
 
 
 def describe(path: str | os.PathLike) -> dict:
