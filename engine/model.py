@@ -277,10 +277,21 @@ class Transformer(nn.Module):
         """``torch`` | ``fused`` | ``auto`` (fused on CUDA) for every attention layer; returns the choice."""
         from specpilot.engine.attention import resolve
 
+        asked = impl
         impl = resolve(impl, self.device.type)
-        for blk in self.layers:
-            if isinstance(blk.mixer, Attention):
-                blk.mixer.fused = impl == "fused"
+        attn = [blk.mixer for blk in self.layers if isinstance(blk.mixer, Attention)]
+        if impl == "fused" and attn:
+            from specpilot.kernels.attention.decode import supports
+
+            m = attn[0]
+            if not supports(m.nh, m.nkv, m.hd):
+                if asked == "fused":
+                    raise InputError(f"attn=fused: the kernel needs a power-of-two head_dim >= 16 and heads divisible "
+                                     f"by KV heads ({self.spec.name}: {m.nh} heads, {m.nkv} KV heads, head_dim {m.hd}); "
+                                     "use attn=torch")
+                impl = "torch"  # auto: the reference handles every shape
+        for m in attn:
+            m.fused = impl == "fused"
         return impl
 
     # ---- construction --------------------------------------------------------------

@@ -158,3 +158,35 @@ def test_store_kv_writes_rows_at_slots_only():
     want_v[:, slots] = v.transpose(0, 1)
     fused.store_kv(k, v, kc, vc, slots)
     assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+
+
+def test_set_attention_falls_back_or_refuses_unsupported_head_dims(monkeypatch):
+    """auto on CUDA takes the reference for shapes the kernel does not tile; an explicit fused is an
+    input error naming the shapes. (resolve is patched to answer as on a CUDA machine.)"""
+    import specpilot.engine.attention as ea
+    from specpilot.engine.api import TINY_CONFIGS
+    from specpilot.engine.model import Transformer
+    from specpilot.errors import InputError
+    from specpilot.models import spec_from_config
+
+    odd = spec_from_config({**TINY_CONFIGS["tiny"], "head_dim": 24}, name="odd")
+    model = Transformer(odd, max_seq=32)
+    monkeypatch.setattr(ea, "resolve", lambda impl, device: "fused" if impl in ("auto", "fused") else impl)
+    assert model.set_attention("auto") == "torch"
+    assert not any(getattr(b.mixer, "fused", False) for b in model.layers)
+    with pytest.raises(InputError, match="head_dim 24"):
+        model.set_attention("fused")
+    tiny = Transformer(spec_from_config(dict(TINY_CONFIGS["tiny"]), name="tiny"), max_seq=32)
+    assert tiny.set_attention("auto") == "fused" and all(b.mixer.fused for b in tiny.layers)
+
+
+def test_cli_attention_choice_errors(run_cli):
+    code, _, err = run_cli("run", "--model", "tiny", "--prompt", "x", "--attn", "fused")
+    assert code == 2 and "needs device=cuda" in err and err.count("\n") == 1
+    code, _, err = run_cli("run", "--model", "tiny", "--prompt", "x", "--attn", "flash")
+    assert code == 2 and "flash" in err
+    code, _, err = run_cli("probe", "rows", "--model", "tiny", "--random-weights", "--device", "cpu", "--rows", "1",
+                           "--attn", "fused")
+    assert code == 2 and "needs device=cuda" in err
+    code, out, _ = run_cli("run", "--model", "tiny", "--prompt", "x", "--max-new-tokens", "2", "--format", "json")
+    assert code == 0 and '"attn": "torch"' in out

@@ -137,6 +137,11 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                         num_warps=1)
 
 
+def supports(heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether the kernel handles these shapes (``tl.dot`` tiles need a power-of-two head_dim >= 16)."""
+    return heads % kv_heads == 0 and head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
 def plan(T: int, nh: int, nkv: int, S: int) -> tuple[int, int, int, int]:
     """(rows R, row block, row blocks, splits) for a step: enough programs to fill the GPU."""
     R = (nh // nkv) * T
@@ -154,7 +159,7 @@ def masked_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
         raise RuntimeError("the fused attention needs triton")
     T, nh, hd = q.shape
     nkv, S, _ = k.shape
-    if nh % nkv or hd & (hd - 1) or hd < 16:
+    if not supports(nh, nkv, hd):
         raise ValueError(f"fused attention needs heads divisible by KV heads and a power-of-two head_dim >= 16 "
                          f"(got {nh} heads, {nkv} KV heads, head_dim {hd})")
     q = q.contiguous()
