@@ -168,6 +168,8 @@ def main():
     ap.add_argument("--variants", action="store_true", help="also time the tuned compile variants")
     ap.add_argument("--skip-rows", action="store_true", help="skip the compiled T_step(N) curve")
     ap.add_argument("--no-w12", action="store_true", help="skip the W12 rows (section 4)")
+    ap.add_argument("--attn", default="auto", choices=["auto", "torch", "fused"],
+                    help="engine attention (auto: the fused split-KV kernel on cuda, as `specpilot run`)")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.set_grad_enabled(False)
@@ -197,9 +199,11 @@ def main():
         dtype = torch.bfloat16
     model = Transformer(spec, max_seq=context + max(rows_n) + 64, dtype=dtype, device=device).init_random_fast(0)
     model.eval()
+    attn = model.set_attention(args.attn)
     log(f"built {spec.name} ({sum(p.numel() for p in model.parameters()) / 1e9:.2f} B params)")
     ar_rows, rows_rows = [], []
-    extra = {"model": spec.name, "dtype": str(dtype).replace("torch.", ""), "batch": 1, "bandwidth_assumed_TBps": BW / 1e12}
+    extra = {"model": spec.name, "dtype": str(dtype).replace("torch.", ""), "batch": 1, "bandwidth_assumed_TBps": BW / 1e12,
+             "attn": attn}
     if device == "cuda":
         ar_rows.append(ar_section(model, spec, context, new, "eager layers + CUDA graph", reps * 2))
         log(f"AR eager: {ar_rows[-1]['step_ms_graph']:.3f} ms")
