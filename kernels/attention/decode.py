@@ -20,19 +20,9 @@ Runs on CUDA and under ``TRITON_INTERPRET=1`` (the CPU tests).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-if not torch.cuda.is_available():  # no GPU: the kernels can only run under Triton's interpreter
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-try:  # triton is optional at import time (CPU-only installs still import this module)
-    import triton
-    import triton.language as tl
-except Exception:  # pragma: no cover
-    triton = None
-    tl = None
+from ..triton_env import tl, triton  # sets TRITON_INTERPRET first on a machine without CUDA
 
 BLOCK_N = 64        # cache slots per tile
 MAX_BLOCK_M = 64    # query rows per program (group members x step rows); more rows: more programs

@@ -13,28 +13,14 @@ The naive reference (``naive.certified_argmax_ref``) defines the same results.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
+from ..triton_env import interpreting, tl, triton  # sets TRITON_INTERPRET first on a machine without CUDA
 from .naive import MARGIN_REL, Int8Head, exact_argmax, exact_logits, quantize_head
 
-if not torch.cuda.is_available():  # no GPU: the kernels can only run under Triton's interpreter
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-try:
-    import triton
-    import triton.language as tl
-except Exception:  # pragma: no cover
-    triton = None
-    tl = None
-
 INT64_MIN = -(2 ** 63)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 if triton is not None:
@@ -240,7 +226,7 @@ class CertifiedHead:
                              f"({self.hidden} hidden, <= {self.max_rows} rows)")
         if h.stride(1) != 1:
             h = h.contiguous()
-        up = _interpreting()
+        up = interpreting()
         block_h = triton.next_power_of_2(hd)
         _prep[(m,)](h, self.hq, self.hs, hd, h.stride(0), self.m_pad, BLOCK_H=block_h,
                     num_warps=8 if block_h >= 4096 else 4)

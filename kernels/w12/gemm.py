@@ -14,26 +14,12 @@ Design (see docs/w12.md):
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
+from ..triton_env import interpreting, tl, triton  # sets TRITON_INTERPRET first on a machine without CUDA
 from .format import KERNEL_EXP_BIAS, TILE_K, TILE_N, W12Tensor, repad
-
-if not torch.cuda.is_available():  # no GPU: the kernels can only run under Triton's interpreter
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-try:  # triton is optional at import time (CPU-only installs still import this module)
-    import triton
-    import triton.language as tl
-except Exception:  # pragma: no cover
-    triton = None
-    tl = None
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # ----------------------------------------------------------------------------------------------
