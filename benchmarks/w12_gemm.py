@@ -109,6 +109,16 @@ def random_layer(name: str, k: int, n: int, dev):
     return w, packed, kp, kp.rec64.numel() * 8 + kp.low_exp.numel() + kp.esc_row.numel() * 12
 
 
+def row_inputs(w, m: int):
+    """``m`` random bf16 rows for layer ``w``, the fp32 reference ``x @ w.T`` and the tolerance every
+    kernel is checked against (bf16 output rounding plus fp32 summation order)."""
+    import torch
+
+    x = torch.randn(m, w.shape[1], device=w.device).to(torch.bfloat16)
+    ref = x.float() @ w.float().T
+    return x, ref, 2.0 ** -7 * ref.abs() + 1e-3 * ref.abs().max()
+
+
 def gemv_configs(m: int, kt: int, n: int, sms: int):
     """Streaming-GEMV variants for one (shape, m): rows per program, records per step, warps, and
     split-K for about 2, 4 and 8 programs per SM."""
@@ -153,9 +163,7 @@ def gemv_sweep(args) -> int:
     for name, k, n in shapes:
         w, packed, kp, w12_bytes = random_layer(name, k, n, dev)
         for m in ms:
-            x = torch.randn(m, k, device=dev).to(torch.bfloat16)
-            ref = x.float() @ w.float().T
-            tol = 2.0 ** -7 * ref.abs() + 1e-3 * ref.abs().max()
+            x, ref, tol = row_inputs(w, m)
             old_cfg = gemm.default_config(m, n, k)
             best = None
             for cfg in gemv_configs(m, kp.k_tiles, n, sms):
@@ -253,9 +261,7 @@ def main() -> int:
     for name, k, n in shapes:
         w, packed, kp, w12_bytes = random_layer(name, k, n, dev)
         for m in MS:
-            x = torch.randn(m, k, device=dev).to(torch.bfloat16)
-            ref = x.float() @ w.float().T
-            tol = 2.0 ** -7 * ref.abs() + 1e-3 * ref.abs().max()
+            x, ref, tol = row_inputs(w, m)
             cublas_us = time_cuda_graph(lambda: F.linear(x, w), reps=args.reps, flush=flush)
             key = f"{n}x{k}@{m}"
             cfgs = [tuned[key]] if key in tuned else sweep_configs(m, kp.k_tiles, n, sms)
