@@ -100,11 +100,7 @@ def ar_section(model, spec, context, new_tokens, variant, reps, w_bytes=None):
     res = dec.generate(prompt, new_tokens)
     first_s = time.time() - t
     res = dec.generate(prompt, new_tokens)  # second run: graphs captured, steady state
-    g, inp, _ = runner.get(1)
-    n = context + new_tokens
-    inp.mask.copy_(torch.arange(model.max_seq, device=inp.mask.device)[None] <= n)
-    inp.pos.fill_(n)
-    inp.slots.fill_(n)
+    g, _ = runner.ar_graph(context + new_tokens)
     step_ms = time_graph(g, reps)
     if w_bytes is None:
         w_bytes = (spec.linear_params() + spec.lm_head_params()) * 2

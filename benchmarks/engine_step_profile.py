@@ -38,12 +38,7 @@ BW = 4.4e12
 def capture(model, context: int):
     from specpilot.engine.graphs import GraphRunner
 
-    runner = GraphRunner(model)
-    g, inp, _ = runner.get(1)
-    inp.mask.copy_(__import__("torch").arange(model.max_seq, device=inp.mask.device)[None] <= context)
-    inp.pos.fill_(context)
-    inp.slots.fill_(context)
-    return g
+    return GraphRunner(model).ar_graph(context)[0]
 
 
 def profile_variant(g, steps: int, path: Path) -> dict:

@@ -80,11 +80,18 @@ class GraphRunner:
         g.replay()
         return out
 
-    def ar_step(self, token: int, n_cache: int) -> int:
+    def ar_graph(self, n_cache: int, token: int | None = None):
+        """The one-row graph with its inputs set for the token at slot/position ``n_cache`` (the
+        cache holds ``n_cache`` tokens); returns (graph, argmax output)."""
         g, inp, out = self.get(1)
-        inp.tokens.fill_(token)
+        if token is not None:
+            inp.tokens.fill_(token)
         inp.pos.fill_(n_cache)
         inp.slots.fill_(n_cache)
         inp.mask.copy_(torch.arange(self.model.max_seq, device=inp.mask.device)[None] <= n_cache)
+        return g, out
+
+    def ar_step(self, token: int, n_cache: int) -> int:
+        g, out = self.ar_graph(n_cache, token)
         g.replay()
         return int(out[0])
