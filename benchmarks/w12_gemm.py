@@ -120,28 +120,32 @@ def row_inputs(w, m: int):
 
 
 def gemv_configs(m: int, kt: int, n: int, sms: int):
-    """Streaming-GEMV variants for one (shape, m): rows per program, records per step, warps, and
-    split-K for about 2, 4 and 8 programs per SM."""
-    from specpilot.kernels.w12.gemv import GemvConfig
+    """Streaming-GEMV variants for one (shape, m), every input row in one program (weights decoded
+    once): weight rows per program and warps, how loads are overlapped (register double buffer with
+    2 records per step, or the compiler's cp.async pipeline with 3-4 stages of 1-2 records), and
+    split-K for about 2, 4 and 8 programs per SM. Fewer variants above one row (compile time)."""
+    from specpilot.kernels.w12.gemv import TUNED, GemvConfig
 
-    out = []
-    for bn, w in ((32, 2), (64, 2), (64, 4), (128, 2), (128, 4)):
-        for recs in (2, 4):
+    out = [TUNED[(n, kt * 64)]] if (n, kt * 64) in TUNED else []   # the committed choice competes too
+    shapes = ((32, 2), (64, 2), (64, 4), (128, 4)) if m == 1 else ((32, 2), (64, 4))
+    pipes = ((2, True, 1), (1, False, 3), (2, False, 3), (2, False, 4)) if m == 1 else ((2, True, 1), (2, False, 3))
+    for bn, w in shapes:
+        for recs, pf, stages in pipes:
             if kt % recs:
                 continue
-            nb = (n + bn - 1) // bn * m
+            nb = (n + bn - 1) // bn
             seen = set()
-            for per_sm in (2, 4, 8, 12):
+            for per_sm in (2, 4, 8):
                 split = max(1, min(kt // recs, round(per_sm * sms / nb)))
-                if split not in seen:
+                cfg = GemvConfig(bn, recs, split, w, pf, 0, stages)
+                if split not in seen and cfg not in out:
                     seen.add(split)
-                    out.append(GemvConfig(bn, recs, split, w, True))
-    out.append(GemvConfig(64, 2, max(1, min(kt // 2, round(4 * sms / ((n + 63) // 64 * m)))), 4, False))
+                    out.append(cfg)
     return out
 
 
 def gemv_sweep(args) -> int:
-    """M = 1, 2, 4: every streaming-GEMV variant, the general kernel's tuned variant and cuBLAS, side by
+    """M = 1, 2, 4 (``--rows``): every streaming-GEMV variant, the general kernel's tuned variant and cuBLAS, side by
     side in one run (correctness and determinism checked before timing)."""
     import math
 

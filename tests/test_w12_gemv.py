@@ -23,6 +23,10 @@ from test_w12_gemm import DEV, check_close, make_weight  # noqa: E402
     (1, 40, 200, GemvConfig(16, 2, 2)),                 # partial row tile, partial record, split-K
     (1, 130, 256, GemvConfig(64, 4, 1, prefetch=False)),  # two row tiles, one split, no prefetch
     (2, 40, 384, GemvConfig(32, 2, 3)),                 # two rows, three splits
+    (5, 40, 384, GemvConfig(32, 2, 3, rows=2)),         # 2-row programs, the last one half empty
+    (16, 40, 256, GemvConfig(16, 2, 2)),                # all 16 rows decode the weights once
+    (1, 130, 512, GemvConfig(32, 2, 2, stages=3)),      # the compiler's pipeline, split-K
+    (3, 40, 256, GemvConfig(16, 1, 1, stages=2)),       # pipeline, one record per step, 3 rows
 ])
 def test_w12_gemv_matches_fp32_reference(m, n, k, cfg):
     w = make_weight(n, k)
@@ -50,6 +54,6 @@ def test_w12_linear_routes_one_row_to_gemv():
     assert supported(x, kp)
     assert torch.equal(w12_linear(x, kp, out_dtype=torch.float32), w12_gemv(x, kp, out_dtype=torch.float32))
     odd = torch.randn(1, 63).bfloat16()
-    assert not supported(odd, kp) and not supported(torch.randn(5, 64).bfloat16(), kp)
+    assert not supported(odd, kp) and not supported(torch.randn(17, 64).bfloat16(), kp)
     with pytest.raises(ValueError):
         w12_gemv(torch.randn(1, 32).bfloat16().to(DEV), kp)

@@ -44,22 +44,25 @@ if triton is not None:
         return b, n
 
     @triton.jit
-    def _rec_fma(acc, b, n, x32_ptr, t, jj, KH, QPASS: tl.constexpr):
+    def _rec_fma(acc, b, n, x32_ptr, offs_m, t, jj, KH, M, stride_x32m, MB: tl.constexpr, QPASS: tl.constexpr):
+        """acc [MB, BLOCK_N, 8] += the record's decoded weights times the MB rows' x (decoded once)."""
         p0, p1, p2, p3 = _decode_pairs(b, n, QPASS)
-        # the record's 32 x pairs as an [8 groups, 4 pairs] tile (16-byte loads), split into columns
+        # the record's 32 x pairs per row as an [MB, 8 groups, 4 pairs] tile (16-byte loads)
         xi = t * 32 + jj[:, None] * 4 + tl.arange(0, 4)[None, :]
-        xt = tl.load(x32_ptr + xi, mask=xi < KH, other=0).to(tl.uint32)
-        xa, xb = tl.split(tl.reshape(xt, (8, 2, 2)))
+        xmask = (offs_m[:, None, None] < M) & (xi < KH)[None, :, :]
+        xt = tl.load(x32_ptr + offs_m[:, None, None] * stride_x32m + xi[None, :, :], mask=xmask,
+                     other=0).to(tl.uint32)
+        xa, xb = tl.split(tl.reshape(xt, (MB, 8, 2, 2)))
         x0, x2 = tl.split(xa)
         x1, x3 = tl.split(xb)
-        acc += _lo(p0) * _lo(x0)[None, :]
-        acc += _hi(p0) * _hi(x0)[None, :]
-        acc += _lo(p1) * _lo(x1)[None, :]
-        acc += _hi(p1) * _hi(x1)[None, :]
-        acc += _lo(p2) * _lo(x2)[None, :]
-        acc += _hi(p2) * _hi(x2)[None, :]
-        acc += _lo(p3) * _lo(x3)[None, :]
-        acc += _hi(p3) * _hi(x3)[None, :]
+        acc += _lo(p0)[None, :, :] * _lo(x0)[:, None, :]
+        acc += _hi(p0)[None, :, :] * _hi(x0)[:, None, :]
+        acc += _lo(p1)[None, :, :] * _lo(x1)[:, None, :]
+        acc += _hi(p1)[None, :, :] * _hi(x1)[:, None, :]
+        acc += _lo(p2)[None, :, :] * _lo(x2)[:, None, :]
+        acc += _hi(p2)[None, :, :] * _hi(x2)[:, None, :]
+        acc += _lo(p3)[None, :, :] * _lo(x3)[:, None, :]
+        acc += _hi(p3)[None, :, :] * _hi(x3)[:, None, :]
         return acc
 
     @triton.jit
@@ -75,14 +78,14 @@ if triton is not None:
         return b0, n0, b1, n1, b2, n2, b3, n3
 
     @triton.jit
-    def _step_fma(acc, b0, n0, b1, n1, b2, n2, b3, n3, x32_ptr, t, jj, KH, RECS: tl.constexpr,
-                  QPASS: tl.constexpr):
-        acc = _rec_fma(acc, b0, n0, x32_ptr, t, jj, KH, QPASS)
+    def _step_fma(acc, b0, n0, b1, n1, b2, n2, b3, n3, x32_ptr, offs_m, t, jj, KH, M, stride_x32m,
+                  MB: tl.constexpr, RECS: tl.constexpr, QPASS: tl.constexpr):
+        acc = _rec_fma(acc, b0, n0, x32_ptr, offs_m, t, jj, KH, M, stride_x32m, MB, QPASS)
         if RECS >= 2:
-            acc = _rec_fma(acc, b1, n1, x32_ptr, t + 1, jj, KH, QPASS)
+            acc = _rec_fma(acc, b1, n1, x32_ptr, offs_m, t + 1, jj, KH, M, stride_x32m, MB, QPASS)
         if RECS >= 4:
-            acc = _rec_fma(acc, b2, n2, x32_ptr, t + 2, jj, KH, QPASS)
-            acc = _rec_fma(acc, b3, n3, x32_ptr, t + 3, jj, KH, QPASS)
+            acc = _rec_fma(acc, b2, n2, x32_ptr, offs_m, t + 2, jj, KH, M, stride_x32m, MB, QPASS)
+            acc = _rec_fma(acc, b3, n3, x32_ptr, offs_m, t + 3, jj, KH, M, stride_x32m, MB, QPASS)
         return acc
 
     @triton.jit
@@ -92,76 +95,88 @@ if triton is not None:
         ws_ptr, lock_ptr,
         M, N, K, KH, KT, TILES_PER_SPLIT, NUM_N_BLOCKS, SPLIT_K,
         stride_xm, stride_x32m, stride_ym,
-        BLOCK_N: tl.constexpr, RECS: tl.constexpr, PREFETCH: tl.constexpr,
-        USE_SPLIT: tl.constexpr, QPASS: tl.constexpr, ESC_CH: tl.constexpr,
+        BLOCK_N: tl.constexpr, MB: tl.constexpr, RECS: tl.constexpr, PREFETCH: tl.constexpr,
+        STAGES: tl.constexpr, USE_SPLIT: tl.constexpr, QPASS: tl.constexpr, ESC_CH: tl.constexpr,
     ):
-        pid_m = tl.program_id(0)      # rows of x next to each other: they share the weight bytes in L2
+        pid_m = tl.program_id(0)      # row blocks of x next to each other: they share the weight bytes in L2
         pid_n = tl.program_id(1)
         pid_k = tl.program_id(2)
         n0 = pid_n * BLOCK_N
         rr = (n0 % 128) + tl.arange(0, BLOCK_N)
         jj = tl.arange(0, 8)
+        offs_m = pid_m * MB + tl.arange(0, MB)
         tile_row = (n0 // 128).to(tl.int64) * KT
         t_begin = pid_k * TILES_PER_SPLIT
         t_end = tl.minimum(t_begin + TILES_PER_SPLIT, KT)
-        xrow = x32_ptr + pid_m * stride_x32m
-        acc = tl.zeros((BLOCK_N, 8), dtype=tl.float32)
+        acc = tl.zeros((MB, BLOCK_N, 8), dtype=tl.float32)
 
-        # RECS records per iteration; the launcher makes every split a whole number of iterations
-        b0, n0_, b1, n1, b2, n2, b3, n3 = _load_step(rec64_ptr, rec32_ptr, tile_row + t_begin, rr, jj, RECS, QPASS)
-        for t in range(t_begin, t_end, RECS):
-            # next iteration's records (clamped to the last step: always a valid address), issued
-            # before this iteration's math with PREFETCH, after it without
-            if PREFETCH:
-                tn = tl.minimum(t + RECS, t_end - RECS)
-                c0, m0, c1, m1, c2, m2, c3, m3 = _load_step(rec64_ptr, rec32_ptr, tile_row + tn, rr, jj, RECS, QPASS)
-            acc = _step_fma(acc, b0, n0_, b1, n1, b2, n2, b3, n3, xrow, t, jj, KH, RECS, QPASS)
-            if not PREFETCH:
-                tn = tl.minimum(t + RECS, t_end - RECS)
-                c0, m0, c1, m1, c2, m2, c3, m3 = _load_step(rec64_ptr, rec32_ptr, tile_row + tn, rr, jj, RECS, QPASS)
-            b0, n0_, b1, n1, b2, n2, b3, n3 = c0, m0, c1, m1, c2, m2, c3, m3
+        if STAGES > 1:
+            # the compiler's software pipeline (asynchronous copies STAGES - 1 iterations ahead)
+            for t in tl.range(t_begin, t_end, RECS, num_stages=STAGES):
+                b0, n0_, b1, n1, b2, n2, b3, n3 = _load_step(rec64_ptr, rec32_ptr, tile_row + t, rr, jj, RECS, QPASS)
+                acc = _step_fma(acc, b0, n0_, b1, n1, b2, n2, b3, n3, x32_ptr, offs_m, t, jj, KH, M, stride_x32m,
+                                MB, RECS, QPASS)
+        else:
+            # RECS records per iteration; the launcher makes every split a whole number of iterations
+            b0, n0_, b1, n1, b2, n2, b3, n3 = _load_step(rec64_ptr, rec32_ptr, tile_row + t_begin, rr, jj, RECS, QPASS)
+            for t in range(t_begin, t_end, RECS):
+                # next iteration's records (clamped to the last step: always a valid address), issued
+                # before this iteration's math with PREFETCH, after it without
+                if PREFETCH:
+                    tn = tl.minimum(t + RECS, t_end - RECS)
+                    c0, m0, c1, m1, c2, m2, c3, m3 = _load_step(rec64_ptr, rec32_ptr, tile_row + tn, rr, jj, RECS, QPASS)
+                acc = _step_fma(acc, b0, n0_, b1, n1, b2, n2, b3, n3, x32_ptr, offs_m, t, jj, KH, M, stride_x32m,
+                                MB, RECS, QPASS)
+                if not PREFETCH:
+                    tn = tl.minimum(t + RECS, t_end - RECS)
+                    c0, m0, c1, m1, c2, m2, c3, m3 = _load_step(rec64_ptr, rec32_ptr, tile_row + tn, rr, jj, RECS, QPASS)
+                b0, n0_, b1, n1, b2, n2, b3, n3 = c0, m0, c1, m1, c2, m2, c3, m3
 
-        out = tl.reshape(tl.sum(acc, axis=1), (BLOCK_N, 1))
+        out = tl.trans(tl.sum(acc, axis=2))          # [BLOCK_N, MB]
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        offs_m = pid_m + tl.arange(0, 1)
         if not USE_SPLIT:
             _finalize(out, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr,
-                      offs_n, offs_m, n0, M, N, stride_xm, stride_ym, BLOCK_N, 1, ESC_CH)
+                      offs_n, offs_m, n0, M, N, stride_xm, stride_ym, BLOCK_N, MB, ESC_CH)
         else:
             blk = pid_m * NUM_N_BLOCKS + pid_n
-            ws_base = ws_ptr + blk.to(tl.int64) * (SPLIT_K * BLOCK_N)
-            offs = tl.arange(0, BLOCK_N)[:, None] + tl.arange(0, 1)[None, :]
-            tl.store(ws_base + pid_k * BLOCK_N + offs, out)
+            ws_base = ws_ptr + blk.to(tl.int64) * (SPLIT_K * BLOCK_N * MB)
+            offs = tl.arange(0, BLOCK_N)[:, None] * MB + tl.arange(0, MB)[None, :]
+            tl.store(ws_base + pid_k * (BLOCK_N * MB) + offs, out)
             tl.debug_barrier()
             count = tl.atomic_add(lock_ptr + blk, 1, sem="acq_rel", scope="gpu")
             if count == SPLIT_K - 1:
-                total = tl.zeros((BLOCK_N, 1), dtype=tl.float32)
+                total = tl.zeros((BLOCK_N, MB), dtype=tl.float32)
                 for s in range(SPLIT_K):   # fixed order: bitwise identical results
-                    total += tl.load(ws_base + s * BLOCK_N + offs, cache_modifier=".cg")
+                    total += tl.load(ws_base + s * (BLOCK_N * MB) + offs, cache_modifier=".cg")
                 tl.atomic_xchg(lock_ptr + blk, 0)
                 _finalize(total, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr,
-                          offs_n, offs_m, n0, M, N, stride_xm, stride_ym, BLOCK_N, 1, ESC_CH)
+                          offs_n, offs_m, n0, M, N, stride_xm, stride_ym, BLOCK_N, MB, ESC_CH)
 
 
 @dataclass(frozen=True)
 class GemvConfig:
-    """``block_n`` rows per program (divides 128), ``recs`` records per iteration, ``split_k``."""
+    """``block_n`` weight rows per program (divides 128), ``recs`` records per iteration, ``split_k``;
+    ``rows``: input rows per program (each weight is decoded once for them; 0 = all rows, up to 16);
+    ``stages`` > 1: the compiler's software pipeline instead of the register double buffer."""
 
     block_n: int = 64
     recs: int = 2
     split_k: int = 1
     num_warps: int = 4
     prefetch: bool = True
+    rows: int = 0
+    stages: int = 1
 
     def key(self) -> str:
-        return f"gemv2-n{self.block_n}-r{self.recs}-s{self.split_k}-w{self.num_warps}{'-pf' if self.prefetch else ''}"
+        pipe = f"-st{self.stages}" if self.stages > 1 else "-pf" if self.prefetch else ""
+        return f"gemv3-n{self.block_n}-r{self.recs}-s{self.split_k}-w{self.num_warps}-m{self.rows}{pipe}"
 
 
-MAX_ROWS = 4  # one program row per input row; above this the general kernel decodes once for all rows
+MAX_ROWS = 16  # input rows one program decodes the weights for; above this the tensor-core kernel
 
 
 def supported(x: torch.Tensor, packed: KernelPack) -> bool:
-    """The streaming GEMV needs bf16/fp16 rows of even length (x is read as 32-bit pairs)."""
+    """The streaming GEMV needs at most 16 bf16/fp16 rows of even length (x is read as 32-bit pairs)."""
     return (x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.shape[1] % 2 == 0 and x.stride(1) == 1
             and x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0 and x.element_size() == 2)
 
@@ -174,7 +189,7 @@ def default_config(m: int, n: int, k: int, sms: int = 132) -> GemvConfig:
     kt = (k + TILE_K - 1) // TILE_K
     bn = 32 if n < 16384 else 64        # what the sweep chose: 2 warps, 2 records per step
     recs = 2 if kt % 2 == 0 else 1
-    blocks = (n + bn - 1) // bn * m
+    blocks = (n + bn - 1) // bn * ((m + MAX_ROWS - 1) // MAX_ROWS)
     split = max(1, min(kt // recs, round(8 * sms / blocks)))
     return GemvConfig(bn, recs, split, num_warps=2)
 
@@ -192,6 +207,10 @@ TUNED: dict[tuple[int, int], GemvConfig] = {
 }
 
 
+def _pow2(v: int) -> int:
+    return 1 << max(0, int(v) - 1).bit_length()
+
+
 def w12_gemv(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: GemvConfig | None = None,
              out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x @ W.T`` for a few rows (``supported(x, packed)``), fp32 accumulation, deterministic."""
@@ -200,7 +219,7 @@ def w12_gemv(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: G
     if x.dim() != 2 or x.shape[1] != packed.shape[1]:
         raise ValueError(f"x shape {tuple(x.shape)} does not match weight {packed.shape}")
     if not supported(x, packed):
-        raise ValueError("w12_gemv needs at most 4 contiguous bf16/fp16 rows of even length")
+        raise ValueError(f"w12_gemv needs at most {MAX_ROWS} contiguous bf16/fp16 rows of even length")
     m, k = x.shape
     n = packed.shape[0]
     cfg = config or default_config(m, n, k)
@@ -216,16 +235,18 @@ def w12_gemv(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: G
     tps = (tps + recs - 1) // recs * recs
     split = (kt + tps - 1) // tps
     nb = (n + cfg.block_n - 1) // cfg.block_n
-    ws, locks = _workspace(x.device, nb * m * split * cfg.block_n if split > 1 else 1, nb * m)
-    esc_ch = 16
+    mb = min(_pow2(cfg.rows or m), _pow2(m))
+    grid_m = (m + mb - 1) // mb
+    ws, locks = _workspace(x.device, nb * grid_m * split * cfg.block_n * mb if split > 1 else 1, nb * grid_m)
+    esc_ch = max(1, 16 // mb)
     x32 = x.view(torch.int32)
-    _w12_gemv_kernel[(m, nb, split)](
+    _w12_gemv_kernel[(grid_m, nb, split)](
         x, x32, out, packed.rec64, packed.rec32, packed.low_exp,
         packed.esc_rowptr, packed.esc_row, packed.esc_col, packed.esc_delta_q if qpass else packed.esc_delta,
         ws, locks,
         m, n, k, k // 2, kt, tps, nb, split,
         x.stride(0), x32.stride(0), out.stride(0),
-        BLOCK_N=cfg.block_n, RECS=recs, PREFETCH=cfg.prefetch,
+        BLOCK_N=cfg.block_n, MB=mb, RECS=recs, PREFETCH=cfg.prefetch, STAGES=cfg.stages,
         USE_SPLIT=split > 1, QPASS=qpass, ESC_CH=esc_ch,
         num_warps=cfg.num_warps, num_stages=1,
     )
