@@ -2,6 +2,8 @@
 
     python benchmarks/w12_gemm.py --mode sweep    # every config at every shape (tuning)
     python benchmarks/w12_gemm.py --mode final    # tuned config per shape -> results/w12_gemm.json
+    python benchmarks/w12_gemm.py --mode gemv --rows 1,2,4,8,16   # streaming-GEMV configs
+    python benchmarks/w12_gemm.py --mode default  # w12_linear as called, M=1..64 -> w12_linear_default.json
 
 Per shape (K -> N) and M rows: encode a random bf16 weight (std 0.02) into W12 on the GPU, check
 the restore bit for bit, check every variant against ``x @ W.T`` in fp32 on fresh random inputs
@@ -227,17 +229,73 @@ def gemv_sweep(args) -> int:
     return 0
 
 
+def default_routing(args) -> int:
+    """What users get: ``w12_linear(x, kp)`` with no config (the streaming GEMV where
+    ``gemv.preferred``, else the general kernel's tuned config) against cuBLAS bf16 at M = 1..64,
+    checked against the fp32 reference and run to run before timing, timed interleaved 3 times."""
+    import math
+
+    import torch
+    import torch.nn.functional as F
+
+    from specpilot.kernels.w12 import gemv
+    from specpilot.kernels.w12.gemm import w12_linear
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    flush = L2Flusher()
+    ms = [int(v) for v in (args.rows or "1,2,4,8,16,32,64").split(",")]
+    shapes = [s for s in SHAPES if not args.shapes or s[0] in args.shapes.split(",")]
+    rows = []
+    for name, k, n in shapes:
+        w, packed, kp, w12_bytes = random_layer(name, k, n, dev)
+        for m in ms:
+            x, ref, tol = row_inputs(w, m)
+            out = torch.full((m, n), float("nan"), device=dev, dtype=torch.bfloat16)
+            y = w12_linear(x, kp, out=out)
+            ok = bool(((y.float() - ref).abs() <= tol).all())
+            det = bool(torch.equal(y.view(torch.int16), w12_linear(x, kp).view(torch.int16)))
+            w_t, c_t = [], []
+            for _ in range(3):
+                w_t.append(time_cuda_graph(lambda: w12_linear(x, kp), reps=args.reps, flush=flush))
+                c_t.append(time_cuda_graph(lambda: F.linear(x, w), reps=args.reps, flush=flush))
+            w_us, c_us = sorted(w_t)[1], sorted(c_t)[1]
+            path = "gemv" if gemv.preferred(m, n) and gemv.supported(x, kp) else "general"
+            rows.append({"shape": name, "k": k, "n": n, "m": m, "path": path, "w12_us": round(w_us, 2),
+                         "cublas_us": round(c_us, 2), "speedup": round(c_us / w_us, 3),
+                         "w12_TBps": round(w12_bytes / w_us / 1e6, 3), "correct": ok, "deterministic": det})
+            print(f"{name:16s} m={m:2d} {path:7s} w12 {w_us:8.2f} us  cublas {c_us:8.2f} us  x{c_us / w_us:.3f}"
+                  f"{'' if ok and det else '  WRONG' if not ok else '  NONDETERMINISTIC'}", flush=True)
+        del w, packed, kp
+        torch.cuda.empty_cache()
+    summary = {}
+    for m in ms:
+        sp = [r["speedup"] for r in rows if r["m"] == m]
+        if sp:
+            summary[f"geomean_speedup_m{m}"] = round(math.exp(sum(map(math.log, sp)) / len(sp)), 3)
+            summary[f"min_speedup_m{m}"] = min(sp)
+    write_results(args.name or "w12_linear_default", rows, {"mode": "default", "summary": summary, "reps": args.reps,
+                                                            "weights": "randn*0.02 bf16"})
+    print_table(rows, ["shape", "m", "path", "w12_us", "cublas_us", "speedup", "w12_TBps"])
+    print(json.dumps(summary))
+    return 0 if all(r["correct"] and r["deterministic"] for r in rows) else 1
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=["sweep", "final", "gemv"], default="final")
+    ap.add_argument("--mode", choices=["sweep", "final", "gemv", "default"], default="final",
+                    help="sweep/final: the general kernel's configs; gemv: streaming-GEMV configs; "
+                         "default: w12_linear as users call it, no config")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--tuned", default=None, help="JSON of best configs from a sweep")
     ap.add_argument("--shapes", default=None, help="comma list of shape names")
     ap.add_argument("--name", default=None)
-    ap.add_argument("--rows", default=None, help="gemv mode: comma list of M (default 1,2,4)")
+    ap.add_argument("--rows", default=None, help="gemv / default modes: comma list of M (default 1,2,4 / 1,2,4,8,16,32,64)")
     args = ap.parse_args()
     if args.mode == "gemv":
         return gemv_sweep(args)
+    if args.mode == "default":
+        return default_routing(args)
 
     import torch
     import torch.nn.functional as F

@@ -14,7 +14,7 @@ triton = pytest.importorskip("triton")
 
 from specpilot.kernels.w12 import decode, encode  # noqa: E402
 from specpilot.kernels.w12.gemm import KernelPack, w12_linear  # noqa: E402
-from specpilot.kernels.w12.gemv import GemvConfig, supported, w12_gemv  # noqa: E402
+from specpilot.kernels.w12.gemv import GemvConfig, default_config, preferred, supported, w12_gemv  # noqa: E402
 
 from test_w12_gemm import DEV, check_close, make_weight  # noqa: E402
 
@@ -47,13 +47,22 @@ def test_w12_gemv_qpass_matches_reference():
     assert torch.allclose(y, ref, rtol=1e-5, atol=1e-6)
 
 
-def test_w12_linear_routes_one_row_to_gemv():
+def test_w12_linear_routes_few_rows_to_gemv():
     w = make_weight(24, 64)
     kp = KernelPack.from_w12(encode(w), device=DEV)
-    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(1)).bfloat16().to(DEV)
-    assert supported(x, kp)
-    assert torch.equal(w12_linear(x, kp, out_dtype=torch.float32), w12_gemv(x, kp, out_dtype=torch.float32))
+    for m in (1, 3):
+        x = torch.randn(m, 64, generator=torch.Generator().manual_seed(m)).bfloat16().to(DEV)
+        assert supported(x, kp) and preferred(m, 24)
+        assert torch.equal(w12_linear(x, kp, out_dtype=torch.float32), w12_gemv(x, kp, out_dtype=torch.float32))
+    assert preferred(16, 4096) and not preferred(8, 28672) and not preferred(17, 64)
     odd = torch.randn(1, 63).bfloat16()
     assert not supported(odd, kp) and not supported(torch.randn(17, 64).bfloat16(), kp)
     with pytest.raises(ValueError):
         w12_gemv(torch.randn(1, 32).bfloat16().to(DEV), kp)
+
+
+def test_default_config_uses_the_measured_tables():
+    assert default_config(1, 4096, 4096).stages == 1                 # one row: the register double buffer
+    assert default_config(3, 4096, 4096) == default_config(4, 4096, 4096)   # 3 rows: the 4-row entry
+    assert default_config(8, 4096, 4096).stages == 3                 # 8 rows: the compiler's pipeline
+    assert default_config(8, 300, 640).split_k >= 1                  # untuned shape: the heuristic

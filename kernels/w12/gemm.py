@@ -342,7 +342,6 @@ if triton is not None:
 # launcher
 # ----------------------------------------------------------------------------------------------
 
-GEMV_ROWS = 1   # rows served by gemv.w12_gemv when no config is given (measured: benchmarks/w12_gemm.py)
 MODES = {"dot": 0, "gemv": 1, "dot8": 2, "dot8t": 3}
 
 
@@ -461,9 +460,9 @@ def w12_linear(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config:
     n = packed.shape[0]
     if x.stride(1) != 1:
         x = x.contiguous()
-    if config is None and m <= GEMV_ROWS:
+    if config is None:
         from . import gemv   # the streaming GEMV: the decode regime's fast path
-        if gemv.supported(x, packed):
+        if gemv.preferred(m, n) and gemv.supported(x, packed):
             return gemv.w12_gemv(x, packed, qpass=qpass, out=out, out_dtype=out_dtype)
     cfg = (config or default_config(m, n, k)).for_rows(m)
     bm = block_m_for(m, cfg.mode)

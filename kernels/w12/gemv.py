@@ -44,25 +44,39 @@ if triton is not None:
         return b, n
 
     @triton.jit
-    def _rec_fma(acc, b, n, x32_ptr, offs_m, t, jj, KH, M, stride_x32m, MB: tl.constexpr, QPASS: tl.constexpr):
-        """acc [MB, BLOCK_N, 8] += the record's decoded weights times the MB rows' x (decoded once)."""
+    def _rec_fma(acc, b, n, xrow, rm, t, jj, KH, M_LEFT, stride_x32m, MB: tl.constexpr, QPASS: tl.constexpr):
+        """acc += the record's decoded weights times x. One row (``MB == 1``): acc ``[BLOCK_N, 8]``;
+        more rows: acc ``[MB, BLOCK_N, 8]``, each weight decoded once for all of them."""
         p0, p1, p2, p3 = _decode_pairs(b, n, QPASS)
-        # the record's 32 x pairs per row as an [MB, 8 groups, 4 pairs] tile (16-byte loads)
+        # the record's 32 x pairs per row as [8 groups, 4 pairs] (16-byte loads), split into columns
         xi = t * 32 + jj[:, None] * 4 + tl.arange(0, 4)[None, :]
-        xmask = (offs_m[:, None, None] < M) & (xi < KH)[None, :, :]
-        xt = tl.load(x32_ptr + offs_m[:, None, None] * stride_x32m + xi[None, :, :], mask=xmask,
-                     other=0).to(tl.uint32)
-        xa, xb = tl.split(tl.reshape(xt, (MB, 8, 2, 2)))
-        x0, x2 = tl.split(xa)
-        x1, x3 = tl.split(xb)
-        acc += _lo(p0)[None, :, :] * _lo(x0)[:, None, :]
-        acc += _hi(p0)[None, :, :] * _hi(x0)[:, None, :]
-        acc += _lo(p1)[None, :, :] * _lo(x1)[:, None, :]
-        acc += _hi(p1)[None, :, :] * _hi(x1)[:, None, :]
-        acc += _lo(p2)[None, :, :] * _lo(x2)[:, None, :]
-        acc += _hi(p2)[None, :, :] * _hi(x2)[:, None, :]
-        acc += _lo(p3)[None, :, :] * _lo(x3)[:, None, :]
-        acc += _hi(p3)[None, :, :] * _hi(x3)[:, None, :]
+        if MB == 1:
+            xt = tl.load(xrow + xi, mask=xi < KH, other=0).to(tl.uint32)
+            xa, xb = tl.split(tl.reshape(xt, (8, 2, 2)))
+            x0, x2 = tl.split(xa)
+            x1, x3 = tl.split(xb)
+            acc += _lo(p0) * _lo(x0)[None, :]
+            acc += _hi(p0) * _hi(x0)[None, :]
+            acc += _lo(p1) * _lo(x1)[None, :]
+            acc += _hi(p1) * _hi(x1)[None, :]
+            acc += _lo(p2) * _lo(x2)[None, :]
+            acc += _hi(p2) * _hi(x2)[None, :]
+            acc += _lo(p3) * _lo(x3)[None, :]
+            acc += _hi(p3) * _hi(x3)[None, :]
+        else:
+            xmask = (rm[:, None, None] < M_LEFT) & (xi < KH)[None, :, :]
+            xt = tl.load(xrow + rm[:, None, None] * stride_x32m + xi[None, :, :], mask=xmask, other=0).to(tl.uint32)
+            xa, xb = tl.split(tl.reshape(xt, (MB, 8, 2, 2)))
+            x0, x2 = tl.split(xa)
+            x1, x3 = tl.split(xb)
+            acc += _lo(p0)[None, :, :] * _lo(x0)[:, None, :]
+            acc += _hi(p0)[None, :, :] * _hi(x0)[:, None, :]
+            acc += _lo(p1)[None, :, :] * _lo(x1)[:, None, :]
+            acc += _hi(p1)[None, :, :] * _hi(x1)[:, None, :]
+            acc += _lo(p2)[None, :, :] * _lo(x2)[:, None, :]
+            acc += _hi(p2)[None, :, :] * _hi(x2)[:, None, :]
+            acc += _lo(p3)[None, :, :] * _lo(x3)[:, None, :]
+            acc += _hi(p3)[None, :, :] * _hi(x3)[:, None, :]
         return acc
 
     @triton.jit
@@ -78,14 +92,14 @@ if triton is not None:
         return b0, n0, b1, n1, b2, n2, b3, n3
 
     @triton.jit
-    def _step_fma(acc, b0, n0, b1, n1, b2, n2, b3, n3, x32_ptr, offs_m, t, jj, KH, M, stride_x32m,
+    def _step_fma(acc, b0, n0, b1, n1, b2, n2, b3, n3, xrow, rm, t, jj, KH, M_LEFT, stride_x32m,
                   MB: tl.constexpr, RECS: tl.constexpr, QPASS: tl.constexpr):
-        acc = _rec_fma(acc, b0, n0, x32_ptr, offs_m, t, jj, KH, M, stride_x32m, MB, QPASS)
+        acc = _rec_fma(acc, b0, n0, xrow, rm, t, jj, KH, M_LEFT, stride_x32m, MB, QPASS)
         if RECS >= 2:
-            acc = _rec_fma(acc, b1, n1, x32_ptr, offs_m, t + 1, jj, KH, M, stride_x32m, MB, QPASS)
+            acc = _rec_fma(acc, b1, n1, xrow, rm, t + 1, jj, KH, M_LEFT, stride_x32m, MB, QPASS)
         if RECS >= 4:
-            acc = _rec_fma(acc, b2, n2, x32_ptr, offs_m, t + 2, jj, KH, M, stride_x32m, MB, QPASS)
-            acc = _rec_fma(acc, b3, n3, x32_ptr, offs_m, t + 3, jj, KH, M, stride_x32m, MB, QPASS)
+            acc = _rec_fma(acc, b2, n2, xrow, rm, t + 2, jj, KH, M_LEFT, stride_x32m, MB, QPASS)
+            acc = _rec_fma(acc, b3, n3, xrow, rm, t + 3, jj, KH, M_LEFT, stride_x32m, MB, QPASS)
         return acc
 
     @triton.jit
@@ -104,17 +118,23 @@ if triton is not None:
         n0 = pid_n * BLOCK_N
         rr = (n0 % 128) + tl.arange(0, BLOCK_N)
         jj = tl.arange(0, 8)
-        offs_m = pid_m * MB + tl.arange(0, MB)
+        rm = tl.arange(0, MB)
+        offs_m = pid_m * MB + rm
+        xrow = x32_ptr + pid_m * MB * stride_x32m
+        M_LEFT = M - pid_m * MB
         tile_row = (n0 // 128).to(tl.int64) * KT
         t_begin = pid_k * TILES_PER_SPLIT
         t_end = tl.minimum(t_begin + TILES_PER_SPLIT, KT)
-        acc = tl.zeros((MB, BLOCK_N, 8), dtype=tl.float32)
+        if MB == 1:
+            acc = tl.zeros((BLOCK_N, 8), dtype=tl.float32)
+        else:
+            acc = tl.zeros((MB, BLOCK_N, 8), dtype=tl.float32)
 
         if STAGES > 1:
             # the compiler's software pipeline (asynchronous copies STAGES - 1 iterations ahead)
             for t in tl.range(t_begin, t_end, RECS, num_stages=STAGES):
                 b0, n0_, b1, n1, b2, n2, b3, n3 = _load_step(rec64_ptr, rec32_ptr, tile_row + t, rr, jj, RECS, QPASS)
-                acc = _step_fma(acc, b0, n0_, b1, n1, b2, n2, b3, n3, x32_ptr, offs_m, t, jj, KH, M, stride_x32m,
+                acc = _step_fma(acc, b0, n0_, b1, n1, b2, n2, b3, n3, xrow, rm, t, jj, KH, M_LEFT, stride_x32m,
                                 MB, RECS, QPASS)
         else:
             # RECS records per iteration; the launcher makes every split a whole number of iterations
@@ -125,14 +145,17 @@ if triton is not None:
                 if PREFETCH:
                     tn = tl.minimum(t + RECS, t_end - RECS)
                     c0, m0, c1, m1, c2, m2, c3, m3 = _load_step(rec64_ptr, rec32_ptr, tile_row + tn, rr, jj, RECS, QPASS)
-                acc = _step_fma(acc, b0, n0_, b1, n1, b2, n2, b3, n3, x32_ptr, offs_m, t, jj, KH, M, stride_x32m,
+                acc = _step_fma(acc, b0, n0_, b1, n1, b2, n2, b3, n3, xrow, rm, t, jj, KH, M_LEFT, stride_x32m,
                                 MB, RECS, QPASS)
                 if not PREFETCH:
                     tn = tl.minimum(t + RECS, t_end - RECS)
                     c0, m0, c1, m1, c2, m2, c3, m3 = _load_step(rec64_ptr, rec32_ptr, tile_row + tn, rr, jj, RECS, QPASS)
                 b0, n0_, b1, n1, b2, n2, b3, n3 = c0, m0, c1, m1, c2, m2, c3, m3
 
-        out = tl.trans(tl.sum(acc, axis=2))          # [BLOCK_N, MB]
+        if MB == 1:
+            out = tl.reshape(tl.sum(acc, axis=1), (BLOCK_N, 1))
+        else:
+            out = tl.trans(tl.sum(acc, axis=2))          # [BLOCK_N, MB]
         offs_n = n0 + tl.arange(0, BLOCK_N)
         if not USE_SPLIT:
             _finalize(out, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr,
@@ -181,9 +204,20 @@ def supported(x: torch.Tensor, packed: KernelPack) -> bool:
             and x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0 and x.element_size() == 2)
 
 
+def _pow2(v: int) -> int:
+    return 1 << max(0, int(v) - 1).bit_length()
+
+
+def preferred(m: int, n: int) -> bool:
+    """Where this kernel beat the general one on the H200 (``benchmarks/results/w12_gemv_rows.json``):
+    up to 4 rows on every layer, up to 16 rows on layers with fewer than 16384 outputs."""
+    return m <= 4 or (m <= MAX_ROWS and n < 16384)
+
+
 def default_config(m: int, n: int, k: int, sms: int = 132) -> GemvConfig:
-    """Measured table first (:data:`TUNED`), else split-K for about three programs per SM."""
-    tuned = TUNED.get((n, k))
+    """Measured table first (:data:`TUNED`, :data:`TUNED_ROWS`), else split-K for about three
+    programs per SM."""
+    tuned = TUNED.get((n, k)) if m <= 1 else TUNED_ROWS.get((n, k, _pow2(m)))
     if tuned is not None:
         return tuned
     kt = (k + TILE_K - 1) // TILE_K
@@ -206,9 +240,39 @@ TUNED: dict[tuple[int, int], GemvConfig] = {
     (5120, 17408): GemvConfig(32, 2, 10, 2, True),  # 1.154x
 }
 
-
-def _pow2(v: int) -> int:
-    return 1 << max(0, int(v) - 1).bit_length()
+# Fastest config per (N, K, rows) for 2-16 rows, every row in one program (benchmarks/w12_gemm.py
+# --mode gemv --rows 1,2,4,8,16, benchmarks/results/w12_gemv_rows.json; speedups over cuBLAS bf16
+# and, in brackets, the general kernel's in the same run).
+TUNED_ROWS: dict[tuple[int, int, int], GemvConfig] = {
+    (6144, 4096, 2): GemvConfig(64, 2, 6, 4, True, 0, 1),  # 0.767x (general 0.492x)
+    (6144, 4096, 4): GemvConfig(64, 2, 6, 4, True, 0, 1),  # 0.632x (general 0.338x)
+    (6144, 4096, 8): GemvConfig(32, 2, 6, 2, False, 0, 3),  # 0.508x (general 0.441x)
+    (6144, 4096, 16): GemvConfig(32, 2, 6, 2, False, 0, 3),  # 0.336x (general 0.345x)
+    (4096, 4096, 2): GemvConfig(32, 2, 4, 2, True, 0, 1),  # 0.833x (general 0.608x)
+    (4096, 4096, 4): GemvConfig(32, 2, 4, 2, False, 0, 3),  # 0.731x (general 0.427x)
+    (4096, 4096, 8): GemvConfig(32, 2, 4, 2, False, 0, 3),  # 0.607x (general 0.436x)
+    (4096, 4096, 16): GemvConfig(32, 2, 4, 2, False, 0, 3),  # 0.44x (general 0.37x)
+    (28672, 4096, 2): GemvConfig(64, 2, 2, 4, True, 0, 1),  # 0.874x (general 0.568x)
+    (28672, 4096, 4): GemvConfig(64, 2, 2, 4, False, 0, 3),  # 0.695x (general 0.39x)
+    (28672, 4096, 8): GemvConfig(32, 2, 1, 2, False, 0, 3),  # 0.539x (general 0.586x)
+    (28672, 4096, 16): GemvConfig(32, 2, 1, 2, False, 0, 3),  # 0.344x (general 0.456x)
+    (4096, 14336, 2): GemvConfig(32, 2, 8, 2, True, 0, 1),  # 0.773x (general 0.591x)
+    (4096, 14336, 4): GemvConfig(32, 2, 4, 2, False, 0, 3),  # 0.639x (general 0.405x)
+    (4096, 14336, 8): GemvConfig(32, 2, 8, 2, False, 0, 3),  # 0.522x (general 0.357x)
+    (4096, 14336, 16): GemvConfig(32, 2, 4, 2, False, 0, 3),  # 0.35x (general 0.283x)
+    (7168, 5120, 2): GemvConfig(64, 2, 9, 4, True, 0, 1),  # 0.801x (general 0.59x)
+    (7168, 5120, 4): GemvConfig(32, 2, 7, 2, True, 0, 1),  # 0.686x (general 0.401x)
+    (7168, 5120, 8): GemvConfig(32, 2, 2, 2, False, 0, 3),  # 0.525x (general 0.423x)
+    (7168, 5120, 16): GemvConfig(32, 2, 1, 2, False, 0, 3),  # 0.345x (general 0.337x)
+    (34816, 5120, 2): GemvConfig(64, 2, 2, 4, True, 0, 1),  # 0.86x (general 0.545x)
+    (34816, 5120, 4): GemvConfig(64, 2, 2, 4, False, 0, 3),  # 0.706x (general 0.383x)
+    (34816, 5120, 8): GemvConfig(64, 2, 2, 4, False, 0, 3),  # 0.534x (general 0.596x)
+    (34816, 5120, 16): GemvConfig(32, 2, 1, 2, False, 0, 3),  # 0.35x (general 0.361x)
+    (5120, 17408, 2): GemvConfig(64, 2, 13, 4, True, 0, 1),  # 0.823x (general 0.533x)
+    (5120, 17408, 4): GemvConfig(32, 2, 7, 2, False, 0, 3),  # 0.673x (general 0.367x)
+    (5120, 17408, 8): GemvConfig(32, 2, 3, 2, False, 0, 3),  # 0.536x (general 0.183x)
+    (5120, 17408, 16): GemvConfig(32, 2, 3, 2, False, 0, 3),  # 0.362x (general 0.298x)
+}
 
 
 def w12_gemv(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: GemvConfig | None = None,
