@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import workspace
 from ..triton_env import interpreting, tl, triton  # sets TRITON_INTERPRET first on a machine without CUDA
 from .format import KERNEL_EXP_BIAS, TILE_K, TILE_N, W12Tensor, repad
 
@@ -429,24 +430,9 @@ TUNED: dict[tuple[int, int, int], Config] = {
     (5120, 17408, 1): Config(64, 256, 3, "gemv", 4, 1, True),  # 0.905x (log of the same run)
 }
 
-_WORKSPACES: dict = {}
-_RETIRED: list = []   # outgrown workspaces stay alive: a CUDA graph captured earlier still points at them
-
-
 def _workspace(device, nbytes_f32: int, nlocks: int):
     """Split-K partials and per-block counters (zero between uses), shared by launches on a stream."""
-    key = (str(device),)
-    ws, lk = _WORKSPACES.get(key, (None, None))
-    if ws is None or ws.numel() < nbytes_f32:
-        if ws is not None:
-            _RETIRED.append(ws)
-        ws = torch.empty(max(nbytes_f32, 1 << 20), dtype=torch.float32, device=device)
-    if lk is None or lk.numel() < nlocks:
-        if lk is not None:
-            _RETIRED.append(lk)
-        lk = torch.zeros(max(nlocks, 4096), dtype=torch.int32, device=device)
-    _WORKSPACES[key] = (ws, lk)
-    return ws, lk
+    return workspace.scratch(device, "w12.partials", nbytes_f32), workspace.counters(device, "w12.blocks", nlocks)
 
 
 def w12_linear(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: Config | None = None,
