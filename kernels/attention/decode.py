@@ -1,20 +1,17 @@
-"""Masked grouped-query attention as one split-KV Triton kernel with a fixed-order merge.
+"""Masked grouped-query attention as one split-KV Triton pass plus a fixed-order merge.
 
 The same contract as :func:`.reference.masked_gqa_attention` (``q`` [T, nh, hd], ``k``/``v``
 [nkv, S, hd], ``mask`` bool [T, S]), for AR decode and for chain/tree verification rows. Where
 the reference launches a dozen kernels per layer (two batched GEMMs, scaling, masking, softmax,
-casts and permutes), this is one launch, ``_attn_split``:
+casts and permutes), this is two:
 
-* program (KV head, KV split, row block) holds the group's query rows of that head (row
-  ``r = g * T + t``: group member ``g``, step row ``t``) and walks its slice of the cache in
-  ``BLOCK_N`` tiles with an online softmax (float32 scores, max and sum). A tile no row may
-  attend (the unused tail of a static cache, which CUDA graphs read whole) is skipped without
-  loading its K and V, so a step reads only the live context;
-* with one split the program writes the output itself; with more, it writes its partial output,
-  max and sum to a workspace and counts itself done on a per-(head, row block) counter
-  (:mod:`specpilot.kernels.workspace`); the **last** program of the block combines the splits in
-  split order (deterministic, no atomics on the data) and resets the counter. Until git 5eb2714 a
-  second kernel, ``_attn_merge``, did the combining (one more launch per layer).
+1. ``_attn_split``: program (KV head, KV split, row block) holds the group's query rows of that
+   head (row ``r = g * T + t``: group member ``g``, step row ``t``) and walks its slice of the
+   cache in ``BLOCK_N`` tiles with an online softmax (float32 scores, max and sum). A tile no row
+   may attend (the unused tail of a static cache, which CUDA graphs read whole) is skipped
+   without loading its K and V, so a step reads only the live context.
+2. ``_attn_merge``: per (KV head, row), combines the splits' partial outputs in split order -
+   deterministic, no atomics.
 
 Scores are accumulated in float32 from the cache dtype (``tl.dot``; IEEE float32 when the cache
 is float32), probabilities enter the value product in the cache dtype as in the reference.
@@ -25,7 +22,6 @@ from __future__ import annotations
 
 import torch
 
-from .. import workspace
 from ..triton_env import tl, triton  # sets TRITON_INTERPRET first on a machine without CUDA
 
 BLOCK_N = 64        # cache slots per tile
@@ -36,11 +32,11 @@ if triton is not None:
     NEG = tl.constexpr(-1.0e30)  # finite "minus infinity": a row with nothing to attend in a split stays finite
 
     @triton.jit
-    def _attn_split(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, ml_ptr, out_ptr, cnt_ptr,
+    def _attn_split(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, ml_ptr,
                     T, S, R, chunk, scale,
-                    stride_qt, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs, stride_mt, stride_ot,
+                    stride_qt, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs, stride_mt,
                     GRP: tl.constexpr, HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    IEEE: tl.constexpr, SPLIT: tl.constexpr):
+                    IEEE: tl.constexpr):
         kvh = tl.program_id(0)
         sp = tl.program_id(1)
         rb = tl.program_id(2)
@@ -82,32 +78,28 @@ if triton is not None:
                     pv = tl.dot(p.to(v.dtype), v)
                 acc = acc * alpha[:, None] + pv
                 m_i = m_new
-        out_ptrs = out_ptr + t[:, None] * stride_ot + (kvh * GRP + g)[:, None] * HD + d[None, :]
-        if not SPLIT:
-            tl.store(out_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-        else:
-            base = (kvh * nsplit + sp) * R + rows  # workspace [nkv, nsplit, R, ...]
-            tl.store(acc_ptr + base[:, None] * HD + d[None, :], acc, mask=row_ok[:, None])
-            tl.store(ml_ptr + base * 2, m_i, mask=row_ok)
-            tl.store(ml_ptr + base * 2 + 1, l_i, mask=row_ok)
-            tl.debug_barrier()
-            blk = kvh * tl.num_programs(2) + rb
-            done = tl.atomic_add(cnt_ptr + blk, 1, sem="acq_rel", scope="gpu")
-            if done == nsplit - 1:   # the last split of this block combines all, in split order
-                m_all = tl.full([BLOCK_M], NEG, tl.float32)
-                for j in range(0, nsplit):
-                    bj = (kvh * nsplit + j) * R + rows
-                    m_all = tl.maximum(m_all, tl.load(ml_ptr + bj * 2, mask=row_ok, other=NEG, cache_modifier=".cg"))
-                o = tl.zeros([BLOCK_M, HD], tl.float32)
-                l_all = tl.zeros([BLOCK_M], tl.float32)
-                for j in range(0, nsplit):
-                    bj = (kvh * nsplit + j) * R + rows
-                    w = tl.exp(tl.load(ml_ptr + bj * 2, mask=row_ok, other=NEG, cache_modifier=".cg") - m_all)
-                    l_all += tl.load(ml_ptr + bj * 2 + 1, mask=row_ok, other=0.0, cache_modifier=".cg") * w
-                    o += tl.load(acc_ptr + bj[:, None] * HD + d[None, :], mask=row_ok[:, None], other=0.0,
-                                 cache_modifier=".cg") * w[:, None]
-                tl.atomic_xchg(cnt_ptr + blk, 0)
-                tl.store(out_ptrs, (o / l_all[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        base = (kvh * nsplit + sp) * R + rows  # workspace [nkv, nsplit, R, ...]
+        tl.store(acc_ptr + base[:, None] * HD + d[None, :], acc, mask=row_ok[:, None])
+        tl.store(ml_ptr + base * 2, m_i, mask=row_ok)
+        tl.store(ml_ptr + base * 2 + 1, l_i, mask=row_ok)
+
+    @triton.jit
+    def _attn_merge(acc_ptr, ml_ptr, out_ptr, T, R, nsplit, stride_ot,
+                    GRP: tl.constexpr, HD: tl.constexpr, SPLITS: tl.constexpr):
+        kvh = tl.program_id(0)
+        r = tl.program_id(1)
+        sp = tl.arange(0, SPLITS)
+        ok = sp < nsplit
+        base = (kvh * nsplit + sp) * R + r
+        m = tl.load(ml_ptr + base * 2, mask=ok, other=NEG)
+        l_s = tl.load(ml_ptr + base * 2 + 1, mask=ok, other=0.0)
+        w = tl.exp(m - tl.max(m, 0))
+        d = tl.arange(0, HD)
+        acc = tl.load(acc_ptr + base[:, None] * HD + d[None, :], mask=ok[:, None], other=0.0)
+        o = tl.sum(acc * w[:, None], 0) / tl.sum(l_s * w, 0)
+        g = r // T
+        t = r % T
+        tl.store(out_ptr + t * stride_ot + (kvh * GRP + g) * HD + d, o.to(out_ptr.dtype.element_ty))
 
 
 if triton is not None:
@@ -167,14 +159,14 @@ def masked_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
     R, block_m, row_blocks, splits = plan(T, nh, nkv, S)
     chunk = triton.cdiv(triton.cdiv(S, splits), BLOCK_N) * BLOCK_N
     splits = triton.cdiv(S, chunk)
-    partials = workspace.scratch(q.device, "attention.partials", nkv * splits * R * (hd + 2))
-    acc = partials[:nkv * splits * R * hd]
-    ml = partials[nkv * splits * R * hd:nkv * splits * R * (hd + 2)]
-    cnt = workspace.counters(q.device, "attention.blocks", nkv * row_blocks)
+    acc = torch.empty(nkv, splits, R, hd, dtype=torch.float32, device=q.device)
+    ml = torch.empty(nkv, splits, R, 2, dtype=torch.float32, device=q.device)
     out = torch.empty(T, nh * hd, dtype=v.dtype, device=q.device)
     ieee = v.dtype == torch.float32
     _attn_split[(nkv, splits, row_blocks)](
-        q, k, v, mask, acc, ml, out, cnt, T, S, R, chunk, float(scale),
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), mask.stride(0), out.stride(0),
-        GRP=nh // nkv, HD=hd, BLOCK_M=block_m, BLOCK_N=BLOCK_N, IEEE=ieee, SPLIT=splits > 1, num_warps=4)
+        q, k, v, mask, acc, ml, T, S, R, chunk, float(scale),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), mask.stride(0),
+        GRP=nh // nkv, HD=hd, BLOCK_M=block_m, BLOCK_N=BLOCK_N, IEEE=ieee, num_warps=4)
+    _attn_merge[(nkv, R)](acc, ml, out, T, R, splits, out.stride(0), GRP=nh // nkv, HD=hd,
+                          SPLITS=max(2, triton.next_power_of_2(splits)), num_warps=4)
     return out
