@@ -125,7 +125,8 @@ def gemv_configs(m: int, kt: int, n: int, sms: int):
     """Streaming-GEMV variants for one (shape, m), every input row in one program (weights decoded
     once): weight rows per program and warps, how loads are overlapped (register double buffer with
     2 records per step, or the compiler's cp.async pipeline with 3-4 stages of 1-2 records), and
-    split-K for about 2, 4 and 8 programs per SM. Fewer variants above one row (compile time)."""
+    split-K for about 2, 4, 8 (and at one row 16) programs per SM. Fewer variants above one row
+    (compile time)."""
     from specpilot.kernels.w12.gemv import TUNED, GemvConfig
 
     out = [TUNED[(n, kt * 64)]] if (n, kt * 64) in TUNED else []   # the committed choice competes too
@@ -137,7 +138,7 @@ def gemv_configs(m: int, kt: int, n: int, sms: int):
                 continue
             nb = (n + bn - 1) // bn
             seen = set()
-            for per_sm in (2, 4, 8):
+            for per_sm in ((2, 4, 8, 16) if m == 1 else (2, 4, 8)):
                 split = max(1, min(kt // recs, round(per_sm * sms / nb)))
                 cfg = GemvConfig(bn, recs, split, w, pf, 0, stages)
                 if split not in seen and cfg not in out:

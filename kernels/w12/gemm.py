@@ -180,7 +180,7 @@ if triton is not None:
         stride_xm, stride_ym,
         BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
         USE_SPLIT: tl.constexpr, MODE: tl.constexpr, PREFETCH: tl.constexpr, QPASS: tl.constexpr, UPCAST: tl.constexpr,
-        ESC_CH: tl.constexpr,
+        ESC_CH: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
     ):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -305,12 +305,25 @@ if triton is not None:
             tl.debug_barrier()
             count = tl.atomic_add(lock_ptr + blk, 1, sem="acq_rel", scope="gpu")
             if count == SPLIT_K - 1:
-                total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-                for s in range(SPLIT_K):   # fixed order: bitwise identical results
-                    total += tl.load(ws_base + s * (BLOCK_N * BLOCK_M) + tile_offs, cache_modifier=".cg")
+                total = _sum_splits(ws_base, tile_offs, SPLIT_K, BLOCK_N, BLOCK_M, SPLIT_CHUNK)
                 tl.atomic_xchg(lock_ptr + blk, 0)
                 _finalize(total, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr,
                           offs_n, offs_m, n0, M, N, stride_xm, stride_ym, BLOCK_N, BLOCK_M, ESC_CH)
+
+    @triton.jit
+    def _sum_splits(ws_base, tile_offs, SPLIT_K, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                    SPLIT_CHUNK: tl.constexpr):
+        """The sum of the SPLIT_K partial tiles at ``ws_base``, SPLIT_CHUNK of them per load (one L2
+        round trip per chunk, not per split: the last program's tail), in a fixed order, so the
+        result is bitwise identical run to run."""
+        sc = tl.arange(0, SPLIT_CHUNK)
+        total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for s0 in range(0, SPLIT_K, SPLIT_CHUNK):
+            sp = s0 + sc
+            part = tl.load(ws_base + sp[:, None, None] * (BLOCK_N * BLOCK_M) + tile_offs[None, :, :],
+                           mask=(sp < SPLIT_K)[:, None, None], other=0.0, cache_modifier=".cg")
+            total += tl.sum(part, axis=0)
+        return total
 
     @triton.jit
     def _finalize(acc, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr,
@@ -430,6 +443,15 @@ TUNED: dict[tuple[int, int, int], Config] = {
     (5120, 17408, 1): Config(64, 256, 3, "gemv", 4, 1, True),  # 0.905x (log of the same run)
 }
 
+def split_chunk(split: int, tile: int) -> int:
+    """How many split-K partial tiles of ``tile`` values the last program sums per load: all of
+    them (next power of two) when that stays within 4096 values, else fewer."""
+    chunk = 1
+    while chunk < split and 2 * chunk * tile <= 4096:
+        chunk *= 2
+    return chunk
+
+
 def _workspace(device, nbytes_f32: int, nlocks: int):
     """Split-K partials and per-block counters (zero between uses), shared by launches on a stream."""
     return workspace.scratch(device, "w12.partials", nbytes_f32), workspace.counters(device, "w12.blocks", nlocks)
@@ -472,7 +494,7 @@ def w12_linear(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config:
         m, n, k, kt, tps, nb, split,
         x.stride(0), out.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_M=bm, BLOCK_K=cfg.block_k, USE_SPLIT=split > 1, MODE=MODES[cfg.mode], PREFETCH=cfg.prefetch,
-        QPASS=qpass, UPCAST=interpreting(), ESC_CH=esc_ch,
+        QPASS=qpass, UPCAST=interpreting(), ESC_CH=esc_ch, SPLIT_CHUNK=split_chunk(split, cfg.block_n * bm),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

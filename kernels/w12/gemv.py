@@ -27,10 +27,10 @@ from dataclasses import dataclass
 import torch
 
 from .format import TILE_K, TILE_N
-from .gemm import KernelPack, _workspace, tl, triton
+from .gemm import KernelPack, _workspace, split_chunk, tl, triton
 
 if triton is not None:
-    from .gemm import _decode_pairs, _finalize
+    from .gemm import _decode_pairs, _finalize, _sum_splits
     from .gemm import _hi_f32 as _hi
     from .gemm import _lo_f32 as _lo
 
@@ -111,6 +111,7 @@ if triton is not None:
         stride_xm, stride_x32m, stride_ym,
         BLOCK_N: tl.constexpr, MB: tl.constexpr, RECS: tl.constexpr, PREFETCH: tl.constexpr,
         STAGES: tl.constexpr, USE_SPLIT: tl.constexpr, QPASS: tl.constexpr, ESC_CH: tl.constexpr,
+        SPLIT_CHUNK: tl.constexpr,
     ):
         pid_m = tl.program_id(0)      # row blocks of x next to each other: they share the weight bytes in L2
         pid_n = tl.program_id(1)
@@ -168,9 +169,7 @@ if triton is not None:
             tl.debug_barrier()
             count = tl.atomic_add(lock_ptr + blk, 1, sem="acq_rel", scope="gpu")
             if count == SPLIT_K - 1:
-                total = tl.zeros((BLOCK_N, MB), dtype=tl.float32)
-                for s in range(SPLIT_K):   # fixed order: bitwise identical results
-                    total += tl.load(ws_base + s * (BLOCK_N * MB) + offs, cache_modifier=".cg")
+                total = _sum_splits(ws_base, offs, SPLIT_K, BLOCK_N, MB, SPLIT_CHUNK)
                 tl.atomic_xchg(lock_ptr + blk, 0)
                 _finalize(total, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr,
                           offs_n, offs_m, n0, M, N, stride_xm, stride_ym, BLOCK_N, MB, ESC_CH)
@@ -311,7 +310,7 @@ def w12_gemv(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: G
         m, n, k, k // 2, kt, tps, nb, split,
         x.stride(0), x32.stride(0), out.stride(0),
         BLOCK_N=cfg.block_n, MB=mb, RECS=recs, PREFETCH=cfg.prefetch, STAGES=cfg.stages,
-        USE_SPLIT=split > 1, QPASS=qpass, ESC_CH=esc_ch,
+        USE_SPLIT=split > 1, QPASS=qpass, ESC_CH=esc_ch, SPLIT_CHUNK=split_chunk(split, cfg.block_n * mb),
         num_warps=cfg.num_warps, num_stages=1,
     )
     return out
