@@ -30,7 +30,7 @@ from .format import TILE_K, TILE_N
 from .gemm import KernelPack, _workspace, split_chunk, tl, triton
 
 if triton is not None:
-    from .gemm import _decode_pairs, _finalize, _sum_splits
+    from .gemm import _decode_pairs, _esc_first, _finalize, _sum_splits
     from .gemm import _hi_f32 as _hi
     from .gemm import _lo_f32 as _lo
 
@@ -126,6 +126,9 @@ if triton is not None:
         tile_row = (n0 // 128).to(tl.int64) * KT
         t_begin = pid_k * TILES_PER_SPLIT
         t_end = tl.minimum(t_begin + TILES_PER_SPLIT, KT)
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        e_lo, e_hi, er0, contrib0 = _esc_first(x_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, offs_m, n0, M, N,
+                                               stride_xm, BLOCK_N, ESC_CH)
         if MB == 1:
             acc = tl.zeros((BLOCK_N, 8), dtype=tl.float32)
         else:
@@ -157,10 +160,9 @@ if triton is not None:
             out = tl.reshape(tl.sum(acc, axis=1), (BLOCK_N, 1))
         else:
             out = tl.trans(tl.sum(acc, axis=2))          # [BLOCK_N, MB]
-        offs_n = n0 + tl.arange(0, BLOCK_N)
         if not USE_SPLIT:
-            _finalize(out, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr,
-                      offs_n, offs_m, n0, M, N, stride_xm, stride_ym, BLOCK_N, MB, ESC_CH)
+            _finalize(out, x_ptr, y_ptr, low_ptr, erow_ptr, ecol_ptr, edelta_ptr, e_lo, e_hi, er0, contrib0,
+                      offs_n, offs_m, M, N, stride_xm, stride_ym, BLOCK_N, MB, ESC_CH)
         else:
             blk = pid_m * NUM_N_BLOCKS + pid_n
             ws_base = ws_ptr + blk.to(tl.int64) * (SPLIT_K * BLOCK_N * MB)
@@ -171,8 +173,8 @@ if triton is not None:
             if count == SPLIT_K - 1:
                 total = _sum_splits(ws_base, offs, SPLIT_K, BLOCK_N, MB, SPLIT_CHUNK)
                 tl.atomic_xchg(lock_ptr + blk, 0)
-                _finalize(total, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr,
-                          offs_n, offs_m, n0, M, N, stride_xm, stride_ym, BLOCK_N, MB, ESC_CH)
+                _finalize(total, x_ptr, y_ptr, low_ptr, erow_ptr, ecol_ptr, edelta_ptr, e_lo, e_hi, er0, contrib0,
+                          offs_n, offs_m, M, N, stride_xm, stride_ym, BLOCK_N, MB, ESC_CH)
 
 
 @dataclass(frozen=True)
