@@ -124,14 +124,14 @@ def row_inputs(w, m: int):
 def gemv_configs(m: int, kt: int, n: int, sms: int):
     """Streaming-GEMV variants for one (shape, m), every input row in one program (weights decoded
     once): weight rows per program and warps, how loads are overlapped (register double buffer with
-    2 records per step, or the compiler's cp.async pipeline with 3-4 stages of 1-2 records), and
-    split-K for about 2, 4, 8 (and at one row 16) programs per SM. Fewer variants above one row
-    (compile time)."""
+    2 records per step, or the compiler's cp.async pipeline with 3 stages of 1-2 records), and
+    split-K for about 2, 4, 8 (and at one row 16) programs per SM, and at one row the escapes loaded
+    at the start or at the end. Fewer variants above one row (compile time)."""
     from specpilot.kernels.w12.gemv import TUNED, GemvConfig
 
     out = [TUNED[(n, kt * 64)]] if (n, kt * 64) in TUNED else []   # the committed choice competes too
-    shapes = ((32, 2), (64, 2), (64, 4), (128, 4)) if m == 1 else ((32, 2), (64, 4))
-    pipes = ((2, True, 1), (1, False, 3), (2, False, 3), (2, False, 4)) if m == 1 else ((2, True, 1), (2, False, 3))
+    shapes = ((32, 2), (64, 2), (64, 4)) if m == 1 else ((32, 2), (64, 4))
+    pipes = ((2, True, 1), (1, False, 3), (2, False, 3)) if m == 1 else ((2, True, 1), (2, False, 3))
     for bn, w in shapes:
         for recs, pf, stages in pipes:
             if kt % recs:
@@ -140,10 +140,13 @@ def gemv_configs(m: int, kt: int, n: int, sms: int):
             seen = set()
             for per_sm in ((2, 4, 8, 16) if m == 1 else (2, 4, 8)):
                 split = max(1, min(kt // recs, round(per_sm * sms / nb)))
-                cfg = GemvConfig(bn, recs, split, w, pf, 0, stages)
-                if split not in seen and cfg not in out:
-                    seen.add(split)
-                    out.append(cfg)
+                if split in seen:
+                    continue
+                seen.add(split)
+                for early in ((True, False) if m == 1 else (True,)):
+                    cfg = GemvConfig(bn, recs, split, w, pf, 0, stages, early)
+                    if cfg not in out:
+                        out.append(cfg)
     return out
 
 

@@ -111,7 +111,7 @@ if triton is not None:
         stride_xm, stride_x32m, stride_ym,
         BLOCK_N: tl.constexpr, MB: tl.constexpr, RECS: tl.constexpr, PREFETCH: tl.constexpr,
         STAGES: tl.constexpr, USE_SPLIT: tl.constexpr, QPASS: tl.constexpr, ESC_CH: tl.constexpr,
-        SPLIT_CHUNK: tl.constexpr,
+        SPLIT_CHUNK: tl.constexpr, ESC_EARLY: tl.constexpr,
     ):
         pid_m = tl.program_id(0)      # row blocks of x next to each other: they share the weight bytes in L2
         pid_n = tl.program_id(1)
@@ -127,8 +127,9 @@ if triton is not None:
         t_begin = pid_k * TILES_PER_SPLIT
         t_end = tl.minimum(t_begin + TILES_PER_SPLIT, KT)
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        e_lo, e_hi, er0, contrib0 = _esc_first(x_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, offs_m, n0, M, N,
-                                               stride_xm, BLOCK_N, ESC_CH)
+        if ESC_EARLY:   # the escape range and first chunk now, off the tail
+            e_lo, e_hi, er0, contrib0 = _esc_first(x_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, offs_m, n0, M, N,
+                                                   stride_xm, BLOCK_N, ESC_CH)
         if MB == 1:
             acc = tl.zeros((BLOCK_N, 8), dtype=tl.float32)
         else:
@@ -161,6 +162,9 @@ if triton is not None:
         else:
             out = tl.trans(tl.sum(acc, axis=2))          # [BLOCK_N, MB]
         if not USE_SPLIT:
+            if not ESC_EARLY:
+                e_lo, e_hi, er0, contrib0 = _esc_first(x_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, offs_m, n0, M,
+                                                       N, stride_xm, BLOCK_N, ESC_CH)
             _finalize(out, x_ptr, y_ptr, low_ptr, erow_ptr, ecol_ptr, edelta_ptr, e_lo, e_hi, er0, contrib0,
                       offs_n, offs_m, M, N, stride_xm, stride_ym, BLOCK_N, MB, ESC_CH)
         else:
@@ -173,6 +177,9 @@ if triton is not None:
             if count == SPLIT_K - 1:
                 total = _sum_splits(ws_base, offs, SPLIT_K, BLOCK_N, MB, SPLIT_CHUNK)
                 tl.atomic_xchg(lock_ptr + blk, 0)
+                if not ESC_EARLY:
+                    e_lo, e_hi, er0, contrib0 = _esc_first(x_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, offs_m, n0,
+                                                           M, N, stride_xm, BLOCK_N, ESC_CH)
                 _finalize(total, x_ptr, y_ptr, low_ptr, erow_ptr, ecol_ptr, edelta_ptr, e_lo, e_hi, er0, contrib0,
                           offs_n, offs_m, M, N, stride_xm, stride_ym, BLOCK_N, MB, ESC_CH)
 
@@ -181,7 +188,8 @@ if triton is not None:
 class GemvConfig:
     """``block_n`` weight rows per program (divides 128), ``recs`` records per iteration, ``split_k``;
     ``rows``: input rows per program (each weight is decoded once for them; 0 = all rows, up to 16);
-    ``stages`` > 1: the compiler's software pipeline instead of the register double buffer."""
+    ``stages`` > 1: the compiler's software pipeline instead of the register double buffer;
+    ``early_esc``: load the block's escapes at the start (off the tail) rather than at the end."""
 
     block_n: int = 64
     recs: int = 2
@@ -190,10 +198,12 @@ class GemvConfig:
     prefetch: bool = True
     rows: int = 0
     stages: int = 1
+    early_esc: bool = True
 
     def key(self) -> str:
         pipe = f"-st{self.stages}" if self.stages > 1 else "-pf" if self.prefetch else ""
-        return f"gemv3-n{self.block_n}-r{self.recs}-s{self.split_k}-w{self.num_warps}-m{self.rows}{pipe}"
+        return (f"gemv3-n{self.block_n}-r{self.recs}-s{self.split_k}-w{self.num_warps}-m{self.rows}{pipe}"
+                f"{'' if self.early_esc else '-le'}")
 
 
 MAX_ROWS = 16  # input rows one program decodes the weights for; above this the tensor-core kernel
@@ -313,6 +323,7 @@ def w12_gemv(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: G
         x.stride(0), x32.stride(0), out.stride(0),
         BLOCK_N=cfg.block_n, MB=mb, RECS=recs, PREFETCH=cfg.prefetch, STAGES=cfg.stages,
         USE_SPLIT=split > 1, QPASS=qpass, ESC_CH=esc_ch, SPLIT_CHUNK=split_chunk(split, cfg.block_n * mb),
+        ESC_EARLY=cfg.early_esc,
         num_warps=cfg.num_warps, num_stages=1,
     )
     return out
