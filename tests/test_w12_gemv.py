@@ -14,7 +14,7 @@ triton = pytest.importorskip("triton")
 
 from specpilot.kernels.w12 import decode, encode  # noqa: E402
 from specpilot.kernels.w12.gemm import KernelPack, w12_linear  # noqa: E402
-from specpilot.kernels.w12.gemv import GemvConfig, default_config, preferred, supported, w12_gemv  # noqa: E402
+from specpilot.kernels.w12.gemv import TUNED, GemvConfig, default_config, preferred, supported, w12_gemv  # noqa: E402
 
 from test_w12_gemm import DEV, check_close, make_weight  # noqa: E402
 
@@ -62,7 +62,7 @@ def test_w12_linear_routes_few_rows_to_gemv():
 
 
 def test_default_config_uses_the_measured_tables():
-    assert default_config(1, 6144, 4096).prefetch and default_config(1, 6144, 4096).stages == 1  # the M=1 table
+    assert default_config(1, 6144, 4096) == TUNED[(6144, 4096)]       # one row: the M=1 table
     assert default_config(3, 4096, 4096) == default_config(4, 4096, 4096)   # 3 rows: the 4-row entry
     assert default_config(8, 4096, 4096).stages == 3                 # 8 rows: the compiler's pipeline
     assert default_config(8, 300, 640).split_k >= 1                  # untuned shape: the heuristic
