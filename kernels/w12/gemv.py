@@ -1,8 +1,8 @@
-"""Streaming W12 GEMV for one to a few rows: ``y = x @ W.T`` at the speed of the weight bytes.
+"""Streaming W12 GEMV for one to 16 rows: ``y = x @ W.T`` at the speed of the weight bytes.
 
 The general kernel (:mod:`.gemm`) indexes records per 8-weight group, which Triton turns into
 8-byte and 4-byte loads of the records and one 2-byte load per x element and lane. This kernel
-is written for the decode regime (M <= 4, where only the bytes matter):
+is written for the decode regime (few rows, where the bytes matter most):
 
 * a program owns ``BLOCK_N`` rows of one 128-row record tile and a contiguous range of k-tiles
   (split-K); per record it loads its rows' 8-bit view as an ``[BLOCK_N, 8]`` int64 tile and the low
@@ -10,7 +10,9 @@ is written for the decode regime (M <= 4, where only the bytes matter):
   16-byte and 8-byte vector loads with no masks (records are padded to whole tiles);
 * ``RECS`` records are loaded per iteration and, with ``PREFETCH``, the next iteration's records
   are issued before this iteration's math, so enough bytes are in flight to cover DRAM latency;
-* x is read as bf16 pairs (int32), one load per pair and group, shared by all rows of the program;
+  with ``STAGES`` > 1 Triton's software pipeline does it instead (``cp.async`` into shared memory);
+* x is read as bf16 pairs (int32), one load per pair and group, shared by all weight rows of the
+  program; up to 16 input rows (``MB``) share each decoded weight;
 * decode is the same 32-bit integer recipe as :func:`.gemm._decode_pairs`, the pair halves become
   fp32 with one shift or mask, fp32 accumulation;
 * the epilogue (row scale, exact escape corrections, fixed-order split-K reduction) is the general
@@ -206,7 +208,7 @@ class GemvConfig:
                 f"{'' if self.early_esc else '-le'}")
 
 
-MAX_ROWS = 16  # input rows one program decodes the weights for; above this the tensor-core kernel
+MAX_ROWS = 16  # input rows one program decodes the weights for; more rows go to the general kernel
 
 
 def supported(x: torch.Tensor, packed: KernelPack) -> bool:
