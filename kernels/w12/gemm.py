@@ -462,6 +462,7 @@ TUNED: dict[tuple[int, int, int], Config] = {
     (5120, 17408, 1): Config(64, 256, 3, "gemv", 4, 1, True),  # 0.905x (log of the same run)
 }
 
+
 def split_chunk(split: int, tile: int) -> int:
     """How many split-K partial tiles of ``tile`` values the last program sums per load: all of
     them (next power of two) when that stays within 4096 values, else fewer."""
