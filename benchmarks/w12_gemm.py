@@ -171,7 +171,7 @@ def gemv_sweep(args) -> int:
     ms = [int(v) for v in (args.rows or "1,2,4").split(",")]
     t0 = time.time()
     for name, k, n in shapes:
-        w, packed, kp, w12_bytes = random_layer(name, k, n, dev)
+        w, _, kp, w12_bytes = random_layer(name, k, n, dev)
         for m in ms:
             x, ref, tol = row_inputs(w, m)
             old_cfg = gemm.default_config(m, n, k)
@@ -214,7 +214,7 @@ def gemv_sweep(args) -> int:
             print(f"{name:16s} m={m} gemv {g_us:7.2f} old {o_us:7.2f} cublas {c_us:7.2f} us  x{row['speedup']:.3f} "
                   f"(old x{row['old_speedup']:.3f}, q x{row['qpass_speedup']:.3f}) {cfg.key()} ({time.time() - t0:.0f}s)",
                   flush=True)
-        del w, packed, kp
+        w = kp = None  # free the layer before the next one
         torch.cuda.empty_cache()
         write_results(args.name or "w12_gemv", rows, {"partial": True, "sweep": sweep_rows})
     summary = {}
@@ -252,7 +252,7 @@ def default_routing(args) -> int:
     shapes = [s for s in SHAPES if not args.shapes or s[0] in args.shapes.split(",")]
     rows = []
     for name, k, n in shapes:
-        w, packed, kp, w12_bytes = random_layer(name, k, n, dev)
+        w, _, kp, w12_bytes = random_layer(name, k, n, dev)
         for m in ms:
             x, ref, tol = row_inputs(w, m)
             out = torch.full((m, n), float("nan"), device=dev, dtype=torch.bfloat16)
@@ -270,7 +270,7 @@ def default_routing(args) -> int:
                          "w12_TBps": round(w12_bytes / w_us / 1e6, 3), "correct": ok, "deterministic": det})
             print(f"{name:16s} m={m:2d} {path:7s} w12 {w_us:8.2f} us  cublas {c_us:8.2f} us  x{c_us / w_us:.3f}"
                   f"{'' if ok and det else '  WRONG' if not ok else '  NONDETERMINISTIC'}", flush=True)
-        del w, packed, kp
+        w = kp = None  # free the layer before the next one
         torch.cuda.empty_cache()
     summary = {}
     for m in ms:
@@ -325,7 +325,7 @@ def main() -> int:
     shapes = [s for s in SHAPES if not args.shapes or s[0] in args.shapes.split(",")]
     t_start = time.time()
     for name, k, n in shapes:
-        w, packed, kp, w12_bytes = random_layer(name, k, n, dev)
+        w, _, kp, w12_bytes = random_layer(name, k, n, dev)
         for m in MS:
             x, ref, tol = row_inputs(w, m)
             cublas_us = time_cuda_graph(lambda: F.linear(x, w), reps=args.reps, flush=flush)
@@ -380,7 +380,7 @@ def main() -> int:
                 rows.append(best)
                 print(f"{name:16s} m={m:2d} w12 {best['w12_us']:8.2f} us  cublas {cublas_us:8.2f} us  "
                       f"x{best['speedup']:.3f}  {best['config']}  ({time.time() - t_start:.0f}s)", flush=True)
-        del w, packed, kp
+        w = kp = None  # free the layer before the next one
         torch.cuda.empty_cache()
         # keep what was measured if the call runs out of time
         write_results(args.name or ("w12_gemm_sweep" if args.mode == "sweep" else "w12_gemm"), rows,
