@@ -121,6 +121,23 @@ def row_inputs(w, m: int):
     return x, ref, 2.0 ** -7 * ref.abs() + 1e-3 * ref.abs().max()
 
 
+def speedup_summary(rows: list[dict], ms, keys=("speedup",)) -> dict:
+    """Per row count: the geometric mean of each ratio in ``keys`` over the shapes, and the lowest
+    ``speedup``."""
+    import math
+
+    summary = {}
+    for m in ms:
+        for key in keys:
+            sp = [r[key] for r in rows if r["m"] == m]
+            if sp:
+                summary[f"geomean_{key}_m{m}"] = round(math.exp(sum(map(math.log, sp)) / len(sp)), 3)
+        sp = [r["speedup"] for r in rows if r["m"] == m]
+        if sp:
+            summary[f"min_speedup_m{m}"] = min(sp)
+    return summary
+
+
 def gemv_configs(m: int, kt: int, n: int, sms: int):
     """Streaming-GEMV variants for one (shape, m), every input row in one program (weights decoded
     once): weight rows per program and warps, how loads are overlapped (register double buffer with
@@ -153,8 +170,6 @@ def gemv_configs(m: int, kt: int, n: int, sms: int):
 def gemv_sweep(args) -> int:
     """M = 1, 2, 4 (``--rows``): every streaming-GEMV variant, the general kernel's tuned variant and cuBLAS, side by
     side in one run (correctness and determinism checked before timing)."""
-    import math
-
     import torch
     import torch.nn.functional as F
 
@@ -217,15 +232,7 @@ def gemv_sweep(args) -> int:
         w = kp = None  # free the layer before the next one
         torch.cuda.empty_cache()
         write_results(args.name or "w12_gemv", rows, {"partial": True, "sweep": sweep_rows})
-    summary = {}
-    for m in ms:
-        for key in ("speedup", "old_speedup", "qpass_speedup"):
-            sp = [r[key] for r in rows if r["m"] == m]
-            if sp:
-                summary[f"geomean_{key}_m{m}"] = round(math.exp(sum(map(math.log, sp)) / len(sp)), 3)
-        sp = [r["speedup"] for r in rows if r["m"] == m]
-        if sp:
-            summary[f"min_speedup_m{m}"] = min(sp)
+    summary = speedup_summary(rows, ms, ("speedup", "old_speedup", "qpass_speedup"))
     write_results(args.name or "w12_gemv", rows, {"mode": "gemv", "summary": summary, "reps": args.reps,
                                                   "weights": "randn*0.02 bf16", "sweep": sweep_rows})
     print_table(rows, ["shape", "m", "w12_us", "old_kernel_us", "cublas_us", "speedup", "w12_TBps", "config"])
@@ -237,8 +244,6 @@ def default_routing(args) -> int:
     """What users get: ``w12_linear(x, kp)`` with no config (the streaming GEMV where
     ``gemv.preferred``, else the general kernel's tuned config) against cuBLAS bf16 at M = 1..64,
     checked against the fp32 reference and run to run before timing, timed interleaved 3 times."""
-    import math
-
     import torch
     import torch.nn.functional as F
 
@@ -272,12 +277,7 @@ def default_routing(args) -> int:
                   f"{'' if ok and det else '  WRONG' if not ok else '  NONDETERMINISTIC'}", flush=True)
         w = kp = None  # free the layer before the next one
         torch.cuda.empty_cache()
-    summary = {}
-    for m in ms:
-        sp = [r["speedup"] for r in rows if r["m"] == m]
-        if sp:
-            summary[f"geomean_speedup_m{m}"] = round(math.exp(sum(map(math.log, sp)) / len(sp)), 3)
-            summary[f"min_speedup_m{m}"] = min(sp)
+    summary = speedup_summary(rows, ms)
     write_results(args.name or "w12_linear_default", rows, {"mode": "default", "summary": summary, "reps": args.reps,
                                                             "weights": "randn*0.02 bf16"})
     print_table(rows, ["shape", "m", "path", "w12_us", "cublas_us", "speedup", "w12_TBps"])
@@ -386,14 +386,7 @@ def main() -> int:
         write_results(args.name or ("w12_gemm_sweep" if args.mode == "sweep" else "w12_gemm"), rows,
                       {"partial": True, "sweep": sweep_rows})
 
-    # Q pass at M=1 with the same configs (8-bit view only)
-    import math
-    summary = {}
-    for m in MS:
-        sp = [r["speedup"] for r in rows if r["m"] == m]
-        if sp:
-            summary[f"geomean_speedup_m{m}"] = round(math.exp(sum(map(math.log, sp)) / len(sp)), 3)
-            summary[f"min_speedup_m{m}"] = min(sp)
+    summary = speedup_summary(rows, MS)
     extra = {"mode": args.mode, "summary": summary, "reps": args.reps, "weights": "randn*0.02 bf16",
              "model_check": check}
     extra["sweep"] = sweep_rows
