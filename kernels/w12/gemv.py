@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from .format import TILE_K, TILE_N
-from .gemm import KernelPack, _workspace, split_chunk, tl, triton
+from .gemm import KernelPack, _workspace, bucket, split_chunk, tl, triton
 
 if triton is not None:
     from .gemm import _decode_pairs, _esc_first, _finalize, _sum_splits
@@ -217,10 +217,6 @@ def supported(x: torch.Tensor, packed: KernelPack) -> bool:
             and x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0 and x.element_size() == 2)
 
 
-def _pow2(v: int) -> int:
-    return 1 << max(0, int(v) - 1).bit_length()
-
-
 def preferred(m: int, n: int) -> bool:
     """Where this kernel beat the general one on the H200 (``benchmarks/results/w12_gemv_rows.json``):
     up to 4 rows on every layer, up to 16 rows on layers with fewer than 16384 outputs."""
@@ -230,7 +226,7 @@ def preferred(m: int, n: int) -> bool:
 def default_config(m: int, n: int, k: int, sms: int = 132) -> GemvConfig:
     """Measured table first (:data:`TUNED`, :data:`TUNED_ROWS`), else split-K for about three
     programs per SM."""
-    tuned = TUNED.get((n, k)) if m <= 1 else TUNED_ROWS.get((n, k, _pow2(m)))
+    tuned = TUNED.get((n, k)) if m <= 1 else TUNED_ROWS.get((n, k, bucket(m)))
     if tuned is not None:
         return tuned
     kt = (k + TILE_K - 1) // TILE_K
@@ -312,7 +308,7 @@ def w12_gemv(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: G
     tps = (tps + recs - 1) // recs * recs
     split = (kt + tps - 1) // tps
     nb = (n + cfg.block_n - 1) // cfg.block_n
-    mb = min(_pow2(cfg.rows or m), _pow2(m))
+    mb = min(bucket(cfg.rows or m), bucket(m))   # rows per program: a power of two (m <= 16 here)
     grid_m = (m + mb - 1) // mb
     ws, locks = _workspace(x.device, nb * grid_m * split * cfg.block_n * mb if split > 1 else 1, nb * grid_m)
     esc_ch = max(1, 16 // mb)
