@@ -3,6 +3,7 @@
     python benchmarks/w12_gemm.py --mode sweep    # every config at every shape (tuning)
     python benchmarks/w12_gemm.py --mode final    # tuned config per shape -> results/w12_gemm.json
     python benchmarks/w12_gemm.py --mode gemv --rows 1,2,4,8,16   # streaming-GEMV configs
+    python benchmarks/w12_gemm.py --mode mma --rows 2,8,32,64     # tensor-core (Gluon) configs
     python benchmarks/w12_gemm.py --mode default  # w12_linear as called, M=1..64 -> w12_linear_default.json
 
 Per shape (K -> N) and M rows: encode a random bf16 weight (std 0.02) into W12 on the GPU, check
@@ -167,15 +168,52 @@ def gemv_configs(m: int, kt: int, n: int, sms: int):
     return out
 
 
+def mma_configs(m: int, kt: int, n: int, sms: int):
+    """Tensor-core (Gluon) variants for one (shape, m): 64 or 128 weight rows per program, 4 or 8
+    warps, split-K for about 1, 2, 4 and 8 programs per SM."""
+    from specpilot.kernels.w12.mma import MmaConfig, block_m_for, default_config
+
+    out = [default_config(m, n, kt * 64, sms)]
+    mb = (m + block_m_for(m) - 1) // block_m_for(m)
+    for bn, w in ((64, 4), (128, 4), (128, 8)):
+        nb = (n + bn - 1) // bn * mb
+        seen = set()
+        for per_sm in (1, 2, 4, 8):
+            split = max(1, min(kt, round(per_sm * sms / nb)))
+            if split in seen:
+                continue
+            seen.add(split)
+            cfg = MmaConfig(bn, split, w)
+            if cfg not in out:
+                out.append(cfg)
+    return out
+
+
 def gemv_sweep(args) -> int:
-    """M = 1, 2, 4 (``--rows``): every streaming-GEMV variant, the general kernel's tuned variant and cuBLAS, side by
-    side in one run (correctness and determinism checked before timing)."""
+    """M = 1, 2, 4 (``--rows``): every streaming-GEMV variant, the general kernel's tuned variant and
+    cuBLAS, side by side in one run (correctness and determinism checked before timing)."""
+    from specpilot.kernels.w12.gemv import GemvConfig, w12_gemv
+
+    return variant_sweep(args, "gemv", gemv_configs, w12_gemv, GemvConfig, "1,2,4", "w12_gemv")
+
+
+def mma_sweep(args) -> int:
+    """M = 2..64 (``--rows``): every tensor-core (Gluon) variant, what ``w12_linear`` does today
+    and cuBLAS, side by side in one run."""
+    from specpilot.kernels.w12.mma import MmaConfig, w12_mma
+
+    return variant_sweep(args, "mma", mma_configs, w12_mma, MmaConfig, "2,4,8,16,32,64", "w12_mma")
+
+
+def variant_sweep(args, label, configs_fn, run, cfg_cls, default_rows, default_name) -> int:
+    """Every variant of one kernel per (shape, rows), checked against the fp32 reference and run to
+    run; the fastest correct one re-timed 3x interleaved with ``w12_linear`` as users call it (the
+    old path), cuBLAS and the Q pass (median)."""
     import torch
     import torch.nn.functional as F
 
-    from specpilot.kernels.w12 import gemm
+    from specpilot.kernels.w12 import gemm, gemv
     from specpilot.kernels.w12.gemm import w12_linear
-    from specpilot.kernels.w12.gemv import w12_gemv
 
     torch.manual_seed(0)
     dev = torch.device("cuda")
@@ -183,58 +221,58 @@ def gemv_sweep(args) -> int:
     flush = L2Flusher()
     rows, sweep_rows = [], []
     shapes = [s for s in SHAPES if not args.shapes or s[0] in args.shapes.split(",")]
-    ms = [int(v) for v in (args.rows or "1,2,4").split(",")]
+    ms = [int(v) for v in (args.rows or default_rows).split(",")]
     t0 = time.time()
     for name, k, n in shapes:
         w, _, kp, w12_bytes = random_layer(name, k, n, dev)
         for m in ms:
             x, ref, tol = row_inputs(w, m)
-            old_cfg = gemm.default_config(m, n, k)
             best = None
-            for cfg in gemv_configs(m, kp.k_tiles, n, sms):
+            for cfg in configs_fn(m, kp.k_tiles, n, sms):
                 out = torch.full((m, n), float("nan"), device=dev, dtype=torch.bfloat16)
                 try:
-                    y = w12_gemv(x, kp, config=cfg, out=out)
+                    y = run(x, kp, config=cfg, out=out)
                     torch.cuda.synchronize()
                 except Exception as e:
                     sweep_rows.append({"shape": name, "m": m, "config": cfg.key(), "error": str(e).splitlines()[0][:200]})
                     continue
                 ok = bool(((y.float() - ref).abs() <= tol).all())
-                det = bool(torch.equal(y.view(torch.int16), w12_gemv(x, kp, config=cfg).view(torch.int16)))
-                us = time_cuda_graph(lambda: w12_gemv(x, kp, config=cfg), reps=args.reps, flush=flush)
+                det = bool(torch.equal(y.view(torch.int16), run(x, kp, config=cfg).view(torch.int16)))
+                us = time_cuda_graph(lambda: run(x, kp, config=cfg), reps=args.reps, flush=flush)
                 r = {"shape": name, "m": m, "config": cfg.key(), "cfg": cfg.__dict__, "us": round(us, 2),
                      "correct": ok, "deterministic": det}
                 sweep_rows.append(r)
                 if ok and det and (best is None or us < best["us"]):
                     best = r
             if best is None:
+                print(f"{name:16s} m={m} no correct variant", flush=True)
                 continue
-            from specpilot.kernels.w12.gemv import GemvConfig
-            cfg = GemvConfig(**best["cfg"])
+            cfg = cfg_cls(**best["cfg"])
+            old_path = "gemv" if gemv.preferred(m, n) and gemv.supported(x, kp) else gemm.default_config(m, n, k).key()
             g_t, o_t, c_t, q_t = [], [], [], []
-            for _ in range(3):   # re-time the chosen variant, the old kernel and cuBLAS, interleaved
-                g_t.append(time_cuda_graph(lambda: w12_gemv(x, kp, config=cfg), reps=args.reps, flush=flush))
-                o_t.append(time_cuda_graph(lambda: w12_linear(x, kp, config=old_cfg), reps=args.reps, flush=flush))
+            for _ in range(3):   # re-time the chosen variant, the old path and cuBLAS, interleaved
+                g_t.append(time_cuda_graph(lambda: run(x, kp, config=cfg), reps=args.reps, flush=flush))
+                o_t.append(time_cuda_graph(lambda: w12_linear(x, kp), reps=args.reps, flush=flush))
                 c_t.append(time_cuda_graph(lambda: F.linear(x, w), reps=args.reps, flush=flush))
-                q_t.append(time_cuda_graph(lambda: w12_gemv(x, kp, qpass=True, config=cfg), reps=args.reps, flush=flush))
+                q_t.append(time_cuda_graph(lambda: run(x, kp, qpass=True, config=cfg), reps=args.reps, flush=flush))
             g_us, o_us, c_us, q_us = (sorted(v)[1] for v in (g_t, o_t, c_t, q_t))
             row = {"shape": name, "k": k, "n": n, "m": m, "config": cfg.key(), "cfg": cfg.__dict__,
                    "w12_us": round(g_us, 2), "cublas_us": round(c_us, 2), "speedup": round(c_us / g_us, 3),
-                   "old_kernel_us": round(o_us, 2), "old_config": old_cfg.key(),
+                   "old_kernel_us": round(o_us, 2), "old_config": old_path,
                    "old_speedup": round(c_us / o_us, 3), "qpass_us": round(q_us, 2),
                    "qpass_speedup": round(c_us / q_us, 3),
                    "w12_TBps": round(w12_bytes / g_us / 1e6, 3), "cublas_TBps": round(w.numel() * 2 / c_us / 1e6, 3),
                    "selected_from": sum(1 for r in sweep_rows if r.get("shape") == name and r.get("m") == m)}
             rows.append(row)
-            print(f"{name:16s} m={m} gemv {g_us:7.2f} old {o_us:7.2f} cublas {c_us:7.2f} us  x{row['speedup']:.3f} "
+            print(f"{name:16s} m={m} {label} {g_us:7.2f} old {o_us:7.2f} cublas {c_us:7.2f} us  x{row['speedup']:.3f} "
                   f"(old x{row['old_speedup']:.3f}, q x{row['qpass_speedup']:.3f}) {cfg.key()} ({time.time() - t0:.0f}s)",
                   flush=True)
         w = kp = None  # free the layer before the next one
         torch.cuda.empty_cache()
-        write_results(args.name or "w12_gemv", rows, {"partial": True, "sweep": sweep_rows})
+        write_results(args.name or default_name, rows, {"partial": True, "sweep": sweep_rows})
     summary = speedup_summary(rows, ms, ("speedup", "old_speedup", "qpass_speedup"))
-    write_results(args.name or "w12_gemv", rows, {"mode": "gemv", "summary": summary, "reps": args.reps,
-                                                  "weights": "randn*0.02 bf16", "sweep": sweep_rows})
+    write_results(args.name or default_name, rows, {"mode": label, "summary": summary, "reps": args.reps,
+                                                    "weights": "randn*0.02 bf16", "sweep": sweep_rows})
     print_table(rows, ["shape", "m", "w12_us", "old_kernel_us", "cublas_us", "speedup", "w12_TBps", "config"])
     print(json.dumps(summary))
     return 0
@@ -287,9 +325,9 @@ def default_routing(args) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=["sweep", "final", "gemv", "default"], default="final",
+    ap.add_argument("--mode", choices=["sweep", "final", "gemv", "mma", "default"], default="final",
                     help="sweep/final: the general kernel's configs; gemv: streaming-GEMV configs; "
-                         "default: w12_linear as users call it, no config")
+                         "mma: tensor-core (Gluon) configs; default: w12_linear as users call it, no config")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--tuned", default=None, help="JSON of best configs from a sweep")
     ap.add_argument("--shapes", default=None, help="comma list of shape names")
@@ -298,6 +336,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.mode == "gemv":
         return gemv_sweep(args)
+    if args.mode == "mma":
+        return mma_sweep(args)
     if args.mode == "default":
         return default_routing(args)
 

@@ -1,0 +1,329 @@
+"""W12 GEMM on the tensor cores for 2-64 rows, written in Gluon so the decode lands in the MMA
+fragment layout (no shared-memory round trip for the weights).
+
+Why Gluon: in plain Triton the decoded weight tile keeps the layout it was loaded in, and ``tl.dot``
+moves it into the operand layout through shared memory (2-byte stores); that, not HBM, bounded the
+general kernel (:mod:`.gemm`) at 0.3-0.6x of cuBLAS with 8-64 rows. Gluon lets the kernel choose
+the register layout of every tensor, so here the record words are *loaded* in a layout whose
+decoded bf16 pairs are exactly the ``mma.sync.m16n8k16`` A-operand registers:
+
+* an A fragment holds, per thread (lane ``4g + t``), rows ``g`` and ``g + 8`` and, per 16-wide k
+  block, k ``{2t, 2t+1, 2t+8, 2t+9}``. The k order inside the MMA is free as long as x uses the
+  same one, so MMA k ``16j + 8s + 2t + c`` is mapped to the physical k ``16t + 4j + 2s + c`` of the
+  record: thread ``t`` then holds four *consecutive* 4-byte words of each of its rows (one 16-byte
+  load; 8 lanes x 64 bytes = one whole 128x64 record row per load instruction), and each word
+  decodes to the pairs ``s = 0, 1`` it needs;
+* the matching B fragment (x) is 16 consecutive bf16 of one x row per thread (two 16-byte loads);
+* the ``convert_layout`` calls into the MMA operand layouts are asserted trivial at compile time
+  (``assert_trivial=True``): they only rename registers.
+
+The record is ``[128 rows, 64 k]``: 8 KB of 8-bit views (64 bytes per row, words ``(w0, w2, w1,
+w3)``), then 4 KB of low nibbles (32 bytes per row, a word per 8 weights); see docs/w12.md. The
+epilogue (row scale ``2**(L_n - 112)``, exact escape corrections ``x[:, k] * (w - slot)``, fixed-
+order split-K reduction through a workspace and a per-block counter) makes results bitwise
+identical run to run, like the other W12 kernels. The plain reference is
+:func:`.naive.w12_matmul_reference`.
+
+Gluon kernels do not run under Triton's interpreter; on a machine without CUDA the layouts are
+still built and the kernel still compiles for sm_90 (tests do both), and ``w12_linear`` uses the
+other kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from .format import TILE_K, TILE_N
+from .gemm import KernelPack, _workspace, triton
+
+try:  # Gluon ships with Triton >= 3.4
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+except Exception:  # pragma: no cover - older Triton or none
+    gluon = None
+    gl = None
+    mma_v2 = None
+# the CTA-wide barrier is ``thread_barrier`` in Triton 3.6 and ``barrier`` from 3.7 on
+_cta_barrier = getattr(gl, "thread_barrier", None) or getattr(gl, "barrier", None)
+
+RECORD_WORDS = TILE_N * TILE_K * 3 // 2 // 4   # 3072 int32 words per 12 KB record
+VIEW_WORDS = TILE_K // 4                        # 16 words of 8-bit views per record row
+NIB_WORDS = TILE_K // 8                         # 8 words of nibbles per record row
+
+
+def _log2(v: int) -> int:
+    if v < 1 or v & (v - 1):
+        raise ValueError(f"{v} is not a power of two")
+    return v.bit_length() - 1
+
+
+def layout_bases(block_n: int, block_m: int, num_warps: int) -> dict[str, tuple]:
+    """The register/lane/warp bases of the kernel's load layouts (pure Python, tested on CPU).
+
+    ``view``: the ``[block_n, 16]`` tile of 8-bit-view words; ``nib``: the ``[block_n, 8]`` tile
+    of nibble words; ``x``: the ``[block_m, 64]`` x tile (physical k). Warps split the rows in
+    16-row slices like the MMA layout; every warp reads the whole x tile.
+    """
+    w = num_warps
+    if block_n % (16 * w) or block_n > TILE_N:
+        raise ValueError(f"block_n {block_n} must be a multiple of 16 x {w} warps and at most {TILE_N}")
+    if block_m < 8 or block_m > 64 or block_m & (block_m - 1):
+        raise ValueError(f"block_m {block_m} must be 8, 16, 32 or 64")
+    row_reps = [[16 * w * (1 << i), 0] for i in range(_log2(block_n // (16 * w)))]
+    warps = [[16 * (1 << i), 0] for i in range(_log2(w))]
+    rows_lane = [[1, 0], [2, 0], [4, 0]]
+    view = ([[0, 1], [0, 2], [8, 0]] + row_reps, [[0, 4], [0, 8]] + rows_lane, warps, [block_n, VIEW_WORDS])
+    nib = ([[0, 1], [8, 0]] + row_reps, [[0, 2], [0, 4]] + rows_lane, warps, [block_n, NIB_WORDS])
+    m_reps = [[8 * (1 << i), 0] for i in range(_log2(block_m // 8))]
+    x = ([[0, 1], [0, 2], [0, 4], [0, 8]] + m_reps, [[0, 16], [0, 32]] + rows_lane,
+         [[0, 0]] * _log2(w), [block_m, TILE_K])
+    return {"view": view, "nib": nib, "x": x}
+
+
+def mma_k_to_physical(kl: int) -> int:
+    """Physical k (inside a 64-wide record) of MMA k ``kl = 16j + 8s + 2t + c``: ``16t + 4j + 2s + c``."""
+    j, s, t, c = kl >> 4, (kl >> 3) & 1, (kl >> 1) & 3, kl & 1
+    return 16 * t + 4 * j + 2 * s + c
+
+
+if gluon is not None:
+
+    @lru_cache(maxsize=None)
+    def layouts(block_n: int, block_m: int, num_warps: int):
+        """Gluon layout objects for one (block_n, block_m, warps) variant."""
+        b = layout_bases(block_n, block_m, num_warps)
+        lin = {k: gl.DistributedLinearLayout(v[0], v[1], v[2], [], v[3]) for k, v in b.items()}
+        mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 8])
+        a_op = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        b_op = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+        # epilogue: [BLOCK_N, ESC_CH, BLOCK_M], rows over lanes/warps, escapes in registers
+        tm = min(block_m, 4)
+        l3 = gl.BlockedLayout([1, 1, block_m // tm if block_m // tm <= 4 else 4], [32 // tm, 1, tm],
+                              [num_warps, 1, 1], [2, 1, 0])
+        return lin["view"], lin["nib"], lin["x"], mma, a_op, b_op, l3
+
+    @gluon.jit
+    def _bf16_halves(p):
+        lo = (p & 0xFFFF).to(gl.uint16).to(gl.bfloat16, bitcast=True)
+        hi = (p >> 16).to(gl.uint16).to(gl.bfloat16, bitcast=True)
+        return gl.join(lo, hi)
+
+    @gluon.jit
+    def _a_operand(v, nb, L_VIEW: gl.constexpr, A_OP: gl.constexpr, BLOCK_N: gl.constexpr,
+                   QPASS: gl.constexpr):
+        """Decode one record's ``[BLOCK_N, 16]`` view words (+ ``[BLOCK_N, 8]`` nibble words) into the
+        ``[BLOCK_N, 64]`` bf16 A operand, MMA k order, without moving data between threads."""
+        SGN: gl.constexpr = 0x80008000
+        MAG: gl.constexpr = 0x07F007F0
+        NIB: gl.constexpr = 0x000F000F
+        EXP: gl.constexpr = 0x38003800
+        be = v.to(gl.uint32)
+        if QPASS:
+            ln0 = 0x00080008
+            ln1 = 0x00080008
+        else:
+            nn = nb.to(gl.uint32)
+            # word 2q takes nibble word q's bytes 0 and 2, word 2q+1 its bytes 1 and 3
+            nw = gl.reshape(gl.join(nn, nn >> 8), [BLOCK_N, 16])
+            nw = gl.convert_layout(nw, L_VIEW, assert_trivial=True)
+            ln0 = nw & NIB
+            ln1 = (nw >> 4) & NIB
+        p0 = ((be << 8) & SGN) | ((be << 4) & MAG) | ln0 | EXP     # weights 4w, 4w+1 (s = 0)
+        p1 = (be & SGN) | ((be >> 4) & MAG) | ln1 | EXP            # weights 4w+2, 4w+3 (s = 1)
+        w5 = gl.join(_bf16_halves(p0), _bf16_halves(p1))         # [n, word, c, s]
+        w5 = gl.reshape(w5, [BLOCK_N, 4, 4, 2, 2])                 # [n, t, j, c, s]
+        w5 = gl.permute(w5, [0, 2, 4, 1, 3])                       # [n, j, s, t, c]
+        return gl.convert_layout(gl.reshape(w5, [BLOCK_N, 64]), A_OP, assert_trivial=True)
+
+    @gluon.jit
+    def _b_operand(x_ptr, rows_m, k0, M, K, stride_xm, L_X: gl.constexpr, B_OP: gl.constexpr,
+                   BLOCK_M: gl.constexpr):
+        """x[rows, k0:k0+64] as the ``[64, BLOCK_M]`` B operand in MMA k order (16-byte loads)."""
+        kk = k0 + gl.arange(0, 64, layout=gl.SliceLayout(0, L_X))
+        xv = gl.load(x_ptr + rows_m[:, None] * stride_xm + kk[None, :],
+                     mask=(rows_m < M)[:, None] & (kk < K)[None, :], other=0.0)
+        xv = gl.reshape(xv, [BLOCK_M, 4, 4, 2, 2])                 # [m, t, j, s, c]
+        xv = gl.permute(xv, [2, 3, 1, 4, 0])                       # [j, s, t, c, m]
+        return gl.convert_layout(gl.reshape(xv, [64, BLOCK_M]), B_OP, assert_trivial=True)
+
+    @gluon.jit
+    def _w12_mma_kernel(
+        x_ptr, y_ptr, rec_ptr, low_ptr,
+        eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr,
+        ws_ptr, lock_ptr,
+        M, N, K, KT, TILES_PER_SPLIT, NUM_N_BLOCKS, SPLIT_K,
+        stride_xm, stride_ym,
+        BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, USE_SPLIT: gl.constexpr, QPASS: gl.constexpr,
+        ESC_CH: gl.constexpr,
+        L_VIEW: gl.constexpr, L_NIB: gl.constexpr, L_X: gl.constexpr, MMA: gl.constexpr,
+        A_OP: gl.constexpr, B_OP: gl.constexpr, L3: gl.constexpr,
+    ):
+        pid_n = gl.program_id(0)
+        pid_k = gl.program_id(1)
+        pid_m = gl.program_id(2)
+        n0 = pid_n * BLOCK_N
+        tile_row = (n0 // 128).to(gl.int64) * KT
+        r_in = n0 % 128
+        rv = r_in + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_VIEW))
+        wv = gl.arange(0, 16, layout=gl.SliceLayout(0, L_VIEW))
+        off_v = rv[:, None] * 16 + wv[None, :]
+        rn = r_in + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_NIB))
+        wn = gl.arange(0, 8, layout=gl.SliceLayout(0, L_NIB))
+        off_n = 2048 + rn[:, None] * 8 + wn[None, :]
+        rows_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, L_X))
+
+        t_begin = pid_k * TILES_PER_SPLIT
+        t_end = gl.minimum(t_begin + TILES_PER_SPLIT, KT)
+        acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
+
+        # registers double-buffered: the next record's words (and x) are in flight during the math
+        base = (tile_row + t_begin) * 3072
+        v_cur = gl.load(rec_ptr + base + off_v)
+        if QPASS:
+            n_cur = v_cur
+        else:
+            n_cur = gl.load(rec_ptr + base + off_n)
+        for t in range(t_begin, t_end):
+            nxt = gl.minimum(t + 1, t_end - 1)         # the last iteration re-reads (L1/L2) its own record
+            base_n = (tile_row + nxt) * 3072
+            v_nxt = gl.load(rec_ptr + base_n + off_v)
+            if QPASS:
+                n_nxt = v_nxt
+            else:
+                n_nxt = gl.load(rec_ptr + base_n + off_n)
+            b = _b_operand(x_ptr, rows_m, t * 64, M, K, stride_xm, L_X, B_OP, BLOCK_M)
+            a = _a_operand(v_cur, n_cur, L_VIEW, A_OP, BLOCK_N, QPASS)
+            acc = mma_v2(a, b, acc)
+            v_cur = v_nxt
+            n_cur = n_nxt
+
+        if not USE_SPLIT:
+            _finalize(acc, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, n0, pid_m, M, N,
+                      stride_xm, stride_ym, BLOCK_N, BLOCK_M, ESC_CH, L3)
+        else:
+            blk = pid_m * NUM_N_BLOCKS + pid_n
+            ws_base = ws_ptr + blk.to(gl.int64) * (SPLIT_K * BLOCK_N * BLOCK_M)
+            tr = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
+            tc = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
+            tile_offs = tr[:, None] * BLOCK_M + tc[None, :]
+            gl.store(ws_base + pid_k * (BLOCK_N * BLOCK_M) + tile_offs, acc)
+            _cta_barrier()
+            count = gl.atomic_add(lock_ptr + blk, 1, sem="acq_rel", scope="gpu")
+            if count == SPLIT_K - 1:
+                total = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
+                for s in range(0, SPLIT_K):     # fixed order: bitwise identical run to run
+                    total += gl.load(ws_base + s * (BLOCK_N * BLOCK_M) + tile_offs, cache_modifier=".cg")
+                gl.atomic_xchg(lock_ptr + blk, 0)
+                _finalize(total, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, n0, pid_m, M, N,
+                          stride_xm, stride_ym, BLOCK_N, BLOCK_M, ESC_CH, L3)
+
+    @gluon.jit
+    def _finalize(acc, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, n0, pid_m, M, N,
+                  stride_xm, stride_ym, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, ESC_CH: gl.constexpr,
+                  L3: gl.constexpr):
+        """Row scale, exact escape corrections (``ESC_CH`` escapes per pass) and the store."""
+        LY: gl.constexpr = gl.SliceLayout(1, L3)            # [BLOCK_N, BLOCK_M]
+        LE: gl.constexpr = gl.SliceLayout(0, L3)            # [ESC_CH, BLOCK_M]
+        LH: gl.constexpr = gl.SliceLayout(2, L3)            # [BLOCK_N, ESC_CH]
+        y = gl.convert_layout(acc, LY)
+        offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LY))
+        offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, LY))
+        n_mask = offs_n < N
+        low = gl.load(low_ptr + offs_n, mask=n_mask, other=112).to(gl.int32)
+        scale = ((low + (127 - 112)) << 23).to(gl.float32, bitcast=True)
+        y = y * scale[:, None]
+        e_lo = gl.load(eptr_ptr + n0)
+        e_hi = gl.load(eptr_ptr + gl.minimum(n0 + BLOCK_N, N))
+        hn = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LH))
+        em_ = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, LE))
+        for e in range(e_lo, e_hi, ESC_CH):
+            idx_h = e + gl.arange(0, ESC_CH, layout=gl.SliceLayout(0, LH))
+            er = gl.load(erow_ptr + idx_h, mask=idx_h < e_hi, other=-1)
+            idx_e = e + gl.arange(0, ESC_CH, layout=gl.SliceLayout(1, LE))
+            ok = idx_e < e_hi
+            ec = gl.load(ecol_ptr + idx_e, mask=ok, other=0)
+            ed = gl.load(edelta_ptr + idx_e, mask=ok, other=0.0)
+            xv = gl.load(x_ptr + em_[None, :] * stride_xm + ec[:, None],
+                         mask=ok[:, None] & (em_ < M)[None, :], other=0.0).to(gl.float32)
+            contrib = xv * ed[:, None]                                    # [CH, BM]
+            hit = er[None, :] == hn[:, None]                              # [BN, CH]
+            y += gl.sum(gl.where(hit[:, :, None], contrib[None, :, :], 0.0), axis=1)
+        gl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], y.to(y_ptr.dtype.element_ty),
+                 mask=n_mask[:, None] & (offs_m < M)[None, :])
+
+
+# ----------------------------------------------------------------------------------------------
+# launcher
+# ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MmaConfig:
+    """One variant: ``block_n`` rows per program (16 per warp slice), ``split_k`` k ranges."""
+
+    block_n: int = 128
+    split_k: int = 1
+    num_warps: int = 4
+
+    def key(self) -> str:
+        return f"mma-n{self.block_n}-s{self.split_k}-w{self.num_warps}"
+
+
+def block_m_for(m: int) -> int:
+    return 8 if m <= 8 else 16 if m <= 16 else 32 if m <= 32 else 64
+
+
+def available() -> bool:
+    return gluon is not None and torch.cuda.is_available()
+
+
+def default_config(m: int, n: int, k: int, sms: int = 132) -> MmaConfig:
+    """About two programs per SM: split K until the grid covers the GPU twice."""
+    kt = (k + TILE_K - 1) // TILE_K
+    bn = 128 if n >= 128 * sms // 2 else 64
+    blocks = (n + bn - 1) // bn * ((m + block_m_for(m) - 1) // block_m_for(m))
+    split = 1
+    while blocks * split < 2 * sms and kt // (split * 2) >= 4:
+        split *= 2
+    return MmaConfig(block_n=bn, split_k=split)
+
+
+def w12_mma(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: MmaConfig | None = None,
+            out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x @ W.T`` for x ``[M, K]`` bf16 (any M; 64 rows per program), fp32 accumulation, deterministic."""
+    if gluon is None or triton is None:
+        raise RuntimeError("Gluon (triton >= 3.4) is not available")
+    if x.dim() != 2 or x.shape[1] != packed.shape[1]:
+        raise ValueError(f"x shape {tuple(x.shape)} does not match weight {packed.shape}")
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"x must be bfloat16, got {x.dtype}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    n = packed.shape[0]
+    cfg = config or default_config(m, n, k)
+    bm = block_m_for(m)
+    if out is None:
+        out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+    kt = packed.k_tiles
+    tps = (kt + cfg.split_k - 1) // cfg.split_k
+    split = (kt + tps - 1) // tps
+    nb = (n + cfg.block_n - 1) // cfg.block_n
+    mb = (m + bm - 1) // bm
+    ws, locks = _workspace(x.device, nb * mb * split * cfg.block_n * bm if split > 1 else 1, nb * mb)
+    esc_ch = 8 if bm <= 32 else 4
+    l_view, l_nib, l_x, mma, a_op, b_op, l3 = layouts(cfg.block_n, bm, cfg.num_warps)
+    _w12_mma_kernel[(nb, split, mb)](
+        x, out, packed.rec32, packed.low_exp,
+        packed.esc_rowptr, packed.esc_row, packed.esc_col, packed.esc_delta_q if qpass else packed.esc_delta,
+        ws, locks,
+        m, n, k, kt, tps, nb, split,
+        x.stride(0), out.stride(0),
+        BLOCK_N=cfg.block_n, BLOCK_M=bm, USE_SPLIT=split > 1, QPASS=qpass, ESC_CH=esc_ch,
+        L_VIEW=l_view, L_NIB=l_nib, L_X=l_x, MMA=mma, A_OP=a_op, B_OP=b_op, L3=l3,
+        num_warps=cfg.num_warps,
+    )
+    return out

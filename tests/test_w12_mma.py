@@ -1,0 +1,147 @@
+"""The Gluon tensor-core W12 GEMM (``kernels/w12/mma.py``): layouts on CPU, an sm_90 compile that
+proves the operand conversions move no data, and the kernel against the reference on a GPU."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+triton = pytest.importorskip("triton")
+
+from specpilot.kernels.w12 import encode  # noqa: E402
+from specpilot.kernels.w12 import mma  # noqa: E402
+from specpilot.kernels.w12.gemm import KernelPack  # noqa: E402
+from specpilot.kernels.w12.naive import w12_linear_ref  # noqa: E402
+
+from test_w12_gemm import check_close, make_weight  # noqa: E402
+
+GPU = pytest.mark.gpu
+needs_gluon = pytest.mark.skipif(mma.gluon is None, reason="Triton without Gluon")
+
+
+def _span(bases, rank_shape):
+    """Every coordinate the bases reach (XOR combinations), as a set of tuples."""
+    pts = {tuple([0] * len(rank_shape))}
+    for b in bases:
+        pts |= {tuple(p ^ q for p, q in zip(pt, b)) for pt in pts}
+    return pts
+
+
+@pytest.mark.parametrize("bn,bm,w", [(64, 8, 4), (128, 32, 4), (128, 64, 8), (64, 16, 2)])
+def test_load_layouts_cover_each_tile_once(bn, bm, w):
+    b = mma.layout_bases(bn, bm, w)
+    for name, (reg, lane, warp, shape) in b.items():
+        nonzero = [v for v in reg + lane + warp if any(v)]
+        pts = _span(nonzero, shape)
+        assert len(pts) == shape[0] * shape[1] == 2 ** len(nonzero), name   # a bijection onto the tile
+        assert all(0 <= p[0] < shape[0] and 0 <= p[1] < shape[1] for p in pts)
+    # a thread's four view words are consecutive (one 16-byte load), and its x values too
+    assert b["view"][0][:2] == [[0, 1], [0, 2]]
+    assert b["x"][0][:4] == [[0, 1], [0, 2], [0, 4], [0, 8]]
+
+
+def test_mma_k_order_is_a_permutation_matching_the_thread_words():
+    perm = [mma.mma_k_to_physical(k) for k in range(64)]
+    assert sorted(perm) == list(range(64))
+    for t in range(4):   # lane t's MMA k {16j + 8s + 2t + c} are physical k 16t .. 16t + 15
+        ks = [16 * j + 8 * s + 2 * t + c for j in range(4) for s in range(2) for c in range(2)]
+        assert sorted(perm[k] for k in ks) == list(range(16 * t, 16 * t + 16))
+
+
+@pytest.mark.parametrize("bad", [(96, 32, 4), (256, 32, 4), (128, 24, 4), (128, 128, 4)])
+def test_layout_bases_reject_bad_blocks(bad):
+    with pytest.raises(ValueError):
+        mma.layout_bases(*bad)
+
+
+_COMPILE = r"""
+import json, os, re
+os.environ["TRITON_INTERPRET"] = "0"   # Gluon compiles; the interpreter's stand-ins cannot be used
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from specpilot.kernels.w12 import mma
+k = mma._w12_mma_kernel
+ptrs = {"x_ptr": "*bf16", "y_ptr": "*bf16", "rec_ptr": "*i32", "low_ptr": "*u8", "eptr_ptr": "*i32",
+        "erow_ptr": "*i32", "ecol_ptr": "*i32", "edelta_ptr": "*fp32", "ws_ptr": "*fp32", "lock_ptr": "*i32"}
+lv, ln, lx, mm, a, b, l3 = mma.layouts(128, 32, 4)
+const = dict(BLOCK_N=128, BLOCK_M=32, USE_SPLIT=True, QPASS=False, ESC_CH=8,
+             L_VIEW=lv, L_NIB=ln, L_X=lx, MMA=mm, A_OP=a, B_OP=b, L3=l3)
+names = k.arg_names
+sig = {n: ptrs.get(n, "constexpr" if n in const else "i32") for n in names}
+div = list(ptrs) + ["K", "stride_xm", "stride_ym"]
+src = GluonASTSource(k, signature=sig, constexprs={(names.index(c),): v for c, v in const.items()},
+                     attrs={(names.index(p),): [["tt.divisibility", 16]] for p in div})
+ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+start = ptx.index("Inner Loop Header")
+body = ptx[start:ptx.index("bra", start)]
+print(json.dumps({"mma": body.count("mma.sync.aligned.m16n8k16"), "shared": len(re.findall(r"[ls]t\.shared", body)),
+                  "v4": len(re.findall(r"ld\.global[^;]*\.v4", body))}))
+"""
+
+
+@needs_gluon
+def test_compiles_for_sm90_with_register_only_operand_conversions():
+    """The A and B operand conversions are compiled with ``assert_trivial=True``; compiling for
+    sm_90 on any machine (no GPU needed) fails if one of them would move data. The main loop holds
+    only 16-byte view/x loads, 8-byte nibble loads and mma.sync, no shared memory."""
+    import json
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    r = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, timeout=300)
+    if r.returncode and "ptxas" in r.stderr and "not found" in r.stderr.lower():   # pragma: no cover
+        pytest.skip("no sm_90 toolchain in this Triton build")
+    assert r.returncode == 0, r.stderr[-3000:]
+    stats = json.loads(r.stdout.strip().splitlines()[-1])
+    assert stats["mma"] == 32            # 2 m16 x 4 k16 x 4 n8 per warp per record
+    assert stats["shared"] == 0          # no shared-memory round trip
+    assert stats["v4"] == 4 + 8          # the next record's views (4 rows) + x (4 rows x 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------------------------
+
+CASES = [  # (rows, N, K, config)
+    (2, 40, 200, mma.MmaConfig(64, 1)),        # a partial tile, a partial record
+    (8, 256, 512, mma.MmaConfig(128, 2)),
+    (17, 200, 320, mma.MmaConfig(64, 3)),      # uneven split
+    (32, 384, 1024, mma.MmaConfig(128, 4, 8)),
+    (64, 128, 256, mma.MmaConfig(128, 1)),
+    (100, 136, 192, mma.MmaConfig(64, 2)),     # two row blocks, the last one partial
+]
+
+
+@GPU
+@pytest.mark.skipif(not torch.cuda.is_available() or mma.gluon is None, reason="needs CUDA and Gluon")
+@pytest.mark.parametrize("m,n,k,cfg", CASES)
+def test_w12_mma_matches_fp32_reference_and_is_deterministic(m, n, k, cfg):
+    w = make_weight(n, k, seed=m)
+    kp = KernelPack.from_w12(encode(w), device="cuda")
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16().cuda()
+    y = mma.w12_mma(x, kp, config=cfg, out_dtype=torch.float32)
+    check_close(y.cpu(), x.cpu(), w)
+    y2 = mma.w12_mma(x, kp, config=cfg, out_dtype=torch.float32)
+    assert torch.equal(y.view(torch.int32), y2.view(torch.int32))
+
+
+@GPU
+@pytest.mark.skipif(not torch.cuda.is_available() or mma.gluon is None, reason="needs CUDA and Gluon")
+def test_w12_mma_qpass_and_default_config():
+    w = make_weight(256, 640, seed=5)
+    t = encode(w)
+    kp = KernelPack.from_w12(t, device="cuda")
+    x = torch.randn(24, 640).bfloat16().cuda()
+    yq = mma.w12_mma(x, kp, qpass=True, out_dtype=torch.float32).cpu()
+    rq = w12_linear_ref(x.cpu().float(), t, qpass=True)
+    fin = torch.isfinite(rq)
+    assert float(((yq - rq).abs()[fin] / (rq.abs()[fin] + 1e-2)).max()) < 1e-4
+    yb = mma.w12_mma(x, kp)
+    assert yb.dtype == torch.bfloat16 and yb.shape == (24, 256)
