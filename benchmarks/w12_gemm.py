@@ -169,13 +169,13 @@ def gemv_configs(m: int, kt: int, n: int, sms: int):
 
 
 def mma_configs(m: int, kt: int, n: int, sms: int):
-    """Tensor-core (Gluon) variants for one (shape, m): 64 or 128 weight rows per program, 4 or 8
-    warps, split-K for about 1, 2, 4 and 8 programs per SM."""
+    """Tensor-core (Gluon) variants for one (shape, m): 64 or 128 weight rows per program, 2 or 3
+    records loaded ahead, split-K for about 1, 2, 4 and 8 programs per SM."""
     from specpilot.kernels.w12.mma import MmaConfig, block_m_for, default_config
 
     out = [default_config(m, n, kt * 64, sms)]
     mb = (m + block_m_for(m) - 1) // block_m_for(m)
-    for bn, w in ((64, 4), (128, 4), (128, 8)):
+    for bn, w in ((64, 4), (128, 4)):
         nb = (n + bn - 1) // bn * mb
         seen = set()
         for per_sm in (1, 2, 4, 8):
@@ -183,9 +183,10 @@ def mma_configs(m: int, kt: int, n: int, sms: int):
             if split in seen:
                 continue
             seen.add(split)
-            cfg = MmaConfig(bn, split, w)
-            if cfg not in out:
-                out.append(cfg)
+            for depth in (2, 3):
+                cfg = MmaConfig(bn, split, w, depth)
+                if cfg not in out:
+                    out.append(cfg)
     return out
 
 

@@ -70,7 +70,7 @@ k = mma._w12_mma_kernel
 ptrs = {"x_ptr": "*bf16", "y_ptr": "*bf16", "rec_ptr": "*i32", "low_ptr": "*u8", "eptr_ptr": "*i32",
         "erow_ptr": "*i32", "ecol_ptr": "*i32", "edelta_ptr": "*fp32", "ws_ptr": "*fp32", "lock_ptr": "*i32"}
 lv, ln, lx, mm, a, b, l3 = mma.layouts(128, 32, 4)
-const = dict(BLOCK_N=128, BLOCK_M=32, USE_SPLIT=True, QPASS=False, ESC_CH=8,
+const = dict(BLOCK_N=128, BLOCK_M=32, USE_SPLIT=True, QPASS=False, ESC_CH=8, DEPTH=2,
              L_VIEW=lv, L_NIB=ln, L_X=lx, MMA=mm, A_OP=a, B_OP=b, L3=l3)
 names = k.arg_names
 sig = {n: ptrs.get(n, "constexpr" if n in const else "i32") for n in names}

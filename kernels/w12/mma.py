@@ -140,12 +140,23 @@ if gluon is not None:
         return gl.convert_layout(gl.reshape(w5, [BLOCK_N, 64]), A_OP, assert_trivial=True)
 
     @gluon.jit
-    def _b_operand(x_ptr, rows_m, k0, M, K, stride_xm, L_X: gl.constexpr, B_OP: gl.constexpr,
+    def _load_rec(rec_ptr, tile_row, t, ok, off_v, off_n, QPASS: gl.constexpr):
+        """Record ``t`` of the program's row tile: its view words and nibble words (if ``ok``)."""
+        base = (tile_row + t) * 3072
+        v = gl.load(rec_ptr + base + off_v, mask=ok, other=0)
+        if QPASS:
+            q = v
+        else:
+            q = gl.load(rec_ptr + base + off_n, mask=ok, other=0)
+        return v, q
+
+    @gluon.jit
+    def _b_operand(x_ptr, rows_m, k0, ok, M, K, stride_xm, L_X: gl.constexpr, B_OP: gl.constexpr,
                    BLOCK_M: gl.constexpr):
         """x[rows, k0:k0+64] as the ``[64, BLOCK_M]`` B operand in MMA k order (16-byte loads)."""
         kk = k0 + gl.arange(0, 64, layout=gl.SliceLayout(0, L_X))
         xv = gl.load(x_ptr + rows_m[:, None] * stride_xm + kk[None, :],
-                     mask=(rows_m < M)[:, None] & (kk < K)[None, :], other=0.0)
+                     mask=((rows_m < M)[:, None] & (kk < K)[None, :]) & ok, other=0.0)
         xv = gl.reshape(xv, [BLOCK_M, 4, 4, 2, 2])                 # [m, t, j, s, c]
         xv = gl.permute(xv, [2, 3, 1, 4, 0])                       # [j, s, t, c, m]
         return gl.convert_layout(gl.reshape(xv, [64, BLOCK_M]), B_OP, assert_trivial=True)
@@ -158,7 +169,7 @@ if gluon is not None:
         M, N, K, KT, TILES_PER_SPLIT, NUM_N_BLOCKS, SPLIT_K,
         stride_xm, stride_ym,
         BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, USE_SPLIT: gl.constexpr, QPASS: gl.constexpr,
-        ESC_CH: gl.constexpr,
+        ESC_CH: gl.constexpr, DEPTH: gl.constexpr,
         L_VIEW: gl.constexpr, L_NIB: gl.constexpr, L_X: gl.constexpr, MMA: gl.constexpr,
         A_OP: gl.constexpr, B_OP: gl.constexpr, L3: gl.constexpr,
     ):
@@ -180,26 +191,28 @@ if gluon is not None:
         t_end = gl.minimum(t_begin + TILES_PER_SPLIT, KT)
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
 
-        # registers double-buffered: the next record's words (and x) are in flight during the math
-        base = (tile_row + t_begin) * 3072
-        v_cur = gl.load(rec_ptr + base + off_v)
-        if QPASS:
-            n_cur = v_cur
-        else:
-            n_cur = gl.load(rec_ptr + base + off_n)
+        # DEPTH records ahead in registers (and x one record ahead): their loads are in flight while
+        # this record is decoded and multiplied; loads past the range are predicated off
+        w0, q0 = _load_rec(rec_ptr, tile_row, t_begin, t_begin < t_end, off_v, off_n, QPASS)
+        if DEPTH >= 2:
+            w1, q1 = _load_rec(rec_ptr, tile_row, t_begin + 1, t_begin + 1 < t_end, off_v, off_n, QPASS)
+        if DEPTH >= 3:
+            w2, q2 = _load_rec(rec_ptr, tile_row, t_begin + 2, t_begin + 2 < t_end, off_v, off_n, QPASS)
+        b0 = _b_operand(x_ptr, rows_m, t_begin * 64, t_begin < t_end, M, K, stride_xm, L_X, B_OP, BLOCK_M)
         for t in range(t_begin, t_end):
-            nxt = gl.minimum(t + 1, t_end - 1)         # the last iteration re-reads (L1/L2) its own record
-            base_n = (tile_row + nxt) * 3072
-            v_nxt = gl.load(rec_ptr + base_n + off_v)
-            if QPASS:
-                n_nxt = v_nxt
+            wx, qx = _load_rec(rec_ptr, tile_row, t + DEPTH, t + DEPTH < t_end, off_v, off_n, QPASS)
+            b1 = _b_operand(x_ptr, rows_m, (t + 1) * 64, t + 1 < t_end, M, K, stride_xm, L_X, B_OP, BLOCK_M)
+            acc = mma_v2(_a_operand(w0, q0, L_VIEW, A_OP, BLOCK_N, QPASS), b0, acc)
+            b0 = b1
+            if DEPTH == 1:
+                w0, q0 = wx, qx
+            elif DEPTH == 2:
+                w0, q0 = w1, q1
+                w1, q1 = wx, qx
             else:
-                n_nxt = gl.load(rec_ptr + base_n + off_n)
-            b = _b_operand(x_ptr, rows_m, t * 64, M, K, stride_xm, L_X, B_OP, BLOCK_M)
-            a = _a_operand(v_cur, n_cur, L_VIEW, A_OP, BLOCK_N, QPASS)
-            acc = mma_v2(a, b, acc)
-            v_cur = v_nxt
-            n_cur = n_nxt
+                w0, q0 = w1, q1
+                w1, q1 = w2, q2
+                w2, q2 = wx, qx
 
         if not USE_SPLIT:
             _finalize(acc, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, n0, pid_m, M, N,
@@ -264,12 +277,13 @@ if gluon is not None:
 class MmaConfig:
     """One variant: ``block_n`` rows per program (16 per warp slice), ``split_k`` k ranges."""
 
-    block_n: int = 128
+    block_n: int = 64
     split_k: int = 1
     num_warps: int = 4
+    depth: int = 2     # records loaded ahead (1-3)
 
     def key(self) -> str:
-        return f"mma-n{self.block_n}-s{self.split_k}-w{self.num_warps}"
+        return f"mma-n{self.block_n}-s{self.split_k}-w{self.num_warps}-d{self.depth}"
 
 
 def block_m_for(m: int) -> int:
@@ -283,7 +297,7 @@ def available() -> bool:
 def default_config(m: int, n: int, k: int, sms: int = 132) -> MmaConfig:
     """About two programs per SM: split K until the grid covers the GPU twice."""
     kt = (k + TILE_K - 1) // TILE_K
-    bn = 128 if n >= 128 * sms // 2 else 64
+    bn = 64
     blocks = (n + bn - 1) // bn * ((m + block_m_for(m) - 1) // block_m_for(m))
     split = 1
     while blocks * split < 2 * sms and kt // (split * 2) >= 4:
@@ -298,6 +312,8 @@ def w12_mma(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: Mm
         raise RuntimeError("Gluon (triton >= 3.4) is not available")
     if x.dim() != 2 or x.shape[1] != packed.shape[1]:
         raise ValueError(f"x shape {tuple(x.shape)} does not match weight {packed.shape}")
+    if config is not None and config.depth not in (1, 2, 3):
+        raise ValueError(f"depth must be 1, 2 or 3, got {config.depth}")
     if x.dtype != torch.bfloat16:
         raise ValueError(f"x must be bfloat16, got {x.dtype}")
     if x.stride(1) != 1:
@@ -314,7 +330,7 @@ def w12_mma(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: Mm
     nb = (n + cfg.block_n - 1) // cfg.block_n
     mb = (m + bm - 1) // bm
     ws, locks = _workspace(x.device, nb * mb * split * cfg.block_n * bm if split > 1 else 1, nb * mb)
-    esc_ch = 8 if bm <= 32 else 4
+    esc_ch = max(1, min(8, 4096 // (cfg.block_n * bm)))   # the epilogue's [BN, CH, BM] stays small
     l_view, l_nib, l_x, mma, a_op, b_op, l3 = layouts(cfg.block_n, bm, cfg.num_warps)
     _w12_mma_kernel[(nb, split, mb)](
         x, out, packed.rec32, packed.low_exp,
@@ -322,7 +338,7 @@ def w12_mma(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: Mm
         ws, locks,
         m, n, k, kt, tps, nb, split,
         x.stride(0), out.stride(0),
-        BLOCK_N=cfg.block_n, BLOCK_M=bm, USE_SPLIT=split > 1, QPASS=qpass, ESC_CH=esc_ch,
+        BLOCK_N=cfg.block_n, BLOCK_M=bm, USE_SPLIT=split > 1, QPASS=qpass, ESC_CH=esc_ch, DEPTH=cfg.depth,
         L_VIEW=l_view, L_NIB=l_nib, L_X=l_x, MMA=mma, A_OP=a_op, B_OP=b_op, L3=l3,
         num_warps=cfg.num_warps,
     )
