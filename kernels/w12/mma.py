@@ -42,13 +42,16 @@ from .gemm import KernelPack, _workspace, triton
 try:  # Gluon ships with Triton >= 3.4
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 except Exception:  # pragma: no cover - older Triton or none
     gluon = None
     gl = None
     mma_v2 = None
-# the CTA-wide barrier is ``thread_barrier`` in Triton 3.6 and ``barrier`` from 3.7 on
+    async_copy = None
+# Gluon names that moved: the CTA-wide barrier is ``thread_barrier`` in Triton 3.6 and ``barrier``
+# later; the cp.async copy is ``async_copy_global_to_shared`` in 3.6 and ``async_load`` later
 _cta_barrier = getattr(gl, "thread_barrier", None) or getattr(gl, "barrier", None)
+_cp_async = getattr(async_copy, "async_load", None) or getattr(async_copy, "async_copy_global_to_shared", None)
 
 RECORD_WORDS = TILE_N * TILE_K * 3 // 2 // 4   # 3072 int32 words per 12 KB record
 VIEW_WORDS = TILE_K // 4                        # 16 words of 8-bit views per record row
@@ -104,7 +107,13 @@ if gluon is not None:
         tm = min(block_m, 4)
         l3 = gl.BlockedLayout([1, 1, block_m // tm if block_m // tm <= 4 else 4], [32 // tm, 1, tm],
                               [num_warps, 1, 1], [2, 1, 0])
-        return lin["view"], lin["nib"], lin["x"], mma, a_op, b_op, l3
+        # x copies: 8 (or, for few rows, 4) bf16 per thread, a 128-byte x row per 8 (16) threads
+        spt = max(2, min(8, block_m * 64 // (32 * num_warps)))
+        tk = 64 // spt
+        xc = gl.BlockedLayout([1, spt], [32 // tk, tk], [num_warps, 1], [1, 0])
+        # x stages: 16-byte chunks XOR-swizzled by row, so the B-fragment reads are conflict-free
+        xs = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
+        return lin["view"], lin["nib"], lin["x"], mma, a_op, b_op, l3, xc, xs
 
     @gluon.jit
     def _bf16_halves(p):
@@ -151,12 +160,20 @@ if gluon is not None:
         return v, q
 
     @gluon.jit
-    def _b_operand(x_ptr, rows_m, k0, ok, M, K, stride_xm, L_X: gl.constexpr, B_OP: gl.constexpr,
-                   BLOCK_M: gl.constexpr):
-        """x[rows, k0:k0+64] as the ``[64, BLOCK_M]`` B operand in MMA k order (16-byte loads)."""
-        kk = k0 + gl.arange(0, 64, layout=gl.SliceLayout(0, L_X))
-        xv = gl.load(x_ptr + rows_m[:, None] * stride_xm + kk[None, :],
-                     mask=((rows_m < M)[:, None] & (kk < K)[None, :]) & ok, other=0.0)
+    def _x_copy(xs, x_ptr, rows_c, kc, t, ok, M, K, stride_xm):
+        """Start copying x[rows, 64t : 64t+64] into the shared-memory stage ``xs`` (cp.async, 8-16
+        bytes per thread, zero-filled outside x or when not ``ok``) and commit it as one group."""
+        kk = t * 64 + kc
+        _cp_async(
+            xs, x_ptr + rows_c[:, None] * stride_xm + kk[None, :],
+            mask=((rows_c < M)[:, None] & (kk < K)[None, :]) & ok)
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _b_operand(xs, L_X: gl.constexpr, B_OP: gl.constexpr, BLOCK_M: gl.constexpr):
+        """A ``[BLOCK_M, 64]`` x stage as the ``[64, BLOCK_M]`` B operand in MMA k order: each thread
+        reads 16 consecutive bf16 of one x row (two 16-byte shared loads)."""
+        xv = xs.load(L_X)
         xv = gl.reshape(xv, [BLOCK_M, 4, 4, 2, 2])                 # [m, t, j, s, c]
         xv = gl.permute(xv, [2, 3, 1, 4, 0])                       # [j, s, t, c, m]
         return gl.convert_layout(gl.reshape(xv, [64, BLOCK_M]), B_OP, assert_trivial=True)
@@ -171,7 +188,7 @@ if gluon is not None:
         BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, USE_SPLIT: gl.constexpr, QPASS: gl.constexpr,
         ESC_CH: gl.constexpr, DEPTH: gl.constexpr,
         L_VIEW: gl.constexpr, L_NIB: gl.constexpr, L_X: gl.constexpr, MMA: gl.constexpr,
-        A_OP: gl.constexpr, B_OP: gl.constexpr, L3: gl.constexpr,
+        A_OP: gl.constexpr, B_OP: gl.constexpr, L3: gl.constexpr, L_XC: gl.constexpr, XS: gl.constexpr,
     ):
         pid_n = gl.program_id(0)
         pid_k = gl.program_id(1)
@@ -185,25 +202,34 @@ if gluon is not None:
         rn = r_in + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_NIB))
         wn = gl.arange(0, 8, layout=gl.SliceLayout(0, L_NIB))
         off_n = 2048 + rn[:, None] * 8 + wn[None, :]
-        rows_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, L_X))
+        rows_c = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, L_XC))
+        kc = gl.arange(0, 64, layout=gl.SliceLayout(0, L_XC))
+        XD: gl.constexpr = DEPTH + 1
+        xs = gl.allocate_shared_memory(gl.bfloat16, [XD, BLOCK_M, 64], XS)
 
         t_begin = pid_k * TILES_PER_SPLIT
         t_end = gl.minimum(t_begin + TILES_PER_SPLIT, KT)
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
 
-        # DEPTH records ahead in registers (and x one record ahead): their loads are in flight while
-        # this record is decoded and multiplied; loads past the range are predicated off
+        # weights: DEPTH records ahead in registers; x: DEPTH records ahead in a shared-memory ring
+        # filled by cp.async (one copy per program, not per warp). Loads past the range are
+        # predicated off.
         w0, q0 = _load_rec(rec_ptr, tile_row, t_begin, t_begin < t_end, off_v, off_n, QPASS)
         if DEPTH >= 2:
             w1, q1 = _load_rec(rec_ptr, tile_row, t_begin + 1, t_begin + 1 < t_end, off_v, off_n, QPASS)
         if DEPTH >= 3:
             w2, q2 = _load_rec(rec_ptr, tile_row, t_begin + 2, t_begin + 2 < t_end, off_v, off_n, QPASS)
-        b0 = _b_operand(x_ptr, rows_m, t_begin * 64, t_begin < t_end, M, K, stride_xm, L_X, B_OP, BLOCK_M)
+        for i in gl.static_range(DEPTH):
+            _x_copy(xs.index(i), x_ptr, rows_c, kc, t_begin + i, t_begin + i < t_end, M, K, stride_xm)
         for t in range(t_begin, t_end):
+            it = t - t_begin
             wx, qx = _load_rec(rec_ptr, tile_row, t + DEPTH, t + DEPTH < t_end, off_v, off_n, QPASS)
-            b1 = _b_operand(x_ptr, rows_m, (t + 1) * 64, t + 1 < t_end, M, K, stride_xm, L_X, B_OP, BLOCK_M)
-            acc = mma_v2(_a_operand(w0, q0, L_VIEW, A_OP, BLOCK_N, QPASS), b0, acc)
-            b0 = b1
+            async_copy.wait_group(DEPTH - 1)        # this thread's copies of record t have landed
+            _cta_barrier()                          # ... everyone's, and stage (it - 1) is free again
+            _x_copy(xs.index((it + DEPTH) % XD), x_ptr, rows_c, kc, t + DEPTH, t + DEPTH < t_end, M, K,
+                    stride_xm)
+            b = _b_operand(xs.index(it % XD), L_X, B_OP, BLOCK_M)
+            acc = mma_v2(_a_operand(w0, q0, L_VIEW, A_OP, BLOCK_N, QPASS), b, acc)
             if DEPTH == 1:
                 w0, q0 = wx, qx
             elif DEPTH == 2:
@@ -213,6 +239,7 @@ if gluon is not None:
                 w0, q0 = w1, q1
                 w1, q1 = w2, q2
                 w2, q2 = wx, qx
+        async_copy.wait_group(0)
 
         if not USE_SPLIT:
             _finalize(acc, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, n0, pid_m, M, N,
@@ -331,7 +358,7 @@ def w12_mma(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: Mm
     mb = (m + bm - 1) // bm
     ws, locks = _workspace(x.device, nb * mb * split * cfg.block_n * bm if split > 1 else 1, nb * mb)
     esc_ch = max(1, min(8, 4096 // (cfg.block_n * bm)))   # the epilogue's [BN, CH, BM] stays small
-    l_view, l_nib, l_x, mma, a_op, b_op, l3 = layouts(cfg.block_n, bm, cfg.num_warps)
+    l_view, l_nib, l_x, mma, a_op, b_op, l3, l_xc, xs = layouts(cfg.block_n, bm, cfg.num_warps)
     _w12_mma_kernel[(nb, split, mb)](
         x, out, packed.rec32, packed.low_exp,
         packed.esc_rowptr, packed.esc_row, packed.esc_col, packed.esc_delta_q if qpass else packed.esc_delta,
@@ -339,7 +366,7 @@ def w12_mma(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: Mm
         m, n, k, kt, tps, nb, split,
         x.stride(0), out.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_M=bm, USE_SPLIT=split > 1, QPASS=qpass, ESC_CH=esc_ch, DEPTH=cfg.depth,
-        L_VIEW=l_view, L_NIB=l_nib, L_X=l_x, MMA=mma, A_OP=a_op, B_OP=b_op, L3=l3,
+        L_VIEW=l_view, L_NIB=l_nib, L_X=l_x, MMA=mma, A_OP=a_op, B_OP=b_op, L3=l3, L_XC=l_xc, XS=xs,
         num_warps=cfg.num_warps,
     )
     return out
