@@ -280,13 +280,13 @@ def variant_sweep(args, label, configs_fn, run, cfg_cls, default_rows, default_n
 
 
 def default_routing(args) -> int:
-    """What users get: ``w12_linear(x, kp)`` with no config (the streaming GEMV where
-    ``gemv.preferred``, else the general kernel's tuned config) against cuBLAS bf16 at M = 1..64,
+    """What users get: ``w12_linear(x, kp)`` with no config (the tensor-core kernel where
+    ``mma.preferred``, the streaming GEMV where ``gemv.preferred``, else the general kernel) against cuBLAS bf16 at M = 1..64,
     checked against the fp32 reference and run to run before timing, timed interleaved 3 times."""
     import torch
     import torch.nn.functional as F
 
-    from specpilot.kernels.w12 import gemv
+    from specpilot.kernels.w12 import gemv, mma
     from specpilot.kernels.w12.gemm import w12_linear
 
     torch.manual_seed(0)
@@ -308,7 +308,8 @@ def default_routing(args) -> int:
                 w_t.append(time_cuda_graph(lambda: w12_linear(x, kp), reps=args.reps, flush=flush))
                 c_t.append(time_cuda_graph(lambda: F.linear(x, w), reps=args.reps, flush=flush))
             w_us, c_us = sorted(w_t)[1], sorted(c_t)[1]
-            path = "gemv" if gemv.preferred(m, n) and gemv.supported(x, kp) else "general"
+            path = ("mma" if mma.preferred(m) and mma.supported(x, kp)
+                    else "gemv" if gemv.preferred(m, n) and gemv.supported(x, kp) else "general")
             rows.append({"shape": name, "k": k, "n": n, "m": m, "path": path, "w12_us": round(w_us, 2),
                          "cublas_us": round(c_us, 2), "speedup": round(c_us / w_us, 3),
                          "w12_TBps": round(w12_bytes / w_us / 1e6, 3), "correct": ok, "deterministic": det})

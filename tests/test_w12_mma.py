@@ -148,3 +148,30 @@ def test_w12_mma_qpass_and_default_config():
     assert float(((yq - rq).abs()[fin] / (rq.abs()[fin] + 1e-2)).max()) < 1e-4
     yb = mma.w12_mma(x, kp)
     assert yb.dtype == torch.bfloat16 and yb.shape == (24, 256)
+
+
+def test_routing_and_tuned_table():
+    assert not mma.preferred(1) and mma.preferred(mma.MIN_ROWS) and mma.preferred(64)
+    assert mma.default_config(32, 28672, 4096) == mma.TUNED[(28672, 4096, 32)]
+    assert mma.default_config(3, 6144, 4096) == mma.TUNED[(6144, 4096, 8)]       # 2-8 rows share a bucket
+    cfg = mma.default_config(40, 1000, 3000)                                      # untuned: heuristic
+    assert cfg.block_n == 64 and 1 <= cfg.split_k <= 47
+    kp = KernelPack.from_w12(encode(make_weight(16, 64)), device="cpu")
+    assert not mma.supported(torch.zeros(8, 64, dtype=torch.bfloat16), kp)      # CPU: the other kernels
+
+
+def test_bad_depth_is_rejected():
+    kp = KernelPack.from_w12(encode(make_weight(16, 64)), device="cpu")
+    with pytest.raises((ValueError, RuntimeError)):
+        mma.w12_mma(torch.zeros(8, 64, dtype=torch.bfloat16), kp, config=mma.MmaConfig(64, 1, 4, 5))
+
+
+@GPU
+@pytest.mark.skipif(not torch.cuda.is_available() or mma.gluon is None, reason="needs CUDA and Gluon")
+def test_w12_linear_routes_verify_rows_to_mma():
+    from specpilot.kernels.w12.gemm import w12_linear
+
+    w = make_weight(256, 512, seed=9)
+    kp = KernelPack.from_w12(encode(w), device="cuda")
+    x = torch.randn(8, 512).bfloat16().cuda()
+    assert torch.equal(w12_linear(x, kp).view(torch.int16), mma.w12_mma(x, kp).view(torch.int16))

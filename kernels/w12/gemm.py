@@ -489,7 +489,9 @@ def w12_linear(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config:
     if x.stride(1) != 1:
         x = x.contiguous()
     if config is None:
-        from . import gemv   # the streaming GEMV: the decode regime's fast path
+        from . import gemv, mma   # the streaming GEMV (decode) and the tensor-core kernel (verify)
+        if mma.preferred(m) and mma.supported(x, packed):
+            return mma.w12_mma(x, packed, qpass=qpass, out=out, out_dtype=out_dtype)
         if gemv.preferred(m, n) and gemv.supported(x, packed):
             return gemv.w12_gemv(x, packed, qpass=qpass, out=out, out_dtype=out_dtype)
     cfg = (config or default_config(m, n, k)).for_rows(m)

@@ -321,15 +321,70 @@ def available() -> bool:
     return gluon is not None and torch.cuda.is_available()
 
 
+def supported(x: torch.Tensor, packed: KernelPack) -> bool:
+    """Gluon present, bf16 rows on a CUDA device with compute capability 8.0+ (mma.sync, cp.async)."""
+    return (gluon is not None and x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2
+            and packed.rec32.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 8)
+
+
+MIN_ROWS = 2
+
+
+def preferred(m: int) -> bool:
+    """Where this kernel is the fastest W12 path on the H200 (``benchmarks/results/w12_mma.json``
+    against the streaming GEMV and the general kernel): from MIN_ROWS rows on."""
+    return m >= MIN_ROWS
+
+
 def default_config(m: int, n: int, k: int, sms: int = 132) -> MmaConfig:
-    """About two programs per SM: split K until the grid covers the GPU twice."""
+    """The measured table (:data:`TUNED`) first, else 64-row programs and split-K for about four
+    programs per SM (what the sweep chose on most layers)."""
+    tuned = TUNED.get((n, k, _bucket(m)))
+    if tuned is not None:
+        return tuned
     kt = (k + TILE_K - 1) // TILE_K
     bn = 64
     blocks = (n + bn - 1) // bn * ((m + block_m_for(m) - 1) // block_m_for(m))
-    split = 1
-    while blocks * split < 2 * sms and kt // (split * 2) >= 4:
-        split *= 2
+    split = max(1, min(kt, round(4 * sms / blocks)))
     return MmaConfig(block_n=bn, split_k=split)
+
+
+def _bucket(m: int) -> int:
+    return 8 if m <= 8 else 16 if m <= 16 else 32 if m <= 32 else 64
+
+
+# Fastest correct variant per (N, K, rows) on the H200 (benchmarks/w12_gemm.py --mode mma,
+# benchmarks/results/w12_mma.json, git 39c7bfa; the comment is the speedup over cuBLAS there).
+TUNED: dict[tuple[int, int, int], MmaConfig] = {
+    (6144, 4096, 8): MmaConfig(64, 6, 4, 3),  # 0.854x
+    (6144, 4096, 16): MmaConfig(64, 6, 4, 2),  # 0.826x
+    (6144, 4096, 32): MmaConfig(64, 4, 4, 2),  # 0.645x
+    (6144, 4096, 64): MmaConfig(64, 4, 4, 2),  # 0.507x
+    (4096, 4096, 8): MmaConfig(64, 8, 4, 2),  # 0.858x
+    (4096, 4096, 16): MmaConfig(64, 8, 4, 2),  # 0.825x
+    (4096, 4096, 32): MmaConfig(64, 8, 4, 3),  # 0.663x
+    (4096, 4096, 64): MmaConfig(64, 4, 4, 3),  # 0.457x
+    (28672, 4096, 8): MmaConfig(64, 2, 4, 2),  # 1.064x
+    (28672, 4096, 16): MmaConfig(64, 1, 4, 2),  # 0.987x
+    (28672, 4096, 32): MmaConfig(64, 1, 4, 2),  # 0.873x
+    (28672, 4096, 64): MmaConfig(128, 1, 4, 2),  # 0.631x
+    (4096, 14336, 8): MmaConfig(64, 8, 4, 3),  # 0.807x
+    (4096, 14336, 16): MmaConfig(64, 8, 4, 2),  # 0.765x
+    (4096, 14336, 32): MmaConfig(64, 8, 4, 3),  # 0.633x
+    (4096, 14336, 64): MmaConfig(64, 4, 4, 2),  # 0.451x
+    (7168, 5120, 8): MmaConfig(64, 5, 4, 3),  # 0.97x
+    (7168, 5120, 16): MmaConfig(64, 5, 4, 2),  # 0.782x
+    (7168, 5120, 32): MmaConfig(64, 9, 4, 2),  # 0.598x
+    (7168, 5120, 64): MmaConfig(64, 2, 4, 2),  # 0.444x
+    (34816, 5120, 8): MmaConfig(64, 1, 4, 3),  # 1.13x
+    (34816, 5120, 16): MmaConfig(64, 1, 4, 2),  # 1.059x
+    (34816, 5120, 32): MmaConfig(64, 1, 4, 2),  # 0.855x
+    (34816, 5120, 64): MmaConfig(64, 2, 4, 2),  # 0.63x
+    (5120, 17408, 8): MmaConfig(64, 7, 4, 3),  # 0.948x
+    (5120, 17408, 16): MmaConfig(64, 7, 4, 2),  # 0.89x
+    (5120, 17408, 32): MmaConfig(64, 13, 4, 3),  # 0.642x
+    (5120, 17408, 64): MmaConfig(64, 3, 4, 3),  # 0.465x
+}
 
 
 def w12_mma(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: MmaConfig | None = None,
