@@ -78,8 +78,11 @@ div = list(ptrs) + ["K", "stride_xm", "stride_ym"]
 src = GluonASTSource(k, signature=sig, constexprs={(names.index(c),): v for c, v in const.items()},
                      attrs={(names.index(p),): [["tt.divisibility", 16]] for p in div})
 ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
-start = ptx.index("Inner Loop Header")
-body = ptx[start:ptx.index("bra", start)]
+# the main loop's basic blocks: its header and the blocks tagged "in Loop: Header=<it>"
+blocks = re.split(r"^(?=\$L__BB\d+_\d+:)", ptx, flags=re.M)
+head = next(b for b in blocks if "Inner Loop Header" in b.splitlines()[0])
+name = head.split(":")[0][4:]
+body = "".join(b for b in blocks if b is head or "Header=" + name + " " in b.splitlines()[0])
 print(json.dumps({"mma": body.count("mma.sync.aligned.m16n8k16"), "st_shared": body.count("st.shared"),
                   "ld_shared_v4": len(re.findall(r"ld\.shared\.v4", body)), "cp_async": body.count("cp.async.cg"),
                   "v4": len(re.findall(r"ld\.global[^;]*\.v4", body))}))
