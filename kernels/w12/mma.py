@@ -170,15 +170,10 @@ if gluon is not None:
         async_copy.commit_group()
 
     @gluon.jit
-    def _b_operand(xs, k0, K, L_X: gl.constexpr, B_OP: gl.constexpr, BLOCK_M: gl.constexpr):
+    def _b_operand(xs, L_X: gl.constexpr, B_OP: gl.constexpr, BLOCK_M: gl.constexpr):
         """A ``[BLOCK_M, 64]`` x stage as the ``[64, BLOCK_M]`` B operand in MMA k order: each thread
-        reads 16 consecutive bf16 of one x row (two 16-byte shared loads). Masked copies leave the
-        shared memory as it was, so the last record's columns past K are zeroed here (the padded
-        weights there decode to finite values, times 0)."""
+        reads 16 consecutive bf16 of one x row (two 16-byte shared loads)."""
         xv = xs.load(L_X)
-        if k0 + 64 > K:
-            kk = k0 + gl.arange(0, 64, layout=gl.SliceLayout(0, L_X))
-            xv = gl.where((kk < K)[None, :], xv, 0.0)
         xv = gl.reshape(xv, [BLOCK_M, 4, 4, 2, 2])                 # [m, t, j, s, c]
         xv = gl.permute(xv, [2, 3, 1, 4, 0])                       # [j, s, t, c, m]
         return gl.convert_layout(gl.reshape(xv, [64, BLOCK_M]), B_OP, assert_trivial=True)
@@ -233,7 +228,7 @@ if gluon is not None:
             _cta_barrier()                          # ... everyone's, and stage (it - 1) is free again
             _x_copy(xs.index((it + DEPTH) % XD), x_ptr, rows_c, kc, t + DEPTH, t + DEPTH < t_end, M, K,
                     stride_xm)
-            b = _b_operand(xs.index(it % XD), t * 64, K, L_X, B_OP, BLOCK_M)
+            b = _b_operand(xs.index(it % XD), L_X, B_OP, BLOCK_M)
             acc = mma_v2(_a_operand(w0, q0, L_VIEW, A_OP, BLOCK_N, QPASS), b, acc)
             if DEPTH == 1:
                 w0, q0 = wx, qx
@@ -403,15 +398,20 @@ def w12_mma(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: Mm
         raise ValueError(f"depth must be 1, 2 or 3, got {config.depth}")
     if x.dtype != torch.bfloat16:
         raise ValueError(f"x must be bfloat16, got {x.dtype}")
-    if x.stride(1) != 1:
-        x = x.contiguous()
     m, k = x.shape
     n = packed.shape[0]
+    kt = packed.k_tiles
     cfg = config or default_config(m, n, k)
+    if k % TILE_K or x.stride(1) != 1 or x.stride(0) % 16 or x.data_ptr() % 16:
+        # cp.async copies 16-byte chunks (Triton proves the alignment from strides divisible by 16)
+        # and leaves masked chunks as they were: give it aligned rows, zero past K. Real
+        # projections (K a multiple of 64, contiguous x) never take this copy.
+        xp = torch.zeros(m, kt * TILE_K, dtype=x.dtype, device=x.device)
+        xp[:, :k] = x
+        x, k = xp, kt * TILE_K
     bm = block_m_for(m)
     if out is None:
         out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
-    kt = packed.k_tiles
     tps = (kt + cfg.split_k - 1) // cfg.split_k
     split = (kt + tps - 1) // tps
     nb = (n + cfg.block_n - 1) // cfg.block_n
