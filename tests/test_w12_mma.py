@@ -178,3 +178,15 @@ def test_w12_linear_routes_verify_rows_to_mma():
     kp = KernelPack.from_w12(encode(w), device="cuda")
     x = torch.randn(8, 512).bfloat16().cuda()
     assert torch.equal(w12_linear(x, kp).view(torch.int16), mma.w12_mma(x, kp).view(torch.int16))
+
+
+@GPU
+@pytest.mark.skipif(not torch.cuda.is_available() or mma.gluon is None, reason="needs CUDA and Gluon")
+def test_w12_mma_strided_rows():
+    """x rows 264 elements apart (not a multiple of 16): the launcher realigns them for cp.async."""
+    w = make_weight(128, 256, seed=11)
+    kp = KernelPack.from_w12(encode(w), device="cuda")
+    big = torch.randn(12, 264).bfloat16().cuda()
+    x = big[:, :256]
+    y = mma.w12_mma(x, kp, out_dtype=torch.float32)
+    check_close(y.cpu(), x.cpu(), w)
