@@ -317,10 +317,6 @@ def block_m_for(m: int) -> int:
     return 8 if m <= 8 else 16 if m <= 16 else 32 if m <= 32 else 64
 
 
-def available() -> bool:
-    return gluon is not None and torch.cuda.is_available()
-
-
 def supported(x: torch.Tensor, packed: KernelPack) -> bool:
     """Gluon present, bf16 rows on a CUDA device with compute capability 8.0+ (mma.sync, cp.async)."""
     return (gluon is not None and x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2
