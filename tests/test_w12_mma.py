@@ -20,7 +20,20 @@ from specpilot.kernels.w12.naive import w12_linear_ref  # noqa: E402
 
 from test_w12_gemm import check_close, make_weight  # noqa: E402
 
-GPU = pytest.mark.gpu
+
+def _gpu_gluon(fn):
+    """Marked ``gpu``; skipped without CUDA or Gluon."""
+    skip = pytest.mark.skipif(not torch.cuda.is_available() or mma.gluon is None, reason="needs CUDA and Gluon")
+    return pytest.mark.gpu(skip(fn))
+
+
+def _cuda_layer(n, k, seed):
+    """A test weight (escapes included), its W12 encoding and the kernel layout on the GPU."""
+    w = make_weight(n, k, seed=seed)
+    t = encode(w)
+    return w, t, KernelPack.from_w12(t, device="cuda")
+
+
 needs_gluon = pytest.mark.skipif(mma.gluon is None, reason="Triton without Gluon")
 
 
@@ -125,12 +138,10 @@ CASES = [  # (rows, N, K, config)
 ]
 
 
-@GPU
-@pytest.mark.skipif(not torch.cuda.is_available() or mma.gluon is None, reason="needs CUDA and Gluon")
+@_gpu_gluon
 @pytest.mark.parametrize("m,n,k,cfg", CASES)
 def test_w12_mma_matches_fp32_reference_and_is_deterministic(m, n, k, cfg):
-    w = make_weight(n, k, seed=m)
-    kp = KernelPack.from_w12(encode(w), device="cuda")
+    w, _, kp = _cuda_layer(n, k, seed=m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16().cuda()
     y = mma.w12_mma(x, kp, config=cfg, out_dtype=torch.float32)
     check_close(y.cpu(), x.cpu(), w)
@@ -138,12 +149,9 @@ def test_w12_mma_matches_fp32_reference_and_is_deterministic(m, n, k, cfg):
     assert torch.equal(y.view(torch.int32), y2.view(torch.int32))
 
 
-@GPU
-@pytest.mark.skipif(not torch.cuda.is_available() or mma.gluon is None, reason="needs CUDA and Gluon")
+@_gpu_gluon
 def test_w12_mma_qpass_and_default_config():
-    w = make_weight(256, 640, seed=5)
-    t = encode(w)
-    kp = KernelPack.from_w12(t, device="cuda")
+    _, t, kp = _cuda_layer(256, 640, seed=5)
     x = torch.randn(24, 640).bfloat16().cuda()
     yq = mma.w12_mma(x, kp, qpass=True, out_dtype=torch.float32).cpu()
     rq = w12_linear_ref(x.cpu().float(), t, qpass=True)
@@ -169,23 +177,19 @@ def test_bad_depth_is_rejected():
         mma.w12_mma(torch.zeros(8, 64, dtype=torch.bfloat16), kp, config=mma.MmaConfig(64, 1, 4, 5))
 
 
-@GPU
-@pytest.mark.skipif(not torch.cuda.is_available() or mma.gluon is None, reason="needs CUDA and Gluon")
+@_gpu_gluon
 def test_w12_linear_routes_verify_rows_to_mma():
     from specpilot.kernels.w12.gemm import w12_linear
 
-    w = make_weight(256, 512, seed=9)
-    kp = KernelPack.from_w12(encode(w), device="cuda")
+    _, _, kp = _cuda_layer(256, 512, seed=9)
     x = torch.randn(8, 512).bfloat16().cuda()
     assert torch.equal(w12_linear(x, kp).view(torch.int16), mma.w12_mma(x, kp).view(torch.int16))
 
 
-@GPU
-@pytest.mark.skipif(not torch.cuda.is_available() or mma.gluon is None, reason="needs CUDA and Gluon")
+@_gpu_gluon
 def test_w12_mma_strided_rows():
     """x rows 264 elements apart (not a multiple of 16): the launcher realigns them for cp.async."""
-    w = make_weight(128, 256, seed=11)
-    kp = KernelPack.from_w12(encode(w), device="cuda")
+    w, _, kp = _cuda_layer(128, 256, seed=11)
     big = torch.randn(12, 264).bfloat16().cuda()
     x = big[:, :256]
     y = mma.w12_mma(x, kp, out_dtype=torch.float32)

@@ -335,7 +335,7 @@ def preferred(m: int) -> bool:
 def default_config(m: int, n: int, k: int, sms: int = 132) -> MmaConfig:
     """The measured table (:data:`TUNED`) first, else 64-row programs and split-K for about four
     programs per SM (what the sweep chose on most layers)."""
-    tuned = TUNED.get((n, k, _bucket(m)))
+    tuned = TUNED.get((n, k, block_m_for(m)))   # the table's row buckets are the row-block sizes
     if tuned is not None:
         return tuned
     kt = (k + TILE_K - 1) // TILE_K
@@ -343,10 +343,6 @@ def default_config(m: int, n: int, k: int, sms: int = 132) -> MmaConfig:
     blocks = (n + bn - 1) // bn * ((m + block_m_for(m) - 1) // block_m_for(m))
     split = max(1, min(kt, round(4 * sms / blocks)))
     return MmaConfig(block_n=bn, split_k=split)
-
-
-def _bucket(m: int) -> int:
-    return 8 if m <= 8 else 16 if m <= 16 else 32 if m <= 32 else 64
 
 
 # Fastest correct variant per (N, K, rows) on the H200 (benchmarks/w12_gemm.py --mode mma,
