@@ -3,6 +3,7 @@
     python benchmarks/w12_gemm.py --mode sweep    # every config at every shape (tuning)
     python benchmarks/w12_gemm.py --mode final    # tuned config per shape -> results/w12_gemm.json
     python benchmarks/w12_gemm.py --mode gemv --rows 1,2,4,8,16   # streaming-GEMV configs
+    python benchmarks/w12_gemm.py --mode gemv-gluon               # one-row Gluon GEMV configs
     python benchmarks/w12_gemm.py --mode mma --rows 2,8,32,64     # tensor-core (Gluon) configs
     python benchmarks/w12_gemm.py --mode default  # w12_linear as called, M=1..64 -> w12_linear_default.json
 
@@ -122,6 +123,20 @@ def row_inputs(w, m: int):
     return x, ref, 2.0 ** -7 * ref.abs() + 1e-3 * ref.abs().max()
 
 
+def routed_path(x, kp) -> str:
+    """Which kernel ``w12_linear(x, kp)`` runs (its routing, for the results' labels)."""
+    from specpilot.kernels.w12 import gemm, gemv, gemv_gluon, mma
+
+    (m, k), n = x.shape, kp.shape[0]
+    if mma.preferred(m) and mma.supported(x, kp):
+        return "mma"
+    if m == 1 and gemv_gluon.supported(x, kp):
+        return "gemv-gluon"
+    if gemv.preferred(m, n) and gemv.supported(x, kp):
+        return "gemv"
+    return gemm.default_config(m, n, k).key()
+
+
 def speedup_summary(rows: list[dict], ms, keys=("speedup",)) -> dict:
     """Per row count: the geometric mean of each ratio in ``keys`` over the shapes, and the lowest
     ``speedup``."""
@@ -190,6 +205,36 @@ def mma_configs(m: int, kt: int, n: int, sms: int):
     return out
 
 
+def gluon_gemv_configs(m: int, kt: int, n: int, sms: int):
+    """One-row Gluon GEMV variants: 8, 16 or 32 rows per program, 4, 8 (or 16) warps each streaming
+    its own records, 2-4 records ahead, split-K for about 1, 2 and 4 programs per SM."""
+    from specpilot.kernels.w12.gemv_gluon import GluonGemvConfig, default_config
+
+    out = [default_config(n, kt * 64, sms)]
+    for rows in (8, 16, 32):
+        for warps in ((4, 8, 16) if rows < 32 else (4, 8)):
+            nb = (n + rows - 1) // rows
+            seen = set()
+            for per_sm in (1, 2, 4):
+                split = max(1, min(max(1, kt // warps), round(per_sm * sms / nb)))
+                if split in seen:
+                    continue
+                seen.add(split)
+                for depth in ((1, 2, 3) if warps < 16 else (1, 2)):
+                    cfg = GluonGemvConfig(rows, warps, depth, split)
+                    if cfg not in out:
+                        out.append(cfg)
+    return out
+
+
+def gluon_gemv_sweep(args) -> int:
+    """M = 1: every one-row Gluon GEMV variant against ``w12_linear`` as called today and cuBLAS."""
+    from specpilot.kernels.w12.gemv_gluon import GluonGemvConfig, w12_gemv_gluon
+
+    return variant_sweep(args, "gemv-gluon", gluon_gemv_configs, w12_gemv_gluon, GluonGemvConfig, "1",
+                         "w12_gemv_gluon")
+
+
 def gemv_sweep(args) -> int:
     """M = 1, 2, 4 (``--rows``): every streaming-GEMV variant, the general kernel's tuned variant and
     cuBLAS, side by side in one run (correctness and determinism checked before timing)."""
@@ -213,7 +258,6 @@ def variant_sweep(args, label, configs_fn, run, cfg_cls, default_rows, default_n
     import torch
     import torch.nn.functional as F
 
-    from specpilot.kernels.w12 import gemm, gemv
     from specpilot.kernels.w12.gemm import w12_linear
 
     torch.manual_seed(0)
@@ -249,7 +293,7 @@ def variant_sweep(args, label, configs_fn, run, cfg_cls, default_rows, default_n
                 print(f"{name:16s} m={m} no correct variant", flush=True)
                 continue
             cfg = cfg_cls(**best["cfg"])
-            old_path = "gemv" if gemv.preferred(m, n) and gemv.supported(x, kp) else gemm.default_config(m, n, k).key()
+            old_path = routed_path(x, kp)
             g_t, o_t, c_t, q_t = [], [], [], []
             for _ in range(3):   # re-time the chosen variant, the old path and cuBLAS, interleaved
                 g_t.append(time_cuda_graph(lambda: run(x, kp, config=cfg), reps=args.reps, flush=flush))
@@ -281,12 +325,11 @@ def variant_sweep(args, label, configs_fn, run, cfg_cls, default_rows, default_n
 
 def default_routing(args) -> int:
     """What users get: ``w12_linear(x, kp)`` with no config (the tensor-core kernel where
-    ``mma.preferred``, the streaming GEMV where ``gemv.preferred``, else the general kernel) against cuBLAS bf16 at M = 1..64,
+    ``mma.preferred``, the Gluon or Triton streaming GEMV where preferred, else the general kernel) against cuBLAS bf16 at M = 1..64,
     checked against the fp32 reference and run to run before timing, timed interleaved 3 times."""
     import torch
     import torch.nn.functional as F
 
-    from specpilot.kernels.w12 import gemv, mma
     from specpilot.kernels.w12.gemm import w12_linear
 
     torch.manual_seed(0)
@@ -308,8 +351,7 @@ def default_routing(args) -> int:
                 w_t.append(time_cuda_graph(lambda: w12_linear(x, kp), reps=args.reps, flush=flush))
                 c_t.append(time_cuda_graph(lambda: F.linear(x, w), reps=args.reps, flush=flush))
             w_us, c_us = sorted(w_t)[1], sorted(c_t)[1]
-            path = ("mma" if mma.preferred(m) and mma.supported(x, kp)
-                    else "gemv" if gemv.preferred(m, n) and gemv.supported(x, kp) else "general")
+            path = routed_path(x, kp)
             rows.append({"shape": name, "k": k, "n": n, "m": m, "path": path, "w12_us": round(w_us, 2),
                          "cublas_us": round(c_us, 2), "speedup": round(c_us / w_us, 3),
                          "w12_TBps": round(w12_bytes / w_us / 1e6, 3), "correct": ok, "deterministic": det})
@@ -327,9 +369,9 @@ def default_routing(args) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=["sweep", "final", "gemv", "mma", "default"], default="final",
+    ap.add_argument("--mode", choices=["sweep", "final", "gemv", "gemv-gluon", "mma", "default"], default="final",
                     help="sweep/final: the general kernel's configs; gemv: streaming-GEMV configs; "
-                         "mma: tensor-core (Gluon) configs; default: w12_linear as users call it, no config")
+                         "gemv-gluon: one-row Gluon GEMV configs; mma: tensor-core (Gluon) configs; default: w12_linear as users call it, no config")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--tuned", default=None, help="JSON of best configs from a sweep")
     ap.add_argument("--shapes", default=None, help="comma list of shape names")
@@ -340,6 +382,8 @@ def main() -> int:
         return gemv_sweep(args)
     if args.mode == "mma":
         return mma_sweep(args)
+    if args.mode == "gemv-gluon":
+        return gluon_gemv_sweep(args)
     if args.mode == "default":
         return default_routing(args)
 

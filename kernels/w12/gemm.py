@@ -489,9 +489,12 @@ def w12_linear(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config:
     if x.stride(1) != 1:
         x = x.contiguous()
     if config is None:
-        from . import gemv, mma   # the streaming GEMV (decode) and the tensor-core kernel (verify)
+        # the tensor-core kernel (verify steps), the Gluon one-row GEMV and the Triton GEMV (decode)
+        from . import gemv, gemv_gluon, mma
         if mma.preferred(m) and mma.supported(x, packed):
             return mma.w12_mma(x, packed, qpass=qpass, out=out, out_dtype=out_dtype)
+        if m == 1 and gemv_gluon.supported(x, packed):
+            return gemv_gluon.w12_gemv_gluon(x, packed, qpass=qpass, out=out, out_dtype=out_dtype)
         if gemv.preferred(m, n) and gemv.supported(x, packed):
             return gemv.w12_gemv(x, packed, qpass=qpass, out=out, out_dtype=out_dtype)
     cfg = (config or default_config(m, n, k)).for_rows(m)

@@ -1,0 +1,319 @@
+"""One-row W12 GEMV in Gluon: K split across the warps of a program, not across programs.
+
+The Triton GEMV (:mod:`.gemv`) gives each program ``BLOCK_N`` weight rows and a K range, and reaches
+enough bytes in flight on small layers only by splitting K across programs, which adds a tail:
+partials to a workspace, a counter, and the last program summing them. On the H200 that kernel
+ran at 0.76x (geometric mean) of a plain read of the same bytes (``benchmarks/results/
+read_floor.json``). Here the split is inside the program:
+
+* a program owns ``ROWS`` rows (8-32) of one 128-row record tile; warp ``w`` takes the records
+  ``t = t0 + i * WARPS + w`` of that tile, so each warp streams its own 12 KB records (``ROWS`` x 64
+  bytes of 8-bit views and ``ROWS`` x 32 bytes of nibbles each, 16-byte and 8-byte loads), ``DEPTH``
+  records ahead in registers;
+* a lane holds 4 view words (16 weights) of one or more rows and the 8 matching x words (bf16
+  pairs, two 16-byte loads that hit L1/L2), decodes with the same integer recipe as the other W12
+  kernels and accumulates in fp32;
+* the program sums its warps (a fixed reduction tree in shared memory) and stores; split-K across
+  programs stays available for layers with few row blocks, with the same fixed-order reduction;
+* the epilogue (row scale, exact escapes ``x[k] * (w - slot)``) issues its loads before the main
+  loop, so their three dependent round trips (escape range, escape entries, x at their columns)
+  hide behind the weight stream instead of adding to the tail; results are bitwise identical run
+  to run.
+
+The plain reference is :func:`.naive.w12_matmul_reference`. Gluon does not run under Triton's
+interpreter; tests compile the kernel for sm_90 on the CPU and run it on the GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from .format import TILE_K
+from .gemm import KernelPack, _workspace, triton
+from .mma import _cta_barrier, gl, gluon
+
+
+@dataclass(frozen=True)
+class GluonGemvConfig:
+    """``rows`` weight rows per program (8, 16 or 32; divides 128), ``warps`` (each streams its own
+    records), ``depth`` records loaded ahead per warp (1-4), ``split_k`` K ranges across programs."""
+
+    rows: int = 16
+    warps: int = 8
+    depth: int = 3
+    split_k: int = 1
+
+    def key(self) -> str:
+        return f"gl-r{self.rows}-w{self.warps}-d{self.depth}-s{self.split_k}"
+
+
+def check_config(cfg: GluonGemvConfig) -> None:
+    if cfg.rows not in (8, 16, 32):
+        raise ValueError(f"rows must be 8, 16 or 32, got {cfg.rows}")
+    if cfg.warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"warps must be a power of two up to 16, got {cfg.warps}")
+    if cfg.depth not in (1, 2, 3, 4):
+        raise ValueError(f"depth must be 1-4, got {cfg.depth}")
+    if cfg.split_k < 1:
+        raise ValueError(f"split_k must be >= 1, got {cfg.split_k}")
+
+
+if gluon is not None:
+
+    @lru_cache(maxsize=None)
+    def layouts(rows: int, warps: int):
+        """``[warps, rows, 16]`` view words (4 per lane: 16 bytes), ``[warps, rows, 8]`` nibble words
+        (2 per lane), ``[warps, rows, 32]`` x words (8 per lane), the epilogue's ``[rows, ESC_CH]``."""
+        lv = gl.BlockedLayout([1, 1, 4], [1, 8, 4], [warps, 1, 1], [2, 1, 0])
+        lq = gl.BlockedLayout([1, 1, 2], [1, 8, 4], [warps, 1, 1], [2, 1, 0])
+        lx = gl.BlockedLayout([1, 1, 8], [1, 8, 4], [warps, 1, 1], [2, 1, 0])
+        le = gl.BlockedLayout([1, 1], [32, 1], [warps, 1], [1, 0])     # [rows, escapes]: escapes in registers
+        return lv, lq, lx, le
+
+    @gluon.jit
+    def _f32_lo(p):
+        return (p << 16).to(gl.float32, bitcast=True)
+
+    @gluon.jit
+    def _f32_hi(p):
+        return (p & 0xFFFF0000).to(gl.float32, bitcast=True)
+
+    @gluon.jit
+    def _per_warp(v, L: gl.constexpr):
+        """A ``[WARPS]`` vector as ``[WARPS, 1, 1]`` in the 3-D layout ``L``."""
+        return gl.expand_dims(gl.expand_dims(gl.convert_layout(v, gl.SliceLayout(1, gl.SliceLayout(2, L))), 1), 2)
+
+    @gluon.jit
+    def _load_recs(rec_ptr, x32_ptr, tile_row, t, t_end, KH, off_v, off_q, xw,
+                   L_V: gl.constexpr, L_Q: gl.constexpr, L_X: gl.constexpr, QPASS: gl.constexpr):
+        """Each warp's record ``t[w]``: its rows' view words, nibble words and the 32 x words."""
+        ok = t < t_end                                                    # [W]
+        base = (tile_row + t) * 3072
+        v = gl.load(rec_ptr + _per_warp(base, L_V) + off_v, mask=_per_warp(ok, L_V), other=0)
+        if QPASS:
+            q = v
+        else:
+            q = gl.load(rec_ptr + _per_warp(base, L_Q) + off_q, mask=_per_warp(ok, L_Q), other=0)
+        xi = _per_warp(t, L_X) * 32 + xw                                  # [W, 1, 32]
+        x = gl.load(x32_ptr + xi, mask=_per_warp(ok, L_X) & (xi < KH), other=0)   # zero past K
+        return v, q, x
+
+    @gluon.jit
+    def _rec_fma(acc, v, q, x, WARPS: gl.constexpr, ROWS: gl.constexpr, L_V: gl.constexpr,
+                 QPASS: gl.constexpr):
+        """acc ``[W, ROWS, 16]`` += the decoded weights of each warp's record times its x."""
+        SGN: gl.constexpr = 0x80008000
+        MAG: gl.constexpr = 0x07F007F0
+        NIB: gl.constexpr = 0x000F000F
+        EXP: gl.constexpr = 0x38003800
+        be = v.to(gl.uint32)
+        if QPASS:
+            ln0 = 0x00080008
+            ln1 = 0x00080008
+        else:
+            nn = q.to(gl.uint32)
+            # view word 2j takes nibble word j's bytes 0 and 2, word 2j+1 its bytes 1 and 3
+            nw = gl.convert_layout(gl.reshape(gl.join(nn, nn >> 8), [WARPS, ROWS, 16]), L_V, assert_trivial=True)
+            ln0 = nw & NIB
+            ln1 = (nw >> 4) & NIB
+        p0 = ((be << 8) & SGN) | ((be << 4) & MAG) | ln0 | EXP     # weights 4c, 4c+1 (x word 2c)
+        p1 = (be & SGN) | ((be >> 4) & MAG) | ln1 | EXP            # weights 4c+2, 4c+3 (x word 2c+1)
+        xa, xb = gl.split(gl.reshape(x.to(gl.uint32), [WARPS, 1, 16, 2]))
+        xa = gl.convert_layout(xa, L_V, assert_trivial=True)
+        xb = gl.convert_layout(xb, L_V, assert_trivial=True)
+        acc += _f32_lo(p0) * _f32_lo(xa)
+        acc += _f32_hi(p0) * _f32_hi(xa)
+        acc += _f32_lo(p1) * _f32_lo(xb)
+        acc += _f32_hi(p1) * _f32_hi(xb)
+        return acc
+
+    @gluon.jit
+    def _esc_chunk(x_ptr, erow_ptr, ecol_ptr, edelta_ptr, e, e_hi, ESC_CH: gl.constexpr, LE: gl.constexpr):
+        """Escapes ``e .. e + ESC_CH`` (below ``e_hi``): their rows and ``x[col] * delta``."""
+        idx = e + gl.arange(0, ESC_CH, layout=LE)
+        ok = idx < e_hi
+        er = gl.load(erow_ptr + idx, mask=ok, other=-1)
+        ec = gl.load(ecol_ptr + idx, mask=ok, other=0)
+        ed = gl.load(edelta_ptr + idx, mask=ok, other=0.0)
+        return er, gl.load(x_ptr + ec, mask=ok, other=0.0).to(gl.float32) * ed
+
+    @gluon.jit
+    def _epilogue_start(x_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, n0, N,
+                        ROWS: gl.constexpr, ESC_CH: gl.constexpr, L_E: gl.constexpr):
+        """The block's row scales ``2**(L_n - 112)``, escape range and first escape chunk."""
+        offs_n = n0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, L_E))
+        low = gl.load(low_ptr + offs_n, mask=offs_n < N, other=112).to(gl.int32)
+        scale = ((low + (127 - 112)) << 23).to(gl.float32, bitcast=True)
+        e_lo = gl.load(eptr_ptr + n0)
+        e_hi = gl.load(eptr_ptr + gl.minimum(n0 + ROWS, N))
+        er, contrib = _esc_chunk(x_ptr, erow_ptr, ecol_ptr, edelta_ptr, e_lo, e_hi, ESC_CH, gl.SliceLayout(0, L_E))
+        return scale, e_lo, e_hi, er, contrib
+
+    @gluon.jit
+    def _epilogue_end(part, scale, e_lo, e_hi, er, contrib, x_ptr, y_ptr, erow_ptr, ecol_ptr, edelta_ptr, n0, N,
+                      ROWS: gl.constexpr, ESC_CH: gl.constexpr, L_E: gl.constexpr):
+        """Scale, add the exact escape corrections (later chunks loaded now; rare) and store."""
+        offs_n = n0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, L_E))
+        y = gl.convert_layout(part, gl.SliceLayout(1, L_E)) * scale
+        y += gl.sum(gl.where(gl.expand_dims(er, 0) == gl.expand_dims(offs_n, 1), gl.expand_dims(contrib, 0), 0.0), axis=1)
+        for e in range(e_lo + ESC_CH, e_hi, ESC_CH):
+            er2, contrib2 = _esc_chunk(x_ptr, erow_ptr, ecol_ptr, edelta_ptr, e, e_hi, ESC_CH, gl.SliceLayout(0, L_E))
+            y += gl.sum(gl.where(gl.expand_dims(er2, 0) == gl.expand_dims(offs_n, 1), gl.expand_dims(contrib2, 0), 0.0),
+                        axis=1)
+        gl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_n < N)
+
+    @gluon.jit
+    def _w12_gemv_gl_kernel(
+        x_ptr, x32_ptr, y_ptr, rec_ptr, low_ptr,
+        eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr,
+        ws_ptr, lock_ptr,
+        N, KH, KT, TILES_PER_SPLIT, NUM_N_BLOCKS, SPLIT_K, stride_ym,
+        ROWS: gl.constexpr, WARPS: gl.constexpr, DEPTH: gl.constexpr, USE_SPLIT: gl.constexpr,
+        QPASS: gl.constexpr, ESC_CH: gl.constexpr,
+        L_V: gl.constexpr, L_Q: gl.constexpr, L_X: gl.constexpr, L_E: gl.constexpr,
+    ):
+        pid_n = gl.program_id(0)
+        pid_k = gl.program_id(1)
+        n0 = pid_n * ROWS
+        tile_row = (n0 // 128).to(gl.int64) * KT
+        r_in = n0 % 128
+        # offsets inside a record: view words at row * 16, nibble words at 2048 + row * 8
+        rv = r_in + gl.arange(0, ROWS, layout=gl.SliceLayout(0, gl.SliceLayout(2, L_V)))
+        cv = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, L_V)))
+        off_v = gl.expand_dims(gl.expand_dims(rv, 0), 2) * 16 + gl.expand_dims(gl.expand_dims(cv, 0), 1)
+        rq = r_in + gl.arange(0, ROWS, layout=gl.SliceLayout(0, gl.SliceLayout(2, L_Q)))
+        cq = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, L_Q)))
+        off_q = 2048 + gl.expand_dims(gl.expand_dims(rq, 0), 2) * 8 + gl.expand_dims(gl.expand_dims(cq, 0), 1)
+        cx = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, L_X)))
+        xw = gl.expand_dims(gl.expand_dims(cx, 0), 1)                    # [1, 1, 32]
+        wid = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, L_V)))
+
+        t_begin = pid_k * TILES_PER_SPLIT
+        t_end = gl.minimum(t_begin + TILES_PER_SPLIT, KT)
+        acc = gl.zeros([WARPS, ROWS, 16], gl.float32, L_V)
+        if not USE_SPLIT:   # with split-K only the last program needs them, and it is not known yet
+            scale, e_lo, e_hi, er, contrib = _epilogue_start(x_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr,
+                                                             n0, N, ROWS, ESC_CH, L_E)
+        v0, q0, x0 = _load_recs(rec_ptr, x32_ptr, tile_row, t_begin + wid, t_end, KH, off_v, off_q, xw, L_V, L_Q, L_X, QPASS)
+        if DEPTH >= 2:
+            v1, q1, x1 = _load_recs(rec_ptr, x32_ptr, tile_row, t_begin + WARPS + wid, t_end, KH, off_v, off_q, xw,
+                                    L_V, L_Q, L_X, QPASS)
+        if DEPTH >= 3:
+            v2, q2, x2 = _load_recs(rec_ptr, x32_ptr, tile_row, t_begin + 2 * WARPS + wid, t_end, KH, off_v, off_q,
+                                    xw, L_V, L_Q, L_X, QPASS)
+        if DEPTH >= 4:
+            v3, q3, x3 = _load_recs(rec_ptr, x32_ptr, tile_row, t_begin + 3 * WARPS + wid, t_end, KH, off_v, off_q,
+                                    xw, L_V, L_Q, L_X, QPASS)
+        for t in range(t_begin, t_end, WARPS):
+            vn, qn, xn = _load_recs(rec_ptr, x32_ptr, tile_row, t + DEPTH * WARPS + wid, t_end, KH, off_v, off_q,
+                                    xw, L_V, L_Q, L_X, QPASS)
+            acc = _rec_fma(acc, v0, q0, x0, WARPS, ROWS, L_V, QPASS)
+            if DEPTH == 1:
+                v0, q0, x0 = vn, qn, xn
+            elif DEPTH == 2:
+                v0, q0, x0 = v1, q1, x1
+                v1, q1, x1 = vn, qn, xn
+            elif DEPTH == 3:
+                v0, q0, x0 = v1, q1, x1
+                v1, q1, x1 = v2, q2, x2
+                v2, q2, x2 = vn, qn, xn
+            else:
+                v0, q0, x0 = v1, q1, x1
+                v1, q1, x1 = v2, q2, x2
+                v2, q2, x2 = v3, q3, x3
+                v3, q3, x3 = vn, qn, xn
+
+        # lanes, then warps, in a fixed tree: bitwise identical run to run
+        LR: gl.constexpr = gl.SliceLayout(1, L_E)
+        part = gl.convert_layout(gl.sum(gl.sum(acc, axis=2), axis=0), LR)
+        if not USE_SPLIT:
+            _epilogue_end(part, scale, e_lo, e_hi, er, contrib, x_ptr, y_ptr, erow_ptr, ecol_ptr, edelta_ptr, n0, N,
+                          ROWS, ESC_CH, L_E)
+        else:
+            ws_base = ws_ptr + pid_n.to(gl.int64) * (SPLIT_K * ROWS)
+            ro = gl.arange(0, ROWS, layout=LR)
+            gl.store(ws_base + pid_k * ROWS + ro, part)
+            _cta_barrier()
+            count = gl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+            if count == SPLIT_K - 1:
+                scale, e_lo, e_hi, er, contrib = _epilogue_start(x_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr,
+                                                                 edelta_ptr, n0, N, ROWS, ESC_CH, L_E)
+                total = gl.zeros([ROWS], gl.float32, LR)
+                for s in range(0, SPLIT_K):     # fixed order
+                    total += gl.load(ws_base + s * ROWS + ro, cache_modifier=".cg")
+                gl.atomic_xchg(lock_ptr + pid_n, 0)
+                _epilogue_end(total, scale, e_lo, e_hi, er, contrib, x_ptr, y_ptr, erow_ptr, ecol_ptr, edelta_ptr,
+                              n0, N, ROWS, ESC_CH, L_E)
+
+
+def supported(x: torch.Tensor, packed: KernelPack) -> bool:
+    """Gluon present, one contiguous bf16 row of even length on a CUDA device (x read as pairs)."""
+    return (gluon is not None and x.is_cuda and packed.rec32.is_cuda and x.dtype == torch.bfloat16
+            and x.dim() == 2 and x.shape[0] == 1 and x.shape[1] % 2 == 0 and x.stride(1) == 1
+            and x.data_ptr() % 16 == 0)
+
+
+def default_config(n: int, k: int, sms: int = 132) -> GluonGemvConfig:
+    """The measured table (:data:`TUNED`) first, else what the sweep chose most: 16-row programs,
+    4 warps, one record ahead, and split-K only when there are fewer than two programs per SM."""
+    tuned = TUNED.get((n, k))
+    if tuned is not None:
+        return tuned
+    kt = (k + TILE_K - 1) // TILE_K
+    blocks = (n + 15) // 16
+    split = 1 if blocks >= 2 * sms else max(1, min(max(1, kt // 4), (2 * sms + blocks - 1) // blocks))
+    return GluonGemvConfig(16, 4, 1, split)
+
+
+# Fastest variant per (N, K) on the H200 (benchmarks/w12_gemm.py --mode gemv-gluon,
+# benchmarks/results/w12_gemv_gluon.json; speedup over cuBLAS bf16 and, in brackets, that of
+# ``w12_linear`` before this kernel, i.e. the Triton GEMV, in the same run).
+TUNED: dict[tuple[int, int], GluonGemvConfig] = {
+    (6144, 4096): GluonGemvConfig(8, 4, 1, 1),    # 1.009x (0.968x)
+    (4096, 4096): GluonGemvConfig(16, 8, 1, 1),   # 1.213x (1.118x)
+    (28672, 4096): GluonGemvConfig(16, 4, 1, 1),  # 1.181x (1.214x)
+    (4096, 14336): GluonGemvConfig(32, 8, 1, 2),  # 1.11x (1.092x)
+    (7168, 5120): GluonGemvConfig(32, 4, 1, 2),   # 1.11x (1.101x)
+    (34816, 5120): GluonGemvConfig(32, 4, 1, 1),  # 1.185x (1.213x)
+    (5120, 17408): GluonGemvConfig(16, 4, 1, 2),  # 1.219x (1.176x)
+}
+# On the two widest layers the Triton GEMV's tuned variant (cp.async pipeline by the compiler)
+# measured 1.21x in that run but 1.05x in later ones (85.7 vs 74-76 us on 5120 -> 34816); this
+# kernel has no compiler pipeline and measured 1.18-1.19x there, so one-row products come here on
+# every layer.
+
+
+def w12_gemv_gluon(x: torch.Tensor, packed: KernelPack, qpass: bool = False,
+                   config: GluonGemvConfig | None = None, out: torch.Tensor | None = None,
+                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x @ W.T`` for one bf16 row ``x [1, K]``; fp32 accumulation, deterministic."""
+    if gluon is None or triton is None:
+        raise RuntimeError("Gluon (triton >= 3.4) is not available")
+    if x.dim() != 2 or x.shape[1] != packed.shape[1]:
+        raise ValueError(f"x shape {tuple(x.shape)} does not match weight {packed.shape}")
+    if not supported(x, packed):
+        raise ValueError("w12_gemv_gluon needs one contiguous, 16-byte aligned bf16 CUDA row of even length")
+    cfg = config or default_config(packed.shape[0], x.shape[1])
+    check_config(cfg)
+    n, k = packed.shape
+    kt = packed.k_tiles
+    tps = (kt + cfg.split_k - 1) // cfg.split_k
+    split = (kt + tps - 1) // tps
+    nb = (n + cfg.rows - 1) // cfg.rows
+    if out is None:
+        out = torch.empty(1, n, dtype=out_dtype or x.dtype, device=x.device)
+    ws, locks = _workspace(x.device, nb * split * cfg.rows if split > 1 else 1, nb)
+    lv, lq, lx, le = layouts(cfg.rows, cfg.warps)
+    _w12_gemv_gl_kernel[(nb, split)](
+        x, x.view(torch.int32), out, packed.rec32, packed.low_exp,
+        packed.esc_rowptr, packed.esc_row, packed.esc_col, packed.esc_delta_q if qpass else packed.esc_delta,
+        ws, locks,
+        n, k // 2, kt, tps, nb, split, out.stride(0),
+        ROWS=cfg.rows, WARPS=cfg.warps, DEPTH=cfg.depth, USE_SPLIT=split > 1, QPASS=qpass,
+        ESC_CH=8, L_V=lv, L_Q=lq, L_X=lx, L_E=le,
+        num_warps=cfg.warps,
+    )
+    return out
