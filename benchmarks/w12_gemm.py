@@ -184,8 +184,9 @@ def gemv_configs(m: int, kt: int, n: int, sms: int):
 
 
 def mma_configs(m: int, kt: int, n: int, sms: int):
-    """Tensor-core (Gluon) variants for one (shape, m): 64 or 128 weight rows per program, 2 or 3
-    records loaded ahead, split-K for about 1, 2, 4 and 8 programs per SM."""
+    """Tensor-core (Gluon) variants for one (shape, m): 64 or 128 weight rows per program, weights 2
+    or 3 records ahead in registers or 2 or 4 ahead in a shared-memory ring (``wsmem``), split-K for
+    about 1, 2, 4 and 8 programs per SM."""
     from specpilot.kernels.w12.mma import MmaConfig, block_m_for, default_config
 
     out = [default_config(m, n, kt * 64, sms)]
@@ -198,8 +199,8 @@ def mma_configs(m: int, kt: int, n: int, sms: int):
             if split in seen:
                 continue
             seen.add(split)
-            for depth in (2, 3):
-                cfg = MmaConfig(bn, split, w, depth)
+            for depth, wsmem in ((2, False), (3, False), (2, True), (4, True)):
+                cfg = MmaConfig(bn, split, w, depth, wsmem)
                 if cfg not in out:
                     out.append(cfg)
     return out

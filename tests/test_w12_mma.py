@@ -83,8 +83,9 @@ k = mma._w12_mma_kernel
 ptrs = {"x_ptr": "*bf16", "y_ptr": "*bf16", "rec_ptr": "*i32", "low_ptr": "*u8", "eptr_ptr": "*i32",
         "erow_ptr": "*i32", "ecol_ptr": "*i32", "edelta_ptr": "*fp32", "ws_ptr": "*fp32", "lock_ptr": "*i32"}
 lv, ln, lx, mm, a, b, l3, xc, xs = mma.layouts(128, 32, 4)
-const = dict(BLOCK_N=128, BLOCK_M=32, USE_SPLIT=True, QPASS=False, ESC_CH=8, DEPTH=2,
-             L_VIEW=lv, L_NIB=ln, L_X=lx, MMA=mm, A_OP=a, B_OP=b, L3=l3, L_XC=xc, XS=xs)
+wc, qc, wsl = mma.wsmem_layouts(4)
+const = dict(BLOCK_N=128, BLOCK_M=32, USE_SPLIT=True, QPASS=False, ESC_CH=8, DEPTH=2, WSMEM=False,
+             L_VIEW=lv, L_NIB=ln, L_X=lx, MMA=mm, A_OP=a, B_OP=b, L3=l3, L_XC=xc, XS=xs, L_WC=wc, L_QC=qc, WSL=wsl)
 names = k.arg_names
 sig = {n: ptrs.get(n, "constexpr" if n in const else "i32") for n in names}
 div = list(ptrs) + ["K", "stride_xm", "stride_ym"]
@@ -135,6 +136,11 @@ CASES = [  # (rows, N, K, config)
     (32, 384, 1024, mma.MmaConfig(128, 4, 8)),
     (64, 128, 256, mma.MmaConfig(128, 1)),
     (100, 136, 192, mma.MmaConfig(64, 2)),     # two row blocks, the last one partial
+    # weights through the shared-memory ring
+    (2, 40, 200, mma.MmaConfig(64, 1, 4, 2, True)),
+    (17, 200, 320, mma.MmaConfig(64, 3, 4, 4, True)),
+    (32, 384, 1024, mma.MmaConfig(128, 4, 8, 6, True)),
+    (100, 136, 192, mma.MmaConfig(128, 2, 4, 1, True)),
 ]
 
 
@@ -150,10 +156,11 @@ def test_w12_mma_matches_fp32_reference_and_is_deterministic(m, n, k, cfg):
 
 
 @_gpu_gluon
-def test_w12_mma_qpass_and_default_config():
+@pytest.mark.parametrize("cfg", [None, mma.MmaConfig(64, 2, 4, 3, True)])
+def test_w12_mma_qpass_and_default_config(cfg):
     _, t, kp = _cuda_layer(256, 640, seed=5)
     x = torch.randn(24, 640).bfloat16().cuda()
-    yq = mma.w12_mma(x, kp, qpass=True, out_dtype=torch.float32).cpu()
+    yq = mma.w12_mma(x, kp, qpass=True, config=cfg, out_dtype=torch.float32).cpu()
     rq = w12_linear_ref(x.cpu().float(), t, qpass=True)
     fin = torch.isfinite(rq)
     assert float(((yq - rq).abs()[fin] / (rq.abs()[fin] + 1e-2)).max()) < 1e-4
@@ -171,10 +178,11 @@ def test_routing_and_tuned_table():
     assert not mma.supported(torch.zeros(8, 64, dtype=torch.bfloat16), kp)      # CPU: the other kernels
 
 
-def test_bad_depth_is_rejected():
+@pytest.mark.parametrize("cfg", [mma.MmaConfig(64, 1, 4, 5), mma.MmaConfig(64, 1, 4, 7, True)])
+def test_bad_depth_is_rejected(cfg):
     kp = KernelPack.from_w12(encode(make_weight(16, 64)), device="cpu")
     with pytest.raises((ValueError, RuntimeError)):
-        mma.w12_mma(torch.zeros(8, 64, dtype=torch.bfloat16), kp, config=mma.MmaConfig(64, 1, 4, 5))
+        mma.w12_mma(torch.zeros(8, 64, dtype=torch.bfloat16), kp, config=cfg)
 
 
 @_gpu_gluon

@@ -115,6 +115,15 @@ if gluon is not None:
         xs = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
         return lin["view"], lin["nib"], lin["x"], mma, a_op, b_op, l3, xc, xs
 
+    @lru_cache(maxsize=None)
+    def wsmem_layouts(num_warps: int):
+        """For ``wsmem``: 16-byte cp.async copies of the view words (``[BLOCK_N, 16]``) and nibble
+        words (``[BLOCK_N, 8]``), and their unswizzled shared layout (the fragment reads of 8 rows x
+        64 or 32 contiguous bytes per instruction are conflict-free as they are)."""
+        wc = gl.BlockedLayout([1, 4], [8, 4], [num_warps, 1], [1, 0])
+        qc = gl.BlockedLayout([1, 4], [16, 2], [num_warps, 1], [1, 0])
+        return wc, qc, gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+
     @gluon.jit
     def _bf16_halves(p):
         lo = (p & 0xFFFF).to(gl.uint16).to(gl.bfloat16, bitcast=True)
@@ -170,6 +179,15 @@ if gluon is not None:
         async_copy.commit_group()
 
     @gluon.jit
+    def _w_copy(wv_s, wq_s, rec_ptr, tile_row, t, ok, offc_v, offc_q, QPASS: gl.constexpr):
+        """Start copying record ``t``'s view (and nibble) words of the program's rows into a stage
+        of the weight ring (cp.async, 16 bytes per thread; committed with the x copy that follows)."""
+        base = (tile_row + t) * 3072
+        _cp_async(wv_s, rec_ptr + base + offc_v, mask=ok)
+        if not QPASS:
+            _cp_async(wq_s, rec_ptr + base + offc_q, mask=ok)
+
+    @gluon.jit
     def _b_operand(xs, L_X: gl.constexpr, B_OP: gl.constexpr, BLOCK_M: gl.constexpr):
         """A ``[BLOCK_M, 64]`` x stage as the ``[64, BLOCK_M]`` B operand in MMA k order: each thread
         reads 16 consecutive bf16 of one x row (two 16-byte shared loads)."""
@@ -179,41 +197,13 @@ if gluon is not None:
         return gl.convert_layout(gl.reshape(xv, [64, BLOCK_M]), B_OP, assert_trivial=True)
 
     @gluon.jit
-    def _w12_mma_kernel(
-        x_ptr, y_ptr, rec_ptr, low_ptr,
-        eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr,
-        ws_ptr, lock_ptr,
-        M, N, K, KT, TILES_PER_SPLIT, NUM_N_BLOCKS, SPLIT_K,
-        stride_xm, stride_ym,
-        BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, USE_SPLIT: gl.constexpr, QPASS: gl.constexpr,
-        ESC_CH: gl.constexpr, DEPTH: gl.constexpr,
-        L_VIEW: gl.constexpr, L_NIB: gl.constexpr, L_X: gl.constexpr, MMA: gl.constexpr,
-        A_OP: gl.constexpr, B_OP: gl.constexpr, L3: gl.constexpr, L_XC: gl.constexpr, XS: gl.constexpr,
-    ):
-        pid_n = gl.program_id(0)
-        pid_k = gl.program_id(1)
-        pid_m = gl.program_id(2)
-        n0 = pid_n * BLOCK_N
-        tile_row = (n0 // 128).to(gl.int64) * KT
-        r_in = n0 % 128
-        rv = r_in + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_VIEW))
-        wv = gl.arange(0, 16, layout=gl.SliceLayout(0, L_VIEW))
-        off_v = rv[:, None] * 16 + wv[None, :]
-        rn = r_in + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_NIB))
-        wn = gl.arange(0, 8, layout=gl.SliceLayout(0, L_NIB))
-        off_n = 2048 + rn[:, None] * 8 + wn[None, :]
-        rows_c = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, L_XC))
-        kc = gl.arange(0, 64, layout=gl.SliceLayout(0, L_XC))
+    def _register_ring(acc, xs, x_ptr, rec_ptr, tile_row, t_begin, t_end, off_v, off_n, rows_c, kc, M, K, stride_xm,
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, QPASS: gl.constexpr, DEPTH: gl.constexpr,
+                       L_VIEW: gl.constexpr, L_X: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr):
+        """The main loop with the weights DEPTH records ahead in registers and x DEPTH records ahead
+        in a shared-memory ring filled by cp.async (one copy per program, not per warp). Loads past
+        the range are predicated off."""
         XD: gl.constexpr = DEPTH + 1
-        xs = gl.allocate_shared_memory(gl.bfloat16, [XD, BLOCK_M, 64], XS)
-
-        t_begin = pid_k * TILES_PER_SPLIT
-        t_end = gl.minimum(t_begin + TILES_PER_SPLIT, KT)
-        acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
-
-        # weights: DEPTH records ahead in registers; x: DEPTH records ahead in a shared-memory ring
-        # filled by cp.async (one copy per program, not per warp). Loads past the range are
-        # predicated off.
         w0, q0 = _load_rec(rec_ptr, tile_row, t_begin, t_begin < t_end, off_v, off_n, QPASS)
         if DEPTH >= 2:
             w1, q1 = _load_rec(rec_ptr, tile_row, t_begin + 1, t_begin + 1 < t_end, off_v, off_n, QPASS)
@@ -239,6 +229,75 @@ if gluon is not None:
                 w0, q0 = w1, q1
                 w1, q1 = w2, q2
                 w2, q2 = wx, qx
+        return acc
+
+    @gluon.jit
+    def _w12_mma_kernel(
+        x_ptr, y_ptr, rec_ptr, low_ptr,
+        eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr,
+        ws_ptr, lock_ptr,
+        M, N, K, KT, TILES_PER_SPLIT, NUM_N_BLOCKS, SPLIT_K,
+        stride_xm, stride_ym,
+        BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, USE_SPLIT: gl.constexpr, QPASS: gl.constexpr,
+        ESC_CH: gl.constexpr, DEPTH: gl.constexpr, WSMEM: gl.constexpr,
+        L_VIEW: gl.constexpr, L_NIB: gl.constexpr, L_X: gl.constexpr, MMA: gl.constexpr,
+        A_OP: gl.constexpr, B_OP: gl.constexpr, L3: gl.constexpr, L_XC: gl.constexpr, XS: gl.constexpr,
+        L_WC: gl.constexpr, L_QC: gl.constexpr, WSL: gl.constexpr,
+    ):
+        pid_n = gl.program_id(0)
+        pid_k = gl.program_id(1)
+        pid_m = gl.program_id(2)
+        n0 = pid_n * BLOCK_N
+        tile_row = (n0 // 128).to(gl.int64) * KT
+        r_in = n0 % 128
+        rv = r_in + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_VIEW))
+        wv = gl.arange(0, 16, layout=gl.SliceLayout(0, L_VIEW))
+        off_v = rv[:, None] * 16 + wv[None, :]
+        rn = r_in + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_NIB))
+        wn = gl.arange(0, 8, layout=gl.SliceLayout(0, L_NIB))
+        off_n = 2048 + rn[:, None] * 8 + wn[None, :]
+        rows_c = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, L_XC))
+        kc = gl.arange(0, 64, layout=gl.SliceLayout(0, L_XC))
+        XD: gl.constexpr = DEPTH + 1
+        xs = gl.allocate_shared_memory(gl.bfloat16, [XD, BLOCK_M, 64], XS)
+
+        t_begin = pid_k * TILES_PER_SPLIT
+        t_end = gl.minimum(t_begin + TILES_PER_SPLIT, KT)
+        acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
+
+        if WSMEM:
+            # weights and x: DEPTH records ahead in one shared-memory ring of DEPTH + 1 stages, filled
+            # by cp.async (no registers held for bytes in flight); the fragments are read from it
+            wv_s = gl.allocate_shared_memory(gl.int32, [XD, BLOCK_N, 16], WSL)
+            wq_s = gl.allocate_shared_memory(gl.int32, [XD, BLOCK_N, 8], WSL)
+            rcv = r_in + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_WC))
+            ccv = gl.arange(0, 16, layout=gl.SliceLayout(0, L_WC))
+            offc_v = rcv[:, None] * 16 + ccv[None, :]
+            rcq = r_in + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_QC))
+            ccq = gl.arange(0, 8, layout=gl.SliceLayout(0, L_QC))
+            offc_q = 2048 + rcq[:, None] * 8 + ccq[None, :]
+            for i in gl.static_range(DEPTH):
+                ok = t_begin + i < t_end
+                _w_copy(wv_s.index(i), wq_s.index(i), rec_ptr, tile_row, t_begin + i, ok, offc_v, offc_q, QPASS)
+                _x_copy(xs.index(i), x_ptr, rows_c, kc, t_begin + i, ok, M, K, stride_xm)
+            for t in range(t_begin, t_end):
+                it = t - t_begin
+                async_copy.wait_group(DEPTH - 1)        # this thread's copies of record t have landed
+                _cta_barrier()                          # ... everyone's, and stage (it - 1) is free again
+                nxt = (it + DEPTH) % XD
+                _w_copy(wv_s.index(nxt), wq_s.index(nxt), rec_ptr, tile_row, t + DEPTH, t + DEPTH < t_end,
+                        offc_v, offc_q, QPASS)
+                _x_copy(xs.index(nxt), x_ptr, rows_c, kc, t + DEPTH, t + DEPTH < t_end, M, K, stride_xm)
+                b = _b_operand(xs.index(it % XD), L_X, B_OP, BLOCK_M)
+                w0 = wv_s.index(it % XD).load(L_VIEW)
+                if QPASS:
+                    q0 = w0
+                else:
+                    q0 = wq_s.index(it % XD).load(L_NIB)
+                acc = mma_v2(_a_operand(w0, q0, L_VIEW, A_OP, BLOCK_N, QPASS), b, acc)
+        else:
+            acc = _register_ring(acc, xs, x_ptr, rec_ptr, tile_row, t_begin, t_end, off_v, off_n, rows_c, kc, M, K,
+                                 stride_xm, BLOCK_M, BLOCK_N, QPASS, DEPTH, L_VIEW, L_X, A_OP, B_OP)
         async_copy.wait_group(0)
 
         if not USE_SPLIT:
@@ -307,10 +366,11 @@ class MmaConfig:
     block_n: int = 64
     split_k: int = 1
     num_warps: int = 4
-    depth: int = 2     # records loaded ahead (1-3)
+    depth: int = 2     # records loaded ahead (1-3 in registers, 1-6 with wsmem)
+    wsmem: bool = False  # weights through a cp.async shared-memory ring instead of registers
 
     def key(self) -> str:
-        return f"mma-n{self.block_n}-s{self.split_k}-w{self.num_warps}-d{self.depth}"
+        return f"mma-n{self.block_n}-s{self.split_k}-w{self.num_warps}-d{self.depth}{'-ws' if self.wsmem else ''}"
 
 
 def block_m_for(m: int) -> int:
@@ -333,8 +393,9 @@ def preferred(m: int) -> bool:
 
 
 def default_config(m: int, n: int, k: int, sms: int = 132) -> MmaConfig:
-    """The measured table (:data:`TUNED`) first, else 64-row programs and split-K for about four
-    programs per SM (what the sweep chose on most layers)."""
+    """The measured table (:data:`TUNED`) first, else 64-row programs, the weights two records
+    ahead in the shared-memory ring, and split-K for about four programs per SM (what the sweep
+    chose on most layers)."""
     tuned = TUNED.get((n, k, block_m_for(m)))   # the table's row buckets are the row-block sizes
     if tuned is not None:
         return tuned
@@ -342,40 +403,41 @@ def default_config(m: int, n: int, k: int, sms: int = 132) -> MmaConfig:
     bn = 64
     blocks = (n + bn - 1) // bn * ((m + block_m_for(m) - 1) // block_m_for(m))
     split = max(1, min(kt, round(4 * sms / blocks)))
-    return MmaConfig(block_n=bn, split_k=split)
+    return MmaConfig(block_n=bn, split_k=split, depth=2, wsmem=True)
 
 
-# Fastest correct variant per (N, K, rows) on the H200 (benchmarks/w12_gemm.py --mode mma,
-# benchmarks/results/w12_mma.json, git 39c7bfa; the comment is the speedup over cuBLAS there).
+# Fastest correct variant per (N, K, rows) on the H200 (benchmarks/w12_gemm.py --mode mma --rows
+# 8,16,32,64, benchmarks/results/w12_mma_wsmem.json; the comment is the speedup over cuBLAS there
+# and, in brackets, that of the previous table, register ring only, in the same run).
 TUNED: dict[tuple[int, int, int], MmaConfig] = {
-    (6144, 4096, 8): MmaConfig(64, 6, 4, 3),  # 0.854x
-    (6144, 4096, 16): MmaConfig(64, 6, 4, 2),  # 0.826x
-    (6144, 4096, 32): MmaConfig(64, 4, 4, 2),  # 0.645x
-    (6144, 4096, 64): MmaConfig(64, 4, 4, 2),  # 0.507x
-    (4096, 4096, 8): MmaConfig(64, 8, 4, 2),  # 0.858x
-    (4096, 4096, 16): MmaConfig(64, 8, 4, 2),  # 0.825x
-    (4096, 4096, 32): MmaConfig(64, 8, 4, 3),  # 0.663x
-    (4096, 4096, 64): MmaConfig(64, 4, 4, 3),  # 0.457x
-    (28672, 4096, 8): MmaConfig(64, 2, 4, 2),  # 1.064x
-    (28672, 4096, 16): MmaConfig(64, 1, 4, 2),  # 0.987x
-    (28672, 4096, 32): MmaConfig(64, 1, 4, 2),  # 0.873x
-    (28672, 4096, 64): MmaConfig(128, 1, 4, 2),  # 0.631x
-    (4096, 14336, 8): MmaConfig(64, 8, 4, 3),  # 0.807x
-    (4096, 14336, 16): MmaConfig(64, 8, 4, 2),  # 0.765x
-    (4096, 14336, 32): MmaConfig(64, 8, 4, 3),  # 0.633x
-    (4096, 14336, 64): MmaConfig(64, 4, 4, 2),  # 0.451x
-    (7168, 5120, 8): MmaConfig(64, 5, 4, 3),  # 0.97x
-    (7168, 5120, 16): MmaConfig(64, 5, 4, 2),  # 0.782x
-    (7168, 5120, 32): MmaConfig(64, 9, 4, 2),  # 0.598x
-    (7168, 5120, 64): MmaConfig(64, 2, 4, 2),  # 0.444x
-    (34816, 5120, 8): MmaConfig(64, 1, 4, 3),  # 1.13x
-    (34816, 5120, 16): MmaConfig(64, 1, 4, 2),  # 1.059x
-    (34816, 5120, 32): MmaConfig(64, 1, 4, 2),  # 0.855x
-    (34816, 5120, 64): MmaConfig(64, 2, 4, 2),  # 0.63x
-    (5120, 17408, 8): MmaConfig(64, 7, 4, 3),  # 0.948x
-    (5120, 17408, 16): MmaConfig(64, 7, 4, 2),  # 0.89x
-    (5120, 17408, 32): MmaConfig(64, 13, 4, 3),  # 0.642x
-    (5120, 17408, 64): MmaConfig(64, 3, 4, 3),  # 0.465x
+    (6144, 4096, 8): MmaConfig(64, 11, 4, 2, True),  # 0.867x (0.852x)
+    (6144, 4096, 16): MmaConfig(64, 6, 4, 2),  # 0.814x (0.81x)
+    (6144, 4096, 32): MmaConfig(64, 4, 4, 2),  # 0.648x (0.648x)
+    (6144, 4096, 64): MmaConfig(64, 4, 4, 2),  # 0.506x (0.507x)
+    (4096, 4096, 8): MmaConfig(64, 8, 4, 4, True),  # 0.892x (0.854x)
+    (4096, 4096, 16): MmaConfig(64, 8, 4, 2),  # 0.824x (0.821x)
+    (4096, 4096, 32): MmaConfig(64, 4, 4, 2, True),  # 0.701x (0.652x)
+    (4096, 4096, 64): MmaConfig(64, 4, 4, 2),  # 0.45x (0.445x)
+    (28672, 4096, 8): MmaConfig(64, 2, 4, 2, True),  # 1.11x (1.04x)
+    (28672, 4096, 16): MmaConfig(64, 2, 4, 2, True),  # 1.042x (0.974x)
+    (28672, 4096, 32): MmaConfig(64, 2, 4, 4, True),  # 0.9x (0.869x)
+    (28672, 4096, 64): MmaConfig(128, 1, 4, 4, True),  # 0.624x (0.619x)
+    (4096, 14336, 8): MmaConfig(64, 16, 4, 2, True),  # 0.856x (0.805x)
+    (4096, 14336, 16): MmaConfig(64, 8, 4, 2),  # 0.761x (0.76x)
+    (4096, 14336, 32): MmaConfig(64, 8, 4, 2, True),  # 0.633x (0.617x)
+    (4096, 14336, 64): MmaConfig(64, 4, 4, 2),  # 0.446x (0.446x)
+    (7168, 5120, 8): MmaConfig(64, 9, 4, 2, True),  # 0.95x (0.931x)
+    (7168, 5120, 16): MmaConfig(64, 5, 4, 2),  # 0.788x (0.787x)
+    (7168, 5120, 32): MmaConfig(64, 5, 4, 2, True),  # 0.633x (0.592x)
+    (7168, 5120, 64): MmaConfig(64, 2, 4, 2),  # 0.456x (0.456x)
+    (34816, 5120, 8): MmaConfig(64, 2, 4, 2, True),  # 1.113x (1.109x)
+    (34816, 5120, 16): MmaConfig(64, 2, 4, 2, True),  # 1.046x (1.023x)
+    (34816, 5120, 32): MmaConfig(64, 2, 4, 2, True),  # 0.872x (0.849x)
+    (34816, 5120, 64): MmaConfig(64, 2, 4, 2),  # 0.627x (0.627x)
+    (5120, 17408, 8): MmaConfig(64, 13, 4, 2, True),  # 1.013x (0.942x)
+    (5120, 17408, 16): MmaConfig(64, 13, 4, 2, True),  # 0.906x (0.87x)
+    (5120, 17408, 32): MmaConfig(64, 7, 4, 2, True),  # 0.682x (0.64x)
+    (5120, 17408, 64): MmaConfig(64, 3, 4, 2),  # 0.465x (0.461x)
 }
 
 
@@ -386,8 +448,8 @@ def w12_mma(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: Mm
         raise RuntimeError("Gluon (triton >= 3.4) is not available")
     if x.dim() != 2 or x.shape[1] != packed.shape[1]:
         raise ValueError(f"x shape {tuple(x.shape)} does not match weight {packed.shape}")
-    if config is not None and config.depth not in (1, 2, 3):
-        raise ValueError(f"depth must be 1, 2 or 3, got {config.depth}")
+    if config is not None and config.depth not in ((1, 2, 3, 4, 5, 6) if config.wsmem else (1, 2, 3)):
+        raise ValueError(f"depth must be 1-3 (1-6 with wsmem), got {config.depth}")
     if x.dtype != torch.bfloat16:
         raise ValueError(f"x must be bfloat16, got {x.dtype}")
     m, k = x.shape
@@ -411,6 +473,7 @@ def w12_mma(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: Mm
     ws, locks = _workspace(x.device, nb * mb * split * cfg.block_n * bm if split > 1 else 1, nb * mb)
     esc_ch = max(1, min(8, 4096 // (cfg.block_n * bm)))   # the epilogue's [BN, CH, BM] stays small
     l_view, l_nib, l_x, mma, a_op, b_op, l3, l_xc, xs = layouts(cfg.block_n, bm, cfg.num_warps)
+    l_wc, l_qc, wsl = wsmem_layouts(cfg.num_warps)
     _w12_mma_kernel[(nb, split, mb)](
         x, out, packed.rec32, packed.low_exp,
         packed.esc_rowptr, packed.esc_row, packed.esc_col, packed.esc_delta_q if qpass else packed.esc_delta,
@@ -418,7 +481,8 @@ def w12_mma(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: Mm
         m, n, k, kt, tps, nb, split,
         x.stride(0), out.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_M=bm, USE_SPLIT=split > 1, QPASS=qpass, ESC_CH=esc_ch, DEPTH=cfg.depth,
-        L_VIEW=l_view, L_NIB=l_nib, L_X=l_x, MMA=mma, A_OP=a_op, B_OP=b_op, L3=l3, L_XC=l_xc, XS=xs,
+        WSMEM=cfg.wsmem, L_VIEW=l_view, L_NIB=l_nib, L_X=l_x, MMA=mma, A_OP=a_op, B_OP=b_op, L3=l3, L_XC=l_xc,
+        XS=xs, L_WC=l_wc, L_QC=l_qc, WSL=wsl,
         num_warps=cfg.num_warps,
     )
     return out
