@@ -31,6 +31,7 @@ from specpilot.kernels.tree import build_best_first  # noqa: E402
 SGL = sglang_dir()
 SPEC = "sglang.kernels.ops.speculative"
 WORKER = "sglang.srt.speculative.dflash_worker_v2"
+SECOND = 0.3  # the toy drafter ranks the target's own next token just below its favourite
 SITES = SimpleNamespace(DFLASH_SELECTOR="selector", DFLASH_ACCEPT_GREEDY="accept-greedy",
                         DFLASH_ACCEPT_SAMPLE="accept-sample")
 
@@ -564,9 +565,11 @@ def _fake_module(sgl, engine, draft_seed):
         def __init__(self, k, rank=4, hidden=6):
             g = torch.Generator().manual_seed(5)
             self.top_k = k
-            self.predecessor_codebook = torch.randn(toy.vocab, rank, generator=g)
+            self.predecessor_codebook = torch.randn(toy.vocab, rank, generator=g) * 0.1  # pair term < unary
             self.successor_codebook = torch.randn(toy.vocab, rank, generator=g)
             self.hidden_projection = torch.nn.Linear(hidden, rank, bias=False)
+            with torch.no_grad():  # deterministic, whatever the global RNG did before
+                self.hidden_projection.weight.copy_(torch.randn(rank, hidden, generator=g))
 
     class DFlashVerifyInput:
         def __init__(self, *, draft_token, positions, draft_token_num, custom_mask=None, kv_loc_plan=None):
@@ -609,16 +612,18 @@ def _fake_module(sgl, engine, draft_seed):
             """The drafter: top-K candidates per position, the target's continuation planted often."""
             bs, m, k = len(contexts), self.block_size - 1, self.selector.top_k
             cand = torch.randint(0, toy.vocab, (bs, m, k), generator=gen)
+            unary = torch.randn(bs, m, k, generator=gen) * 2
             for b, ctx in enumerate(contexts):
                 for e, tok in enumerate(toy.greedy(ctx, m)):
                     if torch.rand(1, generator=gen) < 0.85:
-                        cand[b, e, int(torch.randint(0, k, (1,), generator=gen))] = tok
-            unary = torch.randn(bs, m, k, generator=gen) * 2
+                        slot = int(torch.randint(0, k, (1,), generator=gen))
+                        cand[b, e, slot] = tok
+                        unary[b, e, slot] = unary[b, e].max() - SECOND  # often the runner-up
             hidden = torch.randn(bs, m, 6, generator=gen)
             anchors = batch.spec_info.bonus_tokens
             scores = self.selector.build_lattice(candidate_ids=cand, unary_logits=unary, hidden_states=hidden,
                                                  anchor_token_ids=anchors)
-            tokens, _ = self.selector.sample_path(candidate_ids=cand, scores=scores, uniforms=torch.rand(bs, m),
+            tokens, _ = self.selector.sample_path(candidate_ids=cand, scores=scores, uniforms=torch.rand(bs, m, generator=gen),
                                                   temperatures=torch.ones(bs), greedy_mask=torch.ones(bs, dtype=torch.bool))
             return tokens
 
@@ -666,6 +671,7 @@ def _decode(sgl, registry, cap, steps=5, block=5, k=3, seed=0):
     engine = _Engine(toy, prompts)
     mod = _fake_module(sgl, engine, draft_seed=seed + 2)
     sys.modules[mod.__name__] = mod
+    registry.HookRegistry.reset()
     try:
         for h in _tree_hooks():
             where = f"{mod.__name__}." + ".".join(h.target.rsplit(".", 2)[-2:])
@@ -723,9 +729,16 @@ def test_hooked_worker_decodes_the_greedy_continuation(sgl, registry, monkeypatc
     calls = []
     monkeypatch.setattr(hooks_mod, "_sgl", lambda: _stand_in_sgl(sgl, calls))
     monkeypatch.setattr(hooks_mod, "settings", hooks_mod.settings)  # _decode sets it; restored after
+    stock, _, _, _ = _decode(sgl, registry, cap=1)  # the same drafter, verified by stock's chain
+    hk._state.update(steps=0, skipped={})
+    calls.clear()
     streams, worker, engine, prompts = _decode(sgl, registry, cap=4)
     for s, p in zip(streams, prompts):
         assert s == p + engine.toy.greedy(p, len(s) - len(p)), "not the target's greedy continuation"
+    tree_tokens, chain_tokens = (sum(len(s) - len(p) for s, p in zip(x, prompts)) for x in (streams, stock))
+    print(f"toy drafter (target's token often its runner-up), 2 requests x 5 steps, block 5: "
+          f"tree verify committed {tree_tokens} tokens, stock's chain {chain_tokens}")
+    assert tree_tokens > chain_tokens  # this toy drafter's runner-ups are on the tree, not the chain
     assert hk._state["steps"] == 5 and hk._state["disabled"] is False and not hk._state["skipped"]
     assert all(fb.custom_mask is not None and fb.graphs is None for fb in worker.verified)  # eager, masked
     assert worker.synced.count("selector") == 5 and worker.synced.count("accept-greedy") == 5
