@@ -24,6 +24,7 @@ threads        CPU threads for torch (0 = torch's default)                 1 for
 compile        1 = torch.compile the layers (cuda, dense; ~20 s once)      0
 w12            1 = target projections as W12 (engine/w12.py; bf16)         0
 attn           auto | torch | fused (split-KV Triton kernel; cuda)         auto (fused on cuda)
+head           linear | certified (INT8-certified exact argmax; bf16)      linear
 =============  ==========================================================  ==========
 """
 
@@ -53,6 +54,7 @@ TINY_CONFIGS = {
 _INT_KEYS = {"nodes": (0, 4096), "depth": (0, 64), "topk": (1, 64), "draft_layers": (1, 1024), "seed": (0, 2**31),
              "ctx": (16, 1 << 20), "threads": (0, 1024)}
 _BOOL_KEYS = {"random", "graphs", "compile", "w12"}
+HEADS = ("linear", "certified")
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16"}
 
@@ -77,6 +79,7 @@ class EngineSpec:
     compile: bool = False
     w12: bool = False
     attn: str = "auto"
+    head: str = "linear"
 
     @classmethod
     def parse(cls, text: str) -> "EngineSpec":
@@ -142,6 +145,8 @@ class EngineSpec:
         from specpilot.engine.attention import resolve
 
         resolve(self.attn, self.device)
+        if self.head not in HEADS:
+            raise InputError(f"unknown head {self.head!r}; choose {' or '.join(HEADS)}")
 
     def with_(self, **kw) -> "EngineSpec":
         s = replace(self, **kw)
@@ -340,6 +345,7 @@ def load_engine(spec: EngineSpec | str) -> Engine:
         from specpilot.engine.w12 import convert_engine_model
 
         w12 = convert_engine_model(model).to_json()
+    head = model.set_head(spec.head)
     tok = _tokenizer(folder, display)
     drafter = None
     if spec.mode != "ar":
@@ -374,4 +380,4 @@ def load_engine(spec: EngineSpec | str) -> Engine:
     return Engine(spec, model, dec, tok, display, eos,
                   info={"dtype": str(dtype).replace("torch.", ""), "device": spec.device,
                         "params": params, "weights": str(folder) if folder else "random", "w12": w12,
-                        "attn": attn})
+                        "attn": attn, "head": head})

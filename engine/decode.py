@@ -85,8 +85,12 @@ class Decoder:
             pos = torch.arange(a, b, device=dev)
             kv = _kv_len(m.max_seq, b)
             mask = torch.arange(kv, device=dev)[None] <= pos[:, None]
-            logits = m(StepInput(ids[a:b], pos, pos, mask, "seq"), kv_len=kv)
-        return int(logits[-1].argmax())
+            inp = StepInput(ids[a:b], pos, pos, mask, "seq")
+            if b < n:
+                m.hidden(inp, kv_len=kv)    # fills the cache; only the last chunk's last row is read
+            else:
+                first = m.greedy(inp, kv_len=kv, last=True)
+        return int(first[0])
 
     @torch.no_grad()
     def step(self, context: list[int], n_cache: int, mode: str) -> tuple[list[int], Lattice, "treelib.DraftTree"]:
@@ -118,8 +122,7 @@ class Decoder:
             gdn_mode = "tree" if mode == "tree" and len(tree) else ("chain" if T > 1 else "seq")
             paths = row_paths([-1] + [p + 1 for p in tree.parents]) if gdn_mode == "tree" else None
             tokens = torch.tensor([pending] + list(tree.tokens), device=dev)
-            logits = m(StepInput(tokens, pos, slots, mask.to(dev), gdn_mode, paths), kv_len=kv)
-            preds = logits.argmax(-1).tolist()
+            preds = m.greedy(StepInput(tokens, pos, slots, mask.to(dev), gdn_mode, paths), kv_len=kv).tolist()
         path, toks = treelib.accept_predictions(tree, preds)
         rows = [0] + [1 + p for p in path]
         if T > 1:

@@ -47,7 +47,7 @@ class GraphRunner:
         inp = StepInput(tokens, pos, slots, mask, "seq")
 
         def fn():
-            return m(inp, kv_len=S).argmax(-1)
+            return m.greedy(inp, kv_len=S)
 
         # warm-up and capture really run the step: they write K/V at ``slots``; keep the cache intact
         caches = [t for blk in m.layers for t in (getattr(blk.mixer, "k_cache", None), getattr(blk.mixer, "v_cache", None))

@@ -264,6 +264,7 @@ class Transformer(nn.Module):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
         self._block_call = None
+        self.certified_head = None   # set_head("certified")
 
     def compile_blocks(self, **kw):
         """torch.compile one layer's step (shared by every layer of the same kind: parameters are
@@ -397,3 +398,37 @@ class Transformer(nn.Module):
         """Logits [T, vocab] of the step's rows (``layers`` < all: an early-exit self-draft)."""
         kv_len = self.max_seq if kv_len is None else kv_len
         return self.lm_head(self.hidden(inp, kv_len, layers))
+
+    def greedy(self, inp: StepInput, kv_len: int | None = None, last: bool = False):
+        """The target's argmax per row (``last``: of the last row only), through the certified head
+        when ``set_head("certified")`` made one and the rows fit it, else ``lm_head`` + argmax."""
+        kv_len = self.max_seq if kv_len is None else kv_len
+        h = self.hidden(inp, kv_len)
+        if last:
+            h = h[-1:]
+        head = self.certified_head
+        if head is not None and h.shape[0] <= head.max_rows:
+            return head.argmax_exact(h)
+        return self.lm_head(h).argmax(-1)
+
+    def set_head(self, kind: str, max_rows: int = 64) -> str:
+        """``linear`` (``lm_head`` + argmax, the default) or ``certified``: the certified INT8 head
+        (kernels/lm_head) for the argmax of up to ``max_rows`` rows per step: INT8 bounds, exact
+        rescoring of the survivors, the full head on the device when too many survive; no host
+        sync, so it sits in the CUDA graphs. It returns the *exact* head's argmax (fp64 dot of the
+        weights, rounded to fp32), which can differ from ``lm_head``'s where bf16 rounding of the
+        logits creates or breaks a tie. More rows than ``max_rows`` use ``lm_head``."""
+        if kind == "linear":
+            self.certified_head = None
+            return kind
+        if kind != "certified":
+            raise InputError(f"unknown head {kind!r}; choose linear or certified")
+        if self.lm_head.weight.dtype not in (torch.bfloat16, torch.float32):
+            raise InputError("head=certified needs bfloat16 (or float32) weights")
+        from specpilot.kernels.lm_head.certified import CertifiedHead
+
+        try:
+            self.certified_head = CertifiedHead(self.lm_head.weight.detach(), max_rows=max_rows)
+        except ValueError as e:   # e.g. non-finite head weights: no certificate possible
+            raise InputError(f"head=certified: {e}") from None
+        return kind

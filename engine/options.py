@@ -30,6 +30,9 @@ def engine_options(f):
         click.option("--attn", type=click.Choice(["auto", "torch", "fused"]), default="auto", show_default=True,
                      help="Attention: torch (plain reference) or fused (split-KV Triton kernel, cuda); auto = fused "
                           "on cuda."),
+        click.option("--head", type=click.Choice(["linear", "certified"]), default="linear", show_default=True,
+                     help="Greedy LM head: linear (lm_head + argmax) or certified (INT8 bounds + exact rescoring, "
+                          "the exact head's argmax; bfloat16 weights, cuda; up to 64 rows a step)."),
         click.option("--engine", "engine_spec", default=None,
                      help="A whole engine spec (engine:model=...,mode=...); overrides the options above."),
     ]
@@ -45,7 +48,7 @@ def spec_from_cli(kw: dict):
     text = kw.pop("engine_spec", None)
     vals = {k: kw.pop(k) for k in ("model", "random_weights", "mode", "nodes", "depth", "topk", "drafter",
                                     "draft_layers", "draft_model", "dtype", "device", "ctx", "seed", "threads", "compile_",
-                                    "w12", "attn")}
+                                    "w12", "attn", "head")}
     if text:
         return EngineSpec.parse(text)
     vals["random"] = vals.pop("random_weights")

@@ -92,7 +92,7 @@ def measure_rows(model, rows: list[int], context: int, reps: int = 50, warmup: i
             inp.mask = inp.mask[:, :kv]
 
             def once():
-                model(inp, kv_len=kv).argmax(-1)
+                model.greedy(inp, kv_len=kv)
                 for gl in model.gdn_layers():
                     gl._stash = None
 

@@ -95,6 +95,29 @@ def test_fast_path_matches_reference():
         ch(torch.zeros(40, 128, dtype=torch.bfloat16, device=DEV))
 
 
+def test_argmax_exact_falls_back_on_the_device():
+    """``argmax_exact`` (no host sync, for CUDA graphs) equals the exact head in every row: rows with
+    too many survivors and rows with a non-finite h go to the device fallback kernel."""
+    pytest.importorskip("triton")
+    from specpilot.kernels.lm_head.certified import CertifiedHead
+
+    w = head_with_ties(1500, 128).to(DEV)
+    ch = CertifiedHead(w, max_rows=32, max_survivors=8)
+    h = rows(w.cpu(), 12)
+    h[3] = 0.0                                       # every logit 0: everything survives, id 0 wins
+    h[5] = h[5] * 1e-3                               # nearly flat logits: many survivors
+    h = h.to(DEV)
+    arg = ch.argmax_exact(h)
+    assert torch.equal(arg, exact_argmax(h, w))
+    assert int(ch.count[3]) > ch.cap                 # row 3 really took the fallback
+    assert torch.equal(ch.argmax_exact(h), arg)      # state reset between calls
+    bad = h.clone()
+    bad[1, 7] = float("inf")                         # exact logits +-inf / NaN: NaN never wins
+    got = ch.argmax_exact(bad)
+    assert torch.equal(got[torch.arange(12) != 1], arg[torch.arange(12) != 1])
+    assert torch.equal(got[1:2], exact_argmax(bad[1:2], w))
+
+
 def test_tile_by_row_count_and_fixed_config():
     pytest.importorskip("triton")
     from specpilot.kernels.lm_head.certified import CertifiedHead

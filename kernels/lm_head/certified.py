@@ -1,13 +1,15 @@
 """Fast certified INT8 LM head (Triton): prep -> INT8 bounds -> select + exact rescoring -> argmax.
 
-Four kernels, no host synchronization (CUDA-graph friendly):
+Four kernels (five with the device fallback), no host synchronization (CUDA-graph friendly):
 1. ``_prep``: per row, two-level int8 quantization of h (``h ~ s1 q1 + s2 q2``), ||h|| and ||h - h~||;
 2. ``_bounds``: INT8 tensor-core GEMM ``q_W @ q_h^T`` (exact int32), approximate logits, the radius
    ``rho``; writes the upper bounds and each block's best lower bound;
 3. ``_select``: per (row, vocab block) keeps tokens whose upper bound reaches the best lower bound,
    rescores each survivor exactly (fp64 dot of the bf16 values, rounded to fp32) and folds
    ``(logit, -id)`` into one int64 key with an atomic max (order-independent, so deterministic);
-4. ``_finish``: decodes the key into the argmax, saves the survivor count, resets the state.
+4. ``_fallback`` (``argmax_exact`` only): the full head on the device for rows with too many
+   survivors or a non-finite h; every other program returns after one load;
+5. ``_finish``: decodes the key into the argmax, saves the survivor count, resets the state.
 The naive reference (``naive.certified_argmax_ref``) defines the same results.
 """
 
@@ -26,7 +28,7 @@ INT64_MIN = -(2 ** 63)
 if triton is not None:
 
     @triton.jit
-    def _prep(h_ptr, hq_ptr, s_ptr, H, stride_hm, M_PAD, BLOCK_H: tl.constexpr):
+    def _prep(h_ptr, hq_ptr, s_ptr, cnt_ptr, H, stride_hm, M_PAD, CAP, BLOCK_H: tl.constexpr):
         m = tl.program_id(0)
         offs = tl.arange(0, BLOCK_H)
         mask = offs < H
@@ -48,6 +50,8 @@ if triton is not None:
         tl.store(s_ptr + m * 4 + 1, s2)
         tl.store(s_ptr + m * 4 + 2, hn * (1.0 + 1e-5))
         tl.store(s_ptr + m * 4 + 3, en * (1.0 + 1e-5) + hn * 1e-6)
+        # a row with inf/nan has no certificate: mark it for the full head (``_fallback``)
+        tl.store(cnt_ptr + m, tl.where(hn < float("inf"), 0, CAP + 1))
 
     @triton.jit
     def _bounds(q_ptr, hq_ptr, s_ptr, scale_ptr, resid_ptr, qnorm_ptr, ub_ptr, blk_ptr,
@@ -137,10 +141,39 @@ if triton is not None:
             left -= 1
 
     @triton.jit
+    def _fallback(h_ptr, w_ptr, cnt_ptr, key_ptr, V, H, stride_hm, CAP,
+                  BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr):
+        """The full head, on the device, for rows whose survivors exceeded CAP (``_select`` did not
+        rescore them) or whose h is not finite: every token's exact logit (fp64 dot of the bf16
+        values, rounded to fp32) folded into the row's key. Other rows return at once, so the
+        kernel can sit in a CUDA graph at a cost of one load per program."""
+        pid_v = tl.program_id(0)
+        m = tl.program_id(1)
+        if tl.load(cnt_ptr + m) > CAP:
+            offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+            vm = offs_v < V
+            offs_h = tl.arange(0, BLOCK_H)
+            acc = tl.zeros((BLOCK_V, BLOCK_H), dtype=tl.float64)
+            for k in range(0, H, BLOCK_H):
+                kk = k + offs_h
+                w = tl.load(w_ptr + offs_v[:, None].to(tl.int64) * H + kk[None, :],
+                            mask=vm[:, None] & (kk < H)[None, :], other=0.0).to(tl.float64)
+                x = tl.load(h_ptr + m * stride_hm + kk, mask=kk < H, other=0.0).to(tl.float64)
+                acc += w * x[None, :]
+            z = tl.sum(acc, axis=1).to(tl.float32)
+            bits = z.to(tl.int32, bitcast=True)
+            skey = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+            key = (skey.to(tl.int64) << 32) | (2147483647 - offs_v).to(tl.int64)
+            key = tl.where(vm & (z == z), key, -9223372036854775807 - 1)   # NaN never wins (as the reference)
+            tl.atomic_max(key_ptr + m, tl.max(key, axis=0))
+
+    @triton.jit
     def _finish(key_ptr, cnt_ptr, slot_ptr, out_ptr, count_ptr):
         m = tl.program_id(0)
         key = tl.load(key_ptr + m)
-        tl.store(out_ptr + m, (2147483647 - (key & 0xFFFFFFFF)).to(tl.int64))
+        # no key (every logit NaN; or, without the device fallback, a row left to the host): id 0,
+        # as the reference's strict ``>`` leaves it
+        tl.store(out_ptr + m, tl.where(key == -9223372036854775807 - 1, 0, (2147483647 - (key & 0xFFFFFFFF))).to(tl.int64))
         tl.store(count_ptr + m, tl.load(cnt_ptr + m))
         tl.store(key_ptr + m, -9223372036854775807 - 1)
         tl.store(cnt_ptr + m, 0)
@@ -219,7 +252,11 @@ class CertifiedHead:
     def nbytes_int8(self) -> int:
         return self.head.q.numel() + 12 * self.vocab
 
-    def argmax_async(self, h: torch.Tensor):
+    def argmax_async(self, h: torch.Tensor, exact: bool = False):
+        """The argmax and survivor counts as device tensors, no host sync (CUDA-graph capturable).
+        With ``exact``, rows with more than ``max_survivors`` survivors (or non-finite h) are
+        answered by the full head on the device (:func:`_fallback`), so the argmax is the exact
+        head's in every row; without it, those rows are left to :meth:`__call__`'s host fallback."""
         m, hd = h.shape
         if hd != self.hidden or m > self.max_rows or m < 1:
             raise ValueError(f"h shape {tuple(h.shape)} does not fit this head "
@@ -228,7 +265,7 @@ class CertifiedHead:
             h = h.contiguous()
         up = interpreting()
         block_h = triton.next_power_of_2(hd)
-        _prep[(m,)](h, self.hq, self.hs, hd, h.stride(0), self.m_pad, BLOCK_H=block_h,
+        _prep[(m,)](h, self.hq, self.hs, self.cnt, hd, h.stride(0), self.m_pad, self.cap, BLOCK_H=block_h,
                     num_warps=8 if block_h >= 4096 else 4)
         bm = 16 if m <= 16 else 32 if m <= 32 else 64
         block_v, block_k, warps, stages = self.tile(m)
@@ -243,8 +280,17 @@ class CertifiedHead:
             h, self.head.weight, self.ub, self.blk, self.key, self.cnt, self.slot, self.sidx, self.sval,
             self.vocab, hd, nb, h.stride(0), self.cap,
             BLOCK_V=sel_v, BLOCK_NB=1024, BLOCK_H=min(1024, block_h), num_warps=4)
+        if exact:
+            _fallback[(triton.cdiv(self.vocab, 16), m)](
+                h, self.head.weight, self.cnt, self.key, self.vocab, hd, h.stride(0), self.cap,
+                BLOCK_V=16, BLOCK_H=min(256, block_h), num_warps=4)
         _finish[(m,)](self.key, self.cnt, self.slot, self.out, self.count)
         return self.out[:m], self.count[:m]
+
+    def argmax_exact(self, h: torch.Tensor) -> torch.Tensor:
+        """The exact head's argmax per row (lowest id on ties), no host sync: ``argmax_async`` with
+        the device fallback. For CUDA graphs (the engine's ``head=certified``)."""
+        return self.argmax_async(h, exact=True)[0]
 
     def __call__(self, h: torch.Tensor) -> HeadResult:
         if not bool(torch.isfinite(h).all()):

@@ -3,7 +3,8 @@
 Definitions (shared with the fast path):
 
 * exact logit of token v for hidden state h: ``fp32(sum_i h_i * W_vi)`` computed in fp64 from the
-  bf16 values (every product is exact in fp64; the sum is rounded once to fp32);
+  bf16 values (every product is exact in fp64, for fp32 values too; the sum is rounded once to
+  fp32);
 * the head's argmax: the largest exact logit, the lowest token id on ties (``torch.argmax``'s rule);
 * INT8 copy: ``q_v = round(W_v / s_v)``, ``s_v = max|W_v| / 127``, residual ``r_v = ||W_v - s_v q_v||``
   rounded up;
@@ -43,8 +44,8 @@ class Int8Head:
 
 def quantize_head(weight: torch.Tensor, chunk: int = 16384) -> Int8Head:
     """Build the INT8 copy (per-row scale) and the per-row residual norms (fp64, rounded up)."""
-    if weight.dim() != 2 or weight.dtype != torch.bfloat16:
-        raise ValueError("the LM head must be a 2-D bf16 tensor")
+    if weight.dim() != 2 or weight.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError("the LM head must be a 2-D bf16 (or fp32) tensor")
     if not bool(torch.isfinite(weight).all()):
         raise ValueError("the LM head has non-finite weights; the certificate needs finite weights")
     v, h = weight.shape

@@ -33,8 +33,10 @@ def command():
 @click.option("--w12", is_flag=True, help="Projections as W12 (as run --w12; bfloat16 unless --dtype is given).")
 @click.option("--attn", type=click.Choice(["auto", "torch", "fused"]), default="auto", show_default=True,
               help="Attention: torch reference or fused split-KV Triton kernel (cuda); auto = fused on cuda.")
+@click.option("--head", type=click.Choice(["linear", "certified"]), default="linear", show_default=True,
+              help="Greedy LM head (as run --head): certified = INT8 bounds + exact rescoring, up to 64 rows.")
 @output_options
-def rows(model, random_weights, rows_text, context, device, dtype, reps, warmup, threads, w12, attn, fmt, out):
+def rows(model, random_weights, rows_text, context, device, dtype, reps, warmup, threads, w12, attn, head, fmt, out):
     """T_step(N) for N verification rows and c(N) = T_step(N) / T_step(1) (JSON for ``ceiling --rows-probe``).
 
     On a GPU each N is a CUDA graph timed with CUDA events (median); on the CPU a wall clock.
@@ -70,11 +72,13 @@ def rows(model, random_weights, rows_text, context, device, dtype, reps, warmup,
         from specpilot.engine.w12 import convert_engine_model
 
         w12_info = convert_engine_model(m).to_json()
+    head = m.set_head(head)
     res = measure_rows(m, row_list, context, reps=reps, warmup=warmup, progress=progress)
     res.model = name
     data = res.to_json()
     data["w12"] = w12_info
     data["attn"] = attn
+    data["head"] = head
     hw = res.gpu or f"CPU {res.cpu}"
     label = f", W12 {w12_info['path']}" if w12_info else ""
     emit(Report(data=data, sections=[Section(f"{name} {res.dtype}{label}, context {context}, {hw}",
