@@ -42,8 +42,8 @@ class GluonGemvConfig:
     records), ``depth`` records loaded ahead per warp (1-4), ``split_k`` K ranges across programs."""
 
     rows: int = 16
-    warps: int = 8
-    depth: int = 3
+    warps: int = 4
+    depth: int = 1
     split_k: int = 1
 
     def key(self) -> str:

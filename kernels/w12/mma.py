@@ -1,5 +1,5 @@
 """W12 GEMM on the tensor cores for 2-64 rows, written in Gluon so the decode lands in the MMA
-fragment layout (no shared-memory round trip for the weights).
+fragment layout (the decoded weights never go through shared memory).
 
 Why Gluon: in plain Triton the decoded weight tile keeps the layout it was loaded in, and ``tl.dot``
 moves it into the operand layout through shared memory (2-byte stores); that, not HBM, bounded the
@@ -14,6 +14,10 @@ decoded bf16 pairs are exactly the ``mma.sync.m16n8k16`` A-operand registers:
   load; 8 lanes x 64 bytes = one whole 128x64 record row per load instruction), and each word
   decodes to the pairs ``s = 0, 1`` it needs;
 * the matching B fragment (x) is 16 consecutive bf16 of one x row per thread (two 16-byte loads);
+* the record words arrive either straight into those registers, ``depth`` records ahead, or
+  (``wsmem``) through a ``cp.async`` shared-memory ring shared with x, which holds no registers for
+  bytes in flight (the register ring capped occupancy at 25 % with 2-3 records ahead); the raw
+  words are then read from shared memory in the same layout, 16-byte loads, conflict-free;
 * the ``convert_layout`` calls into the MMA operand layouts are asserted trivial at compile time
   (``assert_trivial=True``): they only rename registers.
 
