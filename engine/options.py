@@ -31,8 +31,9 @@ def engine_options(f):
                      help="Attention: torch (plain reference) or fused (split-KV Triton kernel, cuda); auto = fused "
                           "on cuda."),
         click.option("--head", type=click.Choice(["linear", "certified"]), default="linear", show_default=True,
-                     help="Greedy LM head: linear (lm_head + argmax) or certified (INT8 bounds + exact rescoring, "
-                          "the exact head's argmax; bfloat16 weights, cuda; up to 64 rows a step)."),
+                     help="Greedy LM head: linear (lm_head + argmax) or certified (INT8 bounds + exact rescoring: "
+                          "the exact head's argmax, up to 64 rows a step; bfloat16 or float32 weights; meant for "
+                          "cuda, on the CPU its kernels run in Triton's interpreter)."),
         click.option("--engine", "engine_spec", default=None,
                      help="A whole engine spec (engine:model=...,mode=...); overrides the options above."),
     ]
