@@ -401,7 +401,9 @@ class Transformer(nn.Module):
 
     def greedy(self, inp: StepInput, kv_len: int | None = None, last: bool = False):
         """The target's argmax per row (``last``: of the last row only), through the certified head
-        when ``set_head("certified")`` made one and the rows fit it, else ``lm_head`` + argmax."""
+        when ``set_head("certified")`` made one and the rows fit it, else ``lm_head`` + argmax.
+        With the certified head the result is a view of its output buffer (what a CUDA graph
+        replays into): read it before the next step."""
         kv_len = self.max_seq if kv_len is None else kv_len
         h = self.hidden(inp, kv_len)
         if last:
