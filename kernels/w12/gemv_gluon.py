@@ -62,6 +62,7 @@ def check_config(cfg: GluonGemvConfig) -> None:
 
 
 if gluon is not None:
+    from .mma import _decode_pairs
 
     @lru_cache(maxsize=None)
     def layouts(rows: int, warps: int):
@@ -105,22 +106,7 @@ if gluon is not None:
     def _rec_fma(acc, v, q, x, WARPS: gl.constexpr, ROWS: gl.constexpr, L_V: gl.constexpr,
                  QPASS: gl.constexpr):
         """acc ``[W, ROWS, 16]`` += the decoded weights of each warp's record times its x."""
-        SGN: gl.constexpr = 0x80008000
-        MAG: gl.constexpr = 0x07F007F0
-        NIB: gl.constexpr = 0x000F000F
-        EXP: gl.constexpr = 0x38003800
-        be = v.to(gl.uint32)
-        if QPASS:
-            ln0 = 0x00080008
-            ln1 = 0x00080008
-        else:
-            nn = q.to(gl.uint32)
-            # view word 2j takes nibble word j's bytes 0 and 2, word 2j+1 its bytes 1 and 3
-            nw = gl.convert_layout(gl.reshape(gl.join(nn, nn >> 8), [WARPS, ROWS, 16]), L_V, assert_trivial=True)
-            ln0 = nw & NIB
-            ln1 = (nw >> 4) & NIB
-        p0 = ((be << 8) & SGN) | ((be << 4) & MAG) | ln0 | EXP     # weights 4c, 4c+1 (x word 2c)
-        p1 = (be & SGN) | ((be >> 4) & MAG) | ln1 | EXP            # weights 4c+2, 4c+3 (x word 2c+1)
+        p0, p1 = _decode_pairs(v, q, L_V, QPASS)     # p0: weights 4c, 4c+1 (x word 2c); p1: 4c+2, 4c+3
         xa, xb = gl.split(gl.reshape(x.to(gl.uint32), [WARPS, 1, 16, 2]))
         xa = gl.convert_layout(xa, L_V, assert_trivial=True)
         xb = gl.convert_layout(xb, L_V, assert_trivial=True)

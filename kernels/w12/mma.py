@@ -135,10 +135,11 @@ if gluon is not None:
         return gl.join(lo, hi)
 
     @gluon.jit
-    def _a_operand(v, nb, L_VIEW: gl.constexpr, A_OP: gl.constexpr, BLOCK_N: gl.constexpr,
-                   QPASS: gl.constexpr):
-        """Decode one record's ``[BLOCK_N, 16]`` view words (+ ``[BLOCK_N, 8]`` nibble words) into the
-        ``[BLOCK_N, 64]`` bf16 A operand, MMA k order, without moving data between threads."""
+    def _decode_pairs(v, nb, L_VIEW: gl.constexpr, QPASS: gl.constexpr):
+        """View words ``v`` ``[..., 16]`` (and nibble words ``nb`` ``[..., 8]``, same leading shape)
+        -> the bf16 pairs as uint32 in ``v``'s layout ``L_VIEW``: ``p0`` holds weights 4c, 4c+1 of view
+        word c, ``p1`` weights 4c+2, 4c+3. Shared by this kernel and the one-row GEMV
+        (:mod:`.gemv_gluon`); the nibble regrouping is asserted to move no data."""
         SGN: gl.constexpr = 0x80008000
         MAG: gl.constexpr = 0x07F007F0
         NIB: gl.constexpr = 0x000F000F
@@ -149,13 +150,20 @@ if gluon is not None:
             ln1 = 0x00080008
         else:
             nn = nb.to(gl.uint32)
-            # word 2q takes nibble word q's bytes 0 and 2, word 2q+1 its bytes 1 and 3
-            nw = gl.reshape(gl.join(nn, nn >> 8), [BLOCK_N, 16])
-            nw = gl.convert_layout(nw, L_VIEW, assert_trivial=True)
+            # view word 2j takes nibble word j's bytes 0 and 2, word 2j+1 its bytes 1 and 3
+            nw = gl.convert_layout(gl.reshape(gl.join(nn, nn >> 8), v.shape), L_VIEW, assert_trivial=True)
             ln0 = nw & NIB
             ln1 = (nw >> 4) & NIB
-        p0 = ((be << 8) & SGN) | ((be << 4) & MAG) | ln0 | EXP     # weights 4w, 4w+1 (s = 0)
-        p1 = (be & SGN) | ((be >> 4) & MAG) | ln1 | EXP            # weights 4w+2, 4w+3 (s = 1)
+        p0 = ((be << 8) & SGN) | ((be << 4) & MAG) | ln0 | EXP     # weights 4c, 4c+1 (s = 0)
+        p1 = (be & SGN) | ((be >> 4) & MAG) | ln1 | EXP            # weights 4c+2, 4c+3 (s = 1)
+        return p0, p1
+
+    @gluon.jit
+    def _a_operand(v, nb, L_VIEW: gl.constexpr, A_OP: gl.constexpr, BLOCK_N: gl.constexpr,
+                   QPASS: gl.constexpr):
+        """Decode one record's ``[BLOCK_N, 16]`` view words (+ ``[BLOCK_N, 8]`` nibble words) into the
+        ``[BLOCK_N, 64]`` bf16 A operand, MMA k order, without moving data between threads."""
+        p0, p1 = _decode_pairs(v, nb, L_VIEW, QPASS)
         w5 = gl.join(_bf16_halves(p0), _bf16_halves(p1))         # [n, word, c, s]
         w5 = gl.reshape(w5, [BLOCK_N, 4, 4, 2, 2])                 # [n, t, j, c, s]
         w5 = gl.permute(w5, [0, 2, 4, 1, 3])                       # [n, j, s, t, c]
