@@ -19,6 +19,7 @@ from specpilot.kernels.w12 import gemv_gluon as gg  # noqa: E402
 from specpilot.kernels.w12.gemm import KernelPack  # noqa: E402
 from specpilot.kernels.w12.naive import w12_linear_ref  # noqa: E402
 
+from gluon_ptx import main_loop_ptx  # noqa: E402
 from test_w12_gemm import check_close, make_weight  # noqa: E402
 
 needs_gluon = pytest.mark.skipif(gg.gluon is None, reason="Triton without Gluon")
@@ -29,12 +30,7 @@ def _gpu(fn):
     return pytest.mark.gpu(skip(fn))
 
 
-_COMPILE = r"""
-import json, os, re
-os.environ["TRITON_INTERPRET"] = "0"   # Gluon compiles; the interpreter's stand-ins cannot be used
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon._runtime import GluonASTSource
+_SETUP = r"""
 from specpilot.kernels.w12 import gemv_gluon as G
 k = G._w12_gemv_gl_kernel
 ptrs = {"x_ptr": "*bf16", "x32_ptr": "*i32", "y_ptr": "*bf16", "rec_ptr": "*i32", "low_ptr": "*u8",
@@ -42,19 +38,8 @@ ptrs = {"x_ptr": "*bf16", "x32_ptr": "*i32", "y_ptr": "*bf16", "rec_ptr": "*i32"
         "lock_ptr": "*i32"}
 lv, lq, lx, l3 = G.layouts(16, 8)
 const = dict(ROWS=16, WARPS=8, DEPTH=3, USE_SPLIT=True, QPASS=False, ESC_CH=8, L_V=lv, L_Q=lq, L_X=lx, L_E=l3)
-names = k.arg_names
-sig = {n: ptrs.get(n, "constexpr" if n in const else "i32") for n in names}
-src = GluonASTSource(k, signature=sig, constexprs={(names.index(c),): v for c, v in const.items()},
-                     attrs={(names.index(p),): [["tt.divisibility", 16]] for p in list(ptrs) + ["KH", "stride_ym"]})
-ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
-blocks = re.split(r"^(?=\$L__BB\d+_\d+:)", ptx, flags=re.M)
-head = next(b for b in blocks if "Loop Header" in b.splitlines()[0])
-name = head.split(":")[0][4:]
-body = "".join(b for b in blocks if b is head or "Header=" + name + " " in b.splitlines()[0])
-print(json.dumps({"shared": body.count(".shared"), "bar": body.count("bar.sync"),
-                  "v4": len(re.findall(r"ld\.global[^;]*\.v4", body)),
-                  "v2": len(re.findall(r"ld\.global[^;]*\.v2", body)),
-                  "fma": len(re.findall(r"fma\.rn\.f32", body))}))
+div = list(ptrs) + ["KH", "stride_ym"]
+warps = 8
 """
 
 
@@ -63,16 +48,12 @@ def test_compiles_for_sm90_streaming_without_shared_memory():
     """The main loop loads each warp's next record with 16-byte view and x loads and 8-byte nibble
     loads (2 rows per lane at 16 rows x 8 warps), touches no shared memory and has no barrier: the
     warps only meet at the end. The x and nibble conversions are asserted trivial at compile time."""
-    import json
-    import subprocess
-    import sys
+    import re
 
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    r = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, timeout=300)
-    if r.returncode and "ptxas" in r.stderr and "not found" in r.stderr.lower():   # pragma: no cover
-        pytest.skip("no sm_90 toolchain in this Triton build")
-    assert r.returncode == 0, r.stderr[-3000:]
-    stats = json.loads(r.stdout.strip().splitlines()[-1])
+    body = main_loop_ptx(_SETUP)
+    stats = {"shared": body.count(".shared"), "bar": body.count("bar.sync"),
+             "v4": len(re.findall(r"ld\.global[^;]*\.v4", body)), "v2": len(re.findall(r"ld\.global[^;]*\.v2", body)),
+             "fma": len(re.findall(r"fma\.rn\.f32", body))}
     assert stats["shared"] == 0 and stats["bar"] == 0
     assert stats["v4"] == 4          # 2 rows of views + 2 x 16 bytes of x per lane
     assert stats["v2"] == 2          # 2 rows of nibbles

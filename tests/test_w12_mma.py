@@ -18,6 +18,7 @@ from specpilot.kernels.w12 import mma  # noqa: E402
 from specpilot.kernels.w12.gemm import KernelPack  # noqa: E402
 from specpilot.kernels.w12.naive import w12_linear_ref  # noqa: E402
 
+from gluon_ptx import main_loop_ptx  # noqa: E402
 from test_w12_gemm import check_close, make_weight  # noqa: E402
 
 
@@ -72,12 +73,7 @@ def test_layout_bases_reject_bad_blocks(bad):
         mma.layout_bases(*bad)
 
 
-_COMPILE = r"""
-import json, os, re
-os.environ["TRITON_INTERPRET"] = "0"   # Gluon compiles; the interpreter's stand-ins cannot be used
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon._runtime import GluonASTSource
+_SETUP = r"""
 from specpilot.kernels.w12 import mma
 k = mma._w12_mma_kernel
 ptrs = {"x_ptr": "*bf16", "y_ptr": "*bf16", "rec_ptr": "*i32", "low_ptr": "*u8", "eptr_ptr": "*i32",
@@ -86,20 +82,8 @@ lv, ln, lx, mm, a, b, l3, xc, xs = mma.layouts(128, 32, 4)
 wc, qc, wsl = mma.wsmem_layouts(4)
 const = dict(BLOCK_N=128, BLOCK_M=32, USE_SPLIT=True, QPASS=False, ESC_CH=8, DEPTH=2, WSMEM=False,
              L_VIEW=lv, L_NIB=ln, L_X=lx, MMA=mm, A_OP=a, B_OP=b, L3=l3, L_XC=xc, XS=xs, L_WC=wc, L_QC=qc, WSL=wsl)
-names = k.arg_names
-sig = {n: ptrs.get(n, "constexpr" if n in const else "i32") for n in names}
 div = list(ptrs) + ["K", "stride_xm", "stride_ym"]
-src = GluonASTSource(k, signature=sig, constexprs={(names.index(c),): v for c, v in const.items()},
-                     attrs={(names.index(p),): [["tt.divisibility", 16]] for p in div})
-ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
-# the main loop's basic blocks: its header and the blocks tagged "in Loop: Header=<it>"
-blocks = re.split(r"^(?=\$L__BB\d+_\d+:)", ptx, flags=re.M)
-head = next(b for b in blocks if "Inner Loop Header" in b.splitlines()[0])
-name = head.split(":")[0][4:]
-body = "".join(b for b in blocks if b is head or "Header=" + name + " " in b.splitlines()[0])
-print(json.dumps({"mma": body.count("mma.sync.aligned.m16n8k16"), "st_shared": body.count("st.shared"),
-                  "ld_shared_v4": len(re.findall(r"ld\.shared\.v4", body)), "cp_async": body.count("cp.async.cg"),
-                  "v4": len(re.findall(r"ld\.global[^;]*\.v4", body))}))
+warps = 4
 """
 
 
@@ -109,16 +93,12 @@ def test_compiles_for_sm90_with_register_only_operand_conversions():
     sm_90 on any machine (no GPU needed) fails if one of them would move data. In the main loop the
     weights never touch shared memory (16-byte view and 8-byte nibble loads straight into
     registers), x arrives by cp.async and is read as 16-byte shared loads, then mma.sync."""
-    import json
-    import subprocess
-    import sys
+    import re
 
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    r = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, timeout=300)
-    if r.returncode and "ptxas" in r.stderr and "not found" in r.stderr.lower():   # pragma: no cover
-        pytest.skip("no sm_90 toolchain in this Triton build")
-    assert r.returncode == 0, r.stderr[-3000:]
-    stats = json.loads(r.stdout.strip().splitlines()[-1])
+    body = main_loop_ptx(_SETUP, header="Inner Loop Header")
+    stats = {"mma": body.count("mma.sync.aligned.m16n8k16"), "st_shared": body.count("st.shared"),
+             "ld_shared_v4": len(re.findall(r"ld\.shared\.v4", body)), "cp_async": body.count("cp.async.cg"),
+             "v4": len(re.findall(r"ld\.global[^;]*\.v4", body))}
     assert stats["mma"] == 32            # 2 m16 x 4 k16 x 4 n8 per warp per record
     assert stats["st_shared"] == 0       # no shared-memory round trip for the weights
     assert stats["v4"] == 4              # the next record's views: 4 rows per thread

@@ -1,0 +1,51 @@
+"""Tests' helper: compile a Gluon kernel for sm_90 on any machine (no GPU needed) and return the
+PTX of its main loop, for assertions on the instructions it issues.
+
+The compile runs in a child process with ``TRITON_INTERPRET=0``: in a process where the interpreter
+is on, Triton's standard library is replaced by interpreter stand-ins that Gluon cannot compile.
+``setup`` is Python source, run in the child after the imports below, that defines ``k`` (the
+kernel), ``ptrs`` (pointer argument -> Triton type), ``const`` (constexpr argument -> value),
+``div`` (arguments declared divisible by 16) and ``warps``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+_HEAD = r"""
+import json, os, re
+os.environ["TRITON_INTERPRET"] = "0"
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+"""
+
+_TAIL = r"""
+names = k.arg_names
+sig = {n: ptrs.get(n, "constexpr" if n in const else "i32") for n in names}
+src = GluonASTSource(k, signature=sig, constexprs={(names.index(c),): v for c, v in const.items()},
+                     attrs={(names.index(p),): [["tt.divisibility", 16]] for p in div})
+ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["ptx"]
+# the main loop's basic blocks: its header and the blocks tagged "in Loop: Header=<it>"
+blocks = re.split(r"^(?=\$L__BB\d+_\d+:)", ptx, flags=re.M)
+head = next(b for b in blocks if HEADER in b.splitlines()[0])
+name = head.split(":")[0][4:]
+print(json.dumps("".join(b for b in blocks if b is head or "Header=" + name + " " in b.splitlines()[0])))
+"""
+
+
+def main_loop_ptx(setup: str, header: str = "Loop Header") -> str:
+    """The PTX of the first loop whose header comment contains ``header`` (skips the test when this
+    Triton build has no sm_90 toolchain)."""
+    code = _HEAD + setup + f"\nHEADER = {header!r}\n" + _TAIL
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    if r.returncode and "ptxas" in r.stderr and "not found" in r.stderr.lower():   # pragma: no cover
+        pytest.skip("no sm_90 toolchain in this Triton build")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
