@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import ast
+import contextlib
 import hashlib
 import os
 import shutil
@@ -110,3 +111,16 @@ def load_sglang_module_file(root: Path, module: str, alias: str):
     sys.modules[alias] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+@contextlib.contextmanager
+def fresh_hook_registry(root: Path, alias: str):
+    """SGLang's ``hook_registry`` module loaded afresh under ``alias``, with an empty registry,
+    reset and unloaded again on exit (tests install hooks on stand-in classes through it)."""
+    reg = load_sglang_module_file(root, "sglang.srt.plugins.hook_registry", alias)
+    reg.HookRegistry.reset()
+    try:
+        yield reg
+    finally:
+        reg.HookRegistry.reset()
+        sys.modules.pop(alias, None)

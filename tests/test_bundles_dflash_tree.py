@@ -19,7 +19,7 @@ from typing import List, Optional
 
 import pytest
 
-from specpilot.bundles.testing import SKIP_REASON, load_sglang_function, load_sglang_module_file, sglang_dir
+from specpilot.bundles.testing import SKIP_REASON, fresh_hook_registry, load_sglang_function, sglang_dir
 
 torch = pytest.importorskip("torch")
 
@@ -706,11 +706,8 @@ def _tree_hooks():
 
 @pytest.fixture
 def registry():
-    reg = load_sglang_module_file(SGL, "sglang.srt.plugins.hook_registry", "_sp_hook_registry_dflash_tree")
-    reg.HookRegistry.reset()
-    yield reg
-    reg.HookRegistry.reset()
-    sys.modules.pop("_sp_hook_registry_dflash_tree", None)
+    with fresh_hook_registry(SGL, "_sp_hook_registry_dflash_tree") as reg:
+        yield reg
 
 
 def test_the_six_hooks_cover_the_plan():

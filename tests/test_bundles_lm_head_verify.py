@@ -21,7 +21,7 @@ from typing import Optional
 
 import pytest
 
-from specpilot.bundles.testing import SKIP_REASON, load_sglang_function, load_sglang_module_file, sglang_dir
+from specpilot.bundles.testing import SKIP_REASON, fresh_hook_registry, load_sglang_function, sglang_dir
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("specpilot.kernels.lm_head")
@@ -183,11 +183,8 @@ def _fake_module(sgl, *, softcap=None, weight_dtype=torch.float32, seed=0):
 
 @pytest.fixture
 def registry():
-    reg = load_sglang_module_file(SGL, "sglang.srt.plugins.hook_registry", "_sp_hook_registry_w12_verify")
-    reg.HookRegistry.reset()
-    yield reg
-    reg.HookRegistry.reset()
-    sys.modules.pop("_sp_hook_registry_w12_verify", None)
+    with fresh_hook_registry(SGL, "_sp_hook_registry_w12_verify") as reg:
+        yield reg
 
 
 @pytest.fixture(autouse=True)

@@ -10,7 +10,7 @@ import pytest
 
 from specpilot.bundles import activation as act
 from specpilot.bundles import plugin
-from specpilot.bundles.testing import SKIP_REASON, load_sglang_module_file, make_env, sglang_dir
+from specpilot.bundles.testing import SKIP_REASON, fresh_hook_registry, make_env, sglang_dir
 
 SGL = sglang_dir()
 pytestmark = pytest.mark.skipif(SGL is None, reason=SKIP_REASON)
@@ -19,11 +19,8 @@ pytestmark = pytest.mark.skipif(SGL is None, reason=SKIP_REASON)
 @pytest.fixture
 def hooks():
     """A fresh copy of SGLang's hook_registry module (stdlib-only imports)."""
-    mod = load_sglang_module_file(SGL, "sglang.srt.plugins.hook_registry", "_sp_hook_registry_under_test")
-    mod.HookRegistry.reset()
-    yield mod
-    mod.HookRegistry.reset()
-    sys.modules.pop("_sp_hook_registry_under_test", None)
+    with fresh_hook_registry(SGL, "_sp_hook_registry_under_test") as mod:
+        yield mod
 
 
 @pytest.fixture(scope="module")
