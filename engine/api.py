@@ -25,6 +25,8 @@ compile        1 = torch.compile the layers (cuda, dense; ~20 s once)      0
 w12            1 = target projections as W12 (engine/w12.py; bf16)         0
 attn           auto | torch | fused (split-KV Triton kernel; cuda)         auto (fused on cuda)
 head           linear | certified (INT8-certified exact argmax; bf16)      linear
+decode         layers | fused (one-row steps in 5 fused kernels + attention;  layers
+               cuda, dense attention models; engine/fused_decode.py)
 =============  ==========================================================  ==========
 """
 
@@ -80,6 +82,7 @@ class EngineSpec:
     w12: bool = False
     attn: str = "auto"
     head: str = "linear"
+    decode: str = "layers"
 
     @classmethod
     def parse(cls, text: str) -> "EngineSpec":
@@ -147,6 +150,13 @@ class EngineSpec:
         resolve(self.attn, self.device)
         if self.head not in HEADS:
             raise InputError(f"unknown head {self.head!r}; choose {' or '.join(HEADS)}")
+        from specpilot.engine.fused_decode import KINDS
+
+        if self.decode not in KINDS:
+            raise InputError(f"unknown decode {self.decode!r}; choose {' or '.join(KINDS)}")
+        if self.decode == "fused" and not self.device.startswith("cuda"):
+            raise InputError("decode=fused needs device=cuda (its Triton kernels only run in the interpreter on "
+                             "the CPU); use decode=layers")
 
     def with_(self, **kw) -> "EngineSpec":
         s = replace(self, **kw)
@@ -346,6 +356,7 @@ def load_engine(spec: EngineSpec | str) -> Engine:
 
         w12 = convert_engine_model(model).to_json()
     head = model.set_head(spec.head)
+    decode = model.set_decode(spec.decode)
     tok = _tokenizer(folder, display)
     drafter = None
     if spec.mode != "ar":
@@ -380,4 +391,4 @@ def load_engine(spec: EngineSpec | str) -> Engine:
     return Engine(spec, model, dec, tok, display, eos,
                   info={"dtype": str(dtype).replace("torch.", ""), "device": spec.device,
                         "params": params, "weights": str(folder) if folder else "random", "w12": w12,
-                        "attn": attn, "head": head})
+                        "attn": attn, "head": head, "decode": decode})

@@ -265,6 +265,7 @@ class Transformer(nn.Module):
         self.register_buffer("sin", sin, persistent=False)
         self._block_call = None
         self.certified_head = None   # set_head("certified")
+        self.fused_decode = False    # set_decode("fused"): one-row steps through kernels/decode
 
     def compile_blocks(self, **kw):
         """torch.compile one layer's step (shared by every layer of the same kind: parameters are
@@ -388,6 +389,12 @@ class Transformer(nn.Module):
     # ---- forward -------------------------------------------------------------------
     def hidden(self, inp: StepInput, kv_len: int, layers: int | None = None):
         x = self.embed(inp.tokens)
+        if self.fused_decode and x.shape[0] == 1:
+            from specpilot.engine.fused_decode import block_step
+
+            for blk in self.layers[:layers]:
+                x = block_step(blk, x, inp, self.cos, self.sin, kv_len)
+            return rms_norm(x, self.norm, self.spec.rms_norm_eps)
         cos, sin = self.cos[inp.pos], self.sin[inp.pos]
         call = self._block_call or _block_call
         for blk in self.layers[:layers]:
@@ -412,6 +419,13 @@ class Transformer(nn.Module):
         if head is not None and h.shape[0] <= head.max_rows:
             return head.argmax_exact(h)
         return self.lm_head(h).argmax(-1)
+
+    def set_decode(self, kind: str) -> str:
+        """``layers`` (the default) or ``fused``: one-row steps (AR decode, one-row drafts) through
+        the fused decode kernels (engine/fused_decode.py); dense attention models only."""
+        from specpilot.engine.fused_decode import set_decode
+
+        return set_decode(self, kind)
 
     def set_head(self, kind: str, max_rows: int = 64) -> str:
         """``linear`` (``lm_head`` + argmax, the default) or ``certified``: the certified INT8 head

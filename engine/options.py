@@ -34,6 +34,10 @@ def engine_options(f):
                      help="Greedy LM head: linear (lm_head + argmax) or certified (INT8 bounds + exact rescoring: "
                           "the exact head's argmax, up to 64 rows a step; bfloat16 or float32 weights; meant for "
                           "cuda, on the CPU its kernels run in Triton's interpreter)."),
+        click.option("--decode", type=click.Choice(["layers", "fused"]), default="layers", show_default=True,
+                     help="One-row steps (AR decode): layers (the layer modules, eager or compiled) or fused "
+                          "(RMSNorm, RoPE, KV store, residual and SiLU fused into the GEMV kernels: five kernels "
+                          "plus attention per layer; cuda, dense attention models, not with --w12)."),
         click.option("--engine", "engine_spec", default=None,
                      help="A whole engine spec (engine:model=...,mode=...); overrides the options above."),
     ]
@@ -49,7 +53,7 @@ def spec_from_cli(kw: dict):
     text = kw.pop("engine_spec", None)
     vals = {k: kw.pop(k) for k in ("model", "random_weights", "mode", "nodes", "depth", "topk", "drafter",
                                     "draft_layers", "draft_model", "dtype", "device", "ctx", "seed", "threads", "compile_",
-                                    "w12", "attn", "head")}
+                                    "w12", "attn", "head", "decode")}
     if text:
         return EngineSpec.parse(text)
     vals["random"] = vals.pop("random_weights")

@@ -35,8 +35,11 @@ def command():
               help="Attention: torch reference or fused split-KV Triton kernel (cuda); auto = fused on cuda.")
 @click.option("--head", type=click.Choice(["linear", "certified"]), default="linear", show_default=True,
               help="Greedy LM head (as run --head): certified = INT8 bounds + exact rescoring, up to 64 rows.")
+@click.option("--decode", type=click.Choice(["layers", "fused"]), default="layers", show_default=True,
+              help="One-row steps (N = 1) as run --decode: fused = the fused decode kernels (cuda, dense, no --w12).")
 @output_options
-def rows(model, random_weights, rows_text, context, device, dtype, reps, warmup, threads, w12, attn, head, fmt, out):
+def rows(model, random_weights, rows_text, context, device, dtype, reps, warmup, threads, w12, attn, head, decode,
+         fmt, out):
     """T_step(N) for N verification rows and c(N) = T_step(N) / T_step(1) (JSON for ``ceiling --rows-probe``).
 
     On a GPU each N is a CUDA graph timed with CUDA events (median); on the CPU a wall clock.
@@ -73,12 +76,16 @@ def rows(model, random_weights, rows_text, context, device, dtype, reps, warmup,
 
         w12_info = convert_engine_model(m).to_json()
     head = m.set_head(head)
+    if decode == "fused" and not device.startswith("cuda"):
+        raise InputError("--decode fused needs --device cuda (its kernels only run in Triton's interpreter on the CPU)")
+    decode = m.set_decode(decode)
     res = measure_rows(m, row_list, context, reps=reps, warmup=warmup, progress=progress)
     res.model = name
     data = res.to_json()
     data["w12"] = w12_info
     data["attn"] = attn
     data["head"] = head
+    data["decode"] = decode
     hw = res.gpu or f"CPU {res.cpu}"
     label = f", W12 {w12_info['path']}" if w12_info else ""
     emit(Report(data=data, sections=[Section(f"{name} {res.dtype}{label}, context {context}, {hw}",

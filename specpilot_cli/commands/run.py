@@ -121,7 +121,8 @@ def command(prompt_text, prompts_file, prompt_ids, chat, max_new_tokens, outputs
     data = {"schema": "specpilot.run/1", "engine": str(spec), "model": engine.model_name, "mode": spec.mode,
             "drafter": spec.drafter if spec.mode != "ar" else None, "nodes": spec.nodes if spec.mode == "tree" else None,
             "dtype": engine.info["dtype"], "device": spec.device, "chat": used_chat, "max_new_tokens": max_new_tokens,
-            "w12": engine.info.get("w12"), "attn": engine.info.get("attn"), "head": engine.info.get("head"), **summary, "results": results}
+            "w12": engine.info.get("w12"), "attn": engine.info.get("attn"), "head": engine.info.get("head"),
+            "decode": engine.info.get("decode"), **summary, "results": results}
     if len(results) == 1:
         data.update({k: results[0][k] for k in ("prompt_ids", "output_ids", "text")})
     rows = [[r["id"], r["tokens"], r["steps"], r["tau"], r["tokens_per_s"], r["stop"]] for r in results]

@@ -1,0 +1,87 @@
+"""One-row steps through the fused decode kernels (``engine:...,decode=fused``, ``--decode fused``).
+
+A dense layer's AR step (one row) becomes five kernels plus the two of attention
+(:mod:`specpilot.kernels.decode.gemv`):
+
+1. RMSNorm + q/k/v projection + RoPE of q and k + K/V written into the cache at the step's slot;
+2. the split-KV attention (``kernels/attention/decode``: two kernels);
+3. output projection + residual add;
+4. RMSNorm + gate/up projection + SiLU(gate) * up;
+5. down projection + residual add.
+
+Steps of more than one row (prefill, chain and tree verification) keep the layer modules
+(compiled or eager), so ``decode=fused`` changes the AR step and one-row draft steps only. The
+arithmetic is the layer's own, rounding for rounding; only the fp32 summation order of the
+projections differs from cuBLAS's, as between any two GEMM kernels.
+
+Eligible models: dense Llama-family attention layers with plain ``nn.Linear`` projections (no
+W12), no q/k/v bias, no q/k norm, no attention output gate, RoPE over the whole head dimension
+(a power of two), on CUDA (the kernels run in Triton's interpreter on the CPU, for tests only).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specpilot.errors import InputError
+
+KINDS = ("layers", "fused")
+
+
+def ineligible(model) -> str | None:
+    """Why ``model`` cannot take the fused one-row path (None when it can)."""
+    from specpilot.engine.model import Attention
+    from specpilot.kernels.decode.gemv import DEFAULT
+
+    spec = model.spec
+    if spec.is_hybrid:
+        return "it has Gated DeltaNet layers"
+    if model.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"dtype {model.dtype} is not supported"
+    for i, blk in enumerate(model.layers):
+        m = blk.mixer
+        if not isinstance(m, Attention):
+            return f"layer {i} is not an attention layer"
+        for name, lin in (("q/k/v", m.wqkv), ("o", m.wo), ("gate/up", blk.w13), ("down", blk.w2)):
+            if type(lin) is not nn.Linear:
+                return f"layer {i}'s {name} projection is not a dense nn.Linear (W12?)"
+        if m.wqkv.bias is not None:
+            return "the q/k/v projection has a bias"
+        if m.qk_norm or m.gate:
+            return "q/k norms or an attention output gate are not fused"
+        if m.hd & (m.hd - 1) or (m.hd // 2) % DEFAULT.pairs or m.nh % m.nkv:
+            return f"head_dim {m.hd} must be a power of two >= {2 * DEFAULT.pairs}"
+        if blk.inter % DEFAULT.pairs or spec.hidden_size % (2 * DEFAULT.pairs):
+            return "hidden and intermediate sizes must be multiples of the kernel's row blocks"
+    if model.cos.shape[-1] != model.layers[0].mixer.hd:
+        return "partial rotary embeddings are not fused"
+    return None
+
+
+def set_decode(model, kind: str) -> str:
+    """``layers`` (default) or ``fused`` for the model's one-row steps; returns the choice."""
+    if kind not in KINDS:
+        raise InputError(f"unknown decode {kind!r}; choose {' or '.join(KINDS)}")
+    if kind == "fused":
+        why = ineligible(model)
+        if why:
+            raise InputError(f"decode=fused: {model.spec.name}: {why}; use decode=layers")
+    model.fused_decode = kind == "fused"
+    return kind
+
+
+def block_step(blk, x: torch.Tensor, inp, cos: torch.Tensor, sin: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """One layer for one row ``x`` [1, hidden] (the whole RoPE tables ``cos``/``sin``; the step's
+    position and slot stay on the device, so a CUDA graph replays it for any position)."""
+    from specpilot.kernels.attention.decode import masked_gqa_attention
+    from specpilot.kernels.decode import gemv
+
+    m = blk.mixer
+    q = gemv.norm_qkv_rope_store(x, blk.attn_norm, blk.eps, m.wqkv.weight, cos, sin, inp.pos, inp.slots,
+                                 m.k_cache[0], m.v_cache[0], m.nh, m.nkv)
+    o = masked_gqa_attention(q.view(1, m.nh, m.hd), m.k_cache[0, :, :kv_len], m.v_cache[0, :, :kv_len],
+                             inp.mask[:, :kv_len], m.hd ** -0.5)
+    x = gemv.gemv_residual(o, m.wo.weight, x)
+    a = gemv.norm_gate_up_silu(x, blk.mlp_norm, blk.eps, blk.w13.weight, blk.inter)
+    return gemv.gemv_residual(a, blk.w2.weight, x)

@@ -1,0 +1,231 @@
+"""Fused one-row decode kernels: a dense-layer AR step in five kernels plus attention.
+
+An AR step of a dense Llama-family layer, written as modules and compiled, is about fifteen
+kernels on the H200 (two RMSNorms, the q/k/v projection, two RoPE kernels, the cache write, a copy,
+two attention kernels, the output projection, split-K reductions, gate/up, SiLU, down). Each one
+costs launch and ramp time, and at batch 1 every one of them is small. Here one GEMV kernel with a
+prologue and an epilogue chosen at compile time takes the whole layer apart from attention:
+
+* ``NORM`` prologue: the program computes the row's RMS itself (the row is a few KB, read from L2)
+  and normalises each x chunk as it goes (``rms_norm``'s roundings);
+* ``EPI_RESID``: ``res + bf16(x @ W.T)`` (the residual adds after ``wo`` and ``w2``);
+* ``EPI_SILU``: a program owns gate rows ``n .. n+B`` and the matching up rows ``inter + n``, and
+  writes ``silu(gate) * up`` (the gate/up projection and the activation);
+* ``EPI_ROPE``: a program owns dims ``i`` and ``i + hd/2`` of one q/k/v head, applies rotate-half
+  RoPE to q and k at the step's position and writes q to its buffer and K/V into the caches at the
+  step's slot (the q/k/v projection, both RoPE kernels and the cache write).
+
+Every program loads two ``[B, BLOCK_K]`` weight tiles per iteration (rows ``a`` and ``b``: the
+two halves of its block, or the gate/up or RoPE pairs), accumulates in fp32 and reduces once at
+the end: no atomics, no split-K, so results are bitwise identical run to run. The plain reference
+is :mod:`.reference`; the kernels also run under Triton's interpreter (CPU tests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specpilot.kernels.triton_env import tl, triton
+
+EPI_PLAIN, EPI_RESID, EPI_SILU, EPI_ROPE = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """``pairs`` B (a program owns 2B output rows), ``block_k`` columns per iteration, ``warps``,
+    ``stages`` (software pipelining depth of the weight loads)."""
+
+    pairs: int = 8
+    block_k: int = 512
+    warps: int = 4
+    stages: int = 2
+
+    def key(self) -> str:
+        return f"p{self.pairs}-k{self.block_k}-w{self.warps}-s{self.stages}"
+
+
+# Chosen on the H200 (benchmarks/decode_gemv.py, results/decode_gemv.json) per (N, K); other
+# shapes take DEFAULT.
+DEFAULT = GemvConfig()
+TUNED: dict[tuple[str, int, int], GemvConfig] = {}
+
+
+def config_for(epi: str, n: int, k: int) -> GemvConfig:
+    return TUNED.get((epi, n, k), DEFAULT)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gemv_kernel(x_ptr, gamma_ptr, w_ptr, y_ptr, res_ptr,
+                     cos_ptr, sin_ptr, pos_ptr, slot_ptr, kc_ptr, vc_ptr,
+                     K, stride_w, eps, INTER, NH, NKV,
+                     stride_ch, stride_cs, stride_dh, stride_ds, stride_rot,
+                     NORM: tl.constexpr, EPI: tl.constexpr, HD: tl.constexpr,
+                     B: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+        pid = tl.program_id(0)
+        i = tl.arange(0, B)
+        offs_k = tl.arange(0, BLOCK_K)
+        if EPI == 2:      # gate row p, up row INTER + p
+            p = pid * B + i
+            rows_a = p
+            rows_b = INTER + p
+        elif EPI == 3:    # dims d and d + HD/2 of head h
+            HALF: tl.constexpr = HD // 2
+            p = pid * B + i
+            head = (pid * B) // HALF
+            d = p % HALF
+            rows_a = head * HD + d
+            rows_b = rows_a + HALF
+        else:             # rows pid*2B .. +B and +B .. +2B
+            rows_a = pid * (2 * B) + i
+            rows_b = rows_a + B
+        wa_ptrs = w_ptr + rows_a.to(tl.int64)[:, None] * stride_w + offs_k[None, :]
+        wb_ptrs = w_ptr + rows_b.to(tl.int64)[:, None] * stride_w + offs_k[None, :]
+
+        if NORM:  # the row's RMS, from the whole row (a few KB, L2-resident)
+            ss = tl.zeros([BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                kk = k0 + offs_k
+                xv = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+                ss += xv * xv
+            rstd = tl.math.rsqrt(tl.sum(ss, axis=0) / K + eps)
+
+        acc_a = tl.zeros([B, BLOCK_K], dtype=tl.float32)
+        acc_b = tl.zeros([B, BLOCK_K], dtype=tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+            kk = k0 + offs_k
+            km = kk < K
+            wa = tl.load(wa_ptrs + k0, mask=km[None, :], other=0.0)
+            wb = tl.load(wb_ptrs + k0, mask=km[None, :], other=0.0)
+            xv = tl.load(x_ptr + kk, mask=km, other=0.0)
+            if NORM:
+                g = tl.load(gamma_ptr + kk, mask=km, other=0.0)
+                xn = (xv.to(tl.float32) * rstd).to(x_ptr.dtype.element_ty)
+                xv = (g.to(tl.float32) * xn.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            xf = xv.to(tl.float32)[None, :]
+            acc_a += wa.to(tl.float32) * xf
+            acc_b += wb.to(tl.float32) * xf
+        dt = y_ptr.dtype.element_ty
+        ya = tl.sum(acc_a, axis=1).to(dt)
+        yb = tl.sum(acc_b, axis=1).to(dt)
+
+        if EPI == 0:
+            tl.store(y_ptr + rows_a, ya)
+            tl.store(y_ptr + rows_b, yb)
+        elif EPI == 1:
+            ra = tl.load(res_ptr + rows_a).to(tl.float32)
+            rb = tl.load(res_ptr + rows_b).to(tl.float32)
+            tl.store(y_ptr + rows_a, (ra + ya.to(tl.float32)).to(dt))
+            tl.store(y_ptr + rows_b, (rb + yb.to(tl.float32)).to(dt))
+        elif EPI == 2:
+            gf = ya.to(tl.float32)
+            s = (gf / (1.0 + tl.exp(-gf))).to(dt)
+            tl.store(y_ptr + p, (s.to(tl.float32) * yb.to(tl.float32)).to(dt))
+        else:
+            pos = tl.load(pos_ptr)
+            slot = tl.load(slot_ptr)
+            c1 = tl.load(cos_ptr + pos * stride_rot + d).to(dt).to(tl.float32)
+            c2 = tl.load(cos_ptr + pos * stride_rot + d + HALF).to(dt).to(tl.float32)
+            s1 = tl.load(sin_ptr + pos * stride_rot + d).to(dt).to(tl.float32)
+            s2 = tl.load(sin_ptr + pos * stride_rot + d + HALF).to(dt).to(tl.float32)
+            a = ya.to(tl.float32)
+            b = yb.to(tl.float32)
+            # rotate-half: [a, b] -> [a c - b s, b c + a s], each product rounded as the layer does
+            ra = ((a * c1).to(dt).to(tl.float32) + (-b * s1).to(dt).to(tl.float32)).to(dt)
+            rb = ((b * c2).to(dt).to(tl.float32) + (a * s2).to(dt).to(tl.float32)).to(dt)
+            is_q = rows_a < NH * HD
+            is_k = (rows_a >= NH * HD) & (rows_a < (NH + NKV) * HD)
+            is_v = rows_a >= (NH + NKV) * HD
+            tl.store(y_ptr + rows_a, ra, mask=is_q)
+            tl.store(y_ptr + rows_b, rb, mask=is_q)
+            kh = head - NH
+            kbase = kc_ptr + kh * stride_ch + slot * stride_cs
+            tl.store(kbase + d, ra, mask=is_k)
+            tl.store(kbase + d + HALF, rb, mask=is_k)
+            vh = head - NH - NKV
+            vbase = vc_ptr + vh * stride_dh + slot * stride_ds
+            tl.store(vbase + d, ya, mask=is_v)
+            tl.store(vbase + d + HALF, yb, mask=is_v)
+
+
+def _check_row(x: torch.Tensor, k: int, name: str) -> None:
+    if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != k or x.stride(-1) != 1:
+        raise ValueError(f"{name}: one contiguous row of {k} values expected, got shape {tuple(x.shape)}")
+
+
+def _check_weight(w: torch.Tensor, x: torch.Tensor) -> None:
+    if w.dim() != 2 or w.stride(-1) != 1 or w.dtype != x.dtype:
+        raise ValueError(f"weight must be 2-D, contiguous in K and of x's dtype ({x.dtype}), got "
+                         f"{tuple(w.shape)} {w.dtype}")
+
+
+def _launch(grid, x, gamma, w, y, res, eps, epi, norm, cfg, inter=0, nh=0, nkv=0, hd=16,
+            cos=None, sin=None, pos=None, slot=None, k_cache=None, v_cache=None):
+    K = w.shape[1]
+    d = x  # placeholder for pointer arguments an epilogue does not use
+    kc = k_cache if k_cache is not None else d
+    vc = v_cache if v_cache is not None else d
+    cs = kc.stride() if k_cache is not None else (0, 0, 0)
+    vs = vc.stride() if v_cache is not None else (0, 0, 0)
+    _gemv_kernel[grid](
+        x, gamma if gamma is not None else d, w, y, res if res is not None else d,
+        cos if cos is not None else d, sin if sin is not None else d, pos if pos is not None else d,
+        slot if slot is not None else d, kc, vc,
+        K, w.stride(0), float(eps), inter, nh, nkv, cs[0], cs[1], vs[0], vs[1],
+        cos.stride(0) if cos is not None else 0,
+        NORM=norm, EPI=epi, HD=hd, B=cfg.pairs, BLOCK_K=cfg.block_k, STAGES=cfg.stages, num_warps=cfg.warps)
+
+
+def gemv_residual(x: torch.Tensor, w: torch.Tensor, res: torch.Tensor, cfg: GemvConfig | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """``res + x @ w.T`` for one row x [1, K] and w [N, K]; ``N`` a multiple of ``2 * pairs``."""
+    N, K = w.shape
+    cfg = cfg or config_for("resid", N, K)
+    _check_row(x, K, "x")
+    _check_weight(w, x)
+    _check_row(res, N, "res")
+    if N % (2 * cfg.pairs):
+        raise ValueError(f"N={N} is not a multiple of {2 * cfg.pairs} rows per program")
+    y = out if out is not None else torch.empty_like(res)
+    _launch((N // (2 * cfg.pairs),), x, None, w, y, res, 0.0, EPI_RESID, False, cfg)
+    return y
+
+
+def norm_gate_up_silu(x: torch.Tensor, gamma: torch.Tensor, eps: float, w13: torch.Tensor, inter: int,
+                      cfg: GemvConfig | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` of ``rms_norm(x) @ w13.T`` (gate rows ``[0, inter)``, up rows after): [1, inter]."""
+    N, K = w13.shape
+    cfg = cfg or config_for("silu", N, K)
+    _check_row(x, K, "x")
+    _check_weight(w13, x)
+    if N != 2 * inter or inter % cfg.pairs:
+        raise ValueError(f"w13 must have 2 * inter rows with inter a multiple of {cfg.pairs} (got {N}, {inter})")
+    y = torch.empty(1, inter, dtype=x.dtype, device=x.device)
+    _launch((inter // cfg.pairs,), x, gamma, w13, y, None, eps, EPI_SILU, True, cfg, inter=inter)
+    return y
+
+
+def norm_qkv_rope_store(x, gamma, eps, w_qkv, cos, sin, pos, slot, k_cache, v_cache, nh: int, nkv: int,
+                        cfg: GemvConfig | None = None) -> torch.Tensor:
+    """RMSNorm, q/k/v projection, rotate-half RoPE of q and k at ``pos`` (a one-element device
+    tensor; ``cos``/``sin`` are the [positions, hd] tables), K/V written to the caches [nkv, S, hd]
+    at ``slot`` (one-element device tensor). Returns q [1, nh * hd]."""
+    N, K = w_qkv.shape
+    hd = k_cache.shape[-1]
+    cfg = cfg or config_for("rope", N, K)
+    _check_row(x, K, "x")
+    _check_weight(w_qkv, x)
+    if N != (nh + 2 * nkv) * hd or (hd // 2) % cfg.pairs or hd & (hd - 1):
+        raise ValueError(f"w_qkv must have (nh + 2 nkv) * hd rows, hd a power of two with hd/2 a multiple of "
+                         f"{cfg.pairs} (got {N} rows, nh={nh}, nkv={nkv}, hd={hd})")
+    if cos.shape[-1] != hd or cos.stride(-1) != 1 or sin.stride() != cos.stride():
+        raise ValueError("RoPE tables must be [positions, head_dim], contiguous (partial rotary is not fused)")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("caches must be contiguous in head_dim")
+    q = torch.empty(1, nh * hd, dtype=x.dtype, device=x.device)
+    _launch(((nh + 2 * nkv) * hd // 2 // cfg.pairs,), x, gamma, w_qkv, q, None, eps, EPI_ROPE, True, cfg,
+            nh=nh, nkv=nkv, hd=hd, cos=cos, sin=sin, pos=pos, slot=slot, k_cache=k_cache, v_cache=v_cache)
+    return q

@@ -1,0 +1,47 @@
+"""Plain torch references of the fused one-row decode kernels (:mod:`.gemv`).
+
+Each function is the engine's own layer code (``engine/model.py``: ``rms_norm``, ``apply_rope``,
+the cache write, ``x + wo(o)``, ``F.silu(gate) * up``) for one row, written out step by step so the
+fused kernels can be checked against the same roundings: every intermediate the layer rounds to
+the model's dtype is rounded here too.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
+    """``gamma * (x * rsqrt(mean(x^2) + eps))`` with the normalised row rounded to x's dtype first."""
+    xf = x.float()
+    return gamma * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def norm_qkv_rope_store(x, gamma, eps, w_qkv, cos, sin, pos, slot, k_cache, v_cache, nh: int, nkv: int):
+    """RMSNorm, the fused q/k/v projection, rotate-half RoPE of q and k (all ``head_dim`` dims) at
+    ``pos``, K and V written to ``k_cache``/``v_cache`` [nkv, S, hd] at ``slot``; returns q [1, nh * hd]."""
+    hd = k_cache.shape[-1]
+    qkv = F.linear(rms_norm(x, gamma, eps), w_qkv)
+    q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], -1)
+    c, s = cos[pos].to(x.dtype), sin[pos].to(x.dtype)     # [1, hd]
+
+    def rope(t):
+        t = t.view(-1, hd)
+        t1, t2 = t[:, : hd // 2], t[:, hd // 2:]
+        return t * c + torch.cat([-t2, t1], -1) * s
+
+    k_cache[:, slot] = rope(k).view(nkv, 1, hd)
+    v_cache[:, slot] = v.view(nkv, 1, hd)
+    return rope(q).reshape(1, nh * hd)
+
+
+def gemv_residual(x, w, res):
+    """``res + x @ w.T``, the product rounded to the dtype before the add (as ``x + wo(o)``)."""
+    return res + F.linear(x, w)
+
+
+def norm_gate_up_silu(x, gamma, eps, w13, inter: int):
+    """RMSNorm, the fused gate/up projection (gate rows first), ``silu(gate) * up``: [1, inter]."""
+    gate, up = F.linear(rms_norm(x, gamma, eps), w13).split([inter, inter], -1)
+    return F.silu(gate) * up

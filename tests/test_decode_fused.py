@@ -1,0 +1,144 @@
+"""The fused one-row decode kernels (kernels/decode) and the engine's ``decode=fused``.
+
+On the CPU the Triton kernels run under the interpreter at tiny shapes; on a GPU the engine tests
+run on cuda (AR steps in CUDA graphs). Kernel results are checked against the plain references
+(kernels/decode/reference.py), which round like the engine's layers."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from specpilot.engine.api import load_engine  # noqa: E402
+from specpilot.engine.model import StepInput  # noqa: E402
+from specpilot.errors import InputError  # noqa: E402
+from specpilot.kernels.decode import gemv as G  # noqa: E402
+from specpilot.kernels.decode import reference as R  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+SMALL = G.GemvConfig(pairs=4, block_k=32, warps=1, stages=1)
+TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
+
+
+def _rope_tables(hd, n):
+    inv = 1 / (10000 ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    emb = torch.cat([torch.outer(torch.arange(n, dtype=torch.float64), inv)] * 2, -1).float()
+    return emb.cos().to(DEV), emb.sin().to(DEV)
+
+
+def _close(a, b, dt):
+    assert a.shape == b.shape and a.dtype == b.dtype
+    torch.testing.assert_close(a.float(), b.float(), atol=TOL[dt], rtol=TOL[dt])
+
+
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+def test_kernels_match_the_reference(dt):
+    g = torch.Generator().manual_seed(1)
+    K, N, inter = 96, 64, 40
+
+    def rnd(*s, scale=1.0):
+        return (torch.randn(*s, generator=g) * scale).to(dt).to(DEV)
+
+    x, res = rnd(1, K), rnd(1, N)
+    gamma = (torch.rand(K, generator=g) + 0.5).to(dt).to(DEV)
+    w = rnd(N, K, scale=0.1)
+    _close(G.gemv_residual(x, w, res, SMALL), R.gemv_residual(x, w, res), dt)
+
+    w13 = rnd(2 * inter, K, scale=0.1)
+    _close(G.norm_gate_up_silu(x, gamma, 1e-5, w13, inter, SMALL), R.norm_gate_up_silu(x, gamma, 1e-5, w13, inter), dt)
+
+    nh, nkv, hd, S = 4, 2, 16, 12
+    wq = rnd((nh + 2 * nkv) * hd, K, scale=0.1)
+    cos, sin = _rope_tables(hd, 16)
+    pos, slot = torch.tensor([7], device=DEV), torch.tensor([9], device=DEV)
+    kc, vc = rnd(nkv, S, hd), rnd(nkv, S, hd)
+    kc2, vc2 = kc.clone(), vc.clone()
+    q = G.norm_qkv_rope_store(x, gamma, 1e-5, wq, cos, sin, pos, slot, kc, vc, nh, nkv, SMALL)
+    q2 = R.norm_qkv_rope_store(x, gamma, 1e-5, wq, cos, sin, pos, slot, kc2, vc2, nh, nkv)
+    _close(q, q2, dt)
+    _close(kc, kc2, dt)
+    _close(vc, vc2, dt)
+    others = torch.arange(S, device=DEV) != 9
+    assert torch.equal(kc[:, others], kc2[:, others]) and torch.equal(vc[:, others], vc2[:, others])
+
+
+def test_kernel_shape_errors():
+    x = torch.zeros(1, 64, device=DEV)
+    with pytest.raises(ValueError, match="multiple"):
+        G.gemv_residual(x, torch.zeros(36, 64, device=DEV), torch.zeros(1, 36, device=DEV), SMALL)
+    with pytest.raises(ValueError, match="one contiguous row"):
+        G.gemv_residual(torch.zeros(2, 64, device=DEV), torch.zeros(32, 64, device=DEV), torch.zeros(1, 32, device=DEV))
+    with pytest.raises(ValueError, match="dtype"):
+        G.gemv_residual(x, torch.zeros(32, 64, device=DEV, dtype=torch.bfloat16), torch.zeros(1, 32, device=DEV))
+    with pytest.raises(ValueError, match="2 \\* inter"):
+        G.norm_gate_up_silu(x, torch.ones(64, device=DEV), 1e-5, torch.zeros(30, 64, device=DEV), 16, SMALL)
+
+
+def test_engine_one_row_step_matches_the_layers():
+    """A prefill through the layers, then the same AR step both ways: logits and the K/V written agree."""
+    ctx = 64
+    e = load_engine(f"engine:model=tiny,mode=ar,ctx={ctx},device={DEV},dtype=float32,graphs=0")
+    m = e.model
+    prompt = [ord(c) for c in "the cat sat"]
+    n = len(prompt)
+    pos = torch.arange(n, device=DEV)
+    mask = torch.arange(ctx, device=DEV)[None, :] <= pos[:, None]
+    m.forward(StepInput(torch.tensor(prompt, device=DEV), pos, pos, mask, "seq"), kv_len=ctx)
+    one = StepInput(torch.tensor([ord(" ")], device=DEV), torch.tensor([n], device=DEV),
+                    torch.tensor([n], device=DEV), torch.arange(ctx, device=DEV)[None, :] <= n, "seq")
+    ref = m.forward(one, kv_len=ctx)
+    kv_ref = [blk.mixer.k_cache[0, :, n].clone() for blk in m.layers]
+    for blk in m.layers:
+        blk.mixer.k_cache[0, :, n] = 0
+    assert m.set_decode("fused") == "fused"
+    got = m.forward(one, kv_len=ctx)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    for blk, k in zip(m.layers, kv_ref):
+        torch.testing.assert_close(blk.mixer.k_cache[0, :, n], k, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+def test_set_decode_refuses_what_it_cannot_fuse():
+    hybrid = load_engine("engine:model=tiny-hybrid,mode=ar,ctx=32,graphs=0").model
+    with pytest.raises(InputError, match="Gated DeltaNet"):
+        hybrid.set_decode("fused")
+    with pytest.raises(InputError, match="unknown decode"):
+        hybrid.set_decode("megakernel")
+    dense = load_engine("engine:model=tiny,mode=ar,ctx=32,graphs=0").model
+    dense.layers[0].mixer.qk_norm = True
+    with pytest.raises(InputError, match="q/k norms"):
+        dense.set_decode("fused")
+    assert dense.set_decode("layers") == "layers" and not dense.fused_decode
+
+
+def test_cli_decode_option_errors(run_cli):
+    code, _, err = run_cli("run", "--model", "tiny", "--mode", "ar", "--decode", "fused", "--prompt", "hi",
+                           "--max-new-tokens", "2")
+    assert code == 2 and "decode=fused needs device=cuda" in err
+    code, _, err = run_cli("run", "--engine", "engine:model=tiny,decode=megakernel", "--prompt", "hi")
+    assert code == 2 and "unknown decode" in err
+    code, _, err = run_cli("probe", "rows", "--model", "tiny", "--device", "cpu", "--decode", "fused")
+    assert code == 2 and "--decode fused needs --device cuda" in err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_ar_with_fused_decode_equals_layers(run_cli):
+    """AR generation in CUDA graphs with decode=fused equals the layers' tokens (float32, tiny model),
+    and ``run`` reports the choice."""
+    prompt = [ord(c) for c in "the cat sat on the mat. the cat sat on the"]
+    ref = load_engine("engine:model=tiny,mode=ar,ctx=256,device=cuda,dtype=float32").generate(prompt, 24)
+    got = load_engine("engine:model=tiny,mode=ar,ctx=256,device=cuda,dtype=float32,decode=fused").generate(prompt, 24)
+    assert got.output_ids == ref.output_ids
+    code, out, err = run_cli("run", "--model", "tiny", "--mode", "tree", "--nodes", "8", "--device", "cuda",
+                             "--decode", "fused", "--prompt", "the cat sat", "--max-new-tokens", "8", "--format", "json")
+    assert code == 0, err
+    assert json.loads(out)["decode"] == "fused"
