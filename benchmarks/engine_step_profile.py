@@ -13,7 +13,8 @@ feed a trace to ``specpilot profile TRACE --step-range 'decode_step_.*' --model 
 
 A variant is ``attn:layers`` plus optional ``:certified`` (the certified INT8 LM head, ``head=certified``),
 ``:decode`` (the fused one-row decode kernels, ``decode=fused``; the layers then only matter for
-steps of more rows) and ``:w12`` (W12 projections; converted in place, so W12 variants come last).
+steps of more rows; with ``:nopdl`` without programmatic dependent launch, with ``:untuned`` with
+the kernels' default config instead of the tuned table) and ``:w12`` (W12 projections; converted in place, so W12 variants come last).
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def main():
         variants.append(("fused", "compiled", "w12"))
     seen_w12 = False
     for attn, layers, *extra in variants:
-        if set(extra) - {"w12", "certified", "decode"}:
+        if set(extra) - {"w12", "certified", "decode", "nopdl", "untuned"}:
             ap.error(f"unknown variant part in {':'.join((attn, layers, *extra))}")
         if seen_w12 and "w12" not in extra:
             ap.error("W12 converts the projections in place: list W12 variants last")
@@ -111,8 +112,7 @@ def main():
     with torch.no_grad():
         for attn, layers, *extra in variants:
             w12, certified, decode = "w12" in extra, "certified" in extra, "decode" in extra
-            name = (f"{attn}:{layers}" + (":certified" if certified else "") + (":decode" if decode else "")
-                    + (":w12" if w12 else ""))
+            name = ":".join((attn, layers, *extra))
             if w12 and not getattr(model, "_w12_done", False):  # converts the projections in place
                 from specpilot.engine.w12 import convert_engine_model
 
@@ -120,6 +120,12 @@ def main():
                 model._w12_done = True
             model.set_head("certified" if certified else "linear")
             model.set_decode("fused" if decode else "layers")
+            from specpilot.kernels.decode import gemv
+
+            gemv.USE_PDL = "nopdl" not in extra
+            tuned = dict(gemv.TUNED)
+            if "untuned" in extra:
+                gemv.TUNED.clear()
             # the certified head streams the INT8 copy (1 byte per weight) instead of the bf16 head
             w_bytes = proj_bytes + spec.lm_head_params() * (1 if certified else 2)
             model.set_attention(attn)
@@ -129,11 +135,12 @@ def main():
                 model.compile_blocks()
             t = time.time()
             g = capture(model, context)
+            gemv.TUNED.update(tuned)
             log(f"{name}: captured in {time.time() - t:.1f} s")
             r = profile_variant(g, args.steps, out / f"engine_decode_{name.replace(':', '_')}.json.gz")
             limit_ms = (w_bytes + kv_bytes) / BW * 1e3
             rows.append({"variant": name, "attn": attn, "layers": layers, "w12": w12, "certified_head": certified,
-                         "decode": "fused" if decode else "layers",
+                         "decode": "fused" if decode else "layers", "pdl": decode and gemv.USE_PDL,
                          "context": context,
                          "max_seq": model.max_seq, "tokens_per_s": 1e3 / r["step_ms_graph"],
                          "limit_ms_at_4.4TBps": limit_ms, "fraction_of_limit": limit_ms / r["step_ms_graph"],

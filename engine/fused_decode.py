@@ -81,7 +81,7 @@ def block_step(blk, x: torch.Tensor, inp, cos: torch.Tensor, sin: torch.Tensor, 
     q = gemv.norm_qkv_rope_store(x, blk.attn_norm, blk.eps, m.wqkv.weight, cos, sin, inp.pos, inp.slots,
                                  m.k_cache[0], m.v_cache[0], m.nh, m.nkv)
     o = masked_gqa_attention(q.view(1, m.nh, m.hd), m.k_cache[0, :, :kv_len], m.v_cache[0, :, :kv_len],
-                             inp.mask[:, :kv_len], m.hd ** -0.5)
+                             inp.mask[:, :kv_len], m.hd ** -0.5, pdl=gemv.USE_PDL)
     x = gemv.gemv_residual(o, m.wo.weight, x)
     a = gemv.norm_gate_up_silu(x, blk.mlp_norm, blk.eps, blk.w13.weight, blk.inter)
     return gemv.gemv_residual(a, blk.w2.weight, x)

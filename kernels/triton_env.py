@@ -25,3 +25,12 @@ except Exception:  # pragma: no cover
 def interpreting() -> bool:
     """Whether kernels run under Triton's interpreter (the CPU tests)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def pdl_args(enabled: bool, x) -> dict:
+    """Kernel arguments for programmatic dependent launch (PDL): ``PDL`` (the kernel's constexpr)
+    and Triton's ``launch_pdl``, on only when ``enabled``, ``x`` is a CUDA tensor and kernels are
+    compiled (the interpreter has no ``griddepcontrol``). A kernel launched so may start while the
+    previous kernel finishes: it must read nothing but constant data (weights) before ``gdc_wait``."""
+    on = bool(enabled) and x.is_cuda and not interpreting()
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}

@@ -22,13 +22,15 @@ from __future__ import annotations
 
 import torch
 
-from ..triton_env import tl, triton  # sets TRITON_INTERPRET first on a machine without CUDA
+from ..triton_env import pdl_args, tl, triton  # sets TRITON_INTERPRET first on a machine without CUDA
 
 BLOCK_N = 64        # cache slots per tile
 MAX_BLOCK_M = 64    # query rows per program (group members x step rows); more rows: more programs
 TARGET_PROGRAMS = 256  # split the cache until about this many programs run (fills the SMs)
 
 if triton is not None:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
     NEG = tl.constexpr(-1.0e30)  # finite "minus infinity": a row with nothing to attend in a split stays finite
 
     @triton.jit
@@ -36,7 +38,10 @@ if triton is not None:
                     T, S, R, chunk, scale,
                     stride_qt, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs, stride_mt,
                     GRP: tl.constexpr, HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    IEEE: tl.constexpr):
+                    IEEE: tl.constexpr, PDL: tl.constexpr):
+        if PDL:   # the fused decode chain: let the merge launch, then wait for q and the cache write
+            gdc_launch_dependents()
+            gdc_wait()
         kvh = tl.program_id(0)
         sp = tl.program_id(1)
         rb = tl.program_id(2)
@@ -85,7 +90,10 @@ if triton is not None:
 
     @triton.jit
     def _attn_merge(acc_ptr, ml_ptr, out_ptr, T, R, nsplit, stride_ot,
-                    GRP: tl.constexpr, HD: tl.constexpr, SPLITS: tl.constexpr):
+                    GRP: tl.constexpr, HD: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
+        if PDL:
+            gdc_launch_dependents()
+            gdc_wait()
         kvh = tl.program_id(0)
         r = tl.program_id(1)
         sp = tl.arange(0, SPLITS)
@@ -143,8 +151,10 @@ def plan(T: int, nh: int, nkv: int, S: int) -> tuple[int, int, int, int]:
 
 
 def masked_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                         scale: float) -> torch.Tensor:
-    """Fused masked GQA attention; output [T, nh * hd] in ``v``'s dtype (see the module doc)."""
+                         scale: float, pdl: bool = False) -> torch.Tensor:
+    """Fused masked GQA attention; output [T, nh * hd] in ``v``'s dtype (see the module doc).
+    ``pdl``: launch both kernels with programmatic dependent launch (kernels/triton_env.pdl_args;
+    the fused decode chain)."""
     if triton is None:  # pragma: no cover
         raise RuntimeError("the fused attention needs triton")
     T, nh, hd = q.shape
@@ -166,7 +176,7 @@ def masked_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
     _attn_split[(nkv, splits, row_blocks)](
         q, k, v, mask, acc, ml, T, S, R, chunk, float(scale),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), mask.stride(0),
-        GRP=nh // nkv, HD=hd, BLOCK_M=block_m, BLOCK_N=BLOCK_N, IEEE=ieee, num_warps=4)
+        GRP=nh // nkv, HD=hd, BLOCK_M=block_m, BLOCK_N=BLOCK_N, IEEE=ieee, num_warps=4, **pdl_args(pdl, q))
     _attn_merge[(nkv, R)](acc, ml, out, T, R, splits, out.stride(0), GRP=nh // nkv, HD=hd,
-                          SPLITS=max(2, triton.next_power_of_2(splits)), num_warps=4)
+                          SPLITS=max(2, triton.next_power_of_2(splits)), num_warps=4, **pdl_args(pdl, q))
     return out

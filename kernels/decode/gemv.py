@@ -27,9 +27,12 @@ from dataclasses import dataclass
 
 import torch
 
-from specpilot.kernels.triton_env import tl, triton
+from specpilot.kernels.triton_env import pdl_args, tl, triton
 
 EPI_PLAIN, EPI_RESID, EPI_SILU, EPI_ROPE = 0, 1, 2, 3
+# programmatic dependent launch for the fused kernels (and the attention they call): each kernel
+# lets the next one launch at its start and waits for the previous one before touching activations
+USE_PDL = True
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,12 @@ class GemvConfig:
 # Chosen on the H200 (benchmarks/decode_gemv.py, results/decode_gemv.json) per (N, K); other
 # shapes take DEFAULT.
 DEFAULT = GemvConfig()
-TUNED: dict[tuple[str, int, int], GemvConfig] = {}
+TUNED: dict[tuple[str, int, int], GemvConfig] = {
+    ("rope", 6144, 4096): GemvConfig(8, 512, 8, 1),
+    ("resid", 4096, 4096): GemvConfig(4, 512, 4, 3),
+    ("silu", 28672, 4096): GemvConfig(2, 1024, 4, 3),
+    ("resid", 4096, 14336): GemvConfig(4, 512, 4, 3),
+}
 
 
 def config_for(epi: str, n: int, k: int) -> GemvConfig:
@@ -57,6 +65,19 @@ def config_for(epi: str, n: int, k: int) -> GemvConfig:
 
 
 if triton is not None:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    @triton.jit
+    def _x_chunk(x_ptr, gamma_ptr, kk, K, rstd, NORM: tl.constexpr):
+        """x[kk] as a ``[1, BLOCK_K]`` fp32 row; with ``NORM`` RMS-normalised and scaled by gamma,
+        rounded to x's dtype at the two points ``rms_norm`` rounds."""
+        km = kk < K
+        xv = tl.load(x_ptr + kk, mask=km, other=0.0)
+        if NORM:
+            g = tl.load(gamma_ptr + kk, mask=km, other=0.0)
+            xn = (xv.to(tl.float32) * rstd).to(x_ptr.dtype.element_ty)
+            xv = (g.to(tl.float32) * xn.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        return xv.to(tl.float32)[None, :]
 
     @triton.jit
     def _gemv_kernel(x_ptr, gamma_ptr, w_ptr, y_ptr, res_ptr,
@@ -64,7 +85,7 @@ if triton is not None:
                      K, stride_w, eps, INTER, NH, NKV,
                      stride_ch, stride_cs, stride_dh, stride_ds, stride_rot,
                      NORM: tl.constexpr, EPI: tl.constexpr, HD: tl.constexpr,
-                     B: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+                     B: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
         pid = tl.program_id(0)
         i = tl.arange(0, B)
         offs_k = tl.arange(0, BLOCK_K)
@@ -85,6 +106,14 @@ if triton is not None:
         wa_ptrs = w_ptr + rows_a.to(tl.int64)[:, None] * stride_w + offs_k[None, :]
         wb_ptrs = w_ptr + rows_b.to(tl.int64)[:, None] * stride_w + offs_k[None, :]
 
+        # the first weight chunk: weights are constant, so under PDL they are read before the wait,
+        # while the previous kernel drains
+        wa = tl.load(wa_ptrs, mask=(offs_k < K)[None, :], other=0.0)
+        wb = tl.load(wb_ptrs, mask=(offs_k < K)[None, :], other=0.0)
+        if PDL:
+            gdc_launch_dependents()
+            gdc_wait()       # the previous kernel's writes (x, res, the caches) are visible from here
+
         if NORM:  # the row's RMS, from the whole row (a few KB, L2-resident)
             ss = tl.zeros([BLOCK_K], dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
@@ -92,20 +121,17 @@ if triton is not None:
                 xv = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
                 ss += xv * xv
             rstd = tl.math.rsqrt(tl.sum(ss, axis=0) / K + eps)
+        else:
+            rstd = 1.0
 
-        acc_a = tl.zeros([B, BLOCK_K], dtype=tl.float32)
-        acc_b = tl.zeros([B, BLOCK_K], dtype=tl.float32)
-        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-            kk = k0 + offs_k
-            km = kk < K
+        xf = _x_chunk(x_ptr, gamma_ptr, offs_k, K, rstd, NORM)
+        acc_a = wa.to(tl.float32) * xf
+        acc_b = wb.to(tl.float32) * xf
+        for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
+            km = (k0 + offs_k) < K
             wa = tl.load(wa_ptrs + k0, mask=km[None, :], other=0.0)
             wb = tl.load(wb_ptrs + k0, mask=km[None, :], other=0.0)
-            xv = tl.load(x_ptr + kk, mask=km, other=0.0)
-            if NORM:
-                g = tl.load(gamma_ptr + kk, mask=km, other=0.0)
-                xn = (xv.to(tl.float32) * rstd).to(x_ptr.dtype.element_ty)
-                xv = (g.to(tl.float32) * xn.to(tl.float32)).to(x_ptr.dtype.element_ty)
-            xf = xv.to(tl.float32)[None, :]
+            xf = _x_chunk(x_ptr, gamma_ptr, k0 + offs_k, K, rstd, NORM)
             acc_a += wa.to(tl.float32) * xf
             acc_b += wb.to(tl.float32) * xf
         dt = y_ptr.dtype.element_ty
@@ -176,7 +202,8 @@ def _launch(grid, x, gamma, w, y, res, eps, epi, norm, cfg, inter=0, nh=0, nkv=0
         slot if slot is not None else d, kc, vc,
         K, w.stride(0), float(eps), inter, nh, nkv, cs[0], cs[1], vs[0], vs[1],
         cos.stride(0) if cos is not None else 0,
-        NORM=norm, EPI=epi, HD=hd, B=cfg.pairs, BLOCK_K=cfg.block_k, STAGES=cfg.stages, num_warps=cfg.warps)
+        NORM=norm, EPI=epi, HD=hd, B=cfg.pairs, BLOCK_K=cfg.block_k, STAGES=cfg.stages, num_warps=cfg.warps,
+        **pdl_args(USE_PDL, x))
 
 
 def gemv_residual(x: torch.Tensor, w: torch.Tensor, res: torch.Tensor, cfg: GemvConfig | None = None,
