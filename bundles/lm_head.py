@@ -20,8 +20,9 @@ The target's verify pass (eligible steps only), three hooks and a guard:
   worker that defers its target LogitsProcessor's verify gather. Every other step runs stock.
 * V2 AROUND ``LogitsProcessor._get_logits``: inside that scope, for the worker's target
   LogitsProcessor in TARGET_VERIFY mode, executed in Python (not while a CUDA graph is being
-  captured), with a dense full-vocabulary head on this rank (no TP gather, DP-attention gather,
-  LoRA, quantized head, bias, softcapping or RL on-policy path), the dense head matmul is skipped:
+  captured, except G1's certified variant below), with a dense full-vocabulary head on this rank
+  (no TP gather, DP-attention gather, LoRA, quantized head, bias, softcapping or RL on-policy
+  path), the dense head matmul is skipped:
   the certified head computes the exact-logit argmax of every row (``argmax_exact``: no host sync)
   and ``_get_logits`` returns the token ids as an int64 ``[N, 1]`` tensor. Its width (1) is below
   the vocabulary, so the worker's own deferred-shard test treats it as a deferred shard.
@@ -32,8 +33,26 @@ The target's verify pass (eligible steps only), three hooks and a guard:
 * guard AROUND ``LogitsProcessor.finish_deferred_gather``: never reached for these steps (V1
   checked SGLang's skip predicate); given the ``[N, 1]`` ids it raises rather than gather them.
 
-A verify replayed from a CUDA graph never runs V2 (the graph holds stock's dense head), so it is
-stock.
+A verify replayed from a CUDA graph runs no Python, so the choice is made per step between two
+captured graphs (SGLang's own multi-graph mechanism: ``ShapeKey.variant_label``), two more hooks:
+
+* G1 AROUND ``FullCudaGraphBackend.capture_one``: stock's graph is captured first, unchanged. Then,
+  for the target's ``DecodeCudaGraphRunner`` in TARGET_VERIFY mode (not the drafter's; no ragged
+  verify, LoRA, PD-mux, two-batch overlap or torch.compile; at most ``GRAPH_MAX_ROWS`` verify rows;
+  the one LogitsProcessor the DFLASH worker marked, with a head V2 may serve), the same
+  ``forward_fn`` is captured again under ``variant_label = GRAPH_LABEL`` inside a capture scope in
+  which V2 serves (``argmax_exact`` is graph-safe; the INT8 copy is built before the capture). The
+  same ``forward_fn`` means the same static input buffers and the attention metadata that
+  ``capture_one_shape`` prepared once for both graphs: a second ``capture_one_shape`` would rebuild
+  it (FlashInfer makes new wrappers with their own int workspaces, and replay plans only the
+  newest), leaving stock's graph stale. A variant whose captured forward V2 did not serve is dropped.
+* G2 AROUND ``FullCudaGraphBackend.replay``: inside V1's scope (an eligible step), a TARGET_VERIFY
+  replay on that backend whose key has a certified variant replays it and hands its int64
+  ``[rows, 1]`` ids to V3 (``execute`` slices them to the real rows like logits). Every other
+  replay (an ineligible step, the drafter's graphs, keys without a variant) replays stock's graph
+  with stock's key, so its output is exactly stock's.
+
+Graph eligibility (``can_run_graph``), the key stock chose and the eager fallback are SGLang's.
 """
 
 from __future__ import annotations
@@ -113,7 +132,7 @@ def around_greedy_sample_from_head(original, self, *args, hidden_states=None, lm
 # ------------------------------------------------------------------- the target's verify pass
 
 _verify = None  # contextvars.ContextVar, created on first use
-_state = {"steps": 0, "skipped": {}, "disabled": False}
+_state = {"steps": 0, "graph_steps": 0, "skipped": {}, "disabled": False}
 UNQUANTIZED_HEADS = ("UnquantizedEmbeddingMethod", "UnquantizedLinearMethod")
 
 
@@ -195,7 +214,7 @@ def around_get_logits(original, self, hidden_states, lm_head, logits_metadata, e
     scope = _scope().get()
     weight = None
     if scope is not None and scope["lp"] is self and not _state["disabled"] and hidden_states.dim() == 2 \
-            and hidden_states.shape[0] > 0 and not _capturing():
+            and hidden_states.shape[0] > 0 and (scope.get("capture") or not _capturing()):
         weight = verify_head_weight(self, lm_head, logits_metadata, embedding_bias)
     if weight is None or hidden_states.shape[-1] != weight.shape[1] or self.vocab_size <= 1:
         return original(self, hidden_states, lm_head, logits_metadata, embedding_bias, use_logits_buffer)
@@ -206,16 +225,21 @@ def around_get_logits(original, self, hidden_states, lm_head, logits_metadata, e
         _state["disabled"] = True
         return original(self, hidden_states, lm_head, logits_metadata, embedding_bias, use_logits_buffer)
     scope["ids"] = ids
-    _state["steps"] += 1
+    if not scope.get("capture"):
+        _state["steps"] += 1
     return ids
 
 
-def _ours(logits) -> bool:
+def _is_ids(logits) -> bool:
     import torch
 
+    return isinstance(logits, torch.Tensor) and logits.dtype == torch.int64 and logits.dim() == 2 \
+        and logits.shape[-1] == 1
+
+
+def _ours(logits) -> bool:
     scope = _scope().get()
-    return (scope is not None and "ids" in scope and logits is not None and logits.dtype == torch.int64
-            and logits.dim() == 2 and logits.shape[-1] == 1)
+    return scope is not None and "ids" in scope and _is_ids(logits)
 
 
 def around_deferred_argmax(original, self, logits, *args, **kwargs):
@@ -231,3 +255,99 @@ def around_finish_deferred_gather(original, self, logits, *args, **kwargs):
         raise RuntimeError("SpecPilot w12: the verify's logits were skipped by the certified head, "
                            "but the worker asked for them (its skip predicate changed within the step)")
     return original(self, logits, *args, **kwargs)
+
+
+# ------------------------------------------------------------ captured target-verify graphs (G1, G2)
+
+GRAPH_LABEL = "specpilot-certified-head"  # ShapeKey.variant_label of the certified variant
+GRAPH_MAX_ROWS = MAX_ROWS                 # larger graphs keep only stock's variant (one pass over the INT8 copy)
+_GRAPHS = "_specpilot_certified_graphs"   # on the backend: {"lp": the target LogitsProcessor, "keys": set()}
+
+
+def graph_head_plan(runner, shape_key):
+    """(lp, lm_head, weight) when ``runner`` captures DFLASH's target verify at ``shape_key`` and the
+    certified variant may be captured beside stock's graph; None otherwise."""
+    mode = getattr(runner, "capture_forward_mode", None)
+    mr = getattr(runner, "model_runner", None)
+    if (_state["disabled"] or mode is None or not mode.is_target_verify() or mr is None
+            or getattr(mr, "is_draft_worker", True) or getattr(mr, "lora_manager", None) is not None):
+        return None
+    if any(getattr(runner, flag, True) for flag in ("ragged_verify_mode", "record_nolora_graph", "enable_pdmux",
+                                                    "enable_two_batch_overlap", "enable_torch_compile")):
+        return None  # token-count keys, LoRA/PD-mux/TBO variants, torch.compile'd forwards: stock only
+    if shape_key.variant_label is not None or shape_key.stream_idx is not None \
+            or shape_key.size * int(getattr(runner, "captured_req_width", GRAPH_MAX_ROWS + 1)) > GRAPH_MAX_ROWS:
+        return None
+    # the one LogitsProcessor DFlashWorkerV2._defer_target_verify_gather marked (the worker exists by now)
+    lps = [m for m in mr.model.modules() if getattr(m, "defer_verify_gather", False) is True]
+    lm_head = getattr(mr.model, "lm_head", None)
+    if len(lps) != 1 or lm_head is None:
+        return None
+    import types
+
+    weight = verify_head_weight(lps[0], lm_head, types.SimpleNamespace(forward_mode=mode), None)
+    return None if weight is None else (lps[0], lm_head, weight)
+
+
+def _drop_graph(backend, key) -> None:
+    for table in (getattr(backend, "_graphs", None), getattr(backend, "_outputs", None)):
+        if isinstance(table, dict):
+            table.pop(key, None)
+
+
+def around_graph_capture_one(original, self, shape_key, forward_fn, capture_inputs=None, post_warmup_hook=None):
+    """G1: AROUND FullCudaGraphBackend.capture_one: stock's graph first, unchanged; then, for DFLASH's
+    target verify, the certified-head variant of the same ``forward_fn`` (same static inputs and the
+    attention metadata capture_one_shape prepared once) under ``GRAPH_LABEL``."""
+    original(self, shape_key, forward_fn, capture_inputs, post_warmup_hook)
+    try:
+        plan = graph_head_plan(self._cuda_graph_runner, shape_key)
+    except Exception:  # an attribute missing on another SGLang build: stock graphs only
+        logger.exception("SpecPilot w12: certified verify graph check failed; stock graphs only")
+        plan = None
+    if plan is None:
+        return
+    import dataclasses
+
+    lp, lm_head, weight = plan
+    key = dataclasses.replace(shape_key, variant_label=GRAPH_LABEL)
+    scope = {"lp": lp, "capture": True}
+    token = _scope().set(scope)
+    try:
+        certified_head(lm_head, weight)  # the INT8 copy, built before the capture (not recorded in it)
+        original(self, key, forward_fn, capture_inputs, post_warmup_hook)
+    except Exception:
+        logger.exception("SpecPilot w12: capturing the certified verify graph failed; stock graphs only")
+        _state["disabled"] = True
+        _drop_graph(self, key)
+        return
+    finally:
+        _scope().reset(token)
+    ids = getattr(getattr(self, "_outputs", {}).get(key), "next_token_logits", None)
+    if not _is_ids(ids):  # V2 did not serve the captured forward: it would only duplicate stock's graph
+        _drop_graph(self, key)
+        _skip("certified verify graph not captured")
+        return
+    graphs = self.__dict__.setdefault(_GRAPHS, {"lp": lp, "keys": set()})
+    graphs["keys"].add(key)
+
+
+def around_graph_replay(original, self, shape_key, static_forward_batch, **kwargs):
+    """G2: AROUND FullCudaGraphBackend.replay: inside V1's scope (an eligible step) a target verify of
+    the scoped worker's model replays the certified variant; every other replay is stock's graph."""
+    graphs = getattr(self, _GRAPHS, None)
+    scope = _scope().get()
+    if graphs is None or scope is None or scope.get("capture") or scope["lp"] is not graphs["lp"] \
+            or _state["disabled"]:
+        return original(self, shape_key, static_forward_batch, **kwargs)
+    import dataclasses
+
+    key = dataclasses.replace(shape_key, variant_label=GRAPH_LABEL)
+    mode = getattr(static_forward_batch, "forward_mode", None)
+    if key not in graphs["keys"] or mode is None or not mode.is_target_verify():
+        _skip("no certified verify graph for this batch")
+        return original(self, shape_key, static_forward_batch, **kwargs)
+    out = original(self, key, static_forward_batch, **kwargs)
+    scope["ids"] = out.next_token_logits  # int64 [rows, 1]: V3 and the guard recognise them
+    _state["graph_steps"] += 1
+    return out

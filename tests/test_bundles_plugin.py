@@ -192,10 +192,13 @@ def test_w12_activation_plans_its_setup_and_head_hook(activation_of, tmp_path):
     hooks, setups = plugin.plan(activation, "0.5.23")
     assert setups == [("specpilot.bundles.w12_sglang:install", w12_sglang.install)]
     lp, worker = "sglang.srt.layers.logits_processor.LogitsProcessor", "sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2"
+    graphs = "sglang.srt.model_executor.runner_backend.full_cuda_graph_backend.FullCudaGraphBackend"
     assert sorted((t, k, fn.__name__) for t, k, fn, _ in hooks) == sorted([
         (f"{worker}._greedy_sample_from_vocab_parallel_head", "around", lm_head.around_greedy_sample_from_head.__name__),
         (f"{worker}.forward_batch_generation", "around", lm_head.around_forward_batch_generation.__name__),
         (f"{lp}._get_logits", "around", lm_head.around_get_logits.__name__),
         (f"{lp}.deferred_argmax", "around", lm_head.around_deferred_argmax.__name__),
-        (f"{lp}.finish_deferred_gather", "around", lm_head.around_finish_deferred_gather.__name__)])
+        (f"{lp}.finish_deferred_gather", "around", lm_head.around_finish_deferred_gather.__name__),
+        (f"{graphs}.capture_one", "around", lm_head.around_graph_capture_one.__name__),
+        (f"{graphs}.replay", "around", lm_head.around_graph_replay.__name__)])
     assert all(fn is getattr(lm_head, fn.__name__) for _, _, fn, _ in hooks)
