@@ -1,13 +1,17 @@
 """One-row steps through the fused decode kernels (``engine:...,decode=fused``, ``--decode fused``).
 
-A dense layer's AR step (one row) becomes five kernels plus the two of attention
+A dense layer's AR step (one row) becomes four GEMV kernels plus the two of attention
 (:mod:`specpilot.kernels.decode.gemv`):
 
 1. RMSNorm + q/k/v projection + RoPE of q and k + K/V written into the cache at the step's slot;
 2. the split-KV attention (``kernels/attention/decode``: two kernels);
 3. output projection + residual add;
 4. RMSNorm + gate/up projection + SiLU(gate) * up;
-5. down projection + residual add.
+5. down projection + residual add;
+
+and the model's final RMSNorm is one more kernel. On CUDA the kernels are chained with
+programmatic dependent launch (``kernels.decode.gemv.USE_PDL``): each one starts while the
+previous one drains and streams its first weights before waiting for the previous one's output.
 
 Steps of more than one row (prefill, chain and tree verification) keep the layer modules
 (compiled or eager), so ``decode=fused`` changes the AR step and one-row draft steps only. The
@@ -85,3 +89,10 @@ def block_step(blk, x: torch.Tensor, inp, cos: torch.Tensor, sin: torch.Tensor, 
     x = gemv.gemv_residual(o, m.wo.weight, x)
     a = gemv.norm_gate_up_silu(x, blk.mlp_norm, blk.eps, blk.w13.weight, blk.inter)
     return gemv.gemv_residual(a, blk.w2.weight, x)
+
+
+def final_norm(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
+    """The model's final RMSNorm of the one row, one kernel in the same PDL chain."""
+    from specpilot.kernels.decode import gemv
+
+    return gemv.rms_norm_row(x, gamma, eps)

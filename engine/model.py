@@ -390,11 +390,11 @@ class Transformer(nn.Module):
     def hidden(self, inp: StepInput, kv_len: int, layers: int | None = None):
         x = self.embed(inp.tokens)
         if self.fused_decode and x.shape[0] == 1:
-            from specpilot.engine.fused_decode import block_step
+            from specpilot.engine.fused_decode import block_step, final_norm
 
             for blk in self.layers[:layers]:
                 x = block_step(blk, x, inp, self.cos, self.sin, kv_len)
-            return rms_norm(x, self.norm, self.spec.rms_norm_eps)
+            return final_norm(x, self.norm, self.spec.rms_norm_eps)
         cos, sin = self.cos[inp.pos], self.sin[inp.pos]
         call = self._block_call or _block_call
         for blk in self.layers[:layers]:

@@ -49,6 +49,7 @@ def test_kernels_match_the_reference(dt):
 
     x, res = rnd(1, K), rnd(1, N)
     gamma = (torch.rand(K, generator=g) + 0.5).to(dt).to(DEV)
+    _close(G.rms_norm_row(x, gamma, 1e-5), R.rms_norm(x, gamma, 1e-5), dt)
     w = rnd(N, K, scale=0.1)
     _close(G.gemv_residual(x, w, res, SMALL), R.gemv_residual(x, w, res), dt)
 

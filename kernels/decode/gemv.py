@@ -85,7 +85,8 @@ if triton is not None:
                      K, stride_w, eps, INTER, NH, NKV,
                      stride_ch, stride_cs, stride_dh, stride_ds, stride_rot,
                      NORM: tl.constexpr, EPI: tl.constexpr, HD: tl.constexpr,
-                     B: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+                     B: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, XP: tl.constexpr,
+                     PDL: tl.constexpr):
         pid = tl.program_id(0)
         i = tl.arange(0, B)
         offs_k = tl.arange(0, BLOCK_K)
@@ -114,13 +115,10 @@ if triton is not None:
             gdc_launch_dependents()
             gdc_wait()       # the previous kernel's writes (x, res, the caches) are visible from here
 
-        if NORM:  # the row's RMS, from the whole row (a few KB, L2-resident)
-            ss = tl.zeros([BLOCK_K], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                kk = k0 + offs_k
-                xv = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
-                ss += xv * xv
-            rstd = tl.math.rsqrt(tl.sum(ss, axis=0) / K + eps)
+        if NORM:  # the row's RMS: the whole row in one load (a few KB, L2-resident)
+            kx = tl.arange(0, XP)
+            xr = tl.load(x_ptr + kx, mask=kx < K, other=0.0).to(tl.float32)
+            rstd = tl.math.rsqrt(tl.sum(xr * xr, axis=0) / K + eps)
         else:
             rstd = 1.0
 
@@ -177,6 +175,32 @@ if triton is not None:
             tl.store(vbase + d + HALF, yb, mask=is_v)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, gamma_ptr, y_ptr, K, eps, XP: tl.constexpr, PDL: tl.constexpr):
+        k = tl.arange(0, XP)
+        g = tl.load(gamma_ptr + k, mask=k < K, other=0.0)
+        if PDL:
+            gdc_launch_dependents()
+            gdc_wait()
+        xv = tl.load(x_ptr + k, mask=k < K, other=0.0)
+        xf = xv.to(tl.float32)
+        rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / K + eps)
+        xn = (xf * rstd).to(x_ptr.dtype.element_ty)
+        tl.store(y_ptr + k, (g.to(tl.float32) * xn.to(tl.float32)).to(y_ptr.dtype.element_ty), mask=k < K)
+
+
+def rms_norm_row(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
+    """``rms_norm`` of one row x [1, K] in one kernel (the model's final norm in the fused chain)."""
+    K = x.shape[-1]
+    _check_row(x, K, "x")
+    y = torch.empty_like(x)
+    _rms_norm_kernel[(1,)](x, gamma, y, K, float(eps), XP=triton.next_power_of_2(K),
+                           num_warps=4 if K <= 4096 else 8, **pdl_args(USE_PDL, x))
+    return y
+
+
 def _check_row(x: torch.Tensor, k: int, name: str) -> None:
     if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != k or x.stride(-1) != 1:
         raise ValueError(f"{name}: one contiguous row of {k} values expected, got shape {tuple(x.shape)}")
@@ -202,7 +226,8 @@ def _launch(grid, x, gamma, w, y, res, eps, epi, norm, cfg, inter=0, nh=0, nkv=0
         slot if slot is not None else d, kc, vc,
         K, w.stride(0), float(eps), inter, nh, nkv, cs[0], cs[1], vs[0], vs[1],
         cos.stride(0) if cos is not None else 0,
-        NORM=norm, EPI=epi, HD=hd, B=cfg.pairs, BLOCK_K=cfg.block_k, STAGES=cfg.stages, num_warps=cfg.warps,
+        NORM=norm, EPI=epi, HD=hd, B=cfg.pairs, BLOCK_K=cfg.block_k, STAGES=cfg.stages,
+        XP=triton.next_power_of_2(K) if norm else 1, num_warps=cfg.warps,
         **pdl_args(USE_PDL, x))
 
 
