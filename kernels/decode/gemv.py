@@ -49,14 +49,15 @@ class GemvConfig:
         return f"p{self.pairs}-k{self.block_k}-w{self.warps}-s{self.stages}"
 
 
-# Chosen on the H200 (benchmarks/decode_gemv.py, results/decode_gemv.json) per (N, K); other
-# shapes take DEFAULT.
+# Chosen on the H200 inside the AR step of Llama-3.1-8B shapes (benchmarks/decode_tune_engine.py,
+# results/decode_tune_engine.json: the isolated sweep's best configs, benchmarks/decode_gemv.py,
+# re-timed in the PDL chain); other shapes take DEFAULT.
 DEFAULT = GemvConfig()
 TUNED: dict[tuple[str, int, int], GemvConfig] = {
     ("rope", 6144, 4096): GemvConfig(8, 512, 8, 1),
-    ("resid", 4096, 4096): GemvConfig(4, 512, 4, 3),
-    ("silu", 28672, 4096): GemvConfig(2, 1024, 4, 3),
-    ("resid", 4096, 14336): GemvConfig(4, 512, 4, 3),
+    ("resid", 4096, 4096): GemvConfig(4, 1024, 4, 1),
+    ("silu", 28672, 4096): GemvConfig(4, 1024, 4, 3),
+    ("resid", 4096, 14336): GemvConfig(8, 1024, 8, 1),
 }
 
 
