@@ -384,6 +384,8 @@ def load_engine(spec: EngineSpec | str) -> Engine:
         from specpilot.engine.graphs import GraphRunner
 
         runner = GraphRunner(model)
+        if spec.mode == "ar":  # capture the AR step now (and JIT-compile its kernels), not in the first request
+            runner.get(1)
     eos = _eos_ids(folder, tok)
     dec = Decoder(model, spec.mode, drafter, spec.nodes, spec.depth, spec.topk, eos, runner)
     if threads and spec.device == "cpu":
