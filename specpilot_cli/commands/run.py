@@ -125,7 +125,8 @@ def command(prompt_text, prompts_file, prompt_ids, chat, max_new_tokens, outputs
             "decode": engine.info.get("decode"), **summary, "results": results}
     if len(results) == 1:
         data.update({k: results[0][k] for k in ("prompt_ids", "output_ids", "text")})
-    rows = [[r["id"], r["tokens"], r["steps"], r["tau"], r["tokens_per_s"], r["stop"]] for r in results]
+    rows = [[r["id"], r["tokens"], r["steps"], r["tau"], r["tokens_per_s"], r["decode_tokens_per_s"], r["stop"]]
+            for r in results]
     lines = []
     if engine.tokenizer is not None:
         for r in results:
@@ -134,7 +135,7 @@ def command(prompt_text, prompts_file, prompt_ids, chat, max_new_tokens, outputs
     report = Report(data=data, title=None, lines=[x for x in lines if x != ""] if len(results) == 1 else lines,
                     sections=[Section(f"{engine.model_name} {spec.mode} ({engine.info['dtype']}, {spec.device}"
                                       f"{_w12_label(engine.info.get('w12'))})",
-                                      ["id", "tokens", "steps", "tau", "tokens/s", "stop"], rows,
+                                      ["id", "tokens", "steps", "tau", "tokens/s", "decode tok/s", "stop"], rows,
                                       note=f"total: {tokens} tokens, {steps} passes, tau {summary['tau']:.3f}, "
                                            f"{summary['tokens_per_s']:.1f} tokens/s")])
     emit(report, fmt, out, protect=inputs)
