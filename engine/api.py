@@ -25,8 +25,8 @@ compile        1 = torch.compile the layers (cuda, dense; ~20 s once)      0
 w12            1 = target projections as W12 (engine/w12.py; bf16)         0
 attn           auto | torch | fused (split-KV Triton kernel; cuda)         auto (fused on cuda)
 head           linear | certified (INT8-certified exact argmax; bf16)      linear
-decode         layers | fused (one-row steps in 5 fused kernels + attention;  layers
-               cuda, dense attention models; engine/fused_decode.py)
+decode         auto | layers | fused (one-row steps through the fused decode  auto (fused on cuda when
+               kernels; cuda, dense attention models; engine/fused_decode.py) eligible)
 =============  ==========================================================  ==========
 """
 
@@ -82,7 +82,7 @@ class EngineSpec:
     w12: bool = False
     attn: str = "auto"
     head: str = "linear"
-    decode: str = "layers"
+    decode: str = "auto"
 
     @classmethod
     def parse(cls, text: str) -> "EngineSpec":
@@ -153,7 +153,7 @@ class EngineSpec:
         from specpilot.engine.fused_decode import KINDS
 
         if self.decode not in KINDS:
-            raise InputError(f"unknown decode {self.decode!r}; choose {' or '.join(KINDS)}")
+            raise InputError(f"unknown decode {self.decode!r}; choose {', '.join(KINDS)}")
         if self.decode == "fused" and not self.device.startswith("cuda"):
             raise InputError("decode=fused needs device=cuda (its Triton kernels only run in the interpreter on "
                              "the CPU); use decode=layers")

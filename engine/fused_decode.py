@@ -9,7 +9,8 @@ A dense layer's AR step (one row) becomes four GEMV kernels plus the two of atte
 4. RMSNorm + gate/up projection + SiLU(gate) * up;
 5. down projection + residual add;
 
-and the model's final RMSNorm is one more kernel. On CUDA the kernels are chained with
+and the model's final RMSNorm is one more kernel; with the linear head, the argmax of the logits
+is two small kernels (``kernels/decode/argmax.py``) instead of torch's one-block reduction. On CUDA the kernels are chained with
 programmatic dependent launch (``kernels.decode.gemv.USE_PDL``): each one starts while the
 previous one drains and streams its first weights before waiting for the previous one's output.
 
@@ -30,7 +31,7 @@ from torch import nn
 
 from specpilot.errors import InputError
 
-KINDS = ("layers", "fused")
+KINDS = ("auto", "layers", "fused")
 
 
 def ineligible(model) -> str | None:
@@ -64,9 +65,13 @@ def ineligible(model) -> str | None:
 
 
 def set_decode(model, kind: str) -> str:
-    """``layers`` (default) or ``fused`` for the model's one-row steps; returns the choice."""
+    """``layers``, ``fused`` or ``auto`` (fused on CUDA when the model is eligible and its attention
+    is the fused kernel, else layers) for the model's one-row steps; returns the choice made."""
     if kind not in KINDS:
-        raise InputError(f"unknown decode {kind!r}; choose {' or '.join(KINDS)}")
+        raise InputError(f"unknown decode {kind!r}; choose {', '.join(KINDS)}")
+    if kind == "auto":
+        attn_fused = all(getattr(b.mixer, "fused", False) for b in model.layers)
+        kind = "fused" if model.device.type == "cuda" and attn_fused and ineligible(model) is None else "layers"
     if kind == "fused":
         why = ineligible(model)
         if why:
@@ -96,3 +101,10 @@ def final_norm(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor
     from specpilot.kernels.decode import gemv
 
     return gemv.rms_norm_row(x, gamma, eps)
+
+
+def argmax_row(logits: torch.Tensor) -> torch.Tensor:
+    """The greedy token of one row of logits in two small kernels (``torch.argmax``'s result)."""
+    from specpilot.kernels.decode.argmax import argmax_row as kernel
+
+    return kernel(logits)

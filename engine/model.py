@@ -418,6 +418,10 @@ class Transformer(nn.Module):
         head = self.certified_head
         if head is not None and h.shape[0] <= head.max_rows:
             return head.argmax_exact(h)
+        if self.fused_decode and h.shape[0] == 1:
+            from specpilot.engine.fused_decode import argmax_row
+
+            return argmax_row(self.lm_head(h))
         return self.lm_head(h).argmax(-1)
 
     def set_decode(self, kind: str) -> str:

@@ -34,10 +34,11 @@ def engine_options(f):
                      help="Greedy LM head: linear (lm_head + argmax) or certified (INT8 bounds + exact rescoring: "
                           "the exact head's argmax, up to 64 rows a step; bfloat16 or float32 weights; meant for "
                           "cuda, on the CPU its kernels run in Triton's interpreter)."),
-        click.option("--decode", type=click.Choice(["layers", "fused"]), default="layers", show_default=True,
+        click.option("--decode", type=click.Choice(["auto", "layers", "fused"]), default="auto", show_default=True,
                      help="One-row steps (AR decode): layers (the layer modules, eager or compiled) or fused "
-                          "(RMSNorm, RoPE, KV store, residual and SiLU fused into the GEMV kernels: five kernels "
-                          "plus attention per layer; cuda, dense attention models, not with --w12)."),
+                          "(RMSNorm, RoPE, KV store, residual and SiLU fused into the GEMV kernels, chained with "
+                          "programmatic dependent launch; cuda, dense attention models, not with --w12); auto = "
+                          "fused where it applies."),
         click.option("--engine", "engine_spec", default=None,
                      help="A whole engine spec (engine:model=...,mode=...); overrides the options above."),
     ]

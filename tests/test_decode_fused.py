@@ -71,6 +71,27 @@ def test_kernels_match_the_reference(dt):
     assert torch.equal(kc[:, others], kc2[:, others]) and torch.equal(vc[:, others], vc2[:, others])
 
 
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+def test_argmax_row_is_torch_argmax(dt):
+    from specpilot.kernels.decode.argmax import argmax_row
+
+    g = torch.Generator().manual_seed(3)
+    V = 2500   # three slices, the last partial
+    rows = [torch.randn(1, V, generator=g)]
+    tie = torch.randn(1, V, generator=g)
+    tie[0, [1500, 700, 2400]] = 9.0          # the same maximum in two slices: the lowest index wins
+    rows.append(tie)
+    nan = torch.randn(1, V, generator=g)
+    nan[0, [2100, 1800]] = float("nan")
+    nan[0, 5] = float("inf")                 # a NaN beats +inf, the first NaN wins
+    rows += [nan, torch.full((1, V), float("-inf")), torch.zeros(1, 7)]
+    for r in rows:
+        r = r.to(dt).to(DEV)
+        assert torch.equal(argmax_row(r).cpu(), r.argmax(-1).cpu()), r
+    with pytest.raises(ValueError, match="one contiguous row"):
+        argmax_row(torch.zeros(2, 8, device=DEV))
+
+
 def test_kernel_shape_errors():
     x = torch.zeros(1, 64, device=DEV)
     with pytest.raises(ValueError, match="multiple"):
@@ -113,7 +134,10 @@ def test_set_decode_refuses_what_it_cannot_fuse():
         hybrid.set_decode("fused")
     with pytest.raises(InputError, match="unknown decode"):
         hybrid.set_decode("megakernel")
-    dense = load_engine("engine:model=tiny,mode=ar,ctx=32,graphs=0").model
+    e = load_engine("engine:model=tiny,mode=ar,ctx=32,graphs=0")
+    assert e.info["decode"] == "layers"       # auto on a CPU engine
+    dense = e.model
+    assert dense.set_decode("auto") == "layers"
     dense.layers[0].mixer.qk_norm = True
     with pytest.raises(InputError, match="q/k norms"):
         dense.set_decode("fused")
@@ -126,6 +150,8 @@ def test_cli_decode_option_errors(run_cli):
     assert code == 2 and "decode=fused needs device=cuda" in err
     code, _, err = run_cli("run", "--engine", "engine:model=tiny,decode=megakernel", "--prompt", "hi")
     assert code == 2 and "unknown decode" in err
+    code, _, err = run_cli("run", "--model", "tiny", "--mode", "ar", "--decode", "warp", "--prompt", "hi")
+    assert code == 2 and "'warp' is not one of" in err
     code, _, err = run_cli("probe", "rows", "--model", "tiny", "--device", "cpu", "--decode", "fused")
     assert code == 2 and "--decode fused needs --device cuda" in err
 
@@ -136,9 +162,12 @@ def test_gpu_ar_with_fused_decode_equals_layers(run_cli):
     """AR generation in CUDA graphs with decode=fused equals the layers' tokens (float32, tiny model),
     and ``run`` reports the choice."""
     prompt = [ord(c) for c in "the cat sat on the mat. the cat sat on the"]
-    ref = load_engine("engine:model=tiny,mode=ar,ctx=256,device=cuda,dtype=float32").generate(prompt, 24)
-    got = load_engine("engine:model=tiny,mode=ar,ctx=256,device=cuda,dtype=float32,decode=fused").generate(prompt, 24)
-    assert got.output_ids == ref.output_ids
+    ref = load_engine("engine:model=tiny,mode=ar,ctx=256,device=cuda,dtype=float32,decode=layers").generate(prompt, 24)
+    auto = load_engine("engine:model=tiny,mode=ar,ctx=256,device=cuda,dtype=float32")
+    assert auto.info["decode"] == "fused"
+    assert auto.generate(prompt, 24).output_ids == ref.output_ids
+    torch_attn = load_engine("engine:model=tiny,mode=ar,ctx=256,device=cuda,dtype=float32,attn=torch")
+    assert torch_attn.info["decode"] == "layers"     # auto keeps the layers with the torch attention
     code, out, err = run_cli("run", "--model", "tiny", "--mode", "tree", "--nodes", "8", "--device", "cuda",
                              "--decode", "fused", "--prompt", "the cat sat", "--max-new-tokens", "8", "--format", "json")
     assert code == 0, err

@@ -32,6 +32,8 @@ def test_compiled_layers_equal_eager_in_fp32():
     from specpilot.engine.api import load_engine
 
     prompt = list(b"compiled layers, same tokens")
-    eager = load_engine("engine:model=tiny,mode=ar,dtype=float32,device=cuda,ctx=512,graphs=0").generate(prompt, 32)
-    comp = load_engine("engine:model=tiny,mode=ar,dtype=float32,device=cuda,ctx=512,compile=1").generate(prompt, 32)
+    eager = load_engine("engine:model=tiny,mode=ar,dtype=float32,device=cuda,ctx=512,graphs=0,decode=layers"
+                        ).generate(prompt, 32)
+    comp = load_engine("engine:model=tiny,mode=ar,dtype=float32,device=cuda,ctx=512,compile=1,decode=layers"
+                       ).generate(prompt, 32)
     assert comp.output_ids == eager.output_ids

@@ -35,8 +35,9 @@ def command():
               help="Attention: torch reference or fused split-KV Triton kernel (cuda); auto = fused on cuda.")
 @click.option("--head", type=click.Choice(["linear", "certified"]), default="linear", show_default=True,
               help="Greedy LM head (as run --head): certified = INT8 bounds + exact rescoring, up to 64 rows.")
-@click.option("--decode", type=click.Choice(["layers", "fused"]), default="layers", show_default=True,
-              help="One-row steps (N = 1) as run --decode: fused = the fused decode kernels (cuda, dense, no --w12).")
+@click.option("--decode", type=click.Choice(["auto", "layers", "fused"]), default="layers", show_default=True,
+              help="One-row steps (N = 1) as run --decode: fused = the fused decode kernels (cuda, dense, no --w12); "
+                   "the default measures the layer modules at every N.")
 @output_options
 def rows(model, random_weights, rows_text, context, device, dtype, reps, warmup, threads, w12, attn, head, decode,
          fmt, out):
@@ -76,7 +77,7 @@ def rows(model, random_weights, rows_text, context, device, dtype, reps, warmup,
 
         w12_info = convert_engine_model(m).to_json()
     head = m.set_head(head)
-    if decode == "fused" and not device.startswith("cuda"):
+    if decode == "fused" and not device.startswith("cuda"):  # auto falls back to layers there
         raise InputError("--decode fused needs --device cuda (its kernels only run in Triton's interpreter on the CPU)")
     decode = m.set_decode(decode)
     res = measure_rows(m, row_list, context, reps=reps, warmup=warmup, progress=progress)
