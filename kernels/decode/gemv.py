@@ -29,7 +29,7 @@ import torch
 
 from specpilot.kernels.triton_env import pdl_args, tl, triton
 
-EPI_PLAIN, EPI_RESID, EPI_SILU, EPI_ROPE = 0, 1, 2, 3
+EPI_RESID, EPI_SILU, EPI_ROPE = 1, 2, 3
 # programmatic dependent launch for the fused kernels (and the attention they call): each kernel
 # lets the next one launch at its start and waits for the previous one before touching activations
 USE_PDL = True
@@ -137,10 +137,7 @@ if triton is not None:
         ya = tl.sum(acc_a, axis=1).to(dt)
         yb = tl.sum(acc_b, axis=1).to(dt)
 
-        if EPI == 0:
-            tl.store(y_ptr + rows_a, ya)
-            tl.store(y_ptr + rows_b, yb)
-        elif EPI == 1:
+        if EPI == 1:
             ra = tl.load(res_ptr + rows_a).to(tl.float32)
             rb = tl.load(res_ptr + rows_b).to(tl.float32)
             tl.store(y_ptr + rows_a, (ra + ya.to(tl.float32)).to(dt))
