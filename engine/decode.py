@@ -61,7 +61,9 @@ class Decoder:
         self.model, self.mode, self.drafter = model, mode, drafter
         self.nodes, self.depth, self.topk = nodes, depth, topk if mode == "tree" else 1
         self.eos_ids = set(eos_ids or ())
-        self.runner = runner  # optional CUDA-graph runner for fixed-shape AR steps
+        self.runner = runner  # optional CUDA-graph runner: AR steps, and verify steps padded to a bucket
+        rows = 1 + (nodes if mode == "tree" else depth if mode == "chain" else 0)
+        self.verify_buckets = sorted({b for b in (2, 4, 8, 16, 32, 64, 128, 256) if b < rows} | {rows})
         self.threads = 0  # > 0: torch CPU threads while generating (restored afterwards)
         self.prefill_chunk = 512
 
@@ -106,8 +108,10 @@ class Decoder:
             else:
                 tree = treelib.build_best_first(lat.tokens, lat.logprobs, lat.transitions, self.nodes)
         T = 1 + len(tree)
-        if mode == "ar" and self.runner is not None:
+        if T == 1 and self.runner is not None:
             preds = [self.runner.ar_step(pending, n_cache)]
+        elif self.runner is not None:
+            preds = self._graph_verify(pending, tree, n_cache)
         else:
             kv = _kv_len(m.max_seq, n_cache + T)
             slots = n_cache + torch.arange(T, device=dev)
@@ -128,6 +132,26 @@ class Decoder:
         if T > 1:
             m.commit(n_cache, rows, "tree" if mode == "tree" else "chain")
         return toks, lat, tree
+
+    def _graph_verify(self, pending: int, tree, n_cache: int) -> list[int]:
+        """The verify pass of ``1 + len(tree)`` rows replayed from the CUDA graph of the smallest
+        bucket that holds them. Padding rows sit after the tree (slots and cache positions no real
+        row attends), attend to slot 0 only and their predictions are dropped; the KV they write
+        lies past the committed prefix and is overwritten by later steps."""
+        m, dev, S = self.model, self.model.device, self.model.max_seq
+        T = 1 + len(tree)
+        Tp = next(b for b in self.verify_buckets if b >= T)
+        pad = Tp - T
+        tokens = torch.tensor([pending] + list(tree.tokens) + [0] * pad, device=dev)
+        pos = torch.tensor([n_cache] + [n_cache + 1 + d for d in tree.depth] + [n_cache] * pad, device=dev)
+        slots = n_cache + torch.arange(Tp, device=dev)
+        mask = torch.zeros(Tp, S, dtype=torch.bool)
+        mask[:T, :n_cache] = True
+        mask[:T, n_cache] = True
+        if len(tree):
+            mask[1:T, n_cache + 1:n_cache + T] = torch.from_numpy(treelib.ancestor_mask(tree))
+        mask[T:, 0] = True
+        return self.runner.run(tokens, pos, slots, mask.to(dev))[:T].tolist()
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, record_lattice: bool = False,
                  request=0) -> GenerationResult:
