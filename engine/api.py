@@ -19,7 +19,7 @@ seed           random-weight seed                                          0
 dtype          float32 | bfloat16 | float16                                float32 on cpu, bfloat16 on cuda
 device         cpu | cuda | cuda:N                                         cpu
 ctx            KV-cache slots (prompt + new tokens + draft rows)           2048
-graphs         1 = CUDA graphs for AR steps (cuda, dense models)           1
+graphs         1 = CUDA graphs for AR and verify steps (cuda, dense models)  1
 threads        CPU threads for torch (0 = torch's default)                 1 for tiny*, else 0
 compile        1 = torch.compile the layers (cuda, dense; ~20 s once)      0
 w12            1 = target projections as W12 (engine/w12.py; bf16)         0

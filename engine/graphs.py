@@ -2,7 +2,8 @@
 
 Static input buffers (tokens, positions, slots, mask over the whole ``max_seq`` cache) are
 filled before each replay; the graph reads the full static cache, so a step's shape never
-changes. Used for AR decode and for ``probe rows`` (T = N rows). Dense models only: the GDN
+changes. Used for AR decode, for chain/tree verify steps (padded to a row bucket by
+``Decoder._graph_verify``) and for ``probe rows`` (T = N rows). Dense models only: the GDN
 path code walks data-dependent shapes.
 """
 
