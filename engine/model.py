@@ -425,8 +425,9 @@ class Transformer(nn.Module):
         return self.lm_head(h).argmax(-1)
 
     def set_decode(self, kind: str) -> str:
-        """``layers`` (the default) or ``fused``: one-row steps (AR decode, one-row drafts) through
-        the fused decode kernels (engine/fused_decode.py); dense attention models only."""
+        """``layers`` (the model's default), ``fused`` (one-row steps: AR decode, one-row drafts,
+        through the fused decode kernels, engine/fused_decode.py; dense attention models) or
+        ``auto`` (fused on CUDA where it applies, the engine spec's default); returns the choice."""
         from specpilot.engine.fused_decode import set_decode
 
         return set_decode(self, kind)
