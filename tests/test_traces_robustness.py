@@ -128,6 +128,28 @@ def test_fuzz_truncation_never_crashes(tmp_path, good, cut, kind):
         assert "\n" not in str(e)
 
 
+def test_damaged_kernel_rows_are_left_out_or_named(tmp_path, good):
+    """Rows a byte flip can produce (found by the fuzz test below): a kernel whose name id is not an
+    integer (a flip made it NULL there; the schema's NOT NULL keeps an UPDATE from doing so), a kernel
+    ending before it starts. The first keeps a placeholder name, the second is left out with a note;
+    neither crashes the reader or makes a step's busy time negative."""
+    p = tmp_path / "damaged.sqlite"
+    p.write_bytes(good["sqlite"].read_bytes())
+    con = sqlite3.connect(p)
+    ids = [r[0] for r in con.execute("SELECT rowid FROM CUPTI_ACTIVITY_KIND_KERNEL ORDER BY rowid LIMIT 2")]
+    con.execute("UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET demangledName = 'x' WHERE rowid = ?", (ids[0],))
+    con.execute("UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET end = start - 1000000 WHERE rowid = ?", (ids[1],))
+    con.commit()
+    con.close()
+    a = read_trace(p, StepRequest(range_regex="decode"))
+    assert all(s.busy_ns >= 0 for s in a.steps)
+    assert "<no name>" in {g.name for g in a.groups}
+    assert any(n.startswith("1 GPU activity row(s) without a start and end") for n in a.notes)
+    clean = read_trace(good["sqlite"], StepRequest(range_regex="decode"))
+    assert a.total_events == clean.total_events - 1
+    assert not any("damaged" in n for n in clean.notes)
+
+
 @FUZZ
 @given(pos=hs.integers(min_value=0, max_value=10**9), byte=hs.integers(min_value=0, max_value=255),
        kind=hs.sampled_from(["json", "gz", "sqlite"]))

@@ -301,7 +301,7 @@ class NsysExport:
         return {int(d): int(n) for d, n in self._q(f"SELECT deviceId, count(*) FROM {KERNEL} GROUP BY deviceId")}
 
     def strings(self, ids) -> dict[int, str]:
-        ids = sorted({int(i) for i in ids if i is not None and i >= 0})
+        ids = sorted({i for i in ids if type(i) is int and i >= 0})   # damaged rows may hold NULL, text, reals
         out: dict[int, str] = {}
         for i in range(0, len(ids), 500):
             chunk = ids[i:i + 500]
@@ -323,7 +323,11 @@ class NsysExport:
 
         Each table is aggregated on its own (not through a UNION ALL) so SQLite scans it directly.
         """
-        dev = "" if device is None else f" AND a.deviceId = {int(device)}"
+        # a row without both times as numbers, or ending before it starts, is damage (no export writes
+        # one): it is left out everywhere, and _aggregate notes how many were. SQLite orders NULL <
+        # numbers < text < blobs, so the two comparisons keep numeric start and end only.
+        ok = f" AND a.end >= a.start AND a.end < {2 ** 63 - 1}"
+        dev = ok if device is None else f" AND a.deviceId = {int(device)}{ok}"
         parts = []
         if self.has_kernels:
             top = self._q("SELECT max(id) FROM StringIds")[0][0]
@@ -537,7 +541,7 @@ def _ranges_to_corr(ex: NsysExport, intervals: list[tuple[int, int, int]], threa
     """CPU time intervals -> correlation-id intervals of the launches made inside them."""
     lk = ex.add_lookup("tb", intervals)
     cond = []
-    thread_ids = sorted({t for t in threads if t is not None})
+    thread_ids = sorted({t for t in threads if type(t) is int})   # damaged rows may hold text or blobs
     if thread_ids:
         cond.append(f"r.globalTid IN ({','.join(str(int(t)) for t in thread_ids)})")
     launch_ids = [i for i, v in ex._q("SELECT id, value FROM StringIds WHERE value LIKE '%Launch%' OR "
@@ -1005,12 +1009,13 @@ def _aggregate(ex: NsysExport, req: StepRequest) -> Aggregate:
     mnames = ex.memcpy_names()
 
     def label(nid, kind, tg):  # (name, kind name, tag name) of a group
+        i = _as_int(nid)      # NULL or not an integer in a damaged export: the group keeps a placeholder
         if kind == 0:
-            name = names.get(int(nid), f"<string {nid}>")
+            name = names.get(i, f"<string {nid}>") if i is not None else "<no name>"
         elif kind == 1:
-            name = f"Memcpy {mnames.get(-1000 - int(nid), 'Unknown')}"
+            name = f"Memcpy {mnames.get(-1000 - i, 'Unknown') if i is not None else 'Unknown'}"
         elif kind == 3:
-            name = f"CUDA graph exec {-2000 - int(nid)} (whole graph)"
+            name = f"CUDA graph exec {-2000 - i if i is not None else '?'} (whole graph)"
         else:
             name = "Memset"
         return name, KINDS[int(kind)], tag_names[int(tg)] if tg is not None and tg >= 0 else None
@@ -1038,6 +1043,10 @@ def _aggregate(ex: NsysExport, req: StepRequest) -> Aggregate:
             if int(st_i) in pos:
                 per_step[3, pos[int(st_i)]] = int(busy)
 
+    damaged = _rows_present(ex, parts, device) - int(total_events)
+    if damaged > 0:
+        notes.append(f"{damaged} GPU activity row(s) without a start and end, or ending before they start, were "
+                     "left out (a damaged export)")
     steps = gr.build_steps(mode, labels, step_ranges, per_step)
     empty = len(labels) - len(steps)
     if empty > 0:
@@ -1045,6 +1054,21 @@ def _aggregate(ex: NsysExport, req: StepRequest) -> Aggregate:
     return Aggregate(path=ex.path, format="nsys-sqlite", format_version=ex.schema_version, gpu=gpu,
                      step_mode=mode, step_detail=detail, steps=steps, groups=groups,
                      total_events=int(total_events), notes=notes)
+
+
+def _rows_present(ex: NsysExport, parts: list[Part], device: int | None) -> int:
+    """Rows of the parts' tables (on ``device``), damaged ones included: the aggregate counts every
+    row the parts keep, so the difference is the rows they left out. Without a device filter a
+    plain ``count(*)``, which SQLite answers without decoding the rows."""
+    dev = "" if device is None else f" WHERE a.deviceId = {int(device)}"
+    return sum(int(ex._q(f"SELECT count(*) FROM {p.table} a{dev}")[0][0]) for p in parts)
+
+
+def _as_int(v) -> int | None:
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return None
 
 
 def _plain_groups(rows: list[tuple], label) -> tuple[list[KernelGroup], np.ndarray, bool]:
