@@ -36,7 +36,7 @@ def main() -> int:
     args = ap.parse_args()
     import torch
 
-    from specpilot.engine.decode import Decoder, _kv_len
+    from specpilot.engine.decode import Decoder
     from specpilot.engine.graphs import GraphRunner
     from specpilot.engine.model import StepInput, Transformer
     from specpilot.kernels import tree as treelib
@@ -67,19 +67,7 @@ def main() -> int:
             return dec._graph_verify(pending, tree, n)
 
         def eager():
-            T = 1 + len(tree)
-            kv = _kv_len(m.max_seq, n + T)
-            anc = torch.zeros(T, T, dtype=torch.bool)
-            anc[:, 0] = True
-            if len(tree):
-                anc[1:, 1:] = torch.from_numpy(treelib.ancestor_mask(tree))
-            mask = torch.zeros(T, kv, dtype=torch.bool)
-            mask[:, :n] = True
-            mask[:, n:n + T] = anc
-            inp = StepInput(torch.tensor([pending] + list(tree.tokens), device=dev),
-                            torch.tensor([n] + [n + 1 + d for d in tree.depth], device=dev),
-                            n + torch.arange(T, device=dev), mask.to(dev), "seq")
-            return m.greedy(inp, kv_len=kv).tolist()
+            return dec._eager_verify(pending, tree, n, mode)
 
         a, b = graph(), eager()
         same = a == b

@@ -97,7 +97,7 @@ class Decoder:
     @torch.no_grad()
     def step(self, context: list[int], n_cache: int, mode: str) -> tuple[list[int], Lattice, "treelib.DraftTree"]:
         """One verification pass; returns (committed tokens incl. bonus, lattice, tree)."""
-        m, dev = self.model, self.model.device
+        m = self.model
         pending = context[-1]
         if mode == "ar":
             lat, tree = Lattice.empty(), treelib.chain_tree([])
@@ -113,44 +113,51 @@ class Decoder:
         elif self.runner is not None:
             preds = self._graph_verify(pending, tree, n_cache)
         else:
-            kv = _kv_len(m.max_seq, n_cache + T)
-            slots = n_cache + torch.arange(T, device=dev)
-            pos = torch.tensor([n_cache] + [n_cache + 1 + d for d in tree.depth], device=dev)
-            anc = torch.zeros(T, T, dtype=torch.bool)
-            anc[:, 0] = True
-            if len(tree):
-                anc[1:, 1:] = torch.from_numpy(treelib.ancestor_mask(tree))
-            mask = torch.zeros(T, kv, dtype=torch.bool)
-            mask[:, :n_cache] = True
-            mask[:, n_cache:n_cache + T] = anc
-            gdn_mode = "tree" if mode == "tree" and len(tree) else ("chain" if T > 1 else "seq")
-            paths = row_paths([-1] + [p + 1 for p in tree.parents]) if gdn_mode == "tree" else None
-            tokens = torch.tensor([pending] + list(tree.tokens), device=dev)
-            preds = m.greedy(StepInput(tokens, pos, slots, mask.to(dev), gdn_mode, paths), kv_len=kv).tolist()
+            preds = self._eager_verify(pending, tree, n_cache, mode)
         path, toks = treelib.accept_predictions(tree, preds)
         rows = [0] + [1 + p for p in path]
         if T > 1:
             m.commit(n_cache, rows, "tree" if mode == "tree" else "chain")
         return toks, lat, tree
 
+    @staticmethod
+    def _verify_mask(tree, n_cache: int, rows: int, width: int) -> torch.Tensor:
+        """bool [rows, width] (CPU): row 0 (the pending token) and the ``len(tree)`` node rows attend the
+        committed cache, the root and their ancestors; rows past them (graph padding) attend slot 0 only."""
+        T = 1 + len(tree)
+        mask = torch.zeros(rows, width, dtype=torch.bool)
+        mask[:T, :n_cache + 1] = True
+        if len(tree):
+            mask[1:T, n_cache + 1:n_cache + T] = torch.from_numpy(treelib.ancestor_mask(tree))
+        mask[T:, 0] = True
+        return mask
+
+    def _eager_verify(self, pending: int, tree, n_cache: int, mode: str) -> list[int]:
+        """The verify pass of ``1 + len(tree)`` rows as one eager forward (no CUDA graph)."""
+        m, dev = self.model, self.model.device
+        T = 1 + len(tree)
+        kv = _kv_len(m.max_seq, n_cache + T)
+        slots = n_cache + torch.arange(T, device=dev)
+        pos = torch.tensor([n_cache] + [n_cache + 1 + d for d in tree.depth], device=dev)
+        mask = self._verify_mask(tree, n_cache, T, kv)
+        gdn_mode = "tree" if mode == "tree" and len(tree) else ("chain" if T > 1 else "seq")
+        paths = row_paths([-1] + [p + 1 for p in tree.parents]) if gdn_mode == "tree" else None
+        tokens = torch.tensor([pending] + list(tree.tokens), device=dev)
+        return m.greedy(StepInput(tokens, pos, slots, mask.to(dev), gdn_mode, paths), kv_len=kv).tolist()
+
     def _graph_verify(self, pending: int, tree, n_cache: int) -> list[int]:
         """The verify pass of ``1 + len(tree)`` rows replayed from the CUDA graph of the smallest
         bucket that holds them. Padding rows sit after the tree (slots and cache positions no real
         row attends), attend to slot 0 only and their predictions are dropped; the KV they write
         lies past the committed prefix and is overwritten by later steps."""
-        m, dev, S = self.model, self.model.device, self.model.max_seq
+        dev = self.model.device
         T = 1 + len(tree)
         Tp = next(b for b in self.verify_buckets if b >= T)
         pad = Tp - T
         tokens = torch.tensor([pending] + list(tree.tokens) + [0] * pad, device=dev)
         pos = torch.tensor([n_cache] + [n_cache + 1 + d for d in tree.depth] + [n_cache] * pad, device=dev)
         slots = n_cache + torch.arange(Tp, device=dev)
-        mask = torch.zeros(Tp, S, dtype=torch.bool)
-        mask[:T, :n_cache] = True
-        mask[:T, n_cache] = True
-        if len(tree):
-            mask[1:T, n_cache + 1:n_cache + T] = torch.from_numpy(treelib.ancestor_mask(tree))
-        mask[T:, 0] = True
+        mask = self._verify_mask(tree, n_cache, Tp, self.model.max_seq)
         return self.runner.run(tokens, pos, slots, mask.to(dev))[:T].tolist()
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, record_lattice: bool = False,

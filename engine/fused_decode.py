@@ -94,17 +94,3 @@ def block_step(blk, x: torch.Tensor, inp, cos: torch.Tensor, sin: torch.Tensor, 
     x = gemv.gemv_residual(o, m.wo.weight, x)
     a = gemv.norm_gate_up_silu(x, blk.mlp_norm, blk.eps, blk.w13.weight, blk.inter)
     return gemv.gemv_residual(a, blk.w2.weight, x)
-
-
-def final_norm(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
-    """The model's final RMSNorm of the one row, one kernel in the same PDL chain."""
-    from specpilot.kernels.decode import gemv
-
-    return gemv.rms_norm_row(x, gamma, eps)
-
-
-def argmax_row(logits: torch.Tensor) -> torch.Tensor:
-    """The greedy token of one row of logits in two small kernels (``torch.argmax``'s result)."""
-    from specpilot.kernels.decode.argmax import argmax_row as kernel
-
-    return kernel(logits)

@@ -390,11 +390,12 @@ class Transformer(nn.Module):
     def hidden(self, inp: StepInput, kv_len: int, layers: int | None = None):
         x = self.embed(inp.tokens)
         if self.fused_decode and x.shape[0] == 1:
-            from specpilot.engine.fused_decode import block_step, final_norm
+            from specpilot.engine.fused_decode import block_step
+            from specpilot.kernels.decode.gemv import rms_norm_row
 
             for blk in self.layers[:layers]:
                 x = block_step(blk, x, inp, self.cos, self.sin, kv_len)
-            return final_norm(x, self.norm, self.spec.rms_norm_eps)
+            return rms_norm_row(x, self.norm, self.spec.rms_norm_eps)
         cos, sin = self.cos[inp.pos], self.sin[inp.pos]
         call = self._block_call or _block_call
         for blk in self.layers[:layers]:
@@ -419,7 +420,7 @@ class Transformer(nn.Module):
         if head is not None and h.shape[0] <= head.max_rows:
             return head.argmax_exact(h)
         if self.fused_decode and h.shape[0] == 1:
-            from specpilot.engine.fused_decode import argmax_row
+            from specpilot.kernels.decode.argmax import argmax_row
 
             return argmax_row(self.lm_head(h))
         return self.lm_head(h).argmax(-1)

@@ -1,4 +1,4 @@
-"""Fused one-row decode kernels: a dense-layer AR step in five kernels plus attention.
+"""Fused one-row decode kernels: a dense layer's AR step in four GEMV kernels plus attention.
 
 An AR step of a dense Llama-family layer, written as modules and compiled, is about fifteen
 kernels on the H200 (two RMSNorms, the q/k/v projection, two RoPE kernels, the cache write, a copy,
