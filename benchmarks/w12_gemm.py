@@ -5,6 +5,7 @@
     python benchmarks/w12_gemm.py --mode gemv --rows 1,2,4,8,16   # streaming-GEMV configs
     python benchmarks/w12_gemm.py --mode gemv-gluon               # one-row Gluon GEMV configs
     python benchmarks/w12_gemm.py --mode mma --rows 2,8,32,64     # tensor-core (Gluon) configs
+    python benchmarks/w12_gemm.py --mode wgmma --rows 8,16,32,64  # Hopper wgmma (Gluon) configs
     python benchmarks/w12_gemm.py --mode default  # w12_linear as called, M=1..64 -> w12_linear_default.json
 
 Per shape (K -> N) and M rows: encode a random bf16 weight (std 0.02) into W12 on the GPU, check
@@ -206,6 +207,30 @@ def mma_configs(m: int, kt: int, n: int, sms: int):
     return out
 
 
+def wgmma_configs(m: int, kt: int, n: int, sms: int):
+    """Hopper wgmma variants for one (shape, m): one warpgroup on 64 weight rows or two on 128, the
+    weights 2 or 3 records ahead, the x ring indexed or unrolled by three, split-K for about 1, 2, 4
+    and 8 programs per SM."""
+    from specpilot.kernels.w12.mma import block_m_for
+    from specpilot.kernels.w12.wgmma import WgmmaConfig, default_config
+
+    out = [default_config(m, n, kt * 64, sms)]
+    mb = (m + block_m_for(m) - 1) // block_m_for(m)
+    for bn, w in ((64, 4), (128, 8)):
+        nb = (n + bn - 1) // bn * mb
+        seen = set()
+        for per_sm in (1, 2, 4, 8):
+            split = max(1, min(kt, round(per_sm * sms / nb)))
+            if split in seen:
+                continue
+            seen.add(split)
+            for depth, unroll in ((2, False), (2, True), (3, False)):
+                cfg = WgmmaConfig(bn, split, w, depth, unroll)
+                if cfg not in out:
+                    out.append(cfg)
+    return out
+
+
 def gluon_gemv_configs(m: int, kt: int, n: int, sms: int):
     """One-row Gluon GEMV variants: 8, 16 or 32 rows per program, 4, 8 (or 16) warps each streaming
     its own records, 2-4 records ahead, split-K for about 1, 2 and 4 programs per SM."""
@@ -250,6 +275,14 @@ def mma_sweep(args) -> int:
     from specpilot.kernels.w12.mma import MmaConfig, w12_mma
 
     return variant_sweep(args, "mma", mma_configs, w12_mma, MmaConfig, "2,4,8,16,32,64", "w12_mma")
+
+
+def wgmma_sweep(args) -> int:
+    """M = 2..64 (``--rows``): every Hopper wgmma variant, what ``w12_linear`` does today and cuBLAS,
+    side by side in one run."""
+    from specpilot.kernels.w12.wgmma import WgmmaConfig, w12_wgmma
+
+    return variant_sweep(args, "wgmma", wgmma_configs, w12_wgmma, WgmmaConfig, "8,16,32,64", "w12_wgmma")
 
 
 def variant_sweep(args, label, configs_fn, run, cfg_cls, default_rows, default_name) -> int:
@@ -370,9 +403,9 @@ def default_routing(args) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=["sweep", "final", "gemv", "gemv-gluon", "mma", "default"], default="final",
+    ap.add_argument("--mode", choices=["sweep", "final", "gemv", "gemv-gluon", "mma", "wgmma", "default"], default="final",
                     help="sweep/final: the general kernel's configs; gemv: streaming-GEMV configs; "
-                         "gemv-gluon: one-row Gluon GEMV configs; mma: tensor-core (Gluon) configs; default: w12_linear as users call it, no config")
+                         "gemv-gluon: one-row Gluon GEMV configs; mma: tensor-core (Gluon) configs; wgmma: Hopper wgmma (Gluon) configs; default: w12_linear as users call it, no config")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--tuned", default=None, help="JSON of best configs from a sweep")
     ap.add_argument("--shapes", default=None, help="comma list of shape names")
@@ -383,6 +416,8 @@ def main() -> int:
         return gemv_sweep(args)
     if args.mode == "mma":
         return mma_sweep(args)
+    if args.mode == "wgmma":
+        return wgmma_sweep(args)
     if args.mode == "gemv-gluon":
         return gluon_gemv_sweep(args)
     if args.mode == "default":

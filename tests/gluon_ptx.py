@@ -49,3 +49,38 @@ def main_loop_ptx(setup: str, header: str = "Loop Header") -> str:
         pytest.skip("no sm_90 toolchain in this Triton build")
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+_PTXAS_TAIL = r"""
+import subprocess, tempfile
+names = k.arg_names
+sig = {n: ptrs.get(n, "constexpr" if n in const else "i32") for n in names}
+src = GluonASTSource(k, signature=sig, constexprs={(names.index(c),): v for c, v in const.items()},
+                     attrs={(names.index(p),): [["tt.divisibility", 16]] for p in div})
+ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["ptx"]
+try:   # the ptxas Triton itself uses for sm_90 (newer Triton: a separate binary)
+    from triton.backends.nvidia.compiler import get_ptxas
+    ptxas = get_ptxas(90).path
+except Exception:
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+with tempfile.TemporaryDirectory() as d:
+    open(os.path.join(d, "k.ptx"), "w").write(ptx)
+    r = subprocess.run([ptxas, "-arch=sm_90a", "-v", os.path.join(d, "k.ptx"), "-o", os.path.join(d, "k.cubin")],
+                       capture_output=True, text=True)
+print(json.dumps({"ptx": ptx, "log": r.stdout + r.stderr, "rc": r.returncode}))
+"""
+
+
+def ptxas_report(setup: str) -> dict:
+    """Compile like :func:`main_loop_ptx`, then run Triton's bundled ``ptxas -v`` on the whole PTX:
+    ``{"ptx", "log", "rc"}`` (the log has registers, spills and performance warnings such as C7513)."""
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    r = subprocess.run([sys.executable, "-c", _HEAD + setup + _PTXAS_TAIL], capture_output=True, text=True,
+                       env=env, timeout=300)
+    if r.returncode and "ptxas" in r.stderr and "not found" in r.stderr.lower():   # pragma: no cover
+        pytest.skip("no sm_90 toolchain in this Triton build")
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    if not os.path.exists(out["log"]) and "No such file" in out["log"]:   # pragma: no cover
+        pytest.skip("no ptxas in this Triton build")
+    return out

@@ -311,21 +311,32 @@ if gluon is not None:
             acc = _register_ring(acc, xs, x_ptr, rec_ptr, tile_row, t_begin, t_end, off_v, off_n, rows_c, kc, M, K,
                                  stride_xm, BLOCK_M, BLOCK_N, QPASS, DEPTH, L_VIEW, L_X, A_OP, B_OP)
         async_copy.wait_group(0)
+        _epilogue(acc, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, ws_ptr, lock_ptr,
+                  n0, pid_n, pid_k, pid_m, M, N, NUM_N_BLOCKS, SPLIT_K, stride_xm, stride_ym,
+                  BLOCK_N, BLOCK_M, USE_SPLIT, ESC_CH, MMA, L3)
 
+    @gluon.jit
+    def _epilogue(acc, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, ws_ptr, lock_ptr,
+                  n0, pid_n, pid_k, pid_m, M, N, NUM_N_BLOCKS, SPLIT_K, stride_xm, stride_ym,
+                  BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, USE_SPLIT: gl.constexpr, ESC_CH: gl.constexpr,
+                  ACC: gl.constexpr, L3: gl.constexpr):
+        """The accumulator ``acc`` (layout ``ACC``) to y: directly, or through the fixed-order split-K
+        reduction (partials to a workspace, a per-block counter, the last program sums them in order).
+        Shared by this kernel and the ``wgmma`` one (:mod:`.wgmma`)."""
         if not USE_SPLIT:
             _finalize(acc, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, n0, pid_m, M, N,
                       stride_xm, stride_ym, BLOCK_N, BLOCK_M, ESC_CH, L3)
         else:
             blk = pid_m * NUM_N_BLOCKS + pid_n
             ws_base = ws_ptr + blk.to(gl.int64) * (SPLIT_K * BLOCK_N * BLOCK_M)
-            tr = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
-            tc = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
+            tr = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ACC))
+            tc = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, ACC))
             tile_offs = tr[:, None] * BLOCK_M + tc[None, :]
             gl.store(ws_base + pid_k * (BLOCK_N * BLOCK_M) + tile_offs, acc)
             _cta_barrier()
             count = gl.atomic_add(lock_ptr + blk, 1, sem="acq_rel", scope="gpu")
             if count == SPLIT_K - 1:
-                total = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
+                total = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, ACC)
                 for s in range(0, SPLIT_K):     # fixed order: bitwise identical run to run
                     total += gl.load(ws_base + s * (BLOCK_N * BLOCK_M) + tile_offs, cache_modifier=".cg")
                 gl.atomic_xchg(lock_ptr + blk, 0)
@@ -453,6 +464,19 @@ TUNED: dict[tuple[int, int, int], MmaConfig] = {
 }
 
 
+def aligned_x(x: torch.Tensor, kt: int) -> tuple[torch.Tensor, int]:
+    """x as the tensor-core kernels read it: rows 16-byte aligned and K a multiple of the record
+    width, zero past K. cp.async copies 16-byte chunks (Triton proves the alignment from strides
+    divisible by 16) and leaves masked chunks as they were. Real projections (K a multiple of 64,
+    contiguous x) never take the copy."""
+    m, k = x.shape
+    if k % TILE_K or x.stride(1) != 1 or x.stride(0) % 16 or x.data_ptr() % 16:
+        xp = torch.zeros(m, kt * TILE_K, dtype=x.dtype, device=x.device)
+        xp[:, :k] = x
+        return xp, kt * TILE_K
+    return x, k
+
+
 def w12_mma(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: MmaConfig | None = None,
             out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x @ W.T`` for x ``[M, K]`` bf16 (any M; 64 rows per program), fp32 accumulation, deterministic."""
@@ -468,13 +492,7 @@ def w12_mma(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: Mm
     n = packed.shape[0]
     kt = packed.k_tiles
     cfg = config or default_config(m, n, k)
-    if k % TILE_K or x.stride(1) != 1 or x.stride(0) % 16 or x.data_ptr() % 16:
-        # cp.async copies 16-byte chunks (Triton proves the alignment from strides divisible by 16)
-        # and leaves masked chunks as they were: give it aligned rows, zero past K. Real
-        # projections (K a multiple of 64, contiguous x) never take this copy.
-        xp = torch.zeros(m, kt * TILE_K, dtype=x.dtype, device=x.device)
-        xp[:, :k] = x
-        x, k = xp, kt * TILE_K
+    x, k = aligned_x(x, kt)
     bm = block_m_for(m)
     if out is None:
         out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
