@@ -1,0 +1,56 @@
+"""Run the tensor-core W12 kernels (``mma.sync`` and Hopper ``wgmma``) on one layer, for Nsight
+Compute: a few warm-up calls, then the call to profile.
+
+    ncu --clock-control none -k regex:'_w12_(wg)?mma_kernel' --launch-skip 3 --launch-count 1 \
+        --set full -o wg python3 benchmarks/tools/ncu_w12_mma.py --kernel wgmma --k 4096 --n 4096 --m 32 \
+        --config 64,8,4,2,0
+    ncu --import wg.ncu-rep --page source --csv --print-source sass > wg_sass.csv   # stalls per instruction
+
+``--config`` is the kernel's config dataclass fields, comma separated (default: its default config).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import bootstrap  # noqa: E402
+
+bootstrap()
+
+import torch  # noqa: E402
+
+from specpilot.kernels.w12 import encode, mma, wgmma  # noqa: E402
+from specpilot.kernels.w12.gemm import KernelPack  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kernel", choices=["mma", "wgmma"], default="wgmma")
+    ap.add_argument("--k", type=int, default=4096)
+    ap.add_argument("--n", type=int, default=4096)
+    ap.add_argument("--m", type=int, default=32)
+    ap.add_argument("--config", default=None)
+    args = ap.parse_args()
+    mod, cls, run = ((mma, mma.MmaConfig, mma.w12_mma) if args.kernel == "mma"
+                     else (wgmma, wgmma.WgmmaConfig, wgmma.w12_wgmma))
+    cfg = None
+    if args.config:
+        vals = [int(v) for v in args.config.split(",")]
+        fields = list(cls.__dataclass_fields__)
+        cfg = cls(**{f: (bool(v) if isinstance(getattr(cls(), f), bool) else v) for f, v in zip(fields, vals)})
+    w = (torch.randn(args.n, args.k, device="cuda") * 0.02).bfloat16()
+    kp = KernelPack.from_w12(encode(w), device="cuda")
+    x = torch.randn(args.m, args.k, device="cuda").bfloat16()
+    cfg = cfg or mod.default_config(args.m, args.n, args.k)
+    print(args.kernel, cfg.key(), flush=True)
+    for _ in range(4):
+        run(x, kp, config=cfg)
+    torch.cuda.synchronize()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
