@@ -81,7 +81,7 @@ ptrs = {"x_ptr": "*bf16", "y_ptr": "*bf16", "rec_ptr": "*i32", "low_ptr": "*u8",
 lv, ln, lx, mm, a, b, l3, xc, xs = mma.layouts(128, 32, 4)
 wc, qc, wsl = mma.wsmem_layouts(4)
 const = dict(BLOCK_N=128, BLOCK_M=32, USE_SPLIT=True, QPASS=False, ESC_CH=8, DEPTH=2, WSMEM=False,
-             L_VIEW=lv, L_NIB=ln, L_X=lx, MMA=mm, A_OP=a, B_OP=b, L3=l3, L_XC=xc, XS=xs, L_WC=wc, L_QC=qc, WSL=wsl)
+             L_VIEW=lv, L_NIB=ln, L_X=lx, MMA=mm, A_OP=a, B_OP=b, L_EP=l3, L_XC=xc, XS=xs, L_WC=wc, L_QC=qc, WSL=wsl)
 div = list(ptrs) + ["K", "stride_xm", "stride_ym"]
 warps = 4
 """

@@ -49,8 +49,8 @@ k = wgmma._w12_wgmma_kernel
 ptrs = {"x_ptr": "*bf16", "y_ptr": "*bf16", "rec_ptr": "*i32", "low_ptr": "*u8", "eptr_ptr": "*i32",
         "erow_ptr": "*i32", "ecol_ptr": "*i32", "edelta_ptr": "*fp32", "ws_ptr": "*fp32", "lock_ptr": "*i32"}
 lv, ln, acc, a, l3, lxp, xsl = wgmma.layouts(64, 32, 4)
-const = dict(BLOCK_N=64, BLOCK_M=32, USE_SPLIT=True, QPASS=False, ESC_CH=2, DEPTH=2, UNROLL=True,
-             L_VIEW=lv, L_NIB=ln, ACC=acc, A_OP=a, L3=l3, L_XP=lxp, XSL=xsl)
+const = dict(BLOCK_N=64, BLOCK_M=32, USE_SPLIT=True, QPASS=False, ESC_CH=64, DEPTH=2, UNROLL=True,
+             L_VIEW=lv, L_NIB=ln, ACC=acc, A_OP=a, L_EP=l3, L_XP=lxp, XSL=xsl)
 div = list(ptrs) + ["K", "stride_xm", "stride_ym"]
 warps = 4
 """
@@ -140,3 +140,23 @@ def test_w12_wgmma_strided_rows():
     big = torch.randn(12, 264).bfloat16().cuda()
     y = wgmma.w12_wgmma(big[:, :256], kp, out_dtype=torch.float32)
     check_close(y.cpu(), big[:, :256].cpu(), w)
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("kernel", ["mma", "wgmma"])
+def test_escape_heavy_rows_span_several_epilogue_chunks(kernel):
+    """More escapes in a block than one epilogue pass takes, rows whose escapes cross a pass
+    boundary, and an escape-free block: exact corrections in both tensor-core kernels."""
+    w = make_weight(192, 640, seed=3)
+    w[0, :100] = 0.0
+    w[1, 10:90] = 1e-30
+    w[2, ::7] = 1e3
+    w[128:192] = (torch.randn(64, 640) * 0.02).bfloat16()   # (escapes only if randn gives them)
+    kp = KernelPack.from_w12(encode(w), device="cuda")
+    for m in (3, 32, 64):
+        x = torch.randn(m, 640, generator=torch.Generator().manual_seed(m)).bfloat16().cuda()
+        run = mma.w12_mma if kernel == "mma" else wgmma.w12_wgmma
+        for split in (1, 3):
+            cfg = mma.MmaConfig(64, split) if kernel == "mma" else wgmma.WgmmaConfig(64, split)
+            check_close(run(x, kp, config=cfg, out_dtype=torch.float32).cpu(), x.cpu(), w)

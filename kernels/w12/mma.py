@@ -107,17 +107,16 @@ if gluon is not None:
         mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 8])
         a_op = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         b_op = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-        # epilogue: [BLOCK_N, ESC_CH, BLOCK_M], rows over lanes/warps, escapes in registers
+        # epilogue: [BLOCK_N, BLOCK_M] (and the escapes' [ESC_CH, BLOCK_M]), rows over lanes/warps
         tm = min(block_m, 4)
-        l3 = gl.BlockedLayout([1, 1, block_m // tm if block_m // tm <= 4 else 4], [32 // tm, 1, tm],
-                              [num_warps, 1, 1], [2, 1, 0])
+        l_ep = gl.BlockedLayout([1, min(block_m // tm, 4)], [32 // tm, tm], [num_warps, 1], [1, 0])
         # x copies: 8 (or, for few rows, 4) bf16 per thread, a 128-byte x row per 8 (16) threads
         spt = max(2, min(8, block_m * 64 // (32 * num_warps)))
         tk = 64 // spt
         xc = gl.BlockedLayout([1, spt], [32 // tk, tk], [num_warps, 1], [1, 0])
         # x stages: 16-byte chunks XOR-swizzled by row, so the B-fragment reads are conflict-free
         xs = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
-        return lin["view"], lin["nib"], lin["x"], mma, a_op, b_op, l3, xc, xs
+        return lin["view"], lin["nib"], lin["x"], mma, a_op, b_op, l_ep, xc, xs
 
     @lru_cache(maxsize=None)
     def wsmem_layouts(num_warps: int):
@@ -253,7 +252,7 @@ if gluon is not None:
         BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, USE_SPLIT: gl.constexpr, QPASS: gl.constexpr,
         ESC_CH: gl.constexpr, DEPTH: gl.constexpr, WSMEM: gl.constexpr,
         L_VIEW: gl.constexpr, L_NIB: gl.constexpr, L_X: gl.constexpr, MMA: gl.constexpr,
-        A_OP: gl.constexpr, B_OP: gl.constexpr, L3: gl.constexpr, L_XC: gl.constexpr, XS: gl.constexpr,
+        A_OP: gl.constexpr, B_OP: gl.constexpr, L_EP: gl.constexpr, L_XC: gl.constexpr, XS: gl.constexpr,
         L_WC: gl.constexpr, L_QC: gl.constexpr, WSL: gl.constexpr,
     ):
         pid_n = gl.program_id(0)
@@ -313,69 +312,92 @@ if gluon is not None:
         async_copy.wait_group(0)
         _epilogue(acc, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, ws_ptr, lock_ptr,
                   n0, pid_n, pid_k, pid_m, M, N, NUM_N_BLOCKS, SPLIT_K, stride_xm, stride_ym,
-                  BLOCK_N, BLOCK_M, USE_SPLIT, ESC_CH, MMA, L3)
+                  BLOCK_N, BLOCK_M, USE_SPLIT, ESC_CH, MMA, L_EP)
 
     @gluon.jit
     def _epilogue(acc, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, ws_ptr, lock_ptr,
                   n0, pid_n, pid_k, pid_m, M, N, NUM_N_BLOCKS, SPLIT_K, stride_xm, stride_ym,
                   BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, USE_SPLIT: gl.constexpr, ESC_CH: gl.constexpr,
-                  ACC: gl.constexpr, L3: gl.constexpr):
+                  ACC: gl.constexpr, L_EP: gl.constexpr):
         """The accumulator ``acc`` (layout ``ACC``) to y: directly, or through the fixed-order split-K
         reduction (partials to a workspace, a per-block counter, the last program sums them in order).
         Shared by this kernel and the ``wgmma`` one (:mod:`.wgmma`)."""
         if not USE_SPLIT:
             _finalize(acc, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, n0, pid_m, M, N,
-                      stride_xm, stride_ym, BLOCK_N, BLOCK_M, ESC_CH, L3)
+                      stride_xm, stride_ym, BLOCK_N, BLOCK_M, ESC_CH, L_EP)
         else:
             blk = pid_m * NUM_N_BLOCKS + pid_n
             ws_base = ws_ptr + blk.to(gl.int64) * (SPLIT_K * BLOCK_N * BLOCK_M)
             tr = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ACC))
             tc = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, ACC))
             tile_offs = tr[:, None] * BLOCK_M + tc[None, :]
+            zero_i = gl.zeros([BLOCK_N, BLOCK_M], gl.int32, ACC)
             gl.store(ws_base + pid_k * (BLOCK_N * BLOCK_M) + tile_offs, acc)
             _cta_barrier()
             count = gl.atomic_add(lock_ptr + blk, 1, sem="acq_rel", scope="gpu")
             if count == SPLIT_K - 1:
                 total = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, ACC)
-                for s in range(0, SPLIT_K):     # fixed order: bitwise identical run to run
-                    total += gl.load(ws_base + s * (BLOCK_N * BLOCK_M) + tile_offs, cache_modifier=".cg")
+                # fixed order (bitwise identical run to run), four partials loaded at a time
+                TILE: gl.constexpr = BLOCK_N * BLOCK_M
+                for s in range(0, SPLIT_K, 4):
+                    p0 = gl.load(ws_base + s * TILE + tile_offs, cache_modifier=".cg")
+                    p1 = gl.load(ws_base + (s + 1) * TILE + tile_offs, mask=zero_i + s + 1 < SPLIT_K, other=0.0,
+                                 cache_modifier=".cg")
+                    p2 = gl.load(ws_base + (s + 2) * TILE + tile_offs, mask=zero_i + s + 2 < SPLIT_K, other=0.0,
+                                 cache_modifier=".cg")
+                    p3 = gl.load(ws_base + (s + 3) * TILE + tile_offs, mask=zero_i + s + 3 < SPLIT_K, other=0.0,
+                                 cache_modifier=".cg")
+                    total += p0
+                    total += p1
+                    total += p2
+                    total += p3
                 gl.atomic_xchg(lock_ptr + blk, 0)
                 _finalize(total, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, n0, pid_m, M, N,
-                          stride_xm, stride_ym, BLOCK_N, BLOCK_M, ESC_CH, L3)
+                          stride_xm, stride_ym, BLOCK_N, BLOCK_M, ESC_CH, L_EP)
 
     @gluon.jit
     def _finalize(acc, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, n0, pid_m, M, N,
                   stride_xm, stride_ym, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, ESC_CH: gl.constexpr,
-                  L3: gl.constexpr):
-        """Row scale, exact escape corrections (``ESC_CH`` escapes per pass) and the store."""
-        LY: gl.constexpr = gl.SliceLayout(1, L3)            # [BLOCK_N, BLOCK_M]
-        LE: gl.constexpr = gl.SliceLayout(0, L3)            # [ESC_CH, BLOCK_M]
-        LH: gl.constexpr = gl.SliceLayout(2, L3)            # [BLOCK_N, ESC_CH]
-        y = gl.convert_layout(acc, LY)
-        offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LY))
-        offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, LY))
+                  L_EP: gl.constexpr):
+        """Row scale, exact escape corrections and the store.
+
+        The escapes are CSR by row (``eptr``): the block's row ranges are loaded at once, then the
+        columns and deltas of ``ESC_CH`` escapes and x at those columns (one pass for any real
+        layer, so three dependent round trips in all, not two per handful of escapes), and each
+        output adds its row's contributions in escape order through a register gather."""
+        y = gl.convert_layout(acc, L_EP)
+        offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_EP))
+        offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, L_EP))
         n_mask = offs_n < N
         low = gl.load(low_ptr + offs_n, mask=n_mask, other=112).to(gl.int32)
-        scale = ((low + (127 - 112)) << 23).to(gl.float32, bitcast=True)
-        y = y * scale[:, None]
+        r_lo = gl.load(eptr_ptr + offs_n, mask=n_mask, other=0)
+        r_hi = gl.load(eptr_ptr + offs_n + 1, mask=n_mask, other=0)
         e_lo = gl.load(eptr_ptr + n0)
         e_hi = gl.load(eptr_ptr + gl.minimum(n0 + BLOCK_N, N))
-        hn = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LH))
-        em_ = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, LE))
-        for e in range(e_lo, e_hi, ESC_CH):
-            idx_h = e + gl.arange(0, ESC_CH, layout=gl.SliceLayout(0, LH))
-            er = gl.load(erow_ptr + idx_h, mask=idx_h < e_hi, other=-1)
-            idx_e = e + gl.arange(0, ESC_CH, layout=gl.SliceLayout(1, LE))
-            ok = idx_e < e_hi
-            ec = gl.load(ecol_ptr + idx_e, mask=ok, other=0)
-            ed = gl.load(edelta_ptr + idx_e, mask=ok, other=0.0)
-            xv = gl.load(x_ptr + em_[None, :] * stride_xm + ec[:, None],
-                         mask=ok[:, None] & (em_ < M)[None, :], other=0.0).to(gl.float32)
-            contrib = xv * ed[:, None]                                    # [CH, BM]
-            hit = er[None, :] == hn[:, None]                              # [BN, CH]
-            y += gl.sum(gl.where(hit[:, :, None], contrib[None, :, :], 0.0), axis=1)
+        scale = ((low + (127 - 112)) << 23).to(gl.float32, bitcast=True)
+        y = y * scale[:, None]
+        zero = gl.zeros([BLOCK_N, BLOCK_M], gl.int32, L_EP)
+        for e0 in range(e_lo, e_hi, ESC_CH):
+            idx = e0 + gl.arange(0, ESC_CH, layout=gl.SliceLayout(1, L_EP))
+            ok = idx < e_hi
+            ec = gl.load(ecol_ptr + idx, mask=ok, other=0)
+            ed = gl.load(edelta_ptr + idx, mask=ok, other=0.0)
+            xv = gl.load(x_ptr + offs_m[None, :] * stride_xm + ec[:, None],
+                         mask=ok[:, None] & (offs_m < M)[None, :], other=0.0).to(gl.float32)
+            contrib = xv * ed[:, None]                                    # [ESC_CH, BLOCK_M]
+            lo = gl.where(n_mask, gl.maximum(r_lo, e0) - e0, 0)          # this chunk's slots of each row
+            hi = gl.where(n_mask, gl.minimum(r_hi, e0 + ESC_CH) - e0, 0)
+            for i in range(0, gl.max(hi - lo, axis=0)):                   # the most escapes in one row
+                slot = lo + i
+                got = gl.gather(contrib, zero + gl.minimum(slot, ESC_CH - 1)[:, None], 0)
+                y += gl.where((slot < hi)[:, None], got, 0.0)
         gl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], y.to(y_ptr.dtype.element_ty),
                  mask=n_mask[:, None] & (offs_m < M)[None, :])
+
+
+def esc_chunk(block_m: int) -> int:
+    """Escapes per pass of the tensor-core kernels' epilogue (``[ESC_CH, BLOCK_M]`` fp32 in registers)."""
+    return max(8, min(64, 2048 // block_m))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -501,8 +523,8 @@ def w12_mma(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: Mm
     nb = (n + cfg.block_n - 1) // cfg.block_n
     mb = (m + bm - 1) // bm
     ws, locks = _workspace(x.device, nb * mb * split * cfg.block_n * bm if split > 1 else 1, nb * mb)
-    esc_ch = max(1, min(8, 4096 // (cfg.block_n * bm)))   # the epilogue's [BN, CH, BM] stays small
-    l_view, l_nib, l_x, mma, a_op, b_op, l3, l_xc, xs = layouts(cfg.block_n, bm, cfg.num_warps)
+    esc_ch = esc_chunk(bm)
+    l_view, l_nib, l_x, mma, a_op, b_op, l_ep, l_xc, xs = layouts(cfg.block_n, bm, cfg.num_warps)
     l_wc, l_qc, wsl = wsmem_layouts(cfg.num_warps)
     _w12_mma_kernel[(nb, split, mb)](
         x, out, packed.rec32, packed.low_exp,
@@ -511,7 +533,7 @@ def w12_mma(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: Mm
         m, n, k, kt, tps, nb, split,
         x.stride(0), out.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_M=bm, USE_SPLIT=split > 1, QPASS=qpass, ESC_CH=esc_ch, DEPTH=cfg.depth,
-        WSMEM=cfg.wsmem, L_VIEW=l_view, L_NIB=l_nib, L_X=l_x, MMA=mma, A_OP=a_op, B_OP=b_op, L3=l3, L_XC=l_xc,
+        WSMEM=cfg.wsmem, L_VIEW=l_view, L_NIB=l_nib, L_X=l_x, MMA=mma, A_OP=a_op, B_OP=b_op, L_EP=l_ep, L_XC=l_xc,
         XS=xs, L_WC=l_wc, L_QC=l_qc, WSL=wsl,
         num_warps=cfg.num_warps,
     )

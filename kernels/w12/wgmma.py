@@ -88,13 +88,13 @@ if AVAILABLE:
     def layouts(block_n: int, block_m: int, num_warps: int):
         """Weight loads and the epilogue as in :func:`.mma.layouts`; the wgmma accumulator and A
         operand; the x load (physical k) and the x stage (128-byte swizzled, k contiguous)."""
-        l_view, l_nib, _, _, _, _, l3, _, _ = M.layouts(block_n, block_m, num_warps)
+        l_view, l_nib, _, _, _, _, l_ep, _, _ = M.layouts(block_n, block_m, num_warps)
         acc = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, block_m, 16])
         a_op = gl.DotOperandLayout(operand_index=0, parent=acc, k_width=2)
         reg, lane, warp = x_phys_bases(block_m, num_warps)
         l_xp = gl.DistributedLinearLayout(reg, lane, warp, [], [block_m, TILE_K])
         xsl = gl.NVMMASharedLayout.get_default_for([block_m, TILE_K], gl.bfloat16)
-        return l_view, l_nib, acc, a_op, l3, l_xp, xsl
+        return l_view, l_nib, acc, a_op, l_ep, l_xp, xsl
 
     @gluon.jit
     def _x_load(x_ptr, rows, kx, t, ok, M_rows, stride_xm):
@@ -116,14 +116,14 @@ if AVAILABLE:
         """One record of the unrolled loop (weights two records ahead): wgmma ``t`` on stage ``cur``,
         x of ``t + 1`` into stage ``nxt``, x of ``t + 2`` into registers."""
         wx, qx = M._load_rec(rec_ptr, tile_row, t + 2, t + 2 < t_end, off_v, off_n, QPASS)
+        xn = _x_load(x_ptr, rows, kx, t + 2, t + 2 < t_end, M_rows, stride_xm)
         a = M._a_operand(w0, q0, L_VIEW, A_OP, BLOCK_N, QPASS)
         tok = warpgroup_mma(a, cur.permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(1, deps=[tok])
         _x_store(nxt, xr, BLOCK_M)
-        xr = _x_load(x_ptr, rows, kx, t + 2, t + 2 < t_end, M_rows, stride_xm)
         fence_async_shared()
         _cta_barrier()
-        return acc, w1, q1, wx, qx, xr
+        return acc, w1, q1, wx, qx, xn
 
     @gluon.jit
     def _w12_wgmma_kernel(
@@ -134,7 +134,7 @@ if AVAILABLE:
         stride_xm, stride_ym,
         BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, USE_SPLIT: gl.constexpr, QPASS: gl.constexpr,
         ESC_CH: gl.constexpr, DEPTH: gl.constexpr, UNROLL: gl.constexpr,
-        L_VIEW: gl.constexpr, L_NIB: gl.constexpr, ACC: gl.constexpr, A_OP: gl.constexpr, L3: gl.constexpr,
+        L_VIEW: gl.constexpr, L_NIB: gl.constexpr, ACC: gl.constexpr, A_OP: gl.constexpr, L_EP: gl.constexpr,
         L_XP: gl.constexpr, XSL: gl.constexpr,
     ):
         pid_n = gl.program_id(0)
@@ -187,11 +187,12 @@ if AVAILABLE:
             for t in range(t_begin, t_end):
                 it = t - t_begin
                 wx, qx = M._load_rec(rec_ptr, tile_row, t + DEPTH, t + DEPTH < t_end, off_v, off_n, QPASS)
+                xn = _x_load(x_ptr, rows, kx, t + 2, t + 2 < t_end, M_rows, stride_xm)
                 a = M._a_operand(w0, q0, L_VIEW, A_OP, BLOCK_N, QPASS)
                 tok = warpgroup_mma(a, xs.index(it % 3).permute((1, 0)), acc, is_async=True)
                 acc = warpgroup_mma_wait(1, deps=[tok])      # wgmma t - 1 retired (t stays in flight)
                 _x_store(xs.index((it + 1) % 3), xr, BLOCK_M)  # last read by wgmma t - 2
-                xr = _x_load(x_ptr, rows, kx, t + 2, t + 2 < t_end, M_rows, stride_xm)
+                xr = xn
                 fence_async_shared()
                 _cta_barrier()                                # the record's CTA barrier
                 if DEPTH == 1:
@@ -206,7 +207,7 @@ if AVAILABLE:
         acc = warpgroup_mma_wait(0, deps=[acc])
         M._epilogue(acc, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, ws_ptr, lock_ptr,
                     n0, pid_n, pid_k, pid_m, M_rows, N, NUM_N_BLOCKS, SPLIT_K, stride_xm, stride_ym,
-                    BLOCK_N, BLOCK_M, USE_SPLIT, ESC_CH, ACC, L3)
+                    BLOCK_N, BLOCK_M, USE_SPLIT, ESC_CH, ACC, L_EP)
 
 
 def supported(x: torch.Tensor, packed: KernelPack) -> bool:
@@ -254,8 +255,8 @@ def w12_wgmma(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: 
     nb = (n + cfg.block_n - 1) // cfg.block_n
     mb = (m + bm - 1) // bm
     ws, locks = _workspace(x.device, nb * mb * split * cfg.block_n * bm if split > 1 else 1, nb * mb)
-    esc_ch = max(1, min(8, 4096 // (cfg.block_n * bm)))
-    l_view, l_nib, acc, a_op, l3, l_xp, xsl = layouts(cfg.block_n, bm, cfg.num_warps)
+    esc_ch = M.esc_chunk(bm)
+    l_view, l_nib, acc, a_op, l_ep, l_xp, xsl = layouts(cfg.block_n, bm, cfg.num_warps)
     _w12_wgmma_kernel[(nb, split, mb)](
         x, out, packed.rec32, packed.low_exp,
         packed.esc_rowptr, packed.esc_row, packed.esc_col, packed.esc_delta_q if qpass else packed.esc_delta,
@@ -263,7 +264,7 @@ def w12_wgmma(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: 
         m, n, k, kt, tps, nb, split,
         x.stride(0), out.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_M=bm, USE_SPLIT=split > 1, QPASS=qpass, ESC_CH=esc_ch, DEPTH=cfg.depth, UNROLL=cfg.unroll,
-        L_VIEW=l_view, L_NIB=l_nib, ACC=acc, A_OP=a_op, L3=l3, L_XP=l_xp, XSL=xsl,
+        L_VIEW=l_view, L_NIB=l_nib, ACC=acc, A_OP=a_op, L_EP=l_ep, L_XP=l_xp, XSL=xsl,
         num_warps=cfg.num_warps,
     )
     return out
