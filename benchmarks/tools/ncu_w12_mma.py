@@ -1,4 +1,4 @@
-"""Run the tensor-core W12 kernels (``mma.sync`` and Hopper ``wgmma``) on one layer, for Nsight
+"""Run the tensor-core W12 kernels (``mma.sync`` and Hopper ``wgmma``) or the one-row Gluon GEMV on one layer, for Nsight
 Compute: a few warm-up calls, then the call to profile.
 
     ncu --clock-control none -k regex:'_w12_(wg)?mma_kernel' --launch-skip 3 --launch-count 1 \
@@ -22,20 +22,21 @@ bootstrap()
 
 import torch  # noqa: E402
 
-from specpilot.kernels.w12 import encode, mma, wgmma  # noqa: E402
+from specpilot.kernels.w12 import encode, gemv_gluon, mma, wgmma  # noqa: E402
 from specpilot.kernels.w12.gemm import KernelPack  # noqa: E402
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--kernel", choices=["mma", "wgmma"], default="wgmma")
+    ap.add_argument("--kernel", choices=["mma", "wgmma", "gemv-gluon"], default="wgmma")
     ap.add_argument("--k", type=int, default=4096)
     ap.add_argument("--n", type=int, default=4096)
     ap.add_argument("--m", type=int, default=32)
     ap.add_argument("--config", default=None)
     args = ap.parse_args()
-    mod, cls, run = ((mma, mma.MmaConfig, mma.w12_mma) if args.kernel == "mma"
-                     else (wgmma, wgmma.WgmmaConfig, wgmma.w12_wgmma))
+    mod, cls, run = {"mma": (mma, mma.MmaConfig, mma.w12_mma),
+                     "wgmma": (wgmma, wgmma.WgmmaConfig, wgmma.w12_wgmma),
+                     "gemv-gluon": (gemv_gluon, gemv_gluon.GluonGemvConfig, gemv_gluon.w12_gemv_gluon)}[args.kernel]
     cfg = None
     if args.config:
         vals = [int(v) for v in args.config.split(",")]
@@ -44,7 +45,9 @@ def main() -> int:
     w = (torch.randn(args.n, args.k, device="cuda") * 0.02).bfloat16()
     kp = KernelPack.from_w12(encode(w), device="cuda")
     x = torch.randn(args.m, args.k, device="cuda").bfloat16()
-    cfg = cfg or mod.default_config(args.m, args.n, args.k)
+    if cfg is None:
+        cfg = mod.default_config(args.n, args.k) if args.kernel == "gemv-gluon" else mod.default_config(
+            args.m, args.n, args.k)
     print(args.kernel, cfg.key(), flush=True)
     for _ in range(4):
         run(x, kp, config=cfg)
