@@ -233,7 +233,8 @@ def wgmma_configs(m: int, kt: int, n: int, sms: int):
 
 def gluon_gemv_configs(m: int, kt: int, n: int, sms: int):
     """One-row Gluon GEMV variants: 8, 16 or 32 rows per program, 4, 8 (or 16) warps each streaming
-    its own records, 2-4 records ahead, split-K for about 1, 2 and 4 programs per SM."""
+    its own records, 1-3 records ahead in a rotated ring or 2-3 register sets unrolled, split-K for
+    about 1, 2 and 4 programs per SM."""
     from specpilot.kernels.w12.gemv_gluon import GluonGemvConfig, default_config
 
     out = [default_config(n, kt * 64, sms)]
@@ -250,6 +251,11 @@ def gluon_gemv_configs(m: int, kt: int, n: int, sms: int):
                     cfg = GluonGemvConfig(rows, warps, depth, split)
                     if cfg not in out:
                         out.append(cfg)
+                if rows >= 16 and warps <= 8:   # unrolled rings: depth - 1 records in flight per warp
+                    for depth in (2, 3):
+                        cfg = GluonGemvConfig(rows, warps, depth, split, True)
+                        if cfg not in out:
+                            out.append(cfg)
     return out
 
 

@@ -37,31 +37,35 @@ ptrs = {"x_ptr": "*bf16", "x32_ptr": "*i32", "y_ptr": "*bf16", "rec_ptr": "*i32"
         "eptr_ptr": "*i32", "erow_ptr": "*i32", "ecol_ptr": "*i32", "edelta_ptr": "*fp32", "ws_ptr": "*fp32",
         "lock_ptr": "*i32"}
 lv, lq, lx, l3 = G.layouts(16, 8)
-const = dict(ROWS=16, WARPS=8, DEPTH=3, USE_SPLIT=True, QPASS=False, ESC_CH=8, L_V=lv, L_Q=lq, L_X=lx, L_E=l3)
+const = dict(ROWS=16, WARPS=8, DEPTH=3, UNROLL=UNROLL, USE_SPLIT=True, QPASS=False, ESC_CH=8, L_V=lv, L_Q=lq, L_X=lx, L_E=l3)
 div = list(ptrs) + ["KH", "stride_ym"]
 warps = 8
 """
 
 
 @needs_gluon
-def test_compiles_for_sm90_streaming_without_shared_memory():
+@pytest.mark.parametrize("unroll", [False, True])
+def test_compiles_for_sm90_streaming_without_shared_memory(unroll):
     """The main loop loads each warp's next record with 16-byte view and x loads and 8-byte nibble
     loads (2 rows per lane at 16 rows x 8 warps), touches no shared memory and has no barrier: the
-    warps only meet at the end. The x and nibble conversions are asserted trivial at compile time."""
+    warps only meet at the end. The x and nibble conversions are asserted trivial at compile time.
+    Unrolled (depth 3), one loop body holds three records, each reloaded in place."""
     import re
 
-    body = main_loop_ptx(_SETUP)
+    body = main_loop_ptx(f"UNROLL = {unroll}\n" + _SETUP)
+    per = 3 if unroll else 1
     stats = {"shared": body.count(".shared"), "bar": body.count("bar.sync"),
              "v4": len(re.findall(r"ld\.global[^;]*\.v4", body)), "v2": len(re.findall(r"ld\.global[^;]*\.v2", body)),
              "fma": len(re.findall(r"fma\.rn\.f32", body))}
     assert stats["shared"] == 0 and stats["bar"] == 0
-    assert stats["v4"] == 4          # 2 rows of views + 2 x 16 bytes of x per lane
-    assert stats["v2"] == 2          # 2 rows of nibbles
-    assert stats["fma"] == 32        # 2 rows x 16 weights
+    assert stats["v4"] == 4 * per    # 2 rows of views + 2 x 16 bytes of x per lane
+    assert stats["v2"] == 2 * per    # 2 rows of nibbles
+    assert stats["fma"] == 32 * per  # 2 rows x 16 weights
 
 
 @pytest.mark.parametrize("bad", [gg.GluonGemvConfig(rows=24), gg.GluonGemvConfig(warps=3),
-                                 gg.GluonGemvConfig(depth=5), gg.GluonGemvConfig(split_k=0)])
+                                 gg.GluonGemvConfig(depth=5), gg.GluonGemvConfig(split_k=0),
+                                 gg.GluonGemvConfig(depth=1, unroll=True)])
 def test_bad_configs_are_rejected(bad):
     with pytest.raises(ValueError):
         gg.check_config(bad)
@@ -88,6 +92,8 @@ CASES = [  # (N, K, config)
     (384, 1024, gg.GluonGemvConfig(16, 16, 2, 2)),
     (136, 4160, gg.GluonGemvConfig(8, 8, 1, 5)),
     (128, 64, gg.GluonGemvConfig(16, 8, 3, 1)),       # fewer records than warps
+    (200, 1088, gg.GluonGemvConfig(16, 4, 3, 1, True)),  # unrolled: 17 records, steps past the range
+    (384, 1024, gg.GluonGemvConfig(32, 8, 2, 2, True)),
 ]
 
 

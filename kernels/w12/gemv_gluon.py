@@ -39,15 +39,18 @@ from .mma import _cta_barrier, gl, gluon
 @dataclass(frozen=True)
 class GluonGemvConfig:
     """``rows`` weight rows per program (8, 16 or 32; divides 128), ``warps`` (each streams its own
-    records), ``depth`` records loaded ahead per warp (1-4), ``split_k`` K ranges across programs."""
+    records), ``depth`` records loaded ahead per warp (1-4), ``split_k`` K ranges across programs,
+    ``unroll``: ``depth`` register sets reloaded in place (depth - 1 records in flight per warp),
+    instead of a rotated ring (one in flight whatever the depth, see the kernel)."""
 
     rows: int = 16
     warps: int = 4
     depth: int = 1
     split_k: int = 1
+    unroll: bool = False
 
     def key(self) -> str:
-        return f"gl-r{self.rows}-w{self.warps}-d{self.depth}-s{self.split_k}"
+        return f"gl-r{self.rows}-w{self.warps}-d{self.depth}-s{self.split_k}{'-u' if self.unroll else ''}"
 
 
 def check_config(cfg: GluonGemvConfig) -> None:
@@ -59,6 +62,8 @@ def check_config(cfg: GluonGemvConfig) -> None:
         raise ValueError(f"depth must be 1-4, got {cfg.depth}")
     if cfg.split_k < 1:
         raise ValueError(f"split_k must be >= 1, got {cfg.split_k}")
+    if cfg.unroll and cfg.depth < 2:
+        raise ValueError("an unrolled ring needs depth >= 2")
 
 
 if gluon is not None:
@@ -157,7 +162,7 @@ if gluon is not None:
         eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr,
         ws_ptr, lock_ptr,
         N, KH, KT, TILES_PER_SPLIT, NUM_N_BLOCKS, SPLIT_K, stride_ym,
-        ROWS: gl.constexpr, WARPS: gl.constexpr, DEPTH: gl.constexpr, USE_SPLIT: gl.constexpr,
+        ROWS: gl.constexpr, WARPS: gl.constexpr, DEPTH: gl.constexpr, UNROLL: gl.constexpr, USE_SPLIT: gl.constexpr,
         QPASS: gl.constexpr, ESC_CH: gl.constexpr,
         L_V: gl.constexpr, L_Q: gl.constexpr, L_X: gl.constexpr, L_E: gl.constexpr,
     ):
@@ -193,24 +198,47 @@ if gluon is not None:
         if DEPTH >= 4:
             v3, q3, x3 = _load_recs(rec_ptr, x32_ptr, tile_row, t_begin + 3 * WARPS + wid, t_end, KH, off_v, off_q,
                                     xw, L_V, L_Q, L_X, QPASS)
-        for t in range(t_begin, t_end, WARPS):
-            vn, qn, xn = _load_recs(rec_ptr, x32_ptr, tile_row, t + DEPTH * WARPS + wid, t_end, KH, off_v, off_q,
-                                    xw, L_V, L_Q, L_X, QPASS)
-            acc = _rec_fma(acc, v0, q0, x0, WARPS, ROWS, L_V, QPASS)
-            if DEPTH == 1:
-                v0, q0, x0 = vn, qn, xn
-            elif DEPTH == 2:
-                v0, q0, x0 = v1, q1, x1
-                v1, q1, x1 = vn, qn, xn
-            elif DEPTH == 3:
-                v0, q0, x0 = v1, q1, x1
-                v1, q1, x1 = v2, q2, x2
-                v2, q2, x2 = vn, qn, xn
-            else:
-                v0, q0, x0 = v1, q1, x1
-                v1, q1, x1 = v2, q2, x2
-                v2, q2, x2 = v3, q3, x3
-                v3, q3, x3 = vn, qn, xn
+        if UNROLL:
+            # DEPTH register sets and the loop unrolled by DEPTH: each set is reloaded in place right
+            # after it is consumed, so DEPTH - 1 records per warp stay in flight over the decode. (In
+            # the rolled loop below the ring rotation is a register move of the record just loaded,
+            # which waits for that load: whatever DEPTH, one record is in flight.) Steps past the
+            # range read nothing and add zeros.
+            for t in range(t_begin, t_end, DEPTH * WARPS):
+                acc = _rec_fma(acc, v0, q0, x0, WARPS, ROWS, L_V, QPASS)
+                v0, q0, x0 = _load_recs(rec_ptr, x32_ptr, tile_row, t + DEPTH * WARPS + wid, t_end, KH, off_v, off_q,
+                                        xw, L_V, L_Q, L_X, QPASS)
+                if DEPTH >= 2:
+                    acc = _rec_fma(acc, v1, q1, x1, WARPS, ROWS, L_V, QPASS)
+                    v1, q1, x1 = _load_recs(rec_ptr, x32_ptr, tile_row, t + (DEPTH + 1) * WARPS + wid, t_end, KH,
+                                            off_v, off_q, xw, L_V, L_Q, L_X, QPASS)
+                if DEPTH >= 3:
+                    acc = _rec_fma(acc, v2, q2, x2, WARPS, ROWS, L_V, QPASS)
+                    v2, q2, x2 = _load_recs(rec_ptr, x32_ptr, tile_row, t + (DEPTH + 2) * WARPS + wid, t_end, KH,
+                                            off_v, off_q, xw, L_V, L_Q, L_X, QPASS)
+                if DEPTH >= 4:
+                    acc = _rec_fma(acc, v3, q3, x3, WARPS, ROWS, L_V, QPASS)
+                    v3, q3, x3 = _load_recs(rec_ptr, x32_ptr, tile_row, t + (DEPTH + 3) * WARPS + wid, t_end, KH,
+                                            off_v, off_q, xw, L_V, L_Q, L_X, QPASS)
+        else:
+            for t in range(t_begin, t_end, WARPS):
+                vn, qn, xn = _load_recs(rec_ptr, x32_ptr, tile_row, t + DEPTH * WARPS + wid, t_end, KH, off_v, off_q,
+                                        xw, L_V, L_Q, L_X, QPASS)
+                acc = _rec_fma(acc, v0, q0, x0, WARPS, ROWS, L_V, QPASS)
+                if DEPTH == 1:
+                    v0, q0, x0 = vn, qn, xn
+                elif DEPTH == 2:
+                    v0, q0, x0 = v1, q1, x1
+                    v1, q1, x1 = vn, qn, xn
+                elif DEPTH == 3:
+                    v0, q0, x0 = v1, q1, x1
+                    v1, q1, x1 = v2, q2, x2
+                    v2, q2, x2 = vn, qn, xn
+                else:
+                    v0, q0, x0 = v1, q1, x1
+                    v1, q1, x1 = v2, q2, x2
+                    v2, q2, x2 = v3, q3, x3
+                    v3, q3, x3 = vn, qn, xn
 
         # lanes, then warps, in a fixed tree: bitwise identical run to run
         LR: gl.constexpr = gl.SliceLayout(1, L_E)
@@ -298,7 +326,7 @@ def w12_gemv_gluon(x: torch.Tensor, packed: KernelPack, qpass: bool = False,
         packed.esc_rowptr, packed.esc_row, packed.esc_col, packed.esc_delta_q if qpass else packed.esc_delta,
         ws, locks,
         n, k // 2, kt, tps, nb, split, out.stride(0),
-        ROWS=cfg.rows, WARPS=cfg.warps, DEPTH=cfg.depth, USE_SPLIT=split > 1, QPASS=qpass,
+        ROWS=cfg.rows, WARPS=cfg.warps, DEPTH=cfg.depth, UNROLL=cfg.unroll, USE_SPLIT=split > 1, QPASS=qpass,
         ESC_CH=8, L_V=lv, L_Q=lq, L_X=lx, L_E=le,
         num_warps=cfg.warps,
     )
