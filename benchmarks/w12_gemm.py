@@ -186,8 +186,8 @@ def gemv_configs(m: int, kt: int, n: int, sms: int):
 
 def mma_configs(m: int, kt: int, n: int, sms: int):
     """Tensor-core (Gluon) variants for one (shape, m): 64 or 128 weight rows per program, weights 2
-    or 3 records ahead in registers or 2 or 4 ahead in a shared-memory ring (``wsmem``), split-K for
-    about 1, 2, 4 and 8 programs per SM."""
+    or 3 records ahead in registers (rotated or unrolled ring) or 2 or 4 ahead in a shared-memory
+    ring (``wsmem``), split-K for about 1, 2, 4 and 8 programs per SM."""
     from specpilot.kernels.w12.mma import MmaConfig, block_m_for, default_config
 
     out = [default_config(m, n, kt * 64, sms)]
@@ -200,8 +200,9 @@ def mma_configs(m: int, kt: int, n: int, sms: int):
             if split in seen:
                 continue
             seen.add(split)
-            for depth, wsmem in ((2, False), (3, False), (2, True), (4, True)):
-                cfg = MmaConfig(bn, split, w, depth, wsmem)
+            for depth, wsmem, unroll in ((2, False, False), (3, False, False), (2, True, False), (4, True, False),
+                                         (2, False, True), (3, False, True)):
+                cfg = MmaConfig(bn, split, w, depth, wsmem, unroll)
                 if cfg not in out:
                     out.append(cfg)
     return out

@@ -80,7 +80,7 @@ ptrs = {"x_ptr": "*bf16", "y_ptr": "*bf16", "rec_ptr": "*i32", "low_ptr": "*u8",
         "erow_ptr": "*i32", "ecol_ptr": "*i32", "edelta_ptr": "*fp32", "ws_ptr": "*fp32", "lock_ptr": "*i32"}
 lv, ln, lx, mm, a, b, l3, xc, xs = mma.layouts(128, 32, 4)
 wc, qc, wsl = mma.wsmem_layouts(4)
-const = dict(BLOCK_N=128, BLOCK_M=32, USE_SPLIT=True, QPASS=False, ESC_CH=8, DEPTH=2, WSMEM=False,
+const = dict(BLOCK_N=128, BLOCK_M=32, USE_SPLIT=True, QPASS=False, ESC_CH=8, DEPTH=2, WSMEM=False, UNROLL=False,
              L_VIEW=lv, L_NIB=ln, L_X=lx, MMA=mm, A_OP=a, B_OP=b, L_EP=l3, L_XC=xc, XS=xs, L_WC=wc, L_QC=qc, WSL=wsl)
 div = list(ptrs) + ["K", "stride_xm", "stride_ym"]
 warps = 4
@@ -121,6 +121,11 @@ CASES = [  # (rows, N, K, config)
     (17, 200, 320, mma.MmaConfig(64, 3, 4, 4, True)),
     (32, 384, 1024, mma.MmaConfig(128, 4, 8, 6, True)),
     (100, 136, 192, mma.MmaConfig(128, 2, 4, 1, True)),
+    # unrolled register rings: an even and an odd record count (the last record after the loop)
+    (8, 256, 512, mma.MmaConfig(64, 1, 4, 2, False, True)),
+    (17, 200, 320, mma.MmaConfig(64, 1, 4, 2, False, True)),
+    (32, 384, 1024, mma.MmaConfig(128, 3, 8, 3, False, True)),
+    (64, 136, 448, mma.MmaConfig(64, 2, 4, 3, False, True)),
 ]
 
 
@@ -158,7 +163,8 @@ def test_routing_and_tuned_table():
     assert not mma.supported(torch.zeros(8, 64, dtype=torch.bfloat16), kp)      # CPU: the other kernels
 
 
-@pytest.mark.parametrize("cfg", [mma.MmaConfig(64, 1, 4, 5), mma.MmaConfig(64, 1, 4, 7, True)])
+@pytest.mark.parametrize("cfg", [mma.MmaConfig(64, 1, 4, 5), mma.MmaConfig(64, 1, 4, 7, True),
+                                 mma.MmaConfig(64, 1, 4, 1, False, True), mma.MmaConfig(64, 1, 4, 2, True, True)])
 def test_bad_depth_is_rejected(cfg):
     kp = KernelPack.from_w12(encode(make_weight(16, 64)), device="cpu")
     with pytest.raises((ValueError, RuntimeError)):

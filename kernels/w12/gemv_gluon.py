@@ -283,16 +283,18 @@ def default_config(n: int, k: int, sms: int = 132) -> GluonGemvConfig:
 
 
 # Fastest variant per (N, K) on the H200 (benchmarks/w12_gemm.py --mode gemv-gluon,
-# benchmarks/results/w12_gemv_gluon.json; speedup over cuBLAS bf16 and, in brackets, that of
-# ``w12_linear`` before this kernel, i.e. the Triton GEMV, in the same run).
+# benchmarks/results/w12_gemv_gluon_unroll.json; speedup over cuBLAS bf16 and, in brackets, that of
+# the previous table in the same run). Unrolled rings (``True``) won on five layers: the rotated
+# ring with two records (``gl-r16-w4-d2-s1``) took 82.9 us on 5120 -> 34816 there, one record
+# 77.2 us, two unrolled sets 73.2 us.
 TUNED: dict[tuple[int, int], GluonGemvConfig] = {
-    (6144, 4096): GluonGemvConfig(8, 4, 1, 1),    # 1.009x (0.968x)
-    (4096, 4096): GluonGemvConfig(16, 8, 1, 1),   # 1.213x (1.118x)
-    (28672, 4096): GluonGemvConfig(16, 4, 1, 1),  # 1.181x (1.214x)
-    (4096, 14336): GluonGemvConfig(32, 8, 1, 2),  # 1.11x (1.092x)
-    (7168, 5120): GluonGemvConfig(32, 4, 1, 2),   # 1.11x (1.101x)
-    (34816, 5120): GluonGemvConfig(32, 4, 1, 1),  # 1.185x (1.213x)
-    (5120, 17408): GluonGemvConfig(16, 4, 1, 2),  # 1.219x (1.176x)
+    (6144, 4096): GluonGemvConfig(8, 4, 1, 1),  # 1.081x (1.077x)
+    (4096, 4096): GluonGemvConfig(16, 8, 2, 1, True),  # 1.2x (1.2x)
+    (28672, 4096): GluonGemvConfig(16, 4, 2, 1, True),  # 1.135x (1.089x)
+    (4096, 14336): GluonGemvConfig(16, 8, 2, 1, True),  # 1.145x (1.107x)
+    (7168, 5120): GluonGemvConfig(16, 4, 1, 1),  # 1.108x (1.112x)
+    (34816, 5120): GluonGemvConfig(16, 4, 2, 1, True),  # 1.226x (1.188x)
+    (5120, 17408): GluonGemvConfig(16, 4, 2, 2, True),  # 1.262x (1.214x)
 }
 # On the two widest layers the Triton GEMV's tuned variant (cp.async pipeline by the compiler)
 # measured 1.21x in that run but 1.05x in later ones (85.7 vs 74-76 us on 5120 -> 34816); this

@@ -208,13 +208,32 @@ if gluon is not None:
         return gl.convert_layout(gl.reshape(xv, [64, BLOCK_M]), B_OP, assert_trivial=True)
 
     @gluon.jit
+    def _ring_step(acc, w, q, xs, x_ptr, t, t_begin, t_end, rows_c, kc, M, K, stride_xm,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, QPASS: gl.constexpr, DEPTH: gl.constexpr,
+                   L_VIEW: gl.constexpr, L_X: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr):
+        """Record ``t`` of the register-ring loop: its x stage (landed), the copy of x for ``t + DEPTH``
+        into the stage freed by ``t - 1``, and the MMA of the record's weights ``w``/``q``."""
+        XD: gl.constexpr = DEPTH + 1
+        it = t - t_begin
+        async_copy.wait_group(DEPTH - 1)        # this thread's copies of record t have landed
+        _cta_barrier()                          # ... everyone's, and stage (it - 1) is free again
+        _x_copy(xs.index((it + DEPTH) % XD), x_ptr, rows_c, kc, t + DEPTH, t + DEPTH < t_end, M, K, stride_xm)
+        b = _b_operand(xs.index(it % XD), L_X, B_OP, BLOCK_M)
+        return mma_v2(_a_operand(w, q, L_VIEW, A_OP, BLOCK_N, QPASS), b, acc)
+
+    @gluon.jit
     def _register_ring(acc, xs, x_ptr, rec_ptr, tile_row, t_begin, t_end, off_v, off_n, rows_c, kc, M, K, stride_xm,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, QPASS: gl.constexpr, DEPTH: gl.constexpr,
-                       L_VIEW: gl.constexpr, L_X: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr):
+                       UNROLL: gl.constexpr, L_VIEW: gl.constexpr, L_X: gl.constexpr, A_OP: gl.constexpr,
+                       B_OP: gl.constexpr):
         """The main loop with the weights DEPTH records ahead in registers and x DEPTH records ahead
         in a shared-memory ring filled by cp.async (one copy per program, not per warp). Loads past
-        the range are predicated off."""
-        XD: gl.constexpr = DEPTH + 1
+        the range are predicated off.
+
+        Rolled, the ring rotates (``w0 <- w1 <- next``): the move of the record just loaded waits
+        for that load, so one record is in flight whatever DEPTH. ``UNROLL``: DEPTH register sets,
+        the loop unrolled by DEPTH, each set reloaded in place after its MMA (DEPTH - 1 in flight);
+        the last ``(t_end - t_begin) % DEPTH`` records (already loaded) run after the loop."""
         w0, q0 = _load_rec(rec_ptr, tile_row, t_begin, t_begin < t_end, off_v, off_n, QPASS)
         if DEPTH >= 2:
             w1, q1 = _load_rec(rec_ptr, tile_row, t_begin + 1, t_begin + 1 < t_end, off_v, off_n, QPASS)
@@ -222,24 +241,41 @@ if gluon is not None:
             w2, q2 = _load_rec(rec_ptr, tile_row, t_begin + 2, t_begin + 2 < t_end, off_v, off_n, QPASS)
         for i in gl.static_range(DEPTH):
             _x_copy(xs.index(i), x_ptr, rows_c, kc, t_begin + i, t_begin + i < t_end, M, K, stride_xm)
-        for t in range(t_begin, t_end):
-            it = t - t_begin
-            wx, qx = _load_rec(rec_ptr, tile_row, t + DEPTH, t + DEPTH < t_end, off_v, off_n, QPASS)
-            async_copy.wait_group(DEPTH - 1)        # this thread's copies of record t have landed
-            _cta_barrier()                          # ... everyone's, and stage (it - 1) is free again
-            _x_copy(xs.index((it + DEPTH) % XD), x_ptr, rows_c, kc, t + DEPTH, t + DEPTH < t_end, M, K,
-                    stride_xm)
-            b = _b_operand(xs.index(it % XD), L_X, B_OP, BLOCK_M)
-            acc = mma_v2(_a_operand(w0, q0, L_VIEW, A_OP, BLOCK_N, QPASS), b, acc)
-            if DEPTH == 1:
-                w0, q0 = wx, qx
-            elif DEPTH == 2:
-                w0, q0 = w1, q1
-                w1, q1 = wx, qx
-            else:
-                w0, q0 = w1, q1
-                w1, q1 = w2, q2
-                w2, q2 = wx, qx
+        if UNROLL:
+            t_main = t_begin + (t_end - t_begin) // DEPTH * DEPTH
+            for t in range(t_begin, t_main, DEPTH):
+                acc = _ring_step(acc, w0, q0, xs, x_ptr, t, t_begin, t_end, rows_c, kc, M, K, stride_xm,
+                                 BLOCK_M, BLOCK_N, QPASS, DEPTH, L_VIEW, L_X, A_OP, B_OP)
+                w0, q0 = _load_rec(rec_ptr, tile_row, t + DEPTH, t + DEPTH < t_end, off_v, off_n, QPASS)
+                if DEPTH >= 2:
+                    acc = _ring_step(acc, w1, q1, xs, x_ptr, t + 1, t_begin, t_end, rows_c, kc, M, K, stride_xm,
+                                     BLOCK_M, BLOCK_N, QPASS, DEPTH, L_VIEW, L_X, A_OP, B_OP)
+                    w1, q1 = _load_rec(rec_ptr, tile_row, t + 1 + DEPTH, t + 1 + DEPTH < t_end, off_v, off_n, QPASS)
+                if DEPTH >= 3:
+                    acc = _ring_step(acc, w2, q2, xs, x_ptr, t + 2, t_begin, t_end, rows_c, kc, M, K, stride_xm,
+                                     BLOCK_M, BLOCK_N, QPASS, DEPTH, L_VIEW, L_X, A_OP, B_OP)
+                    w2, q2 = _load_rec(rec_ptr, tile_row, t + 2 + DEPTH, t + 2 + DEPTH < t_end, off_v, off_n, QPASS)
+            if t_main < t_end:
+                acc = _ring_step(acc, w0, q0, xs, x_ptr, t_main, t_begin, t_end, rows_c, kc, M, K, stride_xm,
+                                 BLOCK_M, BLOCK_N, QPASS, DEPTH, L_VIEW, L_X, A_OP, B_OP)
+            if DEPTH >= 3:
+                if t_main + 1 < t_end:
+                    acc = _ring_step(acc, w1, q1, xs, x_ptr, t_main + 1, t_begin, t_end, rows_c, kc, M, K,
+                                     stride_xm, BLOCK_M, BLOCK_N, QPASS, DEPTH, L_VIEW, L_X, A_OP, B_OP)
+        else:
+            for t in range(t_begin, t_end):
+                wx, qx = _load_rec(rec_ptr, tile_row, t + DEPTH, t + DEPTH < t_end, off_v, off_n, QPASS)
+                acc = _ring_step(acc, w0, q0, xs, x_ptr, t, t_begin, t_end, rows_c, kc, M, K, stride_xm,
+                                 BLOCK_M, BLOCK_N, QPASS, DEPTH, L_VIEW, L_X, A_OP, B_OP)
+                if DEPTH == 1:
+                    w0, q0 = wx, qx
+                elif DEPTH == 2:
+                    w0, q0 = w1, q1
+                    w1, q1 = wx, qx
+                else:
+                    w0, q0 = w1, q1
+                    w1, q1 = w2, q2
+                    w2, q2 = wx, qx
         return acc
 
     @gluon.jit
@@ -250,7 +286,7 @@ if gluon is not None:
         M, N, K, KT, TILES_PER_SPLIT, NUM_N_BLOCKS, SPLIT_K,
         stride_xm, stride_ym,
         BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, USE_SPLIT: gl.constexpr, QPASS: gl.constexpr,
-        ESC_CH: gl.constexpr, DEPTH: gl.constexpr, WSMEM: gl.constexpr,
+        ESC_CH: gl.constexpr, DEPTH: gl.constexpr, WSMEM: gl.constexpr, UNROLL: gl.constexpr,
         L_VIEW: gl.constexpr, L_NIB: gl.constexpr, L_X: gl.constexpr, MMA: gl.constexpr,
         A_OP: gl.constexpr, B_OP: gl.constexpr, L_EP: gl.constexpr, L_XC: gl.constexpr, XS: gl.constexpr,
         L_WC: gl.constexpr, L_QC: gl.constexpr, WSL: gl.constexpr,
@@ -308,7 +344,7 @@ if gluon is not None:
                 acc = mma_v2(_a_operand(w0, q0, L_VIEW, A_OP, BLOCK_N, QPASS), b, acc)
         else:
             acc = _register_ring(acc, xs, x_ptr, rec_ptr, tile_row, t_begin, t_end, off_v, off_n, rows_c, kc, M, K,
-                                 stride_xm, BLOCK_M, BLOCK_N, QPASS, DEPTH, L_VIEW, L_X, A_OP, B_OP)
+                                 stride_xm, BLOCK_M, BLOCK_N, QPASS, DEPTH, UNROLL, L_VIEW, L_X, A_OP, B_OP)
         async_copy.wait_group(0)
         _epilogue(acc, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, ws_ptr, lock_ptr,
                   n0, pid_n, pid_k, pid_m, M, N, NUM_N_BLOCKS, SPLIT_K, stride_xm, stride_ym,
@@ -413,9 +449,11 @@ class MmaConfig:
     num_warps: int = 4
     depth: int = 2     # records loaded ahead (1-3 in registers, 1-6 with wsmem)
     wsmem: bool = False  # weights through a cp.async shared-memory ring instead of registers
+    unroll: bool = False  # register ring: depth sets reloaded in place (depth 2-3), not rotated
 
     def key(self) -> str:
-        return f"mma-n{self.block_n}-s{self.split_k}-w{self.num_warps}-d{self.depth}{'-ws' if self.wsmem else ''}"
+        return (f"mma-n{self.block_n}-s{self.split_k}-w{self.num_warps}-d{self.depth}{'-ws' if self.wsmem else ''}"
+                f"{'-u' if self.unroll else ''}")
 
 
 def block_m_for(m: int) -> int:
@@ -508,6 +546,8 @@ def w12_mma(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: Mm
         raise ValueError(f"x shape {tuple(x.shape)} does not match weight {packed.shape}")
     if config is not None and config.depth not in ((1, 2, 3, 4, 5, 6) if config.wsmem else (1, 2, 3)):
         raise ValueError(f"depth must be 1-3 (1-6 with wsmem), got {config.depth}")
+    if config is not None and config.unroll and (config.wsmem or config.depth < 2):
+        raise ValueError("an unrolled ring is a register ring of depth 2-3 (not wsmem)")
     if x.dtype != torch.bfloat16:
         raise ValueError(f"x must be bfloat16, got {x.dtype}")
     m, k = x.shape
@@ -533,7 +573,7 @@ def w12_mma(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: Mm
         m, n, k, kt, tps, nb, split,
         x.stride(0), out.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_M=bm, USE_SPLIT=split > 1, QPASS=qpass, ESC_CH=esc_ch, DEPTH=cfg.depth,
-        WSMEM=cfg.wsmem, L_VIEW=l_view, L_NIB=l_nib, L_X=l_x, MMA=mma, A_OP=a_op, B_OP=b_op, L_EP=l_ep, L_XC=l_xc,
+        WSMEM=cfg.wsmem, UNROLL=cfg.unroll, L_VIEW=l_view, L_NIB=l_nib, L_X=l_x, MMA=mma, A_OP=a_op, B_OP=b_op, L_EP=l_ep, L_XC=l_xc,
         XS=xs, L_WC=l_wc, L_QC=l_qc, WSL=wsl,
         num_warps=cfg.num_warps,
     )
