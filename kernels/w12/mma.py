@@ -490,37 +490,38 @@ def default_config(m: int, n: int, k: int, sms: int = 132) -> MmaConfig:
 
 
 # Fastest correct variant per (N, K, rows) on the H200 (benchmarks/w12_gemm.py --mode mma --rows
-# 8,16,32,64, benchmarks/results/w12_mma_epi.json, with the one-pass escape epilogue; the comment is
-# the speedup over cuBLAS there and, in brackets, that of the previous table in the same run).
+# 8,16,32,64, benchmarks/results/w12_mma_unroll.json: one-pass escape epilogue, unrolled register
+# rings in the sweep; the comment is the speedup over cuBLAS there and, in brackets, that of the
+# previous table (w12_mma_epi.json) in the same run).
 TUNED: dict[tuple[int, int, int], MmaConfig] = {
-    (6144, 4096, 8): MmaConfig(64, 11, 4, 2, True),  # 0.963x (0.96x)
-    (6144, 4096, 16): MmaConfig(64, 6, 4, 2),  # 0.906x (0.903x)
-    (6144, 4096, 32): MmaConfig(64, 4, 4, 2),  # 0.749x (0.751x)
-    (6144, 4096, 64): MmaConfig(64, 4, 4, 2),  # 0.657x (0.664x)
-    (4096, 4096, 8): MmaConfig(64, 8, 4, 2, True),  # 1.002x (0.987x)
-    (4096, 4096, 16): MmaConfig(64, 8, 4, 2, True),  # 0.959x (0.942x)
-    (4096, 4096, 32): MmaConfig(64, 4, 4, 2, True),  # 0.887x (0.89x)
-    (4096, 4096, 64): MmaConfig(64, 4, 4, 2, True),  # 0.601x (0.565x)
-    (28672, 4096, 8): MmaConfig(128, 1, 4, 4, True),  # 1.185x (1.139x)
-    (28672, 4096, 16): MmaConfig(128, 1, 4, 4, True),  # 1.123x (1.095x)
-    (28672, 4096, 32): MmaConfig(128, 1, 4, 2, True),  # 1.024x (0.886x)
-    (28672, 4096, 64): MmaConfig(128, 1, 4, 4, True),  # 0.761x (0.761x)
-    (4096, 14336, 8): MmaConfig(64, 8, 4, 4, True),  # 1.038x (1.029x)
-    (4096, 14336, 16): MmaConfig(64, 8, 4, 2),  # 0.978x (0.979x)
-    (4096, 14336, 32): MmaConfig(64, 8, 4, 3),  # 0.862x (0.839x)
-    (4096, 14336, 64): MmaConfig(64, 4, 4, 2, True),  # 0.674x (0.603x)
-    (7168, 5120, 8): MmaConfig(64, 9, 4, 2, True),  # 1.058x (1.06x)
-    (7168, 5120, 16): MmaConfig(64, 9, 4, 2, True),  # 0.906x (0.897x)
-    (7168, 5120, 32): MmaConfig(64, 5, 4, 2, True),  # 0.742x (0.744x)
-    (7168, 5120, 64): MmaConfig(64, 2, 4, 2),  # 0.564x (0.564x)
-    (34816, 5120, 8): MmaConfig(128, 2, 4, 2, True),  # 1.167x (1.147x)
-    (34816, 5120, 16): MmaConfig(64, 1, 4, 2),  # 1.094x (0.959x)
-    (34816, 5120, 32): MmaConfig(128, 4, 4, 2, True),  # 0.991x (0.944x)
-    (34816, 5120, 64): MmaConfig(64, 2, 4, 2, True),  # 0.699x (0.697x)
-    (5120, 17408, 8): MmaConfig(64, 13, 4, 2, True),  # 1.201x (1.199x)
-    (5120, 17408, 16): MmaConfig(64, 13, 4, 2, True),  # 1.113x (1.115x)
-    (5120, 17408, 32): MmaConfig(64, 13, 4, 2, True),  # 0.913x (0.829x)
-    (5120, 17408, 64): MmaConfig(64, 3, 4, 2, True),  # 0.663x (0.605x)
+    (6144, 4096, 8): MmaConfig(64, 11, 4, 2, True),  # 0.948x (0.951x)
+    (6144, 4096, 16): MmaConfig(64, 6, 4, 2, False, True),  # 0.905x (0.887x)
+    (6144, 4096, 32): MmaConfig(64, 4, 4, 2),  # 0.734x (0.734x)
+    (6144, 4096, 64): MmaConfig(64, 4, 4, 2),  # 0.645x (0.651x)
+    (4096, 4096, 8): MmaConfig(64, 8, 4, 3, False, True),  # 1.006x (0.992x)
+    (4096, 4096, 16): MmaConfig(64, 8, 4, 2, True),  # 0.976x (0.978x)
+    (4096, 4096, 32): MmaConfig(64, 4, 4, 2, True),  # 0.871x (0.872x)
+    (4096, 4096, 64): MmaConfig(64, 4, 4, 2, True),  # 0.618x (0.619x)
+    (28672, 4096, 8): MmaConfig(128, 1, 4, 2, True),  # 1.204x (1.217x)
+    (28672, 4096, 16): MmaConfig(128, 1, 4, 2, True),  # 1.162x (1.173x)
+    (28672, 4096, 32): MmaConfig(128, 1, 4, 2, True),  # 1.066x (1.067x)
+    (28672, 4096, 64): MmaConfig(128, 1, 4, 3, False, True),  # 0.81x (0.805x)
+    (4096, 14336, 8): MmaConfig(64, 8, 4, 3, False, True),  # 1.096x (1.065x)
+    (4096, 14336, 16): MmaConfig(64, 8, 4, 3, False, True),  # 0.997x (0.997x)
+    (4096, 14336, 32): MmaConfig(64, 8, 4, 3, False, True),  # 0.906x (0.895x)
+    (4096, 14336, 64): MmaConfig(64, 8, 4, 2, False, True),  # 0.705x (0.691x)
+    (7168, 5120, 8): MmaConfig(64, 9, 4, 2, True),  # 1.123x (1.123x)
+    (7168, 5120, 16): MmaConfig(64, 9, 4, 2, False, True),  # 0.935x (0.908x)
+    (7168, 5120, 32): MmaConfig(64, 9, 4, 2, True),  # 0.753x (0.756x)
+    (7168, 5120, 64): MmaConfig(64, 2, 4, 2, True),  # 0.555x (0.548x)
+    (34816, 5120, 8): MmaConfig(64, 1, 4, 3, False, True),  # 1.225x (1.216x)
+    (34816, 5120, 16): MmaConfig(128, 4, 4, 3, False, True),  # 1.154x (1.132x)
+    (34816, 5120, 32): MmaConfig(64, 2, 4, 3, False, True),  # 1.022x (1.011x)
+    (34816, 5120, 64): MmaConfig(64, 2, 4, 2, True),  # 0.725x (0.726x)
+    (5120, 17408, 8): MmaConfig(64, 13, 4, 2, False, True),  # 1.236x (1.25x)
+    (5120, 17408, 16): MmaConfig(64, 13, 4, 2, False, True),  # 1.123x (1.079x)
+    (5120, 17408, 32): MmaConfig(64, 13, 4, 2, True),  # 0.935x (0.932x)
+    (5120, 17408, 64): MmaConfig(64, 3, 4, 2, True),  # 0.68x (0.679x)
 }
 
 
