@@ -16,6 +16,10 @@ Same decode and record access as :mod:`.mma` (the ``mma.sync`` kernel), differen
   record: the stage written at record ``t`` was last read by ``wgmma t - 2``, which every warp
   retired before the previous barrier.
 
+Measured on the H200 it is slower than the ``mma.sync`` kernel (1.05x vs 1.09x cuBLAS at 8 rows,
+0.78x vs 0.84x at 32; docs/w12.md), so ``w12_linear`` does not route here; it stays callable and
+benchmarked (``benchmarks/w12_gemm.py --mode wgmma``).
+
 Epilogue, split-K and determinism are :mod:`.mma`'s (:func:`.mma._epilogue`): a fixed-order
 reduction, bitwise identical run to run. Bits may differ from the ``mma.sync`` kernel's (the order
 of the fp32 sums inside an MMA is the hardware's). Design notes and the compile-time evidence:
@@ -227,8 +231,25 @@ def default_config(m: int, n: int, k: int, sms: int = 132) -> WgmmaConfig:
     return WgmmaConfig(64, max(1, min(kt, round(4 * sms / blocks))), 4, 2)
 
 
-# Fastest correct variant per (N, K, row block) on the H200 (benchmarks/w12_gemm.py --mode wgmma).
-TUNED: dict[tuple[int, int, int], WgmmaConfig] = {}
+# Fastest correct variant per (N, K, row block) on the H200 (benchmarks/w12_gemm.py --mode wgmma
+# --rows 8,32, benchmarks/results/w12_wgmma_epi.json; speedup over cuBLAS there and, in brackets,
+# that of the mma.sync kernel as w12_linear ran it in the same run: this kernel is not routed).
+TUNED: dict[tuple[int, int, int], WgmmaConfig] = {
+    (6144, 4096, 8): WgmmaConfig(64, 6, 4, 2, True),  # 0.934x (mma.sync kernel 0.963x)
+    (6144, 4096, 32): WgmmaConfig(64, 3, 4, 2, True),  # 0.658x (mma.sync kernel 0.748x)
+    (4096, 4096, 8): WgmmaConfig(64, 8, 4, 2, True),  # 0.942x (mma.sync kernel 0.971x)
+    (4096, 4096, 32): WgmmaConfig(64, 8, 4, 2),  # 0.769x (mma.sync kernel 0.872x)
+    (28672, 4096, 8): WgmmaConfig(128, 1, 8, 2, True),  # 1.179x (mma.sync kernel 1.235x)
+    (28672, 4096, 32): WgmmaConfig(128, 1, 8, 2, True),  # 0.917x (mma.sync kernel 0.887x)
+    (4096, 14336, 8): WgmmaConfig(64, 8, 4, 2, True),  # 0.998x (mma.sync kernel 1.037x)
+    (4096, 14336, 32): WgmmaConfig(64, 8, 4, 2, True),  # 0.802x (mma.sync kernel 0.853x)
+    (7168, 5120, 8): WgmmaConfig(64, 5, 4, 2, True),  # 0.986x (mma.sync kernel 1.061x)
+    (7168, 5120, 32): WgmmaConfig(128, 9, 8, 2, True),  # 0.671x (mma.sync kernel 0.75x)
+    (34816, 5120, 8): WgmmaConfig(64, 1, 4, 2, True),  # 1.187x (mma.sync kernel 1.207x)
+    (34816, 5120, 32): WgmmaConfig(64, 2, 4, 2, True),  # 0.837x (mma.sync kernel 0.968x)
+    (5120, 17408, 8): WgmmaConfig(64, 7, 4, 2, True),  # 1.17x (mma.sync kernel 1.222x)
+    (5120, 17408, 32): WgmmaConfig(64, 13, 4, 2, True),  # 0.801x (mma.sync kernel 0.824x)
+}
 
 
 def w12_wgmma(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: WgmmaConfig | None = None,
