@@ -37,7 +37,7 @@ ptrs = {"x_ptr": "*bf16", "x32_ptr": "*i32", "y_ptr": "*bf16", "rec_ptr": "*i32"
         "eptr_ptr": "*i32", "erow_ptr": "*i32", "ecol_ptr": "*i32", "edelta_ptr": "*fp32", "ws_ptr": "*fp32",
         "lock_ptr": "*i32"}
 lv, lq, lx, l3 = G.layouts(16, 8)
-const = dict(ROWS=16, WARPS=8, DEPTH=3, UNROLL=UNROLL, USE_SPLIT=True, QPASS=False, ESC_CH=8, L_V=lv, L_Q=lq, L_X=lx, L_E=l3)
+const = dict(ROWS=16, WARPS=8, DEPTH=3, UNROLL=UNROLL, PLAIN=False, USE_SPLIT=True, QPASS=False, ESC_CH=8, L_V=lv, L_Q=lq, L_X=lx, L_E=l3)
 div = list(ptrs) + ["KH", "stride_ym"]
 warps = 8
 """
@@ -56,11 +56,12 @@ def test_compiles_for_sm90_streaming_without_shared_memory(unroll):
     per = 3 if unroll else 1
     stats = {"shared": body.count(".shared"), "bar": body.count("bar.sync"),
              "v4": len(re.findall(r"ld\.global[^;]*\.v4", body)), "v2": len(re.findall(r"ld\.global[^;]*\.v2", body)),
-             "fma": len(re.findall(r"fma\.rn\.f32", body))}
+             "fma": len(re.findall(r"fma\.rn\.f32", body)), "prmt": body.count("prmt.b32")}
     assert stats["shared"] == 0 and stats["bar"] == 0
     assert stats["v4"] == 4 * per    # 2 rows of views + 2 x 16 bytes of x per lane
     assert stats["v2"] == 2 * per    # 2 rows of nibbles
     assert stats["fma"] == 32 * per  # 2 rows x 16 weights
+    assert stats["prmt"] >= 16 * per  # the decode's byte permutes: 2 per view word
 
 
 @pytest.mark.parametrize("bad", [gg.GluonGemvConfig(rows=24), gg.GluonGemvConfig(warps=3),
@@ -112,6 +113,22 @@ def test_gemv_gluon_matches_fp32_reference_and_is_deterministic(n, k, cfg):
     rq = w12_linear_ref(x.cpu().float(), t, qpass=True)
     fin = torch.isfinite(rq)
     assert float(((yq - rq).abs()[fin] / (rq.abs()[fin] + 1e-2)).max()) < 1e-4
+
+
+@_gpu
+@pytest.mark.parametrize("cfg", [gg.GluonGemvConfig(16, 4, 2, 1, True), gg.GluonGemvConfig(8, 4, 1, 3)])
+@pytest.mark.parametrize("qpass", [False, True])
+def test_prmt_decode_gives_the_plain_decodes_bits(cfg, qpass):
+    """The prmt/lop3 decode and the plain one: bitwise the same outputs (escapes included)."""
+    from dataclasses import replace
+
+    w = make_weight(384, 1088, seed=21)
+    w[5, :200] = 0.0
+    kp = KernelPack.from_w12(encode(w), device="cuda")
+    x = torch.randn(1, 1088, generator=torch.Generator().manual_seed(2)).bfloat16().cuda()
+    y = gg.w12_gemv_gluon(x, kp, qpass=qpass, config=cfg, out_dtype=torch.float32)
+    yp = gg.w12_gemv_gluon(x, kp, qpass=qpass, config=replace(cfg, plain_decode=True), out_dtype=torch.float32)
+    assert torch.equal(y.view(torch.int32), yp.view(torch.int32))
 
 
 @_gpu
