@@ -1,4 +1,4 @@
-"""Bit-exactness of the one-row GEMV's decode (``gemv_gluon._decode_pairs_prmt``: ``prmt`` byte
+"""Bit-exactness of the W12 kernels' fast decode (``mma._decode_pairs_fast``: ``prmt`` byte
 permutes and single-``lop3`` selects) against the format and against the plain decode
 (``mma._decode_pairs``), on a torch mirror of each (the Gluon code cannot run on a CPU; on the GPU
 the GEMV tests check the kernel itself against the fp32 reference).
@@ -50,7 +50,7 @@ def plain(be, nn, odd, qpass=False):
 
 
 def fast(be, nn, odd, qpass=False):
-    """``gemv_gluon._decode_pairs_prmt`` line by line (``_sel_*`` and ``_or_masked`` are the lop3s)."""
+    """``mma._decode_pairs_fast`` line by line (``_sel_*`` and ``_or_masked`` are the lop3s)."""
     sel = lambda a, b, k: (a & k) | (b & ~k & M32)          # noqa: E731  lop3 0xE2
     if qpass:
         t0, t1 = sel(be << 8, be << 4, 0x80008000), sel(be, be >> 4, 0x80008000)

@@ -80,7 +80,7 @@ ptrs = {"x_ptr": "*bf16", "y_ptr": "*bf16", "rec_ptr": "*i32", "low_ptr": "*u8",
         "erow_ptr": "*i32", "ecol_ptr": "*i32", "edelta_ptr": "*fp32", "ws_ptr": "*fp32", "lock_ptr": "*i32"}
 lv, ln, lx, mm, a, b, l3, xc, xs = mma.layouts(128, 32, 4)
 wc, qc, wsl = mma.wsmem_layouts(4)
-const = dict(BLOCK_N=128, BLOCK_M=32, USE_SPLIT=True, QPASS=False, ESC_CH=8, DEPTH=2, WSMEM=False, UNROLL=False,
+const = dict(BLOCK_N=128, BLOCK_M=32, USE_SPLIT=True, QPASS=False, ESC_CH=8, DEPTH=2, WSMEM=False, UNROLL=False, PLAIN=False,
              L_VIEW=lv, L_NIB=ln, L_X=lx, MMA=mm, A_OP=a, B_OP=b, L_EP=l3, L_XC=xc, XS=xs, L_WC=wc, L_QC=qc, WSL=wsl)
 div = list(ptrs) + ["K", "stride_xm", "stride_ym"]
 warps = 4
@@ -169,6 +169,20 @@ def test_bad_depth_is_rejected(cfg):
     kp = KernelPack.from_w12(encode(make_weight(16, 64)), device="cpu")
     with pytest.raises((ValueError, RuntimeError)):
         mma.w12_mma(torch.zeros(8, 64, dtype=torch.bfloat16), kp, config=cfg)
+
+
+@_gpu_gluon
+@pytest.mark.parametrize("cfg", [mma.MmaConfig(64, 3, 4, 2, True), mma.MmaConfig(128, 2, 4, 2, False, True)])
+@pytest.mark.parametrize("qpass", [False, True])
+def test_fast_decode_gives_the_plain_decodes_bits(cfg, qpass):
+    """``_decode_pairs_fast`` and the plain ``_decode_pairs`` in the tensor-core kernel: the same bits."""
+    from dataclasses import replace
+
+    _, _, kp = _cuda_layer(256, 1088, seed=23)
+    x = torch.randn(24, 1088, generator=torch.Generator().manual_seed(4)).bfloat16().cuda()
+    y = mma.w12_mma(x, kp, qpass=qpass, config=cfg, out_dtype=torch.float32)
+    yp = mma.w12_mma(x, kp, qpass=qpass, config=replace(cfg, plain_decode=True), out_dtype=torch.float32)
+    assert torch.equal(y.view(torch.int32), yp.view(torch.int32))
 
 
 @_gpu_gluon

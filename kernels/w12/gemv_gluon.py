@@ -69,7 +69,7 @@ def check_config(cfg: GluonGemvConfig) -> None:
 
 
 if gluon is not None:
-    from .mma import _decode_pairs
+    from .mma import _decode_pairs, _decode_pairs_fast
 
     @lru_cache(maxsize=None)
     def layouts(rows: int, warps: int):
@@ -110,77 +110,13 @@ if gluon is not None:
         return v, q, x
 
     @gluon.jit
-    def _prmt(a, b, ASM: gl.constexpr):
-        """PTX ``prmt.b32 d, a, b, SEL`` (selector in ``ASM``): byte i of d = byte SEL[i] of {b:a}."""
-        return gl.inline_asm_elementwise(ASM, "=r,r,r", [a, b], dtype=gl.uint32, is_pure=True, pack=1)
-
-    @gluon.jit
-    def _sel_mag(a, b):
-        """``(a & 0x07F007F0) | (b & 0xF80FF80F)`` as one LOP3 (a bit select)."""
-        return gl.inline_asm_elementwise("lop3.b32 $0, $1, 0x07F007F0, $2, 0xE2;", "=r,r,r", [a, b],
-                                         dtype=gl.uint32, is_pure=True, pack=1)
-
-    @gluon.jit
-    def _sel_sgn(a, b):
-        """``(a & 0x80008000) | (b & 0x7FFF7FFF)`` as one LOP3."""
-        return gl.inline_asm_elementwise("lop3.b32 $0, $1, 0x80008000, $2, 0xE2;", "=r,r,r", [a, b],
-                                         dtype=gl.uint32, is_pure=True, pack=1)
-
-    @gluon.jit
-    def _or_masked(t, e, ASM: gl.constexpr):
-        """``(t & MASK) | e`` as one LOP3, ``e`` (the exponent bits) in a register."""
-        return gl.inline_asm_elementwise(ASM, "=r,r,r", [t, e], dtype=gl.uint32, is_pure=True, pack=1)
-
-    @gluon.jit
-    def _pairs_of_half(be, nn, e, SX: gl.constexpr, SY: gl.constexpr):
-        """View words ``be`` (all even or all odd) and their nibble words ``nn`` -> (p0, p1)."""
-        xs = _prmt(be, nn, SX)          # sign of w1 @31, its nibble @19..16; sign of w0 @15, nibble @3..0
-        t0 = _sel_mag(be << 4, xs)      # + the 7 view bits of w0 @10..4 and w1 @26..20
-        ys = _prmt(be, nn, SY)          # (w3, w2 view bytes and their nibbles) << 4
-        t1 = _sel_sgn(be, ys >> 4)      # signs of w2, w3 straight from the view word
-        p0 = _or_masked(t0, e, "lop3.b32 $0, $1, 0x87FF87FF, $2, 0xEA;")
-        p1 = _or_masked(t1, e, "lop3.b32 $0, $1, 0x87FF87FF, $2, 0xEA;")
-        return p0, p1
-
-    @gluon.jit
-    def _decode_pairs_prmt(v, nb, L_VIEW: gl.constexpr, QPASS: gl.constexpr):
-        """:func:`.mma._decode_pairs` (the plain form, same result bits for every input) for the
-        GEMV's ``[W, R, 16]`` view words, in fewer instructions: ``prmt`` byte permutes put each
-        sign next to its nibble (p0) and each view byte above its nibble so one shift aligns both
-        (p1), and each bit select and the exponent OR are one ``lop3`` (the compiler splits the
-        plain masks into two or three). Main loop at 16 rows x 4 warps, two unrolled sets: 398
-        instead of 468 instructions per two records (static SASS, sm_90). The bit-exactness proof
-        (exhaustive per weight, and GF(2)-affine on all inputs) is tests/test_w12_decode_prmt.py
-        on a line-by-line torch mirror; docs/plans/w12-decode-isa.md has the study."""
-        W: gl.constexpr = v.shape[0]
-        R: gl.constexpr = v.shape[1]
-        be = v.to(gl.uint32)
-        if QPASS:   # nibble 0b1000 everywhere
-            e = gl.full(be.shape, 0x38083808, gl.uint32, L_VIEW)
-            t0 = _sel_sgn(be << 8, be << 4)
-            t1 = _sel_sgn(be, be >> 4)
-            p0 = _or_masked(t0, e, "lop3.b32 $0, $1, 0x87F087F0, $2, 0xEA;")
-            p1 = _or_masked(t1, e, "lop3.b32 $0, $1, 0x87F087F0, $2, 0xEA;")
-        else:
-            # view words 2j and 2j+1 use nibble word j (bytes 0, 2 and 1, 3): split, decode, rejoin
-            # (the split, the join and both conversions move no data: asserted)
-            ve, vo = gl.split(gl.reshape(be, [W, R, 8, 2]))
-            nn = gl.convert_layout(nb.to(gl.uint32), ve.type.layout, assert_trivial=True)
-            e = gl.full(ve.shape, 0x38003800, gl.uint32, ve.type.layout)
-            p0e, p1e = _pairs_of_half(ve, nn, e, "prmt.b32 $0, $1, $2, 0x2604;", "prmt.b32 $0, $1, $2, 0x3614;")
-            p0o, p1o = _pairs_of_half(vo, nn, e, "prmt.b32 $0, $1, $2, 0x2705;", "prmt.b32 $0, $1, $2, 0x3715;")
-            p0 = gl.convert_layout(gl.reshape(gl.join(p0e, p0o), [W, R, 16]), L_VIEW, assert_trivial=True)
-            p1 = gl.convert_layout(gl.reshape(gl.join(p1e, p1o), [W, R, 16]), L_VIEW, assert_trivial=True)
-        return p0, p1
-
-    @gluon.jit
     def _rec_fma(acc, v, q, x, WARPS: gl.constexpr, ROWS: gl.constexpr, L_V: gl.constexpr,
                  QPASS: gl.constexpr, PLAIN: gl.constexpr):
         """acc ``[W, ROWS, 16]`` += the decoded weights of each warp's record times its x."""
         if PLAIN:   # the plain decode, kept for A/B runs (benchmarks/w12_decode_ab.py)
             p0, p1 = _decode_pairs(v, q, L_V, QPASS)
         else:       # p0: weights 4c, 4c+1 (x word 2c); p1: 4c+2, 4c+3
-            p0, p1 = _decode_pairs_prmt(v, q, L_V, QPASS)
+            p0, p1 = _decode_pairs_fast(v, q, L_V, QPASS)
         xa, xb = gl.split(gl.reshape(x.to(gl.uint32), [WARPS, 1, 16, 2]))
         xa = gl.convert_layout(xa, L_V, assert_trivial=True)
         xb = gl.convert_layout(xb, L_V, assert_trivial=True)

@@ -121,7 +121,7 @@ if AVAILABLE:
         x of ``t + 1`` into stage ``nxt``, x of ``t + 2`` into registers."""
         wx, qx = M._load_rec(rec_ptr, tile_row, t + 2, t + 2 < t_end, off_v, off_n, QPASS)
         xn = _x_load(x_ptr, rows, kx, t + 2, t + 2 < t_end, M_rows, stride_xm)
-        a = M._a_operand(w0, q0, L_VIEW, A_OP, BLOCK_N, QPASS)
+        a = M._a_operand(w0, q0, L_VIEW, A_OP, BLOCK_N, QPASS, False)
         tok = warpgroup_mma(a, cur.permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(1, deps=[tok])
         _x_store(nxt, xr, BLOCK_M)
@@ -192,7 +192,7 @@ if AVAILABLE:
                 it = t - t_begin
                 wx, qx = M._load_rec(rec_ptr, tile_row, t + DEPTH, t + DEPTH < t_end, off_v, off_n, QPASS)
                 xn = _x_load(x_ptr, rows, kx, t + 2, t + 2 < t_end, M_rows, stride_xm)
-                a = M._a_operand(w0, q0, L_VIEW, A_OP, BLOCK_N, QPASS)
+                a = M._a_operand(w0, q0, L_VIEW, A_OP, BLOCK_N, QPASS, False)
                 tok = warpgroup_mma(a, xs.index(it % 3).permute((1, 0)), acc, is_async=True)
                 acc = warpgroup_mma_wait(1, deps=[tok])      # wgmma t - 1 retired (t stays in flight)
                 _x_store(xs.index((it + 1) % 3), xr, BLOCK_M)  # last read by wgmma t - 2
