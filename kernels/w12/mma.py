@@ -520,7 +520,7 @@ class MmaConfig:
     depth: int = 2     # records loaded ahead (1-3 in registers, 1-6 with wsmem)
     wsmem: bool = False  # weights through a cp.async shared-memory ring instead of registers
     unroll: bool = False  # register ring: depth sets reloaded in place (depth 2-3), not rotated
-    plain_decode: bool = False  # _decode_pairs instead of _decode_pairs_fast (A/B runs only)
+    plain_decode: bool = False  # _decode_pairs instead of _decode_pairs_fast (A/B; TUNED where faster)
 
     def key(self) -> str:
         return (f"mma-n{self.block_n}-s{self.split_k}-w{self.num_warps}-d{self.depth}{'-ws' if self.wsmem else ''}"
@@ -563,7 +563,8 @@ def default_config(m: int, n: int, k: int, sms: int = 132) -> MmaConfig:
 # Fastest correct variant per (N, K, rows) on the H200 (benchmarks/w12_gemm.py --mode mma --rows
 # 8,16,32,64, benchmarks/results/w12_mma_unroll.json: one-pass escape epilogue, unrolled register
 # rings in the sweep; the comment is the speedup over cuBLAS there and, in brackets, that of the
-# previous table (w12_mma_epi.json) in the same run).
+# previous table (w12_mma_epi.json) in the same run). ``plain_decode`` where the decode A/B
+# (w12_decode_ab_mma.json, 8 and 32 rows) measured the plain decode more than 3 % faster.
 TUNED: dict[tuple[int, int, int], MmaConfig] = {
     (6144, 4096, 8): MmaConfig(64, 11, 4, 2, True),  # 0.948x (0.951x)
     (6144, 4096, 16): MmaConfig(64, 6, 4, 2, False, True),  # 0.905x (0.887x)
@@ -571,7 +572,8 @@ TUNED: dict[tuple[int, int, int], MmaConfig] = {
     (6144, 4096, 64): MmaConfig(64, 4, 4, 2),  # 0.645x (0.651x)
     (4096, 4096, 8): MmaConfig(64, 8, 4, 3, False, True),  # 1.006x (0.992x)
     (4096, 4096, 16): MmaConfig(64, 8, 4, 2, True),  # 0.976x (0.978x)
-    (4096, 4096, 32): MmaConfig(64, 4, 4, 2, True),  # 0.871x (0.872x)
+    # decode A/B: plain 17.73 vs fast 18.50 us
+    (4096, 4096, 32): MmaConfig(64, 4, 4, 2, True, plain_decode=True),  # 0.871x (0.872x)
     (4096, 4096, 64): MmaConfig(64, 4, 4, 2, True),  # 0.618x (0.619x)
     (28672, 4096, 8): MmaConfig(128, 1, 4, 2, True),  # 1.204x (1.217x)
     (28672, 4096, 16): MmaConfig(128, 1, 4, 2, True),  # 1.162x (1.173x)
@@ -583,7 +585,8 @@ TUNED: dict[tuple[int, int, int], MmaConfig] = {
     (4096, 14336, 64): MmaConfig(64, 8, 4, 2, False, True),  # 0.705x (0.691x)
     (7168, 5120, 8): MmaConfig(64, 9, 4, 2, True),  # 1.123x (1.123x)
     (7168, 5120, 16): MmaConfig(64, 9, 4, 2, False, True),  # 0.935x (0.908x)
-    (7168, 5120, 32): MmaConfig(64, 9, 4, 2, True),  # 0.753x (0.756x)
+    # decode A/B: plain 29.73 vs fast 31.46 us
+    (7168, 5120, 32): MmaConfig(64, 9, 4, 2, True, plain_decode=True),  # 0.753x (0.756x)
     (7168, 5120, 64): MmaConfig(64, 2, 4, 2, True),  # 0.555x (0.548x)
     (34816, 5120, 8): MmaConfig(64, 1, 4, 3, False, True),  # 1.225x (1.216x)
     (34816, 5120, 16): MmaConfig(128, 4, 4, 3, False, True),  # 1.154x (1.132x)
@@ -645,7 +648,8 @@ def w12_mma(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: Mm
         m, n, k, kt, tps, nb, split,
         x.stride(0), out.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_M=bm, USE_SPLIT=split > 1, QPASS=qpass, ESC_CH=esc_ch, DEPTH=cfg.depth,
-        WSMEM=cfg.wsmem, UNROLL=cfg.unroll, PLAIN=cfg.plain_decode, L_VIEW=l_view, L_NIB=l_nib, L_X=l_x, MMA=mma, A_OP=a_op, B_OP=b_op, L_EP=l_ep, L_XC=l_xc,
+        WSMEM=cfg.wsmem, UNROLL=cfg.unroll, PLAIN=cfg.plain_decode,
+        L_VIEW=l_view, L_NIB=l_nib, L_X=l_x, MMA=mma, A_OP=a_op, B_OP=b_op, L_EP=l_ep, L_XC=l_xc,
         XS=xs, L_WC=l_wc, L_QC=l_qc, WSL=wsl,
         num_warps=cfg.num_warps,
     )
