@@ -191,21 +191,27 @@ def mma_configs(m: int, kt: int, n: int, sms: int):
     from specpilot.kernels.w12.mma import MmaConfig, block_m_for, default_config
 
     out = [default_config(m, n, kt * 64, sms)]
+    for bn, w, split in tile_splits(m, kt, n, sms, ((64, 4), (128, 4)), block_m_for):
+        for depth, wsmem, unroll in ((2, False, False), (3, False, False), (2, True, False), (4, True, False),
+                                     (2, False, True), (3, False, True)):
+            cfg = MmaConfig(bn, split, w, depth, wsmem, unroll)
+            if cfg not in out:
+                out.append(cfg)
+    return out
+
+
+def tile_splits(m: int, kt: int, n: int, sms: int, tiles, block_m_for):
+    """(block_n, warps, split) for each tile shape and split-K giving about 1, 2, 4 and 8 programs
+    per SM (distinct splits only): the tensor-core sweeps' grid."""
     mb = (m + block_m_for(m) - 1) // block_m_for(m)
-    for bn, w in ((64, 4), (128, 4)):
+    for bn, w in tiles:
         nb = (n + bn - 1) // bn * mb
         seen = set()
         for per_sm in (1, 2, 4, 8):
             split = max(1, min(kt, round(per_sm * sms / nb)))
-            if split in seen:
-                continue
-            seen.add(split)
-            for depth, wsmem, unroll in ((2, False, False), (3, False, False), (2, True, False), (4, True, False),
-                                         (2, False, True), (3, False, True)):
-                cfg = MmaConfig(bn, split, w, depth, wsmem, unroll)
-                if cfg not in out:
-                    out.append(cfg)
-    return out
+            if split not in seen:
+                seen.add(split)
+                yield bn, w, split
 
 
 def wgmma_configs(m: int, kt: int, n: int, sms: int):
@@ -216,19 +222,11 @@ def wgmma_configs(m: int, kt: int, n: int, sms: int):
     from specpilot.kernels.w12.wgmma import WgmmaConfig, default_config
 
     out = [default_config(m, n, kt * 64, sms)]
-    mb = (m + block_m_for(m) - 1) // block_m_for(m)
-    for bn, w in ((64, 4), (128, 8)):
-        nb = (n + bn - 1) // bn * mb
-        seen = set()
-        for per_sm in (1, 2, 4, 8):
-            split = max(1, min(kt, round(per_sm * sms / nb)))
-            if split in seen:
-                continue
-            seen.add(split)
-            for depth, unroll in ((2, False), (2, True), (3, False)):
-                cfg = WgmmaConfig(bn, split, w, depth, unroll)
-                if cfg not in out:
-                    out.append(cfg)
+    for bn, w, split in tile_splits(m, kt, n, sms, ((64, 4), (128, 8)), block_m_for):
+        for depth, unroll in ((2, False), (2, True), (3, False)):
+            cfg = WgmmaConfig(bn, split, w, depth, unroll)
+            if cfg not in out:
+                out.append(cfg)
     return out
 
 

@@ -25,12 +25,15 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 """
 
-_TAIL = r"""
+_COMPILE = r"""
 names = k.arg_names
 sig = {n: ptrs.get(n, "constexpr" if n in const else "i32") for n in names}
 src = GluonASTSource(k, signature=sig, constexprs={(names.index(c),): v for c, v in const.items()},
                      attrs={(names.index(p),): [["tt.divisibility", 16]] for p in div})
 ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["ptx"]
+"""
+
+_TAIL = _COMPILE + r"""
 # the main loop's basic blocks: its header and the blocks tagged "in Loop: Header=<it>"
 blocks = re.split(r"^(?=\$L__BB\d+_\d+:)", ptx, flags=re.M)
 head = next(b for b in blocks if HEADER in b.splitlines()[0])
@@ -51,13 +54,8 @@ def main_loop_ptx(setup: str, header: str = "Loop Header") -> str:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-_PTXAS_TAIL = r"""
+_PTXAS_TAIL = _COMPILE + r"""
 import subprocess, tempfile
-names = k.arg_names
-sig = {n: ptrs.get(n, "constexpr" if n in const else "i32") for n in names}
-src = GluonASTSource(k, signature=sig, constexprs={(names.index(c),): v for c, v in const.items()},
-                     attrs={(names.index(p),): [["tt.divisibility", 16]] for p in div})
-ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["ptx"]
 try:   # the ptxas Triton itself uses for sm_90 (newer Triton: a separate binary)
     from triton.backends.nvidia.compiler import get_ptxas
     ptxas = get_ptxas(90).path

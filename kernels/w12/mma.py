@@ -238,6 +238,22 @@ if gluon is not None:
         return gl.convert_layout(gl.reshape(w5, [BLOCK_N, 64]), A_OP, assert_trivial=True)
 
     @gluon.jit
+    def _record_offsets(n0, KT, BLOCK_N: gl.constexpr, L_VIEW: gl.constexpr, L_NIB: gl.constexpr):
+        """For the program's rows ``n0 .. n0 + BLOCK_N`` (inside one 128-row record tile): the index of
+        the tile's first record, and the word offsets inside a record of the rows' view words
+        (``[BLOCK_N, 16]``, at ``row * 16``) and nibble words (``[BLOCK_N, 8]``, at ``2048 + row * 8``).
+        Shared by this kernel and the ``wgmma`` one."""
+        tile_row = (n0 // 128).to(gl.int64) * KT
+        r_in = n0 % 128
+        rv = r_in + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_VIEW))
+        wv = gl.arange(0, 16, layout=gl.SliceLayout(0, L_VIEW))
+        off_v = rv[:, None] * 16 + wv[None, :]
+        rn = r_in + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_NIB))
+        wn = gl.arange(0, 8, layout=gl.SliceLayout(0, L_NIB))
+        off_n = 2048 + rn[:, None] * 8 + wn[None, :]
+        return tile_row, off_v, off_n
+
+    @gluon.jit
     def _load_rec(rec_ptr, tile_row, t, ok, off_v, off_n, QPASS: gl.constexpr):
         """Record ``t`` of the program's row tile: its view words and nibble words (if ``ok``)."""
         base = (tile_row + t) * 3072
@@ -365,14 +381,7 @@ if gluon is not None:
         pid_k = gl.program_id(1)
         pid_m = gl.program_id(2)
         n0 = pid_n * BLOCK_N
-        tile_row = (n0 // 128).to(gl.int64) * KT
-        r_in = n0 % 128
-        rv = r_in + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_VIEW))
-        wv = gl.arange(0, 16, layout=gl.SliceLayout(0, L_VIEW))
-        off_v = rv[:, None] * 16 + wv[None, :]
-        rn = r_in + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_NIB))
-        wn = gl.arange(0, 8, layout=gl.SliceLayout(0, L_NIB))
-        off_n = 2048 + rn[:, None] * 8 + wn[None, :]
+        tile_row, off_v, off_n = _record_offsets(n0, KT, BLOCK_N, L_VIEW, L_NIB)
         rows_c = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, L_XC))
         kc = gl.arange(0, 64, layout=gl.SliceLayout(0, L_XC))
         XD: gl.constexpr = DEPTH + 1
@@ -387,6 +396,7 @@ if gluon is not None:
             # by cp.async (no registers held for bytes in flight); the fragments are read from it
             wv_s = gl.allocate_shared_memory(gl.int32, [XD, BLOCK_N, 16], WSL)
             wq_s = gl.allocate_shared_memory(gl.int32, [XD, BLOCK_N, 8], WSL)
+            r_in = n0 % 128
             rcv = r_in + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_WC))
             ccv = gl.arange(0, 16, layout=gl.SliceLayout(0, L_WC))
             offc_v = rcv[:, None] * 16 + ccv[None, :]
@@ -612,6 +622,18 @@ def aligned_x(x: torch.Tensor, kt: int) -> tuple[torch.Tensor, int]:
     return x, k
 
 
+def split_grid(m: int, n: int, kt: int, block_n: int, split_k: int, device):
+    """The tensor-core kernels' launch: the x row block, records per split, the split count, the
+    grid ``(n blocks, splits, m blocks)`` and the split-K workspace and counters."""
+    bm = block_m_for(m)
+    tps = (kt + split_k - 1) // split_k
+    split = (kt + tps - 1) // tps
+    nb = (n + block_n - 1) // block_n
+    mb = (m + bm - 1) // bm
+    ws, locks = _workspace(device, nb * mb * split * block_n * bm if split > 1 else 1, nb * mb)
+    return bm, tps, split, nb, mb, ws, locks
+
+
 def w12_mma(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: MmaConfig | None = None,
             out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x @ W.T`` for x ``[M, K]`` bf16 (any M; 64 rows per program), fp32 accumulation, deterministic."""
@@ -630,14 +652,9 @@ def w12_mma(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: Mm
     kt = packed.k_tiles
     cfg = config or default_config(m, n, k)
     x, k = aligned_x(x, kt)
-    bm = block_m_for(m)
+    bm, tps, split, nb, mb, ws, locks = split_grid(m, n, kt, cfg.block_n, cfg.split_k, x.device)
     if out is None:
         out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
-    tps = (kt + cfg.split_k - 1) // cfg.split_k
-    split = (kt + tps - 1) // tps
-    nb = (n + cfg.block_n - 1) // cfg.block_n
-    mb = (m + bm - 1) // bm
-    ws, locks = _workspace(x.device, nb * mb * split * cfg.block_n * bm if split > 1 else 1, nb * mb)
     esc_ch = esc_chunk(bm)
     l_view, l_nib, l_x, mma, a_op, b_op, l_ep, l_xc, xs = layouts(cfg.block_n, bm, cfg.num_warps)
     l_wc, l_qc, wsl = wsmem_layouts(cfg.num_warps)

@@ -35,7 +35,7 @@ import torch
 
 from . import mma as M
 from .format import TILE_K
-from .gemm import KernelPack, _workspace, triton
+from .gemm import KernelPack, triton
 from .mma import _cta_barrier, block_m_for, gl, gluon
 
 try:
@@ -145,14 +145,7 @@ if AVAILABLE:
         pid_k = gl.program_id(1)
         pid_m = gl.program_id(2)
         n0 = pid_n * BLOCK_N
-        tile_row = (n0 // 128).to(gl.int64) * KT
-        r_in = n0 % 128
-        rv = r_in + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_VIEW))
-        wv = gl.arange(0, 16, layout=gl.SliceLayout(0, L_VIEW))
-        off_v = rv[:, None] * 16 + wv[None, :]
-        rn = r_in + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_NIB))
-        wn = gl.arange(0, 8, layout=gl.SliceLayout(0, L_NIB))
-        off_n = 2048 + rn[:, None] * 8 + wn[None, :]
+        tile_row, off_v, off_n = M._record_offsets(n0, KT, BLOCK_N, L_VIEW, L_NIB)
         rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, L_XP))
         kx = gl.arange(0, 64, layout=gl.SliceLayout(0, L_XP))
         xs = gl.allocate_shared_memory(gl.bfloat16, [3, BLOCK_M, 64], XSL)
@@ -268,14 +261,9 @@ def w12_wgmma(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: 
     cfg = config or default_config(m, n, k)
     check_config(cfg)
     x, k = M.aligned_x(x, kt)
-    bm = block_m_for(m)
+    bm, tps, split, nb, mb, ws, locks = M.split_grid(m, n, kt, cfg.block_n, cfg.split_k, x.device)
     if out is None:
         out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
-    tps = (kt + cfg.split_k - 1) // cfg.split_k
-    split = (kt + tps - 1) // tps
-    nb = (n + cfg.block_n - 1) // cfg.block_n
-    mb = (m + bm - 1) // bm
-    ws, locks = _workspace(x.device, nb * mb * split * cfg.block_n * bm if split > 1 else 1, nb * mb)
     esc_ch = M.esc_chunk(bm)
     l_view, l_nib, acc, a_op, l_ep, l_xp, xsl = layouts(cfg.block_n, bm, cfg.num_warps)
     _w12_wgmma_kernel[(nb, split, mb)](
@@ -284,7 +272,8 @@ def w12_wgmma(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: 
         ws, locks,
         m, n, k, kt, tps, nb, split,
         x.stride(0), out.stride(0),
-        BLOCK_N=cfg.block_n, BLOCK_M=bm, USE_SPLIT=split > 1, QPASS=qpass, ESC_CH=esc_ch, DEPTH=cfg.depth, UNROLL=cfg.unroll,
+        BLOCK_N=cfg.block_n, BLOCK_M=bm, USE_SPLIT=split > 1, QPASS=qpass, ESC_CH=esc_ch, DEPTH=cfg.depth,
+        UNROLL=cfg.unroll,
         L_VIEW=l_view, L_NIB=l_nib, ACC=acc, A_OP=a_op, L_EP=l_ep, L_XP=l_xp, XSL=xsl,
         num_warps=cfg.num_warps,
     )
