@@ -230,10 +230,11 @@ def wgmma_configs(m: int, kt: int, n: int, sms: int):
     return out
 
 
-def gluon_gemv_configs(m: int, kt: int, n: int, sms: int):
+def gluon_gemv_configs(m: int, kt: int, n: int, sms: int, xs_only: bool = False):
     """One-row Gluon GEMV variants: 8, 16 or 32 rows per program, 4, 8 (or 16) warps each streaming
     its own records, 1-3 records ahead in a rotated ring or 2-3 register sets unrolled, split-K for
-    about 1, 2 and 4 programs per SM."""
+    about 1, 2 and 4 programs per SM; then staged x (``xs``) with 2-4 unrolled sets, depth 4 also
+    capped at 96 registers. ``xs_only``: the committed choice and the staged-x variants only."""
     from specpilot.kernels.w12.gemv_gluon import GluonGemvConfig, default_config
 
     out = [default_config(n, kt * 64, sms)]
@@ -246,15 +247,15 @@ def gluon_gemv_configs(m: int, kt: int, n: int, sms: int):
                 if split in seen:
                     continue
                 seen.add(split)
-                for depth in ((1, 2, 3) if warps < 16 else (1, 2)):
-                    cfg = GluonGemvConfig(rows, warps, depth, split)
-                    if cfg not in out:
-                        out.append(cfg)
-                if rows >= 16 and warps <= 8:   # unrolled rings: depth - 1 records in flight per warp
-                    for depth in (2, 3):
-                        cfg = GluonGemvConfig(rows, warps, depth, split, True)
-                        if cfg not in out:
-                            out.append(cfg)
+                cands = []
+                if not xs_only:
+                    cands += [GluonGemvConfig(rows, warps, depth, split) for depth in ((1, 2, 3) if warps < 16 else (1, 2))]
+                    if rows >= 16 and warps <= 8:   # unrolled rings
+                        cands += [GluonGemvConfig(rows, warps, depth, split, True) for depth in (2, 3)]
+                if rows <= 16 and warps <= 8:       # staged x, pinned reloads
+                    cands += [GluonGemvConfig(rows, warps, d, split, True, xs=True, maxnreg=r)
+                              for d, r in ((2, None), (3, None), (4, None), (4, 96))]
+                out += [c for c in cands if c not in out]
     return out
 
 
@@ -262,8 +263,10 @@ def gluon_gemv_sweep(args) -> int:
     """M = 1: every one-row Gluon GEMV variant against ``w12_linear`` as called today and cuBLAS."""
     from specpilot.kernels.w12.gemv_gluon import GluonGemvConfig, w12_gemv_gluon
 
-    return variant_sweep(args, "gemv-gluon", gluon_gemv_configs, w12_gemv_gluon, GluonGemvConfig, "1",
-                         "w12_gemv_gluon")
+    def configs(m, kt, n, sms):
+        return gluon_gemv_configs(m, kt, n, sms, xs_only=args.xs_only)
+
+    return variant_sweep(args, "gemv-gluon", configs, w12_gemv_gluon, GluonGemvConfig, "1", "w12_gemv_gluon")
 
 
 def gemv_sweep(args) -> int:
@@ -416,6 +419,8 @@ def main() -> int:
     ap.add_argument("--shapes", default=None, help="comma list of shape names")
     ap.add_argument("--name", default=None)
     ap.add_argument("--rows", default=None, help="gemv / default modes: comma list of M (default 1,2,4 / 1,2,4,8,16,32,64)")
+    ap.add_argument("--xs-only", action="store_true",
+                    help="gemv-gluon mode: only the committed choice and the staged-x (xs) variants")
     args = ap.parse_args()
     if args.mode == "gemv":
         return gemv_sweep(args)

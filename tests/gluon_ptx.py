@@ -5,13 +5,15 @@ The compile runs in a child process with ``TRITON_INTERPRET=0``: in a process wh
 is on, Triton's standard library is replaced by interpreter stand-ins that Gluon cannot compile.
 ``setup`` is Python source, run in the child after the imports below, that defines ``k`` (the
 kernel), ``ptrs`` (pointer argument -> Triton type), ``const`` (constexpr argument -> value),
-``div`` (arguments declared divisible by 16) and ``warps``.
+``div`` (arguments declared divisible by 16) and ``warps``, and may define ``opts`` (more compile
+options, e.g. ``{"maxnreg": 96}``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -26,28 +28,37 @@ from triton.experimental.gluon._runtime import GluonASTSource
 """
 
 _COMPILE = r"""
+for p in k.params:   # constexprs left out take their defaults
+    if p.is_constexpr and p.has_default and p.name not in const:
+        const[p.name] = p.default
 names = k.arg_names
 sig = {n: ptrs.get(n, "constexpr" if n in const else "i32") for n in names}
 src = GluonASTSource(k, signature=sig, constexprs={(names.index(c),): v for c, v in const.items()},
                      attrs={(names.index(p),): [["tt.divisibility", 16]] for p in div})
-ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["ptx"]
+ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                     options={"num_warps": warps, **globals().get("opts", {})}).asm["ptx"]
 """
 
-_TAIL = _COMPILE + r"""
-# the main loop's basic blocks: its header and the blocks tagged "in Loop: Header=<it>"
-blocks = re.split(r"^(?=\$L__BB\d+_\d+:)", ptx, flags=re.M)
-head = next(b for b in blocks if HEADER in b.splitlines()[0])
-name = head.split(":")[0][4:]
-print(json.dumps("".join(b for b in blocks if b is head or "Header=" + name + " " in b.splitlines()[0])))
-"""
+
+def loop_ptx(ptx: str, header: str = "Loop Header") -> str:
+    """The basic blocks of the first loop in ``ptx`` whose header comment contains ``header``: the
+    header and the blocks tagged ``in Loop: Header=<it>``."""
+    blocks = re.split(r"^(?=\$L__BB\d+_\d+:)", ptx, flags=re.M)
+    head = next(b for b in blocks if header in b.splitlines()[0])
+    name = head.split(":")[0][4:]
+    return "".join(b for b in blocks if b is head or "Header=" + name + " " in b.splitlines()[0])
 
 
 def main_loop_ptx(setup: str, header: str = "Loop Header") -> str:
     """The PTX of the first loop whose header comment contains ``header`` (skips the test when this
     Triton build has no sm_90 toolchain)."""
-    code = _HEAD + setup + f"\nHEADER = {header!r}\n" + _TAIL
+    return loop_ptx(_child(setup + _COMPILE + "\nprint(json.dumps(ptx))\n"), header)
+
+
+def _child(code: str):
+    """Run ``code`` after the imports in a child process; its last printed line, as JSON."""
     env = dict(os.environ, TRITON_INTERPRET="0")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    r = subprocess.run([sys.executable, "-c", _HEAD + code], capture_output=True, text=True, env=env, timeout=300)
     if r.returncode and "ptxas" in r.stderr and "not found" in r.stderr.lower():   # pragma: no cover
         pytest.skip("no sm_90 toolchain in this Triton build")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -75,13 +86,7 @@ else:
 def ptxas_report(setup: str) -> dict:
     """Compile like :func:`main_loop_ptx`, then run Triton's bundled ``ptxas -v`` on the whole PTX:
     ``{"ptx", "log", "rc"}`` (the log has registers, spills and performance warnings such as C7513)."""
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    r = subprocess.run([sys.executable, "-c", _HEAD + setup + _PTXAS_TAIL], capture_output=True, text=True,
-                       env=env, timeout=300)
-    if r.returncode and "ptxas" in r.stderr and "not found" in r.stderr.lower():   # pragma: no cover
-        pytest.skip("no sm_90 toolchain in this Triton build")
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    out = _child(setup + _PTXAS_TAIL)
     if out["rc"] is None:   # pragma: no cover
         pytest.skip("no ptxas binary in this Triton build")
     return out

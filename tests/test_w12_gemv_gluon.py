@@ -19,7 +19,7 @@ from specpilot.kernels.w12 import gemv_gluon as gg  # noqa: E402
 from specpilot.kernels.w12.gemm import KernelPack  # noqa: E402
 from specpilot.kernels.w12.naive import w12_linear_ref  # noqa: E402
 
-from gluon_ptx import main_loop_ptx  # noqa: E402
+from gluon_ptx import loop_ptx, main_loop_ptx, ptxas_report  # noqa: E402
 from test_w12_gemm import check_close, make_weight  # noqa: E402
 
 needs_gluon = pytest.mark.skipif(gg.gluon is None, reason="Triton without Gluon")
@@ -64,9 +64,42 @@ def test_compiles_for_sm90_streaming_without_shared_memory(unroll):
     assert stats["prmt"] >= 16 * per  # the decode's byte permutes: 2 per view word
 
 
+@needs_gluon
+@pytest.mark.parametrize("depth,maxnreg", [(3, None), (4, 96)])
+def test_staged_x_keeps_records_in_flight_within_96_registers(depth, maxnreg):
+    """``xs`` at 16 rows x 4 warps, unrolled: x comes from shared memory (two 16-byte reads per
+    record), only the weights from global memory, no CTA barrier in the loop, and one
+    ``bar.warp.sync`` pin per reload (what keeps ptxas from sinking the reloads to the loop's end).
+    With Triton 3.6 (the GPU machine's; the registers depend on the toolchain: 3.9 takes 126 at
+    depth 3), depth 3 (no cap) and depth 4 (``maxnreg=96``) fit in 96 registers without spills."""
+    import re
+
+    setup = _SETUP.replace("G.layouts(16, 8)", "G.layouts(16, 4)").replace("WARPS=8, DEPTH=3", f"WARPS=4, DEPTH={depth}")
+    setup = setup.replace("USE_SPLIT=True", "USE_SPLIT=False, XS=True, XS_IT=24").replace("warps = 8", "warps = 4")
+    r = ptxas_report("UNROLL = True\n" + setup + (f"opts = {{'maxnreg': {maxnreg}}}\n" if maxnreg else ""))
+    body = loop_ptx(r["ptx"])
+    assert body.count("bar.sync") == 0 and body.count("bar.warp.sync") == depth
+    assert len(re.findall(r"ld\.shared[^;]*\.v4", body)) == 2 * depth       # x: 8 words per lane
+    assert len(re.findall(r"ld\.global[^;]*\.v4", body)) == 2 * depth       # views of 2 rows per lane
+    assert len(re.findall(r"ld\.global[^;]*\.v2", body)) == 2 * depth       # nibbles
+    assert len(re.findall(r"fma\.rn\.f32", body)) == 32 * depth
+    regs = int(re.search(r"Used (\d+) registers", r["log"]).group(1))
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r["log"]).groups()
+    if triton.__version__.startswith("3.6."):
+        assert regs <= 96 and spills == ("0", "0"), r["log"]
+
+
+def test_staged_x_groups_cover_the_unrolled_steps():
+    cfg = gg.GluonGemvConfig(16, 4, 3, 1, True, xs=True)
+    assert cfg.xs_groups(272) == 72                 # 68 groups of 4 records -> multiple of lcm(8, 3)
+    assert gg.GluonGemvConfig(16, 8, 4, 2, True, xs=True).xs_groups(224) == 16
+    assert gg.GluonGemvConfig(16, 4, 1, 1, xs=True).xs_groups(1) == 8
+    assert cfg.key() == "gl-r16-w4-d3-s1-u-xs" and gg.GluonGemvConfig(xs=True, maxnreg=96).key().endswith("-xs-r96")
+
+
 @pytest.mark.parametrize("bad", [gg.GluonGemvConfig(rows=24), gg.GluonGemvConfig(warps=3),
                                  gg.GluonGemvConfig(depth=5), gg.GluonGemvConfig(split_k=0),
-                                 gg.GluonGemvConfig(depth=1, unroll=True)])
+                                 gg.GluonGemvConfig(depth=1, unroll=True), gg.GluonGemvConfig(maxnreg=300)])
 def test_bad_configs_are_rejected(bad):
     with pytest.raises(ValueError):
         gg.check_config(bad)
@@ -139,3 +172,40 @@ def test_w12_linear_routes_one_row_to_gluon_gemv():
     kp = KernelPack.from_w12(encode(w), device="cuda")
     x = torch.randn(1, 512).bfloat16().cuda()
     assert torch.equal(w12_linear(x, kp).view(torch.int16), gg.w12_gemv_gluon(x, kp).view(torch.int16))
+
+
+XS_CASES = [  # (N, K, config without xs): every staged-x path against the same config unstaged
+    (40, 200, gg.GluonGemvConfig(8, 4, 2, 1, True)),     # KH = 100: partial cp.async masks
+    (128, 64, gg.GluonGemvConfig(16, 8, 3, 1, True)),    # fewer records than warps
+    (200, 1088, gg.GluonGemvConfig(16, 4, 3, 1, True)),  # 17 records, steps past the range
+    (256, 2048, gg.GluonGemvConfig(16, 4, 4, 1, True, maxnreg=96)),
+    (384, 1024, gg.GluonGemvConfig(16, 4, 4, 2, True)),  # split-K
+    (136, 4160, gg.GluonGemvConfig(8, 8, 3, 5, True)),
+    (200, 320, gg.GluonGemvConfig(32, 4, 2, 3)),         # rolled ring
+]
+
+
+@_gpu
+@pytest.mark.parametrize("n,k,cfg", XS_CASES)
+@pytest.mark.parametrize("qpass", [False, True])
+def test_staged_x_gives_the_unstaged_bits(n, k, cfg, qpass):
+    """x staged in shared memory, clamped records and pinned reloads: bitwise the outputs of the
+    same config without them (escapes, +-0, subnormal and large x included), and run to run."""
+    from dataclasses import replace
+
+    w = make_weight(n, k, seed=n * 7 + k)
+    t = encode(w)
+    assert t.num_escapes > 0
+    kp = KernelPack.from_w12(t, device="cuda")
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(k + 1)) * 4
+    x[0, ::7] = -0.0
+    x[0, 1::11] = 1e-39
+    x[0, 3::13] = 3e4
+    x = x.bfloat16().cuda()
+    y = gg.w12_gemv_gluon(x, kp, qpass=qpass, config=replace(cfg, xs=True), out_dtype=torch.float32)
+    ref = gg.w12_gemv_gluon(x, kp, qpass=qpass, config=cfg, out_dtype=torch.float32)
+    assert torch.equal(y.view(torch.int32), ref.view(torch.int32))
+    y2 = gg.w12_gemv_gluon(x, kp, qpass=qpass, config=replace(cfg, xs=True), out_dtype=torch.float32)
+    assert torch.equal(y.view(torch.int32), y2.view(torch.int32))
+    if not qpass:
+        check_close(y.cpu(), x.cpu(), w)

@@ -15,6 +15,13 @@ read_floor.json``). Here the split is inside the program:
   kernels and accumulates in fp32;
 * the program sums its warps (a fixed reduction tree in shared memory) and stores; split-K across
   programs stays available for layers with few row blocks, with the same fixed-order reduction;
+* ``xs`` (staged x): the program's x range goes to shared memory once (``cp.async``), the weight
+  loads past the range re-read the last record (its staged x is zero), the record pointers are
+  computed once, and a ``bar.warp.sync`` after each reload of an unrolled ring stops ptxas from
+  sinking the reloads to the end of the loop body: without it the ``depth`` reloads of one
+  iteration issue together after its last FMA and the next iteration waits on them at once
+  (``docs/plans/w12-gemv-registers.md``). A register set is then 12 registers, not 20, so depth 3-4
+  fits in 96 registers (``maxnreg``);
 * the epilogue (row scale, exact escapes ``x[k] * (w - slot)``) issues its loads before the main
   loop, so their three dependent round trips (escape range, escape entries, x at their columns)
   hide behind the weight stream instead of adding to the tail; results are bitwise identical run
@@ -26,6 +33,7 @@ interpreter; tests compile the kernel for sm_90 on the CPU and run it on the GPU
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -33,7 +41,10 @@ import torch
 
 from .format import TILE_K
 from .gemm import KernelPack, _workspace, triton
-from .mma import _cta_barrier, gl, gluon
+from .mma import _cp_async, _cta_barrier, async_copy, gl, gluon
+
+XS_CHUNK = 8            # staged x: groups of ``warps`` records per cp.async chunk
+XS_MAX_BYTES = 100 * 1024
 
 
 @dataclass(frozen=True)
@@ -41,7 +52,9 @@ class GluonGemvConfig:
     """``rows`` weight rows per program (8, 16 or 32; divides 128), ``warps`` (each streams its own
     records), ``depth`` records loaded ahead per warp (1-4), ``split_k`` K ranges across programs,
     ``unroll``: ``depth`` register sets reloaded in place (depth - 1 records in flight per warp),
-    instead of a rotated ring (one in flight whatever the depth, see the kernel)."""
+    instead of a rotated ring (one in flight whatever the depth, see the kernel), ``xs``: x staged
+    in shared memory, clamped record indices and pinned reloads (see the module), ``maxnreg``: the
+    register cap passed to ptxas (None: its own choice)."""
 
     rows: int = 16
     warps: int = 4
@@ -49,10 +62,19 @@ class GluonGemvConfig:
     split_k: int = 1
     unroll: bool = False
     plain_decode: bool = False   # mma._decode_pairs instead of the prmt/lop3 form (A/B runs only)
+    xs: bool = False
+    maxnreg: int | None = None
 
     def key(self) -> str:
         return (f"gl-r{self.rows}-w{self.warps}-d{self.depth}-s{self.split_k}{'-u' if self.unroll else ''}"
+                f"{'-xs' if self.xs else ''}{f'-r{self.maxnreg}' if self.maxnreg else ''}"
                 f"{'-plain' if self.plain_decode else ''}")
+
+    def xs_groups(self, k_tiles: int) -> int:
+        """Staged x: groups of ``warps`` records (a multiple of the cp.async chunk and of the unroll)."""
+        tps = -(-k_tiles // self.split_k)
+        m = math.lcm(XS_CHUNK, self.depth if self.unroll else 1)
+        return -(-(-(-tps // self.warps)) // m) * m
 
 
 def check_config(cfg: GluonGemvConfig) -> None:
@@ -66,6 +88,8 @@ def check_config(cfg: GluonGemvConfig) -> None:
         raise ValueError(f"split_k must be >= 1, got {cfg.split_k}")
     if cfg.unroll and cfg.depth < 2:
         raise ValueError("an unrolled ring needs depth >= 2")
+    if cfg.maxnreg is not None and not 32 <= cfg.maxnreg <= 255:
+        raise ValueError(f"maxnreg must be 32-255, got {cfg.maxnreg}")
 
 
 if gluon is not None:
@@ -95,18 +119,30 @@ if gluon is not None:
         return gl.expand_dims(gl.expand_dims(gl.convert_layout(v, gl.SliceLayout(1, gl.SliceLayout(2, L))), 1), 2)
 
     @gluon.jit
-    def _load_recs(rec_ptr, x32_ptr, tile_row, t, t_end, KH, off_v, off_q, xw,
-                   L_V: gl.constexpr, L_Q: gl.constexpr, L_X: gl.constexpr, QPASS: gl.constexpr):
-        """Each warp's record ``t[w]``: its rows' view words, nibble words and the 32 x words."""
-        ok = t < t_end                                                    # [W]
-        base = (tile_row + t) * 3072
-        v = gl.load(rec_ptr + _per_warp(base, L_V) + off_v, mask=_per_warp(ok, L_V), other=0)
-        if QPASS:
-            q = v
+    def _load_recs(rec_ptr, x32_ptr, tile_row, t, t_end, KH, off_v, off_q, xw, pv, pq,
+                   L_V: gl.constexpr, L_Q: gl.constexpr, L_X: gl.constexpr, QPASS: gl.constexpr, XS: gl.constexpr):
+        """Each warp's record ``t[w]``: its rows' view words, nibble words and the 32 x words. ``XS``:
+        no x (staged in shared memory, read at use), and past the range the last record is re-read
+        unmasked through the loop-invariant pointers ``pv``/``pq``: its staged x is zero, so it adds
+        +-0 and leaves the (never -0) accumulator's bits unchanged."""
+        if XS:
+            d = gl.minimum(t, t_end - 1) * 3072
+            v = gl.load(pv + _per_warp(d, L_V))
+            if QPASS:
+                q = v
+            else:
+                q = gl.load(pq + _per_warp(d, L_Q))
+            x = 0
         else:
-            q = gl.load(rec_ptr + _per_warp(base, L_Q) + off_q, mask=_per_warp(ok, L_Q), other=0)
-        xi = _per_warp(t, L_X) * 32 + xw                                  # [W, 1, 32]
-        x = gl.load(x32_ptr + xi, mask=_per_warp(ok, L_X) & (xi < KH), other=0)   # zero past K
+            ok = t < t_end                                                # [W]
+            base = (tile_row + t) * 3072
+            v = gl.load(rec_ptr + _per_warp(base, L_V) + off_v, mask=_per_warp(ok, L_V), other=0)
+            if QPASS:
+                q = v
+            else:
+                q = gl.load(rec_ptr + _per_warp(base, L_Q) + off_q, mask=_per_warp(ok, L_Q), other=0)
+            xi = _per_warp(t, L_X) * 32 + xw                              # [W, 1, 32]
+            x = gl.load(x32_ptr + xi, mask=_per_warp(ok, L_X) & (xi < KH), other=0)   # zero past K
         return v, q, x
 
     @gluon.jit
@@ -125,6 +161,44 @@ if gluon is not None:
         acc += _f32_lo(p1) * _f32_lo(xb)
         acc += _f32_hi(p1) * _f32_hi(xb)
         return acc
+
+    @gluon.jit
+    def _x_of(x, xs, i, L_X: gl.constexpr, XS: gl.constexpr):
+        """Step ``i``'s x words (records ``t_begin + i * WARPS + w``): the ring's, or the staged ones."""
+        if XS:
+            x = gl.expand_dims(xs.index(i).load(gl.SliceLayout(1, L_X)), 1)
+        return x
+
+    @gluon.jit
+    def _pin(v, XS: gl.constexpr):
+        """``bar.warp.sync`` (no data moved): ptxas does not move memory operations across it, so the
+        reload just issued stays ahead of the next set's x read and FMAs."""
+        if XS:
+            v = gl.inline_asm_elementwise("bar.warp.sync -1;\n mov.b32 $0, $1;", "=r,r", [v], dtype=gl.int32,
+                                          is_pure=False, pack=1)
+        return v
+
+    # the shared-memory view cast is ``_reinterpret`` in Triton 3.6 and ``reinterpret`` later
+    _PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
+
+    @gluon.jit
+    def _stage_x(x32_ptr, t_begin, t_end, KH, WARPS: gl.constexpr, XS_IT: gl.constexpr, XS_CH: gl.constexpr):
+        """Shared memory ``[XS_IT, WARPS, 32]`` (group ``i``, warp ``w``: the x words of record
+        ``t_begin + i * WARPS + w``, zero past ``t_end`` and ``KH``), filled by cp.async in chunks of
+        ``XS_CH`` groups, 16 bytes per copy; one commit group."""
+        CW: gl.constexpr = XS_CH * WARPS * 32
+        xc = gl.allocate_shared_memory(gl.int32, [XS_IT // XS_CH, CW], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        off = gl.arange(0, CW, layout=gl.BlockedLayout([CW // (32 * WARPS)], [32], [WARPS], [0]))
+        lim = gl.minimum(t_end * 32, KH)
+        for c in range(0, XS_IT // XS_CH):
+            g = t_begin * 32 + c * CW + off
+            _cp_async(xc.index(c), x32_ptr + g, mask=g < lim)
+        async_copy.commit_group()
+        if _PUBLIC_REINTERPRET:
+            xs = xc.reinterpret(gl.int32, [XS_IT, WARPS, 32], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+        else:
+            xs = xc._reinterpret(gl.int32, [XS_IT, WARPS, 32], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+        return xs
 
     @gluon.jit
     def _esc_chunk(x_ptr, erow_ptr, ecol_ptr, edelta_ptr, e, e_hi, ESC_CH: gl.constexpr, LE: gl.constexpr):
@@ -170,6 +244,7 @@ if gluon is not None:
         ROWS: gl.constexpr, WARPS: gl.constexpr, DEPTH: gl.constexpr, UNROLL: gl.constexpr, USE_SPLIT: gl.constexpr,
         QPASS: gl.constexpr, PLAIN: gl.constexpr, ESC_CH: gl.constexpr,
         L_V: gl.constexpr, L_Q: gl.constexpr, L_X: gl.constexpr, L_E: gl.constexpr,
+        XS: gl.constexpr = False, XS_IT: gl.constexpr = 8, XS_CH: gl.constexpr = 8,
     ):
         pid_n = gl.program_id(0)
         pid_k = gl.program_id(1)
@@ -187,49 +262,67 @@ if gluon is not None:
         xw = gl.expand_dims(gl.expand_dims(cx, 0), 1)                    # [1, 1, 32]
         wid = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, L_V)))
 
+        pv = rec_ptr + tile_row * 3072 + off_v     # loop-invariant record pointers (XS)
+        pq = rec_ptr + tile_row * 3072 + off_q
+
         t_begin = pid_k * TILES_PER_SPLIT
         t_end = gl.minimum(t_begin + TILES_PER_SPLIT, KT)
         acc = gl.zeros([WARPS, ROWS, 16], gl.float32, L_V)
+        if XS:   # the program's x range, once: cp.async now, waited for after the first weight loads
+            xs = _stage_x(x32_ptr, t_begin, t_end, KH, WARPS, XS_IT, XS_CH)
+        else:
+            xs = 0
         if not USE_SPLIT:   # with split-K only the last program needs them, and it is not known yet
             scale, e_lo, e_hi, er, contrib = _epilogue_start(x_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr,
                                                              n0, N, ROWS, ESC_CH, L_E)
-        v0, q0, x0 = _load_recs(rec_ptr, x32_ptr, tile_row, t_begin + wid, t_end, KH, off_v, off_q, xw, L_V, L_Q, L_X, QPASS)
+        v0, q0, x0 = _load_recs(rec_ptr, x32_ptr, tile_row, t_begin + wid, t_end, KH, off_v, off_q, xw, pv, pq,
+                                L_V, L_Q, L_X, QPASS, XS)
         if DEPTH >= 2:
             v1, q1, x1 = _load_recs(rec_ptr, x32_ptr, tile_row, t_begin + WARPS + wid, t_end, KH, off_v, off_q, xw,
-                                    L_V, L_Q, L_X, QPASS)
+                                    pv, pq, L_V, L_Q, L_X, QPASS, XS)
         if DEPTH >= 3:
             v2, q2, x2 = _load_recs(rec_ptr, x32_ptr, tile_row, t_begin + 2 * WARPS + wid, t_end, KH, off_v, off_q,
-                                    xw, L_V, L_Q, L_X, QPASS)
+                                    xw, pv, pq, L_V, L_Q, L_X, QPASS, XS)
         if DEPTH >= 4:
             v3, q3, x3 = _load_recs(rec_ptr, x32_ptr, tile_row, t_begin + 3 * WARPS + wid, t_end, KH, off_v, off_q,
-                                    xw, L_V, L_Q, L_X, QPASS)
+                                    xw, pv, pq, L_V, L_Q, L_X, QPASS, XS)
+        if XS:
+            async_copy.wait_group(0)
+            _cta_barrier()      # the only barrier before the loop; none inside
         if UNROLL:
             # DEPTH register sets and the loop unrolled by DEPTH: each set is reloaded in place right
-            # after it is consumed, so DEPTH - 1 records per warp stay in flight over the decode. (In
-            # the rolled loop below the ring rotation is a register move of the record just loaded,
-            # which waits for that load: whatever DEPTH, one record is in flight.) Steps past the
-            # range read nothing and add zeros.
+            # after it is consumed. (In the rolled loop below the ring rotation is a register move of
+            # the record just loaded, which waits for that load: whatever DEPTH, one record is in
+            # flight.) Without XS's pins ptxas sinks the reloads to the end of the body, so they
+            # issue together; with them DEPTH - 1 records per warp stay in flight over the decode.
+            # Steps past the range add zeros.
             for t in range(t_begin, t_end, DEPTH * WARPS):
-                acc = _rec_fma(acc, v0, q0, x0, WARPS, ROWS, L_V, QPASS, PLAIN)
+                i = (t - t_begin) // WARPS
+                acc = _rec_fma(acc, v0, q0, _x_of(x0, xs, i, L_X, XS), WARPS, ROWS, L_V, QPASS, PLAIN)
                 v0, q0, x0 = _load_recs(rec_ptr, x32_ptr, tile_row, t + DEPTH * WARPS + wid, t_end, KH, off_v, off_q,
-                                        xw, L_V, L_Q, L_X, QPASS)
+                                        xw, pv, pq, L_V, L_Q, L_X, QPASS, XS)
+                wid = _pin(wid, XS)
                 if DEPTH >= 2:
-                    acc = _rec_fma(acc, v1, q1, x1, WARPS, ROWS, L_V, QPASS, PLAIN)
+                    acc = _rec_fma(acc, v1, q1, _x_of(x1, xs, i + 1, L_X, XS), WARPS, ROWS, L_V, QPASS, PLAIN)
                     v1, q1, x1 = _load_recs(rec_ptr, x32_ptr, tile_row, t + (DEPTH + 1) * WARPS + wid, t_end, KH,
-                                            off_v, off_q, xw, L_V, L_Q, L_X, QPASS)
+                                            off_v, off_q, xw, pv, pq, L_V, L_Q, L_X, QPASS, XS)
+                    wid = _pin(wid, XS)
                 if DEPTH >= 3:
-                    acc = _rec_fma(acc, v2, q2, x2, WARPS, ROWS, L_V, QPASS, PLAIN)
+                    acc = _rec_fma(acc, v2, q2, _x_of(x2, xs, i + 2, L_X, XS), WARPS, ROWS, L_V, QPASS, PLAIN)
                     v2, q2, x2 = _load_recs(rec_ptr, x32_ptr, tile_row, t + (DEPTH + 2) * WARPS + wid, t_end, KH,
-                                            off_v, off_q, xw, L_V, L_Q, L_X, QPASS)
+                                            off_v, off_q, xw, pv, pq, L_V, L_Q, L_X, QPASS, XS)
+                    wid = _pin(wid, XS)
                 if DEPTH >= 4:
-                    acc = _rec_fma(acc, v3, q3, x3, WARPS, ROWS, L_V, QPASS, PLAIN)
+                    acc = _rec_fma(acc, v3, q3, _x_of(x3, xs, i + 3, L_X, XS), WARPS, ROWS, L_V, QPASS, PLAIN)
                     v3, q3, x3 = _load_recs(rec_ptr, x32_ptr, tile_row, t + (DEPTH + 3) * WARPS + wid, t_end, KH,
-                                            off_v, off_q, xw, L_V, L_Q, L_X, QPASS)
+                                            off_v, off_q, xw, pv, pq, L_V, L_Q, L_X, QPASS, XS)
+                    wid = _pin(wid, XS)
         else:
             for t in range(t_begin, t_end, WARPS):
                 vn, qn, xn = _load_recs(rec_ptr, x32_ptr, tile_row, t + DEPTH * WARPS + wid, t_end, KH, off_v, off_q,
-                                        xw, L_V, L_Q, L_X, QPASS)
-                acc = _rec_fma(acc, v0, q0, x0, WARPS, ROWS, L_V, QPASS, PLAIN)
+                                        xw, pv, pq, L_V, L_Q, L_X, QPASS, XS)
+                acc = _rec_fma(acc, v0, q0, _x_of(x0, xs, (t - t_begin) // WARPS, L_X, XS), WARPS, ROWS, L_V, QPASS,
+                               PLAIN)
                 if DEPTH == 1:
                     v0, q0, x0 = vn, qn, xn
                 elif DEPTH == 2:
@@ -326,8 +419,13 @@ def w12_gemv_gluon(x: torch.Tensor, packed: KernelPack, qpass: bool = False,
     nb = (n + cfg.rows - 1) // cfg.rows
     if out is None:
         out = torch.empty(1, n, dtype=out_dtype or x.dtype, device=x.device)
+    xs_it = cfg.xs_groups(kt) if cfg.xs else XS_CHUNK
+    if cfg.xs and xs_it * cfg.warps * 128 > XS_MAX_BYTES:
+        raise ValueError(f"{cfg.key()}: staged x would take {xs_it * cfg.warps * 128} bytes of shared memory "
+                         f"(limit {XS_MAX_BYTES}); use a larger split_k or xs=False")
     ws, locks = _workspace(x.device, nb * split * cfg.rows if split > 1 else 1, nb)
     lv, lq, lx, le = layouts(cfg.rows, cfg.warps)
+    extra = {} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}
     _w12_gemv_gl_kernel[(nb, split)](
         x, x.view(torch.int32), out, packed.rec32, packed.low_exp,
         packed.esc_rowptr, packed.esc_row, packed.esc_col, packed.esc_delta_q if qpass else packed.esc_delta,
@@ -335,7 +433,7 @@ def w12_gemv_gluon(x: torch.Tensor, packed: KernelPack, qpass: bool = False,
         n, k // 2, kt, tps, nb, split, out.stride(0),
         ROWS=cfg.rows, WARPS=cfg.warps, DEPTH=cfg.depth, UNROLL=cfg.unroll, USE_SPLIT=split > 1, QPASS=qpass,
         PLAIN=cfg.plain_decode,
-        ESC_CH=8, L_V=lv, L_Q=lq, L_X=lx, L_E=le,
-        num_warps=cfg.warps,
+        ESC_CH=8, L_V=lv, L_Q=lq, L_X=lx, L_E=le, XS=cfg.xs, XS_IT=xs_it, XS_CH=XS_CHUNK,
+        num_warps=cfg.warps, **extra,
     )
     return out
