@@ -184,14 +184,15 @@ def gemv_configs(m: int, kt: int, n: int, sms: int):
     return out
 
 
-def mma_configs(m: int, kt: int, n: int, sms: int):
-    """Tensor-core (Gluon) variants for one (shape, m): 64 or 128 weight rows per program, weights 2
-    or 3 records ahead in registers (rotated or unrolled ring) or 2 or 4 ahead in a shared-memory
-    ring (``wsmem``), split-K for about 1, 2, 4 and 8 programs per SM."""
+def mma_configs(m: int, kt: int, n: int, sms: int, tiles=((64, 4), (128, 4))):
+    """Tensor-core (Gluon) variants for one (shape, m): ``tiles`` (weight rows per program, warps;
+    default 64 or 128 rows on 4 warps), weights 2 or 3 records ahead in registers (rotated or
+    unrolled ring) or 2 or 4 ahead in a shared-memory ring (``wsmem``), split-K for about 1, 2, 4
+    and 8 programs per SM."""
     from specpilot.kernels.w12.mma import MmaConfig, block_m_for, default_config
 
     out = [default_config(m, n, kt * 64, sms)]
-    for bn, w, split in tile_splits(m, kt, n, sms, ((64, 4), (128, 4)), block_m_for):
+    for bn, w, split in tile_splits(m, kt, n, sms, tiles, block_m_for):
         for depth, wsmem, unroll in ((2, False, False), (3, False, False), (2, True, False), (4, True, False),
                                      (2, False, True), (3, False, True)):
             cfg = MmaConfig(bn, split, w, depth, wsmem, unroll)
@@ -282,7 +283,12 @@ def mma_sweep(args) -> int:
     and cuBLAS, side by side in one run."""
     from specpilot.kernels.w12.mma import MmaConfig, w12_mma
 
-    return variant_sweep(args, "mma", mma_configs, w12_mma, MmaConfig, "2,4,8,16,32,64", "w12_mma")
+    tiles = tuple(tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",")) if args.tiles else None
+
+    def configs(m, kt, n, sms):
+        return mma_configs(m, kt, n, sms, tiles) if tiles else mma_configs(m, kt, n, sms)
+
+    return variant_sweep(args, "mma", configs, w12_mma, MmaConfig, "2,4,8,16,32,64", "w12_mma")
 
 
 def wgmma_sweep(args) -> int:
@@ -419,6 +425,8 @@ def main() -> int:
     ap.add_argument("--shapes", default=None, help="comma list of shape names")
     ap.add_argument("--name", default=None)
     ap.add_argument("--rows", default=None, help="gemv / default modes: comma list of M (default 1,2,4 / 1,2,4,8,16,32,64)")
+    ap.add_argument("--tiles", default=None,
+                    help="mma mode: comma list of ROWSxWARPS program tiles (default 64x4,128x4)")
     ap.add_argument("--xs-only", action="store_true",
                     help="gemv-gluon mode: only the committed choice and the staged-x (xs) variants")
     args = ap.parse_args()
