@@ -105,6 +105,30 @@ def test_compiles_for_sm90_with_register_only_operand_conversions():
     assert stats["cp_async"] >= 1 and stats["ld_shared_v4"] == 8   # x: 4 rows x 32 bytes per thread
 
 
+@needs_gluon
+def test_stream_k_kernel_compiles_for_sm90():
+    """The stream-K kernel (``mma_stream``): the weight and x ring by cp.async, fragments from shared
+    memory, mma.sync, and the block epilogue inside the main loop (a partial to the workspace and
+    the per-block counter, or the direct store)."""
+    setup = (_SETUP.replace("k = mma._w12_mma_kernel", "from specpilot.kernels.w12 import mma_stream\n"
+                            "k = mma_stream._w12_mma_stream_kernel")
+             .replace("USE_SPLIT=True, ", "").replace(", WSMEM=False, UNROLL=False", ""))
+    body = main_loop_ptx(setup)
+    assert body.count("mma.sync.aligned.m16n8k16") == 32
+    assert body.count("cp.async.cg") >= 3                  # views, nibbles, x of the record DEPTH ahead
+    assert "atom.global" in body and "st.global" in body   # the epilogue runs inside the loop
+
+
+def test_stream_k_schedule():
+    from specpilot.kernels.w12.mma_stream import schedule
+
+    assert schedule(96, 64, 264) == (24, 256, 4)    # 6144 rows in 64-row blocks, K = 4096
+    assert schedule(2, 3, 264) == (1, 6, 3)         # fewer pairs than programs: one each
+    assert schedule(4, 1, 8) == (1, 4, 1)           # one record per block: no block is split
+    per, progs, slots = schedule(7, 10, 5)
+    assert progs * per >= 70 and (progs - 1) * per < 70 and slots == 2
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------------------------
@@ -126,6 +150,11 @@ CASES = [  # (rows, N, K, config)
     (17, 200, 320, mma.MmaConfig(64, 1, 4, 2, False, True)),
     (32, 384, 1024, mma.MmaConfig(128, 3, 8, 3, False, True)),
     (64, 136, 448, mma.MmaConfig(64, 2, 4, 3, False, True)),
+    # stream-K: blocks split across programs, whole blocks, an odd pair count, two row blocks
+    (32, 384, 1024, mma.MmaConfig(64, 1, 4, 2, True, stream=1)),
+    (8, 200, 320, mma.MmaConfig(64, 1, 4, 3, True, stream=2)),
+    (17, 136, 4160, mma.MmaConfig(128, 1, 8, 2, True, stream=1)),
+    (100, 256, 512, mma.MmaConfig(64, 1, 4, 4, True, stream=4)),
 ]
 
 

@@ -427,23 +427,24 @@ if gluon is not None:
                                  stride_xm, BLOCK_M, BLOCK_N, QPASS, DEPTH, UNROLL, L_VIEW, L_X, A_OP, B_OP, PLAIN)
         async_copy.wait_group(0)
         _epilogue(acc, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, ws_ptr, lock_ptr,
-                  n0, pid_n, pid_k, pid_m, M, N, NUM_N_BLOCKS, SPLIT_K, stride_xm, stride_ym,
+                  n0, pid_n, pid_k, pid_m, M, N, NUM_N_BLOCKS, SPLIT_K, SPLIT_K, stride_xm, stride_ym,
                   BLOCK_N, BLOCK_M, USE_SPLIT, ESC_CH, MMA, L_EP)
 
     @gluon.jit
     def _epilogue(acc, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, ws_ptr, lock_ptr,
-                  n0, pid_n, pid_k, pid_m, M, N, NUM_N_BLOCKS, SPLIT_K, stride_xm, stride_ym,
+                  n0, pid_n, pid_k, pid_m, M, N, NUM_N_BLOCKS, SPLIT_K, SLOTS, stride_xm, stride_ym,
                   BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, USE_SPLIT: gl.constexpr, ESC_CH: gl.constexpr,
                   ACC: gl.constexpr, L_EP: gl.constexpr):
         """The accumulator ``acc`` (layout ``ACC``) to y: directly, or through the fixed-order split-K
-        reduction (partials to a workspace, a per-block counter, the last program sums them in order).
-        Shared by this kernel and the ``wgmma`` one (:mod:`.wgmma`)."""
+        reduction (partial ``pid_k`` of ``SPLIT_K`` to a workspace of ``SLOTS`` partials per block, a
+        per-block counter, the last program sums them in order). Shared by this kernel, the ``wgmma``
+        one (:mod:`.wgmma`) and the stream-K one (:mod:`.mma_stream`)."""
         if not USE_SPLIT:
             _finalize(acc, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, n0, pid_m, M, N,
                       stride_xm, stride_ym, BLOCK_N, BLOCK_M, ESC_CH, L_EP)
         else:
             blk = pid_m * NUM_N_BLOCKS + pid_n
-            ws_base = ws_ptr + blk.to(gl.int64) * (SPLIT_K * BLOCK_N * BLOCK_M)
+            ws_base = ws_ptr + blk.to(gl.int64) * (SLOTS * BLOCK_N * BLOCK_M)
             tr = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ACC))
             tc = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, ACC))
             tile_offs = tr[:, None] * BLOCK_M + tc[None, :]
@@ -531,10 +532,14 @@ class MmaConfig:
     wsmem: bool = False  # weights through a cp.async shared-memory ring instead of registers
     unroll: bool = False  # register ring: depth sets reloaded in place (depth 2-3), not rotated
     plain_decode: bool = False  # _decode_pairs instead of _decode_pairs_fast (A/B; TUNED where faster)
+    stream: int = 0     # > 0: stream-K schedule, this many programs per SM (wsmem; split_k unused)
+    maxnreg: int | None = None  # register cap passed to ptxas (None: its own choice)
 
     def key(self) -> str:
         return (f"mma-n{self.block_n}-s{self.split_k}-w{self.num_warps}-d{self.depth}{'-ws' if self.wsmem else ''}"
-                f"{'-u' if self.unroll else ''}{'-plain' if self.plain_decode else ''}")
+                f"{'-u' if self.unroll else ''}{f'-sk{self.stream}' if self.stream else ''}"
+                f"{f'-r{self.maxnreg}' if self.maxnreg else ''}"
+                f"{'-plain' if self.plain_decode else ''}")
 
 
 def block_m_for(m: int) -> int:
@@ -645,6 +650,10 @@ def w12_mma(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: Mm
         raise ValueError(f"depth must be 1-3 (1-6 with wsmem), got {config.depth}")
     if config is not None and config.unroll and (config.wsmem or config.depth < 2):
         raise ValueError("an unrolled ring is a register ring of depth 2-3 (not wsmem)")
+    if config is not None and config.maxnreg is not None and not 32 <= config.maxnreg <= 255:
+        raise ValueError(f"maxnreg must be 32-255, got {config.maxnreg}")
+    if config is not None and config.stream and (config.stream < 0 or not config.wsmem):
+        raise ValueError("the stream-K schedule takes a positive program count per SM and the wsmem ring")
     if x.dtype != torch.bfloat16:
         raise ValueError(f"x must be bfloat16, got {x.dtype}")
     m, k = x.shape
@@ -656,6 +665,12 @@ def w12_mma(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: Mm
     if out is None:
         out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     esc_ch = esc_chunk(bm)
+    if cfg.stream:
+        from . import mma_stream
+
+        mma_stream.launch(x, packed, out, qpass, cfg, bm, mb, esc_ch, layouts(cfg.block_n, bm, cfg.num_warps),
+                          wsmem_layouts(cfg.num_warps))
+        return out
     l_view, l_nib, l_x, mma, a_op, b_op, l_ep, l_xc, xs = layouts(cfg.block_n, bm, cfg.num_warps)
     l_wc, l_qc, wsl = wsmem_layouts(cfg.num_warps)
     _w12_mma_kernel[(nb, split, mb)](
@@ -668,6 +683,11 @@ def w12_mma(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: Mm
         WSMEM=cfg.wsmem, UNROLL=cfg.unroll, PLAIN=cfg.plain_decode,
         L_VIEW=l_view, L_NIB=l_nib, L_X=l_x, MMA=mma, A_OP=a_op, B_OP=b_op, L_EP=l_ep, L_XC=l_xc,
         XS=xs, L_WC=l_wc, L_QC=l_qc, WSL=wsl,
-        num_warps=cfg.num_warps,
+        num_warps=cfg.num_warps, **launch_options(cfg),
     )
     return out
+
+
+def launch_options(cfg) -> dict:
+    """Compile options of a config that are not constexprs (the register cap)."""
+    return {} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}

@@ -203,7 +203,7 @@ if AVAILABLE:
                     w2, q2 = wx, qx
         acc = warpgroup_mma_wait(0, deps=[acc])
         M._epilogue(acc, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, ws_ptr, lock_ptr,
-                    n0, pid_n, pid_k, pid_m, M_rows, N, NUM_N_BLOCKS, SPLIT_K, stride_xm, stride_ym,
+                    n0, pid_n, pid_k, pid_m, M_rows, N, NUM_N_BLOCKS, SPLIT_K, SPLIT_K, stride_xm, stride_ym,
                     BLOCK_N, BLOCK_M, USE_SPLIT, ESC_CH, ACC, L_EP)
 
 
