@@ -243,7 +243,7 @@ def gluon_gemv_configs(m: int, kt: int, n: int, sms: int, xs_only: bool = False)
     """One-row Gluon GEMV variants: 8, 16 or 32 rows per program, 4, 8 (or 16) warps each streaming
     its own records, 1-3 records ahead in a rotated ring or 2-3 register sets unrolled, split-K for
     about 1, 2 and 4 programs per SM; then staged x (``xs``) with 2-4 unrolled sets, depth 4 also
-    capped at 96 registers. ``xs_only``: the committed choice and the staged-x variants only."""
+    capped at 96 registers, each with the epilogue's loads first or after the first records'. ``xs_only``: the committed choice and the staged-x variants only."""
     from specpilot.kernels.w12.gemv_gluon import GluonGemvConfig, default_config
 
     out = [default_config(n, kt * 64, sms)]
@@ -261,9 +261,9 @@ def gluon_gemv_configs(m: int, kt: int, n: int, sms: int, xs_only: bool = False)
                     cands += [GluonGemvConfig(rows, warps, depth, split) for depth in ((1, 2, 3) if warps < 16 else (1, 2))]
                     if rows >= 16 and warps <= 8:   # unrolled rings
                         cands += [GluonGemvConfig(rows, warps, depth, split, True) for depth in (2, 3)]
-                if rows <= 16 and warps <= 8:       # staged x, pinned reloads
-                    cands += [GluonGemvConfig(rows, warps, d, split, True, xs=True, maxnreg=r)
-                              for d, r in ((2, None), (3, None), (4, None), (4, 96))]
+                if rows <= 16 and warps <= 8:       # staged x, pinned reloads, escapes before or after
+                    cands += [GluonGemvConfig(rows, warps, d, split, True, xs=True, maxnreg=r, late_epilogue=el)
+                              for d, r in ((2, None), (3, None), (4, None), (4, 96)) for el in (False, True)]
                 out += [c for c in cands if c not in out]
     return out
 

@@ -75,7 +75,9 @@ def test_staged_x_keeps_records_in_flight_within_96_registers(depth, maxnreg):
     import re
 
     setup = _SETUP.replace("G.layouts(16, 8)", "G.layouts(16, 4)").replace("WARPS=8, DEPTH=3", f"WARPS=4, DEPTH={depth}")
-    setup = setup.replace("USE_SPLIT=True", "USE_SPLIT=False, XS=True, XS_IT=24").replace("warps = 8", "warps = 4")
+    late = depth == 4     # and the escape loads after the first records' (late_epilogue)
+    setup = setup.replace("USE_SPLIT=True", f"USE_SPLIT=False, XS=True, XS_IT=24, EPI_LATE={late}")
+    setup = setup.replace("warps = 8", "warps = 4")
     r = ptxas_report("UNROLL = True\n" + setup + (f"opts = {{'maxnreg': {maxnreg}}}\n" if maxnreg else ""))
     body = loop_ptx(r["ptx"])
     assert body.count("bar.sync") == 0 and body.count("bar.warp.sync") == depth
@@ -83,6 +85,10 @@ def test_staged_x_keeps_records_in_flight_within_96_registers(depth, maxnreg):
     assert len(re.findall(r"ld\.global[^;]*\.v4", body)) == 2 * depth       # views of 2 rows per lane
     assert len(re.findall(r"ld\.global[^;]*\.v2", body)) == 2 * depth       # nibbles
     assert len(re.findall(r"fma\.rn\.f32", body)) == 32 * depth
+    if late:   # PTX order (the pin keeps it in SASS): record views (16-byte loads) before the row scales (bytes)
+        ptx = r["ptx"]
+        scales = min(i for i in (ptx.find("ld.global.b8"), ptx.find("ld.global.u8")) if i >= 0)
+        assert 0 <= ptx.find("ld.global.v4") < scales
     regs = int(re.search(r"Used (\d+) registers", r["log"]).group(1))
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r["log"]).groups()
     if triton.__version__.startswith("3.6."):
@@ -190,7 +196,8 @@ XS_CASES = [  # (N, K, config without xs): every staged-x path against the same 
 @pytest.mark.parametrize("qpass", [False, True])
 def test_staged_x_gives_the_unstaged_bits(n, k, cfg, qpass):
     """x staged in shared memory, clamped records and pinned reloads: bitwise the outputs of the
-    same config without them (escapes, +-0, subnormal and large x included), and run to run."""
+    same config without them (escapes, +-0, subnormal and large x included), run to run, and with
+    the epilogue's loads moved after the first records'."""
     from dataclasses import replace
 
     w = make_weight(n, k, seed=n * 7 + k)
@@ -207,5 +214,8 @@ def test_staged_x_gives_the_unstaged_bits(n, k, cfg, qpass):
     assert torch.equal(y.view(torch.int32), ref.view(torch.int32))
     y2 = gg.w12_gemv_gluon(x, kp, qpass=qpass, config=replace(cfg, xs=True), out_dtype=torch.float32)
     assert torch.equal(y.view(torch.int32), y2.view(torch.int32))
+    late = replace(cfg, xs=True, late_epilogue=not cfg.late_epilogue)    # only the order of the loads
+    y3 = gg.w12_gemv_gluon(x, kp, qpass=qpass, config=late, out_dtype=torch.float32)
+    assert torch.equal(y.view(torch.int32), y3.view(torch.int32))
     if not qpass:
         check_close(y.cpu(), x.cpu(), w)

@@ -54,7 +54,8 @@ class GluonGemvConfig:
     ``unroll``: ``depth`` register sets reloaded in place (depth - 1 records in flight per warp),
     instead of a rotated ring (one in flight whatever the depth, see the kernel), ``xs``: x staged
     in shared memory, clamped record indices and pinned reloads (see the module), ``maxnreg``: the
-    register cap passed to ptxas (None: its own choice)."""
+    register cap passed to ptxas (None: its own choice), ``late_epilogue``: the epilogue's loads
+    (row scales, escapes) issued after the first records' loads instead of before them."""
 
     rows: int = 16
     warps: int = 4
@@ -64,10 +65,12 @@ class GluonGemvConfig:
     plain_decode: bool = False   # mma._decode_pairs instead of the prmt/lop3 form (A/B runs only)
     xs: bool = False
     maxnreg: int | None = None
+    late_epilogue: bool = False   # the escape loads after the first weight loads, not before
 
     def key(self) -> str:
         return (f"gl-r{self.rows}-w{self.warps}-d{self.depth}-s{self.split_k}{'-u' if self.unroll else ''}"
                 f"{'-xs' if self.xs else ''}{f'-r{self.maxnreg}' if self.maxnreg else ''}"
+                f"{'-el' if self.late_epilogue else ''}"
                 f"{'-plain' if self.plain_decode else ''}")
 
     def xs_groups(self, k_tiles: int) -> int:
@@ -170,10 +173,10 @@ if gluon is not None:
         return x
 
     @gluon.jit
-    def _pin(v, XS: gl.constexpr):
+    def _pin(v, PIN: gl.constexpr):
         """``bar.warp.sync`` (no data moved): ptxas does not move memory operations across it, so the
-        reload just issued stays ahead of the next set's x read and FMAs."""
-        if XS:
+        loads just issued stay ahead of what follows (the next set's x read and FMAs)."""
+        if PIN:
             v = gl.inline_asm_elementwise("bar.warp.sync -1;\n mov.b32 $0, $1;", "=r,r", [v], dtype=gl.int32,
                                           is_pure=False, pack=1)
         return v
@@ -244,7 +247,7 @@ if gluon is not None:
         ROWS: gl.constexpr, WARPS: gl.constexpr, DEPTH: gl.constexpr, UNROLL: gl.constexpr, USE_SPLIT: gl.constexpr,
         QPASS: gl.constexpr, PLAIN: gl.constexpr, ESC_CH: gl.constexpr,
         L_V: gl.constexpr, L_Q: gl.constexpr, L_X: gl.constexpr, L_E: gl.constexpr,
-        XS: gl.constexpr = False, XS_IT: gl.constexpr = 8, XS_CH: gl.constexpr = 8,
+        XS: gl.constexpr = False, XS_IT: gl.constexpr = 8, XS_CH: gl.constexpr = 8, EPI_LATE: gl.constexpr = False,
     ):
         pid_n = gl.program_id(0)
         pid_k = gl.program_id(1)
@@ -272,7 +275,9 @@ if gluon is not None:
             xs = _stage_x(x32_ptr, t_begin, t_end, KH, WARPS, XS_IT, XS_CH)
         else:
             xs = 0
-        if not USE_SPLIT:   # with split-K only the last program needs them, and it is not known yet
+        # with split-K only the last program needs the epilogue's loads, and it is not known yet;
+        # EPI_LATE: after the first weight loads (pinned: ptxas would put the escape chain first)
+        if not USE_SPLIT and not EPI_LATE:
             scale, e_lo, e_hi, er, contrib = _epilogue_start(x_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr,
                                                              n0, N, ROWS, ESC_CH, L_E)
         v0, q0, x0 = _load_recs(rec_ptr, x32_ptr, tile_row, t_begin + wid, t_end, KH, off_v, off_q, xw, pv, pq,
@@ -286,6 +291,10 @@ if gluon is not None:
         if DEPTH >= 4:
             v3, q3, x3 = _load_recs(rec_ptr, x32_ptr, tile_row, t_begin + 3 * WARPS + wid, t_end, KH, off_v, off_q,
                                     xw, pv, pq, L_V, L_Q, L_X, QPASS, XS)
+        if not USE_SPLIT and EPI_LATE:
+            wid = _pin(wid, True)
+            scale, e_lo, e_hi, er, contrib = _epilogue_start(x_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr,
+                                                             n0, N, ROWS, ESC_CH, L_E)
         if XS:
             async_copy.wait_group(0)
             _cta_barrier()      # the only barrier before the loop; none inside
@@ -434,6 +443,7 @@ def w12_gemv_gluon(x: torch.Tensor, packed: KernelPack, qpass: bool = False,
         ROWS=cfg.rows, WARPS=cfg.warps, DEPTH=cfg.depth, UNROLL=cfg.unroll, USE_SPLIT=split > 1, QPASS=qpass,
         PLAIN=cfg.plain_decode,
         ESC_CH=8, L_V=lv, L_Q=lq, L_X=lx, L_E=le, XS=cfg.xs, XS_IT=xs_it, XS_CH=XS_CHUNK,
+        EPI_LATE=cfg.late_epilogue,
         num_warps=cfg.warps, **extra,
     )
     return out
