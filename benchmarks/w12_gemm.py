@@ -243,7 +243,8 @@ def gluon_gemv_configs(m: int, kt: int, n: int, sms: int, xs_only: bool = False)
     """One-row Gluon GEMV variants: 8, 16 or 32 rows per program, 4, 8 (or 16) warps each streaming
     its own records, 1-3 records ahead in a rotated ring or 2-3 register sets unrolled, split-K for
     about 1, 2 and 4 programs per SM; then staged x (``xs``) with 2-4 unrolled sets, depth 4 also
-    capped at 96 registers, each with the epilogue's loads first or after the first records'. ``xs_only``: the committed choice and the staged-x variants only."""
+    capped at 96 registers, each with the epilogue's loads first or after the first records'.
+    ``xs_only``: the committed choice and the staged-x variants only."""
     from specpilot.kernels.w12.gemv_gluon import GluonGemvConfig, default_config
 
     out = [default_config(n, kt * 64, sms)]
