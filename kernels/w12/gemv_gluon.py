@@ -378,33 +378,41 @@ def supported(x: torch.Tensor, packed: KernelPack) -> bool:
 
 
 def default_config(n: int, k: int, sms: int = 132) -> GluonGemvConfig:
-    """The measured table (:data:`TUNED`) first, else what the sweep chose most: 16-row programs,
-    4 warps, one record ahead, and split-K only when there are fewer than two programs per SM."""
+    """The measured table (:data:`TUNED`) first, else what the sweeps chose most: 16-row programs
+    of 4 warps, four unrolled register sets with x staged (capped at 96 registers, the escapes
+    loaded after the first records), and split-K only when there are fewer than two programs per
+    SM (or the staged x would not fit)."""
     tuned = TUNED.get((n, k))
     if tuned is not None:
         return tuned
     kt = (k + TILE_K - 1) // TILE_K
     blocks = (n + 15) // 16
     split = 1 if blocks >= 2 * sms else max(1, min(max(1, kt // 4), (2 * sms + blocks - 1) // blocks))
-    return GluonGemvConfig(16, 4, 1, split)
+    cfg = GluonGemvConfig(16, 4, 4, split, True, xs=True, maxnreg=96, late_epilogue=True)
+    while cfg.xs_groups(kt) * cfg.warps * 128 > XS_MAX_BYTES:
+        cfg = GluonGemvConfig(16, 4, 4, cfg.split_k * 2, True, xs=True, maxnreg=96, late_epilogue=True)
+    return cfg
 
 
-# Fastest variant per (N, K) on the H200 (benchmarks/w12_gemm.py --mode gemv-gluon,
-# benchmarks/results/w12_gemv_gluon_unroll.json; speedup over cuBLAS bf16 and, in brackets, that of
-# the previous table in the same run). Unrolled rings (``True``) won on five layers: the rotated
-# ring with two records (``gl-r16-w4-d2-s1``) took 82.9 us on 5120 -> 34816 there, one record
-# 77.2 us, two unrolled sets 73.2 us.
+# Fastest variant per (N, K) on the H200 (benchmarks/w12_gemm.py --mode gemv-gluon --variants xs,
+# benchmarks/results/w12_gemv_gluon_late.json; speedup over cuBLAS bf16 and, in brackets, that of
+# the previous table in the same run). Staged x with four unrolled sets and the escapes loaded
+# late won on five layers; on the other two the previous choice stays (4096 x 14336: no staged
+# variant was faster; 5120 x 17408: 1.264x staged vs 1.270x).
+_XS4 = dict(xs=True, late_epilogue=True)
 TUNED: dict[tuple[int, int], GluonGemvConfig] = {
-    (6144, 4096): GluonGemvConfig(8, 4, 1, 1),  # 1.081x (1.077x)
-    (4096, 4096): GluonGemvConfig(16, 8, 2, 1, True),  # 1.2x (1.2x)
-    (28672, 4096): GluonGemvConfig(16, 4, 2, 1, True),  # 1.135x (1.089x)
-    (4096, 14336): GluonGemvConfig(16, 8, 2, 1, True),  # 1.145x (1.107x)
-    (7168, 5120): GluonGemvConfig(16, 4, 1, 1),  # 1.108x (1.112x)
-    (34816, 5120): GluonGemvConfig(16, 4, 2, 1, True),  # 1.226x (1.188x)
-    (5120, 17408): GluonGemvConfig(16, 4, 2, 2, True),  # 1.262x (1.214x)
+    (6144, 4096): GluonGemvConfig(8, 4, 4, 1, True, **_XS4),  # 1.200x (1.089x)
+    (4096, 4096): GluonGemvConfig(8, 4, 4, 1, True, **_XS4),  # 1.251x (1.242x)
+    (28672, 4096): GluonGemvConfig(16, 4, 4, 1, True, maxnreg=96, **_XS4),  # 1.233x (1.183x), 3.76 TB/s
+    (4096, 14336): GluonGemvConfig(16, 8, 2, 1, True),  # 1.169x (1.171x)
+    (7168, 5120): GluonGemvConfig(8, 4, 4, 1, True, **_XS4),  # 1.218x (1.123x)
+    (34816, 5120): GluonGemvConfig(16, 4, 4, 1, True, maxnreg=96, **_XS4),  # 1.277x (1.241x), 3.93 TB/s
+    (5120, 17408): GluonGemvConfig(16, 4, 2, 2, True),  # 1.270x
 }
+# Earlier table (w12_gemv_gluon_unroll.json): unrolled rings without staged x; the rotated ring
+# with two records took 82.9 us on 5120 -> 34816 there, one record 77.2 us, two unrolled sets 73.2.
 # On the two widest layers the Triton GEMV's tuned variant (cp.async pipeline by the compiler)
-# measured 1.21x in that run but 1.05x in later ones (85.7 vs 74-76 us on 5120 -> 34816); this
+# measured 1.21x in one run but 1.05x in later ones (85.7 vs 74-76 us on 5120 -> 34816); this
 # kernel has no compiler pipeline and measured 1.18-1.19x there, so one-row products come here on
 # every layer.
 
