@@ -184,21 +184,28 @@ def gemv_configs(m: int, kt: int, n: int, sms: int):
     return out
 
 
-def mma_configs(m: int, kt: int, n: int, sms: int, tiles=((64, 4), (128, 4)), stream_only: bool = False):
+def mma_configs(m: int, kt: int, n: int, sms: int, tiles=((64, 4), (128, 4)), variants: str = "all"):
     """Tensor-core (Gluon) variants for one (shape, m): ``tiles`` (weight rows per program, warps;
     default 64 or 128 rows on 4 warps), weights 2 or 3 records ahead in registers (rotated or
     unrolled ring) or 2 or 4 ahead in a shared-memory ring (``wsmem``), split-K for about 1, 2, 4
     and 8 programs per SM; then the stream-K schedule (1, 2 or 4 programs per SM, ring depth 2 or
-    4; above 8 rows, 16-row warp slices also capped at 128 registers). ``stream_only``: the committed choice and the stream-K variants."""
+    4; above 8 rows, 16-row warp slices also capped at 128 registers). ``variants``: ``stream`` (the
+    committed choice and the stream-K variants) or ``chunk`` (it and unrolled rings of depth 2-3
+    with x in chunks of 2 or 4 records)."""
     from specpilot.kernels.w12.mma import MmaConfig, block_m_for, default_config
 
     out = [default_config(m, n, kt * 64, sms)]
+    if variants == "chunk":
+        for bn, w, split in tile_splits(m, kt, n, sms, tiles, block_m_for):
+            for depth in (2, 3):
+                out += [MmaConfig(bn, split, w, depth, False, True, x_chunk=xc) for xc in (2, 4)]
+        return out
     for bn, w in tiles:
         for per_sm in (1, 2, 4):
             for depth in (2, 4):
                 for cap in ((None, 128) if bn // w <= 16 and m > 8 else (None,)):
                     out.append(MmaConfig(bn, 1, w, depth, True, stream=per_sm, maxnreg=cap))
-    if stream_only:
+    if variants == "stream":
         return out
     for bn, w, split in tile_splits(m, kt, n, sms, tiles, block_m_for):
         for depth, wsmem, unroll in ((2, False, False), (3, False, False), (2, True, False), (4, True, False),
@@ -295,7 +302,7 @@ def mma_sweep(args) -> int:
     tiles = tuple(tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",")) if args.tiles else None
 
     def configs(m, kt, n, sms):
-        return mma_configs(m, kt, n, sms, tiles or ((64, 4), (128, 4)), stream_only=args.variants == "stream")
+        return mma_configs(m, kt, n, sms, tiles or ((64, 4), (128, 4)), variants=args.variants)
 
     return variant_sweep(args, "mma", configs, w12_mma, MmaConfig, "2,4,8,16,32,64", "w12_mma")
 
@@ -436,9 +443,9 @@ def main() -> int:
     ap.add_argument("--rows", default=None, help="gemv / default modes: comma list of M (default 1,2,4 / 1,2,4,8,16,32,64)")
     ap.add_argument("--tiles", default=None,
                     help="mma mode: comma list of ROWSxWARPS program tiles (default 64x4,128x4)")
-    ap.add_argument("--variants", choices=["all", "xs", "stream"], default="all",
-                    help="only the committed choice and: the staged-x variants (xs, gemv-gluon mode) or the "
-                         "stream-K ones (stream, mma mode)")
+    ap.add_argument("--variants", choices=["all", "xs", "stream", "chunk"], default="all",
+                    help="only the committed choice and: the staged-x variants (xs, gemv-gluon mode), the "
+                         "stream-K ones (stream, mma mode) or the x-chunk ones (chunk, mma mode)")
     args = ap.parse_args()
     if args.mode == "gemv":
         return gemv_sweep(args)

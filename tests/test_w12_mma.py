@@ -119,6 +119,32 @@ def test_stream_k_kernel_compiles_for_sm90():
     assert "atom.global" in body and "st.global" in body   # the epilogue runs inside the loop
 
 
+@needs_gluon
+def test_x_chunks_take_one_barrier_per_chunk():
+    """``x_chunk=4``: the loop body runs three chunks of four records (three x buffers) with one CTA
+    barrier each (the indexed x ring takes two per record) and one pin per weight reload."""
+    setup = (_SETUP.replace("mma.layouts(128, 32, 4)", "mma.layouts(64, 32, 4)").replace("BLOCK_N=128", "BLOCK_N=64")
+             .replace("UNROLL=False", "UNROLL=True, XC=4"))
+    body = main_loop_ptx(setup)
+    assert body.count("bar.sync") == 3 and body.count("bar.warp.sync") == 12
+    assert body.count("mma.sync.aligned.m16n8k16") == 12 * 16     # 4 k16 x 4 n8 per 16-row warp slice
+
+
+@_gpu_gluon
+@pytest.mark.parametrize("cfg", [mma.MmaConfig(64, 2, 4, 2, False, True), mma.MmaConfig(64, 1, 4, 3, False, True)])
+@pytest.mark.parametrize("x_chunk", [2, 4])
+def test_x_chunks_give_the_unchunked_bits(cfg, x_chunk):
+    """The same MMAs in the same order: bitwise the unchunked ring's outputs, Q pass too."""
+    from dataclasses import replace
+
+    w, _, kp = _cuda_layer(256, 1216, seed=5)
+    x = torch.randn(32, 1216, generator=torch.Generator().manual_seed(3)).bfloat16().cuda()
+    for qpass in (False, True):
+        ref = mma.w12_mma(x, kp, qpass=qpass, config=cfg, out_dtype=torch.float32)
+        y = mma.w12_mma(x, kp, qpass=qpass, config=replace(cfg, x_chunk=x_chunk), out_dtype=torch.float32)
+        assert torch.equal(y.view(torch.int32), ref.view(torch.int32))
+
+
 def test_stream_k_schedule():
     from specpilot.kernels.w12.mma_stream import schedule
 
@@ -150,6 +176,11 @@ CASES = [  # (rows, N, K, config)
     (17, 200, 320, mma.MmaConfig(64, 1, 4, 2, False, True)),
     (32, 384, 1024, mma.MmaConfig(128, 3, 8, 3, False, True)),
     (64, 136, 448, mma.MmaConfig(64, 2, 4, 3, False, True)),
+    # x in chunks of 2-8 records, one barrier per chunk (partial chunks, an uneven split)
+    (32, 384, 1024, mma.MmaConfig(64, 1, 4, 2, False, True, x_chunk=2)),
+    (17, 200, 320, mma.MmaConfig(64, 2, 4, 3, False, True, x_chunk=4)),
+    (8, 136, 4160, mma.MmaConfig(128, 3, 8, 2, False, True, x_chunk=8)),
+    (100, 136, 192, mma.MmaConfig(64, 1, 4, 2, False, True, x_chunk=2)),
     # stream-K: blocks split across programs, whole blocks, an odd pair count, two row blocks
     (32, 384, 1024, mma.MmaConfig(64, 1, 4, 2, True, stream=1)),
     (8, 200, 320, mma.MmaConfig(64, 1, 4, 3, True, stream=2)),

@@ -96,7 +96,7 @@ def check_config(cfg: GluonGemvConfig) -> None:
 
 
 if gluon is not None:
-    from .mma import _decode_pairs, _decode_pairs_fast
+    from .mma import _decode_pairs, _decode_pairs_fast, _pin
 
     @lru_cache(maxsize=None)
     def layouts(rows: int, warps: int):
@@ -171,15 +171,6 @@ if gluon is not None:
         if XS:
             x = gl.expand_dims(xs.index(i).load(gl.SliceLayout(1, L_X)), 1)
         return x
-
-    @gluon.jit
-    def _pin(v, PIN: gl.constexpr):
-        """``bar.warp.sync`` (no data moved): ptxas does not move memory operations across it, so the
-        loads just issued stay ahead of what follows (the next set's x read and FMAs)."""
-        if PIN:
-            v = gl.inline_asm_elementwise("bar.warp.sync -1;\n mov.b32 $0, $1;", "=r,r", [v], dtype=gl.int32,
-                                          is_pure=False, pack=1)
-        return v
 
     # the shared-memory view cast is ``_reinterpret`` in Triton 3.6 and ``reinterpret`` later
     _PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))

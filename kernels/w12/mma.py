@@ -254,6 +254,16 @@ if gluon is not None:
         return tile_row, off_v, off_n
 
     @gluon.jit
+    def _pin(v, PIN: gl.constexpr):
+        """``bar.warp.sync`` (no data moved): ptxas does not move memory operations across it, so the
+        loads just issued stay ahead of what follows. Without it ptxas sinks the reloads of an
+        unrolled ring to the end of the loop body, where they issue together."""
+        if PIN:
+            v = gl.inline_asm_elementwise("bar.warp.sync -1;\n mov.b32 $0, $1;", "=r,r", [v], dtype=gl.int32,
+                                          is_pure=False, pack=1)
+        return v
+
+    @gluon.jit
     def _load_rec(rec_ptr, tile_row, t, ok, off_v, off_n, QPASS: gl.constexpr):
         """Record ``t`` of the program's row tile: its view words and nibble words (if ``ok``)."""
         base = (tile_row + t) * 3072
@@ -365,6 +375,103 @@ if gluon is not None:
         return acc
 
     @gluon.jit
+    def _chunk_copy(xb, c, x_ptr, t_begin, t_end, M, K, stride_xm, pid_m,
+                    BLOCK_M: gl.constexpr, XC: gl.constexpr, L_XC: gl.constexpr):
+        """Start copying x for the ``XC`` records of chunk ``c`` into the buffer ``xb`` (``[XC *
+        BLOCK_M, 64]``, record after record) as one copy (cp.async, zero-filled outside x or past
+        ``t_end``; one copy, so the barrier analysis sees one write and not ``XC`` writes to one
+        buffer), one commit group."""
+        r = gl.arange(0, XC * BLOCK_M, layout=gl.SliceLayout(1, L_XC))
+        k = gl.arange(0, 64, layout=gl.SliceLayout(0, L_XC))
+        t = t_begin + c * XC + r // BLOCK_M
+        rows = pid_m * BLOCK_M + r % BLOCK_M
+        kk = t[:, None] * 64 + k[None, :]
+        _cp_async(xb, x_ptr + rows[:, None] * stride_xm + kk,
+                  mask=(rows < M)[:, None] & (kk < K) & (t < t_end)[:, None])
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _chunk_step(acc, w, q, xb, j: gl.constexpr, tok, rec_ptr, tile_row, t, t_end, off_v, off_n,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, QPASS: gl.constexpr, DEPTH: gl.constexpr,
+                    L_VIEW: gl.constexpr, L_X: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr,
+                    PLAIN: gl.constexpr):
+        """Record ``t`` (``j``-th of its chunk): its MMA, then its register set reloaded in place with
+        record ``t + DEPTH`` and pinned there."""
+        b = _b_operand(xb.slice(j * BLOCK_M, BLOCK_M), L_X, B_OP, BLOCK_M)
+        acc = mma_v2(_a_operand(w, q, L_VIEW, A_OP, BLOCK_N, QPASS, PLAIN), b, acc)
+        w, q = _load_rec(rec_ptr, tile_row, t + DEPTH, t + DEPTH < t_end, off_v, off_n, QPASS)
+        return acc, w, q, _pin(tok, True)
+
+    @gluon.jit
+    def _chunk(acc, w0, q0, w1, q1, w2, q2, tok, xcur, xnext2, c, KPOS: gl.constexpr, x_ptr, rec_ptr, tile_row,
+               t_begin, t_end,
+               off_v, off_n, pid_m, M, K, stride_xm,
+               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, QPASS: gl.constexpr, DEPTH: gl.constexpr,
+               XC: gl.constexpr, L_VIEW: gl.constexpr, L_X: gl.constexpr, L_XC: gl.constexpr, A_OP: gl.constexpr,
+               B_OP: gl.constexpr, PLAIN: gl.constexpr):
+        """Chunk ``c`` (``KPOS``-th of the loop body): wait for its x (buffer ``xcur``), one CTA barrier
+        (everyone has it and is done with chunk ``c - 1``, whose buffer ``xnext2`` then takes chunk
+        ``c + 2``), then its records, each with register set ``(KPOS * XC + j) % DEPTH``."""
+        async_copy.wait_group(1)
+        _cta_barrier()
+        _chunk_copy(xnext2, c + 2, x_ptr, t_begin, t_end, M, K, stride_xm, pid_m, BLOCK_M, XC, L_XC)
+        for j in gl.static_range(XC):
+            t = t_begin + c * XC + j
+            if t < t_end:
+                if (KPOS * XC + j) % DEPTH == 0:
+                    acc, w0, q0, tok = _chunk_step(acc, w0, q0, xcur, j, tok, rec_ptr, tile_row, t, t_end, off_v, off_n,
+                                                   BLOCK_M, BLOCK_N, QPASS, DEPTH, L_VIEW, L_X, A_OP, B_OP, PLAIN)
+                elif (KPOS * XC + j) % DEPTH == 1:
+                    acc, w1, q1, tok = _chunk_step(acc, w1, q1, xcur, j, tok, rec_ptr, tile_row, t, t_end, off_v, off_n,
+                                                   BLOCK_M, BLOCK_N, QPASS, DEPTH, L_VIEW, L_X, A_OP, B_OP, PLAIN)
+                else:
+                    acc, w2, q2, tok = _chunk_step(acc, w2, q2, xcur, j, tok, rec_ptr, tile_row, t, t_end, off_v, off_n,
+                                                   BLOCK_M, BLOCK_N, QPASS, DEPTH, L_VIEW, L_X, A_OP, B_OP, PLAIN)
+        return acc, w0, q0, w1, q1, w2, q2, tok
+
+    @gluon.jit
+    def _chunk_ring(acc, x_ptr, rec_ptr, tile_row, t_begin, t_end, off_v, off_n, pid_m, M, K, stride_xm,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, QPASS: gl.constexpr, DEPTH: gl.constexpr,
+                    XC: gl.constexpr, L_VIEW: gl.constexpr, L_X: gl.constexpr, L_XC: gl.constexpr,
+                    A_OP: gl.constexpr, B_OP: gl.constexpr, XS: gl.constexpr, PLAIN: gl.constexpr):
+        """The main loop with x in chunks of ``XC`` records and the weights in ``DEPTH`` unrolled
+        register sets, each reloaded in place after its MMA and
+        pinned so the reload is not sunk to the end of the loop. x sits in three separate
+        shared-memory buffers used in turn (the loop unrolled by three chunks): Triton's barrier
+        analysis sees a copy into one buffer and the fragment reads of another as independent, so a
+        chunk costs one CTA barrier; the one ring with indexed stages costs two per record (the
+        explicit one and one the analysis adds between the copy and the reads). Records past the
+        range are skipped."""
+        xa = gl.allocate_shared_memory(gl.bfloat16, [XC * BLOCK_M, 64], XS)
+        xb = gl.allocate_shared_memory(gl.bfloat16, [XC * BLOCK_M, 64], XS)
+        xc = gl.allocate_shared_memory(gl.bfloat16, [XC * BLOCK_M, 64], XS)
+        tok = gl.arange(0, 1, layout=gl.SliceLayout(1, L_XC))
+        w0, q0 = _load_rec(rec_ptr, tile_row, t_begin, t_begin < t_end, off_v, off_n, QPASS)
+        w1 = w0
+        q1 = q0
+        w2 = w0
+        q2 = q0
+        if DEPTH >= 2:
+            w1, q1 = _load_rec(rec_ptr, tile_row, t_begin + 1, t_begin + 1 < t_end, off_v, off_n, QPASS)
+        if DEPTH >= 3:
+            w2, q2 = _load_rec(rec_ptr, tile_row, t_begin + 2, t_begin + 2 < t_end, off_v, off_n, QPASS)
+        _chunk_copy(xa, 0, x_ptr, t_begin, t_end, M, K, stride_xm, pid_m, BLOCK_M, XC, L_XC)
+        _chunk_copy(xb, 1, x_ptr, t_begin, t_end, M, K, stride_xm, pid_m, BLOCK_M, XC, L_XC)
+        for c in range(0, (t_end - t_begin + XC - 1) // XC, 3):
+            acc, w0, q0, w1, q1, w2, q2, tok = _chunk(
+                acc, w0, q0, w1, q1, w2, q2, tok, xa, xc, c, 0, x_ptr, rec_ptr, tile_row, t_begin, t_end, off_v, off_n,
+                pid_m, M, K, stride_xm, BLOCK_M, BLOCK_N, QPASS, DEPTH, XC, L_VIEW, L_X, L_XC, A_OP, B_OP, PLAIN)
+            acc, w0, q0, w1, q1, w2, q2, tok = _chunk(
+                acc, w0, q0, w1, q1, w2, q2, tok, xb, xa, c + 1, 1, x_ptr, rec_ptr, tile_row, t_begin, t_end, off_v,
+                off_n, pid_m, M, K, stride_xm, BLOCK_M, BLOCK_N, QPASS, DEPTH, XC, L_VIEW, L_X, L_XC, A_OP, B_OP,
+                PLAIN)
+            acc, w0, q0, w1, q1, w2, q2, tok = _chunk(
+                acc, w0, q0, w1, q1, w2, q2, tok, xc, xb, c + 2, 2, x_ptr, rec_ptr, tile_row, t_begin, t_end, off_v,
+                off_n, pid_m, M, K, stride_xm, BLOCK_M, BLOCK_N, QPASS, DEPTH, XC, L_VIEW, L_X, L_XC, A_OP, B_OP,
+                PLAIN)
+        return acc
+
+    @gluon.jit
     def _w12_mma_kernel(
         x_ptr, y_ptr, rec_ptr, low_ptr,
         eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr,
@@ -375,7 +482,7 @@ if gluon is not None:
         ESC_CH: gl.constexpr, DEPTH: gl.constexpr, WSMEM: gl.constexpr, UNROLL: gl.constexpr, PLAIN: gl.constexpr,
         L_VIEW: gl.constexpr, L_NIB: gl.constexpr, L_X: gl.constexpr, MMA: gl.constexpr,
         A_OP: gl.constexpr, B_OP: gl.constexpr, L_EP: gl.constexpr, L_XC: gl.constexpr, XS: gl.constexpr,
-        L_WC: gl.constexpr, L_QC: gl.constexpr, WSL: gl.constexpr,
+        L_WC: gl.constexpr, L_QC: gl.constexpr, WSL: gl.constexpr, XC: gl.constexpr = 1,
     ):
         pid_n = gl.program_id(0)
         pid_k = gl.program_id(1)
@@ -385,7 +492,8 @@ if gluon is not None:
         rows_c = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, L_XC))
         kc = gl.arange(0, 64, layout=gl.SliceLayout(0, L_XC))
         XD: gl.constexpr = DEPTH + 1
-        xs = gl.allocate_shared_memory(gl.bfloat16, [XD, BLOCK_M, 64], XS)
+        if XC == 1:     # (x chunks: three buffers of their own, in _chunk_ring)
+            xs = gl.allocate_shared_memory(gl.bfloat16, [XD, BLOCK_M, 64], XS)
 
         t_begin = pid_k * TILES_PER_SPLIT
         t_end = gl.minimum(t_begin + TILES_PER_SPLIT, KT)
@@ -422,6 +530,9 @@ if gluon is not None:
                 else:
                     q0 = wq_s.index(it % XD).load(L_NIB)
                 acc = mma_v2(_a_operand(w0, q0, L_VIEW, A_OP, BLOCK_N, QPASS, PLAIN), b, acc)
+        elif XC > 1:
+            acc = _chunk_ring(acc, x_ptr, rec_ptr, tile_row, t_begin, t_end, off_v, off_n, pid_m, M, K, stride_xm,
+                              BLOCK_M, BLOCK_N, QPASS, DEPTH, XC, L_VIEW, L_X, L_XC, A_OP, B_OP, XS, PLAIN)
         else:
             acc = _register_ring(acc, xs, x_ptr, rec_ptr, tile_row, t_begin, t_end, off_v, off_n, rows_c, kc, M, K,
                                  stride_xm, BLOCK_M, BLOCK_N, QPASS, DEPTH, UNROLL, L_VIEW, L_X, A_OP, B_OP, PLAIN)
@@ -534,11 +645,12 @@ class MmaConfig:
     plain_decode: bool = False  # _decode_pairs instead of _decode_pairs_fast (A/B; TUNED where faster)
     stream: int = 0     # > 0: stream-K schedule, this many programs per SM (wsmem; split_k unused)
     maxnreg: int | None = None  # register cap passed to ptxas (None: its own choice)
+    x_chunk: int = 1    # > 1: x copied XC records at a time, one CTA barrier per chunk (unrolled ring)
 
     def key(self) -> str:
         return (f"mma-n{self.block_n}-s{self.split_k}-w{self.num_warps}-d{self.depth}{'-ws' if self.wsmem else ''}"
                 f"{'-u' if self.unroll else ''}{f'-sk{self.stream}' if self.stream else ''}"
-                f"{f'-r{self.maxnreg}' if self.maxnreg else ''}"
+                f"{f'-r{self.maxnreg}' if self.maxnreg else ''}{f'-xc{self.x_chunk}' if self.x_chunk > 1 else ''}"
                 f"{'-plain' if self.plain_decode else ''}")
 
 
@@ -652,6 +764,8 @@ def w12_mma(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: Mm
         raise ValueError("an unrolled ring is a register ring of depth 2-3 (not wsmem)")
     if config is not None and config.maxnreg is not None and not 32 <= config.maxnreg <= 255:
         raise ValueError(f"maxnreg must be 32-255, got {config.maxnreg}")
+    if config is not None and config.x_chunk > 1 and (not config.unroll or config.x_chunk not in (2, 4, 8)):
+        raise ValueError("x chunks are 2, 4 or 8 records and go with an unrolled register ring")
     if config is not None and config.stream and (config.stream < 0 or not config.wsmem):
         raise ValueError("the stream-K schedule takes a positive program count per SM and the wsmem ring")
     if x.dtype != torch.bfloat16:
@@ -680,7 +794,7 @@ def w12_mma(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: Mm
         m, n, k, kt, tps, nb, split,
         x.stride(0), out.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_M=bm, USE_SPLIT=split > 1, QPASS=qpass, ESC_CH=esc_ch, DEPTH=cfg.depth,
-        WSMEM=cfg.wsmem, UNROLL=cfg.unroll, PLAIN=cfg.plain_decode,
+        WSMEM=cfg.wsmem, UNROLL=cfg.unroll, PLAIN=cfg.plain_decode, XC=cfg.x_chunk,
         L_VIEW=l_view, L_NIB=l_nib, L_X=l_x, MMA=mma, A_OP=a_op, B_OP=b_op, L_EP=l_ep, L_XC=l_xc,
         XS=xs, L_WC=l_wc, L_QC=l_qc, WSL=wsl,
         num_warps=cfg.num_warps, **launch_options(cfg),
