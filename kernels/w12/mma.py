@@ -713,15 +713,15 @@ TUNED: dict[tuple[int, int, int], MmaConfig] = {
     (4096, 14336, 32): MmaConfig(64, 8, 4, 3, False, True),  # 0.906x (0.895x)
     (4096, 14336, 64): MmaConfig(64, 8, 4, 2, False, True),  # 0.705x (0.691x)
     (7168, 5120, 8): MmaConfig(64, 9, 4, 2, True),  # 1.123x (1.123x)
-    (7168, 5120, 16): MmaConfig(64, 5, 4, 3, False, True, x_chunk=2),  # 0.917x (0.868x), w12_mma_chunk.json
-    (7168, 5120, 32): MmaConfig(64, 5, 4, 2, False, True, x_chunk=2),  # 0.765x (0.747x), w12_mma_chunk.json
+    (7168, 5120, 16): MmaConfig(64, 5, 4, 3, False, True, x_chunk=2),  # 0.917x (0.869x), w12_mma_chunk.json
+    (7168, 5120, 32): MmaConfig(64, 5, 4, 2, False, True, x_chunk=2),  # 0.765x (0.748x), w12_mma_chunk.json
     (7168, 5120, 64): MmaConfig(64, 2, 4, 2, True),  # 0.555x (0.548x)
     (34816, 5120, 8): MmaConfig(64, 1, 4, 3, False, True),  # 1.225x (1.216x)
     (34816, 5120, 16): MmaConfig(128, 4, 4, 3, False, True),  # 1.154x (1.132x)
     (34816, 5120, 32): MmaConfig(64, 2, 4, 3, False, True),  # 1.022x (1.011x)
     (34816, 5120, 64): MmaConfig(64, 2, 4, 2, True),  # 0.725x (0.726x)
     (5120, 17408, 8): MmaConfig(64, 13, 4, 2, False, True),  # 1.236x (1.25x)
-    (5120, 17408, 16): MmaConfig(64, 7, 4, 3, False, True, x_chunk=2),  # 1.103x (0.976x), w12_mma_chunk.json
+    (5120, 17408, 16): MmaConfig(64, 7, 4, 3, False, True, x_chunk=2),  # 1.102x (0.975x), w12_mma_chunk.json
     (5120, 17408, 32): MmaConfig(64, 13, 4, 2, True),  # 0.935x (0.932x)
     (5120, 17408, 64): MmaConfig(64, 3, 4, 2, True),  # 0.68x (0.679x)
 }
