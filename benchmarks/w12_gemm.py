@@ -299,10 +299,8 @@ def mma_sweep(args) -> int:
     and cuBLAS, side by side in one run."""
     from specpilot.kernels.w12.mma import MmaConfig, w12_mma
 
-    tiles = tuple(tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",")) if args.tiles else None
-
     def configs(m, kt, n, sms):
-        return mma_configs(m, kt, n, sms, tiles or ((64, 4), (128, 4)), variants=args.variants)
+        return mma_configs(m, kt, n, sms, args.tiles or ((64, 4), (128, 4)), variants=args.variants)
 
     return variant_sweep(args, "mma", configs, w12_mma, MmaConfig, "2,4,8,16,32,64", "w12_mma")
 
@@ -431,6 +429,17 @@ def default_routing(args) -> int:
     return 0 if all(r["correct"] and r["deterministic"] for r in rows) else 1
 
 
+def parse_tiles(text: str) -> tuple:
+    """``--tiles``: ``64x4,128x8`` -> ((64, 4), (128, 8))."""
+    try:
+        tiles = tuple(tuple(int(v) for v in t.split("x")) for t in text.split(","))
+    except ValueError:
+        tiles = ()
+    if not tiles or any(len(t) != 2 for t in tiles):
+        raise argparse.ArgumentTypeError(f"expected ROWSxWARPS[,ROWSxWARPS...], got {text!r}")
+    return tiles
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", choices=["sweep", "final", "gemv", "gemv-gluon", "mma", "wgmma", "default"], default="final",
@@ -441,7 +450,7 @@ def main() -> int:
     ap.add_argument("--shapes", default=None, help="comma list of shape names")
     ap.add_argument("--name", default=None)
     ap.add_argument("--rows", default=None, help="gemv / default modes: comma list of M (default 1,2,4 / 1,2,4,8,16,32,64)")
-    ap.add_argument("--tiles", default=None,
+    ap.add_argument("--tiles", default=None, type=parse_tiles,
                     help="mma mode: comma list of ROWSxWARPS program tiles (default 64x4,128x4)")
     ap.add_argument("--variants", choices=["all", "xs", "stream", "chunk"], default="all",
                     help="only the committed choice and: the staged-x variants (xs, gemv-gluon mode), the "

@@ -115,6 +115,8 @@ def test_default_config_and_support():
     cfg = gg.default_config(4096, 4096)
     assert cfg.rows in (8, 16, 32) and cfg.split_k >= 1
     assert gg.default_config(28672, 4096).split_k == 1          # enough row blocks: no split-K
+    wide = gg.default_config(8192, 200000)                      # untuned: staged x, split until it fits
+    assert wide.xs and wide.xs_groups(3125) * wide.warps * 128 <= gg.XS_MAX_BYTES
     kp = KernelPack.from_w12(encode(make_weight(16, 64)), device="cpu")
     assert not gg.supported(torch.zeros(1, 64, dtype=torch.bfloat16), kp)      # CPU: the other kernels
     with pytest.raises((ValueError, RuntimeError)):

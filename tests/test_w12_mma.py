@@ -226,8 +226,12 @@ def test_routing_and_tuned_table():
 
 
 @pytest.mark.parametrize("cfg", [mma.MmaConfig(64, 1, 4, 5), mma.MmaConfig(64, 1, 4, 7, True),
-                                 mma.MmaConfig(64, 1, 4, 1, False, True), mma.MmaConfig(64, 1, 4, 2, True, True)])
-def test_bad_depth_is_rejected(cfg):
+                                 mma.MmaConfig(64, 1, 4, 1, False, True), mma.MmaConfig(64, 1, 4, 2, True, True),
+                                 mma.MmaConfig(64, 1, 4, 2, False, True, x_chunk=3),     # not 2, 4 or 8
+                                 mma.MmaConfig(64, 1, 4, 2, x_chunk=2),                  # chunks need unroll
+                                 mma.MmaConfig(64, 1, 4, 2, stream=2),                   # stream-K needs wsmem
+                                 mma.MmaConfig(64, 1, 4, 2, maxnreg=300)])
+def test_bad_configs_are_rejected(cfg):
     kp = KernelPack.from_w12(encode(make_weight(16, 64)), device="cpu")
     with pytest.raises((ValueError, RuntimeError)):
         mma.w12_mma(torch.zeros(8, 64, dtype=torch.bfloat16), kp, config=cfg)

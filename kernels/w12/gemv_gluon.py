@@ -41,7 +41,7 @@ import torch
 
 from .format import TILE_K
 from .gemm import KernelPack, _workspace, triton
-from .mma import _cp_async, _cta_barrier, async_copy, gl, gluon
+from .mma import _cp_async, _cta_barrier, async_copy, gl, gluon, launch_options
 
 XS_CHUNK = 8            # staged x: groups of ``warps`` records per cp.async chunk
 XS_MAX_BYTES = 100 * 1024
@@ -433,7 +433,6 @@ def w12_gemv_gluon(x: torch.Tensor, packed: KernelPack, qpass: bool = False,
                          f"(limit {XS_MAX_BYTES}); use a larger split_k or xs=False")
     ws, locks = _workspace(x.device, nb * split * cfg.rows if split > 1 else 1, nb)
     lv, lq, lx, le = layouts(cfg.rows, cfg.warps)
-    extra = {} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}
     _w12_gemv_gl_kernel[(nb, split)](
         x, x.view(torch.int32), out, packed.rec32, packed.low_exp,
         packed.esc_rowptr, packed.esc_row, packed.esc_col, packed.esc_delta_q if qpass else packed.esc_delta,
@@ -443,6 +442,6 @@ def w12_gemv_gluon(x: torch.Tensor, packed: KernelPack, qpass: bool = False,
         PLAIN=cfg.plain_decode,
         ESC_CH=8, L_V=lv, L_Q=lq, L_X=lx, L_E=le, XS=cfg.xs, XS_IT=xs_it, XS_CH=XS_CHUNK,
         EPI_LATE=cfg.late_epilogue,
-        num_warps=cfg.warps, **extra,
+        num_warps=cfg.warps, **launch_options(cfg),
     )
     return out

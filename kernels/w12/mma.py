@@ -435,8 +435,8 @@ if gluon is not None:
                     XC: gl.constexpr, L_VIEW: gl.constexpr, L_X: gl.constexpr, L_XC: gl.constexpr,
                     A_OP: gl.constexpr, B_OP: gl.constexpr, XS: gl.constexpr, PLAIN: gl.constexpr):
         """The main loop with x in chunks of ``XC`` records and the weights in ``DEPTH`` unrolled
-        register sets, each reloaded in place after its MMA and
-        pinned so the reload is not sunk to the end of the loop. x sits in three separate
+        register sets, each reloaded in place after its MMA and pinned so the reload is not sunk to
+        the end of the loop. x sits in three separate
         shared-memory buffers used in turn (the loop unrolled by three chunks): Triton's barrier
         analysis sees a copy into one buffer and the fragment reads of another as independent, so a
         chunk costs one CTA barrier; the one ring with indexed stages costs two per record (the
