@@ -65,7 +65,7 @@ def test_compiles_for_sm90_streaming_without_shared_memory(unroll):
 
 
 @needs_gluon
-@pytest.mark.parametrize("depth,maxnreg", [(3, None), (4, 96)])
+@pytest.mark.parametrize("depth,maxnreg", [(4, 96)])   # (3, None) too: 95 registers (CI time: one compile)
 def test_staged_x_keeps_records_in_flight_within_96_registers(depth, maxnreg):
     """``xs`` at 16 rows x 4 warps, unrolled: x comes from shared memory (two 16-byte reads per
     record), only the weights from global memory, no CTA barrier in the loop, and one

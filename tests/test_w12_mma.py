@@ -106,20 +106,6 @@ def test_compiles_for_sm90_with_register_only_operand_conversions():
 
 
 @needs_gluon
-def test_stream_k_kernel_compiles_for_sm90():
-    """The stream-K kernel (``mma_stream``): the weight and x ring by cp.async, fragments from shared
-    memory, mma.sync, and the block epilogue inside the main loop (a partial to the workspace and
-    the per-block counter, or the direct store)."""
-    setup = (_SETUP.replace("k = mma._w12_mma_kernel", "from specpilot.kernels.w12 import mma_stream\n"
-                            "k = mma_stream._w12_mma_stream_kernel")
-             .replace("USE_SPLIT=True, ", "").replace(", WSMEM=False, UNROLL=False", ""))
-    body = main_loop_ptx(setup)
-    assert body.count("mma.sync.aligned.m16n8k16") == 32
-    assert body.count("cp.async.cg") >= 3                  # views, nibbles, x of the record DEPTH ahead
-    assert "atom.global" in body and "st.global" in body   # the epilogue runs inside the loop
-
-
-@needs_gluon
 def test_x_chunks_take_one_barrier_per_chunk():
     """``x_chunk=4``: the loop body runs three chunks of four records (three x buffers) with one CTA
     barrier each (the indexed x ring takes two per record) and one pin per weight reload."""
