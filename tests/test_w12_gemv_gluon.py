@@ -70,8 +70,9 @@ def test_staged_x_keeps_records_in_flight_within_96_registers(depth, maxnreg):
     """``xs`` at 16 rows x 4 warps, unrolled: x comes from shared memory (two 16-byte reads per
     record), only the weights from global memory, no CTA barrier in the loop, and one
     ``bar.warp.sync`` pin per reload (what keeps ptxas from sinking the reloads to the loop's end).
-    With Triton 3.6 (the GPU machine's; the registers depend on the toolchain: 3.9 takes 126 at
-    depth 3), depth 3 (no cap) and depth 4 (``maxnreg=96``) fit in 96 registers without spills."""
+    With Triton 3.6 (the GPU machine's; registers depend on the toolchain, 3.9 takes 126 at depth
+    3), depth 4 with ``maxnreg=96`` and the late epilogue fits in 96 registers without spills
+    (depth 3 without a cap: 95, docs/plans/w12-gemv-registers.md)."""
     import re
 
     setup = _SETUP.replace("G.layouts(16, 8)", "G.layouts(16, 4)").replace("WARPS=8, DEPTH=3", f"WARPS=4, DEPTH={depth}")
