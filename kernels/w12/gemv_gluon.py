@@ -172,6 +172,17 @@ if gluon is not None:
             x = gl.expand_dims(xs.index(i).load(gl.SliceLayout(1, L_X)), 1)
         return x
 
+    @gluon.jit
+    def _ring_set(acc, v, q, x, xs, i, t_next, wid, rec_ptr, x32_ptr, tile_row, t_end, KH, off_v, off_q, xw, pv, pq,
+                  WARPS: gl.constexpr, ROWS: gl.constexpr, L_V: gl.constexpr, L_Q: gl.constexpr, L_X: gl.constexpr,
+                  QPASS: gl.constexpr, PLAIN: gl.constexpr, XS: gl.constexpr):
+        """One register set of the unrolled ring: its records' FMAs (step ``i``), then the set
+        reloaded in place with records ``t_next + w`` (pinned there with ``XS``)."""
+        acc = _rec_fma(acc, v, q, _x_of(x, xs, i, L_X, XS), WARPS, ROWS, L_V, QPASS, PLAIN)
+        v, q, x = _load_recs(rec_ptr, x32_ptr, tile_row, t_next + wid, t_end, KH, off_v, off_q, xw, pv, pq,
+                             L_V, L_Q, L_X, QPASS, XS)
+        return acc, v, q, x, _pin(wid, XS)
+
     # the shared-memory view cast is ``_reinterpret`` in Triton 3.6 and ``reinterpret`` later
     _PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
 
@@ -298,25 +309,21 @@ if gluon is not None:
             # Steps past the range add zeros.
             for t in range(t_begin, t_end, DEPTH * WARPS):
                 i = (t - t_begin) // WARPS
-                acc = _rec_fma(acc, v0, q0, _x_of(x0, xs, i, L_X, XS), WARPS, ROWS, L_V, QPASS, PLAIN)
-                v0, q0, x0 = _load_recs(rec_ptr, x32_ptr, tile_row, t + DEPTH * WARPS + wid, t_end, KH, off_v, off_q,
-                                        xw, pv, pq, L_V, L_Q, L_X, QPASS, XS)
-                wid = _pin(wid, XS)
+                acc, v0, q0, x0, wid = _ring_set(acc, v0, q0, x0, xs, i, t + DEPTH * WARPS, wid, rec_ptr, x32_ptr,
+                                                 tile_row, t_end, KH, off_v, off_q, xw, pv, pq, WARPS, ROWS, L_V, L_Q,
+                                                 L_X, QPASS, PLAIN, XS)
                 if DEPTH >= 2:
-                    acc = _rec_fma(acc, v1, q1, _x_of(x1, xs, i + 1, L_X, XS), WARPS, ROWS, L_V, QPASS, PLAIN)
-                    v1, q1, x1 = _load_recs(rec_ptr, x32_ptr, tile_row, t + (DEPTH + 1) * WARPS + wid, t_end, KH,
-                                            off_v, off_q, xw, pv, pq, L_V, L_Q, L_X, QPASS, XS)
-                    wid = _pin(wid, XS)
+                    acc, v1, q1, x1, wid = _ring_set(acc, v1, q1, x1, xs, i + 1, t + (DEPTH + 1) * WARPS, wid, rec_ptr,
+                                                     x32_ptr, tile_row, t_end, KH, off_v, off_q, xw, pv, pq, WARPS, ROWS,
+                                                     L_V, L_Q, L_X, QPASS, PLAIN, XS)
                 if DEPTH >= 3:
-                    acc = _rec_fma(acc, v2, q2, _x_of(x2, xs, i + 2, L_X, XS), WARPS, ROWS, L_V, QPASS, PLAIN)
-                    v2, q2, x2 = _load_recs(rec_ptr, x32_ptr, tile_row, t + (DEPTH + 2) * WARPS + wid, t_end, KH,
-                                            off_v, off_q, xw, pv, pq, L_V, L_Q, L_X, QPASS, XS)
-                    wid = _pin(wid, XS)
+                    acc, v2, q2, x2, wid = _ring_set(acc, v2, q2, x2, xs, i + 2, t + (DEPTH + 2) * WARPS, wid, rec_ptr,
+                                                     x32_ptr, tile_row, t_end, KH, off_v, off_q, xw, pv, pq, WARPS, ROWS,
+                                                     L_V, L_Q, L_X, QPASS, PLAIN, XS)
                 if DEPTH >= 4:
-                    acc = _rec_fma(acc, v3, q3, _x_of(x3, xs, i + 3, L_X, XS), WARPS, ROWS, L_V, QPASS, PLAIN)
-                    v3, q3, x3 = _load_recs(rec_ptr, x32_ptr, tile_row, t + (DEPTH + 3) * WARPS + wid, t_end, KH,
-                                            off_v, off_q, xw, pv, pq, L_V, L_Q, L_X, QPASS, XS)
-                    wid = _pin(wid, XS)
+                    acc, v3, q3, x3, wid = _ring_set(acc, v3, q3, x3, xs, i + 3, t + (DEPTH + 3) * WARPS, wid, rec_ptr,
+                                                     x32_ptr, tile_row, t_end, KH, off_v, off_q, xw, pv, pq, WARPS, ROWS,
+                                                     L_V, L_Q, L_X, QPASS, PLAIN, XS)
         else:
             for t in range(t_begin, t_end, WARPS):
                 vn, qn, xn = _load_recs(rec_ptr, x32_ptr, tile_row, t + DEPTH * WARPS + wid, t_end, KH, off_v, off_q,

@@ -294,6 +294,30 @@ if gluon is not None:
             _cp_async(wq_s, rec_ptr + base + offc_q, mask=ok)
 
     @gluon.jit
+    def _copy_offsets(r_in, BLOCK_N: gl.constexpr, L_WC: gl.constexpr, L_QC: gl.constexpr):
+        """Word offsets inside a record of rows ``r_in .. r_in + BLOCK_N``' view and nibble words, in
+        the ``wsmem`` copy layouts (for :func:`_w_copy`)."""
+        rcv = r_in + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_WC))
+        offc_v = rcv[:, None] * 16 + gl.arange(0, 16, layout=gl.SliceLayout(0, L_WC))[None, :]
+        rcq = r_in + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_QC))
+        offc_q = 2048 + rcq[:, None] * 8 + gl.arange(0, 8, layout=gl.SliceLayout(0, L_QC))[None, :]
+        return offc_v, offc_q
+
+    @gluon.jit
+    def _wsmem_mma(acc, xs, wv_s, wq_s, stage, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, QPASS: gl.constexpr,
+                   L_VIEW: gl.constexpr, L_NIB: gl.constexpr, L_X: gl.constexpr, A_OP: gl.constexpr,
+                   B_OP: gl.constexpr, PLAIN: gl.constexpr):
+        """One record of the ``wsmem`` ring: its x (B operand) and weight words from ring stage
+        ``stage``, decoded into the A operand, and the MMA. Shared with :mod:`.mma_stream`."""
+        b = _b_operand(xs.index(stage), L_X, B_OP, BLOCK_M)
+        w = wv_s.index(stage).load(L_VIEW)
+        if QPASS:
+            q = w
+        else:
+            q = wq_s.index(stage).load(L_NIB)
+        return mma_v2(_a_operand(w, q, L_VIEW, A_OP, BLOCK_N, QPASS, PLAIN), b, acc)
+
+    @gluon.jit
     def _b_operand(xs, L_X: gl.constexpr, B_OP: gl.constexpr, BLOCK_M: gl.constexpr):
         """A ``[BLOCK_M, 64]`` x stage as the ``[64, BLOCK_M]`` B operand in MMA k order: each thread
         reads 16 consecutive bf16 of one x row (two 16-byte shared loads)."""
@@ -504,13 +528,7 @@ if gluon is not None:
             # by cp.async (no registers held for bytes in flight); the fragments are read from it
             wv_s = gl.allocate_shared_memory(gl.int32, [XD, BLOCK_N, 16], WSL)
             wq_s = gl.allocate_shared_memory(gl.int32, [XD, BLOCK_N, 8], WSL)
-            r_in = n0 % 128
-            rcv = r_in + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_WC))
-            ccv = gl.arange(0, 16, layout=gl.SliceLayout(0, L_WC))
-            offc_v = rcv[:, None] * 16 + ccv[None, :]
-            rcq = r_in + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_QC))
-            ccq = gl.arange(0, 8, layout=gl.SliceLayout(0, L_QC))
-            offc_q = 2048 + rcq[:, None] * 8 + ccq[None, :]
+            offc_v, offc_q = _copy_offsets(n0 % 128, BLOCK_N, L_WC, L_QC)
             for i in gl.static_range(DEPTH):
                 ok = t_begin + i < t_end
                 _w_copy(wv_s.index(i), wq_s.index(i), rec_ptr, tile_row, t_begin + i, ok, offc_v, offc_q, QPASS)
@@ -523,13 +541,8 @@ if gluon is not None:
                 _w_copy(wv_s.index(nxt), wq_s.index(nxt), rec_ptr, tile_row, t + DEPTH, t + DEPTH < t_end,
                         offc_v, offc_q, QPASS)
                 _x_copy(xs.index(nxt), x_ptr, rows_c, kc, t + DEPTH, t + DEPTH < t_end, M, K, stride_xm)
-                b = _b_operand(xs.index(it % XD), L_X, B_OP, BLOCK_M)
-                w0 = wv_s.index(it % XD).load(L_VIEW)
-                if QPASS:
-                    q0 = w0
-                else:
-                    q0 = wq_s.index(it % XD).load(L_NIB)
-                acc = mma_v2(_a_operand(w0, q0, L_VIEW, A_OP, BLOCK_N, QPASS, PLAIN), b, acc)
+                acc = _wsmem_mma(acc, xs, wv_s, wq_s, it % XD, BLOCK_M, BLOCK_N, QPASS, L_VIEW, L_NIB, L_X, A_OP, B_OP,
+                                 PLAIN)
         elif XC > 1:
             acc = _chunk_ring(acc, x_ptr, rec_ptr, tile_row, t_begin, t_end, off_v, off_n, pid_m, M, K, stride_xm,
                               BLOCK_M, BLOCK_N, QPASS, DEPTH, XC, L_VIEW, L_X, L_XC, A_OP, B_OP, XS, PLAIN)

@@ -39,7 +39,7 @@ def schedule(nb: int, kt: int, programs: int) -> tuple[int, int, int]:
 
 
 if gluon is not None:
-    from .mma import _a_operand, _b_operand, _cp_async, _cta_barrier, _epilogue, _finalize, _x_copy, async_copy, mma_v2
+    from .mma import _copy_offsets, _cp_async, _cta_barrier, _epilogue, _finalize, _wsmem_mma, _x_copy, async_copy
 
     @gluon.jit
     def _w_copy_at(wv_s, wq_s, rec_ptr, g, KT, ok, offc_v, offc_q, BLOCK_N: gl.constexpr, QPASS: gl.constexpr):
@@ -75,10 +75,7 @@ if gluon is not None:
         xs = gl.allocate_shared_memory(gl.bfloat16, [XD, BLOCK_M, 64], XS)
         wv_s = gl.allocate_shared_memory(gl.int32, [XD, BLOCK_N, 16], WSL)
         wq_s = gl.allocate_shared_memory(gl.int32, [XD, BLOCK_N, 8], WSL)
-        rcv = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_WC))
-        offc_v = rcv[:, None] * 16 + gl.arange(0, 16, layout=gl.SliceLayout(0, L_WC))[None, :]
-        rcq = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_QC))
-        offc_q = 2048 + rcq[:, None] * 8 + gl.arange(0, 8, layout=gl.SliceLayout(0, L_QC))[None, :]
+        offc_v, offc_q = _copy_offsets(0, BLOCK_N, L_WC, L_QC)     # the block's r_in is added per copy
         for i in gl.static_range(DEPTH):
             ok = g_begin + i < g_end
             _w_copy_at(wv_s.index(i), wq_s.index(i), rec_ptr, g_begin + i, KT, ok, offc_v, offc_q, BLOCK_N, QPASS)
@@ -93,13 +90,8 @@ if gluon is not None:
             ok = g + DEPTH < g_end
             _w_copy_at(wv_s.index(nxt), wq_s.index(nxt), rec_ptr, g + DEPTH, KT, ok, offc_v, offc_q, BLOCK_N, QPASS)
             _x_copy(xs.index(nxt), x_ptr, rows_c, kc, (g + DEPTH) % KT, ok, M, K, stride_xm)
-            b = _b_operand(xs.index(it % XD), L_X, B_OP, BLOCK_M)
-            w0 = wv_s.index(it % XD).load(L_VIEW)
-            if QPASS:
-                q0 = w0
-            else:
-                q0 = wq_s.index(it % XD).load(L_NIB)
-            acc = mma_v2(_a_operand(w0, q0, L_VIEW, A_OP, BLOCK_N, QPASS, PLAIN), b, acc)
+            acc = _wsmem_mma(acc, xs, wv_s, wq_s, it % XD, BLOCK_M, BLOCK_N, QPASS, L_VIEW, L_NIB, L_X, A_OP, B_OP,
+                             PLAIN)
             blk = g // KT
             if (g % KT == KT - 1) | (g == g_end - 1):   # the end of this program's part of block blk
                 first = (blk * KT) // PER                 # the programs that hold block blk's records
