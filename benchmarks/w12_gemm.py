@@ -246,12 +246,12 @@ def wgmma_configs(m: int, kt: int, n: int, sms: int):
     return out
 
 
-def gluon_gemv_configs(m: int, kt: int, n: int, sms: int, xs_only: bool = False):
+def gluon_gemv_configs(m: int, kt: int, n: int, sms: int, variants: str = "all"):
     """One-row Gluon GEMV variants: 8, 16 or 32 rows per program, 4, 8 (or 16) warps each streaming
     its own records, 1-3 records ahead in a rotated ring or 2-3 register sets unrolled, split-K for
     about 1, 2 and 4 programs per SM; then staged x (``xs``) with 2-4 unrolled sets, depth 4 also
     capped at 96 registers, each with the epilogue's loads first or after the first records'.
-    ``xs_only``: the committed choice and the staged-x variants only."""
+    ``variants="xs"``: the committed choice and the staged-x variants only."""
     from specpilot.kernels.w12.gemv_gluon import GluonGemvConfig, default_config
 
     out = [default_config(n, kt * 64, sms)]
@@ -265,7 +265,7 @@ def gluon_gemv_configs(m: int, kt: int, n: int, sms: int, xs_only: bool = False)
                     continue
                 seen.add(split)
                 cands = []
-                if not xs_only:
+                if variants != "xs":
                     cands += [GluonGemvConfig(rows, warps, depth, split) for depth in ((1, 2, 3) if warps < 16 else (1, 2))]
                     if rows >= 16 and warps <= 8:   # unrolled rings
                         cands += [GluonGemvConfig(rows, warps, depth, split, True) for depth in (2, 3)]
@@ -281,7 +281,7 @@ def gluon_gemv_sweep(args) -> int:
     from specpilot.kernels.w12.gemv_gluon import GluonGemvConfig, w12_gemv_gluon
 
     def configs(m, kt, n, sms):
-        return gluon_gemv_configs(m, kt, n, sms, xs_only=args.variants == "xs")
+        return gluon_gemv_configs(m, kt, n, sms, variants=args.variants)
 
     return variant_sweep(args, "gemv-gluon", configs, w12_gemv_gluon, GluonGemvConfig, "1", "w12_gemv_gluon")
 
