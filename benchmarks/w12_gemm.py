@@ -190,11 +190,16 @@ def mma_configs(m: int, kt: int, n: int, sms: int, tiles=((64, 4), (128, 4)), va
     unrolled ring) or 2 or 4 ahead in a shared-memory ring (``wsmem``), split-K for about 1, 2, 4
     and 8 programs per SM; then the stream-K schedule (1, 2 or 4 programs per SM, ring depth 2 or
     4; above 8 rows, 16-row warp slices also capped at 128 registers). ``variants``: ``stream`` (the
-    committed choice and the stream-K variants) or ``chunk`` (it and unrolled rings of depth 2-3
-    with x in chunks of 2 or 4 records)."""
+    committed choice and the stream-K variants), ``chunk`` (it and unrolled rings of depth 2-3
+    with x in chunks of 2 or 4 records) or ``tma`` (it and the TMA/mbarrier rings of 3, 4 or 6
+    stages on 32- and 64-row programs)."""
     from specpilot.kernels.w12.mma import MmaConfig, block_m_for, default_config
 
     out = [default_config(m, n, kt * 64, sms)]
+    if variants == "tma":   # 32- or 64-row programs (one consumer warp per 16 rows, one copy warpgroup)
+        for bn, _, split in tile_splits(m, kt, n, sms, ((32, 4), (64, 4)), block_m_for):
+            out += [MmaConfig(bn, split, 4, stages, tma=True) for stages in (3, 4, 6)]
+        return out
     if variants == "chunk":
         for bn, w, split in tile_splits(m, kt, n, sms, tiles, block_m_for):
             for depth in (2, 3):
@@ -452,9 +457,10 @@ def main() -> int:
     ap.add_argument("--rows", default=None, help="gemv / default modes: comma list of M (default 1,2,4 / 1,2,4,8,16,32,64)")
     ap.add_argument("--tiles", default=None, type=parse_tiles,
                     help="mma mode: comma list of ROWSxWARPS program tiles (default 64x4,128x4)")
-    ap.add_argument("--variants", choices=["all", "xs", "stream", "chunk"], default="all",
+    ap.add_argument("--variants", choices=["all", "xs", "stream", "chunk", "tma"], default="all",
                     help="only the committed choice and: the staged-x variants (xs, gemv-gluon mode), the "
-                         "stream-K ones (stream, mma mode) or the x-chunk ones (chunk, mma mode)")
+                         "stream-K ones (stream, mma mode), the x-chunk ones (chunk, mma mode) or the "
+                         "TMA/mbarrier ones (tma, mma mode)")
     args = ap.parse_args()
     if args.mode == "gemv":
         return gemv_sweep(args)

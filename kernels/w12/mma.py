@@ -659,11 +659,14 @@ class MmaConfig:
     stream: int = 0     # > 0: stream-K schedule, this many programs per SM (wsmem; split_k unused)
     maxnreg: int | None = None  # register cap passed to ptxas (None: its own choice)
     x_chunk: int = 1    # > 1: x copied XC records at a time, one CTA barrier per chunk (unrolled ring)
+    tma: bool = False   # weights and x by TMA into a ring of ``depth`` stages with mbarriers (mma_tma)
+    tma_lag: int = 1    # with ``tma``: a stage is refilled ``tma_lag`` records after it was read
 
     def key(self) -> str:
         return (f"mma-n{self.block_n}-s{self.split_k}-w{self.num_warps}-d{self.depth}{'-ws' if self.wsmem else ''}"
                 f"{'-u' if self.unroll else ''}{f'-sk{self.stream}' if self.stream else ''}"
                 f"{f'-r{self.maxnreg}' if self.maxnreg else ''}{f'-xc{self.x_chunk}' if self.x_chunk > 1 else ''}"
+                f"{f'-tma{self.tma_lag}' if self.tma else ''}"
                 f"{'-plain' if self.plain_decode else ''}")
 
 
@@ -772,7 +775,13 @@ def w12_mma(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: Mm
         raise RuntimeError("Gluon (triton >= 3.4) is not available")
     if x.dim() != 2 or x.shape[1] != packed.shape[1]:
         raise ValueError(f"x shape {tuple(x.shape)} does not match weight {packed.shape}")
-    if config is not None and config.depth not in ((1, 2, 3, 4, 5, 6) if config.wsmem else (1, 2, 3)):
+    if config is not None and config.tma:
+        from . import mma_tma
+
+        if not mma_tma.AVAILABLE:
+            raise RuntimeError("the TMA variant needs Gluon's Hopper module (triton >= 3.5)")
+        mma_tma.check(config)
+    elif config is not None and config.depth not in ((1, 2, 3, 4, 5, 6) if config.wsmem else (1, 2, 3)):
         raise ValueError(f"depth must be 1-3 (1-6 with wsmem), got {config.depth}")
     if config is not None and config.unroll and (config.wsmem or config.depth < 2):
         raise ValueError("an unrolled ring is a register ring of depth 2-3 (not wsmem)")
@@ -793,6 +802,12 @@ def w12_mma(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: Mm
     if out is None:
         out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     esc_ch = esc_chunk(bm)
+    if cfg.tma:
+        from . import mma_tma
+
+        mma_tma.launch(x, packed, out, qpass, cfg, (bm, tps, split, nb, mb, ws, locks), esc_ch,
+                       layouts(cfg.block_n, bm, cfg.num_warps))
+        return out
     if cfg.stream:
         from . import mma_stream
 

@@ -1,0 +1,237 @@
+"""The W12 tensor-core kernel (:mod:`.mma`) fed by TMA copies and mbarriers instead of ``cp.async``
+and CTA barriers (Hopper).
+
+In the ``wsmem`` ring of :mod:`.mma` every thread issues 16-byte ``cp.async`` copies of the record
+and of x (about 400 copy instructions per 64-row record), and every record costs a CTA barrier (two:
+Triton's barrier analysis adds one between the copy into one stage and the reads of another), so
+the warps of a program move in lockstep and one slow load stalls all of them. Nsight at 32 rows
+(4096 -> 6144) saw 30 % of the stalls on global loads and 24 % on barriers.
+
+Here a record's three pieces are contiguous boxes, each one TMA copy issued by one thread:
+
+* the program's rows of the 8-bit views: ``BLOCK_N`` x 64 bytes (``rec32`` seen as ``[records *
+  192, 16]`` words, rows ``192 r + r_in ...``), and of the nibbles: ``BLOCK_N`` x 32 bytes (``rec32``
+  as ``[records * 384, 8]``, rows ``384 r + 256 + r_in ...``), both unswizzled (the fragment reads
+  of :func:`.mma._wsmem_mma` are conflict-free as they are);
+* x ``[BLOCK_M, 64]`` at ``(m0, 64 t)``, 128-byte swizzled, which is the 16-byte-chunk XOR-by-row
+  swizzle the ``mma`` kernel's x stages use (rows past M are zero-filled by the TMA unit).
+
+A ring of ``stages`` shared-memory stages, each with a ``ready`` mbarrier (the copies' bytes) and an
+``empty`` one (one arrival per warp once it has read the stage into registers). Stage reuse lags by
+``lag`` records: the copy issued at record ``i`` refills the stage consumed at record ``i - lag``,
+so a warp waits only when another warp is ``lag`` records behind, not at every record; ``stages -
+lag`` records are in flight ahead of the one being consumed. No CTA barrier in the main loop.
+
+Decode, MMA, epilogue and split-K are the ``mma`` kernel's (:func:`.mma._wsmem_mma`,
+:func:`.mma._epilogue`): results are bitwise those of the ``wsmem`` ring (same fragments, same MMA
+order) and identical run to run. Plain reference: :func:`.naive.w12_matmul_reference`.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from .gemm import KernelPack, _workspace
+from . import mma as _mma
+from .mma import gl, gluon
+
+try:
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except Exception:  # pragma: no cover - Triton without Gluon's Hopper module
+    tma = mbarrier = fence_async_shared = TensorDescriptor = None
+
+AVAILABLE = gluon is not None and tma is not None
+MAX_STAGES = 8
+DEFAULT_REGS = 168   # registers of a consumer warp (setmaxnreg); the copy warp takes 24
+
+
+def check(cfg) -> None:
+    """A TMA config: 2-``MAX_STAGES`` stages and a refill lag below them."""
+    if not 2 <= cfg.depth <= MAX_STAGES:
+        raise ValueError(f"a TMA ring has 2-{MAX_STAGES} stages (depth), got {cfg.depth}")
+    if cfg.block_n not in (32, 64):
+        raise ValueError(f"the TMA variant takes 32 or 64 rows per program, got {cfg.block_n}")
+
+
+if AVAILABLE:
+    from .mma import _a_operand, _b_operand, _epilogue, mma_v2
+
+    # the copy is ``async_copy_global_to_shared`` in Triton 3.6 and ``async_load`` later
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+    @lru_cache(maxsize=None)
+    def smem_layouts():
+        """Shared layouts of the TMA boxes: record words unswizzled, x 128-byte swizzled."""
+        w = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+        x = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        return w, x
+
+    @gluon.jit
+    def _issue(v_desc, q_desc, x_desc, wv_s, wq_s, xs, bar, rec, r_in, m0, t, ok,
+               BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, QPASS: gl.constexpr):
+        """Record ``rec`` (k-tile ``t``) of the program's rows and its x tile into one stage: the
+        expected bytes on ``bar``, then the two or three copies (all skipped unless ``ok``)."""
+        if QPASS:
+            mbarrier.expect(bar, BLOCK_N * 64 + BLOCK_M * 128, pred=ok)
+        else:
+            mbarrier.expect(bar, BLOCK_N * 96 + BLOCK_M * 128, pred=ok)
+        _tma_load(v_desc, [rec * 192 + r_in, 0], bar, wv_s, pred=ok)
+        if not QPASS:
+            _tma_load(q_desc, [rec * 384 + 256 + r_in, 0], bar, wq_s, pred=ok)
+        _tma_load(x_desc, [m0, t * 64], bar, xs, pred=ok)
+
+    @gluon.constexpr_function
+    def _slice_layout(block_m, i):
+        """Layout ``i`` of :func:`.mma.layouts` for one warp's 16 rows (view, nibbles, x, MMA, A, B, epilogue)."""
+        return getattr(_mma, "layouts")(16, int(block_m), 1)[int(i)]   # (getattr: no lru_cache in the hash walk)
+
+    @gluon.jit
+    def _producer(v_desc, q_desc, x_desc, wv_s, wq_s, xs, ready, empty, rec0, r_in, m0, t_begin, n_rec,
+                  BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, QPASS: gl.constexpr, STAGES: gl.constexpr):
+        """One warp: record after record into the ring, each stage once all slices have read it."""
+        for i in range(0, n_rec):
+            s = i % STAGES
+            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)    # (a fresh barrier passes parity 1)
+            _issue(v_desc, q_desc, x_desc, wv_s.index(s), wq_s.index(s), xs.index(s), ready.index(s),
+                   rec0 + i, r_in, m0, t_begin + i, True, BLOCK_N, BLOCK_M, QPASS)
+
+    @gluon.jit
+    def _consumer(wv_s, wq_s, xs, ready, empty, n_rec,
+                  x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, ws_ptr, lock_ptr,
+                  n0, pid_n, pid_k, pid_m, M, N, NUM_N_BLOCKS, SPLIT_K, stride_xm, stride_ym,
+                  SLICE: gl.constexpr, SLICES: gl.constexpr, BLOCK_M: gl.constexpr, USE_SPLIT: gl.constexpr,
+                  QPASS: gl.constexpr, ESC_CH: gl.constexpr, STAGES: gl.constexpr, PLAIN: gl.constexpr):
+        """One warp, rows ``16 * SLICE ..`` of the program: each record's slice and x from the ring,
+        decoded into the A operand, the MMA, one arrival on the stage's ``empty`` barrier; then its
+        16-row block's epilogue (its own split-K slot and counter)."""
+        L_VIEW: gl.constexpr = _slice_layout(BLOCK_M, 0)
+        L_NIB: gl.constexpr = _slice_layout(BLOCK_M, 1)
+        L_X: gl.constexpr = _slice_layout(BLOCK_M, 2)
+        MMA: gl.constexpr = _slice_layout(BLOCK_M, 3)
+        A_OP: gl.constexpr = _slice_layout(BLOCK_M, 4)
+        B_OP: gl.constexpr = _slice_layout(BLOCK_M, 5)
+        L_EP: gl.constexpr = _slice_layout(BLOCK_M, 6)
+        acc = gl.zeros([16, BLOCK_M], gl.float32, MMA)
+        for i in range(0, n_rec):
+            s = i % STAGES
+            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+            b = _b_operand(xs.index(s), L_X, B_OP, BLOCK_M)
+            w = wv_s.index(s).slice(16 * SLICE, 16).load(L_VIEW)
+            if QPASS:
+                q = w
+            else:
+                q = wq_s.index(s).slice(16 * SLICE, 16).load(L_NIB)
+            mbarrier.arrive(empty.index(s))
+            acc = mma_v2(_a_operand(w, q, L_VIEW, A_OP, 16, QPASS, PLAIN), b, acc)
+        _epilogue(acc, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, ws_ptr, lock_ptr,
+                  n0 + 16 * SLICE, pid_n * SLICES + SLICE, pid_k, pid_m, M, N, NUM_N_BLOCKS * SLICES, SPLIT_K,
+                  SPLIT_K, stride_xm, stride_ym, 16, BLOCK_M, USE_SPLIT, ESC_CH, MMA, L_EP)
+
+    @gluon.jit
+    def _w12_mma_tma_kernel(
+        v_desc, q_desc, x_desc,
+        x_ptr, y_ptr, low_ptr,
+        eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr,
+        ws_ptr, lock_ptr,
+        M, N, K, KT, TILES_PER_SPLIT, NUM_N_BLOCKS, SPLIT_K,
+        stride_xm, stride_ym,
+        BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, USE_SPLIT: gl.constexpr, QPASS: gl.constexpr,
+        ESC_CH: gl.constexpr, STAGES: gl.constexpr, PLAIN: gl.constexpr, REGS: gl.constexpr,
+    ):
+        pid_n = gl.program_id(0)
+        pid_k = gl.program_id(1)
+        pid_m = gl.program_id(2)
+        n0 = pid_n * BLOCK_N
+        t_begin = pid_k * TILES_PER_SPLIT
+        n_rec = gl.minimum(t_begin + TILES_PER_SPLIT, KT) - t_begin
+
+        wv_s = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 16], v_desc.layout)
+        wq_s = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 8], q_desc.layout)
+        xs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 64], x_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        SLICES: gl.constexpr = BLOCK_N // 16
+        for p in gl.static_range(STAGES):
+            mbarrier.init(ready.index(p), count=1)
+            mbarrier.init(empty.index(p), count=SLICES)
+        fence_async_shared()
+        # the default partition (4 warps; Triton wants whole warpgroups there) issues the copies, one
+        # warp per 16-row slice consumes them
+        if SLICES == 2:
+            gl.warp_specialize([
+                (_producer, (v_desc, q_desc, x_desc, wv_s, wq_s, xs, ready, empty, (n0 // 128) * KT + t_begin,
+                             n0 % 128, pid_m * BLOCK_M, t_begin, n_rec, BLOCK_N, BLOCK_M, QPASS, STAGES)),
+                (_consumer, (wv_s, wq_s, xs, ready, empty, n_rec, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr,
+                             edelta_ptr, ws_ptr, lock_ptr, n0, pid_n, pid_k, pid_m, M, N, NUM_N_BLOCKS, SPLIT_K,
+                             stride_xm, stride_ym, 0, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN)),
+                (_consumer, (wv_s, wq_s, xs, ready, empty, n_rec, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr,
+                             edelta_ptr, ws_ptr, lock_ptr, n0, pid_n, pid_k, pid_m, M, N, NUM_N_BLOCKS, SPLIT_K,
+                             stride_xm, stride_ym, 1, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN)),
+            ], [1, 1], [REGS, REGS])
+        else:
+            gl.static_assert(SLICES == 4, "BLOCK_N is 32 or 64")
+            gl.warp_specialize([
+                (_producer, (v_desc, q_desc, x_desc, wv_s, wq_s, xs, ready, empty, (n0 // 128) * KT + t_begin,
+                             n0 % 128, pid_m * BLOCK_M, t_begin, n_rec, BLOCK_N, BLOCK_M, QPASS, STAGES)),
+                (_consumer, (wv_s, wq_s, xs, ready, empty, n_rec, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr,
+                             edelta_ptr, ws_ptr, lock_ptr, n0, pid_n, pid_k, pid_m, M, N, NUM_N_BLOCKS, SPLIT_K,
+                             stride_xm, stride_ym, 0, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN)),
+                (_consumer, (wv_s, wq_s, xs, ready, empty, n_rec, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr,
+                             edelta_ptr, ws_ptr, lock_ptr, n0, pid_n, pid_k, pid_m, M, N, NUM_N_BLOCKS, SPLIT_K,
+                             stride_xm, stride_ym, 1, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN)),
+                (_consumer, (wv_s, wq_s, xs, ready, empty, n_rec, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr,
+                             edelta_ptr, ws_ptr, lock_ptr, n0, pid_n, pid_k, pid_m, M, N, NUM_N_BLOCKS, SPLIT_K,
+                             stride_xm, stride_ym, 2, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN)),
+                (_consumer, (wv_s, wq_s, xs, ready, empty, n_rec, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr,
+                             edelta_ptr, ws_ptr, lock_ptr, n0, pid_n, pid_k, pid_m, M, N, NUM_N_BLOCKS, SPLIT_K,
+                             stride_xm, stride_ym, 3, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN)),
+            ], [1, 1, 1, 1], [REGS, REGS, REGS, REGS])
+
+
+def launch_regs(slices: int, regs: int) -> int:
+    """The register count the kernel is launched with: ``setmaxnreg`` then gives each consumer warp
+    ``regs`` and the four copy warps what is left (about 48), so the total must cover both."""
+    return -(-(regs * slices + 48 * 4) // (slices + 4) // 8) * 8
+
+
+def record_descriptors(packed: KernelPack, block_n: int) -> tuple:
+    """The TMA descriptors of the records' view rows (``[records * 192, 16]`` words, box
+    ``[block_n, 16]``) and nibble rows (``[records * 384, 8]``, box ``[block_n, 8]``); cached on the
+    pack (they only hold its address and shape)."""
+    cache = packed.__dict__.setdefault("_tma_desc", {})
+    if block_n not in cache:
+        w_layout, _ = smem_layouts()
+        rec = packed.rec32.reshape(-1)
+        cache[block_n] = (TensorDescriptor.from_tensor(rec.view(-1, 16), [block_n, 16], w_layout),
+                          TensorDescriptor.from_tensor(rec.view(-1, 8), [block_n, 8], w_layout))
+    return cache[block_n]
+
+
+def launch(x: torch.Tensor, packed: KernelPack, out: torch.Tensor, qpass: bool, cfg, grid: tuple,
+           esc_ch: int) -> None:
+    """Launch the TMA kernel for ``cfg`` (``depth`` stages, one warp per 16 rows plus the copy
+    warp); ``x`` is already aligned (:func:`.mma.aligned_x`), ``grid`` is :func:`.mma.split_grid`'s
+    with the counters of 16-row blocks."""
+    check(cfg)
+    regs = cfg.maxnreg or DEFAULT_REGS
+    bm, tps, split, nb, mb, ws, _ = grid
+    slices = cfg.block_n // 16
+    locks = _workspace(x.device, 1, nb * slices * mb)[1] if split > 1 else grid[6]   # a counter per slice
+    m, k = x.shape
+    n, kt = packed.shape[0], packed.k_tiles
+    v_desc, q_desc = record_descriptors(packed, cfg.block_n)
+    x_desc = TensorDescriptor.from_tensor(x, [bm, 64], smem_layouts()[1])
+    _w12_mma_tma_kernel[(nb, split, mb)](
+        v_desc, q_desc, x_desc,
+        x, out, packed.low_exp,
+        packed.esc_rowptr, packed.esc_row, packed.esc_col, packed.esc_delta_q if qpass else packed.esc_delta,
+        ws, locks,
+        m, n, k, kt, tps, nb, split,
+        x.stride(0), out.stride(0),
+        BLOCK_N=cfg.block_n, BLOCK_M=bm, USE_SPLIT=split > 1, QPASS=qpass, ESC_CH=esc_ch, STAGES=cfg.depth,
+        PLAIN=cfg.plain_decode, REGS=regs,
+        num_warps=4, maxnreg=launch_regs(slices, regs),
+    )

@@ -1,0 +1,106 @@
+"""The TMA/mbarrier variant of the W12 tensor-core kernel (``kernels/w12/mma_tma.py``): config
+checks and launch arithmetic on CPU, an sm_90 compile that shows no CTA barrier in the consumer
+loop, and on a GPU the fp32 reference and the bits of the ``wsmem`` ring."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import replace
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+triton = pytest.importorskip("triton")
+
+from specpilot.kernels.w12 import mma, mma_tma  # noqa: E402
+
+from gluon_ptx import ptxas_report  # noqa: E402
+from test_w12_gemm import check_close  # noqa: E402
+from test_w12_mma import _cuda_layer, _gpu_gluon  # noqa: E402
+
+
+@pytest.mark.parametrize("bad", [mma.MmaConfig(64, 1, 4, 1, tma=True), mma.MmaConfig(64, 1, 4, 9, tma=True),
+                                 mma.MmaConfig(128, 1, 4, 3, tma=True), mma.MmaConfig(48, 1, 4, 3, tma=True)])
+def test_bad_tma_configs_are_refused(bad):
+    with pytest.raises(ValueError):
+        mma_tma.check(bad)
+
+
+def test_launch_registers_cover_the_consumers_and_the_copy_warps():
+    for slices in (2, 4):
+        for regs in (96, 128, 168):
+            r = mma_tma.launch_regs(slices, regs)
+            assert r % 8 == 0 and r * (slices + 4) >= regs * slices + 48 * 4
+            assert (r - 8) * (slices + 4) < regs * slices + 48 * 4
+
+
+_SETUP = r"""
+from specpilot.kernels.w12 import mma_tma
+k = mma_tma._w12_mma_tma_kernel
+BN, BM = 64, 32
+wl, xl = mma_tma.smem_layouts()
+ptrs = {"x_ptr": "*bf16", "y_ptr": "*bf16", "low_ptr": "*u8", "eptr_ptr": "*i32", "erow_ptr": "*i32",
+        "ecol_ptr": "*i32", "edelta_ptr": "*fp32", "ws_ptr": "*fp32", "lock_ptr": "*i32",
+        "v_desc": f"tensordesc<i32[{BN}, 16],{wl!r}>", "q_desc": f"tensordesc<i32[{BN}, 8],{wl!r}>",
+        "x_desc": f"tensordesc<bf16[{BM}, 64],{xl!r}>"}
+const = dict(BLOCK_N=BN, BLOCK_M=BM, USE_SPLIT=True, QPASS=False, ESC_CH=8, STAGES=4, PLAIN=False, REGS=128)
+div = [p for p in ptrs if p.endswith("_ptr")] + ["K", "stride_xm", "stride_ym"]
+warps = 4
+opts = {"maxnreg": mma_tma.launch_regs(4, 128)}
+"""
+
+
+@pytest.mark.skipif(not mma_tma.AVAILABLE, reason="Triton without Gluon's Hopper module")
+def test_consumer_loop_has_no_cta_barrier():
+    """Compiled for sm_90 (no GPU needed): each consumer warp's loop per record is one mbarrier wait,
+    one arrival, the fragment loads and 16 MMAs (16 rows x 64 k x 32 x rows), with no CTA barrier;
+    the copy warps issue the three TMA copies; ptxas spills nothing."""
+    rep = ptxas_report(_SETUP)
+    assert rep["rc"] == 0 and "0 bytes spill stores" in rep["log"], rep["log"]
+    blocks = re.split(r"^(?=\$L__BB\d+_\d+:)", rep["ptx"], flags=re.M)
+    consumer = [b for b in blocks if "mma.sync.aligned.m16n8k16" in b and "mbarrier.try_wait" in b]
+    assert len(consumer) == 4                         # one loop per consumer warp
+    for b in consumer:
+        assert b.count("mma.sync.aligned.m16n8k16") == 16
+        assert b.count("mbarrier.try_wait") == 1 and b.count("mbarrier.arrive") == 1
+        assert "bar.sync" not in b and "barrier.sync" not in b
+    producer = [b for b in blocks if "cp.async.bulk.tensor" in b]
+    assert len(producer) == 1 and producer[0].count("cp.async.bulk.tensor") == 3
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------------------------
+
+CASES = [  # (rows, N, K, config): partial tiles and records, uneven splits, 2 and 4 slices, 8-64 rows
+    (2, 40, 200, mma.MmaConfig(32, 1, 4, 3, tma=True)),
+    (8, 256, 512, mma.MmaConfig(64, 2, 4, 4, tma=True)),
+    (17, 200, 320, mma.MmaConfig(64, 3, 4, 3, tma=True)),
+    (32, 384, 1024, mma.MmaConfig(64, 4, 4, 6, tma=True)),
+    (32, 136, 4160, mma.MmaConfig(32, 13, 4, 8, tma=True)),
+    (64, 128, 256, mma.MmaConfig(64, 1, 4, 2, tma=True)),
+    (100, 136, 192, mma.MmaConfig(32, 2, 4, 4, tma=True)),   # two row blocks, the last one partial
+]
+
+
+@_gpu_gluon
+@pytest.mark.skipif(not mma_tma.AVAILABLE, reason="Triton without Gluon's Hopper module")
+@pytest.mark.parametrize("m,n,k,cfg", CASES)
+def test_tma_matches_reference_and_the_wsmem_bits(m, n, k, cfg):
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs sm_90")
+    w, _, kp = _cuda_layer(n, k, seed=m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16().cuda()
+    y = mma.w12_mma(x, kp, config=cfg, out_dtype=torch.float32)
+    if k <= 1024:   # (longer fp32 tensor-core sums exceed check_close's 2e-6; the bits below still hold)
+        check_close(y.cpu(), x.cpu(), w)
+    assert torch.equal(y.view(torch.int32), mma.w12_mma(x, kp, config=cfg, out_dtype=torch.float32).view(torch.int32))
+    ring = replace(cfg, tma=False, wsmem=True, depth=2, num_warps=cfg.block_n // 16)   # same fragments and MMA order
+    for qpass in (False, True):
+        ref = mma.w12_mma(x, kp, qpass=qpass, config=ring, out_dtype=torch.float32)
+        got = mma.w12_mma(x, kp, qpass=qpass, config=cfg, out_dtype=torch.float32)
+        assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
