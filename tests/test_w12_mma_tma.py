@@ -104,3 +104,26 @@ def test_tma_matches_reference_and_the_wsmem_bits(m, n, k, cfg):
         ref = mma.w12_mma(x, kp, qpass=qpass, config=ring, out_dtype=torch.float32)
         got = mma.w12_mma(x, kp, qpass=qpass, config=cfg, out_dtype=torch.float32)
         assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
+
+
+def test_w12_mma_hands_a_tma_config_to_the_tma_launcher(monkeypatch):
+    """``w12_mma`` with ``tma=True`` checks the config and calls :func:`.mma_tma.launch` with the
+    aligned x and the split grid (caught on CPU: a signature slip cost a GPU run once)."""
+    from specpilot.kernels.w12 import encode
+    from specpilot.kernels.w12.gemm import KernelPack
+
+    from test_w12_gemm import make_weight
+
+    seen = {}
+
+    def fake_launch(x, packed, out, qpass, cfg, grid, esc_ch):
+        seen.update(x=x, cfg=cfg, grid=grid, esc_ch=esc_ch)
+
+    monkeypatch.setattr(mma_tma, "launch", fake_launch)
+    monkeypatch.setattr(mma_tma, "AVAILABLE", True)
+    kp = KernelPack.from_w12(encode(make_weight(200, 320)), device="cpu")
+    cfg = mma.MmaConfig(32, 3, 4, 4, tma=True)
+    mma.w12_mma(torch.zeros(17, 320, dtype=torch.bfloat16), kp, config=cfg)
+    assert seen["cfg"] is cfg and seen["grid"][:5] == (32, 2, 3, 7, 1) and seen["esc_ch"] == mma.esc_chunk(32)
+    with pytest.raises(ValueError):
+        mma.w12_mma(torch.zeros(17, 320, dtype=torch.bfloat16), kp, config=mma.MmaConfig(128, 1, 4, 4, tma=True))

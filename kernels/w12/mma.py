@@ -659,14 +659,13 @@ class MmaConfig:
     stream: int = 0     # > 0: stream-K schedule, this many programs per SM (wsmem; split_k unused)
     maxnreg: int | None = None  # register cap passed to ptxas (None: its own choice)
     x_chunk: int = 1    # > 1: x copied XC records at a time, one CTA barrier per chunk (unrolled ring)
-    tma: bool = False   # weights and x by TMA into a ring of ``depth`` stages with mbarriers (mma_tma)
-    tma_lag: int = 1    # with ``tma``: a stage is refilled ``tma_lag`` records after it was read
+    tma: bool = False   # weights and x by TMA into a ring of ``depth`` stages, mbarriers, a warp per 16 rows
 
     def key(self) -> str:
         return (f"mma-n{self.block_n}-s{self.split_k}-w{self.num_warps}-d{self.depth}{'-ws' if self.wsmem else ''}"
                 f"{'-u' if self.unroll else ''}{f'-sk{self.stream}' if self.stream else ''}"
                 f"{f'-r{self.maxnreg}' if self.maxnreg else ''}{f'-xc{self.x_chunk}' if self.x_chunk > 1 else ''}"
-                f"{f'-tma{self.tma_lag}' if self.tma else ''}"
+                f"{'-tma' if self.tma else ''}"
                 f"{'-plain' if self.plain_decode else ''}")
 
 
@@ -805,8 +804,7 @@ def w12_mma(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: Mm
     if cfg.tma:
         from . import mma_tma
 
-        mma_tma.launch(x, packed, out, qpass, cfg, (bm, tps, split, nb, mb, ws, locks), esc_ch,
-                       layouts(cfg.block_n, bm, cfg.num_warps))
+        mma_tma.launch(x, packed, out, qpass, cfg, (bm, tps, split, nb, mb, ws, locks), esc_ch)
         return out
     if cfg.stream:
         from . import mma_stream

@@ -16,15 +16,20 @@ Here a record's three pieces are contiguous boxes, each one TMA copy issued by o
 * x ``[BLOCK_M, 64]`` at ``(m0, 64 t)``, 128-byte swizzled, which is the 16-byte-chunk XOR-by-row
   swizzle the ``mma`` kernel's x stages use (rows past M are zero-filled by the TMA unit).
 
-A ring of ``stages`` shared-memory stages, each with a ``ready`` mbarrier (the copies' bytes) and an
-``empty`` one (one arrival per warp once it has read the stage into registers). Stage reuse lags by
-``lag`` records: the copy issued at record ``i`` refills the stage consumed at record ``i - lag``,
-so a warp waits only when another warp is ``lag`` records behind, not at every record; ``stages -
-lag`` records are in flight ahead of the one being consumed. No CTA barrier in the main loop.
+The program is warp-specialized (``gl.warp_specialize``): a warpgroup of four copy warps (Triton
+wants whole warpgroups in the default partition; one thread issues) walks the records and refills
+each of ``stages`` shared-memory stages once its ``empty`` mbarrier has one arrival from every
+consumer; one **consumer warp per 16 rows** waits on the stage's ``ready`` mbarrier (the copies'
+bytes), reads its slice and the x tile into registers, arrives on ``empty`` and runs the decode and
+the MMAs. A consumer warp synchronizes with nothing but the mbarriers (no CTA barrier in its loop,
+tested on the compiled code), so a slow warp does not hold the others back until the ring is full.
+``setmaxnreg`` gives the consumers ``maxnreg`` registers (default 128) and the copy warps 48 or
+fewer.
 
-Decode, MMA, epilogue and split-K are the ``mma`` kernel's (:func:`.mma._wsmem_mma`,
-:func:`.mma._epilogue`): results are bitwise those of the ``wsmem`` ring (same fragments, same MMA
-order) and identical run to run. Plain reference: :func:`.naive.w12_matmul_reference`.
+Each consumer finishes its own 16-row block (row scale, escapes, split-K through a slot and a
+counter of its own) with the ``mma`` kernel's epilogue (:func:`.mma._epilogue`). The fragments,
+the MMA order and the split-K order are those of the ``wsmem`` ring, so results are bitwise the
+ring's (GPU test) and identical run to run. Plain reference: :func:`.naive.w12_matmul_reference`.
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ DEFAULT_REGS = 168   # registers of a consumer warp (setmaxnreg); the copy warp 
 
 
 def check(cfg) -> None:
-    """A TMA config: 2-``MAX_STAGES`` stages and a refill lag below them."""
+    """A TMA config: 2-``MAX_STAGES`` stages, 32- or 64-row programs (two or four consumer warps)."""
     if not 2 <= cfg.depth <= MAX_STAGES:
         raise ValueError(f"a TMA ring has 2-{MAX_STAGES} stages (depth), got {cfg.depth}")
     if cfg.block_n not in (32, 64):
