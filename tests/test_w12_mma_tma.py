@@ -24,7 +24,7 @@ from test_w12_mma import _cuda_layer, _gpu_gluon  # noqa: E402
 
 
 @pytest.mark.parametrize("bad", [mma.MmaConfig(64, 1, 4, 1, tma=True), mma.MmaConfig(64, 1, 4, 9, tma=True),
-                                 mma.MmaConfig(128, 1, 4, 3, tma=True), mma.MmaConfig(48, 1, 4, 3, tma=True)])
+                                 mma.MmaConfig(256, 1, 4, 3, tma=True), mma.MmaConfig(48, 1, 4, 3, tma=True)])
 def test_bad_tma_configs_are_refused(bad):
     with pytest.raises(ValueError):
         mma_tma.check(bad)
@@ -76,13 +76,14 @@ def test_consumer_loop_has_no_cta_barrier():
 # GPU
 # ---------------------------------------------------------------------------------------------
 
-CASES = [  # (rows, N, K, config): partial tiles and records, uneven splits, 2 and 4 slices, 8-64 rows
+CASES = [  # (rows, N, K, config): partial tiles and records, uneven splits, 2-8 slices, 2-64 x rows
     (2, 40, 200, mma.MmaConfig(32, 1, 4, 3, tma=True)),
     (8, 256, 512, mma.MmaConfig(64, 2, 4, 4, tma=True)),
     (17, 200, 320, mma.MmaConfig(64, 3, 4, 3, tma=True)),
     (32, 384, 1024, mma.MmaConfig(64, 4, 4, 6, tma=True)),
     (32, 136, 4160, mma.MmaConfig(32, 13, 4, 8, tma=True)),
     (64, 128, 256, mma.MmaConfig(64, 1, 4, 2, tma=True)),
+    (16, 256, 1024, mma.MmaConfig(128, 3, 4, 4, tma=True)),   # eight consumer warps
     (100, 136, 192, mma.MmaConfig(32, 2, 4, 4, tma=True)),   # two row blocks, the last one partial
 ]
 
@@ -126,4 +127,4 @@ def test_w12_mma_hands_a_tma_config_to_the_tma_launcher(monkeypatch):
     mma.w12_mma(torch.zeros(17, 320, dtype=torch.bfloat16), kp, config=cfg)
     assert seen["cfg"] is cfg and seen["grid"][:5] == (32, 2, 3, 7, 1) and seen["esc_ch"] == mma.esc_chunk(32)
     with pytest.raises(ValueError):
-        mma.w12_mma(torch.zeros(17, 320, dtype=torch.bfloat16), kp, config=mma.MmaConfig(128, 1, 4, 4, tma=True))
+        mma.w12_mma(torch.zeros(17, 320, dtype=torch.bfloat16), kp, config=mma.MmaConfig(48, 1, 4, 4, tma=True))

@@ -23,8 +23,8 @@ consumer; one **consumer warp per 16 rows** waits on the stage's ``ready`` mbarr
 bytes), reads its slice and the x tile into registers, arrives on ``empty`` and runs the decode and
 the MMAs. A consumer warp synchronizes with nothing but the mbarriers (no CTA barrier in its loop,
 tested on the compiled code), so a slow warp does not hold the others back until the ring is full.
-``setmaxnreg`` gives the consumers ``maxnreg`` registers (default 128) and the copy warps 48 or
-fewer.
+``setmaxnreg`` gives the consumers ``maxnreg`` registers (default: :data:`DEFAULT_REGS`) and the
+copy warps 48 or fewer.
 
 Each consumer finishes its own 16-row block (row scale, escapes, split-K through a slot and a
 counter of its own) with the ``mma`` kernel's epilogue (:func:`.mma._epilogue`). The fragments,
@@ -50,15 +50,17 @@ except Exception:  # pragma: no cover - Triton without Gluon's Hopper module
 
 AVAILABLE = gluon is not None and tma is not None
 MAX_STAGES = 8
-DEFAULT_REGS = 168   # registers of a consumer warp (setmaxnreg); the copy warp takes 24
+# registers of a consumer warp (setmaxnreg) by x rows per program: the fewest that ptxas compiles
+# without spills (sm_90, Triton 3.6: 8 rows fit in 72, 16 in 88, 32 in 104; 32 rows spill at 96)
+DEFAULT_REGS = {8: 72, 16: 88, 32: 104, 64: 168}
 
 
 def check(cfg) -> None:
-    """A TMA config: 2-``MAX_STAGES`` stages, 32- or 64-row programs (two or four consumer warps)."""
+    """A TMA config: 2-``MAX_STAGES`` stages, 32-, 64- or 128-row programs (2, 4 or 8 consumer warps)."""
     if not 2 <= cfg.depth <= MAX_STAGES:
         raise ValueError(f"a TMA ring has 2-{MAX_STAGES} stages (depth), got {cfg.depth}")
-    if cfg.block_n not in (32, 64):
-        raise ValueError(f"the TMA variant takes 32 or 64 rows per program, got {cfg.block_n}")
+    if cfg.block_n not in (32, 64, 128):
+        raise ValueError(f"the TMA variant takes 32, 64 or 128 rows per program, got {cfg.block_n}")
 
 
 if AVAILABLE:
@@ -94,9 +96,10 @@ if AVAILABLE:
         return getattr(_mma, "layouts")(16, int(block_m), 1)[int(i)]   # (getattr: no lru_cache in the hash walk)
 
     @gluon.jit
-    def _producer(v_desc, q_desc, x_desc, wv_s, wq_s, xs, ready, empty, rec0, r_in, m0, t_begin, n_rec,
-                  BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, QPASS: gl.constexpr, STAGES: gl.constexpr):
-        """One warp: record after record into the ring, each stage once all slices have read it."""
+    def _producer(pt, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, QPASS: gl.constexpr, STAGES: gl.constexpr):
+        """The copy warps (one thread issues): record after record into the ring, each stage once all
+        slices have read it."""
+        v_desc, q_desc, x_desc, wv_s, wq_s, xs, ready, empty, rec0, r_in, m0, t_begin, n_rec = pt
         for i in range(0, n_rec):
             s = i % STAGES
             mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)    # (a fresh barrier passes parity 1)
@@ -104,14 +107,14 @@ if AVAILABLE:
                    rec0 + i, r_in, m0, t_begin + i, True, BLOCK_N, BLOCK_M, QPASS)
 
     @gluon.jit
-    def _consumer(wv_s, wq_s, xs, ready, empty, n_rec,
-                  x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, ws_ptr, lock_ptr,
-                  n0, pid_n, pid_k, pid_m, M, N, NUM_N_BLOCKS, SPLIT_K, stride_xm, stride_ym,
-                  SLICE: gl.constexpr, SLICES: gl.constexpr, BLOCK_M: gl.constexpr, USE_SPLIT: gl.constexpr,
+    def _consumer(rt, SLICE: gl.constexpr, SLICES: gl.constexpr, BLOCK_M: gl.constexpr, USE_SPLIT: gl.constexpr,
                   QPASS: gl.constexpr, ESC_CH: gl.constexpr, STAGES: gl.constexpr, PLAIN: gl.constexpr):
         """One warp, rows ``16 * SLICE ..`` of the program: each record's slice and x from the ring,
         decoded into the A operand, the MMA, one arrival on the stage's ``empty`` barrier; then its
-        16-row block's epilogue (its own split-K slot and counter)."""
+        16-row block's epilogue (its own split-K slot and counter). ``rt``: the runtime arguments, one
+        tuple (a partition's constexprs must be literals in its argument tuple)."""
+        (wv_s, wq_s, xs, ready, empty, n_rec, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, ws_ptr,
+         lock_ptr, n0, pid_n, pid_k, pid_m, M, N, NUM_N_BLOCKS, SPLIT_K, stride_xm, stride_ym) = rt
         L_VIEW: gl.constexpr = _slice_layout(BLOCK_M, 0)
         L_NIB: gl.constexpr = _slice_layout(BLOCK_M, 1)
         L_X: gl.constexpr = _slice_layout(BLOCK_M, 2)
@@ -165,35 +168,34 @@ if AVAILABLE:
         fence_async_shared()
         # the default partition (4 warps; Triton wants whole warpgroups there) issues the copies, one
         # warp per 16-row slice consumes them
+        rt = (wv_s, wq_s, xs, ready, empty, n_rec, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr,
+              ws_ptr, lock_ptr, n0, pid_n, pid_k, pid_m, M, N, NUM_N_BLOCKS, SPLIT_K, stride_xm, stride_ym)
+        pt = (v_desc, q_desc, x_desc, wv_s, wq_s, xs, ready, empty, (n0 // 128) * KT + t_begin, n0 % 128,
+              pid_m * BLOCK_M, t_begin, n_rec)
         if SLICES == 2:
-            gl.warp_specialize([
-                (_producer, (v_desc, q_desc, x_desc, wv_s, wq_s, xs, ready, empty, (n0 // 128) * KT + t_begin,
-                             n0 % 128, pid_m * BLOCK_M, t_begin, n_rec, BLOCK_N, BLOCK_M, QPASS, STAGES)),
-                (_consumer, (wv_s, wq_s, xs, ready, empty, n_rec, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr,
-                             edelta_ptr, ws_ptr, lock_ptr, n0, pid_n, pid_k, pid_m, M, N, NUM_N_BLOCKS, SPLIT_K,
-                             stride_xm, stride_ym, 0, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN)),
-                (_consumer, (wv_s, wq_s, xs, ready, empty, n_rec, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr,
-                             edelta_ptr, ws_ptr, lock_ptr, n0, pid_n, pid_k, pid_m, M, N, NUM_N_BLOCKS, SPLIT_K,
-                             stride_xm, stride_ym, 1, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN)),
-            ], [1, 1], [REGS, REGS])
+            gl.warp_specialize([(_producer, (pt, BLOCK_N, BLOCK_M, QPASS, STAGES)),
+                                (_consumer, (rt, 0, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN)),
+                                (_consumer, (rt, 1, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN))],
+                               [1, 1], [REGS, REGS])
+        elif SLICES == 4:
+            gl.warp_specialize([(_producer, (pt, BLOCK_N, BLOCK_M, QPASS, STAGES)),
+                                (_consumer, (rt, 0, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN)),
+                                (_consumer, (rt, 1, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN)),
+                                (_consumer, (rt, 2, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN)),
+                                (_consumer, (rt, 3, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN))],
+                               [1, 1, 1, 1], [REGS, REGS, REGS, REGS])
         else:
-            gl.static_assert(SLICES == 4, "BLOCK_N is 32 or 64")
-            gl.warp_specialize([
-                (_producer, (v_desc, q_desc, x_desc, wv_s, wq_s, xs, ready, empty, (n0 // 128) * KT + t_begin,
-                             n0 % 128, pid_m * BLOCK_M, t_begin, n_rec, BLOCK_N, BLOCK_M, QPASS, STAGES)),
-                (_consumer, (wv_s, wq_s, xs, ready, empty, n_rec, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr,
-                             edelta_ptr, ws_ptr, lock_ptr, n0, pid_n, pid_k, pid_m, M, N, NUM_N_BLOCKS, SPLIT_K,
-                             stride_xm, stride_ym, 0, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN)),
-                (_consumer, (wv_s, wq_s, xs, ready, empty, n_rec, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr,
-                             edelta_ptr, ws_ptr, lock_ptr, n0, pid_n, pid_k, pid_m, M, N, NUM_N_BLOCKS, SPLIT_K,
-                             stride_xm, stride_ym, 1, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN)),
-                (_consumer, (wv_s, wq_s, xs, ready, empty, n_rec, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr,
-                             edelta_ptr, ws_ptr, lock_ptr, n0, pid_n, pid_k, pid_m, M, N, NUM_N_BLOCKS, SPLIT_K,
-                             stride_xm, stride_ym, 2, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN)),
-                (_consumer, (wv_s, wq_s, xs, ready, empty, n_rec, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr,
-                             edelta_ptr, ws_ptr, lock_ptr, n0, pid_n, pid_k, pid_m, M, N, NUM_N_BLOCKS, SPLIT_K,
-                             stride_xm, stride_ym, 3, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN)),
-            ], [1, 1, 1, 1], [REGS, REGS, REGS, REGS])
+            gl.static_assert(SLICES == 8, "BLOCK_N is 32, 64 or 128")
+            gl.warp_specialize([(_producer, (pt, BLOCK_N, BLOCK_M, QPASS, STAGES)),
+                                (_consumer, (rt, 0, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN)),
+                                (_consumer, (rt, 1, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN)),
+                                (_consumer, (rt, 2, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN)),
+                                (_consumer, (rt, 3, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN)),
+                                (_consumer, (rt, 4, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN)),
+                                (_consumer, (rt, 5, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN)),
+                                (_consumer, (rt, 6, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN)),
+                                (_consumer, (rt, 7, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN))],
+                               [1, 1, 1, 1, 1, 1, 1, 1], [REGS, REGS, REGS, REGS, REGS, REGS, REGS, REGS])
 
 
 def launch_regs(slices: int, regs: int) -> int:
@@ -221,7 +223,7 @@ def launch(x: torch.Tensor, packed: KernelPack, out: torch.Tensor, qpass: bool, 
     warp); ``x`` is already aligned (:func:`.mma.aligned_x`), ``grid`` is :func:`.mma.split_grid`'s
     with the counters of 16-row blocks."""
     check(cfg)
-    regs = cfg.maxnreg or DEFAULT_REGS
+    regs = cfg.maxnreg or DEFAULT_REGS[grid[0]]
     bm, tps, split, nb, mb, ws, _ = grid
     slices = cfg.block_n // 16
     locks = _workspace(x.device, 1, nb * slices * mb)[1] if split > 1 else grid[6]   # a counter per slice
