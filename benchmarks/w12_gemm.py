@@ -191,14 +191,16 @@ def mma_configs(m: int, kt: int, n: int, sms: int, tiles=((64, 4), (128, 4)), va
     and 8 programs per SM; then the stream-K schedule (1, 2 or 4 programs per SM, ring depth 2 or
     4; above 8 rows, 16-row warp slices also capped at 128 registers). ``variants``: ``stream`` (the
     committed choice and the stream-K variants), ``chunk`` (it and unrolled rings of depth 2-3
-    with x in chunks of 2 or 4 records) or ``tma`` (it and the TMA/mbarrier rings of 4 or 6
-    stages on 64- and 128-row programs)."""
+    with x in chunks of 2 or 4 records) or ``tma`` (it and the TMA/mbarrier rings: a consumer
+    warp per 16 rows, or the program's 4 or 8 warps as one consumer group, 4 or 6 stages)."""
     from specpilot.kernels.w12.mma import MmaConfig, block_m_for, default_config
 
     out = [default_config(m, n, kt * 64, sms)]
-    if variants == "tma":   # 64- or 128-row programs (one consumer warp per 16 rows, one copy warpgroup)
-        for bn, _, split in tile_splits(m, kt, n, sms, ((64, 4), (128, 4)), block_m_for):
-            out += [MmaConfig(bn, split, 4, stages, tma=True) for stages in (4, 6)]
+    if variants == "tma":   # a consumer warp per 16 rows (64-row programs), or the warps as one group
+        for bn, w, split in tile_splits(m, kt, n, sms, ((64, 4), (128, 8)), block_m_for):
+            if bn == 64:
+                out.append(MmaConfig(bn, split, 4, 4, tma=1))
+            out += [MmaConfig(bn, split, w, stages, tma=2) for stages in (4, 6)]
         return out
     if variants == "chunk":
         for bn, w, split in tile_splits(m, kt, n, sms, tiles, block_m_for):

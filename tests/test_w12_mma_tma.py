@@ -23,19 +23,22 @@ from test_w12_gemm import check_close  # noqa: E402
 from test_w12_mma import _cuda_layer, _gpu_gluon  # noqa: E402
 
 
-@pytest.mark.parametrize("bad", [mma.MmaConfig(64, 1, 4, 1, tma=True), mma.MmaConfig(64, 1, 4, 9, tma=True),
-                                 mma.MmaConfig(256, 1, 4, 3, tma=True), mma.MmaConfig(48, 1, 4, 3, tma=True)])
+@pytest.mark.parametrize("bad", [mma.MmaConfig(64, 1, 4, 1, tma=1), mma.MmaConfig(64, 1, 4, 9, tma=1),
+                                 mma.MmaConfig(256, 1, 4, 3, tma=1), mma.MmaConfig(48, 1, 4, 3, tma=1),
+                                 mma.MmaConfig(64, 1, 4, 3, tma=3), mma.MmaConfig(128, 1, 4, 3, tma=2)])
 def test_bad_tma_configs_are_refused(bad):
     with pytest.raises(ValueError):
         mma_tma.check(bad)
 
 
 def test_launch_registers_cover_the_consumers_and_the_copy_warps():
-    for slices in (2, 4):
-        for regs in (96, 128, 168):
-            r = mma_tma.launch_regs(slices, regs)
-            assert r % 8 == 0 and r * (slices + 4) >= regs * slices + 48 * 4
-            assert (r - 8) * (slices + 4) < regs * slices + 48 * 4
+    for slices in (2, 4, 8):
+        for regs in (72, 104, 168):
+            for copiers, cregs in ((4, 48), (4, 24)):
+                r = mma_tma.launch_regs(slices, regs, copiers, cregs)
+                need = regs * slices + cregs * copiers
+                assert r % 8 == 0 and r * (slices + copiers) >= need and (r - 8) * (slices + copiers) < need
+    assert mma_tma.launch_regs(4, 104, 4, 24) == 64     # a group of 4 at 104: four programs per SM
 
 
 _SETUP = r"""
@@ -77,14 +80,18 @@ def test_consumer_loop_has_no_cta_barrier():
 # ---------------------------------------------------------------------------------------------
 
 CASES = [  # (rows, N, K, config): partial tiles and records, uneven splits, 2-8 slices, 2-64 x rows
-    (2, 40, 200, mma.MmaConfig(32, 1, 4, 3, tma=True)),
-    (8, 256, 512, mma.MmaConfig(64, 2, 4, 4, tma=True)),
-    (17, 200, 320, mma.MmaConfig(64, 3, 4, 3, tma=True)),
-    (32, 384, 1024, mma.MmaConfig(64, 4, 4, 6, tma=True)),
-    (32, 136, 4160, mma.MmaConfig(32, 13, 4, 8, tma=True)),
-    (64, 128, 256, mma.MmaConfig(64, 1, 4, 2, tma=True)),
-    (16, 256, 1024, mma.MmaConfig(128, 3, 4, 4, tma=True)),   # eight consumer warps
-    (100, 136, 192, mma.MmaConfig(32, 2, 4, 4, tma=True)),   # two row blocks, the last one partial
+    (2, 40, 200, mma.MmaConfig(32, 1, 4, 3, tma=1)),
+    (8, 256, 512, mma.MmaConfig(64, 2, 4, 4, tma=1)),
+    (17, 200, 320, mma.MmaConfig(64, 3, 4, 3, tma=1)),
+    (32, 384, 1024, mma.MmaConfig(64, 4, 4, 6, tma=1)),
+    (32, 136, 4160, mma.MmaConfig(32, 13, 4, 8, tma=1)),
+    (64, 128, 256, mma.MmaConfig(64, 1, 4, 2, tma=1)),
+    (16, 256, 1024, mma.MmaConfig(128, 3, 4, 4, tma=1)),   # eight consumer warps
+    # the program's warps as one consumer group
+    (17, 200, 320, mma.MmaConfig(64, 3, 4, 4, tma=2)),
+    (32, 384, 1024, mma.MmaConfig(128, 4, 8, 6, tma=2)),
+    (100, 136, 192, mma.MmaConfig(64, 2, 4, 3, tma=2)),
+    (100, 136, 192, mma.MmaConfig(32, 2, 4, 4, tma=1)),   # two row blocks, the last one partial
 ]
 
 
@@ -108,7 +115,7 @@ def test_tma_matches_reference_and_the_wsmem_bits(m, n, k, cfg):
 
 
 def test_w12_mma_hands_a_tma_config_to_the_tma_launcher(monkeypatch):
-    """``w12_mma`` with ``tma=True`` checks the config and calls :func:`.mma_tma.launch` with the
+    """``w12_mma`` with ``tma=1`` checks the config and calls :func:`.mma_tma.launch` with the
     aligned x and the split grid (caught on CPU: a signature slip cost a GPU run once)."""
     from specpilot.kernels.w12 import encode
     from specpilot.kernels.w12.gemm import KernelPack
@@ -123,8 +130,8 @@ def test_w12_mma_hands_a_tma_config_to_the_tma_launcher(monkeypatch):
     monkeypatch.setattr(mma_tma, "launch", fake_launch)
     monkeypatch.setattr(mma_tma, "AVAILABLE", True)
     kp = KernelPack.from_w12(encode(make_weight(200, 320)), device="cpu")
-    cfg = mma.MmaConfig(32, 3, 4, 4, tma=True)
+    cfg = mma.MmaConfig(32, 3, 4, 4, tma=1)
     mma.w12_mma(torch.zeros(17, 320, dtype=torch.bfloat16), kp, config=cfg)
     assert seen["cfg"] is cfg and seen["grid"][:5] == (32, 2, 3, 7, 1) and seen["esc_ch"] == mma.esc_chunk(32)
     with pytest.raises(ValueError):
-        mma.w12_mma(torch.zeros(17, 320, dtype=torch.bfloat16), kp, config=mma.MmaConfig(48, 1, 4, 4, tma=True))
+        mma.w12_mma(torch.zeros(17, 320, dtype=torch.bfloat16), kp, config=mma.MmaConfig(48, 1, 4, 4, tma=1))

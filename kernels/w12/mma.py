@@ -659,13 +659,14 @@ class MmaConfig:
     stream: int = 0     # > 0: stream-K schedule, this many programs per SM (wsmem; split_k unused)
     maxnreg: int | None = None  # register cap passed to ptxas (None: its own choice)
     x_chunk: int = 1    # > 1: x copied XC records at a time, one CTA barrier per chunk (unrolled ring)
-    tma: bool = False   # weights and x by TMA into a ring of ``depth`` stages, mbarriers, a warp per 16 rows
+    tma: int = 0        # weights and x by TMA into ``depth`` stages with mbarriers (mma_tma): 1 a consumer
+                        # warp per 16 rows, 2 the program's warps as one consumer group
 
     def key(self) -> str:
         return (f"mma-n{self.block_n}-s{self.split_k}-w{self.num_warps}-d{self.depth}{'-ws' if self.wsmem else ''}"
                 f"{'-u' if self.unroll else ''}{f'-sk{self.stream}' if self.stream else ''}"
                 f"{f'-r{self.maxnreg}' if self.maxnreg else ''}{f'-xc{self.x_chunk}' if self.x_chunk > 1 else ''}"
-                f"{'-tma' if self.tma else ''}"
+                f"{f'-tma{self.tma}' if self.tma else ''}"
                 f"{'-plain' if self.plain_decode else ''}")
 
 

@@ -55,12 +55,20 @@ MAX_STAGES = 8
 DEFAULT_REGS = {8: 72, 16: 88, 32: 104, 64: 168}
 
 
+SLICE_WARPS, GROUP = 1, 2    # MmaConfig.tma: a consumer warp per 16 rows, or the consumers as one group
+
+
 def check(cfg) -> None:
     """A TMA config: 2-``MAX_STAGES`` stages, 32-, 64- or 128-row programs (2, 4 or 8 consumer warps)."""
     if not 2 <= cfg.depth <= MAX_STAGES:
         raise ValueError(f"a TMA ring has 2-{MAX_STAGES} stages (depth), got {cfg.depth}")
+    if cfg.tma not in (SLICE_WARPS, GROUP):
+        raise ValueError(f"tma is 1 (a consumer warp per 16 rows) or 2 (one consumer group), got {cfg.tma}")
     if cfg.block_n not in (32, 64, 128):
         raise ValueError(f"the TMA variant takes 32, 64 or 128 rows per program, got {cfg.block_n}")
+    if cfg.tma == GROUP and (cfg.num_warps not in (4, 8) or cfg.block_n != 16 * cfg.num_warps):
+        raise ValueError(f"a TMA consumer group is 4 or 8 warps of 16 rows each, got {cfg.block_n} rows on "
+                         f"{cfg.num_warps} warps")
 
 
 if AVAILABLE:
@@ -138,6 +146,42 @@ if AVAILABLE:
                   n0 + 16 * SLICE, pid_n * SLICES + SLICE, pid_k, pid_m, M, N, NUM_N_BLOCKS * SLICES, SPLIT_K,
                   SPLIT_K, stride_xm, stride_ym, 16, BLOCK_M, USE_SPLIT, ESC_CH, MMA, L_EP)
 
+    @gluon.constexpr_function
+    def _group_layout(block_n, block_m, warps, i):
+        """Layout ``i`` of :func:`.mma.layouts` for the consumer warpgroup (all the program's rows)."""
+        return getattr(_mma, "layouts")(int(block_n), int(block_m), int(warps))[int(i)]
+
+    @gluon.jit
+    def _group_consumer(rt, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, USE_SPLIT: gl.constexpr,
+                        QPASS: gl.constexpr, ESC_CH: gl.constexpr, STAGES: gl.constexpr, PLAIN: gl.constexpr,
+                        WARPS: gl.constexpr):
+        """``tma=2``: the default partition's warps consume each stage together (the ``mma`` kernel's
+        layouts, warps split the rows); one arrival per stage, after the partition's barrier."""
+        (wv_s, wq_s, xs, ready, empty, n_rec, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, ws_ptr,
+         lock_ptr, n0, pid_n, pid_k, pid_m, M, N, NUM_N_BLOCKS, SPLIT_K, stride_xm, stride_ym) = rt
+        L_VIEW: gl.constexpr = _group_layout(BLOCK_N, BLOCK_M, WARPS, 0)
+        L_NIB: gl.constexpr = _group_layout(BLOCK_N, BLOCK_M, WARPS, 1)
+        L_X: gl.constexpr = _group_layout(BLOCK_N, BLOCK_M, WARPS, 2)
+        MMA: gl.constexpr = _group_layout(BLOCK_N, BLOCK_M, WARPS, 3)
+        A_OP: gl.constexpr = _group_layout(BLOCK_N, BLOCK_M, WARPS, 4)
+        B_OP: gl.constexpr = _group_layout(BLOCK_N, BLOCK_M, WARPS, 5)
+        L_EP: gl.constexpr = _group_layout(BLOCK_N, BLOCK_M, WARPS, 6)
+        acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
+        for i in range(0, n_rec):
+            s = i % STAGES
+            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+            b = _b_operand(xs.index(s), L_X, B_OP, BLOCK_M)
+            w = wv_s.index(s).load(L_VIEW)
+            if QPASS:
+                q = w
+            else:
+                q = wq_s.index(s).load(L_NIB)
+            mbarrier.arrive(empty.index(s))
+            acc = mma_v2(_a_operand(w, q, L_VIEW, A_OP, BLOCK_N, QPASS, PLAIN), b, acc)
+        _epilogue(acc, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, ws_ptr, lock_ptr,
+                  n0, pid_n, pid_k, pid_m, M, N, NUM_N_BLOCKS, SPLIT_K, SPLIT_K, stride_xm, stride_ym,
+                  BLOCK_N, BLOCK_M, USE_SPLIT, ESC_CH, MMA, L_EP)
+
     @gluon.jit
     def _w12_mma_tma_kernel(
         v_desc, q_desc, x_desc,
@@ -148,6 +192,7 @@ if AVAILABLE:
         stride_xm, stride_ym,
         BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, USE_SPLIT: gl.constexpr, QPASS: gl.constexpr,
         ESC_CH: gl.constexpr, STAGES: gl.constexpr, PLAIN: gl.constexpr, REGS: gl.constexpr,
+        GROUP: gl.constexpr = False, WARPS: gl.constexpr = 4,
     ):
         pid_n = gl.program_id(0)
         pid_k = gl.program_id(1)
@@ -164,7 +209,7 @@ if AVAILABLE:
         SLICES: gl.constexpr = BLOCK_N // 16
         for p in gl.static_range(STAGES):
             mbarrier.init(ready.index(p), count=1)
-            mbarrier.init(empty.index(p), count=SLICES)
+            mbarrier.init(empty.index(p), count=1 if GROUP else SLICES)
         fence_async_shared()
         # the default partition (4 warps; Triton wants whole warpgroups there) issues the copies, one
         # warp per 16-row slice consumes them
@@ -172,7 +217,10 @@ if AVAILABLE:
               ws_ptr, lock_ptr, n0, pid_n, pid_k, pid_m, M, N, NUM_N_BLOCKS, SPLIT_K, stride_xm, stride_ym)
         pt = (v_desc, q_desc, x_desc, wv_s, wq_s, xs, ready, empty, (n0 // 128) * KT + t_begin, n0 % 128,
               pid_m * BLOCK_M, t_begin, n_rec)
-        if SLICES == 2:
+        if GROUP:   # the kernel's warps consume together; one copy warp
+            gl.warp_specialize([(_group_consumer, (rt, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN, WARPS)),
+                                (_producer, (pt, BLOCK_N, BLOCK_M, QPASS, STAGES))], [1], [24])
+        elif SLICES == 2:
             gl.warp_specialize([(_producer, (pt, BLOCK_N, BLOCK_M, QPASS, STAGES)),
                                 (_consumer, (rt, 0, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN)),
                                 (_consumer, (rt, 1, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN))],
@@ -198,10 +246,10 @@ if AVAILABLE:
                                [1, 1, 1, 1, 1, 1, 1, 1], [REGS, REGS, REGS, REGS, REGS, REGS, REGS, REGS])
 
 
-def launch_regs(slices: int, regs: int) -> int:
+def launch_regs(consumers: int, regs: int, copiers: int = 4, copier_regs: int = 48) -> int:
     """The register count the kernel is launched with: ``setmaxnreg`` then gives each consumer warp
-    ``regs`` and the four copy warps what is left (about 48), so the total must cover both."""
-    return -(-(regs * slices + 48 * 4) // (slices + 4) // 8) * 8
+    ``regs`` and the copy warps what is left (about ``copier_regs``), so the total covers both."""
+    return -(-(regs * consumers + copier_regs * copiers) // (consumers + copiers) // 8) * 8
 
 
 def record_descriptors(packed: KernelPack, block_n: int) -> tuple:
@@ -224,9 +272,11 @@ def launch(x: torch.Tensor, packed: KernelPack, out: torch.Tensor, qpass: bool, 
     with the counters of 16-row blocks."""
     check(cfg)
     regs = cfg.maxnreg or DEFAULT_REGS[grid[0]]
-    bm, tps, split, nb, mb, ws, _ = grid
+    bm, tps, split, nb, mb, ws, locks = grid
+    group = cfg.tma == GROUP
     slices = cfg.block_n // 16
-    locks = _workspace(x.device, 1, nb * slices * mb)[1] if split > 1 else grid[6]   # a counter per slice
+    if split > 1 and not group:
+        locks = _workspace(x.device, 1, nb * slices * mb)[1]   # a counter per slice
     m, k = x.shape
     n, kt = packed.shape[0], packed.k_tiles
     v_desc, q_desc = record_descriptors(packed, cfg.block_n)
@@ -239,6 +289,8 @@ def launch(x: torch.Tensor, packed: KernelPack, out: torch.Tensor, qpass: bool, 
         m, n, k, kt, tps, nb, split,
         x.stride(0), out.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_M=bm, USE_SPLIT=split > 1, QPASS=qpass, ESC_CH=esc_ch, STAGES=cfg.depth,
-        PLAIN=cfg.plain_decode, REGS=regs,
-        num_warps=4, maxnreg=launch_regs(slices, regs),
+        PLAIN=cfg.plain_decode, REGS=regs, GROUP=group, WARPS=cfg.num_warps,
+        num_warps=cfg.num_warps if group else 4,
+        # (the one copy warp of a group is padded to a warpgroup, its idle warps at 24 registers too)
+        maxnreg=launch_regs(cfg.num_warps, regs, 4, 24) if group else launch_regs(slices, regs),
     )
