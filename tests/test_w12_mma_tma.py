@@ -135,3 +135,13 @@ def test_w12_mma_hands_a_tma_config_to_the_tma_launcher(monkeypatch):
     assert seen["cfg"] is cfg and seen["grid"][:5] == (32, 2, 3, 7, 1) and seen["esc_ch"] == mma.esc_chunk(32)
     with pytest.raises(ValueError):
         mma.w12_mma(torch.zeros(17, 320, dtype=torch.bfloat16), kp, config=mma.MmaConfig(48, 1, 4, 4, tma=1))
+
+
+def test_tuned_tma_entries_only_where_tma_runs():
+    """The table's TMA entries are skipped off Hopper (the heuristic default instead), and CPU
+    tensors never count as TMA-capable."""
+    key = next(k for k, v in mma.TUNED.items() if v.tma)
+    n, k, bm = key
+    assert mma.default_config(bm, n, k).tma
+    assert not mma.default_config(bm, n, k, tma=False).tma
+    assert not mma_tma.supported("cpu")

@@ -689,12 +689,12 @@ def preferred(m: int) -> bool:
     return m >= MIN_ROWS
 
 
-def default_config(m: int, n: int, k: int, sms: int = 132) -> MmaConfig:
-    """The measured table (:data:`TUNED`) first, else 64-row programs, the weights two records
-    ahead in the shared-memory ring, and split-K for about four programs per SM (what the sweep
-    chose on most layers)."""
+def default_config(m: int, n: int, k: int, sms: int = 132, tma: bool = True) -> MmaConfig:
+    """The measured table (:data:`TUNED`) first (its TMA entries only if ``tma``: Hopper), else
+    64-row programs, the weights two records ahead in the shared-memory ring, and split-K for
+    about four programs per SM (what the sweep chose on most layers)."""
     tuned = TUNED.get((n, k, block_m_for(m)))   # the table's row buckets are the row-block sizes
-    if tuned is not None:
+    if tuned is not None and (tma or not tuned.tma):
         return tuned
     kt = (k + TILE_K - 1) // TILE_K
     bn = 64
@@ -709,9 +709,11 @@ def default_config(m: int, n: int, k: int, sms: int = 132) -> MmaConfig:
 # previous table (w12_mma_epi.json) in the same run). ``plain_decode`` where the decode A/B
 # (w12_decode_ab_mma.json, 8 and 32 rows) measured the plain decode more than 3 % faster. Three
 # entries from the x-chunk sweep (w12_mma_chunk.json, 8-32 rows: re-timed against the previous
-# entry in the same run; x chunks won clearly nowhere else).
+# entry in the same run; x chunks won clearly nowhere else). Seven entries from the TMA sweep
+# (w12_mma_tma.json, 8-32 rows, the TMA rings against the previous entry, re-timed interleaved in
+# the same run; kept where they won by 1 % or more there and in the two earlier TMA sweeps).
 TUNED: dict[tuple[int, int, int], MmaConfig] = {
-    (6144, 4096, 8): MmaConfig(64, 11, 4, 2, True),  # 0.948x (0.951x)
+    (6144, 4096, 8): MmaConfig(64, 3, 4, 4, tma=2),  # 17.66 vs 18.24 us, w12_mma_tma.json
     (6144, 4096, 16): MmaConfig(64, 6, 4, 2, False, True),  # 0.905x (0.887x)
     (6144, 4096, 32): MmaConfig(64, 4, 4, 2),  # 0.734x (0.734x)
     (6144, 4096, 64): MmaConfig(64, 4, 4, 2),  # 0.645x (0.651x)
@@ -724,20 +726,20 @@ TUNED: dict[tuple[int, int, int], MmaConfig] = {
     (28672, 4096, 16): MmaConfig(128, 1, 4, 2, True),  # 1.162x (1.173x)
     (28672, 4096, 32): MmaConfig(128, 1, 4, 2, True),  # 1.066x (1.067x)
     (28672, 4096, 64): MmaConfig(128, 1, 4, 3, False, True),  # 0.81x (0.805x)
-    (4096, 14336, 8): MmaConfig(64, 8, 4, 3, False, True),  # 1.096x (1.065x)
+    (4096, 14336, 8): MmaConfig(64, 4, 4, 4, tma=1),  # 29.82 vs 30.21 us (sweep 29.86 vs 32.42), w12_mma_tma.json
     (4096, 14336, 16): MmaConfig(64, 8, 4, 3, False, True),  # 0.997x (0.997x)
     (4096, 14336, 32): MmaConfig(64, 8, 4, 3, False, True),  # 0.906x (0.895x)
     (4096, 14336, 64): MmaConfig(64, 8, 4, 2, False, True),  # 0.705x (0.691x)
-    (7168, 5120, 8): MmaConfig(64, 9, 4, 2, True),  # 1.123x (1.123x)
-    (7168, 5120, 16): MmaConfig(64, 5, 4, 3, False, True, x_chunk=2),  # 0.917x (0.869x), w12_mma_chunk.json
-    (7168, 5120, 32): MmaConfig(64, 5, 4, 2, False, True, x_chunk=2),  # 0.765x (0.748x), w12_mma_chunk.json
+    (7168, 5120, 8): MmaConfig(64, 2, 4, 4, tma=2),  # 21.28 vs 22.24 us, w12_mma_tma.json
+    (7168, 5120, 16): MmaConfig(64, 2, 4, 4, tma=2),  # 21.95 vs 24.22 us, w12_mma_tma.json
+    (7168, 5120, 32): MmaConfig(64, 2, 4, 4, tma=2),  # 27.14 vs 28.77 us, w12_mma_tma.json
     (7168, 5120, 64): MmaConfig(64, 2, 4, 2, True),  # 0.555x (0.548x)
     (34816, 5120, 8): MmaConfig(64, 1, 4, 3, False, True),  # 1.225x (1.216x)
     (34816, 5120, 16): MmaConfig(128, 4, 4, 3, False, True),  # 1.154x (1.132x)
     (34816, 5120, 32): MmaConfig(64, 2, 4, 3, False, True),  # 1.022x (1.011x)
     (34816, 5120, 64): MmaConfig(64, 2, 4, 2, True),  # 0.725x (0.726x)
-    (5120, 17408, 8): MmaConfig(64, 13, 4, 2, False, True),  # 1.236x (1.25x)
-    (5120, 17408, 16): MmaConfig(64, 7, 4, 3, False, True, x_chunk=2),  # 1.102x (0.975x), w12_mma_chunk.json
+    (5120, 17408, 8): MmaConfig(64, 3, 4, 4, tma=1),  # 40.80 vs 41.82 us (sweep 40.86 vs 46.24), w12_mma_tma.json
+    (5120, 17408, 16): MmaConfig(64, 3, 4, 4, tma=2),  # 43.33 vs 47.65 us, w12_mma_tma.json
     (5120, 17408, 32): MmaConfig(64, 13, 4, 2, True),  # 0.935x (0.932x)
     (5120, 17408, 64): MmaConfig(64, 3, 4, 2, True),  # 0.68x (0.679x)
 }
@@ -796,7 +798,12 @@ def w12_mma(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: Mm
     m, k = x.shape
     n = packed.shape[0]
     kt = packed.k_tiles
-    cfg = config or default_config(m, n, k)
+    if config is None:
+        from . import mma_tma
+
+        cfg = default_config(m, n, k, tma=mma_tma.supported(x.device))
+    else:
+        cfg = config
     x, k = aligned_x(x, kt)
     bm, tps, split, nb, mb, ws, locks = split_grid(m, n, kt, cfg.block_n, cfg.split_k, x.device)
     if out is None:

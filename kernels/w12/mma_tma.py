@@ -55,6 +55,12 @@ MAX_STAGES = 8
 DEFAULT_REGS = {8: 72, 16: 88, 32: 104, 64: 168}
 
 
+def supported(device) -> bool:
+    """TMA and mbarriers: Gluon's Hopper module and a CUDA device of compute capability 9.0+."""
+    return (AVAILABLE and torch.device(device).type == "cuda"
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
 SLICE_WARPS, GROUP = 1, 2    # MmaConfig.tma: a consumer warp per 16 rows, or the consumers as one group
 
 
