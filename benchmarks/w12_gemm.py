@@ -258,10 +258,20 @@ def gluon_gemv_configs(m: int, kt: int, n: int, sms: int, variants: str = "all")
     its own records, 1-3 records ahead in a rotated ring or 2-3 register sets unrolled, split-K for
     about 1, 2 and 4 programs per SM; then staged x (``xs``) with 2-4 unrolled sets, depth 4 also
     capped at 96 registers, each with the epilogue's loads first or after the first records'.
-    ``variants="xs"``: the committed choice and the staged-x variants only."""
-    from specpilot.kernels.w12.gemv_gluon import GluonGemvConfig, default_config
+    ``variants="xs"``: the committed choice and the staged-x variants only; ``"xf32"``: it and the
+    four-set staged-x configs with and without x converted to fp32 once per program."""
+    from specpilot.kernels.w12.gemv_gluon import XS_MAX_BYTES, GluonGemvConfig, default_config
 
     out = [default_config(n, kt * 64, sms)]
+    if variants == "xf32":   # the staged-x configs with x converted to fp32 once, and without
+        for rows in (8, 16):
+            nb = (n + rows - 1) // rows
+            for split in sorted({max(1, min(max(1, kt // 4), round(per_sm * sms / nb))) for per_sm in (1, 2)}):
+                for cap in (None, 96):
+                    cands = [GluonGemvConfig(rows, 4, 4, split, True, xs=True, maxnreg=cap, late_epilogue=True,
+                                             xf32=xf) for xf in (False, True)]
+                    out += [c for c in cands if c not in out and c.xs_bytes(kt) <= XS_MAX_BYTES]
+        return out
     for rows in (8, 16, 32):
         for warps in ((4, 8, 16) if rows < 32 else (4, 8)):
             nb = (n + rows - 1) // rows
@@ -459,8 +469,9 @@ def main() -> int:
     ap.add_argument("--rows", default=None, help="gemv / default modes: comma list of M (default 1,2,4 / 1,2,4,8,16,32,64)")
     ap.add_argument("--tiles", default=None, type=parse_tiles,
                     help="mma mode: comma list of ROWSxWARPS program tiles (default 64x4,128x4)")
-    ap.add_argument("--variants", choices=["all", "xs", "stream", "chunk", "tma"], default="all",
-                    help="only the committed choice and: the staged-x variants (xs, gemv-gluon mode), the "
+    ap.add_argument("--variants", choices=["all", "xs", "xf32", "stream", "chunk", "tma"], default="all",
+                    help="only the committed choice and: the staged-x variants (xs, gemv-gluon mode; xf32: "
+                         "with and without x converted to fp32 once), the "
                          "stream-K ones (stream, mma mode), the x-chunk ones (chunk, mma mode) or the "
                          "TMA/mbarrier ones (tma, mma mode)")
     args = ap.parse_args()

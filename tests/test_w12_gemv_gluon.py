@@ -102,11 +102,14 @@ def test_staged_x_groups_cover_the_unrolled_steps():
     assert gg.GluonGemvConfig(16, 8, 4, 2, True, xs=True).xs_groups(224) == 16
     assert gg.GluonGemvConfig(16, 4, 1, 1, xs=True).xs_groups(1) == 8
     assert cfg.key() == "gl-r16-w4-d3-s1-u-xs" and gg.GluonGemvConfig(xs=True, maxnreg=96).key().endswith("-xs-r96")
+    xf = gg.GluonGemvConfig(16, 4, 3, 1, True, xs=True, xf32=True)
+    assert xf.key().endswith("-xf") and xf.xs_bytes(272) == 3 * cfg.xs_bytes(272) == 3 * 72 * 4 * 128
 
 
 @pytest.mark.parametrize("bad", [gg.GluonGemvConfig(rows=24), gg.GluonGemvConfig(warps=3),
                                  gg.GluonGemvConfig(depth=5), gg.GluonGemvConfig(split_k=0),
-                                 gg.GluonGemvConfig(depth=1, unroll=True), gg.GluonGemvConfig(maxnreg=300)])
+                                 gg.GluonGemvConfig(depth=1, unroll=True), gg.GluonGemvConfig(maxnreg=300),
+                                 gg.GluonGemvConfig(depth=2, unroll=True, xf32=True), gg.GluonGemvConfig(xs=True, xf32=True)])
 def test_bad_configs_are_rejected(bad):
     with pytest.raises(ValueError):
         gg.check_config(bad)
@@ -220,5 +223,8 @@ def test_staged_x_gives_the_unstaged_bits(n, k, cfg, qpass):
     late = replace(cfg, xs=True, late_epilogue=not cfg.late_epilogue)    # only the order of the loads
     y3 = gg.w12_gemv_gluon(x, kp, qpass=qpass, config=late, out_dtype=torch.float32)
     assert torch.equal(y.view(torch.int32), y3.view(torch.int32))
+    if cfg.unroll:   # x converted to fp32 once per program: the same products in the same order
+        y4 = gg.w12_gemv_gluon(x, kp, qpass=qpass, config=replace(cfg, xs=True, xf32=True), out_dtype=torch.float32)
+        assert torch.equal(y.view(torch.int32), y4.view(torch.int32))
     if not qpass:
         check_close(y.cpu(), x.cpu(), w)

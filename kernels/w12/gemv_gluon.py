@@ -66,12 +66,17 @@ class GluonGemvConfig:
     xs: bool = False
     maxnreg: int | None = None
     late_epilogue: bool = False   # the escape loads after the first weight loads, not before
+    xf32: bool = False   # with xs: the staged x converted to fp32 once per program, not per record
 
     def key(self) -> str:
         return (f"gl-r{self.rows}-w{self.warps}-d{self.depth}-s{self.split_k}{'-u' if self.unroll else ''}"
                 f"{'-xs' if self.xs else ''}{f'-r{self.maxnreg}' if self.maxnreg else ''}"
-                f"{'-el' if self.late_epilogue else ''}"
+                f"{'-el' if self.late_epilogue else ''}{'-xf' if self.xf32 else ''}"
                 f"{'-plain' if self.plain_decode else ''}")
+
+    def xs_bytes(self, k_tiles: int) -> int:
+        """Shared memory of the staged x: bf16 pairs, plus the fp32 copy with ``xf32``."""
+        return self.xs_groups(k_tiles) * self.warps * 128 * (3 if self.xf32 else 1)
 
     def xs_groups(self, k_tiles: int) -> int:
         """Staged x: groups of ``warps`` records (a multiple of the cp.async chunk and of the unroll)."""
@@ -93,6 +98,8 @@ def check_config(cfg: GluonGemvConfig) -> None:
         raise ValueError("an unrolled ring needs depth >= 2")
     if cfg.maxnreg is not None and not 32 <= cfg.maxnreg <= 255:
         raise ValueError(f"maxnreg must be 32-255, got {cfg.maxnreg}")
+    if cfg.xf32 and not (cfg.xs and cfg.unroll):
+        raise ValueError("xf32 converts the staged x of an unrolled ring: it needs xs=True and unroll=True")
 
 
 if gluon is not None:
@@ -107,6 +114,11 @@ if gluon is not None:
         lx = gl.BlockedLayout([1, 1, 8], [1, 8, 4], [warps, 1, 1], [2, 1, 0])
         le = gl.BlockedLayout([1, 1], [32, 1], [warps, 1], [1, 0])     # [rows, escapes]: escapes in registers
         return lv, lq, lx, le
+
+    @lru_cache(maxsize=None)
+    def xf32_layout(warps: int):
+        """``[warps, rows, 64]`` fp32 x (16 consecutive k per lane: the lane's 4 view words' weights)."""
+        return gl.BlockedLayout([1, 1, 16], [1, 8, 4], [warps, 1, 1], [2, 1, 0])
 
     @gluon.jit
     def _f32_lo(p):
@@ -150,24 +162,34 @@ if gluon is not None:
 
     @gluon.jit
     def _rec_fma(acc, v, q, x, WARPS: gl.constexpr, ROWS: gl.constexpr, L_V: gl.constexpr,
-                 QPASS: gl.constexpr, PLAIN: gl.constexpr):
+                 QPASS: gl.constexpr, PLAIN: gl.constexpr, XF32: gl.constexpr = False):
         """acc ``[W, ROWS, 16]`` += the decoded weights of each warp's record times its x."""
         if PLAIN:   # the plain decode, kept for A/B runs (benchmarks/w12_decode_ab.py)
             p0, p1 = _decode_pairs(v, q, L_V, QPASS)
         else:       # p0: weights 4c, 4c+1 (x word 2c); p1: 4c+2, 4c+3
             p0, p1 = _decode_pairs_fast(v, q, L_V, QPASS)
-        xa, xb = gl.split(gl.reshape(x.to(gl.uint32), [WARPS, 1, 16, 2]))
-        xa = gl.convert_layout(xa, L_V, assert_trivial=True)
-        xb = gl.convert_layout(xb, L_V, assert_trivial=True)
-        acc += _f32_lo(p0) * _f32_lo(xa)
-        acc += _f32_hi(p0) * _f32_hi(xa)
-        acc += _f32_lo(p1) * _f32_lo(xb)
-        acc += _f32_hi(p1) * _f32_hi(xb)
+        if XF32:   # x [W, 1, 64] fp32, k = 4c + 2a + b: the same products in the same order
+            xe, xo = gl.split(gl.reshape(x, [WARPS, 1, 16, 2, 2]))      # b = 0, 1
+            x0, x2 = gl.split(xe)                                        # a = 0, 1
+            x1, x3 = gl.split(xo)
+            acc += _f32_lo(p0) * gl.convert_layout(x0, L_V, assert_trivial=True)
+            acc += _f32_hi(p0) * gl.convert_layout(x1, L_V, assert_trivial=True)
+            acc += _f32_lo(p1) * gl.convert_layout(x2, L_V, assert_trivial=True)
+            acc += _f32_hi(p1) * gl.convert_layout(x3, L_V, assert_trivial=True)
+        else:
+            xa, xb = gl.split(gl.reshape(x.to(gl.uint32), [WARPS, 1, 16, 2]))
+            xa = gl.convert_layout(xa, L_V, assert_trivial=True)
+            xb = gl.convert_layout(xb, L_V, assert_trivial=True)
+            acc += _f32_lo(p0) * _f32_lo(xa)
+            acc += _f32_hi(p0) * _f32_hi(xa)
+            acc += _f32_lo(p1) * _f32_lo(xb)
+            acc += _f32_hi(p1) * _f32_hi(xb)
         return acc
 
     @gluon.jit
     def _x_of(x, xs, i, L_X: gl.constexpr, XS: gl.constexpr):
-        """Step ``i``'s x words (records ``t_begin + i * WARPS + w``): the ring's, or the staged ones."""
+        """Step ``i``'s x words (records ``t_begin + i * WARPS + w``): the ring's, or the staged ones
+        (``L_X`` is then the fp32 layout when the staged x is fp32)."""
         if XS:
             x = gl.expand_dims(xs.index(i).load(gl.SliceLayout(1, L_X)), 1)
         return x
@@ -175,10 +197,15 @@ if gluon is not None:
     @gluon.jit
     def _ring_set(acc, v, q, x, xs, i, t_next, wid, rec_ptr, x32_ptr, tile_row, t_end, KH, off_v, off_q, xw, pv, pq,
                   WARPS: gl.constexpr, ROWS: gl.constexpr, L_V: gl.constexpr, L_Q: gl.constexpr, L_X: gl.constexpr,
-                  QPASS: gl.constexpr, PLAIN: gl.constexpr, XS: gl.constexpr):
+                  QPASS: gl.constexpr, PLAIN: gl.constexpr, XS: gl.constexpr, L_XF: gl.constexpr = None,
+                  XF32: gl.constexpr = False):
         """One register set of the unrolled ring: its records' FMAs (step ``i``), then the set
-        reloaded in place with records ``t_next + w`` (pinned there with ``XS``)."""
-        acc = _rec_fma(acc, v, q, _x_of(x, xs, i, L_X, XS), WARPS, ROWS, L_V, QPASS, PLAIN)
+        reloaded in place with records ``t_next + w`` (pinned there with ``XS``); with ``XF32`` the
+        staged x is fp32 (layout ``L_XF``)."""
+        if XF32:
+            acc = _rec_fma(acc, v, q, _x_of(x, xs, i, L_XF, XS), WARPS, ROWS, L_V, QPASS, PLAIN, True)
+        else:
+            acc = _rec_fma(acc, v, q, _x_of(x, xs, i, L_X, XS), WARPS, ROWS, L_V, QPASS, PLAIN)
         v, q, x = _load_recs(rec_ptr, x32_ptr, tile_row, t_next + wid, t_end, KH, off_v, off_q, xw, pv, pq,
                              L_V, L_Q, L_X, QPASS, XS)
         return acc, v, q, x, _pin(wid, XS)
@@ -204,6 +231,29 @@ if gluon is not None:
         else:
             xs = xc._reinterpret(gl.int32, [XS_IT, WARPS, 32], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
         return xs
+
+    @gluon.jit
+    def _x_to_f32(xs, WARPS: gl.constexpr, XS_IT: gl.constexpr, XS_CH: gl.constexpr):
+        """The staged bf16 pairs (landed, after the barrier) as fp32 ``[XS_IT, WARPS, 64]`` in natural
+        k order, converted once: ``XS_CH`` groups per pass (a CTA barrier between passes: Triton's
+        analysis sees one buffer), then a barrier."""
+        CW: gl.constexpr = XS_CH * WARPS * 32
+        L: gl.constexpr = gl.BlockedLayout([CW // (32 * WARPS)], [32], [WARPS], [0])
+        if _PUBLIC_REINTERPRET:
+            src = xs.reinterpret(gl.int32, [XS_IT // XS_CH, CW], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        else:
+            src = xs._reinterpret(gl.int32, [XS_IT // XS_CH, CW], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        # (an indexed 2-D buffer is laid out as in _stage_x: order [0], the 1-D pieces contiguous)
+        xf = gl.allocate_shared_memory(gl.float32, [XS_IT // XS_CH, 2 * CW], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        for c in range(0, XS_IT // XS_CH):
+            w = src.index(c).load(L).to(gl.uint32)
+            xf.index(c).store(gl.reshape(gl.join(_f32_lo(w), _f32_hi(w)), [2 * CW]))
+        _cta_barrier()
+        if _PUBLIC_REINTERPRET:
+            out = xf.reinterpret(gl.float32, [XS_IT, WARPS, 64], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+        else:
+            out = xf._reinterpret(gl.float32, [XS_IT, WARPS, 64], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+        return out
 
     @gluon.jit
     def _esc_chunk(x_ptr, erow_ptr, ecol_ptr, edelta_ptr, e, e_hi, ESC_CH: gl.constexpr, LE: gl.constexpr):
@@ -250,6 +300,7 @@ if gluon is not None:
         QPASS: gl.constexpr, PLAIN: gl.constexpr, ESC_CH: gl.constexpr,
         L_V: gl.constexpr, L_Q: gl.constexpr, L_X: gl.constexpr, L_E: gl.constexpr,
         XS: gl.constexpr = False, XS_IT: gl.constexpr = 8, XS_CH: gl.constexpr = 8, EPI_LATE: gl.constexpr = False,
+        XF32: gl.constexpr = False, L_XF: gl.constexpr = None,
     ):
         pid_n = gl.program_id(0)
         pid_k = gl.program_id(1)
@@ -299,7 +350,9 @@ if gluon is not None:
                                                              n0, N, ROWS, ESC_CH, L_E)
         if XS:
             async_copy.wait_group(0)
-            _cta_barrier()      # the only barrier before the loop; none inside
+            _cta_barrier()      # the only barrier before the loop (with XF32, a few more); none inside
+            if XF32:
+                xs = _x_to_f32(xs, WARPS, XS_IT, XS_CH)
         if UNROLL:
             # DEPTH register sets and the loop unrolled by DEPTH: each set is reloaded in place right
             # after it is consumed. (In the rolled loop below the ring rotation is a register move of
@@ -311,19 +364,19 @@ if gluon is not None:
                 i = (t - t_begin) // WARPS
                 acc, v0, q0, x0, wid = _ring_set(acc, v0, q0, x0, xs, i, t + DEPTH * WARPS, wid, rec_ptr, x32_ptr,
                                                  tile_row, t_end, KH, off_v, off_q, xw, pv, pq, WARPS, ROWS, L_V, L_Q,
-                                                 L_X, QPASS, PLAIN, XS)
+                                                 L_X, QPASS, PLAIN, XS, L_XF, XF32)
                 if DEPTH >= 2:
                     acc, v1, q1, x1, wid = _ring_set(acc, v1, q1, x1, xs, i + 1, t + (DEPTH + 1) * WARPS, wid, rec_ptr,
                                                      x32_ptr, tile_row, t_end, KH, off_v, off_q, xw, pv, pq, WARPS, ROWS,
-                                                     L_V, L_Q, L_X, QPASS, PLAIN, XS)
+                                                     L_V, L_Q, L_X, QPASS, PLAIN, XS, L_XF, XF32)
                 if DEPTH >= 3:
                     acc, v2, q2, x2, wid = _ring_set(acc, v2, q2, x2, xs, i + 2, t + (DEPTH + 2) * WARPS, wid, rec_ptr,
                                                      x32_ptr, tile_row, t_end, KH, off_v, off_q, xw, pv, pq, WARPS, ROWS,
-                                                     L_V, L_Q, L_X, QPASS, PLAIN, XS)
+                                                     L_V, L_Q, L_X, QPASS, PLAIN, XS, L_XF, XF32)
                 if DEPTH >= 4:
                     acc, v3, q3, x3, wid = _ring_set(acc, v3, q3, x3, xs, i + 3, t + (DEPTH + 3) * WARPS, wid, rec_ptr,
                                                      x32_ptr, tile_row, t_end, KH, off_v, off_q, xw, pv, pq, WARPS, ROWS,
-                                                     L_V, L_Q, L_X, QPASS, PLAIN, XS)
+                                                     L_V, L_Q, L_X, QPASS, PLAIN, XS, L_XF, XF32)
         else:
             for t in range(t_begin, t_end, WARPS):
                 vn, qn, xn = _load_recs(rec_ptr, x32_ptr, tile_row, t + DEPTH * WARPS + wid, t_end, KH, off_v, off_q,
@@ -435,8 +488,8 @@ def w12_gemv_gluon(x: torch.Tensor, packed: KernelPack, qpass: bool = False,
     if out is None:
         out = torch.empty(1, n, dtype=out_dtype or x.dtype, device=x.device)
     xs_it = cfg.xs_groups(kt) if cfg.xs else XS_CHUNK
-    if cfg.xs and xs_it * cfg.warps * 128 > XS_MAX_BYTES:
-        raise ValueError(f"{cfg.key()}: staged x would take {xs_it * cfg.warps * 128} bytes of shared memory "
+    if cfg.xs and cfg.xs_bytes(kt) > XS_MAX_BYTES:
+        raise ValueError(f"{cfg.key()}: staged x would take {cfg.xs_bytes(kt)} bytes of shared memory "
                          f"(limit {XS_MAX_BYTES}); use a larger split_k or xs=False")
     ws, locks = _workspace(x.device, nb * split * cfg.rows if split > 1 else 1, nb)
     lv, lq, lx, le = layouts(cfg.rows, cfg.warps)
@@ -448,7 +501,7 @@ def w12_gemv_gluon(x: torch.Tensor, packed: KernelPack, qpass: bool = False,
         ROWS=cfg.rows, WARPS=cfg.warps, DEPTH=cfg.depth, UNROLL=cfg.unroll, USE_SPLIT=split > 1, QPASS=qpass,
         PLAIN=cfg.plain_decode,
         ESC_CH=8, L_V=lv, L_Q=lq, L_X=lx, L_E=le, XS=cfg.xs, XS_IT=xs_it, XS_CH=XS_CHUNK,
-        EPI_LATE=cfg.late_epilogue,
+        EPI_LATE=cfg.late_epilogue, XF32=cfg.xf32, L_XF=xf32_layout(cfg.warps) if cfg.xf32 else None,
         num_warps=cfg.warps, **launch_options(cfg),
     )
     return out
