@@ -6,7 +6,9 @@ Compute: a few warm-up calls, then the call to profile.
         --config 64,8,4,2,0
     ncu --import wg.ncu-rep --page source --csv --print-source sass > wg_sass.csv   # stalls per instruction
 
-``--config`` is the kernel's config dataclass fields, comma separated (default: its default config).
+``--config`` is the kernel's config dataclass fields, comma separated (default: its default config);
+0 for a field that defaults to None (``maxnreg``) means None, e.g. ``--kernel mma --config
+64,3,4,4,0,0,0,0,0,1,2`` is ``MmaConfig(64, 3, 4, 4, tma=2)``.
 """
 
 from __future__ import annotations
@@ -41,7 +43,9 @@ def main() -> int:
     if args.config:
         vals = [int(v) for v in args.config.split(",")]
         fields = list(cls.__dataclass_fields__)
-        cfg = cls(**{f: (bool(v) if isinstance(getattr(cls(), f), bool) else v) for f, v in zip(fields, vals)})
+        dflt = cls()   # bools from 0/1; 0 for a field whose default is None (a register cap) is None
+        cfg = cls(**{f: (bool(v) if isinstance(getattr(dflt, f), bool) else None if getattr(dflt, f) is None and v == 0
+                         else v) for f, v in zip(fields, vals)})
     w = (torch.randn(args.n, args.k, device="cuda") * 0.02).bfloat16()
     kp = KernelPack.from_w12(encode(w), device="cuda")
     x = torch.randn(args.m, args.k, device="cuda").bfloat16()
