@@ -202,6 +202,12 @@ def mma_configs(m: int, kt: int, n: int, sms: int, tiles=((64, 4), (128, 4)), va
                 out.append(MmaConfig(bn, split, 4, 4, tma=1))
             out += [MmaConfig(bn, split, w, stages, tma=2) for stages in (4, 6)]
         return out
+    if variants == "tma-pair":   # the consumer group, one or two records per step (two: also 136 registers)
+        for bn, w, split in tile_splits(m, kt, n, sms, ((64, 4),), block_m_for):
+            out += [MmaConfig(bn, split, w, 4, tma=2), MmaConfig(bn, split, w, 4, False, True, tma=2),
+                    MmaConfig(bn, split, w, 4, False, True, maxnreg=136, tma=2),
+                    MmaConfig(bn, split, w, 6, False, True, tma=2)]
+        return out
     if variants == "chunk":
         for bn, w, split in tile_splits(m, kt, n, sms, tiles, block_m_for):
             for depth in (2, 3):
@@ -469,11 +475,12 @@ def main() -> int:
     ap.add_argument("--rows", default=None, help="gemv / default modes: comma list of M (default 1,2,4 / 1,2,4,8,16,32,64)")
     ap.add_argument("--tiles", default=None, type=parse_tiles,
                     help="mma mode: comma list of ROWSxWARPS program tiles (default 64x4,128x4)")
-    ap.add_argument("--variants", choices=["all", "xs", "xf32", "stream", "chunk", "tma"], default="all",
+    ap.add_argument("--variants", choices=["all", "xs", "xf32", "stream", "chunk", "tma", "tma-pair"], default="all",
                     help="only the committed choice and: the staged-x variants (xs, gemv-gluon mode; xf32: "
                          "with and without x converted to fp32 once), the "
                          "stream-K ones (stream, mma mode), the x-chunk ones (chunk, mma mode) or the "
-                         "TMA/mbarrier ones (tma, mma mode)")
+                         "TMA/mbarrier ones (tma, mma mode; tma-pair: the consumer group taking one or two "
+                         "records per step)")
     args = ap.parse_args()
     if args.mode == "gemv":
         return gemv_sweep(args)

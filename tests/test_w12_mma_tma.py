@@ -25,7 +25,8 @@ from test_w12_mma import _cuda_layer, _gpu_gluon  # noqa: E402
 
 @pytest.mark.parametrize("bad", [mma.MmaConfig(64, 1, 4, 1, tma=1), mma.MmaConfig(64, 1, 4, 9, tma=1),
                                  mma.MmaConfig(256, 1, 4, 3, tma=1), mma.MmaConfig(48, 1, 4, 3, tma=1),
-                                 mma.MmaConfig(64, 1, 4, 3, tma=3), mma.MmaConfig(128, 1, 4, 3, tma=2)])
+                                 mma.MmaConfig(64, 1, 4, 3, tma=3), mma.MmaConfig(128, 1, 4, 3, tma=2),
+                                 mma.MmaConfig(64, 1, 4, 3, False, True, tma=1)])
 def test_bad_tma_configs_are_refused(bad):
     with pytest.raises(ValueError):
         mma_tma.check(bad)
@@ -91,6 +92,9 @@ CASES = [  # (rows, N, K, config): partial tiles and records, uneven splits, 2-8
     (17, 200, 320, mma.MmaConfig(64, 3, 4, 4, tma=2)),
     (32, 384, 1024, mma.MmaConfig(128, 4, 8, 6, tma=2)),
     (100, 136, 192, mma.MmaConfig(64, 2, 4, 3, tma=2)),
+    # the group taking two records per step: an even and an odd record count per split
+    (32, 384, 1024, mma.MmaConfig(64, 4, 4, 4, False, True, tma=2)),
+    (17, 200, 320, mma.MmaConfig(64, 1, 4, 2, False, True, tma=2)),
     (100, 136, 192, mma.MmaConfig(32, 2, 4, 4, tma=1)),   # two row blocks, the last one partial
 ]
 
@@ -107,7 +111,7 @@ def test_tma_matches_reference_and_the_wsmem_bits(m, n, k, cfg):
     if k <= 1024:   # (longer fp32 tensor-core sums exceed check_close's 2e-6; the bits below still hold)
         check_close(y.cpu(), x.cpu(), w)
     assert torch.equal(y.view(torch.int32), mma.w12_mma(x, kp, config=cfg, out_dtype=torch.float32).view(torch.int32))
-    ring = replace(cfg, tma=False, wsmem=True, depth=2, num_warps=cfg.block_n // 16)   # same fragments and MMA order
+    ring = replace(cfg, tma=0, wsmem=True, unroll=False, depth=2, num_warps=cfg.block_n // 16)   # same fragments, MMA order
     for qpass in (False, True):
         ref = mma.w12_mma(x, kp, qpass=qpass, config=ring, out_dtype=torch.float32)
         got = mma.w12_mma(x, kp, qpass=qpass, config=cfg, out_dtype=torch.float32)

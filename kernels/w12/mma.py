@@ -660,7 +660,8 @@ class MmaConfig:
     maxnreg: int | None = None  # register cap passed to ptxas (None: its own choice)
     x_chunk: int = 1    # > 1: x copied XC records at a time, one CTA barrier per chunk (unrolled ring)
     tma: int = 0        # weights and x by TMA into ``depth`` stages with mbarriers (mma_tma): 1 a consumer
-                        # warp per 16 rows, 2 the program's warps as one consumer group
+                        # warp per 16 rows, 2 the program's warps as one consumer group (with ``unroll``:
+                        # two records per consumer step)
 
     def key(self) -> str:
         return (f"mma-n{self.block_n}-s{self.split_k}-w{self.num_warps}-d{self.depth}{'-ws' if self.wsmem else ''}"

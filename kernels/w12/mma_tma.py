@@ -72,6 +72,8 @@ def check(cfg) -> None:
         raise ValueError(f"tma is 1 (a consumer warp per 16 rows) or 2 (one consumer group), got {cfg.tma}")
     if cfg.block_n not in (32, 64, 128):
         raise ValueError(f"the TMA variant takes 32, 64 or 128 rows per program, got {cfg.block_n}")
+    if cfg.unroll and cfg.tma != GROUP:
+        raise ValueError("unroll (two records per consumer step) goes with the consumer group, tma=2")
     if cfg.tma == GROUP and (cfg.num_warps not in (4, 8) or cfg.block_n != 16 * cfg.num_warps):
         raise ValueError(f"a TMA consumer group is 4 or 8 warps of 16 rows each, got {cfg.block_n} rows on "
                          f"{cfg.num_warps} warps")
@@ -158,9 +160,23 @@ if AVAILABLE:
         return getattr(_mma, "layouts")(int(block_n), int(block_m), int(warps))[int(i)]
 
     @gluon.jit
+    def _group_read(xs, wv_s, wq_s, ready, i, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, QPASS: gl.constexpr,
+                    L_VIEW: gl.constexpr, L_NIB: gl.constexpr, L_X: gl.constexpr, B_OP: gl.constexpr):
+        """Record ``i`` of the ring, once landed: its x (B operand) and weight words in registers."""
+        s = i % STAGES
+        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        b = _b_operand(xs.index(s), L_X, B_OP, BLOCK_M)
+        w = wv_s.index(s).load(L_VIEW)
+        if QPASS:
+            q = w
+        else:
+            q = wq_s.index(s).load(L_NIB)
+        return b, w, q
+
+    @gluon.jit
     def _group_consumer(rt, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, USE_SPLIT: gl.constexpr,
                         QPASS: gl.constexpr, ESC_CH: gl.constexpr, STAGES: gl.constexpr, PLAIN: gl.constexpr,
-                        WARPS: gl.constexpr):
+                        WARPS: gl.constexpr, PAIR: gl.constexpr):
         """``tma=2``: the default partition's warps consume each stage together (the ``mma`` kernel's
         layouts, warps split the rows); one arrival per stage, after the partition's barrier."""
         (wv_s, wq_s, xs, ready, empty, n_rec, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, ws_ptr,
@@ -173,16 +189,20 @@ if AVAILABLE:
         B_OP: gl.constexpr = _group_layout(BLOCK_N, BLOCK_M, WARPS, 5)
         L_EP: gl.constexpr = _group_layout(BLOCK_N, BLOCK_M, WARPS, 6)
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
-        for i in range(0, n_rec):
-            s = i % STAGES
-            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-            b = _b_operand(xs.index(s), L_X, B_OP, BLOCK_M)
-            w = wv_s.index(s).load(L_VIEW)
-            if QPASS:
-                q = w
-            else:
-                q = wq_s.index(s).load(L_NIB)
-            mbarrier.arrive(empty.index(s))
+        i = 0
+        if PAIR:   # two records per step: the second's loads and decode overlap the first's MMAs
+            for i in range(0, n_rec - 1, 2):
+                b0, w0, q0 = _group_read(xs, wv_s, wq_s, ready, i, STAGES, BLOCK_M, QPASS, L_VIEW, L_NIB, L_X, B_OP)
+                b1, w1, q1 = _group_read(xs, wv_s, wq_s, ready, i + 1, STAGES, BLOCK_M, QPASS, L_VIEW, L_NIB, L_X,
+                                         B_OP)
+                mbarrier.arrive(empty.index(i % STAGES))
+                mbarrier.arrive(empty.index((i + 1) % STAGES))
+                acc = mma_v2(_a_operand(w0, q0, L_VIEW, A_OP, BLOCK_N, QPASS, PLAIN), b0, acc)
+                acc = mma_v2(_a_operand(w1, q1, L_VIEW, A_OP, BLOCK_N, QPASS, PLAIN), b1, acc)
+            i = n_rec - n_rec % 2
+        for j in range(i, n_rec):   # every record, or the odd last one
+            b, w, q = _group_read(xs, wv_s, wq_s, ready, j, STAGES, BLOCK_M, QPASS, L_VIEW, L_NIB, L_X, B_OP)
+            mbarrier.arrive(empty.index(j % STAGES))
             acc = mma_v2(_a_operand(w, q, L_VIEW, A_OP, BLOCK_N, QPASS, PLAIN), b, acc)
         _epilogue(acc, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, ws_ptr, lock_ptr,
                   n0, pid_n, pid_k, pid_m, M, N, NUM_N_BLOCKS, SPLIT_K, SPLIT_K, stride_xm, stride_ym,
@@ -198,7 +218,7 @@ if AVAILABLE:
         stride_xm, stride_ym,
         BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, USE_SPLIT: gl.constexpr, QPASS: gl.constexpr,
         ESC_CH: gl.constexpr, STAGES: gl.constexpr, PLAIN: gl.constexpr, REGS: gl.constexpr,
-        GROUP: gl.constexpr = False, WARPS: gl.constexpr = 4,
+        GROUP: gl.constexpr = False, WARPS: gl.constexpr = 4, PAIR: gl.constexpr = False,
     ):
         pid_n = gl.program_id(0)
         pid_k = gl.program_id(1)
@@ -224,7 +244,8 @@ if AVAILABLE:
         pt = (v_desc, q_desc, x_desc, wv_s, wq_s, xs, ready, empty, (n0 // 128) * KT + t_begin, n0 % 128,
               pid_m * BLOCK_M, t_begin, n_rec)
         if GROUP:   # the kernel's warps consume together; one copy warp
-            gl.warp_specialize([(_group_consumer, (rt, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN, WARPS)),
+            gl.warp_specialize([(_group_consumer, (rt, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN, WARPS,
+                                                     PAIR)),
                                 (_producer, (pt, BLOCK_N, BLOCK_M, QPASS, STAGES))], [1], [24])
         elif SLICES == 2:
             gl.warp_specialize([(_producer, (pt, BLOCK_N, BLOCK_M, QPASS, STAGES)),
@@ -295,7 +316,7 @@ def launch(x: torch.Tensor, packed: KernelPack, out: torch.Tensor, qpass: bool, 
         m, n, k, kt, tps, nb, split,
         x.stride(0), out.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_M=bm, USE_SPLIT=split > 1, QPASS=qpass, ESC_CH=esc_ch, STAGES=cfg.depth,
-        PLAIN=cfg.plain_decode, REGS=regs, GROUP=group, WARPS=cfg.num_warps,
+        PLAIN=cfg.plain_decode, REGS=regs, GROUP=group, WARPS=cfg.num_warps, PAIR=cfg.unroll,
         num_warps=cfg.num_warps if group else 4,
         # (the one copy warp of a group is padded to a warpgroup, its idle warps at 24 registers too)
         maxnreg=launch_regs(cfg.num_warps, regs, 4, 24) if group else launch_regs(slices, regs),
