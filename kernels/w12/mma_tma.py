@@ -26,6 +26,12 @@ tested on the compiled code), so a slow warp does not hold the others back until
 ``setmaxnreg`` gives the consumers ``maxnreg`` registers (default: :data:`DEFAULT_REGS`) and the
 copy warps 48 or fewer.
 
+``tma=2`` instead keeps the ``mma`` kernel's layout: the program's 4 or 8 warps consume each stage
+together (one arrival after their named barrier) beside one copy warp (padded to a warpgroup at 24
+registers), so four 64-row programs fit per SM at 32 rows; with ``unroll`` the group takes two
+records per step (both stages' reads, then both decodes and MMAs in the same order), which gives a
+warp two independent chains to interleave (Nsight: 14.8 cycles per issued instruction with one).
+
 Each consumer finishes its own 16-row block (row scale, escapes, split-K through a slot and a
 counter of its own) with the ``mma`` kernel's epilogue (:func:`.mma._epilogue`). The fragments,
 the MMA order and the split-K order are those of the ``wsmem`` ring, so results are bitwise the
