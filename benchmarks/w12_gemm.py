@@ -192,7 +192,8 @@ def mma_configs(m: int, kt: int, n: int, sms: int, tiles=((64, 4), (128, 4)), va
     4; above 8 rows, 16-row warp slices also capped at 128 registers). ``variants``: ``stream`` (the
     committed choice and the stream-K variants), ``chunk`` (it and unrolled rings of depth 2-3
     with x in chunks of 2 or 4 records) or ``tma`` (it and the TMA/mbarrier rings: a consumer
-    warp per 16 rows, or the program's 4 or 8 warps as one consumer group, 4 or 6 stages)."""
+    warp per 16 rows, or the program's 4 or 8 warps as one consumer group, 4 or 6 stages) or
+    ``tma-pair`` (it and the consumer group taking one or two records per step)."""
     from specpilot.kernels.w12.mma import MmaConfig, block_m_for, default_config
 
     out = [default_config(m, n, kt * 64, sms)]

@@ -149,3 +149,25 @@ def test_tuned_tma_entries_only_where_tma_runs():
     assert mma.default_config(bm, n, k).tma
     assert not mma.default_config(bm, n, k, tma=False).tma
     assert not mma_tma.supported("cpu")
+
+
+def test_sweep_variants_are_valid_configs():
+    """``benchmarks/w12_gemm.py --variants tma|tma-pair|xf32`` offer only configs the kernels accept."""
+    import importlib.util
+    from pathlib import Path
+
+    from specpilot.kernels.w12 import gemv_gluon as gg
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "w12_gemm.py"
+    spec = importlib.util.spec_from_file_location("w12_gemm_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for variants in ("tma", "tma-pair"):
+        cfgs = bench.mma_configs(32, 64, 6144, 132, variants=variants)
+        assert len(cfgs) > 4 and all(c.tma for c in cfgs[1:])
+        for c in cfgs[1:]:
+            mma_tma.check(c)
+    xf = bench.gluon_gemv_configs(1, 64, 6144, 132, variants="xf32")
+    assert any(c.xf32 for c in xf) and any(not c.xf32 for c in xf[1:])
+    for c in xf:
+        gg.check_config(c)

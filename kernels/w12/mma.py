@@ -708,12 +708,12 @@ def default_config(m: int, n: int, k: int, sms: int = 132, tma: bool = True) -> 
 # 8,16,32,64, benchmarks/results/w12_mma_unroll.json: one-pass escape epilogue, unrolled register
 # rings in the sweep; the comment is the speedup over cuBLAS there and, in brackets, that of the
 # previous table (w12_mma_epi.json) in the same run). ``plain_decode`` where the decode A/B
-# (w12_decode_ab_mma.json, 8 and 32 rows) measured the plain decode more than 3 % faster. Three
-# entries from the x-chunk sweep (w12_mma_chunk.json, 8-32 rows: re-timed against the previous
-# entry in the same run; x chunks won clearly nowhere else). Seven entries from the TMA sweep
-# (w12_mma_tma.json, 8-32 rows, the TMA rings against the previous entry, re-timed interleaved in
-# the same run; kept where they won by 1 % or more there and in the two earlier TMA sweeps). Two
-# 32-row entries take the group with two records per step (w12_mma_tma_pair.json, re-timed the same way).
+# (w12_decode_ab_mma.json, 8 and 32 rows) measured the plain decode more than 3 % faster. The x
+# chunks won three entries (w12_mma_chunk.json), all since taken by the TMA rings: seven entries
+# from the TMA sweep (w12_mma_tma.json, 8-32 rows, against the previous entry, re-timed interleaved
+# in the same run; kept where they won by 1 % or more there and in the two earlier TMA sweeps), and
+# two 32-row entries with the group taking two records per step (w12_mma_tma_pair.json, the same way).
+# TMA entries apply only where TMA runs (default_config(tma=...)).
 TUNED: dict[tuple[int, int, int], MmaConfig] = {
     (6144, 4096, 8): MmaConfig(64, 3, 4, 4, tma=2),  # 17.66 vs 18.24 us, w12_mma_tma.json
     (6144, 4096, 16): MmaConfig(64, 6, 4, 2, False, True),  # 0.905x (0.887x)
