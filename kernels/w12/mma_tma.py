@@ -32,10 +32,12 @@ registers), so four 64-row programs fit per SM at 32 rows; with ``unroll`` the g
 records per step (both stages' reads, then both decodes and MMAs in the same order), which gives a
 warp two independent chains to interleave (Nsight: 14.8 cycles per issued instruction with one).
 
-Each consumer finishes its own 16-row block (row scale, escapes, split-K through a slot and a
-counter of its own) with the ``mma`` kernel's epilogue (:func:`.mma._epilogue`). The fragments,
-the MMA order and the split-K order are those of the ``wsmem`` ring, so results are bitwise the
-ring's (GPU test) and identical run to run. Plain reference: :func:`.naive.w12_matmul_reference`.
+The epilogue is the ``mma`` kernel's (:func:`.mma._epilogue`: row scale, escapes, fixed-order
+split-K), run by each consumer warp for its own 16-row block (a split-K slot and counter of its
+own) with ``tma=1`` and by the group for the program's rows with ``tma=2``. The fragments, the MMA
+order and the split-K order are those of the ``wsmem`` ring, so results are bitwise the ring's
+(GPU tests, both modes) and identical run to run. Plain reference:
+:func:`.naive.w12_matmul_reference`.
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ except Exception:  # pragma: no cover - Triton without Gluon's Hopper module
 AVAILABLE = gluon is not None and tma is not None
 MAX_STAGES = 8
 # registers of a consumer warp (setmaxnreg) by x rows per program: the fewest that ptxas compiles
-# without spills (sm_90, Triton 3.6: 8 rows fit in 72, 16 in 88, 32 in 104; 32 rows spill at 96)
+# without spills (sm_90, Triton 3.6: 8 rows fit in 72, 16 in 88, 32 in 104; 32 rows spill at 96;
+# 64 rows: 168, not searched)
 DEFAULT_REGS = {8: 72, 16: 88, 32: 104, 64: 168}
 
 
@@ -113,9 +116,32 @@ if AVAILABLE:
         _tma_load(x_desc, [m0, t * 64], bar, xs, pred=ok)
 
     @gluon.constexpr_function
-    def _slice_layout(block_m, i):
-        """Layout ``i`` of :func:`.mma.layouts` for one warp's 16 rows (view, nibbles, x, MMA, A, B, epilogue)."""
-        return getattr(_mma, "layouts")(16, int(block_m), 1)[int(i)]   # (getattr: no lru_cache in the hash walk)
+    def _layout(block_n, block_m, warps, i):
+        """Layout ``i`` of :func:`.mma.layouts` (view, nibbles, x, MMA, A, B, epilogue) for ``block_n``
+        rows on ``warps`` consumer warps."""
+        return getattr(_mma, "layouts")(int(block_n), int(block_m), int(warps))[int(i)]   # (getattr: no
+        # lru_cache object in the kernel's dependency walk)
+
+    @gluon.jit
+    def _read(xs, wv_s, wq_s, ready, i, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, QPASS: gl.constexpr,
+              L_VIEW: gl.constexpr, L_NIB: gl.constexpr, L_X: gl.constexpr, B_OP: gl.constexpr,
+              SLICE: gl.constexpr = -1):
+        """Record ``i`` of the ring, once landed: its x (B operand) and weight words in registers (all
+        the program's rows, or the 16 rows of ``SLICE``)."""
+        s = i % STAGES
+        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        b = _b_operand(xs.index(s), L_X, B_OP, BLOCK_M)
+        wv = wv_s.index(s)
+        wq = wq_s.index(s)
+        if SLICE >= 0:
+            wv = wv.slice(16 * SLICE, 16)
+            wq = wq.slice(16 * SLICE, 16)
+        w = wv.load(L_VIEW)
+        if QPASS:
+            q = w
+        else:
+            q = wq.load(L_NIB)
+        return b, w, q
 
     @gluon.jit
     def _producer(pt, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, QPASS: gl.constexpr, STAGES: gl.constexpr):
@@ -137,47 +163,21 @@ if AVAILABLE:
         tuple (a partition's constexprs must be literals in its argument tuple)."""
         (wv_s, wq_s, xs, ready, empty, n_rec, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, ws_ptr,
          lock_ptr, n0, pid_n, pid_k, pid_m, M, N, NUM_N_BLOCKS, SPLIT_K, stride_xm, stride_ym) = rt
-        L_VIEW: gl.constexpr = _slice_layout(BLOCK_M, 0)
-        L_NIB: gl.constexpr = _slice_layout(BLOCK_M, 1)
-        L_X: gl.constexpr = _slice_layout(BLOCK_M, 2)
-        MMA: gl.constexpr = _slice_layout(BLOCK_M, 3)
-        A_OP: gl.constexpr = _slice_layout(BLOCK_M, 4)
-        B_OP: gl.constexpr = _slice_layout(BLOCK_M, 5)
-        L_EP: gl.constexpr = _slice_layout(BLOCK_M, 6)
+        L_VIEW: gl.constexpr = _layout(16, BLOCK_M, 1, 0)
+        L_NIB: gl.constexpr = _layout(16, BLOCK_M, 1, 1)
+        L_X: gl.constexpr = _layout(16, BLOCK_M, 1, 2)
+        MMA: gl.constexpr = _layout(16, BLOCK_M, 1, 3)
+        A_OP: gl.constexpr = _layout(16, BLOCK_M, 1, 4)
+        B_OP: gl.constexpr = _layout(16, BLOCK_M, 1, 5)
+        L_EP: gl.constexpr = _layout(16, BLOCK_M, 1, 6)
         acc = gl.zeros([16, BLOCK_M], gl.float32, MMA)
         for i in range(0, n_rec):
-            s = i % STAGES
-            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-            b = _b_operand(xs.index(s), L_X, B_OP, BLOCK_M)
-            w = wv_s.index(s).slice(16 * SLICE, 16).load(L_VIEW)
-            if QPASS:
-                q = w
-            else:
-                q = wq_s.index(s).slice(16 * SLICE, 16).load(L_NIB)
-            mbarrier.arrive(empty.index(s))
+            b, w, q = _read(xs, wv_s, wq_s, ready, i, STAGES, BLOCK_M, QPASS, L_VIEW, L_NIB, L_X, B_OP, SLICE)
+            mbarrier.arrive(empty.index(i % STAGES))
             acc = mma_v2(_a_operand(w, q, L_VIEW, A_OP, 16, QPASS, PLAIN), b, acc)
         _epilogue(acc, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, ws_ptr, lock_ptr,
                   n0 + 16 * SLICE, pid_n * SLICES + SLICE, pid_k, pid_m, M, N, NUM_N_BLOCKS * SLICES, SPLIT_K,
                   SPLIT_K, stride_xm, stride_ym, 16, BLOCK_M, USE_SPLIT, ESC_CH, MMA, L_EP)
-
-    @gluon.constexpr_function
-    def _group_layout(block_n, block_m, warps, i):
-        """Layout ``i`` of :func:`.mma.layouts` for the consumer warpgroup (all the program's rows)."""
-        return getattr(_mma, "layouts")(int(block_n), int(block_m), int(warps))[int(i)]
-
-    @gluon.jit
-    def _group_read(xs, wv_s, wq_s, ready, i, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, QPASS: gl.constexpr,
-                    L_VIEW: gl.constexpr, L_NIB: gl.constexpr, L_X: gl.constexpr, B_OP: gl.constexpr):
-        """Record ``i`` of the ring, once landed: its x (B operand) and weight words in registers."""
-        s = i % STAGES
-        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-        b = _b_operand(xs.index(s), L_X, B_OP, BLOCK_M)
-        w = wv_s.index(s).load(L_VIEW)
-        if QPASS:
-            q = w
-        else:
-            q = wq_s.index(s).load(L_NIB)
-        return b, w, q
 
     @gluon.jit
     def _group_consumer(rt, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, USE_SPLIT: gl.constexpr,
@@ -187,19 +187,19 @@ if AVAILABLE:
         layouts, warps split the rows); one arrival per stage, after the partition's barrier."""
         (wv_s, wq_s, xs, ready, empty, n_rec, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, ws_ptr,
          lock_ptr, n0, pid_n, pid_k, pid_m, M, N, NUM_N_BLOCKS, SPLIT_K, stride_xm, stride_ym) = rt
-        L_VIEW: gl.constexpr = _group_layout(BLOCK_N, BLOCK_M, WARPS, 0)
-        L_NIB: gl.constexpr = _group_layout(BLOCK_N, BLOCK_M, WARPS, 1)
-        L_X: gl.constexpr = _group_layout(BLOCK_N, BLOCK_M, WARPS, 2)
-        MMA: gl.constexpr = _group_layout(BLOCK_N, BLOCK_M, WARPS, 3)
-        A_OP: gl.constexpr = _group_layout(BLOCK_N, BLOCK_M, WARPS, 4)
-        B_OP: gl.constexpr = _group_layout(BLOCK_N, BLOCK_M, WARPS, 5)
-        L_EP: gl.constexpr = _group_layout(BLOCK_N, BLOCK_M, WARPS, 6)
+        L_VIEW: gl.constexpr = _layout(BLOCK_N, BLOCK_M, WARPS, 0)
+        L_NIB: gl.constexpr = _layout(BLOCK_N, BLOCK_M, WARPS, 1)
+        L_X: gl.constexpr = _layout(BLOCK_N, BLOCK_M, WARPS, 2)
+        MMA: gl.constexpr = _layout(BLOCK_N, BLOCK_M, WARPS, 3)
+        A_OP: gl.constexpr = _layout(BLOCK_N, BLOCK_M, WARPS, 4)
+        B_OP: gl.constexpr = _layout(BLOCK_N, BLOCK_M, WARPS, 5)
+        L_EP: gl.constexpr = _layout(BLOCK_N, BLOCK_M, WARPS, 6)
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
         i = 0
         if PAIR:   # two records per step: the second's loads and decode overlap the first's MMAs
             for i in range(0, n_rec - 1, 2):
-                b0, w0, q0 = _group_read(xs, wv_s, wq_s, ready, i, STAGES, BLOCK_M, QPASS, L_VIEW, L_NIB, L_X, B_OP)
-                b1, w1, q1 = _group_read(xs, wv_s, wq_s, ready, i + 1, STAGES, BLOCK_M, QPASS, L_VIEW, L_NIB, L_X,
+                b0, w0, q0 = _read(xs, wv_s, wq_s, ready, i, STAGES, BLOCK_M, QPASS, L_VIEW, L_NIB, L_X, B_OP)
+                b1, w1, q1 = _read(xs, wv_s, wq_s, ready, i + 1, STAGES, BLOCK_M, QPASS, L_VIEW, L_NIB, L_X,
                                          B_OP)
                 mbarrier.arrive(empty.index(i % STAGES))
                 mbarrier.arrive(empty.index((i + 1) % STAGES))
@@ -207,7 +207,7 @@ if AVAILABLE:
                 acc = mma_v2(_a_operand(w1, q1, L_VIEW, A_OP, BLOCK_N, QPASS, PLAIN), b1, acc)
             i = n_rec - n_rec % 2
         for j in range(i, n_rec):   # every record, or the odd last one
-            b, w, q = _group_read(xs, wv_s, wq_s, ready, j, STAGES, BLOCK_M, QPASS, L_VIEW, L_NIB, L_X, B_OP)
+            b, w, q = _read(xs, wv_s, wq_s, ready, j, STAGES, BLOCK_M, QPASS, L_VIEW, L_NIB, L_X, B_OP)
             mbarrier.arrive(empty.index(j % STAGES))
             acc = mma_v2(_a_operand(w, q, L_VIEW, A_OP, BLOCK_N, QPASS, PLAIN), b, acc)
         _epilogue(acc, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, ws_ptr, lock_ptr,
