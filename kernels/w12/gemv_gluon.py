@@ -214,6 +214,15 @@ if gluon is not None:
     _PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
 
     @gluon.jit
+    def _view(buf, dtype: gl.constexpr, shape: gl.constexpr, order: gl.constexpr):
+        """``buf``'s bytes as ``dtype`` ``shape``, unswizzled with dimension order ``order``."""
+        if _PUBLIC_REINTERPRET:
+            out = buf.reinterpret(dtype, shape, gl.SwizzledSharedLayout(1, 1, 1, order=order))
+        else:
+            out = buf._reinterpret(dtype, shape, gl.SwizzledSharedLayout(1, 1, 1, order=order))
+        return out
+
+    @gluon.jit
     def _stage_x(x32_ptr, t_begin, t_end, KH, WARPS: gl.constexpr, XS_IT: gl.constexpr, XS_CH: gl.constexpr):
         """Shared memory ``[XS_IT, WARPS, 32]`` (group ``i``, warp ``w``: the x words of record
         ``t_begin + i * WARPS + w``, zero past ``t_end`` and ``KH``), filled by cp.async in chunks of
@@ -226,11 +235,7 @@ if gluon is not None:
             g = t_begin * 32 + c * CW + off
             _cp_async(xc.index(c), x32_ptr + g, mask=g < lim)
         async_copy.commit_group()
-        if _PUBLIC_REINTERPRET:
-            xs = xc.reinterpret(gl.int32, [XS_IT, WARPS, 32], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
-        else:
-            xs = xc._reinterpret(gl.int32, [XS_IT, WARPS, 32], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
-        return xs
+        return _view(xc, gl.int32, [XS_IT, WARPS, 32], [1, 0])
 
     @gluon.jit
     def _x_to_f32(xs, WARPS: gl.constexpr, XS_IT: gl.constexpr, XS_CH: gl.constexpr):
@@ -239,21 +244,14 @@ if gluon is not None:
         analysis sees one buffer), then a barrier."""
         CW: gl.constexpr = XS_CH * WARPS * 32
         L: gl.constexpr = gl.BlockedLayout([CW // (32 * WARPS)], [32], [WARPS], [0])
-        if _PUBLIC_REINTERPRET:
-            src = xs.reinterpret(gl.int32, [XS_IT // XS_CH, CW], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-        else:
-            src = xs._reinterpret(gl.int32, [XS_IT // XS_CH, CW], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         # (an indexed 2-D buffer is laid out as in _stage_x: order [0], the 1-D pieces contiguous)
+        src = _view(xs, gl.int32, [XS_IT // XS_CH, CW], [0])
         xf = gl.allocate_shared_memory(gl.float32, [XS_IT // XS_CH, 2 * CW], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         for c in range(0, XS_IT // XS_CH):
             w = src.index(c).load(L).to(gl.uint32)
             xf.index(c).store(gl.reshape(gl.join(_f32_lo(w), _f32_hi(w)), [2 * CW]))
         _cta_barrier()
-        if _PUBLIC_REINTERPRET:
-            out = xf.reinterpret(gl.float32, [XS_IT, WARPS, 64], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
-        else:
-            out = xf._reinterpret(gl.float32, [XS_IT, WARPS, 64], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
-        return out
+        return _view(xf, gl.float32, [XS_IT, WARPS, 64], [1, 0])
 
     @gluon.jit
     def _esc_chunk(x_ptr, erow_ptr, ecol_ptr, edelta_ptr, e, e_hi, ESC_CH: gl.constexpr, LE: gl.constexpr):

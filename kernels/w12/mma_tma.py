@@ -102,18 +102,18 @@ if AVAILABLE:
         return w, x
 
     @gluon.jit
-    def _issue(v_desc, q_desc, x_desc, wv_s, wq_s, xs, bar, rec, r_in, m0, t, ok,
+    def _issue(v_desc, q_desc, x_desc, wv_s, wq_s, xs, bar, rec, r_in, m0, t,
                BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, QPASS: gl.constexpr):
         """Record ``rec`` (k-tile ``t``) of the program's rows and its x tile into one stage: the
-        expected bytes on ``bar``, then the two or three copies (all skipped unless ``ok``)."""
+        expected bytes on ``bar``, then the two or three copies."""
         if QPASS:
-            mbarrier.expect(bar, BLOCK_N * 64 + BLOCK_M * 128, pred=ok)
+            mbarrier.expect(bar, BLOCK_N * 64 + BLOCK_M * 128)
         else:
-            mbarrier.expect(bar, BLOCK_N * 96 + BLOCK_M * 128, pred=ok)
-        _tma_load(v_desc, [rec * 192 + r_in, 0], bar, wv_s, pred=ok)
+            mbarrier.expect(bar, BLOCK_N * 96 + BLOCK_M * 128)
+        _tma_load(v_desc, [rec * 192 + r_in, 0], bar, wv_s)
         if not QPASS:
-            _tma_load(q_desc, [rec * 384 + 256 + r_in, 0], bar, wq_s, pred=ok)
-        _tma_load(x_desc, [m0, t * 64], bar, xs, pred=ok)
+            _tma_load(q_desc, [rec * 384 + 256 + r_in, 0], bar, wq_s)
+        _tma_load(x_desc, [m0, t * 64], bar, xs)
 
     @gluon.constexpr_function
     def _layout(block_n, block_m, warps, i):
@@ -152,7 +152,7 @@ if AVAILABLE:
             s = i % STAGES
             mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)    # (a fresh barrier passes parity 1)
             _issue(v_desc, q_desc, x_desc, wv_s.index(s), wq_s.index(s), xs.index(s), ready.index(s),
-                   rec0 + i, r_in, m0, t_begin + i, True, BLOCK_N, BLOCK_M, QPASS)
+                   rec0 + i, r_in, m0, t_begin + i, BLOCK_N, BLOCK_M, QPASS)
 
     @gluon.jit
     def _consumer(rt, SLICE: gl.constexpr, SLICES: gl.constexpr, BLOCK_M: gl.constexpr, USE_SPLIT: gl.constexpr,
