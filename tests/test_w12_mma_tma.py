@@ -25,7 +25,8 @@ from test_w12_mma import _cuda_layer, _gpu_gluon  # noqa: E402
 
 @pytest.mark.parametrize("bad", [mma.MmaConfig(64, 1, 4, 1, tma=1), mma.MmaConfig(64, 1, 4, 9, tma=1),
                                  mma.MmaConfig(256, 1, 4, 3, tma=1), mma.MmaConfig(48, 1, 4, 3, tma=1),
-                                 mma.MmaConfig(64, 1, 4, 3, tma=3), mma.MmaConfig(128, 1, 4, 3, tma=2),
+                                 mma.MmaConfig(64, 1, 4, 3, tma=4), mma.MmaConfig(128, 1, 4, 3, tma=2),
+                                 mma.MmaConfig(128, 1, 4, 3, tma=3), mma.MmaConfig(64, 1, 4, 3, False, True, tma=3),
                                  mma.MmaConfig(64, 1, 4, 3, False, True, tma=1)])
 def test_bad_tma_configs_are_refused(bad):
     with pytest.raises(ValueError):
@@ -76,6 +77,29 @@ def test_consumer_loop_has_no_cta_barrier():
     assert len(producer) == 1 and producer[0].count("cp.async.bulk.tensor") == 3
 
 
+@pytest.mark.skipif(not mma_tma.AVAILABLE, reason="Triton without Gluon's Hopper module")
+def test_wgmma_group_compiles_to_asynchronous_wgmma():
+    """``tma=3``, compiled for sm_90: per record the group waits once, arrives once and issues four
+    ``wgmma`` (64 rows x 32 x rows x 16 k each) from the register A operand, with one wait that
+    leaves the last in flight; no ``mma.sync``, no spills, and ptxas does not serialize them."""
+    setup = _SETUP.replace("REGS=128)", "REGS=104, WG=True)").replace(
+        "launch_regs(4, 128)", "launch_regs(4, 104, 4, 24)")
+    rep = ptxas_report(setup)
+    assert rep["rc"] == 0 and "0 bytes spill stores" in rep["log"], rep["log"]
+    assert "serialized" not in rep["log"], rep["log"]
+    assert "mma.sync" not in rep["ptx"]
+    blocks = re.split(r"^(?=\$L__BB\d+_\d+:)", rep["ptx"], flags=re.M)
+    steps = [b for b in blocks if "wgmma.mma_async" in b]
+    assert len(steps) == 2                            # the first record, then the loop over the others
+    loop = steps[1]
+    assert re.search(r"bra(\.uni)?\s+" + re.escape(loop.split(":")[0]) + ";", loop)   # branches to itself
+    for b in steps:
+        assert b.count("wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16") == 4
+        assert b.count("mbarrier.try_wait") == 1 and b.count("mbarrier.arrive") == 1
+        assert b.count("wgmma.wait_group.sync.aligned 1") == 1
+    assert len([x for x in blocks if "cp.async.bulk.tensor" in x]) == 1
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------------------------
@@ -97,6 +121,13 @@ CASES = [  # (rows, N, K, config): partial tiles and records, uneven splits, 2-8
     (17, 200, 320, mma.MmaConfig(64, 1, 4, 2, False, True, tma=2)),
     (100, 136, 192, mma.MmaConfig(32, 2, 4, 4, tma=1)),   # two row blocks, the last one partial
 ]
+WG_CASES = [  # the group on wgmma: 1-3 records per split, 4 and 8 warps, 2-64 x rows, two row blocks
+    (2, 40, 200, mma.MmaConfig(64, 1, 4, 2, tma=3)),
+    (17, 200, 320, mma.MmaConfig(64, 3, 4, 4, tma=3)),
+    (32, 384, 1024, mma.MmaConfig(128, 4, 8, 6, tma=3)),
+    (8, 256, 4160, mma.MmaConfig(64, 13, 4, 3, tma=3)),
+    (100, 136, 192, mma.MmaConfig(64, 2, 4, 3, tma=3)),
+]
 
 
 @_gpu_gluon
@@ -116,6 +147,28 @@ def test_tma_matches_reference_and_the_wsmem_bits(m, n, k, cfg):
         ref = mma.w12_mma(x, kp, qpass=qpass, config=ring, out_dtype=torch.float32)
         got = mma.w12_mma(x, kp, qpass=qpass, config=cfg, out_dtype=torch.float32)
         assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
+
+
+@_gpu_gluon
+@pytest.mark.skipif(not mma_tma.AVAILABLE, reason="Triton without Gluon's Hopper module")
+@pytest.mark.parametrize("m,n,k,cfg", WG_CASES)
+def test_wgmma_group_matches_reference_and_is_deterministic(m, n, k, cfg):
+    """``tma=3``: the fp32 reference (the sums inside a ``wgmma`` are the hardware's, so the bits
+    may differ from the ``mma.sync`` ring's: compared within tolerance), bitwise run to run, and the
+    Q pass within tolerance of the ring's Q pass."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("wgmma needs sm_90")
+    w, _, kp = _cuda_layer(n, k, seed=m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16().cuda()
+    y = mma.w12_mma(x, kp, config=cfg, out_dtype=torch.float32)
+    if k <= 1024:
+        check_close(y.cpu(), x.cpu(), w)
+    assert torch.equal(y.view(torch.int32), mma.w12_mma(x, kp, config=cfg, out_dtype=torch.float32).view(torch.int32))
+    ring = replace(cfg, tma=0, wsmem=True, depth=2, num_warps=cfg.block_n // 16)
+    for qpass in (False, True):
+        ref = mma.w12_mma(x, kp, qpass=qpass, config=ring, out_dtype=torch.float32)
+        got = mma.w12_mma(x, kp, qpass=qpass, config=cfg, out_dtype=torch.float32)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4)
 
 
 def test_w12_mma_hands_a_tma_config_to_the_tma_launcher(monkeypatch):
@@ -162,7 +215,7 @@ def test_sweep_variants_are_valid_configs():
     spec = importlib.util.spec_from_file_location("w12_gemm_bench", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    for variants in ("tma", "tma-pair"):
+    for variants in ("tma", "tma-pair", "tma-wgmma"):
         cfgs = bench.mma_configs(32, 64, 6144, 132, variants=variants)
         assert len(cfgs) > 4 and all(c.tma for c in cfgs[1:])
         for c in cfgs[1:]:

@@ -48,6 +48,7 @@ import torch
 
 from .gemm import KernelPack, _workspace
 from . import mma as _mma
+from . import wgmma as _wg
 from .mma import gl, gluon
 
 try:
@@ -70,26 +71,34 @@ def supported(device) -> bool:
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
-SLICE_WARPS, GROUP = 1, 2    # MmaConfig.tma: a consumer warp per 16 rows, or the consumers as one group
+SLICE_WARPS, GROUP, WGMMA = 1, 2, 3   # MmaConfig.tma: a consumer warp per 16 rows, the consumers as one
+# group (mma.sync), or the group issuing asynchronous wgmma (Hopper 9.x only)
+
+
+def wgmma_supported(device) -> bool:
+    """``tma=3``: :func:`supported` and ``wgmma`` (compute capability 9.x: Blackwell has no wgmma)."""
+    return supported(device) and _wg.AVAILABLE and torch.cuda.get_device_capability(device)[0] == 9
 
 
 def check(cfg) -> None:
     """A TMA config: 2-``MAX_STAGES`` stages, 32-, 64- or 128-row programs (2, 4 or 8 consumer warps)."""
     if not 2 <= cfg.depth <= MAX_STAGES:
         raise ValueError(f"a TMA ring has 2-{MAX_STAGES} stages (depth), got {cfg.depth}")
-    if cfg.tma not in (SLICE_WARPS, GROUP):
-        raise ValueError(f"tma is 1 (a consumer warp per 16 rows) or 2 (one consumer group), got {cfg.tma}")
+    if cfg.tma not in (SLICE_WARPS, GROUP, WGMMA):
+        raise ValueError(f"tma is 1 (a consumer warp per 16 rows), 2 (one consumer group) or 3 (the group on "
+                         f"wgmma), got {cfg.tma}")
     if cfg.block_n not in (32, 64, 128):
         raise ValueError(f"the TMA variant takes 32, 64 or 128 rows per program, got {cfg.block_n}")
     if cfg.unroll and cfg.tma != GROUP:
         raise ValueError("unroll (two records per consumer step) goes with the consumer group, tma=2")
-    if cfg.tma == GROUP and (cfg.num_warps not in (4, 8) or cfg.block_n != 16 * cfg.num_warps):
+    if cfg.tma in (GROUP, WGMMA) and (cfg.num_warps not in (4, 8) or cfg.block_n != 16 * cfg.num_warps):
         raise ValueError(f"a TMA consumer group is 4 or 8 warps of 16 rows each, got {cfg.block_n} rows on "
                          f"{cfg.num_warps} warps")
 
 
 if AVAILABLE:
-    from .mma import _a_operand, _b_operand, _epilogue, mma_v2
+    from .mma import _a_operand, _b_operand, _cta_barrier, _epilogue, mma_v2
+    from .wgmma import _x_store, warpgroup_mma, warpgroup_mma_wait
 
     # the copy is ``async_copy_global_to_shared`` in Triton 3.6 and ``async_load`` later
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -214,6 +223,64 @@ if AVAILABLE:
                   n0, pid_n, pid_k, pid_m, M, N, NUM_N_BLOCKS, SPLIT_K, SPLIT_K, stride_xm, stride_ym,
                   BLOCK_N, BLOCK_M, USE_SPLIT, ESC_CH, MMA, L_EP)
 
+    @gluon.constexpr_function
+    def _wg_layout(block_n, block_m, warps, i):
+        """Layout ``i`` of :func:`.wgmma.layouts` (view, nibbles, accumulator, A, epilogue, x in
+        physical k order, x stage)."""
+        return getattr(_wg, "layouts")(int(block_n), int(block_m), int(warps))[int(i)]
+
+    @gluon.jit
+    def _wg_step(acc, xs, wv_s, wq_s, xm, ready, empty, i, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
+                 QPASS: gl.constexpr, STAGES: gl.constexpr, PLAIN: gl.constexpr, L_VIEW: gl.constexpr,
+                 L_NIB: gl.constexpr, A_OP: gl.constexpr, L_XP: gl.constexpr):
+        """Record ``i`` on ``wgmma`` (see :func:`_wg_consumer`)."""
+        s = i % STAGES
+        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        xv = xs.index(s).load(L_XP)
+        w = wv_s.index(s).load(L_VIEW)
+        if QPASS:
+            q = w
+        else:
+            q = wq_s.index(s).load(L_NIB)
+        xb = xm.index(i % 3)
+        _x_store(xb, xv, BLOCK_M)
+        fence_async_shared()
+        _cta_barrier()                       # the group's x stores, before anyone's wgmma reads them
+        mbarrier.arrive(empty.index(s))
+        a = _a_operand(w, q, L_VIEW, A_OP, BLOCK_N, QPASS, PLAIN)
+        tok = warpgroup_mma(a, xb.permute((1, 0)), acc, is_async=True)
+        return warpgroup_mma_wait(1, deps=[tok])   # wgmma i - 1 retired, i in flight
+
+    @gluon.jit
+    def _wg_consumer(rt, xm, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, USE_SPLIT: gl.constexpr,
+                     QPASS: gl.constexpr, ESC_CH: gl.constexpr, STAGES: gl.constexpr, PLAIN: gl.constexpr,
+                     WARPS: gl.constexpr):
+        """``tma=3``: the group as ``tma=2``, the MMA on ``wgmma``: the decoded record is the register
+        A operand; the stage's x, read in physical k order, is stored in MMA k order into ``xm``
+        (three buffers: the one written at record ``i`` was last read by ``wgmma i - 3``, which every
+        warp retired before the barrier of record ``i - 1``); the ``wgmma`` of record ``i`` runs
+        while the group reads and decodes record ``i + 1``."""
+        (wv_s, wq_s, xs, ready, empty, n_rec, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, ws_ptr,
+         lock_ptr, n0, pid_n, pid_k, pid_m, M, N, NUM_N_BLOCKS, SPLIT_K, stride_xm, stride_ym) = rt
+        L_VIEW: gl.constexpr = _wg_layout(BLOCK_N, BLOCK_M, WARPS, 0)
+        L_NIB: gl.constexpr = _wg_layout(BLOCK_N, BLOCK_M, WARPS, 1)
+        ACC: gl.constexpr = _wg_layout(BLOCK_N, BLOCK_M, WARPS, 2)
+        A_OP: gl.constexpr = _wg_layout(BLOCK_N, BLOCK_M, WARPS, 3)
+        L_EP: gl.constexpr = _wg_layout(BLOCK_N, BLOCK_M, WARPS, 4)
+        L_XP: gl.constexpr = _wg_layout(BLOCK_N, BLOCK_M, WARPS, 5)
+        acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, ACC)
+        # record 0 outside the loop (every split has one): with a path to the final wait that issues
+        # no wgmma, ptxas serializes them all (C7515)
+        acc = _wg_step(acc, xs, wv_s, wq_s, xm, ready, empty, 0, BLOCK_N, BLOCK_M, QPASS, STAGES, PLAIN, L_VIEW,
+                       L_NIB, A_OP, L_XP)
+        for i in range(1, n_rec):
+            acc = _wg_step(acc, xs, wv_s, wq_s, xm, ready, empty, i, BLOCK_N, BLOCK_M, QPASS, STAGES, PLAIN, L_VIEW,
+                           L_NIB, A_OP, L_XP)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        _epilogue(acc, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, ws_ptr, lock_ptr,
+                  n0, pid_n, pid_k, pid_m, M, N, NUM_N_BLOCKS, SPLIT_K, SPLIT_K, stride_xm, stride_ym,
+                  BLOCK_N, BLOCK_M, USE_SPLIT, ESC_CH, ACC, L_EP)
+
     @gluon.jit
     def _w12_mma_tma_kernel(
         v_desc, q_desc, x_desc,
@@ -224,7 +291,7 @@ if AVAILABLE:
         stride_xm, stride_ym,
         BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, USE_SPLIT: gl.constexpr, QPASS: gl.constexpr,
         ESC_CH: gl.constexpr, STAGES: gl.constexpr, PLAIN: gl.constexpr, REGS: gl.constexpr,
-        GROUP: gl.constexpr = False, WARPS: gl.constexpr = 4, PAIR: gl.constexpr = False,
+        GROUP: gl.constexpr = False, WARPS: gl.constexpr = 4, PAIR: gl.constexpr = False, WG: gl.constexpr = False,
     ):
         pid_n = gl.program_id(0)
         pid_k = gl.program_id(1)
@@ -241,7 +308,7 @@ if AVAILABLE:
         SLICES: gl.constexpr = BLOCK_N // 16
         for p in gl.static_range(STAGES):
             mbarrier.init(ready.index(p), count=1)
-            mbarrier.init(empty.index(p), count=1 if GROUP else SLICES)
+            mbarrier.init(empty.index(p), count=1 if GROUP or WG else SLICES)
         fence_async_shared()
         # the default partition (4 warps; Triton wants whole warpgroups there) issues the copies, one
         # warp per 16-row slice consumes them
@@ -252,6 +319,11 @@ if AVAILABLE:
         if GROUP:   # the kernel's warps consume together; one copy warp
             gl.warp_specialize([(_group_consumer, (rt, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN, WARPS,
                                                      PAIR)),
+                                (_producer, (pt, BLOCK_N, BLOCK_M, QPASS, STAGES))], [1], [24])
+        elif WG:   # the group on wgmma; x in MMA k order in three more buffers
+            xm = gl.allocate_shared_memory(gl.bfloat16, [3, BLOCK_M, 64], x_desc.layout)
+            gl.warp_specialize([(_wg_consumer, (rt, xm, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN,
+                                                  WARPS)),
                                 (_producer, (pt, BLOCK_N, BLOCK_M, QPASS, STAGES))], [1], [24])
         elif SLICES == 2:
             gl.warp_specialize([(_producer, (pt, BLOCK_N, BLOCK_M, QPASS, STAGES)),
@@ -306,7 +378,9 @@ def launch(x: torch.Tensor, packed: KernelPack, out: torch.Tensor, qpass: bool, 
     check(cfg)
     regs = cfg.maxnreg or DEFAULT_REGS[grid[0]]
     bm, tps, split, nb, mb, ws, locks = grid
-    group = cfg.tma == GROUP
+    group = cfg.tma in (GROUP, WGMMA)
+    if cfg.tma == WGMMA and not wgmma_supported(x.device):
+        raise RuntimeError("tma=3 (wgmma) needs a Hopper GPU (compute capability 9.x)")
     slices = cfg.block_n // 16
     if split > 1 and not group:
         locks = _workspace(x.device, 1, nb * slices * mb)[1]   # a counter per slice
@@ -322,8 +396,8 @@ def launch(x: torch.Tensor, packed: KernelPack, out: torch.Tensor, qpass: bool, 
         m, n, k, kt, tps, nb, split,
         x.stride(0), out.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_M=bm, USE_SPLIT=split > 1, QPASS=qpass, ESC_CH=esc_ch, STAGES=cfg.depth,
-        PLAIN=cfg.plain_decode, REGS=regs, GROUP=group, WARPS=cfg.num_warps, PAIR=cfg.unroll,
-        num_warps=cfg.num_warps if group else 4,
+        PLAIN=cfg.plain_decode, REGS=regs, GROUP=cfg.tma == GROUP, WARPS=cfg.num_warps, PAIR=cfg.unroll,
+        WG=cfg.tma == WGMMA, num_warps=cfg.num_warps if group else 4,
         # (the one copy warp of a group is padded to a warpgroup, its idle warps at 24 registers too)
         maxnreg=launch_regs(cfg.num_warps, regs, 4, 24) if group else launch_regs(slices, regs),
     )
