@@ -42,6 +42,7 @@ order and the split-K order are those of the ``wsmem`` ring, so results are bitw
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 
 import torch
@@ -165,7 +166,8 @@ if AVAILABLE:
 
     @gluon.jit
     def _consumer(rt, SLICE: gl.constexpr, SLICES: gl.constexpr, BLOCK_M: gl.constexpr, USE_SPLIT: gl.constexpr,
-                  QPASS: gl.constexpr, ESC_CH: gl.constexpr, STAGES: gl.constexpr, PLAIN: gl.constexpr):
+                  QPASS: gl.constexpr, ESC_CH: gl.constexpr, STAGES: gl.constexpr, PLAIN: gl.constexpr,
+                  FENCE: gl.constexpr):
         """One warp, rows ``16 * SLICE ..`` of the program: each record's slice and x from the ring,
         decoded into the A operand, the MMA, one arrival on the stage's ``empty`` barrier; then its
         16-row block's epilogue (its own split-K slot and counter). ``rt``: the runtime arguments, one
@@ -182,6 +184,8 @@ if AVAILABLE:
         acc = gl.zeros([16, BLOCK_M], gl.float32, MMA)
         for i in range(0, n_rec):
             b, w, q = _read(xs, wv_s, wq_s, ready, i, STAGES, BLOCK_M, QPASS, L_VIEW, L_NIB, L_X, B_OP, SLICE)
+            if FENCE:
+                fence_async_shared()
             mbarrier.arrive(empty.index(i % STAGES))
             acc = mma_v2(_a_operand(w, q, L_VIEW, A_OP, 16, QPASS, PLAIN), b, acc)
         _epilogue(acc, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, ws_ptr, lock_ptr,
@@ -191,7 +195,7 @@ if AVAILABLE:
     @gluon.jit
     def _group_consumer(rt, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, USE_SPLIT: gl.constexpr,
                         QPASS: gl.constexpr, ESC_CH: gl.constexpr, STAGES: gl.constexpr, PLAIN: gl.constexpr,
-                        WARPS: gl.constexpr, PAIR: gl.constexpr):
+                        WARPS: gl.constexpr, PAIR: gl.constexpr, FENCE: gl.constexpr):
         """``tma=2``: the default partition's warps consume each stage together (the ``mma`` kernel's
         layouts, warps split the rows); one arrival per stage, after the partition's barrier."""
         (wv_s, wq_s, xs, ready, empty, n_rec, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, ws_ptr,
@@ -210,6 +214,8 @@ if AVAILABLE:
                 b0, w0, q0 = _read(xs, wv_s, wq_s, ready, i, STAGES, BLOCK_M, QPASS, L_VIEW, L_NIB, L_X, B_OP)
                 b1, w1, q1 = _read(xs, wv_s, wq_s, ready, i + 1, STAGES, BLOCK_M, QPASS, L_VIEW, L_NIB, L_X,
                                          B_OP)
+                if FENCE:
+                    fence_async_shared()
                 mbarrier.arrive(empty.index(i % STAGES))
                 mbarrier.arrive(empty.index((i + 1) % STAGES))
                 acc = mma_v2(_a_operand(w0, q0, L_VIEW, A_OP, BLOCK_N, QPASS, PLAIN), b0, acc)
@@ -217,6 +223,8 @@ if AVAILABLE:
             i = n_rec - n_rec % 2
         for j in range(i, n_rec):   # every record, or the odd last one
             b, w, q = _read(xs, wv_s, wq_s, ready, j, STAGES, BLOCK_M, QPASS, L_VIEW, L_NIB, L_X, B_OP)
+            if FENCE:
+                fence_async_shared()
             mbarrier.arrive(empty.index(j % STAGES))
             acc = mma_v2(_a_operand(w, q, L_VIEW, A_OP, BLOCK_N, QPASS, PLAIN), b, acc)
         _epilogue(acc, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, ws_ptr, lock_ptr,
@@ -292,6 +300,7 @@ if AVAILABLE:
         BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, USE_SPLIT: gl.constexpr, QPASS: gl.constexpr,
         ESC_CH: gl.constexpr, STAGES: gl.constexpr, PLAIN: gl.constexpr, REGS: gl.constexpr,
         GROUP: gl.constexpr = False, WARPS: gl.constexpr = 4, PAIR: gl.constexpr = False, WG: gl.constexpr = False,
+        FENCE: gl.constexpr = False,
     ):
         pid_n = gl.program_id(0)
         pid_k = gl.program_id(1)
@@ -318,7 +327,7 @@ if AVAILABLE:
               pid_m * BLOCK_M, t_begin, n_rec)
         if GROUP:   # the kernel's warps consume together; one copy warp
             gl.warp_specialize([(_group_consumer, (rt, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN, WARPS,
-                                                     PAIR)),
+                                                     PAIR, FENCE)),
                                 (_producer, (pt, BLOCK_N, BLOCK_M, QPASS, STAGES))], [1], [24])
         elif WG:   # the group on wgmma; x in MMA k order in three more buffers
             xm = gl.allocate_shared_memory(gl.bfloat16, [3, BLOCK_M, 64], x_desc.layout)
@@ -327,27 +336,27 @@ if AVAILABLE:
                                 (_producer, (pt, BLOCK_N, BLOCK_M, QPASS, STAGES))], [1], [24])
         elif SLICES == 2:
             gl.warp_specialize([(_producer, (pt, BLOCK_N, BLOCK_M, QPASS, STAGES)),
-                                (_consumer, (rt, 0, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN)),
-                                (_consumer, (rt, 1, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN))],
+                                (_consumer, (rt, 0, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN, FENCE)),
+                                (_consumer, (rt, 1, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN, FENCE))],
                                [1, 1], [REGS, REGS])
         elif SLICES == 4:
             gl.warp_specialize([(_producer, (pt, BLOCK_N, BLOCK_M, QPASS, STAGES)),
-                                (_consumer, (rt, 0, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN)),
-                                (_consumer, (rt, 1, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN)),
-                                (_consumer, (rt, 2, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN)),
-                                (_consumer, (rt, 3, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN))],
+                                (_consumer, (rt, 0, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN, FENCE)),
+                                (_consumer, (rt, 1, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN, FENCE)),
+                                (_consumer, (rt, 2, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN, FENCE)),
+                                (_consumer, (rt, 3, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN, FENCE))],
                                [1, 1, 1, 1], [REGS, REGS, REGS, REGS])
         else:
             gl.static_assert(SLICES == 8, "BLOCK_N is 32, 64 or 128")
             gl.warp_specialize([(_producer, (pt, BLOCK_N, BLOCK_M, QPASS, STAGES)),
-                                (_consumer, (rt, 0, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN)),
-                                (_consumer, (rt, 1, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN)),
-                                (_consumer, (rt, 2, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN)),
-                                (_consumer, (rt, 3, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN)),
-                                (_consumer, (rt, 4, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN)),
-                                (_consumer, (rt, 5, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN)),
-                                (_consumer, (rt, 6, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN)),
-                                (_consumer, (rt, 7, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN))],
+                                (_consumer, (rt, 0, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN, FENCE)),
+                                (_consumer, (rt, 1, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN, FENCE)),
+                                (_consumer, (rt, 2, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN, FENCE)),
+                                (_consumer, (rt, 3, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN, FENCE)),
+                                (_consumer, (rt, 4, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN, FENCE)),
+                                (_consumer, (rt, 5, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN, FENCE)),
+                                (_consumer, (rt, 6, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN, FENCE)),
+                                (_consumer, (rt, 7, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN, FENCE))],
                                [1, 1, 1, 1, 1, 1, 1, 1], [REGS, REGS, REGS, REGS, REGS, REGS, REGS, REGS])
 
 
@@ -397,7 +406,8 @@ def launch(x: torch.Tensor, packed: KernelPack, out: torch.Tensor, qpass: bool, 
         x.stride(0), out.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_M=bm, USE_SPLIT=split > 1, QPASS=qpass, ESC_CH=esc_ch, STAGES=cfg.depth,
         PLAIN=cfg.plain_decode, REGS=regs, GROUP=cfg.tma == GROUP, WARPS=cfg.num_warps, PAIR=cfg.unroll,
-        WG=cfg.tma == WGMMA, num_warps=cfg.num_warps if group else 4,
+        WG=cfg.tma == WGMMA, FENCE=os.environ.get("SPECPILOT_TMA_FENCE") == "1", num_warps=cfg.num_warps if group else 4,
         # (the one copy warp of a group is padded to a warpgroup, its idle warps at 24 registers too)
-        maxnreg=launch_regs(cfg.num_warps, regs, 4, 24) if group else launch_regs(slices, regs),
+        maxnreg=(regs if os.environ.get("SPECPILOT_TMA_FULLREGS") == "1" else
+                 launch_regs(cfg.num_warps, regs, 4, 24) if group else launch_regs(slices, regs)),
     )
