@@ -90,3 +90,74 @@ def ptxas_report(setup: str) -> dict:
     if out["rc"] is None:   # pragma: no cover
         pytest.skip("no ptxas binary in this Triton build")
     return out
+
+
+_SASS_TAIL = _COMPILE.replace('.asm["ptx"]', '.asm["cubin"]') + r"""
+import base64, glob, subprocess, tempfile
+tools = glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm"))
+if not tools:
+    print(json.dumps(None))
+else:
+    with tempfile.TemporaryDirectory() as d:
+        open(os.path.join(d, "k.cubin"), "wb").write(ptx)
+        r = subprocess.run([tools[0], "-c", os.path.join(d, "k.cubin")], capture_output=True, text=True)
+    print(json.dumps(r.stdout))
+"""
+
+
+def sass(setup: str) -> str:
+    """Compile like :func:`main_loop_ptx` and disassemble the cubin with Triton's bundled ``nvdisasm``."""
+    out = _child(setup + _SASS_TAIL)
+    if out is None:   # pragma: no cover
+        pytest.skip("no nvdisasm binary in this Triton build")
+    return out
+
+
+_NOT_A_WRITE = ("ST", "BAR", "SYNCS", "HGMMA", "WARPGROUP", "BRA", "BRX", "RED", "MEMBAR", "FENCE", "EXIT",
+                "WARPSYNC", "NOP", "DEPBAR", "ISETP", "FSETP", "PLOP3", "R2UR", "UMOV", "ULDC")
+
+
+def _written(ins: str) -> set[int]:
+    """Registers an instruction writes (its first operand, widened for 64/128-bit forms)."""
+    m = re.match(r"(@!?U?P\d+\s+)?([A-Z][A-Z0-9_.]*)\s+R(\d+)\b", ins)
+    if not m or m.group(2).startswith(_NOT_A_WRITE):
+        return set()
+    op, base = m.group(2), int(m.group(3))
+    n = 4 if (".128" in op or ".x4" in op.lower()) else 2 if (".64" in op or ".WIDE" in op or ".x2" in op.lower()) else 1
+    return set(range(base, base + n))
+
+
+def inflight_a_writes(sass_text: str) -> list[str]:
+    """Instructions that write a register of an in-flight ``wgmma``'s A operand (register A
+    ``HGMMA`` not yet retired by a ``WARPGROUP.DEPBAR``), inside each loop of ``sass_text`` taken
+    twice (so a wgmma left in flight at the end of one iteration meets the next's writes)."""
+    lines = sass_text.splitlines()
+    ins = [(i, m.group(1).strip()) for i, l in enumerate(lines)
+           for m in [re.match(r"\s*/\*[0-9a-f]+\*/\s+(.*?)\s*;", l)] if m]
+    labels = {l.split(":")[0]: i for i, l in enumerate(lines) if re.match(r"\.L_x_\d+:", l)}
+    bad = []
+    for k, (li, t) in enumerate(ins):
+        m = re.search(r"BRA\s+`?\((\.L_x_\d+)\)", t)
+        if not m or labels.get(m.group(1), li) >= li:
+            continue
+        body = [x for x in ins if labels[m.group(1)] < x[0] <= li]
+        groups: list[set[int]] = []   # A registers per committed or open wgmma group, oldest first
+        cur: set[int] = set()
+        for _, t2 in body + body:
+            if "HGMMA" in t2:
+                a = re.match(r"(?:@!?U?P\d+\s+)?HGMMA\S*\s+R\d+,\s*R(\d+)", t2)
+                if a:
+                    cur |= set(range(int(a.group(1)), int(a.group(1)) + 4))
+                if "gsb0" in t2:
+                    groups.append(cur)
+                    cur = set()
+                continue
+            d = re.search(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x(\d+)", t2)
+            if d:
+                keep = int(d.group(1), 16)
+                groups = groups[len(groups) - keep:] if keep else []
+                continue
+            hit = _written(t2) & set().union(*groups, cur)
+            if hit:
+                bad.append(t2)
+    return bad

@@ -18,7 +18,7 @@ triton = pytest.importorskip("triton")
 
 from specpilot.kernels.w12 import mma, mma_tma  # noqa: E402
 
-from gluon_ptx import ptxas_report  # noqa: E402
+from gluon_ptx import inflight_a_writes, ptxas_report, sass  # noqa: E402
 from test_w12_gemm import check_close  # noqa: E402
 from test_w12_mma import _cuda_layer, _gpu_gluon  # noqa: E402
 
@@ -73,15 +73,20 @@ def test_consumer_loop_has_no_cta_barrier():
         assert b.count("mma.sync.aligned.m16n8k16") == 16
         assert b.count("mbarrier.try_wait") == 1 and b.count("mbarrier.arrive") == 1
         assert "bar.sync" not in b and "barrier.sync" not in b
+        # the warp's shared reads are fenced against the TMA copy that refills the stage (without
+        # it the copy overwrote stages still being read: tools/tma_race.py on the H200)
+        assert b.index("fence.proxy.async") < b.index("mbarrier.arrive")
     producer = [b for b in blocks if "cp.async.bulk.tensor" in b]
     assert len(producer) == 1 and producer[0].count("cp.async.bulk.tensor") == 3
 
 
 @pytest.mark.skipif(not mma_tma.AVAILABLE, reason="Triton without Gluon's Hopper module")
-def test_wgmma_group_compiles_to_asynchronous_wgmma():
-    """``tma=3``, compiled for sm_90: per record the group waits once, arrives once and issues four
-    ``wgmma`` (64 rows x 32 x rows x 16 k each) from the register A operand, with one wait that
-    leaves the last in flight; no ``mma.sync``, no spills, and ptxas does not serialize them."""
+def test_wgmma_group_compiles_to_wgmma_retired_before_its_registers_are_reused():
+    """``tma=3``, compiled for sm_90: per record the group waits once, fences its reads, arrives once
+    and issues four ``wgmma`` (64 rows x 32 x rows x 16 k each) from the register A operand; no
+    ``mma.sync``, no spills, no serialization warning; and in the SASS no instruction writes the A
+    registers of a ``wgmma`` still in flight (ptxas does not protect them: with ``wait(1)`` the next
+    record's loads landed there and results depended on timing)."""
     setup = _SETUP.replace("REGS=128)", "REGS=104, WG=True)").replace(
         "launch_regs(4, 128)", "launch_regs(4, 104, 4, 24)")
     rep = ptxas_report(setup)
@@ -90,14 +95,31 @@ def test_wgmma_group_compiles_to_asynchronous_wgmma():
     assert "mma.sync" not in rep["ptx"]
     blocks = re.split(r"^(?=\$L__BB\d+_\d+:)", rep["ptx"], flags=re.M)
     steps = [b for b in blocks if "wgmma.mma_async" in b]
-    assert len(steps) == 2                            # the first record, then the loop over the others
-    loop = steps[1]
-    assert re.search(r"bra(\.uni)?\s+" + re.escape(loop.split(":")[0]) + ";", loop)   # branches to itself
-    for b in steps:
-        assert b.count("wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16") == 4
-        assert b.count("mbarrier.try_wait") == 1 and b.count("mbarrier.arrive") == 1
-        assert b.count("wgmma.wait_group.sync.aligned 1") == 1
+    assert len(steps) == 1
+    b = steps[0]
+    assert re.search(r"bra(\.uni)?\s+" + re.escape(b.split(":")[0]) + ";", b)   # the loop branches to itself
+    assert b.count("wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16") == 4
+    assert b.count("mbarrier.try_wait") == 1 and b.count("mbarrier.arrive") == 1
+    assert b.index("fence.proxy.async") < b.index("mbarrier.arrive")
+    assert b.count("wgmma.wait_group.sync.aligned 0") == 1
     assert len([x for x in blocks if "cp.async.bulk.tensor" in x]) == 1
+    code = sass(setup)
+    assert code.count("HGMMA.64x32x16.F32.BF16") == 4 and inflight_a_writes(code) == []
+
+
+def test_inflight_a_register_check_sees_a_reuse():
+    """The SASS check itself: a register-A ``HGMMA`` left in flight (``DEPBAR.LE gsb0, 0x1``) whose
+    A registers the next iteration loads into is reported; retired at once (``0x0``), it is not."""
+    loop = """
+.L_x_1:
+        /*0100*/                   LDS.64 R56, [R18+0xb000] ;
+        /*0110*/                   WARPGROUP.ARRIVE ;
+        /*0120*/                   HGMMA.64x32x16.F32.BF16 R24, R56, gdesc[UR16], R24, gsb0 ;
+        /*0130*/                   WARPGROUP.DEPBAR.LE gsb0, 0x{keep} ;
+        /*0140*/               @P1 BRA `(.L_x_1) ;
+"""
+    assert inflight_a_writes(loop.format(keep=1)) == ["LDS.64 R56, [R18+0xb000]"]
+    assert inflight_a_writes(loop.format(keep=0)) == []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -169,6 +191,28 @@ def test_wgmma_group_matches_reference_and_is_deterministic(m, n, k, cfg):
         ref = mma.w12_mma(x, kp, qpass=qpass, config=ring, out_dtype=torch.float32)
         got = mma.w12_mma(x, kp, qpass=qpass, config=cfg, out_dtype=torch.float32)
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4)
+
+
+@_gpu_gluon
+@pytest.mark.skipif(not mma_tma.AVAILABLE, reason="Triton without Gluon's Hopper module")
+def test_tma_rings_are_stable_with_several_programs_per_sm():
+    """The race the proxy fence and the wgmma wait fixed (``benchmarks/tools/tma_race.py``): on a
+    4096 -> 28672 layer at 32 rows, three or four programs share an SM and the copy warp refills
+    stages as soon as it may; every mode must then give the ring's bits (``tma=1|2``) or its own
+    (``tma=3``) on every run. Before the fix ``tma=2`` differed in 30 of 30 runs here."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs sm_90")
+    w, _, kp = _cuda_layer(28672, 4096, seed=5)
+    x = torch.randn(32, 4096, generator=torch.Generator().manual_seed(5)).bfloat16().cuda()
+    ring = mma.w12_mma(x, kp, config=mma.MmaConfig(64, 1, 4, 2, True), out_dtype=torch.float32)
+    for cfg in (mma.MmaConfig(64, 1, 4, 4, tma=2), mma.MmaConfig(64, 1, 4, 4, tma=1),
+                mma.MmaConfig(64, 1, 4, 4, tma=3)):
+        first = mma.w12_mma(x, kp, config=cfg, out_dtype=torch.float32)
+        if cfg.tma != 3:
+            assert torch.equal(first.view(torch.int32), ring.view(torch.int32)), cfg
+        for _ in range(8):
+            y = mma.w12_mma(x, kp, config=cfg, out_dtype=torch.float32)
+            assert torch.equal(y.view(torch.int32), first.view(torch.int32)), cfg
 
 
 def test_w12_mma_hands_a_tma_config_to_the_tma_launcher(monkeypatch):

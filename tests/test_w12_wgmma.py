@@ -20,7 +20,7 @@ from specpilot.kernels.w12 import encode, mma, wgmma  # noqa: E402
 from specpilot.kernels.w12.gemm import KernelPack  # noqa: E402
 from specpilot.kernels.w12.naive import w12_linear_ref  # noqa: E402
 
-from gluon_ptx import ptxas_report  # noqa: E402
+from gluon_ptx import inflight_a_writes, ptxas_report, sass  # noqa: E402
 from test_w12_gemm import check_close, make_weight  # noqa: E402
 from test_w12_mma import _span  # noqa: E402
 
@@ -57,7 +57,10 @@ warps = 4
 
 
 @needs_wgmma
-def test_compiles_to_async_wgmma_with_register_a_and_one_barrier_per_record():
+def test_compiles_to_wgmma_with_register_a_and_one_barrier_per_record():
+    """Register-A ``wgmma`` (no B-fragment loads, no ``mma.sync``), one barrier per record, each
+    ``wgmma`` retired before the next record: in the SASS no instruction writes the A registers of
+    one still in flight (with ``wait(1)`` ptxas reused them for the next record's loads)."""
     rep = ptxas_report(_SETUP)
     assert rep["rc"] == 0, rep["log"]
     assert "C7513" not in rep["log"] and "serialized" not in rep["log"]   # the MMAs stay asynchronous
@@ -68,7 +71,8 @@ def test_compiles_to_async_wgmma_with_register_a_and_one_barrier_per_record():
     mmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n32k16\.f32\.bf16\.bf16 \{[^}]*\}, \{([^}]*)\}", loop)
     assert len(mmas) == 4 * recs and all(len(a.split(",")) == 4 for a in mmas)   # A: 4 registers, not smem
     assert loop.count("mma.sync") == 0 and loop.count("ld.shared") == 0
-    assert loop.count("bar.sync") == recs and loop.count("wgmma.wait_group.sync.aligned 1") == recs
+    assert loop.count("bar.sync") == recs and loop.count("wgmma.wait_group.sync.aligned 0") == recs
+    assert inflight_a_writes(sass(_SETUP)) == []
 
 
 def test_config_checks_and_default():

@@ -42,7 +42,6 @@ order and the split-K order are those of the ``wsmem`` ring, so results are bitw
 
 from __future__ import annotations
 
-import os
 from functools import lru_cache
 
 import torch
@@ -166,8 +165,7 @@ if AVAILABLE:
 
     @gluon.jit
     def _consumer(rt, SLICE: gl.constexpr, SLICES: gl.constexpr, BLOCK_M: gl.constexpr, USE_SPLIT: gl.constexpr,
-                  QPASS: gl.constexpr, ESC_CH: gl.constexpr, STAGES: gl.constexpr, PLAIN: gl.constexpr,
-                  FENCE: gl.constexpr):
+                  QPASS: gl.constexpr, ESC_CH: gl.constexpr, STAGES: gl.constexpr, PLAIN: gl.constexpr):
         """One warp, rows ``16 * SLICE ..`` of the program: each record's slice and x from the ring,
         decoded into the A operand, the MMA, one arrival on the stage's ``empty`` barrier; then its
         16-row block's epilogue (its own split-K slot and counter). ``rt``: the runtime arguments, one
@@ -184,8 +182,7 @@ if AVAILABLE:
         acc = gl.zeros([16, BLOCK_M], gl.float32, MMA)
         for i in range(0, n_rec):
             b, w, q = _read(xs, wv_s, wq_s, ready, i, STAGES, BLOCK_M, QPASS, L_VIEW, L_NIB, L_X, B_OP, SLICE)
-            if FENCE:
-                fence_async_shared()
+            fence_async_shared()   # our shared reads before the copy that refills the stage (see module)
             mbarrier.arrive(empty.index(i % STAGES))
             acc = mma_v2(_a_operand(w, q, L_VIEW, A_OP, 16, QPASS, PLAIN), b, acc)
         _epilogue(acc, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, ws_ptr, lock_ptr,
@@ -195,7 +192,7 @@ if AVAILABLE:
     @gluon.jit
     def _group_consumer(rt, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, USE_SPLIT: gl.constexpr,
                         QPASS: gl.constexpr, ESC_CH: gl.constexpr, STAGES: gl.constexpr, PLAIN: gl.constexpr,
-                        WARPS: gl.constexpr, PAIR: gl.constexpr, FENCE: gl.constexpr):
+                        WARPS: gl.constexpr, PAIR: gl.constexpr):
         """``tma=2``: the default partition's warps consume each stage together (the ``mma`` kernel's
         layouts, warps split the rows); one arrival per stage, after the partition's barrier."""
         (wv_s, wq_s, xs, ready, empty, n_rec, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, ws_ptr,
@@ -214,8 +211,7 @@ if AVAILABLE:
                 b0, w0, q0 = _read(xs, wv_s, wq_s, ready, i, STAGES, BLOCK_M, QPASS, L_VIEW, L_NIB, L_X, B_OP)
                 b1, w1, q1 = _read(xs, wv_s, wq_s, ready, i + 1, STAGES, BLOCK_M, QPASS, L_VIEW, L_NIB, L_X,
                                          B_OP)
-                if FENCE:
-                    fence_async_shared()
+                fence_async_shared()
                 mbarrier.arrive(empty.index(i % STAGES))
                 mbarrier.arrive(empty.index((i + 1) % STAGES))
                 acc = mma_v2(_a_operand(w0, q0, L_VIEW, A_OP, BLOCK_N, QPASS, PLAIN), b0, acc)
@@ -223,8 +219,7 @@ if AVAILABLE:
             i = n_rec - n_rec % 2
         for j in range(i, n_rec):   # every record, or the odd last one
             b, w, q = _read(xs, wv_s, wq_s, ready, j, STAGES, BLOCK_M, QPASS, L_VIEW, L_NIB, L_X, B_OP)
-            if FENCE:
-                fence_async_shared()
+            fence_async_shared()
             mbarrier.arrive(empty.index(j % STAGES))
             acc = mma_v2(_a_operand(w, q, L_VIEW, A_OP, BLOCK_N, QPASS, PLAIN), b, acc)
         _epilogue(acc, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, ws_ptr, lock_ptr,
@@ -250,14 +245,16 @@ if AVAILABLE:
             q = w
         else:
             q = wq_s.index(s).load(L_NIB)
-        xb = xm.index(i % 3)
+        xb = xm.index(i % 2)
         _x_store(xb, xv, BLOCK_M)
-        fence_async_shared()
+        fence_async_shared()                 # our stage reads and x stores, before the copy and the wgmma
         _cta_barrier()                       # the group's x stores, before anyone's wgmma reads them
         mbarrier.arrive(empty.index(s))
         a = _a_operand(w, q, L_VIEW, A_OP, BLOCK_N, QPASS, PLAIN)
         tok = warpgroup_mma(a, xb.permute((1, 0)), acc, is_async=True)
-        return warpgroup_mma_wait(1, deps=[tok])   # wgmma i - 1 retired, i in flight
+        # retired before the next record: ptxas does not keep a wgmma's register A operand for it
+        # while it runs (the next record's loads land in those registers, tests/test_w12_mma_tma.py)
+        return warpgroup_mma_wait(0, deps=[tok])
 
     @gluon.jit
     def _wg_consumer(rt, xm, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, USE_SPLIT: gl.constexpr,
@@ -265,9 +262,10 @@ if AVAILABLE:
                      WARPS: gl.constexpr):
         """``tma=3``: the group as ``tma=2``, the MMA on ``wgmma``: the decoded record is the register
         A operand; the stage's x, read in physical k order, is stored in MMA k order into ``xm``
-        (three buffers: the one written at record ``i`` was last read by ``wgmma i - 3``, which every
-        warp retired before the barrier of record ``i - 1``); the ``wgmma`` of record ``i`` runs
-        while the group reads and decodes record ``i + 1``."""
+        (two buffers: the one written at record ``i`` was last read by ``wgmma i - 2``, which every
+        warp retired before the barrier of record ``i - 1``). Each ``wgmma`` is waited for before the
+        next record (see :func:`_wg_step`), so the MMA does not overlap the group's next decode; it
+        saves the B-fragment shared loads and the 16 ``mma.sync`` per warp and record."""
         (wv_s, wq_s, xs, ready, empty, n_rec, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, ws_ptr,
          lock_ptr, n0, pid_n, pid_k, pid_m, M, N, NUM_N_BLOCKS, SPLIT_K, stride_xm, stride_ym) = rt
         L_VIEW: gl.constexpr = _wg_layout(BLOCK_N, BLOCK_M, WARPS, 0)
@@ -277,14 +275,9 @@ if AVAILABLE:
         L_EP: gl.constexpr = _wg_layout(BLOCK_N, BLOCK_M, WARPS, 4)
         L_XP: gl.constexpr = _wg_layout(BLOCK_N, BLOCK_M, WARPS, 5)
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, ACC)
-        # record 0 outside the loop (every split has one): with a path to the final wait that issues
-        # no wgmma, ptxas serializes them all (C7515)
-        acc = _wg_step(acc, xs, wv_s, wq_s, xm, ready, empty, 0, BLOCK_N, BLOCK_M, QPASS, STAGES, PLAIN, L_VIEW,
-                       L_NIB, A_OP, L_XP)
-        for i in range(1, n_rec):
+        for i in range(0, n_rec):
             acc = _wg_step(acc, xs, wv_s, wq_s, xm, ready, empty, i, BLOCK_N, BLOCK_M, QPASS, STAGES, PLAIN, L_VIEW,
                            L_NIB, A_OP, L_XP)
-        acc = warpgroup_mma_wait(0, deps=[acc])
         _epilogue(acc, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, ws_ptr, lock_ptr,
                   n0, pid_n, pid_k, pid_m, M, N, NUM_N_BLOCKS, SPLIT_K, SPLIT_K, stride_xm, stride_ym,
                   BLOCK_N, BLOCK_M, USE_SPLIT, ESC_CH, ACC, L_EP)
@@ -300,7 +293,6 @@ if AVAILABLE:
         BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, USE_SPLIT: gl.constexpr, QPASS: gl.constexpr,
         ESC_CH: gl.constexpr, STAGES: gl.constexpr, PLAIN: gl.constexpr, REGS: gl.constexpr,
         GROUP: gl.constexpr = False, WARPS: gl.constexpr = 4, PAIR: gl.constexpr = False, WG: gl.constexpr = False,
-        FENCE: gl.constexpr = False,
     ):
         pid_n = gl.program_id(0)
         pid_k = gl.program_id(1)
@@ -327,36 +319,36 @@ if AVAILABLE:
               pid_m * BLOCK_M, t_begin, n_rec)
         if GROUP:   # the kernel's warps consume together; one copy warp
             gl.warp_specialize([(_group_consumer, (rt, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN, WARPS,
-                                                     PAIR, FENCE)),
+                                                     PAIR)),
                                 (_producer, (pt, BLOCK_N, BLOCK_M, QPASS, STAGES))], [1], [24])
-        elif WG:   # the group on wgmma; x in MMA k order in three more buffers
-            xm = gl.allocate_shared_memory(gl.bfloat16, [3, BLOCK_M, 64], x_desc.layout)
+        elif WG:   # the group on wgmma; x in MMA k order in two more buffers
+            xm = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M, 64], x_desc.layout)
             gl.warp_specialize([(_wg_consumer, (rt, xm, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN,
                                                   WARPS)),
                                 (_producer, (pt, BLOCK_N, BLOCK_M, QPASS, STAGES))], [1], [24])
         elif SLICES == 2:
             gl.warp_specialize([(_producer, (pt, BLOCK_N, BLOCK_M, QPASS, STAGES)),
-                                (_consumer, (rt, 0, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN, FENCE)),
-                                (_consumer, (rt, 1, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN, FENCE))],
+                                (_consumer, (rt, 0, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN)),
+                                (_consumer, (rt, 1, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN))],
                                [1, 1], [REGS, REGS])
         elif SLICES == 4:
             gl.warp_specialize([(_producer, (pt, BLOCK_N, BLOCK_M, QPASS, STAGES)),
-                                (_consumer, (rt, 0, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN, FENCE)),
-                                (_consumer, (rt, 1, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN, FENCE)),
-                                (_consumer, (rt, 2, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN, FENCE)),
-                                (_consumer, (rt, 3, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN, FENCE))],
+                                (_consumer, (rt, 0, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN)),
+                                (_consumer, (rt, 1, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN)),
+                                (_consumer, (rt, 2, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN)),
+                                (_consumer, (rt, 3, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN))],
                                [1, 1, 1, 1], [REGS, REGS, REGS, REGS])
         else:
             gl.static_assert(SLICES == 8, "BLOCK_N is 32, 64 or 128")
             gl.warp_specialize([(_producer, (pt, BLOCK_N, BLOCK_M, QPASS, STAGES)),
-                                (_consumer, (rt, 0, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN, FENCE)),
-                                (_consumer, (rt, 1, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN, FENCE)),
-                                (_consumer, (rt, 2, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN, FENCE)),
-                                (_consumer, (rt, 3, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN, FENCE)),
-                                (_consumer, (rt, 4, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN, FENCE)),
-                                (_consumer, (rt, 5, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN, FENCE)),
-                                (_consumer, (rt, 6, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN, FENCE)),
-                                (_consumer, (rt, 7, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN, FENCE))],
+                                (_consumer, (rt, 0, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN)),
+                                (_consumer, (rt, 1, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN)),
+                                (_consumer, (rt, 2, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN)),
+                                (_consumer, (rt, 3, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN)),
+                                (_consumer, (rt, 4, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN)),
+                                (_consumer, (rt, 5, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN)),
+                                (_consumer, (rt, 6, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN)),
+                                (_consumer, (rt, 7, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN))],
                                [1, 1, 1, 1, 1, 1, 1, 1], [REGS, REGS, REGS, REGS, REGS, REGS, REGS, REGS])
 
 
@@ -406,8 +398,7 @@ def launch(x: torch.Tensor, packed: KernelPack, out: torch.Tensor, qpass: bool, 
         x.stride(0), out.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_M=bm, USE_SPLIT=split > 1, QPASS=qpass, ESC_CH=esc_ch, STAGES=cfg.depth,
         PLAIN=cfg.plain_decode, REGS=regs, GROUP=cfg.tma == GROUP, WARPS=cfg.num_warps, PAIR=cfg.unroll,
-        WG=cfg.tma == WGMMA, FENCE=os.environ.get("SPECPILOT_TMA_FENCE") == "1", num_warps=cfg.num_warps if group else 4,
+        WG=cfg.tma == WGMMA, num_warps=cfg.num_warps if group else 4,
         # (the one copy warp of a group is padded to a warpgroup, its idle warps at 24 registers too)
-        maxnreg=(regs if os.environ.get("SPECPILOT_TMA_FULLREGS") == "1" else
-                 launch_regs(cfg.num_warps, regs, 4, 24) if group else launch_regs(slices, regs)),
+        maxnreg=launch_regs(cfg.num_warps, regs, 4, 24) if group else launch_regs(slices, regs),
     )

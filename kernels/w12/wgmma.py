@@ -11,14 +11,16 @@ Same decode and record access as :mod:`.mma` (the ``mma.sync`` kernel), differen
   (:func:`.mma.mma_k_to_physical`), a 4-byte-granular permutation no shared layout expresses, so
   each record's x tile is loaded into registers one record ahead, permuted there (register renaming
   only) and stored into a ring of three stages;
-* the MMA runs **asynchronously**: ``wgmma`` of record ``t`` is in flight while the warps decode
-  record ``t + 1`` and stage x; ``warpgroup_mma_wait(1)`` retires ``t - 1``. One CTA barrier per
-  record: the stage written at record ``t`` was last read by ``wgmma t - 2``, which every warp
-  retired before the previous barrier.
+* the MMA is waited for before the next record (``warpgroup_mma_wait(0)``). It ran asynchronously
+  at first (``wait(1)``: ``wgmma`` of record ``t`` in flight while the warps decode record ``t + 1``),
+  but ptxas does not keep the registers of an in-flight ``wgmma``'s A operand: the next record's
+  loads and decode landed in them (SASS, tests/test_w12_wgmma.py), which made results depend on
+  timing. One CTA barrier per record: the stage written at record ``t`` was last read by ``wgmma
+  t - 2``, which every warp retired before the previous barrier.
 
-Measured on the H200 it is slower than the ``mma.sync`` kernel (1.05x vs 1.09x cuBLAS at 8 rows,
-0.78x vs 0.84x at 32; docs/w12.md), so ``w12_linear`` does not route here; it stays callable and
-benchmarked (``benchmarks/w12_gemm.py --mode wgmma``).
+Measured on the H200, with the unsafe ``wait(1)``, it was slower than the ``mma.sync`` kernel (1.05x
+vs 1.09x cuBLAS at 8 rows, 0.78x vs 0.84x at 32; docs/w12.md), so ``w12_linear`` does not route
+here; it stays callable and benchmarked (``benchmarks/w12_gemm.py --mode wgmma``).
 
 Epilogue, split-K and determinism are :mod:`.mma`'s (:func:`.mma._epilogue`): a fixed-order
 reduction, bitwise identical run to run. Bits may differ from the ``mma.sync`` kernel's (the order
@@ -123,7 +125,7 @@ if AVAILABLE:
         xn = _x_load(x_ptr, rows, kx, t + 2, t + 2 < t_end, M_rows, stride_xm)
         a = M._a_operand(w0, q0, L_VIEW, A_OP, BLOCK_N, QPASS, False)
         tok = warpgroup_mma(a, cur.permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma_wait(1, deps=[tok])
+        acc = warpgroup_mma_wait(0, deps=[tok])   # (A is in registers: see the module)
         _x_store(nxt, xr, BLOCK_M)
         fence_async_shared()
         _cta_barrier()
@@ -187,7 +189,7 @@ if AVAILABLE:
                 xn = _x_load(x_ptr, rows, kx, t + 2, t + 2 < t_end, M_rows, stride_xm)
                 a = M._a_operand(w0, q0, L_VIEW, A_OP, BLOCK_N, QPASS, False)
                 tok = warpgroup_mma(a, xs.index(it % 3).permute((1, 0)), acc, is_async=True)
-                acc = warpgroup_mma_wait(1, deps=[tok])      # wgmma t - 1 retired (t stays in flight)
+                acc = warpgroup_mma_wait(0, deps=[tok])      # retired: its A registers are reused next
                 _x_store(xs.index((it + 1) % 3), xr, BLOCK_M)  # last read by wgmma t - 2
                 xr = xn
                 fence_async_shared()
