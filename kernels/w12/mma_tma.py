@@ -26,6 +26,19 @@ tested on the compiled code), so a slow warp does not hold the others back until
 ``setmaxnreg`` gives the consumers ``maxnreg`` registers (default: :data:`DEFAULT_REGS`) and the
 copy warps 48 or fewer.
 
+Before a consumer arrives on ``empty`` it runs ``fence.proxy.async``: its reads of the stage are
+generic-proxy accesses and the copy that refills the stage writes through the async proxy, which the
+mbarrier's release/acquire alone does not order. Without the fence the refill landed under reads
+still in flight whenever the ring ran full (several programs per SM): on 4096 -> 28672 at 32 rows
+``tma=2`` differed from the ring in 30 of 30 runs, by whole 8-row groups of x or 16-row weight slices
+(``benchmarks/tools/tma_race.py``, ``benchmarks/results/w12_tma_race_before_fix.json``); fenced, 0 of 30
+in every case tried (``w12_tma_race.json``).
+
+``tma=3`` is the group on Hopper's ``wgmma`` (:func:`_wg_consumer`): the decoded record is the
+register A operand and x is restaged in MMA k order for the B operand; it waits for each ``wgmma``
+before the next record, since ptxas reuses the registers of an in-flight ``wgmma``'s A operand (SASS
+check in tests/test_w12_mma_tma.py). Measured, it is not faster than ``tma=2`` (docs/w12.md).
+
 ``tma=2`` instead keeps the ``mma`` kernel's layout: the program's 4 or 8 warps consume each stage
 together (one arrival after their named barrier) beside one copy warp (padded to a warpgroup at 24
 registers), so four 64-row programs fit per SM at 32 rows; with ``unroll`` the group takes two
