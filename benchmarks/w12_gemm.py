@@ -194,7 +194,8 @@ def mma_configs(m: int, kt: int, n: int, sms: int, tiles=((64, 4), (128, 4)), va
     with x in chunks of 2 or 4 records) or ``tma`` (it and the TMA/mbarrier rings: a consumer
     warp per 16 rows, or the program's 4 or 8 warps as one consumer group, 4 or 6 stages) or
     ``tma-pair`` (it and the consumer group taking one or two records per step) or ``tma-wgmma``
-    (it, the mma.sync group and the group on async ``wgmma``, 4 or 6 stages)."""
+    (it, the mma.sync group and the group on ``wgmma``, 4 or 6 stages, the decoded record in
+    registers or through shared memory)."""
     from specpilot.kernels.w12.mma import MmaConfig, block_m_for, default_config
 
     out = [default_config(m, n, kt * 64, sms)]
@@ -212,7 +213,8 @@ def mma_configs(m: int, kt: int, n: int, sms: int, tiles=((64, 4), (128, 4)), va
         return out
     if variants == "tma-wgmma":   # the consumer group on async wgmma (tma=3) beside the mma.sync group
         for bn, w, split in tile_splits(m, kt, n, sms, ((64, 4), (128, 8)), block_m_for):
-            out += [MmaConfig(bn, split, w, 4, tma=2)] + [MmaConfig(bn, split, w, st, tma=3) for st in (4, 6)]
+            out += [MmaConfig(bn, split, w, 4, tma=2)] + [MmaConfig(bn, split, w, st, tma=3, a_smem=a)
+                                                          for st in (4, 6) for a in (False, True)]
         return out
     if variants == "chunk":
         for bn, w, split in tile_splits(m, kt, n, sms, tiles, block_m_for):

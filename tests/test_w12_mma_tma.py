@@ -27,6 +27,7 @@ from test_w12_mma import _cuda_layer, _gpu_gluon  # noqa: E402
                                  mma.MmaConfig(256, 1, 4, 3, tma=1), mma.MmaConfig(48, 1, 4, 3, tma=1),
                                  mma.MmaConfig(64, 1, 4, 3, tma=4), mma.MmaConfig(128, 1, 4, 3, tma=2),
                                  mma.MmaConfig(128, 1, 4, 3, tma=3), mma.MmaConfig(64, 1, 4, 3, False, True, tma=3),
+                                 mma.MmaConfig(64, 1, 4, 3, tma=2, a_smem=True),
                                  mma.MmaConfig(64, 1, 4, 3, False, True, tma=1)])
 def test_bad_tma_configs_are_refused(bad):
     with pytest.raises(ValueError):
@@ -95,16 +96,16 @@ def test_wgmma_group_compiles_to_wgmma_retired_before_its_registers_are_reused()
     assert "mma.sync" not in rep["ptx"]
     blocks = re.split(r"^(?=\$L__BB\d+_\d+:)", rep["ptx"], flags=re.M)
     steps = [b for b in blocks if "wgmma.mma_async" in b]
-    assert len(steps) == 1
-    b = steps[0]
-    assert re.search(r"bra(\.uni)?\s+" + re.escape(b.split(":")[0]) + ";", b)   # the loop branches to itself
-    assert b.count("wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16") == 4
-    assert b.count("mbarrier.try_wait") == 1 and b.count("mbarrier.arrive") == 1
-    assert b.index("fence.proxy.async") < b.index("mbarrier.arrive")
-    assert b.count("wgmma.wait_group.sync.aligned 0") == 1
+    assert len(steps) == 2                            # the first record, then the loop over the others
+    assert re.search(r"bra(\.uni)?\s+" + re.escape(steps[1].split(":")[0]) + ";", steps[1])   # a loop
+    for b in steps:
+        assert b.count("wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16") == 4
+        assert b.count("mbarrier.try_wait") == 1 and b.count("mbarrier.arrive") == 1
+        assert b.index("fence.proxy.async") < b.index("mbarrier.arrive")
+        assert b.count("wgmma.wait_group.sync.aligned 0") == 1
     assert len([x for x in blocks if "cp.async.bulk.tensor" in x]) == 1
     code = sass(setup)
-    assert code.count("HGMMA.64x32x16.F32.BF16") == 4 and inflight_a_writes(code) == []
+    assert code.count("HGMMA.64x32x16.F32.BF16") == 8 and inflight_a_writes(code) == []   # (peeled + loop)
 
 
 def test_inflight_a_register_check_sees_a_reuse():
@@ -149,6 +150,10 @@ WG_CASES = [  # the group on wgmma: 1-3 records per split, 4 and 8 warps, 2-64 x
     (32, 384, 1024, mma.MmaConfig(128, 4, 8, 6, tma=3)),
     (8, 256, 4160, mma.MmaConfig(64, 13, 4, 3, tma=3)),
     (100, 136, 192, mma.MmaConfig(64, 2, 4, 3, tma=3)),
+    # the decoded record through shared memory, the wgmma left in flight
+    (17, 200, 320, mma.MmaConfig(64, 3, 4, 4, tma=3, a_smem=True)),
+    (32, 384, 1024, mma.MmaConfig(128, 4, 8, 6, tma=3, a_smem=True)),
+    (8, 256, 4160, mma.MmaConfig(64, 13, 4, 3, tma=3, a_smem=True)),
 ]
 
 
@@ -206,7 +211,7 @@ def test_tma_rings_are_stable_with_several_programs_per_sm():
     x = torch.randn(32, 4096, generator=torch.Generator().manual_seed(5)).bfloat16().cuda()
     ring = mma.w12_mma(x, kp, config=mma.MmaConfig(64, 1, 4, 2, True), out_dtype=torch.float32)
     for cfg in (mma.MmaConfig(64, 1, 4, 4, tma=2), mma.MmaConfig(64, 1, 4, 4, tma=1),
-                mma.MmaConfig(64, 1, 4, 4, tma=3)):
+                mma.MmaConfig(64, 1, 4, 4, tma=3), mma.MmaConfig(64, 1, 4, 4, tma=3, a_smem=True)):
         first = mma.w12_mma(x, kp, config=cfg, out_dtype=torch.float32)
         if cfg.tma != 3:
             assert torch.equal(first.view(torch.int32), ring.view(torch.int32)), cfg

@@ -661,13 +661,14 @@ class MmaConfig:
     x_chunk: int = 1    # > 1: x copied XC records at a time, one CTA barrier per chunk (unrolled ring)
     tma: int = 0        # weights and x by TMA into ``depth`` stages with mbarriers (mma_tma): 1 a consumer
                         # warp per 16 rows, 2 the program's warps as one consumer group (with ``unroll``:
-                        # two records per consumer step)
+                        # two records per consumer step), 3 the group on wgmma
+    a_smem: bool = False  # tma=3: the decoded record through shared memory, the wgmma left in flight
 
     def key(self) -> str:
         return (f"mma-n{self.block_n}-s{self.split_k}-w{self.num_warps}-d{self.depth}{'-ws' if self.wsmem else ''}"
                 f"{'-u' if self.unroll else ''}{f'-sk{self.stream}' if self.stream else ''}"
                 f"{f'-r{self.maxnreg}' if self.maxnreg else ''}{f'-xc{self.x_chunk}' if self.x_chunk > 1 else ''}"
-                f"{f'-tma{self.tma}' if self.tma else ''}"
+                f"{f'-tma{self.tma}' if self.tma else ''}{'-as' if self.a_smem else ''}"
                 f"{'-plain' if self.plain_decode else ''}")
 
 

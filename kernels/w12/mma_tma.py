@@ -102,6 +102,8 @@ def check(cfg) -> None:
                          f"wgmma), got {cfg.tma}")
     if cfg.block_n not in (32, 64, 128):
         raise ValueError(f"the TMA variant takes 32, 64 or 128 rows per program, got {cfg.block_n}")
+    if cfg.a_smem and cfg.tma != WGMMA:
+        raise ValueError("a_smem (the decoded record through shared memory) goes with the wgmma group, tma=3")
     if cfg.unroll and cfg.tma != GROUP:
         raise ValueError("unroll (two records per consumer step) goes with the consumer group, tma=2")
     if cfg.tma in (GROUP, WGMMA) and (cfg.num_warps not in (4, 8) or cfg.block_n != 16 * cfg.num_warps):
@@ -246,9 +248,9 @@ if AVAILABLE:
         return getattr(_wg, "layouts")(int(block_n), int(block_m), int(warps))[int(i)]
 
     @gluon.jit
-    def _wg_step(acc, xs, wv_s, wq_s, xm, ready, empty, i, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
+    def _wg_step(acc, xs, wv_s, wq_s, xm, am, ready, empty, i, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
                  QPASS: gl.constexpr, STAGES: gl.constexpr, PLAIN: gl.constexpr, L_VIEW: gl.constexpr,
-                 L_NIB: gl.constexpr, A_OP: gl.constexpr, L_XP: gl.constexpr):
+                 L_NIB: gl.constexpr, A_OP: gl.constexpr, L_XP: gl.constexpr, A_SMEM: gl.constexpr):
         """Record ``i`` on ``wgmma`` (see :func:`_wg_consumer`)."""
         s = i % STAGES
         mbarrier.wait(ready.index(s), (i // STAGES) & 1)
@@ -258,27 +260,43 @@ if AVAILABLE:
             q = w
         else:
             q = wq_s.index(s).load(L_NIB)
-        xb = xm.index(i % 2)
+        if A_SMEM:   # three buffers each: see _wg_consumer
+            xb = xm.index(i % 3)
+            ab = am.index(i % 3)
+            ab.store(_a_operand(w, q, L_VIEW, A_OP, BLOCK_N, QPASS, PLAIN))
+        else:
+            xb = xm.index(i % 2)
         _x_store(xb, xv, BLOCK_M)
-        fence_async_shared()                 # our stage reads and x stores, before the copy and the wgmma
-        _cta_barrier()                       # the group's x stores, before anyone's wgmma reads them
+        fence_async_shared()                 # our stage reads and stores, before the copy and the wgmma
+        _cta_barrier()                       # the group's stores, before anyone's wgmma reads them
         mbarrier.arrive(empty.index(s))
-        a = _a_operand(w, q, L_VIEW, A_OP, BLOCK_N, QPASS, PLAIN)
-        tok = warpgroup_mma(a, xb.permute((1, 0)), acc, is_async=True)
-        # retired before the next record: ptxas does not keep a wgmma's register A operand for it
-        # while it runs (the next record's loads land in those registers, tests/test_w12_mma_tma.py)
-        return warpgroup_mma_wait(0, deps=[tok])
+        if A_SMEM:   # left in flight while the group reads and decodes the next record
+            tok = warpgroup_mma(ab, xb.permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(1, deps=[tok])
+        else:
+            tok = warpgroup_mma(_a_operand(w, q, L_VIEW, A_OP, BLOCK_N, QPASS, PLAIN), xb.permute((1, 0)), acc,
+                                is_async=True)
+            # retired before the next record: ptxas does not keep a wgmma's register A operand for
+            # it while it runs (the next record's loads land in those registers, tests/test_w12_mma_tma.py)
+            acc = warpgroup_mma_wait(0, deps=[tok])
+        return acc
 
     @gluon.jit
-    def _wg_consumer(rt, xm, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, USE_SPLIT: gl.constexpr,
+    def _wg_consumer(rt, xm, am, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, USE_SPLIT: gl.constexpr,
                      QPASS: gl.constexpr, ESC_CH: gl.constexpr, STAGES: gl.constexpr, PLAIN: gl.constexpr,
-                     WARPS: gl.constexpr):
+                     WARPS: gl.constexpr, A_SMEM: gl.constexpr):
         """``tma=3``: the group as ``tma=2``, the MMA on ``wgmma``: the decoded record is the register
         A operand; the stage's x, read in physical k order, is stored in MMA k order into ``xm``
         (two buffers: the one written at record ``i`` was last read by ``wgmma i - 2``, which every
         warp retired before the barrier of record ``i - 1``). Each ``wgmma`` is waited for before the
         next record (see :func:`_wg_step`), so the MMA does not overlap the group's next decode; it
-        saves the B-fragment shared loads and the 16 ``mma.sync`` per warp and record."""
+        saves the B-fragment shared loads and the 16 ``mma.sync`` per warp and record.
+
+        With ``A_SMEM`` the decoded record goes to shared memory (``am``) instead and the ``wgmma``
+        reads both operands there, so it can stay in flight while the group reads and decodes the
+        next record (``wait(1)``); ``xm`` and ``am`` then have three buffers each: the ones written at
+        record ``i`` were last read by ``wgmma i - 3``, which every warp retired (at record ``i - 2``)
+        before the barrier of record ``i - 1``."""
         (wv_s, wq_s, xs, ready, empty, n_rec, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, ws_ptr,
          lock_ptr, n0, pid_n, pid_k, pid_m, M, N, NUM_N_BLOCKS, SPLIT_K, stride_xm, stride_ym) = rt
         L_VIEW: gl.constexpr = _wg_layout(BLOCK_N, BLOCK_M, WARPS, 0)
@@ -288,9 +306,15 @@ if AVAILABLE:
         L_EP: gl.constexpr = _wg_layout(BLOCK_N, BLOCK_M, WARPS, 4)
         L_XP: gl.constexpr = _wg_layout(BLOCK_N, BLOCK_M, WARPS, 5)
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, ACC)
-        for i in range(0, n_rec):
-            acc = _wg_step(acc, xs, wv_s, wq_s, xm, ready, empty, i, BLOCK_N, BLOCK_M, QPASS, STAGES, PLAIN, L_VIEW,
-                           L_NIB, A_OP, L_XP)
+        # record 0 before the loop (every split has one): a path from the zeroed accumulator to the
+        # final wait without a wgmma makes ptxas serialize the in-flight ones (C7515)
+        acc = _wg_step(acc, xs, wv_s, wq_s, xm, am, ready, empty, 0, BLOCK_N, BLOCK_M, QPASS, STAGES, PLAIN,
+                       L_VIEW, L_NIB, A_OP, L_XP, A_SMEM)
+        for i in range(1, n_rec):
+            acc = _wg_step(acc, xs, wv_s, wq_s, xm, am, ready, empty, i, BLOCK_N, BLOCK_M, QPASS, STAGES, PLAIN,
+                           L_VIEW, L_NIB, A_OP, L_XP, A_SMEM)
+        if A_SMEM:
+            acc = warpgroup_mma_wait(0, deps=[acc])
         _epilogue(acc, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, ws_ptr, lock_ptr,
                   n0, pid_n, pid_k, pid_m, M, N, NUM_N_BLOCKS, SPLIT_K, SPLIT_K, stride_xm, stride_ym,
                   BLOCK_N, BLOCK_M, USE_SPLIT, ESC_CH, ACC, L_EP)
@@ -306,6 +330,7 @@ if AVAILABLE:
         BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, USE_SPLIT: gl.constexpr, QPASS: gl.constexpr,
         ESC_CH: gl.constexpr, STAGES: gl.constexpr, PLAIN: gl.constexpr, REGS: gl.constexpr,
         GROUP: gl.constexpr = False, WARPS: gl.constexpr = 4, PAIR: gl.constexpr = False, WG: gl.constexpr = False,
+        A_SMEM: gl.constexpr = False,
     ):
         pid_n = gl.program_id(0)
         pid_k = gl.program_id(1)
@@ -334,10 +359,16 @@ if AVAILABLE:
             gl.warp_specialize([(_group_consumer, (rt, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN, WARPS,
                                                      PAIR)),
                                 (_producer, (pt, BLOCK_N, BLOCK_M, QPASS, STAGES))], [1], [24])
+        elif WG and A_SMEM:   # the group on wgmma, both operands in shared memory (three buffers each)
+            xm = gl.allocate_shared_memory(gl.bfloat16, [3, BLOCK_M, 64], x_desc.layout)
+            am = gl.allocate_shared_memory(gl.bfloat16, [3, BLOCK_N, 64], x_desc.layout)
+            gl.warp_specialize([(_wg_consumer, (rt, xm, am, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES,
+                                                  PLAIN, WARPS, True)),
+                                (_producer, (pt, BLOCK_N, BLOCK_M, QPASS, STAGES))], [1], [24])
         elif WG:   # the group on wgmma; x in MMA k order in two more buffers
             xm = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M, 64], x_desc.layout)
-            gl.warp_specialize([(_wg_consumer, (rt, xm, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN,
-                                                  WARPS)),
+            gl.warp_specialize([(_wg_consumer, (rt, xm, xm, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES,
+                                                  PLAIN, WARPS, False)),
                                 (_producer, (pt, BLOCK_N, BLOCK_M, QPASS, STAGES))], [1], [24])
         elif SLICES == 2:
             gl.warp_specialize([(_producer, (pt, BLOCK_N, BLOCK_M, QPASS, STAGES)),
@@ -411,7 +442,7 @@ def launch(x: torch.Tensor, packed: KernelPack, out: torch.Tensor, qpass: bool, 
         x.stride(0), out.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_M=bm, USE_SPLIT=split > 1, QPASS=qpass, ESC_CH=esc_ch, STAGES=cfg.depth,
         PLAIN=cfg.plain_decode, REGS=regs, GROUP=cfg.tma == GROUP, WARPS=cfg.num_warps, PAIR=cfg.unroll,
-        WG=cfg.tma == WGMMA, num_warps=cfg.num_warps if group else 4,
+        WG=cfg.tma == WGMMA, A_SMEM=cfg.a_smem, num_warps=cfg.num_warps if group else 4,
         # (the one copy warp of a group is padded to a warpgroup, its idle warps at 24 registers too)
         maxnreg=launch_regs(cfg.num_warps, regs, 4, 24) if group else launch_regs(slices, regs),
     )
