@@ -714,7 +714,8 @@ def default_config(m: int, n: int, k: int, sms: int = 132, tma: bool = True) -> 
 # from the TMA sweep (w12_mma_tma.json, 8-32 rows, against the previous entry, re-timed interleaved
 # in the same run; kept where they won by 1 % or more there and in the two earlier TMA sweeps), and
 # two 32-row entries with the group taking two records per step (w12_mma_tma_pair.json, the same way).
-# TMA entries apply only where TMA runs (default_config(tma=...)).
+# TMA entries apply only where TMA runs (default_config(tma=...)). All eight were re-checked after the
+# TMA rings' race fix (git f7d38d0): 30 runs each, bitwise the wsmem ring (w12_tma_race.json).
 TUNED: dict[tuple[int, int, int], MmaConfig] = {
     (6144, 4096, 8): MmaConfig(64, 3, 4, 4, tma=2),  # 17.66 vs 18.24 us, w12_mma_tma.json
     (6144, 4096, 16): MmaConfig(64, 6, 4, 2, False, True),  # 0.905x (0.887x)
