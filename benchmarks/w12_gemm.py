@@ -195,7 +195,8 @@ def mma_configs(m: int, kt: int, n: int, sms: int, tiles=((64, 4), (128, 4)), va
     warp per 16 rows, or the program's 4 or 8 warps as one consumer group, 4 or 6 stages) or
     ``tma-pair`` (it and the consumer group taking one or two records per step) or ``tma-wgmma``
     (it, the mma.sync group and the group on ``wgmma``, 4 or 6 stages, the decoded record in
-    registers or through shared memory)."""
+    registers or through shared memory) or ``tma-narrow`` (it and 32-row programs of two consumer
+    warps, ``tma=1``)."""
     from specpilot.kernels.w12.mma import MmaConfig, block_m_for, default_config
 
     out = [default_config(m, n, kt * 64, sms)]
@@ -210,6 +211,10 @@ def mma_configs(m: int, kt: int, n: int, sms: int, tiles=((64, 4), (128, 4)), va
             out += [MmaConfig(bn, split, w, 4, tma=2), MmaConfig(bn, split, w, 4, False, True, tma=2),
                     MmaConfig(bn, split, w, 4, False, True, maxnreg=136, tma=2),
                     MmaConfig(bn, split, w, 6, False, True, tma=2)]
+        return out
+    if variants == "tma-narrow":   # 32-row programs: two consumer warps (tma=1), twice the programs
+        for bn, w, split in tile_splits(m, kt, n, sms, ((32, 4),), block_m_for):
+            out += [MmaConfig(bn, split, w, st, tma=1) for st in (4, 6)]
         return out
     if variants == "tma-wgmma":   # the consumer group on async wgmma (tma=3) beside the mma.sync group
         for bn, w, split in tile_splits(m, kt, n, sms, ((64, 4), (128, 8)), block_m_for):
@@ -483,12 +488,14 @@ def main() -> int:
     ap.add_argument("--rows", default=None, help="gemv / default modes: comma list of M (default 1,2,4 / 1,2,4,8,16,32,64)")
     ap.add_argument("--tiles", default=None, type=parse_tiles,
                     help="mma mode: comma list of ROWSxWARPS program tiles (default 64x4,128x4)")
-    ap.add_argument("--variants", choices=["all", "xs", "xf32", "stream", "chunk", "tma", "tma-pair", "tma-wgmma"], default="all",
+    ap.add_argument("--variants", choices=["all", "xs", "xf32", "stream", "chunk", "tma", "tma-pair", "tma-wgmma",
+                                                  "tma-narrow"], default="all",
                     help="only the committed choice and: the staged-x variants (xs, gemv-gluon mode; xf32: "
                          "with and without x converted to fp32 once), the "
                          "stream-K ones (stream, mma mode), the x-chunk ones (chunk, mma mode) or the "
                          "TMA/mbarrier ones (tma, mma mode; tma-pair: the consumer group taking one or two "
-                         "records per step; tma-wgmma: the consumer group on async wgmma)")
+                         "records per step; tma-wgmma: the consumer group on wgmma; tma-narrow: 32-row programs of "
+                         "two consumer warps)")
     args = ap.parse_args()
     if args.mode == "gemv":
         return gemv_sweep(args)

@@ -264,7 +264,7 @@ def test_sweep_variants_are_valid_configs():
     spec = importlib.util.spec_from_file_location("w12_gemm_bench", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    for variants in ("tma", "tma-pair", "tma-wgmma"):
+    for variants in ("tma", "tma-pair", "tma-wgmma", "tma-narrow"):
         cfgs = bench.mma_configs(32, 64, 6144, 132, variants=variants)
         assert len(cfgs) > 4 and all(c.tma for c in cfgs[1:])
         for c in cfgs[1:]:
