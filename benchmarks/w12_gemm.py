@@ -216,7 +216,7 @@ def mma_configs(m: int, kt: int, n: int, sms: int, tiles=((64, 4), (128, 4)), va
         for bn, w, split in tile_splits(m, kt, n, sms, ((32, 4),), block_m_for):
             out += [MmaConfig(bn, split, w, st, tma=1) for st in (4, 6)]
         return out
-    if variants == "tma-wgmma":   # the consumer group on async wgmma (tma=3) beside the mma.sync group
+    if variants == "tma-wgmma":   # the consumer group on wgmma (tma=3, A in registers or shared memory)
         for bn, w, split in tile_splits(m, kt, n, sms, ((64, 4), (128, 8)), block_m_for):
             out += [MmaConfig(bn, split, w, 4, tma=2)] + [MmaConfig(bn, split, w, st, tma=3, a_smem=a)
                                                           for st in (4, 6) for a in (False, True)]

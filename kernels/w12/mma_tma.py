@@ -85,7 +85,7 @@ def supported(device) -> bool:
 
 
 SLICE_WARPS, GROUP, WGMMA = 1, 2, 3   # MmaConfig.tma: a consumer warp per 16 rows, the consumers as one
-# group (mma.sync), or the group issuing asynchronous wgmma (Hopper 9.x only)
+# group (mma.sync), or the group on wgmma (Hopper 9.x only)
 
 
 def wgmma_supported(device) -> bool:
