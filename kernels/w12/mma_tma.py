@@ -29,10 +29,8 @@ copy warps 48 or fewer.
 Before a consumer arrives on ``empty`` it runs ``fence.proxy.async``: its reads of the stage are
 generic-proxy accesses and the copy that refills the stage writes through the async proxy, which the
 mbarrier's release/acquire alone does not order. Without the fence the refill landed under reads
-still in flight whenever the ring ran full (several programs per SM): on 4096 -> 28672 at 32 rows
-``tma=2`` differed from the ring in 30 of 30 runs, by whole 8-row groups of x or 16-row weight slices
-(``benchmarks/tools/tma_race.py``, ``benchmarks/results/w12_tma_race_before_fix.json``); fenced, 0 of 30
-in every case tried (``w12_tma_race.json``).
+still in flight whenever the ring ran full (several programs per SM; measured with
+``benchmarks/tools/tma_race.py``, evidence in docs/w12.md).
 
 ``tma=3`` is the group on Hopper's ``wgmma`` (:func:`_wg_consumer`): the decoded record is the
 register A operand and x is restaged in MMA k order for the B operand; it waits for each ``wgmma``
@@ -179,14 +177,24 @@ if AVAILABLE:
                    rec0 + i, r_in, m0, t_begin + i, BLOCK_N, BLOCK_M, QPASS)
 
     @gluon.jit
+    def _finish(acc, rt, SLICE: gl.constexpr, SLICES: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
+                USE_SPLIT: gl.constexpr, ESC_CH: gl.constexpr, ACC: gl.constexpr, L_EP: gl.constexpr):
+        """A consumer's epilogue (:func:`.mma._epilogue`) from the runtime tuple ``rt``: rows ``16 *
+        SLICE ..`` of a program of ``SLICES`` slices, each its own split-K block (a group: 0 of 1)."""
+        (_, _, _, _, _, _, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, ws_ptr,
+         lock_ptr, n0, pid_n, pid_k, pid_m, M, N, NUM_N_BLOCKS, SPLIT_K, stride_xm, stride_ym) = rt
+        _epilogue(acc, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, ws_ptr, lock_ptr,
+                  n0 + 16 * SLICE, pid_n * SLICES + SLICE, pid_k, pid_m, M, N, NUM_N_BLOCKS * SLICES, SPLIT_K,
+                  SPLIT_K, stride_xm, stride_ym, BLOCK_N, BLOCK_M, USE_SPLIT, ESC_CH, ACC, L_EP)
+
+    @gluon.jit
     def _consumer(rt, SLICE: gl.constexpr, SLICES: gl.constexpr, BLOCK_M: gl.constexpr, USE_SPLIT: gl.constexpr,
                   QPASS: gl.constexpr, ESC_CH: gl.constexpr, STAGES: gl.constexpr, PLAIN: gl.constexpr):
         """One warp, rows ``16 * SLICE ..`` of the program: each record's slice and x from the ring,
         decoded into the A operand, the MMA, one arrival on the stage's ``empty`` barrier; then its
         16-row block's epilogue (its own split-K slot and counter). ``rt``: the runtime arguments, one
         tuple (a partition's constexprs must be literals in its argument tuple)."""
-        (wv_s, wq_s, xs, ready, empty, n_rec, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, ws_ptr,
-         lock_ptr, n0, pid_n, pid_k, pid_m, M, N, NUM_N_BLOCKS, SPLIT_K, stride_xm, stride_ym) = rt
+        wv_s, wq_s, xs, ready, empty, n_rec = rt[0], rt[1], rt[2], rt[3], rt[4], rt[5]
         L_VIEW: gl.constexpr = _layout(16, BLOCK_M, 1, 0)
         L_NIB: gl.constexpr = _layout(16, BLOCK_M, 1, 1)
         L_X: gl.constexpr = _layout(16, BLOCK_M, 1, 2)
@@ -200,9 +208,7 @@ if AVAILABLE:
             fence_async_shared()   # our shared reads before the copy that refills the stage (see module)
             mbarrier.arrive(empty.index(i % STAGES))
             acc = mma_v2(_a_operand(w, q, L_VIEW, A_OP, 16, QPASS, PLAIN), b, acc)
-        _epilogue(acc, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, ws_ptr, lock_ptr,
-                  n0 + 16 * SLICE, pid_n * SLICES + SLICE, pid_k, pid_m, M, N, NUM_N_BLOCKS * SLICES, SPLIT_K,
-                  SPLIT_K, stride_xm, stride_ym, 16, BLOCK_M, USE_SPLIT, ESC_CH, MMA, L_EP)
+        _finish(acc, rt, SLICE, SLICES, 16, BLOCK_M, USE_SPLIT, ESC_CH, MMA, L_EP)
 
     @gluon.jit
     def _group_consumer(rt, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, USE_SPLIT: gl.constexpr,
@@ -210,8 +216,7 @@ if AVAILABLE:
                         WARPS: gl.constexpr, PAIR: gl.constexpr):
         """``tma=2``: the default partition's warps consume each stage together (the ``mma`` kernel's
         layouts, warps split the rows); one arrival per stage, after the partition's barrier."""
-        (wv_s, wq_s, xs, ready, empty, n_rec, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, ws_ptr,
-         lock_ptr, n0, pid_n, pid_k, pid_m, M, N, NUM_N_BLOCKS, SPLIT_K, stride_xm, stride_ym) = rt
+        wv_s, wq_s, xs, ready, empty, n_rec = rt[0], rt[1], rt[2], rt[3], rt[4], rt[5]
         L_VIEW: gl.constexpr = _layout(BLOCK_N, BLOCK_M, WARPS, 0)
         L_NIB: gl.constexpr = _layout(BLOCK_N, BLOCK_M, WARPS, 1)
         L_X: gl.constexpr = _layout(BLOCK_N, BLOCK_M, WARPS, 2)
@@ -237,9 +242,7 @@ if AVAILABLE:
             fence_async_shared()
             mbarrier.arrive(empty.index(j % STAGES))
             acc = mma_v2(_a_operand(w, q, L_VIEW, A_OP, BLOCK_N, QPASS, PLAIN), b, acc)
-        _epilogue(acc, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, ws_ptr, lock_ptr,
-                  n0, pid_n, pid_k, pid_m, M, N, NUM_N_BLOCKS, SPLIT_K, SPLIT_K, stride_xm, stride_ym,
-                  BLOCK_N, BLOCK_M, USE_SPLIT, ESC_CH, MMA, L_EP)
+        _finish(acc, rt, 0, 1, BLOCK_N, BLOCK_M, USE_SPLIT, ESC_CH, MMA, L_EP)
 
     @gluon.constexpr_function
     def _wg_layout(block_n, block_m, warps, i):
@@ -297,8 +300,7 @@ if AVAILABLE:
         next record (``wait(1)``); ``xm`` and ``am`` then have three buffers each: the ones written at
         record ``i`` were last read by ``wgmma i - 3``, which every warp retired (at record ``i - 2``)
         before the barrier of record ``i - 1``."""
-        (wv_s, wq_s, xs, ready, empty, n_rec, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, ws_ptr,
-         lock_ptr, n0, pid_n, pid_k, pid_m, M, N, NUM_N_BLOCKS, SPLIT_K, stride_xm, stride_ym) = rt
+        wv_s, wq_s, xs, ready, empty, n_rec = rt[0], rt[1], rt[2], rt[3], rt[4], rt[5]
         L_VIEW: gl.constexpr = _wg_layout(BLOCK_N, BLOCK_M, WARPS, 0)
         L_NIB: gl.constexpr = _wg_layout(BLOCK_N, BLOCK_M, WARPS, 1)
         ACC: gl.constexpr = _wg_layout(BLOCK_N, BLOCK_M, WARPS, 2)
@@ -315,9 +317,7 @@ if AVAILABLE:
                            L_VIEW, L_NIB, A_OP, L_XP, A_SMEM)
         if A_SMEM:
             acc = warpgroup_mma_wait(0, deps=[acc])
-        _epilogue(acc, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, ws_ptr, lock_ptr,
-                  n0, pid_n, pid_k, pid_m, M, N, NUM_N_BLOCKS, SPLIT_K, SPLIT_K, stride_xm, stride_ym,
-                  BLOCK_N, BLOCK_M, USE_SPLIT, ESC_CH, ACC, L_EP)
+        _finish(acc, rt, 0, 1, BLOCK_N, BLOCK_M, USE_SPLIT, ESC_CH, ACC, L_EP)
 
     @gluon.jit
     def _w12_mma_tma_kernel(
