@@ -6,6 +6,7 @@
     python benchmarks/w12_gemm.py --mode gemv-gluon               # one-row Gluon GEMV configs
     python benchmarks/w12_gemm.py --mode mma --rows 2,8,32,64     # tensor-core (Gluon) configs
     python benchmarks/w12_gemm.py --mode wgmma --rows 8,16,32,64  # Hopper wgmma (Gluon) configs
+    python benchmarks/w12_gemm.py --mode warpk --rows 1,8,16      # tensor cores, K split across warps
     python benchmarks/w12_gemm.py --mode default  # w12_linear as called, M=1..64 -> w12_linear_default.json
 
 Per shape (K -> N) and M rows: encode a random bf16 weight (std 0.02) into W12 on the GPU, check
@@ -312,6 +313,28 @@ def gluon_gemv_configs(m: int, kt: int, n: int, sms: int, variants: str = "all")
     return out
 
 
+def warpk_configs(m: int, kt: int, n: int, sms: int):
+    """Tensor-core few-row variants (K split across warps): 16 or 32 rows per program, 4 or 8
+    warps, 2-4 unrolled register sets, split-K for about 1, 2 and 4 programs per SM."""
+    from specpilot.kernels.w12.warpk import WarpKConfig, default_config
+
+    out = [default_config(m, n, kt * 64, sms)]
+    for rows in (16, 32):
+        nb = (n + rows - 1) // rows
+        for warps in (4, 8):
+            splits = sorted({max(1, min(max(1, kt // (2 * warps)), round(p * sms / nb))) for p in (1, 2, 4)})
+            out += [c for c in (WarpKConfig(rows, warps, d, s) for s in splits for d in (2, 3, 4)) if c not in out]
+    return out
+
+
+def warpk_sweep(args) -> int:
+    """M = 1..16 (``--rows``): every tensor-core few-row variant (K split across warps), what
+    ``w12_linear`` does today and cuBLAS, side by side in one run."""
+    from specpilot.kernels.w12.warpk import WarpKConfig, w12_warpk
+
+    return variant_sweep(args, "warpk", warpk_configs, w12_warpk, WarpKConfig, "1,8,16", "w12_warpk")
+
+
 def gluon_gemv_sweep(args) -> int:
     """M = 1: every one-row Gluon GEMV variant against ``w12_linear`` as called today and cuBLAS."""
     from specpilot.kernels.w12.gemv_gluon import GluonGemvConfig, w12_gemv_gluon
@@ -478,7 +501,7 @@ def parse_tiles(text: str) -> tuple:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=["sweep", "final", "gemv", "gemv-gluon", "mma", "wgmma", "default"], default="final",
+    ap.add_argument("--mode", choices=["sweep", "final", "gemv", "gemv-gluon", "mma", "wgmma", "warpk", "default"], default="final",
                     help="sweep/final: the general kernel's configs; gemv: streaming-GEMV configs; "
                          "gemv-gluon: one-row Gluon GEMV configs; mma: tensor-core (Gluon) configs; wgmma: Hopper wgmma (Gluon) configs; default: w12_linear as users call it, no config")
     ap.add_argument("--reps", type=int, default=50)
@@ -503,6 +526,8 @@ def main() -> int:
         return mma_sweep(args)
     if args.mode == "wgmma":
         return wgmma_sweep(args)
+    if args.mode == "warpk":
+        return warpk_sweep(args)
     if args.mode == "gemv-gluon":
         return gluon_gemv_sweep(args)
     if args.mode == "default":
