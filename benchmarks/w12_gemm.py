@@ -315,7 +315,8 @@ def gluon_gemv_configs(m: int, kt: int, n: int, sms: int, variants: str = "all")
 
 def warpk_configs(m: int, kt: int, n: int, sms: int):
     """Tensor-core few-row variants (K split across warps): 16 or 32 rows per program, 4 or 8
-    warps, 2-4 unrolled register sets, split-K for about 1, 2 and 4 programs per SM."""
+    warps, 2-4 unrolled register sets (fewer with more x rows: x rides in the register sets),
+    split-K for about 1, 2 and 4 programs per SM."""
     from specpilot.kernels.w12.warpk import WarpKConfig, default_config
 
     out = [default_config(m, n, kt * 64, sms)]
@@ -323,12 +324,13 @@ def warpk_configs(m: int, kt: int, n: int, sms: int):
         nb = (n + rows - 1) // rows
         for warps in (4, 8):
             splits = sorted({max(1, min(max(1, kt // (2 * warps)), round(p * sms / nb))) for p in (1, 2, 4)})
-            out += [c for c in (WarpKConfig(rows, warps, d, s) for s in splits for d in (2, 3, 4)) if c not in out]
+            depths = (2, 3, 4) if m <= 8 else (2, 3) if m <= 16 else (2,)
+            out += [c for c in (WarpKConfig(rows, warps, d, s) for s in splits for d in depths) if c not in out]
     return out
 
 
 def warpk_sweep(args) -> int:
-    """M = 1..16 (``--rows``): every tensor-core few-row variant (K split across warps), what
+    """M = 1..32 (``--rows``): every tensor-core few-row variant (K split across warps), what
     ``w12_linear`` does today and cuBLAS, side by side in one run."""
     from specpilot.kernels.w12.warpk import WarpKConfig, w12_warpk
 

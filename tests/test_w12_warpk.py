@@ -97,7 +97,7 @@ def _cuda_layer(n, k, seed):
     return w, t, KernelPack.from_w12(t, device="cuda")
 
 
-CASES = [   # (rows, n, k, config): 1-16 rows, partial row tiles, odd record counts, split-K, K not /64
+CASES = [   # (rows, n, k, config): 1-32 rows, partial row tiles, odd record counts, split-K, K not /64
     (1, 256, 512, warpk.WarpKConfig(16, 4, 2, 1)),
     (1, 200, 320, warpk.WarpKConfig(16, 4, 3, 1)),
     (3, 136, 1024, warpk.WarpKConfig(32, 4, 4, 2)),
@@ -105,6 +105,8 @@ CASES = [   # (rows, n, k, config): 1-16 rows, partial row tiles, odd record cou
     (5, 100, 200, warpk.WarpKConfig(32, 2, 2, 1)),
     (12, 256, 1088, warpk.WarpKConfig(16, 4, 2, 4)),
     (16, 128, 256, warpk.WarpKConfig(32, 1, 3, 1)),
+    (24, 256, 512, warpk.WarpKConfig(16, 4, 2, 1)),
+    (32, 200, 640, warpk.WarpKConfig(32, 4, 2, 2)),
 ]
 
 
@@ -145,10 +147,10 @@ def test_qpass_and_default_config(m):
 
 
 @_gpu
-def test_rejects_more_than_16_rows():
+def test_rejects_more_than_32_rows():
     _, _, kp = _cuda_layer(128, 128, seed=1)
-    with pytest.raises(ValueError, match="1-16"):
-        warpk.w12_warpk(torch.zeros(17, 128, dtype=torch.bfloat16, device="cuda"), kp)
+    with pytest.raises(ValueError, match="1-32"):
+        warpk.w12_warpk(torch.zeros(33, 128, dtype=torch.bfloat16, device="cuda"), kp)
 
 
 @_gpu

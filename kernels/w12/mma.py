@@ -606,7 +606,29 @@ if gluon is not None:
         columns and deltas of ``ESC_CH`` escapes and x at those columns (one pass for any real
         layer, so three dependent round trips in all, not two per handful of escapes), and each
         output adds its row's contributions in escape order through a register gather."""
-        y = gl.convert_layout(acc, L_EP)
+        pre = _finalize_loads(x_ptr, low_ptr, eptr_ptr, ecol_ptr, edelta_ptr, n0, pid_m, M, N, stride_xm,
+                              BLOCK_N, BLOCK_M, ESC_CH, L_EP)
+        _finalize_apply(acc, pre, x_ptr, y_ptr, eptr_ptr, ecol_ptr, edelta_ptr, n0, pid_m, M, N, stride_xm,
+                        stride_ym, BLOCK_N, BLOCK_M, ESC_CH, L_EP)
+
+    @gluon.jit
+    def _esc_contrib(x_ptr, ecol_ptr, edelta_ptr, e0, e_hi, offs_m, M, stride_xm, ESC_CH: gl.constexpr,
+                     L_EP: gl.constexpr):
+        """``x[m, col] * delta`` of escapes ``e0 .. e0 + ESC_CH`` (below ``e_hi``): ``[ESC_CH, BLOCK_M]``."""
+        idx = e0 + gl.arange(0, ESC_CH, layout=gl.SliceLayout(1, L_EP))
+        ok = idx < e_hi
+        ec = gl.load(ecol_ptr + idx, mask=ok, other=0)
+        ed = gl.load(edelta_ptr + idx, mask=ok, other=0.0)
+        xv = gl.load(x_ptr + offs_m[None, :] * stride_xm + ec[:, None],
+                     mask=ok[:, None] & (offs_m < M)[None, :], other=0.0).to(gl.float32)
+        return xv * ed[:, None]
+
+    @gluon.jit
+    def _finalize_loads(x_ptr, low_ptr, eptr_ptr, ecol_ptr, edelta_ptr, n0, pid_m, M, N, stride_xm,
+                        BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, ESC_CH: gl.constexpr, L_EP: gl.constexpr):
+        """The epilogue's loads (three dependent round trips): row scales, the rows' escape ranges
+        and the first ``ESC_CH`` escapes' contributions. A kernel may issue them before its main
+        loop so they are not paid in the tail."""
         offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_EP))
         offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, L_EP))
         n_mask = offs_n < N
@@ -616,16 +638,24 @@ if gluon is not None:
         e_lo = gl.load(eptr_ptr + n0)
         e_hi = gl.load(eptr_ptr + gl.minimum(n0 + BLOCK_N, N))
         scale = ((low + (127 - 112)) << 23).to(gl.float32, bitcast=True)
-        y = y * scale[:, None]
+        contrib = _esc_contrib(x_ptr, ecol_ptr, edelta_ptr, e_lo, e_hi, offs_m, M, stride_xm, ESC_CH, L_EP)
+        return scale, r_lo, r_hi, e_lo, e_hi, contrib
+
+    @gluon.jit
+    def _finalize_apply(acc, pre, x_ptr, y_ptr, eptr_ptr, ecol_ptr, edelta_ptr, n0, pid_m, M, N, stride_xm,
+                        stride_ym, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, ESC_CH: gl.constexpr,
+                        L_EP: gl.constexpr):
+        """:func:`_finalize` after :func:`_finalize_loads` (``pre``): scale, escapes (later chunks,
+        rare, loaded now), store."""
+        scale, r_lo, r_hi, e_lo, e_hi, contrib = pre
+        y = gl.convert_layout(acc, L_EP) * scale[:, None]
+        offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_EP))
+        offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, L_EP))
+        n_mask = offs_n < N
         zero = gl.zeros([BLOCK_N, BLOCK_M], gl.int32, L_EP)
         for e0 in range(e_lo, e_hi, ESC_CH):
-            idx = e0 + gl.arange(0, ESC_CH, layout=gl.SliceLayout(1, L_EP))
-            ok = idx < e_hi
-            ec = gl.load(ecol_ptr + idx, mask=ok, other=0)
-            ed = gl.load(edelta_ptr + idx, mask=ok, other=0.0)
-            xv = gl.load(x_ptr + offs_m[None, :] * stride_xm + ec[:, None],
-                         mask=ok[:, None] & (offs_m < M)[None, :], other=0.0).to(gl.float32)
-            contrib = xv * ed[:, None]                                    # [ESC_CH, BLOCK_M]
+            if e0 > e_lo:
+                contrib = _esc_contrib(x_ptr, ecol_ptr, edelta_ptr, e0, e_hi, offs_m, M, stride_xm, ESC_CH, L_EP)
             lo = gl.where(n_mask, gl.maximum(r_lo, e0) - e0, 0)          # this chunk's slots of each row
             hi = gl.where(n_mask, gl.minimum(r_hi, e0 + ESC_CH) - e0, 0)
             for i in range(0, gl.max(hi - lo, axis=0)):                   # the most escapes in one row

@@ -1,4 +1,4 @@
-"""W12 product for 1-16 rows on the tensor cores with the K split across the warps of a program.
+"""W12 product for 1-32 rows on the tensor cores with the K split across the warps of a program.
 
 The one-row Gluon GEMV (:mod:`.gemv_gluon`) splits K across warps (each warp streams its own
 records, the program sums its warps once) and multiplies on the FMA pipe: per 4 weights it decodes
@@ -56,7 +56,7 @@ class WarpKConfig:
                 f"{f'-r{self.maxnreg}' if self.maxnreg else ''}")
 
 
-MAX_ROWS = 16   # x rows per launch: one or two 8-row MMA column blocks
+MAX_ROWS = 32   # x rows per launch: one to four 8-row MMA column blocks
 
 
 def check_config(cfg: WarpKConfig) -> None:
@@ -91,7 +91,7 @@ if gluon is not None:
     _K = gl.constexpr(TILE_K)   # record width (k) inside the kernels
 
     from .gemv_gluon import _per_warp
-    from .mma import _bf16_halves, _decode_pairs_fast, _epilogue, _pin
+    from .mma import _bf16_halves, _decode_pairs_fast, _epilogue, _finalize_apply, _finalize_loads, _pin
 
     @lru_cache(maxsize=None)
     def layouts(rows: int, block_m: int, warps: int):
@@ -180,6 +180,10 @@ if gluon is not None:
             v2, q2, x2 = _load(pv, pq, px, t_begin + 2 * WARPS + wid, t_end, tx, L_V, L_Q, L_X, QPASS)
         if DEPTH >= 4:
             v3, q3, x3 = _load(pv, pq, px, t_begin + 3 * WARPS + wid, t_end, tx, L_V, L_Q, L_X, QPASS)
+        if not USE_SPLIT:   # the epilogue's three dependent round trips, behind the weight stream
+            wid = _pin(wid, True)
+            pre = _finalize_loads(x_ptr, low_ptr, eptr_ptr, ecol_ptr, edelta_ptr, n0, 0, M, N, stride_xm,
+                                  ROWS, BLOCK_M, ESC_CH, L_EP)
         for t in range(t_begin, t_end, DEPTH * WARPS):
             acc, v0, q0, x0, wid = _set(acc, v0, q0, x0, t + DEPTH * WARPS, wid, pv, pq, px, t_end, tx, WARPS, ROWS,
                                         BLOCK_M, L_V, L_Q, L_X, A_OP, B_OP, QPASS)
@@ -192,13 +196,17 @@ if gluon is not None:
                 acc, v3, q3, x3, wid = _set(acc, v3, q3, x3, t + (DEPTH + 3) * WARPS, wid, pv, pq, px, t_end, tx,
                                             WARPS, ROWS, BLOCK_M, L_V, L_Q, L_X, A_OP, B_OP, QPASS)
         part = gl.sum(acc, axis=0)          # the warps, in a fixed order
-        _epilogue(part, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, ws_ptr, lock_ptr,
-                  n0, pid_n, pid_k, 0, M, N, NUM_N_BLOCKS, SPLIT_K, SPLIT_K, stride_xm, stride_ym,
-                  ROWS, BLOCK_M, USE_SPLIT, ESC_CH, gl.SliceLayout(0, MMA), L_EP)
+        if not USE_SPLIT:
+            _finalize_apply(part, pre, x_ptr, y_ptr, eptr_ptr, ecol_ptr, edelta_ptr, n0, 0, M, N, stride_xm,
+                            stride_ym, ROWS, BLOCK_M, ESC_CH, L_EP)
+        else:
+            _epilogue(part, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, ws_ptr, lock_ptr,
+                      n0, pid_n, pid_k, 0, M, N, NUM_N_BLOCKS, SPLIT_K, SPLIT_K, stride_xm, stride_ym,
+                      ROWS, BLOCK_M, USE_SPLIT, ESC_CH, gl.SliceLayout(0, MMA), L_EP)
 
 
 def supported(x: torch.Tensor, packed: KernelPack) -> bool:
-    """Gluon present, 1-16 bf16 rows on a CUDA device with compute capability 8.0+ (mma.sync)."""
+    """Gluon present, 1-32 bf16 rows on a CUDA device with compute capability 8.0+ (mma.sync)."""
     return (gluon is not None and x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2
             and 1 <= x.shape[0] <= MAX_ROWS and packed.rec32.is_cuda
             and torch.cuda.get_device_capability(x.device)[0] >= 8)
@@ -215,7 +223,7 @@ def default_config(m: int, n: int, k: int, sms: int = 132) -> WarpKConfig:
 
 def w12_warpk(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: WarpKConfig | None = None,
               out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``x @ W.T`` for x ``[M, K]`` bf16, M = 1..16; fp32 accumulation, deterministic."""
+    """``x @ W.T`` for x ``[M, K]`` bf16, M = 1..32; fp32 accumulation, deterministic."""
     if gluon is None or triton is None:
         raise RuntimeError("Gluon (triton >= 3.4) is not available")
     if x.dim() != 2 or x.shape[1] != packed.shape[1]:
