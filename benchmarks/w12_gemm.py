@@ -127,9 +127,11 @@ def row_inputs(w, m: int):
 
 def routed_path(x, kp) -> str:
     """Which kernel ``w12_linear(x, kp)`` runs (its routing, for the results' labels)."""
-    from specpilot.kernels.w12 import gemm, gemv, gemv_gluon, mma
+    from specpilot.kernels.w12 import gemm, gemv, gemv_gluon, mma, warpk
 
     (m, k), n = x.shape, kp.shape[0]
+    if warpk.preferred(m, n, k) and warpk.supported(x, kp):
+        return "warpk"
     if mma.preferred(m) and mma.supported(x, kp):
         return "mma"
     if m == 1 and gemv_gluon.supported(x, kp):

@@ -83,9 +83,16 @@ def test_bad_configs_are_rejected(bad):
         warpk.check_config(bad)
 
 
-def test_default_config_support_and_key():
+def test_default_config_routing_support_and_key():
     cfg = warpk.default_config(1, 4096, 4096)
-    assert cfg.rows == 16 and cfg.split_k >= 1 and cfg.key().startswith("wk-r16-w4-d2-s")
+    assert cfg.rows == 16 and cfg.split_k >= 1 and cfg.key().startswith("wk-r16-w4-d4-s")
+    assert warpk.default_config(5, 6144, 4096) == warpk.TUNED[(6144, 4096, 8)]       # 2-8 rows share a bucket
+    assert [warpk.bucket(m) for m in (1, 2, 8, 9, 16, 17, 32)] == [1, 8, 8, 16, 16, 32, 32]
+    # 2-8 rows always; 1 and 9-16 rows only on measured layers; never above 16 rows
+    assert warpk.preferred(2, 1000, 3000) and warpk.preferred(8, 6144, 4096)
+    assert warpk.preferred(1, 4096, 14336) and not warpk.preferred(1, 4096, 4096)
+    assert warpk.preferred(12, 6144, 4096) and not warpk.preferred(12, 28672, 4096)
+    assert not warpk.preferred(24, 6144, 4096) and not warpk.preferred(1, 1000, 3000)
     assert warpk.WarpKConfig(32, 8, 3, 2, 96).key() == "wk-r32-w8-d3-s2-r96"
     kp = KernelPack.from_w12(encode(make_weight(16, 64)), device="cpu")
     assert not warpk.supported(torch.zeros(1, 64, dtype=torch.bfloat16), kp)    # CPU: the other kernels
@@ -151,6 +158,18 @@ def test_rejects_more_than_32_rows():
     _, _, kp = _cuda_layer(128, 128, seed=1)
     with pytest.raises(ValueError, match="1-32"):
         warpk.w12_warpk(torch.zeros(33, 128, dtype=torch.bfloat16, device="cuda"), kp)
+
+
+@_gpu
+@pytest.mark.parametrize("m", [4, 12])
+def test_w12_linear_routes_few_rows_here(m):
+    from specpilot.kernels.w12.gemm import w12_linear
+
+    w, _, kp = _cuda_layer(256, 4096, seed=9)       # 12 rows: not a table layer, so the mma kernel
+    x = torch.randn(m, 4096).bfloat16().cuda()
+    y = w12_linear(x, kp)
+    want = warpk.w12_warpk(x, kp) if m <= 8 else mma.w12_mma(x, kp)
+    assert torch.equal(y.view(torch.int16), want.view(torch.int16))
 
 
 @_gpu

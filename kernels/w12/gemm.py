@@ -489,8 +489,11 @@ def w12_linear(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config:
     if x.stride(1) != 1:
         x = x.contiguous()
     if config is None:
-        # the tensor-core kernel (verify steps), the Gluon one-row GEMV and the Triton GEMV (decode)
-        from . import gemv, gemv_gluon, mma
+        # the tensor-core kernels (K split across warps for few rows, row blocks for verify steps),
+        # the Gluon one-row GEMV and the Triton GEMV (decode)
+        from . import gemv, gemv_gluon, mma, warpk
+        if warpk.preferred(m, n, k) and warpk.supported(x, packed):
+            return warpk.w12_warpk(x, packed, qpass=qpass, out=out, out_dtype=out_dtype)
         if mma.preferred(m) and mma.supported(x, packed):
             return mma.w12_mma(x, packed, qpass=qpass, out=out, out_dtype=out_dtype)
         if m == 1 and gemv_gluon.supported(x, packed):

@@ -212,13 +212,49 @@ def supported(x: torch.Tensor, packed: KernelPack) -> bool:
             and torch.cuda.get_device_capability(x.device)[0] >= 8)
 
 
+def bucket(m: int) -> int:
+    """The row bucket of :data:`TUNED`: 1, 8 (2-8 rows: one 8-row MMA column block), 16 or 32."""
+    return 1 if m == 1 else 8 if m <= 8 else 16 if m <= 16 else 32
+
+
 def default_config(m: int, n: int, k: int, sms: int = 132) -> WarpKConfig:
-    """16-row programs of 4 warps, two register sets; split-K when there are fewer than two
-    programs per SM."""
+    """The measured table (:data:`TUNED`) first, else 16-row programs of 4 warps, four register
+    sets (what the sweep chose most), split-K when there are fewer than two programs per SM."""
+    tuned = TUNED.get((n, k, bucket(m)))
+    if tuned is not None:
+        return tuned
     kt = (k + TILE_K - 1) // TILE_K
     blocks = (n + 15) // 16
     split = 1 if blocks >= 2 * sms else max(1, min(max(1, kt // 8), (2 * sms + blocks - 1) // blocks))
-    return WarpKConfig(16, 4, 2, split)
+    return WarpKConfig(16, 4, 4, split)
+
+
+def preferred(m: int, n: int, k: int) -> bool:
+    """Where ``w12_linear`` sends a product here: 2-8 rows always (it beat the ``mma`` kernel on all
+    seven layers of the sweep), 1 and 9-16 rows only on the layers of :data:`TUNED` (elsewhere the
+    one-row GEMV or the ``mma`` kernel measured as fast or faster)."""
+    return 2 <= m <= 8 or (n, k, bucket(m)) in TUNED
+
+
+# Fastest variant per (N, K, row bucket) on the H200 (benchmarks/w12_gemm.py --mode warpk --rows
+# 1,8,16,32, benchmarks/results/w12_warpk.json, git 44e0090; the comment: its time against the
+# kernel w12_linear used before, re-timed interleaved in the same run). 1 and 16 rows only where it
+# won by 3 % or more (one row: in that run and in the one before, w12_warpk_first.json).
+TUNED: dict[tuple[int, int, int], WarpKConfig] = {
+    (6144, 4096, 8): WarpKConfig(16, 4, 4, 1),    # 15.49 vs 17.41 us (mma)
+    (4096, 4096, 8): WarpKConfig(16, 4, 4, 1),    # 12.80 vs 14.18
+    (28672, 4096, 8): WarpKConfig(16, 4, 4, 1),   # 47.81 vs 48.90
+    (4096, 14336, 8): WarpKConfig(16, 8, 2, 1),   # 26.85 vs 29.82
+    (7168, 5120, 8): WarpKConfig(16, 4, 2, 1),    # 19.71 vs 20.93
+    (34816, 5120, 8): WarpKConfig(16, 4, 4, 1),   # 68.64 vs 68.77
+    (5120, 17408, 8): WarpKConfig(16, 4, 2, 2),   # 37.60 vs 40.51
+    (6144, 4096, 16): WarpKConfig(16, 4, 2, 1),   # 16.93 vs 18.72 (mma)
+    (4096, 4096, 16): WarpKConfig(16, 4, 2, 1),   # 14.62 vs 15.55
+    (4096, 14336, 16): WarpKConfig(16, 8, 2, 1),  # 29.82 vs 31.17
+    (4096, 14336, 1): WarpKConfig(16, 8, 2, 1),   # 26.69 vs 27.84 (one-row Gluon GEMV; 26.66 vs 28.00)
+    (7168, 5120, 1): WarpKConfig(16, 4, 4, 1),    # 19.26 vs 19.84 (19.36 vs 19.97)
+    (5120, 17408, 1): WarpKConfig(16, 4, 4, 1),   # 37.44 vs 39.26 (37.79 vs 39.33 at split 2)
+}
 
 
 def w12_warpk(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: WarpKConfig | None = None,
