@@ -1,4 +1,4 @@
-"""Run the tensor-core W12 kernels (``mma.sync`` and Hopper ``wgmma``) or the one-row Gluon GEMV on one layer, for Nsight
+"""Run the tensor-core W12 kernels (``mma.sync``, Hopper ``wgmma``, few-row ``warpk``) or the one-row Gluon GEMV on one layer, for Nsight
 Compute: a few warm-up calls, then the call to profile.
 
     ncu --clock-control none -k regex:'_w12_(wg)?mma_kernel' --launch-skip 3 --launch-count 1 \
@@ -24,13 +24,13 @@ bootstrap()
 
 import torch  # noqa: E402
 
-from specpilot.kernels.w12 import encode, gemv_gluon, mma, wgmma  # noqa: E402
+from specpilot.kernels.w12 import encode, gemv_gluon, mma, warpk, wgmma  # noqa: E402
 from specpilot.kernels.w12.gemm import KernelPack  # noqa: E402
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--kernel", choices=["mma", "wgmma", "gemv-gluon"], default="wgmma")
+    ap.add_argument("--kernel", choices=["mma", "wgmma", "gemv-gluon", "warpk"], default="wgmma")
     ap.add_argument("--k", type=int, default=4096)
     ap.add_argument("--n", type=int, default=4096)
     ap.add_argument("--m", type=int, default=32)
@@ -38,7 +38,8 @@ def main() -> int:
     args = ap.parse_args()
     mod, cls, run = {"mma": (mma, mma.MmaConfig, mma.w12_mma),
                      "wgmma": (wgmma, wgmma.WgmmaConfig, wgmma.w12_wgmma),
-                     "gemv-gluon": (gemv_gluon, gemv_gluon.GluonGemvConfig, gemv_gluon.w12_gemv_gluon)}[args.kernel]
+                     "gemv-gluon": (gemv_gluon, gemv_gluon.GluonGemvConfig, gemv_gluon.w12_gemv_gluon),
+                     "warpk": (warpk, warpk.WarpKConfig, warpk.w12_warpk)}[args.kernel]
     cfg = None
     if args.config:
         vals = [int(v) for v in args.config.split(",")]
