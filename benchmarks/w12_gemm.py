@@ -318,7 +318,7 @@ def gluon_gemv_configs(m: int, kt: int, n: int, sms: int, variants: str = "all")
 def warpk_configs(m: int, kt: int, n: int, sms: int):
     """Tensor-core few-row variants (K split across warps): 16 or 32 rows per program, 4 or 8
     warps, 2-4 unrolled register sets (fewer with more x rows: x rides in the register sets),
-    split-K for about 1, 2 and 4 programs per SM; at 16 rows each also without ``pin_load``."""
+    split-K for about 1, 2 and 4 programs per SM."""
     from specpilot.kernels.w12.warpk import WarpKConfig, default_config
 
     out = [default_config(m, n, kt * 64, sms)]
@@ -327,9 +327,7 @@ def warpk_configs(m: int, kt: int, n: int, sms: int):
         for warps in (4, 8):
             splits = sorted({max(1, min(max(1, kt // (2 * warps)), round(p * sms / nb))) for p in (1, 2, 4)})
             depths = (2, 3, 4) if m <= 8 else (2, 3) if m <= 16 else (2,)
-            pins = (True, False) if rows == 16 else (True,)    # A/B: the decode behind the reload's pin
-            out += [c for c in (WarpKConfig(rows, warps, d, s, pin_load=p) for s in splits for d in depths
-                                for p in pins) if c not in out]
+            out += [c for c in (WarpKConfig(rows, warps, d, s) for s in splits for d in depths) if c not in out]
     return out
 
 

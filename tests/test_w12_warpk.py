@@ -49,7 +49,7 @@ _SETUP = r"""
 from specpilot.kernels.w12 import warpk as G
 k = G._w12_warpk_kernel
 ptrs = {"x_ptr": "*bf16", "y_ptr": "*bf16", "rec_ptr": "*i32", "low_ptr": "*u8", "eptr_ptr": "*i32",
-        "erow_ptr": "*i32", "ecol_ptr": "*i32", "edelta_ptr": "*fp32", "ws_ptr": "*fp32", "lock_ptr": "*i32", "exp_ptr": "*i32"}
+        "erow_ptr": "*i32", "ecol_ptr": "*i32", "edelta_ptr": "*fp32", "ws_ptr": "*fp32", "lock_ptr": "*i32"}
 lv, lq, lx, mma, a_op, b_op, lep = G.layouts(16, 8, 4)
 const = dict(ROWS=16, BLOCK_M=8, WARPS=4, DEPTH=2, USE_SPLIT=True, QPASS=False, ESC_CH=32,
              L_V=lv, L_Q=lq, L_X=lx, MMA=mma, A_OP=a_op, B_OP=b_op, L_EP=lep)

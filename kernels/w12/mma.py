@@ -191,7 +191,7 @@ if gluon is not None:
         return p0, p1
 
     @gluon.jit
-    def _decode_pairs_fast(v, nb, L_VIEW: gl.constexpr, QPASS: gl.constexpr, E=None):
+    def _decode_pairs_fast(v, nb, L_VIEW: gl.constexpr, QPASS: gl.constexpr):
         """:func:`_decode_pairs` (the plain form; same result bits for every input) in fewer
         instructions, for ``[N, 16]`` or ``[W, R, 16]`` view words: ``prmt`` byte permutes put each
         sign next to its nibble (p0) and each view byte above its nibble so one shift aligns both
@@ -200,17 +200,10 @@ if gluon is not None:
         sets: 398 instead of 468 instructions per two records (static SASS, sm_90); on the H200
         1.182x vs 1.141x cuBLAS (geomean, 7 layers, one run). Bit-exactness: exhaustive per weight
         and GF(2)-affine on all inputs, tests/test_w12_decode_prmt.py (torch mirror), and bitwise
-        A/B against the plain decode on the GPU; study in docs/plans/w12-decode-isa.md.
-
-        ``E``: the exponent bits (``0x38003800``, Q pass ``0x38083808``) as a tensor shaped and laid
-        out like ``v``, for a caller that loads them so that the decode depends on that load
-        (:mod:`.warpk`: it orders the decode after the previous record's reload); else constants."""
+        A/B against the plain decode on the GPU; study in docs/plans/w12-decode-isa.md."""
         be = v.to(gl.uint32)
         if QPASS:   # nibble 0b1000 everywhere
-            if E is None:
-                e = gl.full(be.shape, 0x38083808, gl.uint32, L_VIEW)
-            else:
-                e = E.to(gl.uint32)
+            e = gl.full(be.shape, 0x38083808, gl.uint32, L_VIEW)
             t0 = _sel_sgn(be << 8, be << 4)
             t1 = _sel_sgn(be, be >> 4)
             p0 = _or_masked(t0, e, "lop3.b32 $0, $1, 0x87F087F0, $2, 0xEA;")
@@ -223,12 +216,7 @@ if gluon is not None:
             else:
                 ve, vo = gl.split(gl.reshape(be, [v.shape[0], 8, 2]))
             nn = gl.convert_layout(nb.to(gl.uint32), ve.type.layout, assert_trivial=True)
-            if E is None:
-                e = gl.full(ve.shape, 0x38003800, gl.uint32, ve.type.layout)
-            elif len(v.shape) == 3:
-                e, _ = gl.split(gl.reshape(E.to(gl.uint32), [v.shape[0], v.shape[1], 8, 2]))
-            else:
-                e, _ = gl.split(gl.reshape(E.to(gl.uint32), [v.shape[0], 8, 2]))
+            e = gl.full(ve.shape, 0x38003800, gl.uint32, ve.type.layout)
             p0e, p1e = _pairs_of_half(ve, nn, e, "prmt.b32 $0, $1, $2, 0x2604;", "prmt.b32 $0, $1, $2, 0x3614;")
             p0o, p1o = _pairs_of_half(vo, nn, e, "prmt.b32 $0, $1, $2, 0x2705;", "prmt.b32 $0, $1, $2, 0x3715;")
             p0 = gl.convert_layout(gl.reshape(gl.join(p0e, p0o), v.shape), L_VIEW, assert_trivial=True)

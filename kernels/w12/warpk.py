@@ -43,20 +43,17 @@ from .mma import _log2, aligned_x, esc_chunk, gl, gluon, launch_options, mma_v2,
 class WarpKConfig:
     """``rows`` weight rows per program (16 or 32: one or two 16-row MMA slices per warp),
     ``warps`` (each streams its own records), ``depth`` register sets reloaded in place (2-4),
-    ``split_k`` K ranges across programs, ``maxnreg`` the register cap passed to ptxas, ``pin_load``:
-    the decode of each record waits for a load behind the previous reload's pin (:func:`_pin_exp`;
-    False: only the reload addresses are pinned, kept for A/B runs)."""
+    ``split_k`` K ranges across programs, ``maxnreg`` the register cap passed to ptxas."""
 
     rows: int = 16
     warps: int = 4
     depth: int = 2
     split_k: int = 1
     maxnreg: int | None = None
-    pin_load: bool = True   # each decode waits for a load behind the previous reload's pin (A/B switch)
 
     def key(self) -> str:
         return (f"wk-r{self.rows}-w{self.warps}-d{self.depth}-s{self.split_k}"
-                f"{f'-r{self.maxnreg}' if self.maxnreg else ''}{'' if self.pin_load else '-nopin'}")
+                f"{f'-r{self.maxnreg}' if self.maxnreg else ''}")
 
 
 MAX_ROWS = 32   # x rows per launch: one to four 8-row MMA column blocks
@@ -108,19 +105,6 @@ if gluon is not None:
         return lin["view"], lin["nib"], lin["x"], mma, a_op, b_op, l_ep
 
     @gluon.jit
-    def _pin_exp(wid, ep):
-        """``bar.warp.sync``, then the exponent bits loaded from ``ep`` (an L1 hit): returns ``wid``
-        (the next reloads' addresses depend on it) and the bits, which the next record's decode
-        uses. ptxas keeps memory operations on their side of the ``bar.warp.sync`` but moves the
-        MMAs freely: with only ``wid`` pinned (:func:`.mma._pin`) it hoisted every MMA of the loop
-        body above the reloads, which then issued together at the end of the body (Nsight on 4096
-        -> 6144: the next body's first decode waited on them, 25 % of the stall samples). A decode
-        that depends on a load behind the pin cannot run before the reload ahead of it."""
-        return gl.inline_asm_elementwise("bar.warp.sync -1;\n mov.b32 $0, $2;\n ld.global.b32 $1, [$3];",
-                                         "=r,=r,r,l", [wid, ep], dtype=(gl.int32, gl.int32), is_pure=False,
-                                         pack=1)
-
-    @gluon.jit
     def _load(pv, pq, px, t, t_end, tx, L_V: gl.constexpr, L_Q: gl.constexpr, L_X: gl.constexpr,
               QPASS: gl.constexpr):
         """Each warp's record ``t[w]`` (clamped to the range: past it the last record is re-read and
@@ -135,12 +119,10 @@ if gluon is not None:
         return v, q, x
 
     @gluon.jit
-    def _mma(acc, v, q, x, ew, WARPS: gl.constexpr, ROWS: gl.constexpr, BLOCK_M: gl.constexpr,
-             L_V: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr, QPASS: gl.constexpr):
-        """acc ``[W, ROWS, BLOCK_M]`` += each warp's decoded record times its x (MMA k order); ``ew``:
-        the exponent bits per warp (:func:`_pin_exp`)."""
-        e = gl.zeros(v.shape, gl.int32, L_V) + _per_warp(ew, L_V)
-        p0, p1 = _decode_pairs_fast(v, q, L_V, QPASS, e)
+    def _mma(acc, v, q, x, WARPS: gl.constexpr, ROWS: gl.constexpr, BLOCK_M: gl.constexpr, L_V: gl.constexpr,
+             A_OP: gl.constexpr, B_OP: gl.constexpr, QPASS: gl.constexpr):
+        """acc ``[W, ROWS, BLOCK_M]`` += each warp's decoded record times its x (MMA k order)."""
+        p0, p1 = _decode_pairs_fast(v, q, L_V, QPASS)
         a = gl.join(_bf16_halves(p0), _bf16_halves(p1))          # [w, n, word, c, s]
         a = gl.permute(gl.reshape(a, [WARPS, ROWS, 4, 4, 2, 2]), [0, 1, 3, 5, 2, 4])   # [w, n, j, s, t, c]
         a = gl.convert_layout(gl.reshape(a, [WARPS, ROWS, _K]), A_OP, assert_trivial=True)
@@ -149,29 +131,24 @@ if gluon is not None:
         return mma_v2(a, b, acc)
 
     @gluon.jit
-    def _set(acc, v, q, x, ew, t_next, wid, ep, pv, pq, px, t_end, tx, WARPS: gl.constexpr, ROWS: gl.constexpr,
+    def _set(acc, v, q, x, t_next, wid, pv, pq, px, t_end, tx, WARPS: gl.constexpr, ROWS: gl.constexpr,
              BLOCK_M: gl.constexpr, L_V: gl.constexpr, L_Q: gl.constexpr, L_X: gl.constexpr, A_OP: gl.constexpr,
-             B_OP: gl.constexpr, QPASS: gl.constexpr, PIN_LOAD: gl.constexpr):
-        """One register set: its records' MMAs, then the set reloaded in place and pinned there
-        (the next set's decode waits for the pin, :func:`_pin_exp`)."""
-        acc = _mma(acc, v, q, x, ew, WARPS, ROWS, BLOCK_M, L_V, A_OP, B_OP, QPASS)
+             B_OP: gl.constexpr, QPASS: gl.constexpr):
+        """One register set: its records' MMAs, then the set reloaded in place and pinned there."""
+        acc = _mma(acc, v, q, x, WARPS, ROWS, BLOCK_M, L_V, A_OP, B_OP, QPASS)
         v, q, x = _load(pv, pq, px, t_next + wid, t_end, tx, L_V, L_Q, L_X, QPASS)
-        if PIN_LOAD:
-            wid, ew = _pin_exp(wid, ep)
-        else:
-            wid = _pin(wid, True)
-        return acc, v, q, x, ew, wid
+        return acc, v, q, x, _pin(wid, True)
 
     @gluon.jit
     def _w12_warpk_kernel(
         x_ptr, y_ptr, rec_ptr, low_ptr,
         eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr,
-        ws_ptr, lock_ptr, exp_ptr,
+        ws_ptr, lock_ptr,
         M, N, K, KT, TILES_PER_SPLIT, NUM_N_BLOCKS, SPLIT_K, stride_xm, stride_ym,
         ROWS: gl.constexpr, BLOCK_M: gl.constexpr, WARPS: gl.constexpr, DEPTH: gl.constexpr,
         USE_SPLIT: gl.constexpr, QPASS: gl.constexpr, ESC_CH: gl.constexpr,
         L_V: gl.constexpr, L_Q: gl.constexpr, L_X: gl.constexpr, MMA: gl.constexpr,
-        A_OP: gl.constexpr, B_OP: gl.constexpr, L_EP: gl.constexpr, PIN_LOAD: gl.constexpr = True,
+        A_OP: gl.constexpr, B_OP: gl.constexpr, L_EP: gl.constexpr,
     ):
         pid_n = gl.program_id(0)
         pid_k = gl.program_id(1)
@@ -193,7 +170,6 @@ if gluon is not None:
         px = x_ptr + mx * stride_xm + kx
         tx = mx < M
         wid = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, L_V)))
-        ep = exp_ptr + QPASS + wid * 0      # the exponent bits, per warp (see _pin_exp)
 
         t_begin = pid_k * TILES_PER_SPLIT
         t_end = gl.minimum(t_begin + TILES_PER_SPLIT, KT)
@@ -204,21 +180,21 @@ if gluon is not None:
             v2, q2, x2 = _load(pv, pq, px, t_begin + 2 * WARPS + wid, t_end, tx, L_V, L_Q, L_X, QPASS)
         if DEPTH >= 4:
             v3, q3, x3 = _load(pv, pq, px, t_begin + 3 * WARPS + wid, t_end, tx, L_V, L_Q, L_X, QPASS)
-        wid, ew = _pin_exp(wid, ep)
         if not USE_SPLIT:   # the epilogue's three dependent round trips, behind the weight stream
+            wid = _pin(wid, True)
             pre = _finalize_loads(x_ptr, low_ptr, eptr_ptr, ecol_ptr, edelta_ptr, n0, 0, M, N, stride_xm,
                                   ROWS, BLOCK_M, ESC_CH, L_EP)
         for t in range(t_begin, t_end, DEPTH * WARPS):
-            acc, v0, q0, x0, ew, wid = _set(acc, v0, q0, x0, ew, t + DEPTH * WARPS, wid, ep, pv, pq, px, t_end, tx, WARPS, ROWS,
-                                        BLOCK_M, L_V, L_Q, L_X, A_OP, B_OP, QPASS, PIN_LOAD)
-            acc, v1, q1, x1, ew, wid = _set(acc, v1, q1, x1, ew, t + (DEPTH + 1) * WARPS, wid, ep, pv, pq, px, t_end, tx, WARPS,
-                                        ROWS, BLOCK_M, L_V, L_Q, L_X, A_OP, B_OP, QPASS, PIN_LOAD)
+            acc, v0, q0, x0, wid = _set(acc, v0, q0, x0, t + DEPTH * WARPS, wid, pv, pq, px, t_end, tx, WARPS, ROWS,
+                                        BLOCK_M, L_V, L_Q, L_X, A_OP, B_OP, QPASS)
+            acc, v1, q1, x1, wid = _set(acc, v1, q1, x1, t + (DEPTH + 1) * WARPS, wid, pv, pq, px, t_end, tx, WARPS,
+                                        ROWS, BLOCK_M, L_V, L_Q, L_X, A_OP, B_OP, QPASS)
             if DEPTH >= 3:
-                acc, v2, q2, x2, ew, wid = _set(acc, v2, q2, x2, ew, t + (DEPTH + 2) * WARPS, wid, ep, pv, pq, px, t_end, tx,
-                                            WARPS, ROWS, BLOCK_M, L_V, L_Q, L_X, A_OP, B_OP, QPASS, PIN_LOAD)
+                acc, v2, q2, x2, wid = _set(acc, v2, q2, x2, t + (DEPTH + 2) * WARPS, wid, pv, pq, px, t_end, tx,
+                                            WARPS, ROWS, BLOCK_M, L_V, L_Q, L_X, A_OP, B_OP, QPASS)
             if DEPTH >= 4:
-                acc, v3, q3, x3, ew, wid = _set(acc, v3, q3, x3, ew, t + (DEPTH + 3) * WARPS, wid, ep, pv, pq, px, t_end, tx,
-                                            WARPS, ROWS, BLOCK_M, L_V, L_Q, L_X, A_OP, B_OP, QPASS, PIN_LOAD)
+                acc, v3, q3, x3, wid = _set(acc, v3, q3, x3, t + (DEPTH + 3) * WARPS, wid, pv, pq, px, t_end, tx,
+                                            WARPS, ROWS, BLOCK_M, L_V, L_Q, L_X, A_OP, B_OP, QPASS)
         part = gl.sum(acc, axis=0)          # the warps, in a fixed order
         if not USE_SPLIT:
             _finalize_apply(part, pre, x_ptr, y_ptr, eptr_ptr, ecol_ptr, edelta_ptr, n0, 0, M, N, stride_xm,
@@ -281,18 +257,6 @@ TUNED: dict[tuple[int, int, int], WarpKConfig] = {
 }
 
 
-_EXP_BITS: dict = {}
-
-
-def exp_bits(device) -> torch.Tensor:
-    """The decode's exponent bits ``[0x38003800, 0x38083808]`` (exact pass, Q pass) on ``device``,
-    read by the kernel behind each reload's pin (:func:`_pin_exp`)."""
-    key = str(device)
-    if key not in _EXP_BITS:
-        _EXP_BITS[key] = torch.tensor([0x38003800, 0x38083808], dtype=torch.int32, device=device)
-    return _EXP_BITS[key]
-
-
 def w12_warpk(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: WarpKConfig | None = None,
               out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x @ W.T`` for x ``[M, K]`` bf16, M = 1..32; fp32 accumulation, deterministic."""
@@ -315,11 +279,10 @@ def w12_warpk(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: 
     _w12_warpk_kernel[(nb, split)](
         x, out, packed.rec32, packed.low_exp,
         packed.esc_rowptr, packed.esc_row, packed.esc_col, packed.esc_delta_q if qpass else packed.esc_delta,
-        ws, locks, exp_bits(x.device),
+        ws, locks,
         m, n, k, kt, tps, nb, split, x.stride(0), out.stride(0),
         ROWS=cfg.rows, BLOCK_M=bm, WARPS=cfg.warps, DEPTH=cfg.depth, USE_SPLIT=split > 1, QPASS=qpass,
         ESC_CH=esc_chunk(bm), L_V=l_v, L_Q=l_q, L_X=l_x, MMA=mma, A_OP=a_op, B_OP=b_op, L_EP=l_ep,
-        PIN_LOAD=cfg.pin_load,
         num_warps=cfg.warps, **launch_options(cfg),
     )
     return out
