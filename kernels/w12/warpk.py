@@ -165,7 +165,8 @@ if gluon is not None:
         cq = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, L_Q)))
         pq = rec_ptr + tile_row * 3072 + (2048 + gl.expand_dims(gl.expand_dims(rq, 0), 2) * 8
                                           + gl.expand_dims(gl.expand_dims(cq, 0), 1))
-        mx = gl.expand_dims(gl.expand_dims(gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, gl.SliceLayout(2, L_X))), 0), 2)
+        mx = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, gl.SliceLayout(2, L_X)))
+        mx = gl.expand_dims(gl.expand_dims(mx, 0), 2)
         kx = gl.expand_dims(gl.expand_dims(gl.arange(0, _K, layout=gl.SliceLayout(0, gl.SliceLayout(1, L_X))), 0), 1)
         px = x_ptr + mx * stride_xm + kx
         tx = mx < M
