@@ -317,8 +317,9 @@ def gluon_gemv_configs(m: int, kt: int, n: int, sms: int, variants: str = "all")
 
 def warpk_configs(m: int, kt: int, n: int, sms: int):
     """Tensor-core few-row variants (K split across warps): 16 or 32 rows per program, 4 or 8
-    warps, 2-4 unrolled register sets (fewer with more x rows: x rides in the register sets),
-    split-K for about 1, 2 and 4 programs per SM."""
+    warps, 2-4 unrolled register sets, split-K for about 1, 2 and 4 programs per SM; x in the
+    register sets or loaded right before each record's MMAs (``x_late``; only that above 16 rows,
+    where x would take 32 registers per set)."""
     from specpilot.kernels.w12.warpk import WarpKConfig, default_config
 
     out = [default_config(m, n, kt * 64, sms)]
@@ -326,8 +327,10 @@ def warpk_configs(m: int, kt: int, n: int, sms: int):
         nb = (n + rows - 1) // rows
         for warps in (4, 8):
             splits = sorted({max(1, min(max(1, kt // (2 * warps)), round(p * sms / nb))) for p in (1, 2, 4)})
-            depths = (2, 3, 4) if m <= 8 else (2, 3) if m <= 16 else (2,)
-            out += [c for c in (WarpKConfig(rows, warps, d, s) for s in splits for d in depths) if c not in out]
+            for x_late in ((False, True) if m <= 16 else (True,)):
+                depths = (2, 3, 4) if m <= 8 or x_late else (2, 3)
+                out += [c for c in (WarpKConfig(rows, warps, d, s, x_late=x_late) for s in splits for d in depths)
+                        if c not in out]
     return out
 
 

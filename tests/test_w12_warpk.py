@@ -94,6 +94,7 @@ def test_default_config_routing_support_and_key():
     assert warpk.preferred(12, 6144, 4096) and not warpk.preferred(12, 28672, 4096)
     assert not warpk.preferred(24, 6144, 4096) and not warpk.preferred(1, 1000, 3000)
     assert warpk.WarpKConfig(32, 8, 3, 2, 96).key() == "wk-r32-w8-d3-s2-r96"
+    assert warpk.WarpKConfig(16, 4, 2, 1, x_late=True).key() == "wk-r16-w4-d2-s1-xl"
     kp = KernelPack.from_w12(encode(make_weight(16, 64)), device="cpu")
     assert not warpk.supported(torch.zeros(1, 64, dtype=torch.bfloat16), kp)    # CPU: the other kernels
 
@@ -114,6 +115,10 @@ CASES = [   # (rows, n, k, config): 1-32 rows, partial row tiles, odd record cou
     (16, 128, 256, warpk.WarpKConfig(32, 1, 3, 1)),
     (24, 256, 512, warpk.WarpKConfig(16, 4, 2, 1)),
     (32, 200, 640, warpk.WarpKConfig(32, 4, 2, 2)),
+    # x loaded right before each record's MMAs
+    (1, 200, 320, warpk.WarpKConfig(16, 4, 3, 1, x_late=True)),
+    (32, 256, 1088, warpk.WarpKConfig(16, 4, 4, 3, x_late=True)),
+    (20, 136, 640, warpk.WarpKConfig(32, 2, 2, 1, x_late=True)),
 ]
 
 

@@ -43,17 +43,20 @@ from .mma import _log2, aligned_x, esc_chunk, gl, gluon, launch_options, mma_v2,
 class WarpKConfig:
     """``rows`` weight rows per program (16 or 32: one or two 16-row MMA slices per warp),
     ``warps`` (each streams its own records), ``depth`` register sets reloaded in place (2-4),
-    ``split_k`` K ranges across programs, ``maxnreg`` the register cap passed to ptxas."""
+    ``split_k`` K ranges across programs, ``maxnreg`` the register cap passed to ptxas, ``x_late``: x
+    is loaded right before its record's MMAs instead of riding in the register sets (16-32 x rows
+    take 16-32 registers per set there)."""
 
     rows: int = 16
     warps: int = 4
     depth: int = 2
     split_k: int = 1
     maxnreg: int | None = None
+    x_late: bool = False   # x loaded right before its record's MMAs, not with the record (register sets)
 
     def key(self) -> str:
         return (f"wk-r{self.rows}-w{self.warps}-d{self.depth}-s{self.split_k}"
-                f"{f'-r{self.maxnreg}' if self.maxnreg else ''}")
+                f"{f'-r{self.maxnreg}' if self.maxnreg else ''}{'-xl' if self.x_late else ''}")
 
 
 MAX_ROWS = 32   # x rows per launch: one to four 8-row MMA column blocks
@@ -106,17 +109,26 @@ if gluon is not None:
 
     @gluon.jit
     def _load(pv, pq, px, t, t_end, tx, L_V: gl.constexpr, L_Q: gl.constexpr, L_X: gl.constexpr,
-              QPASS: gl.constexpr):
+              QPASS: gl.constexpr, X_LATE: gl.constexpr):
         """Each warp's record ``t[w]`` (clamped to the range: past it the last record is re-read and
-        its x is zero, so it adds +-0): view words, nibble words, x."""
+        its x is zero, so it adds +-0): view words, nibble words, x (with ``X_LATE``: the record
+        index instead, for :func:`_x_of`)."""
         d = gl.minimum(t, t_end - 1) * 3072
         v = gl.load(pv + _per_warp(d, L_V))
         if QPASS:
             q = v
         else:
             q = gl.load(pq + _per_warp(d, L_Q))
-        x = gl.load(px + _per_warp(t * _K, L_X), mask=tx & _per_warp(t < t_end, L_X), other=0.0)
+        if X_LATE:
+            x = t
+        else:
+            x = _x_of(px, t, t_end, tx, L_X)
         return v, q, x
+
+    @gluon.jit
+    def _x_of(px, t, t_end, tx, L_X: gl.constexpr):
+        """x of each warp's record ``t[w]`` (zero past ``t_end`` and for rows past M)."""
+        return gl.load(px + _per_warp(t * _K, L_X), mask=tx & _per_warp(t < t_end, L_X), other=0.0)
 
     @gluon.jit
     def _mma(acc, v, q, x, WARPS: gl.constexpr, ROWS: gl.constexpr, BLOCK_M: gl.constexpr, L_V: gl.constexpr,
@@ -133,10 +145,13 @@ if gluon is not None:
     @gluon.jit
     def _set(acc, v, q, x, t_next, wid, pv, pq, px, t_end, tx, WARPS: gl.constexpr, ROWS: gl.constexpr,
              BLOCK_M: gl.constexpr, L_V: gl.constexpr, L_Q: gl.constexpr, L_X: gl.constexpr, A_OP: gl.constexpr,
-             B_OP: gl.constexpr, QPASS: gl.constexpr):
-        """One register set: its records' MMAs, then the set reloaded in place and pinned there."""
+             B_OP: gl.constexpr, QPASS: gl.constexpr, X_LATE: gl.constexpr):
+        """One register set: its records' MMAs, then the set reloaded in place and pinned there
+        (``X_LATE``: ``x`` holds the record indices and x is loaded here)."""
+        if X_LATE:
+            x = _x_of(px, x, t_end, tx, L_X)
         acc = _mma(acc, v, q, x, WARPS, ROWS, BLOCK_M, L_V, A_OP, B_OP, QPASS)
-        v, q, x = _load(pv, pq, px, t_next + wid, t_end, tx, L_V, L_Q, L_X, QPASS)
+        v, q, x = _load(pv, pq, px, t_next + wid, t_end, tx, L_V, L_Q, L_X, QPASS, X_LATE)
         return acc, v, q, x, _pin(wid, True)
 
     @gluon.jit
@@ -148,7 +163,7 @@ if gluon is not None:
         ROWS: gl.constexpr, BLOCK_M: gl.constexpr, WARPS: gl.constexpr, DEPTH: gl.constexpr,
         USE_SPLIT: gl.constexpr, QPASS: gl.constexpr, ESC_CH: gl.constexpr,
         L_V: gl.constexpr, L_Q: gl.constexpr, L_X: gl.constexpr, MMA: gl.constexpr,
-        A_OP: gl.constexpr, B_OP: gl.constexpr, L_EP: gl.constexpr,
+        A_OP: gl.constexpr, B_OP: gl.constexpr, L_EP: gl.constexpr, X_LATE: gl.constexpr = False,
     ):
         pid_n = gl.program_id(0)
         pid_k = gl.program_id(1)
@@ -175,27 +190,27 @@ if gluon is not None:
         t_begin = pid_k * TILES_PER_SPLIT
         t_end = gl.minimum(t_begin + TILES_PER_SPLIT, KT)
         acc = gl.zeros([WARPS, ROWS, BLOCK_M], gl.float32, MMA)
-        v0, q0, x0 = _load(pv, pq, px, t_begin + wid, t_end, tx, L_V, L_Q, L_X, QPASS)
-        v1, q1, x1 = _load(pv, pq, px, t_begin + WARPS + wid, t_end, tx, L_V, L_Q, L_X, QPASS)
+        v0, q0, x0 = _load(pv, pq, px, t_begin + wid, t_end, tx, L_V, L_Q, L_X, QPASS, X_LATE)
+        v1, q1, x1 = _load(pv, pq, px, t_begin + WARPS + wid, t_end, tx, L_V, L_Q, L_X, QPASS, X_LATE)
         if DEPTH >= 3:
-            v2, q2, x2 = _load(pv, pq, px, t_begin + 2 * WARPS + wid, t_end, tx, L_V, L_Q, L_X, QPASS)
+            v2, q2, x2 = _load(pv, pq, px, t_begin + 2 * WARPS + wid, t_end, tx, L_V, L_Q, L_X, QPASS, X_LATE)
         if DEPTH >= 4:
-            v3, q3, x3 = _load(pv, pq, px, t_begin + 3 * WARPS + wid, t_end, tx, L_V, L_Q, L_X, QPASS)
+            v3, q3, x3 = _load(pv, pq, px, t_begin + 3 * WARPS + wid, t_end, tx, L_V, L_Q, L_X, QPASS, X_LATE)
         if not USE_SPLIT:   # the epilogue's three dependent round trips, behind the weight stream
             wid = _pin(wid, True)
             pre = _finalize_loads(x_ptr, low_ptr, eptr_ptr, ecol_ptr, edelta_ptr, n0, 0, M, N, stride_xm,
                                   ROWS, BLOCK_M, ESC_CH, L_EP)
         for t in range(t_begin, t_end, DEPTH * WARPS):
             acc, v0, q0, x0, wid = _set(acc, v0, q0, x0, t + DEPTH * WARPS, wid, pv, pq, px, t_end, tx, WARPS, ROWS,
-                                        BLOCK_M, L_V, L_Q, L_X, A_OP, B_OP, QPASS)
+                                        BLOCK_M, L_V, L_Q, L_X, A_OP, B_OP, QPASS, X_LATE)
             acc, v1, q1, x1, wid = _set(acc, v1, q1, x1, t + (DEPTH + 1) * WARPS, wid, pv, pq, px, t_end, tx, WARPS,
-                                        ROWS, BLOCK_M, L_V, L_Q, L_X, A_OP, B_OP, QPASS)
+                                        ROWS, BLOCK_M, L_V, L_Q, L_X, A_OP, B_OP, QPASS, X_LATE)
             if DEPTH >= 3:
                 acc, v2, q2, x2, wid = _set(acc, v2, q2, x2, t + (DEPTH + 2) * WARPS, wid, pv, pq, px, t_end, tx,
-                                            WARPS, ROWS, BLOCK_M, L_V, L_Q, L_X, A_OP, B_OP, QPASS)
+                                            WARPS, ROWS, BLOCK_M, L_V, L_Q, L_X, A_OP, B_OP, QPASS, X_LATE)
             if DEPTH >= 4:
                 acc, v3, q3, x3, wid = _set(acc, v3, q3, x3, t + (DEPTH + 3) * WARPS, wid, pv, pq, px, t_end, tx,
-                                            WARPS, ROWS, BLOCK_M, L_V, L_Q, L_X, A_OP, B_OP, QPASS)
+                                            WARPS, ROWS, BLOCK_M, L_V, L_Q, L_X, A_OP, B_OP, QPASS, X_LATE)
         part = gl.sum(acc, axis=0)          # the warps, in a fixed order
         if not USE_SPLIT:
             _finalize_apply(part, pre, x_ptr, y_ptr, eptr_ptr, ecol_ptr, edelta_ptr, n0, 0, M, N, stride_xm,
@@ -284,6 +299,7 @@ def w12_warpk(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: 
         m, n, k, kt, tps, nb, split, x.stride(0), out.stride(0),
         ROWS=cfg.rows, BLOCK_M=bm, WARPS=cfg.warps, DEPTH=cfg.depth, USE_SPLIT=split > 1, QPASS=qpass,
         ESC_CH=esc_chunk(bm), L_V=l_v, L_Q=l_q, L_X=l_x, MMA=mma, A_OP=a_op, B_OP=b_op, L_EP=l_ep,
+        X_LATE=cfg.x_late,
         num_warps=cfg.warps, **launch_options(cfg),
     )
     return out
