@@ -242,7 +242,7 @@ def test_w12_linear_routes_verify_rows_to_mma():
     from specpilot.kernels.w12.gemm import w12_linear
 
     _, _, kp = _cuda_layer(256, 512, seed=9)
-    x = torch.randn(24, 512).bfloat16().cuda()      # (2-8 rows go to kernels/w12/warpk.py)
+    x = torch.randn(24, 512).bfloat16().cuda()      # (2-8 rows and table layers go to kernels/w12/warpk.py)
     assert torch.equal(w12_linear(x, kp).view(torch.int16), mma.w12_mma(x, kp).view(torch.int16))
 
 

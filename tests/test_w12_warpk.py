@@ -88,11 +88,12 @@ def test_default_config_routing_support_and_key():
     assert cfg.rows == 16 and cfg.split_k >= 1 and cfg.key().startswith("wk-r16-w4-d4-s")
     assert warpk.default_config(5, 6144, 4096) == warpk.TUNED[(6144, 4096, 8)]       # 2-8 rows share a bucket
     assert [warpk.bucket(m) for m in (1, 2, 8, 9, 16, 17, 32)] == [1, 8, 8, 16, 16, 32, 32]
-    # 2-8 rows always; 1 and 9-16 rows only on measured layers; never above 16 rows
+    # 2-8 rows always; 1 and 9-32 rows only on measured layers
     assert warpk.preferred(2, 1000, 3000) and warpk.preferred(8, 6144, 4096)
     assert warpk.preferred(1, 4096, 14336) and not warpk.preferred(1, 4096, 4096)
     assert warpk.preferred(12, 6144, 4096) and not warpk.preferred(12, 28672, 4096)
-    assert not warpk.preferred(24, 6144, 4096) and not warpk.preferred(1, 1000, 3000)
+    assert warpk.preferred(24, 6144, 4096) and warpk.default_config(24, 6144, 4096).x_late
+    assert not warpk.preferred(24, 4096, 4096) and not warpk.preferred(1, 1000, 3000)
     assert warpk.WarpKConfig(32, 8, 3, 2, 96).key() == "wk-r32-w8-d3-s2-r96"
     assert warpk.WarpKConfig(16, 4, 2, 1, x_late=True).key() == "wk-r16-w4-d2-s1-xl"
     kp = KernelPack.from_w12(encode(make_weight(16, 64)), device="cpu")

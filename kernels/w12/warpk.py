@@ -247,7 +247,7 @@ def default_config(m: int, n: int, k: int, sms: int = 132) -> WarpKConfig:
 
 def preferred(m: int, n: int, k: int) -> bool:
     """Where ``w12_linear`` sends a product here: 2-8 rows always (it beat the ``mma`` kernel on all
-    seven layers of the sweep), 1 and 9-16 rows only on the layers of :data:`TUNED` (elsewhere the
+    seven layers of the sweep), 1 and 9-32 rows only on the layers of :data:`TUNED` (elsewhere the
     one-row GEMV or the ``mma`` kernel measured as fast or faster)."""
     return 2 <= m <= 8 or (n, k, bucket(m)) in TUNED
 
@@ -270,6 +270,8 @@ TUNED: dict[tuple[int, int, int], WarpKConfig] = {
     (4096, 14336, 1): WarpKConfig(16, 8, 2, 1),   # 26.69 vs 27.84 (one-row Gluon GEMV; 26.66 vs 28.00)
     (7168, 5120, 1): WarpKConfig(16, 4, 4, 1),    # 19.26 vs 19.84 (19.36 vs 19.97)
     (5120, 17408, 1): WarpKConfig(16, 4, 4, 1),   # 37.44 vs 39.26 (37.79 vs 39.33 at split 2)
+    # 17-32 rows with x loaded late (w12_warpk_xlate.json, git 2be1ecd): won on this layer only
+    (6144, 4096, 32): WarpKConfig(16, 4, 2, 1, x_late=True),   # 21.3 vs 23.1 us (mma)
 }
 
 
