@@ -19,7 +19,8 @@ This kernel is the GEMV's schedule with the MMA kernel's arithmetic:
   per lane: the B registers in the MMA k order (:func:`.mma.mma_k_to_physical`). Rows of x past M
   are predicated off, so one row costs 4 lanes' loads;
 * per record and warp: 4 MMAs per 16 weight rows and 8 x rows, no widening, no FMA, no shared
-  memory and no barrier in the loop;
+  memory and no barrier in the loop; with ``x_late`` x is loaded right before each record's MMAs
+  instead of riding in the register sets (at 32 x rows those are 32 registers per set);
 * the program sums its warps' accumulators (fixed order) and runs the tensor-core kernels' epilogue
   (row scale, exact escapes, fixed-order split-K): bitwise identical run to run.
 
