@@ -510,7 +510,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", choices=["sweep", "final", "gemv", "gemv-gluon", "mma", "wgmma", "warpk", "default"], default="final",
                     help="sweep/final: the general kernel's configs; gemv: streaming-GEMV configs; "
-                         "gemv-gluon: one-row Gluon GEMV configs; mma: tensor-core (Gluon) configs; wgmma: Hopper wgmma (Gluon) configs; default: w12_linear as users call it, no config")
+                         "gemv-gluon: one-row Gluon GEMV configs; mma: tensor-core (Gluon) configs; wgmma: Hopper wgmma (Gluon) configs; "
+                         "warpk: few-row tensor-core configs (K split across warps); default: w12_linear as users call it, no config")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--tuned", default=None, help="JSON of best configs from a sweep")
     ap.add_argument("--shapes", default=None, help="comma list of shape names")
