@@ -18,7 +18,7 @@ is written for the decode regime (few rows, where the bytes matter most):
 * the epilogue (row scale, exact escape corrections, fixed-order split-K reduction) is the general
   kernel's, so results are bitwise identical run to run.
 
-The plain reference is :func:`.naive.w12_matmul_reference`; tests compare both, on the CPU under
+The plain reference is :func:`.naive.w12_linear_ref`; tests compare both, on the CPU under
 ``TRITON_INTERPRET=1`` and on the GPU.
 """
 

@@ -27,7 +27,7 @@ read_floor.json``). Here the split is inside the program:
   hide behind the weight stream instead of adding to the tail; results are bitwise identical run
   to run.
 
-The plain reference is :func:`.naive.w12_matmul_reference`. Gluon does not run under Triton's
+The plain reference is :func:`.naive.w12_linear_ref`. Gluon does not run under Triton's
 interpreter; tests compile the kernel for sm_90 on the CPU and run it on the GPU.
 """
 

@@ -26,7 +26,7 @@ w3)``), then 4 KB of low nibbles (32 bytes per row, a word per 8 weights); see d
 epilogue (row scale ``2**(L_n - 112)``, exact escape corrections ``x[:, k] * (w - slot)``, fixed-
 order split-K reduction through a workspace and a per-block counter) makes results bitwise
 identical run to run, like the other W12 kernels. The plain reference is
-:func:`.naive.w12_matmul_reference`.
+:func:`.naive.w12_linear_ref`.
 
 Gluon kernels do not run under Triton's interpreter; on a machine without CUDA the layouts are
 still built and the kernel still compiles for sm_90 (tests do both), and ``w12_linear`` uses the

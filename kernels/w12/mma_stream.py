@@ -13,7 +13,7 @@ A block's records end up in one program (finished directly) or in a few consecut
 writes its partial to the block's slot ``program - first program``; the last to arrive sums the
 slots in slot order). The split of every block depends only on the shape and ``L``, so results are
 bitwise identical run to run, like the other W12 kernels. The plain reference is
-:func:`.naive.w12_matmul_reference`.
+:func:`.naive.w12_linear_ref`.
 
 On the H200 it measured slower than the split grid on every layer at 8 and 32 rows
 (``benchmarks/results/w12_mma_stream.json``, 5-30 %; its in-loop epilogue takes 168 registers at

@@ -48,7 +48,7 @@ split-K), run by each consumer warp for its own 16-row block (a split-K slot and
 own) with ``tma=1`` and by the group for the program's rows with ``tma=2``. The fragments, the MMA
 order and the split-K order are those of the ``wsmem`` ring, so results are bitwise the ring's
 (GPU tests, both modes) and identical run to run. Plain reference:
-:func:`.naive.w12_matmul_reference`.
+:func:`.naive.w12_linear_ref`.
 """
 
 from __future__ import annotations

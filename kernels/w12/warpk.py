@@ -24,7 +24,7 @@ This kernel is the GEMV's schedule with the MMA kernel's arithmetic:
 * the program sums its warps' accumulators (fixed order) and runs the tensor-core kernels' epilogue
   (row scale, exact escapes, fixed-order split-K): bitwise identical run to run.
 
-The plain reference is :func:`.naive.w12_matmul_reference`. Gluon does not run under Triton's
+The plain reference is :func:`.naive.w12_linear_ref`. Gluon does not run under Triton's
 interpreter; tests compile the kernel for sm_90 on the CPU and run it on the GPU.
 """
 
@@ -236,14 +236,15 @@ def bucket(m: int) -> int:
 
 def default_config(m: int, n: int, k: int, sms: int = 132) -> WarpKConfig:
     """The measured table (:data:`TUNED`) first, else 16-row programs of 4 warps, four register
-    sets (what the sweep chose most), split-K when there are fewer than two programs per SM."""
+    sets up to 8 x rows (what the sweep chose most) and two above (x takes 16-32 registers per set;
+    above 16 rows x is loaded late), split-K when there are fewer than two programs per SM."""
     tuned = TUNED.get((n, k, bucket(m)))
     if tuned is not None:
         return tuned
     kt = (k + TILE_K - 1) // TILE_K
     blocks = (n + 15) // 16
     split = 1 if blocks >= 2 * sms else max(1, min(max(1, kt // 8), (2 * sms + blocks - 1) // blocks))
-    return WarpKConfig(16, 4, 4, split)
+    return WarpKConfig(16, 4, 4 if m <= 8 else 2, split, x_late=m > 16)
 
 
 def preferred(m: int, n: int, k: int) -> bool:

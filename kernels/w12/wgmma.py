@@ -25,7 +25,7 @@ here; it stays callable and benchmarked (``benchmarks/w12_gemm.py --mode wgmma``
 Epilogue, split-K and determinism are :mod:`.mma`'s (:func:`.mma._epilogue`): a fixed-order
 reduction, bitwise identical run to run. Bits may differ from the ``mma.sync`` kernel's (the order
 of the fp32 sums inside an MMA is the hardware's). Design notes and the compile-time evidence:
-docs/plans/w12-wgmma.md. Plain reference: :func:`.naive.w12_matmul_reference`.
+docs/plans/w12-wgmma.md. Plain reference: :func:`.naive.w12_linear_ref`.
 """
 
 from __future__ import annotations
