@@ -134,6 +134,21 @@ if gluon is not None:
         return gl.expand_dims(gl.expand_dims(gl.convert_layout(v, gl.SliceLayout(1, gl.SliceLayout(2, L))), 1), 2)
 
     @gluon.jit
+    def _record_offsets_3d(n0, KT, ROWS: gl.constexpr, L_V: gl.constexpr, L_Q: gl.constexpr):
+        """:func:`.mma._record_offsets` for ``[WARPS, ROWS, ...]`` tiles (every warp the same rows):
+        the index of the row tile's first record and the word offsets inside a record of the rows'
+        view words (``row * 16``) and nibble words (``2048 + row * 8``). Shared with :mod:`.warpk`."""
+        tile_row = (n0 // 128).to(gl.int64) * KT
+        r_in = n0 % 128
+        rv = r_in + gl.arange(0, ROWS, layout=gl.SliceLayout(0, gl.SliceLayout(2, L_V)))
+        cv = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, L_V)))
+        off_v = gl.expand_dims(gl.expand_dims(rv, 0), 2) * 16 + gl.expand_dims(gl.expand_dims(cv, 0), 1)
+        rq = r_in + gl.arange(0, ROWS, layout=gl.SliceLayout(0, gl.SliceLayout(2, L_Q)))
+        cq = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, L_Q)))
+        off_q = 2048 + gl.expand_dims(gl.expand_dims(rq, 0), 2) * 8 + gl.expand_dims(gl.expand_dims(cq, 0), 1)
+        return tile_row, off_v, off_q
+
+    @gluon.jit
     def _load_recs(rec_ptr, x32_ptr, tile_row, t, t_end, KH, off_v, off_q, xw, pv, pq,
                    L_V: gl.constexpr, L_Q: gl.constexpr, L_X: gl.constexpr, QPASS: gl.constexpr, XS: gl.constexpr):
         """Each warp's record ``t[w]``: its rows' view words, nibble words and the 32 x words. ``XS``:
@@ -303,15 +318,7 @@ if gluon is not None:
         pid_n = gl.program_id(0)
         pid_k = gl.program_id(1)
         n0 = pid_n * ROWS
-        tile_row = (n0 // 128).to(gl.int64) * KT
-        r_in = n0 % 128
-        # offsets inside a record: view words at row * 16, nibble words at 2048 + row * 8
-        rv = r_in + gl.arange(0, ROWS, layout=gl.SliceLayout(0, gl.SliceLayout(2, L_V)))
-        cv = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, L_V)))
-        off_v = gl.expand_dims(gl.expand_dims(rv, 0), 2) * 16 + gl.expand_dims(gl.expand_dims(cv, 0), 1)
-        rq = r_in + gl.arange(0, ROWS, layout=gl.SliceLayout(0, gl.SliceLayout(2, L_Q)))
-        cq = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, L_Q)))
-        off_q = 2048 + gl.expand_dims(gl.expand_dims(rq, 0), 2) * 8 + gl.expand_dims(gl.expand_dims(cq, 0), 1)
+        tile_row, off_v, off_q = _record_offsets_3d(n0, KT, ROWS, L_V, L_Q)
         cx = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, L_X)))
         xw = gl.expand_dims(gl.expand_dims(cx, 0), 1)                    # [1, 1, 32]
         wid = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, L_V)))

@@ -99,6 +99,12 @@ def mma_k_to_physical(kl: int) -> int:
 
 if gluon is not None:
 
+    def epilogue_layout(block_m: int, num_warps: int):
+        """The epilogue's ``[BLOCK_N, BLOCK_M]`` (and the escapes' ``[ESC_CH, BLOCK_M]``): rows over
+        lanes and warps (:func:`_finalize`; shared with :mod:`.warpk`)."""
+        tm = min(block_m, 4)
+        return gl.BlockedLayout([1, min(block_m // tm, 4)], [32 // tm, tm], [num_warps, 1], [1, 0])
+
     @lru_cache(maxsize=None)
     def layouts(block_n: int, block_m: int, num_warps: int):
         """Gluon layout objects for one (block_n, block_m, warps) variant."""
@@ -107,9 +113,7 @@ if gluon is not None:
         mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 8])
         a_op = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         b_op = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-        # epilogue: [BLOCK_N, BLOCK_M] (and the escapes' [ESC_CH, BLOCK_M]), rows over lanes/warps
-        tm = min(block_m, 4)
-        l_ep = gl.BlockedLayout([1, min(block_m // tm, 4)], [32 // tm, tm], [num_warps, 1], [1, 0])
+        l_ep = epilogue_layout(block_m, num_warps)
         # x copies: 8 (or, for few rows, 4) bf16 per thread, a 128-byte x row per 8 (16) threads
         spt = max(2, min(8, block_m * 64 // (32 * num_warps)))
         tk = 64 // spt

@@ -94,8 +94,9 @@ def layout_bases(rows: int, block_m: int, warps: int) -> dict[str, tuple]:
 if gluon is not None:
     _K = gl.constexpr(TILE_K)   # record width (k) inside the kernels
 
-    from .gemv_gluon import _per_warp
-    from .mma import _bf16_halves, _decode_pairs_fast, _epilogue, _finalize_apply, _finalize_loads, _pin
+    from .gemv_gluon import _per_warp, _record_offsets_3d
+    from .mma import (_bf16_halves, _decode_pairs_fast, _epilogue, _finalize_apply, _finalize_loads, _pin,
+                      epilogue_layout)
 
     @lru_cache(maxsize=None)
     def layouts(rows: int, block_m: int, warps: int):
@@ -104,9 +105,7 @@ if gluon is not None:
         mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[warps, 1, 1], instr_shape=[1, 16, 8])
         a_op = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         b_op = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-        tm = min(block_m, 4)
-        l_ep = gl.BlockedLayout([1, min(block_m // tm, 4)], [32 // tm, tm], [warps, 1], [1, 0])
-        return lin["view"], lin["nib"], lin["x"], mma, a_op, b_op, l_ep
+        return lin["view"], lin["nib"], lin["x"], mma, a_op, b_op, epilogue_layout(block_m, warps)
 
     @gluon.jit
     def _load(pv, pq, px, t, t_end, tx, L_V: gl.constexpr, L_Q: gl.constexpr, L_X: gl.constexpr,
@@ -169,18 +168,11 @@ if gluon is not None:
         pid_n = gl.program_id(0)
         pid_k = gl.program_id(1)
         n0 = pid_n * ROWS
-        tile_row = (n0 // 128).to(gl.int64) * KT
-        r_in = n0 % 128
-        # loop-invariant pointers: the rows' view words (row * 16) and nibble words (2048 + row * 8)
-        # in the tile's first record, and each lane's x row and 16 physical k
-        rv = r_in + gl.arange(0, ROWS, layout=gl.SliceLayout(0, gl.SliceLayout(2, L_V)))
-        cv = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, L_V)))
-        pv = rec_ptr + tile_row * 3072 + (gl.expand_dims(gl.expand_dims(rv, 0), 2) * 16
-                                          + gl.expand_dims(gl.expand_dims(cv, 0), 1))
-        rq = r_in + gl.arange(0, ROWS, layout=gl.SliceLayout(0, gl.SliceLayout(2, L_Q)))
-        cq = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, L_Q)))
-        pq = rec_ptr + tile_row * 3072 + (2048 + gl.expand_dims(gl.expand_dims(rq, 0), 2) * 8
-                                          + gl.expand_dims(gl.expand_dims(cq, 0), 1))
+        # loop-invariant pointers: the rows' view and nibble words in the tile's first record, and
+        # each lane's x row and 16 physical k
+        tile_row, off_v, off_q = _record_offsets_3d(n0, KT, ROWS, L_V, L_Q)
+        pv = rec_ptr + tile_row * 3072 + off_v
+        pq = rec_ptr + tile_row * 3072 + off_q
         mx = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, gl.SliceLayout(2, L_X)))
         mx = gl.expand_dims(gl.expand_dims(mx, 0), 2)
         kx = gl.expand_dims(gl.expand_dims(gl.arange(0, _K, layout=gl.SliceLayout(0, gl.SliceLayout(1, L_X))), 0), 1)
@@ -291,8 +283,7 @@ def w12_warpk(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: 
     check_config(cfg)
     kt = packed.k_tiles
     x, k = aligned_x(x, kt)
-    bm, tps, split, _, _, ws, locks = split_grid(m, n, kt, cfg.rows, cfg.split_k, x.device)
-    nb = (n + cfg.rows - 1) // cfg.rows
+    bm, tps, split, nb, _, ws, locks = split_grid(m, n, kt, cfg.rows, cfg.split_k, x.device)
     if out is None:
         out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     l_v, l_q, l_x, mma, a_op, b_op, l_ep = layouts(cfg.rows, bm, cfg.warps)
