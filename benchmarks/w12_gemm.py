@@ -21,7 +21,6 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -282,22 +281,10 @@ def gluon_gemv_configs(m: int, kt: int, n: int, sms: int, variants: str = "all")
     about 1, 2 and 4 programs per SM; then staged x (``xs``) with 2-4 unrolled sets, depth 4 also
     capped at 96 registers, each with the epilogue's loads first or after the first records'.
     ``variants="xs"``: the committed choice and the staged-x variants only; ``"xf32"``: it and the
-    four-set staged-x configs with and without x converted to fp32 once per program; ``"prefetch"``:
-    it and staged-x rings of 2 or 4 sets (no register cap) without and with an L2 prefetch 2-16
-    records ahead (slices, or whole records by the tile's first program)."""
+    four-set staged-x configs with and without x converted to fp32 once per program."""
     from specpilot.kernels.w12.gemv_gluon import XS_MAX_BYTES, GluonGemvConfig, default_config
 
     out = [default_config(n, kt * 64, sms)]
-    if variants == "prefetch":   # L2 prefetch ahead of the staged-x unrolled ring (slices or whole records)
-        base = out[0]
-        rows = base.rows if base.xs else 16
-        for depth in (2, 4):
-            cfg = replace(base, rows=rows, depth=depth, unroll=True, xs=True, late_epilogue=True, maxnreg=None)
-            if cfg.xs_bytes(kt) > XS_MAX_BYTES:
-                continue
-            out += [c for c in [cfg] + [replace(cfg, prefetch=pf) for pf in (2, 4, 8, 16)]
-                    + [replace(cfg, prefetch=pf, prefetch_whole=True) for pf in (4, 8)] if c not in out]
-        return out
     if variants == "xf32":   # the staged-x configs with x converted to fp32 once, and without
         for rows in (8, 16):
             nb = (n + rows - 1) // rows
@@ -328,23 +315,14 @@ def gluon_gemv_configs(m: int, kt: int, n: int, sms: int, variants: str = "all")
     return out
 
 
-def warpk_configs(m: int, kt: int, n: int, sms: int, variants: str = "all"):
+def warpk_configs(m: int, kt: int, n: int, sms: int):
     """Tensor-core few-row variants (K split across warps): 16 or 32 rows per program, 4 or 8
     warps, 2-4 unrolled register sets, split-K for about 1, 2 and 4 programs per SM; x in the
     register sets or loaded right before each record's MMAs (``x_late``; only that above 16 rows,
-    where x would take 32 registers per set). ``variants="prefetch"``: the committed choice with
-    two sets or its own, each without and with an L2 prefetch 2-16 records ahead (slices, or whole
-    records by the tile's first program)."""
+    where x would take 32 registers per set)."""
     from specpilot.kernels.w12.warpk import WarpKConfig, default_config
 
     out = [default_config(m, n, kt * 64, sms)]
-    if variants == "prefetch":   # L2 prefetch ahead of the register sets (slices or whole records)
-        base = out[0]
-        for depth in sorted({2, base.depth}):
-            cfg = replace(base, depth=depth)
-            out += [c for c in [cfg] + [replace(cfg, prefetch=pf) for pf in (2, 4, 8, 16)]
-                    + [replace(cfg, prefetch=pf, prefetch_whole=True) for pf in (4, 8)] if c not in out]
-        return out
     for rows in (16, 32):
         nb = (n + rows - 1) // rows
         for warps in (4, 8):
@@ -361,10 +339,7 @@ def warpk_sweep(args) -> int:
     ``w12_linear`` does today and cuBLAS, side by side in one run."""
     from specpilot.kernels.w12.warpk import WarpKConfig, w12_warpk
 
-    def configs(m, kt, n, sms):
-        return warpk_configs(m, kt, n, sms, variants=args.variants)
-
-    return variant_sweep(args, "warpk", configs, w12_warpk, WarpKConfig, "1,8,16", "w12_warpk")
+    return variant_sweep(args, "warpk", warpk_configs, w12_warpk, WarpKConfig, "1,8,16", "w12_warpk")
 
 
 def gluon_gemv_sweep(args) -> int:
@@ -545,14 +520,13 @@ def main() -> int:
     ap.add_argument("--tiles", default=None, type=parse_tiles,
                     help="mma mode: comma list of ROWSxWARPS program tiles (default 64x4,128x4)")
     ap.add_argument("--variants", choices=["all", "xs", "xf32", "stream", "chunk", "tma", "tma-pair", "tma-wgmma",
-                                                  "tma-narrow", "prefetch"], default="all",
+                                                  "tma-narrow"], default="all",
                     help="only the committed choice and: the staged-x variants (xs, gemv-gluon mode; xf32: "
                          "with and without x converted to fp32 once), the "
                          "stream-K ones (stream, mma mode), the x-chunk ones (chunk, mma mode) or the "
                          "TMA/mbarrier ones (tma, mma mode; tma-pair: the consumer group taking one or two "
                          "records per step; tma-wgmma: the consumer group on wgmma; tma-narrow: 32-row programs of "
-                         "two consumer warps; prefetch: L2 prefetch ahead of the register sets, gemv-gluon and "
-                         "warpk modes)")
+                         "two consumer warps)")
     args = ap.parse_args()
     if args.mode == "gemv":
         return gemv_sweep(args)

@@ -41,7 +41,7 @@ import torch
 
 from .format import TILE_K
 from .gemm import KernelPack, _workspace, triton
-from .mma import MAX_PREFETCH, _cp_async, _cta_barrier, async_copy, gl, gluon, launch_options
+from .mma import _cp_async, _cta_barrier, async_copy, gl, gluon, launch_options
 
 XS_CHUNK = 8            # staged x: groups of ``warps`` records per cp.async chunk
 XS_MAX_BYTES = 100 * 1024
@@ -55,10 +55,7 @@ class GluonGemvConfig:
     instead of a rotated ring (one in flight whatever the depth, see the kernel), ``xs``: x staged
     in shared memory, clamped record indices and pinned reloads (see the module), ``maxnreg``: the
     register cap passed to ptxas (None: its own choice), ``late_epilogue``: the epilogue's loads
-    (row scales, escapes) issued after the first records' loads instead of before them,
-    ``prefetch`` (with ``xs`` and ``unroll``): each warp asks L2 for the records that many steps
-    beyond its register sets (:func:`.mma._prefetch_l2`, Hopper); ``prefetch_whole``: whole
-    records, asked by the row tile's first program only."""
+    (row scales, escapes) issued after the first records' loads instead of before them."""
 
     rows: int = 16
     warps: int = 4
@@ -70,15 +67,12 @@ class GluonGemvConfig:
     maxnreg: int | None = None
     late_epilogue: bool = False   # the escape loads after the first weight loads, not before
     xf32: bool = False   # with xs: the staged x converted to fp32 once per program, not per record
-    prefetch: int = 0    # with xs and unroll: records per warp asked of L2 beyond the register sets
-    prefetch_whole: bool = False   # prefetch whole records, by the tile's first program only
 
     def key(self) -> str:
         return (f"gl-r{self.rows}-w{self.warps}-d{self.depth}-s{self.split_k}{'-u' if self.unroll else ''}"
                 f"{'-xs' if self.xs else ''}{f'-r{self.maxnreg}' if self.maxnreg else ''}"
                 f"{'-el' if self.late_epilogue else ''}{'-xf' if self.xf32 else ''}"
-                f"{'-plain' if self.plain_decode else ''}{f'-pf{self.prefetch}' if self.prefetch else ''}"
-                f"{'w' if self.prefetch_whole else ''}")
+                f"{'-plain' if self.plain_decode else ''}")
 
     def xs_bytes(self, k_tiles: int) -> int:
         """Shared memory of the staged x: bf16 pairs, plus the fp32 copy with ``xf32``."""
@@ -106,16 +100,10 @@ def check_config(cfg: GluonGemvConfig) -> None:
         raise ValueError(f"maxnreg must be 32-255, got {cfg.maxnreg}")
     if cfg.xf32 and not (cfg.xs and cfg.unroll):
         raise ValueError("xf32 converts the staged x of an unrolled ring: it needs xs=True and unroll=True")
-    if not 0 <= cfg.prefetch <= MAX_PREFETCH:
-        raise ValueError(f"prefetch must be 0-{MAX_PREFETCH}, got {cfg.prefetch}")
-    if cfg.prefetch and not (cfg.xs and cfg.unroll):
-        raise ValueError("prefetch runs ahead of an unrolled ring with staged x: it needs xs=True and unroll=True")
-    if cfg.prefetch_whole and not cfg.prefetch:
-        raise ValueError("prefetch_whole needs a prefetch distance (prefetch >= 1)")
 
 
 if gluon is not None:
-    from .mma import _decode_pairs, _decode_pairs_fast, _pin, _prefetch_l2
+    from .mma import _decode_pairs, _decode_pairs_fast, _pin
 
     @lru_cache(maxsize=None)
     def layouts(rows: int, warps: int):
@@ -225,21 +213,16 @@ if gluon is not None:
     def _ring_set(acc, v, q, x, xs, i, t_next, wid, rec_ptr, x32_ptr, tile_row, t_end, KH, off_v, off_q, xw, pv, pq,
                   WARPS: gl.constexpr, ROWS: gl.constexpr, L_V: gl.constexpr, L_Q: gl.constexpr, L_X: gl.constexpr,
                   QPASS: gl.constexpr, PLAIN: gl.constexpr, XS: gl.constexpr, L_XF: gl.constexpr = None,
-                  XF32: gl.constexpr = False, PF: gl.constexpr = 0, tile_ptr=None, r_in=0,
-                  PF_WHOLE: gl.constexpr = False):
+                  XF32: gl.constexpr = False):
         """One register set of the unrolled ring: its records' FMAs (step ``i``), then the set
         reloaded in place with records ``t_next + w`` (pinned there with ``XS``); with ``XF32`` the
-        staged x is fp32 (layout ``L_XF``); with ``PF`` the records ``PF`` steps beyond the reload
-        are asked of L2."""
+        staged x is fp32 (layout ``L_XF``)."""
         if XF32:
             acc = _rec_fma(acc, v, q, _x_of(x, xs, i, L_XF, XS), WARPS, ROWS, L_V, QPASS, PLAIN, True)
         else:
             acc = _rec_fma(acc, v, q, _x_of(x, xs, i, L_X, XS), WARPS, ROWS, L_V, QPASS, PLAIN)
         v, q, x = _load_recs(rec_ptr, x32_ptr, tile_row, t_next + wid, t_end, KH, off_v, off_q, xw, pv, pq,
                              L_V, L_Q, L_X, QPASS, XS)
-        if PF > 0:
-            wid = _prefetch_l2(wid, tile_ptr, gl.minimum(t_next + PF * WARPS + wid, t_end - 1), r_in,
-                               ROWS, QPASS, PF_WHOLE)
         return acc, v, q, x, _pin(wid, XS)
 
     # the shared-memory view cast is ``_reinterpret`` in Triton 3.6 and ``reinterpret`` later
@@ -330,7 +313,7 @@ if gluon is not None:
         QPASS: gl.constexpr, PLAIN: gl.constexpr, ESC_CH: gl.constexpr,
         L_V: gl.constexpr, L_Q: gl.constexpr, L_X: gl.constexpr, L_E: gl.constexpr,
         XS: gl.constexpr = False, XS_IT: gl.constexpr = 8, XS_CH: gl.constexpr = 8, EPI_LATE: gl.constexpr = False,
-        XF32: gl.constexpr = False, L_XF: gl.constexpr = None, PF: gl.constexpr = 0, PF_WHOLE: gl.constexpr = False,
+        XF32: gl.constexpr = False, L_XF: gl.constexpr = None,
     ):
         pid_n = gl.program_id(0)
         pid_k = gl.program_id(1)
@@ -366,11 +349,6 @@ if gluon is not None:
         if DEPTH >= 4:
             v3, q3, x3 = _load_recs(rec_ptr, x32_ptr, tile_row, t_begin + 3 * WARPS + wid, t_end, KH, off_v, off_q,
                                     xw, pv, pq, L_V, L_Q, L_X, QPASS, XS)
-        r_in = n0 % 128
-        tile_ptr = rec_ptr + tile_row * 3072
-        for j in gl.static_range(PF):   # the records the loop's prefetches start beyond
-            wid = _prefetch_l2(wid, tile_ptr, gl.minimum(t_begin + (DEPTH + j) * WARPS + wid, t_end - 1),
-                               r_in, ROWS, QPASS, PF_WHOLE)
         if not USE_SPLIT and EPI_LATE:
             wid = _pin(wid, True)
             scale, e_lo, e_hi, er, contrib = _epilogue_start(x_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr,
@@ -391,23 +369,19 @@ if gluon is not None:
                 i = (t - t_begin) // WARPS
                 acc, v0, q0, x0, wid = _ring_set(acc, v0, q0, x0, xs, i, t + DEPTH * WARPS, wid, rec_ptr, x32_ptr,
                                                  tile_row, t_end, KH, off_v, off_q, xw, pv, pq, WARPS, ROWS, L_V, L_Q,
-                                                 L_X, QPASS, PLAIN, XS, L_XF, XF32, PF, tile_ptr, r_in,
-                                                 PF_WHOLE)
+                                                 L_X, QPASS, PLAIN, XS, L_XF, XF32)
                 if DEPTH >= 2:
                     acc, v1, q1, x1, wid = _ring_set(acc, v1, q1, x1, xs, i + 1, t + (DEPTH + 1) * WARPS, wid, rec_ptr,
                                                      x32_ptr, tile_row, t_end, KH, off_v, off_q, xw, pv, pq, WARPS, ROWS,
-                                                     L_V, L_Q, L_X, QPASS, PLAIN, XS, L_XF, XF32, PF, tile_ptr, r_in,
-                                                 PF_WHOLE)
+                                                     L_V, L_Q, L_X, QPASS, PLAIN, XS, L_XF, XF32)
                 if DEPTH >= 3:
                     acc, v2, q2, x2, wid = _ring_set(acc, v2, q2, x2, xs, i + 2, t + (DEPTH + 2) * WARPS, wid, rec_ptr,
                                                      x32_ptr, tile_row, t_end, KH, off_v, off_q, xw, pv, pq, WARPS, ROWS,
-                                                     L_V, L_Q, L_X, QPASS, PLAIN, XS, L_XF, XF32, PF, tile_ptr, r_in,
-                                                 PF_WHOLE)
+                                                     L_V, L_Q, L_X, QPASS, PLAIN, XS, L_XF, XF32)
                 if DEPTH >= 4:
                     acc, v3, q3, x3, wid = _ring_set(acc, v3, q3, x3, xs, i + 3, t + (DEPTH + 3) * WARPS, wid, rec_ptr,
                                                      x32_ptr, tile_row, t_end, KH, off_v, off_q, xw, pv, pq, WARPS, ROWS,
-                                                     L_V, L_Q, L_X, QPASS, PLAIN, XS, L_XF, XF32, PF, tile_ptr, r_in,
-                                                 PF_WHOLE)
+                                                     L_V, L_Q, L_X, QPASS, PLAIN, XS, L_XF, XF32)
         else:
             for t in range(t_begin, t_end, WARPS):
                 vn, qn, xn = _load_recs(rec_ptr, x32_ptr, tile_row, t + DEPTH * WARPS + wid, t_end, KH, off_v, off_q,
@@ -533,6 +507,6 @@ def w12_gemv_gluon(x: torch.Tensor, packed: KernelPack, qpass: bool = False,
         PLAIN=cfg.plain_decode,
         ESC_CH=8, L_V=lv, L_Q=lq, L_X=lx, L_E=le, XS=cfg.xs, XS_IT=xs_it, XS_CH=XS_CHUNK,
         EPI_LATE=cfg.late_epilogue, XF32=cfg.xf32, L_XF=xf32_layout(cfg.warps) if cfg.xf32 else None,
-        PF=cfg.prefetch, PF_WHOLE=cfg.prefetch_whole, num_warps=cfg.warps, **launch_options(cfg),
+        num_warps=cfg.warps, **launch_options(cfg),
     )
     return out

@@ -60,7 +60,6 @@ _cp_async = getattr(async_copy, "async_load", None) or getattr(async_copy, "asyn
 RECORD_WORDS = TILE_N * TILE_K * 3 // 2 // 4   # 3072 int32 words per 12 KB record
 VIEW_WORDS = TILE_K // 4                        # 16 words of 8-bit views per record row
 NIB_WORDS = TILE_K // 8                         # 8 words of nibbles per record row
-MAX_PREFETCH = 16   # L2 prefetch distance of the Gluon kernels (records per warp, _prefetch_l2)
 
 
 def _log2(v: int) -> int:
@@ -267,41 +266,6 @@ if gluon is not None:
             v = gl.inline_asm_elementwise("bar.warp.sync -1;\n mov.b32 $0, $1;", "=r,r", [v], dtype=gl.int32,
                                           is_pure=False, pack=1)
         return v
-
-    # Lane 0 of each warp asks L2 for bytes of record $2 of the row tile whose first record is at
-    # $3: the view bytes of the rows from $4 ($5 bytes at $4 * 64) and their nibble bytes ($6 bytes
-    # at 8192 + $4 * 32), or with the "whole" form the whole 12 KB record, asked by the tile's
-    # first program only ($4 == 0).
-    _PF_HEAD = ("{\n .reg .pred p;\n .reg .b32 l;\n .reg .b64 a, b;\n mov.u32 l, %laneid;\n"
-                " setp.eq.u32 p, l, 0;\n mul.wide.s32 a, $2, 12288;\n add.s64 a, a, $3;\n")
-    _PF_SLICE = gl.constexpr(
-        _PF_HEAD + " mul.wide.s32 b, $4, 64;\n add.s64 a, a, b;\n @p cp.async.bulk.prefetch.L2.global [a], $5;\n"
-        " mul.wide.s32 b, $4, -32;\n add.s64 b, a, b;\n add.s64 b, b, 8192;\n"
-        " @p cp.async.bulk.prefetch.L2.global [b], $6;\n mov.b32 $0, $1;\n}")
-    _PF_WHOLE = gl.constexpr(
-        _PF_HEAD + " setp.eq.and.s32 p, $4, 0, p;\n @p cp.async.bulk.prefetch.L2.global [a], 12288;\n"
-        " mov.b32 $0, $1;\n}")
-
-    @gluon.jit
-    def _prefetch_l2(wid, tile_ptr, t, r_in, ROWS: gl.constexpr, QPASS: gl.constexpr, WHOLE: gl.constexpr = False):
-        """Hopper ``cp.async.bulk.prefetch.L2`` of each warp's record ``t[w]`` of the row tile that
-        starts at ``tile_ptr`` (a ``[WARPS]`` vector laid out like ``wid``): the view bytes of rows
-        ``r_in .. r_in + ROWS`` (``ROWS * 64``) and their nibble bytes (``ROWS * 32``; the Q pass
-        needs no nibbles); ``WHOLE``: the whole 12 KB record, asked by the tile's first program
-        only (the others read the same records at about the same time). The data goes to L2 only,
-        so the distance ahead is not bounded by registers. Lane 0 issues, nothing waits; returns
-        ``wid`` (threaded through like :func:`_pin`, which keeps the instruction in place)."""
-        base = gl.zeros_like(wid).to(gl.int64) + tile_ptr.to(gl.int64)
-        r = gl.zeros_like(wid) + r_in
-        if WHOLE:
-            out = gl.inline_asm_elementwise(_PF_WHOLE, "=r,r,r,l,r", [wid, t, base, r], dtype=gl.int32,
-                                            is_pure=False, pack=1)
-        else:
-            nv = gl.full_like(wid, ROWS * 64)
-            nq = gl.full_like(wid, 16 if QPASS else ROWS * 32)   # (the Q pass: 16 bytes, not nothing)
-            out = gl.inline_asm_elementwise(_PF_SLICE, "=r,r,r,l,r,r,r", [wid, t, base, r, nv, nq], dtype=gl.int32,
-                                            is_pure=False, pack=1)
-        return out
 
     @gluon.jit
     def _load_rec(rec_ptr, tile_row, t, ok, off_v, off_n, QPASS: gl.constexpr):

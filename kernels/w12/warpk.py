@@ -37,7 +37,7 @@ import torch
 
 from .format import TILE_K
 from .gemm import KernelPack, triton
-from .mma import MAX_PREFETCH, _log2, aligned_x, esc_chunk, gl, gluon, launch_options, mma_v2, split_grid
+from .mma import _log2, aligned_x, esc_chunk, gl, gluon, launch_options, mma_v2, split_grid
 
 
 @dataclass(frozen=True)
@@ -46,10 +46,7 @@ class WarpKConfig:
     ``warps`` (each streams its own records), ``depth`` register sets reloaded in place (2-4),
     ``split_k`` K ranges across programs, ``maxnreg`` the register cap passed to ptxas, ``x_late``: x
     is loaded right before its record's MMAs instead of riding in the register sets (16-32 x rows
-    take 16-32 registers per set there), ``prefetch``: each warp asks L2 for the records that many
-    steps beyond its register sets (:func:`.mma._prefetch_l2`, Hopper), so the bytes in flight are
-    not bounded by the registers; ``prefetch_whole``: whole records, asked by the row tile's first
-    program only."""
+    take 16-32 registers per set there)."""
 
     rows: int = 16
     warps: int = 4
@@ -57,13 +54,10 @@ class WarpKConfig:
     split_k: int = 1
     maxnreg: int | None = None
     x_late: bool = False   # x loaded right before its record's MMAs, not with the record (register sets)
-    prefetch: int = 0      # records per warp asked of L2 ahead of the register sets (0: none)
-    prefetch_whole: bool = False   # prefetch whole records, by the tile's first program only
 
     def key(self) -> str:
         return (f"wk-r{self.rows}-w{self.warps}-d{self.depth}-s{self.split_k}"
-                f"{f'-r{self.maxnreg}' if self.maxnreg else ''}{'-xl' if self.x_late else ''}"
-                f"{f'-pf{self.prefetch}' if self.prefetch else ''}{'w' if self.prefetch_whole else ''}")
+                f"{f'-r{self.maxnreg}' if self.maxnreg else ''}{'-xl' if self.x_late else ''}")
 
 
 MAX_ROWS = 32   # x rows per launch: one to four 8-row MMA column blocks
@@ -80,10 +74,6 @@ def check_config(cfg: WarpKConfig) -> None:
         raise ValueError(f"split_k must be >= 1, got {cfg.split_k}")
     if cfg.maxnreg is not None and not 32 <= cfg.maxnreg <= 255:
         raise ValueError(f"maxnreg must be 32-255, got {cfg.maxnreg}")
-    if not 0 <= cfg.prefetch <= MAX_PREFETCH:
-        raise ValueError(f"prefetch must be 0-{MAX_PREFETCH}, got {cfg.prefetch}")
-    if cfg.prefetch_whole and not cfg.prefetch:
-        raise ValueError("prefetch_whole needs a prefetch distance (prefetch >= 1)")
 
 
 def layout_bases(rows: int, block_m: int, warps: int) -> dict[str, tuple]:
@@ -106,7 +96,7 @@ if gluon is not None:
 
     from .gemv_gluon import _per_warp, _record_offsets_3d
     from .mma import (_bf16_halves, _decode_pairs_fast, _epilogue, _finalize_apply, _finalize_loads, _pin,
-                      _prefetch_l2, epilogue_layout)
+                      epilogue_layout)
 
     @lru_cache(maxsize=None)
     def layouts(rows: int, block_m: int, warps: int):
@@ -155,18 +145,13 @@ if gluon is not None:
     @gluon.jit
     def _set(acc, v, q, x, t_next, wid, pv, pq, px, t_end, tx, WARPS: gl.constexpr, ROWS: gl.constexpr,
              BLOCK_M: gl.constexpr, L_V: gl.constexpr, L_Q: gl.constexpr, L_X: gl.constexpr, A_OP: gl.constexpr,
-             B_OP: gl.constexpr, QPASS: gl.constexpr, X_LATE: gl.constexpr, PF: gl.constexpr = 0,
-             tile_ptr=None, r_in=0, PF_WHOLE: gl.constexpr = False):
+             B_OP: gl.constexpr, QPASS: gl.constexpr, X_LATE: gl.constexpr):
         """One register set: its records' MMAs, then the set reloaded in place and pinned there
-        (``X_LATE``: ``x`` holds the record indices and x is loaded here); with ``PF`` the record
-        ``PF`` steps beyond the reload is asked of L2."""
+        (``X_LATE``: ``x`` holds the record indices and x is loaded here)."""
         if X_LATE:
             x = _x_of(px, x, t_end, tx, L_X)
         acc = _mma(acc, v, q, x, WARPS, ROWS, BLOCK_M, L_V, A_OP, B_OP, QPASS)
         v, q, x = _load(pv, pq, px, t_next + wid, t_end, tx, L_V, L_Q, L_X, QPASS, X_LATE)
-        if PF > 0:
-            wid = _prefetch_l2(wid, tile_ptr, gl.minimum(t_next + PF * WARPS + wid, t_end - 1), r_in,
-                               ROWS, QPASS, PF_WHOLE)
         return acc, v, q, x, _pin(wid, True)
 
     @gluon.jit
@@ -179,7 +164,6 @@ if gluon is not None:
         USE_SPLIT: gl.constexpr, QPASS: gl.constexpr, ESC_CH: gl.constexpr,
         L_V: gl.constexpr, L_Q: gl.constexpr, L_X: gl.constexpr, MMA: gl.constexpr,
         A_OP: gl.constexpr, B_OP: gl.constexpr, L_EP: gl.constexpr, X_LATE: gl.constexpr = False,
-        PF: gl.constexpr = 0, PF_WHOLE: gl.constexpr = False,
     ):
         pid_n = gl.program_id(0)
         pid_k = gl.program_id(1)
@@ -205,26 +189,21 @@ if gluon is not None:
             v2, q2, x2 = _load(pv, pq, px, t_begin + 2 * WARPS + wid, t_end, tx, L_V, L_Q, L_X, QPASS, X_LATE)
         if DEPTH >= 4:
             v3, q3, x3 = _load(pv, pq, px, t_begin + 3 * WARPS + wid, t_end, tx, L_V, L_Q, L_X, QPASS, X_LATE)
-        r_in = n0 % 128
-        tile_ptr = rec_ptr + tile_row * 3072
-        for j in gl.static_range(PF):   # the records the loop's prefetches start beyond
-            wid = _prefetch_l2(wid, tile_ptr, gl.minimum(t_begin + (DEPTH + j) * WARPS + wid, t_end - 1),
-                               r_in, ROWS, QPASS, PF_WHOLE)
         if not USE_SPLIT:   # the epilogue's three dependent round trips, behind the weight stream
             wid = _pin(wid, True)
             pre = _finalize_loads(x_ptr, low_ptr, eptr_ptr, ecol_ptr, edelta_ptr, n0, 0, M, N, stride_xm,
                                   ROWS, BLOCK_M, ESC_CH, L_EP)
         for t in range(t_begin, t_end, DEPTH * WARPS):
             acc, v0, q0, x0, wid = _set(acc, v0, q0, x0, t + DEPTH * WARPS, wid, pv, pq, px, t_end, tx, WARPS, ROWS,
-                                        BLOCK_M, L_V, L_Q, L_X, A_OP, B_OP, QPASS, X_LATE, PF, tile_ptr, r_in, PF_WHOLE)
+                                        BLOCK_M, L_V, L_Q, L_X, A_OP, B_OP, QPASS, X_LATE)
             acc, v1, q1, x1, wid = _set(acc, v1, q1, x1, t + (DEPTH + 1) * WARPS, wid, pv, pq, px, t_end, tx, WARPS,
-                                        ROWS, BLOCK_M, L_V, L_Q, L_X, A_OP, B_OP, QPASS, X_LATE, PF, tile_ptr, r_in, PF_WHOLE)
+                                        ROWS, BLOCK_M, L_V, L_Q, L_X, A_OP, B_OP, QPASS, X_LATE)
             if DEPTH >= 3:
                 acc, v2, q2, x2, wid = _set(acc, v2, q2, x2, t + (DEPTH + 2) * WARPS, wid, pv, pq, px, t_end, tx,
-                                            WARPS, ROWS, BLOCK_M, L_V, L_Q, L_X, A_OP, B_OP, QPASS, X_LATE, PF, tile_ptr, r_in, PF_WHOLE)
+                                            WARPS, ROWS, BLOCK_M, L_V, L_Q, L_X, A_OP, B_OP, QPASS, X_LATE)
             if DEPTH >= 4:
                 acc, v3, q3, x3, wid = _set(acc, v3, q3, x3, t + (DEPTH + 3) * WARPS, wid, pv, pq, px, t_end, tx,
-                                            WARPS, ROWS, BLOCK_M, L_V, L_Q, L_X, A_OP, B_OP, QPASS, X_LATE, PF, tile_ptr, r_in, PF_WHOLE)
+                                            WARPS, ROWS, BLOCK_M, L_V, L_Q, L_X, A_OP, B_OP, QPASS, X_LATE)
         part = gl.sum(acc, axis=0)          # the warps, in a fixed order
         if not USE_SPLIT:
             _finalize_apply(part, pre, x_ptr, y_ptr, eptr_ptr, ecol_ptr, edelta_ptr, n0, 0, M, N, stride_xm,
@@ -315,7 +294,7 @@ def w12_warpk(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: 
         m, n, k, kt, tps, nb, split, x.stride(0), out.stride(0),
         ROWS=cfg.rows, BLOCK_M=bm, WARPS=cfg.warps, DEPTH=cfg.depth, USE_SPLIT=split > 1, QPASS=qpass,
         ESC_CH=esc_chunk(bm), L_V=l_v, L_Q=l_q, L_X=l_x, MMA=mma, A_OP=a_op, B_OP=b_op, L_EP=l_ep,
-        X_LATE=cfg.x_late, PF=cfg.prefetch, PF_WHOLE=cfg.prefetch_whole,
+        X_LATE=cfg.x_late,
         num_warps=cfg.warps, **launch_options(cfg),
     )
     return out
