@@ -21,6 +21,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -281,10 +282,20 @@ def gluon_gemv_configs(m: int, kt: int, n: int, sms: int, variants: str = "all")
     about 1, 2 and 4 programs per SM; then staged x (``xs``) with 2-4 unrolled sets, depth 4 also
     capped at 96 registers, each with the epilogue's loads first or after the first records'.
     ``variants="xs"``: the committed choice and the staged-x variants only; ``"xf32"``: it and the
-    four-set staged-x configs with and without x converted to fp32 once per program."""
+    four-set staged-x configs with and without x converted to fp32 once per program; ``"split"``: it
+    on 8 or 16 rows, with its register cap and without, its K range split 1-8 ways across programs."""
     from specpilot.kernels.w12.gemv_gluon import XS_MAX_BYTES, GluonGemvConfig, default_config
 
     out = [default_config(n, kt * 64, sms)]
+    if variants == "split":   # the committed choice on 8 or 16 rows, its K range split 1-8 ways
+        base = out[0]
+        for rows in (8, 16):
+            for cap in sorted({base.maxnreg or 0, 0}):
+                for split in (1, 2, 3, 4, 6, 8):
+                    c = replace(base, rows=rows, split_k=split, maxnreg=cap or None)
+                    if c not in out and (not c.xs or c.xs_bytes(kt) <= XS_MAX_BYTES):
+                        out.append(c)
+        return out
     if variants == "xf32":   # the staged-x configs with x converted to fp32 once, and without
         for rows in (8, 16):
             nb = (n + rows - 1) // rows
@@ -315,14 +326,18 @@ def gluon_gemv_configs(m: int, kt: int, n: int, sms: int, variants: str = "all")
     return out
 
 
-def warpk_configs(m: int, kt: int, n: int, sms: int):
+def warpk_configs(m: int, kt: int, n: int, sms: int, variants: str = "all"):
     """Tensor-core few-row variants (K split across warps): 16 or 32 rows per program, 4 or 8
     warps, 2-4 unrolled register sets, split-K for about 1, 2 and 4 programs per SM; x in the
     register sets or loaded right before each record's MMAs (``x_late``; only that above 16 rows,
-    where x would take 32 registers per set)."""
+    where x would take 32 registers per set). ``variants="split"``: the committed choice with its K
+    range split 1-8 ways across programs (shorter programs: a shorter tail)."""
     from specpilot.kernels.w12.warpk import WarpKConfig, default_config
 
     out = [default_config(m, n, kt * 64, sms)]
+    if variants == "split":   # the committed choice, its K range split 1-8 ways
+        out += [c for c in (replace(out[0], split_k=s) for s in (1, 2, 3, 4, 6, 8)) if c not in out]
+        return out
     for rows in (16, 32):
         nb = (n + rows - 1) // rows
         for warps in (4, 8):
@@ -339,7 +354,10 @@ def warpk_sweep(args) -> int:
     ``w12_linear`` does today and cuBLAS, side by side in one run."""
     from specpilot.kernels.w12.warpk import WarpKConfig, w12_warpk
 
-    return variant_sweep(args, "warpk", warpk_configs, w12_warpk, WarpKConfig, "1,8,16", "w12_warpk")
+    def configs(m, kt, n, sms):
+        return warpk_configs(m, kt, n, sms, variants=args.variants)
+
+    return variant_sweep(args, "warpk", configs, w12_warpk, WarpKConfig, "1,8,16", "w12_warpk")
 
 
 def gluon_gemv_sweep(args) -> int:
@@ -520,13 +538,14 @@ def main() -> int:
     ap.add_argument("--tiles", default=None, type=parse_tiles,
                     help="mma mode: comma list of ROWSxWARPS program tiles (default 64x4,128x4)")
     ap.add_argument("--variants", choices=["all", "xs", "xf32", "stream", "chunk", "tma", "tma-pair", "tma-wgmma",
-                                                  "tma-narrow"], default="all",
+                                                  "tma-narrow", "split"], default="all",
                     help="only the committed choice and: the staged-x variants (xs, gemv-gluon mode; xf32: "
                          "with and without x converted to fp32 once), the "
                          "stream-K ones (stream, mma mode), the x-chunk ones (chunk, mma mode) or the "
                          "TMA/mbarrier ones (tma, mma mode; tma-pair: the consumer group taking one or two "
                          "records per step; tma-wgmma: the consumer group on wgmma; tma-narrow: 32-row programs of "
-                         "two consumer warps)")
+                         "two consumer warps; split: the committed choice with K split 1-8 ways, gemv-gluon "
+                         "and warpk modes)")
     args = ap.parse_args()
     if args.mode == "gemv":
         return gemv_sweep(args)
