@@ -200,10 +200,20 @@ def mma_configs(m: int, kt: int, n: int, sms: int, tiles=((64, 4), (128, 4)), va
     ``tma-pair`` (it and the consumer group taking one or two records per step) or ``tma-wgmma``
     (it, the mma.sync group and the group on ``wgmma``, 4 or 6 stages, the decoded record in
     registers or through shared memory) or ``tma-narrow`` (it and 32-row programs of two consumer
-    warps, ``tma=1``)."""
+    warps, ``tma=1``) or ``early`` (its ring, or the wsmem and unrolled register rings where it is a
+    TMA one, at its split, half and twice it, with the epilogue's loads in the tail or early)."""
     from specpilot.kernels.w12.mma import MmaConfig, block_m_for, default_config
 
     out = [default_config(m, n, kt * 64, sms)]
+    if variants == "early":   # the epilogue's loads early or in the tail, on the committed ring or the register
+        base = out[0]         # and wsmem rings at the committed split (TMA entries), and at half / twice it
+        rings = [base] if not (base.tma or base.stream or base.x_chunk > 1) else [
+            MmaConfig(base.block_n, base.split_k, 4, d, ws, u) for d, ws, u in ((2, True, False), (3, False, True))]
+        for ring in rings:
+            for split in sorted({ring.split_k, max(1, ring.split_k // 2), min(kt, 2 * ring.split_k)}):
+                out += [c for c in (replace(ring, split_k=split, early_epilogue=e) for e in (False, True))
+                        if c not in out]
+        return out
     if variants == "tma":   # a consumer warp per 16 rows (64-row programs), or the warps as one group
         for bn, w, split in tile_splits(m, kt, n, sms, ((64, 4), (128, 8)), block_m_for):
             if bn == 64:
@@ -331,12 +341,17 @@ def warpk_configs(m: int, kt: int, n: int, sms: int, variants: str = "all"):
     warps, 2-4 unrolled register sets, split-K for about 1, 2 and 4 programs per SM; x in the
     register sets or loaded right before each record's MMAs (``x_late``; only that above 16 rows,
     where x would take 32 registers per set). ``variants="split"``: the committed choice with its K
-    range split 1-8 ways across programs (shorter programs: a shorter tail)."""
+    range split 1-8 ways across programs (shorter programs: a shorter tail); ``"early"``: split 1-4
+    ways with the epilogue's loads early in every program or in the last one's tail."""
     from specpilot.kernels.w12.warpk import WarpKConfig, default_config
 
     out = [default_config(m, n, kt * 64, sms)]
     if variants == "split":   # the committed choice, its K range split 1-8 ways
         out += [c for c in (replace(out[0], split_k=s) for s in (1, 2, 3, 4, 6, 8)) if c not in out]
+        return out
+    if variants == "early":   # split 1-4 ways, the epilogue's loads early in every program or in the tail
+        out += [c for c in (replace(out[0], split_k=s, early_epilogue=e) for s in (1, 2, 3, 4) for e in (False, True)
+                            if s > 1 or not e) if c not in out]
         return out
     for rows in (16, 32):
         nb = (n + rows - 1) // rows
@@ -538,14 +553,14 @@ def main() -> int:
     ap.add_argument("--tiles", default=None, type=parse_tiles,
                     help="mma mode: comma list of ROWSxWARPS program tiles (default 64x4,128x4)")
     ap.add_argument("--variants", choices=["all", "xs", "xf32", "stream", "chunk", "tma", "tma-pair", "tma-wgmma",
-                                                  "tma-narrow", "split"], default="all",
+                                                  "tma-narrow", "split", "early"], default="all",
                     help="only the committed choice and: the staged-x variants (xs, gemv-gluon mode; xf32: "
                          "with and without x converted to fp32 once), the "
                          "stream-K ones (stream, mma mode), the x-chunk ones (chunk, mma mode) or the "
                          "TMA/mbarrier ones (tma, mma mode; tma-pair: the consumer group taking one or two "
                          "records per step; tma-wgmma: the consumer group on wgmma; tma-narrow: 32-row programs of "
                          "two consumer warps; split: the committed choice with K split 1-8 ways, gemv-gluon "
-                         "and warpk modes)")
+                         "and warpk modes; early: the epilogue's loads early vs in the tail, mma and warpk modes)")
     args = ap.parse_args()
     if args.mode == "gemv":
         return gemv_sweep(args)

@@ -349,7 +349,8 @@ if gluon is not None:
     def _register_ring(acc, xs, x_ptr, rec_ptr, tile_row, t_begin, t_end, off_v, off_n, rows_c, kc, M, K, stride_xm,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, QPASS: gl.constexpr, DEPTH: gl.constexpr,
                        UNROLL: gl.constexpr, L_VIEW: gl.constexpr, L_X: gl.constexpr, A_OP: gl.constexpr,
-                       B_OP: gl.constexpr, PLAIN: gl.constexpr):
+                       B_OP: gl.constexpr, PLAIN: gl.constexpr, epi, ESC_CH: gl.constexpr, L_EP: gl.constexpr,
+                       PRE: gl.constexpr):
         """The main loop with the weights DEPTH records ahead in registers and x DEPTH records ahead
         in a shared-memory ring filled by cp.async (one copy per program, not per warp). Loads past
         the range are predicated off.
@@ -357,7 +358,10 @@ if gluon is not None:
         Rolled, the ring rotates (``w0 <- w1 <- next``): the move of the record just loaded waits
         for that load, so one record is in flight whatever DEPTH. ``UNROLL``: DEPTH register sets,
         the loop unrolled by DEPTH, each set reloaded in place after its MMA (DEPTH - 1 in flight);
-        the last ``(t_end - t_begin) % DEPTH`` records (already loaded) run after the loop."""
+        the last ``(t_end - t_begin) % DEPTH`` records (already loaded) run after the loop.
+
+        ``PRE``: the epilogue's loads (``epi``: low_ptr, eptr_ptr, ecol_ptr, edelta_ptr, n0, pid_m, N)
+        are issued after the first records' and returned with the accumulator (else 0)."""
         w0, q0 = _load_rec(rec_ptr, tile_row, t_begin, t_begin < t_end, off_v, off_n, QPASS)
         if DEPTH >= 2:
             w1, q1 = _load_rec(rec_ptr, tile_row, t_begin + 1, t_begin + 1 < t_end, off_v, off_n, QPASS)
@@ -365,6 +369,9 @@ if gluon is not None:
             w2, q2 = _load_rec(rec_ptr, tile_row, t_begin + 2, t_begin + 2 < t_end, off_v, off_n, QPASS)
         for i in gl.static_range(DEPTH):
             _x_copy(xs.index(i), x_ptr, rows_c, kc, t_begin + i, t_begin + i < t_end, M, K, stride_xm)
+        low_ptr, eptr_ptr, ecol_ptr, edelta_ptr, n0, pid_m, N = epi
+        pre = _early_loads(x_ptr, low_ptr, eptr_ptr, ecol_ptr, edelta_ptr, n0, pid_m, M, N, stride_xm,
+                           BLOCK_N, BLOCK_M, ESC_CH, L_EP, PRE)
         if UNROLL:
             t_main = t_begin + (t_end - t_begin) // DEPTH * DEPTH
             for t in range(t_begin, t_main, DEPTH):
@@ -400,7 +407,7 @@ if gluon is not None:
                     w0, q0 = w1, q1
                     w1, q1 = w2, q2
                     w2, q2 = wx, qx
-        return acc
+        return acc, pre
 
     @gluon.jit
     def _chunk_copy(xb, c, x_ptr, t_begin, t_end, M, K, stride_xm, pid_m,
@@ -510,7 +517,7 @@ if gluon is not None:
         ESC_CH: gl.constexpr, DEPTH: gl.constexpr, WSMEM: gl.constexpr, UNROLL: gl.constexpr, PLAIN: gl.constexpr,
         L_VIEW: gl.constexpr, L_NIB: gl.constexpr, L_X: gl.constexpr, MMA: gl.constexpr,
         A_OP: gl.constexpr, B_OP: gl.constexpr, L_EP: gl.constexpr, L_XC: gl.constexpr, XS: gl.constexpr,
-        L_WC: gl.constexpr, L_QC: gl.constexpr, WSL: gl.constexpr, XC: gl.constexpr = 1,
+        L_WC: gl.constexpr, L_QC: gl.constexpr, WSL: gl.constexpr, XC: gl.constexpr = 1, PRE: gl.constexpr = False,
     ):
         pid_n = gl.program_id(0)
         pid_k = gl.program_id(1)
@@ -537,6 +544,8 @@ if gluon is not None:
                 ok = t_begin + i < t_end
                 _w_copy(wv_s.index(i), wq_s.index(i), rec_ptr, tile_row, t_begin + i, ok, offc_v, offc_q, QPASS)
                 _x_copy(xs.index(i), x_ptr, rows_c, kc, t_begin + i, ok, M, K, stride_xm)
+            pre = _early_loads(x_ptr, low_ptr, eptr_ptr, ecol_ptr, edelta_ptr, n0, pid_m, M, N, stride_xm,
+                               BLOCK_N, BLOCK_M, ESC_CH, L_EP, PRE)
             for t in range(t_begin, t_end):
                 it = t - t_begin
                 async_copy.wait_group(DEPTH - 1)        # this thread's copies of record t have landed
@@ -550,26 +559,32 @@ if gluon is not None:
         elif XC > 1:
             acc = _chunk_ring(acc, x_ptr, rec_ptr, tile_row, t_begin, t_end, off_v, off_n, pid_m, M, K, stride_xm,
                               BLOCK_M, BLOCK_N, QPASS, DEPTH, XC, L_VIEW, L_X, L_XC, A_OP, B_OP, XS, PLAIN)
+            pre = 0
         else:
-            acc = _register_ring(acc, xs, x_ptr, rec_ptr, tile_row, t_begin, t_end, off_v, off_n, rows_c, kc, M, K,
-                                 stride_xm, BLOCK_M, BLOCK_N, QPASS, DEPTH, UNROLL, L_VIEW, L_X, A_OP, B_OP, PLAIN)
+            acc, pre = _register_ring(acc, xs, x_ptr, rec_ptr, tile_row, t_begin, t_end, off_v, off_n, rows_c, kc, M,
+                                      K, stride_xm, BLOCK_M, BLOCK_N, QPASS, DEPTH, UNROLL, L_VIEW, L_X, A_OP, B_OP,
+                                      PLAIN, (low_ptr, eptr_ptr, ecol_ptr, edelta_ptr, n0, pid_m, N), ESC_CH, L_EP,
+                                      PRE)
         async_copy.wait_group(0)
         _epilogue(acc, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, ws_ptr, lock_ptr,
                   n0, pid_n, pid_k, pid_m, M, N, NUM_N_BLOCKS, SPLIT_K, SPLIT_K, stride_xm, stride_ym,
-                  BLOCK_N, BLOCK_M, USE_SPLIT, ESC_CH, MMA, L_EP)
+                  BLOCK_N, BLOCK_M, USE_SPLIT, ESC_CH, MMA, L_EP, pre, PRE)
 
     @gluon.jit
     def _epilogue(acc, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, ws_ptr, lock_ptr,
                   n0, pid_n, pid_k, pid_m, M, N, NUM_N_BLOCKS, SPLIT_K, SLOTS, stride_xm, stride_ym,
                   BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, USE_SPLIT: gl.constexpr, ESC_CH: gl.constexpr,
-                  ACC: gl.constexpr, L_EP: gl.constexpr):
+                  ACC: gl.constexpr, L_EP: gl.constexpr, pre=0, PRE: gl.constexpr = False):
         """The accumulator ``acc`` (layout ``ACC``) to y: directly, or through the fixed-order split-K
         reduction (partial ``pid_k`` of ``SPLIT_K`` to a workspace of ``SLOTS`` partials per block, a
-        per-block counter, the last program sums them in order). Shared by this kernel, the ``wgmma``
-        one (:mod:`.wgmma`) and the stream-K one (:mod:`.mma_stream`)."""
+        per-block counter, the last program sums them in order). ``PRE``: the epilogue's loads were
+        issued before the main loop (``pre``, :func:`_finalize_loads`; with split-K by every program,
+        as the last one is not known then), so the tail has no dependent round trips of its own.
+        Shared by this kernel, the ``wgmma`` one (:mod:`.wgmma`), the stream-K one
+        (:mod:`.mma_stream`) and :mod:`.warpk`."""
         if not USE_SPLIT:
-            _finalize(acc, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, n0, pid_m, M, N,
-                      stride_xm, stride_ym, BLOCK_N, BLOCK_M, ESC_CH, L_EP)
+            _finalize_pre(acc, pre, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, n0, pid_m, M, N,
+                          stride_xm, stride_ym, BLOCK_N, BLOCK_M, ESC_CH, L_EP, PRE)
         else:
             blk = pid_m * NUM_N_BLOCKS + pid_n
             ws_base = ws_ptr + blk.to(gl.int64) * (SLOTS * BLOCK_N * BLOCK_M)
@@ -597,8 +612,35 @@ if gluon is not None:
                     total += p2
                     total += p3
                 gl.atomic_xchg(lock_ptr + blk, 0)
-                _finalize(total, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, n0, pid_m, M, N,
-                          stride_xm, stride_ym, BLOCK_N, BLOCK_M, ESC_CH, L_EP)
+                _finalize_pre(total, pre, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, n0, pid_m,
+                              M, N, stride_xm, stride_ym, BLOCK_N, BLOCK_M, ESC_CH, L_EP, PRE)
+
+    @gluon.jit
+    def _early_loads(x_ptr, low_ptr, eptr_ptr, ecol_ptr, edelta_ptr, n0, pid_m, M, N, stride_xm,
+                     BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, ESC_CH: gl.constexpr, L_EP: gl.constexpr,
+                     PRE: gl.constexpr):
+        """With ``PRE``: the epilogue's loads (:func:`_finalize_loads`) behind a pin, so the weight
+        loads issued before stay ahead of their dependent round trips (ptxas would otherwise put the
+        chain first); else 0."""
+        if PRE:
+            n0 = _pin(n0, True)
+            pre = _finalize_loads(x_ptr, low_ptr, eptr_ptr, ecol_ptr, edelta_ptr, n0, pid_m, M, N, stride_xm,
+                                  BLOCK_N, BLOCK_M, ESC_CH, L_EP)
+        else:
+            pre = 0
+        return pre
+
+    @gluon.jit
+    def _finalize_pre(acc, pre, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, n0, pid_m, M, N,
+                      stride_xm, stride_ym, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, ESC_CH: gl.constexpr,
+                      L_EP: gl.constexpr, PRE: gl.constexpr):
+        """:func:`_finalize_apply` on the loads issued earlier (``PRE``), else :func:`_finalize`."""
+        if PRE:
+            _finalize_apply(acc, pre, x_ptr, y_ptr, eptr_ptr, ecol_ptr, edelta_ptr, n0, pid_m, M, N, stride_xm,
+                            stride_ym, BLOCK_N, BLOCK_M, ESC_CH, L_EP)
+        else:
+            _finalize(acc, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, n0, pid_m, M, N,
+                      stride_xm, stride_ym, BLOCK_N, BLOCK_M, ESC_CH, L_EP)
 
     @gluon.jit
     def _finalize(acc, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, n0, pid_m, M, N,
@@ -697,13 +739,15 @@ class MmaConfig:
                         # warp per 16 rows, 2 the program's warps as one consumer group (with ``unroll``:
                         # two records per consumer step), 3 the group on wgmma
     a_smem: bool = False  # tma=3: the decoded record through shared memory, the wgmma left in flight
+    early_epilogue: bool = False  # the epilogue's loads after the first records', not in the tail
+                                  # (register and wsmem rings; with split-K in every program)
 
     def key(self) -> str:
         return (f"mma-n{self.block_n}-s{self.split_k}-w{self.num_warps}-d{self.depth}{'-ws' if self.wsmem else ''}"
                 f"{'-u' if self.unroll else ''}{f'-sk{self.stream}' if self.stream else ''}"
                 f"{f'-r{self.maxnreg}' if self.maxnreg else ''}{f'-xc{self.x_chunk}' if self.x_chunk > 1 else ''}"
                 f"{f'-tma{self.tma}' if self.tma else ''}{'-as' if self.a_smem else ''}"
-                f"{'-plain' if self.plain_decode else ''}")
+                f"{'-plain' if self.plain_decode else ''}{'-ee' if self.early_epilogue else ''}")
 
 
 def block_m_for(m: int) -> int:
@@ -831,6 +875,8 @@ def w12_mma(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: Mm
         raise ValueError("x chunks are 2, 4 or 8 records and go with an unrolled register ring")
     if config is not None and config.stream and (config.stream < 0 or not config.wsmem):
         raise ValueError("the stream-K schedule takes a positive program count per SM and the wsmem ring")
+    if config is not None and config.early_epilogue and (config.tma or config.stream or config.x_chunk > 1):
+        raise ValueError("early_epilogue goes with the register and wsmem rings (not tma, stream or x chunks)")
     if x.dtype != torch.bfloat16:
         raise ValueError(f"x must be bfloat16, got {x.dtype}")
     m, k = x.shape
@@ -867,7 +913,7 @@ def w12_mma(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: Mm
         m, n, k, kt, tps, nb, split,
         x.stride(0), out.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_M=bm, USE_SPLIT=split > 1, QPASS=qpass, ESC_CH=esc_ch, DEPTH=cfg.depth,
-        WSMEM=cfg.wsmem, UNROLL=cfg.unroll, PLAIN=cfg.plain_decode, XC=cfg.x_chunk,
+        WSMEM=cfg.wsmem, UNROLL=cfg.unroll, PLAIN=cfg.plain_decode, XC=cfg.x_chunk, PRE=cfg.early_epilogue,
         L_VIEW=l_view, L_NIB=l_nib, L_X=l_x, MMA=mma, A_OP=a_op, B_OP=b_op, L_EP=l_ep, L_XC=l_xc,
         XS=xs, L_WC=l_wc, L_QC=l_qc, WSL=wsl,
         num_warps=cfg.num_warps, **launch_options(cfg),
