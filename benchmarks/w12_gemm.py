@@ -341,17 +341,12 @@ def warpk_configs(m: int, kt: int, n: int, sms: int, variants: str = "all"):
     warps, 2-4 unrolled register sets, split-K for about 1, 2 and 4 programs per SM; x in the
     register sets or loaded right before each record's MMAs (``x_late``; only that above 16 rows,
     where x would take 32 registers per set). ``variants="split"``: the committed choice with its K
-    range split 1-8 ways across programs (shorter programs: a shorter tail); ``"early"``: split 1-4
-    ways with the epilogue's loads early in every program or in the last one's tail."""
+    range split 1-8 ways across programs (shorter programs: a shorter tail)."""
     from specpilot.kernels.w12.warpk import WarpKConfig, default_config
 
     out = [default_config(m, n, kt * 64, sms)]
     if variants == "split":   # the committed choice, its K range split 1-8 ways
         out += [c for c in (replace(out[0], split_k=s) for s in (1, 2, 3, 4, 6, 8)) if c not in out]
-        return out
-    if variants == "early":   # split 1-4 ways, the epilogue's loads early in every program or in the tail
-        out += [c for c in (replace(out[0], split_k=s, early_epilogue=e) for s in (1, 2, 3, 4) for e in (False, True)
-                            if s > 1 or not e) if c not in out]
         return out
     for rows in (16, 32):
         nb = (n + rows - 1) // rows
@@ -560,7 +555,7 @@ def main() -> int:
                          "TMA/mbarrier ones (tma, mma mode; tma-pair: the consumer group taking one or two "
                          "records per step; tma-wgmma: the consumer group on wgmma; tma-narrow: 32-row programs of "
                          "two consumer warps; split: the committed choice with K split 1-8 ways, gemv-gluon "
-                         "and warpk modes; early: the epilogue's loads early vs in the tail, mma and warpk modes)")
+                         "and warpk modes; early: the epilogue's loads early vs in the tail, mma mode)")
     args = ap.parse_args()
     if args.mode == "gemv":
         return gemv_sweep(args)

@@ -46,9 +46,7 @@ class WarpKConfig:
     ``warps`` (each streams its own records), ``depth`` register sets reloaded in place (2-4),
     ``split_k`` K ranges across programs, ``maxnreg`` the register cap passed to ptxas, ``x_late``: x
     is loaded right before its record's MMAs instead of riding in the register sets (16-32 x rows
-    take 16-32 registers per set there), ``early_epilogue``: with split-K, every program issues the
-    epilogue's loads after its first records' (without split-K the one program always does), so
-    the last one's tail is the partial sums only."""
+    take 16-32 registers per set there)."""
 
     rows: int = 16
     warps: int = 4
@@ -56,12 +54,10 @@ class WarpKConfig:
     split_k: int = 1
     maxnreg: int | None = None
     x_late: bool = False   # x loaded right before its record's MMAs, not with the record (register sets)
-    early_epilogue: bool = False   # with split-K too: every program issues the epilogue's loads early
 
     def key(self) -> str:
         return (f"wk-r{self.rows}-w{self.warps}-d{self.depth}-s{self.split_k}"
-                f"{f'-r{self.maxnreg}' if self.maxnreg else ''}{'-xl' if self.x_late else ''}"
-                f"{'-ee' if self.early_epilogue else ''}")
+                f"{f'-r{self.maxnreg}' if self.maxnreg else ''}{'-xl' if self.x_late else ''}")
 
 
 MAX_ROWS = 32   # x rows per launch: one to four 8-row MMA column blocks
@@ -168,7 +164,6 @@ if gluon is not None:
         USE_SPLIT: gl.constexpr, QPASS: gl.constexpr, ESC_CH: gl.constexpr,
         L_V: gl.constexpr, L_Q: gl.constexpr, L_X: gl.constexpr, MMA: gl.constexpr,
         A_OP: gl.constexpr, B_OP: gl.constexpr, L_EP: gl.constexpr, X_LATE: gl.constexpr = False,
-        PRE: gl.constexpr = False,
     ):
         pid_n = gl.program_id(0)
         pid_k = gl.program_id(1)
@@ -194,12 +189,10 @@ if gluon is not None:
             v2, q2, x2 = _load(pv, pq, px, t_begin + 2 * WARPS + wid, t_end, tx, L_V, L_Q, L_X, QPASS, X_LATE)
         if DEPTH >= 4:
             v3, q3, x3 = _load(pv, pq, px, t_begin + 3 * WARPS + wid, t_end, tx, L_V, L_Q, L_X, QPASS, X_LATE)
-        if not USE_SPLIT or PRE:   # the epilogue's three dependent round trips, behind the weight stream
+        if not USE_SPLIT:   # the epilogue's three dependent round trips, behind the weight stream
             wid = _pin(wid, True)
             pre = _finalize_loads(x_ptr, low_ptr, eptr_ptr, ecol_ptr, edelta_ptr, n0, 0, M, N, stride_xm,
                                   ROWS, BLOCK_M, ESC_CH, L_EP)
-        else:
-            pre = 0
         for t in range(t_begin, t_end, DEPTH * WARPS):
             acc, v0, q0, x0, wid = _set(acc, v0, q0, x0, t + DEPTH * WARPS, wid, pv, pq, px, t_end, tx, WARPS, ROWS,
                                         BLOCK_M, L_V, L_Q, L_X, A_OP, B_OP, QPASS, X_LATE)
@@ -218,7 +211,7 @@ if gluon is not None:
         else:
             _epilogue(part, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, ws_ptr, lock_ptr,
                       n0, pid_n, pid_k, 0, M, N, NUM_N_BLOCKS, SPLIT_K, SPLIT_K, stride_xm, stride_ym,
-                      ROWS, BLOCK_M, USE_SPLIT, ESC_CH, gl.SliceLayout(0, MMA), L_EP, pre, PRE)
+                      ROWS, BLOCK_M, USE_SPLIT, ESC_CH, gl.SliceLayout(0, MMA), L_EP)
 
 
 def supported(x: torch.Tensor, packed: KernelPack) -> bool:
@@ -301,7 +294,7 @@ def w12_warpk(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: 
         m, n, k, kt, tps, nb, split, x.stride(0), out.stride(0),
         ROWS=cfg.rows, BLOCK_M=bm, WARPS=cfg.warps, DEPTH=cfg.depth, USE_SPLIT=split > 1, QPASS=qpass,
         ESC_CH=esc_chunk(bm), L_V=l_v, L_Q=l_q, L_X=l_x, MMA=mma, A_OP=a_op, B_OP=b_op, L_EP=l_ep,
-        X_LATE=cfg.x_late, PRE=cfg.early_epilogue,
+        X_LATE=cfg.x_late,
         num_warps=cfg.warps, **launch_options(cfg),
     )
     return out
