@@ -796,7 +796,9 @@ def default_config(m: int, n: int, k: int, sms: int = 132, tma: bool = True) -> 
 # TMA rings' race fix (git f7d38d0): 30 runs each, bitwise the wsmem ring (w12_tma_race.json).
 # Three entries from the early-epilogue sweep (w12_mma_early.json, git 1b0fbc8: each committed ring
 # at its split, half and twice it, the epilogue's loads in the tail or early), where the best beat
-# the old entry by 3 % or more re-timed interleaved in the same run.
+# the old entry by 3 % or more re-timed interleaved in the same run; two from the full sweep at 16
+# and 64 rows after it (w12_mma_retune16_64.json, git 00081f3, the same rule; the 32-row sweep,
+# w12_mma_retune32.json, changed nothing).
 TUNED: dict[tuple[int, int, int], MmaConfig] = {
     (6144, 4096, 8): MmaConfig(64, 3, 4, 4, tma=2),  # 17.66 vs 18.24 us, w12_mma_tma.json
     (6144, 4096, 16): MmaConfig(64, 6, 4, 2, False, True),  # 0.905x (0.887x)
@@ -810,7 +812,7 @@ TUNED: dict[tuple[int, int, int], MmaConfig] = {
     (28672, 4096, 8): MmaConfig(128, 1, 4, 2, True),  # 1.204x (1.217x)
     (28672, 4096, 16): MmaConfig(128, 1, 4, 2, True),  # 1.162x (1.173x)
     (28672, 4096, 32): MmaConfig(128, 1, 4, 2, True),  # 1.066x (1.067x)
-    (28672, 4096, 64): MmaConfig(128, 1, 4, 3, False, True),  # 0.81x (0.805x)
+    (28672, 4096, 64): MmaConfig(128, 1, 4, 2, False, True),  # 72.51 vs 75.55 us, w12_mma_retune16_64.json
     (4096, 14336, 8): MmaConfig(64, 4, 4, 4, tma=1),  # 29.82 vs 30.21 us (sweep 29.86 vs 32.42), w12_mma_tma.json
     (4096, 14336, 16): MmaConfig(64, 8, 4, 3, False, True),  # 0.997x (0.997x)
     (4096, 14336, 32): MmaConfig(64, 8, 4, 3, False, True),  # 0.906x (0.895x)
@@ -820,7 +822,7 @@ TUNED: dict[tuple[int, int, int], MmaConfig] = {
     (7168, 5120, 32): MmaConfig(64, 2, 4, 6, False, True, tma=2),  # 26.0 vs 26.9 us, w12_mma_tma_pair.json
     (7168, 5120, 64): MmaConfig(64, 2, 4, 2, True),  # 0.555x (0.548x)
     (34816, 5120, 8): MmaConfig(64, 1, 4, 3, False, True),  # 1.225x (1.216x)
-    (34816, 5120, 16): MmaConfig(128, 4, 4, 3, False, True),  # 1.154x (1.132x)
+    (34816, 5120, 16): MmaConfig(64, 1, 4, 3, False, True),  # 71.74 vs 75.74 us, w12_mma_retune16_64.json
     (34816, 5120, 32): MmaConfig(64, 2, 4, 3, False, True),  # 1.022x (1.011x)
     (34816, 5120, 64): MmaConfig(64, 2, 4, 2, True),  # 0.725x (0.726x)
     (5120, 17408, 8): MmaConfig(64, 3, 4, 4, tma=1),  # 40.80 vs 41.82 us (sweep 40.86 vs 46.24), w12_mma_tma.json
