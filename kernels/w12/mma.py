@@ -579,7 +579,8 @@ if gluon is not None:
         reduction (partial ``pid_k`` of ``SPLIT_K`` to a workspace of ``SLOTS`` partials per block, a
         per-block counter, the last program sums them in order). ``PRE``: the epilogue's loads were
         issued before the main loop (``pre``, :func:`_finalize_loads`; with split-K by every program,
-        as the last one is not known then), so the tail has no dependent round trips of its own.
+        as the last one is not known then), so the tail keeps the split-K sum, if any, but not the
+        epilogue's three dependent round trips.
         Shared by this kernel, the ``wgmma`` one (:mod:`.wgmma`), the stream-K one
         (:mod:`.mma_stream`) and :mod:`.warpk`."""
         if not USE_SPLIT:
