@@ -341,12 +341,17 @@ def warpk_configs(m: int, kt: int, n: int, sms: int, variants: str = "all"):
     warps, 2-4 unrolled register sets, split-K for about 1, 2 and 4 programs per SM; x in the
     register sets or loaded right before each record's MMAs (``x_late``; only that above 16 rows,
     where x would take 32 registers per set). ``variants="split"``: the committed choice with its K
-    range split 1-8 ways across programs (shorter programs: a shorter tail)."""
+    range split 1-8 ways across programs (shorter programs: a shorter tail); ``"esc"``: it with 16
+    or 32 escapes per epilogue pass instead of 64, with and without a 128-register cap."""
     from specpilot.kernels.w12.warpk import WarpKConfig, default_config
 
     out = [default_config(m, n, kt * 64, sms)]
     if variants == "split":   # the committed choice, its K range split 1-8 ways
         out += [c for c in (replace(out[0], split_k=s) for s in (1, 2, 3, 4, 6, 8)) if c not in out]
+        return out
+    if variants == "esc":   # fewer preloaded escapes per pass (registers), with and without a 128 cap
+        out += [c for c in (replace(out[0], esc_ch=e, maxnreg=r) for e in (0, 16, 32) for r in (None, 128))
+                if c not in out]
         return out
     for rows in (16, 32):
         nb = (n + rows - 1) // rows
@@ -548,14 +553,15 @@ def main() -> int:
     ap.add_argument("--tiles", default=None, type=parse_tiles,
                     help="mma mode: comma list of ROWSxWARPS program tiles (default 64x4,128x4)")
     ap.add_argument("--variants", choices=["all", "xs", "xf32", "stream", "chunk", "tma", "tma-pair", "tma-wgmma",
-                                                  "tma-narrow", "split", "early"], default="all",
+                                                  "tma-narrow", "split", "early", "esc"], default="all",
                     help="only the committed choice and: the staged-x variants (xs, gemv-gluon mode; xf32: "
                          "with and without x converted to fp32 once), the "
                          "stream-K ones (stream, mma mode), the x-chunk ones (chunk, mma mode) or the "
                          "TMA/mbarrier ones (tma, mma mode; tma-pair: the consumer group taking one or two "
                          "records per step; tma-wgmma: the consumer group on wgmma; tma-narrow: 32-row programs of "
                          "two consumer warps; split: the committed choice with K split 1-8 ways, gemv-gluon "
-                         "and warpk modes; early: the epilogue's loads early vs in the tail, mma mode)")
+                         "and warpk modes; early: the epilogue's loads early vs in the tail, mma mode; esc: fewer preloaded escapes per "
+                         "pass, warpk mode)")
     args = ap.parse_args()
     if args.mode == "gemv":
         return gemv_sweep(args)

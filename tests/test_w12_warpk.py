@@ -77,7 +77,7 @@ def test_compiles_for_sm90_with_mmas_and_no_barrier_in_the_loop():
 
 @pytest.mark.parametrize("bad", [warpk.WarpKConfig(rows=8), warpk.WarpKConfig(warps=3), warpk.WarpKConfig(depth=1),
                                  warpk.WarpKConfig(depth=5), warpk.WarpKConfig(split_k=0),
-                                 warpk.WarpKConfig(maxnreg=300)])
+                                 warpk.WarpKConfig(maxnreg=300), warpk.WarpKConfig(esc_ch=12)])
 def test_bad_configs_are_rejected(bad):
     with pytest.raises(ValueError):
         warpk.check_config(bad)
@@ -97,6 +97,7 @@ def test_default_config_routing_support_and_key():
     assert not warpk.preferred(24, 4096, 4096) and not warpk.preferred(1, 1000, 3000)
     assert warpk.WarpKConfig(32, 8, 3, 2, 96).key() == "wk-r32-w8-d3-s2-r96"
     assert warpk.WarpKConfig(16, 4, 2, 1, x_late=True).key() == "wk-r16-w4-d2-s1-xl"
+    assert warpk.WarpKConfig(16, 4, 2, 1, x_late=True, esc_ch=16).key() == "wk-r16-w4-d2-s1-xl-e16"
     kp = KernelPack.from_w12(encode(make_weight(16, 64)), device="cpu")
     assert not warpk.supported(torch.zeros(1, 64, dtype=torch.bfloat16), kp)    # CPU: the other kernels
 
@@ -121,6 +122,9 @@ CASES = [   # (rows, n, k, config): 1-32 rows, partial row tiles, odd record cou
     (1, 200, 320, warpk.WarpKConfig(16, 4, 3, 1, x_late=True)),
     (32, 256, 1088, warpk.WarpKConfig(16, 4, 4, 3, x_late=True)),
     (20, 136, 640, warpk.WarpKConfig(32, 2, 2, 1, x_late=True)),
+    # 8 escapes per epilogue pass: rows with more escapes take several passes, after the loop
+    (32, 256, 2048, warpk.WarpKConfig(16, 4, 2, 1, x_late=True, esc_ch=8)),
+    (4, 128, 1088, warpk.WarpKConfig(16, 4, 4, 2, esc_ch=8)),
 ]
 
 

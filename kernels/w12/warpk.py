@@ -46,7 +46,9 @@ class WarpKConfig:
     ``warps`` (each streams its own records), ``depth`` register sets reloaded in place (2-4),
     ``split_k`` K ranges across programs, ``maxnreg`` the register cap passed to ptxas, ``x_late``: x
     is loaded right before its record's MMAs instead of riding in the register sets (16-32 x rows
-    take 16-32 registers per set there)."""
+    take 16-32 registers per set there), ``esc_ch``: escapes per epilogue pass (the first pass's
+    contributions are loaded before the main loop and held in registers: ``esc_ch * BLOCK_M``
+    values per program; 0 takes :func:`.mma.esc_chunk`, sized for 64-row blocks)."""
 
     rows: int = 16
     warps: int = 4
@@ -54,10 +56,12 @@ class WarpKConfig:
     split_k: int = 1
     maxnreg: int | None = None
     x_late: bool = False   # x loaded right before its record's MMAs, not with the record (register sets)
+    esc_ch: int = 0        # escapes per epilogue pass, preloaded before the loop (0: mma.esc_chunk)
 
     def key(self) -> str:
         return (f"wk-r{self.rows}-w{self.warps}-d{self.depth}-s{self.split_k}"
-                f"{f'-r{self.maxnreg}' if self.maxnreg else ''}{'-xl' if self.x_late else ''}")
+                f"{f'-r{self.maxnreg}' if self.maxnreg else ''}{'-xl' if self.x_late else ''}"
+                f"{f'-e{self.esc_ch}' if self.esc_ch else ''}")
 
 
 MAX_ROWS = 32   # x rows per launch: one to four 8-row MMA column blocks
@@ -74,6 +78,8 @@ def check_config(cfg: WarpKConfig) -> None:
         raise ValueError(f"split_k must be >= 1, got {cfg.split_k}")
     if cfg.maxnreg is not None and not 32 <= cfg.maxnreg <= 255:
         raise ValueError(f"maxnreg must be 32-255, got {cfg.maxnreg}")
+    if cfg.esc_ch not in (0, 8, 16, 32, 64):
+        raise ValueError(f"esc_ch must be 0 (default), 8, 16, 32 or 64, got {cfg.esc_ch}")
 
 
 def layout_bases(rows: int, block_m: int, warps: int) -> dict[str, tuple]:
@@ -293,7 +299,7 @@ def w12_warpk(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: 
         ws, locks,
         m, n, k, kt, tps, nb, split, x.stride(0), out.stride(0),
         ROWS=cfg.rows, BLOCK_M=bm, WARPS=cfg.warps, DEPTH=cfg.depth, USE_SPLIT=split > 1, QPASS=qpass,
-        ESC_CH=esc_chunk(bm), L_V=l_v, L_Q=l_q, L_X=l_x, MMA=mma, A_OP=a_op, B_OP=b_op, L_EP=l_ep,
+        ESC_CH=cfg.esc_ch or esc_chunk(bm), L_V=l_v, L_Q=l_q, L_X=l_x, MMA=mma, A_OP=a_op, B_OP=b_op, L_EP=l_ep,
         X_LATE=cfg.x_late,
         num_warps=cfg.warps, **launch_options(cfg),
     )
