@@ -94,6 +94,7 @@ def test_default_config_routing_support_and_key():
     assert warpk.preferred(12, 6144, 4096) and not warpk.preferred(12, 28672, 4096)
     assert warpk.preferred(24, 6144, 4096) and warpk.default_config(24, 6144, 4096).x_late
     assert warpk.default_config(24, 1000, 3000).x_late and warpk.default_config(12, 1000, 3000).depth == 2
+    assert warpk.default_config(24, 1000, 3000).esc_ch == 32 and warpk.default_config(12, 1000, 3000).esc_ch == 0
     assert not warpk.preferred(24, 4096, 4096) and not warpk.preferred(1, 1000, 3000)
     assert warpk.WarpKConfig(32, 8, 3, 2, 96).key() == "wk-r32-w8-d3-s2-r96"
     assert warpk.WarpKConfig(16, 4, 2, 1, x_late=True).key() == "wk-r16-w4-d2-s1-xl"

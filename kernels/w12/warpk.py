@@ -235,14 +235,15 @@ def bucket(m: int) -> int:
 def default_config(m: int, n: int, k: int, sms: int = 132) -> WarpKConfig:
     """The measured table (:data:`TUNED`) first, else 16-row programs of 4 warps, four register
     sets up to 8 x rows (what the sweep chose most) and two above (x takes 16-32 registers per set;
-    above 16 rows x is loaded late), split-K when there are fewer than two programs per SM."""
+    above 16 rows x is loaded late and the epilogue preloads 32 escapes, not 64: 6 of 7 layers
+    faster, w12_warpk_esc.json), split-K when there are fewer than two programs per SM."""
     tuned = TUNED.get((n, k, bucket(m)))
     if tuned is not None:
         return tuned
     kt = (k + TILE_K - 1) // TILE_K
     blocks = (n + 15) // 16
     split = 1 if blocks >= 2 * sms else max(1, min(max(1, kt // 8), (2 * sms + blocks - 1) // blocks))
-    return WarpKConfig(16, 4, 4 if m <= 8 else 2, split, x_late=m > 16)
+    return WarpKConfig(16, 4, 4 if m <= 8 else 2, split, x_late=m > 16, esc_ch=32 if m > 16 else 0)
 
 
 def preferred(m: int, n: int, k: int) -> bool:
