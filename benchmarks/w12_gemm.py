@@ -560,8 +560,8 @@ def main() -> int:
                          "TMA/mbarrier ones (tma, mma mode; tma-pair: the consumer group taking one or two "
                          "records per step; tma-wgmma: the consumer group on wgmma; tma-narrow: 32-row programs of "
                          "two consumer warps; split: the committed choice with K split 1-8 ways, gemv-gluon "
-                         "and warpk modes; early: the epilogue's loads early vs in the tail, mma mode; esc: fewer preloaded escapes per "
-                         "pass, warpk mode)")
+                         "and warpk modes; early: the epilogue's loads early vs in the tail, mma mode; "
+                         "esc: fewer preloaded escapes per pass, warpk mode)")
     args = ap.parse_args()
     if args.mode == "gemv":
         return gemv_sweep(args)

@@ -817,7 +817,7 @@ TUNED: dict[tuple[int, int, int], MmaConfig] = {
     (4096, 14336, 8): MmaConfig(64, 4, 4, 4, tma=1),  # 29.82 vs 30.21 us (sweep 29.86 vs 32.42), w12_mma_tma.json
     (4096, 14336, 16): MmaConfig(64, 8, 4, 3, False, True),  # 0.997x (0.997x)
     (4096, 14336, 32): MmaConfig(64, 8, 4, 3, False, True),  # 0.906x (0.895x)
-    (4096, 14336, 64): MmaConfig(64, 4, 4, 2, False, True, early_epilogue=True),  # 56.10 vs 68.22 us, w12_mma_early.json
+    (4096, 14336, 64): MmaConfig(64, 4, 4, 2, False, True, early_epilogue=True),  # 56.10 vs 68.22, w12_mma_early.json
     (7168, 5120, 8): MmaConfig(64, 2, 4, 4, tma=2),  # 21.28 vs 22.24 us, w12_mma_tma.json
     (7168, 5120, 16): MmaConfig(64, 2, 4, 4, tma=2),  # 21.95 vs 24.22 us, w12_mma_tma.json
     (7168, 5120, 32): MmaConfig(64, 2, 4, 6, False, True, tma=2),  # 26.0 vs 26.9 us, w12_mma_tma_pair.json
