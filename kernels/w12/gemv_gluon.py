@@ -149,6 +149,19 @@ if gluon is not None:
         return tile_row, off_v, off_q
 
     @gluon.jit
+    def _load_clamped(pv, pq, t, t_end, L_V: gl.constexpr, L_Q: gl.constexpr, QPASS: gl.constexpr):
+        """Each warp's record ``t[w]``, clamped to the range (past it the last record is re-read),
+        through the loop-invariant view and nibble pointers ``pv``/``pq``: view words, nibble words
+        (the view again in the Q pass). Shared with :mod:`.warpk`."""
+        d = gl.minimum(t, t_end - 1) * 3072
+        v = gl.load(pv + _per_warp(d, L_V))
+        if QPASS:
+            q = v
+        else:
+            q = gl.load(pq + _per_warp(d, L_Q))
+        return v, q
+
+    @gluon.jit
     def _load_recs(rec_ptr, x32_ptr, tile_row, t, t_end, KH, off_v, off_q, xw, pv, pq,
                    L_V: gl.constexpr, L_Q: gl.constexpr, L_X: gl.constexpr, QPASS: gl.constexpr, XS: gl.constexpr):
         """Each warp's record ``t[w]``: its rows' view words, nibble words and the 32 x words. ``XS``:
@@ -156,12 +169,7 @@ if gluon is not None:
         unmasked through the loop-invariant pointers ``pv``/``pq``: its staged x is zero, so it adds
         +-0 and leaves the (never -0) accumulator's bits unchanged."""
         if XS:
-            d = gl.minimum(t, t_end - 1) * 3072
-            v = gl.load(pv + _per_warp(d, L_V))
-            if QPASS:
-                q = v
-            else:
-                q = gl.load(pq + _per_warp(d, L_Q))
+            v, q = _load_clamped(pv, pq, t, t_end, L_V, L_Q, QPASS)
             x = 0
         else:
             ok = t < t_end                                                # [W]

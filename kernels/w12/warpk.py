@@ -100,7 +100,7 @@ def layout_bases(rows: int, block_m: int, warps: int) -> dict[str, tuple]:
 if gluon is not None:
     _K = gl.constexpr(TILE_K)   # record width (k) inside the kernels
 
-    from .gemv_gluon import _per_warp, _record_offsets_3d
+    from .gemv_gluon import _load_clamped, _per_warp, _record_offsets_3d
     from .mma import (_bf16_halves, _decode_pairs_fast, _epilogue, _finalize_apply, _finalize_loads, _pin,
                       epilogue_layout)
 
@@ -119,12 +119,7 @@ if gluon is not None:
         """Each warp's record ``t[w]`` (clamped to the range: past it the last record is re-read and
         its x is zero, so it adds +-0): view words, nibble words, x (with ``X_LATE``: the record
         index instead, for :func:`_x_of`)."""
-        d = gl.minimum(t, t_end - 1) * 3072
-        v = gl.load(pv + _per_warp(d, L_V))
-        if QPASS:
-            q = v
-        else:
-            q = gl.load(pq + _per_warp(d, L_Q))
+        v, q = _load_clamped(pv, pq, t, t_end, L_V, L_Q, QPASS)
         if X_LATE:
             x = t
         else:
