@@ -14,6 +14,9 @@ base throughput for throughputs), so a ratio above 1 means the candidate is fast
   |geometric mean of base_first / base_second - 1|), or given.
 - approve when the lower bound > 1% + 2 x noise; a change that alters outputs must clear 3% (or
   1% + 2 x noise when that is larger), the paper's rule for patches that may carry a loss.
+  Approval also needs at least two blocks: resampling a single block gives back the point estimate,
+  and one A/A pair is too little to trust (an A/A run of one ABBA block was approved about once in
+  15 tries on a loopback server).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from .resample import bootstrap_mean_ci
 TIMING_SCHEMA = "specpilot.timing/1"
 BASE_MARGIN = 0.01
 CHANGES_OUTPUT_MARGIN = 0.03
+MIN_BLOCKS = 2     # a block bootstrap over one block is a point, not an interval
 
 
 @dataclass
@@ -141,8 +145,13 @@ def judge(samples: Sequence[Sample], *, higher_is_better: bool, aa_pairs: Sequen
     thr = threshold_for(noise_v, changes_output)
     need = 1.0 + thr
     ok_boot, ok_t = lo > need, t_lo > need
-    approved = ok_boot and ok_t
-    if approved:
+    n_blocks = len(np.unique(blocks))
+    approved = ok_boot and ok_t and n_blocks >= MIN_BLOCKS
+    if ok_boot and ok_t and not approved:
+        reason = (f"one block only: the block bootstrap cannot bound the gain from a single block "
+                  f"(its interval is the point estimate); approval needs at least {MIN_BLOCKS} blocks "
+                  f"({2 * MIN_BLOCKS} runs)")
+    elif approved:
         reason = f"lower bound {_pct(min(lo, t_lo))} > threshold {_pct(need)}"
     elif ok_boot != ok_t:
         reason = (f"bootstrap ({_pct(lo)}) and t ({_pct(t_lo)}) lower bounds disagree about the threshold "
@@ -151,7 +160,7 @@ def judge(samples: Sequence[Sample], *, higher_is_better: bool, aa_pairs: Sequen
         reason = f"lower bound {_pct(lo)} <= threshold {_pct(need)}"
     sd = float(log_r.std(ddof=1)) if len(log_r) > 1 else 0.0
     return Verdict(gain, lo, hi, (t_lo, t_hi), noise_v, src, thr, approved, len(samples),
-                   len(np.unique(blocks)), sd, reason)
+                   n_blocks, sd, reason)
 
 
 def _pct(ratio: float) -> str:

@@ -37,6 +37,16 @@ def test_constant_gain_has_degenerate_interval_and_rule():
     assert judge(samples([1.031] * 8), higher_is_better=False, noise=0.0, changes_output=True).approved
 
 
+def test_one_block_is_never_approved():
+    """A single ABBA block's bootstrap interval is its point estimate: two near-equal pairs from one
+    block (as an A/A run on a loopback server once gave) must not approve; two blocks may."""
+    one = [Sample(0, 0, 199.6, 211.3), Sample(1, 0, 196.2, 207.4)]
+    v = judge(one, higher_is_better=True, aa_pairs=[(199.6, 196.2)])
+    assert v.ci_low > 1 + v.threshold and v.t_ci[0] > 1 + v.threshold      # both bounds would clear it
+    assert not v.approved and v.blocks == 1 and "one block" in v.reason
+    assert judge(samples([1.05] * 4), higher_is_better=False, noise=0.0).approved
+
+
 def test_thresholds():
     assert threshold_for(0.0, False) == pytest.approx(0.01)
     assert threshold_for(0.001, False) == pytest.approx(0.012)

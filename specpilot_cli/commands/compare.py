@@ -65,7 +65,8 @@ def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, tokenizer
     Runs are interleaved ABBA (same requests, same order), or with --gpus both systems at once on
     two GPUs, then swapped. gain = geometric mean of paired speed ratios; 95% interval by paired
     bootstrap over blocks (a t-interval on log ratios as a check). Approved when both lower bounds
-    exceed 1% + 2 x stock noise (A/A split of the base runs), or 3% with --changes-output.
+    exceed 1% + 2 x stock noise (A/A split of the base runs), or 3% with --changes-output, and
+    at least two blocks (4 runs) were measured.
     Exit 0 approved, 1 not approved, 2 bad input, 3 missing environment.
 
     \b
