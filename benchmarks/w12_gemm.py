@@ -297,6 +297,16 @@ def gluon_gemv_configs(m: int, kt: int, n: int, sms: int, variants: str = "all")
     from specpilot.kernels.w12.gemv_gluon import XS_MAX_BYTES, GluonGemvConfig, default_config
 
     out = [default_config(n, kt * 64, sms)]
+    if variants == "tma":   # records through a TMA ring (gemv_tma): rows, records per stage, stages
+        from specpilot.kernels.w12 import gemv_tma
+
+        grid = [(8, 4, 1, s) for s in (4, 8, 12)] + [(8, 4, 2, s) for s in (3, 6)]
+        grid += [(16, 4, r, s) for r, ss in ((1, (4, 8)), (2, (2, 4, 6)), (4, (2, 3))) for s in ss]
+        grid += [(16, 8, 1, 4), (32, 4, 1, 3), (32, 4, 1, 6)]
+        for rows, warps, rps, stages in grid:
+            if gemv_tma.smem_bytes(kt, rows, warps, stages, rps) <= gemv_tma.SMEM_LIMIT:
+                out.append(GluonGemvConfig(rows, warps, stages, tma=True, tma_rps=rps))
+        return out
     if variants == "split":   # the committed choice on 8 or 16 rows, its K range split 1-8 ways
         base = out[0]
         for rows in (8, 16):
@@ -559,7 +569,7 @@ def main() -> int:
                          "stream-K ones (stream, mma mode), the x-chunk ones (chunk, mma mode) or the "
                          "TMA/mbarrier ones (tma, mma mode; tma-pair: the consumer group taking one or two "
                          "records per step; tma-wgmma: the consumer group on wgmma; tma-narrow: 32-row programs of "
-                         "two consumer warps; split: the committed choice with K split 1-8 ways, gemv-gluon "
+                         "two consumer warps; in gemv-gluon mode tma: the records through a TMA ring; split: the committed choice with K split 1-8 ways, gemv-gluon "
                          "and warpk modes; early: the epilogue's loads early vs in the tail, mma mode; "
                          "esc: fewer preloaded escapes per pass, warpk mode)")
     args = ap.parse_args()

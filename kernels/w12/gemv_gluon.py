@@ -55,7 +55,9 @@ class GluonGemvConfig:
     instead of a rotated ring (one in flight whatever the depth, see the kernel), ``xs``: x staged
     in shared memory, clamped record indices and pinned reloads (see the module), ``maxnreg``: the
     register cap passed to ptxas (None: its own choice), ``late_epilogue``: the epilogue's loads
-    (row scales, escapes) issued after the first records' loads instead of before them."""
+    (row scales, escapes) issued after the first records' loads instead of before them; ``tma``:
+    the records through a TMA ring of ``depth`` shared-memory stages of ``tma_rps`` records per warp
+    (:mod:`.gemv_tma`; bitwise the same output as the register ring of the same rows and warps)."""
 
     rows: int = 16
     warps: int = 4
@@ -67,11 +69,14 @@ class GluonGemvConfig:
     maxnreg: int | None = None
     late_epilogue: bool = False   # the escape loads after the first weight loads, not before
     xf32: bool = False   # with xs: the staged x converted to fp32 once per program, not per record
+    tma: bool = False    # records through a TMA shared-memory ring of ``depth`` stages (:mod:`.gemv_tma`)
+    tma_rps: int = 1     # with tma: records per warp and stage
 
     def key(self) -> str:
         return (f"gl-r{self.rows}-w{self.warps}-d{self.depth}-s{self.split_k}{'-u' if self.unroll else ''}"
                 f"{'-xs' if self.xs else ''}{f'-r{self.maxnreg}' if self.maxnreg else ''}"
                 f"{'-el' if self.late_epilogue else ''}{'-xf' if self.xf32 else ''}"
+                f"{f'-tma{self.tma_rps}' if self.tma else ''}"
                 f"{'-plain' if self.plain_decode else ''}")
 
     def xs_bytes(self, k_tiles: int) -> int:
@@ -90,7 +95,13 @@ def check_config(cfg: GluonGemvConfig) -> None:
         raise ValueError(f"rows must be 8, 16 or 32, got {cfg.rows}")
     if cfg.warps not in (1, 2, 4, 8, 16):
         raise ValueError(f"warps must be a power of two up to 16, got {cfg.warps}")
-    if cfg.depth not in (1, 2, 3, 4):
+    if cfg.tma:
+        if cfg.warps not in (4, 8):
+            raise ValueError(f"the TMA GEMV's consumers are whole warpgroups: warps 4 or 8, got {cfg.warps}")
+        from . import gemv_tma
+
+        gemv_tma.check(cfg)
+    elif cfg.depth not in (1, 2, 3, 4):
         raise ValueError(f"depth must be 1-4, got {cfg.depth}")
     if cfg.split_k < 1:
         raise ValueError(f"split_k must be >= 1, got {cfg.split_k}")
@@ -494,12 +505,17 @@ def w12_gemv_gluon(x: torch.Tensor, packed: KernelPack, qpass: bool = False,
     cfg = config or default_config(packed.shape[0], x.shape[1])
     check_config(cfg)
     n, k = packed.shape
+    if out is None:
+        out = torch.empty(1, n, dtype=out_dtype or x.dtype, device=x.device)
+    if cfg.tma:
+        from . import gemv_tma
+
+        gemv_tma.launch(x, packed, out, qpass, cfg)
+        return out
     kt = packed.k_tiles
     tps = (kt + cfg.split_k - 1) // cfg.split_k
     split = (kt + tps - 1) // tps
     nb = (n + cfg.rows - 1) // cfg.rows
-    if out is None:
-        out = torch.empty(1, n, dtype=out_dtype or x.dtype, device=x.device)
     xs_it = cfg.xs_groups(kt) if cfg.xs else XS_CHUNK
     if cfg.xs and cfg.xs_bytes(kt) > XS_MAX_BYTES:
         raise ValueError(f"{cfg.key()}: staged x would take {cfg.xs_bytes(kt)} bytes of shared memory "

@@ -1,0 +1,235 @@
+"""One-row W12 GEMV fed by TMA copies into a shared-memory ring (Hopper): the Gluon GEMV's
+arithmetic, with the weight stream decoupled from the decode.
+
+In :mod:`.gemv_gluon` each warp loads its own records into registers ``depth`` records ahead, so
+the bytes in flight per program are bounded by the register sets (three 1.5 KB records per warp at
+most) and a warp that stalls on its decode stops issuing loads. Here one copy warp streams the
+program's records into ``stages`` shared-memory stages with 3-D TMA boxes (``rec32`` seen as
+``[records, 192, 16]`` view words and ``[records, 384, 8]`` nibble words: a stage is ``RPS x WARPS``
+consecutive records of the program's ``ROWS`` rows, two copies), and the consumer warps wait on
+each stage's ``ready`` mbarrier, read their records' words from shared memory, release the stage
+(``fence.proxy.async``, then one arrival on ``empty``: the rule of :mod:`.mma_tma`) and decode.
+The bytes in flight are ``stages`` stages whatever the decode does.
+
+The consumers keep :mod:`.gemv_gluon`'s layouts and order exactly: warp ``w`` accumulates records
+``w, w + WARPS, ...`` in the same ``[WARPS, ROWS, 16]`` fp32 accumulator, x staged in shared memory
+by ``cp.async`` (zero past the range), the same decode, the same fixed reduction tree and the same
+epilogue (row scale, exact escapes; its loads issued before the loop). So the output is bitwise
+that of :func:`.gemv_gluon.w12_gemv_gluon` with the same ``rows`` and ``warps`` (GPU tests), and
+identical run to run. A last stage past the range reads the next records of the buffer (or the
+TMA unit's zero fill past its end); their staged x is zero, so they add +-0 to an accumulator that
+is never -0.
+
+The plain reference is :func:`.naive.w12_linear_ref`. No split-K: a program takes a whole row tile's
+K range (configs with a split go to :mod:`.gemv_gluon`).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from .gemm import KernelPack
+from . import gemv_gluon as _gg
+from . import mma_tma as _mt
+from .mma import gl, gluon
+
+AVAILABLE = _mt.AVAILABLE
+MAX_STAGES = 16
+SMEM_LIMIT = 220 * 1024          # per program, of the H200's 227 KB
+# registers of a consumer warp (``maxnreg`` of the config; the copy warp's warpgroup gets 24): with
+# 88 the sm_90 compile (Triton 3.6) spills nothing at 8-32 rows and 1-4 records per stage
+DEFAULT_REGS = 88
+
+
+def launch_regs(warps: int, regs: int) -> int:
+    """The kernel's register cap for ``regs`` per consumer warp beside the copy warpgroup at 24."""
+    return _mt.launch_regs(warps, regs, 4, 24)
+
+
+def stage_bytes(rows: int, warps: int, rps: int, qpass: bool = False) -> int:
+    """Bytes of one ring stage: ``rps * warps`` records' slices of ``rows`` rows."""
+    return rps * warps * rows * (64 if qpass else 96)
+
+
+def xs_groups(k_tiles: int, warps: int, rps: int) -> int:
+    """Groups of ``warps`` records of staged x: covers every step, a multiple of the cp.async chunk
+    (:data:`.gemv_gluon.XS_CHUNK`) and of ``rps``."""
+    import math
+
+    m = math.lcm(_gg.XS_CHUNK, rps)
+    steps = -(-k_tiles // (warps * rps))
+    return -(-steps * rps // m) * m
+
+
+def smem_bytes(k_tiles: int, rows: int, warps: int, stages: int, rps: int) -> int:
+    """Shared memory of a program: the ring, the staged x, the barriers."""
+    return stages * stage_bytes(rows, warps, rps) + xs_groups(k_tiles, warps, rps) * warps * 128 + 16 * stages
+
+
+def check(cfg) -> None:
+    """A TMA GEMV config (``GluonGemvConfig(..., tma=True)``): ``depth`` stages (2-16), ``tma_rps``
+    records per warp and stage (1, 2 or 4), no split-K, no register ring options."""
+    if not 2 <= cfg.depth <= MAX_STAGES:
+        raise ValueError(f"a TMA GEMV ring has 2-{MAX_STAGES} stages (depth), got {cfg.depth}")
+    if cfg.tma_rps not in (1, 2, 4):
+        raise ValueError(f"tma_rps (records per warp and stage) is 1, 2 or 4, got {cfg.tma_rps}")
+    if cfg.split_k != 1:
+        raise ValueError("the TMA GEMV takes a whole K range per program (split_k=1)")
+    if cfg.unroll or cfg.xs or cfg.xf32 or cfg.late_epilogue:
+        raise ValueError("tma=True has its own ring: unroll, xs, xf32 and late_epilogue do not apply")
+
+
+def supported(x: torch.Tensor, packed: KernelPack) -> bool:
+    """:func:`.gemv_gluon.supported` and TMA (Gluon's Hopper module, compute capability 9.0+)."""
+    return _gg.supported(x, packed) and _mt.supported(x.device)
+
+
+if AVAILABLE:
+    from .gemv_gluon import _epilogue_end, _epilogue_start, _rec_fma, _stage_x, _x_of
+    from .mma import _cta_barrier, async_copy
+    from .mma_tma import _tma_load, fence_async_shared, mbarrier, tma  # noqa: F401
+
+    @gluon.jit
+    def _producer(pt, ROWS: gl.constexpr, WARPS: gl.constexpr, RPS: gl.constexpr, STAGES: gl.constexpr,
+                  QPASS: gl.constexpr):
+        """The copy warp (one thread issues): stage ``i`` = records ``rec0 + i * RPS * WARPS ..``, the
+        program's rows of their views and nibbles, once every consumer has released the stage."""
+        v_desc, q_desc, wv_s, wq_s, ready, empty, rec0, r_in, n_steps = pt
+        for i in range(0, n_steps):
+            s = i % STAGES
+            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)    # (a fresh barrier passes parity 1)
+            bar = ready.index(s)
+            r = rec0 + i * (RPS * WARPS)
+            if QPASS:
+                mbarrier.expect(bar, RPS * WARPS * ROWS * 64)
+            else:
+                mbarrier.expect(bar, RPS * WARPS * ROWS * 96)
+            _tma_load(v_desc, [r, r_in, 0], bar, wv_s.index(s))
+            if not QPASS:
+                _tma_load(q_desc, [r, 256 + r_in, 0], bar, wq_s.index(s))
+
+    @gluon.jit
+    def _consumer(rt, ROWS: gl.constexpr, WARPS: gl.constexpr, RPS: gl.constexpr, STAGES: gl.constexpr,
+                  QPASS: gl.constexpr, PLAIN: gl.constexpr, ESC_CH: gl.constexpr, XS_IT: gl.constexpr,
+                  XS_CH: gl.constexpr, L_V: gl.constexpr, L_Q: gl.constexpr, L_X: gl.constexpr,
+                  L_E: gl.constexpr):
+        """The ``WARPS`` consumer warps: stage x, start the epilogue's loads, then every stage's
+        records (warp ``w`` the ``w``-th of each group of ``WARPS``) decoded into the accumulator;
+        the lanes' and warps' sums in a fixed tree, the epilogue, the store."""
+        (wv_s, wq_s, ready, empty, n_steps, x_ptr, x32_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr,
+         edelta_ptr, n0, N, KT, KH) = rt
+        xs = _stage_x(x32_ptr, 0, KT, KH, WARPS, XS_IT, XS_CH)
+        scale, e_lo, e_hi, er, contrib = _epilogue_start(x_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr,
+                                                         n0, N, ROWS, ESC_CH, L_E)
+        async_copy.wait_group(0)
+        _cta_barrier()          # (the partition's barrier) every warp's staged x has landed
+        acc = gl.zeros([WARPS, ROWS, 16], gl.float32, L_V)
+        for i in range(0, n_steps):
+            s = i % STAGES
+            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+            wv = wv_s.index(s)
+            wq = wq_s.index(s)
+            v0 = wv.slice(0, WARPS).load(L_V)
+            if QPASS:
+                q0 = v0
+            else:
+                q0 = wq.slice(0, WARPS).load(L_Q)
+            if RPS >= 2:
+                v1 = wv.slice(WARPS, WARPS).load(L_V)
+                if QPASS:
+                    q1 = v1
+                else:
+                    q1 = wq.slice(WARPS, WARPS).load(L_Q)
+            if RPS >= 4:
+                v2 = wv.slice(2 * WARPS, WARPS).load(L_V)
+                v3 = wv.slice(3 * WARPS, WARPS).load(L_V)
+                if QPASS:
+                    q2 = v2
+                    q3 = v3
+                else:
+                    q2 = wq.slice(2 * WARPS, WARPS).load(L_Q)
+                    q3 = wq.slice(3 * WARPS, WARPS).load(L_Q)
+            fence_async_shared()   # our shared reads before the copy that refills the stage (mma_tma)
+            mbarrier.arrive(empty.index(s))
+            acc = _rec_fma(acc, v0, q0, _x_of(0, xs, i * RPS, L_X, True), WARPS, ROWS, L_V, QPASS, PLAIN)
+            if RPS >= 2:
+                acc = _rec_fma(acc, v1, q1, _x_of(0, xs, i * RPS + 1, L_X, True), WARPS, ROWS, L_V, QPASS, PLAIN)
+            if RPS >= 4:
+                acc = _rec_fma(acc, v2, q2, _x_of(0, xs, i * RPS + 2, L_X, True), WARPS, ROWS, L_V, QPASS, PLAIN)
+                acc = _rec_fma(acc, v3, q3, _x_of(0, xs, i * RPS + 3, L_X, True), WARPS, ROWS, L_V, QPASS, PLAIN)
+        part = gl.convert_layout(gl.sum(gl.sum(acc, axis=2), axis=0), gl.SliceLayout(1, L_E))
+        _epilogue_end(part, scale, e_lo, e_hi, er, contrib, x_ptr, y_ptr, erow_ptr, ecol_ptr, edelta_ptr, n0, N,
+                      ROWS, ESC_CH, L_E)
+
+    @gluon.jit
+    def _w12_gemv_tma_kernel(
+        v_desc, q_desc, x_ptr, x32_ptr, y_ptr, low_ptr,
+        eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr,
+        N, KH, KT,
+        ROWS: gl.constexpr, WARPS: gl.constexpr, RPS: gl.constexpr, STAGES: gl.constexpr, QPASS: gl.constexpr,
+        PLAIN: gl.constexpr, ESC_CH: gl.constexpr, XS_IT: gl.constexpr, XS_CH: gl.constexpr,
+        L_V: gl.constexpr, L_Q: gl.constexpr, L_X: gl.constexpr, L_E: gl.constexpr,
+    ):
+        pid_n = gl.program_id(0)
+        n0 = pid_n * ROWS
+        n_steps = (KT + RPS * WARPS - 1) // (RPS * WARPS)
+        wv_s = gl.allocate_shared_memory(gl.int32, [STAGES, RPS * WARPS, ROWS, 16], v_desc.layout)
+        wq_s = gl.allocate_shared_memory(gl.int32, [STAGES, RPS * WARPS, ROWS, 8], q_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for p in gl.static_range(STAGES):
+            mbarrier.init(ready.index(p), count=1)
+            mbarrier.init(empty.index(p), count=1)
+        fence_async_shared()
+        rt = (wv_s, wq_s, ready, empty, n_steps, x_ptr, x32_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr,
+              edelta_ptr, n0, N, KT, KH)
+        pt = (v_desc, q_desc, wv_s, wq_s, ready, empty, (n0 // 128) * KT, n0 % 128, n_steps)
+        gl.warp_specialize([(_consumer, (rt, ROWS, WARPS, RPS, STAGES, QPASS, PLAIN, ESC_CH, XS_IT, XS_CH,
+                                         L_V, L_Q, L_X, L_E)),
+                            (_producer, (pt, ROWS, WARPS, RPS, STAGES, QPASS))], [1], [24])
+
+    @lru_cache(maxsize=None)
+    def _box_layout():
+        return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)
+
+
+def record_descriptors(packed: KernelPack, rows: int, box_records: int) -> tuple:
+    """TMA descriptors of the records' view words (``[records, 192, 16]``, box ``[box_records, rows,
+    16]``) and nibble words (``[records, 384, 8]``, box ``[box_records, rows, 8]``); cached on the
+    pack."""
+    cache = packed.__dict__.setdefault("_tma_gemv_desc", {})
+    key = (rows, box_records)
+    if key not in cache:
+        rec = packed.rec32.reshape(-1)
+        lay = _box_layout()
+        cache[key] = (_mt.TensorDescriptor.from_tensor(rec.view(-1, 192, 16), [box_records, rows, 16], lay),
+                      _mt.TensorDescriptor.from_tensor(rec.view(-1, 384, 8), [box_records, rows, 8], lay))
+    return cache[key]
+
+
+def launch(x: torch.Tensor, packed: KernelPack, out: torch.Tensor, qpass: bool, cfg) -> None:
+    """Run the TMA GEMV for ``cfg`` (checked by :func:`check`); ``x`` one aligned bf16 row."""
+    check(cfg)
+    if not _mt.supported(x.device):
+        raise RuntimeError("the TMA GEMV needs Gluon's Hopper module and a GPU of compute capability 9.0+")
+    n, k = packed.shape
+    kt = packed.k_tiles
+    need = smem_bytes(kt, cfg.rows, cfg.warps, cfg.depth, cfg.tma_rps)
+    if need > SMEM_LIMIT:
+        raise ValueError(f"{cfg.key()}: {need} bytes of shared memory per program (limit {SMEM_LIMIT}); "
+                         f"use fewer stages or rows")
+    v_desc, q_desc = record_descriptors(packed, cfg.rows, cfg.tma_rps * cfg.warps)
+    lv, lq, lx, le = _gg.layouts(cfg.rows, cfg.warps)
+    regs = cfg.maxnreg or DEFAULT_REGS
+    _w12_gemv_tma_kernel[((n + cfg.rows - 1) // cfg.rows,)](
+        v_desc, q_desc, x, x.view(torch.int32), out, packed.low_exp,
+        packed.esc_rowptr, packed.esc_row, packed.esc_col, packed.esc_delta_q if qpass else packed.esc_delta,
+        n, k // 2, kt,
+        ROWS=cfg.rows, WARPS=cfg.warps, RPS=cfg.tma_rps, STAGES=cfg.depth, QPASS=qpass, PLAIN=cfg.plain_decode,
+        ESC_CH=8, XS_IT=xs_groups(kt, cfg.warps, cfg.tma_rps), XS_CH=_gg.XS_CHUNK, L_V=lv, L_Q=lq, L_X=lx,
+        L_E=le, num_warps=cfg.warps,
+        # (the copy warp is padded to a warpgroup at 24 registers, as in mma_tma's group)
+        maxnreg=launch_regs(cfg.warps, regs),
+    )
