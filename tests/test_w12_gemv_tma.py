@@ -58,7 +58,7 @@ lay = gemv_tma._box_layout()
 lv, lq, lx, le = gemv_gluon.layouts(16, 4)
 ptrs = {"x_ptr": "*bf16", "x32_ptr": "*i32", "y_ptr": "*bf16", "low_ptr": "*u8", "eptr_ptr": "*i32",
         "erow_ptr": "*i32", "ecol_ptr": "*i32", "edelta_ptr": "*fp32",
-        "v_desc": f"tensordesc<i32[8, 16, 16],{lay!r}>", "q_desc": f"tensordesc<i32[8, 16, 8],{lay!r}>"}
+        "v_desc": f"tensordesc<i32[8, 4, 64],{lay!r}>", "q_desc": f"tensordesc<i32[8, 2, 64],{lay!r}>"}
 const = dict(ROWS=16, WARPS=4, RPS=2, STAGES=6, QPASS=False, PLAIN=False, ESC_CH=8, XS_IT=16, XS_CH=8,
              L_V=lv, L_Q=lq, L_X=lx, L_E=le)
 div = [p for p in ptrs if p.endswith("_ptr")]

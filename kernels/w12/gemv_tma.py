@@ -5,8 +5,8 @@ In :mod:`.gemv_gluon` each warp loads its own records into registers ``depth`` r
 the bytes in flight per program are bounded by the register sets (three 1.5 KB records per warp at
 most) and a warp that stalls on its decode stops issuing loads. Here one copy warp streams the
 program's records into ``stages`` shared-memory stages with 3-D TMA boxes (``rec32`` seen as
-``[records, 192, 16]`` view words and ``[records, 384, 8]`` nibble words: a stage is ``RPS x WARPS``
-consecutive records of the program's ``ROWS`` rows, two copies), and the consumer warps wait on
+``[records, 48, 64]`` words: a stage is ``RPS x WARPS`` consecutive records of the program's ``ROWS``
+rows, one box of views and one of nibbles, each row of a box 256 contiguous bytes), and the consumer warps wait on
 each stage's ``ready`` mbarrier, read their records' words from shared memory, release the stage
 (``fence.proxy.async``, then one arrival on ``empty``: the rule of :mod:`.mma_tma`) and decode.
 The bytes in flight are ``stages`` stages whatever the decode does.
@@ -87,7 +87,7 @@ def supported(x: torch.Tensor, packed: KernelPack) -> bool:
 
 
 if AVAILABLE:
-    from .gemv_gluon import _epilogue_end, _epilogue_start, _rec_fma, _stage_x, _x_of
+    from .gemv_gluon import _epilogue_end, _epilogue_start, _rec_fma, _stage_x, _view, _x_of
     from .mma import _cta_barrier, async_copy
     from .mma_tma import _tma_load, fence_async_shared, mbarrier, tma  # noqa: F401
 
@@ -106,9 +106,9 @@ if AVAILABLE:
                 mbarrier.expect(bar, RPS * WARPS * ROWS * 64)
             else:
                 mbarrier.expect(bar, RPS * WARPS * ROWS * 96)
-            _tma_load(v_desc, [r, r_in, 0], bar, wv_s.index(s))
+            _tma_load(v_desc, [r, r_in // 4, 0], bar, wv_s.index(s))
             if not QPASS:
-                _tma_load(q_desc, [r, 256 + r_in, 0], bar, wq_s.index(s))
+                _tma_load(q_desc, [r, 32 + r_in // 8, 0], bar, wq_s.index(s))
 
     @gluon.jit
     def _consumer(rt, ROWS: gl.constexpr, WARPS: gl.constexpr, RPS: gl.constexpr, STAGES: gl.constexpr,
@@ -118,8 +118,11 @@ if AVAILABLE:
         """The ``WARPS`` consumer warps: stage x, start the epilogue's loads, then every stage's
         records (warp ``w`` the ``w``-th of each group of ``WARPS``) decoded into the accumulator;
         the lanes' and warps' sums in a fixed tree, the epilogue, the store."""
-        (wv_s, wq_s, ready, empty, n_steps, x_ptr, x32_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr,
+        (wv_b, wq_b, ready, empty, n_steps, x_ptr, x32_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr,
          edelta_ptr, n0, N, KT, KH) = rt
+        # the stages as [stage, record, row, words] (the boxes' bytes, unswizzled)
+        wv_s = _view(wv_b, gl.int32, [STAGES, RPS * WARPS, ROWS, 16], [2, 1, 0])
+        wq_s = _view(wq_b, gl.int32, [STAGES, RPS * WARPS, ROWS, 8], [2, 1, 0])
         xs = _stage_x(x32_ptr, 0, KT, KH, WARPS, XS_IT, XS_CH)
         scale, e_lo, e_hi, er, contrib = _epilogue_start(x_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr,
                                                          n0, N, ROWS, ESC_CH, L_E)
@@ -175,8 +178,8 @@ if AVAILABLE:
         pid_n = gl.program_id(0)
         n0 = pid_n * ROWS
         n_steps = (KT + RPS * WARPS - 1) // (RPS * WARPS)
-        wv_s = gl.allocate_shared_memory(gl.int32, [STAGES, RPS * WARPS, ROWS, 16], v_desc.layout)
-        wq_s = gl.allocate_shared_memory(gl.int32, [STAGES, RPS * WARPS, ROWS, 8], q_desc.layout)
+        wv_s = gl.allocate_shared_memory(gl.int32, [STAGES, RPS * WARPS, ROWS // 4, 64], v_desc.layout)
+        wq_s = gl.allocate_shared_memory(gl.int32, [STAGES, RPS * WARPS, ROWS // 8, 64], q_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for p in gl.static_range(STAGES):
@@ -196,16 +199,17 @@ if AVAILABLE:
 
 
 def record_descriptors(packed: KernelPack, rows: int, box_records: int) -> tuple:
-    """TMA descriptors of the records' view words (``[records, 192, 16]``, box ``[box_records, rows,
-    16]``) and nibble words (``[records, 384, 8]``, box ``[box_records, rows, 8]``); cached on the
-    pack."""
+    """TMA descriptors of the records as ``[records, 48, 64]`` words (256-byte rows: a program's
+    ``rows`` rows of views are ``rows / 4`` of them from row ``r_in / 4``, its nibbles ``rows / 8``
+    from ``32 + r_in / 8``), boxes of ``box_records`` records; cached on the pack. (Boxes of the
+    records' own 64- and 32-byte rows measured 10-25 % slower: the TMA unit moves a box row by row.)"""
     cache = packed.__dict__.setdefault("_tma_gemv_desc", {})
     key = (rows, box_records)
     if key not in cache:
-        rec = packed.rec32.reshape(-1)
+        rec = packed.rec32.reshape(-1).view(-1, 48, 64)
         lay = _box_layout()
-        cache[key] = (_mt.TensorDescriptor.from_tensor(rec.view(-1, 192, 16), [box_records, rows, 16], lay),
-                      _mt.TensorDescriptor.from_tensor(rec.view(-1, 384, 8), [box_records, rows, 8], lay))
+        cache[key] = (_mt.TensorDescriptor.from_tensor(rec, [box_records, rows // 4, 64], lay),
+                      _mt.TensorDescriptor.from_tensor(rec, [box_records, rows // 8, 64], lay))
     return cache[key]
 
 
