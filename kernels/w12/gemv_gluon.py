@@ -71,12 +71,13 @@ class GluonGemvConfig:
     xf32: bool = False   # with xs: the staged x converted to fp32 once per program, not per record
     tma: bool = False    # records through a TMA shared-memory ring of ``depth`` stages (:mod:`.gemv_tma`)
     tma_rps: int = 1     # with tma: records per warp and stage
+    tma_box: int = 256   # with tma: bytes per row of the view boxes (256, or 64: the records' own rows)
 
     def key(self) -> str:
         return (f"gl-r{self.rows}-w{self.warps}-d{self.depth}-s{self.split_k}{'-u' if self.unroll else ''}"
                 f"{'-xs' if self.xs else ''}{f'-r{self.maxnreg}' if self.maxnreg else ''}"
                 f"{'-el' if self.late_epilogue else ''}{'-xf' if self.xf32 else ''}"
-                f"{f'-tma{self.tma_rps}' if self.tma else ''}"
+                f"{f'-tma{self.tma_rps}' if self.tma else ''}{'-b64' if self.tma and self.tma_box == 64 else ''}"
                 f"{'-plain' if self.plain_decode else ''}")
 
     def xs_bytes(self, k_tiles: int) -> int:

@@ -4,12 +4,18 @@ arithmetic, with the weight stream decoupled from the decode.
 In :mod:`.gemv_gluon` each warp loads its own records into registers ``depth`` records ahead, so
 the bytes in flight per program are bounded by the register sets (three 1.5 KB records per warp at
 most) and a warp that stalls on its decode stops issuing loads. Here one copy warp streams the
-program's records into ``stages`` shared-memory stages with 3-D TMA boxes (``rec32`` seen as
-``[records, 48, 64]`` words: a stage is ``RPS x WARPS`` consecutive records of the program's ``ROWS``
-rows, one box of views and one of nibbles, each row of a box 256 contiguous bytes), and the consumer warps wait on
-each stage's ``ready`` mbarrier, read their records' words from shared memory, release the stage
-(``fence.proxy.async``, then one arrival on ``empty``: the rule of :mod:`.mma_tma`) and decode.
-The bytes in flight are ``stages`` stages whatever the decode does.
+program's records into ``stages`` shared-memory stages with 3-D TMA boxes: a stage is ``RPS x
+WARPS`` consecutive records of the program's ``ROWS`` rows, one box of views and one of nibbles.
+With ``tma_box=256`` (default) ``rec32`` is seen as ``[records, 48, 64]`` words, so each row of a
+box is 256 contiguous bytes (a program's rows are contiguous in a record); with ``tma_box=64`` the
+boxes take the records' own rows (64-byte view rows, 32-byte nibble rows), the form first measured.
+The consumer warps wait on each stage's ``ready`` mbarrier, read their records' words from shared
+memory, release the stage (``fence.proxy.async``, then one arrival on ``empty``: the rule of
+:mod:`.mma_tma`) and decode. The bytes in flight are ``stages`` stages whatever the decode does.
+
+Measured on the H200 (docs/w12.md, ``w12_gemv_tma.json``, 64-byte box rows): not faster than the
+register rings on any layer by more than the run-to-run spread, and slower with deeper rings; not
+routed.
 
 The consumers keep :mod:`.gemv_gluon`'s layouts and order exactly: warp ``w`` accumulates records
 ``w, w + WARPS, ...`` in the same ``[WARPS, ROWS, 16]`` fp32 accumulator, x staged in shared memory
@@ -70,9 +76,12 @@ def smem_bytes(k_tiles: int, rows: int, warps: int, stages: int, rps: int) -> in
 
 def check(cfg) -> None:
     """A TMA GEMV config (``GluonGemvConfig(..., tma=True)``): ``depth`` stages (2-16), ``tma_rps``
-    records per warp and stage (1, 2 or 4), no split-K, no register ring options."""
+    records per warp and stage (1, 2 or 4), ``tma_box`` bytes per box row (256 or 64), no split-K, no
+    register ring options."""
     if not 2 <= cfg.depth <= MAX_STAGES:
         raise ValueError(f"a TMA GEMV ring has 2-{MAX_STAGES} stages (depth), got {cfg.depth}")
+    if cfg.tma_box not in (64, 256):
+        raise ValueError(f"tma_box (bytes per view box row) is 256 or 64 (the records' own rows), got {cfg.tma_box}")
     if cfg.tma_rps not in (1, 2, 4):
         raise ValueError(f"tma_rps (records per warp and stage) is 1, 2 or 4, got {cfg.tma_rps}")
     if cfg.split_k != 1:
@@ -93,9 +102,10 @@ if AVAILABLE:
 
     @gluon.jit
     def _producer(pt, ROWS: gl.constexpr, WARPS: gl.constexpr, RPS: gl.constexpr, STAGES: gl.constexpr,
-                  QPASS: gl.constexpr):
+                  QPASS: gl.constexpr, VW: gl.constexpr, QW: gl.constexpr):
         """The copy warp (one thread issues): stage ``i`` = records ``rec0 + i * RPS * WARPS ..``, the
-        program's rows of their views and nibbles, once every consumer has released the stage."""
+        program's rows of their views and nibbles (boxes of ``VW``- and ``QW``-word rows), once every
+        consumer has released the stage."""
         v_desc, q_desc, wv_s, wq_s, ready, empty, rec0, r_in, n_steps = pt
         for i in range(0, n_steps):
             s = i % STAGES
@@ -106,9 +116,9 @@ if AVAILABLE:
                 mbarrier.expect(bar, RPS * WARPS * ROWS * 64)
             else:
                 mbarrier.expect(bar, RPS * WARPS * ROWS * 96)
-            _tma_load(v_desc, [r, r_in // 4, 0], bar, wv_s.index(s))
+            _tma_load(v_desc, [r, r_in * 16 // VW, 0], bar, wv_s.index(s))
             if not QPASS:
-                _tma_load(q_desc, [r, 32 + r_in // 8, 0], bar, wq_s.index(s))
+                _tma_load(q_desc, [r, (2048 + r_in * 8) // QW, 0], bar, wq_s.index(s))
 
     @gluon.jit
     def _consumer(rt, ROWS: gl.constexpr, WARPS: gl.constexpr, RPS: gl.constexpr, STAGES: gl.constexpr,
@@ -174,12 +184,13 @@ if AVAILABLE:
         ROWS: gl.constexpr, WARPS: gl.constexpr, RPS: gl.constexpr, STAGES: gl.constexpr, QPASS: gl.constexpr,
         PLAIN: gl.constexpr, ESC_CH: gl.constexpr, XS_IT: gl.constexpr, XS_CH: gl.constexpr,
         L_V: gl.constexpr, L_Q: gl.constexpr, L_X: gl.constexpr, L_E: gl.constexpr,
+        VW: gl.constexpr = 64, QW: gl.constexpr = 64,
     ):
         pid_n = gl.program_id(0)
         n0 = pid_n * ROWS
         n_steps = (KT + RPS * WARPS - 1) // (RPS * WARPS)
-        wv_s = gl.allocate_shared_memory(gl.int32, [STAGES, RPS * WARPS, ROWS // 4, 64], v_desc.layout)
-        wq_s = gl.allocate_shared_memory(gl.int32, [STAGES, RPS * WARPS, ROWS // 8, 64], q_desc.layout)
+        wv_s = gl.allocate_shared_memory(gl.int32, [STAGES, RPS * WARPS, ROWS * 16 // VW, VW], v_desc.layout)
+        wq_s = gl.allocate_shared_memory(gl.int32, [STAGES, RPS * WARPS, ROWS * 8 // QW, QW], q_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for p in gl.static_range(STAGES):
@@ -191,25 +202,35 @@ if AVAILABLE:
         pt = (v_desc, q_desc, wv_s, wq_s, ready, empty, (n0 // 128) * KT, n0 % 128, n_steps)
         gl.warp_specialize([(_consumer, (rt, ROWS, WARPS, RPS, STAGES, QPASS, PLAIN, ESC_CH, XS_IT, XS_CH,
                                          L_V, L_Q, L_X, L_E)),
-                            (_producer, (pt, ROWS, WARPS, RPS, STAGES, QPASS))], [1], [24])
+                            (_producer, (pt, ROWS, WARPS, RPS, STAGES, QPASS, VW, QW))], [1], [24])
 
     @lru_cache(maxsize=None)
     def _box_layout():
         return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)
 
 
-def record_descriptors(packed: KernelPack, rows: int, box_records: int) -> tuple:
-    """TMA descriptors of the records as ``[records, 48, 64]`` words (256-byte rows: a program's
-    ``rows`` rows of views are ``rows / 4`` of them from row ``r_in / 4``, its nibbles ``rows / 8``
-    from ``32 + r_in / 8``), boxes of ``box_records`` records; cached on the pack. (Boxes of the
-    records' own 64- and 32-byte rows measured 10-25 % slower: the TMA unit moves a box row by row.)"""
+def box_words(box_bytes: int) -> tuple[int, int]:
+    """Words per box row of the view and nibble boxes: 256-byte rows (64, 64; the records seen as
+    ``[records, 48, 64]``), or the records' own rows (16, 8: 64-byte view rows, 32-byte nibble rows)."""
+    return (64, 64) if box_bytes == 256 else (16, 8)
+
+
+def record_descriptors(packed: KernelPack, rows: int, box_records: int, box_bytes: int = 256) -> tuple:
+    """TMA descriptors of the records' views and nibbles, boxes of ``box_records`` records and the
+    program's ``rows`` rows. With 256-byte box rows the records are ``[records, 48, 64]`` words: the
+    views are ``rows / 4`` rows from ``r_in / 4``, the nibbles ``rows / 8`` from ``32 + r_in / 8``;
+    with 64 (the records' own rows) ``[records, 192, 16]`` and ``[records, 384, 8]``. Cached on the
+    pack."""
     cache = packed.__dict__.setdefault("_tma_gemv_desc", {})
-    key = (rows, box_records)
+    key = (rows, box_records, box_bytes)
     if key not in cache:
-        rec = packed.rec32.reshape(-1).view(-1, 48, 64)
+        vw, qw = box_words(box_bytes)
+        rec = packed.rec32.reshape(-1)
         lay = _box_layout()
-        cache[key] = (_mt.TensorDescriptor.from_tensor(rec, [box_records, rows // 4, 64], lay),
-                      _mt.TensorDescriptor.from_tensor(rec, [box_records, rows // 8, 64], lay))
+        cache[key] = (_mt.TensorDescriptor.from_tensor(rec.view(-1, 3072 // vw, vw), [box_records, rows * 16 // vw, vw],
+                                                       lay),
+                      _mt.TensorDescriptor.from_tensor(rec.view(-1, 3072 // qw, qw), [box_records, rows * 8 // qw, qw],
+                                                       lay))
     return cache[key]
 
 
@@ -224,7 +245,8 @@ def launch(x: torch.Tensor, packed: KernelPack, out: torch.Tensor, qpass: bool, 
     if need > SMEM_LIMIT:
         raise ValueError(f"{cfg.key()}: {need} bytes of shared memory per program (limit {SMEM_LIMIT}); "
                          f"use fewer stages or rows")
-    v_desc, q_desc = record_descriptors(packed, cfg.rows, cfg.tma_rps * cfg.warps)
+    v_desc, q_desc = record_descriptors(packed, cfg.rows, cfg.tma_rps * cfg.warps, cfg.tma_box)
+    vw, qw = box_words(cfg.tma_box)
     lv, lq, lx, le = _gg.layouts(cfg.rows, cfg.warps)
     regs = cfg.maxnreg or DEFAULT_REGS
     _w12_gemv_tma_kernel[((n + cfg.rows - 1) // cfg.rows,)](
@@ -233,7 +255,7 @@ def launch(x: torch.Tensor, packed: KernelPack, out: torch.Tensor, qpass: bool, 
         n, k // 2, kt,
         ROWS=cfg.rows, WARPS=cfg.warps, RPS=cfg.tma_rps, STAGES=cfg.depth, QPASS=qpass, PLAIN=cfg.plain_decode,
         ESC_CH=8, XS_IT=xs_groups(kt, cfg.warps, cfg.tma_rps), XS_CH=_gg.XS_CHUNK, L_V=lv, L_Q=lq, L_X=lx,
-        L_E=le, num_warps=cfg.warps,
+        L_E=le, VW=vw, QW=qw, num_warps=cfg.warps,
         # (the copy warp is padded to a warpgroup at 24 registers, as in mma_tma's group)
         maxnreg=launch_regs(cfg.warps, regs),
     )
