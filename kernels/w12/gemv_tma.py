@@ -98,7 +98,7 @@ def supported(x: torch.Tensor, packed: KernelPack) -> bool:
 if AVAILABLE:
     from .gemv_gluon import _epilogue_end, _epilogue_start, _rec_fma, _stage_x, _view, _x_of
     from .mma import _cta_barrier, async_copy
-    from .mma_tma import _tma_load, fence_async_shared, mbarrier, tma  # noqa: F401
+    from .mma_tma import _tma_load, fence_async_shared, mbarrier
 
     @gluon.jit
     def _producer(pt, ROWS: gl.constexpr, WARPS: gl.constexpr, RPS: gl.constexpr, STAGES: gl.constexpr,
