@@ -303,11 +303,14 @@ def gluon_gemv_configs(m: int, kt: int, n: int, sms: int, variants: str = "all")
         grid = [(8, 4, 1, s) for s in (4, 8, 12)] + [(8, 4, 2, s) for s in (3, 6)]
         grid += [(16, 4, r, s) for r, ss in ((1, (4, 8)), (2, (2, 4, 6)), (4, (2, 3))) for s in ss]
         grid += [(16, 8, 1, 4), (32, 4, 1, 3), (32, 4, 1, 6)]
-        ab = {(8, 4, 1, 4), (16, 4, 2, 2), (16, 4, 1, 4)}   # also with the records' own 64-byte box rows
+        # also with the records' own 64-byte box rows, and with the epilogue's loader warp
+        ab = {(8, 4, 1, 4), (16, 4, 2, 2), (16, 4, 1, 4), (8, 4, 2, 3)}
         for rows, warps, rps, stages in grid:
             if gemv_tma.smem_bytes(kt, rows, warps, stages, rps) <= gemv_tma.SMEM_LIMIT:
-                for box in (256, 64) if (rows, warps, rps, stages) in ab else (256,):
-                    out.append(GluonGemvConfig(rows, warps, stages, tma=True, tma_rps=rps, tma_box=box))
+                for box, ew in ((256, False), (64, False), (256, True)) if (rows, warps, rps, stages) in ab \
+                        else ((256, False),):
+                    out.append(GluonGemvConfig(rows, warps, stages, tma=True, tma_rps=rps, tma_box=box,
+                                               tma_epi_warp=ew))
         return out
     if variants == "split":   # the committed choice on 8 or 16 rows, its K range split 1-8 ways
         base = out[0]

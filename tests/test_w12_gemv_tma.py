@@ -36,7 +36,7 @@ def _gpu(fn):
 @pytest.mark.parametrize("bad", [C(16, 4, 1, tma=True), C(16, 4, 17, tma=True), C(16, 4, 4, tma=True, tma_rps=3),
                                  C(16, 4, 4, 2, tma=True), C(16, 4, 4, unroll=True, tma=True),
                                  C(16, 4, 4, xs=True, tma=True), C(16, 2, 4, tma=True),
-                                 C(16, 4, 4, tma=True, tma_box=128)])
+                                 C(16, 4, 4, tma=True, tma_box=128), C(16, 4, 4, tma_epi_warp=True)])
 def test_bad_tma_configs_are_refused(bad):
     with pytest.raises(ValueError):
         gg.check_config(bad)
@@ -63,24 +63,27 @@ ptrs = {"x_ptr": "*bf16", "x32_ptr": "*i32", "y_ptr": "*bf16", "low_ptr": "*u8",
         "erow_ptr": "*i32", "ecol_ptr": "*i32", "edelta_ptr": "*fp32",
         "v_desc": f"tensordesc<i32[8, 4, 64],{lay!r}>", "q_desc": f"tensordesc<i32[8, 2, 64],{lay!r}>"}
 const = dict(ROWS=16, WARPS=4, RPS=2, STAGES=6, QPASS=False, PLAIN=False, ESC_CH=8, XS_IT=16, XS_CH=8,
-             L_V=lv, L_Q=lq, L_X=lx, L_E=le)
+             L_V=lv, L_Q=lq, L_X=lx, L_E=le, EPI_WARP=EW, L_E1=gemv_gluon.layouts(16, 1)[3])
 div = [p for p in ptrs if p.endswith("_ptr")]
 warps = 4
-opts = {"maxnreg": gemv_tma.launch_regs(4, 88)}
+opts = {"maxnreg": gemv_tma.launch_regs(4, 88, EW)}
 """
 
 
 @pytest.mark.skipif(not gemv_tma.AVAILABLE, reason="Triton without Gluon's Hopper module")
-def test_consumer_reads_shared_memory_and_the_copy_warp_issues_two_boxes():
+@pytest.mark.parametrize("epi_warp", [False, True])
+def test_consumer_reads_shared_memory_and_the_copy_warp_issues_two_boxes(epi_warp):
     """Compiled for sm_90: the consumer loop per stage is one mbarrier wait, shared loads only (no
     global load), the fence before its one arrival, and 64 FMAs (two records of 16 rows x 64 k
     over 128 threads, 4 per lane and record pair of words); the copy loop issues two TMA boxes per
-    stage; nothing spills."""
-    rep = ptxas_report(_SETUP)
+    stage; nothing spills, the epilogue's loader warp included (its warpgroup at 48 registers)."""
+    rep = ptxas_report(f"EW = {epi_warp}\n" + _SETUP)
     assert rep["rc"] == 0 and "0 bytes spill stores" in rep["log"], rep["log"]
     blocks = re.split(r"^(?=\$L__BB\d+_\d+:)", rep["ptx"], flags=re.M)
-    consumer = [b for b in blocks if "fma.rn.f32" in b and "mbarrier.try_wait" in b]
+    consumer = [b for b in blocks if len(re.findall(r"fma\.rn\.f32", b)) == 64 and "mbarrier.try_wait" in b]
     assert len(consumer) == 1
+    if epi_warp:
+        assert "setmaxnreg.inc.sync.aligned.u32 \t48" in rep["ptx"]
     b = consumer[0]
     assert b.count("mbarrier.try_wait") == 1 and b.count("mbarrier.arrive") == 1
     assert "ld.global" not in b and b.count("ld.shared") >= 8
@@ -140,4 +143,23 @@ def test_ring_is_stable_with_many_programs_per_sm():
     for box in (256, 64):
         for _ in range(20):
             y = gg.w12_gemv_gluon(x, kp, config=C(8, 4, 4, tma=True, tma_box=box), out_dtype=torch.float32)
+            assert torch.equal(y.view(torch.int32), ref.view(torch.int32))
+
+
+@_gpu
+@pytest.mark.parametrize("n,k,cfg", [(40, 200, C(8, 4, 3, tma=True, tma_epi_warp=True)),
+                                     (384, 4160, C(16, 4, 4, tma=True, tma_rps=2, tma_epi_warp=True))])
+@pytest.mark.parametrize("qpass", [False, True])
+def test_epilogue_loader_warp_gives_the_same_bits(n, k, cfg, qpass):
+    """The epilogue's operands from the loader warp: bitwise the register ring's output, with more
+    escapes in a block than one chunk (row 0 has 32), run to run."""
+    from dataclasses import replace
+
+    w = make_weight(n, k, seed=n + 11 * k)
+    kp = KernelPack.from_w12(encode(w), device="cuda")
+    x = (torch.randn(1, k, generator=torch.Generator().manual_seed(5)) * 3).bfloat16().cuda()
+    ref = gg.w12_gemv_gluon(x, kp, qpass=qpass, config=C(cfg.rows, cfg.warps, 1), out_dtype=torch.float32)
+    for c in (cfg, replace(cfg, tma_epi_warp=False)):
+        for _ in range(3):
+            y = gg.w12_gemv_gluon(x, kp, qpass=qpass, config=c, out_dtype=torch.float32)
             assert torch.equal(y.view(torch.int32), ref.view(torch.int32))

@@ -254,11 +254,13 @@ def test_tuned_tma_entries_only_where_tma_runs():
 
 
 def test_sweep_variants_are_valid_configs():
-    """``benchmarks/w12_gemm.py --variants tma|tma-pair|xf32`` offer only configs the kernels accept."""
+    """``benchmarks/w12_gemm.py --variants tma|tma-pair|xf32`` (and ``tma`` in gemv-gluon mode) offer
+    only configs the kernels accept."""
     import importlib.util
     from pathlib import Path
 
     from specpilot.kernels.w12 import gemv_gluon as gg
+    from specpilot.kernels.w12 import gemv_tma
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "w12_gemm.py"
     spec = importlib.util.spec_from_file_location("w12_gemm_bench", path)
@@ -273,3 +275,8 @@ def test_sweep_variants_are_valid_configs():
     assert any(c.xf32 for c in xf) and any(not c.xf32 for c in xf[1:])
     for c in xf:
         gg.check_config(c)
+    tm = bench.gluon_gemv_configs(1, 272, 5120, 132, variants="tma")   # 17408 -> 5120: the shared-memory cap
+    assert all(c.tma for c in tm[1:]) and {c.tma_box for c in tm} == {64, 256} and any(c.tma_epi_warp for c in tm)
+    for c in tm[1:]:
+        gg.check_config(c)
+        assert gemv_tma.smem_bytes(272, c.rows, c.warps, c.depth, c.tma_rps) <= gemv_tma.SMEM_LIMIT

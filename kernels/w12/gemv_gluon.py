@@ -72,12 +72,14 @@ class GluonGemvConfig:
     tma: bool = False    # records through a TMA shared-memory ring of ``depth`` stages (:mod:`.gemv_tma`)
     tma_rps: int = 1     # with tma: records per warp and stage
     tma_box: int = 256   # with tma: bytes per row of the view boxes (256, or 64: the records' own rows)
+    tma_epi_warp: bool = False   # with tma: one more warp loads the epilogue's operands beside the ring
 
     def key(self) -> str:
         return (f"gl-r{self.rows}-w{self.warps}-d{self.depth}-s{self.split_k}{'-u' if self.unroll else ''}"
                 f"{'-xs' if self.xs else ''}{f'-r{self.maxnreg}' if self.maxnreg else ''}"
                 f"{'-el' if self.late_epilogue else ''}{'-xf' if self.xf32 else ''}"
                 f"{f'-tma{self.tma_rps}' if self.tma else ''}{'-b64' if self.tma and self.tma_box == 64 else ''}"
+                f"{'-ew' if self.tma and self.tma_epi_warp else ''}"
                 f"{'-plain' if self.plain_decode else ''}")
 
     def xs_bytes(self, k_tiles: int) -> int:
@@ -96,6 +98,8 @@ def check_config(cfg: GluonGemvConfig) -> None:
         raise ValueError(f"rows must be 8, 16 or 32, got {cfg.rows}")
     if cfg.warps not in (1, 2, 4, 8, 16):
         raise ValueError(f"warps must be a power of two up to 16, got {cfg.warps}")
+    if cfg.tma_epi_warp and not cfg.tma:
+        raise ValueError("tma_epi_warp (a loader warp beside the TMA ring) needs tma=True")
     if cfg.tma:
         if cfg.warps not in (4, 8):
             raise ValueError(f"the TMA GEMV's consumers are whole warpgroups: warps 4 or 8, got {cfg.warps}")
@@ -311,12 +315,25 @@ if gluon is not None:
         return scale, e_lo, e_hi, er, contrib
 
     @gluon.jit
+    def _esc_rows(er, contrib, n0, ROWS: gl.constexpr, L_E: gl.constexpr):
+        """An escape chunk's corrections summed per row of the block (``[ROWS]``, a fixed order)."""
+        offs_n = n0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, L_E))
+        return gl.sum(gl.where(gl.expand_dims(er, 0) == gl.expand_dims(offs_n, 1), gl.expand_dims(contrib, 0), 0.0),
+                      axis=1)
+
+    @gluon.jit
     def _epilogue_end(part, scale, e_lo, e_hi, er, contrib, x_ptr, y_ptr, erow_ptr, ecol_ptr, edelta_ptr, n0, N,
                       ROWS: gl.constexpr, ESC_CH: gl.constexpr, L_E: gl.constexpr):
         """Scale, add the exact escape corrections (later chunks loaded now; rare) and store."""
-        offs_n = n0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, L_E))
         y = gl.convert_layout(part, gl.SliceLayout(1, L_E)) * scale
-        y += gl.sum(gl.where(gl.expand_dims(er, 0) == gl.expand_dims(offs_n, 1), gl.expand_dims(contrib, 0), 0.0), axis=1)
+        y += _esc_rows(er, contrib, n0, ROWS, L_E)
+        _epilogue_rest(y, e_lo, e_hi, x_ptr, y_ptr, erow_ptr, ecol_ptr, edelta_ptr, n0, N, ROWS, ESC_CH, L_E)
+
+    @gluon.jit
+    def _epilogue_rest(y, e_lo, e_hi, x_ptr, y_ptr, erow_ptr, ecol_ptr, edelta_ptr, n0, N,
+                       ROWS: gl.constexpr, ESC_CH: gl.constexpr, L_E: gl.constexpr):
+        """After the first escape chunk: the later chunks (loaded now; rare), then the store."""
+        offs_n = n0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, L_E))
         for e in range(e_lo + ESC_CH, e_hi, ESC_CH):
             er2, contrib2 = _esc_chunk(x_ptr, erow_ptr, ecol_ptr, edelta_ptr, e, e_hi, ESC_CH, gl.SliceLayout(0, L_E))
             y += gl.sum(gl.where(gl.expand_dims(er2, 0) == gl.expand_dims(offs_n, 1), gl.expand_dims(contrib2, 0), 0.0),

@@ -20,7 +20,10 @@ routed.
 The consumers keep :mod:`.gemv_gluon`'s layouts and order exactly: warp ``w`` accumulates records
 ``w, w + WARPS, ...`` in the same ``[WARPS, ROWS, 16]`` fp32 accumulator, x staged in shared memory
 by ``cp.async`` (zero past the range), the same decode, the same fixed reduction tree and the same
-epilogue (row scale, exact escapes; its loads issued before the loop). So the output is bitwise
+epilogue (row scale, exact escapes; its loads issued before the loop, or with ``tma_epi_warp`` by a
+third partition, one warp that runs the three dependent round trips beside the ring and leaves the
+row scales, the first escape chunk's per-row sums and the escape range in shared memory behind an
+mbarrier, so the consumers start on the ring at once). So the output is bitwise
 that of :func:`.gemv_gluon.w12_gemv_gluon` with the same ``rows`` and ``warps`` (GPU tests), and
 identical run to run. A last stage past the range reads the next records of the buffer (or the
 TMA unit's zero fill past its end); their staged x is zero, so they add +-0 to an accumulator that
@@ -49,9 +52,14 @@ SMEM_LIMIT = 220 * 1024          # per program, of the H200's 227 KB
 DEFAULT_REGS = 88
 
 
-def launch_regs(warps: int, regs: int) -> int:
-    """The kernel's register cap for ``regs`` per consumer warp beside the copy warpgroup at 24."""
-    return _mt.launch_regs(warps, regs, 4, 24)
+LOADER_REGS = 48   # the copy warp's warpgroup with the epilogue loader in it (24 spills there)
+
+
+def launch_regs(warps: int, regs: int, epi_warp: bool = False) -> int:
+    """The kernel's register cap for ``regs`` per consumer warp beside the worker warpgroup (the
+    copy warp, and the epilogue loader with ``epi_warp``), which Triton gives the largest count any
+    of its partitions asks for: 24, or :data:`LOADER_REGS`."""
+    return _mt.launch_regs(warps, regs, 4, LOADER_REGS if epi_warp else 24)
 
 
 def stage_bytes(rows: int, warps: int, rps: int, qpass: bool = False) -> int:
@@ -76,8 +84,8 @@ def smem_bytes(k_tiles: int, rows: int, warps: int, stages: int, rps: int) -> in
 
 def check(cfg) -> None:
     """A TMA GEMV config (``GluonGemvConfig(..., tma=True)``): ``depth`` stages (2-16), ``tma_rps``
-    records per warp and stage (1, 2 or 4), ``tma_box`` bytes per box row (256 or 64), no split-K, no
-    register ring options."""
+    records per warp and stage (1, 2 or 4), ``tma_box`` bytes per box row (256 or 64), ``tma_epi_warp``
+    (a loader warp for the epilogue's operands), no split-K, no register ring options."""
     if not 2 <= cfg.depth <= MAX_STAGES:
         raise ValueError(f"a TMA GEMV ring has 2-{MAX_STAGES} stages (depth), got {cfg.depth}")
     if cfg.tma_box not in (64, 256):
@@ -96,7 +104,8 @@ def supported(x: torch.Tensor, packed: KernelPack) -> bool:
 
 
 if AVAILABLE:
-    from .gemv_gluon import _epilogue_end, _epilogue_start, _rec_fma, _stage_x, _view, _x_of
+    from .gemv_gluon import (_epilogue_end, _epilogue_rest, _epilogue_start, _esc_rows, _rec_fma, _stage_x, _view,
+                             _x_of)
     from .mma import _cta_barrier, async_copy
     from .mma_tma import _tma_load, fence_async_shared, mbarrier
 
@@ -124,18 +133,20 @@ if AVAILABLE:
     def _consumer(rt, ROWS: gl.constexpr, WARPS: gl.constexpr, RPS: gl.constexpr, STAGES: gl.constexpr,
                   QPASS: gl.constexpr, PLAIN: gl.constexpr, ESC_CH: gl.constexpr, XS_IT: gl.constexpr,
                   XS_CH: gl.constexpr, L_V: gl.constexpr, L_Q: gl.constexpr, L_X: gl.constexpr,
-                  L_E: gl.constexpr):
-        """The ``WARPS`` consumer warps: stage x, start the epilogue's loads, then every stage's
-        records (warp ``w`` the ``w``-th of each group of ``WARPS``) decoded into the accumulator;
-        the lanes' and warps' sums in a fixed tree, the epilogue, the store."""
+                  L_E: gl.constexpr, EPI_WARP: gl.constexpr):
+        """The ``WARPS`` consumer warps: stage x, start the epilogue's loads (unless ``EPI_WARP``:
+        the loader warp does), then every stage's records (warp ``w`` the ``w``-th of each group of
+        ``WARPS``) decoded into the accumulator; the lanes' and warps' sums in a fixed tree, the
+        epilogue, the store."""
         (wv_b, wq_b, ready, empty, n_steps, x_ptr, x32_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr,
-         edelta_ptr, n0, N, KT, KH) = rt
+         edelta_ptr, n0, N, KT, KH, epi_f, epi_i, epi_bar) = rt
         # the stages as [stage, record, row, words] (the boxes' bytes, unswizzled)
         wv_s = _view(wv_b, gl.int32, [STAGES, RPS * WARPS, ROWS, 16], [2, 1, 0])
         wq_s = _view(wq_b, gl.int32, [STAGES, RPS * WARPS, ROWS, 8], [2, 1, 0])
         xs = _stage_x(x32_ptr, 0, KT, KH, WARPS, XS_IT, XS_CH)
-        scale, e_lo, e_hi, er, contrib = _epilogue_start(x_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr,
-                                                         n0, N, ROWS, ESC_CH, L_E)
+        if not EPI_WARP:
+            scale, e_lo, e_hi, er, contrib = _epilogue_start(x_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr,
+                                                             edelta_ptr, n0, N, ROWS, ESC_CH, L_E)
         async_copy.wait_group(0)
         _cta_barrier()          # (the partition's barrier) every warp's staged x has landed
         acc = gl.zeros([WARPS, ROWS, 16], gl.float32, L_V)
@@ -173,8 +184,33 @@ if AVAILABLE:
                 acc = _rec_fma(acc, v2, q2, _x_of(0, xs, i * RPS + 2, L_X, True), WARPS, ROWS, L_V, QPASS, PLAIN)
                 acc = _rec_fma(acc, v3, q3, _x_of(0, xs, i * RPS + 3, L_X, True), WARPS, ROWS, L_V, QPASS, PLAIN)
         part = gl.convert_layout(gl.sum(gl.sum(acc, axis=2), axis=0), gl.SliceLayout(1, L_E))
-        _epilogue_end(part, scale, e_lo, e_hi, er, contrib, x_ptr, y_ptr, erow_ptr, ecol_ptr, edelta_ptr, n0, N,
-                      ROWS, ESC_CH, L_E)
+        if EPI_WARP:   # the loader's row scales, first chunk's sums and escape range: the same values
+            mbarrier.wait(epi_bar, 0)
+            y = part * epi_f.index(0).load(gl.SliceLayout(1, L_E))
+            y += epi_f.index(1).load(gl.SliceLayout(1, L_E))
+            e = epi_i.load(gl.SliceLayout(1, L_E))
+            j = gl.arange(0, ROWS, layout=gl.SliceLayout(1, L_E))
+            _epilogue_rest(y, gl.max(gl.where(j == 0, e, 0), axis=0), gl.max(gl.where(j == 1, e, 0), axis=0),
+                           x_ptr, y_ptr, erow_ptr, ecol_ptr, edelta_ptr, n0, N, ROWS, ESC_CH, L_E)
+        else:
+            _epilogue_end(part, scale, e_lo, e_hi, er, contrib, x_ptr, y_ptr, erow_ptr, ecol_ptr, edelta_ptr, n0, N,
+                          ROWS, ESC_CH, L_E)
+
+    @gluon.jit
+    def _epi_loader(et, ROWS: gl.constexpr, ESC_CH: gl.constexpr, L_E1: gl.constexpr):
+        """One warp beside the ring: the epilogue's three dependent round trips (row scales, escape
+        range, first escape chunk and x at its columns), off the consumers' path; it leaves the row
+        scales, the chunk's per-row sums (:func:`.gemv_gluon._esc_rows`, the consumers' order) and
+        ``e_lo, e_hi`` in shared memory and arrives on ``epi_bar``."""
+        x_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, n0, N, epi_f, epi_i, epi_bar = et
+        scale, e_lo, e_hi, er, contrib = _epilogue_start(x_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr,
+                                                         n0, N, ROWS, ESC_CH, L_E1)
+        epi_f.index(0).store(scale)
+        epi_f.index(1).store(_esc_rows(er, contrib, n0, ROWS, L_E1))
+        j = gl.arange(0, ROWS, layout=gl.SliceLayout(1, L_E1))
+        epi_i.store(gl.where(j == 0, e_lo, e_hi))
+        _cta_barrier()          # (the warp's) every lane's stores before the arrival
+        mbarrier.arrive(epi_bar)
 
     @gluon.jit
     def _w12_gemv_tma_kernel(
@@ -184,7 +220,7 @@ if AVAILABLE:
         ROWS: gl.constexpr, WARPS: gl.constexpr, RPS: gl.constexpr, STAGES: gl.constexpr, QPASS: gl.constexpr,
         PLAIN: gl.constexpr, ESC_CH: gl.constexpr, XS_IT: gl.constexpr, XS_CH: gl.constexpr,
         L_V: gl.constexpr, L_Q: gl.constexpr, L_X: gl.constexpr, L_E: gl.constexpr,
-        VW: gl.constexpr = 64, QW: gl.constexpr = 64,
+        VW: gl.constexpr = 64, QW: gl.constexpr = 64, EPI_WARP: gl.constexpr = False, L_E1: gl.constexpr = None,
     ):
         pid_n = gl.program_id(0)
         n0 = pid_n * ROWS
@@ -196,13 +232,24 @@ if AVAILABLE:
         for p in gl.static_range(STAGES):
             mbarrier.init(ready.index(p), count=1)
             mbarrier.init(empty.index(p), count=1)
+        epi_f = gl.allocate_shared_memory(gl.float32, [2, ROWS], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        epi_i = gl.allocate_shared_memory(gl.int32, [ROWS], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        epi_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(epi_bar, count=1)
         fence_async_shared()
         rt = (wv_s, wq_s, ready, empty, n_steps, x_ptr, x32_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr,
-              edelta_ptr, n0, N, KT, KH)
+              edelta_ptr, n0, N, KT, KH, epi_f, epi_i, epi_bar)
         pt = (v_desc, q_desc, wv_s, wq_s, ready, empty, (n0 // 128) * KT, n0 % 128, n_steps)
-        gl.warp_specialize([(_consumer, (rt, ROWS, WARPS, RPS, STAGES, QPASS, PLAIN, ESC_CH, XS_IT, XS_CH,
-                                         L_V, L_Q, L_X, L_E)),
-                            (_producer, (pt, ROWS, WARPS, RPS, STAGES, QPASS, VW, QW))], [1], [24])
+        if EPI_WARP:   # a third partition: one warp loads the epilogue's operands
+            et = (x_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, n0, N, epi_f, epi_i, epi_bar)
+            gl.warp_specialize([(_consumer, (rt, ROWS, WARPS, RPS, STAGES, QPASS, PLAIN, ESC_CH, XS_IT, XS_CH,
+                                             L_V, L_Q, L_X, L_E, True)),
+                                (_producer, (pt, ROWS, WARPS, RPS, STAGES, QPASS, VW, QW)),
+                                (_epi_loader, (et, ROWS, ESC_CH, L_E1))], [1, 1], [24, 48])   # LOADER_REGS
+        else:
+            gl.warp_specialize([(_consumer, (rt, ROWS, WARPS, RPS, STAGES, QPASS, PLAIN, ESC_CH, XS_IT, XS_CH,
+                                             L_V, L_Q, L_X, L_E, False)),
+                                (_producer, (pt, ROWS, WARPS, RPS, STAGES, QPASS, VW, QW))], [1], [24])
 
     @lru_cache(maxsize=None)
     def _box_layout():
@@ -255,7 +302,7 @@ def launch(x: torch.Tensor, packed: KernelPack, out: torch.Tensor, qpass: bool, 
         n, k // 2, kt,
         ROWS=cfg.rows, WARPS=cfg.warps, RPS=cfg.tma_rps, STAGES=cfg.depth, QPASS=qpass, PLAIN=cfg.plain_decode,
         ESC_CH=8, XS_IT=xs_groups(kt, cfg.warps, cfg.tma_rps), XS_CH=_gg.XS_CHUNK, L_V=lv, L_Q=lq, L_X=lx,
-        L_E=le, VW=vw, QW=qw, num_warps=cfg.warps,
+        L_E=le, VW=vw, QW=qw, EPI_WARP=cfg.tma_epi_warp, L_E1=_gg.layouts(cfg.rows, 1)[3], num_warps=cfg.warps,
         # (the copy warp is padded to a warpgroup at 24 registers, as in mma_tma's group)
-        maxnreg=launch_regs(cfg.warps, regs),
+        maxnreg=launch_regs(cfg.warps, regs, cfg.tma_epi_warp),
     )
