@@ -312,6 +312,20 @@ def gluon_gemv_configs(m: int, kt: int, n: int, sms: int, variants: str = "all")
                     out.append(GluonGemvConfig(rows, warps, stages, tma=True, tma_rps=rps, tma_box=box,
                                                tma_epi_warp=ew))
         return out
+    if variants == "spread":   # staged-x configs with the escape chain spread over step 0, and late
+        for rows in (8, 16):
+            for depth, cap in ((3, None), (4, None), (4, 96)):
+                for late, spread in ((True, False), (False, True)):
+                    c = GluonGemvConfig(rows, 4, depth, 1, True, xs=True, maxnreg=cap, late_epilogue=late,
+                                        epi_spread=spread)
+                    if c not in out and c.xs_bytes(kt) <= XS_MAX_BYTES:
+                        out.append(c)
+        base = out[0]
+        if base.xs and base.unroll and base.split_k == 1:   # the committed choice itself, spread
+            c = replace(base, late_epilogue=False, epi_spread=True)
+            if c not in out:
+                out.append(c)
+        return out
     if variants == "split":   # the committed choice on 8 or 16 rows, its K range split 1-8 ways
         base = out[0]
         for rows in (8, 16):
@@ -394,8 +408,11 @@ def gluon_gemv_sweep(args) -> int:
     """M = 1: every one-row Gluon GEMV variant against ``w12_linear`` as called today and cuBLAS."""
     from specpilot.kernels.w12.gemv_gluon import GluonGemvConfig, w12_gemv_gluon
 
-    def configs(m, kt, n, sms):
-        return gluon_gemv_configs(m, kt, n, sms, variants=args.variants)
+    def configs(m, kt, n, sms):   # a comma list of variant sets: their union, the committed choice first
+        out = []
+        for v in args.variants.split(","):
+            out += [c for c in gluon_gemv_configs(m, kt, n, sms, variants=v) if c not in out]
+        return out
 
     return variant_sweep(args, "gemv-gluon", configs, w12_gemv_gluon, GluonGemvConfig, "1", "w12_gemv_gluon")
 
@@ -554,6 +571,19 @@ def parse_tiles(text: str) -> tuple:
     return tiles
 
 
+VARIANTS = ("all", "xs", "xf32", "stream", "chunk", "tma", "tma-pair", "tma-wgmma", "tma-narrow", "split", "early",
+            "esc", "spread")
+
+
+def _variants(text: str) -> str:
+    """``--variants``: one set, or in gemv-gluon mode a comma list of sets (their union)."""
+    bad = [v for v in text.split(",") if v not in VARIANTS]
+    if bad or not text:
+        raise argparse.ArgumentTypeError(f"unknown variant set {','.join(bad) or text!r}; choose from "
+                                         f"{', '.join(VARIANTS)}")
+    return text
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", choices=["sweep", "final", "gemv", "gemv-gluon", "mma", "wgmma", "warpk", "default"], default="final",
@@ -567,17 +597,18 @@ def main() -> int:
     ap.add_argument("--rows", default=None, help="gemv / default modes: comma list of M (default 1,2,4 / 1,2,4,8,16,32,64)")
     ap.add_argument("--tiles", default=None, type=parse_tiles,
                     help="mma mode: comma list of ROWSxWARPS program tiles (default 64x4,128x4)")
-    ap.add_argument("--variants", choices=["all", "xs", "xf32", "stream", "chunk", "tma", "tma-pair", "tma-wgmma",
-                                                  "tma-narrow", "split", "early", "esc"], default="all",
+    ap.add_argument("--variants", type=_variants, default="all",
                     help="only the committed choice and: the staged-x variants (xs, gemv-gluon mode; xf32: "
                          "with and without x converted to fp32 once), the "
                          "stream-K ones (stream, mma mode), the x-chunk ones (chunk, mma mode) or the "
                          "TMA/mbarrier ones (tma, mma mode; tma-pair: the consumer group taking one or two "
                          "records per step; tma-wgmma: the consumer group on wgmma; tma-narrow: 32-row programs of "
-                         "two consumer warps; in gemv-gluon mode tma: the records through a TMA ring; split: the committed choice with K split 1-8 ways, gemv-gluon "
+                         "two consumer warps; in gemv-gluon mode tma: the records through a TMA ring, spread: the escape chain spread over the first step, and a comma list runs several sets; split: the committed choice with K split 1-8 ways, gemv-gluon "
                          "and warpk modes; early: the epilogue's loads early vs in the tail, mma mode; "
                          "esc: fewer preloaded escapes per pass, warpk mode)")
     args = ap.parse_args()
+    if "," in args.variants and args.mode != "gemv-gluon":
+        ap.error("--variants takes a comma list of sets in gemv-gluon mode only")
     if args.mode == "gemv":
         return gemv_sweep(args)
     if args.mode == "mma":

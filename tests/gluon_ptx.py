@@ -44,7 +44,8 @@ def loop_ptx(ptx: str, header: str = "Loop Header") -> str:
     """The basic blocks of the first loop in ``ptx`` whose header comment contains ``header``: the
     header and the blocks tagged ``in Loop: Header=<it>``."""
     blocks = re.split(r"^(?=\$L__BB\d+_\d+:)", ptx, flags=re.M)
-    head = next(b for b in blocks if header in b.splitlines()[0])
+    # (the header comment is on the label's line, or on the next when the label names the block)
+    head = next(b for b in blocks if b.startswith("$L__BB") and header in "".join(b.splitlines()[:2]))
     name = head.split(":")[0][4:]
     return "".join(b for b in blocks if b is head or "Header=" + name + " " in b.splitlines()[0])
 

@@ -96,6 +96,30 @@ def test_staged_x_keeps_records_in_flight_within_96_registers(depth, maxnreg):
         assert regs <= 96 and spills == ("0", "0"), r["log"]
 
 
+@needs_gluon
+def test_spread_epilogue_waits_on_no_chain_before_the_first_fma():
+    """``epi_spread`` (16 rows x 4 warps, four staged sets, cap 96): compiled for sm_90, the first
+    FMA comes before the escape entries' loads and x at the escape columns (16-bit loads; the staged
+    x comes by cp.async), the products x[col] * delta are taken after the main loop, and nothing
+    spills (Triton 3.6: the sets and the chain's three per-lane values fit in 96 registers)."""
+    import re
+
+    setup = _SETUP.replace("G.layouts(16, 8)", "G.layouts(16, 4)").replace("WARPS=8, DEPTH=3", "WARPS=4, DEPTH=4")
+    setup = setup.replace("USE_SPLIT=True", "USE_SPLIT=False, XS=True, XS_IT=24, EPI_SPREAD=True")
+    setup = setup.replace("warps = 8", "warps = 4")
+    r = ptxas_report("UNROLL = True\n" + setup + "opts = {'maxnreg': 96}\n")
+    ptx = r["ptx"]
+    first_fma = ptx.find("fma.rn.f32")
+    x_at_cols = min(i for i in (ptx.find("ld.global.b16"), ptx.find("ld.global.u16")) if i >= 0)
+    assert 0 <= first_fma < x_at_cols
+    loop = loop_ptx(ptx)
+    assert "ld.global.b16" not in loop and "mul.f32" not in loop and len(re.findall(r"fma\.rn\.f32", loop)) == 128
+    assert ptx.find(loop) + len(loop) < ptx.find("mul.f32")      # x[col] * delta after the main loop
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r["log"]).groups()
+    if triton.__version__.startswith("3.6."):
+        assert spills == ("0", "0"), r["log"]
+
+
 def test_staged_x_groups_cover_the_unrolled_steps():
     cfg = gg.GluonGemvConfig(16, 4, 3, 1, True, xs=True)
     assert cfg.xs_groups(272) == 72                 # 68 groups of 4 records -> multiple of lcm(8, 3)
@@ -109,7 +133,10 @@ def test_staged_x_groups_cover_the_unrolled_steps():
 @pytest.mark.parametrize("bad", [gg.GluonGemvConfig(rows=24), gg.GluonGemvConfig(warps=3),
                                  gg.GluonGemvConfig(depth=5), gg.GluonGemvConfig(split_k=0),
                                  gg.GluonGemvConfig(depth=1, unroll=True), gg.GluonGemvConfig(maxnreg=300),
-                                 gg.GluonGemvConfig(depth=2, unroll=True, xf32=True), gg.GluonGemvConfig(xs=True, xf32=True)])
+                                 gg.GluonGemvConfig(depth=2, unroll=True, xf32=True), gg.GluonGemvConfig(xs=True, xf32=True),
+                                 gg.GluonGemvConfig(16, 4, 4, 1, True, xs=True, late_epilogue=True, epi_spread=True),
+                                 gg.GluonGemvConfig(16, 4, 4, 2, True, xs=True, epi_spread=True),
+                                 gg.GluonGemvConfig(16, 4, 4, 1, False, xs=True, epi_spread=True)])
 def test_bad_configs_are_rejected(bad):
     with pytest.raises(ValueError):
         gg.check_config(bad)
@@ -226,5 +253,36 @@ def test_staged_x_gives_the_unstaged_bits(n, k, cfg, qpass):
     if cfg.unroll:   # x converted to fp32 once per program: the same products in the same order
         y4 = gg.w12_gemv_gluon(x, kp, qpass=qpass, config=replace(cfg, xs=True, xf32=True), out_dtype=torch.float32)
         assert torch.equal(y.view(torch.int32), y4.view(torch.int32))
+    if not qpass:
+        check_close(y.cpu(), x.cpu(), w)
+
+
+SPREAD_CASES = [  # (N, K, staged config with late_epilogue): the spread chain against it
+    (40, 200, gg.GluonGemvConfig(8, 4, 4, 1, True, xs=True, late_epilogue=True)),     # 4 records: step 0 only
+    (128, 64, gg.GluonGemvConfig(16, 4, 2, 1, True, xs=True, late_epilogue=True)),    # 1 record
+    (384, 4160, gg.GluonGemvConfig(16, 4, 4, 1, True, xs=True, maxnreg=96, late_epilogue=True)),
+    (256, 2048, gg.GluonGemvConfig(8, 8, 3, 1, True, xs=True, late_epilogue=True)),
+]
+
+
+@_gpu
+@pytest.mark.parametrize("n,k,cfg", SPREAD_CASES)
+@pytest.mark.parametrize("qpass", [False, True])
+def test_spread_epilogue_gives_the_same_bits(n, k, cfg, qpass):
+    """The escape chain spread over step 0 (``epi_spread``): bitwise the late epilogue's output, with
+    more escapes in a block than one chunk (row 0 has 32), +-0 and large x, run to run."""
+    from dataclasses import replace
+
+    w = make_weight(n, k, seed=3 * n + k)
+    kp = KernelPack.from_w12(encode(w), device="cuda")
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(k + 7)) * 4
+    x[0, ::5] = -0.0
+    x[0, 2::9] = 3e4
+    x = x.bfloat16().cuda()
+    ref = gg.w12_gemv_gluon(x, kp, qpass=qpass, config=cfg, out_dtype=torch.float32)
+    sp = replace(cfg, late_epilogue=False, epi_spread=True)
+    for _ in range(3):
+        y = gg.w12_gemv_gluon(x, kp, qpass=qpass, config=sp, out_dtype=torch.float32)
+        assert torch.equal(y.view(torch.int32), ref.view(torch.int32))
     if not qpass:
         check_close(y.cpu(), x.cpu(), w)

@@ -69,6 +69,7 @@ class GluonGemvConfig:
     maxnreg: int | None = None
     late_epilogue: bool = False   # the escape loads after the first weight loads, not before
     xf32: bool = False   # with xs: the staged x converted to fp32 once per program, not per record
+    epi_spread: bool = False   # with xs, unroll, no split: the escape chain spread over step 0 (see kernel)
     tma: bool = False    # records through a TMA shared-memory ring of ``depth`` stages (:mod:`.gemv_tma`)
     tma_rps: int = 1     # with tma: records per warp and stage
     tma_box: int = 256   # with tma: bytes per row of the view boxes (256, or 64: the records' own rows)
@@ -77,7 +78,7 @@ class GluonGemvConfig:
     def key(self) -> str:
         return (f"gl-r{self.rows}-w{self.warps}-d{self.depth}-s{self.split_k}{'-u' if self.unroll else ''}"
                 f"{'-xs' if self.xs else ''}{f'-r{self.maxnreg}' if self.maxnreg else ''}"
-                f"{'-el' if self.late_epilogue else ''}{'-xf' if self.xf32 else ''}"
+                f"{'-el' if self.late_epilogue else ''}{'-es' if self.epi_spread else ''}{'-xf' if self.xf32 else ''}"
                 f"{f'-tma{self.tma_rps}' if self.tma else ''}{'-b64' if self.tma and self.tma_box == 64 else ''}"
                 f"{'-ew' if self.tma and self.tma_epi_warp else ''}"
                 f"{'-plain' if self.plain_decode else ''}")
@@ -98,6 +99,9 @@ def check_config(cfg: GluonGemvConfig) -> None:
         raise ValueError(f"rows must be 8, 16 or 32, got {cfg.rows}")
     if cfg.warps not in (1, 2, 4, 8, 16):
         raise ValueError(f"warps must be a power of two up to 16, got {cfg.warps}")
+    if cfg.epi_spread and not (cfg.xs and cfg.unroll and cfg.split_k == 1 and not cfg.late_epilogue and not cfg.tma):
+        raise ValueError("epi_spread (the escape chain spread over the first step) needs xs=True, unroll=True, "
+                         "split_k=1 and replaces late_epilogue")
     if cfg.tma_epi_warp and not cfg.tma:
         raise ValueError("tma_epi_warp (a loader warp beside the TMA ring) needs tma=True")
     if cfg.tma:
@@ -306,13 +310,19 @@ if gluon is not None:
     def _epilogue_start(x_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, n0, N,
                         ROWS: gl.constexpr, ESC_CH: gl.constexpr, L_E: gl.constexpr):
         """The block's row scales ``2**(L_n - 112)``, escape range and first escape chunk."""
+        scale, e_lo, e_hi = _epilogue_range(low_ptr, eptr_ptr, n0, N, ROWS, L_E)
+        er, contrib = _esc_chunk(x_ptr, erow_ptr, ecol_ptr, edelta_ptr, e_lo, e_hi, ESC_CH, gl.SliceLayout(0, L_E))
+        return scale, e_lo, e_hi, er, contrib
+
+    @gluon.jit
+    def _epilogue_range(low_ptr, eptr_ptr, n0, N, ROWS: gl.constexpr, L_E: gl.constexpr):
+        """The block's row scales ``2**(L_n - 112)`` and escape range: independent loads."""
         offs_n = n0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, L_E))
         low = gl.load(low_ptr + offs_n, mask=offs_n < N, other=112).to(gl.int32)
         scale = ((low + (127 - 112)) << 23).to(gl.float32, bitcast=True)
         e_lo = gl.load(eptr_ptr + n0)
         e_hi = gl.load(eptr_ptr + gl.minimum(n0 + ROWS, N))
-        er, contrib = _esc_chunk(x_ptr, erow_ptr, ecol_ptr, edelta_ptr, e_lo, e_hi, ESC_CH, gl.SliceLayout(0, L_E))
-        return scale, e_lo, e_hi, er, contrib
+        return scale, e_lo, e_hi
 
     @gluon.jit
     def _esc_rows(er, contrib, n0, ROWS: gl.constexpr, L_E: gl.constexpr):
@@ -350,7 +360,7 @@ if gluon is not None:
         QPASS: gl.constexpr, PLAIN: gl.constexpr, ESC_CH: gl.constexpr,
         L_V: gl.constexpr, L_Q: gl.constexpr, L_X: gl.constexpr, L_E: gl.constexpr,
         XS: gl.constexpr = False, XS_IT: gl.constexpr = 8, XS_CH: gl.constexpr = 8, EPI_LATE: gl.constexpr = False,
-        XF32: gl.constexpr = False, L_XF: gl.constexpr = None,
+        XF32: gl.constexpr = False, L_XF: gl.constexpr = None, EPI_SPREAD: gl.constexpr = False,
     ):
         pid_n = gl.program_id(0)
         pid_k = gl.program_id(1)
@@ -372,7 +382,7 @@ if gluon is not None:
             xs = 0
         # with split-K only the last program needs the epilogue's loads, and it is not known yet;
         # EPI_LATE: after the first weight loads (pinned: ptxas would put the escape chain first)
-        if not USE_SPLIT and not EPI_LATE:
+        if not USE_SPLIT and not EPI_LATE and not EPI_SPREAD:
             scale, e_lo, e_hi, er, contrib = _epilogue_start(x_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr,
                                                              n0, N, ROWS, ESC_CH, L_E)
         v0, q0, x0 = _load_recs(rec_ptr, x32_ptr, tile_row, t_begin + wid, t_end, KH, off_v, off_q, xw, pv, pq,
@@ -386,6 +396,9 @@ if gluon is not None:
         if DEPTH >= 4:
             v3, q3, x3 = _load_recs(rec_ptr, x32_ptr, tile_row, t_begin + 3 * WARPS + wid, t_end, KH, off_v, off_q,
                                     xw, pv, pq, L_V, L_Q, L_X, QPASS, XS)
+        if EPI_SPREAD:   # only the independent loads now (row scales, escape range); the chain in step 0
+            wid = _pin(wid, True)
+            scale, e_lo, e_hi = _epilogue_range(low_ptr, eptr_ptr, n0, N, ROWS, L_E)
         if not USE_SPLIT and EPI_LATE:
             wid = _pin(wid, True)
             scale, e_lo, e_hi, er, contrib = _epilogue_start(x_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr,
@@ -402,7 +415,38 @@ if gluon is not None:
             # flight.) Without XS's pins ptxas sinks the reloads to the end of the body, so they
             # issue together; with them DEPTH - 1 records per warp stay in flight over the decode.
             # Steps past the range add zeros.
-            for t in range(t_begin, t_end, DEPTH * WARPS):
+            t0 = t_begin
+            if EPI_SPREAD:
+                # step 0 peeled (the same sets in the same order): the escape chain's dependent loads
+                # go between its register sets, where the range and then the columns have landed,
+                # and x at the columns is multiplied only after the loop, so no warp waits on the
+                # chain before its first FMA (the plain order waits three round trips)
+                acc, v0, q0, x0, wid = _ring_set(acc, v0, q0, x0, xs, 0, t_begin + DEPTH * WARPS, wid, rec_ptr,
+                                                 x32_ptr, tile_row, t_end, KH, off_v, off_q, xw, pv, pq, WARPS, ROWS,
+                                                 L_V, L_Q, L_X, QPASS, PLAIN, XS, L_XF, XF32)
+                L_D: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])    # one escape per lane
+                ei = e_lo + gl.arange(0, ESC_CH, layout=L_D)
+                eok = ei < e_hi
+                er_d = gl.load(erow_ptr + ei, mask=eok, other=-1)
+                ec_d = gl.load(ecol_ptr + ei, mask=eok, other=0)
+                ed_d = gl.load(edelta_ptr + ei, mask=eok, other=0.0)
+                wid = _pin(wid, True)
+                if DEPTH >= 2:
+                    acc, v1, q1, x1, wid = _ring_set(acc, v1, q1, x1, xs, 1, t_begin + (DEPTH + 1) * WARPS, wid,
+                                                     rec_ptr, x32_ptr, tile_row, t_end, KH, off_v, off_q, xw, pv, pq,
+                                                     WARPS, ROWS, L_V, L_Q, L_X, QPASS, PLAIN, XS, L_XF, XF32)
+                if DEPTH >= 3:
+                    acc, v2, q2, x2, wid = _ring_set(acc, v2, q2, x2, xs, 2, t_begin + (DEPTH + 2) * WARPS, wid,
+                                                     rec_ptr, x32_ptr, tile_row, t_end, KH, off_v, off_q, xw, pv, pq,
+                                                     WARPS, ROWS, L_V, L_Q, L_X, QPASS, PLAIN, XS, L_XF, XF32)
+                if DEPTH >= 4:
+                    acc, v3, q3, x3, wid = _ring_set(acc, v3, q3, x3, xs, 3, t_begin + (DEPTH + 3) * WARPS, wid,
+                                                     rec_ptr, x32_ptr, tile_row, t_end, KH, off_v, off_q, xw, pv, pq,
+                                                     WARPS, ROWS, L_V, L_Q, L_X, QPASS, PLAIN, XS, L_XF, XF32)
+                xe_d = gl.load(x_ptr + ec_d, mask=eok, other=0.0)
+                wid = _pin(wid, True)
+                t0 = t_begin + DEPTH * WARPS
+            for t in range(t0, t_end, DEPTH * WARPS):
                 i = (t - t_begin) // WARPS
                 acc, v0, q0, x0, wid = _ring_set(acc, v0, q0, x0, xs, i, t + DEPTH * WARPS, wid, rec_ptr, x32_ptr,
                                                  tile_row, t_end, KH, off_v, off_q, xw, pv, pq, WARPS, ROWS, L_V, L_Q,
@@ -443,6 +487,9 @@ if gluon is not None:
         # lanes, then warps, in a fixed tree: bitwise identical run to run
         LR: gl.constexpr = gl.SliceLayout(1, L_E)
         part = gl.convert_layout(gl.sum(gl.sum(acc, axis=2), axis=0), LR)
+        if EPI_SPREAD:   # the first chunk's x[col] * delta now, the same products as _esc_chunk's
+            er = gl.convert_layout(er_d, gl.SliceLayout(0, L_E))
+            contrib = gl.convert_layout(xe_d.to(gl.float32) * ed_d, gl.SliceLayout(0, L_E))
         if not USE_SPLIT:
             _epilogue_end(part, scale, e_lo, e_hi, er, contrib, x_ptr, y_ptr, erow_ptr, ecol_ptr, edelta_ptr, n0, N,
                           ROWS, ESC_CH, L_E)
@@ -548,7 +595,7 @@ def w12_gemv_gluon(x: torch.Tensor, packed: KernelPack, qpass: bool = False,
         ROWS=cfg.rows, WARPS=cfg.warps, DEPTH=cfg.depth, UNROLL=cfg.unroll, USE_SPLIT=split > 1, QPASS=qpass,
         PLAIN=cfg.plain_decode,
         ESC_CH=8, L_V=lv, L_Q=lq, L_X=lx, L_E=le, XS=cfg.xs, XS_IT=xs_it, XS_CH=XS_CHUNK,
-        EPI_LATE=cfg.late_epilogue, XF32=cfg.xf32, L_XF=xf32_layout(cfg.warps) if cfg.xf32 else None,
+        EPI_LATE=cfg.late_epilogue, EPI_SPREAD=cfg.epi_spread, XF32=cfg.xf32, L_XF=xf32_layout(cfg.warps) if cfg.xf32 else None,
         num_warps=cfg.warps, **launch_options(cfg),
     )
     return out
