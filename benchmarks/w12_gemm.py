@@ -371,12 +371,21 @@ def warpk_configs(m: int, kt: int, n: int, sms: int, variants: str = "all"):
     register sets or loaded right before each record's MMAs (``x_late``; only that above 16 rows,
     where x would take 32 registers per set). ``variants="split"``: the committed choice with its K
     range split 1-8 ways across programs (shorter programs: a shorter tail); ``"esc"``: it with 16
-    or 32 escapes per epilogue pass instead of 64, with and without a 128-register cap."""
+    or 32 escapes per epilogue pass instead of 64, with and without a 128-register cap; ``"spread"``:
+    unsplit configs without and with the escape chain spread over the first step."""
     from specpilot.kernels.w12.warpk import WarpKConfig, default_config
 
     out = [default_config(m, n, kt * 64, sms)]
     if variants == "split":   # the committed choice, its K range split 1-8 ways
         out += [c for c in (replace(out[0], split_k=s) for s in (1, 2, 3, 4, 6, 8)) if c not in out]
+        return out
+    if variants == "spread":   # the escape chain spread over step 0: the committed choice and unsplit
+        # 16-row configs of 2-4 sets, each without and with it
+        base = [out[0]] + [WarpKConfig(16, w, d, 1, x_late=m > 16, esc_ch=32 if m > 16 else 0)
+                           for w in (4, 8) for d in (2, 4)]
+        for c in base:
+            c = replace(c, split_k=1)
+            out += [v for v in (replace(c, epi_spread=False), replace(c, epi_spread=True)) if v not in out]
         return out
     if variants == "esc":   # fewer preloaded escapes per pass (registers), with and without a 128 cap
         out += [c for c in (replace(out[0], esc_ch=e, maxnreg=r) for e in (0, 16, 32) for r in (None, 128))
@@ -603,7 +612,7 @@ def main() -> int:
                          "stream-K ones (stream, mma mode), the x-chunk ones (chunk, mma mode) or the "
                          "TMA/mbarrier ones (tma, mma mode; tma-pair: the consumer group taking one or two "
                          "records per step; tma-wgmma: the consumer group on wgmma; tma-narrow: 32-row programs of "
-                         "two consumer warps; in gemv-gluon mode tma: the records through a TMA ring, spread: the escape chain spread over the first step, and a comma list runs several sets; split: the committed choice with K split 1-8 ways, gemv-gluon "
+                         "two consumer warps; in gemv-gluon mode tma: the records through a TMA ring, spread (gemv-gluon and warpk modes): the escape chain spread over the first step, and a comma list runs several sets (gemv-gluon); split: the committed choice with K split 1-8 ways, gemv-gluon "
                          "and warpk modes; early: the epilogue's loads early vs in the tail, mma mode; "
                          "esc: fewer preloaded escapes per pass, warpk mode)")
     args = ap.parse_args()

@@ -280,6 +280,13 @@ def test_sweep_variants_are_valid_configs():
     for c in tm[1:]:
         gg.check_config(c)
         assert gemv_tma.smem_bytes(272, c.rows, c.warps, c.depth, c.tma_rps) <= gemv_tma.SMEM_LIMIT
+    from specpilot.kernels.w12 import warpk
+
+    for m in (8, 32):
+        wk = bench.warpk_configs(m, 64, 6144, 132, variants="spread")
+        assert sum(c.epi_spread for c in wk) >= 4
+        for c in wk:
+            warpk.check_config(c)
     sp = bench.gluon_gemv_configs(1, 64, 6144, 132, variants="spread")
     assert sum(c.epi_spread for c in sp) == sum(c.late_epilogue for c in sp) >= 6   # each late config, spread
     for c in sp:

@@ -75,9 +75,26 @@ def test_compiles_for_sm90_with_mmas_and_no_barrier_in_the_loop():
     assert spills == ("0", "0"), r["log"]
 
 
+@needs_gluon
+def test_spread_epilogue_waits_on_no_chain_before_the_first_mma():
+    """``epi_spread`` (16 rows x 4 warps, 8 x rows, four sets): compiled for sm_90, the first MMA
+    comes before the loads of x at the escape columns (16-bit loads), the products x[col] * delta
+    are taken after the main loop, and nothing spills (Triton 3.6: 128 registers, as without it)."""
+    setup = _SETUP.replace("DEPTH=2", "DEPTH=4").replace("USE_SPLIT=True", "USE_SPLIT=False, EPI_SPREAD=True")
+    r = ptxas_report(setup)
+    ptx = r["ptx"]
+    loop = next(loop_ptx(ptx, h) for h in ("Loop Header", "%.lr.ph") if "mma.sync" in loop_ptx(ptx, h))
+    assert 0 <= ptx.find("mma.sync") < ptx.find("ld.global.b16") < ptx.find(loop)
+    assert "ld.global.b16" not in loop and "mul.f32" not in loop
+    assert ptx.find(loop) + len(loop) < ptx.find("mul.f32")
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r["log"]).groups()
+    assert spills == ("0", "0"), r["log"]
+
+
 @pytest.mark.parametrize("bad", [warpk.WarpKConfig(rows=8), warpk.WarpKConfig(warps=3), warpk.WarpKConfig(depth=1),
                                  warpk.WarpKConfig(depth=5), warpk.WarpKConfig(split_k=0),
-                                 warpk.WarpKConfig(maxnreg=300), warpk.WarpKConfig(esc_ch=12)])
+                                 warpk.WarpKConfig(maxnreg=300), warpk.WarpKConfig(esc_ch=12),
+                                 warpk.WarpKConfig(split_k=2, epi_spread=True)])
 def test_bad_configs_are_rejected(bad):
     with pytest.raises(ValueError):
         warpk.check_config(bad)
@@ -99,6 +116,7 @@ def test_default_config_routing_support_and_key():
     assert warpk.WarpKConfig(32, 8, 3, 2, 96).key() == "wk-r32-w8-d3-s2-r96"
     assert warpk.WarpKConfig(16, 4, 2, 1, x_late=True).key() == "wk-r16-w4-d2-s1-xl"
     assert warpk.WarpKConfig(16, 4, 2, 1, x_late=True, esc_ch=16).key() == "wk-r16-w4-d2-s1-xl-e16"
+    assert warpk.WarpKConfig(16, 4, 2, 1, epi_spread=True).key() == "wk-r16-w4-d2-s1-es"
     kp = KernelPack.from_w12(encode(make_weight(16, 64)), device="cpu")
     assert not warpk.supported(torch.zeros(1, 64, dtype=torch.bfloat16), kp)    # CPU: the other kernels
 
@@ -191,3 +209,31 @@ def test_strided_rows():
     x = torch.randn(6, 264).bfloat16().cuda()[:, :256]
     check_close(warpk.w12_warpk(x, kp, out_dtype=torch.float32).cpu(), x.cpu(), w)
     assert mma.block_m_for(6) == 8
+
+
+SPREAD_CASES = [   # (rows, n, k, config without epi_spread)
+    (2, 256, 512, warpk.WarpKConfig(16, 4, 4, 1)),
+    (8, 136, 1088, warpk.WarpKConfig(16, 4, 4, 1)),            # partial row tile, 17 records
+    (16, 128, 64, warpk.WarpKConfig(16, 4, 2, 1)),             # one record: step 0 only
+    (1, 256, 2048, warpk.WarpKConfig(16, 8, 2, 1)),
+    (32, 256, 2048, warpk.WarpKConfig(16, 4, 2, 1, x_late=True, esc_ch=8)),   # several escape passes
+    (24, 200, 640, warpk.WarpKConfig(32, 2, 3, 1, x_late=True, esc_ch=32)),
+]
+
+
+@_gpu
+@pytest.mark.parametrize("m,n,k,cfg", SPREAD_CASES)
+@pytest.mark.parametrize("qpass", [False, True])
+def test_spread_epilogue_gives_the_same_bits(m, n, k, cfg, qpass):
+    """The escape chain spread over step 0: bitwise the plain order's output (row 0 has 32
+    escapes: more than one chunk), run to run."""
+    from dataclasses import replace
+
+    w, _, kp = _cuda_layer(n, k, seed=m + 40)
+    x = (torch.randn(m, k, generator=torch.Generator().manual_seed(m + 1)) * 3).bfloat16().cuda()
+    ref = warpk.w12_warpk(x, kp, qpass=qpass, config=cfg, out_dtype=torch.float32)
+    for _ in range(3):
+        y = warpk.w12_warpk(x, kp, qpass=qpass, config=replace(cfg, epi_spread=True), out_dtype=torch.float32)
+        assert torch.equal(y.view(torch.int32), ref.view(torch.int32))
+    if not qpass:
+        check_close(y.cpu(), x.cpu(), w)

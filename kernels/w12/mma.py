@@ -662,13 +662,23 @@ if gluon is not None:
     def _esc_contrib(x_ptr, ecol_ptr, edelta_ptr, e0, e_hi, offs_m, M, stride_xm, ESC_CH: gl.constexpr,
                      L_EP: gl.constexpr):
         """``x[m, col] * delta`` of escapes ``e0 .. e0 + ESC_CH`` (below ``e_hi``): ``[ESC_CH, BLOCK_M]``."""
+        ok, ec, ed = _esc_cols(ecol_ptr, edelta_ptr, e0, e_hi, ESC_CH, L_EP)
+        return _esc_x(x_ptr, ok, ec, offs_m, M, stride_xm).to(gl.float32) * ed[:, None]
+
+    @gluon.jit
+    def _esc_cols(ecol_ptr, edelta_ptr, e0, e_hi, ESC_CH: gl.constexpr, L_EP: gl.constexpr):
+        """Escapes ``e0 .. e0 + ESC_CH`` (below ``e_hi``: ``ok``): their columns and deltas."""
         idx = e0 + gl.arange(0, ESC_CH, layout=gl.SliceLayout(1, L_EP))
         ok = idx < e_hi
         ec = gl.load(ecol_ptr + idx, mask=ok, other=0)
         ed = gl.load(edelta_ptr + idx, mask=ok, other=0.0)
-        xv = gl.load(x_ptr + offs_m[None, :] * stride_xm + ec[:, None],
-                     mask=ok[:, None] & (offs_m < M)[None, :], other=0.0).to(gl.float32)
-        return xv * ed[:, None]
+        return ok, ec, ed
+
+    @gluon.jit
+    def _esc_x(x_ptr, ok, ec, offs_m, M, stride_xm):
+        """x at the escapes' columns ``[ESC_CH, BLOCK_M]`` (bf16; zero where not ``ok`` or past M)."""
+        return gl.load(x_ptr + offs_m[None, :] * stride_xm + ec[:, None], mask=ok[:, None] & (offs_m < M)[None, :],
+                       other=0.0)
 
     @gluon.jit
     def _finalize_loads(x_ptr, low_ptr, eptr_ptr, ecol_ptr, edelta_ptr, n0, pid_m, M, N, stride_xm,
@@ -676,8 +686,15 @@ if gluon is not None:
         """The epilogue's loads (three dependent round trips): row scales, the rows' escape ranges
         and the first ``ESC_CH`` escapes' contributions. A kernel may issue them before its main
         loop so they are not paid in the tail."""
-        offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_EP))
         offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, L_EP))
+        scale, r_lo, r_hi, e_lo, e_hi = _finalize_range(low_ptr, eptr_ptr, n0, N, BLOCK_N, L_EP)
+        contrib = _esc_contrib(x_ptr, ecol_ptr, edelta_ptr, e_lo, e_hi, offs_m, M, stride_xm, ESC_CH, L_EP)
+        return scale, r_lo, r_hi, e_lo, e_hi, contrib
+
+    @gluon.jit
+    def _finalize_range(low_ptr, eptr_ptr, n0, N, BLOCK_N: gl.constexpr, L_EP: gl.constexpr):
+        """The independent loads of :func:`_finalize_loads`: row scales, the rows' escape ranges."""
+        offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_EP))
         n_mask = offs_n < N
         low = gl.load(low_ptr + offs_n, mask=n_mask, other=112).to(gl.int32)
         r_lo = gl.load(eptr_ptr + offs_n, mask=n_mask, other=0)
@@ -685,8 +702,7 @@ if gluon is not None:
         e_lo = gl.load(eptr_ptr + n0)
         e_hi = gl.load(eptr_ptr + gl.minimum(n0 + BLOCK_N, N))
         scale = ((low + (127 - 112)) << 23).to(gl.float32, bitcast=True)
-        contrib = _esc_contrib(x_ptr, ecol_ptr, edelta_ptr, e_lo, e_hi, offs_m, M, stride_xm, ESC_CH, L_EP)
-        return scale, r_lo, r_hi, e_lo, e_hi, contrib
+        return scale, r_lo, r_hi, e_lo, e_hi
 
     @gluon.jit
     def _finalize_apply(acc, pre, x_ptr, y_ptr, eptr_ptr, ecol_ptr, edelta_ptr, n0, pid_m, M, N, stride_xm,

@@ -57,11 +57,12 @@ class WarpKConfig:
     maxnreg: int | None = None
     x_late: bool = False   # x loaded right before its record's MMAs, not with the record (register sets)
     esc_ch: int = 0        # escapes per epilogue pass, preloaded before the loop (0: mma.esc_chunk)
+    epi_spread: bool = False   # no split: the escape chain's dependent loads spread over a peeled step 0
 
     def key(self) -> str:
         return (f"wk-r{self.rows}-w{self.warps}-d{self.depth}-s{self.split_k}"
                 f"{f'-r{self.maxnreg}' if self.maxnreg else ''}{'-xl' if self.x_late else ''}"
-                f"{f'-e{self.esc_ch}' if self.esc_ch else ''}")
+                f"{f'-e{self.esc_ch}' if self.esc_ch else ''}{'-es' if self.epi_spread else ''}")
 
 
 MAX_ROWS = 32   # x rows per launch: one to four 8-row MMA column blocks
@@ -80,6 +81,8 @@ def check_config(cfg: WarpKConfig) -> None:
         raise ValueError(f"maxnreg must be 32-255, got {cfg.maxnreg}")
     if cfg.esc_ch not in (0, 8, 16, 32, 64):
         raise ValueError(f"esc_ch must be 0 (default), 8, 16, 32 or 64, got {cfg.esc_ch}")
+    if cfg.epi_spread and cfg.split_k != 1:
+        raise ValueError("epi_spread (the escape chain spread over the first step) needs split_k=1")
 
 
 def layout_bases(rows: int, block_m: int, warps: int) -> dict[str, tuple]:
@@ -101,8 +104,8 @@ if gluon is not None:
     _K = gl.constexpr(TILE_K)   # record width (k) inside the kernels
 
     from .gemv_gluon import _load_clamped, _per_warp, _record_offsets_3d
-    from .mma import (_bf16_halves, _decode_pairs_fast, _epilogue, _finalize_apply, _finalize_loads, _pin,
-                      epilogue_layout)
+    from .mma import (_bf16_halves, _decode_pairs_fast, _epilogue, _esc_cols, _esc_x, _finalize_apply,
+                      _finalize_loads, _finalize_range, _pin, epilogue_layout)
 
     @lru_cache(maxsize=None)
     def layouts(rows: int, block_m: int, warps: int):
@@ -165,6 +168,7 @@ if gluon is not None:
         USE_SPLIT: gl.constexpr, QPASS: gl.constexpr, ESC_CH: gl.constexpr,
         L_V: gl.constexpr, L_Q: gl.constexpr, L_X: gl.constexpr, MMA: gl.constexpr,
         A_OP: gl.constexpr, B_OP: gl.constexpr, L_EP: gl.constexpr, X_LATE: gl.constexpr = False,
+        EPI_SPREAD: gl.constexpr = False,
     ):
         pid_n = gl.program_id(0)
         pid_k = gl.program_id(1)
@@ -190,11 +194,34 @@ if gluon is not None:
             v2, q2, x2 = _load(pv, pq, px, t_begin + 2 * WARPS + wid, t_end, tx, L_V, L_Q, L_X, QPASS, X_LATE)
         if DEPTH >= 4:
             v3, q3, x3 = _load(pv, pq, px, t_begin + 3 * WARPS + wid, t_end, tx, L_V, L_Q, L_X, QPASS, X_LATE)
-        if not USE_SPLIT:   # the epilogue's three dependent round trips, behind the weight stream
+        if not USE_SPLIT and not EPI_SPREAD:   # the epilogue's three dependent round trips, behind the weights
             wid = _pin(wid, True)
             pre = _finalize_loads(x_ptr, low_ptr, eptr_ptr, ecol_ptr, edelta_ptr, n0, 0, M, N, stride_xm,
                                   ROWS, BLOCK_M, ESC_CH, L_EP)
-        for t in range(t_begin, t_end, DEPTH * WARPS):
+        t0 = t_begin
+        if EPI_SPREAD:
+            # only the independent loads now; step 0 peeled (the same sets in the same order) with the
+            # chain's dependent loads between its sets, and x[col] * delta taken after the loop, so
+            # no warp waits on the chain before its first MMA (as gemv_gluon's epi_spread)
+            wid = _pin(wid, True)
+            scale, r_lo, r_hi, e_lo, e_hi = _finalize_range(low_ptr, eptr_ptr, n0, N, ROWS, L_EP)
+            acc, v0, q0, x0, wid = _set(acc, v0, q0, x0, t_begin + DEPTH * WARPS, wid, pv, pq, px, t_end, tx, WARPS,
+                                        ROWS, BLOCK_M, L_V, L_Q, L_X, A_OP, B_OP, QPASS, X_LATE)
+            e_ok, e_col, e_delta = _esc_cols(ecol_ptr, edelta_ptr, e_lo, e_hi, ESC_CH, L_EP)
+            wid = _pin(wid, True)
+            acc, v1, q1, x1, wid = _set(acc, v1, q1, x1, t_begin + (DEPTH + 1) * WARPS, wid, pv, pq, px, t_end, tx,
+                                        WARPS, ROWS, BLOCK_M, L_V, L_Q, L_X, A_OP, B_OP, QPASS, X_LATE)
+            if DEPTH >= 3:
+                acc, v2, q2, x2, wid = _set(acc, v2, q2, x2, t_begin + (DEPTH + 2) * WARPS, wid, pv, pq, px, t_end,
+                                            tx, WARPS, ROWS, BLOCK_M, L_V, L_Q, L_X, A_OP, B_OP, QPASS, X_LATE)
+            if DEPTH >= 4:
+                acc, v3, q3, x3, wid = _set(acc, v3, q3, x3, t_begin + (DEPTH + 3) * WARPS, wid, pv, pq, px, t_end,
+                                            tx, WARPS, ROWS, BLOCK_M, L_V, L_Q, L_X, A_OP, B_OP, QPASS, X_LATE)
+            offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, L_EP))
+            e_x = _esc_x(x_ptr, e_ok, e_col, offs_m, M, stride_xm)
+            wid = _pin(wid, True)
+            t0 = t_begin + DEPTH * WARPS
+        for t in range(t0, t_end, DEPTH * WARPS):
             acc, v0, q0, x0, wid = _set(acc, v0, q0, x0, t + DEPTH * WARPS, wid, pv, pq, px, t_end, tx, WARPS, ROWS,
                                         BLOCK_M, L_V, L_Q, L_X, A_OP, B_OP, QPASS, X_LATE)
             acc, v1, q1, x1, wid = _set(acc, v1, q1, x1, t + (DEPTH + 1) * WARPS, wid, pv, pq, px, t_end, tx, WARPS,
@@ -206,6 +233,8 @@ if gluon is not None:
                 acc, v3, q3, x3, wid = _set(acc, v3, q3, x3, t + (DEPTH + 3) * WARPS, wid, pv, pq, px, t_end, tx,
                                             WARPS, ROWS, BLOCK_M, L_V, L_Q, L_X, A_OP, B_OP, QPASS, X_LATE)
         part = gl.sum(acc, axis=0)          # the warps, in a fixed order
+        if EPI_SPREAD:   # :func:`.mma._esc_contrib`'s products, now
+            pre = (scale, r_lo, r_hi, e_lo, e_hi, e_x.to(gl.float32) * e_delta[:, None])
         if not USE_SPLIT:
             _finalize_apply(part, pre, x_ptr, y_ptr, eptr_ptr, ecol_ptr, edelta_ptr, n0, 0, M, N, stride_xm,
                             stride_ym, ROWS, BLOCK_M, ESC_CH, L_EP)
@@ -296,7 +325,7 @@ def w12_warpk(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: 
         m, n, k, kt, tps, nb, split, x.stride(0), out.stride(0),
         ROWS=cfg.rows, BLOCK_M=bm, WARPS=cfg.warps, DEPTH=cfg.depth, USE_SPLIT=split > 1, QPASS=qpass,
         ESC_CH=cfg.esc_ch or esc_chunk(bm), L_V=l_v, L_Q=l_q, L_X=l_x, MMA=mma, A_OP=a_op, B_OP=b_op, L_EP=l_ep,
-        X_LATE=cfg.x_late,
+        X_LATE=cfg.x_late, EPI_SPREAD=cfg.epi_spread and split == 1,
         num_warps=cfg.warps, **launch_options(cfg),
     )
     return out
