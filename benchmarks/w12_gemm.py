@@ -612,7 +612,9 @@ def main() -> int:
                          "stream-K ones (stream, mma mode), the x-chunk ones (chunk, mma mode) or the "
                          "TMA/mbarrier ones (tma, mma mode; tma-pair: the consumer group taking one or two "
                          "records per step; tma-wgmma: the consumer group on wgmma; tma-narrow: 32-row programs of "
-                         "two consumer warps; in gemv-gluon mode tma: the records through a TMA ring, spread (gemv-gluon and warpk modes): the escape chain spread over the first step, and a comma list runs several sets (gemv-gluon); split: the committed choice with K split 1-8 ways, gemv-gluon "
+                         "two consumer warps; in gemv-gluon mode tma: the records through a TMA ring; spread "
+                         "(gemv-gluon and warpk modes): the escape chain spread over the first step; in gemv-gluon "
+                         "mode a comma list runs several sets; split: the committed choice with K split 1-8 ways, gemv-gluon "
                          "and warpk modes; early: the epilogue's loads early vs in the tail, mma mode; "
                          "esc: fewer preloaded escapes per pass, warpk mode)")
     args = ap.parse_args()

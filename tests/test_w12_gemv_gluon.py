@@ -133,7 +133,8 @@ def test_staged_x_groups_cover_the_unrolled_steps():
 @pytest.mark.parametrize("bad", [gg.GluonGemvConfig(rows=24), gg.GluonGemvConfig(warps=3),
                                  gg.GluonGemvConfig(depth=5), gg.GluonGemvConfig(split_k=0),
                                  gg.GluonGemvConfig(depth=1, unroll=True), gg.GluonGemvConfig(maxnreg=300),
-                                 gg.GluonGemvConfig(depth=2, unroll=True, xf32=True), gg.GluonGemvConfig(xs=True, xf32=True),
+                                 gg.GluonGemvConfig(depth=2, unroll=True, xf32=True),
+                                 gg.GluonGemvConfig(xs=True, xf32=True),
                                  gg.GluonGemvConfig(16, 4, 4, 1, True, xs=True, late_epilogue=True, epi_spread=True),
                                  gg.GluonGemvConfig(16, 4, 4, 2, True, xs=True, epi_spread=True),
                                  gg.GluonGemvConfig(16, 4, 4, 1, False, xs=True, epi_spread=True)])

@@ -595,7 +595,8 @@ def w12_gemv_gluon(x: torch.Tensor, packed: KernelPack, qpass: bool = False,
         ROWS=cfg.rows, WARPS=cfg.warps, DEPTH=cfg.depth, UNROLL=cfg.unroll, USE_SPLIT=split > 1, QPASS=qpass,
         PLAIN=cfg.plain_decode,
         ESC_CH=8, L_V=lv, L_Q=lq, L_X=lx, L_E=le, XS=cfg.xs, XS_IT=xs_it, XS_CH=XS_CHUNK,
-        EPI_LATE=cfg.late_epilogue, EPI_SPREAD=cfg.epi_spread, XF32=cfg.xf32, L_XF=xf32_layout(cfg.warps) if cfg.xf32 else None,
+        EPI_LATE=cfg.late_epilogue, EPI_SPREAD=cfg.epi_spread, XF32=cfg.xf32,
+        L_XF=xf32_layout(cfg.warps) if cfg.xf32 else None,
         num_warps=cfg.warps, **launch_options(cfg),
     )
     return out
