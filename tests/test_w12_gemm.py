@@ -29,6 +29,16 @@ def make_weight(n, k, seed=0):
     return w
 
 
+def extreme_row(k, seed):
+    """One bf16 CUDA row ``[1, k]`` with -0, subnormal (1e-39) and large (3e4) entries among normal
+    ones: the inputs that catch a changed summation order or a lost sign of zero."""
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(seed)) * 4
+    x[0, ::7] = -0.0
+    x[0, 1::11] = 1e-39
+    x[0, 3::13] = 3e4
+    return x.bfloat16().cuda()
+
+
 def check_close(y, x, w):
     ref = x.float() @ w.float().T
     scale = x.float().abs() @ w.float().abs().T

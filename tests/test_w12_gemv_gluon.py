@@ -20,7 +20,7 @@ from specpilot.kernels.w12.gemm import KernelPack  # noqa: E402
 from specpilot.kernels.w12.naive import w12_linear_ref  # noqa: E402
 
 from gluon_ptx import loop_ptx, main_loop_ptx, ptxas_report  # noqa: E402
-from test_w12_gemm import check_close, make_weight  # noqa: E402
+from test_w12_gemm import check_close, extreme_row, make_weight  # noqa: E402
 
 needs_gluon = pytest.mark.skipif(gg.gluon is None, reason="Triton without Gluon")
 
@@ -238,11 +238,7 @@ def test_staged_x_gives_the_unstaged_bits(n, k, cfg, qpass):
     t = encode(w)
     assert t.num_escapes > 0
     kp = KernelPack.from_w12(t, device="cuda")
-    x = torch.randn(1, k, generator=torch.Generator().manual_seed(k + 1)) * 4
-    x[0, ::7] = -0.0
-    x[0, 1::11] = 1e-39
-    x[0, 3::13] = 3e4
-    x = x.bfloat16().cuda()
+    x = extreme_row(k, k + 1)
     y = gg.w12_gemv_gluon(x, kp, qpass=qpass, config=replace(cfg, xs=True), out_dtype=torch.float32)
     ref = gg.w12_gemv_gluon(x, kp, qpass=qpass, config=cfg, out_dtype=torch.float32)
     assert torch.equal(y.view(torch.int32), ref.view(torch.int32))

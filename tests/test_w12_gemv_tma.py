@@ -22,7 +22,7 @@ from specpilot.kernels.w12 import gemv_tma  # noqa: E402
 from specpilot.kernels.w12.gemm import KernelPack  # noqa: E402
 
 from gluon_ptx import ptxas_report  # noqa: E402
-from test_w12_gemm import check_close, make_weight  # noqa: E402
+from test_w12_gemm import check_close, extreme_row, make_weight  # noqa: E402
 
 C = gg.GluonGemvConfig
 
@@ -116,11 +116,7 @@ def test_tma_gives_the_register_rings_bits(n, k, cfg, stages, rps, box, qpass):
     t = encode(w)
     assert t.num_escapes > 0
     kp = KernelPack.from_w12(t, device="cuda")
-    x = torch.randn(1, k, generator=torch.Generator().manual_seed(k + 3)) * 4
-    x[0, ::7] = -0.0
-    x[0, 1::11] = 1e-39
-    x[0, 3::13] = 3e4
-    x = x.bfloat16().cuda()
+    x = extreme_row(k, k + 3)
     tc = replace(cfg, depth=stages, tma=True, tma_rps=rps, tma_box=box)
     y = gg.w12_gemv_gluon(x, kp, qpass=qpass, config=tc, out_dtype=torch.float32)
     ref = gg.w12_gemv_gluon(x, kp, qpass=qpass, config=cfg, out_dtype=torch.float32)

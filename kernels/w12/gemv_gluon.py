@@ -40,8 +40,8 @@ from functools import lru_cache
 import torch
 
 from .format import TILE_K
-from .gemm import KernelPack, _workspace, triton
-from .mma import _cp_async, _cta_barrier, async_copy, gl, gluon, launch_options
+from .gemm import KernelPack, _workspace
+from .mma import _cp_async, _cta_barrier, async_copy, check_call, gl, gluon, launch_options
 
 XS_CHUNK = 8            # staged x: groups of ``warps`` records per cp.async chunk
 XS_MAX_BYTES = 100 * 1024
@@ -561,10 +561,7 @@ def w12_gemv_gluon(x: torch.Tensor, packed: KernelPack, qpass: bool = False,
                    config: GluonGemvConfig | None = None, out: torch.Tensor | None = None,
                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x @ W.T`` for one bf16 row ``x [1, K]``; fp32 accumulation, deterministic."""
-    if gluon is None or triton is None:
-        raise RuntimeError("Gluon (triton >= 3.4) is not available")
-    if x.dim() != 2 or x.shape[1] != packed.shape[1]:
-        raise ValueError(f"x shape {tuple(x.shape)} does not match weight {packed.shape}")
+    check_call(x, packed)
     if not supported(x, packed):
         raise ValueError("w12_gemv_gluon needs one contiguous, 16-byte aligned bf16 CUDA row of even length")
     cfg = config or default_config(packed.shape[0], x.shape[1])

@@ -874,13 +874,18 @@ def split_grid(m: int, n: int, kt: int, block_n: int, split_k: int, device):
     return bm, tps, split, nb, mb, ws, locks
 
 
-def w12_mma(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: MmaConfig | None = None,
-            out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``x @ W.T`` for x ``[M, K]`` bf16 (any M; 64 rows per program), fp32 accumulation, deterministic."""
+def check_call(x: torch.Tensor, packed: KernelPack) -> None:
+    """The checks every Gluon W12 launcher makes first: Gluon present, x ``[M, K]`` matching the weight."""
     if gluon is None or triton is None:
         raise RuntimeError("Gluon (triton >= 3.4) is not available")
     if x.dim() != 2 or x.shape[1] != packed.shape[1]:
         raise ValueError(f"x shape {tuple(x.shape)} does not match weight {packed.shape}")
+
+
+def w12_mma(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: MmaConfig | None = None,
+            out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x @ W.T`` for x ``[M, K]`` bf16 (any M; 64 rows per program), fp32 accumulation, deterministic."""
+    check_call(x, packed)
     if config is not None and config.tma:
         from . import mma_tma
 

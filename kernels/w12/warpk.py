@@ -36,8 +36,8 @@ from functools import lru_cache
 import torch
 
 from .format import TILE_K
-from .gemm import KernelPack, triton
-from .mma import _log2, aligned_x, esc_chunk, gl, gluon, launch_options, mma_v2, split_grid
+from .gemm import KernelPack
+from .mma import _log2, aligned_x, check_call, esc_chunk, gl, gluon, launch_options, mma_v2, split_grid
 
 
 @dataclass(frozen=True)
@@ -303,10 +303,7 @@ TUNED: dict[tuple[int, int, int], WarpKConfig] = {
 def w12_warpk(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: WarpKConfig | None = None,
               out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x @ W.T`` for x ``[M, K]`` bf16, M = 1..32; fp32 accumulation, deterministic."""
-    if gluon is None or triton is None:
-        raise RuntimeError("Gluon (triton >= 3.4) is not available")
-    if x.dim() != 2 or x.shape[1] != packed.shape[1]:
-        raise ValueError(f"x shape {tuple(x.shape)} does not match weight {packed.shape}")
+    check_call(x, packed)
     if not supported(x, packed):
         raise ValueError(f"w12_warpk needs 1-{MAX_ROWS} bf16 rows on a CUDA GPU of compute capability 8.0+")
     m, n = x.shape[0], packed.shape[0]
