@@ -47,7 +47,8 @@ def test_key_and_shared_memory_budget():
     gg.check_config(cfg)
     assert cfg.key().endswith("-tma2") and C(16, 4, 6).key() != cfg.key()
     assert C(16, 4, 6, tma=True, tma_box=64).key().endswith("-tma1-b64")
-    assert gemv_tma.box_words(256) == (64, 64) and gemv_tma.box_words(64) == (16, 8)
+    assert gemv_tma.box_words(256) == (64, 64) and gemv_tma.box_words(64, 8) == (16, 8)
+    assert gemv_tma.box_words(256, 8) == (64, 32) and gemv_tma.box_words(256, 32) == (64, 64)
     # 4096 -> 28672: 6 stages of 2 x 4 records of 16 rows (96 B each), x for 64 records, barriers
     assert gemv_tma.stage_bytes(16, 4, 2) == 12288 and gemv_tma.xs_groups(64, 4, 2) == 16
     assert gemv_tma.smem_bytes(64, 16, 4, 6, 2) == 6 * 12288 + 16 * 4 * 128 + 96

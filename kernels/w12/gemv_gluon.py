@@ -538,12 +538,15 @@ def default_config(n: int, k: int, sms: int = 132) -> GluonGemvConfig:
 # benchmarks/results/w12_gemv_gluon_late.json; speedup over cuBLAS bf16 and, in brackets, that of
 # the previous table in the same run). Staged x with four unrolled sets and the escapes loaded
 # late won on five layers; on the other two the previous choice stays (4096 x 14336: no staged
-# variant was faster; 5120 x 17408: 1.264x staged vs 1.270x).
+# variant was faster; 5120 x 17408: 1.264x staged vs 1.270x). Then the escape chain spread over
+# the first step (``epi_spread``, the same output bits) on the three layers where it re-timed
+# faster than that table (``--variants spread,tma``, w12_gemv_spread_tma.json, git f87511f: us).
 _XS4 = dict(xs=True, late_epilogue=True)
+_XSES = dict(xs=True, epi_spread=True)
 TUNED: dict[tuple[int, int], GluonGemvConfig] = {
-    (6144, 4096): GluonGemvConfig(8, 4, 4, 1, True, **_XS4),  # 1.200x (1.089x)
-    (4096, 4096): GluonGemvConfig(8, 4, 4, 1, True, **_XS4),  # 1.251x (1.242x)
-    (28672, 4096): GluonGemvConfig(16, 4, 4, 1, True, maxnreg=96, **_XS4),  # 1.233x (1.183x), 3.76 TB/s
+    (6144, 4096): GluonGemvConfig(8, 4, 4, 1, True, **_XSES),  # 14.69 (sweep) vs 15.46 us
+    (4096, 4096): GluonGemvConfig(8, 4, 4, 1, True, maxnreg=96, **_XSES),  # 11.62 vs 12.29 us
+    (28672, 4096): GluonGemvConfig(16, 4, 4, 1, True, maxnreg=96, **_XSES),  # 47.07 vs 47.46 us
     (4096, 14336): GluonGemvConfig(16, 8, 2, 1, True),  # 1.169x (1.171x)
     (7168, 5120): GluonGemvConfig(8, 4, 4, 1, True, **_XS4),  # 1.218x (1.123x)
     (34816, 5120): GluonGemvConfig(16, 4, 4, 1, True, maxnreg=96, **_XS4),  # 1.277x (1.241x), 3.93 TB/s
