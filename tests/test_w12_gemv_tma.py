@@ -36,7 +36,8 @@ def _gpu(fn):
 @pytest.mark.parametrize("bad", [C(16, 4, 1, tma=True), C(16, 4, 17, tma=True), C(16, 4, 4, tma=True, tma_rps=3),
                                  C(16, 4, 4, 2, tma=True), C(16, 4, 4, unroll=True, tma=True),
                                  C(16, 4, 4, xs=True, tma=True), C(16, 2, 4, tma=True),
-                                 C(16, 4, 4, tma=True, tma_box=128), C(16, 4, 4, tma_epi_warp=True)])
+                                 C(16, 4, 4, tma=True, tma_box=128), C(16, 4, 4, tma_epi_warp=True),
+                                 C(8, 4, 4, tma=True)])   # 256-byte boxes need 16 rows (wrong bits at 8)
 def test_bad_tma_configs_are_refused(bad):
     with pytest.raises(ValueError):
         gg.check_config(bad)
@@ -47,8 +48,7 @@ def test_key_and_shared_memory_budget():
     gg.check_config(cfg)
     assert cfg.key().endswith("-tma2") and C(16, 4, 6).key() != cfg.key()
     assert C(16, 4, 6, tma=True, tma_box=64).key().endswith("-tma1-b64")
-    assert gemv_tma.box_words(256) == (64, 64) and gemv_tma.box_words(64, 8) == (16, 8)
-    assert gemv_tma.box_words(256, 8) == (64, 32) and gemv_tma.box_words(256, 32) == (64, 64)
+    assert gemv_tma.box_words(256) == (64, 64) and gemv_tma.box_words(64) == (16, 8)
     # 4096 -> 28672: 6 stages of 2 x 4 records of 16 rows (96 B each), x for 64 records, barriers
     assert gemv_tma.stage_bytes(16, 4, 2) == 12288 and gemv_tma.xs_groups(64, 4, 2) == 16
     assert gemv_tma.smem_bytes(64, 16, 4, 6, 2) == 6 * 12288 + 16 * 4 * 128 + 96
@@ -95,13 +95,14 @@ def test_consumer_reads_shared_memory_and_the_copy_warp_issues_two_boxes(epi_war
 
 
 CASES = [  # (N, K, register-ring config: rows, warps) x TMA (stages, records per warp and stage, box row bytes)
-    (40, 200, C(8, 4, 1), 2, 1, 256),      # a partial tile and a partial record, past-range steps
-    (40, 200, C(8, 4, 1), 2, 1, 64),
+    (40, 200, C(8, 4, 1), 2, 1, 64),       # a partial tile and a partial record, past-range steps
+    (40, 200, C(16, 4, 1), 2, 1, 256),
     (128, 64, C(16, 4, 1), 3, 2, 256),     # fewer records than one stage
     (200, 1088, C(16, 4, 1), 4, 4, 64),    # 17 records
     (384, 4160, C(32, 4, 1), 6, 1, 256),   # 65 records, rows of three tiles
     (256, 2048, C(16, 8, 1), 3, 2, 256),
-    (136, 4160, C(8, 4, 1), 16, 1, 256),   # a ring deeper than the range
+    (136, 4160, C(8, 4, 1), 16, 1, 64),    # a ring deeper than the range
+    (136, 4160, C(16, 4, 1), 16, 1, 256),
 ]
 
 
@@ -130,21 +131,22 @@ def test_tma_gives_the_register_rings_bits(n, k, cfg, stages, rps, box, qpass):
 
 @_gpu
 def test_ring_is_stable_with_many_programs_per_sm():
-    """4096 -> 6144 at 8 rows: 768 programs, several per SM, the ring full most of the time; 20
-    runs of each box form give the same bits as the register ring (a missing fence shows up here
-    as drift)."""
+    """4096 -> 6144 at 8 rows (768 programs, several per SM, the ring full most of the time; 64-byte
+    boxes) and at 16 rows (256-byte boxes): 20 runs of each give the same bits as the register ring
+    (a missing fence shows up here as drift)."""
     w = make_weight(6144, 4096, seed=9)
     kp = KernelPack.from_w12(encode(w), device="cuda")
     x = torch.randn(1, 4096, generator=torch.Generator().manual_seed(1)).bfloat16().cuda()
     ref = gg.w12_gemv_gluon(x, kp, config=C(8, 4, 1), out_dtype=torch.float32)
-    for box in (256, 64):
+    ref16 = gg.w12_gemv_gluon(x, kp, config=C(16, 4, 1), out_dtype=torch.float32)
+    for rows, box, want in ((8, 64, ref), (16, 256, ref16)):   # (256-byte boxes: 16 rows or more)
         for _ in range(20):
-            y = gg.w12_gemv_gluon(x, kp, config=C(8, 4, 4, tma=True, tma_box=box), out_dtype=torch.float32)
-            assert torch.equal(y.view(torch.int32), ref.view(torch.int32))
+            y = gg.w12_gemv_gluon(x, kp, config=C(rows, 4, 4, tma=True, tma_box=box), out_dtype=torch.float32)
+            assert torch.equal(y.view(torch.int32), want.view(torch.int32))
 
 
 @_gpu
-@pytest.mark.parametrize("n,k,cfg", [(40, 200, C(8, 4, 3, tma=True, tma_epi_warp=True)),
+@pytest.mark.parametrize("n,k,cfg", [(40, 200, C(8, 4, 3, tma=True, tma_box=64, tma_epi_warp=True)),
                                      (384, 4160, C(16, 4, 4, tma=True, tma_rps=2, tma_epi_warp=True))])
 @pytest.mark.parametrize("qpass", [False, True])
 def test_epilogue_loader_warp_gives_the_same_bits(n, k, cfg, qpass):

@@ -6,9 +6,9 @@ the bytes in flight per program are bounded by the register sets (three 1.5 KB r
 most) and a warp that stalls on its decode stops issuing loads. Here one copy warp streams the
 program's records into ``stages`` shared-memory stages with 3-D TMA boxes: a stage is ``RPS x
 WARPS`` consecutive records of the program's ``ROWS`` rows, one box of views and one of nibbles.
-With ``tma_box=256`` (default) ``rec32`` is seen as ``[records, 48, 64]`` words, so each row of a
-box is 256 contiguous bytes (a program's rows are contiguous in a record; an 8-row program's
-nibbles as two 128-byte rows, :func:`box_words`); with ``tma_box=64`` the
+With ``tma_box=256`` (default; 16 or more rows, see :func:`check`) ``rec32`` is seen as
+``[records, 48, 64]`` words, so each row of a box is 256 contiguous bytes (a program's rows are
+contiguous in a record); with ``tma_box=64`` the
 boxes take the records' own rows (64-byte view rows, 32-byte nibble rows), the form first measured.
 The consumer warps wait on each stage's ``ready`` mbarrier, read their records' words from shared
 memory, release the stage (``fence.proxy.async``, then one arrival on ``empty``: the rule of
@@ -85,12 +85,18 @@ def smem_bytes(k_tiles: int, rows: int, warps: int, stages: int, rps: int) -> in
 
 def check(cfg) -> None:
     """A TMA GEMV config (``GluonGemvConfig(..., tma=True)``): ``depth`` stages (2-16), ``tma_rps``
-    records per warp and stage (1, 2 or 4), ``tma_box`` bytes per box row (256 or 64), ``tma_epi_warp``
+    records per warp and stage (1, 2 or 4), ``tma_box`` bytes per box row (256 with 16 or more rows,
+    or 64), ``tma_epi_warp``
     (a loader warp for the epilogue's operands), no split-K, no register ring options."""
     if not 2 <= cfg.depth <= MAX_STAGES:
         raise ValueError(f"a TMA GEMV ring has 2-{MAX_STAGES} stages (depth), got {cfg.depth}")
     if cfg.tma_box not in (64, 256):
         raise ValueError(f"tma_box (bytes per view box row) is 256 or 64 (the records' own rows), got {cfg.tma_box}")
+    if cfg.tma_box == 256 and cfg.rows < 16:
+        # seen on the H200 (gpu_tests_tma_box.txt): from the second stage on, 8-row programs with
+        # 256-byte box rows gave bits that differ from the register ring's (within the fp32 bound),
+        # also with the nibbles as two 128-byte rows; the records' own rows are right there
+        raise ValueError(f"{cfg.rows}-row TMA programs take tma_box=64 (256-byte box rows need 16 or more rows)")
     if cfg.tma_rps not in (1, 2, 4):
         raise ValueError(f"tma_rps (records per warp and stage) is 1, 2 or 4, got {cfg.tma_rps}")
     if cfg.split_k != 1:
@@ -257,28 +263,22 @@ if AVAILABLE:
         return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)
 
 
-def box_words(box_bytes: int, rows: int = 16) -> tuple[int, int]:
-    """Words per box row of the view and nibble boxes for ``rows``-row programs: 256-byte rows (the
-    records seen as ``[records, 48, 64]``), or the records' own rows (16, 8: 64-byte view rows,
-    32-byte nibble rows). No box has a single row: an 8-row program's nibbles (256 bytes a record)
-    go as two 128-byte rows (32 words), since the one-row form gave wrong bits from the second stage
-    on (GPU tests, 8-row programs with 256-byte boxes, ``gpu_tests_spread_tma.txt``)."""
-    if box_bytes != 256:
-        return 16, 8
-    return 64, min(64, rows * 4)
+def box_words(box_bytes: int) -> tuple[int, int]:
+    """Words per box row of the view and nibble boxes: 256-byte rows (64, 64; the records seen as
+    ``[records, 48, 64]``), or the records' own rows (16, 8: 64-byte view rows, 32-byte nibble rows)."""
+    return (64, 64) if box_bytes == 256 else (16, 8)
 
 
 def record_descriptors(packed: KernelPack, rows: int, box_records: int, box_bytes: int = 256) -> tuple:
     """TMA descriptors of the records' views and nibbles, boxes of ``box_records`` records and the
     program's ``rows`` rows. With 256-byte box rows the records are ``[records, 48, 64]`` words: the
-    views are ``rows / 4`` rows from ``r_in / 4``, the nibbles ``rows / 8`` from ``32 + r_in / 8``
-    (8-row programs: ``[records, 96, 32]``, two rows from ``64 + r_in / 4``);
+    views are ``rows / 4`` rows from ``r_in / 4``, the nibbles ``rows / 8`` from ``32 + r_in / 8``;
     with 64 (the records' own rows) ``[records, 192, 16]`` and ``[records, 384, 8]``. Cached on the
     pack."""
     cache = packed.__dict__.setdefault("_tma_gemv_desc", {})
     key = (rows, box_records, box_bytes)
     if key not in cache:
-        vw, qw = box_words(box_bytes, rows)
+        vw, qw = box_words(box_bytes)
         rec = packed.rec32.reshape(-1)
         lay = _box_layout()
         cache[key] = (_mt.TensorDescriptor.from_tensor(rec.view(-1, 3072 // vw, vw), [box_records, rows * 16 // vw, vw],
@@ -300,7 +300,7 @@ def launch(x: torch.Tensor, packed: KernelPack, out: torch.Tensor, qpass: bool, 
         raise ValueError(f"{cfg.key()}: {need} bytes of shared memory per program (limit {SMEM_LIMIT}); "
                          f"use fewer stages or rows")
     v_desc, q_desc = record_descriptors(packed, cfg.rows, cfg.tma_rps * cfg.warps, cfg.tma_box)
-    vw, qw = box_words(cfg.tma_box, cfg.rows)
+    vw, qw = box_words(cfg.tma_box)
     lv, lq, lx, le = _gg.layouts(cfg.rows, cfg.warps)
     regs = cfg.maxnreg or DEFAULT_REGS
     _w12_gemv_tma_kernel[((n + cfg.rows - 1) // cfg.rows,)](

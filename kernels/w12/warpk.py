@@ -281,9 +281,10 @@ def preferred(m: int, n: int, k: int) -> bool:
 # 1,8,16,32, benchmarks/results/w12_warpk.json, git 44e0090; the comment: its time against the
 # kernel w12_linear used before, re-timed interleaved in the same run). 1 and 16 rows only where it
 # won by 3 % or more (one row: in that run and in the one before, w12_warpk_first.json).
-# 8 and 16 rows, and 4096 -> 6144 at 32: the escape chain spread over the first step
-# (``epi_spread``, bitwise the same output) where it re-timed faster than the entry before it
-# (w12_warpk_spread.json, git f87511f: 8 rows 1.256x vs 1.235x geometric mean over the seven).
+# Then the escape chain spread over the first step (``epi_spread``, bitwise the same output) where
+# it re-timed faster than the entry before it: 8 and 16 rows and 4096 -> 6144 at 32
+# (w12_warpk_spread.json, git f87511f: 8 rows 1.256x vs 1.235x geometric mean over the seven), one
+# row on two of its three layers (w12_warpk_spread_m1.json, git eb03a8f).
 _ES = dict(epi_spread=True)
 TUNED: dict[tuple[int, int, int], WarpKConfig] = {
     (6144, 4096, 8): WarpKConfig(16, 4, 4, 1, **_ES),    # 15.30 vs 15.62 us (no spread)
@@ -296,8 +297,8 @@ TUNED: dict[tuple[int, int, int], WarpKConfig] = {
     (6144, 4096, 16): WarpKConfig(16, 4, 2, 1, **_ES),   # 16.80 vs 17.15 (no spread; mma 18.72 before)
     (4096, 4096, 16): WarpKConfig(16, 4, 4, 1, **_ES),   # 13.92 vs 14.78
     (4096, 14336, 16): WarpKConfig(16, 8, 2, 1, **_ES),  # 29.47 vs 30.05
-    (4096, 14336, 1): WarpKConfig(16, 8, 2, 1),   # 26.69 vs 27.84 (one-row Gluon GEMV; 26.66 vs 28.00)
-    (7168, 5120, 1): WarpKConfig(16, 4, 4, 1),    # 19.26 vs 19.84 (19.36 vs 19.97)
+    (4096, 14336, 1): WarpKConfig(16, 8, 2, 1, **_ES),  # 26.21 vs 27.17 (no spread; w12_warpk_spread_m1.json)
+    (7168, 5120, 1): WarpKConfig(16, 4, 2, 1, **_ES),   # 19.23 vs 19.58 (no spread, 4 sets)
     (5120, 17408, 1): WarpKConfig(16, 4, 4, 1),   # 37.44 vs 39.26 (37.79 vs 39.33 at split 2)
     # 17-32 rows with x loaded late (w12_warpk_xlate.json, git 2be1ecd): won on this layer only;
     # 32 escapes preloaded and the chain spread: 20.61 vs 21.38 us (w12_warpk_spread.json)
