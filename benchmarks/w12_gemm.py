@@ -307,9 +307,8 @@ def gluon_gemv_configs(m: int, kt: int, n: int, sms: int, variants: str = "all")
         ab = {(8, 4, 1, 4), (16, 4, 2, 2), (16, 4, 1, 4), (8, 4, 2, 3)}
         for rows, warps, rps, stages in grid:
             if gemv_tma.smem_bytes(kt, rows, warps, stages, rps) <= gemv_tma.SMEM_LIMIT:
-                boxes = ((256, False), (64, False), (256, True)) if (rows, warps, rps, stages) in ab \
-                    else ((256, False),)
-                for box, ew in boxes if rows >= 16 else {(64, ew) for _, ew in boxes}:   # (8 rows: 64-byte boxes)
+                for box, ew in ((256, False), (64, False), (256, True)) if (rows, warps, rps, stages) in ab \
+                        else ((256, False),):
                     out.append(GluonGemvConfig(rows, warps, stages, tma=True, tma_rps=rps, tma_box=box,
                                                tma_epi_warp=ew))
         return out

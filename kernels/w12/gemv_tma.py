@@ -6,13 +6,15 @@ the bytes in flight per program are bounded by the register sets (three 1.5 KB r
 most) and a warp that stalls on its decode stops issuing loads. Here one copy warp streams the
 program's records into ``stages`` shared-memory stages with 3-D TMA boxes: a stage is ``RPS x
 WARPS`` consecutive records of the program's ``ROWS`` rows, one box of views and one of nibbles.
-With ``tma_box=256`` (default; 16 or more rows, see :func:`check`) ``rec32`` is seen as
-``[records, 48, 64]`` words, so each row of a box is 256 contiguous bytes (a program's rows are
-contiguous in a record); with ``tma_box=64`` the
+With ``tma_box=256`` (default) ``rec32`` is seen as ``[records, 48, 64]`` words, so each row of a
+box is 256 contiguous bytes (a program's rows are contiguous in a record); with ``tma_box=64`` the
 boxes take the records' own rows (64-byte view rows, 32-byte nibble rows), the form first measured.
 The consumer warps wait on each stage's ``ready`` mbarrier, read their records' words from shared
-memory, release the stage (``fence.proxy.async``, then one arrival on ``empty``: the rule of
-:mod:`.mma_tma`) and decode. The bytes in flight are ``stages`` stages whatever the decode does.
+memory, release the stage (``fence.proxy.async``, the partition's barrier, then its one arrival on
+``empty``: the rule of :mod:`.mma_tma`'s group consumer) and decode. Without the barrier the one
+arrival released the stage as soon as its first warp had read it, and the copy refilled it under
+the other warps' reads: wrong, run-to-run different sums whenever the ring ran full (seen on the
+H200 at 768 programs; the sweeps measured before the fix timed that racy form). The bytes in flight are ``stages`` stages whatever the decode does.
 
 Measured on the H200 (docs/w12.md, ``w12_gemv_tma.json``, 64-byte box rows): not faster than the
 register rings on any layer by more than the run-to-run spread, and slower with deeper rings; not
@@ -85,18 +87,12 @@ def smem_bytes(k_tiles: int, rows: int, warps: int, stages: int, rps: int) -> in
 
 def check(cfg) -> None:
     """A TMA GEMV config (``GluonGemvConfig(..., tma=True)``): ``depth`` stages (2-16), ``tma_rps``
-    records per warp and stage (1, 2 or 4), ``tma_box`` bytes per box row (256 with 16 or more rows,
-    or 64), ``tma_epi_warp``
+    records per warp and stage (1, 2 or 4), ``tma_box`` bytes per box row (256 or 64), ``tma_epi_warp``
     (a loader warp for the epilogue's operands), no split-K, no register ring options."""
     if not 2 <= cfg.depth <= MAX_STAGES:
         raise ValueError(f"a TMA GEMV ring has 2-{MAX_STAGES} stages (depth), got {cfg.depth}")
     if cfg.tma_box not in (64, 256):
         raise ValueError(f"tma_box (bytes per view box row) is 256 or 64 (the records' own rows), got {cfg.tma_box}")
-    if cfg.tma_box == 256 and cfg.rows < 16:
-        # seen on the H200 (gpu_tests_tma_box.txt): from the second stage on, 8-row programs with
-        # 256-byte box rows gave bits that differ from the register ring's (within the fp32 bound),
-        # also with the nibbles as two 128-byte rows; the records' own rows are right there
-        raise ValueError(f"{cfg.rows}-row TMA programs take tma_box=64 (256-byte box rows need 16 or more rows)")
     if cfg.tma_rps not in (1, 2, 4):
         raise ValueError(f"tma_rps (records per warp and stage) is 1, 2 or 4, got {cfg.tma_rps}")
     if cfg.split_k != 1:
@@ -183,6 +179,7 @@ if AVAILABLE:
                     q2 = wq.slice(2 * WARPS, WARPS).load(L_Q)
                     q3 = wq.slice(3 * WARPS, WARPS).load(L_Q)
             fence_async_shared()   # our shared reads before the copy that refills the stage (mma_tma)
+            _cta_barrier()         # every consumer warp's reads, before the partition's one arrival
             mbarrier.arrive(empty.index(s))
             acc = _rec_fma(acc, v0, q0, _x_of(0, xs, i * RPS, L_X, True), WARPS, ROWS, L_V, QPASS, PLAIN)
             if RPS >= 2:
