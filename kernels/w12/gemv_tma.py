@@ -10,11 +10,9 @@ With ``tma_box=256`` (default) ``rec32`` is seen as ``[records, 48, 64]`` words,
 box is 256 contiguous bytes (a program's rows are contiguous in a record); with ``tma_box=64`` the
 boxes take the records' own rows (64-byte view rows, 32-byte nibble rows), the form first measured.
 The consumer warps wait on each stage's ``ready`` mbarrier, read their records' words from shared
-memory, release the stage (``fence.proxy.async``, the partition's barrier, then its one arrival on
-``empty``: the rule of :mod:`.mma_tma`'s group consumer) and decode. Without the barrier the one
-arrival released the stage as soon as its first warp had read it, and the copy refilled it under
-the other warps' reads: wrong, run-to-run different sums whenever the ring ran full (seen on the
-H200 at 768 programs; the sweeps measured before the fix timed that racy form). The bytes in flight are ``stages`` stages whatever the decode does.
+memory, release the stage (``fence.proxy.async``, then one arrival on ``empty`` after the partition's
+barrier, which Gluon puts before a multi-warp partition's arrival: the rule of :mod:`.mma_tma`'s
+group consumer) and decode. The bytes in flight are ``stages`` stages whatever the decode does.
 
 Measured on the H200 (docs/w12.md, ``w12_gemv_tma.json``, 64-byte box rows): not faster than the
 register rings on any layer by more than the run-to-run spread, and slower with deeper rings; not
@@ -179,8 +177,7 @@ if AVAILABLE:
                     q2 = wq.slice(2 * WARPS, WARPS).load(L_Q)
                     q3 = wq.slice(3 * WARPS, WARPS).load(L_Q)
             fence_async_shared()   # our shared reads before the copy that refills the stage (mma_tma)
-            _cta_barrier()         # every consumer warp's reads, before the partition's one arrival
-            mbarrier.arrive(empty.index(s))
+            mbarrier.arrive(empty.index(s))   # (one arrival, after the partition's barrier: Gluon's)
             acc = _rec_fma(acc, v0, q0, _x_of(0, xs, i * RPS, L_X, True), WARPS, ROWS, L_V, QPASS, PLAIN)
             if RPS >= 2:
                 acc = _rec_fma(acc, v1, q1, _x_of(0, xs, i * RPS + 1, L_X, True), WARPS, ROWS, L_V, QPASS, PLAIN)
@@ -236,21 +233,27 @@ if AVAILABLE:
         for p in gl.static_range(STAGES):
             mbarrier.init(ready.index(p), count=1)
             mbarrier.init(empty.index(p), count=1)
-        epi_f = gl.allocate_shared_memory(gl.float32, [2, ROWS], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-        epi_i = gl.allocate_shared_memory(gl.int32, [ROWS], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-        epi_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(epi_bar, count=1)
-        fence_async_shared()
-        rt = (wv_s, wq_s, ready, empty, n_steps, x_ptr, x32_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr,
-              edelta_ptr, n0, N, KT, KH, epi_f, epi_i, epi_bar)
         pt = (v_desc, q_desc, wv_s, wq_s, ready, empty, (n0 // 128) * KT, n0 % 128, n_steps)
         if EPI_WARP:   # a third partition: one warp loads the epilogue's operands
+            # (allocated only here: an mbarrier nothing waits on is dead to the allocator, which put it
+            # inside the staged x, so cp.async overwrote an initialized mbarrier: wrong, run-to-run
+            # different sums on the H200 until this was moved under the flag)
+            epi_f = gl.allocate_shared_memory(gl.float32, [2, ROWS], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+            epi_i = gl.allocate_shared_memory(gl.int32, [ROWS], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+            epi_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            mbarrier.init(epi_bar, count=1)
+            fence_async_shared()
+            rt = (wv_s, wq_s, ready, empty, n_steps, x_ptr, x32_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr,
+                  edelta_ptr, n0, N, KT, KH, epi_f, epi_i, epi_bar)
             et = (x_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, n0, N, epi_f, epi_i, epi_bar)
             gl.warp_specialize([(_consumer, (rt, ROWS, WARPS, RPS, STAGES, QPASS, PLAIN, ESC_CH, XS_IT, XS_CH,
                                              L_V, L_Q, L_X, L_E, True)),
                                 (_producer, (pt, ROWS, WARPS, RPS, STAGES, QPASS, VW, QW)),
                                 (_epi_loader, (et, ROWS, ESC_CH, L_E1))], [1, 1], [24, 48])   # LOADER_REGS
         else:
+            fence_async_shared()
+            rt = (wv_s, wq_s, ready, empty, n_steps, x_ptr, x32_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr,
+                  edelta_ptr, n0, N, KT, KH, 0, 0, 0)
             gl.warp_specialize([(_consumer, (rt, ROWS, WARPS, RPS, STAGES, QPASS, PLAIN, ESC_CH, XS_IT, XS_CH,
                                              L_V, L_Q, L_X, L_E, False)),
                                 (_producer, (pt, ROWS, WARPS, RPS, STAGES, QPASS, VW, QW))], [1], [24])
