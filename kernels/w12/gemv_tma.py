@@ -14,9 +14,10 @@ memory, release the stage (``fence.proxy.async``, then one arrival on ``empty`` 
 barrier, which Gluon puts before a multi-warp partition's arrival: the rule of :mod:`.mma_tma`'s
 group consumer) and decode. The bytes in flight are ``stages`` stages whatever the decode does.
 
-Measured on the H200 (docs/w12.md, ``w12_gemv_tma.json``, 64-byte box rows): not faster than the
-register rings on any layer by more than the run-to-run spread, and slower with deeper rings; not
-routed.
+Measured on the H200 (docs/w12.md, ``w12_gemv_tma.json`` with 64-byte box rows and
+``w12_gemv_tma_23a262b.json`` with both forms and the loader warp): 256-byte rows beat 64-byte ones,
+but no form beats the routed register kernels by more than the run-to-run spread (1.264x against
+1.288x geometric mean in the same run), and deeper rings were slower; not routed.
 
 The consumers keep :mod:`.gemv_gluon`'s layouts and order exactly: warp ``w`` accumulates records
 ``w, w + WARPS, ...`` in the same ``[WARPS, ROWS, 16]`` fp32 accumulator, x staged in shared memory
