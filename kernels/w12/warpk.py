@@ -282,7 +282,8 @@ def preferred(m: int, n: int, k: int) -> bool:
 # kernel w12_linear used before, re-timed interleaved in the same run). 1 and 16 rows only where it
 # won by 3 % or more (one row: in that run and in the one before, w12_warpk_first.json).
 # Then the escape chain spread over the first step (``epi_spread``, bitwise the same output) where
-# it re-timed faster than the entry before it: 8 and 16 rows and 4096 -> 6144 at 32
+# it re-timed faster than the entry before it: 8 and 16 rows (and 5120 -> 7168 at 16 rows, where
+# it beat the ``mma`` entry by 3 %) and 4096 -> 6144 at 32
 # (w12_warpk_spread.json, git f87511f: 8 rows 1.256x vs 1.235x geometric mean over the seven), one
 # row on two of its three layers (w12_warpk_spread_m1.json, git eb03a8f).
 _ES = dict(epi_spread=True)
@@ -297,6 +298,7 @@ TUNED: dict[tuple[int, int, int], WarpKConfig] = {
     (6144, 4096, 16): WarpKConfig(16, 4, 2, 1, **_ES),   # 16.80 vs 17.15 (no spread; mma 18.72 before)
     (4096, 4096, 16): WarpKConfig(16, 4, 4, 1, **_ES),   # 13.92 vs 14.78
     (4096, 14336, 16): WarpKConfig(16, 8, 2, 1, **_ES),  # 29.47 vs 30.05
+    (7168, 5120, 16): WarpKConfig(16, 4, 2, 1, **_ES),   # 21.22 vs 21.92 (mma)
     (4096, 14336, 1): WarpKConfig(16, 8, 2, 1, **_ES),  # 26.21 vs 27.17 (no spread; w12_warpk_spread_m1.json)
     (7168, 5120, 1): WarpKConfig(16, 4, 2, 1, **_ES),   # 19.23 vs 19.58 (no spread, 4 sets)
     (5120, 17408, 1): WarpKConfig(16, 4, 4, 1),   # 37.44 vs 39.26 (37.79 vs 39.33 at split 2)
