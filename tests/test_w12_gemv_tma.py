@@ -139,7 +139,7 @@ def test_tma_gives_the_register_rings_bits(n, k, cfg, stages, rps, box, qpass):
 def test_ring_is_stable_with_many_programs_per_sm():
     """4096 -> 6144 at 8 rows (768 programs, several per SM, the ring full most of the time) and 16
     rows, both box forms: 20 runs of each give the same bits as the register ring (a missing fence,
-    or a stage released before every consumer warp has read it, shows up here as drift)."""
+    or shared memory written over a live mbarrier, shows up here as drift)."""
     w = make_weight(6144, 4096, seed=9)
     kp = KernelPack.from_w12(encode(w), device="cuda")
     x = torch.randn(1, 4096, generator=torch.Generator().manual_seed(1)).bfloat16().cuda()
