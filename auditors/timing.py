@@ -146,8 +146,9 @@ def judge(samples: Sequence[Sample], *, higher_is_better: bool, aa_pairs: Sequen
     need = 1.0 + thr
     ok_boot, ok_t = lo > need, t_lo > need
     n_blocks = len(np.unique(blocks))
-    approved = ok_boot and ok_t and n_blocks >= MIN_BLOCKS
-    if ok_boot and ok_t and not approved:
+    too_few_blocks = n_blocks < MIN_BLOCKS
+    approved = ok_boot and ok_t and not too_few_blocks
+    if ok_boot and ok_t and too_few_blocks:
         reason = (f"one block only: the block bootstrap cannot bound the gain from a single block "
                   f"(its interval is the point estimate); approval needs at least {MIN_BLOCKS} blocks "
                   f"({2 * MIN_BLOCKS} runs)")

@@ -89,9 +89,14 @@ class GluonGemvConfig:
 
     def xs_groups(self, k_tiles: int) -> int:
         """Staged x: groups of ``warps`` records (a multiple of the cp.async chunk and of the unroll)."""
-        tps = -(-k_tiles // self.split_k)
-        m = math.lcm(XS_CHUNK, self.depth if self.unroll else 1)
-        return -(-(-(-tps // self.warps)) // m) * m
+        return xs_group_count(-(-k_tiles // self.split_k), self.warps, self.depth if self.unroll else 1)
+
+
+def xs_group_count(records: int, warps: int, unit: int = 1) -> int:
+    """Groups of ``warps`` records of staged x covering ``records``: a multiple of the cp.async chunk
+    (:data:`XS_CHUNK`) and of ``unit`` (the records a warp takes per loop step)."""
+    m = math.lcm(XS_CHUNK, unit)
+    return -(-(-(-records // warps)) // m) * m
 
 
 def check_config(cfg: GluonGemvConfig) -> None:
@@ -105,8 +110,6 @@ def check_config(cfg: GluonGemvConfig) -> None:
     if cfg.tma_epi_warp and not cfg.tma:
         raise ValueError("tma_epi_warp (a loader warp beside the TMA ring) needs tma=True")
     if cfg.tma:
-        if cfg.warps not in (4, 8):
-            raise ValueError(f"the TMA GEMV's consumers are whole warpgroups: warps 4 or 8, got {cfg.warps}")
         from . import gemv_tma
 
         gemv_tma.check(cfg)
@@ -299,12 +302,19 @@ if gluon is not None:
     @gluon.jit
     def _esc_chunk(x_ptr, erow_ptr, ecol_ptr, edelta_ptr, e, e_hi, ESC_CH: gl.constexpr, LE: gl.constexpr):
         """Escapes ``e .. e + ESC_CH`` (below ``e_hi``): their rows and ``x[col] * delta``."""
+        ok, er, ec, ed = _esc_entries(erow_ptr, ecol_ptr, edelta_ptr, e, e_hi, ESC_CH, LE)
+        return er, gl.load(x_ptr + ec, mask=ok, other=0.0).to(gl.float32) * ed
+
+    @gluon.jit
+    def _esc_entries(erow_ptr, ecol_ptr, edelta_ptr, e, e_hi, ESC_CH: gl.constexpr, LE: gl.constexpr):
+        """Escapes ``e .. e + ESC_CH`` (below ``e_hi``: ``ok``): rows (-1 past the range), columns and
+        deltas, in layout ``LE``."""
         idx = e + gl.arange(0, ESC_CH, layout=LE)
         ok = idx < e_hi
         er = gl.load(erow_ptr + idx, mask=ok, other=-1)
         ec = gl.load(ecol_ptr + idx, mask=ok, other=0)
         ed = gl.load(edelta_ptr + idx, mask=ok, other=0.0)
-        return er, gl.load(x_ptr + ec, mask=ok, other=0.0).to(gl.float32) * ed
+        return ok, er, ec, ed
 
     @gluon.jit
     def _epilogue_start(x_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, n0, N,
@@ -346,8 +356,7 @@ if gluon is not None:
         offs_n = n0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, L_E))
         for e in range(e_lo + ESC_CH, e_hi, ESC_CH):
             er2, contrib2 = _esc_chunk(x_ptr, erow_ptr, ecol_ptr, edelta_ptr, e, e_hi, ESC_CH, gl.SliceLayout(0, L_E))
-            y += gl.sum(gl.where(gl.expand_dims(er2, 0) == gl.expand_dims(offs_n, 1), gl.expand_dims(contrib2, 0), 0.0),
-                        axis=1)
+            y += _esc_rows(er2, contrib2, n0, ROWS, L_E)
         gl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_n < N)
 
     @gluon.jit
@@ -425,11 +434,7 @@ if gluon is not None:
                                                  x32_ptr, tile_row, t_end, KH, off_v, off_q, xw, pv, pq, WARPS, ROWS,
                                                  L_V, L_Q, L_X, QPASS, PLAIN, XS, L_XF, XF32)
                 L_D: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])    # one escape per lane
-                ei = e_lo + gl.arange(0, ESC_CH, layout=L_D)
-                eok = ei < e_hi
-                er_d = gl.load(erow_ptr + ei, mask=eok, other=-1)
-                ec_d = gl.load(ecol_ptr + ei, mask=eok, other=0)
-                ed_d = gl.load(edelta_ptr + ei, mask=eok, other=0.0)
+                eok, er_d, ec_d, ed_d = _esc_entries(erow_ptr, ecol_ptr, edelta_ptr, e_lo, e_hi, ESC_CH, L_D)
                 wid = _pin(wid, True)
                 if DEPTH >= 2:
                     acc, v1, q1, x1, wid = _ring_set(acc, v1, q1, x1, xs, 1, t_begin + (DEPTH + 1) * WARPS, wid,

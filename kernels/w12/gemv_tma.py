@@ -71,12 +71,8 @@ def stage_bytes(rows: int, warps: int, rps: int, qpass: bool = False) -> int:
 
 def xs_groups(k_tiles: int, warps: int, rps: int) -> int:
     """Groups of ``warps`` records of staged x: covers every step, a multiple of the cp.async chunk
-    (:data:`.gemv_gluon.XS_CHUNK`) and of ``rps``."""
-    import math
-
-    m = math.lcm(_gg.XS_CHUNK, rps)
-    steps = -(-k_tiles // (warps * rps))
-    return -(-steps * rps // m) * m
+    (:data:`.gemv_gluon.XS_CHUNK`) and of ``rps`` (:func:`.gemv_gluon.xs_group_count`)."""
+    return _gg.xs_group_count(k_tiles, warps, rps)
 
 
 def smem_bytes(k_tiles: int, rows: int, warps: int, stages: int, rps: int) -> int:
@@ -85,9 +81,12 @@ def smem_bytes(k_tiles: int, rows: int, warps: int, stages: int, rps: int) -> in
 
 
 def check(cfg) -> None:
-    """A TMA GEMV config (``GluonGemvConfig(..., tma=True)``): ``depth`` stages (2-16), ``tma_rps``
+    """A TMA GEMV config (``GluonGemvConfig(..., tma=True)``): 4 or 8 consumer warps (a warpgroup or
+    two), ``depth`` stages (2-16), ``tma_rps``
     records per warp and stage (1, 2 or 4), ``tma_box`` bytes per box row (256 or 64), ``tma_epi_warp``
     (a loader warp for the epilogue's operands), no split-K, no register ring options."""
+    if cfg.warps not in (4, 8):
+        raise ValueError(f"the TMA GEMV's consumers are whole warpgroups: warps 4 or 8, got {cfg.warps}")
     if not 2 <= cfg.depth <= MAX_STAGES:
         raise ValueError(f"a TMA GEMV ring has 2-{MAX_STAGES} stages (depth), got {cfg.depth}")
     if cfg.tma_box not in (64, 256):
@@ -290,8 +289,8 @@ def record_descriptors(packed: KernelPack, rows: int, box_records: int, box_byte
 
 
 def launch(x: torch.Tensor, packed: KernelPack, out: torch.Tensor, qpass: bool, cfg) -> None:
-    """Run the TMA GEMV for ``cfg`` (checked by :func:`check`); ``x`` one aligned bf16 row."""
-    check(cfg)
+    """Run the TMA GEMV for ``cfg`` (already checked: :func:`.gemv_gluon.check_config` calls
+    :func:`check`); ``x`` one aligned bf16 row."""
     if not _mt.supported(x.device):
         raise RuntimeError("the TMA GEMV needs Gluon's Hopper module and a GPU of compute capability 9.0+")
     n, k = packed.shape
