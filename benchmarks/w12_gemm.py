@@ -235,6 +235,16 @@ def mma_configs(m: int, kt: int, n: int, sms: int, tiles=((64, 4), (128, 4)), va
             out += [MmaConfig(bn, split, w, 4, tma=2)] + [MmaConfig(bn, split, w, st, tma=3, a_smem=a)
                                                           for st in (4, 6) for a in (False, True)]
         return out
+    if variants == "chunk-wide":   # x resident: one or two chunks per program (K ranges of 8 or 16
+        # records at most), 64- or 128-row programs, so x is copied once per K range and shared by more rows
+        for bn, w in ((64, 4), (128, 4), (128, 8)):
+            for tps in (8, 16):
+                for depth in (2, 3):
+                    for xc in (4, 8):
+                        cfg = MmaConfig(bn, -(-kt // tps), w, depth, False, True, x_chunk=xc)
+                        if cfg not in out:
+                            out.append(cfg)
+        return out
     if variants == "chunk":
         for bn, w, split in tile_splits(m, kt, n, sms, tiles, block_m_for):
             for depth in (2, 3):
@@ -580,7 +590,7 @@ def parse_tiles(text: str) -> tuple:
     return tiles
 
 
-VARIANTS = ("all", "xs", "xf32", "stream", "chunk", "tma", "tma-pair", "tma-wgmma", "tma-narrow", "split", "early",
+VARIANTS = ("all", "xs", "xf32", "stream", "chunk", "chunk-wide", "tma", "tma-pair", "tma-wgmma", "tma-narrow", "split", "early",
             "esc", "spread")
 
 
@@ -609,7 +619,8 @@ def main() -> int:
     ap.add_argument("--variants", type=_variants, default="all",
                     help="only the committed choice and: the staged-x variants (xs, gemv-gluon mode; xf32: "
                          "with and without x converted to fp32 once), the "
-                         "stream-K ones (stream, mma mode), the x-chunk ones (chunk, mma mode) or the "
+                         "stream-K ones (stream, mma mode), the x-chunk ones (chunk, mma mode; chunk-wide: x copied once "
+                         "per K range of 8 or 16 records, 64- or 128-row programs) or the "
                          "TMA/mbarrier ones (tma, mma mode; tma-pair: the consumer group taking one or two "
                          "records per step; tma-wgmma: the consumer group on wgmma; tma-narrow: 32-row programs of "
                          "two consumer warps; in gemv-gluon mode tma: the records through a TMA ring; spread "

@@ -254,7 +254,7 @@ def test_tuned_tma_entries_only_where_tma_runs():
 
 
 def test_sweep_variants_are_valid_configs():
-    """``benchmarks/w12_gemm.py --variants tma|tma-pair|xf32`` (and ``tma`` in gemv-gluon mode) offer
+    """``benchmarks/w12_gemm.py --variants tma|tma-pair|chunk-wide|xf32`` (and ``tma`` in gemv-gluon mode) offer
     only configs the kernels accept."""
     import importlib.util
     from pathlib import Path
@@ -271,6 +271,10 @@ def test_sweep_variants_are_valid_configs():
         assert len(cfgs) > 4 and all(c.tma for c in cfgs[1:])
         for c in cfgs[1:]:
             mma_tma.check(c)
+    for kt in (64, 224):   # chunk-wide: x copied once per K range of at most 16 records (one or two chunks)
+        cw = bench.mma_configs(32, kt, 6144, 132, variants="chunk-wide")[1:]
+        assert len(cw) == 24 and {c.block_n for c in cw} == {64, 128}
+        assert all(c.unroll and c.x_chunk in (4, 8) and -(-kt // c.split_k) <= 16 for c in cw)
     xf = bench.gluon_gemv_configs(1, 64, 6144, 132, variants="xf32")
     assert any(c.xf32 for c in xf) and any(not c.xf32 for c in xf[1:])
     for c in xf:
