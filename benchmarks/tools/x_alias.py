@@ -5,7 +5,7 @@ For each layer (all of ``benchmarks/w12_gemm.py``'s but 5120 -> 34816) and 16 an
 each with real x (distinct rows) and with x aliased to its first row (stride 0, so every x load of
 every program reads the same 8-10 KB). A kernel whose time falls with aliased x pays for reading
 x. Caveat, seen on the H200: aliased x can also be *slower* (the ``mma`` kernel, whose x goes
-through ``cp.async`` or TMA into shared memory, by up to 63 %, and cuBLAS by up to 20 %;
+through ``cp.async`` or TMA into shared memory, by up to 64 %, and cuBLAS by up to 20 %;
 presumably every SM then reads the same few lines of one L2 slice), so only a fall in time says
 something. Outputs are checked against the fp32 reference of the aliased x.
 
