@@ -382,7 +382,8 @@ def warpk_configs(m: int, kt: int, n: int, sms: int, variants: str = "all"):
     where x would take 32 registers per set). ``variants="split"``: the committed choice with its K
     range split 1-8 ways across programs (shorter programs: a shorter tail); ``"esc"``: it with 16
     or 32 escapes per epilogue pass instead of 64, with and without a 128-register cap; ``"spread"``:
-    unsplit configs without and with the escape chain spread over the first step."""
+    unsplit configs without and with the escape chain spread over the first step; ``"tail"``: unsplit
+    16- and 32-row programs (x late above 16 rows) with the epilogue's loads before or after the loop."""
     from specpilot.kernels.w12.warpk import WarpKConfig, default_config
 
     out = [default_config(m, n, kt * 64, sms)]
@@ -396,6 +397,15 @@ def warpk_configs(m: int, kt: int, n: int, sms: int, variants: str = "all"):
         for c in base:
             c = replace(c, split_k=1)
             out += [v for v in (replace(c, epi_spread=False), replace(c, epi_spread=True)) if v not in out]
+        return out
+    if variants == "tail":   # unsplit 16- and 32-row programs with the epilogue's loads before the loop
+        # (held in registers through it) or after it
+        for rows in (16, 32):
+            for warps in (4, 8):
+                for depth in ((2, 3, 4) if rows == 16 else (2,)):
+                    for esc in ((32,) if rows == 16 else (16, 32)):
+                        out += [c for c in (WarpKConfig(rows, warps, depth, 1, x_late=m > 16, esc_ch=esc,
+                                                        tail_epilogue=t) for t in (False, True)) if c not in out]
         return out
     if variants == "esc":   # fewer preloaded escapes per pass (registers), with and without a 128 cap
         out += [c for c in (replace(out[0], esc_ch=e, maxnreg=r) for e in (0, 16, 32) for r in (None, 128))
@@ -591,7 +601,7 @@ def parse_tiles(text: str) -> tuple:
 
 
 VARIANTS = ("all", "xs", "xf32", "stream", "chunk", "chunk-wide", "tma", "tma-pair", "tma-wgmma", "tma-narrow", "split", "early",
-            "esc", "spread")
+            "esc", "spread", "tail")
 
 
 def _variants(text: str) -> str:
@@ -627,7 +637,8 @@ def main() -> int:
                          "(gemv-gluon and warpk modes): the escape chain spread over the first step; in gemv-gluon "
                          "mode a comma list runs several sets; split: the committed choice with K split 1-8 ways, gemv-gluon "
                          "and warpk modes; early: the epilogue's loads early vs in the tail, mma mode; "
-                         "esc: fewer preloaded escapes per pass, warpk mode)")
+                         "esc: fewer preloaded escapes per pass, warpk mode; tail: unsplit programs with the "
+                         "epilogue's loads before or after the loop, warpk mode)")
     args = ap.parse_args()
     if "," in args.variants and args.mode != "gemv-gluon":
         ap.error("--variants takes a comma list of sets in gemv-gluon mode only")

@@ -291,6 +291,10 @@ def test_sweep_variants_are_valid_configs():
         assert sum(c.epi_spread for c in wk) >= 4
         for c in wk:
             warpk.check_config(c)
+    tl = bench.warpk_configs(32, 64, 6144, 132, variants="tail")
+    assert sum(c.tail_epilogue for c in tl) == 10 and {c.rows for c in tl} == {16, 32}
+    for c in tl:
+        warpk.check_config(c)
     sp = bench.gluon_gemv_configs(1, 64, 6144, 132, variants="spread")
     assert sum(c.epi_spread for c in sp) == sum(c.late_epilogue for c in sp) >= 6   # each late config, spread
     for c in sp:

@@ -94,7 +94,9 @@ def test_spread_epilogue_waits_on_no_chain_before_the_first_mma():
 @pytest.mark.parametrize("bad", [warpk.WarpKConfig(rows=8), warpk.WarpKConfig(warps=3), warpk.WarpKConfig(depth=1),
                                  warpk.WarpKConfig(depth=5), warpk.WarpKConfig(split_k=0),
                                  warpk.WarpKConfig(maxnreg=300), warpk.WarpKConfig(esc_ch=12),
-                                 warpk.WarpKConfig(split_k=2, epi_spread=True)])
+                                 warpk.WarpKConfig(split_k=2, epi_spread=True),
+                                 warpk.WarpKConfig(split_k=2, tail_epilogue=True),
+                                 warpk.WarpKConfig(epi_spread=True, tail_epilogue=True)])
 def test_bad_configs_are_rejected(bad):
     with pytest.raises(ValueError):
         warpk.check_config(bad)
@@ -117,6 +119,7 @@ def test_default_config_routing_support_and_key():
     assert warpk.WarpKConfig(16, 4, 2, 1, x_late=True).key() == "wk-r16-w4-d2-s1-xl"
     assert warpk.WarpKConfig(16, 4, 2, 1, x_late=True, esc_ch=16).key() == "wk-r16-w4-d2-s1-xl-e16"
     assert warpk.WarpKConfig(16, 4, 2, 1, epi_spread=True).key() == "wk-r16-w4-d2-s1-es"
+    assert warpk.WarpKConfig(32, 4, 2, 1, x_late=True, tail_epilogue=True).key() == "wk-r32-w4-d2-s1-xl-te"
     kp = KernelPack.from_w12(encode(make_weight(16, 64)), device="cpu")
     assert not warpk.supported(torch.zeros(1, 64, dtype=torch.bfloat16), kp)    # CPU: the other kernels
 
@@ -211,7 +214,7 @@ def test_strided_rows():
     assert mma.block_m_for(6) == 8
 
 
-SPREAD_CASES = [   # (rows, n, k, config without epi_spread)
+SPREAD_CASES = [   # (rows, n, k, config without epi_spread / tail_epilogue)
     (2, 256, 512, warpk.WarpKConfig(16, 4, 4, 1)),
     (8, 136, 1088, warpk.WarpKConfig(16, 4, 4, 1)),            # partial row tile, 17 records
     (16, 128, 64, warpk.WarpKConfig(16, 4, 2, 1)),             # one record: step 0 only
@@ -224,16 +227,17 @@ SPREAD_CASES = [   # (rows, n, k, config without epi_spread)
 @_gpu
 @pytest.mark.parametrize("m,n,k,cfg", SPREAD_CASES)
 @pytest.mark.parametrize("qpass", [False, True])
-def test_spread_epilogue_gives_the_same_bits(m, n, k, cfg, qpass):
-    """The escape chain spread over step 0: bitwise the plain order's output (row 0 has 32
-    escapes: more than one chunk), run to run."""
+@pytest.mark.parametrize("form", ["epi_spread", "tail_epilogue"])
+def test_spread_and_tail_epilogues_give_the_same_bits(m, n, k, cfg, qpass, form):
+    """The escape chain spread over step 0, or the epilogue's loads after the loop: bitwise the
+    plain order's output (row 0 has 32 escapes: more than one chunk), run to run."""
     from dataclasses import replace
 
     w, _, kp = _cuda_layer(n, k, seed=m + 40)
     x = (torch.randn(m, k, generator=torch.Generator().manual_seed(m + 1)) * 3).bfloat16().cuda()
     ref = warpk.w12_warpk(x, kp, qpass=qpass, config=cfg, out_dtype=torch.float32)
     for _ in range(3):
-        y = warpk.w12_warpk(x, kp, qpass=qpass, config=replace(cfg, epi_spread=True), out_dtype=torch.float32)
+        y = warpk.w12_warpk(x, kp, qpass=qpass, config=replace(cfg, **{form: True}), out_dtype=torch.float32)
         assert torch.equal(y.view(torch.int32), ref.view(torch.int32))
     if not qpass:
         check_close(y.cpu(), x.cpu(), w)
