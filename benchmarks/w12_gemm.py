@@ -600,8 +600,8 @@ def parse_tiles(text: str) -> tuple:
     return tiles
 
 
-VARIANTS = ("all", "xs", "xf32", "stream", "chunk", "chunk-wide", "tma", "tma-pair", "tma-wgmma", "tma-narrow", "split", "early",
-            "esc", "spread", "tail")
+VARIANTS = ("all", "xs", "xf32", "stream", "chunk", "chunk-wide", "tma", "tma-pair", "tma-wgmma", "tma-narrow",
+            "split", "early", "esc", "spread", "tail")
 
 
 def _variants(text: str) -> str:

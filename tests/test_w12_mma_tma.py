@@ -254,8 +254,8 @@ def test_tuned_tma_entries_only_where_tma_runs():
 
 
 def test_sweep_variants_are_valid_configs():
-    """``benchmarks/w12_gemm.py --variants tma|tma-pair|chunk-wide|xf32`` (and ``tma`` in gemv-gluon mode) offer
-    only configs the kernels accept."""
+    """``benchmarks/w12_gemm.py --variants`` sets (tma, tma-pair, tma-wgmma, tma-narrow, chunk-wide, xf32;
+    tma in gemv-gluon mode; spread and tail in warpk mode) offer only configs the kernels accept."""
     import importlib.util
     from pathlib import Path
 
