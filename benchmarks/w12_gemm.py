@@ -42,6 +42,21 @@ SHAPES = [  # (name, K_in, N_out)
     ("27b.down", 17408, 5120),
 ]
 MS = (1, 8, 32, 64)
+# Projections transformers' Llama runs apart where the engine and SHAPES fuse them (q, k, v; gate,
+# up): timed only when named in --shapes (benchmarks/w12_hf.py decodes with them).
+HF_SHAPES = [("llama8b.kv", 4096, 1024), ("llama8b.up", 4096, 14336)]
+
+
+def select_shapes(names: str | None) -> list:
+    """``--shapes``: SHAPES by default, else the named ones of SHAPES and HF_SHAPES (exit 2 on an unknown name)."""
+    if not names:
+        return list(SHAPES)
+    table = {s[0]: s for s in SHAPES + HF_SHAPES}
+    bad = [v for v in names.split(",") if v not in table]
+    if bad:
+        print(f"w12_gemm: unknown shape {', '.join(bad)}; choose from {', '.join(table)}", file=sys.stderr)
+        raise SystemExit(2)
+    return [table[v] for v in names.split(",")]
 
 
 def sweep_configs(m: int, kt: int, n: int, sms: int):
@@ -487,7 +502,7 @@ def variant_sweep(args, label, configs_fn, run, cfg_cls, default_rows, default_n
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     flush = L2Flusher()
     rows, sweep_rows = [], []
-    shapes = [s for s in SHAPES if not args.shapes or s[0] in args.shapes.split(",")]
+    shapes = select_shapes(args.shapes)
     ms = [int(v) for v in (args.rows or default_rows).split(",")]
     t0 = time.time()
     for name, k, n in shapes:
@@ -558,7 +573,7 @@ def default_routing(args) -> int:
     dev = torch.device("cuda")
     flush = L2Flusher()
     ms = [int(v) for v in (args.rows or "1,2,4,8,16,32,64").split(",")]
-    shapes = [s for s in SHAPES if not args.shapes or s[0] in args.shapes.split(",")]
+    shapes = select_shapes(args.shapes)
     rows = []
     for name, k, n in shapes:
         w, _, kp, w12_bytes = random_layer(name, k, n, dev)
@@ -621,7 +636,8 @@ def main() -> int:
                          "warpk: few-row tensor-core configs (K split across warps); default: w12_linear as users call it, no config")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--tuned", default=None, help="JSON of best configs from a sweep")
-    ap.add_argument("--shapes", default=None, help="comma list of shape names")
+    ap.add_argument("--shapes", default=None, help="comma list of shape names (default: the seven layers; "
+                    "also llama8b.kv and llama8b.up, transformers' unfused projections)")
     ap.add_argument("--name", default=None)
     ap.add_argument("--rows", default=None, help="gemv / default modes: comma list of M (default 1,2,4 / 1,2,4,8,16,32,64)")
     ap.add_argument("--tiles", default=None, type=parse_tiles,
@@ -676,7 +692,7 @@ def main() -> int:
         except Exception as e:  # reported, not fatal
             check = {"error": str(e).splitlines()[0][:300]}
         print("model check:", check, flush=True)
-    shapes = [s for s in SHAPES if not args.shapes or s[0] in args.shapes.split(",")]
+    shapes = select_shapes(args.shapes)
     t_start = time.time()
     for name, k, n in shapes:
         w, _, kp, w12_bytes = random_layer(name, k, n, dev)
