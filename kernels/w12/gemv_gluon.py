@@ -556,6 +556,10 @@ TUNED: dict[tuple[int, int], GluonGemvConfig] = {
     (7168, 5120): GluonGemvConfig(8, 4, 4, 1, True, **_XS4),  # 1.218x (1.123x)
     (34816, 5120): GluonGemvConfig(16, 4, 4, 1, True, maxnreg=96, **_XS4),  # 1.277x (1.241x), 3.93 TB/s
     (5120, 17408): GluonGemvConfig(16, 4, 2, 2, True),  # 1.270x
+    # transformers' unfused Llama-3.1-8B projections (k and v; gate and up), --shapes llama8b.kv,llama8b.up
+    # --variants split,spread (w12_gemv_gluon_hf.json, git 8b3b895): us against the default config re-timed
+    (1024, 4096): GluonGemvConfig(8, 4, 4, 1, True, maxnreg=96, **_XSES),   # 7.97 vs 10.14 (split 5)
+    (14336, 4096): GluonGemvConfig(16, 4, 4, 1, True, **_XSES),            # 27.04 vs 29.02
 }
 # Earlier table (w12_gemv_gluon_unroll.json): unrolled rings without staged x; the rotated ring
 # with two records took 82.9 us on 5120 -> 34816 there, one record 77.2 us, two unrolled sets 73.2.
