@@ -656,6 +656,7 @@ def main() -> int:
                          "esc: fewer preloaded escapes per pass, warpk mode; tail: unsplit programs with the "
                          "epilogue's loads before or after the loop, warpk mode)")
     args = ap.parse_args()
+    select_shapes(args.shapes)   # an unknown name: exit 2 before any GPU work
     if "," in args.variants and args.mode != "gemv-gluon":
         ap.error("--variants takes a comma list of sets in gemv-gluon mode only")
     if args.mode == "gemv":

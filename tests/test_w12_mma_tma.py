@@ -271,6 +271,8 @@ def test_sweep_variants_are_valid_configs():
         assert len(cfgs) > 4 and all(c.tma for c in cfgs[1:])
         for c in cfgs[1:]:
             mma_tma.check(c)
+    assert bench.select_shapes(None) == bench.SHAPES and len(bench.SHAPES) == 7
+    assert bench.select_shapes("llama8b.up,llama8b.o") == [("llama8b.up", 4096, 14336), ("llama8b.o", 4096, 4096)]
     for kt in (64, 224):   # chunk-wide: x copied once per K range of at most 16 records (one or two chunks)
         cw = bench.mma_configs(32, kt, 6144, 132, variants="chunk-wide")[1:]
         assert len(cw) == 24 and {c.block_n for c in cw} == {64, 128}
@@ -299,3 +301,16 @@ def test_sweep_variants_are_valid_configs():
     assert sum(c.epi_spread for c in sp) == sum(c.late_epilogue for c in sp) >= 6   # each late config, spread
     for c in sp:
         gg.check_config(c)
+
+
+def test_sweep_shapes_take_the_unfused_projections_and_refuse_unknown_names():
+    """``--shapes``: the seven layers by default, transformers' unfused k/v and up projections by
+    name; an unknown name is a one-line error and exit 2 before any GPU work."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "w12_gemm.py"
+    r = subprocess.run([sys.executable, str(script), "--mode", "default", "--shapes", "llama8b.kv,nope"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "unknown shape nope" in r.stderr and len(r.stderr.strip().splitlines()) == 1
