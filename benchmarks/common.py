@@ -119,6 +119,16 @@ def time_cuda_graph(fn, *, reps: int = 50, warmup: int = 5, flush: L2Flusher | N
     return capture_and_time(fn, reps=reps, warmup=warmup, flush=flush)[0]
 
 
+def time_interleaved(fns, *, rounds: int = 3, reps: int = 50, flush: L2Flusher | None = None) -> list[float]:
+    """Median microseconds of each of ``fns`` over ``rounds`` rounds, each round timing every fn in
+    turn (:func:`time_cuda_graph`), so a drift of the GPU's clocks falls on all of them alike."""
+    times = [[] for _ in fns]
+    for _ in range(rounds):
+        for t, fn in zip(times, fns):
+            t.append(time_cuda_graph(fn, reps=reps, flush=flush))
+    return [sorted(t)[rounds // 2] for t in times]
+
+
 def capture_and_time(fn, *, reps: int = 50, warmup: int = 5, flush: L2Flusher | None = None):
     """Capture ``fn`` in a CUDA graph (after eager warm-up on a side stream) and time replays.
 

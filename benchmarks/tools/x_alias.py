@@ -29,10 +29,10 @@ def main() -> int:
     import torch
     import torch.nn.functional as F
 
-    from common import L2Flusher, time_cuda_graph
+    from common import L2Flusher, time_interleaved
     from specpilot.kernels.w12 import mma, warpk
     from specpilot.kernels.w12.gemm import w12_linear
-    from w12_gemm import SHAPES, random_layer, routed_path
+    from w12_gemm import SHAPES, random_layer, routed_path, tolerance
 
     if not torch.cuda.is_available():
         print("x_alias: needs a CUDA GPU", file=sys.stderr)
@@ -56,12 +56,9 @@ def main() -> int:
             r = {"shape": name, "k": k, "n": n, "m": m, "path": routed_path(x, kp)}
             for key, fn in kernels.items():
                 y = fn(xa)
-                r[key + "_alias_ok"] = bool(((y.float() - ref).abs() <= 2 ** -7 * ref.abs() + 1e-3 * ref.abs().max()).all())
-                real, alias = [], []
-                for _ in range(3):   # interleaved, median
-                    real.append(time_cuda_graph(lambda: fn(x), reps=30, flush=flush))
-                    alias.append(time_cuda_graph(lambda: fn(xa), reps=30, flush=flush))
-                r[key + "_us"], r[key + "_alias_us"] = round(sorted(real)[1], 2), round(sorted(alias)[1], 2)
+                r[key + "_alias_ok"] = bool(((y.float() - ref).abs() <= tolerance(ref)).all())
+                real, alias = time_interleaved([lambda: fn(x), lambda: fn(xa)], reps=30, flush=flush)
+                r[key + "_us"], r[key + "_alias_us"] = round(real, 2), round(alias, 2)
             rows.append(r)
             print(f"{name:16s} m={m:2d} " + "  ".join(f"{key} {r[key + '_us']:6.2f} -> {r[key + '_alias_us']:6.2f}"
                                                   for key in kernels) + f"  ({time.time() - t0:.0f}s)", flush=True)

@@ -1,0 +1,25 @@
+"""``benchmarks/common.py``'s interleaved timing: every fn once per round, in turn; the median per fn."""
+
+import importlib.util
+from pathlib import Path
+
+
+def _common():
+    spec = importlib.util.spec_from_file_location(
+        "bench_common", Path(__file__).resolve().parents[1] / "benchmarks" / "common.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_time_interleaved_takes_turns_and_the_median(monkeypatch):
+    common = _common()
+    calls, fake = [], {"a": iter([5.0, 1.0, 3.0]), "b": iter([9.0, 7.0, 8.0])}
+
+    def timed(fn, reps, flush):
+        calls.append(fn())
+        return next(fake[calls[-1]])
+
+    monkeypatch.setattr(common, "time_cuda_graph", timed)
+    assert common.time_interleaved([lambda: "a", lambda: "b"], reps=3) == [3.0, 8.0]
+    assert calls == ["a", "b"] * 3
