@@ -242,6 +242,10 @@ def test_routing_and_tuned_table():
     assert not mma.preferred(1) and mma.preferred(mma.MIN_ROWS) and mma.preferred(64)
     assert mma.default_config(32, 28672, 4096) == mma.TUNED[(28672, 4096, 32)]
     assert mma.default_config(3, 6144, 4096) == mma.TUNED[(6144, 4096, 8)]       # 2-8 rows share a bucket
+    # transformers' unfused k/v: its own entry, on Hopper and (without the TMA entries) elsewhere
+    assert mma.default_config(32, 1024, 4096, tma=False) == mma.TUNED[(1024, 4096, 32)]
+    assert mma.default_config(20, 14336, 4096) == mma.TUNED[(14336, 4096, 32)]
+    assert not mma.default_config(20, 14336, 4096, tma=False).tma
     cfg = mma.default_config(40, 1000, 3000)                                      # untuned: heuristic
     assert cfg.block_n == 64 and 1 <= cfg.split_k <= 47
     kp = KernelPack.from_w12(encode(make_weight(16, 64)), device="cpu")

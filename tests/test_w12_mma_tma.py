@@ -251,6 +251,9 @@ def test_tuned_tma_entries_only_where_tma_runs():
     assert mma.default_config(bm, n, k).tma
     assert not mma.default_config(bm, n, k, tma=False).tma
     assert not mma_tma.supported("cpu")
+    for cfg in mma.TUNED.values():   # every TMA entry is one the TMA rings accept
+        if cfg.tma:
+            mma_tma.check(cfg)
 
 
 def test_sweep_variants_are_valid_configs():

@@ -106,6 +106,8 @@ def test_default_config_routing_support_and_key():
     cfg = warpk.default_config(1, 4096, 4096)
     assert cfg.rows == 16 and cfg.split_k >= 1 and cfg.key().startswith("wk-r16-w4-d4-s")
     assert warpk.default_config(5, 6144, 4096) == warpk.TUNED[(6144, 4096, 8)]       # 2-8 rows share a bucket
+    assert all(warpk.check_config(c) is None for c in warpk.TUNED.values())
+    assert warpk.default_config(8, 1024, 4096).split_k == 4 and not warpk.preferred(16, 1024, 4096)
     assert [warpk.bucket(m) for m in (1, 2, 8, 9, 16, 17, 32)] == [1, 8, 8, 16, 16, 32, 32]
     # 2-8 rows always; 1 and 9-32 rows only on measured layers
     assert warpk.preferred(2, 1000, 3000) and warpk.preferred(8, 6144, 4096)

@@ -846,6 +846,13 @@ TUNED: dict[tuple[int, int, int], MmaConfig] = {
     (5120, 17408, 16): MmaConfig(64, 3, 4, 4, tma=2),  # 43.33 vs 47.65 us, w12_mma_tma.json
     (5120, 17408, 32): MmaConfig(64, 6, 4, 2, True),  # 49.4 vs 58.4 us (split 13), w12_mma_early.json
     (5120, 17408, 64): MmaConfig(64, 3, 4, 2, True),  # 0.68x (0.679x)
+    # transformers' unfused k/v and up projections (HF_SHAPES; w12_mma_hf.json, w12_mma_tma_hf.json,
+    # git c6e5fc8): against the untuned default re-timed interleaved in the same run
+    (1024, 4096, 16): MmaConfig(64, 8, 4, 3, False, True),  # 10.94 vs 14.56 us
+    (1024, 4096, 32): MmaConfig(64, 8, 4, 2, True),  # 12.80 vs 20.96 us
+    (1024, 4096, 64): MmaConfig(64, 8, 4, 3, False, True),  # 16.29 vs 38.18 us
+    (14336, 4096, 16): MmaConfig(128, 1, 8, 6, tma=2),  # 28.42 vs 30.75 us (wsmem 64-row: 29.50)
+    (14336, 4096, 32): MmaConfig(64, 1, 4, 4, tma=2),  # 33.41 vs 38.56 us (wsmem 128-row split 2: 34.18)
 }
 
 

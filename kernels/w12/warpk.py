@@ -313,6 +313,8 @@ TUNED: dict[tuple[int, int, int], WarpKConfig] = {
     # 17-32 rows with x loaded late (w12_warpk_xlate.json, git 2be1ecd): won on this layer only;
     # 32 escapes preloaded and the chain spread: 20.61 vs 21.38 us (w12_warpk_spread.json)
     (6144, 4096, 32): WarpKConfig(16, 4, 2, 1, x_late=True, esc_ch=32, **_ES),
+    # transformers' k/v projection (4096 -> 1024; w12_warpk_hf_rows.json, git c6e5fc8): 9.76 vs 10.37 us
+    (1024, 4096, 8): WarpKConfig(16, 4, 4, 4),
 }
 
 
