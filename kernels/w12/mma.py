@@ -853,6 +853,7 @@ TUNED: dict[tuple[int, int, int], MmaConfig] = {
     (1024, 4096, 64): MmaConfig(64, 8, 4, 3, False, True),  # 16.29 vs 38.18 us
     (14336, 4096, 16): MmaConfig(128, 1, 8, 6, tma=2),  # 28.42 vs 30.75 us (wsmem 64-row: 29.50)
     (14336, 4096, 32): MmaConfig(64, 1, 4, 4, tma=2),  # 33.41 vs 38.56 us (wsmem 128-row split 2: 34.18)
+    (14336, 4096, 64): MmaConfig(128, 1, 4, 4, True),  # 47.17 vs 55.20 us (w12_mma_hf_up64.json, git b45729b)
 }
 
 
