@@ -17,9 +17,13 @@
    a near-tie may flip: the first mismatch and the stock top-2 margin there are reported).
 6. Timing: ``--steps`` graph replays back to back (a greedy loop with no host round trip), CUDA
    events around them, ms per token; ``--rounds`` rounds alternating stock and W12, median.
+7. Verify steps (``--verify-rows``, default 8, 16 and 32): one forward of that many draft tokens
+   at the positions after the prompt, as a CUDA graph per model and row count, timed the same way
+   (ms per step); the rows' argmax agreement and the largest logit difference are reported.
 
-Results rows carry ``variant``, ``ms_per_token``, ``tokens_per_s`` and the stock baseline's numbers
-(``bf16_ms_per_token``, ``speedup``). On the CPU (``--tiny``) nothing is a GPU measurement: the W12
+Results rows carry ``variant``, ``step`` (``decode`` or ``verify``), ``rows``, ``ms_per_token`` (decode)
+or ``ms_per_step`` (verify), and the stock baseline's numbers (``bf16_ms_per_token`` /
+``bf16_ms_per_step``, ``speedup``). On the CPU (``--tiny``) nothing is a GPU measurement: the W12
 path there restores the weights and calls ``F.linear`` (docs/w12.md), so it only checks the script.
 """
 
@@ -188,6 +192,13 @@ class Decoder:
             self.logits = self._step()
 
     @torch.no_grad()
+    def capture_verify(self, tokens: list[int], graphs: bool) -> "VerifyStep":
+        """A verify step of ``len(tokens)`` rows: one forward of those tokens at the positions right
+        after the prompt (their K/V written to the same cache slots each time), as a CUDA graph
+        where ``graphs`` (eager, labelled, if capture fails)."""
+        return VerifyStep(self, tokens, graphs)
+
+    @torch.no_grad()
     def greedy(self, first_token: int, steps: int):
         """``steps`` tokens: the prefill's token, then steps-1 decode steps. Returns (tokens, top-2 margins)."""
         self.reset(first_token)
@@ -203,20 +214,85 @@ class Decoder:
     def time_steps(self, first_token: int, steps: int) -> float:
         """ms per token over ``steps`` back-to-back decode steps (CUDA events; wall clock on the CPU)."""
         self.reset(first_token)
-        cuda = self.device.startswith("cuda")
-        if cuda:
-            torch.cuda.synchronize()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(steps):
-                self.run_step()
-            b.record()
-            b.synchronize()
-            return a.elapsed_time(b) / steps
-        t = time.perf_counter()
+        return time_loop(self.run_step, steps, self.device.startswith("cuda"))
+
+
+class VerifyStep:
+    """One speculative verify step in a :class:`Decoder`'s model: ``n`` draft tokens in one forward
+    (static cache, positions after the prompt; the cache length reset on the device first, so every
+    replay is the same step)."""
+
+    def __init__(self, dec: Decoder, tokens: list[int], graphs: bool):
+        self.dec, self.n = dec, len(tokens)
+        self.ids = torch.tensor(tokens, dtype=torch.long, device=dec.device)[None]
+        self.pos = (dec.n_prompt + torch.arange(self.n, device=dec.device))[None]
+        self.graph, self.method, self.capture_error = None, "eager", None
+        for _ in range(2):   # warm-up: compiles the kernels for this row count, sizes workspaces
+            self.logits = self._step()
+        if graphs:
+            try:
+                s = torch.cuda.Stream()
+                s.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(s):
+                    self._step()
+                torch.cuda.current_stream().wait_stream(s)
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    self.logits = self._step()
+                self.graph, self.method = g, "cuda graph"
+            except Exception as e:
+                self.capture_error = f"{type(e).__name__}: {e}"[:400]
+                self.method = "eager (graph capture failed)"
+                torch.cuda.synchronize()
+
+    def _step(self):
+        self.dec._set_length(self.dec.n_prompt)
+        return self.dec._forward(self.ids, self.pos)
+
+    @torch.no_grad()
+    def run(self):
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.logits = self._step()
+        return self.logits
+
+    @torch.no_grad()
+    def time_ms(self, steps: int) -> float:
+        """ms per verify step over ``steps`` back-to-back steps (CUDA events; wall clock on the CPU)."""
+        return time_loop(self.run, steps, self.dec.device.startswith("cuda"))
+
+
+def time_loop(fn, steps: int, cuda: bool) -> float:
+    """ms per call of ``fn`` over ``steps`` calls back to back: CUDA events, or the wall clock."""
+    if cuda:
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
         for _ in range(steps):
-            self.run_step()
-        return (time.perf_counter() - t) * 1e3 / steps
+            fn()
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b) / steps
+    t = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    return (time.perf_counter() - t) * 1e3 / steps
+
+
+def parse_verify_rows(text: str) -> list[int]:
+    """``--verify-rows``: a comma list of row counts 2-64 (the fused kernels' range), or empty."""
+    if not text.strip():
+        return []
+    try:
+        rows = [int(v) for v in text.split(",")]
+    except ValueError:
+        rows = []
+    if not rows or any(not 2 <= r <= 64 for r in rows):
+        print(f"w12_hf: --verify-rows wants a comma list of integers 2-64, got {text!r}", file=sys.stderr)
+        raise SystemExit(2)
+    return rows
 
 
 def main():
@@ -227,12 +303,17 @@ def main():
     ap.add_argument("--steps", type=int, default=None, help="decode steps per timing round (default 128; 8 tiny)")
     ap.add_argument("--rounds", type=int, default=None, help="timing rounds per model (default 5; 2 tiny)")
     ap.add_argument("--no-graphs", action="store_true", help="eager decode steps (for comparison)")
+    ap.add_argument("--verify-rows", default=None,
+                    help="also time verify steps of these row counts (comma list, 2-64; default 8,16,32; "
+                         "4 with --tiny; empty: none)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None,
                     help="also write the results JSON here (with --tiny the only place it goes, "
                          "besides $OUT: a dry run never replaces benchmarks/results/)")
     args = ap.parse_args()
+    verify_rows = parse_verify_rows(args.verify_rows if args.verify_rows is not None
+                                    else ("4" if args.tiny else "8,16,32"))
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     torch.set_grad_enabled(False)
     import transformers
@@ -252,7 +333,7 @@ def main():
         context, steps, rounds = args.context or 1024, args.steps or 128, args.rounds or 5
     graphs = device.startswith("cuda") and not args.no_graphs
     check = max(2, args.check_steps)
-    max_len = context + max(check, steps) + 8
+    max_len = context + max([check, steps] + verify_rows) + 8
 
     stock = build(cfg, device, args.seed)
     lin_bytes = linear_bytes(stock)
@@ -308,11 +389,37 @@ def main():
     names = {"bf16": "stock bf16 (cuBLAS F.linear)" if cuda else "stock bf16 (F.linear)",
              "w12": "W12 convert_model (fused Triton kernel)" if cuda else "W12 convert_model (CPU: restored weights)"}
     for label, variant in names.items():
-        rows.append({"variant": variant, "model": name, "context": context, "steps_per_round": steps,
+        rows.append({"variant": variant, "step": "decode", "rows": 1, "model": name, "context": context,
+                     "steps_per_round": steps,
                      "rounds": rounds, "method": decs[label].method, "ms_per_token": ms[label],
                      "tokens_per_s": 1e3 / ms[label], "samples_ms": samples[label],
                      "bf16_ms_per_token": ms["bf16"], "speedup": ms["bf16"] / ms[label],
                      "projection_weight_GB": w_bytes[label] / 1e9, "capture_error": decs[label].capture_error})
+
+    # 3. verify steps: n draft tokens in one forward, both models, rounds alternating
+    vrows = []
+    gen = torch.Generator().manual_seed(2)
+    for n in verify_rows:
+        draft = torch.randint(0, cfg["vocab_size"], (n,), generator=gen).tolist()
+        vs = {label: decs[label].capture_verify(draft, graphs) for label in names}
+        lv = {label: vs[label].run()[0].float().clone() for label in names}
+        same = int((lv["bf16"].argmax(-1) == lv["w12"].argmax(-1)).sum())
+        vdiff = float((lv["bf16"] - lv["w12"]).abs().max())
+        vsamples = {label: [] for label in names}
+        for _ in range(rounds):
+            for label in names:
+                vsamples[label].append(vs[label].time_ms(steps))
+        vms = {k: statistics.median(v) for k, v in vsamples.items()}
+        for label, variant in names.items():
+            vrows.append({"variant": variant, "step": "verify", "rows": n, "model": name, "context": context,
+                          "steps_per_round": steps, "rounds": rounds, "method": vs[label].method,
+                          "ms_per_step": vms[label], "samples_ms": vsamples[label], "bf16_ms_per_step": vms["bf16"],
+                          "speedup": vms["bf16"] / vms[label], "argmax_rows_equal": same,
+                          "max_abs_logit_diff": vdiff, "capture_error": vs[label].capture_error})
+        log(f"verify {n} rows: bf16 {vms['bf16']:.3f} ms, w12 {vms['w12']:.3f} ms ({vms['bf16'] / vms['w12']:.3f}x); "
+            f"argmax equal on {same}/{n} rows, max |logit diff| {vdiff:.4g}")
+        vs = lv = None
+    rows += vrows
     extra = {"model": name, "transformers": transformers.__version__, "device": device, "dtype": "bfloat16",
              "batch": 1, "context": context, "weights": "random normal std 0.02 (norms 1), seed %d" % args.seed,
              "converted": len(rep.converted), "bits_per_weight": rep.bits_per_weight, "convert_seconds": convert_s,
@@ -341,7 +448,9 @@ def main():
             import shutil
 
             shutil.copyfile(REPO / "benchmarks" / "results" / "w12_hf.json", args.out)
-    print_table(rows, ["variant", "method", "ms_per_token", "tokens_per_s", "speedup", "projection_weight_GB"])
+    print_table(rows[:2], ["variant", "method", "ms_per_token", "tokens_per_s", "speedup", "projection_weight_GB"])
+    if vrows:
+        print_table(vrows, ["variant", "rows", "method", "ms_per_step", "speedup", "argmax_rows_equal"])
     print(f"greedy tokens identical over {check} steps: {identical}; bits/weight {rep.bits_per_weight:.4f}")
     log("done")
 

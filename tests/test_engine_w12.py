@@ -162,5 +162,25 @@ def test_w12_hf_benchmark_tiny_dry_run(tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     d = json.loads(out.read_text())
     assert d["benchmark"] == "w12_hf_tiny" and d["tokens_identical"] is True and d["converted"] == 14
-    assert d["first_step_max_abs_logit_diff"] == 0.0 and len(d["rows"]) == 2
+    assert d["first_step_max_abs_logit_diff"] == 0.0 and len(d["rows"]) == 4
     assert {"ms_per_token", "bf16_ms_per_token", "speedup", "variant"} <= set(d["rows"][1])
+    verify = [r for r in d["rows"] if r["step"] == "verify"]   # --tiny: one 4-row verify step per model
+    assert [r["rows"] for r in verify] == [4, 4] and all(r["argmax_rows_equal"] == 4 for r in verify)
+    assert verify[1]["max_abs_logit_diff"] == 0.0 and verify[1]["ms_per_step"] > 0
+
+
+@pytest.mark.parametrize("rows", ["1", "8,x", "65", "8,,16"])
+def test_w12_hf_verify_rows_are_checked(rows, capsys):
+    """benchmarks/w12_hf.py --verify-rows: 2-64 rows each (the fused kernels' range), else exit 2."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "w12_hf_bench", Path(__file__).resolve().parents[1] / "benchmarks" / "w12_hf.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.parse_verify_rows("8,16,32") == [8, 16, 32] and bench.parse_verify_rows("") == []
+    with pytest.raises(SystemExit) as e:
+        bench.parse_verify_rows(rows)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--verify-rows wants" in err and len(err.strip().splitlines()) == 1
