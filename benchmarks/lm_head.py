@@ -24,7 +24,7 @@ from common import L2Flusher, bootstrap  # noqa: E402
 
 bootstrap()
 
-from common import print_table, time_cuda_graph, write_results  # noqa: E402
+from common import print_table, time_cuda_graph, time_interleaved, write_results  # noqa: E402
 
 SHAPES = [(151936, 5120), (128256, 4096)]
 MS = (1, 8, 32)
@@ -130,12 +130,9 @@ def main() -> int:
                     best = (cfg, us)
             print(f"m={m}: best config {best[0]} at {best[1]:.1f} us over {len(configs)} configs", flush=True)
             ch.configure(*best[0])
-            ct, bt, lt = [], [], []
-            for _ in range(3):
-                ct.append(time_cuda_graph(lambda: ch.argmax_async(hb), reps=args.reps, flush=flush))
-                bt.append(time_cuda_graph(lambda: F.linear(hb, w).argmax(dim=-1), reps=args.reps, flush=flush))
-                lt.append(time_cuda_graph(lambda: F.linear(hb, w), reps=args.reps, flush=flush))
-            cert_us, bf16_us, lin_us = sorted(ct)[1], sorted(bt)[1], sorted(lt)[1]
+            cert_us, bf16_us, lin_us = time_interleaved(
+                [lambda: ch.argmax_async(hb), lambda: F.linear(hb, w).argmax(dim=-1), lambda: F.linear(hb, w)],
+                reps=args.reps, flush=flush)
             rows.append({"vocab": v, "hidden": hd, "m": m, "certified_us": round(cert_us, 2),
                          "bf16_us": round(bf16_us, 2), "bf16_linear_only_us": round(lin_us, 2),
                          "speedup": round(bf16_us / cert_us, 3), "argmax_mismatches": mism,

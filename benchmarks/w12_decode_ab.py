@@ -23,7 +23,7 @@ from common import bootstrap  # noqa: E402
 
 bootstrap()
 
-from common import L2Flusher, print_table, time_cuda_graph, write_results  # noqa: E402
+from common import L2Flusher, print_table, time_interleaved, write_results  # noqa: E402
 from w12_gemm import SHAPES, random_layer, row_inputs, speedup_summary  # noqa: E402
 
 
@@ -56,12 +56,9 @@ def main() -> int:
             yp = run(x, kp, config=plain)
             ok = bool(((yf.float() - ref).abs() <= tol).all())
             same = bool(torch.equal(yf.view(torch.int16), yp.view(torch.int16)))
-            f_t, p_t, c_t = [], [], []
-            for _ in range(3):
-                f_t.append(time_cuda_graph(lambda: run(x, kp, config=fast), reps=args.reps, flush=flush))
-                p_t.append(time_cuda_graph(lambda: run(x, kp, config=plain), reps=args.reps, flush=flush))
-                c_t.append(time_cuda_graph(lambda: F.linear(x, w), reps=args.reps, flush=flush))
-            f_us, p_us, c_us = (sorted(v)[1] for v in (f_t, p_t, c_t))
+            f_us, p_us, c_us = time_interleaved(
+                [lambda: run(x, kp, config=fast), lambda: run(x, kp, config=plain), lambda: F.linear(x, w)],
+                reps=args.reps, flush=flush)
             rows.append({"shape": name, "k": k, "n": n, "m": m, "config": fast.key(), "w12_us": round(f_us, 2),
                          "plain_decode_us": round(p_us, 2), "cublas_us": round(c_us, 2),
                          "speedup": round(c_us / f_us, 3), "plain_speedup": round(c_us / p_us, 3),
