@@ -119,6 +119,19 @@ def time_cuda_graph(fn, *, reps: int = 50, warmup: int = 5, flush: L2Flusher | N
     return capture_and_time(fn, reps=reps, warmup=warmup, flush=flush)[0]
 
 
+def parse_int_list(text: str, lo: int, hi: int, what: str) -> list[int]:
+    """A comma list of integers in [lo, hi]; otherwise one line on stderr (``what`` names the
+    script and option, e.g. ``"read_floor: --rows"``) and exit 2."""
+    try:
+        vals = [int(v) for v in text.split(",")]
+    except ValueError:
+        vals = []
+    if not vals or any(not lo <= v <= hi for v in vals):
+        print(f"{what} wants a comma list of integers {lo}-{hi}, got {text!r}", file=sys.stderr)
+        raise SystemExit(2)
+    return vals
+
+
 def time_interleaved(fns, *, rounds: int = 3, reps: int = 50, flush: L2Flusher | None = None) -> list[float]:
     """Median microseconds of each of ``fns`` over ``rounds`` rounds, each round timing every fn in
     turn (:func:`time_cuda_graph`), so a drift of the GPU's clocks falls on all of them alike."""

@@ -36,7 +36,7 @@ from common import bootstrap  # noqa: E402
 
 bootstrap()
 
-from common import L2Flusher, print_table, time_cuda_graph, time_interleaved, write_results  # noqa: E402
+from common import L2Flusher, parse_int_list, print_table, time_cuda_graph, time_interleaved, write_results  # noqa: E402
 from w12_gemm import random_layer, select_shapes  # noqa: E402
 
 from specpilot.kernels.triton_env import tl, triton  # noqa: E402
@@ -300,14 +300,7 @@ def _us(v: float):
 
 def parse_rows(text: str) -> list[int]:
     """``--rows``: a comma list of x row counts 1-64 (exit 2 otherwise)."""
-    try:
-        ms = [int(v) for v in text.split(",")]
-    except ValueError:
-        ms = []
-    if not ms or any(not 1 <= m <= 64 for m in ms):
-        print(f"read_floor: --rows wants a comma list of integers 1-64, got {text!r}", file=sys.stderr)
-        raise SystemExit(2)
-    return ms
+    return parse_int_list(text, 1, 64, "read_floor: --rows")
 
 
 if __name__ == "__main__":

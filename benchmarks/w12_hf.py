@@ -46,7 +46,7 @@ bootstrap()
 
 import torch  # noqa: E402
 
-from common import environment, print_table, write_results  # noqa: E402
+from common import environment, parse_int_list, print_table, write_results  # noqa: E402
 
 T0 = time.time()
 PREFILL_CHUNK = 256  # rows per prefill forward: the fused W12 kernel's range (module.KERNEL_MAX_ROWS)
@@ -283,16 +283,7 @@ def time_loop(fn, steps: int, cuda: bool) -> float:
 
 def parse_verify_rows(text: str) -> list[int]:
     """``--verify-rows``: a comma list of row counts 2-64 (the fused kernels' range), or empty."""
-    if not text.strip():
-        return []
-    try:
-        rows = [int(v) for v in text.split(",")]
-    except ValueError:
-        rows = []
-    if not rows or any(not 2 <= r <= 64 for r in rows):
-        print(f"w12_hf: --verify-rows wants a comma list of integers 2-64, got {text!r}", file=sys.stderr)
-        raise SystemExit(2)
-    return rows
+    return parse_int_list(text, 2, 64, "w12_hf: --verify-rows") if text.strip() else []
 
 
 def main():
