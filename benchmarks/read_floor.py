@@ -111,26 +111,33 @@ def read_configs():
                     yield block, warps, stages, per_sm
 
 
+def fastest(cases, flush, reps: int) -> tuple[float, str | None]:
+    """``(us, label)`` of the fastest of ``cases``, ``(label, fn)`` pairs each timed in a CUDA graph."""
+    best = (math.inf, None)
+    for label, fn in cases:
+        us = time_cuda_graph(fn, reps=reps, flush=flush)
+        if us < best[0]:
+            best = (us, label)
+    return best
+
+
 def best_read_us(buf, flush, sms: int, reps: int):
     """The fastest read of ``buf`` (int32, length a multiple of 4) over :func:`read_configs`."""
     import torch
 
     n_vec = buf.numel() // 4
-    best = (math.inf, None)
-    for block, warps, stages, per_sm in read_configs():
-        progs = sms * per_sm
-        vpp = (n_vec + progs - 1) // progs
-        vpp = (vpp + block - 1) // block * block
-        progs = (n_vec + vpp - 1) // vpp
-        out = torch.empty(progs, dtype=torch.int32, device=buf.device)
 
-        def run():
-            _read_kernel[(progs,)](buf, out, n_vec, vpp, BLOCK=block, STAGES=stages, num_warps=warps)
+    def cases():
+        for block, warps, stages, per_sm in read_configs():
+            progs = sms * per_sm
+            vpp = (n_vec + progs - 1) // progs
+            vpp = (vpp + block - 1) // block * block
+            progs = (n_vec + vpp - 1) // vpp
+            out = torch.empty(progs, dtype=torch.int32, device=buf.device)
+            yield (f"block{block}-w{warps}-st{stages}-{per_sm}/sm",
+                   lambda: _read_kernel[(progs,)](buf, out, n_vec, vpp, BLOCK=block, STAGES=stages, num_warps=warps))
 
-        us = time_cuda_graph(run, reps=reps, flush=flush)
-        if us < best[0]:
-            best = (us, f"block{block}-w{warps}-st{stages}-{per_sm}/sm")
-    return best
+    return fastest(cases(), flush, reps)
 
 
 def tma_configs():
@@ -165,21 +172,18 @@ def best_tma_read_us(buf, flush, sms: int, reps: int):
     if torch.cuda.get_device_capability(buf.device)[0] < 9 or buf.numel() % 32:
         return math.inf, None
     view = buf.view(-1, 32)
-    best = (math.inf, None)
-    for box, warps, stages, per_sm, persist in tma_configs():
-        n_blocks = -(-view.shape[0] // box)
-        progs, bpp = tma_grid(n_blocks, sms, per_sm, persist)
-        desc = TensorDescriptor.from_tensor(view, [box, 32])
-        out = torch.empty(progs, dtype=torch.int32, device=buf.device)
 
-        def run():
-            _read_tma_kernel[(progs,)](desc, out, n_blocks, bpp, BLOCK_R=box, STAGES=stages, PERSIST=persist,
-                                       num_warps=warps)
+    def cases():
+        for box, warps, stages, per_sm, persist in tma_configs():
+            n_blocks = -(-view.shape[0] // box)
+            progs, bpp = tma_grid(n_blocks, sms, per_sm, persist)
+            desc = TensorDescriptor.from_tensor(view, [box, 32])
+            out = torch.empty(progs, dtype=torch.int32, device=buf.device)
+            yield (f"tma-box{box}-w{warps}-st{stages}-{per_sm}/sm{'-persist' if persist else ''}",
+                   lambda: _read_tma_kernel[(progs,)](desc, out, n_blocks, bpp, BLOCK_R=box, STAGES=stages,
+                                                      PERSIST=persist, num_warps=warps))
 
-        us = time_cuda_graph(run, reps=reps, flush=flush)
-        if us < best[0]:
-            best = (us, f"tma-box{box}-w{warps}-st{stages}-{per_sm}/sm{'-persist' if persist else ''}")
-    return best
+    return fastest(cases(), flush, reps)
 
 
 def slice_configs():
@@ -196,23 +200,20 @@ def best_slices_us(rec, n: int, kt: int, flush, sms: int, reps: int) -> dict:
     per program shape: ``{"slices": (us, config), "whole": (us, config)}`` (8-16 rows / whole records)."""
     import torch
 
-    best = {"slices": (math.inf, None), "whole": (math.inf, None)}
-    for rows, recs, warps, stages, per_sm in slice_configs():
-        nb = n // rows
-        split = max(1, min(kt, round(per_sm * sms / nb)))
-        tpp = (kt + split - 1) // split
-        split = (kt + tpp - 1) // tpp
-        out = torch.empty(nb * split, dtype=torch.int32, device=rec.device)
+    def cases(whole: bool):
+        for rows, recs, warps, stages, per_sm in slice_configs():
+            if (rows == 128) != whole:
+                continue
+            nb = n // rows
+            split = max(1, min(kt, round(per_sm * sms / nb)))
+            tpp = (kt + split - 1) // split
+            split = (kt + tpp - 1) // tpp
+            out = torch.empty(nb * split, dtype=torch.int32, device=rec.device)
+            yield (f"rows{rows}-recs{recs}-w{warps}-st{stages}-s{split}",
+                   lambda: _read_slices_kernel[(nb, split)](rec, out, kt, tpp, ROWS=rows, RECS=recs, STAGES=stages,
+                                                            num_warps=warps))
 
-        def run():
-            _read_slices_kernel[(nb, split)](rec, out, kt, tpp, ROWS=rows, RECS=recs, STAGES=stages,
-                                             num_warps=warps)
-
-        us = time_cuda_graph(run, reps=reps, flush=flush)
-        key = "whole" if rows == 128 else "slices"
-        if us < best[key][0]:
-            best[key] = (us, f"rows{rows}-recs{recs}-w{warps}-st{stages}-s{split}")
-    return best
+    return {"slices": fastest(cases(False), flush, reps), "whole": fastest(cases(True), flush, reps)}
 
 
 def main() -> int:

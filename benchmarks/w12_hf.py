@@ -161,28 +161,10 @@ class Decoder:
         self.reset(first_token)
         for _ in range(3):  # warm-up (compiles Triton kernels, sizes workspaces) off the main stream
             self.logits = self._step()
-        if not graphs:
-            self.reset(first_token)
-            return
-        try:
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                self.reset(first_token)
-                self._step()
-            torch.cuda.current_stream().wait_stream(s)
-            torch.cuda.synchronize()
-            self.reset(first_token)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                self.logits = self._step()
-            self.graph = g
-            self.method = "cuda graph"
-        except Exception as e:  # keep going eagerly, and say so
-            self.capture_error = f"{type(e).__name__}: {e}"[:400]
-            self.graph = None
-            self.method = "eager (graph capture failed)"
-            torch.cuda.synchronize()
+        if graphs:
+            self.graph, out, self.method, self.capture_error = capture_graph(self._step, lambda: self.reset(first_token))
+            if self.graph is not None:
+                self.logits = out
         self.reset(first_token)
 
     def run_step(self):
@@ -230,21 +212,9 @@ class VerifyStep:
         for _ in range(2):   # warm-up: compiles the kernels for this row count, sizes workspaces
             self.logits = self._step()
         if graphs:
-            try:
-                s = torch.cuda.Stream()
-                s.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(s):
-                    self._step()
-                torch.cuda.current_stream().wait_stream(s)
-                torch.cuda.synchronize()
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    self.logits = self._step()
-                self.graph, self.method = g, "cuda graph"
-            except Exception as e:
-                self.capture_error = f"{type(e).__name__}: {e}"[:400]
-                self.method = "eager (graph capture failed)"
-                torch.cuda.synchronize()
+            self.graph, out, self.method, self.capture_error = capture_graph(self._step)
+            if self.graph is not None:
+                self.logits = out
 
     def _step(self):
         self.dec._set_length(self.dec.n_prompt)
@@ -262,6 +232,28 @@ class VerifyStep:
     def time_ms(self, steps: int) -> float:
         """ms per verify step over ``steps`` back-to-back steps (CUDA events; wall clock on the CPU)."""
         return time_loop(self.run, steps, self.dec.device.startswith("cuda"))
+
+
+def capture_graph(step, prepare=lambda: None):
+    """``step()`` as a CUDA graph: run once on a side stream, then captured, ``prepare()`` before
+    each. Returns ``(graph, its output, method, None)``, or ``(None, None, method, error)`` when
+    capture fails (the caller keeps running ``step`` eagerly, and says so)."""
+    try:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            prepare()
+            step()
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        prepare()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = step()
+        return g, out, "cuda graph", None
+    except Exception as e:  # keep going eagerly, and say so
+        torch.cuda.synchronize()
+        return None, None, "eager (graph capture failed)", f"{type(e).__name__}: {e}"[:400]
 
 
 def time_loop(fn, steps: int, cuda: bool) -> float:
