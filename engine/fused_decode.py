@@ -19,8 +19,12 @@ Steps of more than one row (prefill, chain and tree verification) keep the layer
 arithmetic is the layer's own, rounding for rounding; only the fp32 summation order of the
 projections differs from cuBLAS's, as between any two GEMM kernels.
 
-Eligible models: dense Llama-family attention layers with plain ``nn.Linear`` projections (no
-W12), no q/k/v bias, no q/k norm, no attention output gate, RoPE over the whole head dimension
+With ``w12=1`` (on CUDA the projections are ``W12Projection``s) the same four kernels read the W12
+records instead (:mod:`specpilot.kernels.decode.gemv_w12`): 12 bits per weight, decoded in
+registers, the same prologues and epilogues.
+
+Eligible models: dense Llama-family attention layers with ``nn.Linear`` or W12 projections and no
+projection bias, no q/k norm, no attention output gate, RoPE over the whole head dimension
 (a power of two), on CUDA (the kernels run in Triton's interpreter on the CPU, for tests only).
 """
 
@@ -37,6 +41,7 @@ KINDS = ("auto", "layers", "fused")
 def ineligible(model) -> str | None:
     """Why ``model`` cannot take the fused one-row path (None when it can)."""
     from specpilot.engine.model import Attention
+    from specpilot.engine.w12 import W12Projection
     from specpilot.kernels.decode.gemv import DEFAULT
 
     spec = model.spec
@@ -49,10 +54,10 @@ def ineligible(model) -> str | None:
         if not isinstance(m, Attention):
             return f"layer {i} is not an attention layer"
         for name, lin in (("q/k/v", m.wqkv), ("o", m.wo), ("gate/up", blk.w13), ("down", blk.w2)):
-            if type(lin) is not nn.Linear:
-                return f"layer {i}'s {name} projection is not a dense nn.Linear (W12?)"
-        if m.wqkv.bias is not None:
-            return "the q/k/v projection has a bias"
+            if type(lin) is not nn.Linear and type(lin) is not W12Projection:
+                return f"layer {i}'s {name} projection is a {type(lin).__name__}, not nn.Linear or W12"
+            if lin.bias is not None:
+                return f"the {name} projection has a bias"
         if m.qk_norm or m.gate:
             return "q/k norms or an attention output gate are not fused"
         if m.hd & (m.hd - 1) or (m.hd // 2) % DEFAULT.pairs or m.nh % m.nkv:
@@ -87,10 +92,16 @@ def block_step(blk, x: torch.Tensor, inp, cos: torch.Tensor, sin: torch.Tensor, 
     from specpilot.kernels.decode import gemv
 
     m = blk.mixer
-    q = gemv.norm_qkv_rope_store(x, blk.attn_norm, blk.eps, m.wqkv.weight, cos, sin, inp.pos, inp.slots,
+    q = gemv.norm_qkv_rope_store(x, blk.attn_norm, blk.eps, _weight(m.wqkv), cos, sin, inp.pos, inp.slots,
                                  m.k_cache[0], m.v_cache[0], m.nh, m.nkv)
     o = masked_gqa_attention(q.view(1, m.nh, m.hd), m.k_cache[0, :, :kv_len], m.v_cache[0, :, :kv_len],
                              inp.mask[:, :kv_len], m.hd ** -0.5, pdl=gemv.USE_PDL)
-    x = gemv.gemv_residual(o, m.wo.weight, x)
-    a = gemv.norm_gate_up_silu(x, blk.mlp_norm, blk.eps, blk.w13.weight, blk.inter)
-    return gemv.gemv_residual(a, blk.w2.weight, x)
+    x = gemv.gemv_residual(o, _weight(m.wo), x)
+    a = gemv.norm_gate_up_silu(x, blk.mlp_norm, blk.eps, _weight(blk.w13), blk.inter)
+    return gemv.gemv_residual(a, _weight(blk.w2), x)
+
+
+def _weight(lin):
+    """What the kernels take: the dense weight, or a W12 projection's records (``KernelPack``)."""
+    kp = getattr(lin, "kp", None)
+    return kp if kp is not None else lin.weight

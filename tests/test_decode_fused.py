@@ -211,3 +211,130 @@ def test_gpu_pdl_chain_is_bitwise_equal_to_serial_launches():
         finally:
             G.USE_PDL = True
     assert torch.equal(outs[True], outs[False])
+
+
+def _w12_weight(n, k, g, scale=0.1):
+    """A bf16 weight with escapes in most rows (zeros, values above and far below the row's window)
+    and its W12 KernelPack on DEV."""
+    from specpilot.kernels.w12 import encode
+    from specpilot.kernels.w12.gemm import KernelPack
+
+    w = (torch.randn(n, k, generator=g) * scale).to(torch.bfloat16)
+    idx = torch.randint(0, n * k, (n * 3,), generator=g)
+    vals = torch.tensor([0.0, 1.5, -3e-7, 1e-30, -0.0, -2.0], dtype=torch.bfloat16)
+    w.view(-1)[idx] = vals[torch.arange(idx.numel()) % vals.numel()]
+    packed = encode(w)
+    assert packed.num_escapes > 0
+    return w.to(DEV), KernelPack.from_w12(packed, device=DEV)
+
+
+@pytest.mark.parametrize("cfg", [None, "small"])
+def test_w12_kernels_match_the_reference(cfg):
+    """The W12 variants of the three fused kernels (kernels/decode/gemv_w12.py) against the plain
+    references and against the dense kernels on the same bf16 weights (those share the W12
+    kernel's normalisation, so only the fp32 summation order differs: within one bf16 rounding):
+    K not a multiple of the 64-wide record, rows in two record tiles, escapes in most rows."""
+    from specpilot.kernels.decode.gemv_w12 import W12GemvConfig
+
+    c = W12GemvConfig(pairs=4, recs=2, warps=1, stages=1, esc_ch=4) if cfg else None
+    g = torch.Generator().manual_seed(5)
+    dt = torch.bfloat16
+    K, N, inter = 160, 192, 136
+    x, res = torch.randn(1, K, generator=g).to(dt).to(DEV), torch.randn(1, N, generator=g).to(dt).to(DEV)
+    gamma = (torch.rand(K, generator=g) + 0.5).to(dt).to(DEV)
+    w, kp = _w12_weight(N, K, g)
+    y = G.gemv_residual(x, kp, res, c)
+    _close(y, R.gemv_residual(x, w, res), dt)
+    _one_rounding(y, G.gemv_residual(x, w, res, SMALL))
+    w13, kp13 = _w12_weight(2 * inter, K, g)
+    y = G.norm_gate_up_silu(x, gamma, 1e-5, kp13, inter, c)
+    _close(y, R.norm_gate_up_silu(x, gamma, 1e-5, w13, inter), dt)
+    _one_rounding(y, G.norm_gate_up_silu(x, gamma, 1e-5, w13, inter, SMALL))
+    nh, nkv, hd, S = 4, 2, 32, 12
+    wq, kpq = _w12_weight((nh + 2 * nkv) * hd, K, g)
+    cos, sin = _rope_tables(hd, 16)
+    pos, slot = torch.tensor([7], device=DEV), torch.tensor([9], device=DEV)
+    kc, vc = torch.randn(nkv, S, hd, generator=g).to(dt).to(DEV), torch.randn(nkv, S, hd, generator=g).to(dt).to(DEV)
+    kc2, vc2 = kc.clone(), vc.clone()
+    kc3, vc3 = kc.clone(), vc.clone()
+    q = G.norm_qkv_rope_store(x, gamma, 1e-5, kpq, cos, sin, pos, slot, kc, vc, nh, nkv, c)
+    q2 = R.norm_qkv_rope_store(x, gamma, 1e-5, wq, cos, sin, pos, slot, kc2, vc2, nh, nkv)
+    _close(q, q2, dt)
+    _close(kc, kc2, dt)
+    _close(vc, vc2, dt)
+    q3 = G.norm_qkv_rope_store(x, gamma, 1e-5, wq, cos, sin, pos, slot, kc3, vc3, nh, nkv, SMALL)
+    _one_rounding(q, q3)
+    _one_rounding(kc, kc3)
+    _one_rounding(vc, vc3)
+
+
+def _one_rounding(a, b):
+    """a and b (bf16) differ by at most one rounding of the larger: 2**-7 relative."""
+    a, b = a.float(), b.float()
+    assert ((a - b).abs() <= torch.maximum(a.abs(), b.abs()) * 2.0 ** -7 + 1e-6).all(), (a - b).abs().max()
+
+
+def test_w12_kernel_config_errors():
+    from specpilot.kernels.decode.gemv_w12 import W12GemvConfig
+
+    g = torch.Generator().manual_seed(6)
+    _, kp = _w12_weight(128, 64, g)
+    x, res = torch.zeros(1, 64, dtype=torch.bfloat16, device=DEV), torch.zeros(1, 128, dtype=torch.bfloat16, device=DEV)
+    with pytest.raises(ValueError, match="does not fit a W12 weight"):
+        G.gemv_residual(x, kp, res, SMALL)
+    with pytest.raises(ValueError, match="power of two"):
+        G.gemv_residual(x, kp, res, W12GemvConfig(pairs=4, recs=3))
+    with pytest.raises(ValueError, match="at most 64"):
+        G.gemv_residual(x, kp, res, W12GemvConfig(pairs=128))
+    with pytest.raises(ValueError, match="does not fit a dense weight"):
+        G.gemv_residual(x, torch.zeros(128, 64, dtype=torch.bfloat16, device=DEV), res, W12GemvConfig())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_w12_kernels_at_llama_shapes():
+    """The W12 fused kernels at Llama-3.1-8B shapes (table configs): within one bf16 rounding of
+    the dense kernels on the same weights, and bitwise the same run to run."""
+    from specpilot.kernels.w12 import encode
+    from specpilot.kernels.w12.gemm import KernelPack
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    hidden, inter, nh, nkv, hd = 4096, 14336, 32, 8, 128
+
+    def pack(n, k):
+        w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+        w[::7, ::5] = 0          # escapes
+        return w, KernelPack.from_w12(encode(w), device="cuda")
+
+    x = torch.randn(1, hidden, device="cuda", generator=g).to(torch.bfloat16)
+    xi = torch.randn(1, inter, device="cuda", generator=g).to(torch.bfloat16)
+    gamma = (torch.rand(hidden, device="cuda", generator=g) + 0.5).to(torch.bfloat16)
+    for w, kp, xx in ((*pack(hidden, hidden), x), (*pack(hidden, inter), xi)):
+        got = G.gemv_residual(xx, kp, x)
+        assert torch.equal(got, G.gemv_residual(xx, kp, x))
+        _one_rounding(got - x, G.gemv_residual(xx, w, x) - x)
+    w13, kp13 = pack(2 * inter, hidden)
+    got = G.norm_gate_up_silu(x, gamma, 1e-5, kp13, inter)
+    assert torch.equal(got, G.norm_gate_up_silu(x, gamma, 1e-5, kp13, inter))
+    _one_rounding(got, G.norm_gate_up_silu(x, gamma, 1e-5, w13, inter))
+    wq, kpq = pack((nh + 2 * nkv) * hd, hidden)
+    cos, sin = _rope_tables(hd, 64)
+    pos, slot = torch.tensor([33], device="cuda"), torch.tensor([40], device="cuda")
+    caches = [torch.zeros(nkv, 64, hd, dtype=torch.bfloat16, device="cuda") for _ in range(4)]
+    q = G.norm_qkv_rope_store(x, gamma, 1e-5, kpq, cos, sin, pos, slot, caches[0], caches[1], nh, nkv)
+    q2 = G.norm_qkv_rope_store(x, gamma, 1e-5, wq, cos, sin, pos, slot, caches[2], caches[3], nh, nkv)
+    _one_rounding(q, q2)
+    _one_rounding(caches[0], caches[2])
+    _one_rounding(caches[1], caches[3])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_w12_engine_takes_the_fused_decode():
+    """``w12=1`` on CUDA: ``decode=auto`` now picks the fused kernels (their W12 variants), and AR
+    generation in CUDA graphs gives the W12 layer modules' tokens (tiny model, bf16)."""
+    prompt = [ord(c) for c in "the cat sat on the mat. the cat sat on the"]
+    auto = load_engine("engine:model=tiny,mode=ar,ctx=256,device=cuda,w12=1")
+    assert auto.info["decode"] == "fused" and auto.info["w12"]["path"] == "fused"
+    ref = load_engine("engine:model=tiny,mode=ar,ctx=256,device=cuda,w12=1,decode=layers").generate(prompt, 24)
+    assert auto.generate(prompt, 24).output_ids == ref.output_ids

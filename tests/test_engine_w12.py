@@ -115,6 +115,48 @@ def test_w12_fused_path_under_the_interpreter(monkeypatch):
     assert (la - lb).abs().max() < 0.05 * la.abs().max()
 
 
+@pytest.mark.skipif(_TRITON_LATE and not torch.cuda.is_available(),
+                    reason="Triton was imported before TRITON_INTERPRET was set")
+def test_w12_one_row_step_through_the_fused_decode_kernels(monkeypatch):
+    """decode=fused on a W12 model: the one-row step runs the W12 variants of the fused decode
+    kernels (kernels/decode/gemv_w12.py) and gives the layer modules' logits and K/V up to bf16
+    rounding (both read the same W12 records; the interpreter runs it on the CPU). Attention is the
+    torch reference here: Triton's interpreter gets bf16 ``tl.dot`` wrong (the fused attention is
+    checked in bf16 on the GPU, tests/test_attention_kernel.py)."""
+    pytest.importorskip("triton")
+    from specpilot.engine import w12 as ew
+    from specpilot.engine.api import build_model
+    from specpilot.engine.fused_decode import ineligible
+    from specpilot.engine.model import StepInput
+    from specpilot.kernels.attention import decode, reference
+
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(decode, "masked_gqa_attention",
+                            lambda q, k, v, mask, scale, pdl=False: reference.masked_gqa_attention(q, k, v, mask, scale))
+    torch.set_grad_enabled(False)
+    ctx = 32
+    m, _, _ = build_model("tiny", True, torch.bfloat16, "cpu", ctx)
+    ew.convert_engine_model(m, fused=True)
+    assert ineligible(m) is None
+    n = 3
+    pos = torch.arange(n)
+    m.forward(StepInput(torch.tensor(PROMPT[:n]), pos, pos, torch.arange(ctx)[None, :] <= pos[:, None], "seq"),
+              kv_len=ctx)
+    one = StepInput(torch.tensor([PROMPT[n]]), torch.tensor([n]), torch.tensor([n]),
+                    torch.arange(ctx)[None, :] <= n, "seq")
+    ref = m.forward(one, kv_len=ctx).float()
+    kv_ref = [blk.mixer.k_cache[0, :, n].clone() for blk in m.layers]
+    for blk in m.layers:
+        blk.mixer.k_cache[0, :, n] = 0
+    assert m.set_decode("fused") == "fused"
+    got = m.forward(one, kv_len=ctx).float()
+    assert (got - ref).abs().max() < 0.05 * ref.abs().max()
+    for blk, k in zip(m.layers, kv_ref):
+        assert (blk.mixer.k_cache[0, :, n].float() - k.float()).abs().max() < 0.05 * k.float().abs().max()
+    m.layers[0].w2.bias = torch.nn.Parameter(torch.zeros(m.layers[0].w2.out_features, dtype=torch.bfloat16))
+    assert "down projection has a bias" in ineligible(m)
+
+
 def test_run_and_probe_rows_take_w12(run_cli, tmp_path):
     code, out, err = run_cli("run", "--model", "tiny", "--mode", "tree", "--w12", "--prompt", "abcabc abcabc",
                              "--max-new-tokens", "8", "--format", "json")

@@ -17,7 +17,8 @@ prologue and an epilogue chosen at compile time takes the whole layer apart from
 
 Every program loads two ``[B, BLOCK_K]`` weight tiles per iteration (rows ``a`` and ``b``: the
 two halves of its block, or the gate/up or RoPE pairs), accumulates in fp32 and reduces once at
-the end: no atomics, no split-K, so results are bitwise identical run to run. The plain reference
+the end: no atomics, no split-K, so results are bitwise identical run to run. Each function also
+takes W12 weights (a ``KernelPack``): the same kernel reading 12-bit records (:mod:`.gemv_w12`). The plain reference
 is :mod:`.reference`; the kernels also run under Triton's interpreter (CPU tests).
 """
 
@@ -69,35 +70,35 @@ if triton is not None:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     @triton.jit
-    def _x_chunk(x_ptr, gamma_ptr, kk, K, rstd, NORM: tl.constexpr):
-        """x[kk] as a ``[1, BLOCK_K]`` fp32 row; with ``NORM`` RMS-normalised and scaled by gamma,
-        rounded to x's dtype at the two points ``rms_norm`` rounds."""
+    def _x_at(x_ptr, gamma_ptr, kk, K, rstd, NORM: tl.constexpr):
+        """x[kk] (offsets of any shape, 0 from K on) in fp32; with ``NORM`` RMS-normalised and scaled
+        by gamma, rounded to x's dtype at the two points ``rms_norm`` rounds."""
         km = kk < K
         xv = tl.load(x_ptr + kk, mask=km, other=0.0)
         if NORM:
             g = tl.load(gamma_ptr + kk, mask=km, other=0.0)
             xn = (xv.to(tl.float32) * rstd).to(x_ptr.dtype.element_ty)
             xv = (g.to(tl.float32) * xn.to(tl.float32)).to(x_ptr.dtype.element_ty)
-        return xv.to(tl.float32)[None, :]
+        return xv.to(tl.float32)
 
     @triton.jit
-    def _gemv_kernel(x_ptr, gamma_ptr, w_ptr, y_ptr, res_ptr,
-                     cos_ptr, sin_ptr, pos_ptr, slot_ptr, kc_ptr, vc_ptr,
-                     K, stride_w, eps, INTER, NH, NKV,
-                     stride_ch, stride_cs, stride_dh, stride_ds, stride_rot,
-                     NORM: tl.constexpr, EPI: tl.constexpr, HD: tl.constexpr,
-                     B: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, XP: tl.constexpr,
-                     PDL: tl.constexpr):
-        pid = tl.program_id(0)
+    def _x_chunk(x_ptr, gamma_ptr, kk, K, rstd, NORM: tl.constexpr):
+        """:func:`_x_at` of ``kk`` as a ``[1, BLOCK_K]`` row."""
+        return _x_at(x_ptr, gamma_ptr, kk, K, rstd, NORM)[None, :]
+
+    @triton.jit
+    def _rows(pid, INTER, EPI: tl.constexpr, HD: tl.constexpr, B: tl.constexpr):
+        """The program's two row groups ``rows_a``/``rows_b`` (B rows each) and, for the epilogues,
+        the gate/up index ``p``, the RoPE dim ``d`` and the head ``head``."""
         i = tl.arange(0, B)
-        offs_k = tl.arange(0, BLOCK_K)
+        p = pid * B + i
+        d = p
+        head = pid
         if EPI == 2:      # gate row p, up row INTER + p
-            p = pid * B + i
             rows_a = p
             rows_b = INTER + p
         elif EPI == 3:    # dims d and d + HD/2 of head h
             HALF: tl.constexpr = HD // 2
-            p = pid * B + i
             head = (pid * B) // HALF
             d = p % HALF
             rows_a = head * HD + d
@@ -105,38 +106,28 @@ if triton is not None:
         else:             # rows pid*2B .. +B and +B .. +2B
             rows_a = pid * (2 * B) + i
             rows_b = rows_a + B
-        wa_ptrs = w_ptr + rows_a.to(tl.int64)[:, None] * stride_w + offs_k[None, :]
-        wb_ptrs = w_ptr + rows_b.to(tl.int64)[:, None] * stride_w + offs_k[None, :]
+        return rows_a, rows_b, p, d, head
 
-        # the first weight chunk: weights are constant, so under PDL they are read before the wait,
-        # while the previous kernel drains
-        wa = tl.load(wa_ptrs, mask=(offs_k < K)[None, :], other=0.0)
-        wb = tl.load(wb_ptrs, mask=(offs_k < K)[None, :], other=0.0)
-        if PDL:
-            gdc_launch_dependents()
-            gdc_wait()       # the previous kernel's writes (x, res, the caches) are visible from here
-
-        if NORM:  # the row's RMS: the whole row in one load (a few KB, L2-resident)
+    @triton.jit
+    def _row_rstd(x_ptr, K, eps, NORM: tl.constexpr, XP: tl.constexpr):
+        """1/RMS of the row for ``NORM`` (the whole row in one load: a few KB, L2-resident), else 1."""
+        if NORM:
             kx = tl.arange(0, XP)
             xr = tl.load(x_ptr + kx, mask=kx < K, other=0.0).to(tl.float32)
             rstd = tl.math.rsqrt(tl.sum(xr * xr, axis=0) / K + eps)
         else:
             rstd = 1.0
+        return rstd
 
-        xf = _x_chunk(x_ptr, gamma_ptr, offs_k, K, rstd, NORM)
-        acc_a = wa.to(tl.float32) * xf
-        acc_b = wb.to(tl.float32) * xf
-        for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
-            km = (k0 + offs_k) < K
-            wa = tl.load(wa_ptrs + k0, mask=km[None, :], other=0.0)
-            wb = tl.load(wb_ptrs + k0, mask=km[None, :], other=0.0)
-            xf = _x_chunk(x_ptr, gamma_ptr, k0 + offs_k, K, rstd, NORM)
-            acc_a += wa.to(tl.float32) * xf
-            acc_b += wb.to(tl.float32) * xf
+    @triton.jit
+    def _epilogue(ya, yb, rows_a, rows_b, p, d, head, y_ptr, res_ptr,
+                  cos_ptr, sin_ptr, pos_ptr, slot_ptr, kc_ptr, vc_ptr, NH, NKV,
+                  stride_ch, stride_cs, stride_dh, stride_ds, stride_rot,
+                  EPI: tl.constexpr, HD: tl.constexpr):
+        """The fused epilogues on the row groups' outputs ``ya``/``yb`` (already in y's dtype);
+        shared with the W12 kernel (:mod:`.gemv_w12`)."""
         dt = y_ptr.dtype.element_ty
-        ya = tl.sum(acc_a, axis=1).to(dt)
-        yb = tl.sum(acc_b, axis=1).to(dt)
-
+        HALF: tl.constexpr = HD // 2
         if EPI == 1:
             ra = tl.load(res_ptr + rows_a).to(tl.float32)
             rb = tl.load(res_ptr + rows_b).to(tl.float32)
@@ -172,6 +163,47 @@ if triton is not None:
             tl.store(vbase + d, ya, mask=is_v)
             tl.store(vbase + d + HALF, yb, mask=is_v)
 
+    @triton.jit
+    def _gemv_kernel(x_ptr, gamma_ptr, w_ptr, y_ptr, res_ptr,
+                     cos_ptr, sin_ptr, pos_ptr, slot_ptr, kc_ptr, vc_ptr,
+                     K, stride_w, eps, INTER, NH, NKV,
+                     stride_ch, stride_cs, stride_dh, stride_ds, stride_rot,
+                     NORM: tl.constexpr, EPI: tl.constexpr, HD: tl.constexpr,
+                     B: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, XP: tl.constexpr,
+                     PDL: tl.constexpr):
+        pid = tl.program_id(0)
+        offs_k = tl.arange(0, BLOCK_K)
+        rows_a, rows_b, p, d, head = _rows(pid, INTER, EPI, HD, B)
+        wa_ptrs = w_ptr + rows_a.to(tl.int64)[:, None] * stride_w + offs_k[None, :]
+        wb_ptrs = w_ptr + rows_b.to(tl.int64)[:, None] * stride_w + offs_k[None, :]
+
+        # the first weight chunk: weights are constant, so under PDL they are read before the wait,
+        # while the previous kernel drains
+        wa = tl.load(wa_ptrs, mask=(offs_k < K)[None, :], other=0.0)
+        wb = tl.load(wb_ptrs, mask=(offs_k < K)[None, :], other=0.0)
+        if PDL:
+            gdc_launch_dependents()
+            gdc_wait()       # the previous kernel's writes (x, res, the caches) are visible from here
+
+        rstd = _row_rstd(x_ptr, K, eps, NORM, XP)
+
+        xf = _x_chunk(x_ptr, gamma_ptr, offs_k, K, rstd, NORM)
+        acc_a = wa.to(tl.float32) * xf
+        acc_b = wb.to(tl.float32) * xf
+        for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
+            km = (k0 + offs_k) < K
+            wa = tl.load(wa_ptrs + k0, mask=km[None, :], other=0.0)
+            wb = tl.load(wb_ptrs + k0, mask=km[None, :], other=0.0)
+            xf = _x_chunk(x_ptr, gamma_ptr, k0 + offs_k, K, rstd, NORM)
+            acc_a += wa.to(tl.float32) * xf
+            acc_b += wb.to(tl.float32) * xf
+        dt = y_ptr.dtype.element_ty
+        ya = tl.sum(acc_a, axis=1).to(dt)
+        yb = tl.sum(acc_b, axis=1).to(dt)
+
+        _epilogue(ya, yb, rows_a, rows_b, p, d, head, y_ptr, res_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr,
+                  kc_ptr, vc_ptr, NH, NKV, stride_ch, stride_cs, stride_dh, stride_ds, stride_rot, EPI, HD)
+
 
 if triton is not None:
 
@@ -204,14 +236,41 @@ def _check_row(x: torch.Tensor, k: int, name: str) -> None:
         raise ValueError(f"{name}: one contiguous row of {k} values expected, got shape {tuple(x.shape)}")
 
 
-def _check_weight(w: torch.Tensor, x: torch.Tensor) -> None:
+def _check_weight(w, x: torch.Tensor) -> None:
+    from specpilot.kernels.decode.gemv_w12 import is_w12
+
+    if is_w12(w):
+        if w.rec64.device != x.device:
+            raise ValueError(f"W12 weight on {w.rec64.device}, x on {x.device}")
+        return
     if w.dim() != 2 or w.stride(-1) != 1 or w.dtype != x.dtype:
         raise ValueError(f"weight must be 2-D, contiguous in K and of x's dtype ({x.dtype}), got "
                          f"{tuple(w.shape)} {w.dtype}")
 
 
+def _config(epi: str, w, cfg):
+    """The kernel config: ``cfg`` if given (a :class:`GemvConfig`, or for a W12 weight a
+    ``gemv_w12.W12GemvConfig``), else the table's for the shape."""
+    from specpilot.kernels.decode import gemv_w12
+
+    w12 = gemv_w12.is_w12(w)
+    if cfg is None:
+        return (gemv_w12.config_for if w12 else config_for)(epi, *w.shape)
+    if isinstance(cfg, gemv_w12.W12GemvConfig) != w12:
+        raise ValueError(f"{type(cfg).__name__} does not fit a {'W12' if w12 else 'dense'} weight")
+    if w12:
+        gemv_w12.check_config(cfg)
+    return cfg
+
+
 def _launch(grid, x, gamma, w, y, res, eps, epi, norm, cfg, inter=0, nh=0, nkv=0, hd=16,
             cos=None, sin=None, pos=None, slot=None, k_cache=None, v_cache=None):
+    from specpilot.kernels.decode import gemv_w12
+
+    if gemv_w12.is_w12(w):
+        gemv_w12.launch(grid, x, gamma, w, y, res, eps, epi, norm, cfg, inter, nh, nkv, hd,
+                        cos, sin, pos, slot, k_cache, v_cache)
+        return
     K = w.shape[1]
     d = x  # placeholder for pointer arguments an epilogue does not use
     kc = k_cache if k_cache is not None else d
@@ -229,11 +288,11 @@ def _launch(grid, x, gamma, w, y, res, eps, epi, norm, cfg, inter=0, nh=0, nkv=0
         **pdl_args(USE_PDL, x))
 
 
-def gemv_residual(x: torch.Tensor, w: torch.Tensor, res: torch.Tensor, cfg: GemvConfig | None = None,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
-    """``res + x @ w.T`` for one row x [1, K] and w [N, K]; ``N`` a multiple of ``2 * pairs``."""
+def gemv_residual(x: torch.Tensor, w, res: torch.Tensor, cfg=None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``res + x @ w.T`` for one row x [1, K] and w [N, K] (a dense tensor, or a W12 ``KernelPack``
+    with a ``gemv_w12.W12GemvConfig``: :mod:`.gemv_w12`); ``N`` a multiple of ``2 * pairs``."""
     N, K = w.shape
-    cfg = cfg or config_for("resid", N, K)
+    cfg = _config("resid", w, cfg)
     _check_row(x, K, "x")
     _check_weight(w, x)
     _check_row(res, N, "res")
@@ -244,11 +303,11 @@ def gemv_residual(x: torch.Tensor, w: torch.Tensor, res: torch.Tensor, cfg: Gemv
     return y
 
 
-def norm_gate_up_silu(x: torch.Tensor, gamma: torch.Tensor, eps: float, w13: torch.Tensor, inter: int,
-                      cfg: GemvConfig | None = None) -> torch.Tensor:
+def norm_gate_up_silu(x: torch.Tensor, gamma: torch.Tensor, eps: float, w13, inter: int,
+                      cfg=None) -> torch.Tensor:
     """``silu(gate) * up`` of ``rms_norm(x) @ w13.T`` (gate rows ``[0, inter)``, up rows after): [1, inter]."""
     N, K = w13.shape
-    cfg = cfg or config_for("silu", N, K)
+    cfg = _config("silu", w13, cfg)
     _check_row(x, K, "x")
     _check_weight(w13, x)
     if N != 2 * inter or inter % cfg.pairs:
@@ -259,13 +318,13 @@ def norm_gate_up_silu(x: torch.Tensor, gamma: torch.Tensor, eps: float, w13: tor
 
 
 def norm_qkv_rope_store(x, gamma, eps, w_qkv, cos, sin, pos, slot, k_cache, v_cache, nh: int, nkv: int,
-                        cfg: GemvConfig | None = None) -> torch.Tensor:
+                        cfg=None) -> torch.Tensor:
     """RMSNorm, q/k/v projection, rotate-half RoPE of q and k at ``pos`` (a one-element device
     tensor; ``cos``/``sin`` are the [positions, hd] tables), K/V written to the caches [nkv, S, hd]
     at ``slot`` (one-element device tensor). Returns q [1, nh * hd]."""
     N, K = w_qkv.shape
     hd = k_cache.shape[-1]
-    cfg = cfg or config_for("rope", N, K)
+    cfg = _config("rope", w_qkv, cfg)
     _check_row(x, K, "x")
     _check_weight(w_qkv, x)
     if N != (nh + 2 * nkv) * hd or (hd // 2) % cfg.pairs or hd & (hd - 1):

@@ -1,0 +1,179 @@
+"""W12 in the engine's fused AR step: bf16 fused decode vs W12 layer modules vs W12 fused decode.
+
+Two Llama-3.1-8B-shaped engines with the same random bf16 weights (seed 0) on the GPU, fused
+attention, the LM head as asked (``--head``), context 1024:
+
+* ``bf16 fused``: the dense engine with ``decode=fused`` (the four GEMV kernels per layer, PDL);
+* ``w12 layers``: the W12 engine (``w12=1``) stepping through the layer modules (``decode=layers``,
+  each projection one ``w12_linear`` call), the only W12 AR path before the fused W12 kernels;
+* ``w12 fused``: the W12 engine with ``decode=fused`` (kernels/decode/gemv_w12.py).
+
+Each variant's AR step is captured in a CUDA graph; ``--rounds`` rounds time every variant in turn
+(``--reps`` replays, CUDA events, median), and the median over rounds is reported, so clock drift
+falls on all alike. With ``--tune`` the W12 fused kernels are first tuned inside the step
+(coordinate descent over pairs, records per iteration, warps and stages, one kernel at a time, the
+step re-captured and timed for each candidate), and the table found is printed for
+``gemv_w12.TUNED``. The W12 engine's one-row logits are checked both ways (layers vs fused kernels,
+eager) and the fused step's argmax replayed twice must agree.
+
+    python benchmarks/decode_w12_engine.py [--tune] [--rounds 5] [--reps 200] [--head linear|certified]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from common import bootstrap  # noqa: E402
+
+bootstrap()
+
+from common import write_results  # noqa: E402
+
+KERNELS = (("rope", 6144, 4096), ("resid", 4096, 4096), ("silu", 28672, 4096), ("resid", 4096, 14336))
+
+
+def candidates(base):
+    """One axis at a time around ``base`` (coordinate descent)."""
+    from dataclasses import replace
+
+    axes = {"pairs": (2, 4, 8, 16), "recs": (2, 4, 8), "warps": (2, 4, 8), "stages": (1, 2, 3, 4)}
+    for name, vals in axes.items():
+        yield name, [replace(base, **{name: v}) for v in vals]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--head", choices=["linear", "certified"], default="linear")
+    ap.add_argument("--tune", action="store_true", help="tune the W12 fused kernels in the step first")
+    ap.add_argument("--tune-reps", type=int, default=100)
+    args = ap.parse_args()
+    if args.rounds < 1 or args.reps < 1 or not 16 <= args.context <= 8192:
+        print("decode_w12_engine: --rounds and --reps must be >= 1 and --context 16-8192", file=sys.stderr)
+        return 2
+    import torch
+
+    from specpilot.engine import w12 as ew
+    from specpilot.engine.graphs import GraphRunner, time_replays
+    from specpilot.engine.model import StepInput, Transformer
+    from specpilot.kernels.decode import gemv_w12
+    from specpilot.models import load_model_spec
+
+    if not torch.cuda.is_available():
+        print("decode_w12_engine: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    torch.set_grad_enabled(False)
+    spec = load_model_spec("llama-3.1-8b")
+    ctx = args.context
+
+    def build():
+        m = Transformer(spec, max_seq=ctx + 64, dtype=torch.bfloat16, device="cuda").init_random_fast(0).eval()
+        m.set_attention("fused")
+        m.set_head(args.head)
+        return m
+
+    dense = build()
+    dense.set_decode("fused")
+    w12 = build()
+    t0 = time.perf_counter()
+    summary = ew.convert_engine_model(w12)
+    print(f"W12: {len(summary.tensors)} projections, {summary.bits_per_weight:.3f} bits/weight, "
+          f"converted in {time.perf_counter() - t0:.1f} s", flush=True)
+
+    def graph(model, decode):
+        model.set_decode(decode)
+        runner = GraphRunner(model)
+        g, out = runner.ar_graph(ctx, token=11)
+        return runner, g, out
+
+    def step_ms(model, decode, reps):
+        runner, g, _ = graph(model, decode)
+        ms = statistics.median(time_replays(g, reps))
+        del runner, g
+        return ms
+
+    trials = []
+    if args.tune:
+        base_ms = step_ms(w12, "fused", args.tune_reps)
+        print(f"tune: start {base_ms:.3f} ms/step", flush=True)
+        for key in KERNELS:
+            best = (gemv_w12.config_for(*key), base_ms)
+            for axis, cfgs in candidates(best[0]):
+                start = best[0]
+                for cfg in cfgs:
+                    if cfg == start:
+                        continue
+                    gemv_w12.TUNED[key] = cfg
+                    try:
+                        ms = step_ms(w12, "fused", args.tune_reps)
+                    except Exception as e:  # a variant that does not compile or fit is skipped, and said
+                        print(f"  {key} {cfg.key()}: failed ({type(e).__name__}: {str(e)[:120]})", flush=True)
+                        trials.append({"kernel": list(key), "config": cfg.key(), "error": str(e)[:200]})
+                        continue
+                    trials.append({"kernel": list(key), "config": cfg.key(), "step_ms": round(ms, 4)})
+                    print(f"  {key} {cfg.key()}: {ms:.3f} ms/step", flush=True)
+                    if ms < best[1]:
+                        best = (cfg, ms)
+                gemv_w12.TUNED[key] = best[0]
+            base_ms = best[1]
+            print(f"tune: {key} keeps {best[0].key()} ({best[1]:.3f} ms/step)", flush=True)
+        print("TUNED = {")
+        for (kd, n, k), c in gemv_w12.TUNED.items():
+            print(f"    ({kd!r}, {n}, {k}): W12GemvConfig({c.pairs}, {c.recs}, {c.warps}, {c.stages}),")
+        print("}")
+
+    # correctness: one eager AR step of the W12 engine through the layers and through the kernels
+    n = 16
+    pos = torch.arange(n, device="cuda")
+    mask = torch.arange(w12.max_seq, device="cuda")[None, :] <= pos[:, None]
+    w12.set_decode("layers")
+    w12.forward(StepInput(torch.arange(100, 100 + n, device="cuda"), pos, pos, mask, "seq"), kv_len=w12.max_seq)
+    one = StepInput(torch.tensor([7], device="cuda"), torch.tensor([n], device="cuda"), torch.tensor([n], device="cuda"),
+                    torch.arange(w12.max_seq, device="cuda")[None, :] <= n, "seq")
+    ref = w12.forward(one, kv_len=w12.max_seq).float()
+    w12.set_decode("fused")
+    got = w12.forward(one, kv_len=w12.max_seq).float()
+    check = {"logits_max_abs_diff": float((got - ref).abs().max()), "logits_max_abs": float(ref.abs().max()),
+             "argmax_equal": bool(torch.equal(got.argmax(-1), ref.argmax(-1)))}
+
+    variants = [("bf16 fused", dense, "fused"), ("w12 layers", w12, "layers"), ("w12 fused", w12, "fused")]
+    graphs = []
+    for name, model, decode in variants:
+        runner, g, out = graph(model, decode)
+        graphs.append((name, runner, g, out))
+    _, _, gw, outw = graphs[2]
+    gw.replay()
+    first = outw.clone()
+    gw.replay()
+    check["fused_replays_equal"] = bool(torch.equal(first, outw))
+    times = {name: [] for name, *_ in graphs}
+    for _ in range(args.rounds):
+        for name, _, g, _ in graphs:
+            times[name].append(statistics.median(time_replays(g, args.reps)))
+    rows = []
+    base = statistics.median(times["bf16 fused"])
+    for name, *_ in graphs:
+        ms = statistics.median(times[name])
+        rows.append({"variant": name, "step_ms": round(ms, 4), "tokens_per_s": round(1e3 / ms, 1),
+                     "speedup_vs_bf16_fused": round(base / ms, 3), "rounds_ms": [round(t, 4) for t in times[name]]})
+        print(f"{name:>11}: {ms:.3f} ms/step  {1e3 / ms:6.1f} tok/s  {base / ms:.3f}x", flush=True)
+    print(f"check: {check}", flush=True)
+    table = {f"{kd}/{n_}/{k}": c.key() for (kd, n_, k), c in gemv_w12.TUNED.items()}
+    write_results("decode_w12_engine" + ("_tune" if args.tune else ""), rows,
+                  {"model": spec.name, "context": ctx, "head": args.head, "w12": summary.to_json(),
+                   "w12_table": table, "check": check, "tune_trials": trials,
+                   "method": f"AR step CUDA graphs, {args.rounds} rounds x {args.reps} replays (CUDA events), "
+                             "median of round medians; variants interleaved per round"})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,207 @@
+"""The fused one-row decode kernels (:mod:`.gemv`) on W12 weights: the same prologues and epilogues,
+the weights read as 12 KB W12 records and decoded in registers.
+
+With ``engine:...,w12=1,decode=fused`` a dense layer's AR step is still four GEMV kernels plus
+attention, chained with programmatic dependent launch, but each projection reads 12 bits per
+weight instead of 16. A program owns the same two row groups as the bf16 kernel (``B`` rows
+each: the two halves of its block, the gate/up pair or the RoPE pair); a group of ``B`` rows
+aligned to ``B`` (``B`` divides 128) lies inside one 128-row record tile, so per iteration the
+program loads, for ``RECS`` consecutive records, each group's rows' 8-bit views (``[B, RECS*8]``
+int64, 64 contiguous bytes per row and record) and low nibbles (``[B, RECS*8]`` int32), decodes
+them with the W12 GEMM's integer recipe (:func:`specpilot.kernels.w12.gemm._decode_pairs`: the
+values ``w * 2**(112 - L_n)``) and multiplies them on the CUDA cores with the (normalised) x in
+fp32. The epilogue applies the row scale ``2**(L_n - 112)`` and the exact escape corrections
+``x[k] * (w - slot)`` in a fixed order, rounds to the model's dtype and then runs the bf16
+kernel's epilogue (:func:`.gemv._epilogue`).
+
+The weights are the bf16 weights bit for bit, so the result differs from the bf16 kernel's only
+by the fp32 summation order; no atomics, no split-K: bitwise identical run to run. Under PDL the
+first records, the row exponents and the escape lists (all constant) are read before the wait.
+The plain reference is the bf16 path's (:mod:`.reference`) on the decoded weights; the kernel also
+runs under Triton's interpreter (CPU tests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specpilot.kernels.triton_env import pdl_args, tl, triton
+
+
+@dataclass(frozen=True)
+class W12GemvConfig:
+    """``pairs`` B (a program owns 2B output rows; B divides 128), ``recs`` records (64 columns
+    each) per iteration, ``warps``, ``stages`` (software pipelining depth of the record loads),
+    ``esc_ch`` escapes per correction chunk."""
+
+    pairs: int = 4
+    recs: int = 4
+    warps: int = 4
+    stages: int = 3
+    esc_ch: int = 16
+
+    def key(self) -> str:
+        return f"p{self.pairs}-r{self.recs}-w{self.warps}-s{self.stages}-e{self.esc_ch}"
+
+
+DEFAULT = W12GemvConfig()
+# (epilogue, N, K) -> config, chosen on the H200 in the engine's AR step (benchmarks/decode_w12_engine.py)
+TUNED: dict[tuple[str, int, int], W12GemvConfig] = {}
+
+
+def config_for(epi: str, n: int, k: int) -> W12GemvConfig:
+    return TUNED.get((epi, n, k), DEFAULT)
+
+
+if triton is not None:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    from specpilot.kernels.decode.gemv import _epilogue, _row_rstd, _rows, _x_at
+    from specpilot.kernels.w12.gemm import _decode_pairs, _hi_f32, _lo_f32
+
+    @triton.jit
+    def _load_records(rec64_ptr, rec32_ptr, tile_row, r_in, t0, KT, RECS: tl.constexpr):
+        """Views ``[B, RECS*8]`` (int64) and nibbles (int32) of records ``t0 .. t0 + RECS`` of the
+        tile starting at record ``tile_row``, rows ``r_in`` inside it (records from KT on: 0)."""
+        c = tl.arange(0, RECS * 8)
+        q = t0 + c // 8
+        jj = c % 8
+        rec = tile_row + q
+        m = (q < KT)[None, :]
+        v = tl.load(rec64_ptr + rec[None, :] * 1536 + r_in[:, None] * 8 + jj[None, :], mask=m, other=0)
+        nb = tl.load(rec32_ptr + rec[None, :] * 3072 + 2048 + r_in[:, None] * 8 + jj[None, :], mask=m, other=0)
+        return v, nb
+
+    @triton.jit
+    def _fma_records(acc, v, nb, x0e, x0o, x1e, x1o, x2e, x2o, x3e, x3o):
+        """acc ``[B, RECS*8]`` += the decoded weights times x (pair i of each 8-column group:
+        ``xie`` its even column, ``xio`` its odd one; each ``[1, RECS*8]``)."""
+        p0, p1, p2, p3 = _decode_pairs(v, nb, False)
+        acc += _lo_f32(p0) * x0e + _hi_f32(p0) * x0o
+        acc += _lo_f32(p1) * x1e + _hi_f32(p1) * x1o
+        acc += _lo_f32(p2) * x2e + _hi_f32(p2) * x2o
+        acc += _lo_f32(p3) * x3e + _hi_f32(p3) * x3o
+        return acc
+
+    @triton.jit
+    def _x_pairs(x_ptr, gamma_ptr, t0, K, rstd, NORM: tl.constexpr, RECS: tl.constexpr):
+        """The x of records ``t0 .. t0 + RECS`` split like the decoded pairs: 8 ``[1, RECS*8]`` rows."""
+        c = tl.arange(0, RECS * 8)
+        e = tl.arange(0, 8)
+        kk = t0 * 64 + c[:, None] * 8 + e[None, :]                  # [RECS*8, 8]: group c, element e = 2i + s
+        xf = tl.reshape(_x_at(x_ptr, gamma_ptr, kk, K, rstd, NORM), (RECS * 8, 2, 2, 2))   # [c, i>>1, i&1, s]
+        xe, xo = tl.split(xf)                                         # s = 0 / 1: [c, i>>1, i&1]
+        xe01, xe23 = tl.split(tl.permute(xe, (0, 2, 1)))              # [c, i&1] for i>>1 = 0 / 1
+        xo01, xo23 = tl.split(tl.permute(xo, (0, 2, 1)))
+        x0e, x1e = tl.split(xe01)
+        x2e, x3e = tl.split(xe23)
+        x0o, x1o = tl.split(xo01)
+        x2o, x3o = tl.split(xo23)
+        return (x0e[None, :], x0o[None, :], x1e[None, :], x1o[None, :],
+                x2e[None, :], x2o[None, :], x3e[None, :], x3o[None, :])
+
+    @triton.jit
+    def _scale_and_escapes(acc, rows, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, e_lo, e_hi,
+                           x_ptr, gamma_ptr, K, rstd, NORM: tl.constexpr, ESC_CH: tl.constexpr):
+        """The group's fp32 outputs: the row sums times ``2**(L_n - 112)``, plus the escapes'
+        ``x[col] * delta`` in CSR order (fixed, so bitwise run to run)."""
+        low = tl.load(low_ptr + rows).to(tl.int32)
+        scale = ((low + (127 - 112)) << 23).to(tl.float32, bitcast=True)
+        y = tl.sum(acc, axis=1) * scale
+        for e in range(e_lo, e_hi, ESC_CH):
+            idx = e + tl.arange(0, ESC_CH)
+            em = idx < e_hi
+            er = tl.load(erow_ptr + idx, mask=em, other=-1)
+            ec = tl.load(ecol_ptr + idx, mask=em, other=0)
+            ed = tl.load(edelta_ptr + idx, mask=em, other=0.0)
+            contrib = _x_at(x_ptr, gamma_ptr, ec, K, rstd, NORM) * ed
+            y += tl.sum(tl.where(er[None, :] == rows[:, None], contrib[None, :], 0.0), axis=1)
+        return y
+
+    @triton.jit
+    def _w12_gemv_kernel(x_ptr, gamma_ptr, rec64_ptr, rec32_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr,
+                         edelta_ptr, y_ptr, res_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, kc_ptr, vc_ptr,
+                         K, KT, eps, INTER, NH, NKV,
+                         stride_ch, stride_cs, stride_dh, stride_ds, stride_rot,
+                         NORM: tl.constexpr, EPI: tl.constexpr, HD: tl.constexpr, B: tl.constexpr,
+                         RECS: tl.constexpr, STAGES: tl.constexpr, XP: tl.constexpr, ESC_CH: tl.constexpr,
+                         PDL: tl.constexpr):
+        pid = tl.program_id(0)
+        rows_a, rows_b, p, d, head = _rows(pid, INTER, EPI, HD, B)
+        a0 = tl.min(rows_a, axis=0)
+        b0 = tl.min(rows_b, axis=0)
+        tile_a = (a0 // 128).to(tl.int64) * KT
+        tile_b = (b0 // 128).to(tl.int64) * KT
+        ra = rows_a % 128
+        rb = rows_b % 128
+
+        # constant data first: under PDL it is read while the previous kernel drains
+        va, na = _load_records(rec64_ptr, rec32_ptr, tile_a, ra, 0, KT, RECS)
+        vb, nbb = _load_records(rec64_ptr, rec32_ptr, tile_b, rb, 0, KT, RECS)
+        ea_lo = tl.load(eptr_ptr + a0)
+        ea_hi = tl.load(eptr_ptr + a0 + B)
+        eb_lo = tl.load(eptr_ptr + b0)
+        eb_hi = tl.load(eptr_ptr + b0 + B)
+        if PDL:
+            gdc_launch_dependents()
+            gdc_wait()       # the previous kernel's writes (x, res, the caches) are visible from here
+        rstd = _row_rstd(x_ptr, K, eps, NORM, XP)
+
+        x0e, x0o, x1e, x1o, x2e, x2o, x3e, x3o = _x_pairs(x_ptr, gamma_ptr, 0, K, rstd, NORM, RECS)
+        acc_a = _fma_records(tl.zeros((B, RECS * 8), tl.float32), va, na, x0e, x0o, x1e, x1o, x2e, x2o, x3e, x3o)
+        acc_b = _fma_records(tl.zeros((B, RECS * 8), tl.float32), vb, nbb, x0e, x0o, x1e, x1o, x2e, x2o, x3e, x3o)
+        for t0 in tl.range(RECS, KT, RECS, num_stages=STAGES):
+            va, na = _load_records(rec64_ptr, rec32_ptr, tile_a, ra, t0, KT, RECS)
+            vb, nbb = _load_records(rec64_ptr, rec32_ptr, tile_b, rb, t0, KT, RECS)
+            x0e, x0o, x1e, x1o, x2e, x2o, x3e, x3o = _x_pairs(x_ptr, gamma_ptr, t0, K, rstd, NORM, RECS)
+            acc_a = _fma_records(acc_a, va, na, x0e, x0o, x1e, x1o, x2e, x2o, x3e, x3o)
+            acc_b = _fma_records(acc_b, vb, nbb, x0e, x0o, x1e, x1o, x2e, x2o, x3e, x3o)
+
+        dt = y_ptr.dtype.element_ty
+        ya = _scale_and_escapes(acc_a, rows_a, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, ea_lo, ea_hi,
+                                x_ptr, gamma_ptr, K, rstd, NORM, ESC_CH).to(dt)
+        yb = _scale_and_escapes(acc_b, rows_b, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, eb_lo, eb_hi,
+                                x_ptr, gamma_ptr, K, rstd, NORM, ESC_CH).to(dt)
+        _epilogue(ya, yb, rows_a, rows_b, p, d, head, y_ptr, res_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr,
+                  kc_ptr, vc_ptr, NH, NKV, stride_ch, stride_cs, stride_dh, stride_ds, stride_rot, EPI, HD)
+
+
+def check_config(cfg: W12GemvConfig) -> None:
+    for name in ("pairs", "recs", "warps", "esc_ch"):
+        v = getattr(cfg, name)
+        if v < 1 or v & (v - 1):
+            raise ValueError(f"W12 GEMV config: {name}={v} must be a power of two")
+    if cfg.pairs > 64:
+        raise ValueError(f"W12 GEMV config: pairs={cfg.pairs} must divide the 128-row record tile (at most 64)")
+
+
+def launch(grid, x, gamma, kp, y, res, eps, epi, norm, cfg: W12GemvConfig, inter=0, nh=0, nkv=0, hd=16,
+           cos=None, sin=None, pos=None, slot=None, k_cache=None, v_cache=None) -> None:
+    """One fused W12 kernel (the arguments of :func:`.gemv._launch`, ``kp`` a W12 ``KernelPack``)."""
+    from specpilot.kernels.decode.gemv import USE_PDL
+
+    check_config(cfg)
+    K = kp.shape[1]
+    d = x  # placeholder for pointer arguments an epilogue does not use
+    kc = k_cache if k_cache is not None else d
+    vc = v_cache if v_cache is not None else d
+    cs = kc.stride() if k_cache is not None else (0, 0, 0)
+    vs = vc.stride() if v_cache is not None else (0, 0, 0)
+    _w12_gemv_kernel[grid](
+        x, gamma if gamma is not None else d, kp.rec64, kp.rec32, kp.low_exp, kp.esc_rowptr, kp.esc_row,
+        kp.esc_col, kp.esc_delta, y, res if res is not None else d,
+        cos if cos is not None else d, sin if sin is not None else d, pos if pos is not None else d,
+        slot if slot is not None else d, kc, vc,
+        K, kp.k_tiles, float(eps), inter, nh, nkv, cs[0], cs[1], vs[0], vs[1],
+        cos.stride(0) if cos is not None else 0,
+        NORM=norm, EPI=epi, HD=hd, B=cfg.pairs, RECS=cfg.recs, STAGES=cfg.stages,
+        XP=triton.next_power_of_2(K) if norm else 1, ESC_CH=cfg.esc_ch, num_warps=cfg.warps,
+        **pdl_args(USE_PDL, x))
+
+
+def is_w12(w) -> bool:
+    """Whether ``w`` is a W12 ``KernelPack`` (else a dense weight tensor)."""
+    from specpilot.kernels.w12.gemm import KernelPack
+
+    return isinstance(w, KernelPack)
+
