@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specpilot.kernels.triton_env import pdl_args, tl, triton
+from specpilot.kernels.triton_env import interpreting, pdl_args, tl, triton
 
 
 @dataclass(frozen=True)
@@ -62,25 +62,59 @@ if triton is not None:
     @triton.jit
     def _load_records(rec64_ptr, rec32_ptr, tile_row, r_in, t0, KT, RECS: tl.constexpr):
         """Views ``[B, RECS*8]`` (int64) and nibbles (int32) of records ``t0 .. t0 + RECS`` of the
-        tile starting at record ``tile_row``, rows ``r_in`` inside it (records from KT on: 0)."""
+        tile starting at record ``tile_row``, rows ``r_in`` inside it (records from KT on: 0): a
+        scalar base pointer plus int32 offsets inside the records."""
         c = tl.arange(0, RECS * 8)
-        q = t0 + c // 8
-        jj = c % 8
-        rec = tile_row + q
-        m = (q < KT)[None, :]
-        v = tl.load(rec64_ptr + rec[None, :] * 1536 + r_in[:, None] * 8 + jj[None, :], mask=m, other=0)
-        nb = tl.load(rec32_ptr + rec[None, :] * 3072 + 2048 + r_in[:, None] * 8 + jj[None, :], mask=m, other=0)
+        q = c // 8
+        m = ((t0 + q) < KT)[None, :]
+        base = (tile_row + t0).to(tl.int64)
+        offs = (q * 1536 + c % 8)[None, :] + r_in[:, None] * 8
+        v = tl.load(rec64_ptr + base * 1536 + offs, mask=m, other=0)
+        nb = tl.load(rec32_ptr + (base * 3072 + 2048) + (offs + q[None, :] * 1536), mask=m, other=0)
         return v, nb
 
     @triton.jit
-    def _fma_records(acc, v, nb, x0e, x0o, x1e, x1o, x2e, x2o, x3e, x3o):
+    def _asm2(a, b, ASM: tl.constexpr):
+        """One two-operand PTX instruction ``ASM`` on uint32 tensors."""
+        return tl.inline_asm_elementwise(ASM, "=r,r,r", [a, b], dtype=tl.uint32, is_pure=True, pack=1)
+
+    @triton.jit
+    def _pairs_prmt(w, nn, e, SX: tl.constexpr, SY: tl.constexpr):
+        """One 32-bit view word ``w`` (4 weights) and its nibble word ``nn`` -> the two bf16 pairs, in
+        eight instructions: the sequence of ``kernels/w12/mma.py::_pairs_of_half`` (prmt puts each
+        sign next to its nibble, one lop3 per bit select and per exponent OR; the study and the
+        exhaustive check of the selectors: docs/plans/w12-decode-isa.md,
+        tests/test_w12_decode_prmt.py). Same bits as :func:`_decode_pairs` for every input."""
+        xs = _asm2(w, nn, SX)
+        t0 = _asm2(w << 4, xs, "lop3.b32 $0, $1, 0x07F007F0, $2, 0xE2;")
+        ys = _asm2(w, nn, SY)
+        t1 = _asm2(w, ys >> 4, "lop3.b32 $0, $1, 0x80008000, $2, 0xE2;")
+        p0 = _asm2(t0, e, "lop3.b32 $0, $1, 0x87FF87FF, $2, 0xEA;")
+        p1 = _asm2(t1, e, "lop3.b32 $0, $1, 0x87FF87FF, $2, 0xEA;")
+        return p0, p1
+
+    @triton.jit
+    def _fma_records(acc, v, nb, x0e, x0o, x1e, x1o, x2e, x2o, x3e, x3o, FAST: tl.constexpr):
         """acc ``[B, RECS*8]`` += the decoded weights times x (pair i of each 8-column group:
-        ``xie`` its even column, ``xio`` its odd one; each ``[1, RECS*8]``)."""
-        p0, p1, p2, p3 = _decode_pairs(v, nb, False)
-        acc += _lo_f32(p0) * x0e + _hi_f32(p0) * x0o
-        acc += _lo_f32(p1) * x1e + _hi_f32(p1) * x1o
-        acc += _lo_f32(p2) * x2e + _hi_f32(p2) * x2o
-        acc += _lo_f32(p3) * x3e + _hi_f32(p3) * x3o
+        ``xie`` its even column, ``xio`` its odd one; each ``[1, RECS*8]``), one FMA per weight.
+        ``FAST``: the prmt/lop3 decode (compiled kernels), else the plain integer recipe (also the
+        interpreter's: it has no inline PTX); the same bits either way."""
+        if FAST:
+            nn = nb.to(tl.uint32)
+            e = tl.full(nn.shape, 0x38003800, tl.uint32)
+            p0, p1 = _pairs_prmt(v.to(tl.uint32), nn, e, "prmt.b32 $0, $1, $2, 0x2604;", "prmt.b32 $0, $1, $2, 0x3614;")
+            p2, p3 = _pairs_prmt((v >> 32).to(tl.uint32), nn, e, "prmt.b32 $0, $1, $2, 0x2705;",
+                                 "prmt.b32 $0, $1, $2, 0x3715;")
+        else:
+            p0, p1, p2, p3 = _decode_pairs(v, nb, False)
+        acc += _lo_f32(p0) * x0e
+        acc += _hi_f32(p0) * x0o
+        acc += _lo_f32(p1) * x1e
+        acc += _hi_f32(p1) * x1o
+        acc += _lo_f32(p2) * x2e
+        acc += _hi_f32(p2) * x2o
+        acc += _lo_f32(p3) * x3e
+        acc += _hi_f32(p3) * x3o
         return acc
 
     @triton.jit
@@ -125,7 +159,7 @@ if triton is not None:
                          stride_ch, stride_cs, stride_dh, stride_ds, stride_rot,
                          NORM: tl.constexpr, EPI: tl.constexpr, HD: tl.constexpr, B: tl.constexpr,
                          RECS: tl.constexpr, STAGES: tl.constexpr, XP: tl.constexpr, ESC_CH: tl.constexpr,
-                         PDL: tl.constexpr):
+                         FAST: tl.constexpr, PDL: tl.constexpr):
         pid = tl.program_id(0)
         rows_a, rows_b, p, d, head = _rows(pid, INTER, EPI, HD, B)
         a0 = tl.min(rows_a, axis=0)
@@ -148,14 +182,14 @@ if triton is not None:
         rstd = _row_rstd(x_ptr, K, eps, NORM, XP)
 
         x0e, x0o, x1e, x1o, x2e, x2o, x3e, x3o = _x_pairs(x_ptr, gamma_ptr, 0, K, rstd, NORM, RECS)
-        acc_a = _fma_records(tl.zeros((B, RECS * 8), tl.float32), va, na, x0e, x0o, x1e, x1o, x2e, x2o, x3e, x3o)
-        acc_b = _fma_records(tl.zeros((B, RECS * 8), tl.float32), vb, nbb, x0e, x0o, x1e, x1o, x2e, x2o, x3e, x3o)
+        acc_a = _fma_records(tl.zeros((B, RECS * 8), tl.float32), va, na, x0e, x0o, x1e, x1o, x2e, x2o, x3e, x3o, FAST)
+        acc_b = _fma_records(tl.zeros((B, RECS * 8), tl.float32), vb, nbb, x0e, x0o, x1e, x1o, x2e, x2o, x3e, x3o, FAST)
         for t0 in tl.range(RECS, KT, RECS, num_stages=STAGES):
             va, na = _load_records(rec64_ptr, rec32_ptr, tile_a, ra, t0, KT, RECS)
             vb, nbb = _load_records(rec64_ptr, rec32_ptr, tile_b, rb, t0, KT, RECS)
             x0e, x0o, x1e, x1o, x2e, x2o, x3e, x3o = _x_pairs(x_ptr, gamma_ptr, t0, K, rstd, NORM, RECS)
-            acc_a = _fma_records(acc_a, va, na, x0e, x0o, x1e, x1o, x2e, x2o, x3e, x3o)
-            acc_b = _fma_records(acc_b, vb, nbb, x0e, x0o, x1e, x1o, x2e, x2o, x3e, x3o)
+            acc_a = _fma_records(acc_a, va, na, x0e, x0o, x1e, x1o, x2e, x2o, x3e, x3o, FAST)
+            acc_b = _fma_records(acc_b, vb, nbb, x0e, x0o, x1e, x1o, x2e, x2o, x3e, x3o, FAST)
 
         dt = y_ptr.dtype.element_ty
         ya = _scale_and_escapes(acc_a, rows_a, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, ea_lo, ea_hi,
@@ -176,8 +210,9 @@ def check_config(cfg: W12GemvConfig) -> None:
 
 
 def launch(grid, x, gamma, kp, y, res, eps, epi, norm, cfg: W12GemvConfig, inter=0, nh=0, nkv=0, hd=16,
-           cos=None, sin=None, pos=None, slot=None, k_cache=None, v_cache=None) -> None:
-    """One fused W12 kernel (the arguments of :func:`.gemv._launch`, ``kp`` a W12 ``KernelPack``)."""
+           cos=None, sin=None, pos=None, slot=None, k_cache=None, v_cache=None, fast: bool | None = None) -> None:
+    """One fused W12 kernel (the arguments of :func:`.gemv._launch`, ``kp`` a W12 ``KernelPack``);
+    ``fast``: the prmt decode (default: whenever compiled, not under the interpreter)."""
     from specpilot.kernels.decode.gemv import USE_PDL
 
     check_config(cfg)
@@ -195,7 +230,8 @@ def launch(grid, x, gamma, kp, y, res, eps, epi, norm, cfg: W12GemvConfig, inter
         K, kp.k_tiles, float(eps), inter, nh, nkv, cs[0], cs[1], vs[0], vs[1],
         cos.stride(0) if cos is not None else 0,
         NORM=norm, EPI=epi, HD=hd, B=cfg.pairs, RECS=cfg.recs, STAGES=cfg.stages,
-        XP=triton.next_power_of_2(K) if norm else 1, ESC_CH=cfg.esc_ch, num_warps=cfg.warps,
+        XP=triton.next_power_of_2(K) if norm else 1, ESC_CH=cfg.esc_ch,
+        FAST=(not interpreting()) if fast is None else fast, num_warps=cfg.warps,
         **pdl_args(USE_PDL, x))
 
 
