@@ -6,6 +6,7 @@ attention, the LM head as asked (``--head``), context 1024:
 * ``bf16 fused``: the dense engine with ``decode=fused`` (the four GEMV kernels per layer, PDL);
 * ``w12 layers``: the W12 engine (``w12=1``) stepping through the layer modules (``decode=layers``,
   each projection one ``w12_linear`` call), the only W12 AR path before the fused W12 kernels;
+* ``w12 layers compiled``: the same with the layers under ``torch.compile`` (``compile=1``);
 * ``w12 fused``: the W12 engine with ``decode=fused`` (kernels/decode/gemv_w12.py).
 
 Each variant's AR step is captured in a CUDA graph; ``--rounds`` rounds time every variant in turn
@@ -39,8 +40,8 @@ KERNELS = (("rope", 6144, 4096), ("resid", 4096, 4096), ("silu", 28672, 4096), (
 
 # (pairs, recs, warps, stages) tried per kernel with --tune: static SASS counts (Triton 3.6, sm_90)
 # put the main loop at 6.1-8.6 instructions per weight for these, against 9-11 before the prmt decode
-CANDIDATES = ((4, 8, 4, 3), (8, 8, 4, 3), (8, 8, 4, 2), (8, 8, 4, 1), (8, 8, 2, 3), (16, 8, 4, 3), (8, 16, 4, 3),
-              (4, 16, 4, 3), (8, 4, 4, 3), (16, 4, 4, 3), (8, 8, 8, 3), (4, 4, 4, 3))
+CANDIDATES = ((4, 8, 4, 3), (8, 8, 4, 3), (8, 8, 4, 1), (8, 8, 2, 3), (16, 8, 4, 3), (8, 16, 4, 3), (4, 16, 4, 3),
+              (4, 16, 4, 1), (4, 32, 4, 3), (8, 4, 4, 3), (4, 8, 2, 3), (4, 4, 4, 3), (4, 4, 2, 3), (2, 16, 4, 3))
 
 
 def main() -> int:
@@ -148,12 +149,19 @@ def main() -> int:
     check["dense_argmax_equal"] = bool(torch.equal(dgot.argmax(-1), dref.argmax(-1)))
     check["w12_fused_vs_dense_fused_max_abs_diff"] = float((got - dgot).abs().max())
 
-    variants = [("bf16 fused", dense, "fused"), ("w12 layers", w12, "layers"), ("w12 fused", w12, "fused")]
+    variants = [("bf16 fused", dense, "fused"), ("w12 layers", w12, "layers"), ("w12 layers compiled", w12, "layers"),
+                ("w12 fused", w12, "fused")]
     graphs = []
     for name, model, decode in variants:
-        runner, g, out = graph(model, decode)
+        if name == "w12 layers compiled":
+            t1 = time.perf_counter()
+            model.compile_blocks()
+            runner, g, out = graph(model, decode)
+            print(f"compiled the W12 layers in {time.perf_counter() - t1:.0f} s", flush=True)
+        else:
+            runner, g, out = graph(model, decode)
         graphs.append((name, runner, g, out))
-    _, _, gw, outw = graphs[2]
+    _, _, gw, outw = graphs[3]
     gw.replay()
     first = outw.clone()
     gw.replay()
@@ -168,7 +176,7 @@ def main() -> int:
         ms = statistics.median(times[name])
         rows.append({"variant": name, "step_ms": round(ms, 4), "tokens_per_s": round(1e3 / ms, 1),
                      "speedup_vs_bf16_fused": round(base / ms, 3), "rounds_ms": [round(t, 4) for t in times[name]]})
-        print(f"{name:>11}: {ms:.3f} ms/step  {1e3 / ms:6.1f} tok/s  {base / ms:.3f}x", flush=True)
+        print(f"{name:>19}: {ms:.3f} ms/step  {1e3 / ms:6.1f} tok/s  {base / ms:.3f}x", flush=True)
     print(f"check: {check}", flush=True)
     table = {f"{kd}/{n_}/{k}": c.key() for (kd, n_, k), c in gemv_w12.TUNED.items()}
     write_results("decode_w12_engine" + ("_tune" if args.tune else ""), rows,

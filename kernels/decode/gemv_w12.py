@@ -135,21 +135,32 @@ if triton is not None:
                 x2e[None, :], x2o[None, :], x3e[None, :], x3o[None, :])
 
     @triton.jit
-    def _scale_and_escapes(acc, rows, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, e_lo, e_hi,
+    def _esc_load(erow_ptr, ecol_ptr, edelta_ptr, e, e_hi, ESC_CH: tl.constexpr):
+        """Escapes ``e .. e + ESC_CH`` (below ``e_hi``) of the CSR lists: rows, columns, deltas."""
+        idx = e + tl.arange(0, ESC_CH)
+        em = idx < e_hi
+        er = tl.load(erow_ptr + idx, mask=em, other=-1)
+        ec = tl.load(ecol_ptr + idx, mask=em, other=0)
+        ed = tl.load(edelta_ptr + idx, mask=em, other=0.0)
+        return er, ec, ed
+
+    @triton.jit
+    def _esc_add(y, rows, er, ec, ed, x_ptr, gamma_ptr, K, rstd, NORM: tl.constexpr):
+        """``y`` [B] plus the loaded escapes' ``x[col] * delta`` on their rows."""
+        contrib = _x_at(x_ptr, gamma_ptr, ec, K, rstd, NORM) * ed
+        return y + tl.sum(tl.where(er[None, :] == rows[:, None], contrib[None, :], 0.0), axis=1)
+
+    @triton.jit
+    def _scale_and_escapes(acc, rows, low, esc0, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, e_lo, e_hi,
                            x_ptr, gamma_ptr, K, rstd, NORM: tl.constexpr, ESC_CH: tl.constexpr):
-        """The group's fp32 outputs: the row sums times ``2**(L_n - 112)``, plus the escapes'
-        ``x[col] * delta`` in CSR order (fixed, so bitwise run to run)."""
-        low = tl.load(low_ptr + rows).to(tl.int32)
-        scale = ((low + (127 - 112)) << 23).to(tl.float32, bitcast=True)
-        y = tl.sum(acc, axis=1) * scale
-        for e in range(e_lo, e_hi, ESC_CH):
-            idx = e + tl.arange(0, ESC_CH)
-            em = idx < e_hi
-            er = tl.load(erow_ptr + idx, mask=em, other=-1)
-            ec = tl.load(ecol_ptr + idx, mask=em, other=0)
-            ed = tl.load(edelta_ptr + idx, mask=em, other=0.0)
-            contrib = _x_at(x_ptr, gamma_ptr, ec, K, rstd, NORM) * ed
-            y += tl.sum(tl.where(er[None, :] == rows[:, None], contrib[None, :], 0.0), axis=1)
+        """The group's fp32 outputs: the row sums times ``2**(L_n - 112)`` (``low`` the rows' L_n),
+        plus the first escape chunk's corrections ``esc0`` (added before the main loop) and the
+        rest in CSR order (fixed, so bitwise run to run)."""
+        scale = ((low.to(tl.int32) + (127 - 112)) << 23).to(tl.float32, bitcast=True)
+        y = tl.sum(acc, axis=1) * scale + esc0
+        for e in range(e_lo + ESC_CH, e_hi, ESC_CH):
+            er, ec, ed = _esc_load(erow_ptr, ecol_ptr, edelta_ptr, e, e_hi, ESC_CH)
+            y = _esc_add(y, rows, er, ec, ed, x_ptr, gamma_ptr, K, rstd, NORM)
         return y
 
     @triton.jit
@@ -176,10 +187,18 @@ if triton is not None:
         ea_hi = tl.load(eptr_ptr + a0 + B)
         eb_lo = tl.load(eptr_ptr + b0)
         eb_hi = tl.load(eptr_ptr + b0 + B)
+        # the row exponents and the first escape chunk too, so the tail waits on none of them
+        low_a = tl.load(low_ptr + rows_a)
+        low_b = tl.load(low_ptr + rows_b)
+        er_a, ec_a, ed_a = _esc_load(erow_ptr, ecol_ptr, edelta_ptr, ea_lo, ea_hi, ESC_CH)
+        er_b, ec_b, ed_b = _esc_load(erow_ptr, ecol_ptr, edelta_ptr, eb_lo, eb_hi, ESC_CH)
         if PDL:
             gdc_launch_dependents()
             gdc_wait()       # the previous kernel's writes (x, res, the caches) are visible from here
         rstd = _row_rstd(x_ptr, K, eps, NORM, XP)
+        zero = tl.zeros((B,), tl.float32)
+        esc_a = _esc_add(zero, rows_a, er_a, ec_a, ed_a, x_ptr, gamma_ptr, K, rstd, NORM)
+        esc_b = _esc_add(zero, rows_b, er_b, ec_b, ed_b, x_ptr, gamma_ptr, K, rstd, NORM)
 
         x0e, x0o, x1e, x1o, x2e, x2o, x3e, x3o = _x_pairs(x_ptr, gamma_ptr, 0, K, rstd, NORM, RECS)
         acc_a = _fma_records(tl.zeros((B, RECS * 8), tl.float32), va, na, x0e, x0o, x1e, x1o, x2e, x2o, x3e, x3o, FAST)
@@ -192,9 +211,9 @@ if triton is not None:
             acc_b = _fma_records(acc_b, vb, nbb, x0e, x0o, x1e, x1o, x2e, x2o, x3e, x3o, FAST)
 
         dt = y_ptr.dtype.element_ty
-        ya = _scale_and_escapes(acc_a, rows_a, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, ea_lo, ea_hi,
+        ya = _scale_and_escapes(acc_a, rows_a, low_a, esc_a, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, ea_lo, ea_hi,
                                 x_ptr, gamma_ptr, K, rstd, NORM, ESC_CH).to(dt)
-        yb = _scale_and_escapes(acc_b, rows_b, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, eb_lo, eb_hi,
+        yb = _scale_and_escapes(acc_b, rows_b, low_b, esc_b, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, eb_lo, eb_hi,
                                 x_ptr, gamma_ptr, K, rstd, NORM, ESC_CH).to(dt)
         _epilogue(ya, yb, rows_a, rows_b, p, d, head, y_ptr, res_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr,
                   kc_ptr, vc_ptr, NH, NKV, stride_ch, stride_cs, stride_dh, stride_ds, stride_rot, EPI, HD)
