@@ -1,20 +1,25 @@
-"""W12 in the engine's fused AR step: bf16 fused decode vs W12 layer modules vs W12 fused decode.
+"""W12 in the engine's fused AR step: bf16 fused decode vs W12 layer modules vs the W12 fused decode
+kernels (Triton and Gluon).
 
 Two Llama-3.1-8B-shaped engines with the same random bf16 weights (seed 0) on the GPU, fused
 attention, the LM head as asked (``--head``), context 1024:
 
 * ``bf16 fused``: the dense engine with ``decode=fused`` (the four GEMV kernels per layer, PDL);
 * ``w12 layers``: the W12 engine (``w12=1``) stepping through the layer modules (``decode=layers``,
-  each projection one ``w12_linear`` call), the only W12 AR path before the fused W12 kernels;
+  each projection one ``w12_linear`` call);
 * ``w12 layers compiled``: the same with the layers under ``torch.compile`` (``compile=1``);
-* ``w12 fused``: the W12 engine with ``decode=fused`` (kernels/decode/gemv_w12.py).
+* ``w12 fused triton``: the W12 engine with ``decode=fused`` on the Triton kernels
+  (kernels/decode/gemv_w12.py, ``gemv_w12_gluon.ENABLED = False`` while captured);
+* ``w12 fused gluon``: the same on the Gluon kernels (kernels/decode/gemv_w12_gluon.py), what
+  ``w12=1`` runs on CUDA.
 
 Each variant's AR step is captured in a CUDA graph; ``--rounds`` rounds time every variant in turn
 (``--reps`` replays, CUDA events, median), and the median over rounds is reported, so clock drift
-falls on all alike. With ``--tune`` the W12 fused kernels are first tuned inside the step (one
-kernel at a time, each of ``CANDIDATES`` put in the table, the step re-captured and timed, the
-fastest kept), and the table found is printed for ``gemv_w12.TUNED``. The W12 engine's one-row logits are checked both ways (layers vs fused kernels,
-eager) and the fused step's argmax replayed twice must agree.
+falls on all alike. With ``--tune`` the Gluon kernels are first tuned inside the step (one kernel at
+a time, each of ``CANDIDATES`` put in the table, the step re-captured and timed, the fastest kept),
+and the table found is printed for ``gemv_w12_gluon.TUNED``. The W12 engine's one-row logits are
+checked both ways (layers vs each fused path, eager), and each fused step's output replayed twice
+must agree.
 
     python benchmarks/decode_w12_engine.py [--tune] [--rounds 5] [--reps 200] [--head linear|certified]
 """
@@ -38,10 +43,9 @@ from common import write_results  # noqa: E402
 KERNELS = (("rope", 6144, 4096), ("resid", 4096, 4096), ("silu", 28672, 4096), ("resid", 4096, 14336))
 
 
-# (pairs, recs, warps, stages) tried per kernel with --tune: static SASS counts (Triton 3.6, sm_90)
-# put the main loop at 6.1-8.6 instructions per weight for these, against 9-11 before the prmt decode
-CANDIDATES = ((4, 8, 4, 3), (8, 8, 4, 3), (8, 8, 4, 1), (8, 8, 2, 3), (16, 8, 4, 3), (8, 16, 4, 3), (4, 16, 4, 3),
-              (4, 16, 4, 1), (4, 32, 4, 3), (8, 4, 4, 3), (4, 8, 2, 3), (4, 4, 4, 3), (4, 4, 2, 3), (2, 16, 4, 3))
+# (pairs, warps, depth, maxnreg) of the Gluon kernels tried per kernel with --tune
+CANDIDATES = ((4, 4, 4, None), (4, 4, 4, 96), (8, 4, 4, None), (8, 4, 4, 96), (8, 4, 3, None), (8, 4, 2, None),
+              (8, 8, 2, None), (8, 2, 4, None), (4, 8, 2, None), (4, 2, 4, None), (16, 4, 2, None), (16, 4, 3, None))
 
 
 def main() -> int:
@@ -50,7 +54,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--head", choices=["linear", "certified"], default="linear")
-    ap.add_argument("--tune", action="store_true", help="tune the W12 fused kernels in the step first")
+    ap.add_argument("--tune", action="store_true", help="tune the Gluon W12 fused kernels in the step first")
     ap.add_argument("--tune-reps", type=int, default=100)
     args = ap.parse_args()
     if args.rounds < 1 or args.reps < 1 or not 16 <= args.context <= 8192:
@@ -61,7 +65,7 @@ def main() -> int:
     from specpilot.engine import w12 as ew
     from specpilot.engine.graphs import GraphRunner, time_replays
     from specpilot.engine.model import StepInput, Transformer
-    from specpilot.kernels.decode import gemv_w12
+    from specpilot.kernels.decode import gemv_w12_gluon
     from specpilot.models import load_model_spec
 
     if not torch.cuda.is_available():
@@ -102,28 +106,30 @@ def main() -> int:
         base_ms = step_ms(w12, "fused", args.tune_reps)
         print(f"tune: start {base_ms:.3f} ms/step", flush=True)
         for key in KERNELS:
-            best = (gemv_w12.config_for(*key), base_ms)
-            for p, r, w, st in CANDIDATES:
-                cfg = gemv_w12.W12GemvConfig(p, r, w, st)
-                if cfg == best[0]:
+            best = (gemv_w12_gluon.config_for(*key), base_ms)
+            for p, w, d, r in CANDIDATES:
+                cfg = gemv_w12_gluon.GluonFusedConfig(p, w, d, r)
+                if cfg == best[0] or (key[0] == "rope" and 64 % p):
                     continue
-                gemv_w12.TUNED[key] = cfg
+                gemv_w12_gluon.TUNED[key] = cfg
                 try:
                     ms = step_ms(w12, "fused", args.tune_reps)
                 except Exception as e:  # a variant that does not compile or fit is skipped, and said
                     print(f"  {key} {cfg.key()}: failed ({type(e).__name__}: {str(e)[:120]})", flush=True)
                     trials.append({"kernel": list(key), "config": cfg.key(), "error": str(e)[:200]})
                     continue
-                trials.append({"kernel": list(key), "config": cfg.key(), "step_ms": round(ms, 4)})
-                print(f"  {key} {cfg.key()}: {ms:.3f} ms/step", flush=True)
+                trials.append({"kernel": list(key), "config": cfg.key(), "step_ms": round(ms, 4),
+                               "regs_spills": gemv_w12_gluon.COMPILED.get((*key, cfg.key()))})
+                print(f"  {key} {cfg.key()}: {ms:.3f} ms/step {gemv_w12_gluon.COMPILED.get((*key, cfg.key()))}",
+                      flush=True)
                 if ms < best[1]:
                     best = (cfg, ms)
-            gemv_w12.TUNED[key] = best[0]
+            gemv_w12_gluon.TUNED[key] = best[0]
             base_ms = best[1]
             print(f"tune: {key} keeps {best[0].key()} ({best[1]:.3f} ms/step)", flush=True)
         print("TUNED = {")
-        for (kd, n, k), c in gemv_w12.TUNED.items():
-            print(f"    ({kd!r}, {n}, {k}): W12GemvConfig({c.pairs}, {c.recs}, {c.warps}, {c.stages}),")
+        for (kd, n, k), c in gemv_w12_gluon.TUNED.items():
+            print(f"    ({kd!r}, {n}, {k}): GluonFusedConfig({c.pairs}, {c.warps}, {c.depth}, {c.maxnreg}),")
         print("}")
 
     # correctness: one eager AR step of the W12 engine through the layers and through the kernels
@@ -137,8 +143,13 @@ def main() -> int:
     ref = w12.forward(one, kv_len=w12.max_seq).float()
     w12.set_decode("fused")
     got = w12.forward(one, kv_len=w12.max_seq).float()
+    gemv_w12_gluon.ENABLED = False
+    got_t = w12.forward(one, kv_len=w12.max_seq).float()
+    gemv_w12_gluon.ENABLED = True
     check = {"logits_max_abs_diff": float((got - ref).abs().max()), "logits_max_abs": float(ref.abs().max()),
-             "argmax_equal": bool(torch.equal(got.argmax(-1), ref.argmax(-1)))}
+             "argmax_equal": bool(torch.equal(got.argmax(-1), ref.argmax(-1))),
+             "triton_logits_max_abs_diff": float((got_t - ref).abs().max()),
+             "triton_argmax_equal": bool(torch.equal(got_t.argmax(-1), ref.argmax(-1)))}
     # the same check on the dense engine (bf16 fused kernels vs its layers): the scale of bf16 noise
     dense.set_decode("layers")
     dense.forward(StepInput(torch.arange(100, 100 + n, device="cuda"), pos, pos, mask, "seq"), kv_len=dense.max_seq)
@@ -150,9 +161,10 @@ def main() -> int:
     check["w12_fused_vs_dense_fused_max_abs_diff"] = float((got - dgot).abs().max())
 
     variants = [("bf16 fused", dense, "fused"), ("w12 layers", w12, "layers"), ("w12 layers compiled", w12, "layers"),
-                ("w12 fused", w12, "fused")]
+                ("w12 fused triton", w12, "fused"), ("w12 fused gluon", w12, "fused")]
     graphs = []
     for name, model, decode in variants:
+        gemv_w12_gluon.ENABLED = name != "w12 fused triton"
         if name == "w12 layers compiled":
             t1 = time.perf_counter()
             model.compile_blocks()
@@ -161,11 +173,12 @@ def main() -> int:
         else:
             runner, g, out = graph(model, decode)
         graphs.append((name, runner, g, out))
-    _, _, gw, outw = graphs[3]
-    gw.replay()
-    first = outw.clone()
-    gw.replay()
-    check["fused_replays_equal"] = bool(torch.equal(first, outw))
+    gemv_w12_gluon.ENABLED = True
+    for name, _, g, out in graphs[3:]:
+        g.replay()
+        first = out.clone()
+        g.replay()
+        check[f"{name.split()[-1]}_replays_equal"] = bool(torch.equal(first, out))
     times = {name: [] for name, *_ in graphs}
     for _ in range(args.rounds):
         for name, _, g, _ in graphs:
@@ -178,10 +191,11 @@ def main() -> int:
                      "speedup_vs_bf16_fused": round(base / ms, 3), "rounds_ms": [round(t, 4) for t in times[name]]})
         print(f"{name:>19}: {ms:.3f} ms/step  {1e3 / ms:6.1f} tok/s  {base / ms:.3f}x", flush=True)
     print(f"check: {check}", flush=True)
-    table = {f"{kd}/{n_}/{k}": c.key() for (kd, n_, k), c in gemv_w12.TUNED.items()}
+    table = {f"{kd}/{n_}/{k}": c.key() for (kd, n_, k), c in gemv_w12_gluon.TUNED.items()}
+    regs = {"/".join(map(str, key)): v for key, v in gemv_w12_gluon.COMPILED.items()}
     write_results("decode_w12_engine" + ("_tune" if args.tune else ""), rows,
                   {"model": spec.name, "context": ctx, "head": args.head, "w12": summary.to_json(),
-                   "w12_table": table, "check": check, "tune_trials": trials,
+                   "gluon_table": table, "gluon_regs_spills": regs, "check": check, "tune_trials": trials,
                    "method": f"AR step CUDA graphs, {args.rounds} rounds x {args.reps} replays (CUDA events), "
                              "median of round medians; variants interleaved per round"})
     return 0

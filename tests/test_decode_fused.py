@@ -290,11 +290,79 @@ def test_w12_kernel_config_errors():
         G.gemv_residual(x, torch.zeros(128, 64, dtype=torch.bfloat16, device=DEV), res, W12GemvConfig())
 
 
+def test_w12_gluon_config_errors():
+    """The Gluon kernels' configs: bad values, a dense weight, and (without CUDA) no Gluon path."""
+    from specpilot.kernels.decode import gemv_w12_gluon as GG
+
+    g = torch.Generator().manual_seed(6)
+    _, kp = _w12_weight(128, 64, g)
+    for bad, msg in ((GG.GluonFusedConfig(pairs=2), "pairs=2"), (GG.GluonFusedConfig(warps=3), "warps=3"),
+                     (GG.GluonFusedConfig(depth=1), "depth=1"), (GG.GluonFusedConfig(maxnreg=300), "maxnreg")):
+        with pytest.raises(ValueError, match=msg):
+            GG.check_config(bad)
+    with pytest.raises(ValueError, match="shared memory"):
+        GG.check_config(GG.GluonFusedConfig(warps=8), k_tiles=3000)
+    x, res = torch.zeros(1, 64, dtype=torch.bfloat16, device=DEV), torch.zeros(1, 128, dtype=torch.bfloat16, device=DEV)
+    with pytest.raises(ValueError, match="does not fit a dense weight"):
+        G.gemv_residual(x, torch.zeros(128, 64, dtype=torch.bfloat16, device=DEV), res, GG.GluonFusedConfig())
+    if not torch.cuda.is_available():
+        assert not GG.available(x)
+        with pytest.raises(ValueError, match="need Gluon and a 16-byte aligned CUDA row"):
+            G.gemv_residual(x, kp, res, GG.GluonFusedConfig())
+
+
+_GLUON_SETUP = r"""
+from specpilot.kernels.decode import gemv_w12_gluon as GG
+from specpilot.kernels.w12.gemv_gluon import layouts
+k = GG._w12_fused_gl_kernel
+ptrs = {n: "*bf16" for n in ("x_ptr", "gamma_ptr", "y_ptr", "res_ptr", "cos_ptr", "sin_ptr", "kc_ptr", "vc_ptr")}
+ptrs.update({"x32_ptr": "*i32", "g32_ptr": "*i32", "rec_ptr": "*i32", "low_ptr": "*u8", "eptr_ptr": "*i32",
+             "erow_ptr": "*i32", "ecol_ptr": "*i32", "edelta_ptr": "*fp32", "pos_ptr": "*i64", "slot_ptr": "*i64",
+             "eps": "fp32"})
+lv, lq, lx, le = layouts(16, 4)
+const = dict(NORM=EPI != 1, EPI=EPI, HD=128, B=8, WARPS=4, DEPTH=4, L_V=lv, L_Q=lq, L_X=lx, L_E=le, XS_IT=16,
+             XS_CH=8, PDL=True)
+div = [p for p in ptrs if p != "eps"] + ["KH"]
+warps = 4
+"""
+
+
+@pytest.mark.parametrize("epi", [1, 3])
+def test_w12_gluon_kernel_compiles_for_sm90(epi):
+    """The Gluon W12 decode kernel (16 rows x 4 warps, four unrolled sets) compiled for sm_90 on the
+    CPU: the main loop streams each warp's records (16-byte view and 8-byte nibble loads, 2 rows per
+    lane), reads x from shared memory, has one pin per reload and no CTA barrier; and under PDL x is
+    touched only after ``griddepcontrol.wait`` (staged by cp.async, or normalised and stored)."""
+    import re
+
+    from specpilot.kernels.decode import gemv_w12_gluon as GG
+
+    if GG.gluon is None:
+        pytest.skip("Triton without Gluon")
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from gluon_ptx import loop_ptx, ptxas_report
+
+    r = ptxas_report(f"EPI = {epi}\n" + _GLUON_SETUP)
+    ptx, body = r["ptx"], loop_ptx(r["ptx"])
+    assert body.count("bar.sync") == 0 and body.count("bar.warp.sync") == 4 and "st.shared" not in body
+    assert len(re.findall(r"ld\.global[^;]*\.v4", body)) == 8     # views: 2 rows per lane, 4 sets
+    assert len(re.findall(r"ld\.global[^;]*\.v2", body)) == 8     # nibbles
+    assert len(re.findall(r"ld\.shared[^;]*\.v4", body)) == 8     # x: 8 words per lane and record
+    assert len(re.findall(r"fma\.rn\.f32", body)) == 128
+    wait = ptx.find("griddepcontrol.wait")
+    first_x = ptx.find("cp.async") if epi == 1 else ptx.find("st.shared")
+    assert 0 < ptx.find("griddepcontrol.launch_dependents") < wait < first_x
+    assert 0 < ptx.find("ld.global.v4") < wait          # the first records before the wait
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_w12_kernels_at_llama_shapes():
-    """The W12 fused kernels at Llama-3.1-8B shapes (table configs): within one bf16 rounding of
-    the dense kernels on the same weights, and bitwise the same run to run."""
+    """The W12 fused kernels at Llama-3.1-8B shapes (table configs; on CUDA the Gluon kernels):
+    within one bf16 rounding of the dense kernels on the same weights and of the Triton W12 kernel,
+    and bitwise the same run to run."""
     from specpilot.kernels.decode import gemv_w12
     from specpilot.kernels.w12 import encode
     from specpilot.kernels.w12.gemm import KernelPack
@@ -314,12 +382,15 @@ def test_gpu_w12_kernels_at_llama_shapes():
         got = G.gemv_residual(xx, kp, x)
         assert torch.equal(got, G.gemv_residual(xx, kp, x))
         _one_rounding(got - x, G.gemv_residual(xx, w, x) - x)
-        # the prmt decode (compiled default) gives the plain decode's bits
+        # the Triton kernel: its prmt decode (compiled default) gives the plain decode's bits, and its
+        # output is the Gluon kernel's up to the fp32 summation order
         cfg = gemv_w12.config_for("resid", *kp.shape)
-        plain = torch.empty_like(got)
-        gemv_w12.launch((kp.shape[0] // (2 * cfg.pairs),), xx, None, kp, plain, x, 0.0, G.EPI_RESID, False, cfg,
-                        fast=False)
-        assert torch.equal(got, plain)
+        fast, plain = torch.empty_like(got), torch.empty_like(got)
+        for out, f in ((fast, True), (plain, False)):
+            gemv_w12.launch((kp.shape[0] // (2 * cfg.pairs),), xx, None, kp, out, x, 0.0, G.EPI_RESID, False, cfg,
+                            fast=f)
+        assert torch.equal(fast, plain)
+        _one_rounding(got - x, fast - x)
     w13, kp13 = pack(2 * inter, hidden)
     got = G.norm_gate_up_silu(x, gamma, 1e-5, kp13, inter)
     assert torch.equal(got, G.norm_gate_up_silu(x, gamma, 1e-5, kp13, inter))
@@ -357,3 +428,76 @@ def test_gpu_w12_engine_takes_the_fused_decode():
     m.set_decode("fused")
     got = m.forward(one, kv_len=64).float()
     assert (got - ref).abs().max() < 0.05 * ref.abs().max()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("cfg", [(8, 4, 4, None), (4, 4, 2, None), (16, 2, 3, None), (8, 8, 2, 96)])
+def test_gpu_w12_gluon_kernels_match_the_reference(cfg):
+    """The Gluon W12 decode kernels (kernels/decode/gemv_w12_gluon.py) against the plain references,
+    within one bf16 rounding of the Triton W12 kernels (another fp32 summation order), bitwise the
+    same run to run: K not a multiple of 64, rows in two record tiles, about 3 escapes per row
+    (more than a group's first chunk of 8), every epilogue."""
+    from specpilot.kernels.decode.gemv_w12 import W12GemvConfig
+    from specpilot.kernels.decode.gemv_w12_gluon import GluonFusedConfig
+
+    c = GluonFusedConfig(*cfg)
+    tri = W12GemvConfig(pairs=c.pairs, recs=2, warps=1, stages=1, esc_ch=4)
+    g = torch.Generator().manual_seed(9)
+    dt = torch.bfloat16
+    K, N, inter = 160, 256, 144
+    x, res = torch.randn(1, K, generator=g).to(dt).to(DEV), torch.randn(1, N, generator=g).to(dt).to(DEV)
+    gamma = (torch.rand(K, generator=g) + 0.5).to(dt).to(DEV)
+    w, kp = _w12_weight(N, K, g)
+    y = G.gemv_residual(x, kp, res, c)
+    assert torch.equal(y, G.gemv_residual(x, kp, res, c))
+    _close(y, R.gemv_residual(x, w, res), dt)
+    _one_rounding(y - res, G.gemv_residual(x, kp, res, tri) - res)
+    w13, kp13 = _w12_weight(2 * inter, K, g)
+    y = G.norm_gate_up_silu(x, gamma, 1e-5, kp13, inter, c)
+    assert torch.equal(y, G.norm_gate_up_silu(x, gamma, 1e-5, kp13, inter, c))
+    _close(y, R.norm_gate_up_silu(x, gamma, 1e-5, w13, inter), dt)
+    _one_rounding(y, G.norm_gate_up_silu(x, gamma, 1e-5, kp13, inter, tri))
+    nh, nkv, hd, S = 4, 2, 64, 12
+    wq, kpq = _w12_weight((nh + 2 * nkv) * hd, K, g)
+    cos, sin = _rope_tables(hd, 16)
+    pos, slot = torch.tensor([7], device=DEV), torch.tensor([9], device=DEV)
+    caches = [torch.randn(nkv, S, hd, generator=g).to(dt).to(DEV) for _ in range(2)]
+    kc, vc, kc2, vc2, kc3, vc3 = [t.clone() for t in caches * 3]
+    q = G.norm_qkv_rope_store(x, gamma, 1e-5, kpq, cos, sin, pos, slot, kc, vc, nh, nkv, c)
+    q2 = R.norm_qkv_rope_store(x, gamma, 1e-5, wq, cos, sin, pos, slot, kc2, vc2, nh, nkv)
+    _close(q, q2, dt)
+    _close(kc, kc2, dt)
+    _close(vc, vc2, dt)
+    others = torch.arange(S, device=DEV) != 9
+    assert torch.equal(kc[:, others], caches[0][:, others]) and torch.equal(vc[:, others], caches[1][:, others])
+    q3 = G.norm_qkv_rope_store(x, gamma, 1e-5, kpq, cos, sin, pos, slot, kc3, vc3, nh, nkv, tri)
+    _one_rounding(q, q3)
+    _one_rounding(kc, kc3)
+    _one_rounding(vc, vc3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_w12_pdl_chain_is_bitwise_equal_to_serial_launches():
+    """As the bf16 test above, for a ``w12=1`` engine (the Gluon W12 kernels chained with PDL)."""
+    outs = {}
+    for pdl in (False, True):
+        G.USE_PDL = pdl
+        try:
+            m = load_engine("engine:model=tiny,mode=ar,ctx=64,device=cuda,w12=1,graphs=0").model
+            m.set_decode("fused")
+            n = 8
+            pos = torch.arange(n, device="cuda")
+            m.forward(StepInput(torch.arange(40, 40 + n, device="cuda"), pos, pos,
+                                torch.arange(64, device="cuda")[None, :] <= pos[:, None], "seq"), kv_len=64)
+            got = []
+            for step in range(n, n + 6):
+                one = StepInput(torch.tensor([step * 3 % 200], device="cuda"), torch.tensor([step], device="cuda"),
+                                torch.tensor([step], device="cuda"), torch.arange(64, device="cuda")[None, :] <= step,
+                                "seq")
+                got.append(m.hidden(one, 64).clone())
+            outs[pdl] = torch.cat(got)
+        finally:
+            G.USE_PDL = True
+    assert torch.equal(outs[True], outs[False])

@@ -248,17 +248,24 @@ def _check_weight(w, x: torch.Tensor) -> None:
                          f"{tuple(w.shape)} {w.dtype}")
 
 
-def _config(epi: str, w, cfg):
+def _config(epi: str, w, cfg, x: torch.Tensor):
     """The kernel config: ``cfg`` if given (a :class:`GemvConfig`, or for a W12 weight a
-    ``gemv_w12.W12GemvConfig``), else the table's for the shape."""
-    from specpilot.kernels.decode import gemv_w12
+    ``gemv_w12.W12GemvConfig`` (Triton) or ``gemv_w12_gluon.GluonFusedConfig``), else the table's
+    for the shape: for a W12 weight the Gluon kernel's where it runs (CUDA, Gluon), else Triton's."""
+    from specpilot.kernels.decode import gemv_w12, gemv_w12_gluon
 
     w12 = gemv_w12.is_w12(w)
     if cfg is None:
+        if w12 and gemv_w12_gluon.available(x):
+            return gemv_w12_gluon.config_for(epi, *w.shape)
         return (gemv_w12.config_for if w12 else config_for)(epi, *w.shape)
-    if isinstance(cfg, gemv_w12.W12GemvConfig) != w12:
+    if isinstance(cfg, (gemv_w12.W12GemvConfig, gemv_w12_gluon.GluonFusedConfig)) != w12:
         raise ValueError(f"{type(cfg).__name__} does not fit a {'W12' if w12 else 'dense'} weight")
-    if w12:
+    if isinstance(cfg, gemv_w12_gluon.GluonFusedConfig):
+        if not gemv_w12_gluon.available(x):
+            raise ValueError("the Gluon W12 decode kernels need Gluon and a 16-byte aligned CUDA row of even length")
+        gemv_w12_gluon.check_config(cfg, w.k_tiles)
+    elif w12:
         gemv_w12.check_config(cfg)
     return cfg
 
@@ -292,7 +299,7 @@ def gemv_residual(x: torch.Tensor, w, res: torch.Tensor, cfg=None, out: torch.Te
     """``res + x @ w.T`` for one row x [1, K] and w [N, K] (a dense tensor, or a W12 ``KernelPack``
     with a ``gemv_w12.W12GemvConfig``: :mod:`.gemv_w12`); ``N`` a multiple of ``2 * pairs``."""
     N, K = w.shape
-    cfg = _config("resid", w, cfg)
+    cfg = _config("resid", w, cfg, x)
     _check_row(x, K, "x")
     _check_weight(w, x)
     _check_row(res, N, "res")
@@ -307,7 +314,7 @@ def norm_gate_up_silu(x: torch.Tensor, gamma: torch.Tensor, eps: float, w13, int
                       cfg=None) -> torch.Tensor:
     """``silu(gate) * up`` of ``rms_norm(x) @ w13.T`` (gate rows ``[0, inter)``, up rows after): [1, inter]."""
     N, K = w13.shape
-    cfg = _config("silu", w13, cfg)
+    cfg = _config("silu", w13, cfg, x)
     _check_row(x, K, "x")
     _check_weight(w13, x)
     if N != 2 * inter or inter % cfg.pairs:
@@ -324,7 +331,7 @@ def norm_qkv_rope_store(x, gamma, eps, w_qkv, cos, sin, pos, slot, k_cache, v_ca
     at ``slot`` (one-element device tensor). Returns q [1, nh * hd]."""
     N, K = w_qkv.shape
     hd = k_cache.shape[-1]
-    cfg = _config("rope", w_qkv, cfg)
+    cfg = _config("rope", w_qkv, cfg, x)
     _check_row(x, K, "x")
     _check_weight(w_qkv, x)
     if N != (nh + 2 * nkv) * hd or (hd // 2) % cfg.pairs or hd & (hd - 1):

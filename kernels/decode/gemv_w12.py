@@ -46,7 +46,14 @@ class W12GemvConfig:
 
 DEFAULT = W12GemvConfig()
 # (epilogue, N, K) -> config, chosen on the H200 in the engine's AR step (benchmarks/decode_w12_engine.py)
-TUNED: dict[tuple[str, int, int], W12GemvConfig] = {}
+# (benchmarks/results/decode_w12_engine_tune.json, git cd3bd7c: the step 4.929 -> 4.137 ms); on CUDA
+# with Gluon the Gluon kernels (gemv_w12_gluon) take these shapes instead
+TUNED: dict[tuple[str, int, int], W12GemvConfig] = {
+    ("rope", 6144, 4096): W12GemvConfig(4, 4, 2, 3),
+    ("resid", 4096, 4096): W12GemvConfig(4, 16, 4, 1),
+    ("silu", 28672, 4096): W12GemvConfig(4, 4, 2, 3),
+    ("resid", 4096, 14336): W12GemvConfig(2, 16, 4, 3),
+}
 
 
 def config_for(epi: str, n: int, k: int) -> W12GemvConfig:
@@ -230,10 +237,16 @@ def check_config(cfg: W12GemvConfig) -> None:
 
 def launch(grid, x, gamma, kp, y, res, eps, epi, norm, cfg: W12GemvConfig, inter=0, nh=0, nkv=0, hd=16,
            cos=None, sin=None, pos=None, slot=None, k_cache=None, v_cache=None, fast: bool | None = None) -> None:
-    """One fused W12 kernel (the arguments of :func:`.gemv._launch`, ``kp`` a W12 ``KernelPack``);
+    """One fused W12 kernel (the arguments of :func:`.gemv._launch`, ``kp`` a W12 ``KernelPack``):
+    the Gluon kernel for a ``gemv_w12_gluon.GluonFusedConfig``, else this module's Triton kernel;
     ``fast``: the prmt decode (default: whenever compiled, not under the interpreter)."""
+    from specpilot.kernels.decode import gemv_w12_gluon
     from specpilot.kernels.decode.gemv import USE_PDL
 
+    if isinstance(cfg, gemv_w12_gluon.GluonFusedConfig):
+        gemv_w12_gluon.launch(grid, x, gamma, kp, y, res, eps, epi, norm, cfg, inter, nh, nkv, hd,
+                              cos, sin, pos, slot, k_cache, v_cache)
+        return
     check_config(cfg)
     K = kp.shape[1]
     d = x  # placeholder for pointer arguments an epilogue does not use
