@@ -193,7 +193,8 @@ def main() -> int:
     print(f"check: {check}", flush=True)
     table = {f"{kd}/{n_}/{k}": c.key() for (kd, n_, k), c in gemv_w12_gluon.TUNED.items()}
     regs = {"/".join(map(str, key)): v for key, v in gemv_w12_gluon.COMPILED.items()}
-    write_results("decode_w12_engine" + ("_tune" if args.tune else ""), rows,
+    write_results("decode_w12_engine" + ("_certified" if args.head == "certified" else "") + ("_tune" if args.tune else ""),
+                  rows,
                   {"model": spec.name, "context": ctx, "head": args.head, "w12": summary.to_json(),
                    "gluon_table": table, "gluon_regs_spills": regs, "check": check, "tune_trials": trials,
                    "method": f"AR step CUDA graphs, {args.rounds} rounds x {args.reps} replays (CUDA events), "

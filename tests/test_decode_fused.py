@@ -274,6 +274,16 @@ def _one_rounding(a, b):
     assert ((a - b).abs() <= torch.maximum(a.abs(), b.abs()) * 2.0 ** -7 + 1e-6).all(), (a - b).abs().max()
 
 
+def _near(a, b):
+    """For kernels whose RMS prologues sum x**2 in another order (the Gluon W12 kernels' 1/RMS is not
+    the Triton kernels' to the last bit, so an x value may round the other way): silu(gate) * up and
+    RoPE multiply two outputs that each may differ by a rounding, so a and b (bf16) are within two
+    roundings of the larger plus 2**-8 of b's mean magnitude (RoPE's sums may cancel)."""
+    a, b = a.float(), b.float()
+    tol = torch.maximum(a.abs(), b.abs()) * 2.0 ** -6 + b.abs().mean() * 2.0 ** -8
+    assert ((a - b).abs() <= tol).all(), (a - b).abs().max()
+
+
 def test_w12_kernel_config_errors():
     from specpilot.kernels.decode.gemv_w12 import W12GemvConfig
 
@@ -361,8 +371,8 @@ def test_w12_gluon_kernel_compiles_for_sm90(epi):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_w12_kernels_at_llama_shapes():
     """The W12 fused kernels at Llama-3.1-8B shapes (table configs; on CUDA the Gluon kernels):
-    within one bf16 rounding of the dense kernels on the same weights and of the Triton W12 kernel,
-    and bitwise the same run to run."""
+    within one bf16 rounding of the dense kernels on the same weights and of the Triton W12 kernel
+    (two for the normalised SiLU and RoPE epilogues, :func:`_near`), bitwise the same run to run."""
     from specpilot.kernels.decode import gemv_w12
     from specpilot.kernels.w12 import encode
     from specpilot.kernels.w12.gemm import KernelPack
@@ -394,16 +404,16 @@ def test_gpu_w12_kernels_at_llama_shapes():
     w13, kp13 = pack(2 * inter, hidden)
     got = G.norm_gate_up_silu(x, gamma, 1e-5, kp13, inter)
     assert torch.equal(got, G.norm_gate_up_silu(x, gamma, 1e-5, kp13, inter))
-    _one_rounding(got, G.norm_gate_up_silu(x, gamma, 1e-5, w13, inter))
+    _near(got, G.norm_gate_up_silu(x, gamma, 1e-5, w13, inter))
     wq, kpq = pack((nh + 2 * nkv) * hd, hidden)
     cos, sin = _rope_tables(hd, 64)
     pos, slot = torch.tensor([33], device="cuda"), torch.tensor([40], device="cuda")
     caches = [torch.zeros(nkv, 64, hd, dtype=torch.bfloat16, device="cuda") for _ in range(4)]
     q = G.norm_qkv_rope_store(x, gamma, 1e-5, kpq, cos, sin, pos, slot, caches[0], caches[1], nh, nkv)
     q2 = G.norm_qkv_rope_store(x, gamma, 1e-5, wq, cos, sin, pos, slot, caches[2], caches[3], nh, nkv)
-    _one_rounding(q, q2)
-    _one_rounding(caches[0], caches[2])
-    _one_rounding(caches[1], caches[3])
+    _near(q, q2)
+    _near(caches[0], caches[2])
+    _near(caches[1], caches[3])
 
 
 @pytest.mark.gpu
@@ -435,7 +445,8 @@ def test_gpu_w12_engine_takes_the_fused_decode():
 @pytest.mark.parametrize("cfg", [(8, 4, 4, None), (4, 4, 2, None), (16, 2, 3, None), (8, 8, 2, 96)])
 def test_gpu_w12_gluon_kernels_match_the_reference(cfg):
     """The Gluon W12 decode kernels (kernels/decode/gemv_w12_gluon.py) against the plain references,
-    within one bf16 rounding of the Triton W12 kernels (another fp32 summation order), bitwise the
+    within one bf16 rounding of the Triton W12 kernels (another fp32 summation order; two for the
+    normalised epilogues, :func:`_near`), bitwise the
     same run to run: K not a multiple of 64, rows in two record tiles, about 3 escapes per row
     (more than a group's first chunk of 8), every epilogue."""
     from specpilot.kernels.decode.gemv_w12 import W12GemvConfig
@@ -457,7 +468,7 @@ def test_gpu_w12_gluon_kernels_match_the_reference(cfg):
     y = G.norm_gate_up_silu(x, gamma, 1e-5, kp13, inter, c)
     assert torch.equal(y, G.norm_gate_up_silu(x, gamma, 1e-5, kp13, inter, c))
     _close(y, R.norm_gate_up_silu(x, gamma, 1e-5, w13, inter), dt)
-    _one_rounding(y, G.norm_gate_up_silu(x, gamma, 1e-5, kp13, inter, tri))
+    _near(y, G.norm_gate_up_silu(x, gamma, 1e-5, kp13, inter, tri))
     nh, nkv, hd, S = 4, 2, 64, 12
     wq, kpq = _w12_weight((nh + 2 * nkv) * hd, K, g)
     cos, sin = _rope_tables(hd, 16)
@@ -472,9 +483,9 @@ def test_gpu_w12_gluon_kernels_match_the_reference(cfg):
     others = torch.arange(S, device=DEV) != 9
     assert torch.equal(kc[:, others], caches[0][:, others]) and torch.equal(vc[:, others], caches[1][:, others])
     q3 = G.norm_qkv_rope_store(x, gamma, 1e-5, kpq, cos, sin, pos, slot, kc3, vc3, nh, nkv, tri)
-    _one_rounding(q, q3)
-    _one_rounding(kc, kc3)
-    _one_rounding(vc, vc3)
+    _near(q, q3)
+    _near(kc, kc3)
+    _near(vc, vc3)
 
 
 @pytest.mark.gpu

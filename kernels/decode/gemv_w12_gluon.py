@@ -60,10 +60,18 @@ class GluonFusedConfig:
         return self.xs_groups(k_tiles) * self.warps * 128
 
 
-DEFAULT = GluonFusedConfig()
-# (epilogue, N, K) -> config, chosen on the H200 inside the engine's AR step
-# (benchmarks/decode_w12_engine.py --tune); other shapes take DEFAULT
-TUNED: dict[tuple[str, int, int], GluonFusedConfig] = {}
+# 8-row programs of 4 warps, four sets: 64 registers with Triton 3.6; within 1 % of the best of the
+# tuning sweep on three of the four Llama-3.1-8B kernels (benchmarks/results/decode_w12_engine_tune.json)
+DEFAULT = GluonFusedConfig(4, 4, 4)
+# (epilogue, N, K) -> config, chosen on the H200 inside the engine's AR step of Llama-3.1-8B shapes
+# (benchmarks/decode_w12_engine.py --tune, git fe53605: the step 3.771 -> 3.545 ms); other shapes
+# take DEFAULT
+TUNED: dict[tuple[str, int, int], GluonFusedConfig] = {
+    ("rope", 6144, 4096): GluonFusedConfig(4, 4, 4, 96),
+    ("resid", 4096, 4096): GluonFusedConfig(4, 8, 2),
+    ("silu", 28672, 4096): GluonFusedConfig(4, 4, 4),
+    ("resid", 4096, 14336): GluonFusedConfig(4, 8, 2),
+}
 
 
 # the kernels compiled so far: (epilogue, N, K, config key) -> (registers, spill bytes), for benchmarks
