@@ -25,8 +25,9 @@ def engine_options(f):
         click.option("--threads", type=int, default=None, help="CPU threads for torch (default: 1 for tiny models)."),
         click.option("--compile", "compile_", is_flag=True, help="torch.compile the layers (cuda, dense models)."),
         click.option("--w12", is_flag=True,
-                     help="Target projections as lossless W12 (verified at load; fused kernel on cuda bf16, "
-                          "decoded weights elsewhere; implies bfloat16 unless --dtype is given)."),
+                     help="Target projections as lossless W12 (verified at load; on cuda bf16 read as 12-bit records by "
+                          "the fused kernels, AR steps by the fused decode kernels; decoded weights elsewhere; implies "
+                          "bfloat16 unless --dtype is given)."),
         click.option("--attn", type=click.Choice(["auto", "torch", "fused"]), default="auto", show_default=True,
                      help="Attention: torch (plain reference) or fused (split-KV Triton kernel, cuda); auto = fused "
                           "on cuda."),
@@ -37,7 +38,7 @@ def engine_options(f):
         click.option("--decode", type=click.Choice(["auto", "layers", "fused"]), default="auto", show_default=True,
                      help="One-row steps (AR decode): layers (the layer modules, eager or compiled) or fused "
                           "(RMSNorm, RoPE, KV store, residual and SiLU fused into the GEMV kernels, chained with "
-                          "programmatic dependent launch; cuda, dense attention models, not with --w12); auto = "
+                          "programmatic dependent launch; cuda, dense attention models, bf16 or W12 weights); auto = "
                           "fused where it applies."),
         click.option("--engine", "engine_spec", default=None,
                      help="A whole engine spec (engine:model=...,mode=...); overrides the options above."),
