@@ -20,8 +20,9 @@ arithmetic is the layer's own, rounding for rounding; only the fp32 summation or
 projections differs from cuBLAS's, as between any two GEMM kernels.
 
 With ``w12=1`` (on CUDA the projections are ``W12Projection``s) the same four kernels read the W12
-records instead (:mod:`specpilot.kernels.decode.gemv_w12`): 12 bits per weight, decoded in
-registers, the same prologues and epilogues.
+records instead: 12 bits per weight, decoded in registers, the same prologues and epilogues
+(:mod:`specpilot.kernels.decode.gemv_w12_gluon` where Gluon runs, else the Triton variants of
+:mod:`specpilot.kernels.decode.gemv_w12`).
 
 Eligible models: dense Llama-family attention layers with ``nn.Linear`` or W12 projections and no
 projection bias, no q/k norm, no attention output gate, RoPE over the whole head dimension

@@ -1,5 +1,7 @@
-"""The fused one-row decode kernels (:mod:`.gemv`) on W12 weights: the same prologues and epilogues,
-the weights read as 12 KB W12 records and decoded in registers.
+"""The fused one-row decode kernels (:mod:`.gemv`) on W12 weights, in Triton: the same prologues and
+epilogues, the weights read as 12 KB W12 records and decoded in registers. On CUDA with Gluon the
+faster Gluon kernels (:mod:`.gemv_w12_gluon`) take the calls; these run elsewhere and under the
+interpreter (CPU tests).
 
 With ``engine:...,w12=1,decode=fused`` a dense layer's AR step is still four GEMV kernels plus
 attention, chained with programmatic dependent launch, but each projection reads 12 bits per
