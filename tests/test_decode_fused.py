@@ -176,14 +176,16 @@ def test_gpu_ar_with_fused_decode_equals_layers(run_cli):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_pdl_chain_is_bitwise_equal_to_serial_launches():
+@pytest.mark.parametrize("weights", ["dtype=bfloat16", "w12=1"])
+def test_gpu_pdl_chain_is_bitwise_equal_to_serial_launches(weights):
     """The fused step captured with programmatic dependent launch gives the same bits as without
-    it, step after step (bf16; each kernel reads only weights before waiting for the previous one)."""
+    it, step after step (bf16 weights, and W12 ones on the Gluon kernels; each kernel reads only
+    constant data before waiting for the previous one)."""
     outs = {}
     for pdl in (False, True):
         G.USE_PDL = pdl
         try:
-            m = load_engine("engine:model=tiny,mode=ar,ctx=64,device=cuda,dtype=bfloat16,graphs=0").model
+            m = load_engine(f"engine:model=tiny,mode=ar,ctx=64,device=cuda,{weights},graphs=0").model
             m.set_decode("fused")
             n = 8
             pos = torch.arange(n, device="cuda")
@@ -487,28 +489,3 @@ def test_gpu_w12_gluon_kernels_match_the_reference(cfg):
     _near(kc, kc3)
     _near(vc, vc3)
 
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_w12_pdl_chain_is_bitwise_equal_to_serial_launches():
-    """As the bf16 test above, for a ``w12=1`` engine (the Gluon W12 kernels chained with PDL)."""
-    outs = {}
-    for pdl in (False, True):
-        G.USE_PDL = pdl
-        try:
-            m = load_engine("engine:model=tiny,mode=ar,ctx=64,device=cuda,w12=1,graphs=0").model
-            m.set_decode("fused")
-            n = 8
-            pos = torch.arange(n, device="cuda")
-            m.forward(StepInput(torch.arange(40, 40 + n, device="cuda"), pos, pos,
-                                torch.arange(64, device="cuda")[None, :] <= pos[:, None], "seq"), kv_len=64)
-            got = []
-            for step in range(n, n + 6):
-                one = StepInput(torch.tensor([step * 3 % 200], device="cuda"), torch.tensor([step], device="cuda"),
-                                torch.tensor([step], device="cuda"), torch.arange(64, device="cuda")[None, :] <= step,
-                                "seq")
-                got.append(m.hidden(one, 64).clone())
-            outs[pdl] = torch.cat(got)
-        finally:
-            G.USE_PDL = True
-    assert torch.equal(outs[True], outs[False])

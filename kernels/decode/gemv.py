@@ -279,20 +279,23 @@ def _launch(grid, x, gamma, w, y, res, eps, epi, norm, cfg, inter=0, nh=0, nkv=0
                         cos, sin, pos, slot, k_cache, v_cache)
         return
     K = w.shape[1]
-    d = x  # placeholder for pointer arguments an epilogue does not use
-    kc = k_cache if k_cache is not None else d
-    vc = v_cache if v_cache is not None else d
-    cs = kc.stride() if k_cache is not None else (0, 0, 0)
-    vs = vc.stride() if v_cache is not None else (0, 0, 0)
+    ptrs, strides = epilogue_operands(x, res, cos, sin, pos, slot, k_cache, v_cache)
     _gemv_kernel[grid](
-        x, gamma if gamma is not None else d, w, y, res if res is not None else d,
-        cos if cos is not None else d, sin if sin is not None else d, pos if pos is not None else d,
-        slot if slot is not None else d, kc, vc,
-        K, w.stride(0), float(eps), inter, nh, nkv, cs[0], cs[1], vs[0], vs[1],
-        cos.stride(0) if cos is not None else 0,
+        x, gamma if gamma is not None else x, w, y, *ptrs,
+        K, w.stride(0), float(eps), inter, nh, nkv, *strides,
         NORM=norm, EPI=epi, HD=hd, B=cfg.pairs, BLOCK_K=cfg.block_k, STAGES=cfg.stages,
         XP=triton.next_power_of_2(K) if norm else 1, num_warps=cfg.warps,
         **pdl_args(USE_PDL, x))
+
+
+def epilogue_operands(x, res, cos, sin, pos, slot, k_cache, v_cache) -> tuple[tuple, tuple]:
+    """The fused kernels' epilogue pointers ``(res, cos, sin, pos, slot, k_cache, v_cache)``, ``x``
+    standing in for those an epilogue does not use, and their strides ``(stride_ch, stride_cs,
+    stride_dh, stride_ds, stride_rot)``; shared by the W12 kernels' launchers."""
+    ptrs = tuple(t if t is not None else x for t in (res, cos, sin, pos, slot, k_cache, v_cache))
+    cs = k_cache.stride() if k_cache is not None else (0, 0, 0)
+    vs = v_cache.stride() if v_cache is not None else (0, 0, 0)
+    return ptrs, (cs[0], cs[1], vs[0], vs[1], cos.stride(0) if cos is not None else 0)
 
 
 def gemv_residual(x: torch.Tensor, w, res: torch.Tensor, cfg=None, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -243,7 +243,7 @@ def launch(grid, x, gamma, kp, y, res, eps, epi, norm, cfg: W12GemvConfig, inter
     the Gluon kernel for a ``gemv_w12_gluon.GluonFusedConfig``, else this module's Triton kernel;
     ``fast``: the prmt decode (default: whenever compiled, not under the interpreter)."""
     from specpilot.kernels.decode import gemv_w12_gluon
-    from specpilot.kernels.decode.gemv import USE_PDL
+    from specpilot.kernels.decode.gemv import USE_PDL, epilogue_operands
 
     if isinstance(cfg, gemv_w12_gluon.GluonFusedConfig):
         gemv_w12_gluon.launch(grid, x, gamma, kp, y, res, eps, epi, norm, cfg, inter, nh, nkv, hd,
@@ -251,18 +251,11 @@ def launch(grid, x, gamma, kp, y, res, eps, epi, norm, cfg: W12GemvConfig, inter
         return
     check_config(cfg)
     K = kp.shape[1]
-    d = x  # placeholder for pointer arguments an epilogue does not use
-    kc = k_cache if k_cache is not None else d
-    vc = v_cache if v_cache is not None else d
-    cs = kc.stride() if k_cache is not None else (0, 0, 0)
-    vs = vc.stride() if v_cache is not None else (0, 0, 0)
+    ptrs, strides = epilogue_operands(x, res, cos, sin, pos, slot, k_cache, v_cache)
     _w12_gemv_kernel[grid](
-        x, gamma if gamma is not None else d, kp.rec64, kp.rec32, kp.low_exp, kp.esc_rowptr, kp.esc_row,
-        kp.esc_col, kp.esc_delta, y, res if res is not None else d,
-        cos if cos is not None else d, sin if sin is not None else d, pos if pos is not None else d,
-        slot if slot is not None else d, kc, vc,
-        K, kp.k_tiles, float(eps), inter, nh, nkv, cs[0], cs[1], vs[0], vs[1],
-        cos.stride(0) if cos is not None else 0,
+        x, gamma if gamma is not None else x, kp.rec64, kp.rec32, kp.low_exp, kp.esc_rowptr, kp.esc_row,
+        kp.esc_col, kp.esc_delta, y, *ptrs,
+        K, kp.k_tiles, float(eps), inter, nh, nkv, *strides,
         NORM=norm, EPI=epi, HD=hd, B=cfg.pairs, RECS=cfg.recs, STAGES=cfg.stages,
         XP=triton.next_power_of_2(K) if norm else 1, ESC_CH=cfg.esc_ch,
         FAST=(not interpreting()) if fast is None else fast, num_warps=cfg.warps,

@@ -350,26 +350,19 @@ if gluon is not None:
 def launch(grid, x, gamma, kp, y, res, eps, epi, norm, cfg: GluonFusedConfig, inter=0, nh=0, nkv=0, hd=16,
            cos=None, sin=None, pos=None, slot=None, k_cache=None, v_cache=None) -> None:
     """One fused W12 Gluon kernel (the arguments of :func:`.gemv_w12.launch`)."""
-    from specpilot.kernels.decode.gemv import USE_PDL
+    from specpilot.kernels.decode.gemv import USE_PDL, epilogue_operands
     from specpilot.kernels.triton_env import pdl_args
 
     kt = kp.k_tiles
     check_config(cfg, kt)
     K = kp.shape[1]
-    d = x  # placeholder for pointer arguments an epilogue does not use
-    kc = k_cache if k_cache is not None else d
-    vc = v_cache if v_cache is not None else d
-    cs = kc.stride() if k_cache is not None else (0, 0, 0)
-    vs = vc.stride() if v_cache is not None else (0, 0, 0)
+    ptrs, strides = epilogue_operands(x, res, cos, sin, pos, slot, k_cache, v_cache)
     g = gamma if gamma is not None else x
     lv, lq, lx, le = layouts(2 * cfg.pairs, cfg.warps)
     k = _w12_fused_gl_kernel[grid](
         x, x.view(torch.int32), g, g.view(torch.int32), kp.rec32, kp.low_exp, kp.esc_rowptr, kp.esc_row,
-        kp.esc_col, kp.esc_delta, y, res if res is not None else d,
-        cos if cos is not None else d, sin if sin is not None else d, pos if pos is not None else d,
-        slot if slot is not None else d, kc, vc,
-        K, K // 2, kt, float(eps), inter, nh, nkv, cs[0], cs[1], vs[0], vs[1],
-        cos.stride(0) if cos is not None else 0,
+        kp.esc_col, kp.esc_delta, y, *ptrs,
+        K, K // 2, kt, float(eps), inter, nh, nkv, *strides,
         NORM=norm, EPI=epi, HD=hd, B=cfg.pairs, WARPS=cfg.warps, DEPTH=cfg.depth, L_V=lv, L_Q=lq, L_X=lx, L_E=le,
         XS_IT=cfg.xs_groups(kt), XS_CH=XS_CHUNK, num_warps=cfg.warps,
         **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}), **pdl_args(USE_PDL, x))
