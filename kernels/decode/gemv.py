@@ -300,7 +300,8 @@ def epilogue_operands(x, res, cos, sin, pos, slot, k_cache, v_cache) -> tuple[tu
 
 def gemv_residual(x: torch.Tensor, w, res: torch.Tensor, cfg=None, out: torch.Tensor | None = None) -> torch.Tensor:
     """``res + x @ w.T`` for one row x [1, K] and w [N, K] (a dense tensor, or a W12 ``KernelPack``
-    with a ``gemv_w12.W12GemvConfig``: :mod:`.gemv_w12`); ``N`` a multiple of ``2 * pairs``."""
+    with a ``gemv_w12_gluon.GluonFusedConfig`` or a ``gemv_w12.W12GemvConfig``: :mod:`.gemv_w12_gluon`,
+    :mod:`.gemv_w12`); ``N`` a multiple of ``2 * pairs``."""
     N, K = w.shape
     cfg = _config("resid", w, cfg, x)
     _check_row(x, K, "x")

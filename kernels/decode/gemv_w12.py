@@ -47,9 +47,9 @@ class W12GemvConfig:
 
 
 DEFAULT = W12GemvConfig()
-# (epilogue, N, K) -> config, chosen on the H200 in the engine's AR step (benchmarks/decode_w12_engine.py)
-# (benchmarks/results/decode_w12_engine_tune.json, git cd3bd7c: the step 4.929 -> 4.137 ms); on CUDA
-# with Gluon the Gluon kernels (gemv_w12_gluon) take these shapes instead
+# (epilogue, N, K) -> config, chosen on the H200 in the engine's AR step (benchmarks/decode_w12_engine.py
+# --tune at git cd3bd7c, benchmarks/results/decode_w12_engine_tune_triton.json: the step 4.929 -> 4.137
+# ms); on CUDA with Gluon the Gluon kernels (gemv_w12_gluon) take these shapes instead
 TUNED: dict[tuple[str, int, int], W12GemvConfig] = {
     ("rope", 6144, 4096): W12GemvConfig(4, 4, 2, 3),
     ("resid", 4096, 4096): W12GemvConfig(4, 16, 4, 1),

@@ -31,6 +31,7 @@ compile the kernel for sm_90, GPU tests run it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -104,7 +105,12 @@ def available(x: torch.Tensor) -> bool:
     length (staged as bf16 pairs), compute capability 8.0 or later (``cp.async``), and :data:`ENABLED`."""
     if not ENABLED or gluon is None or not x.is_cuda or x.shape[-1] % 2 or x.data_ptr() % 16:
         return False
-    return torch.cuda.get_device_capability(x.device)[0] >= 8
+    return _capability(x.device.index if x.device.index is not None else torch.cuda.current_device()) >= 8
+
+
+@lru_cache(maxsize=None)
+def _capability(device: int) -> int:
+    return torch.cuda.get_device_capability(device)[0]
 
 
 if gluon is not None:
