@@ -230,6 +230,36 @@ def _w12_weight(n, k, g, scale=0.1):
     return w.to(DEV), KernelPack.from_w12(packed, device=DEV)
 
 
+def _w12_kernel_outputs(seed, K, N, inter, hd, cfg, other_cfg, other_dense, repeat=False):
+    """The three fused kernels on W12 weights (escapes in most rows, :func:`_w12_weight`) with
+    ``cfg``: dicts ``got``, ``again`` (a second run, with ``repeat``), ``ref`` (the plain references),
+    ``other`` (the kernels with ``other_cfg``, on the dense weights if ``other_dense``, else on the
+    W12 ones), each of ``resid``, ``silu``, ``q``, ``k``, ``v`` (the caches after the RoPE kernel),
+    and the inputs ``res`` and ``caches`` (before the RoPE kernel)."""
+    g = torch.Generator().manual_seed(seed)
+    dt = torch.bfloat16
+    x, res = torch.randn(1, K, generator=g).to(dt).to(DEV), torch.randn(1, N, generator=g).to(dt).to(DEV)
+    gamma = (torch.rand(K, generator=g) + 0.5).to(dt).to(DEV)
+    nh, nkv, S = 4, 2, 12
+    (w, kp), (w13, kp13), (wq, kpq) = (_w12_weight(n, K, g) for n in (N, 2 * inter, (nh + 2 * nkv) * hd))
+    caches = [torch.randn(nkv, S, hd, generator=g).to(dt).to(DEV) for _ in range(2)]
+    cos, sin = _rope_tables(hd, 16)
+    pos, slot = torch.tensor([7], device=DEV), torch.tensor([9], device=DEV)
+
+    def three(mod, ws, c):
+        kc, vc = caches[0].clone(), caches[1].clone()
+        y = mod.gemv_residual(x, ws[0], res, *([c] if c else []))
+        a = mod.norm_gate_up_silu(x, gamma, 1e-5, ws[1], inter, *([c] if c else []))
+        q = mod.norm_qkv_rope_store(x, gamma, 1e-5, ws[2], cos, sin, pos, slot, kc, vc, nh, nkv, *([c] if c else []))
+        return {"resid": y, "silu": a, "q": q, "k": kc, "v": vc}
+
+    w12s, dense = (kp, kp13, kpq), (w, w13, wq)
+    got = three(G, w12s, cfg)
+    again = three(G, w12s, cfg) if repeat else None
+    other = three(G, dense if other_dense else w12s, other_cfg)
+    return got, again, three(R, dense, None), other, {"res": res, "caches": caches}
+
+
 @pytest.mark.parametrize("cfg", [None, "small"])
 def test_w12_kernels_match_the_reference(cfg):
     """The W12 variants of the three fused kernels (kernels/decode/gemv_w12.py) against the plain
@@ -239,35 +269,10 @@ def test_w12_kernels_match_the_reference(cfg):
     from specpilot.kernels.decode.gemv_w12 import W12GemvConfig
 
     c = W12GemvConfig(pairs=4, recs=2, warps=1, stages=1, esc_ch=4) if cfg else None
-    g = torch.Generator().manual_seed(5)
-    dt = torch.bfloat16
-    K, N, inter = 160, 192, 136
-    x, res = torch.randn(1, K, generator=g).to(dt).to(DEV), torch.randn(1, N, generator=g).to(dt).to(DEV)
-    gamma = (torch.rand(K, generator=g) + 0.5).to(dt).to(DEV)
-    w, kp = _w12_weight(N, K, g)
-    y = G.gemv_residual(x, kp, res, c)
-    _close(y, R.gemv_residual(x, w, res), dt)
-    _one_rounding(y, G.gemv_residual(x, w, res, SMALL))
-    w13, kp13 = _w12_weight(2 * inter, K, g)
-    y = G.norm_gate_up_silu(x, gamma, 1e-5, kp13, inter, c)
-    _close(y, R.norm_gate_up_silu(x, gamma, 1e-5, w13, inter), dt)
-    _one_rounding(y, G.norm_gate_up_silu(x, gamma, 1e-5, w13, inter, SMALL))
-    nh, nkv, hd, S = 4, 2, 32, 12
-    wq, kpq = _w12_weight((nh + 2 * nkv) * hd, K, g)
-    cos, sin = _rope_tables(hd, 16)
-    pos, slot = torch.tensor([7], device=DEV), torch.tensor([9], device=DEV)
-    kc, vc = torch.randn(nkv, S, hd, generator=g).to(dt).to(DEV), torch.randn(nkv, S, hd, generator=g).to(dt).to(DEV)
-    kc2, vc2 = kc.clone(), vc.clone()
-    kc3, vc3 = kc.clone(), vc.clone()
-    q = G.norm_qkv_rope_store(x, gamma, 1e-5, kpq, cos, sin, pos, slot, kc, vc, nh, nkv, c)
-    q2 = R.norm_qkv_rope_store(x, gamma, 1e-5, wq, cos, sin, pos, slot, kc2, vc2, nh, nkv)
-    _close(q, q2, dt)
-    _close(kc, kc2, dt)
-    _close(vc, vc2, dt)
-    q3 = G.norm_qkv_rope_store(x, gamma, 1e-5, wq, cos, sin, pos, slot, kc3, vc3, nh, nkv, SMALL)
-    _one_rounding(q, q3)
-    _one_rounding(kc, kc3)
-    _one_rounding(vc, vc3)
+    got, _, ref, dense, _ = _w12_kernel_outputs(5, 160, 192, 136, 32, c, SMALL, other_dense=True)
+    for name in got:
+        _close(got[name], ref[name], torch.bfloat16)
+        _one_rounding(got[name], dense[name])
 
 
 def _one_rounding(a, b):
@@ -456,36 +461,16 @@ def test_gpu_w12_gluon_kernels_match_the_reference(cfg):
 
     c = GluonFusedConfig(*cfg)
     tri = W12GemvConfig(pairs=c.pairs, recs=2, warps=1, stages=1, esc_ch=4)
-    g = torch.Generator().manual_seed(9)
-    dt = torch.bfloat16
-    K, N, inter = 160, 256, 144
-    x, res = torch.randn(1, K, generator=g).to(dt).to(DEV), torch.randn(1, N, generator=g).to(dt).to(DEV)
-    gamma = (torch.rand(K, generator=g) + 0.5).to(dt).to(DEV)
-    w, kp = _w12_weight(N, K, g)
-    y = G.gemv_residual(x, kp, res, c)
-    assert torch.equal(y, G.gemv_residual(x, kp, res, c))
-    _close(y, R.gemv_residual(x, w, res), dt)
-    _one_rounding(y - res, G.gemv_residual(x, kp, res, tri) - res)
-    w13, kp13 = _w12_weight(2 * inter, K, g)
-    y = G.norm_gate_up_silu(x, gamma, 1e-5, kp13, inter, c)
-    assert torch.equal(y, G.norm_gate_up_silu(x, gamma, 1e-5, kp13, inter, c))
-    _close(y, R.norm_gate_up_silu(x, gamma, 1e-5, w13, inter), dt)
-    _near(y, G.norm_gate_up_silu(x, gamma, 1e-5, kp13, inter, tri))
-    nh, nkv, hd, S = 4, 2, 64, 12
-    wq, kpq = _w12_weight((nh + 2 * nkv) * hd, K, g)
-    cos, sin = _rope_tables(hd, 16)
-    pos, slot = torch.tensor([7], device=DEV), torch.tensor([9], device=DEV)
-    caches = [torch.randn(nkv, S, hd, generator=g).to(dt).to(DEV) for _ in range(2)]
-    kc, vc, kc2, vc2, kc3, vc3 = [t.clone() for t in caches * 3]
-    q = G.norm_qkv_rope_store(x, gamma, 1e-5, kpq, cos, sin, pos, slot, kc, vc, nh, nkv, c)
-    q2 = R.norm_qkv_rope_store(x, gamma, 1e-5, wq, cos, sin, pos, slot, kc2, vc2, nh, nkv)
-    _close(q, q2, dt)
-    _close(kc, kc2, dt)
-    _close(vc, vc2, dt)
-    others = torch.arange(S, device=DEV) != 9
-    assert torch.equal(kc[:, others], caches[0][:, others]) and torch.equal(vc[:, others], caches[1][:, others])
-    q3 = G.norm_qkv_rope_store(x, gamma, 1e-5, kpq, cos, sin, pos, slot, kc3, vc3, nh, nkv, tri)
-    _near(q, q3)
-    _near(kc, kc3)
-    _near(vc, vc3)
+    got, again, ref, other, inp = _w12_kernel_outputs(9, 160, 256, 144, 64, c, tri, other_dense=False, repeat=True)
+    for name in ("resid", "silu"):
+        assert torch.equal(got[name], again[name])
+    for name in got:
+        _close(got[name], ref[name], torch.bfloat16)
+    res = inp["res"]
+    _one_rounding(got["resid"] - res, other["resid"] - res)
+    for name in ("silu", "q", "k", "v"):
+        _near(got[name], other[name])
+    others = torch.arange(12, device=DEV) != 9
+    for name, before in zip("kv", inp["caches"]):
+        assert torch.equal(got[name][:, others], before[:, others])
 

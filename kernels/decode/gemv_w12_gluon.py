@@ -35,10 +35,12 @@ from functools import lru_cache
 
 import torch
 
+from specpilot.kernels.decode.gemv import EPI_RESID, EPI_ROPE, EPI_SILU
 from specpilot.kernels.w12.gemv_gluon import XS_CHUNK, XS_MAX_BYTES, xs_group_count
 from specpilot.kernels.w12.mma import _cp_async, _cta_barrier, async_copy, gl, gluon
 
-ESC_CH = 8   # escapes per group loaded ahead (random std-0.02 weights: about 3 per 8 rows)
+# escapes per group loaded ahead (random std-0.02 weights: about 3 per 8 rows)
+ESC_CH = gl.constexpr(8) if gl is not None else 8
 
 
 @dataclass(frozen=True)
@@ -79,7 +81,7 @@ TUNED: dict[tuple[str, int, int], GluonFusedConfig] = {
 COMPILED: dict[tuple[str, int, int, str], tuple] = {}
 # False: the Triton W12 kernels take every call (A/B runs of the two, benchmarks/decode_w12_engine.py)
 ENABLED = True
-EPI_NAMES = {1: "resid", 2: "silu", 3: "rope"}
+EPI_NAMES = {EPI_RESID: "resid", EPI_SILU: "silu", EPI_ROPE: "rope"}
 
 
 def config_for(epi: str, n: int, k: int) -> GluonFusedConfig:
@@ -116,7 +118,8 @@ def _capability(device: int) -> int:
 if gluon is not None:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-    from specpilot.kernels.w12.gemv_gluon import _f32_hi, _f32_lo, _load_clamped, _ring_set, _stage_x, _view, layouts
+    from specpilot.kernels.w12.gemv_gluon import (_esc_entries, _f32_hi, _f32_lo, _load_clamped, _ring_set,
+                                                   _stage_x, _view, layouts)
     from specpilot.kernels.w12.mma import _pin
 
     @gluon.jit
@@ -204,14 +207,10 @@ if gluon is not None:
         return xv.to(gl.float32)
 
     @gluon.jit
-    def _esc_entries(erow_ptr, ecol_ptr, edelta_ptr, gamma_ptr, e, e_hi, NORM: gl.constexpr, LE: gl.constexpr):
-        """Escapes ``e .. e + ESC_CH`` (below ``e_hi``): ok, rows (-1 past the range), columns, deltas
-        and (``NORM``) gamma at the columns: constant data."""
-        idx = e + gl.arange(0, 8, layout=LE)
-        ok = idx < e_hi
-        er = gl.load(erow_ptr + idx, mask=ok, other=-1)
-        ec = gl.load(ecol_ptr + idx, mask=ok, other=0)
-        ed = gl.load(edelta_ptr + idx, mask=ok, other=0.0)
+    def _esc_load(erow_ptr, ecol_ptr, edelta_ptr, gamma_ptr, e, e_hi, NORM: gl.constexpr, LE: gl.constexpr):
+        """:func:`.gemv_gluon._esc_entries` (escapes ``e .. e + ESC_CH`` below ``e_hi``: ok, rows,
+        columns, deltas) and, for ``NORM``, gamma at the columns: constant data."""
+        ok, er, ec, ed = _esc_entries(erow_ptr, ecol_ptr, edelta_ptr, e, e_hi, ESC_CH, LE)
         if NORM:
             g = gl.load(gamma_ptr + ec, mask=ok, other=0.0)
         else:
@@ -228,8 +227,8 @@ if gluon is not None:
     def _esc_rest(y, rows, e_lo, e_hi, x_ptr, gamma_ptr, erow_ptr, ecol_ptr, edelta_ptr, rstd,
                   NORM: gl.constexpr, LE: gl.constexpr):
         """A group's escapes after its first chunk (rare), in CSR order."""
-        for e in range(e_lo + 8, e_hi, 8):
-            ok, er, ec, ed, g = _esc_entries(erow_ptr, ecol_ptr, edelta_ptr, gamma_ptr, e, e_hi, NORM, LE)
+        for e in range(e_lo + ESC_CH, e_hi, ESC_CH):
+            ok, er, ec, ed, g = _esc_load(erow_ptr, ecol_ptr, edelta_ptr, gamma_ptr, e, e_hi, NORM, LE)
             y += _esc_sum(er, _x_hat(x_ptr, gamma_ptr, ec, ok, g, rstd, NORM) * ed, rows)
         return y
 
@@ -308,8 +307,8 @@ if gluon is not None:
         ea_hi = gl.load(eptr_ptr + a0 + B)
         eb_lo = gl.load(eptr_ptr + b0)
         eb_hi = gl.load(eptr_ptr + b0 + B)
-        oka, era, eca, eda, ga = _esc_entries(erow_ptr, ecol_ptr, edelta_ptr, gamma_ptr, ea_lo, ea_hi, NORM, L_D)
-        okb, erb, ecb, edb, gb = _esc_entries(erow_ptr, ecol_ptr, edelta_ptr, gamma_ptr, eb_lo, eb_hi, NORM, L_D)
+        oka, era, eca, eda, ga = _esc_load(erow_ptr, ecol_ptr, edelta_ptr, gamma_ptr, ea_lo, ea_hi, NORM, L_D)
+        okb, erb, ecb, edb, gb = _esc_load(erow_ptr, ecol_ptr, edelta_ptr, gamma_ptr, eb_lo, eb_hi, NORM, L_D)
         if PDL:
             gdc_launch_dependents()
             gdc_wait()       # the previous kernel's writes (x, res, the caches) are visible from here
