@@ -28,7 +28,10 @@ from test_w12_mma import _cuda_layer, _gpu_gluon  # noqa: E402
                                  mma.MmaConfig(64, 1, 4, 3, tma=4), mma.MmaConfig(128, 1, 4, 3, tma=2),
                                  mma.MmaConfig(128, 1, 4, 3, tma=3), mma.MmaConfig(64, 1, 4, 3, False, True, tma=3),
                                  mma.MmaConfig(64, 1, 4, 3, tma=2, a_smem=True),
-                                 mma.MmaConfig(64, 1, 4, 3, False, True, tma=1)])
+                                 mma.MmaConfig(64, 1, 4, 3, False, True, tma=1),
+                                 mma.MmaConfig(64, 1, 4, 3, tma=2, kgroups=2), mma.MmaConfig(64, 1, 4, 3, tma=3, kgroups=3),
+                                 mma.MmaConfig(64, 1, 4, 3, tma=3, a_smem=True, kgroups=2),
+                                 mma.MmaConfig(128, 1, 8, 3, tma=3, kgroups=2)])
 def test_bad_tma_configs_are_refused(bad):
     with pytest.raises(ValueError):
         mma_tma.check(bad)
@@ -108,6 +111,28 @@ def test_wgmma_group_compiles_to_wgmma_retired_before_its_registers_are_reused()
     assert code.count("HGMMA.64x32x16.F32.BF16") == 8 and inflight_a_writes(code) == []   # (peeled + loop)
 
 
+@pytest.mark.skipif(not mma_tma.AVAILABLE, reason="Triton without Gluon's Hopper module")
+def test_two_k_groups_compile_to_two_wgmma_loops_with_barriers_of_their_own():
+    """``tma=3, kgroups=2``, compiled for sm_90: each warpgroup has its peeled record and its loop
+    (four ``wgmma`` each, retired before the next record), the two groups synchronize their own
+    warps on distinct named barriers (128 threads each), the consumers get their ``setmaxnreg``
+    counts, nothing spills, and no instruction writes an in-flight ``wgmma``'s A registers."""
+    setup = _SETUP.replace("REGS=128)", "REGS=104, WG=True, KGROUPS=2)").replace(
+        "launch_regs(4, 128)", "launch_regs(8, 104, 4, 24)")
+    rep = ptxas_report(setup)
+    assert rep["rc"] == 0 and "0 bytes spill stores" in rep["log"], rep["log"]
+    assert "serialized" not in rep["log"], rep["log"]
+    ptx = rep["ptx"]
+    assert ptx.count("wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16") == 16   # 2 groups x (peel + loop) x 4
+    assert ptx.count("wgmma.wait_group.sync.aligned 0") >= 4
+    named = set(re.findall(r"bar\.sync\s+(\d+),\s*128;", ptx))
+    assert len(named) == 2, named                     # one barrier id per group
+    assert ".reqntid 384" in ptx                      # 2 groups + the copy warp's warpgroup
+    assert "setmaxnreg.inc.sync.aligned.u32 \t104;" in ptx
+    code = sass(setup)
+    assert code.count("HGMMA.64x32x16.F32.BF16") == 16 and inflight_a_writes(code) == []
+
+
 def test_inflight_a_register_check_sees_a_reuse():
     """The SASS check itself: a register-A ``HGMMA`` left in flight (``DEPBAR.LE gsb0, 0x1``) whose
     A registers the next iteration loads into is reported; retired at once (``0x0``), it is not."""
@@ -154,6 +179,12 @@ WG_CASES = [  # the group on wgmma: 1-3 records per split, 4 and 8 warps, 2-64 x
     (17, 200, 320, mma.MmaConfig(64, 3, 4, 4, tma=3, a_smem=True)),
     (32, 384, 1024, mma.MmaConfig(128, 4, 8, 6, tma=3, a_smem=True)),
     (8, 256, 4160, mma.MmaConfig(64, 13, 4, 3, tma=3, a_smem=True)),
+    # two warpgroups taking every other record: 5 records (3 + 2), 1 per split (the second group has
+    # none), 4 or 5 per split, two row blocks
+    (17, 200, 320, mma.MmaConfig(64, 1, 4, 4, tma=3, kgroups=2)),
+    (100, 136, 192, mma.MmaConfig(64, 3, 4, 3, tma=3, kgroups=2)),
+    (8, 256, 4160, mma.MmaConfig(64, 13, 4, 6, tma=3, kgroups=2)),
+    (32, 384, 1024, mma.MmaConfig(64, 4, 4, 2, tma=3, kgroups=2)),
 ]
 
 
@@ -211,7 +242,8 @@ def test_tma_rings_are_stable_with_several_programs_per_sm():
     x = torch.randn(32, 4096, generator=torch.Generator().manual_seed(5)).bfloat16().cuda()
     ring = mma.w12_mma(x, kp, config=mma.MmaConfig(64, 1, 4, 2, True), out_dtype=torch.float32)
     for cfg in (mma.MmaConfig(64, 1, 4, 4, tma=2), mma.MmaConfig(64, 1, 4, 4, tma=1),
-                mma.MmaConfig(64, 1, 4, 4, tma=3), mma.MmaConfig(64, 1, 4, 4, tma=3, a_smem=True)):
+                mma.MmaConfig(64, 1, 4, 4, tma=3), mma.MmaConfig(64, 1, 4, 4, tma=3, a_smem=True),
+                mma.MmaConfig(64, 1, 4, 4, tma=3, kgroups=2)):
         first = mma.w12_mma(x, kp, config=cfg, out_dtype=torch.float32)
         if cfg.tma != 3:
             assert torch.equal(first.view(torch.int32), ring.view(torch.int32)), cfg
@@ -257,7 +289,7 @@ def test_tuned_tma_entries_only_where_tma_runs():
 
 
 def test_sweep_variants_are_valid_configs():
-    """``benchmarks/w12_gemm.py --variants`` sets (tma, tma-pair, tma-wgmma, tma-narrow, chunk-wide, xf32;
+    """``benchmarks/w12_gemm.py --variants`` sets (tma, tma-pair, tma-wgmma, tma-kgroups, tma-narrow, chunk-wide, xf32;
     tma in gemv-gluon mode; spread and tail in warpk mode) offer only configs the kernels accept."""
     import importlib.util
     from pathlib import Path
@@ -269,7 +301,7 @@ def test_sweep_variants_are_valid_configs():
     spec = importlib.util.spec_from_file_location("w12_gemm_bench", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    for variants in ("tma", "tma-pair", "tma-wgmma", "tma-narrow"):
+    for variants in ("tma", "tma-pair", "tma-wgmma", "tma-kgroups", "tma-narrow"):
         cfgs = bench.mma_configs(32, 64, 6144, 132, variants=variants)
         assert len(cfgs) > 4 and all(c.tma for c in cfgs[1:])
         for c in cfgs[1:]:

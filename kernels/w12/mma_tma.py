@@ -102,6 +102,9 @@ def check(cfg) -> None:
         raise ValueError(f"the TMA variant takes 32, 64 or 128 rows per program, got {cfg.block_n}")
     if cfg.a_smem and cfg.tma != WGMMA:
         raise ValueError("a_smem (the decoded record through shared memory) goes with the wgmma group, tma=3")
+    if cfg.kgroups not in (1, 2) or (cfg.kgroups == 2 and (cfg.tma != WGMMA or cfg.a_smem or cfg.num_warps != 4)):
+        raise ValueError(f"kgroups is 1 or 2 (two warpgroups of 4 warps splitting the records, tma=3 with the "
+                         f"register A operand), got {cfg.kgroups} with tma={cfg.tma}")
     if cfg.unroll and cfg.tma != GROUP:
         raise ValueError("unroll (two records per consumer step) goes with the consumer group, tma=2")
     if cfg.tma in (GROUP, WGMMA) and (cfg.num_warps not in (4, 8) or cfg.block_n != 16 * cfg.num_warps):
@@ -253,11 +256,23 @@ if AVAILABLE:
     @gluon.jit
     def _wg_step(acc, xs, wv_s, wq_s, xm, am, ready, empty, i, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
                  QPASS: gl.constexpr, STAGES: gl.constexpr, PLAIN: gl.constexpr, L_VIEW: gl.constexpr,
-                 L_NIB: gl.constexpr, A_OP: gl.constexpr, L_XP: gl.constexpr, A_SMEM: gl.constexpr):
-        """Record ``i`` on ``wgmma`` (see :func:`_wg_consumer`)."""
+                 L_NIB: gl.constexpr, A_OP: gl.constexpr, L_XP: gl.constexpr, A_SMEM: gl.constexpr,
+                 j=None, ok=True, MASK: gl.constexpr = False):
+        """Record ``i`` on ``wgmma`` (see :func:`_wg_consumer`), its x restaged in buffer ``j % 2``
+        (default ``i``: the group takes every record). With ``MASK`` the record may not exist
+        (``ok`` false: a second K group with no record): no wait, no arrival, and x taken as zero, so
+        the ``wgmma`` still runs (ptxas serializes a path without one) and adds zeros (the decoded
+        weights are finite whatever the stage holds: exponent code + 112 <= 127)."""
+        if j is None:
+            j = i
         s = i % STAGES
-        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        if MASK:
+            mbarrier.wait(ready.index(s), (i // STAGES) & 1, pred=ok)
+        else:
+            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
         xv = xs.index(s).load(L_XP)
+        if MASK:
+            xv = gl.where(ok, xv, 0.0)
         w = wv_s.index(s).load(L_VIEW)
         if QPASS:
             q = w
@@ -268,11 +283,14 @@ if AVAILABLE:
             ab = am.index(i % 3)
             ab.store(_a_operand(w, q, L_VIEW, A_OP, BLOCK_N, QPASS, PLAIN))
         else:
-            xb = xm.index(i % 2)
+            xb = xm.index(j % 2)
         _x_store(xb, xv, BLOCK_M)
         fence_async_shared()                 # our stage reads and stores, before the copy and the wgmma
         _cta_barrier()                       # the group's stores, before anyone's wgmma reads them
-        mbarrier.arrive(empty.index(s))
+        if MASK:
+            mbarrier.arrive(empty.index(s), pred=ok)
+        else:
+            mbarrier.arrive(empty.index(s))
         if A_SMEM:   # left in flight while the group reads and decodes the next record
             tok = warpgroup_mma(ab, xb.permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma_wait(1, deps=[tok])
@@ -320,6 +338,38 @@ if AVAILABLE:
         _finish(acc, rt, 0, 1, BLOCK_N, BLOCK_M, USE_SPLIT, ESC_CH, ACC, L_EP)
 
     @gluon.jit
+    def _wg_kgroup(rt, xm, red, done, G: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
+                   USE_SPLIT: gl.constexpr, QPASS: gl.constexpr, ESC_CH: gl.constexpr, STAGES: gl.constexpr,
+                   PLAIN: gl.constexpr, WARPS: gl.constexpr):
+        """``tma=3, kgroups=2``: one of two warpgroups on the same rows, each taking every other
+        record of the ring (group ``G`` the records ``G, G + 2, ...``) into its own accumulator, so
+        one group's decode and MMA overlap the other's wait for its ``wgmma``. The second group then
+        leaves its sums in ``red`` and arrives on ``done``; the first adds them to its own (one
+        fixed order: bitwise the same run to run) and runs the epilogue."""
+        wv_s, wq_s, xs, ready, empty, n_rec = rt[0], rt[1], rt[2], rt[3], rt[4], rt[5]
+        L_VIEW: gl.constexpr = _wg_layout(BLOCK_N, BLOCK_M, WARPS, 0)
+        L_NIB: gl.constexpr = _wg_layout(BLOCK_N, BLOCK_M, WARPS, 1)
+        ACC: gl.constexpr = _wg_layout(BLOCK_N, BLOCK_M, WARPS, 2)
+        A_OP: gl.constexpr = _wg_layout(BLOCK_N, BLOCK_M, WARPS, 3)
+        L_EP: gl.constexpr = _wg_layout(BLOCK_N, BLOCK_M, WARPS, 4)
+        L_XP: gl.constexpr = _wg_layout(BLOCK_N, BLOCK_M, WARPS, 5)
+        acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, ACC)
+        # the group's first record before the loop (see _wg_consumer); the second group's may not exist
+        acc = _wg_step(acc, xs, wv_s, wq_s, xm, xm, ready, empty, G, BLOCK_N, BLOCK_M, QPASS, STAGES, PLAIN,
+                       L_VIEW, L_NIB, A_OP, L_XP, False, 0, G < n_rec, G > 0)
+        for i in range(G + 2, n_rec, 2):
+            acc = _wg_step(acc, xs, wv_s, wq_s, xm, xm, ready, empty, i, BLOCK_N, BLOCK_M, QPASS, STAGES, PLAIN,
+                           L_VIEW, L_NIB, A_OP, L_XP, False, (i - G) // 2)
+        if G == 0:
+            mbarrier.wait(done.index(0), 0)
+            acc = acc + red.load(ACC)
+            _finish(acc, rt, 0, 1, BLOCK_N, BLOCK_M, USE_SPLIT, ESC_CH, ACC, L_EP)
+        else:
+            red.store(acc)
+            _cta_barrier()                   # every thread's sums stored before the one arrival
+            mbarrier.arrive(done.index(0))
+
+    @gluon.jit
     def _w12_mma_tma_kernel(
         v_desc, q_desc, x_desc,
         x_ptr, y_ptr, low_ptr,
@@ -330,7 +380,7 @@ if AVAILABLE:
         BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, USE_SPLIT: gl.constexpr, QPASS: gl.constexpr,
         ESC_CH: gl.constexpr, STAGES: gl.constexpr, PLAIN: gl.constexpr, REGS: gl.constexpr,
         GROUP: gl.constexpr = False, WARPS: gl.constexpr = 4, PAIR: gl.constexpr = False, WG: gl.constexpr = False,
-        A_SMEM: gl.constexpr = False,
+        A_SMEM: gl.constexpr = False, KGROUPS: gl.constexpr = 1,
     ):
         pid_n = gl.program_id(0)
         pid_k = gl.program_id(1)
@@ -359,6 +409,19 @@ if AVAILABLE:
             gl.warp_specialize([(_group_consumer, (rt, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN, WARPS,
                                                      PAIR)),
                                 (_producer, (pt, BLOCK_N, BLOCK_M, QPASS, STAGES))], [1], [24])
+        elif WG and KGROUPS == 2:   # two warpgroups on the program's rows, every other record each
+            xm0 = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M, 64], x_desc.layout)
+            xm1 = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M, 64], x_desc.layout)
+            red = gl.allocate_shared_memory(gl.float32, [BLOCK_N, BLOCK_M],
+                                            gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
+            done = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+            mbarrier.init(done.index(0), count=1)
+            fence_async_shared()
+            gl.warp_specialize([(_wg_kgroup, (rt, xm0, red, done, 0, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS, ESC_CH,
+                                              STAGES, PLAIN, WARPS)),
+                                (_wg_kgroup, (rt, xm1, red, done, 1, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS, ESC_CH,
+                                              STAGES, PLAIN, WARPS)),
+                                (_producer, (pt, BLOCK_N, BLOCK_M, QPASS, STAGES))], [4, 1], [REGS, 24])
         elif WG and A_SMEM:   # the group on wgmma, both operands in shared memory (three buffers each)
             xm = gl.allocate_shared_memory(gl.bfloat16, [3, BLOCK_M, 64], x_desc.layout)
             am = gl.allocate_shared_memory(gl.bfloat16, [3, BLOCK_N, 64], x_desc.layout)
@@ -442,7 +505,7 @@ def launch(x: torch.Tensor, packed: KernelPack, out: torch.Tensor, qpass: bool, 
         x.stride(0), out.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_M=bm, USE_SPLIT=split > 1, QPASS=qpass, ESC_CH=esc_ch, STAGES=cfg.depth,
         PLAIN=cfg.plain_decode, REGS=regs, GROUP=cfg.tma == GROUP, WARPS=cfg.num_warps, PAIR=cfg.unroll,
-        WG=cfg.tma == WGMMA, A_SMEM=cfg.a_smem, num_warps=cfg.num_warps if group else 4,
+        WG=cfg.tma == WGMMA, A_SMEM=cfg.a_smem, KGROUPS=cfg.kgroups, num_warps=cfg.num_warps if group else 4,
         # (the one copy warp of a group is padded to a warpgroup, its idle warps at 24 registers too)
-        maxnreg=launch_regs(cfg.num_warps, regs, 4, 24) if group else launch_regs(slices, regs),
+        maxnreg=launch_regs(cfg.num_warps * cfg.kgroups, regs, 4, 24) if group else launch_regs(slices, regs),
     )
