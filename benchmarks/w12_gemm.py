@@ -259,7 +259,8 @@ def mma_configs(m: int, kt: int, n: int, sms: int, tiles=((64, 4), (128, 4)), va
     if variants == "tma-kgroups":   # the wgmma group alone or as two warpgroups taking every other record
         for bn, w, split in tile_splits(m, kt, n, sms, ((64, 4),), block_m_for):
             out += [c for c in [MmaConfig(bn, split, w, 4, tma=2), MmaConfig(bn, split, w, 4, tma=3)]
-                    + [MmaConfig(bn, split, w, st, tma=3, kgroups=2) for st in (4, 6)] if c not in out]
+                    + [MmaConfig(bn, split, w, st, tma=3, kgroups=2) for st in (6, 8)]
+                    + [MmaConfig(bn, split, w, st, tma=3, kgroups=4) for st in (8, 12)] if c not in out]
         return out
     if variants == "chunk-wide":   # x resident: one or two chunks per program (K ranges of 8 or 16
         # records at most), 64- or 128-row programs, so x is copied once per K range and shared by more rows
@@ -653,8 +654,8 @@ def main() -> int:
                          "stream-K ones (stream, mma mode), the x-chunk ones (chunk, mma mode; chunk-wide: x copied once "
                          "per K range of 8 or 16 records, 64- or 128-row programs) or the "
                          "TMA/mbarrier ones (tma, mma mode; tma-pair: the consumer group taking one or two "
-                         "records per step; tma-wgmma: the consumer group on wgmma; tma-kgroups: it as two warpgroups "
-                         "taking every other record; tma-narrow: 32-row programs of "
+                         "records per step; tma-wgmma: the consumer group on wgmma; tma-kgroups: it as 2 or 4 warpgroups "
+                         "taking every 2nd or 4th record; tma-narrow: 32-row programs of "
                          "two consumer warps; in gemv-gluon mode tma: the records through a TMA ring; spread "
                          "(gemv-gluon and warpk modes): the escape chain spread over the first step; in gemv-gluon "
                          "mode a comma list runs several sets; split: the committed choice with K split 1-8 ways, gemv-gluon "

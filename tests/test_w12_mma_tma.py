@@ -23,13 +23,13 @@ from test_w12_gemm import check_close  # noqa: E402
 from test_w12_mma import _cuda_layer, _gpu_gluon  # noqa: E402
 
 
-@pytest.mark.parametrize("bad", [mma.MmaConfig(64, 1, 4, 1, tma=1), mma.MmaConfig(64, 1, 4, 9, tma=1),
+@pytest.mark.parametrize("bad", [mma.MmaConfig(64, 1, 4, 1, tma=1), mma.MmaConfig(64, 1, 4, 13, tma=1),
                                  mma.MmaConfig(256, 1, 4, 3, tma=1), mma.MmaConfig(48, 1, 4, 3, tma=1),
                                  mma.MmaConfig(64, 1, 4, 3, tma=4), mma.MmaConfig(128, 1, 4, 3, tma=2),
                                  mma.MmaConfig(128, 1, 4, 3, tma=3), mma.MmaConfig(64, 1, 4, 3, False, True, tma=3),
                                  mma.MmaConfig(64, 1, 4, 3, tma=2, a_smem=True),
                                  mma.MmaConfig(64, 1, 4, 3, False, True, tma=1),
-                                 mma.MmaConfig(64, 1, 4, 3, tma=2, kgroups=2), mma.MmaConfig(64, 1, 4, 3, tma=3, kgroups=3),
+                                 mma.MmaConfig(64, 1, 4, 3, tma=2, kgroups=2), mma.MmaConfig(64, 1, 4, 3, tma=3, kgroups=3), mma.MmaConfig(64, 1, 4, 8, tma=1, kgroups=4),
                                  mma.MmaConfig(64, 1, 4, 3, tma=3, a_smem=True, kgroups=2),
                                  mma.MmaConfig(128, 1, 8, 3, tma=3, kgroups=2)])
 def test_bad_tma_configs_are_refused(bad):
@@ -185,6 +185,10 @@ WG_CASES = [  # the group on wgmma: 1-3 records per split, 4 and 8 warps, 2-64 x
     (100, 136, 192, mma.MmaConfig(64, 3, 4, 3, tma=3, kgroups=2)),
     (8, 256, 4160, mma.MmaConfig(64, 13, 4, 6, tma=3, kgroups=2)),
     (32, 384, 1024, mma.MmaConfig(64, 4, 4, 2, tma=3, kgroups=2)),
+    # four groups: 5 records (2 + 1 + 1 + 1), 2 per split (two groups without one), 16 per split
+    (17, 200, 320, mma.MmaConfig(64, 1, 4, 8, tma=3, kgroups=4)),
+    (100, 136, 256, mma.MmaConfig(64, 2, 4, 4, tma=3, kgroups=4)),
+    (32, 384, 1024, mma.MmaConfig(64, 1, 4, 12, tma=3, kgroups=4)),
 ]
 
 
@@ -243,7 +247,7 @@ def test_tma_rings_are_stable_with_several_programs_per_sm():
     ring = mma.w12_mma(x, kp, config=mma.MmaConfig(64, 1, 4, 2, True), out_dtype=torch.float32)
     for cfg in (mma.MmaConfig(64, 1, 4, 4, tma=2), mma.MmaConfig(64, 1, 4, 4, tma=1),
                 mma.MmaConfig(64, 1, 4, 4, tma=3), mma.MmaConfig(64, 1, 4, 4, tma=3, a_smem=True),
-                mma.MmaConfig(64, 1, 4, 4, tma=3, kgroups=2)):
+                mma.MmaConfig(64, 1, 4, 6, tma=3, kgroups=2), mma.MmaConfig(64, 1, 4, 8, tma=3, kgroups=4)):
         first = mma.w12_mma(x, kp, config=cfg, out_dtype=torch.float32)
         if cfg.tma != 3:
             assert torch.equal(first.view(torch.int32), ring.view(torch.int32)), cfg

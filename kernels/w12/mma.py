@@ -756,7 +756,7 @@ class MmaConfig:
                         # warp per 16 rows, 2 the program's warps as one consumer group (with ``unroll``:
                         # two records per consumer step), 3 the group on wgmma
     a_smem: bool = False  # tma=3: the decoded record through shared memory, the wgmma left in flight
-    kgroups: int = 1    # tma=3: 2 = two warpgroups on the program's rows taking every other record
+    kgroups: int = 1    # tma=3: 2 or 4 warpgroups on the program's rows, each taking every kgroups-th record
     early_epilogue: bool = False  # the epilogue's loads after the first records', not in the tail
                                   # (register and wsmem rings; with split-K in every program)
 

@@ -69,7 +69,7 @@ except Exception:  # pragma: no cover - Triton without Gluon's Hopper module
     tma = mbarrier = fence_async_shared = TensorDescriptor = None
 
 AVAILABLE = gluon is not None and tma is not None
-MAX_STAGES = 8
+MAX_STAGES = 12
 # registers of a consumer warp (setmaxnreg) by x rows per program: the fewest that ptxas compiles
 # without spills (sm_90, Triton 3.6: 8 rows fit in 72, 16 in 88, 32 in 104; 32 rows spill at 96;
 # 64 rows: 168, not searched)
@@ -102,8 +102,8 @@ def check(cfg) -> None:
         raise ValueError(f"the TMA variant takes 32, 64 or 128 rows per program, got {cfg.block_n}")
     if cfg.a_smem and cfg.tma != WGMMA:
         raise ValueError("a_smem (the decoded record through shared memory) goes with the wgmma group, tma=3")
-    if cfg.kgroups not in (1, 2) or (cfg.kgroups == 2 and (cfg.tma != WGMMA or cfg.a_smem or cfg.num_warps != 4)):
-        raise ValueError(f"kgroups is 1 or 2 (two warpgroups of 4 warps splitting the records, tma=3 with the "
+    if cfg.kgroups not in (1, 2, 4) or (cfg.kgroups > 1 and (cfg.tma != WGMMA or cfg.a_smem or cfg.num_warps != 4)):
+        raise ValueError(f"kgroups is 1, 2 or 4 (warpgroups of 4 warps splitting the records, tma=3 with the "
                          f"register A operand), got {cfg.kgroups} with tma={cfg.tma}")
     if cfg.unroll and cfg.tma != GROUP:
         raise ValueError("unroll (two records per consumer step) goes with the consumer group, tma=2")
@@ -338,14 +338,15 @@ if AVAILABLE:
         _finish(acc, rt, 0, 1, BLOCK_N, BLOCK_M, USE_SPLIT, ESC_CH, ACC, L_EP)
 
     @gluon.jit
-    def _wg_kgroup(rt, xm, red, done, G: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-                   USE_SPLIT: gl.constexpr, QPASS: gl.constexpr, ESC_CH: gl.constexpr, STAGES: gl.constexpr,
-                   PLAIN: gl.constexpr, WARPS: gl.constexpr):
-        """``tma=3, kgroups=2``: one of two warpgroups on the same rows, each taking every other
-        record of the ring (group ``G`` the records ``G, G + 2, ...``) into its own accumulator, so
-        one group's decode and MMA overlap the other's wait for its ``wgmma``. The second group then
-        leaves its sums in ``red`` and arrives on ``done``; the first adds them to its own (one
-        fixed order: bitwise the same run to run) and runs the epilogue."""
+    def _wg_kgroup(rt, xm, red, done, G: gl.constexpr, GROUPS: gl.constexpr, BLOCK_N: gl.constexpr,
+                   BLOCK_M: gl.constexpr, USE_SPLIT: gl.constexpr, QPASS: gl.constexpr, ESC_CH: gl.constexpr,
+                   STAGES: gl.constexpr, PLAIN: gl.constexpr, WARPS: gl.constexpr):
+        """``tma=3, kgroups=GROUPS``: one of 2 or 4 warpgroups on the same rows, each taking every
+        GROUPS-th record of the ring (group ``G`` the records ``G, G + GROUPS, ...``) into its own
+        accumulator, so the groups' decodes and MMAs overlap each other's waits for their
+        ``wgmma``. Groups 1.. then leave their sums in ``red`` and arrive on ``done``; group 0 adds
+        them to its own in group order (one fixed order: bitwise the same run to run) and runs the
+        epilogue."""
         wv_s, wq_s, xs, ready, empty, n_rec = rt[0], rt[1], rt[2], rt[3], rt[4], rt[5]
         L_VIEW: gl.constexpr = _wg_layout(BLOCK_N, BLOCK_M, WARPS, 0)
         L_NIB: gl.constexpr = _wg_layout(BLOCK_N, BLOCK_M, WARPS, 1)
@@ -354,19 +355,20 @@ if AVAILABLE:
         L_EP: gl.constexpr = _wg_layout(BLOCK_N, BLOCK_M, WARPS, 4)
         L_XP: gl.constexpr = _wg_layout(BLOCK_N, BLOCK_M, WARPS, 5)
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, ACC)
-        # the group's first record before the loop (see _wg_consumer); the second group's may not exist
+        # the group's first record before the loop (see _wg_consumer); a later group's may not exist
         acc = _wg_step(acc, xs, wv_s, wq_s, xm, xm, ready, empty, G, BLOCK_N, BLOCK_M, QPASS, STAGES, PLAIN,
                        L_VIEW, L_NIB, A_OP, L_XP, False, 0, G < n_rec, G > 0)
-        for i in range(G + 2, n_rec, 2):
+        for i in range(G + GROUPS, n_rec, GROUPS):
             acc = _wg_step(acc, xs, wv_s, wq_s, xm, xm, ready, empty, i, BLOCK_N, BLOCK_M, QPASS, STAGES, PLAIN,
-                           L_VIEW, L_NIB, A_OP, L_XP, False, (i - G) // 2)
+                           L_VIEW, L_NIB, A_OP, L_XP, False, (i - G) // GROUPS)
         if G == 0:
             mbarrier.wait(done.index(0), 0)
-            acc = acc + red.load(ACC)
+            for g in gl.static_range(GROUPS - 1):
+                acc = acc + red.index(g).load(ACC)
             _finish(acc, rt, 0, 1, BLOCK_N, BLOCK_M, USE_SPLIT, ESC_CH, ACC, L_EP)
         else:
-            red.store(acc)
-            _cta_barrier()                   # every thread's sums stored before the one arrival
+            red.index(G - 1).store(acc)
+            _cta_barrier()                   # every thread's sums stored before the group's one arrival
             mbarrier.arrive(done.index(0))
 
     @gluon.jit
@@ -409,19 +411,34 @@ if AVAILABLE:
             gl.warp_specialize([(_group_consumer, (rt, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN, WARPS,
                                                      PAIR)),
                                 (_producer, (pt, BLOCK_N, BLOCK_M, QPASS, STAGES))], [1], [24])
-        elif WG and KGROUPS == 2:   # two warpgroups on the program's rows, every other record each
+        elif WG and KGROUPS > 1:   # 2 or 4 warpgroups on the program's rows, every KGROUPS-th record each
             xm0 = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M, 64], x_desc.layout)
             xm1 = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M, 64], x_desc.layout)
-            red = gl.allocate_shared_memory(gl.float32, [BLOCK_N, BLOCK_M],
+            red = gl.allocate_shared_memory(gl.float32, [KGROUPS, BLOCK_N, BLOCK_M],   # (a power of two: one spare)
                                             gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
             done = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-            mbarrier.init(done.index(0), count=1)
+            mbarrier.init(done.index(0), count=KGROUPS - 1)
             fence_async_shared()
-            gl.warp_specialize([(_wg_kgroup, (rt, xm0, red, done, 0, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS, ESC_CH,
-                                              STAGES, PLAIN, WARPS)),
-                                (_wg_kgroup, (rt, xm1, red, done, 1, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS, ESC_CH,
-                                              STAGES, PLAIN, WARPS)),
-                                (_producer, (pt, BLOCK_N, BLOCK_M, QPASS, STAGES))], [4, 1], [REGS, 24])
+            if KGROUPS == 2:
+                gl.warp_specialize([(_wg_kgroup, (rt, xm0, red, done, 0, 2, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS, ESC_CH,
+                                                  STAGES, PLAIN, WARPS)),
+                                    (_wg_kgroup, (rt, xm1, red, done, 1, 2, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS, ESC_CH,
+                                                  STAGES, PLAIN, WARPS)),
+                                    (_producer, (pt, BLOCK_N, BLOCK_M, QPASS, STAGES))], [4, 1], [REGS, 24])
+            else:
+                gl.static_assert(KGROUPS == 4, "kgroups is 1, 2 or 4")
+                xm2 = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M, 64], x_desc.layout)
+                xm3 = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M, 64], x_desc.layout)
+                gl.warp_specialize([(_wg_kgroup, (rt, xm0, red, done, 0, 4, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS, ESC_CH,
+                                                  STAGES, PLAIN, WARPS)),
+                                    (_wg_kgroup, (rt, xm1, red, done, 1, 4, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS, ESC_CH,
+                                                  STAGES, PLAIN, WARPS)),
+                                    (_wg_kgroup, (rt, xm2, red, done, 2, 4, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS, ESC_CH,
+                                                  STAGES, PLAIN, WARPS)),
+                                    (_wg_kgroup, (rt, xm3, red, done, 3, 4, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS, ESC_CH,
+                                                  STAGES, PLAIN, WARPS)),
+                                    (_producer, (pt, BLOCK_N, BLOCK_M, QPASS, STAGES))], [4, 4, 4, 1],
+                                   [REGS, REGS, REGS, 24])
         elif WG and A_SMEM:   # the group on wgmma, both operands in shared memory (three buffers each)
             xm = gl.allocate_shared_memory(gl.bfloat16, [3, BLOCK_M, 64], x_desc.layout)
             am = gl.allocate_shared_memory(gl.bfloat16, [3, BLOCK_N, 64], x_desc.layout)
