@@ -256,11 +256,11 @@ def mma_configs(m: int, kt: int, n: int, sms: int, tiles=((64, 4), (128, 4)), va
             out += [MmaConfig(bn, split, w, 4, tma=2)] + [MmaConfig(bn, split, w, st, tma=3, a_smem=a)
                                                           for st in (4, 6) for a in (False, True)]
         return out
-    if variants == "tma-kgroups":   # the wgmma group alone or as two warpgroups taking every other record
-        for bn, w, split in tile_splits(m, kt, n, sms, ((64, 4),), block_m_for):
-            out += [c for c in [MmaConfig(bn, split, w, 4, tma=2), MmaConfig(bn, split, w, 4, tma=3)]
-                    + [MmaConfig(bn, split, w, st, tma=3, kgroups=2) for st in (6, 8)]
-                    + [MmaConfig(bn, split, w, st, tma=3, kgroups=4) for st in (8, 12)] if c not in out]
+    if variants == "tma-kgroups":   # the wgmma group as 2 or 4 warpgroups taking every 2nd or 4th record,
+        # 64-row programs at split-K 1-6, rings of 6-12 stages (the deeper, the more bytes in flight)
+        for split in sorted({min(kt, s) for s in (1, 2, 3, 4, 6)}):
+            out += [c for c in [MmaConfig(64, split, 4, st, tma=3, kgroups=2) for st in (6, 8, 10)]
+                    + [MmaConfig(64, split, 4, st, tma=3, kgroups=4) for st in (8, 12)] if c not in out]
         return out
     if variants == "chunk-wide":   # x resident: one or two chunks per program (K ranges of 8 or 16
         # records at most), 64- or 128-row programs, so x is copied once per K range and shared by more rows

@@ -37,6 +37,13 @@ def test_bad_tma_configs_are_refused(bad):
         mma_tma.check(bad)
 
 
+def test_four_k_groups_refuse_64_x_rows():
+    mma_tma.check_rows(mma.MmaConfig(64, 1, 4, 8, tma=3, kgroups=4), 32)
+    mma_tma.check_rows(mma.MmaConfig(64, 1, 4, 8, tma=3, kgroups=2), 64)
+    with pytest.raises(ValueError, match="at most 32 x rows"):
+        mma_tma.check_rows(mma.MmaConfig(64, 1, 4, 8, tma=3, kgroups=4), 64)
+
+
 def test_launch_registers_cover_the_consumers_and_the_copy_warps():
     for slices in (2, 4, 8):
         for regs in (72, 104, 168):
@@ -187,7 +194,7 @@ WG_CASES = [  # the group on wgmma: 1-3 records per split, 4 and 8 warps, 2-64 x
     (32, 384, 1024, mma.MmaConfig(64, 4, 4, 2, tma=3, kgroups=2)),
     # four groups: 5 records (2 + 1 + 1 + 1), 2 per split (two groups without one), 16 per split
     (17, 200, 320, mma.MmaConfig(64, 1, 4, 8, tma=3, kgroups=4)),
-    (100, 136, 256, mma.MmaConfig(64, 2, 4, 4, tma=3, kgroups=4)),
+    (32, 136, 256, mma.MmaConfig(64, 2, 4, 4, tma=3, kgroups=4)),
     (32, 384, 1024, mma.MmaConfig(64, 1, 4, 12, tma=3, kgroups=4)),
 ]
 

@@ -476,6 +476,13 @@ if AVAILABLE:
                                [1, 1, 1, 1, 1, 1, 1, 1], [REGS, REGS, REGS, REGS, REGS, REGS, REGS, REGS])
 
 
+def check_rows(cfg, block_m: int) -> None:
+    """Four K groups hold four accumulators and x buffers: at most 32 x rows per program (at 64 the
+    program needs more registers and shared memory than an SM has)."""
+    if cfg.kgroups == 4 and block_m > 32:
+        raise ValueError(f"kgroups=4 takes at most 32 x rows per program, got {block_m} (use kgroups=2)")
+
+
 def launch_regs(consumers: int, regs: int, copiers: int = 4, copier_regs: int = 48) -> int:
     """The register count the kernel is launched with: ``setmaxnreg`` then gives each consumer warp
     ``regs`` and the copy warps what is left (about ``copier_regs``), so the total covers both."""
@@ -501,6 +508,7 @@ def launch(x: torch.Tensor, packed: KernelPack, out: torch.Tensor, qpass: bool, 
     warp); ``x`` is already aligned (:func:`.mma.aligned_x`), ``grid`` is :func:`.mma.split_grid`'s
     with the counters of 16-row blocks."""
     check(cfg)
+    check_rows(cfg, grid[0])
     regs = cfg.maxnreg or DEFAULT_REGS[grid[0]]
     bm, tps, split, nb, mb, ws, locks = grid
     group = cfg.tma in (GROUP, WGMMA)
