@@ -257,14 +257,10 @@ def mma_configs(m: int, kt: int, n: int, sms: int, tiles=((64, 4), (128, 4)), va
                                                           for st in (4, 6) for a in (False, True)]
         return out
     if variants == "tma-kgroups":   # the wgmma group as 2 or 4 warpgroups taking every 2nd or 4th record,
-        # 64-row programs at split-K 1-6, rings of 6-12 stages (the deeper, the more bytes in flight), or
-        # 12-20 stages of weights only with x loaded by the groups (x_global)
+        # 64-row programs at split-K 1-6, rings of 6-12 stages (the deeper, the more bytes in flight)
         for split in sorted({min(kt, s) for s in (1, 2, 3, 4, 6)}):
             out += [c for c in [MmaConfig(64, split, 4, st, tma=3, kgroups=2) for st in (6, 8, 10)]
-                    + [MmaConfig(64, split, 4, st, tma=3, kgroups=4) for st in (8, 12)]
-                    + [MmaConfig(64, split, 4, st, tma=3, kgroups=2, x_global=True) for st in (12, 16)]
-                    + [MmaConfig(64, split, 4, st, tma=3, kgroups=4, x_global=True) for st in (16, 20)]
-                    if c not in out]
+                    + [MmaConfig(64, split, 4, st, tma=3, kgroups=4) for st in (8, 12)] if c not in out]
         return out
     if variants == "chunk-wide":   # x resident: one or two chunks per program (K ranges of 8 or 16
         # records at most), 64- or 128-row programs, so x is copied once per K range and shared by more rows

@@ -23,7 +23,7 @@ from test_w12_gemm import check_close  # noqa: E402
 from test_w12_mma import _cuda_layer, _gpu_gluon  # noqa: E402
 
 
-@pytest.mark.parametrize("bad", [mma.MmaConfig(64, 1, 4, 1, tma=1), mma.MmaConfig(64, 1, 4, 25, tma=1), mma.MmaConfig(64, 1, 4, 8, tma=3, x_global=True),
+@pytest.mark.parametrize("bad", [mma.MmaConfig(64, 1, 4, 1, tma=1), mma.MmaConfig(64, 1, 4, 13, tma=1),
                                  mma.MmaConfig(256, 1, 4, 3, tma=1), mma.MmaConfig(48, 1, 4, 3, tma=1),
                                  mma.MmaConfig(64, 1, 4, 3, tma=4), mma.MmaConfig(128, 1, 4, 3, tma=2),
                                  mma.MmaConfig(128, 1, 4, 3, tma=3), mma.MmaConfig(64, 1, 4, 3, False, True, tma=3),
@@ -196,11 +196,6 @@ WG_CASES = [  # the group on wgmma: 1-3 records per split, 4 and 8 warps, 2-64 x
     (17, 200, 320, mma.MmaConfig(64, 1, 4, 8, tma=3, kgroups=4)),
     (32, 136, 256, mma.MmaConfig(64, 2, 4, 4, tma=3, kgroups=4)),
     (32, 384, 1024, mma.MmaConfig(64, 1, 4, 12, tma=3, kgroups=4)),
-    # x loaded by the groups, the ring carrying weights only
-    (17, 200, 320, mma.MmaConfig(64, 1, 4, 8, tma=3, kgroups=2, x_global=True)),
-    (100, 136, 192, mma.MmaConfig(64, 3, 4, 3, tma=3, kgroups=2, x_global=True)),
-    (32, 136, 256, mma.MmaConfig(64, 2, 4, 4, tma=3, kgroups=4, x_global=True)),
-    (32, 384, 1024, mma.MmaConfig(64, 1, 4, 20, tma=3, kgroups=4, x_global=True)),
 ]
 
 
@@ -259,8 +254,7 @@ def test_tma_rings_are_stable_with_several_programs_per_sm():
     ring = mma.w12_mma(x, kp, config=mma.MmaConfig(64, 1, 4, 2, True), out_dtype=torch.float32)
     for cfg in (mma.MmaConfig(64, 1, 4, 4, tma=2), mma.MmaConfig(64, 1, 4, 4, tma=1),
                 mma.MmaConfig(64, 1, 4, 4, tma=3), mma.MmaConfig(64, 1, 4, 4, tma=3, a_smem=True),
-                mma.MmaConfig(64, 1, 4, 6, tma=3, kgroups=2), mma.MmaConfig(64, 1, 4, 8, tma=3, kgroups=4),
-                mma.MmaConfig(64, 1, 4, 16, tma=3, kgroups=4, x_global=True)):
+                mma.MmaConfig(64, 1, 4, 6, tma=3, kgroups=2), mma.MmaConfig(64, 1, 4, 8, tma=3, kgroups=4)):
         first = mma.w12_mma(x, kp, config=cfg, out_dtype=torch.float32)
         if cfg.tma != 3:
             assert torch.equal(first.view(torch.int32), ring.view(torch.int32)), cfg
@@ -300,6 +294,9 @@ def test_tuned_tma_entries_only_where_tma_runs():
     assert mma.default_config(bm, n, k).tma
     assert not mma.default_config(bm, n, k, tma=False).tma
     assert not mma_tma.supported("cpu")
+    wg = next(k for k, v in mma.TUNED.items() if v.tma == 3)   # wgmma entries: Hopper 9.x only
+    assert mma.default_config(wg[2], wg[0], wg[1]).kgroups > 1
+    assert mma.default_config(wg[2], wg[0], wg[1], wgmma=False).tma != 3
     for cfg in mma.TUNED.values():   # every TMA entry is one the TMA rings accept
         if cfg.tma:
             mma_tma.check(cfg)

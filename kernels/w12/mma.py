@@ -757,7 +757,6 @@ class MmaConfig:
                         # two records per consumer step), 3 the group on wgmma
     a_smem: bool = False  # tma=3: the decoded record through shared memory, the wgmma left in flight
     kgroups: int = 1    # tma=3: 2 or 4 warpgroups on the program's rows, each taking every kgroups-th record
-    x_global: bool = False  # kgroups > 1: the groups load x from global memory, the ring carries weights only
     early_epilogue: bool = False  # the epilogue's loads after the first records', not in the tail
                                   # (register and wsmem rings; with split-K in every program)
 
@@ -766,7 +765,7 @@ class MmaConfig:
                 f"{'-u' if self.unroll else ''}{f'-sk{self.stream}' if self.stream else ''}"
                 f"{f'-r{self.maxnreg}' if self.maxnreg else ''}{f'-xc{self.x_chunk}' if self.x_chunk > 1 else ''}"
                 f"{f'-tma{self.tma}' if self.tma else ''}{'-as' if self.a_smem else ''}"
-                f"{f'-kg{self.kgroups}' if self.kgroups > 1 else ''}{'-xg' if self.x_global else ''}"
+                f"{f'-kg{self.kgroups}' if self.kgroups > 1 else ''}"
                 f"{'-plain' if self.plain_decode else ''}{'-ee' if self.early_epilogue else ''}")
 
 
@@ -789,12 +788,13 @@ def preferred(m: int) -> bool:
     return m >= MIN_ROWS
 
 
-def default_config(m: int, n: int, k: int, sms: int = 132, tma: bool = True) -> MmaConfig:
-    """The measured table (:data:`TUNED`) first (its TMA entries only if ``tma``: Hopper), else
-    64-row programs, the weights two records ahead in the shared-memory ring, and split-K for
-    about four programs per SM (what the sweep chose on most layers)."""
+def default_config(m: int, n: int, k: int, sms: int = 132, tma: bool = True, wgmma: bool = True) -> MmaConfig:
+    """The measured table (:data:`TUNED`) first (its TMA entries only if ``tma``: compute
+    capability 9.0+, and its ``wgmma`` ones, ``tma=3``, only if ``wgmma`` too: 9.x), else 64-row
+    programs, the weights two records ahead in the shared-memory ring, and split-K for about four
+    programs per SM (what the sweep chose on most layers)."""
     tuned = TUNED.get((n, k, block_m_for(m)))   # the table's row buckets are the row-block sizes
-    if tuned is not None and (tma or not tuned.tma):
+    if tuned is not None and (tma or not tuned.tma) and (wgmma or tuned.tma != 3):
         return tuned
     kt = (k + TILE_K - 1) // TILE_K
     bn = 64
@@ -822,12 +822,16 @@ def default_config(m: int, n: int, k: int, sms: int = 132, tma: bool = True) -> 
 TUNED: dict[tuple[int, int, int], MmaConfig] = {
     (6144, 4096, 8): MmaConfig(64, 3, 4, 4, tma=2),  # 17.66 vs 18.24 us, w12_mma_tma.json
     (6144, 4096, 16): MmaConfig(64, 6, 4, 2, False, True),  # 0.905x (0.887x)
-    (6144, 4096, 32): MmaConfig(64, 1, 4, 6, False, True, tma=2),  # 22.7 vs 24.0 us, w12_mma_tma_pair.json
+    # four wgmma groups taking every 4th record, 12 stages (w12_mma_tma_kgroups_sweep.json, git 781cade:
+    # re-timed 19.6 vs 20.8 us for the warpk entry it replaces; the run before, 19.1 vs 20.4)
+    (6144, 4096, 32): MmaConfig(64, 1, 4, 12, tma=3, kgroups=4),
     (6144, 4096, 64): MmaConfig(64, 4, 4, 2),  # 0.645x (0.651x)
     (4096, 4096, 8): MmaConfig(64, 8, 4, 3, False, True),  # 1.006x (0.992x)
     (4096, 4096, 16): MmaConfig(64, 8, 4, 2, True),  # 0.976x (0.978x)
     # decode A/B: plain 17.73 vs fast 18.50 us
-    (4096, 4096, 32): MmaConfig(64, 4, 4, 2, True, plain_decode=True),  # 0.871x (0.872x)
+    # two wgmma groups, 10 stages, split 2 (w12_mma_tma_kgroups_sweep.json: 17.1 vs 18.1 us re-timed;
+    # the run before, 8 stages 16.8 vs 17.9)
+    (4096, 4096, 32): MmaConfig(64, 2, 4, 10, tma=3, kgroups=2),
     (4096, 4096, 64): MmaConfig(64, 2, 4, 2, True, early_epilogue=True),  # 22.94 vs 24.04 us, w12_mma_early.json
     (28672, 4096, 8): MmaConfig(128, 1, 4, 2, True),  # 1.204x (1.217x)
     (28672, 4096, 16): MmaConfig(128, 1, 4, 2, True),  # 1.162x (1.173x)
@@ -839,7 +843,9 @@ TUNED: dict[tuple[int, int, int], MmaConfig] = {
     (4096, 14336, 64): MmaConfig(64, 4, 4, 2, False, True, early_epilogue=True),  # 56.10 vs 68.22, w12_mma_early.json
     (7168, 5120, 8): MmaConfig(64, 2, 4, 4, tma=2),  # 21.28 vs 22.24 us, w12_mma_tma.json
     (7168, 5120, 16): MmaConfig(64, 2, 4, 4, tma=2),  # 21.95 vs 24.22 us, w12_mma_tma.json
-    (7168, 5120, 32): MmaConfig(64, 2, 4, 6, False, True, tma=2),  # 26.0 vs 26.9 us, w12_mma_tma_pair.json
+    # four wgmma groups, 12 stages (w12_mma_tma_kgroups_sweep.json: 22.8 vs 25.5 us re-timed; the run
+    # before, 22.4 vs 25.2)
+    (7168, 5120, 32): MmaConfig(64, 1, 4, 12, tma=3, kgroups=4),
     (7168, 5120, 64): MmaConfig(64, 2, 4, 2, True),  # 0.555x (0.548x)
     (34816, 5120, 8): MmaConfig(64, 1, 4, 3, False, True),  # 1.225x (1.216x)
     (34816, 5120, 16): MmaConfig(64, 1, 4, 3, False, True),  # 71.74 vs 75.74 us, w12_mma_retune16_64.json
@@ -923,7 +929,7 @@ def w12_mma(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: Mm
     if config is None:
         from . import mma_tma
 
-        cfg = default_config(m, n, k, tma=mma_tma.supported(x.device))
+        cfg = default_config(m, n, k, tma=mma_tma.supported(x.device), wgmma=mma_tma.wgmma_supported(x.device))
     else:
         cfg = config
     x, k = aligned_x(x, kt)

@@ -69,7 +69,7 @@ except Exception:  # pragma: no cover - Triton without Gluon's Hopper module
     tma = mbarrier = fence_async_shared = TensorDescriptor = None
 
 AVAILABLE = gluon is not None and tma is not None
-MAX_STAGES = 24
+MAX_STAGES = 12
 # registers of a consumer warp (setmaxnreg) by x rows per program: the fewest that ptxas compiles
 # without spills (sm_90, Triton 3.6: 8 rows fit in 72, 16 in 88, 32 in 104; 32 rows spill at 96;
 # 64 rows: 168, not searched)
@@ -105,8 +105,6 @@ def check(cfg) -> None:
     if cfg.kgroups not in (1, 2, 4) or (cfg.kgroups > 1 and (cfg.tma != WGMMA or cfg.a_smem or cfg.num_warps != 4)):
         raise ValueError(f"kgroups is 1, 2 or 4 (warpgroups of 4 warps splitting the records, tma=3 with the "
                          f"register A operand), got {cfg.kgroups} with tma={cfg.tma}")
-    if cfg.x_global and cfg.kgroups == 1:
-        raise ValueError("x_global (x loaded by the consumers, not through the ring) goes with kgroups 2 or 4")
     if cfg.unroll and cfg.tma != GROUP:
         raise ValueError("unroll (two records per consumer step) goes with the consumer group, tma=2")
     if cfg.tma in (GROUP, WGMMA) and (cfg.num_warps not in (4, 8) or cfg.block_n != 16 * cfg.num_warps):
@@ -130,20 +128,17 @@ if AVAILABLE:
 
     @gluon.jit
     def _issue(v_desc, q_desc, x_desc, wv_s, wq_s, xs, bar, rec, r_in, m0, t,
-               BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, QPASS: gl.constexpr, XT: gl.constexpr = True):
-        """Record ``rec`` (k-tile ``t``) of the program's rows and, unless ``XT`` is off (the
-        consumers load x themselves), its x tile into one stage: the expected bytes on ``bar``,
-        then the copies."""
-        XB: gl.constexpr = BLOCK_M * 128 if XT else 0
+               BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, QPASS: gl.constexpr):
+        """Record ``rec`` (k-tile ``t``) of the program's rows and its x tile into one stage: the
+        expected bytes on ``bar``, then the two or three copies."""
         if QPASS:
-            mbarrier.expect(bar, BLOCK_N * 64 + XB)
+            mbarrier.expect(bar, BLOCK_N * 64 + BLOCK_M * 128)
         else:
-            mbarrier.expect(bar, BLOCK_N * 96 + XB)
+            mbarrier.expect(bar, BLOCK_N * 96 + BLOCK_M * 128)
         _tma_load(v_desc, [rec * 192 + r_in, 0], bar, wv_s)
         if not QPASS:
             _tma_load(q_desc, [rec * 384 + 256 + r_in, 0], bar, wq_s)
-        if XT:
-            _tma_load(x_desc, [m0, t * 64], bar, xs)
+        _tma_load(x_desc, [m0, t * 64], bar, xs)
 
     @gluon.constexpr_function
     def _layout(block_n, block_m, warps, i):
@@ -174,16 +169,15 @@ if AVAILABLE:
         return b, w, q
 
     @gluon.jit
-    def _producer(pt, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, QPASS: gl.constexpr, STAGES: gl.constexpr,
-                  XT: gl.constexpr = True):
+    def _producer(pt, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, QPASS: gl.constexpr, STAGES: gl.constexpr):
         """The copy warps (one thread issues): record after record into the ring, each stage once all
         slices have read it."""
         v_desc, q_desc, x_desc, wv_s, wq_s, xs, ready, empty, rec0, r_in, m0, t_begin, n_rec = pt
         for i in range(0, n_rec):
             s = i % STAGES
             mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)    # (a fresh barrier passes parity 1)
-            _issue(v_desc, q_desc, x_desc, wv_s.index(s), wq_s.index(s), xs.index(s % xs.shape[0]), ready.index(s),
-                   rec0 + i, r_in, m0, t_begin + i, BLOCK_N, BLOCK_M, QPASS, XT)
+            _issue(v_desc, q_desc, x_desc, wv_s.index(s), wq_s.index(s), xs.index(s), ready.index(s),
+                   rec0 + i, r_in, m0, t_begin + i, BLOCK_N, BLOCK_M, QPASS)
 
     @gluon.jit
     def _finish(acc, rt, SLICE: gl.constexpr, SLICES: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -263,13 +257,12 @@ if AVAILABLE:
     def _wg_step(acc, xs, wv_s, wq_s, xm, am, ready, empty, i, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
                  QPASS: gl.constexpr, STAGES: gl.constexpr, PLAIN: gl.constexpr, L_VIEW: gl.constexpr,
                  L_NIB: gl.constexpr, A_OP: gl.constexpr, L_XP: gl.constexpr, A_SMEM: gl.constexpr,
-                 j=None, ok=True, MASK: gl.constexpr = False, xg=None):
+                 j=None, ok=True, MASK: gl.constexpr = False):
         """Record ``i`` on ``wgmma`` (see :func:`_wg_consumer`), its x restaged in buffer ``j % 2``
         (default ``i``: the group takes every record). With ``MASK`` the record may not exist
         (``ok`` false: a second K group with no record): no wait, no arrival, and x taken as zero, so
         the ``wgmma`` still runs (ptxas serializes a path without one) and adds zeros (the decoded
-        weights are finite whatever the stage holds: exponent code + 112 <= 127). ``xg``: the record's
-        x already in registers (loaded by the consumers, not copied into the stage)."""
+        weights are finite whatever the stage holds: exponent code + 112 <= 127)."""
         if j is None:
             j = i
         s = i % STAGES
@@ -277,12 +270,9 @@ if AVAILABLE:
             mbarrier.wait(ready.index(s), (i // STAGES) & 1, pred=ok)
         else:
             mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-        if xg is None:
-            xv = xs.index(s).load(L_XP)
-            if MASK:
-                xv = gl.where(ok, xv, 0.0)
-        else:
-            xv = xg
+        xv = xs.index(s).load(L_XP)
+        if MASK:
+            xv = gl.where(ok, xv, 0.0)
         w = wv_s.index(s).load(L_VIEW)
         if QPASS:
             q = w
@@ -348,19 +338,15 @@ if AVAILABLE:
         _finish(acc, rt, 0, 1, BLOCK_N, BLOCK_M, USE_SPLIT, ESC_CH, ACC, L_EP)
 
     @gluon.jit
-    def _wg_kgroup(rt, xm, red, done, t_begin, G: gl.constexpr, GROUPS: gl.constexpr, BLOCK_N: gl.constexpr,
+    def _wg_kgroup(rt, xm, red, done, G: gl.constexpr, GROUPS: gl.constexpr, BLOCK_N: gl.constexpr,
                    BLOCK_M: gl.constexpr, USE_SPLIT: gl.constexpr, QPASS: gl.constexpr, ESC_CH: gl.constexpr,
-                   STAGES: gl.constexpr, PLAIN: gl.constexpr, WARPS: gl.constexpr, XG: gl.constexpr):
+                   STAGES: gl.constexpr, PLAIN: gl.constexpr, WARPS: gl.constexpr):
         """``tma=3, kgroups=GROUPS``: one of 2 or 4 warpgroups on the same rows, each taking every
         GROUPS-th record of the ring (group ``G`` the records ``G, G + GROUPS, ...``) into its own
         accumulator, so the groups' decodes and MMAs overlap each other's waits for their
         ``wgmma``. Groups 1.. then leave their sums in ``red`` and arrive on ``done``; group 0 adds
         them to its own in group order (one fixed order: bitwise the same run to run) and runs the
-        epilogue.
-
-        With ``XG`` the ring carries only the weights (6 KB a stage instead of 10, so twice the
-        stages fit): each group loads its records' x from global memory (L2) into registers, the
-        next one's while it works on the current one."""
+        epilogue."""
         wv_s, wq_s, xs, ready, empty, n_rec = rt[0], rt[1], rt[2], rt[3], rt[4], rt[5]
         L_VIEW: gl.constexpr = _wg_layout(BLOCK_N, BLOCK_M, WARPS, 0)
         L_NIB: gl.constexpr = _wg_layout(BLOCK_N, BLOCK_M, WARPS, 1)
@@ -370,26 +356,11 @@ if AVAILABLE:
         L_XP: gl.constexpr = _wg_layout(BLOCK_N, BLOCK_M, WARPS, 5)
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, ACC)
         # the group's first record before the loop (see _wg_consumer); a later group's may not exist
-        if XG:
-            x_ptr, M_rows, stride_xm = rt[6], rt[19], rt[23]
-            rows = rt[18] * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, L_XP))
-            kx = gl.arange(0, 64, layout=gl.SliceLayout(0, L_XP))
-            xr = _wg._x_load(x_ptr, rows, kx, t_begin + G, G < n_rec, M_rows, stride_xm)
-            xn = _wg._x_load(x_ptr, rows, kx, t_begin + G + GROUPS, G + GROUPS < n_rec, M_rows, stride_xm)
-            acc = _wg_step(acc, xs, wv_s, wq_s, xm, xm, ready, empty, G, BLOCK_N, BLOCK_M, QPASS, STAGES, PLAIN,
-                           L_VIEW, L_NIB, A_OP, L_XP, False, 0, G < n_rec, G > 0, xr)
-            xr = xn
-            for i in range(G + GROUPS, n_rec, GROUPS):
-                xn = _wg._x_load(x_ptr, rows, kx, t_begin + i + GROUPS, i + GROUPS < n_rec, M_rows, stride_xm)
-                acc = _wg_step(acc, xs, wv_s, wq_s, xm, xm, ready, empty, i, BLOCK_N, BLOCK_M, QPASS, STAGES, PLAIN,
-                               L_VIEW, L_NIB, A_OP, L_XP, False, (i - G) // GROUPS, True, False, xr)
-                xr = xn
-        else:
-            acc = _wg_step(acc, xs, wv_s, wq_s, xm, xm, ready, empty, G, BLOCK_N, BLOCK_M, QPASS, STAGES, PLAIN,
-                           L_VIEW, L_NIB, A_OP, L_XP, False, 0, G < n_rec, G > 0)
-            for i in range(G + GROUPS, n_rec, GROUPS):
-                acc = _wg_step(acc, xs, wv_s, wq_s, xm, xm, ready, empty, i, BLOCK_N, BLOCK_M, QPASS, STAGES, PLAIN,
-                               L_VIEW, L_NIB, A_OP, L_XP, False, (i - G) // GROUPS)
+        acc = _wg_step(acc, xs, wv_s, wq_s, xm, xm, ready, empty, G, BLOCK_N, BLOCK_M, QPASS, STAGES, PLAIN,
+                       L_VIEW, L_NIB, A_OP, L_XP, False, 0, G < n_rec, G > 0)
+        for i in range(G + GROUPS, n_rec, GROUPS):
+            acc = _wg_step(acc, xs, wv_s, wq_s, xm, xm, ready, empty, i, BLOCK_N, BLOCK_M, QPASS, STAGES, PLAIN,
+                           L_VIEW, L_NIB, A_OP, L_XP, False, (i - G) // GROUPS)
         if G == 0:
             mbarrier.wait(done.index(0), 0)
             for g in gl.static_range(GROUPS - 1):
@@ -411,7 +382,7 @@ if AVAILABLE:
         BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, USE_SPLIT: gl.constexpr, QPASS: gl.constexpr,
         ESC_CH: gl.constexpr, STAGES: gl.constexpr, PLAIN: gl.constexpr, REGS: gl.constexpr,
         GROUP: gl.constexpr = False, WARPS: gl.constexpr = 4, PAIR: gl.constexpr = False, WG: gl.constexpr = False,
-        A_SMEM: gl.constexpr = False, KGROUPS: gl.constexpr = 1, XG: gl.constexpr = False,
+        A_SMEM: gl.constexpr = False, KGROUPS: gl.constexpr = 1,
     ):
         pid_n = gl.program_id(0)
         pid_k = gl.program_id(1)
@@ -422,7 +393,7 @@ if AVAILABLE:
 
         wv_s = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 16], v_desc.layout)
         wq_s = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 8], q_desc.layout)
-        xs = gl.allocate_shared_memory(gl.bfloat16, [1 if XG else STAGES, BLOCK_M, 64], x_desc.layout)   # (XG: unused)
+        xs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 64], x_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         SLICES: gl.constexpr = BLOCK_N // 16
@@ -449,24 +420,24 @@ if AVAILABLE:
             mbarrier.init(done.index(0), count=KGROUPS - 1)
             fence_async_shared()
             if KGROUPS == 2:
-                gl.warp_specialize([(_wg_kgroup, (rt, xm0, red, done, t_begin, 0, 2, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS,
-                                                  ESC_CH, STAGES, PLAIN, WARPS, XG)),
-                                    (_wg_kgroup, (rt, xm1, red, done, t_begin, 1, 2, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS,
-                                                  ESC_CH, STAGES, PLAIN, WARPS, XG)),
-                                    (_producer, (pt, BLOCK_N, BLOCK_M, QPASS, STAGES, not XG))], [4, 1], [REGS, 24])
+                gl.warp_specialize([(_wg_kgroup, (rt, xm0, red, done, 0, 2, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS, ESC_CH,
+                                                  STAGES, PLAIN, WARPS)),
+                                    (_wg_kgroup, (rt, xm1, red, done, 1, 2, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS, ESC_CH,
+                                                  STAGES, PLAIN, WARPS)),
+                                    (_producer, (pt, BLOCK_N, BLOCK_M, QPASS, STAGES))], [4, 1], [REGS, 24])
             else:
                 gl.static_assert(KGROUPS == 4, "kgroups is 1, 2 or 4")
                 xm2 = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M, 64], x_desc.layout)
                 xm3 = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M, 64], x_desc.layout)
-                gl.warp_specialize([(_wg_kgroup, (rt, xm0, red, done, t_begin, 0, 4, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS,
-                                                  ESC_CH, STAGES, PLAIN, WARPS, XG)),
-                                    (_wg_kgroup, (rt, xm1, red, done, t_begin, 1, 4, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS,
-                                                  ESC_CH, STAGES, PLAIN, WARPS, XG)),
-                                    (_wg_kgroup, (rt, xm2, red, done, t_begin, 2, 4, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS,
-                                                  ESC_CH, STAGES, PLAIN, WARPS, XG)),
-                                    (_wg_kgroup, (rt, xm3, red, done, t_begin, 3, 4, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS,
-                                                  ESC_CH, STAGES, PLAIN, WARPS, XG)),
-                                    (_producer, (pt, BLOCK_N, BLOCK_M, QPASS, STAGES, not XG))], [4, 4, 4, 1],
+                gl.warp_specialize([(_wg_kgroup, (rt, xm0, red, done, 0, 4, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS, ESC_CH,
+                                                  STAGES, PLAIN, WARPS)),
+                                    (_wg_kgroup, (rt, xm1, red, done, 1, 4, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS, ESC_CH,
+                                                  STAGES, PLAIN, WARPS)),
+                                    (_wg_kgroup, (rt, xm2, red, done, 2, 4, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS, ESC_CH,
+                                                  STAGES, PLAIN, WARPS)),
+                                    (_wg_kgroup, (rt, xm3, red, done, 3, 4, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS, ESC_CH,
+                                                  STAGES, PLAIN, WARPS)),
+                                    (_producer, (pt, BLOCK_N, BLOCK_M, QPASS, STAGES))], [4, 4, 4, 1],
                                    [REGS, REGS, REGS, 24])
         elif WG and A_SMEM:   # the group on wgmma, both operands in shared memory (three buffers each)
             xm = gl.allocate_shared_memory(gl.bfloat16, [3, BLOCK_M, 64], x_desc.layout)
@@ -559,7 +530,7 @@ def launch(x: torch.Tensor, packed: KernelPack, out: torch.Tensor, qpass: bool, 
         x.stride(0), out.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_M=bm, USE_SPLIT=split > 1, QPASS=qpass, ESC_CH=esc_ch, STAGES=cfg.depth,
         PLAIN=cfg.plain_decode, REGS=regs, GROUP=cfg.tma == GROUP, WARPS=cfg.num_warps, PAIR=cfg.unroll,
-        WG=cfg.tma == WGMMA, A_SMEM=cfg.a_smem, KGROUPS=cfg.kgroups, XG=cfg.x_global, num_warps=cfg.num_warps if group else 4,
+        WG=cfg.tma == WGMMA, A_SMEM=cfg.a_smem, KGROUPS=cfg.kgroups, num_warps=cfg.num_warps if group else 4,
         # (the one copy warp of a group is padded to a warpgroup, its idle warps at 24 registers too)
         maxnreg=launch_regs(cfg.num_warps * cfg.kgroups, regs, 4, 24) if group else launch_regs(slices, regs),
     )
