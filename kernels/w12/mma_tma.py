@@ -37,6 +37,11 @@ register A operand and x is restaged in MMA k order for the B operand; it waits 
 before the next record, since ptxas reuses the registers of an in-flight ``wgmma``'s A operand (SASS
 check in tests/test_w12_mma_tma.py). Measured, it is not faster than ``tma=2`` (docs/w12.md).
 
+With ``kgroups=2|4`` (:func:`_wg_kgroup`) two or four such warpgroups share the program's rows, each
+taking every 2nd or 4th record of the ring into its own accumulator; group 0 adds the others' sums
+in group order before the epilogue. Their chains interleave: on the 32-row layers with about one
+program per SM this measured 6-11 % faster than the kernels routed before (docs/w12.md).
+
 ``tma=2`` instead keeps the ``mma`` kernel's layout: the program's 4 or 8 warps consume each stage
 together (one arrival after their named barrier) beside one copy warp (padded to a warpgroup at 24
 registers), so four 64-row programs fit per SM at 32 rows; with ``unroll`` the group takes two
