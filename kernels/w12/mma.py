@@ -917,7 +917,7 @@ def w12_mma(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: Mm
         raise ValueError(f"maxnreg must be 32-255, got {config.maxnreg}")
     if config is not None and config.x_chunk > 1 and (not config.unroll or config.x_chunk not in (2, 4, 8)):
         raise ValueError("x chunks are 2, 4 or 8 records and go with an unrolled register ring")
-    if config is not None and config.stream and not config.tma and (config.stream < 0 or not config.wsmem):
+    if config is not None and config.stream and (config.stream < 0 or not config.wsmem):
         raise ValueError("the stream-K schedule takes a positive program count per SM and the wsmem ring")
     if config is not None and config.early_epilogue and (config.tma or config.stream or config.x_chunk > 1):
         raise ValueError("early_epilogue goes with the register and wsmem rings (not tma, stream or x chunks)")
