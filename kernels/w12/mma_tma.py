@@ -37,7 +37,7 @@ register A operand and x is restaged in MMA k order for the B operand; it waits 
 before the next record, since ptxas reuses the registers of an in-flight ``wgmma``'s A operand (SASS
 check in tests/test_w12_mma_tma.py). Measured, it is not faster than ``tma=2`` (docs/w12.md).
 
-With ``kgroups=2|4`` (:func:`_wg_kgroup`) two or four such warpgroups share the program's rows, each
+With ``kgroups=2|4`` (:func:`_wg_consumer`) two or four such warpgroups share the program's rows, each
 taking every 2nd or 4th record of the ring into its own accumulator; group 0 adds the others' sums
 in group order before the epilogue. Their chains interleave: on the 32-row layers with about one
 program per SM this measured 6-11 % faster than the kernels routed before (docs/w12.md).
@@ -313,9 +313,9 @@ if AVAILABLE:
         return acc
 
     @gluon.jit
-    def _wg_consumer(rt, xm, am, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, USE_SPLIT: gl.constexpr,
-                     QPASS: gl.constexpr, ESC_CH: gl.constexpr, STAGES: gl.constexpr, PLAIN: gl.constexpr,
-                     WARPS: gl.constexpr, A_SMEM: gl.constexpr):
+    def _wg_consumer(rt, xm, am, red, done, G: gl.constexpr, GROUPS: gl.constexpr, BLOCK_N: gl.constexpr,
+                     BLOCK_M: gl.constexpr, USE_SPLIT: gl.constexpr, QPASS: gl.constexpr, ESC_CH: gl.constexpr,
+                     STAGES: gl.constexpr, PLAIN: gl.constexpr, WARPS: gl.constexpr, A_SMEM: gl.constexpr):
         """``tma=3``: the group as ``tma=2``, the MMA on ``wgmma``: the decoded record is the register
         A operand; the stage's x, read in physical k order, is stored in MMA k order into ``xm``
         (two buffers: the one written at record ``i`` was last read by ``wgmma i - 2``, which every
@@ -327,7 +327,14 @@ if AVAILABLE:
         reads both operands there, so it can stay in flight while the group reads and decodes the
         next record (``wait(1)``); ``xm`` and ``am`` then have three buffers each: the ones written at
         record ``i`` were last read by ``wgmma i - 3``, which every warp retired (at record ``i - 2``)
-        before the barrier of record ``i - 1``."""
+        before the barrier of record ``i - 1``.
+
+        ``kgroups=GROUPS`` (2 or 4; register A only): this is one of that many warpgroups on the
+        same rows, each taking every GROUPS-th record of the ring (group ``G`` the records ``G, G +
+        GROUPS, ...``) into its own accumulator, so the groups' decodes and MMAs overlap each other's
+        waits for their ``wgmma``. Groups 1.. then leave their sums in ``red`` and arrive on
+        ``done``; group 0 adds them to its own in group order (one fixed order: bitwise the same run
+        to run) and runs the epilogue."""
         wv_s, wq_s, xs, ready, empty, n_rec = rt[0], rt[1], rt[2], rt[3], rt[4], rt[5]
         L_VIEW: gl.constexpr = _wg_layout(BLOCK_N, BLOCK_M, WARPS, 0)
         L_NIB: gl.constexpr = _wg_layout(BLOCK_N, BLOCK_M, WARPS, 1)
@@ -336,42 +343,19 @@ if AVAILABLE:
         L_EP: gl.constexpr = _wg_layout(BLOCK_N, BLOCK_M, WARPS, 4)
         L_XP: gl.constexpr = _wg_layout(BLOCK_N, BLOCK_M, WARPS, 5)
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, ACC)
-        # record 0 before the loop (every split has one): a path from the zeroed accumulator to the
-        # final wait without a wgmma makes ptxas serialize the in-flight ones (C7515)
-        acc = _wg_step(acc, xs, wv_s, wq_s, xm, am, ready, empty, 0, BLOCK_N, BLOCK_M, QPASS, STAGES, PLAIN,
-                       L_VIEW, L_NIB, A_OP, L_XP, A_SMEM)
-        for i in range(1, n_rec):
+        # the group's first record before the loop (every split has one, but a later K group's may
+        # not exist): a path from the zeroed accumulator to the final wait without a wgmma makes
+        # ptxas serialize the in-flight ones (C7515)
+        acc = _wg_step(acc, xs, wv_s, wq_s, xm, am, ready, empty, G, BLOCK_N, BLOCK_M, QPASS, STAGES, PLAIN,
+                       L_VIEW, L_NIB, A_OP, L_XP, A_SMEM, 0, G < n_rec, G > 0)
+        for i in range(G + GROUPS, n_rec, GROUPS):
             acc = _wg_step(acc, xs, wv_s, wq_s, xm, am, ready, empty, i, BLOCK_N, BLOCK_M, QPASS, STAGES, PLAIN,
-                           L_VIEW, L_NIB, A_OP, L_XP, A_SMEM)
+                           L_VIEW, L_NIB, A_OP, L_XP, A_SMEM, (i - G) // GROUPS)
         if A_SMEM:
             acc = warpgroup_mma_wait(0, deps=[acc])
-        _finish(acc, rt, 0, 1, BLOCK_N, BLOCK_M, USE_SPLIT, ESC_CH, ACC, L_EP)
-
-    @gluon.jit
-    def _wg_kgroup(rt, xm, red, done, G: gl.constexpr, GROUPS: gl.constexpr, BLOCK_N: gl.constexpr,
-                   BLOCK_M: gl.constexpr, USE_SPLIT: gl.constexpr, QPASS: gl.constexpr, ESC_CH: gl.constexpr,
-                   STAGES: gl.constexpr, PLAIN: gl.constexpr, WARPS: gl.constexpr):
-        """``tma=3, kgroups=GROUPS``: one of 2 or 4 warpgroups on the same rows, each taking every
-        GROUPS-th record of the ring (group ``G`` the records ``G, G + GROUPS, ...``) into its own
-        accumulator, so the groups' decodes and MMAs overlap each other's waits for their
-        ``wgmma``. Groups 1.. then leave their sums in ``red`` and arrive on ``done``; group 0 adds
-        them to its own in group order (one fixed order: bitwise the same run to run) and runs the
-        epilogue."""
-        wv_s, wq_s, xs, ready, empty, n_rec = rt[0], rt[1], rt[2], rt[3], rt[4], rt[5]
-        L_VIEW: gl.constexpr = _wg_layout(BLOCK_N, BLOCK_M, WARPS, 0)
-        L_NIB: gl.constexpr = _wg_layout(BLOCK_N, BLOCK_M, WARPS, 1)
-        ACC: gl.constexpr = _wg_layout(BLOCK_N, BLOCK_M, WARPS, 2)
-        A_OP: gl.constexpr = _wg_layout(BLOCK_N, BLOCK_M, WARPS, 3)
-        L_EP: gl.constexpr = _wg_layout(BLOCK_N, BLOCK_M, WARPS, 4)
-        L_XP: gl.constexpr = _wg_layout(BLOCK_N, BLOCK_M, WARPS, 5)
-        acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, ACC)
-        # the group's first record before the loop (see _wg_consumer); a later group's may not exist
-        acc = _wg_step(acc, xs, wv_s, wq_s, xm, xm, ready, empty, G, BLOCK_N, BLOCK_M, QPASS, STAGES, PLAIN,
-                       L_VIEW, L_NIB, A_OP, L_XP, False, 0, G < n_rec, G > 0)
-        for i in range(G + GROUPS, n_rec, GROUPS):
-            acc = _wg_step(acc, xs, wv_s, wq_s, xm, xm, ready, empty, i, BLOCK_N, BLOCK_M, QPASS, STAGES, PLAIN,
-                           L_VIEW, L_NIB, A_OP, L_XP, False, (i - G) // GROUPS)
-        if G == 0:
+        if GROUPS == 1:
+            _finish(acc, rt, 0, 1, BLOCK_N, BLOCK_M, USE_SPLIT, ESC_CH, ACC, L_EP)
+        elif G == 0:
             mbarrier.wait(done.index(0), 0)
             for g in gl.static_range(GROUPS - 1):
                 acc = acc + red.index(g).load(ACC)
@@ -430,35 +414,35 @@ if AVAILABLE:
             mbarrier.init(done.index(0), count=KGROUPS - 1)
             fence_async_shared()
             if KGROUPS == 2:
-                gl.warp_specialize([(_wg_kgroup, (rt, xm0, red, done, 0, 2, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS, ESC_CH,
-                                                  STAGES, PLAIN, WARPS)),
-                                    (_wg_kgroup, (rt, xm1, red, done, 1, 2, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS, ESC_CH,
-                                                  STAGES, PLAIN, WARPS)),
+                gl.warp_specialize([(_wg_consumer, (rt, xm0, xm0, red, done, 0, 2, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS,
+                                                  ESC_CH, STAGES, PLAIN, WARPS, False)),
+                                    (_wg_consumer, (rt, xm1, xm1, red, done, 1, 2, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS,
+                                                  ESC_CH, STAGES, PLAIN, WARPS, False)),
                                     (_producer, (pt, BLOCK_N, BLOCK_M, QPASS, STAGES))], [4, 1], [REGS, 24])
             else:
                 gl.static_assert(KGROUPS == 4, "kgroups is 1, 2 or 4")
                 xm2 = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M, 64], x_desc.layout)
                 xm3 = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M, 64], x_desc.layout)
-                gl.warp_specialize([(_wg_kgroup, (rt, xm0, red, done, 0, 4, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS, ESC_CH,
-                                                  STAGES, PLAIN, WARPS)),
-                                    (_wg_kgroup, (rt, xm1, red, done, 1, 4, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS, ESC_CH,
-                                                  STAGES, PLAIN, WARPS)),
-                                    (_wg_kgroup, (rt, xm2, red, done, 2, 4, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS, ESC_CH,
-                                                  STAGES, PLAIN, WARPS)),
-                                    (_wg_kgroup, (rt, xm3, red, done, 3, 4, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS, ESC_CH,
-                                                  STAGES, PLAIN, WARPS)),
+                gl.warp_specialize([(_wg_consumer, (rt, xm0, xm0, red, done, 0, 4, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS,
+                                                  ESC_CH, STAGES, PLAIN, WARPS, False)),
+                                    (_wg_consumer, (rt, xm1, xm1, red, done, 1, 4, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS,
+                                                  ESC_CH, STAGES, PLAIN, WARPS, False)),
+                                    (_wg_consumer, (rt, xm2, xm2, red, done, 2, 4, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS,
+                                                  ESC_CH, STAGES, PLAIN, WARPS, False)),
+                                    (_wg_consumer, (rt, xm3, xm3, red, done, 3, 4, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS,
+                                                  ESC_CH, STAGES, PLAIN, WARPS, False)),
                                     (_producer, (pt, BLOCK_N, BLOCK_M, QPASS, STAGES))], [4, 4, 4, 1],
                                    [REGS, REGS, REGS, 24])
         elif WG and A_SMEM:   # the group on wgmma, both operands in shared memory (three buffers each)
             xm = gl.allocate_shared_memory(gl.bfloat16, [3, BLOCK_M, 64], x_desc.layout)
             am = gl.allocate_shared_memory(gl.bfloat16, [3, BLOCK_N, 64], x_desc.layout)
-            gl.warp_specialize([(_wg_consumer, (rt, xm, am, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES,
-                                                  PLAIN, WARPS, True)),
+            gl.warp_specialize([(_wg_consumer, (rt, xm, am, xm, empty, 0, 1, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS,
+                                                  ESC_CH, STAGES, PLAIN, WARPS, True)),   # (red, done unused)
                                 (_producer, (pt, BLOCK_N, BLOCK_M, QPASS, STAGES))], [1], [24])
         elif WG:   # the group on wgmma; x in MMA k order in two more buffers
             xm = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M, 64], x_desc.layout)
-            gl.warp_specialize([(_wg_consumer, (rt, xm, xm, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES,
-                                                  PLAIN, WARPS, False)),
+            gl.warp_specialize([(_wg_consumer, (rt, xm, xm, xm, empty, 0, 1, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS,
+                                                  ESC_CH, STAGES, PLAIN, WARPS, False)),   # (red, done unused)
                                 (_producer, (pt, BLOCK_N, BLOCK_M, QPASS, STAGES))], [1], [24])
         elif SLICES == 2:
             gl.warp_specialize([(_producer, (pt, BLOCK_N, BLOCK_M, QPASS, STAGES)),
