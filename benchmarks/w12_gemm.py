@@ -149,18 +149,11 @@ def tolerance(ref):
 
 def routed_path(x, kp) -> str:
     """Which kernel ``w12_linear(x, kp)`` runs (its routing, for the results' labels)."""
-    from specpilot.kernels.w12 import gemm, gemv, gemv_gluon, mma, warpk
+    from specpilot.kernels.w12 import gemm
 
     (m, k), n = x.shape, kp.shape[0]
-    if warpk.preferred(m, n, k) and warpk.supported(x, kp):
-        return "warpk"
-    if mma.preferred(m) and mma.supported(x, kp):
-        return "mma"
-    if m == 1 and gemv_gluon.supported(x, kp):
-        return "gemv-gluon"
-    if gemv.preferred(m, n) and gemv.supported(x, kp):
-        return "gemv"
-    return gemm.default_config(m, n, k).key()
+    path = gemm.route(x, kp)
+    return gemm.default_config(m, n, k).key() if path == "gemm" else path
 
 
 def speedup_summary(rows: list[dict], ms, keys=("speedup",)) -> dict:

@@ -303,6 +303,28 @@ def test_tuned_tma_entries_only_where_tma_runs():
             mma_tma.check(cfg)
 
 
+def test_routing_puts_the_wgmma_entries_first_only_where_wgmma_runs(monkeypatch):
+    """``gemm.route``: on 4096 -> 6144 at 17-32 rows the table's four wgmma K groups go before the
+    ``warpk`` entry on a Hopper GPU, the ``warpk`` entry stays the choice elsewhere; layers without a
+    ``warpk`` entry take ``mma`` either way; 2-8 rows stay on ``warpk``; CPU tensors take ``gemm``."""
+    from types import SimpleNamespace
+
+    from specpilot.kernels.w12 import gemm, warpk
+
+    def pack(n, k):
+        return SimpleNamespace(shape=(n, k))
+
+    assert gemm.route(torch.zeros(32, 4096, dtype=torch.bfloat16), pack(6144, 4096)) == "gemm"
+    monkeypatch.setattr(warpk, "supported", lambda x, p: True)
+    monkeypatch.setattr(mma, "supported", lambda x, p: True)
+    for hopper, want in ((True, "mma"), (False, "warpk")):
+        monkeypatch.setattr(mma_tma, "wgmma_supported", lambda device, h=hopper: h)
+        assert mma.TUNED[(6144, 4096, 32)].tma == 3 and (6144, 4096, 32) in warpk.TUNED
+        assert gemm.route(torch.zeros(24, 4096, dtype=torch.bfloat16), pack(6144, 4096)) == want
+        assert gemm.route(torch.zeros(32, 4096, dtype=torch.bfloat16), pack(4096, 4096)) == "mma"
+        assert gemm.route(torch.zeros(8, 4096, dtype=torch.bfloat16), pack(6144, 4096)) == "warpk"
+
+
 def test_sweep_variants_are_valid_configs():
     """``benchmarks/w12_gemm.py --variants`` sets (tma, tma-pair, tma-wgmma, tma-kgroups, tma-narrow, chunk-wide, xf32;
     tma in gemv-gluon mode; spread and tail in warpk mode) offer only configs the kernels accept."""

@@ -477,6 +477,27 @@ def _workspace(device, nbytes_f32: int, nlocks: int):
     return workspace.scratch(device, "w12.partials", nbytes_f32), workspace.counters(device, "w12.blocks", nlocks)
 
 
+def route(x: torch.Tensor, packed: KernelPack) -> str:
+    """Which kernel :func:`w12_linear` runs for ``x`` without a config: ``warpk`` (tensor cores, K
+    split across warps: 2-8 rows, and the layers of its table), ``mma`` (the tensor-core kernels of
+    verify steps; first where its table has a ``wgmma`` entry that this GPU runs), ``gemv-gluon``
+    (one row), ``gemv`` (the Triton GEMV) or ``gemm`` (the general Triton kernel: CPU, no Gluon)."""
+    from . import gemv, gemv_gluon, mma, warpk
+
+    (m, k), n = x.shape, packed.shape[0]
+    if mma.preferred(m) and mma.supported(x, packed) and mma.wgmma_entry(m, n, k, x.device):
+        return "mma"
+    if warpk.preferred(m, n, k) and warpk.supported(x, packed):
+        return "warpk"
+    if mma.preferred(m) and mma.supported(x, packed):
+        return "mma"
+    if m == 1 and gemv_gluon.supported(x, packed):
+        return "gemv-gluon"
+    if gemv.preferred(m, n) and gemv.supported(x, packed):
+        return "gemv"
+    return "gemm"
+
+
 def w12_linear(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: Config | None = None,
                out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x @ W.T`` for x ``[M, K]`` (bf16), W in W12 form; fp32 accumulation, deterministic."""
@@ -489,17 +510,12 @@ def w12_linear(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config:
     if x.stride(1) != 1:
         x = x.contiguous()
     if config is None:
-        # the tensor-core kernels (K split across warps for few rows, row blocks for verify steps),
-        # the Gluon one-row GEMV and the Triton GEMV (decode)
-        from . import gemv, gemv_gluon, mma, warpk
-        if warpk.preferred(m, n, k) and warpk.supported(x, packed):
-            return warpk.w12_warpk(x, packed, qpass=qpass, out=out, out_dtype=out_dtype)
-        if mma.preferred(m) and mma.supported(x, packed):
-            return mma.w12_mma(x, packed, qpass=qpass, out=out, out_dtype=out_dtype)
-        if m == 1 and gemv_gluon.supported(x, packed):
-            return gemv_gluon.w12_gemv_gluon(x, packed, qpass=qpass, out=out, out_dtype=out_dtype)
-        if gemv.preferred(m, n) and gemv.supported(x, packed):
-            return gemv.w12_gemv(x, packed, qpass=qpass, out=out, out_dtype=out_dtype)
+        path = route(x, packed)
+        if path != "gemm":
+            from . import gemv, gemv_gluon, mma, warpk
+            fn = {"warpk": warpk.w12_warpk, "mma": mma.w12_mma, "gemv-gluon": gemv_gluon.w12_gemv_gluon,
+                  "gemv": gemv.w12_gemv}[path]
+            return fn(x, packed, qpass=qpass, out=out, out_dtype=out_dtype)
     cfg = (config or default_config(m, n, k)).for_rows(m)
     bm = block_m_for(m, cfg.mode)
     if out is None:

@@ -803,6 +803,17 @@ def default_config(m: int, n: int, k: int, sms: int = 132, tma: bool = True, wgm
     return MmaConfig(block_n=bn, split_k=split, depth=2, wsmem=True)
 
 
+def wgmma_entry(m: int, n: int, k: int, device) -> bool:
+    """:data:`TUNED` has a ``wgmma`` entry (``tma=3``) for this layer and row bucket, and ``device``
+    runs it (Hopper 9.x): then this kernel, not ``warpk``, is the measured choice there."""
+    tuned = TUNED.get((n, k, block_m_for(m)))
+    if tuned is None or tuned.tma != 3:
+        return False
+    from . import mma_tma
+
+    return mma_tma.wgmma_supported(device)
+
+
 # Fastest correct variant per (N, K, rows) on the H200 (benchmarks/w12_gemm.py --mode mma --rows
 # 8,16,32,64, benchmarks/results/w12_mma_unroll.json: one-pass escape epilogue, unrolled register
 # rings in the sweep; the comment is the speedup over cuBLAS there and, in brackets, that of the

@@ -310,9 +310,11 @@ TUNED: dict[tuple[int, int, int], WarpKConfig] = {
     (4096, 14336, 1): WarpKConfig(16, 8, 2, 1, **_ES),  # 26.21 vs 27.17 (no spread; w12_warpk_spread_m1.json)
     (7168, 5120, 1): WarpKConfig(16, 4, 2, 1, **_ES),   # 19.23 vs 19.58 (no spread, 4 sets)
     (5120, 17408, 1): WarpKConfig(16, 4, 4, 1),   # 37.44 vs 39.26 (37.79 vs 39.33 at split 2)
-    # (17-32 rows with x loaded late, WarpKConfig(16, 4, 2, 1, x_late=True, esc_ch=32, **_ES), won on
-    # 4096 -> 6144 only, 20.61 vs 21.38 us, w12_warpk_spread.json; four wgmma K groups took that layer
-    # in mma.TUNED: 19.6 vs 20.8 us, w12_mma_tma_kgroups_sweep.json)
+    # 17-32 rows with x loaded late (w12_warpk_xlate.json, git 2be1ecd): won on this layer only;
+    # 32 escapes preloaded and the chain spread: 20.61 vs 21.38 us (w12_warpk_spread.json). Where
+    # wgmma runs, the four K groups of mma.TUNED go first there (19.6 vs 20.8 us,
+    # w12_mma_tma_kgroups_sweep.json; gemm.route)
+    (6144, 4096, 32): WarpKConfig(16, 4, 2, 1, x_late=True, esc_ch=32, **_ES),
     # transformers' k/v projection (4096 -> 1024; w12_warpk_hf_rows.json, git c6e5fc8): 9.76 vs 10.37 us
     (1024, 4096, 8): WarpKConfig(16, 4, 4, 4),
 }
