@@ -485,11 +485,12 @@ def route(x: torch.Tensor, packed: KernelPack) -> str:
     from . import gemv, gemv_gluon, mma, warpk
 
     (m, k), n = x.shape, packed.shape[0]
-    if mma.preferred(m) and mma.supported(x, packed) and mma.wgmma_entry(m, n, k, x.device):
+    use_mma = mma.preferred(m) and mma.supported(x, packed)
+    if use_mma and mma.wgmma_entry(m, n, k, x.device):
         return "mma"
     if warpk.preferred(m, n, k) and warpk.supported(x, packed):
         return "warpk"
-    if mma.preferred(m) and mma.supported(x, packed):
+    if use_mma:
         return "mma"
     if m == 1 and gemv_gluon.supported(x, packed):
         return "gemv-gluon"
