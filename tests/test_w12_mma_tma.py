@@ -29,7 +29,8 @@ from test_w12_mma import _cuda_layer, _gpu_gluon  # noqa: E402
                                  mma.MmaConfig(128, 1, 4, 3, tma=3), mma.MmaConfig(64, 1, 4, 3, False, True, tma=3),
                                  mma.MmaConfig(64, 1, 4, 3, tma=2, a_smem=True),
                                  mma.MmaConfig(64, 1, 4, 3, False, True, tma=1),
-                                 mma.MmaConfig(64, 1, 4, 3, tma=2, kgroups=2), mma.MmaConfig(64, 1, 4, 3, tma=3, kgroups=3), mma.MmaConfig(64, 1, 4, 8, tma=1, kgroups=4),
+                                 mma.MmaConfig(64, 1, 4, 3, tma=2, kgroups=2), mma.MmaConfig(64, 1, 4, 3, tma=3, kgroups=3),
+                                 mma.MmaConfig(64, 1, 4, 8, tma=1, kgroups=4),
                                  mma.MmaConfig(64, 1, 4, 3, tma=3, kgroups=4),
                                  mma.MmaConfig(64, 1, 4, 3, tma=3, a_smem=True, kgroups=2),
                                  mma.MmaConfig(128, 1, 8, 3, tma=3, kgroups=2)])
