@@ -255,6 +255,11 @@ def mma_configs(m: int, kt: int, n: int, sms: int, tiles=((64, 4), (128, 4)), va
             out += [c for c in [MmaConfig(64, split, 4, st, tma=3, kgroups=2) for st in (6, 8, 10)]
                     + [MmaConfig(64, split, 4, st, tma=3, kgroups=4) for st in (8, 12)] if c not in out]
         return out
+    if variants == "tma-kstream":   # four wgmma K groups on a stream-K run, one program per SM, beside
+        # the same groups on the split-1 grid
+        out += [c for st in (4, 8, 12) for c in (MmaConfig(64, 1, 4, st, tma=3, kgroups=4, stream=1),
+                                                  MmaConfig(64, 1, 4, st, tma=3, kgroups=4)) if c not in out]
+        return out
     if variants == "chunk-wide":   # x resident: one or two chunks per program (K ranges of 8 or 16
         # records at most), 64- or 128-row programs, so x is copied once per K range and shared by more rows
         for bn, w in ((64, 4), (128, 4), (128, 8)):
@@ -615,7 +620,7 @@ def parse_tiles(text: str) -> tuple:
 
 
 VARIANTS = ("all", "xs", "xf32", "stream", "chunk", "chunk-wide", "tma", "tma-pair", "tma-wgmma", "tma-kgroups",
-            "tma-narrow", "split", "early", "esc", "spread", "tail")
+            "tma-kstream", "tma-narrow", "split", "early", "esc", "spread", "tail")
 
 
 def _variants(text: str) -> str:
@@ -648,7 +653,7 @@ def main() -> int:
                          "per K range of 8 or 16 records, 64- or 128-row programs) or the "
                          "TMA/mbarrier ones (tma, mma mode; tma-pair: the consumer group taking one or two "
                          "records per step; tma-wgmma: the consumer group on wgmma; tma-kgroups: it as 2 or 4 warpgroups "
-                         "taking every 2nd or 4th record; tma-narrow: 32-row programs of "
+                         "taking every 2nd or 4th record; tma-kstream: four of them on a stream-K run; tma-narrow: 32-row programs of "
                          "two consumer warps; in gemv-gluon mode tma: the records through a TMA ring; spread "
                          "(gemv-gluon and warpk modes): the escape chain spread over the first step; in gemv-gluon "
                          "mode a comma list runs several sets; split: the committed choice with K split 1-8 ways, gemv-gluon "

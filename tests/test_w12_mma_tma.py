@@ -32,6 +32,10 @@ from test_w12_mma import _cuda_layer, _gpu_gluon  # noqa: E402
                                  mma.MmaConfig(64, 1, 4, 3, tma=2, kgroups=2), mma.MmaConfig(64, 1, 4, 3, tma=3, kgroups=3),
                                  mma.MmaConfig(64, 1, 4, 8, tma=1, kgroups=4),
                                  mma.MmaConfig(64, 1, 4, 3, tma=3, kgroups=4),
+                                 mma.MmaConfig(64, 1, 4, 8, tma=3, kgroups=4, stream=2),
+                                 mma.MmaConfig(64, 1, 4, 8, tma=3, kgroups=2, stream=1),
+                                 mma.MmaConfig(64, 1, 4, 6, tma=3, kgroups=4, stream=1),
+                                 mma.MmaConfig(64, 1, 4, 10, tma=3, kgroups=4), mma.MmaConfig(64, 1, 4, 3, tma=3, kgroups=2),
                                  mma.MmaConfig(64, 1, 4, 3, tma=3, a_smem=True, kgroups=2),
                                  mma.MmaConfig(128, 1, 8, 3, tma=3, kgroups=2)])
 def test_bad_tma_configs_are_refused(bad):
@@ -142,6 +146,21 @@ def test_two_k_groups_compile_to_two_wgmma_loops_with_barriers_of_their_own():
     assert code.count("HGMMA.64x32x16.F32.BF16") == 16 and inflight_a_writes(code) == []
 
 
+@pytest.mark.skipif(not mma_tma.AVAILABLE, reason="Triton without Gluon's Hopper module")
+def test_stream_k_groups_compile_without_serialized_wgmma():
+    """``tma=3, kgroups=4, stream=1`` for sm_90: four groups' record loops inside the block loop,
+    the copy warp's three TMA copies, no spills, no serialization warning, and no write into an
+    in-flight ``wgmma``'s A registers."""
+    setup = _SETUP.replace("REGS=128)", "REGS=104, WG=True, KGROUPS=4, STREAM=True)").replace(
+        "launch_regs(4, 128)", "launch_regs(16, 104, 4, 24)").replace("STAGES=4", "STAGES=12")
+    rep = ptxas_report(setup)
+    assert rep["rc"] == 0 and "0 bytes spill stores" in rep["log"], rep["log"]
+    assert "serialized" not in rep["log"], rep["log"]
+    assert rep["ptx"].count("wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16") == 32
+    assert ".reqntid 640" in rep["ptx"]
+    assert inflight_a_writes(sass(setup)) == []
+
+
 def test_inflight_a_register_check_sees_a_reuse():
     """The SASS check itself: a register-A ``HGMMA`` left in flight (``DEPBAR.LE gsb0, 0x1``) whose
     A registers the next iteration loads into is reported; retired at once (``0x0``), it is not."""
@@ -191,13 +210,18 @@ WG_CASES = [  # the group on wgmma: 1-3 records per split, 4 and 8 warps, 2-64 x
     # two warpgroups taking every other record: 5 records (3 + 2), 1 per split (the second group has
     # none), 4 or 5 per split, two row blocks
     (17, 200, 320, mma.MmaConfig(64, 1, 4, 4, tma=3, kgroups=2)),
-    (100, 136, 192, mma.MmaConfig(64, 3, 4, 3, tma=3, kgroups=2)),
+    (100, 136, 192, mma.MmaConfig(64, 3, 4, 4, tma=3, kgroups=2)),
     (8, 256, 4160, mma.MmaConfig(64, 13, 4, 6, tma=3, kgroups=2)),
     (32, 384, 1024, mma.MmaConfig(64, 4, 4, 2, tma=3, kgroups=2)),
     # four groups: 5 records (2 + 1 + 1 + 1), 2 per split (two groups without one), 16 per split
     (17, 200, 320, mma.MmaConfig(64, 1, 4, 8, tma=3, kgroups=4)),
     (32, 136, 256, mma.MmaConfig(64, 2, 4, 4, tma=3, kgroups=4)),
     (32, 384, 1024, mma.MmaConfig(64, 1, 4, 12, tma=3, kgroups=4)),
+    # the four groups on a stream-K run (one program per SM): one pair per program (three groups
+    # without a record), eight pairs and three programs per block, runs across block ends
+    (32, 384, 1024, mma.MmaConfig(64, 1, 4, 12, tma=3, kgroups=4, stream=1)),
+    (32, 4096, 1024, mma.MmaConfig(64, 1, 4, 8, tma=3, kgroups=4, stream=1)),
+    (8, 9000, 128, mma.MmaConfig(64, 1, 4, 8, tma=3, kgroups=4, stream=1)),
 ]
 
 
@@ -256,7 +280,8 @@ def test_tma_rings_are_stable_with_several_programs_per_sm():
     ring = mma.w12_mma(x, kp, config=mma.MmaConfig(64, 1, 4, 2, True), out_dtype=torch.float32)
     for cfg in (mma.MmaConfig(64, 1, 4, 4, tma=2), mma.MmaConfig(64, 1, 4, 4, tma=1),
                 mma.MmaConfig(64, 1, 4, 4, tma=3), mma.MmaConfig(64, 1, 4, 4, tma=3, a_smem=True),
-                mma.MmaConfig(64, 1, 4, 6, tma=3, kgroups=2), mma.MmaConfig(64, 1, 4, 8, tma=3, kgroups=4)):
+                mma.MmaConfig(64, 1, 4, 6, tma=3, kgroups=2), mma.MmaConfig(64, 1, 4, 8, tma=3, kgroups=4),
+                mma.MmaConfig(64, 1, 4, 12, tma=3, kgroups=4, stream=1)):
         first = mma.w12_mma(x, kp, config=cfg, out_dtype=torch.float32)
         if cfg.tma != 3:
             assert torch.equal(first.view(torch.int32), ring.view(torch.int32)), cfg
@@ -339,7 +364,7 @@ def test_sweep_variants_are_valid_configs():
     spec = importlib.util.spec_from_file_location("w12_gemm_bench", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    for variants in ("tma", "tma-pair", "tma-wgmma", "tma-kgroups", "tma-narrow"):
+    for variants in ("tma", "tma-pair", "tma-wgmma", "tma-kgroups", "tma-kstream", "tma-narrow"):
         cfgs = bench.mma_configs(32, 64, 6144, 132, variants=variants)
         assert len(cfgs) > 4 and all(c.tma for c in cfgs[1:])
         for c in cfgs[1:]:

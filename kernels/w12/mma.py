@@ -749,7 +749,8 @@ class MmaConfig:
     wsmem: bool = False  # weights through a cp.async shared-memory ring instead of registers
     unroll: bool = False  # register ring: depth sets reloaded in place (depth 2-3), not rotated
     plain_decode: bool = False  # _decode_pairs instead of _decode_pairs_fast (A/B; TUNED where faster)
-    stream: int = 0     # > 0: stream-K schedule, this many programs per SM (wsmem; split_k unused)
+    stream: int = 0     # > 0: stream-K schedule, this many programs per SM (wsmem, or tma=3 with four
+                        # K groups and one program per SM; split_k unused)
     maxnreg: int | None = None  # register cap passed to ptxas (None: its own choice)
     x_chunk: int = 1    # > 1: x copied XC records at a time, one CTA barrier per chunk (unrolled ring)
     tma: int = 0        # weights and x by TMA into ``depth`` stages with mbarriers (mma_tma): 1 a consumer
@@ -928,7 +929,7 @@ def w12_mma(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: Mm
         raise ValueError(f"maxnreg must be 32-255, got {config.maxnreg}")
     if config is not None and config.x_chunk > 1 and (not config.unroll or config.x_chunk not in (2, 4, 8)):
         raise ValueError("x chunks are 2, 4 or 8 records and go with an unrolled register ring")
-    if config is not None and config.stream and (config.stream < 0 or not config.wsmem):
+    if config is not None and config.stream and not config.tma and (config.stream < 0 or not config.wsmem):
         raise ValueError("the stream-K schedule takes a positive program count per SM and the wsmem ring")
     if config is not None and config.early_epilogue and (config.tma or config.stream or config.x_chunk > 1):
         raise ValueError("early_epilogue goes with the register and wsmem rings (not tma, stream or x chunks)")

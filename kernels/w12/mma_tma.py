@@ -110,11 +110,16 @@ def check(cfg) -> None:
     if cfg.kgroups not in (1, 2, 4) or (cfg.kgroups > 1 and (cfg.tma != WGMMA or cfg.a_smem or cfg.num_warps != 4)):
         raise ValueError(f"kgroups is 1, 2 or 4 (warpgroups of 4 warps splitting the records, tma=3 with the "
                          f"register A operand), got {cfg.kgroups} with tma={cfg.tma}")
-    if cfg.kgroups > 1 and cfg.depth < cfg.kgroups:
-        # a group that ran a whole ring generation ahead of the slowest would pass the parity wait
-        # of a stage not yet refilled (two fills behind); with stages >= groups the copy order rules
-        # it out
-        raise ValueError(f"kgroups={cfg.kgroups} needs at least as many stages (depth), got {cfg.depth}")
+    if cfg.kgroups > 1 and cfg.depth % cfg.kgroups:
+        # then every stage serves one group only, which waits on it after its own previous record
+        # there has landed. Otherwise a group can wait on a stage whose previous record (another
+        # group's) is still in flight: TMA copies may land out of order, so the parity wait passes on
+        # the fill before that one, the group reads a stale stage and frees it early (a hang or
+        # wrong sums; 4 groups on 6 stages hung on the H200, tests/test_w12_kgroup_ring_model.py)
+        raise ValueError(f"kgroups={cfg.kgroups} needs a ring depth that is a multiple of it, got {cfg.depth}")
+    if cfg.stream and (cfg.stream != 1 or cfg.tma != WGMMA or cfg.kgroups != 4):
+        raise ValueError(f"a TMA stream-K schedule is one program per SM (stream=1) of four wgmma K groups "
+                         f"(tma=3, kgroups=4), got stream={cfg.stream}, tma={cfg.tma}, kgroups={cfg.kgroups}")
     if cfg.unroll and cfg.tma != GROUP:
         raise ValueError("unroll (two records per consumer step) goes with the consumer group, tma=2")
     if cfg.tma in (GROUP, WGMMA) and (cfg.num_warps not in (4, 8) or cfg.block_n != 16 * cfg.num_warps):
@@ -366,6 +371,79 @@ if AVAILABLE:
             mbarrier.arrive(done.index(0))
 
     @gluon.jit
+    def _producer_stream(pt, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, QPASS: gl.constexpr,
+                         STAGES: gl.constexpr):
+        """The copy warp of the stream-K schedule: the program's run of (row block, record) pairs
+        ``g = block * KT + t`` in order, across block ends."""
+        v_desc, q_desc, x_desc, wv_s, wq_s, xs, ready, empty, g_begin, KT, m0, n_rec = pt
+        for i in range(0, n_rec):
+            s = i % STAGES
+            g = g_begin + i
+            n0 = (g // KT) * BLOCK_N
+            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+            _issue(v_desc, q_desc, x_desc, wv_s.index(s), wq_s.index(s), xs.index(s), ready.index(s),
+                   (n0 // 128) * KT + g % KT, n0 % 128, m0, g % KT, BLOCK_N, BLOCK_M, QPASS)
+
+    @gluon.jit
+    def _wg_kstream(rt, xm, red, done, free, g_begin, g_end, KT, PER, G: gl.constexpr, GROUPS: gl.constexpr,
+                    BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, QPASS: gl.constexpr, ESC_CH: gl.constexpr,
+                    STAGES: gl.constexpr, PLAIN: gl.constexpr, WARPS: gl.constexpr):
+        """``tma=3, kgroups=4, stream=1``: the K groups of :func:`_wg_consumer` on a stream-K run of
+        pairs (one program per SM, ``PER`` pairs each; group ``G`` takes the ring's records ``G, G +
+        GROUPS, ...`` across block ends). At every block end inside the run the groups meet once
+        (sums in ``red``, ``done``; ``free`` once group 0 has read them) and group 0 hands the block's
+        sum to the fixed-order split-K epilogue (slot: this program's place among the block's
+        programs), so results stay bitwise identical run to run."""
+        wv_s, wq_s, xs, ready, empty = rt[0], rt[1], rt[2], rt[3], rt[4]
+        (x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, ws_ptr, lock_ptr) = (
+            rt[6], rt[7], rt[8], rt[9], rt[10], rt[11], rt[12], rt[13], rt[14])
+        pid, pid_m, M, N, NUM_N_BLOCKS, SLOTS, stride_xm, stride_ym = (rt[16], rt[18], rt[19], rt[20], rt[21],
+                                                                     rt[22], rt[23], rt[24])
+        L_VIEW: gl.constexpr = _wg_layout(BLOCK_N, BLOCK_M, WARPS, 0)
+        L_NIB: gl.constexpr = _wg_layout(BLOCK_N, BLOCK_M, WARPS, 1)
+        ACC: gl.constexpr = _wg_layout(BLOCK_N, BLOCK_M, WARPS, 2)
+        A_OP: gl.constexpr = _wg_layout(BLOCK_N, BLOCK_M, WARPS, 3)
+        L_EP: gl.constexpr = _wg_layout(BLOCK_N, BLOCK_M, WARPS, 4)
+        L_XP: gl.constexpr = _wg_layout(BLOCK_N, BLOCK_M, WARPS, 5)
+        g = g_begin
+        i0 = 0          # ring index of the segment's first pair
+        q = 0           # this group's step count (its x buffer alternates)
+        seg = 0
+        while g < g_end:
+            blk = g // KT
+            cnt = gl.minimum(g_end, (blk + 1) * KT) - g
+            first_j = (G - i0 % GROUPS + GROUPS) % GROUPS
+            acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, ACC)
+            # the first step may be masked (a short segment): see _wg_consumer on C7515
+            acc = _wg_step(acc, xs, wv_s, wq_s, xm, xm, ready, empty, i0 + first_j, BLOCK_N, BLOCK_M, QPASS, STAGES,
+                           PLAIN, L_VIEW, L_NIB, A_OP, L_XP, False, q, first_j < cnt, True)
+            q += 1
+            for j in range(first_j + GROUPS, cnt, GROUPS):
+                acc = _wg_step(acc, xs, wv_s, wq_s, xm, xm, ready, empty, i0 + j, BLOCK_N, BLOCK_M, QPASS, STAGES,
+                               PLAIN, L_VIEW, L_NIB, A_OP, L_XP, False, q)
+                q += 1
+            if G == 0:
+                mbarrier.wait(done.index(0), seg & 1)
+                for h in gl.static_range(GROUPS - 1):
+                    acc = acc + red.index(h).load(ACC)
+                _cta_barrier()                   # every thread has read the others' sums ...
+                mbarrier.arrive(free.index(0))   # ... before they may store the next block's
+                first = (blk * KT) // PER        # the programs that hold block blk's pairs
+                last = ((blk + 1) * KT - 1) // PER
+                _epilogue(acc, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, ws_ptr, lock_ptr,
+                          blk * BLOCK_N, blk, pid - first, pid_m, M, N, NUM_N_BLOCKS, last - first + 1, SLOTS,
+                          stride_xm, stride_ym, BLOCK_N, BLOCK_M, True, ESC_CH, ACC, L_EP)
+            else:
+                if seg > 0:
+                    mbarrier.wait(free.index(0), (seg - 1) & 1)
+                red.index(G - 1).store(acc)
+                _cta_barrier()
+                mbarrier.arrive(done.index(0))
+            i0 += cnt
+            g += cnt
+            seg += 1
+
+    @gluon.jit
     def _w12_mma_tma_kernel(
         v_desc, q_desc, x_desc,
         x_ptr, y_ptr, low_ptr,
@@ -376,14 +454,18 @@ if AVAILABLE:
         BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, USE_SPLIT: gl.constexpr, QPASS: gl.constexpr,
         ESC_CH: gl.constexpr, STAGES: gl.constexpr, PLAIN: gl.constexpr, REGS: gl.constexpr,
         GROUP: gl.constexpr = False, WARPS: gl.constexpr = 4, PAIR: gl.constexpr = False, WG: gl.constexpr = False,
-        A_SMEM: gl.constexpr = False, KGROUPS: gl.constexpr = 1,
+        A_SMEM: gl.constexpr = False, KGROUPS: gl.constexpr = 1, STREAM: gl.constexpr = False,
     ):
         pid_n = gl.program_id(0)
         pid_k = gl.program_id(1)
         pid_m = gl.program_id(2)
         n0 = pid_n * BLOCK_N
-        t_begin = pid_k * TILES_PER_SPLIT
-        n_rec = gl.minimum(t_begin + TILES_PER_SPLIT, KT) - t_begin
+        if STREAM:   # (TILES_PER_SPLIT: pairs per program; SPLIT_K: workspace slots per block)
+            t_begin = pid_n * TILES_PER_SPLIT
+            n_rec = gl.minimum(t_begin + TILES_PER_SPLIT, NUM_N_BLOCKS * KT) - t_begin
+        else:
+            t_begin = pid_k * TILES_PER_SPLIT
+            n_rec = gl.minimum(t_begin + TILES_PER_SPLIT, KT) - t_begin
 
         wv_s = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 16], v_desc.layout)
         wq_s = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 8], q_desc.layout)
@@ -405,6 +487,31 @@ if AVAILABLE:
             gl.warp_specialize([(_group_consumer, (rt, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES, PLAIN, WARPS,
                                                      PAIR)),
                                 (_producer, (pt, BLOCK_N, BLOCK_M, QPASS, STAGES))], [1], [24])
+        elif WG and STREAM:   # the four K groups on a stream-K run of (block, record) pairs
+            xm0 = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M, 64], x_desc.layout)
+            xm1 = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M, 64], x_desc.layout)
+            xm2 = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M, 64], x_desc.layout)
+            xm3 = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M, 64], x_desc.layout)
+            red = gl.allocate_shared_memory(gl.float32, [KGROUPS, BLOCK_N, BLOCK_M],   # (a power of two: one spare)
+                                            gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
+            done = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+            free = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+            mbarrier.init(done.index(0), count=KGROUPS - 1)
+            mbarrier.init(free.index(0), count=1)
+            fence_async_shared()
+            g_end = t_begin + n_rec
+            ps = (v_desc, q_desc, x_desc, wv_s, wq_s, xs, ready, empty, t_begin, KT, pid_m * BLOCK_M, n_rec)
+            gl.static_assert(KGROUPS == 4, "the stream-K schedule takes four K groups")
+            gl.warp_specialize([(_wg_kstream, (rt, xm0, red, done, free, t_begin, g_end, KT, TILES_PER_SPLIT, 0, 4,
+                                               BLOCK_N, BLOCK_M, QPASS, ESC_CH, STAGES, PLAIN, WARPS)),
+                                (_wg_kstream, (rt, xm1, red, done, free, t_begin, g_end, KT, TILES_PER_SPLIT, 1, 4,
+                                               BLOCK_N, BLOCK_M, QPASS, ESC_CH, STAGES, PLAIN, WARPS)),
+                                (_wg_kstream, (rt, xm2, red, done, free, t_begin, g_end, KT, TILES_PER_SPLIT, 2, 4,
+                                               BLOCK_N, BLOCK_M, QPASS, ESC_CH, STAGES, PLAIN, WARPS)),
+                                (_wg_kstream, (rt, xm3, red, done, free, t_begin, g_end, KT, TILES_PER_SPLIT, 3, 4,
+                                               BLOCK_N, BLOCK_M, QPASS, ESC_CH, STAGES, PLAIN, WARPS)),
+                                (_producer_stream, (ps, BLOCK_N, BLOCK_M, QPASS, STAGES))], [4, 4, 4, 1],
+                               [REGS, REGS, REGS, 24])
         elif WG and KGROUPS > 1:   # 2 or 4 warpgroups on the program's rows, every KGROUPS-th record each
             xm0 = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M, 64], x_desc.layout)
             xm1 = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M, 64], x_desc.layout)
@@ -515,7 +622,15 @@ def launch(x: torch.Tensor, packed: KernelPack, out: torch.Tensor, qpass: bool, 
     n, kt = packed.shape[0], packed.k_tiles
     v_desc, q_desc = record_descriptors(packed, cfg.block_n)
     x_desc = TensorDescriptor.from_tensor(x, [bm, 64], smem_layouts()[1])
-    _w12_mma_tma_kernel[(nb, split, mb)](
+    grid3 = (nb, split, mb)
+    if cfg.stream:   # one program per SM walks PER (block, record) pairs; SLOTS partials per block
+        from .mma_stream import schedule
+
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        tps, progs, split = schedule(nb, kt, sms * cfg.stream)
+        ws, locks = _workspace(x.device, nb * mb * split * cfg.block_n * bm, nb * mb)
+        grid3 = (progs, 1, mb)
+    _w12_mma_tma_kernel[grid3](
         v_desc, q_desc, x_desc,
         x, out, packed.low_exp,
         packed.esc_rowptr, packed.esc_row, packed.esc_col, packed.esc_delta_q if qpass else packed.esc_delta,
@@ -524,7 +639,8 @@ def launch(x: torch.Tensor, packed: KernelPack, out: torch.Tensor, qpass: bool, 
         x.stride(0), out.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_M=bm, USE_SPLIT=split > 1, QPASS=qpass, ESC_CH=esc_ch, STAGES=cfg.depth,
         PLAIN=cfg.plain_decode, REGS=regs, GROUP=cfg.tma == GROUP, WARPS=cfg.num_warps, PAIR=cfg.unroll,
-        WG=cfg.tma == WGMMA, A_SMEM=cfg.a_smem, KGROUPS=cfg.kgroups, num_warps=cfg.num_warps if group else 4,
+        WG=cfg.tma == WGMMA, A_SMEM=cfg.a_smem, KGROUPS=cfg.kgroups, STREAM=cfg.stream > 0,
+        num_warps=cfg.num_warps if group else 4,
         # (the one copy warp of a group is padded to a warpgroup, its idle warps at 24 registers too)
         maxnreg=launch_regs(cfg.num_warps * cfg.kgroups, regs, 4, 24) if group else launch_regs(slices, regs),
     )
