@@ -40,7 +40,11 @@ check in tests/test_w12_mma_tma.py). Measured, it is not faster than ``tma=2`` (
 With ``kgroups=2|4`` (:func:`_wg_consumer`) two or four such warpgroups share the program's rows, each
 taking every 2nd or 4th record of the ring into its own accumulator; group 0 adds the others' sums
 in group order before the epilogue. Their chains interleave: on the 32-row layers with about one
-program per SM this measured 6-11 % faster than the kernels routed before (docs/w12.md).
+program per SM this measured 6-11 % faster than the kernels routed before (docs/w12.md). The ring
+depth must be a multiple of the group count, so that each stage serves one group
+(:func:`check`; tests/test_w12_kgroup_ring_model.py). With ``stream=1`` (:func:`_wg_kstream`) four
+groups walk a stream-K run of (row block, record) pairs, one program per SM; measured correct and
+slower than split-1 on every layer, it is not routed.
 
 ``tma=2`` instead keeps the ``mma`` kernel's layout: the program's 4 or 8 warps consume each stage
 together (one arrival after their named barrier) beside one copy warp (padded to a warpgroup at 24
