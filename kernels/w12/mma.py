@@ -758,7 +758,6 @@ class MmaConfig:
                         # two records per consumer step), 3 the group on wgmma
     a_smem: bool = False  # tma=3: the decoded record through shared memory, the wgmma left in flight
     kgroups: int = 1    # tma=3: 2 or 4 warpgroups on the program's rows, each taking every kgroups-th record
-    x_pre: bool = False  # tma=3: x permuted into MMA k order before the kernel, the stage is the B operand
     early_epilogue: bool = False  # the epilogue's loads after the first records', not in the tail
                                   # (register and wsmem rings; with split-K in every program)
 
@@ -767,7 +766,7 @@ class MmaConfig:
                 f"{'-u' if self.unroll else ''}{f'-sk{self.stream}' if self.stream else ''}"
                 f"{f'-r{self.maxnreg}' if self.maxnreg else ''}{f'-xc{self.x_chunk}' if self.x_chunk > 1 else ''}"
                 f"{f'-tma{self.tma}' if self.tma else ''}{'-as' if self.a_smem else ''}"
-                f"{f'-kg{self.kgroups}' if self.kgroups > 1 else ''}{'-xp' if self.x_pre else ''}"
+                f"{f'-kg{self.kgroups}' if self.kgroups > 1 else ''}"
                 f"{'-plain' if self.plain_decode else ''}{'-ee' if self.early_epilogue else ''}")
 
 

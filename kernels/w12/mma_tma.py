@@ -124,9 +124,6 @@ def check(cfg) -> None:
     if cfg.stream and (cfg.stream != 1 or cfg.tma != WGMMA or cfg.kgroups != 4):
         raise ValueError(f"a TMA stream-K schedule is one program per SM (stream=1) of four wgmma K groups "
                          f"(tma=3, kgroups=4), got stream={cfg.stream}, tma={cfg.tma}, kgroups={cfg.kgroups}")
-    if cfg.x_pre and (cfg.tma != WGMMA or cfg.a_smem or cfg.stream):
-        raise ValueError("x_pre (x in MMA k order, no restaging) goes with the wgmma groups' register A "
-                         "operand (tma=3, not a_smem or stream)")
     if cfg.unroll and cfg.tma != GROUP:
         raise ValueError("unroll (two records per consumer step) goes with the consumer group, tma=2")
     if cfg.tma in (GROUP, WGMMA) and (cfg.num_warps not in (4, 8) or cfg.block_n != 16 * cfg.num_warps):
@@ -279,8 +276,7 @@ if AVAILABLE:
     def _wg_step(acc, xs, wv_s, wq_s, xm, am, ready, empty, i, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
                  QPASS: gl.constexpr, STAGES: gl.constexpr, PLAIN: gl.constexpr, L_VIEW: gl.constexpr,
                  L_NIB: gl.constexpr, A_OP: gl.constexpr, L_XP: gl.constexpr, A_SMEM: gl.constexpr,
-                 j=None, ok=True, MASK: gl.constexpr = False, XPRE: gl.constexpr = False,
-                 NOPERM: gl.constexpr = False):
+                 j=None, ok=True, MASK: gl.constexpr = False):
         """Record ``i`` on ``wgmma`` (see :func:`_wg_consumer`), its x restaged in buffer ``j % 2``
         (default ``i``: the group takes every record). With ``MASK`` the record may not exist
         (``ok`` false: a second K group with no record): no wait, no arrival, and x taken as zero, so
@@ -289,20 +285,6 @@ if AVAILABLE:
         if j is None:
             j = i
         s = i % STAGES
-        if XPRE:   # x arrived in MMA k order (x_pre): the stage is the B operand as it is
-            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-            w = wv_s.index(s).load(L_VIEW)
-            if QPASS:
-                q = w
-            else:
-                q = wq_s.index(s).load(L_NIB)
-            fence_async_shared()
-            _cta_barrier()                   # every thread's weight reads, before the one arrival
-            tok = warpgroup_mma(_a_operand(w, q, L_VIEW, A_OP, BLOCK_N, QPASS, PLAIN),
-                                xs.index(s).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=[tok])
-            mbarrier.arrive(empty.index(s))  # after the wgmma has read the stage's x
-            return acc
         if MASK:
             mbarrier.wait(ready.index(s), (i // STAGES) & 1, pred=ok)
         else:
@@ -321,10 +303,7 @@ if AVAILABLE:
             ab.store(_a_operand(w, q, L_VIEW, A_OP, BLOCK_N, QPASS, PLAIN))
         else:
             xb = xm.index(j % 2)
-        if NOPERM:   # (x_pre: already in MMA k order)
-            xb.store(xv)
-        else:
-            _x_store(xb, xv, BLOCK_M)
+        _x_store(xb, xv, BLOCK_M)
         fence_async_shared()                 # our stage reads and stores, before the copy and the wgmma
         _cta_barrier()                       # the group's stores, before anyone's wgmma reads them
         if MASK:
@@ -345,8 +324,7 @@ if AVAILABLE:
     @gluon.jit
     def _wg_consumer(rt, xm, am, red, done, G: gl.constexpr, GROUPS: gl.constexpr, BLOCK_N: gl.constexpr,
                      BLOCK_M: gl.constexpr, USE_SPLIT: gl.constexpr, QPASS: gl.constexpr, ESC_CH: gl.constexpr,
-                     STAGES: gl.constexpr, PLAIN: gl.constexpr, WARPS: gl.constexpr, A_SMEM: gl.constexpr,
-                     XPRE: gl.constexpr = False):
+                     STAGES: gl.constexpr, PLAIN: gl.constexpr, WARPS: gl.constexpr, A_SMEM: gl.constexpr):
         """``tma=3``: the group as ``tma=2``, the MMA on ``wgmma``: the decoded record is the register
         A operand; the stage's x, read in physical k order, is stored in MMA k order into ``xm``
         (two buffers: the one written at record ``i`` was last read by ``wgmma i - 2``, which every
@@ -378,10 +356,10 @@ if AVAILABLE:
         # not exist): a path from the zeroed accumulator to the final wait without a wgmma makes
         # ptxas serialize the in-flight ones (C7515)
         acc = _wg_step(acc, xs, wv_s, wq_s, xm, am, ready, empty, G, BLOCK_N, BLOCK_M, QPASS, STAGES, PLAIN,
-                       L_VIEW, L_NIB, A_OP, L_XP, A_SMEM, 0, G < n_rec, G > 0, False, XPRE)
+                       L_VIEW, L_NIB, A_OP, L_XP, A_SMEM, 0, G < n_rec, G > 0)
         for i in range(G + GROUPS, n_rec, GROUPS):
             acc = _wg_step(acc, xs, wv_s, wq_s, xm, am, ready, empty, i, BLOCK_N, BLOCK_M, QPASS, STAGES, PLAIN,
-                           L_VIEW, L_NIB, A_OP, L_XP, A_SMEM, (i - G) // GROUPS, True, False, XPRE)
+                           L_VIEW, L_NIB, A_OP, L_XP, A_SMEM, (i - G) // GROUPS)
         if A_SMEM:
             acc = warpgroup_mma_wait(0, deps=[acc])
         if GROUPS == 1:
@@ -481,7 +459,6 @@ if AVAILABLE:
         ESC_CH: gl.constexpr, STAGES: gl.constexpr, PLAIN: gl.constexpr, REGS: gl.constexpr,
         GROUP: gl.constexpr = False, WARPS: gl.constexpr = 4, PAIR: gl.constexpr = False, WG: gl.constexpr = False,
         A_SMEM: gl.constexpr = False, KGROUPS: gl.constexpr = 1, STREAM: gl.constexpr = False,
-        XPRE: gl.constexpr = False,
     ):
         pid_n = gl.program_id(0)
         pid_k = gl.program_id(1)
@@ -549,22 +526,22 @@ if AVAILABLE:
             fence_async_shared()
             if KGROUPS == 2:
                 gl.warp_specialize([(_wg_consumer, (rt, xm0, xm0, red, done, 0, 2, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS,
-                                                  ESC_CH, STAGES, PLAIN, WARPS, False, XPRE)),
+                                                  ESC_CH, STAGES, PLAIN, WARPS, False)),
                                     (_wg_consumer, (rt, xm1, xm1, red, done, 1, 2, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS,
-                                                  ESC_CH, STAGES, PLAIN, WARPS, False, XPRE)),
+                                                  ESC_CH, STAGES, PLAIN, WARPS, False)),
                                     (_producer, (pt, BLOCK_N, BLOCK_M, QPASS, STAGES))], [4, 1], [REGS, 24])
             else:
                 gl.static_assert(KGROUPS == 4, "kgroups is 1, 2 or 4")
                 xm2 = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M, 64], x_desc.layout)
                 xm3 = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M, 64], x_desc.layout)
                 gl.warp_specialize([(_wg_consumer, (rt, xm0, xm0, red, done, 0, 4, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS,
-                                                  ESC_CH, STAGES, PLAIN, WARPS, False, XPRE)),
+                                                  ESC_CH, STAGES, PLAIN, WARPS, False)),
                                     (_wg_consumer, (rt, xm1, xm1, red, done, 1, 4, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS,
-                                                  ESC_CH, STAGES, PLAIN, WARPS, False, XPRE)),
+                                                  ESC_CH, STAGES, PLAIN, WARPS, False)),
                                     (_wg_consumer, (rt, xm2, xm2, red, done, 2, 4, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS,
-                                                  ESC_CH, STAGES, PLAIN, WARPS, False, XPRE)),
+                                                  ESC_CH, STAGES, PLAIN, WARPS, False)),
                                     (_wg_consumer, (rt, xm3, xm3, red, done, 3, 4, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS,
-                                                  ESC_CH, STAGES, PLAIN, WARPS, False, XPRE)),
+                                                  ESC_CH, STAGES, PLAIN, WARPS, False)),
                                     (_producer, (pt, BLOCK_N, BLOCK_M, QPASS, STAGES))], [4, 4, 4, 1],
                                    [REGS, REGS, REGS, 24])
         elif WG and A_SMEM:   # the group on wgmma, both operands in shared memory (three buffers each)
@@ -576,7 +553,7 @@ if AVAILABLE:
         elif WG:   # the group on wgmma; x in MMA k order in two more buffers
             xm = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M, 64], x_desc.layout)
             gl.warp_specialize([(_wg_consumer, (rt, xm, xm, xm, empty, 0, 1, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS,
-                                                  ESC_CH, STAGES, PLAIN, WARPS, False, XPRE)),   # (red, done unused)
+                                                  ESC_CH, STAGES, PLAIN, WARPS, False)),   # (red, done unused)
                                 (_producer, (pt, BLOCK_N, BLOCK_M, QPASS, STAGES))], [1], [24])
         elif SLICES == 2:
             gl.warp_specialize([(_producer, (pt, BLOCK_N, BLOCK_M, QPASS, STAGES)),
@@ -630,16 +607,8 @@ def record_descriptors(packed: KernelPack, block_n: int) -> tuple:
     return cache[block_n]
 
 
-def mma_k_order(x: torch.Tensor) -> torch.Tensor:
-    """x (K a multiple of 64) with each 64-wide record's columns in MMA k order (column ``16j + 8s +
-    2t + c`` holds physical k ``16t + 4j + 2s + c``, :func:`.mma.mma_k_to_physical`): what ``x_pre``
-    feeds the ``wgmma`` groups, so they need not restage each record's x."""
-    m, k = x.shape
-    return x.reshape(m, k // 64, 4, 4, 2, 2).permute(0, 1, 3, 4, 2, 5).reshape(m, k).contiguous()
-
-
 def launch(x: torch.Tensor, packed: KernelPack, out: torch.Tensor, qpass: bool, cfg, grid: tuple,
-           esc_ch: int, x_ready: bool = False) -> None:
+           esc_ch: int) -> None:
     """Launch the TMA kernel for ``cfg`` (``depth`` stages, one warp per 16 rows plus the copy
     warp); ``x`` is already aligned (:func:`.mma.aligned_x`), ``grid`` is :func:`.mma.split_grid`'s
     with the counters of 16-row blocks."""
@@ -656,8 +625,6 @@ def launch(x: torch.Tensor, packed: KernelPack, out: torch.Tensor, qpass: bool, 
     m, k = x.shape
     n, kt = packed.shape[0], packed.k_tiles
     v_desc, q_desc = record_descriptors(packed, cfg.block_n)
-    if cfg.x_pre and not x_ready:
-        x = mma_k_order(x)
     x_desc = TensorDescriptor.from_tensor(x, [bm, 64], smem_layouts()[1])
     grid3 = (nb, split, mb)
     if cfg.stream:   # one program per SM walks PER (block, record) pairs; SLOTS partials per block
@@ -676,7 +643,7 @@ def launch(x: torch.Tensor, packed: KernelPack, out: torch.Tensor, qpass: bool, 
         x.stride(0), out.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_M=bm, USE_SPLIT=split > 1, QPASS=qpass, ESC_CH=esc_ch, STAGES=cfg.depth,
         PLAIN=cfg.plain_decode, REGS=regs, GROUP=cfg.tma == GROUP, WARPS=cfg.num_warps, PAIR=cfg.unroll,
-        WG=cfg.tma == WGMMA, A_SMEM=cfg.a_smem, KGROUPS=cfg.kgroups, STREAM=cfg.stream > 0, XPRE=cfg.x_pre,
+        WG=cfg.tma == WGMMA, A_SMEM=cfg.a_smem, KGROUPS=cfg.kgroups, STREAM=cfg.stream > 0,
         num_warps=cfg.num_warps if group else 4,
         # (the one copy warp of a group is padded to a warpgroup, its idle warps at 24 registers too)
         maxnreg=launch_regs(cfg.num_warps * cfg.kgroups, regs, 4, 24) if group else launch_regs(slices, regs),
