@@ -370,6 +370,17 @@ def gluon_gemv_configs(m: int, kt: int, n: int, sms: int, variants: str = "all")
                     if c not in out and (not c.xs or c.xs_bytes(kt) <= XS_MAX_BYTES):
                         out.append(c)
         return out
+    if variants == "regs":   # more programs per SM: the committed choice on 8 or 16 rows, split 1-3,
+        # its register cap lowered to 64-88 (8-5 four-warp programs per SM) or lifted
+        base = out[0]
+        for rows in (8, 16):
+            for split in (1, 2, 3):
+                for cap in (64, 72, 80, 88, 96, None):
+                    c = replace(base, rows=rows, split_k=split, maxnreg=cap,
+                                epi_spread=base.epi_spread and split == 1)   # (spread: unsplit only)
+                    if c not in out and (not c.xs or c.xs_bytes(kt) <= XS_MAX_BYTES):
+                        out.append(c)
+        return out
     if variants == "xf32":   # the staged-x configs with x converted to fp32 once, and without
         for rows in (8, 16):
             nb = (n + rows - 1) // rows
@@ -620,7 +631,7 @@ def parse_tiles(text: str) -> tuple:
 
 
 VARIANTS = ("all", "xs", "xf32", "stream", "chunk", "chunk-wide", "tma", "tma-pair", "tma-wgmma", "tma-kgroups",
-            "tma-kstream", "tma-narrow", "split", "early", "esc", "spread", "tail")
+            "tma-kstream", "tma-narrow", "split", "regs", "early", "esc", "spread", "tail")
 
 
 def _variants(text: str) -> str:
@@ -657,7 +668,8 @@ def main() -> int:
                          "two consumer warps; in gemv-gluon mode tma: the records through a TMA ring; spread "
                          "(gemv-gluon and warpk modes): the escape chain spread over the first step; in gemv-gluon "
                          "mode a comma list runs several sets; split: the committed choice with K split 1-8 ways, gemv-gluon "
-                         "and warpk modes; early: the epilogue's loads early vs in the tail, mma mode; "
+                         "and warpk modes; regs: it on 8 or 16 rows, split 1-3, register caps 64-96 or none, "
+                         "gemv-gluon mode; early: the epilogue's loads early vs in the tail, mma mode; "
                          "esc: fewer preloaded escapes per pass, warpk mode; tail: unsplit programs with the "
                          "epilogue's loads before or after the loop, warpk mode)")
     args = ap.parse_args()

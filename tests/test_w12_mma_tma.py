@@ -395,6 +395,10 @@ def test_sweep_variants_are_valid_configs():
     assert sum(c.tail_epilogue for c in tl) == 10 and {c.rows for c in tl} == {16, 32}
     for c in tl:
         warpk.check_config(c)
+    rg = bench.gluon_gemv_configs(1, 64, 4096, 132, variants="regs")   # 4096 -> 4096
+    assert {c.maxnreg for c in rg} >= {64, 72, 80, 88, 96, None} and {c.split_k for c in rg} == {1, 2, 3}
+    for c in rg:
+        gg.check_config(c)
     sp = bench.gluon_gemv_configs(1, 64, 6144, 132, variants="spread")
     assert sum(c.epi_spread for c in sp) == sum(c.late_epilogue for c in sp) >= 6   # each late config, spread
     for c in sp:
