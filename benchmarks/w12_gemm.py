@@ -366,7 +366,8 @@ def gluon_gemv_configs(m: int, kt: int, n: int, sms: int, variants: str = "all")
         for rows in (8, 16):
             for cap in sorted({base.maxnreg or 0, 0}):
                 for split in (1, 2, 3, 4, 6, 8):
-                    c = replace(base, rows=rows, split_k=split, maxnreg=cap or None)
+                    c = replace(base, rows=rows, split_k=split, maxnreg=cap or None,
+                                epi_spread=base.epi_spread and split == 1)   # (spread: unsplit only)
                     if c not in out and (not c.xs or c.xs_bytes(kt) <= XS_MAX_BYTES):
                         out.append(c)
         return out

@@ -395,6 +395,11 @@ def test_sweep_variants_are_valid_configs():
     assert sum(c.tail_epilogue for c in tl) == 10 and {c.rows for c in tl} == {16, 32}
     for c in tl:
         warpk.check_config(c)
+    for n in (6144, 4096):   # split: from committed choices with the escape chain spread (unsplit only)
+        sl = bench.gluon_gemv_configs(1, 64, n, 132, variants="split")
+        assert {c.split_k for c in sl} >= {1, 2, 8}
+        for c in sl:
+            gg.check_config(c)
     rg = bench.gluon_gemv_configs(1, 64, 4096, 132, variants="regs")   # 4096 -> 4096
     assert {c.maxnreg for c in rg} >= {64, 72, 80, 88, 96, None} and {c.split_k for c in rg} == {1, 2, 3}
     for c in rg:
