@@ -352,8 +352,9 @@ def test_routing_puts_the_wgmma_entries_first_only_where_wgmma_runs(monkeypatch)
 
 
 def test_sweep_variants_are_valid_configs():
-    """``benchmarks/w12_gemm.py --variants`` sets (tma, tma-pair, tma-wgmma, tma-kgroups, tma-narrow, chunk-wide, xf32;
-    tma in gemv-gluon mode; spread and tail in warpk mode) offer only configs the kernels accept."""
+    """``benchmarks/w12_gemm.py --variants`` sets (tma, tma-pair, tma-wgmma, tma-kgroups, tma-kstream, tma-narrow,
+    chunk-wide, xf32; tma, split, regs and spread in gemv-gluon mode; spread and tail in warpk mode) offer only
+    configs the kernels accept."""
     import importlib.util
     from pathlib import Path
 
