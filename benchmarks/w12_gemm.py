@@ -321,6 +321,20 @@ def wgmma_configs(m: int, kt: int, n: int, sms: int):
     return out
 
 
+def _committed_on_rows(base, kt: int, splits_caps):
+    """The one-row committed choice ``base`` on 8 and 16 rows with each ``(split_k, maxnreg)``; the
+    escape chain stays spread only unsplit (``check_config``), and staged x must fit."""
+    from specpilot.kernels.w12.gemv_gluon import XS_MAX_BYTES
+
+    out = []
+    for rows in (8, 16):
+        for split, cap in splits_caps:
+            c = replace(base, rows=rows, split_k=split, maxnreg=cap, epi_spread=base.epi_spread and split == 1)
+            if (not c.xs or c.xs_bytes(kt) <= XS_MAX_BYTES) and c not in out:
+                out.append(c)
+    return out
+
+
 def gluon_gemv_configs(m: int, kt: int, n: int, sms: int, variants: str = "all"):
     """One-row Gluon GEMV variants: 8, 16 or 32 rows per program, 4, 8 (or 16) warps each streaming
     its own records, 1-3 records ahead in a rotated ring or 2-3 register sets unrolled, split-K for
@@ -362,26 +376,14 @@ def gluon_gemv_configs(m: int, kt: int, n: int, sms: int, variants: str = "all")
                 out.append(c)
         return out
     if variants == "split":   # the committed choice on 8 or 16 rows, its K range split 1-8 ways
-        base = out[0]
-        for rows in (8, 16):
-            for cap in sorted({base.maxnreg or 0, 0}):
-                for split in (1, 2, 3, 4, 6, 8):
-                    c = replace(base, rows=rows, split_k=split, maxnreg=cap or None,
-                                epi_spread=base.epi_spread and split == 1)   # (spread: unsplit only)
-                    if c not in out and (not c.xs or c.xs_bytes(kt) <= XS_MAX_BYTES):
-                        out.append(c)
-        return out
+        caps = sorted({out[0].maxnreg or 0, 0})
+        return out + [c for c in _committed_on_rows(out[0], kt, [(s, cap or None) for cap in caps
+                                                                  for s in (1, 2, 3, 4, 6, 8)]) if c not in out]
     if variants == "regs":   # more programs per SM: the committed choice on 8 or 16 rows, split 1-3,
         # its register cap lowered to 64-88 (8-5 four-warp programs per SM) or lifted
-        base = out[0]
-        for rows in (8, 16):
-            for split in (1, 2, 3):
-                for cap in (64, 72, 80, 88, 96, None):
-                    c = replace(base, rows=rows, split_k=split, maxnreg=cap,
-                                epi_spread=base.epi_spread and split == 1)   # (spread: unsplit only)
-                    if c not in out and (not c.xs or c.xs_bytes(kt) <= XS_MAX_BYTES):
-                        out.append(c)
-        return out
+        return out + [c for c in _committed_on_rows(out[0], kt, [(s, cap) for s in (1, 2, 3)
+                                                                  for cap in (64, 72, 80, 88, 96, None)])
+                      if c not in out]
     if variants == "xf32":   # the staged-x configs with x converted to fp32 once, and without
         for rows in (8, 16):
             nb = (n + rows - 1) // rows
