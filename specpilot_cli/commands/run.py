@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from specpilot.engine.options import engine_options, spec_from_cli
+from specpilot.engine_options import engine_options, spec_from_cli
 from specpilot.errors import InputError
 from specpilot.output import Report, Section, emit, output_options, progress
 
@@ -44,7 +44,7 @@ def _w12_label(w12: dict | None) -> str:
 
 
 @click.command("run")
-@engine_options
+@engine_options()
 @click.option("--prompt", "prompt_text", default=None, help="One prompt (text).")
 @click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False), default=None,
               help="Prompts file: specpilot.prompts/1 JSONL (prompt_ids or text; an outputs file works too), or plain text, one prompt per line.")
