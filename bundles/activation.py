@@ -191,7 +191,7 @@ def launch_command(entries: dict[str, mem.Entry], ids: list[str], settings: dict
     return f"{head} {shlex.quote(python)} -m sglang.launch_server --model-path {shlex.quote(model)} {tail}".rstrip()
 
 
-def apply(bundles: str, python: str | None = None, force: bool = False, experimental: bool = False,
+def apply(bundles: str, *, python: str | None = None, force: bool = False, experimental: bool = False,
           settings=(), dry_run: bool = False, memory_dir=None, model: str = "MODEL") -> ApplyResult:
     entries = mem.load_memory(memory_dir)
     asked = parse_bundle_list(bundles)
@@ -239,7 +239,22 @@ def apply(bundles: str, python: str | None = None, force: bool = False, experime
     with locked(env.purelib):
         swept = [] if dry_run else sweep_partial(env.purelib)
         previous = read_activation(path)
-        activation = _activation(asked, ids, values, env, force, checked, hooks, entries, state, checks, launch)
+        activation = {
+            "schema": ACTIVATION_SCHEMA,
+            "bundles": asked,
+            "closure": ids,
+            "settings": values,
+            "sglang": {"version": env.sglang_version, "package": env.sglang_package, "forced": bool(force and not (
+                env.supported and env.sglang_version in checked))},
+            "hooks": [{"target": h.target, "type": h.type, "handler": h.handler} for h in hooks],
+            "setup": [entries[i].setup for i in ids if entries[i].setup],
+            "quantization": state.quantization,
+            "fingerprints": state.fingerprints,
+            "targets": {c.target: c.file_sha256 for c in checks},
+            "specpilot_version": __version__,
+            "applied_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "launch": launch,
+        }
         if not dry_run:
             with atomic_open(path, "w") as fh:
                 fh.write(json.dumps(activation, indent=2) + "\n")
@@ -247,25 +262,6 @@ def apply(bundles: str, python: str | None = None, force: bool = False, experime
     return ApplyResult(activation=activation, path=str(path), env=env, checks=checks,
                        previous=previous and previous.get("bundles"), launch=launch, swept=swept, dry_run=dry_run,
                        notes=notes)
-
-
-def _activation(asked, ids, values, env, force, checked, hooks, entries, state, checks, launch) -> dict:
-    return {
-        "schema": ACTIVATION_SCHEMA,
-        "bundles": asked,
-        "closure": ids,
-        "settings": values,
-        "sglang": {"version": env.sglang_version, "package": env.sglang_package, "forced": bool(force and not (
-            env.supported and env.sglang_version in checked))},
-        "hooks": [{"target": h.target, "type": h.type, "handler": h.handler} for h in hooks],
-        "setup": [entries[i].setup for i in ids if entries[i].setup],
-        "quantization": state.quantization,
-        "fingerprints": state.fingerprints,
-        "targets": {c.target: c.file_sha256 for c in checks},
-        "specpilot_version": __version__,
-        "applied_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "launch": launch,
-    }
 
 
 def revert(python: str | None = None) -> RevertResult:
