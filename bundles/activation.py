@@ -24,13 +24,9 @@ from specpilot.errors import EnvironmentMissing, InputError
 from specpilot.fileio import atomic_open, check_schema
 
 from . import memory as mem
+from .contract import ACTIVATION_NAME, ACTIVATION_SCHEMA, ENTRY_POINT, PLUGIN_NAME, SUPPORTED_SGLANG, hook_key
 from .inspect_sglang import TargetCheck, check_targets
-from .sglang_env import SUPPORTED_SGLANG, TargetEnv, probe
-
-ACTIVATION_NAME = "specpilot_activation.json"
-ACTIVATION_SCHEMA = "specpilot.activation/1"
-ENTRY_POINT = "specpilot.bundles.plugin:register"
-PLUGIN_NAME = "specpilot"
+from .sglang_env import TargetEnv, probe
 
 
 def activation_path(purelib: str | Path) -> Path:
@@ -159,7 +155,7 @@ class StatusResult:
         return self.activation is None or not self.problems
 
 
-def _require_sglang(env: TargetEnv) -> None:
+def require_sglang(env: TargetEnv) -> None:
     if env.sglang_package is None:
         raise EnvironmentMissing(f"SGLang is not installed for {env.executable}; install sglang=="
                                  f"{SUPPORTED_SGLANG[-1]} there or pass --python /path/to/env/bin/python")
@@ -210,7 +206,7 @@ def apply(bundles: str, *, python: str | None = None, force: bool = False, exper
     state = mem.compose(entries, ids)
 
     env = probe(python, modules=state.fingerprints)
-    _require_sglang(env)
+    require_sglang(env)
     checked = sorted({v for i in ids for v in entries[i].sglang_checked})
     if not env.supported or env.sglang_version not in checked:
         if not force:
@@ -314,7 +310,7 @@ def status(python: str | None = None, memory_dir=None) -> StatusResult:
             for file, names in changed.items():
                 problems.append(f"{file} changed since apply (defines {', '.join(names)}); check and apply again")
             now = mem.compose(entries, act["closure"])
-            listed = sorted(f"{h['type']} {h['target']} <- {h['handler']}" for h in act.get("hooks", []))
+            listed = sorted(hook_key(h["type"], h["target"], h["handler"]) for h in act.get("hooks", []))
             if listed != now.hooks:
                 problems.append("the bundles' hook set changed since apply (SpecPilot was updated); apply again")
     for m, fp in act.get("fingerprints", {}).items():
