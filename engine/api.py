@@ -44,6 +44,16 @@ class ByteTokenizer:
 
 
 @dataclass
+class RunResult:
+    """``Engine.run``: one result row per prompt (the run JSON's ``results``), the lattice rows
+    (``specpilot.lattice/1``, when recorded) and whether text went through the chat template."""
+
+    chat: bool
+    results: list[dict] = field(default_factory=list)
+    lattice_rows: list[dict] = field(default_factory=list)
+
+
+@dataclass
 class Engine:
     spec: EngineSpec
     model: object
@@ -55,6 +65,25 @@ class Engine:
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, record_lattice: bool = False, request=0):
         return self.decoder.generate(prompt_ids, max_new_tokens, record_lattice=record_lattice, request=request)
+
+    def run(self, prompts: list[dict], max_new_tokens: int, chat: bool | None = None, record_lattice: bool = False,
+            progress=None) -> "RunResult":
+        """Generate every prompt (``{"id", "ids"}`` or ``{"id", "text"}``); text goes through the
+        chat template when ``chat`` (default: when the tokenizer has one)."""
+        if chat is None:
+            chat = bool(self.tokenizer is not None and getattr(self.tokenizer, "chat_template", None))
+        out = RunResult(chat=chat)
+        it = prompts if progress is None else progress(prompts, total=len(prompts), desc="run", unit="prompt")
+        for pr in it:
+            ids = pr.get("ids") or self.encode(pr["text"], chat=chat)
+            r = self.generate(ids, max_new_tokens, record_lattice=record_lattice, request=pr["id"])
+            out.lattice_rows.extend(r.lattice_steps)
+            out.results.append({"id": pr["id"], "prompt_ids": ids, "output_ids": r.output_ids,
+                                "text": self.decode(r.output_ids), "steps": r.steps, "tau": r.tau,
+                                "tokens": len(r.output_ids), "seconds": r.seconds,
+                                "prefill_seconds": r.prefill_seconds, "tokens_per_s": r.tokens_per_second,
+                                "decode_tokens_per_s": r.decode_tokens_per_second, "stop": r.stop_reason})
+        return out
 
     def encode(self, text: str, chat: bool = False) -> list[int]:
         tok = self.tokenizer
