@@ -288,7 +288,8 @@ def load_engine(spec: EngineSpec | str) -> Engine:
         if spec.mode == "ar":  # capture the AR step now (and JIT-compile its kernels), not in the first request
             runner.get(1)
     eos = _eos_ids(folder, tok)
-    dec = Decoder(model, spec.mode, drafter, spec.nodes, spec.depth, spec.topk, eos, runner)
+    dec = Decoder(model, spec.mode, drafter, nodes=spec.nodes, depth=spec.depth, topk=spec.topk, eos_ids=eos,
+                  runner=runner)
     if threads and spec.device == "cpu":
         dec.threads = threads  # tiny models: thread hand-offs cost more than the math
     return Engine(spec, model, dec, tok, display, eos, info=target.info)

@@ -50,7 +50,7 @@ class Decoder:
     """Runs one request at a time on ``model`` with ``drafter`` (None for AR); ``mode`` is one of
     ``EngineSpec``'s modes (ar, chain, tree)."""
 
-    def __init__(self, model: Transformer, mode: str = "ar", drafter=None, nodes: int = 32, depth: int = 8,
+    def __init__(self, model: Transformer, mode: str = "ar", drafter=None, *, nodes: int = 32, depth: int = 8,
                  topk: int = 8, eos_ids=(), runner=None):
         if mode != "ar" and drafter is None:
             raise InputError(f"mode {mode} needs a drafter")
