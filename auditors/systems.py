@@ -122,7 +122,7 @@ class CollectError(SpecPilotError):
         self.path = path
 
 
-def collect(generator: Generator, prompts: Sequence[Prompt], max_new_tokens: int, save_to: str | None = None,
+def collect(generator: Generator, prompts: Sequence[Prompt], max_new_tokens: int, *, save_to: str | None = None,
             name: str = "system", progress: Callable | None = None,
             on_row: Callable[[OutputRow], None] | None = None, protect: Sequence = (),
             concurrency: int = 1) -> Outputs:
@@ -199,7 +199,7 @@ def collect(generator: Generator, prompts: Sequence[Prompt], max_new_tokens: int
     return Outputs(name, rows, save_to or name)
 
 
-def load_system(system: SystemSpec, prompts: Sequence[Prompt] | None, max_new_tokens: int,
+def load_system(system: SystemSpec, prompts: Sequence[Prompt] | None, max_new_tokens: int, *,
                 save_to: str | None = None, timeout: float = 120.0, progress: Callable | None = None,
                 protect: Sequence = (), concurrency: int = 1) -> Outputs:
     """Outputs of a system: read its file, or run it over the prompts."""

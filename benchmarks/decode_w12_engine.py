@@ -62,7 +62,7 @@ def main() -> int:
         return 2
     import torch
 
-    from specpilot.engine import w12 as ew
+    from specpilot.engine import w12_loader as ew
     from specpilot.engine.graphs import GraphRunner, time_replays
     from specpilot.engine.model import StepInput, Transformer
     from specpilot.kernels.decode import gemv_w12_gluon

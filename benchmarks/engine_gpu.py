@@ -12,7 +12,7 @@
    weights + KV at the context, against 4.4 TB/s (what cuBLAS reaches on large layers here).
 3. T_step(N), N = 1..256 rows at context 1024 (the verify step: LM head and argmax included).
 4. W12 (``--no-w12`` skips it; runs last, it converts the model in place): the same model with
-   its projections converted by ``engine/w12.py`` (restored bit for bit, then the fused Triton
+   its projections converted by ``engine/w12_loader.py`` (restored bit for bit, then the fused Triton
    kernel), AR decode step with eager layers + CUDA graph (compare with the bf16 eager row), then
    with compiled layers if the bf16 compiled row was measured and time is left. Bytes per step
    count the W12 bytes. On the device, the tiny model's W12 graph step is checked against eager.
@@ -134,7 +134,7 @@ def decode_section(model, spec, context, new, reps, ar_rows):
 
 def w12_section(model, spec, context, new, reps, ar_rows, extra, compiled, budget_s):
     """Convert the model's projections to W12 in place and time the AR decode step again."""
-    from specpilot.engine.w12 import convert_engine_model
+    from specpilot.engine.w12_loader import convert_engine_model
 
     model._block_call = None  # eager layers first: compare with the bf16 eager row
     try:

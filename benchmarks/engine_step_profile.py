@@ -114,7 +114,7 @@ def main():
             w12, certified, decode = "w12" in extra, "certified" in extra, "decode" in extra
             name = ":".join((attn, layers, *extra))
             if w12 and not getattr(model, "_w12_done", False):  # converts the projections in place
-                from specpilot.engine.w12 import convert_engine_model
+                from specpilot.engine.w12_loader import convert_engine_model
 
                 proj_bytes = convert_engine_model(model).to_json()["w12_bytes"]
                 model._w12_done = True

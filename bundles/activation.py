@@ -24,13 +24,9 @@ from specpilot.errors import EnvironmentMissing, InputError
 from specpilot.fileio import atomic_open, check_schema
 
 from . import memory as mem
+from .contract import ACTIVATION_NAME, ACTIVATION_SCHEMA, ENTRY_POINT, PLUGIN_NAME, SUPPORTED_SGLANG, hook_key
 from .inspect_sglang import TargetCheck, check_targets
-from .sglang_env import SUPPORTED_SGLANG, TargetEnv, probe
-
-ACTIVATION_NAME = "specpilot_activation.json"
-ACTIVATION_SCHEMA = "specpilot.activation/1"
-ENTRY_POINT = "specpilot.bundles.plugin:register"
-PLUGIN_NAME = "specpilot"
+from .sglang_env import TargetEnv, probe
 
 
 def activation_path(purelib: str | Path) -> Path:
@@ -159,7 +155,7 @@ class StatusResult:
         return self.activation is None or not self.problems
 
 
-def _require_sglang(env: TargetEnv) -> None:
+def require_sglang(env: TargetEnv) -> None:
     if env.sglang_package is None:
         raise EnvironmentMissing(f"SGLang is not installed for {env.executable}; install sglang=="
                                  f"{SUPPORTED_SGLANG[-1]} there or pass --python /path/to/env/bin/python")
@@ -191,7 +187,7 @@ def launch_command(entries: dict[str, mem.Entry], ids: list[str], settings: dict
     return f"{head} {shlex.quote(python)} -m sglang.launch_server --model-path {shlex.quote(model)} {tail}".rstrip()
 
 
-def apply(bundles: str, python: str | None = None, force: bool = False, experimental: bool = False,
+def apply(bundles: str, *, python: str | None = None, force: bool = False, experimental: bool = False,
           settings=(), dry_run: bool = False, memory_dir=None, model: str = "MODEL") -> ApplyResult:
     entries = mem.load_memory(memory_dir)
     asked = parse_bundle_list(bundles)
@@ -210,7 +206,7 @@ def apply(bundles: str, python: str | None = None, force: bool = False, experime
     state = mem.compose(entries, ids)
 
     env = probe(python, modules=state.fingerprints)
-    _require_sglang(env)
+    require_sglang(env)
     checked = sorted({v for i in ids for v in entries[i].sglang_checked})
     if not env.supported or env.sglang_version not in checked:
         if not force:
@@ -239,7 +235,22 @@ def apply(bundles: str, python: str | None = None, force: bool = False, experime
     with locked(env.purelib):
         swept = [] if dry_run else sweep_partial(env.purelib)
         previous = read_activation(path)
-        activation = _activation(asked, ids, values, env, force, checked, hooks, entries, state, checks, launch)
+        activation = {
+            "schema": ACTIVATION_SCHEMA,
+            "bundles": asked,
+            "closure": ids,
+            "settings": values,
+            "sglang": {"version": env.sglang_version, "package": env.sglang_package, "forced": bool(force and not (
+                env.supported and env.sglang_version in checked))},
+            "hooks": [{"target": h.target, "type": h.type, "handler": h.handler} for h in hooks],
+            "setup": [entries[i].setup for i in ids if entries[i].setup],
+            "quantization": state.quantization,
+            "fingerprints": state.fingerprints,
+            "targets": {c.target: c.file_sha256 for c in checks},
+            "specpilot_version": __version__,
+            "applied_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "launch": launch,
+        }
         if not dry_run:
             with atomic_open(path, "w") as fh:
                 fh.write(json.dumps(activation, indent=2) + "\n")
@@ -247,25 +258,6 @@ def apply(bundles: str, python: str | None = None, force: bool = False, experime
     return ApplyResult(activation=activation, path=str(path), env=env, checks=checks,
                        previous=previous and previous.get("bundles"), launch=launch, swept=swept, dry_run=dry_run,
                        notes=notes)
-
-
-def _activation(asked, ids, values, env, force, checked, hooks, entries, state, checks, launch) -> dict:
-    return {
-        "schema": ACTIVATION_SCHEMA,
-        "bundles": asked,
-        "closure": ids,
-        "settings": values,
-        "sglang": {"version": env.sglang_version, "package": env.sglang_package, "forced": bool(force and not (
-            env.supported and env.sglang_version in checked))},
-        "hooks": [{"target": h.target, "type": h.type, "handler": h.handler} for h in hooks],
-        "setup": [entries[i].setup for i in ids if entries[i].setup],
-        "quantization": state.quantization,
-        "fingerprints": state.fingerprints,
-        "targets": {c.target: c.file_sha256 for c in checks},
-        "specpilot_version": __version__,
-        "applied_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "launch": launch,
-    }
 
 
 def revert(python: str | None = None) -> RevertResult:
@@ -318,7 +310,7 @@ def status(python: str | None = None, memory_dir=None) -> StatusResult:
             for file, names in changed.items():
                 problems.append(f"{file} changed since apply (defines {', '.join(names)}); check and apply again")
             now = mem.compose(entries, act["closure"])
-            listed = sorted(f"{h['type']} {h['target']} <- {h['handler']}" for h in act.get("hooks", []))
+            listed = sorted(hook_key(h["type"], h["target"], h["handler"]) for h in act.get("hooks", []))
             if listed != now.hooks:
                 problems.append("the bundles' hook set changed since apply (SpecPilot was updated); apply again")
     for m, fp in act.get("fingerprints", {}).items():

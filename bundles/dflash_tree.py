@@ -1,8 +1,8 @@
 """Greedy best-first tree verify for SGLang's DFLASH worker, as plain torch (static shapes, no host
 sync): the library behind the ``tree`` bundle's DFLASH hooks (:mod:`.dflash_tree_hooks`).
 
-Plan: docs/plans/dflash-tree-verify.md, section 3 ("v1: N = B, greedy, eager tree verify"). A tree
-has ``N`` nodes per request: node 0 is the root (the bonus/anchor token the worker puts first in its
+A tree has ``N`` nodes per request, N = the worker's draft block size B (verified greedily and
+eagerly): node 0 is the root (the bonus/anchor token the worker puts first in its
 block), nodes ``1..N-1`` are drafted tokens, every parent has a smaller index than its children
 ("parent-first"), so the tree fills the worker's ``[bs, N]`` block in place of the chain.
 

@@ -1,6 +1,6 @@
 """The ``tree`` bundle's hooks on SGLang 0.5.23's DFLASH worker: greedy best-first tree verify with
-N = the draft block size (docs/plans/dflash-tree-verify.md, section 3). Tensor work is in
-:mod:`.dflash_tree`; this module decides when it runs and wires it into the worker's step.
+N = the draft block size. Tensor work is in :mod:`.dflash_tree`; this module decides when it runs
+and wires it into the worker's step.
 
 * H0 AROUND ``DFlashWorkerV2.init_cuda_graphs``: before capture, the static eligibility check; an
   eligible worker gets lattice buffers ``cand [cap, m, K]`` / ``scores [cap, m, K, K]`` on its

@@ -18,12 +18,9 @@ from typing import Any, Iterable
 
 from specpilot.errors import InputError
 
-SCHEMA = "specpilot.memory-entry/1"
-MEMORY_DIR = Path(__file__).resolve().parent / "memory"
-HOOK_TYPES = ("before", "after", "around", "replace")
-# checked: hooks checked statically and contracts on CPU against SGLang's code; observe: changes no
-# output; experimental: needs --experimental; library: no SGLang hooks yet (apply refuses it)
-STATUSES = ("checked", "observe", "experimental", "library")
+from .contract import ENTRY_SCHEMA, HOOK_TYPES, STATUSES, hook_key
+
+MEMORY_DIR = Path(__file__).resolve().parent / "memory_entries"
 _REQUIRED = ("id", "summary", "status", "requires", "sglang", "code", "variants", "contracts",
              "evidence", "limits", "unverified", "system")
 
@@ -45,7 +42,7 @@ class Hook:
     returns: tuple[str, ...] = ()  # names every `return` must give, in order (AFTER hooks index results)
 
     def key(self) -> str:
-        return f"{self.type} {self.target} <- {self.handler}"
+        return hook_key(self.type, self.target, self.handler)
 
 
 @dataclass(frozen=True)
@@ -126,8 +123,8 @@ def _as_list(value, what: str, source: str) -> list:
 def parse_entry(raw: Any, source: str, path: Path | None = None) -> Entry:
     if not isinstance(raw, dict):
         raise InputError(f"{source}: a memory entry must be a YAML mapping")
-    if raw.get("schema") != SCHEMA:
-        raise InputError(f"{source}: unknown schema {raw.get('schema')!r}; expected {SCHEMA}")
+    if raw.get("schema") != ENTRY_SCHEMA:
+        raise InputError(f"{source}: unknown schema {raw.get('schema')!r}; expected {ENTRY_SCHEMA}")
     missing = [k for k in _REQUIRED if k not in raw]
     if missing:
         raise InputError(f"{source}: missing field(s) {', '.join(missing)}")
@@ -187,7 +184,7 @@ def parse_entry(raw: Any, source: str, path: Path | None = None) -> Entry:
 
 
 def load_memory(directory: str | Path | None = None) -> dict[str, Entry]:
-    """All entries in ``directory`` (default: the packaged ``bundles/memory``), keyed by id."""
+    """All entries in ``directory`` (default: the packaged ``bundles/memory_entries``), keyed by id."""
     import yaml
 
     directory = Path(directory) if directory else MEMORY_DIR

@@ -22,9 +22,10 @@ import os
 import sysconfig
 from pathlib import Path
 
+from .contract import ACTIVATION_ENV, ACTIVATION_NAME, ACTIVATION_SCHEMA, hook_key
+
 logger = logging.getLogger("specpilot.plugin")
 
-ACTIVATION_ENV = "SPECPILOT_ACTIVATION"
 _settings: dict = {}
 _registered: list[str] = []
 
@@ -34,8 +35,6 @@ class ActivationError(RuntimeError):
 
 
 def activation_file() -> Path:
-    from .activation import ACTIVATION_NAME
-
     env = os.environ.get(ACTIVATION_ENV)
     return Path(env) if env else Path(sysconfig.get_paths()["purelib"]) / ACTIVATION_NAME
 
@@ -71,7 +70,7 @@ def plan(activation: dict, sglang_version: str | None, memory_dir=None):
     """Check an activation against this process; returns (hooks, setups) with resolved callables."""
     from . import memory as mem
 
-    if activation.get("schema") != "specpilot.activation/1":
+    if activation.get("schema") != ACTIVATION_SCHEMA:
         raise ActivationError(f"unknown activation schema {activation.get('schema')!r}; run 'specpilot apply' again")
     recorded = activation.get("sglang", {}).get("version")
     if sglang_version != recorded and not activation.get("sglang", {}).get("forced"):
@@ -80,7 +79,7 @@ def plan(activation: dict, sglang_version: str | None, memory_dir=None):
     entries = mem.load_memory(memory_dir)
     ids = activation.get("closure", [])
     state = mem.compose(entries, ids)
-    listed = sorted(f"{h['type']} {h['target']} <- {h['handler']}" for h in activation.get("hooks", []))
+    listed = sorted(hook_key(h["type"], h["target"], h["handler"]) for h in activation.get("hooks", []))
     if listed != state.hooks:
         raise ActivationError("the installed SpecPilot bundles produce a different hook set than the one applied; "
                               "run 'specpilot apply' again")
@@ -112,6 +111,6 @@ def register(registry=None, hook_type=None, path: str | Path | None = None) -> l
         _registered.append(f"setup {name}")
     for target, kind, fn, handler in hooks:
         registry.register(target, fn, getattr(hook_type, kind.upper()))
-        _registered.append(f"{kind} {target} <- {handler}")
+        _registered.append(hook_key(kind, target, handler))
     logger.info("SpecPilot: bundles %s active (%d hooks)", ", ".join(activation.get("closure", [])), len(hooks))
     return registered()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from specpilot.errors import EnvironmentMissing, InputError
 
-SUPPORTED_SGLANG = ("0.5.23",)
+from .contract import PLUGIN_GROUP, SUPPORTED_SGLANG
 
 _PROBE = r"""
 import os, sys
@@ -37,7 +37,7 @@ if spec is not None and spec.submodule_search_locations:
     out["sglang"] = {"version": version, "package": list(spec.submodule_search_locations)[0]}
 try:
     dist = md.distribution("specpilot")
-    eps = [ep for ep in dist.entry_points if ep.group == "sglang.srt.plugins"]
+    eps = [ep for ep in dist.entry_points if ep.group == PLUGIN_GROUP]
     out["specpilot"] = {"version": dist.version,
                         "entry_point": {ep.name: ep.value for ep in eps}}
 except md.PackageNotFoundError:
@@ -89,7 +89,7 @@ def probe(python: str | None = None, timeout: float = 60.0, modules=()) -> Targe
     try:
         # -B: the probe must not leave __pycache__ files behind in the target environment
         env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
-        script = f"MODULES = {sorted(modules)!r}\n" + _PROBE
+        script = f"MODULES = {sorted(modules)!r}\nPLUGIN_GROUP = {PLUGIN_GROUP!r}\n" + _PROBE
         proc = subprocess.run([str(exe), "-B", "-c", script], capture_output=True, text=True, timeout=timeout,
                               env=env)
     except OSError as e:

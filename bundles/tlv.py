@@ -13,7 +13,7 @@ its decode step):
   target served by ``--quantization w12``, TP 1, no DP attention); other steps run stock.
 * AROUND ``DFlashWorkerV2._greedy_sample_from_vocab_parallel_head`` (the draft (1) head): after
   the drafter's block, a **Q pass** runs the target over ``[anchor, draft]`` with every W12
-  linear layer reading its 8-bit view (:data:`specpilot.bundles.w12.QPASS`), eagerly (never a
+  linear layer reading its 8-bit view (:data:`specpilot.bundles.w12_quantization.QPASS`), eagerly (never a
   captured CUDA graph), and :func:`repair_chain` puts C in front: the drafts the Q pass accepts,
   then its bonus token in place of the first rejected draft. SGLang's own exact verify and
   greedy accept then run unchanged on ``[anchor, C, rest of draft (1)]``.
@@ -192,7 +192,7 @@ def q_pass(worker, batch, chain):
     from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
     from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 
-    from .w12 import QPASS
+    from .w12_quantization import QPASS
 
     bs, block = chain.shape
     positions = worker._draft_block_positions_buf[:bs].reshape(-1)

@@ -1,42 +1,18 @@
-"""The engine as other verbs use it: ``EngineSpec.parse("engine:model=smollm2,mode=tree,...")``
-and ``load_engine(spec).generate(prompt_ids, max_new_tokens)``.
+"""The engine as other verbs use it: ``load_engine(spec).generate(prompt_ids, max_new_tokens)``.
 
-Spec grammar (docs/engine.md): ``engine:`` followed by comma-separated ``key=value`` pairs:
-
-=============  ==========================================================  ==========
-key            meaning                                                     default
-=============  ==========================================================  ==========
-model          smollm2 | tiny | tiny-hybrid | catalog name | folder | .gguf smollm2
-mode           ar | chain | tree                                           ar
-nodes          tree node budget N                                          32
-depth          draft positions m                                           8
-topk           candidates per position K (tree)                            8
-drafter        ngram | self | model                                        ngram
-draft_layers   layers of the self-drafter                                  num_layers // 4
-draft_model    model for drafter=model (same forms as model)               tiny
-random         1 = random weights (any config; needed for catalog names)   0
-seed           random-weight seed                                          0
-dtype          float32 | bfloat16 | float16                                float32 on cpu, bfloat16 on cuda
-device         cpu | cuda | cuda:N                                         cpu
-ctx            KV-cache slots (prompt + new tokens + draft rows)           2048
-graphs         1 = CUDA graphs for AR and verify steps (cuda, dense models)  1
-threads        CPU threads for torch (0 = torch's default)                 1 for tiny*, else 0
-compile        1 = torch.compile the layers (cuda, dense; ~20 s once)      0
-w12            1 = target projections as W12 (engine/w12.py; bf16)         0
-attn           auto | torch | fused (split-KV Triton kernel; cuda)         auto (fused on cuda)
-head           linear | certified (INT8-certified exact argmax; bf16)      linear
-decode         auto | layers | fused (one-row steps through the fused decode  auto (fused on cuda when
-               kernels; cuda, dense attention models; engine/fused_decode.py) eligible)
-=============  ==========================================================  ==========
+``spec`` is an :class:`~specpilot.engine.spec.EngineSpec` (every option, its default and its
+check live there) or its text form ``engine:model=smollm2,mode=tree,nodes=32``.
+:func:`load_target` builds the target model alone (``probe rows`` times it without a decoder).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from specpilot.engine.spec import EngineSpec
 from specpilot.errors import EnvironmentMissing, InputError
 
 # Built-in tiny configs: random weights, byte-level vocabulary (no tokenizer needed).
@@ -53,122 +29,6 @@ TINY_CONFIGS = {
                     "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "max_position_embeddings": 4096},
 }
 
-_INT_KEYS = {"nodes": (0, 4096), "depth": (0, 64), "topk": (1, 64), "draft_layers": (1, 1024), "seed": (0, 2**31),
-             "ctx": (16, 1 << 20), "threads": (0, 1024)}
-_BOOL_KEYS = {"random", "graphs", "compile", "w12"}
-HEADS = ("linear", "certified")
-DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
-          "float16": "float16", "fp16": "float16"}
-
-
-@dataclass(frozen=True)
-class EngineSpec:
-    model: str = "smollm2"
-    mode: str = "ar"
-    nodes: int = 32
-    depth: int = 8
-    topk: int = 8
-    drafter: str = "ngram"
-    draft_layers: int | None = None
-    draft_model: str = "tiny"
-    random: bool = False
-    seed: int = 0
-    dtype: str | None = None
-    device: str = "cpu"
-    ctx: int = 2048
-    graphs: bool = True
-    threads: int | None = None
-    compile: bool = False
-    w12: bool = False
-    attn: str = "auto"
-    head: str = "linear"
-    decode: str = "auto"
-
-    @classmethod
-    def parse(cls, text: str) -> "EngineSpec":
-        """``engine:model=smollm2,mode=tree,nodes=32`` (the ``engine:`` prefix is optional)."""
-        body = text.strip()
-        if body.startswith("engine:"):
-            body = body[len("engine:"):]
-        elif body == "engine":
-            body = ""
-        kv: dict = {}
-        known = {f.name for f in fields(cls)}
-        for part in filter(None, (p.strip() for p in body.split(","))):
-            if "=" not in part:
-                raise InputError(f"engine spec {text!r}: {part!r} is not key=value")
-            k, v = (s.strip() for s in part.split("=", 1))
-            k = k.replace("-", "_")
-            if k not in known:
-                raise InputError(f"engine spec {text!r}: unknown key {k!r}; known: {', '.join(sorted(known))}")
-            kv[k] = v
-        return cls.from_options(**kv)
-
-    @classmethod
-    def from_options(cls, **kv) -> "EngineSpec":
-        out = {}
-        for k, v in kv.items():
-            if v is None:
-                continue
-            if k in _INT_KEYS:
-                try:
-                    iv = int(v)
-                except (TypeError, ValueError):
-                    raise InputError(f"engine option {k}={v!r} is not an integer") from None
-                lo, hi = _INT_KEYS[k]
-                if not lo <= iv <= hi:
-                    raise InputError(f"engine option {k}={iv} is out of range [{lo}, {hi}]")
-                out[k] = iv
-            elif k in _BOOL_KEYS:
-                if isinstance(v, bool):
-                    out[k] = v
-                elif str(v).lower() in ("1", "true", "yes", "on"):
-                    out[k] = True
-                elif str(v).lower() in ("0", "false", "no", "off"):
-                    out[k] = False
-                else:
-                    raise InputError(f"engine option {k}={v!r} must be 0 or 1")
-            else:
-                out[k] = str(v)
-        spec = cls(**out)
-        spec.validate()
-        return spec
-
-    def validate(self):
-        from specpilot.engine.decode import MODES
-
-        if self.mode not in MODES:
-            raise InputError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
-        if self.drafter not in ("ngram", "self", "model"):
-            raise InputError(f"unknown drafter {self.drafter!r}; choose ngram, self or model")
-        if self.dtype is not None and self.dtype not in DTYPES:
-            raise InputError(f"unknown dtype {self.dtype!r}; choose float32, bfloat16 or float16")
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise InputError(f"unknown device {self.device!r}; use cpu or cuda[:N]")
-        from specpilot.engine.attention import resolve
-
-        resolve(self.attn, self.device)
-        if self.head not in HEADS:
-            raise InputError(f"unknown head {self.head!r}; choose {' or '.join(HEADS)}")
-        from specpilot.engine.fused_decode import KINDS
-
-        if self.decode not in KINDS:
-            raise InputError(f"unknown decode {self.decode!r}; choose {', '.join(KINDS)}")
-        if self.decode == "fused" and not self.device.startswith("cuda"):
-            raise InputError("decode=fused needs device=cuda (its Triton kernels only run in the interpreter on "
-                             "the CPU); use decode=layers")
-
-    def with_(self, **kw) -> "EngineSpec":
-        s = replace(self, **kw)
-        s.validate()
-        return s
-
-    def __str__(self) -> str:
-        parts = [f"{f.name}={getattr(self, f.name)}" for f in fields(self)
-                 if getattr(self, f.name) is not None and getattr(self, f.name) != f.default]
-        return "engine:" + ",".join([f"model={self.model}", f"mode={self.mode}"] +
-                                    [p for p in parts if not p.startswith(("model=", "mode="))])
-
 
 class ByteTokenizer:
     """UTF-8 bytes as token ids (the tiny built-in models have a 256-token vocabulary)."""
@@ -184,6 +44,16 @@ class ByteTokenizer:
 
 
 @dataclass
+class RunResult:
+    """``Engine.run``: one result row per prompt (the run JSON's ``results``), the lattice rows
+    (``specpilot.lattice/1``, when recorded) and whether text went through the chat template."""
+
+    chat: bool
+    results: list[dict] = field(default_factory=list)
+    lattice_rows: list[dict] = field(default_factory=list)
+
+
+@dataclass
 class Engine:
     spec: EngineSpec
     model: object
@@ -195,6 +65,25 @@ class Engine:
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, record_lattice: bool = False, request=0):
         return self.decoder.generate(prompt_ids, max_new_tokens, record_lattice=record_lattice, request=request)
+
+    def run(self, prompts: list[dict], max_new_tokens: int, chat: bool | None = None, record_lattice: bool = False,
+            progress=None) -> "RunResult":
+        """Generate every prompt (``{"id", "ids"}`` or ``{"id", "text"}``); text goes through the
+        chat template when ``chat`` (default: when the tokenizer has one)."""
+        if chat is None:
+            chat = bool(self.tokenizer is not None and getattr(self.tokenizer, "chat_template", None))
+        out = RunResult(chat=chat)
+        it = prompts if progress is None else progress(prompts, total=len(prompts), desc="run", unit="prompt")
+        for pr in it:
+            ids = pr.get("ids") or self.encode(pr["text"], chat=chat)
+            r = self.generate(ids, max_new_tokens, record_lattice=record_lattice, request=pr["id"])
+            out.lattice_rows.extend(r.lattice_steps)
+            out.results.append({"id": pr["id"], "prompt_ids": ids, "output_ids": r.output_ids,
+                                "text": self.decode(r.output_ids), "steps": r.steps, "tau": r.tau,
+                                "tokens": len(r.output_ids), "seconds": r.seconds,
+                                "prefill_seconds": r.prefill_seconds, "tokens_per_s": r.tokens_per_second,
+                                "decode_tokens_per_s": r.decode_tokens_per_second, "stop": r.stop_reason})
+        return out
 
     def encode(self, text: str, chat: bool = False) -> list[int]:
         tok = self.tokenizer
@@ -217,15 +106,6 @@ class Engine:
 
 
 # ---------------------------------------------------------------------------------------------
-def _torch_dtype(spec: EngineSpec):
-    import torch
-
-    # W12 is a bf16 format: w12=1 without a dtype means bfloat16 on the CPU too
-    name = DTYPES[spec.dtype] if spec.dtype else (
-        "bfloat16" if spec.device.startswith("cuda") or spec.w12 else "float32")
-    return getattr(torch, name)
-
-
 def _gguf_folder(path: Path) -> Path:
     """Convert any GGUF through transformers once, cached by file identity."""
     from specpilot.engine import weights
@@ -335,28 +215,49 @@ def _eos_ids(folder: Path | None, tok) -> tuple:
     return tuple(sorted(ids))
 
 
-def load_engine(spec: EngineSpec | str) -> Engine:
-    """Build the model, drafter and decoder a spec describes."""
+@dataclass
+class Target:
+    """The target model a spec describes, ready to run (no drafter, no decoder)."""
+
+    model: object
+    folder: Path | None  # weights folder, None for random weights
+    name: str  # display name
+    info: dict  # dtype, device, params, weights, w12, attn, head, decode: what run/probe report
+
+
+def load_target(spec: EngineSpec, max_seq: int | None = None) -> Target:
+    """Build the target with the spec's attention, W12, head and decode choices (``max_seq`` cache
+    slots, default ``spec.ctx``)."""
     import torch
 
+    torch.set_grad_enabled(False)
+    dtype = getattr(torch, spec.torch_dtype_name)
+    model, folder, display = build_model(spec.model, spec.random, dtype, spec.device, max_seq or spec.ctx, spec.seed)
+    params = sum(p.numel() for p in model.parameters())
+    attn = model.set_attention(spec.attn)
+    w12 = None
+    if spec.w12:  # before drafters, compile and graphs: they all see the converted projections
+        from specpilot.engine.w12_loader import convert_engine_model
+
+        w12 = convert_engine_model(model).to_json()
+    head = model.set_head(spec.head)
+    decode = model.set_decode(spec.decode)
+    return Target(model, folder, display,
+                  info={"dtype": spec.torch_dtype_name, "device": spec.device, "params": params,
+                        "weights": str(folder) if folder else "random", "w12": w12, "attn": attn, "head": head,
+                        "decode": decode})
+
+
+def load_engine(spec: EngineSpec | str) -> Engine:
+    """Build the model, drafter and decoder a spec describes."""
     from specpilot.engine.decode import Decoder
     from specpilot.engine.drafters import ModelDrafter, NGramDrafter, SelfDrafter
 
     if isinstance(spec, str):
         spec = EngineSpec.parse(spec)
-    torch.set_grad_enabled(False)
+    target = load_target(spec)
+    model, folder, display = target.model, target.folder, target.name
     threads = spec.threads if spec.threads is not None else (1 if spec.model.lower() in TINY_CONFIGS else 0)
-    dtype = _torch_dtype(spec)
-    model, folder, display = build_model(spec.model, spec.random, dtype, spec.device, spec.ctx, spec.seed)
-    params = sum(p.numel() for p in model.parameters())
-    attn = model.set_attention(spec.attn)
-    w12 = None
-    if spec.w12:  # before drafters, compile and graphs: they all see the converted projections
-        from specpilot.engine.w12 import convert_engine_model
-
-        w12 = convert_engine_model(model).to_json()
-    head = model.set_head(spec.head)
-    decode = model.set_decode(spec.decode)
     tok = _tokenizer(folder, display)
     drafter = None
     if spec.mode != "ar":
@@ -368,7 +269,7 @@ def load_engine(spec: EngineSpec | str) -> Engine:
                 raise InputError(f"draft_layers={L} must be below the model's {model.spec.num_layers} layers")
             drafter = SelfDrafter(model, L)
         else:
-            dm, _, _ = build_model(spec.draft_model, spec.random or spec.draft_model in TINY_CONFIGS, dtype,
+            dm, _, _ = build_model(spec.draft_model, spec.random or spec.draft_model in TINY_CONFIGS, model.dtype,
                                    spec.device, spec.ctx, spec.seed + 1)
             if dm.spec.vocab_size != model.spec.vocab_size:
                 raise InputError(f"draft model vocabulary ({dm.spec.vocab_size}) differs from the target's "
@@ -387,10 +288,8 @@ def load_engine(spec: EngineSpec | str) -> Engine:
         if spec.mode == "ar":  # capture the AR step now (and JIT-compile its kernels), not in the first request
             runner.get(1)
     eos = _eos_ids(folder, tok)
-    dec = Decoder(model, spec.mode, drafter, spec.nodes, spec.depth, spec.topk, eos, runner)
+    dec = Decoder(model, spec.mode, drafter, nodes=spec.nodes, depth=spec.depth, topk=spec.topk, eos_ids=eos,
+                  runner=runner)
     if threads and spec.device == "cpu":
         dec.threads = threads  # tiny models: thread hand-offs cost more than the math
-    return Engine(spec, model, dec, tok, display, eos,
-                  info={"dtype": str(dtype).replace("torch.", ""), "device": spec.device,
-                        "params": params, "weights": str(folder) if folder else "random", "w12": w12,
-                        "attn": attn, "head": head, "decode": decode})
+    return Engine(spec, model, dec, tok, display, eos, info=target.info)

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from specpilot.errors import InputError
+from specpilot.engine.spec import ATTENTIONS, check_choice
 from specpilot.kernels.attention import reference
 
-IMPLS = ("auto", "torch", "fused")
 _OP = None
 
 
@@ -56,12 +55,9 @@ def store_and_attend(q, k, v, k_cache, v_cache, slots, mask, kv_len: int, scale:
 
 
 def resolve(impl: str, device: str) -> str:
-    """``auto``: fused on CUDA, torch elsewhere. ``fused`` off CUDA is refused (the Triton
-    interpreter is for tests, far too slow to serve)."""
-    if impl not in IMPLS:
-        raise InputError(f"unknown attention {impl!r}; choose {', '.join(IMPLS)}")
+    """``auto``: fused on CUDA, torch elsewhere. (``EngineSpec`` refuses ``fused`` off CUDA for
+    users: there the Triton interpreter runs it, for tests, far too slow to serve.)"""
+    check_choice("attention", impl, ATTENTIONS)
     if impl == "auto":
         return "fused" if str(device).startswith("cuda") else "torch"
-    if impl == "fused" and not str(device).startswith("cuda"):
-        raise InputError("attn=fused needs device=cuda (use attn=torch on the CPU)")
     return impl

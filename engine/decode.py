@@ -21,9 +21,6 @@ from specpilot.errors import InputError
 from specpilot.kernels import tree as treelib
 from specpilot.kernels.gdn.path import row_paths
 
-MODES = ("ar", "chain", "tree")
-
-
 @dataclass
 class GenerationResult:
     output_ids: list[int]
@@ -50,12 +47,11 @@ def _kv_len(max_seq: int, n: int) -> int:
 
 
 class Decoder:
-    """Runs one request at a time on ``model`` with ``drafter`` (None for AR)."""
+    """Runs one request at a time on ``model`` with ``drafter`` (None for AR); ``mode`` is one of
+    ``EngineSpec``'s modes (ar, chain, tree)."""
 
-    def __init__(self, model: Transformer, mode: str = "ar", drafter=None, nodes: int = 32, depth: int = 8,
+    def __init__(self, model: Transformer, mode: str = "ar", drafter=None, *, nodes: int = 32, depth: int = 8,
                  topk: int = 8, eos_ids=(), runner=None):
-        if mode not in MODES:
-            raise InputError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         if mode != "ar" and drafter is None:
             raise InputError(f"mode {mode} needs a drafter")
         self.model, self.mode, self.drafter = model, mode, drafter
@@ -140,10 +136,10 @@ class Decoder:
         slots = n_cache + torch.arange(T, device=dev)
         pos = torch.tensor([n_cache] + [n_cache + 1 + d for d in tree.depth], device=dev)
         mask = self._verify_mask(tree, n_cache, T, kv)
-        gdn_mode = "tree" if mode == "tree" and len(tree) else ("chain" if T > 1 else "seq")
-        paths = row_paths([-1] + [p + 1 for p in tree.parents]) if gdn_mode == "tree" else None
+        gdn_rows = "tree" if mode == "tree" and len(tree) else ("chain" if T > 1 else "seq")
+        paths = row_paths([-1] + [p + 1 for p in tree.parents]) if gdn_rows == "tree" else None
         tokens = torch.tensor([pending] + list(tree.tokens), device=dev)
-        return m.greedy(StepInput(tokens, pos, slots, mask.to(dev), gdn_mode, paths), kv_len=kv).tolist()
+        return m.greedy(StepInput(tokens, pos, slots, mask.to(dev), gdn_rows, paths), kv_len=kv).tolist()
 
     def _graph_verify(self, pending: int, tree, n_cache: int) -> list[int]:
         """The verify pass of ``1 + len(tree)`` rows replayed from the CUDA graph of the smallest

@@ -120,7 +120,7 @@ def _rollout(model: Transformer, first_logits, n_next: int, m: int, k: int, laye
             dev = model.device
             inp = StepInput(tokens=torch.tensor([t[0]], device=dev), pos=torch.tensor([slot], device=dev),
                             slots=torch.tensor([slot], device=dev),
-                            mask=torch.arange(kv_len_fn(slot + 1), device=dev)[None] <= slot, gdn_mode="seq")
+                            mask=torch.arange(kv_len_fn(slot + 1), device=dev)[None] <= slot, gdn_rows="seq")
             logits = model(inp, kv_len=kv_len_fn(slot + 1), layers=layers)[-1]
             slot += 1
     finally:
@@ -153,7 +153,7 @@ class SelfDrafter:
         try:
             inp = StepInput(tokens=torch.tensor([context[-1]], device=dev), pos=torch.tensor([n_cache], device=dev),
                             slots=torch.tensor([n_cache], device=dev),
-                            mask=torch.arange(kv(n_cache + 1), device=dev)[None] <= n_cache, gdn_mode="seq")
+                            mask=torch.arange(kv(n_cache + 1), device=dev)[None] <= n_cache, gdn_rows="seq")
             logits = t(inp, kv_len=kv(n_cache + 1), layers=self.layers)[-1]
             return _rollout(t, logits, n_cache + 1, m, k, self.layers, kv)
         finally:
@@ -186,7 +186,7 @@ class ModelDrafter:
         new = context[self.n_done:]
         slots = torch.arange(self.n_done, L, device=dev)
         mask = torch.arange(kv(L), device=dev)[None] <= slots[:, None]
-        inp = StepInput(tokens=torch.tensor(new, device=dev), pos=slots, slots=slots, mask=mask, gdn_mode="seq")
+        inp = StepInput(tokens=torch.tensor(new, device=dev), pos=slots, slots=slots, mask=mask, gdn_rows="seq")
         logits = d(inp, kv_len=kv(L))[-1]
         self.n_done = L
         return _rollout(d, logits, L, m, k, None, kv)

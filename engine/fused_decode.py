@@ -34,15 +34,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from specpilot.engine.spec import DECODES, check_choice
 from specpilot.errors import InputError
-
-KINDS = ("auto", "layers", "fused")
 
 
 def ineligible(model) -> str | None:
     """Why ``model`` cannot take the fused one-row path (None when it can)."""
     from specpilot.engine.model import Attention
-    from specpilot.engine.w12 import W12Projection
+    from specpilot.engine.w12_loader import W12Projection
     from specpilot.kernels.decode.gemv import DEFAULT
 
     spec = model.spec
@@ -73,8 +72,7 @@ def ineligible(model) -> str | None:
 def set_decode(model, kind: str) -> str:
     """``layers``, ``fused`` or ``auto`` (fused on CUDA when the model is eligible and its attention
     is the fused kernel, else layers) for the model's one-row steps; returns the choice made."""
-    if kind not in KINDS:
-        raise InputError(f"unknown decode {kind!r}; choose {', '.join(KINDS)}")
+    check_choice("decode", kind, DECODES)
     if kind == "auto":
         attn_fused = all(getattr(b.mixer, "fused", False) for b in model.layers)
         kind = "fused" if model.device.type == "cuda" and attn_fused and ineligible(model) is None else "layers"

@@ -6,13 +6,13 @@ mask), fused q/k/v and gate/up projections, CUDA-graph friendly (no data-depende
 step). Batch size is one request; a step's rows are its tokens.
 
 GDN (linear-attention) layers keep a fp32 recurrent state and a conv state per layer. How a step
-treats them is given by ``gdn_mode``:
+treats them is given by ``gdn_rows``:
 
 - ``"seq"``: rows are consecutive tokens; states advance in place (prefill, AR, drafting).
 - ``"chain"``: rows are a chain; per-row state snapshots are kept (stock verification) and
-  :meth:`Transformer.commit_gdn` picks the one of the last accepted row.
+  :meth:`Transformer.commit` picks the one of the last accepted row.
 - ``"tree"``: rows form a tree (``paths``); each row walks its root path from the committed state
-  (no snapshots) and :meth:`Transformer.commit_gdn` replays the accepted rows (paper 4.2).
+  (no snapshots) and :meth:`Transformer.commit` replays the accepted rows (paper 4.2).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specpilot.engine.attention import store_and_attend
+from specpilot.engine.spec import HEADS, check_choice
 from specpilot.errors import InputError
 from specpilot.kernels.gdn import naive as gdn_ref
 from specpilot.kernels.gdn import path as gdn_path
@@ -74,13 +75,13 @@ def apply_rope(x, cos, sin):
 class StepInput:
     """One forward's rows. ``tokens``, ``pos`` (rope positions), ``slots`` (KV-cache slots) are
     [T] long tensors; ``mask`` is bool [T, kv_len] (True = may attend); ``paths`` [T, D] only
-    for ``gdn_mode == "tree"``."""
+    for ``gdn_rows == "tree"``."""
 
     tokens: torch.Tensor
     pos: torch.Tensor
     slots: torch.Tensor
     mask: torch.Tensor
-    gdn_mode: str = "seq"
+    gdn_rows: str = "seq"
     paths: torch.Tensor | None = None
 
 
@@ -164,7 +165,7 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x, inp: StepInput):
         T = x.shape[0]
         mixed = self.in_proj_qkv(x)
-        if inp.gdn_mode == "tree":
+        if inp.gdn_rows == "tree":
             windows = gdn_path.conv_windows(inp.paths.cpu(), self.kernel).to(x.device)
         else:
             windows = gdn_path.chain_windows(T, self.kernel).to(x.device)
@@ -180,12 +181,12 @@ class GatedDeltaNet(nn.Module):
         beta = torch.sigmoid(b)
         g = -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())
         q, k, v, g, beta = gdn_ref.prepare(q, k, v, g, beta)
-        if inp.gdn_mode == "tree":
+        if inp.gdn_rows == "tree":
             out = gdn_path.path_verify(q, k, v, g, beta, self.state, inp.paths.to(x.device))
             self._stash = ("tree", mixed, (q, k, v, g, beta))
         else:
-            out, states = gdn_ref.recurrent(q, k, v, g, beta, self.state, keep_states=inp.gdn_mode == "chain")
-            if inp.gdn_mode == "seq":
+            out, states = gdn_ref.recurrent(q, k, v, g, beta, self.state, keep_states=inp.gdn_rows == "chain")
+            if inp.gdn_rows == "seq":
                 if T:
                     self.state.copy_(states[-1])
                     self._advance_conv(mixed)
@@ -375,14 +376,15 @@ class Transformer(nn.Module):
     def gdn_layers(self, upto: int | None = None):
         return [b.mixer for b in self.layers[:upto] if isinstance(b.mixer, GatedDeltaNet)]
 
-    def commit(self, start: int, rows: list[int], mode: str):
-        """Keep the accepted rows (row 0 = the pending token) of the step that began at slot ``start``."""
+    def commit(self, start: int, rows: list[int], gdn_rows: str):
+        """Keep the accepted rows (row 0 = the pending token) of the step that began at slot ``start``
+        (``gdn_rows``: how that step's rows were laid out for the GDN layers, chain or tree)."""
         if rows != list(range(len(rows))):
             r = torch.tensor(rows, device=self.device)
             for blk in self.layers:
                 if isinstance(blk.mixer, Attention):
                     blk.mixer.commit(start, r)
-        if mode in ("chain", "tree"):
+        if gdn_rows in ("chain", "tree"):
             for m in self.gdn_layers():
                 m.commit(rows)
 
@@ -443,8 +445,7 @@ class Transformer(nn.Module):
         if kind == "linear":
             self.certified_head = None
             return kind
-        if kind != "certified":
-            raise InputError(f"unknown head {kind!r}; choose linear or certified")
+        check_choice("head", kind, HEADS)
         if self.lm_head.weight.dtype not in (torch.bfloat16, torch.float32):
             raise InputError("head=certified needs bfloat16 (or float32) weights")
         from specpilot.kernels.lm_head.certified import CertifiedHead

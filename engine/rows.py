@@ -120,3 +120,27 @@ def measure_rows(model, rows: list[int], context: int, reps: int = 50, warmup: i
     return RowsResult(model.spec.name, gpu, str(model.device), str(model.dtype).replace("torch.", ""), context, ar,
                       points, reps, method, cpu=None if cuda else cpu_name(),
                       extra={"torch": torch.__version__, "threads": torch.get_num_threads()})
+
+
+def default_device() -> str:
+    """``cuda`` when a GPU is visible, else ``cpu`` (``probe rows`` without ``--device``)."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def probe_rows(spec, rows: list[int], context: int, reps: int = 50, warmup: int = 5, progress=None) -> RowsResult:
+    """:func:`measure_rows` on the target ``spec`` describes (``EngineSpec``: model, dtype, device,
+    threads, w12, attn, head, decode), with a cache of context + rows + 64 slots; the result
+    names the model and records the W12, attention, head and decode choices."""
+    import torch
+
+    from specpilot.engine.api import load_target
+
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
+    target = load_target(spec, max_seq=context + max(rows) + 64)
+    res = measure_rows(target.model, rows, context, reps=reps, warmup=warmup, progress=progress)
+    res.model = target.name
+    res.extra.update({k: target.info[k] for k in ("w12", "attn", "head", "decode")})
+    return res

@@ -1,9 +1,11 @@
 """``specpilot ceiling``: byte floors per row count, and the cost model from measurements.
 
-Inputs are numbers or files other verbs write: a profile JSON (``specpilot profile``: kernel busy
-ms, step wall ms, floor), a replay JSON (``specpilot replay``: tau per policy, tau(N) curves) and a
-rows-probe JSON (``specpilot probe rows``: T_step(N) and T_AR). Numbers given on the command line
-win over numbers read from files.
+The inputs are one :class:`CeilingRequest`: the deployment's shape, numbers given directly
+(:class:`Measurements`) and figures from other verbs' results, already read
+(:class:`ProfileFigures` from ``specpilot profile``: kernel busy ms, step wall ms, floor;
+:class:`ReplayFigures` from ``specpilot replay``: tau per policy, tau(N) curves;
+:class:`RowsProbeFigures` from ``specpilot probe rows``: T_step(N) and T_AR). Numbers given
+directly win over figures from results.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specpilot.errors import InputError
-from specpilot.fileio import read_json
 from specpilot.gpus import GPUSpec
 from specpilot.models import ModelSpec
 
@@ -81,98 +82,122 @@ class CeilingResult:
         }
 
 
-def read_profile(path: str, m: Measurements) -> dict:
-    doc = read_json(path, kind="profile")
-    for key in ("kernel_busy_ms", "step_wall_ms"):
-        if not isinstance(doc.get(key), (int, float)):
-            raise InputError(f"{path}: profile has no numeric {key!r}")
-    m.set("profile_ms", doc["kernel_busy_ms"], f"profile {path}")
-    m.set("step_ms", doc["step_wall_ms"], f"profile {path}")
-    if isinstance(doc.get("total_floor_ms"), (int, float)) and doc["total_floor_ms"] > 0:
-        m.set("floor_ms", doc["total_floor_ms"], f"profile {path}")
-    return doc
+@dataclass
+class ProfileFigures:
+    """What the ceiling takes from a profile: ``source`` names it (the file) in sources and errors."""
+
+    source: str
+    kernel_busy_ms: float
+    step_wall_ms: float
+    total_floor_ms: float | None = None  # None when the profile had no (positive) floor
+    rows: int | None = None  # the profiled shape's rows per request
 
 
-def read_replay(path: str, m: Measurements, current_policy: str, rows: int | None) -> dict[str, dict[int, float]]:
-    doc = read_json(path, kind="replay")
-    pols = doc.get("policies")
-    if not isinstance(pols, list) or not pols:
-        raise InputError(f"{path}: replay has no 'policies' list")
-    taus = {}
-    for p in pols:
-        if not isinstance(p, dict) or not isinstance(p.get("tau"), (int, float)) or "policy" not in p:
-            raise InputError(f"{path}: every policy needs 'policy' and a numeric 'tau'")
-        taus[str(p["policy"])] = float(p["tau"])
+@dataclass
+class ReplayFigures:
+    """What the ceiling takes from a replay: tau per policy name and tau(N) curves per policy."""
+
+    source: str
+    taus: dict[str, float]
+    curves: dict[str, dict[int, float]] = field(default_factory=dict)
+
+
+@dataclass
+class RowsProbeFigures:
+    """What the ceiling takes from a rows probe: T_step(N) in ms per row count N, and T_AR."""
+
+    source: str
+    step_ms: dict[int, float]
+    ar_ms: float
+
+
+@dataclass
+class CeilingRequest:
+    """One ``ceiling`` question: the deployment (model, GPU, rows per request, batch, context,
+    storage dtypes, drafter), the floor fractions, and the measured inputs."""
+
+    model: ModelSpec | None
+    gpu: GPUSpec | None
+    rows: list[int]
+    batch: int = 1
+    context: int = 2048
+    weight_dtype: str = "bf16"
+    lm_head_dtype: str | None = None
+    kv_dtype: str = "bf16"
+    drafter: ModelSpec | None = None
+    draft_rows: int | None = None
+    draft_passes: int = 1
+    flops_fraction: float = 0.60
+    bw_fraction: float = 0.90
+    policy: str = "chain"  # the replay policy that is the current system
+    measurements: Measurements = field(default_factory=Measurements)
+    profile: ProfileFigures | None = None
+    replay: ReplayFigures | None = None
+    rows_probe: RowsProbeFigures | None = None
+
+    def step_floor(self, rows: int, drafter: bool = True) -> StepFloor:
+        """The floor of one step at ``rows`` rows (``drafter=False``: the AR step, no drafter)."""
+        return step_floor(self.model, self.gpu, rows, batch=self.batch, context=self.context,
+                          weight_dtype=self.weight_dtype, lm_head_dtype=self.lm_head_dtype, kv_dtype=self.kv_dtype,
+                          drafter=self.drafter if drafter else None, draft_rows=self.draft_rows if drafter else None,
+                          flops_fraction=self.flops_fraction, bw_fraction=self.bw_fraction,
+                          draft_passes=self.draft_passes if drafter else 1)
+
+
+def _use_profile(p: ProfileFigures, m: Measurements) -> None:
+    m.set("profile_ms", p.kernel_busy_ms, f"profile {p.source}")
+    m.set("step_ms", p.step_wall_ms, f"profile {p.source}")
+    if p.total_floor_ms is not None:
+        m.set("floor_ms", p.total_floor_ms, f"profile {p.source}")
+
+
+def _use_replay(r: ReplayFigures, m: Measurements, current_policy: str) -> None:
+    taus = r.taus
     cur = taus.get(current_policy)
     if cur is None:
         matches = [k for k in taus if k.split(":")[0] == current_policy]
         if len(matches) == 1:
             cur = taus[matches[0]]
     if cur is None:
-        raise InputError(f"{path}: no policy {current_policy!r} in the replay (has {', '.join(taus)}); "
+        raise InputError(f"{r.source}: no policy {current_policy!r} in the replay (has {', '.join(taus)}); "
                          "choose one with --policy")
-    m.set("tau", cur, f"replay {path} ({current_policy})")
+    m.set("tau", cur, f"replay {r.source} ({current_policy})")
     best_name = max(taus, key=taus.get)
-    m.set("tau_best", taus[best_name], f"replay {path} ({best_name})")
-    curves = {}
-    for name, pts in (doc.get("curves") or {}).items():
-        try:
-            curves[name] = {int(k): float(v) for k, v in pts.items()}
-        except (AttributeError, TypeError, ValueError):
-            raise InputError(f"{path}: curve {name!r} must map node counts to tau") from None
-    return curves
+    m.set("tau_best", taus[best_name], f"replay {r.source} ({best_name})")
 
 
-def read_rows_probe(path: str, m: Measurements, rows: int | None) -> dict[int, float]:
-    doc = read_json(path, kind="rows")
-    pts = doc.get("points")
-    if not isinstance(pts, list) or not pts:
-        raise InputError(f"{path}: rows probe has no 'points'")
-    curve = {}
-    for p in pts:
-        try:
-            curve[int(p["rows"])] = float(p["step_ms"])
-        except (KeyError, TypeError, ValueError):
-            raise InputError(f"{path}: every point needs integer 'rows' and numeric 'step_ms'") from None
-    ar = doc.get("ar_ms", curve.get(1))
-    if ar is None:
-        raise InputError(f"{path}: rows probe has neither 'ar_ms' nor a point at 1 row")
-    m.set("ar_ms", ar, f"rows probe {path}")
-    if rows is not None and rows in curve:
-        m.set("step_ms", curve[rows], f"rows probe {path} (rows={rows})")
-    return curve
+def _use_rows_probe(p: RowsProbeFigures, m: Measurements, rows: int | None) -> None:
+    m.set("ar_ms", p.ar_ms, f"rows probe {p.source}")
+    if rows is not None and rows in p.step_ms:
+        m.set("step_ms", p.step_ms[rows], f"rows probe {p.source} (rows={rows})")
 
 
-def compute_ceiling(model: ModelSpec | None, gpu: GPUSpec | None, rows: list[int], batch: int, context: int,
-                    weight_dtype: str = "bf16", lm_head_dtype: str | None = None, kv_dtype: str = "bf16",
-                    drafter: ModelSpec | None = None, draft_rows: int | None = None,
-                    flops_fraction: float = 0.60, bw_fraction: float = 0.90,
-                    measurements: Measurements | None = None, profile: str | None = None,
-                    replay: str | None = None, rows_probe: str | None = None,
-                    policy: str = "chain", draft_passes: int = 1) -> CeilingResult:
-    m = measurements or Measurements()
-    if batch <= 0:
-        raise InputError(f"--batch must be positive, got {batch}")
-    if context < 0:
-        raise InputError(f"--context must be >= 0, got {context}")
+def compute_ceiling(req: CeilingRequest) -> CeilingResult:
+    m, model, gpu, rows = req.measurements, req.model, req.gpu, req.rows
+    if req.batch <= 0:
+        raise InputError(f"--batch must be positive, got {req.batch}")
+    if req.context < 0:
+        raise InputError(f"--context must be >= 0, got {req.context}")
     # measured analysis happens at one row count
     cost_rows = rows[0] if len(rows) == 1 else None
-    prof = read_profile(profile, m) if profile else None
-    if prof and cost_rows is None:
-        shape_rows = (prof.get("shape") or {}).get("rows")
-        if isinstance(shape_rows, int) and shape_rows in rows:
-            cost_rows = shape_rows
-    curves = read_replay(replay, m, policy, cost_rows) if replay else {}
-    step_curve = read_rows_probe(rows_probe, m, cost_rows) if rows_probe else {}
+    if req.profile:
+        _use_profile(req.profile, m)
+        if cost_rows is None and req.profile.rows in rows:
+            cost_rows = req.profile.rows
+    curves = {}
+    if req.replay:
+        _use_replay(req.replay, m, req.policy)
+        curves = req.replay.curves
+    step_curve = {}
+    if req.rows_probe:
+        _use_rows_probe(req.rows_probe, m, cost_rows)
+        step_curve = req.rows_probe.step_ms
 
     floors: list[StepFloor] = []
     ar_floor = None
     if model is not None and gpu is not None:
-        for n in rows:
-            floors.append(step_floor(model, gpu, n, batch, context, weight_dtype, lm_head_dtype, kv_dtype,
-                                     drafter, draft_rows, flops_fraction, bw_fraction, draft_passes))
-        ar_floor = step_floor(model, gpu, 1, batch, context, weight_dtype, lm_head_dtype, kv_dtype,
-                              None, None, flops_fraction, bw_fraction)
+        floors = [req.step_floor(n) for n in rows]
+        ar_floor = req.step_floor(1, drafter=False)
         if cost_rows is not None:
             f = next(f for f in floors if f.rows == cost_rows)
             if m.floor_ms is None:
@@ -192,22 +217,21 @@ def compute_ceiling(model: ModelSpec | None, gpu: GPUSpec | None, rows: list[int
     elif model is None:
         raise InputError("give --model for byte floors, or measurements (--tau, --step-ms, --ar-ms, --profile ...)")
     res = CeilingResult(model=model, gpu=gpu, floors=floors, ar_floor=ar_floor, cost=cost, measurements=m,
-                        rows_for_cost=cost_rows, fractions={"flops": flops_fraction, "bandwidth": bw_fraction},
+                        rows_for_cost=cost_rows, fractions={"flops": req.flops_fraction, "bandwidth": req.bw_fraction},
                         tau_curve=curves)
-    res.by_nodes = predict_by_nodes(curves, step_curve, m.ar_ms, res, model, gpu, batch, context, weight_dtype,
-                                    lm_head_dtype, kv_dtype, drafter, draft_rows, flops_fraction, bw_fraction,
-                                    draft_passes)
+    res.by_nodes = predict_by_nodes(req, curves, step_curve, res)
     return res
 
 
-def predict_by_nodes(curves, step_curve, ar_ms, res, model, gpu, batch, context, weight_dtype, lm_head_dtype,
-                     kv_dtype, drafter, draft_rows, flops_fraction, bw_fraction, draft_passes=1) -> list[dict]:
+def predict_by_nodes(req: CeilingRequest, curves: dict[str, dict[int, float]], step_curve: dict[int, float],
+                     res: CeilingResult) -> list[dict]:
     """Speedup tau(N) / c(N) for every node budget N of the replay's tau(N) curves.
 
     c(N) is measured (rows probe: T_step(N) / T_AR) when a rows probe is given (node budgets it did
     not measure are left out, never mixed with floors), else the floor c(N) of the model (the
     regime where every kernel sits at its byte floor).
     """
+    ar_ms = res.measurements.ar_ms
     out = []
     for policy, pts in curves.items():
         for n, tau in sorted(pts.items()):
@@ -215,10 +239,8 @@ def predict_by_nodes(curves, step_curve, ar_ms, res, model, gpu, batch, context,
                 if n not in step_curve or not ar_ms:
                     continue
                 c, source = step_curve[n] / ar_ms, "measured"
-            elif model is not None and gpu is not None and res.ar_floor is not None:
-                f = step_floor(model, gpu, n, batch, context, weight_dtype, lm_head_dtype, kv_dtype, drafter,
-                               draft_rows, flops_fraction, bw_fraction, draft_passes)
-                c, source = f.total_floor_ms / res.ar_floor.total_floor_ms, "floor"
+            elif req.model is not None and req.gpu is not None and res.ar_floor is not None:
+                c, source = req.step_floor(n).total_floor_ms / res.ar_floor.total_floor_ms, "floor"
             else:
                 continue
             out.append({"policy": policy, "nodes": n, "tau": tau, "c": c, "c_source": source, "speedup": tau / c})

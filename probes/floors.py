@@ -204,7 +204,7 @@ def apply_floors(costs: dict[str, ClassCost], gpu: GPUSpec, flops_dtype: str = "
     return total
 
 
-def step_floor(model: ModelSpec, gpu: GPUSpec, rows: int, batch: int = 1, context: int = 2048,
+def step_floor(model: ModelSpec, gpu: GPUSpec, rows: int, *, batch: int = 1, context: int = 2048,
                weight_dtype: str = "bf16", lm_head_dtype: str | None = None, kv_dtype: str = "bf16",
                drafter: ModelSpec | None = None, draft_rows: int | None = None,
                flops_fraction: float = 0.60, bw_fraction: float = 0.90, draft_passes: int = 1) -> StepFloor:

@@ -23,6 +23,8 @@ LINEAR_ATTENTION = "linear_attention"  # Gated DeltaNet
 # Weight storage per dtype, in bits per weight (per-channel/group metadata included).
 # w12: the paper's 12.013-12.020 bits/weight over 8 models; int4: group-128 bf16 scales.
 DTYPE_BITS = {"bf16": 16.0, "fp16": 16.0, "fp32": 32.0, "fp8": 8.0, "w12": 12.02, "int8": 8.0, "int4": 4.125}
+WEIGHT_DTYPES = ("bf16", "fp16", "fp8", "w12", "int8", "int4")  # the --weight-dtype / --lm-head-dtype choices
+KV_DTYPES = ("bf16", "fp16", "fp8")  # the --kv-dtype choices
 
 SUPPORTED_ARCHS = {
     "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "qwen2_moe", "qwen3_moe",

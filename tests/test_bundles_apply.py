@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from specpilot.bundles import activation as act
-from specpilot.bundles.testing import SKIP_REASON, fake_version_root, make_env, sglang_dir, tree_digest
+from sglang_support import SKIP_REASON, fake_version_root, make_env, sglang_dir, tree_digest
 
 SGL = sglang_dir()
 pytestmark = pytest.mark.skipif(SGL is None, reason=SKIP_REASON)
@@ -74,7 +74,7 @@ def test_batching_and_tlv_round_trip(run_cli, env):
     targets = {h["target"].rsplit(".", 2)[-2] + "." + h["target"].rsplit(".", 1)[-1] for h in data["hooks"]}
     assert {"DSparkVerifyPlanner._schedule_verify_lens", "Scheduler._should_defer_prefill",
             "DFlashWorkerV2.forward_batch_generation"} <= targets
-    assert set(data["fingerprints"]) >= {"specpilot.bundles.batching", "specpilot.bundles.tlv", "specpilot.bundles.w12"}
+    assert set(data["fingerprints"]) >= {"specpilot.bundles.batching", "specpilot.bundles.tlv", "specpilot.bundles.w12_quantization"}
     code, out, err = run_cli("status", "--python", env, "--format", "json")
     st = json.loads(out)
     assert code == 0 and st["matches"] and st["problems"] == [] and all(c["ok"] for c in st["checks"])

@@ -14,7 +14,7 @@ import pytest
 
 from specpilot.bundles import batching
 from specpilot.bundles import plugin
-from specpilot.bundles.testing import SKIP_REASON, load_sglang_function, sglang_dir
+from sglang_support import SKIP_REASON, load_sglang_function, sglang_dir
 
 SGL = sglang_dir()
 PLANNER = "sglang.srt.speculative.dspark_components.dspark_planner"
@@ -326,7 +326,7 @@ def test_hooks_through_sglangs_hook_registry(sgl, fresh):
     """The applied hook set, registered with SGLang's own HookRegistry on stand-in classes that
     carry SGLang's own methods (compiled from the wheel), called the way SGLang calls them."""
     from specpilot.bundles.memory import hooks_of, load_memory
-    from specpilot.bundles.testing import load_sglang_module_file
+    from sglang_support import load_sglang_module_file
 
     reg = load_sglang_module_file(SGL, "sglang.srt.plugins.hook_registry", "_sp_hook_registry_batching")
     reg.HookRegistry.reset()

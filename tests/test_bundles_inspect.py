@@ -6,7 +6,7 @@ import pytest
 
 from specpilot.bundles.inspect_sglang import SGLangSource, check_hook, check_symbol, check_targets
 from specpilot.bundles.memory import Hook, Symbol, load_memory
-from specpilot.bundles.testing import SKIP_REASON, sglang_dir
+from sglang_support import SKIP_REASON, sglang_dir
 
 SRC = '''
 import os

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from specpilot.bundles import lattice_trace as lt
-from specpilot.bundles.testing import SKIP_REASON, load_sglang_function, sglang_dir
+from sglang_support import SKIP_REASON, load_sglang_function, sglang_dir
 
 SGL = sglang_dir()
 torch = pytest.importorskip("torch")

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from specpilot.bundles.testing import SKIP_REASON, load_sglang_function, sglang_dir
+from sglang_support import SKIP_REASON, load_sglang_function, sglang_dir
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("specpilot.kernels.lm_head")

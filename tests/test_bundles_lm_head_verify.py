@@ -24,7 +24,7 @@ from typing import Optional
 
 import pytest
 
-from specpilot.bundles.testing import SKIP_REASON, fresh_hook_registry, load_sglang_function, sglang_dir
+from sglang_support import SKIP_REASON, fresh_hook_registry, load_sglang_function, sglang_dir
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("specpilot.kernels.lm_head")

@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
 from specpilot.bundles import activation as act
 from specpilot.bundles import plugin
-from specpilot.bundles.testing import SKIP_REASON, fresh_hook_registry, make_env, sglang_dir
+from sglang_support import SKIP_REASON, fresh_hook_registry, make_env, sglang_dir
 
 SGL = sglang_dir()
 pytestmark = pytest.mark.skipif(SGL is None, reason=SKIP_REASON)
@@ -132,9 +133,9 @@ def test_hooks_through_sglang_wrappers_keep_stock_values(hooks):
 _DISCOVER = r"""
 import json, os, sys, types
 from pathlib import Path
-sys.path[:] = [p for p in sys.path if p not in ("", ".")]
+sys.path[:] = [p for p in sys.path if p not in ("", ".")] + [TESTS]
 from specpilot.bundles import plugin
-from specpilot.bundles.testing import load_sglang_function, load_sglang_module_file, sglang_dir
+from sglang_support import load_sglang_function, load_sglang_module_file, sglang_dir
 root = sglang_dir()
 hr = load_sglang_module_file(root, "sglang.srt.plugins.hook_registry", "hook_registry_under_test")
 
@@ -170,27 +171,28 @@ def test_sglang_discovers_the_entry_point_in_the_target_env(tmp_path):
     res = act.apply("tree", python=str(py))
     env = dict(os.environ, SGLANG_PLUGINS="specpilot", SPECPILOT_SGLANG_DIR=str(SGL))
     env.pop("SPECPILOT_ACTIVATION", None)
-    proc = subprocess.run([str(py), "-B", "-c", _DISCOVER], capture_output=True, text=True, env=env, cwd=tmp_path)
+    script = f"TESTS = {str(Path(__file__).resolve().parent)!r}\n" + _DISCOVER
+    proc = subprocess.run([str(py), "-B", "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["found"] == ["specpilot"] and out["dist"] == "specpilot"
     assert out["registered"] == [f"{h['type']} {h['target']} <- {h['handler']}" for h in res.activation["hooks"]]
     env["SGLANG_PLUGINS"] = "someone_else"
-    proc = subprocess.run([str(py), "-B", "-c", _DISCOVER], capture_output=True, text=True, env=env, cwd=tmp_path)
+    proc = subprocess.run([str(py), "-B", "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path)
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"found": []}
     act.revert(str(py))
 
 
 def test_w12_activation_plans_its_setup_and_head_hook(activation_of, tmp_path):
-    from specpilot.bundles import lm_head, w12_sglang
+    from specpilot.bundles import lm_head, w12_quantization_sglang
 
     res = act.apply("w12", python=str(make_env(tmp_path / "e", SGL)), dry_run=True, experimental=True)
     activation = res.activation
-    assert activation["setup"] == ["specpilot.bundles.w12_sglang:install"]
+    assert activation["setup"] == ["specpilot.bundles.w12_quantization_sglang:install"]
     assert activation["quantization"] == ["w12"]
     assert "--quantization w12" in activation["launch"]
     hooks, setups = plugin.plan(activation, "0.5.23")
-    assert setups == [("specpilot.bundles.w12_sglang:install", w12_sglang.install)]
+    assert setups == [("specpilot.bundles.w12_quantization_sglang:install", w12_quantization_sglang.install)]
     lp, worker = "sglang.srt.layers.logits_processor.LogitsProcessor", "sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2"
     graphs = "sglang.srt.model_executor.runner_backend.full_cuda_graph_backend.FullCudaGraphBackend"
     assert sorted((t, k, fn.__name__) for t, k, fn, _ in hooks) == sorted([

@@ -11,12 +11,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from specpilot.bundles.testing import SKIP_REASON, load_sglang_function, sglang_dir
+from sglang_support import SKIP_REASON, load_sglang_function, sglang_dir
 
 torch = pytest.importorskip("torch")
 
 from specpilot.bundles import tlv  # noqa: E402
-from specpilot.bundles import w12 as w12b  # noqa: E402
+from specpilot.bundles import w12_quantization as w12b  # noqa: E402
 
 SGL = sglang_dir()
 WORKER = "sglang.srt.speculative.dflash_worker_v2"
@@ -315,7 +315,7 @@ def test_hooks_through_sglangs_hook_registry(sgl, monkeypatch):
     draft (1) (inner), then the Q pass repairs it (outer)."""
     from specpilot.bundles import lm_head, plugin
     from specpilot.bundles.memory import hooks_of, load_memory
-    from specpilot.bundles.testing import load_sglang_module_file
+    from sglang_support import load_sglang_module_file
 
     reg = load_sglang_module_file(SGL, "sglang.srt.plugins.hook_registry", "_sp_hook_registry_tlv")
     reg.HookRegistry.reset()

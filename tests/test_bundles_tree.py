@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from specpilot.bundles.testing import SKIP_REASON, load_sglang_function, sglang_dir
+from sglang_support import SKIP_REASON, load_sglang_function, sglang_dir
 
 SGL = sglang_dir()
 pytestmark = pytest.mark.skipif(SGL is None, reason=SKIP_REASON)

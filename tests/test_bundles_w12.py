@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("specpilot.kernels.w12")
 
-from specpilot.bundles import w12  # noqa: E402
+from specpilot.bundles import w12_quantization as w12  # noqa: E402
 
 
 class Layer(torch.nn.Module):
@@ -109,15 +109,15 @@ def test_sglang_classes_implement_every_abstract_method_of_the_installed_base():
     import ast
     from pathlib import Path
 
-    from specpilot.bundles import w12_sglang
-    from specpilot.bundles.testing import SKIP_REASON, sglang_dir
+    from specpilot.bundles import w12_quantization_sglang
+    from sglang_support import SKIP_REASON, sglang_dir
 
     root = sglang_dir()
     if root is None:
         pytest.skip(SKIP_REASON)
     base = ast.parse((root / "sglang/srt/layers/quantization/base_config.py").read_text())
     bases = {n.name: _methods(n) for n in base.body if isinstance(n, ast.ClassDef)}
-    mine = {n.name: _methods(n) for n in ast.walk(ast.parse(Path(w12_sglang.__file__).read_text()))
+    mine = {n.name: _methods(n) for n in ast.walk(ast.parse(Path(w12_quantization_sglang.__file__).read_text()))
             if isinstance(n, ast.ClassDef)}
     pairs = {"W12Config": ["QuantizationConfig"], "W12LinearMethod": ["LinearMethodBase", "QuantizeMethodBase"]}
     checked = 0

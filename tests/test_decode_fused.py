@@ -153,7 +153,7 @@ def test_cli_decode_option_errors(run_cli):
     code, _, err = run_cli("run", "--model", "tiny", "--mode", "ar", "--decode", "warp", "--prompt", "hi")
     assert code == 2 and "'warp' is not one of" in err
     code, _, err = run_cli("probe", "rows", "--model", "tiny", "--device", "cpu", "--decode", "fused")
-    assert code == 2 and "--decode fused needs --device cuda" in err
+    assert code == 2 and "decode=fused needs device=cuda" in err
 
 
 @pytest.mark.gpu

@@ -64,7 +64,7 @@ def test_w12_refuses_weights_bf16_cannot_hold():
 def test_w12_fp32_engine_with_bf16_exact_weights_is_exact():
     from specpilot.engine.api import build_model
     from specpilot.engine.decode import Decoder
-    from specpilot.engine.w12 import convert_engine_model
+    from specpilot.engine.w12_loader import convert_engine_model
 
     torch.set_grad_enabled(False)
     outs = []
@@ -85,7 +85,7 @@ def test_w12_fp32_engine_with_bf16_exact_weights_is_exact():
 def test_w12_fused_path_under_the_interpreter(monkeypatch):
     """The fused path (W12Projection -> w12_linear), run on the CPU by Triton's interpreter."""
     pytest.importorskip("triton")
-    from specpilot.engine import w12 as ew
+    from specpilot.engine import w12_loader as ew
     from specpilot.engine.api import build_model
     from specpilot.engine.model import StepInput
 
@@ -124,7 +124,7 @@ def test_w12_one_row_step_through_the_fused_decode_kernels(monkeypatch):
     torch reference here: Triton's interpreter gets bf16 ``tl.dot`` wrong (the fused attention is
     checked in bf16 on the GPU, tests/test_attention_kernel.py)."""
     pytest.importorskip("triton")
-    from specpilot.engine import w12 as ew
+    from specpilot.engine import w12_loader as ew
     from specpilot.engine.api import build_model
     from specpilot.engine.fused_decode import ineligible
     from specpilot.engine.model import StepInput

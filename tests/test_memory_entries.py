@@ -11,7 +11,7 @@ import yaml
 
 from specpilot.bundles import memory as mem
 
-MEMORY = Path(mem.__file__).resolve().parent / "memory"
+MEMORY = mem.MEMORY_DIR
 
 
 def test_packaged_memory_reproduces_its_recorded_systems(run_cli):
@@ -145,7 +145,7 @@ def test_out_file_is_atomic_and_protects_nothing_half_written(run_cli, tmp_path)
 
 
 def test_verify_against_an_installed_sglang(run_cli, tmp_path):
-    from specpilot.bundles.testing import SKIP_REASON, make_env, sglang_dir
+    from sglang_support import SKIP_REASON, make_env, sglang_dir
 
     if sglang_dir() is None:
         pytest.skip(SKIP_REASON)

@@ -38,11 +38,10 @@ def test_profile_h200_capture_with_floors(run_cli, tmp_path):
         if c["floor_ms"] and c["ms"]:
             assert c["efficiency"] == pytest.approx(c["floor_ms"] / c["ms"])
     # the ceiling verb reads it
-    from specpilot.probes.ceiling import Measurements, read_profile
+    from specpilot.readers import read_profile
 
-    m = Measurements()
-    read_profile(str(out), m)
-    assert m.profile_ms == d["kernel_busy_ms"] and m.step_ms == d["step_wall_ms"]
+    p = read_profile(str(out))
+    assert p.kernel_busy_ms == d["kernel_busy_ms"] and p.step_wall_ms == d["step_wall_ms"]
 
 
 def test_table_explain_and_plot(run_cli, tmp_path):

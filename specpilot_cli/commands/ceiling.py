@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import click
 
+from specpilot.models import KV_DTYPES, WEIGHT_DTYPES
 from specpilot.output import Report, Section, emit, output_options
-
-DTYPES = ["bf16", "fp16", "fp8", "w12", "int8", "int4"]
 
 
 @click.command("ceiling")
@@ -21,11 +20,11 @@ DTYPES = ["bf16", "fp16", "fp8", "w12", "int8", "int4"]
               help="Rows verified per request per step, e.g. 1,8,32,64 or 1,2,4,...,256.")
 @click.option("--batch", default=1, show_default=True, type=int, help="Requests per step.")
 @click.option("--context", default=2048, show_default=True, type=int, help="Committed context tokens per request.")
-@click.option("--weight-dtype", type=click.Choice(DTYPES), default="bf16", show_default=True,
+@click.option("--weight-dtype", type=click.Choice(WEIGHT_DTYPES), default="bf16", show_default=True,
               help="Storage of projection and expert weights (w12 = 12.02 bits/weight).")
-@click.option("--lm-head-dtype", type=click.Choice(DTYPES), default=None,
+@click.option("--lm-head-dtype", type=click.Choice(WEIGHT_DTYPES), default=None,
               help="LM head storage [default: bf16 with w12 weights, else the weight dtype].")
-@click.option("--kv-dtype", type=click.Choice(["bf16", "fp16", "fp8"]), default="bf16", show_default=True)
+@click.option("--kv-dtype", type=click.Choice(KV_DTYPES), default="bf16", show_default=True)
 @click.option("--drafter", "drafter_name", metavar="NAME|PATH", help="Drafter model: adds its step as the drafter class.")
 @click.option("--draft-rows", type=int, help="Drafter rows per request per pass [default: --rows].")
 @click.option("--draft-passes", type=int, default=1, show_default=True,
@@ -64,7 +63,8 @@ def command(model_name, gpu_name, bandwidth, flops, fp8_flops, rows, batch, cont
     from specpilot.gpus import custom_gpu, get_gpu, with_overrides
     from specpilot.models import load_model_spec
     from specpilot.options import parse_int_list
-    from specpilot.probes.ceiling import Measurements, compute_ceiling
+    from specpilot.probes.ceiling import CeilingRequest, Measurements, compute_ceiling
+    from specpilot.readers import read_profile, read_replay, read_rows_probe
 
     row_list = parse_int_list(rows, "--rows")
     if draft_rows is not None and draft_rows <= 0:
@@ -84,9 +84,14 @@ def command(model_name, gpu_name, bandwidth, flops, fp8_flops, rows, batch, cont
                     ("profile_ms", profile_ms)):
         m.set(name, v, "command line")
     protect = [p for p in (profile_file, replay_file, rows_file) if p]
-    res = compute_ceiling(model, gpu, row_list, batch, context, weight_dtype, lm_head_dtype, kv_dtype, drafter,
-                          draft_rows, flops_fraction, bw_fraction, m, profile_file, replay_file, rows_file, policy,
-                          draft_passes)
+    req = CeilingRequest(model=model, gpu=gpu, rows=row_list, batch=batch, context=context, weight_dtype=weight_dtype,
+                         lm_head_dtype=lm_head_dtype, kv_dtype=kv_dtype, drafter=drafter, draft_rows=draft_rows,
+                         draft_passes=draft_passes, flops_fraction=flops_fraction, bw_fraction=bw_fraction,
+                         policy=policy, measurements=m,
+                         profile=read_profile(profile_file) if profile_file else None,
+                         replay=read_replay(replay_file) if replay_file else None,
+                         rows_probe=read_rows_probe(rows_file) if rows_file else None)
+    res = compute_ceiling(req)
     emit(_report(res), fmt, out, protect=protect)
     return 0
 

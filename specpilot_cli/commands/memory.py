@@ -101,12 +101,12 @@ def verify(ids, python, record, memory_dir, fmt, out):
         entries = mem.load_memory(memory_dir)
     rows = mem.verify(entries, ids or None)
     if python:
-        from specpilot.bundles.activation import _require_sglang
+        from specpilot.bundles.activation import require_sglang
         from specpilot.bundles.inspect_sglang import check_targets
         from specpilot.bundles.sglang_env import probe
 
         env = probe(python)
-        _require_sglang(env)
+        require_sglang(env)
         for r in rows:
             if entries[r.id].status == "library":
                 continue

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from specpilot.engine.options import engine_options, spec_from_cli
+from specpilot.engine_options import engine_options, spec_from_cli
 from specpilot.errors import InputError
 from specpilot.output import Report, Section, emit, output_options, progress
 
@@ -19,24 +19,6 @@ def read_prompts(path: str) -> list[dict]:
             for r in read_prompt_rows(path)]
 
 
-def run_requests(engine, prompts: list[dict], max_new: int, chat: bool | None, lattice: bool):
-    """Generate every prompt; returns per-request dicts and the lattice rows."""
-    use_chat = chat
-    if use_chat is None:
-        use_chat = bool(engine.tokenizer is not None and getattr(engine.tokenizer, "chat_template", None))
-    results, lattice_rows = [], []
-    for i, pr in enumerate(progress(prompts, total=len(prompts), desc="run", unit="prompt")):
-        ids = pr.get("ids") or engine.encode(pr["text"], chat=use_chat)
-        r = engine.generate(ids, max_new, record_lattice=lattice, request=pr["id"])
-        lattice_rows.extend(r.lattice_steps)
-        results.append({"id": pr["id"], "prompt_ids": ids, "output_ids": r.output_ids,
-                        "text": engine.decode(r.output_ids), "steps": r.steps, "tau": r.tau,
-                        "tokens": len(r.output_ids), "seconds": r.seconds, "prefill_seconds": r.prefill_seconds,
-                        "tokens_per_s": r.tokens_per_second, "decode_tokens_per_s": r.decode_tokens_per_second,
-                        "stop": r.stop_reason})
-    return results, lattice_rows, use_chat
-
-
 def _w12_label(w12: dict | None) -> str:
     if not w12:
         return ""
@@ -44,7 +26,7 @@ def _w12_label(w12: dict | None) -> str:
 
 
 @click.command("run")
-@engine_options
+@engine_options()
 @click.option("--prompt", "prompt_text", default=None, help="One prompt (text).")
 @click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False), default=None,
               help="Prompts file: specpilot.prompts/1 JSONL (prompt_ids or text; an outputs file works too), or plain text, one prompt per line.")
@@ -99,7 +81,8 @@ def command(prompt_text, prompts_file, prompt_ids, chat, max_new_tokens, outputs
     from specpilot.engine.api import load_engine
 
     engine = load_engine(spec)
-    results, lattice_rows, used_chat = run_requests(engine, prompts, max_new_tokens, chat, bool(lattice_out))
+    run = engine.run(prompts, max_new_tokens, chat=chat, record_lattice=bool(lattice_out), progress=progress)
+    results, lattice_rows, used_chat = run.results, run.lattice_rows, run.chat
 
     from specpilot.fileio import write_jsonl_atomic
 

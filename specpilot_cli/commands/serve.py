@@ -7,13 +7,13 @@ import threading
 
 import click
 
-from specpilot.engine.options import engine_options, spec_from_cli
+from specpilot.engine_options import engine_options, spec_from_cli
 from specpilot.errors import EnvironmentMissing, InputError
 from specpilot.output import Report, Section, emit, output_options
 
 
 @click.command("serve")
-@engine_options
+@engine_options()
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=int, default=30000, show_default=True)
 @click.option("--log-requests", is_flag=True, help="Log each HTTP request on stderr.")

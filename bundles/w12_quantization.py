@@ -1,6 +1,6 @@
 """Bundle ``w12``: the lossless 12-bit weight format as an SGLang quantization method (plain part).
 
-This module holds what the SGLang classes in :mod:`.w12_sglang` do, without importing SGLang, so
+This module holds what the SGLang classes in :mod:`.w12_quantization_sglang` do, without importing SGLang, so
 it runs (and is tested) on any machine: create the bf16 weight SGLang's loader fills, convert it
 to W12 at load and check the restored tensor bit for bit against the checkpoint, then run the W12
 GEMM. The format and the kernels are ``specpilot.kernels.w12``.

@@ -10,7 +10,7 @@ the LM head, MoE experts) stay unquantized.
 
 from __future__ import annotations
 
-from . import w12 as core
+from . import w12_quantization as core
 
 NAME = "w12"
 

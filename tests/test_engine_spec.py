@@ -1,0 +1,105 @@
+"""EngineSpec is the one place of the engine's options: the flags are generated from it and the spec
+text is their serialization (both round-trip for every field)."""
+
+from __future__ import annotations
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from specpilot.engine.spec import EngineSpec
+from specpilot.engine_options import engine_options, spec_from_cli
+from specpilot.errors import InputError
+
+# one non-default, valid value per option; a new field must be added here
+OTHER = {"model": "tiny", "mode": "chain", "nodes": 12, "depth": 3, "topk": 2, "drafter": "self", "draft_layers": 2,
+         "draft_model": "tiny-hybrid", "random": True, "seed": 7, "dtype": "bfloat16", "device": "cuda:1",
+         "ctx": 512, "graphs": False, "threads": 3, "compile": True, "w12": True, "attn": "torch",
+         "head": "certified", "decode": "layers"}
+
+
+def _flags(spec: EngineSpec) -> list[str]:
+    out = []
+    for o in EngineSpec.options():
+        v = getattr(spec, o.name)
+        if v == o.default:
+            continue
+        if o.kind is bool:
+            out.append(o.flag if v else f"--no-{o.flag[2:]}")
+        else:
+            out += [o.flag, str(v)]
+    return out
+
+
+@click.command()
+@engine_options()
+def _probe_command(**kw):
+    click.echo(str(spec_from_cli(kw)))
+
+
+def _spec_from_flags(args) -> EngineSpec:
+    res = CliRunner().invoke(_probe_command, list(args), catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    return EngineSpec.parse(res.output.strip())
+
+
+def test_every_option_has_a_round_trip_value():
+    assert set(OTHER) == {o.name for o in EngineSpec.options()}
+
+
+@pytest.mark.parametrize("name", list(OTHER))
+def test_spec_text_and_flags_round_trip(name):
+    spec = EngineSpec.from_options(**{name: OTHER[name]})
+    assert getattr(spec, name) == OTHER[name] != getattr(EngineSpec(), name)
+    text = str(spec)
+    assert f"{name}={OTHER[name]}" in text
+    assert EngineSpec.parse(text) == spec
+    assert _spec_from_flags(_flags(spec)) == spec
+    assert _spec_from_flags(["--engine", text]) == spec
+
+
+def test_all_options_at_once_round_trip():
+    spec = EngineSpec.from_options(**OTHER)
+    assert EngineSpec.parse(str(spec)) == spec == _spec_from_flags(_flags(spec))
+
+
+def test_flag_defaults_are_the_spec_defaults():
+    assert _spec_from_flags([]) == EngineSpec() and EngineSpec().mode == "tree"
+    assert EngineSpec.parse("engine:model=tiny") == EngineSpec(model="tiny")
+
+
+def test_spec_keys_take_flag_names_and_dtype_aliases():
+    s = EngineSpec.parse("engine:model=tiny,random-weights=1,draft-layers=2,dtype=bf16")
+    assert (s.random, s.draft_layers, s.dtype) == (True, 2, "bfloat16")
+
+
+@pytest.mark.parametrize("text,msg", [
+    ("engine:mode=beam", "unknown mode 'beam'"), ("engine:drafter=x", "unknown drafter"),
+    ("engine:attn=flash", "unknown attention"), ("engine:nodes=5000", "out of range"),
+    ("engine:ctx=x", "not an integer"), ("engine:graphs=maybe", "must be 0 or 1"),
+    ("engine:dtype=int8", "unknown dtype"), ("engine:device=tpu", "unknown device"),
+])
+def test_spec_errors(text, msg):
+    with pytest.raises(InputError, match=msg):
+        EngineSpec.parse(text)
+
+
+@pytest.mark.parametrize("verb", [["run"], ["serve"]])
+def test_run_and_serve_help_list_every_engine_flag(run_cli, verb):
+    code, out, _ = run_cli(*verb, "--help")
+    assert code == 0
+    for o in EngineSpec.options():
+        assert o.flag in out, o.flag
+    assert "--engine SPEC" in out and "[default: tree]" in out
+
+
+def test_probe_rows_help_lists_its_engine_flags(run_cli):
+    from specpilot.commands.probe import PROBE_OPTIONS
+
+    code, out, _ = run_cli("probe", "rows", "--help")
+    assert code == 0
+    flags = {o.name: o.flag for o in EngineSpec.options()}
+    for name in PROBE_OPTIONS:
+        assert flags[name] in out, name
+    assert "--mode " not in out and "--engine" not in out
+    assert "[default: layers]" in out and "cuda when" in out
