@@ -1,23 +1,29 @@
 #!/usr/bin/env python3
-"""Render the README's "What has been measured" table from the benchmark results files.
+"""Render the measured-figures tables of README.md and docs/ from the benchmark results files.
 
-    python scripts/figures.py            # rewrite the table in README.md
-    python scripts/figures.py --check    # exit 1 when README.md is not what the files give
+    python scripts/figures.py            # rewrite every table that changed
+    python scripts/figures.py --check    # exit 1 when a table is not what the results files give
 
-The table sits between ``<!-- figures:begin -->`` and ``<!-- figures:end -->``. What goes in it is
-``benchmarks/figures.yaml``: per row, the subject file (``benchmarks/results/<subject>.json``), the
-values to read from it, a format string, the target and the verdict. Every number in the table comes
-from a results file, so re-running a benchmark and then this script is how the README changes.
+``benchmarks/figures.yaml`` lists the tables. Each names its file and block (the README's table sits
+between ``<!-- figures:begin -->`` and ``<!-- figures:end -->``, a docs table between
+``<!-- figures:begin NAME -->`` and ``<!-- figures:end NAME -->``), its columns and its rows. A row
+names its subject file (``benchmarks/results/<source>.json``), the values to read from it and one
+format string per cell; ``{sources}`` in a cell links the files the row read. Above each table goes
+an "as of" line (dates, GPU or CPU, driver, torch and Triton versions) taken from the files read.
+So every number in a table comes from a results file: re-run a benchmark, then this script.
 
 A value is read by a spec such as::
 
     m1: {field: summary.geomean_speedup_m1}                      # a dotted path into the file
     big: {row: {vocab: 151936, m: 1}, field: speedup}           # the one row of "rows" matching
-    best: {in: rows, row: {true_gain: 1.03}, field: approved_rate, agg: max}
+    best: {in: rows, row: {true_gain: 1.03}, field: approved_rate, agg: max}   # min max first last count
     c8: {source: probe_rows_llama8b_bf16, in: points, row: {rows: 8}, field: c}
     x: {field: ..., scale: 1000, divide_by: other}              # arithmetic on the value read
 
-Exit codes: 0 done (or up to date), 1 stale (``--check``), 2 bad spec, missing file or field.
+A row with ``for: {shape: [a, b], label: [x, y]}`` stands for one row per value, ``$shape`` and
+``$label`` replaced in its value specs and cells.
+
+Exit codes: 0 done (or up to date), 1 stale (``--check``), 2 bad spec, missing file, field or block.
 """
 
 from __future__ import annotations
@@ -30,8 +36,6 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-BEGIN = "<!-- figures:begin -->"
-END = "<!-- figures:end -->"
 AGGREGATES = ("min", "max", "first", "last", "count")
 
 
@@ -158,74 +162,146 @@ def cell(text) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
-def render(spec: dict, results: Results) -> str:
-    if not isinstance(spec, dict) or not isinstance(spec.get("rows"), list) or not spec["rows"]:
-        raise SpecError("figures.yaml: needs a non-empty 'rows' list")
-    header = ["mechanism / tool", "measured", "target", "verdict", "source"]
-    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+def cell(text) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def substitute(obj, loop: dict):
+    """``$name`` of a ``for`` loop in a spec; a string that is just ``$name`` keeps the value's type."""
+    if isinstance(obj, str):
+        for name, value in loop.items():
+            if obj == f"${name}":
+                return value
+            obj = obj.replace(f"${name}", str(value))
+        return obj
+    if isinstance(obj, list):
+        return [substitute(x, loop) for x in obj]
+    if isinstance(obj, dict):
+        return {k: substitute(v, loop) for k, v in obj.items()}
+    return obj
+
+
+def expand(row, where: str) -> list[tuple[dict, str]]:
+    """A row with ``for: {name: [values], ...}`` once per value (several names are zipped)."""
+    if not isinstance(row, dict) or "for" not in row:
+        return [(row, where)]
+    loop = row["for"]
+    if not isinstance(loop, dict) or not loop or not all(isinstance(v, list) and v for v in loop.values()):
+        raise SpecError(f"{where}: 'for' maps names to non-empty lists")
+    if len({len(v) for v in loop.values()}) != 1:
+        raise SpecError(f"{where}: the lists of 'for' differ in length")
+    body = {k: v for k, v in row.items() if k != "for"}
+    return [(substitute(body, dict(zip(loop, vals))), f"{where} [{', '.join(map(str, vals))}]")
+            for vals in zip(*loop.values())]
+
+
+def render_table(table: dict, results: Results, where: str) -> str:
+    columns, rows = table.get("columns"), table.get("rows")
+    if not isinstance(columns, list) or not columns or not isinstance(rows, list) or not rows:
+        raise SpecError(f"{where}: needs 'columns' and a non-empty 'rows' list")
+    up = "../" * (len(Path(table["file"]).parts) - 1)
+
+    def links(subjects):
+        return ", ".join(f"[{s}]({up}benchmarks/results/{s}.json)" for s in subjects)
+
+    lines = ["| " + " | ".join(map(cell, columns)) + " |", "|" + " --- |" * len(columns)]
     used: list[str] = []
-    for i, row in enumerate(spec["rows"], 1):
-        where = f"figures.yaml row {i}"
-        if not isinstance(row, dict) or not {"what", "source", "measured"} <= set(row):
-            raise SpecError(f"{where}: needs 'what', 'source' and 'measured'")
-        where = f"figures.yaml row {i} ({row['what'][:40]})"
-        values: dict = {}
-        sources = [row["source"]]
-        results(row["source"])
-        for name, vspec in (row.get("values") or {}).items():
-            values[name], src = read_value(vspec, row["source"], results, values, f"{where}, value {name!r}")
-            if src not in sources:
-                sources.append(src)
-        shown = {k: ("yes" if v else "no") if isinstance(v, bool) else v for k, v in values.items()}
-        try:
-            measured = row["measured"].format(**shown)
-        except (KeyError, ValueError, IndexError, TypeError) as e:
-            raise SpecError(f"{where}: measured template: {type(e).__name__}: {e}") from None
-        links = ", ".join(f"[{s}](benchmarks/results/{s}.json)" for s in sources)
-        lines.append("| " + " | ".join(cell(c) for c in (row["what"], measured, row.get("target", ""),
-                                                          row.get("verdict", ""), links)) + " |")
-        used += [s for s in sources if s not in used]
-    notes = spec.get("notes") or []
-    return "\n".join([environment_line([results(s) for s in used]), "", *lines, *([""] + list(notes) if notes else [])])
+    cites_per_row = False
+    for i, raw in enumerate(rows, 1):
+        for row, at in expand(raw, f"{where} row {i}"):
+            if not isinstance(row, dict) or "source" not in row or not isinstance(row.get("cells"), list):
+                raise SpecError(f"{at}: needs 'source' and a 'cells' list")
+            if len(row["cells"]) != len(columns):
+                raise SpecError(f"{at}: {len(row['cells'])} cells for {len(columns)} columns")
+            values: dict = {}
+            sources = [row["source"]]
+            results(row["source"])
+            for name, vspec in (row.get("values") or {}).items():
+                values[name], src = read_value(vspec, row["source"], results, values, f"{at}, value {name!r}")
+                if src not in sources:
+                    sources.append(src)
+            shown = {k: ("yes" if v else "no") if isinstance(v, bool) else "-" if v is None else v
+                     for k, v in values.items()}
+            shown["sources"] = links(sources)
+            cites_per_row |= any("{sources}" in str(c) for c in row["cells"])
+            out = []
+            for c in row["cells"]:
+                try:
+                    out.append(cell(str(c).format(**shown)))
+                except (KeyError, ValueError, IndexError, TypeError, AttributeError) as e:
+                    raise SpecError(f"{at}: cell {c!r}: {type(e).__name__}: {e}") from None
+            lines.append("| " + " | ".join(out) + " |")
+            used += [s for s in sources if s not in used]
+    head = environment_line([results(s) for s in used])
+    if not cites_per_row:
+        head += f" Source: {links(used)}."
+    notes = [str(n) for n in table.get("notes") or []]
+    return "\n".join([head, "", *lines, *([""] + notes if notes else [])])
 
 
-def splice(readme: str, table: str) -> str:
-    if readme.count(BEGIN) != 1 or readme.count(END) != 1 or readme.index(BEGIN) > readme.index(END):
-        raise SpecError(f"README needs exactly one {BEGIN} ... {END} block")
-    head, rest = readme.split(BEGIN)
-    _, tail = rest.split(END)
-    return f"{head}{BEGIN}\n{table}\n{END}{tail}"
+def markers(block: str) -> tuple[str, str]:
+    name = f" {block}" if block else ""
+    return f"<!-- figures:begin{name} -->", f"<!-- figures:end{name} -->"
+
+
+def splice(text: str, block: str, table: str, where: str) -> str:
+    begin, end = markers(block)
+    if text.count(begin) != 1 or text.count(end) != 1 or text.index(begin) > text.index(end):
+        raise SpecError(f"{where}: needs exactly one {begin} ... {end} block")
+    head, rest = text.split(begin)
+    _, tail = rest.split(end)
+    return f"{head}{begin}\n{table}\n{end}{tail}"
+
+
+def build(spec, results: Results, root: Path) -> dict[Path, tuple[str, str]]:
+    """{file: (its text now, its text with every table rendered)} for the files the spec names."""
+    if not isinstance(spec, dict) or not isinstance(spec.get("tables"), list) or not spec["tables"]:
+        raise SpecError("figures.yaml: needs a non-empty 'tables' list")
+    files: dict[Path, list[str]] = {}
+    for i, table in enumerate(spec["tables"], 1):
+        if not isinstance(table, dict) or not isinstance(table.get("file"), str):
+            raise SpecError(f"figures.yaml table {i}: needs 'file'")
+        where = f"figures.yaml table {i} ({table['file']})"
+        path = root / table["file"]
+        if path not in files:
+            try:
+                text = path.read_text()
+            except OSError as e:
+                raise SpecError(f"{where}: cannot read it: {e.strerror}") from None
+            files[path] = [text, text]
+        block = str(table.get("block") or "")
+        files[path][1] = splice(files[path][1], block, render_table(table, results, where), where)
+    return {p: (old, new) for p, (old, new) in files.items()}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--check", action="store_true", help="exit 1 if the README's table is stale; write nothing")
-    ap.add_argument("--readme", type=Path, default=REPO / "README.md")
+    ap.add_argument("--check", action="store_true", help="exit 1 if a table is stale; write nothing")
+    ap.add_argument("--root", type=Path, default=REPO, help="folder the spec's file names are relative to")
     ap.add_argument("--spec", type=Path, default=REPO / "benchmarks" / "figures.yaml")
     ap.add_argument("--results", type=Path, default=REPO / "benchmarks" / "results")
     args = ap.parse_args(argv)
     try:
         try:
             spec = yaml.safe_load(args.spec.read_text())
-            readme = args.readme.read_text()
         except OSError as e:
             raise SpecError(f"cannot read {e.filename}: {e.strerror}") from None
         except yaml.YAMLError as e:
             raise SpecError(f"{args.spec.name}: not YAML ({e})") from None
-        new = splice(readme, render(spec, Results(args.results)))
+        files = build(spec, Results(args.results), args.root)
     except SpecError as e:
         print(f"figures: error: {e}", file=sys.stderr)
         return 2
+    stale = [p for p, (old, new) in files.items() if old != new]
     if args.check:
-        if new != readme:
-            print(f"figures: {args.readme.name} is stale: run python scripts/figures.py", file=sys.stderr)
-            return 1
-        return 0
-    if new != readme:
-        tmp = args.readme.with_name(args.readme.name + ".tmp")
-        tmp.write_text(new)
-        tmp.replace(args.readme)
-        print(f"wrote the figures table in {args.readme}")
+        for p in stale:
+            print(f"figures: {p.relative_to(args.root)} is stale: run python scripts/figures.py", file=sys.stderr)
+        return 1 if stale else 0
+    for p in stale:
+        tmp = p.with_name(p.name + ".tmp")
+        tmp.write_text(files[p][1])
+        tmp.replace(p)
+        print(f"wrote the figures in {p.relative_to(args.root)}")
     return 0
 
 
