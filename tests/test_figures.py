@@ -38,16 +38,22 @@ def small_setup(tmp_path: Path, measured: str, value: dict) -> tuple[Path, Path,
         "torch": "2.11.0", "triton": "3.6.0", "summary": {"speedup": 1.2345},
         "rows": [{"m": 1, "us": 10.0}, {"m": 8, "us": 12.5}, {"m": 8, "us": 14.0}]}))
     spec = tmp_path / "figures.yaml"
-    spec.write_text(json.dumps({"rows": [{"what": "demo kernel", "source": "demo", "values": {"v": value},
-                                          "measured": measured, "target": ">= 1.1x", "verdict": "met"}]}))
+    spec.write_text(json.dumps({"tables": [{
+        "file": "README.md", "columns": ["what", "measured", "target", "verdict", "source"],
+        "rows": [{"source": "demo", "values": {"v": value},
+                  "cells": ["demo kernel", measured, ">= 1.1x", "met", "{sources}"]}]}]}))
     readme = tmp_path / "README.md"
     readme.write_text("# Demo\n\n<!-- figures:begin -->\nold\n<!-- figures:end -->\n\nafter\n")
     return results, spec, readme
 
 
+def run_in(tmp: Path, results: Path, spec: Path, *extra: str):
+    return figures(*extra, "--root", str(tmp), "--results", str(results), "--spec", str(spec))
+
+
 def test_stale_table_is_found_and_rewritten(tmp_path):
     results, spec, readme = small_setup(tmp_path, "{v:.2f}x", {"field": "summary.speedup"})
-    args = ("--results", str(results), "--spec", str(spec), "--readme", str(readme))
+    args = ("--root", str(tmp_path), "--results", str(results), "--spec", str(spec))
     r = figures("--check", *args)
     assert r.returncode == 1 and "stale" in r.stderr
     assert "old" in readme.read_text()                       # --check writes nothing
@@ -66,7 +72,7 @@ def test_stale_table_is_found_and_rewritten(tmp_path):
 
 def test_rows_are_selected_and_aggregated(tmp_path):
     results, spec, readme = small_setup(tmp_path, "{v:.1f} us", {"row": {"m": 8}, "field": "us", "agg": "max"})
-    assert figures("--results", str(results), "--spec", str(spec), "--readme", str(readme)).returncode == 0
+    assert run_in(tmp_path, results, spec).returncode == 0
     assert "| 14.0 us |" in readme.read_text()
 
 
@@ -82,7 +88,7 @@ def test_bad_specs_exit_2_with_one_line(tmp_path):
         sub = tmp_path / message.replace(" ", "_").replace("'", "")
         sub.mkdir()
         results, spec, readme = small_setup(sub, "{v}", value)
-        r = figures("--results", str(results), "--spec", str(spec), "--readme", str(readme))
+        r = run_in(sub, results, spec)
         assert r.returncode == 2, (value, r.stderr)
         assert r.stderr.startswith("figures: error: ") and message in r.stderr and r.stderr.count("\n") == 1, r.stderr
         assert "old" in readme.read_text()
@@ -91,7 +97,7 @@ def test_bad_specs_exit_2_with_one_line(tmp_path):
 def test_readme_without_markers_exits_2(tmp_path):
     results, spec, readme = small_setup(tmp_path, "{v}", {"field": "summary.speedup"})
     readme.write_text("# no table here\n")
-    r = figures("--results", str(results), "--spec", str(spec), "--readme", str(readme))
+    r = run_in(tmp_path, results, spec)
     assert r.returncode == 2 and "figures:begin" in r.stderr
     assert readme.read_text() == "# no table here\n"
 
@@ -103,3 +109,22 @@ def test_shipped_spec_reads_only_shipped_results(tmp_path):
     (results / "lm_head.json").unlink()
     r = figures("--check", "--results", str(results))
     assert r.returncode == 2 and "lm_head.json" in r.stderr
+
+
+def test_for_rows_and_docs_tables(tmp_path):
+    """A `for` row expands per value; a table in docs/ cites its files once, linked from docs/."""
+    results, spec, readme = small_setup(tmp_path, "{v}", {"field": "summary.speedup"})
+    (tmp_path / "docs").mkdir()
+    doc = tmp_path / "docs" / "demo.md"
+    doc.write_text("x\n<!-- figures:begin demo -->\n<!-- figures:end demo -->\n")
+    table = {"file": "docs/demo.md", "block": "demo", "columns": ["rows", "us"],
+             "rows": [{"source": "demo", "for": {"m": [1, 8]},
+                       "values": {"us": {"row": {"m": "$m"}, "field": "us", "agg": "first"}},
+                       "cells": ["$m", "{us:.1f}"]}]}
+    s = json.loads(spec.read_text())
+    s["tables"].append(table)
+    spec.write_text(json.dumps(s))
+    assert run_in(tmp_path, results, spec).returncode == 0
+    text = doc.read_text()
+    assert "Source: [demo](../benchmarks/results/demo.json)." in text
+    assert "| 1 | 10.0 |\n| 8 | 12.5 |" in text
