@@ -94,7 +94,11 @@ def reference(path, req: StepRequest) -> Aggregate:
                     span[v] = (min(lo, c), max(hi, c))
             return sorted(((lo, hi, v) for v, (lo, hi) in span.items()), key=lambda x: x[0])
 
-        mode = req.mode if req.mode != "auto" else ("range" if req.range_regex else None)
+        regex, found = req.range_regex, ""
+        if req.mode == "auto" and regex is None and st.auto_step_range(ranges):
+            regex, what = st.auto_step_range(ranges)
+            found = f" (found: {what})"
+        mode = req.mode if req.mode != "auto" else ("range" if regex else None)
         launches = []
         if mode in (None, "graph"):
             first = {}
@@ -118,14 +122,14 @@ def reference(path, req: StepRequest) -> Aggregate:
             raise InputError("no CUDA graph launches")
         step_ranges, labels, key, intervals, detail = [], [], None, None, ""
         if mode == "range":
-            step_ranges = st.select_step_ranges(ranges, req.range_regex, path)
+            step_ranges = st.select_step_ranges(ranges, regex, path)
             iv = [(r.start, r.end, i) for i, r in enumerate(step_ranges)]
             labels = [r.name for r in step_ranges]
             if ns.RUNTIME in ex.tables:
                 key, intervals = "corr", to_corr(iv, [r.thread for r in step_ranges])
             else:
                 key, intervals = "time", iv
-            detail = f"{len(step_ranges)} ranges matching '{req.range_regex}'"
+            detail = f"{len(step_ranges)} ranges matching '{regex}'{found}"
         elif mode == "graph":
             starters = st.graph_step_starters(launches)
             bounds = starters + [2 ** 62]
