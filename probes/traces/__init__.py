@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import zlib
 from pathlib import Path
 from typing import Callable
 
@@ -16,7 +17,7 @@ from specpilot.errors import EnvironmentMissing, InputError
 
 from .model import Aggregate, GPUInfo, KernelGroup, Range, StepInfo, StepRequest
 
-__all__ = ["read_trace", "sniff", "Aggregate", "GPUInfo", "KernelGroup", "Range", "StepInfo", "StepRequest"]
+__all__ = ["read_trace", "read_trace_devices", "sniff", "Aggregate", "GPUInfo", "KernelGroup", "Range", "StepInfo", "StepRequest"]
 
 
 SQLITE = b"SQLite format 3\x00"
@@ -87,7 +88,7 @@ def sniff(path: str | os.PathLike) -> str:
         try:
             with _open_compressed(p, comp) as fh:
                 inner = fh.read(64)
-        except (OSError, EOFError, ValueError) as e:
+        except (OSError, EOFError, ValueError, zlib.error) as e:
             raise InputError(f"{path}: {comp} stream is corrupt or truncated ({str(e)[:80]})") from None
         if not inner:
             raise InputError(f"{path}: {comp}-compressed but empty (or corrupt)")
@@ -109,7 +110,7 @@ def _decompressed(path, comp: str, kind: str) -> Path:
     try:
         with _open_compressed(path, comp) as src, open(out, "wb") as dst:
             shutil.copyfileobj(src, dst, 1 << 20)
-    except (OSError, EOFError, ValueError) as e:
+    except (OSError, EOFError, ValueError, zlib.error) as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise InputError(f"{path}: {comp} stream is corrupt or truncated ({str(e)[:80]})") from None
     return out
@@ -149,3 +150,29 @@ def read_trace(path: str | os.PathLike, request: StepRequest | None = None,
     from .kineto import read_kineto
 
     return read_kineto(path, request, on_read)
+
+
+def read_trace_devices(path: str | os.PathLike, request: StepRequest | None = None,
+                       on_read: Callable[[int], None] | None = None) -> list[tuple[int, Aggregate]]:
+    """One Aggregate per GPU with kernels in the trace (the ranks of a multi-GPU capture)."""
+    from dataclasses import replace
+
+    request = request or StepRequest()
+    kind = sniff(path)
+    if kind == "kineto":
+        from .kineto import KinetoTrace, aggregate_kineto
+
+        tr = KinetoTrace(path, on_read)
+        devices = sorted({int(d) for d in tr.cols["device"].tolist() if d >= 0})
+        return [(d, aggregate_kineto(tr, replace(request, device=d))) for d in devices]
+    if kind == "nsys-sqlite":
+        from .nsys_sqlite import NsysExport
+
+        ex = NsysExport(path)
+        try:
+            devices = sorted(ex.kernel_devices())
+        finally:
+            ex.close()
+        return [(d, read_trace(path, replace(request, device=d), on_read)) for d in devices]
+    raise InputError(f"{path}: --ranks reads one multi-GPU trace (an Nsight .sqlite export or a Kineto JSON); "
+                     "export or decompress it first, or give one trace file per rank")

@@ -203,17 +203,41 @@ class KinetoTrace:
         devs = self.cols["device"]
         want = int(np.bincount(devs[devs >= 0]).argmax()) if (devs >= 0).any() else None
         chosen = next((p for p in props if isinstance(p, dict) and p.get("id") == want), None) or props[0]
-        if not isinstance(chosen, dict) or not chosen.get("name"):
-            return None
+        if not isinstance(chosen, dict):
+            return gpu_from_names(self.names, rocm=any(k in self.header for k in ROCM_KEYS))
         mem = chosen.get("totalGlobalMem")
-        return GPUInfo(name=str(chosen["name"]), sm_count=chosen.get("numSms"),
-                       memory_gb=(mem / 1e9 if isinstance(mem, (int, float)) else None), source="deviceProperties")
+        mem_gb = mem / 1e9 if isinstance(mem, (int, float)) else None
+        name = chosen.get("name") or amd_name(chosen, mem_gb)
+        if not name:
+            return gpu_from_names(self.names, rocm=any(k in self.header for k in ROCM_KEYS))
+        return GPUInfo(name=str(name), sm_count=chosen.get("numSms"), memory_gb=mem_gb,
+                       source="deviceProperties" if chosen.get("name") else "deviceProperties (ROCm: no name; from "
+                       "compute capability, CUs and memory)")
 
 
 ROCM_KEYS = ("roctracer_version", "hip_runtime_version", "hip_driver_version")
 ISA_GPUS = {"942": "MI300 series", "90a": "MI200 series", "950": "MI350 series", "908": "MI100", "1100": "Radeon RX 7900",
             "1201": "Radeon RX 9070"}
 _ISA = re.compile(r"_ISA(9\d\w|1\d{3})_")
+
+
+AMD_GPUS = {  # (compute major, minor, CUs): [(memory GB at most, name)]
+    (9, 4, 304): [(210, "AMD Instinct MI300X"), (300, "AMD Instinct MI325X")],
+    (9, 4, 228): [(140, "AMD Instinct MI300A")],
+    (9, 5, 256): [(300, "AMD Instinct MI355X")],
+    (9, 0, 104): [(70, "AMD Instinct MI210")],
+}
+
+
+def amd_name(props: dict, mem_gb: float | None) -> str | None:
+    """A ROCm device's model from what deviceProperties keep when its name is empty (warp size 64)."""
+    if props.get("warpSize") != 64:
+        return None
+    major, minor, cus = props.get("computeMajor"), props.get("computeMinor"), props.get("numSms")
+    for limit, name in AMD_GPUS.get((major, minor, cus), []):
+        if mem_gb is not None and mem_gb <= limit:
+            return name
+    return f"AMD gfx{major}{minor}x GPU ({cus} CUs)" if major is not None else None
 
 
 def gpu_from_names(names: list[str], rocm: bool = False) -> GPUInfo | None:
