@@ -22,7 +22,7 @@ from functools import lru_cache
 
 WRAPPERS = ("cutlass::Kernel", "cutlass::Kernel2", "cutlass::device_kernel", "ck_tile::kentry",
             "cute::device_kernel", "at::cuda::detail::launch_kernel")
-_ANON = re.compile(r"\((?:anonymous|anon) namespace\)::")
+_ANON = re.compile(r"\((?:anonymous|anon) namespace\)::|<unnamed>::")
 _SOURCE_NAME = re.compile(r"(?<!\d)(\d+)(?=[A-Za-z_])")
 
 

@@ -100,7 +100,7 @@ def test_h200_graph_trace_whole_graph_records_are_steps():
     a = read_trace(H200_GRAPH, StepRequest(mode="graph"))
     assert a.step_mode == "graph" and len(a.steps) == 12
     auto = read_trace(H200_GRAPH, StepRequest())  # the decode_step_N annotations come first
-    assert auto.step_mode == "range" and len(auto.steps) == 12 and "found:" in auto.step_detail
+    assert auto.step_mode == "range" and len(auto.steps) == 12 and "found in the trace" in auto.step_detail
     assert {g.kind for g in a.groups} == {"graph", "memcpy"}
     assert any("cuda-graph-trace=node" in n for n in a.notes)
     # wall (launch to launch) covers the busy time
@@ -141,7 +141,7 @@ def test_synthetic_exact(tmp_path, kw, fmt, mode):
     tr = truth(spec)
     assert a.step_mode == ("range" if mode != "no ranges" else fallback)
     if mode == "auto":
-        assert "found: decode/verify step ranges" in a.step_detail
+        assert "decode/verify step ranges found in the trace" in a.step_detail
     assert len(a.steps) == spec.steps
     for s, t in zip(a.steps, tr):
         assert s.busy_ns == t["busy_ns"]

@@ -322,7 +322,7 @@ def aggregate_kineto(tr: KinetoTrace, req: StepRequest) -> Aggregate:
         if regex is None:
             auto = st.auto_step_range(cpu_ranges) or st.auto_step_range(gpu_ranges)
             if auto is not None:
-                regex, found = auto[0], f" (found: {auto[1]})"
+                regex, found = auto
         mode = "range" if regex else ("graph" if len(tr.graph_corr) >= 2 else "gap")
     if mode == "range" and not regex:
         raise InputError("--step-mode range needs --step-range REGEX")
@@ -337,7 +337,8 @@ def aggregate_kineto(tr: KinetoTrace, req: StepRequest) -> Aggregate:
         key = start if on_gpu else launch
         step = _assign(key, [(r.start, r.end, i) for i, r in enumerate(step_ranges)])
         labels = [r.name for r in step_ranges]
-        detail = f"{len(step_ranges)} {'GPU' if on_gpu else 'CPU'} annotation ranges matching '{regex}'{found}"
+        detail = (f"{len(step_ranges)} {found} found in the trace" if found else
+                  f"{len(step_ranges)} {'GPU' if on_gpu else 'CPU'} annotation ranges matching '{regex}'")
         if found and not (step >= 0).any():  # the annotations hold no GPU work: fall back
             mode, step_ranges, labels = ("graph" if len(tr.graph_corr) >= 2 else "gap"), [], []
     if mode == "graph":

@@ -904,7 +904,7 @@ def _aggregate(ex: NsysExport, req: StepRequest) -> Aggregate:
         if regex is None:
             auto = st.auto_step_range(ranges)
             if auto is not None:
-                regex, found = auto[0], f" (found: {auto[1]})"
+                regex, found = auto
         mode = "range" if regex else None
     graph_launches: list[tuple[int, int]] = []
     launch_groups = None  # graph kernels per launch, when steps turn out keyed by correlation id
@@ -939,7 +939,7 @@ def _aggregate(ex: NsysExport, req: StepRequest) -> Aggregate:
             step_key = ("corr", _ranges_to_corr(ex, intervals, [r.thread for r in step_ranges]))
         else:
             step_key = ("time", intervals)
-        detail = f"{len(step_ranges)} ranges matching '{regex}'{found}"
+        detail = f"{len(step_ranges)} {found} found in the trace" if found else f"{len(step_ranges)} ranges matching '{regex}'"
     elif mode == "graph":
         starters = st.graph_step_starters(graph_launches)
         bounds = starters + [2 ** 62]  # the last step runs to the end of the trace
@@ -1062,11 +1062,12 @@ def _aggregate(ex: NsysExport, req: StepRequest) -> Aggregate:
         """One more pass over the kernel table, for the names ``accept`` takes: per step the kernel
         that started last, outside any tracked range."""
         wanted = sorted(i for i, n in names.items() if accept(n))
-        if kernel_part is None or step_key is None or not wanted:
+        if kernel_part is None or not wanted:
             return {}
         again = NsysExport(ex.path)
         try:
-            join, step_v = again.add_lookup("sb", step_key[1]).sql(column[step_key[0]], "sbk")
+            join, step_v = (again.add_lookup("sb", step_key[1]).sql(column[step_key[0]], "sbk") if step_key is not None
+                            else ("", "0"))
             tag_cond = ""
             if tag_key is not None:
                 tj, tag_v = again.add_lookup("gb", tag_key[1]).sql(column[tag_key[0]], "gbk")
