@@ -207,12 +207,10 @@ class Spread:
 def plausibility(events: list[int], busy_ns: list[int], annotations: dict[str, int]) -> list[str]:
     """Warnings when the steps found look like something other than decode steps."""
     out = []
-    if not events:
-        return out
     hint = ("; name the step annotations with --step-range REGEX (the trace has "
             + ", ".join(f"{k!r} x{v}" for k, v in annotations.items()) + ")") if annotations else \
         "; give --step-range REGEX (annotate steps with NVTX or torch.profiler.record_function)"
-    med = float(np.median(events))
+    med = float(np.median(events)) if events else 0.0
     if len(events) > 1 and med < IMPLAUSIBLE_EVENTS:
         out.append(f"steps look implausible: a median of {med:g} kernels per step{hint}")
     busy = [b for b in busy_ns if b > 0]

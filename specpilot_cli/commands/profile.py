@@ -324,7 +324,7 @@ def _ranks_report(d: dict) -> Report:
             ["efficiency"] + [_pct(r["communication_efficiency"]) for r in ranks]]
     slow = [[k, v, f"{100 * v / d['steps']:.0f}%"] for k, v in d["slowest"].items()]
     sections = [Section("Kernel time per class and rank (median ms per step)", headers, rows),
-                Section("Communication (NCCL/RCCL, custom all-reduce) against its byte floor", headers, comm,
+                Section("Communication (NCCL/RCCL, custom all-reduce) against its byte floor", [""] + headers[1:], comm,
                         note="floor = bytes each rank sends (ring algorithms) / link bandwidth per direction"),
                 Section("Slowest rank per step", ["rank", "steps", "share"], slow)]
     return Report(data=d, sections=sections, lines=[f"note: {n}" for n in d["notes"]], title=title)
