@@ -85,7 +85,7 @@ def main():
     try:
         nsteps = -(-args.kernels // per_step)
         variants = [("nvtx ranges", SynthSpec(steps=nsteps, layers=layers), "range", "decode_step"),
-                    ("cuda graphs", SynthSpec(steps=nsteps, layers=layers, graphs=True), "auto", None),
+                    ("cuda graphs", SynthSpec(steps=nsteps, layers=layers, graphs=True), "graph", None),
                     ("idle gaps", SynthSpec(steps=nsteps, layers=layers), "gap", None)]
         for label, spec, mode, rx in variants:
             p = work / f"synth_{mode}.sqlite"

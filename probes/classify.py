@@ -1,8 +1,11 @@
 """Kernel classes: a YAML rule table (``kernel_classes.yaml``) users can extend with ``--rules``.
 
-Each rule names a class and conditions (regex on the kernel name, enclosing range, kind, stream,
-input dims, runs per step); the first rule whose conditions all hold wins. ``Classifier.explain``
-says which rule classified each kernel name, so a user can see and fix a misclassification.
+Each rule names a class and conditions (regex on the kernel's base name or its template/parameter
+arguments, the launching CPU op, the enclosing range, kind, stream, input dims, position in the
+step, runs per step); the first rule whose conditions all hold wins. Names are matched on their
+base name (:mod:`.kernel_names`), so a template argument never decides the class.
+:func:`explain` says which rule classified each kernel name, so a user can see and fix a
+misclassification.
 """
 
 from __future__ import annotations
@@ -19,11 +22,13 @@ import yaml
 
 from specpilot.errors import InputError
 
+from .kernel_names import split_name
 from .traces.model import KINDS, Aggregate, KernelGroup
 
 SCHEMA = "specpilot.kernel_classes/1"
-FLOOR_CLASSES = ("linear", "lm_head", "attention", "gdn", "moe", "norm", "drafter")
-CONDITIONS = ("match", "range", "kind", "stream", "dims", "per_step")
+FLOOR_CLASSES = ("linear", "lm_head", "attention", "gdn", "moe", "norm", "drafter", "communication")
+CONDITIONS = ("match", "args", "op", "range", "kind", "stream", "dims", "position", "per_step")
+POSITIONS = ("last",)
 
 
 @dataclass
@@ -32,11 +37,14 @@ class Rule:
     cls: str
     source: str  # "default" or the user's file
     match: re.Pattern | None = None
+    args: re.Pattern | None = None
+    op: re.Pattern | None = None
     range: re.Pattern | None = None
     kind: tuple[str, ...] | None = None
     stream: tuple[int, ...] | None = None
     dims: int | str | None = None
     per_step: float | None = None
+    position: str | None = None
     note: str = ""
 
     def describe(self) -> str:
@@ -45,13 +53,16 @@ class Rule:
             parts.append(f"kind={'|'.join(self.kind)}")
         if self.range:
             parts.append(f"range~/{self.range.pattern}/")
-        if self.match:
-            pat = self.match.pattern
-            parts.append(f"name~/{pat if len(pat) <= 40 else pat[:37] + '...'}/")
+        for key, rx in (("name", self.match), ("args", self.args), ("op", self.op)):
+            if rx is not None:
+                pat = rx.pattern
+                parts.append(f"{key}~/{pat if len(pat) <= 40 else pat[:37] + '...'}/")
         if self.stream:
             parts.append(f"stream={','.join(map(str, self.stream))}")
         if self.dims is not None:
             parts.append(f"dims has {self.dims}")
+        if self.position:
+            parts.append(f"{self.position} in step")
         if self.per_step is not None:
             parts.append(f"{self.per_step:g} per step")
         return f"{self.source}#{self.index}: " + " ".join(parts)
@@ -93,7 +104,7 @@ def _parse(doc: Any, source: str, start_index: int = 0) -> tuple[list[str], list
         if not any(k in r for k in CONDITIONS):
             raise InputError(f"{where}: no condition (use match: '.' to catch everything)")
         rule = Rule(index=i, cls=r["class"], source=source, note=str(r.get("note", "")))
-        for key in ("match", "range"):
+        for key in ("match", "args", "op", "range"):
             if key in r:
                 if not isinstance(r[key], str):
                     raise InputError(f"{where}: {key} must be a regex string")
@@ -122,6 +133,12 @@ def _parse(doc: Any, source: str, start_index: int = 0) -> tuple[list[str], list
             if isinstance(p, bool) or not isinstance(p, (int, float)) or p <= 0:
                 raise InputError(f"{where}: per_step must be a positive number")
             rule.per_step = float(p)
+        if "position" in r:
+            if r["position"] not in POSITIONS:
+                raise InputError(f"{where}: position must be one of {', '.join(POSITIONS)}")
+            if rule.match is None:
+                raise InputError(f"{where}: a position rule needs match (the kernels it ranks)")
+            rule.position = r["position"]
         rules.append(rule)
     return classes, rules, bool(doc.get("replace", False))
 
@@ -178,31 +195,56 @@ class Classifier:
         return self
 
     def classify(self, g: KernelGroup) -> Decision:
-        key = (g.name, g.kind, g.stream, g.tag, g.dims)
+        key = (g.name, g.kind, g.stream, g.tag, g.dims, g.position)
         d = self._cache.get(key)
         if d is None:
             d = self._decide(g)
             self._cache[key] = d
         return d
 
+    def holds(self, r: Rule, g: KernelGroup, ignore_position: bool = False) -> bool:
+        """Whether every condition of ``r`` holds for ``g`` (its position aside, if asked)."""
+        if r.kind is not None and g.kind not in r.kind:
+            return False
+        if r.stream is not None and g.stream not in r.stream:
+            return False
+        if r.range is not None and not (g.tag and r.range.search(g.tag)):
+            return False
+        if r.match is not None or r.args is not None:
+            base, args = split_name(g.name)
+            if r.match is not None and not r.match.search(base):
+                return False
+            if r.args is not None and not r.args.search(args):
+                return False
+        if r.op is not None and not r.op.search(g.op):
+            return False
+        if r.dims is not None:
+            want = self.vocab if r.dims == "vocab" else r.dims
+            if want is None or not g.dims or str(want) not in _DIM_RX.findall(g.dims.split("[", 1)[-1]):
+                return False
+        if r.position is not None and not ignore_position and g.position != r.position:
+            return False
+        if r.per_step is not None and self.per_step.get(g.name) != r.per_step:
+            return False
+        return True
+
     def _decide(self, g: KernelGroup) -> Decision:
         for r in self.table.rules:
-            if r.kind is not None and g.kind not in r.kind:
-                continue
-            if r.stream is not None and g.stream not in r.stream:
-                continue
-            if r.range is not None and not (g.tag and r.range.search(g.tag)):
-                continue
-            if r.match is not None and not r.match.search(g.name):
-                continue
-            if r.dims is not None:
-                want = self.vocab if r.dims == "vocab" else r.dims
-                if want is None or not g.dims or str(want) not in _DIM_RX.findall(g.dims.split("[", 1)[-1]):
-                    continue
-            if r.per_step is not None and self.per_step.get(g.name) != r.per_step:
-                continue
-            return Decision(r.cls, r)
+            if self.holds(r, g):
+                return Decision(r.cls, r)
         return Decision("other", None)
+
+    def position_candidate(self, rule: Rule, g: KernelGroup) -> bool:
+        """Whether ``g``'s kernels compete for ``rule``'s position: the rule's conditions hold
+        (position aside), no earlier rule claims them, and they lie outside every tracked range."""
+        if g.tag or not self.holds(rule, g, ignore_position=True):
+            return False
+        for r in self.table.rules:
+            if r is rule:
+                return True
+            if r.position is None and self.holds(r, g):
+                return False
+        return False
 
 
 @dataclass

@@ -22,9 +22,20 @@ from specpilot.errors import InputError
 
 from . import steps as st
 from .classify import FLOOR_CLASSES, Classifier, ExplainRow, RuleTable, explain
-from .traces.model import Aggregate
+from .traces.model import Aggregate, KernelGroup
 
 SCHEMA = "specpilot.profile/1"
+# the input most likely wrong when a class runs faster than its floor (efficiency above 100 %)
+LIKELY_FIELD = {
+    "linear": "--weight-dtype (quantized weights read fewer bytes) or the model's hidden/intermediate sizes",
+    "lm_head": "--lm-head-dtype or the model's vocab_size (or the LM head was not in the step)",
+    "attention": "--context (fewer cached tokens) or --kv-dtype",
+    "moe": "--batch/--rows (fewer experts touched) or the model's num_experts_per_tok and --weight-dtype",
+    "gdn": "--rows/--batch or the model's linear-attention sizes",
+    "norm": "--rows/--batch or the model's hidden_size",
+    "drafter": "--drafter, --draft-rows or --draft-passes",
+    "communication": "--link-bandwidth or the message sizes (tensor-parallel size)",
+}
 
 
 @dataclass
@@ -49,11 +60,15 @@ class ClassRow:
     flops: float | None = None
     floor_ms: float | None = None
     efficiency: float | None = None  # floor / measured
+    flag: str | None = None  # why the efficiency cannot be trusted (model/config mismatch)
 
     def as_dict(self) -> dict:
-        return {"ms": self.ms, "share": self.share, "bytes": self.bytes, "flops": self.flops,
-                "floor_ms": self.floor_ms, "efficiency": self.efficiency, "ms_mean": self.ms_mean,
-                "calls": self.calls}
+        d = {"ms": self.ms, "share": self.share, "bytes": self.bytes, "flops": self.flops,
+             "floor_ms": self.floor_ms, "efficiency": self.efficiency, "ms_mean": self.ms_mean,
+             "calls": self.calls}
+        if self.flag:
+            d["flag"] = self.flag
+        return d
 
 
 @dataclass
@@ -76,6 +91,9 @@ class Profile:
     floor_source: str | None
     notes: list[str]
     explain: list[ExplainRow] | None = None
+    events: st.Spread | None = None  # kernels per step
+    top: list[dict] = field(default_factory=list)  # the kernels taking the most time per step
+    warnings: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         d = {
@@ -95,8 +113,11 @@ class Profile:
             "step_mode": self.step_mode,
             "step_detail": self.step_detail,
             "floor_source": self.floor_source,
-            "spread": {"step_wall_ms": self.step_wall.as_dict(), "kernel_busy_ms": self.kernel_busy.as_dict()},
+            "spread": {"step_wall_ms": self.step_wall.as_dict(), "kernel_busy_ms": self.kernel_busy.as_dict(),
+                       **({"events": self.events.as_dict()} if self.events else {})},
             "per_step": self.per_step,
+            "top_kernels": self.top,
+            "warnings": self.warnings,
             "notes": self.notes,
         }
         if self.explain is not None:
@@ -105,9 +126,50 @@ class Profile:
         return d
 
 
+def apply_positions(groups: list[KernelGroup], clf: Classifier, agg: Aggregate, notes: list[str]) -> list[KernelGroup]:
+    """Split off, per step, the kernel each ``position: last`` rule names (the last launched among
+    its candidates), as a group of its own with ``position="last"``. A rule whose class some other
+    rule already found (an LM head by range, name or shape) is skipped."""
+    rules = [r for r in clf.table.rules if r.position]
+    if not rules:
+        return groups
+    found = {clf.classify(g).cls for g in groups}
+    for rule in rules:
+        if rule.cls in found:
+            continue
+        cand = {g.name for g in groups if clf.position_candidate(rule, g)}
+        if not cand:
+            continue
+        if agg.locate_last is None:
+            notes.append(f"rule {rule.describe()} needs the kernels' order, which this trace reader does not keep")
+            continue
+        last = agg.locate_last(lambda n: n in cand)
+        index: dict[tuple, KernelGroup] = {}
+        for g in groups:
+            if g.tag is None and g.position is None and g.name in cand:
+                index.setdefault((g.step, g.name, g.stream), g)
+        added = []
+        for step_i, (name, kind, stream, dims, dur) in last.items():
+            g = index.get((step_i, name, stream))
+            if g is None:
+                continue
+            if g.count == 1:  # runs once in the step: the whole group, if the step has other candidates
+                if sum(x.count for x in groups if x.step == step_i and x.name in cand and x.tag is None) > 1:
+                    g.position = "last"
+                continue
+            g.count -= 1
+            g.total_ns -= dur
+            added.append(KernelGroup(step=step_i, name=name, kind=kind, stream=stream, tag=None, dims=g.dims,
+                                     count=1, total_ns=dur, position="last"))
+        groups = groups + added
+        clf._cache.clear()
+        found = {clf.classify(g).cls for g in groups}
+    return groups
+
+
 def build_profile(agg: Aggregate, table: RuleTable, floors: Floors | None = None, vocab: int | None = None,
                   skip_steps: int = 0, model: str | None = None, gpu: dict | None = None,
-                  want_explain: bool = False) -> Profile:
+                  want_explain: bool = False, link_gbs: float | None = None, top_n: int = 10) -> Profile:
     if skip_steps < 0:
         raise InputError("--skip-steps must be >= 0")
     notes = list(agg.notes)
@@ -115,17 +177,25 @@ def build_profile(agg: Aggregate, table: RuleTable, floors: Floors | None = None
     if not steps:
         raise InputError(f"{agg.path}: no steps left to profile ({len(agg.steps)} found, {skip_steps} skipped)")
     keep = {s.index for s in steps}
-    agg_kept = Aggregate(**{**agg.__dict__, "steps": steps, "groups": [g for g in agg.groups if g.step in keep]})
+    kept_groups = [KernelGroup(**g.__dict__) for g in agg.groups if g.step in keep]
+    agg_kept = Aggregate(**{**agg.__dict__, "steps": steps, "groups": kept_groups})
     clf = Classifier(table, vocab=vocab).fit(agg_kept)
+    agg_kept.groups = apply_positions(agg_kept.groups, clf, agg, notes)
 
     per_class: dict[str, dict[int, float]] = {}
     calls: dict[str, dict[int, int]] = {}
+    comm_bytes: dict[int, int] = {}
+    per_kernel: dict[tuple, dict[int, float]] = {}
     for g in agg_kept.groups:
         c = clf.classify(g).cls
         per_class.setdefault(c, {}).setdefault(g.step, 0.0)
         per_class[c][g.step] += g.total_ns / 1e6
         calls.setdefault(c, {}).setdefault(g.step, 0)
         calls[c][g.step] += g.count
+        k = per_kernel.setdefault((g.name, c), {})
+        k[g.step] = k.get(g.step, 0.0) + g.total_ns / 1e6
+        if c == "communication" and g.comm_bytes:
+            comm_bytes[g.step] = comm_bytes.get(g.step, 0) + g.comm_bytes
     idx = [s.index for s in steps]
     order = [c for c in table.classes if c in per_class] + [c for c in per_class if c not in table.classes]
     if floors:
@@ -140,8 +210,15 @@ def build_profile(agg: Aggregate, table: RuleTable, floors: Floors | None = None
         if floors and c in floors.classes:
             f = floors.classes[c]
             row.bytes, row.flops, row.floor_ms = f.get("bytes"), f.get("flops"), f.get("floor_ms")
-            if row.floor_ms is not None and row.ms > 0:
-                row.efficiency = row.floor_ms / row.ms
+        if c == "communication" and comm_bytes:
+            row.bytes = float(median([comm_bytes.get(i, 0) for i in idx]))
+            if link_gbs:
+                row.flops, row.floor_ms = 0.0, row.bytes / (link_gbs * 1e9) * 1e3
+        if row.floor_ms is not None and row.ms > 0:
+            row.efficiency = row.floor_ms / row.ms
+            if row.efficiency > 1.0:
+                row.flag = (f"model/config mismatch: {c} takes {row.ms:.4g} ms, below its floor of {row.floor_ms:.4g} ms; "
+                            f"check {LIKELY_FIELD.get(c, 'the model and shape options')}")
         classes[c] = row
     whole_graphs = any(g.kind == "graph" for g in agg_kept.groups)
     if whole_graphs:
@@ -152,25 +229,40 @@ def build_profile(agg: Aggregate, table: RuleTable, floors: Floors | None = None
             if c in floors.classes and (floors.classes[c].get("floor_ms") or 0) > 0 and meds.get(c, 0) == 0:
                 notes.append(f"class {c!r} has a floor but no kernels were classified as {c}; "
                              "check the rules (--explain) or add a --rules file")
+    comm = classes.get("communication")
+    if comm is not None and comm.ms > 0 and comm.floor_ms is None:
+        notes.append("communication has no byte floor: " + ("the trace records no message sizes (Kineto "
+                     "record_param_comms)" if not comm_bytes else "no link bandwidth for this GPU; give --link-bandwidth"))
+    warnings = [f"{c}: {r.flag}" for c, r in classes.items() if r.flag]
 
     wall = st.spread(s.wall_ns / 1e6 for s in steps)
     busy = st.spread(s.busy_ns / 1e6 for s in steps)
+    events = st.spread(s.events for s in steps)
     outside = wall.median - busy.median
     total_floor = floors.total_floor_ms if floors else None
+    if total_floor is not None and comm is not None and comm.floor_ms and "communication" not in floors.classes:
+        total_floor += comm.floor_ms
     kf = busy.median / total_floor if total_floor else None
     of = wall.median / busy.median if busy.median > 0 else None
     if kf is not None and kf < 1:
-        notes.append("kernel busy time is below the byte floor: check --rows/--batch/--context and the model")
+        warnings.append("model/config mismatch: kernel busy time is below the byte floor; check --rows/--batch/"
+                        "--context and the model")
+    # a whole-graph record is one event for a graph's many kernels: the kernel count says nothing then
+    warnings += st.plausibility([] if whole_graphs else [s.events for s in steps], [s.busy_ns for s in steps],
+                                agg.annotations)
     per_step = [{"index": s.index, "label": s.label, "wall_ms": s.wall_ns / 1e6, "busy_ms": s.busy_ns / 1e6,
                  "events": s.events} for s in steps]
+    top = sorted(((median([v.get(i, 0.0) for i in idx]), n, c) for (n, c), v in per_kernel.items()), reverse=True)
+    top_rows = [{"name": n, "class": c, "ms": ms, "share": (ms / total if total else 0.0)} for ms, n, c in top[:top_n]]
     trace = {"path": agg.path, "format": agg.format, "format_version": agg.format_version,
              "events": agg.total_events, "steps_found": len(agg.steps), "steps_skipped": skip_steps,
-             "rules": table.sources}
+             "rules": table.sources, "orphans": {"events": agg.orphans[0], "ms": agg.orphans[1] / 1e6}}
     return Profile(trace=trace, gpu=gpu, model=model, shape=(floors.shape if floors else {}), steps=len(steps),
                    step_mode=agg.step_mode, step_detail=agg.step_detail, step_wall=wall, kernel_busy=busy,
                    outside_ms=outside, total_floor_ms=total_floor, kernel_factor=kf, outside_factor=of,
                    classes=classes, per_step=per_step, floor_source=(floors.source if floors else None), notes=notes,
-                   explain=(explain(agg_kept, clf) if want_explain else None))
+                   explain=(explain(agg_kept, clf) if want_explain else None), events=events, top=top_rows,
+                   warnings=warnings)
 
 
 def floors_from_model(model_spec, gpu_spec, rows: int, batch: int, context: int, weight_dtype: str = "bf16",

@@ -3,9 +3,10 @@
 Steps are found, in this order of preference (``--step-mode auto``):
 
 1. ``range``: NVTX ranges or profiler annotations whose name matches ``--step-range`` (a Python
-   regex searched in the name; anchor it with ``^...$``). Nested matches keep the outermost.
-   Kernels belong to the range in which they were *launched* (CUDA runtime correlation), the way
-   Nsight projects NVTX ranges onto the GPU.
+   regex searched in the name; anchor it with ``^...$``), or, without ``--step-range``, the first
+   family of :data:`STEP_FAMILIES` the trace has (``decode_step_N``, SGLang/vLLM step ranges,
+   ``ProfilerStep#N``). Nested matches keep the outermost. Kernels belong to the range in which
+   they were *launched* (CUDA runtime correlation), the way Nsight projects NVTX ranges onto the GPU.
 2. ``graph``: CUDA graph launches. Each launch of the graph launched most often starts a step;
    other graphs and eager kernels launched before the next such launch belong to that step.
 3. ``gap``: idle gaps on the GPU timeline. A gap longer than ``--gap-us`` (by default found from
@@ -28,6 +29,16 @@ from specpilot.errors import InputError
 from .traces.model import Range
 
 STEP_MODES = ("auto", "range", "graph", "gap", "whole")
+
+# Step annotations engines and users write, most specific first: (what, regex on the range name)
+STEP_FAMILIES = (
+    ("decode/verify step ranges", r"^(decode|verify|spec(ulative)?|target|generation|forward)[_ -]?step([_ #\[]|$)"),
+    ("SGLang step ranges", r"^step\[|^step[_ #]?\d+$"),
+    ("vLLM execute_model ranges", r"^execute_(\d+_)?context_"),
+    ("ProfilerStep ranges", r"^ProfilerStep#\d+$"),
+)
+IMPLAUSIBLE_EVENTS = 5  # median kernels per step below this: steps are probably not decode steps
+IMPLAUSIBLE_SPREAD = 100.0  # busy time max / min above this: steps of very different kinds
 
 
 def compile_regex(pattern: str, what: str) -> re.Pattern:
@@ -52,6 +63,20 @@ def select_step_ranges(ranges: list[Range], pattern: str, source: str) -> list[R
         raise InputError(f"{source}: no NVTX/annotation range matches --step-range {pattern!r} "
                          f"(ranges in the trace: {names})")
     return kept
+
+
+def auto_step_range(ranges: list[Range]) -> tuple[str, str] | None:
+    """(regex, what) of the first :data:`STEP_FAMILIES` entry some range matches, or None."""
+    for what, rx in STEP_FAMILIES:
+        pat = re.compile(rx)
+        if any(pat.search(r.name) and r.end > r.start for r in ranges):
+            return rx, what
+    return None
+
+
+def families(ranges: list[Range], top: int = 6) -> dict[str, int]:
+    """The most common range families ('step_17' -> 'step_N') and their counts."""
+    return dict(Counter(_generic(r.name) for r in ranges).most_common(top))
 
 
 def _generic(name: str) -> str:
@@ -177,6 +202,22 @@ class Spread:
 
     def as_dict(self) -> dict:
         return {"median": self.median, "p10": self.p10, "p90": self.p90, "min": self.min, "max": self.max}
+
+
+def plausibility(events: list[int], busy_ns: list[int], annotations: dict[str, int]) -> list[str]:
+    """Warnings when the steps found look like something other than decode steps."""
+    out = []
+    hint = ("; name the step annotations with --step-range REGEX (the trace has "
+            + ", ".join(f"{k!r} x{v}" for k, v in annotations.items()) + ")") if annotations else \
+        "; give --step-range REGEX (annotate steps with NVTX or torch.profiler.record_function)"
+    med = float(np.median(events)) if events else 0.0
+    if len(events) > 1 and med < IMPLAUSIBLE_EVENTS:
+        out.append(f"steps look implausible: a median of {med:g} kernels per step{hint}")
+    busy = [b for b in busy_ns if b > 0]
+    if len(busy) > 1 and max(busy) / min(busy) > IMPLAUSIBLE_SPREAD:
+        out.append(f"steps look implausible: busy time per step spans {min(busy) / 1e6:.3g}-{max(busy) / 1e6:.3g} ms "
+                   f"(x{max(busy) / min(busy):.0f}){hint}")
+    return out
 
 
 def spread(values) -> Spread:

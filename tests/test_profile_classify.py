@@ -30,6 +30,8 @@ def _cls(name, kind="kernel", tag=None, dims=None, stream=7, vocab=None, table=N
     ("chunk_gated_delta_rule_fwd_kernel_h_blockdim64", "gdn"),
     ("_causal_conv1d_update_kernel", "gdn"),
     ("fused_moe_kernel", "moe"),
+    ("void flashinfer::norm::FusedAddRMSNormKernel<8u, __nv_bfloat16>(X)", "norm"),
+    ("void flashinfer::sampling::TopKTopPSamplingFromProbKernel<1024u>(X)", "sampling"),
     ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "communication"),
     ("cross_device_reduce_1stage<__nv_bfloat16, 8>", "communication"),
     ("_ZN5aiter24add_rmsnorm_quant_kernelIDF16bDF16bLi64ELi8ELb0ELb0ELb1ELi1EEEvPT0_PT_PfS4_S4_S4_diiiiiiib", "norm"),
@@ -47,6 +49,16 @@ def _cls(name, kind="kernel", tag=None, dims=None, stream=7, vocab=None, table=N
      "elementwise"),
     ("_store_kv", "attention"),
     ("_attn_split", "attention"),
+    ("_matmul_ogs_NNT_bf16xbf16xmxfp4_16x128x256x1_swiglu", "moe"),
+    ("_finalize_matmul_scatter_bf16", "moe"),
+    ("bmm_Bfloat16_MxE2m1MxE4m3_Fp32_t128x16x256u2_s3_et128x16_m128x16x32_cga1x1x1_tmaOpt_clmp_dynBatch_sm100f", "moe"),
+    ("_combined_routing_compute", "moe_routing"),
+    ("_sum_bitmatrix_rows", "moe_routing"),
+    ("_topk_forward", "moe_routing"),
+    ("void moe::dev::routing::routingIndicesHistogramKernel<moe::dev::routing::routingRenormalize::KernelParams<>>(P)",
+     "moe_routing"),
+    ("void vllm::moe::topkGatingSoftmax<4, 128, 4, 16, 32, int, float>(float const*)", "moe_routing"),
+    ("void vllm::moe::moe_align_block_size_kernel<int>(int const*)", "moe_routing"),
     ("some_custom_kernel_nobody_knows", "other"),
 ])
 def test_default_rules_on_real_names(name, want):
@@ -71,14 +83,80 @@ def test_dims_vocab_needs_the_model():
     assert _cls(name, dims="aten::mm[[32,4096],[4096,12288]]", vocab=151936).cls == "linear"
 
 
-def test_per_step_rule():
+def test_per_step_rule_is_a_user_condition_not_the_lm_head_default(tmp_path):
     steps = [StepInfo(index=i, label=str(i), start=0, end=1) for i in range(3)]
     groups = []
     for i in range(3):
         groups += [KernelGroup(i, "Cijk_layer", count=36), KernelGroup(i, "Cijk_head", count=1)]
     agg = Aggregate("x", "kineto", "1", None, "range", "", steps, groups)
-    assert _cls("Cijk_head", per_step_agg=agg).cls == "lm_head"
-    assert _cls("Cijk_layer", per_step_agg=agg).cls == "linear"
+    # running once per step does not make a GEMM the LM head (an fp32 RoPE GEMM runs once too)
+    assert _cls("Cijk_head", per_step_agg=agg).cls == "linear"
+    f = tmp_path / "once.yaml"
+    f.write_text("schema: specpilot.kernel_classes/1\nrules:\n  - {class: lm_head, match: '^Cijk_', per_step: 1}\n")
+    t = load_rules([str(f)])
+    assert _cls("Cijk_head", per_step_agg=agg, table=t).cls == "lm_head"
+    assert _cls("Cijk_layer", per_step_agg=agg, table=t).cls == "linear"
+
+
+@pytest.mark.parametrize("name,base", [
+    ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::ArgMaxOps<float>>>(X)",
+     "at::native::reduce_kernel"),
+    ("std::enable_if<(((8)>(0)))&&vllm::_typeConvert<c10::BFloat16>::exists, void>::type "
+     "vllm::fused_add_rms_norm_kernel<c10::BFloat16, 8>(c10::BFloat16*, long)", "vllm::fused_add_rms_norm_kernel"),
+    ("void (anonymous namespace)::store_kvcache<2048l, 4, false, long>((anonymous namespace)::StoreKVCacheParams)",
+     "store_kvcache"),
+    ("_ZN5aiter24add_rmsnorm_quant_kernelIDF16bDF16bLi64ELi8ELb0ELb0ELb1ELi1EEEvPT0_PT_PfS4_S4_S4_diiiiiiib",
+     "aiter::add_rmsnorm_quant_kernel"),
+    ("_ZN7ck_tile6kentryILi1ENS_12Rmsnorm2dFwdINS_27Rmsnorm2dFwdPipelineOnePassINS", "ck_tile::Rmsnorm2dFwd"),
+    ("void cutlass::Kernel2<cutlass_80_simt_sgemm_128x32_8x5_nn_align1>(cutlass_80_simt_sgemm_128x32_8x5_nn_align1::Params)",
+     "cutlass_80_simt_sgemm_128x32_8x5_nn_align1"),
+    ("void cutlass::device_kernel<flash::FlashAttnFwdSm90<flash::CollectiveMainloopFwdSm90<2>, int>>(P)",
+     "flash::FlashAttnFwdSm90"),
+    ("nvjet_tst_64x64_64x16_2x1_2cta_v_bz_bias_TNT", "nvjet_tst_64x64_64x16_2x1_2cta_v_bz_bias_TNT"),
+])
+def test_base_names(name, base):
+    from specpilot.probes.kernel_names import base_name
+
+    assert base_name(name) == base
+
+
+def test_template_arguments_never_decide_the_class():
+    # names the whole-signature rules got wrong (issue 35)
+    assert _cls("void tensorrt_llm::kernels::quantize_with_block_size<(tensorrt_llm::BlockScaleQuantizationType)2, "
+                "__nv_bfloat16, 32, true, flashinfer::QuantizationSFLayout>(int)").cls == "elementwise"
+    assert _cls("void moe::dev::finalize::finalizeKernelVecLoad<moe::dev::finalize::KernelParams<cutlass::bfloat16_t, "
+                "cutlass::bfloat16_t, 4, true> >(P)").cls == "moe"
+    assert _cls("void at::native::(anonymous namespace)::upsample_nearest2d_out_frame<c10::BFloat16>(X)").cls == "elementwise"
+    assert _cls("void cudnn::fusion::lean_reduction_kernel<false, false, false>(void*)").cls == "attention"
+    assert _cls("reduce_segments").cls == "attention"
+
+
+def test_args_and_op_conditions():
+    mean = "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::MeanOps<float, float>>>(X)"
+    assert _cls(mean).cls == "norm"  # eager RMSNorm's mean
+    assert _cls(mean, dims="aten::mean[[1,7,896]]").cls == "norm"
+    assert _cls(mean, dims="aten::avg_pool2d[[1,3,224,224]]").cls == "elementwise"  # a mean, not a norm
+    argmax = "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::ArgMaxOps<float>>>(X)"
+    assert _cls(argmax).cls == "sampling"
+
+
+def test_norm_module_ranges_take_the_eager_rmsnorm_kernels():
+    mul = "void at::native::vectorized_elementwise_kernel<4, at::native::BinaryFunctor<float, float, float, MulFunctor<float>>>(X)"
+    assert _cls(mul).cls == "elementwise"
+    assert _cls(mul, tag="nn.Module: Qwen2DecoderLayer_0/nn.Module: Qwen2RMSNorm_0").cls == "norm"
+    assert _cls(mul, tag="nn.Module: Qwen2RMSNorm_0/nn.Module: Linear_3").cls == "elementwise"
+
+
+def test_position_rule_takes_the_last_gemm_only():
+    name = "nvjet_sm90_tst_256x8_64x6_2x1_v_bz_TNT"
+    g = KernelGroup(step=0, name=name, position="last")
+    clf = Classifier(load_rules())
+    assert clf.classify(g).cls == "lm_head"
+    assert clf.classify(KernelGroup(step=0, name=name)).cls == "linear"
+    rule = next(r for r in clf.table.rules if r.position == "last")
+    assert clf.position_candidate(rule, KernelGroup(step=0, name=name))
+    assert not clf.position_candidate(rule, KernelGroup(step=0, name="fused_moe_kernel"))  # claimed by moe first
+    assert not clf.position_candidate(rule, KernelGroup(step=0, name=name, tag="draft"))
 
 
 def test_user_rules_go_first_and_can_replace(tmp_path):
@@ -109,6 +187,8 @@ def test_user_rules_go_first_and_can_replace(tmp_path):
     ("schema: specpilot.kernel_classes/1\nrules: [{class: a, kind: gpu}]", "kind must be"),
     ("schema: specpilot.kernel_classes/1\nrules: [{class: a, dims: big}]", "dims must be"),
     ("schema: specpilot.kernel_classes/1\nrules: [{class: a, per_step: -1}]", "per_step must be"),
+    ("schema: specpilot.kernel_classes/1\nrules: [{class: a, match: x, position: first}]", "position must be"),
+    ("schema: specpilot.kernel_classes/1\nrules: [{class: a, kind: kernel, position: last}]", "needs match"),
     ("schema: [unclosed", "not valid YAML"),
 ])
 def test_bad_rule_files(tmp_path, text, msg):

@@ -94,7 +94,10 @@ def reference(path, req: StepRequest) -> Aggregate:
                     span[v] = (min(lo, c), max(hi, c))
             return sorted(((lo, hi, v) for v, (lo, hi) in span.items()), key=lambda x: x[0])
 
-        mode = req.mode if req.mode != "auto" else ("range" if req.range_regex else None)
+        regex, found = req.range_regex, ""
+        if req.mode == "auto" and regex is None and st.auto_step_range(ranges):
+            regex, found = st.auto_step_range(ranges)
+        mode = req.mode if req.mode != "auto" else ("range" if regex else None)
         launches = []
         if mode in (None, "graph"):
             first = {}
@@ -118,14 +121,15 @@ def reference(path, req: StepRequest) -> Aggregate:
             raise InputError("no CUDA graph launches")
         step_ranges, labels, key, intervals, detail = [], [], None, None, ""
         if mode == "range":
-            step_ranges = st.select_step_ranges(ranges, req.range_regex, path)
+            step_ranges = st.select_step_ranges(ranges, regex, path)
             iv = [(r.start, r.end, i) for i, r in enumerate(step_ranges)]
             labels = [r.name for r in step_ranges]
             if ns.RUNTIME in ex.tables:
                 key, intervals = "corr", to_corr(iv, [r.thread for r in step_ranges])
             else:
                 key, intervals = "time", iv
-            detail = f"{len(step_ranges)} ranges matching '{req.range_regex}'"
+            detail = (f"{len(step_ranges)} {found} found in the trace" if found
+                      else f"{len(step_ranges)} ranges matching '{regex}'")
         elif mode == "graph":
             starters = st.graph_step_starters(launches)
             bounds = starters + [2 ** 62]
@@ -202,9 +206,24 @@ def reference(path, req: StepRequest) -> Aggregate:
                                   busy_ns=busy, events=len(spans[i])))
         if len(labels) - len(steps) > 0:
             notes.append(f"{len(labels) - len(steps)} step(s) launched no GPU work and were left out")
+
+        def locate_last(accept):  # per step, the latest-starting kernel accept() takes, outside tracked ranges
+            last = {}
+            for s, e, stream, corr, nid, kind, _ in events:
+                k = corr if key == "corr" else s
+                i = step_f(k)
+                tag = tag_f(corr if tag_key == "corr" else s) if tag_f else None
+                if kind != 0 or i is None or i < 0 or (tag is not None and tag >= 0) or not accept(label(nid, 0)):
+                    continue
+                if i not in last or s > last[i][5]:
+                    last[i] = (label(nid, 0), "kernel", stream, None, e - s, s)
+            return {i: v[:5] for i, v in last.items()}
+
         return Aggregate(path=str(path), format="nsys-sqlite", format_version=ex.schema_version, gpu=gpu,
                          step_mode=mode, step_detail=detail, steps=steps, groups=out_groups, total_events=len(events),
-                         notes=notes)
+                         notes=notes, locate_last=locate_last,
+                         annotations=st.families(ranges if (req.range_regex or req.tag_regex or req.mode == "auto")
+                                                 else []))
     finally:
         ex.close()
 

@@ -97,8 +97,10 @@ def test_h200_nsys_and_kineto_agree_on_steps_and_ranges():
 
 
 def test_h200_graph_trace_whole_graph_records_are_steps():
-    a = read_trace(H200_GRAPH, StepRequest())
+    a = read_trace(H200_GRAPH, StepRequest(mode="graph"))
     assert a.step_mode == "graph" and len(a.steps) == 12
+    auto = read_trace(H200_GRAPH, StepRequest())  # the decode_step_N annotations come first
+    assert auto.step_mode == "range" and len(auto.steps) == 12 and "found in the trace" in auto.step_detail
     assert {g.kind for g in a.groups} == {"graph", "memcpy"}
     assert any("cuda-graph-trace=node" in n for n in a.notes)
     # wall (launch to launch) covers the busy time
@@ -126,15 +128,20 @@ def test_nsys_rep_export(tmp_path):
 @pytest.mark.parametrize("kw", [{}, {"graphs": True}, {"second_stream": True, "overlap_ns": 3000},
                                 {"schema2": True, "nvtx_text_ids": True}])
 @pytest.mark.parametrize("fmt", ["sqlite", "json", "json.gz"])
-@pytest.mark.parametrize("mode", ["range", "auto"])
+@pytest.mark.parametrize("mode", ["range", "auto", "no ranges"])
 def test_synthetic_exact(tmp_path, kw, fmt, mode):
     spec = SynthSpec(steps=5, layers=2, **kw)
     path = tmp_path / f"t.{fmt}"
     (write_nsys_sqlite if fmt == "sqlite" else write_kineto)(path, spec)
-    req = StepRequest(range_regex="decode_step" if mode == "range" else None)
+    fallback = "graph" if kw.get("graphs") else "gap"
+    # auto finds the decode_step_N annotations by itself; without ranges, graph launches or gaps
+    req = StepRequest(range_regex="decode_step" if mode == "range" else None,
+                      mode=fallback if mode == "no ranges" else "auto")
     a = read_trace(path, req)
     tr = truth(spec)
-    assert a.step_mode == ("range" if mode == "range" else ("graph" if kw.get("graphs") else "gap"))
+    assert a.step_mode == ("range" if mode != "no ranges" else fallback)
+    if mode == "auto":
+        assert "decode/verify step ranges found in the trace" in a.step_detail
     assert len(a.steps) == spec.steps
     for s, t in zip(a.steps, tr):
         assert s.busy_ns == t["busy_ns"]
@@ -146,9 +153,9 @@ def test_synthetic_exact(tmp_path, kw, fmt, mode):
                 n[0] += g.count
                 n[1] += g.total_ns
         assert names == {k: list(v) for k, v in t["names"].items()}
-        if mode == "range":
+        if mode != "no ranges":
             assert (s.start, s.end) == t["cpu"]
-    if mode != "range":  # launch-to-launch period: GPU start of the next step
+    if mode == "no ranges":  # launch-to-launch period: GPU start of the next step
         assert a.steps[0].end == tr[1]["gpu"][0]
 
 

@@ -8,18 +8,70 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
+import zlib
 from pathlib import Path
 from typing import Callable
 
-from specpilot.errors import InputError
+from specpilot.errors import EnvironmentMissing, InputError
 
 from .model import Aggregate, GPUInfo, KernelGroup, Range, StepInfo, StepRequest
 
-__all__ = ["read_trace", "sniff", "Aggregate", "GPUInfo", "KernelGroup", "Range", "StepInfo", "StepRequest"]
+__all__ = ["read_trace", "read_trace_devices", "sniff", "Aggregate", "GPUInfo", "KernelGroup", "Range", "StepInfo", "StepRequest"]
+
+
+SQLITE = b"SQLite format 3\x00"
+NSYS_REP = b"NVIDIA Tegra Profiler Report"
+COMPRESSED = {b"\x1f\x8b": "gzip", b"\x28\xb5\x2f\xfd": "zstd", b"\xfd7zXZ\x00": "xz", b"BZh": "bz2"}
+
+
+def _compression(head: bytes) -> str | None:
+    return next((c for magic, c in COMPRESSED.items() if head.startswith(magic)), None)
+
+
+def _kind(head: bytes, path, suffix: str) -> str | None:
+    if head.startswith(SQLITE):
+        return "nsys-sqlite"
+    if head.startswith(NSYS_REP):
+        return "nsys-rep"
+    if suffix in (".nsys-rep", ".qdrep", ".qdstrm"):
+        if suffix == ".qdstrm":
+            raise InputError(f"{path}: a raw .qdstrm stream; import it first (QdstrmImporter -i {Path(path).name}) "
+                             "to get an .nsys-rep")
+        return "nsys-rep"
+    if head.lstrip()[:1] in (b"{", b"["):
+        return "kineto"
+    return None
+
+
+def _open_compressed(path, compression: str):
+    """A binary stream of the decompressed content (zstd through the ``zstd`` command)."""
+    if compression == "gzip":
+        import gzip
+
+        return gzip.open(path, "rb")
+    if compression == "xz":
+        import lzma
+
+        return lzma.open(path, "rb")
+    if compression == "bz2":
+        import bz2
+
+        return bz2.open(path, "rb")
+    exe = shutil.which("zstd")
+    if exe is None:
+        raise EnvironmentMissing(f"{path}: zstd-compressed; decompress it first (zstd -d {Path(path).name}) or put "
+                                 "the zstd command on PATH")
+    import subprocess
+
+    proc = subprocess.Popen([exe, "-dc", str(path)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    return proc.stdout
 
 
 def sniff(path: str | os.PathLike) -> str:
-    """'nsys-sqlite', 'nsys-rep' or 'kineto'; InputError for anything else."""
+    """What the file holds, from its first bytes (not its name): 'nsys-sqlite', 'nsys-rep',
+    'kineto', or '<kind>+<compression>' for a compressed one (gzip, zstd, xz, bz2; a gzip Kineto
+    trace is plain 'kineto', read as a stream); InputError for anything else."""
     p = Path(path)
     if not p.exists():
         raise InputError(f"{path}: no such file")
@@ -29,26 +81,55 @@ def sniff(path: str | os.PathLike) -> str:
         head = fh.read(64)
     if not head:
         raise InputError(f"{path}: empty file")
-    if head.startswith(b"SQLite format 3\x00"):
-        return "nsys-sqlite"
-    if head[:2] == b"\x1f\x8b":
-        return "kineto"
-    if p.suffix in (".nsys-rep", ".qdrep", ".qdstrm"):
-        if p.suffix == ".qdstrm":
-            raise InputError(f"{path}: a raw .qdstrm stream; import it first (QdstrmImporter -i {p.name}) "
-                             "to get an .nsys-rep")
-        return "nsys-rep"
-    text = head.lstrip()
-    if text[:1] in (b"{", b"["):
-        return "kineto"
-    raise InputError(f"{path}: unknown trace format (expected an Nsight Systems .sqlite/.nsys-rep export "
-                     "or a PyTorch profiler .json/.json.gz)")
+    comp = _compression(head)
+    if comp is None:
+        kind = _kind(head, path, p.suffix)
+    else:
+        try:
+            with _open_compressed(p, comp) as fh:
+                inner = fh.read(64)
+        except (OSError, EOFError, ValueError, zlib.error) as e:
+            raise InputError(f"{path}: {comp} stream is corrupt or truncated ({str(e)[:80]})") from None
+        if not inner:
+            raise InputError(f"{path}: {comp}-compressed but empty (or corrupt)")
+        kind = _kind(inner, path, Path(p.stem).suffix)
+        if kind is not None and not (kind == "kineto" and comp == "gzip"):
+            kind = f"{kind}+{comp}"
+    if kind is None:
+        what = f"{comp}-compressed, but not " if comp else ""
+        raise InputError(f"{path}: unknown trace format ({what}an Nsight Systems .sqlite/.nsys-rep export "
+                         "or a PyTorch profiler .json/.json.gz)")
+    return kind
+
+
+def _decompressed(path, comp: str, kind: str) -> Path:
+    """The decompressed content in a new temporary folder (SQLite and nsys need a file)."""
+    tmp = Path(tempfile.mkdtemp(prefix="specpilot-trace-"))
+    suffix = {"nsys-sqlite": ".sqlite", "nsys-rep": ".nsys-rep", "kineto": ".json"}[kind]
+    out = tmp / (Path(path).name.split(".")[0] + suffix)
+    try:
+        with _open_compressed(path, comp) as src, open(out, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+    except (OSError, EOFError, ValueError, zlib.error) as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise InputError(f"{path}: {comp} stream is corrupt or truncated ({str(e)[:80]})") from None
+    return out
 
 
 def read_trace(path: str | os.PathLike, request: StepRequest | None = None,
                on_read: Callable[[int], None] | None = None) -> Aggregate:
     """``on_read(n)`` is called as work proceeds: bytes of JSON read, or SQLite progress ticks."""
     kind = sniff(path)
+    if "+" in kind:
+        kind, comp = kind.split("+")
+        plain = _decompressed(path, comp, kind)
+        try:
+            agg = read_trace(plain, request, on_read)
+        finally:
+            shutil.rmtree(plain.parent, ignore_errors=True)
+        agg.path = str(path)
+        agg.notes.append(f"{comp}-compressed {kind} trace, decompressed to a temporary file")
+        return agg
     if kind == "nsys-sqlite":
         from .nsys_sqlite import read_nsys_sqlite
 
@@ -69,3 +150,29 @@ def read_trace(path: str | os.PathLike, request: StepRequest | None = None,
     from .kineto import read_kineto
 
     return read_kineto(path, request, on_read)
+
+
+def read_trace_devices(path: str | os.PathLike, request: StepRequest | None = None,
+                       on_read: Callable[[int], None] | None = None) -> list[tuple[int, Aggregate]]:
+    """One Aggregate per GPU with kernels in the trace (the ranks of a multi-GPU capture)."""
+    from dataclasses import replace
+
+    request = request or StepRequest()
+    kind = sniff(path)
+    if kind == "kineto":
+        from .kineto import KinetoTrace, aggregate_kineto
+
+        tr = KinetoTrace(path, on_read)
+        devices = sorted({int(d) for d in tr.cols["device"].tolist() if d >= 0})
+        return [(d, aggregate_kineto(tr, replace(request, device=d))) for d in devices]
+    if kind == "nsys-sqlite":
+        from .nsys_sqlite import NsysExport
+
+        ex = NsysExport(path)
+        try:
+            devices = sorted(ex.kernel_devices())
+        finally:
+            ex.close()
+        return [(d, read_trace(path, replace(request, device=d), on_read)) for d in devices]
+    raise InputError(f"{path}: --ranks reads one multi-GPU trace (an Nsight .sqlite export or a Kineto JSON); "
+                     "export or decompress it first, or give one trace file per rank")

@@ -4,14 +4,21 @@ One streaming pass keeps only what the profile needs, in compact columns: GPU ev
 (``kernel``, ``gpu_memcpy``, ``gpu_memset``), ranges (``user_annotation`` on the CPU,
 ``gpu_user_annotation`` on the GPU), runtime launches (``cuda_runtime``/``cuda_driver``: launch
 time and CUDA/HIP graph launches, joined to kernels by ``correlation``) and, when the trace was
-recorded with shapes, the ``Input Dims`` of the ``cpu_op`` that launched each kernel (joined by
-``External id``). Aggregation per step then runs in numpy.
+recorded with shapes, the ``Input Dims``) of the ``cpu_op`` that launched each kernel (joined by
+``External id``), the message sizes of collectives (``record_param_comms``) and ``nn.Module``
+scopes (``python_function`` events of traces recorded with ``with_modules``), which rules may test
+as ranges. Aggregation per step then runs in numpy.
+
+A kernel whose launch is not in the trace (its runtime call has no event: it was launched before
+the profiler started) is left out unless ``include_orphans`` is set, and counted in the notes.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 from pathlib import Path
 from typing import Callable
 
@@ -26,6 +33,39 @@ from .model import Aggregate, GPUInfo, KernelGroup, Range, StepInfo, StepRequest
 GPU_CATS = {"kernel": 0, "gpu_memcpy": 1, "gpu_memset": 2, "Kernel": 0, "Memcpy": 1, "Memset": 2}
 RUNTIME_CATS = ("cuda_runtime", "cuda_driver", "runtime")
 GRAPH_LAUNCH = ("cudaGraphLaunch", "hipGraphLaunch", "cuGraphLaunch")
+MODULE_PREFIX = "nn.Module: "
+COMM_OP = re.compile(r"record_param_comms|all_?reduce|all_?gather|reduce_?scatter|all_?to_?all|broadcast|"
+                     r"nccl|c10d::|send|recv", re.IGNORECASE)
+DTYPE_BYTES = {"float": 4, "float32": 4, "float16": 2, "half": 2, "bfloat16": 2, "c10::bfloat16": 2,
+               "c10::half": 2, "double": 8, "int": 4, "int32": 4, "long": 8, "int64": 8, "char": 1, "int8": 1,
+               "byte": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "c10::float8_e4m3fn": 1,
+               "float8_e4m3fnuz": 1, "c10::float8_e4m3fnuz": 1, "float8_e5m2": 1}
+
+
+def comm_bus_bytes(a: dict, name: str, world: int | None) -> int:
+    """Bytes one rank sends over its links for a collective op's args (ring algorithms): all-reduce
+    2 (n-1)/n S, all-gather (n-1)/n S_out, reduce-scatter (n-1)/n S_in, all-to-all (n-1)/n S."""
+    coll = str(a.get("Collective name") or name).lower()
+    dt = DTYPE_BYTES.get(str(a.get("dtype") or "").lower())
+    if dt is None:
+        types = a.get("Input type") or []
+        dt = DTYPE_BYTES.get(str(types[0]).lower(), 2) if types else 2
+    n_in, n_out = a.get("In msg nelems"), a.get("Out msg nelems")
+    if not isinstance(n_in, (int, float)):
+        dims = a.get("Input Dims") or []
+        first = dims[0] if dims and isinstance(dims[0], list) else []
+        n_in = math.prod(int(x) for x in first) if first and all(isinstance(x, (int, float)) for x in first) else 0
+    if not isinstance(n_out, (int, float)):
+        n_out = n_in
+    n = a.get("Group size") if isinstance(a.get("Group size"), int) else world
+    frac = (n - 1) / n if n and n > 1 else 1.0
+    if "gather" in coll:
+        return int(frac * n_out * dt)
+    if "scatter" in coll or "all_to_all" in coll or "alltoall" in coll:
+        return int(frac * n_in * dt)
+    if "reduce" in coll:
+        return int(2 * frac * n_in * dt)
+    return int(max(n_in, n_out) * dt)  # broadcast, send/recv
 
 
 FLUSH = 8_192
@@ -77,6 +117,7 @@ class KinetoTrace:
         rt_blocks: list[np.ndarray] = []
         graph_corr: list[int] = []
         op_dims: dict[int, int] = {}
+        comm_args: dict[int, tuple[dict, str]] = {}
         ranges: list[Range] = []
         n_events = 0
         append = gpu_rows.append
@@ -118,9 +159,19 @@ class KinetoTrace:
                                         thread=(ev.get("pid"), ev.get("tid")), gpu=(cat == "gpu_user_annotation")))
                 elif cat == "cpu_op":
                     a = ev.get("args")
-                    if a and "Input Dims" in a and "External id" in a:
-                        d = json.dumps(a["Input Dims"], separators=(",", ":"))
-                        op_dims[int(a["External id"])] = dims_ids.setdefault(f"{ev.get('name', '')}{d}", len(dims_ids))
+                    if a and "External id" in a:
+                        nm = ev.get("name", "")
+                        d = json.dumps(a["Input Dims"], separators=(",", ":")) if "Input Dims" in a else ""
+                        ext = int(a["External id"])
+                        op_dims[ext] = dims_ids.setdefault(f"{nm}{d}", len(dims_ids))
+                        if COMM_OP.search(nm) or "Collective name" in a:
+                            comm_args[ext] = (a, nm)
+                elif cat == "python_function":
+                    nm = ev.get("name", "")
+                    if nm.startswith(MODULE_PREFIX):
+                        s = _ns(ev["ts"])
+                        ranges.append(Range(name=nm, start=s, end=s + _ns(ev.get("dur", 0)),
+                                            thread=(ev.get("pid"), ev.get("tid"))))
             except (KeyError, TypeError, ValueError, AttributeError) as e:
                 raise InputError(f"{path}: malformed {cat} event ({type(e).__name__}: {e}) in {str(ev)[:120]}") from None
         if not isinstance(self.header.get("traceEvents", []), list):
@@ -137,6 +188,10 @@ class KinetoTrace:
         self.rt_ts = np.rint(rt[order, 1] * 1000.0).astype(np.int64)
         self.graph_corr = sorted(set(graph_corr))
         self.op_dims = op_dims
+        dist = self.header.get("distributedInfo")
+        world = dist.get("world_size") if isinstance(dist, dict) and isinstance(dist.get("world_size"), int) else None
+        self.rank = dist.get("rank") if isinstance(dist, dict) and isinstance(dist.get("rank"), int) else None
+        self.comm_bytes = {ext: comm_bus_bytes(a, nm, world) for ext, (a, nm) in comm_args.items()}
         self.ranges = ranges
         if n_events == 0:
             raise InputError(f"{path}: the trace has no events")
@@ -144,15 +199,59 @@ class KinetoTrace:
     def gpu(self) -> GPUInfo | None:
         props = self.header.get("deviceProperties")
         if not isinstance(props, list) or not props:
-            return None
+            return gpu_from_names(self.names, rocm=any(k in self.header for k in ROCM_KEYS))
         devs = self.cols["device"]
         want = int(np.bincount(devs[devs >= 0]).argmax()) if (devs >= 0).any() else None
         chosen = next((p for p in props if isinstance(p, dict) and p.get("id") == want), None) or props[0]
-        if not isinstance(chosen, dict) or not chosen.get("name"):
-            return None
+        if not isinstance(chosen, dict):
+            return gpu_from_names(self.names, rocm=any(k in self.header for k in ROCM_KEYS))
         mem = chosen.get("totalGlobalMem")
-        return GPUInfo(name=str(chosen["name"]), sm_count=chosen.get("numSms"),
-                       memory_gb=(mem / 1e9 if isinstance(mem, (int, float)) else None), source="deviceProperties")
+        mem_gb = mem / 1e9 if isinstance(mem, (int, float)) else None
+        name = chosen.get("name") or amd_name(chosen, mem_gb)
+        if not name:
+            return gpu_from_names(self.names, rocm=any(k in self.header for k in ROCM_KEYS))
+        return GPUInfo(name=str(name), sm_count=chosen.get("numSms"), memory_gb=mem_gb,
+                       source="deviceProperties" if chosen.get("name") else "deviceProperties (ROCm: no name; from "
+                       "compute capability, CUs and memory)")
+
+
+ROCM_KEYS = ("roctracer_version", "hip_runtime_version", "hip_driver_version")
+ISA_GPUS = {"942": "MI300 series", "90a": "MI200 series", "950": "MI350 series", "908": "MI100", "1100": "Radeon RX 7900",
+            "1201": "Radeon RX 9070"}
+_ISA = re.compile(r"_ISA(9\d\w|1\d{3})_")
+
+
+AMD_GPUS = {  # (compute major, minor, CUs): [(memory GB at most, name)]
+    (9, 4, 304): [(210, "AMD Instinct MI300X"), (300, "AMD Instinct MI325X")],
+    (9, 4, 228): [(140, "AMD Instinct MI300A")],
+    (9, 5, 256): [(300, "AMD Instinct MI355X")],
+    (9, 0, 104): [(70, "AMD Instinct MI210")],
+}
+
+
+def amd_name(props: dict, mem_gb: float | None) -> str | None:
+    """A ROCm device's model from what deviceProperties keep when its name is empty (warp size 64)."""
+    if props.get("warpSize") != 64:
+        return None
+    major, minor, cus = props.get("computeMajor"), props.get("computeMinor"), props.get("numSms")
+    for limit, name in AMD_GPUS.get((major, minor, cus), []):
+        if mem_gb is not None and mem_gb <= limit:
+            return name
+    return f"AMD gfx{major}{minor}x GPU ({cus} CUs)" if major is not None else None
+
+
+def gpu_from_names(names: list[str], rocm: bool = False) -> GPUInfo | None:
+    """A GPU named from what the kernels were compiled for, for traces without deviceProperties:
+    Tensile/hipBLASLt GEMMs carry the gfx ISA (``..._ISA942_...``)."""
+    for n in names:
+        m = _ISA.search(n)
+        if m:
+            isa = m.group(1)
+            return GPUInfo(name=f"AMD gfx{isa} GPU ({ISA_GPUS.get(isa, 'model not named')}, from kernel names)",
+                           source="kernel names")
+    if rocm:
+        return GPUInfo(name="AMD GPU (ROCm trace; the model is not named)", source="trace header")
+    return None
 
 
 def read_kineto(path: str | os.PathLike, req: StepRequest | None = None,
@@ -180,6 +279,26 @@ def aggregate_kineto(tr: KinetoTrace, req: StepRequest) -> Aggregate:
         main = int(np.bincount(devs - devs.min()).argmax() + devs.min())
         sel = devs == main
         notes.append(f"kernels on {len(present)} GPUs; profiling device {main} (choose with --device)")
+    # a kernel whose runtime call is not in the trace was launched before the profiler started
+    corr_all = c["corr"]
+    orphan = np.zeros(n, dtype=bool)
+    if len(tr.rt_corr):
+        j = np.clip(np.searchsorted(tr.rt_corr, corr_all), 0, len(tr.rt_corr) - 1)
+        orphan = tr.rt_corr[j] != corr_all
+    orphans = (0, 0)
+    if orphan.any():
+        k = sel & orphan
+        orphans = (int(k.sum()), int(c["dur"][k].sum()))
+        if not req.include_orphans and orphans[0]:
+            sel = sel & ~orphan
+            notes.append(f"{orphans[0]} GPU events ({orphans[1] / 1e6:.3f} ms) launched before the trace began were "
+                         "left out (their launch is not in the trace); --include-orphans keeps them")
+        elif orphans[0]:
+            notes.append(f"{orphans[0]} GPU events ({orphans[1] / 1e6:.3f} ms) launched before the trace began are "
+                         "included (--include-orphans): they are attributed by their start time")
+    if not sel.any():
+        raise InputError(f"{tr.path}: no GPU events left to profile (every one was launched before the trace began; "
+                         "--include-orphans keeps them)")
     pick = (lambda a: a) if sel.all() else (lambda a: a[sel])  # no copies when every event is kept
     kind, start, dur = pick(c["kind"]), pick(c["start"]), pick(c["dur"])
     end = start + dur
@@ -195,26 +314,34 @@ def aggregate_kineto(tr: KinetoTrace, req: StepRequest) -> Aggregate:
     if not len(tr.rt_corr):
         notes.append("no cuda_runtime events: kernels are attributed to ranges by GPU time, not launch")
 
-    cpu_ranges = [r for r in tr.ranges if not r.gpu]
+    cpu_ranges = [r for r in tr.ranges if not r.gpu and not r.name.startswith(MODULE_PREFIX)]
     gpu_ranges = [r for r in tr.ranges if r.gpu]
-    mode = req.mode
+    annotations = st.families(cpu_ranges or gpu_ranges)
+    mode, regex, found = req.mode, req.range_regex, ""
     if mode == "auto":
-        mode = "range" if req.range_regex else ("graph" if len(tr.graph_corr) >= 2 else "gap")
-    if mode == "range" and not req.range_regex:
+        if regex is None:
+            auto = st.auto_step_range(cpu_ranges) or st.auto_step_range(gpu_ranges)
+            if auto is not None:
+                regex, found = auto
+        mode = "range" if regex else ("graph" if len(tr.graph_corr) >= 2 else "gap")
+    if mode == "range" and not regex:
         raise InputError("--step-mode range needs --step-range REGEX")
     step = np.full(len(start), -1, dtype=np.int64)
     labels: list[str] = []
     step_ranges: list[Range] = []
     detail = ""
     if mode == "range":
-        rx = st.compile_regex(req.range_regex, "--step-range")
+        rx = st.compile_regex(regex, "--step-range")
         on_gpu = not any(rx.search(r.name) for r in cpu_ranges)
-        step_ranges = st.select_step_ranges(gpu_ranges if on_gpu else cpu_ranges, req.range_regex, tr.path)
+        step_ranges = st.select_step_ranges(gpu_ranges if on_gpu else cpu_ranges, regex, tr.path)
         key = start if on_gpu else launch
         step = _assign(key, [(r.start, r.end, i) for i, r in enumerate(step_ranges)])
         labels = [r.name for r in step_ranges]
-        detail = f"{len(step_ranges)} {'GPU' if on_gpu else 'CPU'} annotation ranges matching '{req.range_regex}'"
-    elif mode == "graph":
+        detail = (f"{len(step_ranges)} {found} found in the trace" if found else
+                  f"{len(step_ranges)} {'GPU' if on_gpu else 'CPU'} annotation ranges matching '{regex}'")
+        if found and not (step >= 0).any():  # the annotations hold no GPU work: fall back
+            mode, step_ranges, labels = ("graph" if len(tr.graph_corr) >= 2 else "gap"), [], []
+    if mode == "graph":
         if not tr.graph_corr:
             raise InputError(f"{tr.path}: no CUDA/HIP graph launches in the trace; use --step-range or --step-mode gap")
         first_name = {}
@@ -246,7 +373,8 @@ def aggregate_kineto(tr: KinetoTrace, req: StepRequest) -> Aggregate:
     if req.tag_regex and tr.ranges:
         rx = st.compile_regex(req.tag_regex, "rule range")
         sset = set(step_ranges)
-        for rs, key in ((cpu_ranges, launch), (gpu_ranges, start)):
+        cpu_tagged = [r for r in tr.ranges if not r.gpu]
+        for rs, key in ((cpu_tagged, launch), (gpu_ranges, start)):
             tagged = [r for r in rs if r not in sset and rx.search(r.name)]
             if not tagged:
                 continue
@@ -258,6 +386,8 @@ def aggregate_kineto(tr: KinetoTrace, req: StepRequest) -> Aggregate:
             tag = np.where(tag < 0, t, tag)
 
     dims = np.array([tr.op_dims.get(int(x), -1) for x in ext], dtype=np.int64) if tr.op_dims else np.full(len(start), -1)
+    comm = (np.array([tr.comm_bytes.get(int(x), 0) for x in ext], dtype=np.int64) if tr.comm_bytes
+            else np.zeros(len(start), dtype=np.int64))
 
     keep = step >= 0
     groups: list[KernelGroup] = []
@@ -279,16 +409,17 @@ def aggregate_kineto(tr: KinetoTrace, req: StepRequest) -> Aggregate:
         inv = inv.reshape(-1)
         cnt = np.bincount(inv)
         tot = np.bincount(inv, weights=kp(dur)).astype(np.int64)
+        cb = np.bincount(inv, weights=kp(comm)).astype(np.int64) if tr.comm_bytes else np.zeros(len(cnt), np.int64)
         digits = []
         rest = ukey.copy()
         for u in reversed(values):
             digits.append(u[rest % len(u)])
             rest //= len(u)
         uniq = np.stack(digits[::-1], axis=1)
-        for (s_, t_, n_, k_, str_, d_), cn, to in zip(uniq.tolist(), cnt.tolist(), tot.tolist()):
+        for (s_, t_, n_, k_, str_, d_), cn, to, by in zip(uniq.tolist(), cnt.tolist(), tot.tolist(), cb.tolist()):
             groups.append(KernelGroup(step=s_, name=tr.names[n_], kind=("kernel", "memcpy", "memset")[k_],
                                       stream=str_, tag=(tag_names[t_] if t_ >= 0 else None),
-                                      dims=(tr.dims[d_] if d_ >= 0 else None), count=cn, total_ns=to))
+                                      dims=(tr.dims[d_] if d_ >= 0 else None), count=cn, total_ns=to, comm_bytes=by))
         ks, kst, ken = kp(step), kp(start), kp(end)
         order = np.argsort(ks, kind="stable")
         ks, kst, ken = ks[order], kst[order], ken[order]
@@ -309,9 +440,26 @@ def aggregate_kineto(tr: KinetoTrace, req: StepRequest) -> Aggregate:
     empty = len(labels) - len(steps)
     if empty > 0:
         notes.append(f"{empty} step(s) launched no GPU work and were left out")
+
+    def locate_last(accept) -> dict[int, tuple]:
+        ok_name = np.array([bool(accept(nm)) for nm in tr.names], dtype=bool)
+        m = (step >= 0) & (tag < 0) & (kind == 0) & ok_name[name]
+        out: dict[int, tuple] = {}
+        if not m.any():
+            return out
+        idx = np.nonzero(m)[0]
+        order = np.lexsort((start[idx], launch[idx], step[idx]))  # by step, then launch, then start
+        idx = idx[order]
+        last = idx[np.append(np.nonzero(np.diff(step[idx]))[0], len(idx) - 1)]
+        for i in last.tolist():
+            out[int(step[i])] = (tr.names[name[i]], "kernel", int(stream[i]),
+                                 tr.dims[dims[i]] if dims[i] >= 0 else None, int(dur[i]))
+        return out
+
     version = str(tr.header.get("schemaVersion", "unknown"))
     return Aggregate(path=tr.path, format="kineto", format_version=version, gpu=tr.gpu(), step_mode=mode,
-                     step_detail=detail, steps=steps, groups=groups, total_events=int(n), notes=notes)
+                     step_detail=detail, steps=steps, groups=groups, total_events=int(n), notes=notes,
+                     locate_last=locate_last, orphans=orphans, annotations=annotations)
 
 
 def _assign(key: np.ndarray, intervals: list[tuple[int, int, int]]) -> np.ndarray:

@@ -11,6 +11,7 @@ Times are integer nanoseconds on the trace's own clock.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 KINDS = ("kernel", "memcpy", "memset", "graph")  # "graph": a whole CUDA graph traced as one record
 
@@ -71,9 +72,16 @@ class KernelGroup:
     kind: str = "kernel"
     stream: int | None = None
     tag: str | None = None  # innermost enclosing range that a rule's ``range:`` may test
-    dims: str | None = None  # input shapes of the launching op (Kineto with record_shapes)
+    dims: str | None = None  # the launching op's name and input shapes ("aten::mm[[32,4096],[4096,151936]]", Kineto)
     count: int = 0
     total_ns: int = 0
+    position: str | None = None  # "last": the step's last launch among a position rule's kernels
+    comm_bytes: int = 0  # message bytes of the collectives in the group (Kineto: record_param_comms)
+
+    @property
+    def op(self) -> str:
+        """Name of the CPU op that launched the kernels ("" when the trace does not say)."""
+        return self.dims.split("[", 1)[0] if self.dims else ""
 
 
 @dataclass
@@ -90,6 +98,11 @@ class Aggregate:
     groups: list[KernelGroup]
     total_events: int = 0  # GPU events read (kernels + memcpy + memset), in steps or not
     notes: list[str] = field(default_factory=list)  # what the trace lacks, what was assumed
+    # (name -> bool) -> {step: (name, kind, stream, dims, duration ns)}: the last kernel launched in
+    # each step, outside any tracked range, among names the predicate accepts (None: cannot tell)
+    locate_last: Callable[[Callable[[str], bool]], dict[int, tuple]] | None = None
+    orphans: tuple[int, int] = (0, 0)  # kernels left out because their launch lies outside the trace: count, ns
+    annotations: dict[str, int] = field(default_factory=dict)  # range families (digits as N) -> count
 
 
 @dataclass
@@ -101,3 +114,4 @@ class StepRequest:
     gap_us: float | None = None  # --gap-us: idle gap that separates steps (gap mode)
     tag_regex: str | None = None  # ranges whose names rules test with ``range:``
     device: int | None = None  # GPU index when the trace holds several
+    include_orphans: bool = False  # keep kernels whose launch lies outside the trace

@@ -897,10 +897,15 @@ def _aggregate(ex: NsysExport, req: StepRequest) -> Aggregate:
     has_runtime = RUNTIME in ex.tables
 
     # NVTX ranges matter to range steps and tags only (reading them is serial Python work)
-    ranges = ex.ranges() if req.range_regex or req.tag_regex else []
-    mode = req.mode
+    ranges = ex.ranges() if req.range_regex or req.tag_regex or req.mode == "auto" else []
+    annotations = st.families(ranges)
+    mode, regex, found = req.mode, req.range_regex, ""
     if mode == "auto":
-        mode = "range" if req.range_regex else None
+        if regex is None:
+            auto = st.auto_step_range(ranges)
+            if auto is not None:
+                regex, found = auto
+        mode = "range" if regex else None
     graph_launches: list[tuple[int, int]] = []
     launch_groups = None  # graph kernels per launch, when steps turn out keyed by correlation id
     if mode in (None, "graph") and ex.has_kernels and "graphNodeId" in ex.columns(KERNEL):
@@ -917,7 +922,7 @@ def _aggregate(ex: NsysExport, req: StepRequest) -> Aggregate:
                          " their kernels are not broken down; profile with --cuda-graph-trace=node for per-kernel classes")
     if mode is None:
         mode = "graph" if len(graph_launches) >= 2 else "gap"
-    if mode == "range" and not req.range_regex:
+    if mode == "range" and not regex:
         raise InputError("--step-mode range needs --step-range REGEX")
     if mode == "graph" and len(graph_launches) < 1:
         raise InputError(f"{ex.path}: no CUDA graph launches in the trace; use --step-range or --step-mode gap")
@@ -927,14 +932,14 @@ def _aggregate(ex: NsysExport, req: StepRequest) -> Aggregate:
     labels: list[str] = []
     detail = ""
     if mode == "range":
-        step_ranges = st.select_step_ranges(ranges, req.range_regex, ex.path)
+        step_ranges = st.select_step_ranges(ranges, regex, ex.path)
         intervals = [(r.start, r.end, i) for i, r in enumerate(step_ranges)]
         labels = [r.name for r in step_ranges]
         if has_runtime:
             step_key = ("corr", _ranges_to_corr(ex, intervals, [r.thread for r in step_ranges]))
         else:
             step_key = ("time", intervals)
-        detail = f"{len(step_ranges)} ranges matching '{req.range_regex}'"
+        detail = f"{len(step_ranges)} {found} found in the trace" if found else f"{len(step_ranges)} ranges matching '{regex}'"
     elif mode == "graph":
         starters = st.graph_step_starters(graph_launches)
         bounds = starters + [2 ** 62]  # the last step runs to the end of the trace
@@ -1051,9 +1056,36 @@ def _aggregate(ex: NsysExport, req: StepRequest) -> Aggregate:
     empty = len(labels) - len(steps)
     if empty > 0:
         notes.append(f"{empty} step(s) launched no GPU work and were left out")
+    kernel_part = next((p for p in parts if p.kind == 0), None)
+
+    def locate_last(accept) -> dict[int, tuple]:
+        """One more pass over the kernel table, for the names ``accept`` takes: per step the kernel
+        that started last, outside any tracked range."""
+        wanted = sorted(i for i, n in names.items() if accept(n))
+        if kernel_part is None or not wanted:
+            return {}
+        again = NsysExport(ex.path)
+        try:
+            join, step_v = (again.add_lookup("sb", step_key[1]).sql(column[step_key[0]], "sbk") if step_key is not None
+                            else ("", "0"))
+            tag_cond = ""
+            if tag_key is not None:
+                tj, tag_v = again.add_lookup("gb", tag_key[1]).sql(column[tag_key[0]], "gbk")
+                join, tag_cond = f"{join} {tj}", f" AND coalesce({tag_v}, -1) < 0"
+            rows = again._q(
+                f"SELECT step, max(s), name, stream, d FROM (SELECT {step_v} AS step, a.demangledName AS name, "
+                f"a.streamId AS stream, a.end - a.start AS d, a.start AS s FROM {KERNEL} a {join} WHERE "
+                f"a.demangledName IN ({','.join(map(str, wanted))}){kernel_part.dev}{tag_cond}) "
+                "WHERE step >= 0 GROUP BY step")
+            nm = again.strings(r[2] for r in rows)
+            return {int(r[0]): (nm.get(int(r[2]), str(r[2])), "kernel", r[3], None, int(r[4])) for r in rows}
+        finally:
+            again.close()
+
     return Aggregate(path=ex.path, format="nsys-sqlite", format_version=ex.schema_version, gpu=gpu,
                      step_mode=mode, step_detail=detail, steps=steps, groups=groups,
-                     total_events=int(total_events), notes=notes)
+                     total_events=int(total_events), notes=notes, locate_last=locate_last,
+                     annotations=annotations)
 
 
 def _rows_present(ex: NsysExport, parts: list[Part], device: int | None) -> int:

@@ -13,17 +13,36 @@ STEP_MODES = ["auto", "range", "graph", "gap", "whole"]
 
 
 @click.command("profile")
-@click.argument("trace", type=click.Path(dir_okay=False))
+@click.argument("traces", nargs=-1, required=True, type=click.Path(dir_okay=False))
 @click.option("--step-range", metavar="REGEX",
-              help="NVTX/annotation ranges that are steps (regex searched in the name, e.g. 'decode_step_.*').")
+              help="NVTX/annotation ranges that are steps (regex searched in the name), e.g. 'decode_step_.*'. "
+                   "[default: the first step family the trace has: decode_step_N, SGLang/vLLM step ranges, "
+                   "ProfilerStep#N]")
 @click.option("--step-mode", type=click.Choice(STEP_MODES), default="auto", show_default=True,
-              help="auto: --step-range if given, else CUDA graph launches, else idle gaps, else the whole trace.")
-@click.option("--gap-us", type=float, metavar="US", help="Idle gap (us) that separates steps in gap mode [default: found].")
-@click.option("--skip-steps", type=int, default=0, show_default=True, help="Leave out the first N steps (warm-up).")
-@click.option("--device", type=int, help="GPU index when the trace holds several [default: the busiest].")
+              help="auto: --step-range or the trace's step annotations, else CUDA graph launches, else idle gaps, "
+                   "else the whole trace. Example: --step-mode gap --gap-us 200")
+@click.option("--gap-us", type=float, metavar="US", help="Idle gap (us) that separates steps in gap mode [default: found]. "
+              "Example: --step-mode gap --gap-us 200")
+@click.option("--skip-steps", type=int, default=0, show_default=True, help="Leave out the first N steps (warm-up). "
+              "Example: --skip-steps 2")
+@click.option("--device", type=int, help="GPU index when the trace holds several [default: the busiest]. Example: --device 1")
+@click.option("--include-orphans", is_flag=True,
+              help="Keep kernels launched before the trace began (their launch is not in the trace; left out by "
+                   "default and counted in a note). Example: --include-orphans")
 @click.option("--rules", "rules_files", multiple=True, type=click.Path(dir_okay=False),
-              help="YAML kernel-class rules tried before the defaults (repeatable).")
-@click.option("--explain", is_flag=True, help="List which rule classified each kernel name.")
+              help="YAML kernel-class rules tried before the defaults (repeatable). Example: --rules my_rules.yaml")
+@click.option("--explain", is_flag=True, help="List which rule classified each kernel name. Example: --explain")
+@click.option("--top", "top_n", type=int, default=10, show_default=True,
+              help="Kernels listed by time per step (0: none). Example: --top 20")
+@click.option("--diff", is_flag=True,
+              help="Compare two traces, BASE then CANDIDATE: per class and per top kernel, ms per step, share and "
+                   "efficiency. Example: specpilot profile base.sqlite patched.sqlite --diff")
+@click.option("--ranks", is_flag=True,
+              help="Profile every GPU of one multi-GPU trace as a tensor-parallel rank (several trace files are "
+                   "ranks without it). Example: specpilot profile tp4.sqlite --ranks")
+@click.option("--link-bandwidth", type=float, metavar="GB/S",
+              help="GPU-to-GPU bandwidth per direction for the communication floor [default: the GPU catalog's "
+                   "NVLink/xGMI figure]. Example: --link-bandwidth 450")
 @click.option("--model", "model_name", metavar="NAME|PATH", help="Target model for byte floors (catalog name or config.json).")
 @click.option("--drafter", "drafter_name", metavar="NAME|PATH", help="Drafter model: its step is the drafter floor.")
 @click.option("--rows", type=int, help="Rows verified per request per step [default 1 with --model].")
@@ -44,33 +63,52 @@ STEP_MODES = ["auto", "range", "graph", "gap", "whole"]
 @click.option("--bw-fraction", type=float, default=0.90, show_default=True)
 @click.option("--plot", "plot_file", type=click.Path(dir_okay=False), help="Draw measured vs floor per class (PNG).")
 @output_options
-def command(trace, step_range, step_mode, gap_us, skip_steps, device, rules_files, explain, model_name, drafter_name,
-            rows, draft_rows, draft_passes, batch, context, weight_dtype, lm_head_dtype, kv_dtype, gpu_name, bandwidth, flops, ceiling_file,
-            flops_fraction, bw_fraction, plot_file, fmt, out):
+def command(traces, step_range, step_mode, gap_us, skip_steps, device, include_orphans, rules_files, explain, top_n,
+            diff, ranks, link_bandwidth, model_name, drafter_name, rows, draft_rows, draft_passes, batch, context,
+            weight_dtype, lm_head_dtype, kv_dtype, gpu_name, bandwidth, flops, ceiling_file, flops_fraction,
+            bw_fraction, plot_file, fmt, out):
     """Profile decode/verify steps from a trace: time per kernel class against byte floors.
 
     \b
     Reads Nsight Systems exports (.sqlite; .nsys-rep when nsys is on PATH) and PyTorch
-    profiler traces (.json, .json.gz). Steps come from NVTX/annotation ranges (--step-range),
-    else CUDA graph launches, else idle gaps. Give --model (and --rows/--batch/--context) or
-    --ceiling for floors; the GPU comes from the trace unless --gpu says otherwise.
+    profiler traces (.json, .json.gz), also gzip/zstd/xz-compressed (recognised by content).
+    Steps come from --step-range, else the trace's step annotations, else CUDA graph launches,
+    else idle gaps; the output says how they were found. Give --model (and --rows/--batch/
+    --context) or --ceiling for floors; the GPU comes from the trace unless --gpu says otherwise.
 
     \b
-      specpilot profile run.sqlite --step-range 'decode_step_.*' --model llama-3.1-8b --rows 8
-      specpilot profile trace.json.gz --explain
-      specpilot profile run.sqlite --step-range '^step' --ceiling ceiling.json --rows 8 \\
-          --format json --out profile.json --plot profile.png
+    One trace: a profile. Two traces with --diff: BASE vs CANDIDATE. Several traces (or one
+    multi-GPU trace with --ranks): tensor-parallel ranks side by side, the slowest rank per step
+    and communication against its byte floor.
+
+    \b
+      specpilot profile run.sqlite --model llama-3.1-8b --rows 8
+      specpilot profile trace.json.gz --step-range '^decode_step_' --explain
+      specpilot profile run.sqlite --ceiling ceiling.json --rows 8 --format json --out profile.json --plot profile.png
+      specpilot profile base.sqlite patched.sqlite --diff --model llama-3.1-8b
+      specpilot profile rank0.json.gz rank1.json.gz rank2.json.gz rank3.json.gz --model qwen3-8b
+      specpilot profile tp8.sqlite --ranks --link-bandwidth 450
     """
     from specpilot.probes.classify import load_rules
-    from specpilot.probes.profile import build_profile, floors_from_ceiling, floors_from_model
-    from specpilot.probes.traces import StepRequest, read_trace
 
     if model_name and ceiling_file:
         raise InputError("give --model or --ceiling, not both")
     if gap_us is not None and gap_us <= 0:
         raise InputError("--gap-us must be positive")
+    if link_bandwidth is not None and link_bandwidth <= 0:
+        raise InputError("--link-bandwidth must be positive")
+    if top_n < 0:
+        raise InputError("--top must be >= 0")
     if plot_file and out and plot_file == out:
         raise InputError("--plot and --out name the same file")
+    if diff and len(traces) != 2:
+        raise InputError(f"--diff compares two traces (BASE CANDIDATE); got {len(traces)}")
+    if ranks and len(traces) != 1:
+        raise InputError("--ranks reads one multi-GPU trace; several trace files are ranks without it")
+    if (diff or len(traces) > 1 or ranks) and (plot_file or explain):
+        raise InputError("--plot and --explain profile one trace; leave them out with --diff, --ranks or several traces")
+    if ranks and device is not None:
+        raise InputError("--ranks profiles every GPU; leave out --device")
     table = load_rules(rules_files)
 
     # the model first: a bad --model should fail before a long trace read
@@ -83,29 +121,57 @@ def command(trace, step_range, step_mode, gap_us, skip_steps, device, rules_file
     elif drafter_name:
         raise InputError("--drafter needs --model")
 
-    req = StepRequest(range_regex=step_range, mode=step_mode, gap_us=gap_us, tag_regex=table.range_regex,
-                      device=device)
-    bar = progress(desc="reading trace", unit="", total=None)
-    try:
-        agg = read_trace(trace, req, on_read=lambda n: bar.update(n))
-    finally:
-        bar.close()
+    def profile(agg, want_explain=False, n_top=top_n):
+        from specpilot.probes.profile import build_profile, floors_from_ceiling, floors_from_model
 
-    gpu_info, gpu_spec = _resolve_gpu(agg, gpu_name, bandwidth, flops, needed=bool(model_spec))
-    floors = None
-    if model_spec is not None:
-        floors = floors_from_model(model_spec, gpu_spec, rows=rows or 1, batch=batch, context=context,
-                                   weight_dtype=weight_dtype, lm_head_dtype=lm_head_dtype, kv_dtype=kv_dtype,
-                                   drafter=drafter_spec, draft_rows=draft_rows, flops_fraction=flops_fraction,
-                                   bw_fraction=bw_fraction, draft_passes=draft_passes)
-    elif ceiling_file:
-        floors = floors_from_ceiling(ceiling_file, rows)
-        if gpu_info is not None and floors.gpu and floors.gpu.get("name"):
-            gpu_info["floors_gpu"] = floors.gpu.get("name")
-    vocab = model_spec.vocab_size if model_spec else None
-    prof = build_profile(agg, table, floors=floors, vocab=vocab, skip_steps=skip_steps,
-                         model=(model_spec.name if model_spec else None), gpu=gpu_info, want_explain=explain)
-    protect = [p for p in (trace, ceiling_file, *rules_files) if p]
+        gpu_info, gpu_spec = _resolve_gpu(agg, gpu_name, bandwidth, flops, needed=bool(model_spec))
+        floors = None
+        if model_spec is not None:
+            floors = floors_from_model(model_spec, gpu_spec, rows=rows or 1, batch=batch, context=context,
+                                       weight_dtype=weight_dtype, lm_head_dtype=lm_head_dtype, kv_dtype=kv_dtype,
+                                       drafter=drafter_spec, draft_rows=draft_rows, flops_fraction=flops_fraction,
+                                       bw_fraction=bw_fraction, draft_passes=draft_passes)
+        elif ceiling_file:
+            floors = floors_from_ceiling(ceiling_file, rows)
+            if gpu_info is not None and floors.gpu and floors.gpu.get("name"):
+                gpu_info["floors_gpu"] = floors.gpu.get("name")
+        link = link_bandwidth or (_link_gbs(gpu_spec.key) if gpu_spec is not None else None)
+        if gpu_info is not None and link:
+            gpu_info["link_gbs"] = link
+        return build_profile(agg, table, floors=floors, vocab=(model_spec.vocab_size if model_spec else None),
+                             skip_steps=skip_steps, model=(model_spec.name if model_spec else None), gpu=gpu_info,
+                             want_explain=want_explain, link_gbs=link, top_n=n_top)
+
+    protect = [p for p in (*traces, ceiling_file, *rules_files) if p]
+    if diff:
+        from specpilot.probes.diff import diff_profiles
+
+        base, cand = (profile(_read(t, device, step_range, step_mode, gap_us, include_orphans, table), n_top=100_000)
+                      for t in traces)
+        emit(_diff_report(diff_profiles(base, cand, top_n=max(top_n, 1))), fmt, out, protect=protect)
+        return 0
+    if ranks or len(traces) > 1:
+        from specpilot.probes.ranks import rank_profiles
+
+        if ranks:
+            from specpilot.probes.traces import StepRequest, read_trace_devices
+
+            req = StepRequest(range_regex=step_range, mode=step_mode, gap_us=gap_us, tag_regex=table.range_regex,
+                              include_orphans=include_orphans)
+            bar = progress(desc="reading trace", unit="", total=None)
+            try:
+                aggs = read_trace_devices(traces[0], req, on_read=lambda n: bar.update(n))
+            finally:
+                bar.close()
+            labels = [f"GPU {d}" for d, _ in aggs]
+            profiles = [profile(a) for _, a in aggs]
+        else:
+            profiles = [profile(_read(t, device, step_range, step_mode, gap_us, include_orphans, table)) for t in traces]
+            labels = _rank_labels(traces, profiles)
+        emit(_ranks_report(rank_profiles(profiles, labels)), fmt, out, protect=protect)
+        return 0
+
+    prof = profile(_read(traces[0], device, step_range, step_mode, gap_us, include_orphans, table), want_explain=explain)
     if plot_file:
         from specpilot.reports.plots import plot_profile
 
@@ -113,6 +179,38 @@ def command(trace, step_range, step_mode, gap_us, skip_steps, device, rules_file
         click.echo(f"wrote {plot_file}", err=True)
     emit(_report(prof), fmt, out, protect=protect)
     return 0
+
+
+def _read(trace, device, step_range, step_mode, gap_us, include_orphans, table):
+    from specpilot.probes.traces import StepRequest, read_trace
+
+    req = StepRequest(range_regex=step_range, mode=step_mode, gap_us=gap_us, tag_regex=table.range_regex,
+                      device=device, include_orphans=include_orphans)
+    bar = progress(desc="reading trace", unit="", total=None)
+    try:
+        return read_trace(trace, req, on_read=lambda n: bar.update(n))
+    finally:
+        bar.close()
+
+
+def _rank_labels(traces, profiles) -> list[str]:  # noqa: ARG001
+    """The file names, or 'rank N' in argument order when two files share a name."""
+    from pathlib import Path
+
+    names = [Path(t).name for t in traces]
+    return names if len(set(names)) == len(names) else [f"rank {i}" for i in range(len(traces))]
+
+
+def _link_gbs(key: str) -> float | None:
+    """The catalog's GPU-to-GPU bandwidth per direction (NVLink/xGMI), GB/s."""
+    from importlib import resources
+
+    import yaml
+
+    doc = yaml.safe_load((resources.files("specpilot") / "gpu_catalog.yaml").read_text()) or {}
+    entry = (doc.get("gpus") or {}).get(key) or {}
+    v = entry.get("link_gbs")
+    return float(v) if isinstance(v, (int, float)) and v > 0 else None
 
 
 def _resolve_gpu(agg, gpu_name, bandwidth, flops, needed: bool):
@@ -151,36 +249,85 @@ def _resolve_gpu(agg, gpu_name, bandwidth, flops, needed: bool):
     return info, spec
 
 
+def _pct(x):
+    return None if x is None else f"{100 * x:.1f}%"
+
+
 def _report(p) -> Report:
     g = p.gpu or {}
     title = (f"Profile: {p.steps} step{'s' if p.steps != 1 else ''} ({p.step_detail}) on {g.get('name', 'an unnamed GPU')}"
              + (f", {p.model} rows {p.shape.get('rows')} batch {p.shape.get('batch')} context {p.shape.get('context')}"
                 if p.model else ""))
-    has_floor = p.total_floor_ms is not None
+    has_floor = p.total_floor_ms is not None or any(c.floor_ms for c in p.classes.values())
     headers = ["class", "ms/step", "share", "kernels/step"] + (["GB", "GFLOP", "floor ms", "efficiency"] if has_floor else [])
     rows = []
     for c in p.classes.values():
         r = [c.name, c.ms, f"{100 * c.share:.1f}%", c.calls]
         if has_floor:
+            eff = _pct(c.efficiency)
             r += [None if c.bytes is None else c.bytes / 1e9, None if c.flops is None else c.flops / 1e9, c.floor_ms,
-                  None if c.efficiency is None else f"{100 * c.efficiency:.1f}%"]
+                  f"{eff} (!)" if c.flag else eff]
         rows.append(r)
-    sections = [Section("Kernel time per class (median per step)", headers, rows)]
+    sections = [Section("Kernel time per class (median per step)", headers, rows,
+                        note="(!): faster than its floor: a model/config mismatch (see the warnings)"
+                        if any(c.flag for c in p.classes.values()) else None)]
     tot = [["step wall ms", p.step_wall.median, p.step_wall.p10, p.step_wall.p90],
-           ["kernel busy ms", p.kernel_busy.median, p.kernel_busy.p10, p.kernel_busy.p90],
-           ["outside ms (wall - busy)", p.outside_ms, None, None],
-           ["outside factor (wall / busy)", p.outside_factor, None, None]]
-    if has_floor:
+           ["kernel busy ms", p.kernel_busy.median, p.kernel_busy.p10, p.kernel_busy.p90]]
+    if p.events is not None:
+        tot.append(["kernels per step", p.events.median, p.events.p10, p.events.p90])
+    tot += [["outside ms (wall - busy)", p.outside_ms, None, None],
+            ["outside factor (wall / busy)", p.outside_factor, None, None]]
+    if p.total_floor_ms is not None:
         tot += [["total floor ms", p.total_floor_ms, None, None], ["kernel factor (busy / floor)", p.kernel_factor, None, None]]
     sections.append(Section("Per step", ["", "median", "p10", "p90"], tot,
                             note=f"floors: {p.floor_source}" if p.floor_source else
                             "no floors: give --model (with --rows/--batch/--context) or --ceiling"))
+    if p.top:
+        sections.append(Section(f"Top {len(p.top)} kernels (median ms per step)", ["ms/step", "share", "class", "kernel"],
+                                [[t["ms"], f"{100 * t['share']:.1f}%", t["class"], _short(t["name"])] for t in p.top]))
     if p.explain is not None:
         sections.append(Section("Classification (--explain)", ["class", "ms/step", "per step", "kind", "range", "rule", "kernel"],
                                 [[r.cls, r.ms_per_step, r.per_step, r.kind, r.tag or "", r.rule, _short(r.name)]
                                  for r in p.explain]))
-    lines = [f"note: {n}" for n in p.notes]
+    lines = [f"warning: {w}" for w in p.warnings] + [f"note: {n}" for n in p.notes]
     return Report(data=p.to_json(), sections=sections, lines=lines, title=title)
+
+
+def _diff_report(d: dict) -> Report:
+    b, c = d["base"], d["candidate"]
+    title = f"Diff: {b['trace']} ({b['steps']} steps) -> {c['trace']} ({c['steps']} steps)"
+    totals = [[t["what"], t["base"], t["candidate"], t["delta"], _pct(t["relative"])] for t in d["totals"]]
+    classes = [[r["class"], r["base_ms"], r["candidate_ms"], r["delta_ms"], _pct(r["delta"]),
+                f"{100 * r['base_share']:.1f}% -> {100 * r['candidate_share']:.1f}%",
+                (f"{_pct(r['base_efficiency'])} -> {_pct(r['candidate_efficiency'])}"
+                 if r["base_efficiency"] is not None or r["candidate_efficiency"] is not None else None)]
+               for r in d["classes"]]
+    kernels = [[k["base_ms"], k["candidate_ms"], k["delta_ms"], _pct(k["delta"]), k["class"], _short(k["name"], 70)]
+               for k in d["kernels"]]
+    sections = [Section("Per step (medians)", ["", "base", "candidate", "delta", "relative"], totals),
+                Section("Kernel time per class (ms per step)", ["class", "base", "candidate", "delta", "relative", "share",
+                                                                "efficiency"], classes),
+                Section("Top kernels (ms per step)", ["base", "candidate", "delta", "relative", "class", "kernel"], kernels)]
+    return Report(data=d, sections=sections, lines=[f"note: {n}" for n in d["notes"]], title=title)
+
+
+def _ranks_report(d: dict) -> Report:
+    title = (f"Tensor-parallel profile: {len(d['ranks'])} ranks, {d['steps']} steps; the group's busy time per step "
+             f"{d['group_busy_ms']:.4g} ms (median), imbalance {100 * d['imbalance']:.1f}%")
+    ranks = d["ranks"]
+    headers = ["class"] + [r["rank"] for r in ranks]
+    rows = [[c] + [r["classes"].get(c, 0.0) for r in ranks] for c in d["classes"]]
+    rows += [["kernel busy ms"] + [r["kernel_busy_ms"] for r in ranks],
+             ["step wall ms"] + [r["step_wall_ms"] for r in ranks]]
+    comm = [["message GB"] + [None if r["communication_bytes"] is None else r["communication_bytes"] / 1e9 for r in ranks],
+            ["floor ms"] + [r["communication_floor_ms"] for r in ranks],
+            ["efficiency"] + [_pct(r["communication_efficiency"]) for r in ranks]]
+    slow = [[k, v, f"{100 * v / d['steps']:.0f}%"] for k, v in d["slowest"].items()]
+    sections = [Section("Kernel time per class and rank (median ms per step)", headers, rows),
+                Section("Communication (NCCL/RCCL, custom all-reduce) against its byte floor", [""] + headers[1:], comm,
+                        note="floor = bytes each rank sends (ring algorithms) / link bandwidth per direction"),
+                Section("Slowest rank per step", ["rank", "steps", "share"], slow)]
+    return Report(data=d, sections=sections, lines=[f"note: {n}" for n in d["notes"]], title=title)
 
 
 def _short(name: str, width: int = 90) -> str:

@@ -1,0 +1,57 @@
+"""Two profiles side by side: what a change did to each kernel class and to the top kernels, per step.
+
+Both profiles come from the same options (rules, floors, step selection), so a class or a kernel
+name means the same thing on both sides. Kernels are matched by name and class; a kernel present
+on one side only shows 0 ms on the other.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .profile import Profile
+
+SCHEMA = "specpilot.profile_diff/1"
+
+
+def _rel(base: float, cand: float) -> float | None:
+    return (cand - base) / base if base else None
+
+
+def diff_profiles(base: Profile, cand: Profile, top_n: int = 15) -> dict[str, Any]:
+    classes = list(dict.fromkeys([*base.classes, *cand.classes]))
+    rows = []
+    for c in classes:
+        b, k = base.classes.get(c), cand.classes.get(c)
+        bms, kms = (b.ms if b else 0.0), (k.ms if k else 0.0)
+        rows.append({"class": c, "base_ms": bms, "candidate_ms": kms, "delta_ms": kms - bms, "delta": _rel(bms, kms),
+                     "base_share": b.share if b else 0.0, "candidate_share": k.share if k else 0.0,
+                     "base_efficiency": b.efficiency if b else None,
+                     "candidate_efficiency": k.efficiency if k else None})
+    kb = {(t["name"], t["class"]): t for t in base.top}
+    kc = {(t["name"], t["class"]): t for t in cand.top}
+    keys = sorted(set(kb) | set(kc), key=lambda x: -max(kb.get(x, {}).get("ms", 0.0), kc.get(x, {}).get("ms", 0.0)))
+    kernels = []
+    for key in keys[:top_n]:
+        bms, kms = kb.get(key, {}).get("ms", 0.0), kc.get(key, {}).get("ms", 0.0)
+        kernels.append({"name": key[0], "class": key[1], "base_ms": bms, "candidate_ms": kms, "delta_ms": kms - bms,
+                        "delta": _rel(bms, kms), "base_share": kb.get(key, {}).get("share", 0.0),
+                        "candidate_share": kc.get(key, {}).get("share", 0.0)})
+    totals = []
+    for label, attr in (("step wall ms", "step_wall"), ("kernel busy ms", "kernel_busy")):
+        bv, kv = getattr(base, attr).median, getattr(cand, attr).median
+        totals.append({"what": label, "base": bv, "candidate": kv, "delta": kv - bv, "relative": _rel(bv, kv)})
+    for label, attr in (("outside ms", "outside_ms"), ("kernel factor", "kernel_factor"),
+                        ("outside factor", "outside_factor")):
+        bv, kv = getattr(base, attr), getattr(cand, attr)
+        if bv is not None and kv is not None:
+            totals.append({"what": label, "base": bv, "candidate": kv, "delta": kv - bv, "relative": _rel(bv, kv)})
+    return {"schema": SCHEMA, "base": _summary(base), "candidate": _summary(cand), "totals": totals,
+            "classes": rows, "kernels": kernels,
+            "notes": [f"base: {n}" for n in base.notes + base.warnings]
+            + [f"candidate: {n}" for n in cand.notes + cand.warnings]}
+
+
+def _summary(p: Profile) -> dict:
+    return {"trace": p.trace.get("path"), "gpu": (p.gpu or {}).get("name"), "steps": p.steps,
+            "step_detail": p.step_detail}

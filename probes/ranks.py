@@ -1,0 +1,57 @@
+"""Tensor-parallel ranks: one profile per rank, side by side, and which rank each step waits for.
+
+Each rank's trace (one file per rank, or one GPU of a multi-GPU Nsight export) is profiled with the
+same options. Steps are matched by position: the i-th profiled step of every rank is one step of
+the group. A tensor-parallel step ends when its slowest rank does, so per step the group's busy
+time is the largest rank's, and ``imbalance`` = (slowest - fastest) / slowest. Communication
+(NCCL/RCCL and custom all-reduce kernels) is its own class, with a byte floor from the message
+sizes the trace records and the GPU's link bandwidth.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from statistics import median
+from typing import Any
+
+from specpilot.errors import InputError
+
+from .profile import Profile
+
+SCHEMA = "specpilot.profile_ranks/1"
+
+
+def rank_profiles(profiles: list[Profile], labels: list[str]) -> dict[str, Any]:
+    if len(profiles) < 2:
+        raise InputError("tensor-parallel mode needs two or more ranks (trace files, or --ranks on a multi-GPU trace)")
+    n = min(p.steps for p in profiles)
+    if n == 0:
+        raise InputError("a rank has no steps to compare")
+    if len({p.steps for p in profiles}) > 1:
+        note = (f"ranks found different step counts ({', '.join(str(p.steps) for p in profiles)}); "
+                f"the first {n} of each are compared")
+    else:
+        note = None
+    classes = list(dict.fromkeys(c for p in profiles for c in p.classes))
+    ranks = []
+    for label, p in zip(labels, profiles):
+        comm = p.classes.get("communication")
+        ranks.append({"rank": label, "trace": p.trace.get("path"), "gpu": (p.gpu or {}).get("name"), "steps": p.steps,
+                      "kernel_busy_ms": p.kernel_busy.median, "step_wall_ms": p.step_wall.median,
+                      "classes": {c: (p.classes[c].ms if c in p.classes else 0.0) for c in classes},
+                      "communication_ms": comm.ms if comm else 0.0,
+                      "communication_bytes": comm.bytes if comm else None,
+                      "communication_floor_ms": comm.floor_ms if comm else None,
+                      "communication_efficiency": comm.efficiency if comm else None})
+    per_step, slowest = [], Counter()
+    for i in range(n):
+        busy = [p.per_step[i]["busy_ms"] for p in profiles]
+        top = max(range(len(busy)), key=lambda r: busy[r])
+        slowest[labels[top]] += 1
+        per_step.append({"step": i, "busy_ms": busy, "slowest": labels[top], "max_busy_ms": busy[top],
+                         "imbalance": (busy[top] - min(busy)) / busy[top] if busy[top] else 0.0})
+    return {"schema": SCHEMA, "ranks": ranks, "classes": classes, "steps": n,
+            "group_busy_ms": median(s["max_busy_ms"] for s in per_step),
+            "imbalance": median(s["imbalance"] for s in per_step),
+            "slowest": dict(slowest.most_common()), "per_step": per_step,
+            "notes": ([note] if note else []) + list(dict.fromkeys(x for p in profiles for x in p.warnings + p.notes))}
