@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from specpilot.errors import InputError
-from specpilot.kernels.attention import reference
+from specpilot.kernels.attention import naive as reference
 
 IMPLS = ("auto", "torch", "fused")
 _OP = None

@@ -8,30 +8,26 @@ request alone. With ``budget`` (an int or a 0-d device tensor) the whole batch s
 nodes, taken from the highest path score over all requests; ``valid``/``count`` say which nodes
 each request keeps, always a prefix of its best-first list, so each share is a prefix-closed tree.
 
-Two Triton algorithms, both one program per request, both exact (the same trees as the engine's
-heap for the same float32 scores) and selectable with ``kernel=``:
-
-- ``"frontier"`` (the default): the engine's heap itself, in registers. The frontier is a
-  [N, K] tile of int64 keys (score, then depth, parent node, candidate); each of the N steps pops
-  the maximum (one reduction), records the node and pushes its K children into the frontier row of
-  that node (one K-wide load, from L1: the request's lattice is prefetched at the start). Parents
-  come out directly (the row a node was popped from). The shared budget is a second kernel, one
-  program per request: a node is kept when fewer than ``budget`` nodes of the batch beat it.
-- ``"levels"`` (the earlier kernel): per depth it scores the K children of the N nodes kept one
-  level up, packs (score, tie index) into int64 keys and keeps the N best by a bitonic sort in
-  registers; then it takes the N best of the m*N kept nodes and resolves parents. A second
-  one-program kernel sorts the batch for the shared budget.
+One Triton program per request runs the engine's heap itself, in registers, exact (the same trees
+as the engine's heap for the same float32 scores): the frontier is a [N, K] tile of int64 keys
+(score, then depth, parent node, candidate); each of the N steps pops the maximum (one reduction),
+records the node and pushes its K children into the frontier row of that node (one K-wide load,
+from L1: the request's lattice is prefetched at the start). Parents come out directly (the row a
+node was popped from). The shared budget is a second kernel, one program per request: a node is
+kept when fewer than ``budget`` nodes of the batch beat it.
 
 No host syncs and fixed shapes, so the whole builder can be captured in a CUDA graph.
-``tree_batched_ref`` is the plain-torch reference with the same contract.
+:func:`.naive.build_batched_ref` is the plain-torch reference with the same contract (and the
+path off CUDA).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-
 import torch
+
+from .build import BatchedTrees
+from .naive import build_batched_ref
 
 try:
     import triton
@@ -39,26 +35,6 @@ try:
 except Exception:  # pragma: no cover - triton missing: the torch path still works
     triton = None
     tl = None
-
-
-@dataclass
-class BatchedTrees:
-    tokens: torch.Tensor    # [B, N] int64
-    parents: torch.Tensor   # [B, N] int64, -1 = child of the root
-    depth: torch.Tensor     # [B, N] int64, 0-based draft position
-    cand: torch.Tensor      # [B, N] int64, candidate index at that position
-    score: torch.Tensor     # [B, N] float, path score (-inf: no such node)
-    valid: torch.Tensor     # [B, N] bool, node kept (budget and existence)
-    count: torch.Tensor     # [B] int64, nodes kept per request (valid is a prefix)
-
-    def request(self, b: int):
-        """Request ``b``'s kept nodes as a ``specpilot.kernels.tree.DraftTree`` (host copy)."""
-        from .tree import DraftTree
-
-        c = int(self.count[b])
-        cut = lambda t: tuple(t[b, :c].tolist())  # noqa: E731
-        return DraftTree(cut(self.tokens), cut(self.parents), cut(self.depth), cut(self.cand),
-                         tuple(float(x) for x in self.score[b, :c].tolist()))
 
 
 def _check(tokens, logprobs, transitions, max_nodes):
@@ -74,34 +50,19 @@ def _check(tokens, logprobs, transitions, max_nodes):
 
 def build_batched(tokens: torch.Tensor, logprobs: torch.Tensor, transitions: torch.Tensor | None,
                   max_nodes: int, budget: torch.Tensor | int | None = None, *, backend: str = "auto",
-                  out: BatchedTrees | None = None, num_warps: int | None = None,
-                  kernel: str | None = None) -> BatchedTrees:
+                  out: BatchedTrees | None = None, num_warps: int | None = None) -> BatchedTrees:
     """Best-first trees for a batch of lattices (see module doc). ``backend``: auto|triton|torch.
 
     ``out`` reuses preallocated outputs (for CUDA-graph capture); the Triton backend needs float32
-    scores and runs on CUDA, or anywhere under ``TRITON_INTERPRET=1``. ``kernel`` picks the Triton
-    algorithm: ``"frontier"`` (the default, :data:`DEFAULT_KERNEL`) or ``"levels"`` (the earlier
-    level-sort kernel, kept for side-by-side benchmarks); both give the same trees.
+    scores and runs on CUDA, or anywhere under ``TRITON_INTERPRET=1``.
     """
     _check(tokens, logprobs, transitions, max_nodes)
     use_triton = backend == "triton" or (backend == "auto" and triton is not None and tokens.is_cuda)
     if not use_triton:
-        from .tree_batched_ref import build_batched_ref
-
         return build_batched_ref(tokens, logprobs, transitions, max_nodes, budget)
     if triton is None:
         raise RuntimeError("triton is not installed")
-    kernel = kernel or DEFAULT_KERNEL
-    if kernel == "levels":
-        return _build_triton(tokens, logprobs, transitions, max_nodes, budget, out, num_warps)
-    if kernel == "frontier":
-        return _build_frontier(tokens, logprobs, transitions, max_nodes, budget, out, num_warps)
-    raise ValueError(f"kernel must be 'frontier' or 'levels', got {kernel!r}")
-
-
-# warps per program of the per-request kernel (one program sorts BN x BK keys per depth): 8 was
-# fastest on the H200 (benchmarks/results/tree_builder_warps.json: 62 us vs 72-100 us with 4, 64 with 16)
-LEVEL_WARPS = 8
+    return _build_frontier(tokens, logprobs, transitions, max_nodes, budget, out, num_warps)
 
 
 def _pow2(x: int) -> int:
@@ -114,42 +75,14 @@ def alloc(B: int, n: int, device, dtype=torch.float32) -> BatchedTrees:
                         z(torch.bool), torch.empty((B,), dtype=torch.long, device=device))
 
 
-def _build_triton(tokens, logprobs, transitions, max_nodes, budget, out, num_warps=None):
-    B, m, K = tokens.shape
-    n = int(max_nodes)
-    dev = tokens.device
-    lp = logprobs.contiguous().to(torch.float32)
-    tok = tokens.contiguous()
-    tr = lp if transitions is None else transitions.contiguous().to(torch.float32)
-    BN, BK, BM = _pow2(n), _pow2(K), _pow2(m)
-    if out is None:
-        out = alloc(B, n, dev)
-    lv_s = torch.empty((B, BM, BN), dtype=torch.float32, device=dev)
-    lv_c = torch.empty((B, BM, BN), dtype=torch.int32, device=dev)
-    lv_p = torch.empty((B, BM, BN), dtype=torch.int32, device=dev)
-    _tree_levels_kernel[(B,)](tok, lp, tr, lv_s, lv_c, lv_p, out.tokens, out.parents, out.depth, out.cand,
-                              out.score, out.valid, out.count,
-                              M=m, K=K, N=n, BM=BM, BK=BK, BN=BN, HAS_TR=transitions is not None,
-                              num_warps=num_warps or LEVEL_WARPS)
-    if budget is not None:
-        b = budget if isinstance(budget, torch.Tensor) else torch.full((), int(budget), dtype=torch.int64, device=dev)
-        BB = _pow2(B)
-        _shared_budget_kernel[(1,)](out.score, out.valid, out.count, b.reshape(1).to(torch.int64),
-                                    B=B, N=n, BB=BB, BN=BN, num_warps=8)
-    return out
-
-
-# the frontier kernel (one program per request, one node popped per step) and its budget kernel.
-# Warps per program: not yet measured; one warp per 512 frontier slots is a guess from the compiled
-# code (1 warp: 233 instructions per pop, no barrier; 4 warps: 140 per warp and 3 barriers) until
-# the H200 side-by-side (benchmarks/tree_builder.py, which sweeps it) picks one.
-DEFAULT_KERNEL = "frontier"
-FRONTIER_WARPS = None
+# warps per program of the frontier kernel (one program per request, one node popped per step),
+# from the compiled code: one warp per 512 frontier slots (at 1 warp a pop is 233 instructions and
+# no barrier, at 4 warps 140 per warp and 3 barriers); 8 for the budget kernel
 BUDGET_WARPS = 8
 
 
 def _frontier_warps(BN: int, BK: int) -> int:
-    return FRONTIER_WARPS or max(1, min(4, BN * BK // 512))
+    return max(1, min(4, BN * BK // 512))
 
 
 def _interpreting() -> bool:
@@ -224,91 +157,6 @@ if triton is not None:
         tl.store(o_score + o, score, mask=mask)
         tl.store(o_valid + o, valid.to(tl.int1), mask=mask)
         tl.store(o_count + b, tl.sum(kept.to(tl.int64), axis=0))
-
-    @triton.jit
-    def _tree_levels_kernel(tok_ptr, lp_ptr, tr_ptr, lvs_ptr, lvc_ptr, lvp_ptr,
-                            o_tok, o_par, o_dep, o_cand, o_score, o_valid, o_count,
-                            M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, BM: tl.constexpr,
-                            BK: tl.constexpr, BN: tl.constexpr, HAS_TR: tl.constexpr):
-        b = tl.program_id(0).to(tl.int64)
-        rn = tl.arange(0, BN)
-        rk = tl.arange(0, BK)
-        NEG = float("-inf")
-        TIE1: tl.constexpr = BN * BK
-        lvs = lvs_ptr + b * BM * BN
-        lvc = lvc_ptr + b * BM * BN
-        lvp = lvp_ptr + b * BM * BN
-        # depth 0: the root is the only parent (slot 0)
-        e0 = tl.load(lp_ptr + b * M * K + rk, mask=rk < K, other=NEG)
-        child = tl.where((rn == 0)[:, None], 0.0, NEG) + e0[None, :]
-        child = tl.where((rn < N)[:, None] & (rk < K)[None, :], child, NEG)
-        keys = _key(child, rn[:, None] * BK + rk[None, :], TIE1)
-        top = _top_rows(keys, BK, BN)
-        ps, tie = _unkey(top, TIE1)
-        ps = tl.where(rn < N, ps, NEG)
-        pc = tie % BK
-        tl.store(lvs + rn, ps)
-        tl.store(lvc + rn, pc)
-        tl.store(lvp + rn, tl.full([BN], -1, tl.int32))
-        for d in range(1, M):
-            if HAS_TR:
-                eptr = tr_ptr + ((b * (M - 1) + d - 1) * K + pc[:, None]) * K + rk[None, :]
-                edge = tl.load(eptr, mask=(rn < N)[:, None] & (rk < K)[None, :], other=NEG)
-            else:
-                e = tl.load(lp_ptr + (b * M + d) * K + rk, mask=rk < K, other=NEG)
-                edge = tl.broadcast_to(e[None, :], [BN, BK])
-            child = ps[:, None] + edge
-            child = tl.where((rn < N)[:, None] & (rk < K)[None, :], child, NEG)
-            keys = _key(child, rn[:, None] * BK + rk[None, :], TIE1)
-            top = _top_rows(keys, BK, BN)
-            ps, tie = _unkey(top, TIE1)
-            ps = tl.where(rn < N, ps, NEG)
-            pc = tie % BK
-            tl.store(lvs + d * BN + rn, ps)
-            tl.store(lvc + d * BN + rn, pc)
-            tl.store(lvp + d * BN + rn, tie // BK)
-        tl.debug_barrier()
-        # the N best of the m*N kept nodes; ties: shallower, then level rank
-        rm = tl.arange(0, BM)
-        s_all = tl.load(lvs + rm[:, None] * BN + rn[None, :], mask=(rm < M)[:, None] & (rn < N)[None, :],
-                        other=NEG)
-        TIE2: tl.constexpr = BM * BN
-        keys = _key(s_all, rm[:, None] * BN + rn[None, :], TIE2)
-        top = _top_rows(keys, BM, BN)
-        score, flat = _unkey(top, TIE2)
-        dep = flat // BN
-        cand = tl.load(lvc + flat, mask=score > NEG, other=0)
-        prank = tl.load(lvp + flat, mask=score > NEG, other=0)
-        pflat = (dep - 1) * BN + prank
-        eq = flat[None, :] == pflat[:, None]                               # [node, other]
-        pidx = tl.max(tl.where(eq, rn[None, :], -1), axis=1)
-        parent = tl.where(dep > 0, pidx, -1)
-        valid = (score > NEG) & (rn < N)
-        tokv = tl.load(tok_ptr + b * M * K + dep * K + cand, mask=valid, other=0)
-        _store_tree(o_tok, o_par, o_dep, o_cand, o_score, o_valid, o_count, b, b * N + rn, rn < N, tokv,
-                    parent, dep, cand, score, valid, valid)
-
-    @triton.jit
-    def _shared_budget_kernel(score_ptr, valid_ptr, count_ptr, budget_ptr, B: tl.constexpr, N: tl.constexpr,
-                              BB: tl.constexpr, BN: tl.constexpr):
-        rb = tl.arange(0, BB)
-        rn = tl.arange(0, BN)
-        m = (rb < B)[:, None] & (rn < N)[None, :]
-        offs = rb[:, None] * N + rn[None, :]
-        s = tl.load(score_ptr + offs, mask=m, other=float("-inf"))
-        v = tl.load(valid_ptr + offs, mask=m, other=0).to(tl.int1)
-        s = tl.where(v, s, float("-inf"))
-        TIE: tl.constexpr = BB * BN
-        keys = _key(s, rb[:, None] * BN + rn[None, :], TIE)
-        srt = tl.sort(tl.reshape(keys, [BB * BN]), descending=True)
-        budget = tl.load(budget_ptr)
-        pos = tl.arange(0, BB * BN)
-        lowest = -9223372036854775807 - 1
-        thr = tl.max(tl.where(pos == budget - 1, srt, lowest), axis=0)
-        keep = v & (keys >= thr) & (budget > 0)
-        tl.store(valid_ptr + offs, keep.to(tl.int1), mask=m)
-        tl.store(count_ptr + rb, tl.sum(keep.to(tl.int64), axis=1), mask=rb < B)
-
 
     @triton.jit
     def _prefetch_l1(ptrs):

@@ -20,11 +20,14 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
 from specpilot.errors import InputError
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,26 @@ class DraftTree:
     def to_dict(self) -> dict:
         return {"tokens": list(self.tokens), "parents": list(self.parents), "depth": list(self.depth),
                 "cand": list(self.cand), "score": list(self.score)}
+
+
+@dataclass
+class BatchedTrees:
+    """Trees of a batch of requests, fixed shape ``[B, N]`` (:func:`.batched.build_batched`)."""
+
+    tokens: torch.Tensor    # [B, N] int64
+    parents: torch.Tensor   # [B, N] int64, -1 = child of the root
+    depth: torch.Tensor     # [B, N] int64, 0-based draft position
+    cand: torch.Tensor      # [B, N] int64, candidate index at that position
+    score: torch.Tensor     # [B, N] float, path score (-inf: no such node)
+    valid: torch.Tensor     # [B, N] bool, node kept (budget and existence)
+    count: torch.Tensor     # [B] int64, nodes kept per request (valid is a prefix)
+
+    def request(self, b: int):
+        """Request ``b``'s kept nodes as a :class:`DraftTree` (host copy)."""
+        c = int(self.count[b])
+        cut = lambda t: tuple(t[b, :c].tolist())  # noqa: E731
+        return DraftTree(cut(self.tokens), cut(self.parents), cut(self.depth), cut(self.cand),
+                         tuple(float(x) for x in self.score[b, :c].tolist()))
 
 
 def _edge_fn(tokens, logprobs, transitions, where: str):

@@ -1,20 +1,49 @@
-"""Plain-torch batched best-first trees: the reference the Triton kernel is checked against.
+"""Plain references of the tree builders (tests compare the fast ones against them).
 
-Same contract as :func:`specpilot.kernels.tree_batched.build_batched` (shapes, node order, ties),
-written with ordinary torch ops (``torch.sort(stable=True)``), so it runs on any device, in any
-float dtype, and is CUDA-graph capturable too (no host syncs, fixed shapes).
+* :func:`all_paths`, :func:`best_scores`: the best-first tree by enumerating every root path of the
+  lattice, sorting by path score and keeping the best ``n_nodes``. Exponential in depth; for tests
+  on small lattices only.
+* :func:`build_batched_ref`: :func:`.batched.build_batched` in plain torch, the same contract
+  (shapes, node order, ties) with ordinary torch ops (``torch.sort(stable=True)``), so it runs on
+  any device, in any float dtype, and is CUDA-graph capturable too (no host syncs, fixed shapes);
+  ``build_batched`` takes it off CUDA.
 
-Algorithm (level-wise best-first): the best N root paths of a lattice tree, taken together, hold at
-most N nodes per depth, each a child of one of the best N nodes one level up (edge scores are
-log-probabilities, so a child never outscores its parent). So keep, per depth, the N best children
-of the previous depth's N kept nodes, then take the N best of those m*N nodes. Ties break as the
-engine's heap does: higher score, then shallower, then the earlier parent, then the lower
-candidate index.
+  Algorithm (level-wise best-first): the best N root paths of a lattice tree, taken together, hold
+  at most N nodes per depth, each a child of one of the best N nodes one level up (edge scores are
+  log-probabilities, so a child never outscores its parent). So keep, per depth, the N best
+  children of the previous depth's N kept nodes, then take the N best of those m*N nodes. Ties
+  break as the engine's heap does: higher score, then shallower, then the earlier parent, then the
+  lower candidate index.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
+
 import torch
+
+from .build import BatchedTrees
+
+
+def all_paths(tokens, logprobs, transitions):
+    """Every root path as (candidate-index tuple, path score)."""
+    out = []
+    for d in range(1, len(tokens) + 1):
+        for combo in itertools.product(*[range(len(tokens[i])) for i in range(d)]):
+            s = 0.0
+            for i, j in enumerate(combo):
+                e = logprobs[i][j] if (i == 0 or transitions is None) else transitions[i - 1][combo[i - 1]][j]
+                s += e
+            if math.isfinite(s):
+                out.append((combo, s))
+    return out
+
+
+def best_scores(tokens, logprobs, transitions, n_nodes):
+    """The path scores of the ``n_nodes`` best root paths, best first (well defined under ties)."""
+    return sorted((s for _, s in all_paths(tokens, logprobs, transitions)), reverse=True)[:n_nodes]
+
 
 
 def _levels(tokens, logprobs, transitions, n):
@@ -50,9 +79,7 @@ def _levels(tokens, logprobs, transitions, n):
 
 def build_batched_ref(tokens: torch.Tensor, logprobs: torch.Tensor, transitions: torch.Tensor | None,
                       max_nodes: int, budget: torch.Tensor | int | None = None):
-    """Best-first trees for a batch; see :func:`specpilot.kernels.tree_batched.build_batched`."""
-    from .tree_batched import BatchedTrees
-
+    """Best-first trees for a batch; see :func:`.batched.build_batched`."""
     B, m, K = tokens.shape
     n = int(max_nodes)
     lv_s, lv_c, lv_p = _levels(tokens, logprobs, transitions, n)
