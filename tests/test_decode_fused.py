@@ -2,7 +2,7 @@
 
 On the CPU the Triton kernels run under the interpreter at tiny shapes; on a GPU the engine tests
 run on cuda (AR steps in CUDA graphs). Kernel results are checked against the plain references
-(kernels/decode/reference.py), which round like the engine's layers."""
+(kernels/decode/naive.py), which round like the engine's layers."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from specpilot.engine.api import load_engine  # noqa: E402
 from specpilot.engine.model import StepInput  # noqa: E402
 from specpilot.errors import InputError  # noqa: E402
 from specpilot.kernels.decode import gemv as G  # noqa: E402
-from specpilot.kernels.decode import reference as R  # noqa: E402
+from specpilot.kernels.decode import naive as R  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = G.GemvConfig(pairs=4, block_k=32, warps=1, stages=1)
@@ -219,7 +219,7 @@ def _w12_weight(n, k, g, scale=0.1):
     """A bf16 weight with escapes in most rows (zeros, values above and far below the row's window)
     and its W12 KernelPack on DEV."""
     from specpilot.kernels.w12 import encode
-    from specpilot.kernels.w12.gemm import KernelPack
+    from specpilot.kernels.w12.pack import KernelPack
 
     w = (torch.randn(n, k, generator=g) * scale).to(torch.bfloat16)
     idx = torch.randint(0, n * k, (n * 3,), generator=g)
@@ -382,7 +382,7 @@ def test_gpu_w12_kernels_at_llama_shapes():
     (two for the normalised SiLU and RoPE epilogues, :func:`_near`), bitwise the same run to run."""
     from specpilot.kernels.decode import gemv_w12
     from specpilot.kernels.w12 import encode
-    from specpilot.kernels.w12.gemm import KernelPack
+    from specpilot.kernels.w12.pack import KernelPack
 
     g = torch.Generator(device="cuda").manual_seed(7)
     hidden, inter, nh, nkv, hd = 4096, 14336, 32, 8, 128

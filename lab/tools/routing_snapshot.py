@@ -149,10 +149,10 @@ def set_arch(arch: int):
 
     torch.cuda.get_device_properties = lambda *a, **k: Props()
     torch.cuda.current_device = lambda: 0
-    for name, mod in list(sys.modules.items()):   # capability caches of the previous arch
+    for name, mod in list(sys.modules.items()):   # caches of the previous arch (capabilities, tables)
         if name.startswith("specpilot.kernels") and mod is not None:
-            for v in vars(mod).values():
-                if hasattr(v, "cache_clear") and getattr(v, "__name__", "") == "_capability":
+            for v in list(vars(mod).values()):
+                if hasattr(v, "cache_clear") and callable(v):
                     v.cache_clear()
 
 
@@ -188,7 +188,7 @@ def take() -> list:
 
 
 def snapshot_linear(arch: int) -> dict:
-    w12_linear = _import("specpilot.kernels.w12.linear:w12_linear", "specpilot.kernels.w12.gemm:w12_linear")
+    w12_linear = _import("specpilot.kernels.w12.routing:w12_linear", "specpilot.kernels.w12.gemm:w12_linear")
     res = {}
     for n, k in SHAPES:
         kp = fake_pack(n, k)
@@ -244,6 +244,7 @@ def snapshot_lm_head() -> dict:
     CertifiedHead = _import("specpilot.kernels.lm_head.certified:CertifiedHead")
     head = object.__new__(CertifiedHead)
     head.fixed = None
+    head.arch = None
     return {str(m): list(head.tile(m)) for m in ROWS}
 
 

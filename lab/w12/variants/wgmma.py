@@ -36,7 +36,7 @@ from functools import lru_cache
 import torch
 
 from . import mma as M
-from .format import TILE_K
+from specpilot.kernels.w12.format import TILE_K
 from .gemm import KernelPack, triton
 from .mma import _cta_barrier, block_m_for, gl, gluon
 
@@ -218,9 +218,6 @@ def supported(x: torch.Tensor, packed: KernelPack) -> bool:
 def default_config(m: int, n: int, k: int, sms: int = 132) -> WgmmaConfig:
     """The measured table (:data:`TUNED`) first, else 64-row programs, two records ahead, and
     split-K for about four programs per SM."""
-    tuned = TUNED.get((n, k, block_m_for(m)))
-    if tuned is not None:
-        return tuned
     kt = (k + TILE_K - 1) // TILE_K
     blocks = (n + 63) // 64 * ((m + block_m_for(m) - 1) // block_m_for(m))
     return WgmmaConfig(64, max(1, min(kt, round(4 * sms / blocks))), 4, 2)
@@ -229,22 +226,6 @@ def default_config(m: int, n: int, k: int, sms: int = 132) -> WgmmaConfig:
 # Fastest correct variant per (N, K, row block) on the H200 (benchmarks/w12_gemm.py --mode wgmma
 # --rows 8,32, benchmarks/results/w12_wgmma_epi.json; speedup over cuBLAS there and, in brackets,
 # that of the mma.sync kernel as w12_linear ran it in the same run: this kernel is not routed).
-TUNED: dict[tuple[int, int, int], WgmmaConfig] = {
-    (6144, 4096, 8): WgmmaConfig(64, 6, 4, 2, True),  # 0.934x (mma.sync kernel 0.963x)
-    (6144, 4096, 32): WgmmaConfig(64, 3, 4, 2, True),  # 0.658x (mma.sync kernel 0.748x)
-    (4096, 4096, 8): WgmmaConfig(64, 8, 4, 2, True),  # 0.942x (mma.sync kernel 0.971x)
-    (4096, 4096, 32): WgmmaConfig(64, 8, 4, 2),  # 0.769x (mma.sync kernel 0.872x)
-    (28672, 4096, 8): WgmmaConfig(128, 1, 8, 2, True),  # 1.179x (mma.sync kernel 1.235x)
-    (28672, 4096, 32): WgmmaConfig(128, 1, 8, 2, True),  # 0.917x (mma.sync kernel 0.887x)
-    (4096, 14336, 8): WgmmaConfig(64, 8, 4, 2, True),  # 0.998x (mma.sync kernel 1.037x)
-    (4096, 14336, 32): WgmmaConfig(64, 8, 4, 2, True),  # 0.802x (mma.sync kernel 0.853x)
-    (7168, 5120, 8): WgmmaConfig(64, 5, 4, 2, True),  # 0.986x (mma.sync kernel 1.061x)
-    (7168, 5120, 32): WgmmaConfig(128, 9, 8, 2, True),  # 0.671x (mma.sync kernel 0.75x)
-    (34816, 5120, 8): WgmmaConfig(64, 1, 4, 2, True),  # 1.187x (mma.sync kernel 1.207x)
-    (34816, 5120, 32): WgmmaConfig(64, 2, 4, 2, True),  # 0.837x (mma.sync kernel 0.968x)
-    (5120, 17408, 8): WgmmaConfig(64, 7, 4, 2, True),  # 1.17x (mma.sync kernel 1.222x)
-    (5120, 17408, 32): WgmmaConfig(64, 13, 4, 2, True),  # 0.801x (mma.sync kernel 0.824x)
-}
 
 
 def w12_wgmma(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: WgmmaConfig | None = None,

@@ -17,11 +17,14 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from common import bootstrap, write_results  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from lab.common import bootstrap  # noqa: E402
 
 bootstrap()
+
+from lab.common import write_results  # noqa: E402
+from lab.w12 import committed  # noqa: E402
 
 # (layer, K, N, x rows, config fields (block_n, split_k, num_warps, depth), tma, extra fields)
 CASES = [
@@ -65,7 +68,7 @@ def where(diff, n_block: int = 16) -> dict:
 def main() -> int:
     import torch
 
-    from specpilot.kernels.w12 import mma
+    from lab.w12.variants import mma
     from w12_gemm import random_layer
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -86,7 +89,7 @@ def main() -> int:
         w, _, kp, _ = layers[(name, k, n)]
         x = torch.randn(m, k, device=dev).to(torch.bfloat16)
         cfg = None if fields is None else mma.MmaConfig(*fields, tma=tma, **extra)
-        used = cfg or mma.default_config(m, n, k)
+        used = cfg or committed.mma_config(m, n, k)
         ring = replace(used, tma=0, wsmem=True, unroll=False, depth=2, num_warps=used.block_n // 16, maxnreg=None)
         ref = mma.w12_mma(x, kp, config=ring, out_dtype=torch.float32)
         assert torch.equal(ref, mma.w12_mma(x, kp, config=ring, out_dtype=torch.float32))

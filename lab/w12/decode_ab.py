@@ -18,12 +18,14 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bootstrap  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from lab.common import bootstrap  # noqa: E402
 
 bootstrap()
 
-from common import L2Flusher, print_table, time_interleaved, write_results  # noqa: E402
+from lab.common import L2Flusher, print_table, time_interleaved, write_results  # noqa: E402
+from lab.w12 import committed  # noqa: E402
 from w12_gemm import SHAPES, random_layer, row_inputs, speedup_summary  # noqa: E402
 
 
@@ -36,7 +38,7 @@ def main() -> int:
     import torch
     import torch.nn.functional as F
 
-    from specpilot.kernels.w12 import gemv_gluon, mma
+    from lab.w12.variants import gemv_gluon, mma
 
     torch.manual_seed(0)
     dev = torch.device("cuda")
@@ -48,9 +50,9 @@ def main() -> int:
         for m in ms:
             x, ref, tol = row_inputs(w, m)
             if m == 1:
-                run, fast = gemv_gluon.w12_gemv_gluon, gemv_gluon.default_config(n, k)
+                run, fast = gemv_gluon.w12_gemv_gluon, committed.gluon_gemv_config(n, k)
             else:
-                run, fast = mma.w12_mma, mma.default_config(m, n, k)
+                run, fast = mma.w12_mma, committed.mma_config(m, n, k)
             plain = replace(fast, plain_decode=True)
             yf = run(x, kp, config=fast)
             yp = run(x, kp, config=plain)

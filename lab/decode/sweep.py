@@ -19,12 +19,13 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bootstrap  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from lab.common import bootstrap  # noqa: E402
 
 bootstrap()
 
-from common import L2Flusher, print_table, time_cuda_graph, write_results  # noqa: E402
+from lab.common import L2Flusher, print_table, time_cuda_graph, write_results  # noqa: E402
 
 # (kernel, N rows of the weight, K): Llama-3.1-8B, 32 heads, 8 KV heads, head_dim 128
 LAYERS = [("rope", 6144, 4096), ("resid", 4096, 4096), ("silu", 28672, 4096), ("resid", 4096, 14336)]
@@ -57,7 +58,7 @@ def main() -> int:
     import torch.nn.functional as F
 
     from specpilot.kernels.decode import gemv as G
-    from specpilot.kernels.decode import reference as R
+    from specpilot.kernels.decode import naive as R
 
     dev = "cuda"
     torch.manual_seed(0)
@@ -119,7 +120,7 @@ def main() -> int:
     for (kd, n, k), c in tuned.items():
         print(f"    ({kd!r}, {n}, {k}): GemvConfig({c.pairs}, {c.block_k}, {c.warps}, {c.stages}),")
     print("}")
-    write_results("decode_gemv", rows, {"best": best_rows, "layer_fused_us": round(total_f, 2),
+    write_results("decode_sweep", rows, {"best": best_rows, "layer_fused_us": round(total_f, 2),
                                         "layer_cublas_gemm_us": round(total_c, 2),
                                         "method": "cuda graph, L2 flushed by reading 256 MB, CUDA events, median"})
     return 0

@@ -2,7 +2,7 @@
 Compute: a few warm-up calls, then the call to profile.
 
     ncu --clock-control none -k regex:'_w12_(wg)?mma_kernel' --launch-skip 3 --launch-count 1 \
-        --set full -o wg python3 benchmarks/tools/ncu_w12_mma.py --kernel wgmma --k 4096 --n 4096 --m 32 \
+        --set full -o wg python3 lab/w12/ncu_mma.py --kernel wgmma --k 4096 --n 4096 --m 32 \
         --config 64,8,4,2,0
     ncu --import wg.ncu-rep --page source --csv --print-source sass > wg_sass.csv   # stalls per instruction
 
@@ -17,15 +17,17 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import bootstrap  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from lab.common import bootstrap  # noqa: E402
 
 bootstrap()
 
 import torch  # noqa: E402
 
-from specpilot.kernels.w12 import encode, gemv_gluon, mma, warpk, wgmma  # noqa: E402
-from specpilot.kernels.w12.gemm import KernelPack  # noqa: E402
+from lab.w12.variants import gemv_gluon, mma, warpk, wgmma  # noqa: E402
+from specpilot.kernels.w12 import encode  # noqa: E402
+from specpilot.kernels.w12.pack import KernelPack  # noqa: E402
 
 
 def main() -> int:

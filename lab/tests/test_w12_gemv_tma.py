@@ -1,4 +1,4 @@
-"""The one-row W12 GEMV fed by a TMA ring (``kernels/w12/gemv_tma.py``): config checks, an sm_90
+"""The one-row W12 GEMV fed by a TMA ring (``lab/w12/variants/gemv_tma.py``): config checks, an sm_90
 compile on the CPU that checks the consumer and copy loops, and on a GPU the kernel against the
 register-ring GEMV's bits (partial tiles, odd K, escapes, +-0 and extreme x, Q pass), run to run
 and with many programs per SM."""
@@ -17,9 +17,9 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from specpilot.kernels.w12 import encode  # noqa: E402
-from specpilot.kernels.w12 import gemv_gluon as gg  # noqa: E402
-from specpilot.kernels.w12 import gemv_tma  # noqa: E402
-from specpilot.kernels.w12.gemm import KernelPack  # noqa: E402
+from lab.w12.variants import gemv_gluon as gg  # noqa: E402
+from lab.w12.variants import gemv_tma  # noqa: E402
+from specpilot.kernels.w12.pack import KernelPack  # noqa: E402
 
 from gluon_ptx import ptxas_report  # noqa: E402
 from test_w12_gemm import check_close, extreme_row, make_weight  # noqa: E402
@@ -55,7 +55,7 @@ def test_key_and_shared_memory_budget():
 
 
 _SETUP = r"""
-from specpilot.kernels.w12 import gemv_tma, gemv_gluon
+from lab.w12.variants import gemv_tma, gemv_gluon
 k = gemv_tma._w12_gemv_tma_kernel
 lay = gemv_tma._box_layout()
 lv, lq, lx, le = gemv_gluon.layouts(16, 4)

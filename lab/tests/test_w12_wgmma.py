@@ -1,4 +1,4 @@
-"""The Hopper ``wgmma`` W12 GEMM (``kernels/w12/wgmma.py``): the x load layout on CPU, an sm_90
+"""The Hopper ``wgmma`` W12 GEMM (``lab/w12/variants/wgmma.py``): the x load layout on CPU, an sm_90
 compile that shows the asynchronous MMA with the decoded weights as register A operand (no
 ``mma.sync``, no shared loads, one CTA barrier per record, no ptxas serialization), and the kernel
 against the fp32 reference on a Hopper GPU."""
@@ -16,8 +16,9 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton")
 
-from specpilot.kernels.w12 import encode, mma, wgmma  # noqa: E402
-from specpilot.kernels.w12.gemm import KernelPack  # noqa: E402
+from lab.w12.variants import mma, wgmma  # noqa: E402
+from specpilot.kernels.w12 import encode  # noqa: E402
+from specpilot.kernels.w12.pack import KernelPack  # noqa: E402
 from specpilot.kernels.w12.naive import w12_linear_ref  # noqa: E402
 
 from gluon_ptx import inflight_a_writes, ptxas_report, sass  # noqa: E402
@@ -44,7 +45,7 @@ def test_x_load_layout_covers_the_tile_with_physical_k_runs(bm, warps):
 
 
 _SETUP = r"""
-from specpilot.kernels.w12 import wgmma
+from lab.w12.variants import wgmma
 k = wgmma._w12_wgmma_kernel
 ptrs = {"x_ptr": "*bf16", "y_ptr": "*bf16", "rec_ptr": "*i32", "low_ptr": "*u8", "eptr_ptr": "*i32",
         "erow_ptr": "*i32", "ecol_ptr": "*i32", "edelta_ptr": "*fp32", "ws_ptr": "*fp32", "lock_ptr": "*i32"}

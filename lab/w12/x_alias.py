@@ -18,11 +18,13 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from common import bootstrap, write_results  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from lab.common import bootstrap  # noqa: E402
 
 bootstrap()
+
+from lab.common import write_results  # noqa: E402
 
 
 def main() -> int:
@@ -31,7 +33,7 @@ def main() -> int:
 
     from common import L2Flusher, time_interleaved
     from specpilot.kernels.w12 import mma, warpk
-    from specpilot.kernels.w12.gemm import w12_linear
+    from specpilot.kernels.w12.routing import w12_linear
     from w12_gemm import SHAPES, random_layer, routed_path, tolerance
 
     if not torch.cuda.is_available():

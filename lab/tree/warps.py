@@ -12,19 +12,20 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import bootstrap  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from lab.common import bootstrap  # noqa: E402
 
 bootstrap()
 
-from common import L2Flusher, capture_and_time, print_table, write_results  # noqa: E402
+from lab.common import L2Flusher, capture_and_time, print_table, write_results  # noqa: E402
 
 
 def main() -> int:
     import torch
 
-    from specpilot.kernels.tree_batched import alloc, build_batched
+    from lab.tree.levels import build_batched_levels
+    from specpilot.kernels.tree.batched import alloc
 
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
@@ -36,11 +37,11 @@ def main() -> int:
             tok = torch.randint(0, 150000, (B, m, K), device=dev, generator=g)
             lp = torch.log_softmax(torch.randn(B, m, K, device=dev, generator=g) * 2, -1).sort(-1, descending=True).values
             tr = torch.log_softmax(torch.randn(B, m - 1, K, K, device=dev, generator=g) * 2, -1) if trans else None
-            ref = build_batched(tok, lp, tr, n, num_warps=4, kernel="levels")
+            ref = build_batched_levels(tok, lp, tr, n, num_warps=4)
             ref = (ref.tokens.clone(), ref.parents.clone())
             for w in warps:
                 out = alloc(B, n, dev)
-                fn = lambda: build_batched(tok, lp, tr, n, out=out, num_warps=w, kernel="levels")  # noqa: E731
+                fn = lambda: build_batched_levels(tok, lp, tr, n, out=out, num_warps=w)  # noqa: E731
                 fn()
                 exact = bool(torch.equal(out.tokens, ref[0]) and torch.equal(out.parents, ref[1]))
                 us, _ = capture_and_time(fn, reps=200, warmup=10, flush=flush)

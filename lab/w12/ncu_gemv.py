@@ -10,15 +10,16 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import bootstrap  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from lab.common import bootstrap  # noqa: E402
 
 bootstrap()
 
 import torch  # noqa: E402
 
 from specpilot.kernels.w12 import encode  # noqa: E402
-from specpilot.kernels.w12.gemm import KernelPack  # noqa: E402
+from specpilot.kernels.w12.pack import KernelPack  # noqa: E402
 from specpilot.kernels.w12.gemv import w12_gemv  # noqa: E402
 
 for k, n in ((4096, 28672), (4096, 4096)):
