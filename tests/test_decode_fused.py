@@ -261,14 +261,17 @@ def _w12_kernel_outputs(seed, K, N, inter, hd, cfg, other_cfg, other_dense, repe
 
 
 @pytest.mark.parametrize("cfg", [None, "small"])
-def test_w12_kernels_match_the_reference(cfg):
+def test_w12_kernels_match_the_reference(cfg, monkeypatch):
     """The W12 variants of the three fused kernels (kernels/decode/gemv_w12.py) against the plain
     references and against the dense kernels on the same bf16 weights (those share the W12
     kernel's normalisation, so only the fp32 summation order differs: within one bf16 rounding):
     K not a multiple of the 64-wide record, rows in two record tiles, escapes in most rows."""
+    from specpilot.kernels.decode import gemv_w12
     from specpilot.kernels.decode.gemv_w12 import W12GemvConfig
 
-    c = W12GemvConfig(pairs=4, recs=2, warps=1, stages=1, esc_ch=4) if cfg else None
+    if cfg:   # escapes 4 at a time: several correction chunks per row group
+        monkeypatch.setattr(gemv_w12, "ESC_CH", 4)
+    c = W12GemvConfig(pairs=4, recs=2, warps=1, stages=1) if cfg else None
     got, _, ref, dense, _ = _w12_kernel_outputs(5, 160, 192, 136, 32, c, SMALL, other_dense=True)
     for name in got:
         _close(got[name], ref[name], torch.bfloat16)
@@ -450,17 +453,19 @@ def test_gpu_w12_engine_takes_the_fused_decode():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("cfg", [(8, 4, 4, None), (4, 4, 2, None), (16, 2, 3, None), (8, 8, 2, 96)])
-def test_gpu_w12_gluon_kernels_match_the_reference(cfg):
+def test_gpu_w12_gluon_kernels_match_the_reference(cfg, monkeypatch):
     """The Gluon W12 decode kernels (kernels/decode/gemv_w12_gluon.py) against the plain references,
     within one bf16 rounding of the Triton W12 kernels (another fp32 summation order; two for the
     normalised epilogues, :func:`_near`), bitwise the
     same run to run: K not a multiple of 64, rows in two record tiles, about 3 escapes per row
     (more than a group's first chunk of 8), every epilogue."""
+    from specpilot.kernels.decode import gemv_w12
     from specpilot.kernels.decode.gemv_w12 import W12GemvConfig
     from specpilot.kernels.decode.gemv_w12_gluon import GluonFusedConfig
 
     c = GluonFusedConfig(*cfg)
-    tri = W12GemvConfig(pairs=c.pairs, recs=2, warps=1, stages=1, esc_ch=4)
+    monkeypatch.setattr(gemv_w12, "ESC_CH", 4)    # the Triton kernels' escapes in several chunks
+    tri = W12GemvConfig(pairs=c.pairs, recs=2, warps=1, stages=1)
     got, again, ref, other, inp = _w12_kernel_outputs(9, 160, 256, 144, 64, c, tri, other_dense=False, repeat=True)
     for name in ("resid", "silu"):
         assert torch.equal(got[name], again[name])

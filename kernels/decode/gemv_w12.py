@@ -39,19 +39,19 @@ from specpilot.kernels.w12.pack import KernelPack
 class W12GemvConfig:
     """``pairs`` B (a program owns 2B output rows; B divides 128), ``recs`` records (64 columns
     each) per iteration, ``warps``, ``stages`` (software pipelining depth of the record loads),
-    ``esc_ch`` escapes per correction chunk."""
+    and escapes are corrected :data:`ESC_CH` at a time."""
 
     pairs: int = 4
     recs: int = 4
     warps: int = 4
     stages: int = 3
-    esc_ch: int = 16
 
     def key(self) -> str:
-        return f"p{self.pairs}-r{self.recs}-w{self.warps}-s{self.stages}-e{self.esc_ch}"
+        return f"p{self.pairs}-r{self.recs}-w{self.warps}-s{self.stages}"
 
 
 DEFAULT = W12GemvConfig()   # shapes the table does not have; on CUDA with Gluon the Gluon kernels run
+ESC_CH = 16   # escapes per correction chunk (a power of two)
 
 
 def config_for(epi: str, n: int, k: int, device=None) -> W12GemvConfig:
@@ -225,7 +225,7 @@ if triton is not None:
 
 
 def check_config(cfg: W12GemvConfig) -> None:
-    for name in ("pairs", "recs", "warps", "esc_ch"):
+    for name in ("pairs", "recs", "warps"):
         v = getattr(cfg, name)
         if v < 1 or v & (v - 1):
             raise ValueError(f"W12 GEMV config: {name}={v} must be a power of two")
@@ -251,7 +251,7 @@ def launch(grid, x, gamma, kp, y, res, eps, epi, norm, cfg: W12GemvConfig, inter
         kp.esc_col, kp.esc_delta, y, *ptrs,
         K, kp.k_tiles, float(eps), inter, nh, nkv, *strides,
         NORM=norm, EPI=epi, HD=hd, B=cfg.pairs, RECS=cfg.recs, STAGES=cfg.stages,
-        XP=triton.next_power_of_2(K) if norm else 1, ESC_CH=cfg.esc_ch,
+        XP=triton.next_power_of_2(K) if norm else 1, ESC_CH=ESC_CH,
         FAST=(not interpreting()) if fast is None else fast, num_warps=cfg.warps,
         **pdl_args(pdl, x))
 

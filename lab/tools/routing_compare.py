@@ -79,6 +79,8 @@ def main() -> int:
     ap.add_argument("before")
     ap.add_argument("after")
     ap.add_argument("--ptx", nargs=2, metavar=("BEFORE_DIR", "AFTER_DIR"))
+    ap.add_argument("--keymap", default=None, help="write the later launch keys of BEFORE_DIR's PTX files here "
+                    "(a JSON list for routing_snapshot.py --ptx-keys)")
     args = ap.parse_args()
     before, after = json.loads(Path(args.before).read_text()), json.loads(Path(args.after).read_text())
     diffs, keymap = compare(before, after)
@@ -87,6 +89,10 @@ def main() -> int:
     print(f"launches compared: {n} ({len(keymap)} distinct); differences: {len(diffs)}")
     for d in diffs[:50]:
         print("  " + d)
+    if args.ptx and args.keymap:
+        keys = sorted({keymap[f.stem] for f in Path(args.ptx[0]).iterdir() if f.stem in keymap})
+        Path(args.keymap).write_text(json.dumps(keys))
+        print(f"{len(keys)} later launch keys written to {args.keymap}")
     if args.ptx:
         bdir, adir = Path(args.ptx[0]), Path(args.ptx[1])
         same = missing = 0

@@ -294,6 +294,8 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--ptx", default=None, help="directory for the PTX of every distinct launch")
     ap.add_argument("--ptx-arch", default="90", help="comma list of the archs whose launches are compiled")
+    ap.add_argument("--ptx-keys", default=None,
+                    help="a JSON list of launch keys to compile instead (routing_compare.py --keymap writes it)")
     ap.add_argument("--kernels-root", default=None,
                     help="import specpilot.kernels from this folder (e.g. an export of an earlier commit)")
     args = ap.parse_args()
@@ -325,12 +327,18 @@ def main() -> int:
     if args.ptx:
         archs = {int(a) for a in args.ptx_arch.split(",")}
         wanted = set()
-        for a in archs:   # one launch per distinct kernel config (constexprs and options): the first key
+        for a in archs:   # one launch per distinct kernel config (constexprs and options): the first one met
             first = {}
-            for key in snap[f"sm{a}"]["launch_keys"]:
-                r = LAUNCHES[key]
-                first.setdefault(json.dumps([r["kernel"], r["constexprs"], r["options"]], sort_keys=True), key)
+            for part in ("linear", "decode"):
+                for key in sorted(snap[f"sm{a}"][part]):
+                    v = snap[f"sm{a}"][part][key]
+                    for ln in (v if isinstance(v, list) else []):
+                        r = LAUNCHES[ln["launch"]]
+                        first.setdefault(json.dumps([r["kernel"], r["constexprs"], r["options"]], sort_keys=True),
+                                         ln["launch"])
             wanted |= set(first.values())
+        if args.ptx_keys:
+            wanted = set(json.loads(Path(args.ptx_keys).read_text()))
         for key in list(KEEP):
             if key not in wanted:
                 del KEEP[key]
