@@ -72,7 +72,7 @@ def test_staged_x_keeps_records_in_flight_within_96_registers(depth, maxnreg):
     ``bar.warp.sync`` pin per reload (what keeps ptxas from sinking the reloads to the loop's end).
     With Triton 3.6 (the GPU machine's; registers depend on the toolchain, 3.9 takes 126 at depth
     3), depth 4 with ``maxnreg=96`` and the late epilogue fits in 96 registers without spills
-    (depth 3 without a cap: 95, docs/plans/w12-gemv-registers.md)."""
+    (depth 3 without a cap: 95)."""
     import re
 
     setup = _SETUP.replace("G.layouts(16, 8)", "G.layouts(16, 4)").replace("WARPS=8, DEPTH=3", f"WARPS=4, DEPTH={depth}")

@@ -1,10 +1,9 @@
 """The fused one-row decode kernels on W12 weights, in Gluon: the CUDA path of :mod:`.gemv_w12`.
 
 The Triton W12 variants (:mod:`.gemv_w12`) put a W12 engine's AR step at 0.94x of the bf16 fused
-step on the H200 (``benchmarks/results/decode_w12_engine_tune.json``): the 12-bit reads did not
-pay for their decode. The one-row Gluon GEMV (:mod:`specpilot.kernels.w12.gemv_gluon`) runs the
-same records at 1.26-1.30x of cuBLAS. This module is that GEMV's main loop with the fused decode
-kernels' prologues and epilogues around it:
+step on the H200: the 12-bit reads do not pay for their decode there. The one-row Gluon GEMV
+(:mod:`specpilot.kernels.w12.gemv_gluon`) runs the same records at 1.26-1.30x of cuBLAS. This
+module is that GEMV's main loop with the fused decode kernels' prologues and epilogues around it:
 
 * a program owns two row groups of ``B`` rows (as in :mod:`.gemv`: the two halves of its block,
   the gate/up pair or the RoPE pair), held as ``2B`` rows in the order ``2i + g`` (row ``i`` of
@@ -38,7 +37,7 @@ import torch
 from specpilot.kernels import tuning
 from specpilot.kernels.decode.common import EPI_NAMES, epilogue_operands
 from specpilot.kernels.triton_env import pdl_args
-from specpilot.kernels.w12.gluon_common import (XS_CHUNK, XS_MAX_BYTES, async_copy, cp_async, cta_barrier, f32_hi,
+from specpilot.kernels.w12.gluon_common import (XS_CHUNK, XS_MAX_BYTES, async_copy, cta_barrier, f32_hi,
                                                 f32_lo, gl, gluon, load_clamped, pin, stage_x, view_as,
                                                 xs_group_count)
 
@@ -170,8 +169,9 @@ if gluon is not None:
 
     @gluon.jit
     def _stage_x_norm(x32_ptr, g32_ptr, KH, K, eps, WARPS: gl.constexpr, XS_IT: gl.constexpr, XS_CH: gl.constexpr):
-        """x normalised into shared memory, laid out as :func:`specpilot.kernels.w12.gluon_common.stage_x` lays x out (zero
-        from ``KH`` words on), and 1/RMS: one pass for the sum of squares, one to normalise."""
+        """x normalised into shared memory, laid out as
+        :func:`specpilot.kernels.w12.gluon_common.stage_x` lays x out (zero from ``KH`` words on),
+        and 1/RMS: one pass for the sum of squares, one to normalise."""
         CW: gl.constexpr = XS_CH * WARPS * 32
         LC: gl.constexpr = gl.BlockedLayout([CW // (32 * WARPS)], [32], [WARPS], [0])
         off = gl.arange(0, CW, layout=LC)
@@ -203,8 +203,9 @@ if gluon is not None:
 
     @gluon.jit
     def _esc_load(erow_ptr, ecol_ptr, edelta_ptr, gamma_ptr, e, e_hi, NORM: gl.constexpr, LE: gl.constexpr):
-        """:func:`specpilot.kernels.w12.gluon_epilogue.esc_entries` (escapes ``e .. e + ESC_CH`` below ``e_hi``: ok, rows,
-        columns, deltas) and, for ``NORM``, gamma at the columns: constant data."""
+        """:func:`specpilot.kernels.w12.gluon_epilogue.esc_entries` (escapes ``e .. e + ESC_CH``
+        below ``e_hi``: ok, rows, columns, deltas) and, for ``NORM``, gamma at the columns:
+        constant data."""
         ok, er, ec, ed = esc_entries(erow_ptr, ecol_ptr, edelta_ptr, e, e_hi, ESC_CH, LE)
         if NORM:
             g = gl.load(gamma_ptr + ec, mask=ok, other=0.0)

@@ -21,7 +21,7 @@ import torch
 
 from .. import tuning
 from ..triton_env import interpreting, tl, triton  # sets TRITON_INTERPRET first on a machine without CUDA
-from .naive import MARGIN_REL, Int8Head, exact_argmax, exact_logits, quantize_head
+from .naive import MARGIN_REL, Int8Head, exact_argmax, quantize_head
 
 INT64_MIN = -(2 ** 63)
 

@@ -4,16 +4,17 @@ For each of a layer's four fused kernels (q/k/v + RMSNorm + RoPE + KV store, o +
 RMSNorm + SiLU, down + residual) at one row, bf16: every candidate config and cuBLAS ``F.linear``
 of the same weight (the GEMM alone, without the norm, RoPE, store, residual or SiLU kernels the
 fused kernel also replaces), both in CUDA graphs with L2 flushed by reading 256 MB, CUDA events,
-median. Checks each fused result against the plain reference (kernels/decode/reference.py) first.
-Prints the ``TUNED`` table for kernels/decode/gemv.py.
+median. Checks each fused result against the plain reference (kernels/decode/naive.py) first.
+Prints the fastest config per kernel, the entries of kernels/decode/tuned/<arch>.json.
 
-    python benchmarks/decode_gemv.py [--reps 50] [--quick]
+    python lab/decode/sweep.py [--reps 50] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import math
 import sys
 import time
@@ -116,10 +117,8 @@ def main() -> int:
     total_f = sum(r["fused_us"] for r in best_rows)
     total_c = sum(r["cublas_us"] for r in best_rows)
     print(f"layer: fused kernels {total_f:.1f} us vs cuBLAS GEMMs alone {total_c:.1f} us")
-    print("TUNED = {")
-    for (kd, n, k), c in tuned.items():
-        print(f"    ({kd!r}, {n}, {k}): GemvConfig({c.pairs}, {c.block_k}, {c.warps}, {c.stages}),")
-    print("}")
+    for (kd, n, k), c in tuned.items():   # entries of kernels/decode/tuned/<arch>.json
+        print(json.dumps({"kernel": "gemv", "epilogue": kd, "n": n, "k": k, "config": c.__dict__}))
     write_results("decode_sweep", rows, {"best": best_rows, "layer_fused_us": round(total_f, 2),
                                         "layer_cublas_gemm_us": round(total_c, 2),
                                         "method": "cuda graph, L2 flushed by reading 256 MB, CUDA events, median"})

@@ -1,6 +1,6 @@
 """Batched best-first tree builder on the GPU: exactness first, then CUDA-graph timing of both Triton
-kernels side by side (``levels``, the earlier level-sort kernel, and ``frontier``, the heap in
-registers, now the default), of the plain-torch reference and of the host heap; a sweep of the
+kernels side by side (``levels``, the level-sort kernel of :mod:`lab.tree.levels`, and ``frontier``, the heap in
+registers that the product routes to), of the plain-torch reference and of the host heap; a sweep of the
 frontier kernel's warps and L1 prefetch; and real paired timings judged by the compare rule (A/A
 must not be approved; frontier vs levels and vs the torch reference).
 
@@ -290,7 +290,7 @@ def main():
     summary["wall_s"] = round(time.time() - t_start, 1)
     write_results("tree_compare", rows, extra={
         "frontier_variants": variants, "aa_timing": aa, "summary": summary, "target": "<= 50 us for 32 requests x 32 nodes from 16 x 16 lattices",
-        "notes": "levels = the earlier level-sort kernel, frontier = the heap in registers (the default). "
+        "notes": "levels = the level-sort kernel (lab), frontier = the heap in registers (the product's). "
                  "*_equals_reference[_ties]: every kept node (token, parent, depth, candidate, float32 score), "
                  "valid and count identical to the torch reference, on the row's lattice and on a dyadic one "
                  "with exact ties. *_mismatch_requests: requests differing from the engine's float64 heap; with a "

@@ -1,7 +1,7 @@
 """Warps per program of the batched tree builder's level-sort kernel (kernel="levels"): exactness and time (H200).
-The frontier kernel's warps are swept by tree_builder.py.
+The frontier kernel's warps are swept by lab/tree/compare.py.
 
-    python benchmarks/tree_builder_warps.py [WARPS ...]   (default: 1 2 4 8)
+    python lab/tree/warps.py [WARPS ...]   (default: 1 2 4 8)
 
 32 requests x 32 nodes from 16 x 16 lattices (issue 6's case), marginal and parent-conditioned;
 every variant must equal the num_warps=4 result exactly; times from CUDA-graph replays.

@@ -2,8 +2,8 @@
 the plain one (``plain_decode=True``), in the kernel and tuned config ``w12_linear`` uses (the one-row
 Gluon GEMV at M=1, the ``mma.sync`` kernel above), side by side with cuBLAS bf16 in one run.
 
-    python benchmarks/w12_decode_ab.py                     # M=1 -> benchmarks/results/w12_decode_ab.json
-    python benchmarks/w12_decode_ab.py --rows 8,32 --name w12_decode_ab_mma
+    python lab/w12/decode_ab.py                     # M=1 -> lab/results/w12_decode_ab.json
+    python lab/w12/decode_ab.py --rows 8,32 --name w12_decode_ab_mma
 
 Per layer: encode a random bf16 weight (std 0.02), check both decodes against ``x @ W.T`` in fp32
 and against each other bit for bit, then time both and ``F.linear`` in CUDA graphs with L2 flushed

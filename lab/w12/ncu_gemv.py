@@ -2,7 +2,7 @@
 
     ncu --clock-control none -k regex:_w12_gemv_kernel --launch-skip 2 --launch-count 2 \
         --section SpeedOfLight --section WarpStateStats --section MemoryWorkloadAnalysis \
-        --section LaunchStats --section Occupancy python3 benchmarks/tools/ncu_w12_gemv.py
+        --section LaunchStats --section Occupancy python3 lab/w12/ncu_gemv.py
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """Stress the W12 TMA tensor-core kernels (``MmaConfig(tma=1|2|3)``) for run-to-run differences.
 
-Each case builds a random layer (as ``benchmarks/w12_gemm.py`` does), takes the ``wsmem`` ring's
+Each case builds a random layer (as ``lab/w12/sweep.py`` does), takes the ``wsmem`` ring's
 output as the reference (bitwise deterministic, checked) and runs the TMA config ``--reps`` times.
 A run counts as bad when it differs from the ring (bitwise for ``tma=1|2``, which compute the same
 sums; beyond 1e-4 relative for ``tma=3``, whose wgmma sums in the hardware's order) or from the
 config's own first run. For the first bad run the script records where the differences are: which
 x rows, which 16-row output slices and record tiles, the largest difference.
 
-    python benchmarks/tools/tma_race.py --reps 30            # writes benchmarks/results/w12_tma_race.json
+    python lab/w12/tma_race.py --reps 30            # writes lab/results/w12_tma_race.json
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ through ``cp.async`` or TMA into shared memory, by up to 64 %, and cuBLAS by up 
 presumably every SM then reads the same few lines of one L2 slice), so only a fall in time says
 something. Outputs are checked against the fp32 reference of the aliased x.
 
-    python benchmarks/tools/x_alias.py          # writes benchmarks/results/w12_x_alias.json
+    python lab/w12/x_alias.py          # writes lab/results/w12_x_alias.json
 """
 
 from __future__ import annotations

@@ -29,7 +29,6 @@ from specpilot.kernels.w12.pack import KernelPack
 # ----------------------------------------------------------------------------------------------
 
 
-
 # ----------------------------------------------------------------------------------------------
 # kernel
 # ----------------------------------------------------------------------------------------------
@@ -321,7 +320,6 @@ if triton is not None:
                  y.to(y_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
 
 
-
 # ----------------------------------------------------------------------------------------------
 # launcher
 # ----------------------------------------------------------------------------------------------
@@ -380,10 +378,6 @@ def bucket(m: int) -> int:
     return 1 if m <= 1 else 2 if m <= 2 else 4 if m <= 4 else 8 if m <= 8 else 16 if m <= 16 else 32 if m <= 32 else 64
 
 
-# Fastest correct variant per (N, K, rows) measured on the H200 by benchmarks/w12_gemm.py
-# (benchmarks/results/w12_gemm.json, 2026-11-30; the comment is the speedup over cuBLAS there).
-
-
 def split_chunk(split: int, tile: int) -> int:
     """How many split-K partial tiles of ``tile`` values the last program sums per load: all of
     them (next power of two) when that stays within 4096 values, else fewer."""
@@ -396,8 +390,6 @@ def split_chunk(split: int, tile: int) -> int:
 def _workspace(device, nbytes_f32: int, nlocks: int):
     """Split-K partials and per-block counters (zero between uses), shared by launches on a stream."""
     return workspace.scratch(device, "w12.partials", nbytes_f32), workspace.counters(device, "w12.blocks", nlocks)
-
-
 
 
 def w12_linear(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: Config | None = None,

@@ -217,8 +217,6 @@ def supported(x: torch.Tensor, packed: KernelPack) -> bool:
             and x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0 and x.element_size() == 2)
 
 
-
-
 def default_config(m: int, n: int, k: int, sms: int = 132) -> GemvConfig:
     """Split-K for about three programs per SM."""
     kt = (k + TILE_K - 1) // TILE_K
@@ -227,14 +225,6 @@ def default_config(m: int, n: int, k: int, sms: int = 132) -> GemvConfig:
     blocks = (n + bn - 1) // bn * ((m + MAX_ROWS - 1) // MAX_ROWS)
     split = max(1, min(kt // recs, round(8 * sms / blocks)))
     return GemvConfig(bn, recs, split, num_warps=2)
-
-
-# Fastest config per (N, K) at M=1 on the H200 (benchmarks/w12_gemm.py --mode gemv --rows 1,
-# benchmarks/results/w12_gemv.json; the comment is the speedup over cuBLAS bf16 in that run).
-
-# Fastest config per (N, K, rows) for 2-16 rows, every row in one program (benchmarks/w12_gemm.py
-# --mode gemv --rows 1,2,4,8,16, benchmarks/results/w12_gemv_rows.json; speedups over cuBLAS bf16
-# and, in brackets, the general kernel's in the same run).
 
 
 def w12_gemv(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: GemvConfig | None = None,

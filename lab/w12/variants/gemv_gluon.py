@@ -3,8 +3,7 @@
 The Triton GEMV (:mod:`.gemv`) gives each program ``BLOCK_N`` weight rows and a K range, and reaches
 enough bytes in flight on small layers only by splitting K across programs, which adds a tail:
 partials to a workspace, a counter, and the last program summing them. On the H200 that kernel
-ran at 0.76x (geometric mean) of a plain read of the same bytes (``benchmarks/results/
-read_floor.json``). Here the split is inside the program:
+ran at 0.76x (geometric mean) of a plain read of the same bytes (``benchmarks/read_floor.py``). Here the split is inside the program:
 
 * a program owns ``ROWS`` rows (8-32) of one 128-row record tile; warp ``w`` takes the records
   ``t = t0 + i * WARPS + w`` of that tile, so each warp streams its own 12 KB records (``ROWS`` x 64
@@ -210,7 +209,7 @@ if gluon is not None:
     def _rec_fma(acc, v, q, x, WARPS: gl.constexpr, ROWS: gl.constexpr, L_V: gl.constexpr,
                  QPASS: gl.constexpr, PLAIN: gl.constexpr, XF32: gl.constexpr = False):
         """acc ``[W, ROWS, 16]`` += the decoded weights of each warp's record times its x."""
-        if PLAIN:   # the plain decode, kept for A/B runs (benchmarks/w12_decode_ab.py)
+        if PLAIN:   # the plain decode, kept for A/B runs (lab/w12/decode_ab.py)
             p0, p1 = _decode_pairs(v, q, L_V, QPASS)
         else:       # p0: weights 4c, 4c+1 (x word 2c); p1: 4c+2, 4c+3
             p0, p1 = _decode_pairs_fast(v, q, L_V, QPASS)
@@ -523,10 +522,9 @@ def supported(x: torch.Tensor, packed: KernelPack) -> bool:
 
 
 def default_config(n: int, k: int, sms: int = 132) -> GluonGemvConfig:
-    """The measured table (:data:`TUNED`) first, else what the sweeps chose most: 16-row programs
-    of 4 warps, four unrolled register sets with x staged (capped at 96 registers, the escapes
-    loaded after the first records), and split-K only when there are fewer than two programs per
-    SM (or the staged x would not fit)."""
+    """16-row programs of 4 warps, four unrolled register sets with x staged (capped at 96
+    registers, the escapes loaded after the first records), and split-K only when there are fewer
+    than two programs per SM (or the staged x would not fit)."""
     kt = (k + TILE_K - 1) // TILE_K
     blocks = (n + 15) // 16
     split = 1 if blocks >= 2 * sms else max(1, min(max(1, kt // 4), (2 * sms + blocks - 1) // blocks))
@@ -534,21 +532,6 @@ def default_config(n: int, k: int, sms: int = 132) -> GluonGemvConfig:
     while cfg.xs_groups(kt) * cfg.warps * 128 > XS_MAX_BYTES:
         cfg = GluonGemvConfig(16, 4, 4, cfg.split_k * 2, True, xs=True, maxnreg=96, late_epilogue=True)
     return cfg
-
-
-# Fastest variant per (N, K) on the H200 (benchmarks/w12_gemm.py --mode gemv-gluon --variants xs,
-# benchmarks/results/w12_gemv_gluon_late.json; speedup over cuBLAS bf16 and, in brackets, that of
-# the previous table in the same run). Staged x with four unrolled sets and the escapes loaded
-# late won on five layers; on the other two the previous choice stays (4096 x 14336: no staged
-# variant was faster; 5120 x 17408: 1.264x staged vs 1.270x). Then the escape chain spread over
-# the first step (``epi_spread``, the same output bits) on the three layers where it re-timed
-# faster than that table (``--variants spread,tma``, w12_gemv_spread_tma.json, git f87511f: us).
-# Earlier table (w12_gemv_gluon_unroll.json): unrolled rings without staged x; the rotated ring
-# with two records took 82.9 us on 5120 -> 34816 there, one record 77.2 us, two unrolled sets 73.2.
-# On the two widest layers the Triton GEMV's tuned variant (cp.async pipeline by the compiler)
-# measured 1.21x in one run but 1.05x in later ones (85.7 vs 74-76 us on 5120 -> 34816); this
-# kernel has no compiler pipeline and measured 1.18-1.19x there, so one-row products come here on
-# every layer.
 
 
 def w12_gemv_gluon(x: torch.Tensor, packed: KernelPack, qpass: bool = False,

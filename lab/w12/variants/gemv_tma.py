@@ -14,8 +14,8 @@ memory, release the stage (``fence.proxy.async``, then one arrival on ``empty`` 
 barrier, which Gluon puts before a multi-warp partition's arrival: the rule of :mod:`.mma_tma`'s
 group consumer) and decode. The bytes in flight are ``stages`` stages whatever the decode does.
 
-Measured on the H200 (docs/w12.md, ``w12_gemv_tma.json`` with 64-byte box rows and
-``w12_gemv_tma_23a262b.json`` with both forms and the loader warp): 256-byte rows beat 64-byte ones,
+Measured on the H200 (docs/w12.md; 64-byte and 256-byte box rows, with and without the loader
+warp): 256-byte rows beat 64-byte ones,
 but no form beats the routed register kernels by more than the run-to-run spread (1.264x against
 1.288x geometric mean in the same run), and deeper rings were slower; not routed.
 

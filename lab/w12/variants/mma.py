@@ -748,7 +748,7 @@ class MmaConfig:
     depth: int = 2     # records loaded ahead (1-3 in registers, 1-6 with wsmem)
     wsmem: bool = False  # weights through a cp.async shared-memory ring instead of registers
     unroll: bool = False  # register ring: depth sets reloaded in place (depth 2-3), not rotated
-    plain_decode: bool = False  # _decode_pairs instead of _decode_pairs_fast (A/B; TUNED where faster)
+    plain_decode: bool = False  # _decode_pairs instead of _decode_pairs_fast (A/B)
     stream: int = 0     # > 0: stream-K schedule, this many programs per SM (wsmem, or tma=3 with four
                         # K groups and one program per SM; split_k unused)
     maxnreg: int | None = None  # register cap passed to ptxas (None: its own choice)
@@ -780,40 +780,14 @@ def supported(x: torch.Tensor, packed: KernelPack) -> bool:
             and packed.rec32.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 8)
 
 
-
-
-
-
 def default_config(m: int, n: int, k: int, sms: int = 132, tma: bool = True, wgmma: bool = True) -> MmaConfig:
-    """The measured table (:data:`TUNED`) first (its TMA entries only if ``tma``: compute
-    capability 9.0+, and its ``wgmma`` ones, ``tma=3``, only if ``wgmma`` too: 9.x), else 64-row
-    programs, the weights two records ahead in the shared-memory ring, and split-K for about four
-    programs per SM (what the sweep chose on most layers)."""
+    """64-row programs, the weights two records ahead in the shared-memory ring, and split-K for
+    about four programs per SM (``tma`` and ``wgmma`` are accepted for the product's signature)."""
     kt = (k + TILE_K - 1) // TILE_K
     bn = 64
     blocks = (n + bn - 1) // bn * ((m + block_m_for(m) - 1) // block_m_for(m))
     split = max(1, min(kt, round(4 * sms / blocks)))
     return MmaConfig(block_n=bn, split_k=split, depth=2, wsmem=True)
-
-
-
-
-# Fastest correct variant per (N, K, rows) on the H200 (benchmarks/w12_gemm.py --mode mma --rows
-# 8,16,32,64, benchmarks/results/w12_mma_unroll.json: one-pass escape epilogue, unrolled register
-# rings in the sweep; the comment is the speedup over cuBLAS there and, in brackets, that of the
-# previous table (w12_mma_epi.json) in the same run). ``plain_decode`` where the decode A/B
-# (w12_decode_ab_mma.json, 8 and 32 rows) measured the plain decode more than 3 % faster. The x
-# chunks won three entries (w12_mma_chunk.json), all since taken by the TMA rings: seven entries
-# from the TMA sweep (w12_mma_tma.json, 8-32 rows, against the previous entry, re-timed interleaved
-# in the same run; kept where they won by 1 % or more there and in the two earlier TMA sweeps), and
-# two 32-row entries with the group taking two records per step (w12_mma_tma_pair.json, the same way).
-# TMA entries apply only where TMA runs (default_config(tma=...)). All eight were re-checked after the
-# TMA rings' race fix (git f7d38d0): 30 runs each, bitwise the wsmem ring (w12_tma_race.json).
-# Three entries from the early-epilogue sweep (w12_mma_early.json, git 1b0fbc8: each committed ring
-# at its split, half and twice it, the epilogue's loads in the tail or early), where the best beat
-# the old entry by 3 % or more re-timed interleaved in the same run; two from the full sweep at 16
-# and 64 rows after it (w12_mma_retune16_64.json, git 00081f3, the same rule; the 32-row sweep,
-# w12_mma_retune32.json, changed nothing).
 
 
 def aligned_x(x: torch.Tensor, kt: int) -> tuple[torch.Tensor, int]:

@@ -16,7 +16,7 @@ bitwise identical run to run, like the other W12 kernels. The plain reference is
 :func:`.naive.w12_linear_ref`.
 
 On the H200 it measured slower than the split grid on every layer at 8 and 32 rows
-(``benchmarks/results/w12_mma_stream.json``, 5-30 %; its in-loop epilogue takes 168 registers at
+(by 5-30 %; its in-loop epilogue takes 168 registers at
 64 x 32), so ``w12_linear`` does not route here; ``MmaConfig(..., wsmem=True, stream=P)`` selects it.
 """
 

@@ -30,7 +30,7 @@ Before a consumer arrives on ``empty`` it runs ``fence.proxy.async``: its reads 
 generic-proxy accesses and the copy that refills the stage writes through the async proxy, which the
 mbarrier's release/acquire alone does not order. Without the fence the refill landed under reads
 still in flight whenever the ring ran full (several programs per SM; measured with
-``benchmarks/tools/tma_race.py``, evidence in docs/w12.md).
+``lab/w12/tma_race.py``, evidence in docs/w12.md).
 
 ``tma=3`` is the group on Hopper's ``wgmma`` (:func:`_wg_consumer`): the decoded record is the
 register A operand and x is restaged in MMA k order for the B operand; it waits for each ``wgmma``

@@ -260,32 +260,18 @@ def supported(x: torch.Tensor, packed: KernelPack) -> bool:
 
 
 def bucket(m: int) -> int:
-    """The row bucket of :data:`TUNED`: 1, 8 (2-8 rows: one 8-row MMA column block), 16 or 32."""
+    """The row bucket: 1, 8 (2-8 rows: one 8-row MMA column block), 16 or 32."""
     return 1 if m == 1 else 8 if m <= 8 else 16 if m <= 16 else 32
 
 
 def default_config(m: int, n: int, k: int, sms: int = 132) -> WarpKConfig:
-    """The measured table (:data:`TUNED`) first, else 16-row programs of 4 warps, four register
-    sets up to 8 x rows (what the sweep chose most) and two above (x takes 16-32 registers per set;
-    above 16 rows x is loaded late and the epilogue preloads 32 escapes, not 64: 6 of 7 layers
-    faster, w12_warpk_esc.json), split-K when there are fewer than two programs per SM."""
+    """16-row programs of 4 warps, four register sets up to 8 x rows and two above (x takes 16-32
+    registers per set; above 16 rows x is loaded late and the epilogue preloads 32 escapes, not
+    64), split-K when there are fewer than two programs per SM."""
     kt = (k + TILE_K - 1) // TILE_K
     blocks = (n + 15) // 16
     split = 1 if blocks >= 2 * sms else max(1, min(max(1, kt // 8), (2 * sms + blocks - 1) // blocks))
     return WarpKConfig(16, 4, 4 if m <= 8 else 2, split, x_late=m > 16, esc_ch=32 if m > 16 else 0)
-
-
-
-
-# Fastest variant per (N, K, row bucket) on the H200 (benchmarks/w12_gemm.py --mode warpk --rows
-# 1,8,16,32, benchmarks/results/w12_warpk.json, git 44e0090; the comment: its time against the
-# kernel w12_linear used before, re-timed interleaved in the same run). 1 and 16 rows only where it
-# won by 3 % or more (one row: in that run and in the one before, w12_warpk_first.json).
-# Then the escape chain spread over the first step (``epi_spread``, bitwise the same output) where
-# it re-timed faster than the entry before it: 8 and 16 rows (and 5120 -> 7168 at 16 rows, where
-# it beat the ``mma`` entry by 3 %) and 4096 -> 6144 at 32
-# (w12_warpk_spread.json, git f87511f: 8 rows 1.256x vs 1.235x geometric mean over the seven), one
-# row on two of its three layers (w12_warpk_spread_m1.json, git eb03a8f).
 
 
 def w12_warpk(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: WarpKConfig | None = None,

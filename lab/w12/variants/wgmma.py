@@ -20,7 +20,7 @@ Same decode and record access as :mod:`.mma` (the ``mma.sync`` kernel), differen
 
 Measured on the H200, with the unsafe ``wait(1)``, it was slower than the ``mma.sync`` kernel (1.05x
 vs 1.09x cuBLAS at 8 rows, 0.78x vs 0.84x at 32; docs/w12.md), so ``w12_linear`` does not route
-here; it stays callable and benchmarked (``benchmarks/w12_gemm.py --mode wgmma``).
+here; it stays callable and benchmarked (``lab/w12/sweep.py --mode wgmma``).
 
 Epilogue, split-K and determinism are :mod:`.mma`'s (:func:`.mma._epilogue`): a fixed-order
 reduction, bitwise identical run to run. Bits may differ from the ``mma.sync`` kernel's (the order
@@ -216,16 +216,11 @@ def supported(x: torch.Tensor, packed: KernelPack) -> bool:
 
 
 def default_config(m: int, n: int, k: int, sms: int = 132) -> WgmmaConfig:
-    """The measured table (:data:`TUNED`) first, else 64-row programs, two records ahead, and
+    """64-row programs, two records ahead, and
     split-K for about four programs per SM."""
     kt = (k + TILE_K - 1) // TILE_K
     blocks = (n + 63) // 64 * ((m + block_m_for(m) - 1) // block_m_for(m))
     return WgmmaConfig(64, max(1, min(kt, round(4 * sms / blocks))), 4, 2)
-
-
-# Fastest correct variant per (N, K, row block) on the H200 (benchmarks/w12_gemm.py --mode wgmma
-# --rows 8,32, benchmarks/results/w12_wgmma_epi.json; speedup over cuBLAS there and, in brackets,
-# that of the mma.sync kernel as w12_linear ran it in the same run: this kernel is not routed).
 
 
 def w12_wgmma(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: WgmmaConfig | None = None,
