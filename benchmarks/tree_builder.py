@@ -1,15 +1,15 @@
-"""Batched best-first tree builder on the GPU: exactness first, then CUDA-graph timing of both Triton
-kernels side by side (``levels``, the earlier level-sort kernel, and ``frontier``, the heap in
-registers, now the default), of the plain-torch reference and of the host heap; a sweep of the
-frontier kernel's warps and L1 prefetch; and real paired timings judged by the compare rule (A/A
-must not be approved; frontier vs levels and vs the torch reference).
+"""Batched best-first tree builder on the GPU (``specpilot.kernels.tree.build_batched``, the heap in
+registers): exactness first, then CUDA-graph timing of the kernel, of the plain-torch reference
+and of the host heap; and real paired timings judged by the compare rule (A/A must not be
+approved; the kernel vs the torch reference). ``lab/tree/compare.py`` adds the level-sort kernel
+and the kernel's warps and L1 prefetch.
 
     python benchmarks/tree_builder.py            # writes benchmarks/results/tree_builder.json
 
 Rows: B requests x m positions x K candidates, N nodes per request, shared budget or not,
 marginal or parent-conditioned scores. Target (issue 6): <= 50 us for 32 x 32 nodes from 16 x 16.
 
-Exactness, per row, before any timing: each kernel's trees (tokens, parents, depths, candidates and
+Exactness, per row, before any timing: the kernel's trees (tokens, parents, depths, candidates and
 float32 scores of every kept node, ``valid`` and ``count``) must equal the torch reference's, on
 the row's lattice and on a dyadic one full of exact ties; ``*_mismatch_requests`` counts requests
 that differ from the engine's float64 heap (``specpilot.kernels.tree``; with a shared budget its
@@ -33,7 +33,7 @@ bootstrap()
 
 from common import L2Flusher, capture_and_time, environment, print_table, write_results  # noqa: E402
 
-KERNELS = ("levels", "frontier")
+KERNELS = ("frontier",)
 
 
 def lattice(B, m, K, seed, device, quant=None):
@@ -50,12 +50,12 @@ def lattice(B, m, K, seed, device, quant=None):
 
 
 def build(name, tok, lp, t, n, bud, out=None, **kw):
-    from specpilot.kernels.tree_batched import build_batched
-    from specpilot.kernels.tree_batched_ref import build_batched_ref
+    from specpilot.kernels.tree.batched import build_batched
+    from specpilot.kernels.tree.naive import build_batched_ref
 
     if name == "torch":
         return build_batched_ref(tok, lp, t, n, bud)
-    return build_batched(tok, lp, t, n, budget=bud, backend="triton", kernel=name, out=out, **kw)
+    return build_batched(tok, lp, t, n, budget=bud, backend="triton", out=out, **kw)
 
 
 def same_trees(a, b) -> bool:
@@ -128,7 +128,7 @@ def graph_us(fn, reps=200, flush=None):
 def bench_row(B, m, K, n, budget, trans, flush):
     import torch
 
-    from specpilot.kernels.tree_batched import alloc
+    from specpilot.kernels.tree.batched import alloc
 
     row = {"requests": B, "positions": m, "candidates": K, "nodes_per_request": n,
            "shared_budget": budget, "scores": "parent-conditioned" if trans else "marginal"}
@@ -152,8 +152,6 @@ def bench_row(B, m, K, n, budget, trans, flush):
         except Exception as e:  # keep the other rows
             row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
             traceback.print_exc()
-    if row.get("levels_graph_us") and row.get("frontier_graph_us"):
-        row["frontier_speedup"] = round(row["levels_graph_us"] / row["frontier_graph_us"], 2)
     # the engine's host heap over the same batch (what a Python scheduler would pay)
     from specpilot.kernels.tree import build_best_first, build_best_first_shared
 
@@ -170,46 +168,13 @@ def bench_row(B, m, K, n, budget, trans, flush):
     return row
 
 
-def frontier_variants(flush):
-    """The frontier kernel's warps per program and L1 prefetch, each checked exact before timing."""
-    import torch
-
-    from specpilot.kernels import tree_batched as tb
-
-    rows = []
-    for B, m, K, n, budget, trans in ((32, 16, 16, 32, None, True), (32, 16, 16, 32, 512, True),
-                                      (1, 16, 16, 64, None, True)):
-        tok, lp, tr = lattice(B, m, K, 7 + B, "cuda")
-        t = tr if trans else None
-        bud = None if budget is None else torch.tensor(budget, device="cuda")
-        ref = build("torch", tok, lp, t, n, bud)
-        for warps, prefetch in ((1, True), (2, True), (4, True), (8, True), (None, False)):
-            r = {"requests": B, "positions": m, "candidates": K, "nodes_per_request": n, "shared_budget": budget,
-                 "scores": "parent-conditioned" if trans else "marginal",
-                 "num_warps": warps or tb._frontier_warps(tb._pow2(n), tb._pow2(K)), "l1_prefetch": prefetch}
-            try:
-                out = tb.alloc(B, n, "cuda")
-                fn = lambda: tb._build_frontier(tok, lp, t, n, bud, out, warps, prefetch)  # noqa: E731
-                fn()
-                torch.cuda.synchronize()
-                r["exact"] = same_trees(out, ref)
-                r["graph_us"] = round(graph_us(fn)[0], 2)
-                r["graph_us_l2_flushed"] = round(graph_us(fn, flush=flush)[0], 2)
-            except Exception as e:
-                r["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                traceback.print_exc()
-            rows.append(r)
-            print(r, file=sys.stderr, flush=True)
-    return rows
-
-
 def aa_timing(flush):
     """Real paired timings of GPU kernels judged by the compare rule: A/A (frontier vs itself) must
-    not be approved; frontier vs levels and frontier vs the torch reference are real differences."""
+    not be approved; frontier vs the torch reference is a real difference."""
     import torch
 
     from specpilot.auditors.timing import Sample, judge
-    from specpilot.kernels.tree_batched import alloc
+    from specpilot.kernels.tree.batched import alloc
 
     tok, lp, tr = lattice(32, 16, 16, 99, "cuda")
     graphs, outs = {}, {}          # outs: a graph writes into buffers that must stay alive
@@ -240,10 +205,9 @@ def aa_timing(flush):
         v = paired("frontier", "frontier", seed=trial)
         rows.append({"kind": "A/A frontier vs frontier", "trial": trial, "gain": v.gain, "ci_low": v.ci_low,
                      "noise": v.noise, "approved": v.approved})
-    for base in ("levels", "torch"):
-        v = paired(base, "frontier")
-        rows.append({"kind": f"frontier vs {'levels kernel' if base == 'levels' else 'torch reference'}",
-                     "trial": 0, "gain": v.gain, "ci_low": v.ci_low, "noise": v.noise, "approved": v.approved})
+    v = paired("torch", "frontier")
+    rows.append({"kind": "frontier vs torch reference", "trial": 0, "gain": v.gain, "ci_low": v.ci_low,
+                 "noise": v.noise, "approved": v.approved})
     return rows
 
 
@@ -267,19 +231,13 @@ def main():
         rows.append(bench_row(*c, flush))
         print(f"{c}: {time.time() - t0:.1f}s exact={rows[-1]['exact']}", file=sys.stderr, flush=True)
     try:
-        variants = frontier_variants(flush)
-    except Exception as e:
-        traceback.print_exc()
-        variants = [{"error": f"{type(e).__name__}: {e}"}]
-    try:
         aa = aa_timing(flush)
     except Exception as e:
         traceback.print_exc()
         aa = [{"error": f"{type(e).__name__}: {e}"}]
     aa_trials = [r for r in aa if r.get("kind", "").startswith("A/A")]
     summary = {"aa_false_approvals": sum(r["approved"] for r in aa_trials), "aa_trials": len(aa_trials),
-               "all_rows_exact": all(r["exact"] for r in rows),
-               "all_variants_exact": all(r.get("exact", False) for r in variants)}
+               "all_rows_exact": all(r["exact"] for r in rows)}
     target = [r for r in rows if (r["requests"], r["positions"], r["candidates"], r["nodes_per_request"])
               == (32, 16, 16, 32)]
     summary["target_rows_frontier_us"] = {f"{r['scores']}, budget {r['shared_budget']}": r.get("frontier_graph_us")
@@ -287,23 +245,17 @@ def main():
     summary["target_met"] = bool(target) and summary["all_rows_exact"] and all(
         (r.get("frontier_graph_us") or 1e9) <= 50 for r in target)
     summary["wall_s"] = round(time.time() - t_start, 1)
-    from specpilot.kernels import tree_batched as tb
-
     write_results("tree_builder", rows, extra={
-        "frontier_variants": variants, "aa_timing": aa, "summary": summary,
-        "default_kernel": tb.DEFAULT_KERNEL, "target": "<= 50 us for 32 requests x 32 nodes from 16 x 16 lattices",
-        "notes": "levels = the earlier level-sort kernel, frontier = the heap in registers (the default). "
+        "aa_timing": aa, "summary": summary, "target": "<= 50 us for 32 requests x 32 nodes from 16 x 16 lattices",
+        "notes": "frontier = the kernel (the heap in registers). "
                  "*_equals_reference[_ties]: every kept node (token, parent, depth, candidate, float32 score), "
                  "valid and count identical to the torch reference, on the row's lattice and on a dyadic one "
                  "with exact ties. *_mismatch_requests: requests differing from the engine's float64 heap; with a "
                  "shared budget that heap has no per-request cap, so rows whose budget lets a request exceed "
                  "its cap (budget 1024 = 32 x 32) differ by design there."})
     print_table(rows, ["requests", "positions", "nodes_per_request", "shared_budget", "scores", "exact",
-                       "levels_graph_us", "frontier_graph_us", "frontier_speedup", "frontier_graph_us_l2_flushed",
+                       "frontier_graph_us", "frontier_graph_us_l2_flushed",
                        "torch_graph_us", "host_heap_us", "frontier_mismatch_requests"])
-    print_table([r for r in variants if "error" not in r],
-                ["requests", "nodes_per_request", "shared_budget", "num_warps", "l1_prefetch", "exact", "graph_us",
-                 "graph_us_l2_flushed"])
     print(summary, [r for r in aa if not r.get("kind", "").startswith("A/A")])
     print(environment())
     return 0

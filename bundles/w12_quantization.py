@@ -72,7 +72,7 @@ def process_weights_after_loading(layer) -> W12LayerStats:
     device = layer.weight.device
     del layer.weight
     if device.type == "cuda":
-        from specpilot.kernels.w12.gemm import KernelPack
+        from specpilot.kernels.w12.pack import KernelPack
 
         layer.w12 = KernelPack.from_w12(t, device=device)
     else:
@@ -89,7 +89,7 @@ def apply(layer, x, bias=None):
     x2 = x.reshape(-1, x.shape[-1])
     qpass = QPASS.get()
     if x2.is_cuda:
-        from specpilot.kernels.w12.gemm import w12_linear
+        from specpilot.kernels.w12.routing import w12_linear
 
         y = w12_linear(x2, layer.w12, qpass=qpass)
         if bias is not None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from specpilot.engine.spec import ATTENTIONS, check_choice
-from specpilot.kernels.attention import reference
+from specpilot.kernels.attention import naive as reference
 
 _OP = None
 

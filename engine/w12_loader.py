@@ -72,7 +72,7 @@ class W12Summary:
 
 def _w12_matmul(x2: torch.Tensor, kp) -> torch.Tensor:
     """``x2 @ W.T`` through the fused kernel, at most KERNEL_MAX_ROWS rows per launch."""
-    from specpilot.kernels.w12.gemm import w12_linear
+    from specpilot.kernels.w12.routing import w12_linear
 
     m = x2.shape[0]
     if m <= KERNEL_MAX_ROWS:
@@ -90,7 +90,7 @@ def _matmul():
     ``TRITON_INTERPRET`` is set (kernels/w12/gemm.py sets it)."""
     global _MATMUL
     if _MATMUL is None:
-        from specpilot.kernels.w12.gemm import KernelPack
+        from specpilot.kernels.w12.pack import KernelPack
 
         @torch.library.custom_op("specpilot::w12_matmul", mutates_args=())
         def w12_matmul(x2: torch.Tensor, rec64: torch.Tensor, rec32: torch.Tensor, low_exp: torch.Tensor,
@@ -159,7 +159,7 @@ def fused_available(device: torch.device, dtype) -> bool:
     if device.type != "cuda" or dtype != torch.bfloat16:
         return False
     try:
-        from specpilot.kernels.w12.gemm import triton
+        from specpilot.kernels.triton_env import triton
 
         return triton is not None
     except Exception:
@@ -208,7 +208,7 @@ def convert_engine_model(model, warmup: bool = True, fused: bool | None = None) 
         summary.stored_bytes += packed.stored_bytes()
         summary.escapes += packed.num_escapes
         if fused:
-            from specpilot.kernels.w12.gemm import KernelPack
+            from specpilot.kernels.w12.pack import KernelPack
 
             kp = KernelPack.from_w12(packed, device=dev)
             setattr(parent, attr, W12Projection(kp, lin.bias, packed.bits_per_weight()))

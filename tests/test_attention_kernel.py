@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specpilot.kernels.attention import decode as fused
-from specpilot.kernels.attention import reference as ref
+from specpilot.kernels.attention import naive as ref
 
 
 def _case(T, nh, nkv, hd, S, dtype=torch.float32, seed=0, device="cpu", dead_tail=True):

@@ -128,7 +128,7 @@ def test_w12_one_row_step_through_the_fused_decode_kernels(monkeypatch):
     from specpilot.engine.api import build_model
     from specpilot.engine.fused_decode import ineligible
     from specpilot.engine.model import StepInput
-    from specpilot.kernels.attention import decode, reference
+    from specpilot.kernels.attention import decode, naive as reference
 
     if not torch.cuda.is_available():
         monkeypatch.setattr(decode, "masked_gqa_attention",

@@ -71,7 +71,7 @@ def test_tau_monotone_in_budget(s):
 @settings(max_examples=40, deadline=None)
 @given(lattices(), st.integers(1, 30))
 def test_best_first_keeps_best_paths(s, n):
-    from specpilot.kernels.tree_naive import best_scores
+    from specpilot.kernels.tree.naive import best_scores
 
     t = parse_policy(f"best-first:{n}").tree(s)
     ref = best_scores(s.tokens.tolist(), s.logprobs.tolist(),

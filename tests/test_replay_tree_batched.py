@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from specpilot.kernels.tree import build_best_first, build_best_first_shared
-from specpilot.kernels.tree_batched import build_batched
-from specpilot.kernels.tree_batched_ref import build_batched_ref
+from specpilot.kernels.tree.batched import build_batched
+from specpilot.kernels.tree.naive import build_batched_ref
 
 
 def lattice(B, m, K, seed, dtype=torch.float64, neg_inf=False):
@@ -105,7 +105,7 @@ def test_bad_shapes():
 TRITON_SCRIPT = r"""
 import json, torch
 from specpilot.kernels.tree import build_best_first, build_best_first_shared
-from specpilot.kernels.tree_batched import build_batched
+from specpilot.kernels.tree.batched import build_batched
 res = []
 for (B, m, K, n, cond, budget) in [(2, 3, 5, 6, True, None), (2, 3, 3, 4, False, None), (3, 3, 3, 4, True, 7)]:
     g = torch.Generator().manual_seed(B * 10 + m)
@@ -139,8 +139,8 @@ def test_triton_kernel_under_interpreter():
 FRONTIER_SCRIPT = r"""
 import json, random, torch
 from specpilot.kernels.tree import build_best_first
-from specpilot.kernels.tree_batched import build_batched
-from specpilot.kernels.tree_batched_ref import build_batched_ref
+from specpilot.kernels.tree.batched import build_batched
+from specpilot.kernels.tree.naive import build_batched_ref
 
 def lattice(B, m, K, seed, quant, neg):
     g = torch.Generator().manual_seed(seed)
@@ -157,7 +157,7 @@ def lattice(B, m, K, seed, quant, neg):
 def rows(out):
     return [(r.tokens, r.parents, r.depth, r.cand, r.score) for r in (out.request(b) for b in range(out.count.numel()))]
 
-res = {"cases": 0, "ties": 0, "bad_ref": [], "bad_heap": [], "bad_valid": [], "bad_levels": []}
+res = {"cases": 0, "ties": 0, "bad_ref": [], "bad_heap": [], "bad_valid": []}
 for case in range(36):
     r = random.Random(case)
     B, m, K, n = r.randint(1, 4), r.randint(1, 5), r.randint(1, 6), r.randint(1, 20)
@@ -166,7 +166,7 @@ for case in range(36):
     budget = r.choice([None, None, r.randint(0, 40)])
     tok, lp, tr = lattice(B, m, K, case, quant, neg)
     t = tr if cond else None
-    out = build_batched(tok, lp, t, n, budget=budget, backend="triton", kernel="frontier")
+    out = build_batched(tok, lp, t, n, budget=budget, backend="triton")
     ref = build_batched_ref(tok, lp, t, n, budget)
     res["cases"] += 1
     s = out.score[out.valid]
@@ -182,13 +182,6 @@ for case in range(36):
             got = out.request(b)
             if (got.tokens, got.parents, got.depth, got.cand) != (want.tokens, want.parents, want.depth, want.cand):
                 res["bad_heap"].append([case, b])
-# the earlier level-sort kernel gives the same trees (small: it is slow under the interpreter)
-for case, (B, m, K, n, budget) in enumerate([(2, 3, 3, 6, None), (3, 3, 3, 5, 7)]):
-    tok, lp, tr = lattice(B, m, K, 100 + case, 2, 0.0)
-    a = build_batched(tok, lp, tr, n, budget=budget, backend="triton", kernel="frontier")
-    c = build_batched(tok, lp, tr, n, budget=budget, backend="triton", kernel="levels")
-    if rows(a) != rows(c) or not torch.equal(a.valid, c.valid):
-        res["bad_levels"].append(case)
 print(json.dumps(res))
 """
 
@@ -196,20 +189,13 @@ print(json.dumps(res))
 def test_frontier_kernel_exact_with_ties_under_interpreter():
     """The frontier kernel against the torch reference and the engine's heap on many small random
     lattices, most with dyadic scores (exact ties everywhere), some with -inf edges and shared
-    budgets; and against the earlier level-sort kernel."""
+    budgets."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     p = subprocess.run([sys.executable, "-c", FRONTIER_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
     res = json.loads(p.stdout.strip().splitlines()[-1])
     assert res["cases"] == 36 and res["ties"] > 50, res            # ties were really exercised
     assert res["bad_ref"] == [] and res["bad_valid"] == [] and res["bad_heap"] == [], res
-    assert res["bad_levels"] == [], res
-
-
-def test_unknown_kernel_is_refused():
-    tok, lp, tr = lattice(1, 2, 2, 0)
-    with pytest.raises(ValueError, match="kernel"):
-        build_batched(tok, lp.float(), tr.float(), 2, backend="triton", kernel="bitonic")
 
 
 def test_frontier_kernel_compiles_for_sm90():
@@ -227,7 +213,7 @@ def test_frontier_kernel_compiles_for_sm90():
         import triton
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
-        from specpilot.kernels import tree_batched as tb
+        from specpilot.kernels.tree import batched as tb
         sig = {a: "*fp32" for a in ("lp_ptr", "tr_ptr", "o_score")}
         sig.update({a: "*i64" for a in ("tok_ptr", "o_tok", "o_par", "o_dep", "o_cand", "o_count")})
         sig["o_valid"] = "*i1"
@@ -246,7 +232,7 @@ def test_frontier_kernel_compiles_for_sm90():
 
 @pytest.mark.gpu
 def test_triton_on_cuda_and_graph_capture():
-    from specpilot.kernels.tree_batched import alloc
+    from specpilot.kernels.tree.batched import alloc
 
     tok, lp, tr = lattice(32, 16, 16, 0, dtype=torch.float32)
     tok, lp, tr = tok.cuda(), lp.cuda(), tr.cuda()
@@ -270,22 +256,6 @@ def test_triton_on_cuda_and_graph_capture():
     assert math.isfinite(float(buf.score[buf.valid].min()))
 
 
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("quant", [None, 4])
-def test_frontier_equals_levels_on_cuda(quant):
-    """The two Triton kernels, compiled, give identical trees (every field, valid, count)."""
-    tok, lp, tr = lattice(32, 16, 16, 1, dtype=torch.float32)
-    if quant:   # dyadic scores: exact ties
-        lp, tr = (lp * quant).round() / quant, (tr * quant).round() / quant
-    tok, lp, tr = tok.cuda(), lp.cuda(), tr.cuda()
-    for t, budget in ((None, None), (tr, None), (tr, torch.tensor(512, device="cuda"))):
-        a = build_batched(tok, lp, t, 32, budget=budget, kernel="frontier")
-        c = build_batched(tok, lp, t, 32, budget=budget, kernel="levels")
-        assert torch.equal(a.valid, c.valid) and torch.equal(a.count, c.count)
-        for x, y in ((a.tokens, c.tokens), (a.parents, c.parents), (a.depth, c.depth), (a.cand, c.cand),
-                     (a.score, c.score)):
-            assert torch.equal(x[a.valid], y[c.valid])
 
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402

@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 from specpilot.errors import InputError
 from specpilot.kernels import tree as T
-from specpilot.kernels.tree_naive import all_paths, best_scores
+from specpilot.kernels.tree.naive import all_paths, best_scores
 
 
 def test_hand_example_marginal():

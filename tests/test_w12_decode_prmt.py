@@ -1,7 +1,7 @@
-"""Bit-exactness of the W12 kernels' fast decode (``mma._decode_pairs_fast``: ``prmt`` byte
+"""Bit-exactness of the W12 kernels' fast decode (``gluon_common.decode_pairs``: ``prmt`` byte
 permutes and single-``lop3`` selects) against the format and against the plain decode
-(``mma._decode_pairs``), on a torch mirror of each (the Gluon code cannot run on a CPU; on the GPU
-the GEMV tests check the kernel itself against the fp32 reference).
+(``common.decode_pairs``'s integer recipe), on a torch mirror of each (the Gluon code cannot run on a
+CPU; on the GPU the GEMV tests check the kernel itself against the fp32 reference).
 
 Per weight: both parities of the view word (nibble bytes 0, 2 or 1, 3), the 4 weights of a word,
 all 2^12 values of a weight's own bits (view byte: sign, 4-bit exponent code, 3 mantissa bits;
@@ -37,7 +37,7 @@ def extract(p0, p1):
 
 
 def plain(be, nn, odd, qpass=False):
-    """``mma._decode_pairs`` line by line."""
+    """The plain integer recipe (``common.decode_pairs``, per view word) line by line."""
     SGN, MAG, NIB, EXP = 0x80008000, 0x07F007F0, 0x000F000F, 0x38003800
     if qpass:
         ln0 = ln1 = 0x00080008
@@ -50,7 +50,7 @@ def plain(be, nn, odd, qpass=False):
 
 
 def fast(be, nn, odd, qpass=False):
-    """``mma._decode_pairs_fast`` line by line (``_sel_*`` and ``_or_masked`` are the lop3s)."""
+    """``gluon_common.decode_pairs`` line by line (``_sel_*`` and ``_or_masked`` are the lop3s)."""
     sel = lambda a, b, k: (a & k) | (b & ~k & M32)          # noqa: E731  lop3 0xE2
     if qpass:
         t0, t1 = sel(be << 8, be << 4, 0x80008000), sel(be, be >> 4, 0x80008000)

@@ -13,7 +13,9 @@ if not torch.cuda.is_available():  # must be set before the kernels are defined
 triton = pytest.importorskip("triton")
 
 from specpilot.kernels.w12 import encode  # noqa: E402
-from specpilot.kernels.w12.gemm import Config, KernelPack, default_config, w12_linear  # noqa: E402
+from specpilot.kernels.w12.gemm import Config, default_config  # noqa: E402
+from specpilot.kernels.w12.pack import KernelPack  # noqa: E402
+from specpilot.kernels.w12.routing import w12_linear  # noqa: E402
 from specpilot.kernels.w12.naive import w12_linear_ref  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -49,9 +51,9 @@ def check_close(y, x, w):
 
 
 SLOW = pytest.mark.slow  # the interpreter is slow on a shared 2-core box: the rest of the matrix runs with -m slow
-CASES = [  # (rows, config): every mode, split-K on and off, prefetch on and off
-    (1, Config(16, 128, 2, "gemv")),
-    pytest.param(3, Config(32, 64, 1, "gemv", prefetch=False), marks=SLOW),
+CASES = [  # (rows, config): every product form, split-K on and off, prefetch on and off
+    (1, Config(16, 128, 2, "fma")),
+    pytest.param(3, Config(32, 64, 1, "fma", prefetch=False), marks=SLOW),
     pytest.param(3, Config(16, 128, 2, "dot8"), marks=SLOW),
     (17, Config(16, 128, 1, "dot8t", prefetch=False)),
     pytest.param(17, Config(32, 128, 2, "dot"), marks=SLOW),
@@ -74,11 +76,11 @@ def test_qpass_matches_reference_and_bf16_output():
     t = encode(w)
     kp = KernelPack.from_w12(t, device=DEV)
     x = torch.randn(2, 128).bfloat16().to(DEV)
-    yq = w12_linear(x, kp, qpass=True, config=Config(32, 128, 2, "gemv"), out_dtype=torch.float32).cpu()
+    yq = w12_linear(x, kp, qpass=True, config=Config(32, 128, 2, "fma"), out_dtype=torch.float32).cpu()
     rq = w12_linear_ref(x.cpu().float(), t, qpass=True)
     fin = torch.isfinite(rq)
     assert float(((yq - rq).abs()[fin] / (rq.abs()[fin] + 1e-2)).max()) < 1e-4
-    yb = w12_linear(x, kp, config=Config(32, 128, 1, "gemv"))
+    yb = w12_linear(x, kp, config=Config(32, 128, 1, "fma"))
     assert yb.dtype == torch.bfloat16 and yb.shape == (2, 32)
 
 
@@ -89,7 +91,7 @@ def test_more_rows_than_one_block_and_default_config():
     cfg = default_config(70, 16, 64)
     y = w12_linear(x, kp, config=Config(16, 64, 1, "dot8"), out_dtype=torch.float32)
     check_close(y.cpu(), x.cpu(), w)
-    assert cfg.mode in ("dot8", "dot", "dot8t")
+    assert cfg.product in ("dot8", "dot", "dot8t")
 
 
 def test_shape_mismatch_is_rejected():
@@ -99,13 +101,13 @@ def test_shape_mismatch_is_rejected():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["gemv", "dot", "dot8", "dot8t"])
+@pytest.mark.parametrize("product", ["fma", "dot", "dot8", "dot8t"])
 @pytest.mark.parametrize("m", [1, 8, 32, 64])
-def test_gpu_bf16_paths_at_real_shapes(mode, m):
+def test_gpu_bf16_paths_at_real_shapes(product, m):
     w = (torch.randn(4096, 4096, device="cuda") * 0.02).bfloat16()
     kp = KernelPack.from_w12(encode(w), device="cuda")
     x = torch.randn(m, 4096, device="cuda").bfloat16()
-    y = w12_linear(x, kp, config=Config(64 if mode == "gemv" else 128, 128, 4, mode))
+    y = w12_linear(x, kp, config=Config(64 if product == "fma" else 128, 128, 4, product))
     ref = x.float() @ w.float().T
     assert bool(((y.float() - ref).abs() <= 2 ** -7 * ref.abs() + 1e-3 * ref.abs().max()).all())
-    assert torch.equal(y, w12_linear(x, kp, config=Config(64 if mode == "gemv" else 128, 128, 4, mode)))
+    assert torch.equal(y, w12_linear(x, kp, config=Config(64 if product == "fma" else 128, 128, 4, product)))

@@ -16,7 +16,7 @@ triton = pytest.importorskip("triton")
 
 from specpilot.kernels.w12 import encode  # noqa: E402
 from specpilot.kernels.w12 import gemv_gluon as gg  # noqa: E402
-from specpilot.kernels.w12.gemm import KernelPack  # noqa: E402
+from specpilot.kernels.w12.pack import KernelPack  # noqa: E402
 from specpilot.kernels.w12.naive import w12_linear_ref  # noqa: E402
 
 from gluon_ptx import loop_ptx, main_loop_ptx, ptxas_report  # noqa: E402
@@ -37,7 +37,7 @@ ptrs = {"x_ptr": "*bf16", "x32_ptr": "*i32", "y_ptr": "*bf16", "rec_ptr": "*i32"
         "eptr_ptr": "*i32", "erow_ptr": "*i32", "ecol_ptr": "*i32", "edelta_ptr": "*fp32", "ws_ptr": "*fp32",
         "lock_ptr": "*i32"}
 lv, lq, lx, l3 = G.layouts(16, 8)
-const = dict(ROWS=16, WARPS=8, DEPTH=3, UNROLL=UNROLL, PLAIN=False, USE_SPLIT=True, QPASS=False, ESC_CH=8, L_V=lv, L_Q=lq, L_X=lx, L_E=l3)
+const = dict(ROWS=16, WARPS=8, DEPTH=3, UNROLL=UNROLL, USE_SPLIT=True, QPASS=False, ESC_CH=8, L_V=lv, L_Q=lq, L_X=lx, L_E=l3)
 div = list(ptrs) + ["KH", "stride_ym"]
 warps = 8
 """
@@ -72,7 +72,7 @@ def test_staged_x_keeps_records_in_flight_within_96_registers(depth, maxnreg):
     ``bar.warp.sync`` pin per reload (what keeps ptxas from sinking the reloads to the loop's end).
     With Triton 3.6 (the GPU machine's; registers depend on the toolchain, 3.9 takes 126 at depth
     3), depth 4 with ``maxnreg=96`` and the late epilogue fits in 96 registers without spills
-    (depth 3 without a cap: 95, docs/plans/w12-gemv-registers.md)."""
+    (depth 3 without a cap: 95)."""
     import re
 
     setup = _SETUP.replace("G.layouts(16, 8)", "G.layouts(16, 4)").replace("WARPS=8, DEPTH=3", f"WARPS=4, DEPTH={depth}")
@@ -126,15 +126,11 @@ def test_staged_x_groups_cover_the_unrolled_steps():
     assert gg.GluonGemvConfig(16, 8, 4, 2, True, xs=True).xs_groups(224) == 16
     assert gg.GluonGemvConfig(16, 4, 1, 1, xs=True).xs_groups(1) == 8
     assert cfg.key() == "gl-r16-w4-d3-s1-u-xs" and gg.GluonGemvConfig(xs=True, maxnreg=96).key().endswith("-xs-r96")
-    xf = gg.GluonGemvConfig(16, 4, 3, 1, True, xs=True, xf32=True)
-    assert xf.key().endswith("-xf") and xf.xs_bytes(272) == 3 * cfg.xs_bytes(272) == 3 * 72 * 4 * 128
 
 
 @pytest.mark.parametrize("bad", [gg.GluonGemvConfig(rows=24), gg.GluonGemvConfig(warps=3),
                                  gg.GluonGemvConfig(depth=5), gg.GluonGemvConfig(split_k=0),
                                  gg.GluonGemvConfig(depth=1, unroll=True), gg.GluonGemvConfig(maxnreg=300),
-                                 gg.GluonGemvConfig(depth=2, unroll=True, xf32=True),
-                                 gg.GluonGemvConfig(xs=True, xf32=True),
                                  gg.GluonGemvConfig(16, 4, 4, 1, True, xs=True, late_epilogue=True, epi_spread=True),
                                  gg.GluonGemvConfig(16, 4, 4, 2, True, xs=True, epi_spread=True),
                                  gg.GluonGemvConfig(16, 4, 4, 1, False, xs=True, epi_spread=True)])
@@ -189,24 +185,8 @@ def test_gemv_gluon_matches_fp32_reference_and_is_deterministic(n, k, cfg):
 
 
 @_gpu
-@pytest.mark.parametrize("cfg", [gg.GluonGemvConfig(16, 4, 2, 1, True), gg.GluonGemvConfig(8, 4, 1, 3)])
-@pytest.mark.parametrize("qpass", [False, True])
-def test_prmt_decode_gives_the_plain_decodes_bits(cfg, qpass):
-    """The prmt/lop3 decode and the plain one: bitwise the same outputs (escapes included)."""
-    from dataclasses import replace
-
-    w = make_weight(384, 1088, seed=21)
-    w[5, :200] = 0.0
-    kp = KernelPack.from_w12(encode(w), device="cuda")
-    x = torch.randn(1, 1088, generator=torch.Generator().manual_seed(2)).bfloat16().cuda()
-    y = gg.w12_gemv_gluon(x, kp, qpass=qpass, config=cfg, out_dtype=torch.float32)
-    yp = gg.w12_gemv_gluon(x, kp, qpass=qpass, config=replace(cfg, plain_decode=True), out_dtype=torch.float32)
-    assert torch.equal(y.view(torch.int32), yp.view(torch.int32))
-
-
-@_gpu
 def test_w12_linear_routes_one_row_to_gluon_gemv():
-    from specpilot.kernels.w12.gemm import w12_linear
+    from specpilot.kernels.w12.routing import w12_linear
 
     w = make_weight(256, 512, seed=3)
     kp = KernelPack.from_w12(encode(w), device="cuda")
@@ -247,9 +227,6 @@ def test_staged_x_gives_the_unstaged_bits(n, k, cfg, qpass):
     late = replace(cfg, xs=True, late_epilogue=not cfg.late_epilogue)    # only the order of the loads
     y3 = gg.w12_gemv_gluon(x, kp, qpass=qpass, config=late, out_dtype=torch.float32)
     assert torch.equal(y.view(torch.int32), y3.view(torch.int32))
-    if cfg.unroll:   # x converted to fp32 once per program: the same products in the same order
-        y4 = gg.w12_gemv_gluon(x, kp, qpass=qpass, config=replace(cfg, xs=True, xf32=True), out_dtype=torch.float32)
-        assert torch.equal(y.view(torch.int32), y4.view(torch.int32))
     if not qpass:
         check_close(y.cpu(), x.cpu(), w)
 

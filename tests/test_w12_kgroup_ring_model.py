@@ -2,10 +2,10 @@
 mbarrier's parity semantics, run under random interleavings with TMA copies that land out of order.
 
 It checks the rule :func:`mma_tma.check` enforces: with a ring depth that is a multiple of the
-group count every group reads only the records it waited for, on the split grid and on the
-stream-K run (block ends, the ``done``/``free`` meeting, masked first steps); with 4 groups on 6
-stages a group's parity wait passes on a stage whose record is still in flight (the H200 hung on
-that config: ``benchmarks/results/w12_mma_tma_kstream_probe.txt``).
+group count every group reads only the records it waited for, on the split grid and on a
+stream-K run (block ends, the ``done``/``free`` meeting, masked first steps; the schedule of
+``lab/w12/mma_stream.py``); with 4 groups on 6 stages a group's parity wait passes on a stage whose
+record is still in flight (the H200 hangs on that config).
 """
 
 from __future__ import annotations
@@ -19,7 +19,14 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specpilot.kernels.w12 import mma, mma_tma  # noqa: E402
-from specpilot.kernels.w12.mma_stream import schedule  # noqa: E402
+
+
+def schedule(nb: int, kt: int, programs: int) -> tuple[int, int, int]:
+    """The stream-K schedule (``lab/w12/mma_stream.py``): records per program, programs, slots."""
+    total = nb * kt
+    per = -(-total // max(1, min(programs, total)))
+    progs = -(-total // per)
+    return per, progs, min(progs, -(-(kt - 1) // per) + 1)
 
 
 class Barrier:

@@ -15,8 +15,9 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from specpilot.kernels.w12 import encode  # noqa: E402
-from specpilot.kernels.w12 import mma  # noqa: E402
-from specpilot.kernels.w12.gemm import KernelPack  # noqa: E402
+from specpilot.kernels import tuning  # noqa: E402
+from specpilot.kernels.w12 import fragments, mma, routing  # noqa: E402
+from specpilot.kernels.w12.pack import KernelPack  # noqa: E402
 from specpilot.kernels.w12.naive import w12_linear_ref  # noqa: E402
 
 from gluon_ptx import main_loop_ptx  # noqa: E402
@@ -49,7 +50,7 @@ def _span(bases, rank_shape):
 
 @pytest.mark.parametrize("bn,bm,w", [(64, 8, 4), (128, 32, 4), (128, 64, 8), (64, 16, 2)])
 def test_load_layouts_cover_each_tile_once(bn, bm, w):
-    b = mma.layout_bases(bn, bm, w)
+    b = fragments.layout_bases(bn, bm, w)
     for name, (reg, lane, warp, shape) in b.items():
         nonzero = [v for v in reg + lane + warp if any(v)]
         pts = _span(nonzero, shape)
@@ -61,7 +62,7 @@ def test_load_layouts_cover_each_tile_once(bn, bm, w):
 
 
 def test_mma_k_order_is_a_permutation_matching_the_thread_words():
-    perm = [mma.mma_k_to_physical(k) for k in range(64)]
+    perm = [fragments.mma_k_to_physical(k) for k in range(64)]
     assert sorted(perm) == list(range(64))
     for t in range(4):   # lane t's MMA k {16j + 8s + 2t + c} are physical k 16t .. 16t + 15
         ks = [16 * j + 8 * s + 2 * t + c for j in range(4) for s in range(2) for c in range(2)]
@@ -71,17 +72,17 @@ def test_mma_k_order_is_a_permutation_matching_the_thread_words():
 @pytest.mark.parametrize("bad", [(96, 32, 4), (256, 32, 4), (128, 24, 4), (128, 128, 4)])
 def test_layout_bases_reject_bad_blocks(bad):
     with pytest.raises(ValueError):
-        mma.layout_bases(*bad)
+        fragments.layout_bases(*bad)
 
 
 _SETUP = r"""
-from specpilot.kernels.w12 import mma
+from specpilot.kernels.w12 import fragments, mma
 k = mma._w12_mma_kernel
 ptrs = {"x_ptr": "*bf16", "y_ptr": "*bf16", "rec_ptr": "*i32", "low_ptr": "*u8", "eptr_ptr": "*i32",
         "erow_ptr": "*i32", "ecol_ptr": "*i32", "edelta_ptr": "*fp32", "ws_ptr": "*fp32", "lock_ptr": "*i32"}
-lv, ln, lx, mm, a, b, l3, xc, xs = mma.layouts(128, 32, 4)
+lv, ln, lx, mm, a, b, l3, xc, xs = fragments.mma_layouts(128, 32, 4)
 wc, qc, wsl = mma.wsmem_layouts(4)
-const = dict(BLOCK_N=128, BLOCK_M=32, USE_SPLIT=True, QPASS=False, ESC_CH=8, DEPTH=2, WSMEM=False, UNROLL=False, PLAIN=False,
+const = dict(BLOCK_N=128, BLOCK_M=32, USE_SPLIT=True, QPASS=False, ESC_CH=8, DEPTH=2, WSMEM=False, UNROLL=False,
              L_VIEW=lv, L_NIB=ln, L_X=lx, MMA=mm, A_OP=a, B_OP=b, L_EP=l3, L_XC=xc, XS=xs, L_WC=wc, L_QC=qc, WSL=wsl)
 div = list(ptrs) + ["K", "stride_xm", "stride_ym"]
 warps = 4
@@ -107,24 +108,13 @@ def test_compiles_for_sm90_with_register_only_operand_conversions():
 
 
 @needs_gluon
-def test_x_chunks_take_one_barrier_per_chunk():
-    """``x_chunk=4``: the loop body runs three chunks of four records (three x buffers) with one CTA
-    barrier each (the indexed x ring takes two per record) and one pin per weight reload."""
-    setup = (_SETUP.replace("mma.layouts(128, 32, 4)", "mma.layouts(64, 32, 4)").replace("BLOCK_N=128", "BLOCK_N=64")
-             .replace("UNROLL=False", "UNROLL=True, XC=4"))
-    body = main_loop_ptx(setup)
-    assert body.count("bar.sync") == 3 and body.count("bar.warp.sync") == 12
-    assert body.count("mma.sync.aligned.m16n8k16") == 12 * 16     # 4 k16 x 4 n8 per 16-row warp slice
-
-
-@needs_gluon
 @pytest.mark.parametrize("ring", ["WSMEM=False, UNROLL=True", "WSMEM=True, UNROLL=False"])
 def test_early_epilogue_loads_come_before_the_main_loop(ring):
     """``early_epilogue`` (``PRE``): the epilogue's loads (row scales are the only byte loads) are
     issued before the first MMA, after the first records' loads, in the register and wsmem rings."""
     from gluon_ptx import ptxas_report
 
-    setup = (_SETUP.replace("mma.layouts(128, 32, 4)", "mma.layouts(64, 32, 4)").replace("BLOCK_N=128", "BLOCK_N=64")
+    setup = (_SETUP.replace("mma_layouts(128, 32, 4)", "mma_layouts(64, 32, 4)").replace("BLOCK_N=128", "BLOCK_N=64")
              .replace("WSMEM=False, UNROLL=False", ring + ", PRE=True"))
     r = ptxas_report(setup)
     ptx = r["ptx"]
@@ -153,31 +143,6 @@ def test_early_epilogue_gives_the_tail_epilogues_bits(cfg, m):
     check_close(mma.w12_mma(x, kp, config=replace(cfg, early_epilogue=True), out_dtype=torch.float32).cpu(), x.cpu(), w)
 
 
-@_gpu_gluon
-@pytest.mark.parametrize("cfg", [mma.MmaConfig(64, 2, 4, 2, False, True), mma.MmaConfig(64, 1, 4, 3, False, True)])
-@pytest.mark.parametrize("x_chunk", [2, 4])
-def test_x_chunks_give_the_unchunked_bits(cfg, x_chunk):
-    """The same MMAs in the same order: bitwise the unchunked ring's outputs, Q pass too."""
-    from dataclasses import replace
-
-    w, _, kp = _cuda_layer(256, 1216, seed=5)
-    x = torch.randn(32, 1216, generator=torch.Generator().manual_seed(3)).bfloat16().cuda()
-    for qpass in (False, True):
-        ref = mma.w12_mma(x, kp, qpass=qpass, config=cfg, out_dtype=torch.float32)
-        y = mma.w12_mma(x, kp, qpass=qpass, config=replace(cfg, x_chunk=x_chunk), out_dtype=torch.float32)
-        assert torch.equal(y.view(torch.int32), ref.view(torch.int32))
-
-
-def test_stream_k_schedule():
-    from specpilot.kernels.w12.mma_stream import schedule
-
-    assert schedule(96, 64, 264) == (24, 256, 4)    # 6144 rows in 64-row blocks, K = 4096
-    assert schedule(2, 3, 264) == (1, 6, 3)         # fewer pairs than programs: one each
-    assert schedule(4, 1, 8) == (1, 4, 1)           # one record per block: no block is split
-    per, progs, slots = schedule(7, 10, 5)
-    assert progs * per >= 70 and (progs - 1) * per < 70 and slots == 2
-
-
 # ---------------------------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------------------------
@@ -199,18 +164,6 @@ CASES = [  # (rows, N, K, config)
     (17, 200, 320, mma.MmaConfig(64, 1, 4, 2, False, True)),
     (32, 384, 1024, mma.MmaConfig(128, 3, 8, 3, False, True)),
     (64, 136, 448, mma.MmaConfig(64, 2, 4, 3, False, True)),
-    # x in chunks of 2-8 records, one barrier per chunk (partial chunks, an uneven split; at most
-    # 320 k per program like the cases above: longer fp32 tensor-core sums exceed the 2e-6
-    # tolerance, ring or not; the bitwise test below runs longer loops)
-    (32, 384, 1024, mma.MmaConfig(64, 4, 4, 2, False, True, x_chunk=2)),
-    (17, 200, 320, mma.MmaConfig(64, 2, 4, 3, False, True, x_chunk=4)),
-    (8, 136, 4160, mma.MmaConfig(128, 13, 8, 2, False, True, x_chunk=8)),
-    (100, 136, 192, mma.MmaConfig(64, 1, 4, 2, False, True, x_chunk=2)),
-    # stream-K: blocks split across programs, whole blocks, an odd pair count, two row blocks
-    (32, 384, 1024, mma.MmaConfig(64, 1, 4, 2, True, stream=1)),
-    (8, 200, 320, mma.MmaConfig(64, 1, 4, 3, True, stream=2)),
-    (17, 136, 4160, mma.MmaConfig(128, 1, 8, 2, True, stream=1)),
-    (100, 256, 512, mma.MmaConfig(64, 1, 4, 4, True, stream=4)),
 ]
 
 
@@ -238,13 +191,19 @@ def test_w12_mma_qpass_and_default_config(cfg):
     assert yb.dtype == torch.bfloat16 and yb.shape == (24, 256)
 
 
+def _preferred(m: int) -> bool:
+    """Whether the routing table sends ``m`` rows here when the kernel runs (and warpk does not)."""
+    rules = tuning.table("w12", "sm90")["route"]
+    return routing.pick(rules, m, 4096, lambda kern: kern == "mma", lambda kern: None) == "mma"
+
+
 def test_routing_and_tuned_table():
-    assert not mma.preferred(1) and mma.preferred(mma.MIN_ROWS) and mma.preferred(64)
-    assert mma.default_config(32, 28672, 4096) == mma.TUNED[(28672, 4096, 32)]
-    assert mma.default_config(3, 6144, 4096) == mma.TUNED[(6144, 4096, 8)]       # 2-8 rows share a bucket
+    assert not _preferred(1) and _preferred(2) and _preferred(64)
+    assert mma.default_config(32, 28672, 4096) == mma.tuned_config(32, 28672, 4096) is not None
+    assert mma.default_config(3, 6144, 4096) == mma.tuned_config(8, 6144, 4096)   # 2-8 rows share an entry
     # transformers' unfused k/v: its own entry, on Hopper and (without the TMA entries) elsewhere
-    assert mma.default_config(32, 1024, 4096, tma=False) == mma.TUNED[(1024, 4096, 32)]
-    assert mma.default_config(20, 14336, 4096) == mma.TUNED[(14336, 4096, 32)]
+    assert mma.default_config(32, 1024, 4096, tma=False) == mma.tuned_config(32, 1024, 4096) is not None
+    assert mma.default_config(20, 14336, 4096) == mma.tuned_config(32, 14336, 4096) is not None
     assert not mma.default_config(20, 14336, 4096, tma=False).tma
     cfg = mma.default_config(40, 1000, 3000)                                      # untuned: heuristic
     assert cfg.block_n == 64 and 1 <= cfg.split_k <= 47
@@ -253,12 +212,7 @@ def test_routing_and_tuned_table():
 
 
 @pytest.mark.parametrize("cfg", [mma.MmaConfig(64, 1, 4, 5), mma.MmaConfig(64, 1, 4, 7, True),
-                                 mma.MmaConfig(64, 1, 4, 1, False, True), mma.MmaConfig(64, 1, 4, 2, True, True),
-                                 mma.MmaConfig(64, 1, 4, 2, False, True, x_chunk=3),     # not 2, 4 or 8
-                                 mma.MmaConfig(64, 1, 4, 2, x_chunk=2),                  # chunks need unroll
-                                 mma.MmaConfig(64, 1, 4, 2, stream=2),                   # stream-K needs wsmem
-                                 mma.MmaConfig(64, 1, 4, 2, True, stream=2, early_epilogue=True),  # rings only
-                                 mma.MmaConfig(64, 1, 4, 2, maxnreg=300)])
+                                 mma.MmaConfig(64, 1, 4, 1, False, True), mma.MmaConfig(64, 1, 4, 2, True, True)])
 def test_bad_configs_are_rejected(cfg):
     kp = KernelPack.from_w12(encode(make_weight(16, 64)), device="cpu")
     with pytest.raises((ValueError, RuntimeError)):
@@ -266,22 +220,8 @@ def test_bad_configs_are_rejected(cfg):
 
 
 @_gpu_gluon
-@pytest.mark.parametrize("cfg", [mma.MmaConfig(64, 3, 4, 2, True), mma.MmaConfig(128, 2, 4, 2, False, True)])
-@pytest.mark.parametrize("qpass", [False, True])
-def test_fast_decode_gives_the_plain_decodes_bits(cfg, qpass):
-    """``_decode_pairs_fast`` and the plain ``_decode_pairs`` in the tensor-core kernel: the same bits."""
-    from dataclasses import replace
-
-    _, _, kp = _cuda_layer(256, 1088, seed=23)
-    x = torch.randn(24, 1088, generator=torch.Generator().manual_seed(4)).bfloat16().cuda()
-    y = mma.w12_mma(x, kp, qpass=qpass, config=cfg, out_dtype=torch.float32)
-    yp = mma.w12_mma(x, kp, qpass=qpass, config=replace(cfg, plain_decode=True), out_dtype=torch.float32)
-    assert torch.equal(y.view(torch.int32), yp.view(torch.int32))
-
-
-@_gpu_gluon
 def test_w12_linear_routes_verify_rows_to_mma():
-    from specpilot.kernels.w12.gemm import w12_linear
+    from specpilot.kernels.w12.routing import w12_linear
 
     _, _, kp = _cuda_layer(256, 512, seed=9)
     x = torch.randn(24, 512).bfloat16().cuda()      # (2-8 rows and table layers go to kernels/w12/warpk.py)

@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton")
 
+from specpilot.kernels import tuning  # noqa: E402
 from specpilot.kernels.w12 import mma, mma_tma  # noqa: E402
 
 from gluon_ptx import inflight_a_writes, ptxas_report, sass  # noqa: E402
@@ -27,16 +28,11 @@ from test_w12_mma import _cuda_layer, _gpu_gluon  # noqa: E402
                                  mma.MmaConfig(256, 1, 4, 3, tma=1), mma.MmaConfig(48, 1, 4, 3, tma=1),
                                  mma.MmaConfig(64, 1, 4, 3, tma=4), mma.MmaConfig(128, 1, 4, 3, tma=2),
                                  mma.MmaConfig(128, 1, 4, 3, tma=3), mma.MmaConfig(64, 1, 4, 3, False, True, tma=3),
-                                 mma.MmaConfig(64, 1, 4, 3, tma=2, a_smem=True),
                                  mma.MmaConfig(64, 1, 4, 3, False, True, tma=1),
                                  mma.MmaConfig(64, 1, 4, 3, tma=2, kgroups=2), mma.MmaConfig(64, 1, 4, 3, tma=3, kgroups=3),
                                  mma.MmaConfig(64, 1, 4, 8, tma=1, kgroups=4),
                                  mma.MmaConfig(64, 1, 4, 3, tma=3, kgroups=4),
-                                 mma.MmaConfig(64, 1, 4, 8, tma=3, kgroups=4, stream=2),
-                                 mma.MmaConfig(64, 1, 4, 8, tma=3, kgroups=2, stream=1),
-                                 mma.MmaConfig(64, 1, 4, 6, tma=3, kgroups=4, stream=1),
                                  mma.MmaConfig(64, 1, 4, 10, tma=3, kgroups=4), mma.MmaConfig(64, 1, 4, 3, tma=3, kgroups=2),
-                                 mma.MmaConfig(64, 1, 4, 3, tma=3, a_smem=True, kgroups=2),
                                  mma.MmaConfig(128, 1, 8, 3, tma=3, kgroups=2)])
 def test_bad_tma_configs_are_refused(bad):
     with pytest.raises(ValueError):
@@ -69,7 +65,7 @@ ptrs = {"x_ptr": "*bf16", "y_ptr": "*bf16", "low_ptr": "*u8", "eptr_ptr": "*i32"
         "ecol_ptr": "*i32", "edelta_ptr": "*fp32", "ws_ptr": "*fp32", "lock_ptr": "*i32",
         "v_desc": f"tensordesc<i32[{BN}, 16],{wl!r}>", "q_desc": f"tensordesc<i32[{BN}, 8],{wl!r}>",
         "x_desc": f"tensordesc<bf16[{BM}, 64],{xl!r}>"}
-const = dict(BLOCK_N=BN, BLOCK_M=BM, USE_SPLIT=True, QPASS=False, ESC_CH=8, STAGES=4, PLAIN=False, REGS=128)
+const = dict(BLOCK_N=BN, BLOCK_M=BM, USE_SPLIT=True, QPASS=False, ESC_CH=8, STAGES=4, REGS=128)
 div = [p for p in ptrs if p.endswith("_ptr")] + ["K", "stride_xm", "stride_ym"]
 warps = 4
 opts = {"maxnreg": mma_tma.launch_regs(4, 128)}
@@ -91,7 +87,7 @@ def test_consumer_loop_has_no_cta_barrier():
         assert b.count("mbarrier.try_wait") == 1 and b.count("mbarrier.arrive") == 1
         assert "bar.sync" not in b and "barrier.sync" not in b
         # the warp's shared reads are fenced against the TMA copy that refills the stage (without
-        # it the copy overwrote stages still being read: tools/tma_race.py on the H200)
+        # it the copy overwrites stages still being read: lab/w12/tma_race.py on the H200)
         assert b.index("fence.proxy.async") < b.index("mbarrier.arrive")
     producer = [b for b in blocks if "cp.async.bulk.tensor" in b]
     assert len(producer) == 1 and producer[0].count("cp.async.bulk.tensor") == 3
@@ -146,21 +142,6 @@ def test_two_k_groups_compile_to_two_wgmma_loops_with_barriers_of_their_own():
     assert code.count("HGMMA.64x32x16.F32.BF16") == 16 and inflight_a_writes(code) == []
 
 
-@pytest.mark.skipif(not mma_tma.AVAILABLE, reason="Triton without Gluon's Hopper module")
-def test_stream_k_groups_compile_without_serialized_wgmma():
-    """``tma=3, kgroups=4, stream=1`` for sm_90: four groups' record loops inside the block loop,
-    the copy warp's three TMA copies, no spills, no serialization warning, and no write into an
-    in-flight ``wgmma``'s A registers."""
-    setup = _SETUP.replace("REGS=128)", "REGS=104, WG=True, KGROUPS=4, STREAM=True)").replace(
-        "launch_regs(4, 128)", "launch_regs(16, 104, 4, 24)").replace("STAGES=4", "STAGES=12")
-    rep = ptxas_report(setup)
-    assert rep["rc"] == 0 and "0 bytes spill stores" in rep["log"], rep["log"]
-    assert "serialized" not in rep["log"], rep["log"]
-    assert rep["ptx"].count("wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16") == 32
-    assert ".reqntid 640" in rep["ptx"]
-    assert inflight_a_writes(sass(setup)) == []
-
-
 def test_inflight_a_register_check_sees_a_reuse():
     """The SASS check itself: a register-A ``HGMMA`` left in flight (``DEPBAR.LE gsb0, 0x1``) whose
     A registers the next iteration loads into is reported; retired at once (``0x0``), it is not."""
@@ -203,10 +184,6 @@ WG_CASES = [  # the group on wgmma: 1-3 records per split, 4 and 8 warps, 2-64 x
     (32, 384, 1024, mma.MmaConfig(128, 4, 8, 6, tma=3)),
     (8, 256, 4160, mma.MmaConfig(64, 13, 4, 3, tma=3)),
     (100, 136, 192, mma.MmaConfig(64, 2, 4, 3, tma=3)),
-    # the decoded record through shared memory, the wgmma left in flight
-    (17, 200, 320, mma.MmaConfig(64, 3, 4, 4, tma=3, a_smem=True)),
-    (32, 384, 1024, mma.MmaConfig(128, 4, 8, 6, tma=3, a_smem=True)),
-    (8, 256, 4160, mma.MmaConfig(64, 13, 4, 3, tma=3, a_smem=True)),
     # two warpgroups taking every other record: 5 records (3 + 2), 1 per split (the second group has
     # none), 4 or 5 per split, two row blocks
     (17, 200, 320, mma.MmaConfig(64, 1, 4, 4, tma=3, kgroups=2)),
@@ -217,11 +194,6 @@ WG_CASES = [  # the group on wgmma: 1-3 records per split, 4 and 8 warps, 2-64 x
     (17, 200, 320, mma.MmaConfig(64, 1, 4, 8, tma=3, kgroups=4)),
     (32, 136, 256, mma.MmaConfig(64, 2, 4, 4, tma=3, kgroups=4)),
     (32, 384, 1024, mma.MmaConfig(64, 1, 4, 12, tma=3, kgroups=4)),
-    # the four groups on a stream-K run (one program per SM): one pair per program (three groups
-    # without a record), eight pairs and three programs per block, runs across block ends
-    (32, 384, 1024, mma.MmaConfig(64, 1, 4, 12, tma=3, kgroups=4, stream=1)),
-    (32, 4096, 1024, mma.MmaConfig(64, 1, 4, 8, tma=3, kgroups=4, stream=1)),
-    (8, 9000, 128, mma.MmaConfig(64, 1, 4, 8, tma=3, kgroups=4, stream=1)),
 ]
 
 
@@ -269,19 +241,18 @@ def test_wgmma_group_matches_reference_and_is_deterministic(m, n, k, cfg):
 @_gpu_gluon
 @pytest.mark.skipif(not mma_tma.AVAILABLE, reason="Triton without Gluon's Hopper module")
 def test_tma_rings_are_stable_with_several_programs_per_sm():
-    """The race the proxy fence and the wgmma wait fixed (``benchmarks/tools/tma_race.py``): on a
+    """The race the proxy fence and the wgmma wait prevent (``lab/w12/tma_race.py``): on a
     4096 -> 28672 layer at 32 rows, three or four programs share an SM and the copy warp refills
     stages as soon as it may; every mode must then give the ring's bits (``tma=1|2``) or its own
-    (``tma=3``) on every run. Before the fix ``tma=2`` differed in 30 of 30 runs here."""
+    (``tma=3``) on every run (without the fence ``tma=2`` differs in 30 of 30 runs here)."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("needs sm_90")
     w, _, kp = _cuda_layer(28672, 4096, seed=5)
     x = torch.randn(32, 4096, generator=torch.Generator().manual_seed(5)).bfloat16().cuda()
     ring = mma.w12_mma(x, kp, config=mma.MmaConfig(64, 1, 4, 2, True), out_dtype=torch.float32)
     for cfg in (mma.MmaConfig(64, 1, 4, 4, tma=2), mma.MmaConfig(64, 1, 4, 4, tma=1),
-                mma.MmaConfig(64, 1, 4, 4, tma=3), mma.MmaConfig(64, 1, 4, 4, tma=3, a_smem=True),
-                mma.MmaConfig(64, 1, 4, 6, tma=3, kgroups=2), mma.MmaConfig(64, 1, 4, 8, tma=3, kgroups=4),
-                mma.MmaConfig(64, 1, 4, 12, tma=3, kgroups=4, stream=1)):
+                mma.MmaConfig(64, 1, 4, 4, tma=3), mma.MmaConfig(64, 1, 4, 6, tma=3, kgroups=2),
+                mma.MmaConfig(64, 1, 4, 8, tma=3, kgroups=4)):
         first = mma.w12_mma(x, kp, config=cfg, out_dtype=torch.float32)
         if cfg.tma != 3:
             assert torch.equal(first.view(torch.int32), ring.view(torch.int32)), cfg
@@ -294,7 +265,8 @@ def test_w12_mma_hands_a_tma_config_to_the_tma_launcher(monkeypatch):
     """``w12_mma`` with ``tma=1`` checks the config and calls :func:`.mma_tma.launch` with the
     aligned x and the split grid (caught on CPU: a signature slip cost a GPU run once)."""
     from specpilot.kernels.w12 import encode
-    from specpilot.kernels.w12.gemm import KernelPack
+    from specpilot.kernels.w12.gluon_common import esc_chunk
+    from specpilot.kernels.w12.pack import KernelPack
 
     from test_w12_gemm import make_weight
 
@@ -308,107 +280,52 @@ def test_w12_mma_hands_a_tma_config_to_the_tma_launcher(monkeypatch):
     kp = KernelPack.from_w12(encode(make_weight(200, 320)), device="cpu")
     cfg = mma.MmaConfig(32, 3, 4, 4, tma=1)
     mma.w12_mma(torch.zeros(17, 320, dtype=torch.bfloat16), kp, config=cfg)
-    assert seen["cfg"] is cfg and seen["grid"][:5] == (32, 2, 3, 7, 1) and seen["esc_ch"] == mma.esc_chunk(32)
+    assert seen["cfg"] is cfg and seen["grid"][:5] == (32, 2, 3, 7, 1) and seen["esc_ch"] == esc_chunk(32)
     with pytest.raises(ValueError):
         mma.w12_mma(torch.zeros(17, 320, dtype=torch.bfloat16), kp, config=mma.MmaConfig(48, 1, 4, 4, tma=1))
+
+
+def _mma_entries():
+    return [(e, mma.MmaConfig(**e["config"])) for e in tuning.table("w12", "sm90")["entries"] if e["kernel"] == "mma"]
 
 
 def test_tuned_tma_entries_only_where_tma_runs():
     """The table's TMA entries are skipped off Hopper (the heuristic default instead), and CPU
     tensors never count as TMA-capable."""
-    key = next(k for k, v in mma.TUNED.items() if v.tma)
-    n, k, bm = key
+    e = next(e for e, c in _mma_entries() if c.tma)
+    (n, k), bm = (e["n"], e["k"]), e["rows"][1]
     assert mma.default_config(bm, n, k).tma
     assert not mma.default_config(bm, n, k, tma=False).tma
     assert not mma_tma.supported("cpu")
-    wg = next(k for k, v in mma.TUNED.items() if v.tma == 3)   # wgmma entries: Hopper 9.x only
-    assert mma.default_config(wg[2], wg[0], wg[1]).kgroups > 1
-    assert mma.default_config(wg[2], wg[0], wg[1], wgmma=False).tma != 3
-    for cfg in mma.TUNED.values():   # every TMA entry is one the TMA rings accept
+    wg = next(e for e, c in _mma_entries() if c.tma == 3)   # wgmma entries: Hopper 9.x only
+    assert mma.default_config(wg["rows"][1], wg["n"], wg["k"]).kgroups > 1
+    assert mma.default_config(wg["rows"][1], wg["n"], wg["k"], wgmma=False).tma != 3
+    for _, cfg in _mma_entries():   # every TMA entry is one the TMA rings accept
         if cfg.tma:
             mma_tma.check(cfg)
 
 
 def test_routing_puts_the_wgmma_entries_first_only_where_wgmma_runs(monkeypatch):
-    """``gemm.route``: on 4096 -> 6144 at 17-32 rows the table's four wgmma K groups go before the
+    """``routing.route``: on 4096 -> 6144 at 17-32 rows the table's four wgmma K groups go before the
     ``warpk`` entry on a Hopper GPU, the ``warpk`` entry stays the choice elsewhere; layers without a
     ``warpk`` entry take ``mma`` either way; 2-8 rows stay on ``warpk``; CPU tensors take ``gemm``."""
     from types import SimpleNamespace
 
-    from specpilot.kernels.w12 import gemm, warpk
+    from specpilot.kernels.w12 import routing, warpk
 
     def pack(n, k):
         return SimpleNamespace(shape=(n, k))
 
-    assert gemm.route(torch.zeros(32, 4096, dtype=torch.bfloat16), pack(6144, 4096)) == "gemm"
+    assert routing.route(torch.zeros(32, 4096, dtype=torch.bfloat16), pack(6144, 4096)) == "gemm"
     monkeypatch.setattr(warpk, "supported", lambda x, p: True)
     monkeypatch.setattr(mma, "supported", lambda x, p: True)
     for hopper, want in ((True, "mma"), (False, "warpk")):
+        monkeypatch.setattr(mma_tma, "supported", lambda device, h=hopper: h)
         monkeypatch.setattr(mma_tma, "wgmma_supported", lambda device, h=hopper: h)
-        assert mma.TUNED[(6144, 4096, 32)].tma == 3 and (6144, 4096, 32) in warpk.TUNED
-        assert gemm.route(torch.zeros(24, 4096, dtype=torch.bfloat16), pack(6144, 4096)) == want
-        assert gemm.route(torch.zeros(32, 4096, dtype=torch.bfloat16), pack(4096, 4096)) == "mma"
-        assert gemm.route(torch.zeros(8, 4096, dtype=torch.bfloat16), pack(6144, 4096)) == "warpk"
-
-
-def test_sweep_variants_are_valid_configs():
-    """``benchmarks/w12_gemm.py --variants`` sets (tma, tma-pair, tma-wgmma, tma-kgroups, tma-kstream, tma-narrow,
-    chunk-wide, xf32; tma, split, regs and spread in gemv-gluon mode; spread and tail in warpk mode) offer only
-    configs the kernels accept."""
-    import importlib.util
-    from pathlib import Path
-
-    from specpilot.kernels.w12 import gemv_gluon as gg
-    from specpilot.kernels.w12 import gemv_tma
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "w12_gemm.py"
-    spec = importlib.util.spec_from_file_location("w12_gemm_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    for variants in ("tma", "tma-pair", "tma-wgmma", "tma-kgroups", "tma-kstream", "tma-narrow"):
-        cfgs = bench.mma_configs(32, 64, 6144, 132, variants=variants)
-        assert len(cfgs) > 4 and all(c.tma for c in cfgs[1:])
-        for c in cfgs[1:]:
-            mma_tma.check(c)
-    assert bench.select_shapes(None) == bench.SHAPES and len(bench.SHAPES) == 7
-    assert bench.select_shapes("llama8b.up,llama8b.o") == [("llama8b.up", 4096, 14336), ("llama8b.o", 4096, 4096)]
-    for kt in (64, 224):   # chunk-wide: x copied once per K range of at most 16 records (one or two chunks)
-        cw = bench.mma_configs(32, kt, 6144, 132, variants="chunk-wide")[1:]
-        assert len(cw) == 24 and {c.block_n for c in cw} == {64, 128}
-        assert all(c.unroll and c.x_chunk in (4, 8) and -(-kt // c.split_k) <= 16 for c in cw)
-    xf = bench.gluon_gemv_configs(1, 64, 6144, 132, variants="xf32")
-    assert any(c.xf32 for c in xf) and any(not c.xf32 for c in xf[1:])
-    for c in xf:
-        gg.check_config(c)
-    tm = bench.gluon_gemv_configs(1, 272, 5120, 132, variants="tma")   # 17408 -> 5120: the shared-memory cap
-    assert all(c.tma for c in tm[1:]) and {c.tma_box for c in tm} == {64, 256} and any(c.tma_epi_warp for c in tm)
-    for c in tm[1:]:
-        gg.check_config(c)
-        assert gemv_tma.smem_bytes(272, c.rows, c.warps, c.depth, c.tma_rps) <= gemv_tma.SMEM_LIMIT
-    from specpilot.kernels.w12 import warpk
-
-    for m in (8, 32):
-        wk = bench.warpk_configs(m, 64, 6144, 132, variants="spread")
-        assert sum(c.epi_spread for c in wk) >= 4
-        for c in wk:
-            warpk.check_config(c)
-    tl = bench.warpk_configs(32, 64, 6144, 132, variants="tail")
-    assert sum(c.tail_epilogue for c in tl) == 10 and {c.rows for c in tl} == {16, 32}
-    for c in tl:
-        warpk.check_config(c)
-    for n in (6144, 4096):   # split: from committed choices with the escape chain spread (unsplit only)
-        sl = bench.gluon_gemv_configs(1, 64, n, 132, variants="split")
-        assert {c.split_k for c in sl} >= {1, 2, 8}
-        for c in sl:
-            gg.check_config(c)
-    rg = bench.gluon_gemv_configs(1, 64, 4096, 132, variants="regs")   # 4096 -> 4096
-    assert {c.maxnreg for c in rg} >= {64, 72, 80, 88, 96, None} and {c.split_k for c in rg} == {1, 2, 3}
-    for c in rg:
-        gg.check_config(c)
-    sp = bench.gluon_gemv_configs(1, 64, 6144, 132, variants="spread")
-    assert sum(c.epi_spread for c in sp) == sum(c.late_epilogue for c in sp) >= 6   # each late config, spread
-    for c in sp:
-        gg.check_config(c)
+        assert mma.tuned_config(32, 6144, 4096).tma == 3 and warpk.tuned_config(32, 6144, 4096) is not None
+        assert routing.route(torch.zeros(24, 4096, dtype=torch.bfloat16), pack(6144, 4096)) == want
+        assert routing.route(torch.zeros(32, 4096, dtype=torch.bfloat16), pack(4096, 4096)) == "mma"
+        assert routing.route(torch.zeros(8, 4096, dtype=torch.bfloat16), pack(6144, 4096)) == "warpk"
 
 
 def test_sweep_shapes_take_the_unfused_projections_and_refuse_unknown_names():
@@ -419,6 +336,6 @@ def test_sweep_shapes_take_the_unfused_projections_and_refuse_unknown_names():
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "w12_gemm.py"
-    r = subprocess.run([sys.executable, str(script), "--mode", "default", "--shapes", "llama8b.kv,nope"],
+    r = subprocess.run([sys.executable, str(script), "--shapes", "llama8b.kv,nope"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "unknown shape nope" in r.stderr and len(r.stderr.strip().splitlines()) == 1

@@ -16,8 +16,10 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from specpilot.kernels.w12 import encode  # noqa: E402
-from specpilot.kernels.w12 import mma, warpk  # noqa: E402
-from specpilot.kernels.w12.gemm import KernelPack  # noqa: E402
+from specpilot.kernels import tuning  # noqa: E402
+from specpilot.kernels.w12 import mma, routing, warpk  # noqa: E402
+from specpilot.kernels.w12.gluon_common import mma_block_m  # noqa: E402
+from specpilot.kernels.w12.pack import KernelPack  # noqa: E402
 from specpilot.kernels.w12.naive import w12_linear_ref  # noqa: E402
 
 from gluon_ptx import ptxas_report, loop_ptx  # noqa: E402
@@ -91,37 +93,40 @@ def test_spread_epilogue_waits_on_no_chain_before_the_first_mma():
     assert spills == ("0", "0"), r["log"]
 
 
-@pytest.mark.parametrize("bad", [warpk.WarpKConfig(rows=8), warpk.WarpKConfig(warps=3), warpk.WarpKConfig(depth=1),
+@pytest.mark.parametrize("bad", [warpk.WarpKConfig(warps=3), warpk.WarpKConfig(depth=1),
                                  warpk.WarpKConfig(depth=5), warpk.WarpKConfig(split_k=0),
-                                 warpk.WarpKConfig(maxnreg=300), warpk.WarpKConfig(esc_ch=12),
-                                 warpk.WarpKConfig(split_k=2, epi_spread=True),
-                                 warpk.WarpKConfig(split_k=2, tail_epilogue=True),
-                                 warpk.WarpKConfig(epi_spread=True, tail_epilogue=True)])
+                                 warpk.WarpKConfig(esc_ch=12), warpk.WarpKConfig(split_k=2, epi_spread=True)])
 def test_bad_configs_are_rejected(bad):
     with pytest.raises(ValueError):
         warpk.check_config(bad)
 
 
+def _preferred(m: int, n: int, k: int) -> bool:
+    """Whether the routing table sends ``m`` rows of the ``n x k`` layer here when the kernel runs."""
+    rules = tuning.table("w12", "sm90")["route"]
+    return routing.pick(rules, m, n, lambda kern: kern == "warpk",
+                        lambda kern: routing.tuned_config(kern, m, n, k)) == "warpk"
+
+
 def test_default_config_routing_support_and_key():
     cfg = warpk.default_config(1, 4096, 4096)
-    assert cfg.rows == 16 and cfg.split_k >= 1 and cfg.key().startswith("wk-r16-w4-d4-s")
-    assert warpk.default_config(5, 6144, 4096) == warpk.TUNED[(6144, 4096, 8)]       # 2-8 rows share a bucket
-    assert all(warpk.check_config(c) is None for c in warpk.TUNED.values())
-    assert warpk.default_config(8, 1024, 4096).split_k == 4 and not warpk.preferred(16, 1024, 4096)
-    assert [warpk.bucket(m) for m in (1, 2, 8, 9, 16, 17, 32)] == [1, 8, 8, 16, 16, 32, 32]
+    assert warpk.ROWS == 16 and cfg.split_k >= 1 and cfg.key().startswith("wk-r16-w4-d4-s")
+    assert warpk.default_config(5, 6144, 4096) == warpk.tuned_config(8, 6144, 4096) is not None  # 2-8 rows: one entry
+    entries = [e for e in tuning.table("w12", "sm90")["entries"] if e["kernel"] == "warpk"]
+    assert all(warpk.check_config(warpk.WarpKConfig(**e["config"])) is None for e in entries)
+    assert warpk.default_config(8, 1024, 4096).split_k == 4 and not _preferred(16, 1024, 4096)
+    assert {tuple(e["rows"]) for e in entries} <= {(1, 1), (2, 8), (9, 16), (17, 32)}
     # 2-8 rows always; 1 and 9-32 rows only on measured layers
-    assert warpk.preferred(2, 1000, 3000) and warpk.preferred(8, 6144, 4096)
-    assert warpk.preferred(1, 4096, 14336) and not warpk.preferred(1, 4096, 4096)
-    assert warpk.preferred(12, 6144, 4096) and not warpk.preferred(12, 28672, 4096)
-    assert warpk.preferred(24, 6144, 4096) and warpk.default_config(24, 6144, 4096).x_late
+    assert _preferred(2, 1000, 3000) and _preferred(8, 6144, 4096)
+    assert _preferred(1, 4096, 14336) and not _preferred(1, 4096, 4096)
+    assert _preferred(12, 6144, 4096) and not _preferred(12, 28672, 4096)
+    assert _preferred(24, 6144, 4096) and warpk.default_config(24, 6144, 4096).x_late
     assert warpk.default_config(24, 1000, 3000).x_late and warpk.default_config(12, 1000, 3000).depth == 2
     assert warpk.default_config(24, 1000, 3000).esc_ch == 32 and warpk.default_config(12, 1000, 3000).esc_ch == 0
-    assert not warpk.preferred(24, 4096, 4096) and not warpk.preferred(1, 1000, 3000)
-    assert warpk.WarpKConfig(32, 8, 3, 2, 96).key() == "wk-r32-w8-d3-s2-r96"
-    assert warpk.WarpKConfig(16, 4, 2, 1, x_late=True).key() == "wk-r16-w4-d2-s1-xl"
-    assert warpk.WarpKConfig(16, 4, 2, 1, x_late=True, esc_ch=16).key() == "wk-r16-w4-d2-s1-xl-e16"
-    assert warpk.WarpKConfig(16, 4, 2, 1, epi_spread=True).key() == "wk-r16-w4-d2-s1-es"
-    assert warpk.WarpKConfig(32, 4, 2, 1, x_late=True, tail_epilogue=True).key() == "wk-r32-w4-d2-s1-xl-te"
+    assert not _preferred(24, 4096, 4096) and not _preferred(1, 1000, 3000)
+    assert warpk.WarpKConfig(4, 2, 1, x_late=True).key() == "wk-r16-w4-d2-s1-xl"
+    assert warpk.WarpKConfig(4, 2, 1, x_late=True, esc_ch=16).key() == "wk-r16-w4-d2-s1-xl-e16"
+    assert warpk.WarpKConfig(4, 2, 1, epi_spread=True).key() == "wk-r16-w4-d2-s1-es"
     kp = KernelPack.from_w12(encode(make_weight(16, 64)), device="cpu")
     assert not warpk.supported(torch.zeros(1, 64, dtype=torch.bfloat16), kp)    # CPU: the other kernels
 
@@ -133,22 +138,17 @@ def _cuda_layer(n, k, seed):
 
 
 CASES = [   # (rows, n, k, config): 1-32 rows, partial row tiles, odd record counts, split-K, K not /64
-    (1, 256, 512, warpk.WarpKConfig(16, 4, 2, 1)),
-    (1, 200, 320, warpk.WarpKConfig(16, 4, 3, 1)),
-    (3, 136, 1024, warpk.WarpKConfig(32, 4, 4, 2)),
-    (8, 384, 640, warpk.WarpKConfig(16, 8, 2, 2)),
-    (5, 100, 200, warpk.WarpKConfig(32, 2, 2, 1)),
-    (12, 256, 1088, warpk.WarpKConfig(16, 4, 2, 4)),
-    (16, 128, 256, warpk.WarpKConfig(32, 1, 3, 1)),
-    (24, 256, 512, warpk.WarpKConfig(16, 4, 2, 1)),
-    (32, 200, 640, warpk.WarpKConfig(32, 4, 2, 2)),
+    (1, 256, 512, warpk.WarpKConfig(4, 2, 1)),
+    (1, 200, 320, warpk.WarpKConfig(4, 3, 1)),
+    (8, 384, 640, warpk.WarpKConfig(8, 2, 2)),
+    (12, 256, 1088, warpk.WarpKConfig(4, 2, 4)),
+    (24, 256, 512, warpk.WarpKConfig(4, 2, 1)),
     # x loaded right before each record's MMAs
-    (1, 200, 320, warpk.WarpKConfig(16, 4, 3, 1, x_late=True)),
-    (32, 256, 1088, warpk.WarpKConfig(16, 4, 4, 3, x_late=True)),
-    (20, 136, 640, warpk.WarpKConfig(32, 2, 2, 1, x_late=True)),
+    (1, 200, 320, warpk.WarpKConfig(4, 3, 1, x_late=True)),
+    (32, 256, 1088, warpk.WarpKConfig(4, 4, 3, x_late=True)),
     # 8 escapes per epilogue pass: rows with more escapes take several passes, after the loop
-    (32, 256, 2048, warpk.WarpKConfig(16, 4, 2, 1, x_late=True, esc_ch=8)),
-    (4, 128, 1088, warpk.WarpKConfig(16, 4, 4, 2, esc_ch=8)),
+    (32, 256, 2048, warpk.WarpKConfig(4, 2, 1, x_late=True, esc_ch=8)),
+    (4, 128, 1088, warpk.WarpKConfig(4, 4, 2, esc_ch=8)),
 ]
 
 
@@ -168,7 +168,7 @@ def test_long_k_is_deterministic_and_close():
     """4096 -> 14336-like lengths: bitwise the same run to run, and within bf16 rounding of fp32."""
     w, _, kp = _cuda_layer(256, 14336, seed=3)
     x = torch.randn(4, 14336, generator=torch.Generator().manual_seed(2)).bfloat16().cuda()
-    ys = [warpk.w12_warpk(x, kp, config=warpk.WarpKConfig(16, 4, 4, 2), out_dtype=torch.float32) for _ in range(3)]
+    ys = [warpk.w12_warpk(x, kp, config=warpk.WarpKConfig(4, 4, 2), out_dtype=torch.float32) for _ in range(3)]
     assert all(torch.equal(ys[0].view(torch.int32), y.view(torch.int32)) for y in ys)
     ref = x.float().cpu() @ w.float().T
     fin = torch.isfinite(ref)
@@ -198,7 +198,7 @@ def test_rejects_more_than_32_rows():
 @_gpu
 @pytest.mark.parametrize("m", [4, 12])
 def test_w12_linear_routes_few_rows_here(m):
-    from specpilot.kernels.w12.gemm import w12_linear
+    from specpilot.kernels.w12.routing import w12_linear
 
     w, _, kp = _cuda_layer(256, 4096, seed=9)       # 12 rows: not a table layer, so the mma kernel
     x = torch.randn(m, 4096).bfloat16().cuda()
@@ -213,33 +213,31 @@ def test_strided_rows():
     w, _, kp = _cuda_layer(128, 256, seed=11)
     x = torch.randn(6, 264).bfloat16().cuda()[:, :256]
     check_close(warpk.w12_warpk(x, kp, out_dtype=torch.float32).cpu(), x.cpu(), w)
-    assert mma.block_m_for(6) == 8
+    assert mma_block_m(6) == 8
 
 
-SPREAD_CASES = [   # (rows, n, k, config without epi_spread / tail_epilogue)
-    (2, 256, 512, warpk.WarpKConfig(16, 4, 4, 1)),
-    (8, 136, 1088, warpk.WarpKConfig(16, 4, 4, 1)),            # partial row tile, 17 records
-    (16, 128, 64, warpk.WarpKConfig(16, 4, 2, 1)),             # one record: step 0 only
-    (1, 256, 2048, warpk.WarpKConfig(16, 8, 2, 1)),
-    (32, 256, 2048, warpk.WarpKConfig(16, 4, 2, 1, x_late=True, esc_ch=8)),   # several escape passes
-    (24, 200, 640, warpk.WarpKConfig(32, 2, 3, 1, x_late=True, esc_ch=32)),
+SPREAD_CASES = [   # (rows, n, k, config without epi_spread)
+    (2, 256, 512, warpk.WarpKConfig(4, 4, 1)),
+    (8, 136, 1088, warpk.WarpKConfig(4, 4, 1)),            # partial row tile, 17 records
+    (16, 128, 64, warpk.WarpKConfig(4, 2, 1)),             # one record: step 0 only
+    (1, 256, 2048, warpk.WarpKConfig(8, 2, 1)),
+    (32, 256, 2048, warpk.WarpKConfig(4, 2, 1, x_late=True, esc_ch=8)),   # several escape passes
 ]
 
 
 @_gpu
 @pytest.mark.parametrize("m,n,k,cfg", SPREAD_CASES)
 @pytest.mark.parametrize("qpass", [False, True])
-@pytest.mark.parametrize("form", ["epi_spread", "tail_epilogue"])
-def test_spread_and_tail_epilogues_give_the_same_bits(m, n, k, cfg, qpass, form):
-    """The escape chain spread over step 0, or the epilogue's loads after the loop: bitwise the
-    plain order's output (row 0 has 32 escapes: more than one chunk), run to run."""
+def test_spread_epilogue_gives_the_same_bits(m, n, k, cfg, qpass):
+    """The escape chain spread over step 0: bitwise the plain order's output (row 0 has 32 escapes:
+    more than one chunk), run to run."""
     from dataclasses import replace
 
     w, _, kp = _cuda_layer(n, k, seed=m + 40)
     x = (torch.randn(m, k, generator=torch.Generator().manual_seed(m + 1)) * 3).bfloat16().cuda()
     ref = warpk.w12_warpk(x, kp, qpass=qpass, config=cfg, out_dtype=torch.float32)
     for _ in range(3):
-        y = warpk.w12_warpk(x, kp, qpass=qpass, config=replace(cfg, **{form: True}), out_dtype=torch.float32)
+        y = warpk.w12_warpk(x, kp, qpass=qpass, config=replace(cfg, epi_spread=True), out_dtype=torch.float32)
         assert torch.equal(y.view(torch.int32), ref.view(torch.int32))
     if not qpass:
         check_close(y.cpu(), x.cpu(), w)

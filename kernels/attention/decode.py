@@ -1,6 +1,6 @@
 """Masked grouped-query attention as one split-KV Triton pass plus a fixed-order merge.
 
-The same contract as :func:`.reference.masked_gqa_attention` (``q`` [T, nh, hd], ``k``/``v``
+The same contract as :func:`.naive.masked_gqa_attention` (``q`` [T, nh, hd], ``k``/``v``
 [nkv, S, hd], ``mask`` bool [T, S]), for AR decode and for chain/tree verification rows. Where
 the reference launches a dozen kernels per layer (two batched GEMMs, scaling, masking, softmax,
 casts and permutes), this is two:

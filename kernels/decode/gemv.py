@@ -18,8 +18,10 @@ prologue and an epilogue chosen at compile time takes the whole layer apart from
 Every program loads two ``[B, BLOCK_K]`` weight tiles per iteration (rows ``a`` and ``b``: the
 two halves of its block, or the gate/up or RoPE pairs), accumulates in fp32 and reduces once at
 the end: no atomics, no split-K, so results are bitwise identical run to run. Each function also
-takes W12 weights (a ``KernelPack``): the same kernel reading 12-bit records (:mod:`.gemv_w12`). The plain reference
-is :mod:`.reference`; the kernels also run under Triton's interpreter (CPU tests).
+takes W12 weights (a ``KernelPack``): the same kernels reading 12-bit records (:mod:`.gemv_w12_gluon`
+where Gluon runs, else :mod:`.gemv_w12`). Configs come from the measured table
+(``kernels/decode/tuned/<arch>.json``, :mod:`specpilot.kernels.tuning`), else the kernel's default.
+The plain reference is :mod:`.naive`; the kernels also run under Triton's interpreter (CPU tests).
 """
 
 from __future__ import annotations
@@ -28,9 +30,12 @@ from dataclasses import dataclass
 
 import torch
 
+from specpilot.kernels import tuning
+from specpilot.kernels.decode import gemv_w12, gemv_w12_gluon
+from specpilot.kernels.decode.common import (EPI_RESID, EPI_ROPE, EPI_SILU, epilogue, epilogue_operands,
+                                             program_rows, row_rstd, x_at)
 from specpilot.kernels.triton_env import pdl_args, tl, triton
 
-EPI_RESID, EPI_SILU, EPI_ROPE = 1, 2, 3
 # programmatic dependent launch for the fused kernels (and the attention they call): each kernel
 # lets the next one launch at its start and waits for the previous one before touching activations
 USE_PDL = True
@@ -50,118 +55,23 @@ class GemvConfig:
         return f"p{self.pairs}-k{self.block_k}-w{self.warps}-s{self.stages}"
 
 
-# Chosen on the H200 inside the AR step of Llama-3.1-8B shapes (benchmarks/decode_tune_engine.py,
-# results/decode_tune_engine.json: the isolated sweep's best configs, benchmarks/decode_gemv.py,
-# re-timed in the PDL chain); other shapes take DEFAULT.
-DEFAULT = GemvConfig()
-TUNED: dict[tuple[str, int, int], GemvConfig] = {
-    ("rope", 6144, 4096): GemvConfig(8, 512, 8, 1),
-    ("resid", 4096, 4096): GemvConfig(4, 1024, 4, 1),
-    ("silu", 28672, 4096): GemvConfig(4, 1024, 4, 3),
-    ("resid", 4096, 14336): GemvConfig(8, 1024, 8, 1),
-}
+DEFAULT = GemvConfig()   # shapes the table does not have
 
 
-def config_for(epi: str, n: int, k: int) -> GemvConfig:
-    return TUNED.get((epi, n, k), DEFAULT)
+def config_for(epi: str, n: int, k: int, device=None) -> GemvConfig:
+    """The table's config for the epilogue and shape, else :data:`DEFAULT`."""
+    found = tuning.lookup("decode", "gemv", tuning.device_arch(device) if device is not None else None,
+                          epilogue=epi, n=n, k=k)
+    return GemvConfig(**found[0]["config"]) if found else DEFAULT
 
 
 if triton is not None:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     @triton.jit
-    def _x_at(x_ptr, gamma_ptr, kk, K, rstd, NORM: tl.constexpr):
-        """x[kk] (offsets of any shape, 0 from K on) in fp32; with ``NORM`` RMS-normalised and scaled
-        by gamma, rounded to x's dtype at the two points ``rms_norm`` rounds."""
-        km = kk < K
-        xv = tl.load(x_ptr + kk, mask=km, other=0.0)
-        if NORM:
-            g = tl.load(gamma_ptr + kk, mask=km, other=0.0)
-            xn = (xv.to(tl.float32) * rstd).to(x_ptr.dtype.element_ty)
-            xv = (g.to(tl.float32) * xn.to(tl.float32)).to(x_ptr.dtype.element_ty)
-        return xv.to(tl.float32)
-
-    @triton.jit
     def _x_chunk(x_ptr, gamma_ptr, kk, K, rstd, NORM: tl.constexpr):
-        """:func:`_x_at` of ``kk`` as a ``[1, BLOCK_K]`` row."""
-        return _x_at(x_ptr, gamma_ptr, kk, K, rstd, NORM)[None, :]
-
-    @triton.jit
-    def _rows(pid, INTER, EPI: tl.constexpr, HD: tl.constexpr, B: tl.constexpr):
-        """The program's two row groups ``rows_a``/``rows_b`` (B rows each) and, for the epilogues,
-        the gate/up index ``p``, the RoPE dim ``d`` and the head ``head``."""
-        i = tl.arange(0, B)
-        p = pid * B + i
-        d = p
-        head = pid
-        if EPI == 2:      # gate row p, up row INTER + p
-            rows_a = p
-            rows_b = INTER + p
-        elif EPI == 3:    # dims d and d + HD/2 of head h
-            HALF: tl.constexpr = HD // 2
-            head = (pid * B) // HALF
-            d = p % HALF
-            rows_a = head * HD + d
-            rows_b = rows_a + HALF
-        else:             # rows pid*2B .. +B and +B .. +2B
-            rows_a = pid * (2 * B) + i
-            rows_b = rows_a + B
-        return rows_a, rows_b, p, d, head
-
-    @triton.jit
-    def _row_rstd(x_ptr, K, eps, NORM: tl.constexpr, XP: tl.constexpr):
-        """1/RMS of the row for ``NORM`` (the whole row in one load: a few KB, L2-resident), else 1."""
-        if NORM:
-            kx = tl.arange(0, XP)
-            xr = tl.load(x_ptr + kx, mask=kx < K, other=0.0).to(tl.float32)
-            rstd = tl.math.rsqrt(tl.sum(xr * xr, axis=0) / K + eps)
-        else:
-            rstd = 1.0
-        return rstd
-
-    @triton.jit
-    def _epilogue(ya, yb, rows_a, rows_b, p, d, head, y_ptr, res_ptr,
-                  cos_ptr, sin_ptr, pos_ptr, slot_ptr, kc_ptr, vc_ptr, NH, NKV,
-                  stride_ch, stride_cs, stride_dh, stride_ds, stride_rot,
-                  EPI: tl.constexpr, HD: tl.constexpr):
-        """The fused epilogues on the row groups' outputs ``ya``/``yb`` (already in y's dtype);
-        shared with the W12 kernel (:mod:`.gemv_w12`)."""
-        dt = y_ptr.dtype.element_ty
-        HALF: tl.constexpr = HD // 2
-        if EPI == 1:
-            ra = tl.load(res_ptr + rows_a).to(tl.float32)
-            rb = tl.load(res_ptr + rows_b).to(tl.float32)
-            tl.store(y_ptr + rows_a, (ra + ya.to(tl.float32)).to(dt))
-            tl.store(y_ptr + rows_b, (rb + yb.to(tl.float32)).to(dt))
-        elif EPI == 2:
-            gf = ya.to(tl.float32)
-            s = (gf / (1.0 + tl.exp(-gf))).to(dt)
-            tl.store(y_ptr + p, (s.to(tl.float32) * yb.to(tl.float32)).to(dt))
-        else:
-            pos = tl.load(pos_ptr)
-            slot = tl.load(slot_ptr)
-            c1 = tl.load(cos_ptr + pos * stride_rot + d).to(dt).to(tl.float32)
-            c2 = tl.load(cos_ptr + pos * stride_rot + d + HALF).to(dt).to(tl.float32)
-            s1 = tl.load(sin_ptr + pos * stride_rot + d).to(dt).to(tl.float32)
-            s2 = tl.load(sin_ptr + pos * stride_rot + d + HALF).to(dt).to(tl.float32)
-            a = ya.to(tl.float32)
-            b = yb.to(tl.float32)
-            # rotate-half: [a, b] -> [a c - b s, b c + a s], each product rounded as the layer does
-            ra = ((a * c1).to(dt).to(tl.float32) + (-b * s1).to(dt).to(tl.float32)).to(dt)
-            rb = ((b * c2).to(dt).to(tl.float32) + (a * s2).to(dt).to(tl.float32)).to(dt)
-            is_q = rows_a < NH * HD
-            is_k = (rows_a >= NH * HD) & (rows_a < (NH + NKV) * HD)
-            is_v = rows_a >= (NH + NKV) * HD
-            tl.store(y_ptr + rows_a, ra, mask=is_q)
-            tl.store(y_ptr + rows_b, rb, mask=is_q)
-            kh = head - NH
-            kbase = kc_ptr + kh * stride_ch + slot * stride_cs
-            tl.store(kbase + d, ra, mask=is_k)
-            tl.store(kbase + d + HALF, rb, mask=is_k)
-            vh = head - NH - NKV
-            vbase = vc_ptr + vh * stride_dh + slot * stride_ds
-            tl.store(vbase + d, ya, mask=is_v)
-            tl.store(vbase + d + HALF, yb, mask=is_v)
+        """:func:`x_at` of ``kk`` as a ``[1, BLOCK_K]`` row."""
+        return x_at(x_ptr, gamma_ptr, kk, K, rstd, NORM)[None, :]
 
     @triton.jit
     def _gemv_kernel(x_ptr, gamma_ptr, w_ptr, y_ptr, res_ptr,
@@ -173,7 +83,7 @@ if triton is not None:
                      PDL: tl.constexpr):
         pid = tl.program_id(0)
         offs_k = tl.arange(0, BLOCK_K)
-        rows_a, rows_b, p, d, head = _rows(pid, INTER, EPI, HD, B)
+        rows_a, rows_b, p, d, head = program_rows(pid, INTER, EPI, HD, B)
         wa_ptrs = w_ptr + rows_a.to(tl.int64)[:, None] * stride_w + offs_k[None, :]
         wb_ptrs = w_ptr + rows_b.to(tl.int64)[:, None] * stride_w + offs_k[None, :]
 
@@ -185,7 +95,7 @@ if triton is not None:
             gdc_launch_dependents()
             gdc_wait()       # the previous kernel's writes (x, res, the caches) are visible from here
 
-        rstd = _row_rstd(x_ptr, K, eps, NORM, XP)
+        rstd = row_rstd(x_ptr, K, eps, NORM, XP)
 
         xf = _x_chunk(x_ptr, gamma_ptr, offs_k, K, rstd, NORM)
         acc_a = wa.to(tl.float32) * xf
@@ -201,7 +111,7 @@ if triton is not None:
         ya = tl.sum(acc_a, axis=1).to(dt)
         yb = tl.sum(acc_b, axis=1).to(dt)
 
-        _epilogue(ya, yb, rows_a, rows_b, p, d, head, y_ptr, res_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr,
+        epilogue(ya, yb, rows_a, rows_b, p, d, head, y_ptr, res_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr,
                   kc_ptr, vc_ptr, NH, NKV, stride_ch, stride_cs, stride_dh, stride_ds, stride_rot, EPI, HD)
 
 
@@ -230,16 +140,12 @@ def rms_norm_row(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tens
                            num_warps=4 if K <= 4096 else 8, **pdl_args(USE_PDL, x))
     return y
 
-
 def _check_row(x: torch.Tensor, k: int, name: str) -> None:
     if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != k or x.stride(-1) != 1:
         raise ValueError(f"{name}: one contiguous row of {k} values expected, got shape {tuple(x.shape)}")
 
-
 def _check_weight(w, x: torch.Tensor) -> None:
-    from specpilot.kernels.decode.gemv_w12 import is_w12
-
-    if is_w12(w):
+    if gemv_w12.is_w12(w):
         if w.rec64.device != x.device:
             raise ValueError(f"W12 weight on {w.rec64.device}, x on {x.device}")
         return
@@ -247,18 +153,15 @@ def _check_weight(w, x: torch.Tensor) -> None:
         raise ValueError(f"weight must be 2-D, contiguous in K and of x's dtype ({x.dtype}), got "
                          f"{tuple(w.shape)} {w.dtype}")
 
-
 def _config(epi: str, w, cfg, x: torch.Tensor):
     """The kernel config: ``cfg`` if given (a :class:`GemvConfig`, or for a W12 weight a
     ``gemv_w12.W12GemvConfig`` (Triton) or ``gemv_w12_gluon.GluonFusedConfig``), else the table's
     for the shape: for a W12 weight the Gluon kernel's where it runs (CUDA, Gluon), else Triton's."""
-    from specpilot.kernels.decode import gemv_w12, gemv_w12_gluon
-
     w12 = gemv_w12.is_w12(w)
     if cfg is None:
         if w12 and gemv_w12_gluon.available(x):
-            return gemv_w12_gluon.config_for(epi, *w.shape)
-        return (gemv_w12.config_for if w12 else config_for)(epi, *w.shape)
+            return gemv_w12_gluon.config_for(epi, *w.shape, device=x.device)
+        return (gemv_w12.config_for if w12 else config_for)(epi, *w.shape, device=x.device)
     if isinstance(cfg, (gemv_w12.W12GemvConfig, gemv_w12_gluon.GluonFusedConfig)) != w12:
         raise ValueError(f"{type(cfg).__name__} does not fit a {'W12' if w12 else 'dense'} weight")
     if isinstance(cfg, gemv_w12_gluon.GluonFusedConfig):
@@ -269,14 +172,11 @@ def _config(epi: str, w, cfg, x: torch.Tensor):
         gemv_w12.check_config(cfg)
     return cfg
 
-
 def _launch(grid, x, gamma, w, y, res, eps, epi, norm, cfg, inter=0, nh=0, nkv=0, hd=16,
             cos=None, sin=None, pos=None, slot=None, k_cache=None, v_cache=None):
-    from specpilot.kernels.decode import gemv_w12
-
     if gemv_w12.is_w12(w):
         gemv_w12.launch(grid, x, gamma, w, y, res, eps, epi, norm, cfg, inter, nh, nkv, hd,
-                        cos, sin, pos, slot, k_cache, v_cache)
+                        cos, sin, pos, slot, k_cache, v_cache, pdl=USE_PDL)
         return
     K = w.shape[1]
     ptrs, strides = epilogue_operands(x, res, cos, sin, pos, slot, k_cache, v_cache)
@@ -286,17 +186,6 @@ def _launch(grid, x, gamma, w, y, res, eps, epi, norm, cfg, inter=0, nh=0, nkv=0
         NORM=norm, EPI=epi, HD=hd, B=cfg.pairs, BLOCK_K=cfg.block_k, STAGES=cfg.stages,
         XP=triton.next_power_of_2(K) if norm else 1, num_warps=cfg.warps,
         **pdl_args(USE_PDL, x))
-
-
-def epilogue_operands(x, res, cos, sin, pos, slot, k_cache, v_cache) -> tuple[tuple, tuple]:
-    """The fused kernels' epilogue pointers ``(res, cos, sin, pos, slot, k_cache, v_cache)``, ``x``
-    standing in for those an epilogue does not use, and their strides ``(stride_ch, stride_cs,
-    stride_dh, stride_ds, stride_rot)``; shared by the W12 kernels' launchers."""
-    ptrs = tuple(t if t is not None else x for t in (res, cos, sin, pos, slot, k_cache, v_cache))
-    cs = k_cache.stride() if k_cache is not None else (0, 0, 0)
-    vs = v_cache.stride() if v_cache is not None else (0, 0, 0)
-    return ptrs, (cs[0], cs[1], vs[0], vs[1], cos.stride(0) if cos is not None else 0)
-
 
 def gemv_residual(x: torch.Tensor, w, res: torch.Tensor, cfg=None, out: torch.Tensor | None = None) -> torch.Tensor:
     """``res + x @ w.T`` for one row x [1, K] and w [N, K] (a dense tensor, or a W12 ``KernelPack``
@@ -313,7 +202,6 @@ def gemv_residual(x: torch.Tensor, w, res: torch.Tensor, cfg=None, out: torch.Te
     _launch((N // (2 * cfg.pairs),), x, None, w, y, res, 0.0, EPI_RESID, False, cfg)
     return y
 
-
 def norm_gate_up_silu(x: torch.Tensor, gamma: torch.Tensor, eps: float, w13, inter: int,
                       cfg=None) -> torch.Tensor:
     """``silu(gate) * up`` of ``rms_norm(x) @ w13.T`` (gate rows ``[0, inter)``, up rows after): [1, inter]."""
@@ -326,7 +214,6 @@ def norm_gate_up_silu(x: torch.Tensor, gamma: torch.Tensor, eps: float, w13, int
     y = torch.empty(1, inter, dtype=x.dtype, device=x.device)
     _launch((inter // cfg.pairs,), x, gamma, w13, y, None, eps, EPI_SILU, True, cfg, inter=inter)
     return y
-
 
 def norm_qkv_rope_store(x, gamma, eps, w_qkv, cos, sin, pos, slot, k_cache, v_cache, nh: int, nkv: int,
                         cfg=None) -> torch.Tensor:

@@ -10,16 +10,16 @@ each: the two halves of its block, the gate/up pair or the RoPE pair); a group o
 aligned to ``B`` (``B`` divides 128) lies inside one 128-row record tile, so per iteration the
 program loads, for ``RECS`` consecutive records, each group's rows' 8-bit views (``[B, RECS*8]``
 int64, 64 contiguous bytes per row and record) and low nibbles (``[B, RECS*8]`` int32), decodes
-them with the W12 GEMM's integer recipe (:func:`specpilot.kernels.w12.gemm._decode_pairs`: the
+them with the W12 GEMM's integer recipe (:func:`specpilot.kernels.w12.common.decode_pairs`: the
 values ``w * 2**(112 - L_n)``) and multiplies them on the CUDA cores with the (normalised) x in
 fp32. The epilogue applies the row scale ``2**(L_n - 112)`` and the exact escape corrections
 ``x[k] * (w - slot)`` in a fixed order, rounds to the model's dtype and then runs the bf16
-kernel's epilogue (:func:`.gemv._epilogue`).
+kernel's epilogue (:func:`.common.epilogue`).
 
 The weights are the bf16 weights bit for bit, so the result differs from the bf16 kernel's only
 by the fp32 summation order; no atomics, no split-K: bitwise identical run to run. Under PDL the
 first records, the row exponents and the escape lists (all constant) are read before the wait.
-The plain reference is the bf16 path's (:mod:`.reference`) on the decoded weights; the kernel also
+The plain reference is the bf16 path's (:mod:`.naive`) on the decoded weights; the kernel also
 runs under Triton's interpreter (CPU tests).
 """
 
@@ -27,46 +27,42 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specpilot.kernels import tuning
+from specpilot.kernels.decode import gemv_w12_gluon
+from specpilot.kernels.decode.common import epilogue, epilogue_operands, program_rows, row_rstd, x_at
 from specpilot.kernels.triton_env import interpreting, pdl_args, tl, triton
+from specpilot.kernels.w12.common import decode_pairs, hi_f32, lo_f32
+from specpilot.kernels.w12.pack import KernelPack
 
 
 @dataclass(frozen=True)
 class W12GemvConfig:
     """``pairs`` B (a program owns 2B output rows; B divides 128), ``recs`` records (64 columns
     each) per iteration, ``warps``, ``stages`` (software pipelining depth of the record loads),
-    ``esc_ch`` escapes per correction chunk."""
+    and escapes are corrected :data:`ESC_CH` at a time."""
 
     pairs: int = 4
     recs: int = 4
     warps: int = 4
     stages: int = 3
-    esc_ch: int = 16
 
     def key(self) -> str:
-        return f"p{self.pairs}-r{self.recs}-w{self.warps}-s{self.stages}-e{self.esc_ch}"
+        return f"p{self.pairs}-r{self.recs}-w{self.warps}-s{self.stages}"
 
 
-DEFAULT = W12GemvConfig()
-# (epilogue, N, K) -> config, chosen on the H200 in the engine's AR step (benchmarks/decode_w12_engine.py
-# --tune at git cd3bd7c, benchmarks/results/decode_w12_engine_tune_triton.json: the step 4.929 -> 4.137
-# ms); on CUDA with Gluon the Gluon kernels (gemv_w12_gluon) take these shapes instead
-TUNED: dict[tuple[str, int, int], W12GemvConfig] = {
-    ("rope", 6144, 4096): W12GemvConfig(4, 4, 2, 3),
-    ("resid", 4096, 4096): W12GemvConfig(4, 16, 4, 1),
-    ("silu", 28672, 4096): W12GemvConfig(4, 4, 2, 3),
-    ("resid", 4096, 14336): W12GemvConfig(2, 16, 4, 3),
-}
+DEFAULT = W12GemvConfig()   # shapes the table does not have; on CUDA with Gluon the Gluon kernels run
+ESC_CH = 16   # escapes per correction chunk (a power of two)
 
 
-def config_for(epi: str, n: int, k: int) -> W12GemvConfig:
-    return TUNED.get((epi, n, k), DEFAULT)
+def config_for(epi: str, n: int, k: int, device=None) -> W12GemvConfig:
+    """The table's config for the epilogue and shape, else :data:`DEFAULT`."""
+    found = tuning.lookup("decode", "gemv-w12", tuning.device_arch(device) if device is not None else None,
+                          epilogue=epi, n=n, k=k)
+    return W12GemvConfig(**found[0]["config"]) if found else DEFAULT
 
 
 if triton is not None:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
-    from specpilot.kernels.decode.gemv import _epilogue, _row_rstd, _rows, _x_at
-    from specpilot.kernels.w12.gemm import _decode_pairs, _hi_f32, _lo_f32
 
     @triton.jit
     def _load_records(rec64_ptr, rec32_ptr, tile_row, r_in, t0, KT, RECS: tl.constexpr):
@@ -90,10 +86,10 @@ if triton is not None:
     @triton.jit
     def _pairs_prmt(w, nn, e, SX: tl.constexpr, SY: tl.constexpr):
         """One 32-bit view word ``w`` (4 weights) and its nibble word ``nn`` -> the two bf16 pairs, in
-        eight instructions: the sequence of ``kernels/w12/mma.py::_pairs_of_half`` (prmt puts each
-        sign next to its nibble, one lop3 per bit select and per exponent OR; the study and the
-        exhaustive check of the selectors: docs/plans/w12-decode-isa.md,
-        tests/test_w12_decode_prmt.py). Same bits as :func:`_decode_pairs` for every input."""
+        eight instructions: the sequence of :func:`specpilot.kernels.w12.gluon_common.decode_pairs`
+        (prmt puts each sign next to its nibble, one lop3 per bit select and per exponent OR; the
+        exhaustive check of the selectors: tests/test_w12_decode_prmt.py). Same bits as
+        :func:`specpilot.kernels.w12.common.decode_pairs` for every input."""
         xs = _asm2(w, nn, SX)
         t0 = _asm2(w << 4, xs, "lop3.b32 $0, $1, 0x07F007F0, $2, 0xE2;")
         ys = _asm2(w, nn, SY)
@@ -115,15 +111,15 @@ if triton is not None:
             p2, p3 = _pairs_prmt((v >> 32).to(tl.uint32), nn, e, "prmt.b32 $0, $1, $2, 0x2705;",
                                  "prmt.b32 $0, $1, $2, 0x3715;")
         else:
-            p0, p1, p2, p3 = _decode_pairs(v, nb, False)
-        acc += _lo_f32(p0) * x0e
-        acc += _hi_f32(p0) * x0o
-        acc += _lo_f32(p1) * x1e
-        acc += _hi_f32(p1) * x1o
-        acc += _lo_f32(p2) * x2e
-        acc += _hi_f32(p2) * x2o
-        acc += _lo_f32(p3) * x3e
-        acc += _hi_f32(p3) * x3o
+            p0, p1, p2, p3 = decode_pairs(v, nb, False)
+        acc += lo_f32(p0) * x0e
+        acc += hi_f32(p0) * x0o
+        acc += lo_f32(p1) * x1e
+        acc += hi_f32(p1) * x1o
+        acc += lo_f32(p2) * x2e
+        acc += hi_f32(p2) * x2o
+        acc += lo_f32(p3) * x3e
+        acc += hi_f32(p3) * x3o
         return acc
 
     @triton.jit
@@ -132,7 +128,7 @@ if triton is not None:
         c = tl.arange(0, RECS * 8)
         e = tl.arange(0, 8)
         kk = t0 * 64 + c[:, None] * 8 + e[None, :]                  # [RECS*8, 8]: group c, element e = 2i + s
-        xf = tl.reshape(_x_at(x_ptr, gamma_ptr, kk, K, rstd, NORM), (RECS * 8, 2, 2, 2))   # [c, i>>1, i&1, s]
+        xf = tl.reshape(x_at(x_ptr, gamma_ptr, kk, K, rstd, NORM), (RECS * 8, 2, 2, 2))   # [c, i>>1, i&1, s]
         xe, xo = tl.split(xf)                                         # s = 0 / 1: [c, i>>1, i&1]
         xe01, xe23 = tl.split(tl.permute(xe, (0, 2, 1)))              # [c, i&1] for i>>1 = 0 / 1
         xo01, xo23 = tl.split(tl.permute(xo, (0, 2, 1)))
@@ -156,7 +152,7 @@ if triton is not None:
     @triton.jit
     def _esc_add(y, rows, er, ec, ed, x_ptr, gamma_ptr, K, rstd, NORM: tl.constexpr):
         """``y`` [B] plus the loaded escapes' ``x[col] * delta`` on their rows."""
-        contrib = _x_at(x_ptr, gamma_ptr, ec, K, rstd, NORM) * ed
+        contrib = x_at(x_ptr, gamma_ptr, ec, K, rstd, NORM) * ed
         return y + tl.sum(tl.where(er[None, :] == rows[:, None], contrib[None, :], 0.0), axis=1)
 
     @triton.jit
@@ -181,7 +177,7 @@ if triton is not None:
                          RECS: tl.constexpr, STAGES: tl.constexpr, XP: tl.constexpr, ESC_CH: tl.constexpr,
                          FAST: tl.constexpr, PDL: tl.constexpr):
         pid = tl.program_id(0)
-        rows_a, rows_b, p, d, head = _rows(pid, INTER, EPI, HD, B)
+        rows_a, rows_b, p, d, head = program_rows(pid, INTER, EPI, HD, B)
         a0 = tl.min(rows_a, axis=0)
         b0 = tl.min(rows_b, axis=0)
         tile_a = (a0 // 128).to(tl.int64) * KT
@@ -204,7 +200,7 @@ if triton is not None:
         if PDL:
             gdc_launch_dependents()
             gdc_wait()       # the previous kernel's writes (x, res, the caches) are visible from here
-        rstd = _row_rstd(x_ptr, K, eps, NORM, XP)
+        rstd = row_rstd(x_ptr, K, eps, NORM, XP)
         zero = tl.zeros((B,), tl.float32)
         esc_a = _esc_add(zero, rows_a, er_a, ec_a, ed_a, x_ptr, gamma_ptr, K, rstd, NORM)
         esc_b = _esc_add(zero, rows_b, er_b, ec_b, ed_b, x_ptr, gamma_ptr, K, rstd, NORM)
@@ -224,30 +220,28 @@ if triton is not None:
                                 x_ptr, gamma_ptr, K, rstd, NORM, ESC_CH).to(dt)
         yb = _scale_and_escapes(acc_b, rows_b, low_b, esc_b, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, eb_lo, eb_hi,
                                 x_ptr, gamma_ptr, K, rstd, NORM, ESC_CH).to(dt)
-        _epilogue(ya, yb, rows_a, rows_b, p, d, head, y_ptr, res_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr,
+        epilogue(ya, yb, rows_a, rows_b, p, d, head, y_ptr, res_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr,
                   kc_ptr, vc_ptr, NH, NKV, stride_ch, stride_cs, stride_dh, stride_ds, stride_rot, EPI, HD)
 
 
 def check_config(cfg: W12GemvConfig) -> None:
-    for name in ("pairs", "recs", "warps", "esc_ch"):
+    for name in ("pairs", "recs", "warps"):
         v = getattr(cfg, name)
         if v < 1 or v & (v - 1):
             raise ValueError(f"W12 GEMV config: {name}={v} must be a power of two")
     if cfg.pairs > 64:
         raise ValueError(f"W12 GEMV config: pairs={cfg.pairs} must divide the 128-row record tile (at most 64)")
 
-
 def launch(grid, x, gamma, kp, y, res, eps, epi, norm, cfg: W12GemvConfig, inter=0, nh=0, nkv=0, hd=16,
-           cos=None, sin=None, pos=None, slot=None, k_cache=None, v_cache=None, fast: bool | None = None) -> None:
+           cos=None, sin=None, pos=None, slot=None, k_cache=None, v_cache=None, fast: bool | None = None,
+           pdl: bool = True) -> None:
     """One fused W12 kernel (the arguments of :func:`.gemv._launch`, ``kp`` a W12 ``KernelPack``):
     the Gluon kernel for a ``gemv_w12_gluon.GluonFusedConfig``, else this module's Triton kernel;
-    ``fast``: the prmt decode (default: whenever compiled, not under the interpreter)."""
-    from specpilot.kernels.decode import gemv_w12_gluon
-    from specpilot.kernels.decode.gemv import USE_PDL, epilogue_operands
-
+    ``fast``: the prmt decode (default: whenever compiled, not under the interpreter); ``pdl``:
+    programmatic dependent launch where it runs (:func:`specpilot.kernels.triton_env.pdl_args`)."""
     if isinstance(cfg, gemv_w12_gluon.GluonFusedConfig):
         gemv_w12_gluon.launch(grid, x, gamma, kp, y, res, eps, epi, norm, cfg, inter, nh, nkv, hd,
-                              cos, sin, pos, slot, k_cache, v_cache)
+                              cos, sin, pos, slot, k_cache, v_cache, pdl=pdl)
         return
     check_config(cfg)
     K = kp.shape[1]
@@ -257,14 +251,10 @@ def launch(grid, x, gamma, kp, y, res, eps, epi, norm, cfg: W12GemvConfig, inter
         kp.esc_col, kp.esc_delta, y, *ptrs,
         K, kp.k_tiles, float(eps), inter, nh, nkv, *strides,
         NORM=norm, EPI=epi, HD=hd, B=cfg.pairs, RECS=cfg.recs, STAGES=cfg.stages,
-        XP=triton.next_power_of_2(K) if norm else 1, ESC_CH=cfg.esc_ch,
+        XP=triton.next_power_of_2(K) if norm else 1, ESC_CH=ESC_CH,
         FAST=(not interpreting()) if fast is None else fast, num_warps=cfg.warps,
-        **pdl_args(USE_PDL, x))
-
+        **pdl_args(pdl, x))
 
 def is_w12(w) -> bool:
     """Whether ``w`` is a W12 ``KernelPack`` (else a dense weight tensor)."""
-    from specpilot.kernels.w12.gemm import KernelPack
-
     return isinstance(w, KernelPack)
-

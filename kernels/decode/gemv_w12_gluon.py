@@ -1,10 +1,9 @@
 """The fused one-row decode kernels on W12 weights, in Gluon: the CUDA path of :mod:`.gemv_w12`.
 
 The Triton W12 variants (:mod:`.gemv_w12`) put a W12 engine's AR step at 0.94x of the bf16 fused
-step on the H200 (``benchmarks/results/decode_w12_engine_tune.json``): the 12-bit reads did not
-pay for their decode. The one-row Gluon GEMV (:mod:`specpilot.kernels.w12.gemv_gluon`) runs the
-same records at 1.26-1.30x of cuBLAS. This module is that GEMV's main loop with the fused decode
-kernels' prologues and epilogues around it:
+step on the H200: the 12-bit reads do not pay for their decode there. The one-row Gluon GEMV
+(:mod:`specpilot.kernels.w12.gemv_gluon`) runs the same records at 1.26-1.30x of cuBLAS. This
+module is that GEMV's main loop with the fused decode kernels' prologues and epilogues around it:
 
 * a program owns two row groups of ``B`` rows (as in :mod:`.gemv`: the two halves of its block,
   the gate/up pair or the RoPE pair), held as ``2B`` rows in the order ``2i + g`` (row ``i`` of
@@ -23,7 +22,7 @@ kernels' prologues and epilogues around it:
   CSR order, rounding to bf16, then the residual add, ``silu(gate) * up`` or rotate-half RoPE with
   the K/V cache store, with :mod:`.gemv`'s roundings.
 
-The plain reference is :mod:`.reference` on the decoded weights; the Triton variant gives the same
+The plain reference is :mod:`.naive` on the decoded weights; the Triton variant gives the same
 values up to the fp32 summation order. Gluon does not run under Triton's interpreter: CPU tests
 compile the kernel for sm_90, GPU tests run it.
 """
@@ -35,9 +34,12 @@ from functools import lru_cache
 
 import torch
 
-from specpilot.kernels.decode.gemv import EPI_RESID, EPI_ROPE, EPI_SILU
-from specpilot.kernels.w12.gemv_gluon import XS_CHUNK, XS_MAX_BYTES, xs_group_count
-from specpilot.kernels.w12.mma import _cp_async, _cta_barrier, async_copy, gl, gluon
+from specpilot.kernels import tuning
+from specpilot.kernels.decode.common import EPI_NAMES, epilogue_operands
+from specpilot.kernels.triton_env import pdl_args
+from specpilot.kernels.w12.gluon_common import (XS_CHUNK, XS_MAX_BYTES, async_copy, cta_barrier, f32_hi,
+                                                f32_lo, gl, gluon, load_clamped, pin, stage_x, view_as,
+                                                xs_group_count)
 
 # escapes per group loaded ahead (random std-0.02 weights: about 3 per 8 rows)
 ESC_CH = gl.constexpr(8) if gl is not None else 8
@@ -63,29 +65,22 @@ class GluonFusedConfig:
         return self.xs_groups(k_tiles) * self.warps * 128
 
 
-# 8-row programs of 4 warps, four sets: 64 registers with Triton 3.6; within 1 % of the best of the
-# tuning sweep on three of the four Llama-3.1-8B kernels (benchmarks/results/decode_w12_engine_tune.json)
+# 8-row programs of 4 warps, four sets (64 registers with Triton 3.6): within 1 % of the best of the
+# tuning sweep on three of the four Llama-3.1-8B kernels; shapes the table does not have
 DEFAULT = GluonFusedConfig(4, 4, 4)
-# (epilogue, N, K) -> config, chosen on the H200 inside the engine's AR step of Llama-3.1-8B shapes
-# (benchmarks/decode_w12_engine.py --tune, git fe53605: the step 3.771 -> 3.545 ms); other shapes
-# take DEFAULT
-TUNED: dict[tuple[str, int, int], GluonFusedConfig] = {
-    ("rope", 6144, 4096): GluonFusedConfig(4, 4, 4, 96),
-    ("resid", 4096, 4096): GluonFusedConfig(4, 8, 2),
-    ("silu", 28672, 4096): GluonFusedConfig(4, 4, 4),
-    ("resid", 4096, 14336): GluonFusedConfig(4, 8, 2),
-}
 
 
 # the kernels compiled so far: (epilogue, N, K, config key) -> (registers, spill bytes), for benchmarks
 COMPILED: dict[tuple[str, int, int, str], tuple] = {}
-# False: the Triton W12 kernels take every call (A/B runs of the two, benchmarks/decode_w12_engine.py)
+# False: the Triton W12 kernels take every call (A/B runs of the two in one process)
 ENABLED = True
-EPI_NAMES = {EPI_RESID: "resid", EPI_SILU: "silu", EPI_ROPE: "rope"}
 
 
-def config_for(epi: str, n: int, k: int) -> GluonFusedConfig:
-    return TUNED.get((epi, n, k), DEFAULT)
+def config_for(epi: str, n: int, k: int, device=None) -> GluonFusedConfig:
+    """The table's config for the epilogue and shape, else :data:`DEFAULT`."""
+    found = tuning.lookup("decode", "gemv-w12-gluon", tuning.device_arch(device) if device is not None else None,
+                          epilogue=epi, n=n, k=k)
+    return GluonFusedConfig(**found[0]["config"]) if found else DEFAULT
 
 
 def check_config(cfg: GluonFusedConfig, k_tiles: int | None = None) -> None:
@@ -118,9 +113,8 @@ def _capability(device: int) -> int:
 if gluon is not None:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-    from specpilot.kernels.w12.gemv_gluon import (_esc_entries, _f32_hi, _f32_lo, _load_clamped, _ring_set,
-                                                   _stage_x, _view, layouts)
-    from specpilot.kernels.w12.mma import _pin
+    from specpilot.kernels.w12.gemv_gluon import layouts, ring_set
+    from specpilot.kernels.w12.gluon_epilogue import esc_entries
 
     @gluon.jit
     def _group_starts(pid, INTER, EPI: gl.constexpr, HD: gl.constexpr, B: gl.constexpr):
@@ -168,15 +162,16 @@ if gluon is not None:
     @gluon.jit
     def _norm_pair(w, g, rstd):
         """A word of two bf16 x values and the word of their gammas -> the word of
-        ``bf16(gamma * bf16(x * rstd))`` (``rms_norm``'s roundings, :func:`.gemv._x_at`)."""
-        lo = _f32_lo(_bf16_bits(_f32_lo(w) * rstd)) * _f32_lo(g)
-        hi = _f32_lo(_bf16_bits(_f32_hi(w) * rstd)) * _f32_hi(g)
+        ``bf16(gamma * bf16(x * rstd))`` (``rms_norm``'s roundings, :func:`.common.x_at`)."""
+        lo = f32_lo(_bf16_bits(f32_lo(w) * rstd)) * f32_lo(g)
+        hi = f32_lo(_bf16_bits(f32_hi(w) * rstd)) * f32_hi(g)
         return (_bf16_bits(lo) | (_bf16_bits(hi) << 16)).to(gl.int32, bitcast=True)
 
     @gluon.jit
     def _stage_x_norm(x32_ptr, g32_ptr, KH, K, eps, WARPS: gl.constexpr, XS_IT: gl.constexpr, XS_CH: gl.constexpr):
-        """x normalised into shared memory, laid out as :func:`.gemv_gluon._stage_x` lays x out (zero
-        from ``KH`` words on), and 1/RMS: one pass for the sum of squares, one to normalise."""
+        """x normalised into shared memory, laid out as
+        :func:`specpilot.kernels.w12.gluon_common.stage_x` lays x out (zero from ``KH`` words on),
+        and 1/RMS: one pass for the sum of squares, one to normalise."""
         CW: gl.constexpr = XS_CH * WARPS * 32
         LC: gl.constexpr = gl.BlockedLayout([CW // (32 * WARPS)], [32], [WARPS], [0])
         off = gl.arange(0, CW, layout=LC)
@@ -184,8 +179,8 @@ if gluon is not None:
         for c in range(0, XS_IT // XS_CH):
             g = c * CW + off
             w = gl.load(x32_ptr + g, mask=g < KH, other=0).to(gl.uint32)
-            lo = _f32_lo(w)
-            hi = _f32_hi(w)
+            lo = f32_lo(w)
+            hi = f32_hi(w)
             ss += lo * lo + hi * hi
         rstd = gl.rsqrt(gl.sum(ss, axis=0) / K + eps)
         xc = gl.allocate_shared_memory(gl.int32, [XS_IT // XS_CH, CW], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
@@ -195,7 +190,7 @@ if gluon is not None:
             w = gl.load(x32_ptr + g, mask=m, other=0).to(gl.uint32)
             gw = gl.load(g32_ptr + g, mask=m, other=0).to(gl.uint32)
             xc.index(c).store(_norm_pair(w, gw, rstd))
-        return _view(xc, gl.int32, [XS_IT, WARPS, 32], [1, 0]), rstd
+        return view_as(xc, gl.int32, [XS_IT, WARPS, 32], [1, 0]), rstd
 
     @gluon.jit
     def _x_hat(x_ptr, gamma_ptr, cols, ok, g, rstd, NORM: gl.constexpr):
@@ -208,9 +203,10 @@ if gluon is not None:
 
     @gluon.jit
     def _esc_load(erow_ptr, ecol_ptr, edelta_ptr, gamma_ptr, e, e_hi, NORM: gl.constexpr, LE: gl.constexpr):
-        """:func:`.gemv_gluon._esc_entries` (escapes ``e .. e + ESC_CH`` below ``e_hi``: ok, rows,
-        columns, deltas) and, for ``NORM``, gamma at the columns: constant data."""
-        ok, er, ec, ed = _esc_entries(erow_ptr, ecol_ptr, edelta_ptr, e, e_hi, ESC_CH, LE)
+        """:func:`specpilot.kernels.w12.gluon_epilogue.esc_entries` (escapes ``e .. e + ESC_CH``
+        below ``e_hi``: ok, rows, columns, deltas) and, for ``NORM``, gamma at the columns:
+        constant data."""
+        ok, er, ec, ed = esc_entries(erow_ptr, ecol_ptr, edelta_ptr, e, e_hi, ESC_CH, LE)
         if NORM:
             g = gl.load(gamma_ptr + ec, mask=ok, other=0.0)
         else:
@@ -236,7 +232,7 @@ if gluon is not None:
     def _epilogue(yd, rows, head, y_ptr, res_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, kc_ptr, vc_ptr, NH, NKV,
                   stride_ch, stride_cs, stride_dh, stride_ds, stride_rot,
                   EPI: gl.constexpr, HD: gl.constexpr, B: gl.constexpr, WARPS: gl.constexpr):
-        """:func:`.gemv._epilogue` on the rows' bf16 outputs ``yd`` (positions ``2i + g``)."""
+        """:func:`.common.epilogue` on the rows' bf16 outputs ``yd`` (positions ``2i + g``)."""
         dt: gl.constexpr = y_ptr.dtype.element_ty
         if EPI == 1:
             r = gl.load(res_ptr + rows).to(gl.float32)
@@ -290,13 +286,13 @@ if gluon is not None:
         wid = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, L_V)))
 
         # constant data first: under PDL it is read while the previous kernel drains
-        v0, q0 = _load_clamped(pv, pq, wid, KT, L_V, L_Q, False)
-        v1, q1 = _load_clamped(pv, pq, WARPS + wid, KT, L_V, L_Q, False)
+        v0, q0 = load_clamped(pv, pq, wid, KT, L_V, L_Q, False)
+        v1, q1 = load_clamped(pv, pq, WARPS + wid, KT, L_V, L_Q, False)
         if DEPTH >= 3:
-            v2, q2 = _load_clamped(pv, pq, 2 * WARPS + wid, KT, L_V, L_Q, False)
+            v2, q2 = load_clamped(pv, pq, 2 * WARPS + wid, KT, L_V, L_Q, False)
         if DEPTH >= 4:
-            v3, q3 = _load_clamped(pv, pq, 3 * WARPS + wid, KT, L_V, L_Q, False)
-        wid = _pin(wid, True)     # the records' loads stay ahead of the epilogue's
+            v3, q3 = load_clamped(pv, pq, 3 * WARPS + wid, KT, L_V, L_Q, False)
+        wid = pin(wid, True)     # the records' loads stay ahead of the epilogue's
         LR: gl.constexpr = gl.SliceLayout(1, L_E)
         LE: gl.constexpr = gl.SliceLayout(0, L_E)
         L_D: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])   # one escape per lane until the end
@@ -316,31 +312,31 @@ if gluon is not None:
         if NORM:
             xs, rstd = _stage_x_norm(x32_ptr, g32_ptr, KH, K, eps, WARPS, XS_IT, XS_CH)
         else:
-            xs = _stage_x(x32_ptr, 0, KT, KH, WARPS, XS_IT, XS_CH)
+            xs = stage_x(x32_ptr, 0, KT, KH, WARPS, XS_IT, XS_CH)
             rstd = 1.0
         # x at the escape columns now; multiplied only after the loop
         xea = _x_hat(x_ptr, gamma_ptr, eca, oka, ga, rstd, NORM)
         xeb = _x_hat(x_ptr, gamma_ptr, ecb, okb, gb, rstd, NORM)
         if not NORM:
             async_copy.wait_group(0)
-        _cta_barrier()      # the only barrier; none in the loop
+        cta_barrier()      # the only barrier; none in the loop
 
         acc = gl.zeros([WARPS, ROWS, 16], gl.float32, L_V)
         for t in range(0, KT, DEPTH * WARPS):
             i = t // WARPS
-            acc, v0, q0, x0, wid = _ring_set(acc, v0, q0, 0, xs, i, t + DEPTH * WARPS, wid, rec_ptr, x32_ptr, 0, KT,
-                                             KH, 0, 0, 0, pv, pq, WARPS, ROWS, L_V, L_Q, L_X, False, False, True)
-            acc, v1, q1, x1, wid = _ring_set(acc, v1, q1, 0, xs, i + 1, t + (DEPTH + 1) * WARPS, wid, rec_ptr,
+            acc, v0, q0, x0, wid = ring_set(acc, v0, q0, 0, xs, i, t + DEPTH * WARPS, wid, rec_ptr, x32_ptr, 0, KT,
+                                             KH, 0, 0, 0, pv, pq, WARPS, ROWS, L_V, L_Q, L_X, False, True)
+            acc, v1, q1, x1, wid = ring_set(acc, v1, q1, 0, xs, i + 1, t + (DEPTH + 1) * WARPS, wid, rec_ptr,
                                              x32_ptr, 0, KT, KH, 0, 0, 0, pv, pq, WARPS, ROWS, L_V, L_Q, L_X,
-                                             False, False, True)
+                                             False, True)
             if DEPTH >= 3:
-                acc, v2, q2, x2, wid = _ring_set(acc, v2, q2, 0, xs, i + 2, t + (DEPTH + 2) * WARPS, wid, rec_ptr,
+                acc, v2, q2, x2, wid = ring_set(acc, v2, q2, 0, xs, i + 2, t + (DEPTH + 2) * WARPS, wid, rec_ptr,
                                                  x32_ptr, 0, KT, KH, 0, 0, 0, pv, pq, WARPS, ROWS, L_V, L_Q, L_X,
-                                                 False, False, True)
+                                                 False, True)
             if DEPTH >= 4:
-                acc, v3, q3, x3, wid = _ring_set(acc, v3, q3, 0, xs, i + 3, t + (DEPTH + 3) * WARPS, wid, rec_ptr,
+                acc, v3, q3, x3, wid = ring_set(acc, v3, q3, 0, xs, i + 3, t + (DEPTH + 3) * WARPS, wid, rec_ptr,
                                                  x32_ptr, 0, KT, KH, 0, 0, 0, pv, pq, WARPS, ROWS, L_V, L_Q, L_X,
-                                                 False, False, True)
+                                                 False, True)
 
         # lanes, then warps, in a fixed tree; then the scale and the escapes in CSR order
         y = gl.convert_layout(gl.sum(gl.sum(acc, axis=2), axis=0), LR) * scale
@@ -353,11 +349,8 @@ if gluon is not None:
 
 
 def launch(grid, x, gamma, kp, y, res, eps, epi, norm, cfg: GluonFusedConfig, inter=0, nh=0, nkv=0, hd=16,
-           cos=None, sin=None, pos=None, slot=None, k_cache=None, v_cache=None) -> None:
+           cos=None, sin=None, pos=None, slot=None, k_cache=None, v_cache=None, pdl: bool = True) -> None:
     """One fused W12 Gluon kernel (the arguments of :func:`.gemv_w12.launch`)."""
-    from specpilot.kernels.decode.gemv import USE_PDL, epilogue_operands
-    from specpilot.kernels.triton_env import pdl_args
-
     kt = kp.k_tiles
     check_config(cfg, kt)
     K = kp.shape[1]
@@ -370,5 +363,5 @@ def launch(grid, x, gamma, kp, y, res, eps, epi, norm, cfg: GluonFusedConfig, in
         K, K // 2, kt, float(eps), inter, nh, nkv, *strides,
         NORM=norm, EPI=epi, HD=hd, B=cfg.pairs, WARPS=cfg.warps, DEPTH=cfg.depth, L_V=lv, L_Q=lq, L_X=lx, L_E=le,
         XS_IT=cfg.xs_groups(kt), XS_CH=XS_CHUNK, num_warps=cfg.warps,
-        **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}), **pdl_args(USE_PDL, x))
+        **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}), **pdl_args(pdl, x))
     COMPILED[(EPI_NAMES[epi], *kp.shape, cfg.key())] = (getattr(k, "n_regs", None), getattr(k, "n_spills", None))

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import tuning
 from ..triton_env import interpreting, tl, triton  # sets TRITON_INTERPRET first on a machine without CUDA
-from .naive import MARGIN_REL, Int8Head, exact_argmax, exact_logits, quantize_head
+from .naive import MARGIN_REL, Int8Head, exact_argmax, quantize_head
 
 INT64_MIN = -(2 ** 63)
 
@@ -197,10 +198,6 @@ class CertifiedHead:
     where more than ``max_survivors`` tokens survived (a host sync).
     """
 
-    # Tile of the INT8 bounds GEMM (block_v, block_k, num_warps, num_stages) by row count, from the
-    # sweep in benchmarks/lm_head.py --wide on an H200 (151936 x 5120): at one row the head is a pure
-    # weight stream and narrow, deep tiles read fastest.
-    TUNED = ((1, (64, 256, 4, 3)), (64, (128, 128, 4, 4)))
     MIN_BLOCK_V = 64
 
     def __init__(self, weight: torch.Tensor, max_rows: int = 64, max_survivors: int = 256,
@@ -212,6 +209,7 @@ class CertifiedHead:
         self.max_rows = max_rows
         self.cap = max_survivors
         dev = weight.device
+        self.arch = tuning.device_arch(dev)
         # per-block lower bounds, sized for the narrowest tile any config uses
         self.blk = torch.empty(max_rows, triton.cdiv(self.vocab, self.MIN_BLOCK_V), dtype=torch.float32, device=dev)
         self.fixed = None
@@ -231,7 +229,7 @@ class CertifiedHead:
 
     def configure(self, block_v: int = 128, block_k: int = 128, num_warps: int = 4, num_stages: int = 4):
         """Fix the tile of the INT8 bounds GEMM (benchmarks/lm_head.py measures several); ``None``
-        returns to the per-row-count table ``TUNED``."""
+        returns to the measured table's tile for the row count (:meth:`tile`)."""
         if block_v is None:
             self.fixed = None
             return self
@@ -241,13 +239,12 @@ class CertifiedHead:
         return self
 
     def tile(self, m: int) -> tuple[int, int, int, int]:
-        """The bounds-GEMM tile used for ``m`` rows."""
+        """The bounds-GEMM tile ``(block_v, block_k, num_warps, num_stages)`` used for ``m`` rows: the
+        fixed one, else the measured table's (``kernels/lm_head/tuned/<arch>.json``)."""
         if self.fixed is not None:
             return self.fixed
-        for rows, cfg in self.TUNED:
-            if m <= rows:
-                return cfg
-        return self.TUNED[-1][1]
+        c = tuning.lookup("lm_head", "bounds", self.arch, rows=m)[0]["config"]
+        return c["block_v"], c["block_k"], c["num_warps"], c["num_stages"]
 
     def nbytes_int8(self) -> int:
         return self.head.q.numel() + 12 * self.vocab

@@ -1,12 +1,39 @@
-"""W12: lossless 12-bit bf16 weights, the fused W12 GEMM and the W12Linear module.
+"""W12: lossless 12-bit bf16 weights, and the GEMM kernels that read them.
 
-* :mod:`.format`   the format and its vectorized torch codec (``encode``/``decode``)
-* :mod:`.naive`    plain torch references of the GEMM and the Q pass
-* :mod:`.gemm`     the fused Triton GEMM (``w12_linear``) and its GPU layout (``KernelPack``)
-* :mod:`.module`   ``W12Linear`` and ``convert_model`` for transformers models
-* :mod:`.checkpoint` pack / verify / stats of safetensors checkpoints
+The format:
+
+* :mod:`.format`      the format and its vectorized torch codec (``encode``/``decode``, ``W12Tensor``)
+* :mod:`.checkpoint`  pack / verify / stats of safetensors checkpoints
+* :mod:`.pack`        ``KernelPack``: W12 weights laid out for the kernels
+* :mod:`.module`      ``W12Linear`` and ``convert_model`` for transformers models
+
+The kernels (``y = x @ W.T`` from the records, fp32 accumulation, bitwise deterministic):
+
+* :mod:`.routing`     ``w12_linear`` and ``route``: which kernel and config run a product
+* :mod:`.mma`, :mod:`.mma_tma`, :mod:`.warpk`, :mod:`.gemv_gluon`   the Gluon kernels (CUDA)
+* :mod:`.gemv`, :mod:`.gemm`   the Triton kernels (any GPU; the CPU under Triton's interpreter)
+* :mod:`.common`, :mod:`.gluon_common`, :mod:`.gluon_epilogue`, :mod:`.fragments`   their shared pieces
+* ``tuned/<arch>.json``   the measured configs and the routing order (:mod:`specpilot.kernels.tuning`)
+* :mod:`.naive`       the plain torch reference the kernels are tested against
 """
 
 from .format import FORMAT_VERSION, W12Tensor, decode, encode
 
-__all__ = ["FORMAT_VERSION", "W12Tensor", "decode", "encode"]
+__all__ = ["FORMAT_VERSION", "KernelPack", "W12Linear", "W12Tensor", "convert_model", "decode", "encode", "route",
+           "w12_linear"]
+
+
+def __getattr__(name):   # the kernels import Triton (and Gluon): on first use only
+    if name == "KernelPack":
+        from .pack import KernelPack
+
+        return KernelPack
+    if name in ("W12Linear", "convert_model"):
+        from . import module
+
+        return getattr(module, name)
+    if name in ("w12_linear", "route"):
+        from . import routing
+
+        return getattr(routing, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

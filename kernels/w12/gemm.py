@@ -1,15 +1,21 @@
-"""Fused W12 GEMM in Triton: ``y = x @ W.T`` decoding 12 KB records in registers.
+"""The general W12 kernel, in Triton: ``y = x @ W.T`` decoding 12 KB records in registers.
 
-Design (see docs/w12.md):
+It runs wherever Triton does (also under the interpreter: the CPU tests) and takes what the faster
+kernels do not (:mod:`.routing`). Design (see docs/w12.md):
+
 * a program owns ``BLOCK_N`` output channels and a contiguous range of k-tiles (split-K);
   per step it loads ``BLOCK_K/64`` records' slices with 16-byte loads (8-bit view as int64,
-  nibbles as int32), decodes four bf16 pairs per 8 weights with a handful of 32-bit integer ops,
-  and either feeds the tensor cores (``tl.dot``, the decoded tile is the A operand, x^T the B
-  operand) or, for one row, multiplies on the CUDA cores (``GEMV`` variant);
+  nibbles as int32), decodes four bf16 pairs per 8 weights with a handful of 32-bit integer ops
+  (:func:`.common.decode_pairs`), and multiplies them with x in one of four forms, the config's
+  ``product``: ``fma`` on the CUDA cores (up to 8 rows), ``dot`` (one tensor-core dot per step on
+  the joined tile, the decoded tile the A operand, x^T the B operand), ``dot8`` (eight dots per
+  step, one per bf16 lane) or ``dot8t`` (the same with x as the A operand);
 * the decoded values are ``w * 2**(112 - L_n)``; the row scale ``2**(L_n - 112)`` is applied in
   the epilogue, then the escape corrections ``x[:, k] * (w - 2**(L_n - 127))``;
 * split-K partials go to a workspace; the last program of an output block (a counter, not an
   atomic on the data) sums them in split order, so the result is bitwise identical run to run.
+
+The plain reference is :func:`.naive.w12_linear_ref`.
 """
 
 from __future__ import annotations
@@ -18,114 +24,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import workspace
+from .. import tuning
 from ..triton_env import interpreting, tl, triton  # sets TRITON_INTERPRET first on a machine without CUDA
-from .format import KERNEL_EXP_BIAS, TILE_K, TILE_N, W12Tensor, repad
-
-
-# ----------------------------------------------------------------------------------------------
-# GPU layout
-# ----------------------------------------------------------------------------------------------
-
-@dataclass
-class KernelPack:
-    """W12 weights laid out for the kernel: 128-row record tiles plus escape CSR with deltas."""
-
-    shape: tuple[int, int]
-    rows_stored: int
-    rec64: torch.Tensor        # int64 view of the records
-    rec32: torch.Tensor        # int32 view of the same bytes
-    low_exp: torch.Tensor      # uint8 [N]
-    esc_rowptr: torch.Tensor   # int32 [N + 1]
-    esc_row: torch.Tensor      # int32 [nnz]
-    esc_col: torch.Tensor      # int32 [nnz]
-    esc_delta: torch.Tensor    # fp32 [nnz]: w - 2**(L_n - 127) (exact weight minus decoded slot)
-    esc_delta_q: torch.Tensor  # fp32 [nnz]: same for the Q pass (slot decodes to 1.0001b * 2**...)
-    max_escapes_per_row: int
-
-    @property
-    def k_tiles(self) -> int:
-        return (self.shape[1] + TILE_K - 1) // TILE_K
-
-    def nbytes(self) -> int:
-        return int(self.rec64.numel() * 8 + self.low_exp.numel() + self.esc_row.numel() * 16
-                   + self.esc_rowptr.numel() * 4)
-
-    @staticmethod
-    def from_w12(t: W12Tensor, device=None) -> "KernelPack":
-        device = torch.device(device) if device is not None else t.records.device
-        t = repad(t.to("cpu"), TILE_N) if t.rows_stored % TILE_N else t.to("cpu")
-        n, k = t.shape
-        rec = t.records.contiguous()
-        if rec.numel() % 8:
-            raise ValueError("record bytes not a multiple of 8")
-        rows = torch.div(t.esc_pos, k, rounding_mode="floor") if n and k else t.esc_pos
-        cols = t.esc_pos - rows * k
-        counts = torch.bincount(rows, minlength=n) if rows.numel() else torch.zeros(n, dtype=torch.int64)
-        rowptr = torch.zeros(n + 1, dtype=torch.int64)
-        rowptr[1:] = torch.cumsum(counts, 0)
-        low = t.low_exp.to(torch.int64)[rows] if rows.numel() else torch.zeros(0, dtype=torch.int64)
-        w = (t.esc_bits.to(torch.int32) << 16).view(torch.float32)
-        base = torch.ldexp(torch.ones_like(w), (low - 127).to(torch.float32))
-        baseq = base * (1.0 + 8.0 / 128.0)
-        dev = device
-        return KernelPack(
-            (n, k), t.rows_stored,
-            rec.view(torch.int64).to(dev), rec.view(torch.int32).to(dev),
-            t.low_exp.to(dev),
-            rowptr.to(torch.int32).to(dev), rows.to(torch.int32).to(dev), cols.to(torch.int32).to(dev),
-            (w - base).to(dev), (w - baseq).to(dev),
-            int(counts.max()) if counts.numel() else 0,
-        )
-
-
-# ----------------------------------------------------------------------------------------------
-# kernel
-# ----------------------------------------------------------------------------------------------
+from .common import (decode_pairs, esc_first, finalize, hi_bf16, hi_f32, lo_bf16, lo_f32, row_block, split_chunk,
+                     split_workspace, sum_splits)
+from .format import TILE_K
+from .pack import KernelPack
 
 if triton is not None:
-
-    @triton.jit
-    def _decode_pairs(b64, n32, QPASS: tl.constexpr):
-        """int64 [.., G] 8-bit views + int32 [.., G] nibbles -> 4 uint32 bf16-pair tensors."""
-        be = b64.to(tl.uint32)
-        bo = (b64 >> 32).to(tl.uint32)
-        SGN: tl.constexpr = 0x80008000
-        MAG: tl.constexpr = 0x07F007F0
-        NIB: tl.constexpr = 0x000F000F
-        EXP: tl.constexpr = 0x38003800
-        if QPASS:
-            ln0 = 0x00080008
-            ln1 = 0x00080008
-            ln2 = 0x00080008
-            ln3 = 0x00080008
-        else:
-            nn = n32.to(tl.uint32)
-            ln0 = nn & NIB
-            ln1 = (nn >> 4) & NIB
-            ln2 = (nn >> 8) & NIB
-            ln3 = (nn >> 12) & NIB
-        p0 = ((be << 8) & SGN) | ((be << 4) & MAG) | ln0 | EXP
-        p1 = (be & SGN) | ((be >> 4) & MAG) | ln1 | EXP
-        p2 = ((bo << 8) & SGN) | ((bo << 4) & MAG) | ln2 | EXP
-        p3 = (bo & SGN) | ((bo >> 4) & MAG) | ln3 | EXP
-        return p0, p1, p2, p3
-
-    @triton.jit
-    def _lo_bf16(p):
-        return (p & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-
-    @triton.jit
-    def _hi_bf16(p):
-        return (p >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-
-    @triton.jit
-    def _lo_f32(p):
-        return (p << 16).to(tl.float32, bitcast=True)
-
-    @triton.jit
-    def _hi_f32(p):
-        return (p & 0xFFFF0000).to(tl.float32, bitcast=True)
 
     @triton.jit
     def _load_step(rec64_ptr, rec32_ptr, tile_row, t, t_end, g, jj, r, QPASS: tl.constexpr):
@@ -179,7 +85,7 @@ if triton is not None:
         M, N, K, KT, TILES_PER_SPLIT, NUM_N_BLOCKS, SPLIT_K,
         stride_xm, stride_ym,
         BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-        USE_SPLIT: tl.constexpr, MODE: tl.constexpr, PREFETCH: tl.constexpr, QPASS: tl.constexpr, UPCAST: tl.constexpr,
+        USE_SPLIT: tl.constexpr, PRODUCT: tl.constexpr, PREFETCH: tl.constexpr, QPASS: tl.constexpr, UPCAST: tl.constexpr,
         ESC_CH: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
     ):
         pid_n = tl.program_id(0)
@@ -200,21 +106,21 @@ if triton is not None:
         t_begin = pid_k * TILES_PER_SPLIT
         t_end = tl.minimum(t_begin + TILES_PER_SPLIT, KT)
         tile_row = tn.to(tl.int64) * KT
-        e_lo, e_hi, er0, contrib0 = _esc_first(x_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, offs_m, n0, M, N,
+        e_lo, e_hi, er0, contrib0 = esc_first(x_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, offs_m, n0, M, N,
                                                stride_xm, BLOCK_N, ESC_CH)
 
-        if MODE == 0:
+        if PRODUCT == 0:
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             # natural k of column q of the decoded tile (q = 4b + 2a + c -> 4a + 2b + c)
             q = tl.arange(0, BLOCK_K)
             qq = q % 8
             k_in_step = (q // 8) * 8 + ((qq & 1) | (((qq >> 2) & 1) << 1) | (((qq >> 1) & 1) << 2))
-        elif MODE == 1:
+        elif PRODUCT == 1:
             if BLOCK_M == 1:
                 acc2 = tl.zeros((BLOCK_N, G), dtype=tl.float32)
             else:
                 acc3 = tl.zeros((BLOCK_N, G, BLOCK_M), dtype=tl.float32)
-        elif MODE == 2:
+        elif PRODUCT == 2:
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         else:
             acc_t = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -226,78 +132,78 @@ if triton is not None:
             else:
                 b_cur, n_cur = _load_step(rec64_ptr, rec32_ptr, tile_row, t, t_end, g, jj, r, QPASS)
                 b_nxt, n_nxt = b_cur, n_cur
-            p0, p1, p2, p3 = _decode_pairs(b_cur, n_cur, QPASS)
+            p0, p1, p2, p3 = decode_pairs(b_cur, n_cur, QPASS)
             kbase = t * 64
-            if MODE == 1 and BLOCK_M == 1:
+            if PRODUCT == 1 and BLOCK_M == 1:
                 k8 = kbase + j * 8
                 kv = (t + g) < t_end
                 xk = x_ptr + pid_m * stride_xm + k8
-                acc2 += _fma_vec(_lo_f32(p0), xk, 0, kv, k8, K)
-                acc2 += _fma_vec(_hi_f32(p0), xk, 1, kv, k8, K)
-                acc2 += _fma_vec(_lo_f32(p1), xk, 2, kv, k8, K)
-                acc2 += _fma_vec(_hi_f32(p1), xk, 3, kv, k8, K)
-                acc2 += _fma_vec(_lo_f32(p2), xk, 4, kv, k8, K)
-                acc2 += _fma_vec(_hi_f32(p2), xk, 5, kv, k8, K)
-                acc2 += _fma_vec(_lo_f32(p3), xk, 6, kv, k8, K)
-                acc2 += _fma_vec(_hi_f32(p3), xk, 7, kv, k8, K)
-            elif MODE == 1:
+                acc2 += _fma_vec(lo_f32(p0), xk, 0, kv, k8, K)
+                acc2 += _fma_vec(hi_f32(p0), xk, 1, kv, k8, K)
+                acc2 += _fma_vec(lo_f32(p1), xk, 2, kv, k8, K)
+                acc2 += _fma_vec(hi_f32(p1), xk, 3, kv, k8, K)
+                acc2 += _fma_vec(lo_f32(p2), xk, 4, kv, k8, K)
+                acc2 += _fma_vec(hi_f32(p2), xk, 5, kv, k8, K)
+                acc2 += _fma_vec(lo_f32(p3), xk, 6, kv, k8, K)
+                acc2 += _fma_vec(hi_f32(p3), xk, 7, kv, k8, K)
+            elif PRODUCT == 1:
                 k8 = kbase + j * 8
                 kv = (t + g) < t_end
                 xk = x_ptr + offs_m[None, :] * stride_xm + k8[:, None]
-                acc3 += _fma_lane(acc3, _lo_f32(p0), xk, 0, kv, k8, K, m_mask)
-                acc3 += _fma_lane(acc3, _hi_f32(p0), xk, 1, kv, k8, K, m_mask)
-                acc3 += _fma_lane(acc3, _lo_f32(p1), xk, 2, kv, k8, K, m_mask)
-                acc3 += _fma_lane(acc3, _hi_f32(p1), xk, 3, kv, k8, K, m_mask)
-                acc3 += _fma_lane(acc3, _lo_f32(p2), xk, 4, kv, k8, K, m_mask)
-                acc3 += _fma_lane(acc3, _hi_f32(p2), xk, 5, kv, k8, K, m_mask)
-                acc3 += _fma_lane(acc3, _lo_f32(p3), xk, 6, kv, k8, K, m_mask)
-                acc3 += _fma_lane(acc3, _hi_f32(p3), xk, 7, kv, k8, K, m_mask)
-            elif MODE == 0:
+                acc3 += _fma_lane(acc3, lo_f32(p0), xk, 0, kv, k8, K, m_mask)
+                acc3 += _fma_lane(acc3, hi_f32(p0), xk, 1, kv, k8, K, m_mask)
+                acc3 += _fma_lane(acc3, lo_f32(p1), xk, 2, kv, k8, K, m_mask)
+                acc3 += _fma_lane(acc3, hi_f32(p1), xk, 3, kv, k8, K, m_mask)
+                acc3 += _fma_lane(acc3, lo_f32(p2), xk, 4, kv, k8, K, m_mask)
+                acc3 += _fma_lane(acc3, hi_f32(p2), xk, 5, kv, k8, K, m_mask)
+                acc3 += _fma_lane(acc3, lo_f32(p3), xk, 6, kv, k8, K, m_mask)
+                acc3 += _fma_lane(acc3, hi_f32(p3), xk, 7, kv, k8, K, m_mask)
+            elif PRODUCT == 0:
                 t01 = tl.join(p0, p1)
                 t23 = tl.join(p2, p3)
                 tt = tl.join(t01, t23)
-                w5 = tl.join(_lo_bf16(tt), _hi_bf16(tt))
+                w5 = tl.join(lo_bf16(tt), hi_bf16(tt))
                 w = tl.reshape(w5, (BLOCK_N, BLOCK_K))
                 kk = kbase + k_in_step
                 xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + kk[:, None],
                              mask=m_mask[None, :] & (((kk // 64) < t_end) & (kk < K))[:, None], other=0.0)
                 acc = _mma(acc, w, xt, UPCAST)
-            elif MODE == 3:
+            elif PRODUCT == 3:
                 k8 = kbase + j * 8
                 kv = (t + g) < t_end
                 xk = x_ptr + offs_m[:, None] * stride_xm + k8[None, :]
-                acc_t = _mma_lane_t(acc_t, _lo_bf16(p0), xk, 0, kv, k8, K, m_mask, UPCAST)
-                acc_t = _mma_lane_t(acc_t, _hi_bf16(p0), xk, 1, kv, k8, K, m_mask, UPCAST)
-                acc_t = _mma_lane_t(acc_t, _lo_bf16(p1), xk, 2, kv, k8, K, m_mask, UPCAST)
-                acc_t = _mma_lane_t(acc_t, _hi_bf16(p1), xk, 3, kv, k8, K, m_mask, UPCAST)
-                acc_t = _mma_lane_t(acc_t, _lo_bf16(p2), xk, 4, kv, k8, K, m_mask, UPCAST)
-                acc_t = _mma_lane_t(acc_t, _hi_bf16(p2), xk, 5, kv, k8, K, m_mask, UPCAST)
-                acc_t = _mma_lane_t(acc_t, _lo_bf16(p3), xk, 6, kv, k8, K, m_mask, UPCAST)
-                acc_t = _mma_lane_t(acc_t, _hi_bf16(p3), xk, 7, kv, k8, K, m_mask, UPCAST)
+                acc_t = _mma_lane_t(acc_t, lo_bf16(p0), xk, 0, kv, k8, K, m_mask, UPCAST)
+                acc_t = _mma_lane_t(acc_t, hi_bf16(p0), xk, 1, kv, k8, K, m_mask, UPCAST)
+                acc_t = _mma_lane_t(acc_t, lo_bf16(p1), xk, 2, kv, k8, K, m_mask, UPCAST)
+                acc_t = _mma_lane_t(acc_t, hi_bf16(p1), xk, 3, kv, k8, K, m_mask, UPCAST)
+                acc_t = _mma_lane_t(acc_t, lo_bf16(p2), xk, 4, kv, k8, K, m_mask, UPCAST)
+                acc_t = _mma_lane_t(acc_t, hi_bf16(p2), xk, 5, kv, k8, K, m_mask, UPCAST)
+                acc_t = _mma_lane_t(acc_t, lo_bf16(p3), xk, 6, kv, k8, K, m_mask, UPCAST)
+                acc_t = _mma_lane_t(acc_t, hi_bf16(p3), xk, 7, kv, k8, K, m_mask, UPCAST)
             else:
                 k8 = kbase + j * 8
                 kv = (t + g) < t_end
                 xk = x_ptr + offs_m[None, :] * stride_xm + k8[:, None]
-                acc = _mma_lane(acc, _lo_bf16(p0), xk, 0, kv, k8, K, m_mask, UPCAST)
-                acc = _mma_lane(acc, _hi_bf16(p0), xk, 1, kv, k8, K, m_mask, UPCAST)
-                acc = _mma_lane(acc, _lo_bf16(p1), xk, 2, kv, k8, K, m_mask, UPCAST)
-                acc = _mma_lane(acc, _hi_bf16(p1), xk, 3, kv, k8, K, m_mask, UPCAST)
-                acc = _mma_lane(acc, _lo_bf16(p2), xk, 4, kv, k8, K, m_mask, UPCAST)
-                acc = _mma_lane(acc, _hi_bf16(p2), xk, 5, kv, k8, K, m_mask, UPCAST)
-                acc = _mma_lane(acc, _lo_bf16(p3), xk, 6, kv, k8, K, m_mask, UPCAST)
-                acc = _mma_lane(acc, _hi_bf16(p3), xk, 7, kv, k8, K, m_mask, UPCAST)
+                acc = _mma_lane(acc, lo_bf16(p0), xk, 0, kv, k8, K, m_mask, UPCAST)
+                acc = _mma_lane(acc, hi_bf16(p0), xk, 1, kv, k8, K, m_mask, UPCAST)
+                acc = _mma_lane(acc, lo_bf16(p1), xk, 2, kv, k8, K, m_mask, UPCAST)
+                acc = _mma_lane(acc, hi_bf16(p1), xk, 3, kv, k8, K, m_mask, UPCAST)
+                acc = _mma_lane(acc, lo_bf16(p2), xk, 4, kv, k8, K, m_mask, UPCAST)
+                acc = _mma_lane(acc, hi_bf16(p2), xk, 5, kv, k8, K, m_mask, UPCAST)
+                acc = _mma_lane(acc, lo_bf16(p3), xk, 6, kv, k8, K, m_mask, UPCAST)
+                acc = _mma_lane(acc, hi_bf16(p3), xk, 7, kv, k8, K, m_mask, UPCAST)
             b_cur, n_cur = b_nxt, n_nxt
 
-        if MODE == 1:
+        if PRODUCT == 1:
             if BLOCK_M == 1:
                 acc = tl.reshape(tl.sum(acc2, axis=1), (BLOCK_N, 1))
             else:
                 acc = tl.sum(acc3, axis=1)
-        elif MODE == 3:
+        elif PRODUCT == 3:
             acc = tl.trans(acc_t)
 
         if not USE_SPLIT:
-            _finalize(acc, x_ptr, y_ptr, low_ptr, erow_ptr, ecol_ptr, edelta_ptr, e_lo, e_hi, er0, contrib0,
+            finalize(acc, x_ptr, y_ptr, low_ptr, erow_ptr, ecol_ptr, edelta_ptr, e_lo, e_hi, er0, contrib0,
                       offs_n, offs_m, M, N, stride_xm, stride_ym, BLOCK_N, BLOCK_M, ESC_CH)
         else:
             blk = pid_m * NUM_N_BLOCKS + pid_n
@@ -307,200 +213,77 @@ if triton is not None:
             tl.debug_barrier()
             count = tl.atomic_add(lock_ptr + blk, 1, sem="acq_rel", scope="gpu")
             if count == SPLIT_K - 1:
-                total = _sum_splits(ws_base, tile_offs, SPLIT_K, BLOCK_N, BLOCK_M, SPLIT_CHUNK)
+                total = sum_splits(ws_base, tile_offs, SPLIT_K, BLOCK_N, BLOCK_M, SPLIT_CHUNK)
                 tl.atomic_xchg(lock_ptr + blk, 0)
-                _finalize(total, x_ptr, y_ptr, low_ptr, erow_ptr, ecol_ptr, edelta_ptr, e_lo, e_hi, er0, contrib0,
+                finalize(total, x_ptr, y_ptr, low_ptr, erow_ptr, ecol_ptr, edelta_ptr, e_lo, e_hi, er0, contrib0,
                           offs_n, offs_m, M, N, stride_xm, stride_ym, BLOCK_N, BLOCK_M, ESC_CH)
 
-    @triton.jit
-    def _sum_splits(ws_base, tile_offs, SPLIT_K, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                    SPLIT_CHUNK: tl.constexpr):
-        """The sum of the SPLIT_K partial tiles at ``ws_base``, SPLIT_CHUNK of them per load (one L2
-        round trip per chunk, not per split: the last program's tail), in a fixed order, so the
-        result is bitwise identical run to run."""
-        sc = tl.arange(0, SPLIT_CHUNK)
-        total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for s0 in range(0, SPLIT_K, SPLIT_CHUNK):
-            sp = s0 + sc
-            part = tl.load(ws_base + sp[:, None, None] * (BLOCK_N * BLOCK_M) + tile_offs[None, :, :],
-                           mask=(sp < SPLIT_K)[:, None, None], other=0.0, cache_modifier=".cg")
-            total += tl.sum(part, axis=0)
-        return total
 
-    @triton.jit
-    def _esc_chunk(x_ptr, erow_ptr, ecol_ptr, edelta_ptr, e, e_hi, offs_m, M, stride_xm, ESC_CH: tl.constexpr):
-        """Escapes ``e .. e + ESC_CH`` (below ``e_hi``): their rows and ``x[:, col] * delta`` [CH, BM]."""
-        idx = e + tl.arange(0, ESC_CH)
-        em = idx < e_hi
-        er = tl.load(erow_ptr + idx, mask=em, other=-1)
-        ec = tl.load(ecol_ptr + idx, mask=em, other=0)
-        ed = tl.load(edelta_ptr + idx, mask=em, other=0.0)
-        xv = tl.load(x_ptr + offs_m[None, :] * stride_xm + ec[:, None],
-                     mask=em[:, None] & (offs_m < M)[None, :], other=0.0).to(tl.float32)
-        return er, xv * ed[:, None]
-
-    @triton.jit
-    def _esc_first(x_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, offs_m, n0, M, N, stride_xm,
-                   BLOCK_N: tl.constexpr, ESC_CH: tl.constexpr):
-        """The output block's escape range and its first chunk, loaded at the start of the kernel so
-        that these three dependent loads are not paid in the tail (see :func:`_finalize`)."""
-        e_lo = tl.load(eptr_ptr + n0)
-        e_hi = tl.load(eptr_ptr + tl.minimum(n0 + BLOCK_N, N))
-        er, contrib = _esc_chunk(x_ptr, erow_ptr, ecol_ptr, edelta_ptr, e_lo, e_hi, offs_m, M, stride_xm, ESC_CH)
-        return e_lo, e_hi, er, contrib
-
-    @triton.jit
-    def _finalize(acc, x_ptr, y_ptr, low_ptr, erow_ptr, ecol_ptr, edelta_ptr, e_lo, e_hi, er, contrib,
-                  offs_n, offs_m, M, N, stride_xm, stride_ym,
-                  BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, ESC_CH: tl.constexpr):
-        """Row scale, exact escape corrections (the first chunk ``er``/``contrib`` from
-        :func:`_esc_first`, later chunks loaded here) and the store."""
-        n_mask = offs_n < N
-        m_mask = offs_m < M
-        low = tl.load(low_ptr + offs_n, mask=n_mask, other=112).to(tl.int32)
-        scale = ((low + (127 - 112)) << 23).to(tl.float32, bitcast=True)
-        y = acc * scale[:, None]
-        hit = er[None, :] == offs_n[:, None]                             # [BN, CH]
-        y += tl.sum(tl.where(hit[:, :, None], contrib[None, :, :], 0.0), axis=1)
-        for e in range(e_lo + ESC_CH, e_hi, ESC_CH):
-            er2, contrib2 = _esc_chunk(x_ptr, erow_ptr, ecol_ptr, edelta_ptr, e, e_hi, offs_m, M, stride_xm, ESC_CH)
-            hit2 = er2[None, :] == offs_n[:, None]
-            y += tl.sum(tl.where(hit2[:, :, None], contrib2[None, :, :], 0.0), axis=1)
-        tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None],
-                 y.to(y_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
-
-
-
-# ----------------------------------------------------------------------------------------------
-# launcher
-# ----------------------------------------------------------------------------------------------
-
-MODES = {"dot": 0, "gemv": 1, "dot8": 2, "dot8t": 3}
+PRODUCTS = {"dot": 0, "fma": 1, "dot8": 2, "dot8t": 3}
+NUM_WARPS = 4
+NUM_STAGES = 1
 
 
 @dataclass(frozen=True)
 class Config:
-    """One kernel variant. ``mode``: ``gemv`` (CUDA-core FMA, M <= 8), ``dot`` (one tensor-core
-    dot per step on the joined tile) or ``dot8`` (eight dots per step, one per bf16 lane)."""
+    """One variant: ``block_n`` output rows and ``block_k`` columns per step, ``split_k`` K ranges
+    across programs, ``product``: ``fma`` (CUDA-core FMA, up to 8 rows), ``dot`` (one tensor-core dot
+    per step on the joined tile), ``dot8`` (eight dots per step, one per bf16 lane) or ``dot8t`` (x
+    the A operand); ``prefetch``: the next step's loads issued before this step's math (registers
+    double-buffered)."""
 
     block_n: int = 64
     block_k: int = 256
     split_k: int = 1
-    mode: str = "gemv"
-    num_warps: int = 4
-    num_stages: int = 1
+    product: str = "fma"
     prefetch: bool = True
 
     def key(self) -> str:
-        return (f"{self.mode}-n{self.block_n}-k{self.block_k}-s{self.split_k}-w{self.num_warps}"
-                f"{'-pf' if self.prefetch else ''}")
+        return f"{self.product}-n{self.block_n}-k{self.block_k}-s{self.split_k}-w{NUM_WARPS}{'-pf' if self.prefetch else ''}"
 
     def for_rows(self, m: int) -> "Config":
-        """The same config made valid for m rows (the FMA path serves at most 8 rows)."""
-        if self.mode == "gemv" and m > 8:
-            return Config(self.block_n, max(self.block_k, 128), self.split_k, "dot8", self.num_warps,
-                          self.num_stages, self.prefetch)
-        if self.mode in ("dot8", "dot8t") and self.block_k < 128:
-            return Config(self.block_n, 128, self.split_k, self.mode, self.num_warps, self.num_stages,
-                          self.prefetch)
+        """The same config made valid for m rows (the FMA form serves at most 8 rows)."""
+        if self.product == "fma" and m > 8:
+            return Config(self.block_n, max(self.block_k, 128), self.split_k, "dot8", self.prefetch)
+        if self.product in ("dot8", "dot8t") and self.block_k < 128:
+            return Config(self.block_n, 128, self.split_k, self.product, self.prefetch)
         return self
 
 
-def block_m_for(m: int, mode: str) -> int:
-    if mode == "gemv":
-        return 1 if m <= 1 else 2 if m <= 2 else 4 if m <= 4 else 8
-    return 16 if m <= 16 else 32 if m <= 32 else 64
+def gemm_block_m(m: int, product: str) -> int:
+    """x rows per program: 1-8 for the FMA form, 16, 32 or 64 for the tensor-core forms."""
+    return min(row_block(m), 8) if product == "fma" else max(16, row_block(m))
 
 
-def default_config(m: int, n: int, k: int) -> Config:
-    """Measured per-shape table (``TUNED``) first, else a heuristic split for about 2 waves."""
-    tuned = TUNED.get((n, k, bucket(m)))
+def supported(x: torch.Tensor, packed: KernelPack) -> bool:
+    """Triton present (the general kernel takes any shape, any device Triton runs on)."""
+    return triton is not None
+
+
+def tuned_config(m: int, n: int, k: int, device=None) -> Config | None:
+    """The table's config for ``m`` rows of the ``n x k`` layer (:mod:`specpilot.kernels.tuning`)."""
+    found = tuning.lookup("w12", "gemm", tuning.device_arch(device) if device is not None else None, rows=m, n=n, k=k)
+    return Config(**found[0]["config"]) if found else None
+
+
+def default_config(m: int, n: int, k: int, *, device=None) -> Config:
+    """The table's config, else a heuristic split for about 2 waves."""
+    tuned = tuned_config(m, n, k, device)
     if tuned is not None:
         return tuned
     kt = (k + TILE_K - 1) // TILE_K
-    mode = "gemv" if m <= 8 else "dot8"
-    bn = 64 if mode == "gemv" else 128
-    bk = 256 if kt >= 4 else 128 if mode == "dot8" else 64
+    product = "fma" if m <= 8 else "dot8"
+    bn = 64 if product == "fma" else 128
+    bk = 256 if kt >= 4 else 128 if product == "dot8" else 64
     blocks = (n + bn - 1) // bn
     split = 1
     while blocks * split < 264 and kt // (split * 2) >= bk // 64:
         split *= 2
-    return Config(block_n=bn, block_k=bk, split_k=split, mode=mode)
+    return Config(block_n=bn, block_k=bk, split_k=split, product=product)
 
 
-def bucket(m: int) -> int:
-    return 1 if m <= 1 else 2 if m <= 2 else 4 if m <= 4 else 8 if m <= 8 else 16 if m <= 16 else 32 if m <= 32 else 64
-
-
-# Fastest correct variant per (N, K, rows) measured on the H200 by benchmarks/w12_gemm.py
-# (benchmarks/results/w12_gemm.json, 2026-11-30; the comment is the speedup over cuBLAS there).
-TUNED: dict[tuple[int, int, int], Config] = {
-    (6144, 4096, 1): Config(64, 256, 3, "gemv", 4, 1, True),  # 0.826x
-    (6144, 4096, 8): Config(128, 128, 6, "dot8t", 4, 1, True),  # 0.454x
-    (6144, 4096, 32): Config(128, 128, 6, "dot", 4, 1, False),  # 0.325x
-    (6144, 4096, 64): Config(64, 128, 3, "dot8", 4, 1, True),  # 0.253x
-    (4096, 4096, 1): Config(64, 256, 4, "gemv", 4, 1, True),  # 0.91x
-    (4096, 4096, 8): Config(128, 128, 8, "dot", 4, 1, False),  # 0.392x
-    (4096, 4096, 32): Config(128, 128, 8, "dot", 4, 1, False),  # 0.277x
-    (4096, 4096, 64): Config(64, 128, 4, "dot8", 4, 1, True),  # 0.259x
-    (28672, 4096, 1): Config(32, 256, 1, "gemv", 4, 1, True),  # 0.868x
-    (28672, 4096, 8): Config(128, 128, 1, "dot8t", 4, 1, True),  # 0.573x
-    (28672, 4096, 32): Config(128, 128, 1, "dot", 4, 1, False),  # 0.463x
-    (28672, 4096, 64): Config(128, 128, 1, "dot", 4, 1, False),  # 0.382x
-    (4096, 14336, 1): Config(64, 256, 4, "gemv", 4, 1, True),  # 0.864x
-    (4096, 14336, 8): Config(128, 128, 8, "dot8t", 4, 1, True),  # 0.346x
-    (4096, 14336, 32): Config(128, 128, 8, "dot", 4, 1, False),  # 0.23x
-    (4096, 14336, 64): Config(64, 128, 4, "dot8", 4, 1, True),  # 0.242x
-    (7168, 5120, 1): Config(64, 256, 2, "gemv", 4, 1, True),  # 0.915x
-    (7168, 5120, 8): Config(128, 128, 5, "dot", 4, 1, False),  # 0.456x
-    (7168, 5120, 32): Config(128, 128, 5, "dot", 4, 1, False),  # 0.265x
-    (7168, 5120, 64): Config(64, 128, 2, "dot8", 4, 1, True),  # 0.238x
-    (34816, 5120, 1): Config(64, 256, 1, "gemv", 4, 1, True),  # 0.978x
-    (34816, 5120, 8): Config(128, 128, 1, "dot", 4, 1, False),  # 0.581x
-    (34816, 5120, 32): Config(128, 128, 1, "dot", 4, 1, False),  # 0.463x
-    (34816, 5120, 64): Config(128, 128, 1, "dot", 4, 1, False),  # 0.3x
-    (5120, 17408, 1): Config(64, 256, 3, "gemv", 4, 1, True),  # 0.905x (log of the same run)
-}
-
-
-def split_chunk(split: int, tile: int) -> int:
-    """How many split-K partial tiles of ``tile`` values the last program sums per load: all of
-    them (next power of two) when that stays within 4096 values, else fewer."""
-    chunk = 1
-    while chunk < split and 2 * chunk * tile <= 4096:
-        chunk *= 2
-    return chunk
-
-
-def _workspace(device, nbytes_f32: int, nlocks: int):
-    """Split-K partials and per-block counters (zero between uses), shared by launches on a stream."""
-    return workspace.scratch(device, "w12.partials", nbytes_f32), workspace.counters(device, "w12.blocks", nlocks)
-
-
-def route(x: torch.Tensor, packed: KernelPack) -> str:
-    """Which kernel :func:`w12_linear` runs for ``x`` without a config: ``warpk`` (tensor cores, K
-    split across warps: 2-8 rows, and the layers of its table), ``mma`` (the tensor-core kernels of
-    verify steps; first where its table has a ``wgmma`` entry that this GPU runs), ``gemv-gluon``
-    (one row), ``gemv`` (the Triton GEMV) or ``gemm`` (the general Triton kernel: CPU, no Gluon)."""
-    from . import gemv, gemv_gluon, mma, warpk
-
-    (m, k), n = x.shape, packed.shape[0]
-    use_mma = mma.preferred(m) and mma.supported(x, packed)
-    if use_mma and mma.wgmma_entry(m, n, k, x.device):
-        return "mma"
-    if warpk.preferred(m, n, k) and warpk.supported(x, packed):
-        return "warpk"
-    if use_mma:
-        return "mma"
-    if m == 1 and gemv_gluon.supported(x, packed):
-        return "gemv-gluon"
-    if gemv.preferred(m, n) and gemv.supported(x, packed):
-        return "gemv"
-    return "gemm"
-
-
-def w12_linear(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: Config | None = None,
-               out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def w12_gemm(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: Config | None = None,
+             out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x @ W.T`` for x ``[M, K]`` (bf16), W in W12 form; fp32 accumulation, deterministic."""
     if triton is None:
         raise RuntimeError("triton is not installed")
@@ -510,15 +293,8 @@ def w12_linear(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config:
     n = packed.shape[0]
     if x.stride(1) != 1:
         x = x.contiguous()
-    if config is None:
-        path = route(x, packed)
-        if path != "gemm":
-            from . import gemv, gemv_gluon, mma, warpk
-            fn = {"warpk": warpk.w12_warpk, "mma": mma.w12_mma, "gemv-gluon": gemv_gluon.w12_gemv_gluon,
-                  "gemv": gemv.w12_gemv}[path]
-            return fn(x, packed, qpass=qpass, out=out, out_dtype=out_dtype)
-    cfg = (config or default_config(m, n, k)).for_rows(m)
-    bm = block_m_for(m, cfg.mode)
+    cfg = (config or default_config(m, n, k, device=x.device)).for_rows(m)
+    bm = gemm_block_m(m, cfg.product)
     if out is None:
         out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     kt = packed.k_tiles
@@ -528,7 +304,7 @@ def w12_linear(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config:
     split = (kt + tps - 1) // tps
     nb = (n + cfg.block_n - 1) // cfg.block_n
     mb = (m + bm - 1) // bm
-    ws, locks = _workspace(x.device, nb * mb * split * cfg.block_n * bm if split > 1 else 1, nb * mb)
+    ws, locks = split_workspace(x.device, nb * mb * split * cfg.block_n * bm if split > 1 else 1, nb * mb)
     esc_ch = max(1, min(16, 4096 // (cfg.block_n * bm)))
     esc_ch = 1 << (esc_ch.bit_length() - 1)
     grid = (nb, split, mb)
@@ -538,8 +314,8 @@ def w12_linear(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config:
         ws, locks,
         m, n, k, kt, tps, nb, split,
         x.stride(0), out.stride(0),
-        BLOCK_N=cfg.block_n, BLOCK_M=bm, BLOCK_K=cfg.block_k, USE_SPLIT=split > 1, MODE=MODES[cfg.mode], PREFETCH=cfg.prefetch,
-        QPASS=qpass, UPCAST=interpreting(), ESC_CH=esc_ch, SPLIT_CHUNK=split_chunk(split, cfg.block_n * bm),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_N=cfg.block_n, BLOCK_M=bm, BLOCK_K=cfg.block_k, USE_SPLIT=split > 1, PRODUCT=PRODUCTS[cfg.product],
+        PREFETCH=cfg.prefetch, QPASS=qpass, UPCAST=interpreting(), ESC_CH=esc_ch,
+        SPLIT_CHUNK=split_chunk(split, cfg.block_n * bm), num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     return out

@@ -13,7 +13,7 @@ is written for the decode regime (few rows, where the bytes matter most):
   with ``STAGES`` > 1 Triton's software pipeline does it instead (``cp.async`` into shared memory);
 * x is read as bf16 pairs (int32), one load per pair and group, shared by all weight rows of the
   program; up to 16 input rows (``MB``) share each decoded weight;
-* decode is the same 32-bit integer recipe as :func:`.gemm._decode_pairs`, the pair halves become
+* decode is the same 32-bit integer recipe as :func:`.common.decode_pairs`, the pair halves become
   fp32 with one shift or mask, fp32 accumulation;
 * the epilogue (row scale, exact escape corrections, fixed-order split-K reduction) is the general
   kernel's, so results are bitwise identical run to run.
@@ -28,13 +28,13 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import tuning
+from ..triton_env import tl, triton
+from .common import decode_pairs, esc_first, finalize, hi_f32, lo_f32, row_block, split_chunk, split_workspace, sum_splits
 from .format import TILE_K, TILE_N
-from .gemm import KernelPack, _workspace, bucket, split_chunk, tl, triton
+from .pack import KernelPack
 
 if triton is not None:
-    from .gemm import _decode_pairs, _esc_first, _finalize, _sum_splits
-    from .gemm import _hi_f32 as _hi
-    from .gemm import _lo_f32 as _lo
 
     @triton.jit
     def _load_rec(rec64_ptr, rec32_ptr, rec, rr, jj, QPASS: tl.constexpr):
@@ -49,7 +49,7 @@ if triton is not None:
     def _rec_fma(acc, b, n, xrow, rm, t, jj, KH, M_LEFT, stride_x32m, MB: tl.constexpr, QPASS: tl.constexpr):
         """acc += the record's decoded weights times x. One row (``MB == 1``): acc ``[BLOCK_N, 8]``;
         more rows: acc ``[MB, BLOCK_N, 8]``, each weight decoded once for all of them."""
-        p0, p1, p2, p3 = _decode_pairs(b, n, QPASS)
+        p0, p1, p2, p3 = decode_pairs(b, n, QPASS)
         # the record's 32 x pairs per row as [8 groups, 4 pairs] (16-byte loads), split into columns
         xi = t * 32 + jj[:, None] * 4 + tl.arange(0, 4)[None, :]
         if MB == 1:
@@ -57,28 +57,28 @@ if triton is not None:
             xa, xb = tl.split(tl.reshape(xt, (8, 2, 2)))
             x0, x2 = tl.split(xa)
             x1, x3 = tl.split(xb)
-            acc += _lo(p0) * _lo(x0)[None, :]
-            acc += _hi(p0) * _hi(x0)[None, :]
-            acc += _lo(p1) * _lo(x1)[None, :]
-            acc += _hi(p1) * _hi(x1)[None, :]
-            acc += _lo(p2) * _lo(x2)[None, :]
-            acc += _hi(p2) * _hi(x2)[None, :]
-            acc += _lo(p3) * _lo(x3)[None, :]
-            acc += _hi(p3) * _hi(x3)[None, :]
+            acc += lo_f32(p0) * lo_f32(x0)[None, :]
+            acc += hi_f32(p0) * hi_f32(x0)[None, :]
+            acc += lo_f32(p1) * lo_f32(x1)[None, :]
+            acc += hi_f32(p1) * hi_f32(x1)[None, :]
+            acc += lo_f32(p2) * lo_f32(x2)[None, :]
+            acc += hi_f32(p2) * hi_f32(x2)[None, :]
+            acc += lo_f32(p3) * lo_f32(x3)[None, :]
+            acc += hi_f32(p3) * hi_f32(x3)[None, :]
         else:
             xmask = (rm[:, None, None] < M_LEFT) & (xi < KH)[None, :, :]
             xt = tl.load(xrow + rm[:, None, None] * stride_x32m + xi[None, :, :], mask=xmask, other=0).to(tl.uint32)
             xa, xb = tl.split(tl.reshape(xt, (MB, 8, 2, 2)))
             x0, x2 = tl.split(xa)
             x1, x3 = tl.split(xb)
-            acc += _lo(p0)[None, :, :] * _lo(x0)[:, None, :]
-            acc += _hi(p0)[None, :, :] * _hi(x0)[:, None, :]
-            acc += _lo(p1)[None, :, :] * _lo(x1)[:, None, :]
-            acc += _hi(p1)[None, :, :] * _hi(x1)[:, None, :]
-            acc += _lo(p2)[None, :, :] * _lo(x2)[:, None, :]
-            acc += _hi(p2)[None, :, :] * _hi(x2)[:, None, :]
-            acc += _lo(p3)[None, :, :] * _lo(x3)[:, None, :]
-            acc += _hi(p3)[None, :, :] * _hi(x3)[:, None, :]
+            acc += lo_f32(p0)[None, :, :] * lo_f32(x0)[:, None, :]
+            acc += hi_f32(p0)[None, :, :] * hi_f32(x0)[:, None, :]
+            acc += lo_f32(p1)[None, :, :] * lo_f32(x1)[:, None, :]
+            acc += hi_f32(p1)[None, :, :] * hi_f32(x1)[:, None, :]
+            acc += lo_f32(p2)[None, :, :] * lo_f32(x2)[:, None, :]
+            acc += hi_f32(p2)[None, :, :] * hi_f32(x2)[:, None, :]
+            acc += lo_f32(p3)[None, :, :] * lo_f32(x3)[:, None, :]
+            acc += hi_f32(p3)[None, :, :] * hi_f32(x3)[:, None, :]
         return acc
 
     @triton.jit
@@ -130,7 +130,7 @@ if triton is not None:
         t_end = tl.minimum(t_begin + TILES_PER_SPLIT, KT)
         offs_n = n0 + tl.arange(0, BLOCK_N)
         if ESC_EARLY:   # the escape range and first chunk now, off the tail
-            e_lo, e_hi, er0, contrib0 = _esc_first(x_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, offs_m, n0, M, N,
+            e_lo, e_hi, er0, contrib0 = esc_first(x_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, offs_m, n0, M, N,
                                                    stride_xm, BLOCK_N, ESC_CH)
         if MB == 1:
             acc = tl.zeros((BLOCK_N, 8), dtype=tl.float32)
@@ -165,9 +165,9 @@ if triton is not None:
             out = tl.trans(tl.sum(acc, axis=2))          # [BLOCK_N, MB]
         if not USE_SPLIT:
             if not ESC_EARLY:
-                e_lo, e_hi, er0, contrib0 = _esc_first(x_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, offs_m, n0, M,
+                e_lo, e_hi, er0, contrib0 = esc_first(x_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, offs_m, n0, M,
                                                        N, stride_xm, BLOCK_N, ESC_CH)
-            _finalize(out, x_ptr, y_ptr, low_ptr, erow_ptr, ecol_ptr, edelta_ptr, e_lo, e_hi, er0, contrib0,
+            finalize(out, x_ptr, y_ptr, low_ptr, erow_ptr, ecol_ptr, edelta_ptr, e_lo, e_hi, er0, contrib0,
                       offs_n, offs_m, M, N, stride_xm, stride_ym, BLOCK_N, MB, ESC_CH)
         else:
             blk = pid_m * NUM_N_BLOCKS + pid_n
@@ -177,19 +177,19 @@ if triton is not None:
             tl.debug_barrier()
             count = tl.atomic_add(lock_ptr + blk, 1, sem="acq_rel", scope="gpu")
             if count == SPLIT_K - 1:
-                total = _sum_splits(ws_base, offs, SPLIT_K, BLOCK_N, MB, SPLIT_CHUNK)
+                total = sum_splits(ws_base, offs, SPLIT_K, BLOCK_N, MB, SPLIT_CHUNK)
                 tl.atomic_xchg(lock_ptr + blk, 0)
                 if not ESC_EARLY:
-                    e_lo, e_hi, er0, contrib0 = _esc_first(x_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, offs_m, n0,
+                    e_lo, e_hi, er0, contrib0 = esc_first(x_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, offs_m, n0,
                                                            M, N, stride_xm, BLOCK_N, ESC_CH)
-                _finalize(total, x_ptr, y_ptr, low_ptr, erow_ptr, ecol_ptr, edelta_ptr, e_lo, e_hi, er0, contrib0,
+                finalize(total, x_ptr, y_ptr, low_ptr, erow_ptr, ecol_ptr, edelta_ptr, e_lo, e_hi, er0, contrib0,
                           offs_n, offs_m, M, N, stride_xm, stride_ym, BLOCK_N, MB, ESC_CH)
 
 
 @dataclass(frozen=True)
 class GemvConfig:
-    """``block_n`` weight rows per program (divides 128), ``recs`` records per iteration, ``split_k``;
-    ``rows``: input rows per program (each weight is decoded once for them; 0 = all rows, up to 16);
+    """``block_n`` weight rows per program (divides 128), ``recs`` records per iteration, ``split_k``
+    K ranges across programs; every input row in one program (each weight decoded once for all);
     ``stages`` > 1: the compiler's software pipeline instead of the register double buffer;
     ``early_esc``: load the block's escapes at the start (off the tail) rather than at the end."""
 
@@ -198,13 +198,12 @@ class GemvConfig:
     split_k: int = 1
     num_warps: int = 4
     prefetch: bool = True
-    rows: int = 0
     stages: int = 1
     early_esc: bool = True
 
     def key(self) -> str:
         pipe = f"-st{self.stages}" if self.stages > 1 else "-pf" if self.prefetch else ""
-        return (f"gemv3-n{self.block_n}-r{self.recs}-s{self.split_k}-w{self.num_warps}-m{self.rows}{pipe}"
+        return (f"gemv3-n{self.block_n}-r{self.recs}-s{self.split_k}-w{self.num_warps}{pipe}"
                 f"{'' if self.early_esc else '-le'}")
 
 
@@ -217,71 +216,23 @@ def supported(x: torch.Tensor, packed: KernelPack) -> bool:
             and x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0 and x.element_size() == 2)
 
 
-def preferred(m: int, n: int) -> bool:
-    """Where this kernel beat the general one on the H200 (``benchmarks/results/w12_gemv_rows.json``):
-    up to 4 rows on every layer, up to 16 rows on layers with fewer than 16384 outputs."""
-    return m <= 4 or (m <= MAX_ROWS and n < 16384)
+def tuned_config(m: int, n: int, k: int, device=None) -> GemvConfig | None:
+    """The table's config for ``m`` rows of the ``n x k`` layer (:mod:`specpilot.kernels.tuning`)."""
+    found = tuning.lookup("w12", "gemv", tuning.device_arch(device) if device is not None else None, rows=m, n=n, k=k)
+    return GemvConfig(**found[0]["config"]) if found else None
 
 
-def default_config(m: int, n: int, k: int, sms: int = 132) -> GemvConfig:
-    """Measured table first (:data:`TUNED`, :data:`TUNED_ROWS`), else split-K for about three
-    programs per SM."""
-    tuned = TUNED.get((n, k)) if m <= 1 else TUNED_ROWS.get((n, k, bucket(m)))
+def default_config(m: int, n: int, k: int, sms: int = 132, *, device=None) -> GemvConfig:
+    """The table's config, else split-K for about three programs per SM."""
+    tuned = tuned_config(m, n, k, device)
     if tuned is not None:
         return tuned
     kt = (k + TILE_K - 1) // TILE_K
-    bn = 32 if n < 16384 else 64        # what the sweep chose: 2 warps, 2 records per step
+    bn = 32 if n < 16384 else 64        # 2 warps, 2 records per step: the sweeps' most frequent choice
     recs = 2 if kt % 2 == 0 else 1
     blocks = (n + bn - 1) // bn * ((m + MAX_ROWS - 1) // MAX_ROWS)
     split = max(1, min(kt // recs, round(8 * sms / blocks)))
     return GemvConfig(bn, recs, split, num_warps=2)
-
-
-# Fastest config per (N, K) at M=1 on the H200 (benchmarks/w12_gemm.py --mode gemv --rows 1,
-# benchmarks/results/w12_gemv.json; the comment is the speedup over cuBLAS bf16 in that run).
-TUNED: dict[tuple[int, int], GemvConfig] = {
-    (6144, 4096): GemvConfig(64, 1, 11, 2, False, 0, 3, True),  # 1.038x
-    (4096, 4096): GemvConfig(32, 2, 4, 2, False, 0, 3, True),  # 1.093x
-    (28672, 4096): GemvConfig(64, 2, 1, 2, False, 0, 3, False),  # 1.13x
-    (4096, 14336): GemvConfig(32, 2, 4, 2, False, 0, 3, False),  # 1.069x
-    (7168, 5120): GemvConfig(64, 1, 9, 2, False, 0, 3, False),  # 1.095x
-    (34816, 5120): GemvConfig(64, 2, 2, 2, False, 0, 3, False),  # 1.167x
-    (5120, 17408): GemvConfig(32, 2, 13, 2, True, 0, 1, False),  # 1.12x
-}
-
-# Fastest config per (N, K, rows) for 2-16 rows, every row in one program (benchmarks/w12_gemm.py
-# --mode gemv --rows 1,2,4,8,16, benchmarks/results/w12_gemv_rows.json; speedups over cuBLAS bf16
-# and, in brackets, the general kernel's in the same run).
-TUNED_ROWS: dict[tuple[int, int, int], GemvConfig] = {
-    (6144, 4096, 2): GemvConfig(64, 2, 6, 4, True, 0, 1),  # 0.767x (general 0.492x)
-    (6144, 4096, 4): GemvConfig(64, 2, 6, 4, True, 0, 1),  # 0.632x (general 0.338x)
-    (6144, 4096, 8): GemvConfig(32, 2, 6, 2, False, 0, 3),  # 0.508x (general 0.441x)
-    (6144, 4096, 16): GemvConfig(32, 2, 6, 2, False, 0, 3),  # 0.336x (general 0.345x)
-    (4096, 4096, 2): GemvConfig(32, 2, 4, 2, True, 0, 1),  # 0.833x (general 0.608x)
-    (4096, 4096, 4): GemvConfig(32, 2, 4, 2, False, 0, 3),  # 0.731x (general 0.427x)
-    (4096, 4096, 8): GemvConfig(32, 2, 4, 2, False, 0, 3),  # 0.607x (general 0.436x)
-    (4096, 4096, 16): GemvConfig(32, 2, 4, 2, False, 0, 3),  # 0.44x (general 0.37x)
-    (28672, 4096, 2): GemvConfig(64, 2, 2, 4, True, 0, 1),  # 0.874x (general 0.568x)
-    (28672, 4096, 4): GemvConfig(64, 2, 2, 4, False, 0, 3),  # 0.695x (general 0.39x)
-    (28672, 4096, 8): GemvConfig(32, 2, 1, 2, False, 0, 3),  # 0.539x (general 0.586x)
-    (28672, 4096, 16): GemvConfig(32, 2, 1, 2, False, 0, 3),  # 0.344x (general 0.456x)
-    (4096, 14336, 2): GemvConfig(32, 2, 8, 2, True, 0, 1),  # 0.773x (general 0.591x)
-    (4096, 14336, 4): GemvConfig(32, 2, 4, 2, False, 0, 3),  # 0.639x (general 0.405x)
-    (4096, 14336, 8): GemvConfig(32, 2, 8, 2, False, 0, 3),  # 0.522x (general 0.357x)
-    (4096, 14336, 16): GemvConfig(32, 2, 4, 2, False, 0, 3),  # 0.35x (general 0.283x)
-    (7168, 5120, 2): GemvConfig(64, 2, 9, 4, True, 0, 1),  # 0.801x (general 0.59x)
-    (7168, 5120, 4): GemvConfig(32, 2, 7, 2, True, 0, 1),  # 0.686x (general 0.401x)
-    (7168, 5120, 8): GemvConfig(32, 2, 2, 2, False, 0, 3),  # 0.525x (general 0.423x)
-    (7168, 5120, 16): GemvConfig(32, 2, 1, 2, False, 0, 3),  # 0.345x (general 0.337x)
-    (34816, 5120, 2): GemvConfig(64, 2, 2, 4, True, 0, 1),  # 0.86x (general 0.545x)
-    (34816, 5120, 4): GemvConfig(64, 2, 2, 4, False, 0, 3),  # 0.706x (general 0.383x)
-    (34816, 5120, 8): GemvConfig(64, 2, 2, 4, False, 0, 3),  # 0.534x (general 0.596x)
-    (34816, 5120, 16): GemvConfig(32, 2, 1, 2, False, 0, 3),  # 0.35x (general 0.361x)
-    (5120, 17408, 2): GemvConfig(64, 2, 13, 4, True, 0, 1),  # 0.823x (general 0.533x)
-    (5120, 17408, 4): GemvConfig(32, 2, 7, 2, False, 0, 3),  # 0.673x (general 0.367x)
-    (5120, 17408, 8): GemvConfig(32, 2, 3, 2, False, 0, 3),  # 0.536x (general 0.183x)
-    (5120, 17408, 16): GemvConfig(32, 2, 3, 2, False, 0, 3),  # 0.362x (general 0.298x)
-}
 
 
 def w12_gemv(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: GemvConfig | None = None,
@@ -295,7 +246,7 @@ def w12_gemv(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: G
         raise ValueError(f"w12_gemv needs at most {MAX_ROWS} contiguous bf16/fp16 rows of even length")
     m, k = x.shape
     n = packed.shape[0]
-    cfg = config or default_config(m, n, k)
+    cfg = config or default_config(m, n, k, device=x.device)
     if TILE_N % cfg.block_n:
         raise ValueError(f"block_n {cfg.block_n} must divide {TILE_N}")
     kt = packed.k_tiles
@@ -308,9 +259,9 @@ def w12_gemv(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: G
     tps = (tps + recs - 1) // recs * recs
     split = (kt + tps - 1) // tps
     nb = (n + cfg.block_n - 1) // cfg.block_n
-    mb = min(bucket(cfg.rows or m), bucket(m))   # rows per program: a power of two (m <= 16 here)
+    mb = row_block(m)   # rows per program: a power of two (m <= 16 here)
     grid_m = (m + mb - 1) // mb
-    ws, locks = _workspace(x.device, nb * grid_m * split * cfg.block_n * mb if split > 1 else 1, nb * grid_m)
+    ws, locks = split_workspace(x.device, nb * grid_m * split * cfg.block_n * mb if split > 1 else 1, nb * grid_m)
     esc_ch = max(1, 16 // mb)
     x32 = x.view(torch.int32)
     _w12_gemv_kernel[(grid_m, nb, split)](

@@ -1,6 +1,6 @@
 """``W12Linear``: a drop-in ``nn.Linear`` on W12 weights, and ``convert_model`` for HF models.
 
-On CUDA with Triton the forward is the fused kernel (``gemm.w12_linear``) for up to 256 rows and a
+On CUDA with Triton the forward is the fused kernel (``routing.w12_linear``) for up to 256 rows and a
 restore + cuBLAS above that; on the CPU it restores the bf16 weight (bit exact, cached after the
 first call unless ``cache_restored=False``) and calls ``F.linear``.
 """
@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .format import W12Tensor, decode, encode
+from .pack import KernelPack
 
 KERNEL_MAX_ROWS = 256
 
@@ -22,8 +23,6 @@ class W12Linear(nn.Module):
     def __init__(self, packed: W12Tensor, bias: torch.Tensor | None = None, qpass: bool = False,
                  cache_restored: bool = True):
         super().__init__()
-        from .gemm import KernelPack
-
         self.in_features = packed.shape[1]
         self.out_features = packed.shape[0]
         self.qpass = qpass
@@ -50,8 +49,6 @@ class W12Linear(nn.Module):
         return mod.to(w.device)
 
     def kernel_pack(self):
-        from .gemm import KernelPack
-
         rec64 = self.w12_rec64
         return KernelPack(self._kp_meta[0], self._kp_meta[1], rec64, rec64.view(torch.int32), self.w12_low_exp,
                           self.w12_esc_rowptr, self.w12_esc_row, self.w12_esc_col, self.w12_esc_delta,
@@ -69,7 +66,7 @@ class W12Linear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if x2.is_cuda and x2.shape[0] <= KERNEL_MAX_ROWS and x2.dtype == torch.bfloat16 and _triton_ok():
-            from .gemm import w12_linear
+            from .routing import w12_linear
 
             y = w12_linear(x2, self.kernel_pack(), qpass=self.qpass)
             if self.bias is not None:

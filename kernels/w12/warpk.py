@@ -14,9 +14,10 @@ This kernel is the GEMV's schedule with the MMA kernel's arithmetic:
   (16 or 32) weight rows, ``DEPTH`` register sets reloaded in place (the GEMV's unrolled ring:
   clamped record indices, loop-invariant pointers, each reload pinned with ``bar.warp.sync``);
 * the record words are loaded in the layout whose decoded pairs are the ``mma.sync.m16n8k16`` A
-  registers (:func:`.mma._a_operand`, per warp: the MMA layout is 3-D, the warp being the batch), and
-  x arrives with the record, straight from global memory (L1/L2), 16 consecutive bf16 of one x row
-  per lane: the B registers in the MMA k order (:func:`.mma.mma_k_to_physical`). Rows of x past M
+  registers (:func:`.fragments.a_operand`, per warp: the MMA layout is 3-D, the warp being the
+  batch), and x arrives with the record, straight from global memory (L1/L2), 16 consecutive bf16
+  of one x row per lane: the B registers in the MMA k order (:func:`.fragments.mma_k_to_physical`).
+  Rows of x past M
   are predicated off, so one row costs 4 lanes' loads;
 * per record and warp: 4 MMAs per 16 weight rows and 8 x rows, no widening, no FMA, no shared
   memory and no barrier in the loop; with ``x_late`` x is loaded right before each record's MMAs
@@ -35,73 +36,62 @@ from functools import lru_cache
 
 import torch
 
+from .. import tuning
 from .format import TILE_K
-from .gemm import KernelPack
-from .mma import _log2, aligned_x, check_call, esc_chunk, gl, gluon, launch_options, mma_v2, split_grid
+from .gluon_common import (aligned_x, bf16_halves, check_call, decode_pairs, esc_chunk, gl, gluon, load_clamped, log2,
+                           mma_v2, per_warp, pin, record_offsets_3d, split_grid)
+from .gluon_epilogue import epilogue, epilogue_layout, esc_cols, esc_x, finalize_apply, finalize_loads, finalize_range
+from .pack import KernelPack
+
+ROWS = 16       # weight rows per program: one 16-row MMA slice per warp
+MAX_ROWS = 32   # x rows per launch: one to four 8-row MMA column blocks
 
 
 @dataclass(frozen=True)
 class WarpKConfig:
-    """``rows`` weight rows per program (16 or 32: one or two 16-row MMA slices per warp),
-    ``warps`` (each streams its own records), ``depth`` register sets reloaded in place (2-4),
-    ``split_k`` K ranges across programs, ``maxnreg`` the register cap passed to ptxas, ``x_late``: x
-    is loaded right before its record's MMAs instead of riding in the register sets (16-32 x rows
-    take 16-32 registers per set there), ``esc_ch``: escapes per epilogue pass (the first pass's
-    contributions are loaded before the main loop and held in registers: ``esc_ch * BLOCK_M``
-    values per program; 0 takes :func:`.mma.esc_chunk`, sized for 64-row blocks), ``epi_spread``: the
-    escape chain's dependent loads spread over a peeled first step, ``tail_epilogue``: the unsplit
-    epilogue's loads issued after the loop instead of before it (fewer registers held through it:
-    168 instead of 254 at 32 x 32 rows, Triton 3.6)."""
+    """``warps`` (each streams its own records of the program's 16 weight rows), ``depth`` register
+    sets reloaded in place (2-4), ``split_k`` K ranges across programs, ``x_late``: x is loaded right
+    before its record's MMAs instead of riding in the register sets (16-32 x rows take 16-32
+    registers per set there), ``esc_ch``: escapes per epilogue pass (the first pass's contributions
+    are loaded before the main loop and held in registers: ``esc_ch * BLOCK_M`` values per
+    program; 0 takes :func:`.gluon_common.esc_chunk`, sized for 64-row blocks), ``epi_spread``: the
+    escape chain's dependent loads spread over a peeled first step."""
 
-    rows: int = 16
     warps: int = 4
     depth: int = 2
     split_k: int = 1
-    maxnreg: int | None = None
     x_late: bool = False   # x loaded right before its record's MMAs, not with the record (register sets)
-    esc_ch: int = 0        # escapes per epilogue pass, preloaded before the loop (0: mma.esc_chunk)
+    esc_ch: int = 0        # escapes per epilogue pass, preloaded before the loop (0: gluon_common.esc_chunk)
     epi_spread: bool = False   # no split: the escape chain's dependent loads spread over a peeled step 0
-    tail_epilogue: bool = False   # no split: the epilogue's loads after the loop, not held in registers through it
 
     def key(self) -> str:
-        return (f"wk-r{self.rows}-w{self.warps}-d{self.depth}-s{self.split_k}"
-                f"{f'-r{self.maxnreg}' if self.maxnreg else ''}{'-xl' if self.x_late else ''}"
-                f"{f'-e{self.esc_ch}' if self.esc_ch else ''}{'-es' if self.epi_spread else ''}"
-                f"{'-te' if self.tail_epilogue else ''}")
-
-
-MAX_ROWS = 32   # x rows per launch: one to four 8-row MMA column blocks
+        return (f"wk-r{ROWS}-w{self.warps}-d{self.depth}-s{self.split_k}{'-xl' if self.x_late else ''}"
+                f"{f'-e{self.esc_ch}' if self.esc_ch else ''}{'-es' if self.epi_spread else ''}")
 
 
 def check_config(cfg: WarpKConfig) -> None:
-    if cfg.rows not in (16, 32):
-        raise ValueError(f"rows must be 16 or 32, got {cfg.rows}")
     if cfg.warps not in (1, 2, 4, 8):
         raise ValueError(f"warps must be 1, 2, 4 or 8, got {cfg.warps}")
     if cfg.depth not in (2, 3, 4):
         raise ValueError(f"depth must be 2-4, got {cfg.depth}")
     if cfg.split_k < 1:
         raise ValueError(f"split_k must be >= 1, got {cfg.split_k}")
-    if cfg.maxnreg is not None and not 32 <= cfg.maxnreg <= 255:
-        raise ValueError(f"maxnreg must be 32-255, got {cfg.maxnreg}")
     if cfg.esc_ch not in (0, 8, 16, 32, 64):
         raise ValueError(f"esc_ch must be 0 (default), 8, 16, 32 or 64, got {cfg.esc_ch}")
     if cfg.epi_spread and cfg.split_k != 1:
         raise ValueError("epi_spread (the escape chain spread over the first step) needs split_k=1")
-    if cfg.tail_epilogue and (cfg.split_k != 1 or cfg.epi_spread):
-        raise ValueError("tail_epilogue (the unsplit epilogue's loads after the loop) needs split_k=1, no epi_spread")
 
 
 def layout_bases(rows: int, block_m: int, warps: int) -> dict[str, tuple]:
     """Register/lane/warp bases of the ``[warps, rows, 16]`` view words, ``[warps, rows, 8]``
-    nibble words and ``[warps, block_m, 64]`` x (physical k): :func:`.mma.layout_bases` for one warp,
-    the warp as a leading (batch) dimension."""
-    reps = [[0, 16 * (1 << i), 0] for i in range(_log2(rows // 16))]
-    warp = [[1 << i, 0, 0] for i in range(_log2(warps))]
+    nibble words and ``[warps, block_m, 64]`` x (physical k): :func:`.fragments.layout_bases` for one
+    warp, the warp as a leading (batch) dimension."""
+    reps = [[0, 16 * (1 << i), 0] for i in range(log2(rows // 16))]
+    warp = [[1 << i, 0, 0] for i in range(log2(warps))]
     rows_lane = [[0, 1, 0], [0, 2, 0], [0, 4, 0]]
     view = ([[0, 0, 1], [0, 0, 2], [0, 8, 0]] + reps, [[0, 0, 4], [0, 0, 8]] + rows_lane, warp, [warps, rows, 16])
     nib = ([[0, 0, 1], [0, 8, 0]] + reps, [[0, 0, 2], [0, 0, 4]] + rows_lane, warp, [warps, rows, 8])
-    m_reps = [[0, 8 * (1 << i), 0] for i in range(_log2(block_m // 8))]
+    m_reps = [[0, 8 * (1 << i), 0] for i in range(log2(block_m // 8))]
     x = ([[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8]] + m_reps, [[0, 0, 16], [0, 0, 32]] + rows_lane, warp,
          [warps, block_m, TILE_K])
     return {"view": view, "nib": nib, "x": x}
@@ -109,10 +99,6 @@ def layout_bases(rows: int, block_m: int, warps: int) -> dict[str, tuple]:
 
 if gluon is not None:
     _K = gl.constexpr(TILE_K)   # record width (k) inside the kernels
-
-    from .gemv_gluon import _load_clamped, _per_warp, _record_offsets_3d
-    from .mma import (_bf16_halves, _decode_pairs_fast, _epilogue, _esc_cols, _esc_x, _finalize_apply,
-                      _finalize_loads, _finalize_range, _pin, epilogue_layout)
 
     @lru_cache(maxsize=None)
     def layouts(rows: int, block_m: int, warps: int):
@@ -129,7 +115,7 @@ if gluon is not None:
         """Each warp's record ``t[w]`` (clamped to the range: past it the last record is re-read and
         its x is zero, so it adds +-0): view words, nibble words, x (with ``X_LATE``: the record
         index instead, for :func:`_x_of`)."""
-        v, q = _load_clamped(pv, pq, t, t_end, L_V, L_Q, QPASS)
+        v, q = load_clamped(pv, pq, t, t_end, L_V, L_Q, QPASS)
         if X_LATE:
             x = t
         else:
@@ -139,14 +125,14 @@ if gluon is not None:
     @gluon.jit
     def _x_of(px, t, t_end, tx, L_X: gl.constexpr):
         """x of each warp's record ``t[w]`` (zero past ``t_end`` and for rows past M)."""
-        return gl.load(px + _per_warp(t * _K, L_X), mask=tx & _per_warp(t < t_end, L_X), other=0.0)
+        return gl.load(px + per_warp(t * _K, L_X), mask=tx & per_warp(t < t_end, L_X), other=0.0)
 
     @gluon.jit
     def _mma(acc, v, q, x, WARPS: gl.constexpr, ROWS: gl.constexpr, BLOCK_M: gl.constexpr, L_V: gl.constexpr,
              A_OP: gl.constexpr, B_OP: gl.constexpr, QPASS: gl.constexpr):
         """acc ``[W, ROWS, BLOCK_M]`` += each warp's decoded record times its x (MMA k order)."""
-        p0, p1 = _decode_pairs_fast(v, q, L_V, QPASS)
-        a = gl.join(_bf16_halves(p0), _bf16_halves(p1))          # [w, n, word, c, s]
+        p0, p1 = decode_pairs(v, q, L_V, QPASS)
+        a = gl.join(bf16_halves(p0), bf16_halves(p1))          # [w, n, word, c, s]
         a = gl.permute(gl.reshape(a, [WARPS, ROWS, 4, 4, 2, 2]), [0, 1, 3, 5, 2, 4])   # [w, n, j, s, t, c]
         a = gl.convert_layout(gl.reshape(a, [WARPS, ROWS, _K]), A_OP, assert_trivial=True)
         b = gl.permute(gl.reshape(x, [WARPS, BLOCK_M, 4, 4, 2, 2]), [0, 3, 4, 2, 5, 1])  # [w, j, s, t, c, m]
@@ -163,7 +149,7 @@ if gluon is not None:
             x = _x_of(px, x, t_end, tx, L_X)
         acc = _mma(acc, v, q, x, WARPS, ROWS, BLOCK_M, L_V, A_OP, B_OP, QPASS)
         v, q, x = _load(pv, pq, px, t_next + wid, t_end, tx, L_V, L_Q, L_X, QPASS, X_LATE)
-        return acc, v, q, x, _pin(wid, True)
+        return acc, v, q, x, pin(wid, True)
 
     @gluon.jit
     def _w12_warpk_kernel(
@@ -175,14 +161,14 @@ if gluon is not None:
         USE_SPLIT: gl.constexpr, QPASS: gl.constexpr, ESC_CH: gl.constexpr,
         L_V: gl.constexpr, L_Q: gl.constexpr, L_X: gl.constexpr, MMA: gl.constexpr,
         A_OP: gl.constexpr, B_OP: gl.constexpr, L_EP: gl.constexpr, X_LATE: gl.constexpr = False,
-        EPI_SPREAD: gl.constexpr = False, TAIL_EPI: gl.constexpr = False,
+        EPI_SPREAD: gl.constexpr = False,
     ):
         pid_n = gl.program_id(0)
         pid_k = gl.program_id(1)
         n0 = pid_n * ROWS
         # loop-invariant pointers: the rows' view and nibble words in the tile's first record, and
         # each lane's x row and 16 physical k
-        tile_row, off_v, off_q = _record_offsets_3d(n0, KT, ROWS, L_V, L_Q)
+        tile_row, off_v, off_q = record_offsets_3d(n0, KT, ROWS, L_V, L_Q)
         pv = rec_ptr + tile_row * 3072 + off_v
         pq = rec_ptr + tile_row * 3072 + off_q
         mx = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, gl.SliceLayout(2, L_X)))
@@ -201,22 +187,22 @@ if gluon is not None:
             v2, q2, x2 = _load(pv, pq, px, t_begin + 2 * WARPS + wid, t_end, tx, L_V, L_Q, L_X, QPASS, X_LATE)
         if DEPTH >= 4:
             v3, q3, x3 = _load(pv, pq, px, t_begin + 3 * WARPS + wid, t_end, tx, L_V, L_Q, L_X, QPASS, X_LATE)
-        if not USE_SPLIT and not EPI_SPREAD and not TAIL_EPI:   # the epilogue's three dependent round trips,
-            # behind the weights (held in registers through the loop; TAIL_EPI: issued after it)
-            wid = _pin(wid, True)
-            pre = _finalize_loads(x_ptr, low_ptr, eptr_ptr, ecol_ptr, edelta_ptr, n0, 0, M, N, stride_xm,
+        if not USE_SPLIT and not EPI_SPREAD:   # the epilogue's three dependent round trips, behind the
+            # weights (held in registers through the loop)
+            wid = pin(wid, True)
+            pre = finalize_loads(x_ptr, low_ptr, eptr_ptr, ecol_ptr, edelta_ptr, n0, 0, M, N, stride_xm,
                                   ROWS, BLOCK_M, ESC_CH, L_EP)
         t0 = t_begin
         if EPI_SPREAD:
             # only the independent loads now; step 0 peeled (the same sets in the same order) with the
             # chain's dependent loads between its sets, and x[col] * delta taken after the loop, so
-            # no warp waits on the chain before its first MMA (as gemv_gluon's epi_spread)
-            wid = _pin(wid, True)
-            scale, r_lo, r_hi, e_lo, e_hi = _finalize_range(low_ptr, eptr_ptr, n0, N, ROWS, L_EP)
+            # no warp waits on the chain before its first MMA (as the one-row GEMV's epi_spread)
+            wid = pin(wid, True)
+            scale, r_lo, r_hi, e_lo, e_hi = finalize_range(low_ptr, eptr_ptr, n0, N, ROWS, L_EP)
             acc, v0, q0, x0, wid = _set(acc, v0, q0, x0, t_begin + DEPTH * WARPS, wid, pv, pq, px, t_end, tx, WARPS,
                                         ROWS, BLOCK_M, L_V, L_Q, L_X, A_OP, B_OP, QPASS, X_LATE)
-            e_ok, e_col, e_delta = _esc_cols(ecol_ptr, edelta_ptr, e_lo, e_hi, ESC_CH, L_EP)
-            wid = _pin(wid, True)
+            e_ok, e_col, e_delta = esc_cols(ecol_ptr, edelta_ptr, e_lo, e_hi, ESC_CH, L_EP)
+            wid = pin(wid, True)
             acc, v1, q1, x1, wid = _set(acc, v1, q1, x1, t_begin + (DEPTH + 1) * WARPS, wid, pv, pq, px, t_end, tx,
                                         WARPS, ROWS, BLOCK_M, L_V, L_Q, L_X, A_OP, B_OP, QPASS, X_LATE)
             if DEPTH >= 3:
@@ -226,8 +212,8 @@ if gluon is not None:
                 acc, v3, q3, x3, wid = _set(acc, v3, q3, x3, t_begin + (DEPTH + 3) * WARPS, wid, pv, pq, px, t_end,
                                             tx, WARPS, ROWS, BLOCK_M, L_V, L_Q, L_X, A_OP, B_OP, QPASS, X_LATE)
             offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, L_EP))
-            e_x = _esc_x(x_ptr, e_ok, e_col, offs_m, M, stride_xm)
-            wid = _pin(wid, True)
+            e_x = esc_x(x_ptr, e_ok, e_col, offs_m, M, stride_xm)
+            wid = pin(wid, True)
             t0 = t_begin + DEPTH * WARPS
         for t in range(t0, t_end, DEPTH * WARPS):
             acc, v0, q0, x0, wid = _set(acc, v0, q0, x0, t + DEPTH * WARPS, wid, pv, pq, px, t_end, tx, WARPS, ROWS,
@@ -241,13 +227,13 @@ if gluon is not None:
                 acc, v3, q3, x3, wid = _set(acc, v3, q3, x3, t + (DEPTH + 3) * WARPS, wid, pv, pq, px, t_end, tx,
                                             WARPS, ROWS, BLOCK_M, L_V, L_Q, L_X, A_OP, B_OP, QPASS, X_LATE)
         part = gl.sum(acc, axis=0)          # the warps, in a fixed order
-        if EPI_SPREAD:   # :func:`.mma._esc_contrib`'s products, now
+        if EPI_SPREAD:   # the products of finalize_loads, now
             pre = (scale, r_lo, r_hi, e_lo, e_hi, e_x.to(gl.float32) * e_delta[:, None])
-        if not USE_SPLIT and not TAIL_EPI:
-            _finalize_apply(part, pre, x_ptr, y_ptr, eptr_ptr, ecol_ptr, edelta_ptr, n0, 0, M, N, stride_xm,
+        if not USE_SPLIT:
+            finalize_apply(part, pre, x_ptr, y_ptr, eptr_ptr, ecol_ptr, edelta_ptr, n0, 0, M, N, stride_xm,
                             stride_ym, ROWS, BLOCK_M, ESC_CH, L_EP)
         else:
-            _epilogue(part, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, ws_ptr, lock_ptr,
+            epilogue(part, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, ws_ptr, lock_ptr,
                       n0, pid_n, pid_k, 0, M, N, NUM_N_BLOCKS, SPLIT_K, SPLIT_K, stride_xm, stride_ym,
                       ROWS, BLOCK_M, USE_SPLIT, ESC_CH, gl.SliceLayout(0, MMA), L_EP)
 
@@ -259,65 +245,24 @@ def supported(x: torch.Tensor, packed: KernelPack) -> bool:
             and torch.cuda.get_device_capability(x.device)[0] >= 8)
 
 
-def bucket(m: int) -> int:
-    """The row bucket of :data:`TUNED`: 1, 8 (2-8 rows: one 8-row MMA column block), 16 or 32."""
-    return 1 if m == 1 else 8 if m <= 8 else 16 if m <= 16 else 32
+def tuned_config(m: int, n: int, k: int, device=None) -> WarpKConfig | None:
+    """The table's config for ``m`` rows of the ``n x k`` layer (:mod:`specpilot.kernels.tuning`)."""
+    found = tuning.lookup("w12", "warpk", tuning.device_arch(device) if device is not None else None, rows=m, n=n, k=k)
+    return WarpKConfig(**found[0]["config"]) if found else None
 
 
-def default_config(m: int, n: int, k: int, sms: int = 132) -> WarpKConfig:
-    """The measured table (:data:`TUNED`) first, else 16-row programs of 4 warps, four register
-    sets up to 8 x rows (what the sweep chose most) and two above (x takes 16-32 registers per set;
-    above 16 rows x is loaded late and the epilogue preloads 32 escapes, not 64: 6 of 7 layers
-    faster, w12_warpk_esc.json), split-K when there are fewer than two programs per SM."""
-    tuned = TUNED.get((n, k, bucket(m)))
+def default_config(m: int, n: int, k: int, sms: int = 132, *, device=None) -> WarpKConfig:
+    """The table's config, else programs of 4 warps, four register sets up to 8 x rows (the sweeps'
+    most frequent choice) and two above (x takes 16-32 registers per set; above 16 rows x is loaded
+    late and the epilogue preloads 32 escapes, not 64: faster on 6 of 7 layers), split-K when there
+    are fewer than two programs per SM."""
+    tuned = tuned_config(m, n, k, device)
     if tuned is not None:
         return tuned
     kt = (k + TILE_K - 1) // TILE_K
-    blocks = (n + 15) // 16
+    blocks = (n + ROWS - 1) // ROWS
     split = 1 if blocks >= 2 * sms else max(1, min(max(1, kt // 8), (2 * sms + blocks - 1) // blocks))
-    return WarpKConfig(16, 4, 4 if m <= 8 else 2, split, x_late=m > 16, esc_ch=32 if m > 16 else 0)
-
-
-def preferred(m: int, n: int, k: int) -> bool:
-    """Where ``w12_linear`` sends a product here: 2-8 rows always (it beat the ``mma`` kernel on all
-    seven layers of the sweep), 1 and 9-32 rows only on the layers of :data:`TUNED` (elsewhere the
-    one-row GEMV or the ``mma`` kernel measured as fast or faster)."""
-    return 2 <= m <= 8 or (n, k, bucket(m)) in TUNED
-
-
-# Fastest variant per (N, K, row bucket) on the H200 (benchmarks/w12_gemm.py --mode warpk --rows
-# 1,8,16,32, benchmarks/results/w12_warpk.json, git 44e0090; the comment: its time against the
-# kernel w12_linear used before, re-timed interleaved in the same run). 1 and 16 rows only where it
-# won by 3 % or more (one row: in that run and in the one before, w12_warpk_first.json).
-# Then the escape chain spread over the first step (``epi_spread``, bitwise the same output) where
-# it re-timed faster than the entry before it: 8 and 16 rows (and 5120 -> 7168 at 16 rows, where
-# it beat the ``mma`` entry by 3 %) and 4096 -> 6144 at 32
-# (w12_warpk_spread.json, git f87511f: 8 rows 1.256x vs 1.235x geometric mean over the seven), one
-# row on two of its three layers (w12_warpk_spread_m1.json, git eb03a8f).
-_ES = dict(epi_spread=True)
-TUNED: dict[tuple[int, int, int], WarpKConfig] = {
-    (6144, 4096, 8): WarpKConfig(16, 4, 4, 1, **_ES),    # 15.30 vs 15.62 us (no spread)
-    (4096, 4096, 8): WarpKConfig(16, 8, 2, 1, **_ES),    # 12.48 vs 12.99
-    (28672, 4096, 8): WarpKConfig(16, 4, 2, 1, **_ES),   # 48.48 vs 48.61
-    (4096, 14336, 8): WarpKConfig(16, 8, 2, 1, **_ES),   # 26.72 vs 27.04
-    (7168, 5120, 8): WarpKConfig(16, 4, 4, 1, **_ES),    # 19.10 vs 19.74
-    (34816, 5120, 8): WarpKConfig(16, 4, 4, 1, **_ES),   # 68.99 vs 69.50
-    (5120, 17408, 8): WarpKConfig(16, 4, 2, 2),          # 37.60 vs 40.51 (mma); spread: 38.18 vs 38.14
-    (6144, 4096, 16): WarpKConfig(16, 4, 2, 1, **_ES),   # 16.80 vs 17.15 (no spread; mma 18.72 before)
-    (4096, 4096, 16): WarpKConfig(16, 4, 4, 1, **_ES),   # 13.92 vs 14.78
-    (4096, 14336, 16): WarpKConfig(16, 8, 2, 1, **_ES),  # 29.47 vs 30.05
-    (7168, 5120, 16): WarpKConfig(16, 4, 2, 1, **_ES),   # 21.22 vs 21.92 (mma)
-    (4096, 14336, 1): WarpKConfig(16, 8, 2, 1, **_ES),  # 26.21 vs 27.17 (no spread; w12_warpk_spread_m1.json)
-    (7168, 5120, 1): WarpKConfig(16, 4, 2, 1, **_ES),   # 19.23 vs 19.58 (no spread, 4 sets)
-    (5120, 17408, 1): WarpKConfig(16, 4, 4, 1),   # 37.44 vs 39.26 (37.79 vs 39.33 at split 2)
-    # 17-32 rows with x loaded late (w12_warpk_xlate.json, git 2be1ecd): won on this layer only;
-    # 32 escapes preloaded and the chain spread: 20.61 vs 21.38 us (w12_warpk_spread.json). Where
-    # wgmma runs, the four K groups of mma.TUNED go first there (19.6 vs 20.8 us,
-    # w12_mma_tma_kgroups_sweep.json; gemm.route)
-    (6144, 4096, 32): WarpKConfig(16, 4, 2, 1, x_late=True, esc_ch=32, **_ES),
-    # transformers' k/v projection (4096 -> 1024; w12_warpk_hf_rows.json, git c6e5fc8): 9.76 vs 10.37 us
-    (1024, 4096, 8): WarpKConfig(16, 4, 4, 4),
-}
+    return WarpKConfig(4, 4 if m <= 8 else 2, split, x_late=m > 16, esc_ch=32 if m > 16 else 0)
 
 
 def w12_warpk(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: WarpKConfig | None = None,
@@ -327,22 +272,22 @@ def w12_warpk(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: 
     if not supported(x, packed):
         raise ValueError(f"w12_warpk needs 1-{MAX_ROWS} bf16 rows on a CUDA GPU of compute capability 8.0+")
     m, n = x.shape[0], packed.shape[0]
-    cfg = config or default_config(m, n, x.shape[1])
+    cfg = config or default_config(m, n, x.shape[1], device=x.device)
     check_config(cfg)
     kt = packed.k_tiles
     x, k = aligned_x(x, kt)
-    bm, tps, split, nb, _, ws, locks = split_grid(m, n, kt, cfg.rows, cfg.split_k, x.device)
+    bm, tps, split, nb, _, ws, locks = split_grid(m, n, kt, ROWS, cfg.split_k, x.device)
     if out is None:
         out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
-    l_v, l_q, l_x, mma, a_op, b_op, l_ep = layouts(cfg.rows, bm, cfg.warps)
+    l_v, l_q, l_x, mma, a_op, b_op, l_ep = layouts(ROWS, bm, cfg.warps)
     _w12_warpk_kernel[(nb, split)](
         x, out, packed.rec32, packed.low_exp,
         packed.esc_rowptr, packed.esc_row, packed.esc_col, packed.esc_delta_q if qpass else packed.esc_delta,
         ws, locks,
         m, n, k, kt, tps, nb, split, x.stride(0), out.stride(0),
-        ROWS=cfg.rows, BLOCK_M=bm, WARPS=cfg.warps, DEPTH=cfg.depth, USE_SPLIT=split > 1, QPASS=qpass,
+        ROWS=ROWS, BLOCK_M=bm, WARPS=cfg.warps, DEPTH=cfg.depth, USE_SPLIT=split > 1, QPASS=qpass,
         ESC_CH=cfg.esc_ch or esc_chunk(bm), L_V=l_v, L_Q=l_q, L_X=l_x, MMA=mma, A_OP=a_op, B_OP=b_op, L_EP=l_ep,
-        X_LATE=cfg.x_late, EPI_SPREAD=cfg.epi_spread and split == 1, TAIL_EPI=cfg.tail_epilogue and split == 1,
-        num_warps=cfg.warps, **launch_options(cfg),
+        X_LATE=cfg.x_late, EPI_SPREAD=cfg.epi_spread and split == 1,
+        num_warps=cfg.warps,
     )
     return out

@@ -1,0 +1,238 @@
+"""Best-first draft trees from a drafter's candidate lattice, and what verification needs of them.
+
+A lattice (DESIGN.md) gives, for each draft position i, the drafter's top candidates
+``tokens[i][j]`` with scores ``logprobs[i][j]`` and optionally parent-conditioned scores
+``transitions[i-1][k][j]`` (candidate j at depth i given candidate k at depth i-1). The best-first
+tree keeps the ``n_nodes`` root paths with the highest path score ``sum log p(child | parent)``
+(paper 4.2). Because an edge score is a log-probability (<= 0), a child never outscores its
+parent, so popping a max-heap yields a prefix-closed tree whose nodes come parent-first.
+
+Rows of the lattice may be ragged (fewer than K candidates at a position); non-finite scores are
+never expanded. Ties are broken deterministically: higher score, then shallower depth, then the
+earlier parent node, then the lower candidate index.
+
+Node numbering: node ``i`` of a tree is ``tokens[i]``; ``parents[i] == -1`` means a child of the
+root (the last committed token, which the verifier feeds as row 0 before the nodes).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+from specpilot.errors import InputError
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    tokens: tuple[int, ...]
+    parents: tuple[int, ...]
+    depth: tuple[int, ...]
+    cand: tuple[int, ...]
+    score: tuple[float, ...]
+    children: tuple[tuple[int, ...], ...] = field(default=(), compare=False, repr=False)
+
+    def __post_init__(self):
+        if not self.children or len(self.children) != len(self.tokens) + 1:
+            kids: list[list[int]] = [[] for _ in range(len(self.tokens) + 1)]
+            for i, p in enumerate(self.parents):
+                kids[p + 1].append(i)
+            object.__setattr__(self, "children", tuple(tuple(k) for k in kids))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def max_depth(self) -> int:
+        """Number of draft positions the tree reaches (0 for an empty tree)."""
+        return (max(self.depth) + 1) if self.depth else 0
+
+    def children_of(self, node: int) -> tuple[int, ...]:
+        """Children of ``node``; ``-1`` is the root."""
+        return self.children[node + 1]
+
+    def path(self, node: int) -> list[int]:
+        """Nodes from the root's child down to ``node`` (inclusive)."""
+        out = []
+        while node >= 0:
+            out.append(node)
+            node = self.parents[node]
+        return out[::-1]
+
+    def to_dict(self) -> dict:
+        return {"tokens": list(self.tokens), "parents": list(self.parents), "depth": list(self.depth),
+                "cand": list(self.cand), "score": list(self.score)}
+
+
+@dataclass
+class BatchedTrees:
+    """Trees of a batch of requests, fixed shape ``[B, N]`` (:func:`.batched.build_batched`)."""
+
+    tokens: torch.Tensor    # [B, N] int64
+    parents: torch.Tensor   # [B, N] int64, -1 = child of the root
+    depth: torch.Tensor     # [B, N] int64, 0-based draft position
+    cand: torch.Tensor      # [B, N] int64, candidate index at that position
+    score: torch.Tensor     # [B, N] float, path score (-inf: no such node)
+    valid: torch.Tensor     # [B, N] bool, node kept (budget and existence)
+    count: torch.Tensor     # [B] int64, nodes kept per request (valid is a prefix)
+
+    def request(self, b: int):
+        """Request ``b``'s kept nodes as a :class:`DraftTree` (host copy)."""
+        c = int(self.count[b])
+        cut = lambda t: tuple(t[b, :c].tolist())  # noqa: E731
+        return DraftTree(cut(self.tokens), cut(self.parents), cut(self.depth), cut(self.cand),
+                         tuple(float(x) for x in self.score[b, :c].tolist()))
+
+
+def _edge_fn(tokens, logprobs, transitions, where: str):
+    m = len(tokens)
+    if len(logprobs) != m:
+        raise InputError(f"{where}: tokens has {m} positions but logprobs has {len(logprobs)}")
+    for i in range(m):
+        if len(tokens[i]) != len(logprobs[i]):
+            raise InputError(f"{where}: position {i} has {len(tokens[i])} tokens but {len(logprobs[i])} logprobs")
+    if transitions is not None:
+        if len(transitions) != max(m - 1, 0):
+            raise InputError(f"{where}: transitions must have m-1 = {max(m - 1, 0)} entries, got {len(transitions)}")
+        for i, t in enumerate(transitions):
+            if len(t) != len(tokens[i]) or any(len(r) != len(tokens[i + 1]) for r in t):
+                raise InputError(f"{where}: transitions[{i}] must be [{len(tokens[i])}][{len(tokens[i + 1])}]")
+
+    def edge(depth: int, parent_cand: int, j: int) -> float:
+        if transitions is None or depth == 0:
+            return float(logprobs[depth][j])
+        return float(transitions[depth - 1][parent_cand][j])
+
+    return m, edge
+
+
+def build_best_first_shared(lattices: Sequence[tuple], n_nodes: int) -> list[DraftTree]:
+    """One shared node budget over several requests' lattices (paper 4.4).
+
+    ``lattices`` holds ``(tokens, logprobs, transitions)`` per request. Nodes are taken from the
+    highest path score over all requests; each request's share is itself a prefix-closed tree.
+    """
+    if n_nodes < 0:
+        raise InputError(f"node budget must be >= 0, got {n_nodes}")
+    edges = [_edge_fn(t, lp, tr, f"lattice {r}") for r, (t, lp, tr) in enumerate(lattices)]
+    heap: list = []
+    per_req: list[dict] = [{"tokens": [], "parents": [], "depth": [], "cand": [], "score": []} for _ in lattices]
+
+    def push_children(r: int, node: int, depth: int, cand: int, score: float):
+        m, edge = edges[r]
+        if depth >= m:
+            return
+        toks = lattices[r][0][depth]
+        for j in range(len(toks)):
+            s = edge(depth, cand, j)
+            if not math.isfinite(s):
+                continue
+            # key: best score first, then shallower, then request, then earlier parent, then lower cand
+            heapq.heappush(heap, (-(score + s), depth, r, node, j))
+
+    for r in range(len(lattices)):
+        push_children(r, -1, 0, -1, 0.0)
+    taken = 0
+    while heap and taken < n_nodes:
+        neg, depth, r, parent, j = heapq.heappop(heap)
+        t = per_req[r]
+        idx = len(t["tokens"])
+        t["tokens"].append(int(lattices[r][0][depth][j]))
+        t["parents"].append(parent)
+        t["depth"].append(depth)
+        t["cand"].append(j)
+        t["score"].append(-neg)
+        taken += 1
+        push_children(r, idx, depth + 1, j, -neg)
+    return [DraftTree(tuple(t["tokens"]), tuple(t["parents"]), tuple(t["depth"]), tuple(t["cand"]),
+                      tuple(t["score"])) for t in per_req]
+
+
+def build_best_first(tokens, logprobs, transitions, n_nodes: int) -> DraftTree:
+    """The best-first tree of at most ``n_nodes`` nodes over one lattice (see module doc)."""
+    return build_best_first_shared([(tokens, logprobs, transitions)], n_nodes)[0]
+
+
+def chain_tree(tokens_top1: Sequence[int], logprobs: Sequence[float] | None = None) -> DraftTree:
+    """The stock chain: node i is draft position i, child of node i-1."""
+    n = len(tokens_top1)
+    lp = [0.0] * n if logprobs is None else [float(x) for x in logprobs]
+    score, acc = [], 0.0
+    for x in lp:
+        acc += x
+        score.append(acc)
+    return DraftTree(tuple(int(t) for t in tokens_top1), tuple(range(-1, n - 1)), tuple(range(n)),
+                     (0,) * n, tuple(score))
+
+
+def ancestor_mask(tree: DraftTree) -> np.ndarray:
+    """bool [n, n]: ``mask[i, j]`` is True when node j is node i or one of its ancestors."""
+    n = len(tree)
+    mask = np.zeros((n, n), dtype=bool)
+    for i, p in enumerate(tree.parents):
+        if p >= 0:
+            mask[i] = mask[p]  # parents come before children
+        mask[i, i] = True
+    return mask
+
+
+def positions(tree: DraftTree, start: int) -> np.ndarray:
+    """Sequence position of each node, ``start`` being the position of draft position 0
+    (one past the root token): ``start + depth``."""
+    return np.asarray(tree.depth, dtype=np.int64) + int(start)
+
+
+def ancestor_paths(tree: DraftTree) -> np.ndarray:
+    """int [n, max_depth]: node i's root path (its depth-d ancestor in column d, itself at its
+    depth), -1 past its depth. The GDN path verifier walks these rows."""
+    n, d = len(tree), tree.max_depth
+    out = np.full((n, max(d, 1)), -1, dtype=np.int64)
+    for i in range(n):
+        p = tree.path(i)
+        out[i, :len(p)] = p
+    return out
+
+
+def accept_greedy(tree: DraftTree, target_tokens: Sequence[int]) -> tuple[list[int], list[int]]:
+    """Longest root path equal to a prefix of ``target_tokens``, plus the bonus token.
+
+    Returns ``(path, tokens)``: the accepted node indices and the committed tokens (the path's
+    tokens followed by ``target_tokens[len(path)]`` when it exists). tau = len(path) + 1.
+    """
+    path: list[int] = []
+    node = -1
+    while len(path) < len(target_tokens):
+        want = int(target_tokens[len(path)])
+        nxt = next((c for c in tree.children_of(node) if tree.tokens[c] == want), None)
+        if nxt is None:
+            break
+        path.append(nxt)
+        node = nxt
+    toks = [tree.tokens[i] for i in path]
+    if len(path) < len(target_tokens):
+        toks.append(int(target_tokens[len(path)]))
+    return path, toks
+
+
+def accept_predictions(tree: DraftTree, preds: Sequence[int]) -> tuple[list[int], list[int]]:
+    """Greedy acceptance from the verifier's own argmaxes: ``preds[0]`` is the target's token
+    after the root, ``preds[1 + i]`` the token after node i. Returns ``(path, tokens)`` with the
+    bonus token always present (so ``len(tokens) == len(path) + 1``)."""
+    path: list[int] = []
+    node = -1
+    want = int(preds[0])
+    while True:
+        nxt = next((c for c in tree.children_of(node) if tree.tokens[c] == want), None)
+        if nxt is None:
+            break
+        path.append(nxt)
+        node = nxt
+        want = int(preds[1 + nxt])
+    return path, [tree.tokens[i] for i in path] + [want]
