@@ -29,6 +29,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests"))   # the synthetic trace writer the tests use
 
 CHILD = r"""
 import json, resource, sys, time
@@ -74,7 +75,7 @@ def main():
 
     from specpilot.machine import cpu_name
 
-    from specpilot.probes.traces.synthetic import SynthSpec, truth, write_kineto, write_nsys_sqlite
+    from synthetic_traces import SynthSpec, truth, write_kineto, write_nsys_sqlite
 
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="specpilot-bench-"))
     work.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from specpilot.probes.traces.synthetic import SynthSpec, truth, write_kineto, write_nsys_sqlite
+from synthetic_traces import SynthSpec, truth, write_kineto, write_nsys_sqlite
 
 LOCAL = Path(__file__).parent / "fixtures"
 H200_EAGER = LOCAL / "nsys_h200_decode_eager.sqlite"

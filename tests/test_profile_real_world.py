@@ -173,7 +173,7 @@ def test_tensor_parallel_ranks_with_communication_floor(run_cli, tmp_path):
 def test_ranks_of_one_multi_gpu_nsight_export(run_cli, tmp_path):
     import sqlite3
 
-    from specpilot.probes.traces.synthetic import SynthSpec, write_nsys_sqlite
+    from synthetic_traces import SynthSpec, write_nsys_sqlite
 
     p = write_nsys_sqlite(tmp_path / "two.sqlite", SynthSpec(steps=4, layers=1))
     con = sqlite3.connect(p)

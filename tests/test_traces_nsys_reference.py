@@ -20,7 +20,7 @@ from specpilot.probes.classify import load_rules
 from specpilot.probes.profile import build_profile
 from specpilot.probes.traces import StepRequest
 from specpilot.probes.traces.model import KINDS, Aggregate, KernelGroup, StepInfo
-from specpilot.probes.traces.synthetic import SynthSpec, write_nsys_sqlite
+from synthetic_traces import SynthSpec, write_nsys_sqlite
 
 LOCAL = Path(__file__).parent / "fixtures"
 

@@ -13,7 +13,7 @@ import pytest
 from specpilot.errors import EnvironmentMissing, InputError
 from specpilot.probes.traces import StepRequest, read_trace, sniff
 from specpilot.probes.traces.nsys_sqlite import describe
-from specpilot.probes.traces.synthetic import SynthSpec, truth, write_kineto, write_nsys_sqlite
+from synthetic_traces import SynthSpec, truth, write_kineto, write_nsys_sqlite
 
 LOCAL = Path(__file__).parent / "fixtures"
 H200_EAGER = LOCAL / "nsys_h200_decode_eager.sqlite"

@@ -17,7 +17,7 @@ from specpilot.errors import InputError
 from specpilot.probes.steps import gap_boundaries, innermost_segments, union_ns
 from specpilot.probes.traces import Range, StepRequest, read_trace
 from specpilot.probes.traces.jsonstream import iter_chrome_trace
-from specpilot.probes.traces.synthetic import SynthSpec, write_kineto, write_nsys_sqlite
+from synthetic_traces import SynthSpec, write_kineto, write_nsys_sqlite
 
 FUZZ = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
