@@ -185,22 +185,44 @@ def parse_entry(raw: Any, source: str, path: Path | None = None) -> Entry:
 
 def load_memory(directory: str | Path | None = None) -> dict[str, Entry]:
     """All entries in ``directory`` (default: the packaged ``bundles/memory_entries``), keyed by id."""
-    import yaml
-
     directory = Path(directory) if directory else MEMORY_DIR
     if not directory.is_dir():
         raise InputError(f"{directory}: no such memory folder")
     entries: dict[str, Entry] = {}
     for path in sorted(directory.glob("*.yaml")):
-        try:
-            raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except yaml.YAMLError as e:
-            raise InputError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+        raw = read_yaml(path, "memory entry")
         entry = parse_entry(raw, str(path), path)
         if entry.id in entries:
             raise InputError(f"{path}: duplicate memory id {entry.id!r} (also in {entries[entry.id].path})")
         entries[entry.id] = entry
     return entries
+
+
+def read_yaml(path: Path, what: str):
+    """One YAML document; a binary, oversized or malformed file is an InputError naming it."""
+    import yaml
+
+    from specpilot.limits import MAX_YAML_BYTES
+
+    if not path.is_file():
+        raise InputError(f"{path}: {what} is not a regular file")
+    size = path.stat().st_size
+    if size > MAX_YAML_BYTES:
+        raise InputError(f"{path}: {what} of {size} bytes is larger than the {MAX_YAML_BYTES} bytes allowed")
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise InputError(f"{path}:{line}: {what} is not UTF-8 text (a binary file?)") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        raise InputError(f"{where}: {what} is not valid YAML ({' '.join(str(e).split())[:160]})") from None
+    except RecursionError:
+        raise InputError(f"{path}: {what} is nested too deeply") from None
 
 
 def get_entry(entries: dict[str, Entry], name: str) -> Entry:

@@ -88,7 +88,7 @@ def test_run_bad_prompts_file_line(run_cli, tmp_path):
     p.write_text('{"schema": "specpilot.prompts/1", "id": 1, "prompt_ids": [1, 2]}\n'
                  '{"schema": "specpilot.prompts/1", "id": 2, "prompt_ids": "nope"}\n')
     code, _, err = run_cli("run", "--model", "tiny", "--prompts", p)
-    assert code == 2 and "p.jsonl row 2" in err and "prompt_ids" in err
+    assert code == 2 and "p.jsonl:2" in err and "prompt_ids" in err
 
 
 def test_probe_rows_cpu_writes_rows_schema(run_cli, tmp_path):

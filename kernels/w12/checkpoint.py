@@ -430,7 +430,7 @@ def stats(path: str) -> StatsResult:
         info = w12_info(meta, str(f))
         names = set()
         for name, entry in info.items():
-            t = load_w12(tensors, name, entry, str(f), check_crc=False)
+            t = load_w12(tensors, name, entry, str(f))
             names.update(f"{name}.w12.{p}" for p in PARTS)
             out.append(TensorStat(name, t.shape, t.bits_per_weight(), t.num_escapes, t.escape_rate(),
                                   t.stored_bytes()))
