@@ -111,8 +111,8 @@ def read_outputs(path, name: str | None = None) -> Outputs:
     return Outputs(name or path.name, rows, str(path))
 
 
-def write_outputs(path, rows: Iterable[OutputRow], protect: Sequence = ()) -> None:
-    write_jsonl_atomic(path, (r.to_json() for r in rows), protect=protect)
+def write_outputs(path, rows: Iterable[OutputRow], protect: Sequence = (), option: str = "--out") -> None:
+    write_jsonl_atomic(path, (r.to_json() for r in rows), protect=protect, option=option)
 
 
 @dataclass

@@ -151,4 +151,5 @@ def _report(res) -> Report:
 
             lines.append(f"Largest factor: {c.largest} ({c.factors[c.largest]:.3g}x): {ADVICE[c.largest]}.")
         lines.extend(f"note: {n}" for n in c.notes)
+    lines.extend(f"warning: {w}" for w in res.warnings)
     return Report(data=res.as_dict(), sections=sections, lines=lines)
