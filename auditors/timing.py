@@ -236,12 +236,21 @@ def rejudge(path, *, noise: float | None = None, changes_output: bool | None = N
             seed: int = 0) -> TimingResult:
     """Judge the paired samples of a stored ``specpilot.timing/1`` file again (e.g. in CI, with
     a given noise or the changes-output rule). Every sample is checked; the rule is the same."""
-    d = read_timing(path)
+    from specpilot.fileio import reading
+
+    with reading(path):
+        return _rejudge(read_timing(path), path, noise, changes_output, n_boot, seed)
+
+
+def _rejudge(d: dict, path, noise, changes_output, n_boot, seed) -> TimingResult:
     try:
         hib = bool(d["higher_is_better"])
     except KeyError:
         raise InputError(f"{path}: timing file lacks 'higher_is_better'") from None
     samples, aa = parse_samples(d, path)
+    warmup = d.get("warmup", 0)
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or not 0 <= warmup <= 10**6:
+        raise InputError(f"{path}: 'warmup' must be a whole number in [0, 1000000]")
     co = bool(d.get("changes_output", False)) if changes_output is None else (changes_output or
                                                                                bool(d.get("changes_output")))
     v = judge(samples, higher_is_better=hib, aa_pairs=aa, noise=noise, changes_output=co, n_boot=n_boot, seed=seed)
@@ -250,7 +259,16 @@ def rejudge(path, *, noise: float | None = None, changes_output: bool | None = N
     keep["rejudged_from"] = str(path)
     return TimingResult(str(d.get("base", "?")), str(d.get("candidate", "?")), str(d.get("metric", "?")),
                         str(d.get("unit", "")), hib, str(d.get("schedule", "?")), co, samples, aa, v,
-                        warmup=int(d.get("warmup", 0)), plan=d.get("plan"), extra=keep)
+                        warmup=warmup, plan=_plan(d.get("plan")), extra=keep)
+
+
+def _plan(plan):
+    """A stored power plan, kept when it has the figures the report shows."""
+    num = (int, float)
+    if (isinstance(plan, dict) and isinstance(plan.get("pairs"), int) and isinstance(plan.get("power"), num)
+            and isinstance(plan.get("target_gain"), num) and all(math.isfinite(plan[k]) for k in ("power", "target_gain"))):
+        return plan
+    return None
 
 
 PARTIAL_SCHEMA = "specpilot.timing-partial/1"

@@ -99,6 +99,19 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", protect: Iterable[str 
             raise
 
 
+def temp_dir_beside(dst: str | os.PathLike) -> Path:
+    """A new hidden ``.NAME.XXXX.part`` folder beside ``dst`` to build a folder output in, then
+    ``os.replace`` onto ``dst``; it has the mode a plain ``mkdir`` gives and a signal removes it."""
+    dst = Path(dst)
+    parent = dst.parent if str(dst.parent) else Path(".")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".part", dir=parent))
+    os.chmod(tmp, 0o777 & ~_umask())
+    from .signals import register_temp
+
+    register_temp(tmp)
+    return tmp
+
+
 def write_text_atomic(path, text: str, protect=(), option: str = "--out") -> None:
     with atomic_open(path, "w", protect=protect, option=option) as fh:
         fh.write(text)
@@ -133,9 +146,10 @@ def check_schema(obj: Any, kind: str, source: str, versions: Iterable[int] = (1,
         raise InputError(f"{source}: expected a JSON object with \"schema\": \"specpilot.{kind}/1\"")
     schema = obj.get("schema")
     allowed = {f"specpilot.{kind}/{v}" for v in versions}
-    if schema not in allowed:
+    if not isinstance(schema, str) or schema not in allowed:
         want = " or ".join(sorted(allowed))
-        raise InputError(f"{source}: unknown schema {schema!r}; expected {want} (see docs/formats.md)")
+        shown = repr(schema) if len(repr(schema)) <= 60 else repr(schema)[:57] + "..."
+        raise InputError(f"{source}: unknown schema {shown}; expected {want} (see docs/formats.md)")
 
 
 def _open_text(path: Path):

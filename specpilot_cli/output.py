@@ -154,7 +154,8 @@ def progress(iterable=None, total=None, desc: str | None = None, unit: str = "it
         every = PROGRESS_SECONDS
     class LineBar(tqdm):
         def refresh(self, *args, **kwargs):  # an explicit refresh waits for the first interval too
-            if self._time() - self.start_t < self.delay:
+            start = getattr(self, "start_t", None)  # unset while tqdm is still being built
+            if start is not None and self._time() - start < self.delay:
                 return None
             return super().refresh(*args, **kwargs)
 

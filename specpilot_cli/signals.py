@@ -100,6 +100,12 @@ def track_temp(path: str | os.PathLike):
             _temps.pop(key, None)
 
 
+def register_temp(path: str | os.PathLike) -> None:
+    """Remove ``path`` in :func:`cleanup` if it still exists then (renamed away: nothing to do)."""
+    with _lock:
+        _temps[str(path)] = None
+
+
 def _remove(path: str) -> None:
     p = Path(path)
     if p.is_dir() and not p.is_symlink():

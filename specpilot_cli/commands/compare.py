@@ -236,7 +236,7 @@ def report(result) -> Report:
     if result.plan:
         p = result.plan
         rows.append(["run count (power plan)", f"{p['pairs']} pairs for {p['power'] * 100:.0f}% power at a true "
-                     f"{(p['target_gain'] - 1) * 100:.0f}% gain" + ("  (capped by --max-runs)" if p["capped"] else "")])
+                     f"{(p['target_gain'] - 1) * 100:.0f}% gain" + ("  (capped by --max-runs)" if p.get("capped") else "")])
     unit = result.unit
     med_b = sorted(s.base for s in result.samples)[len(result.samples) // 2]
     med_c = sorted(s.candidate for s in result.samples)[len(result.samples) // 2]
