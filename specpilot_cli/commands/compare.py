@@ -91,9 +91,11 @@ def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, tokenizer
       specpilot compare --from timing.json --changes-output     # re-judge stored samples
       specpilot compare --base-cmd ... --candidate-cmd ... --resume specpilot-compare.partial.json
     """
-    from specpilot.auditors.pairing import RunTimeout, make_system, paired_compare, parse_gpus
+    from specpilot.auditors.pairing import PairRun, RunTimeout, make_system, paired_compare, parse_gpus
+    from specpilot.auditors.timing import partial_doc, read_partial
     from specpilot.errors import InputError
     from specpilot.output import progress
+    from specpilot.resume import StateKeeper
 
     if from_file is not None:
         if any(x is not None for x in (base, candidate, base_cmd, candidate_cmd, prompts, gpus, resume_file)):
@@ -141,10 +143,22 @@ def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, tokenizer
         raise
     inputs = [p for p in [prompts, resume_file] if p]
     schedule = f"GPU swap on {gpu_pair[0]},{gpu_pair[1]}" if gpu_pair else "ABBA"
-    keeper = _PartialKeeper(partial_file or resume_file or _default_partial(out), a, b, schedule)
+    keeper = StateKeeper(partial_file or resume_file or _default_partial(out), "--partial",
+                         what=lambda doc: f"{doc['runs']} paired samples")
     bar = progress(total=runs or 8, desc="paired runs", unit="pair")
     try:
-        prior = keeper.resume(resume_file) if resume_file else None
+        prior = None
+        if resume_file:
+            samples, aa = read_partial(resume_file, base=a.label, candidate=b.label, metric=a.metric,
+                                       schedule=schedule)
+            prior = PairRun(samples, aa)
+
+        def keep(run):
+            keeper.save(partial_doc(a.label, b.label, a.metric, a.unit, a.higher_is_better, schedule, run.samples,
+                                    run.aa))
+
+        if prior:
+            keep(prior)  # the partial file holds them from now on, wherever it is
 
         def set_total(n):
             bar.total = n
@@ -152,7 +166,7 @@ def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, tokenizer
 
         result = paired_compare(a, b, runs=runs, warmup=warmup, gpus=gpu_pair, noise=noise,
                                 changes_output=changes_output, max_runs=max_runs, seed=seed,
-                                tick=bar.update, set_total=set_total, prior=prior, on_block=keeper.save)
+                                tick=bar.update, set_total=set_total, prior=prior, on_block=keep)
     except BaseException as e:
         keeper.note(e)
         raise
@@ -172,53 +186,6 @@ def _default_partial(out: str | None) -> str:
         p = Path(out)
         return str(p.with_suffix(".partial.json")) if p.suffix else f"{out}.partial.json"
     return "specpilot-compare.partial.json"
-
-
-class _PartialKeeper:
-    """Keeps the samples collected so far in a resumable file; says where on the way out."""
-
-    def __init__(self, path: str, a, b, schedule: str):
-        self.path, self.a, self.b, self.schedule = path, a, b, schedule
-        self.kept = 0
-        self.broken = False
-
-    def resume(self, path: str):
-        from specpilot.auditors.pairing import PairRun
-        from specpilot.auditors.timing import read_partial
-
-        samples, aa = read_partial(path, base=self.a.label, candidate=self.b.label, metric=self.a.metric,
-                                   schedule=self.schedule)
-        run = PairRun(samples, aa)
-        self.save(run)  # the partial file holds them from now on, wherever it is
-        return run
-
-    def save(self, run) -> None:
-        if self.broken:
-            return
-        from specpilot.auditors.timing import partial_doc
-        from specpilot.errors import SpecPilotError
-        from specpilot.fileio import write_json_atomic
-        from specpilot.output import status
-
-        doc = partial_doc(self.a.label, self.b.label, self.a.metric, self.a.unit, self.a.higher_is_better,
-                          self.schedule, run.samples, run.aa)
-        try:
-            write_json_atomic(self.path, doc, option="--partial")
-            self.kept = len(run.samples)
-        except (SpecPilotError, OSError) as e:
-            self.broken = True  # measuring goes on; only the resumable copy is lost
-            status(f"cannot keep the partial samples ({e}); an interrupted run will not be resumable")
-
-    def note(self, e: BaseException) -> None:
-        if self.kept and not self.broken and hasattr(e, "add_note"):
-            e.add_note(f"{self.kept} paired samples kept in {self.path}; continue with --resume {self.path}")
-
-    def finished(self) -> None:
-        import contextlib
-        import os
-
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
 
 
 def report(result) -> Report:
