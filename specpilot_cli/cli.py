@@ -53,7 +53,8 @@ def cli(ctx, debug):
       is a change really faster?         specpilot compare
       is it still lossless?              specpilot audit --against stock
 
-    Exit codes: 0 done/pass, 1 negative verdict, 2 bad input, 3 missing environment.
+    Exit codes: 0 done/pass, 1 negative verdict, 2 bad input, 3 missing environment,
+    4 a bug in SpecPilot, 128+N stopped by signal N (SIGINT 130, SIGTERM 143, SIGHUP 129).
     """
     ctx.ensure_object(dict)
     ctx.obj["debug"] = debug

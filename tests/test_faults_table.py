@@ -12,7 +12,6 @@ import json
 import os
 import stat
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -351,23 +350,23 @@ def test_ci_gate_reports_an_audit_that_could_not_run(tmp_path):
 
 # ------------------------------------------------------------------ long work in a non-tty
 
-def test_non_tty_progress_lines_and_loading_model_line(tmp_path):
+def test_non_tty_progress_lines_and_loading_model_line(run_cli, tmp_path, monkeypatch):
+    """stderr is not a terminal here (as in CI): plain progress lines, no carriage returns."""
+    from specpilot import machine
+
+    monkeypatch.setattr(machine, "_announced", set())
+    monkeypatch.setenv("SPECPILOT_PROGRESS_SECONDS", "0")
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(_jsonl([{"schema": "specpilot.prompts/1", "id": i, "prompt_ids": [1, 2 + i]}
                                for i in range(3)]))
-    env = dict(os.environ, SPECPILOT_PROGRESS_SECONDS="0")
-    proc = subprocess.run([sys.executable, "-m", "specpilot", "run", "--model", "tiny", "--mode", "ar", "--prompts",
-                           prompts, "--max-new-tokens", "3"], capture_output=True, text=True, env=env,
-                          stdin=subprocess.DEVNULL)
-    assert proc.returncode == 0, proc.stderr
-    lines = proc.stderr.splitlines()
+    code, _, err = run_cli("run", "--model", "tiny", "--mode", "ar", "--prompts", prompts, "--max-new-tokens", "3")
+    assert code == 0, err
+    lines = err.splitlines()
     assert lines[0] == "specpilot: loading model tiny (ar, cpu) ..."
-    assert any(ln.startswith("specpilot: CPU engine: 1 torch thread") for ln in lines)
-    progress = [ln for ln in lines if "/3 " in ln]
-    assert progress and all("\r" not in ln for ln in lines)
-    proc = subprocess.run([sys.executable, "-m", "specpilot", "compare", "--base-cmd", "true", "--candidate-cmd", "true",
-                           "--runs", "4", "--warmup", "0"], capture_output=True, text=True, env=env)
-    assert proc.returncode == 1 and "paired runs: 4/4 pair" in proc.stderr, proc.stderr
+    assert "specpilot: CPU engine: 1 torch thread (tiny model)" in lines
+    assert [ln for ln in lines if "/3 " in ln] and "\r" not in err
+    code, _, err = run_cli("compare", "--base-cmd", "true", "--candidate-cmd", "true", "--runs", "4", "--warmup", "0")
+    assert code == 1 and "paired runs: 4/4 pair" in err, err
 
 
 def test_progress_is_quiet_for_short_work_without_a_tty(run_cli, tmp_path):
@@ -394,17 +393,22 @@ def test_default_cpu_threads_leave_room_for_the_load(monkeypatch):
     assert machine.default_cpu_threads()[0] == 1
 
 
-def test_cpu_engine_prints_its_threads_once(tmp_path, monkeypatch):
+def test_cpu_engine_prints_its_threads_once(run_cli, tmp_path, monkeypatch):
+    from specpilot import machine
+
+    monkeypatch.setattr(machine, "_announced", set())
     cfg = tmp_path / "small"
     cfg.mkdir()
     (cfg / "config.json").write_text(json.dumps({
         "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
         "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 256, "tie_word_embeddings": True}))
-    base = [sys.executable, "-m", "specpilot", "run", "--model", str(cfg), "--random-weights", "--mode", "ar",
-            "--prompt-ids", "1,2,3", "--max-new-tokens", "2"]
-    proc = subprocess.run(base, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    (line,) = [ln for ln in proc.stderr.splitlines() if "CPU engine:" in ln]
+    base = ["run", "--model", cfg, "--random-weights", "--mode", "ar", "--prompt-ids", "1,2,3", "--max-new-tokens", "2"]
+    code, _, err = run_cli(*base)
+    assert code == 0, err
+    (line,) = [ln for ln in err.splitlines() if "CPU engine:" in ln]
     assert "physical cores, load average" in line and "--threads overrides" in line
-    proc = subprocess.run(base + ["--threads", "2"], capture_output=True, text=True)
-    assert "specpilot: CPU engine: 2 torch threads (--threads)" in proc.stderr.splitlines(), proc.stderr
+    code, _, err = run_cli(*base)
+    assert code == 0 and "CPU engine:" not in err  # once per process
+    monkeypatch.setattr(machine, "_announced", set())
+    code, _, err = run_cli(*base, "--threads", "2")
+    assert "specpilot: CPU engine: 2 torch threads (--threads)" in err.splitlines(), err
