@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 from specpilot.errors import InputError
-from specpilot.fileio import iter_jsonl, write_jsonl_atomic
+from specpilot.fileio import iter_jsonl_numbered, write_jsonl_atomic
+from specpilot.limits import MAX_TOKEN_ID
 
 OUTPUTS_SCHEMA = "specpilot.outputs/1"
 PROMPTS_SCHEMA = "specpilot.prompts/1"
@@ -70,9 +71,14 @@ def _token_list(value, what: str, where: str, allow_empty: bool) -> list[int]:
     if not value and not allow_empty:
         raise InputError(f"{where}: {what} is empty; the scorer needs at least one prompt token (e.g. BOS)")
     for t in value:
-        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-            raise InputError(f"{where}: {what} must hold non-negative integers, found {t!r}")
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= MAX_TOKEN_ID:
+            raise InputError(f"{where}: {what} must hold token ids in [0, {MAX_TOKEN_ID}], found {_short(t)}")
     return value
+
+
+def _short(v) -> str:
+    text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _id(obj: dict, where: str):
@@ -80,7 +86,7 @@ def _id(obj: dict, where: str):
         raise InputError(f"{where}: row has no \"id\"")
     v = obj["id"]
     if isinstance(v, bool) or not isinstance(v, (str, int)):
-        raise InputError(f"{where}: \"id\" must be a string or an integer, got {v!r}")
+        raise InputError(f"{where}: \"id\" must be a string or an integer, got {_short(v)}")
     return v
 
 
@@ -89,8 +95,8 @@ def read_outputs(path, name: str | None = None) -> Outputs:
     path = Path(path)
     rows: list[OutputRow] = []
     seen: set[str] = set()
-    for n, obj in enumerate(iter_jsonl(path, kind="outputs"), 1):
-        where = f"{path} row {n}"
+    for n, obj in iter_jsonl_numbered(path, kind="outputs"):
+        where = f"{path}:{n}"
         id_ = _id(obj, where)
         if key(id_) in seen:
             raise InputError(f"{where}: duplicate id {id_!r}")
@@ -105,8 +111,8 @@ def read_outputs(path, name: str | None = None) -> Outputs:
     return Outputs(name or path.name, rows, str(path))
 
 
-def write_outputs(path, rows: Iterable[OutputRow], protect: Sequence = ()) -> None:
-    write_jsonl_atomic(path, (r.to_json() for r in rows), protect=protect)
+def write_outputs(path, rows: Iterable[OutputRow], protect: Sequence = (), option: str = "--out") -> None:
+    write_jsonl_atomic(path, (r.to_json() for r in rows), protect=protect, option=option)
 
 
 @dataclass
@@ -134,8 +140,8 @@ def read_prompt_rows(path) -> list[PromptRow]:
         return [PromptRow(f"p{i}", text=line) for i, line in enumerate(lines)]
     rows: list[PromptRow] = []
     seen: set[str] = set()
-    for n, obj in enumerate(iter_jsonl(path), 1):
-        where = f"{path} row {n}"
+    for n, obj in iter_jsonl_numbered(path):
+        where = f"{path}:{n}"
         schema = obj.get("schema") if isinstance(obj, dict) else None
         if schema not in (PROMPTS_SCHEMA, OUTPUTS_SCHEMA):
             raise InputError(f"{where}: unknown schema {schema!r}; expected {PROMPTS_SCHEMA} or {OUTPUTS_SCHEMA} "

@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from specpilot import signals
 from specpilot.errors import EnvironmentMissing, InputError
 
 from .timing import Sample
@@ -56,11 +57,50 @@ def _tail(text: str, n: int = 160) -> str:
     return ("..." + t[-n:]) if len(t) > n else t
 
 
+FIRST_RUN_TIMEOUT_S = 3600.0  # before any base run has finished
+AUTO_TIMEOUT_FACTOR = 10.0
+AUTO_TIMEOUT_MIN_S = 60.0
+
+
+class RunTimeout:
+    """How long one shell run may take: ``--timeout`` when given, else 10 x the slowest base run
+    so far (warm-up runs included, they are A runs too), at least 60 s; 1 hour until the first
+    base run has finished. Shared by both systems of a comparison."""
+
+    def __init__(self, fixed: float | None = None):
+        self.fixed = fixed
+        self.slowest_base: float | None = None
+
+    def seconds(self) -> float:
+        if self.fixed is not None:
+            return self.fixed
+        if self.slowest_base is None:
+            return FIRST_RUN_TIMEOUT_S
+        return max(AUTO_TIMEOUT_MIN_S, AUTO_TIMEOUT_FACTOR * self.slowest_base)
+
+    def observe(self, role: str, wall: float) -> None:
+        if role == "base":
+            self.slowest_base = wall if self.slowest_base is None else max(self.slowest_base, wall)
+
+    def describe(self, limit: float) -> str:
+        if self.fixed is not None:
+            return f"--timeout {self.fixed:g} s"
+        if self.slowest_base is None:
+            return f"the first-run limit of {limit:g} s (set --timeout)"
+        return (f"the default limit of {limit:.3g} s ({AUTO_TIMEOUT_FACTOR:g} x the slowest base run, "
+                f"{self.slowest_base:.3g} s, at least {AUTO_TIMEOUT_MIN_S:g} s; set --timeout)")
+
+
 class ShellSystem(System):
-    def __init__(self, cmd: str, role: str, metric: str = "wall", timeout: float | None = None,
+    """A shell command, started in its own process group (``specpilot.signals.spawn``): a
+    timeout or a signal ends the command and everything it started."""
+
+    def __init__(self, cmd: str, role: str, metric: str = "wall", timeout: float | RunTimeout | None = None,
                  cwd: str | None = None):
         if not cmd or not cmd.strip():
             raise InputError(f"--{role}-cmd is empty")
+        if not isinstance(timeout, RunTimeout):
+            timeout = RunTimeout(timeout)
         self.cmd, self.role, self.timeout, self.cwd = cmd, role, timeout, cwd
         self.label = cmd
         self.metric = metric
@@ -82,26 +122,29 @@ class ShellSystem(System):
 
     def start(self, gpu=None):
         cmd, env = self._argv(gpu)
+        limit = self.timeout.seconds()
         t0 = time.perf_counter()
         try:
-            p = subprocess.Popen(cmd, shell=True, env=env, cwd=self.cwd, stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
+            p = signals.spawn(cmd, shell=True, env=env, cwd=self.cwd, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
         except OSError as e:
             raise InputError(f"{self.role} command could not start: {e}") from None
-        return (p, t0)
+        return (p, t0, limit)
 
     def finish(self, handle) -> float:
-        p, t0 = handle
+        p, t0, limit = handle
         try:
-            out, err = p.communicate(timeout=self.timeout)
+            out, err = p.communicate(timeout=max(0.0, limit - (time.perf_counter() - t0)))
         except subprocess.TimeoutExpired:
             _kill(p)
-            raise InputError(f"{self.role} command ran past --timeout {self.timeout:g} s on run {self.runs + 1}: "
+            raise InputError(f"{self.role} command ran past {self.timeout.describe(limit)} on run {self.runs + 1}: "
                              f"{self.cmd}") from None
         except BaseException:
             _kill(p)
             raise
         wall = time.perf_counter() - t0
+        signals.forget(p)
+        self.timeout.observe(self.role, wall)
         self.runs += 1
         if p.returncode != 0:
             raise InputError(f"{self.role} command failed (exit {p.returncode}) on run {self.runs}: {self.cmd}"
@@ -112,16 +155,8 @@ class ShellSystem(System):
 
 
 def _kill(p: subprocess.Popen) -> None:
-    import signal
-
-    try:
-        os.killpg(p.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        p.communicate(timeout=5)
-    except Exception:
-        pass
+    """End the command's whole process group."""
+    signals.end(p)
 
 
 def _metric_from_stdout(out: str, key: str, where: str) -> float:
@@ -195,10 +230,14 @@ class GenerateSystem(System):
         self.gen.close()
 
 
-def make_system(spec: str | None, cmd: str | None, role: str, *, metric: str, timeout: float | None,
+def make_system(spec: str | None, cmd: str | None, role: str, *, metric: str, timeout: float | RunTimeout | None,
                 prompts=None, max_new_tokens: int = 128, concurrency: int = 1) -> System:
+    """A shell system (``timeout``: seconds or a :class:`RunTimeout` shared with the other
+    system) or an engine/server system (``timeout``: seconds per request, default 120)."""
     if cmd is not None:
         return ShellSystem(cmd, role, metric=metric, timeout=timeout)
+    if isinstance(timeout, RunTimeout):
+        timeout = timeout.fixed
     if spec is None:
         raise InputError(f"give --{role} SPEC or --{role}-cmd CMD")
     if metric != "wall":
@@ -241,8 +280,10 @@ def run_block(a: System, b: System, block: int, pair0: int, gpus: Sequence[str] 
 
 
 def run_pairs(a: System, b: System, n_pairs: int, *, gpus: Sequence[str] | None = None, start_block: int = 0,
-              start_pair: int = 0, tick: Callable[[int], None] | None = None) -> PairRun:
-    """``n_pairs`` (rounded up to whole blocks of 2) paired samples on the chosen schedule."""
+              start_pair: int = 0, tick: Callable[[int], None] | None = None,
+              on_block: Callable[[list[Sample], tuple], None] | None = None) -> PairRun:
+    """``n_pairs`` (rounded up to whole blocks of 2) paired samples on the chosen schedule;
+    ``on_block`` gets each finished block's samples and A/A pair."""
     samples: list[Sample] = []
     aa = []
     block = start_block
@@ -251,6 +292,8 @@ def run_pairs(a: System, b: System, n_pairs: int, *, gpus: Sequence[str] | None 
         samples.extend(s)
         aa.append(pair_aa)
         block += 1
+        if on_block:
+            on_block(s, pair_aa)
         if tick:
             tick(len(s))
     return PairRun(samples, aa)
@@ -292,8 +335,13 @@ def _outputs_differ(a: System, b: System) -> bool:
 def paired_compare(a: System, b: System, *, runs: int | None = None, warmup: int = 1,
                    gpus: Sequence[str] | None = None, noise: float | None = None, changes_output: bool = False,
                    max_runs: int = 400, n_boot: int = 4000, seed: int = 0,
-                   tick: Callable[[int], None] | None = None, set_total: Callable[[int], None] | None = None):
-    """Warm up, run paired samples (a pilot and a power-planned total when ``runs`` is None), judge."""
+                   tick: Callable[[int], None] | None = None, set_total: Callable[[int], None] | None = None,
+                   prior: PairRun | None = None, on_block: Callable[[PairRun], None] | None = None):
+    """Warm up, run paired samples (a pilot and a power-planned total when ``runs`` is None), judge.
+
+    ``prior``: samples of an interrupted run of the same systems to continue from; ``on_block``
+    gets every sample so far after each block (to keep them in a resumable file).
+    """
     import math
 
     import numpy as np
@@ -307,19 +355,28 @@ def paired_compare(a: System, b: System, *, runs: int | None = None, warmup: int
         raise InputError("base and candidate must be measured in the same metric")
     hib = a.higher_is_better
     user_changes_output = changes_output
+    samples: list[Sample] = list(prior.samples) if prior else []
+    aa_pairs: list[tuple] = list(prior.aa) if prior else []
+
+    def keep(block_samples, block_aa):
+        samples.extend(block_samples)
+        aa_pairs.append(block_aa)
+        if on_block:
+            on_block(PairRun(samples, aa_pairs))
+
+    def more(n: int) -> None:
+        run_pairs(a, b, n, gpus=gpus, start_block=len(aa_pairs), start_pair=len(samples), tick=tick, on_block=keep)
+
     warm_up(a, b, warmup, gpus)
     plan = None
     if runs is None:
-        samples, aa_pairs, stages = [], [], []
+        stages = []
         want = min(PILOT_PAIRS, max_runs)
         for stage in range(8):  # the pilot, then re-plans from all samples so far
             if set_total:
                 set_total(max(want, len(samples)))
             if want > len(samples):
-                more = run_pairs(a, b, want - len(samples), gpus=gpus, start_block=len(aa_pairs),
-                                 start_pair=len(samples), tick=tick)
-                samples += more.samples
-                aa_pairs += more.aa
+                more(want - len(samples))
             if _outputs_differ(a, b):
                 changes_output = True  # plan for the rule that will judge it
             lr = np.log(speed_ratios(samples, hib))
@@ -339,8 +396,10 @@ def paired_compare(a: System, b: System, *, runs: int | None = None, warmup: int
     else:
         if set_total:
             set_total(runs + runs % 2)
-        r = run_pairs(a, b, runs, gpus=gpus, tick=tick)
-        samples, aa_pairs = r.samples, r.aa
+        if tick and samples:
+            tick(len(samples))
+        if runs > len(samples):
+            more(runs - len(samples))
     extra = {}
     if isinstance(a, GenerateSystem) and isinstance(b, GenerateSystem):
         outputs_differ = _outputs_differ(a, b)

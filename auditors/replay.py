@@ -14,13 +14,15 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from specpilot.errors import InputError
-from specpilot.fileio import iter_jsonl
+from specpilot.fileio import iter_jsonl_numbered
+from specpilot.limits import MAX_TOKEN_ID
 
 from .policies import Policy, StepView, parse_policy
 from .resample import bootstrap_mean_ci
 
 LATTICE_KIND = "lattice"
 REPLAY_SCHEMA = "specpilot.replay/1"
+MAX_TRANSITION_SCORES = 1 << 26  # (m-1) x K x K of one step, padded
 _KEYS = ("request", "step", "tokens", "logprobs", "transitions", "target")
 
 
@@ -72,6 +74,8 @@ def _rows(v, where: str, name: str) -> list[list]:
 def _ints(v, name, where):
     if any(isinstance(x, bool) or not isinstance(x, int) for x in v):
         raise InputError(f"{where}: \"{name}\" must hold integer token ids")
+    if any(x > MAX_TOKEN_ID for x in v):
+        raise InputError(f"{where}: \"{name}\" holds a token id above {MAX_TOKEN_ID} (token ids are 0..{MAX_TOKEN_ID})")
 
 
 def parse_row(row: dict, where: str) -> LatticeStep:
@@ -117,10 +121,13 @@ def parse_row(row: dict, where: str) -> LatticeStep:
     _check_scores(logprobs[~np.isneginf(logprobs)], where, "logprobs")
     trans = row["transitions"]
     if trans is not None:
-        t = np.full((max(m - 1, 0), k, k), -np.inf)
         if not isinstance(trans, list) or len(trans) != max(m - 1, 0):
             raise InputError(f"{where}: \"transitions\" must be null or [m-1][K_i][K_i+1] "
                              f"(m-1 = {max(m - 1, 0)} entries)")
+        if max(m - 1, 0) * k * k > MAX_TRANSITION_SCORES:
+            raise InputError(f"{where}: \"transitions\" of {m - 1} x {k} x {k} scores is more than the "
+                             f"{MAX_TRANSITION_SCORES} a step may have")
+        t = np.full((max(m - 1, 0), k, k), -np.inf)
         for i, block in enumerate(trans):
             ok = (isinstance(block, list) and len(block) == widths[i]
                   and all(isinstance(r, list) and len(r) == widths[i + 1] and all(_num(x) for x in r) for r in block))
@@ -153,8 +160,8 @@ def read_lattice(path) -> Lattice:
     p = Path(path)
     if not p.is_file():
         raise InputError(f"{p}: no such file")
-    # iter_jsonl checks the schema of every row and reports file:line for JSON errors
-    for lineno, row in _numbered(iter_jsonl(p, LATTICE_KIND), p):
+    # the reader checks the schema of every row and reports file:line for JSON errors
+    for lineno, row in iter_jsonl_numbered(p, LATTICE_KIND):
         steps.append(parse_row(row, f"{p}:{lineno}"))
     if not steps:
         raise InputError(f"{p}: no lattice rows")
@@ -165,17 +172,6 @@ def read_lattice(path) -> Lattice:
             raise InputError(f"{p}: request {s.request!r} step {s.step} appears twice")
         seen.add(key)
     return Lattice(str(p), steps)
-
-
-def _numbered(rows: Iterable[dict], path: Path):
-    """Pair rows from iter_jsonl with their line numbers (iter_jsonl skips blank lines)."""
-    import gzip
-
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as fh:
-        numbers = [i for i, line in enumerate(fh, 1) if line.strip()]
-    for n, row in zip(numbers, rows):
-        yield n, row
 
 
 # --------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ A scorer is named by ``smollm2`` (the real SmolLM2-135M-Instruct), a Hugging Fac
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -116,6 +117,11 @@ class Scorer:
         else:
             torch_dtype = getattr(torch, dtype)
         kwargs = {"gguf_file": gguf} if gguf else {}
+        if device == "cpu":
+            from specpilot.machine import choose_cpu_threads
+
+            torch.set_num_threads(choose_cpu_threads(None, "CPU scorer", given_by="default"))
+        logging.getLogger("specpilot.status").info(f"loading scorer {spec} ({device}) ...")
         try:
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, **kwargs)
         except (OSError, ValueError, KeyError) as e:

@@ -260,7 +260,7 @@ def run_selftest(*, n_prompts: int = 24, max_new_tokens: int = 32, repeats: int 
         Path(save_dir).mkdir(parents=True, exist_ok=True)
         for name, o in list(systems.items()) + list(engine_outputs.items()):
             safe = "".join(c if c.isalnum() or c in "=.-" else "_" for c in name)
-            write_outputs(Path(save_dir) / f"{safe}.jsonl", o.rows)
+            write_outputs(Path(save_dir) / f"{safe}.jsonl", o.rows, option="--save-outputs")
 
     kw = {"progress": progress}
     scored: dict[str, Scored] = {}

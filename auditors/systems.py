@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 
 from specpilot.errors import EnvironmentMissing, InputError, SpecPilotError
 
-from .outputs import OutputRow, Outputs, Prompt, read_outputs, write_outputs
+from .outputs import OutputRow, Outputs, Prompt, key, read_outputs, write_outputs
 
 
 @dataclass
@@ -125,11 +125,14 @@ class CollectError(SpecPilotError):
 def collect(generator: Generator, prompts: Sequence[Prompt], max_new_tokens: int, *, save_to: str | None = None,
             name: str = "system", progress: Callable | None = None,
             on_row: Callable[[OutputRow], None] | None = None, protect: Sequence = (),
-            concurrency: int = 1) -> Outputs:
-    """Generate for every prompt; save the outputs file (also on failure, with the rows so far).
+            concurrency: int = 1, save_option: str = "--save", already: Sequence[OutputRow] = ()) -> Outputs:
+    """Generate for every prompt; save the outputs file (also on failure or a signal, with the
+    rows so far).
 
     With ``concurrency`` > 1 (servers only) that many requests are in flight at once; the file
-    keeps prompt order, and on a failure every request that completed is kept.
+    keeps prompt order, and on a failure every request that completed is kept. ``already``: rows
+    of an earlier, interrupted collection; prompts they answer (same id, same prompt_ids) are not
+    run again.
     """
     if max_new_tokens < 1:
         raise InputError(f"--max-new-tokens {max_new_tokens}: must be at least 1")
@@ -138,7 +141,13 @@ def collect(generator: Generator, prompts: Sequence[Prompt], max_new_tokens: int
     if concurrency > 1 and not getattr(generator, "thread_safe", False):
         concurrency = 1  # the embedded engine runs one request at a time
     done: dict[int, OutputRow] = {}
-    bar = progress(total=len(prompts), desc=f"running {name}") if progress else None
+    earlier = {key(r.id): r for r in already}
+    for i, p in enumerate(prompts):
+        r = earlier.get(key(p.id))
+        if r is not None and list(r.prompt_ids) == list(p.prompt_ids):
+            done[i] = r
+    todo = [i for i in range(len(prompts)) if i not in done]
+    bar = progress(total=len(todo), desc=f"running {name}") if progress else None
 
     def finish(i: int, ids) -> None:
         p = prompts[i]
@@ -150,14 +159,14 @@ def collect(generator: Generator, prompts: Sequence[Prompt], max_new_tokens: int
 
     try:
         if concurrency == 1:
-            for i, p in enumerate(prompts):
-                finish(i, generator.generate(list(p.prompt_ids), max_new_tokens))
+            for i in todo:
+                finish(i, generator.generate(list(prompts[i].prompt_ids), max_new_tokens))
         else:
             from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
             with ThreadPoolExecutor(max_workers=concurrency) as pool:
-                futs = {pool.submit(generator.generate, list(p.prompt_ids), max_new_tokens): i
-                        for i, p in enumerate(prompts)}
+                futs = {pool.submit(generator.generate, list(prompts[i].prompt_ids), max_new_tokens): i
+                        for i in todo}
                 pending = set(futs)
                 error = None
                 while pending and error is None:
@@ -181,12 +190,13 @@ def collect(generator: Generator, prompts: Sequence[Prompt], max_new_tokens: int
         rows = [done[i] for i in sorted(done)]
         where = None
         if save_to and rows:
-            write_outputs(save_to, rows, protect=protect)
+            write_outputs(save_to, rows, protect=protect, option=save_option)
             where = save_to
         kept = (f"; kept the {len(rows)} of {len(prompts)} outputs collected so far in {where}" if where else
                 f"; {len(rows)} of {len(prompts)} outputs were collected"
                 + ("" if save_to else " (name a file with --save/--save-outputs to keep them)"))
         if isinstance(e, KeyboardInterrupt):
+            e.add_note(kept[2:])
             raise
         raise CollectError(f"{name}: {e}{kept}", getattr(e, "exit_code", 2), len(rows), where) from None
     finally:
@@ -195,13 +205,13 @@ def collect(generator: Generator, prompts: Sequence[Prompt], max_new_tokens: int
         generator.close()
     rows = [done[i] for i in sorted(done)]
     if save_to:
-        write_outputs(save_to, rows, protect=protect)
+        write_outputs(save_to, rows, protect=protect, option=save_option)
     return Outputs(name, rows, save_to or name)
 
 
 def load_system(system: SystemSpec, prompts: Sequence[Prompt] | None, max_new_tokens: int, *,
                 save_to: str | None = None, timeout: float = 120.0, progress: Callable | None = None,
-                protect: Sequence = (), concurrency: int = 1) -> Outputs:
+                protect: Sequence = (), concurrency: int = 1, save_option: str = "--save") -> Outputs:
     """Outputs of a system: read its file, or run it over the prompts."""
     if system.kind == "file":
         return read_outputs(system.spec, name=system.name)
@@ -209,10 +219,15 @@ def load_system(system: SystemSpec, prompts: Sequence[Prompt] | None, max_new_to
         raise InputError(f"{system.spec}: running a system needs --prompts FILE")
     gen = make_generator(system, timeout=timeout)
     return collect(gen, prompts, max_new_tokens, save_to=save_to, name=system.name, progress=progress,
-                   protect=protect, concurrency=concurrency)
+                   protect=protect, concurrency=concurrency, save_option=save_option)
 
 
-def default_save_path(folder: str, role: str, index: int = 0) -> str:
-    os.makedirs(folder, exist_ok=True)
+def default_save_path(folder: str, role: str, index: int = 0, option: str = "--save-outputs") -> str:
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise InputError(f"{option} {folder}: not a folder; name a folder for the outputs") from None
+    except PermissionError:
+        raise InputError(f"{option} {folder}: cannot create the folder (permission denied)") from None
     suffix = f"-{index + 1}" if index else ""
     return str(Path(folder) / f"{role}{suffix}.outputs.jsonl")

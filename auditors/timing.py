@@ -217,19 +217,40 @@ def read_timing(path) -> dict:
     return d
 
 
-def rejudge(path, *, noise: float | None = None, changes_output: bool | None = None, n_boot: int = 4000,
-            seed: int = 0) -> TimingResult:
-    """Judge the paired samples of a stored ``specpilot.timing/1`` file again (e.g. in CI, with
-    a given noise or the changes-output rule). Every sample is checked; the rule is the same."""
-    d = read_timing(path)
+def parse_samples(d: dict, path) -> tuple[list[Sample], list[tuple[float, float]]]:
+    """The paired samples and A/A pairs of a timing (or partial timing) document, checked."""
     try:
-        hib = bool(d["higher_is_better"])
         samples = [Sample(int(x["pair"]), int(x["block"]), float(x["base"]), float(x["candidate"]),
                           str(x.get("order", "AB")), x.get("gpu_base"), x.get("gpu_candidate"))
                    for x in d["samples"]]
         aa = [(float(x["first"]), float(x["second"])) for x in d.get("aa", [])]
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, OverflowError, AttributeError) as e:
         raise InputError(f"{path}: malformed timing samples ({type(e).__name__}: {e})") from None
+    values = [v for s in samples for v in (s.base, s.candidate)] + [v for pair in aa for v in pair]
+    if not all(math.isfinite(v) and v > 0 for v in values):
+        raise InputError(f"{path}: every measurement must be a positive finite number")
+    return samples, aa
+
+
+def rejudge(path, *, noise: float | None = None, changes_output: bool | None = None, n_boot: int = 4000,
+            seed: int = 0) -> TimingResult:
+    """Judge the paired samples of a stored ``specpilot.timing/1`` file again (e.g. in CI, with
+    a given noise or the changes-output rule). Every sample is checked; the rule is the same."""
+    from specpilot.fileio import reading
+
+    with reading(path):
+        return _rejudge(read_timing(path), path, noise, changes_output, n_boot, seed)
+
+
+def _rejudge(d: dict, path, noise, changes_output, n_boot, seed) -> TimingResult:
+    try:
+        hib = bool(d["higher_is_better"])
+    except KeyError:
+        raise InputError(f"{path}: timing file lacks 'higher_is_better'") from None
+    samples, aa = parse_samples(d, path)
+    warmup = d.get("warmup", 0)
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or not 0 <= warmup <= 10**6:
+        raise InputError(f"{path}: 'warmup' must be a whole number in [0, 1000000]")
     co = bool(d.get("changes_output", False)) if changes_output is None else (changes_output or
                                                                                bool(d.get("changes_output")))
     v = judge(samples, higher_is_better=hib, aa_pairs=aa, noise=noise, changes_output=co, n_boot=n_boot, seed=seed)
@@ -238,4 +259,43 @@ def rejudge(path, *, noise: float | None = None, changes_output: bool | None = N
     keep["rejudged_from"] = str(path)
     return TimingResult(str(d.get("base", "?")), str(d.get("candidate", "?")), str(d.get("metric", "?")),
                         str(d.get("unit", "")), hib, str(d.get("schedule", "?")), co, samples, aa, v,
-                        warmup=int(d.get("warmup", 0)), plan=d.get("plan"), extra=keep)
+                        warmup=warmup, plan=_plan(d.get("plan")), extra=keep)
+
+
+def _plan(plan):
+    """A stored power plan, kept when it has the figures the report shows."""
+    num = (int, float)
+    if (isinstance(plan, dict) and isinstance(plan.get("pairs"), int) and isinstance(plan.get("power"), num)
+            and isinstance(plan.get("target_gain"), num) and all(math.isfinite(plan[k]) for k in ("power", "target_gain"))):
+        return plan
+    return None
+
+
+PARTIAL_SCHEMA = "specpilot.timing-partial/1"
+
+
+def partial_doc(base: str, candidate: str, metric: str, unit: str, higher_is_better: bool, schedule: str,
+                samples: Sequence[Sample], aa: Sequence[tuple[float, float]]) -> dict:
+    """The paired samples of an unfinished run: ``compare --resume`` continues from them."""
+    return {"schema": PARTIAL_SCHEMA, "base": base, "candidate": candidate, "metric": metric, "unit": unit,
+            "higher_is_better": higher_is_better, "schedule": schedule, "runs": len(samples),
+            "samples": [asdict(s) for s in samples],
+            "aa": [{"block": i, "first": x, "second": y} for i, (x, y) in enumerate(aa)]}
+
+
+def read_partial(path, *, base: str, candidate: str, metric: str, schedule: str):
+    """Samples and A/A pairs of a ``specpilot.timing-partial/1`` file taken with these systems."""
+    from specpilot.fileio import read_json
+
+    d = read_json(path, "timing-partial")
+    theirs = (d.get("base"), d.get("candidate"), d.get("metric"), d.get("schedule"))
+    if theirs != (base, candidate, metric, schedule):
+        raise InputError(f"--resume {path}: its samples are of base {theirs[0]!r} vs candidate {theirs[1]!r} "
+                         f"({theirs[2]}, {theirs[3]}), not of these systems; resume with the same systems and "
+                         "options")
+    samples, aa = parse_samples(d, path)
+    blocks = {s.block for s in samples}
+    if len(aa) != len(blocks) or len(samples) != 2 * len(aa):
+        raise InputError(f"--resume {path}: {len(samples)} samples in {len(blocks)} blocks do not match its "
+                         f"{len(aa)} A/A pairs")
+    return samples, aa

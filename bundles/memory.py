@@ -120,6 +120,14 @@ def _as_list(value, what: str, source: str) -> list:
     return value
 
 
+def _names(value, what: str, source: str) -> list[str]:
+    """A list of names (module paths, entry ids, versions): strings, or numbers written bare."""
+    items = _as_list(value, what, source)
+    if not all(isinstance(x, str) or (isinstance(x, (int, float)) and not isinstance(x, bool)) for x in items):
+        raise InputError(f"{source}: '{what}' must be a list of names")
+    return [str(x) for x in items]
+
+
 def parse_entry(raw: Any, source: str, path: Path | None = None) -> Entry:
     if not isinstance(raw, dict):
         raise InputError(f"{source}: a memory entry must be a YAML mapping")
@@ -139,8 +147,11 @@ def parse_entry(raw: Any, source: str, path: Path | None = None) -> Entry:
             hook = Hook(target=h["target"], type=h["type"], handler=h["handler"],
                         params=tuple(h.get("params") or ()), match=h.get("match", "exact"),
                         returns=tuple(h.get("returns") or ()))
-        except (KeyError, TypeError):
+        except (KeyError, TypeError, AttributeError):
             raise InputError(f"{source}: each hook needs target, type and handler") from None
+        if not all(isinstance(x, str) for x in (hook.target, hook.type, hook.handler, hook.match,
+                                                *hook.params, *hook.returns)):
+            raise InputError(f"{source}: a hook's target, type, handler, match, params and returns must be names")
         if hook.type not in HOOK_TYPES:
             raise InputError(f"{source}: hook type {hook.type!r} is not one of {', '.join(HOOK_TYPES)}")
         if hook.match not in ("exact", "prefix"):
@@ -152,55 +163,98 @@ def parse_entry(raw: Any, source: str, path: Path | None = None) -> Entry:
     for s in _as_list(code.get("symbols"), "code.symbols", source):
         if not isinstance(s, dict) or "path" not in s:
             raise InputError(f"{source}: each symbol needs a path")
-        symbols.append(Symbol(path=s["path"], kind=s.get("kind", "name"),
-                              params=tuple(s.get("params") or ()), match=s.get("match", "prefix")))
+        try:
+            sym = Symbol(path=s["path"], kind=s.get("kind", "name"), params=tuple(s.get("params") or ()),
+                         match=s.get("match", "prefix"))
+        except TypeError:
+            sym = None
+        if sym is None or not all(isinstance(x, str) for x in (sym.path, sym.kind, sym.match, *sym.params)):
+            raise InputError(f"{source}: a symbol's path, kind, match and params must be names")
+        symbols.append(sym)
     variants = []
-    for name, v in (raw.get("variants") or {}).items():
+    raw_variants = raw.get("variants") or {}
+    if not isinstance(raw_variants, dict):
+        raise InputError(f"{source}: 'variants' must be a mapping of name to variant")
+    for name, v in raw_variants.items():
         if not isinstance(v, dict) or "default" not in v:
             raise InputError(f"{source}: variant {name!r} needs a default")
         variants.append(Variant(name=name, default=v["default"], range=v.get("range"),
                                 choices=v.get("choices"), doc=v.get("doc", "")))
     sglang = raw["sglang"] or {}
+    if not isinstance(sglang, dict):
+        raise InputError(f"{source}: 'sglang' must be a mapping (checked: [versions])")
     system = raw["system"] or {}
-    if not isinstance(system, dict):
-        raise InputError(f"{source}: 'system' must be a mapping with hooks and fingerprints")
+    rec_hooks, rec_fp = (system.get("hooks") or [], system.get("fingerprints") or {}) if isinstance(system, dict) \
+        else (None, None)
+    if (not isinstance(rec_hooks, list) or not all(isinstance(h, str) for h in rec_hooks)
+            or not isinstance(rec_fp, dict) or not all(isinstance(v, str) for v in rec_fp.values())):
+        raise InputError(f"{source}: 'system' must be a mapping with hooks (a list of names) and fingerprints "
+                         "(module: sha256)")
+    launch = raw.get("launch") or {}
+    if not isinstance(launch, dict):
+        raise InputError(f"{source}: 'launch' must be a mapping")
+    setup = code.get("setup")
+    if setup is not None and not isinstance(setup, str):
+        raise InputError(f"{source}: 'code.setup' must be a 'module:function' name")
     return Entry(
         id=str(raw["id"]), summary=str(raw["summary"]).strip(), status=raw["status"],
-        requires=[str(r) for r in _as_list(raw["requires"], "requires", source)],
-        sglang_checked=[str(v) for v in _as_list(sglang.get("checked"), "sglang.checked", source)],
-        modules=[str(m) for m in _as_list(code.get("modules"), "code.modules", source)],
-        uses=[str(m) for m in _as_list(code.get("uses"), "code.uses", source)],
+        requires=_names(raw["requires"], "requires", source),
+        sglang_checked=_names(sglang.get("checked"), "sglang.checked", source),
+        modules=_names(code.get("modules"), "code.modules", source),
+        uses=_names(code.get("uses"), "code.uses", source),
         hooks=hooks, symbols=symbols,
-        quantization=[str(q) for q in _as_list(code.get("quantization"), "code.quantization", source)],
-        setup=code.get("setup"), launch=dict(raw.get("launch") or {}),
+        quantization=_names(code.get("quantization"), "code.quantization", source),
+        setup=setup, launch=dict(launch),
         variants=variants,
         contracts=[str(c).strip() for c in _as_list(raw["contracts"], "contracts", source)],
         evidence=_as_list(raw["evidence"], "evidence", source),
         limits=[str(c).strip() for c in _as_list(raw["limits"], "limits", source)],
         unverified=[str(c).strip() for c in _as_list(raw["unverified"], "unverified", source)],
-        system={"hooks": list(system.get("hooks") or []), "fingerprints": dict(system.get("fingerprints") or {})},
+        system={"hooks": list(rec_hooks), "fingerprints": {str(k): v for k, v in rec_fp.items()}},
         path=path or Path(source), raw=raw,
     )
 
 
 def load_memory(directory: str | Path | None = None) -> dict[str, Entry]:
     """All entries in ``directory`` (default: the packaged ``bundles/memory_entries``), keyed by id."""
-    import yaml
-
     directory = Path(directory) if directory else MEMORY_DIR
     if not directory.is_dir():
         raise InputError(f"{directory}: no such memory folder")
     entries: dict[str, Entry] = {}
     for path in sorted(directory.glob("*.yaml")):
-        try:
-            raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except yaml.YAMLError as e:
-            raise InputError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+        raw = read_yaml(path, "memory entry")
         entry = parse_entry(raw, str(path), path)
         if entry.id in entries:
             raise InputError(f"{path}: duplicate memory id {entry.id!r} (also in {entries[entry.id].path})")
         entries[entry.id] = entry
     return entries
+
+
+def read_yaml(path: Path, what: str):
+    """One YAML document; a binary, oversized or malformed file is an InputError naming it."""
+    import yaml
+
+    from specpilot.limits import MAX_YAML_BYTES
+
+    if not path.is_file():
+        raise InputError(f"{path}: {what} is not a regular file")
+    size = path.stat().st_size
+    if size > MAX_YAML_BYTES:
+        raise InputError(f"{path}: {what} of {size} bytes is larger than the {MAX_YAML_BYTES} bytes allowed")
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise InputError(f"{path}:{line}: {what} is not UTF-8 text (a binary file?)") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        raise InputError(f"{where}: {what} is not valid YAML ({' '.join(str(e).split())[:160]})") from None
+    except RecursionError:
+        raise InputError(f"{path}: {what} is nested too deeply") from None
 
 
 def get_entry(entries: dict[str, Entry], name: str) -> Entry:
@@ -218,13 +272,13 @@ def closure(entries: dict[str, Entry], ids: Iterable[str]) -> list[str]:
 
     def visit(name: str, chain: list[str]):
         if name not in entries:
-            via = f" (required by {chain[-1]})" if chain else ""
+            via = f" (required by {chain[-1]} in {entries[chain[-1]].path})" if chain else ""
             raise InputError(f"unknown mechanism {name!r}{via}; known: {', '.join(sorted(entries))}")
         if state.get(name) == "done":
             return
         if state.get(name) == "active":
             cycle = " -> ".join(chain[chain.index(name):] + [name])
-            raise InputError(f"requirement cycle in memory: {cycle}")
+            raise InputError(f"{entries[name].path}: requirement cycle in memory: {cycle}")
         state[name] = "active"
         for req in entries[name].requires:
             visit(req, chain + [name])
@@ -237,7 +291,10 @@ def closure(entries: dict[str, Entry], ids: Iterable[str]) -> list[str]:
 
 
 def module_file(module: str) -> Path:
-    spec = importlib.util.find_spec(module)
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        spec = None
     if spec is None or not spec.origin or not Path(spec.origin).is_file():
         raise InputError(f"module {module} not found")
     return Path(spec.origin)
@@ -257,6 +314,7 @@ def compose(entries: dict[str, Entry], ids: Iterable[str]) -> SystemState:
     hooks: dict[str, Hook] = {}
     replaced: dict[str, str] = {}
     modules: list[str] = []
+    owner: dict[str, Path] = {}
     quant: list[str] = []
     for name in order:
         e = entries[name]
@@ -266,10 +324,18 @@ def compose(entries: dict[str, Entry], ids: Iterable[str]) -> SystemState:
                     raise InputError(f"{name} and {replaced[h.target]} both replace {h.target}")
                 replaced[h.target] = name
             hooks[h.key()] = h
-        modules += [m for m in e.modules if m not in modules]
+        for m in e.modules:
+            if m not in owner:
+                owner[m] = e.path
+                modules.append(m)
         quant += [q for q in e.quantization if q not in quant]
-    return SystemState(entries=order, hooks=sorted(hooks), quantization=quant,
-                       fingerprints={m: fingerprint(m) for m in sorted(modules)})
+    prints = {}
+    for m in sorted(modules):
+        try:
+            prints[m] = fingerprint(m)
+        except InputError as err:
+            raise InputError(f"{owner[m]}: {err}") from None
+    return SystemState(entries=order, hooks=sorted(hooks), quantization=quant, fingerprints=prints)
 
 
 def hooks_of(entries: dict[str, Entry], ids: Iterable[str]) -> list[Hook]:

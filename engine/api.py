@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -255,9 +256,9 @@ def load_engine(spec: EngineSpec | str) -> Engine:
 
     if isinstance(spec, str):
         spec = EngineSpec.parse(spec)
+    logging.getLogger("specpilot.status").info(f"loading model {spec.model} ({spec.mode}, {spec.device}) ...")
     target = load_target(spec)
     model, folder, display = target.model, target.folder, target.name
-    threads = spec.threads if spec.threads is not None else (1 if spec.model.lower() in TINY_CONFIGS else 0)
     tok = _tokenizer(folder, display)
     drafter = None
     if spec.mode != "ar":
@@ -290,6 +291,12 @@ def load_engine(spec: EngineSpec | str) -> Engine:
     eos = _eos_ids(folder, tok)
     dec = Decoder(model, spec.mode, drafter, nodes=spec.nodes, depth=spec.depth, topk=spec.topk, eos_ids=eos,
                   runner=runner)
-    if threads and spec.device == "cpu":
-        dec.threads = threads  # tiny models: thread hand-offs cost more than the math
+    if spec.device == "cpu":
+        from specpilot.machine import choose_cpu_threads
+
+        if spec.threads is None and spec.model.lower() in TINY_CONFIGS:  # thread hand-offs cost more than the math
+            dec.threads = choose_cpu_threads(1, given_by="tiny model")
+        else:
+            n = choose_cpu_threads(spec.threads)
+            dec.threads = n if spec.threads != 0 else 0
     return Engine(spec, model, dec, tok, display, eos, info=target.info)

@@ -71,7 +71,7 @@ class EngineSpec:
     ctx: int = option(2048, "KV-cache slots (prompt + new tokens + draft rows).", range=(16, 1 << 20))
     graphs: bool = option(True, "CUDA graphs for AR and verify steps (cuda, dense models).")
     threads: int | None = option(None, "CPU threads for torch; 0 = torch's default.", range=(0, 1024),
-                                 default_text="1 for tiny models, else 0")
+                                 default_text="physical cores less the machine's load average, 1 for tiny models")
     compile: bool = option(False, "torch.compile the layers (cuda, dense models).")
     w12: bool = option(False, "Target projections as lossless W12 (verified at load; on cuda bf16 read as 12-bit "
                               "records by the fused kernels, AR steps by the fused decode kernels; decoded weights "

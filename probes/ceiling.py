@@ -54,6 +54,7 @@ class CeilingResult:
     fractions: dict[str, float]
     tau_curve: dict[str, dict[int, float]] = field(default_factory=dict)
     by_nodes: list[dict] = field(default_factory=list)  # predicted speedup tau(N) / c(N) per node budget
+    warnings: list[str] = field(default_factory=list)
 
     def c_floor(self, f: StepFloor) -> float | None:
         return f.total_floor_ms / self.ar_floor.total_floor_ms if self.ar_floor else None
@@ -79,6 +80,7 @@ class CeilingResult:
             "cost_model": ({**self.cost.as_dict(), "rows": self.rows_for_cost,
                             "sources": self.measurements.sources} if self.cost else None),
             "by_nodes": self.by_nodes,
+            "warnings": self.warnings,
         }
 
 
@@ -109,6 +111,41 @@ class RowsProbeFigures:
     source: str
     step_ms: dict[int, float]
     ar_ms: float
+    device: str | None = None  # where it was measured: "cpu", "cuda:0", ...
+    gpu: str | None = None     # the GPU's name when measured on one
+    cpu: str | None = None     # the CPU's name when measured on the CPU
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.gpu is None and (self.device or "").startswith("cpu")
+
+    @property
+    def hardware(self) -> str:
+        if self.gpu:
+            return self.gpu
+        if self.on_cpu:
+            return f"the CPU ({self.cpu})" if self.cpu else "the CPU"
+        return self.device or "an unnamed device"
+
+
+def check_rows_probe_hardware(probe: RowsProbeFigures | None, gpu: GPUSpec | None) -> str | None:
+    """A rows probe measured on the CPU cannot stand beside a GPU's floors: InputError naming both.
+    A probe from another GPU than the floors' gives a warning (returned)."""
+    if probe is None or gpu is None:
+        return None
+    if probe.on_cpu:
+        raise InputError(f"--rows-probe {probe.source} was measured on {probe.hardware}, but the floors are for "
+                         f"{gpu.name} (--gpu): a CPU's T_step(N) says nothing about a GPU; run 'specpilot probe rows' "
+                         f"on the {gpu.name}, or leave out --model for the measured figures alone")
+    if probe.gpu and gpu.key not in ("custom",):
+        from specpilot.gpus import match_gpu_name
+
+        m = match_gpu_name(probe.gpu)
+        same = (m is not None and m.key == gpu.key) or probe.gpu.lower() == gpu.name.lower()
+        if not same:
+            return (f"--rows-probe {probe.source} was measured on {probe.gpu}, the floors are for {gpu.name}: "
+                    "c(N) and the floors come from different GPUs")
+    return None
 
 
 @dataclass
@@ -189,6 +226,7 @@ def compute_ceiling(req: CeilingRequest) -> CeilingResult:
         _use_replay(req.replay, m, req.policy)
         curves = req.replay.curves
     step_curve = {}
+    warning = check_rows_probe_hardware(req.rows_probe, gpu if model is not None else None)
     if req.rows_probe:
         _use_rows_probe(req.rows_probe, m, cost_rows)
         step_curve = req.rows_probe.step_ms
@@ -220,6 +258,8 @@ def compute_ceiling(req: CeilingRequest) -> CeilingResult:
                         rows_for_cost=cost_rows, fractions={"flops": req.flops_fraction, "bandwidth": req.bw_fraction},
                         tau_curve=curves)
     res.by_nodes = predict_by_nodes(req, curves, step_curve, res)
+    if warning:
+        res.warnings.append(warning)
     return res
 
 

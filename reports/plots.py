@@ -12,7 +12,7 @@ CLASS_COLORS = {
 }
 
 
-def plot_profile(profile, path: str, protect=()) -> None:
+def plot_profile(profile, path: str, protect=(), option: str = "--plot") -> None:
     """Left: measured kernel ms per class stacked beside the byte floor per class (hatched).
     Right: the step wall time split into GPU busy and outside time."""
     import matplotlib
@@ -54,6 +54,6 @@ def plot_profile(profile, path: str, protect=()) -> None:
     gpu = (profile.gpu or {}).get("name", "unknown GPU")
     fig.suptitle(f"{profile.model or 'profile'} on {gpu}: {profile.steps} steps", fontsize=10)
     fig.tight_layout()
-    with atomic_open(path, "wb", protect=protect) as fh:
+    with atomic_open(path, "wb", protect=protect, option=option) as fh:
         fig.savefig(fh, format="png")
     plt.close(fig)

@@ -16,9 +16,9 @@ import traceback
 import click
 
 from . import __version__
-from .errors import EXIT_USAGE, SpecPilotError
-
-EXIT_INTERNAL = 4
+from . import signals
+from .errors import EXIT_INTERNAL, EXIT_USAGE, as_user_error
+from .output import status_lines
 
 
 class LazyGroup(click.Group):
@@ -53,7 +53,8 @@ def cli(ctx, debug):
       is a change really faster?         specpilot compare
       is it still lossless?              specpilot audit --against stock
 
-    Exit codes: 0 done/pass, 1 negative verdict, 2 bad input, 3 missing environment.
+    Exit codes: 0 done/pass, 1 negative verdict, 2 bad input, 3 missing environment,
+    4 a bug in SpecPilot, 128+N stopped by signal N (SIGINT 130, SIGTERM 143, SIGHUP 129).
     """
     ctx.ensure_object(dict)
     ctx.obj["debug"] = debug
@@ -64,21 +65,38 @@ def _debug_requested(argv) -> bool:
 
 
 def main(argv=None) -> None:
+    """Run one verb; every way out is an exit code and at most one ``specpilot: ...`` line.
+
+    The error boundary: SpecPilot's own errors keep their code; decoding, range and I/O errors
+    from any library are bad input (2) or a missing environment (3) naming the file
+    (:func:`specpilot.errors.as_user_error`); SIGINT/SIGTERM/SIGHUP end the run cleanly with
+    128 + the signal number (:mod:`specpilot.signals`); anything else is a bug (4).
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = _debug_requested(argv)
+    with signals.installed(), status_lines():
+        try:
+            code = _run(argv, debug)
+        finally:
+            signals.cleanup()
+    sys.exit(code)
+
+
+def _run(argv, debug: bool) -> int:
     try:
         rv = cli.main(args=argv, prog_name="specpilot", standalone_mode=False)
-        code = rv if isinstance(rv, int) else 0
-    except SpecPilotError as e:
-        if debug:
-            traceback.print_exc()
-        click.echo(f"specpilot: error: {_one_line(e)}", err=True)
-        code = e.exit_code
+        return rv if isinstance(rv, int) else 0
     except click.exceptions.Exit as e:
-        code = e.exit_code
-    except click.Abort:
+        return e.exit_code
+    except click.Abort as e:
+        # click turns EOFError and KeyboardInterrupt into Abort; an EOFError is a truncated input
+        cause = e.__cause__ or e.__context__
+        if isinstance(cause, KeyboardInterrupt):
+            return _interrupted(cause)
+        if cause is not None:
+            return _error(cause, debug)
         click.echo("specpilot: interrupted", err=True)
-        code = 130
+        return 130
     except click.ClickException as e:
         if debug:
             traceback.print_exc()
@@ -87,18 +105,37 @@ def main(argv=None) -> None:
         if ctx is not None:
             hint = f" (see '{ctx.command_path} --help')"
         click.echo(f"specpilot: error: {_one_line(e.format_message())}{hint}", err=True)
-        code = e.exit_code if e.exit_code not in (None, 1) else EXIT_USAGE
-    except KeyboardInterrupt:
-        click.echo("specpilot: interrupted", err=True)
-        code = 130
+        return e.exit_code if e.exit_code not in (None, 1) else EXIT_USAGE
+    except KeyboardInterrupt as e:
+        return _interrupted(e)
     except BrokenPipeError:
-        code = 0
-    except Exception as e:  # a bug: say so in one line, traceback with --debug
-        if debug:
-            traceback.print_exc()
+        return 0
+    except Exception as e:
+        return _error(e, debug)
+
+
+def _error(e: BaseException, debug: bool) -> int:
+    if debug:
+        traceback.print_exception(e)
+    user = as_user_error(e)
+    if user is None:  # a bug: say so in one line, traceback with --debug
         click.echo(f"specpilot: internal error: {type(e).__name__}: {_one_line(e)} (rerun with --debug)", err=True)
-        code = EXIT_INTERNAL
-    sys.exit(code)
+        return EXIT_INTERNAL
+    click.echo(f"specpilot: error: {_one_line(user)}{_notes(e)}", err=True)
+    return user.exit_code
+
+
+def _interrupted(e: KeyboardInterrupt) -> int:
+    if isinstance(e, signals.Interrupted):
+        click.echo(f"specpilot: interrupted by {e.name}{_notes(e)}", err=True)
+        return e.exit_code
+    click.echo(f"specpilot: interrupted{_notes(e)}", err=True)
+    return 130
+
+
+def _notes(e: BaseException) -> str:
+    """What a verb added on the way out (e.g. where its resumable state is), as '; ...'."""
+    return "".join(f"; {_one_line(n)}" for n in getattr(e, "__notes__", ()) or ())
 
 
 def _one_line(e) -> str:

@@ -1,8 +1,9 @@
 """Atomic file output and schema-checked JSON/JSONL input.
 
 Every file SpecPilot writes goes to a temporary name in the same folder and is renamed into
-place, so an interrupted run never leaves a half-written file. Writers refuse to overwrite one
-of the run's inputs.
+place, so an interrupted run never leaves a half-written file; the file gets the mode a plain
+``open`` would give it and a symlink's target is written. Writers refuse to overwrite one of the
+run's inputs. Verbs write files only through these functions.
 """
 
 from __future__ import annotations
@@ -11,51 +12,118 @@ import contextlib
 import gzip
 import json
 import os
+import stat
 import tempfile
+import zlib
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from .errors import InputError
+from .errors import SOURCE_ATTR, InputError
+from .limits import MAX_JSON_BYTES, MAX_JSONL_LINE_BYTES
+
+
+def _umask() -> int:
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
+def output_target(path: str | os.PathLike) -> Path:
+    """Where writing ``path`` lands: a symlink's target (the link itself stays), else ``path``."""
+    p = Path(path)
+    return Path(os.path.realpath(p)) if p.is_symlink() else p
+
+
+def check_output_path(path: str | os.PathLike, option: str = "--out",
+                      protect: Iterable[str | os.PathLike] = ()) -> Path:
+    """Fail early (InputError naming ``option``) when ``path`` cannot be written or is an input;
+    returns where the write will land (:func:`output_target`)."""
+    shown = Path(path)
+    target = output_target(shown)
+    for p in protect:
+        try:
+            if p and Path(p).exists() and target.exists() and os.path.samefile(p, target):
+                raise InputError(f"{option} {shown}: refusing to overwrite input file {p}; choose another {option}")
+        except (FileNotFoundError, NotADirectoryError):
+            pass
+    if target.is_dir():
+        raise InputError(f"{option} {shown}: is a folder; give a file name")
+    parent = target.parent if str(target.parent) else Path(".")
+    if not parent.is_dir():
+        raise InputError(f"{option} {shown}: folder {parent} does not exist")
+    return target
 
 
 @contextlib.contextmanager
-def atomic_open(path: str | os.PathLike, mode: str = "w", protect: Iterable[str | os.PathLike] = ()):
-    """Open a temporary file beside ``path``; rename it onto ``path`` only on success."""
-    path = Path(path)
-    for p in protect:
-        try:
-            if Path(p).exists() and path.exists() and os.path.samefile(p, path):
-                raise InputError(f"refusing to overwrite input file {path}; choose another --out")
-        except FileNotFoundError:
-            pass
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
-        raise InputError(f"cannot write {path}: folder {parent} does not exist")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=parent)
+def atomic_open(path: str | os.PathLike, mode: str = "w", protect: Iterable[str | os.PathLike] = (),
+                option: str = "--out"):
+    """Open a temporary file beside ``path``; rename it onto ``path`` only on success.
+
+    The file gets the mode an ordinary ``open`` would give it: an existing file keeps its mode,
+    a new one gets ``0o666`` less the umask. A symlink is followed: its target is replaced and the
+    link kept. The temporary ``.NAME.XXXX.part`` is removed on any failure or signal.
+    ``option`` names the option that chose ``path`` in error messages.
+    """
+    shown = Path(path)
+    target = check_output_path(path, option, protect)
+    parent = target.parent if str(target.parent) else Path(".")
     try:
-        binary = "b" in mode
-        with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as fh:
-            yield fh
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+        file_mode = stat.S_IMODE(target.stat().st_mode)
+    except FileNotFoundError:
+        file_mode = 0o666 & ~_umask()
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".part", dir=parent)
+    except PermissionError:
+        raise InputError(f"{option} {shown}: cannot write in folder {parent} (permission denied)") from None
+    from .signals import track_temp
+
+    with track_temp(tmp):
+        try:
+            os.fchmod(fd, file_mode)
+            binary = "b" in mode
+            with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as fh:
+                yield fh
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, target)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
 
 
-def write_text_atomic(path, text: str, protect=()) -> None:
-    with atomic_open(path, "w", protect=protect) as fh:
+def temp_dir_beside(dst: str | os.PathLike) -> Path:
+    """A new hidden ``.NAME.XXXX.part`` folder beside ``dst`` to build a folder output in, then
+    ``os.replace`` onto ``dst``; it has the mode a plain ``mkdir`` gives and a signal removes it."""
+    dst = Path(dst)
+    parent = dst.parent if str(dst.parent) else Path(".")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".part", dir=parent))
+    os.chmod(tmp, 0o777 & ~_umask())
+    from .signals import register_temp
+
+    register_temp(tmp)
+    return tmp
+
+
+def write_text_atomic(path, text: str, protect=(), option: str = "--out") -> None:
+    with atomic_open(path, "w", protect=protect, option=option) as fh:
         fh.write(text)
 
 
-def write_json_atomic(path, obj: Any, protect=()) -> None:
-    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False, default=_json_default) + "\n", protect)
+def write_json_atomic(path, obj: Any, protect=(), option: str = "--out") -> None:
+    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False, default=_json_default) + "\n", protect,
+                      option)
 
 
-def write_jsonl_atomic(path, rows: Iterable[dict], protect=()) -> None:
-    with atomic_open(path, "w", protect=protect) as fh:
+def write_jsonl_atomic(path, rows: Iterable[dict], protect=(), option: str = "--out") -> None:
+    with atomic_open(path, "w", protect=protect, option=option) as fh:
         for row in rows:
             fh.write(json.dumps(row, default=_json_default) + "\n")
 
@@ -78,9 +146,10 @@ def check_schema(obj: Any, kind: str, source: str, versions: Iterable[int] = (1,
         raise InputError(f"{source}: expected a JSON object with \"schema\": \"specpilot.{kind}/1\"")
     schema = obj.get("schema")
     allowed = {f"specpilot.{kind}/{v}" for v in versions}
-    if schema not in allowed:
+    if not isinstance(schema, str) or schema not in allowed:
         want = " or ".join(sorted(allowed))
-        raise InputError(f"{source}: unknown schema {schema!r}; expected {want} (see docs/formats.md)")
+        shown = repr(schema) if len(repr(schema)) <= 60 else repr(schema)[:57] + "..."
+        raise InputError(f"{source}: unknown schema {shown}; expected {want} (see docs/formats.md)")
 
 
 def _open_text(path: Path):
@@ -89,15 +158,46 @@ def _open_text(path: Path):
     return open(path, "r", encoding="utf-8")
 
 
-def read_json(path, kind: str | None = None, versions: Iterable[int] = (1,)) -> Any:
-    path = Path(path)
-    if not path.is_file():
+@contextlib.contextmanager
+def reading(path: str | os.PathLike):
+    """Name ``path`` on any exception that escapes the block (the CLI's error line shows it)."""
+    try:
+        yield
+    except BaseException as e:
+        if getattr(e, SOURCE_ATTR, None) is None and not isinstance(e, (InputError, KeyboardInterrupt)):
+            with contextlib.suppress(AttributeError, TypeError):
+                setattr(e, SOURCE_ATTR, str(path))
+        raise
+
+
+def _check_size(path: Path, max_bytes: int | None) -> None:
+    if max_bytes is not None and path.stat().st_size > max_bytes:
+        raise InputError(f"{path}: {path.stat().st_size / 2**20:.1f} MiB is larger than the {max_bytes / 2**20:g} MiB "
+                         "this file kind may have (see docs/formats.md, limits)")
+
+
+def _require_file(path: Path) -> None:
+    if not path.exists():
         raise InputError(f"{path}: no such file")
+    if not path.is_file():
+        raise InputError(f"{path}: not a regular file")
+
+
+def read_json(path, kind: str | None = None, versions: Iterable[int] = (1,),
+              max_bytes: int | None = MAX_JSON_BYTES) -> Any:
+    """A whole JSON file (``.gz`` too), schema-checked when ``kind`` is given."""
+    path = Path(path)
+    _require_file(path)
+    _check_size(path, max_bytes)
     try:
         with _open_text(path) as fh:
             obj = json.load(fh)
-    except (json.JSONDecodeError, UnicodeDecodeError, EOFError, OSError) as e:
+    except json.JSONDecodeError as e:
+        raise InputError(f"{path}:{e.lineno}:{e.colno}: not valid JSON ({e.msg})") from None
+    except (UnicodeDecodeError, EOFError, OSError, zlib.error) as e:
         raise InputError(f"{path}: not valid JSON ({_short(e)})") from None
+    except RecursionError:
+        raise InputError(f"{path}: JSON nested too deeply") from None
     if kind is not None:
         check_schema(obj, kind, str(path), versions)
     return obj
@@ -108,23 +208,39 @@ def iter_jsonl(path, kind: str | None = None, versions: Iterable[int] = (1,)) ->
 
     When ``kind`` is given every row must carry ``"schema": "specpilot.<kind>/<v>"``.
     """
+    for _, obj in iter_jsonl_numbered(path, kind, versions):
+        yield obj
+
+
+def iter_jsonl_numbered(path, kind: str | None = None, versions: Iterable[int] = (1,)) -> Iterator[tuple[int, Any]]:
+    """:func:`iter_jsonl` with each object's line number: ``(line, obj)``."""
     path = Path(path)
-    if not path.is_file():
-        raise InputError(f"{path}: no such file")
+    _require_file(path)
+    lineno = 0
     try:
-        with _open_text(path) as fh:
-            for lineno, line in enumerate(fh, 1):
+        with (gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")) as fh:
+            for lineno, raw in enumerate(fh, 1):
+                if len(raw) > MAX_JSONL_LINE_BYTES:
+                    raise InputError(f"{path}:{lineno}: a line of {len(raw)} bytes is longer than the "
+                                     f"{MAX_JSONL_LINE_BYTES} a row may have (see docs/formats.md, limits)")
+                line = raw.decode("utf-8")
                 if not line.strip():
                     continue
                 try:
                     obj = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise InputError(f"{path}:{lineno}: not valid JSON ({_short(e)})") from None
+                except RecursionError:
+                    raise InputError(f"{path}:{lineno}: JSON nested too deeply") from None
                 if kind is not None:
                     check_schema(obj, kind, f"{path}:{lineno}", versions)
-                yield obj
-    except (UnicodeDecodeError, EOFError, gzip.BadGzipFile) as e:
-        raise InputError(f"{path}: unreadable ({_short(e)})") from None
+                yield lineno, obj
+    except UnicodeDecodeError:
+        raise InputError(f"{path}:{lineno}: not UTF-8 text (a binary file?)") from None
+    except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+        raise InputError(f"{path}:{lineno + 1}: truncated or corrupt gzip data ({_short(e)})") from None
+    except IsADirectoryError:
+        raise InputError(f"{path}: is a folder, expected a file") from None
 
 
 def _short(e: Exception) -> str:

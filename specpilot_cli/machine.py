@@ -15,3 +15,78 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def physical_cores() -> int:
+    """Physical cores this process may run on (hyper-threads counted once; a cgroup CPU quota caps it)."""
+    import os
+
+    try:
+        logical = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        logical = os.cpu_count() or 1
+    pairs, siblings = set(), 0
+    try:
+        with open("/proc/cpuinfo") as fh:
+            phys = core = None
+            for line in fh:
+                key, _, val = line.partition(":")
+                key = key.strip()
+                if key == "processor":
+                    siblings += 1
+                elif key == "physical id":
+                    phys = val.strip()
+                elif key == "core id":
+                    core = val.strip()
+                    pairs.add((phys, core))
+    except OSError:
+        pass
+    per_core = siblings // len(pairs) if pairs and siblings >= len(pairs) else 1
+    cores = max(1, logical // max(per_core, 1))
+    try:  # cgroup v2 quota: "max 100000" or "200000 100000"
+        with open("/sys/fs/cgroup/cpu.max") as fh:
+            quota, period = fh.read().split()[:2]
+        if quota != "max":
+            cores = max(1, min(cores, int(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return cores
+
+
+def default_cpu_threads() -> tuple[int, str]:
+    """CPU threads that do not oversubscribe: physical cores, less the load the rest of the machine
+    puts on them (1-minute load average), at least 1; with the reason, for the status line."""
+    import os
+
+    cores = physical_cores()
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        load = 0.0
+    logical = os.cpu_count() or cores
+    free = int(logical - load + 0.5)
+    threads = max(1, min(cores, free))
+    return threads, f"{cores} physical cores, load average {load:.1f} of {logical} CPUs"
+
+
+_announced: set[str] = set()
+
+
+def choose_cpu_threads(requested: int | None, what: str = "CPU engine", given_by: str = "--threads") -> int:
+    """torch CPU threads for ``what``: ``requested`` (0 = torch's own default) or
+    :func:`default_cpu_threads`; the choice is reported once per process on the status log."""
+    import logging
+
+    import torch
+
+    if requested:
+        n, why = requested, given_by
+    elif requested == 0:
+        n, why = torch.get_num_threads(), f"torch's default, {given_by} 0"
+    else:
+        n, why = default_cpu_threads()
+        why += "; --threads overrides" if given_by == "--threads" else ""
+    if what not in _announced:
+        _announced.add(what)
+        logging.getLogger("specpilot.status").info(f"{what}: {n} torch thread{'s' if n != 1 else ''} ({why})")
+    return n

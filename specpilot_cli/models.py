@@ -9,12 +9,14 @@ decoders (Llama, Qwen2/Qwen3, Mistral, Gemma-style), GQA, tied or untied embeddi
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from .errors import InputError
+from .limits import CONFIG_DEFAULT_MAX, CONFIG_MAX, MAX_CONFIG_BYTES
 
 # Dense layer kinds
 FULL_ATTENTION = "full_attention"
@@ -195,12 +197,18 @@ class ModelSpec:
 # Parsing
 # ---------------------------------------------------------------------------------------
 
+def _shown(v) -> str:
+    text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def _req(cfg: dict, key: str, where: str) -> Any:
     if key not in cfg or cfg[key] is None:
         raise InputError(f"{where}: config has no {key!r}; is this a decoder config.json?")
     v = cfg[key]
-    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-        raise InputError(f"{where}: {key} must be a positive integer, got {v!r}")
+    hi = CONFIG_MAX.get(key, CONFIG_DEFAULT_MAX)
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= hi:
+        raise InputError(f"{where}: {key} must be a whole number in [1, {hi}], got {_shown(v)}")
     return v
 
 
@@ -208,9 +216,19 @@ def _opt_int(cfg: dict, key: str, where: str, default: int | None = None) -> int
     v = cfg.get(key, default)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise InputError(f"{where}: {key} must be a non-negative integer, got {v!r}")
+    hi = CONFIG_MAX.get(key, CONFIG_DEFAULT_MAX)
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= hi:
+        raise InputError(f"{where}: {key} must be a whole number in [0, {hi}], got {_shown(v)}")
     return v
+
+
+def _opt_float(cfg: dict, key: str, where: str, default: float) -> float:
+    v = cfg.get(key, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 <= v <= 1e12:
+        raise InputError(f"{where}: {key} must be a finite number in [0, 1e12], got {_shown(v)}")
+    return float(v)
 
 
 def spec_from_config(cfg: dict, name: str = "", where: str = "config") -> ModelSpec:
@@ -230,6 +248,8 @@ def spec_from_config(cfg: dict, name: str = "", where: str = "config") -> ModelS
     if heads % kv_heads:
         raise InputError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
     head_dim = _opt_int(cfg, "head_dim", where, None) or (hidden // heads)
+    if head_dim < 1:
+        raise InputError(f"{where}: hidden_size {hidden} is smaller than num_attention_heads {heads}; give head_dim")
     vocab = _req(cfg, "vocab_size", where)
     tie = bool(cfg.get("tie_word_embeddings", outer.get("tie_word_embeddings", False)))
 
@@ -270,8 +290,9 @@ def spec_from_config(cfg: dict, name: str = "", where: str = "config") -> ModelS
     n_exp = cfg.get("num_experts", cfg.get("num_local_experts", cfg.get("n_routed_experts")))
     moe_flags = [False] * layers
     if n_exp:
-        if not isinstance(n_exp, int) or n_exp <= 0:
-            raise InputError(f"{where}: num_experts must be a positive integer, got {n_exp!r}")
+        hi = CONFIG_MAX["num_experts"]
+        if isinstance(n_exp, bool) or not isinstance(n_exp, int) or not 0 < n_exp <= hi:
+            raise InputError(f"{where}: num_experts must be a whole number in [1, {hi}], got {_shown(n_exp)}")
         k = _req(cfg, "num_experts_per_tok", where)
         if k > n_exp:
             raise InputError(f"{where}: num_experts_per_tok {k} exceeds num_experts {n_exp}")
@@ -282,20 +303,25 @@ def spec_from_config(cfg: dict, name: str = "", where: str = "config") -> ModelS
             shared = n_shared * inter
         moe = MoESpec(n_exp, k, inter, shared, shared_expert_gate=bool(cfg.get("shared_expert_intermediate_size")))
         step = _opt_int(cfg, "decoder_sparse_step", where, 1) or 1
-        dense_only = set(cfg.get("mlp_only_layers") or [])
+        dense_only = cfg.get("mlp_only_layers") or []
+        if not isinstance(dense_only, list) or not all(isinstance(i, int) for i in dense_only):
+            raise InputError(f"{where}: mlp_only_layers must be a list of layer indices")
+        dense_only = set(dense_only)
         first_dense = _opt_int(cfg, "first_k_dense_replace", where, 0) or 0
         moe_flags = [(i not in dense_only) and (i >= first_dense) and ((i + 1) % step == 0) for i in range(layers)]
     inter_size = cfg.get("intermediate_size") or 0
     if not all(moe_flags) and not inter_size:
         raise InputError(f"{where}: config has no 'intermediate_size' for its dense MLP layers")
-    if not isinstance(inter_size, int) or inter_size < 0:
-        raise InputError(f"{where}: intermediate_size must be a positive integer, got {inter_size!r}")
+    hi = CONFIG_MAX["intermediate_size"]
+    if isinstance(inter_size, bool) or not isinstance(inter_size, int) or not 0 <= inter_size <= hi:
+        raise InputError(f"{where}: intermediate_size must be a whole number in [1, {hi}], got {_shown(inter_size)}")
 
-    prf = cfg.get("partial_rotary_factor", 1.0)
-    rope = cfg.get("rope_theta")
+    prf = _opt_float(cfg, "partial_rotary_factor", where, 1.0)
+    rope = _opt_float(cfg, "rope_theta", where, 0.0) or None
     if rope is None and isinstance(cfg.get("rope_parameters"), dict):
-        rope = cfg["rope_parameters"].get("rope_theta")
-        prf = cfg["rope_parameters"].get("partial_rotary_factor", prf)
+        rope = _opt_float(cfg["rope_parameters"], "rope_theta", where, 0.0) or None
+        prf = _opt_float(cfg["rope_parameters"], "partial_rotary_factor", where, prf)
+    max_pos = _opt_int(cfg, "max_position_embeddings", where, None)
     return ModelSpec(
         name=name or str(cfg.get("_name_or_path") or arch or "model"),
         arch=arch or "llama",
@@ -303,8 +329,8 @@ def spec_from_config(cfg: dict, name: str = "", where: str = "config") -> ModelS
         intermediate_size=inter_size, vocab_size=vocab, tie_word_embeddings=tie,
         layer_types=tuple(kinds), moe_layers=tuple(moe_flags), moe=moe, gdn=gdn,
         attn_output_gate=bool(cfg.get("attn_output_gate", arch.startswith(("qwen3_next", "qwen3_5")))),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=float(rope or 10000.0),
-        partial_rotary_factor=float(prf), max_position_embeddings=cfg.get("max_position_embeddings"),
+        rms_norm_eps=_opt_float(cfg, "rms_norm_eps", where, 1e-6), rope_theta=float(rope or 10000.0),
+        partial_rotary_factor=prf, max_position_embeddings=max_pos,
         qk_norm=arch.startswith(("qwen3", "gemma3")), source=where, raw=outer,
     )
 
@@ -330,10 +356,9 @@ def load_model_spec(name_or_path: str) -> ModelSpec:
         if not p.is_file():
             raise InputError(f"{name_or_path}: folder has no config.json")
     if p.is_file():
-        try:
-            cfg = json.loads(p.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise InputError(f"{p}: not valid JSON ({str(e).splitlines()[0]})") from None
+        from .fileio import read_json
+
+        cfg = read_json(p, max_bytes=MAX_CONFIG_BYTES)
         return spec_from_config(cfg, name=p.parent.name if p.name == "config.json" else p.stem, where=str(p))
     cfg = _catalog_config(name_or_path)
     if cfg is None:

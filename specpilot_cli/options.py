@@ -2,13 +2,33 @@
 
 from __future__ import annotations
 
+import math
+
+import click
+
 from .errors import InputError
+from .limits import MAX_ROWS
 
 
-def parse_int_list(text: str, name: str = "--rows", minimum: int = 1) -> list[int]:
+class FiniteRange(click.FloatRange):
+    """A float option in a range that is also finite (``inf`` and ``nan`` are refused)."""
+
+    def convert(self, value, param, ctx):
+        rv = super().convert(value, param, ctx)
+        if rv is not None and not math.isfinite(rv):
+            self.fail(f"{value!r} is not a finite number; give one from {self.min:g} to {self.max:g}.", param, ctx)
+        return rv
+
+
+def positive(hi: float) -> FiniteRange:
+    """A finite float in (0, hi]."""
+    return FiniteRange(0, hi, min_open=True)
+
+
+def parse_int_list(text: str, name: str = "--rows", minimum: int = 1, maximum: int = MAX_ROWS) -> list[int]:
     """``"1,8,32"``; ``"1,2,4,...,256"`` continues a doubling (or constant-step) series to its end.
 
-    Values must be >= ``minimum``; duplicates are dropped, order kept.
+    Values must be in [``minimum``, ``maximum``]; duplicates are dropped, order kept.
     """
     parts = [p.strip() for p in str(text).split(",") if p.strip()]
     if not parts:
@@ -21,7 +41,7 @@ def parse_int_list(text: str, name: str = "--rows", minimum: int = 1) -> list[in
             if len(values) < 2 or i + 1 >= len(parts):
                 raise InputError(f"{name}: '...' needs two values before it and one after, e.g. 1,2,4,...,256")
             a, b = values[-2], values[-1]
-            end = _to_int(parts[i + 1], name, minimum)
+            end = _to_int(parts[i + 1], name, minimum, maximum)
             if a > 0 and b % a == 0 and b // a > 1:
                 r = b // a
                 v = b * r
@@ -37,16 +57,16 @@ def parse_int_list(text: str, name: str = "--rows", minimum: int = 1) -> list[in
                 raise InputError(f"{name}: cannot continue the series {a},{b},...")
             i += 1
             continue
-        values.append(_to_int(p, name, minimum))
+        values.append(_to_int(p, name, minimum, maximum))
         i += 1
     return list(dict.fromkeys(values))
 
 
-def _to_int(p: str, name: str, minimum: int) -> int:
+def _to_int(p: str, name: str, minimum: int, maximum: int) -> int:
     try:
         v = int(p)
     except ValueError:
-        raise InputError(f"{name}: {p!r} is not a whole number") from None
-    if v < minimum:
-        raise InputError(f"{name}: values must be >= {minimum}, got {v}")
+        raise InputError(f"{name}: {p[:40]!r} is not a whole number") from None
+    if not minimum <= v <= maximum:
+        raise InputError(f"{name}: values must be in [{minimum}, {maximum}], got {v}")
     return v

@@ -7,7 +7,9 @@ formats numbers inside library code; it hands a Report to :func:`emit`.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 import sys
 from dataclasses import dataclass, field
@@ -104,18 +106,92 @@ def emit(report: Report, fmt: str, out: str | None, protect: Sequence[str] = ())
         click.echo(text, nl=False)
 
 
+def _check_out(ctx, param, value):
+    if value:
+        from .fileio import check_output_path
+
+        check_output_path(value, "--out")  # before any long work
+    return value
+
+
 def output_options(f: Callable) -> Callable:
     """``--format`` and ``--out``, shared by every verb."""
-    f = click.option("--out", "out", type=click.Path(dir_okay=False), default=None,
+    f = click.option("--out", "out", type=click.Path(dir_okay=False), default=None, callback=_check_out,
                      help="Write the result to FILE (atomically) instead of stdout.")(f)
     f = click.option("--format", "fmt", type=click.Choice(FORMATS), default="table", show_default=True,
                      help="Output format.")(f)
     return f
 
 
+STATUS_LOGGER = "specpilot.status"  # library code reports long steps here ("loading model ...")
+PROGRESS_SECONDS = 15.0  # one progress line per this many seconds when stderr is not a terminal
+
+
+class _StderrLines:
+    """A file for tqdm that turns its carriage-return redraws into whole lines (CI logs)."""
+
+    def write(self, s: str) -> None:
+        text = s.replace("\r", "").replace("\x1b[A", "").strip()
+        if text:
+            sys.stderr.write(f"{text}\n")
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def progress(iterable=None, total=None, desc: str | None = None, unit: str = "it"):
-    """A progress bar on stderr, quiet when stderr is not a terminal."""
+    """Progress on stderr: a bar on a terminal; otherwise one plain line every
+    ``SPECPILOT_PROGRESS_SECONDS`` (default 15) seconds, so CI logs show long work moving."""
+    import os
+
     from tqdm import tqdm
 
-    return tqdm(iterable, total=total, desc=desc, unit=unit, file=sys.stderr,
-                disable=not sys.stderr.isatty(), leave=False)
+    if sys.stderr.isatty():
+        return tqdm(iterable, total=total, desc=desc, unit=unit, file=sys.stderr, leave=False)
+    try:
+        every = float(os.environ.get("SPECPILOT_PROGRESS_SECONDS", PROGRESS_SECONDS))
+    except ValueError:
+        every = PROGRESS_SECONDS
+    class LineBar(tqdm):
+        def refresh(self, *args, **kwargs):  # an explicit refresh waits for the first interval too
+            start = getattr(self, "start_t", None)  # unset while tqdm is still being built
+            if start is not None and self._time() - start < self.delay:
+                return None
+            return super().refresh(*args, **kwargs)
+
+    return LineBar(iterable, total=total, desc=desc, unit=unit, file=_StderrLines(), leave=False, mininterval=every,
+                maxinterval=max(every, 1.0), miniters=1, delay=every, disable=every < 0,
+                bar_format="{desc}: {n_fmt}/{total_fmt} {unit} [{elapsed}<{remaining}, {rate_fmt}]")
+
+
+class _StatusHandler(logging.Handler):
+    """``specpilot: <message>`` on whatever ``sys.stderr`` is at the time (tests swap it)."""
+
+    def emit(self, record):
+        try:
+            sys.stderr.write(f"specpilot: {record.getMessage()}\n")
+            sys.stderr.flush()
+        except Exception:
+            self.handleError(record)
+
+
+@contextlib.contextmanager
+def status_lines():
+    """Show the library's status lines (``logging.getLogger(STATUS_LOGGER).info``) on stderr."""
+    logger = logging.getLogger(STATUS_LOGGER)
+    handler = _StatusHandler()
+    old_level, old_prop = logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+        logger.propagate = old_prop
+
+
+def status(message: str) -> None:
+    """One ``specpilot: ...`` status line on stderr (e.g. before a long model load)."""
+    logging.getLogger(STATUS_LOGGER).info(message)

@@ -6,19 +6,32 @@ takes, so library code never opens another verb's file by path.
 
 from __future__ import annotations
 
+import math
+
 from specpilot.errors import InputError
 from specpilot.fileio import read_json
+from specpilot.limits import MAX_MS, MAX_ROWS, MAX_TAU
 from specpilot.probes.ceiling import ProfileFigures, ReplayFigures, RowsProbeFigures
+
+
+def _finite(v, lo: float, hi: float, lo_open: bool = True) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            and (v > lo if lo_open else v >= lo) and v <= hi)
 
 
 def read_profile(path: str) -> ProfileFigures:
     """A ``specpilot profile`` JSON: kernel busy ms, step wall ms, floor and shape rows."""
     doc = read_json(path, kind="profile")
     for key in ("kernel_busy_ms", "step_wall_ms"):
-        if not isinstance(doc.get(key), (int, float)):
-            raise InputError(f"{path}: profile has no numeric {key!r}")
+        if not _finite(doc.get(key), 0, MAX_MS):
+            raise InputError(f"{path}: profile's {key!r} must be a number in (0, {MAX_MS:g}] ms")
     floor = doc.get("total_floor_ms")
-    rows = (doc.get("shape") or {}).get("rows")
+    if floor is not None and not _finite(floor, 0, MAX_MS, lo_open=False):
+        raise InputError(f"{path}: profile's 'total_floor_ms' must be a number in [0, {MAX_MS:g}] ms")
+    shape = doc.get("shape") or {}
+    rows = shape.get("rows") if isinstance(shape, dict) else None
+    if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or not 1 <= rows <= MAX_ROWS):
+        raise InputError(f"{path}: profile's shape 'rows' must be a whole number in [1, {MAX_ROWS}]")
     return ProfileFigures(source=str(path), kernel_busy_ms=float(doc["kernel_busy_ms"]),
                           step_wall_ms=float(doc["step_wall_ms"]),
                           total_floor_ms=float(floor) if isinstance(floor, (int, float)) and floor > 0 else None,
@@ -33,15 +46,21 @@ def read_replay(path: str) -> ReplayFigures:
         raise InputError(f"{path}: replay has no 'policies' list")
     taus = {}
     for p in pols:
-        if not isinstance(p, dict) or not isinstance(p.get("tau"), (int, float)) or "policy" not in p:
-            raise InputError(f"{path}: every policy needs 'policy' and a numeric 'tau'")
+        if not isinstance(p, dict) or not _finite(p.get("tau"), 1, MAX_TAU, lo_open=False) or "policy" not in p:
+            raise InputError(f"{path}: every policy needs 'policy' and a 'tau' in [1, {MAX_TAU}]")
         taus[str(p["policy"])] = float(p["tau"])
     curves = {}
-    for name, pts in (doc.get("curves") or {}).items():
+    raw_curves = doc.get("curves") or {}
+    if not isinstance(raw_curves, dict):
+        raise InputError(f"{path}: 'curves' must map policies to {{nodes: tau}}")
+    for name, pts in raw_curves.items():
         try:
             curves[name] = {int(k): float(v) for k, v in pts.items()}
-        except (AttributeError, TypeError, ValueError):
+        except (AttributeError, TypeError, ValueError, OverflowError):
             raise InputError(f"{path}: curve {name!r} must map node counts to tau") from None
+        if not all(1 <= n <= MAX_ROWS and _finite(t, 1, MAX_TAU, lo_open=False) for n, t in curves[name].items()):
+            raise InputError(f"{path}: curve {name!r}: node counts must be in [1, {MAX_ROWS}] and tau in "
+                             f"[1, {MAX_TAU}]")
     return ReplayFigures(source=str(path), taus=taus, curves=curves)
 
 
@@ -53,15 +72,18 @@ def read_rows_probe(path: str) -> RowsProbeFigures:
         raise InputError(f"{path}: rows probe has no 'points'")
     curve = {}
     for p in pts:
-        try:
-            curve[int(p["rows"])] = float(p["step_ms"])
-        except (KeyError, TypeError, ValueError):
-            raise InputError(f"{path}: every point needs integer 'rows' and numeric 'step_ms'") from None
+        r, ms = (p.get("rows"), p.get("step_ms")) if isinstance(p, dict) else (None, None)
+        if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r <= MAX_ROWS or not _finite(ms, 0, MAX_MS):
+            raise InputError(f"{path}: every point needs 'rows' in [1, {MAX_ROWS}] and 'step_ms' in (0, {MAX_MS:g}]")
+        curve[r] = float(ms)
     ar = doc.get("ar_ms", curve.get(1))
     if ar is None:
         raise InputError(f"{path}: rows probe has neither 'ar_ms' nor a point at 1 row")
-    try:
-        ar = float(ar)
-    except (TypeError, ValueError):
-        raise InputError(f"{path}: rows probe 'ar_ms' must be a number") from None
-    return RowsProbeFigures(source=str(path), step_ms=curve, ar_ms=ar)
+    if not _finite(ar, 0, MAX_MS):
+        raise InputError(f"{path}: rows probe 'ar_ms' must be a number in (0, {MAX_MS:g}]")
+    device = doc.get("device")
+    gpu = doc.get("gpu")
+    return RowsProbeFigures(source=str(path), step_ms=curve, ar_ms=float(ar),
+                            device=device if isinstance(device, str) else None,
+                            gpu=gpu if isinstance(gpu, str) and gpu else None,
+                            cpu=doc.get("cpu") if isinstance(doc.get("cpu"), str) else None)

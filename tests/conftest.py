@@ -62,3 +62,13 @@ def fixtures_dir():
     if not FIXTURES.is_dir():
         pytest.skip(f"shared fixtures not found at {FIXTURES}")
     return FIXTURES
+
+
+def one_error(err: str) -> str:
+    """The one ``specpilot: error:`` line of a failed run's stderr (status lines such as
+    ``specpilot: loading model ...`` may come before it; nothing else may)."""
+    lines = err.splitlines()
+    errors = [ln for ln in lines if ln.startswith("specpilot: error:")]
+    assert len(errors) == 1 and lines[-1] == errors[0], err
+    assert all(ln.startswith("specpilot: ") for ln in lines) and "Traceback" not in err, err
+    return errors[0]

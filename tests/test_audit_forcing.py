@@ -286,7 +286,7 @@ def test_cli_bad_inputs(run_cli, tiny, tmp_path):
     neg = _write(tmp_path / "neg.jsonl", [{"schema": "specpilot.outputs/1", "id": 0, "prompt_ids": [1],
                                             "output_ids": [-3]}])
     code, out, err = run_cli("audit", neg, "--against", f["stock"], "--scorer", m)
-    assert code == 2 and "non-negative" in err
+    assert code == 2 and "token ids in [0, 2147483647], found -3" in err
 
     big = _write(tmp_path / "big.jsonl", [{"schema": "specpilot.outputs/1", "id": r.id, "prompt_ids": r.prompt_ids,
                                             "output_ids": [V + 1]} for r in read_outputs(f["stock"]).rows])

@@ -23,7 +23,6 @@ import fnmatch
 import json
 import os
 import shutil
-import tempfile
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -218,7 +217,9 @@ def pack(src: str, dst: str, include=DEFAULT_INCLUDE, exclude=DEFAULT_EXCLUDE, d
         parent = dst_p.parent if str(dst_p.parent) else Path(".")
         if not parent.is_dir():
             raise FileNotFoundError(f"folder {parent} does not exist")
-        tmp = Path(tempfile.mkdtemp(prefix=f".{dst_p.name}.", suffix=".part", dir=parent))
+        from specpilot.fileio import temp_dir_beside
+
+        tmp = temp_dir_beside(dst_p)
         try:
             weight_map: dict[str, str] = {}
             for f in ck.files:
@@ -430,7 +431,7 @@ def stats(path: str) -> StatsResult:
         info = w12_info(meta, str(f))
         names = set()
         for name, entry in info.items():
-            t = load_w12(tensors, name, entry, str(f), check_crc=False)
+            t = load_w12(tensors, name, entry, str(f))
             names.update(f"{name}.w12.{p}" for p in PARTS)
             out.append(TensorStat(name, t.shape, t.bits_per_weight(), t.num_escapes, t.escape_rate(),
                                   t.stored_bytes()))

@@ -45,14 +45,23 @@ def export_sqlite(report: str | os.PathLike, timeout_s: float = 1800) -> tuple[P
     temporary = not os.access(report.parent, os.W_OK) or beside.exists()
     out = Path(tempfile.mkdtemp(prefix="specpilot-nsys-")) / beside.name if temporary else beside
     tmp_out = out.with_name(f".{out.name}.part")
-    try:
-        proc = subprocess.run([nsys, "export", "--type", "sqlite", "--force-overwrite", "true", "-o", str(tmp_out),
-                               str(report)], capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        raise InputError(f"{report}: nsys export took longer than {timeout_s:.0f} s") from None
-    if proc.returncode != 0 or not tmp_out.is_file():
-        tmp_out.unlink(missing_ok=True)
-        msg = (proc.stderr or proc.stdout or "").strip().splitlines()
-        raise InputError(f"{report}: nsys export failed ({msg[-1] if msg else f'exit {proc.returncode}'})")
-    os.replace(tmp_out, out)
+    from specpilot.signals import track_temp
+
+    with track_temp(tmp_out):
+        try:
+            proc = subprocess.run([nsys, "export", "--type", "sqlite", "--force-overwrite", "true", "-o",
+                                   str(tmp_out), str(report)], capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            tmp_out.unlink(missing_ok=True)
+            raise InputError(f"{report}: nsys export took longer than {timeout_s:.0f} s") from None
+        except BaseException:
+            tmp_out.unlink(missing_ok=True)
+            if temporary:
+                shutil.rmtree(out.parent, ignore_errors=True)
+            raise
+        if proc.returncode != 0 or not tmp_out.is_file():
+            tmp_out.unlink(missing_ok=True)
+            msg = (proc.stderr or proc.stdout or "").strip().splitlines()
+            raise InputError(f"{report}: nsys export failed ({msg[-1] if msg else f'exit {proc.returncode}'})")
+        os.replace(tmp_out, out)
     return out, temporary

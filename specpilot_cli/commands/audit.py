@@ -182,7 +182,8 @@ def check(systems, stock_spec, ar_spec, scorer_spec, prompts_path, max_new_token
             save = default_save_path(save_dir, role, counters.get(role, 0))
             counters[role] = counters.get(role, 0) + 1
         loaded[id(spec)] = load_system(spec, prompts, max_new_tokens, save_to=save, timeout=timeout,
-                                       progress=progress, protect=inputs, concurrency=concurrency)
+                                       progress=progress, protect=inputs, concurrency=concurrency,
+                                       save_option="--save-outputs")
     result, info = run_audit(
         [loaded[id(s)] for r, s in specs if r == "system"], loaded[id(specs[0][1])],
         loaded[id(specs[1][1])] if ar_spec else None, scorer_spec, device=device, dtype=scorer_dtype,
@@ -218,14 +219,22 @@ def run_audit(system_outputs, stock_outputs, ar_outputs, scorer_spec, *, device=
 @click.option("--save", "save", type=click.Path(dir_okay=False), required=True,
               help="Outputs JSONL to write (also written with the rows collected so far when a run fails).")
 @click.option("--tokenizer", default=None, help="Model whose tokenizer turns text prompts into ids.")
+@click.option("--resume", is_flag=True,
+              help="Keep the rows --save already holds (an interrupted collection) and run only the other prompts.")
 @output_options
-def collect_cmd(system, prompts_path, max_new_tokens, timeout, concurrency, save, tokenizer, fmt, out):
+def collect_cmd(system, prompts_path, max_new_tokens, timeout, concurrency, save, tokenizer, resume, fmt, out):
     """Run SYSTEM (engine: spec or http:// server) over --prompts and save its outputs file.
+
+    When the run fails or is interrupted (SIGINT, SIGTERM, SIGHUP) the outputs collected so far
+    are kept in --save; --resume continues from them.
 
     \b
     Example:
       specpilot audit collect http://127.0.0.1:30000 --prompts prompts.jsonl --save sglang.outputs.jsonl
     """
+    from pathlib import Path
+
+    from specpilot.auditors.outputs import read_outputs
     from specpilot.auditors.systems import collect, make_generator, parse_system
 
     spec = parse_system(system)
@@ -234,8 +243,15 @@ def collect_cmd(system, prompts_path, max_new_tokens, timeout, concurrency, save
     if not prompts_path:
         raise InputError("collect needs --prompts FILE")
     prompts = _read_prompts(prompts_path, tokenizer)
-    outputs = collect(make_generator(spec, timeout=timeout), prompts, max_new_tokens, save_to=save, name=spec.name,
-                      progress=progress, protect=[prompts_path], concurrency=concurrency)
+    already = read_outputs(save).rows if resume and Path(save).exists() else []
+    try:
+        outputs = collect(make_generator(spec, timeout=timeout), prompts, max_new_tokens, save_to=save,
+                          name=spec.name, progress=progress, protect=[prompts_path], concurrency=concurrency,
+                          already=already)
+    except BaseException as e:
+        if getattr(e, "path", None) or (isinstance(e, KeyboardInterrupt) and Path(save).exists()):
+            e.add_note(f"continue with --resume (same --save {save})")
+        raise
     lens = [len(r.output_ids) for r in outputs.rows]
     data = {"schema": "specpilot.audit-collect/1", "system": spec.spec, "prompts": len(prompts),
             "tokens": sum(lens), "max_new_tokens": max_new_tokens, "saved": save}

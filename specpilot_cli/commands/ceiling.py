@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import click
 
+from specpilot.limits import MAX_BATCH, MAX_CONTEXT, MAX_DRAFT_PASSES, MAX_MS, MAX_ROWS, MAX_TAU, MAX_TBS, MAX_TFLOPS
 from specpilot.models import KV_DTYPES, WEIGHT_DTYPES
+from specpilot.options import FiniteRange, positive
 from specpilot.output import Report, Section, emit, output_options
 
 
@@ -13,29 +15,33 @@ from specpilot.output import Report, Section, emit, output_options
               help="Target model: catalog name (llama-3.1-8b, qwen3-8b, ...) or config.json / model folder.")
 @click.option("--gpu", "gpu_name", default="auto", show_default=True, metavar="NAME",
               help="GPU from the catalog (h100, h200, a100, b200, l40s, rtx-pro-6000) or 'auto' (NVML).")
-@click.option("--bandwidth", type=float, metavar="TB/S", help="Measured peak bandwidth, replaces the datasheet.")
-@click.option("--flops", type=float, metavar="TFLOP/S", help="Measured dense bf16 TFLOP/s, replaces the datasheet.")
-@click.option("--fp8-flops", type=float, metavar="TFLOP/S", help="Measured dense fp8 TFLOP/s.")
+@click.option("--bandwidth", type=positive(MAX_TBS), metavar="TB/S", help="Measured peak bandwidth, replaces the datasheet.")
+@click.option("--flops", type=positive(MAX_TFLOPS), metavar="TFLOP/S",
+              help="Measured dense bf16 TFLOP/s, replaces the datasheet.")
+@click.option("--fp8-flops", type=positive(MAX_TFLOPS), metavar="TFLOP/S", help="Measured dense fp8 TFLOP/s.")
 @click.option("--rows", default="1", show_default=True, metavar="N[,N...]",
-              help="Rows verified per request per step, e.g. 1,8,32,64 or 1,2,4,...,256.")
-@click.option("--batch", default=1, show_default=True, type=int, help="Requests per step.")
-@click.option("--context", default=2048, show_default=True, type=int, help="Committed context tokens per request.")
+              help=f"Rows verified per request per step, e.g. 1,8,32,64 or 1,2,4,...,256 (1 to {MAX_ROWS}).")
+@click.option("--batch", default=1, show_default=True, type=click.IntRange(1, MAX_BATCH), help="Requests per step.")
+@click.option("--context", default=2048, show_default=True, type=click.IntRange(0, MAX_CONTEXT),
+              help="Committed context tokens per request.")
 @click.option("--weight-dtype", type=click.Choice(WEIGHT_DTYPES), default="bf16", show_default=True,
               help="Storage of projection and expert weights (w12 = 12.02 bits/weight).")
 @click.option("--lm-head-dtype", type=click.Choice(WEIGHT_DTYPES), default=None,
               help="LM head storage [default: bf16 with w12 weights, else the weight dtype].")
 @click.option("--kv-dtype", type=click.Choice(KV_DTYPES), default="bf16", show_default=True)
 @click.option("--drafter", "drafter_name", metavar="NAME|PATH", help="Drafter model: adds its step as the drafter class.")
-@click.option("--draft-rows", type=int, help="Drafter rows per request per pass [default: --rows].")
-@click.option("--draft-passes", type=int, default=1, show_default=True,
+@click.option("--draft-rows", type=click.IntRange(1, MAX_ROWS), help="Drafter rows per request per pass [default: --rows].")
+@click.option("--draft-passes", type=click.IntRange(1, MAX_DRAFT_PASSES), default=1, show_default=True,
               help="Drafter passes per step: 1 for a block drafter (DFlash), k for a sequential one (EAGLE).")
-@click.option("--flops-fraction", default=0.60, show_default=True, type=float, help="Reachable share of peak FLOP/s.")
-@click.option("--bw-fraction", default=0.90, show_default=True, type=float, help="Reachable share of peak bandwidth.")
-@click.option("--tau", type=float, help="Measured tokens accepted per verification pass.")
-@click.option("--tau-best", type=float, help="Best reachable tau (any tree; e.g. replay's oracle).")
-@click.option("--step-ms", type=float, help="Measured step wall time T_step(N), drafting included.")
-@click.option("--ar-ms", type=float, help="Measured AR step time T_AR in the same engine.")
-@click.option("--profile-ms", type=float, help="Profiled GPU kernel time per step.")
+@click.option("--flops-fraction", default=0.60, show_default=True, type=positive(1.0),
+              help="Reachable share of peak FLOP/s.")
+@click.option("--bw-fraction", default=0.90, show_default=True, type=positive(1.0),
+              help="Reachable share of peak bandwidth.")
+@click.option("--tau", type=FiniteRange(1, MAX_TAU), help="Measured tokens accepted per verification pass.")
+@click.option("--tau-best", type=FiniteRange(1, MAX_TAU), help="Best reachable tau (any tree; e.g. replay's oracle).")
+@click.option("--step-ms", type=positive(MAX_MS), help="Measured step wall time T_step(N), drafting included.")
+@click.option("--ar-ms", type=positive(MAX_MS), help="Measured AR step time T_AR in the same engine.")
+@click.option("--profile-ms", type=positive(MAX_MS), help="Profiled GPU kernel time per step.")
 @click.option("--profile", "profile_file", type=click.Path(dir_okay=False), help="specpilot profile JSON.")
 @click.option("--replay", "replay_file", type=click.Path(dir_okay=False), help="specpilot replay JSON.")
 @click.option("--rows-probe", "rows_file", type=click.Path(dir_okay=False), help="specpilot probe rows JSON.")
@@ -145,4 +151,5 @@ def _report(res) -> Report:
 
             lines.append(f"Largest factor: {c.largest} ({c.factors[c.largest]:.3g}x): {ADVICE[c.largest]}.")
         lines.extend(f"note: {n}" for n in c.notes)
+    lines.extend(f"warning: {w}" for w in res.warnings)
     return Report(data=res.as_dict(), sections=sections, lines=lines)

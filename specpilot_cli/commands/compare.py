@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import click
 
+from specpilot.options import positive
 from specpilot.output import Report, Section, emit, output_options
 
 
@@ -52,14 +53,22 @@ def _runs(ctx, param, value):
 @click.option("--changes-output", is_flag=True,
               help="The candidate changes outputs: approve only above 3% (engines/servers: set automatically "
                    "when outputs differ).")
-@click.option("--timeout", type=float, default=None, help="Seconds allowed per run (shell) or per request (server).")
+@click.option("--timeout", type=positive(1e7), default=None,
+              help="Seconds allowed per run (shell commands) or per request (engines, servers). Shell commands "
+                   "default to 10 x the slowest base run so far, at least 60 s (1 hour for the first base run); "
+                   "engines and servers to 120 s per request. A command past it is ended with its process group.")
+@click.option("--partial", "partial_file", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+              help="Keep the paired samples collected so far here while it runs (removed when it finishes) "
+                   "[default: OUT.partial.json with --out, else specpilot-compare.partial.json].")
+@click.option("--resume", "resume_file", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+              help="Continue an interrupted run of the same systems from its partial file (kept up to date).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Bootstrap seed.")
 @click.option("--from", "from_file", type=click.Path(dir_okay=False), default=None, metavar="TIMING.json",
               help="Judge the samples of a stored specpilot.timing/1 file again (no runs; with --noise or "
                    "--changes-output to apply a stricter rule).")
 @output_options
 def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, tokenizer, max_new_tokens, concurrency, runs, max_runs, warmup,
-            gpus, noise, changes_output, timeout, seed, from_file, fmt, out):
+            gpus, noise, changes_output, timeout, partial_file, resume_file, seed, from_file, fmt, out):
     """Time a candidate against a base with paired runs and approve it only when it is faster.
 
     Runs are interleaved ABBA (same requests, same order), or with --gpus both systems at once on
@@ -67,7 +76,10 @@ def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, tokenizer
     bootstrap over blocks (a t-interval on log ratios as a check). Approved when both lower bounds
     exceed 1% + 2 x stock noise (A/A split of the base runs), or 3% with --changes-output, and
     at least two blocks (4 runs) were measured.
-    Exit 0 approved, 1 not approved, 2 bad input, 3 missing environment.
+    Exit 0 approved, 1 not approved, 2 bad input, 3 missing environment. The samples collected
+    so far are kept in a partial file after every block; after SIGINT/SIGTERM/SIGHUP, a failed or
+    timed-out command, rerun with --resume FILE to continue (each command runs in its own process
+    group and is ended with it).
 
     \b
     Examples:
@@ -77,13 +89,16 @@ def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, tokenizer
       specpilot compare --base engine:model=smollm2,mode=chain \\
           --candidate engine:model=smollm2,mode=tree,nodes=32 --prompts prompts.jsonl
       specpilot compare --from timing.json --changes-output     # re-judge stored samples
+      specpilot compare --base-cmd ... --candidate-cmd ... --resume specpilot-compare.partial.json
     """
-    from specpilot.auditors.pairing import make_system, paired_compare, parse_gpus
+    from specpilot.auditors.pairing import PairRun, RunTimeout, make_system, paired_compare, parse_gpus
+    from specpilot.auditors.timing import partial_doc, read_partial
     from specpilot.errors import InputError
     from specpilot.output import progress
+    from specpilot.resume import StateKeeper
 
     if from_file is not None:
-        if any(x is not None for x in (base, candidate, base_cmd, candidate_cmd, prompts, gpus)):
+        if any(x is not None for x in (base, candidate, base_cmd, candidate_cmd, prompts, gpus, resume_file)):
             raise InputError("--from judges a stored timing file; do not also give systems, commands or prompts")
         if noise is not None and not 0 <= noise < 1:
             raise InputError(f"--noise {noise}: a fraction in [0, 1), e.g. 0.001 for 0.1%")
@@ -101,8 +116,6 @@ def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, tokenizer
         raise InputError("compare like with like: two shell commands, or two systems")
     if noise is not None and not 0 <= noise < 1:
         raise InputError(f"--noise {noise}: a fraction in [0, 1), e.g. 0.001 for 0.1%")
-    if timeout is not None and timeout <= 0:
-        raise InputError(f"--timeout {timeout}: must be positive")
     gpu_pair = parse_gpus(gpus)
     if gpu_pair and base_cmd is None:
         raise InputError("--gpus runs shell commands on two GPUs; for engines/servers start each on its own GPU")
@@ -119,29 +132,60 @@ def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, tokenizer
         raise InputError("timing engines or servers needs --prompts FILE (the request set)")
     if concurrency > 1 and base_cmd is not None:
         raise InputError("--concurrency applies to servers (--base/--candidate http://...)")
-    a = make_system(base, base_cmd, "base", metric=metric, timeout=timeout, prompts=prompt_rows,
+    limit = RunTimeout(timeout)  # both shell commands share it: derived from the base runs
+    a = make_system(base, base_cmd, "base", metric=metric, timeout=limit, prompts=prompt_rows,
                     max_new_tokens=max_new_tokens, concurrency=concurrency)
     try:
-        b = make_system(candidate, candidate_cmd, "candidate", metric=metric, timeout=timeout, prompts=prompt_rows,
+        b = make_system(candidate, candidate_cmd, "candidate", metric=metric, timeout=limit, prompts=prompt_rows,
                         max_new_tokens=max_new_tokens, concurrency=concurrency)
     except BaseException:
         a.close()
         raise
+    inputs = [p for p in [prompts, resume_file] if p]
+    schedule = f"GPU swap on {gpu_pair[0]},{gpu_pair[1]}" if gpu_pair else "ABBA"
+    keeper = StateKeeper(partial_file or resume_file or _default_partial(out), "--partial",
+                         what=lambda doc: f"{doc['runs']} paired samples")
     bar = progress(total=runs or 8, desc="paired runs", unit="pair")
     try:
+        prior = None
+        if resume_file:
+            samples, aa = read_partial(resume_file, base=a.label, candidate=b.label, metric=a.metric,
+                                       schedule=schedule)
+            prior = PairRun(samples, aa)
+
+        def keep(run):
+            keeper.save(partial_doc(a.label, b.label, a.metric, a.unit, a.higher_is_better, schedule, run.samples,
+                                    run.aa))
+
+        if prior:
+            keep(prior)  # the partial file holds them from now on, wherever it is
+
         def set_total(n):
             bar.total = n
             bar.refresh()
 
         result = paired_compare(a, b, runs=runs, warmup=warmup, gpus=gpu_pair, noise=noise,
                                 changes_output=changes_output, max_runs=max_runs, seed=seed,
-                                tick=bar.update, set_total=set_total)
+                                tick=bar.update, set_total=set_total, prior=prior, on_block=keep)
+    except BaseException as e:
+        keeper.note(e)
+        raise
     finally:
         bar.close()
         a.close()
         b.close()
-    emit(report(result), fmt, out, protect=[p for p in [prompts] if p])
+    emit(report(result), fmt, out, protect=inputs)
+    keeper.finished()
     return 0 if result.verdict.approved else 1
+
+
+def _default_partial(out: str | None) -> str:
+    if out:
+        from pathlib import Path
+
+        p = Path(out)
+        return str(p.with_suffix(".partial.json")) if p.suffix else f"{out}.partial.json"
+    return "specpilot-compare.partial.json"
 
 
 def report(result) -> Report:
@@ -159,7 +203,7 @@ def report(result) -> Report:
     if result.plan:
         p = result.plan
         rows.append(["run count (power plan)", f"{p['pairs']} pairs for {p['power'] * 100:.0f}% power at a true "
-                     f"{(p['target_gain'] - 1) * 100:.0f}% gain" + ("  (capped by --max-runs)" if p["capped"] else "")])
+                     f"{(p['target_gain'] - 1) * 100:.0f}% gain" + ("  (capped by --max-runs)" if p.get("capped") else "")])
     unit = result.unit
     med_b = sorted(s.base for s in result.samples)[len(result.samples) // 2]
     med_c = sorted(s.candidate for s in result.samples)[len(result.samples) // 2]

@@ -6,6 +6,8 @@ from __future__ import annotations
 import click
 
 from specpilot.errors import InputError
+from specpilot.limits import MAX_BATCH, MAX_CONTEXT, MAX_DRAFT_PASSES, MAX_ROWS, MAX_TBS, MAX_TFLOPS
+from specpilot.options import positive
 from specpilot.output import Report, Section, emit, output_options, progress
 
 DTYPES = ["bf16", "fp16", "fp8", "w12", "int8", "int4"]
@@ -21,18 +23,18 @@ STEP_MODES = ["auto", "range", "graph", "gap", "whole"]
 @click.option("--step-mode", type=click.Choice(STEP_MODES), default="auto", show_default=True,
               help="auto: --step-range or the trace's step annotations, else CUDA graph launches, else idle gaps, "
                    "else the whole trace. Example: --step-mode gap --gap-us 200")
-@click.option("--gap-us", type=float, metavar="US", help="Idle gap (us) that separates steps in gap mode [default: found]. "
+@click.option("--gap-us", type=positive(1e12), metavar="US", help="Idle gap (us) that separates steps in gap mode [default: found]. "
               "Example: --step-mode gap --gap-us 200")
-@click.option("--skip-steps", type=int, default=0, show_default=True, help="Leave out the first N steps (warm-up). "
+@click.option("--skip-steps", type=click.IntRange(0, 2**31), default=0, show_default=True, help="Leave out the first N steps (warm-up). "
               "Example: --skip-steps 2")
-@click.option("--device", type=int, help="GPU index when the trace holds several [default: the busiest]. Example: --device 1")
+@click.option("--device", type=click.IntRange(0, 2**16), help="GPU index when the trace holds several [default: the busiest]. Example: --device 1")
 @click.option("--include-orphans", is_flag=True,
               help="Keep kernels launched before the trace began (their launch is not in the trace; left out by "
                    "default and counted in a note). Example: --include-orphans")
 @click.option("--rules", "rules_files", multiple=True, type=click.Path(dir_okay=False),
               help="YAML kernel-class rules tried before the defaults (repeatable). Example: --rules my_rules.yaml")
 @click.option("--explain", is_flag=True, help="List which rule classified each kernel name. Example: --explain")
-@click.option("--top", "top_n", type=int, default=10, show_default=True,
+@click.option("--top", "top_n", type=click.IntRange(0, 2**31), default=10, show_default=True,
               help="Kernels listed by time per step (0: none). Example: --top 20")
 @click.option("--diff", is_flag=True,
               help="Compare two traces, BASE then CANDIDATE: per class and per top kernel, ms per step, share and "
@@ -40,27 +42,28 @@ STEP_MODES = ["auto", "range", "graph", "gap", "whole"]
 @click.option("--ranks", is_flag=True,
               help="Profile every GPU of one multi-GPU trace as a tensor-parallel rank (several trace files are "
                    "ranks without it). Example: specpilot profile tp4.sqlite --ranks")
-@click.option("--link-bandwidth", type=float, metavar="GB/S",
+@click.option("--link-bandwidth", type=positive(1e6), metavar="GB/S",
               help="GPU-to-GPU bandwidth per direction for the communication floor [default: the GPU catalog's "
                    "NVLink/xGMI figure]. Example: --link-bandwidth 450")
 @click.option("--model", "model_name", metavar="NAME|PATH", help="Target model for byte floors (catalog name or config.json).")
 @click.option("--drafter", "drafter_name", metavar="NAME|PATH", help="Drafter model: its step is the drafter floor.")
-@click.option("--rows", type=int, help="Rows verified per request per step [default 1 with --model].")
-@click.option("--draft-rows", type=int, help="Drafter rows per request per pass [default: --rows].")
-@click.option("--draft-passes", type=int, default=1, show_default=True,
+@click.option("--rows", type=click.IntRange(1, MAX_ROWS), help="Rows verified per request per step [default 1 with --model].")
+@click.option("--draft-rows", type=click.IntRange(1, MAX_ROWS), help="Drafter rows per request per pass [default: --rows].")
+@click.option("--draft-passes", type=click.IntRange(1, MAX_DRAFT_PASSES), default=1, show_default=True,
               help="Drafter passes per step: 1 for a block drafter, k for a sequential (EAGLE-style) one.")
-@click.option("--batch", type=int, default=1, show_default=True, help="Requests per step.")
-@click.option("--context", type=int, default=2048, show_default=True, help="Committed context tokens per request.")
+@click.option("--batch", type=click.IntRange(1, MAX_BATCH), default=1, show_default=True, help="Requests per step.")
+@click.option("--context", type=click.IntRange(0, MAX_CONTEXT), default=2048, show_default=True,
+              help="Committed context tokens per request.")
 @click.option("--weight-dtype", type=click.Choice(DTYPES), default="bf16", show_default=True)
 @click.option("--lm-head-dtype", type=click.Choice(DTYPES), default=None)
 @click.option("--kv-dtype", type=click.Choice(["bf16", "fp16", "fp8"]), default="bf16", show_default=True)
 @click.option("--gpu", "gpu_name", metavar="NAME", help="GPU for floors [default: the one the trace names].")
-@click.option("--bandwidth", type=float, metavar="TB/S", help="Peak bandwidth for floors (with --flops: a GPU not in the catalog).")
-@click.option("--flops", type=float, metavar="TFLOP/S", help="Dense bf16 TFLOP/s for floors.")
+@click.option("--bandwidth", type=positive(MAX_TBS), metavar="TB/S", help="Peak bandwidth for floors (with --flops: a GPU not in the catalog).")
+@click.option("--flops", type=positive(MAX_TFLOPS), metavar="TFLOP/S", help="Dense bf16 TFLOP/s for floors.")
 @click.option("--ceiling", "ceiling_file", type=click.Path(dir_okay=False),
               help="Floors from a specpilot ceiling JSON instead of --model.")
-@click.option("--flops-fraction", type=float, default=0.60, show_default=True)
-@click.option("--bw-fraction", type=float, default=0.90, show_default=True)
+@click.option("--flops-fraction", type=positive(1.0), default=0.60, show_default=True)
+@click.option("--bw-fraction", type=positive(1.0), default=0.90, show_default=True)
 @click.option("--plot", "plot_file", type=click.Path(dir_okay=False), help="Draw measured vs floor per class (PNG).")
 @output_options
 def command(traces, step_range, step_mode, gap_us, skip_steps, device, include_orphans, rules_files, explain, top_n,
@@ -101,6 +104,10 @@ def command(traces, step_range, step_mode, gap_us, skip_steps, device, include_o
         raise InputError("--top must be >= 0")
     if plot_file and out and plot_file == out:
         raise InputError("--plot and --out name the same file")
+    if plot_file:
+        from specpilot.fileio import check_output_path
+
+        check_output_path(plot_file, "--plot", protect=[*traces, *(p for p in (ceiling_file, *rules_files) if p)])
     if diff and len(traces) != 2:
         raise InputError(f"--diff compares two traces (BASE CANDIDATE); got {len(traces)}")
     if ranks and len(traces) != 1:

@@ -81,6 +81,12 @@ def pack_cmd(src, dst, include, exclude, device, fmt, out):
       specpilot w12 pack model.safetensors -o model.w12.safetensors
     """
     ck = _lib()
+    from pathlib import Path
+
+    if Path(src).is_file():
+        from specpilot.fileio import check_output_path
+
+        check_output_path(dst, "--output", protect=[src])  # before the long conversion
     device = _device(device)
     inc = tuple(include) or ck.DEFAULT_INCLUDE
     exc = tuple(exclude) or ck.DEFAULT_EXCLUDE

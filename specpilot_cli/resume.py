@@ -1,0 +1,47 @@
+"""Resumable state: what a long verb measured so far, kept in a file it can continue from.
+
+A verb saves its state after every unit of work (``keeper.save(doc)``, atomic), adds where it is
+to the error line when a signal or an error ends the run (``keeper.note(e)`` in an ``except
+BaseException`` before re-raising), and removes the file when it finishes
+(``keeper.finished()``). ``compare --partial/--resume`` keeps its paired samples this way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+from .errors import SpecPilotError
+
+
+class StateKeeper:
+    """Keeps ``doc``s in ``path``; ``what(doc)`` says what a doc holds ("4 paired samples")."""
+
+    def __init__(self, path: str, option: str, resume_option: str = "--resume", what=None):
+        self.path, self.option, self.resume_option = path, option, resume_option
+        self.what = what or (lambda doc: "the state so far")
+        self.kept: str | None = None
+        self.broken = False
+
+    def save(self, doc: dict) -> None:
+        """Write ``doc`` atomically; a failure stops keeping state but not the verb's work."""
+        if self.broken:
+            return
+        from .fileio import write_json_atomic
+        from .output import status
+
+        try:
+            write_json_atomic(self.path, doc, option=self.option)
+            self.kept = self.what(doc)
+        except (SpecPilotError, OSError) as e:
+            self.broken = True
+            status(f"cannot keep resumable state in {self.path} ({e}); an interrupted run will start over")
+
+    def note(self, e: BaseException) -> None:
+        """Say on ``e``'s error line where the state is and how to continue."""
+        if self.kept and not self.broken and hasattr(e, "add_note"):
+            e.add_note(f"{self.kept} kept in {self.path}; continue with {self.resume_option} {self.path}")
+
+    def finished(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)

@@ -1,0 +1,414 @@
+"""Faults and bad input: each case of the exit-code contract, as a new user meets it.
+
+Exit 0 done, 1 negative verdict, 2 bad input (one ``specpilot: error:`` line naming the file,
+``file:line`` where there is one), 3 missing environment; never 4 (a bug) for any of these.
+Signals are in test_faults_signals.py, the fuzz suite in test_fuzz_*.py.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import LOCAL_FIXTURES, REPO
+
+LATTICE = [{"schema": "specpilot.lattice/1", "request": 0, "step": s, "tokens": [[5, 6], [7, 8]],
+            "logprobs": [[-0.1, -2.0], [-0.3, -1.5]], "transitions": None, "target": [5, 7, 9]} for s in range(4)]
+
+
+def _jsonl(rows) -> str:
+    return "".join(json.dumps(r) + "\n" for r in rows)
+
+
+def _one_error(err: str) -> str:
+    lines = [ln for ln in err.splitlines() if ln.startswith("specpilot: error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+# ----------------------------------------------------------------------------------- decoding
+
+def test_replay_truncated_gz_is_bad_input_naming_the_file(run_cli, tmp_path):
+    whole = gzip.compress(_jsonl(LATTICE * 20).encode())
+    p = tmp_path / "lat.jsonl.gz"
+    p.write_bytes(whole[: len(whole) // 2])
+    code, _, err = run_cli("replay", p)
+    assert code == 2, err
+    line = _one_error(err)
+    assert "lat.jsonl.gz:" in line and "truncated" in line and "interrupted" not in err
+
+
+def test_replay_binary_file_is_bad_input_with_file_and_line(run_cli, tmp_path):
+    p = tmp_path / "lat.jsonl"
+    p.write_bytes(_jsonl(LATTICE[:2]).encode() + bytes(range(128, 256)) + b"\n")
+    code, _, err = run_cli("replay", p)
+    assert code == 2, err
+    assert "lat.jsonl:3: not UTF-8 text" in _one_error(err)
+
+
+def test_replay_huge_token_id_is_bad_input_with_file_and_line(run_cli, tmp_path):
+    rows = [dict(r) for r in LATTICE]
+    rows[2] = dict(rows[2], tokens=[[10**30, 6], [7, 8]])
+    p = tmp_path / "lat.jsonl"
+    p.write_text(_jsonl(rows))
+    code, _, err = run_cli("replay", p)
+    assert code == 2, err
+    assert "lat.jsonl:3:" in _one_error(err) and "2147483647" in err
+
+
+def test_outputs_huge_token_id_is_bad_input_with_file_and_line(run_cli, tmp_path):
+    p = tmp_path / "o.jsonl"
+    p.write_text(_jsonl([{"schema": "specpilot.outputs/1", "id": 0, "prompt_ids": [1], "output_ids": [2]},
+                         {"schema": "specpilot.outputs/1", "id": 1, "prompt_ids": [1], "output_ids": [10**30]}]))
+    code, _, err = run_cli("audit", p, "--against", p, "--scorer", tmp_path / "nowhere")
+    assert code == 2  # the scorer is checked first; then the file
+    (tmp_path / "scorer").mkdir()
+    (tmp_path / "scorer" / "config.json").write_text("{}")
+    code, _, err = run_cli("audit", p, "--against", p, "--scorer", tmp_path / "scorer")
+    assert code == 2, err
+    assert "o.jsonl:2: output_ids must hold token ids in [0, 2147483647]" in _one_error(err)
+
+
+def test_memory_verify_binary_entry_is_bad_input_naming_the_entry(run_cli, tmp_path):
+    mem = tmp_path / "mem"
+    mem.mkdir()
+    for p in (REPO / "bundles" / "memory_entries").glob("*.yaml"):
+        (mem / p.name).write_bytes(p.read_bytes())
+    (mem / "tree.yaml").write_bytes(b"id: tree\n\x89PNG\r\n\x1a\n\x00\xff\xfe")
+    code, _, err = run_cli("memory", "verify", "--memory-dir", mem)
+    assert code == 2, err
+    assert "tree.yaml:2: memory entry is not UTF-8 text" in _one_error(err)
+
+
+@pytest.fixture(scope="module")
+def w12_file(tmp_path_factory):
+    import torch
+    from safetensors.torch import save_file
+
+    from specpilot.kernels.w12 import checkpoint
+
+    d = tmp_path_factory.mktemp("w12")
+    g = torch.Generator().manual_seed(0)
+    save_file({"model.layers.0.mlp.up_proj.weight": torch.randn(256, 64, generator=g).to(torch.bfloat16)},
+              str(d / "m.safetensors"))
+    checkpoint.pack(str(d / "m.safetensors"), str(d / "m.w12.safetensors"))
+    return d / "m.w12.safetensors"
+
+
+def test_w12_stats_on_a_corrupted_record_names_it(run_cli, w12_file, tmp_path):
+    data = bytearray(w12_file.read_bytes())
+    data[-100] ^= 0x40  # inside the last stored part
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(bytes(data))
+    code, out, err = run_cli("w12", "stats", bad)
+    assert code == 2 and out == "", err
+    line = _one_error(err)
+    assert "bad.safetensors: model.layers.0.mlp.up_proj.weight:" in line and "corrupted (CRC-32 mismatch)" in line
+    code, _, err = run_cli("w12", "stats", w12_file)
+    assert code == 0, err
+
+
+def test_unexpected_decode_error_is_bad_input_not_a_bug():
+    """The boundary: a decode error from any library, with the file named by fileio.reading."""
+    from specpilot.errors import EXIT_ENV, EXIT_USAGE, as_user_error
+    from specpilot.fileio import reading
+
+    with pytest.raises(UnicodeDecodeError) as info, reading("x.yaml"):
+        b"\xff".decode("utf-8")
+    err = as_user_error(info.value)
+    assert err.exit_code == EXIT_USAGE and str(err).startswith("x.yaml: not UTF-8 text")
+    with pytest.raises(json.JSONDecodeError) as info, reading("y.json"):
+        json.loads('{"a": 1,\n oops}')
+    assert str(as_user_error(info.value)).startswith("y.json:2:2: not valid JSON")
+    assert as_user_error(OverflowError("int too large")).exit_code == EXIT_USAGE
+    assert as_user_error(FileNotFoundError(2, "No such file or directory", "z.txt")).args[0].startswith("z.txt:")
+    assert as_user_error(OSError(28, "No space left on device", "out.json")).exit_code == EXIT_ENV
+    assert as_user_error(KeyError("a bug")) is None and as_user_error(TypeError("a bug")) is None
+
+
+# ----------------------------------------------------------------------------- absurd numbers
+
+@pytest.mark.parametrize("args, expect", [
+    (["ceiling", "--model", "{cfg}", "--gpu", "h200"], "hidden_size must be a whole number in [1, 1048576]"),
+    (["ceiling", "--model", "llama-3.1-8b", "--gpu", "h200", "--rows", "99999999999"], "in [1, 65536]"),
+    (["ceiling", "--model", "llama-3.1-8b", "--gpu", "h200", "--rows", "1,2,...,99999999999"], "in [1, 65536]"),
+    (["ceiling", "--model", "llama-3.1-8b", "--gpu", "h200", "--rows", "8", "--tau", "inf"], "1<=x<=65536"),
+    (["ceiling", "--model", "llama-3.1-8b", "--gpu", "h200", "--rows", "8", "--tau", "nan"], "from 1 to 65536"),
+    (["ceiling", "--model", "llama-3.1-8b", "--gpu", "h200", "--batch", "0"], "1<=x<=65536"),
+    (["ceiling", "--model", "llama-3.1-8b", "--gpu", "h200", "--bandwidth", "-1"], "0<x<=10000"),
+    (["profile", "{trace}", "--model", "llama-3.1-8b", "--rows", "0"], "1<=x<=65536"),
+], ids=["hidden_size", "rows", "rows-series", "tau-inf", "tau-nan", "batch", "bandwidth", "profile-rows"])
+def test_absurd_numbers_are_bad_input_with_the_range(run_cli, tmp_path, args, expect):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "llama", "hidden_size": 10**30, "num_hidden_layers": 2,
+                               "num_attention_heads": 2, "vocab_size": 100, "intermediate_size": 10}))
+    args = [a.format(cfg=cfg, trace=LOCAL_FIXTURES / "nsys_h200_decode_eager.sqlite") for a in args]
+    code, out, err = run_cli(*args)
+    assert code == 2 and out == "", err
+    assert expect in _one_error(err)
+
+
+ROWS_PROBE = {"schema": "specpilot.rows/1", "model": "tiny", "dtype": "float32", "context": 64, "ar_ms": 1.0,
+              "points": [{"rows": 1, "step_ms": 1.0, "c": 1.0}, {"rows": 8, "step_ms": 1.4, "c": 1.4}],
+              "reps": 5, "method": "eager, wall clock, median"}
+
+
+def test_rows_probe_from_a_cpu_beside_gpu_floors_is_refused_naming_both(run_cli, tmp_path):
+    p = tmp_path / "rows.json"
+    p.write_text(json.dumps({**ROWS_PROBE, "gpu": None, "device": "cpu", "cpu": "Intel Xeon Test"}))
+    code, out, err = run_cli("ceiling", "--model", "llama-3.1-8b", "--gpu", "h200", "--rows", "8", "--rows-probe", p,
+                             "--tau", "3")
+    assert code == 2 and out == "", err
+    line = _one_error(err)
+    assert "measured on the CPU (Intel Xeon Test)" in line and "H200" in line
+    code, out, err = run_cli("ceiling", "--rows", "8", "--rows-probe", p, "--tau", "3", "--step-ms", "1.4")
+    assert code == 0, err  # the measured figures alone do not mix devices
+
+
+def test_rows_probe_from_another_gpu_warns_naming_both(run_cli, tmp_path):
+    p = tmp_path / "rows.json"
+    p.write_text(json.dumps({**ROWS_PROBE, "gpu": "NVIDIA A100-SXM4-80GB", "device": "cuda:0", "cpu": None}))
+    code, out, err = run_cli("ceiling", "--model", "llama-3.1-8b", "--gpu", "h200", "--rows", "8", "--rows-probe", p,
+                             "--tau", "3", "--format", "json")
+    assert code == 0, err
+    (warning,) = json.loads(out)["warnings"]
+    assert "A100" in warning and "H200" in warning
+
+
+# ------------------------------------------------------------------------------ output files
+
+@pytest.fixture
+def umask_022():
+    old = os.umask(0o022)
+    yield
+    os.umask(old)
+
+
+def _mode(p: Path) -> int:
+    return stat.S_IMODE(p.stat().st_mode)
+
+
+def test_output_files_get_the_umask_mode_keep_theirs_and_follow_symlinks(run_cli, tmp_path, umask_022):
+    new = tmp_path / "new.json"
+    code, _, err = run_cli("ceiling", "--model", "llama-3.1-8b", "--gpu", "h200", "--format", "json", "--out", new)
+    assert code == 0 and _mode(new) == 0o644, err
+    kept = tmp_path / "kept.json"
+    kept.write_text("old")
+    kept.chmod(0o640)
+    code, _, err = run_cli("ceiling", "--model", "llama-3.1-8b", "--gpu", "h200", "--format", "json", "--out", kept)
+    assert code == 0 and _mode(kept) == 0o640 and json.loads(kept.read_text())["schema"] == "specpilot.ceiling/1"
+    target = tmp_path / "real" / "target.json"
+    target.parent.mkdir()
+    target.write_text("old")
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    code, _, err = run_cli("ceiling", "--model", "llama-3.1-8b", "--gpu", "h200", "--format", "json", "--out", link)
+    assert code == 0, err
+    assert link.is_symlink() and json.loads(target.read_text())["schema"] == "specpilot.ceiling/1"
+    assert not [p for p in tmp_path.rglob("*.part")]
+
+
+def test_outputs_and_lattice_files_get_the_umask_mode(run_cli, tmp_path, umask_022):
+    outs, lat = tmp_path / "o.jsonl", tmp_path / "l.jsonl"
+    code, _, err = run_cli("run", "--model", "tiny", "--prompt-ids", "1,2,3", "--max-new-tokens", "4",
+                           "--outputs-out", outs, "--lattice-out", lat)
+    assert code == 0, err
+    assert _mode(outs) == 0o644 and _mode(lat) == 0o644
+
+
+def test_sglang_activation_file_gets_the_umask_mode(run_cli, tmp_path, umask_022):
+    from sglang_support import make_env, sglang_dir
+
+    from specpilot.bundles import activation as act
+
+    root = sglang_dir()
+    if root is None:
+        pytest.skip("the SGLang wheel is not installed")
+    py = make_env(tmp_path / "env", root)
+    code, _, err = run_cli("apply", "lattice-trace", "--python", py)
+    assert code == 0, err
+    purelib = Path(subprocess.run([str(py), "-B", "-c", "import sysconfig;print(sysconfig.get_paths()['purelib'])"],
+                                  capture_output=True, text=True, check=True).stdout.strip())
+    path = purelib / act.ACTIVATION_NAME
+    assert _mode(path) == 0o644
+    path.chmod(0o600)
+    code, _, err = run_cli("apply", "lattice-trace", "--python", py)
+    assert code == 0 and _mode(path) == 0o600, err  # an existing file keeps its mode
+    assert run_cli("revert", "--python", py)[0] == 0
+
+
+def test_w12_pack_folder_output_gets_the_umask_mode(tmp_path, umask_022):
+    import torch
+    from safetensors.torch import save_file
+
+    from specpilot.kernels.w12 import checkpoint
+
+    src = tmp_path / "model"
+    src.mkdir()
+    save_file({"model.layers.0.mlp.up_proj.weight": torch.ones(128, 64, dtype=torch.bfloat16)},
+              str(src / "a.safetensors"))
+    checkpoint.pack(str(src), str(tmp_path / "packed"))
+    assert _mode(tmp_path / "packed") == 0o755 and _mode(tmp_path / "packed" / "a.safetensors") == 0o644
+
+
+# ----------------------------------------------------------------------- the option at fault
+
+def test_errors_name_the_option_at_fault(run_cli, tmp_path):
+    trace = tmp_path / "t.sqlite"
+    trace.write_bytes((LOCAL_FIXTURES / "nsys_h200_decode_eager.sqlite").read_bytes())
+    code, _, err = run_cli("profile", trace, "--plot", trace)
+    assert code == 2 and "--plot" in _one_error(err) and "--out" not in err, err
+    code, _, err = run_cli("profile", trace, "--plot", tmp_path / "missing" / "p.png")
+    assert code == 2 and _one_error(err).startswith("specpilot: error: --plot "), err
+    code, _, err = run_cli("ceiling", "--model", "llama-3.1-8b", "--gpu", "h200", "--out", tmp_path / "no" / "x")
+    assert code == 2 and _one_error(err).startswith("specpilot: error: --out "), err
+    stock = tmp_path / "stock.jsonl"
+    stock.write_text(_jsonl([{"schema": "specpilot.outputs/1", "id": 0, "prompt_ids": [1], "output_ids": [2]}]))
+    (tmp_path / "scorer").mkdir()
+    (tmp_path / "scorer" / "config.json").write_text("{}")
+    a_file = tmp_path / "taken"
+    a_file.write_text("")
+    code, _, err = run_cli("audit", "engine:model=tiny,mode=ar", "--against", stock, "--scorer", tmp_path / "scorer",
+                           "--prompts", stock, "--save-outputs", a_file)
+    assert code == 2 and "'--save-outputs'" in _one_error(err) and "--out" not in err, err
+    code, _, err = run_cli("audit", "collect", "engine:model=tiny,mode=ar", "--prompts", stock, "--save", stock)
+    assert code == 2 and "--save" in _one_error(err) and "refusing to overwrite input file" in err, err
+    assert stock.read_text().startswith('{"schema": "specpilot.outputs/1"')
+
+
+# ---------------------------------------------------------------------------------- compare
+
+def test_compare_ends_a_hung_command_after_the_default_timeout(run_cli, tmp_path, monkeypatch):
+    """No --timeout: 10 x the slowest base run, at least AUTO_TIMEOUT_MIN_S (lowered here)."""
+    from specpilot.auditors import pairing
+
+    monkeypatch.setattr(pairing, "AUTO_TIMEOUT_MIN_S", 1.0)
+    pidfile = tmp_path / "pid"
+    cand = f"if [ -e {tmp_path}/once ]; then echo $$ > {pidfile}; sleep 300; fi; touch {tmp_path}/once"
+    code, _, err = run_cli("compare", "--base-cmd", "sleep 0.01", "--candidate-cmd", cand, "--runs", "2",
+                           "--warmup", "1")
+    assert code == 2, err
+    line = _one_error(err)
+    assert "candidate command ran past the default limit of 1 s (10 x the slowest base run" in line and "--timeout" in line
+    pid = int(pidfile.read_text())
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pid, 0)  # its process group was ended
+
+
+def test_compare_help_states_the_default_timeout(run_cli):
+    code, out, _ = run_cli("compare", "--help")
+    assert code == 0 and "10 x the slowest base run" in " ".join(out.split()) and "--resume" in out
+
+
+def test_run_timeout_rule():
+    from specpilot.auditors.pairing import AUTO_TIMEOUT_MIN_S, FIRST_RUN_TIMEOUT_S, RunTimeout
+
+    t = RunTimeout()
+    assert t.seconds() == FIRST_RUN_TIMEOUT_S
+    t.observe("candidate", 50.0)
+    assert t.seconds() == FIRST_RUN_TIMEOUT_S  # only base (A) runs set it
+    t.observe("base", 2.0)
+    assert t.seconds() == AUTO_TIMEOUT_MIN_S
+    t.observe("base", 30.0)
+    t.observe("base", 5.0)
+    assert t.seconds() == 300.0
+    assert RunTimeout(7.5).seconds() == 7.5
+
+
+# ---------------------------------------------------------------------------------- ci_gate.sh
+
+@pytest.mark.parametrize("compare_code, expect", [
+    (0, (0, "lossless and approved as faster")),
+    (1, (1, "not approved as faster")),
+    (2, (2, "compare failed on bad input (exit 2")),
+    (3, (3, "compare failed: missing environment (exit 3")),
+])
+def test_ci_gate_reports_the_real_reason(tmp_path, compare_code, expect):
+    stub = tmp_path / "specpilot"
+    stub.write_text(f"#!/bin/sh\ncase \"$1\" in audit) exit 0;; compare) echo 'specpilot: error: x' >&2; "
+                    f"exit {compare_code};; esac\n")
+    stub.chmod(0o755)
+    proc = subprocess.run(["bash", str(REPO / "examples" / "ci_gate.sh")], capture_output=True, text=True,
+                          env=dict(os.environ, SPECPILOT=str(stub), OUT_DIR=str(tmp_path / "out")))
+    assert proc.returncode == expect[0] and expect[1] in proc.stderr, proc.stderr
+
+
+def test_ci_gate_reports_an_audit_that_could_not_run(tmp_path):
+    stub = tmp_path / "specpilot"
+    stub.write_text("#!/bin/sh\ncase \"$1\" in audit) exit 3;; compare) exit 0;; esac\n")
+    stub.chmod(0o755)
+    proc = subprocess.run(["bash", str(REPO / "examples" / "ci_gate.sh")], capture_output=True, text=True,
+                          env=dict(os.environ, SPECPILOT=str(stub), OUT_DIR=str(tmp_path / "out")))
+    assert proc.returncode == 3 and "audit failed: missing environment" in proc.stderr
+
+
+# ------------------------------------------------------------------ long work in a non-tty
+
+def test_non_tty_progress_lines_and_loading_model_line(run_cli, tmp_path, monkeypatch):
+    """stderr is not a terminal here (as in CI): plain progress lines, no carriage returns."""
+    from specpilot import machine
+
+    monkeypatch.setattr(machine, "_announced", set())
+    monkeypatch.setenv("SPECPILOT_PROGRESS_SECONDS", "0")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(_jsonl([{"schema": "specpilot.prompts/1", "id": i, "prompt_ids": [1, 2 + i]}
+                               for i in range(3)]))
+    code, _, err = run_cli("run", "--model", "tiny", "--mode", "ar", "--prompts", prompts, "--max-new-tokens", "3")
+    assert code == 0, err
+    lines = err.splitlines()
+    assert lines[0] == "specpilot: loading model tiny (ar, cpu) ..."
+    assert "specpilot: CPU engine: 1 torch thread (tiny model)" in lines
+    assert [ln for ln in lines if "/3 " in ln] and "\r" not in err
+    code, _, err = run_cli("compare", "--base-cmd", "true", "--candidate-cmd", "true", "--runs", "4", "--warmup", "0")
+    assert code == 1 and "paired runs: 4/4 pair" in err, err
+
+
+def test_progress_is_quiet_for_short_work_without_a_tty(run_cli, tmp_path):
+    """The first line waits for the interval (15 s by default): quick runs print nothing."""
+    p = tmp_path / "lat.jsonl"
+    p.write_text(_jsonl(LATTICE))
+    code, _, err = run_cli("replay", p)
+    assert code == 0 and err == "", err
+
+
+# ------------------------------------------------------------------------------ CPU threads
+
+def test_default_cpu_threads_leave_room_for_the_load(monkeypatch):
+    from specpilot import machine
+
+    monkeypatch.setattr(machine, "physical_cores", lambda: 8)
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(os, "getloadavg", lambda: (13.6, 0, 0))
+    assert machine.default_cpu_threads()[0] == 2
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.2, 0, 0))
+    n, why = machine.default_cpu_threads()
+    assert n == 8 and "8 physical cores" in why
+    monkeypatch.setattr(os, "getloadavg", lambda: (40.0, 0, 0))
+    assert machine.default_cpu_threads()[0] == 1
+
+
+def test_cpu_engine_prints_its_threads_once(run_cli, tmp_path, monkeypatch):
+    from specpilot import machine
+
+    monkeypatch.setattr(machine, "_announced", set())
+    cfg = tmp_path / "small"
+    cfg.mkdir()
+    (cfg / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 256, "tie_word_embeddings": True}))
+    base = ["run", "--model", cfg, "--random-weights", "--mode", "ar", "--prompt-ids", "1,2,3", "--max-new-tokens", "2"]
+    code, _, err = run_cli(*base)
+    assert code == 0, err
+    (line,) = [ln for ln in err.splitlines() if "CPU engine:" in ln]
+    assert "physical cores, load average" in line and "--threads overrides" in line
+    code, _, err = run_cli(*base)
+    assert code == 0 and "CPU engine:" not in err  # once per process
+    monkeypatch.setattr(machine, "_announced", set())
+    code, _, err = run_cli(*base, "--threads", "2")
+    assert "specpilot: CPU engine: 2 torch threads (--threads)" in err.splitlines(), err
