@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from specpilot.errors import InputError
 from specpilot.fileio import read_json
-from specpilot.probes.ceiling import ProfileFigures, ReplayFigures, RowsProbeFigures
+from specpilot.probes.ceiling import ProfileFigures, ReplayFigures, RowsProbeFigures, RunFigures
 
 
 def read_profile(path: str) -> ProfileFigures:
@@ -64,4 +64,22 @@ def read_rows_probe(path: str) -> RowsProbeFigures:
         ar = float(ar)
     except (TypeError, ValueError):
         raise InputError(f"{path}: rows probe 'ar_ms' must be a number") from None
-    return RowsProbeFigures(source=str(path), step_ms=curve, ar_ms=ar)
+    path_name = doc.get("ar_path")
+    warnings = doc.get("warnings") or []
+    if path_name is not None and not isinstance(path_name, str) or not isinstance(warnings, list):
+        raise InputError(f"{path}: rows probe 'ar_path' must be a string and 'warnings' a list")
+    return RowsProbeFigures(source=str(path), step_ms=curve, ar_ms=ar, ar_path=path_name,
+                            warnings=[str(w) for w in warnings])
+
+
+def read_run(path: str) -> RunFigures:
+    """A ``specpilot run`` JSON: tau and the decode loop's step timing (a CUDA run's)."""
+    doc = read_json(path, kind="run")
+    timing = doc.get("step_timing")
+    if not isinstance(timing, dict):
+        raise InputError(f"{path}: the run has no 'step_timing' (only CUDA runs time their steps)")
+    try:
+        return RunFigures(source=str(path), tau=float(doc["tau"]), step_wall_ms=float(timing["wall_ms"]),
+                          step_gpu_ms=float(timing["gpu_ms"]))
+    except (KeyError, TypeError, ValueError):
+        raise InputError(f"{path}: a run needs numeric 'tau' and step_timing 'wall_ms' and 'gpu_ms'") from None
