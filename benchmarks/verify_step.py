@@ -386,7 +386,7 @@ def main() -> int:
     extra["passes"] = section("passes", lambda: decoder_passes(m, args.reps, "bf16"), errors) or []
     extra["prefill"] = section("prefill", lambda: prefill_profile(m), errors)
     if args.profile:
-        extra["profile"] = [section(f"profile {p}", lambda: profile(m, 33, p), errors) for p in paths]
+        extra["profile"] = [section(f"profile {p}", lambda: profile(m, 33, p), errors) for p in ("layers", "fused", "split")]
     if args.w12:
         def w12():
             from specpilot.engine.w12_loader import convert_engine_model
