@@ -2,24 +2,25 @@
 
 Random bf16 weights (std 0.02), context 1024 committed in the cache (a real prefill), batch 1.
 Every step is one CUDA-graph replay timed with CUDA events (median of ``--reps``), the engine's
-own graphs (``GraphRunner``): N rows at the slots after the context, each attending the context
-and its chain (``probe rows``' inputs), the LM head and the rows' argmax included. T_AR is the
-fused one-row AR step of the same weights, timed in the same run. Paths:
+own graphs (``GraphRunner``) on ``probe rows``' inputs: N rows at the slots after the context,
+each attending the context and its chain, the LM head and the rows' argmax included. T_AR is the
+fused one-row AR step of the same weights in the same run. Paths: ``fused`` (``decode=fused``,
+what the engine runs: the fused one-row chain for 1 row, cuBLAS GEMMs with one fused kernel
+between two GEMMs for 2..64 rows, engine/fused_verify.py) and ``layers`` (the layer modules,
+eager inside the graph: the engine's verify step before the fused one). ``--w12`` then converts
+the projections to W12 in place and times the same on W12 weights (T_AR: the W12 AR step).
 
-* ``fused``  the fused multi-row kernels (``decode=fused``: kernels/verify/gemm.py + attention),
-* ``split``  cuBLAS GEMMs with one fused kernel between two GEMMs (kernels/verify/rows.py),
-* ``layers`` the layer modules, eager inside the graph (the engine's verify step before them),
-* W12 (``--w12``): the projections as W12 records; the multi-row steps run ``w12_linear``.
+In the same run: a tree (32 nodes, best-first from a synthetic lattice) and a chain (9 rows)
+through the decoder's padded graph verify pass (host inputs to host argmax, CUDA events);
+correctness (fused against the layers on a 33-row step: logits difference and argmax agreement;
+graph replays against the eager step, bit for bit); kernels per step under the PyTorch profiler;
+the decode loop (``Decoder.generate``, what ``specpilot run`` calls) after the engine's load-time
+warm-up: the first request's 1000-token prefill, AR decode tokens/s over 256 tokens, and a tree
+run's per-step GPU time (CUDA events in the loop) against T_step of the same rows; and the
+``probe rows`` JSON (``measure_rows``, the command's own function) for bf16 and W12, written to
+``$OUT`` as ``probe_rows_llama8b_{bf16,w12}.json``.
 
-Also, in the same run: a tree (``--nodes`` nodes, best-first from a synthetic lattice) and a chain
-(``--depth`` + 1 rows) through the decoder's padded graph verify pass; correctness (fused against
-the layers: argmax agreement and logits difference; graph replays against eager, bit for bit);
-``--profile``: kernels per step under the PyTorch profiler (layers and fused, 33 rows); ``--sweep``:
-each fused projection kernel alone against cuBLAS ``F.linear`` (L2 flushed by reading 256 MB
-before each replay) over a few configs per row tile, the winners written as the table
-``verify_tuned_sm90.json`` into ``$OUT`` (and applied to the step timings of this run).
-
-    python benchmarks/verify_step.py [--reps 50] [--w12] [--profile] [--sweep]
+    python benchmarks/verify_step.py [--reps 50] [--w12] [--profile]
 """
 
 from __future__ import annotations
@@ -38,14 +39,11 @@ from common import bootstrap  # noqa: E402
 
 bootstrap()
 
-from common import L2Flusher, capture_and_time, print_table, write_results  # noqa: E402
+from common import print_table, write_results  # noqa: E402
 
 CONTEXT = 1024
 ROWS = [1, 2, 4, 8, 16, 32, 33, 64]
-LAYERS = {"rope": (6144, 4096), "resid_o": (4096, 4096), "silu": (28672, 4096), "resid_down": (4096, 14336)}
-SWEEP = {16: [(8, 512, 4, 3), (8, 256, 4, 4), (16, 512, 8, 3), (16, 256, 4, 3), (8, 1024, 8, 2), (32, 256, 8, 3)],
-         32: [(8, 256, 4, 3), (8, 512, 8, 3), (16, 256, 8, 3), (16, 128, 4, 4), (8, 128, 4, 4), (32, 128, 8, 3)],
-         64: [(8, 128, 4, 3), (8, 256, 8, 2), (16, 128, 8, 3), (16, 64, 4, 4), (8, 64, 4, 4), (32, 128, 8, 2)]}
+PROBE_ROWS = [1, 2, 4, 8, 16, 32, 33, 64]
 
 
 def log(msg):
@@ -64,122 +62,14 @@ def section(name, fn, errors):
         return None
 
 
-# ---------------------------------------------------------------------------------------------- sweep
-def _kernel_call(epi, n, k, T, cfg, dev="cuda"):
-    import torch
-
-    from specpilot.kernels.verify import gemm
-
-    g = torch.Generator(device=dev).manual_seed(n + k + T)
-    x = torch.randn(T, k, device=dev, generator=g).to(torch.bfloat16)
-    gamma = torch.rand(k, device=dev, generator=g).to(torch.bfloat16) + 0.5
-    w = (torch.randn(n, k, device=dev, generator=g) * 0.02).to(torch.bfloat16)
-    if epi == "resid":
-        res = torch.randn(T, n, device=dev, generator=g).to(torch.bfloat16)
-        return (lambda: gemm.gemm_residual(x, w, res, cfg)), x, w
-    if epi == "silu":
-        return (lambda: gemm.norm_gate_up_silu(x, gamma, 1e-5, w, n // 2, cfg)), x, w
-    cos = torch.randn(4096, 128, device=dev)
-    sin = torch.randn(4096, 128, device=dev)
-    pos = torch.arange(T, device=dev) + 1000
-    kc = torch.zeros(8, 2048, 128, device=dev, dtype=torch.bfloat16)
-    vc = torch.zeros_like(kc)
-    return (lambda: gemm.norm_qkv_rope_store(x, gamma, 1e-5, w, cos, sin, pos, pos, kc, vc, 32, 8, cfg)), x, w
-
-
-def _precompile(job):
-    """One worker's share of the sweep's kernels: compile them into Triton's cache."""
-    import torch
-
-    from specpilot.kernels.verify import gemm
-
-    done = 0
-    for epi, (n, k), T, c in job:
-        try:
-            fn, _, _ = _kernel_call(epi, n, k, T, gemm.RowsConfig(*c))
-            fn()
-            torch.cuda.synchronize()
-            done += 1
-        except Exception as e:  # reported again when the main process runs it
-            print(f"precompile {epi} {c}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-    return done
-
-
-def sweep(reps):
-    import multiprocessing as mp
-
-    import torch
-    import torch.nn.functional as F
-
-    from specpilot.kernels.verify import gemm
-
-    jobs = [(name.split("_")[0], shape, T, c) for name, shape in LAYERS.items() for T, cs in SWEEP.items() for c in cs]
-    # the configs' compile keys do not depend on the layer: compile one layer per epilogue in parallel
-    keys, seen = [], set()
-    for j in jobs:
-        key = (j[0], j[2], j[3])
-        if key not in seen:
-            seen.add(key)
-            keys.append(j)
-    workers = min(14, len(keys))
-    ctx = mp.get_context("spawn")
-    t = time.perf_counter()
-    with ctx.Pool(workers) as pool:
-        n_ok = sum(pool.map(_precompile, [keys[i::workers] for i in range(workers)]))
-    log(f"precompiled {n_ok}/{len(keys)} kernels in {time.perf_counter() - t:.1f} s ({workers} processes)")
-    flush = L2Flusher()
-    rows, best = [], {}
-    for name, (n, k) in LAYERS.items():
-        epi = name.split("_")[0]
-        for T, cs in SWEEP.items():
-            fn0, x, w = _kernel_call(epi, n, k, T, None)
-            base_us = capture_and_time(lambda: F.linear(x, w), reps=reps, flush=flush)[0]
-            for c in cs:
-                cfg = gemm.RowsConfig(*c)
-                try:
-                    fn, _, _ = _kernel_call(epi, n, k, T, cfg)
-                    us = capture_and_time(fn, reps=reps, flush=flush)[0]
-                except Exception as e:
-                    log(f"sweep {name} T={T} {cfg.key()}: {type(e).__name__}: {str(e)[:200]}")
-                    continue
-                rows.append({"layer": name, "epilogue": epi, "n": n, "k": k, "rows": T, "config": cfg.key(),
-                             "us": us, "cublas_us": base_us, "speedup": base_us / us})
-                b = best.get((epi, n, k, T))
-                if b is None or us < b[0]:
-                    best[(epi, n, k, T)] = (us, cfg, base_us)
-    entries = []
-    lo = {16: 2, 32: 17, 64: 33}
-    for (epi, n, k, T), (us, cfg, base) in sorted(best.items()):
-        entries.append({"kernel": "gemm", "epilogue": epi, "n": n, "k": k, "rows": [lo[T], T],
-                        "config": {"pairs": cfg.pairs, "block_k": cfg.block_k, "warps": cfg.warps,
-                                   "stages": cfg.stages},
-                        "date": time.strftime("%Y-%m-%d"),
-                        "note": f"Llama-3.1-8B: {us:.1f} us alone, cuBLAS F.linear {base:.1f} us ({T} rows, L2 flushed)"})
-    return rows, entries
-
-
-def apply_table(entries):
-    """Use the sweep's winners in this process (what the committed table will hold)."""
-    from specpilot.kernels import tuning
-
-    tab = tuning.table("verify", "sm90")
-    tab["entries"] = entries
-    index = {}
-    for e in entries:
-        index.setdefault(("gemm",) + tuple(sorted({"epilogue": e["epilogue"], "n": e["n"], "k": e["k"]}.items())),
-                         []).append(e)
-    tab["index"] = index
-
-
-# ---------------------------------------------------------------------------------------------- steps
-def build(reps):
+def build():
     import torch
 
     from specpilot.engine.model import StepInput, Transformer
     from specpilot.models import load_model_spec
 
     spec = load_model_spec("llama-3.1-8b")
-    m = Transformer(spec, max_seq=CONTEXT + 2 * 64 + 64, dtype=torch.bfloat16, device="cuda").init_random_fast(0).eval()
+    m = Transformer(spec, max_seq=CONTEXT + 512, dtype=torch.bfloat16, device="cuda").init_random_fast(0).eval()
     m.set_attention("fused")
     g = torch.Generator().manual_seed(0)
     pos = torch.arange(CONTEXT, device="cuda")
@@ -189,66 +79,53 @@ def build(reps):
     return m
 
 
-def step_inputs(m, T):
+def _graph(m, T):
+    from specpilot.engine.graphs import GraphRunner
     from specpilot.engine.rows import step_input
 
-    return step_input(m, T, CONTEXT)
+    inp = step_input(m, T, CONTEXT)
+    runner = GraphRunner(m)
+    g, sinp, out = runner.get(T)
+    for a, b in ((sinp.tokens, inp.tokens), (sinp.pos, inp.pos), (sinp.slots, inp.slots), (sinp.mask, inp.mask)):
+        a.copy_(b)
+    return runner, g, inp, out
 
 
 def time_rows(m, rows, reps, path, weights):
     """T_step(N) of the engine's graph for each N (probe rows' inputs, the cache kept)."""
     import torch
 
-    from specpilot.engine import fused_verify
-    from specpilot.engine.graphs import GraphRunner, time_replays
+    from specpilot.engine.graphs import time_replays
 
-    fused_verify.DENSE_PATH = "split" if path == "split" else "fused"
-    m.set_decode("layers" if path == "layers" else "fused")
+    m.set_decode(path)
     out = []
     for T in rows:
-        inp = step_inputs(m, T)
-        runner = GraphRunner(m)
-        g, sinp, _ = runner.get(T)
-        for a, b in ((sinp.tokens, inp.tokens), (sinp.pos, inp.pos), (sinp.slots, inp.slots), (sinp.mask, inp.mask)):
-            a.copy_(b)
-        ms = statistics.median(time_replays(g, reps, 5))
-        out.append({"weights": weights, "path": path if T > 1 or path == "layers" else "fused-ar", "rows": T,
-                    "step_ms": ms})
+        runner, g, _, _ = _graph(m, T)
+        out.append({"weights": weights, "path": path, "rows": T, "step_ms": statistics.median(time_replays(g, reps, 5))})
         del runner, g
         torch.cuda.empty_cache()
     return out
 
 
 def check(m, T=33):
-    """Fused (and split) against the layers on one T-row step: logits, argmax; graph vs eager bits."""
+    """The fused step against the layers on one T-row step (logits, argmax); graph vs eager bits."""
     import torch
 
-    from specpilot.engine import fused_verify
-    from specpilot.engine.graphs import GraphRunner
+    from specpilot.engine.rows import step_input
 
-    inp = step_inputs(m, T)
-    res = {}
+    inp = step_input(m, T, CONTEXT)
     m.set_decode("layers")
     ref = m.forward(inp, kv_len=m.max_seq).float()
-    for path in ("fused", "split"):
-        fused_verify.DENSE_PATH = path
-        m.set_decode("fused")
-        got = m.forward(inp, kv_len=m.max_seq).float()
-        eager = m.greedy(inp, kv_len=m.max_seq).clone()
-        runner = GraphRunner(m)
-        g, sinp, out = runner.get(T)
-        for a, b in ((sinp.tokens, inp.tokens), (sinp.pos, inp.pos), (sinp.slots, inp.slots), (sinp.mask, inp.mask)):
-            a.copy_(b)
-        same = True
-        for _ in range(3):
-            g.replay()
-            same = same and torch.equal(out, eager)
-        res[path] = {"logits_max_abs_diff": float((got - ref).abs().max()), "logits_max_abs": float(ref.abs().max()),
-                     "argmax_equal_rows": int((got.argmax(-1) == ref.argmax(-1)).sum()), "rows": T,
-                     "graph_equals_eager": bool(same)}
-        del runner, g
-    fused_verify.DENSE_PATH = "fused"
-    return res
+    m.set_decode("fused")
+    got = m.forward(inp, kv_len=m.max_seq).float()
+    eager = m.greedy(inp, kv_len=m.max_seq).clone()
+    runner, g, _, out = _graph(m, T)
+    same = True
+    for _ in range(3):
+        g.replay()
+        same = same and torch.equal(out, eager)
+    return {"rows": T, "logits_max_abs_diff": float((got - ref).abs().max()), "logits_max_abs": float(ref.abs().max()),
+            "argmax_equal_rows": int((got.argmax(-1) == ref.argmax(-1)).sum()), "graph_equals_eager": bool(same)}
 
 
 def decoder_passes(m, reps, weights, nodes=32, depth=8):
@@ -260,6 +137,7 @@ def decoder_passes(m, reps, weights, nodes=32, depth=8):
     from specpilot.engine.graphs import GraphRunner
     from specpilot.kernels import tree as treelib
 
+    m.set_decode("fused")
     g = torch.Generator().manual_seed(0)
     V = m.spec.vocab_size
     lp = torch.log_softmax(torch.randn(depth, 4, generator=g), -1).tolist()
@@ -270,7 +148,6 @@ def decoder_passes(m, reps, weights, nodes=32, depth=8):
     for mode, tree in trees.items():
         dec = Decoder(m, mode, drafter=object(), nodes=nodes, depth=depth, runner=GraphRunner(m))
         T = 1 + len(tree)
-        Tp = next(b for b in dec.verify_buckets if b >= T)
         for _ in range(3):
             dec._graph_verify(7, tree, CONTEXT)
         ts = []
@@ -281,7 +158,8 @@ def decoder_passes(m, reps, weights, nodes=32, depth=8):
             b.record()
             b.synchronize()
             ts.append(a.elapsed_time(b))
-        out.append({"weights": weights, "mode": mode, "rows": T, "bucket": Tp, "pass_ms": statistics.median(ts)})
+        out.append({"weights": weights, "mode": mode, "rows": T, "bucket": next(b for b in dec.verify_buckets if b >= T),
+                    "pass_ms": statistics.median(ts)})
         del dec
     return out
 
@@ -290,16 +168,8 @@ def profile(m, T, path, steps=10):
     import torch
     from torch.profiler import ProfilerActivity, profile as tprofile
 
-    from specpilot.engine import fused_verify
-    from specpilot.engine.graphs import GraphRunner
-
-    fused_verify.DENSE_PATH = "split" if path == "split" else "fused"
-    m.set_decode("layers" if path == "layers" else "fused")
-    inp = step_inputs(m, T)
-    runner = GraphRunner(m)
-    g, sinp, _ = runner.get(T)
-    for a, b in ((sinp.tokens, inp.tokens), (sinp.pos, inp.pos), (sinp.slots, inp.slots), (sinp.mask, inp.mask)):
-        a.copy_(b)
+    m.set_decode(path)
+    runner, g, _, _ = _graph(m, T)
     g.replay()
     torch.cuda.synchronize()
     with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -316,9 +186,9 @@ def profile(m, T, path, steps=10):
     classes = {}
     for n, c, us in top:
         low = n.lower()
-        cls = ("gemm" if low.startswith("_rows_kernel") or any(s in low for s in ("gemm", "nvjet", "cutlass", "xmma",
-                                                                                  "w12")) else
-               "attention" if "attn" in low else "argmax" if "argmax" in low or "reduce" in low else "other")
+        cls = ("gemm" if any(s in low for s in ("gemm", "nvjet", "cutlass", "xmma", "splitk", "w12")) else
+               "attention" if "attn" in low else "fused rows kernels" if "_rows_kernel" in low else
+               "argmax" if "argmax" in low else "other")
         cl = classes.setdefault(cls, [0.0, 0.0])
         cl[0] += c
         cl[1] += us
@@ -326,26 +196,74 @@ def profile(m, T, path, steps=10):
     return {"path": path, "rows": T, "kernels_per_step": sum(r[1] for r in top),
             "kernel_us_per_step": sum(r[2] for r in top),
             "classes": {k: {"kernels": v[0], "us": v[1]} for k, v in classes.items()},
-            "top": [{"name": n[:120], "calls": c, "us": us} for n, c, us in top[:15]]}
+            "top": [{"name": n[:120], "calls": c, "us": us} for n, c, us in top[:12]]}
 
 
-def prefill_profile(m):
-    """A 1000-token prefill (as a request's), after one warm-up prefill: wall ms and kernel classes."""
+def probe_json(m, reps, weights, w12_info=None):
+    """``probe rows``' JSON for this model (``measure_rows``, as the command writes it)."""
+    from specpilot.engine.rows import measure_rows
+
+    m.set_decode("fused")
+    res = measure_rows(m, PROBE_ROWS, CONTEXT, reps=reps, warmup=5)
+    res.model = "llama-3.1-8b"
+    res.extra.update({"w12": w12_info, "attn": "fused", "head": "linear", "decode": "fused"})
+    doc = res.to_json()
+    out = os.environ.get("OUT")
+    if out:
+        Path(out, f"probe_rows_llama8b_{weights}.json").write_text(json.dumps(doc, indent=1) + "\n")
+    return {p["rows"]: p["step_ms"] for p in doc["points"]}
+
+
+def decode_loop(m, weights, probe):
+    """The decode loop after the engine's load-time warm-up (what ``load_engine`` does): the first
+    request's 1000-token prefill, AR tokens/s over 256 new tokens, and a tree run's in-loop step
+    times per bucket against ``probe`` (T_step of the same rows)."""
     import torch
 
     from specpilot.engine.decode import Decoder
+    from specpilot.engine.drafters import NGramDrafter
+    from specpilot.engine.graphs import GraphRunner
 
-    dec = Decoder(m, "ar")
-    ids = [(17 * i) % 30000 for i in range(1000)]
-    dec.prefill(ids)
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(3):
-        t = time.perf_counter()
-        dec.prefill(ids)
-        torch.cuda.synchronize()
-        ts.append((time.perf_counter() - t) * 1e3)
-    return {"prefill_ms": statistics.median(ts), "tokens": 1000, "decode": "fused" if m.fused_decode else "layers"}
+    m.set_decode("fused")
+    res = {"weights": weights}
+    dec = Decoder(m, "ar", runner=GraphRunner(m))
+    res["warmup_seconds"] = dec.warm_up()
+    prompt = [(977 * i + 13) % 120000 for i in range(1000)]
+    first = dec.generate(prompt, 256)
+    second = dec.generate(prompt[::-1], 256)
+    res.update({"first_prefill_ms": first.prefill_seconds * 1e3, "second_prefill_ms": second.prefill_seconds * 1e3,
+                "ar_decode_tokens_per_s": [first.decode_tokens_per_second, second.decode_tokens_per_second],
+                "ar_step_timing": second.step_timing()})
+    del dec
+    torch.cuda.empty_cache()
+    tree = Decoder(m, "tree", NGramDrafter(), nodes=32, depth=8, topk=4, runner=GraphRunner(m))
+    tree.warm_up()
+    base = [(31 * i + 5) % 9000 for i in range(40)]
+    r = tree.generate((base * 26)[:1000], 256)   # repeats: the n-gram drafter proposes, steps verify
+    t = r.step_timing()
+    res["tree"] = {"steps": r.steps, "tau": r.tau, "decode_tokens_per_s": r.decode_tokens_per_second, "timing": t}
+    res["loop_vs_probe"] = [{"rows": b["rows"], "steps": b["steps"], "loop_gpu_ms": b["gpu_ms"],
+                             "probe_ms": probe.get(b["rows"]),
+                             "ratio": b["gpu_ms"] / probe[b["rows"]] if b["rows"] in probe else None}
+                            for b in t["by_rows"]]
+    del tree
+    torch.cuda.empty_cache()
+    return res
+
+
+def tiny_lossless():
+    """fp32 tiny model on CUDA with graphs: chain and tree (fused multi-row steps) equal AR."""
+    from specpilot.engine.api import load_engine
+
+    prompt = list(b"abcabcabc hello hello abcabc")
+    base = "engine:model=tiny,dtype=float32,device=cuda,ctx=512"
+    ar = load_engine(base + ",mode=ar").generate(prompt, 48).output_ids
+    out = {}
+    for mode in ("chain", "tree"):
+        e = load_engine(base + f",mode={mode}")
+        r = e.generate(prompt, 48)
+        out[mode] = {"equal_ar": r.output_ids == ar, "steps": r.steps, "decode": e.info["decode"]}
+    return out
 
 
 def main() -> int:
@@ -353,61 +271,48 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--w12", action="store_true")
     ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--paths", default="fused,split,layers")
     args = ap.parse_args()
     import torch
 
     torch.set_grad_enabled(False)
     errors: list[str] = []
     extra: dict = {"model": "llama-3.1-8b", "context": CONTEXT, "dtype": "bfloat16",
-                   "method": f"CUDA graph replays, CUDA events, median of {args.reps}; T_AR = the fused AR step "
-                             "of the same weights in the same run"}
-    if args.sweep:
-        sw = section("sweep", lambda: sweep(20), errors)
-        if sw:
-            extra["sweep"], entries = sw
-            apply_table(entries)
-            out = os.environ.get("OUT")
-            if out:
-                doc = json.loads((Path(__file__).resolve().parents[1] / "kernels/verify/tuned/sm90.json").read_text())
-                doc["entries"] = entries
-                Path(out, "verify_tuned_sm90.json").write_text(json.dumps(doc, indent=1) + "\n")
-    m = section("build", lambda: build(args.reps), errors)
+                   "method": f"CUDA graph replays, CUDA events, median of {args.reps}; ratio = T_step(N) / T_AR, "
+                             "T_AR = the fused AR step of the same weights in the same run"}
+    m = section("build", build, errors)
     rows: list[dict] = []
-    paths = args.paths.split(",")
-    for path in paths:
-        r = section(f"rows {path}", lambda: time_rows(m, ROWS[1:] if path == "split" else ROWS, args.reps, path,
-                                                      "bf16"), errors)
-        rows.extend(r or [])
-    ar = {r["weights"]: r["step_ms"] for r in rows if r["rows"] == 1 and r["path"] == "fused-ar"}
+    for path in ("fused", "layers"):
+        rows.extend(section(f"rows {path}", lambda: time_rows(m, ROWS, args.reps, path, "bf16"), errors) or [])
     extra["check"] = section("check", lambda: check(m), errors)
-    m.set_decode("fused")
     extra["passes"] = section("passes", lambda: decoder_passes(m, args.reps, "bf16"), errors) or []
-    extra["prefill"] = section("prefill", lambda: prefill_profile(m), errors)
     if args.profile:
-        extra["profile"] = [section(f"profile {p}", lambda: profile(m, 33, p), errors) for p in ("layers", "fused", "split")]
+        extra["profile"] = [section(f"profile {p}", lambda: profile(m, 33, p), errors) for p in ("layers", "fused")]
+    probe = section("probe bf16", lambda: probe_json(m, args.reps, "bf16"), errors) or {}
+    extra["loop"] = [section("loop bf16", lambda: decode_loop(m, "bf16", probe), errors)]
     if args.w12:
         def w12():
             from specpilot.engine.w12_loader import convert_engine_model
 
             extra["w12"] = convert_engine_model(m).to_json()
-            out = time_rows(m, ROWS, args.reps, "fused", "w12")
-            out += time_rows(m, [1, 33], args.reps, "layers", "w12")
+            out = time_rows(m, ROWS, args.reps, "fused", "w12") + time_rows(m, [1, 33], args.reps, "layers", "w12")
             extra["passes"].extend(decoder_passes(m, args.reps, "w12"))
             return out
 
         rows.extend(section("w12", w12, errors) or [])
-        ar.update({r["weights"]: r["step_ms"] for r in rows if r["rows"] == 1 and r["path"] == "fused-ar"})
-    for r in rows:
+        if "w12" in extra:
+            probe = section("probe w12", lambda: probe_json(m, args.reps, "w12", extra["w12"]), errors) or {}
+            extra["loop"].append(section("loop w12", lambda: decode_loop(m, "w12", probe), errors))
+    del m
+    torch.cuda.empty_cache()
+    extra["lossless_tiny_fp32"] = section("tiny lossless", tiny_lossless, errors)
+    ar = {r["weights"]: r["step_ms"] for r in rows if r["rows"] == 1 and r["path"] == "fused"}
+    for r in rows + extra["passes"]:
         r["ar_ms"] = ar.get(r["weights"])
-        r["ratio"] = r["step_ms"] / r["ar_ms"] if r["ar_ms"] else None
-    for p in extra["passes"]:
-        p["ar_ms"] = ar.get(p["weights"])
-        p["ratio"] = p["pass_ms"] / p["ar_ms"] if p["ar_ms"] else None
+        t = r.get("step_ms", r.get("pass_ms"))
+        r["ratio"] = t / r["ar_ms"] if r["ar_ms"] else None
     summary = {}
     for w in ar:
-        for n, lim in ((32, 1.15), (64, 1.3)):
+        for n, lim in ((32, 1.15), (33, 1.15), (64, 1.3)):
             r = next((r for r in rows if r["weights"] == w and r["path"] == "fused" and r["rows"] == n), None)
             if r:
                 summary[f"{w}_ratio_{n}"] = r["ratio"]
@@ -416,13 +321,11 @@ def main() -> int:
     extra["errors"] = errors
     print_table(rows, ["weights", "path", "rows", "step_ms", "ratio"])
     print_table(extra["passes"], ["weights", "mode", "rows", "bucket", "pass_ms", "ratio"])
-    print(json.dumps({k: extra.get(k) for k in ("summary", "check", "prefill", "errors")}, indent=1))
-    if args.profile:
-        for p in extra.get("profile") or []:
-            if p:
-                print(p["path"], p["kernels_per_step"], round(p["kernel_us_per_step"]), p["classes"])
-                for t in p["top"][:8]:
-                    print("   ", round(t["us"], 1), round(t["calls"], 1), t["name"][:90])
+    print(json.dumps({k: extra.get(k) for k in ("summary", "check", "loop", "lossless_tiny_fp32", "errors")},
+                     indent=1, default=str)[:6000])
+    for p in extra.get("profile") or []:
+        if p:
+            print(p["path"], round(p["kernels_per_step"]), round(p["kernel_us_per_step"]), p["classes"])
     write_results("verify_step", rows, extra)
     return 0 if not errors else 1
 

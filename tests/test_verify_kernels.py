@@ -1,9 +1,9 @@
-"""The fused multi-row step kernels (kernels/verify) against their plain references, and the
-engine's steps of 2..64 rows through them (decode=fused).
+"""The multi-row step kernels (kernels/verify, the rows' argmax) against their plain references,
+and the engine's steps of 2..64 rows through them (decode=fused).
 
 On the CPU the Triton kernels run under the interpreter at tiny shapes; ``-m gpu`` runs them on
-CUDA at Llama-3.1-8B-like shapes and checks that a captured verify step gives the same bits as
-eager, with or without programmatic dependent launch."""
+CUDA at Llama-3.1-8B shapes and checks that a captured verify step gives the same bits as eager,
+with or without programmatic dependent launch, for bf16 and W12 weights."""
 
 from __future__ import annotations
 
@@ -19,12 +19,10 @@ pytest.importorskip("triton")
 
 from specpilot.kernels.decode.argmax import argmax_rows  # noqa: E402
 from specpilot.kernels.verify import common  # noqa: E402
-from specpilot.kernels.verify import gemm as G  # noqa: E402
 from specpilot.kernels.verify import naive as R  # noqa: E402
 from specpilot.kernels.verify import rows as W  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-SMALL = G.RowsConfig(pairs=8, block_k=32, warps=1, stages=1)
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
@@ -47,47 +45,6 @@ def _inputs(dt, T, K=80, seed=0):
 
     gamma = (torch.rand(K, generator=g) + 0.5).to(dt).to(DEV)
     return g, rnd, rnd(T, K), gamma
-
-
-@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T", [3, 17])
-def test_fused_projections_match_the_reference(dt, T):
-    g, rnd, x, gamma = _inputs(dt, T)
-    K = x.shape[1]
-    N, inter = 48, 24
-    w, res = rnd(N, K, scale=0.1), rnd(T, N)
-    _close(G.gemm_residual(x, w, res, SMALL), R.gemm_residual(x, w, res), dt)
-    w13 = rnd(2 * inter, K, scale=0.1)
-    _close(G.norm_gate_up_silu(x, gamma, 1e-5, w13, inter, SMALL), R.norm_gate_up_silu(x, gamma, 1e-5, w13, inter), dt)
-
-    nh, nkv, hd, S = 4, 2, 16, 40
-    wq = rnd((nh + 2 * nkv) * hd, K, scale=0.1)
-    cos, sin = _rope_tables(hd, 64)
-    pos = torch.randint(0, 64, (T,), generator=g).to(DEV)
-    slots = torch.randperm(S, generator=g)[:T].to(DEV)
-    kc, vc = rnd(nkv, S, hd), rnd(nkv, S, hd)
-    kc2, vc2 = kc.clone(), vc.clone()
-    q = G.norm_qkv_rope_store(x, gamma, 1e-5, wq, cos, sin, pos, slots, kc, vc, nh, nkv, SMALL)
-    q2 = R.norm_qkv_rope_store(x, gamma, 1e-5, wq, cos, sin, pos, slots, kc2, vc2, nh, nkv)
-    _close(q, q2, dt)
-    _close(kc, kc2, dt)
-    _close(vc, vc2, dt)
-    others = torch.ones(S, dtype=torch.bool, device=DEV)
-    others[slots] = False
-    assert torch.equal(kc[:, others], kc2[:, others]) and torch.equal(vc[:, others], vc2[:, others])
-
-
-def test_normalised_projection_is_the_layer_mathematics():
-    """``rstd * (W @ (gamma x))`` (the fused prologue) is the layer's ``W @ rms_norm(x)``: in fp32 they
-    agree to rounding, in bf16 to bf16 rounding."""
-    from specpilot.engine.model import rms_norm
-
-    g = torch.Generator().manual_seed(4)
-    x, w = torch.randn(5, 64, generator=g), torch.randn(32, 64, generator=g) * 0.1
-    gamma = torch.rand(64, generator=g) + 0.5
-    torch.testing.assert_close(R.norm_linear(x, gamma, 1e-5, w), rms_norm(x, gamma, 1e-5) @ w.T, atol=1e-5, rtol=1e-5)
-    xb, wb, gb = x.bfloat16(), w.bfloat16(), gamma.bfloat16()
-    torch.testing.assert_close(R.norm_linear(xb, gb, 1e-5, wb), rms_norm(xb, gb, 1e-5) @ wb.T, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
@@ -136,28 +93,14 @@ def test_argmax_rows_is_torch_argmax():
     assert argmax_rows(x.to(torch.bfloat16)).tolist() == x.to(torch.bfloat16).argmax(-1).tolist()
 
 
-def test_configs_and_shape_errors():
-    x = torch.zeros(3, 64, device=DEV)
-    with pytest.raises(ValueError, match="power of two"):
-        G.check_config(G.RowsConfig(pairs=12))
-    with pytest.raises(ValueError, match="pairs >= 8"):
-        G.check_config(G.RowsConfig(pairs=4))
-    with pytest.raises(ValueError, match="divide head_dim"):
-        G.check_config(G.RowsConfig(pairs=16), "rope", hd=16)
-    with pytest.raises(ValueError, match="1..64 rows"):
-        G.gemm_residual(torch.zeros(65, 64, device=DEV), torch.zeros(32, 64, device=DEV), torch.zeros(65, 32, device=DEV))
-    with pytest.raises(ValueError, match="x's dtype"):
-        G.gemm_residual(x, torch.zeros(32, 64, device=DEV, dtype=torch.bfloat16), torch.zeros(3, 32, device=DEV))
-    with pytest.raises(ValueError, match="multiple of 16"):
-        G.gemm_residual(x, torch.zeros(40, 64, device=DEV), torch.zeros(3, 40, device=DEV), SMALL)
+def test_shape_errors():
     with pytest.raises(ValueError, match="2 \\* inter"):
         W.silu_mul_rows(torch.zeros(3, 30, device=DEV), 16)
-    assert [common.row_tile(t) for t in (1, 2, 16, 17, 33, 64)] == [16, 16, 16, 32, 64, 64]
-    with pytest.raises(ValueError):
-        common.row_tile(65)
-    # the default heuristic and the table give configs the kernels take
-    for rows in (2, 17, 33, 64):
-        G.check_config(G.config_for("rope", 6144, 4096, rows), "rope", 128)
+    with pytest.raises(ValueError, match="does not match"):
+        W.add_rms_norm_rows(torch.zeros(3, 16, device=DEV), torch.zeros(2, 16, device=DEV), torch.ones(16, device=DEV), 1e-5)
+    with pytest.raises(ValueError, match="columns"):
+        W.rope_store_rows(torch.zeros(3, 100, device=DEV), *_rope_tables(16, 8), torch.zeros(3, dtype=torch.long),
+                          torch.zeros(3, dtype=torch.long), torch.zeros(2, 8, 16), torch.zeros(2, 8, 16), 4, 2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -183,15 +126,13 @@ def _tree_step(m, n, ctx, T, dev):
                      n + torch.arange(T, device=dev), mask.to(dev), "seq")
 
 
-@pytest.mark.parametrize("path", ["fused", "split"])
-def test_engine_verify_step_matches_the_layers(path, monkeypatch):
-    """A tree step of 9 rows through the fused kernels (and the split path) against the layer modules:
-    logits and the K/V written agree (fp32, tiny model; CPU: Triton's interpreter)."""
+def test_engine_verify_step_matches_the_layers():
+    """A tree step of 9 rows through the fused kernels against the layer modules: logits and the
+    K/V written agree (fp32, tiny model; CPU: Triton's interpreter)."""
     from specpilot.engine import fused_verify
     from specpilot.engine.api import load_engine
     from specpilot.engine.model import StepInput
 
-    monkeypatch.setattr(fused_verify, "DENSE_PATH", path)
     ctx = 64
     m = load_engine(f"engine:model=tiny,mode=ar,ctx={ctx},device={DEV},dtype=float32,graphs=0,decode=layers").model
     n = 11
@@ -211,6 +152,28 @@ def test_engine_verify_step_matches_the_layers(path, monkeypatch):
         torch.testing.assert_close(blk.mixer.k_cache[0, :, n:n + 9], k, atol=2e-5, rtol=2e-5)
         torch.testing.assert_close(blk.mixer.v_cache[0, :, n:n + 9], v, atol=2e-5, rtol=2e-5)
     assert torch.equal(m.greedy(step, kv_len=ctx), ref.argmax(-1))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the W12 GEMM takes 30 s in the interpreter)")
+def test_gpu_engine_w12_verify_step_matches_the_layers():
+    """W12 projections: a 5-row tree step through the fused path against the W12 layer modules (bf16)."""
+    from specpilot.engine import w12_loader as ew
+    from specpilot.engine.api import build_model
+    from specpilot.engine.model import StepInput
+
+    ctx = 32
+    m, _, _ = build_model("tiny", True, torch.bfloat16, DEV, ctx)
+    ew.convert_engine_model(m, fused=True)
+    n = 4
+    pos = torch.arange(n, device=DEV)
+    m.forward(StepInput(torch.arange(60, 60 + n, device=DEV), pos, pos,
+                        torch.arange(ctx, device=DEV)[None, :] <= pos[:, None], "seq"), kv_len=ctx)
+    step = _tree_step(m, n, ctx, 5, DEV)
+    ref = m.forward(step, kv_len=ctx).float()
+    assert m.set_decode("fused") == "fused"
+    got = m.forward(step, kv_len=ctx).float()
+    assert (got - ref).abs().max() < 0.05 * ref.abs().max()
 
 
 class _EagerRunner:
@@ -256,56 +219,50 @@ def test_decoder_padded_fused_verify_steps_equal_ar():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("T", [2, 33, 64])
-def test_gpu_fused_projections_at_llama_shapes(T):
-    """bf16 tensor-core kernels with their table configs at Llama-3.1-8B layer shapes against the
-    references, and the same bits on a second run."""
+def test_gpu_row_kernels_at_llama_shapes(T):
+    """The small kernels at Llama-3.1-8B shapes (bf16) against the references, and the rows' argmax."""
     g = torch.Generator().manual_seed(T)
     dt = torch.bfloat16
 
     def rnd(*s, scale=1.0):
         return (torch.randn(*s, generator=g) * scale).to(dt).cuda()
 
-    x, gamma = rnd(T, 4096), (torch.rand(4096, generator=g) + 0.5).to(dt).cuda()
-    w2, a, res = rnd(4096, 14336, scale=0.02), rnd(T, 14336), rnd(T, 4096)
-    got = G.gemm_residual(a, w2, res)
-    _close(got, R.gemm_residual(a, w2, res), dt)
-    assert torch.equal(got, G.gemm_residual(a, w2, res))
-    w13 = rnd(2 * 14336, 4096, scale=0.02)
-    _close(G.norm_gate_up_silu(x, gamma, 1e-5, w13, 14336), R.norm_gate_up_silu(x, gamma, 1e-5, w13, 14336), dt)
+    x, d, gamma = rnd(T, 4096), rnd(T, 4096), (torch.rand(4096, generator=g) + 0.5).to(dt).cuda()
+    s, h = W.add_rms_norm_rows(x, d, gamma, 1e-5)
+    s2, h2 = R.add_rms_norm(x, d, gamma, 1e-5)
+    assert torch.equal(s, s2)
+    _close(h, h2, dt)
+    _close(W.rms_norm_rows(x, gamma, 1e-5), R.rms_norm(x, gamma, 1e-5), dt)
+    gu = rnd(T, 2 * 14336)
+    _close(W.silu_mul_rows(gu, 14336), R.silu_mul(gu, 14336), dt)
     nh, nkv, hd, S = 32, 8, 128, 256
-    wq = rnd((nh + 2 * nkv) * hd, 4096, scale=0.02)
     cos, sin = _rope_tables(hd, 2048)
     pos = torch.randint(0, 2048, (T,), generator=g).cuda()
     slots = torch.randperm(S, generator=g)[:T].cuda()
     kc, vc = rnd(nkv, S, hd), rnd(nkv, S, hd)
     kc2, vc2 = kc.clone(), vc.clone()
-    q = G.norm_qkv_rope_store(x, gamma, 1e-5, wq, cos, sin, pos, slots, kc, vc, nh, nkv)
-    q2 = R.norm_qkv_rope_store(x, gamma, 1e-5, wq, cos, sin, pos, slots, kc2, vc2, nh, nkv)
-    _close(q, q2, dt)
-    _close(kc, kc2, dt)
-    _close(vc, vc2, dt)
     qkv = rnd(T, (nh + 2 * nkv) * hd)
     _close(W.rope_store_rows(qkv, cos, sin, pos, slots, kc, vc, nh, nkv),
            R.rope_store(qkv, cos, sin, pos, slots, kc2, vc2, nh, nkv), dt)
+    _close(kc, kc2, dt)
+    assert torch.equal(vc, vc2)
     logits = rnd(T, 128256)
     assert torch.equal(argmax_rows(logits), logits.argmax(-1))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("path", ["fused", "split"])
-def test_gpu_verify_step_graph_equals_eager_with_and_without_pdl(path, monkeypatch):
-    """A 9-row tree step through the fused kernels (bf16): the captured graph gives the eager step's
-    bits, with programmatic dependent launch and without, replay after replay."""
-    from specpilot.engine import fused_verify
+@pytest.mark.parametrize("weights", ["dtype=bfloat16", "w12=1"])
+def test_gpu_verify_step_graph_equals_eager_with_and_without_pdl(weights, monkeypatch):
+    """A 9-row tree step through the fused kernels (bf16 and W12 weights): the captured graph gives
+    the eager step's bits, with programmatic dependent launch and without, replay after replay."""
     from specpilot.engine.api import load_engine
     from specpilot.engine.model import StepInput
 
-    monkeypatch.setattr(fused_verify, "DENSE_PATH", path)
     outs = {}
     for pdl in (False, True):
         monkeypatch.setattr(common, "USE_PDL", pdl)
-        m = load_engine("engine:model=tiny,mode=ar,ctx=64,device=cuda,dtype=bfloat16,graphs=0").model
+        m = load_engine(f"engine:model=tiny,mode=ar,ctx=64,device=cuda,{weights},graphs=0").model
         assert m.fused_decode
         n = 11
         pos = torch.arange(n, device="cuda")

@@ -1,12 +1,12 @@
-"""Fused verify steps: a dense layer's step for 2..64 rows (chain and tree verification).
+"""Verify steps of 2..64 rows (chain and tree verification): the kernels between two GEMMs.
 
-* :mod:`.gemm`    the projections with the one-row chain's fused prologue and epilogues, on tensor
-  cores (``norm_qkv_rope_store``, ``gemm_residual``, ``norm_gate_up_silu``): bf16/fp32 weights
-* :mod:`.rows`    one kernel between two GEMMs (``rms_norm_rows``, ``add_rms_norm_rows``,
-  ``rope_store_rows``, ``silu_mul_rows``): with cuBLAS or the W12 GEMM for the projections
-* :mod:`.common`  the PDL switch and the rows a tile covers
-* :mod:`.naive`   the plain torch references
-* ``tuned/<arch>.json``  the measured configs (:mod:`specpilot.kernels.tuning`)
+* :mod:`.rows`    ``rms_norm_rows``, ``add_rms_norm_rows`` (residual add + the next RMSNorm),
+  ``rope_store_rows`` (RoPE at each row's position, K/V into the caches at each row's slot, q
+  out), ``silu_mul_rows``: one kernel each, launched with programmatic dependent launch
+* :mod:`.common`  the PDL switch
+* :mod:`.naive`   the plain torch references (the layers' arithmetic)
 
-The attention is ``kernels/attention`` (split-KV, masked), the argmax ``kernels/decode/argmax``.
+The projections are cuBLAS (bf16) or the W12 GEMM (``kernels/w12``), the attention is
+``kernels/attention`` (split-KV, masked), the rows' argmax ``kernels/decode/argmax``;
+``engine/fused_verify.py`` chains them.
 """

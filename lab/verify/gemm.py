@@ -1,28 +1,25 @@
-"""A dense layer's projections for a verify step of 2..64 rows, fused as the one-row chain is.
+"""Unrouted: a dense layer's projections for a verify step of 2..64 rows on tensor cores, fused as
+the one-row chain is (``tl.dot``; the engine's multi-row step runs cuBLAS GEMMs with one fused
+kernel between two GEMMs instead, ``engine/fused_verify.py``).
 
 The one-row decode kernels (``kernels/decode/gemv.py``) stream a weight tile per iteration and
 multiply it with one x row on the CUDA cores. Here the same program walks the same weight rows,
 but multiplies the tile with the step's rows on the tensor cores: ``acc[2B, MP] += W[2B, BLOCK_K]
 @ x[MP, BLOCK_K].T``, the weight rows on the MMA's long side and the step's rows (``MP``: 16, 32
-or 64, rows past the step masked to zero) on its short side, so up to 64 rows cost one weight
-read. The prologue and epilogues are the one-row chain's:
+or 64, rows past the step masked to zero) on its short side. The prologue and epilogues are the
+one-row chain's: ``NORM`` (gamma applied to each x tile as it is loaded, the rows' sums of squares
+accumulated alongside, ``1/RMS`` scaling the accumulator at the end), ``EPI_RESID``, ``EPI_SILU``,
+``EPI_ROPE`` (RoPE at each row's position, K/V stored at each row's slot). A program owns ``2B``
+weight rows (the one-row kernel's two groups interleaved into one tile). Under programmatic
+dependent launch the first weight tile is loaded before ``griddepcontrol.wait``.
 
-* ``NORM``: RMSNorm. Each x tile is multiplied by gamma as it is loaded while the program sums the
-  squares of the raw rows; ``1/RMS`` scales the accumulator at the end (``rstd * (W @ bf16(gamma
-  * x))``: no pass over x before the product, one rounding fewer than the layer's ``rms_norm``);
-* ``EPI_RESID``: ``res + bf16(x @ W.T)`` (after ``wo`` and ``w2``);
-* ``EPI_SILU``: gate rows ``n .. n+B`` and the up rows ``inter + n`` in one program,
-  ``silu(gate) * up`` written;
-* ``EPI_ROPE``: dims ``d`` and ``d + hd/2`` of one q/k/v head in one program, rotate-half RoPE of
-  q and k at each row's position, q written, K and V stored into the caches at each row's slot.
-
-A program owns ``2B`` weight rows (the two groups of the one-row kernel, interleaved into one
-tile so that ``B`` = 8 still fills the 16-row MMA). Accumulation in fp32, one reduction order,
-no atomics, no split-K: bitwise identical run to run. Under programmatic dependent launch the
-first weight tile (constant) is loaded before ``griddepcontrol.wait``. Configs: the measured table
-``kernels/verify/tuned/<arch>.json``, else :func:`default_config`. The plain references are
-:mod:`.naive`; under Triton's interpreter the tile product runs on fp32 operands (the interpreter's
-bf16 ``tl.dot`` is wrong), exact for bf16 products.
+Why it is not routed (H200, Llama-3.1-8B layers, bf16, L2 flushed, the best of six configs per row
+tile, ``lab/verify/sweep.py``): alone against cuBLAS ``F.linear`` it reached 0.57/0.58/0.32x on the
+q/k/v layer at 16/32/64 rows, 0.70/0.76/0.59x on gate/up, 0.96/0.89/0.59x on o and 0.84/0.75/0.54x
+on down; the normalising prologue keeps x off the asynchronous copy path. In the engine's step
+(CUDA graph, PDL) 32 rows took 7.11 ms against 4.92 ms for the cuBLAS step and 3.93 ms for the AR
+step. References: :mod:`lab.verify.naive`; under Triton's interpreter the tile product runs on
+fp32 operands (the interpreter's bf16 ``tl.dot`` is wrong), exact for bf16 products.
 """
 
 from __future__ import annotations
@@ -31,10 +28,18 @@ from dataclasses import dataclass
 
 import torch
 
-from specpilot.kernels import tuning
 from specpilot.kernels.decode.common import EPI_RESID, EPI_ROPE, EPI_SILU, program_rows
 from specpilot.kernels.triton_env import interpreting, pdl_args, tl, triton
 from specpilot.kernels.verify import common
+
+MAX_ROWS = 64
+
+
+def row_tile(rows: int) -> int:
+    """Rows a tile covers (``tl.dot`` needs at least 16): the next power of two >= ``rows``."""
+    if not 1 <= rows <= MAX_ROWS:
+        raise ValueError(f"the multi-row kernels take 1..{MAX_ROWS} rows, got {rows}")
+    return max(16, 1 << (rows - 1).bit_length())
 
 
 @dataclass(frozen=True)
@@ -51,18 +56,12 @@ class RowsConfig:
         return f"p{self.pairs}-k{self.block_k}-w{self.warps}-s{self.stages}"
 
 
-def default_config(epi: str, n: int, k: int, rows: int) -> RowsConfig:
-    """Without a table entry: wider K tiles for fewer rows (the x tile stays about 8 K values per
-    thread), shallower pipelines for 64 rows (shared memory)."""
-    mp = common.row_tile(rows)
-    return RowsConfig(pairs=8, block_k={16: 512, 32: 256, 64: 128}[mp], warps=4, stages=2 if mp == 64 else 3)
+# the sweep's best per row tile (the q/k/v layer's; others were within 10-30 %)
+BEST = {16: RowsConfig(16, 256, 4, 3), 32: RowsConfig(32, 128, 8, 3), 64: RowsConfig(32, 128, 8, 2)}
 
 
 def config_for(epi: str, n: int, k: int, rows: int, device=None) -> RowsConfig:
-    """The table's config for the epilogue, layer and rows, else :func:`default_config`."""
-    found = tuning.lookup("verify", "gemm", tuning.device_arch(device) if device is not None else None,
-                          rows=rows, epilogue=epi, n=n, k=k)
-    return RowsConfig(**found[0]["config"]) if found else default_config(epi, n, k, rows)
+    return BEST[row_tile(rows)]
 
 
 def check_config(cfg: RowsConfig, epi: str = "resid", hd: int = 128) -> None:
@@ -177,8 +176,8 @@ if triton is not None:
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, name: str = "x") -> None:
-    if x.dim() != 2 or x.stride(-1) != 1 or not 1 <= x.shape[0] <= common.MAX_ROWS:
-        raise ValueError(f"{name}: 1..{common.MAX_ROWS} rows contiguous in K expected, got {tuple(x.shape)}")
+    if x.dim() != 2 or x.stride(-1) != 1 or not 1 <= x.shape[0] <= MAX_ROWS:
+        raise ValueError(f"{name}: 1..{MAX_ROWS} rows contiguous in K expected, got {tuple(x.shape)}")
     if w.dim() != 2 or w.stride(-1) != 1 or w.dtype != x.dtype or w.shape[1] != x.shape[1]:
         raise ValueError(f"weight must be [N, {x.shape[1]}], contiguous in K and of x's dtype ({x.dtype}), got "
                          f"{tuple(w.shape)} {w.dtype}")
@@ -194,7 +193,7 @@ def _launch(grid, x, gamma, w, y, res, eps, epi, norm, cfg: RowsConfig, inter=0,
         x, gamma if gamma is not None else x, w, y, *t,
         M, K, x.stride(0), w.stride(0), y.stride(0), res.stride(0) if res is not None else 0, float(eps),
         inter, nh, nkv, cs[0], cs[1], vs[0], vs[1], cos.stride(0) if cos is not None else 0,
-        NORM=norm, EPI=epi, HD=hd, B=cfg.pairs, MP=common.row_tile(M), BLOCK_K=cfg.block_k, STAGES=cfg.stages,
+        NORM=norm, EPI=epi, HD=hd, B=cfg.pairs, MP=row_tile(M), BLOCK_K=cfg.block_k, STAGES=cfg.stages,
         IEEE=x.dtype == torch.float32, UP=interpreting(), num_warps=cfg.warps, **pdl_args(common.USE_PDL, x))
 
 
