@@ -52,6 +52,13 @@ class RunResult:
     chat: bool
     results: list[dict] = field(default_factory=list)
     lattice_rows: list[dict] = field(default_factory=list)
+    step_times: list = field(default_factory=list)   # every request's (rows, GPU ms, wall ms) per step
+
+    def step_timing(self) -> dict | None:
+        """The decode loop's step timing over all requests (``GenerationResult.step_timing``)."""
+        from specpilot.engine.decode import step_timing
+
+        return step_timing(self.step_times)
 
 
 @dataclass
@@ -79,11 +86,13 @@ class Engine:
             ids = pr.get("ids") or self.encode(pr["text"], chat=chat)
             r = self.generate(ids, max_new_tokens, record_lattice=record_lattice, request=pr["id"])
             out.lattice_rows.extend(r.lattice_steps)
+            out.step_times.extend(r.step_times)
             out.results.append({"id": pr["id"], "prompt_ids": ids, "output_ids": r.output_ids,
                                 "text": self.decode(r.output_ids), "steps": r.steps, "tau": r.tau,
                                 "tokens": len(r.output_ids), "seconds": r.seconds,
                                 "prefill_seconds": r.prefill_seconds, "tokens_per_s": r.tokens_per_second,
-                                "decode_tokens_per_s": r.decode_tokens_per_second, "stop": r.stop_reason})
+                                "decode_tokens_per_s": r.decode_tokens_per_second, "stop": r.stop_reason,
+                                "step_timing": r.step_timing()})
         return out
 
     def encode(self, text: str, chat: bool = False) -> list[int]:
@@ -254,9 +263,12 @@ def load_engine(spec: EngineSpec | str) -> Engine:
     from specpilot.engine.decode import Decoder
     from specpilot.engine.drafters import ModelDrafter, NGramDrafter, SelfDrafter
 
+    import time
+
     if isinstance(spec, str):
         spec = EngineSpec.parse(spec)
     logging.getLogger("specpilot.status").info(f"loading model {spec.model} ({spec.mode}, {spec.device}) ...")
+    t0 = time.perf_counter()
     target = load_target(spec)
     model, folder, display = target.model, target.folder, target.name
     tok = _tokenizer(folder, display)
@@ -286,8 +298,6 @@ def load_engine(spec: EngineSpec | str) -> Engine:
         from specpilot.engine.graphs import GraphRunner
 
         runner = GraphRunner(model)
-        if spec.mode == "ar":  # capture the AR step now (and JIT-compile its kernels), not in the first request
-            runner.get(1)
     eos = _eos_ids(folder, tok)
     dec = Decoder(model, spec.mode, drafter, nodes=spec.nodes, depth=spec.depth, topk=spec.topk, eos_ids=eos,
                   runner=runner)
@@ -299,4 +309,7 @@ def load_engine(spec: EngineSpec | str) -> Engine:
         else:
             n = choose_cpu_threads(spec.threads)
             dec.threads = n if spec.threads != 0 else 0
-    return Engine(spec, model, dec, tok, display, eos, info=target.info)
+    info = dict(target.info, load_seconds=time.perf_counter() - t0)
+    # CUDA: compile every kernel and capture every graph a request can hit now, not in the first request
+    info["warmup_seconds"] = dec.warm_up()
+    return Engine(spec, model, dec, tok, display, eos, info=info)

@@ -31,6 +31,14 @@ class GenerationResult:
     prefill_seconds: float = 0.0
     accept_lengths: list[int] = field(default_factory=list)  # draft tokens accepted per step
     stop_reason: str = "length"  # "length" or "eos"
+    step_times: list[tuple[int, float, float]] = field(default_factory=list)  # per step: rows, GPU ms, wall ms
+
+    def step_timing(self) -> dict | None:
+        """The decode loop's steps on CUDA: GPU time per step (CUDA events from the step's input
+        copies to the end of its graph), wall time per loop iteration (drafting, tree build, the
+        host round trip and KV compaction included) and the difference, the outside time; per rows
+        (the graph bucket a step ran) the median GPU ms. None off CUDA."""
+        return step_timing(self.step_times)
 
     @property
     def tokens_per_second(self) -> float:
@@ -40,6 +48,27 @@ class GenerationResult:
     def decode_tokens_per_second(self) -> float:
         dt = self.seconds - self.prefill_seconds
         return (len(self.output_ids) - 1) / dt if dt > 0 and len(self.output_ids) > 1 else 0.0
+
+
+def step_timing(times: list[tuple[int, float, float]]) -> dict | None:
+    """Summary of (rows, GPU ms, wall ms) per step (:meth:`GenerationResult.step_timing`)."""
+    if not times:
+        return None
+    import statistics
+
+    by = {}
+    for rows, gpu, _ in times:
+        by.setdefault(rows, []).append(gpu)
+    n = len(times)
+    gpu = sum(t[1] for t in times) / n
+    wall = sum(t[2] for t in times) / n
+    return {"steps": n, "gpu_ms": gpu, "wall_ms": wall, "outside_ms": wall - gpu,
+            "by_rows": [{"rows": r, "steps": len(v), "gpu_ms": statistics.median(v)} for r, v in sorted(by.items())]}
+
+
+# prompt lengths a warm-up prefills: every Triton specialisation class of the step kernels (1 row, a
+# multiple of 16, other; 16/32/64-row tiles) and a long prompt's chunks
+WARMUP_PROMPTS = (1, 5, 16, 17, 40, 64, 600)
 
 
 def _kv_len(max_seq: int, n: int) -> int:
@@ -62,10 +91,33 @@ class Decoder:
         self.verify_buckets = sorted({b for b in (2, 4, 8, 16, 32, 64, 128, 256) if b < rows} | {rows})
         self.threads = 0  # > 0: torch CPU threads while generating (restored afterwards)
         self.prefill_chunk = 512
+        self._times = None   # CUDA: (rows, start event, end event) of the request's steps
 
     def _sync(self):
         if self.model.device.type == "cuda":
             torch.cuda.synchronize()
+
+    @torch.no_grad()
+    def warm_up(self) -> float:
+        """Compile and capture at load what a request can hit (CUDA): the AR graph, every verify
+        bucket's graph, and short generations over :data:`WARMUP_PROMPTS` (prefill chunks, the
+        drafter, eager steps); returns the seconds taken (0 off CUDA). The generations leave the
+        cache dirty; a request's prefill overwrites what it reads."""
+        m = self.model
+        if m.device.type != "cuda":
+            return 0.0
+        t0 = time.perf_counter()
+        if self.runner is not None:
+            self.runner.get(1)
+            if self.mode != "ar":
+                for b in self.verify_buckets:
+                    self.runner.get(b)
+        V = m.spec.vocab_size
+        for n in WARMUP_PROMPTS:
+            if self.capacity_needed(n, 4) <= m.max_seq:
+                self.generate([(7 * i) % 31 % V for i in range(n)], 4)
+        self._sync()
+        return time.perf_counter() - t0
 
     def capacity_needed(self, prompt_len: int, max_new: int) -> int:
         rows = 1 + (self.nodes if self.mode == "tree" else self.depth if self.mode == "chain" else 0)
@@ -104,12 +156,19 @@ class Decoder:
             else:
                 tree = treelib.build_best_first(lat.tokens, lat.logprobs, lat.transitions, self.nodes)
         T = 1 + len(tree)
+        if self._times is not None:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
         if T == 1 and self.runner is not None:
             preds = [self.runner.ar_step(pending, n_cache)]
         elif self.runner is not None:
             preds = self._graph_verify(pending, tree, n_cache)
         else:
             preds = self._eager_verify(pending, tree, n_cache, mode)
+        if self._times is not None:
+            end.record()
+            rows = T if self.runner is None or T == 1 else next(b for b in self.verify_buckets if b >= T)
+            self._times.append((rows, start, end))
         path, toks = treelib.accept_predictions(tree, preds)
         rows = [0] + [1 + p for p in path]
         if T > 1:
@@ -196,7 +255,10 @@ class Decoder:
         stop, limit = "length", max_new_tokens
         if first in self.eos_ids:
             stop, limit = "eos", 1
+        self._times = [] if self.model.device.type == "cuda" else None
+        walls = []
         while len(full) < limit:
+            t_step = time.perf_counter()
             ctx = prompt_ids + full
             toks, lat, tree = self.step(ctx, n_cache, self.mode)
             if record_lattice:
@@ -212,8 +274,11 @@ class Decoder:
                 if t in self.eos_ids and start + i < limit:
                     stop, limit = "eos", start + i + 1
                     break
+            walls.append((time.perf_counter() - t_step) * 1e3)
         self._sync()
         seconds = time.perf_counter() - t0
+        times, self._times = self._times, None
+        step_times = [(r, a.elapsed_time(b), w) for (r, a, b), w in zip(times, walls)] if times else []
         out = full[:limit]
         if record_lattice:
             # fill each step's target from the committed stream; extend it by plain AR where the
@@ -229,4 +294,4 @@ class Decoder:
         # tau: tokens the verification passes delivered (the prefill's first token excluded), per pass;
         # tokens a last pass committed past EOS or the limit are not counted (accept_lengths keeps them)
         tau = (len(out) - 1) / steps if steps else 1.0
-        return GenerationResult(out, steps, tau, seconds, lattice, t_prefill, accepts, stop)
+        return GenerationResult(out, steps, tau, seconds, lattice, t_prefill, accepts, stop, step_times)

@@ -398,6 +398,10 @@ class Transformer(nn.Module):
             for blk in self.layers[:layers]:
                 x = block_step(blk, x, inp, self.cos, self.sin, kv_len)
             return rms_norm_row(x, self.norm, self.spec.rms_norm_eps)
+        from specpilot.engine import fused_verify
+
+        if fused_verify.takes(self, x.shape[0]):
+            return fused_verify.hidden_rows(self, x, inp, kv_len, layers)
         cos, sin = self.cos[inp.pos], self.sin[inp.pos]
         call = self._block_call or _block_call
         for blk in self.layers[:layers]:
@@ -421,10 +425,10 @@ class Transformer(nn.Module):
         head = self.certified_head
         if head is not None and h.shape[0] <= head.max_rows:
             return head.argmax_exact(h)
-        if self.fused_decode and h.shape[0] == 1:
-            from specpilot.kernels.decode.argmax import argmax_row
+        if self.fused_decode and h.shape[0] <= 64:
+            from specpilot.kernels.decode.argmax import argmax_rows
 
-            return argmax_row(self.lm_head(h))
+            return argmax_rows(self.lm_head(h))
         return self.lm_head(h).argmax(-1)
 
     def set_decode(self, kind: str) -> str:

@@ -1,11 +1,17 @@
 """T_step(N): the time of one target forward over N rows at a given context (``probe rows``).
 
-c(N) = T_step(N) / T_step(1) is the verification cost factor of the cost model (speedup over AR
-= tau(N) / c(N)). On a GPU each N is a captured CUDA graph (the engine's verify step: N rows at
-slots context..context+N-1 attending to the context plus their own chain, LM head and argmax
-included), timed with CUDA events, median of ``reps`` replays. On the CPU the same forward is
-timed with a wall clock (median); there, compute grows with N from the first rows, the opposite
-of a GPU's flat, bandwidth-bound region.
+c(N) = T_step(N) / T_AR is the verification cost factor of the cost model (speedup over AR
+= tau(N) / c(N)). T_AR is T_step(1) of the same engine spec: the AR step the engine runs for it
+(the fused decode kernels where they apply, ``ar_path``), so c(N) is against the step a user's AR
+decode actually takes. A spec whose AR step is not the fastest the model can take (``decode=layers``
+where the fused kernels apply) gets a warning: its c(N) is flattered by a slow denominator.
+
+On a GPU each N is a captured CUDA graph (the engine's verify step: N rows at slots
+context..context+N-1 attending to the context plus their own chain, LM head and argmax
+included), timed with CUDA events, median of ``reps`` replays; each point names the path its
+step ran (``fused``: the fused kernels, 1..64 rows; ``layers``: the layer modules). On the CPU
+the same forward is timed with a wall clock (median); there, compute grows with N from the first
+rows, the opposite of a GPU's flat, bandwidth-bound region.
 """
 
 from __future__ import annotations
@@ -30,15 +36,37 @@ class RowsResult:
     reps: int
     method: str
     cpu: str | None = None
+    ar_path: str = "layers"
+    warnings: list[str] = field(default_factory=list)
     extra: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {"schema": "specpilot.rows/1", "model": self.model, "gpu": self.gpu, "device": self.device,
-                "dtype": self.dtype, "context": self.context, "ar_ms": self.ar_ms, "points": self.points,
-                "reps": self.reps, "method": self.method, "cpu": self.cpu, **self.extra}
+                "dtype": self.dtype, "context": self.context, "ar_path": self.ar_path, "ar_ms": self.ar_ms,
+                "points": self.points, "reps": self.reps, "method": self.method, "cpu": self.cpu,
+                "warnings": self.warnings, **self.extra}
 
 
-def _inputs(model, T: int, context: int):
+def step_path(model, rows: int) -> str:
+    """``fused`` when a step of ``rows`` rows runs the fused kernels, else ``layers``."""
+    from specpilot.engine.fused_verify import takes
+
+    return "fused" if model.fused_decode and (rows == 1 or takes(model, rows)) else "layers"
+
+
+def slower_ar_warning(model) -> str | None:
+    """Why T_AR is not the fastest AR step this model can take here (None when it is)."""
+    from specpilot.engine.fused_decode import ineligible
+
+    if model.device.type != "cuda" or model.fused_decode or ineligible(model) is not None:
+        return None
+    return ("T_AR is the layer modules' AR step, but this model also takes the fused decode kernels "
+            "(decode=fused), a faster AR step: c(N) against the slower step understates what verification costs")
+
+
+def step_input(model, T: int, context: int):
+    """N = ``T`` rows at the slots after ``context`` committed tokens, each attending the context and
+    its chain (causal among the rows), random tokens: a probe step's inputs."""
     import torch
 
     from specpilot.engine.model import StepInput
@@ -75,7 +103,7 @@ def measure_rows(model, rows: list[int], context: int, reps: int = 50, warmup: i
     graphs = cuda and not model.spec.is_hybrid
     it = order if progress is None else progress(order, total=len(order), desc="rows", unit="N")
     for T in it:
-        inp = _inputs(model, T, context)
+        inp = step_input(model, T, context)
         if graphs:
             from specpilot.engine.graphs import GraphRunner, time_replays
 
@@ -113,12 +141,15 @@ def measure_rows(model, rows: list[int], context: int, reps: int = 50, warmup: i
                     samples.append((time.perf_counter() - t0) * 1e3)
         times[T] = statistics.median(samples)
     ar = times[1]
-    points = [{"rows": T, "step_ms": times[T], "c": times[T] / ar} for T in order if T in set(rows) or T == 1]
+    points = [{"rows": T, "step_ms": times[T], "c": times[T] / ar, "path": step_path(model, T)}
+              for T in order if T in set(rows) or T == 1]
+    warn = slower_ar_warning(model)
     gpu = torch.cuda.get_device_name(model.device) if cuda else None
     method = ("cuda graph, CUDA events, median" if graphs else
               "eager, CUDA events, median" if cuda else "eager, wall clock, median")
     return RowsResult(model.spec.name, gpu, str(model.device), str(model.dtype).replace("torch.", ""), context, ar,
-                      points, reps, method, cpu=None if cuda else cpu_name(),
+                      points, reps, method, cpu=None if cuda else cpu_name(), ar_path=step_path(model, 1),
+                      warnings=[warn] if warn else [],
                       extra={"torch": torch.__version__, "threads": torch.get_num_threads()})
 
 

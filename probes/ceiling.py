@@ -4,8 +4,9 @@ The inputs are one :class:`CeilingRequest`: the deployment's shape, numbers give
 (:class:`Measurements`) and figures from other verbs' results, already read
 (:class:`ProfileFigures` from ``specpilot profile``: kernel busy ms, step wall ms, floor;
 :class:`ReplayFigures` from ``specpilot replay``: tau per policy, tau(N) curves;
-:class:`RowsProbeFigures` from ``specpilot probe rows``: T_step(N) and T_AR). Numbers given
-directly win over figures from results.
+:class:`RowsProbeFigures` from ``specpilot probe rows``: T_step(N) and T_AR;
+:class:`RunFigures` from ``specpilot run``: tau and the decode loop's step timing, wall and GPU).
+Numbers given directly win over figures from results.
 """
 
 from __future__ import annotations
@@ -106,7 +107,9 @@ class ReplayFigures:
 
 @dataclass
 class RowsProbeFigures:
-    """What the ceiling takes from a rows probe: T_step(N) in ms per row count N, and T_AR."""
+    """What the ceiling takes from a rows probe: T_step(N) in ms per row count N, T_AR, which AR
+    step T_AR is (``ar_path``: ``fused`` or ``layers``; None in files that do not say) and the
+    probe's warnings (e.g. a faster AR step exists)."""
 
     source: str
     step_ms: dict[int, float]
@@ -114,6 +117,8 @@ class RowsProbeFigures:
     device: str | None = None  # where it was measured: "cpu", "cuda:0", ...
     gpu: str | None = None     # the GPU's name when measured on one
     cpu: str | None = None     # the CPU's name when measured on the CPU
+    ar_path: str | None = None
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def on_cpu(self) -> bool:
@@ -149,6 +154,18 @@ def check_rows_probe_hardware(probe: RowsProbeFigures | None, gpu: GPUSpec | Non
 
 
 @dataclass
+class RunFigures:
+    """What the ceiling takes from a run: tau, the decode loop's mean wall ms per step (drafting,
+    tree build, host round trip and KV compaction included) and mean GPU ms per step (CUDA events
+    around each step's kernels in the loop): the outside factor is their ratio."""
+
+    source: str
+    tau: float
+    step_wall_ms: float
+    step_gpu_ms: float
+
+
+@dataclass
 class CeilingRequest:
     """One ``ceiling`` question: the deployment (model, GPU, rows per request, batch, context,
     storage dtypes, drafter), the floor fractions, and the measured inputs."""
@@ -171,6 +188,7 @@ class CeilingRequest:
     profile: ProfileFigures | None = None
     replay: ReplayFigures | None = None
     rows_probe: RowsProbeFigures | None = None
+    run: RunFigures | None = None
 
     def step_floor(self, rows: int, drafter: bool = True) -> StepFloor:
         """The floor of one step at ``rows`` rows (``drafter=False``: the AR step, no drafter)."""
@@ -203,8 +221,14 @@ def _use_replay(r: ReplayFigures, m: Measurements, current_policy: str) -> None:
     m.set("tau_best", taus[best_name], f"replay {r.source} ({best_name})")
 
 
+def _use_run(r: RunFigures, m: Measurements) -> None:
+    m.set("tau", r.tau, f"run {r.source}")
+    m.set("step_ms", r.step_wall_ms, f"run {r.source} (decode loop wall ms per step)")
+    m.set("profile_ms", r.step_gpu_ms, f"run {r.source} (GPU ms per step in the loop, CUDA events)")
+
+
 def _use_rows_probe(p: RowsProbeFigures, m: Measurements, rows: int | None) -> None:
-    m.set("ar_ms", p.ar_ms, f"rows probe {p.source}")
+    m.set("ar_ms", p.ar_ms, f"rows probe {p.source}" + (f" ({p.ar_path} AR step)" if p.ar_path else ""))
     if rows is not None and rows in p.step_ms:
         m.set("step_ms", p.step_ms[rows], f"rows probe {p.source} (rows={rows})")
 
@@ -221,6 +245,8 @@ def compute_ceiling(req: CeilingRequest) -> CeilingResult:
         _use_profile(req.profile, m)
         if cost_rows is None and req.profile.rows in rows:
             cost_rows = req.profile.rows
+    if req.run:
+        _use_run(req.run, m)
     curves = {}
     if req.replay:
         _use_replay(req.replay, m, req.policy)
@@ -258,9 +284,21 @@ def compute_ceiling(req: CeilingRequest) -> CeilingResult:
                         rows_for_cost=cost_rows, fractions={"flops": req.flops_fraction, "bandwidth": req.bw_fraction},
                         tau_curve=curves)
     res.by_nodes = predict_by_nodes(req, curves, step_curve, res)
+    if req.rows_probe:
+        res.warnings = rows_probe_warnings(req.rows_probe)
     if warning:
         res.warnings.append(warning)
     return res
+
+
+def rows_probe_warnings(p: RowsProbeFigures) -> list[str]:
+    """What a rows probe says against its own T_AR (c(N) = T_step(N) / T_AR is only as honest as
+    the AR step it divides by)."""
+    out = [f"rows probe {p.source}: {w}" for w in p.warnings]
+    if p.ar_path is None:
+        out.append(f"rows probe {p.source} does not say which AR step its T_AR is (no ar_path); c(N) may be "
+                   "against a slower AR step than the engine runs: re-run specpilot probe rows")
+    return out
 
 
 def predict_by_nodes(req: CeilingRequest, curves: dict[str, dict[int, float]], step_curve: dict[int, float],

@@ -11,7 +11,7 @@ import math
 from specpilot.errors import InputError
 from specpilot.fileio import read_json
 from specpilot.limits import MAX_MS, MAX_ROWS, MAX_TAU
-from specpilot.probes.ceiling import ProfileFigures, ReplayFigures, RowsProbeFigures
+from specpilot.probes.ceiling import ProfileFigures, ReplayFigures, RowsProbeFigures, RunFigures
 
 
 def _finite(v, lo: float, hi: float, lo_open: bool = True) -> bool:
@@ -83,7 +83,25 @@ def read_rows_probe(path: str) -> RowsProbeFigures:
         raise InputError(f"{path}: rows probe 'ar_ms' must be a number in (0, {MAX_MS:g}]")
     device = doc.get("device")
     gpu = doc.get("gpu")
+    path_name = doc.get("ar_path")
+    warnings = doc.get("warnings") or []
+    if path_name is not None and not isinstance(path_name, str) or not isinstance(warnings, list):
+        raise InputError(f"{path}: rows probe 'ar_path' must be a string and 'warnings' a list")
     return RowsProbeFigures(source=str(path), step_ms=curve, ar_ms=float(ar),
                             device=device if isinstance(device, str) else None,
                             gpu=gpu if isinstance(gpu, str) and gpu else None,
-                            cpu=doc.get("cpu") if isinstance(doc.get("cpu"), str) else None)
+                            cpu=doc.get("cpu") if isinstance(doc.get("cpu"), str) else None,
+                            ar_path=path_name, warnings=[str(w) for w in warnings])
+
+
+def read_run(path: str) -> RunFigures:
+    """A ``specpilot run`` JSON: tau and the decode loop's step timing (a CUDA run's)."""
+    doc = read_json(path, kind="run")
+    timing = doc.get("step_timing")
+    if not isinstance(timing, dict):
+        raise InputError(f"{path}: the run has no 'step_timing' (only CUDA runs time their steps)")
+    tau, wall, gpu_ms = doc.get("tau"), timing.get("wall_ms"), timing.get("gpu_ms")
+    if not (_finite(tau, 0, MAX_TAU, lo_open=False) and _finite(wall, 0, MAX_MS) and _finite(gpu_ms, 0, MAX_MS)):
+        raise InputError(f"{path}: a run needs a finite 'tau' in [0, {MAX_TAU:g}] and step_timing 'wall_ms' and "
+                         f"'gpu_ms' in (0, {MAX_MS:g}]")
+    return RunFigures(source=str(path), tau=float(tau), step_wall_ms=float(wall), step_gpu_ms=float(gpu_ms))

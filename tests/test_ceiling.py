@@ -225,6 +225,46 @@ def test_cli_predicted_speedup_by_nodes(run_cli, tmp_path):
     assert code == 0 and "Best: best-first at 32 nodes" in out
 
 
+def test_cli_rows_probe_ar_path_and_its_warnings(run_cli, tmp_path):
+    """A probe that says which AR step T_AR is gives no warning of its own; one that does not (older
+    files), or that carries the probe's warning, is flagged: c(N) is only as honest as T_AR."""
+    base = {"schema": "specpilot.rows/1", "ar_ms": 4.0, "points": [{"rows": 1, "step_ms": 4.0},
+                                                                   {"rows": 32, "step_ms": 4.4}]}
+    for extra, expect in (({"ar_path": "fused", "warnings": []}, None),
+                          ({}, "does not say which AR step"),
+                          ({"ar_path": "layers", "warnings": ["T_AR is the layer modules' AR step, but ..."]},
+                           "layer modules' AR step")):
+        rows = tmp_path / "rows.json"
+        rows.write_text(json.dumps({**base, **extra}))
+        code, out, err = run_cli("ceiling", "--rows", "32", "--tau", "3", "--rows-probe", rows, "--format", "json")
+        assert code == 0, err
+        doc = json.loads(out)
+        assert doc["cost_model"]["c"] == pytest.approx(1.1)
+        if expect is None:
+            assert doc["warnings"] == [] and "fused AR step" in doc["cost_model"]["sources"]["ar_ms"]
+        else:
+            assert len(doc["warnings"]) == 1 and expect in doc["warnings"][0]
+            code, out, _ = run_cli("ceiling", "--rows", "32", "--tau", "3", "--rows-probe", rows)
+            assert "warning: rows probe" in out
+    rows.write_text(json.dumps({**base, "ar_path": 3}))
+    code, _, err = run_cli("ceiling", "--rows", "32", "--tau", "3", "--rows-probe", rows)
+    assert code == 2 and "ar_path" in err
+
+
+def test_cli_run_step_timing_is_the_outside_factor(run_cli, tmp_path):
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps({"schema": "specpilot.run/1", "tau": 3.0,
+                               "step_timing": {"steps": 10, "gpu_ms": 4.4, "wall_ms": 5.5, "outside_ms": 1.1}}))
+    code, out, err = run_cli("ceiling", "--rows", "33", "--ar-ms", "4.0", "--run", run, "--format", "json")
+    assert code == 0, err
+    cm = json.loads(out)["cost_model"]
+    assert cm["tau"] == 3.0 and cm["step_ms"] == 5.5 and cm["factors"]["outside"] == pytest.approx(5.5 / 4.4)
+    assert cm["speedup"] == pytest.approx(3.0 / (5.5 / 4.0))
+    run.write_text(json.dumps({"schema": "specpilot.run/1", "tau": 1.0, "step_timing": None}))
+    code, _, err = run_cli("ceiling", "--rows", "33", "--ar-ms", "4.0", "--run", run)
+    assert code == 2 and "step_timing" in err
+
+
 def test_sequential_drafter_passes():
     m = spec_from_config(LLAMA_8B)
     d = spec_from_config(dict(LLAMA_8B, num_hidden_layers=1))

@@ -104,6 +104,48 @@ def test_probe_rows_cpu_writes_rows_schema(run_cli, tmp_path):
     assert d["points"][0]["c"] == 1.0 and d["ar_ms"] == d["points"][0]["step_ms"] > 0
     for p in d["points"]:
         assert abs(p["c"] - p["step_ms"] / d["ar_ms"]) < 1e-9
+        assert p["path"] == "layers"
+    assert d["ar_path"] == "layers" and d["warnings"] == []   # the CPU has no faster AR step
+
+
+def test_probe_rows_warns_when_a_faster_ar_step_exists():
+    """T_AR of the layer modules on a device where the fused decode kernels apply: the warning; with
+    the fused kernels, or for a model they cannot take, none."""
+    import torch
+
+    from specpilot.engine.api import load_target
+    from specpilot.engine.rows import slower_ar_warning, step_path
+    from specpilot.engine.spec import EngineSpec
+
+    m = load_target(EngineSpec.parse("engine:model=tiny,random=1,decode=layers")).model
+    assert slower_ar_warning(m) is None                      # CPU: the layers are the only AR step
+    m.device = torch.device("cuda")                          # where the fused kernels would run
+    assert "fused decode kernels" in slower_ar_warning(m)
+    m.fused_decode = True
+    assert slower_ar_warning(m) is None
+    assert [step_path(m, n) for n in (1, 2, 64, 65)] == ["fused", "fused", "fused", "layers"]
+    m.fused_decode = False
+    m.layers[0].mixer.qk_norm = True                         # a model the fused kernels do not take
+    assert slower_ar_warning(m) is None
+
+
+def test_run_json_reports_load_and_warm_up_apart_from_the_request(run_cli):
+    code, out, err = run_cli("run", "--model", "tiny", "--mode", "ar", "--prompt-ids", "1,2,3", "--max-new-tokens", "3",
+                             "--format", "json")
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["load_seconds"] > 0 and d["warmup_seconds"] == 0.0      # nothing to compile or capture on the CPU
+    assert d["step_timing"] is None and d["results"][0]["step_timing"] is None   # CUDA events: CUDA runs only
+
+
+def test_step_timing_summary():
+    from specpilot.engine.decode import step_timing
+
+    assert step_timing([]) is None
+    t = step_timing([(1, 4.0, 4.5), (1, 4.2, 4.4), (33, 4.6, 5.6)])
+    assert t["steps"] == 3 and t["gpu_ms"] == pytest.approx(4.2667, abs=1e-4)
+    assert t["outside_ms"] == pytest.approx(t["wall_ms"] - t["gpu_ms"])
+    assert t["by_rows"] == [{"rows": 1, "steps": 2, "gpu_ms": 4.1}, {"rows": 33, "steps": 1, "gpu_ms": 4.6}]
 
 
 def test_probe_rows_bad_input(run_cli, tmp_path):

@@ -102,4 +102,4 @@ def test_probe_rows_help_lists_its_engine_flags(run_cli):
     for name in PROBE_OPTIONS:
         assert flags[name] in out, name
     assert "--mode " not in out and "--engine" not in out
-    assert "[default: layers]" in out and "cuda when" in out
+    assert "[default: auto]" in out and "cuda when" in out

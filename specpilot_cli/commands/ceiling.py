@@ -45,12 +45,14 @@ from specpilot.output import Report, Section, emit, output_options
 @click.option("--profile", "profile_file", type=click.Path(dir_okay=False), help="specpilot profile JSON.")
 @click.option("--replay", "replay_file", type=click.Path(dir_okay=False), help="specpilot replay JSON.")
 @click.option("--rows-probe", "rows_file", type=click.Path(dir_okay=False), help="specpilot probe rows JSON.")
+@click.option("--run", "run_file", type=click.Path(dir_okay=False),
+              help="specpilot run JSON (a CUDA run): tau, loop wall ms and GPU ms per step (the outside factor).")
 @click.option("--policy", default="chain", show_default=True,
               help="Replay policy that is the current system (the others give the best reachable tau).")
 @output_options
 def command(model_name, gpu_name, bandwidth, flops, fp8_flops, rows, batch, context, weight_dtype, lm_head_dtype,
             kv_dtype, drafter_name, draft_rows, draft_passes, flops_fraction, bw_fraction, tau, tau_best, step_ms, ar_ms,
-            profile_ms, profile_file, replay_file, rows_file, policy, fmt, out):
+            profile_ms, profile_file, replay_file, rows_file, run_file, policy, fmt, out):
     """How much faster could this deployment be, and which factor should be attacked?
 
     \b
@@ -61,7 +63,7 @@ def command(model_name, gpu_name, bandwidth, flops, fp8_flops, rows, batch, cont
     = speedup x tree x kernel x outside factors, naming the largest:
       specpilot ceiling --model llama-3.1-8b --gpu h200 --rows 32 \\
           --tau 4.25 --tau-best 6.4 --step-ms 24.1 --ar-ms 18.0 --profile-ms 21.0
-    Files from other verbs can replace the numbers: --profile, --replay, --rows-probe.
+    Files from other verbs can replace the numbers: --profile, --replay, --rows-probe, --run.
 
     Floor of a class = max(FLOPs / (0.60 x peak), bytes / (0.90 x bandwidth)).
     """
@@ -70,7 +72,7 @@ def command(model_name, gpu_name, bandwidth, flops, fp8_flops, rows, batch, cont
     from specpilot.models import load_model_spec
     from specpilot.options import parse_int_list
     from specpilot.probes.ceiling import CeilingRequest, Measurements, compute_ceiling
-    from specpilot.readers import read_profile, read_replay, read_rows_probe
+    from specpilot.readers import read_profile, read_replay, read_rows_probe, read_run
 
     row_list = parse_int_list(rows, "--rows")
     if draft_rows is not None and draft_rows <= 0:
@@ -89,14 +91,15 @@ def command(model_name, gpu_name, bandwidth, flops, fp8_flops, rows, batch, cont
     for name, v in (("tau", tau), ("tau_best", tau_best), ("step_ms", step_ms), ("ar_ms", ar_ms),
                     ("profile_ms", profile_ms)):
         m.set(name, v, "command line")
-    protect = [p for p in (profile_file, replay_file, rows_file) if p]
+    protect = [p for p in (profile_file, replay_file, rows_file, run_file) if p]
     req = CeilingRequest(model=model, gpu=gpu, rows=row_list, batch=batch, context=context, weight_dtype=weight_dtype,
                          lm_head_dtype=lm_head_dtype, kv_dtype=kv_dtype, drafter=drafter, draft_rows=draft_rows,
                          draft_passes=draft_passes, flops_fraction=flops_fraction, bw_fraction=bw_fraction,
                          policy=policy, measurements=m,
                          profile=read_profile(profile_file) if profile_file else None,
                          replay=read_replay(replay_file) if replay_file else None,
-                         rows_probe=read_rows_probe(rows_file) if rows_file else None)
+                         rows_probe=read_rows_probe(rows_file) if rows_file else None,
+                         run=read_run(run_file) if run_file else None)
     res = compute_ceiling(req)
     emit(_report(res), fmt, out, protect=protect)
     return 0

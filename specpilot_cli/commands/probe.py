@@ -21,10 +21,10 @@ def command():
 
 
 @command.command("rows")
-@engine_options(only=PROBE_OPTIONS, spec_option=False, defaults={"device": None, "decode": "layers"},
+@engine_options(only=PROBE_OPTIONS, spec_option=False, defaults={"device": None},
                 default_texts={"device": "cuda when available", "threads": "torch's choice"},
-                help_texts={"decode": "One-row steps (N = 1) as in run --decode (fused: cuda, dense models); the "
-                                      "default measures the layer modules at every N."})
+                help_texts={"decode": "Steps of 1..64 rows as in run --decode (fused: cuda, dense models); auto "
+                                      "times what run takes, so T_AR is the AR step the engine runs."})
 @click.option("--rows", "rows_text", default="1,2,4,8,16,32,64", show_default=True,
               help="Row counts N; '1,2,4,...,256' continues a doubling series.")
 @click.option("--context", type=int, default=1024, show_default=True, help="Committed tokens in the KV cache.")
@@ -32,9 +32,11 @@ def command():
 @click.option("--warmup", type=int, default=5, show_default=True)
 @output_options
 def rows(rows_text, context, reps, warmup, fmt, out, **kw):
-    """T_step(N) for N verification rows and c(N) = T_step(N) / T_step(1) (JSON for ``ceiling --rows-probe``).
+    """T_step(N) for N verification rows and c(N) = T_step(N) / T_AR (JSON for ``ceiling --rows-probe``).
 
-    On a GPU each N is a CUDA graph timed with CUDA events (median); on the CPU a wall clock.
+    T_AR is the AR step the engine runs for these options (ar_path: fused or layers); a warning
+    says when a faster AR step exists. On a GPU each N is a CUDA graph timed with CUDA events
+    (median); on the CPU a wall clock.
     """
     from specpilot.engine.rows import default_device, probe_rows
     from specpilot.options import parse_int_list
@@ -51,8 +53,11 @@ def rows(rows_text, context, reps, warmup, fmt, out, **kw):
     w12 = res.extra["w12"]
     hw = res.gpu or f"CPU {res.cpu}"
     label = f", W12 {w12['path']}" if w12 else ""
+    for w in res.warnings:
+        click.echo(f"specpilot: warning: {w}", err=True)
     emit(Report(data=data, sections=[Section(f"{res.model} {res.dtype}{label}, context {context}, {hw}",
-                                             ["rows", "step ms", "c = T(N)/T(1)"],
-                                             [[p["rows"], p["step_ms"], p["c"]] for p in res.points],
-                                             note=f"{res.method} of {reps} steps")]), fmt, out)
+                                             ["rows", "step ms", "c = T(N)/T_AR", "path"],
+                                             [[p["rows"], p["step_ms"], p["c"], p["path"]] for p in res.points],
+                                             note=f"{res.method} of {reps} steps; T_AR = {res.ar_ms:.4g} ms, "
+                                                  f"the {res.ar_path} AR step")]), fmt, out)
     return 0

@@ -25,6 +25,16 @@ def _w12_label(w12: dict | None) -> str:
     return f", W12 {w12['path']}: {w12['tensors']} projections, {w12['bits_per_weight']:.3f} bits/weight"
 
 
+def _note(tokens: int, steps: int, summary: dict, info: dict, timing: dict | None) -> str:
+    note = (f"total: {tokens} tokens, {steps} passes, tau {summary['tau']:.3f}, {summary['tokens_per_s']:.1f} "
+            f"tokens/s; load {info['load_seconds']:.1f} s, warm-up {info['warmup_seconds']:.1f} s (before the "
+            "requests)")
+    if timing:
+        note += (f"\nper step: GPU {timing['gpu_ms']:.3f} ms (CUDA events), loop {timing['wall_ms']:.3f} ms, "
+                 f"outside {timing['outside_ms']:.3f} ms")
+    return note
+
+
 @click.command("run")
 @engine_options()
 @click.option("--prompt", "prompt_text", default=None, help="One prompt (text).")
@@ -105,7 +115,9 @@ def command(prompt_text, prompts_file, prompt_ids, chat, max_new_tokens, outputs
             "drafter": spec.drafter if spec.mode != "ar" else None, "nodes": spec.nodes if spec.mode == "tree" else None,
             "dtype": engine.info["dtype"], "device": spec.device, "chat": used_chat, "max_new_tokens": max_new_tokens,
             "w12": engine.info.get("w12"), "attn": engine.info.get("attn"), "head": engine.info.get("head"),
-            "decode": engine.info.get("decode"), **summary, "results": results}
+            "decode": engine.info.get("decode"), "load_seconds": engine.info["load_seconds"],
+            "warmup_seconds": engine.info["warmup_seconds"], **summary, "step_timing": run.step_timing(),
+            "results": results}
     if len(results) == 1:
         data.update({k: results[0][k] for k in ("prompt_ids", "output_ids", "text")})
     rows = [[r["id"], r["tokens"], r["steps"], r["tau"], r["tokens_per_s"], r["decode_tokens_per_s"], r["stop"]]
@@ -119,7 +131,6 @@ def command(prompt_text, prompts_file, prompt_ids, chat, max_new_tokens, outputs
                     sections=[Section(f"{engine.model_name} {spec.mode} ({engine.info['dtype']}, {spec.device}"
                                       f"{_w12_label(engine.info.get('w12'))})",
                                       ["id", "tokens", "steps", "tau", "tokens/s", "decode tok/s", "stop"], rows,
-                                      note=f"total: {tokens} tokens, {steps} passes, tau {summary['tau']:.3f}, "
-                                           f"{summary['tokens_per_s']:.1f} tokens/s")])
+                                      note=_note(tokens, steps, summary, engine.info, run.step_timing()))])
     emit(report, fmt, out, protect=inputs)
     return 0

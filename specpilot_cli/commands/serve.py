@@ -52,7 +52,8 @@ def command(host, port, log_requests, fmt, out, **kw):
         for s in (signal.SIGTERM, signal.SIGINT):
             old[s] = signal.signal(s, _stop)
     click.echo(f"specpilot serve: {engine.model_name} {spec.mode} on http://{host}:{srv.server_address[1]} "
-               f"({engine.info['dtype']}, {spec.device}); {spec}", err=True)
+               f"({engine.info['dtype']}, {spec.device}; load {engine.info['load_seconds']:.1f} s, warm-up "
+               f"{engine.info['warmup_seconds']:.1f} s); {spec}", err=True)
     try:
         srv.serve_forever(poll_interval=0.2)
     finally:

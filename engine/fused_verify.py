@@ -1,0 +1,73 @@
+"""Steps of 2..64 rows (chain and tree verification, short prefills) through fused kernels
+(``decode=fused``, the default on CUDA where it applies; :mod:`.fused_decode` takes one row).
+
+A dense layer is four GEMMs (cuBLAS for bf16 weights, the routed W12 GEMM ``w12_linear`` with
+``w12=1``) and one kernel between two GEMMs (:mod:`specpilot.kernels.verify.rows`), ten kernels
+instead of the layer modules' forty:
+
+1. RMSNorm of the rows (fused into the previous layer's last kernel), q/k/v GEMM;
+2. RoPE of q and k at each row's position, K/V into the cache at each row's slot, q out;
+3. the split-KV attention over the cache under the step's mask (the committed prefix plus, in a
+   tree, each row's ancestors; tiles no row attends are skipped, so a CUDA graph over the static
+   cache reads only the live context): ``kernels/attention``, two kernels;
+4. o GEMM, then the residual add and the MLP's RMSNorm in one kernel;
+5. gate/up GEMM, ``silu(gate) * up``, down GEMM;
+6. the residual add and the next layer's RMSNorm (after the last layer: the model's final norm).
+
+Then the LM head (cuBLAS) and the rows' argmax (two kernels). The small kernels and the attention
+are launched with programmatic dependent launch. The arithmetic is the layers' (each kernel rounds
+where ``engine/model.py`` rounds, the GEMMs are the same cuBLAS calls); RMSNorm sums its squares
+in another order. On Llama-3.1-8B shapes (H200) this is the fastest verify step measured here:
+the GEMMs stay near cuBLAS's flat cost from 1 to 64 rows, which fused tensor-core projections in
+Triton did not reach (``lab/verify/gemm.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+MAX_ROWS = 64
+
+
+def takes(model, rows: int) -> bool:
+    """Whether a step of ``rows`` rows runs here (``decode=fused`` and 2..64 rows)."""
+    return model.fused_decode and 1 < rows <= MAX_ROWS
+
+
+def _linear(h, lin):
+    kp = getattr(lin, "kp", None)
+    if kp is not None:
+        from specpilot.kernels.w12.routing import w12_linear
+
+        return w12_linear(h, kp)
+    return F.linear(h, lin.weight)
+
+
+def _attend(m, q, inp, kv_len):
+    from specpilot.kernels.attention.decode import masked_gqa_attention
+    from specpilot.kernels.verify import common
+
+    return masked_gqa_attention(q.view(q.shape[0], m.nh, m.hd), m.k_cache[0, :, :kv_len], m.v_cache[0, :, :kv_len],
+                                inp.mask[:, :kv_len], m.hd ** -0.5, pdl=common.USE_PDL)
+
+
+def hidden_rows(model, x: torch.Tensor, inp, kv_len: int, layers: int | None = None) -> torch.Tensor:
+    """The final-normed hidden rows [T, hidden] of the step ``inp`` (``x``: its embedded tokens)
+    through the first ``layers`` layers (all by default)."""
+    from specpilot.kernels.verify import rows as R
+
+    blocks = model.layers[:layers]
+    eps = model.spec.rms_norm_eps
+    if not blocks:
+        return R.rms_norm_rows(x, model.norm, eps)
+    h = R.rms_norm_rows(x, blocks[0].attn_norm, blocks[0].eps)
+    for i, blk in enumerate(blocks):
+        m = blk.mixer
+        q = R.rope_store_rows(_linear(h, m.wqkv), model.cos, model.sin, inp.pos, inp.slots, m.k_cache[0],
+                              m.v_cache[0], m.nh, m.nkv)
+        x, h = R.add_rms_norm_rows(x, _linear(_attend(m, q, inp, kv_len), m.wo), blk.mlp_norm, blk.eps)
+        d = _linear(R.silu_mul_rows(_linear(h, blk.w13), blk.inter), blk.w2)
+        nxt = blocks[i + 1] if i + 1 < len(blocks) else None
+        x, h = R.add_rms_norm_rows(x, d, nxt.attn_norm if nxt else model.norm, nxt.eps if nxt else eps)
+    return h

@@ -1,0 +1,48 @@
+"""Plain torch references of the multi-row step kernels (:mod:`.rows`): the engine's layer code
+(``engine/model.py``) for the step's rows, rounding where it rounds.
+
+Rows are the step's tokens ``x`` [T, K]; ``pos`` and ``slots`` are [T] device tensors (each row
+its own RoPE position and cache slot).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
+    """The layer's ``rms_norm`` per row: ``gamma * bf16(x * rsqrt(mean(x^2) + eps))``."""
+    xf = x.float()
+    return gamma * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, y: torch.Tensor, gamma: torch.Tensor, eps: float):
+    """``x + y`` (the residual add after a projection) and ``rms_norm`` of the sum: (sum, normed)."""
+    s = x + y
+    return s, rms_norm(s, gamma, eps)
+
+
+def rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of ``t`` [T, heads, hd] at each row's position (``apply_rope``'s roundings)."""
+    hd = t.shape[-1]
+    c, s = cos[pos][:, None, :].to(t.dtype), sin[pos][:, None, :].to(t.dtype)
+    t1, t2 = t[..., : hd // 2], t[..., hd // 2:]
+    return t * c + torch.cat([-t2, t1], -1) * s
+
+
+def rope_store(qkv, cos, sin, pos, slots, k_cache, v_cache, nh: int, nkv: int) -> torch.Tensor:
+    """q/k/v rows [T, (nh + 2 nkv) hd]: RoPE of q and k, K and V written to the caches [nkv, S, hd]
+    at ``slots``; returns q [T, nh * hd]."""
+    hd = k_cache.shape[-1]
+    T = qkv.shape[0]
+    q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], -1)
+    k_cache[:, slots] = rope(k.reshape(T, nkv, hd), cos, sin, pos).transpose(0, 1)
+    v_cache[:, slots] = v.reshape(T, nkv, hd).transpose(0, 1)
+    return rope(q.reshape(T, nh, hd), cos, sin, pos).reshape(T, nh * hd)
+
+
+def silu_mul(gu: torch.Tensor, inter: int) -> torch.Tensor:
+    """``silu(gate) * up`` of gate/up rows [T, 2 inter] (gate first)."""
+    gate, up = gu.split([inter, inter], -1)
+    return F.silu(gate) * up

@@ -1,0 +1,177 @@
+"""The multi-row step's small kernels, one per step between two GEMMs, rounding like the layers.
+
+Where a layer's projections run as separate GEMMs (cuBLAS, or the W12 GEMM ``w12_linear``), the
+work between two GEMMs is one kernel each, not the layer modules' five to ten:
+
+* :func:`rms_norm_rows`: RMSNorm of every row (the model's final norm, and a layer's first one);
+* :func:`add_rms_norm_rows`: the residual add after a projection and the next RMSNorm;
+* :func:`rope_store_rows`: RoPE of q and k at each row's position, K and V into the caches at
+  each row's slot, q written out (the layer's split, two RoPEs and the cache write);
+* :func:`silu_mul_rows`: ``silu(gate) * up``.
+
+Each rounds where ``engine/model.py`` rounds (:mod:`.naive` is that arithmetic); RMSNorm sums
+the squares in another order and ``exp`` is the GPU's, so results agree to the last bits. Launched with programmatic dependent launch like the fused
+chain (they read nothing the previous kernel writes before ``gdc_wait``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specpilot.kernels.triton_env import pdl_args, tl, triton
+from specpilot.kernels.verify import common
+
+if triton is not None:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    @triton.jit
+    def _norm(xf, g_ptr, k, K, eps, dt: tl.constexpr):
+        """``rms_norm`` of one row in fp32 registers (``xf`` [XP], zero past K)."""
+        rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / K + eps)
+        g = tl.load(g_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+        return (g * (xf * rstd).to(dt).to(tl.float32)).to(dt)
+
+    @triton.jit
+    def _rms_norm_rows_kernel(x_ptr, g_ptr, y_ptr, K, stride_x, stride_y, eps, XP: tl.constexpr, PDL: tl.constexpr):
+        t = tl.program_id(0)
+        if PDL:
+            gdc_launch_dependents()
+            gdc_wait()
+        k = tl.arange(0, XP)
+        xf = tl.load(x_ptr + t * stride_x + k, mask=k < K, other=0.0).to(tl.float32)
+        tl.store(y_ptr + t * stride_y + k, _norm(xf, g_ptr, k, K, eps, y_ptr.dtype.element_ty), mask=k < K)
+
+    @triton.jit
+    def _add_rms_norm_rows_kernel(x_ptr, d_ptr, g_ptr, s_ptr, y_ptr, K, stride_x, stride_d, stride_s, stride_y, eps,
+                                  XP: tl.constexpr, PDL: tl.constexpr):
+        t = tl.program_id(0)
+        if PDL:
+            gdc_launch_dependents()
+            gdc_wait()
+        k = tl.arange(0, XP)
+        dt = s_ptr.dtype.element_ty
+        xv = tl.load(x_ptr + t * stride_x + k, mask=k < K, other=0.0).to(tl.float32)
+        dv = tl.load(d_ptr + t * stride_d + k, mask=k < K, other=0.0).to(tl.float32)
+        s = (xv + dv).to(dt)
+        tl.store(s_ptr + t * stride_s + k, s, mask=k < K)
+        tl.store(y_ptr + t * stride_y + k, _norm(s.to(tl.float32), g_ptr, k, K, eps, dt), mask=k < K)
+
+    @triton.jit
+    def _rope_store_rows_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr,
+                                stride_t, stride_q, stride_rot, stride_ch, stride_cs, stride_dh, stride_ds, NH, NKV,
+                                HD: tl.constexpr, PDL: tl.constexpr):
+        t = tl.program_id(0)
+        h = tl.program_id(1)
+        if PDL:
+            gdc_launch_dependents()
+            gdc_wait()
+        HALF: tl.constexpr = HD // 2
+        d = tl.arange(0, HALF)
+        dt = q_ptr.dtype.element_ty
+        a = tl.load(qkv_ptr + t * stride_t + h * HD + d)
+        b = tl.load(qkv_ptr + t * stride_t + h * HD + d + HALF)
+        if h < NH + NKV:
+            pos = tl.load(pos_ptr + t)
+            c1 = tl.load(cos_ptr + pos * stride_rot + d).to(dt).to(tl.float32)
+            c2 = tl.load(cos_ptr + pos * stride_rot + d + HALF).to(dt).to(tl.float32)
+            s1 = tl.load(sin_ptr + pos * stride_rot + d).to(dt).to(tl.float32)
+            s2 = tl.load(sin_ptr + pos * stride_rot + d + HALF).to(dt).to(tl.float32)
+            af = a.to(tl.float32)
+            bf = b.to(tl.float32)
+            ra = ((af * c1).to(dt).to(tl.float32) + (-bf * s1).to(dt).to(tl.float32)).to(dt)
+            rb = ((bf * c2).to(dt).to(tl.float32) + (af * s2).to(dt).to(tl.float32)).to(dt)
+            if h < NH:
+                tl.store(q_ptr + t * stride_q + h * HD + d, ra)
+                tl.store(q_ptr + t * stride_q + h * HD + d + HALF, rb)
+            else:
+                slot = tl.load(slot_ptr + t)
+                base = kc_ptr + (h - NH) * stride_ch + slot * stride_cs
+                tl.store(base + d, ra)
+                tl.store(base + d + HALF, rb)
+        else:
+            slot = tl.load(slot_ptr + t)
+            base = vc_ptr + (h - NH - NKV) * stride_dh + slot * stride_ds
+            tl.store(base + d, a)
+            tl.store(base + d + HALF, b)
+
+    @triton.jit
+    def _silu_mul_rows_kernel(gu_ptr, y_ptr, INTER, stride_g, stride_y, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        t = tl.program_id(0)
+        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        if PDL:
+            gdc_launch_dependents()
+            gdc_wait()
+        dt = y_ptr.dtype.element_ty
+        g = tl.load(gu_ptr + t * stride_g + c, mask=c < INTER, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + t * stride_g + INTER + c, mask=c < INTER, other=0.0).to(tl.float32)
+        s = (g / (1.0 + tl.exp(-g))).to(dt)
+        tl.store(y_ptr + t * stride_y + c, (s.to(tl.float32) * u).to(dt), mask=c < INTER)
+
+
+def _rows(x: torch.Tensor, name: str = "x") -> None:
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(f"{name}: rows [T, K] contiguous in K expected, got {tuple(x.shape)}")
+
+
+def _warps(K: int) -> int:
+    return 4 if K <= 4096 else 8
+
+
+def rms_norm_rows(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
+    """``rms_norm`` of every row of x [T, K]."""
+    _rows(x)
+    T, K = x.shape
+    y = torch.empty_like(x)
+    _rms_norm_rows_kernel[(T,)](x, gamma, y, K, x.stride(0), y.stride(0), float(eps), XP=triton.next_power_of_2(K),
+                                num_warps=_warps(K), **pdl_args(common.USE_PDL, x))
+    return y
+
+
+def add_rms_norm_rows(x: torch.Tensor, delta: torch.Tensor, gamma: torch.Tensor, eps: float):
+    """``s = x + delta`` (each row) and ``rms_norm(s)``: returns (s, normed)."""
+    _rows(x)
+    _rows(delta, "delta")
+    if delta.shape != x.shape:
+        raise ValueError(f"delta {tuple(delta.shape)} does not match x {tuple(x.shape)}")
+    T, K = x.shape
+    s, y = torch.empty_like(x), torch.empty_like(x)
+    _add_rms_norm_rows_kernel[(T,)](x, delta, gamma, s, y, K, x.stride(0), delta.stride(0), s.stride(0), y.stride(0),
+                                    float(eps), XP=triton.next_power_of_2(K), num_warps=_warps(K),
+                                    **pdl_args(common.USE_PDL, x))
+    return s, y
+
+
+def rope_store_rows(qkv: torch.Tensor, cos, sin, pos, slots, k_cache, v_cache, nh: int, nkv: int) -> torch.Tensor:
+    """q/k/v rows [T, (nh + 2 nkv) hd] -> q [T, nh * hd] with RoPE at ``pos`` [T]; K (RoPE) and V
+    written to the caches [nkv, S, hd] at ``slots`` [T]."""
+    _rows(qkv, "qkv")
+    T, N = qkv.shape
+    hd = k_cache.shape[-1]
+    if N != (nh + 2 * nkv) * hd or hd & (hd - 1) or hd < 2:
+        raise ValueError(f"qkv must have (nh + 2 nkv) * hd columns, hd a power of two (got {N}, nh={nh}, "
+                         f"nkv={nkv}, hd={hd})")
+    if pos.shape != (T,) or slots.shape != (T,):
+        raise ValueError(f"pos and slots must be [{T}]")
+    if cos.shape[-1] != hd or cos.stride(-1) != 1 or sin.stride() != cos.stride():
+        raise ValueError("RoPE tables must be [positions, head_dim], contiguous (partial rotary is not fused)")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("caches must be contiguous in head_dim")
+    q = torch.empty(T, nh * hd, dtype=qkv.dtype, device=qkv.device)
+    _rope_store_rows_kernel[(T, nh + 2 * nkv)](
+        qkv, cos, sin, pos, slots, q, k_cache, v_cache, qkv.stride(0), q.stride(0), cos.stride(0),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), nh, nkv, HD=hd, num_warps=1,
+        **pdl_args(common.USE_PDL, qkv))
+    return q
+
+
+def silu_mul_rows(gu: torch.Tensor, inter: int) -> torch.Tensor:
+    """``silu(gate) * up`` of rows [T, 2 inter] (gate columns first): [T, inter]."""
+    _rows(gu, "gu")
+    T, N = gu.shape
+    if N != 2 * inter:
+        raise ValueError(f"gate/up rows must have 2 * inter = {2 * inter} columns, got {N}")
+    y = torch.empty(T, inter, dtype=gu.dtype, device=gu.device)
+    block = 1024
+    _silu_mul_rows_kernel[(T, triton.cdiv(inter, block))](gu, y, inter, gu.stride(0), y.stride(0), BLOCK=block,
+                                                         num_warps=4, **pdl_args(common.USE_PDL, gu))
+    return y

@@ -1,0 +1,287 @@
+"""The multi-row step kernels (kernels/verify, the rows' argmax) against their plain references,
+and the engine's steps of 2..64 rows through them (decode=fused).
+
+On the CPU the Triton kernels run under the interpreter at tiny shapes; ``-m gpu`` runs them on
+CUDA at Llama-3.1-8B shapes and checks that a captured verify step gives the same bits as eager,
+with or without programmatic dependent launch, for bf16 and W12 weights."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from specpilot.kernels.decode.argmax import argmax_rows  # noqa: E402
+from specpilot.kernels.verify import common  # noqa: E402
+from specpilot.kernels.verify import naive as R  # noqa: E402
+from specpilot.kernels.verify import rows as W  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def _rope_tables(hd, n):
+    inv = 1 / (10000 ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    emb = torch.cat([torch.outer(torch.arange(n, dtype=torch.float64), inv)] * 2, -1).float()
+    return emb.cos().to(DEV), emb.sin().to(DEV)
+
+
+def _close(a, b, dt):
+    assert a.shape == b.shape and a.dtype == b.dtype
+    torch.testing.assert_close(a.float(), b.float(), atol=TOL[dt], rtol=TOL[dt])
+
+
+def _inputs(dt, T, K=80, seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*s, scale=1.0):
+        return (torch.randn(*s, generator=g) * scale).to(dt).to(DEV)
+
+    gamma = (torch.rand(K, generator=g) + 0.5).to(dt).to(DEV)
+    return g, rnd, rnd(T, K), gamma
+
+
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+def test_small_row_kernels_round_like_the_layers(dt):
+    """Each kernel against the layer arithmetic it replaces (to the last bits: the sum of squares'
+    order, ``exp``, and the interpreter's bf16 casts differ), and only the rows' slots written."""
+    T = 5
+    g, rnd, x, gamma = _inputs(dt, T, K=96, seed=2)
+    _close(W.rms_norm_rows(x, gamma, 1e-5), R.rms_norm(x, gamma, 1e-5), dt)
+    d = rnd(T, 96)
+    s, h = W.add_rms_norm_rows(x, d, gamma, 1e-5)
+    s2, h2 = R.add_rms_norm(x, d, gamma, 1e-5)
+    _close(s, s2, dt)
+    _close(h, h2, dt)
+    gu = rnd(T, 2 * 40)
+    _close(W.silu_mul_rows(gu, 40), R.silu_mul(gu, 40), dt)
+
+    nh, nkv, hd, S = 4, 2, 16, 24
+    qkv = rnd(T, (nh + 2 * nkv) * hd)
+    cos, sin = _rope_tables(hd, 32)
+    pos = torch.tensor([3, 9, 9, 10, 31], device=DEV)
+    slots = torch.tensor([5, 6, 7, 8, 9], device=DEV)
+    kc, vc = rnd(nkv, S, hd), rnd(nkv, S, hd)
+    kc2, vc2 = kc.clone(), vc.clone()
+    kc0 = kc.clone()
+    q = W.rope_store_rows(qkv, cos, sin, pos, slots, kc, vc, nh, nkv)
+    q2 = R.rope_store(qkv, cos, sin, pos, slots, kc2, vc2, nh, nkv)
+    _close(q, q2, dt)
+    _close(kc, kc2, dt)
+    assert torch.equal(vc, vc2)                       # V is copied, not computed
+    assert torch.equal(kc[:, 10:], kc0[:, 10:]) and torch.equal(kc[:, :5], kc0[:, :5])
+    # the reference is the layer's own RoPE (engine/model.py apply_rope)
+    from specpilot.engine.model import apply_rope
+
+    assert torch.equal(q2.view(T, nh, hd), apply_rope(qkv[:, :nh * hd].reshape(T, nh, hd), cos[pos], sin[pos]))
+
+
+def test_argmax_rows_is_torch_argmax():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 2500, generator=g)
+    x[1, 2000] = x[1, 7] = 50.0          # a tie: the lowest index
+    x[2, 1500] = float("nan")            # the first NaN wins
+    x[3] = float("-inf")
+    x = x.to(DEV)
+    assert argmax_rows(x).tolist() == x.argmax(-1).tolist()
+    assert argmax_rows(x.to(torch.bfloat16)).tolist() == x.to(torch.bfloat16).argmax(-1).tolist()
+
+
+def test_shape_errors():
+    with pytest.raises(ValueError, match="2 \\* inter"):
+        W.silu_mul_rows(torch.zeros(3, 30, device=DEV), 16)
+    with pytest.raises(ValueError, match="does not match"):
+        W.add_rms_norm_rows(torch.zeros(3, 16, device=DEV), torch.zeros(2, 16, device=DEV), torch.ones(16, device=DEV), 1e-5)
+    with pytest.raises(ValueError, match="columns"):
+        W.rope_store_rows(torch.zeros(3, 100, device=DEV), *_rope_tables(16, 8), torch.zeros(3, dtype=torch.long),
+                          torch.zeros(3, dtype=torch.long), torch.zeros(2, 8, 16), torch.zeros(2, 8, 16), 4, 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# the engine's steps of 2..64 rows (decode=fused)
+# ---------------------------------------------------------------------------------------------
+
+def _tree_step(m, n, ctx, T, dev):
+    """A tree step of T rows after a committed prefix of n tokens: rows 1.. form two branches."""
+    parents = [-1] + [0] + [(i - 1) if i % 2 else max(0, i - 2) for i in range(2, T)]
+    depth = [0] * T
+    for i in range(1, T):
+        depth[i] = depth[parents[i]] + 1
+    mask = torch.zeros(T, ctx, dtype=torch.bool)
+    mask[:, :n] = True
+    for i in range(T):
+        j = i
+        while j >= 0:
+            mask[i, n + j] = True
+            j = parents[j]
+    from specpilot.engine.model import StepInput
+
+    return StepInput(torch.arange(40, 40 + T, device=dev), torch.tensor([n + d for d in depth], device=dev),
+                     n + torch.arange(T, device=dev), mask.to(dev), "seq")
+
+
+def test_engine_verify_step_matches_the_layers():
+    """A tree step of 9 rows through the fused kernels against the layer modules: logits and the
+    K/V written agree (fp32, tiny model; CPU: Triton's interpreter)."""
+    from specpilot.engine import fused_verify
+    from specpilot.engine.api import load_engine
+    from specpilot.engine.model import StepInput
+
+    ctx = 64
+    m = load_engine(f"engine:model=tiny,mode=ar,ctx={ctx},device={DEV},dtype=float32,graphs=0,decode=layers").model
+    n = 11
+    pos = torch.arange(n, device=DEV)
+    m.forward(StepInput(torch.arange(60, 60 + n, device=DEV), pos, pos,
+                        torch.arange(ctx, device=DEV)[None, :] <= pos[:, None], "seq"), kv_len=ctx)
+    step = _tree_step(m, n, ctx, 9, DEV)
+    ref = m.forward(step, kv_len=ctx)
+    kv_ref = [(blk.mixer.k_cache[0, :, n:n + 9].clone(), blk.mixer.v_cache[0, :, n:n + 9].clone()) for blk in m.layers]
+    for blk in m.layers:
+        blk.mixer.k_cache[0, :, n:] = 0
+        blk.mixer.v_cache[0, :, n:] = 0
+    assert m.set_decode("fused") == "fused" and fused_verify.takes(m, 9)
+    got = m.forward(step, kv_len=ctx)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
+    for blk, (k, v) in zip(m.layers, kv_ref):
+        torch.testing.assert_close(blk.mixer.k_cache[0, :, n:n + 9], k, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(blk.mixer.v_cache[0, :, n:n + 9], v, atol=2e-5, rtol=2e-5)
+    assert torch.equal(m.greedy(step, kv_len=ctx), ref.argmax(-1))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the W12 GEMM takes 30 s in the interpreter)")
+def test_gpu_engine_w12_verify_step_matches_the_layers():
+    """W12 projections: a 5-row tree step through the fused path against the W12 layer modules (bf16)."""
+    from specpilot.engine import w12_loader as ew
+    from specpilot.engine.api import build_model
+    from specpilot.engine.model import StepInput
+
+    ctx = 32
+    m, _, _ = build_model("tiny", True, torch.bfloat16, DEV, ctx)
+    ew.convert_engine_model(m, fused=True)
+    n = 4
+    pos = torch.arange(n, device=DEV)
+    m.forward(StepInput(torch.arange(60, 60 + n, device=DEV), pos, pos,
+                        torch.arange(ctx, device=DEV)[None, :] <= pos[:, None], "seq"), kv_len=ctx)
+    step = _tree_step(m, n, ctx, 5, DEV)
+    ref = m.forward(step, kv_len=ctx).float()
+    assert m.set_decode("fused") == "fused"
+    got = m.forward(step, kv_len=ctx).float()
+    assert (got - ref).abs().max() < 0.05 * ref.abs().max()
+
+
+class _EagerRunner:
+    """The graph runner's contract without graphs: the decoder pads steps to a bucket as on CUDA."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def run(self, tokens, pos, slots, mask):
+        from specpilot.engine.model import StepInput
+
+        return self.model.greedy(StepInput(tokens, pos, slots, mask, "seq"), kv_len=self.model.max_seq)
+
+    def ar_step(self, token, n_cache):
+        from specpilot.engine.model import StepInput
+
+        dev = self.model.device
+        one = StepInput(torch.tensor([token], device=dev), torch.tensor([n_cache], device=dev),
+                        torch.tensor([n_cache], device=dev),
+                        (torch.arange(self.model.max_seq, device=dev) <= n_cache)[None], "seq")
+        return int(self.model.greedy(one, kv_len=self.model.max_seq)[0])
+
+
+def test_decoder_padded_fused_verify_steps_equal_ar():
+    """Tree generation with every step of the fused kernels (verify steps padded to a bucket as the
+    CUDA graphs pad them) gives AR's tokens (fp32, tiny model; chain steps are chain-shaped trees)."""
+    from specpilot.engine.api import load_engine
+
+    prompt = list(b"abcabcabc abcabc")
+    spec = f"engine:model=tiny,ctx=96,device={DEV},dtype=float32,graphs=0,decode=layers"
+    ar = load_engine(spec + ",mode=ar").generate(prompt, 10).output_ids
+    e = load_engine(spec + ",mode=tree,nodes=6,depth=3,topk=2")
+    e.model.set_decode("fused")
+    e.decoder.runner = _EagerRunner(e.model)
+    r = e.generate(prompt, 10)
+    assert r.output_ids == ar and r.steps < 9
+
+
+# ---------------------------------------------------------------------------------------------
+# on the GPU
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("T", [2, 33, 64])
+def test_gpu_row_kernels_at_llama_shapes(T):
+    """The small kernels at Llama-3.1-8B shapes (bf16) against the references, and the rows' argmax."""
+    g = torch.Generator().manual_seed(T)
+    dt = torch.bfloat16
+
+    def rnd(*s, scale=1.0):
+        return (torch.randn(*s, generator=g) * scale).to(dt).cuda()
+
+    x, d, gamma = rnd(T, 4096), rnd(T, 4096), (torch.rand(4096, generator=g) + 0.5).to(dt).cuda()
+    s, h = W.add_rms_norm_rows(x, d, gamma, 1e-5)
+    s2, h2 = R.add_rms_norm(x, d, gamma, 1e-5)
+    assert torch.equal(s, s2)
+    _close(h, h2, dt)
+    _close(W.rms_norm_rows(x, gamma, 1e-5), R.rms_norm(x, gamma, 1e-5), dt)
+    gu = rnd(T, 2 * 14336)
+    _close(W.silu_mul_rows(gu, 14336), R.silu_mul(gu, 14336), dt)
+    nh, nkv, hd, S = 32, 8, 128, 256
+    cos, sin = _rope_tables(hd, 2048)
+    pos = torch.randint(0, 2048, (T,), generator=g).cuda()
+    slots = torch.randperm(S, generator=g)[:T].cuda()
+    kc, vc = rnd(nkv, S, hd), rnd(nkv, S, hd)
+    kc2, vc2 = kc.clone(), vc.clone()
+    qkv = rnd(T, (nh + 2 * nkv) * hd)
+    _close(W.rope_store_rows(qkv, cos, sin, pos, slots, kc, vc, nh, nkv),
+           R.rope_store(qkv, cos, sin, pos, slots, kc2, vc2, nh, nkv), dt)
+    _close(kc, kc2, dt)
+    assert torch.equal(vc, vc2)
+    logits = rnd(T, 128256)
+    assert torch.equal(argmax_rows(logits), logits.argmax(-1))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("weights", ["dtype=bfloat16", "w12=1"])
+def test_gpu_verify_step_graph_equals_eager_with_and_without_pdl(weights, monkeypatch):
+    """A 9-row tree step through the fused kernels (bf16 and W12 weights): the captured graph gives
+    the eager step's bits, with programmatic dependent launch and without, replay after replay."""
+    from specpilot.engine.api import load_engine
+    from specpilot.engine.model import StepInput
+
+    outs = {}
+    for pdl in (False, True):
+        monkeypatch.setattr(common, "USE_PDL", pdl)
+        m = load_engine(f"engine:model=tiny,mode=ar,ctx=64,device=cuda,{weights},graphs=0").model
+        assert m.fused_decode
+        n = 11
+        pos = torch.arange(n, device="cuda")
+        m.forward(StepInput(torch.arange(60, 60 + n, device="cuda"), pos, pos,
+                            torch.arange(64, device="cuda")[None, :] <= pos[:, None], "seq"), kv_len=64)
+        step = _tree_step(m, n, 64, 9, "cuda")
+        eager = m.hidden(step, 64).clone()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            m.hidden(step, 64)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            h = m.hidden(step, 64)
+        got = []
+        for _ in range(3):
+            graph.replay()
+            got.append(h.clone())
+        assert all(torch.equal(x, eager) for x in got)
+        outs[pdl] = eager
+    assert torch.equal(outs[True], outs[False])
