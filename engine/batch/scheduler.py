@@ -34,6 +34,7 @@ from specpilot.engine.batch.drafting import BatchDrafting
 from specpilot.engine.batch.requests import Request
 from specpilot.engine.batch.step import Rows, assemble, prefill_rows, verify_rows
 from specpilot.engine.decode import GenerationResult
+from specpilot.engine.metrics import STEP_BUCKETS, Histogram
 from specpilot.errors import InputError
 from specpilot.kernels import tree as treelib
 from specpilot.kernels.gdn.path import row_paths
@@ -59,7 +60,7 @@ class BatchStats:
     accepted: int = 0            # draft tokens accepted
     tokens: int = 0              # tokens delivered
     step_seconds: float = 0.0
-    step_times: list = field(default_factory=list)  # recent step seconds (bounded)
+    step_hist: Histogram = field(default_factory=lambda: Histogram(STEP_BUCKETS))   # seconds per step
     finished: dict = field(default_factory=dict)    # finish type -> count
 
     def tau(self) -> float | None:
@@ -259,9 +260,7 @@ class BatchDecoder:
                 self._prefill_pass(left_out)
         dt = time.perf_counter() - t0
         self.stats.step_seconds += dt
-        self.stats.step_times.append(dt)
-        if len(self.stats.step_times) > 4096:
-            del self.stats.step_times[:2048]
+        self.stats.step_hist.observe(dt)
         for r in [r for r in self.running if r.done and r.tail <= 0]:
             self._finish_lattice(r)
             self._release(r)
