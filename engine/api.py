@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -111,6 +112,7 @@ class Engine:
                         stop_ids=frozenset(self.eos_ids), eos_ids=frozenset(self.eos_ids),
                         record_lattice=record_lattice) for pr in prompts]
         dec = self.batch_decoder()
+        t0 = time.perf_counter()
         bar = None
         if progress is not None:
             bar = progress(None, total=len(reqs), desc="run", unit="prompt")
@@ -127,7 +129,7 @@ class Engine:
                                 "prefill_seconds": res.prefill_seconds, "tokens_per_s": res.tokens_per_second,
                                 "decode_tokens_per_s": res.decode_tokens_per_second, "stop": res.stop_reason})
         out.batch = {"batch": dec.batch, "budget": self.spec.budget, "block": self.spec.block,
-                     "admit": self.spec.admit, **batch_stats(dec)}
+                     "admit": self.spec.admit, "seconds": time.perf_counter() - t0, **batch_stats(dec)}
         return out
 
     def encode(self, text: str, chat: bool = False) -> list[int]:

@@ -18,7 +18,8 @@ from specpilot.output import Report, Section, emit, output_options
 @click.option("--fp8-flops", type=float, metavar="TFLOP/S", help="Measured dense fp8 TFLOP/s.")
 @click.option("--rows", default="1", show_default=True, metavar="N[,N...]",
               help="Rows verified per request per step, e.g. 1,8,32,64 or 1,2,4,...,256.")
-@click.option("--batch", default=1, show_default=True, type=int, help="Requests per step.")
+@click.option("--batch", default=1, show_default=True, type=int,
+              help="Requests per step (a --rows-probe must be from probe rows --batch with the same B).")
 @click.option("--context", default=2048, show_default=True, type=int, help="Committed context tokens per request.")
 @click.option("--weight-dtype", type=click.Choice(WEIGHT_DTYPES), default="bf16", show_default=True,
               help="Storage of projection and expert weights (w12 = 12.02 bits/weight).")
@@ -90,7 +91,7 @@ def command(model_name, gpu_name, bandwidth, flops, fp8_flops, rows, batch, cont
                          policy=policy, measurements=m,
                          profile=read_profile(profile_file) if profile_file else None,
                          replay=read_replay(replay_file) if replay_file else None,
-                         rows_probe=read_rows_probe(rows_file) if rows_file else None)
+                         rows_probe=read_rows_probe(rows_file, batch=batch) if rows_file else None)
     res = compute_ceiling(req)
     emit(_report(res), fmt, out, protect=protect)
     return 0

@@ -96,7 +96,8 @@ def command(prompt_text, prompts_file, prompt_ids, chat, max_new_tokens, outputs
 
     tokens = sum(r["tokens"] for r in results)
     steps = sum(r["steps"] for r in results)
-    seconds = sum(r["seconds"] for r in results)
+    # a batched run's requests overlap: its time is the run's wall time
+    seconds = run.batch["seconds"] if run.batch else sum(r["seconds"] for r in results)
     delivered = sum(r["tokens"] - 1 for r in results)  # tokens from verification passes (not prefill)
     summary = {"requests": len(results), "tokens": tokens, "steps": steps,
                "tau": delivered / steps if steps else 1.0, "seconds": seconds,
@@ -106,6 +107,8 @@ def command(prompt_text, prompts_file, prompt_ids, chat, max_new_tokens, outputs
             "dtype": engine.info["dtype"], "device": spec.device, "chat": used_chat, "max_new_tokens": max_new_tokens,
             "w12": engine.info.get("w12"), "attn": engine.info.get("attn"), "head": engine.info.get("head"),
             "decode": engine.info.get("decode"), **summary, "results": results}
+    if run.batch:
+        data["batch"] = run.batch
     if len(results) == 1:
         data.update({k: results[0][k] for k in ("prompt_ids", "output_ids", "text")})
     rows = [[r["id"], r["tokens"], r["steps"], r["tau"], r["tokens_per_s"], r["decode_tokens_per_s"], r["stop"]]
@@ -117,7 +120,8 @@ def command(prompt_text, prompts_file, prompt_ids, chat, max_new_tokens, outputs
             lines.append(r["text"])
     report = Report(data=data, title=None, lines=[x for x in lines if x != ""] if len(results) == 1 else lines,
                     sections=[Section(f"{engine.model_name} {spec.mode} ({engine.info['dtype']}, {spec.device}"
-                                      f"{_w12_label(engine.info.get('w12'))})",
+                                      f"{_w12_label(engine.info.get('w12'))}"
+                                      f"{f', batch {spec.batch}' if spec.batch > 1 else ''})",
                                       ["id", "tokens", "steps", "tau", "tokens/s", "decode tok/s", "stop"], rows,
                                       note=f"total: {tokens} tokens, {steps} passes, tau {summary['tau']:.3f}, "
                                            f"{summary['tokens_per_s']:.1f} tokens/s")])
