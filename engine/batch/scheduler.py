@@ -329,7 +329,7 @@ class BatchDecoder:
 
     # verify steps --------------------------------------------------------------------
     def _verify_step(self, decoding: list[Request], prefilling: list[Request]) -> list[Request]:
-        m, dev = self.model, self.model.device
+        m = self.model
         B = len(decoding)
         tail = [r.done for r in decoding]   # finished requests decoding lattice targets: plain AR rows
         lats = [None] * B
