@@ -412,12 +412,17 @@ class BatchDecoder:
             trees[b] = host.request(j)
 
     def _note_accepted(self, accepted: list[tuple[int, int]]) -> None:
-        """Each verifying request's accepted draft length goes into its ring of recent lengths."""
+        """Each verifying request's accepted draft length goes into its ring of recent lengths
+        (one indexed write on the device)."""
         if not accepted:
             return
-        for slot, n in accepted:
-            self.recent[slot, self.recent_at[slot] % rules.BLOCK_WINDOW] = float(n)
-            self.recent_at[slot] += 1
+        slots = [s for s, _ in accepted]
+        cols = [self.recent_at[s] % rules.BLOCK_WINDOW for s in slots]
+        dev = self.recent.device
+        self.recent[torch.tensor(slots, device=dev), torch.tensor(cols, device=dev)] = \
+            torch.tensor([float(n) for _, n in accepted], device=dev)
+        for s in slots:
+            self.recent_at[s] += 1
 
     def _run(self, blocks: list[Rows], pblocks: list[Rows]) -> tuple[list[int], list[list[int]]]:
         """Run the step's rows; the argmax of the rows each block needs (host list) and where they are."""
