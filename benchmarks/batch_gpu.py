@@ -11,6 +11,8 @@ Llama-3.1-8B shapes with random bf16 weights, context 1024 per request (its own 
   step's host copy and sync included): tokens/s over 64 steps.
 * floors: ``ceiling``'s byte floor of one AR step of B requests at that context (the 0.90 x
   bandwidth / 0.60 x FLOP/s rule), tokens/s at the floor = B / floor.
+* admission: ``admit=off|waiting|all`` with 16 requests decoding and a 96-token prompt arriving
+  every 4 scheduler iterations: output tokens/s and time to first token.
 * lossless: a 4-layer random Llama folder (bf16, CUDA): single-request AR outputs against batched
   AR and batched tree outputs (``run --batch 8``), token agreement, and ``specpilot audit`` of the
   batched outputs against single-request AR (exit 0 = pass).
@@ -33,6 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from common import bootstrap, parse_int_list, print_table, write_results  # noqa: E402
+from serve_bench import specpilot_cmd  # noqa: E402
 
 bootstrap()
 
@@ -106,6 +109,43 @@ def loop(target, batches, n_steps=64):
     return out
 
 
+def admission(target, n_requests=48, batch=16, prompt_len=96, max_new=64) -> list[dict]:
+    """Prompt admission off / waiting / all: ``batch`` requests decoding AR, a new prompt every 4
+    scheduler iterations; output tokens/s and time to first token from submission."""
+    import torch
+
+    from specpilot.engine.batch.requests import Request
+    from specpilot.engine.batch.scheduler import BatchDecoder
+
+    m = target.model
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, m.spec.vocab_size, (prompt_len,), generator=gen).tolist() for _ in range(n_requests)]
+    out, ref = [], None
+    for admit in ("off", "waiting", "all"):
+        dec = BatchDecoder(m, "ar", None, batch=batch, graphs=True, admit=admit, admit_rows=128)
+        dec.generate_many([Request(prompts[0], 4)])          # capture and warm up
+        reqs = [Request(p, max_new, id=i, arrival_step=0 if i < batch else 4 * (i - batch + 1))
+                for i, p in enumerate(prompts)]
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        res = dec.generate_many(reqs)
+        torch.cuda.synchronize()
+        secs = time.perf_counter() - t0
+        outs = [r.output_ids for r in res]
+        ref = ref or outs
+        ttft = sorted(r.t_first - r.t_arrival for r in reqs)
+        st = dec.stats
+        out.append({"kind": "admit", "admit": admit, "batch": batch, "requests": n_requests, "seconds": secs,
+                    "tokens_per_s": sum(len(o) for o in outs) / secs, "ttft_p50_ms": ttft[len(ttft) // 2] * 1e3,
+                    "ttft_p90_ms": ttft[int(len(ttft) * 0.9)] * 1e3, "prefill_passes": st.prefill_passes,
+                    "admitted_prompt_rows": st.admitted_prompt_rows, "same_outputs_as_off": outs == ref})
+        print(f"admit={admit}: {out[-1]['tokens_per_s']:.1f} tokens/s, TTFT p50 {out[-1]['ttft_p50_ms']:.1f} ms",
+              flush=True)
+        del dec
+        torch.cuda.empty_cache()
+    return out
+
+
 def lossless(tmp: Path) -> dict:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -122,8 +162,8 @@ def lossless(tmp: Path) -> dict:
         for i in range(16):
             ids = torch.randint(0, 32000, (16 + 8 * (i % 4),), generator=gen).tolist()
             f.write(json.dumps({"schema": "specpilot.prompts/1", "id": f"p{i}", "prompt_ids": ids * 2}) + "\n")
-    cli = [sys.executable, "-m", "specpilot"]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    cli = specpilot_cmd()
+    env = dict(os.environ)
     common = ["--model", str(folder), "--device", "cuda", "--prompts", str(prompts), "--max-new-tokens", "64"]
     runs = {"ar": ["--mode", "ar"], "batch_ar": ["--mode", "ar", "--batch", "8"],
             "batch_tree": ["--mode", "tree", "--drafter", "self", "--draft-layers", "1", "--nodes", "8",
@@ -162,6 +202,7 @@ def main():
     rows = parse_int_list(args.rows, 1, 256, "batch_gpu: --rows")
     target, rows_out = steps(batches, rows)
     rows_out += loop(target, batches)
+    rows_out += admission(target)
     extra = {"model": "llama-3.1-8b (random bf16)", "context": CONTEXT}
     write_results("batch_gpu", rows_out, extra)
     del target

@@ -33,6 +33,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from chat_prompts import PROMPTS  # noqa: E402
 from common import print_table, write_results  # noqa: E402
+from serve_bench import specpilot_cmd  # noqa: E402
 
 ENGINE = "engine:model=smollm2,drafter=ngram,depth=8,topk=8,dtype=float32,ctx=512"
 
@@ -56,9 +57,8 @@ def replay(path: Path, requests: int, nodes: list[int], tmp: Path) -> list[dict]
     sub = tmp / f"lat_{requests}.jsonl"
     sub.write_text("".join(json.dumps(r) + "\n" for r in rows if int(r["request"]) < requests))
     pol = [a for n in nodes for a in ("--policy", f"best-first:{n}", "--policy", f"shared:{n}")]
-    out = subprocess.run([sys.executable, "-m", "specpilot", "replay", str(sub), *pol, "--bootstrap", "200",
-                          "--format", "json"], check=True, capture_output=True, text=True,
-                         env=dict(os.environ, PYTHONPATH=str(REPO)))
+    out = subprocess.run([*specpilot_cmd(), "replay", str(sub), *pol, "--bootstrap", "200", "--format", "json"],
+                         check=True, capture_output=True, text=True)
     doc = json.loads(out.stdout)
     tau = {p["policy"]: p for p in doc["policies"]}
     res = []

@@ -15,11 +15,18 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
+def specpilot_cmd() -> list[str]:
+    """The ``specpilot`` command for a subprocess, through ``common.bootstrap``: the installed
+    package, else the working tree's folders (the lent GPU machine runs from a plain copy)."""
+    boot = (f"import sys; sys.path.insert(0, {str(REPO / 'benchmarks')!r}); from common import bootstrap; "
+            "bootstrap(); from specpilot.cli import main; main()")
+    return [sys.executable, "-c", boot]
+
+
 class Served:
     def __init__(self, args: list[str], timeout: float = 900):
-        env = dict(os.environ, PYTHONUNBUFFERED="1",
-                   PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-        self.proc = subprocess.Popen([sys.executable, "-m", "specpilot", "serve", *args, "--port", "0",
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen([*specpilot_cmd(), "serve", *args, "--port", "0",
                                       "--format", "json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, env=env)
         self.err, self.url = [], None

@@ -58,6 +58,13 @@ def _no_constant(name):
     raise BadRequest(f"body is not valid JSON: {name} is not a JSON number")
 
 
+def _finite(text: str) -> float:
+    x = float(text)
+    if not math.isfinite(x):
+        raise BadRequest(f"body is not valid JSON for this server: the number {text[:20]} overflows a double")
+    return x
+
+
 def _depth(obj, limit: int) -> int:
     """Nesting depth of ``obj`` (iterative; stops past ``limit``)."""
     stack, deepest = [(obj, 1)], 0
@@ -103,9 +110,11 @@ def parse_json(raw: bytes):
     if text.count("[") + text.count("{") > MAX_DEPTH and _bracket_depth(text) > MAX_DEPTH:
         raise BadRequest(f"body nests deeper than {MAX_DEPTH} levels")
     try:
-        obj = json.loads(text, parse_constant=_no_constant)
+        obj = json.loads(text, parse_constant=_no_constant, parse_float=_finite)
     except json.JSONDecodeError as e:
         raise BadRequest(f"body is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    except ValueError as e:   # e.g. an integer longer than Python converts (4300 digits)
+        raise BadRequest(f"body holds a number this server does not read ({str(e)[:80]})") from None
     except RecursionError:
         raise BadRequest(f"body nests deeper than {MAX_DEPTH} levels") from None
     if _depth(obj, MAX_DEPTH) > MAX_DEPTH:

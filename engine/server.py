@@ -77,8 +77,17 @@ class ServeState:
     # ---- the engine thread ----
     def start_engine(self) -> None:
         self.thread = threading.Thread(target=self.decoder.run_forever, name="specpilot-engine",
-                                       args=(self.stop_engine, self.engine_errors.append), daemon=True)
+                                       args=(self.stop_engine, self._engine_error), daemon=True)
         self.thread.start()
+
+    def _engine_error(self, e: Exception) -> None:
+        """A bug in the engine: its requests fail (500), the server goes on; the traceback goes to stderr."""
+        import sys
+        import traceback
+
+        self.engine_errors.append(e)
+        sys.stderr.write("specpilot serve: engine error (requests in flight failed):\n"
+                         + "".join(traceback.format_exception(e)))
 
     def join_engine(self) -> None:
         self.stop_engine.set()

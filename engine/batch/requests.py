@@ -80,8 +80,11 @@ class Request:
             if self.t_first is None:
                 self.t_first = now
             self.token_times.append((now, len(taken)))
+        if self.finish is not None and self.t_done is None:
+            self.t_done = now
         return taken
 
     def abort(self, message: str) -> None:
         if self.finish is None:
             self.finish = {"type": "abort", "message": message}
+            self.t_done = time.perf_counter()
