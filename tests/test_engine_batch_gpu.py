@@ -41,7 +41,7 @@ def test_batched_graph_step_equals_eager_step_bf16():
     """One bucket's graph replay gives the eager batched step's argmax (bf16, Llama-like shapes)."""
     from specpilot.engine.batch.cache import BatchCache
     from specpilot.engine.batch.graphs import BatchGraphRunner
-    from specpilot.engine.batch.probe import _rows
+    from specpilot.engine.batch.probe import chain_rows
     from specpilot.engine.batch.step import assemble
 
     eng = load_engine(EngineSpec.parse("engine:model=tiny,mode=ar,dtype=bfloat16,device=cuda,ctx=256"))
@@ -51,7 +51,7 @@ def test_batched_graph_step_equals_eager_step_bf16():
     for lc in cache.layers:
         lc.k.copy_(torch.randn(lc.k.shape, generator=gen).to(lc.k.dtype))
         lc.v.copy_(torch.randn(lc.v.shape, generator=gen).to(lc.v.dtype))
-    blocks = _rows(3, 5, 40, m.spec.vocab_size, gen)
+    blocks = chain_rows(3, 5, 40, m.spec.vocab_size, gen)
     inp, _, need = assemble(blocks, cache.max_seq, m.device, pad=(4, 8))
     eager = m.greedy_batch(inp, cache, cache.max_seq)
     graph = BatchGraphRunner(m, cache).run(inp, 4, 8)

@@ -17,7 +17,8 @@ from specpilot.engine.batch.step import Rows, assemble
 from specpilot.errors import InputError
 
 
-def _rows(B: int, N: int, context: int, vocab: int, gen) -> list[Rows]:
+def chain_rows(B: int, N: int, context: int, vocab: int, gen) -> list[Rows]:
+    """B requests (slots 0..B-1) of N random rows each at positions context.., causal among themselves."""
     import numpy as np
 
     local = np.tril(np.ones((N, N), dtype=bool))
@@ -51,7 +52,7 @@ def measure_rows_batched(model, batch: int, rows: list[int], context: int, reps:
     times = {}
     it = order if progress is None else progress(order, total=len(order), desc="rows", unit="N")
     for N in it:
-        blocks = _rows(batch, N, context, model.spec.vocab_size, gen)
+        blocks = chain_rows(batch, N, context, model.spec.vocab_size, gen)
         if graphs:
             from specpilot.engine.batch.graphs import BatchGraphRunner
             from specpilot.engine.graphs import time_replays
