@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,6 +60,7 @@ class RunResult:
         from specpilot.engine.decode import step_timing
 
         return step_timing(self.step_times)
+    batch: dict | None = None   # batched runs: the rules and the decoder's totals
 
 
 @dataclass
@@ -70,6 +72,21 @@ class Engine:
     model_name: str
     eos_ids: tuple = ()
     info: dict = field(default_factory=dict)
+    draft: dict = field(default_factory=dict)   # the drafter as a batch decoder builds it: kind, layers, model
+
+    def batch_decoder(self, batch: int | None = None, max_queue: int = 0):
+        """A continuous-batching decoder (``specpilot.engine.batch``) on this engine's model and
+        drafter, with ``batch`` slots (default: the spec's)."""
+        from specpilot.engine.batch.scheduler import BatchDecoder
+
+        s = self.spec
+        dec = BatchDecoder(self.model, s.mode, self.draft.get("kind"), nodes=s.nodes, depth=s.depth, topk=s.topk,
+                           eos_ids=self.eos_ids, batch=batch or s.batch, budget=s.budget, block=s.block,
+                           admit=s.admit, admit_rows=s.admit_rows, draft_layers=self.draft.get("layers"),
+                           draft_model=self.draft.get("model"), max_queue=max_queue,
+                           graphs=s.device.startswith("cuda") and s.graphs and not self.model.spec.is_hybrid)
+        dec.threads = self.decoder.threads
+        return dec
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, record_lattice: bool = False, request=0):
         return self.decoder.generate(prompt_ids, max_new_tokens, record_lattice=record_lattice, request=request)
@@ -81,6 +98,8 @@ class Engine:
         if chat is None:
             chat = bool(self.tokenizer is not None and getattr(self.tokenizer, "chat_template", None))
         out = RunResult(chat=chat)
+        if self.spec.batch > 1:
+            return self._run_batched(prompts, max_new_tokens, chat, record_lattice, progress, out)
         it = prompts if progress is None else progress(prompts, total=len(prompts), desc="run", unit="prompt")
         for pr in it:
             ids = pr.get("ids") or self.encode(pr["text"], chat=chat)
@@ -93,6 +112,34 @@ class Engine:
                                 "prefill_seconds": r.prefill_seconds, "tokens_per_s": r.tokens_per_second,
                                 "decode_tokens_per_s": r.decode_tokens_per_second, "stop": r.stop_reason,
                                 "step_timing": r.step_timing()})
+        return out
+
+    def _run_batched(self, prompts, max_new_tokens, chat, record_lattice, progress, out: "RunResult"):
+        """``run`` with ``batch`` > 1: every prompt queued at once, ``batch`` decoded together."""
+        from specpilot.engine.batch.requests import Request
+
+        reqs = [Request(pr.get("ids") or self.encode(pr["text"], chat=chat), max_new_tokens, id=pr["id"],
+                        stop_ids=frozenset(self.eos_ids), eos_ids=frozenset(self.eos_ids),
+                        record_lattice=record_lattice) for pr in prompts]
+        dec = self.batch_decoder()
+        t0 = time.perf_counter()
+        bar = None
+        if progress is not None:
+            bar = progress(None, total=len(reqs), desc="run", unit="prompt")
+        try:
+            results = dec.generate_many(reqs, progress=None if bar is None else bar.update)
+        finally:
+            if bar is not None:
+                bar.close()
+        for r, res in zip(reqs, results):
+            out.lattice_rows.extend(res.lattice_steps)
+            out.results.append({"id": r.id, "prompt_ids": r.prompt_ids, "output_ids": res.output_ids,
+                                "text": self.decode(res.output_ids), "steps": res.steps, "tau": res.tau,
+                                "tokens": len(res.output_ids), "seconds": res.seconds,
+                                "prefill_seconds": res.prefill_seconds, "tokens_per_s": res.tokens_per_second,
+                                "decode_tokens_per_s": res.decode_tokens_per_second, "stop": res.stop_reason})
+        out.batch = {"batch": dec.batch, "budget": self.spec.budget, "block": self.spec.block,
+                     "admit": self.spec.admit, "seconds": time.perf_counter() - t0, **batch_stats(dec)}
         return out
 
     def encode(self, text: str, chat: bool = False) -> list[int]:
@@ -109,10 +156,20 @@ class Engine:
             return [int(i) for i in ids]
         return [int(i) for i in tok.encode(text, add_special_tokens=False)]
 
-    def decode(self, ids) -> str:
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
         if self.tokenizer is None:
             return ""
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+def batch_stats(dec) -> dict:
+    """A batch decoder's totals as the run JSON reports them."""
+    st = dec.stats
+    return {"verify_steps": st.verify_steps, "prefill_passes": st.prefill_passes, "rows": st.rows,
+            "verify_rows": st.verify_rows, "prompt_rows": st.prompt_rows,
+            "admitted_prompt_rows": st.admitted_prompt_rows, "drafted_positions": st.drafted_positions,
+            "kept_positions": st.kept_positions, "accepted": st.accepted, "request_steps": st.request_steps,
+            "tau": st.tau(), "step_seconds": st.step_seconds}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -263,8 +320,6 @@ def load_engine(spec: EngineSpec | str) -> Engine:
     from specpilot.engine.decode import Decoder
     from specpilot.engine.drafters import ModelDrafter, NGramDrafter, SelfDrafter
 
-    import time
-
     if isinstance(spec, str):
         spec = EngineSpec.parse(spec)
     logging.getLogger("specpilot.status").info(f"loading model {spec.model} ({spec.mode}, {spec.device}) ...")
@@ -273,7 +328,9 @@ def load_engine(spec: EngineSpec | str) -> Engine:
     model, folder, display = target.model, target.folder, target.name
     tok = _tokenizer(folder, display)
     drafter = None
+    draft = {}
     if spec.mode != "ar":
+        draft["kind"] = spec.drafter
         if spec.drafter == "ngram":
             drafter = NGramDrafter()
         elif spec.drafter == "self":
@@ -281,6 +338,7 @@ def load_engine(spec: EngineSpec | str) -> Engine:
             if L >= model.spec.num_layers:
                 raise InputError(f"draft_layers={L} must be below the model's {model.spec.num_layers} layers")
             drafter = SelfDrafter(model, L)
+            draft["layers"] = L
         else:
             dm, _, _ = build_model(spec.draft_model, spec.random or spec.draft_model in TINY_CONFIGS, model.dtype,
                                    spec.device, spec.ctx, spec.seed + 1)
@@ -289,6 +347,7 @@ def load_engine(spec: EngineSpec | str) -> Engine:
                                  f"({model.spec.vocab_size}); they must share the tokenizer")
             dm.set_attention(spec.attn)
             drafter = ModelDrafter(dm)
+            draft["model"] = dm
     if spec.compile:
         if not spec.device.startswith("cuda") or model.spec.is_hybrid:
             raise InputError("compile=1 is for dense models on cuda (it is what benchmarks/engine_gpu.py measured)")
@@ -312,4 +371,4 @@ def load_engine(spec: EngineSpec | str) -> Engine:
     info = dict(target.info, load_seconds=time.perf_counter() - t0)
     # CUDA: compile every kernel and capture every graph a request can hit now, not in the first request
     info["warmup_seconds"] = dec.warm_up()
-    return Engine(spec, model, dec, tok, display, eos, info=info)
+    return Engine(spec, model, dec, tok, display, eos, info=info, draft=draft)

@@ -54,6 +54,16 @@ def store_and_attend(q, k, v, k_cache, v_cache, slots, mask, kv_len: int, scale:
     return reference.masked_gqa_attention(q, k_cache[0, :, :kv_len], v_cache[0, :, :kv_len], mask[:, :kv_len], scale)
 
 
+def attend(q, k, v, mask, scale: float, fused: bool):
+    """Attention alone (the step's K/V already stored): ``q`` [T, nh, hd] over one request's
+    ``k``/``v`` [nkv, S, hd] under ``mask`` [T, S]; returns [T, nh * hd]."""
+    if fused:
+        from specpilot.kernels.attention import decode
+
+        return decode.masked_gqa_attention(q, k, v, mask, scale)
+    return reference.masked_gqa_attention(q, k, v, mask, scale)
+
+
 def resolve(impl: str, device: str) -> str:
     """``auto``: fused on CUDA, torch elsewhere. (``EngineSpec`` refuses ``fused`` off CUDA for
     users: there the Triton interpreter runs it, for tests, far too slow to serve.)"""

@@ -3,7 +3,10 @@
 Modelled on gpt-fast: a static KV cache indexed by slot, one ``forward`` for prefill, AR decode,
 chain and tree verification (rows at given slots and positions, with an explicit attention
 mask), fused q/k/v and gate/up projections, CUDA-graph friendly (no data-dependent shapes in a
-step). Batch size is one request; a step's rows are its tokens.
+step). ``forward`` serves one request whose cache lives in the layers; ``hidden_batch`` /
+``greedy_batch`` run the rows of several requests through the same weight stream, each request
+attending to its own cache slot of a :class:`~specpilot.engine.batch.cache.BatchCache`
+(:class:`BatchStepInput`: which rows belong to which slot, continuous batching).
 
 GDN (linear-attention) layers keep a fp32 recurrent state and a conv state per layer. How a step
 treats them is given by ``gdn_rows``:
@@ -24,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specpilot.engine.attention import store_and_attend
+from specpilot.engine.attention import attend, store_and_attend
 from specpilot.engine.spec import HEADS, check_choice
 from specpilot.errors import InputError
 from specpilot.kernels.gdn import naive as gdn_ref
@@ -85,6 +88,34 @@ class StepInput:
     paths: torch.Tensor | None = None
 
 
+@dataclass
+class Segment:
+    """Consecutive rows ``start .. start + rows - 1`` of a batched step that belong to cache slot
+    ``slot``, laid out for the GDN layers as ``gdn_rows`` (``paths`` [rows, D] with row indices
+    local to the segment, for ``"tree"``)."""
+
+    slot: int
+    start: int
+    rows: int
+    gdn_rows: str = "seq"
+    paths: torch.Tensor | None = None
+
+
+@dataclass
+class BatchStepInput:
+    """The rows of several requests in one forward. ``tokens``, ``pos`` (rope positions),
+    ``slots`` (positions in the row's own request cache) and ``req`` (the row's cache slot) are
+    [T] long tensors; ``mask`` bool [T, kv_len] over the row's own request cache; ``segments``
+    cover rows 0..T-1 in order."""
+
+    tokens: torch.Tensor
+    pos: torch.Tensor
+    slots: torch.Tensor
+    req: torch.Tensor
+    mask: torch.Tensor
+    segments: list[Segment]
+
+
 class Attention(nn.Module):
     def __init__(self, spec: ModelSpec, max_seq: int, dtype, device):
         super().__init__()
@@ -105,8 +136,10 @@ class Attention(nn.Module):
         self.register_buffer("v_cache", torch.zeros(1, self.nkv, max_seq, hd, dtype=dtype, device=device), persistent=False)
         self.fused = False  # Transformer.set_attention: the Triton kernel instead of the torch reference
 
-    def forward(self, x, inp: StepInput, cos, sin, kv_len: int):
+    def _project(self, x, cos, sin):
+        """q [T, nh, hd], k/v [T, nkv, hd] (q/k normed and rotated) and the output gate (or None)."""
         T = x.shape[0]
+        g = None
         qkv = self.wqkv(x)
         q, k, v = qkv.split([self.q_out, self.kv_out, self.kv_out], -1)
         if self.gate:
@@ -119,11 +152,29 @@ class Attention(nn.Module):
             q = rms_norm(q, self.q_norm, self.eps)
             k = rms_norm(k, self.k_norm, self.eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = store_and_attend(q, k, v, self.k_cache, self.v_cache, inp.slots, inp.mask, kv_len, self.hd ** -0.5,
-                             self.fused)
+        return q, k, v, g
+
+    def _out(self, o, g):
         if self.gate:
             o = o * torch.sigmoid(g)
         return self.wo(o)
+
+    def forward(self, x, inp: StepInput, cos, sin, kv_len: int):
+        q, k, v, g = self._project(x, cos, sin)
+        o = store_and_attend(q, k, v, self.k_cache, self.v_cache, inp.slots, inp.mask, kv_len, self.hd ** -0.5,
+                             self.fused)
+        return self._out(o, g)
+
+    def forward_batch(self, x, inp: BatchStepInput, cos, sin, kv_len: int, cache):
+        """Rows of several requests: K/V go to each row's own slot of ``cache.k``/``cache.v``
+        [slots, nkv, S, hd]; each segment attends to its slot's first ``kv_len`` positions."""
+        q, k, v, g = self._project(x, cos, sin)
+        cache.k[inp.req, :, inp.slots] = k
+        cache.v[inp.req, :, inp.slots] = v
+        scale = self.hd ** -0.5
+        outs = [attend(q[s.start:s.start + s.rows], cache.k[s.slot, :, :kv_len], cache.v[s.slot, :, :kv_len],
+                       inp.mask[s.start:s.start + s.rows, :kv_len], scale, self.fused) for s in inp.segments]
+        return self._out(torch.cat(outs) if len(outs) > 1 else outs[0], g)
 
     def commit(self, start: int, rows: torch.Tensor):
         """Move the KV of accepted rows (slots start + rows) to slots start .. start+len-1."""
@@ -131,6 +182,14 @@ class Attention(nn.Module):
         dst = start + torch.arange(rows.numel(), device=rows.device)
         self.k_cache[0, :, dst] = self.k_cache[0, :, src]
         self.v_cache[0, :, dst] = self.v_cache[0, :, src]
+
+    @staticmethod
+    def commit_slot(cache, slot: int, start: int, rows: torch.Tensor):
+        """:meth:`commit` in slot ``slot`` of a batch cache."""
+        src = start + rows
+        dst = start + torch.arange(rows.numel(), device=rows.device)
+        cache.k[slot, :, dst] = cache.k[slot, :, src]
+        cache.v[slot, :, dst] = cache.v[slot, :, src]
 
 
 class GatedDeltaNet(nn.Module):
@@ -211,6 +270,34 @@ class GatedDeltaNet(nn.Module):
         self._advance_conv(mixed[torch.tensor(rows, device=mixed.device)])
         self._stash = None
 
+    def forward_batch(self, x, inp: BatchStepInput, cache):
+        """Rows of several requests: each segment runs :meth:`forward` on its own slot's state
+        (``cache.state``/``cache.conv``, swapped in as this layer's buffers) and leaves its stash
+        in ``cache.stash[slot]`` for :meth:`commit_slot`. The projections run per segment."""
+        outs = []
+        own = self.state, self.conv_state
+        try:
+            for sg in inp.segments:
+                self.state, self.conv_state = cache.state[sg.slot], cache.conv[sg.slot]
+                r = slice(sg.start, sg.start + sg.rows)
+                outs.append(self.forward(x[r], StepInput(inp.tokens[r], inp.pos[r], inp.slots[r], inp.mask[r],
+                                                         sg.gdn_rows, sg.paths)))
+                stash, self._stash = self._stash, None
+                if stash is not None:
+                    cache.stash[sg.slot] = stash
+        finally:
+            self.state, self.conv_state = own
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    def commit_slot(self, cache, slot: int, rows: list[int]):
+        """:meth:`commit` for slot ``slot`` of a batch cache."""
+        own = self.state, self.conv_state, self._stash
+        try:
+            self.state, self.conv_state, self._stash = cache.state[slot], cache.conv[slot], cache.stash.pop(slot)
+            self.commit(rows)
+        finally:
+            self.state, self.conv_state, self._stash = own
+
 
 class Block(nn.Module):
     def __init__(self, spec: ModelSpec, kind: str, max_seq: int, dtype, device):
@@ -234,6 +321,16 @@ class Block(nn.Module):
             x = x + self.mixer(h, inp, cos, sin, kv_len)
         else:
             x = x + self.mixer(h, inp)
+        h = rms_norm(x, self.mlp_norm, self.eps)
+        gate, up = self.w13(h).split([self.inter, self.inter], -1)
+        return x + self.w2(F.silu(gate) * up)
+
+    def forward_batch(self, x, inp: BatchStepInput, cos, sin, kv_len, cache):
+        h = rms_norm(x, self.attn_norm, self.eps)
+        if self.kind == FULL_ATTENTION:
+            x = x + self.mixer.forward_batch(h, inp, cos, sin, kv_len, cache)
+        else:
+            x = x + self.mixer.forward_batch(h, inp, cache)
         h = rms_norm(x, self.mlp_norm, self.eps)
         gate, up = self.w13(h).split([self.inter, self.inter], -1)
         return x + self.w2(F.silu(gate) * up)
@@ -407,6 +504,44 @@ class Transformer(nn.Module):
         for blk in self.layers[:layers]:
             x = call(blk, x, inp, cos, sin, kv_len)
         return rms_norm(x, self.norm, self.spec.rms_norm_eps)
+
+    # ---- batched forward (continuous batching; caches in a BatchCache) ----------------
+    def hidden_batch(self, inp: BatchStepInput, cache, kv_len: int, layers: int | None = None):
+        """Final hidden states [T, d] of a batched step; ``cache.layers[i]`` holds layer i's
+        per-slot K/V (attention) or state (GDN)."""
+        x = self.embed(inp.tokens)
+        cos, sin = self.cos[inp.pos], self.sin[inp.pos]
+        for blk, lc in zip(self.layers[:layers], cache.layers):
+            x = blk.forward_batch(x, inp, cos, sin, kv_len, lc)
+        return rms_norm(x, self.norm, self.spec.rms_norm_eps)
+
+    def logits_batch(self, inp: BatchStepInput, cache, kv_len: int, rows=None, layers: int | None = None):
+        """Logits of the rows ``rows`` (index tensor; all rows when None) of a batched step."""
+        h = self.hidden_batch(inp, cache, kv_len, layers)
+        return self.lm_head(h if rows is None else h[rows])
+
+    def greedy_batch(self, inp: BatchStepInput, cache, kv_len: int, rows=None):
+        """The target's argmax for the rows ``rows`` (all when None) of a batched step, through the
+        certified head when one is set and the rows fit it."""
+        h = self.hidden_batch(inp, cache, kv_len)
+        if rows is not None:
+            h = h[rows]
+        head = self.certified_head
+        if head is not None and h.shape[0] <= head.max_rows:
+            return head.argmax_exact(h)
+        return self.lm_head(h).argmax(-1)
+
+    def commit_batch(self, cache, slot: int, start: int, rows: list[int], gdn_rows: str):
+        """:meth:`commit` for the request in slot ``slot`` of a batch cache."""
+        if rows != list(range(len(rows))):
+            r = torch.tensor(rows, device=self.device)
+            for blk, lc in zip(self.layers, cache.layers):
+                if isinstance(blk.mixer, Attention):
+                    Attention.commit_slot(lc, slot, start, r)
+        if gdn_rows in ("chain", "tree"):
+            for blk, lc in zip(self.layers, cache.layers):
+                if isinstance(blk.mixer, GatedDeltaNet):
+                    blk.mixer.commit_slot(lc, slot, rows)
 
     def forward(self, inp: StepInput, kv_len: int | None = None, layers: int | None = None):
         """Logits [T, vocab] of the step's rows (``layers`` < all: an early-exit self-draft)."""

@@ -1,177 +1,428 @@
-"""An SGLang-native HTTP API subset over the embedded engine (stdlib ``http.server``).
+"""``specpilot serve``: SGLang's native HTTP API over the batched engine (FastAPI + uvicorn).
 
-Endpoints (what SpecPilot's clients use):
-
-- ``POST /generate`` with ``text`` (str or list) or ``input_ids`` (list or list of lists),
-  ``sampling_params`` {``max_new_tokens``, greedy only: ``temperature`` 0 / ``top_k`` 1}. Returns
-  ``{"text", "output_ids", "meta_info": {"id", "prompt_tokens", "completion_tokens",
-  "spec_verify_ct", "e2e_latency", "finish_reason"}}`` (a list for batched input).
-- ``GET /health``, ``GET /health_generate``, ``GET /get_model_info``, ``GET /get_server_info``,
-  ``/flush_cache`` (200; the engine keeps nothing between requests).
-
-Requests run one at a time (one engine, one cache); bad requests get HTTP 400 with a message.
+- ``POST /generate``: text or input_ids (one prompt or a list), ``sampling_params``, ``stream``
+  (SGLang's server-sent events: ``data: {cumulative text, output_ids, meta_info}`` per step, then
+  ``data: [DONE]``). The contract is :mod:`specpilot.engine.http_api`; bad requests of every kind
+  get 400 with ``{"error": {"message": ...}}``. Concurrent requests are decoded together by one
+  :class:`~specpilot.engine.batch.scheduler.BatchDecoder` on an engine thread; beyond its slots
+  they wait in a bounded queue (full: 503 with ``Retry-After``). A client that goes away cancels
+  its request and frees its slot at the next step.
+- ``GET /health``, ``/health_generate``, ``/get_model_info``, ``/get_server_info``, ``/metrics``
+  (Prometheus text), ``/flush_cache`` (GET or POST: zeroes the cache slots when idle, else 400).
+- SIGTERM or SIGINT: stop admitting (503), let the requests in flight finish for up to ``grace``
+  seconds, fail the rest (503, or a final stream event with ``finish_reason`` abort), exit. A
+  second signal skips the wait.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import socket
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable
 
-from specpilot.errors import InputError
+from fastapi import Request as HTTPRequest
+
+from specpilot.engine.batch.requests import Request
+from specpilot.engine.batch.scheduler import QueueFull, percentile
+from specpilot.engine.http_api import BadRequest, Sampling, parse_generate, parse_json
+from specpilot.engine.metrics import ServeMetrics, inter_token_gaps
+from specpilot.errors import EnvironmentMissing, InputError
 
 MAX_BODY = 64 << 20
-
-
-class BadRequest(Exception):
-    pass
+RETRY_AFTER = "1"
 
 
 @dataclass
-class ServerStats:
-    requests: int = 0
-    errors: int = 0
-    completion_tokens: int = 0
-    verify_steps: int = 0
-    busy_seconds: float = 0.0
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 30000
+    backlog: int = 2048          # the listen socket's queue of connections not yet accepted
+    max_queue: int = 1024        # requests waiting for a slot before 503
+    grace: float = 30.0          # seconds in-flight requests get to finish after SIGTERM
+    log: Callable[[str], None] | None = None   # one line per finished request
+
+
+def error_body(message: str, status: int) -> dict:
+    return {"error": {"message": message, "code": status}, "message": message}
+
+
+def _json_response(obj, status: int = 200, headers: dict | None = None):
+    from fastapi.responses import Response
+
+    return Response(json.dumps(obj), status_code=status, media_type="application/json", headers=headers)
+
+
+def _error(message: str, status: int, headers: dict | None = None):
+    return _json_response(error_body(message, status), status, headers)
+
+
+@dataclass
+class ServeState:
+    engine: object
+    decoder: object
+    options: ServeOptions
+    metrics: ServeMetrics = field(default_factory=ServeMetrics)
     started: float = field(default_factory=time.time)
+    draining: bool = False
+    loop: asyncio.AbstractEventLoop | None = None
+    stop_engine: threading.Event = field(default_factory=threading.Event)
+    thread: threading.Thread | None = None
+    engine_errors: list = field(default_factory=list)
+
+    # ---- the engine thread ----
+    def start_engine(self) -> None:
+        self.thread = threading.Thread(target=self.decoder.run_forever, name="specpilot-engine",
+                                       args=(self.stop_engine, self._engine_error), daemon=True)
+        self.thread.start()
+
+    def _engine_error(self, e: Exception) -> None:
+        """A bug in the engine: its requests fail (500), the server goes on; the traceback goes to stderr."""
+        import sys
+        import traceback
+
+        self.engine_errors.append(e)
+        sys.stderr.write("specpilot serve: engine error (requests in flight failed):\n"
+                         + "".join(traceback.format_exception(e)))
+
+    def join_engine(self) -> None:
+        self.stop_engine.set()
+        if self.thread is not None:
+            self.thread.join()
+
+    # ---- answers ----
+    def answer(self, r: Request, sp: Sampling) -> dict:
+        eng = self.engine
+        text = eng.decode(r.output, skip_special_tokens=sp.skip_special_tokens)
+        fin = r.finish
+        if fin and fin["type"] == "stop" and isinstance(fin.get("matched"), str) and not sp.no_stop_trim:
+            cut = text.find(fin["matched"])
+            if cut >= 0:
+                text = text[:cut]
+        end = r.t_done or time.perf_counter()
+        return {"text": text, "output_ids": list(r.output),
+                "meta_info": {"id": str(r.id), "prompt_tokens": len(r.prompt_ids), "completion_tokens": len(r.output),
+                              "cached_tokens": 0, "spec_verify_ct": r.steps,
+                              "spec_accept_length": (len(r.output) - 1) / r.steps if r.steps else 1.0,
+                              "e2e_latency": end - r.t_arrival,
+                              "ttft": (r.t_first - r.t_arrival) if r.t_first is not None else None,
+                              "finish_reason": fin}}
+
+    def finished(self, r: Request) -> None:
+        """Book-keeping of a finished engine request (metrics, the request log)."""
+        reason = r.stop_reason
+        if reason == "abort" and str(r.finish.get("message", "")).startswith("engine error"):
+            reason = "error"
+        self.metrics.request_done(r, reason)
+        if self.options.log is not None:
+            gaps = inter_token_gaps(r.token_times)
+            ttft = f"{r.t_first - r.t_arrival:.3f}" if r.t_first is not None else "-"
+            itl = f"{sum(gaps) / len(gaps):.4f}" if gaps else "-"
+            self.options.log(f"request {r.id}: prompt {len(r.prompt_ids)} tokens, {len(r.output)} generated, "
+                             f"ttft {ttft} s, itl {itl} s, e2e {(r.t_done or time.perf_counter()) - r.t_arrival:.3f} s, "
+                             f"{r.steps} verify passes, finish {reason}")
+
+    def server_info(self) -> dict:
+        eng, dec = self.engine, self.decoder
+        running, waiting = dec.load()
+        st = dec.stats
+        return {"engine": str(eng.spec), "model": eng.model_name, "model_path": eng.model_name, **eng.info,
+                "max_running_requests": dec.batch, "max_queued_requests": self.options.max_queue,
+                "budget": dec.budget, "block": dec.block, "admit": dec.admit, "admit_rows": dec.admit_rows,
+                "running": running, "waiting": waiting, "draining": self.draining,
+                "completion_tokens": st.tokens, "spec_verify_ct": st.verify_steps, "tau": st.tau(),
+                "uptime_s": time.time() - self.started}
+
+    def summary(self) -> dict:
+        m, st = self.metrics, self.decoder.stats
+        ok = sum(v for k, v in m.finished.items() if k in ("length", "eos", "stop"))
+        pct = {f"{k}_p{q}": percentile(v, q) for k, v in m.samples.items() for q in (50, 90, 99)}
+        return {"requests": ok, "errors": m.rejected.get("bad_request", 0) + m.finished.get("error", 0),
+                "aborted": m.finished.get("abort", 0),
+                "rejected": sum(v for k, v in m.rejected.items() if k != "bad_request"),
+                "completion_tokens": m.completion_tokens, "spec_verify_ct": st.verify_steps, "tau": st.tau(),
+                "busy_seconds": st.step_seconds, **pct}
 
 
-def _sampling(params) -> int:
-    if params is None:
-        params = {}
-    if not isinstance(params, dict):
-        raise BadRequest("sampling_params must be an object")
-    t = params.get("temperature", 0.0)
-    top_k = params.get("top_k", None)
-    if not isinstance(t, (int, float)) or isinstance(t, bool):
-        raise BadRequest("sampling_params.temperature must be a number")
-    if t > 1e-6 and top_k != 1:
-        raise BadRequest("the embedded engine decodes greedily only: use temperature 0 (or top_k 1)")
-    n = params.get("max_new_tokens", 128)
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise BadRequest("sampling_params.max_new_tokens must be a positive integer")
-    for key in ("n",):
-        if params.get(key, 1) != 1:
-            raise BadRequest(f"sampling_params.{key} must be 1")
-    return n
+async def _read_body(request) -> bytes:
+    n = request.headers.get("content-length")
+    if n is not None and n.isdigit() and int(n) > MAX_BODY:
+        raise BadRequest(f"body of {int(n)} bytes is over the limit of {MAX_BODY >> 20} MiB", 413)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY:
+            raise BadRequest(f"body is over the limit of {MAX_BODY >> 20} MiB", 413)
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
-def handle_generate(engine, body: dict, stats: ServerStats, lock: threading.Lock):
-    """The /generate logic without HTTP; returns a JSON-able object or raises BadRequest."""
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
-    if body.get("stream"):
-        raise BadRequest("stream=true is not supported by the embedded engine")
-    text, ids = body.get("text"), body.get("input_ids")
-    if (text is None) == (ids is None):
-        raise BadRequest("give exactly one of 'text' or 'input_ids'")
-    max_new = _sampling(body.get("sampling_params"))
-    batched = False
-    if ids is not None:
-        if isinstance(ids, list) and ids and all(isinstance(x, list) for x in ids):
-            batched, prompts = True, ids
-        else:
-            prompts = [ids]
-        for p in prompts:
-            if not isinstance(p, list) or not p or not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-                raise BadRequest("input_ids must be a non-empty list of integers (or a list of such lists)")
-    else:
-        if isinstance(text, list):
-            batched, texts = True, text
-        else:
-            texts = [text]
-        if not texts or not all(isinstance(t, str) and t for t in texts):
-            raise BadRequest("text must be a non-empty string (or a list of them)")
-        if engine.tokenizer is None:
-            raise BadRequest(f"model {engine.model_name} has no tokenizer; send input_ids")
-        prompts = [engine.encode(t, chat=False) for t in texts]
-    outs = []
-    for p in prompts:
-        t0 = time.perf_counter()
-        with lock:
-            t1 = time.perf_counter()
+async def _wait_disconnect(request) -> None:
+    """Returns when the client has closed the connection (the body is read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def make_app(state: ServeState):
+    from fastapi import FastAPI
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import Response, StreamingResponse
+    from starlette.exceptions import HTTPException
+
+    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+    eng, dec = state.engine, state.decoder
+    eos = frozenset(eng.eos_ids)
+    vocab = eng.model.spec.vocab_size
+    encode = (lambda t: eng.encode(t, chat=False)) if eng.tokenizer is not None else None
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request, exc):
+        return _error(str(exc.detail), exc.status_code, getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request, exc):
+        return _error(f"bad request: {exc.errors()[:1]}", 400)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request, exc):   # a bug of ours: say so, without the traceback
+        return _error(f"internal error: {type(exc).__name__}", 500)
+
+    @app.post("/generate")
+    async def generate(request: HTTPRequest):
+        if state.draining:
+            state.metrics.reject("draining")
+            return _error("the server is shutting down", 503, {"Retry-After": RETRY_AFTER})
+        try:
+            call = parse_generate(parse_json(await _read_body(request)), encode, vocab)
+        except BadRequest as e:
+            state.metrics.reject("bad_request")
+            return _error(str(e), e.status)
+        loop = asyncio.get_running_loop()
+        updates: asyncio.Queue = asyncio.Queue()
+
+        def delivered(r, done):
+            if done:
+                state.finished(r)
+            updates.put_nowait((r, done))
+
+        def on_update(r, new, done):   # engine thread
             try:
-                r = engine.generate(p, max_new)
-            except InputError as e:
-                raise BadRequest(str(e)) from None
-            t2 = time.perf_counter()
-            dt = t2 - t0  # e2e: includes waiting for the engine, as a client sees it
-            stats.requests += 1
-            stats.completion_tokens += len(r.output_ids)
-            stats.verify_steps += r.steps
-            stats.busy_seconds += t2 - t1
-        fin = ({"type": "stop", "matched": r.output_ids[-1]} if r.stop_reason == "eos"
-               else {"type": "length", "length": len(r.output_ids)})
-        outs.append({"text": engine.decode(r.output_ids), "output_ids": r.output_ids,
-                     "meta_info": {"id": uuid.uuid4().hex, "prompt_tokens": len(p),
-                                   "completion_tokens": len(r.output_ids), "spec_verify_ct": r.steps,
-                                   "spec_accept_length": r.tau, "e2e_latency": dt, "finish_reason": fin}})
-    return outs if batched else outs[0]
+                loop.call_soon_threadsafe(delivered, r, done)
+            except RuntimeError:       # the loop is gone (shutdown)
+                pass
+
+        reqs = []
+        for p, sp, rid in zip(call.prompts, call.sampling, call.rids):
+            stop_ids = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else eos)
+            reqs.append(Request(p, sp.max_new_tokens, id=rid or uuid.uuid4().hex, stop_ids=stop_ids, eos_ids=eos,
+                                stop_strings=sp.stop, min_new_tokens=sp.min_new_tokens,
+                                decode=(lambda ids, s=sp: eng.decode(ids, skip_special_tokens=s.skip_special_tokens)),
+                                on_update=on_update))
+        try:
+            for r in reqs:
+                dec.check(r)
+        except InputError as e:
+            state.metrics.reject("bad_request")
+            return _error(str(e), 400)
+        submitted = []
+        try:
+            for r in reqs:
+                submitted.append(dec.submit(r))
+        except QueueFull as e:
+            for r in submitted:
+                dec.cancel(r)
+            state.metrics.reject("queue_full" if not state.draining else "draining")
+            return _error(f"server busy: {e}; retry later", 503, {"Retry-After": RETRY_AFTER})
+        if call.stream:
+            return StreamingResponse(_stream(state, reqs[0], call.sampling[0], updates),
+                                     media_type="text/event-stream")
+        return await _collect(state, request, reqs, call, updates)
+
+    @app.get("/health")
+    async def health():
+        if state.draining:
+            return _error("the server is shutting down", 503)
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate():
+        alive = state.thread is not None and state.thread.is_alive()
+        if state.draining or not alive:
+            return _error("the engine is not serving", 503)
+        return Response(status_code=200)
+
+    @app.get("/get_model_info")
+    async def model_info():
+        return _json_response({"model_path": eng.model_name, "tokenizer_path": eng.model_name, "is_generation": True,
+                               "engine": str(eng.spec)})
+
+    @app.get("/get_server_info")
+    async def server_info():
+        return _json_response(state.server_info())
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(dec), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache():
+        if dec.flush():
+            return Response("Cache flushed.\n", media_type="text/plain")
+        return _error("requests are running or waiting; the cache was not flushed", 400)
+
+    return app
 
 
-def make_server(engine, host: str = "127.0.0.1", port: int = 30000, log=None) -> ThreadingHTTPServer:
-    stats = ServerStats()
-    lock = threading.Lock()
+def _final_status(reqs: list[Request]) -> tuple[int, str] | None:
+    for r in reqs:
+        if r.finish and r.finish["type"] == "abort":
+            msg = str(r.finish.get("message", "aborted"))
+            return (500 if msg.startswith("engine error") else 503), msg
+    return None
 
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-        server_version = "specpilot-engine"
 
-        def log_message(self, fmt, *args):  # quiet unless a log function is given
-            if log is not None:
-                log(fmt % args)
+async def _collect(state: ServeState, request, reqs: list[Request], call, updates: asyncio.Queue):
+    """Wait for every request of a non-streaming call, or for the client to leave."""
+    left = {id(r) for r in reqs}
+    disc = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        while left:
+            get = asyncio.ensure_future(updates.get())
+            done, _ = await asyncio.wait({get, disc}, return_when=asyncio.FIRST_COMPLETED)
+            if get not in done:
+                get.cancel()
+                for r in reqs:
+                    state.decoder.cancel(r)
+                return _error("client disconnected", 499)
+            r, fin = get.result()
+            if fin:
+                left.discard(id(r))
+    finally:
+        disc.cancel()
+    bad = _final_status(reqs)
+    if bad is not None:
+        return _error(bad[1], bad[0], {"Retry-After": RETRY_AFTER} if bad[0] == 503 else None)
+    outs = [state.answer(r, sp) for r, sp in zip(reqs, call.sampling)]
+    return _json_response(outs if call.batched else outs[0])
 
-        def _send(self, code: int, obj=None, text: str | None = None):
-            payload = (json.dumps(obj) if text is None else text).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json" if text is None else "text/plain")
-            self.send_header("Content-Length", str(len(payload)))
-            self.end_headers()
-            self.wfile.write(payload)
 
-        def do_GET(self):
-            path = self.path.split("?")[0]
-            if path in ("/health", "/health_generate", "/flush_cache"):
-                self._send(200, text="")
-            elif path == "/get_model_info":
-                self._send(200, {"model_path": engine.model_name, "tokenizer_path": engine.model_name,
-                                 "is_generation": True, "engine": str(engine.spec)})
-            elif path == "/get_server_info":
-                self._send(200, {"engine": str(engine.spec), "model": engine.model_name, **engine.info,
-                                 "requests": stats.requests, "completion_tokens": stats.completion_tokens,
-                                 "spec_verify_ct": stats.verify_steps, "uptime_s": time.time() - stats.started})
-            else:
-                self._send(404, {"error": {"message": f"no such endpoint: GET {path}"}})
+async def _stream(state: ServeState, r: Request, sp: Sampling, updates: asyncio.Queue):
+    """SGLang's streaming answer: one event per step that delivered tokens (cumulative text and ids)."""
+    sent = -1
+    try:
+        while True:
+            _, fin = await updates.get()
+            while not updates.empty() and not fin:   # coalesce updates that queued meanwhile
+                _, fin = updates.get_nowait()
+            if len(r.output) != sent or fin:
+                sent = len(r.output)
+                yield b"data: " + json.dumps(state.answer(r, sp)).encode() + b"\n\n"
+            if fin:
+                break
+        yield b"data: [DONE]\n\n"
+    finally:
+        if not r.done:
+            state.decoder.cancel(r)
 
-        def do_POST(self):
-            path = self.path.split("?")[0]
-            if path == "/flush_cache":  # nothing is cached across requests
-                self._send(200, text="")
+
+def _bind(host: str, port: int, backlog: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(backlog)
+    except OSError as e:
+        sock.close()
+        raise EnvironmentMissing(f"cannot listen on {host}:{port} ({e.strerror or e}); choose another --port") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _protocol():
+    """uvicorn's h11 protocol, answering malformed HTTP (a bad Content-Length, broken headers) with
+    a JSON 400 like every other refusal."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class JSONErrorProtocol(H11Protocol):
+        def send_400_response(self, msg: str) -> None:
+            body = json.dumps(error_body(f"malformed HTTP request: {msg}", 400)).encode()
+            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                       (b"connection", b"close")]
+            for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),
+                          h11.EndOfMessage()):
+                self.transport.write(self.conn.send(event))
+            self.transport.close()
+
+    return JSONErrorProtocol
+
+
+class Server:
+    """The HTTP server and its engine thread; :meth:`run` blocks until shut down."""
+
+    def __init__(self, engine, options: ServeOptions):
+        self.options = options
+        decoder = engine.batch_decoder(max_queue=options.max_queue)
+        self.state = ServeState(engine, decoder, options)
+        self.sock = _bind(options.host, options.port, options.backlog)
+        self.port = self.sock.getsockname()[1]
+
+    def run(self) -> dict:
+        import uvicorn
+
+        state = self.state
+        config = uvicorn.Config(make_app(state), http=_protocol(), backlog=self.options.backlog, lifespan="off",
+                                log_level="error", access_log=False, timeout_keep_alive=5,
+                                timeout_graceful_shutdown=max(5, int(self.options.grace) + 5))
+        server = _uvicorn_server(config, self)
+        state.start_engine()
+        try:
+            server.run(sockets=[self.sock])
+        finally:
+            state.join_engine()
+            state.decoder.abort_all("server shutting down")
+            self.sock.close()
+        return state.summary()
+
+    async def drain(self, server) -> None:
+        """Stop admitting, wait up to ``grace`` s for the requests in flight, fail the rest, stop."""
+        state = self.state
+        state.draining = True
+        with state.decoder.cond:
+            state.decoder.draining = True
+        deadline = time.monotonic() + self.options.grace
+        while not state.decoder.idle() and time.monotonic() < deadline and not server.force_exit:
+            await asyncio.sleep(0.05)
+        await asyncio.get_running_loop().run_in_executor(None, state.join_engine)
+        state.decoder.abort_all("server shutting down")
+        await asyncio.sleep(0.2)   # the handlers answer the aborted requests
+        server.should_exit = True
+
+
+def _uvicorn_server(config, owner: Server):
+    """A uvicorn server whose SIGTERM/SIGINT start :meth:`Server.drain` instead of closing at once
+    (a second signal closes without waiting)."""
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        async def startup(self, sockets=None):
+            owner.state.loop = asyncio.get_running_loop()
+            await super().startup(sockets=sockets)
+
+        def handle_exit(self, sig, frame):
+            loop = owner.state.loop
+            if owner.state.draining or loop is None:
+                self.force_exit = True
+                self.should_exit = True
                 return
-            if path != "/generate":
-                self._send(404, {"error": {"message": f"no such endpoint: POST {path}"}})
-                return
-            try:
-                n = int(self.headers.get("Content-Length") or 0)
-                if n <= 0 or n > MAX_BODY:
-                    raise BadRequest("request needs a JSON body (Content-Length 1..64 MiB)")
-                try:
-                    body = json.loads(self.rfile.read(n))
-                except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                    raise BadRequest(f"body is not valid JSON ({e})") from None
-                self._send(200, handle_generate(engine, body, stats, lock))
-            except BadRequest as e:
-                stats.errors += 1
-                self._send(400, {"error": {"message": str(e)}, "message": str(e)})
-            except Exception as e:  # an engine bug must not kill the server
-                stats.errors += 1
-                self._send(500, {"error": {"message": f"{type(e).__name__}: {e}"}})
+            owner.state.draining = True
+            loop.call_soon_threadsafe(lambda: asyncio.ensure_future(owner.drain(self)))
 
-    srv = ThreadingHTTPServer((host, port), Handler)
-    srv.daemon_threads = True
-    srv.stats = stats
-    return srv
+    return _Server(config)

@@ -28,6 +28,9 @@ DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 ATTENTIONS = ("auto", "torch", "fused")
 HEADS = ("linear", "certified")
 DECODES = ("auto", "layers", "fused")
+BUDGETS = ("shared", "equal")
+BLOCKS = ("adaptive", "fixed")
+ADMITS = ("off", "waiting", "all")
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
 
@@ -87,6 +90,20 @@ class EngineSpec:
                                  "fused into the projection kernels, chained with programmatic dependent launch; "
                                  "cuda, dense attention models, bf16 or W12 weights); auto = fused where it "
                                  "applies.", choices=DECODES)
+    batch: int = option(1, "Requests decoded together (continuous batching; each request has its own cache slot, "
+                           "one step verifies all of them through one weight stream). run: 1 = one prompt at a "
+                           "time; serve: the rest wait in its queue.", range=(1, 4096))
+    budget: str = option("shared", "Tree node budget of a batched step: shared (nodes x requests, filled best-first by "
+                                   "path log-probability over all requests) or equal (each request its own --nodes "
+                                   "tree).", choices=BUDGETS)
+    block: str = option("adaptive", "Draft positions a request verifies in a batched step: adaptive (100/75/50% of "
+                                    "--depth, from its recent accepted lengths and its draft's confidence) or fixed "
+                                    "(--depth).", choices=BLOCKS)
+    admit: str = option("waiting", "Prompt admission in batched steps: off (prompts prefill in passes of their own), "
+                                   "waiting (a waiting prompt joins a verify step when its rows fit in --admit-rows) or "
+                                   "all (every prompt joins the verify steps in chunks).", choices=ADMITS)
+    admit_rows: int = option(128, "Rows of a verify step whose compute hides behind its weight reads (prompt "
+                                  "admission).", range=(1, 1 << 20))
 
     # ------------------------------------------------------------------------ metadata
     @classmethod

@@ -64,9 +64,16 @@ def read_replay(path: str) -> ReplayFigures:
     return ReplayFigures(source=str(path), taus=taus, curves=curves)
 
 
-def read_rows_probe(path: str) -> RowsProbeFigures:
-    """A ``specpilot probe rows`` JSON: T_step(N) per row count and T_AR."""
+def read_rows_probe(path: str, batch: int | None = None) -> RowsProbeFigures:
+    """A ``specpilot probe rows`` JSON: T_step(N) per row count and T_AR. With ``batch``, the probe
+    must have timed that many requests per step (``probe rows --batch``; absent = 1)."""
     doc = read_json(path, kind="rows")
+    measured = doc.get("batch", 1)
+    if not isinstance(measured, int) or isinstance(measured, bool) or measured < 1:
+        raise InputError(f"{path}: rows probe 'batch' must be a positive integer")
+    if batch is not None and measured != batch:
+        raise InputError(f"{path}: the rows probe timed {measured} request(s) per step but --batch is {batch}; "
+                         f"give --batch {measured} or probe again with probe rows --batch {batch}")
     pts = doc.get("points")
     if not isinstance(pts, list) or not pts:
         raise InputError(f"{path}: rows probe has no 'points'")

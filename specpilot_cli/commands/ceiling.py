@@ -21,7 +21,7 @@ from specpilot.output import Report, Section, emit, output_options
 @click.option("--fp8-flops", type=positive(MAX_TFLOPS), metavar="TFLOP/S", help="Measured dense fp8 TFLOP/s.")
 @click.option("--rows", default="1", show_default=True, metavar="N[,N...]",
               help=f"Rows verified per request per step, e.g. 1,8,32,64 or 1,2,4,...,256 (1 to {MAX_ROWS}).")
-@click.option("--batch", default=1, show_default=True, type=click.IntRange(1, MAX_BATCH), help="Requests per step.")
+@click.option("--batch", default=1, show_default=True, type=click.IntRange(1, MAX_BATCH), help="Requests per step (a --rows-probe must be from probe rows --batch with the same B).")
 @click.option("--context", default=2048, show_default=True, type=click.IntRange(0, MAX_CONTEXT),
               help="Committed context tokens per request.")
 @click.option("--weight-dtype", type=click.Choice(WEIGHT_DTYPES), default="bf16", show_default=True,
@@ -98,7 +98,7 @@ def command(model_name, gpu_name, bandwidth, flops, fp8_flops, rows, batch, cont
                          policy=policy, measurements=m,
                          profile=read_profile(profile_file) if profile_file else None,
                          replay=read_replay(replay_file) if replay_file else None,
-                         rows_probe=read_rows_probe(rows_file) if rows_file else None,
+                         rows_probe=read_rows_probe(rows_file, batch=batch) if rows_file else None,
                          run=read_run(run_file) if run_file else None)
     res = compute_ceiling(req)
     emit(_report(res), fmt, out, protect=protect)

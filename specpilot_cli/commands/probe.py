@@ -8,7 +8,7 @@ from specpilot.engine_options import engine_options, spec_from_cli
 from specpilot.errors import InputError
 from specpilot.output import Report, Section, emit, output_options, progress
 
-PROBE_OPTIONS = ("model", "random", "device", "dtype", "threads", "w12", "attn", "head", "decode")
+PROBE_OPTIONS = ("model", "random", "device", "dtype", "threads", "w12", "attn", "head", "decode", "batch")
 
 
 @click.group("probe")
@@ -24,7 +24,10 @@ def command():
 @engine_options(only=PROBE_OPTIONS, spec_option=False, defaults={"device": None},
                 default_texts={"device": "cuda when available", "threads": "torch's choice"},
                 help_texts={"decode": "Steps of 1..64 rows as in run --decode (fused: cuda, dense models); auto "
-                                      "times what run takes, so T_AR is the AR step the engine runs."})
+                                      "times what run takes, so T_AR is the AR step the engine runs.",
+                            "batch": "Requests per step: B requests x N rows, each request with its own cache of "
+                                     "--context tokens (the batched step of run/serve --batch; c(N) = T(B, N) / "
+                                     "T(B, 1))."})
 @click.option("--rows", "rows_text", default="1,2,4,8,16,32,64", show_default=True,
               help="Row counts N; '1,2,4,...,256' continues a doubling series.")
 @click.option("--context", type=int, default=1024, show_default=True, help="Committed tokens in the KV cache.")
@@ -38,6 +41,7 @@ def rows(rows_text, context, reps, warmup, fmt, out, **kw):
     says when a faster AR step exists. On a GPU each N is a CUDA graph timed with CUDA events
     (median); on the CPU a wall clock.
     """
+    from specpilot.engine.batch.probe import probe_rows_batched
     from specpilot.engine.rows import default_device, probe_rows
     from specpilot.options import parse_int_list
 
@@ -48,16 +52,20 @@ def rows(rows_text, context, reps, warmup, fmt, out, **kw):
         raise InputError(f"--context must be >= 1, got {context}")
     if kw["device"] is None:
         kw["device"] = default_device()
-    res = probe_rows(spec_from_cli(kw), row_list, context, reps=reps, warmup=warmup, progress=progress)
+    spec = spec_from_cli(kw)
+    probe = probe_rows_batched if spec.batch > 1 else probe_rows
+    res = probe(spec, row_list, context, reps=reps, warmup=warmup, progress=progress)
     data = res.to_json()
     w12 = res.extra["w12"]
     hw = res.gpu or f"CPU {res.cpu}"
     label = f", W12 {w12['path']}" if w12 else ""
     for w in res.warnings:
         click.echo(f"specpilot: warning: {w}", err=True)
-    emit(Report(data=data, sections=[Section(f"{res.model} {res.dtype}{label}, context {context}, {hw}",
+    batch = f", {spec.batch} requests" if spec.batch > 1 else ""
+    emit(Report(data=data, sections=[Section(f"{res.model} {res.dtype}{label}, context {context}{batch}, {hw}",
                                              ["rows", "step ms", "c = T(N)/T_AR", "path"],
-                                             [[p["rows"], p["step_ms"], p["c"], p["path"]] for p in res.points],
+                                             [[p["rows"], p["step_ms"], p["c"], p.get("path", res.ar_path)]
+                                              for p in res.points],
                                              note=f"{res.method} of {reps} steps; T_AR = {res.ar_ms:.4g} ms, "
                                                   f"the {res.ar_path} AR step")]), fmt, out)
     return 0

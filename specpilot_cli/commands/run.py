@@ -106,7 +106,8 @@ def command(prompt_text, prompts_file, prompt_ids, chat, max_new_tokens, outputs
 
     tokens = sum(r["tokens"] for r in results)
     steps = sum(r["steps"] for r in results)
-    seconds = sum(r["seconds"] for r in results)
+    # a batched run's requests overlap: its time is the run's wall time
+    seconds = run.batch["seconds"] if run.batch else sum(r["seconds"] for r in results)
     delivered = sum(r["tokens"] - 1 for r in results)  # tokens from verification passes (not prefill)
     summary = {"requests": len(results), "tokens": tokens, "steps": steps,
                "tau": delivered / steps if steps else 1.0, "seconds": seconds,
@@ -118,6 +119,8 @@ def command(prompt_text, prompts_file, prompt_ids, chat, max_new_tokens, outputs
             "decode": engine.info.get("decode"), "load_seconds": engine.info["load_seconds"],
             "warmup_seconds": engine.info["warmup_seconds"], **summary, "step_timing": run.step_timing(),
             "results": results}
+    if run.batch:
+        data["batch"] = run.batch
     if len(results) == 1:
         data.update({k: results[0][k] for k in ("prompt_ids", "output_ids", "text")})
     rows = [[r["id"], r["tokens"], r["steps"], r["tau"], r["tokens_per_s"], r["decode_tokens_per_s"], r["stop"]]
@@ -129,7 +132,8 @@ def command(prompt_text, prompts_file, prompt_ids, chat, max_new_tokens, outputs
             lines.append(r["text"])
     report = Report(data=data, title=None, lines=[x for x in lines if x != ""] if len(results) == 1 else lines,
                     sections=[Section(f"{engine.model_name} {spec.mode} ({engine.info['dtype']}, {spec.device}"
-                                      f"{_w12_label(engine.info.get('w12'))})",
+                                      f"{_w12_label(engine.info.get('w12'))}"
+                                      f"{f', batch {spec.batch}' if spec.batch > 1 else ''})",
                                       ["id", "tokens", "steps", "tau", "tokens/s", "decode tok/s", "stop"], rows,
                                       note=_note(tokens, steps, summary, engine.info, run.step_timing()))])
     emit(report, fmt, out, protect=inputs)

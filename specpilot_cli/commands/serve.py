@@ -1,72 +1,67 @@
-"""``specpilot serve``: the embedded engine behind SGLang's native HTTP API subset."""
+"""``specpilot serve``: the embedded engine behind SGLang's native HTTP API, batched."""
 
 from __future__ import annotations
-
-import signal
-import threading
 
 import click
 
 from specpilot.engine_options import engine_options, spec_from_cli
-from specpilot.errors import EnvironmentMissing, InputError
+from specpilot.errors import InputError
 from specpilot.output import Report, Section, emit, output_options
+
+SERVE_BATCH = 8
 
 
 @click.command("serve")
-@engine_options()
+@engine_options(defaults={"batch": SERVE_BATCH},
+                help_texts={"batch": "Requests decoded together (continuous batching: each has its own cache slot, "
+                                     "one step verifies all of them); more wait in the queue (--max-queue)."})
 @click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", type=int, default=30000, show_default=True)
-@click.option("--log-requests", is_flag=True, help="Log each HTTP request on stderr.")
+@click.option("--port", type=int, default=30000, show_default=True, help="0 picks a free port (printed on stderr).")
+@click.option("--max-queue", type=int, default=1024, show_default=True,
+              help="Requests that may wait for a slot; beyond it /generate answers 503 with Retry-After.")
+@click.option("--backlog", type=int, default=2048, show_default=True,
+              help="Connections the listen socket holds before the server accepts them.")
+@click.option("--grace", type=float, default=30.0, show_default=True,
+              help="Seconds the requests in flight get to finish after SIGTERM before they are failed.")
+@click.option("--log-requests", is_flag=True, help="One line per finished request on stderr (TTFT, ITL, e2e).")
 @output_options
-def command(host, port, log_requests, fmt, out, **kw):
-    """Serve the engine over HTTP: POST /generate (SGLang-native subset), GET /health.
+def command(host, port, max_queue, backlog, grace, log_requests, fmt, out, **kw):
+    """Serve the engine over HTTP: POST /generate (SGLang-native, streaming too), GET /metrics.
 
     \b
     Example:
-      specpilot serve --model smollm2 --mode tree --nodes 32 --port 30000
+      specpilot serve --model smollm2 --mode tree --nodes 16 --batch 8 --port 30000
       curl -s localhost:30000/generate -d '{"text": "Hi", "sampling_params": {"max_new_tokens": 16}}'
 
-    Greedy decoding only (temperature 0); requests run one at a time. Stops cleanly on SIGTERM or
-    Ctrl-C and then prints what it served.
+    Concurrent requests are decoded together (--batch of them at a time, each lossless: its
+    output equals its own greedy decoding). Greedy only: sampling parameters that would change
+    the answer are refused with 400. SIGTERM or Ctrl-C stops admitting, lets the requests in
+    flight finish (--grace), then prints what it served and exits 0.
     """
     spec = spec_from_cli(kw)
     if not 0 <= port <= 65535:
         raise InputError(f"--port must be 0..65535, got {port}")
+    if max_queue < 0 or backlog < 1 or grace < 0:
+        raise InputError("--max-queue must be >= 0, --backlog >= 1 and --grace >= 0")
     from specpilot.engine.api import load_engine
-    from specpilot.engine.server import make_server
+    from specpilot.engine.server import Server, ServeOptions
 
     engine = load_engine(spec)
-    try:
-        srv = make_server(engine, host, port, log=(lambda m: click.echo(m, err=True)) if log_requests else None)
-    except OSError as e:
-        raise EnvironmentMissing(f"cannot listen on {host}:{port} ({e.strerror or e}); choose another --port") from None
-    stop = threading.Event()
-
-    def _stop(signum, frame):
-        if not stop.is_set():
-            stop.set()
-            threading.Thread(target=srv.shutdown, daemon=True).start()
-
-    old = {}
-    if threading.current_thread() is threading.main_thread():
-        for s in (signal.SIGTERM, signal.SIGINT):
-            old[s] = signal.signal(s, _stop)
-    click.echo(f"specpilot serve: {engine.model_name} {spec.mode} on http://{host}:{srv.server_address[1]} "
-               f"({engine.info['dtype']}, {spec.device}; load {engine.info['load_seconds']:.1f} s, warm-up "
-               f"{engine.info['warmup_seconds']:.1f} s); {spec}", err=True)
-    try:
-        srv.serve_forever(poll_interval=0.2)
-    finally:
-        srv.server_close()
-        for s, h in old.items():
-            signal.signal(s, h)
-    st = srv.stats
+    log = (lambda m: click.echo(f"specpilot serve: {m}", err=True)) if log_requests else None
+    srv = Server(engine, ServeOptions(host=host, port=port, backlog=backlog, max_queue=max_queue, grace=grace, log=log))
+    click.echo(f"specpilot serve: {engine.model_name} {spec.mode} on http://{host}:{srv.port} "
+               f"({engine.info['dtype']}, {spec.device}, batch {srv.state.decoder.batch}; load "
+               f"{engine.info['load_seconds']:.1f} s, warm-up {engine.info['warmup_seconds']:.1f} s); {spec}", err=True)
+    st = srv.run()
     data = {"schema": "specpilot.serve/1", "engine": str(spec), "model": engine.model_name, "host": host,
-            "port": srv.server_address[1], "requests": st.requests, "errors": st.errors,
-            "completion_tokens": st.completion_tokens, "spec_verify_ct": st.verify_steps,
-            "tau": (st.completion_tokens - st.requests) / st.verify_steps if st.verify_steps else None,
-            "busy_seconds": st.busy_seconds}
-    emit(Report(data=data, sections=[Section("served", ["requests", "errors", "tokens", "verify passes", "busy s"],
-                                             [[st.requests, st.errors, st.completion_tokens, st.verify_steps,
-                                               st.busy_seconds]])]), fmt, out)
+            "port": srv.port, **st}
+    pct = lambda k: st.get(k) if st.get(k) is None else round(st[k] * 1e3, 1)  # noqa: E731
+    emit(Report(data=data, sections=[
+        Section("served", ["requests", "errors", "rejected", "aborted", "tokens", "verify passes", "tau", "busy s"],
+                [[st["requests"], st["errors"], st["rejected"], st["aborted"], st["completion_tokens"],
+                  st["spec_verify_ct"], st["tau"], st["busy_seconds"]]]),
+        Section("latency (ms)", ["", "p50", "p90", "p99"],
+                [[name, pct(f"{k}_p50"), pct(f"{k}_p90"), pct(f"{k}_p99")]
+                 for name, k in (("time to first token", "ttft"), ("inter-token", "itl"), ("end to end", "e2e"))])]),
+         fmt, out)
     return 0

@@ -1,0 +1,230 @@
+"""A load generator for SGLang-native ``/generate`` servers (``specpilot serve``, SGLang itself),
+reporting what SGLang's ``bench_serving`` reports: request and token throughput, time to first
+token, inter-token latency and end-to-end latency (mean, p50, p90, p99).
+
+    python benchmarks/loadgen.py --url http://127.0.0.1:30000 --concurrency 1,8,32 --num-prompts 64 \
+        --max-new-tokens 64 [--prompts FILE | --random-ids 32 --vocab 128256] [--rate 4] [--no-stream]
+
+Closed loop (``--concurrency C``): C clients, each sending its next request when the last one is
+answered, until ``--num-prompts`` requests are done. Open loop (``--rate R``): requests arrive as a
+Poisson process of R per second whatever the answers (``--concurrency`` then caps requests in
+flight). Requests stream by default (TTFT and ITL from the server-sent events, a chunk of n tokens
+after a gap g counting n gaps of g/n, as bench_serving does); ``--no-stream`` measures end-to-end
+latency only. ``ignore_eos`` is set so every request generates ``--max-new-tokens`` tokens.
+Library use: :func:`run_load`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class Outcome:
+    ok: bool
+    status: int = 0
+    error: str = ""
+    start: float = 0.0
+    ttft: float | None = None
+    e2e: float | None = None
+    tokens: int = 0
+    prompt_tokens: int = 0
+    itl: list[float] = field(default_factory=list)
+
+
+def _pct(xs, q):
+    if not xs:
+        return None
+    s = sorted(xs)
+    k = (len(s) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def _stats(xs, scale=1e3) -> dict:
+    if not xs:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    return {"mean": statistics.fmean(xs) * scale, "p50": _pct(xs, 50) * scale, "p90": _pct(xs, 90) * scale,
+            "p99": _pct(xs, 99) * scale}
+
+
+async def _one(client, url: str, payload: dict, stream: bool) -> Outcome:
+    out = Outcome(ok=False, start=time.perf_counter())
+    st = out.start
+    try:
+        if not stream:
+            r = await client.post(url + "/generate", json=payload)
+            out.status = r.status_code
+            if r.status_code != 200:
+                out.error = r.text[:200]
+                return out
+            body = r.json()
+            out.e2e = time.perf_counter() - st
+            out.tokens = body["meta_info"]["completion_tokens"]
+            out.prompt_tokens = body["meta_info"]["prompt_tokens"]
+            out.ok = True
+            return out
+        last_n, last_t = 0, st
+        async with client.stream("POST", url + "/generate", json={**payload, "stream": True}) as r:
+            out.status = r.status_code
+            if r.status_code != 200:
+                out.error = (await r.aread()).decode(errors="replace")[:200]
+                return out
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    out.error = str(chunk["error"])[:200]
+                    return out
+                meta = chunk["meta_info"]
+                n = meta["completion_tokens"]
+                now = time.perf_counter()
+                if n > last_n:
+                    if out.ttft is None:
+                        out.ttft = now - st
+                    else:
+                        out.itl.extend([(now - last_t) / (n - last_n)] * (n - last_n))
+                    last_n, last_t = n, now
+                out.prompt_tokens = meta["prompt_tokens"]
+                fin = meta.get("finish_reason")
+                if fin and fin.get("type") == "abort":
+                    out.error = str(fin.get("message"))
+                    return out
+        out.e2e = time.perf_counter() - st
+        out.tokens = last_n
+        out.ok = True
+    except Exception as e:   # a failed request is a data point, not a crash of the generator
+        out.error = f"{type(e).__name__}: {e}"[:200]
+    return out
+
+
+async def _run(url, payloads, concurrency, rate, stream, seed, timeout):
+    import httpx
+
+    limits = httpx.Limits(max_connections=max(concurrency or 1, 1) + 8, max_keepalive_connections=64)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        outcomes: list[Outcome] = []
+        t0 = time.perf_counter()
+        if rate is None:
+            it = iter(payloads)
+
+            async def worker():
+                for p in it:
+                    outcomes.append(await _one(client, url, p, stream))
+
+            await asyncio.gather(*[worker() for _ in range(concurrency)])
+        else:
+            rnd = random.Random(seed)
+            sem = asyncio.Semaphore(concurrency) if concurrency else None
+            tasks = []
+
+            async def fire(p):
+                if sem is None:
+                    outcomes.append(await _one(client, url, p, stream))
+                    return
+                async with sem:
+                    outcomes.append(await _one(client, url, p, stream))
+
+            for p in payloads:
+                tasks.append(asyncio.ensure_future(fire(p)))
+                await asyncio.sleep(rnd.expovariate(rate))
+            await asyncio.gather(*tasks)
+        return outcomes, time.perf_counter() - t0
+
+
+def run_load(url: str, prompts: list, *, max_new_tokens: int, concurrency: int = 1, rate: float | None = None,
+             num_prompts: int | None = None, stream: bool = True, seed: int = 0, timeout: float = 3600) -> dict:
+    """Send ``num_prompts`` requests (prompts cycled: text or token-id lists) and summarize them."""
+    n = num_prompts or len(prompts)
+    payloads = []
+    for i in range(n):
+        p = prompts[i % len(prompts)]
+        payloads.append({("text" if isinstance(p, str) else "input_ids"): p,
+                         "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}})
+    outcomes, secs = asyncio.run(_run(url.rstrip("/"), payloads, concurrency, rate, stream, seed, timeout))
+    good = [o for o in outcomes if o.ok]
+    tokens = sum(o.tokens for o in good)
+    itl = [x for o in good for x in o.itl]
+    tpot = [(o.e2e - o.ttft) / (o.tokens - 1) for o in good if o.ttft is not None and o.tokens > 1]
+    return {"concurrency": concurrency, "rate": rate, "requests": n, "completed": len(good),
+            "failed": len(outcomes) - len(good), "errors": sorted({o.error for o in outcomes if not o.ok})[:5],
+            "duration_s": secs, "request_throughput": len(good) / secs,
+            "output_tokens": tokens, "output_throughput": tokens / secs,
+            "input_tokens": sum(o.prompt_tokens for o in good), "stream": stream,
+            "ttft_ms": _stats([o.ttft for o in good if o.ttft is not None]), "itl_ms": _stats(itl),
+            "tpot_ms": _stats(tpot), "e2e_ms": _stats([o.e2e for o in good if o.e2e is not None])}
+
+
+def print_summary(res: dict) -> None:
+    mode = f"rate {res['rate']}/s" if res["rate"] else f"concurrency {res['concurrency']}"
+    print(f"== {mode}: {res['completed']}/{res['requests']} ok in {res['duration_s']:.1f} s, "
+          f"{res['output_throughput']:.2f} tok/s, {res['request_throughput']:.3f} req/s")
+    for key, name in (("ttft_ms", "TTFT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E")):
+        s = res[key]
+        if s["mean"] is not None:
+            print(f"   {name:5s} ms  mean {s['mean']:9.1f}  p50 {s['p50']:9.1f}  p90 {s['p90']:9.1f}  p99 {s['p99']:9.1f}")
+    if res["failed"]:
+        print(f"   failed {res['failed']}: {res['errors']}")
+
+
+def read_prompts(path: str) -> list:
+    """Text lines, or JSONL rows with ``text`` or ``prompt_ids``."""
+    out = []
+    for line in Path(path).read_text().splitlines():
+        if not line.strip():
+            continue
+        if line.lstrip().startswith("{"):
+            row = json.loads(line)
+            out.append(row.get("prompt_ids") or row["text"])
+        else:
+            out.append(line)
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--url", required=True)
+    ap.add_argument("--concurrency", default="1", help="comma list of closed-loop client counts")
+    ap.add_argument("--rate", type=float, default=None, help="open loop: requests per second (Poisson)")
+    ap.add_argument("--num-prompts", type=int, default=None)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--prompts", default=None, help="text lines or JSONL (text / prompt_ids)")
+    ap.add_argument("--random-ids", type=int, default=0, help="random token-id prompts of this length")
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--no-stream", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="write the summaries as JSON")
+    args = ap.parse_args(argv)
+    if args.prompts:
+        prompts = read_prompts(args.prompts)
+    elif args.random_ids:
+        rnd = random.Random(args.seed)
+        prompts = [[rnd.randrange(args.vocab) for _ in range(args.random_ids)] for _ in range(64)]
+    else:
+        print("loadgen: give --prompts FILE or --random-ids N", file=sys.stderr)
+        return 2
+    results = []
+    for c in [int(x) for x in args.concurrency.split(",")]:
+        res = run_load(args.url, prompts, max_new_tokens=args.max_new_tokens, concurrency=c, rate=args.rate,
+                       num_prompts=args.num_prompts, stream=not args.no_stream, seed=args.seed)
+        print_summary(res)
+        results.append(res)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

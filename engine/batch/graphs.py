@@ -1,0 +1,66 @@
+"""CUDA graphs for batched verify steps: one graph per (requests, rows per request) bucket.
+
+A bucket (B, N) is a step of B requests x N rows laid out request after request (request b in
+cache slot b, rows ``b*N .. b*N + N - 1``), attending over the whole static cache. The scheduler
+pads a decode step to the smallest bucket that holds it (:func:`bucket`); steps with prompt rows
+run eagerly. Dense models only (the GDN path code walks data-dependent shapes).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specpilot.engine.model import BatchStepInput, Segment
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def bucket(n: int, limit: int) -> int:
+    """The smallest bucket size >= n (``limit`` itself when above every bucket below it)."""
+    return next((b for b in BUCKETS if n <= b <= limit), limit)
+
+
+class BatchGraphRunner:
+    def __init__(self, model, cache, warmup: int = 2):
+        self.model, self.cache, self.warmup = model, cache, warmup
+        self.graphs: dict[tuple[int, int], tuple] = {}
+
+    def _capture(self, B: int, N: int):
+        m, dev, S = self.model, self.model.device, self.cache.max_seq
+        T = B * N
+        inp = BatchStepInput(torch.zeros(T, dtype=torch.long, device=dev), torch.zeros(T, dtype=torch.long, device=dev),
+                             torch.arange(N, device=dev).repeat(B), torch.arange(B, device=dev).repeat_interleave(N),
+                             torch.zeros(T, S, dtype=torch.bool, device=dev),
+                             [Segment(b, b * N, N) for b in range(B)])
+        inp.mask[:, 0] = True
+
+        def fn():
+            return m.greedy_batch(inp, self.cache, S)
+
+        # warm-up and capture run the step for real: keep the positions they write intact
+        kept = [(t, t[:B, :, :N].clone()) for lc in self.cache.layers for t in (lc.k, lc.v) if t is not None]
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(self.warmup):
+                fn()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = fn()
+        for t, saved in kept:
+            t[:B, :, :N].copy_(saved)
+        self.graphs[(B, N)] = (g, inp, out)
+        return self.graphs[(B, N)]
+
+    def get(self, B: int, N: int):
+        return self.graphs.get((B, N)) or self._capture(B, N)
+
+    def run(self, inp: BatchStepInput, B: int, N: int) -> torch.Tensor:
+        """Replay bucket (B, N) on ``inp`` (laid out for it); the argmax of every row."""
+        g, sinp, out = self.get(B, N)
+        for dst, src in ((sinp.tokens, inp.tokens), (sinp.pos, inp.pos), (sinp.slots, inp.slots),
+                         (sinp.req, inp.req), (sinp.mask, inp.mask)):
+            dst.copy_(src)
+        g.replay()
+        return out

@@ -1,0 +1,111 @@
+"""T_step(B, N): one batched verify step of B requests x N rows at a given context (``probe rows
+--batch B``). Each request has its own cache slot holding ``context`` tokens; its N rows attend to
+them and causally to each other; LM head and argmax included. On CUDA (dense models) each N is a
+captured graph of the batched step (:mod:`.graphs`), timed with CUDA events; elsewhere an eager
+step, wall clock. c(N) = T(B, N) / T(B, 1): the batched AR step is the reference.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from specpilot.engine.batch.cache import BatchCache
+from specpilot.engine.batch.step import Rows, assemble
+from specpilot.errors import InputError
+
+
+def chain_rows(B: int, N: int, context: int, vocab: int, gen) -> list[Rows]:
+    """B requests (slots 0..B-1) of N random rows each at positions context.., causal among themselves."""
+    import numpy as np
+
+    local = np.tril(np.ones((N, N), dtype=bool))
+    out = []
+    for b in range(B):
+        toks = torch.randint(0, vocab, (N,), generator=gen).tolist()
+        out.append(Rows(b, toks, list(range(context, context + N)), list(range(context, context + N)), context, local,
+                        "chain", None, tuple(range(N))))
+    return out
+
+
+def measure_rows_batched(model, batch: int, rows: list[int], context: int, reps: int = 50, warmup: int = 5,
+                         progress=None):
+    """Median step time per row count N for ``batch`` requests (cache of >= context + max(rows) slots)."""
+    from specpilot.engine.rows import RowsResult
+    from specpilot.machine import cpu_name
+
+    if context < 1:
+        raise InputError(f"--context must be >= 1, got {context}")
+    if context + max(rows) > model.max_seq:
+        raise InputError(f"context {context} + {max(rows)} rows exceed the cache ({model.max_seq} slots)")
+    cuda = model.device.type == "cuda"
+    graphs = cuda and not model.spec.is_hybrid
+    cache = BatchCache(model, batch)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    for lc in cache.layers:   # a realistic (non-zero) KV cache
+        for t in (lc.k, lc.v):
+            if t is not None:
+                t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+    order = sorted(set(rows) | {1})
+    times = {}
+    it = order if progress is None else progress(order, total=len(order), desc="rows", unit="N")
+    for N in it:
+        blocks = chain_rows(batch, N, context, model.spec.vocab_size, gen)
+        if graphs:
+            from specpilot.engine.batch.graphs import BatchGraphRunner
+            from specpilot.engine.graphs import time_replays
+
+            runner = BatchGraphRunner(model, cache)
+            inp, _, _ = assemble(blocks, cache.max_seq, model.device, pad=(batch, N))
+            runner.run(inp, batch, N)
+            g = runner.graphs[(batch, N)][0]
+            samples = time_replays(g, reps, warmup)
+            del runner, g
+        else:
+            inp, kv, _ = assemble(blocks, cache.max_seq, model.device)
+
+            def once():
+                model.greedy_batch(inp, cache, kv)
+                for lc in cache.layers:
+                    lc.stash.clear()
+
+            for _ in range(warmup):
+                once()
+            samples = []
+            for _ in range(reps):
+                if cuda:
+                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    a.record()
+                    once()
+                    b.record()
+                    b.synchronize()
+                    samples.append(a.elapsed_time(b))
+                else:
+                    t0 = time.perf_counter()
+                    once()
+                    samples.append((time.perf_counter() - t0) * 1e3)
+        times[N] = statistics.median(samples)
+    ar = times[1]
+    points = [{"rows": N, "step_ms": times[N], "c": times[N] / ar} for N in order if N in set(rows) or N == 1]
+    gpu = torch.cuda.get_device_name(model.device) if cuda else None
+    method = ("cuda graph per (requests, rows), CUDA events, median" if graphs else
+              "eager, CUDA events, median" if cuda else "eager, wall clock, median")
+    return RowsResult(model.spec.name, gpu, str(model.device), str(model.dtype).replace("torch.", ""), context, ar,
+                      points, reps, method, cpu=None if cuda else cpu_name(),
+                      extra={"batch": batch, "ar_tokens_per_s": batch / ar * 1e3, "torch": torch.__version__,
+                             "threads": torch.get_num_threads()})
+
+
+def probe_rows_batched(spec, rows: list[int], context: int, reps: int = 50, warmup: int = 5, progress=None):
+    """:func:`measure_rows_batched` on the target ``spec`` describes, ``spec.batch`` requests."""
+    from specpilot.engine.api import load_target
+
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
+    target = load_target(spec, max_seq=context + max(rows) + 64)
+    res = measure_rows_batched(target.model, spec.batch, rows, context, reps=reps, warmup=warmup, progress=progress)
+    res.model = target.name
+    res.extra.update({k: target.info[k] for k in ("w12", "attn", "head", "decode")})
+    return res

@@ -1,0 +1,503 @@
+"""Continuous batching: requests join and leave between steps; one step runs every running
+request's rows (AR, chain or tree verification, and admitted prompt chunks) through one weight
+stream. Greedy and lossless: each request's tokens are the target's argmax along its own
+accepted path, exactly as the one-request decoder (``specpilot.engine.decode``) computes them.
+
+One iteration (:meth:`BatchDecoder.step`):
+
+1. cancelled requests leave; waiting requests take free slots (up to ``batch`` running);
+2. with nothing decoding, prompts are prefilled in a pass of their own;
+3. otherwise the decoding requests draft (one lattice each), each verifies at most its block of
+   draft positions (``block=adaptive``), the node budget is filled (``budget``: shared or equal,
+   the batched tree builder) and the step runs the verify rows plus the prompt rows the
+   admission rule lets in (``admit``); then a prefill pass for the prompts left out;
+4. each request accepts its longest matching path plus the bonus token, commits it in its own
+   cache slot and delivers tokens until a stop condition (``Request.offer``);
+5. finished requests free their slots (the last running request moves into the hole).
+
+The rules are in :mod:`.rules`, the row layout in :mod:`.step`, the slots in :mod:`.cache`.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from specpilot.engine.batch import rules
+from specpilot.engine.batch.cache import BatchCache
+from specpilot.engine.batch.drafting import BatchDrafting
+from specpilot.engine.batch.requests import Request
+from specpilot.engine.batch.step import Rows, assemble, prefill_rows, verify_rows
+from specpilot.engine.decode import GenerationResult
+from specpilot.engine.metrics import STEP_BUCKETS, Histogram
+from specpilot.errors import InputError
+from specpilot.kernels import tree as treelib
+from specpilot.kernels.gdn.path import row_paths
+
+
+class QueueFull(Exception):
+    """The waiting queue holds ``max_queue`` requests already."""
+
+
+@dataclass
+class BatchStats:
+    """Totals since start (read by ``serve``'s /metrics and ``run``)."""
+
+    verify_steps: int = 0        # verify passes (each counts once, whatever its requests)
+    prefill_passes: int = 0
+    request_steps: int = 0       # sum over verify passes of the requests they verified
+    rows: int = 0                # rows run through the target (verify, prompt, padding excluded)
+    verify_rows: int = 0
+    prompt_rows: int = 0
+    admitted_prompt_rows: int = 0  # prompt rows that rode a verify step
+    drafted_positions: int = 0   # draft positions the drafter proposed
+    kept_positions: int = 0      # ... inside the requests' blocks
+    accepted: int = 0            # draft tokens accepted
+    tokens: int = 0              # tokens delivered
+    step_seconds: float = 0.0
+    step_hist: Histogram = field(default_factory=lambda: Histogram(STEP_BUCKETS))   # seconds per step
+    finished: dict = field(default_factory=dict)    # finish type -> count
+
+    def tau(self) -> float | None:
+        return (self.accepted + self.request_steps) / self.request_steps if self.request_steps else None
+
+
+class BatchDecoder:
+    """Continuous-batching greedy decoder on ``model`` (``mode``: ar, chain, tree; ``drafter``: the
+    kind, ngram/self/model). Thread-safe :meth:`submit` and :meth:`cancel`; :meth:`step` and
+    :meth:`run_forever` on one engine thread."""
+
+    def __init__(self, model, mode: str = "ar", drafter: str | None = None, *, nodes: int = 32, depth: int = 8,
+                 topk: int = 8, eos_ids=(), batch: int = 8, budget: str = "shared", block: str = "adaptive",
+                 admit: str = "waiting", admit_rows: int = 128, draft_layers: int | None = None, draft_model=None,
+                 graphs: bool = False, max_queue: int = 0, prefill_chunk: int = 512):
+        if mode != "ar" and drafter is None:
+            raise InputError(f"mode {mode} needs a drafter")
+        self.model, self.mode = model, mode
+        self.nodes, self.depth, self.topk = nodes, depth, topk if mode == "tree" else 1
+        self.eos_ids = frozenset(eos_ids or ())
+        self.batch, self.budget, self.block, self.admit = int(batch), budget, block, admit
+        self.admit_rows, self.prefill_chunk, self.max_queue = int(admit_rows), int(prefill_chunk), int(max_queue)
+        self.cache = BatchCache(model, self.batch)
+        self.drafting = None if mode == "ar" else BatchDrafting(drafter, model, self.cache, layers=draft_layers,
+                                                               draft_model=draft_model)
+        self.sizes = rules.block_sizes(depth)
+        dev = model.device
+        self.recent = torch.full((self.batch, rules.BLOCK_WINDOW), float("nan"), device=dev)
+        self.recent_at = [0] * self.batch
+        self.runner = None
+        if graphs:
+            from specpilot.engine.batch.graphs import BatchGraphRunner
+
+            self.runner = BatchGraphRunner(model, self.cache)
+        self.running: list[Request] = []          # running[i] holds slot i
+        self.waiting: deque[Request] = deque()
+        self.cond = threading.Condition()
+        self.stats = BatchStats()
+        self.threads = 0
+        self.draining = False
+
+    # ---- sizes ----------------------------------------------------------------------
+    @property
+    def rows_per_request(self) -> int:
+        """Most rows one request puts into a verify step."""
+        if self.mode == "tree":
+            return 1 + (rules.SHARED_CAP * self.nodes if self.budget == "shared" else self.nodes)
+        return 1 + (self.depth if self.mode == "chain" else 0)
+
+    def capacity_needed(self, prompt_len: int, max_new: int) -> int:
+        return prompt_len + max_new + self.rows_per_request + self.depth + 2
+
+    def check(self, req: Request) -> None:
+        """Refuse a request the engine cannot run (InputError)."""
+        ids = req.prompt_ids
+        if not ids:
+            raise InputError("empty prompt: give at least one token")
+        V = self.model.spec.vocab_size
+        bad = [t for t in ids if not 0 <= t < V]
+        if bad:
+            raise InputError(f"prompt token id {bad[0]} is outside the vocabulary (0..{V - 1})")
+        if req.max_new_tokens < 1:
+            raise InputError(f"max_new_tokens must be >= 1, got {req.max_new_tokens}")
+        need = self.capacity_needed(len(ids), req.max_new_tokens)
+        if need > self.cache.max_seq:
+            raise InputError(f"prompt ({len(ids)} tokens) + {req.max_new_tokens} new tokens + draft rows need {need} "
+                             f"cache slots; the engine has {self.cache.max_seq} (raise ctx=)")
+
+    # ---- thread-safe API --------------------------------------------------------------
+    def submit(self, req: Request) -> Request:
+        """Queue a request (checked first: InputError). QueueFull when ``max_queue`` wait already."""
+        self.check(req)
+        with self.cond:
+            if self.draining:
+                raise QueueFull("the server is shutting down")
+            if self.max_queue and len(self.waiting) >= self.max_queue:
+                raise QueueFull(f"{len(self.waiting)} requests are waiting already")
+            req.t_arrival = time.perf_counter()
+            self.waiting.append(req)
+            self.cond.notify_all()
+        return req
+
+    def cancel(self, req: Request) -> None:
+        """Stop a request at the next step boundary (a client went away); frees its slot."""
+        req.cancelled = True
+        with self.cond:
+            self.cond.notify_all()
+
+    def load(self) -> tuple[int, int]:
+        """(running, waiting)."""
+        with self.cond:
+            return len(self.running), len(self.waiting)
+
+    def idle(self) -> bool:
+        with self.cond:
+            return not self.running and not self.waiting
+
+    def abort_all(self, message: str) -> None:
+        """Finish every waiting and running request as aborted (engine thread, or no thread running)."""
+        with self.cond:
+            reqs = list(self.waiting) + list(self.running)
+            self.waiting.clear()
+        for r in reqs:
+            r.abort(message)
+            self._release(r)
+            self._notify(r, [])
+
+    def flush(self) -> bool:
+        """Zero the caches when nothing runs (``/flush_cache``); False when requests are in flight."""
+        with self.cond:
+            if self.running or self.waiting:
+                return False
+            self.cache.clear()
+            if self.drafting is not None:
+                self.drafting.clear()
+            return True
+
+    def run_forever(self, stop: threading.Event, on_error=None) -> None:
+        """The engine thread: step while there is work, sleep on the condition otherwise."""
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        while not stop.is_set():
+            with self.cond:
+                if not self.running and not self.waiting:
+                    self.cond.wait(0.05)
+                    continue
+            try:
+                self.step()
+            except Exception as e:  # an engine bug fails the requests in flight, not the server
+                if on_error is not None:
+                    on_error(e)
+                self.abort_all(f"engine error: {type(e).__name__}: {e}")
+
+    # ---- the scheduler -----------------------------------------------------------------
+    def _notify(self, r: Request, new: list[int]) -> None:
+        if r.on_update is not None:
+            r.on_update(r, new, r.done)
+
+    def _release(self, r: Request) -> None:
+        """Free the request's slot: the last running request moves into it."""
+        if r.t_done is None:
+            r.t_done = time.perf_counter()
+        with self.cond:
+            if r.slot is None or r.slot >= len(self.running) or self.running[r.slot] is not r:
+                r.slot = None
+                return
+            i, last = r.slot, len(self.running) - 1
+            if i != last:
+                mover = self.running[last]
+                self.cache.move(last, i)
+                if self.drafting is not None:
+                    self.drafting.move(last, i)
+                self.recent[i] = self.recent[last]
+                self.recent_at[i] = self.recent_at[last]
+                self.running[i] = mover
+                mover.slot = i
+            self.running.pop()
+            r.slot = None
+            self.stats.finished[r.stop_reason] = self.stats.finished.get(r.stop_reason, 0) + 1
+
+    def _admit(self) -> None:
+        with self.cond:
+            for r in [r for r in self.waiting if r.cancelled]:
+                self.waiting.remove(r)
+                r.abort("cancelled")
+                r.t_done = time.perf_counter()
+                self._notify(r, [])
+            while self.waiting and len(self.running) < self.batch:
+                r = self.waiting.popleft()
+                r.slot = len(self.running)
+                r.t_admitted = time.perf_counter()
+                self.running.append(r)
+                self.cache.reset(r.slot)
+                if self.drafting is not None:
+                    self.drafting.admit(r.slot)
+                self.recent[r.slot] = float("nan")
+                self.recent_at[r.slot] = 0
+        for r in [r for r in self.running if r.cancelled]:
+            r.abort("cancelled")
+            self._release(r)
+            self._notify(r, [])
+
+    @torch.no_grad()
+    def step(self) -> bool:
+        """One scheduler iteration; False when there was nothing to do."""
+        self._admit()
+        if not self.running:
+            return False
+        t0 = time.perf_counter()
+        decoding = [r for r in self.running if r.prefilled == len(r.prompt_ids)]
+        prefilling = [r for r in self.running if r.prefilled < len(r.prompt_ids)]
+        if not decoding:
+            self._prefill_pass(prefilling)
+        else:
+            left_out = self._verify_step(decoding, prefilling)
+            if left_out:
+                self._prefill_pass(left_out)
+        dt = time.perf_counter() - t0
+        self.stats.step_seconds += dt
+        self.stats.step_hist.observe(dt)
+        for r in [r for r in self.running if r.done and r.tail <= 0]:
+            self._finish_lattice(r)
+            self._release(r)
+        return True
+
+    def _sync(self):
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    # prompt rows ---------------------------------------------------------------------
+    def _prefill_blocks(self, reqs: list[Request], rows: list[int]) -> list[Rows]:
+        out = []
+        for r, n in zip(reqs, rows):
+            if n > 0:
+                a = r.prefilled
+                b = min(len(r.prompt_ids), a + n)
+                out.append(prefill_rows(r.slot, r.prompt_ids, a, b, b == len(r.prompt_ids)))
+        return out
+
+    def _prefill_pass(self, reqs: list[Request]) -> None:
+        """Prompt chunks of ``reqs`` (first come first) in a pass of their own, up to
+        ``prefill_chunk`` rows in all (at least one request's chunk)."""
+        rows, budget = [], self.prefill_chunk
+        for r in reqs:
+            n = min(len(r.prompt_ids) - r.prefilled, budget)
+            rows.append(max(0, n))
+            budget -= max(0, n)
+        blocks = self._prefill_blocks(reqs, rows)
+        if not blocks:
+            return
+        dev = self.model.device
+        inp, kv, need = assemble(blocks, self.cache.max_seq, dev)
+        flat = [i for n in need for i in n]
+        if flat:
+            preds = self.model.greedy_batch(inp, self.cache, kv, rows=torch.tensor(flat, device=dev)).tolist()
+        else:   # no prompt ends in this pass: the chunks only fill the caches
+            self.model.hidden_batch(inp, self.cache, kv)
+            preds = []
+        self.stats.prefill_passes += 1
+        self.stats.rows += sum(len(b) for b in blocks)
+        self.stats.prompt_rows += sum(len(b) for b in blocks)
+        self._after_prefill(blocks, need, preds, flat)
+
+    def _after_prefill(self, blocks: list[Rows], need, preds: list[int], flat: list[int]) -> None:
+        at = {row: p for row, p in zip(flat, preds)}
+        now = time.perf_counter()
+        for blk, nd in zip(blocks, need):
+            r = self.running[blk.slot]
+            r.prefilled = blk.cslots[-1] + 1
+            if nd:   # the prompt's last row: its argmax is the first token
+                first = at[nd[0]]
+                r.n_cache = len(r.prompt_ids)
+                r.full = [first]
+                self._deliver(r, [first], now)
+
+    def _deliver(self, r: Request, toks: list[int], now: float) -> None:
+        if r.done:
+            r.tail -= len(toks)
+            return
+        new = r.offer(toks, now)
+        self.stats.tokens += len(new)
+        if r.done and r.record_lattice and r.lattice:
+            need = max(x["_at"] + x["_m"] + 1 for x in r.lattice)
+            r.tail = need - len(r.full)
+        self._notify(r, new)
+
+    # verify steps --------------------------------------------------------------------
+    def _verify_step(self, decoding: list[Request], prefilling: list[Request]) -> list[Request]:
+        m = self.model
+        B = len(decoding)
+        tail = [r.done for r in decoding]   # finished requests decoding lattice targets: plain AR rows
+        lats = [None] * B
+        trees = [treelib.chain_tree([]) for _ in range(B)]
+        drafters = [b for b in range(B) if self.mode != "ar" and not tail[b]]
+        if drafters:
+            got = self.drafting.propose([(decoding[b].slot, decoding[b].prompt_ids + decoding[b].full,
+                                          decoding[b].n_cache) for b in drafters], self.depth, self.topk)
+            for b, lat in zip(drafters, got):
+                lats[b] = lat
+            self._build_trees(decoding, drafters, got, trees)
+        gdn = "tree" if self.mode == "tree" else "chain"
+        blocks = []
+        for b, r in enumerate(decoding):
+            tr = trees[b]
+            kind = gdn if len(tr) else "seq"
+            paths = row_paths([-1] + [p + 1 for p in tr.parents]) if kind == "tree" else None
+            blocks.append(verify_rows(r.slot, r.full[-1], tr, r.n_cache, kind, paths))
+        verify = sum(len(b) for b in blocks)
+        rows, need_pass = rules.plan_admission(self.admit, [len(r.prompt_ids) - r.prefilled for r in prefilling],
+                                               verify, self.admit_rows, self.prefill_chunk)
+        pblocks = self._prefill_blocks(prefilling, rows)
+        preds, need = self._run(blocks, pblocks)
+        self.stats.verify_steps += 1
+        self.stats.request_steps += sum(1 for t in tail if not t)
+        self.stats.verify_rows += verify
+        self.stats.admitted_prompt_rows += sum(len(b) for b in pblocks)
+        self.stats.prompt_rows += sum(len(b) for b in pblocks)
+        self.stats.rows += verify + sum(len(b) for b in pblocks)
+        now = time.perf_counter()
+        accepted = []
+        for b, r in enumerate(decoding):
+            tr = trees[b]
+            path, toks = treelib.accept_predictions(tr, [preds[i] for i in need[b]])
+            rows_kept = [0] + [1 + p for p in path]
+            if len(tr):
+                m.commit_batch(self.cache, r.slot, r.n_cache, rows_kept, blocks[b].gdn_rows)
+            if lats[b] is not None and r.record_lattice:
+                r.lattice.append({"schema": "specpilot.lattice/1", "request": r.id, "step": r.steps,
+                                  "tokens": lats[b].tokens, "logprobs": lats[b].logprobs,
+                                  "transitions": lats[b].transitions, "target": None, "_at": len(r.full),
+                                  "_m": lats[b].m})
+            if not tail[b]:
+                r.steps += 1
+                r.accepts.append(len(toks) - 1)
+                self.stats.accepted += len(toks) - 1
+                accepted.append((r.slot, len(path)))
+            r.n_cache += len(toks)
+            r.full.extend(toks)
+            self._deliver(r, toks, now)
+        self._note_accepted(accepted)
+        if pblocks:
+            flat = [i for n in need[B:] for i in n]
+            self._after_prefill(pblocks, need[B:], [preds[i] for i in flat], flat)
+        return [r for r, n in zip(prefilling, rows) if n == 0] if need_pass else []
+
+    def _build_trees(self, decoding, idx, lats, trees) -> None:
+        """Trees for the requests ``idx`` from their lattices (block rule, node budget)."""
+        dev = self.model.device
+        if self.mode == "chain":
+            lats = [type(lt)([row[:1] for row in lt.tokens], [row[:1] for row in lt.logprobs], None) for lt in lats]
+        m = max((lt.m for lt in lats), default=0)
+        self.stats.drafted_positions += sum(lt.m for lt in lats)
+        if m == 0:
+            return
+        k = max(1, max(len(row) for lt in lats for row in lt.tokens))
+        tok, lp, tr = rules.pack_lattices(lats, m, k, dev)
+        slots = torch.tensor([decoding[b].slot for b in idx], device=dev)
+        if self.block == "adaptive" and len(self.sizes) > 1:
+            blocks = rules.choose_blocks(self.recent[slots], rules.draft_confidence(lp), self.sizes)
+            lp, tr = rules.cut_blocks(lp, tr, blocks)
+            self.stats.kept_positions += int(torch.minimum(blocks.cpu(), torch.tensor([lt.m for lt in lats])).sum())
+        else:
+            self.stats.kept_positions += sum(min(lt.m, self.depth) for lt in lats)
+        # a chain is the tree of a one-candidate lattice: its node budget is the draft length
+        out = rules.build_trees(tok, lp, tr, self.depth if self.mode == "chain" else self.nodes, self.budget)
+        host = type(out)(*(t.cpu() for t in (out.tokens, out.parents, out.depth, out.cand, out.score, out.valid,
+                                                out.count)))
+        for j, b in enumerate(idx):
+            trees[b] = host.request(j)
+
+    def _note_accepted(self, accepted: list[tuple[int, int]]) -> None:
+        """Each verifying request's accepted draft length goes into its ring of recent lengths
+        (one indexed write on the device)."""
+        if not accepted:
+            return
+        slots = [s for s, _ in accepted]
+        cols = [self.recent_at[s] % rules.BLOCK_WINDOW for s in slots]
+        dev = self.recent.device
+        self.recent[torch.tensor(slots, device=dev), torch.tensor(cols, device=dev)] = \
+            torch.tensor([float(n) for _, n in accepted], device=dev)
+        for s in slots:
+            self.recent_at[s] += 1
+
+    def _run(self, blocks: list[Rows], pblocks: list[Rows]) -> tuple[list[int], list[list[int]]]:
+        """Run the step's rows; the argmax of the rows each block needs (host list) and where they are."""
+        m, dev = self.model, self.model.device
+        allb = blocks + pblocks
+        if self.runner is not None and not pblocks:
+            from specpilot.engine.batch.graphs import bucket
+
+            B = bucket(max(b.slot for b in blocks) + 1, self.batch)
+            N = bucket(max(len(b) for b in blocks), self.rows_per_request)
+            inp, _, need = assemble(allb, self.cache.max_seq, dev, pad=(B, N))
+            out = self.runner.run(inp, B, N).tolist()
+            return out, need
+        inp, kv, need = assemble(allb, self.cache.max_seq, dev)
+        flat = [i for n in need for i in n]
+        preds = m.greedy_batch(inp, self.cache, kv, rows=torch.tensor(flat, device=dev)).tolist()
+        full = [0] * len(inp.tokens)
+        for i, p in zip(flat, preds):
+            full[i] = p
+        return full, need
+
+    def _finish_lattice(self, r: Request) -> None:
+        """Fill each recorded step's target from the request's committed tokens."""
+        if not r.record_lattice:
+            return
+        for x in r.lattice:
+            if "_at" in x:
+                at, mm = x.pop("_at"), x.pop("_m")
+                x["target"] = r.full[at:at + max(mm + 1, 1)]
+
+    # ---- batch runs (``run --batch``) -------------------------------------------------
+    def generate_many(self, requests: list[Request], progress=None) -> list[GenerationResult]:
+        """Run ``requests`` to the end on this thread; request i joins at scheduler iteration
+        ``requests[i].arrival_step`` (0 = at once). Results in the same order."""
+        for r in requests:
+            self.check(r)
+        old = torch.get_num_threads()
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        try:
+            pending = sorted(requests, key=lambda r: r.arrival_step)
+            it, done = 0, 0
+            while pending or not self.idle():
+                while pending and pending[0].arrival_step <= it:
+                    self.submit(pending.pop(0))
+                if not self.step() and pending:
+                    it = pending[0].arrival_step
+                    continue
+                it += 1
+                if progress is not None:
+                    now = sum(1 for r in requests if r.done and r.slot is None)
+                    if now > done:
+                        progress(now - done)
+                        done = now
+        finally:
+            torch.set_num_threads(old)
+        return [result_of(r) for r in requests]
+
+
+def result_of(r: Request) -> GenerationResult:
+    """A finished request as the one-request decoder's :class:`GenerationResult` (``seconds``: from
+    arrival; ``prefill_seconds``: time to the first token)."""
+    end = r.t_done or time.perf_counter()
+    first = (r.t_first - r.t_arrival) if r.t_first is not None else 0.0
+    out = list(r.output)
+    tau = (len(out) - 1) / r.steps if r.steps else 1.0
+    return GenerationResult(out, r.steps, tau, end - r.t_arrival, list(r.lattice), first, list(r.accepts),
+                            r.stop_reason)
+
+
+def percentile(xs: list[float], q: float) -> float | None:
+    """The q-th percentile (0-100, linear interpolation) or None for no data."""
+    if not xs:
+        return None
+    s = sorted(xs)
+    k = (len(s) - 1) * q / 100
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)

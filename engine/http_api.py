@@ -1,0 +1,342 @@
+"""The ``POST /generate`` contract ``specpilot serve`` keeps: SGLang's native request, checked.
+
+Every field of a request is either honoured, accepted because it cannot change a greedy answer
+(``temperature`` 0, any ``top_p``/``top_k``/``min_p`` then, a ``sampling_seed``, SGLang's logging
+and routing fields at their defaults), or refused with a 400 that names it. Malformed bodies of
+every kind (not JSON, not UTF-8, NaN or Infinity, nesting deeper than ``MAX_DEPTH``, lone
+surrogates, wrong types, out-of-range numbers) are :class:`BadRequest` (HTTP 400), never an
+exception that escapes.
+
+Honoured sampling parameters: ``max_new_tokens``, ``min_new_tokens``, ``stop`` (strings; the text
+is cut before the match unless ``no_stop_trim``), ``stop_token_ids``, ``ignore_eos``,
+``skip_special_tokens``, ``n`` = 1.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+
+MAX_DEPTH = 32          # JSON nesting a request may have (a real one has 3)
+MAX_STOP = 64           # stop strings / stop token ids per request
+MAX_NEW_TOKENS = 1 << 20
+
+
+class BadRequest(Exception):
+    """A request the server refuses: HTTP ``status`` (400 unless said) with the message."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Sampling:
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: frozenset = frozenset()
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+
+
+@dataclass
+class GenerateCall:
+    """A checked /generate request: one prompt per engine request."""
+
+    prompts: list[list[int]]
+    sampling: list[Sampling]
+    batched: bool                       # answer with a list
+    stream: bool = False
+    rids: list[str | None] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------- JSON
+def _no_constant(name):
+    raise BadRequest(f"body is not valid JSON: {name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    x = float(text)
+    if not math.isfinite(x):
+        raise BadRequest(f"body is not valid JSON for this server: the number {text[:20]} overflows a double")
+    return x
+
+
+def _depth(obj, limit: int) -> int:
+    """Nesting depth of ``obj`` (iterative; stops past ``limit``)."""
+    stack, deepest = [(obj, 1)], 0
+    while stack:
+        o, d = stack.pop()
+        deepest = max(deepest, d)
+        if deepest > limit:
+            return deepest
+        if isinstance(o, dict):
+            stack.extend((v, d + 1) for v in o.values())
+        elif isinstance(o, list):
+            stack.extend((v, d + 1) for v in o)
+    return deepest
+
+
+def _check_strings(obj) -> None:
+    """Refuse strings that are not Unicode text (lone surrogates from ``\\ud800`` escapes)."""
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, str):
+            try:
+                o.encode("utf-8")
+            except UnicodeEncodeError:
+                raise BadRequest("body holds a string with a lone surrogate (\\ud800-\\udfff escape without its "
+                                 "pair); send valid Unicode text") from None
+        elif isinstance(o, dict):
+            stack.extend(o.keys())
+            stack.extend(o.values())
+        elif isinstance(o, list):
+            stack.extend(o)
+
+
+def parse_json(raw: bytes):
+    """The body as JSON (UTF-8), or :class:`BadRequest` saying why not."""
+    if not raw:
+        raise BadRequest("request needs a JSON body")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BadRequest(f"body is not UTF-8 ({e.reason} at byte {e.start})") from None
+    # a cheap bound before parsing: json's recursion ends in RecursionError far deeper than this
+    if text.count("[") + text.count("{") > MAX_DEPTH and _bracket_depth(text) > MAX_DEPTH:
+        raise BadRequest(f"body nests deeper than {MAX_DEPTH} levels")
+    try:
+        obj = json.loads(text, parse_constant=_no_constant, parse_float=_finite)
+    except json.JSONDecodeError as e:
+        raise BadRequest(f"body is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    except ValueError as e:   # e.g. an integer longer than Python converts (4300 digits)
+        raise BadRequest(f"body holds a number this server does not read ({str(e)[:80]})") from None
+    except RecursionError:
+        raise BadRequest(f"body nests deeper than {MAX_DEPTH} levels") from None
+    if _depth(obj, MAX_DEPTH) > MAX_DEPTH:
+        raise BadRequest(f"body nests deeper than {MAX_DEPTH} levels")
+    _check_strings(obj)
+    return obj
+
+
+def _bracket_depth(text: str) -> int:
+    """Deepest bracket nesting outside strings (an upper bound of the JSON depth)."""
+    depth = best = 0
+    in_str = esc = False
+    for ch in text:
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch in "[{":
+            depth += 1
+            if depth > best:
+                best = depth
+                if best > MAX_DEPTH:
+                    return best
+        elif ch in "]}":
+            depth -= 1
+    return best
+
+
+# ------------------------------------------------------------------------------- the contract
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x) -> bool:
+    return (isinstance(x, (int, float)) and not isinstance(x, bool)) and math.isfinite(x)
+
+
+def _int(params: dict, key: str, lo: int, hi: int, default: int) -> int:
+    v = params.get(key, default)
+    if v is None:
+        return default
+    if not _is_int(v) or not lo <= v <= hi:
+        raise BadRequest(f"sampling_params.{key} must be an integer in [{lo}, {hi}], got {json.dumps(v)[:40]}")
+    return v
+
+
+def _bool(params: dict, key: str, default: bool) -> bool:
+    v = params.get(key, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise BadRequest(f"sampling_params.{key} must be true or false")
+    return v
+
+
+# values that cannot change a greedy answer, per sampling parameter: accepted and ignored
+_NEUTRAL = {
+    "frequency_penalty": lambda v: v in (None, 0, 0.0),
+    "presence_penalty": lambda v: v in (None, 0, 0.0),
+    "repetition_penalty": lambda v: v in (None, 1, 1.0),
+    "logit_bias": lambda v: v in (None, {}),
+    "json_schema": lambda v: v is None,
+    "regex": lambda v: v is None,
+    "ebnf": lambda v: v is None,
+    "structural_tag": lambda v: v is None,
+    "custom_params": lambda v: v in (None, {}),
+    "spaces_between_special_tokens": lambda v: v in (None, True),
+    "sampling_seed": lambda v: v is None or _is_int(v),
+    "seed": lambda v: v is None or _is_int(v),
+    "stream_interval": lambda v: v is None or (_is_int(v) and v >= 1),
+}
+_HONOURED = {"max_new_tokens", "min_new_tokens", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens",
+             "no_stop_trim", "n", "temperature", "top_k", "top_p", "min_p"}
+
+# top-level fields: honoured, or accepted at their neutral value
+_TOP_HONOURED = {"text", "input_ids", "sampling_params", "stream", "rid"}
+_TOP_NEUTRAL = {
+    "return_logprob": lambda v: v in (None, False),
+    "logprob_start_len": lambda v: v is None or _is_int(v),
+    "top_logprobs_num": lambda v: v in (None, 0),
+    "token_ids_logprob": lambda v: v is None,
+    "return_text_in_logprobs": lambda v: v is None or isinstance(v, bool),
+    "lora_path": lambda v: v is None,
+    "lora_id": lambda v: v is None,
+    "image_data": lambda v: v in (None, []),
+    "video_data": lambda v: v in (None, []),
+    "audio_data": lambda v: v in (None, []),
+    "input_embeds": lambda v: v is None,
+    "return_hidden_states": lambda v: v in (None, False),
+    "return_routed_experts": lambda v: v in (None, False),
+    "custom_logit_processor": lambda v: v is None,
+    "session_params": lambda v: v is None,
+    "log_metrics": lambda v: v is None or isinstance(v, bool),
+    "bootstrap_host": lambda v: v is None,
+    "bootstrap_port": lambda v: v is None,
+    "bootstrap_room": lambda v: v is None,
+    "priority": lambda v: v is None or _is_int(v),
+}
+
+
+def parse_sampling(params) -> Sampling:
+    if params is None:
+        params = {}
+    if not isinstance(params, dict):
+        raise BadRequest("sampling_params must be an object")
+    unknown = sorted(k for k in params if k not in _HONOURED and k not in _NEUTRAL)
+    if unknown:
+        raise BadRequest(f"unknown sampling_params: {', '.join(unknown)}")
+    refused = sorted(k for k, ok in _NEUTRAL.items() if k in params and not ok(params[k]))
+    if refused:
+        raise BadRequest("the embedded engine decodes greedily and cannot honour sampling_params "
+                         f"{', '.join(refused)} (leave them out or at their neutral values)")
+    t = params.get("temperature", 0.0)
+    if t is None:
+        t = 0.0
+    if not _is_num(t) or t < 0:
+        raise BadRequest("sampling_params.temperature must be a number >= 0")
+    top_k = params.get("top_k", None)
+    if top_k is not None and (not _is_int(top_k) or (top_k < 1 and top_k != -1)):
+        raise BadRequest("sampling_params.top_k must be -1 or an integer >= 1")
+    for key, lo in (("top_p", 0.0), ("min_p", 0.0)):
+        v = params.get(key, None)
+        if v is not None and (not _is_num(v) or not lo <= v <= 1.0 or (key == "top_p" and v == 0)):
+            raise BadRequest(f"sampling_params.{key} must be a number in {'(0, 1]' if key == 'top_p' else '[0, 1]'}")
+    if t > 1e-6 and top_k != 1:
+        raise BadRequest("sampling_params.temperature: the embedded engine decodes greedily only; use temperature 0 "
+                         "(or top_k 1)")
+    if _int(params, "n", 1, 1, 1) != 1:
+        raise BadRequest("sampling_params.n must be 1")
+    max_new = _int(params, "max_new_tokens", 1, MAX_NEW_TOKENS, 128)
+    min_new = _int(params, "min_new_tokens", 0, MAX_NEW_TOKENS, 0)
+    stop = params.get("stop", None)
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP:
+        raise BadRequest(f"sampling_params.stop must be a non-empty string or a list of up to {MAX_STOP} of them")
+    ids = params.get("stop_token_ids", None)
+    if ids is None:
+        ids = []
+    if not isinstance(ids, list) or not all(_is_int(i) and i >= 0 for i in ids) or len(ids) > MAX_STOP:
+        raise BadRequest(f"sampling_params.stop_token_ids must be a list of up to {MAX_STOP} token ids")
+    return Sampling(max_new_tokens=max_new, min_new_tokens=min_new, stop=tuple(stop), stop_token_ids=frozenset(ids),
+                    ignore_eos=_bool(params, "ignore_eos", False),
+                    skip_special_tokens=_bool(params, "skip_special_tokens", True),
+                    no_stop_trim=_bool(params, "no_stop_trim", False))
+
+
+def parse_generate(body, encode=None, vocab_size: int | None = None) -> GenerateCall:
+    """Check a /generate body (parsed JSON). ``encode(text) -> ids`` tokenizes text prompts (None:
+    the model has no tokenizer); ``vocab_size`` bounds token ids."""
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    unknown = sorted(k for k in body if k not in _TOP_HONOURED and k not in _TOP_NEUTRAL)
+    if unknown:
+        raise BadRequest(f"unknown request fields: {', '.join(unknown)}")
+    refused = sorted(k for k, ok in _TOP_NEUTRAL.items() if k in body and not ok(body[k]))
+    if refused:
+        raise BadRequest(f"the embedded engine does not support {', '.join(refused)} (leave them out or at their "
+                         "defaults)")
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise BadRequest("stream must be true or false")
+    text, ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (ids is None):
+        raise BadRequest("give exactly one of 'text' or 'input_ids'")
+    if ids is not None:
+        batched = isinstance(ids, list) and bool(ids) and all(isinstance(x, list) for x in ids)
+        prompts = ids if batched else [ids]
+        for p in prompts:
+            if not isinstance(p, list) or not p or not all(_is_int(t) for t in p):
+                raise BadRequest("input_ids must be a non-empty list of integers (or a list of such lists)")
+            if vocab_size is not None:
+                bad = next((t for t in p if not 0 <= t < vocab_size), None)
+                if bad is not None:
+                    raise BadRequest(f"input_ids: token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
+    else:
+        batched = isinstance(text, list)
+        texts = text if batched else [text]
+        if not texts or not all(isinstance(t, str) and t for t in texts):
+            raise BadRequest("text must be a non-empty string (or a list of them)")
+        if encode is None:
+            raise BadRequest("this model has no tokenizer; send input_ids")
+        prompts = []
+        for t in texts:
+            try:
+                p = encode(t)
+            except Exception as e:   # a tokenizer failing on odd text is the request's problem
+                raise BadRequest(f"cannot tokenize text ({type(e).__name__}: {str(e)[:120]})") from None
+            if not p:
+                raise BadRequest("text tokenizes to no tokens")
+            prompts.append(p)
+    sp = body.get("sampling_params")
+    if isinstance(sp, list):
+        if len(sp) != len(prompts):
+            raise BadRequest(f"sampling_params is a list of {len(sp)} but there are {len(prompts)} prompts")
+        sampling = [parse_sampling(s) for s in sp]
+    else:
+        sampling = [parse_sampling(sp)] * len(prompts)
+    if vocab_size is not None:
+        for s in sampling:
+            bad = next((t for t in s.stop_token_ids if t >= vocab_size), None)
+            if bad is not None:
+                raise BadRequest(f"sampling_params.stop_token_ids: {bad} is outside the vocabulary "
+                                 f"(0..{vocab_size - 1})")
+    rid = body.get("rid")
+    if rid is None:
+        rids = [None] * len(prompts)
+    elif isinstance(rid, str) and not batched:
+        rids = [rid]
+    elif isinstance(rid, list) and len(rid) == len(prompts) and all(isinstance(r, str) for r in rid):
+        rids = list(rid)
+    else:
+        raise BadRequest("rid must be a string (or a list of one per prompt)")
+    if stream and batched:
+        raise BadRequest("stream with a list of prompts is not supported; send one request per prompt")
+    return GenerateCall(prompts, sampling, batched, stream, rids)

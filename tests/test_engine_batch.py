@@ -1,0 +1,275 @@
+"""Continuous batching (``specpilot.engine.batch``): lossless against one-request greedy decoding,
+and the batching rules doing what they say.
+
+Every batched configuration decodes prompts arriving at different steps (so requests join and
+leave mid-run, slots move) and each request's output must equal the one-request AR decoder's
+output token for token (CPU fp32; tiny and tiny-hybrid, every mode, drafter, budget, block rule
+and admission rule).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from specpilot.engine.api import load_engine
+from specpilot.engine.batch import rules
+from specpilot.engine.batch.requests import Request
+from specpilot.engine.drafters import Lattice
+from specpilot.engine.spec import EngineSpec
+from specpilot.kernels.tree import build_best_first, build_best_first_shared
+
+MAX_NEW = 20
+
+
+def _prompts(n=6, seed=3):
+    rnd = random.Random(seed)
+    out = []
+    for _ in range(n):
+        base = [rnd.randrange(256) for _ in range(rnd.randrange(3, 7))]
+        out.append((base * 6)[:rnd.randrange(4, 26)])
+    return out
+
+
+PROMPTS = _prompts()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    refs = {}
+    for model in ("tiny", "tiny-hybrid"):
+        eng = load_engine(EngineSpec.parse(f"engine:model={model},mode=ar"))
+        refs[model] = [eng.generate(p, MAX_NEW).output_ids for p in PROMPTS]
+    return refs
+
+
+def _batched(model, extra, arrivals=(0, 0, 2, 3, 7, 12), runner=None, **kw):
+    eng = load_engine(EngineSpec.parse(f"engine:model={model},batch=3,nodes=6,depth=4,topk=3,{extra}"))
+    dec = eng.batch_decoder()
+    if runner is not None:
+        dec.runner = runner(dec)
+    reqs = [Request(p, MAX_NEW, id=i, arrival_step=a, **kw) for i, (p, a) in enumerate(zip(PROMPTS, arrivals))]
+    return dec, dec.generate_many(reqs), reqs
+
+
+CONFIGS = [
+    ("tiny", "mode=ar"),
+    ("tiny", "mode=chain"),
+    ("tiny", "mode=tree"),
+    ("tiny", "mode=tree,budget=equal,block=fixed"),
+    ("tiny", "mode=tree,admit=off"),
+    ("tiny", "mode=tree,admit=all,admit_rows=8"),
+    ("tiny", "mode=tree,drafter=self,draft_layers=2"),
+    ("tiny", "mode=chain,drafter=model,draft_model=tiny"),
+    ("tiny-hybrid", "mode=ar"),
+    ("tiny-hybrid", "mode=chain,drafter=self,draft_layers=2"),
+    ("tiny-hybrid", "mode=tree,drafter=self,draft_layers=2"),
+    ("tiny-hybrid", "mode=tree,budget=equal,admit=off"),
+]
+
+
+@pytest.mark.parametrize("model,extra", CONFIGS)
+def test_batched_outputs_equal_one_request_greedy(reference, model, extra):
+    dec, res, _ = _batched(model, extra)
+    assert [r.output_ids for r in res] == reference[model]
+    assert dec.idle() and not dec.running
+    if "mode=ar" not in extra:
+        assert dec.stats.verify_steps > 0
+    if "drafter=self" in extra:     # real multi-token accepts happened (KV moves, GDN commits)
+        assert dec.stats.accepted > 0
+
+
+class _EagerPadded:
+    """Stands in for the CUDA-graph runner on the CPU: the same padded (requests, rows) layout,
+    run eagerly over the whole static cache."""
+
+    def __init__(self, dec):
+        self.dec, self.shapes = dec, []
+
+    def run(self, inp, B, N):
+        assert inp.tokens.numel() == B * N
+        self.shapes.append((B, N))
+        return self.dec.model.greedy_batch(inp, self.dec.cache, self.dec.cache.max_seq)
+
+
+@pytest.mark.parametrize("extra", ["mode=tree,drafter=self,draft_layers=2", "mode=chain,admit=off"])
+def test_graph_bucket_layout_is_lossless(reference, extra):
+    holder = {}
+
+    def runner(dec):
+        holder["r"] = _EagerPadded(dec)
+        return holder["r"]
+
+    dec, res, _ = _batched("tiny", extra, runner=runner)
+    assert [r.output_ids for r in res] == reference["tiny"]
+    shapes = holder["r"].shapes
+    assert shapes and all(B in (1, 2, 3) and N >= 1 for B, N in shapes)
+    assert any(N > 1 for _, N in shapes)
+
+
+def test_cancel_frees_slot_and_others_stay_lossless(reference):
+    eng = load_engine(EngineSpec.parse("engine:model=tiny,mode=tree,batch=2,nodes=6,depth=4,topk=3,drafter=self,"
+                                       "draft_layers=2"))
+    dec = eng.batch_decoder()
+    reqs = [Request(p, MAX_NEW, id=i) for i, p in enumerate(PROMPTS[:4])]
+    for r in reqs:
+        dec.submit(r)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        dec.step()
+        dec.step()
+        victim = reqs[0]
+        assert victim.slot == 0 and len(dec.running) == 2
+        dec.cancel(victim)
+        while not dec.idle():
+            dec.step()
+    finally:
+        torch.set_num_threads(threads)
+    assert victim.finish == {"type": "abort", "message": "cancelled"}
+    assert [r.output for r in reqs[1:]] == reference["tiny"][1:4]
+
+
+def test_stop_conditions():
+    r = Request([1], 10, stop_ids=frozenset({7}), eos_ids=frozenset({7}), min_new_tokens=2)
+    assert r.offer([7, 5, 7, 9], 0.0) == [7, 5, 7] and r.finish == {"type": "stop", "matched": 7}
+    assert r.stop_reason == "eos"
+    r = Request([1], 10, stop_strings=("ab",), decode=lambda ids: "".join(chr(97 + i) for i in ids))
+    assert r.offer([2, 0, 1, 3], 0.0) == [2, 0, 1] and r.finish == {"type": "stop", "matched": "ab"}
+    assert r.stop_reason == "stop"
+    r = Request([1], 3)
+    assert r.offer([4, 4, 4, 4], 0.0) == [4, 4, 4] and r.finish == {"type": "length", "length": 3}
+
+
+def test_stop_token_ids_and_ignore_eos_in_the_decoder(reference):
+    want = reference["tiny"][0]
+    stop = want[5]
+    first = want.index(stop)
+    eng = load_engine(EngineSpec.parse("engine:model=tiny,mode=tree,batch=2,nodes=6,depth=4,topk=3"))
+    dec = eng.batch_decoder()
+    a = Request(PROMPTS[0], MAX_NEW, stop_ids=frozenset({stop}), eos_ids=frozenset({stop}))
+    b = Request(PROMPTS[0], MAX_NEW)   # ignore_eos: the server leaves EOS out of stop_ids
+    dec.generate_many([a, b])
+    assert a.output == want[:first + 1] and a.stop_reason == "eos"
+    assert b.output == want and b.stop_reason == "length"
+
+
+def test_batched_lattice_rows_equal_one_request_rows():
+    """With equal trees and fixed blocks a batched run drafts exactly what one-request runs draft."""
+    spec = "engine:model=tiny,mode=tree,nodes=6,depth=4,topk=3"
+    one = load_engine(EngineSpec.parse(spec))
+    rows = []
+    for i, p in enumerate(PROMPTS[:4]):
+        rows += one.generate(p, 12, record_lattice=True, request=i).lattice_steps
+    eng = load_engine(EngineSpec.parse(spec + ",batch=3,budget=equal,block=fixed"))
+    reqs = [Request(p, 12, id=i, record_lattice=True, arrival_step=i) for i, p in enumerate(PROMPTS[:4])]
+    res = eng.batch_decoder().generate_many(reqs)
+    got = [x for r in res for x in r.lattice_steps]
+    assert got == rows and rows
+
+
+# ------------------------------------------------------------------------------------- rules
+def test_block_sizes():
+    assert rules.block_sizes(16) == [16, 12, 8]
+    assert rules.block_sizes(8) == [8, 6, 4]
+    assert rules.block_sizes(1) == [1]
+
+
+def test_choose_blocks_from_recent_acceptance_and_confidence():
+    nan = float("nan")
+    recent = torch.tensor([[nan] * 4, [10.0, 12.0, nan, nan], [1.0, 0.0, 2.0, 1.0], [1.0, 0.0, 2.0, 1.0],
+                           [7.0, 7.0, 7.0, 7.0]])
+    conf = torch.tensor([0.0, 0.0, 0.0, 9.5, 0.0])
+    got = rules.choose_blocks(recent, conf, [16, 12, 8]).tolist()
+    # no record: largest; mean 11 > 0.75 * 12; mean 1: smallest; confident draft: largest; 7 > 0.75 * 8 only
+    assert got == [16, 16, 8, 16, 12]
+
+
+def test_draft_confidence():
+    lp = torch.log(torch.tensor([[[0.5, 0.1], [0.5, 0.1], [1.0, 0.0]], [[1.0, 0.0], [0.0, 0.0], [1.0, 0.0]]]))
+    assert torch.allclose(rules.draft_confidence(lp), torch.tensor([0.5 + 0.25 + 0.25, 1.0]))
+
+
+def test_cut_blocks_cuts_positions_past_each_block():
+    lp = torch.zeros(2, 4, 2)
+    tr = torch.zeros(2, 3, 2, 2)
+    lp2, tr2 = rules.cut_blocks(lp, tr, torch.tensor([2, 4]))
+    assert torch.isinf(lp2[0, 2:]).all() and torch.isfinite(lp2[0, :2]).all() and torch.isfinite(lp2[1]).all()
+    assert torch.isinf(tr2[0, 1:]).all() and torch.isfinite(tr2[0, 0]).all() and torch.isfinite(tr2[1]).all()
+
+
+def _lattice(rnd, m, k, transitions=True):
+    toks = [[rnd.randrange(50) for _ in range(rnd.randrange(1, k + 1))] for _ in range(m)]
+    lps = [sorted((np.log(rnd.random()) for _ in row), reverse=True) for row in toks]
+    tr = [[[float(np.log(rnd.random())) for _ in toks[i + 1]] for _ in toks[i]] for i in range(m - 1)] \
+        if transitions else None
+    return Lattice(toks, [[float(x) for x in r] for r in lps], tr)
+
+
+def test_trees_from_packed_lattices_match_the_host_builder():
+    rnd = random.Random(5)
+    lats = [_lattice(rnd, rnd.randrange(1, 5), 3, transitions=b % 2 == 0) for b in range(4)]
+    m = max(lt.m for lt in lats)
+    tok, lp, tr = rules.pack_lattices(lats, m, 3, "cpu")
+    equal = rules.build_trees(tok, lp, tr, 5, "equal")
+    for b, lt in enumerate(lats):
+        want = build_best_first(lt.tokens, lt.logprobs, lt.transitions, 5)
+        got = equal.request(b)
+        assert got.tokens == want.tokens and got.parents == want.parents
+    shared = rules.build_trees(tok, lp, tr, 2, "shared")      # 8 nodes over 4 requests, at most 4 each
+    want = build_best_first_shared([(lt.tokens, lt.logprobs, lt.transitions) for lt in lats], 8)
+    got = [shared.request(b) for b in range(4)]
+    assert sum(len(t) for t in got) == sum(len(t) for t in want) <= 8
+    if all(len(t) <= rules.SHARED_CAP * 2 for t in want):
+        assert [t.tokens for t in got] == [t.tokens for t in want]
+
+
+def test_plan_admission():
+    assert rules.plan_admission("off", [5, 9], 10, 128, 512) == ([0, 0], True)
+    assert rules.plan_admission("waiting", [100, 20, 200], 10, 128, 512) == ([100, 0, 0], True)
+    assert rules.plan_admission("waiting", [10, 20], 10, 128, 512) == ([10, 20], False)
+    assert rules.plan_admission("all", [700, 20], 500, 128, 512) == ([512, 20], False)
+    assert rules.plan_admission("waiting", [10], 0, 128, 512) == ([0], True)
+
+
+# ------------------------------------------------------------------------------- the CLI
+def test_run_batch_equals_run_one_at_a_time(run_cli, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"schema": "specpilot.prompts/1", "id": f"p{i}", "prompt_ids": p}) + "\n"
+                               for i, p in enumerate(PROMPTS[:4])))
+    outs = {}
+    for b in (1, 3):
+        code, out, err = run_cli("run", "--model", "tiny", "--mode", "tree", "--nodes", "6", "--depth", "4",
+                                 "--prompts", prompts, "--max-new-tokens", MAX_NEW, "--batch", b, "--format", "json")
+        assert code == 0, err
+        outs[b] = json.loads(out)
+    assert [r["output_ids"] for r in outs[3]["results"]] == [r["output_ids"] for r in outs[1]["results"]]
+    assert outs[3]["batch"]["batch"] == 3 and outs[3]["batch"]["verify_steps"] > 0 and "batch" not in outs[1]
+
+
+def test_run_batch_refuses_too_long_prompt(run_cli):
+    code, _, err = run_cli("run", "--model", "tiny", "--prompt-ids", ",".join(["5"] * 40), "--ctx", "48",
+                           "--batch", "2", "--max-new-tokens", "4")
+    assert code == 2 and err.startswith("specpilot: error:") and "cache slots" in err
+
+
+def test_probe_rows_batch_and_ceiling(run_cli, tmp_path):
+    out = tmp_path / "rows.json"
+    code, _, err = run_cli("probe", "rows", "--model", "tiny", "--device", "cpu", "--rows", "1,4", "--context", "16",
+                           "--batch", "3", "--reps", "1", "--warmup", "0", "--threads", "1", "--format", "json",
+                           "--out", out)
+    assert code == 0, err
+    doc = json.loads(out.read_text())
+    assert doc["batch"] == 3 and [p["rows"] for p in doc["points"]] == [1, 4] and doc["ar_ms"] > 0
+    code, _, err = run_cli("ceiling", "--model", "llama-3.1-8b", "--gpu", "h200", "--rows", "4", "--batch", "2",
+                           "--rows-probe", out, "--tau", "2")
+    assert code == 2 and "--batch 3" in err
+    code, res, err = run_cli("ceiling", "--model", "llama-3.1-8b", "--gpu", "h200", "--rows", "4", "--batch", "3",
+                             "--rows-probe", out, "--tau", "2", "--format", "json")
+    assert code == 0, err
+    cost = json.loads(res)["cost_model"]
+    assert cost["sources"]["step_ms"].startswith("rows probe")

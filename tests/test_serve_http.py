@@ -1,0 +1,431 @@
+"""``specpilot serve`` under concurrent load: a real server process on loopback, real httpx clients.
+
+Server A (tiny model, 8 slots): hundreds of concurrent clients all answered, each output equal to
+the model's own one-request greedy output; SGLang's streaming format; every kind of malformed
+request a 400 with a JSON error; sampling parameters honoured or refused by name; a client that
+leaves frees its slot; /metrics in Prometheus text; SIGTERM drains the requests in flight.
+Server B (a tiny Llama folder whose EOS the greedy text reaches, 1 slot, queue of 1, 0.5 s grace):
+EOS and ignore_eos, 503 + Retry-After when the queue is full, SIGTERM past the grace fails the
+rest cleanly. Both exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from specpilot.engine.api import load_engine
+from specpilot.engine.spec import EngineSpec
+
+PROMPTS = [[(7 * i + j) % 256 for j in range(3 + i % 5)] * 2 for i in range(10)]
+
+
+class ServeProcess:
+    """``specpilot serve ARGS --port 0`` in a subprocess; :meth:`url` waits for it to listen."""
+
+    def __init__(self, *args):
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen([sys.executable, "-m", "specpilot", "serve", *map(str, args), "--port", "0"],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        self.err: list[str] = []
+        self._url = None
+        self._found = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stderr:
+            self.err.append(line)
+            m = re.search(r"on (http://127\.0\.0\.1:\d+)", line)
+            if m and self._url is None:
+                self._url = m.group(1)
+                self._found.set()
+
+    def url(self, timeout=120.0) -> str:
+        if not self._found.wait(timeout):
+            self.kill()
+            pytest.fail("specpilot serve did not start: " + "".join(self.err)[-1000:])
+        return self._url
+
+    def stop(self, timeout=60.0) -> tuple[int, str]:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            out, _ = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail("specpilot serve did not stop on SIGTERM")
+        return self.proc.returncode, out
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _info(url):
+    return httpx.get(url + "/get_server_info", timeout=10).json()
+
+
+def _wait_running(url, n, timeout=20.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if _info(url)["running"] == n:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _gen(ids, max_new, **sp):
+    return {"input_ids": ids, "sampling_params": {"max_new_tokens": max_new, "temperature": 0, **sp}}
+
+
+@pytest.fixture(scope="module")
+def server_a():
+    s = ServeProcess("--model", "tiny", "--mode", "tree", "--nodes", "6", "--depth", "4", "--batch", "16",
+                     "--max-queue", "1024", "--threads", "1", "--log-requests")
+    yield s
+    s.kill()
+
+
+@pytest.fixture(scope="module")
+def greedy():
+    eng = load_engine(EngineSpec.parse("engine:model=tiny,mode=ar"))
+    cache = {}
+
+    def get(ids, n):
+        key = (tuple(ids), n)
+        if key not in cache:
+            cache[key] = eng.generate(ids, n).output_ids
+        return cache[key]
+
+    return get
+
+
+def test_hundreds_of_concurrent_clients_are_batched_and_lossless(server_a, greedy):
+    url = server_a.url()
+    before = _info(url)["spec_verify_ct"]
+
+    async def main():
+        limits = httpx.Limits(max_connections=300, max_keepalive_connections=0)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as c:
+            return await asyncio.gather(*[c.post(url + "/generate", json=_gen(PROMPTS[i % 10], 3 + i % 4))
+                                          for i in range(200)])
+
+    rs = asyncio.run(main())
+    assert [r.status_code for r in rs] == [200] * 200
+    steps = 0
+    for i, r in enumerate(rs):
+        body = r.json()
+        assert body["output_ids"] == greedy(PROMPTS[i % 10], 3 + i % 4)
+        assert body["meta_info"]["completion_tokens"] == 3 + i % 4
+        assert body["meta_info"]["finish_reason"] == {"type": "length", "length": 3 + i % 4}
+        steps += body["meta_info"]["spec_verify_ct"]
+    # one verify pass served several requests: the server ran fewer passes than the requests counted
+    assert _info(url)["spec_verify_ct"] - before < steps
+
+
+def test_streaming_in_sglangs_format(server_a, greedy):
+    url = server_a.url()
+    events = []
+    with httpx.stream("POST", url + "/generate", json={**_gen(PROMPTS[3], 12), "stream": True}, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line:
+                assert line.startswith("data: ")
+                events.append(line[6:])
+    assert events[-1] == "[DONE]" and len(events) >= 3
+    chunks = [json.loads(e) for e in events[:-1]]
+    counts = [c["meta_info"]["completion_tokens"] for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 12
+    assert all(c["output_ids"] == chunks[-1]["output_ids"][:len(c["output_ids"])] for c in chunks)
+    assert chunks[-1]["output_ids"] == greedy(PROMPTS[3], 12)
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+
+
+def test_text_prompts_and_stop_token_ids(server_a, greedy):
+    url = server_a.url()
+    r = httpx.post(url + "/generate", json={"text": ["abcabc", "xyz"], "sampling_params": {"max_new_tokens": 5}},
+                   timeout=60)
+    assert r.status_code == 200 and isinstance(r.json(), list) and len(r.json()) == 2
+    assert r.json()[0]["output_ids"] == greedy(list(b"abcabc"), 5)
+    want = greedy(PROMPTS[1], 16)
+    stop = want[6]
+    r = httpx.post(url + "/generate", json=_gen(PROMPTS[1], 16, stop_token_ids=[stop]), timeout=60).json()
+    assert r["output_ids"] == want[:want.index(stop) + 1]
+    assert r["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    r = httpx.post(url + "/generate", json=_gen(PROMPTS[1], 16, stop_token_ids=[stop], min_new_tokens=16),
+                   timeout=60).json()
+    assert r["output_ids"] == want
+
+
+RAW_BAD = [
+    b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n{}",
+    b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n{}",
+    b"POST /generate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",
+    b"GARBAGE\r\n\r\n",
+]
+
+BAD_BODIES = [
+    (b'{"text": "\\ud800"}', "lone surrogate"),
+    (b'{"text": "ok", "sampling_params": {"stop": "\\udfff"}}', "lone surrogate"),
+    (b"[" * 50000 + b"]" * 50000, "nests deeper"),
+    (b'{"a":' * 5000 + b"1" + b"}" * 5000, "nests deeper"),
+    (b'{"input_ids": [1, 2], "sampling_params": {"max_new_tokens": NaN}}', "NaN"),
+    (b"\xff\xfe\x00", "not UTF-8"),
+    (b"", "JSON body"),
+    (b"[1, 2, 3]", "JSON object"),
+    (b'{"text": "hi"', "not valid JSON"),
+    (b'{"input_ids": [1, 2], "text": "x"}', "exactly one"),
+    (b'{"input_ids": []}', "input_ids"),
+    (b'{"input_ids": [1, true]}', "input_ids"),
+    (b'{"input_ids": [1, 999999]}', "outside the vocabulary"),
+    (b'{"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1e400}}', "overflows"),
+    (b'{"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1' + b"0" * 5000 + b'}}', "number"),
+    (b'{"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 100000000000000000000000}}', "max_new_tokens"),
+    (b'{"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 100000}}', "cache slots"),
+    (b'{"input_ids": [1, 2], "sampling_params": "fast"}', "sampling_params"),
+    (b'{"input_ids": [1, 2], "sampling_params": {"stop": [1]}}', "stop"),
+    (b'{"input_ids": [1, 2], "stream": "yes"}', "stream"),
+    (b'{"input_ids": [[1], [2]], "stream": true}', "stream"),
+    (b'{"input_ids": [1, 2], "bogus": 1}', "bogus"),
+]
+
+
+@pytest.mark.parametrize("raw", RAW_BAD, ids=range(len(RAW_BAD)))
+def test_malformed_http_gets_a_json_400(server_a, raw):
+    url = server_a.url()
+    host, port = url.split("//")[1].split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(raw)
+        data = b""
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), data[:200]
+    assert "message" in json.loads(body)["error"]
+
+
+@pytest.mark.parametrize("body,words", BAD_BODIES, ids=range(len(BAD_BODIES)))
+def test_malformed_requests_get_400_naming_the_problem(server_a, body, words):
+    r = httpx.post(server_a.url() + "/generate", content=body, headers={"content-type": "application/json"},
+                   timeout=30)
+    assert r.status_code == 400, r.text
+    assert words in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("params,named", [({"repetition_penalty": 1.2}, "repetition_penalty"),
+                                          ({"frequency_penalty": 0.5, "json_schema": "{}"}, "frequency_penalty, json_schema"),
+                                          ({"temperature": 0.8}, "temperature"),
+                                          ({"n": 2}, "n"),
+                                          ({"top_q": 1}, "top_q")])
+def test_sampling_params_that_change_the_answer_are_refused_by_name(server_a, params, named):
+    r = httpx.post(server_a.url() + "/generate", json=_gen([1, 2, 3], 4, **params), timeout=30)
+    assert r.status_code == 400 and named in r.json()["error"]["message"]
+
+
+def test_neutral_parameters_are_accepted(server_a, greedy):
+    body = {"input_ids": [4, 5, 6], "sampling_params": {"max_new_tokens": 4, "temperature": 0, "top_p": 0.9,
+                                                       "top_k": 40, "min_p": 0.0, "repetition_penalty": 1.0,
+                                                       "frequency_penalty": 0.0, "sampling_seed": 3},
+            "return_logprob": False, "logprob_start_len": -1, "lora_path": None, "return_routed_experts": False,
+            "rid": "my-id", "stream": False}
+    r = httpx.post(server_a.url() + "/generate", json=body, timeout=30)
+    assert r.status_code == 200 and r.json()["output_ids"] == greedy([4, 5, 6], 4)
+    assert r.json()["meta_info"]["id"] == "my-id"
+    r = httpx.post(server_a.url() + "/generate", json={**body, "return_logprob": True}, timeout=30)
+    assert r.status_code == 400 and "return_logprob" in r.json()["error"]["message"]
+
+
+def test_client_disconnect_cancels_and_frees_the_slot(server_a):
+    url = server_a.url()
+    assert _wait_running(url, 0)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/generate", json=_gen([9, 9, 9], 1500), timeout=httpx.Timeout(30, read=0.5))
+    assert _wait_running(url, 0, timeout=10)
+    with httpx.stream("POST", url + "/generate", json={**_gen([8, 8, 8], 1500), "stream": True}, timeout=30) as r:
+        it = r.iter_lines()
+        assert next(it).startswith("data: ")
+    assert _wait_running(url, 0, timeout=10)
+    metrics = httpx.get(url + "/metrics", timeout=10).text
+    assert re.search(r'^specpilot_requests_total\{outcome="abort"\} [2-9]', metrics, re.M)
+
+
+def test_metrics_info_health_flush(server_a):
+    url = server_a.url()
+    text = httpx.get(url + "/metrics", timeout=10).text
+    names = set()
+    for line in text.splitlines():
+        if line.startswith("# "):
+            assert re.match(r"# (HELP|TYPE) specpilot_\w+ ", line)
+            continue
+        m = re.match(r'^(specpilot_\w+?)(\{[a-z_]+="[^"]*"\})? (-?[0-9.e+]+|\+Inf)$', line)
+        assert m, line
+        names.add(m.group(1))
+    for n in ("specpilot_requests_total", "specpilot_generation_tokens_total", "specpilot_tau",
+              "specpilot_queue_depth", "specpilot_step_seconds_bucket", "specpilot_time_to_first_token_seconds_sum",
+              "specpilot_inter_token_latency_seconds_count", "specpilot_e2e_request_latency_seconds_bucket"):
+        assert n in names
+    assert re.search(r'^specpilot_requests_total\{outcome="length"\} [1-9]', text, re.M)
+    info = _info(url)
+    assert info["max_running_requests"] == 16 and info["budget"] == "shared" and info["model"] == "tiny"
+    assert httpx.get(url + "/health", timeout=10).status_code == 200
+    assert httpx.get(url + "/get_model_info", timeout=10).json()["is_generation"] is True
+    assert _wait_running(url, 0)
+    assert httpx.post(url + "/flush_cache", timeout=10).status_code == 200
+    r = httpx.get(url + "/no_such_thing", timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["message"]
+
+
+def test_sigterm_drains_requests_in_flight(server_a, greedy):
+    url = server_a.url()
+    results = {}
+
+    def client(i):
+        results[i] = httpx.post(url + "/generate", json=_gen(PROMPTS[i], 60), timeout=120)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    assert _wait_running(url, 3)
+    server_a.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    try:
+        late = httpx.post(url + "/generate", json=_gen([1, 2], 2), timeout=10).status_code
+    except httpx.TransportError:
+        late = None
+    assert late in (503, None)
+    for t in threads:
+        t.join(120)
+    assert [results[i].status_code for i in range(3)] == [200] * 3
+    assert [results[i].json()["output_ids"] for i in range(3)] == [greedy(PROMPTS[i], 60) for i in range(3)]
+    out, _ = server_a.proc.communicate(timeout=60)
+    assert server_a.proc.returncode == 0
+    assert "served" in out and "latency (ms)" in out
+    assert "request" in "".join(server_a.err)   # --log-requests lines
+
+
+# ---------------------------------------------------------------------------------- server B
+@pytest.fixture(scope="module")
+def eos_model(tmp_path_factory):
+    """A tiny Llama folder whose config names as EOS a token its greedy text reaches."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("serve_eos") / "model"
+    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=False,
+                      initializer_range=0.5, bos_token_id=1, eos_token_id=95, pad_token_id=0)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).eval().save_pretrained(str(folder))
+    eng = load_engine(EngineSpec.parse(f"engine:model={folder},mode=ar"))
+    want = eng.generate([5, 6, 7, 8], 24).output_ids
+    eos = next(t for t in want[3:] if t not in want[:3])
+    conf = json.loads((folder / "config.json").read_text())
+    conf["eos_token_id"] = eos
+    (folder / "config.json").write_text(json.dumps(conf))
+    gen = folder / "generation_config.json"
+    if gen.is_file():
+        g = json.loads(gen.read_text())
+        g["eos_token_id"] = eos
+        gen.write_text(json.dumps(g))
+    return str(folder), want, eos
+
+
+@pytest.fixture(scope="module")
+def server_b(eos_model):
+    s = ServeProcess("--model", eos_model[0], "--mode", "chain", "--depth", "3", "--batch", "1", "--max-queue", "1",
+                     "--grace", "0.5", "--threads", "1")
+    yield s
+    s.kill()
+
+
+def test_eos_and_ignore_eos(server_b, eos_model):
+    _, want, eos = eos_model
+    url = server_b.url()
+    r = httpx.post(url + "/generate", json=_gen([5, 6, 7, 8], 24), timeout=60).json()
+    assert r["output_ids"] == want[:want.index(eos) + 1]
+    assert r["meta_info"]["finish_reason"] == {"type": "stop", "matched": eos}
+    r = httpx.post(url + "/generate", json=_gen([5, 6, 7, 8], 24, ignore_eos=True), timeout=60).json()
+    assert r["output_ids"] == want and r["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_full_queue_answers_503_with_retry_after(server_b):
+    url = server_b.url()
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as c:
+            return await asyncio.gather(*[c.post(url + "/generate", json=_gen([3, 4, 5], 120, ignore_eos=True))
+                                          for _ in range(6)])
+
+    rs = asyncio.run(main())
+    codes = sorted(r.status_code for r in rs)
+    assert codes.count(200) >= 2 and 503 in codes
+    busy = next(r for r in rs if r.status_code == 503)
+    assert busy.headers["retry-after"] == "1" and "busy" in busy.json()["error"]["message"]
+
+
+def test_sigterm_past_the_grace_fails_the_rest_cleanly(server_b):
+    url = server_b.url()
+    results = {}
+
+    def plain():
+        results["plain"] = httpx.post(url + "/generate", json=_gen([3, 4, 5], 1500, ignore_eos=True), timeout=120)
+
+    def streamed():
+        lines = []
+        with httpx.stream("POST", url + "/generate", json={**_gen([3, 4], 1500, ignore_eos=True), "stream": True},
+                          timeout=120) as r:
+            lines = [x for x in r.iter_lines() if x]
+        results["stream"] = lines
+
+    threads = [threading.Thread(target=plain), threading.Thread(target=streamed)]
+    threads[0].start()
+    assert _wait_running(url, 1)
+    threads[1].start()
+    time.sleep(0.5)
+    code, out = server_b.stop()
+    for t in threads:
+        t.join(60)
+    assert code == 0 and "served" in out
+    statuses = {"plain": results["plain"].status_code}
+    last = json.loads(results["stream"][-2][6:]) if len(results["stream"]) >= 2 else None
+    assert statuses["plain"] == 503 and "shutting down" in results["plain"].json()["error"]["message"]
+    assert results["stream"][-1] == "data: [DONE]"
+    assert last["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+@pytest.mark.slow
+def test_smollm2_concurrent_clients_equal_greedy():
+    eng = load_engine(EngineSpec.parse("engine:model=smollm2,mode=ar"))
+    texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,",
+             "The quick brown fox", "Water boils at"]
+    want = [eng.generate(eng.encode(t), 16).output_ids for t in texts]
+    s = ServeProcess("--model", "smollm2", "--mode", "tree", "--nodes", "16", "--batch", "4")
+    try:
+        url = s.url(timeout=600)
+
+        async def main():
+            async with httpx.AsyncClient(timeout=600) as c:
+                return await asyncio.gather(*[c.post(url + "/generate", json={
+                    "text": t, "sampling_params": {"max_new_tokens": 16, "temperature": 0}}) for t in texts])
+
+        rs = asyncio.run(main())
+        assert [r.json()["output_ids"] for r in rs] == want
+        code, _ = s.stop()
+        assert code == 0
+    finally:
+        s.kill()
