@@ -1,0 +1,111 @@
+"""Stage 2, model: the cost model of the current system, its ceiling's three factors, the largest
+one, and the predicted speedup tau(N) / c(N) per node budget (paper 3.2).
+
+* tau: 1 for AR; else the replayed tau of the current system's policy (``chain:m``,
+  ``best-first:N``) on the recorded lattice. Best reachable tau: the highest tau of any replayed
+  policy (the top-K oracle included).
+* c(N) = T_step(N + 1 rows) / T_AR from the rows probe (a verify pass of N draft nodes has N + 1
+  rows).
+* kernel factor = profiled GPU busy ms / byte floor ms; outside factor = step wall ms / GPU busy
+  ms (the profile of the engine's real decode steps). Unknown without a profile (CPU).
+
+The numbers go through :func:`specpilot.probes.ceiling.compute_ceiling`, the ``ceiling`` verb's
+library, so the round's model is the one ``specpilot ceiling`` prints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+SCHEMA = "specpilot.round-model/1"
+
+
+@dataclass
+class ModelResult:
+    current: dict                      # policy, rows, tau, c, speedup
+    cost_model: dict | None            # compute_ceiling's cost_model (factors, ceiling, largest)
+    largest: str | None
+    factors: dict[str, float | None]
+    by_nodes: list[dict] = field(default_factory=list)   # family, nodes, rows, tau, c, speedup
+    best: dict | None = None
+    notes: list[str] = field(default_factory=list)
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"schema": SCHEMA, **asdict(self)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "ModelResult":
+        return cls(**{k: v for k, v in d.items() if k != "schema"})
+
+    def predicted(self, family: str, nodes: int | None) -> dict | None:
+        if family == "ar":
+            return {"family": "ar", "nodes": 0, "rows": 1, "tau": 1.0, "c": 1.0, "speedup": 1.0}
+        return next((r for r in self.by_nodes if r["family"] == family and r["nodes"] == nodes), None)
+
+
+def predict(curves: dict[str, dict[int, float]], step_ms: dict[int, float], ar_ms: float) -> list[dict]:
+    out = []
+    for family in ("chain", "best-first"):
+        for n, tau in sorted((curves.get(family) or {}).items()):
+            rows = n + 1
+            if rows not in step_ms or not ar_ms:
+                continue
+            c = step_ms[rows] / ar_ms
+            out.append({"family": family, "nodes": n, "rows": rows, "tau": tau, "c": c, "speedup": tau / c})
+    return out
+
+
+def build_model(meas) -> ModelResult:
+    """The model of the current system from stage 1's :class:`~.measure.Measurement`."""
+    from specpilot.probes.ceiling import CeilingRequest, Measurements, ProfileFigures, compute_ceiling
+
+    notes: list[str] = []
+    taus = meas.taus
+    if meas.current_policy == "ar":
+        tau = 1.0
+    else:
+        tau = taus.get(meas.current_policy)
+        if tau is None:
+            notes.append(f"no replayed tau for {meas.current_policy}; the model cannot place the current system")
+    tau_best = max(taus.values()) if taus else None
+    rows = meas.current_rows
+    ar_ms = meas.ar_ms
+    step = meas.step_ms.get(rows)
+    by_nodes = predict(meas.curves, meas.step_ms, ar_ms) if ar_ms else []
+    best = max(by_nodes, key=lambda r: r["speedup"]) if by_nodes else None
+    cost = None
+    factors: dict[str, float | None] = {"tree": None, "kernel": None, "outside": None}
+    sources: dict[str, str] = {}
+    if tau is not None and step and ar_ms:
+        m = Measurements()
+        c_probe = step / ar_ms
+        profile = None
+        if meas.profile:
+            p = meas.profile
+            if p.get("kernel_busy_ms") and p.get("step_wall_ms"):
+                # T_step on the profile's clock (real decode steps, host work included) and T_AR on
+                # the same clock through the rows probe's c(N)
+                m.set("step_ms", p["step_wall_ms"], "profile of the engine's decode steps")
+                m.set("ar_ms", p["step_wall_ms"] / c_probe, "profile step wall / rows probe c(N)")
+                floor = p.get("total_floor_ms")
+                profile = ProfileFigures(source="measure/profile.json", kernel_busy_ms=float(p["kernel_busy_ms"]),
+                                         step_wall_ms=float(p["step_wall_ms"]),
+                                         total_floor_ms=float(floor) if floor else None, rows=rows)
+        m.set("tau", tau, "AR: one token per pass" if meas.current_policy == "ar"
+              else f"replay measure/replay.json ({meas.current_policy})")
+        if tau_best is not None:
+            best_policy = max(taus, key=taus.get)
+            m.set("tau_best", max(tau_best, tau), f"replay measure/replay.json ({best_policy})")
+        m.set("step_ms", step, f"rows probe measure/rows.json ({rows} rows)")
+        m.set("ar_ms", ar_ms, "rows probe measure/rows.json (1 row)")
+        res = compute_ceiling(CeilingRequest(model=None, gpu=None, rows=[rows], measurements=m, profile=profile))
+        cost = res.as_dict()["cost_model"]
+        factors = dict(cost["factors"])
+        sources = dict(cost.get("sources") or {})
+        notes += list(cost.get("notes") or [])
+    current = {"policy": meas.current_policy, "rows": rows, "tau": tau,
+               "c": (step / ar_ms) if (step and ar_ms) else None,
+               "speedup": (tau / (step / ar_ms)) if (tau and step and ar_ms) else None}
+    return ModelResult(current=current, cost_model=cost, largest=(cost or {}).get("largest_factor"),
+                       factors=factors, by_nodes=by_nodes, best=best, notes=notes, sources=sources)
