@@ -85,7 +85,7 @@ def tau_c(model: dict, current: dict | None) -> bytes:
                   {(r["nodes"], r["c"]) for r in rows})
     if cpts:
         ax2.plot([p[0] for p in cpts], [p[1] for p in cpts], color="#555555", marker="x", lw=1, ms=4,
-                 label="c(N) = T_step(N+1 rows) / T_AR")
+                 label="c(N): mean T_step of the rows verified / T_AR")
     if current and current.get("speedup"):
         ax2.axhline(current["speedup"], color="#2E8B57", lw=1, ls=":",
                     label=f"current system ({current['policy']}): {current['speedup']:.3g}x")

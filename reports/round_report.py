@@ -145,8 +145,8 @@ def build(res) -> list[Block]:
         if mo.by_nodes:
             b.append(Block("img", name="tau_c", image=plots.tau_c(mo.to_json(), mo.current),
                            text="tau(N), c(N) and the predicted speedup"))
-            b.append(Block("table", headers=["family", "nodes N", "rows", "tau(N)", "c(N)", "predicted speedup"],
-                           rows=[[r["family"], r["nodes"], r["rows"], _n(r["tau"]), _n(r["c"]), _n(r["speedup"])]
+            b.append(Block("table", headers=["family", "nodes N", "mean rows verified", "tau(N)", "c(N)", "predicted speedup"],
+                           rows=[[r["family"], r["nodes"], _n(r["rows"], 3), _n(r["tau"]), _n(r["c"]), _n(r["speedup"])]
                                  for r in mo.by_nodes]))
         for n in mo.notes:
             b.append(Block("p", f"Note: {n}"))

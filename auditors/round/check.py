@@ -8,7 +8,8 @@ runs the system again on the same prompts and fails when
 * it is slower beyond the measured noise: the 95% upper bound of fresh / baseline throughput
   (bootstrap of the geometric means, each set resampled on its own) lies below
   1 - (1% + 2 x noise), noise being the larger of the baseline's A/A noise and the fresh runs' own
-  (consecutive runs paired), or
+  (consecutive runs paired), plus ``tolerance`` (0 by default; a shared CPU drifts between
+  sessions far more than within one), or
 * its outputs fail the token-forcing audit against the baseline's stock outputs.
 
 The runs are not paired with the baseline's (they ran on another day, maybe on another build), so
@@ -66,8 +67,10 @@ def _boot_ratio(fresh: np.ndarray, ref: np.ndarray, n: int = 4000, seed: int = 0
 
 
 def judge_regression(fresh: list[float], reference: list[float], reference_noise: float | None,
-                     seed: int = 0) -> tuple[float, tuple[float, float], float, float, bool]:
-    """(gain, 95% interval, noise, threshold, regression) for throughputs (higher is better)."""
+                     seed: int = 0, tolerance: float = 0.0) -> tuple[float, tuple[float, float], float, float, bool]:
+    """(gain, 95% interval, noise, threshold, regression) for throughputs (higher is better);
+    ``tolerance`` is added to the threshold (a runner whose speed drifts between sessions more
+    than within one: a shared CPU)."""
     from specpilot.auditors.timing import BASE_MARGIN, aa_noise
 
     f, r = np.asarray(fresh, float), np.asarray(reference, float)
@@ -77,12 +80,12 @@ def judge_regression(fresh: list[float], reference: list[float], reference_noise
     ci = _boot_ratio(f, r, seed=seed)
     own = aa_noise([(fresh[i], fresh[i + 1]) for i in range(0, len(fresh) - 1, 2)], higher_is_better=True)
     noise = max(own, reference_noise or 0.0)
-    threshold = BASE_MARGIN + 2 * noise
+    threshold = BASE_MARGIN + 2 * noise + tolerance
     return gain, ci, noise, threshold, ci[1] < 1.0 - threshold
 
 
 def run_check(baseline: dict, *, system: str | None = None, runs: int | None = None, scorer: str | None = None,
-              audit: bool = True, seed: int = 0, progress=None, notify=None) -> CheckResult:
+              audit: bool = True, seed: int = 0, tolerance: float = 0.0, progress=None, notify=None) -> CheckResult:
     from specpilot.auditors.outputs import OutputRow, Outputs, Prompt
 
     from .deployment import engine_facts
@@ -128,11 +131,12 @@ def run_check(baseline: dict, *, system: str | None = None, runs: int | None = N
     notify("check", f"{n} runs in {time.perf_counter() - t0:.0f} s: median {float(np.median(res.fresh)):.4g} tokens/s")
     if ref and len(ref) >= 2:
         res.gain, res.ci, res.noise, res.threshold, regression = judge_regression(
-            res.fresh, ref, baseline.get("noise"), seed=seed)
+            res.fresh, ref, baseline.get("noise"), seed=seed, tolerance=tolerance)
         res.timing = "regression" if regression else "ok"
         if regression:
             res.reasons.append(f"slower: {res.gain:.4f}x of the baseline, 95% interval [{res.ci[0]:.4f}, "
-                               f"{res.ci[1]:.4f}] entirely below 1 - {res.threshold:.2%} (1% + 2 x noise {res.noise:.2%})")
+                               f"{res.ci[1]:.4f}] entirely below 1 - {res.threshold:.2%} (1% + 2 x noise {res.noise:.2%}"
+                               + (f" + tolerance {tolerance:.0%})" if tolerance else ")"))
     else:
         res.warnings.append("the baseline holds no timing samples of this system: timing not judged")
     fresh_out = outputs_from(sysm, prompts, "system")

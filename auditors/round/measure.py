@@ -43,6 +43,7 @@ class Measurement:
     current_rows: int = 1
     current_policy: str = "ar"        # replay policy of the current system ("ar": tau = 1)
     replay: dict | None = None        # specpilot.replay/1
+    verify_rows: dict = field(default_factory=dict)   # family -> N -> {rows: steps}: what each tree verifies
     lattice: dict | None = None       # steps, requests, m, k, tokens recorded, seconds
     profile: dict | None = None       # specpilot.profile/1 (CUDA)
     skipped: list[str] = field(default_factory=list)
@@ -67,6 +68,12 @@ class Measurement:
     @property
     def curves(self) -> dict[str, dict[int, float]]:
         return {k: {int(n): float(t) for n, t in v.items()} for k, v in ((self.replay or {}).get("curves") or {}).items()}
+
+
+def probe_rows_set(current_rows: int) -> list[int]:
+    """Row counts T_step is measured at: every count up to 9 (an n-gram chain's steps verify any of
+    them; on a CPU small row counts do not cost in order), N + 1 for every budget, the current."""
+    return sorted(set(range(1, 10)) | {n + 1 for n in NODES} | {current_rows})
 
 
 def system_rows(spec) -> tuple[int, str]:
@@ -119,6 +126,28 @@ def record_lattice(engine, prompts, max_new_tokens: int, path: Path, progress=No
     write_jsonl_atomic(path, run.lattice_rows)
     return {"rows": len(run.lattice_rows), "tokens": sum(r["tokens"] for r in run.results),
             "seconds": time.perf_counter() - t0, "prompts": len(prompts), "max_new_tokens": max_new_tokens}
+
+
+def verify_rows(path: Path, current_policy: str) -> dict[str, dict[str, dict[str, int]]]:
+    """For every chain and best-first budget N (and the current system's), how many steps of the
+    recorded lattice verify how many rows: 1 + the tree's size, which is below N + 1 when the
+    drafter proposed fewer candidates (an n-gram drafter often proposes none)."""
+    from collections import Counter
+
+    from specpilot.auditors.policies import best_first_tree, chain_tree
+    from specpilot.auditors.replay import read_lattice
+
+    lat = read_lattice(path)
+    wanted = {("chain", n) for n in NODES} | {("best-first", n) for n in NODES}
+    fam, _, arg = current_policy.partition(":")
+    if fam in ("chain", "best-first"):
+        wanted.add((fam, int(arg) if arg else lat.m))
+    out: dict[str, dict[str, dict[str, int]]] = {}
+    for family, n in sorted(wanted):
+        build = chain_tree if family == "chain" else best_first_tree
+        hist = Counter(1 + len(build(s, n)) for s in lat.steps)
+        out.setdefault(family, {})[str(n)] = {str(k): v for k, v in sorted(hist.items())}
+    return out
 
 
 def replay_lattice(path: Path, current_policy: str, out: Path) -> dict:

@@ -4,8 +4,10 @@ one, and the predicted speedup tau(N) / c(N) per node budget (paper 3.2).
 * tau: 1 for AR; else the replayed tau of the current system's policy (``chain:m``,
   ``best-first:N``) on the recorded lattice. Best reachable tau: the highest tau of any replayed
   policy (the top-K oracle included).
-* c(N) = T_step(N + 1 rows) / T_AR from the rows probe (a verify pass of N draft nodes has N + 1
-  rows).
+* c(N) = E[T_step(rows)] / T_AR: the rows probe's step time at the rows each recorded step's tree
+  of budget N verifies (1 + its size: N + 1 when the drafter filled it, fewer when it proposed
+  fewer candidates, 1 when it proposed none), averaged over the steps; step times between probed
+  row counts are interpolated linearly.
 * kernel factor = profiled GPU busy ms / byte floor ms; outside factor = step wall ms / GPU busy
   ms (the profile of the engine's real decode steps). Unknown without a profile (CPU).
 
@@ -44,14 +46,47 @@ class ModelResult:
         return next((r for r in self.by_nodes if r["family"] == family and r["nodes"] == nodes), None)
 
 
-def predict(curves: dict[str, dict[int, float]], step_ms: dict[int, float], ar_ms: float) -> list[dict]:
+def step_time(rows: int, step_ms: dict[int, float]) -> float | None:
+    """T_step at ``rows``: measured, or linear between (beyond: from) the nearest probed counts."""
+    if rows in step_ms:
+        return step_ms[rows]
+    pts = sorted(step_ms)
+    if len(pts) < 2:
+        return None
+    lo = max([p for p in pts if p < rows], default=None)
+    hi = min([p for p in pts if p > rows], default=None)
+    if lo is None:
+        lo, hi = pts[0], pts[1]
+    elif hi is None:
+        lo, hi = pts[-2], pts[-1]
+    return step_ms[lo] + (step_ms[hi] - step_ms[lo]) * (rows - lo) / (hi - lo)
+
+
+def expected_c(family: str, n: int, step_ms: dict[int, float], ar_ms: float, verify_rows: dict) -> tuple[float, float] | None:
+    """(c, mean rows) of a tree of budget ``n``: over the recorded steps when their row counts are
+    known, else at N + 1 rows."""
+    hist = (verify_rows.get(family) or {}).get(str(n))
+    if not hist:
+        t = step_time(n + 1, step_ms)
+        return None if t is None else (t / ar_ms, float(n + 1))
+    total = sum(hist.values())
+    times = [(step_time(int(r), step_ms), k) for r, k in hist.items()]
+    if any(t is None for t, _ in times):
+        return None
+    return (sum(t * k for t, k in times) / total / ar_ms, sum(int(r) * k for r, k in hist.items()) / total)
+
+
+def predict(curves: dict[str, dict[int, float]], step_ms: dict[int, float], ar_ms: float,
+            verify_rows: dict | None = None) -> list[dict]:
     out = []
     for family in ("chain", "best-first"):
         for n, tau in sorted((curves.get(family) or {}).items()):
-            rows = n + 1
-            if rows not in step_ms or not ar_ms:
+            if not ar_ms:
                 continue
-            c = step_ms[rows] / ar_ms
+            got = expected_c(family, n, step_ms, ar_ms, verify_rows or {})
+            if got is None:
+                continue
+            c, rows = got
             out.append({"family": family, "nodes": n, "rows": rows, "tau": tau, "c": c, "speedup": tau / c})
     return out
 
@@ -72,7 +107,12 @@ def build_model(meas) -> ModelResult:
     rows = meas.current_rows
     ar_ms = meas.ar_ms
     step = meas.step_ms.get(rows)
-    by_nodes = predict(meas.curves, meas.step_ms, ar_ms) if ar_ms else []
+    fam, _, arg = meas.current_policy.partition(":")
+    if fam in ("chain", "best-first") and ar_ms:
+        got = expected_c(fam, int(arg) if arg else rows - 1, meas.step_ms, ar_ms, meas.verify_rows)
+        if got is not None:
+            step = got[0] * ar_ms  # the current system's mean step, at the rows its trees verify
+    by_nodes = predict(meas.curves, meas.step_ms, ar_ms, meas.verify_rows) if ar_ms else []
     best = max(by_nodes, key=lambda r: r["speedup"]) if by_nodes else None
     cost = None
     factors: dict[str, float | None] = {"tree": None, "kernel": None, "outside": None}
@@ -97,7 +137,7 @@ def build_model(meas) -> ModelResult:
         if tau_best is not None:
             best_policy = max(taus, key=taus.get)
             m.set("tau_best", max(tau_best, tau), f"replay measure/replay.json ({best_policy})")
-        m.set("step_ms", step, f"rows probe measure/rows.json ({rows} rows)")
+        m.set("step_ms", step, f"rows probe measure/rows.json (the current system's verify rows)")
         m.set("ar_ms", ar_ms, "rows probe measure/rows.json (1 row)")
         res = compute_ceiling(CeilingRequest(model=None, gpu=None, rows=[rows], measurements=m, profile=profile))
         cost = res.as_dict()["cost_model"]

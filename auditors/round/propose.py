@@ -62,6 +62,21 @@ def engine_catalog() -> list[dict]:
     return doc["candidates"]
 
 
+def check_names(names: list[str] | None, kind: str, memory_dir=None) -> None:
+    """Refuse unknown ``--candidates`` before anything runs."""
+    if not names:
+        return
+    if kind == "engine":
+        known = {c["id"] for c in engine_catalog()} | {CONTROL}
+    else:
+        from specpilot.bundles.memory import load_memory
+
+        known = set(load_memory(memory_dir))
+    for name in names:
+        if name not in known:
+            raise InputError(f"--candidates: unknown candidate {name!r}; known: {', '.join(sorted(known))}")
+
+
 def _best(model, family: str, limit: int | None = None) -> dict | None:
     rows = [r for r in model.by_nodes if r["family"] == family and (limit is None or r["nodes"] <= limit)]
     return max(rows, key=lambda r: r["speedup"]) if rows else None

@@ -108,6 +108,8 @@ def remember(path: Path, facts, stock: str, entry: dict) -> tuple[dict, dict | N
                                        "stock": stock, "rounds": []}
     doc["rounds"] = list(doc.get("rounds") or []) + [entry]
     doc["current"] = entry["final"]
+    if "bundles" in entry:  # SGLang: the bundles the next round starts with
+        doc["bundles"], doc["settings"] = entry["bundles"], entry.get("settings") or {}
     doc = json.loads(json.dumps(doc, default=str))  # plain types for YAML
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_open(path, "w") as fh:

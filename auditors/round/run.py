@@ -38,7 +38,11 @@ SCHEMA = "specpilot.round/1"
 BASELINE_SCHEMA = "specpilot.baseline/1"
 STAGES = ("measure", "model", "propose", "approve", "remember")
 DEFAULT_LOAD_S = {"cpu": 12.0, "cuda": 45.0}
-SCORE_S = 8.0
+
+
+def score_s(shape: pl.Shape, tokens_per_s: float, prefill_s: float) -> float:
+    """The audit's teacher forcing of three systems' outputs: a few prefill-like forwards."""
+    return 0.5 + 0.5 * shape.run_s(tokens_per_s * 20.0, prefill_s)
 
 
 @dataclass
@@ -116,6 +120,9 @@ class _Round:
             if not cfg.budget_min > 0:
                 raise InputError(f"--budget {cfg.budget_min}: give the minutes the round may take (> 0)")
             self.dep = parse_deployment(cfg.deployment)
+            from .propose import check_names
+
+            check_names(cfg.candidates, self.dep.kind, cfg.memory_dir)
             self.clock = pl.Clock(cfg.budget_min * 60.0)
             self.state = self._new_state()
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -125,18 +132,21 @@ class _Round:
 
     # ---------------------------------------------------------------------------- state
     def _new_state(self) -> dict:
-        if self.dep.kind != "engine":
-            raise InputError("SGLang deployments run through specpilot.auditors.round.sglang")
-        stock = self.dep.text
-        start, notes = stock, []
+        sglang = self.dep.kind == "sglang"
+        stock = "stock" if sglang else self.dep.text
+        start, notes, bundles = stock, [], []
         rec = rm.read_record(rm.record_path(self.cfg.records_dir, self.dep.facts.identity()))
         if rec and rec.get("current") and not self.cfg.fresh:
-            from specpilot.engine.spec import EngineSpec
+            if sglang:
+                bundles = list((rec.get("bundles") or []))
+                start = rec["current"]
+            else:
+                from specpilot.engine.spec import EngineSpec
 
-            start = str(EngineSpec.parse(rec["current"]))
+                start = str(EngineSpec.parse(rec["current"]))
             notes.append(f"starts from the previous round's final system {start} (deployment record; --fresh "
                          "starts from DEPLOYMENT)")
-        return {"schema": SCHEMA, "deployment": self.dep.text, "kind": self.dep.kind, "facts": self.dep.facts.to_json(),
+        return {"bundles": bundles, "settings": {},"schema": SCHEMA, "deployment": self.dep.text, "kind": self.dep.kind, "facts": self.dep.facts.to_json(),
                 "stock": stock, "start": start, "current": start, "final": None, "config": asdict(self.cfg),
                 "budget_s": self.cfg.budget_min * 60.0, "spent_s": 0.0, "started_at": _now(), "updated_at": _now(),
                 "load_average_start": _load(), "notes": notes, "shape": None,
@@ -209,6 +219,15 @@ class _Round:
         t0 = time.perf_counter()
         d = self.dir / "measure"
         d.mkdir(exist_ok=True)
+        if self.dep.kind == "sglang":
+            from .sglang import measure_sglang
+
+            meas = measure_sglang(self.dep.sglang, d, self.notify)
+            for s in meas.skipped:
+                self._note("measure", s, skipped=True)
+            write_json_atomic(path, meas.to_json())
+            self._finish("measure", t0)
+            return meas
         current = self.state["current"]
         spec = EngineSpec.parse(current)
         allowance = min(self.clock.left(), pl.MEASURE_SHARE * self.clock.budget_s)
@@ -228,7 +247,7 @@ class _Round:
                                f"{cal['tokens']} tokens)")
         # T_step(N)
         try:
-            probe_rows = sorted({1} | {n + 1 for n in ms.NODES} | {rows})
+            probe_rows = ms.probe_rows_set(rows)
             t1 = time.perf_counter()
             doc, step_ms, ar_ms = ms.rows_probe(eng, probe_rows, context, reps=30 if cuda else 5,
                                                 progress=self.progress)
@@ -262,6 +281,7 @@ class _Round:
             meas.files["lattice"] = "measure/lattice.jsonl"
             rp = ms.replay_lattice(d / "lattice.jsonl", policy, d / "replay.json")
             meas.replay = rp
+            meas.verify_rows = ms.verify_rows(d / "lattice.jsonl", policy)
             meas.lattice.update({"steps": rp["steps"], "requests": rp["requests"], "m": rp["positions"],
                                  "k": rp["candidates"]})
             meas.files["replay"] = "measure/replay.json"
@@ -283,8 +303,8 @@ class _Round:
                 meas.files.update(trace="measure/trace.json.gz", profile="measure/profile.json")
                 self.notify("measure", f"profile of {n} steps: step {prof['step_wall_ms']:.3g} ms, GPU busy "
                                        f"{prof['kernel_busy_ms']:.3g} ms, floor {prof.get('total_floor_ms') or 0:.3g} ms")
-            except InputError as e:
-                self._note("measure", f"profile: {e}", skipped=True)
+            except Exception as e:  # the profile informs the model; a round goes on without it
+                self._note("measure", f"profile: {type(e).__name__}: {e}", skipped=True)
         write_json_atomic(path, meas.to_json())
         self._finish("measure", t0)
         return meas
@@ -316,9 +336,15 @@ class _Round:
         from specpilot.engine.spec import EngineSpec
 
         t0 = time.perf_counter()
-        memory_ids = set(load_memory(self.cfg.memory_dir))
-        prop = propose_engine(EngineSpec.parse(self.state["current"]), self.facts, model, meas,
-                              only=self.cfg.candidates, control=self.cfg.control, memory_ids=memory_ids)
+        if self.dep.kind == "sglang":
+            from .sglang import propose_sglang
+
+            prop = propose_sglang(self.dep.sglang, list(self.state.get("bundles") or []), model, meas,
+                                  only=self.cfg.candidates, memory_dir=self.cfg.memory_dir)
+        else:
+            memory_ids = set(load_memory(self.cfg.memory_dir))
+            prop = propose_engine(EngineSpec.parse(self.state["current"]), self.facts, model, meas,
+                                  only=self.cfg.candidates, control=self.cfg.control, memory_ids=memory_ids)
         (self.dir / "propose").mkdir(exist_ok=True)
         write_json_atomic(path, prop.to_json())
         self.notify("propose", f"{len(prop.candidates)} candidate(s): "
@@ -343,6 +369,13 @@ class _Round:
         if self._done("approve"):
             return decisions
         t0 = time.perf_counter()
+        if self.dep.kind == "sglang":
+            from .sglang import approve_sglang
+
+            decisions = approve_sglang(self.dep.sglang, d, self.cfg, self.clock, self.notify, prop, meas, self.state,
+                                       self._save)
+            self._finish("approve", t0)
+            return decisions
         prompts = self.prompts()
         device = self.facts.device
         cal = meas.calibration
@@ -356,8 +389,9 @@ class _Round:
                 shape0 = pl.SHAPES["cuda" if device == "cuda" else "cpu"][0]
                 fixed = pl.Shape(min(self.cfg.n_prompts or shape0.prompts, len(prompts)),
                                  self.cfg.max_new_tokens or shape0.max_new_tokens)
-            shape, planned = pl.choose_shape(device, self.clock.left() - 10.0, [self._rate(meas, c) for c in todo],
-                                             meas.tokens_per_s, cal["prefill_s"], load_s, SCORE_S,
+            sc = score_s(pl.SHAPES["cuda" if device == "cuda" else "cpu"][0], meas.tokens_per_s, cal["prefill_s"])
+            shape, planned = pl.choose_shape(device, self.clock.left() - 5.0, [self._rate(meas, c) for c in todo],
+                                             meas.tokens_per_s, cal["prefill_s"], load_s, sc,
                                              max_prompts=len(prompts), fixed=fixed)
             self.state["shape"] = asdict(shape)
             self.state["planned_pairs"] = planned
@@ -409,8 +443,9 @@ class _Round:
         base = current
         load_s = 0.0 if self.pool.loaded(cand.system, "control" if cand.control else "") else \
             self.pool.typical_load_s(DEFAULT_LOAD_S.get(self.facts.device, 12.0))
-        pairs = pl.pairs_for(shape, self.clock.left() - 5.0, remaining, meas.tokens_per_s, self._rate(meas, cand),
-                             meas.calibration["prefill_s"], load_s, SCORE_S)
+        pairs = pl.pairs_for(shape, self.clock.left() - 2.0, remaining, meas.tokens_per_s, self._rate(meas, cand),
+                             meas.calibration["prefill_s"], load_s,
+                             score_s(shape, meas.tokens_per_s, meas.calibration["prefill_s"]))
         dec = ap.Decision(id=cand.id, memory=cand.memory, system=cand.system, base=base, verdict="skipped",
                           reason="", control=cand.control)
         if pairs is None:
@@ -468,24 +503,35 @@ class _Round:
         d.mkdir(exist_ok=True)
         final = self.state.get("final") or self.state["current"]
         self.state["final"] = final
-        self._write_baseline(final)
+        if self.dep.kind == "engine":
+            self._write_baseline(final)
         if not self.cfg.remember:
             self._note("remember", "not recorded (--no-remember)", skipped=True)
             self._finish("remember", t0)
             return None
         machine = self.facts.gpu or self.facts.cpu or self.facts.device
         extra = {}
+        entries = None
         for x in decisions:
-            if x.verdict == "approved":
-                la = (x.timing or {}).get("load_average")
-                extra[x.id] = ["measured in the embedded engine; an SGLang server running the memory entry's bundle "
-                               "has not been measured by this round" if x.memory else
-                               "measured in the embedded engine",
-                               f"timed on {machine}" + (f" (load average {la[0]} -> {la[1]})" if la and la[0] is not None
-                                                         else "")]
+            if x.verdict != "approved":
+                continue
+            if self.dep.kind == "sglang":
+                from specpilot.bundles.memory import load_memory
+
+                entries = entries or load_memory(self.cfg.memory_dir)
+                extra[x.id] = [f"{x.memory}: {u}" for u in entries[x.memory].unverified] if x.memory in entries else []
+                continue
+            la = (x.timing or {}).get("load_average")
+            extra[x.id] = ["measured in the embedded engine; an SGLang server running the memory entry's bundle "
+                           "has not been measured by this round" if x.memory else
+                           "measured in the embedded engine",
+                           f"timed on {machine}" + (f" (load average {la[0]} -> {la[1]})" if la and la[0] is not None
+                                                     else "")]
         entry = rm.build_entry(self.dir, self.facts, self.state["stock"], self.state["start"], final, decisions, extra,
                                f"{self.clock.budget_s / 60:.1f} min budget, {self.clock.spent() / 60:.1f} min used")
         entry["tokens_per_s"] = (self.state.get("final_samples") or {}).get("samples")
+        if self.dep.kind == "sglang":
+            entry["bundles"], entry["settings"] = self.state.get("bundles") or [], self.state.get("settings") or {}
         path = rm.record_path(self.cfg.records_dir, self.facts.identity())
         doc, before = rm.remember(path, self.facts, self.state["stock"], entry)
         shutil.copyfile(path, d / "record.yaml")
@@ -622,8 +668,9 @@ def plan_round(cfg: RoundConfig) -> dict:
     device = facts.device
     load_s = DEFAULT_LOAD_S.get(device, 12.0)
     measure_s = min(pl.MEASURE_SHARE * budget, 3 * load_s + 4 * 48 / max(rate * 0.7, 1e-3) + 20)
-    shape, pairs = pl.choose_shape(device, budget - measure_s - 10, [rate] * len(fits), rate, 0.2, load_s, SCORE_S)
-    per = pl.candidate_cost(shape, pairs, rate, rate, 0.2, load_s, SCORE_S)
+    sc = score_s(pl.SHAPES["cuda" if device == "cuda" else "cpu"][0], rate, 0.2)
+    shape, pairs = pl.choose_shape(device, budget - measure_s - 10, [rate] * len(fits), rate, 0.2, load_s, sc)
+    per = pl.candidate_cost(shape, pairs, rate, rate, 0.2, load_s, sc)
     return {"schema": "specpilot.round-plan/1", "deployment": dep.text, "facts": facts.to_json(),
             "start": start, "stock": dep.text, "record": str(rec_path) if rec else None,
             "budget_s": budget, "tokens_per_s": rate, "tokens_per_s_source": how,

@@ -14,9 +14,12 @@ from specpilot.output import Report, Section, emit, fmt_num, output_options, pro
 @click.option("--runs", type=int, default=None, help="Timed runs (default: as many as the baseline has samples).")
 @click.option("--scorer", default=None, help="Audit scorer (default: the stock engine's target, FP32 head).")
 @click.option("--no-audit", is_flag=True, help="Timing only.")
+@click.option("--tolerance", type=float, default=0.0, show_default=True,
+              help="Extra slowdown allowed, as a fraction (0.2 = 20%), on runners whose speed drifts between sessions "
+                   "(a shared CPU); GPU runners need none.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @output_options
-def command(baseline_path, system, runs, scorer, no_audit, seed, fmt, out):
+def command(baseline_path, system, runs, scorer, no_audit, tolerance, seed, fmt, out):
     """Re-measure the current system and compare it with a stored baseline; exit 1 on a regression
     beyond the measured noise or on a failed token-forcing audit.
 
@@ -35,13 +38,17 @@ def command(baseline_path, system, runs, scorer, no_audit, seed, fmt, out):
         from specpilot.errors import InputError
 
         raise InputError("--runs must be >= 2")
+    if not 0 <= tolerance < 1:
+        from specpilot.errors import InputError
+
+        raise InputError("--tolerance must be a fraction in [0, 1)")
     base = read_baseline(baseline_path)
 
     def notify(stage, message):
         click.echo(f"[{stage}] {message}", err=True)
 
     res = run_check(base, system=system, runs=runs, scorer=scorer, audit=not no_audit, seed=seed,
-                    progress=progress, notify=notify)
+                    tolerance=tolerance, progress=progress, notify=notify)
     import statistics
 
     rows = [["system", res.system],
