@@ -69,7 +69,7 @@ def step_breakdown(profile: dict) -> bytes:
 
 
 def tau_c(model: dict, current: dict | None) -> bytes:
-    plt, (fig, ax) = _fig(8.5, 4.2)
+    plt, (fig, ax) = _fig(8.5, 5.0)
     rows = model.get("by_nodes") or []
     styles = {"chain": ("#DD8452", "o"), "best-first": ("#4C72B0", "s")}
     ax2 = ax.twinx()
@@ -95,7 +95,7 @@ def tau_c(model: dict, current: dict | None) -> bytes:
     ax2.set_ylabel("c(N) and predicted speedup over AR")
     h1, l1 = ax.get_legend_handles_labels()
     h2, l2 = ax2.get_legend_handles_labels()
-    ax.legend(h1 + h2, l1 + l2, fontsize=7, frameon=False, loc="upper left")
+    ax.legend(h1 + h2, l1 + l2, fontsize=7, frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3)
     ax.set_title("tau(N) from the replayed lattice, c(N) from the rows probe", fontsize=9)
     return _png(plt, fig)
 

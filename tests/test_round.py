@@ -28,7 +28,7 @@ def tiny_round(tmp_path_factory):
     from specpilot.cli import main
 
     d = tmp_path_factory.mktemp("round")
-    args = ["round", TINY, "--budget", "0.4", "--out-dir", str(d / "r"), "--records", str(d / "records"), "--control",
+    args = ["round", TINY, "--budget", "0.25", "--out-dir", str(d / "r"), "--records", str(d / "records"), "--control",
             "--n-prompts", "2", "--max-new-tokens", "16"]
     with pytest.raises(SystemExit) as e:
         main(args)
@@ -47,7 +47,7 @@ def test_round_runs_every_stage_and_writes_its_files(tiny_round):
               "propose/candidates.json", "approve/decisions.json", "approve/stock.outputs.jsonl", "baseline.json",
               "remember/record.yaml", "remember/changes.json", "report.md", "report.html"):
         assert (r / f).is_file(), f
-    assert state["spent_s"] < 0.4 * 60 + 15  # within its budget (the last stage may overrun by a run)
+    assert state["spent_s"] < 0.25 * 60 + 15  # within its budget (the last stage may overrun by a run)
     res = load_round(r)
     assert res.model.largest == "tree" and res.model.factors["tree"] >= 1.0
     assert res.model.factors["kernel"] is None and res.model.factors["outside"] is None
@@ -173,8 +173,8 @@ def test_a_stopped_round_resumes_where_it_stopped(tmp_path):
         if stage == "approve":
             raise Stop
 
-    cfg = RoundConfig(deployment=TINY, out_dir=str(tmp_path / "r"), budget_min=0.3, records_dir=str(tmp_path / "rec"),
-                      candidates=["chain"])
+    cfg = RoundConfig(deployment=TINY, out_dir=str(tmp_path / "r"), budget_min=0.15, records_dir=str(tmp_path / "rec"),
+                      candidates=["chain"], n_prompts=2, max_new_tokens=8)
     with pytest.raises(Stop):
         run_round(cfg, notify=stop_at_approve)
     state = json.loads((tmp_path / "r" / "round.json").read_text())
@@ -241,14 +241,14 @@ def test_sglang_deployment_runs_candidates_as_servers(tmp_path, run_cli):
     serve = f"{sys.executable} -m specpilot serve --engine {{engine}} --port {{port}}"
     dep = {"schema": "specpilot.deployment/1", "name": "tiny behind fake SGLang servers", "dtype": "bf16",
            "drafter": "eagle", "batch": 1, "rows": 9, "policy": "chain:4", "sglang": {"version": "0.5.23"},
-           "prompts": "prompts.jsonl", "max_new_tokens": 12, "scorer": str(_tiny_hf(tmp_path / "scorer")),
+           "prompts": "prompts.jsonl", "max_new_tokens": 8, "scorer": str(_tiny_hf(tmp_path / "scorer")),
            "measurements": {"rows_probe": "rows.json", "lattices": ["lattice.jsonl"]},
            "servers": {"stock": {"url": f"http://127.0.0.1:{stock_port}", "ready_timeout": 120,
                                  "start": serve.replace("{engine}", TINY).replace("{port}", str(stock_port))},
                        "candidate": {"port": cand_port, "ready_timeout": 120, "expected_start_s": 5},
                        "candidates": {"tree": {"start": serve.replace("{engine}", "engine:model=tiny,mode=tree,nodes=8")}}}}
     (tmp_path / "deployment.yaml").write_text(yaml.safe_dump(dep))
-    code, out, err = run_cli("round", tmp_path / "deployment.yaml", "--budget", "1", "--out-dir", tmp_path / "r",
+    code, out, err = run_cli("round", tmp_path / "deployment.yaml", "--budget", "0.3", "--out-dir", tmp_path / "r",
                              "--records", tmp_path / "rec", "--candidates", "tree,tlv,batching,w12,lattice-trace",
                              "--format", "json")
     assert code == 0, err
@@ -292,3 +292,17 @@ def test_smollm2_round_on_the_cpu(tmp_path, run_cli):
     for d in judged:
         assert d.audit["verdict"] == "pass", d.reason   # the engine's chain and trees are lossless
     assert (tmp_path / "r" / "report.html").is_file()
+
+
+@pytest.mark.gpu
+def test_round_on_a_gpu_profiles_the_steps_and_judges_w12(tmp_path, run_cli):
+    """SmolLM2 shapes with random weights on CUDA: the profile gives the kernel and outside factors,
+    W12 (with the certified head) and the no-op control are judged with paired runs and audits."""
+    code, out, err = run_cli("round", "engine:model=smollm2,random=1,device=cuda,mode=ar,ctx=1024", "--candidates", "w12",
+                             "--control", "--budget", "2", "--out-dir", tmp_path / "r", "--records", tmp_path / "rec")
+    assert code == 0, err
+    res = load_round(tmp_path / "r")
+    assert res.measurement.profile and res.model.factors["kernel"] and res.model.factors["outside"]
+    by_id = {d.id: d for d in res.decisions}
+    assert by_id["no-op"].verdict != "approved"
+    assert by_id["w12"].timing is not None and by_id["w12"].audit["verdict"] == "pass"

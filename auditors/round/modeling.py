@@ -143,7 +143,13 @@ def build_model(meas) -> ModelResult:
         cost = res.as_dict()["cost_model"]
         factors = dict(cost["factors"])
         sources = dict(cost.get("sources") or {})
-        notes += list(cost.get("notes") or [])
+        why = {"tree": "no lattice was replayed", "kernel": "no profile of the decode steps (on a CPU there are no "
+               "GPU kernels), or no byte floor for this model and GPU", "outside": "no profile of the decode steps"}
+        for n in cost.get("notes") or []:
+            if n.startswith("unknown factors taken as 1"):  # the ceiling verb's wording names its flags
+                unknown = [k for k, v in factors.items() if v is None]
+                n = "unknown factors taken as 1: " + "; ".join(f"{k} ({why[k]})" for k in unknown)
+            notes.append(n)
     current = {"policy": meas.current_policy, "rows": rows, "tau": tau,
                "c": (step / ar_ms) if (step and ar_ms) else None,
                "speedup": (tau / (step / ar_ms)) if (tau and step and ar_ms) else None}

@@ -61,12 +61,14 @@ def candidate_cost(shape: Shape, pairs: int, base_rate: float, cand_rate: float,
 def choose_shape(device: str, left_s: float, rates: list[float], base_rate: float, prefill_s: float,
                  load_s: float, score_s: float, max_prompts: int | None = None,
                  fixed: Shape | None = None) -> tuple[Shape, int]:
-    """The largest run shape with which every candidate gets ``PAIRS_MAX`` pairs (else
-    ``PAIRS_MIN``) inside ``left_s`` after the reference outputs are collected; returns
-    (shape, pairs planned). ``fixed`` (the user's) is kept as it is."""
+    """The largest run shape with which every candidate gets 8 paired runs (else ``PAIRS_MIN``)
+    inside ``left_s`` after the reference outputs are collected; returns (shape, pairs planned).
+    Longer runs are preferred to more of them: they average a machine's jitter and give the audit
+    more tokens; time left over goes to more pairs (:func:`pairs_for`). ``fixed`` (the user's) is
+    kept as it is."""
     shapes = [fixed] if fixed else [s for s in SHAPES["cuda" if device == "cuda" else "cpu"]
                                    if max_prompts is None or s.prompts <= max_prompts] or [Shape(max_prompts or 2, 16)]
-    for want in (PAIRS_MAX, 8, PAIRS_MIN):
+    for want in (8, PAIRS_MIN):
         for s in shapes:
             refs = s.run_s(base_rate, prefill_s)
             total = refs + sum(candidate_cost(s, want, base_rate, r, prefill_s, load_s, score_s) for r in rates)

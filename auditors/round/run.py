@@ -259,6 +259,24 @@ class _Round:
                                    f"{step_ms[max(probe_rows)]:.3g} ms at context {context}")
         except InputError as e:
             self._note("measure", f"rows probe: {e}", skipped=True)
+        # profile of the engine's own steps (before the lattice: the kernel factor is what W12 attacks)
+        if not cuda:
+            self._note("measure", "profile: no GPU kernels to profile on the CPU; the kernel and outside factors "
+                                  "stay unknown", skipped=True)
+        elif time.monotonic() > deadline:
+            self._note("measure", "profile: the stage's time is spent", skipped=True)
+        else:
+            try:
+                trace = d / "trace.json.gz"
+                n = ms.capture_step_trace(eng, prompts[0], 32, trace)
+                prof = ms.profile_trace(trace, eng.model.spec, self.facts.gpu_key, rows, context, spec.w12)
+                write_json_atomic(d / "profile.json", prof)
+                meas.profile = prof
+                meas.files.update(trace="measure/trace.json.gz", profile="measure/profile.json")
+                self.notify("measure", f"profile of {n} steps: step {prof['step_wall_ms']:.3g} ms, GPU busy "
+                                       f"{prof['kernel_busy_ms']:.3g} ms, floor {prof.get('total_floor_ms') or 0:.3g} ms")
+            except Exception as e:  # the profile informs the model; a round goes on without it
+                self._note("measure", f"profile: {type(e).__name__}: {e}", skipped=True)
         # tau(N): record a lattice on the prompts, replay it
         rec_spec = ms.record_spec(spec)
         rate = max(cal["tokens_per_s"] * 0.7, 1e-3)
@@ -287,24 +305,6 @@ class _Round:
             meas.files["replay"] = "measure/replay.json"
             taus = ", ".join(f"{p['policy']} {p['tau']:.3f}" for p in rp["policies"])
             self.notify("measure", f"replayed {rp['steps']} steps: {taus}")
-        # profile of the engine's own steps
-        if not cuda:
-            self._note("measure", "profile: no GPU kernels to profile on the CPU; the kernel and outside factors "
-                                  "stay unknown", skipped=True)
-        elif time.monotonic() > deadline:
-            self._note("measure", "profile: the stage's time is spent", skipped=True)
-        else:
-            try:
-                trace = d / "trace.json.gz"
-                n = ms.capture_step_trace(eng, prompts[0], 32, trace)
-                prof = ms.profile_trace(trace, eng.model.spec, self.facts.gpu_key, rows, context, spec.w12)
-                write_json_atomic(d / "profile.json", prof)
-                meas.profile = prof
-                meas.files.update(trace="measure/trace.json.gz", profile="measure/profile.json")
-                self.notify("measure", f"profile of {n} steps: step {prof['step_wall_ms']:.3g} ms, GPU busy "
-                                       f"{prof['kernel_busy_ms']:.3g} ms, floor {prof.get('total_floor_ms') or 0:.3g} ms")
-            except Exception as e:  # the profile informs the model; a round goes on without it
-                self._note("measure", f"profile: {type(e).__name__}: {e}", skipped=True)
         write_json_atomic(path, meas.to_json())
         self._finish("measure", t0)
         return meas

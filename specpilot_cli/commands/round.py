@@ -102,7 +102,12 @@ def command(deployment, budget, out_dir, resume_dir, dry_run, prompts, n_prompts
                     progress=progress, notify=notify)
     from specpilot.reports.round_report import write_report
 
-    md, html = write_report(res.dir)
+    try:
+        md, html = write_report(res.dir)
+    except ImportError as e:  # the round's files are complete; the report can be rendered elsewhere
+        md = html = None
+        click.echo(f"specpilot: warning: report not rendered ({e}); run 'specpilot report {res.dir}' where "
+                   "matplotlib is installed", err=True)
     st = res.state
     rows = [[d.id, d.memory or "-", d.verdict.upper(), fmt_num((d.timing or {}).get("gain")),
              ((d.audit or {}).get("verdict") or "-").upper(), d.reason] for d in res.decisions]
@@ -111,9 +116,10 @@ def command(deployment, budget, out_dir, resume_dir, dry_run, prompts, n_prompts
     data = {"schema": "specpilot.round-summary/1", "dir": str(res.dir), "deployment": st["deployment"],
             "start": st["start"], "final": st.get("final"), "stages": st["stages"],
             "decisions": [d.to_json() | {"timing": None, "audit": None} for d in res.decisions],
-            "record": res.record, "report": {"markdown": str(md), "html": str(html)}, "stopped": st.get("stopped")}
-    lines = [f"final system: {st.get('final') or st.get('current')}",
-             f"report: {md} and {html}"] + ([f"deployment record: {res.record}"] if res.record else [])
+            "record": res.record, "report": {"markdown": md and str(md), "html": html and str(html)},
+            "stopped": st.get("stopped")}
+    lines = [f"final system: {st.get('final') or st.get('current')}"] + ([f"report: {md} and {html}"] if md else []) \
+        + ([f"deployment record: {res.record}"] if res.record else [])
     if st.get("stopped"):
         lines.append(f"stopped: {st['stopped']} (specpilot round --resume {res.dir} --budget MINUTES continues)")
     emit(Report(data=data, title=f"Round in {res.dir}: {st['deployment']}",
