@@ -14,4 +14,4 @@ SP=${SPECPILOT:-.venv/bin/specpilot}
 BASELINE=${1:-examples/rounds/smollm2-cpu/baseline.json}
 OUT=${OUT_DIR:-gate-results}
 mkdir -p "$OUT"
-"$SP" check --baseline "$BASELINE" --tolerance "${2:-0.5}" | tee "$OUT/check.txt"
+"$SP" check --baseline "$BASELINE" --tolerance "${2:-0.5}" --runs "${RUNS:-6}" | tee "$OUT/check.txt"
