@@ -306,3 +306,21 @@ def test_round_on_a_gpu_profiles_the_steps_and_judges_w12(tmp_path, run_cli):
     by_id = {d.id: d for d in res.decisions}
     assert by_id["no-op"].verdict != "approved"
     assert by_id["w12"].timing is not None and by_id["w12"].audit["verdict"] == "pass"
+
+
+def test_the_model_takes_the_profile_of_the_decode_steps():
+    """With a profile (a GPU round), the kernel and outside factors join the tree factor."""
+    from specpilot.auditors.round.measure import Measurement
+    from specpilot.auditors.round.modeling import build_model
+
+    replay = {"policies": [{"policy": "chain", "tau": 1.5}, {"policy": "oracle:8", "tau": 2.0}],
+              "curves": {"chain": {"4": 1.4}, "best-first": {"4": 1.6}}}
+    meas = Measurement(system="engine:model=x,mode=ar", tokens_per_s=200.0, calibration={}, context=96, ar_ms=4.0,
+                       step_ms={1: 4.0, 5: 4.4}, current_rows=1, current_policy="ar", replay=replay,
+                       profile={"kernel_busy_ms": 4.5, "step_wall_ms": 5.0, "total_floor_ms": 3.0})
+    m = build_model(meas)
+    assert m.factors["tree"] == pytest.approx(2.0)
+    assert m.factors["kernel"] == pytest.approx(1.5) and m.factors["outside"] == pytest.approx(5.0 / 4.5)
+    assert m.largest == "tree" and m.cost_model["ceiling"] == pytest.approx(2.0 * 1.5 * 5.0 / 4.5)
+    assert {(r["family"], r["nodes"]) for r in m.by_nodes} == {("chain", 4), ("best-first", 4)}
+    assert next(r for r in m.by_nodes if r["family"] == "best-first")["speedup"] == pytest.approx(1.6 / 1.1)
