@@ -449,6 +449,7 @@ def approve_sglang(dep: SGLangDeployment, out: Path, cfg, clock, notify, prop, m
                 notify("approve", f"{cand.id}: starting its server: {cmd}")
                 server = start_server(cmd, url, dep.path.parent, out / f"{cand.id}.server.log",
                                       float((dep.servers.get("candidate") or {}).get("ready_timeout", 900)))
+                started.append(server)  # stopped in the end whatever happens (an interrupt included)
                 a = GenerateSystem(base["url"], prompts, max_new)
                 a.label = base["label"]
                 b = GenerateSystem(url, prompts, max_new)
@@ -503,7 +504,7 @@ def approve_sglang(dep: SGLangDeployment, out: Path, cfg, clock, notify, prop, m
             base["server"].stop()
     finally:
         for s in started:
-            s.stop()
+            s.stop()  # a no-op for servers already stopped
     state["final"] = state.get("current")
     return decisions
 
