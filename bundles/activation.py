@@ -171,24 +171,57 @@ def _require_specpilot(env: TargetEnv) -> None:
                                  f"({PLUGIN_NAME} = {ENTRY_POINT}); {fix}")
 
 
-def launch_command(entries: dict[str, mem.Entry], ids: list[str], settings: dict, python: str,
-                   model: str = "MODEL") -> str:
-    others = [p.strip() for p in os.environ.get("SGLANG_PLUGINS", "").split(",") if p.strip() and p.strip() != PLUGIN_NAME]
-    env = {"SGLANG_PLUGINS": ",".join([PLUGIN_NAME] + others)}
+def launch_parts(entries: dict[str, mem.Entry], ids: list[str], settings: dict,
+                 drafter: str | None) -> tuple[dict[str, str], list[str], list[str]]:
+    """(environment, server arguments, notes) the entries ``ids`` need on ``drafter`` (None:
+    unknown; arguments only some drafters take are then left out and a note says so)."""
+    env: dict[str, str] = {}
     args: list[str] = []
+    notes: list[str] = []
     for i in ids:
         launch = entries[i].launch
-        for k, v in (launch.get("env") or {}).items():
+        per = (launch.get("by_drafter") or {})
+        own = per.get(drafter) or {} if drafter else {}
+        for k, v in {**(launch.get("env") or {}), **(own.get("env") or {})}.items():
             env[k] = str(v).format(**settings)
-        for a in launch.get("args") or []:
+        for a in list(launch.get("args") or []) + list(own.get("args") or []):
             args.append(str(a).format(**settings))
+        note = own.get("note") or launch.get("note")
+        if note:
+            notes.append(f"{i}: " + str(note).format(**settings))
+        if drafter is None and any((v or {}).get("args") for v in per.values()):
+            which = ", ".join(d for d, v in per.items() if (v or {}).get("args"))
+            notes.append(f"{i}: drafter-specific flags left out ({which}); give --drafter to get them")
+    return env, args, notes
+
+
+def launch_command(entries: dict[str, mem.Entry], ids: list[str], settings: dict, python: str,
+                   model: str = "MODEL", drafter: str | None = None) -> str:
+    others = [p.strip() for p in os.environ.get("SGLANG_PLUGINS", "").split(",") if p.strip() and p.strip() != PLUGIN_NAME]
+    env = {"SGLANG_PLUGINS": ",".join([PLUGIN_NAME] + others)}
+    extra_env, args, _ = launch_parts(entries, ids, settings, drafter)
+    env.update(extra_env)
     head = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
     tail = " ".join(shlex.quote(a) if "{" not in a else a for a in args)
     return f"{head} {shlex.quote(python)} -m sglang.launch_server --model-path {shlex.quote(model)} {tail}".rstrip()
 
 
+def check_composition(entries: dict[str, mem.Entry], ids: list[str], drafter: str | None) -> str | None:
+    """Refuse (InputError) bundles that cannot run together or on ``drafter``; returns the drafter
+    the launch command is written for (given, or the only one every bundle accepts)."""
+    problems = mem.composition_problems(entries, ids, drafter)
+    if problems:
+        raise InputError(f"{', '.join(ids)} cannot be applied together: " + "; ".join(problems))
+    if drafter is None:
+        common = mem.common_drafters(entries, ids)
+        if len(common) == 1:
+            return common[0]
+    return drafter
+
+
 def apply(bundles: str, *, python: str | None = None, force: bool = False, experimental: bool = False,
-          settings=(), dry_run: bool = False, memory_dir=None, model: str = "MODEL") -> ApplyResult:
+          settings=(), dry_run: bool = False, memory_dir=None, model: str = "MODEL",
+          drafter: str | None = None) -> ApplyResult:
     entries = mem.load_memory(memory_dir)
     asked = parse_bundle_list(bundles)
     for name in asked:
@@ -202,6 +235,7 @@ def apply(bundles: str, *, python: str | None = None, force: bool = False, exper
     if risky and not experimental:
         raise InputError(f"{', '.join(risky)} {'is' if len(risky) == 1 else 'are'} experimental "
                          f"(see 'specpilot memory show {risky[0]}'); pass --experimental to apply anyway")
+    drafter = check_composition(entries, ids, drafter)
     values = parse_settings(settings, entries, ids)
     state = mem.compose(entries, ids)
 
@@ -231,7 +265,7 @@ def apply(bundles: str, *, python: str | None = None, force: bool = False, exper
     path = activation_path(env.purelib)
     if not dry_run and not os.access(env.purelib, os.W_OK):
         raise EnvironmentMissing(f"{env.purelib} is not writable; run as the environment's owner")
-    launch = launch_command(entries, ids, values, env.executable, model)
+    launch = launch_command(entries, ids, values, env.executable, model, drafter)
     with locked(env.purelib):
         swept = [] if dry_run else sweep_partial(env.purelib)
         previous = read_activation(path)
@@ -250,11 +284,12 @@ def apply(bundles: str, *, python: str | None = None, force: bool = False, exper
             "specpilot_version": __version__,
             "applied_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "launch": launch,
+            "drafter": drafter,
         }
         if not dry_run:
             with atomic_open(path, "w") as fh:
                 fh.write(json.dumps(activation, indent=2) + "\n")
-    notes = [f"{i}: " + str(entries[i].launch["note"]).format(**values) for i in ids if entries[i].launch.get("note")]
+    notes = launch_parts(entries, ids, values, drafter)[2]
     return ApplyResult(activation=activation, path=str(path), env=env, checks=checks,
                        previous=previous and previous.get("bundles"), launch=launch, swept=swept, dry_run=dry_run,
                        notes=notes)

@@ -34,6 +34,15 @@ ENTRY_SCHEMA = "specpilot.memory-entry/1"
 STATUSES = ("checked", "observe", "experimental", "library")
 SUPPORTED_SGLANG = ("0.5.23",)
 
+# The drafter families an entry's ``fits.drafters`` names (SGLang's speculative algorithms and the
+# drafter kinds its DFLASH worker tells apart), with the words errors use for them.
+DRAFTERS = {"eagle": "an EAGLE drafter", "eagle3": "an EAGLE-3 drafter",
+            "dflash": "a plain DFlash drafter (no CandidateSelector)",
+            "dflash2": "a DFlash2 drafter (CandidateSelector)", "dspark": "a DSpark drafter (confidence head)"}
+TARGET_KINDS = ("dense", "hybrid")
+BATCH_SHAPES = ("single", "batched", "any")
+FACTORS = ("tree", "kernel", "outside")
+
 PLUGIN_GROUP = "sglang.srt.plugins"
 PLUGIN_NAME = "specpilot"
 ENTRY_POINT = "specpilot.bundles.plugin:register"

@@ -18,7 +18,7 @@ from typing import Any, Iterable
 
 from specpilot.errors import InputError
 
-from .contract import ENTRY_SCHEMA, HOOK_TYPES, STATUSES, hook_key
+from .contract import BATCH_SHAPES, DRAFTERS, ENTRY_SCHEMA, FACTORS, HOOK_TYPES, STATUSES, TARGET_KINDS, hook_key
 
 MEMORY_DIR = Path(__file__).resolve().parent / "memory_entries"
 _REQUIRED = ("id", "summary", "status", "requires", "sglang", "code", "variants", "contracts",
@@ -64,6 +64,42 @@ class Variant:
     doc: str = ""
 
 
+@dataclass(frozen=True)
+class Fits:
+    """The deployments a mechanism applies to (``fits`` of an entry); an empty tuple means any.
+
+    ``attacks`` is the cost-model factor it reduces (tree, kernel, outside; None for an
+    observer), ``batch`` the serving shape it is for (single, batched, any) and ``changes_output``
+    whether its outputs may differ from stock's (the 3% approval rule then applies)."""
+
+    attacks: str | None = None
+    drafters: tuple[str, ...] = ()
+    targets: tuple[str, ...] = ()
+    dtypes: tuple[str, ...] = ()
+    batch: str = "any"
+    changes_output: bool = False
+
+    def drafter_text(self) -> str:
+        return " or ".join(DRAFTERS[d] for d in self.drafters)
+
+    def misfits(self, *, drafter: str | None = None, target: str | None = None, dtype: str | None = None,
+                batch: int | None = None) -> list[str]:
+        """Why a deployment with these facts (None: unknown, not checked) is outside the fit."""
+        out = []
+        if drafter is not None and self.drafters and drafter not in self.drafters:
+            out.append(f"needs {self.drafter_text()}, the deployment has {DRAFTERS.get(drafter, drafter)}")
+        if target is not None and self.targets and target not in self.targets:
+            out.append(f"needs a {' or '.join(self.targets)} target, the deployment's is {target}")
+        if dtype is not None and self.dtypes and dtype not in self.dtypes:
+            out.append(f"needs {' or '.join(self.dtypes)} weights, the deployment's are {dtype}")
+        if batch is not None:
+            if self.batch == "single" and batch > 1:
+                out.append(f"is for single-request serving, the deployment batches {batch} requests")
+            elif self.batch == "batched" and batch <= 1:
+                out.append("is for batched serving, the deployment serves one request at a time")
+        return out
+
+
 @dataclass
 class Entry:
     id: str
@@ -86,6 +122,7 @@ class Entry:
     system: dict
     path: Path
     raw: dict = field(repr=False, default_factory=dict)
+    fits: Fits = field(default_factory=Fits)
 
 
 @dataclass
@@ -126,6 +163,31 @@ def _names(value, what: str, source: str) -> list[str]:
     if not all(isinstance(x, str) or (isinstance(x, (int, float)) and not isinstance(x, bool)) for x in items):
         raise InputError(f"{source}: '{what}' must be a list of names")
     return [str(x) for x in items]
+
+
+def _str_tuple(value, what: str, source: str, allowed) -> tuple[str, ...]:
+    items = tuple(str(x) for x in _as_list(value, what, source))
+    bad = [x for x in items if x not in allowed]
+    if bad:
+        raise InputError(f"{source}: {what} {bad[0]!r} is not one of {', '.join(allowed)}")
+    return items
+
+
+def parse_fits(raw: Any, source: str) -> Fits:
+    if raw is None:
+        return Fits()
+    if not isinstance(raw, dict):
+        raise InputError(f"{source}: 'fits' must be a mapping")
+    attacks = raw.get("attacks")
+    if attacks is not None and attacks not in FACTORS:
+        raise InputError(f"{source}: fits.attacks must be one of {', '.join(FACTORS)} or null")
+    batch = raw.get("batch", "any")
+    if batch not in BATCH_SHAPES:
+        raise InputError(f"{source}: fits.batch must be one of {', '.join(BATCH_SHAPES)}")
+    return Fits(attacks=attacks, drafters=_str_tuple(raw.get("drafters"), "fits.drafters", source, tuple(DRAFTERS)),
+                targets=_str_tuple(raw.get("targets"), "fits.targets", source, TARGET_KINDS),
+                dtypes=tuple(str(x) for x in _as_list(raw.get("dtypes"), "fits.dtypes", source)),
+                batch=batch, changes_output=bool(raw.get("changes_output", False)))
 
 
 def parse_entry(raw: Any, source: str, path: Path | None = None) -> Entry:
@@ -211,7 +273,7 @@ def parse_entry(raw: Any, source: str, path: Path | None = None) -> Entry:
         limits=[str(c).strip() for c in _as_list(raw["limits"], "limits", source)],
         unverified=[str(c).strip() for c in _as_list(raw["unverified"], "unverified", source)],
         system={"hooks": list(rec_hooks), "fingerprints": {str(k): v for k, v in rec_fp.items()}},
-        path=path or Path(source), raw=raw,
+        path=path or Path(source), raw=raw, fits=parse_fits(raw.get("fits"), source),
     )
 
 
@@ -288,6 +350,42 @@ def closure(entries: dict[str, Entry], ids: Iterable[str]) -> list[str]:
     for name in ids:
         visit(name, [])
     return order
+
+
+def composition_problems(entries: dict[str, Entry], ids: Iterable[str], drafter: str | None = None) -> list[str]:
+    """Why the entries ``ids`` (a closure) cannot run together, or on ``drafter``: each needs a
+    drafter family its ``fits`` names, and a single-request mechanism cannot share a server with
+    a batched one. Empty when they compose."""
+    ids = list(ids)
+    problems: list[str] = []
+    if drafter is not None and drafter not in DRAFTERS:
+        raise InputError(f"--drafter {drafter}: choose one of {', '.join(DRAFTERS)}")
+    picky = [i for i in ids if entries[i].fits.drafters]
+    if drafter is not None:
+        for i in picky:
+            if drafter not in entries[i].fits.drafters:
+                problems.append(f"{i} needs {entries[i].fits.drafter_text()}, not {DRAFTERS[drafter]}")
+    else:
+        for a_i, a in enumerate(picky):
+            for b in picky[a_i + 1:]:
+                if not set(entries[a].fits.drafters) & set(entries[b].fits.drafters):
+                    problems.append(f"{a} needs {entries[a].fits.drafter_text()}, {b} needs "
+                                    f"{entries[b].fits.drafter_text()}: no drafter serves both")
+    single = [i for i in ids if entries[i].fits.batch == "single"]
+    batched = [i for i in ids if entries[i].fits.batch == "batched"]
+    for s in single:
+        for b in batched:
+            problems.append(f"{s} is for single-request serving, {b} for batched serving: they cannot share a server")
+    return problems
+
+
+def common_drafters(entries: dict[str, Entry], ids: Iterable[str]) -> tuple[str, ...]:
+    """The drafter families every entry of ``ids`` accepts (all families when none is picky)."""
+    out = set(DRAFTERS)
+    for i in ids:
+        if entries[i].fits.drafters:
+            out &= set(entries[i].fits.drafters)
+    return tuple(d for d in DRAFTERS if d in out)
 
 
 def module_file(module: str) -> Path:

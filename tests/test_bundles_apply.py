@@ -39,7 +39,10 @@ def test_round_trip_leaves_environment_byte_identical(run_cli, env):
     assert data["schema"] == "specpilot.activation/1"
     assert data["closure"] == ["tree", "lattice-trace"]
     assert data["settings"]["node_budget"] == 24
-    assert "--speculative-num-draft-tokens 24" in out and "SGLANG_PLUGINS=specpilot" in out
+    # lattice-trace records DFlash2 lattices, so the launch is for a DFlash2 drafter: no node-budget flag
+    # (on DFLASH --speculative-num-draft-tokens would resize the draft block)
+    assert "--speculative-num-draft-tokens" not in out and "SGLANG_PLUGINS=specpilot" in out
+    assert "flags for dflash2" in out
     assert {h["target"] for h in data["hooks"]} >= {
         "sglang.srt.speculative.eagle_utils.organize_draft_results",
         "sglang.srt.models.dflash.CandidateSelector.build_lattice"}
@@ -60,26 +63,63 @@ def test_round_trip_leaves_environment_byte_identical(run_cli, env):
     assert code == 0 and "nothing was active" in out
 
 
-def test_batching_and_tlv_round_trip(run_cli, env):
+def test_batching_and_w12_round_trip(run_cli, env):
     root = env.parent.parent
     before = tree_digest(root)
-    code, out, err = run_cli("apply", "batching,tlv", "--python", env, "--experimental",
+    code, out, err = run_cli("apply", "batching,w12", "--python", env, "--experimental",
                              "--set", "shared_budget=256", "--set", "block_sizes=[12,8]")
     assert code == 0, err
-    assert out.count(" ok ") >= 9 and "SGLANG_RAGGED_VERIFY_MODE=compact" in out
-    assert "SGLANG_DFLASH_EAGER_DRAFT_SAMPLER=1" in out and "--quantization w12" in out
+    assert out.count(" ok ") >= 9 and "SGLANG_RAGGED_VERIFY_MODE=compact" in out and "--quantization w12" in out
     data = json.loads((_purelib(env) / act.ACTIVATION_NAME).read_text())
-    assert data["closure"] == ["batching", "w12", "tlv"]
+    assert data["closure"] == ["batching", "w12"] and data["drafter"] == "dspark"
     assert data["settings"]["shared_budget"] == 256 and data["settings"]["block_sizes"] == [12, 8]
     targets = {h["target"].rsplit(".", 2)[-2] + "." + h["target"].rsplit(".", 1)[-1] for h in data["hooks"]}
     assert {"DSparkVerifyPlanner._schedule_verify_lens", "Scheduler._should_defer_prefill",
             "DFlashWorkerV2.forward_batch_generation"} <= targets
-    assert set(data["fingerprints"]) >= {"specpilot.bundles.batching", "specpilot.bundles.tlv", "specpilot.bundles.w12_quantization"}
+    assert set(data["fingerprints"]) >= {"specpilot.bundles.batching", "specpilot.bundles.w12_quantization"}
     code, out, err = run_cli("status", "--python", env, "--format", "json")
     st = json.loads(out)
     assert code == 0 and st["matches"] and st["problems"] == [] and all(c["ok"] for c in st["checks"])
     assert run_cli("revert", "--python", env)[0] == 0
     assert tree_digest(root) == before
+
+
+def test_tlv_round_trip(run_cli, env):
+    code, out, err = run_cli("apply", "tlv", "--python", env, "--experimental", "--format", "json")
+    assert code == 0, err
+    data = json.loads(out)["activation"]
+    assert data["closure"] == ["w12", "tlv"] and data["drafter"] == "dflash"
+    assert "SGLANG_DFLASH_EAGER_DRAFT_SAMPLER=1" in data["launch"] and "--quantization w12" in data["launch"]
+    assert run_cli("revert", "--python", env)[0] == 0
+
+
+@pytest.mark.parametrize("bundles, drafter, msg", [
+    ("batching,tlv", None, "batching needs a DSpark drafter (confidence head), tlv needs a plain DFlash drafter"),
+    ("tree,tlv", None, "no drafter serves both"),
+    ("tree,batching", None, "tree needs an EAGLE drafter or an EAGLE-3 drafter or a DFlash2 drafter"),
+    ("tlv", "dflash2", "tlv needs a plain DFlash drafter (no CandidateSelector), not a DFlash2 drafter"),
+    ("batching", "eagle", "batching needs a DSpark drafter"),
+])
+def test_combinations_that_cannot_run_together_are_refused(run_cli, tmp_path, bundles, drafter, msg):
+    # refused before any environment is probed: no SGLang needed, nothing written
+    args = ["apply", bundles, "--python", tmp_path / "nowhere" / "python", "--experimental"]
+    code, out, err = run_cli(*args, *(["--drafter", drafter] if drafter else []))
+    assert code == 2 and msg in err and "cannot be applied together" in err, err
+
+
+def test_launch_flags_follow_the_drafter(run_cli, env):
+    code, out, err = run_cli("apply", "tree", "--python", env, "--dry-run", "--drafter", "eagle",
+                             "--set", "node_budget=24", "--format", "json")
+    assert code == 0, err
+    assert "--speculative-num-draft-tokens 24" in json.loads(out)["activation"]["launch"]
+    code, out, err = run_cli("apply", "tree", "--python", env, "--dry-run", "--drafter", "dflash2", "--format", "json")
+    res = json.loads(out)
+    assert code == 0 and "--speculative-num-draft-tokens" not in res["activation"]["launch"]
+    assert any("block size stays the checkpoint's" in n for n in res["notes"])
+    code, out, err = run_cli("apply", "tree", "--python", env, "--dry-run", "--format", "json")
+    res = json.loads(out)
+    assert code == 0 and "--speculative-num-draft-tokens" not in res["activation"]["launch"]
+    assert any("give --drafter" in n for n in res["notes"])
 
 
 def test_a_library_entry_cannot_be_applied(tmp_path):

@@ -196,6 +196,8 @@ def test_w12_activation_plans_its_setup_and_head_hook(activation_of, tmp_path):
     lp, worker = "sglang.srt.layers.logits_processor.LogitsProcessor", "sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2"
     graphs = "sglang.srt.model_executor.runner_backend.full_cuda_graph_backend.FullCudaGraphBackend"
     assert sorted((t, k, fn.__name__) for t, k, fn, _ in hooks) == sorted([
+        ("sglang.srt.model_loader.loader.DefaultModelLoader._get_weights_iterator", "around",
+         w12_quantization_sglang.around_get_weights_iterator.__name__),
         (f"{worker}._greedy_sample_from_vocab_parallel_head", "around", lm_head.around_greedy_sample_from_head.__name__),
         (f"{worker}.forward_batch_generation", "around", lm_head.around_forward_batch_generation.__name__),
         (f"{lp}._get_logits", "around", lm_head.around_get_logits.__name__),
@@ -203,4 +205,5 @@ def test_w12_activation_plans_its_setup_and_head_hook(activation_of, tmp_path):
         (f"{lp}.finish_deferred_gather", "around", lm_head.around_finish_deferred_gather.__name__),
         (f"{graphs}.capture_one", "around", lm_head.around_graph_capture_one.__name__),
         (f"{graphs}.replay", "around", lm_head.around_graph_replay.__name__)])
-    assert all(fn is getattr(lm_head, fn.__name__) for _, _, fn, _ in hooks)
+    assert all(fn is getattr(w12_quantization_sglang if t.startswith("sglang.srt.model_loader") else lm_head, fn.__name__)
+               for t, _, fn, _ in hooks)

@@ -34,6 +34,8 @@ def test_every_entry_is_complete_and_honest():
             assert ev.get("kind") in ("cpu-test", "paper", "gpu"), e.id
             if ev["kind"] == "paper":
                 assert "not measured here" in ev["deployment"], e.id
+            if ev["kind"] == "gpu":  # measured figures come from a results file, never pasted
+                assert ev.get("source") and ev.get("values") and ev.get("text"), e.id
         if e.status != "library":
             assert e.sglang_checked == ["0.5.23"] and (e.hooks or e.setup), e.id
         for v in e.variants:
@@ -158,3 +160,52 @@ def test_verify_against_an_installed_sglang(run_cli, tmp_path):
     (d / "tree.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
     code, out, _ = run_cli("memory", "verify", "--memory-dir", d, "--python", py, "tree")
     assert code == 1 and "SGLang 0.5.23: sglang.srt.speculative.eagle_utils.organize_draft_results" in out
+
+
+def _results(tmp_path, speedup: float) -> Path:
+    res = tmp_path / "results"
+    res.mkdir(exist_ok=True)
+    (res / "demo.json").write_text(json.dumps({"benchmark": "demo", "gpu": "NVIDIA H200", "torch": "2.11.0",
+                                               "date": "2026-12-02T00:00:00+00:00",
+                                               "rows": [{"m": 1, "speedup": speedup}]}))
+    return res
+
+
+def test_evidence_is_generated_from_results_and_stale_evidence_fails(run_cli, tmp_path):
+    d = _copy(tmp_path)
+    raw = yaml.safe_load((d / "tree.yaml").read_text())
+    item = {"kind": "gpu", "source": "demo", "values": {"s": {"row": {"m": 1}, "field": "speedup"}},
+            "text": "the demo kernel is {s:.2f}x faster at one row", "what": "pasted 0.89x"}
+    raw["evidence"].insert(0, item)
+    (d / "tree.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    res = _results(tmp_path, 1.25)
+    code, out, _ = run_cli("memory", "verify", "tree", "--memory-dir", d, "--results", res)
+    assert code == 1 and "stale" in out and "0.89x" in out and "1.25x" in out
+    # --record regenerates the text (and the system) from the results files
+    assert run_cli("memory", "verify", "tree", "--memory-dir", d, "--results", res, "--record")[0] == 0
+    ev = yaml.safe_load((d / "tree.yaml").read_text())["evidence"][0]
+    assert ev["what"] == "the demo kernel is 1.25x faster at one row"
+    assert ev["hardware"] == "NVIDIA H200, torch 2.11.0; as of 2026-12-02"
+    # a new results file makes the stored text stale again
+    _results(tmp_path, 1.5)
+    code, out, _ = run_cli("memory", "verify", "tree", "--memory-dir", d, "--results", res)
+    assert code == 1 and "1.50x" in out
+
+
+def test_measured_evidence_without_a_results_file_fails(run_cli, tmp_path):
+    d = _copy(tmp_path)
+    raw = yaml.safe_load((d / "tree.yaml").read_text())
+    raw["evidence"].append({"kind": "gpu", "what": "1.9x faster, trust me", "hardware": "H200"})
+    (d / "tree.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    code, out, _ = run_cli("memory", "verify", "tree", "--memory-dir", d)
+    assert code == 1 and "without a results file" in out
+
+
+def test_packaged_evidence_matches_the_results_files(run_cli):
+    from specpilot.bundles import evidence
+
+    if evidence.default_results_dir() is None:
+        pytest.skip("no benchmarks/results in this installation")
+    code, out, err = run_cli("memory", "verify", "--format", "json")
+    assert code == 0, out
+    assert json.loads(out)["evidence_checked_against"]

@@ -11,8 +11,9 @@ A converted weight ``NAME`` (bf16 ``[N, K]``) is stored as four tensors (format 
 
 and described in the safetensors metadata key ``specpilot.w12`` (JSON, schema ``specpilot.w12/1``):
 format version, tile, row padding, per tensor its shape, stored rows, padded K, ``low_base`` (null
-for the byte form), the escape count and a CRC-32 of each stored part (so ``verify`` catches a
-corrupted record even without the original). Format 1 files (windows as bytes, positions as
+for the byte form), the escape count, a CRC-32 of each stored part (so ``verify`` catches a
+corrupted record even without the original) and the sha256 of the original bf16 bytes (so a
+loader checks the restored tensor bit for bit without the original checkpoint). Format 1 files (windows as bytes, positions as
 int32/int64) are still read. Every other
 tensor is copied unchanged; other metadata keys are kept.
 """
@@ -20,6 +21,7 @@ tensor is copied unchanged; other metadata keys are kept.
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import json
 import os
 import shutil
@@ -162,6 +164,11 @@ def w12_parts(name: str, t: W12Tensor) -> tuple[dict[str, torch.Tensor], dict]:
     return parts, {"low_base": base, "escapes": t.num_escapes}
 
 
+def bf16_sha256(t: torch.Tensor) -> str:
+    """sha256 of a bf16 tensor's bytes (row-major, little-endian), the digest ``pack`` records."""
+    return hashlib.sha256(t.detach().contiguous().cpu().view(torch.int16).numpy().tobytes()).hexdigest()
+
+
 def _crc(t: torch.Tensor) -> int:
     return zlib.crc32(t.contiguous().view(torch.uint8).numpy().tobytes()) if t.numel() else 0
 
@@ -186,7 +193,8 @@ def pack_tensors(tensors: dict[str, torch.Tensor], meta: dict[str, str], include
         parts, extra = w12_parts(name, w12)
         out.update(parts)
         info[name] = {"shape": list(w12.shape), "rows_stored": w12.rows_stored, "k_pad": w12.k_pad,
-                      "dtype": "bfloat16", **extra, "crc32": {p: _crc(parts[f"{name}.w12.{p}"]) for p in PARTS}}
+                      "dtype": "bfloat16", **extra, "crc32": {p: _crc(parts[f"{name}.w12.{p}"]) for p in PARTS},
+                      "sha256": bf16_sha256(t)}
         result.converted.append(TensorStat(name, w12.shape, w12.bits_per_weight(), w12.num_escapes,
                                            w12.escape_rate(), w12.stored_bytes()))
     new_meta = dict(meta)

@@ -17,29 +17,34 @@ def _short(text: str, width: int = 60) -> str:
               help="Interpreter of the SGLang environment (default: this one).")
 @click.option("--set", "settings", multiple=True, metavar="NAME=VALUE",
               help="Set a bundle variant (see 'specpilot memory show ID'); repeatable.")
+@click.option("--drafter", type=click.Choice(["eagle", "eagle3", "dflash", "dflash2", "dspark"]), default=None,
+              help="The server's drafter: bundles that do not work with it are refused, and the launch "
+                   "command gets the flags right for it (e.g. the tree's node budget only for EAGLE).")
 @click.option("--model", "model", default="MODEL", metavar="PATH",
               help="Model path to put in the printed launch command.")
 @click.option("--force", is_flag=True, help="Apply to an SGLang version the bundles were not checked against.")
 @click.option("--experimental", is_flag=True, help="Allow bundles whose memory status is experimental.")
 @click.option("--dry-run", is_flag=True, help="Check everything and print the launch command; write nothing.")
 @output_options
-def command(bundles, python, settings, model, force, experimental, dry_run, fmt, out):
+def command(bundles, python, settings, drafter, model, force, experimental, dry_run, fmt, out):
     """Activate BUNDLES (comma-separated, e.g. tree,lattice-trace) in an SGLang installation.
 
     Finds SGLang in the environment of --python without importing it, refuses an unsupported
     version (exit 3; --force overrides), checks statically (AST of the installed files) that
     every hook target exists with a compatible signature, checks that SpecPilot is installed
     there, then writes the activation atomically into that environment's site-packages and
-    prints the launch command. SGLang's files are never edited; 'specpilot revert' undoes it.
+    prints the launch command. Bundles that cannot run together are refused with the reason
+    (each names the drafters it works with, e.g. tree a DFlash2 or EAGLE drafter, tlv a plain
+    DFlash one, batching DSpark). SGLang's files are never edited; 'specpilot revert' undoes it.
 
     \b
     Example:
-      specpilot apply tree,lattice-trace --python /opt/sglang/bin/python --set node_budget=32
+      specpilot apply tree --drafter eagle --python /opt/sglang/bin/python --set node_budget=32
     """
     from specpilot.bundles.activation import apply
 
     res = apply(bundles, python=python, force=force, experimental=experimental, settings=settings,
-                dry_run=dry_run, model=model)
+                dry_run=dry_run, model=model, drafter=drafter)
     act = res.activation
     rows = [[c.target, c.kind, "ok" if c.ok else "FAIL", _short(c.signature or c.found or "-")] for c in res.checks]
     data = {"schema": "specpilot.apply/1", "dry_run": dry_run, "activation_path": res.path,
@@ -50,7 +55,8 @@ def command(bundles, python, settings, model, force, experimental, dry_run, fmt,
              + (" (forced: not a checked version)" if act["sglang"]["forced"] else ""),
              f"{verb} {res.path}: {', '.join(act['closure'])}"
              + (f" (replaces {', '.join(res.previous)})" if res.previous else ""),
-             "", "launch with (add your usual drafter and parallelism flags):", f"  {res.launch}"]
+             "", "launch with (add your usual drafter and parallelism flags)"
+             + (f", flags for {act['drafter']}:" if act.get("drafter") else ":"), f"  {res.launch}"]
     if res.notes:
         lines += [""] + [f"note: {n}" for n in res.notes]
     settings_rows = [[k, v] for k, v in act["settings"].items()]

@@ -76,30 +76,51 @@ def show(entry_id, memory_dir, fmt, out):
 
 @command.command("verify")
 @click.argument("ids", nargs=-1, metavar="[ID]...")
+@click.option("--results", "results_dir", type=click.Path(file_okay=False), default=None,
+              help="Benchmark results folder the evidence is generated from (default: benchmarks/results "
+                   "of the checkout SpecPilot runs from).")
 @click.option("--python", "python", default=None, metavar="PATH",
               help="Also check every entry's hook targets statically against the SGLang of this interpreter.")
 @click.option("--record", is_flag=True,
               help="Maintainers: rewrite each entry's recorded system to the current one (after re-verifying it).")
 @_memdir
 @output_options
-def verify(ids, python, record, memory_dir, fmt, out):
-    """Apply each entry with its requirements to stock and check it reproduces its recorded system.
+def verify(ids, python, record, results_dir, memory_dir, fmt, out):
+    """Apply each entry with its requirements to stock and check it reproduces its recorded system,
+    and that its evidence is what the benchmark results files say.
 
     The recorded system is the hook set and the sha256 of every module the entry and its
-    requirements add. An entry whose code changed since it was verified fails (exit 1); a
-    requirement cycle or a missing requirement is an error (exit 2). With --python, every
-    entry's hook targets are also checked (statically) against that environment's SGLang.
+    requirements add. An entry whose code changed since it was verified fails (exit 1), so does
+    one whose measured evidence is stale (its text no longer matches its results file) or quotes
+    figures without a results file; a requirement cycle or a missing requirement is an error
+    (exit 2). With --python, every entry's hook targets are also checked (statically) against
+    that environment's SGLang. --record rewrites the recorded systems and regenerates the evidence.
     """
+    from pathlib import Path
+
+    from specpilot.bundles import evidence as ev
     from specpilot.bundles import memory as mem
+    from specpilot.errors import InputError
     from specpilot.fileio import write_text_atomic
 
+    results = Path(results_dir) if results_dir else ev.default_results_dir()
+    if results_dir and not results.is_dir():
+        raise InputError(f"--results {results_dir}: no such folder")
     entries = mem.load_memory(memory_dir)
     if record:
         for i in ids or sorted(entries):
             e = mem.get_entry(entries, i)
             write_text_atomic(e.path, mem.record_system(e, entries))
+            if results is not None:
+                e = mem.load_memory(memory_dir)[i]
+                write_text_atomic(e.path, ev.record(e, results))
         entries = mem.load_memory(memory_dir)
     rows = mem.verify(entries, ids or None)
+    for r in rows:
+        stale = ev.problems(entries[r.id], results)
+        if stale:
+            r.problems += stale
+            r.ok = False
     if python:
         from specpilot.bundles.activation import require_sglang
         from specpilot.bundles.inspect_sglang import check_targets
@@ -117,9 +138,12 @@ def verify(ids, python, record, memory_dir, fmt, out):
                     r.problems.append(f"SGLang {env.sglang_version}: {c.target}: {c.problem}")
                     r.ok = False
     data = {"schema": "specpilot.memory-verify/1", "ok": all(r.ok for r in rows),
+            "evidence_checked_against": str(results) if results is not None else None,
             "entries": [r.__dict__ for r in rows]}
     table = [[r.id, " + ".join(r.closure), r.hooks, "reproduced" if r.ok else "DRIFT"] for r in rows]
     lines = [f"{r.id}: {p}" for r in rows for p in r.problems]
+    if results is None:
+        lines.append("evidence not checked against results files: no benchmarks/results here (give --results DIR)")
     emit(Report(data=data, sections=[Section(None, ["id", "applied with requirements", "hooks", "system"], table)],
                 lines=lines), fmt, out)
     return 0 if data["ok"] else 1

@@ -1,0 +1,91 @@
+"""Stage 4, approve: each candidate against the current system, with the ``compare`` library
+(paired ABBA runs on the same prompts, A/A noise of the current system in the same run) and the
+``audit`` library against stock (token forcing, phase 0 against AR). The paper's rule decides
+(:func:`specpilot.auditors.timing.judge`): the 95% lower bound of the gain must exceed
+1% + 2 x noise, 3% when the candidate's outputs differ from the current system's; and the audit
+must pass. An approved candidate becomes the current system for the next one.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+SCHEMA = "specpilot.round-decisions/1"
+
+
+@dataclass
+class Decision:
+    id: str
+    memory: str | None
+    system: str | None                 # the candidate (engine spec, or the SGLang bundles applied)
+    base: str | None                   # the current system it was compared with
+    verdict: str                       # approved | refused | skipped
+    reason: str
+    control: bool = False
+    pairs: int = 0
+    timing: dict | None = None         # specpilot.timing/1
+    audit: dict | None = None          # specpilot.audit/1 data
+    files: dict = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def audit_data(result, scorer_info) -> dict:
+    """The audit as ``specpilot audit --format json`` writes it (``specpilot.audit/1``)."""
+    ph = result.phase0
+    systems = []
+    for s in result.systems:
+        d = asdict(s)
+        d["mismatch_ci"] = list(s.mismatch_ci)
+        d["diff_ci"] = None if s.diff_ci is None else list(s.diff_ci)
+        systems.append(d)
+    return {"schema": "specpilot.audit/1", "verdict": result.verdict, "delta": result.delta,
+            "phase0": {"source": ph.source, "delta": ph.delta, "prompts": ph.prompts, "diverged": ph.diverged,
+                       "max_margin": ph.max_margin, "divergences": [asdict(x) for x in ph.divergences[:20]]},
+            "rules": result.rules, "scorer": asdict(scorer_info) if scorer_info is not None else None,
+            "bootstrap": {"resamples": result.bootstrap, "unit": "prompt", "seed": result.seed},
+            "systems": systems, "warnings": result.warnings}
+
+
+def run_audit(candidate_outputs, stock, ar, scorer, seed: int = 0):
+    """Score the candidate's, stock's and AR's outputs and audit the candidate against stock."""
+    from specpilot.auditors.forcing import audit, score_outputs
+
+    scored = score_outputs(scorer, candidate_outputs, "system")
+    st = score_outputs(scorer, stock, "stock")
+    a = score_outputs(scorer, ar, "ar") if ar is not None else None
+    return audit([scored], st, a, seed=seed)
+
+
+def audit_reasons(data: dict) -> list[str]:
+    return [r for s in data.get("systems", []) if s.get("role") == "system" for r in s.get("reasons", [])]
+
+
+def decide(timing: dict, audit: dict | None) -> tuple[str, str]:
+    """(verdict, reason) from a timing result and an audit."""
+    t_ok = bool(timing.get("approved"))
+    a_ok = audit is None or audit.get("verdict") == "pass"
+    rule = "3% rule: outputs differ from the current system's" if timing.get("changes_output") else "1% + 2 x noise rule"
+    timing_text = (f"gain {timing['gain']:.4f}x, 95% lower bound {min(timing['ci_low'], timing['t_ci'][0]):.4f} vs "
+                   f"threshold {1 + timing['threshold']:.4f} ({rule})")
+    if t_ok and a_ok:
+        return "approved", f"faster: {timing_text}; audit PASS against stock"
+    why = []
+    if not t_ok:
+        why.append(f"not shown faster: {timing_text}")
+    if not a_ok:
+        why.append("audit REJECT: " + "; ".join(audit_reasons(audit) or ["rejected"]))
+    return "refused", "; ".join(why)
+
+
+def compare_engines(base_sys, cand_sys, pairs: int, seed: int, tick=None):
+    from specpilot.auditors.pairing import paired_compare
+
+    return paired_compare(base_sys, cand_sys, runs=pairs, warmup=1, seed=seed, tick=tick)
+
+
+def elapsed(t0: float) -> float:
+    return time.perf_counter() - t0

@@ -1,0 +1,232 @@
+"""Stage 1, re-measure (embedded engine): T_AR and T_step(N), a profile of a captured step, and
+tau(N) by replay of lattices recorded on the deployment's prompts.
+
+* **speed**: a short calibration run of the current system (tokens/s; the plan sizes every later
+  run from it).
+* **T_step(N)**: ``probe rows``' measurement (:func:`specpilot.engine.rows.measure_rows`) on the
+  current system's target at rows 1 and N + 1 for every node budget N (a verify pass of N draft
+  nodes has N + 1 rows: the pending token is row 0), at the context the round's requests reach.
+* **profile** (CUDA only): the engine records its own decoding with the PyTorch profiler, each
+  decode/verify step of the current system inside a ``decode_step_N`` annotation;
+  :mod:`specpilot.probes.profile` reads the trace against the byte floors of the model on the GPU
+  (kernel time per class, GPU busy time, step wall time). On the CPU there is no GPU kernel to profile: the kernel
+  and outside factors stay unknown and the stage says so.
+* **tau(N)**: the engine generates the prompts in tree mode with the deployment's drafter and
+  records the lattice (``specpilot.lattice/1``: the drafter's top-K per position and the target's
+  greedy continuation); :func:`specpilot.auditors.replay.replay` scores chain and best-first trees
+  of every budget on it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from specpilot.fileio import write_json_atomic, write_jsonl_atomic
+
+NODES = (1, 2, 4, 8, 16, 32)
+RECORD_NODES, RECORD_DEPTH, RECORD_TOPK = 8, 8, 8
+SCHEMA = "specpilot.round-measure/1"
+
+
+@dataclass
+class Measurement:
+    system: str                       # the engine spec measured (the current system)
+    tokens_per_s: float               # calibration run of the current system
+    calibration: dict                 # prompt, tokens, seconds, prefill_s
+    context: int                      # context T_step(N) was measured at
+    ar_ms: float | None = None
+    step_ms: dict[int, float] = field(default_factory=dict)   # rows -> ms
+    rows_method: str | None = None
+    current_rows: int = 1
+    current_policy: str = "ar"        # replay policy of the current system ("ar": tau = 1)
+    replay: dict | None = None        # specpilot.replay/1
+    verify_rows: dict = field(default_factory=dict)   # family -> N -> {rows: steps}: what each tree verifies
+    lattice: dict | None = None       # steps, requests, m, k, tokens recorded, seconds
+    profile: dict | None = None       # specpilot.profile/1 (CUDA)
+    skipped: list[str] = field(default_factory=list)
+    files: dict[str, str] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["step_ms"] = {str(k): v for k, v in self.step_ms.items()}
+        return {"schema": SCHEMA, **d}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Measurement":
+        d = {k: v for k, v in d.items() if k != "schema"}
+        d["step_ms"] = {int(k): float(v) for k, v in (d.get("step_ms") or {}).items()}
+        return cls(**d)
+
+    @property
+    def taus(self) -> dict[str, float]:
+        return {p["policy"]: p["tau"] for p in (self.replay or {}).get("policies", [])}
+
+    @property
+    def curves(self) -> dict[str, dict[int, float]]:
+        return {k: {int(n): float(t) for n, t in v.items()} for k, v in ((self.replay or {}).get("curves") or {}).items()}
+
+
+def probe_rows_set(current_rows: int) -> list[int]:
+    """Row counts T_step is measured at: every count up to 9 (an n-gram chain's steps verify any of
+    them; on a CPU small row counts do not cost in order), N + 1 for every budget, the current."""
+    return sorted(set(range(1, 10)) | {n + 1 for n in NODES} | {current_rows})
+
+
+def system_rows(spec) -> tuple[int, str]:
+    """(verify rows per step, replay policy) of an engine spec's decoding mode."""
+    if spec.mode == "chain":
+        return spec.depth + 1, f"chain:{spec.depth}" if spec.depth else "chain"
+    if spec.mode == "tree":
+        return spec.nodes + 1, f"best-first:{spec.nodes}"
+    return 1, "ar"
+
+
+def record_spec(spec):
+    """The spec that records lattices: tree mode with the deployment's drafter, K candidates per
+    position (a small verify budget keeps the recording cheap; replay scores any tree on it)."""
+    return spec.with_(mode="tree", nodes=RECORD_NODES, depth=RECORD_DEPTH, topk=RECORD_TOPK)
+
+
+def calibrate(engine, prompt) -> dict:
+    t0 = time.perf_counter()
+    r = engine.generate(list(prompt.prompt_ids), 24)
+    wall = time.perf_counter() - t0
+    toks = len(r.output_ids)
+    return {"prompt": str(prompt.id), "tokens": toks, "seconds": wall, "prefill_s": r.prefill_seconds,
+            "tokens_per_s": toks / max(wall - r.prefill_seconds, 1e-9)}
+
+
+def rows_probe(engine, rows: list[int], context: int, reps: int, progress=None) -> tuple[dict, dict[int, float], float]:
+    """T_step(N) on the engine's target, with the CPU threads the engine generates with."""
+    import torch
+
+    from specpilot.engine.rows import measure_rows
+
+    threads = getattr(engine.decoder, "threads", 0)
+    old = torch.get_num_threads()
+    if threads and engine.model.device.type == "cpu":
+        torch.set_num_threads(threads)
+    try:
+        measure_rows(engine.model, [1], context, reps=3, warmup=3)  # the first forwards after a load are slow
+        res = measure_rows(engine.model, rows, context, reps=reps, warmup=2, progress=progress)
+    finally:
+        torch.set_num_threads(old)
+    res.model = engine.model_name
+    return res.to_json(), {int(p["rows"]): float(p["step_ms"]) for p in res.points}, res.ar_ms
+
+
+def record_lattice(engine, prompts, max_new_tokens: int, path: Path, progress=None) -> dict:
+    t0 = time.perf_counter()
+    run = engine.run([{"id": p.id, "ids": list(p.prompt_ids)} for p in prompts], max_new_tokens,
+                     record_lattice=True, progress=progress)
+    write_jsonl_atomic(path, run.lattice_rows)
+    return {"rows": len(run.lattice_rows), "tokens": sum(r["tokens"] for r in run.results),
+            "seconds": time.perf_counter() - t0, "prompts": len(prompts), "max_new_tokens": max_new_tokens}
+
+
+def verify_rows(path: Path, current_policy: str) -> dict[str, dict[str, dict[str, int]]]:
+    """For every chain and best-first budget N (and the current system's), how many steps of the
+    recorded lattice verify how many rows: 1 + the tree's size, which is below N + 1 when the
+    drafter proposed fewer candidates (an n-gram drafter often proposes none)."""
+    from collections import Counter
+
+    from specpilot.auditors.policies import best_first_tree, chain_tree
+    from specpilot.auditors.replay import read_lattice
+
+    lat = read_lattice(path)
+    wanted = {("chain", n) for n in NODES} | {("best-first", n) for n in NODES}
+    fam, _, arg = current_policy.partition(":")
+    if fam in ("chain", "best-first"):
+        wanted.add((fam, int(arg) if arg else lat.m))
+    out: dict[str, dict[str, dict[str, int]]] = {}
+    for family, n in sorted(wanted):
+        build = chain_tree if family == "chain" else best_first_tree
+        hist = Counter(1 + len(build(s, n)) for s in lat.steps)
+        out.setdefault(family, {})[str(n)] = {str(k): v for k, v in sorted(hist.items())}
+    return out
+
+
+def replay_lattice(path: Path, current_policy: str, out: Path) -> dict:
+    from specpilot.auditors.replay import read_lattice, replay
+
+    lat = read_lattice(path)
+    policies = ["chain", f"oracle:{max(lat.k, 1)}"] + [f"best-first:{n}" for n in NODES]
+    if current_policy not in ("ar", *policies):
+        policies.append(current_policy)
+    res = replay(lat, policies, nodes=list(NODES), n_boot=500).to_json()
+    res["lattice"] = path.name
+    write_json_atomic(out, res)
+    return res
+
+
+def capture_step_trace(engine, prompt, max_new_tokens: int, path: Path) -> int:
+    """The current system decoding ``prompt`` under the PyTorch profiler, each decode/verify step
+    inside a ``decode_step_N`` annotation (real steps: the host work between kernels is in their
+    wall time); the Kineto trace goes to ``path`` (gzip). Returns the steps recorded."""
+    import gzip
+    import itertools
+    import os
+    import tempfile
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    dec = engine.decoder
+    original = dec.step
+    counter = itertools.count()
+
+    def annotated(*args, **kwargs):
+        with record_function(f"decode_step_{next(counter)}"):
+            return original(*args, **kwargs)
+
+    ids = list(prompt.prompt_ids)
+    engine.generate(ids, 8)  # graphs captured and kernels compiled before the profiler starts
+    dec.step = annotated
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            engine.generate(ids, max_new_tokens)
+            torch.cuda.synchronize()
+    finally:
+        del dec.step  # back to the class's method
+    fd, tmp = tempfile.mkstemp(suffix=".json", dir=path.parent)
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(tmp)
+        with open(tmp, "rb") as src, gzip.open(str(path) + ".part", "wb") as dst:
+            dst.write(src.read())
+        os.replace(str(path) + ".part", path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return next(counter)
+
+
+def profile_trace(path: Path, model_spec, gpu_key: str | None, rows: int, context: int, w12: bool) -> dict:
+    """The trace read by the profile library, with the byte floors of ``model_spec`` (the engine's
+    target) on the catalog GPU ``gpu_key`` (None: no floors, the kernel factor stays unknown)."""
+    from specpilot.gpus import get_gpu
+    from specpilot.probes.classify import load_rules
+    from specpilot.probes.profile import build_profile, floors_from_model
+    from specpilot.probes.traces import StepRequest, read_trace
+
+    table = load_rules()
+    agg = read_trace(path, StepRequest(range_regex="^decode_step_", tag_regex=table.range_regex))
+    skip = 2 if len(getattr(agg, "steps", []) or []) > 6 else 0
+    floors = None
+    gpu = {"name": agg.gpu.name if agg.gpu else None}
+    if gpu_key:
+        gspec = get_gpu(gpu_key)
+        floors = floors_from_model(model_spec, gspec, rows=rows, batch=1, context=context,
+                                   weight_dtype="w12" if w12 else "bf16")
+        gpu.update({"key": gspec.key, "bandwidth_tbs": gspec.bandwidth_tbs, "bf16_tflops": gspec.bf16_tflops})
+    prof = build_profile(agg, table, floors=floors, vocab=model_spec.vocab_size,
+                         model=model_spec.name, gpu=gpu, skip_steps=skip)
+    return prof.to_json()
+
+
+def median_prompt_len(prompts) -> int:
+    return int(statistics.median(len(p.prompt_ids) for p in prompts)) if prompts else 1

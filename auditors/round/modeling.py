@@ -1,0 +1,157 @@
+"""Stage 2, model: the cost model of the current system, its ceiling's three factors, the largest
+one, and the predicted speedup tau(N) / c(N) per node budget (paper 3.2).
+
+* tau: 1 for AR; else the replayed tau of the current system's policy (``chain:m``,
+  ``best-first:N``) on the recorded lattice. Best reachable tau: the highest tau of any replayed
+  policy (the top-K oracle included).
+* c(N) = E[T_step(rows)] / T_AR: the rows probe's step time at the rows each recorded step's tree
+  of budget N verifies (1 + its size: N + 1 when the drafter filled it, fewer when it proposed
+  fewer candidates, 1 when it proposed none), averaged over the steps; step times between probed
+  row counts are interpolated linearly.
+* kernel factor = profiled GPU busy ms / byte floor ms; outside factor = step wall ms / GPU busy
+  ms (the profile of the engine's real decode steps). Unknown without a profile (CPU).
+
+The numbers go through :func:`specpilot.probes.ceiling.compute_ceiling`, the ``ceiling`` verb's
+library, so the round's model is the one ``specpilot ceiling`` prints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+SCHEMA = "specpilot.round-model/1"
+
+
+@dataclass
+class ModelResult:
+    current: dict                      # policy, rows, tau, c, speedup
+    cost_model: dict | None            # compute_ceiling's cost_model (factors, ceiling, largest)
+    largest: str | None
+    factors: dict[str, float | None]
+    by_nodes: list[dict] = field(default_factory=list)   # family, nodes, rows, tau, c, speedup
+    best: dict | None = None
+    notes: list[str] = field(default_factory=list)
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"schema": SCHEMA, **asdict(self)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "ModelResult":
+        return cls(**{k: v for k, v in d.items() if k != "schema"})
+
+    def predicted(self, family: str, nodes: int | None) -> dict | None:
+        if family == "ar":
+            return {"family": "ar", "nodes": 0, "rows": 1, "tau": 1.0, "c": 1.0, "speedup": 1.0}
+        return next((r for r in self.by_nodes if r["family"] == family and r["nodes"] == nodes), None)
+
+
+def step_time(rows: int, step_ms: dict[int, float]) -> float | None:
+    """T_step at ``rows``: measured, or linear between (beyond: from) the nearest probed counts."""
+    if rows in step_ms:
+        return step_ms[rows]
+    pts = sorted(step_ms)
+    if len(pts) < 2:
+        return None
+    lo = max([p for p in pts if p < rows], default=None)
+    hi = min([p for p in pts if p > rows], default=None)
+    if lo is None:
+        lo, hi = pts[0], pts[1]
+    elif hi is None:
+        lo, hi = pts[-2], pts[-1]
+    return step_ms[lo] + (step_ms[hi] - step_ms[lo]) * (rows - lo) / (hi - lo)
+
+
+def expected_c(family: str, n: int, step_ms: dict[int, float], ar_ms: float, verify_rows: dict) -> tuple[float, float] | None:
+    """(c, mean rows) of a tree of budget ``n``: over the recorded steps when their row counts are
+    known, else at N + 1 rows."""
+    hist = (verify_rows.get(family) or {}).get(str(n))
+    if not hist:
+        t = step_time(n + 1, step_ms)
+        return None if t is None else (t / ar_ms, float(n + 1))
+    total = sum(hist.values())
+    times = [(step_time(int(r), step_ms), k) for r, k in hist.items()]
+    if any(t is None for t, _ in times):
+        return None
+    return (sum(t * k for t, k in times) / total / ar_ms, sum(int(r) * k for r, k in hist.items()) / total)
+
+
+def predict(curves: dict[str, dict[int, float]], step_ms: dict[int, float], ar_ms: float,
+            verify_rows: dict | None = None) -> list[dict]:
+    out = []
+    for family in ("chain", "best-first"):
+        for n, tau in sorted((curves.get(family) or {}).items()):
+            if not ar_ms:
+                continue
+            got = expected_c(family, n, step_ms, ar_ms, verify_rows or {})
+            if got is None:
+                continue
+            c, rows = got
+            out.append({"family": family, "nodes": n, "rows": rows, "tau": tau, "c": c, "speedup": tau / c})
+    return out
+
+
+def build_model(meas) -> ModelResult:
+    """The model of the current system from stage 1's :class:`~.measure.Measurement`."""
+    from specpilot.probes.ceiling import CeilingRequest, Measurements, ProfileFigures, compute_ceiling
+
+    notes: list[str] = []
+    taus = meas.taus
+    if meas.current_policy == "ar":
+        tau = 1.0
+    else:
+        tau = taus.get(meas.current_policy)
+        if tau is None:
+            notes.append(f"no replayed tau for {meas.current_policy}; the model cannot place the current system")
+    tau_best = max(taus.values()) if taus else None
+    rows = meas.current_rows
+    ar_ms = meas.ar_ms
+    step = meas.step_ms.get(rows)
+    fam, _, arg = meas.current_policy.partition(":")
+    if fam in ("chain", "best-first") and ar_ms:
+        got = expected_c(fam, int(arg) if arg else rows - 1, meas.step_ms, ar_ms, meas.verify_rows)
+        if got is not None:
+            step = got[0] * ar_ms  # the current system's mean step, at the rows its trees verify
+    by_nodes = predict(meas.curves, meas.step_ms, ar_ms, meas.verify_rows) if ar_ms else []
+    best = max(by_nodes, key=lambda r: r["speedup"]) if by_nodes else None
+    cost = None
+    factors: dict[str, float | None] = {"tree": None, "kernel": None, "outside": None}
+    sources: dict[str, str] = {}
+    if tau is not None and step and ar_ms:
+        m = Measurements()
+        c_probe = step / ar_ms
+        profile = None
+        if meas.profile:
+            p = meas.profile
+            if p.get("kernel_busy_ms") and p.get("step_wall_ms"):
+                # T_step on the profile's clock (real decode steps, host work included) and T_AR on
+                # the same clock through the rows probe's c(N)
+                m.set("step_ms", p["step_wall_ms"], "profile of the engine's decode steps")
+                m.set("ar_ms", p["step_wall_ms"] / c_probe, "profile step wall / rows probe c(N)")
+                floor = p.get("total_floor_ms")
+                profile = ProfileFigures(source="measure/profile.json", kernel_busy_ms=float(p["kernel_busy_ms"]),
+                                         step_wall_ms=float(p["step_wall_ms"]),
+                                         total_floor_ms=float(floor) if floor else None, rows=rows)
+        m.set("tau", tau, "AR: one token per pass" if meas.current_policy == "ar"
+              else f"replay measure/replay.json ({meas.current_policy})")
+        if tau_best is not None:
+            best_policy = max(taus, key=taus.get)
+            m.set("tau_best", max(tau_best, tau), f"replay measure/replay.json ({best_policy})")
+        m.set("step_ms", step, f"rows probe measure/rows.json (the current system's verify rows)")
+        m.set("ar_ms", ar_ms, "rows probe measure/rows.json (1 row)")
+        res = compute_ceiling(CeilingRequest(model=None, gpu=None, rows=[rows], measurements=m, profile=profile))
+        cost = res.as_dict()["cost_model"]
+        factors = dict(cost["factors"])
+        sources = dict(cost.get("sources") or {})
+        why = {"tree": "no lattice was replayed", "kernel": "no profile of the decode steps (on a CPU there are no "
+               "GPU kernels), or no byte floor for this model and GPU", "outside": "no profile of the decode steps"}
+        for n in cost.get("notes") or []:
+            if n.startswith("unknown factors taken as 1"):  # the ceiling verb's wording names its flags
+                unknown = [k for k, v in factors.items() if v is None]
+                n = "unknown factors taken as 1: " + "; ".join(f"{k} ({why[k]})" for k in unknown)
+            notes.append(n)
+    current = {"policy": meas.current_policy, "rows": rows, "tau": tau,
+               "c": (step / ar_ms) if (step and ar_ms) else None,
+               "speedup": (tau / (step / ar_ms)) if (tau and step and ar_ms) else None}
+    return ModelResult(current=current, cost_model=cost, largest=(cost or {}).get("largest_factor"),
+                       factors=factors, by_nodes=by_nodes, best=best, notes=notes, sources=sources)

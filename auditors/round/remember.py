@@ -1,0 +1,117 @@
+"""Stage 5, remember: approved mechanisms recorded for this deployment with their evidence, so the
+next round starts from the result (paper 3.5: reused entries are retuned and remeasured per
+deployment).
+
+A **deployment record** (``specpilot.deployment-record/1``, YAML) is one file per deployment in
+the records folder (``--records``, default ``~/.cache/specpilot/deployments``), named by the
+deployment's identity (target, hardware, dtype, drafter, serving shape). It holds the stock
+system, every round's start and final system, what was approved (figures, files, versions, what
+remains unverified) and what was refused, and ``current``: the system the next round starts from.
+The memory entries themselves are not edited: their evidence is generated from benchmark results.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+from pathlib import Path
+
+from specpilot.errors import InputError
+
+SCHEMA = "specpilot.deployment-record/1"
+
+
+def default_records_dir() -> Path:
+    return Path(os.environ.get("SPECPILOT_RECORDS") or Path.home() / ".cache" / "specpilot" / "deployments")
+
+
+def record_path(records_dir: str | Path | None, identity: str) -> Path:
+    return Path(records_dir or default_records_dir()) / f"{identity}.yaml"
+
+
+def read_record(path: Path) -> dict | None:
+    import yaml
+
+    if not path.is_file():
+        return None
+    try:
+        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        raise InputError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
+        raise InputError(f"{path}: unknown schema {doc.get('schema') if isinstance(doc, dict) else doc!r}; "
+                         f"expected {SCHEMA}")
+    return doc
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version()}
+    from specpilot import __version__
+
+    out["specpilot"] = __version__
+    for mod in ("torch", "triton", "transformers"):
+        try:
+            out[mod] = str(__import__(mod).__version__)
+        except Exception:
+            out[mod] = None
+    return out
+
+
+def _approved_item(d, facts, machine_note: str, unverified_extra: list[str]) -> dict:
+    t = d.timing or {}
+    a = d.audit or {}
+    sysrow = next((s for s in a.get("systems", []) if s.get("role") == "system"), {})
+    stock = next((s for s in a.get("systems", []) if s.get("role") == "stock"), {})
+    unverified = list(unverified_extra)
+    tokens = sysrow.get("tokens") or 0
+    if tokens and tokens < 1000:
+        unverified.append(f"audited on {tokens} tokens: one mismatch moves the rate by {100 / tokens:.2f} pp "
+                          "(1000+ tokens for the 0.5 pp rule to mean much)")
+    return {
+        "id": d.id, "memory": d.memory, "system": d.system, "compared_with": d.base,
+        "gain": t.get("gain"), "ci_95": [t.get("ci_low"), t.get("ci_high")], "t_ci_95": t.get("t_ci"),
+        "noise": t.get("noise"), "threshold": t.get("threshold"), "pairs": t.get("runs"),
+        "changes_output": t.get("changes_output"),
+        "audit": {"verdict": a.get("verdict"), "delta": a.get("delta"), "tokens": tokens,
+                  "mismatch_rate": sysrow.get("mismatch_rate"), "stock_mismatch_rate": stock.get("mismatch_rate"),
+                  "events": sysrow.get("events")},
+        "files": d.files, "measured_on": machine_note, "unverified": unverified,
+    }
+
+
+def build_entry(round_dir: Path, facts, stock: str, start: str, final: str, decisions, extra_unverified: dict,
+                budget_note: str) -> dict:
+    machine = facts.gpu or facts.cpu or facts.device
+    approved = [_approved_item(d, facts, machine, extra_unverified.get(d.id, [])) for d in decisions
+                if d.verdict == "approved"]
+    return {
+        "round": str(round_dir), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "start": start, "final": final, "stock": stock, "versions": versions(), "budget": budget_note,
+        "approved": approved,
+        "refused": [{"id": d.id, "memory": d.memory, "system": d.system, "reason": d.reason, "control": d.control}
+                    for d in decisions if d.verdict == "refused"],
+        "skipped": [{"id": d.id, "memory": d.memory, "reason": d.reason} for d in decisions if d.verdict == "skipped"],
+    }
+
+
+def remember(path: Path, facts, stock: str, entry: dict) -> tuple[dict, dict | None]:
+    """Append ``entry`` (one round) to the deployment's record and write it atomically; returns
+    (the new record, the record as it was before, None when there was none)."""
+    import yaml
+
+    from specpilot.fileio import atomic_open
+
+    before = read_record(path)
+    doc = dict(before) if before else {"schema": SCHEMA, "identity": facts.identity(), "deployment": facts.to_json(),
+                                       "stock": stock, "rounds": []}
+    doc["rounds"] = list(doc.get("rounds") or []) + [entry]
+    doc["current"] = entry["final"]
+    if "bundles" in entry:  # SGLang: the bundles the next round starts with
+        doc["bundles"], doc["settings"] = entry["bundles"], entry.get("settings") or {}
+    doc = json.loads(json.dumps(doc, default=str))  # plain types for YAML
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_open(path, "w") as fh:
+        fh.write(yaml.safe_dump(doc, sort_keys=False, width=110, allow_unicode=True))
+    return doc, before

@@ -1,0 +1,168 @@
+"""Memory evidence generated from the benchmark results files, never pasted.
+
+An evidence item of a memory entry that quotes measured figures names where they come from::
+
+    - kind: gpu
+      source: lm_head                       # benchmarks/results/lm_head.json
+      values:                               # one number per name (the value specs of benchmarks/figures.yaml)
+        big: {row: {vocab: 151936, m: 1}, field: speedup}
+      text: "certified INT8 LM head vs bf16 F.linear + argmax: {big:.2f}x at one row"
+      what: ...                             # generated from text and values
+      hardware: ...                         # generated from the results file's environment
+
+``what`` and ``hardware`` are written by ``specpilot memory verify --record`` and checked by
+``specpilot memory verify``: an item whose stored text no longer matches its results file is
+stale, and a ``gpu`` item without a ``source`` quotes figures nobody can regenerate. Items of kind
+``cpu-test`` (what a test checks) and ``paper`` (the paper's figures, "not measured here") are
+kept as written.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from specpilot.errors import InputError
+
+MEASURED_KINDS = ("gpu", "cpu-bench")
+_VALUE_KEYS = {"source", "in", "row", "field", "agg"}
+_AGGREGATES = {"min": min, "max": max, "first": lambda v: v[0], "last": lambda v: v[-1]}
+
+
+def default_results_dir() -> Path | None:
+    """``benchmarks/results`` of the checkout this package runs from, when there is one."""
+    d = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+    return d if d.is_dir() else None
+
+
+@dataclass
+class Rendered:
+    what: str
+    hardware: str
+
+
+class _Results:
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self.docs: dict[str, dict] = {}
+
+    def __call__(self, subject: str) -> dict:
+        if subject not in self.docs:
+            path = self.folder / f"{subject}.json"
+            if not path.is_file():
+                raise InputError(f"no results file {subject}.json in {self.folder}")
+            try:
+                self.docs[subject] = json.loads(path.read_text(encoding="utf-8"))
+            except json.JSONDecodeError as e:
+                raise InputError(f"{path}: not JSON ({e})") from None
+        return self.docs[subject]
+
+
+def _lookup(obj, path: str, where: str):
+    for part in str(path).split("."):
+        if isinstance(obj, list):
+            try:
+                obj = obj[int(part)]
+            except (ValueError, IndexError):
+                raise InputError(f"{where}: no item {part!r}") from None
+        elif isinstance(obj, dict) and part in obj:
+            obj = obj[part]
+        else:
+            raise InputError(f"{where}: no field {part!r}")
+    return obj
+
+
+def _value(spec, default_source: str, results: _Results, where: str):
+    if not isinstance(spec, dict) or "field" not in spec or set(spec) - _VALUE_KEYS:
+        raise InputError(f"{where}: a value is {{field: PATH}} with optional source, in, row, agg")
+    doc = results(spec.get("source", default_source))
+    if "row" not in spec and "agg" not in spec:
+        return _lookup(doc, spec["field"], where)
+    items = _lookup(doc, spec.get("in", "rows"), where)
+    want = spec.get("row") or {}
+    chosen = [r for r in items if isinstance(r, dict) and all(r.get(k) == v for k, v in want.items())]
+    if not chosen:
+        raise InputError(f"{where}: no row matches {want}")
+    agg = spec.get("agg")
+    if agg is None and len(chosen) > 1:
+        raise InputError(f"{where}: {len(chosen)} rows match {want} (give agg)")
+    picked = [_lookup(r, spec["field"], where) for r in chosen]
+    return _AGGREGATES[agg or "first"](picked)
+
+
+def _hardware(doc: dict) -> str:
+    parts = [str(doc.get("gpu") or "unknown machine")]
+    for key, name in (("torch", "torch"), ("triton", "Triton")):
+        if doc.get(key):
+            parts.append(f"{name} {doc[key]}")
+    date = str(doc.get("date") or "")[:10]
+    return ", ".join(parts) + (f"; as of {date}" if date else "")
+
+
+def render(item: dict, results_dir: str | Path, where: str = "evidence") -> Rendered:
+    """The generated ``what`` and ``hardware`` of a measured evidence item."""
+    results = _Results(Path(results_dir))
+    source = item.get("source")
+    if not source or not isinstance(item.get("text"), str):
+        raise InputError(f"{where}: a measured item needs source (a results subject) and text")
+    values = {name: _value(spec, source, results, f"{where}: value {name!r}")
+              for name, spec in (item.get("values") or {}).items()}
+    try:
+        what = item["text"].format(**values)
+    except (KeyError, ValueError, IndexError) as e:
+        raise InputError(f"{where}: text does not format with its values ({type(e).__name__}: {e})") from None
+    return Rendered(what=what, hardware=_hardware(results(source)))
+
+
+def problems(entry, results_dir: str | Path | None) -> list[str]:
+    """Why ``entry``'s evidence is not what its results files say (empty when it is)."""
+    out = []
+    for i, item in enumerate(entry.evidence):
+        where = f"evidence {i + 1} ({item.get('kind')})"
+        if item.get("kind") not in MEASURED_KINDS:
+            continue
+        if not item.get("source"):
+            out.append(f"{where}: quotes measurements without a results file (give source, values, text)")
+            continue
+        if results_dir is None:
+            continue
+        try:
+            r = render(item, results_dir, where)
+        except InputError as e:
+            out.append(str(e))
+            continue
+        if " ".join(str(item.get("what", "")).split()) != " ".join(r.what.split()):
+            out.append(f"{where}: stale: the text says {_short(item.get('what'))!r}, "
+                       f"{item['source']}.json now gives {_short(r.what)!r}")
+        elif item.get("hardware") != r.hardware:
+            out.append(f"{where}: stale hardware {item.get('hardware')!r}; {item['source']}.json says {r.hardware!r}")
+    return out
+
+
+def _short(text, width: int = 90) -> str:
+    t = " ".join(str(text or "").split())
+    return t if len(t) <= width else t[: width - 3] + "..."
+
+
+def record(entry, results_dir: str | Path) -> str:
+    """The entry's YAML text with every measured item's ``what`` and ``hardware`` regenerated
+    from the results files (the rest of the file as it is)."""
+    import yaml
+
+    text = entry.path.read_text(encoding="utf-8")
+    start = text.find("\nevidence:")
+    if start < 0:
+        raise InputError(f"{entry.path}: no top-level 'evidence' list")
+    end = text.find("\nlimits:", start)
+    if end < 0:
+        raise InputError(f"{entry.path}: 'limits' must follow 'evidence'")
+    items = []
+    for i, item in enumerate(entry.evidence):
+        item = dict(item)
+        if item.get("kind") in MEASURED_KINDS and item.get("source"):
+            r = render(item, results_dir, f"{entry.path}: evidence {i + 1}")
+            item["what"], item["hardware"] = r.what, r.hardware
+        items.append(item)
+    block = yaml.safe_dump({"evidence": items}, sort_keys=False, width=110, allow_unicode=True)
+    return text[: start + 1] + block.rstrip("\n") + text[end:]

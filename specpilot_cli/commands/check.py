@@ -1,0 +1,73 @@
+"""``specpilot check``: the CI gate against a round's baseline (regression beyond the noise, failed audit)."""
+
+from __future__ import annotations
+
+import click
+
+from specpilot.output import Report, Section, emit, fmt_num, output_options, progress
+
+
+@click.command("check")
+@click.option("--baseline", "baseline_path", required=True, type=click.Path(), metavar="ROUND_OR_FILE",
+              help="A round's folder (its baseline.json) or a baseline.json file.")
+@click.option("--system", default=None, help="Engine spec to check (default: the baseline's system).")
+@click.option("--runs", type=int, default=None, help="Timed runs (default: as many as the baseline has samples).")
+@click.option("--scorer", default=None, help="Audit scorer (default: the stock engine's target, FP32 head).")
+@click.option("--no-audit", is_flag=True, help="Timing only.")
+@click.option("--tolerance", type=float, default=0.0, show_default=True,
+              help="Extra slowdown allowed, as a fraction (0.2 = 20%), on runners whose speed drifts between sessions "
+                   "(a shared CPU); GPU runners need none.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@output_options
+def command(baseline_path, system, runs, scorer, no_audit, tolerance, seed, fmt, out):
+    """Re-measure the current system and compare it with a stored baseline; exit 1 on a regression
+    beyond the measured noise or on a failed token-forcing audit.
+
+    The system runs the baseline's prompts; its tokens/s must not be below the baseline's by more
+    than 1% + 2 x noise (95% bound), and its outputs must pass the audit against the baseline's
+    stock outputs.
+
+    \b
+    Example (commit a round's baseline.json, gate every change on it):
+      specpilot check --baseline examples/rounds/smollm2-cpu/baseline.json
+    """
+    from specpilot.auditors.round import read_baseline
+    from specpilot.auditors.round.check import run_check
+
+    if runs is not None and runs < 2:
+        from specpilot.errors import InputError
+
+        raise InputError("--runs must be >= 2")
+    if not 0 <= tolerance < 1:
+        from specpilot.errors import InputError
+
+        raise InputError("--tolerance must be a fraction in [0, 1)")
+    base = read_baseline(baseline_path)
+
+    def notify(stage, message):
+        click.echo(f"[{stage}] {message}", err=True)
+
+    res = run_check(base, system=system, runs=runs, scorer=scorer, audit=not no_audit, seed=seed,
+                    tolerance=tolerance, progress=progress, notify=notify)
+    import statistics
+
+    rows = [["system", res.system],
+            ["baseline", f"{res.baseline} ({res.baseline_machine})"],
+            ["tokens/s now (median of runs)", f"{fmt_num(statistics.median(res.fresh))} ({res.runs} runs, {res.machine})"],
+            ["tokens/s baseline (median)", fmt_num(statistics.median(res.reference)) if res.reference else "-"],
+            ["now / baseline", f"{fmt_num(res.gain)} 95% CI [{fmt_num(res.ci[0])}, {fmt_num(res.ci[1])}]"
+             if res.ci else "-"],
+            ["noise, threshold", f"{res.noise:.2%}, regression below {1 - res.threshold:.4f}" if res.threshold else "-"],
+            ["timing", res.timing.upper()],
+            ["outputs identical to the baseline's", fmt_num(res.outputs_identical)],
+            ["audit against stock", res.audit_verdict.upper()]]
+    if res.audit:
+        sysrow = next((s for s in res.audit["systems"] if s["role"] == "system"), {})
+        stock = next((s for s in res.audit["systems"] if s["role"] == "stock"), {})
+        rows.append(["mismatch rate (stock)", f"{sysrow.get('mismatch_rate', 0):.2%} ({stock.get('mismatch_rate', 0):.2%}), "
+                     f"{sysrow.get('events')} events on {sysrow.get('tokens')} tokens"])
+    lines = [f"FAIL: {r}" for r in res.reasons] + [f"warning: {w}" for w in res.warnings]
+    lines.append(f"gate: {'PASS' if res.passed else 'FAIL'}")
+    emit(Report(data=res.to_json(), title="specpilot check", sections=[Section(None, ["", ""], rows)], lines=lines),
+         fmt, out, protect=[baseline_path])
+    return 0 if res.passed else 1

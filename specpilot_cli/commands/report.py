@@ -1,0 +1,33 @@
+"""``specpilot report``: render a round again (Markdown and one self-contained HTML page)."""
+
+from __future__ import annotations
+
+import click
+
+from specpilot.output import Report, Section, emit, output_options
+
+
+@click.command("report")
+@click.argument("round_dir", type=click.Path(file_okay=False))
+@output_options
+def command(round_dir, fmt, out):
+    """Render the round in ROUND_DIR as report.md (plots in report/) and report.html (plots embedded).
+
+    Reads only the round's files, so a round copied from another machine renders the same.
+
+    \b
+    Example:
+      specpilot report smollm2-round
+    """
+    from pathlib import Path
+
+    from specpilot.errors import InputError
+    from specpilot.reports.round_report import write_report
+
+    if not (Path(round_dir) / "round.json").is_file():
+        raise InputError(f"{round_dir}: no round.json here; give the --out-dir of a 'specpilot round'")
+    md, html = write_report(round_dir)
+    emit(Report(data={"schema": "specpilot.report/1", "round": str(round_dir), "markdown": str(md), "html": str(html)},
+                sections=[Section(None, ["file", "what"], [[str(md), "Markdown (plots in report/)"],
+                                                          [str(html), "one self-contained HTML page"]])]), fmt, out)
+    return 0

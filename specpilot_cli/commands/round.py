@@ -1,0 +1,129 @@
+"""``specpilot round``: the paper's procedure as one command (re-measure, model, propose, approve, remember)."""
+
+from __future__ import annotations
+
+import click
+
+from specpilot.errors import InputError
+from specpilot.output import Report, Section, emit, fmt_num, output_options, progress
+
+
+def _names(text: str | None) -> list[str] | None:
+    if text is None:
+        return None
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise InputError("--candidates: name at least one candidate, e.g. --candidates chain,tree")
+    return names
+
+
+@click.command("round")
+@click.argument("deployment", required=False)
+@click.option("--budget", "budget", type=float, default=None, metavar="MINUTES",
+              help="Minutes the round may take (default 20); runs are planned to fit and a stage that runs out stops "
+                   "cleanly, recording what it skipped.")
+@click.option("--out-dir", "out_dir", type=click.Path(file_okay=False), default="specpilot-round", show_default=True,
+              help="Folder for the round's files (must not exist or be empty).")
+@click.option("--resume", "resume_dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
+              help="Continue the round in DIR where it stopped (with --budget: that many more minutes).")
+@click.option("--dry-run", is_flag=True, help="Show the plan and its time estimate; run nothing.")
+@click.option("--prompts", "prompts", type=click.Path(dir_okay=False), default=None,
+              help="Prompts (specpilot.prompts/1 text or token ids, or one per line); default: built-in chat prompts.")
+@click.option("--n-prompts", type=int, default=None, help="Prompts per timed run (default: planned from the budget).")
+@click.option("--max-new-tokens", type=int, default=None, help="New tokens per prompt (default: planned).")
+@click.option("--candidates", "candidates", default=None, metavar="A,B",
+              help="Only these candidates (chain, tree, w12, no-op, ...).")
+@click.option("--control", is_flag=True, help="Add a no-op candidate (the current system loaded again): it must be refused.")
+@click.option("--scorer", default=None, help="Audit scorer (smollm2, a HF folder, a .gguf); default: the stock "
+                                             "engine's target with an FP32 LM head.")
+@click.option("--memory-dir", type=click.Path(file_okay=False), default=None,
+              help="Memory entries to propose from (default: the packaged memory).")
+@click.option("--records", "records_dir", type=click.Path(file_okay=False), default=None,
+              help="Deployment records folder (default: $SPECPILOT_RECORDS or ~/.cache/specpilot/deployments).")
+@click.option("--fresh", is_flag=True, help="Start from DEPLOYMENT even when its record has a later system.")
+@click.option("--no-remember", "no_remember", is_flag=True, help="Do not write the deployment record.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@output_options
+def command(deployment, budget, out_dir, resume_dir, dry_run, prompts, n_prompts, max_new_tokens, candidates, control,
+            scorer, memory_dir, records_dir, fresh, no_remember, seed, fmt, out):
+    """Run one round of the paper's procedure on DEPLOYMENT and write its report.
+
+    DEPLOYMENT is an embedded-engine spec (engine:model=smollm2,mode=ar,threads=1; 'engine' or
+    nothing: the real SmolLM2 on the CPU, random Llama-3.1-8B shapes on a GPU) or an SGLang
+    deployment file (specpilot.deployment/1 YAML: docs/round.md).
+
+    \b
+    1. re-measure: T_AR and T_step(N), a profile of the decode steps (GPU), tau(N) by replay
+    2. model: the three factors of the ceiling, the largest, tau(N)/c(N) per node budget
+    3. propose: memory mechanisms that fit, retuned here; the others listed with the reason
+    4. approve: paired runs against the current system + token-forcing audit against stock
+    5. remember: the deployment record; the next round starts from its final system
+    Every stage writes into --out-dir; report.md and report.html render it (specpilot report DIR).
+
+    \b
+    Examples:
+      specpilot round engine:model=smollm2,mode=ar,threads=1 --budget 20 --out-dir smollm2-round
+      specpilot round --dry-run
+      specpilot round --resume smollm2-round --budget 5
+    """
+    from specpilot.auditors.round import RoundConfig, plan_round, run_round
+
+    if n_prompts is not None and n_prompts < 1:
+        raise InputError("--n-prompts must be >= 1")
+    if max_new_tokens is not None and max_new_tokens < 1:
+        raise InputError("--max-new-tokens must be >= 1")
+    cfg = RoundConfig(deployment=deployment, out_dir=resume_dir or out_dir,
+                      budget_min=20.0 if budget is None else budget, prompts=prompts,
+                      n_prompts=n_prompts, max_new_tokens=max_new_tokens, candidates=_names(candidates),
+                      control=control, scorer=scorer, memory_dir=memory_dir, records_dir=records_dir, fresh=fresh,
+                      remember=not no_remember, seed=seed)
+    if dry_run:
+        if resume_dir:
+            raise InputError("--dry-run plans a new round; leave out --resume")
+        plan = plan_round(cfg)
+        total = sum(s["seconds"] for s in plan["stages"])
+        lines = [f"deployment: {plan['deployment']}", f"starts from: {plan['start']}"
+                 + (f" (record {plan['record']})" if plan.get("record") else ""),
+                 f"decode speed: {fmt_num(plan['tokens_per_s'])} tokens/s ({plan['tokens_per_s_source']})",
+                 f"estimated time: {total / 60:.1f} min of the {plan['budget_s'] / 60:.1f} min budget"]
+        lines += [f"not runnable here: {x['id']}: {x['reason']}" for x in plan["not_runnable"]]
+        emit(Report(data=plan, title="specpilot round --dry-run: the plan",
+                    sections=[Section(None, ["stage", "estimated s", "work"],
+                                      [[s["stage"], s["seconds"], s["work"]] for s in plan["stages"]])],
+                    lines=lines), fmt, out)
+        return 0
+    if resume_dir and deployment:
+        raise InputError("--resume continues the round in DIR with its own deployment; leave out DEPLOYMENT")
+
+    def notify(stage, message):
+        click.echo(f"[{stage}] {message}", err=True)
+
+    res = run_round(cfg, resume=bool(resume_dir), budget_min=budget if resume_dir else None,
+                    progress=progress, notify=notify)
+    from specpilot.reports.round_report import write_report
+
+    try:
+        md, html = write_report(res.dir)
+    except ImportError as e:  # the round's files are complete; the report can be rendered elsewhere
+        md = html = None
+        click.echo(f"specpilot: warning: report not rendered ({e}); run 'specpilot report {res.dir}' where "
+                   "matplotlib is installed", err=True)
+    st = res.state
+    rows = [[d.id, d.memory or "-", d.verdict.upper(), fmt_num((d.timing or {}).get("gain")),
+             ((d.audit or {}).get("verdict") or "-").upper(), d.reason] for d in res.decisions]
+    stages = [[s, v["status"], round(v.get("seconds", 0.0), 1), "; ".join(v.get("skipped") or []) or "-"]
+              for s, v in st["stages"].items()]
+    data = {"schema": "specpilot.round-summary/1", "dir": str(res.dir), "deployment": st["deployment"],
+            "start": st["start"], "final": st.get("final"), "stages": st["stages"],
+            "decisions": [d.to_json() | {"timing": None, "audit": None} for d in res.decisions],
+            "record": res.record, "report": {"markdown": md and str(md), "html": html and str(html)},
+            "stopped": st.get("stopped")}
+    lines = [f"final system: {st.get('final') or st.get('current')}"] + ([f"report: {md} and {html}"] if md else []) \
+        + ([f"deployment record: {res.record}"] if res.record else [])
+    if st.get("stopped"):
+        lines.append(f"stopped: {st['stopped']} (specpilot round --resume {res.dir} --budget MINUTES continues)")
+    emit(Report(data=data, title=f"Round in {res.dir}: {st['deployment']}",
+                sections=[Section("stages", ["stage", "status", "seconds", "skipped"], stages),
+                          Section("candidates", ["candidate", "memory", "verdict", "gain", "audit", "why"], rows)],
+                lines=lines), fmt, out)
+    return 0
