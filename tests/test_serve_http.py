@@ -294,8 +294,11 @@ def test_sigterm_drains_requests_in_flight(server_a, greedy):
     url = server_a.url()
     results = {}
 
+    # long enough that all three are still running when the signal comes, even on a loaded machine
+    n_new = 400
+
     def client(i):
-        results[i] = httpx.post(url + "/generate", json=_gen(PROMPTS[i], 60), timeout=120)
+        results[i] = httpx.post(url + "/generate", json=_gen(PROMPTS[i], n_new), timeout=120)
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(3)]
     for t in threads:
@@ -311,7 +314,7 @@ def test_sigterm_drains_requests_in_flight(server_a, greedy):
     for t in threads:
         t.join(120)
     assert [results[i].status_code for i in range(3)] == [200] * 3
-    assert [results[i].json()["output_ids"] for i in range(3)] == [greedy(PROMPTS[i], 60) for i in range(3)]
+    assert [results[i].json()["output_ids"] for i in range(3)] == [greedy(PROMPTS[i], n_new) for i in range(3)]
     out, _ = server_a.proc.communicate(timeout=60)
     assert server_a.proc.returncode == 0
     assert "served" in out and "latency (ms)" in out
