@@ -21,7 +21,7 @@ teacher-forced argmax/margin for every output token (``specpilot.auditors.scorer
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
@@ -103,6 +103,22 @@ class AuditResult:
     bootstrap: int
     seed: int
     warnings: list[str] = field(default_factory=list)
+
+    def to_json(self, scorer_info: dict | None = None) -> dict:
+        """The audit as ``specpilot audit --format json`` writes it (``specpilot.audit/1``)."""
+        ph = self.phase0
+        systems = []
+        for s in self.systems:
+            d = asdict(s)
+            d["mismatch_ci"] = list(s.mismatch_ci)
+            d["diff_ci"] = None if s.diff_ci is None else list(s.diff_ci)
+            systems.append(d)
+        return {"schema": "specpilot.audit/1", "verdict": self.verdict, "delta": self.delta,
+                "phase0": {"source": ph.source, "delta": ph.delta, "prompts": ph.prompts, "diverged": ph.diverged,
+                           "max_margin": ph.max_margin, "divergences": [asdict(x) for x in ph.divergences[:20]]},
+                "rules": self.rules, "scorer": scorer_info,
+                "bootstrap": {"resamples": self.bootstrap, "unit": "prompt", "seed": self.seed},
+                "systems": systems, "warnings": self.warnings}
 
 
 # ---------------------------------------------------------------------------------------------

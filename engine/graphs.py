@@ -9,6 +9,8 @@ path code walks data-dependent shapes.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from specpilot.engine.model import StepInput, Transformer
@@ -27,6 +29,42 @@ def time_replays(g: "torch.cuda.CUDAGraph", reps: int, warmup: int = 3) -> list[
         b.record()
         b.synchronize()
         samples.append(a.elapsed_time(b))
+    return samples
+
+
+def capture(fn, warmup: int) -> tuple["torch.cuda.CUDAGraph", object]:
+    """Run ``fn`` ``warmup`` times on a side stream (lazy initialisation, autotuning), then capture
+    one call into a CUDA graph; returns the graph and the call's output (the graph's static output)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn()
+    return g, out
+
+
+def time_calls(fn, reps: int, warmup: int, cuda: bool) -> list[float]:
+    """Milliseconds of ``reps`` eager calls of ``fn`` (after ``warmup`` untimed ones): CUDA events
+    on a GPU, the wall clock on the CPU."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(reps):
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            samples.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1e3)
     return samples
 
 
@@ -54,15 +92,7 @@ class GraphRunner:
         caches = [t for blk in m.layers for t in (getattr(blk.mixer, "k_cache", None), getattr(blk.mixer, "v_cache", None))
                   if t is not None]
         saved = [c[:, :, :T].clone() for c in caches]
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(self.warmup):
-                fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            out = fn()
+        g, out = capture(fn, self.warmup)
         for c, sv in zip(caches, saved):
             c[:, :, :T].copy_(sv)
         self.graphs[T] = (g, inp, out)

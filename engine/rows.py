@@ -17,7 +17,6 @@ rows, the opposite of a GPU's flat, bandwidth-bound region.
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass, field
 
 from specpilot.errors import InputError
@@ -124,21 +123,9 @@ def measure_rows(model, rows: list[int], context: int, reps: int = 50, warmup: i
                 for gl in model.gdn_layers():
                     gl._stash = None
 
-            for _ in range(warmup):
-                once()
-            samples = []
-            for _ in range(reps):
-                if cuda:
-                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    a.record()
-                    once()
-                    b.record()
-                    b.synchronize()
-                    samples.append(a.elapsed_time(b))
-                else:
-                    t0 = time.perf_counter()
-                    once()
-                    samples.append((time.perf_counter() - t0) * 1e3)
+            from specpilot.engine.graphs import time_calls
+
+            samples = time_calls(once, reps, warmup, cuda)
         times[T] = statistics.median(samples)
     ar = times[1]
     points = [{"rows": T, "step_ms": times[T], "c": times[T] / ar, "path": step_path(model, T)}

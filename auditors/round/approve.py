@@ -35,19 +35,7 @@ class Decision:
 
 def audit_data(result, scorer_info) -> dict:
     """The audit as ``specpilot audit --format json`` writes it (``specpilot.audit/1``)."""
-    ph = result.phase0
-    systems = []
-    for s in result.systems:
-        d = asdict(s)
-        d["mismatch_ci"] = list(s.mismatch_ci)
-        d["diff_ci"] = None if s.diff_ci is None else list(s.diff_ci)
-        systems.append(d)
-    return {"schema": "specpilot.audit/1", "verdict": result.verdict, "delta": result.delta,
-            "phase0": {"source": ph.source, "delta": ph.delta, "prompts": ph.prompts, "diverged": ph.diverged,
-                       "max_margin": ph.max_margin, "divergences": [asdict(x) for x in ph.divergences[:20]]},
-            "rules": result.rules, "scorer": asdict(scorer_info) if scorer_info is not None else None,
-            "bootstrap": {"resamples": result.bootstrap, "unit": "prompt", "seed": result.seed},
-            "systems": systems, "warnings": result.warnings}
+    return result.to_json(asdict(scorer_info) if scorer_info is not None else None)
 
 
 def run_audit(candidate_outputs, stock, ar, scorer, seed: int = 0):

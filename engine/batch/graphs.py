@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from specpilot.engine.graphs import capture
 from specpilot.engine.model import BatchStepInput, Segment
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -39,15 +40,7 @@ class BatchGraphRunner:
 
         # warm-up and capture run the step for real: keep the positions they write intact
         kept = [(t, t[:B, :, :N].clone()) for lc in self.cache.layers for t in (lc.k, lc.v) if t is not None]
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(self.warmup):
-                fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            out = fn()
+        g, out = capture(fn, self.warmup)
         for t, saved in kept:
             t[:B, :, :N].copy_(saved)
         self.graphs[(B, N)] = (g, inp, out)

@@ -8,7 +8,6 @@ step, wall clock. c(N) = T(B, N) / T(B, 1): the batched AR step is the reference
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 
@@ -71,21 +70,9 @@ def measure_rows_batched(model, batch: int, rows: list[int], context: int, reps:
                 for lc in cache.layers:
                     lc.stash.clear()
 
-            for _ in range(warmup):
-                once()
-            samples = []
-            for _ in range(reps):
-                if cuda:
-                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    a.record()
-                    once()
-                    b.record()
-                    b.synchronize()
-                    samples.append(a.elapsed_time(b))
-                else:
-                    t0 = time.perf_counter()
-                    once()
-                    samples.append((time.perf_counter() - t0) * 1e3)
+            from specpilot.engine.graphs import time_calls
+
+            samples = time_calls(once, reps, warmup, cuda)
         times[N] = statistics.median(samples)
     ar = times[1]
     points = [{"rows": N, "step_ms": times[N], "c": times[N] / ar} for N in order if N in set(rows) or N == 1]

@@ -50,28 +50,8 @@ def _ci(ci, scale=100, unit="%"):
 
 
 def audit_report(result, scorer_info: dict | None) -> Report:
-    from dataclasses import asdict
-
     ph = result.phase0
-    systems = []
-    for s in result.systems:
-        d = asdict(s)
-        d["mismatch_ci"] = list(s.mismatch_ci)
-        d["diff_ci"] = None if s.diff_ci is None else list(s.diff_ci)
-        systems.append(d)
-    data = {
-        "schema": "specpilot.audit/1",
-        "verdict": result.verdict,
-        "delta": result.delta,
-        "phase0": {"source": ph.source, "delta": ph.delta, "prompts": ph.prompts, "diverged": ph.diverged,
-                   "max_margin": ph.max_margin,
-                   "divergences": [asdict(x) for x in ph.divergences[:20]]},
-        "rules": result.rules,
-        "scorer": scorer_info,
-        "bootstrap": {"resamples": result.bootstrap, "unit": "prompt", "seed": result.seed},
-        "systems": systems,
-        "warnings": result.warnings,
-    }
+    data = result.to_json(scorer_info)
     rows, mrows = [], []
     for s in result.systems:
         verdict = s.verdict.upper() if s.verdict else f"({s.role})"
