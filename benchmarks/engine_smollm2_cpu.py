@@ -17,17 +17,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+from chat_prompts import PROMPTS as CHAT_PROMPTS  # noqa: E402
 from common import print_table, write_results  # noqa: E402
 
-PROMPTS = [
-    "Repeat this list exactly, one item per line: apples, bananas, cherries, dates, elderberries, figs, grapes.",
-    "Add a docstring to this function and return the full code:\n\ndef area(width, height):\n    return width * height\n",
-    "Summarize in two sentences: The Moon is Earth's only natural satellite. It orbits Earth every 27.3 days "
-    "and its gravity causes the tides. The Moon has no atmosphere and its surface is covered in craters.",
-    "What is the capital of France? Answer in one sentence.",
-    "Write a Python function that returns the n-th Fibonacci number.",
-    "Translate to French: Good morning. How are you today? I am fine, thank you.",
-]
+PROMPTS = CHAT_PROMPTS[:6]  # the first six of the shared chat prompts
 
 CONFIGS = [
     ("ar", "mode=ar"),
