@@ -104,6 +104,16 @@ def test_report_is_self_contained_and_rerenders(tiny_round, run_cli):
     assert run_cli("report", tiny_round)[0] == 2  # not a round folder
 
 
+@pytest.mark.parametrize("name", ["smollm2-cpu", "llama8b-h200"])
+def test_committed_example_rounds_rerender_to_their_reports(name, run_cli, tmp_path):
+    """The rounds under examples/ were made by the current code: re-rendering gives the same report."""
+    src = Path(__file__).resolve().parents[1] / "examples" / "rounds" / name
+    shutil.copytree(src, tmp_path / name)
+    code, _, err = run_cli("report", tmp_path / name)
+    assert code == 0, err
+    assert (tmp_path / name / "report.md").read_text() == (src / "report.md").read_text()
+
+
 def _chromium() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser")
 
