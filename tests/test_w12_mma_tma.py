@@ -176,7 +176,6 @@ CASES = [  # (rows, N, K, config): partial tiles and records, uneven splits, 2-8
     # the group taking two records per step: an even and an odd record count per split
     (32, 384, 1024, mma.MmaConfig(64, 4, 4, 4, False, True, tma=2)),
     (17, 200, 320, mma.MmaConfig(64, 1, 4, 2, False, True, tma=2)),
-    (100, 136, 192, mma.MmaConfig(32, 2, 4, 4, tma=1)),   # two row blocks, the last one partial
 ]
 WG_CASES = [  # the group on wgmma: 1-3 records per split, 4 and 8 warps, 2-64 x rows, two row blocks
     (2, 40, 200, mma.MmaConfig(64, 1, 4, 2, tma=3)),
@@ -195,6 +194,18 @@ WG_CASES = [  # the group on wgmma: 1-3 records per split, 4 and 8 warps, 2-64 x
     (32, 136, 256, mma.MmaConfig(64, 2, 4, 4, tma=3, kgroups=4)),
     (32, 384, 1024, mma.MmaConfig(64, 1, 4, 12, tma=3, kgroups=4)),
 ]
+
+
+@_gpu_gluon
+@pytest.mark.skipif(not mma_tma.AVAILABLE, reason="Triton without Gluon's Hopper module")
+def test_a_consumer_warp_per_16_rows_refuses_a_second_row_block():
+    """tma=1 over two x row blocks faulted on the H200 (illegal address): refused, not launched."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs sm_90")
+    _, _, kp = _cuda_layer(136, 192, seed=100)
+    x = torch.randn(100, 192, generator=torch.Generator().manual_seed(100)).bfloat16().cuda()
+    with pytest.raises(ValueError, match="tma=1 takes at most 64 x rows"):
+        mma.w12_mma(x, kp, config=mma.MmaConfig(32, 2, 4, 4, tma=1), out_dtype=torch.float32)
 
 
 @_gpu_gluon
