@@ -10,7 +10,7 @@ One cycle:
 3. commit chain C: the Q pass's argmax path through the tree plus its bonus token (nothing is
    accepted yet);
 4. draft 2: a fresh best-first tree from the end of C (``propose_after``), truncated to
-   ``nodes - |C|`` nodes (a prefix of a best-first tree, so prefix-closed) and attached under C;
+   ``nodes - |C|`` nodes and attached under C (``kernels.tree.truncate`` / ``attach``);
 5. exact pass: C + subtree verified with the exact weights (``Decoder.verify_predictions``),
    the longest matching path plus bonus accepted (``Decoder.accept_commit``). It is the only pass
    that writes target state, so the output equals AR's whatever the Q pass picks.
@@ -94,25 +94,6 @@ def scratch(model: Transformer, start: int, rows: int):
             g._stash = None
 
 
-def truncate(tree: treelib.DraftTree, n: int) -> treelib.DraftTree:
-    """The first ``n`` nodes of a best-first tree: nodes come parent-first, so any prefix is
-    prefix-closed."""
-    n = max(0, min(n, len(tree)))
-    return treelib.DraftTree(tree.tokens[:n], tree.parents[:n], tree.depth[:n], tree.cand[:n], tree.score[:n])
-
-
-def attach(chain: list[int], sub: treelib.DraftTree) -> treelib.DraftTree:
-    """The exact pass's tree: the chain C (nodes 0..|C|-1) with ``sub`` hanging under its last node."""
-    c = len(chain)
-    base = treelib.chain_tree(chain)
-    if c == 0:
-        return sub
-    return treelib.DraftTree(base.tokens + sub.tokens,
-                             base.parents + tuple(c - 1 if p < 0 else c + p for p in sub.parents),
-                             base.depth + tuple(c + d for d in sub.depth), base.cand + sub.cand,
-                             base.score + sub.score)
-
-
 @dataclass
 class TLVStats:
     """One request's cycles: |C|, the Q pass's top-1 agreement with the exact pass (at the root
@@ -193,9 +174,9 @@ class TLVDecoder(Decoder):
         qpath, chain = treelib.accept_predictions(tree1, qpreds)
         t2 = time.perf_counter()
         lat2 = self.drafter.propose_after(context, chain, n_cache, self.depth, self.topk)
-        sub = truncate(treelib.build_best_first(lat2.tokens, lat2.logprobs, lat2.transitions, self.nodes),
+        sub = treelib.truncate(treelib.build_best_first(lat2.tokens, lat2.logprobs, lat2.transitions, self.nodes),
                        self.nodes - len(chain))
-        tree = attach(chain, sub)
+        tree = treelib.attach(chain, sub)
         t3 = time.perf_counter()
         preds = self.verify_predictions(pending, tree, n_cache, "tlv")
         t4 = time.perf_counter()

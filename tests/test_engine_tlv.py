@@ -9,7 +9,6 @@ import torch
 from conftest import one_error
 from specpilot.auditors.policies import tree_is_prefix_closed
 from specpilot.engine.api import load_engine
-from specpilot.engine.tlv import attach, truncate
 from specpilot.kernels import tree as T
 
 CTX = 256
@@ -68,15 +67,15 @@ def test_truncation_keeps_the_tree_prefix_closed_and_attach_hangs_it_under_the_c
     for row in synthetic_rows(requests=1, steps=4, m=5, k=4, transitions=True, seed=3):
         full = T.build_best_first(row["tokens"], row["logprobs"], row["transitions"], 40)
         for n in range(0, 41):
-            sub = truncate(full, n)
+            sub = T.truncate(full, n)
             assert len(sub) == min(n, len(full)) and tree_is_prefix_closed(sub)
             # a best-first tree's prefix is the best-first tree of the smaller budget
             assert sub == T.build_best_first(row["tokens"], row["logprobs"], row["transitions"], n)
-            tree = attach([7, 8, 9], sub)
+            tree = T.attach([7, 8, 9], sub)
             assert tree_is_prefix_closed(tree) and len(tree) == 3 + len(sub)
             assert tree.tokens[:3] == (7, 8, 9) and all(tree.parents[3 + i] == 2 for i, p in enumerate(sub.parents)
                                                         if p < 0)
-    assert attach([], truncate(full, 3)) == truncate(full, 3)
+    assert T.attach([], T.truncate(full, 3)) == T.truncate(full, 3)
 
 
 def test_w12_target_takes_the_q_view_from_its_records():
@@ -115,3 +114,48 @@ def test_tlv_refusals_are_one_error_line_exit_2(run_cli, args, msg):
     code, out, err = run_cli("run", "--model", "tiny", "--mode", "tlv", "--prompt", "abc", *args)
     assert code == 2 and out == ""
     assert msg in one_error(err)
+
+
+@pytest.mark.parametrize("model, drafter", [("tiny", "ngram"), ("tiny-hybrid", "self")])
+def test_replay_tlv_reproduces_the_engines_tau(run_cli, tmp_path, model, drafter):
+    prompts, lat = tmp_path / "p.jsonl", tmp_path / "tlv.lattice.jsonl"
+    prompts.write_text('{"schema": "specpilot.prompts/1", "id": "a", "text": "abcabcabc the cat the cat abc"}\n'
+                       '{"schema": "specpilot.prompts/1", "id": "b", "text": "xyzxyz xyz hello hello"}\n')
+    code, out, err = run_cli("run", "--model", model, "--mode", "tlv", "--drafter", drafter, "--nodes", "10",
+                             "--depth", "4", "--topk", "3", "--prompts", prompts, "--max-new-tokens", "20",
+                             "--lattice-out", lat, "--format", "json")
+    assert code == 0, err
+    d = json.loads(out)
+    rows = [json.loads(x) for x in lat.read_text().splitlines()]
+    assert len(rows) == d["steps"] and all(r["tlv"]["nodes"] == 10 for r in rows)
+    assert all(len(r["tlv"]["q_argmax"]) >= 1 and len(r["target"]) >= len(r["tlv"]["commit"]) for r in rows)
+    code, out, err = run_cli("replay", lat, "--policy", "tlv:10", "--policy", "best-first:10", "--format", "json")
+    assert code == 0, err
+    pol = {p["policy"]: p for p in json.loads(out)["policies"]}
+    # accepted tokens per exact pass, the last pass's tokens past the limit included (as replay counts them)
+    assert pol["tlv:10"]["tau"] == pytest.approx(d["tlv"]["accepted_tokens"] / d["tlv"]["cycles"], abs=1e-12)
+    assert sum(pol["tlv:10"]["tau_hist"]) == d["steps"]
+    for p in pol.values():
+        assert p["tau_ci"][0] <= p["tau"] <= p["tau_ci"][1]
+
+
+def test_replay_tlv_refusals_are_one_error_line_exit_2(run_cli, tmp_path):
+    lat, tree_lat = tmp_path / "tlv.jsonl", tmp_path / "tree.jsonl"
+    base = ("run", "--model", "tiny", "--prompt", "abcabcabc abc", "--max-new-tokens", "8", "--nodes", "8")
+    assert run_cli(*base, "--mode", "tlv", "--lattice-out", lat)[0] == 0
+    assert run_cli(*base, "--mode", "tree", "--lattice-out", tree_lat)[0] == 0
+    for path, policy, msg in [(lat, "tlv:0", "between 1 and"), (lat, "tlv:16", "recorded with --nodes 8"),
+                              (tree_lat, "tlv:8", "has no TLV cycle"), (lat, "tlv", "needs a parameter")]:
+        code, out, err = run_cli("replay", path, "--policy", policy)
+        assert code == 2 and out == "", (policy, err)
+        assert msg in one_error(err), policy
+    rows = [json.loads(x) for x in lat.read_text().splitlines()]
+    rows[0]["tlv"]["commit"] = rows[0]["tlv"]["commit"] + [1]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code, _, err = run_cli("replay", bad, "--policy", "tlv:8")
+    assert code == 2 and "commit chain" in one_error(err)
+    rows[0]["tlv"]["draft2"] = {"tokens": [[1, 1]], "logprobs": [[0.0, 0.0]], "transitions": None}
+    bad.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code, _, err = run_cli("replay", bad, "--policy", "tlv:8")
+    assert code == 2 and f"{bad}:1 (tlv.draft2)" in one_error(err)
