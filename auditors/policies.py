@@ -30,6 +30,10 @@ Policies (``parse_policy`` spells them the way the CLI does):
 ``oracle:K``
     Accept while the target's token is among the drafter's top K candidates at that position (an
     upper bound for any tree drawn from the top K).
+``marginal:N``
+    DDTree-style marginal scoring: the best-first tree of N nodes whose path score sums each
+    position's own log-probability, ignoring the lattice's parent-conditioned transitions. Beside
+    ``best-first:N`` on a lattice with transitions it shows what parent conditioning buys.
 ``tlv:N``
     The engine's TLV cycle (paper 4.3) at budget N, replayed from a lattice recorded with
     ``run --mode tlv --nodes N`` (rows with ``"tlv"``): the best-first tree of N nodes, the
@@ -52,7 +56,7 @@ import numpy as np
 
 from specpilot.errors import InputError
 
-FAMILIES = ("chain", "best-first", "shared", "eagle2", "sequoia", "oracle", "tlv")
+FAMILIES = ("chain", "best-first", "marginal", "shared", "eagle2", "sequoia", "oracle", "tlv")
 MAX_NODES = 4096
 
 
@@ -129,7 +133,7 @@ class Policy:
     @property
     def curve_key(self) -> str | None:
         """The family name a tau(N) curve is filed under (None: the policy has no node budget)."""
-        if self.family in ("best-first", "sequoia", "shared"):
+        if self.family in ("best-first", "marginal", "sequoia", "shared"):
             return self.family
         if self.family == "eagle2":
             return f"eagle2:{self.topk},{self.depth}"
@@ -162,6 +166,8 @@ class Policy:
             return chain_tree(step, self.nodes)
         if self.family == "best-first":
             return best_first_tree(step, self.nodes)
+        if self.family == "marginal":
+            return marginal_tree(step, self.nodes)
         if self.family == "tlv":
             return tlv_tree(step, self.nodes)
         if self.family == "eagle2":
@@ -188,12 +194,12 @@ def _int(text: str, what: str, spec: str, lo: int = 1, hi: int = MAX_NODES) -> i
 
 
 def parse_policy(spec: str) -> Policy:
-    """``chain``, ``chain:N``, ``best-first:N``, ``eagle2:TOPK,DEPTH,N``, ``sequoia:N``,
+    """``chain``, ``chain:N``, ``best-first:N``, ``marginal:N``, ``eagle2:TOPK,DEPTH,N``, ``sequoia:N``,
     ``oracle:K``, ``tlv:N``."""
     text = spec.strip()
     name, _, arg = text.partition(":")
     name = name.strip().lower()
-    hint = "chain, chain:N, best-first:N, shared:N, eagle2:TOPK,DEPTH,N, sequoia:N, oracle:K, tlv:N"
+    hint = "chain, chain:N, best-first:N, marginal:N, shared:N, eagle2:TOPK,DEPTH,N, sequoia:N, oracle:K, tlv:N"
     if name not in FAMILIES:
         raise InputError(f"unknown policy {spec!r}; use one of {hint}")
     if name == "chain":
@@ -236,6 +242,13 @@ def best_first_tree(step: StepView, n: int):
     from specpilot.kernels.tree import build_best_first
 
     return build_best_first(step.tokens, step.logprobs, step.transitions, n)
+
+
+def marginal_tree(step: StepView, n: int):
+    """Best-first over marginal path scores (each position's own log-probabilities; DDTree)."""
+    from specpilot.kernels.tree import build_best_first
+
+    return build_best_first(step.tokens, step.logprobs, None, n)
 
 
 def tlv_tree(step, n: int):

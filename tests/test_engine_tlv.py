@@ -129,7 +129,8 @@ def test_replay_tlv_reproduces_the_engines_tau(run_cli, tmp_path, model, drafter
     rows = [json.loads(x) for x in lat.read_text().splitlines()]
     assert len(rows) == d["steps"] and all(r["tlv"]["nodes"] == 10 for r in rows)
     assert all(len(r["tlv"]["q_argmax"]) >= 1 and len(r["target"]) >= len(r["tlv"]["commit"]) for r in rows)
-    code, out, err = run_cli("replay", lat, "--policy", "tlv:10", "--policy", "best-first:10", "--format", "json")
+    code, out, err = run_cli("replay", lat, "--policy", "tlv:10", "--policy", "best-first:10",
+                             "--policy", "marginal:10", "--format", "json")
     assert code == 0, err
     pol = {p["policy"]: p for p in json.loads(out)["policies"]}
     # accepted tokens per exact pass, the last pass's tokens past the limit included (as replay counts them)
