@@ -48,10 +48,11 @@ class QView:
     @torch.no_grad()
     def build(cls, model: Transformer, views: dict[str, torch.Tensor] | None = None) -> "QView":
         """``views``: 8-bit views by projection name from the W12 loader (``w12=1``: the records
-        the engine already holds); otherwise each weight is encoded here, rounded to bf16 first
-        (a float32 weight has no exact W12 form; the Q pass only needs an approximation)."""
+        the engine already holds); otherwise the view of each weight rounded to bf16 (a float32
+        weight has no exact W12 form; the Q pass only needs an approximation), computed without
+        building the records (``kernels.w12.qpass_view``)."""
         from specpilot.engine.w12_loader import projections
-        from specpilot.kernels.w12 import decode, encode
+        from specpilot.kernels.w12 import qpass_view
 
         pairs = []
         for parent, attr, name in projections(model):
@@ -60,7 +61,7 @@ class QView:
                 raise TypeError(f"{name} is not a dense projection")
             q = views.get(name) if views else None
             if q is None:
-                q = decode(encode(lin.weight.detach().to(torch.bfloat16)), qpass=True)
+                q = qpass_view(lin.weight.detach().to(torch.bfloat16))
             pairs.append((lin, q.to(lin.weight.dtype).to(lin.weight.device)))
         return cls(pairs)
 
