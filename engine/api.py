@@ -313,10 +313,7 @@ def load_target(spec: EngineSpec, max_seq: int | None = None) -> Target:
     if spec.mode == "tlv":  # the Q pass's 8-bit view, from the W12 records (w12=1) or encoded now
         from specpilot.engine.tlv import QView
 
-        try:
-            qview = QView.build(model, qviews)
-        except TypeError as e:
-            raise InputError(f"mode=tlv: the Q pass cannot read this model's weights ({e})") from None
+        qview = QView.build(model, qviews)
     head = model.set_head(spec.head)
     decode = model.set_decode(spec.decode)
     return Target(model, folder, display,

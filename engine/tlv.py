@@ -57,8 +57,6 @@ class QView:
         pairs = []
         for parent, attr, name in projections(model):
             lin = getattr(parent, attr)
-            if not isinstance(lin, torch.nn.Linear):
-                raise TypeError(f"{name} is not a dense projection")
             q = views.get(name) if views else None
             if q is None:
                 q = qpass_view(lin.weight.detach().to(torch.bfloat16))
