@@ -79,6 +79,7 @@ def command(prompt_text, prompts_file, prompt_ids, chat, max_new_tokens, outputs
       specpilot run --model smollm2 --mode tree --nodes 32 --prompt "Count to ten."
       specpilot run --model smollm2 --mode ar --prompts prompts.jsonl --outputs-out ar.jsonl
       specpilot run --model tiny --mode tree --prompt "abcabcabc" --lattice-out lat.jsonl --format json
+      specpilot run --model smollm2 --mode tlv --nodes 32 --prompt "Count to ten." --lattice-out tlv.jsonl
 
     chain, tree and tlv outputs equal ar outputs (greedy, lossless); tau is tokens per verification
     pass (tlv: per exact pass; the note adds the Q pass's agreement, |C| and the cycle's time split).
