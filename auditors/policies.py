@@ -30,6 +30,16 @@ Policies (``parse_policy`` spells them the way the CLI does):
 ``oracle:K``
     Accept while the target's token is among the drafter's top K candidates at that position (an
     upper bound for any tree drawn from the top K).
+``marginal:N``
+    DDTree-style marginal scoring: the best-first tree of N nodes whose path score sums each
+    position's own log-probability, ignoring the lattice's parent-conditioned transitions. Beside
+    ``best-first:N`` on a lattice with transitions it shows what parent conditioning buys.
+``tlv:N``
+    The engine's TLV cycle (paper 4.3) at budget N, replayed from a lattice recorded with
+    ``run --mode tlv --nodes N`` (rows with ``"tlv"``): the best-first tree of N nodes, the
+    recorded Q-pass argmax picks the commit chain C, the recorded second draft's best-first tree
+    truncated to N - |C| nodes hangs under C, and the target accepts the longest matching path of
+    that tree. Only the recorded N replays (the Q pass and the second draft were run for it).
 
 Trees are plain :class:`Tree` objects with the field names of ``specpilot.kernels.tree.DraftTree``
 (``tokens``, ``parents``, ``depth``, ``cand``, ``score``); a node's parent index is -1 for a child
@@ -46,7 +56,7 @@ import numpy as np
 
 from specpilot.errors import InputError
 
-FAMILIES = ("chain", "best-first", "shared", "eagle2", "sequoia", "oracle")
+FAMILIES = ("chain", "best-first", "marginal", "shared", "eagle2", "sequoia", "oracle", "tlv")
 MAX_NODES = 4096
 
 
@@ -123,7 +133,7 @@ class Policy:
     @property
     def curve_key(self) -> str | None:
         """The family name a tau(N) curve is filed under (None: the policy has no node budget)."""
-        if self.family in ("best-first", "sequoia", "shared"):
+        if self.family in ("best-first", "marginal", "sequoia", "shared"):
             return self.family
         if self.family == "eagle2":
             return f"eagle2:{self.topk},{self.depth}"
@@ -147,6 +157,8 @@ class Policy:
             return accept_length(best_first_tree(step, self.nodes), step.target) + 1
         if self.family == "oracle":
             return oracle_tau(step, self.k)
+        if self.family == "tlv":
+            return accept_length(tlv_tree(step, self.nodes), step.target) + 1
         return accept_length(self.tree(step), step.target) + 1
 
     def tree(self, step: StepView) -> Tree:
@@ -154,6 +166,10 @@ class Policy:
             return chain_tree(step, self.nodes)
         if self.family == "best-first":
             return best_first_tree(step, self.nodes)
+        if self.family == "marginal":
+            return marginal_tree(step, self.nodes)
+        if self.family == "tlv":
+            return tlv_tree(step, self.nodes)
         if self.family == "eagle2":
             return eagle2_tree(step, self.topk, self.depth, self.nodes)
         if self.family == "sequoia":
@@ -178,11 +194,12 @@ def _int(text: str, what: str, spec: str, lo: int = 1, hi: int = MAX_NODES) -> i
 
 
 def parse_policy(spec: str) -> Policy:
-    """``chain``, ``chain:N``, ``best-first:N``, ``eagle2:TOPK,DEPTH,N``, ``sequoia:N``, ``oracle:K``."""
+    """``chain``, ``chain:N``, ``best-first:N``, ``marginal:N``, ``eagle2:TOPK,DEPTH,N``, ``sequoia:N``,
+    ``oracle:K``, ``tlv:N``."""
     text = spec.strip()
     name, _, arg = text.partition(":")
     name = name.strip().lower()
-    hint = "chain, chain:N, best-first:N, shared:N, eagle2:TOPK,DEPTH,N, sequoia:N, oracle:K"
+    hint = "chain, chain:N, best-first:N, marginal:N, shared:N, eagle2:TOPK,DEPTH,N, sequoia:N, oracle:K, tlv:N"
     if name not in FAMILIES:
         raise InputError(f"unknown policy {spec!r}; use one of {hint}")
     if name == "chain":
@@ -225,6 +242,39 @@ def best_first_tree(step: StepView, n: int):
     from specpilot.kernels.tree import build_best_first
 
     return build_best_first(step.tokens, step.logprobs, step.transitions, n)
+
+
+def marginal_tree(step: StepView, n: int):
+    """Best-first over marginal path scores (each position's own log-probabilities; DDTree)."""
+    from specpilot.kernels.tree import build_best_first
+
+    return build_best_first(step.tokens, step.logprobs, None, n)
+
+
+def tlv_tree(step, n: int):
+    """The tree TLV's exact pass verified at budget ``n`` (see ``tlv:N`` above), rebuilt from the
+    step's recorded cycle; refuses a step without one or recorded at another budget."""
+    from specpilot.kernels.tree import accept_predictions, attach, build_best_first, truncate
+
+    rec = getattr(step, "tlv", None)
+    where = f"request {getattr(step, 'request', '?')!r} step {getattr(step, 'step', '?')}"
+    if rec is None:
+        raise InputError(f"policy tlv:{n}: {where} has no TLV cycle; record the lattice with "
+                         f"specpilot run --mode tlv --nodes {n} --lattice-out FILE")
+    if rec.nodes != n:
+        raise InputError(f"policy tlv:{n}: {where} was recorded with --nodes {rec.nodes}; the Q pass and the "
+                         f"second draft ran for that budget only, so replay tlv:{rec.nodes}")
+    tree1 = best_first_tree(step, n)
+    if len(rec.q_argmax) != 1 + len(tree1):
+        raise InputError(f"policy tlv:{n}: {where} records {len(rec.q_argmax)} Q-pass tokens for a tree of "
+                         f"{len(tree1)} nodes (it needs one per node plus the root)")
+    _, chain = accept_predictions(tree1, rec.q_argmax)
+    if chain != rec.commit:
+        raise InputError(f"policy tlv:{n}: {where}: the Q-pass argmax gives the commit chain {chain}, the row "
+                         f"records {rec.commit}")
+    d2 = rec.draft2
+    sub = truncate(build_best_first(d2.tokens, d2.logprobs, d2.transitions, n), n - len(chain))
+    return attach(chain, sub)
 
 
 def _order_key(score: float, depth: int, seq: int):

@@ -3,6 +3,10 @@
 A lattice file (JSONL, ``specpilot.lattice/1``, one row per verification step) records what the
 drafter proposed and what the target finally committed. Because greedy verification is exact,
 replaying a policy over those rows gives the tau the policy would have had, with no GPU.
+
+A row the engine recorded in TLV mode also carries ``"tlv"``: the budget N, the Q pass's argmax at
+the root and every node of the draft-1 tree, the commit chain C and the second draft's lattice
+(from the end of C), which is what ``tlv:N`` needs to replay the cycle (:class:`TLVRecord`).
 """
 
 from __future__ import annotations
@@ -30,6 +34,18 @@ _KEYS = ("request", "step", "tokens", "logprobs", "transitions", "target")
 class LatticeStep(StepView):
     request: object = None
     step: int = 0
+    tlv: "TLVRecord | None" = None
+
+
+@dataclass
+class TLVRecord:
+    """A TLV cycle as the engine ran it: budget, Q-pass argmax per row of the draft-1 tree (root
+    first), commit chain, and the draft-2 lattice (``StepView`` with the row's target)."""
+
+    nodes: int
+    q_argmax: list[int]
+    commit: list[int]
+    draft2: StepView
 
 
 @dataclass
@@ -143,8 +159,28 @@ def parse_row(row: dict, where: str) -> LatticeStep:
     _ints(target, "target", where)
     if len(target) < m + 1:
         raise InputError(f"{where}: \"target\" has {len(target)} tokens, needs at least m+1 = {m + 1}")
+    tlv = _parse_tlv(row["tlv"], row, where) if row.get("tlv") is not None else None
     return LatticeStep(tokens=tokens, logprobs=logprobs, transitions=trans,
-                       target=np.array(target, dtype=np.int64), request=req, step=step)
+                       target=np.array(target, dtype=np.int64), request=req, step=step, tlv=tlv)
+
+
+def _parse_tlv(rec, row: dict, where: str) -> TLVRecord:
+    if not isinstance(rec, dict) or any(k not in rec for k in ("nodes", "q_argmax", "commit", "draft2")):
+        raise InputError(f"{where}: \"tlv\" must be an object with nodes, q_argmax, commit and draft2")
+    n = rec["nodes"]
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise InputError(f"{where}: \"tlv\".nodes must be a non-negative integer")
+    for k in ("q_argmax", "commit"):
+        if not isinstance(rec[k], list) or not rec[k]:
+            raise InputError(f"{where}: \"tlv\".{k} must be a non-empty list of token ids")
+        _ints(rec[k], f"tlv.{k}", where)
+    d2 = rec["draft2"]
+    if not isinstance(d2, dict):
+        raise InputError(f"{where}: \"tlv\".draft2 must be an object with tokens, logprobs and transitions")
+    lat2 = parse_row({"request": row["request"], "step": row["step"], "tokens": d2.get("tokens"),
+                      "logprobs": d2.get("logprobs"), "transitions": d2.get("transitions"),
+                      "target": row["target"]}, f"{where} (tlv.draft2)")
+    return TLVRecord(n, list(rec["q_argmax"]), list(rec["commit"]), lat2)
 
 
 def _check_scores(a: np.ndarray, where: str, name: str) -> None:
@@ -275,7 +311,8 @@ def replay(lattice: Lattice, policies: Sequence[Policy | str], nodes: Sequence[i
             if tick:
                 tick()
         t = np.array(taus, dtype=np.float64)
-        hist = np.bincount(t.astype(int), minlength=m + 2)[1:m + 2].tolist()
+        # a TLV cycle can accept past the lattice's m positions (C, then the second draft)
+        hist = np.bincount(t.astype(int), minlength=m + 2)[1:max(m + 2, int(t.max()) + 1)].tolist()
         return PolicyResult(p.spec, p.node_count(m), float(t.mean()),
                             bootstrap_mean_ci(t, groups, n_boot, seed), hist)
 

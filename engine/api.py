@@ -111,7 +111,7 @@ class Engine:
                                 "tokens": len(r.output_ids), "seconds": r.seconds,
                                 "prefill_seconds": r.prefill_seconds, "tokens_per_s": r.tokens_per_second,
                                 "decode_tokens_per_s": r.decode_tokens_per_second, "stop": r.stop_reason,
-                                "step_timing": r.step_timing()})
+                                "step_timing": r.step_timing(), **({"tlv": r.tlv} if r.tlv else {})})
         return out
 
     def _run_batched(self, prompts, max_new_tokens, chat, record_lattice, progress, out: "RunResult"):
@@ -290,6 +290,7 @@ class Target:
     folder: Path | None  # weights folder, None for random weights
     name: str  # display name
     info: dict  # dtype, device, params, weights, w12, attn, head, decode: what run/probe report
+    qview: object = None  # mode tlv: the Q pass's weights (engine/tlv.py QView)
 
 
 def load_target(spec: EngineSpec, max_seq: int | None = None) -> Target:
@@ -303,16 +304,22 @@ def load_target(spec: EngineSpec, max_seq: int | None = None) -> Target:
     params = sum(p.numel() for p in model.parameters())
     attn = model.set_attention(spec.attn)
     w12 = None
+    qviews = {} if spec.mode == "tlv" else None
     if spec.w12:  # before drafters, compile and graphs: they all see the converted projections
         from specpilot.engine.w12_loader import convert_engine_model
 
-        w12 = convert_engine_model(model).to_json()
+        w12 = convert_engine_model(model, qviews=qviews).to_json()
+    qview = None
+    if spec.mode == "tlv":  # the Q pass's 8-bit view, from the W12 records (w12=1) or encoded now
+        from specpilot.engine.tlv import QView
+
+        qview = QView.build(model, qviews)
     head = model.set_head(spec.head)
     decode = model.set_decode(spec.decode)
     return Target(model, folder, display,
                   info={"dtype": spec.torch_dtype_name, "device": spec.device, "params": params,
                         "weights": str(folder) if folder else "random", "w12": w12, "attn": attn, "head": head,
-                        "decode": decode})
+                        "decode": decode}, qview=qview)
 
 
 def load_engine(spec: EngineSpec | str) -> Engine:
@@ -358,8 +365,14 @@ def load_engine(spec: EngineSpec | str) -> Engine:
 
         runner = GraphRunner(model)
     eos = _eos_ids(folder, tok)
-    dec = Decoder(model, spec.mode, drafter, nodes=spec.nodes, depth=spec.depth, topk=spec.topk, eos_ids=eos,
-                  runner=runner)
+    if spec.mode == "tlv":
+        from specpilot.engine.tlv import TLVDecoder
+
+        dec = TLVDecoder(model, drafter, target.qview, nodes=spec.nodes, depth=spec.depth, topk=spec.topk,
+                         eos_ids=eos)
+    else:
+        dec = Decoder(model, spec.mode, drafter, nodes=spec.nodes, depth=spec.depth, topk=spec.topk, eos_ids=eos,
+                      runner=runner)
     if spec.device == "cpu":
         from specpilot.machine import choose_cpu_threads
 

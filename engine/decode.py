@@ -1,4 +1,5 @@
-"""The decode loop: AR, chain (stock) and best-first tree verification, greedy and lossless.
+"""The decode loop: AR, chain (stock) and best-first tree verification, greedy and lossless
+(the TLV cycle, ``engine/tlv.py``, builds on :meth:`Decoder.verify_tree`).
 
 Bookkeeping per request: the KV cache holds the committed tokens except the last one, the
 *pending* token (committed, not yet run through the target). A step feeds the pending token as
@@ -32,6 +33,7 @@ class GenerationResult:
     accept_lengths: list[int] = field(default_factory=list)  # draft tokens accepted per step
     stop_reason: str = "length"  # "length" or "eos"
     step_times: list[tuple[int, float, float]] = field(default_factory=list)  # per step: rows, GPU ms, wall ms
+    tlv: dict | None = None  # mode tlv: the cycles' statistics (engine/tlv.py TLVStats.to_json)
 
     def step_timing(self) -> dict | None:
         """The decode loop's steps on CUDA: GPU time per step (CUDA events from the step's input
@@ -77,17 +79,17 @@ def _kv_len(max_seq: int, n: int) -> int:
 
 class Decoder:
     """Runs one request at a time on ``model`` with ``drafter`` (None for AR); ``mode`` is one of
-    ``EngineSpec``'s modes (ar, chain, tree)."""
+    ``EngineSpec``'s modes (ar, chain, tree; tlv is :class:`specpilot.engine.tlv.TLVDecoder`)."""
 
     def __init__(self, model: Transformer, mode: str = "ar", drafter=None, *, nodes: int = 32, depth: int = 8,
                  topk: int = 8, eos_ids=(), runner=None):
         if mode != "ar" and drafter is None:
             raise InputError(f"mode {mode} needs a drafter")
         self.model, self.mode, self.drafter = model, mode, drafter
-        self.nodes, self.depth, self.topk = nodes, depth, topk if mode == "tree" else 1
+        self.nodes, self.depth, self.topk = nodes, depth, topk if mode in ("tree", "tlv") else 1
         self.eos_ids = set(eos_ids or ())
         self.runner = runner  # optional CUDA-graph runner: AR steps, and verify steps padded to a bucket
-        rows = 1 + (nodes if mode == "tree" else depth if mode == "chain" else 0)
+        rows = self.verify_rows()
         self.verify_buckets = sorted({b for b in (2, 4, 8, 16, 32, 64, 128, 256) if b < rows} | {rows})
         self.threads = 0  # > 0: torch CPU threads while generating (restored afterwards)
         self.prefill_chunk = 512
@@ -119,9 +121,12 @@ class Decoder:
         self._sync()
         return time.perf_counter() - t0
 
+    def verify_rows(self) -> int:
+        """The most rows a verification pass of this mode feeds (the pending token included)."""
+        return 1 + (self.nodes if self.mode == "tree" else self.depth if self.mode == "chain" else 0)
+
     def capacity_needed(self, prompt_len: int, max_new: int) -> int:
-        rows = 1 + (self.nodes if self.mode == "tree" else self.depth if self.mode == "chain" else 0)
-        return prompt_len + max_new + rows + self.depth + 2
+        return prompt_len + max_new + self.verify_rows() + self.depth + 2
 
     @torch.no_grad()
     def prefill(self, prompt_ids: list[int]) -> int:
@@ -145,7 +150,6 @@ class Decoder:
     @torch.no_grad()
     def step(self, context: list[int], n_cache: int, mode: str) -> tuple[list[int], Lattice, "treelib.DraftTree"]:
         """One verification pass; returns (committed tokens incl. bonus, lattice, tree)."""
-        m = self.model
         pending = context[-1]
         if mode == "ar":
             lat, tree = Lattice.empty(), treelib.chain_tree([])
@@ -155,6 +159,18 @@ class Decoder:
                 tree = treelib.chain_tree(lat.top1(), [r[0] for r in lat.logprobs])
             else:
                 tree = treelib.build_best_first(lat.tokens, lat.logprobs, lat.transitions, self.nodes)
+        _, toks = self.verify_tree(pending, tree, n_cache, mode)
+        return toks, lat, tree
+
+    def verify_tree(self, pending: int, tree, n_cache: int, mode: str) -> tuple[list[int], list[int]]:
+        """Verify ``tree`` under the pending token with the exact weights, accept the longest
+        matching root path plus the bonus token and commit it (KV compaction, GDN state); returns
+        (accepted node indices, committed tokens)."""
+        return self.accept_commit(tree, self.verify_predictions(pending, tree, n_cache, mode), n_cache, mode)
+
+    def verify_predictions(self, pending: int, tree, n_cache: int, mode: str) -> list[int]:
+        """The target's argmax after the pending token and after every node of ``tree`` (one
+        pass that writes the rows' KV into the slots after the committed prefix)."""
         T = 1 + len(tree)
         if self._times is not None:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -169,11 +185,16 @@ class Decoder:
             end.record()
             rows = T if self.runner is None or T == 1 else next(b for b in self.verify_buckets if b >= T)
             self._times.append((rows, start, end))
+        return preds
+
+    def accept_commit(self, tree, preds: list[int], n_cache: int, mode: str) -> tuple[list[int], list[int]]:
+        """Accept from the exact pass's ``preds`` and keep the accepted rows (KV, GDN state)."""
+        m = self.model
         path, toks = treelib.accept_predictions(tree, preds)
         rows = [0] + [1 + p for p in path]
-        if T > 1:
-            m.commit(n_cache, rows, "tree" if mode == "tree" else "chain")
-        return toks, lat, tree
+        if len(tree):
+            m.commit(n_cache, rows, "tree" if mode in ("tree", "tlv") else "chain")
+        return path, toks
 
     @staticmethod
     def _verify_mask(tree, n_cache: int, rows: int, width: int) -> torch.Tensor:
@@ -187,15 +208,17 @@ class Decoder:
         mask[T:, 0] = True
         return mask
 
-    def _eager_verify(self, pending: int, tree, n_cache: int, mode: str) -> list[int]:
-        """The verify pass of ``1 + len(tree)`` rows as one eager forward (no CUDA graph)."""
+    def _eager_verify(self, pending: int, tree, n_cache: int, mode: str, keep_state: bool = False) -> list[int]:
+        """The verify pass of ``1 + len(tree)`` rows as one eager forward (no CUDA graph);
+        ``keep_state``: a lone row runs as a one-row chain, so no GDN state advances (the Q pass)."""
         m, dev = self.model, self.model.device
         T = 1 + len(tree)
         kv = _kv_len(m.max_seq, n_cache + T)
         slots = n_cache + torch.arange(T, device=dev)
         pos = torch.tensor([n_cache] + [n_cache + 1 + d for d in tree.depth], device=dev)
         mask = self._verify_mask(tree, n_cache, T, kv)
-        gdn_rows = "tree" if mode == "tree" and len(tree) else ("chain" if T > 1 else "seq")
+        tree_rows = mode in ("tree", "tlv") and len(tree)
+        gdn_rows = "tree" if tree_rows else ("chain" if T > 1 or keep_state else "seq")
         paths = row_paths([-1] + [p + 1 for p in tree.parents]) if gdn_rows == "tree" else None
         tokens = torch.tensor([pending] + list(tree.tokens), device=dev)
         return m.greedy(StepInput(tokens, pos, slots, mask.to(dev), gdn_rows, paths), kv_len=kv).tolist()
@@ -262,9 +285,7 @@ class Decoder:
             ctx = prompt_ids + full
             toks, lat, tree = self.step(ctx, n_cache, self.mode)
             if record_lattice:
-                lattice.append({"schema": "specpilot.lattice/1", "request": request, "step": steps,
-                                "tokens": lat.tokens, "logprobs": lat.logprobs, "transitions": lat.transitions,
-                                "target": None, "_at": len(full), "_m": lat.m})
+                lattice.append(self.lattice_row(request, steps, lat, len(full)))
             steps += 1
             accepts.append(len(toks) - 1)
             n_cache += len(toks)
@@ -294,4 +315,15 @@ class Decoder:
         # tau: tokens the verification passes delivered (the prefill's first token excluded), per pass;
         # tokens a last pass committed past EOS or the limit are not counted (accept_lengths keeps them)
         tau = (len(out) - 1) / steps if steps else 1.0
-        return GenerationResult(out, steps, tau, seconds, lattice, t_prefill, accepts, stop, step_times)
+        return GenerationResult(out, steps, tau, seconds, lattice, t_prefill, accepts, stop, step_times,
+                                self.request_summary())
+
+    def lattice_row(self, request, step: int, lat: Lattice, at: int) -> dict:
+        """The ``specpilot.lattice/1`` row of the step just run; ``target`` is filled at the end of
+        the request from the ``_m`` + 1 committed tokens after position ``_at``."""
+        return {"schema": "specpilot.lattice/1", "request": request, "step": step, "tokens": lat.tokens,
+                "logprobs": lat.logprobs, "transitions": lat.transitions, "target": None, "_at": at, "_m": lat.m}
+
+    def request_summary(self) -> dict | None:
+        """Mode-specific statistics of the request just generated (None here; TLV's cycles)."""
+        return None

@@ -13,6 +13,11 @@ fewer than m positions, or none (the step then verifies the pending token alone:
   It reuses the target's KV cache for those layers, which holds exactly the right keys/values
   because a layer's input depends only on the layers below it.
 - ``model``: a separate small model sharing the tokenizer, with its own cache.
+
+``propose_after(context, chain, ...)`` drafts the positions after ``context + chain`` where
+``chain`` is not committed (TLV's second draft from the end of the commit chain): the drafter's
+own state is left as ``propose(context, ...)`` leaves it, since the exact pass may reject part of
+the chain.
 """
 
 from __future__ import annotations
@@ -67,6 +72,9 @@ class NGramDrafter:
             if conts:
                 return self._lattice(conts, m, k)
         return Lattice.empty()
+
+    def propose_after(self, context, chain, n_cache, m, k) -> Lattice:
+        return self.propose(list(context) + list(chain), n_cache, m, k)
 
     @staticmethod
     def _lattice(conts: list[list[int]], m: int, k: int) -> Lattice:
@@ -143,23 +151,30 @@ class SelfDrafter:
 
     @torch.no_grad()
     def propose(self, context, n_cache, m, k) -> Lattice:
+        """``context[n_cache:]`` (the pending token, and a TLV commit chain after it) is not in the
+        cache yet: its rows run through the first layers into the slots after the committed
+        prefix, which the verification pass overwrites."""
         t = self.target
-        if m <= 0 or n_cache + m + 1 > t.max_seq:
+        L = len(context)
+        if m <= 0 or L + m > t.max_seq:
             return Lattice.empty()
         dev = t.device
         kv = _kv_len_fn(t.max_seq, dev)
         gdn = t.gdn_layers(self.layers)
         saved = [(g.state.clone(), g.conv_state.clone()) for g in gdn]
         try:
-            inp = StepInput(tokens=torch.tensor([context[-1]], device=dev), pos=torch.tensor([n_cache], device=dev),
-                            slots=torch.tensor([n_cache], device=dev),
-                            mask=torch.arange(kv(n_cache + 1), device=dev)[None] <= n_cache, gdn_rows="seq")
-            logits = t(inp, kv_len=kv(n_cache + 1), layers=self.layers)[-1]
-            return _rollout(t, logits, n_cache + 1, m, k, self.layers, kv)
+            slots = torch.arange(n_cache, L, device=dev)
+            inp = StepInput(tokens=torch.tensor(context[n_cache:], device=dev), pos=slots, slots=slots,
+                            mask=torch.arange(kv(L), device=dev)[None] <= slots[:, None], gdn_rows="seq")
+            logits = t(inp, kv_len=kv(L), layers=self.layers)[-1]
+            return _rollout(t, logits, L, m, k, self.layers, kv)
         finally:
             for g, (s, c) in zip(gdn, saved):
                 g.state.copy_(s)
                 g.conv_state.copy_(c)
+
+    def propose_after(self, context, chain, n_cache, m, k) -> Lattice:
+        return self.propose(list(context) + list(chain), n_cache, m, k)
 
 
 class ModelDrafter:
@@ -175,21 +190,48 @@ class ModelDrafter:
         self.draft.reset()
         self.n_done = 0
 
+    def _feed(self, context, start: int):
+        """Run ``context[start:]`` through the draft model (cache slots start..); last row's logits."""
+        d = self.draft
+        dev, L = d.device, len(context)
+        kv = _kv_len_fn(d.max_seq, dev)
+        slots = torch.arange(start, L, device=dev)
+        mask = torch.arange(kv(L), device=dev)[None] <= slots[:, None]
+        inp = StepInput(tokens=torch.tensor(context[start:], device=dev), pos=slots, slots=slots, mask=mask,
+                        gdn_rows="seq")
+        return d(inp, kv_len=kv(L))[-1]
+
     @torch.no_grad()
     def propose(self, context, n_cache, m, k) -> Lattice:
         d = self.draft
         L = len(context)
         if m <= 0 or L + m + 1 > d.max_seq:
             return Lattice.empty()
-        dev = d.device
-        kv = _kv_len_fn(d.max_seq, dev)
-        new = context[self.n_done:]
-        slots = torch.arange(self.n_done, L, device=dev)
-        mask = torch.arange(kv(L), device=dev)[None] <= slots[:, None]
-        inp = StepInput(tokens=torch.tensor(new, device=dev), pos=slots, slots=slots, mask=mask, gdn_rows="seq")
-        logits = d(inp, kv_len=kv(L))[-1]
+        logits = self._feed(context, self.n_done)
         self.n_done = L
-        return _rollout(d, logits, L, m, k, None, kv)
+        return _rollout(d, logits, L, m, k, None, _kv_len_fn(d.max_seq, d.device))
+
+    @torch.no_grad()
+    def propose_after(self, context, chain, n_cache, m, k) -> Lattice:
+        d = self.draft
+        L, full = len(context), list(context) + list(chain)
+        if not chain:
+            return self.propose(context, n_cache, m, k)
+        if m <= 0 or len(full) + m + 1 > d.max_seq:
+            return Lattice.empty()
+        if self.n_done < L:
+            self._feed(context, self.n_done)
+            self.n_done = L
+        gdn = d.gdn_layers()
+        saved = [(g.state.clone(), g.conv_state.clone()) for g in gdn]
+        try:
+            logits = self._feed(full, L)
+            return _rollout(d, logits, len(full), m, k, None, _kv_len_fn(d.max_seq, d.device))
+        finally:
+            # the chain's KV lies past n_done and is overwritten by the next feed
+            for g, (s, c) in zip(gdn, saved):
+                g.state.copy_(s)
+                g.conv_state.copy_(c)
 
 
 def _kv_len_fn(max_seq: int, device):

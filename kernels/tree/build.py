@@ -172,6 +172,24 @@ def chain_tree(tokens_top1: Sequence[int], logprobs: Sequence[float] | None = No
                      (0,) * n, tuple(score))
 
 
+def truncate(tree: DraftTree, n: int) -> DraftTree:
+    """The first ``n`` nodes of a best-first tree (equal to the tree of budget ``n``): nodes come
+    parent-first, so any prefix is prefix-closed."""
+    n = max(0, min(int(n), len(tree)))
+    return DraftTree(tree.tokens[:n], tree.parents[:n], tree.depth[:n], tree.cand[:n], tree.score[:n])
+
+
+def attach(chain: Sequence[int], sub: DraftTree) -> DraftTree:
+    """The chain ``chain`` (nodes 0..len-1) with ``sub`` hanging under its last node: TLV's exact
+    pass verifies the commit chain C with the second draft's subtree under it (paper 4.3)."""
+    c = len(chain)
+    if c == 0:
+        return sub
+    base = chain_tree(chain)
+    return DraftTree(base.tokens + sub.tokens, base.parents + tuple(c - 1 if p < 0 else c + p for p in sub.parents),
+                     base.depth + tuple(c + d for d in sub.depth), base.cand + sub.cand, base.score + sub.score)
+
+
 def ancestor_mask(tree: DraftTree) -> np.ndarray:
     """bool [n, n]: ``mask[i, j]`` is True when node j is node i or one of its ancestors."""
     n = len(tree)

@@ -17,10 +17,10 @@ The kernels (``y = x @ W.T`` from the records, fp32 accumulation, bitwise determ
 * :mod:`.naive`       the plain torch reference the kernels are tested against
 """
 
-from .format import FORMAT_VERSION, W12Tensor, decode, encode
+from .format import FORMAT_VERSION, W12Tensor, decode, encode, qpass_view
 
-__all__ = ["FORMAT_VERSION", "KernelPack", "W12Linear", "W12Tensor", "convert_model", "decode", "encode", "route",
-           "w12_linear"]
+__all__ = ["FORMAT_VERSION", "KernelPack", "W12Linear", "W12Tensor", "convert_model", "decode", "encode", "qpass_view",
+           "route", "w12_linear"]
 
 
 def __getattr__(name):   # the kernels import Triton (and Gluon): on first use only

@@ -340,6 +340,21 @@ def decode(t: W12Tensor, qpass: bool = False) -> torch.Tensor:
     return flat.to(torch.int16).view(torch.bfloat16).reshape(n, k)
 
 
+def qpass_view(weight: torch.Tensor, chunk_rows: int = 4096) -> torch.Tensor:
+    """``decode(encode(weight), qpass=True)`` straight from a 2-D bf16 weight, without building
+    the records: coded weights keep their top 8 bits and get the low mantissa nibble's midpoint,
+    escaped ones stay exact (TLV's Q pass, made at load)."""
+    if weight.dim() != 2 or weight.dtype != torch.bfloat16:
+        raise ValueError(f"qpass_view takes a 2-D bf16 weight, got {weight.dtype} {tuple(weight.shape)}")
+    out = torch.empty_like(weight)
+    for r0 in range(0, weight.shape[0], chunk_rows):
+        bits = weight[r0:r0 + chunk_rows].contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+        esc = _encode_rows(bits)[3]
+        q = torch.where(esc, bits, (bits & 0xFFF0) | 0x8)
+        out[r0:r0 + chunk_rows] = q.to(torch.int16).view(torch.bfloat16)
+    return out
+
+
 def repad(t: W12Tensor, rows_align: int) -> W12Tensor:
     """Re-lay the records for another row padding (e.g. 128 rows for the GPU kernel)."""
     rows = _ceil_to(t.shape[0], rows_align) if t.shape[0] else 0

@@ -1,4 +1,4 @@
-"""``specpilot run``: generate with the embedded engine (AR, chain or best-first tree)."""
+"""``specpilot run``: generate with the embedded engine (AR, chain, best-first tree or TLV)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,28 @@ def _w12_label(w12: dict | None) -> str:
     if not w12:
         return ""
     return f", W12 {w12['path']}: {w12['tensors']} projections, {w12['bits_per_weight']:.3f} bits/weight"
+
+
+def _tlv_summary(results: list[dict], tau: float) -> dict | None:
+    """TLV's cycles over every request: tau per exact pass, the Q pass's top-1 agreement with the
+    exact pass, mean |C| and the mean cycle's time split."""
+    if not results or "tlv" not in results[0]:
+        return None
+    from specpilot.engine.tlv import TLVStats
+
+    total = TLVStats(results[0]["tlv"]["nodes"])
+    for r in results:
+        total.add(TLVStats.from_json(r["tlv"]))
+    return {"tau_per_exact_pass": tau, **total.to_json()}
+
+
+def _tlv_note(t: dict) -> str:
+    agree = "n/a" if t["q_top1_agreement"] is None else f"{100 * t['q_top1_agreement']:.1f}%"
+    ms = t["time_ms"]
+    return (f"\nTLV: tau {t['tau_per_exact_pass']:.3f} per exact pass, Q-pass top-1 agreement {agree} "
+            f"({t['q_agree']}/{t['q_compared']}), mean |C| {t['mean_commit_chain']:.2f}; cycle {t['cycle_ms']:.3f} ms "
+            f"= draft 1 {ms['draft1']:.3f} + Q pass {ms['qpass']:.3f} + draft 2 {ms['draft2']:.3f} + exact pass "
+            f"{ms['exact']:.3f} + append {ms['append']:.3f} ms")
 
 
 def _note(tokens: int, steps: int, summary: dict, info: dict, timing: dict | None) -> str:
@@ -57,8 +79,10 @@ def command(prompt_text, prompts_file, prompt_ids, chat, max_new_tokens, outputs
       specpilot run --model smollm2 --mode tree --nodes 32 --prompt "Count to ten."
       specpilot run --model smollm2 --mode ar --prompts prompts.jsonl --outputs-out ar.jsonl
       specpilot run --model tiny --mode tree --prompt "abcabcabc" --lattice-out lat.jsonl --format json
+      specpilot run --model smollm2 --mode tlv --nodes 32 --prompt "Count to ten." --lattice-out tlv.jsonl
 
-    chain and tree outputs equal ar outputs (greedy, lossless); tau is tokens per verification pass.
+    chain, tree and tlv outputs equal ar outputs (greedy, lossless); tau is tokens per verification
+    pass (tlv: per exact pass; the note adds the Q pass's agreement, |C| and the cycle's time split).
     """
     spec = spec_from_cli(kw)
     given = [x is not None for x in (prompt_text, prompts_file, prompt_ids)]
@@ -113,7 +137,8 @@ def command(prompt_text, prompts_file, prompt_ids, chat, max_new_tokens, outputs
                "tau": delivered / steps if steps else 1.0, "seconds": seconds,
                "tokens_per_s": tokens / seconds if seconds > 0 else 0.0}
     data = {"schema": "specpilot.run/1", "engine": str(spec), "model": engine.model_name, "mode": spec.mode,
-            "drafter": spec.drafter if spec.mode != "ar" else None, "nodes": spec.nodes if spec.mode == "tree" else None,
+            "drafter": spec.drafter if spec.mode != "ar" else None,
+            "nodes": spec.nodes if spec.mode in ("tree", "tlv") else None,
             "dtype": engine.info["dtype"], "device": spec.device, "chat": used_chat, "max_new_tokens": max_new_tokens,
             "w12": engine.info.get("w12"), "attn": engine.info.get("attn"), "head": engine.info.get("head"),
             "decode": engine.info.get("decode"), "load_seconds": engine.info["load_seconds"],
@@ -121,6 +146,9 @@ def command(prompt_text, prompts_file, prompt_ids, chat, max_new_tokens, outputs
             "results": results}
     if run.batch:
         data["batch"] = run.batch
+    tlv = _tlv_summary(results, summary["tau"])
+    if tlv:
+        data["tlv"] = tlv
     if len(results) == 1:
         data.update({k: results[0][k] for k in ("prompt_ids", "output_ids", "text")})
     rows = [[r["id"], r["tokens"], r["steps"], r["tau"], r["tokens_per_s"], r["decode_tokens_per_s"], r["stop"]]
@@ -135,6 +163,7 @@ def command(prompt_text, prompts_file, prompt_ids, chat, max_new_tokens, outputs
                                       f"{_w12_label(engine.info.get('w12'))}"
                                       f"{f', batch {spec.batch}' if spec.batch > 1 else ''})",
                                       ["id", "tokens", "steps", "tau", "tokens/s", "decode tok/s", "stop"], rows,
-                                      note=_note(tokens, steps, summary, engine.info, run.step_timing()))])
+                                      note=_note(tokens, steps, summary, engine.info, run.step_timing())
+                                      + (_tlv_note(tlv) if tlv else ""))])
     emit(report, fmt, out, protect=inputs)
     return 0

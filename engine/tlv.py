@@ -1,0 +1,205 @@
+"""TLV (paper 4.3): two-stage verification that rations exact passes.
+
+One cycle:
+
+1. draft 1: the drafter's lattice, the best-first tree of ``nodes`` nodes (``kernels.tree``);
+2. Q pass: the tree scored with the W12 8-bit view of the target's projections
+   (:class:`QView`: discarded mantissa bits at their midpoint). It runs in scratch
+   (:func:`scratch`): the rows' KV slots are restored afterwards and GDN layers run the tree as
+   paths from the committed state, so the KV cache and recurrent state end bit-identical;
+3. commit chain C: the Q pass's argmax path through the tree plus its bonus token (nothing is
+   accepted yet);
+4. draft 2: a fresh best-first tree from the end of C (``propose_after``), truncated to
+   ``nodes - |C|`` nodes and attached under C (``kernels.tree.truncate`` / ``attach``);
+5. exact pass: C + subtree verified with the exact weights (``Decoder.verify_predictions``),
+   the longest matching path plus bonus accepted (``Decoder.accept_commit``). It is the only pass
+   that writes target state, so the output equals AR's whatever the Q pass picks.
+
+tau counts tokens per exact pass; the cycle's time is split into draft 1, Q pass, draft 2, exact
+pass and append (acceptance, KV compaction, GDN commit).
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from specpilot.engine.decode import Decoder
+from specpilot.engine.drafters import Lattice
+from specpilot.engine.model import Attention, Transformer
+from specpilot.kernels import tree as treelib
+
+PHASES = ("draft1", "qpass", "draft2", "exact", "append")
+
+
+class QView:
+    """The Q pass's weights: for every projection of the target's layers, its W12 8-bit view
+    (``kernels.w12.decode(packed, qpass=True)``) in the model's dtype, made once at load. The LM
+    head and embeddings stay exact (W12 converts projections only). :meth:`active` swaps the
+    views into the projections for the length of a pass."""
+
+    def __init__(self, pairs: list[tuple[torch.nn.Linear, torch.Tensor]]):
+        self.pairs = pairs
+
+    @classmethod
+    @torch.no_grad()
+    def build(cls, model: Transformer, views: dict[str, torch.Tensor] | None = None) -> "QView":
+        """``views``: 8-bit views by projection name from the W12 loader (``w12=1``: the records
+        the engine already holds); otherwise the view of each weight rounded to bf16 (a float32
+        weight has no exact W12 form; the Q pass only needs an approximation), computed without
+        building the records (``kernels.w12.qpass_view``)."""
+        from specpilot.engine.w12_loader import projections
+        from specpilot.kernels.w12 import qpass_view
+
+        pairs = []
+        for parent, attr, name in projections(model):
+            lin = getattr(parent, attr)
+            q = views.get(name) if views else None
+            if q is None:
+                q = qpass_view(lin.weight.detach().to(torch.bfloat16))
+            pairs.append((lin, q.to(lin.weight.dtype).to(lin.weight.device)))
+        return cls(pairs)
+
+    @contextmanager
+    def active(self):
+        exact = [lin.weight.data for lin, _ in self.pairs]
+        try:
+            for lin, q in self.pairs:
+                lin.weight.data = q
+            yield
+        finally:
+            for (lin, _), w in zip(self.pairs, exact):
+                lin.weight.data = w
+
+
+@contextmanager
+def scratch(model: Transformer, start: int, rows: int):
+    """Run a pass of ``rows`` rows at slots ``start..`` without leaving a trace: the attention
+    layers' KV in those slots is restored afterwards and the GDN layers' pending commit data is
+    dropped (the pass must run its GDN rows as a tree or a chain, which never advance the state)."""
+    attn = [b.mixer for b in model.layers if isinstance(b.mixer, Attention)]
+    end = min(start + rows, model.max_seq)
+    saved = [(a.k_cache[:, :, start:end].clone(), a.v_cache[:, :, start:end].clone()) for a in attn]
+    try:
+        yield
+    finally:
+        for a, (k, v) in zip(attn, saved):
+            a.k_cache[:, :, start:end] = k
+            a.v_cache[:, :, start:end] = v
+        for g in model.gdn_layers():
+            g._stash = None
+
+
+@dataclass
+class TLVStats:
+    """One request's cycles: |C|, the Q pass's top-1 agreement with the exact pass (at the root
+    and at each node of C's path: the positions both passes predict from the same prefix) and
+    the time of each phase."""
+
+    nodes: int
+    cycles: int = 0
+    chain_tokens: int = 0
+    accepted_tokens: int = 0
+    q_agree: int = 0
+    q_compared: int = 0
+    seconds: dict = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+
+    def add(self, other: "TLVStats") -> None:
+        self.cycles += other.cycles
+        self.chain_tokens += other.chain_tokens
+        self.accepted_tokens += other.accepted_tokens
+        self.q_agree += other.q_agree
+        self.q_compared += other.q_compared
+        for k in PHASES:
+            self.seconds[k] += other.seconds[k]
+
+    @classmethod
+    def from_json(cls, d: dict) -> "TLVStats":
+        s = cls(d["nodes"], d["cycles"], d["chain_tokens"], d["accepted_tokens"], d["q_agree"], d["q_compared"])
+        s.seconds = {k: d["time_ms"][k] * d["cycles"] / 1e3 for k in PHASES}
+        return s
+
+    def to_json(self) -> dict:
+        n = max(self.cycles, 1)
+        ms = {k: 1e3 * v / n for k, v in self.seconds.items()}
+        return {"nodes": self.nodes, "cycles": self.cycles, "chain_tokens": self.chain_tokens,
+                "accepted_tokens": self.accepted_tokens, "q_agree": self.q_agree, "q_compared": self.q_compared,
+                "mean_commit_chain": self.chain_tokens / n if self.cycles else 0.0,
+                "q_top1_agreement": self.q_agree / self.q_compared if self.q_compared else None,
+                "time_ms": ms, "cycle_ms": sum(ms.values())}
+
+
+class TLVDecoder(Decoder):
+    """The decode loop (:class:`~specpilot.engine.decode.Decoder`) with TLV cycles as its steps."""
+
+    def __init__(self, model: Transformer, drafter, qview: QView, *, nodes: int = 32, depth: int = 8, topk: int = 8,
+                 eos_ids=()):
+        super().__init__(model, "tlv", drafter, nodes=nodes, depth=depth, topk=topk, eos_ids=eos_ids)
+        self.qview = qview
+        self.stats = TLVStats(nodes)
+        self._last: dict | None = None
+
+    def verify_rows(self) -> int:
+        # C can be the whole draft tree plus its bonus token: one row past the budget
+        return 1 + self.nodes + 1
+
+    def _generate(self, *a, **kw):
+        self.stats = TLVStats(self.nodes)
+        return super()._generate(*a, **kw)
+
+    def request_summary(self) -> dict:
+        return self.stats.to_json()
+
+    @torch.no_grad()
+    def q_pass(self, pending: int, tree, n_cache: int) -> list[int]:
+        """The Q pass: the argmax after the pending token and after every node of ``tree`` under
+        the 8-bit view, leaving the KV cache and recurrent state as they were."""
+        with self.qview.active(), scratch(self.model, n_cache, 1 + len(tree)):
+            return self._eager_verify(pending, tree, n_cache, "tlv", keep_state=True)
+
+    @torch.no_grad()
+    def step(self, context: list[int], n_cache: int, mode: str):
+        if mode != "tlv":
+            return super().step(context, n_cache, mode)
+        pending, st = context[-1], self.stats
+        t0 = time.perf_counter()
+        lat = self.drafter.propose(context, n_cache, self.depth, self.topk)
+        tree1 = treelib.build_best_first(lat.tokens, lat.logprobs, lat.transitions, self.nodes)
+        t1 = time.perf_counter()
+        qpreds = self.q_pass(pending, tree1, n_cache)
+        qpath, chain = treelib.accept_predictions(tree1, qpreds)
+        t2 = time.perf_counter()
+        lat2 = self.drafter.propose_after(context, chain, n_cache, self.depth, self.topk)
+        sub = treelib.truncate(treelib.build_best_first(lat2.tokens, lat2.logprobs, lat2.transitions, self.nodes),
+                       self.nodes - len(chain))
+        tree = treelib.attach(chain, sub)
+        t3 = time.perf_counter()
+        preds = self.verify_predictions(pending, tree, n_cache, "tlv")
+        t4 = time.perf_counter()
+        _, toks = self.accept_commit(tree, preds, n_cache, "tlv")
+        t5 = time.perf_counter()
+        # C's node i is node i of the exact tree; the Q pass predicted after it at its path node
+        st.q_compared += len(chain)
+        st.q_agree += sum(int(qpreds[1 + q] if i else qpreds[0]) == int(preds[i])
+                          for i, q in enumerate([-1] + qpath))
+        st.cycles += 1
+        st.chain_tokens += len(chain)
+        st.accepted_tokens += len(toks)
+        for k, (a, b) in zip(PHASES, ((t0, t1), (t1, t2), (t2, t3), (t3, t4), (t4, t5))):
+            st.seconds[k] += b - a
+        self._last = {"q_argmax": [int(x) for x in qpreds], "commit": [int(x) for x in chain], "draft2": lat2}
+        return toks, lat, tree
+
+    def lattice_row(self, request, step: int, lat: Lattice, at: int) -> dict:
+        """The tree row plus what replaying the cycle needs (``tlv``): the budget, the Q pass's
+        argmax at the root and every node of the draft-1 tree, C, and the draft-2 lattice."""
+        row = super().lattice_row(request, step, lat, at)
+        last = self._last
+        lat2 = last["draft2"]
+        row["tlv"] = {"nodes": self.nodes, "q_argmax": last["q_argmax"], "commit": last["commit"],
+                      "draft2": {"tokens": lat2.tokens, "logprobs": lat2.logprobs, "transitions": lat2.transitions}}
+        row["_m"] = max(lat.m, len(last["commit"]) + lat2.m)
+        return row

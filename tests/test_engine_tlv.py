@@ -1,0 +1,174 @@
+"""TLV mode (engine/tlv.py): lossless against AR for every drafter, a Q pass that leaves the
+target's state untouched, prefix-closed truncation, the run report and its refusals."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import one_error
+from specpilot.auditors.policies import tree_is_prefix_closed
+from specpilot.engine.api import load_engine
+from specpilot.kernels import tree as T
+
+CTX = 256
+PROMPT = list(b"abcabcabc the cat the cat abc")
+DRAFTERS = {"ngram": "drafter=ngram", "self": "drafter=self,draft_layers=2",
+            "model": "drafter=model,draft_model=tiny"}
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-hybrid"])
+def test_tlv_outputs_equal_ar_for_every_drafter(model):
+    ref = load_engine(f"engine:model={model},mode=ar,ctx={CTX}").generate(PROMPT, 24)
+    for name, d in DRAFTERS.items():
+        for nodes in (6, 1):   # 1: C often fills the budget and the subtree is empty
+            r = load_engine(f"engine:model={model},mode=tlv,{d},nodes={nodes},depth=4,topk=3,ctx={CTX}"
+                            ).generate(PROMPT, 24)
+            assert r.output_ids == ref.output_ids, (name, nodes)
+            assert r.tlv["cycles"] == r.steps and r.steps <= ref.steps
+            assert r.tlv["q_compared"] == r.tlv["chain_tokens"] >= r.steps
+
+
+def _state(model):
+    out = []
+    for blk in model.layers:
+        m = blk.mixer
+        out += [m.k_cache.clone(), m.v_cache.clone()] if hasattr(m, "k_cache") else [m.state.clone(),
+                                                                                      m.conv_state.clone()]
+    return out
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-hybrid"])
+def test_q_pass_leaves_kv_cache_and_recurrent_state_bit_identical(model):
+    e = load_engine(f"engine:model={model},mode=tlv,drafter=self,draft_layers=1,nodes=12,depth=4,topk=3,ctx={CTX}")
+    dec = e.decoder
+    r = dec.generate(PROMPT, 6)   # a few cycles first: committed GDN state and KV that are not zero
+    ctx = PROMPT + r.output_ids
+    n_cache = len(ctx) - 1
+    lat = dec.drafter.propose(ctx, n_cache, 4, 3)
+    tree = T.build_best_first(lat.tokens, lat.logprobs, lat.transitions, 12)
+    assert len(tree) > 1
+    for t in (tree, T.chain_tree([])):   # an empty tree runs one row: it must not advance GDN state either
+        before = _state(e.model)
+        q = dec.q_pass(ctx[-1], t, n_cache)
+        assert len(q) == 1 + len(t)
+        for a, b in zip(before, _state(e.model)):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        assert all(g._stash is None for g in e.model.gdn_layers())
+    # the view is the W12 8-bit one (a few mantissa bits): not the exact weights, but close to them
+    lin, qw = dec.qview.pairs[0]
+    assert not torch.equal(lin.weight, qw)
+    assert bool(((lin.weight - qw).abs() <= lin.weight.abs() * 2 ** -3 + 1e-6).all())
+
+
+def test_truncation_keeps_the_tree_prefix_closed_and_attach_hangs_it_under_the_chain():
+    from specpilot.auditors.replay import synthetic_rows
+
+    for row in synthetic_rows(requests=1, steps=4, m=5, k=4, transitions=True, seed=3):
+        full = T.build_best_first(row["tokens"], row["logprobs"], row["transitions"], 40)
+        for n in range(0, 41):
+            sub = T.truncate(full, n)
+            assert len(sub) == min(n, len(full)) and tree_is_prefix_closed(sub)
+            # a best-first tree's prefix is the best-first tree of the smaller budget
+            assert sub == T.build_best_first(row["tokens"], row["logprobs"], row["transitions"], n)
+            tree = T.attach([7, 8, 9], sub)
+            assert tree_is_prefix_closed(tree) and len(tree) == 3 + len(sub)
+            assert tree.tokens[:3] == (7, 8, 9) and all(tree.parents[3 + i] == 2 for i, p in enumerate(sub.parents)
+                                                        if p < 0)
+    assert T.attach([], T.truncate(full, 3)) == T.truncate(full, 3)
+
+
+def test_w12_target_takes_the_q_view_from_its_records():
+    from specpilot.kernels.w12 import decode, encode
+
+    e = load_engine(f"engine:model=tiny,mode=tlv,w12=1,nodes=6,depth=3,topk=2,ctx={CTX}")
+    lin, qw = e.decoder.qview.pairs[0]
+    assert qw.dtype == torch.bfloat16
+    assert torch.equal(qw, decode(encode(lin.weight.detach()), qpass=True))
+    assert len(e.generate(PROMPT, 8).output_ids) == 8
+
+
+def test_run_tlv_reports_tau_agreement_chain_and_time_split(run_cli):
+    args = ("run", "--model", "tiny", "--prompt", "abcabcabc the cat the cat abc", "--max-new-tokens", "20")
+    code, out, err = run_cli(*args, "--mode", "tlv", "--nodes", "32", "--format", "json")
+    assert code == 0, err
+    d = json.loads(out)
+    t = d["tlv"]
+    assert d["mode"] == "tlv" and d["nodes"] == 32 and t["nodes"] == 32 and t["cycles"] == d["steps"]
+    assert t["tau_per_exact_pass"] == d["tau"] and 0 <= t["q_top1_agreement"] <= 1 and t["mean_commit_chain"] >= 1
+    assert set(t["time_ms"]) == {"draft1", "qpass", "draft2", "exact", "append"}
+    assert t["cycle_ms"] == pytest.approx(sum(t["time_ms"].values()))
+    code, ar, _ = run_cli(*args, "--mode", "ar", "--format", "json")
+    assert json.loads(ar)["output_ids"] == d["output_ids"]
+    code, out, err = run_cli(*args, "--mode", "tlv", "--nodes", "32")
+    assert code == 0, err
+    assert "TLV: tau" in out and "Q-pass top-1 agreement" in out and "exact pass" in out
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["--dtype", "float16"], "not float16"),
+    (["--device", "cuda"], "CPU only"),
+    (["--batch", "2"], "batch=1"),
+])
+def test_tlv_refusals_are_one_error_line_exit_2(run_cli, args, msg):
+    code, out, err = run_cli("run", "--model", "tiny", "--mode", "tlv", "--prompt", "abc", *args)
+    assert code == 2 and out == ""
+    assert msg in one_error(err)
+
+
+@pytest.mark.parametrize("model, drafter", [("tiny", "ngram"), ("tiny-hybrid", "self")])
+def test_replay_tlv_reproduces_the_engines_tau(run_cli, tmp_path, model, drafter):
+    prompts, lat = tmp_path / "p.jsonl", tmp_path / "tlv.lattice.jsonl"
+    prompts.write_text('{"schema": "specpilot.prompts/1", "id": "a", "text": "abcabcabc the cat the cat abc"}\n'
+                       '{"schema": "specpilot.prompts/1", "id": "b", "text": "xyzxyz xyz hello hello"}\n')
+    code, out, err = run_cli("run", "--model", model, "--mode", "tlv", "--drafter", drafter, "--nodes", "10",
+                             "--depth", "4", "--topk", "3", "--prompts", prompts, "--max-new-tokens", "20",
+                             "--lattice-out", lat, "--format", "json")
+    assert code == 0, err
+    d = json.loads(out)
+    rows = [json.loads(x) for x in lat.read_text().splitlines()]
+    assert len(rows) == d["steps"] and all(r["tlv"]["nodes"] == 10 for r in rows)
+    assert all(len(r["tlv"]["q_argmax"]) >= 1 and len(r["target"]) >= len(r["tlv"]["commit"]) for r in rows)
+    code, out, err = run_cli("replay", lat, "--policy", "tlv:10", "--policy", "best-first:10",
+                             "--policy", "marginal:10", "--format", "json")
+    assert code == 0, err
+    pol = {p["policy"]: p for p in json.loads(out)["policies"]}
+    # accepted tokens per exact pass, the last pass's tokens past the limit included (as replay counts them)
+    assert pol["tlv:10"]["tau"] == pytest.approx(d["tlv"]["accepted_tokens"] / d["tlv"]["cycles"], abs=1e-12)
+    assert sum(pol["tlv:10"]["tau_hist"]) == d["steps"]
+    for p in pol.values():
+        assert p["tau_ci"][0] <= p["tau"] <= p["tau_ci"][1]
+
+
+def test_replay_tlv_refusals_are_one_error_line_exit_2(run_cli, tmp_path):
+    lat, tree_lat = tmp_path / "tlv.jsonl", tmp_path / "tree.jsonl"
+    base = ("run", "--model", "tiny", "--prompt", "abcabcabc abc", "--max-new-tokens", "8", "--nodes", "8")
+    assert run_cli(*base, "--mode", "tlv", "--lattice-out", lat)[0] == 0
+    assert run_cli(*base, "--mode", "tree", "--lattice-out", tree_lat)[0] == 0
+    for path, policy, msg in [(lat, "tlv:0", "between 1 and"), (lat, "tlv:16", "recorded with --nodes 8"),
+                              (tree_lat, "tlv:8", "has no TLV cycle"), (lat, "tlv", "needs a parameter")]:
+        code, out, err = run_cli("replay", path, "--policy", policy)
+        assert code == 2 and out == "", (policy, err)
+        assert msg in one_error(err), policy
+    rows = [json.loads(x) for x in lat.read_text().splitlines()]
+    rows[0]["tlv"]["commit"] = rows[0]["tlv"]["commit"] + [1]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code, _, err = run_cli("replay", bad, "--policy", "tlv:8")
+    assert code == 2 and "commit chain" in one_error(err)
+    rows[0]["tlv"]["draft2"] = {"tokens": [[1, 1]], "logprobs": [[0.0, 0.0]], "transitions": None}
+    bad.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code, _, err = run_cli("replay", bad, "--policy", "tlv:8")
+    assert code == 2 and f"{bad}:1 (tlv.draft2)" in one_error(err)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)  # the real model on a shared 2-core CPU; the Q view is encoded at load
+def test_smollm2_tlv_equals_ar_for_every_drafter():
+    ar = load_engine("engine:model=smollm2,mode=ar,ctx=512")
+    prompt = ar.encode("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):")
+    ref = ar.generate(prompt, 32).output_ids
+    for d in ("drafter=ngram", "drafter=self,draft_layers=8", "drafter=model,draft_model=smollm2"):
+        r = load_engine(f"engine:model=smollm2,mode=tlv,nodes=16,{d},ctx=512").generate(prompt, 32)
+        assert r.output_ids == ref, d
+        assert r.tlv["q_compared"] > 0
