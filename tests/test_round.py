@@ -158,6 +158,7 @@ def test_check_passes_on_the_same_system_and_fails_on_a_regression_or_a_failed_a
 @pytest.mark.parametrize("args, msg", [
     (["round", TINY, "--candidates", "bogus"], "unknown candidate 'bogus'"),
     (["round", "engine:model=tiny,mode=warp"], "unknown mode"),
+    (["round", "engine:model=tiny,mode=tlv"], "cannot start from a tlv system"),
     (["round", "nope.yaml"], "a DEPLOYMENT is an engine spec"),
     (["round", TINY, "--budget", "0"], "--budget 0.0"),
     (["round", "--resume", "nowhere"], "nothing to resume"),

@@ -24,6 +24,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from specpilot.errors import InputError
 from specpilot.fileio import write_json_atomic, write_jsonl_atomic
 
 NODES = (1, 2, 4, 8, 16, 32)
@@ -82,6 +83,9 @@ def system_rows(spec) -> tuple[int, str]:
         return spec.depth + 1, f"chain:{spec.depth}" if spec.depth else "chain"
     if spec.mode == "tree":
         return spec.nodes + 1, f"best-first:{spec.nodes}"
+    if spec.mode == "tlv":
+        raise InputError("a round cannot start from a tlv system yet (its tau needs a TLV lattice and its step "
+                         "two passes); start from ar, chain or tree")
     return 1, "ar"
 
 
