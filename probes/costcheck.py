@@ -17,7 +17,8 @@ or, without one, the rows probe's T_AR.
 
 The terms are those the prediction takes from elsewhere than the run's end-to-end time: tau,
 c(N) (verify ms), drafting (the run's, unless given), outside/host time (the prediction counts the
-step's rest only; measured, the rest plus the time between the loop's steps) and T_AR. Each
+step's rest only; measured, the rest plus the time between the loop's steps) and T_AR; TLV's Q
+pass is listed as the run's own (a rows probe times the exact weights only). Each
 term's effect is the predicted speedup with that one term replaced by its measured value; when
 the prediction misses by more than the tolerance, the term whose effect is largest is named.
 """
@@ -32,9 +33,9 @@ from specpilot.errors import InputError
 from .ceiling import ReplayFigures, RowsProbeFigures, RunFigures
 from .costmodel import step_time
 
-TERMS = ("tau", "c(N)", "drafting", "outside/host", "T_AR")
-UNITS = {"tau": "tokens/pass", "c(N)": "verify ms/pass", "drafting": "ms/pass", "outside/host": "ms/pass",
-         "T_AR": "ms/token"}
+TERMS = ("tau", "c(N)", "drafting", "Q pass", "outside/host", "T_AR")
+UNITS = {"tau": "tokens/pass", "c(N)": "verify ms/pass", "drafting": "ms/pass", "Q pass": "ms/pass",
+         "outside/host": "ms/pass", "T_AR": "ms/token"}
 
 
 @dataclass
@@ -142,9 +143,9 @@ def check_run(run: RunFigures, replay: ReplayFigures | None = None, probe: RowsP
         rows = sorted(run.verify_by_rows)
         verify_from = f"rows probe {probe.source} at {rows[0]}..{rows[-1]} rows, weighted by the run's steps"
 
-    # drafting (TLV: draft 1 + draft 2; the Q pass goes with it, as the run's)
-    draft_m = run.draft_ms + run.qpass_ms
-    draft_p = draft_m if draft_ms is None else draft_ms + run.qpass_ms
+    # drafting (TLV: draft 1 + draft 2) and TLV's Q pass, the run's own (a rows probe times exact weights only)
+    draft_m = run.draft_ms
+    draft_p = draft_m if draft_ms is None else draft_ms
     draft_from = f"run {src} (loop step split)" if draft_ms is None else "--draft-ms"
 
     # outside/host: the step's rest (predicted) against everything per pass that is not a forward or drafting
@@ -161,7 +162,7 @@ def check_run(run: RunFigures, replay: ReplayFigures | None = None, probe: RowsP
     else:
         ar_p, ar_p_from = ar_run.step_wall_ms, f"AR run {ar_run.source} (loop step wall ms)"
 
-    pass_p = verify_p + draft_p + host_p
+    pass_p = verify_p + draft_p + run.qpass_ms + host_p
     if pass_p <= 0:
         raise InputError(f"{src}: the predicted pass time is not positive ({pass_p:.4g} ms)")
     predicted = _speedup(tau_p, ar_p, pass_p)
@@ -169,6 +170,8 @@ def check_run(run: RunFigures, replay: ReplayFigures | None = None, probe: RowsP
     terms = [Term("tau", tau_p, tau_m, tau_from, f"run {src}"),
              Term("c(N)", verify_p, verify_m, verify_from, f"run {src} (verify ms per pass)"),
              Term("drafting", draft_p, draft_m, draft_from, f"run {src}"),
+             *([Term("Q pass", run.qpass_ms, run.qpass_ms, f"run {src} (its own)", f"run {src}")]
+               if run.mode == "tlv" or run.qpass_ms else []),
              Term("outside/host", host_p, host_m, f"run {src} (the step's rest)",
                   f"run {src} (decode ms per pass - verify - drafting)"),
              Term("T_AR", ar_p, ar_m, ar_p_from, ar_m_from)]

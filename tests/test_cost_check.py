@@ -172,8 +172,9 @@ def test_check_tlv_run(run_cli, tmp_path, files):
     assert code == 0, err
     d = json.loads(out)
     assert d["policy"] == "tlv:16" and d["tlv_cycle_ms"]["cycle"] == pytest.approx(23.0)
-    drafting = next(t for t in d["terms"] if t["term"] == "drafting")
-    assert drafting["measured"] == pytest.approx(10.0)  # drafting + Q pass
+    terms = {t["term"]: t for t in d["terms"]}
+    assert terms["drafting"]["measured"] == pytest.approx(1.0) and terms["Q pass"]["measured"] == pytest.approx(9.0)
+    assert d["predicted_speedup"] == pytest.approx(6.0 * 10.5 / 23.0)
 
 
 @pytest.mark.parametrize("mode", ["tree", "tlv"])

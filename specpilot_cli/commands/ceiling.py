@@ -217,7 +217,7 @@ def _check(check_file, run_file, replay_file, rows_file, ar_run_file, profile_fi
     sections = [Section(f"Cost model check: {res.mode or 'run'}"
                         + (f" at {res.nodes} nodes" if res.nodes else "") + f" ({res.run})",
                         ["term", "predicted", "measured", "unit", "speedup if measured", "predicted from"], rows,
-                        note=f"predicted {res.predicted:.4g}x = tau x T_AR / (verify + drafting + host) per pass; "
+                        note=f"predicted {res.predicted:.4g}x = tau x T_AR / (verify + drafting{' + Q pass' if res.cycle else ''} + host) per pass; "
                              f"measured {res.measured:.4g}x = T_AR / decode ms per token.")]
     if res.cycle:
         cy = res.cycle
