@@ -53,7 +53,7 @@ class RunResult:
     chat: bool
     results: list[dict] = field(default_factory=list)
     lattice_rows: list[dict] = field(default_factory=list)
-    step_times: list = field(default_factory=list)   # every request's (rows, GPU ms, wall ms) per step
+    step_times: list = field(default_factory=list)   # every request's per-step timing tuples (decode.step_timing)
 
     def step_timing(self) -> dict | None:
         """The decode loop's step timing over all requests (``GenerationResult.step_timing``)."""

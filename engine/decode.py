@@ -32,14 +32,16 @@ class GenerationResult:
     prefill_seconds: float = 0.0
     accept_lengths: list[int] = field(default_factory=list)  # draft tokens accepted per step
     stop_reason: str = "length"  # "length" or "eos"
-    step_times: list[tuple[int, float, float]] = field(default_factory=list)  # per step: rows, GPU ms, wall ms
+    # per step: rows, GPU ms (CUDA events; None off CUDA), wall ms, drafting ms, verify ms, Q-pass ms
+    step_times: list[tuple] = field(default_factory=list)
     tlv: dict | None = None  # mode tlv: the cycles' statistics (engine/tlv.py TLVStats.to_json)
 
     def step_timing(self) -> dict | None:
-        """The decode loop's steps on CUDA: GPU time per step (CUDA events from the step's input
-        copies to the end of its graph), wall time per loop iteration (drafting, tree build, the
-        host round trip and KV compaction included) and the difference, the outside time; per rows
-        (the graph bucket a step ran) the median GPU ms. None off CUDA."""
+        """The decode loop's steps: wall time per loop iteration split into drafting (tree build
+        included), the verify forward and the rest (acceptance, KV compaction, GDN commit, host);
+        on CUDA also GPU time per step (CUDA events from the step's input copies to the end of its
+        graph) and the outside time (wall - GPU). Per rows (the graph bucket a step ran) the
+        median GPU ms and the mean verify ms."""
         return step_timing(self.step_times)
 
     @property
@@ -52,20 +54,38 @@ class GenerationResult:
         return (len(self.output_ids) - 1) / dt if dt > 0 and len(self.output_ids) > 1 else 0.0
 
 
-def step_timing(times: list[tuple[int, float, float]]) -> dict | None:
-    """Summary of (rows, GPU ms, wall ms) per step (:meth:`GenerationResult.step_timing`)."""
+def step_timing(times: list[tuple]) -> dict | None:
+    """Summary of the per-step tuples (rows, GPU ms or None, wall ms[, drafting ms, verify ms,
+    Q-pass ms]) (:meth:`GenerationResult.step_timing`). GPU fields only when every step has one."""
     if not times:
         return None
     import statistics
 
-    by = {}
-    for rows, gpu, _ in times:
-        by.setdefault(rows, []).append(gpu)
     n = len(times)
-    gpu = sum(t[1] for t in times) / n
     wall = sum(t[2] for t in times) / n
-    return {"steps": n, "gpu_ms": gpu, "wall_ms": wall, "outside_ms": wall - gpu,
-            "by_rows": [{"rows": r, "steps": len(v), "gpu_ms": statistics.median(v)} for r, v in sorted(by.items())]}
+    out = {"steps": n, "wall_ms": wall}
+    cuda = all(t[1] is not None for t in times)
+    if cuda:
+        gpu = sum(t[1] for t in times) / n
+        out.update({"gpu_ms": gpu, "outside_ms": wall - gpu})
+    split = all(len(t) >= 6 for t in times)
+    if split:
+        draft, verify, qpass = (sum(t[i] for t in times) / n for i in (3, 4, 5))
+        out.update({"draft_ms": draft, "verify_ms": verify, "rest_ms": wall - draft - verify - qpass})
+        if qpass:
+            out["qpass_ms"] = qpass
+    by = {}
+    for t in times:
+        by.setdefault(t[0], []).append(t)
+    out["by_rows"] = []
+    for r, v in sorted(by.items()):
+        row = {"rows": r, "steps": len(v)}
+        if cuda:
+            row["gpu_ms"] = statistics.median(t[1] for t in v)
+        if split:
+            row["verify_ms"] = sum(t[4] for t in v) / len(v)
+        out["by_rows"].append(row)
+    return out
 
 
 # prompt lengths a warm-up prefills: every Triton specialisation class of the step kernels (1 row, a
@@ -94,6 +114,8 @@ class Decoder:
         self.threads = 0  # > 0: torch CPU threads while generating (restored afterwards)
         self.prefill_chunk = 512
         self._times = None   # CUDA: (rows, start event, end event) of the request's steps
+        self._verify = None  # (rows, wall ms) of the last verify forward
+        self._draft_ms = 0.0  # drafting + tree build of the last step
 
     def _sync(self):
         if self.model.device.type == "cuda":
@@ -151,6 +173,7 @@ class Decoder:
     def step(self, context: list[int], n_cache: int, mode: str) -> tuple[list[int], Lattice, "treelib.DraftTree"]:
         """One verification pass; returns (committed tokens incl. bonus, lattice, tree)."""
         pending = context[-1]
+        t0 = time.perf_counter()
         if mode == "ar":
             lat, tree = Lattice.empty(), treelib.chain_tree([])
         else:
@@ -159,6 +182,7 @@ class Decoder:
                 tree = treelib.chain_tree(lat.top1(), [r[0] for r in lat.logprobs])
             else:
                 tree = treelib.build_best_first(lat.tokens, lat.logprobs, lat.transitions, self.nodes)
+        self._draft_ms = (time.perf_counter() - t0) * 1e3
         _, toks = self.verify_tree(pending, tree, n_cache, mode)
         return toks, lat, tree
 
@@ -172,6 +196,7 @@ class Decoder:
         """The target's argmax after the pending token and after every node of ``tree`` (one
         pass that writes the rows' KV into the slots after the committed prefix)."""
         T = 1 + len(tree)
+        t0 = time.perf_counter()
         if self._times is not None:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -181,9 +206,11 @@ class Decoder:
             preds = self._graph_verify(pending, tree, n_cache)
         else:
             preds = self._eager_verify(pending, tree, n_cache, mode)
+        # the predictions are host lists, so the wall clock has waited for the forward
+        rows = T if self.runner is None or T == 1 else next(b for b in self.verify_buckets if b >= T)
+        self._verify = (rows, (time.perf_counter() - t0) * 1e3)
         if self._times is not None:
             end.record()
-            rows = T if self.runner is None or T == 1 else next(b for b in self.verify_buckets if b >= T)
             self._times.append((rows, start, end))
         return preds
 
@@ -279,11 +306,14 @@ class Decoder:
         if first in self.eos_ids:
             stop, limit = "eos", 1
         self._times = [] if self.model.device.type == "cuda" else None
-        walls = []
+        walls, splits = [], []
         while len(full) < limit:
             t_step = time.perf_counter()
             ctx = prompt_ids + full
+            before = self._phase_seconds()
+            self._draft_ms, self._verify = 0.0, None
             toks, lat, tree = self.step(ctx, n_cache, self.mode)
+            splits.append(self._step_split(before))
             if record_lattice:
                 lattice.append(self.lattice_row(request, steps, lat, len(full)))
             steps += 1
@@ -299,7 +329,9 @@ class Decoder:
         self._sync()
         seconds = time.perf_counter() - t0
         times, self._times = self._times, None
-        step_times = [(r, a.elapsed_time(b), w) for (r, a, b), w in zip(times, walls)] if times else []
+        gpu = [a.elapsed_time(b) for _, a, b in times] if times else [None] * len(walls)
+        step_times = [(rows, g, w, draft, verify, qpass)
+                      for g, w, (rows, draft, verify, qpass) in zip(gpu, walls, splits)]
         out = full[:limit]
         if record_lattice:
             # fill each step's target from the committed stream; extend it by plain AR where the
@@ -323,6 +355,23 @@ class Decoder:
         the request from the ``_m`` + 1 committed tokens after position ``_at``."""
         return {"schema": "specpilot.lattice/1", "request": request, "step": step, "tokens": lat.tokens,
                 "logprobs": lat.logprobs, "transitions": lat.transitions, "target": None, "_at": at, "_m": lat.m}
+
+    def _phase_seconds(self) -> dict | None:
+        """Seconds per phase kept by a cycle that times its own phases (TLV's ``stats.seconds``)."""
+        st = getattr(self, "stats", None)
+        return dict(st.seconds) if st is not None and isinstance(getattr(st, "seconds", None), dict) else None
+
+    def _step_split(self, before: dict | None) -> tuple[int, float, float, float]:
+        """(rows, drafting ms, verify ms, Q-pass ms) of the step just run. TLV's step is its own
+        (engine/tlv.py), so its drafting and Q pass come from the phase seconds it keeps."""
+        rows, verify = self._verify or (1, 0.0)
+        draft, qpass = self._draft_ms, 0.0
+        after = self._phase_seconds()
+        if before is not None and after is not None:
+            delta = {k: (after.get(k, 0.0) - before.get(k, 0.0)) * 1e3 for k in after}
+            draft = delta.get("draft1", 0.0) + delta.get("draft2", 0.0)
+            qpass = delta.get("qpass", 0.0)
+        return rows, draft, verify, qpass
 
     def request_summary(self) -> dict | None:
         """Mode-specific statistics of the request just generated (None here; TLV's cycles)."""

@@ -17,7 +17,7 @@ from specpilot.errors import InputError
 from specpilot.gpus import GPUSpec
 from specpilot.models import ModelSpec
 
-from .costmodel import CostModel, cost_model
+from .costmodel import CostModel, cost_model, step_time
 from .floors import StepFloor, step_floor
 
 
@@ -56,6 +56,7 @@ class CeilingResult:
     tau_curve: dict[str, dict[int, float]] = field(default_factory=dict)
     by_nodes: list[dict] = field(default_factory=list)  # predicted speedup tau(N) / c(N) per node budget
     warnings: list[str] = field(default_factory=list)
+    cycle: dict | None = None  # TLV: the cycle's terms (tlv_cycle)
 
     def c_floor(self, f: StepFloor) -> float | None:
         return f.total_floor_ms / self.ar_floor.total_floor_ms if self.ar_floor else None
@@ -81,6 +82,7 @@ class CeilingResult:
             "cost_model": ({**self.cost.as_dict(), "rows": self.rows_for_cost,
                             "sources": self.measurements.sources} if self.cost else None),
             "by_nodes": self.by_nodes,
+            "tlv_cycle": self.cycle,
             "warnings": self.warnings,
         }
 
@@ -156,13 +158,47 @@ def check_rows_probe_hardware(probe: RowsProbeFigures | None, gpu: GPUSpec | Non
 @dataclass
 class RunFigures:
     """What the ceiling takes from a run: tau, the decode loop's mean wall ms per step (drafting,
-    tree build, host round trip and KV compaction included) and mean GPU ms per step (CUDA events
-    around each step's kernels in the loop): the outside factor is their ratio."""
+    tree build, host round trip and KV compaction included) and, on CUDA, mean GPU ms per step
+    (CUDA events around each step's kernels in the loop): the outside factor is their ratio.
+    The rest is for TLV's cycle and ``ceiling --check``: the step's split (drafting, verify
+    forward, Q pass, rest), verify ms and steps by rows, the decode time outside prefill, and a
+    TLV run's mean cycle split."""
 
     source: str
     tau: float
     step_wall_ms: float
-    step_gpu_ms: float
+    step_gpu_ms: float | None = None
+    mode: str | None = None
+    nodes: int | None = None
+    steps: int = 0
+    delivered: int = 0               # tokens from verification passes (each request's first token excluded)
+    decode_ms: float | None = None   # the requests' wall time without their prefills
+    draft_ms: float | None = None
+    verify_ms: float | None = None
+    qpass_ms: float = 0.0
+    rest_ms: float | None = None
+    verify_by_rows: dict[int, tuple[int, float]] = field(default_factory=dict)  # rows -> (steps, mean verify ms)
+    tlv_ms: dict[str, float] | None = None  # draft1, qpass, draft2, exact, append: mean ms per cycle
+
+    @property
+    def policy(self) -> str | None:
+        """The replay policy that is this run's system."""
+        return {"ar": None, "chain": "chain", "tree": f"best-first:{self.nodes}",
+                "tlv": f"tlv:{self.nodes}"}.get(self.mode or "")
+
+    @property
+    def has_split(self) -> bool:
+        return self.verify_ms is not None and self.draft_ms is not None and self.rest_ms is not None
+
+    @property
+    def pass_ms(self) -> float | None:
+        """Measured decode ms per verification (exact) pass, end to end: loop steps and the time between them."""
+        return self.decode_ms / self.steps if self.decode_ms and self.steps else None
+
+    @property
+    def token_ms(self) -> float | None:
+        """Measured decode ms per delivered token."""
+        return self.decode_ms / self.delivered if self.decode_ms and self.delivered else None
 
 
 @dataclass
@@ -222,6 +258,10 @@ def _use_replay(r: ReplayFigures, m: Measurements, current_policy: str) -> None:
 
 
 def _use_run(r: RunFigures, m: Measurements) -> None:
+    if r.tlv_ms:
+        m.set("tau", r.tau, f"run {r.source} (tau per exact pass)")
+        m.set("step_ms", sum(r.tlv_ms.values()), f"run {r.source} (TLV cycle ms: draft 1 + Q pass + draft 2 + "
+              "exact pass + append)")
     m.set("tau", r.tau, f"run {r.source}")
     m.set("step_ms", r.step_wall_ms, f"run {r.source} (decode loop wall ms per step)")
     m.set("profile_ms", r.step_gpu_ms, f"run {r.source} (GPU ms per step in the loop, CUDA events)")
@@ -251,6 +291,9 @@ def compute_ceiling(req: CeilingRequest) -> CeilingResult:
     if req.replay:
         _use_replay(req.replay, m, req.policy)
         curves = req.replay.curves
+    cycle = tlv_cycle(req)
+    if cycle is not None and cycle["cycle_ms"]:
+        m.set("step_ms", cycle["cycle_ms"], f"TLV cycle ({cycle['source']})")
     step_curve = {}
     warning = check_rows_probe_hardware(req.rows_probe, gpu if model is not None else None)
     if req.rows_probe:
@@ -283,12 +326,54 @@ def compute_ceiling(req: CeilingRequest) -> CeilingResult:
     res = CeilingResult(model=model, gpu=gpu, floors=floors, ar_floor=ar_floor, cost=cost, measurements=m,
                         rows_for_cost=cost_rows, fractions={"flops": req.flops_fraction, "bandwidth": req.bw_fraction},
                         tau_curve=curves)
+    res.cycle = cycle
+    if cycle is not None and cost is not None:
+        cycle["tau"], cycle["speedup"] = cost.tau, cost.speedup
     res.by_nodes = predict_by_nodes(req, curves, step_curve, res)
     if req.rows_probe:
         res.warnings = rows_probe_warnings(req.rows_probe)
     if warning:
         res.warnings.append(warning)
     return res
+
+
+TLV_TERMS = ("draft1", "qpass", "draft2", "exact", "append")
+
+
+def tlv_cycle(req: CeilingRequest) -> dict | None:
+    """TLV's cycle (paper 4.3): tau counts tokens per exact pass, so the time it divides is the
+    whole cycle, draft 1 + Q pass + draft 2 + exact pass + append. The terms come from a TLV
+    run's time split; without one, from a ``tlv:N`` replay policy and a rows probe: the Q pass
+    and the exact pass each at N + 1 rows (the draft tree, and C + subtree under the pending
+    token), drafting and append unknown (left out of the cycle, and said so). With both, the
+    probe's passes stand beside the run's (``probe_ms``)."""
+    run, probe = req.run, req.rows_probe
+    nodes = None
+    if req.policy.startswith("tlv:"):
+        try:
+            nodes = int(req.policy.split(":", 1)[1])
+        except ValueError:
+            raise InputError(f"--policy {req.policy}: tlv:N takes a node budget N") from None
+    if run is not None and run.tlv_ms:
+        nodes = run.nodes or nodes
+    elif nodes is None:
+        return None
+    probe_ms = None
+    if probe is not None and nodes is not None:
+        t = step_time(nodes + 1, probe.step_ms)
+        if t is not None:
+            probe_ms = {"qpass": t, "exact": t, "rows": nodes + 1}
+    if run is not None and run.tlv_ms:
+        terms, source, unknown = dict(run.tlv_ms), f"run {run.source}", []
+    elif probe_ms is not None:
+        terms = {"draft1": None, "qpass": probe_ms["qpass"], "draft2": None, "exact": probe_ms["exact"],
+                 "append": None}
+        source, unknown = f"rows probe {probe.source} at {nodes + 1} rows", ["draft1", "draft2", "append"]
+    else:
+        return None
+    known = [v for v in terms.values() if v is not None]
+    return {"nodes": nodes, "terms_ms": terms, "cycle_ms": sum(known) if known else None, "source": source,
+            "unknown": unknown, "probe_ms": probe_ms}
 
 
 def rows_probe_warnings(p: RowsProbeFigures) -> list[str]:

@@ -89,3 +89,19 @@ def cost_model(tau: float, step_ms: float, ar_ms: float, tau_best: float | None 
     return CostModel(tau=tau, step_ms=step_ms, ar_ms=ar_ms, c=c, speedup=speedup, factors=factors, ceiling=ceiling,
                      largest=largest, if_removed=if_removed, notes=notes,
                      inputs={"tau_best": tau_best, "profile_ms": profile_ms, "floor_ms": floor_ms})
+
+
+def step_time(rows: int, step_ms: dict[int, float]) -> float | None:
+    """T_step at ``rows``: measured, or linear between (beyond: from) the nearest probed counts."""
+    if rows in step_ms:
+        return step_ms[rows]
+    pts = sorted(step_ms)
+    if len(pts) < 2:
+        return None
+    lo = max([p for p in pts if p < rows], default=None)
+    hi = min([p for p in pts if p > rows], default=None)
+    if lo is None:
+        lo, hi = pts[0], pts[1]
+    elif hi is None:
+        lo, hi = pts[-2], pts[-1]
+    return step_ms[lo] + (step_ms[hi] - step_ms[lo]) * (rows - lo) / (hi - lo)

@@ -102,13 +102,60 @@ def read_rows_probe(path: str, batch: int | None = None) -> RowsProbeFigures:
 
 
 def read_run(path: str) -> RunFigures:
-    """A ``specpilot run`` JSON: tau and the decode loop's step timing (a CUDA run's)."""
+    """A ``specpilot run`` JSON: tau and the decode loop's step timing (wall ms per step and its
+    split on every device; GPU ms on CUDA), the decode time without prefill, and TLV's cycle split."""
     doc = read_json(path, kind="run")
     timing = doc.get("step_timing")
     if not isinstance(timing, dict):
-        raise InputError(f"{path}: the run has no 'step_timing' (only CUDA runs time their steps)")
+        raise InputError(f"{path}: the run has no 'step_timing' (a run JSON from an older SpecPilot, or a batched "
+                         "run): run specpilot run --format json again")
     tau, wall, gpu_ms = doc.get("tau"), timing.get("wall_ms"), timing.get("gpu_ms")
-    if not (_finite(tau, 0, MAX_TAU, lo_open=False) and _finite(wall, 0, MAX_MS) and _finite(gpu_ms, 0, MAX_MS)):
-        raise InputError(f"{path}: a run needs a finite 'tau' in [0, {MAX_TAU:g}] and step_timing 'wall_ms' and "
-                         f"'gpu_ms' in (0, {MAX_MS:g}]")
-    return RunFigures(source=str(path), tau=float(tau), step_wall_ms=float(wall), step_gpu_ms=float(gpu_ms))
+    if not (_finite(tau, 0, MAX_TAU, lo_open=False) and _finite(wall, 0, MAX_MS)
+            and (gpu_ms is None or _finite(gpu_ms, 0, MAX_MS))):
+        raise InputError(f"{path}: a run needs a finite 'tau' in [0, {MAX_TAU:g}] and step_timing 'wall_ms' (and "
+                         f"'gpu_ms', when present) in (0, {MAX_MS:g}]")
+    split = {}
+    for k in ("draft_ms", "verify_ms", "rest_ms", "qpass_ms"):
+        v = timing.get(k)
+        if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                                  and -MAX_MS <= v <= MAX_MS):
+            raise InputError(f"{path}: step_timing {k!r} must be a finite number of ms")
+        split[k] = float(v) if v is not None else None
+    by_rows = {}
+    for r in timing.get("by_rows") or []:
+        rows, n, v = (r.get("rows"), r.get("steps"), r.get("verify_ms")) if isinstance(r, dict) else (None,) * 3
+        if v is None:
+            continue
+        if (isinstance(rows, bool) or not isinstance(rows, int) or not 1 <= rows <= MAX_ROWS
+                or not isinstance(n, int) or n < 1 or not _finite(v, 0, MAX_MS, lo_open=False)):
+            raise InputError(f"{path}: step_timing 'by_rows' entries need 'rows' in [1, {MAX_ROWS}], 'steps' >= 1 "
+                             "and 'verify_ms'")
+        by_rows[rows] = (n, float(v))
+    results = doc.get("results") or []
+    decode_ms, delivered = None, 0
+    if isinstance(results, list) and results and all(isinstance(r, dict) for r in results):
+        try:
+            decode_ms = sum(1e3 * (float(r["seconds"]) - float(r.get("prefill_seconds") or 0.0)) for r in results)
+            delivered = sum(int(r["tokens"]) - 1 for r in results)
+        except (KeyError, TypeError, ValueError):
+            raise InputError(f"{path}: every result needs 'seconds' and 'tokens'") from None
+        if not (math.isfinite(decode_ms) and decode_ms > 0):
+            decode_ms = None
+    steps = doc.get("steps", timing.get("steps", 0))
+    tlv = doc.get("tlv")
+    tlv_ms = None
+    if isinstance(tlv, dict):
+        t = tlv.get("time_ms")
+        keys = ("draft1", "qpass", "draft2", "exact", "append")
+        if not isinstance(t, dict) or not all(_finite(t.get(k), 0, MAX_MS, lo_open=False) for k in keys):
+            raise InputError(f"{path}: a TLV run's 'tlv.time_ms' needs {', '.join(keys)} in ms")
+        tlv_ms = {k: float(t[k]) for k in keys}
+    nodes = doc.get("nodes")
+    return RunFigures(source=str(path), tau=float(tau), step_wall_ms=float(wall),
+                      step_gpu_ms=float(gpu_ms) if gpu_ms is not None else None,
+                      mode=doc.get("mode") if isinstance(doc.get("mode"), str) else None,
+                      nodes=nodes if isinstance(nodes, int) and not isinstance(nodes, bool) else None,
+                      steps=steps if isinstance(steps, int) and not isinstance(steps, bool) else 0,
+                      delivered=delivered, decode_ms=decode_ms, draft_ms=split["draft_ms"],
+                      verify_ms=split["verify_ms"], qpass_ms=split["qpass_ms"] or 0.0, rest_ms=split["rest_ms"],
+                      verify_by_rows=by_rows, tlv_ms=tlv_ms)

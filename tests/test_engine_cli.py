@@ -134,7 +134,8 @@ def test_run_json_reports_load_and_warm_up_apart_from_the_request(run_cli):
     assert code == 0, err
     d = json.loads(out)
     assert d["load_seconds"] > 0 and d["warmup_seconds"] == 0.0      # nothing to compile or capture on the CPU
-    assert d["step_timing"] is None and d["results"][0]["step_timing"] is None   # CUDA events: CUDA runs only
+    t = d["step_timing"]                                     # the CPU: wall-clock split, no CUDA events
+    assert "gpu_ms" not in t and t["steps"] == d["results"][0]["steps"] and t["verify_ms"] > 0
 
 
 def test_step_timing_summary():

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from specpilot.probes.costmodel import step_time  # noqa: F401  (the round and ceiling --check share it)
+
 SCHEMA = "specpilot.round-model/1"
 
 
@@ -44,22 +46,6 @@ class ModelResult:
         if family == "ar":
             return {"family": "ar", "nodes": 0, "rows": 1, "tau": 1.0, "c": 1.0, "speedup": 1.0}
         return next((r for r in self.by_nodes if r["family"] == family and r["nodes"] == nodes), None)
-
-
-def step_time(rows: int, step_ms: dict[int, float]) -> float | None:
-    """T_step at ``rows``: measured, or linear between (beyond: from) the nearest probed counts."""
-    if rows in step_ms:
-        return step_ms[rows]
-    pts = sorted(step_ms)
-    if len(pts) < 2:
-        return None
-    lo = max([p for p in pts if p < rows], default=None)
-    hi = min([p for p in pts if p > rows], default=None)
-    if lo is None:
-        lo, hi = pts[0], pts[1]
-    elif hi is None:
-        lo, hi = pts[-2], pts[-1]
-    return step_ms[lo] + (step_ms[hi] - step_ms[lo]) * (rows - lo) / (hi - lo)
 
 
 def expected_c(family: str, n: int, step_ms: dict[int, float], ar_ms: float, verify_rows: dict) -> tuple[float, float] | None:

@@ -46,13 +46,26 @@ from specpilot.output import Report, Section, emit, output_options
 @click.option("--replay", "replay_file", type=click.Path(dir_okay=False), help="specpilot replay JSON.")
 @click.option("--rows-probe", "rows_file", type=click.Path(dir_okay=False), help="specpilot probe rows JSON.")
 @click.option("--run", "run_file", type=click.Path(dir_okay=False),
-              help="specpilot run JSON (a CUDA run): tau, loop wall ms and GPU ms per step (the outside factor).")
-@click.option("--policy", default="chain", show_default=True,
-              help="Replay policy that is the current system (the others give the best reachable tau).")
+              help="specpilot run JSON: tau and loop wall ms per step (a tlv run: tau per exact pass and its cycle "
+                   "split); on CUDA also GPU ms per step (the outside factor).")
+@click.option("--policy", default=None,
+              help="Replay policy that is the current system (the others give the best reachable tau) "
+                   "[default: the --run/--check run's (chain, best-first:N, tlv:N), else chain].")
+@click.option("--check", "check_file", type=click.Path(dir_okay=False), metavar="RUN.json",
+              help="Check the predicted speedup over AR against this run's measured one (with --replay and/or "
+                   "--rows-probe, and --ar-run or --rows-probe for T_AR); exit 1 beyond --tolerance, naming the "
+                   "term that is off.")
+@click.option("--ar-run", "ar_run_file", type=click.Path(dir_okay=False), metavar="AR_RUN.json",
+              help="With --check: specpilot run --mode ar JSON on the same prompts (the AR reference).")
+@click.option("--tolerance", type=positive(10.0), default=0.10, show_default=True,
+              help="With --check: largest |predicted - measured| / measured that passes.")
+@click.option("--draft-ms", type=FiniteRange(0.0, MAX_MS),
+              help="With --check: drafting ms per pass the model assumes [default: the run's own].")
 @output_options
 def command(model_name, gpu_name, bandwidth, flops, fp8_flops, rows, batch, context, weight_dtype, lm_head_dtype,
             kv_dtype, drafter_name, draft_rows, draft_passes, flops_fraction, bw_fraction, tau, tau_best, step_ms, ar_ms,
-            profile_ms, profile_file, replay_file, rows_file, run_file, policy, fmt, out):
+            profile_ms, profile_file, replay_file, rows_file, run_file, policy, check_file, ar_run_file, tolerance,
+            draft_ms, fmt, out):
     """How much faster could this deployment be, and which factor should be attacked?
 
     \b
@@ -64,6 +77,10 @@ def command(model_name, gpu_name, bandwidth, flops, fp8_flops, rows, batch, cont
       specpilot ceiling --model llama-3.1-8b --gpu h200 --rows 32 \\
           --tau 4.25 --tau-best 6.4 --step-ms 24.1 --ar-ms 18.0 --profile-ms 21.0
     Files from other verbs can replace the numbers: --profile, --replay, --rows-probe, --run.
+    TLV (--run of a tlv run, or --replay with --policy tlv:N): tau per exact pass over the
+    cycle, draft 1 + Q pass + draft 2 + exact pass + append.
+    Check the model against a run (exit 1 beyond the tolerance, naming the term that is off):
+      specpilot ceiling --check tree.json --replay replay.json --rows-probe rows.json --ar-run ar.json
 
     Floor of a class = max(FLOPs / (0.60 x peak), bytes / (0.90 x bandwidth)).
     """
@@ -74,6 +91,11 @@ def command(model_name, gpu_name, bandwidth, flops, fp8_flops, rows, batch, cont
     from specpilot.probes.ceiling import CeilingRequest, Measurements, compute_ceiling
     from specpilot.readers import read_profile, read_replay, read_rows_probe, read_run
 
+    if check_file:
+        return _check(check_file, run_file, replay_file, rows_file, ar_run_file, profile_file, model_name, batch,
+                      policy, tolerance, draft_ms, fmt, out)
+    if ar_run_file or draft_ms is not None:
+        raise InputError("--ar-run and --draft-ms go with --check RUN.json")
     row_list = parse_int_list(rows, "--rows")
     if draft_rows is not None and draft_rows <= 0:
         raise InputError(f"--draft-rows must be positive, got {draft_rows}")
@@ -92,6 +114,8 @@ def command(model_name, gpu_name, bandwidth, flops, fp8_flops, rows, batch, cont
                     ("profile_ms", profile_ms)):
         m.set(name, v, "command line")
     protect = [p for p in (profile_file, replay_file, rows_file, run_file) if p]
+    run = read_run(run_file) if run_file else None
+    policy = policy or (run.policy if run is not None else None) or "chain"
     req = CeilingRequest(model=model, gpu=gpu, rows=row_list, batch=batch, context=context, weight_dtype=weight_dtype,
                          lm_head_dtype=lm_head_dtype, kv_dtype=kv_dtype, drafter=drafter, draft_rows=draft_rows,
                          draft_passes=draft_passes, flops_fraction=flops_fraction, bw_fraction=bw_fraction,
@@ -99,7 +123,7 @@ def command(model_name, gpu_name, bandwidth, flops, fp8_flops, rows, batch, cont
                          profile=read_profile(profile_file) if profile_file else None,
                          replay=read_replay(replay_file) if replay_file else None,
                          rows_probe=read_rows_probe(rows_file, batch=batch) if rows_file else None,
-                         run=read_run(run_file) if run_file else None)
+                         run=run)
     res = compute_ceiling(req)
     emit(_report(res), fmt, out, protect=protect)
     return 0
@@ -137,6 +161,23 @@ def _report(res) -> Report:
                                 [[r["policy"], r["nodes"], r["tau"], r["c"], r["c_source"], r["speedup"]]
                                  for r in res.by_nodes],
                                 note=f"Best: {best['policy']} at {best['nodes']} nodes ({best['speedup']:.3g}x over AR)."))
+    if res.cycle:
+        cy = res.cycle
+        names = {"draft1": "draft 1", "qpass": "Q pass", "draft2": "draft 2", "exact": "exact pass",
+                 "append": "append"}
+        probe = cy.get("probe_ms") or {}
+        total = cy["cycle_ms"]
+        rows = [[names[k], v if v is not None else "unknown", (v / total if v is not None and total else None),
+                 probe.get(k)] for k, v in cy["terms_ms"].items()]
+        rows.append(["cycle", total, 1.0 if total else None, None])
+        note = f"From {cy['source']}."
+        if cy.get("tau") is not None:
+            note += f" tau {cy['tau']:.4g} per exact pass over the cycle: {cy['speedup']:.3g}x over AR."
+        if cy["unknown"]:
+            note += " Unknown, left out of the cycle: " + ", ".join(names[k] for k in cy["unknown"]) + "."
+        sections.append(Section(f"TLV cycle at {cy['nodes']} nodes (ms per exact pass)",
+                                ["term", "ms", "share",
+                                 f"probe ms ({probe['rows']} rows)" if probe else "probe ms"], rows, note=note))
     if res.cost:
         c = res.cost
         rows = [["current speedup (tau / c)", c.speedup, f"tau {c.tau:.4g}, c {c.c:.4g} = {c.step_ms:.4g} / {c.ar_ms:.4g} ms"]]
@@ -156,3 +197,34 @@ def _report(res) -> Report:
         lines.extend(f"note: {n}" for n in c.notes)
     lines.extend(f"warning: {w}" for w in res.warnings)
     return Report(data=res.as_dict(), sections=sections, lines=lines)
+
+
+def _check(check_file, run_file, replay_file, rows_file, ar_run_file, profile_file, model_name, batch, policy,
+           tolerance, draft_ms, fmt, out) -> int:
+    """``ceiling --check RUN.json``: predicted against measured speedup, exit 1 beyond the tolerance."""
+    from specpilot.errors import InputError
+    from specpilot.probes.costcheck import UNITS, check_run, verdict_line
+    from specpilot.readers import read_replay, read_rows_probe, read_run
+
+    if run_file or profile_file or model_name:
+        raise InputError("--check RUN.json takes --replay, --rows-probe, --ar-run (not --run, --profile or --model)")
+    res = check_run(read_run(check_file), replay=read_replay(replay_file) if replay_file else None,
+                    probe=read_rows_probe(rows_file, batch=batch) if rows_file else None,
+                    ar_run=read_run(ar_run_file) if ar_run_file else None, tolerance=tolerance, policy=policy,
+                    draft_ms=draft_ms)
+    rows = [[t.name, t.predicted, t.measured, UNITS[t.name], t.speedup_if_measured, t.predicted_from]
+            for t in res.terms]
+    sections = [Section(f"Cost model check: {res.mode or 'run'}"
+                        + (f" at {res.nodes} nodes" if res.nodes else "") + f" ({res.run})",
+                        ["term", "predicted", "measured", "unit", "speedup if measured", "predicted from"], rows,
+                        note=f"predicted {res.predicted:.4g}x = tau x T_AR / (verify + drafting{' + Q pass' if res.cycle else ''} + host) per pass; "
+                             f"measured {res.measured:.4g}x = T_AR / decode ms per token.")]
+    if res.cycle:
+        cy = res.cycle
+        sections.append(Section("TLV cycle (the run's, ms per exact pass)",
+                                ["draft 1", "Q pass", "draft 2", "exact pass", "append", "cycle"],
+                                [[cy["draft1"], cy["qpass"], cy["draft2"], cy["exact"], cy["append"], cy["cycle"]]]))
+    lines = [verdict_line(res)] + [f"note: {n}" for n in res.notes]
+    protect = [p for p in (check_file, replay_file, rows_file, ar_run_file) if p]
+    emit(Report(data=res.as_dict(), sections=sections, lines=lines), fmt, out, protect=protect)
+    return 0 if res.passed else 1

@@ -51,9 +51,13 @@ def _note(tokens: int, steps: int, summary: dict, info: dict, timing: dict | Non
     note = (f"total: {tokens} tokens, {steps} passes, tau {summary['tau']:.3f}, {summary['tokens_per_s']:.1f} "
             f"tokens/s; load {info['load_seconds']:.1f} s, warm-up {info['warmup_seconds']:.1f} s (before the "
             "requests)")
-    if timing:
+    if timing and "gpu_ms" in timing:
         note += (f"\nper step: GPU {timing['gpu_ms']:.3f} ms (CUDA events), loop {timing['wall_ms']:.3f} ms, "
                  f"outside {timing['outside_ms']:.3f} ms")
+    elif timing and "verify_ms" in timing:
+        q = f" + Q pass {timing['qpass_ms']:.3f}" if timing.get("qpass_ms") else ""
+        note += (f"\nper step: loop {timing['wall_ms']:.3f} ms = drafting {timing['draft_ms']:.3f}{q} + verify "
+                 f"{timing['verify_ms']:.3f} + rest {timing['rest_ms']:.3f} ms (wall clock)")
     return note
 
 

@@ -1,0 +1,205 @@
+"""``ceiling --check``: the cost model's predicted speedup over AR against a run's measured one.
+
+predicted = tau_p x T_AR_p / T_pass_p, with T_pass_p (per verification pass; TLV: per cycle)
+= verify_p + drafting + Q pass + rest, where
+
+- tau_p: the replay's tau for the run's policy (``chain``, ``best-first:N``, ``tlv:N``), else the
+  run's own;
+- verify_p: the rows probe's T_step at the rows the run's passes verified (its steps by rows,
+  interpolated between probed counts), else the run's own verify ms;
+- drafting, Q pass and rest (acceptance, KV compaction, host work inside the step): the run's
+  step split, the engine's own measured step times;
+- T_AR_p: the rows probe's T_AR, else the AR run's loop step (``--ar-run``).
+
+measured = T_AR_m / (the run's decode ms per delivered token), the decode time end to end (every
+request's wall time minus its prefill), with T_AR_m the AR run's decode ms per token (``--ar-run``)
+or, without one, the rows probe's T_AR.
+
+The terms are those the prediction takes from elsewhere than the run's end-to-end time: tau,
+c(N) (verify ms), drafting (the run's, unless given), outside/host time (the prediction counts the
+step's rest only; measured, the rest plus the time between the loop's steps) and T_AR; TLV's Q
+pass is listed as the run's own (a rows probe times the exact weights only). Each
+term's effect is the predicted speedup with that one term replaced by its measured value; when
+the prediction misses by more than the tolerance, the term whose effect is largest is named.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from specpilot.errors import InputError
+
+from .ceiling import ReplayFigures, RowsProbeFigures, RunFigures
+from .costmodel import step_time
+
+TERMS = ("tau", "c(N)", "drafting", "Q pass", "outside/host", "T_AR")
+UNITS = {"tau": "tokens/pass", "c(N)": "verify ms/pass", "drafting": "ms/pass", "Q pass": "ms/pass",
+         "outside/host": "ms/pass", "T_AR": "ms/token"}
+
+
+@dataclass
+class Term:
+    name: str
+    predicted: float
+    measured: float
+    predicted_from: str
+    measured_from: str
+    speedup_if_measured: float = 0.0  # the prediction with this term's measured value
+
+    def as_dict(self) -> dict:
+        return {"term": self.name, "unit": UNITS[self.name], "predicted": self.predicted, "measured": self.measured,
+                "predicted_from": self.predicted_from, "measured_from": self.measured_from,
+                "speedup_if_measured": self.speedup_if_measured}
+
+
+@dataclass
+class CheckResult:
+    run: str
+    mode: str | None
+    nodes: int | None
+    policy: str | None
+    predicted: float
+    measured: float
+    tolerance: float
+    terms: list[Term]
+    cycle: dict | None = None  # TLV: the run's cycle terms (ms per cycle)
+    off: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def error(self) -> float:
+        return (self.predicted - self.measured) / self.measured
+
+    @property
+    def passed(self) -> bool:
+        return abs(self.error) <= self.tolerance
+
+    def as_dict(self) -> dict:
+        return {"schema": "specpilot.ceiling-check/1", "run": self.run, "mode": self.mode, "nodes": self.nodes,
+                "policy": self.policy, "predicted_speedup": self.predicted, "measured_speedup": self.measured,
+                "error": self.error, "tolerance": self.tolerance, "passed": self.passed, "term_off": self.off,
+                "terms": [t.as_dict() for t in self.terms], "tlv_cycle_ms": self.cycle, "notes": self.notes}
+
+
+def _speedup(tau: float, ar_ms: float, pass_ms: float) -> float:
+    return tau * ar_ms / pass_ms
+
+
+def check_run(run: RunFigures, replay: ReplayFigures | None = None, probe: RowsProbeFigures | None = None,
+              ar_run: RunFigures | None = None, tolerance: float = 0.10, policy: str | None = None,
+              draft_ms: float | None = None) -> CheckResult:
+    """Predicted against measured speedup of ``run`` (see the module's docstring)."""
+    if not (0 < tolerance < 10):
+        raise InputError(f"--tolerance must be in (0, 10), got {tolerance}")
+    src = run.source
+    if not run.has_split:
+        raise InputError(f"{src}: the run's step_timing has no drafting/verify/rest split; run specpilot run "
+                         "--format json again with this version")
+    if run.pass_ms is None or not run.steps or not run.delivered:
+        raise InputError(f"{src}: the run needs 'steps' and per-request 'seconds', 'prefill_seconds' and 'tokens' "
+                         "to measure its decode time")
+    if ar_run is None and probe is None:
+        raise InputError("--check needs the AR reference: --ar-run AR_RUN.json (specpilot run --mode ar on the same "
+                         "prompts) or --rows-probe (its T_AR)")
+    if ar_run is not None and (ar_run.mode not in (None, "ar") or ar_run.token_ms is None):
+        raise InputError(f"--ar-run {ar_run.source}: give an AR run (mode ar) with per-request timing"
+                         + (f"; it is mode {ar_run.mode}" if ar_run.mode not in (None, "ar") else ""))
+    notes: list[str] = []
+    policy = policy or run.policy
+
+    # tau
+    tau_m = run.delivered / run.steps
+    tau_p, tau_from = tau_m, f"run {src} (its own)"
+    if run.mode == "ar":
+        tau_p, tau_from = 1.0, "AR: one token per pass"
+    elif replay is not None:
+        if policy is None:
+            raise InputError(f"{src}: the run does not say its mode; choose the replay policy with --policy")
+        taus = replay.taus
+        name = policy if policy in taus else None
+        if name is None:
+            fam = [k for k in taus if k.split(":")[0] == policy.split(":")[0]]
+            name = fam[0] if len(fam) == 1 and ":" not in policy else None
+        if name is None:
+            raise InputError(f"{replay.source}: no policy {policy!r} in the replay (has {', '.join(taus)}); replay "
+                             f"the run's lattice with --policy {policy}, or choose one with --policy")
+        tau_p, tau_from = taus[name], f"replay {replay.source} ({name})"
+    else:
+        notes.append("no --replay: tau is the run's own")
+
+    # c(N): the verify forward per pass
+    verify_m = run.verify_ms
+    verify_p, verify_from = verify_m, f"run {src} (its own)"
+    if probe is not None:
+        if not run.verify_by_rows:
+            raise InputError(f"{src}: step_timing has no verify ms by rows to place the rows probe's T_step")
+        total = sum(n for n, _ in run.verify_by_rows.values())
+        times = [(step_time(r, probe.step_ms), n) for r, (n, _) in run.verify_by_rows.items()]
+        if any(t is None for t, _ in times):
+            raise InputError(f"--rows-probe {probe.source} needs at least two row counts to place "
+                             f"{', '.join(map(str, sorted(run.verify_by_rows)))} rows")
+        verify_p = sum(t * n for t, n in times) / total
+        rows = sorted(run.verify_by_rows)
+        verify_from = f"rows probe {probe.source} at {rows[0]}..{rows[-1]} rows, weighted by the run's steps"
+
+    # drafting (TLV: draft 1 + draft 2) and TLV's Q pass, the run's own (a rows probe times exact weights only)
+    draft_m = run.draft_ms
+    draft_p = draft_m if draft_ms is None else draft_ms
+    draft_from = f"run {src} (loop step split)" if draft_ms is None else "--draft-ms"
+
+    # outside/host: the step's rest (predicted) against everything per pass that is not a forward or drafting
+    host_p = run.rest_ms
+    host_m = run.pass_ms - run.verify_ms - run.draft_ms - run.qpass_ms
+
+    # T_AR
+    if ar_run is not None:
+        ar_m, ar_m_from = ar_run.token_ms, f"AR run {ar_run.source} (decode ms per token)"
+    else:
+        ar_m, ar_m_from = probe.ar_ms, f"rows probe {probe.source}"
+    if probe is not None:
+        ar_p, ar_p_from = probe.ar_ms, f"rows probe {probe.source}"
+    else:
+        ar_p, ar_p_from = ar_run.step_wall_ms, f"AR run {ar_run.source} (loop step wall ms)"
+
+    pass_p = verify_p + draft_p + run.qpass_ms + host_p
+    if pass_p <= 0:
+        raise InputError(f"{src}: the predicted pass time is not positive ({pass_p:.4g} ms)")
+    predicted = _speedup(tau_p, ar_p, pass_p)
+    measured = ar_m / run.token_ms
+    terms = [Term("tau", tau_p, tau_m, tau_from, f"run {src}"),
+             Term("c(N)", verify_p, verify_m, verify_from, f"run {src} (verify ms per pass)"),
+             Term("drafting", draft_p, draft_m, draft_from, f"run {src}"),
+             *([Term("Q pass", run.qpass_ms, run.qpass_ms, f"run {src} (its own)", f"run {src}")]
+               if run.mode == "tlv" or run.qpass_ms else []),
+             Term("outside/host", host_p, host_m, f"run {src} (the step's rest)",
+                  f"run {src} (decode ms per pass - verify - drafting)"),
+             Term("T_AR", ar_p, ar_m, ar_p_from, ar_m_from)]
+    for t in terms:
+        tau, ar, pms = tau_p, ar_p, pass_p
+        if t.name == "tau":
+            tau = t.measured
+        elif t.name == "T_AR":
+            ar = t.measured
+        else:
+            pms = pass_p - t.predicted + t.measured
+        t.speedup_if_measured = _speedup(tau, ar, pms) if pms > 0 else math.inf
+    res = CheckResult(run=src, mode=run.mode, nodes=run.nodes, policy=policy, predicted=predicted, measured=measured,
+                      tolerance=tolerance, terms=terms, notes=notes,
+                      cycle=dict(run.tlv_ms, cycle=sum(run.tlv_ms.values())) if run.tlv_ms else None)
+    if not res.passed:
+        res.off = max(terms, key=lambda t: abs(math.log(t.speedup_if_measured / predicted))
+                      if t.speedup_if_measured not in (0, math.inf) else math.inf).name
+    return res
+
+
+def verdict_line(res: CheckResult) -> str:
+    """One line: pass/fail, both speedups and, on a fail, the term that is off with both numbers."""
+    head = (f"predicted {res.predicted:.3f}x vs measured {res.measured:.3f}x over AR "
+            f"({100 * res.error:+.1f}%, tolerance {100 * res.tolerance:g}%)")
+    if res.passed:
+        return f"PASS: {head}"
+    t = next(t for t in res.terms if t.name == res.off)
+    return (f"FAIL: {head}; term off: {t.name} (predicted {t.predicted:.4g} from {t.predicted_from}, measured "
+            f"{t.measured:.4g} {UNITS[t.name]}; with the measured value the prediction is "
+            f"{t.speedup_if_measured:.3f}x)")

@@ -1,0 +1,193 @@
+"""The cost model closed: CPU step timing, TLV's cycle in ``ceiling`` and ``ceiling --check``."""
+
+import json
+
+import pytest
+
+
+def _run_doc(mode="tree", nodes=16, tau=3.0, steps=50, verify=12.0, draft=1.0, rest=1.0, qpass=0.0, rows=17,
+             pass_ms=None, tlv=None):
+    """A run JSON as ``specpilot run --format json`` writes it: one request, ``steps`` passes of
+    ``verify + draft + qpass + rest`` ms each, ``pass_ms`` per pass end to end (default: the step
+    plus 0.2 ms between steps)."""
+    wall = verify + draft + qpass + rest
+    pass_ms = wall + 0.2 if pass_ms is None else pass_ms
+    tokens = int(round(tau * steps)) + 1
+    timing = {"steps": steps, "wall_ms": wall, "draft_ms": draft, "verify_ms": verify, "rest_ms": rest,
+              "by_rows": [{"rows": rows, "steps": steps, "verify_ms": verify}]}
+    if qpass:
+        timing["qpass_ms"] = qpass
+    doc = {"schema": "specpilot.run/1", "mode": mode, "nodes": nodes if mode in ("tree", "tlv") else None,
+           "tau": (tokens - 1) / steps, "steps": steps, "tokens": tokens, "step_timing": timing,
+           "results": [{"id": 0, "tokens": tokens, "steps": steps, "seconds": 0.5 + steps * pass_ms / 1e3,
+                        "prefill_seconds": 0.5}]}
+    if tlv:
+        doc["tlv"] = {"nodes": nodes, "time_ms": tlv, "cycle_ms": sum(tlv.values())}
+    return doc
+
+
+def _write(tmp_path, name, doc):
+    p = tmp_path / name
+    p.write_text(json.dumps(doc))
+    return p
+
+
+@pytest.fixture
+def files(tmp_path):
+    ar = _write(tmp_path, "ar.json", _run_doc("ar", tau=1.0, steps=100, verify=10.0, draft=0.0, rest=0.5, rows=1,
+                                              pass_ms=10.6))
+    tree = _write(tmp_path, "tree.json", _run_doc())
+    replay = _write(tmp_path, "replay.json", {"schema": "specpilot.replay/1",
+                                              "policies": [{"policy": "best-first:16", "tau": 3.0}]})
+    rows = _write(tmp_path, "rows.json", {"schema": "specpilot.rows/1", "ar_ms": 10.0, "ar_path": "layers",
+                                          "device": "cpu", "points": [{"rows": 1, "step_ms": 10.0},
+                                                                      {"rows": 16, "step_ms": 11.5},
+                                                                      {"rows": 32, "step_ms": 13.0}]})
+    return {"ar": ar, "tree": tree, "replay": replay, "rows": rows, "dir": tmp_path}
+
+
+def test_check_passes_within_tolerance(run_cli, files):
+    code, out, err = run_cli("ceiling", "--check", files["tree"], "--replay", files["replay"], "--rows-probe",
+                             files["rows"], "--ar-run", files["ar"], "--format", "json")
+    assert code == 0, err
+    d = json.loads(out)
+    # predicted 3 x 10 / (T(17) + 1 + 1), T(17) between the probed 16 and 32 rows
+    assert d["predicted_speedup"] == pytest.approx(30 / (11.5 + 1.5 / 16 + 2))
+    assert d["measured_speedup"] == pytest.approx(10.6 / (50 * 14.2 / 150))
+    assert d["passed"] and d["term_off"] is None and abs(d["error"]) < 0.10
+    assert [t["term"] for t in d["terms"]] == ["tau", "c(N)", "drafting", "outside/host", "T_AR"]
+    code, out, _ = run_cli("ceiling", "--check", files["tree"], "--replay", files["replay"], "--rows-probe",
+                           files["rows"], "--ar-run", files["ar"])
+    assert code == 0 and "PASS: predicted 2.207x vs measured 2.239x" in out
+
+
+@pytest.mark.parametrize("case, term, numbers", [
+    ("tau", "tau", ("predicted 4 ", "measured 3 ")),
+    ("c(N)", "c(N)", ("predicted 5.062", "measured 12 ")),
+    ("outside", "outside/host", ("predicted 1 ", "measured 12 ")),
+    ("drafting", "drafting", ("predicted 0.5 ", "measured 8 ")),
+])
+def test_check_fails_naming_the_term(run_cli, files, case, term, numbers):
+    tmp = files["dir"]
+    run, replay, rows, extra = files["tree"], files["replay"], files["rows"], []
+    if case == "tau":
+        replay = _write(tmp, "r2.json", {"schema": "specpilot.replay/1", "policies": [{"policy": "best-first:16",
+                                                                                      "tau": 4.0}]})
+    elif case == "c(N)":
+        rows = _write(tmp, "rows2.json", {"schema": "specpilot.rows/1", "ar_ms": 10.0, "ar_path": "layers",
+                                          "points": [{"rows": 1, "step_ms": 10.0}, {"rows": 16, "step_ms": 5.0},
+                                                     {"rows": 32, "step_ms": 6.0}]})
+    elif case == "outside":
+        run = _write(tmp, "t2.json", _run_doc(pass_ms=25.0))
+    else:
+        run = _write(tmp, "t2.json", _run_doc(draft=8.0))
+        extra = ["--draft-ms", "0.5"]
+    code, out, err = run_cli("ceiling", "--check", run, "--replay", replay, "--rows-probe", rows, "--ar-run",
+                             files["ar"], *extra)
+    assert code == 1, err
+    verdict = next(line for line in out.splitlines() if line.startswith("FAIL"))
+    assert f"term off: {term} (" in verdict
+    for n in numbers:
+        assert n in verdict
+    code, out, _ = run_cli("ceiling", "--check", run, "--replay", replay, "--rows-probe", rows, "--ar-run",
+                           files["ar"], *extra, "--format", "json")
+    assert code == 1 and json.loads(out)["term_off"] == term
+
+
+def test_check_with_the_rows_probe_alone_as_ar_reference(run_cli, files):
+    code, out, err = run_cli("ceiling", "--check", files["tree"], "--rows-probe", files["rows"], "--format", "json")
+    assert code in (0, 1), err
+    d = json.loads(out)
+    assert d["measured_speedup"] == pytest.approx(10.0 / (50 * 14.2 / 150))
+    assert d["terms"][0]["predicted_from"].endswith("(its own)") and d["notes"]
+
+
+def test_check_bad_input_is_one_line(run_cli, files):
+    tmp = files["dir"]
+    no_split = _run_doc()
+    for k in ("draft_ms", "verify_ms", "rest_ms"):
+        del no_split["step_timing"][k]
+    cases = [
+        (["--check", files["tree"], "--replay", files["replay"]], "AR reference"),
+        (["--check", _write(tmp, "ns.json", no_split), "--rows-probe", files["rows"]], "split"),
+        (["--check", files["tree"], "--rows-probe", files["rows"], "--replay", files["replay"], "--policy", "tlv:16"],
+         "no policy"),
+        (["--check", files["tree"], "--ar-run", files["tree"]], "AR run"),
+        (["--check", files["tree"], "--run", files["tree"], "--rows-probe", files["rows"]], "--check RUN.json"),
+        (["--rows", "1", "--tau", "2", "--step-ms", "3", "--ar-ms", "2", "--ar-run", files["ar"]], "--check"),
+        (["--check", tmp / "missing.json", "--rows-probe", files["rows"]], "missing.json"),
+        (["--check", files["tree"], "--rows-probe", files["rows"], "--tolerance", "0"], "tolerance"),
+    ]
+    for args, words in cases:
+        code, out, err = run_cli("ceiling", *args)
+        assert code == 2, (args, out, err)
+        assert err.startswith("specpilot: error:") or err.startswith("Usage"), err
+        if err.startswith("specpilot: error:"):
+            assert err.strip().count("\n") == 0, err
+        assert words in err, (words, err)
+
+
+TLV_SPLIT = {"draft1": 0.5, "qpass": 9.0, "draft2": 0.5, "exact": 12.0, "append": 1.0}
+
+
+def test_ceiling_tlv_cycle_from_a_run(run_cli, tmp_path):
+    run = _write(tmp_path, "tlv.json", _run_doc("tlv", tau=6.0, verify=12.0, draft=1.0, qpass=9.0, rest=1.0,
+                                                tlv=TLV_SPLIT))
+    code, out, err = run_cli("ceiling", "--run", run, "--ar-ms", "10", "--format", "json")
+    assert code == 0, err
+    d = json.loads(out)
+    cy = d["tlv_cycle"]
+    assert cy["terms_ms"] == TLV_SPLIT and cy["cycle_ms"] == pytest.approx(23.0) and cy["nodes"] == 16
+    assert d["cost_model"]["step_ms"] == pytest.approx(23.0) and d["cost_model"]["tau"] == pytest.approx(6.0)
+    assert cy["speedup"] == pytest.approx(6.0 / (23.0 / 10))
+    assert "TLV cycle" in d["cost_model"]["sources"]["step_ms"] or "cycle" in d["cost_model"]["sources"]["step_ms"]
+    code, out, _ = run_cli("ceiling", "--run", run, "--ar-ms", "10")
+    assert code == 0 and "TLV cycle at 16 nodes" in out
+    for name in ("draft 1", "Q pass", "draft 2", "exact pass", "append"):
+        assert name in out
+
+
+def test_ceiling_tlv_cycle_from_replay_and_probe(run_cli, tmp_path):
+    replay = _write(tmp_path, "r.json", {"schema": "specpilot.replay/1",
+                                         "policies": [{"policy": "best-first:16", "tau": 3.0},
+                                                      {"policy": "tlv:16", "tau": 5.0}]})
+    rows = _write(tmp_path, "rows.json", {"schema": "specpilot.rows/1", "ar_ms": 10.0, "ar_path": "layers",
+                                          "points": [{"rows": 1, "step_ms": 10.0}, {"rows": 17, "step_ms": 12.0}]})
+    code, out, err = run_cli("ceiling", "--replay", replay, "--rows-probe", rows, "--policy", "tlv:16",
+                             "--format", "json")
+    assert code == 0, err
+    d = json.loads(out)
+    cy = d["tlv_cycle"]
+    assert cy["terms_ms"]["qpass"] == 12.0 and cy["terms_ms"]["exact"] == 12.0 and cy["terms_ms"]["draft1"] is None
+    assert cy["unknown"] == ["draft1", "draft2", "append"] and d["cost_model"]["tau"] == 5.0
+    assert d["cost_model"]["speedup"] == pytest.approx(5.0 / 2.4)
+
+
+def test_check_tlv_run(run_cli, tmp_path, files):
+    run = _write(tmp_path, "tlv.json", _run_doc("tlv", tau=6.0, verify=12.0, draft=1.0, qpass=9.0, rest=1.0,
+                                                tlv=TLV_SPLIT))
+    replay = _write(tmp_path, "r.json", {"schema": "specpilot.replay/1", "policies": [{"policy": "tlv:16", "tau": 6.0}]})
+    code, out, err = run_cli("ceiling", "--check", run, "--replay", replay, "--ar-run", files["ar"],
+                             "--format", "json")
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["policy"] == "tlv:16" and d["tlv_cycle_ms"]["cycle"] == pytest.approx(23.0)
+    terms = {t["term"]: t for t in d["terms"]}
+    assert terms["drafting"]["measured"] == pytest.approx(1.0) and terms["Q pass"]["measured"] == pytest.approx(9.0)
+    assert d["predicted_speedup"] == pytest.approx(6.0 * 10.5 / 23.0)
+
+
+@pytest.mark.parametrize("mode", ["tree", "tlv"])
+def test_cpu_step_timing_present_and_consistent(run_cli, mode):
+    code, out, err = run_cli("run", "--model", "tiny", "--mode", mode, "--nodes", "8", "--prompt-ids",
+                             "1,2,3,1,2,3,1,2", "--max-new-tokens", "12", "--format", "json")
+    assert code == 0, err
+    d = json.loads(out)
+    t = d["step_timing"]
+    assert "gpu_ms" not in t and t["steps"] == d["steps"]
+    parts = t["draft_ms"] + t["verify_ms"] + t.get("qpass_ms", 0.0)
+    assert min(t["draft_ms"], t["verify_ms"]) >= 0 and t["verify_ms"] > 0
+    assert parts <= t["wall_ms"] + 1e-9 and t["rest_ms"] == pytest.approx(t["wall_ms"] - parts)
+    assert sum(r["steps"] for r in t["by_rows"]) == t["steps"] and all(r["verify_ms"] > 0 for r in t["by_rows"])
+    assert (t.get("qpass_ms", 0) > 0) == (mode == "tlv")
+    assert d["results"][0]["step_timing"]["steps"] == t["steps"]
