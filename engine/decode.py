@@ -116,6 +116,7 @@ class Decoder:
         self._times = None   # CUDA: (rows, start event, end event) of the request's steps
         self._verify = None  # (rows, wall ms) of the last verify forward
         self._draft_ms = 0.0  # drafting + tree build of the last step
+        self._qpass_ms = 0.0  # a TLV cycle's Q pass (engine/tlv.py sets both for its step)
 
     def _sync(self):
         if self.model.device.type == "cuda":
@@ -310,10 +311,10 @@ class Decoder:
         while len(full) < limit:
             t_step = time.perf_counter()
             ctx = prompt_ids + full
-            before = self._phase_seconds()
-            self._draft_ms, self._verify = 0.0, None
+            self._draft_ms, self._qpass_ms, self._verify = 0.0, 0.0, None
             toks, lat, tree = self.step(ctx, n_cache, self.mode)
-            splits.append(self._step_split(before))
+            rows, verify = self._verify or (1, 0.0)
+            splits.append((rows, self._draft_ms, verify, self._qpass_ms))
             if record_lattice:
                 lattice.append(self.lattice_row(request, steps, lat, len(full)))
             steps += 1
@@ -355,23 +356,6 @@ class Decoder:
         the request from the ``_m`` + 1 committed tokens after position ``_at``."""
         return {"schema": "specpilot.lattice/1", "request": request, "step": step, "tokens": lat.tokens,
                 "logprobs": lat.logprobs, "transitions": lat.transitions, "target": None, "_at": at, "_m": lat.m}
-
-    def _phase_seconds(self) -> dict | None:
-        """Seconds per phase kept by a cycle that times its own phases (TLV's ``stats.seconds``)."""
-        st = getattr(self, "stats", None)
-        return dict(st.seconds) if st is not None and isinstance(getattr(st, "seconds", None), dict) else None
-
-    def _step_split(self, before: dict | None) -> tuple[int, float, float, float]:
-        """(rows, drafting ms, verify ms, Q-pass ms) of the step just run. TLV's step is its own
-        (engine/tlv.py), so its drafting and Q pass come from the phase seconds it keeps."""
-        rows, verify = self._verify or (1, 0.0)
-        draft, qpass = self._draft_ms, 0.0
-        after = self._phase_seconds()
-        if before is not None and after is not None:
-            delta = {k: (after.get(k, 0.0) - before.get(k, 0.0)) * 1e3 for k in after}
-            draft = delta.get("draft1", 0.0) + delta.get("draft2", 0.0)
-            qpass = delta.get("qpass", 0.0)
-        return rows, draft, verify, qpass
 
     def request_summary(self) -> dict | None:
         """Mode-specific statistics of the request just generated (None here; TLV's cycles)."""

@@ -190,6 +190,7 @@ class TLVDecoder(Decoder):
         st.accepted_tokens += len(toks)
         for k, (a, b) in zip(PHASES, ((t0, t1), (t1, t2), (t2, t3), (t3, t4), (t4, t5))):
             st.seconds[k] += b - a
+        self._draft_ms, self._qpass_ms = ((t1 - t0) + (t3 - t2)) * 1e3, (t2 - t1) * 1e3
         self._last = {"q_argmax": [int(x) for x in qpreds], "commit": [int(x) for x in chain], "draft2": lat2}
         return toks, lat, tree
 
