@@ -55,8 +55,8 @@ def test_round_runs_every_stage_and_writes_its_files(tiny_round):
     assert {"tree", "chain", "no-op"} <= set(cands) and cands["no-op"].control
     assert cands["tree"].retuned.startswith("N = ") and "nodes=" in cands["tree"].system
     reasons = {x["id"]: x["reason"] for x in res.proposal.not_proposed}
-    assert "needs a CUDA GPU" in reasons["w12"] and "one request at a time" in reasons["batching"]
-    assert "no two-stage" in reasons["tlv"]
+    assert "needs a CUDA GPU" in reasons["w12"] and "one-request" in reasons["batching"]
+    assert "lattice recorded in TLV mode" in reasons["tlv"]
 
 
 def test_the_no_op_control_is_refused_and_every_judged_candidate_is_audited(tiny_round):
