@@ -49,6 +49,7 @@ of the root, and parents always come before their children.
 from __future__ import annotations
 
 import heapq
+import re
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -191,6 +192,13 @@ def _int(text: str, what: str, spec: str, lo: int = 1, hi: int = MAX_NODES) -> i
     if not lo <= v <= hi:
         raise InputError(f"policy {spec!r}: {what} must be between {lo} and {hi}, got {v}")
     return v
+
+
+def split_policies(text: str) -> list[str]:
+    """``best-first:32,marginal:32`` -> the two policies: a comma starts a new policy where a
+    family name follows it (eagle2's own commas separate numbers)."""
+    names = "|".join(re.escape(f) for f in sorted(FAMILIES, key=len, reverse=True))
+    return [p for p in re.split(rf",\s*(?=(?:{names})(?::|$|,))", text.strip(), flags=re.I) if p.strip()]
 
 
 def parse_policy(spec: str) -> Policy:

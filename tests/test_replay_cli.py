@@ -298,3 +298,12 @@ def test_marginal_scores_ignore_transitions_beside_best_first(tmp_path, run_cli)
     assert [p["policy"] for p in d["policies"]] == ["best-first:12", "marginal:12"]
     assert all(p["tau_ci"][0] <= p["tau"] <= p["tau_ci"][1] for p in d["policies"])
     assert set(d["curves"]) == {"best-first", "marginal"} and d["curves"]["marginal"]["12"] == d["policies"][1]["tau"]
+    # the same two in one --policy, as the issue writes them; eagle2's commas stay its own
+    code, out2, err = run_cli("replay", cond.path, "--policy", "best-first:12,marginal:12", "--nodes", "4,12",
+                              "--format", "json")
+    assert code == 0, err
+    assert json.loads(out2)["policies"] == d["policies"]
+    code, out3, err = run_cli("replay", cond.path, "--policy", "eagle2:2,3,8,marginal:12", "--format", "json")
+    assert code == 0, err
+    assert [p["policy"] for p in json.loads(out3)["policies"]][1] == "marginal:12"
+    assert run_cli("replay", cond.path, "--policy", "best-first:12,warp:3")[0] == 2

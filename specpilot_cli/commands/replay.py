@@ -11,8 +11,8 @@ from specpilot.output import Report, Section, emit, output_options
 @click.argument("lattice", type=click.Path(dir_okay=False))
 @click.option("--policy", "policies", multiple=True, metavar="P",
               help="chain | chain:N | best-first:N | marginal:N | shared:N | eagle2:TOPK,DEPTH,N | sequoia:N | "
-                   "oracle:K | tlv:N (a lattice from run --mode tlv --nodes N) (repeatable; default: chain, "
-                   "best-first:32, oracle:K).")
+                   "oracle:K | tlv:N (a lattice from run --mode tlv --nodes N); repeatable, or several in one "
+                   "(best-first:32,marginal:32). Default: chain, best-first:32, oracle:K.")
 @click.option("--nodes", default=None, metavar="N,N,...",
               help="Also give tau(N) curves at these node budgets for every policy with a budget "
                    "(e.g. 8,16,32,63; read by 'specpilot ceiling --replay').")
@@ -34,12 +34,12 @@ def command(lattice, policies, nodes, calibration, n_boot, seed, fmt, out):
       specpilot replay run.lattice.jsonl --policy chain --policy best-first:32 \\
           --policy eagle2:4,8,32 --policy sequoia:32 --policy oracle:16 --nodes 8,16,32,63
     """
-    from specpilot.auditors.policies import parse_policy
+    from specpilot.auditors.policies import parse_policy, split_policies
     from specpilot.auditors.replay import default_policies, parse_nodes, read_lattice, replay, total_work
     from specpilot.output import progress
 
     node_list = parse_nodes(nodes)
-    pols_spec = list(policies)
+    pols_spec = [p for text in policies for p in split_policies(text)]
     parsed = [parse_policy(p) for p in pols_spec]  # fail fast on a typo, before reading the file
     lat = read_lattice(lattice)
     calib = read_lattice(calibration) if calibration else None
