@@ -116,6 +116,17 @@ def test_tlv_refusals_are_one_error_line_exit_2(run_cli, args, msg):
     assert msg in one_error(err)
 
 
+def test_the_batch_decoder_refuses_tlv():
+    """serve and run --batch decode through the batch decoder, which has no TLV cycle."""
+    from specpilot.engine.api import load_engine
+    from specpilot.engine.spec import EngineSpec
+    from specpilot.errors import InputError
+
+    eng = load_engine(EngineSpec.parse("engine:model=tiny,mode=tlv"))
+    with pytest.raises(InputError, match="one request at a time"):
+        eng.batch_decoder(batch=1)
+
+
 @pytest.mark.parametrize("model, drafter", [("tiny", "ngram"), ("tiny-hybrid", "self")])
 def test_replay_tlv_reproduces_the_engines_tau(run_cli, tmp_path, model, drafter):
     prompts, lat = tmp_path / "p.jsonl", tmp_path / "tlv.lattice.jsonl"

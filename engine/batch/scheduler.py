@@ -78,6 +78,9 @@ class BatchDecoder:
                  graphs: bool = False, max_queue: int = 0, prefill_chunk: int = 512):
         if mode != "ar" and drafter is None:
             raise InputError(f"mode {mode} needs a drafter")
+        if mode == "tlv":
+            raise InputError("mode=tlv decodes one request at a time (specpilot run); the batch decoder of serve "
+                             "and run --batch runs ar, chain or tree")
         self.model, self.mode = model, mode
         self.nodes, self.depth, self.topk = nodes, depth, topk if mode == "tree" else 1
         self.eos_ids = frozenset(eos_ids or ())
