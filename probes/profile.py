@@ -242,6 +242,13 @@ def build_profile(agg: Aggregate, table: RuleTable, floors: Floors | None = None
     total_floor = floors.total_floor_ms if floors else None
     if total_floor is not None and comm is not None and comm.floor_ms and "communication" not in floors.classes:
         total_floor += comm.floor_ms
+    if total > 0 and busy.median > 0 and total > 1.05 * busy.median:
+        # durations overlap: concurrent streams, or PDL (a kernel starts before the one before it
+        # ends and its recorded duration includes the wait); busy time is the union, so it is right
+        notes.append(f"the classes' kernel times add up to {total:.4g} ms per step, "
+                     f"{total / busy.median - 1:.0%} more than the busy time ({busy.median:.4g} ms): kernels "
+                     "overlap (concurrent streams, or programmatic dependent launch, where a kernel's duration "
+                     "includes its wait for the one before); shares are of the summed kernel time")
     kf = busy.median / total_floor if total_floor else None
     of = wall.median / busy.median if busy.median > 0 else None
     if kf is not None and kf < 1:

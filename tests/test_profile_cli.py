@@ -69,6 +69,20 @@ def test_synthetic_numbers_exact(run_cli, tmp_path):
     assert d["classes"]["memcpy"]["calls"] == 1
 
 
+@pytest.mark.parametrize("overlap_ns, noted", [(0, False), (8000, True)])
+def test_overlapping_kernels_are_noted(run_cli, tmp_path, overlap_ns, noted):
+    """Kernel durations that overlap (here attention on a second stream inside the GEMM before it)
+    add up to more than the busy time: the profile says so instead of printing shares silently."""
+    spec = SynthSpec(steps=4, layers=2, second_stream=bool(overlap_ns), overlap_ns=overlap_ns)
+    p = write_kineto(tmp_path / "s.json", spec)
+    code, out, err = run_cli("profile", p, "--step-range", "decode_step", "--format", "json")
+    assert code == 0, err
+    d = json.loads(out)
+    summed = sum(c["ms"] for c in d["classes"].values())
+    assert (summed > 1.05 * d["kernel_busy_ms"]) == noted
+    assert any("kernels overlap" in n for n in d["notes"]) == noted
+
+
 def test_ceiling_json_supplies_floors(run_cli, tmp_path):
     ceil = tmp_path / "c.json"
     ceil.write_text(json.dumps({"schema": "specpilot.ceiling/1", "classes": {
