@@ -41,8 +41,9 @@ def _fused_op():
 
 def _store(k, v, k_cache, v_cache, slots):
     """Write the step's rows ``k``/``v`` [T, nkv, hd] into the caches [1, nkv, S, hd] at ``slots``."""
-    k_cache[0, :, slots] = k.transpose(0, 1)
-    v_cache[0, :, slots] = v.transpose(0, 1)
+    # .to: a no-op unless a pass computes in another dtype than the cache (TLV's bf16 Q pass)
+    k_cache[0, :, slots] = k.transpose(0, 1).to(k_cache.dtype)
+    v_cache[0, :, slots] = v.transpose(0, 1).to(v_cache.dtype)
 
 
 def store_and_attend(q, k, v, k_cache, v_cache, slots, mask, kv_len: int, scale: float, fused: bool):

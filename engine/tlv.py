@@ -35,44 +35,80 @@ from specpilot.kernels import tree as treelib
 PHASES = ("draft1", "qpass", "draft2", "exact", "append")
 
 
+def cpu_bf16_fast() -> bool:
+    """Whether this CPU has bf16 matrix or vector units (AMX, AVX512-BF16), where a bf16 GEMM
+    costs about a third of an fp32 one at verify sizes; elsewhere bf16 on the CPU is slower."""
+    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    return bool(caps.get("amx_bf16") or caps.get("avx512_bf16"))
+
+
 class QView:
     """The Q pass's weights: for every projection of the target's layers, its W12 8-bit view
-    (``kernels.w12.decode(packed, qpass=True)``) in the model's dtype, made once at load. The LM
-    head and embeddings stay exact (W12 converts projections only). :meth:`active` swaps the
-    views into the projections for the length of a pass."""
+    (``kernels.w12.decode(packed, qpass=True)``), made once at load. :meth:`active` swaps the
+    views into the projections for the length of a pass.
 
-    def __init__(self, pairs: list[tuple[torch.nn.Linear, torch.Tensor]]):
+    The views are bf16 numbers. On a float32 model on a CPU with bf16 units the Q pass keeps
+    them in bf16 and runs under CPU autocast with a bf16 copy of the LM head: it reads half the
+    bytes of the exact pass and its GEMMs run on the bf16 units (an approximate pass may round
+    more; only the exact pass accepts). Elsewhere the views take the model's dtype and the LM
+    head and embeddings stay exact (W12 converts projections only)."""
+
+    def __init__(self, pairs: list[tuple[torch.nn.Linear, torch.Tensor]], model: Transformer | None = None,
+                 head: torch.nn.Linear | None = None):
         self.pairs = pairs
+        self.model, self.head = model, head   # head: the bf16 LM head of a bf16 Q pass (None: exact)
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        return self.pairs[0][1].dtype if self.pairs else None
 
     @classmethod
     @torch.no_grad()
-    def build(cls, model: Transformer, views: dict[str, torch.Tensor] | None = None) -> "QView":
+    def build(cls, model: Transformer, views: dict[str, torch.Tensor] | None = None,
+              bf16_pass: bool | None = None) -> "QView":
         """``views``: 8-bit views by projection name from the W12 loader (``w12=1``: the records
         the engine already holds); otherwise the view of each weight rounded to bf16 (a float32
         weight has no exact W12 form; the Q pass only needs an approximation), computed without
-        building the records (``kernels.w12.qpass_view``)."""
+        building the records (``kernels.w12.qpass_view``). ``bf16_pass``: run the pass in bf16
+        (default: a float32 model on a CPU with bf16 units)."""
         from specpilot.engine.w12_loader import projections
         from specpilot.kernels.w12 import qpass_view
 
+        w = model.lm_head.weight
+        if bf16_pass is None:
+            bf16_pass = w.device.type == "cpu" and w.dtype == torch.float32 and cpu_bf16_fast()
+        dtype = torch.bfloat16 if bf16_pass else w.dtype
         pairs = []
         for parent, attr, name in projections(model):
             lin = getattr(parent, attr)
             q = views.get(name) if views else None
             if q is None:
                 q = qpass_view(lin.weight.detach().to(torch.bfloat16))
-            pairs.append((lin, q.to(lin.weight.dtype).to(lin.weight.device)))
-        return cls(pairs)
+            pairs.append((lin, q.to(dtype).to(lin.weight.device)))
+        head = None
+        if bf16_pass and w.dtype != torch.bfloat16:
+            head = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=torch.bfloat16, device=w.device)
+            head.weight.copy_(w.detach())
+        return cls(pairs, model, head)
 
     @contextmanager
     def active(self):
         exact = [lin.weight.data for lin, _ in self.pairs]
+        lm_head = self.model.lm_head if self.head is not None else None
         try:
             for lin, q in self.pairs:
                 lin.weight.data = q
-            yield
+            if self.head is None:
+                yield
+            else:
+                self.model.lm_head = self.head
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    yield
         finally:
             for (lin, _), w in zip(self.pairs, exact):
                 lin.weight.data = w
+            if lm_head is not None:
+                self.model.lm_head = lm_head
 
 
 @contextmanager
