@@ -35,6 +35,7 @@ class LatticeStep(StepView):
     request: object = None
     step: int = 0
     tlv: "TLVRecord | None" = None
+    remaining: int | None = None  # tokens the request could still deliver (its limit or EOS); caps tau
 
 
 @dataclass
@@ -160,8 +161,13 @@ def parse_row(row: dict, where: str) -> LatticeStep:
     if len(target) < m + 1:
         raise InputError(f"{where}: \"target\" has {len(target)} tokens, needs at least m+1 = {m + 1}")
     tlv = _parse_tlv(row["tlv"], row, where) if row.get("tlv") is not None else None
+    remaining = row.get("remaining")
+    if remaining is not None and (isinstance(remaining, bool) or not isinstance(remaining, int) or remaining < 1):
+        raise InputError(f"{where}: \"remaining\" must be a positive integer (tokens the request could still "
+                         f"deliver), got {remaining!r}")
     return LatticeStep(tokens=tokens, logprobs=logprobs, transitions=trans,
-                       target=np.array(target, dtype=np.int64), request=req, step=step, tlv=tlv)
+                       target=np.array(target, dtype=np.int64), request=req, step=step, tlv=tlv,
+                       remaining=remaining)
 
 
 def _parse_tlv(rec, row: dict, where: str) -> TLVRecord:
@@ -300,6 +306,8 @@ def replay(lattice: Lattice, policies: Sequence[Policy | str], nodes: Sequence[i
                 out[i] = len(accept_greedy(tr, st.target)[0]) + 1
         return out
 
+    cap = np.array([s.remaining if s.remaining is not None else np.inf for s in lattice.steps], dtype=np.float64)
+
     def run(p: Policy) -> PolicyResult:
         taus = []
         shared = shared_taus(p.nodes) if p.family == "shared" else None
@@ -310,7 +318,8 @@ def replay(lattice: Lattice, policies: Sequence[Policy | str], nodes: Sequence[i
                 taus.append(best_first_tau(i, p.nodes) if p.family == "best-first" else p.tau(s))
             if tick:
                 tick()
-        t = np.array(taus, dtype=np.float64)
+        # a step delivers no more than its request had left (the run's token limit or EOS)
+        t = np.minimum(np.array(taus, dtype=np.float64), cap)
         # a TLV cycle can accept past the lattice's m positions (C, then the second draft)
         hist = np.bincount(t.astype(int), minlength=m + 2)[1:max(m + 2, int(t.max()) + 1)].tolist()
         return PolicyResult(p.spec, p.node_count(m), float(t.mean()),

@@ -345,6 +345,7 @@ class Decoder:
             for r in lattice:
                 at, mm = r.pop("_at"), r.pop("_m")
                 r["target"] = full[at:at + max(mm + 1, 1)]
+                r["remaining"] = limit - at   # what the step could deliver: replay caps its tau there
         # tau: tokens the verification passes delivered (the prefill's first token excluded), per pass;
         # tokens a last pass committed past EOS or the limit are not counted (accept_lengths keeps them)
         tau = (len(out) - 1) / steps if steps else 1.0

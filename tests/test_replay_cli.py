@@ -88,6 +88,8 @@ def bad(field, value):
     (bad("target", KeyError), "missing 'target'"),
     (bad("schema", "specpilot.lattice/9"), "unknown schema"),
     (bad("step", -1), "non-negative"),
+    (bad("remaining", 0), "\"remaining\" must be a positive integer"),
+    (bad("remaining", "3"), "\"remaining\" must be a positive integer"),
     (bad("logprobs", [[float("nan"), -1, -1], [-1, -1, -1], [-1, -1, -1]]), "NaN"),
 ])
 def test_malformed_rows_name_file_and_line(tmp_path, run_cli, row, msg):
@@ -213,17 +215,21 @@ def test_engine_recorded_lattice_replays_to_the_engines_acceptance(tmp_path, run
     from specpilot.engine.api import load_engine
 
     eng = load_engine("engine:model=tiny,mode=tree,nodes=16,depth=6,topk=4")
-    steps, accepts = [], []
+    steps, accepts, delivered = [], [], 0
     for i, prompt in enumerate([b"abcabcabcabcabc abcabc", b"the cat the cat the cat"]):
         r = eng.generate(list(prompt), 24, record_lattice=True, request=i)
         steps += r.lattice_steps
         accepts += r.accept_lengths
+        delivered += len(r.output_ids) - 1
     lat = write(tmp_path / "engine.lattice.jsonl", steps)
     code, out, err = run_cli("replay", lat, "--policy", "best-first:16", "--policy", "chain", "--format", "json")
     assert code == 0, err
     d = json.loads(out)
     assert d["requests"] == 2 and d["steps"] == len(accepts)
-    assert d["policies"][0]["tau"] == pytest.approx(sum(a + 1 for a in accepts) / len(accepts))
+    # every step's accepted tokens, capped at what its request could still deliver: the run's tau
+    capped = [min(a + 1, row["remaining"]) for a, row in zip(accepts, steps)]
+    assert d["policies"][0]["tau"] == pytest.approx(sum(capped) / len(accepts))
+    assert sum(capped) == delivered
     assert d["policies"][1]["tau"] <= d["policies"][0]["tau"]
 
 
