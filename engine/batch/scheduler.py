@@ -455,6 +455,8 @@ class BatchDecoder:
             if "_at" in x:
                 at, mm = x.pop("_at"), x.pop("_m")
                 x["target"] = r.full[at:at + max(mm + 1, 1)]
+                if len(r.output) > at:   # what the step could deliver: replay caps its tau there
+                    x["remaining"] = len(r.output) - at
 
     # ---- batch runs (``run --batch``) -------------------------------------------------
     def generate_many(self, requests: list[Request], progress=None) -> list[GenerationResult]:
