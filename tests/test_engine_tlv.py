@@ -38,10 +38,19 @@ def _state(model):
     return out
 
 
+@pytest.mark.parametrize("bf16_pass", [False, True])
 @pytest.mark.parametrize("model", ["tiny", "tiny-hybrid"])
-def test_q_pass_leaves_kv_cache_and_recurrent_state_bit_identical(model):
+def test_q_pass_leaves_kv_cache_and_recurrent_state_bit_identical(model, bf16_pass):
+    """Both Q passes a float32 model can run: in its own dtype, and in bf16 (CPUs with bf16 units);
+    either way the output is AR's."""
+    from specpilot.engine.tlv import QView
+
     e = load_engine(f"engine:model={model},mode=tlv,drafter=self,draft_layers=1,nodes=12,depth=4,topk=3,ctx={CTX}")
     dec = e.decoder
+    dec.qview = QView.build(e.model, bf16_pass=bf16_pass)
+    assert dec.qview.dtype == (torch.bfloat16 if bf16_pass else torch.float32)
+    ref = load_engine(f"engine:model={model},mode=ar,ctx={CTX}").generate(PROMPT, 16).output_ids
+    assert dec.generate(PROMPT, 16).output_ids == ref
     r = dec.generate(PROMPT, 6)   # a few cycles first: committed GDN state and KV that are not zero
     ctx = PROMPT + r.output_ids
     n_cache = len(ctx) - 1
