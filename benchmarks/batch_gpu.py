@@ -185,7 +185,8 @@ def lossless(tmp: Path) -> dict:
                                   "--delta", "0.25", "--format", "json"], env=env, capture_output=True, text=True)
     verdict = {"exit": audit.returncode}
     try:
-        verdict["report"] = json.loads(audit.stdout)
+        # file names relative to the run's temporary folder (no machine paths in the results)
+        verdict["report"] = json.loads(audit.stdout.replace(str(tmp) + "/", ""))
     except json.JSONDecodeError:
         verdict["stderr"] = audit.stderr[-500:]
     print(f"lossless: {agree}; audit exit {audit.returncode}", flush=True)
