@@ -22,21 +22,11 @@ from specpilot.engine.model import StepInput  # noqa: E402
 from specpilot.errors import InputError  # noqa: E402
 from specpilot.kernels.decode import gemv as G  # noqa: E402
 from specpilot.kernels.decode import naive as R  # noqa: E402
+from kernel_checks import DEV, closeness, rope_tables as _rope_tables  # noqa: E402
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = G.GemvConfig(pairs=4, block_k=32, warps=1, stages=1)
 TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
-
-
-def _rope_tables(hd, n):
-    inv = 1 / (10000 ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
-    emb = torch.cat([torch.outer(torch.arange(n, dtype=torch.float64), inv)] * 2, -1).float()
-    return emb.cos().to(DEV), emb.sin().to(DEV)
-
-
-def _close(a, b, dt):
-    assert a.shape == b.shape and a.dtype == b.dtype
-    torch.testing.assert_close(a.float(), b.float(), atol=TOL[dt], rtol=TOL[dt])
+_close = closeness(TOL)
 
 
 @pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])

@@ -21,30 +21,10 @@ from specpilot.kernels.decode.argmax import argmax_rows  # noqa: E402
 from specpilot.kernels.verify import common  # noqa: E402
 from specpilot.kernels.verify import naive as R  # noqa: E402
 from specpilot.kernels.verify import rows as W  # noqa: E402
+from kernel_checks import DEV, closeness, rope_tables as _rope_tables, row_inputs as _inputs  # noqa: E402
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
-
-
-def _rope_tables(hd, n):
-    inv = 1 / (10000 ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
-    emb = torch.cat([torch.outer(torch.arange(n, dtype=torch.float64), inv)] * 2, -1).float()
-    return emb.cos().to(DEV), emb.sin().to(DEV)
-
-
-def _close(a, b, dt):
-    assert a.shape == b.shape and a.dtype == b.dtype
-    torch.testing.assert_close(a.float(), b.float(), atol=TOL[dt], rtol=TOL[dt])
-
-
-def _inputs(dt, T, K=80, seed=0):
-    g = torch.Generator().manual_seed(seed)
-
-    def rnd(*s, scale=1.0):
-        return (torch.randn(*s, generator=g) * scale).to(dt).to(DEV)
-
-    gamma = (torch.rand(K, generator=g) + 0.5).to(dt).to(DEV)
-    return g, rnd, rnd(T, K), gamma
+_close = closeness(TOL)
 
 
 @pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])

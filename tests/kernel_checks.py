@@ -1,0 +1,35 @@
+"""Helpers the kernel-versus-reference tests share: RoPE tables, dtype-aware closeness, seeded inputs."""
+
+from __future__ import annotations
+
+import torch
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rope_tables(hd: int, n: int):
+    """cos, sin [n, hd] (the two halves repeated) for positions 0..n-1, on ``DEV``."""
+    inv = 1 / (10000 ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    emb = torch.cat([torch.outer(torch.arange(n, dtype=torch.float64), inv)] * 2, -1).float()
+    return emb.cos().to(DEV), emb.sin().to(DEV)
+
+
+def closeness(tol: dict):
+    """``close(a, b, dt)``: same shape and dtype, equal within ``tol[dt]`` (absolute and relative)."""
+
+    def close(a, b, dt):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        torch.testing.assert_close(a.float(), b.float(), atol=tol[dt], rtol=tol[dt])
+
+    return close
+
+
+def row_inputs(dt, T: int, K: int = 80, seed: int = 0):
+    """(generator, rnd(*shape, scale=1) in ``dt`` on ``DEV``, x [T, K], RMSNorm gamma [K])."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*s, scale=1.0):
+        return (torch.randn(*s, generator=g) * scale).to(dt).to(DEV)
+
+    gamma = (torch.rand(K, generator=g) + 0.5).to(dt).to(DEV)
+    return g, rnd, rnd(T, K), gamma
