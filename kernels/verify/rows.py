@@ -150,12 +150,7 @@ def rope_store_rows(qkv: torch.Tensor, cos, sin, pos, slots, k_cache, v_cache, n
     if N != (nh + 2 * nkv) * hd or hd & (hd - 1) or hd < 2:
         raise ValueError(f"qkv must have (nh + 2 nkv) * hd columns, hd a power of two (got {N}, nh={nh}, "
                          f"nkv={nkv}, hd={hd})")
-    if pos.shape != (T,) or slots.shape != (T,):
-        raise ValueError(f"pos and slots must be [{T}]")
-    if cos.shape[-1] != hd or cos.stride(-1) != 1 or sin.stride() != cos.stride():
-        raise ValueError("RoPE tables must be [positions, head_dim], contiguous (partial rotary is not fused)")
-    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("caches must be contiguous in head_dim")
+    common.check_rope_store(T, hd, cos, sin, pos, slots, k_cache, v_cache)
     q = torch.empty(T, nh * hd, dtype=qkv.dtype, device=qkv.device)
     _rope_store_rows_kernel[(T, nh + 2 * nkv)](
         qkv, cos, sin, pos, slots, q, k_cache, v_cache, qkv.stride(0), q.stride(0), cos.stride(0),

@@ -240,12 +240,7 @@ def norm_qkv_rope_store(x, gamma, eps, w_qkv, cos, sin, pos, slots, k_cache, v_c
     if N != (nh + 2 * nkv) * hd or hd & (hd - 1):
         raise ValueError(f"w_qkv must have (nh + 2 nkv) * hd rows with hd a power of two "
                          f"(got {N} rows, nh={nh}, nkv={nkv}, hd={hd})")
-    if pos.shape != (T,) or slots.shape != (T,):
-        raise ValueError(f"pos and slots must be [{T}]")
-    if cos.shape[-1] != hd or cos.stride(-1) != 1 or sin.stride() != cos.stride():
-        raise ValueError("RoPE tables must be [positions, head_dim], contiguous (partial rotary is not fused)")
-    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("caches must be contiguous in head_dim")
+    common.check_rope_store(T, hd, cos, sin, pos, slots, k_cache, v_cache)
     q = torch.empty(T, nh * hd, dtype=x.dtype, device=x.device)
     _launch((N // 2 // cfg.pairs,), x, gamma, w_qkv, q, None, eps, EPI_ROPE, True, cfg, nh=nh, nkv=nkv, hd=hd,
             cos=cos, sin=sin, pos=pos, slots=slots, k_cache=k_cache, v_cache=v_cache)
