@@ -4,7 +4,7 @@ An evidence item of a memory entry that quotes measured figures names where they
 
     - kind: gpu
       source: lm_head                       # benchmarks/results/lm_head.json
-      values:                               # one number per name (the value specs of benchmarks/figures.yaml)
+      values:                               # one number per name (specpilot.result_values specs)
         big: {row: {vocab: 151936, m: 1}, field: speedup}
       text: "certified INT8 LM head vs bf16 F.linear + argmax: {big:.2f}x at one row"
       what: ...                             # generated from text and values
@@ -19,15 +19,13 @@ kept as written.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from specpilot.errors import InputError
+from specpilot.result_values import ResultsFiles, read_value
 
 MEASURED_KINDS = ("gpu", "cpu-bench")
-_VALUE_KEYS = {"source", "in", "row", "field", "agg"}
-_AGGREGATES = {"min": min, "max": max, "first": lambda v: v[0], "last": lambda v: v[-1]}
 
 
 def default_results_dir() -> Path | None:
@@ -42,55 +40,6 @@ class Rendered:
     hardware: str
 
 
-class _Results:
-    def __init__(self, folder: Path):
-        self.folder = Path(folder)
-        self.docs: dict[str, dict] = {}
-
-    def __call__(self, subject: str) -> dict:
-        if subject not in self.docs:
-            path = self.folder / f"{subject}.json"
-            if not path.is_file():
-                raise InputError(f"no results file {subject}.json in {self.folder}")
-            try:
-                self.docs[subject] = json.loads(path.read_text(encoding="utf-8"))
-            except json.JSONDecodeError as e:
-                raise InputError(f"{path}: not JSON ({e})") from None
-        return self.docs[subject]
-
-
-def _lookup(obj, path: str, where: str):
-    for part in str(path).split("."):
-        if isinstance(obj, list):
-            try:
-                obj = obj[int(part)]
-            except (ValueError, IndexError):
-                raise InputError(f"{where}: no item {part!r}") from None
-        elif isinstance(obj, dict) and part in obj:
-            obj = obj[part]
-        else:
-            raise InputError(f"{where}: no field {part!r}")
-    return obj
-
-
-def _value(spec, default_source: str, results: _Results, where: str):
-    if not isinstance(spec, dict) or "field" not in spec or set(spec) - _VALUE_KEYS:
-        raise InputError(f"{where}: a value is {{field: PATH}} with optional source, in, row, agg")
-    doc = results(spec.get("source", default_source))
-    if "row" not in spec and "agg" not in spec:
-        return _lookup(doc, spec["field"], where)
-    items = _lookup(doc, spec.get("in", "rows"), where)
-    want = spec.get("row") or {}
-    chosen = [r for r in items if isinstance(r, dict) and all(r.get(k) == v for k, v in want.items())]
-    if not chosen:
-        raise InputError(f"{where}: no row matches {want}")
-    agg = spec.get("agg")
-    if agg is None and len(chosen) > 1:
-        raise InputError(f"{where}: {len(chosen)} rows match {want} (give agg)")
-    picked = [_lookup(r, spec["field"], where) for r in chosen]
-    return _AGGREGATES[agg or "first"](picked)
-
-
 def _hardware(doc: dict) -> str:
     parts = [str(doc.get("gpu") or "unknown machine")]
     for key, name in (("torch", "torch"), ("triton", "Triton")):
@@ -102,12 +51,13 @@ def _hardware(doc: dict) -> str:
 
 def render(item: dict, results_dir: str | Path, where: str = "evidence") -> Rendered:
     """The generated ``what`` and ``hardware`` of a measured evidence item."""
-    results = _Results(Path(results_dir))
+    results = ResultsFiles(results_dir)
     source = item.get("source")
     if not source or not isinstance(item.get("text"), str):
         raise InputError(f"{where}: a measured item needs source (a results subject) and text")
-    values = {name: _value(spec, source, results, f"{where}: value {name!r}")
-              for name, spec in (item.get("values") or {}).items()}
+    values: dict = {}
+    for name, spec in (item.get("values") or {}).items():
+        values[name] = read_value(spec, source, results, values, f"{where}: value {name!r}")[0]
     try:
         what = item["text"].format(**values)
     except (KeyError, ValueError, IndexError) as e:

@@ -12,7 +12,7 @@ format string per cell; ``{sources}`` in a cell links the files the row read. Ab
 an "as of" line (dates, GPU or CPU, driver, torch and Triton versions) taken from the files read.
 So every number in a table comes from a results file: re-run a benchmark, then this script.
 
-A value is read by a spec such as::
+A value is read by a spec (the language of ``specpilot.result_values``) such as::
 
     m1: {field: summary.geomean_speedup_m1}                      # a dotted path into the file
     big: {row: {vocab: 151936, m: 1}, field: speedup}           # the one row of "rows" matching
@@ -29,100 +29,19 @@ Exit codes: 0 done (or up to date), 1 stale (``--check``), 2 bad spec, missing f
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import yaml
 
+from specpilot.errors import InputError
+from specpilot.result_values import ResultsFiles as Results, read_value
+
 REPO = Path(__file__).resolve().parents[1]
-AGGREGATES = ("min", "max", "first", "last", "count")
 
 
 class SpecError(Exception):
     """A spec, results file or README that cannot give the table."""
-
-
-def lookup(obj, path: str, where: str):
-    """Follow a dotted path (list items by index) through JSON data."""
-    for part in path.split("."):
-        if isinstance(obj, list):
-            try:
-                obj = obj[int(part)]
-            except (ValueError, IndexError):
-                raise SpecError(f"{where}: no item {part!r} in a list of {len(obj)}") from None
-        elif isinstance(obj, dict) and part in obj:
-            obj = obj[part]
-        else:
-            raise SpecError(f"{where}: no field {part!r}")
-    return obj
-
-
-def matches(row, want: dict) -> bool:
-    return isinstance(row, dict) and all(k in row and row[k] == v for k, v in want.items())
-
-
-class Results:
-    """The results files, each read once."""
-
-    def __init__(self, folder: Path):
-        self.folder = folder
-        self.docs: dict[str, dict] = {}
-
-    def __call__(self, subject: str) -> dict:
-        if subject not in self.docs:
-            path = self.folder / f"{subject}.json"
-            if not path.is_file():
-                raise SpecError(f"no results file {path.relative_to(REPO) if path.is_relative_to(REPO) else path}")
-            try:
-                self.docs[subject] = json.loads(path.read_text())
-            except json.JSONDecodeError as e:
-                raise SpecError(f"{path.name}: not JSON ({e})") from None
-        return self.docs[subject]
-
-
-def read_value(spec: dict, default_source: str, results: Results, done: dict, where: str):
-    if not isinstance(spec, dict):
-        raise SpecError(f"{where}: a value spec is a mapping, got {spec!r}")
-    unknown = set(spec) - {"source", "in", "row", "field", "agg", "scale", "divide_by"}
-    if unknown:
-        raise SpecError(f"{where}: unknown keys {sorted(unknown)}")
-    source = spec.get("source", default_source)
-    doc = results(source)
-    where = f"{where} ({source}.json)"
-    agg = spec.get("agg")
-    if agg is not None and agg not in AGGREGATES:
-        raise SpecError(f"{where}: agg must be one of {', '.join(AGGREGATES)}")
-    if "row" in spec or agg:
-        items = lookup(doc, spec.get("in", "rows"), where)
-        if not isinstance(items, list):
-            raise SpecError(f"{where}: {spec.get('in', 'rows')!r} is not a list")
-        chosen = [r for r in items if matches(r, spec.get("row") or {})]
-        if agg == "count":
-            value = len(chosen)
-        else:
-            if not chosen:
-                raise SpecError(f"{where}: no row matches {spec.get('row')}")
-            if agg is None and len(chosen) > 1:
-                raise SpecError(f"{where}: {len(chosen)} rows match {spec.get('row')} (give agg)")
-            if "field" not in spec:
-                raise SpecError(f"{where}: no field given")
-            picked = [lookup(r, spec["field"], where) for r in chosen]
-            value = {"min": min, "max": max, "first": lambda v: v[0], "last": lambda v: v[-1],
-                     None: lambda v: v[0]}[agg](picked)
-    else:
-        if "field" not in spec:
-            raise SpecError(f"{where}: no field given")
-        value = lookup(doc, spec["field"], where)
-    if "scale" in spec or "divide_by" in spec:
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise SpecError(f"{where}: cannot do arithmetic on {value!r}")
-        value = value * spec.get("scale", 1)
-        if "divide_by" in spec:
-            if spec["divide_by"] not in done:
-                raise SpecError(f"{where}: divide_by {spec['divide_by']!r} is not a value read before it")
-            value = value / done[spec["divide_by"]]
-    return value, source
 
 
 def environment_line(docs: list[dict]) -> str:
@@ -289,7 +208,7 @@ def main(argv=None) -> int:
         except yaml.YAMLError as e:
             raise SpecError(f"{args.spec.name}: not YAML ({e})") from None
         files = build(spec, Results(args.results), args.root)
-    except SpecError as e:
+    except (SpecError, InputError) as e:
         print(f"figures: error: {e}", file=sys.stderr)
         return 2
     stale = [p for p, (old, new) in files.items() if old != new]
