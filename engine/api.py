@@ -360,10 +360,10 @@ def load_engine(spec: EngineSpec | str) -> Engine:
             raise InputError("compile=1 is for dense models on cuda (it is what benchmarks/engine_gpu.py measured)")
         model.compile_blocks()
     runner = None
-    if spec.device.startswith("cuda") and spec.graphs and not model.spec.is_hybrid:
-        from specpilot.engine.graphs import GraphRunner
+    if spec.device.startswith("cuda") and spec.graphs:
+        from specpilot.engine.graphs import GraphRunner, graph_ready
 
-        runner = GraphRunner(model)
+        runner = GraphRunner(model) if graph_ready(model) else None
     eos = _eos_ids(folder, tok)
     if spec.mode == "tlv":
         from specpilot.engine.tlv import TLVDecoder

@@ -264,7 +264,10 @@ class Decoder:
         pos = torch.tensor([n_cache] + [n_cache + 1 + d for d in tree.depth] + [n_cache] * pad, device=dev)
         slots = n_cache + torch.arange(Tp, device=dev)
         mask = self._verify_mask(tree, n_cache, Tp, self.model.max_seq)
-        return self.runner.run(tokens, pos, slots, mask.to(dev))[:T].tolist()
+        paths = None
+        if self.model.spec.is_hybrid:   # the GDN rows' root paths; padding rows walk only themselves
+            paths = row_paths([-1] + [p + 1 for p in tree.parents] + [-1] * pad).to(dev)
+        return self.runner.run(tokens, pos, slots, mask.to(dev), paths)[:T].tolist()
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, record_lattice: bool = False,
                  request=0) -> GenerationResult:

@@ -24,9 +24,18 @@ records instead: 12 bits per weight, decoded in registers, the same prologues an
 (:mod:`specpilot.kernels.decode.gemv_w12_gluon` where Gluon runs, else the Triton variants of
 :mod:`specpilot.kernels.decode.gemv_w12`).
 
-Eligible models: dense Llama-family attention layers with ``nn.Linear`` or W12 projections and no
-projection bias, no q/k norm, no attention output gate, RoPE over the whole head dimension
-(a power of two), on CUDA (the kernels run in Triton's interpreter on the CPU, for tests only).
+Hybrid models (Qwen3.5 / Qwen3-Next: Gated DeltaNet layers and gated full-attention layers) take
+the same chain with two more layer shapes. A GDN layer is RMSNorm + its input projection (one GEMV,
+``gemv.norm_proj``), the causal conv with the conv state advanced and the gated delta rule with
+the state written and the gated RMSNorm applied (:mod:`specpilot.kernels.gdn.rows`), then
+``x + out_proj(o)``. A gated attention layer is ``norm_proj``, per-head q/k RMSNorm + partial RoPE +
+the cache write (:mod:`specpilot.kernels.decode.gated_attention`), the attention, ``sigmoid(gate)``
+and ``x + wo(o)``. So a hybrid's whole AR step is one PDL-chained sequence of kernels, one CUDA graph.
+
+Eligible models: Llama-family attention layers (q/k norms, output gate and partial RoPE only in
+hybrid-style gated layers) and GDN layers, with ``nn.Linear`` projections without bias (W12 ones
+for the dense layers), power-of-two head dimensions, on CUDA (the kernels run in Triton's
+interpreter on the CPU, for tests only).
 """
 
 from __future__ import annotations
@@ -40,32 +49,42 @@ from specpilot.errors import InputError
 
 def ineligible(model) -> str | None:
     """Why ``model`` cannot take the fused one-row path (None when it can)."""
-    from specpilot.engine.model import Attention
+    from specpilot.engine.model import Attention, GatedDeltaNet
     from specpilot.engine.w12_loader import W12Projection
     from specpilot.kernels.decode.gemv import DEFAULT
 
     spec = model.spec
-    if spec.is_hybrid:
-        return "it has Gated DeltaNet layers"
     if model.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return f"dtype {model.dtype} is not supported"
+    if spec.hidden_size % (2 * DEFAULT.pairs):
+        return "hidden and intermediate sizes must be multiples of the kernel's row blocks"
     for i, blk in enumerate(model.layers):
         m = blk.mixer
-        if not isinstance(m, Attention):
-            return f"layer {i} is not an attention layer"
-        for name, lin in (("q/k/v", m.wqkv), ("o", m.wo), ("gate/up", blk.w13), ("down", blk.w2)):
+        hybrid_proj = isinstance(m, GatedDeltaNet) or m.qk_norm or m.gate
+        if isinstance(m, GatedDeltaNet):
+            lins = (("in", m.in_proj), ("out", m.out_proj))
+            if m.dk & (m.dk - 1) or m.dv & (m.dv - 1) or m.in_proj.out_features % 2:
+                return f"layer {i}: GDN head dims must be powers of two"
+        else:
+            lins = (("q/k/v", m.wqkv), ("o", m.wo))
+        for name, lin in lins + (("gate/up", blk.w13), ("down", blk.w2)):
             if type(lin) is not nn.Linear and type(lin) is not W12Projection:
                 return f"layer {i}'s {name} projection is a {type(lin).__name__}, not nn.Linear or W12"
+            if type(lin) is W12Projection and hybrid_proj:
+                return f"layer {i}: W12 projections of hybrid (GDN, gated-attention) layers are not fused"
             if lin.bias is not None:
                 return f"the {name} projection has a bias"
-        if m.qk_norm or m.gate:
-            return "q/k norms or an attention output gate are not fused"
+        if blk.inter % DEFAULT.pairs:
+            return "hidden and intermediate sizes must be multiples of the kernel's row blocks"
+        if isinstance(m, GatedDeltaNet):
+            continue
         if m.hd & (m.hd - 1) or (m.hd // 2) % DEFAULT.pairs or m.nh % m.nkv:
             return f"head_dim {m.hd} must be a power of two >= {2 * DEFAULT.pairs}"
-        if blk.inter % DEFAULT.pairs or spec.hidden_size % (2 * DEFAULT.pairs):
-            return "hidden and intermediate sizes must be multiples of the kernel's row blocks"
-    if model.cos.shape[-1] != model.layers[0].mixer.hd:
-        return "partial rotary embeddings are not fused"
+        rot = model.cos.shape[-1]
+        if rot != m.hd and not (m.qk_norm or m.gate):
+            return "partial rotary embeddings are fused for gated/q-k-normed attention layers only"
+        if rot & (rot - 1) or rot < 4:
+            return f"rotary dims {rot} must be a power of two"
     return None
 
 
@@ -74,7 +93,7 @@ def set_decode(model, kind: str) -> str:
     is the fused kernel, else layers) for the model's one-row steps; returns the choice made."""
     check_choice("decode", kind, DECODES)
     if kind == "auto":
-        attn_fused = all(getattr(b.mixer, "fused", False) for b in model.layers)
+        attn_fused = all(getattr(b.mixer, "fused", True) for b in model.layers)   # GDN layers have no choice
         kind = "fused" if model.device.type == "cuda" and attn_fused and ineligible(model) is None else "layers"
     if kind == "fused":
         why = ineligible(model)
@@ -87,17 +106,53 @@ def set_decode(model, kind: str) -> str:
 def block_step(blk, x: torch.Tensor, inp, cos: torch.Tensor, sin: torch.Tensor, kv_len: int) -> torch.Tensor:
     """One layer for one row ``x`` [1, hidden] (the whole RoPE tables ``cos``/``sin``; the step's
     position and slot stay on the device, so a CUDA graph replays it for any position)."""
-    from specpilot.kernels.attention.decode import masked_gqa_attention
+    from specpilot.engine.model import GatedDeltaNet
     from specpilot.kernels.decode import gemv
 
     m = blk.mixer
-    q = gemv.norm_qkv_rope_store(x, blk.attn_norm, blk.eps, _weight(m.wqkv), cos, sin, inp.pos, inp.slots,
-                                 m.k_cache[0], m.v_cache[0], m.nh, m.nkv)
-    o = masked_gqa_attention(q.view(1, m.nh, m.hd), m.k_cache[0, :, :kv_len], m.v_cache[0, :, :kv_len],
-                             inp.mask[:, :kv_len], m.hd ** -0.5, pdl=gemv.USE_PDL)
-    x = gemv.gemv_residual(o, _weight(m.wo), x)
+    if isinstance(m, GatedDeltaNet):
+        x = _gdn_mixer(blk, m, x)
+    elif m.qk_norm or m.gate:
+        x = _gated_attention_mixer(blk, m, x, inp, cos, sin, kv_len)
+    else:
+        from specpilot.kernels.attention.decode import masked_gqa_attention
+
+        q = gemv.norm_qkv_rope_store(x, blk.attn_norm, blk.eps, _weight(m.wqkv), cos, sin, inp.pos, inp.slots,
+                                     m.k_cache[0], m.v_cache[0], m.nh, m.nkv)
+        o = masked_gqa_attention(q.view(1, m.nh, m.hd), m.k_cache[0, :, :kv_len], m.v_cache[0, :, :kv_len],
+                                 inp.mask[:, :kv_len], m.hd ** -0.5, pdl=gemv.USE_PDL)
+        x = gemv.gemv_residual(o, _weight(m.wo), x)
     a = gemv.norm_gate_up_silu(x, blk.mlp_norm, blk.eps, _weight(blk.w13), blk.inter)
     return gemv.gemv_residual(a, _weight(blk.w2), x)
+
+
+def _gdn_mixer(blk, m, x):
+    """A GDN layer's AR step: RMSNorm + input projection, the conv (state advanced), the gated
+    delta rule (state written) with the gated RMSNorm, and ``x + out_proj(o)``."""
+    from specpilot.kernels.decode import gemv
+    from specpilot.kernels.gdn import rows
+
+    proj = gemv.norm_proj(x, blk.attn_norm, blk.eps, m.in_proj.weight)
+    mixed, z, ab = m.split_proj(proj)
+    conv = rows.conv_rows(mixed, m.conv_state, m.conv_weight, advance=True, pdl=gemv.USE_PDL)
+    o = rows.gdn_rows(conv, ab, m.A_log, m.dt_bias, m.state, rows.chain_paths(1, x.device), m.nk, z=z,
+                      norm_weight=m.norm, eps=m.eps, new_state=m.state, pdl=gemv.USE_PDL)
+    return gemv.gemv_residual(o, m.out_proj.weight, x)
+
+
+def _gated_attention_mixer(blk, m, x, inp, cos, sin, kv_len):
+    """A gated (q/k-normed, partial-RoPE) attention layer's AR step (kernels/decode/gated_attention.py)."""
+    from specpilot.kernels.attention.decode import masked_gqa_attention
+    from specpilot.kernels.decode import gated_attention as ga, gemv
+
+    proj = gemv.norm_proj(x, blk.attn_norm, blk.eps, m.wqkv.weight)
+    q = ga.qk_norm_rope_store(proj, m.q_norm, m.k_norm, m.eps, cos, sin, inp.pos, inp.slots, m.k_cache[0],
+                              m.v_cache[0], m.nh, m.nkv, m.gate, pdl=gemv.USE_PDL)
+    o = masked_gqa_attention(q.view(1, m.nh, m.hd), m.k_cache[0, :, :kv_len], m.v_cache[0, :, :kv_len],
+                             inp.mask[:, :kv_len], m.hd ** -0.5, pdl=gemv.USE_PDL)
+    if m.gate:
+        o = ga.sigmoid_gate(o, proj, m.nh, pdl=gemv.USE_PDL)
+    return gemv.gemv_residual(o, m.wo.weight, x)
 
 
 def _weight(lin):

@@ -31,8 +31,8 @@ MAX_ROWS = 64
 
 
 def takes(model, rows: int) -> bool:
-    """Whether a step of ``rows`` rows runs here (``decode=fused`` and 2..64 rows)."""
-    return model.fused_decode and 1 < rows <= MAX_ROWS
+    """Whether a step of ``rows`` rows runs here (``decode=fused``, 2..64 rows, a dense model)."""
+    return model.fused_decode and 1 < rows <= MAX_ROWS and not model.spec.is_hybrid
 
 
 def _linear(h, lin):

@@ -3,8 +3,12 @@
 Static input buffers (tokens, positions, slots, mask over the whole ``max_seq`` cache) are
 filled before each replay; the graph reads the full static cache, so a step's shape never
 changes. Used for AR decode, for chain/tree verify steps (padded to a row bucket by
-``Decoder._graph_verify``) and for ``probe rows`` (T = N rows). Dense models only: the GDN
-path code walks data-dependent shapes.
+``Decoder._graph_verify``) and for ``probe rows`` (T = N rows).
+
+Hybrid (GDN) models are captured when their GDN layers run the row kernels (on CUDA): a graph of
+T > 1 rows lays them out as a tree whose root paths come from a static ``paths`` buffer (a chain is
+a tree too), so one graph serves chain and tree steps; the layers' commit data (the step's conv
+outputs and projections, graph memory) is recorded at capture and handed back after each replay.
 """
 
 from __future__ import annotations
@@ -68,13 +72,21 @@ def time_calls(fn, reps: int, warmup: int, cuda: bool) -> list[float]:
     return samples
 
 
+def graph_ready(model: Transformer) -> bool:
+    """Whether the model's steps can be captured: CUDA, and GDN layers (if any) on the row kernels."""
+    return model.device.type == "cuda" and all(g.uses_kernels(model.embed.weight) for g in model.gdn_layers())
+
+
 class GraphRunner:
     def __init__(self, model: Transformer, warmup: int = 2):
         self.model = model
         self.graphs: dict[int, tuple] = {}
+        self.stashes: dict[int, list] = {}
         self.warmup = warmup
 
     def _capture(self, T: int):
+        from specpilot.kernels.gdn.rows import chain_paths
+
         m = self.model
         dev = m.device
         S = m.max_seq
@@ -83,32 +95,53 @@ class GraphRunner:
         slots = torch.arange(T, dtype=torch.long, device=dev)
         mask = torch.zeros(T, S, dtype=torch.bool, device=dev)
         mask[:, 0] = True
-        inp = StepInput(tokens, pos, slots, mask, "seq")
+        gdn = m.gdn_layers()
+        if gdn and T > 1:
+            inp = StepInput(tokens, pos, slots, mask, "tree", chain_paths(T, dev).clone())
+        else:
+            inp = StepInput(tokens, pos, slots, mask, "seq")
 
         def fn():
             return m.greedy(inp, kv_len=S)
 
-        # warm-up and capture really run the step: they write K/V at ``slots``; keep the cache intact
+        # warm-up and capture really run the step: they write K/V at ``slots`` (and an AR step
+        # advances the GDN states); keep the caches intact
         caches = [t for blk in m.layers for t in (getattr(blk.mixer, "k_cache", None), getattr(blk.mixer, "v_cache", None))
                   if t is not None]
         saved = [c[:, :, :T].clone() for c in caches]
+        states = [t.clone() for g in gdn for t in (g.state, g.conv_state)]
         g, out = capture(fn, self.warmup)
         for c, sv in zip(caches, saved):
             c[:, :, :T].copy_(sv)
+        for t, sv in zip([t for g in gdn for t in (g.state, g.conv_state)], states):
+            t.copy_(sv)
+        self.stashes[T] = [layer._stash for layer in gdn]
         self.graphs[T] = (g, inp, out)
         return self.graphs[T]
 
     def get(self, T: int):
         return self.graphs.get(T) or self._capture(T)
 
-    def run(self, tokens, pos, slots, mask):
-        """Replay the graph for T = len(tokens) rows; returns the argmax per row (device tensor)."""
-        g, inp, out = self.get(len(tokens))
+    def run(self, tokens, pos, slots, mask, paths=None):
+        """Replay the graph for T = len(tokens) rows; returns the argmax per row (device tensor).
+        ``paths`` [T, <= T] (hybrids): the rows' root paths, -1 padded (default: a chain)."""
+        T = len(tokens)
+        g, inp, out = self.get(T)
         inp.tokens.copy_(tokens)
         inp.pos.copy_(pos)
         inp.slots.copy_(slots)
         inp.mask.copy_(mask)
+        if inp.paths is not None:
+            if paths is None:
+                from specpilot.kernels.gdn.rows import chain_paths
+
+                inp.paths.copy_(chain_paths(T, inp.paths.device))
+            else:
+                inp.paths.fill_(-1)
+                inp.paths[:, :paths.shape[1]].copy_(paths)
         g.replay()
+        for layer, st in zip(self.model.gdn_layers(), self.stashes.get(T, ())):
+            layer._stash = st   # the step's commit data lives in the graph's memory
         return out
 
     def ar_graph(self, n_cache: int, token: int | None = None):

@@ -193,7 +193,14 @@ class Attention(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    """Qwen3.5-style GDN layer with the plain torch gated delta rule (kernels/gdn)."""
+    """Qwen3.5-style GDN layer. One input projection ``in_proj`` gives, per row, the conv input
+    (q | k | v), the output gate z and the raw b (write strength) and a (decay) values.
+
+    ``impl`` picks the arithmetic: ``torch`` is the plain reference (kernels/gdn/naive.py, path.py);
+    ``triton`` runs the conv and the gated delta rule through :mod:`specpilot.kernels.gdn.rows`
+    (one kernel body for the AR step, chain/tree verification and commit, so they agree bit for
+    bit) and long prompts through fla's chunked kernel (:mod:`specpilot.kernels.gdn.prefill`);
+    ``auto`` is triton on CUDA, torch elsewhere."""
 
     def __init__(self, spec: ModelSpec, dtype, device):
         super().__init__()
@@ -202,9 +209,8 @@ class GatedDeltaNet(nn.Module):
         self.nk, self.nv, self.dk, self.dv, self.kernel = (g.num_key_heads, g.num_value_heads, g.key_head_dim,
                                                            g.value_head_dim, g.conv_kernel)
         self.key_dim, self.value_dim, self.conv_dim = g.key_dim, g.value_dim, g.conv_dim
-        self.in_proj_qkv = nn.Linear(d, self.conv_dim, bias=False, dtype=dtype, device=device)
-        self.in_proj_z = nn.Linear(d, self.value_dim, bias=False, dtype=dtype, device=device)
-        self.in_proj_ba = nn.Linear(d, 2 * self.nv, bias=False, dtype=dtype, device=device)
+        self.in_proj = nn.Linear(d, self.conv_dim + self.value_dim + 2 * self.nv, bias=False, dtype=dtype,
+                                 device=device)
         self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, self.kernel, dtype=dtype, device=device))
         self.dt_bias = nn.Parameter(torch.ones(self.nv, dtype=dtype, device=device))
         self.A_log = nn.Parameter(torch.zeros(self.nv, dtype=torch.float32, device=device))
@@ -215,15 +221,39 @@ class GatedDeltaNet(nn.Module):
                              persistent=False)
         self.register_buffer("conv_state", torch.zeros(self.kernel - 1, self.conv_dim, dtype=dtype, device=device),
                              persistent=False)
+        self.impl = "auto"
         self._stash = None
 
     def reset(self):
         self.state.zero_()
         self.conv_state.zero_()
 
+    def split_proj(self, proj):
+        """(mixed, z, ab) views of ``in_proj``'s output rows."""
+        return proj.split([self.conv_dim, self.value_dim, 2 * self.nv], -1)
+
+    def uses_kernels(self, x) -> bool:
+        return self.impl == "triton" or (self.impl == "auto" and x.is_cuda)
+
     def forward(self, x, inp: StepInput):
+        mixed, z, ab = self.split_proj(self.in_proj(x))
+        if self.uses_kernels(x):
+            o = self._forward_kernels(mixed, z, ab, inp)
+        else:
+            o = self._forward_torch(x, mixed, z, ab, inp)
+        return self.out_proj(o)
+
+    def _decay(self, ab):
+        b, a = ab.float().chunk(2, -1)
+        return -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float()), torch.sigmoid(b)
+
+    def _gated_norm(self, out, z):
+        T = out.shape[0]
+        o = rms_norm(out.to(z.dtype), self.norm, self.eps) * F.silu(z.reshape(T, self.nv, self.dv))
+        return o.reshape(T, self.value_dim)
+
+    def _forward_torch(self, x, mixed, z, ab, inp: StepInput):
         T = x.shape[0]
-        mixed = self.in_proj_qkv(x)
         if inp.gdn_rows == "tree":
             windows = gdn_path.conv_windows(inp.paths.cpu(), self.kernel).to(x.device)
         else:
@@ -236,9 +266,7 @@ class GatedDeltaNet(nn.Module):
         if self.nv != self.nk:
             q = q.repeat_interleave(self.nv // self.nk, dim=1)
             k = k.repeat_interleave(self.nv // self.nk, dim=1)
-        b, a = self.in_proj_ba(x).float().chunk(2, -1)
-        beta = torch.sigmoid(b)
-        g = -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())
+        g, beta = self._decay(ab)
         q, k, v, g, beta = gdn_ref.prepare(q, k, v, g, beta)
         if inp.gdn_rows == "tree":
             out = gdn_path.path_verify(q, k, v, g, beta, self.state, inp.paths.to(x.device))
@@ -252,9 +280,53 @@ class GatedDeltaNet(nn.Module):
                 self._stash = None
             else:
                 self._stash = ("chain", mixed, states)
-        z = self.in_proj_z(x).view(T, self.nv, self.dv)
-        o = rms_norm(out.to(x.dtype), self.norm, self.eps) * F.silu(z)
-        return self.out_proj(o.reshape(T, self.value_dim))
+        return self._gated_norm(out, z)
+
+    def _forward_kernels(self, mixed, z, ab, inp: StepInput):
+        from specpilot.kernels.gdn import prefill, rows as gdn_rows
+
+        T = mixed.shape[0]
+        mode = inp.gdn_rows
+        self._stash = None
+        if mode == "seq" and T == 1:   # the AR step: conv state and state advance in the kernels
+            conv = gdn_rows.conv_rows(mixed, self.conv_state, self.conv_weight, advance=True)
+            return gdn_rows.gdn_rows(conv, ab, self.A_log, self.dt_bias, self.state, gdn_rows.chain_paths(1, conv.device),
+                                     self.nk, z=z, norm_weight=self.norm, eps=self.eps, new_state=self.state)
+        if mode == "seq" and (T > gdn_rows.MAX_DEPTH or prefill.available(mixed.device)):   # a prompt
+            conv = gdn_rows.conv_rows(mixed, self.conv_state, self.conv_weight)
+            q, k, v = conv.split([self.key_dim, self.key_dim, self.value_dim], -1)
+            g, beta = self._decay(ab)
+            if prefill.available(mixed.device):
+                out = prefill.chunk_prefill(q.reshape(T, self.nk, self.dk), k.reshape(T, self.nk, self.dk),
+                                            v.reshape(T, self.nv, self.dv), g, beta, self.state)
+            else:
+                rep = self.nv // self.nk
+                qp, kp, vp, gp, bp = gdn_ref.prepare(q.reshape(T, self.nk, self.dk).repeat_interleave(rep, 1),
+                                                     k.reshape(T, self.nk, self.dk).repeat_interleave(rep, 1),
+                                                     v.reshape(T, self.nv, self.dv), g, beta)
+                out, last = gdn_ref.recurrent(qp, kp, vp, gp, bp, self.state, keep_states=False)
+                self.state.copy_(last[0])
+            self._advance_conv(mixed)
+            return self._gated_norm(out, z)
+        # chain / tree verification (and short multi-row seq steps): every row walks its root path
+        paths = inp.paths.to(mixed.device) if mode == "tree" else gdn_rows.chain_paths(T, mixed.device)
+        conv = gdn_rows.conv_rows(mixed, self.conv_state, self.conv_weight, None if mode != "tree" else paths)
+        out = gdn_rows.gdn_rows(conv, ab, self.A_log, self.dt_bias, self.state, paths, self.nk, z=z,
+                                norm_weight=self.norm, eps=self.eps)
+        if mode == "seq":
+            self._replay(mixed, conv, ab, list(range(T)))
+        else:
+            self._stash = ("rows", mixed, (conv, ab))
+        return out
+
+    def _replay(self, mixed, conv, ab, rows: list[int]):
+        """Commit ``rows`` of a kernel step: replay them into the state, advance the conv state."""
+        from specpilot.kernels.gdn import rows as gdn_rows
+
+        path = torch.tensor([rows], dtype=torch.long).to(conv.device, non_blocking=True)
+        gdn_rows.gdn_rows(conv, ab, self.A_log, self.dt_bias, self.state, path, self.nk, output=False,
+                          new_state=self.state)
+        self._advance_conv(mixed[path[0]])
 
     def _advance_conv(self, rows_in):
         buf = torch.cat([self.conv_state, rows_in.to(self.conv_state.dtype)], 0)
@@ -263,6 +335,10 @@ class GatedDeltaNet(nn.Module):
     def commit(self, rows: list[int]):
         """Commit the accepted rows of the last chain/tree step (row 0 first)."""
         kind, mixed, data = self._stash
+        if kind == "rows":
+            self._stash = None
+            self._replay(mixed, *data, rows)
+            return
         if kind == "chain":
             self.state.copy_(data[rows[-1]])
         else:

@@ -99,7 +99,9 @@ def measure_rows(model, rows: list[int], context: int, reps: int = 50, warmup: i
     if 1 not in order:
         order = [1] + order
     times = {}
-    graphs = cuda and not model.spec.is_hybrid
+    from specpilot.engine.graphs import graph_ready
+
+    graphs = graph_ready(model)
     it = order if progress is None else progress(order, total=len(order), desc="rows", unit="N")
     for T in it:
         inp = step_input(model, T, context)

@@ -8,6 +8,7 @@ from specpilot.engine.model import StepInput
 from specpilot.errors import InputError
 from specpilot.kernels import tree as T
 from specpilot.kernels.gdn.path import row_paths
+from eager_runner import EagerRunner
 
 CTX = 256
 
@@ -128,31 +129,17 @@ def test_chunked_prefill_equals_one_shot(model):
     assert e.generate(prompt, 12).output_ids == ref
 
 
-class _EagerRunner:
-    """GraphRunner's contract (full-cache steps of fixed rows) run eagerly, so the CPU tests cover
-    the decoder's padded verify steps: what a CUDA graph replays, without CUDA."""
-
-    def __init__(self, model):
-        self.model, self.calls = model, []
-
-    def run(self, tokens, pos, slots, mask):
-        self.calls.append(len(tokens))
-        return self.model.greedy(StepInput(tokens, pos, slots, mask, "seq"), kv_len=self.model.max_seq)
-
-    def ar_step(self, token, n_cache):
-        S = self.model.max_seq
-        one = torch.tensor([n_cache])
-        return int(self.run(torch.tensor([token]), one, one, torch.arange(S)[None] <= n_cache)[0])
-
-
-@pytest.mark.parametrize("variant", ["mode=chain,depth=5", "mode=tree,nodes=12,depth=4,topk=3"])
-def test_padded_graph_verify_steps_equal_ar(variant):
+@pytest.mark.parametrize("model,variant", [("tiny", "mode=chain,depth=5"), ("tiny", "mode=tree,nodes=12,depth=4,topk=3"),
+                                           ("tiny-hybrid", "mode=chain,depth=5"),
+                                           ("tiny-hybrid", "mode=tree,nodes=12,depth=4,topk=3")])
+def test_padded_graph_verify_steps_equal_ar(model, variant):
     """Verify steps padded to the runner's row buckets (padding rows attend slot 0, write KV past the
-    tree, and are dropped) give AR's tokens; every step used a bucket."""
+    tree, and are dropped; hybrids' GDN rows walk the root paths the runner is given, padding rows
+    only themselves) give AR's tokens; every step used a bucket."""
     prompt = list(b"abcabcabc hello hello abc")
-    ref = load_engine(f"engine:model=tiny,mode=ar,ctx={CTX}").generate(prompt, 24)
-    e = load_engine(f"engine:model=tiny,{variant},ctx={CTX}")
-    runner = e.decoder.runner = _EagerRunner(e.model)
+    ref = load_engine(f"engine:model={model},mode=ar,ctx={CTX}").generate(prompt, 24)
+    e = load_engine(f"engine:model={model},{variant},ctx={CTX}")
+    runner = e.decoder.runner = EagerRunner(e.model)
     got = e.generate(prompt, 24)
     assert got.output_ids == ref.output_ids
     assert set(runner.calls) <= set(e.decoder.verify_buckets) | {1} and max(runner.calls) > 1

@@ -22,6 +22,7 @@ from specpilot.kernels.verify import common  # noqa: E402
 from specpilot.kernels.verify import naive as R  # noqa: E402
 from specpilot.kernels.verify import rows as W  # noqa: E402
 from kernel_checks import DEV, closeness, rope_tables as _rope_tables, row_inputs as _inputs  # noqa: E402
+from eager_runner import EagerRunner
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 _close = closeness(TOL)
@@ -156,27 +157,6 @@ def test_gpu_engine_w12_verify_step_matches_the_layers():
     assert (got - ref).abs().max() < 0.05 * ref.abs().max()
 
 
-class _EagerRunner:
-    """The graph runner's contract without graphs: the decoder pads steps to a bucket as on CUDA."""
-
-    def __init__(self, model):
-        self.model = model
-
-    def run(self, tokens, pos, slots, mask):
-        from specpilot.engine.model import StepInput
-
-        return self.model.greedy(StepInput(tokens, pos, slots, mask, "seq"), kv_len=self.model.max_seq)
-
-    def ar_step(self, token, n_cache):
-        from specpilot.engine.model import StepInput
-
-        dev = self.model.device
-        one = StepInput(torch.tensor([token], device=dev), torch.tensor([n_cache], device=dev),
-                        torch.tensor([n_cache], device=dev),
-                        (torch.arange(self.model.max_seq, device=dev) <= n_cache)[None], "seq")
-        return int(self.model.greedy(one, kv_len=self.model.max_seq)[0])
-
-
 def test_decoder_padded_fused_verify_steps_equal_ar():
     """Tree generation with every step of the fused kernels (verify steps padded to a bucket as the
     CUDA graphs pad them) gives AR's tokens (fp32, tiny model; chain steps are chain-shaped trees)."""
@@ -187,7 +167,7 @@ def test_decoder_padded_fused_verify_steps_equal_ar():
     ar = load_engine(spec + ",mode=ar").generate(prompt, 10).output_ids
     e = load_engine(spec + ",mode=tree,nodes=6,depth=3,topk=2")
     e.model.set_decode("fused")
-    e.decoder.runner = _EagerRunner(e.model)
+    e.decoder.runner = EagerRunner(e.model)
     r = e.generate(prompt, 10)
     assert r.output_ids == ar and r.steps < 9
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from specpilot.kernels.triton_env import tl, triton
 
-EPI_RESID, EPI_SILU, EPI_ROPE = 1, 2, 3
-EPI_NAMES = {EPI_RESID: "resid", EPI_SILU: "silu", EPI_ROPE: "rope"}
+EPI_RESID, EPI_SILU, EPI_ROPE, EPI_PLAIN = 1, 2, 3, 4
+EPI_NAMES = {EPI_RESID: "resid", EPI_SILU: "silu", EPI_ROPE: "rope", EPI_PLAIN: "plain"}
 
 
 def epilogue_operands(x, res, cos, sin, pos, slot, k_cache, v_cache) -> tuple[tuple, tuple]:
@@ -81,6 +81,9 @@ if triton is not None:
             rb = tl.load(res_ptr + rows_b).to(tl.float32)
             tl.store(y_ptr + rows_a, (ra + ya.to(tl.float32)).to(dt))
             tl.store(y_ptr + rows_b, (rb + yb.to(tl.float32)).to(dt))
+        elif EPI == 4:
+            tl.store(y_ptr + rows_a, ya)
+            tl.store(y_ptr + rows_b, yb)
         elif EPI == 2:
             gf = ya.to(tl.float32)
             s = (gf / (1.0 + tl.exp(-gf))).to(dt)

@@ -11,6 +11,8 @@ prologue and an epilogue chosen at compile time takes the whole layer apart from
 * ``EPI_RESID``: ``res + bf16(x @ W.T)`` (the residual adds after ``wo`` and ``w2``);
 * ``EPI_SILU``: a program owns gate rows ``n .. n+B`` and the matching up rows ``inter + n``, and
   writes ``silu(gate) * up`` (the gate/up projection and the activation);
+* ``EPI_PLAIN``: ``bf16(x @ W.T)`` (a hybrid layer's input projections, whose outputs go on to the
+  GDN or gated-attention kernels);
 * ``EPI_ROPE``: a program owns dims ``i`` and ``i + hd/2`` of one q/k/v head, applies rotate-half
   RoPE to q and k at the step's position and writes q to its buffer and K/V into the caches at the
   step's slot (the q/k/v projection, both RoPE kernels and the cache write).
@@ -32,8 +34,8 @@ import torch
 
 from specpilot.kernels import tuning
 from specpilot.kernels.decode import gemv_w12, gemv_w12_gluon
-from specpilot.kernels.decode.common import (EPI_RESID, EPI_ROPE, EPI_SILU, epilogue, epilogue_operands,
-                                             program_rows, row_rstd, x_at)
+from specpilot.kernels.decode.common import (EPI_PLAIN, EPI_RESID, EPI_ROPE, EPI_SILU, epilogue,
+                                             epilogue_operands, program_rows, row_rstd, x_at)
 from specpilot.kernels.triton_env import pdl_args, tl, triton
 
 # programmatic dependent launch for the fused kernels (and the attention they call): each kernel
@@ -200,6 +202,23 @@ def gemv_residual(x: torch.Tensor, w, res: torch.Tensor, cfg=None, out: torch.Te
         raise ValueError(f"N={N} is not a multiple of {2 * cfg.pairs} rows per program")
     y = out if out is not None else torch.empty_like(res)
     _launch((N // (2 * cfg.pairs),), x, None, w, y, res, 0.0, EPI_RESID, False, cfg)
+    return y
+
+def norm_proj(x: torch.Tensor, gamma: torch.Tensor, eps: float, w, cfg=None) -> torch.Tensor:
+    """``rms_norm(x) @ w.T`` for one row x [1, K] and a dense w [N, K] (``N`` even; the config's
+    row pairs halve until they divide it): the input projection of a hybrid model's layers, [1, N]."""
+    N, K = w.shape
+    if gemv_w12.is_w12(w):
+        raise ValueError("norm_proj takes dense weights (no W12 variant of the plain epilogue)")
+    cfg = _config("plain", w, cfg, x)
+    while N % (2 * cfg.pairs) and cfg.pairs > 1:   # odd projection widths (GDN: conv + z + 2 x heads)
+        cfg = GemvConfig(cfg.pairs // 2, cfg.block_k, cfg.warps, cfg.stages)
+    _check_row(x, K, "x")
+    _check_weight(w, x)
+    if N % (2 * cfg.pairs):
+        raise ValueError(f"N={N} is not a multiple of {2 * cfg.pairs} rows per program")
+    y = torch.empty(1, N, dtype=x.dtype, device=x.device)
+    _launch((N // (2 * cfg.pairs),), x, gamma, w, y, None, eps, EPI_PLAIN, True, cfg)
     return y
 
 def norm_gate_up_silu(x: torch.Tensor, gamma: torch.Tensor, eps: float, w13, inter: int,

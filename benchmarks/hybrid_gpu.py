@@ -1,0 +1,451 @@
+"""Hybrid targets (Qwen3.5-9B shapes: 24 Gated DeltaNet + 8 gated attention layers) on the H200.
+
+Random bf16 weights (std 0.02), batch 1, a 1000-token prompt committed by a real prefill
+(context 1024 for the step timings). In one run:
+
+* correctness at the model's shapes: the GDN row kernel against the fp32 torch path reference
+  (33 and 64 rows, random trees of depth <= 15), commit replay and verify rows bit-equal to AR steps,
+  the WY kernel (when present) within one bf16 ulp of the path kernel, fla's chunked prefill
+  against the torch recurrence;
+* the AR step as one CUDA graph: the fused decode chain (``decode=fused``) and the layer modules
+  (``decode=layers``, the baseline), against ``ceiling``'s byte floor;
+* prefill of 1000 tokens after warm-up (fla chunked GDN + the layers), first request and repeat;
+* the decode loop (``Decoder.generate``, what ``specpilot run`` calls): AR tokens/s over 256 tokens;
+  chain and tree outputs against AR's on these weights; a tree run (32-node trees every step);
+* ``probe rows`` (``measure_rows``) for N = 1..64 with the fused AR step as T_AR, written to
+  ``$OUT/probe_rows_qwen35_9b_bf16.json``;
+* GDN kernel timings over all 24 GDN layers (a CUDA graph of 24 launches on 24 layers' states):
+  the path kernel, the WY kernel, the commit (replay of a depth-8 accepted path) and the AR step's
+  GDN kernel, against fla's fused recurrent kernel for one token; peak memory of a tree verify.
+
+    python benchmarks/hybrid_gpu.py [--reps 30] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import bootstrap  # noqa: E402
+
+bootstrap()
+
+from common import print_table, write_results  # noqa: E402
+
+CONTEXT = 1024
+MODEL = "qwen3.5-9b"
+PROBE_ROWS = [1, 2, 4, 8, 16, 32, 33, 48, 64]
+NK, NV, DK, DV = 16, 32, 128, 128
+
+
+def log(msg):
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def section(name, fn, errors):
+    t = time.perf_counter()
+    try:
+        out = fn()
+        log(f"{name}: {time.perf_counter() - t:.1f} s")
+        return out
+    except Exception as e:  # keep the rest of the run (one device call)
+        errors.append(f"{name}: {type(e).__name__}: {e}")
+        traceback.print_exc()
+        return None
+
+
+def floor_ms(rows: int) -> float:
+    from specpilot.gpus import get_gpu
+    from specpilot.models import load_model_spec
+    from specpilot.probes.floors import step_floor
+
+    return step_floor(load_model_spec(MODEL), get_gpu("h200"), rows, context=CONTEXT).total_floor_ms
+
+
+def random_tree(R, seed, max_depth=15):
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    parents, depth = [-1], [0]
+    for r in range(1, R):
+        while True:
+            p = int(torch.randint(0, r, (1,), generator=gen))
+            if depth[p] < max_depth:
+                break
+        parents.append(p)
+        depth.append(depth[p] + 1)
+    return parents
+
+
+def layer_inputs(R, seed):
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    C = 2 * NK * DK + NV * DV
+    qkv = torch.randn(R, C, generator=g, device="cuda").to(torch.bfloat16)
+    ab = torch.randn(R, 2 * NV, generator=g, device="cuda").to(torch.bfloat16)
+    A_log = torch.rand(NV, generator=g, device="cuda") * 2.7
+    dt_bias = torch.ones(NV, device="cuda", dtype=torch.bfloat16)
+    state = torch.randn(NV, DK, DV, generator=g, device="cuda") * 0.1
+    return qkv, ab, A_log, dt_bias, state
+
+
+def wy_module():
+    try:
+        from specpilot.kernels.gdn import wy
+    except ImportError:
+        return None
+    return wy
+
+
+def kernel_checks():
+    import torch
+    import torch.nn.functional as F
+
+    from specpilot.kernels.gdn import naive, path as gpath, prefill, rows as grows
+
+    out = {}
+    for R in (33, 64):
+        qkv, ab, A_log, dt_bias, state = layer_inputs(R, R)
+        paths = gpath.row_paths(random_tree(R, R)).to("cuda")
+        o = grows.gdn_rows(qkv, ab, A_log, dt_bias, state, paths, NK)
+        q, k, v = qkv.float().split([NK * DK, NK * DK, NV * DV], -1)
+        b, a = ab.float().chunk(2, -1)
+        g = -A_log.exp() * F.softplus(a + dt_bias.float())
+        rep = NV // NK
+        prep = naive.prepare(q.view(R, NK, DK).repeat_interleave(rep, 1), k.view(R, NK, DK).repeat_interleave(rep, 1),
+                             v.view(R, NV, DV), g, torch.sigmoid(b))
+        ref = gpath.path_verify(*prep, state, paths)
+        row = {"rows": R, "path_vs_fp32_ref_max_abs": float((o.view(R, NV, DV) - ref).abs().max()),
+               "ref_max_abs": float(ref.abs().max())}
+        wy = wy_module()
+        if wy is not None:
+            ow = wy.wy_verify(qkv[:, :NK * DK].view(R, NK, DK), qkv[:, NK * DK:2 * NK * DK].view(R, NK, DK),
+                              qkv[:, 2 * NK * DK:].view(R, NV, DV), g, torch.sigmoid(b), state, paths)
+            pb, wb = o.view(R, NV, DV).to(torch.bfloat16).float(), ow.to(torch.bfloat16).float()
+            ulp = torch.where(pb == 0, torch.full_like(pb, 2.0 ** -133), pb.abs() * 2.0 ** -7)
+            row["wy_vs_path_max_ulps"] = float(((wb - pb).abs() / ulp).max())
+            row["wy_vs_fp32_ref_max_abs"] = float((ow - ref).abs().max())
+        out[f"rows_{R}"] = row
+    # commit replay and verify rows against AR steps, bit for bit
+    qkv, ab, A_log, dt_bias, state = layer_inputs(17, 5)
+    parents = random_tree(17, 5)
+    paths = gpath.row_paths(parents)
+    verify = grows.gdn_rows(qkv, ab, A_log, dt_bias, state, paths.to("cuda"), NK)
+    acc = [x for x in paths[16].tolist() if x >= 0]
+    committed = state.clone()
+    grows.gdn_rows(qkv, ab, A_log, dt_bias, committed, torch.tensor([acc], device="cuda"), NK, output=False,
+                   new_state=committed)
+    seq = state.clone()
+    same = True
+    for r in acc:
+        o = grows.gdn_rows(qkv[r:r + 1], ab[r:r + 1], A_log, dt_bias, seq, grows.chain_paths(1, "cuda"), NK, new_state=seq)
+        same = same and torch.equal(o[0], verify[r])
+    out["verify_rows_equal_ar_steps"] = bool(same)
+    out["commit_equals_sequential"] = bool(torch.equal(committed, seq))
+    # fla's chunked prefill against the torch recurrence (Qwen3.5-9B heads, 256 tokens)
+    if prefill.available("cuda"):
+        T = 256
+        gg = torch.Generator(device="cuda").manual_seed(1)
+        q = torch.randn(T, NK, DK, generator=gg, device="cuda").to(torch.bfloat16)
+        k = torch.randn(T, NK, DK, generator=gg, device="cuda").to(torch.bfloat16)
+        v = torch.randn(T, NV, DV, generator=gg, device="cuda").to(torch.bfloat16)
+        gate = -torch.rand(T, NV, generator=gg, device="cuda")
+        beta = torch.rand(T, NV, generator=gg, device="cuda")
+        s0 = torch.randn(NV, DK, DV, generator=gg, device="cuda") * 0.1
+        st = s0.clone()
+        o = prefill.chunk_prefill(q, k, v, gate, beta, st)
+        prep = naive.prepare(q.repeat_interleave(2, 1), k.repeat_interleave(2, 1), v, gate, beta)
+        ref, last = naive.recurrent(*prep, s0, keep_states=False)
+        out["fla_prefill"] = {"out_max_abs_diff": float((o - ref).abs().max()), "out_max_abs": float(ref.abs().max()),
+                              "state_max_abs_diff": float((st - last[0]).abs().max())}
+    else:
+        out["fla_prefill"] = "fla-core not installed"
+    return out
+
+
+def graph_time(fn, reps):
+    import torch
+
+    from specpilot.engine.graphs import capture, time_replays
+
+    g, _ = capture(fn, 3)
+    t = statistics.median(time_replays(g, reps, 5))
+    del g
+    return t
+
+
+def gdn_kernel_times(reps):
+    """Per-step time of the GDN kernels over 24 layers (24 launches in one graph, each layer its own
+    state and inputs), nodes = rows - 1 of a random tree of depth <= 15."""
+    import torch
+    import torch.nn.functional as F
+
+    from specpilot.kernels.gdn import path as gpath, rows as grows
+
+    L = 24
+    wy = wy_module()
+    out = []
+    states = [layer_inputs(1, 100 + i)[4] for i in range(L)]
+    for nodes in (1, 4, 8, 16, 32, 48, 63):
+        R = nodes + 1
+        ins = [layer_inputs(R, 7 + i) for i in range(L)]
+        paths = gpath.row_paths(random_tree(R, R)).to("cuda")
+        row = {"nodes": nodes, "rows": R, "layers": L}
+        row["path_us"] = 1e3 * graph_time(lambda: [grows.gdn_rows(x[0], x[1], x[2], x[3], s, paths, NK)
+                                                   for x, s in zip(ins, states)], reps)
+        if wy is not None and R <= 64:
+            pre = []
+            for x in ins:
+                b, a = x[1].float().chunk(2, -1)
+                pre.append((x[0][:, :NK * DK].view(R, NK, DK), x[0][:, NK * DK:2 * NK * DK].view(R, NK, DK),
+                            x[0][:, 2 * NK * DK:].view(R, NV, DV), -x[2].exp() * F.softplus(a + x[3].float()),
+                            torch.sigmoid(b)))
+            row["wy_us"] = 1e3 * graph_time(lambda: [wy.wy_verify(*p, s, paths) for p, s in zip(pre, states)], reps)
+            row["wy_over_path"] = row["wy_us"] / row["path_us"]
+        depth_path = [x for x in gpath.row_paths(random_tree(R, R))[-1].tolist() if x >= 0][:8]
+        acc = torch.tensor([depth_path], device="cuda")
+        work = [s.clone() for s in states]
+        row["commit_depth"] = len(depth_path)
+        row["commit_us"] = 1e3 * graph_time(lambda: [grows.gdn_rows(x[0], x[1], x[2], x[3], s, acc, NK, output=False,
+                                                                    new_state=s) for x, s in zip(ins, work)], reps)
+        out.append(row)
+    # the AR step's GDN kernel (one row, state written, gated norm) against fla's fused recurrent kernel
+    ins = [layer_inputs(1, 200 + i) for i in range(L)]
+    z = torch.randn(1, NV * DV, device="cuda").to(torch.bfloat16)
+    w = torch.ones(DV, device="cuda", dtype=torch.bfloat16)
+    one = grows.chain_paths(1, "cuda")
+    ar = {"ar_gdn_us": 1e3 * graph_time(lambda: [grows.gdn_rows(x[0], x[1], x[2], x[3], s, one, NK, z=z, norm_weight=w,
+                                                                new_state=s) for x, s in zip(ins, states)], reps)}
+    try:
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+
+        pre = []
+        for x in ins:
+            b, a = x[1].float().chunk(2, -1)
+            pre.append((x[0][:, :NK * DK].view(1, 1, NK, DK), x[0][:, NK * DK:2 * NK * DK].view(1, 1, NK, DK),
+                        x[0][:, 2 * NK * DK:].view(1, 1, NV, DV), (-x[2].exp() * F.softplus(a + x[3].float()))[None],
+                        torch.sigmoid(b)[None]))
+        st = [s[None].clone() for s in states]
+        ar["fla_fused_recurrent_us"] = 1e3 * graph_time(
+            lambda: [fused_recurrent_gated_delta_rule(q, k, v, g, b, initial_state=s, output_final_state=True,
+                                                      use_qk_l2norm_in_kernel=True) for (q, k, v, g, b), s in zip(pre, st)],
+            reps)
+    except Exception as e:
+        ar["fla_fused_recurrent_us"] = f"{type(e).__name__}: {e}"
+    return out, ar
+
+
+def build():
+    import torch
+
+    from specpilot.engine.model import StepInput, Transformer
+    from specpilot.models import load_model_spec
+
+    spec = load_model_spec(MODEL)
+    m = Transformer(spec, max_seq=CONTEXT + 512, dtype=torch.bfloat16, device="cuda").init_random_fast(0).eval()
+    m.set_attention("fused")
+    g = torch.Generator().manual_seed(0)
+    pos = torch.arange(CONTEXT, device="cuda")
+    m.set_decode("layers")
+    m.hidden(StepInput(torch.randint(0, spec.vocab_size, (CONTEXT,), generator=g).cuda(), pos, pos,
+                       torch.arange(m.max_seq, device="cuda")[None] <= pos[:, None], "seq"), kv_len=m.max_seq)
+    return m
+
+
+def ar_steps(m, reps):
+    """The AR step's CUDA graph, fused and layers, against the floor (the GDN states are kept)."""
+    import torch
+
+    from specpilot.engine.graphs import GraphRunner, time_replays
+
+    out = []
+    for path in ("fused", "layers"):
+        m.set_decode(path)
+        runner = GraphRunner(m)
+        g, _ = runner.ar_graph(CONTEXT, 7)
+        saved = [t.clone() for x in m.gdn_layers() for t in (x.state, x.conv_state)]
+        t = statistics.median(time_replays(g, reps, 5))
+        for d, s in zip([t for x in m.gdn_layers() for t in (x.state, x.conv_state)], saved):
+            d.copy_(s)
+        fl = floor_ms(1)
+        out.append({"what": "ar_step", "path": path, "step_ms": t, "floor_ms": fl, "of_floor": fl / t,
+                    "tokens_per_s_at_step": 1e3 / t})
+        del runner, g
+        torch.cuda.empty_cache()
+    m.set_decode("fused")
+    return out
+
+
+def ar_consistency(m):
+    """The fused AR step against the layers on the same state: logits difference, argmax."""
+    import torch
+
+    from specpilot.engine.model import StepInput
+
+    one = StepInput(torch.tensor([11], device="cuda"), torch.tensor([CONTEXT], device="cuda"),
+                    torch.tensor([CONTEXT], device="cuda"), torch.arange(m.max_seq, device="cuda")[None] <= CONTEXT, "seq")
+    saved = [t.clone() for x in m.gdn_layers() for t in (x.state, x.conv_state)]
+
+    def restore():
+        for d, s in zip([t for x in m.gdn_layers() for t in (x.state, x.conv_state)], saved):
+            d.copy_(s)
+
+    m.set_decode("layers")
+    ref = m.forward(one, kv_len=m.max_seq).float()
+    restore()
+    m.set_decode("fused")
+    got = m.forward(one, kv_len=m.max_seq).float()
+    restore()
+    return {"logits_max_abs_diff": float((got - ref).abs().max()), "logits_max_abs": float(ref.abs().max()),
+            "argmax_equal": bool(got.argmax() == ref.argmax())}
+
+
+def probe_json(m, reps):
+    from specpilot.engine.rows import measure_rows
+
+    m.set_decode("fused")
+    res = measure_rows(m, PROBE_ROWS, CONTEXT, reps=reps, warmup=5)
+    res.model = MODEL
+    res.extra.update({"w12": None, "attn": "fused", "head": "linear", "decode": "fused"})
+    doc = res.to_json()
+    out = os.environ.get("OUT")
+    if out:
+        Path(out, "probe_rows_qwen35_9b_bf16.json").write_text(json.dumps(doc, indent=1) + "\n")
+    return [{"what": "probe_rows", "rows": p["rows"], "step_ms": p["step_ms"], "c": p["c"], "path": p["path"],
+             "floor_c": floor_ms(p["rows"]) / floor_ms(1)} for p in doc["points"]]
+
+
+def decode_loop(m, quick):
+    """Decoder.generate after warm-up: first/second prefill, AR tokens/s, chain/tree = AR, a tree run."""
+    import torch
+
+    from specpilot.engine.decode import Decoder
+    from specpilot.engine.graphs import GraphRunner
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from verify_step import FixedDrafter
+
+    m.set_decode("fused")
+    res = {}
+    dec = Decoder(m, "ar", runner=GraphRunner(m))
+    res["warmup_seconds"] = dec.warm_up()
+    V = m.spec.vocab_size
+    prompt = [(977 * i + 13) % V for i in range(1000)]
+    n_new = 64 if quick else 256
+    first = dec.generate(prompt, n_new)
+    second = dec.generate(prompt[::-1], n_new)
+    res.update({"first_prefill_ms": first.prefill_seconds * 1e3, "second_prefill_ms": second.prefill_seconds * 1e3,
+                "ar_decode_tokens_per_s": [first.decode_tokens_per_second, second.decode_tokens_per_second],
+                "ar_step_timing": second.step_timing()})
+    ar_ids = first.output_ids
+    del dec
+    torch.cuda.empty_cache()
+    from specpilot.engine.drafters import NGramDrafter
+
+    res["lossless"] = {}
+    for mode in ("chain", "tree"):
+        d = Decoder(m, mode, NGramDrafter(), nodes=32, depth=8, topk=4, runner=GraphRunner(m))
+        d.warm_up()
+        r = d.generate(prompt, n_new)
+        res["lossless"][mode] = {"equal_ar": r.output_ids == ar_ids, "steps": r.steps, "tau": r.tau,
+                                 "first_mismatch": next((i for i, (a, b) in enumerate(zip(r.output_ids, ar_ids)) if a != b),
+                                                        None)}
+        del d
+        torch.cuda.empty_cache()
+    tree = Decoder(m, "tree", FixedDrafter(V), nodes=32, depth=8, topk=4, runner=GraphRunner(m))
+    tree.warm_up()
+    r = tree.generate(prompt, 32 if quick else 96)
+    res["tree_fixed_drafter"] = {"steps": r.steps, "tau": r.tau, "decode_tokens_per_s": r.decode_tokens_per_second,
+                                 "timing": r.step_timing()}
+    del tree
+    torch.cuda.empty_cache()
+    return res
+
+
+def tree_memory(m):
+    """Peak memory of a 33-row tree verify graph replay above the model's resident memory."""
+    import torch
+
+    from specpilot.engine.graphs import GraphRunner
+
+    runner = GraphRunner(m)
+    runner.get(33)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    from specpilot.engine.decode import Decoder
+    from specpilot.kernels import tree as treelib
+
+    toks = [[(i * 7 + j) % 1000 for j in range(4)] for i in range(8)]
+    lp = [[-0.5 * (j + 1)] * 4 for j in range(8)]
+    dec = Decoder(m, "tree", drafter=object(), nodes=32, depth=8, runner=runner)
+    dec._graph_verify(7, treelib.build_best_first(toks, lp, None, 32), CONTEXT)
+    torch.cuda.synchronize()
+    snapshots_would_be = 33 * NV * DK * DV * 4 * 24
+    return {"rows": 33, "peak_above_resident_bytes": torch.cuda.max_memory_allocated() - base,
+            "graph_pool_note": "the verify graph's working memory is its private pool, allocated at capture",
+            "per_node_snapshots_would_be_bytes": snapshots_would_be}
+
+
+def tiny_lossless():
+    from specpilot.engine.api import load_engine
+
+    prompt = list(b"abcabcabc hello hello abcabc")
+    base = "engine:model=tiny-hybrid,dtype=float32,device=cuda,ctx=512"
+    e = load_engine(base + ",mode=ar")
+    ar = e.generate(prompt, 48).output_ids
+    out = {"ar_decode": e.info["decode"], "ar_graphs": e.decoder.runner is not None}
+    for mode in ("chain", "tree"):
+        r = load_engine(base + f",mode={mode}").generate(prompt, 48)
+        out[mode] = {"equal_ar": r.output_ids == ar, "steps": r.steps}
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--quick", action="store_true", help="fewer sizes and tokens (a smoke run)")
+    args = ap.parse_args()
+    import torch
+
+    torch.set_grad_enabled(False)
+    errors: list[str] = []
+    extra: dict = {"model": MODEL, "context": CONTEXT, "dtype": "bfloat16", "weights": "random, std 0.02",
+                   "method": f"CUDA graph replays, CUDA events, median of {args.reps}"}
+    extra["tiny_hybrid_fp32_lossless"] = section("tiny lossless", tiny_lossless, errors)
+    extra["kernel_checks"] = section("kernel checks", kernel_checks, errors)
+    gk = section("gdn kernel times", lambda: gdn_kernel_times(args.reps), errors)
+    if gk:
+        extra["gdn_kernels"], extra["ar_gdn_kernel"] = gk
+    m = section("build", build, errors)
+    rows: list[dict] = []
+    if m is not None:
+        extra["ar_consistency"] = section("ar consistency", lambda: ar_consistency(m), errors)
+        rows += section("ar steps", lambda: ar_steps(m, args.reps), errors) or []
+        rows += section("probe rows", lambda: probe_json(m, args.reps), errors) or []
+        extra["tree_memory"] = section("tree memory", lambda: tree_memory(m), errors)
+        extra["loop"] = section("decode loop", lambda: decode_loop(m, args.quick), errors)
+    extra["errors"] = errors
+    print_table([r for r in rows if r["what"] == "ar_step"], ["path", "step_ms", "floor_ms", "of_floor"])
+    print_table([r for r in rows if r["what"] == "probe_rows"], ["rows", "step_ms", "c", "floor_c", "path"])
+    print_table(extra.get("gdn_kernels") or [], ["nodes", "path_us", "wy_us", "wy_over_path", "commit_us"])
+    print(json.dumps({k: extra.get(k) for k in ("ar_gdn_kernel", "kernel_checks", "ar_consistency", "tree_memory",
+                                                "tiny_hybrid_fp32_lossless", "errors")}, indent=1, default=str)[:5000])
+    loop = extra.get("loop") or {}
+    print(json.dumps({k: loop.get(k) for k in ("warmup_seconds", "first_prefill_ms", "second_prefill_ms",
+                                               "ar_decode_tokens_per_s", "lossless", "tree_fixed_drafter")},
+                     indent=1, default=str)[:4000])
+    write_results("hybrid_gpu", rows, extra)
+    return 0 if not errors else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,226 @@
+"""Gated DeltaNet rows on the GPU: the causal conv and the gated delta rule along root paths.
+
+Two kernels serve every GDN step of the engine except long prefills (:mod:`.prefill`):
+
+* :func:`conv_rows`: depthwise causal conv + SiLU of R rows, each over its own window along its
+  root path (``paths``, as :func:`.path.row_paths` builds them; a chain is the lower-triangular
+  path table), reading the committed conv state for positions before the root. With
+  ``advance=True`` (one row, the AR step) the program that owns a channel block also shifts the
+  conv state by that row.
+* :func:`gdn_rows`: program (row r, value head h) starts from the committed fp32 state of head h
+  and walks r's root path one token at a time, applying :func:`.naive.step` (decay, delta-rule
+  write) with the token's own q/k normalisation, decay ``g = -exp(A_log) softplus(a + dt_bias)``
+  and ``beta = sigmoid(b)`` computed in the kernel; at the end of the path it reads the state with
+  r's query (paper 4.2: no per-node snapshot is ever stored; memory is one working state per row
+  in registers). Optionally the output passes through the layer's gated RMSNorm
+  (``rms_norm(o) * silu(z)``) in the activation dtype, and with ``write_state`` the final state is
+  stored, which makes the same kernel the AR step (one row, path [0]) and the commit (one row whose
+  path is the accepted rows: a replay, so the committed state equals sequential decoding bit for
+  bit).
+
+Because AR decode, chain/tree verification and commit all run this one loop body, a row's output
+in a verify step is bitwise the output AR decoding would have produced for that token. The plain
+references are :mod:`.naive` and :mod:`.path` (fp32 torch); the kernels also run under Triton's
+interpreter (CPU tests).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specpilot.kernels.triton_env import pdl_args, tl, triton
+
+MAX_DEPTH = 64          # longest root path (rows per verify step)
+_CHAINS: dict = {}
+
+
+def chain_paths(rows: int, device) -> torch.Tensor:
+    """The path table of a chain of ``rows`` rows (row r walks rows 0..r), a view of one cached
+    lower-triangular table per device (no allocation per step, CUDA-graph friendly)."""
+    key = torch.device(device)
+    t = _CHAINS.get(key)
+    if t is None:
+        i = torch.arange(MAX_DEPTH)
+        t = torch.where(i[None, :] <= i[:, None], i[None, :], torch.full_like(i[None, :], -1)).to(key)
+        _CHAINS[key] = t
+    if rows > MAX_DEPTH:
+        raise ValueError(f"at most {MAX_DEPTH} rows per GDN step through the path kernels, got {rows}")
+    return t[:rows, :rows]
+
+
+if triton is not None:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    @triton.jit
+    def _conv_rows_kernel(x_ptr, stride_x, cs_ptr, w_ptr, out_ptr, stride_o, paths_ptr, stride_p, C, D,
+                          KW: tl.constexpr, DP: tl.constexpr, BC: tl.constexpr, SEQ: tl.constexpr,
+                          ADVANCE: tl.constexpr, PDL: tl.constexpr):
+        r = tl.program_id(0)
+        c = tl.program_id(1) * BC + tl.arange(0, BC)
+        cm = c < C
+        if PDL:
+            gdc_launch_dependents()
+            gdc_wait()
+        if SEQ:       # consecutive rows: row r's path is rows 0..r
+            depth = r + 1
+        else:
+            dd = tl.arange(0, DP)
+            prow = tl.load(paths_ptr + r * stride_p + dd, mask=dd < D, other=-1)
+            depth = tl.sum((prow >= 0).to(tl.int32), axis=0)
+        dt = x_ptr.dtype.element_ty
+        acc = tl.zeros([BC], tl.float32)
+        for j in tl.static_range(KW):
+            pos = depth - KW + j          # position along the path; < 0: the committed conv state
+            if SEQ:
+                src = tl.maximum(pos, 0)
+            else:
+                src = tl.load(paths_ptr + r * stride_p + tl.maximum(pos, 0))
+            posv = pos + tl.zeros([BC], tl.int32)   # a block, so the masks below are blocks too
+            on_path = posv >= 0
+            xv = tl.load(x_ptr + src * stride_x + c, mask=cm & on_path, other=0.0)
+            sv = tl.load(cs_ptr + (posv + KW - 1) * C + c, mask=cm & (posv < 0), other=0.0).to(dt)
+            val = tl.where(on_path, xv, sv)
+            wv = tl.load(w_ptr + c * KW + j, mask=cm, other=0.0)
+            acc += (val.to(tl.float32) * wv.to(tl.float32)).to(dt).to(tl.float32)  # the layer's bf16 products
+        o = acc.to(dt).to(tl.float32)
+        tl.store(out_ptr + r * stride_o + c, (o / (1.0 + tl.exp(-o))).to(out_ptr.dtype.element_ty), mask=cm)
+        if ADVANCE:   # one row: the conv state drops its oldest row and takes this one
+            tl.debug_barrier()   # every read of the old state above comes first
+            for j in tl.static_range(KW - 2):
+                nxt = tl.load(cs_ptr + (j + 1) * C + c, mask=cm)
+                tl.store(cs_ptr + j * C + c, nxt, mask=cm)
+            xl = tl.load(x_ptr + r * stride_x + c, mask=cm)
+            tl.store(cs_ptr + (KW - 2) * C + c, xl.to(cs_ptr.dtype.element_ty), mask=cm)
+
+    @triton.jit
+    def _gdn_rows_kernel(qkv_ptr, stride_qkv, ab_ptr, stride_ab, z_ptr, stride_z,
+                         alog_ptr, dtb_ptr, normw_ptr, eps,
+                         state_ptr, new_state_ptr, paths_ptr, stride_p, D, out_ptr, stride_o,
+                         KEY_DIM, NV,
+                         DK: tl.constexpr, DV: tl.constexpr, RATIO: tl.constexpr, DP: tl.constexpr,
+                         OUTPUT: tl.constexpr, GATED: tl.constexpr, WRITE_STATE: tl.constexpr,
+                         PDL: tl.constexpr):
+        r = tl.program_id(0)
+        h = tl.program_id(1)
+        kh = h // RATIO
+        dk = tl.arange(0, DK)
+        dv = tl.arange(0, DV)
+        sidx = h * DK * DV + dk[:, None] * DV + dv[None, :]
+        A = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
+        dtb = tl.load(dtb_ptr + h).to(tl.float32)
+        if PDL:
+            gdc_launch_dependents()
+            gdc_wait()
+        s = tl.load(state_ptr + sidx)
+        dd = tl.arange(0, DP)
+        L = tl.sum((tl.load(paths_ptr + r * stride_p + dd, mask=dd < D, other=-1) >= 0).to(tl.int32), axis=0)
+        for d in range(0, L):
+            t = tl.load(paths_ptr + r * stride_p + d)
+            row = qkv_ptr + t * stride_qkv
+            kr = tl.load(row + KEY_DIM + kh * DK + dk).to(tl.float32)
+            kn = kr * tl.math.rsqrt(tl.sum(kr * kr, axis=0) + 1e-6)
+            v = tl.load(row + 2 * KEY_DIM + h * DV + dv).to(tl.float32)
+            b = tl.load(ab_ptr + t * stride_ab + h).to(tl.float32)
+            a = tl.load(ab_ptr + t * stride_ab + NV + h).to(tl.float32) + dtb
+            sp = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(tl.minimum(a, 20.0))))   # softplus, torch's threshold
+            beta = 1.0 / (1.0 + tl.exp(-b))
+            s = s * tl.exp(A * sp)
+            kv_mem = tl.sum(s * kn[:, None], axis=0)
+            delta = (v - kv_mem) * beta
+            s = s + kn[:, None] * delta[None, :]
+        if WRITE_STATE:
+            tl.store(new_state_ptr + sidx, s)
+        if OUTPUT:
+            qr = tl.load(qkv_ptr + r * stride_qkv + kh * DK + dk).to(tl.float32)
+            qn = qr * tl.math.rsqrt(tl.sum(qr * qr, axis=0) + 1e-6) * (DK ** -0.5)
+            o = tl.sum(s * qn[:, None], axis=0)
+            if GATED:   # rms_norm(o in the activation dtype) * silu(z), rounded where the layer rounds
+                dt = out_ptr.dtype.element_ty
+                of = o.to(dt).to(tl.float32)
+                rstd = tl.math.rsqrt(tl.sum(of * of, axis=0) / DV + eps)
+                xn = (of * rstd).to(dt).to(tl.float32)
+                y = (tl.load(normw_ptr + dv).to(tl.float32) * xn).to(dt).to(tl.float32)
+                zf = tl.load(z_ptr + r * stride_z + h * DV + dv).to(tl.float32)
+                sz = (zf / (1.0 + tl.exp(-zf))).to(dt).to(tl.float32)
+                tl.store(out_ptr + r * stride_o + h * DV + dv, (y * sz).to(dt))
+            else:
+                tl.store(out_ptr + r * stride_o + h * DV + dv, o)
+
+
+def _check_paths(paths: torch.Tensor, rows: int, device) -> None:
+    if paths.dim() != 2 or paths.shape[0] != rows or paths.device != device or paths.dtype != torch.long:
+        raise ValueError(f"paths must be an int64 [{rows}, depth] table on {device}, got "
+                         f"{tuple(paths.shape)} {paths.dtype} on {paths.device}")
+    if paths.shape[1] > MAX_DEPTH or paths.stride(1) != 1:
+        raise ValueError(f"paths must be contiguous rows of at most {MAX_DEPTH} entries")
+
+
+def conv_rows(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, paths: torch.Tensor | None = None,
+              advance: bool = False, pdl: bool = False) -> torch.Tensor:
+    """SiLU(causal depthwise conv) of rows ``x`` [R, C] along their root paths (``paths`` None:
+    consecutive tokens), the committed ``conv_state`` [KW-1, C] supplying positions before the
+    root; ``weight`` [C, KW]. Returns [R, C] in x's dtype. ``advance`` (R = 1): shift ``conv_state``
+    in place by the row."""
+    R, C = x.shape
+    KW = weight.shape[1]
+    if weight.shape[0] != C or conv_state.shape != (KW - 1, C) or x.stride(1) != 1 or not conv_state.is_contiguous():
+        raise ValueError(f"conv_rows: x [R, {C}] (contiguous rows), conv_state [{KW - 1}, {C}], weight [{C}, {KW}] "
+                         f"expected, got {tuple(x.shape)}, {tuple(conv_state.shape)}, {tuple(weight.shape)}")
+    if advance and R != 1:
+        raise ValueError("conv_rows: advance shifts the conv state by one row only")
+    if paths is not None:
+        _check_paths(paths, R, x.device)
+    weight = weight.contiguous()
+    out = torch.empty(R, C, dtype=x.dtype, device=x.device)
+    BC = 512
+    D = paths.shape[1] if paths is not None else 1
+    _conv_rows_kernel[(R, triton.cdiv(C, BC))](
+        x, x.stride(0), conv_state, weight, out, out.stride(0), paths if paths is not None else x,
+        paths.stride(0) if paths is not None else 0, C, D,
+        KW=KW, DP=triton.next_power_of_2(max(D, 2)), BC=BC, SEQ=paths is None, ADVANCE=advance, num_warps=4,
+        **pdl_args(pdl, x))
+    return out
+
+
+def gdn_rows(qkv: torch.Tensor, ab: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+             state: torch.Tensor, paths: torch.Tensor, nk: int, *, z: torch.Tensor | None = None,
+             norm_weight: torch.Tensor | None = None, eps: float = 1e-6, output: bool = True,
+             new_state: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor | None:
+    """The gated delta rule of every row along its root path (see the module doc).
+
+    ``qkv`` [R, 2 * nk * dk + nv * dv]: the conv outputs (q | k | v, raw: normalised in the kernel);
+    ``ab`` [R, 2 * nv]: the raw b (-> beta) then a (-> decay) projections; ``state`` [nv, dk, dv] fp32,
+    the committed state (not modified unless it is ``new_state``); ``paths`` [R, depth] int64.
+    With ``z`` and ``norm_weight`` the output is ``rms_norm(o) * silu(z)`` [R, nv * dv] in z's dtype,
+    else o in fp32. ``new_state``: the final state of the (single) row's path is written there
+    (one path row; it may be ``state`` itself). ``output=False`` skips the output: a commit, whose
+    single path (``paths`` [1, L]) lists the accepted rows of ``qkv``/``ab`` to replay."""
+    R = qkv.shape[0]
+    P = paths.shape[0]
+    nv, dk, dv = state.shape
+    key_dim = nk * dk
+    if state.dtype != torch.float32 or not state.is_contiguous():
+        raise ValueError("gdn_rows: the state must be a contiguous float32 [nv, dk, dv] tensor")
+    if nv % nk or qkv.shape[1] != 2 * key_dim + nv * dv or ab.shape != (R, 2 * nv):
+        raise ValueError(f"gdn_rows: qkv [R, {2 * key_dim + nv * dv}] and ab [R, {2 * nv}] expected for nk={nk}, "
+                         f"state {tuple(state.shape)}; got {tuple(qkv.shape)} and {tuple(ab.shape)}")
+    if qkv.stride(1) != 1 or ab.stride(1) != 1 or dk & (dk - 1) or dv & (dv - 1):
+        raise ValueError("gdn_rows: contiguous rows and power-of-two head dims expected")
+    if new_state is not None and (P != 1 or new_state.shape != state.shape or not new_state.is_contiguous()):
+        raise ValueError("gdn_rows: the state is written for one row's path only, into a tensor like the state")
+    _check_paths(paths, R if output else P, qkv.device)
+    gated = z is not None
+    if gated and (norm_weight is None or z.shape != (R, nv * dv) or z.stride(1) != 1):
+        raise ValueError(f"gdn_rows: the gated norm needs z [R, {nv * dv}] (contiguous rows) and norm_weight [{dv}]")
+    if output:
+        out = torch.empty(R, nv * dv, dtype=z.dtype if gated else torch.float32, device=qkv.device)
+    else:
+        out = state   # unused
+    _gdn_rows_kernel[(P, nv)](
+        qkv, qkv.stride(0), ab, ab.stride(0), z if gated else qkv, z.stride(0) if gated else 0,
+        A_log, dt_bias, norm_weight if gated else A_log, float(eps),
+        state, new_state if new_state is not None else state, paths, paths.stride(0), paths.shape[1],
+        out, out.stride(0) if output else 0, key_dim, nv,
+        DK=dk, DV=dv, RATIO=nv // nk, DP=triton.next_power_of_2(max(paths.shape[1], 2)), OUTPUT=output, GATED=gated, WRITE_STATE=new_state is not None,
+        num_warps=8 if dk * dv >= 128 * 128 else 4, **pdl_args(pdl, qkv))
+    return out if output else None
