@@ -17,29 +17,29 @@ def _close(a, b):
     return torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("gated,rot", [(True, 8), (False, 16)])
-def test_qk_norm_rope_store_matches_reference(gated, rot):
+@pytest.mark.parametrize("gated,rot,rows", [(True, 8, 1), (False, 16, 1), (True, 8, 3)])
+def test_qk_norm_rope_store_matches_reference(gated, rot, rows):
     nh, nkv, hd, S = 4, 2, 16, 12
     gen = torch.Generator().manual_seed(rot)
     dt = DT
-    proj = torch.randn(1, nh * hd * (2 if gated else 1) + 2 * nkv * hd, generator=gen).to(dt)
+    proj = torch.randn(rows, nh * hd * (2 if gated else 1) + 2 * nkv * hd, generator=gen).to(dt)
     qn, kn = (torch.rand(hd, generator=gen) + 0.5).to(dt), (torch.rand(hd, generator=gen) + 0.5).to(dt)
     ang = torch.rand(S, rot, generator=gen) * 6
     cos, sin = ang.cos(), ang.sin()
-    pos, slot = torch.tensor([5]), torch.tensor([7])
+    pos, slot = torch.tensor([5, 2, 9][:rows]), torch.tensor([7, 3, 11][:rows])
     caches = [torch.zeros(nkv, S, hd, dtype=dt) for _ in range(4)]
     want = naive.qk_norm_rope_store(proj, qn, kn, 1e-6, cos, sin, pos, slot, caches[0], caches[1], nh, nkv, gated)
     got = ga.qk_norm_rope_store(proj, qn, kn, 1e-6, cos, sin, pos, slot, caches[2], caches[3], nh, nkv, gated)
     assert _close(got, want)
     assert _close(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
-    assert caches[2][:, 7].abs().sum() > 0
+    assert caches[2][:, slot].abs().sum() > 0
 
 
 def test_sigmoid_gate_and_norm_proj_match_reference():
     gen = torch.Generator().manual_seed(1)
     nh, hd = 4, 16
-    proj = torch.randn(1, 2 * nh * hd + 64, generator=gen).to(DT)
-    o = torch.randn(1, nh * hd, generator=gen).to(DT)
+    proj = torch.randn(3, 2 * nh * hd + 64, generator=gen).to(DT)
+    o = torch.randn(3, nh * hd, generator=gen).to(DT)
     assert _close(ga.sigmoid_gate(o, proj, nh), naive.sigmoid_gate(o, proj, nh))
     x = torch.randn(1, 64, generator=gen).to(DT)
     g = (torch.rand(64, generator=gen) + 0.5).to(DT)
@@ -61,5 +61,9 @@ def test_gated_kernels_refuse_bad_shapes():
                               cache, cache, 4, 2, True)
     with pytest.raises(ValueError, match="sigmoid_gate"):
         ga.sigmoid_gate(torch.zeros(2, 64, dtype=dt), torch.zeros(1, 128, dtype=dt), 4)
+    with pytest.raises(ValueError, match="one position"):
+        ga.qk_norm_rope_store(torch.zeros(2, 4 * 32 + 64, dtype=dt), torch.ones(16, dtype=dt), torch.ones(16, dtype=dt),
+                              1e-6, torch.ones(8, 8), torch.ones(8, 8), torch.tensor([0]), torch.tensor([0]),
+                              cache, cache, 4, 2, True)
     with pytest.raises(ValueError, match="multiple"):
         gemv.norm_proj(torch.zeros(1, 64, dtype=dt), torch.ones(64, dtype=dt), 1e-6, torch.zeros(101, 64, dtype=dt))

@@ -4,7 +4,8 @@ Those layers differ from Llama's in three ways the fused RoPE epilogue of :mod:`
 take: q and k are RMS-normalised per head (``q_norm``/``k_norm``) before RoPE, RoPE turns only the
 first ``rot`` dims of a head (partial rotary), and the attention output is multiplied by
 ``sigmoid(gate)``, the gate coming out of the q projection (per head: q dims, then gate dims). So
-the AR step of such a layer is: :func:`.gemv.norm_proj` (RMSNorm + the q/gate/k/v projection),
+the AR step of such a layer is (the two kernels here also take the rows of a verify step):
+:func:`.gemv.norm_proj` (RMSNorm + the q/gate/k/v projection),
 :func:`qk_norm_rope_store` (one program per head: norm, partial RoPE, q out, K/V into the caches),
 the split-KV attention, :func:`sigmoid_gate`, then :func:`.gemv.gemv_residual` with ``wo``. Each
 rounds where the layer (``engine/model.py``) rounds; references in :mod:`.naive`.
@@ -21,10 +22,15 @@ if triton is not None:
 
     @triton.jit
     def _qk_norm_rope_kernel(p_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr,
-                             eps, stride_rot, stride_ch, stride_cs, stride_dh, stride_ds,
+                             eps, stride_p, stride_rot, stride_ch, stride_cs, stride_dh, stride_ds,
                              NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, ROT: tl.constexpr,
                              GATED: tl.constexpr, PDL: tl.constexpr):
         h = tl.program_id(0)
+        row = tl.program_id(1)
+        p_ptr += row * stride_p
+        q_ptr += row * NH * HD
+        pos_ptr += row
+        slot_ptr += row
         d = tl.arange(0, HD)
         if PDL:
             gdc_launch_dependents()
@@ -63,8 +69,12 @@ if triton is not None:
             tl.store(vc_ptr + vh * stride_dh + slot * stride_ds + d, v)
 
     @triton.jit
-    def _sigmoid_gate_kernel(o_ptr, p_ptr, y_ptr, HD: tl.constexpr, PDL: tl.constexpr):
+    def _sigmoid_gate_kernel(o_ptr, p_ptr, y_ptr, stride_o, stride_p, HD: tl.constexpr, PDL: tl.constexpr):
         h = tl.program_id(0)
+        row = tl.program_id(1)
+        o_ptr += row * stride_o
+        y_ptr += row * stride_o
+        p_ptr += row * stride_p
         d = tl.arange(0, HD)
         if PDL:
             gdc_launch_dependents()
@@ -78,30 +88,36 @@ if triton is not None:
 
 def qk_norm_rope_store(proj, q_norm, k_norm, eps, cos, sin, pos, slot, k_cache, v_cache, nh: int, nkv: int,
                        gated: bool, pdl: bool = False) -> torch.Tensor:
-    """From one row of the q(/gate)/k/v projection ``proj`` [1, nh*hd*(2 if gated) + 2*nkv*hd]:
+    """From rows of the q(/gate)/k/v projection ``proj`` [T, nh*hd*(2 if gated) + 2*nkv*hd]:
     RMS-normalised (``q_norm``/``k_norm`` [hd]) q and k with RoPE over the first ``cos.shape[-1]``
-    dims at ``pos``, K/V written to the caches [nkv, S, hd] at ``slot`` (one-element device tensors);
-    returns q [1, nh * hd]."""
+    dims at each row's ``pos``, K/V written to the caches [nkv, S, hd] at each row's ``slot``
+    (``pos``/``slot``: [T] device tensors); returns q [T, nh * hd]."""
     hd = k_cache.shape[-1]
     rot = cos.shape[-1]
-    if proj.shape != (1, nh * hd * (2 if gated else 1) + 2 * nkv * hd) or not proj.is_contiguous():
-        raise ValueError(f"qk_norm_rope_store: one contiguous projection row expected, got {tuple(proj.shape)}")
+    T = proj.shape[0]
+    if proj.dim() != 2 or proj.shape[1] != nh * hd * (2 if gated else 1) + 2 * nkv * hd or proj.stride(1) != 1:
+        raise ValueError(f"qk_norm_rope_store: projection rows [T, {nh * hd * (2 if gated else 1) + 2 * nkv * hd}] "
+                         f"(contiguous in the row) expected, got {tuple(proj.shape)}")
     if hd & (hd - 1) or rot % 2 or rot > hd or (rot // 2) & (rot // 2 - 1) or cos.stride(-1) != 1:
         raise ValueError(f"qk_norm_rope_store: head_dim {hd} and rotary dims {rot} must be powers of two, rot <= hd")
-    q = torch.empty(1, nh * hd, dtype=proj.dtype, device=proj.device)
-    _qk_norm_rope_kernel[(nh + 2 * nkv,)](
-        proj, q_norm, k_norm, cos, sin, pos, slot, q, k_cache, v_cache, float(eps), cos.stride(0),
+    if pos.numel() != T or slot.numel() != T:
+        raise ValueError(f"qk_norm_rope_store: one position and slot per row ({T}) expected")
+    q = torch.empty(T, nh * hd, dtype=proj.dtype, device=proj.device)
+    _qk_norm_rope_kernel[(nh + 2 * nkv, T)](
+        proj, q_norm, k_norm, cos, sin, pos, slot, q, k_cache, v_cache, float(eps), proj.stride(0), cos.stride(0),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         NH=nh, NKV=nkv, HD=hd, ROT=rot, GATED=gated, num_warps=4, **pdl_args(pdl, proj))
     return q
 
 
 def sigmoid_gate(o: torch.Tensor, proj: torch.Tensor, nh: int, pdl: bool = False) -> torch.Tensor:
-    """``o * sigmoid(gate)`` for the attention output o [1, nh * hd], the gate being each head's
-    second half in the projection row ``proj``."""
+    """``o * sigmoid(gate)`` for attention output rows o [T, nh * hd], the gate being each head's
+    second half in the projection rows ``proj`` [T, >= 2 * nh * hd]."""
+    T = o.shape[0]
     hd = o.shape[-1] // nh
-    if o.shape != (1, nh * hd) or not o.is_contiguous() or not proj.is_contiguous() or proj.shape[-1] < 2 * nh * hd:
-        raise ValueError("sigmoid_gate: o [1, nh * hd] and the gated projection row expected")
+    if (o.dim() != 2 or o.shape[1] != nh * hd or o.stride(1) != 1 or proj.shape[0] != T or proj.stride(1) != 1
+            or proj.shape[-1] < 2 * nh * hd):
+        raise ValueError("sigmoid_gate: o [T, nh * hd] and the gated projection rows [T, >= 2 nh hd] expected")
     y = torch.empty_like(o)
-    _sigmoid_gate_kernel[(nh,)](o, proj, y, HD=hd, num_warps=4, **pdl_args(pdl, o))
+    _sigmoid_gate_kernel[(nh, T)](o, proj, y, o.stride(0), proj.stride(0), HD=hd, num_warps=4, **pdl_args(pdl, o))
     return y

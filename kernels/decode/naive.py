@@ -49,28 +49,30 @@ def norm_gate_up_silu(x, gamma, eps, w13, inter: int):
 
 def qk_norm_rope_store(proj, q_norm, k_norm, eps, cos, sin, pos, slot, k_cache, v_cache, nh: int, nkv: int,
                        gated: bool):
-    """The gated-attention layer's q/k path for one projected row (:mod:`.gated_attention`):
-    per-head RMSNorm of q and k, rotate-half RoPE of the first ``cos.shape[-1]`` dims at ``pos``,
-    K/V into the caches at ``slot``; returns q [1, nh * hd]."""
+    """The gated-attention layer's q/k path for projected rows [T, width] (:mod:`.gated_attention`):
+    per-head RMSNorm of q and k, rotate-half RoPE of the first ``cos.shape[-1]`` dims at each row's
+    ``pos``, K/V into the caches at each row's ``slot``; returns q [T, nh * hd]."""
     hd = k_cache.shape[-1]
     rot = cos.shape[-1]
+    T = proj.shape[0]
     qw = nh * hd * (2 if gated else 1)
     q, k, v = proj.split([qw, nkv * hd, nkv * hd], -1)
-    q = q.view(nh, 2 * hd)[:, :hd] if gated else q.view(nh, hd)
-    c, s = cos[pos].to(proj.dtype), sin[pos].to(proj.dtype)     # [1, rot]
+    q = q.reshape(T, nh, 2 * hd)[..., :hd] if gated else q.reshape(T, nh, hd)
+    c, s = cos[pos].to(proj.dtype)[:, None], sin[pos].to(proj.dtype)[:, None]     # [T, 1, rot]
 
     def rope(t):
-        tr, tp = t[:, :rot], t[:, rot:]
-        t1, t2 = tr[:, : rot // 2], tr[:, rot // 2:]
+        tr, tp = t[..., :rot], t[..., rot:]
+        t1, t2 = tr[..., : rot // 2], tr[..., rot // 2:]
         return torch.cat([tr * c + torch.cat([-t2, t1], -1) * s, tp], -1)
 
-    k_cache[:, slot] = rope(rms_norm(k.view(nkv, hd), k_norm, eps)).view(nkv, 1, hd)
-    v_cache[:, slot] = v.view(nkv, 1, hd)
-    return rope(rms_norm(q, q_norm, eps)).reshape(1, nh * hd)
+    k_cache[:, slot] = rope(rms_norm(k.reshape(T, nkv, hd), k_norm, eps)).transpose(0, 1)
+    v_cache[:, slot] = v.reshape(T, nkv, hd).transpose(0, 1)
+    return rope(rms_norm(q, q_norm, eps)).reshape(T, nh * hd)
 
 
 def sigmoid_gate(o, proj, nh: int):
-    """``o * sigmoid(gate)``, the gate being each head's second half of the q projection."""
+    """``o * sigmoid(gate)`` for rows o [T, nh * hd], the gate being each head's second half of the q projection."""
+    T = o.shape[0]
     hd = o.shape[-1] // nh
-    g = proj[:, : 2 * nh * hd].view(nh, 2 * hd)[:, hd:].reshape(1, nh * hd)
+    g = proj[:, : 2 * nh * hd].reshape(T, nh, 2 * hd)[..., hd:].reshape(T, nh * hd)
     return o * torch.sigmoid(g)
