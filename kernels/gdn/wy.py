@@ -18,10 +18,9 @@ G_i the sum of g over P(i), Gamma_i = exp(G_i); kn, qn normalised as in ``naive.
     O = diag(Gamma) Qn S0 + (M o L) Delta,               L_ij = exp(G_i - G_j) qn_i.kn_j
 
 M is the ancestor-or-self mask, built from ``paths`` on the device. Parents precede children, so
-A is strictly lower triangular. The solve: the 16x16 diagonal blocks of I + A are inverted by
-forward substitution (all blocks at once), then block forward substitution by products:
-with Tb that block inverse and P = Tb A_off, Delta = X0 - P Delta, X0 = Tb rhs, iterated once
-per further block (each pass makes one more block row exact).
+A is strictly lower triangular. The solve: the 16x16 diagonal blocks of I + A are inverted
+(all blocks at once, by recursive doubling), then block forward substitution, block row by block
+row: Delta_I = Tb_I (rhs_I - sum_{J<I} A_IJ Delta_J).
 
 Precision: the products with S0 (Q S0, K S0) split the fp32 state into three bf16 pieces,
 s1 = bf16(S0), s2 = bf16(S0 - s1), s3 = bf16(S0 - s1 - s2), which hold its 24-bit mantissa
@@ -29,9 +28,10 @@ exactly, and multiply them with the RAW bf16 q/k rows (exact in bf16) accumulati
 per-row normalisation (and Gamma, beta) scales the fp32 result afterwards. K K^T and Q K^T are
 raw too. fp32 inputs take fp32 (``ieee``) dots. The [R, R] and [R, R] x [R, dv] parts are fp32.
 
-Grid: (value head, dv block); a program holds all rows of its head, padded to 16/32/64. Rows
-above :data:`MAX_ROWS` are refused (ValueError): the caller uses the path kernel then. Nothing
-here syncs with the host, so the launch can be captured in a CUDA graph.
+Grid: (value head, dv block of 32); a program holds all rows of its head, padded to 16/32/64.
+Rows above :data:`MAX_ROWS` are refused (ValueError): the caller uses the path kernel then.
+Nothing here syncs with the host, so the launch can be captured in a CUDA graph; for the same
+reason ``paths`` is trusted as ``row_paths`` builds it (topological order, -1 padding).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import torch
 from specpilot.kernels.triton_env import interpreting, tl, triton
 
 MAX_ROWS = 64      # rows of a tree a program holds (root + 63 nodes)
-BLOCK = 16         # diagonal block of the forward substitution (a tensor-core tile)
+BLOCK = 16         # rows of a diagonal block of the solve (the smallest tensor-core tile)
 BLOCK_V = 32       # dv columns per program: 32 heads x 4 blocks fill an H200's SMs at dv=128
 # precision of the small fp32 products ([R, R] x [R, R], [R, R] x [R, BV]); "tf32x3" would move
 # them to tensor cores at near-fp32 accuracy
@@ -122,28 +122,39 @@ if triton is not None:
                     mask=rm[:, None] & vm[None, :], other=0.0).to(tl.float32)
         rhs = beta[:, None] * (v - gam[:, None] * ks)
 
-        # inverse of each 16x16 diagonal block of I + A by forward substitution, all blocks at once
+        # the rows in NB blocks of BS: A4[I, i, J, l] = A[I*BS + i, J*BS + l]
         NB: tl.constexpr = RP // BS
+        LOG_BS: tl.constexpr = BS.bit_length() - 1
         bi = tl.arange(0, NB)
-        same = bi[:, None, None, None] == bi[None, None, :, None]
-        A3 = tl.sum(tl.where(same, tl.reshape(A, (NB, BS, NB, BS)), 0.0), 2)   # [NB, BS, BS]
+        A4 = tl.reshape(A, (NB, BS, NB, BS))
+        A3 = tl.sum(tl.where(bi[:, None, None, None] == bi[None, None, :, None], A4, 0.0), 2)  # diagonal blocks
+
+        # Tb: inverse of every diagonal block of I + A, all blocks at once, by recursive doubling:
+        # with T the inverse on blocks of 2^s rows, the inverse on blocks of 2^(s+1) rows is
+        # T - T A_s T, A_s the lower-left 2^s-block inside each 2^(s+1)-block (the two halves'
+        # inverses are T's diagonal blocks, the corner is -T22 A21 T11). Three levels of small
+        # batched dots instead of a 15-step row recurrence, whose row reductions cross warps.
         ii = tl.arange(0, BS)[None, :, None]
         ll = tl.arange(0, BS)[None, None, :]
-        Tb = tl.where(ii == ll, 1.0, 0.0) + tl.zeros((NB, BS, BS), dtype=tl.float32)
-        for t in tl.static_range(1, BS):
-            a_t = tl.sum(tl.where(ii == t, A3, 0.0), 1)          # row t of each block
-            upd = tl.sum(a_t[:, :, None] * Tb, 1)               # sum over l < t of A[t, l] Tb[l, :]
-            Tb = tl.where(ii == t, Tb - upd[:, None, :], Tb)
-        T = tl.reshape(tl.where(same, Tb[:, :, None, :], 0.0), (RP, RP))
+        Tb = tl.where(ii == ll, 1.0, 0.0) - tl.where(ii // 2 == ll // 2, A3, 0.0)   # blocks of 2 rows
+        for lvl in tl.static_range(1, LOG_BS):
+            As = tl.where(((ii >> (lvl + 1)) == (ll >> (lvl + 1))) & ((ii >> lvl) != (ll >> lvl)), A3, 0.0)
+            Tb = Tb - tl.dot(Tb, tl.dot(As, Tb, input_precision=PREC), input_precision=PREC)
 
-        # block forward substitution: Delta = X0 - (Tb A_off) Delta, one pass per further block
-        x0 = tl.dot(T, rhs, input_precision=PREC)
-        x = x0
-        if NB > 1:
-            off = (rows[:, None] // BS) != (rows[None, :] // BS)
-            P = tl.dot(T, tl.where(off, A, 0.0), input_precision=PREC)
-            for _ in tl.static_range(NB - 1):
-                x = x0 - tl.dot(P, x, input_precision=PREC)
+        # block forward substitution, one block row at a time:
+        # Delta_I = Tb_I (rhs_I - sum_{J < I} A_IJ Delta_J); only the blocks below the diagonal
+        # are multiplied (a dense T (I + A)^-1 product would do 3-4x the fp32 work, and spill)
+        nb3 = bi[:, None, None]
+        rhs3 = tl.reshape(rhs, (NB, BS, BV))
+        x3 = tl.zeros((NB, BS, BV), dtype=tl.float32)
+        for I in tl.static_range(NB):
+            r_i = tl.sum(tl.where(nb3 == I, rhs3, 0.0), 0)
+            if I > 0:  # rows of block I against all rows (blocks >= I of x3 are still zero)
+                a_i = tl.reshape(tl.sum(tl.where(bi[:, None, None, None] == I, A4, 0.0), 0), (BS, RP))
+                r_i = r_i - tl.dot(a_i, tl.reshape(x3, (RP, BV)), input_precision=PREC)
+            x_i = tl.dot(tl.sum(tl.where(nb3 == I, Tb, 0.0), 0), r_i, input_precision=PREC)
+            x3 = tl.where(nb3 == I, x_i[None, :, :], x3)
+        x = tl.reshape(x3, (RP, BV))
 
         o = gam[:, None] * qs + tl.dot(LM, x, input_precision=PREC)
         tl.store(o_ptr + rows[:, None] * so_r + h * so_h + dvs[None, :], o, mask=rm[:, None] & vm[None, :])
@@ -204,5 +215,5 @@ def wy_verify(q, k, v, g, beta, state, paths):
         *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *state.stride(),
         *paths.stride(), o.stride(0), o.stride(1),
         RP=RP, DKP=DKP, BV=BV, BS=BLOCK, BF16=q.dtype == torch.bfloat16, UPCAST=interpreting(),
-        PREC=SMALL_DOT, num_warps=8 if RP >= 64 else 4)
+        PREC=SMALL_DOT, num_warps=8 if RP >= 32 else 4)
     return o
