@@ -134,6 +134,18 @@ def test_bad_inputs_are_refused_with_the_reason():
         wy_verify(q, k.bfloat16(), v, g, beta, state, paths)
 
 
+def test_three_bf16_pieces_hold_the_fp32_state_exactly():
+    """The kernel's split of S0 (s1 = bf16(S0), s2 = bf16(S0 - s1), s3 = bf16(S0 - s1 - s2)) loses
+    nothing, at any magnitude: the bf16 products on the GPU see all of the state."""
+    gen = torch.Generator().manual_seed(10)
+    S = torch.randn(4096, generator=gen) * torch.logspace(-30, 30, 4096)
+    s1 = S.bfloat16()
+    r1 = S - s1.float()
+    s2 = r1.bfloat16()
+    s3 = (r1 - s2.float()).bfloat16()
+    assert torch.equal(s1.double() + s2.double() + s3.double(), S.double())
+
+
 def _bf16_ulp(x):
     """Spacing of bf16 numbers at |x| (8 significant bits)."""
     _, e = torch.frexp(x.abs())
