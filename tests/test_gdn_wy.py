@@ -73,9 +73,16 @@ def test_chain_of_depth_15_and_a_63_node_tree(dt):
     _check(_random_parents(63, seed=4), dt)
 
 
-def test_star_and_root_only():
+def test_star_root_only_and_padded_paths():
     _check([-1] + [0] * 31)
     _check([-1])
+    # paths wider than the rows (extra -1 columns) give the same outputs
+    parents = [-1, 0, 1, 1, 0, 3, 5]
+    q, k, v, g, beta, state = _inputs(len(parents), seed=11)
+    paths = gpath.row_paths(parents).to(DEV)
+    wide = torch.cat([paths, paths.new_full((len(parents), 20), -1)], 1)
+    torch.testing.assert_close(wy_verify(q, k, v, g, beta, state, wide), wy_verify(q, k, v, g, beta, state, paths),
+                               rtol=0, atol=0)
 
 
 def test_adversarial_gates_and_repeated_keys():

@@ -100,11 +100,14 @@ if triton is not None:
         qs = qs * rq[:, None]
         ks = ks * rk[:, None]
 
-        # ancestor-or-self mask: anc[i, j] = row j lies on row i's root path
-        anc = (rows[:, None] + rows[None, :]) < 0
-        for d in range(D):
-            a = tl.load(p_ptr + rows * sp_r + d * sp_d, mask=rm, other=-1)
-            anc = anc | (a[:, None] == rows[None, :])
+        # ancestor-or-self mask: anc[i, j] = row j lies on row i's root path, i.e. row i's entry
+        # at row j's depth is j. Two loads, not one per depth (a path is at most R <= RP long, so
+        # the first RP entries of a row hold all of it)
+        p_row = p_ptr + rows[:, None] * sp_r
+        pt = tl.load(p_row + rows[None, :] * sp_d, mask=rm[:, None] & (rows[None, :] < D), other=-1)
+        depth = tl.sum((pt >= 0).to(tl.int32), 1) - 1
+        at = tl.load(p_row + depth[None, :] * sp_d, mask=rm[:, None] & rm[None, :], other=-1)
+        anc = at == rows[None, :]
         g = tl.load(g_ptr + rows * sg_r + h * sg_h, mask=rm, other=0.0).to(tl.float32)
         beta = tl.load(b_ptr + rows * sb_r + h * sb_h, mask=rm, other=0.0).to(tl.float32)
         G = tl.sum(tl.where(anc, g[None, :], 0.0), 1)
