@@ -217,13 +217,25 @@ def gdn_kernel_times(reps):
         row["commit_us"] = 1e3 * graph_time(lambda: [grows.gdn_rows(x[0], x[1], x[2], x[3], s, acc, NK, output=False,
                                                                     new_state=s) for x, s in zip(ins, work)], reps)
         out.append(row)
-    # the AR step's GDN kernel (one row, state written, gated norm) against fla's fused recurrent kernel
+    # the AR step's GDN kernel (one row, state written, gated norm) against fla's fused recurrent
+    # kernel; the kernel's warps swept for the AR row and a 33-row tree
     ins = [layer_inputs(1, 200 + i) for i in range(L)]
     z = torch.randn(1, NV * DV, device="cuda").to(torch.bfloat16)
     w = torch.ones(DV, device="cuda", dtype=torch.bfloat16)
     one = grows.chain_paths(1, "cuda")
     ar = {"ar_gdn_us": 1e3 * graph_time(lambda: [grows.gdn_rows(x[0], x[1], x[2], x[3], s, one, NK, z=z, norm_weight=w,
-                                                                new_state=s) for x, s in zip(ins, states)], reps)}
+                                                                new_state=s) for x, s in zip(ins, states)], reps),
+          "default_warps": grows.default_warps(DK, DV)}
+    ins33 = [layer_inputs(33, 300 + i) for i in range(L)]
+    z33 = torch.randn(33, NV * DV, device="cuda").to(torch.bfloat16)
+    p33 = gpath.row_paths(random_tree(33, 33)).to("cuda")
+    for wp in (4, 8, 16):
+        ar[f"ar_gdn_us_w{wp}"] = 1e3 * graph_time(
+            lambda: [grows.gdn_rows(x[0], x[1], x[2], x[3], s, one, NK, z=z, norm_weight=w, new_state=s, warps=wp)
+                     for x, s in zip(ins, states)], reps)
+        ar[f"tree33_gdn_us_w{wp}"] = 1e3 * graph_time(
+            lambda: [grows.gdn_rows(x[0], x[1], x[2], x[3], s, p33, NK, z=z33, norm_weight=w, warps=wp)
+                     for x, s in zip(ins33, states)], reps)
     try:
         from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
 
@@ -306,6 +318,34 @@ def ar_consistency(m):
     restore()
     return {"logits_max_abs_diff": float((got - ref).abs().max()), "logits_max_abs": float(ref.abs().max()),
             "argmax_equal": bool(got.argmax() == ref.argmax())}
+
+
+def verify_methods(m, reps):
+    """T_step(N) of the engine's verify graph with every GDN layer on the path kernel and on WY."""
+    import torch
+
+    from specpilot.engine.graphs import GraphRunner, time_replays
+    from specpilot.engine.rows import step_input
+
+    m.set_decode("fused")
+    out = []
+    for T in (9, 17, 33, 64):
+        row = {"what": "verify_method", "rows": T}
+        for method in ("path", "wy"):
+            for g in m.gdn_layers():
+                g.verify = method
+            inp = step_input(m, T, CONTEXT)
+            runner = GraphRunner(m)
+            gr, sinp, _ = runner.get(T)
+            for a, b in ((sinp.tokens, inp.tokens), (sinp.pos, inp.pos), (sinp.slots, inp.slots), (sinp.mask, inp.mask)):
+                a.copy_(b)
+            row[f"{method}_step_ms"] = statistics.median(time_replays(gr, reps, 5))
+            del runner, gr
+            torch.cuda.empty_cache()
+        out.append(row)
+    for g in m.gdn_layers():
+        g.verify = "auto"
+    return out
 
 
 def probe_json(m, reps):
@@ -395,6 +435,36 @@ def tree_memory(m):
             "per_node_snapshots_would_be_bytes": snapshots_would_be}
 
 
+def prefill_profile(m):
+    """Where a warm 1000-token prefill's time goes: CUDA kernels by name (PyTorch profiler)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile as tprofile
+
+    from specpilot.engine.decode import Decoder
+
+    dec = Decoder(m, "ar")
+    prompt = [(31 * i + 5) % m.spec.vocab_size for i in range(1000)]
+    dec.prefill(prompt)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    dec.prefill(prompt)
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) * 1e3
+    with tprofile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        dec.prefill(prompt)
+        torch.cuda.synchronize()
+    kernels = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            k = kernels.setdefault(e.name[:90], [0, 0.0])
+            k[0] += 1
+            k[1] += getattr(e, "device_time_total", 0) or e.cuda_time_total
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][1])
+    return {"wall_ms": wall, "kernel_ms": sum(v[1] for v in kernels.values()) / 1e3,
+            "kernels": sum(v[0] for v in kernels.values()),
+            "top": [{"name": n, "calls": c, "ms": us / 1e3} for n, (c, us) in top[:14]]}
+
+
 def tiny_lossless():
     from specpilot.engine.api import load_engine
 
@@ -430,14 +500,18 @@ def main() -> int:
     if m is not None:
         extra["ar_consistency"] = section("ar consistency", lambda: ar_consistency(m), errors)
         rows += section("ar steps", lambda: ar_steps(m, args.reps), errors) or []
+        rows += section("verify methods", lambda: verify_methods(m, args.reps), errors) or []
         rows += section("probe rows", lambda: probe_json(m, args.reps), errors) or []
         extra["tree_memory"] = section("tree memory", lambda: tree_memory(m), errors)
+        extra["prefill_profile"] = section("prefill profile", lambda: prefill_profile(m), errors)
         extra["loop"] = section("decode loop", lambda: decode_loop(m, args.quick), errors)
     extra["errors"] = errors
     print_table([r for r in rows if r["what"] == "ar_step"], ["path", "step_ms", "floor_ms", "of_floor"])
     print_table([r for r in rows if r["what"] == "probe_rows"], ["rows", "step_ms", "c", "floor_c", "path"])
+    print_table([r for r in rows if r["what"] == "verify_method"], ["rows", "path_step_ms", "wy_step_ms"])
     print_table(extra.get("gdn_kernels") or [], ["nodes", "path_us", "wy_us", "wy_over_path", "commit_us"])
     print(json.dumps({k: extra.get(k) for k in ("ar_gdn_kernel", "kernel_checks", "ar_consistency", "tree_memory",
+                                                "prefill_profile",
                                                 "tiny_hybrid_fp32_lossless", "errors")}, indent=1, default=str)[:5000])
     loop = extra.get("loop") or {}
     print(json.dumps({k: loop.get(k) for k in ("warmup_seconds", "first_prefill_ms", "second_prefill_ms",

@@ -14,6 +14,12 @@ instead of the layer modules' forty:
 5. gate/up GEMM, ``silu(gate) * up``, down GEMM;
 6. the residual add and the next layer's RMSNorm (after the last layer: the model's final norm).
 
+Hybrid layers (Qwen3.5 / Qwen3-Next) keep steps 4-6 and replace 1-3: a GDN layer is its input
+GEMM, the conv and the gated delta rule along each row's root path with the gated norm
+(``GatedDeltaNet.mix``: :mod:`specpilot.kernels.gdn.rows`) and the out GEMM; a gated attention
+layer is its GEMM, per-head q/k norm + partial RoPE + the cache write, the attention and
+``sigmoid(gate)`` (:mod:`specpilot.kernels.decode.gated_attention`).
+
 Then the LM head (cuBLAS) and the rows' argmax (two kernels). The small kernels and the attention
 are launched with programmatic dependent launch. The arithmetic is the layers' (each kernel rounds
 where ``engine/model.py`` rounds, the GEMMs are the same cuBLAS calls); RMSNorm sums its squares
@@ -31,8 +37,8 @@ MAX_ROWS = 64
 
 
 def takes(model, rows: int) -> bool:
-    """Whether a step of ``rows`` rows runs here (``decode=fused``, 2..64 rows, a dense model)."""
-    return model.fused_decode and 1 < rows <= MAX_ROWS and not model.spec.is_hybrid
+    """Whether a step of ``rows`` rows runs here (``decode=fused`` and 2..64 rows)."""
+    return model.fused_decode and 1 < rows <= MAX_ROWS
 
 
 def _linear(h, lin):
@@ -55,7 +61,9 @@ def _attend(m, q, inp, kv_len):
 def hidden_rows(model, x: torch.Tensor, inp, kv_len: int, layers: int | None = None) -> torch.Tensor:
     """The final-normed hidden rows [T, hidden] of the step ``inp`` (``x``: its embedded tokens)
     through the first ``layers`` layers (all by default)."""
-    from specpilot.kernels.verify import rows as R
+    from specpilot.engine.model import GatedDeltaNet
+    from specpilot.kernels.decode import gated_attention as ga
+    from specpilot.kernels.verify import common, rows as R
 
     blocks = model.layers[:layers]
     eps = model.spec.rms_norm_eps
@@ -64,9 +72,21 @@ def hidden_rows(model, x: torch.Tensor, inp, kv_len: int, layers: int | None = N
     h = R.rms_norm_rows(x, blocks[0].attn_norm, blocks[0].eps)
     for i, blk in enumerate(blocks):
         m = blk.mixer
-        q = R.rope_store_rows(_linear(h, m.wqkv), model.cos, model.sin, inp.pos, inp.slots, m.k_cache[0],
-                              m.v_cache[0], m.nh, m.nkv)
-        x, h = R.add_rms_norm_rows(x, _linear(_attend(m, q, inp, kv_len), m.wo), blk.mlp_norm, blk.eps)
+        if isinstance(m, GatedDeltaNet):
+            o = m.mix(_linear(h, m.in_proj), inp)
+            x, h = R.add_rms_norm_rows(x, _linear(o, m.out_proj), blk.mlp_norm, blk.eps)
+        elif m.qk_norm or m.gate:
+            proj = _linear(h, m.wqkv)
+            q = ga.qk_norm_rope_store(proj, m.q_norm, m.k_norm, m.eps, model.cos, model.sin, inp.pos, inp.slots,
+                                      m.k_cache[0], m.v_cache[0], m.nh, m.nkv, m.gate, pdl=common.USE_PDL)
+            o = _attend(m, q, inp, kv_len)
+            if m.gate:
+                o = ga.sigmoid_gate(o, proj, m.nh, pdl=common.USE_PDL)
+            x, h = R.add_rms_norm_rows(x, _linear(o, m.wo), blk.mlp_norm, blk.eps)
+        else:
+            q = R.rope_store_rows(_linear(h, m.wqkv), model.cos, model.sin, inp.pos, inp.slots, m.k_cache[0],
+                                  m.v_cache[0], m.nh, m.nkv)
+            x, h = R.add_rms_norm_rows(x, _linear(_attend(m, q, inp, kv_len), m.wo), blk.mlp_norm, blk.eps)
         d = _linear(R.silu_mul_rows(_linear(h, blk.w13), blk.inter), blk.w2)
         nxt = blocks[i + 1] if i + 1 < len(blocks) else None
         x, h = R.add_rms_norm_rows(x, d, nxt.attn_norm if nxt else model.norm, nxt.eps if nxt else eps)

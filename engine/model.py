@@ -200,7 +200,9 @@ class GatedDeltaNet(nn.Module):
     ``triton`` runs the conv and the gated delta rule through :mod:`specpilot.kernels.gdn.rows`
     (one kernel body for the AR step, chain/tree verification and commit, so they agree bit for
     bit) and long prompts through fla's chunked kernel (:mod:`specpilot.kernels.gdn.prefill`);
-    ``auto`` is triton on CUDA, torch elsewhere."""
+    ``auto`` is triton on CUDA, torch elsewhere. ``verify`` picks the kernel of a triton verify step:
+    ``path`` (each row walks its root path, bitwise AR's arithmetic) or ``wy`` (TreeWY, one
+    bf16 ulp from it; :mod:`specpilot.kernels.gdn.wy`); ``auto`` takes the measured faster one."""
 
     def __init__(self, spec: ModelSpec, dtype, device):
         super().__init__()
@@ -222,6 +224,7 @@ class GatedDeltaNet(nn.Module):
         self.register_buffer("conv_state", torch.zeros(self.kernel - 1, self.conv_dim, dtype=dtype, device=device),
                              persistent=False)
         self.impl = "auto"
+        self.verify = "auto"   # path | wy | auto (the measured table): how kernel steps verify rows
         self._stash = None
 
     def reset(self):
@@ -282,6 +285,12 @@ class GatedDeltaNet(nn.Module):
                 self._stash = ("chain", mixed, states)
         return self._gated_norm(out, z)
 
+    def mix(self, proj, inp: StepInput):
+        """The layer's rows after its input projection ``proj`` (the kernels' path: conv, gated delta
+        rule, gated norm; states advanced or the step's commit data kept as ``inp.gdn_rows`` says):
+        the output projection's input [T, value_dim]."""
+        return self._forward_kernels(*self.split_proj(proj), inp)
+
     def _forward_kernels(self, mixed, z, ab, inp: StepInput):
         from specpilot.kernels.gdn import prefill, rows as gdn_rows
 
@@ -308,11 +317,22 @@ class GatedDeltaNet(nn.Module):
                 self.state.copy_(last[0])
             self._advance_conv(mixed)
             return self._gated_norm(out, z)
-        # chain / tree verification (and short multi-row seq steps): every row walks its root path
+        # chain / tree verification (and short multi-row seq steps): every row's output at the end
+        # of its root path, by the path walk or by TreeWY, whichever the table says is faster
         paths = inp.paths.to(mixed.device) if mode == "tree" else gdn_rows.chain_paths(T, mixed.device)
         conv = gdn_rows.conv_rows(mixed, self.conv_state, self.conv_weight, None if mode != "tree" else paths)
-        out = gdn_rows.gdn_rows(conv, ab, self.A_log, self.dt_bias, self.state, paths, self.nk, z=z,
-                                norm_weight=self.norm, eps=self.eps)
+        method = self.verify if self.verify != "auto" else gdn_rows.verify_method(T, mixed.device)
+        if method == "wy" and mode != "seq":
+            from specpilot.kernels.gdn.wy import wy_verify
+
+            q, k, v = conv.split([self.key_dim, self.key_dim, self.value_dim], -1)
+            g, beta = gdn_rows.decay_rows(ab, self.A_log, self.dt_bias)
+            o = wy_verify(q.view(T, self.nk, self.dk), k.view(T, self.nk, self.dk), v.view(T, self.nv, self.dv),
+                          g, beta, self.state, paths)
+            out = gdn_rows.gated_norm_rows(o, z, self.norm, self.eps)
+        else:
+            out = gdn_rows.gdn_rows(conv, ab, self.A_log, self.dt_bias, self.state, paths, self.nk, z=z,
+                                    norm_weight=self.norm, eps=self.eps)
         if mode == "seq":
             self._replay(mixed, conv, ab, list(range(T)))
         else:

@@ -161,3 +161,35 @@ def test_engine_kernels_give_ar_tokens_and_match_torch(mode):
     ar = _step_engine("torch").generate(prompt, max_new_tokens=8).output_ids
     assert _step_engine("triton").generate(prompt, max_new_tokens=8).output_ids == ar
     assert _step_engine("triton", mode).generate(prompt, max_new_tokens=8).output_ids == ar
+
+
+def test_decay_and_gated_norm_rows_match_the_row_kernel():
+    """The WY route's two small kernels compute what gdn_rows computes inside (decay, beta; the
+    gated norm) from the same inputs."""
+    R = 5
+    qkv, ab, A_log, dt_bias, state = _layer_inputs(R, seed=12)
+    g, beta = grows.decay_rows(ab, A_log, dt_bias)
+    b, a = ab.float().chunk(2, -1)
+    torch.testing.assert_close(g, -A_log.exp() * F.softplus(a + dt_bias), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(beta, torch.sigmoid(b), rtol=1e-5, atol=1e-6)
+    z = torch.randn(R, NV * DV)
+    w = torch.rand(DV) + 0.5
+    paths = grows.chain_paths(R, "cpu")
+    plain = grows.gdn_rows(qkv, ab, A_log, dt_bias, state, paths, NK)
+    gated = grows.gdn_rows(qkv, ab, A_log, dt_bias, state, paths, NK, z=z, norm_weight=w)
+    torch.testing.assert_close(grows.gated_norm_rows(plain.view(R, NV, DV), z, w, 1e-6), gated, rtol=1e-5, atol=1e-6)
+
+
+def test_engine_wy_verify_gives_ar_tokens():
+    """tiny-hybrid (fp32) with the GDN layers verifying through TreeWY: AR's tokens."""
+    prompt = list(b"gated delta rules")
+    ar = _step_engine("torch").generate(prompt, max_new_tokens=8).output_ids
+    e = _step_engine("triton", "tree")
+    for m in e.model.gdn_layers():
+        m.verify = "wy"
+    assert e.generate(prompt, max_new_tokens=8).output_ids == ar
+
+
+def test_verify_method_defaults_to_path_off_cuda_and_above_64_rows():
+    assert grows.verify_method(33, "cpu") == "path"
+    assert grows.verify_method(65, "cpu") == "path"

@@ -31,6 +31,7 @@ import torch
 from specpilot.kernels.triton_env import pdl_args, tl, triton
 
 MAX_DEPTH = 64          # longest root path (rows per verify step)
+PATH_CHUNK = 16         # path tokens gathered per load in the walk
 _CHAINS: dict = {}
 
 
@@ -98,6 +99,7 @@ if triton is not None:
                          state_ptr, new_state_ptr, paths_ptr, stride_p, D, out_ptr, stride_o,
                          KEY_DIM, NV,
                          DK: tl.constexpr, DV: tl.constexpr, RATIO: tl.constexpr, DP: tl.constexpr,
+                         CH: tl.constexpr,
                          OUTPUT: tl.constexpr, GATED: tl.constexpr, WRITE_STATE: tl.constexpr,
                          PDL: tl.constexpr):
         r = tl.program_id(0)
@@ -112,26 +114,38 @@ if triton is not None:
             gdc_launch_dependents()
             gdc_wait()
         s = tl.load(state_ptr + sidx)
+        if OUTPUT:   # the row's own query, read while the walk runs
+            qr = tl.load(qkv_ptr + r * stride_qkv + kh * DK + dk).to(tl.float32)
         dd = tl.arange(0, DP)
         L = tl.sum((tl.load(paths_ptr + r * stride_p + dd, mask=dd < D, other=-1) >= 0).to(tl.int32), axis=0)
-        for d in range(0, L):
-            t = tl.load(paths_ptr + r * stride_p + d)
-            row = qkv_ptr + t * stride_qkv
-            kr = tl.load(row + KEY_DIM + kh * DK + dk).to(tl.float32)
-            kn = kr * tl.math.rsqrt(tl.sum(kr * kr, axis=0) + 1e-6)
-            v = tl.load(row + 2 * KEY_DIM + h * DV + dv).to(tl.float32)
-            b = tl.load(ab_ptr + t * stride_ab + h).to(tl.float32)
-            a = tl.load(ab_ptr + t * stride_ab + NV + h).to(tl.float32) + dtb
-            sp = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(tl.minimum(a, 20.0))))   # softplus, torch's threshold
-            beta = 1.0 / (1.0 + tl.exp(-b))
-            s = s * tl.exp(A * sp)
-            kv_mem = tl.sum(s * kn[:, None], axis=0)
-            delta = (v - kv_mem) * beta
-            s = s + kn[:, None] * delta[None, :]
+        cc = tl.arange(0, CH)
+        for c0 in range(0, L, CH):
+            # one gather per CH path tokens, so the walk waits on memory once per chunk, not per token;
+            # each token's values are picked out exactly (one nonzero term per sum), and CH is the same
+            # for every call, so AR steps, verify rows and commits run the same arithmetic
+            ok = c0 + cc < L
+            tt = tl.load(paths_ptr + r * stride_p + c0 + cc, mask=ok, other=0)
+            rows = qkv_ptr + tt[:, None] * stride_qkv
+            kt = tl.load(rows + KEY_DIM + kh * DK + dk[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+            vt = tl.load(rows + 2 * KEY_DIM + h * DV + dv[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+            bt = tl.load(ab_ptr + tt * stride_ab + h, mask=ok, other=0.0).to(tl.float32)
+            at = tl.load(ab_ptr + tt * stride_ab + NV + h, mask=ok, other=0.0).to(tl.float32)
+            for j in range(0, tl.minimum(CH, L - c0)):
+                sel = cc == j
+                kr = tl.sum(tl.where(sel[:, None], kt, 0.0), axis=0)
+                v = tl.sum(tl.where(sel[:, None], vt, 0.0), axis=0)
+                b = tl.sum(tl.where(sel, bt, 0.0), axis=0)
+                a = tl.sum(tl.where(sel, at, 0.0), axis=0) + dtb
+                kn = kr * tl.math.rsqrt(tl.sum(kr * kr, axis=0) + 1e-6)
+                sp = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(tl.minimum(a, 20.0))))   # softplus, torch's threshold
+                beta = 1.0 / (1.0 + tl.exp(-b))
+                s = s * tl.exp(A * sp)
+                kv_mem = tl.sum(s * kn[:, None], axis=0)
+                delta = (v - kv_mem) * beta
+                s = s + kn[:, None] * delta[None, :]
         if WRITE_STATE:
             tl.store(new_state_ptr + sidx, s)
         if OUTPUT:
-            qr = tl.load(qkv_ptr + r * stride_qkv + kh * DK + dk).to(tl.float32)
             qn = qr * tl.math.rsqrt(tl.sum(qr * qr, axis=0) + 1e-6) * (DK ** -0.5)
             o = tl.sum(s * qn[:, None], axis=0)
             if GATED:   # rms_norm(o in the activation dtype) * silu(z), rounded where the layer rounds
@@ -145,6 +159,81 @@ if triton is not None:
                 tl.store(out_ptr + r * stride_o + h * DV + dv, (y * sz).to(dt))
             else:
                 tl.store(out_ptr + r * stride_o + h * DV + dv, o)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _decay_kernel(ab_ptr, stride_ab, alog_ptr, dtb_ptr, g_ptr, beta_ptr, NV, NVP: tl.constexpr):
+        r = tl.program_id(0)
+        h = tl.arange(0, NVP)
+        hm = h < NV
+        b = tl.load(ab_ptr + r * stride_ab + h, mask=hm, other=0.0).to(tl.float32)
+        a = tl.load(ab_ptr + r * stride_ab + NV + h, mask=hm, other=0.0).to(tl.float32)
+        a = a + tl.load(dtb_ptr + h, mask=hm, other=0.0).to(tl.float32)
+        sp = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(tl.minimum(a, 20.0))))
+        A = -tl.exp(tl.load(alog_ptr + h, mask=hm, other=0.0).to(tl.float32))
+        tl.store(g_ptr + r * NV + h, A * sp, mask=hm)
+        tl.store(beta_ptr + r * NV + h, 1.0 / (1.0 + tl.exp(-b)), mask=hm)
+
+    @triton.jit
+    def _gated_norm_kernel(o_ptr, z_ptr, stride_z, w_ptr, y_ptr, eps, DV: tl.constexpr):
+        r = tl.program_id(0)
+        h = tl.program_id(1)
+        NVt = tl.num_programs(1)
+        dv = tl.arange(0, DV)
+        dt = y_ptr.dtype.element_ty
+        of = tl.load(o_ptr + (r * NVt + h) * DV + dv).to(dt).to(tl.float32)
+        rstd = tl.math.rsqrt(tl.sum(of * of, axis=0) / DV + eps)
+        xn = (of * rstd).to(dt).to(tl.float32)
+        y = (tl.load(w_ptr + dv).to(tl.float32) * xn).to(dt).to(tl.float32)
+        zf = tl.load(z_ptr + r * stride_z + h * DV + dv).to(tl.float32)
+        sz = (zf / (1.0 + tl.exp(-zf))).to(dt).to(tl.float32)
+        tl.store(y_ptr + (r * NVt + h) * DV + dv, (y * sz).to(dt))
+
+
+def decay_rows(ab: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
+    """(g, beta) [R, nv] fp32 from the raw b | a rows ``ab`` [R, 2 nv]: the log decay
+    ``-exp(A_log) softplus(a + dt_bias)`` and ``sigmoid(b)``, as the row kernel computes them."""
+    R, nv2 = ab.shape
+    nv = nv2 // 2
+    if ab.stride(1) != 1 or A_log.numel() != nv or dt_bias.numel() != nv:
+        raise ValueError(f"decay_rows: ab [R, 2 nv] with contiguous rows and A_log, dt_bias [nv] expected")
+    g = torch.empty(R, nv, dtype=torch.float32, device=ab.device)
+    beta = torch.empty_like(g)
+    _decay_kernel[(R,)](ab, ab.stride(0), A_log, dt_bias, g, beta, nv, NVP=triton.next_power_of_2(nv), num_warps=1)
+    return g, beta
+
+
+def gated_norm_rows(o: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``rms_norm(o) * silu(z)`` per head for GDN outputs o [R, nv, dv] fp32 (the WY kernel's), in
+    z's dtype [R, nv * dv], rounded as the layer (and :func:`gdn_rows`' gated output) rounds."""
+    R, nv, dv = o.shape
+    if not o.is_contiguous() or z.shape != (R, nv * dv) or z.stride(1) != 1 or dv & (dv - 1):
+        raise ValueError("gated_norm_rows: o [R, nv, dv] contiguous and z [R, nv * dv] expected")
+    y = torch.empty(R, nv * dv, dtype=z.dtype, device=o.device)
+    _gated_norm_kernel[(R, nv)](o, z, z.stride(0), norm_weight, y, float(eps), DV=dv, num_warps=1)
+    return y
+
+
+def verify_method(rows: int, device) -> str:
+    """``wy`` or ``path``: the faster GDN verification for a step of ``rows`` rows on ``device``, from
+    the measured table ``kernels/gdn/tuned/<arch>.json`` (kernel ``verify``); ``path`` off CUDA,
+    above the WY kernel's 64 rows, and where the table has no entry."""
+    from specpilot.kernels import tuning
+
+    arch = tuning.device_arch(device)
+    if arch is None or rows > 64:
+        return "path"
+    found = tuning.lookup("gdn", "verify", arch, rows=rows)
+    return found[0]["config"]["method"] if found else "path"
+
+
+def default_warps(dk: int, dv: int) -> int:
+    """Warps of the GDN row kernel. One value per head shape for every call, because the layout
+    decides the order of the kernel's sums, and AR steps, verify rows and commits must agree bit
+    for bit."""
+    return 8 if dk * dv >= 128 * 128 else 4
 
 
 def _check_paths(paths: torch.Tensor, rows: int, device) -> None:
@@ -185,7 +274,7 @@ def conv_rows(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, p
 def gdn_rows(qkv: torch.Tensor, ab: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
              state: torch.Tensor, paths: torch.Tensor, nk: int, *, z: torch.Tensor | None = None,
              norm_weight: torch.Tensor | None = None, eps: float = 1e-6, output: bool = True,
-             new_state: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor | None:
+             new_state: torch.Tensor | None = None, pdl: bool = False, warps: int | None = None) -> torch.Tensor | None:
     """The gated delta rule of every row along its root path (see the module doc).
 
     ``qkv`` [R, 2 * nk * dk + nv * dv]: the conv outputs (q | k | v, raw: normalised in the kernel);
@@ -194,7 +283,8 @@ def gdn_rows(qkv: torch.Tensor, ab: torch.Tensor, A_log: torch.Tensor, dt_bias: 
     With ``z`` and ``norm_weight`` the output is ``rms_norm(o) * silu(z)`` [R, nv * dv] in z's dtype,
     else o in fp32. ``new_state``: the final state of the (single) row's path is written there
     (one path row; it may be ``state`` itself). ``output=False`` skips the output: a commit, whose
-    single path (``paths`` [1, L]) lists the accepted rows of ``qkv``/``ab`` to replay."""
+    single path (``paths`` [1, L]) lists the accepted rows of ``qkv``/``ab`` to replay. ``warps``:
+    for benchmarks (the default keeps every call's arithmetic the same, :func:`default_warps`)."""
     R = qkv.shape[0]
     P = paths.shape[0]
     nv, dk, dv = state.shape
@@ -221,6 +311,6 @@ def gdn_rows(qkv: torch.Tensor, ab: torch.Tensor, A_log: torch.Tensor, dt_bias: 
         A_log, dt_bias, norm_weight if gated else A_log, float(eps),
         state, new_state if new_state is not None else state, paths, paths.stride(0), paths.shape[1],
         out, out.stride(0) if output else 0, key_dim, nv,
-        DK=dk, DV=dv, RATIO=nv // nk, DP=triton.next_power_of_2(max(paths.shape[1], 2)), OUTPUT=output, GATED=gated, WRITE_STATE=new_state is not None,
-        num_warps=8 if dk * dv >= 128 * 128 else 4, **pdl_args(pdl, qkv))
+        DK=dk, DV=dv, RATIO=nv // nk, DP=triton.next_power_of_2(max(paths.shape[1], 2)), CH=PATH_CHUNK, OUTPUT=output, GATED=gated, WRITE_STATE=new_state is not None,
+        num_warps=warps or default_warps(dk, dv), **pdl_args(pdl, qkv))
     return out if output else None
