@@ -112,7 +112,10 @@ class Decoder:
         rows = self.verify_rows()
         self.verify_buckets = sorted({b for b in (2, 4, 8, 16, 32, 64, 128, 256) if b < rows} | {rows})
         self.threads = 0  # > 0: torch CPU threads while generating (restored afterwards)
-        self.prefill_chunk = 512
+        # prompt rows per prefill forward: chunks bound the torch attention's score memory; the fused
+        # attention kernel holds no scores, so there a prompt of up to 2048 rows goes in one forward
+        fused_attn = all(getattr(b.mixer, "fused", True) for b in model.layers) and model.device.type == "cuda"
+        self.prefill_chunk = 2048 if fused_attn else 512
         self._times = None   # CUDA: (rows, start event, end event) of the request's steps
         self._verify = None  # (rows, wall ms) of the last verify forward
         self._draft_ms = 0.0  # drafting + tree build of the last step

@@ -26,9 +26,8 @@ records instead: 12 bits per weight, decoded in registers, the same prologues an
 
 Hybrid models (Qwen3.5 / Qwen3-Next: Gated DeltaNet layers and gated full-attention layers) take
 the same chain with two more layer shapes. A GDN layer is RMSNorm + its input projection (one GEMV,
-``gemv.norm_proj``), the causal conv with the conv state advanced and the gated delta rule with
-the state written and the gated RMSNorm applied (:mod:`specpilot.kernels.gdn.rows`), then
-``x + out_proj(o)``. A gated attention layer is ``norm_proj``, per-head q/k RMSNorm + partial RoPE +
+``gemv.norm_proj``), the causal conv with the conv state advanced, the gated delta rule with the
+state written, the gated RMSNorm (:mod:`specpilot.kernels.gdn.rows`), then ``x + out_proj(o)``. A gated attention layer is ``norm_proj``, per-head q/k RMSNorm + partial RoPE +
 the cache write (:mod:`specpilot.kernels.decode.gated_attention`), the attention, ``sigmoid(gate)``
 and ``x + wo(o)``. So a hybrid's whole AR step is one PDL-chained sequence of kernels, one CUDA graph.
 
@@ -128,15 +127,15 @@ def block_step(blk, x: torch.Tensor, inp, cos: torch.Tensor, sin: torch.Tensor, 
 
 def _gdn_mixer(blk, m, x):
     """A GDN layer's AR step: RMSNorm + input projection, the conv (state advanced), the gated
-    delta rule (state written) with the gated RMSNorm, and ``x + out_proj(o)``."""
+    delta rule (state written), the gated RMSNorm, and ``x + out_proj(o)``."""
     from specpilot.kernels.decode import gemv
     from specpilot.kernels.gdn import rows
 
     proj = gemv.norm_proj(x, blk.attn_norm, blk.eps, m.in_proj.weight)
     mixed, z, ab = m.split_proj(proj)
     conv = rows.conv_rows(mixed, m.conv_state, m.conv_weight, advance=True, pdl=gemv.USE_PDL)
-    o = rows.gdn_rows(conv, ab, m.A_log, m.dt_bias, m.state, rows.chain_paths(1, x.device), m.nk, z=z,
-                      norm_weight=m.norm, eps=m.eps, new_state=m.state, pdl=gemv.USE_PDL)
+    o = rows.gdn_rows(conv, ab, m.A_log, m.dt_bias, m.state, None, m.nk, new_state=m.state, pdl=gemv.USE_PDL)
+    o = rows.gated_norm_rows(o.view(1, m.nv, m.dv), z, m.norm, m.eps, pdl=gemv.USE_PDL)
     return gemv.gemv_residual(o, m.out_proj.weight, x)
 
 

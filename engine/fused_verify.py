@@ -37,8 +37,10 @@ MAX_ROWS = 64
 
 
 def takes(model, rows: int) -> bool:
-    """Whether a step of ``rows`` rows runs here (``decode=fused`` and 2..64 rows)."""
-    return model.fused_decode and 1 < rows <= MAX_ROWS
+    """Whether a step of ``rows`` rows runs here (``decode=fused`` and 2..64 rows; any rows for a
+    hybrid model, whose prompts take this path too: its layer modules cost dozens of small torch
+    kernels per layer, a launch-bound prefill)."""
+    return model.fused_decode and 1 < rows and (rows <= MAX_ROWS or model.spec.is_hybrid)
 
 
 def _linear(h, lin):

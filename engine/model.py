@@ -299,12 +299,12 @@ class GatedDeltaNet(nn.Module):
         self._stash = None
         if mode == "seq" and T == 1:   # the AR step: conv state and state advance in the kernels
             conv = gdn_rows.conv_rows(mixed, self.conv_state, self.conv_weight, advance=True)
-            return gdn_rows.gdn_rows(conv, ab, self.A_log, self.dt_bias, self.state, gdn_rows.chain_paths(1, conv.device),
-                                     self.nk, z=z, norm_weight=self.norm, eps=self.eps, new_state=self.state)
+            o = gdn_rows.gdn_rows(conv, ab, self.A_log, self.dt_bias, self.state, None, self.nk, new_state=self.state)
+            return gdn_rows.gated_norm_rows(o.view(1, self.nv, self.dv), z, self.norm, self.eps)
         if mode == "seq" and (T > gdn_rows.MAX_DEPTH or prefill.available(mixed.device)):   # a prompt
             conv = gdn_rows.conv_rows(mixed, self.conv_state, self.conv_weight)
             q, k, v = conv.split([self.key_dim, self.key_dim, self.value_dim], -1)
-            g, beta = self._decay(ab)
+            g, beta = gdn_rows.decay_rows(ab, self.A_log, self.dt_bias)
             if prefill.available(mixed.device):
                 out = prefill.chunk_prefill(q.reshape(T, self.nk, self.dk), k.reshape(T, self.nk, self.dk),
                                             v.reshape(T, self.nv, self.dv), g, beta, self.state)
@@ -316,28 +316,47 @@ class GatedDeltaNet(nn.Module):
                 out, last = gdn_ref.recurrent(qp, kp, vp, gp, bp, self.state, keep_states=False)
                 self.state.copy_(last[0])
             self._advance_conv(mixed)
-            return self._gated_norm(out, z)
+            return gdn_rows.gated_norm_rows(out.contiguous(), z, self.norm, self.eps)
         # chain / tree verification (and short multi-row seq steps): every row's output at the end
         # of its root path, by the path walk or by TreeWY, whichever the table says is faster
         paths = inp.paths.to(mixed.device) if mode == "tree" else gdn_rows.chain_paths(T, mixed.device)
         conv = gdn_rows.conv_rows(mixed, self.conv_state, self.conv_weight, None if mode != "tree" else paths)
         method = self.verify if self.verify != "auto" else gdn_rows.verify_method(T, mixed.device)
         if method == "wy" and mode != "seq":
-            from specpilot.kernels.gdn.wy import wy_verify
-
-            q, k, v = conv.split([self.key_dim, self.key_dim, self.value_dim], -1)
-            g, beta = gdn_rows.decay_rows(ab, self.A_log, self.dt_bias)
-            o = wy_verify(q.view(T, self.nk, self.dk), k.view(T, self.nk, self.dk), v.view(T, self.nv, self.dv),
-                          g, beta, self.state, paths)
-            out = gdn_rows.gated_norm_rows(o, z, self.norm, self.eps)
+            o = self._wy(conv, ab, paths, inp)
         else:
-            out = gdn_rows.gdn_rows(conv, ab, self.A_log, self.dt_bias, self.state, paths, self.nk, z=z,
-                                    norm_weight=self.norm, eps=self.eps)
+            o = gdn_rows.gdn_rows(conv, ab, self.A_log, self.dt_bias, self.state, paths, self.nk).view(T, self.nv, self.dv)
+        out = gdn_rows.gated_norm_rows(o, z, self.norm, self.eps)
         if mode == "seq":
             self._replay(mixed, conv, ab, list(range(T)))
         else:
             self._stash = ("rows", mixed, (conv, ab))
         return out
+
+    def _wy(self, conv, ab, paths, inp: StepInput):
+        """TreeWY outputs [T, nv, dv] of a verify step. When the rows without the root fit a smaller
+        tile (33 rows = root + 32 nodes: 64-row tiles, 32 without it), the root is applied on its
+        own (one path-kernel row, its state into a scratch buffer) and the 32 nodes, a forest under
+        it, go through WY from that state."""
+        from specpilot.kernels.gdn import rows as gdn_rows, wy
+
+        T = conv.shape[0]
+        q, k, v = conv.split([self.key_dim, self.key_dim, self.value_dim], -1)
+        q, k, v = q.view(T, self.nk, self.dk), k.view(T, self.nk, self.dk), v.view(T, self.nv, self.dv)
+        g, beta = gdn_rows.decay_rows(ab, self.A_log, self.dt_bias)
+        o = torch.empty(T, self.nv, self.dv, dtype=torch.float32, device=conv.device)
+        if T == 1 or wy.padded_rows(T - 1) == wy.padded_rows(T):
+            return wy.wy_verify(q, k, v, g, beta, self.state, paths, out=o)
+        if getattr(self, "_root_state", None) is None or self._root_state.device != self.state.device:
+            self._root_state = torch.empty_like(self.state)
+        sub = getattr(inp, "_gdn_subpaths", None)
+        if sub is None or sub.shape[0] != T - 1:   # the nodes' paths without the root, once per step
+            sub = (paths[1:, 1:] - 1).clamp(min=-1)
+            inp._gdn_subpaths = sub
+        gdn_rows.gdn_rows(conv[:1], ab[:1], self.A_log, self.dt_bias, self.state, None, self.nk,
+                          new_state=self._root_state, out=o[:1].view(1, self.value_dim))
+        wy.wy_verify(q[1:], k[1:], v[1:], g[1:], beta[1:], self._root_state, sub, out=o[1:])
+        return o
 
     def _replay(self, mixed, conv, ab, rows: list[int]):
         """Commit ``rows`` of a kernel step: replay them into the state, advance the conv state."""

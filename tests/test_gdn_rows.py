@@ -76,28 +76,31 @@ def test_commit_replay_is_bitwise_sequential_decoding():
     grows.gdn_rows(qkv, ab, A_log, dt_bias, committed, torch.tensor([accepted]), NK, output=False,
                    new_state=committed)
     seq = state.clone()
-    one = grows.chain_paths(1, "cpu")
     for r in accepted:
-        o = grows.gdn_rows(qkv[r:r + 1], ab[r:r + 1], A_log, dt_bias, seq, one, NK, new_state=seq)
+        o = grows.gdn_rows(qkv[r:r + 1], ab[r:r + 1], A_log, dt_bias, seq, None, NK, new_state=seq)
         assert torch.equal(o[0], verify[r]), r
     assert torch.equal(committed, seq)
 
 
-def test_gated_output_matches_layer_rounding():
+def test_gated_norm_rows_matches_layer_rounding():
     R = 3
-    qkv, ab, A_log, dt_bias, state = _layer_inputs(R, seed=9, dtype=torch.bfloat16)
-    z = torch.randn(R, NV * DV).to(torch.bfloat16)
-    w = (torch.rand(DV) + 0.5).to(torch.bfloat16)
-    paths = grows.chain_paths(R, "cpu")
-    plain = grows.gdn_rows(qkv, ab, A_log, dt_bias, state, paths, NK)
-    gated = grows.gdn_rows(qkv, ab, A_log, dt_bias, state, paths, NK, z=z, norm_weight=w, eps=1e-6)
+    qkv, ab, A_log, dt_bias, state = _layer_inputs(R, seed=9)
+    z = torch.randn(R, NV * DV)
+    w = torch.rand(DV) + 0.5
+    plain = grows.gdn_rows(qkv, ab, A_log, dt_bias, state, grows.chain_paths(R, "cpu"), NK).view(R, NV, DV)
     from specpilot.engine.model import rms_norm
 
-    ref = rms_norm(plain.view(R, NV, DV).to(torch.bfloat16), w, 1e-6) * F.silu(z.view(R, NV, DV))
-    assert gated.dtype == torch.bfloat16
-    # Triton's interpreter truncates float32 -> bfloat16 casts (the GPU rounds to nearest, and the
-    # GPU test checks bit equality), so the CPU check allows a bf16 ulp per rounding
-    assert torch.allclose(gated.view(R, NV, DV).float(), ref.float(), rtol=2 ** -4, atol=1e-3)
+    ref = rms_norm(plain, w, 1e-6) * F.silu(z.view(R, NV, DV))
+    torch.testing.assert_close(grows.gated_norm_rows(plain, z, w, 1e-6).view(R, NV, DV), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_self_rows_equal_one_row_paths():
+    """paths=None (each row walks only itself, the AR step) is the one-row path, bit for bit."""
+    R = 4
+    qkv, ab, A_log, dt_bias, state = _layer_inputs(R, seed=13)
+    own = grows.gdn_rows(qkv, ab, A_log, dt_bias, state, None, NK)
+    single = torch.arange(R)[:, None]
+    assert torch.equal(own, grows.gdn_rows(qkv, ab, A_log, dt_bias, state, single, NK))
 
 
 @pytest.mark.parametrize("shape", ["tree", "chain15"])
@@ -163,21 +166,13 @@ def test_engine_kernels_give_ar_tokens_and_match_torch(mode):
     assert _step_engine("triton", mode).generate(prompt, max_new_tokens=8).output_ids == ar
 
 
-def test_decay_and_gated_norm_rows_match_the_row_kernel():
-    """The WY route's two small kernels compute what gdn_rows computes inside (decay, beta; the
-    gated norm) from the same inputs."""
+def test_decay_rows_match_the_layer():
     R = 5
     qkv, ab, A_log, dt_bias, state = _layer_inputs(R, seed=12)
     g, beta = grows.decay_rows(ab, A_log, dt_bias)
     b, a = ab.float().chunk(2, -1)
     torch.testing.assert_close(g, -A_log.exp() * F.softplus(a + dt_bias), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(beta, torch.sigmoid(b), rtol=1e-5, atol=1e-6)
-    z = torch.randn(R, NV * DV)
-    w = torch.rand(DV) + 0.5
-    paths = grows.chain_paths(R, "cpu")
-    plain = grows.gdn_rows(qkv, ab, A_log, dt_bias, state, paths, NK)
-    gated = grows.gdn_rows(qkv, ab, A_log, dt_bias, state, paths, NK, z=z, norm_weight=w)
-    torch.testing.assert_close(grows.gated_norm_rows(plain.view(R, NV, DV), z, w, 1e-6), gated, rtol=1e-5, atol=1e-6)
 
 
 def test_engine_wy_verify_gives_ar_tokens():
@@ -193,3 +188,28 @@ def test_engine_wy_verify_gives_ar_tokens():
 def test_verify_method_defaults_to_path_off_cuda_and_above_64_rows():
     assert grows.verify_method(33, "cpu") == "path"
     assert grows.verify_method(65, "cpu") == "path"
+
+
+@pytest.mark.parametrize("rows", [17, 33])
+def test_layer_wy_with_and_without_the_root_split_equals_the_path_kernel(rows):
+    """A GDN layer's verify outputs through TreeWY (33 rows: the root alone, then its 32-node forest
+    from the root's state) equal the path kernel's."""
+    from specpilot.engine.api import load_engine
+    from specpilot.engine.model import StepInput
+
+    m = load_engine("engine:model=tiny-hybrid,ctx=128").model
+    layer = m.gdn_layers()[0]
+    layer.impl = "triton"
+    gen = torch.Generator().manual_seed(rows)
+    layer.state.copy_(torch.randn(layer.state.shape, generator=gen) * 0.3)
+    layer.conv_state.copy_(torch.randn(layer.conv_state.shape, generator=gen))
+    parents = [-1] + [int(torch.randint(0, r, (1,), generator=gen)) for r in range(1, rows)]
+    pos = torch.arange(rows)
+    inp = StepInput(torch.zeros(rows, dtype=torch.long), pos, pos, torch.ones(rows, 128, dtype=torch.bool), "tree",
+                    gpath.row_paths(parents))
+    proj = torch.randn(rows, layer.in_proj.out_features, generator=gen)
+    outs = {}
+    for method in ("path", "wy"):
+        layer.verify = method
+        outs[method] = layer.mix(proj, inp)
+    torch.testing.assert_close(outs["wy"], outs["path"], rtol=1e-4, atol=1e-5)

@@ -73,7 +73,7 @@ def test_rows_that_are_all_escapes():
     w[3] = float("nan")
     w[4] = float("-inf")
     w[5] = from_bits([0x0001] * 70, (70,))  # denormals
-    w[6] = (torch.randn(70) * 0.02).bfloat16()
+    w[6] = (torch.randn(70, generator=torch.Generator().manual_seed(0)) * 0.02).bfloat16()  # seeded: tiny draws may escape
     t = roundtrip(w)
     assert t.num_escapes == 19 * 70 + int((bits_of(w[6]) == 0).sum())
 

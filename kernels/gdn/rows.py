@@ -7,16 +7,17 @@ Two kernels serve every GDN step of the engine except long prefills (:mod:`.pref
   path table), reading the committed conv state for positions before the root. With
   ``advance=True`` (one row, the AR step) the program that owns a channel block also shifts the
   conv state by that row.
-* :func:`gdn_rows`: program (row r, value head h) starts from the committed fp32 state of head h
-  and walks r's root path one token at a time, applying :func:`.naive.step` (decay, delta-rule
-  write) with the token's own q/k normalisation, decay ``g = -exp(A_log) softplus(a + dt_bias)``
-  and ``beta = sigmoid(b)`` computed in the kernel; at the end of the path it reads the state with
-  r's query (paper 4.2: no per-node snapshot is ever stored; memory is one working state per row
-  in registers). Optionally the output passes through the layer's gated RMSNorm
-  (``rms_norm(o) * silu(z)``) in the activation dtype, and with ``write_state`` the final state is
-  stored, which makes the same kernel the AR step (one row, path [0]) and the commit (one row whose
-  path is the accepted rows: a replay, so the committed state equals sequential decoding bit for
-  bit).
+* :func:`gdn_rows`: program (row r, value head h, block of 32 state columns) starts from the
+  committed fp32 state of head h and walks r's root path one token at a time, applying
+  :func:`.naive.step` (decay, delta-rule write) with the token's own q/k normalisation, decay
+  ``g = -exp(A_log) softplus(a + dt_bias)`` and ``beta = sigmoid(b)`` computed in the kernel; at the
+  end of the path it reads the state with r's query (paper 4.2: no per-node snapshot is ever
+  stored; memory is one working state per row in registers). With ``new_state`` the final state
+  is stored, which makes the same kernel the AR step (each row walks only itself) and the commit
+  (one row whose path is the accepted rows: a replay, so the committed state equals sequential
+  decoding bit for bit).
+* :func:`gated_norm_rows`: the layer's gated RMSNorm ``rms_norm(o) * silu(z)`` per head, in the
+  activation dtype; :func:`decay_rows`: g and beta for the WY kernel (:mod:`.wy`).
 
 Because AR decode, chain/tree verification and commit all run this one loop body, a row's output
 in a verify step is bitwise the output AR decoding would have produced for that token. The plain
@@ -32,6 +33,7 @@ from specpilot.kernels.triton_env import pdl_args, tl, triton
 
 MAX_DEPTH = 64          # longest root path (rows per verify step)
 PATH_CHUNK = 16         # path tokens gathered per load in the walk
+BLOCK_V = 32            # state columns per program: 4 programs per head at dv = 128
 _CHAINS: dict = {}
 
 
@@ -94,19 +96,18 @@ if triton is not None:
             tl.store(cs_ptr + (KW - 2) * C + c, xl.to(cs_ptr.dtype.element_ty), mask=cm)
 
     @triton.jit
-    def _gdn_rows_kernel(qkv_ptr, stride_qkv, ab_ptr, stride_ab, z_ptr, stride_z,
-                         alog_ptr, dtb_ptr, normw_ptr, eps,
+    def _gdn_rows_kernel(qkv_ptr, stride_qkv, ab_ptr, stride_ab, alog_ptr, dtb_ptr,
                          state_ptr, new_state_ptr, paths_ptr, stride_p, D, out_ptr, stride_o,
                          KEY_DIM, NV,
-                         DK: tl.constexpr, DV: tl.constexpr, RATIO: tl.constexpr, DP: tl.constexpr,
-                         CH: tl.constexpr,
-                         OUTPUT: tl.constexpr, GATED: tl.constexpr, WRITE_STATE: tl.constexpr,
-                         PDL: tl.constexpr):
+                         DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, RATIO: tl.constexpr,
+                         DP: tl.constexpr, CH: tl.constexpr, SELF: tl.constexpr,
+                         OUTPUT: tl.constexpr, WRITE_STATE: tl.constexpr, PDL: tl.constexpr):
         r = tl.program_id(0)
         h = tl.program_id(1)
+        v0 = tl.program_id(2) * BV
         kh = h // RATIO
         dk = tl.arange(0, DK)
-        dv = tl.arange(0, DV)
+        dv = v0 + tl.arange(0, BV)
         sidx = h * DK * DV + dk[:, None] * DV + dv[None, :]
         A = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
         dtb = tl.load(dtb_ptr + h).to(tl.float32)
@@ -116,15 +117,22 @@ if triton is not None:
         s = tl.load(state_ptr + sidx)
         if OUTPUT:   # the row's own query, read while the walk runs
             qr = tl.load(qkv_ptr + r * stride_qkv + kh * DK + dk).to(tl.float32)
-        dd = tl.arange(0, DP)
-        L = tl.sum((tl.load(paths_ptr + r * stride_p + dd, mask=dd < D, other=-1) >= 0).to(tl.int32), axis=0)
         cc = tl.arange(0, CH)
+        if SELF:     # the AR step: the row's path is the row itself; no path table to wait for
+            L = 1
+        else:
+            dd = tl.arange(0, DP)
+            L = tl.sum((tl.load(paths_ptr + r * stride_p + dd, mask=dd < D, other=-1) >= 0).to(tl.int32), axis=0)
         for c0 in range(0, L, CH):
             # one gather per CH path tokens, so the walk waits on memory once per chunk, not per token;
-            # each token's values are picked out exactly (one nonzero term per sum), and CH is the same
-            # for every call, so AR steps, verify rows and commits run the same arithmetic
+            # each token's values are picked out exactly (one nonzero term per sum), and CH, BV and
+            # the warps are the same for every call, so AR steps, verify rows and commits run the
+            # same arithmetic
             ok = c0 + cc < L
-            tt = tl.load(paths_ptr + r * stride_p + c0 + cc, mask=ok, other=0)
+            if SELF:
+                tt = r + cc * 0
+            else:
+                tt = tl.load(paths_ptr + r * stride_p + c0 + cc, mask=ok, other=0)
             rows = qkv_ptr + tt[:, None] * stride_qkv
             kt = tl.load(rows + KEY_DIM + kh * DK + dk[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
             vt = tl.load(rows + 2 * KEY_DIM + h * DV + dv[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
@@ -147,18 +155,7 @@ if triton is not None:
             tl.store(new_state_ptr + sidx, s)
         if OUTPUT:
             qn = qr * tl.math.rsqrt(tl.sum(qr * qr, axis=0) + 1e-6) * (DK ** -0.5)
-            o = tl.sum(s * qn[:, None], axis=0)
-            if GATED:   # rms_norm(o in the activation dtype) * silu(z), rounded where the layer rounds
-                dt = out_ptr.dtype.element_ty
-                of = o.to(dt).to(tl.float32)
-                rstd = tl.math.rsqrt(tl.sum(of * of, axis=0) / DV + eps)
-                xn = (of * rstd).to(dt).to(tl.float32)
-                y = (tl.load(normw_ptr + dv).to(tl.float32) * xn).to(dt).to(tl.float32)
-                zf = tl.load(z_ptr + r * stride_z + h * DV + dv).to(tl.float32)
-                sz = (zf / (1.0 + tl.exp(-zf))).to(dt).to(tl.float32)
-                tl.store(out_ptr + r * stride_o + h * DV + dv, (y * sz).to(dt))
-            else:
-                tl.store(out_ptr + r * stride_o + h * DV + dv, o)
+            tl.store(out_ptr + r * stride_o + h * DV + dv, tl.sum(s * qn[:, None], axis=0))
 
 
 if triton is not None:
@@ -177,9 +174,12 @@ if triton is not None:
         tl.store(beta_ptr + r * NV + h, 1.0 / (1.0 + tl.exp(-b)), mask=hm)
 
     @triton.jit
-    def _gated_norm_kernel(o_ptr, z_ptr, stride_z, w_ptr, y_ptr, eps, DV: tl.constexpr):
+    def _gated_norm_kernel(o_ptr, z_ptr, stride_z, w_ptr, y_ptr, eps, DV: tl.constexpr, PDL: tl.constexpr):
         r = tl.program_id(0)
         h = tl.program_id(1)
+        if PDL:
+            gdc_launch_dependents()
+            gdc_wait()
         NVt = tl.num_programs(1)
         dv = tl.arange(0, DV)
         dt = y_ptr.dtype.element_ty
@@ -205,14 +205,15 @@ def decay_rows(ab: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
     return g, beta
 
 
-def gated_norm_rows(o: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``rms_norm(o) * silu(z)`` per head for GDN outputs o [R, nv, dv] fp32 (the WY kernel's), in
-    z's dtype [R, nv * dv], rounded as the layer (and :func:`gdn_rows`' gated output) rounds."""
+def gated_norm_rows(o: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                    pdl: bool = False) -> torch.Tensor:
+    """``rms_norm(o) * silu(z)`` per head for GDN outputs o [R, nv, dv] fp32 (:func:`gdn_rows`' or
+    the WY kernel's), in z's dtype [R, nv * dv], rounded where the layer rounds."""
     R, nv, dv = o.shape
     if not o.is_contiguous() or z.shape != (R, nv * dv) or z.stride(1) != 1 or dv & (dv - 1):
         raise ValueError("gated_norm_rows: o [R, nv, dv] contiguous and z [R, nv * dv] expected")
     y = torch.empty(R, nv * dv, dtype=z.dtype, device=o.device)
-    _gated_norm_kernel[(R, nv)](o, z, z.stride(0), norm_weight, y, float(eps), DV=dv, num_warps=1)
+    _gated_norm_kernel[(R, nv)](o, z, z.stride(0), norm_weight, y, float(eps), DV=dv, num_warps=1, **pdl_args(pdl, o))
     return y
 
 
@@ -233,7 +234,7 @@ def default_warps(dk: int, dv: int) -> int:
     """Warps of the GDN row kernel. One value per head shape for every call, because the layout
     decides the order of the kernel's sums, and AR steps, verify rows and commits must agree bit
     for bit."""
-    return 8 if dk * dv >= 128 * 128 else 4
+    return 4
 
 
 def _check_paths(paths: torch.Tensor, rows: int, device) -> None:
@@ -272,21 +273,22 @@ def conv_rows(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, p
 
 
 def gdn_rows(qkv: torch.Tensor, ab: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
-             state: torch.Tensor, paths: torch.Tensor, nk: int, *, z: torch.Tensor | None = None,
-             norm_weight: torch.Tensor | None = None, eps: float = 1e-6, output: bool = True,
-             new_state: torch.Tensor | None = None, pdl: bool = False, warps: int | None = None) -> torch.Tensor | None:
+             state: torch.Tensor, paths: torch.Tensor | None, nk: int, *, output: bool = True,
+             new_state: torch.Tensor | None = None, out: torch.Tensor | None = None, pdl: bool = False,
+             warps: int | None = None) -> torch.Tensor | None:
     """The gated delta rule of every row along its root path (see the module doc).
 
     ``qkv`` [R, 2 * nk * dk + nv * dv]: the conv outputs (q | k | v, raw: normalised in the kernel);
     ``ab`` [R, 2 * nv]: the raw b (-> beta) then a (-> decay) projections; ``state`` [nv, dk, dv] fp32,
-    the committed state (not modified unless it is ``new_state``); ``paths`` [R, depth] int64.
-    With ``z`` and ``norm_weight`` the output is ``rms_norm(o) * silu(z)`` [R, nv * dv] in z's dtype,
-    else o in fp32. ``new_state``: the final state of the (single) row's path is written there
-    (one path row; it may be ``state`` itself). ``output=False`` skips the output: a commit, whose
-    single path (``paths`` [1, L]) lists the accepted rows of ``qkv``/``ab`` to replay. ``warps``:
-    for benchmarks (the default keeps every call's arithmetic the same, :func:`default_warps`)."""
+    the committed state (not modified unless it is ``new_state``); ``paths`` [P, depth] int64, or
+    None: each row walks only itself (the AR step). Returns o [R, nv * dv] fp32 (the layer's gated
+    norm is :func:`gated_norm_rows`). ``new_state``: the final state of the (single) row's path is
+    written there (one path row; it may be ``state`` itself). ``output=False`` skips the output: a
+    commit, whose single path (``paths`` [1, L]) lists the accepted rows of ``qkv``/``ab`` to replay.
+    ``out``: a [R, nv * dv] fp32 view to write o into. ``warps``: for benchmarks (the default keeps
+    every call's arithmetic the same, :func:`default_warps`)."""
     R = qkv.shape[0]
-    P = paths.shape[0]
+    P = paths.shape[0] if paths is not None else R
     nv, dk, dv = state.shape
     key_dim = nk * dk
     if state.dtype != torch.float32 or not state.is_contiguous():
@@ -298,19 +300,19 @@ def gdn_rows(qkv: torch.Tensor, ab: torch.Tensor, A_log: torch.Tensor, dt_bias: 
         raise ValueError("gdn_rows: contiguous rows and power-of-two head dims expected")
     if new_state is not None and (P != 1 or new_state.shape != state.shape or not new_state.is_contiguous()):
         raise ValueError("gdn_rows: the state is written for one row's path only, into a tensor like the state")
-    _check_paths(paths, R if output else P, qkv.device)
-    gated = z is not None
-    if gated and (norm_weight is None or z.shape != (R, nv * dv) or z.stride(1) != 1):
-        raise ValueError(f"gdn_rows: the gated norm needs z [R, {nv * dv}] (contiguous rows) and norm_weight [{dv}]")
-    if output:
-        out = torch.empty(R, nv * dv, dtype=z.dtype if gated else torch.float32, device=qkv.device)
-    else:
-        out = state   # unused
-    _gdn_rows_kernel[(P, nv)](
-        qkv, qkv.stride(0), ab, ab.stride(0), z if gated else qkv, z.stride(0) if gated else 0,
-        A_log, dt_bias, norm_weight if gated else A_log, float(eps),
-        state, new_state if new_state is not None else state, paths, paths.stride(0), paths.shape[1],
+    if paths is not None:
+        _check_paths(paths, R if output else P, qkv.device)
+    if out is not None and (out.shape != (R, nv * dv) or out.dtype != torch.float32 or out.stride(1) != 1):
+        raise ValueError(f"gdn_rows: out must be a float32 [{R}, {nv * dv}] view with contiguous rows")
+    if out is None:
+        out = torch.empty(R, nv * dv, dtype=torch.float32, device=qkv.device) if output else state
+    bv = min(BLOCK_V, dv)
+    _gdn_rows_kernel[(P, nv, dv // bv)](
+        qkv, qkv.stride(0), ab, ab.stride(0), A_log, dt_bias,
+        state, new_state if new_state is not None else state, paths if paths is not None else ab,
+        paths.stride(0) if paths is not None else 0, paths.shape[1] if paths is not None else 1,
         out, out.stride(0) if output else 0, key_dim, nv,
-        DK=dk, DV=dv, RATIO=nv // nk, DP=triton.next_power_of_2(max(paths.shape[1], 2)), CH=PATH_CHUNK, OUTPUT=output, GATED=gated, WRITE_STATE=new_state is not None,
+        DK=dk, DV=dv, BV=bv, RATIO=nv // nk, DP=triton.next_power_of_2(max(paths.shape[1] if paths is not None else 1, 2)),
+        CH=PATH_CHUNK, SELF=paths is None, OUTPUT=output, WRITE_STATE=new_state is not None,
         num_warps=warps or default_warps(dk, dv), **pdl_args(pdl, qkv))
     return out if output else None

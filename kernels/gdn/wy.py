@@ -195,8 +195,13 @@ def _check(q, k, v, g, beta, state, paths):
         raise ValueError("wy_verify runs on CUDA tensors (or on the CPU under TRITON_INTERPRET=1)")
 
 
-def wy_verify(q, k, v, g, beta, state, paths):
-    """Every row's GDN output at the end of its root path, [R, nv, dv] fp32.
+def padded_rows(rows: int) -> int:
+    """The rows a program holds for a tree of ``rows`` rows (tiles are powers of two, at least 16)."""
+    return max(BLOCK, triton.next_power_of_2(rows))
+
+
+def wy_verify(q, k, v, g, beta, state, paths, out=None):
+    """Every row's GDN output at the end of its root path, [R, nv, dv] fp32 (into ``out`` if given).
 
     q, k [R, nk, dk] raw (unnormalised) bf16/fp32; v [R, nv, dv]; g (log decay) and beta [R, nv];
     state [nv, dk, dv] fp32 (not modified); paths [R, D] from :func:`.path.row_paths` (rows in
@@ -208,10 +213,12 @@ def wy_verify(q, k, v, g, beta, state, paths):
     _check(q, k, v, g, beta, state, paths)
     R, nk, dk = q.shape
     nv, dv = v.shape[1], v.shape[2]
-    RP = max(BLOCK, triton.next_power_of_2(R))
+    RP = padded_rows(R)
     DKP = max(16, triton.next_power_of_2(dk))
     BV = min(BLOCK_V, max(16, triton.next_power_of_2(dv)))
-    o = torch.empty((R, nv, dv), dtype=torch.float32, device=q.device)
+    if out is not None and (out.shape != (R, nv, dv) or out.dtype != torch.float32 or out.stride(2) != 1):
+        raise ValueError(f"out must be fp32 [R={R}, nv={nv}, dv={dv}] with contiguous rows, got {tuple(out.shape)}")
+    o = out if out is not None else torch.empty((R, nv, dv), dtype=torch.float32, device=q.device)
     _wy_kernel[(nv, triton.cdiv(dv, BV))](
         q, k, v, g, beta, state, paths, o,
         R, paths.shape[1], dk, dv, nv // nk, float(dk) ** -0.5,
