@@ -314,6 +314,11 @@ class Decoder:
             stop, limit = "eos", 1
         self._times = [] if self.model.device.type == "cuda" else None
         walls, splits = [], []
+        if (self.mode == "ar" and self.runner is not None and hasattr(self.runner, "ar_graph") and not record_lattice
+                and len(full) < limit):
+            toks, stop, limit, walls = self._ar_pipelined(first, n_cache, limit, stop)
+            full.extend(toks)
+            steps, accepts, splits = len(toks), [0] * len(toks), [(1, 0.0, None, 0.0)] * len(toks)
         while len(full) < limit:
             t_step = time.perf_counter()
             ctx = prompt_ids + full
@@ -337,7 +342,7 @@ class Decoder:
         seconds = time.perf_counter() - t0
         times, self._times = self._times, None
         gpu = [a.elapsed_time(b) for _, a, b in times] if times else [None] * len(walls)
-        step_times = [(rows, g, w, draft, verify, qpass)
+        step_times = [(rows, g, w, draft, g if verify is None else verify, qpass)
                       for g, w, (rows, draft, verify, qpass) in zip(gpu, walls, splits)]
         out = full[:limit]
         if record_lattice:
@@ -357,6 +362,52 @@ class Decoder:
         tau = (len(out) - 1) / steps if steps else 1.0
         return GenerationResult(out, steps, tau, seconds, lattice, t_prefill, accepts, stop, step_times,
                                 self.request_summary())
+
+    # AR steps queued ahead of the host: EOS is read this many steps late (the extra steps' tokens
+    # are dropped), so the GPU never waits for the host between steps
+    AR_LAG = 4
+
+    def _ar_pipelined(self, first: int, n_cache: int, limit: int, stop: str):
+        """AR decoding through the runner's one-row graph without a host round trip per step: after
+        each replay the next step's inputs are advanced on the device (the argmax becomes the next
+        token, position and slot move on, the mask opens one more slot) and the token is copied to
+        pinned host memory; the host reads tokens ``AR_LAG`` steps behind to find EOS. Returns
+        (tokens after ``first``, stop reason, limit, per-step wall ms)."""
+        g, out = self.runner.ar_graph(n_cache, first)
+        inp = self.runner.get(1)[1]
+        n = limit - 1                       # tokens still to produce
+        host = torch.empty(n, dtype=torch.long, pin_memory=True)
+        ends, toks = [], []
+        t0 = time.perf_counter()
+        launched = 0
+        while len(toks) < n:
+            if launched < n:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                g.replay()
+                b.record()
+                self._times.append((1, a, b))
+                host[launched].copy_(out[0], non_blocking=True)
+                done = torch.cuda.Event()
+                done.record()
+                ends.append(done)
+                inp.tokens.copy_(out[:1])
+                inp.pos.add_(1)
+                inp.slots.add_(1)
+                inp.mask.index_fill_(1, inp.pos, True)
+                launched += 1
+            if launched < n and launched - len(toks) <= self.AR_LAG:
+                continue
+            ends[len(toks)].synchronize()
+            t = int(host[len(toks)])
+            toks.append(t)
+            if t in self.eos_ids:
+                stop, limit = "eos", len(toks) + 1
+                break
+        self._sync()
+        del self._times[len(toks):]        # steps queued past EOS
+        wall = (time.perf_counter() - t0) * 1e3 / max(len(toks), 1)
+        return toks, stop, limit, [wall] * len(toks)
 
     def lattice_row(self, request, step: int, lat: Lattice, at: int) -> dict:
         """The ``specpilot.lattice/1`` row of the step just run; ``target`` is filled at the end of
