@@ -226,6 +226,7 @@ class GatedDeltaNet(nn.Module):
         self.impl = "auto"
         self.verify = "auto"   # path | wy | auto (the measured table): how kernel steps verify rows
         self._stash = None
+        self._root_state = None   # WY with the root on its own: the state after the root
 
     def reset(self):
         self.state.zero_()
@@ -301,7 +302,7 @@ class GatedDeltaNet(nn.Module):
             conv = gdn_rows.conv_rows(mixed, self.conv_state, self.conv_weight, advance=True)
             o = gdn_rows.gdn_rows(conv, ab, self.A_log, self.dt_bias, self.state, None, self.nk, new_state=self.state)
             return gdn_rows.gated_norm_rows(o.view(1, self.nv, self.dv), z, self.norm, self.eps)
-        if mode == "seq" and (T > gdn_rows.MAX_DEPTH or prefill.available(mixed.device)):   # a prompt
+        if mode == "seq" and (T > gdn_rows.WALKED_PROMPT_ROWS or prefill.available(mixed.device)):   # a prompt
             conv = gdn_rows.conv_rows(mixed, self.conv_state, self.conv_weight)
             q, k, v = conv.split([self.key_dim, self.key_dim, self.value_dim], -1)
             g, beta = gdn_rows.decay_rows(ab, self.A_log, self.dt_bias)
@@ -347,7 +348,7 @@ class GatedDeltaNet(nn.Module):
         o = torch.empty(T, self.nv, self.dv, dtype=torch.float32, device=conv.device)
         if T == 1 or wy.padded_rows(T - 1) == wy.padded_rows(T):
             return wy.wy_verify(q, k, v, g, beta, self.state, paths, out=o)
-        if getattr(self, "_root_state", None) is None or self._root_state.device != self.state.device:
+        if self._root_state is None or self._root_state.device != self.state.device:
             self._root_state = torch.empty_like(self.state)
         sub = getattr(inp, "_gdn_subpaths", None)
         if sub is None or sub.shape[0] != T - 1:   # the nodes' paths without the root, once per step

@@ -110,9 +110,24 @@ def test_hybrid_tree_forward_with_chain_shape_equals_chain_mode():
         assert torch.equal(s1, g.state) and torch.equal(c1, g.conv_state)
 
 
-def test_naive_rule_matches_transformers_qwen3_next_reference():
+def test_naive_rule_matches_transformers_qwen3_next_reference(monkeypatch):
     """Our gated delta rule equals transformers' torch_recurrent_gated_delta_rule (Qwen3-Next)."""
+    import importlib
+    import sys
+
     mod = __import__("pytest").importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+    # with fla-core installed transformers swaps in fla's Triton kernel; the torch function is the
+    # reference, so load the module once as if fla were absent (and restore it afterwards)
+    monkeypatch.setitem(sys.modules, "fla", None)
+    mod = importlib.reload(mod)
+    monkeypatch.undo()
+    try:
+        _compare_with(mod)
+    finally:
+        importlib.reload(mod)
+
+
+def _compare_with(mod):
     gen = torch.Generator().manual_seed(7)
     Tn, H, dk, dv = 6, 2, 8, 4
     q, k = torch.randn(1, Tn, H, dk, generator=gen), torch.randn(1, Tn, H, dk, generator=gen)

@@ -143,8 +143,10 @@ def test_bad_inputs_are_refused():
         grows.gdn_rows(qkv, ab, A_log, dt_bias, state.double(), paths, NK)
     with pytest.raises(ValueError, match="advance"):
         grows.conv_rows(torch.randn(2, C), torch.randn(KW - 1, C), torch.randn(C, KW), advance=True)
-    with pytest.raises(ValueError, match="at most"):
-        grows.chain_paths(grows.MAX_DEPTH + 1, "cpu")
+    with pytest.raises(ValueError, match="at least one row"):
+        grows.chain_paths(0, "cpu")
+    long = grows.chain_paths(100, "cpu")         # the cached table grows for a longer chain
+    assert long.shape == (100, 100) and long[99, 99] == 99 and long[3, 4] == -1
 
 
 def _step_engine(impl, mode="ar"):
@@ -213,3 +215,18 @@ def test_layer_wy_with_and_without_the_root_split_equals_the_path_kernel(rows):
         layer.verify = method
         outs[method] = layer.mix(proj, inp)
     torch.testing.assert_close(outs["wy"], outs["path"], rtol=1e-4, atol=1e-5)
+
+
+def test_paths_longer_than_64_rows():
+    """The walk has no depth limit: a commit replaying 70 rows equals the sequential recurrence."""
+    R = 70
+    qkv, ab, A_log, dt_bias, state = _layer_inputs(R, seed=70)
+    new = state.clone()
+    grows.gdn_rows(qkv, ab, A_log, dt_bias, new, torch.arange(R)[None], NK, output=False, new_state=new)
+    q, k, v = qkv.float().split([NK * DK, NK * DK, NV * DV], -1)
+    b, a = ab.float().chunk(2, -1)
+    g = -A_log.exp() * F.softplus(a + dt_bias.float())
+    prep = naive.prepare(q.reshape(R, NK, DK).repeat_interleave(NV // NK, 1),
+                         k.reshape(R, NK, DK).repeat_interleave(NV // NK, 1), v.reshape(R, NV, DV), g, torch.sigmoid(b))
+    _, last = naive.recurrent(*prep, state, keep_states=False)
+    assert torch.allclose(new, last[0], rtol=1e-4, atol=1e-5)

@@ -31,7 +31,7 @@ import torch
 
 from specpilot.kernels.triton_env import pdl_args, tl, triton
 
-MAX_DEPTH = 64          # longest root path (rows per verify step)
+WALKED_PROMPT_ROWS = 64  # a plain sequence up to this long may go through the path walk (O(rows^2))
 PATH_CHUNK = 16         # path tokens gathered per load in the walk
 BLOCK_V = 32            # state columns per program: 4 programs per head at dv = 128
 _CHAINS: dict = {}
@@ -39,15 +39,17 @@ _CHAINS: dict = {}
 
 def chain_paths(rows: int, device) -> torch.Tensor:
     """The path table of a chain of ``rows`` rows (row r walks rows 0..r), a view of one cached
-    lower-triangular table per device (no allocation per step, CUDA-graph friendly)."""
+    lower-triangular table per device (grown to the next power of two when a longer chain comes;
+    no allocation per step, CUDA-graph friendly)."""
+    if rows < 1:
+        raise ValueError(f"a chain has at least one row, got {rows}")
     key = torch.device(device)
     t = _CHAINS.get(key)
-    if t is None:
-        i = torch.arange(MAX_DEPTH)
+    if t is None or t.shape[0] < rows:
+        n = max(64, 1 << (rows - 1).bit_length())
+        i = torch.arange(n)
         t = torch.where(i[None, :] <= i[:, None], i[None, :], torch.full_like(i[None, :], -1)).to(key)
         _CHAINS[key] = t
-    if rows > MAX_DEPTH:
-        raise ValueError(f"at most {MAX_DEPTH} rows per GDN step through the path kernels, got {rows}")
     return t[:rows, :rows]
 
 
@@ -241,8 +243,8 @@ def _check_paths(paths: torch.Tensor, rows: int, device) -> None:
     if paths.dim() != 2 or paths.shape[0] != rows or paths.device != device or paths.dtype != torch.long:
         raise ValueError(f"paths must be an int64 [{rows}, depth] table on {device}, got "
                          f"{tuple(paths.shape)} {paths.dtype} on {paths.device}")
-    if paths.shape[1] > MAX_DEPTH or paths.stride(1) != 1:
-        raise ValueError(f"paths must be contiguous rows of at most {MAX_DEPTH} entries")
+    if paths.shape[1] < 1 or paths.stride(1) != 1:
+        raise ValueError("paths must have contiguous rows of at least one entry")
 
 
 def conv_rows(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, paths: torch.Tensor | None = None,
