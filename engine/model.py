@@ -359,11 +359,14 @@ class GatedDeltaNet(nn.Module):
         wy.wy_verify(q[1:], k[1:], v[1:], g[1:], beta[1:], self._root_state, sub, out=o[1:])
         return o
 
-    def _replay(self, mixed, conv, ab, rows: list[int]):
-        """Commit ``rows`` of a kernel step: replay them into the state, advance the conv state."""
+    def _replay(self, mixed, conv, ab, rows: list[int], path: torch.Tensor | None = None):
+        """Commit ``rows`` of a kernel step: replay them into the state, advance the conv state.
+        ``path``: the rows as a device tensor [1, L] (the model builds it once for all layers: each
+        copy from the host waits for the GPU)."""
         from specpilot.kernels.gdn import rows as gdn_rows
 
-        path = torch.tensor([rows], dtype=torch.long).to(conv.device, non_blocking=True)
+        if path is None:
+            path = torch.tensor([rows], dtype=torch.long).to(conv.device, non_blocking=True)
         gdn_rows.gdn_rows(conv, ab, self.A_log, self.dt_bias, self.state, path, self.nk, output=False,
                           new_state=self.state)
         self._advance_conv(mixed[path[0]])
@@ -372,12 +375,13 @@ class GatedDeltaNet(nn.Module):
         buf = torch.cat([self.conv_state, rows_in.to(self.conv_state.dtype)], 0)
         self.conv_state.copy_(buf[buf.shape[0] - (self.kernel - 1):])
 
-    def commit(self, rows: list[int]):
-        """Commit the accepted rows of the last chain/tree step (row 0 first)."""
+    def commit(self, rows: list[int], path: torch.Tensor | None = None):
+        """Commit the accepted rows of the last chain/tree step (row 0 first); ``path``: the same
+        rows as a [1, L] device tensor, when the caller has one."""
         kind, mixed, data = self._stash
         if kind == "rows":
             self._stash = None
-            self._replay(mixed, *data, rows)
+            self._replay(mixed, *data, rows, path)
             return
         if kind == "chain":
             self.state.copy_(data[rows[-1]])
@@ -592,14 +596,17 @@ class Transformer(nn.Module):
     def commit(self, start: int, rows: list[int], gdn_rows: str):
         """Keep the accepted rows (row 0 = the pending token) of the step that began at slot ``start``
         (``gdn_rows``: how that step's rows were laid out for the GDN layers, chain or tree)."""
-        if rows != list(range(len(rows))):
-            r = torch.tensor(rows, device=self.device)
+        gdn = self.gdn_layers() if gdn_rows in ("chain", "tree") else []
+        moved = rows != list(range(len(rows)))
+        if not (moved or gdn):
+            return
+        r = torch.tensor(rows, dtype=torch.long, device=self.device)   # one copy from the host for every layer
+        if moved:
             for blk in self.layers:
                 if isinstance(blk.mixer, Attention):
                     blk.mixer.commit(start, r)
-        if gdn_rows in ("chain", "tree"):
-            for m in self.gdn_layers():
-                m.commit(rows)
+        for m in gdn:
+            m.commit(rows, r[None])
 
     # ---- forward -------------------------------------------------------------------
     def hidden(self, inp: StepInput, kv_len: int, layers: int | None = None):
