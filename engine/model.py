@@ -78,7 +78,8 @@ def apply_rope(x, cos, sin):
 class StepInput:
     """One forward's rows. ``tokens``, ``pos`` (rope positions), ``slots`` (KV-cache slots) are
     [T] long tensors; ``mask`` is bool [T, kv_len] (True = may attend); ``paths`` [T, D] only
-    for ``gdn_rows == "tree"``."""
+    for ``gdn_rows == "tree"``; ``node_paths``: the GDN layers' memo of the tree nodes' paths
+    without the root (TreeWY with the root on its own), computed by the first layer that needs it."""
 
     tokens: torch.Tensor
     pos: torch.Tensor
@@ -86,6 +87,7 @@ class StepInput:
     mask: torch.Tensor
     gdn_rows: str = "seq"
     paths: torch.Tensor | None = None
+    node_paths: torch.Tensor | None = None
 
 
 @dataclass
@@ -350,10 +352,9 @@ class GatedDeltaNet(nn.Module):
             return wy.wy_verify(q, k, v, g, beta, self.state, paths, out=o)
         if self._root_state is None or self._root_state.device != self.state.device:
             self._root_state = torch.empty_like(self.state)
-        sub = getattr(inp, "_gdn_subpaths", None)
+        sub = inp.node_paths
         if sub is None or sub.shape[0] != T - 1:   # the nodes' paths without the root, once per step
-            sub = (paths[1:, 1:] - 1).clamp(min=-1)
-            inp._gdn_subpaths = sub
+            sub = inp.node_paths = (paths[1:, 1:] - 1).clamp(min=-1)
         gdn_rows.gdn_rows(conv[:1], ab[:1], self.A_log, self.dt_bias, self.state, None, self.nk,
                           new_state=self._root_state, out=o[:1].view(1, self.value_dim))
         wy.wy_verify(q[1:], k[1:], v[1:], g[1:], beta[1:], self._root_state, sub, out=o[1:])
