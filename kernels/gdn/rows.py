@@ -1,6 +1,7 @@
 """Gated DeltaNet rows on the GPU: the causal conv and the gated delta rule along root paths.
 
-Two kernels serve every GDN step of the engine except long prefills (:mod:`.prefill`):
+Two kernels serve every GDN step of the engine except long prefills (:mod:`.prefill`), two small
+ones beside them:
 
 * :func:`conv_rows`: depthwise causal conv + SiLU of R rows, each over its own window along its
   root path (``paths``, as :func:`.path.row_paths` builds them; a chain is the lower-triangular
@@ -20,7 +21,8 @@ Two kernels serve every GDN step of the engine except long prefills (:mod:`.pref
   activation dtype; :func:`decay_rows`: g and beta for the WY kernel (:mod:`.wy`).
 
 Because AR decode, chain/tree verification and commit all run this one loop body, a row's output
-in a verify step is bitwise the output AR decoding would have produced for that token. The plain
+in a path-kernel verify step is bitwise the output AR decoding would have produced for that token
+(verify steps the table gives to TreeWY, :mod:`.wy`, are within one bf16 ulp of it). The plain
 references are :mod:`.naive` and :mod:`.path` (fp32 torch); the kernels also run under Triton's
 interpreter (CPU tests).
 """
