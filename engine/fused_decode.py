@@ -27,9 +27,10 @@ records instead: 12 bits per weight, decoded in registers, the same prologues an
 Hybrid models (Qwen3.5 / Qwen3-Next: Gated DeltaNet layers and gated full-attention layers) take
 the same chain with two more layer shapes. A GDN layer is RMSNorm + its input projection (one GEMV,
 ``gemv.norm_proj``), the causal conv with the conv state advanced, the gated delta rule with the
-state written, the gated RMSNorm (:mod:`specpilot.kernels.gdn.rows`), then ``x + out_proj(o)``. A gated attention layer is ``norm_proj``, per-head q/k RMSNorm + partial RoPE +
-the cache write (:mod:`specpilot.kernels.decode.gated_attention`), the attention, ``sigmoid(gate)``
-and ``x + wo(o)``. So a hybrid's whole AR step is one PDL-chained sequence of kernels, one CUDA graph.
+state written, the gated RMSNorm (:mod:`specpilot.kernels.gdn.rows`), then ``x + out_proj(o)``. A
+gated attention layer is ``norm_proj``, per-head q/k RMSNorm + partial RoPE + the cache write
+(:mod:`specpilot.kernels.decode.gated_attention`), the attention, ``sigmoid(gate)`` and
+``x + wo(o)``. So a hybrid's whole AR step is one PDL-chained sequence of kernels, one CUDA graph.
 
 Eligible models: Llama-family attention layers (q/k norms, output gate and partial RoPE only in
 hybrid-style gated layers) and GDN layers, with ``nn.Linear`` projections without bias (W12 ones
