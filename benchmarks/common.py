@@ -11,6 +11,8 @@ import json
 import os
 import subprocess
 import sys
+import time
+import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -182,3 +184,21 @@ def print_table(rows: list[dict], cols: list[str]) -> None:
     from tabulate import tabulate
 
     print(tabulate([[r.get(c) for c in cols] for r in rows], headers=cols, floatfmt=".3g"))
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def section(name: str, fn, errors: list[str]):
+    """``fn()``, timed and logged; an exception goes into ``errors`` (with its traceback printed)
+    and gives None, so one failing part of a device call keeps the rest of the run."""
+    t = time.perf_counter()
+    try:
+        out = fn()
+        log(f"{name}: {time.perf_counter() - t:.1f} s")
+        return out
+    except Exception as e:
+        errors.append(f"{name}: {type(e).__name__}: {e}")
+        traceback.print_exc()
+        return None

@@ -29,7 +29,6 @@ import os
 import statistics
 import sys
 import time
-import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -37,28 +36,12 @@ from common import bootstrap  # noqa: E402
 
 bootstrap()
 
-from common import print_table, write_results  # noqa: E402
+from common import log, print_table, section, write_results  # noqa: E402
 
 CONTEXT = 1024
 MODEL = "qwen3.5-9b"
 PROBE_ROWS = [1, 2, 4, 8, 16, 32, 33, 48, 64]
 NK, NV, DK, DV = 16, 32, 128, 128
-
-
-def log(msg):
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def section(name, fn, errors):
-    t = time.perf_counter()
-    try:
-        out = fn()
-        log(f"{name}: {time.perf_counter() - t:.1f} s")
-        return out
-    except Exception as e:  # keep the rest of the run (one device call)
-        errors.append(f"{name}: {type(e).__name__}: {e}")
-        traceback.print_exc()
-        return None
 
 
 def floor_ms(rows: int) -> float:
