@@ -52,21 +52,6 @@ def floor_ms(rows: int) -> float:
     return step_floor(load_model_spec(MODEL), get_gpu("h200"), rows, context=CONTEXT).total_floor_ms
 
 
-def random_tree(R, seed, max_depth=15):
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    parents, depth = [-1], [0]
-    for r in range(1, R):
-        while True:
-            p = int(torch.randint(0, r, (1,), generator=gen))
-            if depth[p] < max_depth:
-                break
-        parents.append(p)
-        depth.append(depth[p] + 1)
-    return parents
-
-
 def layer_inputs(R, seed):
     import torch
 
@@ -97,7 +82,7 @@ def kernel_checks():
     out = {}
     for R in (33, 64):
         qkv, ab, A_log, dt_bias, state = layer_inputs(R, R)
-        paths = gpath.row_paths(random_tree(R, R)).to("cuda")
+        paths = gpath.row_paths(gpath.random_parents(R, R)).to("cuda")
         o = grows.gdn_rows(qkv, ab, A_log, dt_bias, state, paths, NK)
         q, k, v = qkv.float().split([NK * DK, NK * DK, NV * DV], -1)
         b, a = ab.float().chunk(2, -1)
@@ -127,7 +112,7 @@ def kernel_checks():
         out[f"rows_{R}"] = row
     # commit replay and verify rows against AR steps, bit for bit
     qkv, ab, A_log, dt_bias, state = layer_inputs(17, 5)
-    parents = random_tree(17, 5)
+    parents = gpath.random_parents(17, 5)
     paths = gpath.row_paths(parents)
     verify = grows.gdn_rows(qkv, ab, A_log, dt_bias, state, paths.to("cuda"), NK)
     acc = [x for x in paths[16].tolist() if x >= 0]
@@ -188,7 +173,7 @@ def gdn_kernel_times(reps):
     for nodes in (1, 4, 8, 16, 32, 48, 63):
         R = nodes + 1
         ins = [layer_inputs(R, 7 + i) for i in range(L)]
-        paths = gpath.row_paths(random_tree(R, R)).to("cuda")
+        paths = gpath.row_paths(gpath.random_parents(R, R)).to("cuda")
         row = {"nodes": nodes, "rows": R, "layers": L}
         row["path_us"] = 1e3 * graph_time(lambda: [grows.gdn_rows(x[0], x[1], x[2], x[3], s, paths, NK)
                                                    for x, s in zip(ins, states)], reps)
@@ -201,7 +186,7 @@ def gdn_kernel_times(reps):
                             torch.sigmoid(b)))
             row["wy_us"] = 1e3 * graph_time(lambda: [wy.wy_verify(*p, s, paths) for p, s in zip(pre, states)], reps)
             row["wy_over_path"] = row["wy_us"] / row["path_us"]
-        depth_path = [x for x in gpath.row_paths(random_tree(R, R))[-1].tolist() if x >= 0][:8]
+        depth_path = [x for x in gpath.row_paths(gpath.random_parents(R, R))[-1].tolist() if x >= 0][:8]
         acc = torch.tensor([depth_path], device="cuda")
         work = [s.clone() for s in states]
         row["commit_depth"] = len(depth_path)
@@ -221,7 +206,7 @@ def gdn_kernel_times(reps):
     ar = {"ar_gdn_us": 1e3 * graph_time(lambda: [ar_layer(x, s) for x, s in zip(ins, states)], reps),
           "default_warps": grows.default_warps(DK, DV)}
     ins33 = [layer_inputs(33, 300 + i) for i in range(L)]
-    p33 = gpath.row_paths(random_tree(33, 33)).to("cuda")
+    p33 = gpath.row_paths(gpath.random_parents(33, 33)).to("cuda")
     for wp in (2, 4, 8):
         ar[f"ar_gdn_us_w{wp}"] = 1e3 * graph_time(lambda: [ar_layer(x, s, wp) for x, s in zip(ins, states)], reps)
         ar[f"tree33_path_us_w{wp}"] = 1e3 * graph_time(

@@ -141,3 +141,10 @@ def _compare_with(mod):
     out, states = naive.recurrent(pq, pk, pv, pg, pb, state[0])
     assert torch.allclose(out, ref_out[0], atol=1e-5)
     assert torch.allclose(states[-1], ref_state[0], atol=1e-5)
+
+
+def test_random_parents_are_topological_and_depth_bounded():
+    parents = gpath.random_parents(64, seed=3, max_depth=5)
+    assert parents[0] == -1 and all(0 <= p < r for r, p in enumerate(parents) if r)
+    assert max((gpath.row_paths(parents) >= 0).sum(1)) <= 6   # root + 5 levels
+    assert parents == gpath.random_parents(64, seed=3, max_depth=5)

@@ -26,23 +26,10 @@ def _inputs(R, seed):
     return qkv, ab, A_log, dt_bias, state
 
 
-def _random_tree(R, seed, max_depth=15):
-    gen = torch.Generator().manual_seed(seed)
-    parents, depth = [-1], [0]
-    for r in range(1, R):
-        while True:
-            p = int(torch.randint(0, r, (1,), generator=gen))
-            if depth[p] < max_depth:
-                break
-        parents.append(p)
-        depth.append(depth[p] + 1)
-    return parents
-
-
 @pytest.mark.parametrize("R", [33, 64])
 def test_gdn_rows_against_fp32_reference(R):
     qkv, ab, A_log, dt_bias, state = _inputs(R, R)
-    paths = gpath.row_paths(_random_tree(R, R)).to(DEV)
+    paths = gpath.row_paths(gpath.random_parents(R, R)).to(DEV)
     out = grows.gdn_rows(qkv, ab, A_log, dt_bias, state, paths, NK)
     q, k, v = qkv.float().split([NK * DK, NK * DK, NV * DV], -1)
     b, a = ab.float().chunk(2, -1)
@@ -56,7 +43,7 @@ def test_gdn_rows_against_fp32_reference(R):
 def test_commit_and_verify_rows_equal_ar_steps_bitwise():
     R = 17
     qkv, ab, A_log, dt_bias, state = _inputs(R, 5)
-    parents = _random_tree(R, 5)
+    parents = gpath.random_parents(R, 5)
     paths = gpath.row_paths(parents).to(DEV)
     verify = grows.gdn_rows(qkv, ab, A_log, dt_bias, state, paths, NK)
     leaf = R - 1

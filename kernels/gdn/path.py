@@ -29,6 +29,22 @@ def row_paths(parents_rows: list[int]) -> torch.Tensor:
     return out
 
 
+def random_parents(rows: int, seed: int, max_depth: int = 15) -> list[int]:
+    """Parent rows of a random tree of ``rows`` rows (row 0 the root, -1), each row's parent drawn
+    uniformly among the earlier rows of depth below ``max_depth``: verify-step layouts for the
+    kernel checks of tests and benchmarks."""
+    gen = torch.Generator().manual_seed(seed)
+    parents, depth = [-1], [0]
+    for r in range(1, rows):
+        while True:
+            p = int(torch.randint(0, r, (1,), generator=gen))
+            if depth[p] < max_depth:
+                break
+        parents.append(p)
+        depth.append(depth[p] + 1)
+    return parents
+
+
 def path_verify(q, k, v, g, beta, state, paths):
     """Outputs of every row along its own root path. q,k [R,H,dk], v [R,H,dv], g,beta [R,H]
     (prepared), state [H,dk,dv] committed (not modified), paths [R, D]. Returns out [R,H,dv]."""
