@@ -59,6 +59,13 @@ if triton is not None:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     @triton.jit
+    def _decay(a, b, A):
+        """(log decay ``A * softplus(a)``, write strength ``sigmoid(b)``); ``a`` has dt_bias added,
+        ``A = -exp(A_log)``. Softplus with torch's threshold of 20."""
+        sp = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(tl.minimum(a, 20.0))))
+        return A * sp, 1.0 / (1.0 + tl.exp(-b))
+
+    @triton.jit
     def _conv_rows_kernel(x_ptr, stride_x, cs_ptr, w_ptr, out_ptr, stride_o, paths_ptr, stride_p, C, D,
                           KW: tl.constexpr, DP: tl.constexpr, BC: tl.constexpr, SEQ: tl.constexpr,
                           ADVANCE: tl.constexpr, PDL: tl.constexpr):
@@ -149,9 +156,8 @@ if triton is not None:
                 b = tl.sum(tl.where(sel, bt, 0.0), axis=0)
                 a = tl.sum(tl.where(sel, at, 0.0), axis=0) + dtb
                 kn = kr * tl.math.rsqrt(tl.sum(kr * kr, axis=0) + 1e-6)
-                sp = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(tl.minimum(a, 20.0))))   # softplus, torch's threshold
-                beta = 1.0 / (1.0 + tl.exp(-b))
-                s = s * tl.exp(A * sp)
+                g, beta = _decay(a, b, A)
+                s = s * tl.exp(g)
                 kv_mem = tl.sum(s * kn[:, None], axis=0)
                 delta = (v - kv_mem) * beta
                 s = s + kn[:, None] * delta[None, :]
@@ -172,10 +178,10 @@ if triton is not None:
         b = tl.load(ab_ptr + r * stride_ab + h, mask=hm, other=0.0).to(tl.float32)
         a = tl.load(ab_ptr + r * stride_ab + NV + h, mask=hm, other=0.0).to(tl.float32)
         a = a + tl.load(dtb_ptr + h, mask=hm, other=0.0).to(tl.float32)
-        sp = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(tl.minimum(a, 20.0))))
         A = -tl.exp(tl.load(alog_ptr + h, mask=hm, other=0.0).to(tl.float32))
-        tl.store(g_ptr + r * NV + h, A * sp, mask=hm)
-        tl.store(beta_ptr + r * NV + h, 1.0 / (1.0 + tl.exp(-b)), mask=hm)
+        g, beta = _decay(a, b, A)
+        tl.store(g_ptr + r * NV + h, g, mask=hm)
+        tl.store(beta_ptr + r * NV + h, beta, mask=hm)
 
     @triton.jit
     def _gated_norm_kernel(o_ptr, z_ptr, stride_z, w_ptr, y_ptr, eps, DV: tl.constexpr, PDL: tl.constexpr):
