@@ -79,7 +79,7 @@ class StepInput:
     """One forward's rows. ``tokens``, ``pos`` (rope positions), ``slots`` (KV-cache slots) are
     [T] long tensors; ``mask`` is bool [T, kv_len] (True = may attend); ``paths`` [T, D] only
     for ``gdn_rows == "tree"``; ``node_paths``: the GDN layers' memo of the tree nodes' paths
-    without the root (TreeWY with the root on its own), computed by the first layer that needs it."""
+    without the root (TreeWY applying the root first), computed by the first layer that needs it."""
 
     tokens: torch.Tensor
     pos: torch.Tensor
@@ -228,7 +228,6 @@ class GatedDeltaNet(nn.Module):
         self.impl = "auto"
         self.verify = "auto"   # path | wy | auto (the measured table): how kernel steps verify rows
         self._stash = None
-        self._root_state = None   # WY with the root on its own: the state after the root
 
     def reset(self):
         self.state.zero_()
@@ -337,28 +336,21 @@ class GatedDeltaNet(nn.Module):
         return out
 
     def _wy(self, conv, ab, paths, inp: StepInput):
-        """TreeWY outputs [T, nv, dv] of a verify step. When the rows without the root fit a smaller
-        tile (33 rows = root + 32 nodes: 64-row tiles, 32 without it), the root is applied on its
-        own (one path-kernel row, its state into a scratch buffer) and the 32 nodes, a forest under
-        it, go through WY from that state."""
+        """TreeWY outputs [T, nv, dv] of a verify step. A tree of 2^k + 1 rows (33 = root + 32 nodes)
+        has its root applied first inside the kernel, on the nodes' root-less paths (made once per
+        step, kept in ``inp.node_paths``)."""
         from specpilot.kernels.gdn import rows as gdn_rows, wy
 
         T = conv.shape[0]
         q, k, v = conv.split([self.key_dim, self.key_dim, self.value_dim], -1)
         q, k, v = q.view(T, self.nk, self.dk), k.view(T, self.nk, self.dk), v.view(T, self.nv, self.dv)
         g, beta = gdn_rows.decay_rows(ab, self.A_log, self.dt_bias)
-        o = torch.empty(T, self.nv, self.dv, dtype=torch.float32, device=conv.device)
-        if T == 1 or wy.padded_rows(T - 1) == wy.padded_rows(T):
-            return wy.wy_verify(q, k, v, g, beta, self.state, paths, out=o)
-        if self._root_state is None or self._root_state.device != self.state.device:
-            self._root_state = torch.empty_like(self.state)
-        sub = inp.node_paths
-        if sub is None or sub.shape[0] != T - 1:   # the nodes' paths without the root, once per step
-            sub = inp.node_paths = (paths[1:, 1:] - 1).clamp(min=-1)
-        gdn_rows.gdn_rows(conv[:1], ab[:1], self.A_log, self.dt_bias, self.state, None, self.nk,
-                          new_state=self._root_state, out=o[:1].view(1, self.value_dim))
-        wy.wy_verify(q[1:], k[1:], v[1:], g[1:], beta[1:], self._root_state, sub, out=o[1:])
-        return o
+        nodes = None
+        if wy.root_first(T):
+            nodes = inp.node_paths
+            if nodes is None or nodes.shape[0] != T - 1:
+                nodes = inp.node_paths = wy.node_paths(paths)
+        return wy.wy_verify(q, k, v, g, beta, self.state, paths, nodes=nodes)
 
     def _replay(self, mixed, conv, ab, rows: list[int], path: torch.Tensor | None = None):
         """Commit ``rows`` of a kernel step: replay them into the state, advance the conv state.

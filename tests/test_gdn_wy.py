@@ -73,6 +73,24 @@ def test_chain_of_depth_15_and_a_63_node_tree(dt):
     _check(_random_parents(63, seed=4), dt)
 
 
+@pytest.mark.parametrize("R", [17, 33])
+def test_root_first_trees_of_two_to_the_k_plus_one_rows(R):
+    """17 and 33 rows: the kernel applies the root, then the nodes in the 16/32-row tile; the
+    nodes' paths passed by the caller (the engine's per-step memo) give the same bits."""
+    from specpilot.kernels.gdn import wy
+
+    assert wy.root_first(R) and wy.padded_rows(R) == R - 1 and not wy.root_first(R - 1)
+    parents = _random_parents(R - 1, seed=R, window=5)
+    _check(parents)
+    _check(parents, dt=torch.bfloat16)
+    q, k, v, g, beta, state = _inputs(R, seed=R)
+    paths = gpath.row_paths(parents).to(DEV)
+    o = wy_verify(q, k, v, g, beta, state, paths)
+    torch.testing.assert_close(wy_verify(q, k, v, g, beta, state, paths, nodes=wy.node_paths(paths)), o, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="nodes must be"):
+        wy_verify(q, k, v, g, beta, state, paths, nodes=paths)
+
+
 def test_star_root_only_and_padded_paths():
     _check([-1] + [0] * 31)
     _check([-1])
@@ -161,7 +179,7 @@ def _bf16_ulp(x):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("R", [33, 64])
+@pytest.mark.parametrize("R", [17, 33, 64])
 def test_gpu_qwen35_9b_shapes_within_one_bf16_ulp(R):
     """nk=16, nv=32, dk=dv=128, bf16 inputs: bf16(o) within one bf16 ulp of bf16(o_ref), o_ref the
     fp32 torch path_verify on the GPU; and a CUDA-graph replay gives the eager bits."""

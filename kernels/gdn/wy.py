@@ -28,13 +28,18 @@ exactly, and multiply them with the RAW bf16 q/k rows (exact in bf16) accumulati
 per-row normalisation (and Gamma, beta) scales the fp32 result afterwards. K K^T and Q K^T are
 raw too. fp32 inputs take fp32 (``ieee``) dots. The [R, R] and [R, R] x [R, dv] parts are fp32.
 
-Grid: (value head, dv block of 32); a program holds all rows of its head, padded to 16/32/64.
-Rows above :data:`MAX_ROWS` are refused (ValueError): the caller uses the path kernel then.
+Grid: (value head, dv block); a program holds all rows of its head, padded to 16/32/64. A tree
+of 2^k + 1 rows (33 = root + 32 nodes) would need the next tile: the program applies the root to
+its state columns first (one delta-rule step) and the nodes, a forest under it, fill the smaller
+tile. The block width, warps and small-product precision per tile are measured
+(``kernels/gdn/tuned/<arch>.json``, kernel ``wy``). Rows above :data:`MAX_ROWS` are refused (ValueError): the caller uses the path kernel then.
 Nothing here syncs with the host, so the launch can be captured in a CUDA graph; for the same
 reason ``paths`` is trusted as ``row_paths`` builds it (topological order, -1 padding).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -43,9 +48,7 @@ from specpilot.kernels.triton_env import interpreting, tl, triton
 MAX_ROWS = 64      # rows of a tree a program holds (root + 63 nodes)
 BLOCK = 16         # rows of a diagonal block of the solve (the smallest tensor-core tile)
 BLOCK_V = 32       # dv columns per program: 32 heads x 4 blocks fill an H200's SMs at dv=128
-# precision of the small fp32 products ([R, R] x [R, R], [R, R] x [R, BV]); "tf32x3" would move
-# them to tensor cores at near-fp32 accuracy
-SMALL_DOT = "ieee"
+SMALL_DOT = "ieee"  # precision of the small fp32 products ([R, R] x [R, R], [R, R] x [R, BV])
 
 
 if triton is not None:
@@ -66,13 +69,34 @@ if triton is not None:
                    sq_r, sq_h, sq_d, sk_r, sk_h, sk_d, sv_r, sv_h, sv_d,
                    sg_r, sg_h, sb_r, sb_h, ss_h, ss_k, ss_v, sp_r, sp_d, so_r, so_h,
                    RP: tl.constexpr, DKP: tl.constexpr, BV: tl.constexpr, BS: tl.constexpr,
-                   BF16: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+                   BF16: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, ROOT: tl.constexpr):
         h = tl.program_id(0)
         kh = h // GROUP                      # GQA: repeat_interleave of the key heads
-        rows = tl.arange(0, RP)
         dks = tl.arange(0, DKP)
         dvs = tl.program_id(1) * BV + tl.arange(0, BV)
-        rm, km, vm = rows < R, dks < DK, dvs < DV
+        km, vm = dks < DK, dvs < DV
+        s = tl.load(s_ptr + h * ss_h + dks[:, None] * ss_k + dvs[None, :] * ss_v,
+                    mask=km[:, None] & vm[None, :], other=0.0)
+        if ROOT:
+            # row 0 (the root) applied to this program's columns of the state, one delta-rule step
+            # as naive.step; the tile then holds the nodes (rows 1..R), a forest under the root
+            q0 = tl.load(q_ptr + kh * sq_h + dks * sq_d, mask=km, other=0.0).to(tl.float32)
+            k0 = tl.load(k_ptr + kh * sk_h + dks * sk_d, mask=km, other=0.0).to(tl.float32)
+            q0 = q0 * (tl.math.rsqrt(tl.sum(q0 * q0, 0) + 1e-6) * scale)
+            k0 = k0 * tl.math.rsqrt(tl.sum(k0 * k0, 0) + 1e-6)
+            v0 = tl.load(v_ptr + h * sv_h + dvs * sv_d, mask=vm, other=0.0).to(tl.float32)
+            s = s * tl.exp(tl.load(g_ptr + h * sg_h).to(tl.float32))
+            d0 = (v0 - tl.sum(s * k0[:, None], 0)) * tl.load(b_ptr + h * sb_h).to(tl.float32)
+            s = s + k0[:, None] * d0[None, :]
+            tl.store(o_ptr + h * so_h + dvs, tl.sum(s * q0[:, None], 0), mask=vm)
+            q_ptr += sq_r
+            k_ptr += sk_r
+            v_ptr += sv_r
+            g_ptr += sg_r
+            b_ptr += sb_r
+            o_ptr += so_r
+        rows = tl.arange(0, RP)
+        rm = rows < R
 
         # raw q/k rows, kept in their dtype for the dots; the norms in fp32 as in naive.prepare
         qk_m = rm[:, None] & km[None, :]
@@ -83,8 +107,6 @@ if triton is not None:
         rk = tl.math.rsqrt(tl.sum(kf * kf, 1) + 1e-6)
 
         # Qn S0 and Kn S0 from the raw rows and the state's three bf16 pieces (or fp32 as is)
-        s = tl.load(s_ptr + h * ss_h + dks[:, None] * ss_k + dvs[None, :] * ss_v,
-                    mask=km[:, None] & vm[None, :], other=0.0)
         zero = tl.zeros((RP, BV), dtype=tl.float32)
         if BF16:
             s1 = s.to(tl.bfloat16)
@@ -196,34 +218,78 @@ def _check(q, k, v, g, beta, state, paths):
 
 
 def padded_rows(rows: int) -> int:
-    """The rows a program holds for a tree of ``rows`` rows (tiles are powers of two, at least 16)."""
-    return max(BLOCK, triton.next_power_of_2(rows))
+    """The rows a program holds for a tree of ``rows`` rows (tiles are powers of two, at least 16;
+    a tree of 2^k + 1 rows is its root, applied first in the kernel, and a tile of 2^k nodes)."""
+    return max(BLOCK, triton.next_power_of_2(rows - 1 if root_first(rows) else rows))
 
 
-def wy_verify(q, k, v, g, beta, state, paths, out=None):
+def root_first(rows: int) -> bool:
+    return rows > 1 and max(BLOCK, triton.next_power_of_2(rows - 1)) < max(BLOCK, triton.next_power_of_2(rows))
+
+
+@dataclass(frozen=True)
+class Config:
+    """Launch config of the WY kernel for one tile size: dv columns per program, warps, and the
+    precision of the small fp32 products ("ieee"; "tf32x3" moves them to tensor cores at near-fp32
+    accuracy)."""
+    block_v: int = BLOCK_V
+    warps: int = 8
+    small_dot: str = SMALL_DOT
+
+
+def config_for(rows: int, device) -> Config:
+    """The measured config for a tree of ``rows`` rows on ``device`` (``kernels/gdn/tuned/<arch>.json``,
+    kernel ``wy``, keyed by the padded tile), else the default (4 warps below 32-row tiles)."""
+    from specpilot.kernels import tuning
+
+    rp = padded_rows(rows)
+    arch = tuning.device_arch(device)
+    found = tuning.lookup("gdn", "wy", arch, rows=rp) if arch else []
+    if found:
+        return Config(**found[0]["config"])
+    return Config(warps=8 if rp >= 32 else 4)
+
+
+def node_paths(paths: torch.Tensor) -> torch.Tensor:
+    """The nodes' paths without the root, in node numbering (row r -> r - 1): the tile's paths when
+    the kernel applies the root first."""
+    return (paths[1:, 1:] - 1).clamp(min=-1)
+
+
+def wy_verify(q, k, v, g, beta, state, paths, out=None, nodes=None, config: Config | None = None):
     """Every row's GDN output at the end of its root path, [R, nv, dv] fp32 (into ``out`` if given).
 
     q, k [R, nk, dk] raw (unnormalised) bf16/fp32; v [R, nv, dv]; g (log decay) and beta [R, nv];
     state [nv, dk, dv] fp32 (not modified); paths [R, D] from :func:`.path.row_paths` (rows in
     topological order, row 0 the root), on the device. Value head h reads key head h // (nv // nk).
     Equals ``path_verify(*naive.prepare(q_rep, k_rep, v, g, beta), state, paths)`` with q, k
-    repeated over the value heads. R > 64 (and bad shapes) raise ValueError."""
+    repeated over the value heads. ``nodes``: :func:`node_paths` of ``paths`` where the caller keeps
+    it (a tree of 2^k + 1 rows needs it; made here otherwise). R > 64 (and bad shapes) raise
+    ValueError."""
     if triton is None:  # pragma: no cover
         raise RuntimeError("wy_verify needs triton")
     _check(q, k, v, g, beta, state, paths)
     R, nk, dk = q.shape
     nv, dv = v.shape[1], v.shape[2]
+    root = root_first(R)
     RP = padded_rows(R)
+    cfg = config or config_for(R, q.device)
     DKP = max(16, triton.next_power_of_2(dk))
-    BV = min(BLOCK_V, max(16, triton.next_power_of_2(dv)))
+    BV = min(cfg.block_v, max(16, triton.next_power_of_2(dv)))
     if out is not None and (out.shape != (R, nv, dv) or out.dtype != torch.float32 or out.stride(2) != 1):
         raise ValueError(f"out must be fp32 [R={R}, nv={nv}, dv={dv}] with contiguous rows, got {tuple(out.shape)}")
+    if root:
+        if nodes is None:
+            nodes = node_paths(paths)
+        elif tuple(nodes.shape) != (R - 1, paths.shape[1] - 1):
+            raise ValueError(f"nodes must be [{R - 1}, {paths.shape[1] - 1}] (node_paths of paths), got {tuple(nodes.shape)}")
+    tile_paths = nodes if root else paths
     o = out if out is not None else torch.empty((R, nv, dv), dtype=torch.float32, device=q.device)
     _wy_kernel[(nv, triton.cdiv(dv, BV))](
-        q, k, v, g, beta, state, paths, o,
-        R, paths.shape[1], dk, dv, nv // nk, float(dk) ** -0.5,
+        q, k, v, g, beta, state, tile_paths, o,
+        R - root, tile_paths.shape[1], dk, dv, nv // nk, float(dk) ** -0.5,
         *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *state.stride(),
-        *paths.stride(), o.stride(0), o.stride(1),
+        *tile_paths.stride(), o.stride(0), o.stride(1),
         RP=RP, DKP=DKP, BV=BV, BS=BLOCK, BF16=q.dtype == torch.bfloat16, UPCAST=interpreting(),
-        PREC=SMALL_DOT, num_warps=8 if RP >= 32 else 4)
+        PREC=cfg.small_dot, ROOT=root, num_warps=cfg.warps)
     return o
