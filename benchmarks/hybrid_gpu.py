@@ -430,10 +430,28 @@ def tree_memory(m):
             "per_node_snapshots_would_be_bytes": snapshots_would_be}
 
 
-def prefill_profile(m):
-    """Where a warm 1000-token prefill's time goes: CUDA kernels by name (PyTorch profiler)."""
+def kernel_profile(fn, top=14):
+    """CUDA kernels of one call of ``fn`` by name (PyTorch profiler): total, count, the top ones."""
     import torch
     from torch.profiler import ProfilerActivity, profile as tprofile
+
+    with tprofile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            k = kernels.setdefault(e.name[:90], [0, 0.0])
+            k[0] += 1
+            k[1] += getattr(e, "device_time_total", 0) or e.cuda_time_total
+    ranked = sorted(kernels.items(), key=lambda kv: -kv[1][1])
+    return {"kernel_ms": sum(v[1] for v in kernels.values()) / 1e3, "kernels": sum(v[0] for v in kernels.values()),
+            "top": [{"name": n, "calls": c, "ms": us / 1e3} for n, (c, us) in ranked[:top]]}
+
+
+def prefill_profile(m):
+    """Where a warm 1000-token prefill's time goes: CUDA kernels by name."""
+    import torch
 
     from specpilot.engine.decode import Decoder
 
@@ -445,19 +463,23 @@ def prefill_profile(m):
     dec.prefill(prompt)
     torch.cuda.synchronize()
     wall = (time.perf_counter() - t0) * 1e3
-    with tprofile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-        dec.prefill(prompt)
-        torch.cuda.synchronize()
-    kernels = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            k = kernels.setdefault(e.name[:90], [0, 0.0])
-            k[0] += 1
-            k[1] += getattr(e, "device_time_total", 0) or e.cuda_time_total
-    top = sorted(kernels.items(), key=lambda kv: -kv[1][1])
-    return {"wall_ms": wall, "kernel_ms": sum(v[1] for v in kernels.values()) / 1e3,
-            "kernels": sum(v[0] for v in kernels.values()),
-            "top": [{"name": n, "calls": c, "ms": us / 1e3} for n, (c, us) in top[:14]]}
+    return {"wall_ms": wall, **kernel_profile(lambda: dec.prefill(prompt))}
+
+
+def verify_profile(m, T=33):
+    """Where the time of a ``T``-row tree verify step (its CUDA graph, one replay) goes, beside the
+    graph's median step time: the difference is the gaps between kernels."""
+    from specpilot.engine.graphs import GraphRunner, time_replays
+    from specpilot.engine.rows import step_input
+
+    m.set_decode("fused")
+    inp = step_input(m, T, CONTEXT)
+    runner = GraphRunner(m)
+    gr, sinp, _ = runner.get(T)
+    for a, b in ((sinp.tokens, inp.tokens), (sinp.pos, inp.pos), (sinp.slots, inp.slots), (sinp.mask, inp.mask)):
+        a.copy_(b)
+    step = statistics.median(time_replays(gr, 20, 5))
+    return {"rows": T, "step_ms": step, **kernel_profile(gr.replay, top=20)}
 
 
 def tiny_lossless():
@@ -499,6 +521,7 @@ def main() -> int:
         rows += section("probe rows", lambda: probe_json(m, args.reps), errors) or []
         extra["tree_memory"] = section("tree memory", lambda: tree_memory(m), errors)
         extra["prefill_profile"] = section("prefill profile", lambda: prefill_profile(m), errors)
+        extra["verify_profile"] = section("verify profile", lambda: verify_profile(m), errors)
         extra["loop"] = section("decode loop", lambda: decode_loop(m, args.quick), errors)
     extra["errors"] = errors
     print_table([r for r in rows if r["what"] == "ar_step"], ["path", "step_ms", "floor_ms", "of_floor"])
@@ -506,7 +529,7 @@ def main() -> int:
     print_table([r for r in rows if r["what"] == "verify_method"], ["rows", "path_step_ms", "wy_step_ms"])
     print_table(extra.get("gdn_kernels") or [], ["nodes", "path_us", "wy_us", "wy_over_path", "commit_us"])
     print(json.dumps({k: extra.get(k) for k in ("ar_gdn_kernel", "kernel_checks", "ar_consistency", "tree_memory",
-                                                "prefill_profile",
+                                                "prefill_profile", "verify_profile",
                                                 "tiny_hybrid_fp32_lossless", "errors")}, indent=1, default=str)[:5000])
     loop = extra.get("loop") or {}
     print(json.dumps({k: loop.get(k) for k in ("warmup_seconds", "first_prefill_ms", "second_prefill_ms",

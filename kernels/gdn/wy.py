@@ -9,7 +9,8 @@ after another. Written the TreeWY way, the updates of all rows become one lower-
 over the rows plus matrix products, and the big products run on tensor cores.
 
 The math, per value head (S [dk, dv]; a_j = exp(g_j); P(i) the root path of row i including i;
-G_i the sum of g over P(i), Gamma_i = exp(G_i); kn, qn normalised as in ``naive.prepare``)::
+G_i the sum of g over P(i), Gamma_i = exp(G_i), exp(G_i - G_j) summed as the g of P(i) \\ P(j);
+kn, qn normalised as in ``naive.prepare``)::
 
     delta_j = beta_j (v_j - a_j S_parent(j)^T kn_j)
     S_i     = Gamma_i S0 + sum_{j in P(i)} exp(G_i - G_j) kn_j delta_j^T
@@ -31,8 +32,7 @@ raw too. fp32 inputs take fp32 (``ieee``) dots. The [R, R] and [R, R] x [R, dv] 
 Grid: (value head, dv block); a program holds all rows of its head, padded to 16/32/64. A tree
 of 2^k + 1 rows (33 = root + 32 nodes) would need the next tile: the program applies the root to
 its state columns first (one delta-rule step) and the nodes, a forest under it, fill the smaller
-tile. The block width, warps and small-product precision per tile are measured
-(``kernels/gdn/tuned/<arch>.json``, kernel ``wy``). Rows above :data:`MAX_ROWS` are refused (ValueError): the caller uses the path kernel then.
+tile. Rows above :data:`MAX_ROWS` are refused (ValueError): the caller uses the path kernel then.
 Nothing here syncs with the host, so the launch can be captured in a CUDA graph; for the same
 reason ``paths`` is trusted as ``row_paths`` builds it (topological order, -1 padding).
 """
@@ -132,10 +132,14 @@ if triton is not None:
         anc = at == rows[None, :]
         g = tl.load(g_ptr + rows * sg_r + h * sg_h, mask=rm, other=0.0).to(tl.float32)
         beta = tl.load(b_ptr + rows * sb_r + h * sb_h, mask=rm, other=0.0).to(tl.float32)
-        G = tl.sum(tl.where(anc, g[None, :], 0.0), 1)
+        ancf = anc.to(tl.float32)
+        G = tl.sum(ancf * g[None, :], 1)
         gam = tl.exp(G)
-        # decay from row j to its descendant i; -inf off the mask so no inf * 0 appears
-        E = tl.exp(tl.where(anc, G[:, None] - G[None, :], float("-inf")))
+        # decay from row j to its descendant i: the sum of g over the rows of i's path below j,
+        # (anc o g) (1 - anc)^T, summed directly. G_i - G_j would cancel: with strong decay (G of
+        # -100 over a path) its rounding is 1e-5 of a factor near 1. -inf off the mask: no inf * 0
+        D = tl.dot(ancf * g[None, :], tl.trans(1.0 - ancf), input_precision="ieee")
+        E = tl.exp(tl.where(anc, D, float("-inf")))
 
         zr = tl.zeros((RP, RP), dtype=tl.float32)
         kk = _raw_dot(k, tl.trans(k), zr, BF16, UPCAST) * (rk[:, None] * rk[None, :])
@@ -229,25 +233,12 @@ def root_first(rows: int) -> bool:
 
 @dataclass(frozen=True)
 class Config:
-    """Launch config of the WY kernel for one tile size: dv columns per program, warps, and the
-    precision of the small fp32 products ("ieee"; "tf32x3" moves them to tensor cores at near-fp32
-    accuracy)."""
+    """Launch config of the WY kernel: dv columns per program, warps, and the precision of the small
+    fp32 products ("tf32x3" moves them to tensor cores at near-fp32 accuracy). The default won at
+    every tile (16, 32, 64 rows) at Qwen3.5-9B shapes on the H200 (``lab/gdn/wy_sweep.py``)."""
     block_v: int = BLOCK_V
-    warps: int = 8
+    warps: int = 4
     small_dot: str = SMALL_DOT
-
-
-def config_for(rows: int, device) -> Config:
-    """The measured config for a tree of ``rows`` rows on ``device`` (``kernels/gdn/tuned/<arch>.json``,
-    kernel ``wy``, keyed by the padded tile), else the default (4 warps below 32-row tiles)."""
-    from specpilot.kernels import tuning
-
-    rp = padded_rows(rows)
-    arch = tuning.device_arch(device)
-    found = tuning.lookup("gdn", "wy", arch, rows=rp) if arch else []
-    if found:
-        return Config(**found[0]["config"])
-    return Config(warps=8 if rp >= 32 else 4)
 
 
 def node_paths(paths: torch.Tensor) -> torch.Tensor:
@@ -273,7 +264,7 @@ def wy_verify(q, k, v, g, beta, state, paths, out=None, nodes=None, config: Conf
     nv, dv = v.shape[1], v.shape[2]
     root = root_first(R)
     RP = padded_rows(R)
-    cfg = config or config_for(R, q.device)
+    cfg = config or Config()
     DKP = max(16, triton.next_power_of_2(dk))
     BV = min(cfg.block_v, max(16, triton.next_power_of_2(dv)))
     if out is not None and (out.shape != (R, nv, dv) or out.dtype != torch.float32 or out.stride(2) != 1):

@@ -5,8 +5,8 @@ For trees of 9, 17, 33, 48 and 64 rows (random, depth <= 15): the WY kernel over
 ``--block-v`` x ``--warps`` x ``--small-dot``, its largest difference from the path kernel in
 bf16 ulps (floored at 2^-12 of the row's largest output, as ``benchmarks/hybrid_gpu.py``), and
 for 17 and 33 rows the root applied by a separate path-kernel row ("split", what the engine did
-before the kernel took the root). The fastest config within one ulp per tile is printed as a
-table entry for ``kernels/gdn/tuned/<arch>.json`` (kernel ``wy``).
+before the kernel took the root). The fastest config within one ulp per tile is printed; where
+one config wins every tile it is ``wy.Config``'s default.
 
     python lab/gdn/wy_sweep.py [--reps 20] [--rows 17,33] [--block-v 16,32,64] [--warps 4,8]
 """
@@ -14,6 +14,7 @@ table entry for ``kernels/gdn/tuned/<arch>.json`` (kernel ``wy``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import sys
@@ -36,7 +37,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--rows", default="9,17,33,48,64")
     ap.add_argument("--block-v", default="16,32,64")
-    ap.add_argument("--warps", default="4,8")
+    ap.add_argument("--warps", default="2,4,8")
     ap.add_argument("--small-dot", default="ieee,tf32x3")
     args = ap.parse_args()
     rows_list = parse_int_list(args.rows, 2, 64, "wy_sweep: --rows")
@@ -97,8 +98,7 @@ def main() -> int:
                         "us": 1e3 * graph_time(split, args.reps)})
         torch.cuda.synchronize()
     print_table(out, ["rows", "tile", "config", "us", "ulps", "error"])
-    entries = [{"kernel": "wy", "rows": [tile, tile], "config": {"block_v": c.block_v, "warps": c.warps, "small_dot": c.small_dot},
-                "note": f"{us:.0f} us over 24 layers at {R} rows"} for tile, (c, us, R) in sorted(best.items())]
+    entries = [{"tile": tile, "rows": R, "config": dataclasses.asdict(c), "us": us} for tile, (c, us, R) in sorted(best.items())]
     print(json.dumps(entries, indent=1))
     write_results("gdn_wy_sweep", out, {"best": entries, "layers": L})
     return 0
