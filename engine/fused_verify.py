@@ -75,7 +75,7 @@ def hidden_rows(model, x: torch.Tensor, inp, kv_len: int, layers: int | None = N
     for i, blk in enumerate(blocks):
         m = blk.mixer
         if isinstance(m, GatedDeltaNet):
-            o = m.mix(_linear(h, m.in_proj), inp, pdl=common.USE_PDL)
+            o = m.mix(_linear(h, m.in_proj), inp)
             x, h = R.add_rms_norm_rows(x, _linear(o, m.out_proj), blk.mlp_norm, blk.eps)
         elif m.qk_norm or m.gate:
             proj = _linear(h, m.wqkv)

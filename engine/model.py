@@ -287,14 +287,13 @@ class GatedDeltaNet(nn.Module):
                 self._stash = ("chain", mixed, states)
         return self._gated_norm(out, z)
 
-    def mix(self, proj, inp: StepInput, pdl: bool = False):
+    def mix(self, proj, inp: StepInput):
         """The layer's rows after its input projection ``proj`` (the kernels' path: conv, gated delta
         rule, gated norm; states advanced or the step's commit data kept as ``inp.gdn_rows`` says):
-        the output projection's input [T, value_dim]. ``pdl``: verify-step kernels launched with
-        programmatic dependent launch (the fused rows path)."""
-        return self._forward_kernels(*self.split_proj(proj), inp, pdl)
+        the output projection's input [T, value_dim]."""
+        return self._forward_kernels(*self.split_proj(proj), inp)
 
-    def _forward_kernels(self, mixed, z, ab, inp: StepInput, pdl: bool = False):
+    def _forward_kernels(self, mixed, z, ab, inp: StepInput):
         from specpilot.kernels.gdn import prefill, rows as gdn_rows
 
         T = mixed.shape[0]
@@ -323,35 +322,35 @@ class GatedDeltaNet(nn.Module):
         # chain / tree verification (and short multi-row seq steps): every row's output at the end
         # of its root path, by the path walk or by TreeWY, whichever the table says is faster
         paths = inp.paths.to(mixed.device) if mode == "tree" else gdn_rows.chain_paths(T, mixed.device)
-        conv = gdn_rows.conv_rows(mixed, self.conv_state, self.conv_weight, None if mode != "tree" else paths, pdl=pdl)
+        conv = gdn_rows.conv_rows(mixed, self.conv_state, self.conv_weight, None if mode != "tree" else paths)
         method = self.verify if self.verify != "auto" else gdn_rows.verify_method(T, mixed.device)
         if method == "wy" and mode != "seq":
-            o = self._wy(conv, ab, paths, inp, pdl)
+            o = self._wy(conv, ab, paths, inp)
         else:
-            o = gdn_rows.gdn_rows(conv, ab, self.A_log, self.dt_bias, self.state, paths, self.nk,
-                                  pdl=pdl).view(T, self.nv, self.dv)
-        out = gdn_rows.gated_norm_rows(o, z, self.norm, self.eps, pdl=pdl)
+            o = gdn_rows.gdn_rows(conv, ab, self.A_log, self.dt_bias, self.state, paths, self.nk).view(T, self.nv, self.dv)
+        out = gdn_rows.gated_norm_rows(o, z, self.norm, self.eps)
         if mode == "seq":
             self._replay(mixed, conv, ab, list(range(T)))
         else:
             self._stash = ("rows", mixed, (conv, ab))
         return out
 
-    def _wy(self, conv, ab, paths, inp: StepInput, pdl: bool = False):
+    def _wy(self, conv, ab, paths, inp: StepInput):
         """TreeWY outputs [T, nv, dv] of a verify step. A tree of 2^k + 1 rows (33 = root + 32 nodes)
         has its root applied first inside the kernel, on the nodes' root-less paths (made once per
         step, kept in ``inp.node_paths``)."""
-        from specpilot.kernels.gdn import wy
+        from specpilot.kernels.gdn import rows as gdn_rows, wy
 
         T = conv.shape[0]
         q, k, v = conv.split([self.key_dim, self.key_dim, self.value_dim], -1)
         q, k, v = q.view(T, self.nk, self.dk), k.view(T, self.nk, self.dk), v.view(T, self.nv, self.dv)
+        g, beta = gdn_rows.decay_rows(ab, self.A_log, self.dt_bias)
         nodes = None
         if wy.root_first(T):
             nodes = inp.node_paths
             if nodes is None or nodes.shape[0] != T - 1:
                 nodes = inp.node_paths = wy.node_paths(paths)
-        return wy.wy_verify_ab(q, k, v, ab, self.A_log, self.dt_bias, self.state, paths, nodes=nodes, pdl=pdl)
+        return wy.wy_verify(q, k, v, g, beta, self.state, paths, nodes=nodes)
 
     def _replay(self, mixed, conv, ab, rows: list[int], path: torch.Tensor | None = None):
         """Commit ``rows`` of a kernel step: replay them into the state, advance the conv state.

@@ -91,27 +91,6 @@ def test_root_first_trees_of_two_to_the_k_plus_one_rows(R):
         wy_verify(q, k, v, g, beta, state, paths, nodes=paths)
 
 
-@pytest.mark.parametrize("R", [9, 17])
-def test_gates_from_the_raw_projection_rows_equal_decay_rows(R):
-    """wy_verify_ab (g, beta from the layer's b | a rows inside the kernel) gives wy_verify's bits on
-    decay_rows' g and beta; bad a | b shapes are refused."""
-    from specpilot.kernels.gdn import rows as grows, wy
-
-    q, k, v, _, _, state = _inputs(R, seed=20 + R)
-    gen = torch.Generator().manual_seed(R)
-    nv = v.shape[1]
-    ab = (torch.randn(R, 2 * nv, generator=gen) * 3).to(DEV)
-    A_log, dt_bias = (torch.rand(nv, generator=gen) * 2.7).to(DEV), torch.randn(nv, generator=gen).to(DEV)
-    paths = gpath.row_paths(_random_parents(R - 1, seed=R, window=3)).to(DEV)
-    g, beta = grows.decay_rows(ab, A_log, dt_bias)
-    torch.testing.assert_close(wy.wy_verify_ab(q, k, v, ab, A_log, dt_bias, state, paths),
-                               wy_verify(q, k, v, g, beta, state, paths), rtol=0, atol=0)
-    with pytest.raises(ValueError, match="ab must be"):
-        wy.wy_verify_ab(q, k, v, ab[:, 1:], A_log, dt_bias, state, paths)
-    with pytest.raises(ValueError, match="A_log and dt_bias"):
-        wy.wy_verify_ab(q, k, v, ab, A_log[1:], dt_bias, state, paths)
-
-
 def test_star_root_only_and_padded_paths():
     _check([-1] + [0] * 31)
     _check([-1])

@@ -18,7 +18,7 @@ ones beside them:
   (one row whose path is the accepted rows: a replay, so the committed state equals sequential
   decoding bit for bit).
 * :func:`gated_norm_rows`: the layer's gated RMSNorm ``rms_norm(o) * silu(z)`` per head, in the
-  activation dtype; :func:`decay_rows`: g and beta for the chunked prefill (:mod:`.prefill`).
+  activation dtype; :func:`decay_rows`: g and beta for the WY kernel (:mod:`.wy`).
 
 Because AR decode, chain/tree verification and commit all run this one loop body, a row's output
 in a path-kernel verify step is bitwise the output AR decoding would have produced for that token
@@ -59,7 +59,7 @@ if triton is not None:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     @triton.jit
-    def gate_decay(a, b, A):
+    def _decay(a, b, A):
         """(log decay ``A * softplus(a)``, write strength ``sigmoid(b)``); ``a`` has dt_bias added,
         ``A = -exp(A_log)``. Softplus with torch's threshold of 20."""
         sp = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(tl.minimum(a, 20.0))))
@@ -156,7 +156,7 @@ if triton is not None:
                 b = tl.sum(tl.where(sel, bt, 0.0), axis=0)
                 a = tl.sum(tl.where(sel, at, 0.0), axis=0) + dtb
                 kn = kr * tl.math.rsqrt(tl.sum(kr * kr, axis=0) + 1e-6)
-                g, beta = gate_decay(a, b, A)
+                g, beta = _decay(a, b, A)
                 s = s * tl.exp(g)
                 kv_mem = tl.sum(s * kn[:, None], axis=0)
                 delta = (v - kv_mem) * beta
@@ -179,7 +179,7 @@ if triton is not None:
         a = tl.load(ab_ptr + r * stride_ab + NV + h, mask=hm, other=0.0).to(tl.float32)
         a = a + tl.load(dtb_ptr + h, mask=hm, other=0.0).to(tl.float32)
         A = -tl.exp(tl.load(alog_ptr + h, mask=hm, other=0.0).to(tl.float32))
-        g, beta = gate_decay(a, b, A)
+        g, beta = _decay(a, b, A)
         tl.store(g_ptr + r * NV + h, g, mask=hm)
         tl.store(beta_ptr + r * NV + h, beta, mask=hm)
 

@@ -9,7 +9,8 @@ after another. Written the TreeWY way, the updates of all rows become one lower-
 over the rows plus matrix products, and the big products run on tensor cores.
 
 The math, per value head (S [dk, dv]; a_j = exp(g_j); P(i) the root path of row i including i;
-G_i the sum of g over P(i), Gamma_i = exp(G_i); kn, qn normalised as in ``naive.prepare``)::
+G_i the sum of g over P(i), Gamma_i = exp(G_i), exp(G_i - G_j) summed as the g of P(i) \\ P(j);
+kn, qn normalised as in ``naive.prepare``)::
 
     delta_j = beta_j (v_j - a_j S_parent(j)^T kn_j)
     S_i     = Gamma_i S0 + sum_{j in P(i)} exp(G_i - G_j) kn_j delta_j^T
@@ -42,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specpilot.kernels.triton_env import interpreting, pdl_args, tl, triton
+from specpilot.kernels.triton_env import interpreting, tl, triton
 
 MAX_ROWS = 64      # rows of a tree a program holds (root + 63 nodes)
 BLOCK = 16         # rows of a diagonal block of the solve (the smallest tensor-core tile)
@@ -51,19 +52,6 @@ SMALL_DOT = "ieee"  # precision of the small fp32 products ([R, R] x [R, R], [R,
 
 
 if triton is not None:
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
-    from specpilot.kernels.gdn.rows import gate_decay
-
-    @triton.jit
-    def _gates(g_raw, b_raw, alog_ptr, dtb_ptr, h, FROM_AB: tl.constexpr):
-        """(g, beta) in fp32: as given, or (FROM_AB) from the raw a | b projections as the row
-        kernel computes them (``g = -exp(A_log) softplus(a + dt_bias)``, ``beta = sigmoid(b)``)."""
-        if FROM_AB:
-            A = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
-            return gate_decay(g_raw.to(tl.float32) + tl.load(dtb_ptr + h).to(tl.float32), b_raw.to(tl.float32), A)
-        else:
-            return g_raw.to(tl.float32), b_raw.to(tl.float32)
 
     @triton.jit
     def _raw_dot(a, b, acc, BF16: tl.constexpr, UPCAST: tl.constexpr):
@@ -76,17 +64,13 @@ if triton is not None:
             return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
 
     @triton.jit
-    def _wy_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, alog_ptr, dtb_ptr, s_ptr, p_ptr, o_ptr,
+    def _wy_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, s_ptr, p_ptr, o_ptr,
                    R, D, DK, DV, GROUP, scale,
                    sq_r, sq_h, sq_d, sk_r, sk_h, sk_d, sv_r, sv_h, sv_d,
                    sg_r, sg_h, sb_r, sb_h, ss_h, ss_k, ss_v, sp_r, sp_d, so_r, so_h,
                    RP: tl.constexpr, DKP: tl.constexpr, BV: tl.constexpr, BS: tl.constexpr,
-                   BF16: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, ROOT: tl.constexpr,
-                   FROM_AB: tl.constexpr, PDL: tl.constexpr):
+                   BF16: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, ROOT: tl.constexpr):
         h = tl.program_id(0)
-        if PDL:
-            gdc_launch_dependents()
-            gdc_wait()
         kh = h // GROUP                      # GQA: repeat_interleave of the key heads
         dks = tl.arange(0, DKP)
         dvs = tl.program_id(1) * BV + tl.arange(0, BV)
@@ -101,9 +85,8 @@ if triton is not None:
             q0 = q0 * (tl.math.rsqrt(tl.sum(q0 * q0, 0) + 1e-6) * scale)
             k0 = k0 * tl.math.rsqrt(tl.sum(k0 * k0, 0) + 1e-6)
             v0 = tl.load(v_ptr + h * sv_h + dvs * sv_d, mask=vm, other=0.0).to(tl.float32)
-            g0, b0 = _gates(tl.load(g_ptr + h * sg_h), tl.load(b_ptr + h * sb_h), alog_ptr, dtb_ptr, h, FROM_AB)
-            s = s * tl.exp(g0)
-            d0 = (v0 - tl.sum(s * k0[:, None], 0)) * b0
+            s = s * tl.exp(tl.load(g_ptr + h * sg_h).to(tl.float32))
+            d0 = (v0 - tl.sum(s * k0[:, None], 0)) * tl.load(b_ptr + h * sb_h).to(tl.float32)
             s = s + k0[:, None] * d0[None, :]
             tl.store(o_ptr + h * so_h + dvs, tl.sum(s * q0[:, None], 0), mask=vm)
             q_ptr += sq_r
@@ -147,13 +130,16 @@ if triton is not None:
         depth = tl.sum((pt >= 0).to(tl.int32), 1) - 1
         at = tl.load(p_row + depth[None, :] * sp_d, mask=rm[:, None] & rm[None, :], other=-1)
         anc = at == rows[None, :]
-        g, beta = _gates(tl.load(g_ptr + rows * sg_r + h * sg_h, mask=rm, other=0.0),
-                         tl.load(b_ptr + rows * sb_r + h * sb_h, mask=rm, other=0.0), alog_ptr, dtb_ptr, h, FROM_AB)
-        g, beta = tl.where(rm, g, 0.0), tl.where(rm, beta, 0.0)
-        G = tl.sum(tl.where(anc, g[None, :], 0.0), 1)
+        g = tl.load(g_ptr + rows * sg_r + h * sg_h, mask=rm, other=0.0).to(tl.float32)
+        beta = tl.load(b_ptr + rows * sb_r + h * sb_h, mask=rm, other=0.0).to(tl.float32)
+        ancf = anc.to(tl.float32)
+        G = tl.sum(ancf * g[None, :], 1)
         gam = tl.exp(G)
-        # decay from row j to its descendant i; -inf off the mask so no inf * 0 appears
-        E = tl.exp(tl.where(anc, G[:, None] - G[None, :], float("-inf")))
+        # decay from row j to its descendant i: the sum of g over the rows of i's path below j,
+        # (anc o g) (1 - anc)^T, summed directly. G_i - G_j would cancel: with strong decay (G of
+        # -100 over a path) its rounding is 1e-5 of a factor near 1. -inf off the mask: no inf * 0
+        D = tl.dot(ancf * g[None, :], tl.trans(1.0 - ancf), input_precision="ieee")
+        E = tl.exp(tl.where(anc, D, float("-inf")))
 
         zr = tl.zeros((RP, RP), dtype=tl.float32)
         kk = _raw_dot(k, tl.trans(k), zr, BF16, UPCAST) * (rk[:, None] * rk[None, :])
@@ -261,8 +247,7 @@ def node_paths(paths: torch.Tensor) -> torch.Tensor:
     return (paths[1:, 1:] - 1).clamp(min=-1)
 
 
-def wy_verify(q, k, v, g, beta, state, paths, out=None, nodes=None, config: Config | None = None,
-              pdl: bool = False):
+def wy_verify(q, k, v, g, beta, state, paths, out=None, nodes=None, config: Config | None = None):
     """Every row's GDN output at the end of its root path, [R, nv, dv] fp32 (into ``out`` if given).
 
     q, k [R, nk, dk] raw (unnormalised) bf16/fp32; v [R, nv, dv]; g (log decay) and beta [R, nv];
@@ -270,30 +255,11 @@ def wy_verify(q, k, v, g, beta, state, paths, out=None, nodes=None, config: Conf
     topological order, row 0 the root), on the device. Value head h reads key head h // (nv // nk).
     Equals ``path_verify(*naive.prepare(q_rep, k_rep, v, g, beta), state, paths)`` with q, k
     repeated over the value heads. ``nodes``: :func:`node_paths` of ``paths`` where the caller keeps
-    it (a tree of 2^k + 1 rows needs it; made here otherwise). ``pdl``: programmatic dependent
-    launch. R > 64 (and bad shapes) raise ValueError."""
-    _check(q, k, v, g, beta, state, paths)
-    return _launch(q, k, v, g, beta, None, None, state, paths, out, nodes, config, pdl)
-
-
-def wy_verify_ab(q, k, v, ab, A_log, dt_bias, state, paths, out=None, nodes=None, config: Config | None = None,
-                 pdl: bool = False):
-    """:func:`wy_verify` with g and beta computed in the kernel from the layer's raw b | a
-    projection rows ``ab`` [R, 2 nv] (``A_log``, ``dt_bias`` [nv]), bit for bit as
-    :func:`.rows.decay_rows` computes them: one kernel instead of two per GDN layer."""
-    nv = v.shape[1] if v.dim() == 3 else -1
-    if ab.dim() != 2 or ab.shape[1] != 2 * nv or ab.stride(1) != 1:
-        raise ValueError(f"ab must be [R, 2 nv = {2 * nv}] with contiguous rows, got {tuple(ab.shape)}")
-    if A_log.numel() != nv or dt_bias.numel() != nv:
-        raise ValueError(f"A_log and dt_bias must have nv={nv} entries, got {A_log.numel()} and {dt_bias.numel()}")
-    g, beta = ab[:, nv:], ab[:, :nv]
-    _check(q, k, v, g, beta, state, paths)
-    return _launch(q, k, v, g, beta, A_log, dt_bias, state, paths, out, nodes, config, pdl)
-
-
-def _launch(q, k, v, g, beta, A_log, dt_bias, state, paths, out, nodes, config, pdl):
+    it (a tree of 2^k + 1 rows needs it; made here otherwise). R > 64 (and bad shapes) raise
+    ValueError."""
     if triton is None:  # pragma: no cover
         raise RuntimeError("wy_verify needs triton")
+    _check(q, k, v, g, beta, state, paths)
     R, nk, dk = q.shape
     nv, dv = v.shape[1], v.shape[2]
     root = root_first(R)
@@ -310,12 +276,11 @@ def _launch(q, k, v, g, beta, A_log, dt_bias, state, paths, out, nodes, config, 
             raise ValueError(f"nodes must be [{R - 1}, {paths.shape[1] - 1}] (node_paths of paths), got {tuple(nodes.shape)}")
     tile_paths = nodes if root else paths
     o = out if out is not None else torch.empty((R, nv, dv), dtype=torch.float32, device=q.device)
-    from_ab = A_log is not None
     _wy_kernel[(nv, triton.cdiv(dv, BV))](
-        q, k, v, g, beta, A_log if from_ab else g, dt_bias if from_ab else g, state, tile_paths, o,
+        q, k, v, g, beta, state, tile_paths, o,
         R - root, tile_paths.shape[1], dk, dv, nv // nk, float(dk) ** -0.5,
         *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *state.stride(),
         *tile_paths.stride(), o.stride(0), o.stride(1),
         RP=RP, DKP=DKP, BV=BV, BS=BLOCK, BF16=q.dtype == torch.bfloat16, UPCAST=interpreting(),
-        PREC=cfg.small_dot, ROOT=root, FROM_AB=from_ab, num_warps=cfg.warps, **pdl_args(pdl, q))
+        PREC=cfg.small_dot, ROOT=root, num_warps=cfg.warps)
     return o
