@@ -9,8 +9,7 @@ after another. Written the TreeWY way, the updates of all rows become one lower-
 over the rows plus matrix products, and the big products run on tensor cores.
 
 The math, per value head (S [dk, dv]; a_j = exp(g_j); P(i) the root path of row i including i;
-G_i the sum of g over P(i), Gamma_i = exp(G_i), exp(G_i - G_j) summed as the g of P(i) \\ P(j);
-kn, qn normalised as in ``naive.prepare``)::
+G_i the sum of g over P(i), Gamma_i = exp(G_i); kn, qn normalised as in ``naive.prepare``)::
 
     delta_j = beta_j (v_j - a_j S_parent(j)^T kn_j)
     S_i     = Gamma_i S0 + sum_{j in P(i)} exp(G_i - G_j) kn_j delta_j^T
@@ -132,14 +131,10 @@ if triton is not None:
         anc = at == rows[None, :]
         g = tl.load(g_ptr + rows * sg_r + h * sg_h, mask=rm, other=0.0).to(tl.float32)
         beta = tl.load(b_ptr + rows * sb_r + h * sb_h, mask=rm, other=0.0).to(tl.float32)
-        ancf = anc.to(tl.float32)
-        G = tl.sum(ancf * g[None, :], 1)
+        G = tl.sum(tl.where(anc, g[None, :], 0.0), 1)
         gam = tl.exp(G)
-        # decay from row j to its descendant i: the sum of g over the rows of i's path below j,
-        # (anc o g) (1 - anc)^T, summed directly. G_i - G_j would cancel: with strong decay (G of
-        # -100 over a path) its rounding is 1e-5 of a factor near 1. -inf off the mask: no inf * 0
-        D = tl.dot(ancf * g[None, :], tl.trans(1.0 - ancf), input_precision="ieee")
-        E = tl.exp(tl.where(anc, D, float("-inf")))
+        # decay from row j to its descendant i; -inf off the mask so no inf * 0 appears
+        E = tl.exp(tl.where(anc, G[:, None] - G[None, :], float("-inf")))
 
         zr = tl.zeros((RP, RP), dtype=tl.float32)
         kk = _raw_dot(k, tl.trans(k), zr, BF16, UPCAST) * (rk[:, None] * rk[None, :])
