@@ -147,6 +147,30 @@ def kernel_checks():
     return out
 
 
+def fla_baseline(reps):
+    """fla's fused recurrent kernel for one token over the 24 GDN layers (one CUDA graph), the AR
+    GDN kernels' baseline. It runs last in the benchmark: an intermittent illegal memory access
+    inside it (seen in some runs on the H200 with fla-core 0.6.0, never under
+    CUDA_LAUNCH_BLOCKING=1) leaves the CUDA context unusable."""
+    import torch
+    import torch.nn.functional as F
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+
+    pre, st = [], []
+    for i in range(24):
+        qkv, ab, A_log, dt_bias, state = layer_inputs(1, 200 + i)
+        b, a = ab.float().chunk(2, -1)
+        pre.append((qkv[:, :NK * DK].reshape(1, 1, NK, DK).contiguous(), qkv[:, NK * DK:2 * NK * DK].reshape(1, 1, NK, DK).contiguous(),
+                    qkv[:, 2 * NK * DK:].reshape(1, 1, NV, DV).contiguous(),
+                    (-A_log.exp() * F.softplus(a + dt_bias.float())).reshape(1, 1, NV).contiguous(),
+                    torch.sigmoid(b).reshape(1, 1, NV).contiguous()))
+        st.append(state[None].clone())
+    return {"fla_fused_recurrent_us": 1e3 * graph_time(
+        lambda: [fused_recurrent_gated_delta_rule(q, k, v, g, b, initial_state=s, output_final_state=True,
+                                                  use_qk_l2norm_in_kernel=True) for (q, k, v, g, b), s in zip(pre, st)],
+        reps)}
+
+
 def graph_time(fn, reps):
     import torch
 
@@ -211,22 +235,6 @@ def gdn_kernel_times(reps):
         ar[f"ar_gdn_us_w{wp}"] = 1e3 * graph_time(lambda: [ar_layer(x, s, wp) for x, s in zip(ins, states)], reps)
         ar[f"tree33_path_us_w{wp}"] = 1e3 * graph_time(
             lambda: [grows.gdn_rows(x[0], x[1], x[2], x[3], s, p33, NK, warps=wp) for x, s in zip(ins33, states)], reps)
-    try:
-        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
-
-        pre = []
-        for x in ins:
-            b, a = x[1].float().chunk(2, -1)
-            pre.append((x[0][:, :NK * DK].view(1, 1, NK, DK), x[0][:, NK * DK:2 * NK * DK].view(1, 1, NK, DK),
-                        x[0][:, 2 * NK * DK:].view(1, 1, NV, DV), (-x[2].exp() * F.softplus(a + x[3].float()))[None],
-                        torch.sigmoid(b)[None]))
-        st = [s[None].clone() for s in states]
-        ar["fla_fused_recurrent_us"] = 1e3 * graph_time(
-            lambda: [fused_recurrent_gated_delta_rule(q, k, v, g, b, initial_state=s, output_final_state=True,
-                                                      use_qk_l2norm_in_kernel=True) for (q, k, v, g, b), s in zip(pre, st)],
-            reps)
-    except Exception as e:
-        ar["fla_fused_recurrent_us"] = f"{type(e).__name__}: {e}"
     return out, ar
 
 
@@ -523,6 +531,9 @@ def main() -> int:
         extra["prefill_profile"] = section("prefill profile", lambda: prefill_profile(m), errors)
         extra["verify_profile"] = section("verify profile", lambda: verify_profile(m), errors)
         extra["loop"] = section("decode loop", lambda: decode_loop(m, args.quick), errors)
+    fla = section("fla baseline", lambda: fla_baseline(args.reps), errors)
+    if fla and extra.get("ar_gdn_kernel"):
+        extra["ar_gdn_kernel"].update(fla)
     extra["errors"] = errors
     print_table([r for r in rows if r["what"] == "ar_step"], ["path", "step_ms", "floor_ms", "of_floor"])
     print_table([r for r in rows if r["what"] == "probe_rows"], ["rows", "step_ms", "c", "floor_c", "path"])
