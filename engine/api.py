@@ -84,7 +84,8 @@ class Engine:
                            eos_ids=self.eos_ids, batch=batch or s.batch, budget=s.budget, block=s.block,
                            admit=s.admit, admit_rows=s.admit_rows, draft_layers=self.draft.get("layers"),
                            draft_model=self.draft.get("model"), max_queue=max_queue,
-                           graphs=s.device.startswith("cuda") and s.graphs and not self.model.spec.is_hybrid)
+                           graphs=s.device.startswith("cuda") and s.graphs and not self.model.spec.is_hybrid,
+                           qview=getattr(self.decoder, "qview", None))
         dec.threads = self.decoder.threads
         return dec
 
@@ -137,7 +138,8 @@ class Engine:
                                 "text": self.decode(res.output_ids), "steps": res.steps, "tau": res.tau,
                                 "tokens": len(res.output_ids), "seconds": res.seconds,
                                 "prefill_seconds": res.prefill_seconds, "tokens_per_s": res.tokens_per_second,
-                                "decode_tokens_per_s": res.decode_tokens_per_second, "stop": res.stop_reason})
+                                "decode_tokens_per_s": res.decode_tokens_per_second, "stop": res.stop_reason,
+                                **({"tlv": res.tlv} if res.tlv else {})})
         out.batch = {"batch": dec.batch, "budget": self.spec.budget, "block": self.spec.block,
                      "admit": self.spec.admit, "seconds": time.perf_counter() - t0, **batch_stats(dec)}
         return out
@@ -164,12 +166,15 @@ class Engine:
 
 def batch_stats(dec) -> dict:
     """A batch decoder's totals as the run JSON reports them."""
+    from specpilot.engine.batch.scheduler import tlv_summary
+
     st = dec.stats
     return {"verify_steps": st.verify_steps, "prefill_passes": st.prefill_passes, "rows": st.rows,
             "verify_rows": st.verify_rows, "prompt_rows": st.prompt_rows,
             "admitted_prompt_rows": st.admitted_prompt_rows, "drafted_positions": st.drafted_positions,
             "kept_positions": st.kept_positions, "accepted": st.accepted, "request_steps": st.request_steps,
-            "tau": st.tau(), "step_seconds": st.step_seconds}
+            "tau": st.tau(), "step_seconds": st.step_seconds,
+            **({"tlv": tlv_summary(st.tlv)} if st.tlv else {})}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -171,8 +171,8 @@ class Attention(nn.Module):
         """Rows of several requests: K/V go to each row's own slot of ``cache.k``/``cache.v``
         [slots, nkv, S, hd]; each segment attends to its slot's first ``kv_len`` positions."""
         q, k, v, g = self._project(x, cos, sin)
-        cache.k[inp.req, :, inp.slots] = k
-        cache.v[inp.req, :, inp.slots] = v
+        cache.k[inp.req, :, inp.slots] = k.to(cache.k.dtype)   # (a TLV Q pass under CPU autocast: bf16 rows)
+        cache.v[inp.req, :, inp.slots] = v.to(cache.v.dtype)
         scale = self.hd ** -0.5
         outs = [attend(q[s.start:s.start + s.rows], cache.k[s.slot, :, :kv_len], cache.v[s.slot, :, :kv_len],
                        inp.mask[s.start:s.start + s.rows, :kv_len], scale, self.fused) for s in inp.segments]

@@ -199,8 +199,6 @@ class EngineSpec:
             if self.torch_dtype_name == "float16":
                 raise InputError("mode=tlv: the Q pass reads the W12 8-bit view of bfloat16 or float32 weights, "
                                  "not float16; use dtype=bfloat16 or float32")
-            if self.batch > 1:
-                raise InputError("mode=tlv decodes one request at a time; use batch=1")
 
     # ------------------------------------------------------------------------ derived values
     @property

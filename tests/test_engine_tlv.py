@@ -117,7 +117,6 @@ def test_run_tlv_reports_tau_agreement_chain_and_time_split(run_cli):
 @pytest.mark.parametrize("args, msg", [
     (["--dtype", "float16"], "not float16"),
     (["--device", "cuda"], "CPU only"),
-    (["--batch", "2"], "batch=1"),
 ])
 def test_tlv_refusals_are_one_error_line_exit_2(run_cli, args, msg):
     code, out, err = run_cli("run", "--model", "tiny", "--mode", "tlv", "--prompt", "abc", *args)
@@ -125,15 +124,72 @@ def test_tlv_refusals_are_one_error_line_exit_2(run_cli, args, msg):
     assert msg in one_error(err)
 
 
-def test_the_batch_decoder_refuses_tlv():
-    """serve and run --batch decode through the batch decoder, which has no TLV cycle."""
-    from specpilot.engine.api import load_engine
-    from specpilot.engine.spec import EngineSpec
-    from specpilot.errors import InputError
+@pytest.mark.parametrize("model", ["tiny", "tiny-hybrid"])
+def test_batched_tlv_cycles_equal_one_request_cycles(model):
+    """The batch decoder (serve, run --batch) runs every request's TLV cycle in the same step: one Q
+    pass over all draft-1 trees, one exact pass. Requests arriving at different steps get AR's
+    output and exactly the one-request decoder's cycles (|C|, accepts, Q-pass agreement)."""
+    from specpilot.engine.batch.requests import Request
 
-    eng = load_engine(EngineSpec.parse("engine:model=tiny,mode=tlv"))
-    with pytest.raises(InputError, match="one request at a time"):
-        eng.batch_decoder(batch=1)
+    prompts = [PROMPT, PROMPT[3:] + [7, 8, 7, 8], [5, 6, 5, 6, 5, 6, 9], PROMPT[:9]]
+    ar = load_engine(f"engine:model={model},mode=ar,ctx={CTX}")
+    refs = [ar.generate(p, 18).output_ids for p in prompts]
+    for name, d in DRAFTERS.items():
+        spec = f"engine:model={model},mode=tlv,{d},nodes=6,depth=4,topk=3,ctx={CTX}"
+        one = load_engine(spec)
+        singles = [one.generate(p, 18) for p in prompts]
+        dec = load_engine(spec + ",batch=3").batch_decoder()
+        reqs = [Request(p, 18, id=i, arrival_step=a) for i, (p, a) in enumerate(zip(prompts, (0, 0, 2, 5)))]
+        res = dec.generate_many(reqs)
+        assert [r.output_ids for r in res] == refs, name
+        keys = ("cycles", "chain_tokens", "accepted_tokens", "q_agree", "q_compared")
+        for r, s1 in zip(res, singles):
+            assert [r.tlv[k] for k in keys] == [s1.tlv[k] for k in keys], name
+            assert r.steps == s1.steps == r.tlv["cycles"]
+        tot = dec.stats.tlv
+        assert tot["cycles"] == sum(r.tlv["cycles"] for r in res) and tot["steps"] <= tot["cycles"]
+        assert set(tot["seconds"]) == {"draft1", "qpass", "draft2", "exact", "append"}
+        assert all(v > 0 for v in tot["seconds"].values())
+        assert not dec.running and all(lc.stash == {} for lc in dec.cache.layers)
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-hybrid"])
+def test_batched_q_pass_leaves_every_slot_bit_identical(model):
+    from specpilot.engine.batch import tlv as btlv
+    from specpilot.engine.batch.requests import Request
+
+    e = load_engine(f"engine:model={model},mode=tlv,drafter=self,draft_layers=1,nodes=10,depth=4,topk=3,ctx={CTX},"
+                    "batch=2")
+    dec = e.batch_decoder()
+    reqs = [Request(PROMPT, 4, id=0), Request(PROMPT[2:], 4, id=1)]
+    dec.generate_many(reqs)     # committed KV and GDN state that are not zero, in slots 0 and 1
+    for slot, r in enumerate(reqs):   # put them back in their slots as running requests
+        r.slot, r.n_cache = slot, len(r.prompt_ids) + len(r.full) - 1
+    lats = dec.drafting.propose([(r.slot, r.prompt_ids + r.full, r.n_cache) for r in reqs], 4, 3)
+    trees = [T.build_best_first(lt.tokens, lt.logprobs, lt.transitions, 10) for lt in lats]
+    trees[1] = T.chain_tree([])   # a lone row must not advance GDN state either
+    before = [t.clone() for lc in dec.cache.layers for t in lc.tensors()]
+    q = btlv.q_pass(e.model, dec.cache, dec.qview, [(r.slot, r.full[-1], r.n_cache, t) for r, t in zip(reqs, trees)])
+    assert [len(x) for x in q] == [1 + len(t) for t in trees] and len(trees[0]) > 1
+    after = [t for lc in dec.cache.layers for t in lc.tensors()]
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(before, after))
+    assert all(lc.stash == {} for lc in dec.cache.layers)
+
+
+def test_run_batch_tlv_reports_the_cycles(run_cli):
+    code, out, err = run_cli("run", "--model", "tiny", "--mode", "tlv", "--nodes", "8", "--batch", "2",
+                             "--prompt", "abcabcabc the cat the cat abc", "--max-new-tokens", "16", "--format", "json")
+    assert code == 0, err
+    d = json.loads(out)
+    t = d["batch"]["tlv"]
+    assert t["cycles"] >= 1 and 0 <= t["q_top1_agreement"] <= 1 and t["accepted_per_exact_pass"] >= 1
+    assert set(t["time_ms"]) == {"draft1", "qpass", "draft2", "exact", "append"}
+    assert d["results"][0]["tlv"]["cycles"] == d["results"][0]["steps"]
+    assert d["tlv"]["q_agree"] == t["q_agree"] and d["tlv"]["tau_per_exact_pass"] == d["tau"]
+    code, out, err = run_cli("run", "--model", "tiny", "--mode", "tlv", "--nodes", "8", "--batch", "2",
+                             "--prompt", "abcabcabc the cat the cat abc", "--max-new-tokens", "16")
+    assert code == 0, err
+    assert "TLV: tau" in out and "batched step" in out
 
 
 @pytest.mark.parametrize("model, drafter", [("tiny", "ngram"), ("tiny-hybrid", "self")])

@@ -419,6 +419,29 @@ def test_sigterm_past_the_grace_fails_the_rest_cleanly(server_b):
     assert last["meta_info"]["finish_reason"]["type"] == "abort"
 
 
+def test_tlv_server_batches_concurrent_cycles_losslessly(greedy):
+    """serve --mode tlv: concurrent clients' TLV cycles share Q passes and exact passes; every output
+    is the one-request greedy output."""
+    s = ServeProcess("--model", "tiny", "--mode", "tlv", "--nodes", "6", "--depth", "4", "--batch", "8",
+                     "--threads", "1")
+    try:
+        url = s.url()
+
+        async def main():
+            async with httpx.AsyncClient(timeout=120) as c:
+                return await asyncio.gather(*[c.post(url + "/generate", json=_gen(PROMPTS[i], 8)) for i in range(10)])
+
+        rs = asyncio.run(main())
+        assert [r.status_code for r in rs] == [200] * 10
+        assert [r.json()["output_ids"] for r in rs] == [greedy(PROMPTS[i], 8) for i in range(10)]
+        steps = sum(r.json()["meta_info"]["spec_verify_ct"] for r in rs)
+        assert _info(url)["spec_verify_ct"] < steps   # exact passes served several requests each
+        code, _ = s.stop()
+        assert code == 0
+    finally:
+        s.kill()
+
+
 @pytest.mark.slow
 def test_smollm2_concurrent_clients_equal_greedy():
     eng = load_engine(EngineSpec.parse("engine:model=smollm2,mode=ar"))

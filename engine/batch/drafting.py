@@ -101,37 +101,70 @@ class BatchDrafting:
             return self._self(reqs, slots, m, k)
         return self._model(reqs, slots, m, k)
 
-    def _self(self, reqs, slots, m, k):
-        t, cache = self.target, self.cache
-        saved = cache.save_states(slots, self.layers)
+    @torch.no_grad()
+    def propose_after(self, reqs: list[tuple[int, list[int], int, list[int]]], m: int, k: int) -> list[Lattice]:
+        """TLV's second draft: one lattice per request ``(slot, context, n_cache, chain)`` drafted from
+        the end of ``context + chain``. The chain is not committed: its rows go through the drafter's
+        cache past the request's context (overwritten later) and its recurrent states are restored."""
+        if not reqs or m <= 0:
+            return [Lattice.empty() for _ in reqs]
+        if self.kind == "ngram":
+            return [self.ngram.propose(list(ctx) + list(ch), n, m, k) for _, ctx, n, ch in reqs]
+        slots = [s for s, _, _, _ in reqs]
+        if self.kind == "self":
+            return self._self([(s, list(ctx) + list(ch), n) for s, ctx, n, ch in reqs], slots, m, k)
+        if any(self.n_done[s] < len(ctx) for s, ctx, _, _ in reqs):   # the contexts first, committed
+            self._feed_context([(s, ctx, n) for s, ctx, n, _ in reqs if self.n_done[s] < len(ctx)])
+        d, cache = self.draft, self.draft_cache
+        saved = cache.save_states(slots)
         try:
-            inp, kv = one_row_step([ctx[-1] for _, ctx, _ in reqs], slots, [n for _, _, n in reqs], cache.max_seq,
-                                   t.device)
-            logits = t.logits_batch(inp, cache, kv, layers=self.layers)
-            return rollout(t, cache, logits, slots, [n + 1 for _, _, n in reqs], m, k, self.layers)
+            logits = feed(d, cache, [(s, len(ctx), list(ch)) for s, ctx, _, ch in reqs])
+            return rollout(d, cache, logits, slots, [len(ctx) + len(ch) for _, ctx, _, ch in reqs], m, k)
         finally:
             BatchCache.restore_states(saved, slots)
 
-    def _model(self, reqs, slots, m, k):
-        d, cache = self.draft, self.draft_cache
-        dev = d.device
-        toks, pos, segs, last = [], [], [], []
-        for b, (slot, ctx, _) in enumerate(reqs):
-            new = ctx[self.n_done[slot]:]
-            segs.append(Segment(slot, len(toks), len(new)))
-            pos.extend(range(self.n_done[slot], len(ctx)))
-            toks.extend(new)
-            last.append(len(toks) - 1)
-        kv = kv_len(cache.max_seq, max(len(ctx) for _, ctx, _ in reqs))
-        p = torch.tensor(pos, device=dev)
-        mask = torch.arange(kv, device=dev)[None] <= p[:, None]
-        req = torch.tensor([sg.slot for sg in segs for _ in range(sg.rows)], device=dev)
-        logits = d.logits_batch(BatchStepInput(torch.tensor(toks, device=dev), p, p.clone(), req, mask, segs),
-                                cache, kv, rows=torch.tensor(last, device=dev))
+    def _self(self, reqs, slots, m, k):
+        """Early exit: each request's rows from its pending token on (``context[n_cache:]``) through the
+        first layers at their cache positions, then the rollout; GDN states restored."""
+        t, cache = self.target, self.cache
+        saved = cache.save_states(slots, self.layers)
+        try:
+            logits = feed(t, cache, [(s, n, list(ctx[n:])) for s, ctx, n in reqs], self.layers)
+            return rollout(t, cache, logits, slots, [len(ctx) for _, ctx, _ in reqs], m, k, self.layers)
+        finally:
+            BatchCache.restore_states(saved, slots)
+
+    def _feed_context(self, reqs):
+        """The draft model takes each request's context past what it has seen (committed)."""
+        logits = feed(self.draft, self.draft_cache, [(s, self.n_done[s], list(ctx[self.n_done[s]:])) for s, ctx, _ in reqs])
         for slot, ctx, _ in reqs:
             self.n_done[slot] = len(ctx)
+        return logits
+
+    def _model(self, reqs, slots, m, k):
+        d, cache = self.draft, self.draft_cache
+        logits = self._feed_context(reqs)
         saved = cache.save_states(slots)
         try:
             return rollout(d, cache, logits, slots, [len(ctx) for _, ctx, _ in reqs], m, k)
         finally:
             BatchCache.restore_states(saved, slots)
+
+
+def feed(model, cache: BatchCache, reqs: list[tuple[int, int, list[int]]], layers: int | None = None) -> torch.Tensor:
+    """One step of every request's ``tokens`` (``(slot, start, tokens)``: at cache positions
+    ``start..``, causal, attending their slot's positions before them) through ``model``'s first
+    ``layers`` layers; the logits of each request's last row [B, V]."""
+    dev = model.device
+    toks, pos, segs, last = [], [], [], []
+    for slot, start, new in reqs:
+        segs.append(Segment(slot, len(toks), len(new)))
+        pos.extend(range(start, start + len(new)))
+        toks.extend(new)
+        last.append(len(toks) - 1)
+    kv = kv_len(cache.max_seq, max(start + len(new) for _, start, new in reqs))
+    p = torch.tensor(pos, device=dev)
+    mask = torch.arange(kv, device=dev)[None] <= p[:, None]
+    req = torch.tensor([sg.slot for sg in segs for _ in range(sg.rows)], device=dev)
+    return model.logits_batch(BatchStepInput(torch.tensor(toks, device=dev), p, p.clone(), req, mask, segs),
+                              cache, kv, rows=torch.tensor(last, device=dev), layers=layers)

@@ -10,7 +10,9 @@ One iteration (:meth:`BatchDecoder.step`):
 3. otherwise the decoding requests draft (one lattice each), each verifies at most its block of
    draft positions (``block=adaptive``), the node budget is filled (``budget``: shared or equal,
    the batched tree builder) and the step runs the verify rows plus the prompt rows the
-   admission rule lets in (``admit``); then a prefill pass for the prompts left out;
+   admission rule lets in (``admit``); then a prefill pass for the prompts left out. In mode
+   tlv each request's tree is its TLV cycle's (:mod:`.tlv`: a Q pass over every draft-1 tree,
+   the commit chains, draft 2) and the step is the cycles' exact pass;
 4. each request accepts its longest matching path plus the bonus token, commits it in its own
    cache slot and delivers tokens until a stop condition (``Request.offer``);
 5. finished requests free their slots (the last running request moves into the hole).
@@ -28,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specpilot.engine.batch import rules
+from specpilot.engine.batch import rules, tlv
 from specpilot.engine.batch.cache import BatchCache
 from specpilot.engine.batch.drafting import BatchDrafting
 from specpilot.engine.batch.requests import Request
@@ -62,27 +64,27 @@ class BatchStats:
     step_seconds: float = 0.0
     step_hist: Histogram = field(default_factory=lambda: Histogram(STEP_BUCKETS))   # seconds per step
     finished: dict = field(default_factory=dict)    # finish type -> count
+    tlv: dict | None = None      # mode tlv: the cycles' totals (commit chains, Q-pass agreement, phase seconds)
 
     def tau(self) -> float | None:
         return (self.accepted + self.request_steps) / self.request_steps if self.request_steps else None
 
 
 class BatchDecoder:
-    """Continuous-batching greedy decoder on ``model`` (``mode``: ar, chain, tree; ``drafter``: the
-    kind, ngram/self/model). Thread-safe :meth:`submit` and :meth:`cancel`; :meth:`step` and
+    """Continuous-batching greedy decoder on ``model`` (``mode``: ar, chain, tree, tlv with ``qview``
+    the Q pass's weights; ``drafter``: the kind, ngram/self/model). Thread-safe :meth:`submit` and :meth:`cancel`; :meth:`step` and
     :meth:`run_forever` on one engine thread."""
 
     def __init__(self, model, mode: str = "ar", drafter: str | None = None, *, nodes: int = 32, depth: int = 8,
                  topk: int = 8, eos_ids=(), batch: int = 8, budget: str = "shared", block: str = "adaptive",
                  admit: str = "waiting", admit_rows: int = 128, draft_layers: int | None = None, draft_model=None,
-                 graphs: bool = False, max_queue: int = 0, prefill_chunk: int = 512):
+                 graphs: bool = False, max_queue: int = 0, prefill_chunk: int = 512, qview=None):
         if mode != "ar" and drafter is None:
             raise InputError(f"mode {mode} needs a drafter")
-        if mode == "tlv":
-            raise InputError("mode=tlv decodes one request at a time (specpilot run); the batch decoder of serve "
-                             "and run --batch runs ar, chain or tree")
-        self.model, self.mode = model, mode
-        self.nodes, self.depth, self.topk = nodes, depth, topk if mode == "tree" else 1
+        if mode == "tlv" and qview is None:
+            raise InputError("mode=tlv needs the Q pass's weights (qview)")
+        self.model, self.mode, self.qview = model, mode, qview
+        self.nodes, self.depth, self.topk = nodes, depth, topk if mode in ("tree", "tlv") else 1
         self.eos_ids = frozenset(eos_ids or ())
         self.batch, self.budget, self.block, self.admit = int(batch), budget, block, admit
         self.admit_rows, self.prefill_chunk, self.max_queue = int(admit_rows), int(prefill_chunk), int(max_queue)
@@ -94,7 +96,7 @@ class BatchDecoder:
         self.recent = torch.full((self.batch, rules.BLOCK_WINDOW), float("nan"), device=dev)
         self.recent_at = [0] * self.batch
         self.runner = None
-        if graphs:
+        if graphs and mode != "tlv":   # TLV's two passes run eagerly
             from specpilot.engine.batch.graphs import BatchGraphRunner
 
             self.runner = BatchGraphRunner(model, self.cache)
@@ -111,6 +113,8 @@ class BatchDecoder:
         """Most rows one request puts into a verify step."""
         if self.mode == "tree":
             return 1 + (rules.SHARED_CAP * self.nodes if self.budget == "shared" else self.nodes)
+        if self.mode == "tlv":   # C can be the whole draft tree plus its bonus token
+            return 1 + self.nodes + 1
         return 1 + (self.depth if self.mode == "chain" else 0)
 
     def capacity_needed(self, prompt_len: int, max_new: int) -> int:
@@ -338,13 +342,18 @@ class BatchDecoder:
         lats = [None] * B
         trees = [treelib.chain_tree([]) for _ in range(B)]
         drafters = [b for b in range(B) if self.mode != "ar" and not tail[b]]
+        cyc, t_draft = {}, time.perf_counter()
         if drafters:
             got = self.drafting.propose([(decoding[b].slot, decoding[b].prompt_ids + decoding[b].full,
                                           decoding[b].n_cache) for b in drafters], self.depth, self.topk)
             for b, lat in zip(drafters, got):
                 lats[b] = lat
-            self._build_trees(decoding, drafters, got, trees)
-        gdn = "tree" if self.mode == "tree" else "chain"
+            if self.mode == "tlv":
+                self._tlv_totals()["seconds"]["draft1"] += time.perf_counter() - t_draft
+                cyc = tlv.cycles(self, decoding, drafters, got, trees, self._tlv_totals()["seconds"])
+            else:
+                self._build_trees(decoding, drafters, got, trees)
+        gdn = "tree" if self.mode in ("tree", "tlv") else "chain"
         blocks = []
         for b, r in enumerate(decoding):
             tr = trees[b]
@@ -355,7 +364,9 @@ class BatchDecoder:
         rows, need_pass = rules.plan_admission(self.admit, [len(r.prompt_ids) - r.prefilled for r in prefilling],
                                                verify, self.admit_rows, self.prefill_chunk)
         pblocks = self._prefill_blocks(prefilling, rows)
+        t_exact = time.perf_counter()
         preds, need = self._run(blocks, pblocks)
+        t_append = time.perf_counter()
         self.stats.verify_steps += 1
         self.stats.request_steps += sum(1 for t in tail if not t)
         self.stats.verify_rows += verify
@@ -371,10 +382,15 @@ class BatchDecoder:
             if len(tr):
                 m.commit_batch(self.cache, r.slot, r.n_cache, rows_kept, blocks[b].gdn_rows)
             if lats[b] is not None and r.record_lattice:
-                r.lattice.append({"schema": "specpilot.lattice/1", "request": r.id, "step": r.steps,
-                                  "tokens": lats[b].tokens, "logprobs": lats[b].logprobs,
-                                  "transitions": lats[b].transitions, "target": None, "_at": len(r.full),
-                                  "_m": lats[b].m})
+                row = {"schema": "specpilot.lattice/1", "request": r.id, "step": r.steps,
+                       "tokens": lats[b].tokens, "logprobs": lats[b].logprobs,
+                       "transitions": lats[b].transitions, "target": None, "_at": len(r.full), "_m": lats[b].m}
+                if b in cyc:   # what replaying the cycle needs, as the one-request TLV decoder records it
+                    row["tlv"] = {"nodes": self.nodes, **cyc[b].lattice_fields()}
+                    row["_m"] = max(lats[b].m, len(cyc[b].chain) + cyc[b].draft2.m)
+                r.lattice.append(row)
+            if b in cyc:
+                self._note_cycle(r, cyc[b], [preds[i] for i in need[b]], len(toks))
             if not tail[b]:
                 r.steps += 1
                 r.accepts.append(len(toks) - 1)
@@ -384,10 +400,34 @@ class BatchDecoder:
             r.full.extend(toks)
             self._deliver(r, toks, now)
         self._note_accepted(accepted)
+        if cyc:
+            self._tlv_totals()["steps"] += 1
+            sec = self._tlv_totals()["seconds"]
+            sec["exact"] += t_append - t_exact
+            sec["append"] += time.perf_counter() - t_append
         if pblocks:
             flat = [i for n in need[B:] for i in n]
             self._after_prefill(pblocks, need[B:], [preds[i] for i in flat], flat)
         return [r for r, n in zip(prefilling, rows) if n == 0] if need_pass else []
+
+    def _tlv_totals(self) -> dict:
+        if self.stats.tlv is None:
+            self.stats.tlv = {"cycles": 0, "chain_tokens": 0, "accepted_tokens": 0, "q_agree": 0, "q_compared": 0,
+                              "steps": 0, "seconds": dict.fromkeys(tlv.PHASES, 0.0)}
+        return self.stats.tlv
+
+    def _note_cycle(self, r: Request, c: "tlv.Cycle", exact: list[int], accepted: int) -> None:
+        """A request's finished cycle into its counts and the decoder's totals."""
+        hits, compared = c.agreement(exact)
+        mine = r.tlv if r.tlv is not None else {"nodes": self.nodes, "cycles": 0, "chain_tokens": 0,
+                                                "accepted_tokens": 0, "q_agree": 0, "q_compared": 0}
+        r.tlv = mine
+        for d in (mine, self._tlv_totals()):
+            d["cycles"] += 1
+            d["chain_tokens"] += len(c.chain)
+            d["accepted_tokens"] += accepted
+            d["q_agree"] += hits
+            d["q_compared"] += compared
 
     def _build_trees(self, decoding, idx, lats, trees) -> None:
         """Trees for the requests ``idx`` from their lattices (block rule, node budget)."""
@@ -494,8 +534,27 @@ def result_of(r: Request) -> GenerationResult:
     first = (r.t_first - r.t_arrival) if r.t_first is not None else 0.0
     out = list(r.output)
     tau = (len(out) - 1) / r.steps if r.steps else 1.0
-    return GenerationResult(out, r.steps, tau, end - r.t_arrival, list(r.lattice), first, list(r.accepts),
-                            r.stop_reason)
+    res = GenerationResult(out, r.steps, tau, end - r.t_arrival, list(r.lattice), first, list(r.accepts),
+                           r.stop_reason)
+    if r.tlv is not None:
+        res.tlv = tlv_summary(r.tlv)
+    return res
+
+
+def tlv_summary(d: dict) -> dict:
+    """TLV counts as the run JSON reports them: the mean commit chain |C|, tokens accepted per exact
+    pass and the Q pass's top-1 agreement with the exact pass; with ``seconds`` (the decoder's
+    totals) ``time_ms``, the mean ms of each phase per batched step (every running request's cycle
+    at once), and ``cycle_ms`` their sum."""
+    n = max(d["cycles"], 1)
+    out = {k: v for k, v in d.items() if k != "seconds"}
+    out.update(mean_commit_chain=d["chain_tokens"] / n, accepted_per_exact_pass=d["accepted_tokens"] / n,
+               q_top1_agreement=d["q_agree"] / d["q_compared"] if d["q_compared"] else None)
+    if "seconds" in d:
+        steps = max(d["steps"], 1)
+        out["time_ms"] = {k: 1e3 * v / steps for k, v in d["seconds"].items()}
+        out["cycle_ms"] = sum(out["time_ms"].values())
+    return out
 
 
 def percentile(xs: list[float], q: float) -> float | None:

@@ -25,11 +25,13 @@ def _w12_label(w12: dict | None) -> str:
     return f", W12 {w12['path']}: {w12['tensors']} projections, {w12['bits_per_weight']:.3f} bits/weight"
 
 
-def _tlv_summary(results: list[dict], tau: float) -> dict | None:
+def _tlv_summary(results: list[dict], tau: float, batch: dict | None = None) -> dict | None:
     """TLV's cycles over every request: tau per exact pass, the Q pass's top-1 agreement with the
     exact pass, mean |C| and the mean cycle's time split."""
     if not results or "tlv" not in results[0]:
         return None
+    if batch and batch.get("tlv"):   # the batch decoder's totals: its phases per batched step
+        return {"tau_per_exact_pass": tau, **batch["tlv"]}
     from specpilot.engine.tlv import TLVStats
 
     total = TLVStats(results[0]["tlv"]["nodes"])
@@ -42,7 +44,8 @@ def _tlv_note(t: dict) -> str:
     agree = "n/a" if t["q_top1_agreement"] is None else f"{100 * t['q_top1_agreement']:.1f}%"
     ms = t["time_ms"]
     return (f"\nTLV: tau {t['tau_per_exact_pass']:.3f} per exact pass, Q-pass top-1 agreement {agree} "
-            f"({t['q_agree']}/{t['q_compared']}), mean |C| {t['mean_commit_chain']:.2f}; cycle {t['cycle_ms']:.3f} ms "
+            f"({t['q_agree']}/{t['q_compared']}), mean |C| {t['mean_commit_chain']:.2f}; "
+            f"{'batched step' if 'steps' in t else 'cycle'} {t['cycle_ms']:.3f} ms "
             f"= draft 1 {ms['draft1']:.3f} + Q pass {ms['qpass']:.3f} + draft 2 {ms['draft2']:.3f} + exact pass "
             f"{ms['exact']:.3f} + append {ms['append']:.3f} ms")
 
@@ -150,7 +153,7 @@ def command(prompt_text, prompts_file, prompt_ids, chat, max_new_tokens, outputs
             "results": results}
     if run.batch:
         data["batch"] = run.batch
-    tlv = _tlv_summary(results, summary["tau"])
+    tlv = _tlv_summary(results, summary["tau"], run.batch)
     if tlv:
         data["tlv"] = tlv
     if len(results) == 1:
