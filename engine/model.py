@@ -241,12 +241,14 @@ class GatedDeltaNet(nn.Module):
         return self.impl == "triton" or (self.impl == "auto" and x.is_cuda)
 
     def forward(self, x, inp: StepInput):
-        mixed, z, ab = self.split_proj(self.in_proj(x))
+        return self.out_proj(self._rows(x, self.in_proj(x), inp))
+
+    def _rows(self, x, proj, inp: StepInput):
+        """The output projection's input for rows ``x`` whose input projection is ``proj``."""
+        mixed, z, ab = self.split_proj(proj)
         if self.uses_kernels(x):
-            o = self._forward_kernels(mixed, z, ab, inp)
-        else:
-            o = self._forward_torch(x, mixed, z, ab, inp)
-        return self.out_proj(o)
+            return self._forward_kernels(mixed, z, ab, inp)
+        return self._forward_torch(x, mixed, z, ab, inp)
 
     def _decay(self, ab):
         b, a = ab.float().chunk(2, -1)
@@ -386,21 +388,24 @@ class GatedDeltaNet(nn.Module):
     def forward_batch(self, x, inp: BatchStepInput, cache):
         """Rows of several requests: each segment runs :meth:`forward` on its own slot's state
         (``cache.state``/``cache.conv``, swapped in as this layer's buffers) and leaves its stash
-        in ``cache.stash[slot]`` for :meth:`commit_slot`. The projections run per segment."""
+        in ``cache.stash[slot]`` for :meth:`commit_slot`. The input and output projections run once
+        over every request's rows (one pass of the weights); the conv and the delta rule per
+        segment, on its own state."""
+        proj = self.in_proj(x)
         outs = []
         own = self.state, self.conv_state
         try:
             for sg in inp.segments:
                 self.state, self.conv_state = cache.state[sg.slot], cache.conv[sg.slot]
                 r = slice(sg.start, sg.start + sg.rows)
-                outs.append(self.forward(x[r], StepInput(inp.tokens[r], inp.pos[r], inp.slots[r], inp.mask[r],
-                                                         sg.gdn_rows, sg.paths)))
+                outs.append(self._rows(x[r], proj[r], StepInput(inp.tokens[r], inp.pos[r], inp.slots[r], inp.mask[r],
+                                                                sg.gdn_rows, sg.paths)))
                 stash, self._stash = self._stash, None
                 if stash is not None:
                     cache.stash[sg.slot] = stash
         finally:
             self.state, self.conv_state = own
-        return torch.cat(outs) if len(outs) > 1 else outs[0]
+        return self.out_proj(torch.cat(outs) if len(outs) > 1 else outs[0])
 
     def commit_slot(self, cache, slot: int, rows: list[int]):
         """:meth:`commit` for slot ``slot`` of a batch cache."""
