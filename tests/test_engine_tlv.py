@@ -192,14 +192,15 @@ def test_run_batch_tlv_reports_the_cycles(run_cli):
     assert "TLV: tau" in out and "batched step" in out
 
 
-@pytest.mark.parametrize("model, drafter", [("tiny", "ngram"), ("tiny-hybrid", "self")])
-def test_replay_tlv_reproduces_the_engines_tau(run_cli, tmp_path, model, drafter):
+@pytest.mark.parametrize("model, drafter, batch", [("tiny", "ngram", 1), ("tiny-hybrid", "self", 1),
+                                                   ("tiny-hybrid", "self", 2)])
+def test_replay_tlv_reproduces_the_engines_tau(run_cli, tmp_path, model, drafter, batch):
     prompts, lat = tmp_path / "p.jsonl", tmp_path / "tlv.lattice.jsonl"
     prompts.write_text('{"schema": "specpilot.prompts/1", "id": "a", "text": "abcabcabc the cat the cat abc"}\n'
                        '{"schema": "specpilot.prompts/1", "id": "b", "text": "xyzxyz xyz hello hello"}\n')
     code, out, err = run_cli("run", "--model", model, "--mode", "tlv", "--drafter", drafter, "--nodes", "10",
                              "--depth", "4", "--topk", "3", "--prompts", prompts, "--max-new-tokens", "20",
-                             "--lattice-out", lat, "--format", "json")
+                             "--lattice-out", lat, "--batch", batch, "--format", "json")
     assert code == 0, err
     d = json.loads(out)
     rows = [json.loads(x) for x in lat.read_text().splitlines()]
