@@ -73,6 +73,33 @@ def wy_module():
     return wy
 
 
+def bf16_ulps(x, ref, floor_frac=2.0 ** -12):
+    """Largest distance of bf16(x) from bf16(ref) in bf16 ulps of ref, the ulp taken at least at
+    ``floor_frac`` of the (row, head)'s largest |ref|: values that cancel to near zero differ by the
+    fp32 rounding of their terms, not by ulps of themselves."""
+    import torch
+
+    pb, wb = ref.to(torch.bfloat16).double(), x.to(torch.bfloat16).double()
+    mag = torch.maximum(pb.abs(), pb.abs().amax(-1, keepdim=True) * floor_frac)
+    _, e = torch.frexp(mag.float())
+    return float(((wb - pb).abs() / torch.ldexp(torch.ones_like(mag), e.double() - 8)).max())
+
+
+def exact_paths(prepared, state, paths):
+    """Every row's output at the end of its root path in float64 (``naive.recurrent`` along the path)."""
+    import torch
+
+    from specpilot.kernels.gdn import naive
+
+    q, k, v, g, b = (t.double() for t in prepared)
+    outs = []
+    for r in range(paths.shape[0]):
+        p = [x for x in paths[r].tolist() if x >= 0]
+        o, _ = naive.recurrent(q[p], k[p], v[p], g[p], b[p], state.double(), keep_states=False)
+        outs.append(o[-1])
+    return torch.stack(outs)
+
+
 def kernel_checks():
     import torch
     import torch.nn.functional as F
@@ -80,7 +107,7 @@ def kernel_checks():
     from specpilot.kernels.gdn import naive, path as gpath, prefill, rows as grows
 
     out = {}
-    for R in (33, 64):
+    for R in (17, 33, 64):
         qkv, ab, A_log, dt_bias, state = layer_inputs(R, R)
         paths = gpath.row_paths(gpath.random_parents(R, R)).to("cuda")
         o = grows.gdn_rows(qkv, ab, A_log, dt_bias, state, paths, NK)
@@ -91,23 +118,16 @@ def kernel_checks():
         prep = naive.prepare(q.view(R, NK, DK).repeat_interleave(rep, 1), k.view(R, NK, DK).repeat_interleave(rep, 1),
                              v.view(R, NV, DV), g, torch.sigmoid(b))
         ref = gpath.path_verify(*prep, state, paths)
+        exact = exact_paths(prep, state, paths)
         row = {"rows": R, "path_vs_fp32_ref_max_abs": float((o.view(R, NV, DV) - ref).abs().max()),
-               "ref_max_abs": float(ref.abs().max())}
+               "ref_max_abs": float(ref.abs().max()), "path_vs_fp64_ulps": bf16_ulps(o.view(R, NV, DV), exact)}
         wy = wy_module()
         if wy is not None:
             ow = wy.wy_verify(qkv[:, :NK * DK].view(R, NK, DK), qkv[:, NK * DK:2 * NK * DK].view(R, NK, DK),
                               qkv[:, 2 * NK * DK:].view(R, NV, DV), g, torch.sigmoid(b), state, paths)
-            pb, wb = o.view(R, NV, DV).to(torch.bfloat16).float(), ow.to(torch.bfloat16).float()
-
-            def ulps(floor_frac):
-                # bf16 spacing at |x|, taken at least at floor_frac of the (row, head)'s largest output:
-                # values that cancel to near zero differ by the fp32 rounding of their terms
-                mag = torch.maximum(pb.abs(), pb.abs().amax(-1, keepdim=True) * floor_frac)
-                _, e = torch.frexp(mag)
-                return float(((wb - pb).abs() / torch.ldexp(torch.ones_like(mag), e - 8)).max())
-
-            row["wy_vs_path_max_ulps"] = ulps(2.0 ** -12)
-            row["wy_vs_path_max_ulps_no_floor"] = ulps(0.0)
+            row["wy_vs_path_max_ulps"] = bf16_ulps(ow, o.view(R, NV, DV))
+            row["wy_vs_path_max_ulps_no_floor"] = bf16_ulps(ow, o.view(R, NV, DV), 0.0)
+            row["wy_vs_fp64_ulps"] = bf16_ulps(ow, exact)
             row["wy_vs_fp32_ref_max_abs"] = float((ow - ref).abs().max())
         out[f"rows_{R}"] = row
     # commit replay and verify rows against AR steps, bit for bit

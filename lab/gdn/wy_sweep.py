@@ -48,19 +48,13 @@ def main() -> int:
     import torch
     import torch.nn.functional as F
 
-    from hybrid_gpu import DK, DV, NK, NV, graph_time, layer_inputs
+    from hybrid_gpu import DK, DV, NK, NV, bf16_ulps as ulps, graph_time, layer_inputs
     from specpilot.kernels.gdn import path as gpath, rows as grows, wy
 
     def prepared(x, R):
         b, a = x[1].float().chunk(2, -1)
         return (x[0][:, :NK * DK].view(R, NK, DK), x[0][:, NK * DK:2 * NK * DK].view(R, NK, DK),
                 x[0][:, 2 * NK * DK:].view(R, NV, DV), -x[2].exp() * F.softplus(a + x[3].float()), torch.sigmoid(b))
-
-    def ulps(o, ref):
-        pb, wb = ref.to(torch.bfloat16).float(), o.to(torch.bfloat16).float()
-        mag = torch.maximum(pb.abs(), pb.abs().amax(-1, keepdim=True) * 2.0 ** -12)
-        _, e = torch.frexp(mag)
-        return float(((wb - pb).abs() / torch.ldexp(torch.ones_like(mag), e - 8)).max())
 
     states = [layer_inputs(1, 100 + i)[4] for i in range(L)]
     out, best = [], {}
