@@ -250,3 +250,21 @@ def test_smollm2_tlv_equals_ar_for_every_drafter():
         r = load_engine(f"engine:model=smollm2,mode=tlv,nodes=16,{d},ctx=512").generate(prompt, 32)
         assert r.output_ids == ref, d
         assert r.tlv["q_compared"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_smollm2_batched_tlv_equals_ar():
+    """Three SmolLM2 prompts decoded together in TLV mode (self-drafter): each output is its AR output."""
+    from specpilot.engine.batch.requests import Request
+
+    ar = load_engine("engine:model=smollm2,mode=ar,ctx=512")
+    texts = ["def add(a, b):\n    return a + b\n\ndef sub(a, b):", "Count from one to ten: one, two,",
+             "The quick brown fox"]
+    prompts = [ar.encode(t) for t in texts]
+    refs = [ar.generate(p, 24).output_ids for p in prompts]
+    dec = load_engine("engine:model=smollm2,mode=tlv,nodes=16,drafter=self,draft_layers=8,ctx=512,batch=3"
+                      ).batch_decoder()
+    res = dec.generate_many([Request(p, 24, id=i, arrival_step=i) for i, p in enumerate(prompts)])
+    assert [r.output_ids for r in res] == refs
+    assert dec.stats.tlv["q_compared"] > 0
