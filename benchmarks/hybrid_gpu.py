@@ -180,7 +180,8 @@ def fla_baseline(reps):
     for i in range(24):
         qkv, ab, A_log, dt_bias, state = layer_inputs(1, 200 + i)
         b, a = ab.float().chunk(2, -1)
-        pre.append((qkv[:, :NK * DK].reshape(1, 1, NK, DK).contiguous(), qkv[:, NK * DK:2 * NK * DK].reshape(1, 1, NK, DK).contiguous(),
+        pre.append((qkv[:, :NK * DK].reshape(1, 1, NK, DK).contiguous(),
+                    qkv[:, NK * DK:2 * NK * DK].reshape(1, 1, NK, DK).contiguous(),
                     qkv[:, 2 * NK * DK:].reshape(1, 1, NV, DV).contiguous(),
                     (-A_log.exp() * F.softplus(a + dt_bias.float())).reshape(1, 1, NV).contiguous(),
                     torch.sigmoid(b).reshape(1, 1, NV).contiguous()))

@@ -111,6 +111,22 @@ class QView:
                 self.model.lm_head = lm_head
 
 
+def q_agreement(q_argmax: list[int], q_path: list[int], exact: list[int]) -> int:
+    """How often the Q pass's argmax equals the exact pass's where both predict from the same prefix:
+    after the pending token and after each node of C's path (``q_path``: C's nodes in the draft-1
+    tree; C's node i is node i of the exact tree, so the exact pass predicted after it at row i+1)."""
+    return sum(int(q_argmax[1 + q] if i else q_argmax[0]) == int(exact[i]) for i, q in enumerate([-1] + q_path))
+
+
+def cycle_record(nodes: int, q_argmax: list[int], commit: list[int], draft2: Lattice, first: Lattice) -> dict:
+    """A lattice row's ``tlv`` field and its ``_m`` (the target tokens the row needs): the budget, the
+    Q pass's argmax at the root and every node of the draft-1 tree, C, and the draft-2 lattice."""
+    return {"tlv": {"nodes": nodes, "q_argmax": [int(x) for x in q_argmax], "commit": [int(x) for x in commit],
+                    "draft2": {"tokens": draft2.tokens, "logprobs": draft2.logprobs,
+                               "transitions": draft2.transitions}},
+            "_m": max(first.m, len(commit) + draft2.m)}
+
+
 @contextmanager
 def scratch(model: Transformer, start: int, rows: int):
     """Run a pass of ``rows`` rows at slots ``start..`` without leaving a trace: the attention
@@ -219,8 +235,7 @@ class TLVDecoder(Decoder):
         t5 = time.perf_counter()
         # C's node i is node i of the exact tree; the Q pass predicted after it at its path node
         st.q_compared += len(chain)
-        st.q_agree += sum(int(qpreds[1 + q] if i else qpreds[0]) == int(preds[i])
-                          for i, q in enumerate([-1] + qpath))
+        st.q_agree += q_agreement(qpreds, qpath, preds)
         st.cycles += 1
         st.chain_tokens += len(chain)
         st.accepted_tokens += len(toks)
@@ -235,8 +250,5 @@ class TLVDecoder(Decoder):
         argmax at the root and every node of the draft-1 tree, C, and the draft-2 lattice."""
         row = super().lattice_row(request, step, lat, at)
         last = self._last
-        lat2 = last["draft2"]
-        row["tlv"] = {"nodes": self.nodes, "q_argmax": last["q_argmax"], "commit": last["commit"],
-                      "draft2": {"tokens": lat2.tokens, "logprobs": lat2.logprobs, "transitions": lat2.transitions}}
-        row["_m"] = max(lat.m, len(last["commit"]) + lat2.m)
+        row.update(cycle_record(self.nodes, last["q_argmax"], last["commit"], last["draft2"], lat))
         return row

@@ -136,7 +136,8 @@ class BatchDrafting:
 
     def _feed_context(self, reqs):
         """The draft model takes each request's context past what it has seen (committed)."""
-        logits = feed(self.draft, self.draft_cache, [(s, self.n_done[s], list(ctx[self.n_done[s]:])) for s, ctx, _ in reqs])
+        logits = feed(self.draft, self.draft_cache,
+                      [(s, self.n_done[s], list(ctx[self.n_done[s]:])) for s, ctx, _ in reqs])
         for slot, ctx, _ in reqs:
             self.n_done[slot] = len(ctx)
         return logits

@@ -37,6 +37,7 @@ from specpilot.engine.batch.requests import Request
 from specpilot.engine.batch.step import Rows, assemble, prefill_rows, verify_rows
 from specpilot.engine.decode import GenerationResult
 from specpilot.engine.metrics import STEP_BUCKETS, Histogram
+from specpilot.engine.tlv import PHASES as TLV_PHASES
 from specpilot.errors import InputError
 from specpilot.kernels import tree as treelib
 from specpilot.kernels.gdn.path import row_paths
@@ -72,8 +73,8 @@ class BatchStats:
 
 class BatchDecoder:
     """Continuous-batching greedy decoder on ``model`` (``mode``: ar, chain, tree, tlv with ``qview``
-    the Q pass's weights; ``drafter``: the kind, ngram/self/model). Thread-safe :meth:`submit` and :meth:`cancel`; :meth:`step` and
-    :meth:`run_forever` on one engine thread."""
+    the Q pass's weights; ``drafter``: the kind, ngram/self/model). Thread-safe :meth:`submit` and
+    :meth:`cancel`; :meth:`step` and :meth:`run_forever` on one engine thread."""
 
     def __init__(self, model, mode: str = "ar", drafter: str | None = None, *, nodes: int = 32, depth: int = 8,
                  topk: int = 8, eos_ids=(), batch: int = 8, budget: str = "shared", block: str = "adaptive",
@@ -386,8 +387,7 @@ class BatchDecoder:
                        "tokens": lats[b].tokens, "logprobs": lats[b].logprobs,
                        "transitions": lats[b].transitions, "target": None, "_at": len(r.full), "_m": lats[b].m}
                 if b in cyc:   # what replaying the cycle needs, as the one-request TLV decoder records it
-                    row["tlv"] = {"nodes": self.nodes, **cyc[b].lattice_fields()}
-                    row["_m"] = max(lats[b].m, len(cyc[b].chain) + cyc[b].draft2.m)
+                    row.update(cyc[b].record(self.nodes, lats[b]))
                 r.lattice.append(row)
             if b in cyc:
                 self._note_cycle(r, cyc[b], [preds[i] for i in need[b]], len(toks))
@@ -413,7 +413,7 @@ class BatchDecoder:
     def _tlv_totals(self) -> dict:
         if self.stats.tlv is None:
             self.stats.tlv = {"cycles": 0, "chain_tokens": 0, "accepted_tokens": 0, "q_agree": 0, "q_compared": 0,
-                              "steps": 0, "seconds": dict.fromkeys(tlv.PHASES, 0.0)}
+                              "steps": 0, "seconds": dict.fromkeys(TLV_PHASES, 0.0)}
         return self.stats.tlv
 
     def _note_cycle(self, r: Request, c: "tlv.Cycle", exact: list[int], accepted: int) -> None:

@@ -20,10 +20,9 @@ import torch
 from specpilot.engine.batch.cache import BatchCache
 from specpilot.engine.batch.step import assemble, verify_rows
 from specpilot.engine.drafters import Lattice
+from specpilot.engine.tlv import cycle_record, q_agreement
 from specpilot.kernels import tree as treelib
 from specpilot.kernels.gdn.path import row_paths
-
-PHASES = ("draft1", "qpass", "draft2", "exact", "append")
 
 
 @dataclass
@@ -37,17 +36,12 @@ class Cycle:
     draft2: Lattice
 
     def agreement(self, exact: list[int]) -> tuple[int, int]:
-        """(agreeing, compared): the Q pass's and the exact pass's argmax at the root and at each node
-        of C but the last, the positions both predict from the same prefix (C's node i is node i of
-        the exact tree)."""
-        hits = sum(int(self.q_argmax[1 + q] if i else self.q_argmax[0]) == int(exact[i])
-                   for i, q in enumerate([-1] + self.q_path))
-        return hits, len(self.chain)
+        """(agreeing, compared) positions of the Q pass and the exact pass (``engine.tlv.q_agreement``)."""
+        return q_agreement(self.q_argmax, self.q_path, exact), len(self.chain)
 
-    def lattice_fields(self) -> dict:
-        lat = self.draft2
-        return {"q_argmax": self.q_argmax, "commit": self.chain,
-                "draft2": {"tokens": lat.tokens, "logprobs": lat.logprobs, "transitions": lat.transitions}}
+    def record(self, nodes: int, first: Lattice) -> dict:
+        """The lattice row's ``tlv`` field and ``_m`` (``engine.tlv.cycle_record``)."""
+        return cycle_record(nodes, self.q_argmax, self.chain, self.draft2, first)
 
 
 @contextmanager
@@ -101,7 +95,8 @@ def cycles(dec, decoding, idx: list[int], lats: list[Lattice], trees: list, seco
     first = [treelib.build_best_first(lt.tokens, lt.logprobs, lt.transitions, dec.nodes) for lt in lats]
     t1 = time.perf_counter()
     reqs = [decoding[b] for b in idx]
-    qpreds = q_pass(dec.model, dec.cache, dec.qview, [(r.slot, r.full[-1], r.n_cache, tr) for r, tr in zip(reqs, first)])
+    qpreds = q_pass(dec.model, dec.cache, dec.qview,
+                    [(r.slot, r.full[-1], r.n_cache, tr) for r, tr in zip(reqs, first)])
     picked = [treelib.accept_predictions(tr, qp) for tr, qp in zip(first, qpreds)]
     t2 = time.perf_counter()
     second = dec.drafting.propose_after([(r.slot, r.prompt_ids + r.full, r.n_cache, chain)

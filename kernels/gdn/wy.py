@@ -268,7 +268,8 @@ def wy_verify(q, k, v, g, beta, state, paths, out=None, nodes=None, config: Conf
         if nodes is None:
             nodes = node_paths(paths)
         elif tuple(nodes.shape) != (R - 1, paths.shape[1] - 1):
-            raise ValueError(f"nodes must be [{R - 1}, {paths.shape[1] - 1}] (node_paths of paths), got {tuple(nodes.shape)}")
+            raise ValueError(f"nodes must be [{R - 1}, {paths.shape[1] - 1}] (node_paths of paths), "
+                             f"got {tuple(nodes.shape)}")
     tile_paths = nodes if root else paths
     o = out if out is not None else torch.empty((R, nv, dv), dtype=torch.float32, device=q.device)
     _wy_kernel[(nv, triton.cdiv(dv, BV))](

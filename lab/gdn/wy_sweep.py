@@ -86,13 +86,15 @@ def main() -> int:
 
             def split():
                 for x, p, s, rs in zip(ins, pre, states, roots):
-                    grows.gdn_rows(x[0][:1], x[1][:1], x[2], x[3], s, None, NK, new_state=rs, out=o[:1].view(1, NV * DV))
+                    grows.gdn_rows(x[0][:1], x[1][:1], x[2], x[3], s, None, NK, new_state=rs,
+                                   out=o[:1].view(1, NV * DV))
                     wy.wy_verify(*(t[1:] for t in p), rs, nodes, out=o[1:])
             out.append({"rows": R, "tile": wy.padded_rows(R), "config": "split (default config)",
                         "us": 1e3 * graph_time(split, args.reps)})
         torch.cuda.synchronize()
     print_table(out, ["rows", "tile", "config", "us", "ulps", "error"])
-    entries = [{"tile": tile, "rows": R, "config": dataclasses.asdict(c), "us": us} for tile, (c, us, R) in sorted(best.items())]
+    entries = [{"tile": tile, "rows": R, "config": dataclasses.asdict(c), "us": us}
+               for tile, (c, us, R) in sorted(best.items())]
     print(json.dumps(entries, indent=1))
     write_results("gdn_wy_sweep", out, {"best": entries, "layers": L})
     return 0
