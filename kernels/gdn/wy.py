@@ -223,6 +223,7 @@ def padded_rows(rows: int) -> int:
 
 
 def root_first(rows: int) -> bool:
+    """Whether the kernel applies the root of a ``rows``-row tree first (its nodes fit a smaller tile)."""
     return rows > 1 and max(BLOCK, triton.next_power_of_2(rows - 1)) < max(BLOCK, triton.next_power_of_2(rows))
 
 
