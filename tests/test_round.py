@@ -56,7 +56,14 @@ def test_round_runs_every_stage_and_writes_its_files(tiny_round):
     assert cands["tree"].retuned.startswith("N = ") and "nodes=" in cands["tree"].system
     reasons = {x["id"]: x["reason"] for x in res.proposal.not_proposed}
     assert "needs a CUDA GPU" in reasons["w12"] and "one-request" in reasons["batching"]
-    assert "lattice recorded in TLV mode" in reasons["tlv"]
+    # TLV on the CPU: its cycles recorded at one budget, predicted from tlv:N and the passes' ms
+    tlv = res.measurement.tlv
+    assert tlv["nodes"] == 16 and tlv["tau"] >= 1 and tlv["time_ms"]["qpass"] > 0 and tlv["time_ms"]["exact"] > 0
+    assert (r / "measure" / "tlv.lattice.jsonl").is_file()
+    row = next(x for x in res.model.by_nodes if x["family"] == "tlv")
+    assert row["speedup"] == pytest.approx(tlv["tau"] * row["c"] ** -1)
+    assert cands["tlv"].retuned.startswith("N = 16 nodes as recorded") and "mode=tlv" in cands["tlv"].system
+    assert cands["tlv"].predicted_speedup == pytest.approx(row["speedup"])
 
 
 def test_the_no_op_control_is_refused_and_every_judged_candidate_is_audited(tiny_round):
@@ -158,7 +165,7 @@ def test_check_passes_on_the_same_system_and_fails_on_a_regression_or_a_failed_a
 @pytest.mark.parametrize("args, msg", [
     (["round", TINY, "--candidates", "bogus"], "unknown candidate 'bogus'"),
     (["round", "engine:model=tiny,mode=warp"], "unknown mode"),
-    (["round", "engine:model=tiny,mode=tlv"], "cannot start from a tlv system"),
+    (["round", "engine:model=tiny,mode=tlv,device=cuda"], "CPU only"),
     (["round", "nope.yaml"], "a DEPLOYMENT is an engine spec"),
     (["round", TINY, "--budget", "0"], "--budget 0.0"),
     (["round", "--resume", "nowhere"], "nothing to resume"),
@@ -169,6 +176,32 @@ def test_bad_input_is_one_line_exit_2(run_cli, tmp_path, monkeypatch, args, msg)
     code, out, err = run_cli(*args, "--out-dir", tmp_path / "o") if args[0] == "round" and "--resume" not in args \
         else run_cli(*args)
     assert code == 2 and msg in err and err.count("\n") == 1, err
+
+
+def test_a_tlv_system_is_placed_by_its_recorded_cycles():
+    """A round may start from a TLV system: its rows and policy, tau per exact pass from its own
+    recording and c from the cycle's two passes (drafts left out, as for trees)."""
+    from specpilot.auditors.round import measure as ms
+    from specpilot.auditors.round.modeling import build_model
+    from specpilot.engine.spec import EngineSpec
+
+    spec = EngineSpec.parse("engine:model=tiny,mode=tlv,nodes=6")
+    assert ms.system_rows(spec) == (8, "tlv:6") and ms.tlv_spec(spec) is spec
+    other = ms.tlv_spec(EngineSpec.parse("engine:model=tiny,mode=tree,nodes=4"))
+    assert other.mode == "tlv" and other.nodes == ms.TLV_NODES
+    assert ms.tlv_unavailable(spec, "cuda") and ms.tlv_unavailable(spec, "cpu") is None
+    tlv = {"spec": str(spec), "nodes": 6, "tau": 3.0, "cycles": 10,
+           "time_ms": {"draft1": 0.1, "qpass": 0.6, "draft2": 0.1, "exact": 1.2, "append": 0.1}}
+    meas = ms.Measurement(system=str(spec), tokens_per_s=100.0, calibration={}, context=64, ar_ms=1.0,
+                          step_ms={1: 1.0, 8: 1.2}, current_rows=8, current_policy="tlv:6", tlv=tlv,
+                          replay={"policies": [{"policy": "chain", "tau": 1.5}, {"policy": "best-first:8", "tau": 2.0}]})
+    assert meas.taus["tlv:6"] == 3.0
+    res = build_model(meas)
+    assert res.current["tau"] == 3.0 and res.current["c"] == pytest.approx(1.8)
+    assert res.current["speedup"] == pytest.approx(3.0 / 1.8)
+    row = next(r for r in res.by_nodes if r["family"] == "tlv")
+    assert row["nodes"] == 6 and row["speedup"] == pytest.approx(3.0 / 1.8)
+    assert ms.Measurement.from_json(json.loads(json.dumps(meas.to_json()))).tlv == tlv
 
 
 def test_an_existing_round_folder_is_never_overwritten(run_cli, tiny_round):

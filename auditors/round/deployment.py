@@ -109,10 +109,6 @@ def parse_deployment(text: str | None) -> Deployment:
 
         resolved = default_engine_text() if raw == "engine" else raw
         spec = EngineSpec.parse(resolved)
-        if spec.mode == "tlv":
-            from .measure import system_rows
-
-            system_rows(spec)  # refused before anything loads
         return Deployment(text=str(spec), kind="engine", facts=engine_facts(spec), engine_spec=spec)
     path = Path(raw).expanduser()
     if path.is_file():

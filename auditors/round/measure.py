@@ -15,6 +15,10 @@ tau(N) by replay of lattices recorded on the deployment's prompts.
   records the lattice (``specpilot.lattice/1``: the drafter's top-K per position and the target's
   greedy continuation); :func:`specpilot.auditors.replay.replay` scores chain and best-first trees
   of every budget on it.
+* **TLV** (CPU engine deployments; the engine's TLV runs there only): the same prompts in TLV mode
+  at one node budget (the current system's, else :data:`TLV_NODES`), recorded; ``tlv:N`` replayed
+  on that lattice gives tau per exact pass and the run's own split gives the Q pass and the exact
+  pass per cycle (:func:`record_tlv`).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from specpilot.fileio import write_json_atomic, write_jsonl_atomic
 
 NODES = (1, 2, 4, 8, 16, 32)
 RECORD_NODES, RECORD_DEPTH, RECORD_TOPK = 8, 8, 8
+TLV_NODES = 16   # the TLV recording's node budget when the current system is not TLV
 SCHEMA = "specpilot.round-measure/1"
 
 
@@ -47,6 +52,7 @@ class Measurement:
     verify_rows: dict = field(default_factory=dict)   # family -> N -> {rows: steps}: what each tree verifies
     lattice: dict | None = None       # steps, requests, m, k, tokens recorded, seconds
     profile: dict | None = None       # specpilot.profile/1 (CUDA)
+    tlv: dict | None = None           # the TLV recording: spec, nodes, tau per exact pass, ms per cycle phase
     skipped: list[str] = field(default_factory=list)
     files: dict[str, str] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
@@ -64,7 +70,10 @@ class Measurement:
 
     @property
     def taus(self) -> dict[str, float]:
-        return {p["policy"]: p["tau"] for p in (self.replay or {}).get("policies", [])}
+        out = {p["policy"]: p["tau"] for p in (self.replay or {}).get("policies", [])}
+        if self.tlv and self.tlv.get("tau") is not None:
+            out[f"tlv:{self.tlv['nodes']}"] = self.tlv["tau"]
+        return out
 
     @property
     def curves(self) -> dict[str, dict[int, float]]:
@@ -83,10 +92,49 @@ def system_rows(spec) -> tuple[int, str]:
         return spec.depth + 1, f"chain:{spec.depth}" if spec.depth else "chain"
     if spec.mode == "tree":
         return spec.nodes + 1, f"best-first:{spec.nodes}"
-    if spec.mode == "tlv":
-        raise InputError("a round cannot start from a tlv system yet (its tau needs a TLV lattice and its step "
-                         "two passes); start from ar, chain or tree")
+    if spec.mode == "tlv":   # the exact pass: C + subtree under the pending token, up to N + 2 rows
+        return spec.nodes + 2, f"tlv:{spec.nodes}"
     return 1, "ar"
+
+
+def tlv_spec(spec):
+    """The spec that records TLV cycles: the current system's when it is TLV, else TLV mode at
+    :data:`TLV_NODES` nodes with the tree recording's draft shape."""
+    if spec.mode == "tlv":
+        return spec
+    return spec.with_(mode="tlv", nodes=TLV_NODES, depth=RECORD_DEPTH, topk=RECORD_TOPK)
+
+
+def tlv_unavailable(spec, device: str) -> str | None:
+    """Why the round cannot record TLV cycles for this deployment (None: it can)."""
+    if device != "cpu":
+        return "the engine's TLV mode runs on the CPU only (its CUDA passes are not written yet)"
+    if spec.torch_dtype_name == "float16":
+        return "the Q pass's 8-bit view is of bf16 or float32 weights, not float16"
+    return None
+
+
+def record_tlv(engine, prompts, max_new_tokens: int, path: Path, progress=None) -> dict:
+    """The prompts through ``engine`` (TLV mode) with its lattice recorded to ``path``, replayed as
+    ``tlv:N``: tau per exact pass, and the mean ms per cycle of each phase (draft 1, Q pass,
+    draft 2, exact pass, append) from the run's own clock."""
+    from specpilot.auditors.replay import read_lattice, replay
+    from specpilot.engine.tlv import TLVStats
+
+    nodes = engine.spec.nodes
+    t0 = time.perf_counter()
+    run = engine.run([{"id": p.id, "ids": list(p.prompt_ids)} for p in prompts], max_new_tokens,
+                     record_lattice=True, progress=progress)
+    write_jsonl_atomic(path, run.lattice_rows)
+    total = TLVStats(nodes)
+    for r in run.results:
+        total.add(TLVStats.from_json(r["tlv"]))
+    res = replay(read_lattice(path), [f"tlv:{nodes}"], n_boot=200).to_json()
+    stats = total.to_json()
+    return {"spec": str(engine.spec), "nodes": nodes, "tau": res["policies"][0]["tau"], "cycles": stats["cycles"],
+            "q_top1_agreement": stats["q_top1_agreement"], "mean_commit_chain": stats["mean_commit_chain"],
+            "time_ms": stats["time_ms"], "cycle_ms": stats["cycle_ms"], "prompts": len(prompts),
+            "max_new_tokens": max_new_tokens, "seconds": time.perf_counter() - t0}
 
 
 def record_spec(spec):
@@ -159,7 +207,7 @@ def replay_lattice(path: Path, current_policy: str, out: Path) -> dict:
 
     lat = read_lattice(path)
     policies = ["chain", f"oracle:{max(lat.k, 1)}"] + [f"best-first:{n}" for n in NODES]
-    if current_policy not in ("ar", *policies):
+    if current_policy not in ("ar", *policies) and not current_policy.startswith("tlv:"):   # tlv: its own lattice
         policies.append(current_policy)
     res = replay(lat, policies, nodes=list(NODES), n_boot=500).to_json()
     res["lattice"] = path.name

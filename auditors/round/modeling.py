@@ -8,6 +8,8 @@ one, and the predicted speedup tau(N) / c(N) per node budget (paper 3.2).
   of budget N verifies (1 + its size: N + 1 when the drafter filled it, fewer when it proposed
   fewer candidates, 1 when it proposed none), averaged over the steps; step times between probed
   row counts are interpolated linearly.
+* TLV (a CPU engine deployment's recorded TLV cycles, ``measure.record_tlv``): tau per exact pass
+  of ``tlv:N`` over c = (Q pass + exact pass ms per cycle) / T_AR, at the recorded N.
 * kernel factor = profiled GPU busy ms / byte floor ms; outside factor = step wall ms / GPU busy
   ms (the profile of the engine's real decode steps). Unknown without a profile (CPU).
 
@@ -77,6 +79,19 @@ def predict(curves: dict[str, dict[int, float]], step_ms: dict[int, float], ar_m
     return out
 
 
+def tlv_passes_ms(tlv: dict) -> float:
+    """A TLV cycle's target passes, Q pass + exact pass, in ms (the recording run's clock). The
+    drafts are left out, as the chain and tree rows leave drafting out of T_step."""
+    return tlv["time_ms"]["qpass"] + tlv["time_ms"]["exact"]
+
+
+def tlv_row(tlv: dict, ar_ms: float) -> dict:
+    """The TLV prediction at the recorded budget: tau per exact pass over the cycle's two passes."""
+    c = tlv_passes_ms(tlv) / ar_ms
+    return {"family": "tlv", "nodes": tlv["nodes"], "rows": float(tlv["nodes"] + 1), "tau": tlv["tau"], "c": c,
+            "speedup": tlv["tau"] / c}
+
+
 def build_model(meas) -> ModelResult:
     """The model of the current system from stage 1's :class:`~.measure.Measurement`."""
     from specpilot.probes.ceiling import CeilingRequest, Measurements, ProfileFigures, compute_ceiling
@@ -89,7 +104,8 @@ def build_model(meas) -> ModelResult:
         tau = taus.get(meas.current_policy)
         if tau is None:
             notes.append(f"no replayed tau for {meas.current_policy}; the model cannot place the current system")
-    tau_best = max(taus.values()) if taus else None
+    # the best reachable tau of one pass: the tree lattice's policies (TLV's tau counts exact passes)
+    tau_best = max((v for k, v in taus.items() if not k.startswith("tlv:")), default=None)
     rows = meas.current_rows
     ar_ms = meas.ar_ms
     step = meas.step_ms.get(rows)
@@ -98,7 +114,11 @@ def build_model(meas) -> ModelResult:
         got = expected_c(fam, int(arg) if arg else rows - 1, meas.step_ms, ar_ms, meas.verify_rows)
         if got is not None:
             step = got[0] * ar_ms  # the current system's mean step, at the rows its trees verify
+    if fam == "tlv" and ar_ms and meas.tlv:
+        step = tlv_passes_ms(meas.tlv)   # a cycle's two target passes
     by_nodes = predict(meas.curves, meas.step_ms, ar_ms, meas.verify_rows) if ar_ms else []
+    if ar_ms and meas.tlv:
+        by_nodes.append(tlv_row(meas.tlv, ar_ms))
     best = max(by_nodes, key=lambda r: r["speedup"]) if by_nodes else None
     cost = None
     factors: dict[str, float | None] = {"tree": None, "kernel": None, "outside": None}
@@ -118,12 +138,14 @@ def build_model(meas) -> ModelResult:
                 profile = ProfileFigures(source="measure/profile.json", kernel_busy_ms=float(p["kernel_busy_ms"]),
                                          step_wall_ms=float(p["step_wall_ms"]),
                                          total_floor_ms=float(floor) if floor else None, rows=rows)
+        lattice = "measure/tlv.lattice.jsonl" if fam == "tlv" else "measure/replay.json"
         m.set("tau", tau, "AR: one token per pass" if meas.current_policy == "ar"
-              else f"replay measure/replay.json ({meas.current_policy})")
+              else f"replay {lattice} ({meas.current_policy})")
         if tau_best is not None:
-            best_policy = max(taus, key=taus.get)
+            best_policy = max((k for k in taus if not k.startswith("tlv:")), key=taus.get)
             m.set("tau_best", max(tau_best, tau), f"replay measure/replay.json ({best_policy})")
-        m.set("step_ms", step, f"rows probe measure/rows.json (the current system's verify rows)")
+        m.set("step_ms", step, "TLV recording: Q pass + exact pass per cycle" if fam == "tlv"
+              else "rows probe measure/rows.json (the current system's verify rows)")
         m.set("ar_ms", ar_ms, "rows probe measure/rows.json (1 row)")
         res = compute_ceiling(CeilingRequest(model=None, gpu=None, rows=[rows], measurements=m, profile=profile))
         cost = res.as_dict()["cost_model"]

@@ -5,7 +5,8 @@ For the embedded engine a mechanism is an engine spec change (``engine_candidate
 memory entry it comes from, the factor it attacks, the options it sets, what it needs). Retuning
 uses stage 2's predictions: a chain's draft length m and a tree's node budget N are the ones with
 the highest predicted tau(N) / c(N) on this machine; the tree's depth and candidates per position
-are the recorded lattice's. A candidate equal to the current system is not proposed.
+are the recorded lattice's; TLV takes the budget its cycles were recorded at. A candidate equal to
+the current system is not proposed.
 
 For an SGLang deployment a candidate is a memory entry (``apply`` with its variants) checked
 against the entry's ``fits`` (drafter family, target kind, weight dtype, serving shape) and the
@@ -133,6 +134,19 @@ def propose_engine(current, facts, model, meas, *, only: list[str] | None = None
             retuned = (f"N = {b['nodes']} nodes: the highest predicted tau(N)/c(N) of the best-first tree here "
                        f"(tau {b['tau']:.3f}, c {b['c']:.3f}); depth {change['depth']}, "
                        f"{change['topk']} candidates per position as recorded")
+        elif c.get("retune") == "tlv_nodes":
+            b = next((r for r in model.by_nodes if r["family"] == "tlv"), None)
+            if b is None or not meas.tlv:
+                skipped.append({"id": cid, "memory": mem_id, "reason": "no TLV cycles recorded (the measure stage's "
+                                "notes say why)"})
+                continue
+            from specpilot.engine.spec import EngineSpec
+
+            rec = EngineSpec.parse(meas.tlv["spec"])
+            change.update(nodes=rec.nodes, depth=rec.depth, topk=rec.topk)
+            pred = b["speedup"]
+            retuned = (f"N = {rec.nodes} nodes as recorded: tau {b['tau']:.3f} per exact pass, Q pass + exact pass "
+                       f"{b['c']:.3f} T_AR per cycle; depth {rec.depth}, {rec.topk} candidates per position")
         try:
             spec = current.with_(**change)
         except InputError as e:

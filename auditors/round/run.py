@@ -305,9 +305,35 @@ class _Round:
             meas.files["replay"] = "measure/replay.json"
             taus = ", ".join(f"{p['policy']} {p['tau']:.3f}" for p in rp["policies"])
             self.notify("measure", f"replayed {rp['steps']} steps: {taus}")
+        self._measure_tlv(meas, spec, prompts[:n_rec], tok_rec, deadline, d)
         write_json_atomic(path, meas.to_json())
         self._finish("measure", t0)
         return meas
+
+    def _measure_tlv(self, meas, spec, prompts, max_new: int, deadline: float, d: Path) -> None:
+        """TLV cycles recorded on the prompts (tau per exact pass, the passes' ms), when the round
+        may propose TLV or the current system is TLV, the engine can run it and the stage has time."""
+        wanted = spec.mode == "tlv" or (self.cfg.candidates is None or "tlv" in self.cfg.candidates)
+        why = ms.tlv_unavailable(spec, self.facts.device)
+        if not wanted or (why and spec.mode != "tlv"):
+            if wanted:
+                self._note("measure", f"TLV recording: {why}", skipped=True)
+            return
+        need = 1.5 * (meas.lattice or {}).get("seconds", float("inf"))   # TLV's cycles against the tree recording
+        if spec.mode != "tlv" and time.monotonic() + need > deadline:
+            self._note("measure", f"TLV recording: needs ~{need:.0f} s (1.5x the tree recording), "
+                                  f"{max(deadline - time.monotonic(), 0):.0f} s left in the stage", skipped=True)
+            return
+        tspec = ms.tlv_spec(spec)
+        self.notify("measure", f"recording TLV cycles: {len(prompts)} prompts x {max_new} tokens, {tspec}")
+        eng = self.pool.get(str(tspec))
+        meas.tlv = ms.record_tlv(eng, prompts, max_new, d / "tlv.lattice.jsonl", progress=self.progress)
+        if str(tspec) != self.state["current"]:
+            self.pool.drop(str(tspec))
+        meas.files["tlv_lattice"] = "measure/tlv.lattice.jsonl"
+        t = meas.tlv
+        self.notify("measure", f"TLV at N={t['nodes']}: tau {t['tau']:.3f} per exact pass, Q pass "
+                               f"{t['time_ms']['qpass']:.3g} ms + exact pass {t['time_ms']['exact']:.3g} ms per cycle")
 
     # ---------------------------------------------------------------------------- stages 2, 3
     def model(self, meas) -> ModelResult:
