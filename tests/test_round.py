@@ -308,8 +308,21 @@ def test_sglang_deployment_runs_candidates_as_servers(tmp_path, run_cli):
     assert dec.id == "tree" and dec.timing["samples"] and dec.audit["verdict"] == "pass", dec.reason
     assert (tmp_path / "r" / "approve" / "tree.server.log").is_file()
     for port in (stock_port, cand_port):  # every server the round started is stopped
-        with socket.socket() as s:
-            assert s.connect_ex(("127.0.0.1", port)) != 0
+        assert not _started_with_port(port)
+
+
+def _started_with_port(port: int) -> list[str]:
+    """Live processes started with ``--port PORT`` (the round's servers; other tests' servers take
+    ``--port 0``, so a port the OS hands out again to one of them does not count)."""
+    found = []
+    for f in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = f.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(a == b"--port" and b == str(port).encode() for a, b in zip(args, args[1:])):
+            found.append(f.parent.name)
+    return found
 
 
 def test_sglang_deployment_file_errors(tmp_path, run_cli):
