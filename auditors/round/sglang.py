@@ -265,16 +265,45 @@ class Server:
         self.url, self.proc, self.log = url, proc, log
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+        """SIGTERM to the server's process group, and wait until no process of it is left (the shell
+        that started the server may exit before the server has drained), SIGKILL after 30 s."""
+        if self.proc is None:
             return
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=30)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
+        group = self.proc.pid
+        for sig, grace in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 5.0)):
             try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
+                os.killpg(group, sig)
             except ProcessLookupError:
-                pass
+                break
+            deadline = time.monotonic() + grace
+            while _group_alive(group) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if not _group_alive(group):
+                break
+        try:
+            self.proc.wait(timeout=1)   # reap the shell
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _group_alive(group: int) -> bool:
+    """Whether a process that is not a zombie is left in process group ``group`` (Linux: /proc;
+    elsewhere any member, zombies included)."""
+    proc = Path("/proc")
+    if not (proc / "self" / "stat").is_file():
+        try:
+            os.killpg(group, 0)
+            return True
+        except ProcessLookupError:
+            return False
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            state, _, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue
+        if int(pgrp) == group and state != "Z":
+            return True
+    return False
 
 
 def _healthy(url: str, timeout: float = 5.0) -> bool:
