@@ -28,7 +28,6 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from specpilot.errors import InputError
 from specpilot.fileio import write_json_atomic, write_jsonl_atomic
 
 NODES = (1, 2, 4, 8, 16, 32)
