@@ -85,21 +85,6 @@ def bf16_ulps(x, ref, floor_frac=2.0 ** -12):
     return float(((wb - pb).abs() / torch.ldexp(torch.ones_like(mag), e.double() - 8)).max())
 
 
-def exact_paths(prepared, state, paths):
-    """Every row's output at the end of its root path in float64 (``naive.recurrent`` along the path)."""
-    import torch
-
-    from specpilot.kernels.gdn import naive
-
-    q, k, v, g, b = (t.double() for t in prepared)
-    outs = []
-    for r in range(paths.shape[0]):
-        p = [x for x in paths[r].tolist() if x >= 0]
-        o, _ = naive.recurrent(q[p], k[p], v[p], g[p], b[p], state.double(), keep_states=False)
-        outs.append(o[-1])
-    return torch.stack(outs)
-
-
 def kernel_checks():
     import torch
     import torch.nn.functional as F
@@ -118,7 +103,7 @@ def kernel_checks():
         prep = naive.prepare(q.view(R, NK, DK).repeat_interleave(rep, 1), k.view(R, NK, DK).repeat_interleave(rep, 1),
                              v.view(R, NV, DV), g, torch.sigmoid(b))
         ref = gpath.path_verify(*prep, state, paths)
-        exact = exact_paths(prep, state, paths)
+        exact = gpath.path_verify(*(t.double() for t in prep), state.double(), paths)   # float64 walk
         row = {"rows": R, "path_vs_fp32_ref_max_abs": float((o.view(R, NV, DV) - ref).abs().max()),
                "ref_max_abs": float(ref.abs().max()), "path_vs_fp64_ulps": bf16_ulps(o.view(R, NV, DV), exact)}
         wy = wy_module()

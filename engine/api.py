@@ -166,15 +166,13 @@ class Engine:
 
 def batch_stats(dec) -> dict:
     """A batch decoder's totals as the run JSON reports them."""
-    from specpilot.engine.batch.scheduler import tlv_summary
-
     st = dec.stats
     return {"verify_steps": st.verify_steps, "prefill_passes": st.prefill_passes, "rows": st.rows,
             "verify_rows": st.verify_rows, "prompt_rows": st.prompt_rows,
             "admitted_prompt_rows": st.admitted_prompt_rows, "drafted_positions": st.drafted_positions,
             "kept_positions": st.kept_positions, "accepted": st.accepted, "request_steps": st.request_steps,
             "tau": st.tau(), "step_seconds": st.step_seconds,
-            **({"tlv": tlv_summary(st.tlv)} if st.tlv else {})}
+            **({"tlv": st.tlv.to_json(steps=st.tlv_steps)} if st.tlv else {})}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -241,14 +241,7 @@ class GatedDeltaNet(nn.Module):
         return self.impl == "triton" or (self.impl == "auto" and x.is_cuda)
 
     def forward(self, x, inp: StepInput):
-        return self.out_proj(self._rows(x, self.in_proj(x), inp))
-
-    def _rows(self, x, proj, inp: StepInput):
-        """The output projection's input for rows ``x`` whose input projection is ``proj``."""
-        mixed, z, ab = self.split_proj(proj)
-        if self.uses_kernels(x):
-            return self._forward_kernels(mixed, z, ab, inp)
-        return self._forward_torch(x, mixed, z, ab, inp)
+        return self.out_proj(self.mix(self.in_proj(x), inp))
 
     def _decay(self, ab):
         b, a = ab.float().chunk(2, -1)
@@ -259,12 +252,12 @@ class GatedDeltaNet(nn.Module):
         o = rms_norm(out.to(z.dtype), self.norm, self.eps) * F.silu(z.reshape(T, self.nv, self.dv))
         return o.reshape(T, self.value_dim)
 
-    def _forward_torch(self, x, mixed, z, ab, inp: StepInput):
-        T = x.shape[0]
+    def _forward_torch(self, mixed, z, ab, inp: StepInput):
+        T = mixed.shape[0]
         if inp.gdn_rows == "tree":
-            windows = gdn_path.conv_windows(inp.paths.cpu(), self.kernel).to(x.device)
+            windows = gdn_path.conv_windows(inp.paths.cpu(), self.kernel).to(mixed.device)
         else:
-            windows = gdn_path.chain_windows(T, self.kernel).to(x.device)
+            windows = gdn_path.chain_windows(T, self.kernel).to(mixed.device)
         conv = gdn_path.causal_conv(mixed, self.conv_state, windows, self.conv_weight)
         q, k, v = conv.split([self.key_dim, self.key_dim, self.value_dim], -1)
         q = q.reshape(T, self.nk, self.dk)
@@ -276,7 +269,7 @@ class GatedDeltaNet(nn.Module):
         g, beta = self._decay(ab)
         q, k, v, g, beta = gdn_ref.prepare(q, k, v, g, beta)
         if inp.gdn_rows == "tree":
-            out = gdn_path.path_verify(q, k, v, g, beta, self.state, inp.paths.to(x.device))
+            out = gdn_path.path_verify(q, k, v, g, beta, self.state, inp.paths.to(mixed.device))
             self._stash = ("tree", mixed, (q, k, v, g, beta))
         else:
             out, states = gdn_ref.recurrent(q, k, v, g, beta, self.state, keep_states=inp.gdn_rows == "chain")
@@ -290,10 +283,13 @@ class GatedDeltaNet(nn.Module):
         return self._gated_norm(out, z)
 
     def mix(self, proj, inp: StepInput):
-        """The layer's rows after its input projection ``proj`` (the kernels' path: conv, gated delta
-        rule, gated norm; states advanced or the step's commit data kept as ``inp.gdn_rows`` says):
-        the output projection's input [T, value_dim]."""
-        return self._forward_kernels(*self.split_proj(proj), inp)
+        """The layer's rows after its input projection ``proj`` (conv, gated delta rule, gated norm:
+        the kernels on CUDA, the torch reference elsewhere; states advanced or the step's commit data
+        kept as ``inp.gdn_rows`` says): the output projection's input [T, value_dim]."""
+        mixed, z, ab = self.split_proj(proj)
+        if self.uses_kernels(proj):
+            return self._forward_kernels(mixed, z, ab, inp)
+        return self._forward_torch(mixed, z, ab, inp)
 
     def _forward_kernels(self, mixed, z, ab, inp: StepInput):
         from specpilot.kernels.gdn import prefill, rows as gdn_rows
@@ -398,8 +394,8 @@ class GatedDeltaNet(nn.Module):
             for sg in inp.segments:
                 self.state, self.conv_state = cache.state[sg.slot], cache.conv[sg.slot]
                 r = slice(sg.start, sg.start + sg.rows)
-                outs.append(self._rows(x[r], proj[r], StepInput(inp.tokens[r], inp.pos[r], inp.slots[r], inp.mask[r],
-                                                                sg.gdn_rows, sg.paths)))
+                outs.append(self.mix(proj[r], StepInput(inp.tokens[r], inp.pos[r], inp.slots[r], inp.mask[r],
+                                                        sg.gdn_rows, sg.paths)))
                 stash, self._stash = self._stash, None
                 if stash is not None:
                     cache.stash[sg.slot] = stash

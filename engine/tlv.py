@@ -174,14 +174,31 @@ class TLVStats:
         s.seconds = {k: d["time_ms"][k] * d["cycles"] / 1e3 for k in PHASES}
         return s
 
-    def to_json(self) -> dict:
+    def count(self, chain: int, accepted: int, agree: int) -> None:
+        """One finished cycle: |C|, the tokens its exact pass accepted, and the Q pass's agreeing
+        positions (``q_agreement``; |C| of them were compared)."""
+        self.cycles += 1
+        self.chain_tokens += chain
+        self.accepted_tokens += accepted
+        self.q_agree += agree
+        self.q_compared += chain
+
+    def to_json(self, steps: int | None = None, timed: bool = True) -> dict:
+        """The counts and their means; with ``timed`` the mean ms of each phase per cycle, or per
+        batched step with ``steps`` (the batch decoder runs every request's cycle in one step)."""
         n = max(self.cycles, 1)
-        ms = {k: 1e3 * v / n for k, v in self.seconds.items()}
-        return {"nodes": self.nodes, "cycles": self.cycles, "chain_tokens": self.chain_tokens,
-                "accepted_tokens": self.accepted_tokens, "q_agree": self.q_agree, "q_compared": self.q_compared,
-                "mean_commit_chain": self.chain_tokens / n if self.cycles else 0.0,
-                "q_top1_agreement": self.q_agree / self.q_compared if self.q_compared else None,
-                "time_ms": ms, "cycle_ms": sum(ms.values())}
+        out = {"nodes": self.nodes, "cycles": self.cycles, "chain_tokens": self.chain_tokens,
+               "accepted_tokens": self.accepted_tokens, "q_agree": self.q_agree, "q_compared": self.q_compared,
+               "mean_commit_chain": self.chain_tokens / n if self.cycles else 0.0,
+               "accepted_per_exact_pass": self.accepted_tokens / n if self.cycles else 0.0,
+               "q_top1_agreement": self.q_agree / self.q_compared if self.q_compared else None}
+        if timed:
+            per = max(steps if steps is not None else self.cycles, 1)
+            out["time_ms"] = {k: 1e3 * v / per for k, v in self.seconds.items()}
+            out["cycle_ms"] = sum(out["time_ms"].values())
+        if steps is not None:
+            out["steps"] = steps
+        return out
 
 
 class TLVDecoder(Decoder):
@@ -234,11 +251,7 @@ class TLVDecoder(Decoder):
         _, toks = self.accept_commit(tree, preds, n_cache, "tlv")
         t5 = time.perf_counter()
         # C's node i is node i of the exact tree; the Q pass predicted after it at its path node
-        st.q_compared += len(chain)
-        st.q_agree += q_agreement(qpreds, qpath, preds)
-        st.cycles += 1
-        st.chain_tokens += len(chain)
-        st.accepted_tokens += len(toks)
+        st.count(len(chain), len(toks), q_agreement(qpreds, qpath, preds))
         for k, (a, b) in zip(PHASES, ((t0, t1), (t1, t2), (t2, t3), (t3, t4), (t4, t5))):
             st.seconds[k] += b - a
         self._draft_ms, self._qpass_ms = ((t1 - t0) + (t3 - t2)) * 1e3, (t2 - t1) * 1e3

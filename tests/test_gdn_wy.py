@@ -177,19 +177,6 @@ def _bf16_ulp(x):
     return torch.ldexp(torch.ones_like(x), e - 8)
 
 
-def _exact(q, k, v, g, beta, state, paths):
-    """Each row's output by a float64 walk of its root path (naive.recurrent)."""
-    rep = v.shape[1] // q.shape[1]
-    prep = naive.prepare(q.double().repeat_interleave(rep, 1), k.double().repeat_interleave(rep, 1), v.double(),
-                         g.double(), beta.double())
-    outs = []
-    for row in paths.tolist():
-        p = [x for x in row if x >= 0]
-        o, _ = naive.recurrent(*(t[p] for t in prep), state.double(), keep_states=False)
-        outs.append(o[-1])
-    return torch.stack(outs)
-
-
 @pytest.mark.parametrize("R", [33, 64])
 def test_within_one_bf16_ulp_of_the_exact_walk_under_strong_decay(R):
     """bf16 inputs, decays as the engine computes them from A_log up to 2.7 (a path's summed decay
@@ -205,7 +192,9 @@ def test_within_one_bf16_ulp_of_the_exact_walk_under_strong_decay(R):
     state = torch.randn(nv, dk, dv, generator=gen) * 0.1
     paths = gpath.row_paths(gpath.random_parents(R, R))
     o = wy_verify(*(t.to(DEV) for t in (q, k, v, g, beta, state, paths)))
-    ref = _exact(q, k, v, g, beta, state, paths)
+    rep = nv // nk   # a float64 walk of every path (the fp32-prepared rows, as the path kernel's reference)
+    prep = naive.prepare(q.repeat_interleave(rep, 1), k.repeat_interleave(rep, 1), v, g, beta)
+    ref = gpath.path_verify(*(t.double() for t in prep), state.double(), paths)
     rb, ob = ref.bfloat16().double(), o.cpu().bfloat16().double()
     ulp = _bf16_ulp(torch.maximum(rb.abs(), rb.abs().amax(-1, keepdim=True) * 2.0 ** -12).float()).double()
     assert ((ob - rb).abs() / ulp).max().item() <= 1.0

@@ -23,15 +23,23 @@ def kv_len(max_seq: int, n: int) -> int:
     return min(max_seq, ((n + 63) // 64) * 64)
 
 
-def one_row_step(tokens: list[int], slots: list[int], positions: list[int], max_seq: int, device) -> tuple:
-    """A step of one row per request: token ``tokens[b]`` at cache position ``positions[b]`` of slot
-    ``slots[b]``, attending to its slot's positions up to its own. Returns (input, kv_len)."""
-    kv = kv_len(max_seq, max(positions) + 1)
-    pos = torch.tensor(positions, device=device)
-    mask = torch.arange(kv, device=device)[None] <= pos[:, None]
-    inp = BatchStepInput(torch.tensor(tokens, device=device), pos, pos.clone(), torch.tensor(slots, device=device),
-                         mask, [Segment(s, b, 1) for b, s in enumerate(slots)])
-    return inp, kv
+def feed(model, cache: BatchCache, reqs: list[tuple[int, int, list[int]]], layers: int | None = None) -> torch.Tensor:
+    """One step of every request's ``tokens`` (``(slot, start, tokens)``: at cache positions
+    ``start..``, causal, attending their slot's positions before them) through ``model``'s first
+    ``layers`` layers; the logits of each request's last row [B, V]."""
+    dev = model.device
+    toks, pos, segs, last = [], [], [], []
+    for slot, start, new in reqs:
+        segs.append(Segment(slot, len(toks), len(new)))
+        pos.extend(range(start, start + len(new)))
+        toks.extend(new)
+        last.append(len(toks) - 1)
+    kv = kv_len(cache.max_seq, max(start + len(new) for _, start, new in reqs))
+    p = torch.tensor(pos, device=dev)
+    mask = torch.arange(kv, device=dev)[None] <= p[:, None]
+    req = torch.tensor([sg.slot for sg in segs for _ in range(sg.rows)], device=dev)
+    return model.logits_batch(BatchStepInput(torch.tensor(toks, device=dev), p, p.clone(), req, mask, segs),
+                              cache, kv, rows=torch.tensor(last, device=dev), layers=layers)
 
 
 def _topk(logits: torch.Tensor, k: int):
@@ -57,8 +65,7 @@ def rollout(model, cache: BatchCache, first_logits: torch.Tensor, slots: list[in
             lps[b].append(vl[b])
         if i == m - 1:
             break
-        inp, kv = one_row_step([r[0] for r in il], slots, [s + i for s in starts], cache.max_seq, model.device)
-        logits = model.logits_batch(inp, cache, kv, layers=layers)
+        logits = feed(model, cache, [(s, st + i, [r[0]]) for s, st, r in zip(slots, starts, il)], layers)
     return [Lattice(t, lp, None) for t, lp in zip(toks, lps)]
 
 
@@ -151,21 +158,3 @@ class BatchDrafting:
         finally:
             BatchCache.restore_states(saved, slots)
 
-
-def feed(model, cache: BatchCache, reqs: list[tuple[int, int, list[int]]], layers: int | None = None) -> torch.Tensor:
-    """One step of every request's ``tokens`` (``(slot, start, tokens)``: at cache positions
-    ``start..``, causal, attending their slot's positions before them) through ``model``'s first
-    ``layers`` layers; the logits of each request's last row [B, V]."""
-    dev = model.device
-    toks, pos, segs, last = [], [], [], []
-    for slot, start, new in reqs:
-        segs.append(Segment(slot, len(toks), len(new)))
-        pos.extend(range(start, start + len(new)))
-        toks.extend(new)
-        last.append(len(toks) - 1)
-    kv = kv_len(cache.max_seq, max(start + len(new) for _, start, new in reqs))
-    p = torch.tensor(pos, device=dev)
-    mask = torch.arange(kv, device=dev)[None] <= p[:, None]
-    req = torch.tensor([sg.slot for sg in segs for _ in range(sg.rows)], device=dev)
-    return model.logits_batch(BatchStepInput(torch.tensor(toks, device=dev), p, p.clone(), req, mask, segs),
-                              cache, kv, rows=torch.tensor(last, device=dev), layers=layers)

@@ -34,7 +34,7 @@ class Request:
     n_cache: int = 0
     steps: int = 0
     accepts: list[int] = field(default_factory=list)
-    tlv: dict | None = None                    # mode tlv: the request's cycle counts (scheduler._note_cycle)
+    tlv: object = None                         # mode tlv: the request's cycles (engine.tlv.TLVStats)
     lattice: list[dict] = field(default_factory=list)
     tail: int = 0                              # tokens still decoded after the finish (lattice targets)
     cancelled: bool = False

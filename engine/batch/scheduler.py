@@ -37,7 +37,7 @@ from specpilot.engine.batch.requests import Request
 from specpilot.engine.batch.step import Rows, assemble, prefill_rows, verify_rows
 from specpilot.engine.decode import GenerationResult
 from specpilot.engine.metrics import STEP_BUCKETS, Histogram
-from specpilot.engine.tlv import PHASES as TLV_PHASES
+from specpilot.engine.tlv import TLVStats
 from specpilot.errors import InputError
 from specpilot.kernels import tree as treelib
 from specpilot.kernels.gdn.path import row_paths
@@ -65,7 +65,8 @@ class BatchStats:
     step_seconds: float = 0.0
     step_hist: Histogram = field(default_factory=lambda: Histogram(STEP_BUCKETS))   # seconds per step
     finished: dict = field(default_factory=dict)    # finish type -> count
-    tlv: dict | None = None      # mode tlv: the cycles' totals (commit chains, Q-pass agreement, phase seconds)
+    tlv: TLVStats | None = None  # mode tlv: every request's cycles (the phase seconds are per batched step)
+    tlv_steps: int = 0           # batched steps that ran TLV cycles
 
     def tau(self) -> float | None:
         return (self.accepted + self.request_steps) / self.request_steps if self.request_steps else None
@@ -350,8 +351,8 @@ class BatchDecoder:
             for b, lat in zip(drafters, got):
                 lats[b] = lat
             if self.mode == "tlv":
-                self._tlv_totals()["seconds"]["draft1"] += time.perf_counter() - t_draft
-                cyc = tlv.cycles(self, decoding, drafters, got, trees, self._tlv_totals()["seconds"])
+                self._tlv_totals().seconds["draft1"] += time.perf_counter() - t_draft
+                cyc = tlv.cycles(self, decoding, drafters, got, trees, self._tlv_totals().seconds)
             else:
                 self._build_trees(decoding, drafters, got, trees)
         gdn = "tree" if self.mode in ("tree", "tlv") else "chain"
@@ -389,8 +390,11 @@ class BatchDecoder:
                 if b in cyc:   # what replaying the cycle needs, as the one-request TLV decoder records it
                     row.update(cyc[b].record(self.nodes, lats[b]))
                 r.lattice.append(row)
-            if b in cyc:
-                self._note_cycle(r, cyc[b], [preds[i] for i in need[b]], len(toks))
+            if b in cyc:   # the request's counts and the decoder's totals
+                if r.tlv is None:
+                    r.tlv = TLVStats(self.nodes)
+                for st in (r.tlv, self._tlv_totals()):
+                    cyc[b].count(st, [preds[i] for i in need[b]], len(toks))
             if not tail[b]:
                 r.steps += 1
                 r.accepts.append(len(toks) - 1)
@@ -401,8 +405,8 @@ class BatchDecoder:
             self._deliver(r, toks, now)
         self._note_accepted(accepted)
         if cyc:
-            self._tlv_totals()["steps"] += 1
-            sec = self._tlv_totals()["seconds"]
+            self.stats.tlv_steps += 1
+            sec = self._tlv_totals().seconds
             sec["exact"] += t_append - t_exact
             sec["append"] += time.perf_counter() - t_append
         if pblocks:
@@ -410,24 +414,10 @@ class BatchDecoder:
             self._after_prefill(pblocks, need[B:], [preds[i] for i in flat], flat)
         return [r for r, n in zip(prefilling, rows) if n == 0] if need_pass else []
 
-    def _tlv_totals(self) -> dict:
+    def _tlv_totals(self) -> TLVStats:
         if self.stats.tlv is None:
-            self.stats.tlv = {"cycles": 0, "chain_tokens": 0, "accepted_tokens": 0, "q_agree": 0, "q_compared": 0,
-                              "steps": 0, "seconds": dict.fromkeys(TLV_PHASES, 0.0)}
+            self.stats.tlv = TLVStats(self.nodes)
         return self.stats.tlv
-
-    def _note_cycle(self, r: Request, c: "tlv.Cycle", exact: list[int], accepted: int) -> None:
-        """A request's finished cycle into its counts and the decoder's totals."""
-        hits, compared = c.agreement(exact)
-        mine = r.tlv if r.tlv is not None else {"nodes": self.nodes, "cycles": 0, "chain_tokens": 0,
-                                                "accepted_tokens": 0, "q_agree": 0, "q_compared": 0}
-        r.tlv = mine
-        for d in (mine, self._tlv_totals()):
-            d["cycles"] += 1
-            d["chain_tokens"] += len(c.chain)
-            d["accepted_tokens"] += accepted
-            d["q_agree"] += hits
-            d["q_compared"] += compared
 
     def _build_trees(self, decoding, idx, lats, trees) -> None:
         """Trees for the requests ``idx`` from their lattices (block rule, node budget)."""
@@ -536,25 +526,9 @@ def result_of(r: Request) -> GenerationResult:
     tau = (len(out) - 1) / r.steps if r.steps else 1.0
     res = GenerationResult(out, r.steps, tau, end - r.t_arrival, list(r.lattice), first, list(r.accepts),
                            r.stop_reason)
-    if r.tlv is not None:
-        res.tlv = tlv_summary(r.tlv)
+    if r.tlv is not None:   # counts only: the phases' time belongs to the batched steps
+        res.tlv = r.tlv.to_json(timed=False)
     return res
-
-
-def tlv_summary(d: dict) -> dict:
-    """TLV counts as the run JSON reports them: the mean commit chain |C|, tokens accepted per exact
-    pass and the Q pass's top-1 agreement with the exact pass; with ``seconds`` (the decoder's
-    totals) ``time_ms``, the mean ms of each phase per batched step (every running request's cycle
-    at once), and ``cycle_ms`` their sum."""
-    n = max(d["cycles"], 1)
-    out = {k: v for k, v in d.items() if k != "seconds"}
-    out.update(mean_commit_chain=d["chain_tokens"] / n, accepted_per_exact_pass=d["accepted_tokens"] / n,
-               q_top1_agreement=d["q_agree"] / d["q_compared"] if d["q_compared"] else None)
-    if "seconds" in d:
-        steps = max(d["steps"], 1)
-        out["time_ms"] = {k: 1e3 * v / steps for k, v in d["seconds"].items()}
-        out["cycle_ms"] = sum(out["time_ms"].values())
-    return out
 
 
 def percentile(xs: list[float], q: float) -> float | None:

@@ -20,7 +20,7 @@ import torch
 from specpilot.engine.batch.cache import BatchCache
 from specpilot.engine.batch.step import assemble, verify_rows
 from specpilot.engine.drafters import Lattice
-from specpilot.engine.tlv import cycle_record, q_agreement
+from specpilot.engine.tlv import TLVStats, cycle_record, q_agreement
 from specpilot.kernels import tree as treelib
 from specpilot.kernels.gdn.path import row_paths
 
@@ -35,9 +35,9 @@ class Cycle:
     chain: list[int]
     draft2: Lattice
 
-    def agreement(self, exact: list[int]) -> tuple[int, int]:
-        """(agreeing, compared) positions of the Q pass and the exact pass (``engine.tlv.q_agreement``)."""
-        return q_agreement(self.q_argmax, self.q_path, exact), len(self.chain)
+    def count(self, stats: TLVStats, exact: list[int], accepted: int) -> None:
+        """This cycle into ``stats``, its exact pass's argmax ``exact`` accepting ``accepted`` tokens."""
+        stats.count(len(self.chain), accepted, q_agreement(self.q_argmax, self.q_path, exact))
 
     def record(self, nodes: int, first: Lattice) -> dict:
         """The lattice row's ``tlv`` field and ``_m`` (``engine.tlv.cycle_record``)."""
