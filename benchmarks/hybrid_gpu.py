@@ -309,12 +309,25 @@ def ar_consistency(m):
             "argmax_equal": bool(got.argmax() == ref.argmax())}
 
 
+def verify_graph(m, T):
+    """(runner, graph) of the engine's ``T``-row verify step (chain rows after the context), its
+    static inputs filled (keep the runner while replaying: it owns the graph's buffers)."""
+    from specpilot.engine.graphs import GraphRunner
+    from specpilot.engine.rows import step_input
+
+    inp = step_input(m, T, CONTEXT)
+    runner = GraphRunner(m)
+    gr, sinp, _ = runner.get(T)
+    for a, b in ((sinp.tokens, inp.tokens), (sinp.pos, inp.pos), (sinp.slots, inp.slots), (sinp.mask, inp.mask)):
+        a.copy_(b)
+    return runner, gr
+
+
 def verify_methods(m, reps):
     """T_step(N) of the engine's verify graph with every GDN layer on the path kernel and on WY."""
     import torch
 
-    from specpilot.engine.graphs import GraphRunner, time_replays
-    from specpilot.engine.rows import step_input
+    from specpilot.engine.graphs import time_replays
 
     m.set_decode("fused")
     out = []
@@ -323,11 +336,7 @@ def verify_methods(m, reps):
         for method in ("path", "wy"):
             for g in m.gdn_layers():
                 g.verify = method
-            inp = step_input(m, T, CONTEXT)
-            runner = GraphRunner(m)
-            gr, sinp, _ = runner.get(T)
-            for a, b in ((sinp.tokens, inp.tokens), (sinp.pos, inp.pos), (sinp.slots, inp.slots), (sinp.mask, inp.mask)):
-                a.copy_(b)
+            runner, gr = verify_graph(m, T)
             row[f"{method}_step_ms"] = statistics.median(time_replays(gr, reps, 5))
             del runner, gr
             torch.cuda.empty_cache()
@@ -483,17 +492,14 @@ def prefill_profile(m):
 def verify_profile(m, T=33):
     """Where the time of a ``T``-row tree verify step (its CUDA graph, one replay) goes, beside the
     graph's median step time: the difference is the gaps between kernels."""
-    from specpilot.engine.graphs import GraphRunner, time_replays
-    from specpilot.engine.rows import step_input
+    from specpilot.engine.graphs import time_replays
 
     m.set_decode("fused")
-    inp = step_input(m, T, CONTEXT)
-    runner = GraphRunner(m)
-    gr, sinp, _ = runner.get(T)
-    for a, b in ((sinp.tokens, inp.tokens), (sinp.pos, inp.pos), (sinp.slots, inp.slots), (sinp.mask, inp.mask)):
-        a.copy_(b)
+    runner, gr = verify_graph(m, T)
     step = statistics.median(time_replays(gr, 20, 5))
-    return {"rows": T, "step_ms": step, **kernel_profile(gr.replay, top=20)}
+    prof = kernel_profile(gr.replay, top=20)
+    del runner, gr
+    return {"rows": T, "step_ms": step, **prof}
 
 
 def tiny_lossless():
