@@ -307,18 +307,19 @@ def load_target(spec: EngineSpec, max_seq: int | None = None) -> Target:
     params = sum(p.numel() for p in model.parameters())
     attn = model.set_attention(spec.attn)
     w12 = None
-    qviews = {} if spec.mode == "tlv" else None
+    cuda = spec.device.startswith("cuda")
+    qviews = {} if spec.mode == "tlv" and not cuda else None
     if spec.w12:  # before drafters, compile and graphs: they all see the converted projections
         from specpilot.engine.w12_loader import convert_engine_model
 
         w12 = convert_engine_model(model, qviews=qviews).to_json()
-    qview = None
-    if spec.mode == "tlv":  # the Q pass's 8-bit view, from the W12 records (w12=1) or encoded now
-        from specpilot.engine.tlv import QView
-
-        qview = QView.build(model, qviews)
     head = model.set_head(spec.head)
     decode = model.set_decode(spec.decode)
+    qview = None
+    if spec.mode == "tlv":  # the Q pass's 8-bit view: W12 kernel packs on CUDA, dense views on the CPU
+        from specpilot.engine.tlv import QView
+
+        qview = QView.build_packs(model) if cuda else QView.build(model, qviews)
     return Target(model, folder, display,
                   info={"dtype": spec.torch_dtype_name, "device": spec.device, "params": params,
                         "weights": str(folder) if folder else "random", "w12": w12, "attn": attn, "head": head,
@@ -372,7 +373,7 @@ def load_engine(spec: EngineSpec | str) -> Engine:
         from specpilot.engine.tlv import TLVDecoder
 
         dec = TLVDecoder(model, drafter, target.qview, nodes=spec.nodes, depth=spec.depth, topk=spec.topk,
-                         eos_ids=eos)
+                         eos_ids=eos, runner=runner)
     else:
         dec = Decoder(model, spec.mode, drafter, nodes=spec.nodes, depth=spec.depth, topk=spec.topk, eos_ids=eos,
                       runner=runner)

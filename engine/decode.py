@@ -256,21 +256,27 @@ class Decoder:
 
     def _graph_verify(self, pending: int, tree, n_cache: int) -> list[int]:
         """The verify pass of ``1 + len(tree)`` rows replayed from the CUDA graph of the smallest
-        bucket that holds them. Padding rows sit after the tree (slots and cache positions no real
-        row attends), attend to slot 0 only and their predictions are dropped; the KV they write
-        lies past the committed prefix and is overwritten by later steps."""
-        dev = self.model.device
+        bucket that holds them (:meth:`padded_rows`)."""
         T = 1 + len(tree)
         Tp = next(b for b in self.verify_buckets if b >= T)
-        pad = Tp - T
+        return self.runner.run(*self.padded_rows(pending, tree, n_cache, Tp))[:T].tolist()
+
+    def padded_rows(self, pending: int, tree, n_cache: int, rows: int):
+        """The inputs (tokens, pos, slots, mask over the whole cache, GDN paths or None) of a pass over
+        the pending token and ``tree`` padded to ``rows`` rows. Padding rows sit after the tree
+        (slots and cache positions no real row attends), attend to slot 0 only, walk only themselves
+        in GDN layers, and their predictions are dropped; the KV they write lies past the committed
+        prefix and is overwritten by later steps."""
+        dev = self.model.device
+        pad = rows - 1 - len(tree)
         tokens = torch.tensor([pending] + list(tree.tokens) + [0] * pad, device=dev)
         pos = torch.tensor([n_cache] + [n_cache + 1 + d for d in tree.depth] + [n_cache] * pad, device=dev)
-        slots = n_cache + torch.arange(Tp, device=dev)
-        mask = self._verify_mask(tree, n_cache, Tp, self.model.max_seq)
+        slots = n_cache + torch.arange(rows, device=dev)
+        mask = self._verify_mask(tree, n_cache, rows, self.model.max_seq).to(dev)
         paths = None
-        if self.model.spec.is_hybrid:   # the GDN rows' root paths; padding rows walk only themselves
+        if self.model.spec.is_hybrid:
             paths = row_paths([-1] + [p + 1 for p in tree.parents] + [-1] * pad).to(dev)
-        return self.runner.run(tokens, pos, slots, mask.to(dev), paths)[:T].tolist()
+        return tokens, pos, slots, mask, paths
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, record_lattice: bool = False,
                  request=0) -> GenerationResult:

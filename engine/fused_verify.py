@@ -44,6 +44,11 @@ def takes(model, rows: int) -> bool:
 
 
 def _linear(h, lin):
+    qkp = getattr(lin, "qkp", None)
+    if qkp is not None:   # a TLV Q pass (engine/tlv.py QView): the 8-bit view through the QPASS kernels
+        from specpilot.kernels.w12.routing import w12_linear
+
+        return w12_linear(h.to(torch.bfloat16), qkp, qpass=True, out_dtype=h.dtype)
     kp = getattr(lin, "kp", None)
     if kp is not None:
         from specpilot.kernels.w12.routing import w12_linear

@@ -29,7 +29,9 @@ import torch
 
 from specpilot.engine.decode import Decoder
 from specpilot.engine.drafters import Lattice
-from specpilot.engine.model import Attention, Transformer
+from specpilot.engine.graphs import GraphRunner
+from specpilot.engine.model import Attention, StepInput, Transformer
+from specpilot.errors import InputError
 from specpilot.kernels import tree as treelib
 
 PHASES = ("draft1", "qpass", "draft2", "exact", "append")
@@ -47,6 +49,10 @@ class QView:
     (``kernels.w12.decode(packed, qpass=True)``), made once at load. :meth:`active` swaps the
     views into the projections for the length of a pass.
 
+    On CUDA (:meth:`build_packs`) the view is never made dense: each projection's W12 records in
+    the kernels' layout (``packs``; a W12 target's own) are read by the QPASS variants of the W12
+    kernels, which the fused rows path (``engine/fused_verify.py``) calls while the view is active.
+
     The views are bf16 numbers. On a float32 model on a CPU with bf16 units the Q pass keeps
     them in bf16 and runs under CPU autocast with a bf16 copy of the LM head: it reads half the
     bytes of the exact pass and its GEMMs run on the bf16 units (an approximate pass may round
@@ -54,13 +60,39 @@ class QView:
     head and embeddings stay exact (W12 converts projections only)."""
 
     def __init__(self, pairs: list[tuple[torch.nn.Linear, torch.Tensor]], model: Transformer | None = None,
-                 head: torch.nn.Linear | None = None):
+                 head: torch.nn.Linear | None = None, packs: list[tuple[torch.nn.Module, object]] | None = None):
         self.pairs = pairs
         self.model, self.head = model, head   # head: the bf16 LM head of a bf16 Q pass (None: exact)
+        self.packs = packs or []              # CUDA: (projection, KernelPack) pairs
 
     @property
     def dtype(self) -> torch.dtype | None:
-        return self.pairs[0][1].dtype if self.pairs else None
+        return self.pairs[0][1].dtype if self.pairs else torch.bfloat16 if self.packs else None
+
+    def extra_bytes(self) -> int:
+        """Device or host memory the view adds to the target's (a W12 target's packs are its own)."""
+        own = {id(getattr(lin, "kp", None)) for lin, _ in self.packs}
+        return (sum(q.numel() * q.element_size() for _, q in self.pairs)
+                + sum(kp.nbytes() for _, kp in self.packs if id(kp) not in own))
+
+    @classmethod
+    @torch.no_grad()
+    def build_packs(cls, model: Transformer) -> "QView":
+        """The CUDA view: every projection's W12 records in the kernels' layout, a W12 target's
+        own (``W12Projection.kp``) or encoded now from the weight rounded to bf16 (12 bits per
+        weight beside the exact weights; the Q pass reads their 8-bit part)."""
+        from specpilot.engine.w12_loader import projections
+        from specpilot.kernels.w12 import encode
+        from specpilot.kernels.w12.pack import KernelPack
+
+        packs = []
+        for parent, attr, _ in projections(model, w12=True):
+            lin = getattr(parent, attr)
+            kp = getattr(lin, "kp", None)
+            if kp is None:
+                kp = KernelPack.from_w12(encode(lin.weight.detach().to(torch.bfloat16)), device=lin.weight.device)
+            packs.append((lin, kp))
+        return cls([], model, packs=packs)
 
     @classmethod
     @torch.no_grad()
@@ -93,6 +125,15 @@ class QView:
 
     @contextmanager
     def active(self):
+        if self.packs:
+            try:
+                for lin, kp in self.packs:
+                    lin.qkp = kp
+                yield
+            finally:
+                for lin, _ in self.packs:
+                    lin.qkp = None
+            return
         exact = [lin.weight.data for lin, _ in self.pairs]
         lm_head = self.model.lm_head if self.head is not None else None
         try:
@@ -201,15 +242,64 @@ class TLVStats:
         return out
 
 
+class QRunner(GraphRunner):
+    """The Q pass's CUDA graphs, one per row bucket: captured with the 8-bit view active, so their
+    replays run the W12 QPASS kernels (the exact pass replays the decoder's own runner)."""
+
+    def __init__(self, model: Transformer, qview: QView, warmup: int = 2):
+        super().__init__(model, warmup)
+        self.qview = qview
+
+    def _capture(self, T: int):
+        with self.qview.active():
+            return super()._capture(T)
+
+
+def cuda_refusal(model: Transformer, qview: QView, nodes: int) -> str | None:
+    """Why TLV cannot run on this CUDA model (None when it can): its Q pass reads the W12 packs
+    through the fused rows path, so the model must take that path for the Q pass's rows."""
+    from specpilot.engine import fused_verify
+    from specpilot.engine.fused_decode import ineligible
+
+    if not qview.packs:
+        return "the Q pass's view on CUDA is the W12 kernel packs (QView.build_packs)"
+    if not model.fused_decode:
+        why = ineligible(model)
+        return "the Q pass runs through the fused verify kernels: use decode=fused" + (f" ({why})" if why else "")
+    if not fused_verify.takes(model, 1 + nodes):
+        return (f"nodes={nodes}: the Q pass's {1 + nodes} rows exceed the fused verify path's "
+                f"{fused_verify.MAX_ROWS}; use nodes <= {fused_verify.MAX_ROWS - 1}")
+    return None
+
+
 class TLVDecoder(Decoder):
-    """The decode loop (:class:`~specpilot.engine.decode.Decoder`) with TLV cycles as its steps."""
+    """The decode loop (:class:`~specpilot.engine.decode.Decoder`) with TLV cycles as its steps.
+
+    On CUDA both passes go through the fused rows path, padded to a row bucket of at least two
+    rows (a one-row step is the AR step, which advances GDN state); with a ``runner`` the exact
+    pass replays its graphs and the Q pass those of a :class:`QRunner`."""
 
     def __init__(self, model: Transformer, drafter, qview: QView, *, nodes: int = 32, depth: int = 8, topk: int = 8,
-                 eos_ids=()):
-        super().__init__(model, "tlv", drafter, nodes=nodes, depth=depth, topk=topk, eos_ids=eos_ids)
+                 eos_ids=(), runner: GraphRunner | None = None):
+        super().__init__(model, "tlv", drafter, nodes=nodes, depth=depth, topk=topk, eos_ids=eos_ids, runner=runner)
         self.qview = qview
         self.stats = TLVStats(nodes)
         self._last: dict | None = None
+        self.cuda = model.device.type == "cuda"
+        if self.cuda:
+            why = cuda_refusal(model, qview, nodes)
+            if why:
+                raise InputError(f"mode=tlv on cuda: {why}")
+        self.qrunner = QRunner(model, qview) if runner is not None else None
+        rows = 1 + nodes
+        self.q_buckets = sorted({b for b in (2, 4, 8, 16, 32, 64, 128, 256) if b < rows} | {max(2, rows)})
+
+    def warm_up(self) -> float:
+        t0 = time.perf_counter()
+        if self.qrunner is not None:
+            for b in self.q_buckets:
+                self.qrunner.get(b)
+        return time.perf_counter() - t0 + super().warm_up()
 
     def verify_rows(self) -> int:
         # C can be the whole draft tree plus its bonus token: one row past the budget
@@ -225,9 +315,25 @@ class TLVDecoder(Decoder):
     @torch.no_grad()
     def q_pass(self, pending: int, tree, n_cache: int) -> list[int]:
         """The Q pass: the argmax after the pending token and after every node of ``tree`` under
-        the 8-bit view, leaving the KV cache and recurrent state as they were."""
-        with self.qview.active(), scratch(self.model, n_cache, 1 + len(tree)):
-            return self._eager_verify(pending, tree, n_cache, "tlv", keep_state=True)
+        the 8-bit view, leaving the committed KV cache and the recurrent state as they were. On the
+        CPU the rows' KV slots are restored too (:func:`scratch`); on CUDA they are left written:
+        they lie past the committed prefix, where the exact pass writes each of its rows' K/V
+        before any row reads it, so restoring them would only cost launches."""
+        if not self.cuda:
+            with self.qview.active(), scratch(self.model, n_cache, 1 + len(tree)):
+                return self._eager_verify(pending, tree, n_cache, "tlv", keep_state=True)
+        T = 1 + len(tree)
+        inputs = self.padded_rows(pending, tree, n_cache, next(b for b in self.q_buckets if b >= T))
+        if self.qrunner is not None:
+            out = self.qrunner.run(*inputs)
+        else:
+            tokens, pos, slots, mask, paths = inputs
+            with self.qview.active():
+                out = self.model.greedy(StepInput(tokens, pos, slots, mask, "tree" if paths is not None else "seq",
+                                                  paths))
+        for g in self.model.gdn_layers():
+            g._stash = None   # the pass is never committed
+        return out[:T].tolist()
 
     @torch.no_grad()
     def step(self, context: list[int], n_cache: int, mode: str):

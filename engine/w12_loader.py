@@ -143,13 +143,15 @@ class W12Projection(nn.Module):
                 f"bits_per_weight={self.bits_per_weight:.3f}")
 
 
-def projections(model) -> list[tuple[nn.Module, str, str]]:
-    """(parent module, attribute, name) of every ``nn.Linear`` inside the model's layers."""
+def projections(model, w12: bool = False) -> list[tuple[nn.Module, str, str]]:
+    """(parent module, attribute, name) of every ``nn.Linear`` inside the model's layers (``w12``:
+    and of every :class:`W12Projection`)."""
+    kinds = (nn.Linear, W12Projection) if w12 else nn.Linear
     out = []
     for i, blk in enumerate(model.layers):
         for mod_name, mod in blk.named_modules():
             for child_name, child in mod.named_children():
-                if isinstance(child, nn.Linear):
+                if isinstance(child, kinds):
                     full = ".".join(x for x in (f"layers.{i}", mod_name, child_name) if x)
                     out.append((mod, child_name, full))
     return out

@@ -116,7 +116,7 @@ def test_run_tlv_reports_tau_agreement_chain_and_time_split(run_cli):
 
 @pytest.mark.parametrize("args, msg", [
     (["--dtype", "float16"], "not float16"),
-    (["--device", "cuda"], "CPU only"),
+    (["--device", "cuda", "--batch", "2"], "batch > 1 runs on the CPU only"),
 ])
 def test_tlv_refusals_are_one_error_line_exit_2(run_cli, args, msg):
     code, out, err = run_cli("run", "--model", "tiny", "--mode", "tlv", "--prompt", "abc", *args)

@@ -165,7 +165,7 @@ def test_check_passes_on_the_same_system_and_fails_on_a_regression_or_a_failed_a
 @pytest.mark.parametrize("args, msg", [
     (["round", TINY, "--candidates", "bogus"], "unknown candidate 'bogus'"),
     (["round", "engine:model=tiny,mode=warp"], "unknown mode"),
-    (["round", "engine:model=tiny,mode=tlv,device=cuda"], "CPU only"),
+    (["round", "engine:model=tiny,mode=tlv,dtype=float16"], "not float16"),
     (["round", "nope.yaml"], "a DEPLOYMENT is an engine spec"),
     (["round", TINY, "--budget", "0"], "--budget 0.0"),
     (["round", "--resume", "nowhere"], "nothing to resume"),
@@ -189,7 +189,8 @@ def test_a_tlv_system_is_placed_by_its_recorded_cycles():
     assert ms.system_rows(spec) == (8, "tlv:6") and ms.tlv_spec(spec) is spec
     other = ms.tlv_spec(EngineSpec.parse("engine:model=tiny,mode=tree,nodes=4"))
     assert other.mode == "tlv" and other.nodes == ms.TLV_NODES
-    assert ms.tlv_unavailable(spec, "cuda") and ms.tlv_unavailable(spec, "cpu") is None
+    assert ms.tlv_unavailable(spec) is None
+    assert "decode=fused" in ms.tlv_unavailable(spec.with_(device="cuda", decode="layers"))
     tlv = {"spec": str(spec), "nodes": 6, "tau": 3.0, "cycles": 10,
            "time_ms": {"draft1": 0.1, "qpass": 0.6, "draft2": 0.1, "exact": 1.2, "append": 0.1}}
     meas = ms.Measurement(system=str(spec), tokens_per_s=100.0, calibration={}, context=64, ar_ms=1.0,

@@ -15,7 +15,7 @@ tau(N) by replay of lattices recorded on the deployment's prompts.
   records the lattice (``specpilot.lattice/1``: the drafter's top-K per position and the target's
   greedy continuation); :func:`specpilot.auditors.replay.replay` scores chain and best-first trees
   of every budget on it.
-* **TLV** (CPU engine deployments; the engine's TLV runs there only): the same prompts in TLV mode
+* **TLV**: the same prompts in TLV mode
   at one node budget (the current system's, else :data:`TLV_NODES`), recorded; ``tlv:N`` replayed
   on that lattice gives tau per exact pass and the run's own split gives the Q pass and the exact
   pass per cycle (:func:`record_tlv`).
@@ -104,10 +104,10 @@ def tlv_spec(spec):
     return spec.with_(mode="tlv", nodes=TLV_NODES, depth=RECORD_DEPTH, topk=RECORD_TOPK)
 
 
-def tlv_unavailable(spec, device: str) -> str | None:
+def tlv_unavailable(spec) -> str | None:
     """Why the round cannot record TLV cycles for this deployment (None: it can)."""
-    if device != "cpu":
-        return "the engine's TLV mode runs on the CPU only (its CUDA passes are not written yet)"
+    if spec.device.startswith("cuda") and spec.decode == "layers":
+        return "on CUDA the Q pass runs through the fused verify kernels (decode=fused), not decode=layers"
     if spec.torch_dtype_name == "float16":
         return "the Q pass's 8-bit view is of bf16 or float32 weights, not float16"
     return None

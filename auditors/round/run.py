@@ -314,7 +314,7 @@ class _Round:
         """TLV cycles recorded on the prompts (tau per exact pass, the passes' ms), when the round
         may propose TLV or the current system is TLV, the engine can run it and the stage has time."""
         wanted = spec.mode == "tlv" or (self.cfg.candidates is None or "tlv" in self.cfg.candidates)
-        why = ms.tlv_unavailable(spec, self.facts.device)
+        why = ms.tlv_unavailable(spec)
         if not wanted or (why and spec.mode != "tlv"):
             if wanted:
                 self._note("measure", f"TLV recording: {why}", skipped=True)

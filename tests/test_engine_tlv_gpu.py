@@ -1,0 +1,115 @@
+"""TLV on CUDA (engine/tlv.py): the Q pass through the W12 QPASS kernels in its own CUDA graphs, the
+exact pass through the decoder's graphs; lossless against AR, the committed state untouched."""
+
+import json
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+from specpilot.engine.api import load_engine  # noqa: E402
+from specpilot.kernels import tree as T  # noqa: E402
+
+CTX = 256
+PROMPT = list(b"abcabcabc the cat the cat abc")
+DRAFTERS = {"ngram": "drafter=ngram", "self": "drafter=self,draft_layers=2",
+            "model": "drafter=model,draft_model=tiny"}
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-hybrid"])
+def test_gpu_tlv_outputs_equal_ar_for_every_drafter(model):
+    """fp32 (the W12 view is made through bf16, as on the CPU): graphs and eager, every drafter,
+    a budget whose subtree is often empty."""
+    base = f"engine:model={model},device=cuda,dtype=float32,ctx={CTX}"
+    ref = load_engine(f"{base},mode=ar").generate(PROMPT, 24)
+    for name, d in DRAFTERS.items():
+        for nodes, graphs in ((6, 1), (1, 1), (6, 0)):
+            e = load_engine(f"{base},mode=tlv,{d},nodes={nodes},depth=4,topk=3,graphs={graphs}")
+            assert (e.decoder.qrunner is not None) == bool(graphs)
+            r = e.generate(PROMPT, 24)
+            assert r.output_ids == ref.output_ids, (name, nodes, graphs)
+            assert r.tlv["cycles"] == r.steps and r.tlv["q_compared"] == r.tlv["chain_tokens"] >= r.steps
+
+
+def _committed(model, n_cache):
+    out = []
+    for blk in model.layers:
+        m = blk.mixer
+        out += ([m.k_cache[:, :, :n_cache].clone(), m.v_cache[:, :, :n_cache].clone()] if hasattr(m, "k_cache")
+                else [m.state.clone(), m.conv_state.clone()])
+    return out
+
+
+@pytest.mark.parametrize("graphs", [1, 0])
+@pytest.mark.parametrize("model", ["tiny", "tiny-hybrid"])
+def test_gpu_q_pass_runs_the_qpass_kernels_and_leaves_committed_state_bit_identical(model, graphs, monkeypatch):
+    from specpilot.kernels.w12 import routing
+
+    e = load_engine(f"engine:model={model},device=cuda,dtype=bfloat16,ctx={CTX},mode=tlv,drafter=self,"
+                    f"draft_layers=1,nodes=12,depth=4,topk=3,graphs={graphs}")
+    dec = e.decoder
+    r = dec.generate(PROMPT, 6)   # a few cycles first: committed GDN state and KV that are not zero
+    ctx = PROMPT + r.output_ids
+    n_cache = len(ctx) - 1
+    lat = dec.drafter.propose(ctx, n_cache, 4, 3)
+    tree = T.build_best_first(lat.tokens, lat.logprobs, lat.transitions, 12)
+    assert len(tree) > 1
+    calls = []
+    real = routing.w12_linear
+
+    def spy(x, packed, qpass=False, **kw):
+        calls.append(qpass)
+        return real(x, packed, qpass=qpass, **kw)
+
+    monkeypatch.setattr(routing, "w12_linear", spy)
+    n_proj = len(dec.qview.packs)
+    for t in (tree, T.chain_tree([])):   # an empty tree runs padded to two rows: no GDN state advances
+        before = _committed(e.model, n_cache)
+        calls.clear()
+        q = dec.q_pass(ctx[-1], t, n_cache)
+        assert len(q) == 1 + len(t)
+        for a, b in zip(before, _committed(e.model, n_cache)):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        assert all(g._stash is None for g in e.model.gdn_layers())
+        # eager: every projection through a QPASS kernel; graphs replay what was captured (no calls)
+        assert calls == ([True] * n_proj if not graphs else [])
+    # the exact pass of the same tree reads the exact weights (cuBLAS for a bf16 target)
+    calls.clear()
+    dec.verify_predictions(ctx[-1], tree, n_cache, "tlv")
+    assert True not in calls
+
+
+def test_gpu_w12_target_q_pass_reads_its_own_records():
+    e = load_engine(f"engine:model=tiny,device=cuda,ctx={CTX},mode=tlv,w12=1,drafter=self,draft_layers=1,"
+                    "nodes=8,depth=3,topk=3")
+    assert e.decoder.qview.extra_bytes() == 0     # the packs are the target's own
+    assert all(lin.kp is kp for lin, kp in e.decoder.qview.packs)
+    ref = load_engine(f"engine:model=tiny,device=cuda,ctx={CTX},mode=ar,w12=1").generate(PROMPT, 16).output_ids
+    assert e.generate(PROMPT, 16).output_ids == ref
+
+
+def test_gpu_run_tlv_cli(run_cli, tmp_path):
+    args = ("run", "--model", "tiny", "--device", "cuda", "--dtype", "float32", "--prompt",
+            "abcabcabc the cat the cat abc", "--max-new-tokens", "20", "--format", "json")
+    code, out, err = run_cli(*args, "--mode", "tlv", "--nodes", "16", "--lattice-out", tmp_path / "t.jsonl")
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["tlv"]["cycles"] == d["steps"] and set(d["tlv"]["time_ms"]) == {"draft1", "qpass", "draft2", "exact",
+                                                                          "append"}
+    code, ar, _ = run_cli(*args, "--mode", "ar")
+    assert json.loads(ar)["output_ids"] == d["output_ids"]
+    code, rep, err = run_cli("replay", tmp_path / "t.jsonl", "--policy", "tlv:16", "--format", "json")
+    assert code == 0, err
+    assert json.loads(rep)["policies"][0]["tau"] == pytest.approx(d["tau"], abs=1e-12)
+
+
+def test_gpu_tlv_refusals(run_cli):
+    code, out, err = run_cli("run", "--model", "tiny", "--device", "cuda", "--mode", "tlv", "--nodes", "64",
+                             "--prompt", "abc")
+    assert code == 2 and "nodes <= 63" in err
+    code, out, err = run_cli("run", "--model", "tiny", "--device", "cuda", "--mode", "tlv", "--decode", "layers",
+                             "--prompt", "abc")
+    assert code == 2 and "decode=fused" in err
