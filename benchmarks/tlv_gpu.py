@@ -119,10 +119,12 @@ def main():
     meta = {"nodes": args.nodes, "depth": 8, "topk": 4, "drafter": "self, 2 layers", "prompt_len": args.prompt_len,
             "max_new_tokens": args.max_new, "reps": args.reps, "weights_init": "random, std 0.02",
             "paper_h100_split_ms": PAPER_SPLIT, "paper_q_over_exact": PAPER_SPLIT["qpass"] / PAPER_SPLIT["exact"]}
+    errors = []
     for name in names:
-        section(name)
-        rows.append(measure(name, args))
-        write_results("tlv_gpu", rows, meta)   # after each config: a time-out keeps what was measured
+        row = section(name, lambda: measure(name, args), errors)
+        if row is not None:
+            rows.append(row)
+        write_results("tlv_gpu", rows, dict(meta, errors=errors))   # after each config: a time-out keeps the rest
 
 
 if __name__ == "__main__":
