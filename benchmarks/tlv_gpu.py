@@ -12,7 +12,8 @@ pass and with W12 weights; Qwen3.5-9B shapes in bf16) the engine ``specpilot run
   exact pass, append; wall ms), tau per exact pass, the Q pass's top-1 agreement with the exact
   pass, decode tokens/s, against an AR decode of the same prompt on the same model and graphs;
   whether TLV's tokens equal AR's (bf16 on the GPU: the verify GEMMs may round unlike the AR
-  step's, so a near tie can flip; the first mismatch is reported).
+  step's, so a near tie can flip): the first mismatch, AR's two candidates' logits there, and a
+  tree run's first mismatch on the same model beside it.
 
 Random weights accept almost nothing (tau near 1) and agree less between the passes than trained
 weights do: this measures time, not acceptance. The paper's H100 split for a 27B target is in the
@@ -35,6 +36,7 @@ from common import bootstrap  # noqa: E402
 bootstrap()
 
 from common import print_table, section, write_results  # noqa: E402
+from hybrid_gpu import logit_gap  # noqa: E402
 
 CONFIGS = {"llama-bf16": ("llama-3.1-8b", False), "llama-w12": ("llama-3.1-8b", True),
            "qwen-bf16": ("qwen3.5-9b", False)}
@@ -57,6 +59,10 @@ def graph_ms(runner, dec, rows: int, n_cache: int, reps: int) -> float:
     return statistics.median(time_replays(runner.get(rows)[0], reps))
 
 
+def first_mismatch(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
 def measure(name: str, args) -> dict:
     import torch
 
@@ -75,8 +81,11 @@ def measure(name: str, args) -> dict:
     prompt = [rnd.randrange(V) for _ in range(args.prompt_len)]
     tlv = dec.generate(prompt, args.max_new)
     ar = Decoder(e.model, "ar", runner=dec.runner).generate(prompt, args.max_new)
+    tree = Decoder(e.model, "tree", dec.drafter, nodes=args.nodes, depth=8, topk=4, runner=dec.runner
+                   ).generate(prompt, args.max_new)
     same = tlv.output_ids == ar.output_ids
-    first = next((i for i, (a, b) in enumerate(zip(tlv.output_ids, ar.output_ids)) if a != b), None)
+    first = first_mismatch(tlv.output_ids, ar.output_ids)
+    first_tree = first_mismatch(tree.output_ids, ar.output_ids)
     n_cache = args.prompt_len
     graphs = []
     for rows in GRAPH_ROWS:
@@ -93,10 +102,14 @@ def measure(name: str, args) -> dict:
            "q_top1_agreement": st["q_top1_agreement"], "mean_commit_chain": st["mean_commit_chain"],
            "cycles": st["cycles"], "tlv_decode_tokens_per_s": tlv.decode_tokens_per_second,
            "ar_decode_tokens_per_s": ar.decode_tokens_per_second, "equals_ar": same, "first_mismatch": first,
-           "step_timing": tlv.step_timing()}
+           "tree_first_mismatch": first_tree, "step_timing": tlv.step_timing()}
+    if first is not None:   # how close AR's two candidates were there (a bf16 rounding tie, or a bug)
+        row["at_mismatch"] = logit_gap(e.model, prompt + ar.output_ids[:first], ar.output_ids[first],
+                                       tlv.output_ids[first])
     print_table(graphs, ["rows", "qpass_ms", "exact_ms", "q_over_exact"])
-    print({k: row[k] for k in ("cycle_ms", "tau_per_exact_pass", "q_top1_agreement", "tlv_decode_tokens_per_s",
-                               "ar_decode_tokens_per_s", "equals_ar", "first_mismatch", "ar_step_ms")}, flush=True)
+    print({k: row.get(k) for k in ("cycle_ms", "tau_per_exact_pass", "q_top1_agreement", "tlv_decode_tokens_per_s",
+                                   "ar_decode_tokens_per_s", "equals_ar", "first_mismatch", "tree_first_mismatch",
+                                   "at_mismatch", "ar_step_ms")}, flush=True)
     del e, dec
     gc.collect()
     torch.cuda.empty_cache()
