@@ -59,7 +59,7 @@ class EngineSpec:
                                "verified in one pass), tree (a best-first tree of --nodes nodes) or tlv (two-stage "
                                "verification, paper 4.3: a Q pass over the tree with the W12 8-bit view of the "
                                "weights picks a commit chain, a second draft grows from its end, one exact pass "
-                               "verifies both; CPU).", choices=MODES)
+                               "verifies both).", choices=MODES)
     nodes: int = option(32, "Tree node budget N (tlv: of each draft tree and of the exact pass).", range=(0, 4096))
     depth: int = option(8, "Draft positions m.", range=(0, 64))
     topk: int = option(8, "Candidates per position K (tree).", range=(1, 64))
