@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -29,6 +30,21 @@ def sp(*args, ok=(0,)) -> subprocess.CompletedProcess:
     if p.returncode not in ok:
         raise SystemExit(f"specpilot {' '.join(map(str, args))} exited {p.returncode}:\n{p.stderr[-2000:]}")
     return p
+
+
+def add_arguments(ap, max_new: int, nodes: str, tolerance: float) -> None:
+    """The options both scripts take: new tokens, node budgets, probe repetitions, tolerance, --keep."""
+    ap.add_argument("--max-new", type=int, default=max_new)
+    ap.add_argument("--nodes", default=nodes, help="node budgets for tree and tlv (comma list)")
+    ap.add_argument("--reps", type=int, default=20, help="rows probe repetitions per row count (median)")
+    ap.add_argument("--tolerance", type=float, default=tolerance)
+    ap.add_argument("--keep", default=None, help="keep the run, lattice, replay and probe files in this folder")
+
+
+def work_dir(keep: str | None, prefix: str) -> Path:
+    work = Path(keep or tempfile.mkdtemp(prefix=prefix))
+    work.mkdir(parents=True, exist_ok=True)
+    return work
 
 
 def check_modes(work: Path, run_args: list, probe_args: list, budgets: list[int], max_new: int,

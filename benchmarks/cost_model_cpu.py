@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -24,26 +23,21 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from chat_prompts import PROMPTS  # noqa: E402
 from common import write_results  # noqa: E402
-from cost_check import check_modes  # noqa: E402
+from cost_check import add_arguments, check_modes, work_dir  # noqa: E402
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=len(PROMPTS), help="use the first N chat prompts")
-    ap.add_argument("--max-new", type=int, default=96)
-    ap.add_argument("--nodes", default="16,32", help="two node budgets for tree and tlv")
     ap.add_argument("--depth", type=int, default=8)
     ap.add_argument("--topk", type=int, default=4)
-    ap.add_argument("--reps", type=int, default=20, help="rows probe repetitions per row count (median)")
-    ap.add_argument("--tolerance", type=float, default=0.10)
-    ap.add_argument("--keep", default=None, help="keep the run, lattice, replay and probe files in this folder")
+    add_arguments(ap, max_new=96, nodes="16,32", tolerance=0.10)
     args = ap.parse_args()
     from specpilot.machine import cpu_name
 
     budgets = [int(x) for x in args.nodes.split(",")]
-    work = Path(args.keep or tempfile.mkdtemp(prefix="cost_model_cpu_"))
-    work.mkdir(parents=True, exist_ok=True)
+    work = work_dir(args.keep, "cost_model_cpu_")
     prompts = work / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"schema": "specpilot.prompts/1", "id": i, "text": t}) + "\n"
                                for i, t in enumerate(PROMPTS[:args.prompts])))

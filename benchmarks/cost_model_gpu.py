@@ -15,13 +15,12 @@ import argparse
 import json
 import random
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import write_results  # noqa: E402
-from cost_check import check_modes  # noqa: E402
+from cost_check import add_arguments, check_modes, work_dir  # noqa: E402
 
 
 def main():
@@ -30,15 +29,10 @@ def main():
     ap.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a smoke run of a tiny model)")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=512)
-    ap.add_argument("--max-new", type=int, default=64)
-    ap.add_argument("--nodes", default="32", help="node budgets for tree and tlv")
-    ap.add_argument("--reps", type=int, default=20, help="rows probe repetitions per row count (median)")
-    ap.add_argument("--tolerance", type=float, default=0.05)
-    ap.add_argument("--keep", default=None, help="keep the run, lattice, replay and probe files in this folder")
+    add_arguments(ap, max_new=64, nodes="32", tolerance=0.05)
     args = ap.parse_args()
     budgets = [int(x) for x in args.nodes.split(",")]
-    work = Path(args.keep or tempfile.mkdtemp(prefix="cost_model_gpu_"))
-    work.mkdir(parents=True, exist_ok=True)
+    work = work_dir(args.keep, "cost_model_gpu_")
     prompts = work / "prompts.jsonl"
     rnd = random.Random(0)
     prompts.write_text("".join(json.dumps({"schema": "specpilot.prompts/1", "id": i,

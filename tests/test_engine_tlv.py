@@ -29,6 +29,18 @@ def test_tlv_outputs_equal_ar_for_every_drafter(model):
             assert r.tlv["q_compared"] == r.tlv["chain_tokens"] >= r.steps
 
 
+def after_cycles(dec, nodes: int = 12):
+    """A few TLV cycles of ``dec`` (committed KV and GDN state that are not zero), then the next
+    draft tree: (context, committed length, tree)."""
+    r = dec.generate(PROMPT, 6)
+    ctx = PROMPT + r.output_ids
+    n_cache = len(ctx) - 1
+    lat = dec.drafter.propose(ctx, n_cache, 4, 3)
+    tree = T.build_best_first(lat.tokens, lat.logprobs, lat.transitions, nodes)
+    assert len(tree) > 1
+    return ctx, n_cache, tree
+
+
 def _state(model):
     out = []
     for blk in model.layers:
@@ -51,12 +63,7 @@ def test_q_pass_leaves_kv_cache_and_recurrent_state_bit_identical(model, bf16_pa
     assert dec.qview.dtype == (torch.bfloat16 if bf16_pass else torch.float32)
     ref = load_engine(f"engine:model={model},mode=ar,ctx={CTX}").generate(PROMPT, 16).output_ids
     assert dec.generate(PROMPT, 16).output_ids == ref
-    r = dec.generate(PROMPT, 6)   # a few cycles first: committed GDN state and KV that are not zero
-    ctx = PROMPT + r.output_ids
-    n_cache = len(ctx) - 1
-    lat = dec.drafter.propose(ctx, n_cache, 4, 3)
-    tree = T.build_best_first(lat.tokens, lat.logprobs, lat.transitions, 12)
-    assert len(tree) > 1
+    ctx, n_cache, tree = after_cycles(dec)
     for t in (tree, T.chain_tree([])):   # an empty tree runs one row: it must not advance GDN state either
         before = _state(e.model)
         q = dec.q_pass(ctx[-1], t, n_cache)

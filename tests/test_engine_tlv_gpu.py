@@ -12,11 +12,7 @@ if not torch.cuda.is_available():
 
 from specpilot.engine.api import load_engine  # noqa: E402
 from specpilot.kernels import tree as T  # noqa: E402
-
-CTX = 256
-PROMPT = list(b"abcabcabc the cat the cat abc")
-DRAFTERS = {"ngram": "drafter=ngram", "self": "drafter=self,draft_layers=2",
-            "model": "drafter=model,draft_model=tiny"}
+from test_engine_tlv import CTX, DRAFTERS, PROMPT, after_cycles  # noqa: E402
 
 
 @pytest.mark.parametrize("model", ["tiny", "tiny-hybrid"])
@@ -51,12 +47,7 @@ def test_gpu_q_pass_runs_the_qpass_kernels_and_leaves_committed_state_bit_identi
     e = load_engine(f"engine:model={model},device=cuda,dtype=bfloat16,ctx={CTX},mode=tlv,drafter=self,"
                     f"draft_layers=1,nodes=12,depth=4,topk=3,graphs={graphs}")
     dec = e.decoder
-    r = dec.generate(PROMPT, 6)   # a few cycles first: committed GDN state and KV that are not zero
-    ctx = PROMPT + r.output_ids
-    n_cache = len(ctx) - 1
-    lat = dec.drafter.propose(ctx, n_cache, 4, 3)
-    tree = T.build_best_first(lat.tokens, lat.logprobs, lat.transitions, 12)
-    assert len(tree) > 1
+    ctx, n_cache, tree = after_cycles(dec)
     calls = []
     real = routing.w12_linear
 
