@@ -275,3 +275,44 @@ def test_smollm2_batched_tlv_equals_ar():
     res = dec.generate_many([Request(p, 24, id=i, arrival_step=i) for i, p in enumerate(prompts)])
     assert [r.output_ids for r in res] == refs
     assert dec.stats.tlv.q_compared > 0
+
+
+def test_cuda_q_view_packs_swap_in_and_out_and_the_fused_rows_path_reads_them(monkeypatch):
+    """The CUDA form of the view (built here on the CPU): one W12 pack per projection, a W12 target's
+    own records reused, set on the projections only while active, and read by the fused rows path's
+    ``_linear`` through the QPASS kernels (here a spy)."""
+    from specpilot.engine import fused_verify
+    from specpilot.engine.tlv import QView, cuda_refusal
+    from specpilot.kernels.w12 import routing
+
+    e = load_engine(f"engine:model=tiny,mode=tlv,nodes=6,depth=3,topk=2,ctx={CTX}")
+    view = QView.build_packs(e.model)
+    lins = [lin for lin, _ in view.packs]
+    assert len(lins) == 4 * e.model.spec.num_layers and view.dtype == torch.bfloat16
+    assert view.extra_bytes() == sum(kp.nbytes() for _, kp in view.packs) > 0
+    seen = []
+    monkeypatch.setattr(routing, "w12_linear", lambda x, kp, qpass=False, **kw: seen.append((x.dtype, kp, qpass,
+                                                                                              kw)) or "q")
+    h = torch.zeros(3, lins[0].in_features)
+    with view.active():
+        assert all(lin.qkp is kp for lin, kp in view.packs)
+        assert fused_verify._linear(h, lins[0]) == "q"
+    assert seen == [(torch.bfloat16, view.packs[0][1], True, {"out_dtype": torch.float32})]
+    assert all(lin.qkp is None for lin in lins)
+    assert fused_verify._linear(h, lins[0]).shape == (3, lins[0].out_features)   # the exact weights again
+    # the refusals: the Q pass needs the fused rows path for all its rows
+    assert "decode=fused" in cuda_refusal(e.model, view, 6)
+    e.model.fused_decode = True
+    assert cuda_refusal(e.model, view, 63) is None
+    assert "nodes <= 63" in cuda_refusal(e.model, view, 64)
+    assert "packs" in cuda_refusal(e.model, QView([], e.model), 6)
+
+
+def test_padded_rows_put_padding_after_the_tree_attending_slot_zero():
+    e = load_engine(f"engine:model=tiny-hybrid,mode=tree,nodes=6,depth=3,topk=2,ctx={CTX}")
+    tree = T.chain_tree([7, 8])
+    tokens, pos, slots, mask, paths = e.decoder.padded_rows(5, tree, 10, 4)
+    assert tokens.tolist() == [5, 7, 8, 0] and pos.tolist() == [10, 11, 12, 10] and slots.tolist() == [10, 11, 12, 13]
+    assert mask.shape == (4, CTX) and mask[3].nonzero().flatten().tolist() == [0]
+    assert mask[2, :13].all() and not mask[2, 13:].any()
+    assert paths[3].tolist()[0] == 3 and (paths[3, 1:] == -1).all()   # a padding row walks only itself
