@@ -93,6 +93,13 @@ def step_timing(times: list[tuple]) -> dict | None:
 WARMUP_PROMPTS = (1, 5, 16, 17, 40, 64, 600)
 
 
+def row_buckets(rows: int, least: int = 1) -> list[int]:
+    """The row counts CUDA graphs are captured for up to ``rows`` (powers of two, then ``rows``
+    itself), none below ``least``: a pass pads to the smallest that holds it."""
+    top = max(least, rows)
+    return sorted({b for b in (2, 4, 8, 16, 32, 64, 128, 256) if least <= b < top} | {top})
+
+
 def _kv_len(max_seq: int, n: int) -> int:
     return min(max_seq, ((n + 63) // 64) * 64)
 
@@ -109,8 +116,7 @@ class Decoder:
         self.nodes, self.depth, self.topk = nodes, depth, topk if mode in ("tree", "tlv") else 1
         self.eos_ids = set(eos_ids or ())
         self.runner = runner  # optional CUDA-graph runner: AR steps, and verify steps padded to a bucket
-        rows = self.verify_rows()
-        self.verify_buckets = sorted({b for b in (2, 4, 8, 16, 32, 64, 128, 256) if b < rows} | {rows})
+        self.verify_buckets = row_buckets(self.verify_rows())
         self.threads = 0  # > 0: torch CPU threads while generating (restored afterwards)
         # prompt rows per prefill forward: chunks bound the torch attention's score memory; the fused
         # attention kernel holds no scores, so there a prompt of up to 2048 rows goes in one forward

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specpilot.engine.decode import Decoder
+from specpilot.engine.decode import Decoder, row_buckets
 from specpilot.engine.drafters import Lattice
 from specpilot.engine.graphs import GraphRunner
 from specpilot.engine.model import Attention, StepInput, Transformer
@@ -291,8 +291,7 @@ class TLVDecoder(Decoder):
             if why:
                 raise InputError(f"mode=tlv on cuda: {why}")
         self.qrunner = QRunner(model, qview) if runner is not None else None
-        rows = 1 + nodes
-        self.q_buckets = sorted({b for b in (2, 4, 8, 16, 32, 64, 128, 256) if b < rows} | {max(2, rows)})
+        self.q_buckets = row_buckets(1 + nodes, least=2)
 
     def warm_up(self) -> float:
         t0 = time.perf_counter()
