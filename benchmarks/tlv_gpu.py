@@ -37,6 +37,7 @@ bootstrap()
 
 from common import print_table, section, write_results  # noqa: E402
 from hybrid_gpu import logit_gap  # noqa: E402
+from verify_step import FixedDrafter  # noqa: E402
 
 CONFIGS = {"llama-bf16": ("llama-3.1-8b", False), "llama-w12": ("llama-3.1-8b", True),
            "qwen-bf16": ("qwen3.5-9b", False)}
@@ -46,15 +47,13 @@ GRAPH_ROWS = (8, 16, 32)
 
 def graph_ms(runner, dec, rows: int, n_cache: int, reps: int) -> float:
     """Median ms of ``reps`` replays of ``runner``'s graph of ``rows`` rows, its inputs a best-first
-    tree of ``rows - 1`` nodes (a random lattice) under the pending token at ``n_cache``."""
+    tree of ``rows - 1`` nodes (the fixed random lattice of ``verify_step.FixedDrafter``) under the
+    pending token at ``n_cache``."""
     from specpilot.engine.graphs import time_replays
     from specpilot.kernels import tree as treelib
 
-    rnd = random.Random(rows)
-    V = dec.model.spec.vocab_size
-    lat = [[rnd.randrange(V) for _ in range(4)] for _ in range(8)]
-    lp = [[-0.5 * (j + 1) for j in range(4)] for _ in range(8)]
-    tree = treelib.build_best_first(lat, lp, None, rows - 1)
+    lat = FixedDrafter(dec.model.spec.vocab_size).lattice
+    tree = treelib.build_best_first(lat.tokens, lat.logprobs, lat.transitions, rows - 1)
     runner.run(*dec.padded_rows(5, tree, n_cache, rows))
     return statistics.median(time_replays(runner.get(rows)[0], reps))
 

@@ -4,9 +4,10 @@ One cycle:
 
 1. draft 1: the drafter's lattice, the best-first tree of ``nodes`` nodes (``kernels.tree``);
 2. Q pass: the tree scored with the W12 8-bit view of the target's projections
-   (:class:`QView`: discarded mantissa bits at their midpoint). It runs in scratch
-   (:func:`scratch`): the rows' KV slots are restored afterwards and GDN layers run the tree as
-   paths from the committed state, so the KV cache and recurrent state end bit-identical;
+   (:class:`QView`: discarded mantissa bits at their midpoint). GDN layers run the tree as paths
+   from the committed state and the K/V it writes lie past the committed prefix (restored on the
+   CPU, :func:`scratch`), so the committed cache and the recurrent state end bit-identical
+   (:meth:`TLVDecoder.q_pass`);
 3. commit chain C: the Q pass's argmax path through the tree plus its bonus token (nothing is
    accepted yet);
 4. draft 2: a fresh best-first tree from the end of C (``propose_after``), truncated to

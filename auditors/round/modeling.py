@@ -8,7 +8,7 @@ one, and the predicted speedup tau(N) / c(N) per node budget (paper 3.2).
   of budget N verifies (1 + its size: N + 1 when the drafter filled it, fewer when it proposed
   fewer candidates, 1 when it proposed none), averaged over the steps; step times between probed
   row counts are interpolated linearly.
-* TLV (a CPU engine deployment's recorded TLV cycles, ``measure.record_tlv``): tau per exact pass
+* TLV (an engine deployment's recorded TLV cycles, ``measure.record_tlv``): tau per exact pass
   of ``tlv:N`` over c = (Q pass + exact pass ms per cycle) / T_AR, at the recorded N.
 * kernel factor = profiled GPU busy ms / byte floor ms; outside factor = step wall ms / GPU busy
   ms (the profile of the engine's real decode steps). Unknown without a profile (CPU).
