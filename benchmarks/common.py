@@ -202,3 +202,40 @@ def section(name: str, fn, errors: list[str]):
         errors.append(f"{name}: {type(e).__name__}: {e}")
         traceback.print_exc()
         return None
+
+
+def kernel_profile(fn, top=14):
+    """CUDA kernels of one call of ``fn`` by name (PyTorch profiler): total, count, the top ones."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile as tprofile
+
+    with tprofile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            k = kernels.setdefault(e.name[:90], [0, 0.0])
+            k[0] += 1
+            k[1] += getattr(e, "device_time_total", 0) or e.cuda_time_total
+    ranked = sorted(kernels.items(), key=lambda kv: -kv[1][1])
+    return {"kernel_ms": sum(v[1] for v in kernels.values()) / 1e3, "kernels": sum(v[0] for v in kernels.values()),
+            "top": [{"name": n, "calls": c, "ms": us / 1e3} for n, (c, us) in ranked[:top]]}
+
+
+def prefill_profile(m):
+    """Where a warm 1000-token prefill of engine model ``m`` goes: its wall time (the second
+    prefill of the prompt) and CUDA kernels by name."""
+    import torch
+
+    from specpilot.engine.decode import Decoder
+
+    dec = Decoder(m, "ar")
+    prompt = [(31 * i + 5) % m.spec.vocab_size for i in range(1000)]
+    dec.prefill(prompt)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    dec.prefill(prompt)
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) * 1e3
+    return {"wall_ms": wall, **kernel_profile(lambda: dec.prefill(prompt))}

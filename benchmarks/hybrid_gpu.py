@@ -36,7 +36,7 @@ from common import bootstrap  # noqa: E402
 
 bootstrap()
 
-from common import log, print_table, section, write_results  # noqa: E402
+from common import kernel_profile, log, prefill_profile, print_table, section, write_results  # noqa: E402
 
 CONTEXT = 1024
 MODEL = "qwen3.5-9b"
@@ -451,42 +451,6 @@ def tree_memory(m):
     return {"rows": 33, "peak_above_resident_bytes": torch.cuda.max_memory_allocated() - base,
             "graph_pool_note": "the verify graph's working memory is its private pool, allocated at capture",
             "per_node_snapshots_would_be_bytes": snapshots_would_be}
-
-
-def kernel_profile(fn, top=14):
-    """CUDA kernels of one call of ``fn`` by name (PyTorch profiler): total, count, the top ones."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile as tprofile
-
-    with tprofile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    kernels = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            k = kernels.setdefault(e.name[:90], [0, 0.0])
-            k[0] += 1
-            k[1] += getattr(e, "device_time_total", 0) or e.cuda_time_total
-    ranked = sorted(kernels.items(), key=lambda kv: -kv[1][1])
-    return {"kernel_ms": sum(v[1] for v in kernels.values()) / 1e3, "kernels": sum(v[0] for v in kernels.values()),
-            "top": [{"name": n, "calls": c, "ms": us / 1e3} for n, (c, us) in ranked[:top]]}
-
-
-def prefill_profile(m):
-    """Where a warm 1000-token prefill's time goes: CUDA kernels by name."""
-    import torch
-
-    from specpilot.engine.decode import Decoder
-
-    dec = Decoder(m, "ar")
-    prompt = [(31 * i + 5) % m.spec.vocab_size for i in range(1000)]
-    dec.prefill(prompt)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    dec.prefill(prompt)
-    torch.cuda.synchronize()
-    wall = (time.perf_counter() - t0) * 1e3
-    return {"wall_ms": wall, **kernel_profile(lambda: dec.prefill(prompt))}
 
 
 def verify_profile(m, T=33):

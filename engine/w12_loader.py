@@ -71,11 +71,12 @@ class W12Summary:
 
 
 def _w12_matmul(x2: torch.Tensor, kp) -> torch.Tensor:
-    """``x2 @ W.T`` through the fused kernel, at most KERNEL_MAX_ROWS rows per launch."""
-    from specpilot.kernels.w12.routing import w12_linear
+    """``x2 @ W.T`` through the routed kernel, at most KERNEL_MAX_ROWS rows per launch of the W12
+    kernels (a prompt's rows above the route table's bound: the weight restored, then cuBLAS)."""
+    from specpilot.kernels.w12.routing import route, w12_linear
 
     m = x2.shape[0]
-    if m <= KERNEL_MAX_ROWS:
+    if m <= KERNEL_MAX_ROWS or route(x2, kp) == "restore":
         return w12_linear(x2, kp)
     return torch.cat([w12_linear(x2[a:a + KERNEL_MAX_ROWS], kp) for a in range(0, m, KERNEL_MAX_ROWS)])
 
@@ -95,20 +96,20 @@ def _matmul():
         @torch.library.custom_op("specpilot::w12_matmul", mutates_args=())
         def w12_matmul(x2: torch.Tensor, rec64: torch.Tensor, rec32: torch.Tensor, low_exp: torch.Tensor,
                        esc_rowptr: torch.Tensor, esc_row: torch.Tensor, esc_col: torch.Tensor,
-                       esc_delta: torch.Tensor, esc_delta_q: torch.Tensor, n: int, k: int, rows_stored: int,
-                       max_escapes: int) -> torch.Tensor:
+                       esc_delta: torch.Tensor, esc_delta_q: torch.Tensor, esc_w: torch.Tensor, n: int, k: int,
+                       rows_stored: int, max_escapes: int) -> torch.Tensor:
             kp = KernelPack((n, k), rows_stored, rec64, rec32, low_exp, esc_rowptr, esc_row, esc_col,
-                            esc_delta, esc_delta_q, max_escapes)
+                            esc_delta, esc_delta_q, max_escapes, esc_w)
             return _w12_matmul(x2, kp)
 
         @w12_matmul.register_fake
-        def _(x2, rec64, rec32, low_exp, esc_rowptr, esc_row, esc_col, esc_delta, esc_delta_q, n, k,
+        def _(x2, rec64, rec32, low_exp, esc_rowptr, esc_row, esc_col, esc_delta, esc_delta_q, esc_w, n, k,
               rows_stored, max_escapes):
             return x2.new_empty(x2.shape[0], n)
 
         def call(x2, kp):
             return w12_matmul(x2, kp.rec64, kp.rec32, kp.low_exp, kp.esc_rowptr, kp.esc_row, kp.esc_col,
-                              kp.esc_delta, kp.esc_delta_q, kp.shape[0], kp.shape[1], kp.rows_stored,
+                              kp.esc_delta, kp.esc_delta_q, kp.esc_w, kp.shape[0], kp.shape[1], kp.rows_stored,
                               kp.max_escapes_per_row)
 
         _MATMUL = call

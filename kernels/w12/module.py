@@ -30,7 +30,7 @@ class W12Linear(nn.Module):
         self._packed = packed.to("cpu")
         kp = KernelPack.from_w12(self._packed, device="cpu")
         self._kp_fields = [f for f in ("rec64", "low_exp", "esc_rowptr", "esc_row", "esc_col",
-                                       "esc_delta", "esc_delta_q")]
+                                       "esc_delta", "esc_delta_q", "esc_w")]
         self._kp_meta = (kp.shape, kp.rows_stored, kp.max_escapes_per_row)
         for f in self._kp_fields:
             self.register_buffer(f"w12_{f}", getattr(kp, f), persistent=False)
@@ -52,7 +52,7 @@ class W12Linear(nn.Module):
         rec64 = self.w12_rec64
         return KernelPack(self._kp_meta[0], self._kp_meta[1], rec64, rec64.view(torch.int32), self.w12_low_exp,
                           self.w12_esc_rowptr, self.w12_esc_row, self.w12_esc_col, self.w12_esc_delta,
-                          self.w12_esc_delta_q, self._kp_meta[2])
+                          self.w12_esc_delta_q, self._kp_meta[2], self.w12_esc_w)
 
     def restored_weight(self, dtype=torch.bfloat16) -> torch.Tensor:
         if self._restored is not None and self._restored.device == self.w12_rec64.device:

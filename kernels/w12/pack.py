@@ -29,6 +29,7 @@ class KernelPack:
     esc_delta: torch.Tensor    # fp32 [nnz]: w - 2**(L_n - 127) (exact weight minus decoded slot)
     esc_delta_q: torch.Tensor  # fp32 [nnz]: same for the Q pass (slot decodes to 1.0001b * 2**...)
     max_escapes_per_row: int
+    esc_w: torch.Tensor | None = None   # bf16 [nnz]: the escaped weights' exact bits (restore.py)
 
     @property
     def k_tiles(self) -> int:
@@ -63,4 +64,5 @@ class KernelPack:
             rowptr.to(torch.int32).to(dev), rows.to(torch.int32).to(dev), cols.to(torch.int32).to(dev),
             (w - base).to(dev), (w - baseq).to(dev),
             int(counts.max()) if counts.numel() else 0,
+            t.esc_bits.view(torch.bfloat16).to(dev),
         )

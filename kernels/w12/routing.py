@@ -2,6 +2,7 @@
 
 The kernels, registered in :data:`KERNELS` (name -> module):
 
+* ``restore``    :mod:`.restore`, the weight restored to bf16, then cuBLAS: prompt-sized products
 * ``mma``        :mod:`.mma` (its TMA rings: :mod:`.mma_tma`), tensor cores, rows split over warps: verify steps
 * ``warpk``      :mod:`.warpk`, tensor cores, K split over warps: 2-8 rows, and where its table says
 * ``gemv-gluon`` :mod:`.gemv_gluon`, one row, K split over warps, CUDA-core FMAs
@@ -29,14 +30,14 @@ import torch
 
 from .. import tuning
 from ..triton_env import triton
-from . import gemm, gemv, gemv_gluon, mma, mma_tma, warpk
+from . import gemm, gemv, gemv_gluon, mma, mma_tma, restore, warpk
 from .pack import KernelPack
 
-KERNELS = {"mma": mma, "warpk": warpk, "gemv-gluon": gemv_gluon, "gemv": gemv, "gemm": gemm}
-LAUNCHERS = {"mma": mma.w12_mma, "warpk": warpk.w12_warpk, "gemv-gluon": gemv_gluon.w12_gemv_gluon,
-             "gemv": gemv.w12_gemv, "gemm": gemm.w12_gemm}
-CONFIGS = {mma.MmaConfig: "mma", warpk.WarpKConfig: "warpk", gemv_gluon.GluonGemvConfig: "gemv-gluon",
-           gemv.GemvConfig: "gemv", gemm.Config: "gemm"}
+KERNELS = {"restore": restore, "mma": mma, "warpk": warpk, "gemv-gluon": gemv_gluon, "gemv": gemv, "gemm": gemm}
+LAUNCHERS = {"restore": restore.w12_restore_linear, "mma": mma.w12_mma, "warpk": warpk.w12_warpk,
+             "gemv-gluon": gemv_gluon.w12_gemv_gluon, "gemv": gemv.w12_gemv, "gemm": gemm.w12_gemm}
+CONFIGS = {restore.RestoreConfig: "restore", mma.MmaConfig: "mma", warpk.WarpKConfig: "warpk",
+           gemv_gluon.GluonGemvConfig: "gemv-gluon", gemv.GemvConfig: "gemv", gemm.Config: "gemm"}
 
 
 def tuned_config(kernel: str, m: int, n: int, k: int, device=None, tma: bool = True, wgmma: bool = True):
