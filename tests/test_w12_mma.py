@@ -107,42 +107,6 @@ def test_compiles_for_sm90_with_register_only_operand_conversions():
     assert stats["cp_async"] >= 1 and stats["ld_shared_v4"] == 8   # x: 4 rows x 32 bytes per thread
 
 
-@needs_gluon
-@pytest.mark.parametrize("ring", ["WSMEM=False, UNROLL=True", "WSMEM=True, UNROLL=False"])
-def test_early_epilogue_loads_come_before_the_main_loop(ring):
-    """``early_epilogue`` (``PRE``): the epilogue's loads (row scales are the only byte loads) are
-    issued before the first MMA, after the first records' loads, in the register and wsmem rings."""
-    from gluon_ptx import ptxas_report
-
-    setup = (_SETUP.replace("mma_layouts(128, 32, 4)", "mma_layouts(64, 32, 4)").replace("BLOCK_N=128", "BLOCK_N=64")
-             .replace("WSMEM=False, UNROLL=False", ring + ", PRE=True"))
-    r = ptxas_report(setup)
-    ptx = r["ptx"]
-    scales = min(i for i in (ptx.find("ld.global.b8"), ptx.find("ld.global.u8")) if i >= 0)
-    first_copy = min(i for i in (ptx.find("ld.global.v4"), ptx.find("cp.async.cg")) if i >= 0)
-    assert first_copy < scales < ptx.find("mma.sync")
-    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r["log"]).groups()
-    assert spills == ("0", "0"), r["log"]
-
-
-@_gpu_gluon
-@pytest.mark.parametrize("cfg", [mma.MmaConfig(64, 1, 4, 2, True), mma.MmaConfig(64, 3, 4, 2, True),
-                                 mma.MmaConfig(64, 1, 4, 3, False, True), mma.MmaConfig(128, 2, 4, 2, False, True)])
-@pytest.mark.parametrize("m", [5, 32])
-def test_early_epilogue_gives_the_tail_epilogues_bits(cfg, m):
-    """The epilogue's loads issued early (with split-K in every program) change no bit: escapes
-    included, Q pass too, with and without split-K, partial row blocks."""
-    from dataclasses import replace
-
-    w, _, kp = _cuda_layer(256, 1216, seed=11)
-    x = torch.randn(m, 1216, generator=torch.Generator().manual_seed(4)).bfloat16().cuda()
-    for qpass in (False, True):
-        ref = mma.w12_mma(x, kp, qpass=qpass, config=cfg, out_dtype=torch.float32)
-        y = mma.w12_mma(x, kp, qpass=qpass, config=replace(cfg, early_epilogue=True), out_dtype=torch.float32)
-        assert torch.equal(y.view(torch.int32), ref.view(torch.int32))
-    check_close(mma.w12_mma(x, kp, config=replace(cfg, early_epilogue=True), out_dtype=torch.float32).cpu(), x.cpu(), w)
-
-
 # ---------------------------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------------------------

@@ -3,8 +3,8 @@ corrections ``x[:, k] * (w - slot)`` and the store, bitwise identical run to run
 
 * tensor-core kernels (:mod:`.mma`, :mod:`.mma_tma`, :mod:`.warpk`): :func:`epilogue` takes an
   accumulator ``[BLOCK_N, BLOCK_M]`` to y directly or through the fixed-order split-K reduction (a
-  workspace and a per-block counter); its loads (:func:`finalize_loads`: three dependent round
-  trips) may be issued before the main loop (:func:`early_loads`, :func:`finalize_apply`);
+  workspace and a per-block counter); :mod:`.warpk` may issue its loads (:func:`finalize_loads`:
+  three dependent round trips) before the main loop and apply them after (:func:`finalize_apply`);
 * one-row kernels (:mod:`.gemv_gluon`, the fused decode kernels): :func:`row_epilogue_start` loads
   the block's row scales, escape range and first escape chunk, :func:`row_epilogue_end` applies
   them to the ``[ROWS]`` sums and stores.
@@ -12,7 +12,7 @@ corrections ``x[:, k] * (w - slot)`` and the store, bitwise identical run to run
 
 from __future__ import annotations
 
-from .gluon_common import cta_barrier, gl, gluon, pin
+from .gluon_common import cta_barrier, gl, gluon
 
 if gluon is not None:
 
@@ -26,16 +26,13 @@ if gluon is not None:
     def epilogue(acc, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, ws_ptr, lock_ptr,
                   n0, pid_n, pid_k, pid_m, M, N, NUM_N_BLOCKS, SPLIT_K, SLOTS, stride_xm, stride_ym,
                   BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, USE_SPLIT: gl.constexpr, ESC_CH: gl.constexpr,
-                  ACC: gl.constexpr, L_EP: gl.constexpr, pre=0, PRE: gl.constexpr = False):
+                  ACC: gl.constexpr, L_EP: gl.constexpr):
         """The accumulator ``acc`` (layout ``ACC``) to y: directly, or through the fixed-order split-K
         reduction (partial ``pid_k`` of ``SPLIT_K`` to a workspace of ``SLOTS`` partials per block, a
-        per-block counter, the last program sums them in order). ``PRE``: the epilogue's loads were
-        issued before the main loop (``pre``, :func:`finalize_loads`; with split-K by every program,
-        as the last one is not known then), so the tail keeps the split-K sum, if any, but not the
-        epilogue's three dependent round trips."""
+        per-block counter, the last program sums them in order)."""
         if not USE_SPLIT:
-            _finalize_pre(acc, pre, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, n0, pid_m, M, N,
-                          stride_xm, stride_ym, BLOCK_N, BLOCK_M, ESC_CH, L_EP, PRE)
+            finalize(acc, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, n0, pid_m, M, N,
+                      stride_xm, stride_ym, BLOCK_N, BLOCK_M, ESC_CH, L_EP)
         else:
             blk = pid_m * NUM_N_BLOCKS + pid_n
             ws_base = ws_ptr + blk.to(gl.int64) * (SLOTS * BLOCK_N * BLOCK_M)
@@ -63,35 +60,8 @@ if gluon is not None:
                     total += p2
                     total += p3
                 gl.atomic_xchg(lock_ptr + blk, 0)
-                _finalize_pre(total, pre, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, n0, pid_m,
-                              M, N, stride_xm, stride_ym, BLOCK_N, BLOCK_M, ESC_CH, L_EP, PRE)
-
-    @gluon.jit
-    def early_loads(x_ptr, low_ptr, eptr_ptr, ecol_ptr, edelta_ptr, n0, pid_m, M, N, stride_xm,
-                     BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, ESC_CH: gl.constexpr, L_EP: gl.constexpr,
-                     PRE: gl.constexpr):
-        """With ``PRE``: the epilogue's loads (:func:`finalize_loads`) behind a pin, so the weight
-        loads issued before stay ahead of their dependent round trips (ptxas would otherwise put the
-        chain first); else 0."""
-        if PRE:
-            n0 = pin(n0, True)
-            pre = finalize_loads(x_ptr, low_ptr, eptr_ptr, ecol_ptr, edelta_ptr, n0, pid_m, M, N, stride_xm,
-                                  BLOCK_N, BLOCK_M, ESC_CH, L_EP)
-        else:
-            pre = 0
-        return pre
-
-    @gluon.jit
-    def _finalize_pre(acc, pre, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, n0, pid_m, M, N,
-                      stride_xm, stride_ym, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, ESC_CH: gl.constexpr,
-                      L_EP: gl.constexpr, PRE: gl.constexpr):
-        """:func:`finalize_apply` on the loads issued earlier (``PRE``), else :func:`finalize`."""
-        if PRE:
-            finalize_apply(acc, pre, x_ptr, y_ptr, eptr_ptr, ecol_ptr, edelta_ptr, n0, pid_m, M, N, stride_xm,
-                            stride_ym, BLOCK_N, BLOCK_M, ESC_CH, L_EP)
-        else:
-            finalize(acc, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, n0, pid_m, M, N,
-                      stride_xm, stride_ym, BLOCK_N, BLOCK_M, ESC_CH, L_EP)
+                finalize(total, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, n0, pid_m,
+                          M, N, stride_xm, stride_ym, BLOCK_N, BLOCK_M, ESC_CH, L_EP)
 
     @gluon.jit
     def finalize(acc, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, n0, pid_m, M, N,

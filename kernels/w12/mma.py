@@ -40,7 +40,7 @@ from .format import TILE_K
 from .fragments import a_operand, b_operand, mma_layouts
 from .gluon_common import (aligned_x, async_copy, check_call, cp_async, cta_barrier, esc_chunk, gl, gluon, load_rec,
                            mma_block_m, mma_v2, pin, record_offsets, split_grid)
-from .gluon_epilogue import early_loads, epilogue
+from .gluon_epilogue import epilogue
 from .pack import KernelPack
 
 if gluon is not None:
@@ -115,7 +115,7 @@ if gluon is not None:
     def _register_ring(acc, xs, x_ptr, rec_ptr, tile_row, t_begin, t_end, off_v, off_n, rows_c, kc, M, K, stride_xm,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, QPASS: gl.constexpr, DEPTH: gl.constexpr,
                        UNROLL: gl.constexpr, L_VIEW: gl.constexpr, L_X: gl.constexpr, A_OP: gl.constexpr,
-                       B_OP: gl.constexpr, epi, ESC_CH: gl.constexpr, L_EP: gl.constexpr, PRE: gl.constexpr):
+                       B_OP: gl.constexpr):
         """The main loop with the weights DEPTH records ahead in registers and x DEPTH records ahead
         in a shared-memory ring filled by cp.async (one copy per program, not per warp). Loads past
         the range are predicated off.
@@ -123,10 +123,7 @@ if gluon is not None:
         Rolled, the ring rotates (``w0 <- w1 <- next``): the move of the record just loaded waits
         for that load, so one record is in flight whatever DEPTH. ``UNROLL``: DEPTH register sets,
         the loop unrolled by DEPTH, each set reloaded in place after its MMA (DEPTH - 1 in flight);
-        the last ``(t_end - t_begin) % DEPTH`` records (already loaded) run after the loop.
-
-        ``PRE``: the epilogue's loads (``epi``: low_ptr, eptr_ptr, ecol_ptr, edelta_ptr, n0, pid_m, N)
-        are issued after the first records' and returned with the accumulator (else 0)."""
+        the last ``(t_end - t_begin) % DEPTH`` records (already loaded) run after the loop."""
         w0, q0 = load_rec(rec_ptr, tile_row, t_begin, t_begin < t_end, off_v, off_n, QPASS)
         if DEPTH >= 2:
             w1, q1 = load_rec(rec_ptr, tile_row, t_begin + 1, t_begin + 1 < t_end, off_v, off_n, QPASS)
@@ -134,9 +131,6 @@ if gluon is not None:
             w2, q2 = load_rec(rec_ptr, tile_row, t_begin + 2, t_begin + 2 < t_end, off_v, off_n, QPASS)
         for i in gl.static_range(DEPTH):
             _x_copy(xs.index(i), x_ptr, rows_c, kc, t_begin + i, t_begin + i < t_end, M, K, stride_xm)
-        low_ptr, eptr_ptr, ecol_ptr, edelta_ptr, n0, pid_m, N = epi
-        pre = early_loads(x_ptr, low_ptr, eptr_ptr, ecol_ptr, edelta_ptr, n0, pid_m, M, N, stride_xm,
-                           BLOCK_N, BLOCK_M, ESC_CH, L_EP, PRE)
         if UNROLL:
             t_main = t_begin + (t_end - t_begin) // DEPTH * DEPTH
             for t in range(t_begin, t_main, DEPTH):
@@ -172,7 +166,7 @@ if gluon is not None:
                     w0, q0 = w1, q1
                     w1, q1 = w2, q2
                     w2, q2 = wx, qx
-        return acc, pre
+        return acc
 
     @gluon.jit
     def _w12_mma_kernel(
@@ -185,7 +179,7 @@ if gluon is not None:
         ESC_CH: gl.constexpr, DEPTH: gl.constexpr, WSMEM: gl.constexpr, UNROLL: gl.constexpr,
         L_VIEW: gl.constexpr, L_NIB: gl.constexpr, L_X: gl.constexpr, MMA: gl.constexpr,
         A_OP: gl.constexpr, B_OP: gl.constexpr, L_EP: gl.constexpr, L_XC: gl.constexpr, XS: gl.constexpr,
-        L_WC: gl.constexpr, L_QC: gl.constexpr, WSL: gl.constexpr, PRE: gl.constexpr = False,
+        L_WC: gl.constexpr, L_QC: gl.constexpr, WSL: gl.constexpr,
     ):
         pid_n = gl.program_id(0)
         pid_k = gl.program_id(1)
@@ -211,8 +205,6 @@ if gluon is not None:
                 ok = t_begin + i < t_end
                 _w_copy(wv_s.index(i), wq_s.index(i), rec_ptr, tile_row, t_begin + i, ok, offc_v, offc_q, QPASS)
                 _x_copy(xs.index(i), x_ptr, rows_c, kc, t_begin + i, ok, M, K, stride_xm)
-            pre = early_loads(x_ptr, low_ptr, eptr_ptr, ecol_ptr, edelta_ptr, n0, pid_m, M, N, stride_xm,
-                               BLOCK_N, BLOCK_M, ESC_CH, L_EP, PRE)
             for t in range(t_begin, t_end):
                 it = t - t_begin
                 async_copy.wait_group(DEPTH - 1)        # this thread's copies of record t have landed
@@ -223,13 +215,12 @@ if gluon is not None:
                 _x_copy(xs.index(nxt), x_ptr, rows_c, kc, t + DEPTH, t + DEPTH < t_end, M, K, stride_xm)
                 acc = wsmem_mma(acc, xs, wv_s, wq_s, it % XD, BLOCK_M, BLOCK_N, QPASS, L_VIEW, L_NIB, L_X, A_OP, B_OP)
         else:
-            acc, pre = _register_ring(acc, xs, x_ptr, rec_ptr, tile_row, t_begin, t_end, off_v, off_n, rows_c, kc, M,
-                                      K, stride_xm, BLOCK_M, BLOCK_N, QPASS, DEPTH, UNROLL, L_VIEW, L_X, A_OP, B_OP,
-                                      (low_ptr, eptr_ptr, ecol_ptr, edelta_ptr, n0, pid_m, N), ESC_CH, L_EP, PRE)
+            acc = _register_ring(acc, xs, x_ptr, rec_ptr, tile_row, t_begin, t_end, off_v, off_n, rows_c, kc, M,
+                                 K, stride_xm, BLOCK_M, BLOCK_N, QPASS, DEPTH, UNROLL, L_VIEW, L_X, A_OP, B_OP)
         async_copy.wait_group(0)
         epilogue(acc, x_ptr, y_ptr, low_ptr, eptr_ptr, erow_ptr, ecol_ptr, edelta_ptr, ws_ptr, lock_ptr,
                   n0, pid_n, pid_k, pid_m, M, N, NUM_N_BLOCKS, SPLIT_K, SPLIT_K, stride_xm, stride_ym,
-                  BLOCK_N, BLOCK_M, USE_SPLIT, ESC_CH, MMA, L_EP, pre, PRE)
+                  BLOCK_N, BLOCK_M, USE_SPLIT, ESC_CH, MMA, L_EP)
 
 
 @dataclass(frozen=True)
@@ -247,13 +238,11 @@ class MmaConfig:
     tma: int = 0        # weights and x by TMA into ``depth`` stages with mbarriers (mma_tma): 1 a consumer
                         # warp per 16 rows, 2 the program's warps as one consumer group, 3 the group on wgmma
     kgroups: int = 1    # tma=3: 2 or 4 warpgroups on the program's rows, each taking every kgroups-th record
-    early_epilogue: bool = False  # the epilogue's loads after the first records', not in the tail
-                                  # (register and wsmem rings; with split-K in every program)
 
     def key(self) -> str:
         return (f"mma-n{self.block_n}-s{self.split_k}-w{self.num_warps}-d{self.depth}{'-ws' if self.wsmem else ''}"
                 f"{'-u' if self.unroll else ''}{f'-tma{self.tma}' if self.tma else ''}"
-                f"{f'-kg{self.kgroups}' if self.kgroups > 1 else ''}{'-ee' if self.early_epilogue else ''}")
+                f"{f'-kg{self.kgroups}' if self.kgroups > 1 else ''}")
 
 
 def supported(x: torch.Tensor, packed: KernelPack) -> bool:
@@ -298,8 +287,6 @@ def check_config(cfg: MmaConfig) -> None:
         raise ValueError(f"depth must be 1-3 (1-6 with wsmem), got {cfg.depth}")
     if cfg.unroll and (cfg.wsmem or cfg.depth < 2):
         raise ValueError("an unrolled ring is a register ring of depth 2-3 (not wsmem)")
-    if cfg.early_epilogue and cfg.tma:
-        raise ValueError("early_epilogue goes with the register and wsmem rings (not tma)")
 
 
 def w12_mma(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: MmaConfig | None = None,
@@ -341,7 +328,7 @@ def w12_mma(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: Mm
         m, n, k, kt, tps, nb, split,
         x.stride(0), out.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_M=bm, USE_SPLIT=split > 1, QPASS=qpass, ESC_CH=esc_ch, DEPTH=cfg.depth,
-        WSMEM=cfg.wsmem, UNROLL=cfg.unroll, PRE=cfg.early_epilogue,
+        WSMEM=cfg.wsmem, UNROLL=cfg.unroll,
         L_VIEW=l_view, L_NIB=l_nib, L_X=l_x, MMA=mma, A_OP=a_op, B_OP=b_op, L_EP=l_ep, L_XC=l_xc,
         XS=xs, L_WC=l_wc, L_QC=l_qc, WSL=wsl,
         num_warps=cfg.num_warps,
