@@ -41,9 +41,15 @@ class Served:
                     ready.set()
 
         threading.Thread(target=read, daemon=True).start()
-        if not ready.wait(timeout):
-            self.proc.kill()
-            raise RuntimeError("specpilot serve did not start: " + "".join(self.err)[-2000:])
+        deadline = time.monotonic() + timeout
+        # a server that exits before it listens (an import error, a bad option) fails the benchmark now
+        while not ready.wait(1.0):
+            code = self.proc.poll()
+            if code is not None or time.monotonic() > deadline:
+                self.proc.kill()
+                time.sleep(0.5)   # the reader thread takes the last lines
+                why = f"exited with code {code}" if code is not None else "timed out"
+                raise RuntimeError(f"specpilot serve did not start ({why}): " + "".join(self.err)[-2000:])
         import httpx
 
         for _ in range(600):

@@ -23,3 +23,20 @@ def test_time_interleaved_takes_turns_and_the_median(monkeypatch):
     monkeypatch.setattr(common, "time_cuda_graph", timed)
     assert common.time_interleaved([lambda: "a", lambda: "b"], reps=3) == [3.0, 8.0]
     assert calls == ["a", "b"] * 3
+
+
+def test_the_serve_benchmark_fails_at_once_when_the_server_exits_before_it_listens():
+    """``serve_bench.Served``: a server that dies at start (an import error on a GPU machine, a bad
+    option) fails the benchmark with its stderr and exit code, not after the readiness timeout."""
+    import sys
+    import time
+
+    import pytest
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from serve_bench import Served
+
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"exited with code 2\).*unknown model"):
+        Served(["--model", "no-such-model"], timeout=120)
+    assert time.monotonic() - t0 < 60
