@@ -37,6 +37,6 @@ def test_the_serve_benchmark_fails_at_once_when_the_server_exits_before_it_liste
     from serve_bench import Served
 
     t0 = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"exited with code 2\).*unknown model"):
+    with pytest.raises(RuntimeError, match=r"(?s)exited with code 2\).*unknown model"):
         Served(["--model", "no-such-model"], timeout=120)
     assert time.monotonic() - t0 < 60
