@@ -1,12 +1,12 @@
-"""``specpilot serve`` under load on the H200: closed loop at 1/8/32 clients, the batched engine
+"""``specpilot serve`` under load on the H200: closed loop at 1/8/32 clients (``--levels``), the batched engine
 (``--batch 32``) side by side with the same engine unbatched (``--batch 1``).
 
     SPECPILOT_GIT_SHA=<hash> python3 benchmarks/serve_gpu.py [--max-new 128] [--prompt-len 512]
 
 Llama-3.1-8B shapes, random bf16 weights, AR decoding, fixed random token-id prompts, streaming
 requests with ignore_eos (every request generates --max-new tokens). Reports output tokens/s,
-TTFT / ITL / end-to-end p50 and p99 per concurrency, and the ratio of throughput at 32 clients to
-1 client. Writes results/serve_gpu.json.
+TTFT / ITL / end-to-end p50 and p99 per concurrency, and the throughput at the most clients
+(``--levels``) over one client and over the unbatched server. Writes results/serve_gpu.json.
 """
 
 from __future__ import annotations
@@ -21,6 +21,18 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from common import print_table, write_results  # noqa: E402
 from serve_bench import sweep  # noqa: E402
+
+
+def summarize(tput: dict, levels: list[int]) -> dict:
+    """Output tokens/s at the most clients over one client (batched server), and batched over
+    unbatched at the most clients; ``tput``: (server, clients) -> tokens/s. None where a run is missing."""
+    top = max(levels)
+
+    def ratio(a, b):
+        return tput[a] / tput[b] if a in tput and b in tput and tput[b] else None
+
+    return {"top_clients": top, "scaling_top_vs_1": ratio(("batch 32", top), ("batch 32", 1)),
+            "batched_vs_unbatched_at_top": ratio(("batch 32", top), ("batch 1", top))}
 
 
 def main():
@@ -38,11 +50,7 @@ def main():
                  warmup=32)
     rows += sweep(base + ["--batch", "1"], prompts, levels, args.max_new, lambda c: max(4, min(2 * c, 16)),
                   "batch 1", warmup=2)
-    tput = {(r["server"], r["concurrency"]): r["output_throughput"] for r in rows}
-    summary = {"scaling_32_vs_1": tput.get(("batch 32", 32), 0) / tput[("batch 32", 1)]
-               if ("batch 32", 1) in tput else None,
-               "batched_vs_unbatched_at_32": tput.get(("batch 32", 32), 0) / tput[("batch 1", 32)]
-               if ("batch 1", 32) in tput else None}
+    summary = summarize({(r["server"], r["concurrency"]): r["output_throughput"] for r in rows}, levels)
     flat = [{"server": r["server"], "clients": r["concurrency"], "requests": r["completed"], "failed": r["failed"],
              "output_tokens_per_s": r["output_throughput"], "ttft_p50_ms": r["ttft_ms"]["p50"],
              "ttft_p99_ms": r["ttft_ms"]["p99"], "itl_p50_ms": r["itl_ms"]["p50"], "itl_p99_ms": r["itl_ms"]["p99"],
