@@ -3,8 +3,9 @@
 Random weights (std 0.02), batch 1, a 1000-token prompt, 256 greedy tokens through
 ``Decoder.generate`` (what ``specpilot run --mode ar`` calls) after the engine's load-time
 warm-up; beside it the AR step's CUDA graph replayed back to back (CUDA events, median) in the
-same run, and where a repeated 1000-token prefill's time goes (CUDA kernels by name). The loop queues graph replays ahead of the host (``Decoder._ar_pipelined``), so its
-per-token time should be the graph step's.
+same run, and where a repeated 1000-token prefill's time goes (CUDA kernels by name). The loop
+queues graph replays ahead of the host (``Decoder._ar_pipelined``), so its per-token time should be
+the graph step's.
 
     python benchmarks/ar_loop_gpu.py
 """

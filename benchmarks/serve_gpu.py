@@ -1,5 +1,5 @@
-"""``specpilot serve`` under load on the H200: closed loop at 1/8/32 clients (``--levels``), the batched engine
-(``--batch 32``) side by side with the same engine unbatched (``--batch 1``).
+"""``specpilot serve`` under load on the H200: closed loop at 1/8/32 clients (``--levels``), the
+batched engine (``--batch 32``) side by side with the same engine unbatched (``--batch 1``).
 
     SPECPILOT_GIT_SHA=<hash> python3 benchmarks/serve_gpu.py [--max-new 128] [--prompt-len 512]
 

@@ -3,8 +3,8 @@
 The W12 kernels read each record once per block of at most 64 x rows, so a 1000-row prefill reads
 the records 16 times and runs far below cuBLAS at those sizes, where a product is bound by its
 FLOPs, not by the weight's bytes. Above the route table's row bound the weight is instead restored
-into a per-device scratch buffer (12 bits read and 16 written per weight, a few microseconds per
-layer next to the product's FLOPs) and multiplied by ``F.linear``. The restore is exact (the
+into a per-device scratch buffer (12 bits read and 16 written per weight, at about the HBM's
+bandwidth) and multiplied by ``F.linear``. The restore is exact (the
 original bf16 bits, escapes included), so the product is the dense engine's bit for bit.
 
 * :func:`restore` decodes the records into ``[N, K]`` bf16: one program per 128-row tile and
