@@ -69,15 +69,17 @@ def pick(rules: list[dict], m: int, n: int, supports, tuned) -> str:
     return "gemm"
 
 
-def route(x: torch.Tensor, packed: KernelPack) -> str:
-    """The kernel :func:`w12_linear` runs for ``x`` without a config (see the module)."""
+def route(x: torch.Tensor, packed: KernelPack, rules: list[dict] | None = None) -> str:
+    """The kernel :func:`w12_linear` runs for ``x`` without a config (see the module); ``rules``:
+    other route rules than the device table's (the lab compares kernels with a rule left out)."""
     (m, k), n = x.shape, packed.shape[0]
     dev = x.device
 
     def tuned(kernel):
         return tuned_config(kernel, m, n, k, dev, mma_tma.supported(dev), mma_tma.wgmma_supported(dev))
 
-    rules = tuning.table("w12", tuning.device_arch(dev) if x.is_cuda else None)["route"]
+    if rules is None:
+        rules = tuning.table("w12", tuning.device_arch(dev) if x.is_cuda else None)["route"]
     return pick(rules, m, n, lambda kernel: KERNELS[kernel].supported(x, packed), tuned)
 
 

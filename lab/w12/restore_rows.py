@@ -25,28 +25,23 @@ bootstrap()
 from lab.common import L2Flusher, parse_int_list, print_table, time_interleaved, write_results  # noqa: E402
 from w12_gemm import random_layer, select_shapes  # noqa: E402
 
-CHUNK = 256   # the engine's rows per W12 kernel launch (engine/w12_loader.KERNEL_MAX_ROWS)
-
-
 def kernel_path(x, kp):
-    """The W12 kernels as routed with the restore rule left out, in launches of at most CHUNK rows."""
+    """The W12 kernels as routed with the restore rule left out, in launches of at most
+    ``KERNEL_MAX_ROWS`` rows (the engine's chunks)."""
     import torch
 
+    from specpilot.engine.w12_loader import KERNEL_MAX_ROWS
     from specpilot.kernels import tuning
-    from specpilot.kernels.w12 import mma_tma, routing
+    from specpilot.kernels.w12 import routing
 
     rules = [r for r in tuning.table("w12", tuning.device_arch(x.device))["route"] if r["kernel"] != "restore"]
 
     def one(xc):
-        m, n, k = xc.shape[0], kp.shape[0], kp.shape[1]
-        kernel = routing.pick(rules, m, n, lambda kern: routing.KERNELS[kern].supported(xc, kp),
-                              lambda kern: routing.tuned_config(kern, m, n, k, xc.device, mma_tma.supported(xc.device),
-                                                                mma_tma.wgmma_supported(xc.device)))
-        return routing.LAUNCHERS[kernel](xc, kp)
+        return routing.LAUNCHERS[routing.route(xc, kp, rules)](xc, kp)
 
-    if x.shape[0] <= CHUNK:
+    if x.shape[0] <= KERNEL_MAX_ROWS:
         return one(x)
-    return torch.cat([one(x[a:a + CHUNK]) for a in range(0, x.shape[0], CHUNK)])
+    return torch.cat([one(x[a:a + KERNEL_MAX_ROWS]) for a in range(0, x.shape[0], KERNEL_MAX_ROWS)])
 
 
 def main() -> int:
