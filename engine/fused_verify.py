@@ -20,6 +20,11 @@ GEMM, the conv and the gated delta rule along each row's root path with the gate
 layer is its GEMM, per-head q/k norm + partial RoPE + the cache write, the attention and
 ``sigmoid(gate)`` (:mod:`specpilot.kernels.decode.gated_attention`).
 
+Batched steps (continuous batching, ``engine/batch``) of dense models take the same kernels for
+the rows of every request: step 2 writes each row's K/V into its request's cache slot and step 3
+is one launch over all requests, each segment of rows over its own slot
+(``batched_gqa_attention``).
+
 Then the LM head (cuBLAS) and the rows' argmax (two kernels). The small kernels and the attention
 are launched with programmatic dependent launch. The arithmetic is the layers' (each kernel rounds
 where ``engine/model.py`` rounds, the GEMMs are the same cuBLAS calls); RMSNorm sums its squares
@@ -57,27 +62,55 @@ def _linear(h, lin):
     return F.linear(h, lin.weight)
 
 
-def _attend(m, q, inp, kv_len):
-    from specpilot.kernels.attention.decode import masked_gqa_attention
+def takes_batch(model) -> bool:
+    """Whether batched steps (continuous batching, :meth:`Transformer.hidden_batch`) run here: with
+    ``decode=fused`` for models whose layers are all plain (Llama-family) attention layers; hybrids'
+    GDN and gated attention layers keep their layer modules in batched steps."""
+    from specpilot.engine.model import Attention
+
+    return model.fused_decode and all(isinstance(b.mixer, Attention) and not (b.mixer.qk_norm or b.mixer.gate)
+                                      for b in model.layers)
+
+
+def _segments(inp):
+    """A batched step's segment table (first row, rows, slot) on the device, made once per input
+    (a CUDA graph's input keeps it: made during the warm-up, before capture)."""
+    if inp.seg_table is None:
+        from specpilot.kernels.attention.decode import segment_table
+
+        inp.seg_table = segment_table(inp.segments, inp.tokens.device)
+    return inp.seg_table
+
+
+def _attend(m, q, inp, kv_len, lc=None):
+    from specpilot.kernels.attention import decode
     from specpilot.kernels.verify import common
 
-    return masked_gqa_attention(q.view(q.shape[0], m.nh, m.hd), m.k_cache[0, :, :kv_len], m.v_cache[0, :, :kv_len],
-                                inp.mask[:, :kv_len], m.hd ** -0.5, pdl=common.USE_PDL)
+    q = q.view(q.shape[0], m.nh, m.hd)
+    if lc is None:
+        return decode.masked_gqa_attention(q, m.k_cache[0, :, :kv_len], m.v_cache[0, :, :kv_len],
+                                           inp.mask[:, :kv_len], m.hd ** -0.5, pdl=common.USE_PDL)
+    segs, seg_rows = _segments(inp)
+    return decode.batched_gqa_attention(q, lc.k[:, :, :kv_len], lc.v[:, :, :kv_len], inp.mask[:, :kv_len],
+                                        m.hd ** -0.5, segs, seg_rows, pdl=common.USE_PDL)
 
 
-def hidden_rows(model, x: torch.Tensor, inp, kv_len: int, layers: int | None = None) -> torch.Tensor:
+def hidden_rows(model, x: torch.Tensor, inp, kv_len: int, layers: int | None = None, cache=None) -> torch.Tensor:
     """The final-normed hidden rows [T, hidden] of the step ``inp`` (``x``: its embedded tokens)
-    through the first ``layers`` layers (all by default)."""
+    through the first ``layers`` layers (all by default). With ``cache`` (a ``BatchCache``; ``inp``
+    a ``BatchStepInput``, :func:`takes_batch` models) the rows of several requests, each writing and
+    attending its own slot."""
     from specpilot.engine.model import GatedDeltaNet
     from specpilot.kernels.decode import gated_attention as ga
     from specpilot.kernels.verify import common, rows as R
 
     blocks = model.layers[:layers]
+    caches = [None] * len(blocks) if cache is None else cache.layers
     eps = model.spec.rms_norm_eps
     if not blocks:
         return R.rms_norm_rows(x, model.norm, eps)
     h = R.rms_norm_rows(x, blocks[0].attn_norm, blocks[0].eps)
-    for i, blk in enumerate(blocks):
+    for i, (blk, lc) in enumerate(zip(blocks, caches)):
         m = blk.mixer
         if isinstance(m, GatedDeltaNet):
             o = m.mix(_linear(h, m.in_proj), inp)
@@ -91,9 +124,10 @@ def hidden_rows(model, x: torch.Tensor, inp, kv_len: int, layers: int | None = N
                 o = ga.sigmoid_gate(o, proj, m.nh, pdl=common.USE_PDL)
             x, h = R.add_rms_norm_rows(x, _linear(o, m.wo), blk.mlp_norm, blk.eps)
         else:
-            q = R.rope_store_rows(_linear(h, m.wqkv), model.cos, model.sin, inp.pos, inp.slots, m.k_cache[0],
-                                  m.v_cache[0], m.nh, m.nkv)
-            x, h = R.add_rms_norm_rows(x, _linear(_attend(m, q, inp, kv_len), m.wo), blk.mlp_norm, blk.eps)
+            kc, vc = (m.k_cache[0], m.v_cache[0]) if lc is None else (lc.k, lc.v)
+            q = R.rope_store_rows(_linear(h, m.wqkv), model.cos, model.sin, inp.pos, inp.slots, kc, vc, m.nh, m.nkv,
+                                  req=None if lc is None else inp.req)
+            x, h = R.add_rms_norm_rows(x, _linear(_attend(m, q, inp, kv_len, lc), m.wo), blk.mlp_norm, blk.eps)
         d = _linear(R.silu_mul_rows(_linear(h, blk.w13), blk.inter), blk.w2)
         nxt = blocks[i + 1] if i + 1 < len(blocks) else None
         x, h = R.add_rms_norm_rows(x, d, nxt.attn_norm if nxt else model.norm, nxt.eps if nxt else eps)

@@ -108,7 +108,8 @@ class BatchStepInput:
     """The rows of several requests in one forward. ``tokens``, ``pos`` (rope positions),
     ``slots`` (positions in the row's own request cache) and ``req`` (the row's cache slot) are
     [T] long tensors; ``mask`` bool [T, kv_len] over the row's own request cache; ``segments``
-    cover rows 0..T-1 in order."""
+    cover rows 0..T-1 in order; ``seg_table``: their device table for the fused kernels, made on
+    first use (``engine/fused_verify.py``)."""
 
     tokens: torch.Tensor
     pos: torch.Tensor
@@ -116,6 +117,7 @@ class BatchStepInput:
     req: torch.Tensor
     mask: torch.Tensor
     segments: list[Segment]
+    seg_table: tuple | None = None
 
 
 class Attention(nn.Module):
@@ -627,6 +629,11 @@ class Transformer(nn.Module):
         """Final hidden states [T, d] of a batched step; ``cache.layers[i]`` holds layer i's
         per-slot K/V (attention) or state (GDN)."""
         x = self.embed(inp.tokens)
+        if self.fused_decode:
+            from specpilot.engine import fused_verify
+
+            if fused_verify.takes_batch(self):
+                return fused_verify.hidden_rows(self, x, inp, kv_len, layers, cache=cache)
         cos, sin = self.cos[inp.pos], self.sin[inp.pos]
         for blk, lc in zip(self.layers[:layers], cache.layers):
             x = blk.forward_batch(x, inp, cos, sin, kv_len, lc)
@@ -643,10 +650,7 @@ class Transformer(nn.Module):
         h = self.hidden_batch(inp, cache, kv_len)
         if rows is not None:
             h = h[rows]
-        head = self.certified_head
-        if head is not None and h.shape[0] <= head.max_rows:
-            return head.argmax_exact(h)
-        return self.lm_head(h).argmax(-1)
+        return self._argmax(h)
 
     def commit_batch(self, cache, slot: int, start: int, rows: list[int], gdn_rows: str):
         """:meth:`commit` for the request in slot ``slot`` of a batch cache."""
@@ -674,6 +678,11 @@ class Transformer(nn.Module):
         h = self.hidden(inp, kv_len)
         if last:
             h = h[-1:]
+        return self._argmax(h)
+
+    def _argmax(self, h):
+        """The greedy token of each final hidden row: the certified head when set and the rows fit
+        it, else ``lm_head`` and an argmax (the two small argmax kernels with ``decode=fused``)."""
         head = self.certified_head
         if head is not None and h.shape[0] <= head.max_rows:
             return head.argmax_exact(h)

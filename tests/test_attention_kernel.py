@@ -37,6 +37,34 @@ def test_fused_equals_reference_fp32(T, nh, nkv, hd, S):
     torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)
 
 
+@pytest.mark.parametrize("rows,slots", [([3, 1, 7], [2, 0, 1]), ([20, 1], [1, 3])])
+def test_batched_equals_reference_per_request(rows, slots):
+    """Several requests' rows in one launch, each segment over its own cache slot (slots out of
+    order, one segment of 80 group rows: two row blocks), against the reference per request."""
+    nh, nkv, hd, S = 8, 2, 16, 150
+    T = sum(rows)
+    q, _, _, mask = _case(T, nh, nkv, hd, S, seed=5)
+    g = torch.Generator().manual_seed(6)
+    k = torch.randn(4, nkv, S, hd, generator=g)
+    v = torch.randn(4, nkv, S, hd, generator=g)
+    starts = [sum(rows[:i]) for i in range(len(rows))]
+    segs = torch.tensor(list(zip(starts, rows, slots)), dtype=torch.int32)
+    got = fused.batched_gqa_attention(q, k, v, mask, hd ** -0.5, segs, max(rows))
+    want = ref.batched_gqa_attention(q, k, v, mask, hd ** -0.5, segs)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)
+    for t0, n, slot in zip(starts, rows, slots):   # the one-request kernel on each request's rows
+        one = fused.masked_gqa_attention(q[t0:t0 + n], k[slot], v[slot], mask[t0:t0 + n], hd ** -0.5)
+        torch.testing.assert_close(got[t0:t0 + n], one, atol=2e-6, rtol=2e-6)
+
+
+def test_batched_refuses_a_bad_segment_table():
+    q, k, v, mask = _case(2, 4, 2, 16, 64)
+    with pytest.raises(ValueError, match="segment table"):
+        fused.batched_gqa_attention(q, k[None], v[None], mask, 0.25, torch.tensor([[0, 2, 0]]), 2)
+    with pytest.raises(ValueError, match="segment table"):
+        fused.batched_gqa_attention(q, k, v, mask, 0.25, torch.tensor([[0, 2, 0]], dtype=torch.int32), 2)
+
+
 def test_fused_tree_mask_rows_see_only_their_ancestors():
     """A tree step: each row's mask is the committed prefix plus its ancestors; changing a value the
     mask hides changes nothing, changing one it shows does."""

@@ -63,6 +63,32 @@ def test_small_row_kernels_round_like_the_layers(dt):
     assert torch.equal(q2.view(T, nh, hd), apply_rope(qkv[:, :nh * hd].reshape(T, nh, hd), cos[pos], sin[pos]))
 
 
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+def test_rope_store_rows_into_each_rows_request_slot(dt):
+    """Continuous batching: row t's K/V go to request ``req[t]``'s cache at ``slots[t]``, nowhere else."""
+    T, nh, nkv, hd, S, B = 5, 4, 2, 16, 24, 3
+    _, rnd, _, _ = _inputs(dt, T, seed=4)
+    qkv = rnd(T, (nh + 2 * nkv) * hd)
+    cos, sin = _rope_tables(hd, 32)
+    pos = torch.tensor([3, 4, 9, 0, 1], device=DEV)
+    slots = torch.tensor([3, 4, 9, 0, 1], device=DEV)
+    req = torch.tensor([2, 2, 0, 1, 1], device=DEV)
+    kc, vc = rnd(B, nkv, S, hd), rnd(B, nkv, S, hd)
+    kc0, vc0 = kc.clone(), vc.clone()
+    kc2, vc2 = kc.clone(), vc.clone()
+    q = W.rope_store_rows(qkv, cos, sin, pos, slots, kc, vc, nh, nkv, req=req)
+    q2 = R.rope_store(qkv, cos, sin, pos, slots, kc2, vc2, nh, nkv, req=req)
+    _close(q, q2, dt)
+    _close(kc, kc2, dt)
+    assert torch.equal(vc, vc2)
+    written = torch.zeros(B, S, dtype=torch.bool, device=DEV)
+    written[req, slots] = True
+    assert torch.equal(kc.transpose(1, 2)[~written], kc0.transpose(1, 2)[~written])
+    assert torch.equal(vc.transpose(1, 2)[~written], vc0.transpose(1, 2)[~written])
+    with pytest.raises(ValueError, match="requests"):
+        W.rope_store_rows(qkv, cos, sin, pos, slots, kc[0], vc[0], nh, nkv, req=req)
+
+
 def test_argmax_rows_is_torch_argmax():
     g = torch.Generator().manual_seed(3)
     x = torch.randn(6, 2500, generator=g)
@@ -133,6 +159,37 @@ def test_engine_verify_step_matches_the_layers():
         torch.testing.assert_close(blk.mixer.k_cache[0, :, n:n + 9], k, atol=2e-5, rtol=2e-5)
         torch.testing.assert_close(blk.mixer.v_cache[0, :, n:n + 9], v, atol=2e-5, rtol=2e-5)
     assert torch.equal(m.greedy(step, kv_len=ctx), ref.argmax(-1))
+
+
+def test_engine_batched_step_matches_the_layers():
+    """A batched step (three requests: prompt chunks of 9, 1 and 7 rows in slots 2, 0, 1) through the
+    fused kernels against the layer modules: logits and every request's K/V agree (fp32, tiny)."""
+    from specpilot.engine import fused_verify
+    from specpilot.engine.api import load_engine
+    from specpilot.engine.batch.cache import BatchCache
+    from specpilot.engine.batch.step import assemble, prefill_rows
+
+    m = load_engine(f"engine:model=tiny,mode=ar,ctx=128,device={DEV},dtype=float32,graphs=0,decode=layers").model
+    cache = BatchCache(m, 3)
+    g = torch.Generator().manual_seed(0)
+    for lc in cache.layers:
+        lc.k.copy_(torch.randn(lc.k.shape, generator=g))
+        lc.v.copy_(torch.randn(lc.v.shape, generator=g))
+    kept = [t.clone() for lc in cache.layers for t in (lc.k, lc.v)]
+    blocks = [prefill_rows(2, list(range(5, 17)), 3, 12, True), prefill_rows(0, list(range(30, 40)), 0, 1, True),
+              prefill_rows(1, list(range(50, 80)), 20, 27, True)]
+    inp, kv, _ = assemble(blocks, cache.max_seq, m.device)
+    ref = m.logits_batch(inp, cache, kv)
+    kv_ref = [t.clone() for lc in cache.layers for t in (lc.k, lc.v)]
+    for (t, k0) in zip([t for lc in cache.layers for t in (lc.k, lc.v)], kept):
+        t.copy_(k0)
+    assert m.set_decode("fused") == "fused" and fused_verify.takes_batch(m)
+    inp, kv, _ = assemble(blocks, cache.max_seq, m.device)
+    got = m.logits_batch(inp, cache, kv)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
+    for t, want in zip([t for lc in cache.layers for t in (lc.k, lc.v)], kv_ref):
+        torch.testing.assert_close(t, want, atol=2e-5, rtol=2e-5)
+    assert torch.equal(m.greedy_batch(inp, cache, kv), ref.argmax(-1))
 
 
 @pytest.mark.gpu

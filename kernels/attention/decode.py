@@ -13,6 +13,10 @@ casts and permutes), this is two:
 2. ``_attn_merge``: per (KV head, row), combines the splits' partial outputs in split order -
    deterministic, no atomics.
 
+:func:`batched_gqa_attention` runs the rows of several requests (continuous batching) in the same
+two launches: each request is a segment of consecutive rows attending over its own cache slot
+(``k``/``v`` [slots, nkv, S, hd]), its programs the row blocks of that segment.
+
 Scores are accumulated in float32 from the cache dtype (``tl.dot``; IEEE float32 when the cache
 is float32), probabilities enter the value product in the cache dtype as in the reference.
 Runs on CUDA and under ``TRITON_INTERPRET=1`` (the CPU tests).
@@ -34,11 +38,12 @@ if triton is not None:
     NEG = tl.constexpr(-1.0e30)  # finite "minus infinity": a row with nothing to attend in a split stays finite
 
     @triton.jit
-    def _attn_split(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, ml_ptr,
-                    T, S, R, chunk, scale,
-                    stride_qt, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs, stride_mt,
+    def _attn_split(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, ml_ptr, seg_ptr,
+                    T, S, R, chunk, scale, row_blocks,
+                    stride_qt, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+                    stride_mt,
                     GRP: tl.constexpr, HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    IEEE: tl.constexpr, PDL: tl.constexpr):
+                    IEEE: tl.constexpr, SEGS: tl.constexpr, PDL: tl.constexpr):
         if PDL:   # the fused decode chain: let the merge launch, then wait for q and the cache write
             gdc_launch_dependents()
             gdc_wait()
@@ -46,10 +51,21 @@ if triton is not None:
         sp = tl.program_id(1)
         rb = tl.program_id(2)
         nsplit = tl.num_programs(1)
+        if SEGS:   # several requests: segment (first row, rows, cache slot), row_blocks programs each
+            seg = rb // row_blocks
+            rb = rb % row_blocks
+            t0 = tl.load(seg_ptr + seg * 3)
+            nt = tl.load(seg_ptr + seg * 3 + 1)
+            slot = tl.load(seg_ptr + seg * 3 + 2)
+            k_ptr += slot.to(tl.int64) * stride_kb
+            v_ptr += slot.to(tl.int64) * stride_vb
+        else:
+            t0 = 0
+            nt = T
         rows = rb * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = rows < R
-        g = rows // T
-        t = rows % T
+        row_ok = rows < GRP * nt
+        g = rows // nt
+        t = t0 + rows % nt
         d = tl.arange(0, HD)
         q = tl.load(q_ptr + t[:, None] * stride_qt + (kvh * GRP + g)[:, None] * stride_qh + d[None, :],
                     mask=row_ok[:, None], other=0.0)
@@ -83,7 +99,7 @@ if triton is not None:
                     pv = tl.dot(p.to(v.dtype), v)
                 acc = acc * alpha[:, None] + pv
                 m_i = m_new
-        base = (kvh * nsplit + sp) * R + rows  # workspace [nkv, nsplit, R, ...]
+        base = (kvh * nsplit + sp) * R + g * T + t  # workspace [nkv, nsplit, R = GRP * T, ...]
         tl.store(acc_ptr + base[:, None] * HD + d[None, :], acc, mask=row_ok[:, None])
         tl.store(ml_ptr + base * 2, m_i, mask=row_ok)
         tl.store(ml_ptr + base * 2 + 1, l_i, mask=row_ok)
@@ -140,14 +156,50 @@ def supports(heads: int, kv_heads: int, head_dim: int) -> bool:
     return heads % kv_heads == 0 and head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
-def plan(T: int, nh: int, nkv: int, S: int) -> tuple[int, int, int, int]:
-    """(rows R, row block, row blocks, splits) for a step: enough programs to fill the GPU."""
+def plan(T: int, nh: int, nkv: int, S: int, segments: int = 1) -> tuple[int, int, int, int]:
+    """(rows R, row block, row blocks per segment, splits) for a step of ``T`` rows (``segments``
+    requests of at most ``T`` rows each): enough programs to fill the GPU."""
     R = (nh // nkv) * T
     block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(R)))
     row_blocks = triton.cdiv(R, block_m)
     tiles = triton.cdiv(S, BLOCK_N)
-    splits = max(1, min(tiles, triton.cdiv(TARGET_PROGRAMS, nkv * row_blocks)))
+    splits = max(1, min(tiles, triton.cdiv(TARGET_PROGRAMS, nkv * row_blocks * segments)))
     return R, block_m, row_blocks, splits
+
+
+def _check(nh: int, nkv: int, hd: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    if not supports(nh, nkv, hd):
+        raise ValueError(f"fused attention needs heads divisible by KV heads and a power-of-two head_dim >= 16 "
+                         f"(got {nh} heads, {nkv} KV heads, head_dim {hd})")
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("fused attention needs K/V caches contiguous in head_dim")
+
+
+def _launch(q, k, v, mask, scale, pdl, segs=None, seg_rows: int = 0):
+    """Both kernels for ``q`` [T, nh, hd] over ``k``/``v`` [slots, nkv, S, hd]: one request in slot 0
+    (``segs`` None) or the requests ``segs`` [n, 3] int32 (first row, rows, slot) of at most
+    ``seg_rows`` rows each."""
+    T, nh, hd = q.shape
+    _, nkv, S, _ = k.shape
+    q = q.contiguous()
+    mask = mask.contiguous().view(torch.uint8) if mask.dtype == torch.bool else mask.to(torch.uint8).contiguous()
+    nseg = 1 if segs is None else segs.shape[0]
+    R = (nh // nkv) * T
+    _, block_m, row_blocks, splits = plan(T if segs is None else seg_rows, nh, nkv, S, nseg)
+    chunk = triton.cdiv(triton.cdiv(S, splits), BLOCK_N) * BLOCK_N
+    splits = triton.cdiv(S, chunk)
+    acc = torch.empty(nkv, splits, R, hd, dtype=torch.float32, device=q.device)
+    ml = torch.empty(nkv, splits, R, 2, dtype=torch.float32, device=q.device)
+    out = torch.empty(T, nh * hd, dtype=v.dtype, device=q.device)
+    ieee = v.dtype == torch.float32
+    _attn_split[(nkv, splits, row_blocks * nseg)](
+        q, k, v, mask, acc, ml, mask if segs is None else segs, T, S, R, chunk, float(scale), row_blocks,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        mask.stride(0), GRP=nh // nkv, HD=hd, BLOCK_M=block_m, BLOCK_N=BLOCK_N, IEEE=ieee, SEGS=segs is not None,
+        num_warps=4, **pdl_args(pdl, q))
+    _attn_merge[(nkv, R)](acc, ml, out, T, R, splits, out.stride(0), GRP=nh // nkv, HD=hd,
+                          SPLITS=max(2, triton.next_power_of_2(splits)), num_warps=4, **pdl_args(pdl, q))
+    return out
 
 
 def masked_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
@@ -157,26 +209,26 @@ def masked_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
     the fused decode chain)."""
     if triton is None:  # pragma: no cover
         raise RuntimeError("the fused attention needs triton")
-    T, nh, hd = q.shape
-    nkv, S, _ = k.shape
-    if not supports(nh, nkv, hd):
-        raise ValueError(f"fused attention needs heads divisible by KV heads and a power-of-two head_dim >= 16 "
-                         f"(got {nh} heads, {nkv} KV heads, head_dim {hd})")
-    q = q.contiguous()
-    if k.stride(-1) != 1 or v.stride(-1) != 1:
-        raise ValueError("fused attention needs K/V caches contiguous in head_dim")
-    mask = mask.contiguous().view(torch.uint8) if mask.dtype == torch.bool else mask.to(torch.uint8).contiguous()
-    R, block_m, row_blocks, splits = plan(T, nh, nkv, S)
-    chunk = triton.cdiv(triton.cdiv(S, splits), BLOCK_N) * BLOCK_N
-    splits = triton.cdiv(S, chunk)
-    acc = torch.empty(nkv, splits, R, hd, dtype=torch.float32, device=q.device)
-    ml = torch.empty(nkv, splits, R, 2, dtype=torch.float32, device=q.device)
-    out = torch.empty(T, nh * hd, dtype=v.dtype, device=q.device)
-    ieee = v.dtype == torch.float32
-    _attn_split[(nkv, splits, row_blocks)](
-        q, k, v, mask, acc, ml, T, S, R, chunk, float(scale),
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), mask.stride(0),
-        GRP=nh // nkv, HD=hd, BLOCK_M=block_m, BLOCK_N=BLOCK_N, IEEE=ieee, num_warps=4, **pdl_args(pdl, q))
-    _attn_merge[(nkv, R)](acc, ml, out, T, R, splits, out.stride(0), GRP=nh // nkv, HD=hd,
-                          SPLITS=max(2, triton.next_power_of_2(splits)), num_warps=4, **pdl_args(pdl, q))
-    return out
+    _check(q.shape[1], k.shape[0], q.shape[2], k, v)
+    return _launch(q, k[None], v[None], mask, scale, pdl)
+
+
+def segment_table(segments, device) -> tuple[torch.Tensor, int]:
+    """The [n, 3] int32 table (first row, rows, cache slot) of a batched step's segments (objects with
+    ``start``, ``rows``, ``slot``) and their most rows: what :func:`batched_gqa_attention` takes."""
+    table = torch.tensor([[s.start, s.rows, s.slot] for s in segments], dtype=torch.int32)
+    return table.to(device), max(s.rows for s in segments)
+
+
+def batched_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                          segs: torch.Tensor, seg_rows: int, pdl: bool = False) -> torch.Tensor:
+    """:func:`masked_gqa_attention` for the rows of several requests in one launch (continuous
+    batching): rows ``segs[i, 0] ..`` (``segs[i, 1]`` of them, at most ``seg_rows``) attend over
+    request ``segs[i, 2]``'s cache ``k[slot]``/``v[slot]`` ([slots, nkv, S, hd]) under their rows of
+    ``mask`` [T, S]. Every row of ``q`` must belong to one segment."""
+    if triton is None:  # pragma: no cover
+        raise RuntimeError("the fused attention needs triton")
+    if k.dim() != 4 or segs.dim() != 2 or segs.shape[1] != 3 or segs.dtype != torch.int32:
+        raise ValueError("batched attention takes caches [slots, nkv, S, hd] and a segment table [n, 3] int32")
+    _check(q.shape[1], k.shape[1], q.shape[2], k, v)
+    return _launch(q, k, v, mask, scale, pdl, segs, seg_rows)

@@ -31,14 +31,20 @@ def rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tenso
     return t * c + torch.cat([-t2, t1], -1) * s
 
 
-def rope_store(qkv, cos, sin, pos, slots, k_cache, v_cache, nh: int, nkv: int) -> torch.Tensor:
+def rope_store(qkv, cos, sin, pos, slots, k_cache, v_cache, nh: int, nkv: int, req=None) -> torch.Tensor:
     """q/k/v rows [T, (nh + 2 nkv) hd]: RoPE of q and k, K and V written to the caches [nkv, S, hd]
-    at ``slots``; returns q [T, nh * hd]."""
+    at ``slots`` (with ``req``: caches [requests, nkv, S, hd], row t in request ``req[t]``'s);
+    returns q [T, nh * hd]."""
     hd = k_cache.shape[-1]
     T = qkv.shape[0]
     q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], -1)
-    k_cache[:, slots] = rope(k.reshape(T, nkv, hd), cos, sin, pos).transpose(0, 1)
-    v_cache[:, slots] = v.reshape(T, nkv, hd).transpose(0, 1)
+    k, v = rope(k.reshape(T, nkv, hd), cos, sin, pos), v.reshape(T, nkv, hd)
+    if req is None:
+        k_cache[:, slots] = k.transpose(0, 1)
+        v_cache[:, slots] = v.transpose(0, 1)
+    else:
+        k_cache[req, :, slots] = k
+        v_cache[req, :, slots] = v
     return rope(q.reshape(T, nh, hd), cos, sin, pos).reshape(T, nh * hd)
 
 

@@ -57,14 +57,18 @@ if triton is not None:
         tl.store(y_ptr + t * stride_y + k, _norm(s.to(tl.float32), g_ptr, k, K, eps, dt), mask=k < K)
 
     @triton.jit
-    def _rope_store_rows_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr,
-                                stride_t, stride_q, stride_rot, stride_ch, stride_cs, stride_dh, stride_ds, NH, NKV,
-                                HD: tl.constexpr, PDL: tl.constexpr):
+    def _rope_store_rows_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, req_ptr, q_ptr, kc_ptr, vc_ptr,
+                                stride_t, stride_q, stride_rot, stride_cb, stride_ch, stride_cs, stride_db, stride_dh,
+                                stride_ds, NH, NKV, HD: tl.constexpr, REQ: tl.constexpr, PDL: tl.constexpr):
         t = tl.program_id(0)
         h = tl.program_id(1)
         if PDL:
             gdc_launch_dependents()
             gdc_wait()
+        if REQ:   # continuous batching: the row's request owns cache slot req[t]
+            r = tl.load(req_ptr + t).to(tl.int64)
+            kc_ptr += r * stride_cb
+            vc_ptr += r * stride_db
         HALF: tl.constexpr = HD // 2
         d = tl.arange(0, HALF)
         dt = q_ptr.dtype.element_ty
@@ -141,20 +145,25 @@ def add_rms_norm_rows(x: torch.Tensor, delta: torch.Tensor, gamma: torch.Tensor,
     return s, y
 
 
-def rope_store_rows(qkv: torch.Tensor, cos, sin, pos, slots, k_cache, v_cache, nh: int, nkv: int) -> torch.Tensor:
+def rope_store_rows(qkv: torch.Tensor, cos, sin, pos, slots, k_cache, v_cache, nh: int, nkv: int,
+                    req: torch.Tensor | None = None) -> torch.Tensor:
     """q/k/v rows [T, (nh + 2 nkv) hd] -> q [T, nh * hd] with RoPE at ``pos`` [T]; K (RoPE) and V
-    written to the caches [nkv, S, hd] at ``slots`` [T]."""
+    written to the caches [nkv, S, hd] at ``slots`` [T]. With ``req`` [T] (continuous batching) the
+    caches are [requests, nkv, S, hd] and row t writes to request ``req[t]``'s."""
     _rows(qkv, "qkv")
     T, N = qkv.shape
     hd = k_cache.shape[-1]
     if N != (nh + 2 * nkv) * hd or hd & (hd - 1) or hd < 2:
         raise ValueError(f"qkv must have (nh + 2 nkv) * hd columns, hd a power of two (got {N}, nh={nh}, "
                          f"nkv={nkv}, hd={hd})")
+    if k_cache.dim() != (3 if req is None else 4) or (req is not None and req.shape != (T,)):
+        raise ValueError("caches [nkv, S, hd] for one request, [requests, nkv, S, hd] with req [T] for several")
     common.check_rope_store(T, hd, cos, sin, pos, slots, k_cache, v_cache)
+    kc, vc = (k_cache[None], v_cache[None]) if req is None else (k_cache, v_cache)
     q = torch.empty(T, nh * hd, dtype=qkv.dtype, device=qkv.device)
     _rope_store_rows_kernel[(T, nh + 2 * nkv)](
-        qkv, cos, sin, pos, slots, q, k_cache, v_cache, qkv.stride(0), q.stride(0), cos.stride(0),
-        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), nh, nkv, HD=hd, num_warps=1,
+        qkv, cos, sin, pos, slots, pos if req is None else req, q, kc, vc, qkv.stride(0), q.stride(0), cos.stride(0),
+        *kc.stride()[:3], *vc.stride()[:3], nh, nkv, HD=hd, REQ=req is not None, num_warps=1,
         **pdl_args(common.USE_PDL, qkv))
     return q
 
