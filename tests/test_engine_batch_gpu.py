@@ -1,5 +1,5 @@
-"""Continuous batching on the GPU: CUDA graphs per (requests, rows) bucket, the fused attention
-kernel per request slot and the Triton tree builder, each request's output equal to one-request
+"""Continuous batching on the GPU: CUDA graphs per (requests, rows) bucket, the fused row kernels
+with one attention launch over every request's slot and the Triton tree builder, each request's output equal to one-request
 greedy AR (fp32, tiny and tiny-hybrid)."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specpilot.engine import fused_verify
 from specpilot.engine.api import load_engine
 from specpilot.engine.batch.requests import Request
 from specpilot.engine.spec import EngineSpec
@@ -30,6 +31,7 @@ def test_batched_on_cuda_equals_one_request_ar(model, extra):
     eng = load_engine(EngineSpec.parse(f"{base},{extra},batch=3,nodes=6,depth=4,topk=3"))
     dec = eng.batch_decoder()
     assert (dec.runner is not None) == (model == "tiny")
+    assert fused_verify.takes_batch(eng.model) == (model == "tiny")   # dense: the fused row kernels
     reqs = [Request(p, 24, id=i, arrival_step=2 * i) for i, p in enumerate(PROMPTS)]
     got = [r.output_ids for r in dec.generate_many(reqs)]
     assert got == want
