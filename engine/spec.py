@@ -193,9 +193,6 @@ class EngineSpec:
             raise InputError("decode=fused needs device=cuda (its Triton kernels only run in the interpreter on "
                              "the CPU); use decode=layers")
         if self.mode == "tlv":
-            if cuda and self.batch > 1:
-                raise InputError("mode=tlv with batch > 1 runs on the CPU only (the batch decoder's CUDA steps "
-                                 "have no Q pass); use batch=1 on cuda")
             if self.torch_dtype_name == "float16":
                 raise InputError("mode=tlv: the Q pass reads the W12 8-bit view of bfloat16 or float32 weights, "
                                  "not float16; use dtype=bfloat16 or float32")

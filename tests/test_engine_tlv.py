@@ -123,7 +123,6 @@ def test_run_tlv_reports_tau_agreement_chain_and_time_split(run_cli):
 
 @pytest.mark.parametrize("args, msg", [
     (["--dtype", "float16"], "not float16"),
-    (["--device", "cuda", "--batch", "2"], "batch > 1 runs on the CPU only"),
 ])
 def test_tlv_refusals_are_one_error_line_exit_2(run_cli, args, msg):
     code, out, err = run_cli("run", "--model", "tiny", "--mode", "tlv", "--prompt", "abc", *args)
@@ -136,13 +135,18 @@ def test_batched_tlv_cycles_equal_one_request_cycles(model):
     """The batch decoder (serve, run --batch) runs every request's TLV cycle in the same step: one Q
     pass over all draft-1 trees, one exact pass. Requests arriving at different steps get AR's
     output and exactly the one-request decoder's cycles (|C|, accepts, Q-pass agreement)."""
+    check_batched_cycles(f"model={model}")
+
+
+def check_batched_cycles(base: str) -> None:
+    """:func:`test_batched_tlv_cycles_equal_one_request_cycles` on the engine ``base`` describes."""
     from specpilot.engine.batch.requests import Request
 
     prompts = [PROMPT, PROMPT[3:] + [7, 8, 7, 8], [5, 6, 5, 6, 5, 6, 9], PROMPT[:9]]
-    ar = load_engine(f"engine:model={model},mode=ar,ctx={CTX}")
+    ar = load_engine(f"engine:{base},mode=ar,ctx={CTX}")
     refs = [ar.generate(p, 18).output_ids for p in prompts]
     for name, d in DRAFTERS.items():
-        spec = f"engine:model={model},mode=tlv,{d},nodes=6,depth=4,topk=3,ctx={CTX}"
+        spec = f"engine:{base},mode=tlv,{d},nodes=6,depth=4,topk=3,ctx={CTX}"
         one = load_engine(spec)
         singles = [one.generate(p, 18) for p in prompts]
         dec = load_engine(spec + ",batch=3").batch_decoder()
@@ -162,11 +166,15 @@ def test_batched_tlv_cycles_equal_one_request_cycles(model):
 
 @pytest.mark.parametrize("model", ["tiny", "tiny-hybrid"])
 def test_batched_q_pass_leaves_every_slot_bit_identical(model):
+    check_batched_q_pass(f"model={model}")
+
+
+def check_batched_q_pass(base: str) -> None:
+    """:func:`test_batched_q_pass_leaves_every_slot_bit_identical` on the engine ``base`` describes."""
     from specpilot.engine.batch import tlv as btlv
     from specpilot.engine.batch.requests import Request
 
-    e = load_engine(f"engine:model={model},mode=tlv,drafter=self,draft_layers=1,nodes=10,depth=4,topk=3,ctx={CTX},"
-                    "batch=2")
+    e = load_engine(f"engine:{base},mode=tlv,drafter=self,draft_layers=1,nodes=10,depth=4,topk=3,ctx={CTX},batch=2")
     dec = e.batch_decoder()
     reqs = [Request(PROMPT, 4, id=0), Request(PROMPT[2:], 4, id=1)]
     dec.generate_many(reqs)     # committed KV and GDN state that are not zero, in slots 0 and 1

@@ -12,7 +12,8 @@ if not torch.cuda.is_available():
 
 from specpilot.engine.api import load_engine  # noqa: E402
 from specpilot.kernels import tree as T  # noqa: E402
-from test_engine_tlv import CTX, DRAFTERS, PROMPT, after_cycles  # noqa: E402
+from test_engine_tlv import (CTX, DRAFTERS, PROMPT, after_cycles, check_batched_cycles,  # noqa: E402
+                             check_batched_q_pass)
 
 
 @pytest.mark.parametrize("model", ["tiny", "tiny-hybrid"])
@@ -104,3 +105,20 @@ def test_gpu_tlv_refusals(run_cli):
     code, out, err = run_cli("run", "--model", "tiny", "--device", "cuda", "--mode", "tlv", "--decode", "layers",
                              "--prompt", "abc")
     assert code == 2 and "decode=fused" in err
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_batched_tlv(dtype):
+    """Batched TLV on CUDA (a dense model: the fused batched step reads the W12 packs in the Q pass).
+    fp32: every request's output is AR's and its cycles are its one-request cycles exactly; bf16:
+    the batched Q pass leaves every slot bit-identical."""
+    base = f"model=tiny,device=cuda,dtype={dtype}"
+    if dtype == "float32":
+        check_batched_cycles(base)
+    check_batched_q_pass(base)
+
+
+def test_gpu_batched_tlv_refuses_hybrids(run_cli):
+    code, out, err = run_cli("run", "--model", "tiny-hybrid", "--mode", "tlv", "--prompt", "abc", "--device", "cuda",
+                             "--batch", "2")
+    assert code == 2 and out == "" and "needs a dense model" in err
