@@ -446,8 +446,8 @@ class BatchDecoder:
 
     def _note_accepted(self, accepted: list[tuple[int, int]]) -> None:
         """Each verifying request's accepted draft length goes into its ring of recent lengths
-        (one indexed write on the device)."""
-        if not accepted:
+        (one indexed write on the device; AR steps draft nothing, so there is nothing to note)."""
+        if not accepted or self.mode == "ar":
             return
         slots = [s for s, _ in accepted]
         cols = [self.recent_at[s] % rules.BLOCK_WINDOW for s in slots]
@@ -466,7 +466,7 @@ class BatchDecoder:
 
             B = bucket(max(b.slot for b in blocks) + 1, self.batch)
             N = bucket(max(len(b) for b in blocks), self.rows_per_request)
-            inp, _, need = assemble(allb, self.cache.max_seq, dev, pad=(B, N))
+            inp, _, need = assemble(allb, self.cache.max_seq, torch.device("cpu"), pad=(B, N))
             out = self.runner.run(inp, B, N).tolist()
             return out, need
         inp, kv, need = assemble(allb, self.cache.max_seq, dev)
