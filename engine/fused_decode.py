@@ -103,9 +103,11 @@ def set_decode(model, kind: str) -> str:
     return kind
 
 
-def block_step(blk, x: torch.Tensor, inp, cos: torch.Tensor, sin: torch.Tensor, kv_len: int) -> torch.Tensor:
+def block_step(blk, x: torch.Tensor, inp, cos: torch.Tensor, sin: torch.Tensor, kv_len: int,
+               kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """One layer for one row ``x`` [1, hidden] (the whole RoPE tables ``cos``/``sin``; the step's
-    position and slot stay on the device, so a CUDA graph replays it for any position)."""
+    position and slot stay on the device, so a CUDA graph replays it for any position). ``kv``:
+    the K/V caches [nkv, S, hd] of a dense layer when not its own (a batch cache's slot)."""
     from specpilot.engine.model import GatedDeltaNet
     from specpilot.kernels.decode import gemv
 
@@ -117,10 +119,11 @@ def block_step(blk, x: torch.Tensor, inp, cos: torch.Tensor, sin: torch.Tensor, 
     else:
         from specpilot.kernels.attention.decode import masked_gqa_attention
 
+        kc, vc = kv if kv is not None else (m.k_cache[0], m.v_cache[0])
         q = gemv.norm_qkv_rope_store(x, blk.attn_norm, blk.eps, _weight(m.wqkv), cos, sin, inp.pos, inp.slots,
-                                     m.k_cache[0], m.v_cache[0], m.nh, m.nkv)
-        o = masked_gqa_attention(q.view(1, m.nh, m.hd), m.k_cache[0, :, :kv_len], m.v_cache[0, :, :kv_len],
-                                 inp.mask[:, :kv_len], m.hd ** -0.5, pdl=gemv.USE_PDL)
+                                     kc, vc, m.nh, m.nkv)
+        o = masked_gqa_attention(q.view(1, m.nh, m.hd), kc[:, :kv_len], vc[:, :kv_len], inp.mask[:, :kv_len],
+                                 m.hd ** -0.5, pdl=gemv.USE_PDL)
         x = gemv.gemv_residual(o, _weight(m.wo), x)
     a = gemv.norm_gate_up_silu(x, blk.mlp_norm, blk.eps, _weight(blk.w13), blk.inter)
     return gemv.gemv_residual(a, _weight(blk.w2), x)

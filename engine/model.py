@@ -608,12 +608,7 @@ class Transformer(nn.Module):
     def hidden(self, inp: StepInput, kv_len: int, layers: int | None = None):
         x = self.embed(inp.tokens)
         if self.fused_decode and x.shape[0] == 1:
-            from specpilot.engine.fused_decode import block_step
-            from specpilot.kernels.decode.gemv import rms_norm_row
-
-            for blk in self.layers[:layers]:
-                x = block_step(blk, x, inp, self.cos, self.sin, kv_len)
-            return rms_norm_row(x, self.norm, self.spec.rms_norm_eps)
+            return self._decode_row(x, inp, kv_len, layers)
         from specpilot.engine import fused_verify
 
         if fused_verify.takes(self, x.shape[0]):
@@ -624,6 +619,16 @@ class Transformer(nn.Module):
             x = call(blk, x, inp, cos, sin, kv_len)
         return rms_norm(x, self.norm, self.spec.rms_norm_eps)
 
+    def _decode_row(self, x, inp, kv_len: int, layers: int | None, kvs=None):
+        """One row through the fused decode chain (``decode=fused``); ``kvs``: each layer's K/V
+        caches [nkv, S, hd] when not the layers' own (a batch cache's slot)."""
+        from specpilot.engine.fused_decode import block_step
+        from specpilot.kernels.decode.gemv import rms_norm_row
+
+        for i, blk in enumerate(self.layers[:layers]):
+            x = block_step(blk, x, inp, self.cos, self.sin, kv_len, kv=None if kvs is None else kvs[i])
+        return rms_norm_row(x, self.norm, self.spec.rms_norm_eps)
+
     # ---- batched forward (continuous batching; caches in a BatchCache) ----------------
     def hidden_batch(self, inp: BatchStepInput, cache, kv_len: int, layers: int | None = None):
         """Final hidden states [T, d] of a batched step; ``cache.layers[i]`` holds layer i's
@@ -633,6 +638,11 @@ class Transformer(nn.Module):
             from specpilot.engine import fused_verify
 
             if fused_verify.takes_batch(self):
+                # one request's AR row: the one-row decode chain on its slot (not in a TLV Q pass:
+                # the chain reads the exact weights, the multi-row kernels the view's packs)
+                if x.shape[0] == 1 and getattr(self.layers[0].mixer.wqkv, "qkp", None) is None:
+                    s = inp.segments[0].slot
+                    return self._decode_row(x, inp, kv_len, layers, [(lc.k[s], lc.v[s]) for lc in cache.layers])
                 return fused_verify.hidden_rows(self, x, inp, kv_len, layers, cache=cache)
         cos, sin = self.cos[inp.pos], self.sin[inp.pos]
         for blk, lc in zip(self.layers[:layers], cache.layers):

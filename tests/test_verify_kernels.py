@@ -161,9 +161,11 @@ def test_engine_verify_step_matches_the_layers():
     assert torch.equal(m.greedy(step, kv_len=ctx), ref.argmax(-1))
 
 
-def test_engine_batched_step_matches_the_layers():
-    """A batched step (three requests: prompt chunks of 9, 1 and 7 rows in slots 2, 0, 1) through the
-    fused kernels against the layer modules: logits and every request's K/V agree (fp32, tiny)."""
+@pytest.mark.parametrize("one_row", [False, True])
+def test_engine_batched_step_matches_the_layers(one_row):
+    """A batched step (three requests: prompt chunks of 9, 1 and 7 rows in slots 2, 0, 1; or one
+    request's one row in slot 1: the one-row decode chain on that slot) through the fused kernels
+    against the layer modules: logits and every request's K/V agree (fp32, tiny)."""
     from specpilot.engine import fused_verify
     from specpilot.engine.api import load_engine
     from specpilot.engine.batch.cache import BatchCache
@@ -178,6 +180,8 @@ def test_engine_batched_step_matches_the_layers():
     kept = [t.clone() for lc in cache.layers for t in (lc.k, lc.v)]
     blocks = [prefill_rows(2, list(range(5, 17)), 3, 12, True), prefill_rows(0, list(range(30, 40)), 0, 1, True),
               prefill_rows(1, list(range(50, 80)), 20, 27, True)]
+    if one_row:
+        blocks = [prefill_rows(1, list(range(50, 80)), 20, 21, True)]
     inp, kv, _ = assemble(blocks, cache.max_seq, m.device)
     ref = m.logits_batch(inp, cache, kv)
     kv_ref = [t.clone() for lc in cache.layers for t in (lc.k, lc.v)]
