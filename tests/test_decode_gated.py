@@ -35,6 +35,27 @@ def test_qk_norm_rope_store_matches_reference(gated, rot, rows):
     assert caches[2][:, slot].abs().sum() > 0
 
 
+def test_qk_norm_rope_store_into_each_rows_request_slot():
+    """Continuous batching: row t's K/V go to request ``req[t]``'s cache ([requests, nkv, S, hd])."""
+    nh, nkv, hd, S, rot = 4, 2, 16, 12, 8
+    gen = torch.Generator().manual_seed(2)
+    proj = torch.randn(3, nh * hd * 2 + 2 * nkv * hd, generator=gen).to(DT)
+    qn, kn = (torch.rand(hd, generator=gen) + 0.5).to(DT), (torch.rand(hd, generator=gen) + 0.5).to(DT)
+    ang = torch.rand(S, rot, generator=gen) * 6
+    cos, sin = ang.cos(), ang.sin()
+    pos, slot, req = torch.tensor([5, 2, 9]), torch.tensor([7, 3, 7]), torch.tensor([2, 0, 1])
+    caches = [torch.zeros(3, nkv, S, hd, dtype=DT) for _ in range(4)]
+    want = naive.qk_norm_rope_store(proj, qn, kn, 1e-6, cos, sin, pos, slot, caches[0], caches[1], nh, nkv, True,
+                                    req=req)
+    got = ga.qk_norm_rope_store(proj, qn, kn, 1e-6, cos, sin, pos, slot, caches[2], caches[3], nh, nkv, True, req=req)
+    assert _close(got, want)
+    assert _close(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
+    assert caches[2][2, :, 7].abs().sum() > 0 and caches[2][0, :, 7].abs().sum() == 0
+    with pytest.raises(ValueError, match="requests"):
+        ga.qk_norm_rope_store(proj, qn, kn, 1e-6, cos, sin, pos, slot, caches[2][0], caches[3][0], nh, nkv, True,
+                              req=req)
+
+
 def test_sigmoid_gate_and_norm_proj_match_reference():
     gen = torch.Generator().manual_seed(1)
     nh, hd = 4, 16

@@ -130,6 +130,33 @@ def test_conv_rows_advance_shifts_state():
     assert torch.equal(cs2, want)
 
 
+def test_rows_of_several_requests_each_advance_their_own_slot():
+    """Continuous batching (``slots``): each row is the next token of its own request; conv and
+    delta rule read and advance that request's states, bit for bit the one-request AR step's."""
+    R, n = 3, 4
+    slots = torch.tensor([2, 0, 3])
+    gen = torch.Generator().manual_seed(9)
+    qkv, ab, A_log, dt_bias, _ = _layer_inputs(R, seed=9)
+    states = torch.randn(n, NV, DK, DV, generator=gen)
+    convs = torch.randn(n, KW - 1, C, generator=gen)
+    w = torch.randn(C, KW, generator=gen)
+    want_st, want_cv, want_conv, want_o = states.clone(), convs.clone(), [], []
+    for r, s in enumerate(slots.tolist()):
+        want_conv.append(grows.conv_rows(qkv[r:r + 1], want_cv[s], w, advance=True))
+        want_o.append(grows.gdn_rows(want_conv[-1], ab[r:r + 1], A_log, dt_bias, want_st[s], None, NK,
+                                     new_state=want_st[s]))
+    st, cv = states.clone(), convs.clone()
+    conv = grows.conv_rows(qkv, cv, w, advance=True, slots=slots)
+    o = grows.gdn_rows(conv, ab, A_log, dt_bias, st, None, NK, new_state=st, slots=slots)
+    assert torch.equal(conv, torch.cat(want_conv)) and torch.equal(o, torch.cat(want_o))
+    assert torch.equal(st, want_st) and torch.equal(cv, want_cv)
+    assert torch.equal(st[1], states[1]) and torch.equal(cv[1], convs[1])   # a slot no row names stays
+    with pytest.raises(ValueError, match="slots"):
+        grows.gdn_rows(conv, ab, A_log, dt_bias, st[0], None, NK, slots=slots)
+    with pytest.raises(ValueError, match="slots"):
+        grows.conv_rows(qkv, cv[0], w, slots=slots)
+
+
 def test_bad_inputs_are_refused():
     qkv, ab, A_log, dt_bias, state = _layer_inputs(3)
     paths = grows.chain_paths(3, "cpu")

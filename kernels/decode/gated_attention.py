@@ -21,10 +21,10 @@ if triton is not None:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     @triton.jit
-    def _qk_norm_rope_kernel(p_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr,
-                             eps, stride_p, stride_rot, stride_ch, stride_cs, stride_dh, stride_ds,
-                             NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, ROT: tl.constexpr,
-                             GATED: tl.constexpr, PDL: tl.constexpr):
+    def _qk_norm_rope_kernel(p_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, req_ptr, q_ptr, kc_ptr,
+                             vc_ptr, eps, stride_p, stride_rot, stride_cb, stride_ch, stride_cs, stride_db, stride_dh,
+                             stride_ds, NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, ROT: tl.constexpr,
+                             GATED: tl.constexpr, REQ: tl.constexpr, PDL: tl.constexpr):
         h = tl.program_id(0)
         row = tl.program_id(1)
         p_ptr += row * stride_p
@@ -35,6 +35,10 @@ if triton is not None:
         if PDL:
             gdc_launch_dependents()
             gdc_wait()
+        if REQ:   # continuous batching: the row's request owns cache slot req[row]
+            r = tl.load(req_ptr + row).to(tl.int64)
+            kc_ptr += r * stride_cb
+            vc_ptr += r * stride_db
         dt = q_ptr.dtype.element_ty
         QW: tl.constexpr = 2 * HD if GATED else HD      # a q head's width in the projection
         if h < NH + NKV:
@@ -87,11 +91,12 @@ if triton is not None:
 
 
 def qk_norm_rope_store(proj, q_norm, k_norm, eps, cos, sin, pos, slot, k_cache, v_cache, nh: int, nkv: int,
-                       gated: bool, pdl: bool = False) -> torch.Tensor:
+                       gated: bool, pdl: bool = False, req: torch.Tensor | None = None) -> torch.Tensor:
     """From rows of the q(/gate)/k/v projection ``proj`` [T, nh*hd*(2 if gated) + 2*nkv*hd]:
     RMS-normalised (``q_norm``/``k_norm`` [hd]) q and k with RoPE over the first ``cos.shape[-1]``
     dims at each row's ``pos``, K/V written to the caches [nkv, S, hd] at each row's ``slot``
-    (``pos``/``slot``: [T] device tensors); returns q [T, nh * hd]."""
+    (``pos``/``slot``: [T] device tensors); returns q [T, nh * hd]. With ``req`` [T] (continuous
+    batching) the caches are [requests, nkv, S, hd] and row t writes to request ``req[t]``'s."""
     hd = k_cache.shape[-1]
     rot = cos.shape[-1]
     T = proj.shape[0]
@@ -102,11 +107,15 @@ def qk_norm_rope_store(proj, q_norm, k_norm, eps, cos, sin, pos, slot, k_cache, 
         raise ValueError(f"qk_norm_rope_store: head_dim {hd} and rotary dims {rot} must be powers of two, rot <= hd")
     if pos.numel() != T or slot.numel() != T:
         raise ValueError(f"qk_norm_rope_store: one position and slot per row ({T}) expected")
+    if k_cache.dim() != (3 if req is None else 4) or (req is not None and req.numel() != T):
+        raise ValueError("qk_norm_rope_store: caches [nkv, S, hd] for one request, [requests, nkv, S, hd] with "
+                         "req [T] for several")
+    kc, vc = (k_cache[None], v_cache[None]) if req is None else (k_cache, v_cache)
     q = torch.empty(T, nh * hd, dtype=proj.dtype, device=proj.device)
     _qk_norm_rope_kernel[(nh + 2 * nkv, T)](
-        proj, q_norm, k_norm, cos, sin, pos, slot, q, k_cache, v_cache, float(eps), proj.stride(0), cos.stride(0),
-        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        NH=nh, NKV=nkv, HD=hd, ROT=rot, GATED=gated, num_warps=4, **pdl_args(pdl, proj))
+        proj, q_norm, k_norm, cos, sin, pos, slot, slot if req is None else req, q, kc, vc, float(eps),
+        proj.stride(0), cos.stride(0), *kc.stride()[:3], *vc.stride()[:3],
+        NH=nh, NKV=nkv, HD=hd, ROT=rot, GATED=gated, REQ=req is not None, num_warps=4, **pdl_args(pdl, proj))
     return q
 
 

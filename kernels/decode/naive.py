@@ -48,10 +48,11 @@ def norm_gate_up_silu(x, gamma, eps, w13, inter: int):
 
 
 def qk_norm_rope_store(proj, q_norm, k_norm, eps, cos, sin, pos, slot, k_cache, v_cache, nh: int, nkv: int,
-                       gated: bool):
+                       gated: bool, req=None):
     """The gated-attention layer's q/k path for projected rows [T, width] (:mod:`.gated_attention`):
     per-head RMSNorm of q and k, rotate-half RoPE of the first ``cos.shape[-1]`` dims at each row's
-    ``pos``, K/V into the caches at each row's ``slot``; returns q [T, nh * hd]."""
+    ``pos``, K/V into the caches at each row's ``slot`` (with ``req``: caches [requests, nkv, S, hd],
+    row t in request ``req[t]``'s); returns q [T, nh * hd]."""
     hd = k_cache.shape[-1]
     rot = cos.shape[-1]
     T = proj.shape[0]
@@ -65,8 +66,13 @@ def qk_norm_rope_store(proj, q_norm, k_norm, eps, cos, sin, pos, slot, k_cache, 
         t1, t2 = tr[..., : rot // 2], tr[..., rot // 2:]
         return torch.cat([tr * c + torch.cat([-t2, t1], -1) * s, tp], -1)
 
-    k_cache[:, slot] = rope(rms_norm(k.reshape(T, nkv, hd), k_norm, eps)).transpose(0, 1)
-    v_cache[:, slot] = v.reshape(T, nkv, hd).transpose(0, 1)
+    k, v = rope(rms_norm(k.reshape(T, nkv, hd), k_norm, eps)), v.reshape(T, nkv, hd)
+    if req is None:
+        k_cache[:, slot] = k.transpose(0, 1)
+        v_cache[:, slot] = v.transpose(0, 1)
+    else:
+        k_cache[req, :, slot] = k
+        v_cache[req, :, slot] = v
     return rope(rms_norm(q, q_norm, eps)).reshape(T, nh * hd)
 
 

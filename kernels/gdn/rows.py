@@ -66,16 +66,19 @@ if triton is not None:
         return A * sp, 1.0 / (1.0 + tl.exp(-b))
 
     @triton.jit
-    def _conv_rows_kernel(x_ptr, stride_x, cs_ptr, w_ptr, out_ptr, stride_o, paths_ptr, stride_p, C, D,
-                          KW: tl.constexpr, DP: tl.constexpr, BC: tl.constexpr, SEQ: tl.constexpr,
-                          ADVANCE: tl.constexpr, PDL: tl.constexpr):
+    def _conv_rows_kernel(x_ptr, stride_x, cs_ptr, w_ptr, out_ptr, stride_o, paths_ptr, stride_p, slots_ptr,
+                          stride_cs, C, D, KW: tl.constexpr, DP: tl.constexpr, BC: tl.constexpr, SEQ: tl.constexpr,
+                          EACH: tl.constexpr, ADVANCE: tl.constexpr, PDL: tl.constexpr):
         r = tl.program_id(0)
         c = tl.program_id(1) * BC + tl.arange(0, BC)
         cm = c < C
         if PDL:
             gdc_launch_dependents()
             gdc_wait()
-        if SEQ:       # consecutive rows: row r's path is rows 0..r
+        if EACH:      # continuous batching: row r is one token of its own request, conv state slots[r]
+            cs_ptr += tl.load(slots_ptr + r).to(tl.int64) * stride_cs
+            depth = 1
+        elif SEQ:     # consecutive rows: row r's path is rows 0..r
             depth = r + 1
         else:
             dd = tl.arange(0, DP)
@@ -85,7 +88,9 @@ if triton is not None:
         acc = tl.zeros([BC], tl.float32)
         for j in tl.static_range(KW):
             pos = depth - KW + j          # position along the path; < 0: the committed conv state
-            if SEQ:
+            if EACH:
+                src = r
+            elif SEQ:
                 src = tl.maximum(pos, 0)
             else:
                 src = tl.load(paths_ptr + r * stride_p + tl.maximum(pos, 0))
@@ -108,14 +113,18 @@ if triton is not None:
 
     @triton.jit
     def _gdn_rows_kernel(qkv_ptr, stride_qkv, ab_ptr, stride_ab, alog_ptr, dtb_ptr,
-                         state_ptr, new_state_ptr, paths_ptr, stride_p, D, out_ptr, stride_o,
+                         state_ptr, new_state_ptr, paths_ptr, stride_p, D, out_ptr, stride_o, slots_ptr, stride_s,
                          KEY_DIM, NV,
                          DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, RATIO: tl.constexpr,
-                         DP: tl.constexpr, CH: tl.constexpr, SELF: tl.constexpr,
+                         DP: tl.constexpr, CH: tl.constexpr, SELF: tl.constexpr, EACH: tl.constexpr,
                          OUTPUT: tl.constexpr, WRITE_STATE: tl.constexpr, PDL: tl.constexpr):
         r = tl.program_id(0)
         h = tl.program_id(1)
         v0 = tl.program_id(2) * BV
+        if EACH:   # continuous batching: row r (its own path) reads and writes state slots[r]
+            sl = tl.load(slots_ptr + r).to(tl.int64) * stride_s
+            state_ptr += sl
+            new_state_ptr += sl
         kh = h // RATIO
         dk = tl.arange(0, DK)
         dv = v0 + tl.arange(0, BV)
@@ -256,17 +265,22 @@ def _check_paths(paths: torch.Tensor, rows: int, device) -> None:
 
 
 def conv_rows(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, paths: torch.Tensor | None = None,
-              advance: bool = False, pdl: bool = False) -> torch.Tensor:
+              advance: bool = False, pdl: bool = False, slots: torch.Tensor | None = None) -> torch.Tensor:
     """SiLU(causal depthwise conv) of rows ``x`` [R, C] along their root paths (``paths`` None:
     consecutive tokens), the committed ``conv_state`` [KW-1, C] supplying positions before the
     root; ``weight`` [C, KW]. Returns [R, C] in x's dtype. ``advance`` (R = 1): shift ``conv_state``
-    in place by the row."""
+    in place by the row. ``slots`` [R] (continuous batching, no paths): each row is the next token
+    of its own request, whose conv state is ``conv_state[slots[r]]`` ([requests, KW-1, C]);
+    ``advance`` shifts each row's own state (rows of distinct slots)."""
     R, C = x.shape
     KW = weight.shape[1]
-    if weight.shape[0] != C or conv_state.shape != (KW - 1, C) or x.stride(1) != 1 or not conv_state.is_contiguous():
-        raise ValueError(f"conv_rows: x [R, {C}] (contiguous rows), conv_state [{KW - 1}, {C}], weight [{C}, {KW}] "
-                         f"expected, got {tuple(x.shape)}, {tuple(conv_state.shape)}, {tuple(weight.shape)}")
-    if advance and R != 1:
+    cs = conv_state if slots is None else conv_state[0]
+    if (weight.shape[0] != C or cs.shape != (KW - 1, C) or x.stride(1) != 1 or not conv_state.is_contiguous()
+            or (slots is not None and (conv_state.dim() != 3 or slots.shape != (R,) or paths is not None))):
+        raise ValueError(f"conv_rows: x [R, {C}] (contiguous rows), conv_state [{KW - 1}, {C}] (with slots [R]: "
+                         f"[requests, {KW - 1}, {C}], no paths), weight [{C}, {KW}] expected, got {tuple(x.shape)}, "
+                         f"{tuple(conv_state.shape)}, {tuple(weight.shape)}")
+    if advance and R != 1 and slots is None:
         raise ValueError("conv_rows: advance shifts the conv state by one row only")
     if paths is not None:
         _check_paths(paths, R, x.device)
@@ -276,16 +290,17 @@ def conv_rows(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, p
     D = paths.shape[1] if paths is not None else 1
     _conv_rows_kernel[(R, triton.cdiv(C, BC))](
         x, x.stride(0), conv_state, weight, out, out.stride(0), paths if paths is not None else x,
-        paths.stride(0) if paths is not None else 0, C, D,
-        KW=KW, DP=triton.next_power_of_2(max(D, 2)), BC=BC, SEQ=paths is None, ADVANCE=advance, num_warps=4,
-        **pdl_args(pdl, x))
+        paths.stride(0) if paths is not None else 0, x if slots is None else slots,
+        conv_state.stride(0) if slots is not None else 0, C, D,
+        KW=KW, DP=triton.next_power_of_2(max(D, 2)), BC=BC, SEQ=paths is None, EACH=slots is not None,
+        ADVANCE=advance, num_warps=4, **pdl_args(pdl, x))
     return out
 
 
 def gdn_rows(qkv: torch.Tensor, ab: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
              state: torch.Tensor, paths: torch.Tensor | None, nk: int, *, output: bool = True,
              new_state: torch.Tensor | None = None, out: torch.Tensor | None = None, pdl: bool = False,
-             warps: int | None = None) -> torch.Tensor | None:
+             warps: int | None = None, slots: torch.Tensor | None = None) -> torch.Tensor | None:
     """The gated delta rule of every row along its root path (see the module doc).
 
     ``qkv`` [R, 2 * nk * dk + nv * dv]: the conv outputs (q | k | v, raw: normalised in the kernel);
@@ -296,10 +311,18 @@ def gdn_rows(qkv: torch.Tensor, ab: torch.Tensor, A_log: torch.Tensor, dt_bias: 
     written there (one path row; it may be ``state`` itself). ``output=False`` skips the output: a
     commit, whose single path (``paths`` [1, L]) lists the accepted rows of ``qkv``/``ab`` to replay.
     ``out``: a [R, nv * dv] fp32 view to write o into. ``warps``: for benchmarks (the default keeps
-    every call's arithmetic the same, :func:`default_warps`)."""
+    every call's arithmetic the same, :func:`default_warps`). ``slots`` [R] (continuous batching, no
+    paths): row r is the next token of its own request, whose state is ``state[slots[r]]``
+    ([requests, nv, dk, dv]); with ``new_state`` (``state`` itself) every row advances its own."""
     R = qkv.shape[0]
     P = paths.shape[0] if paths is not None else R
-    nv, dk, dv = state.shape
+    if slots is not None:
+        if state.dim() != 4 or slots.shape != (R,) or paths is not None or (new_state is not None
+                                                                             and new_state is not state):
+            raise ValueError("gdn_rows: slots [R] take states [requests, nv, dk, dv], no paths, new_state the state")
+        nv, dk, dv = state.shape[1:]
+    else:
+        nv, dk, dv = state.shape
     key_dim = nk * dk
     if state.dtype != torch.float32 or not state.is_contiguous():
         raise ValueError("gdn_rows: the state must be a contiguous float32 [nv, dk, dv] tensor")
@@ -308,7 +331,8 @@ def gdn_rows(qkv: torch.Tensor, ab: torch.Tensor, A_log: torch.Tensor, dt_bias: 
                          f"state {tuple(state.shape)}; got {tuple(qkv.shape)} and {tuple(ab.shape)}")
     if qkv.stride(1) != 1 or ab.stride(1) != 1 or dk & (dk - 1) or dv & (dv - 1):
         raise ValueError("gdn_rows: contiguous rows and power-of-two head dims expected")
-    if new_state is not None and (P != 1 or new_state.shape != state.shape or not new_state.is_contiguous()):
+    if new_state is not None and slots is None and (P != 1 or new_state.shape != state.shape
+                                                    or not new_state.is_contiguous()):
         raise ValueError("gdn_rows: the state is written for one row's path only, into a tensor like the state")
     if paths is not None:
         _check_paths(paths, R if output else P, qkv.device)
@@ -321,8 +345,9 @@ def gdn_rows(qkv: torch.Tensor, ab: torch.Tensor, A_log: torch.Tensor, dt_bias: 
         qkv, qkv.stride(0), ab, ab.stride(0), A_log, dt_bias,
         state, new_state if new_state is not None else state, paths if paths is not None else ab,
         paths.stride(0) if paths is not None else 0, paths.shape[1] if paths is not None else 1,
-        out, out.stride(0) if output else 0, key_dim, nv,
+        out, out.stride(0) if output else 0, ab if slots is None else slots, state.stride(0) if slots is not None else 0,
+        key_dim, nv,
         DK=dk, DV=dv, BV=bv, RATIO=nv // nk, DP=triton.next_power_of_2(max(paths.shape[1] if paths is not None else 1, 2)),
-        CH=PATH_CHUNK, SELF=paths is None, OUTPUT=output, WRITE_STATE=new_state is not None,
+        CH=PATH_CHUNK, SELF=paths is None, EACH=slots is not None, OUTPUT=output, WRITE_STATE=new_state is not None,
         num_warps=warps or default_warps(dk, dv), **pdl_args(pdl, qkv))
     return out if output else None
