@@ -84,7 +84,8 @@ class Engine:
                            eos_ids=self.eos_ids, batch=batch or s.batch, budget=s.budget, block=s.block,
                            admit=s.admit, admit_rows=s.admit_rows, draft_layers=self.draft.get("layers"),
                            draft_model=self.draft.get("model"), max_queue=max_queue,
-                           graphs=s.device.startswith("cuda") and s.graphs and not self.model.spec.is_hybrid,
+                           graphs=(s.device.startswith("cuda") and s.graphs
+                                   and (self.model.fused_decode or not self.model.spec.is_hybrid)),
                            qview=getattr(self.decoder, "qview", None))
         dec.threads = self.decoder.threads
         return dec
@@ -320,13 +321,6 @@ def load_target(spec: EngineSpec, max_seq: int | None = None) -> Target:
         from specpilot.engine.tlv import QView
 
         qview = QView.build_packs(model) if cuda else QView.build(model, qviews)
-        if cuda and spec.batch > 1:
-            from specpilot.engine.fused_verify import takes_batch
-
-            if not takes_batch(model):   # the CUDA Q pass reads the W12 packs through the fused row kernels only
-                raise InputError(f"mode=tlv with batch > 1 on cuda needs a dense model whose batched steps take "
-                                 f"the fused kernels (decode=fused); {spec.model} is hybrid or decode=layers: "
-                                 f"use batch=1")
     return Target(model, folder, display,
                   info={"dtype": spec.torch_dtype_name, "device": spec.device, "params": params,
                         "weights": str(folder) if folder else "random", "w12": w12, "attn": attn, "head": head,

@@ -20,10 +20,10 @@ GEMM, the conv and the gated delta rule along each row's root path with the gate
 layer is its GEMM, per-head q/k norm + partial RoPE + the cache write, the attention and
 ``sigmoid(gate)`` (:mod:`specpilot.kernels.decode.gated_attention`).
 
-Batched steps (continuous batching, ``engine/batch``) of dense models take the same kernels for
-the rows of every request: step 2 writes each row's K/V into its request's cache slot and step 3
-is one launch over all requests, each segment of rows over its own slot
-(``batched_gqa_attention``).
+Batched steps (continuous batching, ``engine/batch``) take the same kernels for the rows of every
+request: step 2 writes each row's K/V into its request's cache slot and step 3 is one launch over
+all requests, each segment of rows over its own slot (``batched_gqa_attention``); a GDN layer runs
+``GatedDeltaNet.mix_batch`` on the requests' own states.
 
 Then the LM head (cuBLAS) and the rows' argmax (two kernels). The small kernels and the attention
 are launched with programmatic dependent launch. The arithmetic is the layers' (each kernel rounds
@@ -63,13 +63,19 @@ def _linear(h, lin):
 
 
 def takes_batch(model) -> bool:
-    """Whether batched steps (continuous batching, :meth:`Transformer.hidden_batch`) run here: with
-    ``decode=fused`` for models whose layers are all plain (Llama-family) attention layers; hybrids'
-    GDN and gated attention layers keep their layer modules in batched steps."""
+    """Whether batched steps (continuous batching, :meth:`Transformer.hidden_batch`) run here:
+    with ``decode=fused`` (the models the fused decode kernels take, dense and hybrid)."""
+    return model.fused_decode
+
+
+def one_row_chain(model) -> bool:
+    """Whether a batched step of one row may take the one-row decode chain (``fused_decode``) on
+    its request's cache slot: dense attention layers (the chain's GDN and gated layers use the
+    layers' own states), outside a TLV Q pass (the chain reads the exact weights)."""
     from specpilot.engine.model import Attention
 
-    return model.fused_decode and all(isinstance(b.mixer, Attention) and not (b.mixer.qk_norm or b.mixer.gate)
-                                      for b in model.layers)
+    return all(isinstance(b.mixer, Attention) and not (b.mixer.qk_norm or b.mixer.gate)
+               and getattr(b.mixer.wqkv, "qkp", None) is None for b in model.layers)
 
 
 def _segments(inp):
@@ -113,13 +119,16 @@ def hidden_rows(model, x: torch.Tensor, inp, kv_len: int, layers: int | None = N
     for i, (blk, lc) in enumerate(zip(blocks, caches)):
         m = blk.mixer
         if isinstance(m, GatedDeltaNet):
-            o = m.mix(_linear(h, m.in_proj), inp)
+            proj = _linear(h, m.in_proj)
+            o = m.mix(proj, inp) if lc is None else m.mix_batch(proj, inp, lc)
             x, h = R.add_rms_norm_rows(x, _linear(o, m.out_proj), blk.mlp_norm, blk.eps)
         elif m.qk_norm or m.gate:
             proj = _linear(h, m.wqkv)
+            kc, vc = (m.k_cache[0], m.v_cache[0]) if lc is None else (lc.k, lc.v)
             q = ga.qk_norm_rope_store(proj, m.q_norm, m.k_norm, m.eps, model.cos, model.sin, inp.pos, inp.slots,
-                                      m.k_cache[0], m.v_cache[0], m.nh, m.nkv, m.gate, pdl=common.USE_PDL)
-            o = _attend(m, q, inp, kv_len)
+                                      kc, vc, m.nh, m.nkv, m.gate, pdl=common.USE_PDL,
+                                      req=None if lc is None else inp.req)
+            o = _attend(m, q, inp, kv_len, lc)
             if m.gate:
                 o = ga.sigmoid_gate(o, proj, m.nh, pdl=common.USE_PDL)
             x, h = R.add_rms_norm_rows(x, _linear(o, m.wo), blk.mlp_norm, blk.eps)

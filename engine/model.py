@@ -384,12 +384,24 @@ class GatedDeltaNet(nn.Module):
         self._stash = None
 
     def forward_batch(self, x, inp: BatchStepInput, cache):
-        """Rows of several requests: each segment runs :meth:`forward` on its own slot's state
-        (``cache.state``/``cache.conv``, swapped in as this layer's buffers) and leaves its stash
-        in ``cache.stash[slot]`` for :meth:`commit_slot`. The input and output projections run once
-        over every request's rows (one pass of the weights); the conv and the delta rule per
-        segment, on its own state."""
-        proj = self.in_proj(x)
+        """Rows of several requests (:meth:`mix_batch`); the input and output projections run once
+        over every request's rows (one pass of the weights)."""
+        return self.out_proj(self.mix_batch(self.in_proj(x), inp, cache))
+
+    def mix_batch(self, proj, inp: BatchStepInput, cache):
+        """:meth:`mix` for the rows of several requests, each on its own slot's state
+        (``cache.state``/``cache.conv``). When every request brings one AR row, one conv and one
+        delta-rule launch advance every request's state (the kernels' per-row slots; on the CPU and
+        otherwise each segment runs :meth:`mix` on its slot's state, swapped in as this layer's
+        buffers, and leaves its stash in ``cache.stash[slot]`` for :meth:`commit_slot`)."""
+        if self.uses_kernels(proj) and all(sg.rows == 1 and sg.gdn_rows == "seq" for sg in inp.segments):
+            from specpilot.kernels.gdn import rows as gdn_rows
+
+            mixed, z, ab = self.split_proj(proj)
+            conv = gdn_rows.conv_rows(mixed, cache.conv, self.conv_weight, advance=True, slots=inp.req)
+            o = gdn_rows.gdn_rows(conv, ab, self.A_log, self.dt_bias, cache.state, None, self.nk,
+                                  new_state=cache.state, slots=inp.req)
+            return gdn_rows.gated_norm_rows(o.view(-1, self.nv, self.dv), z, self.norm, self.eps)
         outs = []
         own = self.state, self.conv_state
         try:
@@ -403,7 +415,7 @@ class GatedDeltaNet(nn.Module):
                     cache.stash[sg.slot] = stash
         finally:
             self.state, self.conv_state = own
-        return self.out_proj(torch.cat(outs) if len(outs) > 1 else outs[0])
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     def commit_slot(self, cache, slot: int, rows: list[int]):
         """:meth:`commit` for slot ``slot`` of a batch cache."""
@@ -638,9 +650,9 @@ class Transformer(nn.Module):
             from specpilot.engine import fused_verify
 
             if fused_verify.takes_batch(self):
-                # one request's AR row: the one-row decode chain on its slot (not in a TLV Q pass:
-                # the chain reads the exact weights, the multi-row kernels the view's packs)
-                if x.shape[0] == 1 and getattr(self.layers[0].mixer.wqkv, "qkp", None) is None:
+                # one request's AR row of a dense model: the one-row decode chain on its slot (not in
+                # a TLV Q pass: the chain reads the exact weights, the multi-row kernels the view's packs)
+                if x.shape[0] == 1 and fused_verify.one_row_chain(self):
                     s = inp.segments[0].slot
                     return self._decode_row(x, inp, kv_len, layers, [(lc.k[s], lc.v[s]) for lc in cache.layers])
                 return fused_verify.hidden_rows(self, x, inp, kv_len, layers, cache=cache)

@@ -108,17 +108,18 @@ def test_gpu_tlv_refusals(run_cli):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_gpu_batched_tlv(dtype):
-    """Batched TLV on CUDA (a dense model: the fused batched step reads the W12 packs in the Q pass).
-    fp32: every request's output is AR's and its cycles are its one-request cycles exactly; bf16:
-    the batched Q pass leaves every slot bit-identical."""
-    base = f"model=tiny,device=cuda,dtype={dtype}"
+@pytest.mark.parametrize("model", ["tiny", "tiny-hybrid"])
+def test_gpu_batched_tlv(model, dtype):
+    """Batched TLV on CUDA (the fused batched step reads the W12 packs in the Q pass). fp32: every
+    request's output is AR's and its cycles are its one-request cycles exactly; bf16: the batched Q
+    pass leaves every slot bit-identical."""
+    base = f"model={model},device=cuda,dtype={dtype}"
     if dtype == "float32":
         check_batched_cycles(base)
     check_batched_q_pass(base)
 
 
-def test_gpu_batched_tlv_refuses_hybrids(run_cli):
-    code, out, err = run_cli("run", "--model", "tiny-hybrid", "--mode", "tlv", "--prompt", "abc", "--device", "cuda",
-                             "--batch", "2")
-    assert code == 2 and out == "" and "needs a dense model" in err
+def test_gpu_batched_tlv_refuses_the_layer_modules(run_cli):
+    code, out, err = run_cli("run", "--model", "tiny", "--mode", "tlv", "--prompt", "abc", "--device", "cuda",
+                             "--batch", "2", "--decode", "layers")
+    assert code == 2 and out == "" and "decode=fused" in err

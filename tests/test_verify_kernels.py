@@ -196,6 +196,45 @@ def test_engine_batched_step_matches_the_layers(one_row):
     assert torch.equal(m.greedy_batch(inp, cache, kv), ref.argmax(-1))
 
 
+@pytest.mark.parametrize("ar_rows", [True, False])
+def test_engine_batched_hybrid_step_matches_the_layers(ar_rows):
+    """tiny-hybrid: a batched step through the fused kernels (GDN rows in the Triton kernels: one AR
+    row per request in one launch over the requests' state slots, or prompt chunks per request)
+    against the layer modules (torch GDN): logits, K/V and every slot's GDN states agree (fp32)."""
+    from specpilot.engine import fused_verify
+    from specpilot.engine.api import load_engine
+    from specpilot.engine.batch.cache import BatchCache
+    from specpilot.engine.batch.step import assemble, prefill_rows
+    from specpilot.engine.model import GatedDeltaNet
+
+    m = load_engine(f"engine:model=tiny-hybrid,mode=ar,ctx=64,device={DEV},dtype=float32,graphs=0,"
+                    "decode=layers").model
+    cache = BatchCache(m, 3)
+    g = torch.Generator().manual_seed(1)
+    tensors = [t for lc in cache.layers for t in lc.tensors()]
+    for t in tensors:
+        t.copy_(torch.randn(t.shape, generator=g) * 0.5)
+    kept = [t.clone() for t in tensors]
+    if ar_rows:
+        blocks = [prefill_rows(s, list(range(40, 60)), a, a + 1, True) for s, a in ((2, 9), (0, 4), (1, 13))]
+    else:
+        blocks = [prefill_rows(2, list(range(5, 17)), 3, 8, True), prefill_rows(0, list(range(30, 40)), 0, 3, True)]
+    inp, kv, _ = assemble(blocks, cache.max_seq, m.device)
+    ref = m.logits_batch(inp, cache, kv)
+    want = [t.clone() for t in tensors]
+    for t, k0 in zip(tensors, kept):
+        t.copy_(k0)
+    assert m.set_decode("fused") == "fused" and fused_verify.takes_batch(m)
+    for blk in m.layers:
+        if isinstance(blk.mixer, GatedDeltaNet):
+            blk.mixer.impl = "triton"
+    inp, kv, _ = assemble(blocks, cache.max_seq, m.device)
+    got = m.logits_batch(inp, cache, kv)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    for t, w in zip(tensors, want):
+        torch.testing.assert_close(t, w, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the W12 GEMM takes 30 s in the interpreter)")
 def test_gpu_engine_w12_verify_step_matches_the_layers():

@@ -38,17 +38,21 @@ class BatchCache:
 
         self.slots = int(slots)
         self.max_seq = int(max_seq or model.max_seq)
+        # a hybrid's caches have one slot more, ``dump``: padding rows of a CUDA-graph bucket write
+        # their K/V and advance their GDN states there, never in a slot whose request is prefilling
+        self.dump = self.slots if model.spec.is_hybrid else None
+        n = self.slots + (self.dump is not None)
         self.layers: list[LayerSlots] = []
         for blk in model.layers:
             m = blk.mixer
             if isinstance(m, Attention):
-                shape = (self.slots, m.nkv, self.max_seq, m.hd)
+                shape = (n, m.nkv, self.max_seq, m.hd)
                 self.layers.append(LayerSlots(k=torch.zeros(shape, dtype=model.dtype, device=model.device),
                                               v=torch.zeros(shape, dtype=model.dtype, device=model.device)))
             else:
                 self.layers.append(LayerSlots(
-                    state=torch.zeros((self.slots,) + tuple(m.state.shape), dtype=m.state.dtype, device=model.device),
-                    conv=torch.zeros((self.slots,) + tuple(m.conv_state.shape), dtype=m.conv_state.dtype,
+                    state=torch.zeros((n,) + tuple(m.state.shape), dtype=m.state.dtype, device=model.device),
+                    conv=torch.zeros((n,) + tuple(m.conv_state.shape), dtype=m.conv_state.dtype,
                                      device=model.device)))
 
     def reset(self, slot: int) -> None:

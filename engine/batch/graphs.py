@@ -3,7 +3,8 @@
 A bucket (B, N) is a step of B requests x N rows laid out request after request (request b in
 cache slot b, rows ``b*N .. b*N + N - 1``), attending over the whole static cache. The scheduler
 pads a decode step to the smallest bucket that holds it (:func:`bucket`); steps with prompt rows
-run eagerly. Dense models only (the GDN path code walks data-dependent shapes).
+run eagerly. Hybrids replay one-row buckets only (their AR steps: one conv and delta-rule launch
+over every request's state slot); their verify steps walk host-built paths and run eagerly.
 """
 
 from __future__ import annotations
@@ -40,11 +41,13 @@ class BatchGraphRunner:
         def fn():
             return m.greedy_batch(inp, self.cache, S)
 
-        # warm-up and capture run the step for real: keep the positions they write intact
-        kept = [(t, t[:B, :, :N].clone()) for lc in self.cache.layers for t in (lc.k, lc.v) if t is not None]
+        # warm-up and capture run the step for real: keep the positions and states they write intact
+        kept = [(t[:B, :, :N], t[:B, :, :N].clone()) for lc in self.cache.layers for t in (lc.k, lc.v)
+                if t is not None]
+        kept += [(t[:B], t[:B].clone()) for lc in self.cache.layers for t in (lc.state, lc.conv) if t is not None]
         g, out = capture(fn, self.warmup)
         for t, saved in kept:
-            t[:B, :, :N].copy_(saved)
+            t.copy_(saved)
         staging = (torch.empty(ids.shape, dtype=ids.dtype).pin_memory(),
                    torch.empty(inp.mask.shape, dtype=torch.bool).pin_memory())
         self.graphs[(B, N)] = (g, inp, out, ids, staging)

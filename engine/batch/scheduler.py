@@ -461,12 +461,12 @@ class BatchDecoder:
         """Run the step's rows; the argmax of the rows each block needs (host list) and where they are."""
         m, dev = self.model, self.model.device
         allb = blocks + pblocks
-        if self.runner is not None and not pblocks:
-            from specpilot.engine.batch.graphs import bucket
+        from specpilot.engine.batch.graphs import bucket
 
+        N = bucket(max(len(b) for b in blocks), self.rows_per_request) if blocks else 0
+        if self.runner is not None and not pblocks and (N == 1 or not m.spec.is_hybrid):
             B = bucket(max(b.slot for b in blocks) + 1, self.batch)
-            N = bucket(max(len(b) for b in blocks), self.rows_per_request)
-            inp, _, need = assemble(allb, self.cache.max_seq, torch.device("cpu"), pad=(B, N))
+            inp, _, need = assemble(allb, self.cache.max_seq, torch.device("cpu"), pad=(B, N), dump=self.cache.dump)
             out = self.runner.run(inp, B, N).tolist()
             return out, need
         inp, kv, need = assemble(allb, self.cache.max_seq, dev)

@@ -57,14 +57,15 @@ def prefill_rows(slot: int, prompt: list[int], a: int, b: int, last: bool) -> Ro
                 "seq", None, (n - 1,) if last else ())
 
 
-def assemble(blocks: list[Rows], max_seq: int, device, pad: tuple[int, int] | None = None
-             ) -> tuple[BatchStepInput, int, list[list[int]]]:
+def assemble(blocks: list[Rows], max_seq: int, device, pad: tuple[int, int] | None = None,
+             dump: int | None = None) -> tuple[BatchStepInput, int, list[list[int]]]:
     """The step's input, its kv_len and, per block, the step rows of its ``need`` rows.
 
     ``pad=(B, N)``: the layout of CUDA-graph bucket (B, N): slot b's rows at ``b*N``; every block
     must be of a slot below B with at most N rows. Slots below B without a block (free, or a
     request prefilling outside this step) get N padding rows writing at the cache's last N
-    positions, never live for them."""
+    positions, never live for them; with ``dump`` (a hybrid's spare cache slot) they write there
+    instead (their GDN rows advance a state)."""
     if pad is None:
         width = kv_len(max_seq, max(max(b.cslots[-1] + 1, b.n_ctx) for b in blocks))
         layout = [(b, len(b)) for b in blocks]
@@ -83,7 +84,7 @@ def assemble(blocks: list[Rows], max_seq: int, device, pad: tuple[int, int] | No
     r = 0
     for blk, n in layout:
         if isinstance(blk, int):   # a slot without rows in this step
-            req[r:r + n] = blk
+            req[r:r + n] = blk if dump is None else dump
             cs[r:r + n] = max_seq - n + np.arange(n)
             mask[r:r + n, 0] = True
             segs.append(Segment(blk, r, n))
