@@ -40,7 +40,7 @@ def measure_rows_batched(model, batch: int, rows: list[int], context: int, reps:
     if context + max(rows) > model.max_seq:
         raise InputError(f"context {context} + {max(rows)} rows exceed the cache ({model.max_seq} slots)")
     cuda = model.device.type == "cuda"
-    graphs = cuda and not model.spec.is_hybrid
+    graphs = cuda and (model.fused_decode or not model.spec.is_hybrid)   # hybrids: one-row buckets only
     cache = BatchCache(model, batch)
     gen = torch.Generator(device="cpu").manual_seed(0)
     for lc in cache.layers:   # a realistic (non-zero) KV cache
@@ -52,7 +52,7 @@ def measure_rows_batched(model, batch: int, rows: list[int], context: int, reps:
     it = order if progress is None else progress(order, total=len(order), desc="rows", unit="N")
     for N in it:
         blocks = chain_rows(batch, N, context, model.spec.vocab_size, gen)
-        if graphs:
+        if graphs and (N == 1 or not model.spec.is_hybrid):
             from specpilot.engine.batch.graphs import BatchGraphRunner
             from specpilot.engine.graphs import time_replays
 
