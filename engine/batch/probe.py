@@ -77,7 +77,8 @@ def measure_rows_batched(model, batch: int, rows: list[int], context: int, reps:
     ar = times[1]
     points = [{"rows": N, "step_ms": times[N], "c": times[N] / ar} for N in order if N in set(rows) or N == 1]
     gpu = torch.cuda.get_device_name(model.device) if cuda else None
-    method = ("cuda graph per (requests, rows), CUDA events, median" if graphs else
+    method = ("cuda graph per (requests, rows), CUDA events, median"
+              + ("; hybrid: one-row steps only, more rows eager" if model.spec.is_hybrid else "") if graphs else
               "eager, CUDA events, median" if cuda else "eager, wall clock, median")
     return RowsResult(model.spec.name, gpu, str(model.device), str(model.dtype).replace("torch.", ""), context, ar,
                       points, reps, method, cpu=None if cuda else cpu_name(),
