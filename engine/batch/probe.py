@@ -82,6 +82,7 @@ def measure_rows_batched(model, batch: int, rows: list[int], context: int, reps:
               "eager, CUDA events, median" if cuda else "eager, wall clock, median")
     return RowsResult(model.spec.name, gpu, str(model.device), str(model.dtype).replace("torch.", ""), context, ar,
                       points, reps, method, cpu=None if cuda else cpu_name(),
+                      ar_path="fused" if model.fused_decode else "layers",
                       extra={"batch": batch, "ar_tokens_per_s": batch / ar * 1e3, "torch": torch.__version__,
                              "threads": torch.get_num_threads()})
 
