@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from specpilot.kernels.verify.naive import store_kv
+
 
 def rms_norm(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
     """``gamma * (x * rsqrt(mean(x^2) + eps))`` with the normalised row rounded to x's dtype first."""
@@ -66,13 +68,7 @@ def qk_norm_rope_store(proj, q_norm, k_norm, eps, cos, sin, pos, slot, k_cache, 
         t1, t2 = tr[..., : rot // 2], tr[..., rot // 2:]
         return torch.cat([tr * c + torch.cat([-t2, t1], -1) * s, tp], -1)
 
-    k, v = rope(rms_norm(k.reshape(T, nkv, hd), k_norm, eps)), v.reshape(T, nkv, hd)
-    if req is None:
-        k_cache[:, slot] = k.transpose(0, 1)
-        v_cache[:, slot] = v.transpose(0, 1)
-    else:
-        k_cache[req, :, slot] = k
-        v_cache[req, :, slot] = v
+    store_kv(k_cache, v_cache, slot, rope(rms_norm(k.reshape(T, nkv, hd), k_norm, eps)), v.reshape(T, nkv, hd), req)
     return rope(rms_norm(q, q_norm, eps)).reshape(T, nh * hd)
 
 

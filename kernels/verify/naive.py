@@ -38,14 +38,19 @@ def rope_store(qkv, cos, sin, pos, slots, k_cache, v_cache, nh: int, nkv: int, r
     hd = k_cache.shape[-1]
     T = qkv.shape[0]
     q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], -1)
-    k, v = rope(k.reshape(T, nkv, hd), cos, sin, pos), v.reshape(T, nkv, hd)
+    store_kv(k_cache, v_cache, slots, rope(k.reshape(T, nkv, hd), cos, sin, pos), v.reshape(T, nkv, hd), req)
+    return rope(q.reshape(T, nh, hd), cos, sin, pos).reshape(T, nh * hd)
+
+
+def store_kv(k_cache, v_cache, slots, k, v, req=None) -> None:
+    """Rows ``k``/``v`` [T, nkv, hd] into the caches [nkv, S, hd] at ``slots`` (with ``req``: caches
+    [requests, nkv, S, hd], row t into request ``req[t]``'s)."""
     if req is None:
         k_cache[:, slots] = k.transpose(0, 1)
         v_cache[:, slots] = v.transpose(0, 1)
     else:
         k_cache[req, :, slots] = k
         v_cache[req, :, slots] = v
-    return rope(q.reshape(T, nh, hd), cos, sin, pos).reshape(T, nh * hd)
 
 
 def silu_mul(gu: torch.Tensor, inter: int) -> torch.Tensor:
