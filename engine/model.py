@@ -646,16 +646,15 @@ class Transformer(nn.Module):
         """Final hidden states [T, d] of a batched step; ``cache.layers[i]`` holds layer i's
         per-slot K/V (attention) or state (GDN)."""
         x = self.embed(inp.tokens)
-        if self.fused_decode:
-            from specpilot.engine import fused_verify
+        from specpilot.engine import fused_verify
 
-            if fused_verify.takes_batch(self):
-                # one request's AR row of a dense model: the one-row decode chain on its slot (not in
-                # a TLV Q pass: the chain reads the exact weights, the multi-row kernels the view's packs)
-                if x.shape[0] == 1 and fused_verify.one_row_chain(self):
-                    s = inp.segments[0].slot
-                    return self._decode_row(x, inp, kv_len, layers, [(lc.k[s], lc.v[s]) for lc in cache.layers])
-                return fused_verify.hidden_rows(self, x, inp, kv_len, layers, cache=cache)
+        if fused_verify.takes_batch(self):
+            # one request's AR row of a dense model: the one-row decode chain on its slot (not in a
+            # TLV Q pass: the chain reads the exact weights, the multi-row kernels the view's packs)
+            if x.shape[0] == 1 and fused_verify.one_row_chain(self):
+                s = inp.segments[0].slot
+                return self._decode_row(x, inp, kv_len, layers, [(lc.k[s], lc.v[s]) for lc in cache.layers])
+            return fused_verify.hidden_rows(self, x, inp, kv_len, layers, cache=cache)
         cos, sin = self.cos[inp.pos], self.sin[inp.pos]
         for blk, lc in zip(self.layers[:layers], cache.layers):
             x = blk.forward_batch(x, inp, cos, sin, kv_len, lc)

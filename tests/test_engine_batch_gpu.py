@@ -1,7 +1,7 @@
 """Continuous batching on the GPU: CUDA graphs per (requests, rows) bucket, the fused row kernels
-with one attention launch over every request's slot and the Triton tree builder, each request's output equal to one-request
-greedy AR (fp32, tiny and tiny-hybrid: its AR buckets replay graphs, padding rows in the spare
-slot, and its GDN layers advance every request's state in one launch)."""
+with one attention launch over every request's slot and the Triton tree builder, each request's
+output equal to one-request greedy AR (fp32, tiny and tiny-hybrid: its AR buckets replay graphs,
+padding rows in the spare slot, and its GDN layers advance every request's state in one launch)."""
 
 from __future__ import annotations
 
