@@ -77,6 +77,7 @@ class Engine:
     def batch_decoder(self, batch: int | None = None, max_queue: int = 0):
         """A continuous-batching decoder (``specpilot.engine.batch``) on this engine's model and
         drafter, with ``batch`` slots (default: the spec's)."""
+        from specpilot.engine.batch.graphs import replays
         from specpilot.engine.batch.scheduler import BatchDecoder
 
         s = self.spec
@@ -84,8 +85,7 @@ class Engine:
                            eos_ids=self.eos_ids, batch=batch or s.batch, budget=s.budget, block=s.block,
                            admit=s.admit, admit_rows=s.admit_rows, draft_layers=self.draft.get("layers"),
                            draft_model=self.draft.get("model"), max_queue=max_queue,
-                           graphs=(s.device.startswith("cuda") and s.graphs
-                                   and (self.model.fused_decode or not self.model.spec.is_hybrid)),
+                           graphs=s.device.startswith("cuda") and s.graphs and replays(self.model),
                            qview=getattr(self.decoder, "qview", None))
         dec.threads = self.decoder.threads
         return dec

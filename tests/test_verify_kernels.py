@@ -161,38 +161,51 @@ def test_engine_verify_step_matches_the_layers():
     assert torch.equal(m.greedy(step, kv_len=ctx), ref.argmax(-1))
 
 
+def _batched_fused_vs_layers(model: str, ctx: int, seed: int, scale: float, blocks, tol: float, prepare=None):
+    """One batched step of ``blocks`` through the layer modules, then (every cache slot put back)
+    through the fused kernels (``prepare(m)`` first): logits, every slot's K/V and GDN states agree
+    within ``tol``. Returns (model, the step's input and kv_len, the layers' logits)."""
+    from specpilot.engine import fused_verify
+    from specpilot.engine.api import load_engine
+    from specpilot.engine.batch.cache import BatchCache
+    from specpilot.engine.batch.step import assemble
+
+    m = load_engine(f"engine:model={model},mode=ar,ctx={ctx},device={DEV},dtype=float32,graphs=0,"
+                    "decode=layers").model
+    cache = BatchCache(m, 3)
+    g = torch.Generator().manual_seed(seed)
+    tensors = [t for lc in cache.layers for t in lc.tensors()]
+    for t in tensors:
+        t.copy_(torch.randn(t.shape, generator=g) * scale)
+    kept = [t.clone() for t in tensors]
+    inp, kv, _ = assemble(blocks, cache.max_seq, m.device)
+    ref = m.logits_batch(inp, cache, kv)
+    want = [t.clone() for t in tensors]
+    for t, k0 in zip(tensors, kept):
+        t.copy_(k0)
+    assert m.set_decode("fused") == "fused" and fused_verify.takes_batch(m)
+    if prepare is not None:
+        prepare(m)
+    inp, kv, _ = assemble(blocks, cache.max_seq, m.device)
+    got = m.logits_batch(inp, cache, kv)
+    torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
+    for t, w in zip(tensors, want):
+        torch.testing.assert_close(t, w, atol=tol, rtol=tol)
+    return m, cache, inp, kv, ref
+
+
 @pytest.mark.parametrize("one_row", [False, True])
 def test_engine_batched_step_matches_the_layers(one_row):
     """A batched step (three requests: prompt chunks of 9, 1 and 7 rows in slots 2, 0, 1; or one
     request's one row in slot 1: the one-row decode chain on that slot) through the fused kernels
     against the layer modules: logits and every request's K/V agree (fp32, tiny)."""
-    from specpilot.engine import fused_verify
-    from specpilot.engine.api import load_engine
-    from specpilot.engine.batch.cache import BatchCache
-    from specpilot.engine.batch.step import assemble, prefill_rows
+    from specpilot.engine.batch.step import prefill_rows
 
-    m = load_engine(f"engine:model=tiny,mode=ar,ctx=128,device={DEV},dtype=float32,graphs=0,decode=layers").model
-    cache = BatchCache(m, 3)
-    g = torch.Generator().manual_seed(0)
-    for lc in cache.layers:
-        lc.k.copy_(torch.randn(lc.k.shape, generator=g))
-        lc.v.copy_(torch.randn(lc.v.shape, generator=g))
-    kept = [t.clone() for lc in cache.layers for t in (lc.k, lc.v)]
     blocks = [prefill_rows(2, list(range(5, 17)), 3, 12, True), prefill_rows(0, list(range(30, 40)), 0, 1, True),
               prefill_rows(1, list(range(50, 80)), 20, 27, True)]
     if one_row:
         blocks = [prefill_rows(1, list(range(50, 80)), 20, 21, True)]
-    inp, kv, _ = assemble(blocks, cache.max_seq, m.device)
-    ref = m.logits_batch(inp, cache, kv)
-    kv_ref = [t.clone() for lc in cache.layers for t in (lc.k, lc.v)]
-    for (t, k0) in zip([t for lc in cache.layers for t in (lc.k, lc.v)], kept):
-        t.copy_(k0)
-    assert m.set_decode("fused") == "fused" and fused_verify.takes_batch(m)
-    inp, kv, _ = assemble(blocks, cache.max_seq, m.device)
-    got = m.logits_batch(inp, cache, kv)
-    torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
-    for t, want in zip([t for lc in cache.layers for t in (lc.k, lc.v)], kv_ref):
-        torch.testing.assert_close(t, want, atol=2e-5, rtol=2e-5)
+    m, cache, inp, kv, ref = _batched_fused_vs_layers("tiny", 128, 0, 1.0, blocks, 2e-5)
     assert torch.equal(m.greedy_batch(inp, cache, kv), ref.argmax(-1))
 
 
@@ -201,38 +214,19 @@ def test_engine_batched_hybrid_step_matches_the_layers(ar_rows):
     """tiny-hybrid: a batched step through the fused kernels (GDN rows in the Triton kernels: one AR
     row per request in one launch over the requests' state slots, or prompt chunks per request)
     against the layer modules (torch GDN): logits, K/V and every slot's GDN states agree (fp32)."""
-    from specpilot.engine import fused_verify
-    from specpilot.engine.api import load_engine
-    from specpilot.engine.batch.cache import BatchCache
-    from specpilot.engine.batch.step import assemble, prefill_rows
+    from specpilot.engine.batch.step import prefill_rows
     from specpilot.engine.model import GatedDeltaNet
 
-    m = load_engine(f"engine:model=tiny-hybrid,mode=ar,ctx=64,device={DEV},dtype=float32,graphs=0,"
-                    "decode=layers").model
-    cache = BatchCache(m, 3)
-    g = torch.Generator().manual_seed(1)
-    tensors = [t for lc in cache.layers for t in lc.tensors()]
-    for t in tensors:
-        t.copy_(torch.randn(t.shape, generator=g) * 0.5)
-    kept = [t.clone() for t in tensors]
+    def gdn_kernels(m):
+        for blk in m.layers:
+            if isinstance(blk.mixer, GatedDeltaNet):
+                blk.mixer.impl = "triton"
+
     if ar_rows:
         blocks = [prefill_rows(s, list(range(40, 60)), a, a + 1, True) for s, a in ((2, 9), (0, 4), (1, 13))]
     else:
         blocks = [prefill_rows(2, list(range(5, 17)), 3, 8, True), prefill_rows(0, list(range(30, 40)), 0, 3, True)]
-    inp, kv, _ = assemble(blocks, cache.max_seq, m.device)
-    ref = m.logits_batch(inp, cache, kv)
-    want = [t.clone() for t in tensors]
-    for t, k0 in zip(tensors, kept):
-        t.copy_(k0)
-    assert m.set_decode("fused") == "fused" and fused_verify.takes_batch(m)
-    for blk in m.layers:
-        if isinstance(blk.mixer, GatedDeltaNet):
-            blk.mixer.impl = "triton"
-    inp, kv, _ = assemble(blocks, cache.max_seq, m.device)
-    got = m.logits_batch(inp, cache, kv)
-    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
-    for t, w in zip(tensors, want):
-        torch.testing.assert_close(t, w, atol=1e-4, rtol=1e-4)
+    _batched_fused_vs_layers("tiny-hybrid", 64, 1, 0.5, blocks, 1e-4, prepare=gdn_kernels)
 
 
 @pytest.mark.gpu

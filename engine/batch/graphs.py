@@ -17,6 +17,14 @@ from specpilot.engine.model import BatchStepInput, Segment
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
+def replays(model, rows: int | None = None) -> bool:
+    """Whether batched steps of ``rows`` rows per request (any, when None) of ``model`` replay
+    bucket graphs where graphs run (CUDA): a hybrid's only with the fused kernels and one row."""
+    if not model.spec.is_hybrid:
+        return True
+    return model.fused_decode and rows in (None, 1)
+
+
 def bucket(n: int, limit: int) -> int:
     """The smallest bucket size >= n (``limit`` itself when above every bucket below it)."""
     return next((b for b in BUCKETS if n <= b <= limit), limit)
@@ -61,13 +69,9 @@ class BatchGraphRunner:
         pinned staging in two asynchronous copies); the argmax of every row. The staging is reused
         by the next call, so read the result (a host sync) before calling again."""
         g, sinp, out, ids, (hids, hmask) = self.get(B, N)
-        if inp.tokens.device.type == "cpu":
-            torch.stack((inp.tokens, inp.pos, inp.slots, inp.req), out=hids)
-            hmask.copy_(inp.mask)
-            ids.copy_(hids, non_blocking=True)
-            sinp.mask.copy_(hmask, non_blocking=True)
-        else:
-            torch.stack((inp.tokens, inp.pos, inp.slots, inp.req), out=ids)
-            sinp.mask.copy_(inp.mask)
+        hids.copy_(torch.stack((inp.tokens, inp.pos, inp.slots, inp.req)))
+        hmask.copy_(inp.mask)
+        ids.copy_(hids, non_blocking=True)
+        sinp.mask.copy_(hmask, non_blocking=True)
         g.replay()
         return out

@@ -40,7 +40,9 @@ def measure_rows_batched(model, batch: int, rows: list[int], context: int, reps:
     if context + max(rows) > model.max_seq:
         raise InputError(f"context {context} + {max(rows)} rows exceed the cache ({model.max_seq} slots)")
     cuda = model.device.type == "cuda"
-    graphs = cuda and (model.fused_decode or not model.spec.is_hybrid)   # hybrids: one-row buckets only
+    from specpilot.engine.batch.graphs import replays
+
+    graphs = cuda and replays(model)
     cache = BatchCache(model, batch)
     gen = torch.Generator(device="cpu").manual_seed(0)
     for lc in cache.layers:   # a realistic (non-zero) KV cache
@@ -52,7 +54,7 @@ def measure_rows_batched(model, batch: int, rows: list[int], context: int, reps:
     it = order if progress is None else progress(order, total=len(order), desc="rows", unit="N")
     for N in it:
         blocks = chain_rows(batch, N, context, model.spec.vocab_size, gen)
-        if graphs and (N == 1 or not model.spec.is_hybrid):
+        if graphs and replays(model, N):
             from specpilot.engine.batch.graphs import BatchGraphRunner
             from specpilot.engine.graphs import time_replays
 

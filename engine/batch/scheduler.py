@@ -461,10 +461,10 @@ class BatchDecoder:
         """Run the step's rows; the argmax of the rows each block needs (host list) and where they are."""
         m, dev = self.model, self.model.device
         allb = blocks + pblocks
-        from specpilot.engine.batch.graphs import bucket
+        from specpilot.engine.batch.graphs import bucket, replays
 
         N = bucket(max(len(b) for b in blocks), self.rows_per_request) if blocks else 0
-        if self.runner is not None and not pblocks and (N == 1 or not m.spec.is_hybrid):
+        if self.runner is not None and not pblocks and replays(m, N):
             B = bucket(max(b.slot for b in blocks) + 1, self.batch)
             inp, _, need = assemble(allb, self.cache.max_seq, torch.device("cpu"), pad=(B, N), dump=self.cache.dump)
             out = self.runner.run(inp, B, N).tolist()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from specpilot.kernels.triton_env import pdl_args, tl, triton
+from specpilot.kernels.verify.common import request_caches
 
 if triton is not None:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -107,10 +108,7 @@ def qk_norm_rope_store(proj, q_norm, k_norm, eps, cos, sin, pos, slot, k_cache, 
         raise ValueError(f"qk_norm_rope_store: head_dim {hd} and rotary dims {rot} must be powers of two, rot <= hd")
     if pos.numel() != T or slot.numel() != T:
         raise ValueError(f"qk_norm_rope_store: one position and slot per row ({T}) expected")
-    if k_cache.dim() != (3 if req is None else 4) or (req is not None and req.numel() != T):
-        raise ValueError("qk_norm_rope_store: caches [nkv, S, hd] for one request, [requests, nkv, S, hd] with "
-                         "req [T] for several")
-    kc, vc = (k_cache[None], v_cache[None]) if req is None else (k_cache, v_cache)
+    kc, vc = request_caches(T, k_cache, v_cache, req)
     q = torch.empty(T, nh * hd, dtype=proj.dtype, device=proj.device)
     _qk_norm_rope_kernel[(nh + 2 * nkv, T)](
         proj, q_norm, k_norm, cos, sin, pos, slot, slot if req is None else req, q, kc, vc, float(eps),

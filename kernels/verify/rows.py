@@ -156,10 +156,8 @@ def rope_store_rows(qkv: torch.Tensor, cos, sin, pos, slots, k_cache, v_cache, n
     if N != (nh + 2 * nkv) * hd or hd & (hd - 1) or hd < 2:
         raise ValueError(f"qkv must have (nh + 2 nkv) * hd columns, hd a power of two (got {N}, nh={nh}, "
                          f"nkv={nkv}, hd={hd})")
-    if k_cache.dim() != (3 if req is None else 4) or (req is not None and req.shape != (T,)):
-        raise ValueError("caches [nkv, S, hd] for one request, [requests, nkv, S, hd] with req [T] for several")
+    kc, vc = common.request_caches(T, k_cache, v_cache, req)
     common.check_rope_store(T, hd, cos, sin, pos, slots, k_cache, v_cache)
-    kc, vc = (k_cache[None], v_cache[None]) if req is None else (k_cache, v_cache)
     q = torch.empty(T, nh * hd, dtype=qkv.dtype, device=qkv.device)
     _rope_store_rows_kernel[(T, nh + 2 * nkv)](
         qkv, cos, sin, pos, slots, pos if req is None else req, q, kc, vc, qkv.stride(0), q.stride(0), cos.stride(0),
