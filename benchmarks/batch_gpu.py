@@ -8,7 +8,9 @@ Llama-3.1-8B shapes with random bf16 weights, context 1024 per request (its own 
 * ``step``: one batched step of B requests x N rows, replayed from its CUDA graph (the bucket
   graph the batch decoder replays), CUDA events, median of 30 -- the T_step of ``probe rows --batch B``.
 * ``loop``: the batch decoder's own AR decode loop with B requests running (host work, the
-  step's host copy and sync included): tokens/s over 64 steps.
+  step's host copy and sync included): tokens/s over 64 steps, ``overlap`` on (each step fed on the
+  device while the host takes the previous step's tokens, the default) and off (every step's
+  inputs from the host after the previous step's tokens), side by side.
 * floors: ``ceiling``'s byte floor of one AR step of B requests at that context (the 0.90 x
   bandwidth / 0.60 x FLOP/s rule), tokens/s at the floor = B / floor.
 * admission: ``admit=off|waiting|all`` with 16 requests decoding and a 96-token prompt arriving
@@ -85,27 +87,32 @@ def loop(target, batches, n_steps=64):
     out = []
     gen = torch.Generator().manual_seed(0)
     for B in batches:
-        dec = BatchDecoder(m, "ar", None, batch=B, graphs=True, prefill_chunk=1024)
-        for b in range(B):
-            ids = torch.randint(0, m.spec.vocab_size, (CONTEXT,), generator=gen).tolist()
-            dec.submit(Request(ids, n_steps + 40, id=b))
-        while any(r.prefilled < len(r.prompt_ids) or not r.full for r in dec.running) or dec.waiting:
-            dec.step()
-        for _ in range(8):    # capture the bucket, warm up
-            dec.step()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(n_steps):
-            dec.step()
-        torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-        fl = _floor(B, 1)
-        tps = B * n_steps / dt
-        out.append({"kind": "loop", "batch": B, "rows": 1, "step_ms": dt / n_steps * 1e3, "tokens_per_s": tps,
-                    "floor_ms": fl, "floor_tokens_per_s": B * 1e3 / fl, "of_floor": tps / (B * 1e3 / fl)})
-        print(f"loop B={B}: {tps:.1f} tokens/s ({out[-1]['of_floor']:.1%} of the floor)", flush=True)
-        del dec
-        torch.cuda.empty_cache()
+        prompts = [torch.randint(0, m.spec.vocab_size, (CONTEXT,), generator=gen).tolist() for _ in range(B)]
+        for overlap in (True, False):
+            dec = BatchDecoder(m, "ar", None, batch=B, graphs=True, prefill_chunk=1024, overlap=overlap)
+            for b, ids in enumerate(prompts):
+                dec.submit(Request(ids, n_steps + 40, id=b))
+            while any(r.prefilled < len(r.prompt_ids) or not r.full for r in dec.running) or dec.waiting:
+                dec.step()
+            for _ in range(8):    # capture the bucket, warm up
+                dec.step()
+            torch.cuda.synchronize()
+            tokens, t0 = dec.stats.tokens, time.perf_counter()
+            for _ in range(n_steps):
+                dec.step()
+            dec.drain()           # the step in flight: its tokens count, its time too
+            torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            tokens = dec.stats.tokens - tokens
+            fl = _floor(B, 1)
+            tps = tokens / dt
+            out.append({"kind": "loop", "batch": B, "rows": 1, "overlap": overlap, "tokens": tokens,
+                        "step_ms": dt / (tokens / B) * 1e3, "tokens_per_s": tps, "floor_ms": fl,
+                        "floor_tokens_per_s": B * 1e3 / fl, "of_floor": tps / (B * 1e3 / fl)})
+            print(f"loop B={B} overlap={overlap}: {tps:.1f} tokens/s ({out[-1]['of_floor']:.1%} of the floor)",
+                  flush=True)
+            del dec
+            torch.cuda.empty_cache()
     return out
 
 
@@ -211,7 +218,7 @@ def main():
         with tempfile.TemporaryDirectory() as d:
             extra["lossless"] = lossless(Path(d))
         write_results("batch_gpu", rows_out, extra)
-    print_table(rows_out, ["kind", "batch", "rows", "step_ms", "tokens_per_s", "floor_ms", "of_floor"])
+    print_table(rows_out, ["kind", "batch", "rows", "overlap", "step_ms", "tokens_per_s", "floor_ms", "of_floor"])
 
 
 if __name__ == "__main__":

@@ -38,6 +38,23 @@ def test_batched_on_cuda_equals_one_request_ar(model, extra):
     assert got == want
     if "mode=ar" in extra or model == "tiny":   # hybrids replay their one-row (AR) buckets only
         assert dec.runner.graphs
+    if "mode=ar" in extra:   # AR steps overlap the host: fed on the device from the previous step
+        assert dec.overlap and dec.stats.overlapped_steps > 0
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-hybrid"])
+def test_overlapped_ar_steps_equal_host_fed_steps_bf16(model):
+    """The same bucket graphs fed on the device (overlap) or from the host give the same tokens,
+    with requests of different lengths finishing mid-streak and arriving later."""
+    eng = load_engine(EngineSpec.parse(f"engine:model={model},mode=ar,dtype=bfloat16,device=cuda,ctx=512,batch=4"))
+    outs = []
+    for overlap in (True, False):
+        dec = eng.batch_decoder()
+        dec.overlap = overlap
+        reqs = [Request(p, 8 + 5 * i, id=i, arrival_step=3 * i) for i, p in enumerate(PROMPTS)]
+        outs.append([r.output_ids for r in dec.generate_many(reqs)])
+        assert (dec.stats.overlapped_steps > 0) == overlap and dec.streak is None
+    assert outs[0] == outs[1]
 
 
 def test_batched_graph_step_equals_eager_step_bf16():

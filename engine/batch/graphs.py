@@ -30,6 +30,16 @@ def bucket(n: int, limit: int) -> int:
     return next((b for b in BUCKETS if n <= b <= limit), limit)
 
 
+class _Eager:
+    """A bucket step without CUDA graphs (CPU): replay runs it on the static inputs into ``out``."""
+
+    def __init__(self, fn, out: torch.Tensor):
+        self.fn, self.out = fn, out
+
+    def replay(self) -> None:
+        self.out.copy_(self.fn())
+
+
 class BatchGraphRunner:
     def __init__(self, model, cache, warmup: int = 2):
         self.model, self.cache, self.warmup = model, cache, warmup
@@ -53,11 +63,16 @@ class BatchGraphRunner:
         kept = [(t[:B, :, :N], t[:B, :, :N].clone()) for lc in self.cache.layers for t in (lc.k, lc.v)
                 if t is not None]
         kept += [(t[:B], t[:B].clone()) for lc in self.cache.layers for t in (lc.state, lc.conv) if t is not None]
-        g, out = capture(fn, self.warmup)
+        if dev.type == "cuda":
+            g, out = capture(fn, self.warmup)
+        else:
+            out = fn()
+            g = _Eager(fn, out)
         for t, saved in kept:
             t.copy_(saved)
-        staging = (torch.empty(ids.shape, dtype=ids.dtype).pin_memory(),
-                   torch.empty(inp.mask.shape, dtype=torch.bool).pin_memory())
+        pin = dev.type == "cuda"
+        staging = (torch.empty(ids.shape, dtype=ids.dtype, pin_memory=pin),
+                   torch.empty(inp.mask.shape, dtype=torch.bool, pin_memory=pin))
         self.graphs[(B, N)] = (g, inp, out, ids, staging)
         return self.graphs[(B, N)]
 
@@ -75,3 +90,21 @@ class BatchGraphRunner:
         sinp.mask.copy_(hmask, non_blocking=True)
         g.replay()
         return out
+
+    def replay(self, B: int, N: int) -> torch.Tensor:
+        """Replay bucket (B, N) on the inputs its buffers hold now; its output (every row's argmax)."""
+        g, _, out, _, _ = self.graphs[(B, N)]
+        g.replay()
+        return out
+
+    def output(self, B: int, N: int) -> torch.Tensor:
+        return self.graphs[(B, N)][2]
+
+    def advance(self, B: int, live: torch.Tensor) -> None:
+        """Feed one-row bucket (B, 1) its next AR step on the device: each ``live`` row's token becomes
+        its last argmax, its position and cache position move on by one and the new position joins
+        its mask; other rows (padding) stay as they are."""
+        _, sinp, out, ids, _ = self.graphs[(B, 1)]
+        ids[0].copy_(torch.where(live, out, ids[0]))
+        ids[1:3] += live
+        sinp.mask.scatter_(1, ids[2].unsqueeze(1), live.unsqueeze(1))

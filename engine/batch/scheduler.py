@@ -17,6 +17,10 @@ One iteration (:meth:`BatchDecoder.step`):
    cache slot and delivers tokens until a stop condition (``Request.offer``);
 5. finished requests free their slots (the last running request moves into the hole).
 
+In AR mode with bucket graphs, while every running request decodes, steps overlap with the host
+(:mod:`.overlap`): each iteration launches the next step, fed on the device, before it takes the
+tokens of the step in flight.
+
 The rules are in :mod:`.rules`, the row layout in :mod:`.step`, the slots in :mod:`.cache`.
 """
 
@@ -33,6 +37,8 @@ import torch
 from specpilot.engine.batch import rules, tlv
 from specpilot.engine.batch.cache import BatchCache
 from specpilot.engine.batch.drafting import BatchDrafting
+from specpilot.engine.batch.graphs import bucket, replays
+from specpilot.engine.batch.overlap import Streak
 from specpilot.engine.batch.requests import Request
 from specpilot.engine.batch.step import Rows, assemble, prefill_rows, verify_rows
 from specpilot.engine.decode import GenerationResult
@@ -58,6 +64,7 @@ class BatchStats:
     verify_rows: int = 0
     prompt_rows: int = 0
     admitted_prompt_rows: int = 0  # prompt rows that rode a verify step
+    overlapped_steps: int = 0    # AR steps fed on the device while the host took the previous one's tokens
     drafted_positions: int = 0   # draft positions the drafter proposed
     kept_positions: int = 0      # ... inside the requests' blocks
     accepted: int = 0            # draft tokens accepted
@@ -74,13 +81,16 @@ class BatchStats:
 
 class BatchDecoder:
     """Continuous-batching greedy decoder on ``model`` (``mode``: ar, chain, tree, tlv with ``qview``
-    the Q pass's weights; ``drafter``: the kind, ngram/self/model). Thread-safe :meth:`submit` and
-    :meth:`cancel`; :meth:`step` and :meth:`run_forever` on one engine thread."""
+    the Q pass's weights; ``drafter``: the kind, ngram/self/model). ``graphs``: bucket steps from
+    static buffers (CUDA graphs on a GPU); ``overlap``: with them, AR steps overlap the host's work.
+    Thread-safe :meth:`submit` and :meth:`cancel`; :meth:`step` and :meth:`run_forever` on one
+    engine thread."""
 
     def __init__(self, model, mode: str = "ar", drafter: str | None = None, *, nodes: int = 32, depth: int = 8,
                  topk: int = 8, eos_ids=(), batch: int = 8, budget: str = "shared", block: str = "adaptive",
                  admit: str = "waiting", admit_rows: int = 128, draft_layers: int | None = None, draft_model=None,
-                 graphs: bool = False, max_queue: int = 0, prefill_chunk: int = 512, qview=None):
+                 graphs: bool = False, max_queue: int = 0, prefill_chunk: int = 512, qview=None,
+                 overlap: bool = True):
         if mode != "ar" and drafter is None:
             raise InputError(f"mode {mode} needs a drafter")
         if mode == "tlv" and qview is None:
@@ -102,6 +112,8 @@ class BatchDecoder:
             from specpilot.engine.batch.graphs import BatchGraphRunner
 
             self.runner = BatchGraphRunner(model, self.cache)
+        self.overlap = bool(overlap) and self.runner is not None and mode == "ar" and replays(model, 1)
+        self.streak: Streak | None = None   # overlapped AR steps in flight
         self.running: list[Request] = []          # running[i] holds slot i
         self.waiting: deque[Request] = deque()
         self.cond = threading.Condition()
@@ -169,6 +181,7 @@ class BatchDecoder:
 
     def abort_all(self, message: str) -> None:
         """Finish every waiting and running request as aborted (engine thread, or no thread running)."""
+        self.streak = None   # its step in flight only writes slots that are freed here
         with self.cond:
             reqs = list(self.waiting) + list(self.running)
             self.waiting.clear()
@@ -255,18 +268,24 @@ class BatchDecoder:
     @torch.no_grad()
     def step(self) -> bool:
         """One scheduler iteration; False when there was nothing to do."""
-        self._admit()
-        if not self.running:
-            return False
         t0 = time.perf_counter()
-        decoding = [r for r in self.running if r.prefilled == len(r.prompt_ids)]
-        prefilling = [r for r in self.running if r.prefilled < len(r.prompt_ids)]
-        if not decoding:
-            self._prefill_pass(prefilling)
+        if self.streak is not None:
+            self._streak_step()
         else:
-            left_out = self._verify_step(decoding, prefilling)
-            if left_out:
-                self._prefill_pass(left_out)
+            self._admit()
+            if not self.running:
+                return False
+            t0 = time.perf_counter()
+            decoding = [r for r in self.running if r.prefilled == len(r.prompt_ids)]
+            prefilling = [r for r in self.running if r.prefilled < len(r.prompt_ids)]
+            if not decoding:
+                self._prefill_pass(prefilling)
+            elif self.overlap and not prefilling and not any(r.done for r in decoding):
+                self._start_streak(decoding)
+            else:
+                left_out = self._verify_step(decoding, prefilling)
+                if left_out:
+                    self._prefill_pass(left_out)
         dt = time.perf_counter() - t0
         self.stats.step_seconds += dt
         self.stats.step_hist.observe(dt)
@@ -275,9 +294,56 @@ class BatchDecoder:
             self._release(r)
         return True
 
-    def _sync(self):
-        if self.model.device.type == "cuda":
-            torch.cuda.synchronize()
+    # overlapped AR steps ------------------------------------------------------------
+    def _start_streak(self, decoding: list[Request]) -> None:
+        """Launch the AR step of ``decoding`` (every running request, in slots 0..n-1) from the host,
+        then go on as :meth:`_streak_step`."""
+        blocks = [verify_rows(r.slot, r.full[-1], treelib.chain_tree([]), r.n_cache, "seq") for r in decoding]
+        B = bucket(len(decoding), self.batch)
+        inp, _, _ = assemble(blocks, self.cache.max_seq, torch.device("cpu"), pad=(B, 1), dump=self.cache.dump)
+        self.runner.run(inp, B, 1)
+        self.streak = Streak(self.runner, decoding, B)
+        self._streak_step()
+
+    def _streak_step(self) -> None:
+        """Launch the next AR step, take the tokens of the one in flight; end the streak (taking the
+        step still in flight) when its requests change."""
+        s = self.streak
+        toks = s.next()
+        self.stats.overlapped_steps += 1
+        self._take_ar(s.reqs, toks)
+        if any(r.done or r.cancelled for r in s.reqs) or (self.waiting and len(self.running) < self.batch):
+            self.drain()
+
+    def drain(self) -> None:
+        """End overlapped AR steps: take the tokens of the step in flight (requests that finished
+        before it get none)."""
+        s, self.streak = self.streak, None
+        if s is not None:
+            toks = s.last()
+            self._take_ar([r for r in s.reqs if not r.done], [t for r, t in zip(s.reqs, toks) if not r.done])
+
+    def _take_ar(self, reqs: list[Request], toks: list[int]) -> None:
+        """One AR step's tokens, one per request."""
+        n = len(reqs)
+        self.stats.verify_steps += 1
+        self.stats.request_steps += n
+        self.stats.verify_rows += n
+        self.stats.rows += n
+        now = time.perf_counter()
+        for r, t in zip(reqs, toks):
+            self._extend(r, [t], now)
+
+    def _extend(self, r: Request, toks: list[int], now: float, step: bool = True) -> None:
+        """A verify step's accepted tokens (the last one the bonus) join ``r``'s committed tokens and
+        are delivered; ``step``: count the step for the request (False: a finished request's tail)."""
+        if step:
+            r.steps += 1
+            r.accepts.append(len(toks) - 1)
+            self.stats.accepted += len(toks) - 1
+        r.n_cache += len(toks)
+        r.full.extend(toks)
+        self._deliver(r, toks, now)
 
     # prompt rows ---------------------------------------------------------------------
     def _prefill_blocks(self, reqs: list[Request], rows: list[int]) -> list[Rows]:
@@ -396,13 +462,8 @@ class BatchDecoder:
                 for st in (r.tlv, self._tlv_totals()):
                     cyc[b].count(st, [preds[i] for i in need[b]], len(toks))
             if not tail[b]:
-                r.steps += 1
-                r.accepts.append(len(toks) - 1)
-                self.stats.accepted += len(toks) - 1
                 accepted.append((r.slot, len(path)))
-            r.n_cache += len(toks)
-            r.full.extend(toks)
-            self._deliver(r, toks, now)
+            self._extend(r, toks, now, step=not tail[b])
         self._note_accepted(accepted)
         if cyc:
             self.stats.tlv_steps += 1
@@ -461,8 +522,6 @@ class BatchDecoder:
         """Run the step's rows; the argmax of the rows each block needs (host list) and where they are."""
         m, dev = self.model, self.model.device
         allb = blocks + pblocks
-        from specpilot.engine.batch.graphs import bucket, replays
-
         N = bucket(max(len(b) for b in blocks), self.rows_per_request) if blocks else 0
         if self.runner is not None and not pblocks and replays(m, N):
             B = bucket(max(b.slot for b in blocks) + 1, self.batch)

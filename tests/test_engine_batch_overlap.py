@@ -1,0 +1,124 @@
+"""Overlapped AR steps of the batch decoder (``engine/batch/overlap.py``): each step after the first
+of a streak is fed on the device from the previous step's argmax while the host takes that step's
+tokens. On the CPU the bucket "graphs" run eagerly on the same static buffers, so the whole path
+(device-side advance, the streak's start and end, requests finishing, arriving and cancelled
+mid-streak) runs here; the GPU file checks it under CUDA graphs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specpilot.engine.api import load_engine
+from specpilot.engine.batch.requests import Request
+from specpilot.engine.batch.scheduler import BatchDecoder
+from specpilot.engine.spec import EngineSpec
+from test_engine_batch import PROMPTS
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_engine(EngineSpec.parse("engine:model=tiny,mode=ar")).model
+
+
+def _requests(lengths, arrivals, **kw):
+    return [Request(p, n, id=i, arrival_step=a, **kw) for i, (p, n, a) in enumerate(zip(PROMPTS, lengths, arrivals))]
+
+
+def _outputs(model, batch, lengths, arrivals, overlap, graphs=True, **kw):
+    dec = BatchDecoder(model, "ar", batch=batch, graphs=graphs, overlap=overlap)
+    reqs = _requests(lengths, arrivals, **kw)
+    res = dec.generate_many(reqs)
+    assert dec.idle() and dec.streak is None
+    return dec, [r.output_ids for r in res], reqs
+
+
+@pytest.mark.parametrize("batch", [1, 3, 4])
+def test_overlapped_steps_give_the_same_tokens(model, batch):
+    lengths, arrivals = (20, 7, 13, 1, 20, 9), (0, 0, 2, 3, 7, 12)
+    dec, got, _ = _outputs(model, batch, lengths, arrivals, overlap=True)
+    _, plain, _ = _outputs(model, batch, lengths, arrivals, overlap=False, graphs=False)
+    _, padded, _ = _outputs(model, batch, lengths, arrivals, overlap=False)
+    assert got == plain == padded
+    assert [len(o) for o in got] == list(lengths)
+    assert dec.stats.overlapped_steps > 0
+    assert dec.stats.tokens == sum(lengths)
+    # every AR step counts once, overlapped or not: tokens after each request's first (prefill) token
+    assert dec.stats.request_steps == sum(n - 1 for n in lengths)
+
+
+def test_a_stop_token_ends_the_streak_and_drops_the_row_in_flight(model):
+    _, ref, _ = _outputs(model, 2, (20, 20), (0, 0), overlap=False, graphs=False)
+    stop = ref[0][6]
+    dec, got, reqs = _outputs(model, 2, (20, 20), (0, 0), overlap=True, stop_ids=frozenset({stop}))
+    for out, want in zip(got, ref):
+        cut = want.index(stop) + 1 if stop in want else len(want)
+        assert out == want[:cut]
+    assert reqs[0].stop_reason == "stop"
+    # the finished request's row of the step in flight was not delivered nor counted
+    assert reqs[0].steps == len(got[0]) - 1 and len(reqs[0].full) == len(got[0])
+
+
+def test_cancel_and_abort_mid_streak(model):
+    _, ref, _ = _outputs(model, 2, (20, 20, 20), (0, 0, 0), overlap=False, graphs=False)
+    dec = BatchDecoder(model, "ar", batch=2, graphs=True)
+    reqs = _requests((20, 20, 20), (0, 0, 0))
+    for r in reqs:
+        dec.submit(r)
+    while dec.streak is None:
+        dec.step()
+    dec.step()
+    dec.cancel(reqs[0])
+    dec.step()                          # the streak ends: the request in flight is taken, then freed
+    assert dec.streak is None
+    while not dec.idle():
+        dec.step()
+    assert reqs[0].stop_reason == "abort" and reqs[0].output == ref[0][:len(reqs[0].output)]
+    assert [r.output for r in reqs[1:]] == ref[1:]
+
+    late = _requests((20, 20), (0, 0))
+    for r in late:
+        dec.submit(r)
+    while dec.streak is None:
+        dec.step()
+    dec.abort_all("server shutting down")
+    assert dec.streak is None and dec.idle()
+    assert all(r.stop_reason == "abort" for r in late)
+    again = _requests((20,), (0,))
+    dec.generate_many(again)            # the slots freed by the abort serve a new request correctly
+    assert again[0].output == ref[0]
+
+
+def test_drain_without_a_streak_is_a_no_op(model):
+    dec = BatchDecoder(model, "ar", batch=2, graphs=True)
+    dec.drain()
+    assert dec.streak is None and dec.stats.verify_steps == 0
+
+
+def test_only_ar_with_bucket_steps_overlaps(model):
+    assert BatchDecoder(model, "ar", batch=2, graphs=True).overlap
+    assert not BatchDecoder(model, "ar", batch=2, graphs=False).overlap
+    assert not BatchDecoder(model, "ar", batch=2, graphs=True, overlap=False).overlap
+    assert not BatchDecoder(model, "chain", "ngram", batch=2, graphs=True).overlap
+
+
+def test_device_side_advance_matches_the_host_layout(model):
+    """Two steps fed on the device leave the bucket's inputs as the host would lay out the third."""
+    from specpilot.engine.batch.step import assemble, verify_rows
+    from specpilot.kernels import tree as treelib
+
+    dec = BatchDecoder(model, "ar", batch=4, graphs=True)
+    reqs = _requests((20, 20, 20), (0, 0, 0))
+    for r in reqs:
+        dec.submit(r)
+    while dec.streak is None:
+        dec.step()
+    dec.step()
+    dec.drain()
+    B = 4   # bucket(3 requests)
+    _, sinp, out, ids, _ = dec.runner.graphs[(B, 1)]
+    # after the drain the buffers hold the last launched step's inputs: each request's previous token
+    blocks = [verify_rows(r.slot, r.full[-2], treelib.chain_tree([]), r.n_cache - 1, "seq") for r in reqs]
+    want, _, _ = assemble(blocks, dec.cache.max_seq, torch.device("cpu"), pad=(B, 1), dump=dec.cache.dump)
+    assert torch.equal(ids[0], want.tokens) and torch.equal(ids[1], want.pos) and torch.equal(ids[2], want.slots)
+    assert torch.equal(sinp.mask, want.mask)
