@@ -170,7 +170,8 @@ def batch_stats(dec) -> dict:
     st = dec.stats
     return {"verify_steps": st.verify_steps, "prefill_passes": st.prefill_passes, "rows": st.rows,
             "verify_rows": st.verify_rows, "prompt_rows": st.prompt_rows,
-            "admitted_prompt_rows": st.admitted_prompt_rows, "drafted_positions": st.drafted_positions,
+            "admitted_prompt_rows": st.admitted_prompt_rows, "overlapped_steps": st.overlapped_steps,
+            "drafted_positions": st.drafted_positions,
             "kept_positions": st.kept_positions, "accepted": st.accepted, "request_steps": st.request_steps,
             "tau": st.tau(), "step_seconds": st.step_seconds,
             **({"tlv": st.tlv.to_json(steps=st.tlv_steps)} if st.tlv else {})}

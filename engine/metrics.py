@@ -118,6 +118,9 @@ class ServeMetrics:
                    [f"specpilot_verify_steps_total {st.verify_steps}"])
             metric("prefill_passes_total", "counter", "Passes that ran prompt rows only.",
                    [f"specpilot_prefill_passes_total {st.prefill_passes}"])
+            metric("overlapped_steps_total", "counter",
+                   "AR steps fed on the device while the host took the previous step's tokens.",
+                   [f"specpilot_overlapped_steps_total {st.overlapped_steps}"])
             metric("rows_total", "counter", "Rows run through the target (verify and prompt rows).",
                    [f"specpilot_rows_total {st.rows}"])
             metric("accepted_draft_tokens_total", "counter", "Draft tokens accepted by verification.",

@@ -96,6 +96,22 @@ def test_fused_is_deterministic_and_plan_fills_the_gpu():
     assert (R, block_m, row_blocks) == (4, 16, 1) and 8 * splits >= 128
 
 
+def test_program_targets_come_from_the_measured_table():
+    """Batched steps of few rows per request aim at more programs (their table entry); one request
+    and long segments keep the default. A given target changes only the split, not the result."""
+    cpu = torch.device("cpu")
+    assert fused.split_config(cpu, True, 1).target_programs == 512
+    assert fused.split_config(cpu, True, 4).target_programs == 512
+    assert fused.split_config(cpu, True, 33) == fused.SplitConfig()
+    assert fused.split_config(cpu, False, 1) == fused.SplitConfig()
+    assert fused.plan(1, 32, 8, 1344, 16, fused.SplitConfig(512))[3] == 4
+    assert fused.plan(1, 32, 8, 1344, 16)[3] == 2
+    q, k, v, mask = _case(2, 8, 2, 32, 256, seed=6)
+    a = fused.masked_gqa_attention(q, k, v, mask, 0.2, cfg=fused.SplitConfig(16))
+    b = fused.masked_gqa_attention(q, k, v, mask, 0.2, cfg=fused.SplitConfig(1024))
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 def test_fused_refuses_unsupported_shapes():
     q, k, v, mask = _case(1, 6, 4, 16, 64)
     with pytest.raises(ValueError, match="divisible"):

@@ -178,6 +178,16 @@ def test_every_table_entry_names_a_known_kernel_and_valid_config_fields():
                 assert set(rule.get("when_tuned", {})) <= fields, rule
             if op == "w12":
                 assert data["route"][-1] == {"kernel": "gemm", "note": data["route"][-1]["note"]}   # takes the rest
+    from specpilot.kernels.attention import decode as attn
+
+    for path in _tables("attention"):
+        data = json.loads(path.read_text())
+        assert data["op"] == "attention" and data["arch"] == path.stem
+        assert set(data["measured"]["benchmarks"]) <= {"split-kv", "split-kv-batched"}
+        for e in data["entries"]:
+            assert e["kernel"] in ("split-kv", "split-kv-batched") and _rows_ok(e["rows"]), e
+            assert set(e["config"]) == {f.name for f in dataclasses.fields(attn.SplitConfig)}, e
+            assert attn.SplitConfig(**e["config"]).target_programs >= 1 and len(e["date"]) == 10 and e["note"], e
     for path in _tables("lm_head"):
         data = json.loads(path.read_text())
         assert data["op"] == "lm_head" and data["arch"] == path.stem

@@ -24,13 +24,35 @@ Runs on CUDA and under ``TRITON_INTERPRET=1`` (the CPU tests).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import lru_cache
+
 import torch
 
+from .. import tuning
 from ..triton_env import pdl_args, tl, triton  # sets TRITON_INTERPRET first on a machine without CUDA
 
 BLOCK_N = 64        # cache slots per tile
 MAX_BLOCK_M = 64    # query rows per program (group members x step rows); more rows: more programs
-TARGET_PROGRAMS = 256  # split the cache until about this many programs run (fills the SMs)
+
+
+@dataclass(frozen=True)
+class SplitConfig:
+    """``target_programs``: split the cache until about this many programs run (fills the SMs)."""
+
+    target_programs: int = 256
+
+
+@lru_cache(maxsize=None)
+def _split_config(arch: str | None, batched: bool, rows: int) -> SplitConfig:
+    found = tuning.lookup("attention", "split-kv-batched" if batched else "split-kv", arch, rows=rows)
+    return SplitConfig(**found[0]["config"]) if found else SplitConfig()
+
+
+def split_config(device, batched: bool, rows: int) -> SplitConfig:
+    """The measured program target (``kernels/attention/tuned/<arch>.json``) for one request's
+    ``rows`` rows, or a batched step's segments of at most ``rows`` rows each, on ``device``."""
+    return _split_config(tuning.device_arch(device), batched, rows)
 
 if triton is not None:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -156,14 +178,15 @@ def supports(heads: int, kv_heads: int, head_dim: int) -> bool:
     return heads % kv_heads == 0 and head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
-def plan(T: int, nh: int, nkv: int, S: int, segments: int = 1) -> tuple[int, int, int, int]:
+def plan(T: int, nh: int, nkv: int, S: int, segments: int = 1,
+         cfg: SplitConfig = SplitConfig()) -> tuple[int, int, int, int]:
     """(rows R, row block, row blocks per segment, splits) for a step of ``T`` rows (``segments``
-    requests of at most ``T`` rows each): enough programs to fill the GPU."""
+    requests of at most ``T`` rows each): about ``cfg.target_programs`` programs."""
     R = (nh // nkv) * T
     block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(R)))
     row_blocks = triton.cdiv(R, block_m)
     tiles = triton.cdiv(S, BLOCK_N)
-    splits = max(1, min(tiles, triton.cdiv(TARGET_PROGRAMS, nkv * row_blocks * segments)))
+    splits = max(1, min(tiles, triton.cdiv(cfg.target_programs, nkv * row_blocks * segments)))
     return R, block_m, row_blocks, splits
 
 
@@ -175,17 +198,19 @@ def _check(nh: int, nkv: int, hd: int, k: torch.Tensor, v: torch.Tensor) -> None
         raise ValueError("fused attention needs K/V caches contiguous in head_dim")
 
 
-def _launch(q, k, v, mask, scale, pdl, segs=None, seg_rows: int = 0):
+def _launch(q, k, v, mask, scale, pdl, segs=None, seg_rows: int = 0, cfg: SplitConfig | None = None):
     """Both kernels for ``q`` [T, nh, hd] over ``k``/``v`` [slots, nkv, S, hd]: one request in slot 0
     (``segs`` None) or the requests ``segs`` [n, 3] int32 (first row, rows, slot) of at most
-    ``seg_rows`` rows each."""
+    ``seg_rows`` rows each; ``cfg`` (default: :func:`split_config`'s) sets the program target."""
     T, nh, hd = q.shape
     _, nkv, S, _ = k.shape
     q = q.contiguous()
     mask = mask.contiguous().view(torch.uint8) if mask.dtype == torch.bool else mask.to(torch.uint8).contiguous()
     nseg = 1 if segs is None else segs.shape[0]
     R = (nh // nkv) * T
-    _, block_m, row_blocks, splits = plan(T if segs is None else seg_rows, nh, nkv, S, nseg)
+    rows = T if segs is None else seg_rows
+    cfg = cfg or split_config(q.device, segs is not None, rows)
+    _, block_m, row_blocks, splits = plan(rows, nh, nkv, S, nseg, cfg)
     chunk = triton.cdiv(triton.cdiv(S, splits), BLOCK_N) * BLOCK_N
     splits = triton.cdiv(S, chunk)
     acc = torch.empty(nkv, splits, R, hd, dtype=torch.float32, device=q.device)
@@ -203,14 +228,14 @@ def _launch(q, k, v, mask, scale, pdl, segs=None, seg_rows: int = 0):
 
 
 def masked_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                         scale: float, pdl: bool = False) -> torch.Tensor:
+                         scale: float, pdl: bool = False, cfg: SplitConfig | None = None) -> torch.Tensor:
     """Fused masked GQA attention; output [T, nh * hd] in ``v``'s dtype (see the module doc).
     ``pdl``: launch both kernels with programmatic dependent launch (kernels/triton_env.pdl_args;
-    the fused decode chain)."""
+    the fused decode chain); ``cfg``: the program target (default: the measured table's)."""
     if triton is None:  # pragma: no cover
         raise RuntimeError("the fused attention needs triton")
     _check(q.shape[1], k.shape[0], q.shape[2], k, v)
-    return _launch(q, k[None], v[None], mask, scale, pdl)
+    return _launch(q, k[None], v[None], mask, scale, pdl, cfg=cfg)
 
 
 def segment_table(segments, device) -> tuple[torch.Tensor, int]:
@@ -221,14 +246,15 @@ def segment_table(segments, device) -> tuple[torch.Tensor, int]:
 
 
 def batched_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-                          segs: torch.Tensor, seg_rows: int, pdl: bool = False) -> torch.Tensor:
+                          segs: torch.Tensor, seg_rows: int, pdl: bool = False,
+                          cfg: SplitConfig | None = None) -> torch.Tensor:
     """:func:`masked_gqa_attention` for the rows of several requests in one launch (continuous
     batching): rows ``segs[i, 0] ..`` (``segs[i, 1]`` of them, at most ``seg_rows``) attend over
     request ``segs[i, 2]``'s cache ``k[slot]``/``v[slot]`` ([slots, nkv, S, hd]) under their rows of
-    ``mask`` [T, S]. Every row of ``q`` must belong to one segment."""
+    ``mask`` [T, S]. Every row of ``q`` must belong to one segment; ``cfg`` as there."""
     if triton is None:  # pragma: no cover
         raise RuntimeError("the fused attention needs triton")
     if k.dim() != 4 or segs.dim() != 2 or segs.shape[1] != 3 or segs.dtype != torch.int32:
         raise ValueError("batched attention takes caches [slots, nkv, S, hd] and a segment table [n, 3] int32")
     _check(q.shape[1], k.shape[1], q.shape[2], k, v)
-    return _launch(q, k, v, mask, scale, pdl, segs, seg_rows)
+    return _launch(q, k, v, mask, scale, pdl, segs, seg_rows, cfg)

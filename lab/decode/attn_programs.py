@@ -1,5 +1,5 @@
 """How many programs the split-KV attention should aim for (``kernels/attention/decode.py``
-``TARGET_PROGRAMS``): one request (AR and verify rows) and batched steps of B requests x N rows,
+``SplitConfig.target_programs``, the entries of ``kernels/attention/tuned/<arch>.json``): one request (AR and verify rows) and batched steps of B requests x N rows,
 Llama-3.1-8B attention shapes (32 heads, 8 KV heads, head_dim 128), bf16, context 1024 per request.
 
     python lab/decode/attn_programs.py [--targets 128,256,512,1024,2048] [--batches 1,4,16,32]
@@ -53,13 +53,13 @@ def main():
             segs = torch.tensor([[b * N, N, b] for b in range(B)], dtype=torch.int32, device=dev)
             live = B * nkv * (ctx + N) * hd * 2 * 2
             for tp in targets:
-                decode.TARGET_PROGRAMS = tp
+                cfg = decode.SplitConfig(tp)
                 if B == 1:
-                    fn = lambda: decode.masked_gqa_attention(q, k[0], v[0], mask, hd ** -0.5)  # noqa: E731
+                    fn = lambda: decode.masked_gqa_attention(q, k[0], v[0], mask, hd ** -0.5, cfg=cfg)  # noqa: E731
                 else:
-                    fn = lambda: decode.batched_gqa_attention(q, k, v, mask, hd ** -0.5, segs, N)  # noqa: E731
+                    fn = lambda: decode.batched_gqa_attention(q, k, v, mask, hd ** -0.5, segs, N, cfg=cfg)  # noqa: E731
                 us = time_cuda_graph(fn, flush=flush)
-                _, _, rb, splits = decode.plan(N if B > 1 else T, nh, nkv, S, B if B > 1 else 1)
+                _, _, rb, splits = decode.plan(N if B > 1 else T, nh, nkv, S, B if B > 1 else 1, cfg)
                 out.append({"batch": B, "rows": N, "target_programs": tp, "splits": splits,
                             "programs": nkv * splits * rb * (B if B > 1 else 1), "us": us, "gbps": live / us / 1e3})
                 print(out[-1], flush=True)
