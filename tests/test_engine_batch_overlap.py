@@ -25,6 +25,19 @@ def _requests(lengths, arrivals, **kw):
     return [Request(p, n, id=i, arrival_step=a, **kw) for i, (p, n, a) in enumerate(zip(PROMPTS, lengths, arrivals))]
 
 
+def _in_a_streak(model, batch, n):
+    """A decoder of ``batch`` slots with ``n`` 20-token requests, one overlapped step past the
+    streak's start (a step in flight)."""
+    dec = BatchDecoder(model, "ar", batch=batch, graphs=True)
+    reqs = _requests((20,) * n, (0,) * n)
+    for r in reqs:
+        dec.submit(r)
+    while dec.streak is None:
+        dec.step()
+    dec.step()
+    return dec, reqs
+
+
 def _outputs(model, batch, lengths, arrivals, overlap, graphs=True, **kw):
     dec = BatchDecoder(model, "ar", batch=batch, graphs=graphs, overlap=overlap)
     reqs = _requests(lengths, arrivals, **kw)
@@ -61,13 +74,7 @@ def test_a_stop_token_ends_the_streak_and_drops_the_row_in_flight(model):
 
 def test_cancel_and_abort_mid_streak(model):
     _, ref, _ = _outputs(model, 2, (20, 20, 20), (0, 0, 0), overlap=False, graphs=False)
-    dec = BatchDecoder(model, "ar", batch=2, graphs=True)
-    reqs = _requests((20, 20, 20), (0, 0, 0))
-    for r in reqs:
-        dec.submit(r)
-    while dec.streak is None:
-        dec.step()
-    dec.step()
+    dec, reqs = _in_a_streak(model, 2, 3)
     dec.cancel(reqs[0])
     dec.step()                          # the streak ends: the request in flight is taken, then freed
     assert dec.streak is None
@@ -107,13 +114,7 @@ def test_device_side_advance_matches_the_host_layout(model):
     from specpilot.engine.batch.step import assemble, verify_rows
     from specpilot.kernels import tree as treelib
 
-    dec = BatchDecoder(model, "ar", batch=4, graphs=True)
-    reqs = _requests((20, 20, 20), (0, 0, 0))
-    for r in reqs:
-        dec.submit(r)
-    while dec.streak is None:
-        dec.step()
-    dec.step()
+    dec, reqs = _in_a_streak(model, 4, 3)
     dec.drain()
     B = 4   # bucket(3 requests)
     _, sinp, out, ids, _ = dec.runner.graphs[(B, 1)]
