@@ -88,6 +88,8 @@ class Engine:
                            graphs=s.device.startswith("cuda") and s.graphs and replays(self.model),
                            qview=getattr(self.decoder, "qview", None))
         dec.threads = self.decoder.threads
+        # CUDA: compile the batched kernels and capture the bucket graphs now, not in the first requests
+        dec.warmup_seconds = dec.warm_up() if self.model.device.type == "cuda" else 0.0
         return dec
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, record_lattice: bool = False, request=0):
@@ -142,7 +144,8 @@ class Engine:
                                 "decode_tokens_per_s": res.decode_tokens_per_second, "stop": res.stop_reason,
                                 **({"tlv": res.tlv} if res.tlv else {})})
         out.batch = {"batch": dec.batch, "budget": self.spec.budget, "block": self.spec.block,
-                     "admit": self.spec.admit, "seconds": time.perf_counter() - t0, **batch_stats(dec)}
+                     "admit": self.spec.admit, "seconds": time.perf_counter() - t0,
+                     "warmup_seconds": dec.warmup_seconds, **batch_stats(dec)}
         return out
 
     def encode(self, text: str, chat: bool = False) -> list[int]:

@@ -131,6 +131,7 @@ class ServeState:
         running, waiting = dec.load()
         st = dec.stats
         return {"engine": str(eng.spec), "model": eng.model_name, "model_path": eng.model_name, **eng.info,
+                "batch_warmup_seconds": dec.warmup_seconds,
                 "max_running_requests": dec.batch, "max_queued_requests": self.options.max_queue,
                 "budget": dec.budget, "block": dec.block, "admit": dec.admit, "admit_rows": dec.admit_rows,
                 "running": running, "waiting": waiting, "draining": self.draining,

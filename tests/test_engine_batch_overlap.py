@@ -123,3 +123,16 @@ def test_device_side_advance_matches_the_host_layout(model):
     want, _, _ = assemble(blocks, dec.cache.max_seq, torch.device("cpu"), pad=(B, 1), dump=dec.cache.dump)
     assert torch.equal(ids[0], want.tokens) and torch.equal(ids[1], want.pos) and torch.equal(ids[2], want.slots)
     assert torch.equal(sinp.mask, want.mask)
+
+
+def test_warm_up_captures_every_one_row_bucket_and_leaves_no_trace(model):
+    """The load-time warm-up runs a synthetic workload through the decoder: every one-row bucket up
+    to the slots is captured, prompts go through prefill passes and verify steps; afterwards the
+    totals start at zero and real requests give the one-request outputs."""
+    _, ref, _ = _outputs(model, 4, (20,) * 6, (0, 0, 2, 3, 7, 12), overlap=False, graphs=False)
+    dec = BatchDecoder(model, "ar", batch=4, graphs=True, admit="waiting")
+    seconds = dec.warm_up()
+    assert seconds > 0 and {(1, 1), (2, 1), (4, 1)} <= set(dec.runner.graphs)
+    assert dec.idle() and dec.streak is None and dec.stats.tokens == 0 and dec.stats.verify_steps == 0
+    res = dec.generate_many(_requests((20,) * 6, (0, 0, 2, 3, 7, 12)))
+    assert [r.output_ids for r in res] == ref and dec.stats.tokens == 120

@@ -120,6 +120,7 @@ class BatchDecoder:
         self.stats = BatchStats()
         self.threads = 0
         self.draining = False
+        self.warmup_seconds = 0.0   # what warm_up took, when the engine ran it
 
     # ---- sizes ----------------------------------------------------------------------
     @property
@@ -199,6 +200,36 @@ class BatchDecoder:
             if self.drafting is not None:
                 self.drafting.clear()
             return True
+
+    @torch.no_grad()
+    def warm_up(self) -> float:
+        """Compile and capture now what requests will hit (the engine calls this at load on CUDA):
+        a synthetic workload through this decoder - ``batch`` requests finishing a few steps apart
+        (the one-row bucket of every request count, verify buckets as drafts vary), then prompts of
+        every Triton specialisation class (:data:`~specpilot.engine.decode.WARMUP_PROMPTS`) arriving
+        while others decode (prefill passes and, under the admission rule, prompt rows in verify
+        steps). Totals and drafting state start afresh afterwards; the caches stay dirty (a request
+        writes what it reads). Returns the seconds taken."""
+        from specpilot.engine.decode import WARMUP_PROMPTS
+
+        t0 = time.perf_counter()
+        V = self.model.spec.vocab_size
+
+        def short(i: int, n: int) -> Request:
+            return Request([(3 * i + 1) % V, (5 * i + 2) % V], n, id=("warm-up", i))
+
+        self.generate_many([short(i, 3 * i + 2) for i in range(self.batch)])   # apart by more than a streak's end
+        prompts = [Request([(7 * k) % 31 % V for k in range(n)], 4, id=("warm-up", n), arrival_step=1 + j)
+                   for j, n in enumerate(WARMUP_PROMPTS) if self.capacity_needed(n, 4) <= self.cache.max_seq]
+        self.generate_many([short(i, 2 * len(prompts) + 8) for i in range(max(1, self.batch // 2))] + prompts)
+        self.stats = BatchStats()
+        self.recent.fill_(float("nan"))
+        self.recent_at = [0] * self.batch
+        if self.drafting is not None:
+            self.drafting.clear()
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
 
     def run_forever(self, stop: threading.Event, on_error=None) -> None:
         """The engine thread: step while there is work, sleep on the condition otherwise."""
