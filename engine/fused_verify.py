@@ -1,8 +1,9 @@
 """Steps of 2..64 rows (chain and tree verification, short prefills) through fused kernels
 (``decode=fused``, the default on CUDA where it applies; :mod:`.fused_decode` takes one row).
 
-A dense layer is four GEMMs (cuBLAS for bf16 weights, the routed W12 GEMM ``w12_linear`` with
-``w12=1``) and one kernel between two GEMMs (:mod:`specpilot.kernels.verify.rows`), ten kernels
+A dense layer is four GEMMs (cuBLAS for bf16 weights, on the BLAS library the measured table
+picks for the step's rows (:mod:`specpilot.kernels.verify.blas`); the routed W12 GEMM ``w12_linear``
+with ``w12=1``) and one kernel between two GEMMs (:mod:`specpilot.kernels.verify.rows`), ten kernels
 instead of the layer modules' forty:
 
 1. RMSNorm of the rows (fused into the previous layer's last kernel), q/k/v GEMM;
@@ -27,8 +28,9 @@ all requests, each segment of rows over its own slot (``batched_gqa_attention``)
 
 Then the LM head (cuBLAS) and the rows' argmax (two kernels). The small kernels and the attention
 are launched with programmatic dependent launch. The arithmetic is the layers' (each kernel rounds
-where ``engine/model.py`` rounds, the GEMMs are the same cuBLAS calls); RMSNorm sums its squares
-in another order. On Llama-3.1-8B shapes (H200) this is the fastest verify step measured here:
+where ``engine/model.py`` rounds, the GEMMs are ``F.linear`` calls of the same shapes, on cuBLASLt
+at the row counts the table gives it, where they may round unlike the layers' cuBLAS kernels);
+RMSNorm sums its squares in another order. On Llama-3.1-8B shapes (H200) this is the fastest verify step measured here:
 the GEMMs stay near cuBLAS's flat cost from 1 to 64 rows, which fused tensor-core projections in
 Triton did not reach (``lab/verify/gemm.py``).
 """
@@ -36,7 +38,8 @@ Triton did not reach (``lab/verify/gemm.py``).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from specpilot.kernels.verify import blas
 
 MAX_ROWS = 64
 
@@ -59,7 +62,7 @@ def _linear(h, lin):
         from specpilot.kernels.w12.routing import w12_linear
 
         return w12_linear(h, kp)
-    return F.linear(h, lin.weight)
+    return blas.linear(h, lin.weight)
 
 
 def takes_batch(model) -> bool:

@@ -188,6 +188,15 @@ def test_every_table_entry_names_a_known_kernel_and_valid_config_fields():
             assert e["kernel"] in ("split-kv", "split-kv-batched") and _rows_ok(e["rows"]), e
             assert set(e["config"]) == {f.name for f in dataclasses.fields(attn.SplitConfig)}, e
             assert attn.SplitConfig(**e["config"]).target_programs >= 1 and len(e["date"]) == 10 and e["note"], e
+    from specpilot.kernels.verify import blas
+
+    for path in _tables("verify"):
+        data = json.loads(path.read_text())
+        assert data["op"] == "verify" and data["arch"] == path.stem and set(data["measured"]["benchmarks"]) == {"gemm"}
+        for e in data["entries"]:
+            assert e["kernel"] == "gemm" and _rows_ok(e["rows"]) and len(e["date"]) == 10 and e["note"], e
+            assert set(e["config"]) == {f.name for f in dataclasses.fields(blas.GemmConfig)}, e
+            assert blas.GemmConfig(**e["config"]).library in blas.LIBRARIES, e
     for path in _tables("lm_head"):
         data = json.loads(path.read_text())
         assert data["op"] == "lm_head" and data["arch"] == path.stem

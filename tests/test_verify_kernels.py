@@ -345,3 +345,28 @@ def test_gpu_verify_step_graph_equals_eager_with_and_without_pdl(weights, monkey
         assert all(torch.equal(x, eager) for x in got)
         outs[pdl] = eager
     assert torch.equal(outs[True], outs[False])
+
+
+def test_step_gemm_library_comes_from_the_table():
+    """Steps of 32-64 rows take cuBLASLt (the table's entry), others torch's default; fp32 weights
+    and the CPU always take plain ``F.linear``."""
+    from specpilot.kernels.verify import blas
+
+    cpu = torch.device("cpu")
+    assert blas.gemm_config(cpu, 32).library == "cublaslt" and blas.gemm_config(cpu, 64).library == "cublaslt"
+    assert blas.gemm_config(cpu, 16) == blas.gemm_config(cpu, 65) == blas.GemmConfig()
+    x, w = torch.randn(32, 48, device=DEV), torch.randn(24, 48, device=DEV)
+    assert torch.equal(blas.linear(x, w), torch.nn.functional.linear(x, w))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_step_gemm_on_cublaslt_agrees_and_restores_the_preference():
+    from specpilot.kernels.verify import blas
+
+    before = torch.backends.cuda.preferred_blas_library()
+    x = torch.randn(32, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) * 0.02
+    got = blas.linear(x, w)
+    assert torch.backends.cuda.preferred_blas_library() == before
+    torch.testing.assert_close(got.float(), x.float() @ w.float().T, atol=3e-2, rtol=2e-2)

@@ -3,6 +3,8 @@
 * :mod:`.rows`    ``rms_norm_rows``, ``add_rms_norm_rows`` (residual add + the next RMSNorm),
   ``rope_store_rows`` (RoPE at each row's position, K/V into the caches at each row's slot, q
   out), ``silu_mul_rows``: one kernel each, launched with programmatic dependent launch
+* :mod:`.blas`    the projections' ``F.linear`` on the BLAS library the measured table picks for
+  the step's rows (``tuned/<arch>.json``)
 * :mod:`.common`  the PDL switch
 * :mod:`.naive`   the plain torch references (the layers' arithmetic)
 

@@ -1,0 +1,55 @@
+"""The dense projections of a multi-row step: ``F.linear`` (cuBLAS) on the BLAS library that the
+measured table (``kernels/verify/tuned/<arch>.json``) picks for the step's rows.
+
+torch reads its preferred BLAS library (``torch.backends.cuda.preferred_blas_library``) when it
+launches a GEMM, and a CUDA graph keeps the kernel chosen at capture, so a step captured at 32
+rows holds cuBLASLt's kernels where the table says they win there and cuBLAS's elsewhere. The
+preference is set around the one call and restored after it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+
+from .. import tuning
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """``library``: ``default`` (torch's own choice: cuBLAS on CUDA) or ``cublaslt``."""
+
+    library: str = "default"
+
+
+LIBRARIES = ("default", "cublaslt")
+
+
+@lru_cache(maxsize=None)
+def _config(arch: str | None, rows: int) -> GemmConfig:
+    found = tuning.lookup("verify", "gemm", arch, rows=rows)
+    return GemmConfig(**found[0]["config"]) if found else GemmConfig()
+
+
+def gemm_config(device, rows: int) -> GemmConfig:
+    """The table's library for a step of ``rows`` rows on ``device``."""
+    return _config(tuning.device_arch(device), rows)
+
+
+def linear(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``F.linear(h, w)`` (no bias); half-precision weights on CUDA go through the library the
+    table picks for ``h``'s rows."""
+    if h.device.type != "cuda" or w.dtype not in (torch.bfloat16, torch.float16):
+        return F.linear(h, w)
+    lib = gemm_config(h.device, h.shape[0]).library
+    if lib == "default":
+        return F.linear(h, w)
+    prev = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(lib)
+    try:
+        return F.linear(h, w)
+    finally:
+        torch.backends.cuda.preferred_blas_library(prev)
