@@ -136,3 +136,13 @@ def test_warm_up_captures_every_one_row_bucket_and_leaves_no_trace(model):
     assert dec.idle() and dec.streak is None and dec.stats.tokens == 0 and dec.stats.verify_steps == 0
     res = dec.generate_many(_requests((20,) * 6, (0, 0, 2, 3, 7, 12)))
     assert [r.output_ids for r in res] == ref and dec.stats.tokens == 120
+
+
+def test_warm_up_fits_a_small_cache(model):
+    """Warm-up requests never ask for more cache than the slots hold (a short context, many slots)."""
+    from specpilot.engine.batch.cache import BatchCache
+
+    dec = BatchDecoder(model, "ar", batch=16, graphs=True)
+    dec.cache = BatchCache(model, 16, max_seq=40)
+    dec.runner.cache = dec.cache
+    assert dec.warm_up() > 0 and dec.idle()

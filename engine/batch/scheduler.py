@@ -214,9 +214,10 @@ class BatchDecoder:
 
         t0 = time.perf_counter()
         V = self.model.spec.vocab_size
+        room = self.cache.max_seq - self.capacity_needed(2, 0)   # new tokens a 2-token prompt may take
 
         def short(i: int, n: int) -> Request:
-            return Request([(3 * i + 1) % V, (5 * i + 2) % V], n, id=("warm-up", i))
+            return Request([(3 * i + 1) % V, (5 * i + 2) % V], max(1, min(n, room)), id=("warm-up", i))
 
         self.generate_many([short(i, 3 * i + 2) for i in range(self.batch)])   # apart by more than a streak's end
         prompts = [Request([(7 * k) % 31 % V for k in range(n)], 4, id=("warm-up", n), arrival_step=1 + j)
