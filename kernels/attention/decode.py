@@ -54,6 +54,7 @@ def split_config(device, batched: bool, rows: int) -> SplitConfig:
     ``rows`` rows, or a batched step's segments of at most ``rows`` rows each, on ``device``."""
     return _split_config(tuning.device_arch(device), batched, rows)
 
+
 if triton is not None:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
