@@ -10,7 +10,8 @@ conditions while step k + 1 runs, so the host work between steps no longer leave
 A streak lasts while its set of requests stays the same. When a request finishes or is cancelled,
 or a waiting request could take a free slot, the scheduler ends it: the step in flight is taken
 too, without the rows of requests that finished before it (such a row wrote one cache position
-past its request's last token, which nothing reads).
+past its request's last token, which nothing reads, and in a hybrid advanced a recurrent state
+that the slot's next request starts from zero or takes over by a copy).
 """
 
 from __future__ import annotations
