@@ -179,24 +179,21 @@ def test_every_table_entry_names_a_known_kernel_and_valid_config_fields():
             if op == "w12":
                 assert data["route"][-1] == {"kernel": "gemm", "note": data["route"][-1]["note"]}   # takes the rest
     from specpilot.kernels.attention import decode as attn
-
-    for path in _tables("attention"):
-        data = json.loads(path.read_text())
-        assert data["op"] == "attention" and data["arch"] == path.stem
-        assert set(data["measured"]["benchmarks"]) <= {"split-kv", "split-kv-batched"}
-        for e in data["entries"]:
-            assert e["kernel"] in ("split-kv", "split-kv-batched") and _rows_ok(e["rows"]), e
-            assert set(e["config"]) == {f.name for f in dataclasses.fields(attn.SplitConfig)}, e
-            assert attn.SplitConfig(**e["config"]).target_programs >= 1 and len(e["date"]) == 10 and e["note"], e
     from specpilot.kernels.verify import blas
 
-    for path in _tables("verify"):
-        data = json.loads(path.read_text())
-        assert data["op"] == "verify" and data["arch"] == path.stem and set(data["measured"]["benchmarks"]) == {"gemm"}
-        for e in data["entries"]:
-            assert e["kernel"] == "gemm" and _rows_ok(e["rows"]) and len(e["date"]) == 10 and e["note"], e
-            assert set(e["config"]) == {f.name for f in dataclasses.fields(blas.GemmConfig)}, e
-            assert blas.GemmConfig(**e["config"]).library in blas.LIBRARIES, e
+    # the tables of one config field per entry: the attention's program target, the verify GEMMs' library
+    for op, kernels, cls, ok in (("attention", {"split-kv", "split-kv-batched"}, attn.SplitConfig,
+                                  lambda c: c.target_programs >= 1),
+                                 ("verify", {"gemm"}, blas.GemmConfig, lambda c: c.library in blas.LIBRARIES)):
+        for path in _tables(op):
+            data = json.loads(path.read_text())
+            assert data["op"] == op and data["arch"] == path.stem
+            bench = set(data["measured"]["benchmarks"])
+            assert bench == kernels if op == "verify" else bench <= kernels
+            for e in data["entries"]:
+                assert e["kernel"] in kernels and _rows_ok(e["rows"]) and len(e["date"]) == 10 and e["note"], e
+                assert set(e["config"]) == {f.name for f in dataclasses.fields(cls)}, e
+                assert ok(cls(**e["config"])), e
     for path in _tables("lm_head"):
         data = json.loads(path.read_text())
         assert data["op"] == "lm_head" and data["arch"] == path.stem
