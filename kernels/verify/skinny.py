@@ -1,0 +1,119 @@
+"""Skinny bf16 GEMM ``y = x @ W.T`` for steps of 2..64 rows: split-K on the tensor cores with a
+fixed-order reduction, where the measured table says it beats cuBLAS (:mod:`.blas` routes).
+
+cuBLAS picks tiles for GEMMs whose rows fill an MMA; a verify or batched step's 2..64 rows do not,
+and its kernels stream the weights below the bandwidth the one-row GEMV reaches. Here a program
+owns ``block_n`` weight rows and a contiguous range of ``block_k``-column tiles: each iteration
+loads one ``[block_n, block_k]`` weight tile and the step's ``[MP, block_k]`` x tile (``MP``: the
+rows padded to a power of two >= 16, rows past M read as zero) and accumulates
+``W_tile @ x_tile.T`` in fp32, weights on the MMA's long side. With ``split > 1`` the programs of
+an output block write fp32 partial tiles to a workspace (:mod:`specpilot.kernels.workspace`) and
+the last of them (a counter) sums them in split order: results are bitwise identical run to run.
+Under programmatic dependent launch a program waits for the previous kernel before its first
+load. The plain reference is :func:`.naive.linear`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specpilot.kernels import workspace
+from specpilot.kernels.triton_env import interpreting, pdl_args, tl, triton
+from specpilot.kernels.verify import common
+
+MAX_ROWS = 64
+
+if triton is not None:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    @triton.jit
+    def _skinny_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, TILES, SPLIT, stride_x, stride_w, stride_y,
+                       MP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_SPLIT: tl.constexpr,
+                       STAGES: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        if PDL:
+            gdc_launch_dependents()
+            gdc_wait()
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = tl.arange(0, MP)
+        rk = tl.arange(0, BLOCK_K)
+        nmask = rn < N
+        mmask = rm < M
+        acc = tl.zeros((BLOCK_N, MP), dtype=tl.float32)
+        k0 = pid_k * TILES * BLOCK_K
+        w_base = w_ptr + rn[:, None].to(tl.int64) * stride_w
+        x_base = x_ptr + rm[:, None] * stride_x
+        for i in tl.range(0, TILES, num_stages=STAGES):
+            kk = k0 + i * BLOCK_K + rk
+            kmask = kk < K
+            w = tl.load(w_base + kk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+            x = tl.load(x_base + kk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+            if UPCAST:   # the interpreter's bf16 tl.dot is wrong; fp32 operands hold bf16 products exactly
+                acc += tl.dot(w.to(tl.float32), tl.trans(x).to(tl.float32), input_precision="ieee")
+            else:
+                acc = tl.dot(w, tl.trans(x), acc)
+        out = y_ptr + rm[None, :] * stride_y + rn[:, None]
+        omask = nmask[:, None] & mmask[None, :]
+        if not USE_SPLIT:
+            tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=omask)
+        else:
+            tile = tl.arange(0, BLOCK_N)[:, None] * MP + rm[None, :]
+            blk = ws_ptr + pid_n.to(tl.int64) * (SPLIT * BLOCK_N * MP)
+            tl.store(blk + pid_k * (BLOCK_N * MP) + tile, acc, cache_modifier=".cg")
+            if tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel") == SPLIT - 1:
+                total = tl.zeros((BLOCK_N, MP), dtype=tl.float32)
+                for s in range(SPLIT):
+                    total += tl.load(blk + s * (BLOCK_N * MP) + tile, cache_modifier=".cg")
+                tl.store(out, total.to(y_ptr.dtype.element_ty), mask=omask)
+                tl.store(cnt_ptr + pid_n, 0)
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    """``block_n`` weight rows and ``block_k`` columns per tile, ``split`` programs along K per
+    output block (1: no workspace), ``warps``, ``stages`` (software pipelining depth)."""
+
+    block_n: int = 128
+    block_k: int = 128
+    split: int = 1
+    warps: int = 4
+    stages: int = 4
+
+    def key(self) -> str:
+        return f"n{self.block_n}-k{self.block_k}-s{self.split}-w{self.warps}-st{self.stages}"
+
+
+def row_tile(rows: int) -> int:
+    """Rows a tile covers (``tl.dot`` needs at least 16): the next power of two >= ``rows``."""
+    return max(16, 1 << (rows - 1).bit_length())
+
+
+def skinny_linear(x: torch.Tensor, w: torch.Tensor, cfg: SkinnyConfig = SkinnyConfig()) -> torch.Tensor:
+    """``x @ w.T`` for x [M, K] (1 <= M <= 64, contiguous in K) and w [N, K] contiguous, bf16 or fp16."""
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"x [M, K] and w [N, K] expected, got {tuple(x.shape)} and {tuple(w.shape)}")
+    M, K = x.shape
+    N = w.shape[0]
+    if not 1 <= M <= MAX_ROWS:
+        raise ValueError(f"the skinny GEMM takes 1..{MAX_ROWS} rows, got {M}")
+    if x.stride(1) != 1 or w.stride(1) != 1 or x.dtype != w.dtype:
+        raise ValueError("x and w must be contiguous in K and of one dtype")
+    mp = row_tile(M)
+    kt = triton.cdiv(K, cfg.block_k)
+    tiles = triton.cdiv(kt, max(1, min(cfg.split, kt)))
+    split = triton.cdiv(kt, tiles)          # no program without a tile
+    nb = triton.cdiv(N, cfg.block_n)
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if split > 1:
+        ws = workspace.scratch(x.device, "skinny.partials", nb * split * cfg.block_n * mp)
+        cnt = workspace.counters(x.device, "skinny.blocks", nb)
+    else:
+        ws = cnt = y
+    _skinny_kernel[(nb, split)](x, w, y, ws, cnt, M, N, K, tiles, split, x.stride(0), w.stride(0), y.stride(0),
+                                MP=mp, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_SPLIT=split > 1,
+                                STAGES=cfg.stages, UPCAST=interpreting(), num_warps=cfg.warps,
+                                **pdl_args(common.USE_PDL, x))
+    return y
