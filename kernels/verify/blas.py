@@ -1,5 +1,7 @@
-"""The dense projections of a multi-row step: ``F.linear`` (cuBLAS) on the BLAS library that the
-measured table (``kernels/verify/tuned/<arch>.json``) picks for the step's rows.
+"""The dense projections of a multi-row step: the skinny GEMM (:mod:`.skinny`) where the measured
+table (``kernels/verify/tuned/<arch>.json``) has a ``skinny`` entry for the layer (``n``, ``k``) and
+the step's rows, else ``F.linear`` (cuBLAS) on the BLAS library the table's ``gemm`` entries pick
+for the step's rows.
 
 torch reads its preferred BLAS library (``torch.backends.cuda.preferred_blas_library``) when it
 launches a GEMM, and a CUDA graph keeps the kernel chosen at capture, so a step captured at 32
@@ -16,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import tuning
+from .skinny import SkinnyConfig, skinny_linear
 
 
 @dataclass(frozen=True)
@@ -39,11 +42,26 @@ def gemm_config(device, rows: int) -> GemmConfig:
     return _config(tuning.device_arch(device), rows)
 
 
+@lru_cache(maxsize=None)
+def _skinny(arch: str | None, n: int, k: int, rows: int) -> SkinnyConfig | None:
+    found = tuning.lookup("verify", "skinny", arch, rows=rows, n=n, k=k)
+    return SkinnyConfig(**found[0]["config"]) if found else None
+
+
+def skinny_config(device, n: int, k: int, rows: int) -> SkinnyConfig | None:
+    """The table's skinny-GEMM config for a layer [n, k] at ``rows`` rows on ``device``, None
+    where cuBLAS runs it."""
+    return _skinny(tuning.device_arch(device), n, k, rows)
+
+
 def linear(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``F.linear(h, w)`` (no bias); half-precision weights on CUDA go through the library the
-    table picks for ``h``'s rows."""
+    """``F.linear(h, w)`` (no bias); half-precision weights on CUDA go through the skinny GEMM or
+    the BLAS library the table picks for the layer and ``h``'s rows."""
     if h.device.type != "cuda" or w.dtype not in (torch.bfloat16, torch.float16):
         return F.linear(h, w)
+    cfg = skinny_config(h.device, w.shape[0], w.shape[1], h.shape[0])
+    if cfg is not None and h.dtype == w.dtype and h.stride(-1) == 1 and w.stride(-1) == 1:
+        return skinny_linear(h, w, cfg)
     lib = gemm_config(h.device, h.shape[0]).library
     if lib == "default":
         return F.linear(h, w)

@@ -57,3 +57,9 @@ def silu_mul(gu: torch.Tensor, inter: int) -> torch.Tensor:
     """``silu(gate) * up`` of gate/up rows [T, 2 inter] (gate first)."""
     gate, up = gu.split([inter, inter], -1)
     return F.silu(gate) * up
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T`` accumulated in fp32 and rounded once to x's dtype (the skinny GEMM's arithmetic,
+    up to the order of the fp32 sums)."""
+    return (x.float() @ w.float().T).to(x.dtype)

@@ -40,6 +40,24 @@ def sweep_configs(k: int, n: int, quick: bool) -> list[SkinnyConfig]:
     return out
 
 
+SPANS = {4: [2, 4], 8: [5, 8], 16: [9, 16], 32: [17, 32], 64: [33, 64]}   # rows a measured point stands for
+WIN = 1.03   # the skinny GEMM must beat the faster BLAS library by this much to take a span
+
+
+def table_entries(points: list[dict]) -> list[dict]:
+    """``kernels/verify/tuned`` entries for the points the skinny GEMM won (rows 4/8/16/32/64 stand
+    for the row spans their tile covers)."""
+    out = []
+    for p in points:
+        if p["rows"] in SPANS and p["speedup_vs_best_blas"] >= WIN:
+            n_, k_, s_, w_, st_ = (int(v[1:] if not v.startswith("st") else v[2:]) for v in p["config"].split("-"))
+            out.append({"kernel": "skinny", "n": p["n"], "k": p["k"], "rows": SPANS[p["rows"]],
+                        "config": {"block_n": n_, "block_k": k_, "split": s_, "warps": w_, "stages": st_},
+                        "note": f"{p['skinny_us']:.1f} us vs cuBLAS {p['cublas_us']:.1f} / cuBLASLt "
+                                f"{p['cublaslt_us']:.1f} us at {p['rows']} rows"})
+    return out
+
+
 def main() -> None:
     from lab.common import L2Flusher, bootstrap, parse_int_list, time_interleaved, write_results
 
@@ -91,7 +109,7 @@ def main() -> None:
             out.append(row)
             print({a: (round(b, 3) if isinstance(b, float) else b) for a, b in row.items() if a != "sweep_base"},
                   flush=True)
-            write_results("skinny", out)   # after every point: a run cut short keeps what it measured
+            write_results("skinny", out, {"table_entries": table_entries(out)})   # a run cut short keeps its points
         del w
 
 
