@@ -9,8 +9,8 @@ rows padded to a power of two >= 16, rows past M read as zero) and accumulates
 ``W_tile @ x_tile.T`` in fp32, weights on the MMA's long side. With ``split > 1`` the programs of
 an output block write fp32 partial tiles to a workspace (:mod:`specpilot.kernels.workspace`) and
 the last of them (a counter) sums them in split order: results are bitwise identical run to run.
-Under programmatic dependent launch a program waits for the previous kernel before its first
-load. The plain reference is :func:`.naive.linear`.
+Under programmatic dependent launch a program loads its first weight tile before it waits for
+the previous kernel. The plain reference is :func:`.naive.linear`.
 """
 
 from __future__ import annotations
@@ -29,32 +29,42 @@ if triton is not None:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     @triton.jit
+    def _mma(acc, w, x, UPCAST: tl.constexpr):
+        """``acc + w @ x.T`` in fp32; under the interpreter on fp32 operands (its bf16 ``tl.dot`` is
+        wrong; fp32 holds bf16 products exactly)."""
+        if UPCAST:
+            return acc + tl.dot(w.to(tl.float32), tl.trans(x).to(tl.float32), input_precision="ieee")
+        else:
+            return tl.dot(w, tl.trans(x), acc)
+
+    @triton.jit
     def _skinny_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, TILES, SPLIT, stride_x, stride_w, stride_y,
                        MP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_SPLIT: tl.constexpr,
                        STAGES: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
-        if PDL:
-            gdc_launch_dependents()
-            gdc_wait()
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = tl.arange(0, MP)
         rk = tl.arange(0, BLOCK_K)
         nmask = rn < N
         mmask = rm < M
-        acc = tl.zeros((BLOCK_N, MP), dtype=tl.float32)
         k0 = pid_k * TILES * BLOCK_K
         w_base = w_ptr + rn[:, None].to(tl.int64) * stride_w
         x_base = x_ptr + rm[:, None] * stride_x
-        for i in tl.range(0, TILES, num_stages=STAGES):
+        # the first weight tile: weights are constant, so under PDL it is read before the wait,
+        # while the previous kernel drains
+        w = tl.load(w_base + (k0 + rk)[None, :], mask=nmask[:, None] & ((k0 + rk) < K)[None, :], other=0.0)
+        if PDL:
+            gdc_launch_dependents()
+            gdc_wait()
+        x = tl.load(x_base + (k0 + rk)[None, :], mask=mmask[:, None] & ((k0 + rk) < K)[None, :], other=0.0)
+        acc = _mma(tl.zeros((BLOCK_N, MP), dtype=tl.float32), w, x, UPCAST)
+        for i in tl.range(1, TILES, num_stages=STAGES):
             kk = k0 + i * BLOCK_K + rk
             kmask = kk < K
             w = tl.load(w_base + kk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
             x = tl.load(x_base + kk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
-            if UPCAST:   # the interpreter's bf16 tl.dot is wrong; fp32 operands hold bf16 products exactly
-                acc += tl.dot(w.to(tl.float32), tl.trans(x).to(tl.float32), input_precision="ieee")
-            else:
-                acc = tl.dot(w, tl.trans(x), acc)
+            acc = _mma(acc, w, x, UPCAST)
         out = y_ptr + rm[None, :] * stride_y + rn[:, None]
         omask = nmask[:, None] & mmask[None, :]
         if not USE_SPLIT:

@@ -1,10 +1,13 @@
 """The skinny GEMM (``kernels/verify/skinny.py``) against cuBLAS and cuBLASLt ``F.linear`` for
 2..64 rows: its config sweep per (layer, rows), the winner re-timed beside both libraries.
 
-    python lab/verify/skinny.py [--rows 1,4,8,16,32,64] [--quick]
+    python lab/verify/skinny.py [--rows 4,8,16,32,64] [--quick] [--steps llama-3.1-8b,qwen3.5-9b]
 
 Times every config of the sweep per (layer, rows) against cuBLAS and cuBLASLt in the same
-process (CUDA graphs, L2 flushed by reading, interleaved rounds). Writes lab/results/skinny.json.
+process (CUDA graphs, L2 flushed by reading, interleaved rounds) and proposes table entries where
+it wins. ``--steps``: whole steps (random bf16 weights, context 1024, CUDA graphs; one request of
+2..64 rows, and 4/16/32 requests x 1 row for dense models) with the proposed entries routed and
+without (cuBLAS everywhere), alternating, two rounds. Writes lab/results/skinny.json.
 """
 
 from __future__ import annotations
@@ -21,7 +24,10 @@ import torch  # noqa: E402
 from specpilot.kernels.verify.skinny import SkinnyConfig, skinny_linear  # noqa: E402
 
 
-LAYERS = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (5120, 7168), (5120, 34816), (17408, 5120)]
+# (k, n) of the engine's dense projections: Llama-3.1-8B (q/k/v, o, gate/up, down), then Qwen3.5-9B's
+# others (GDN in_proj, gated attention's q/k/v, gate/up, down)
+LAYERS = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (4096, 12352), (4096, 10240), (4096, 24576),
+          (12288, 4096)]
 
 
 def sweep_configs(k: int, n: int, quick: bool) -> list[SkinnyConfig]:
@@ -49,7 +55,7 @@ def table_entries(points: list[dict]) -> list[dict]:
     for the row spans their tile covers)."""
     out = []
     for p in points:
-        if p["rows"] in SPANS and p["speedup_vs_best_blas"] >= WIN:
+        if p["kind"] == "layer" and p["rows"] in SPANS and p["speedup_vs_best_blas"] >= WIN:
             n_, k_, s_, w_, st_ = (int(v[1:] if not v.startswith("st") else v[2:]) for v in p["config"].split("-"))
             out.append({"kernel": "skinny", "n": p["n"], "k": p["k"], "rows": SPANS[p["rows"]],
                         "config": {"block_n": n_, "block_k": k_, "split": s_, "warps": w_, "stages": st_},
@@ -58,13 +64,55 @@ def table_entries(points: list[dict]) -> list[dict]:
     return out
 
 
+def steps(models: list[str], entries: list[dict], rounds: int = 2, device: str = "cuda") -> list[dict]:
+    from specpilot.engine.api import load_target
+    from specpilot.engine.batch.probe import measure_rows_batched
+    from specpilot.engine.rows import measure_rows
+    from specpilot.engine.spec import EngineSpec
+    from specpilot.kernels.verify import blas
+
+    def proposed(arch, n, k, rows):
+        for e in entries:
+            if e["n"] == n and e["k"] == k and e["rows"][0] <= rows <= e["rows"][1]:
+                return SkinnyConfig(**e["config"])
+        return None
+
+    table = blas._skinny
+    out = []
+    try:
+        for name in models:
+            target = load_target(EngineSpec.parse(f"engine:model={name},random=1,device={device},ctx={1024 + 128}"))
+            for rnd in range(rounds):
+                for mode in ("cublas", "skinny"):
+                    blas._skinny = proposed if mode == "skinny" else (lambda arch, n, k, rows: None)
+                    res = measure_rows(target.model, [2, 4, 8, 16, 32, 33, 64], 1024, reps=30, warmup=5)
+                    for p in res.points:
+                        out.append({"kind": "step", "model": name, "mode": mode, "round": rnd, "batch": 1,
+                                    "rows": p["rows"], "step_ms": p["step_ms"], "c": p["c"]})
+                        print(out[-1], flush=True)
+                    if not target.model.spec.is_hybrid:
+                        for b in (4, 16, 32):
+                            bres = measure_rows_batched(target.model, b, [1], 1024, reps=30, warmup=5)
+                            for p in bres.points:
+                                out.append({"kind": "step", "model": name, "mode": mode, "round": rnd, "batch": b,
+                                            "rows": p["rows"], "step_ms": p["step_ms"], "c": p["c"]})
+                                print(out[-1], flush=True)
+            del target
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    finally:
+        blas._skinny = table
+    return out
+
+
 def main() -> None:
     from lab.common import L2Flusher, bootstrap, parse_int_list, time_interleaved, write_results
 
     bootstrap()
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", default="1,4,8,16,32,64")
+    ap.add_argument("--rows", default="4,8,16,32,64")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--steps", default="", help="models whose whole steps to time with and without the entries")
     args = ap.parse_args()
     rows_list = parse_int_list(args.rows, 1, 64, "rows")
     import torch.nn.functional as F
@@ -102,7 +150,7 @@ def main() -> None:
                                      flush=flush, rounds=5, reps=50)
             torch.backends.cuda.preferred_blas_library("cublas")
             floor_us = n * k * 2 / 4.8e6
-            row = {"k": k, "n": n, "rows": rows, "cublas_us": final[0], "cublaslt_us": final[1], "skinny_us": final[2],
+            row = {"kind": "layer", "k": k, "n": n, "rows": rows, "cublas_us": final[0], "cublaslt_us": final[1], "skinny_us": final[2],
                    "speedup_vs_best_blas": min(final[0], final[1]) / final[2], "floor_us": floor_us,
                    "skinny_of_floor": floor_us / final[2], "cublas_of_floor": floor_us / final[0],
                    "config": cfg.key(), "max_err": err, "sweep_base": base}
@@ -111,6 +159,18 @@ def main() -> None:
                   flush=True)
             write_results("skinny", out, {"table_entries": table_entries(out)})   # a run cut short keeps its points
         del w
+    entries = table_entries(out)
+    if args.steps:
+        out += steps([m for m in args.steps.split(",") if m], entries)
+        write_results("skinny", out, {"table_entries": entries})
+        summary = {}
+        for r in out:
+            if r.get("kind") == "step":
+                summary.setdefault((r["model"], r["batch"], r["rows"], r["mode"]), []).append(r["step_ms"])
+        for (m, b, n, mode), v in sorted(summary.items()):
+            if mode == "cublas":
+                on = min(summary[(m, b, n, "skinny")])
+                print(f"{m} batch {b} rows {n}: cublas {min(v):.3f} ms, skinny {on:.3f} ms ({min(v) / on:.3f}x)")
 
 
 if __name__ == "__main__":
