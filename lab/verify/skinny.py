@@ -6,8 +6,9 @@
 Times every config of the sweep per (layer, rows) against cuBLAS and cuBLASLt in the same
 process (CUDA graphs, L2 flushed by reading, interleaved rounds) and proposes table entries where
 it wins. ``--steps``: whole steps (random bf16 weights, context 1024, CUDA graphs; one request of
-2..64 rows, and 4/16/32 requests x 1 row for dense models) with the proposed entries routed and
-without (cuBLAS everywhere), alternating, two rounds. Writes lab/results/skinny.json.
+4..64 rows, and 4/16/32 requests x 1 row for dense models) without the proposed entries (cuBLAS
+everywhere), with them, and with them and the attention's walk pipelined two deep, alternating,
+two rounds. Writes lab/results/skinny.json.
 """
 
 from __future__ import annotations
@@ -64,11 +65,17 @@ def table_entries(points: list[dict]) -> list[dict]:
     return out
 
 
+MODES = ("cublas", "skinny", "skinny+pipe2")   # the step's GEMMs; "+pipe2": attention walk pipelined 2 deep
+
+
 def steps(models: list[str], entries: list[dict], rounds: int = 2, device: str = "cuda") -> list[dict]:
+    import dataclasses
+
     from specpilot.engine.api import load_target
     from specpilot.engine.batch.probe import measure_rows_batched
     from specpilot.engine.rows import measure_rows
     from specpilot.engine.spec import EngineSpec
+    from specpilot.kernels.attention import decode as attn
     from specpilot.kernels.verify import blas
 
     def proposed(arch, n, k, rows):
@@ -77,15 +84,17 @@ def steps(models: list[str], entries: list[dict], rounds: int = 2, device: str =
                 return SkinnyConfig(**e["config"])
         return None
 
-    table = blas._skinny
+    table, split = blas._skinny, attn._split_config
     out = []
     try:
         for name in models:
             target = load_target(EngineSpec.parse(f"engine:model={name},random=1,device={device},ctx={1024 + 128}"))
             for rnd in range(rounds):
-                for mode in ("cublas", "skinny"):
-                    blas._skinny = proposed if mode == "skinny" else (lambda arch, n, k, rows: None)
-                    res = measure_rows(target.model, [2, 4, 8, 16, 32, 33, 64], 1024, reps=30, warmup=5)
+                for mode in MODES:
+                    blas._skinny = proposed if mode.startswith("skinny") else (lambda arch, n, k, rows: None)
+                    attn._split_config = ((lambda arch, b, r: dataclasses.replace(split(arch, b, r), stages=2))
+                                          if mode.endswith("pipe2") else split)
+                    res = measure_rows(target.model, [4, 8, 16, 32, 33, 64], 1024, reps=30, warmup=5)
                     for p in res.points:
                         out.append({"kind": "step", "model": name, "mode": mode, "round": rnd, "batch": 1,
                                     "rows": p["rows"], "step_ms": p["step_ms"], "c": p["c"]})
@@ -101,7 +110,7 @@ def steps(models: list[str], entries: list[dict], rounds: int = 2, device: str =
             if device == "cuda":
                 torch.cuda.empty_cache()
     finally:
-        blas._skinny = table
+        blas._skinny, attn._split_config = table, split
     return out
 
 
@@ -169,8 +178,8 @@ def main() -> None:
                 summary.setdefault((r["model"], r["batch"], r["rows"], r["mode"]), []).append(r["step_ms"])
         for (m, b, n, mode), v in sorted(summary.items()):
             if mode == "cublas":
-                on = min(summary[(m, b, n, "skinny")])
-                print(f"{m} batch {b} rows {n}: cublas {min(v):.3f} ms, skinny {on:.3f} ms ({min(v) / on:.3f}x)")
+                print(f"{m} batch {b} rows {n}: " + ", ".join(
+                    f"{md} {min(summary[(m, b, n, md)]):.3f} ms" for md in MODES))
 
 
 if __name__ == "__main__":
