@@ -112,24 +112,6 @@ def test_program_targets_come_from_the_measured_table():
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("stages", [2, 3])
-def test_pipelined_walk_gives_the_skipping_walk_bit_for_bit(stages):
-    """``stages`` >= 2 walks every tile of a program's slice, pipelined, with the tiles no row
-    attends predicated off; the results equal the one-by-one walk that skips them, for one request
-    and batched, with dead tiles at the tail and in the middle of the cache."""
-    q, k, v, mask = _case(6, 8, 2, 32, 400, seed=9)
-    mask[:, 64:192] = False   # two dead tiles in the middle
-    one = fused.masked_gqa_attention(q, k, v, mask, 0.2, cfg=fused.SplitConfig(4, 1))
-    piped = fused.masked_gqa_attention(q, k, v, mask, 0.2, cfg=fused.SplitConfig(4, stages))
-    assert torch.equal(one, piped)
-    torch.testing.assert_close(piped, ref.masked_gqa_attention(q, k, v, mask, 0.2), atol=2e-6, rtol=2e-6)
-    kb, vb = torch.stack([k, k.flip(1)]), torch.stack([v, v.flip(1)])
-    segs = torch.tensor([[0, 2, 1], [2, 4, 0]], dtype=torch.int32)
-    a = fused.batched_gqa_attention(q, kb, vb, mask, 0.2, segs, 4, cfg=fused.SplitConfig(8, 1))
-    b = fused.batched_gqa_attention(q, kb, vb, mask, 0.2, segs, 4, cfg=fused.SplitConfig(8, stages))
-    assert torch.equal(a, b)
-
-
 def test_fused_refuses_unsupported_shapes():
     q, k, v, mask = _case(1, 6, 4, 16, 64)
     with pytest.raises(ValueError, match="divisible"):

@@ -181,17 +181,22 @@ def test_every_table_entry_names_a_known_kernel_and_valid_config_fields():
     from specpilot.kernels.attention import decode as attn
     from specpilot.kernels.verify import blas
 
-    # the tables of one config field per entry: the attention's program target, the verify GEMMs' library
-    for op, kernels, cls, ok in (("attention", {"split-kv", "split-kv-batched"}, attn.SplitConfig,
-                                  lambda c: c.target_programs >= 1),
-                                 ("verify", {"gemm"}, blas.GemmConfig, lambda c: c.library in blas.LIBRARIES)):
+    # the attention's program target; the verify GEMMs' library (by rows) and skinny configs (by layer and rows)
+    skinny_ok = lambda c: c.split >= 1 and c.stages >= 1  # noqa: E731
+    for op, kernels in (("attention", {"split-kv": (attn.SplitConfig, lambda c: c.target_programs >= 1, set()),
+                                       "split-kv-batched": (attn.SplitConfig, lambda c: c.target_programs >= 1,
+                                                            set())}),
+                        ("verify", {"gemm": (blas.GemmConfig, lambda c: c.library in blas.LIBRARIES, set()),
+                                    "skinny": (blas.SkinnyConfig, skinny_ok, {"n", "k"})})):
         for path in _tables(op):
             data = json.loads(path.read_text())
             assert data["op"] == op and data["arch"] == path.stem
             bench = set(data["measured"]["benchmarks"])
-            assert bench == kernels if op == "verify" else bench <= kernels
+            assert bench == set(kernels) if op == "verify" else bench <= set(kernels)
             for e in data["entries"]:
                 assert e["kernel"] in kernels and _rows_ok(e["rows"]) and len(e["date"]) == 10 and e["note"], e
+                cls, ok, keys = kernels[e["kernel"]]
+                assert set(e) == {"kernel", "rows", "config", "date", "note"} | keys, e
                 assert set(e["config"]) == {f.name for f in dataclasses.fields(cls)}, e
                 assert ok(cls(**e["config"])), e
     for path in _tables("lm_head"):
@@ -229,16 +234,20 @@ def _default_configs(kernel: str):
     if kernel in ("gemm", "gemv", "warpk"):
         mod = {"gemm": gemm, "gemv": gemv, "warpk": warpk}[kernel]
         return [mod.default_config(m, n, k) for n, k in SHAPES for m in ROWS if kernel != "warpk" or m <= 32]
+    if kernel == "verify/skinny":
+        return []   # no default: a layer without an entry runs on cuBLAS
     mod = {"decode/gemv": dgemv, "decode/gemv-w12": gemv_w12, "decode/gemv-w12-gluon": gemv_w12_gluon}[kernel]
     return [mod.DEFAULT]
 
 
 @pytest.mark.parametrize("kernel", ["mma", "warpk", "gemv-gluon", "gemv", "gemm", "decode/gemv", "decode/gemv-w12",
-                                    "decode/gemv-w12-gluon"])
+                                    "decode/gemv-w12-gluon", "verify/skinny"])
 def test_every_config_field_is_set_by_a_table_entry_or_the_default_heuristic(kernel):
+    from specpilot.kernels.verify.skinny import SkinnyConfig
+
     w12, decode = _config_classes()
     op, name = kernel.split("/") if "/" in kernel else ("w12", kernel)
-    cls = (decode if op == "decode" else w12)[name]
+    cls = {"decode": decode, "w12": w12, "verify": {"skinny": SkinnyConfig}}[op][name]
     default = cls()
     configs = [cls(**e["config"]) for path in _tables(op) for e in json.loads(path.read_text())["entries"]
                if e["kernel"] == name]

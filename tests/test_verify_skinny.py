@@ -36,12 +36,12 @@ def _ulps_ok(got, want):
 
 
 @pytest.mark.parametrize("m,k,n,cfg", [
-    (1, 128, 64, SkinnyConfig(64, 64, 1, 4, 2)),
-    (3, 256, 96, SkinnyConfig(64, 64, 1, 4, 2)),        # N not a multiple of block_n
-    (16, 300, 130, SkinnyConfig(64, 64, 3, 4, 2)),      # K not a multiple of block_k, split-K
-    (17, 512, 64, SkinnyConfig(64, 128, 4, 4, 2)),      # the 32-row tile, split 4
-    (33, 256, 128, SkinnyConfig(128, 64, 8, 4, 2)),     # 64-row tile, more splits than ... tiles allow
-    (64, 192, 64, SkinnyConfig(64, 64, 2, 4, 2)),
+    (1, 128, 64, SkinnyConfig(1, 2)),
+    (3, 256, 96, SkinnyConfig(1, 2)),        # N not a multiple of BLOCK_N
+    (16, 300, 130, SkinnyConfig(3, 2)),      # K not a multiple of BLOCK_K, split-K
+    (17, 512, 64, SkinnyConfig(4, 2)),       # the 32-row tile, split 4
+    (33, 256, 128, SkinnyConfig(8, 2)),      # the 64-row tile, more splits asked than K has tiles
+    (64, 192, 64, SkinnyConfig(2, 3)),
 ])
 def test_skinny_gemm_matches_the_reference(m, k, n, cfg):
     x, w = _pair(m, k, n, seed=m)
@@ -55,22 +55,22 @@ def test_split_k_is_bitwise_deterministic_and_leaves_the_counters_at_zero():
     from specpilot.kernels import workspace
 
     x, w = _pair(9, 640, 192, seed=3)
-    cfg = SkinnyConfig(64, 64, 5, 4, 2)
+    cfg = SkinnyConfig(5, 2)
     a = skinny_linear(x, w, cfg)
     b = skinny_linear(x, w, cfg)
     assert torch.equal(a, b)
     assert int(workspace.counters(x.device, "skinny.blocks", 3)[:3].abs().sum()) == 0
     # every split count gives the reference to one rounding
     for split in (1, 2, 3, 10):
-        assert _ulps_ok(skinny_linear(x, w, SkinnyConfig(64, 64, split, 4, 2)), x.float() @ w.float().T)
+        assert _ulps_ok(skinny_linear(x, w, SkinnyConfig(split, 2)), x.float() @ w.float().T)
 
 
 def test_rows_past_m_never_reach_the_output():
     """Padding rows of the tile read as zero: a row's result does not depend on what follows x."""
     x, w = _pair(5, 128, 64, seed=4)
     big = torch.cat([x, torch.full((11, 128), 1e4, dtype=x.dtype)])
-    assert torch.equal(skinny_linear(big[:5], w, SkinnyConfig(64, 64, 2, 4, 2)),
-                       skinny_linear(x, w, SkinnyConfig(64, 64, 2, 4, 2)))
+    assert torch.equal(skinny_linear(big[:5], w, SkinnyConfig(2, 2)),
+                       skinny_linear(x, w, SkinnyConfig(2, 2)))
 
 
 @pytest.mark.parametrize("x,w,msg", [
@@ -91,7 +91,7 @@ def test_linear_routes_by_the_table(monkeypatch):
     from specpilot.kernels import tuning
 
     entry = {"kernel": "skinny", "n": 64, "k": 128, "rows": [2, 16],
-             "config": {"block_n": 64, "block_k": 64, "split": 2, "warps": 4, "stages": 2}}
+             "config": {"split": 2, "stages": 2}}
     real = tuning.lookup
 
     def lookup(op, kernel, arch=None, rows=None, **key):
@@ -102,7 +102,7 @@ def test_linear_routes_by_the_table(monkeypatch):
     monkeypatch.setattr(tuning, "lookup", lookup)
     blas._skinny.cache_clear()
     try:
-        assert blas.skinny_config("cpu", 64, 128, 8) == SkinnyConfig(64, 64, 2, 4, 2)
+        assert blas.skinny_config("cpu", 64, 128, 8) == SkinnyConfig(2, 2)
         assert blas.skinny_config("cpu", 64, 128, 17) is None and blas.skinny_config("cpu", 64, 96, 8) is None
         calls = []
         monkeypatch.setattr(blas, "skinny_linear", lambda h, w, cfg: calls.append(cfg) or R.linear(h, w))
@@ -111,7 +111,7 @@ def test_linear_routes_by_the_table(monkeypatch):
         assert calls == []
         if torch.cuda.is_available():
             blas.linear(x.cuda(), w.cuda())
-            assert calls == [SkinnyConfig(64, 64, 2, 4, 2)]
+            assert calls == [SkinnyConfig(2, 2)]
     finally:
         blas._skinny.cache_clear()
 

@@ -38,12 +38,9 @@ MAX_BLOCK_M = 64    # query rows per program (group members x step rows); more r
 
 @dataclass(frozen=True)
 class SplitConfig:
-    """``target_programs``: split the cache until about this many programs run (fills the SMs);
-    ``stages``: 1 walks a program's tiles one by one, skipping those no row attends; 2 or more
-    software-pipelines the walk that deep (tiles no row attends predicated off, not skipped)."""
+    """``target_programs``: split the cache until about this many programs run (fills the SMs)."""
 
     target_programs: int = 256
-    stages: int = 1
 
 
 @lru_cache(maxsize=None)
@@ -64,33 +61,12 @@ if triton is not None:
     NEG = tl.constexpr(-1.0e30)  # finite "minus infinity": a row with nothing to attend in a split stays finite
 
     @triton.jit
-    def _tile(q, k_ptr, v_ptr, kvh, n, n_ok, allowed, m_i, l_i, acc, scale, d,
-              stride_kh, stride_ks, stride_vh, stride_vs, IEEE: tl.constexpr):
-        """One cache tile ``n`` of the online softmax: (m, l, acc) after it."""
-        k = tl.load(k_ptr + kvh * stride_kh + n[:, None] * stride_ks + d[None, :], mask=n_ok[:, None], other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(allowed, s * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + kvh * stride_vh + n[:, None] * stride_vs + d[None, :], mask=n_ok[:, None], other=0.0)
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        return m_new, l_i, acc * alpha[:, None] + pv
-
-    @triton.jit
     def _attn_split(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, ml_ptr, seg_ptr,
                     T, S, R, chunk, scale, row_blocks,
                     stride_qt, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                     stride_mt,
                     GRP: tl.constexpr, HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    IEEE: tl.constexpr, SEGS: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+                    IEEE: tl.constexpr, SEGS: tl.constexpr, PDL: tl.constexpr):
         if PDL:   # the fused decode chain: let the merge launch, then wait for q and the cache write
             gdc_launch_dependents()
             gdc_wait()
@@ -121,26 +97,31 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, HD], tl.float32)
         lo = sp * chunk
         hi = tl.minimum(lo + chunk, S)
-        if STAGES == 1:
-            for s0 in range(lo, hi, BLOCK_N):
-                n = s0 + tl.arange(0, BLOCK_N)
-                n_ok = n < hi
-                allowed = tl.load(mask_ptr + t[:, None] * stride_mt + n[None, :],
-                                  mask=row_ok[:, None] & n_ok[None, :], other=0) != 0
-                if tl.max(allowed.to(tl.int32)) > 0:  # skip tiles no row attends: K/V never loaded
-                    m_i, l_i, acc = _tile(q, k_ptr, v_ptr, kvh, n, n_ok, allowed, m_i, l_i, acc, scale, d,
-                                          stride_kh, stride_ks, stride_vh, stride_vs, IEEE)
-        else:
-            # software-pipelined: the next tiles' mask, K and V are in flight while this one is
-            # computed. A tile no row attends is predicated off (its K/V loads issue no memory
-            # traffic) and leaves m, l and acc as skipping it does (alpha 1, p 0).
-            for s0 in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
-                n = s0 + tl.arange(0, BLOCK_N)
-                allowed = tl.load(mask_ptr + t[:, None] * stride_mt + n[None, :],
-                                  mask=row_ok[:, None] & (n < hi)[None, :], other=0) != 0
-                n_ok = (n < hi) & (tl.max(tl.max(allowed.to(tl.int32), 1), 0) + tl.zeros_like(n) > 0)
-                m_i, l_i, acc = _tile(q, k_ptr, v_ptr, kvh, n, n_ok, allowed, m_i, l_i, acc, scale, d,
-                                      stride_kh, stride_ks, stride_vh, stride_vs, IEEE)
+        for s0 in range(lo, hi, BLOCK_N):
+            n = s0 + tl.arange(0, BLOCK_N)
+            n_ok = n < hi
+            allowed = tl.load(mask_ptr + t[:, None] * stride_mt + n[None, :],
+                              mask=row_ok[:, None] & n_ok[None, :], other=0) != 0
+            if tl.max(allowed.to(tl.int32)) > 0:  # skip tiles no row attends: K/V never loaded
+                k = tl.load(k_ptr + kvh * stride_kh + n[:, None] * stride_ks + d[None, :], mask=n_ok[:, None],
+                            other=0.0)
+                if IEEE:
+                    s = tl.dot(q, tl.trans(k), input_precision="ieee")
+                else:
+                    s = tl.dot(q, tl.trans(k))
+                s = tl.where(allowed, s * scale, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                alpha = tl.exp(m_i - m_new)
+                p = tl.exp(s - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                v = tl.load(v_ptr + kvh * stride_vh + n[:, None] * stride_vs + d[None, :], mask=n_ok[:, None],
+                            other=0.0)
+                if IEEE:
+                    pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+                else:
+                    pv = tl.dot(p.to(v.dtype), v)
+                acc = acc * alpha[:, None] + pv
+                m_i = m_new
         base = (kvh * nsplit + sp) * R + g * T + t  # workspace [nkv, nsplit, R = GRP * T, ...]
         tl.store(acc_ptr + base[:, None] * HD + d[None, :], acc, mask=row_ok[:, None])
         tl.store(ml_ptr + base * 2, m_i, mask=row_ok)
@@ -241,7 +222,7 @@ def _launch(q, k, v, mask, scale, pdl, segs=None, seg_rows: int = 0, cfg: SplitC
         q, k, v, mask, acc, ml, mask if segs is None else segs, T, S, R, chunk, float(scale), row_blocks,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         mask.stride(0), GRP=nh // nkv, HD=hd, BLOCK_M=block_m, BLOCK_N=BLOCK_N, IEEE=ieee, SEGS=segs is not None,
-        STAGES=cfg.stages, num_warps=4, **pdl_args(pdl, q))
+        num_warps=4, **pdl_args(pdl, q))
     _attn_merge[(nkv, R)](acc, ml, out, T, R, splits, out.stride(0), GRP=nh // nkv, HD=hd,
                           SPLITS=max(2, triton.next_power_of_2(splits)), num_warps=4, **pdl_args(pdl, q))
     return out

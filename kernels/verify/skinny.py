@@ -3,8 +3,8 @@ fixed-order reduction, where the measured table says it beats cuBLAS (:mod:`.bla
 
 cuBLAS picks tiles for GEMMs whose rows fill an MMA; a verify or batched step's 2..64 rows do not,
 and its kernels stream the weights below the bandwidth the one-row GEMV reaches. Here a program
-owns ``block_n`` weight rows and a contiguous range of ``block_k``-column tiles: each iteration
-loads one ``[block_n, block_k]`` weight tile and the step's ``[MP, block_k]`` x tile (``MP``: the
+owns ``BLOCK_N`` weight rows and a contiguous range of ``BLOCK_K``-column tiles: each iteration
+loads one ``[BLOCK_N, BLOCK_K]`` weight tile and the step's ``[MP, BLOCK_K]`` x tile (``MP``: the
 rows padded to a power of two >= 16, rows past M read as zero) and accumulates
 ``W_tile @ x_tile.T`` in fp32, weights on the MMA's long side. With ``split > 1`` the programs of
 an output block write fp32 partial tiles to a workspace (:mod:`specpilot.kernels.workspace`) and
@@ -81,19 +81,23 @@ if triton is not None:
                 tl.store(cnt_ptr + pid_n, 0)
 
 
+# the tile every routed config takes (the sweep, lab/verify/skinny.py, also tried 128 weight rows,
+# 256 columns and 8 warps: no layer's winner used them)
+BLOCK_N = 64
+BLOCK_K = 128
+WARPS = 4
+
+
 @dataclass(frozen=True)
 class SkinnyConfig:
-    """``block_n`` weight rows and ``block_k`` columns per tile, ``split`` programs along K per
-    output block (1: no workspace), ``warps``, ``stages`` (software pipelining depth)."""
+    """``split`` programs along K per output block (1: no workspace), ``stages`` (software
+    pipelining depth of the loads); tiles of ``BLOCK_N`` weight rows x ``BLOCK_K`` columns."""
 
-    block_n: int = 128
-    block_k: int = 128
     split: int = 1
-    warps: int = 4
     stages: int = 4
 
     def key(self) -> str:
-        return f"n{self.block_n}-k{self.block_k}-s{self.split}-w{self.warps}-st{self.stages}"
+        return f"s{self.split}-st{self.stages}"
 
 
 def row_tile(rows: int) -> int:
@@ -112,18 +116,18 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, cfg: SkinnyConfig = SkinnyCo
     if x.stride(1) != 1 or w.stride(1) != 1 or x.dtype != w.dtype:
         raise ValueError("x and w must be contiguous in K and of one dtype")
     mp = row_tile(M)
-    kt = triton.cdiv(K, cfg.block_k)
+    kt = triton.cdiv(K, BLOCK_K)
     tiles = triton.cdiv(kt, max(1, min(cfg.split, kt)))
     split = triton.cdiv(kt, tiles)          # no program without a tile
-    nb = triton.cdiv(N, cfg.block_n)
+    nb = triton.cdiv(N, BLOCK_N)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if split > 1:
-        ws = workspace.scratch(x.device, "skinny.partials", nb * split * cfg.block_n * mp)
+        ws = workspace.scratch(x.device, "skinny.partials", nb * split * BLOCK_N * mp)
         cnt = workspace.counters(x.device, "skinny.blocks", nb)
     else:
         ws = cnt = y
     _skinny_kernel[(nb, split)](x, w, y, ws, cnt, M, N, K, tiles, split, x.stride(0), w.stride(0), y.stride(0),
-                                MP=mp, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_SPLIT=split > 1,
-                                STAGES=cfg.stages, UPCAST=interpreting(), num_warps=cfg.warps,
+                                MP=mp, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, USE_SPLIT=split > 1,
+                                STAGES=cfg.stages, UPCAST=interpreting(), num_warps=WARPS,
                                 **pdl_args(common.USE_PDL, x))
     return y

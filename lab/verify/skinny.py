@@ -7,14 +7,14 @@ Times every config of the sweep per (layer, rows) against cuBLAS and cuBLASLt in
 process (CUDA graphs, L2 flushed by reading, interleaved rounds) and proposes table entries where
 it wins. ``--steps``: whole steps (random bf16 weights, context 1024, CUDA graphs; one request of
 4..64 rows, and 4/16/32 requests x 1 row for dense models) without the proposed entries (cuBLAS
-everywhere), with them, and with them and the attention's walk pipelined two deep, alternating,
-two rounds. Writes lab/results/skinny.json.
+everywhere) and with them, alternating, two rounds. Writes lab/results/skinny.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+from contextlib import contextmanager
 import sys
 from pathlib import Path
 
@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
+from specpilot.kernels.verify import skinny  # noqa: E402
 from specpilot.kernels.verify.skinny import SkinnyConfig, skinny_linear  # noqa: E402
 
 
@@ -31,7 +32,19 @@ LAYERS = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (4096, 12352
           (12288, 4096)]
 
 
-def sweep_configs(k: int, n: int, quick: bool) -> list[SkinnyConfig]:
+@contextmanager
+def tile(bn: int, bk: int, warps: int):
+    """The kernel's tile constants for the configs the sweep tries beyond the routed ones."""
+    saved = (skinny.BLOCK_N, skinny.BLOCK_K, skinny.WARPS)
+    skinny.BLOCK_N, skinny.BLOCK_K, skinny.WARPS = bn, bk, warps
+    try:
+        yield
+    finally:
+        skinny.BLOCK_N, skinny.BLOCK_K, skinny.WARPS = saved
+
+
+def sweep_configs(k: int, n: int, quick: bool) -> list[tuple]:
+    """(block_n, block_k, warps, SkinnyConfig) to try for a layer [n, k]."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     out = []
     for bn, bk, w, st in itertools.product((64, 128), (128, 256), (4, 8), (3, 4)):
@@ -41,10 +54,15 @@ def sweep_configs(k: int, n: int, quick: bool) -> list[SkinnyConfig]:
         kt = -(-k // bk)
         for target in ((2,) if quick else (1, 2, 4)):
             split = max(1, min(kt, round(target * sms / nb)))
-            cfg = SkinnyConfig(bn, bk, split, w, st)
-            if cfg not in out:
-                out.append(cfg)
+            c = (bn, bk, w, SkinnyConfig(split, st))
+            if c not in out:
+                out.append(c)
     return out
+
+
+def key(c: tuple) -> str:
+    bn, bk, w, cfg = c
+    return f"n{bn}-k{bk}-w{w}-{cfg.key()}"
 
 
 SPANS = {4: [2, 4], 8: [5, 8], 16: [9, 16], 32: [17, 32], 64: [33, 64]}   # rows a measured point stands for
@@ -52,30 +70,31 @@ WIN = 1.03   # the skinny GEMM must beat the faster BLAS library by this much to
 
 
 def table_entries(points: list[dict]) -> list[dict]:
-    """``kernels/verify/tuned`` entries for the points the skinny GEMM won (rows 4/8/16/32/64 stand
-    for the row spans their tile covers)."""
+    """``kernels/verify/tuned`` entries for the points the skinny GEMM won with the kernel's tile
+    (rows 4/8/16/32/64 stand for the row spans their tile covers); a winner on another tile is
+    reported, not proposed."""
+    routed = [skinny.BLOCK_N, skinny.BLOCK_K, skinny.WARPS]
     out = []
     for p in points:
         if p["kind"] == "layer" and p["rows"] in SPANS and p["speedup_vs_best_blas"] >= WIN:
-            n_, k_, s_, w_, st_ = (int(v[1:] if not v.startswith("st") else v[2:]) for v in p["config"].split("-"))
+            if p["tile"] != routed:
+                print(f"winner outside the kernel's tile: {p['n']}x{p['k']} at {p['rows']} rows, {p['config']}")
+                continue
             out.append({"kernel": "skinny", "n": p["n"], "k": p["k"], "rows": SPANS[p["rows"]],
-                        "config": {"block_n": n_, "block_k": k_, "split": s_, "warps": w_, "stages": st_},
+                        "config": {"split": p["split"], "stages": p["stages"]},
                         "note": f"{p['skinny_us']:.1f} us vs cuBLAS {p['cublas_us']:.1f} / cuBLASLt "
                                 f"{p['cublaslt_us']:.1f} us at {p['rows']} rows"})
     return out
 
 
-MODES = ("cublas", "skinny", "skinny+pipe2")   # the step's GEMMs; "+pipe2": attention walk pipelined 2 deep
+MODES = ("cublas", "skinny")
 
 
 def steps(models: list[str], entries: list[dict], rounds: int = 2, device: str = "cuda") -> list[dict]:
-    import dataclasses
-
     from specpilot.engine.api import load_target
     from specpilot.engine.batch.probe import measure_rows_batched
     from specpilot.engine.rows import measure_rows
     from specpilot.engine.spec import EngineSpec
-    from specpilot.kernels.attention import decode as attn
     from specpilot.kernels.verify import blas
 
     def proposed(arch, n, k, rows):
@@ -84,16 +103,14 @@ def steps(models: list[str], entries: list[dict], rounds: int = 2, device: str =
                 return SkinnyConfig(**e["config"])
         return None
 
-    table, split = blas._skinny, attn._split_config
+    table = blas._skinny
     out = []
     try:
         for name in models:
             target = load_target(EngineSpec.parse(f"engine:model={name},random=1,device={device},ctx={1024 + 128}"))
             for rnd in range(rounds):
                 for mode in MODES:
-                    blas._skinny = proposed if mode.startswith("skinny") else (lambda arch, n, k, rows: None)
-                    attn._split_config = ((lambda arch, b, r: dataclasses.replace(split(arch, b, r), stages=2))
-                                          if mode.endswith("pipe2") else split)
+                    blas._skinny = proposed if mode == "skinny" else (lambda arch, n, k, rows: None)
                     res = measure_rows(target.model, [4, 8, 16, 32, 33, 64], 1024, reps=30, warmup=5)
                     for p in res.points:
                         out.append({"kind": "step", "model": name, "mode": mode, "round": rnd, "batch": 1,
@@ -110,7 +127,7 @@ def steps(models: list[str], entries: list[dict], rounds: int = 2, device: str =
             if device == "cuda":
                 torch.cuda.empty_cache()
     finally:
-        blas._skinny, attn._split_config = table, split
+        blas._skinny = table
     return out
 
 
@@ -142,27 +159,32 @@ def main() -> None:
 
             base = time_interleaved([blas("cublas"), blas("cublaslt")], flush=flush, rounds=3, reps=30)
             torch.backends.cuda.preferred_blas_library("cublas")
+            def run(c):
+                bn, bk, warps, cfg = c
+                with tile(bn, bk, warps):
+                    return skinny_linear(x, w, cfg)
+
             best = None
-            for cfg in sweep_configs(k, n, args.quick):
+            for c in sweep_configs(k, n, args.quick):
                 try:
-                    y = skinny_linear(x, w, cfg)
-                    err = float((y.float() - ref).abs().max())
-                    us = time_interleaved([lambda cfg=cfg: skinny_linear(x, w, cfg)], flush=flush, rounds=1, reps=20)[0]
+                    err = float((run(c).float() - ref).abs().max())
+                    us = time_interleaved([lambda c=c: run(c)], flush=flush, rounds=1, reps=20)[0]
                 except Exception as e:  # noqa: BLE001 - a config that does not compile is skipped
-                    print("skip", cfg.key(), type(e).__name__, str(e)[:80], flush=True)
+                    print("skip", key(c), type(e).__name__, str(e)[:80], flush=True)
                     continue
                 if best is None or us < best[1]:
-                    best = (cfg, us, err)
-            cfg, _, err = best
+                    best = (c, us, err)
+            c, _, err = best
             # the winner re-timed beside both BLAS libraries
-            final = time_interleaved([blas("cublas"), blas("cublaslt"), lambda: skinny_linear(x, w, cfg)],
-                                     flush=flush, rounds=5, reps=50)
+            final = time_interleaved([blas("cublas"), blas("cublaslt"), lambda: run(c)], flush=flush, rounds=5,
+                                     reps=50)
             torch.backends.cuda.preferred_blas_library("cublas")
             floor_us = n * k * 2 / 4.8e6
             row = {"kind": "layer", "k": k, "n": n, "rows": rows, "cublas_us": final[0], "cublaslt_us": final[1], "skinny_us": final[2],
                    "speedup_vs_best_blas": min(final[0], final[1]) / final[2], "floor_us": floor_us,
                    "skinny_of_floor": floor_us / final[2], "cublas_of_floor": floor_us / final[0],
-                   "config": cfg.key(), "max_err": err, "sweep_base": base}
+                   "config": key(c), "tile": list(c[:3]), "split": c[3].split, "stages": c[3].stages,
+                   "max_err": err, "sweep_base": base}
             out.append(row)
             print({a: (round(b, 3) if isinstance(b, float) else b) for a, b in row.items() if a != "sweep_base"},
                   flush=True)
