@@ -9,7 +9,9 @@ casts and permutes), this is two:
    head (row ``r = g * T + t``: group member ``g``, step row ``t``) and walks its slice of the
    cache in ``BLOCK_N`` tiles with an online softmax (float32 scores, max and sum). A tile no row
    may attend (the unused tail of a static cache, which CUDA graphs read whole) is skipped
-   without loading its K and V, so a step reads only the live context.
+   without loading its K and V, so a step reads only the live context. The walk is not
+   software-pipelined: a pipelined one (dead tiles predicated off) measured slower in whole
+   steps on the H200 (16 requests x 1 row: 5.49 -> 5.59 ms).
 2. ``_attn_merge``: per (KV head, row), combines the splits' partial outputs in split order -
    deterministic, no atomics.
 
