@@ -26,33 +26,42 @@ LAYERS = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (5120, 7168)
 BACKENDS = ("cublas", "cublaslt")
 
 
+def operands(layers_kn, rows_list):
+    """(k, n, rows, x, w) for each layer [n, k] (random bf16, std 0.02) and row count, on CUDA."""
+    import torch
+
+    for k, n in layers_kn:
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        for rows in rows_list:
+            yield k, n, rows, torch.randn(rows, k, device="cuda", dtype=torch.bfloat16), w
+        del w
+
+
+def blas_call(x, w, backend: str):
+    """``F.linear(x, w)`` on ``backend`` (the preference is read when the GEMM is launched, so a
+    graph captured from this call holds that backend's kernel)."""
+    import torch
+    import torch.nn.functional as F
+
+    def fn():
+        torch.backends.cuda.preferred_blas_library(backend)
+        return F.linear(x, w)
+    return fn
+
+
 def layers(rows_list) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
     flush = L2Flusher()
     out = []
-    for k, n in LAYERS:
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-        for rows in rows_list:
-            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-            fns = []
-            for be in BACKENDS:
-                def fn(be=be):
-                    torch.backends.cuda.preferred_blas_library(be)
-                    return F.linear(x, w)
-                fns.append(fn)
-            # the backend is read when the GEMM is launched, so each graph holds its own backend's kernel
-            us = time_interleaved(fns, flush=flush)
-            ref = F.linear(x.float(), w.float())
-            errs = []
-            for be in BACKENDS:
-                torch.backends.cuda.preferred_blas_library(be)
-                errs.append(float((F.linear(x, w).float() - ref).abs().max()))
-            out.append({"kind": "layer", "k": k, "n": n, "rows": rows, "cublas_us": us[0], "cublaslt_us": us[1],
-                        "lt_over_cublas": us[1] / us[0], "max_err_cublas": errs[0], "max_err_lt": errs[1]})
-            print(out[-1], flush=True)
-        del w
+    for k, n, rows, x, w in operands(LAYERS, rows_list):
+        us = time_interleaved([blas_call(x, w, be) for be in BACKENDS], flush=flush)
+        ref = F.linear(x.float(), w.float())
+        errs = [float((blas_call(x, w, be)().float() - ref).abs().max()) for be in BACKENDS]
+        out.append({"kind": "layer", "k": k, "n": n, "rows": rows, "cublas_us": us[0], "cublaslt_us": us[1],
+                    "lt_over_cublas": us[1] / us[0], "max_err_cublas": errs[0], "max_err_lt": errs[1]})
+        print(out[-1], flush=True)
     torch.backends.cuda.preferred_blas_library("cublas")
     return out
 

@@ -133,6 +133,7 @@ def steps(models: list[str], entries: list[dict], rounds: int = 2, device: str =
 
 def main() -> None:
     from lab.common import L2Flusher, bootstrap, parse_int_list, time_interleaved, write_results
+    from lab.verify.blas_backend import blas_call, operands
 
     bootstrap()
     ap = argparse.ArgumentParser()
@@ -145,51 +146,42 @@ def main() -> None:
 
     flush = L2Flusher()
     out = []
-    for k, n in LAYERS:
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-        for rows in rows_list:
-            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-            ref = F.linear(x.float(), w.float())
+    for k, n, rows, x, w in operands(LAYERS, rows_list):
+        ref = F.linear(x.float(), w.float())
+        base = time_interleaved([blas_call(x, w, "cublas"), blas_call(x, w, "cublaslt")], flush=flush, rounds=3,
+                                reps=30)
+        torch.backends.cuda.preferred_blas_library("cublas")
 
-            def blas(be):
-                def fn():
-                    torch.backends.cuda.preferred_blas_library(be)
-                    return F.linear(x, w)
-                return fn
+        def run(c):
+            bn, bk, warps, cfg = c
+            with tile(bn, bk, warps):
+                return skinny_linear(x, w, cfg)
 
-            base = time_interleaved([blas("cublas"), blas("cublaslt")], flush=flush, rounds=3, reps=30)
-            torch.backends.cuda.preferred_blas_library("cublas")
-            def run(c):
-                bn, bk, warps, cfg = c
-                with tile(bn, bk, warps):
-                    return skinny_linear(x, w, cfg)
-
-            best = None
-            for c in sweep_configs(k, n, args.quick):
-                try:
-                    err = float((run(c).float() - ref).abs().max())
-                    us = time_interleaved([lambda c=c: run(c)], flush=flush, rounds=1, reps=20)[0]
-                except Exception as e:  # noqa: BLE001 - a config that does not compile is skipped
-                    print("skip", key(c), type(e).__name__, str(e)[:80], flush=True)
-                    continue
-                if best is None or us < best[1]:
-                    best = (c, us, err)
-            c, _, err = best
-            # the winner re-timed beside both BLAS libraries
-            final = time_interleaved([blas("cublas"), blas("cublaslt"), lambda: run(c)], flush=flush, rounds=5,
-                                     reps=50)
-            torch.backends.cuda.preferred_blas_library("cublas")
-            floor_us = n * k * 2 / 4.8e6
-            row = {"kind": "layer", "k": k, "n": n, "rows": rows, "cublas_us": final[0], "cublaslt_us": final[1], "skinny_us": final[2],
-                   "speedup_vs_best_blas": min(final[0], final[1]) / final[2], "floor_us": floor_us,
-                   "skinny_of_floor": floor_us / final[2], "cublas_of_floor": floor_us / final[0],
-                   "config": key(c), "tile": list(c[:3]), "split": c[3].split, "stages": c[3].stages,
-                   "max_err": err, "sweep_base": base}
-            out.append(row)
-            print({a: (round(b, 3) if isinstance(b, float) else b) for a, b in row.items() if a != "sweep_base"},
-                  flush=True)
-            write_results("skinny", out, {"table_entries": table_entries(out)})   # a run cut short keeps its points
-        del w
+        best = None
+        for c in sweep_configs(k, n, args.quick):
+            try:
+                err = float((run(c).float() - ref).abs().max())
+                us = time_interleaved([lambda c=c: run(c)], flush=flush, rounds=1, reps=20)[0]
+            except Exception as e:  # noqa: BLE001 - a config that does not compile is skipped
+                print("skip", key(c), type(e).__name__, str(e)[:80], flush=True)
+                continue
+            if best is None or us < best[1]:
+                best = (c, us, err)
+        c, _, err = best
+        # the winner re-timed beside both BLAS libraries
+        final = time_interleaved([blas_call(x, w, "cublas"), blas_call(x, w, "cublaslt"), lambda: run(c)],
+                                 flush=flush, rounds=5, reps=50)
+        torch.backends.cuda.preferred_blas_library("cublas")
+        floor_us = n * k * 2 / 4.8e6
+        row = {"kind": "layer", "k": k, "n": n, "rows": rows, "cublas_us": final[0], "cublaslt_us": final[1],
+               "skinny_us": final[2], "speedup_vs_best_blas": min(final[0], final[1]) / final[2], "floor_us": floor_us,
+               "skinny_of_floor": floor_us / final[2], "cublas_of_floor": floor_us / final[0],
+               "config": key(c), "tile": list(c[:3]), "split": c[3].split, "stages": c[3].stages,
+               "max_err": err, "sweep_base": base}
+        out.append(row)
+        print({a: (round(b, 3) if isinstance(b, float) else b) for a, b in row.items() if a != "sweep_base"},
+              flush=True)
+        write_results("skinny", out, {"table_entries": table_entries(out)})   # a run cut short keeps its points
     entries = table_entries(out)
     if args.steps:
         out += steps([m for m in args.steps.split(",") if m], entries)
