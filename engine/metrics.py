@@ -121,6 +121,11 @@ class ServeMetrics:
             metric("overlapped_steps_total", "counter",
                    "AR steps fed on the device while the host took the previous step's tokens.",
                    [f"specpilot_overlapped_steps_total {st.overlapped_steps}"])
+            metric("eager_steps_total", "counter",
+                   "Verify steps run eagerly although the decoder has bucket graphs (prompt rows in them).",
+                   [f"specpilot_eager_steps_total {st.eager_steps}"])
+            metric("eager_step_seconds_total", "counter", "Wall time of those eager steps.",
+                   [f"specpilot_eager_step_seconds_total {st.eager_seconds:.6f}"])
             metric("rows_total", "counter", "Rows run through the target (verify and prompt rows).",
                    [f"specpilot_rows_total {st.rows}"])
             metric("accepted_draft_tokens_total", "counter", "Draft tokens accepted by verification.",

@@ -138,6 +138,28 @@ def test_warm_up_captures_every_one_row_bucket_and_leaves_no_trace(model):
     assert [r.output_ids for r in res] == ref and dec.stats.tokens == 120
 
 
+def test_steps_with_prompt_rows_are_counted_as_eager(model):
+    """With bucket graphs, a verify step that carries an admitted prompt's rows runs eagerly: the
+    totals count it and its wall time (``run``'s JSON, ``/metrics``); without prompt rows in verify
+    steps (``admit=off``) no step is eager, and a decoder without graphs counts none."""
+    from specpilot.engine.api import batch_stats
+
+    lengths, arrivals = (12, 12, 12, 12), (0, 0, 3, 5)
+    counts = {}
+    for admit in ("all", "off"):
+        dec = BatchDecoder(model, "ar", batch=4, graphs=True, admit=admit, admit_rows=8)
+        dec.generate_many(_requests(lengths, arrivals))
+        counts[admit] = (dec.stats.eager_steps, dec.stats.eager_seconds, dec.stats.admitted_prompt_rows)
+        js = batch_stats(dec)
+        assert js["eager_steps"] == dec.stats.eager_steps and js["eager_seconds"] == dec.stats.eager_seconds
+    steps, secs, rows = counts["all"]
+    assert rows > 0 and steps > 0 and secs > 0
+    assert counts["off"][:1] == (0,) and counts["off"][2] == 0
+    dec = BatchDecoder(model, "ar", batch=4, admit="all", admit_rows=8)
+    dec.generate_many(_requests(lengths, arrivals))
+    assert dec.stats.admitted_prompt_rows > 0 and dec.stats.eager_steps == 0
+
+
 def test_warm_up_fits_a_small_cache(model):
     """Warm-up requests never ask for more cache than the slots hold (a short context, many slots)."""
     from specpilot.engine.batch.cache import BatchCache

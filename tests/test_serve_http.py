@@ -277,7 +277,8 @@ def test_metrics_info_health_flush(server_a):
         assert m, line
         names.add(m.group(1))
     for n in ("specpilot_requests_total", "specpilot_generation_tokens_total", "specpilot_tau",
-              "specpilot_queue_depth", "specpilot_overlapped_steps_total",
+              "specpilot_queue_depth", "specpilot_overlapped_steps_total", "specpilot_eager_steps_total",
+              "specpilot_eager_step_seconds_total",
               "specpilot_step_seconds_bucket", "specpilot_time_to_first_token_seconds_sum",
               "specpilot_inter_token_latency_seconds_count", "specpilot_e2e_request_latency_seconds_bucket"):
         assert n in names

@@ -65,6 +65,8 @@ class BatchStats:
     prompt_rows: int = 0
     admitted_prompt_rows: int = 0  # prompt rows that rode a verify step
     overlapped_steps: int = 0    # AR steps fed on the device while the host took the previous one's tokens
+    eager_steps: int = 0         # verify steps run eagerly although there are bucket graphs (prompt rows in them)
+    eager_seconds: float = 0.0   # ... their wall time (launches, the device's work, the argmax copy)
     drafted_positions: int = 0   # draft positions the drafter proposed
     kept_positions: int = 0      # ... inside the requests' blocks
     accepted: int = 0            # draft tokens accepted
@@ -560,12 +562,16 @@ class BatchDecoder:
             inp, _, need = assemble(allb, self.cache.max_seq, torch.device("cpu"), pad=(B, N), dump=self.cache.dump)
             out = self.runner.run(inp, B, N).tolist()
             return out, need
+        t0 = time.perf_counter()
         inp, kv, need = assemble(allb, self.cache.max_seq, dev)
         flat = [i for n in need for i in n]
         preds = m.greedy_batch(inp, self.cache, kv, rows=torch.tensor(flat, device=dev)).tolist()
         full = [0] * len(inp.tokens)
         for i, p in zip(flat, preds):
             full[i] = p
+        if self.runner is not None:
+            self.stats.eager_steps += 1
+            self.stats.eager_seconds += time.perf_counter() - t0
         return full, need
 
     def _finish_lattice(self, r: Request) -> None:
