@@ -1,8 +1,8 @@
 """The skinny GEMM of multi-row steps (kernels/verify/skinny.py) against its plain reference, its
 split-K reduction's determinism, bad input, and the routing of ``blas.linear`` by the table.
 
-On the CPU the kernel runs under Triton's interpreter at small shapes; ``-m gpu`` runs it at
-Llama-3.1-8B shapes for every row count the table routes, eager and captured."""
+On the CPU the kernel runs under Triton's interpreter at small shapes; ``-m gpu`` runs every table
+entry at its layer's shape and the ends of its row range, eager and captured."""
 
 from __future__ import annotations
 
