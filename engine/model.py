@@ -390,11 +390,14 @@ class GatedDeltaNet(nn.Module):
 
     def mix_batch(self, proj, inp: BatchStepInput, cache):
         """:meth:`mix` for the rows of several requests, each on its own slot's state
-        (``cache.state``/``cache.conv``). When every request brings one AR row, one conv and one
-        delta-rule launch advance every request's state (the kernels' per-row slots; on the CPU and
-        otherwise each segment runs :meth:`mix` on its slot's state, swapped in as this layer's
-        buffers, and leaves its stash in ``cache.stash[slot]`` for :meth:`commit_slot`)."""
-        if self.uses_kernels(proj) and all(sg.rows == 1 and sg.gdn_rows == "seq" for sg in inp.segments):
+        (``cache.state``/``cache.conv``). With the kernels, one conv and one delta-rule launch serve
+        every request that brings one AR row (its state advanced in place), or every request's
+        chain/tree verify rows (each row walking its root path from its request's committed state,
+        the path kernel's AR-exact arithmetic; the stash per slot for :meth:`commit_slot`). Other
+        segments (prompt chunks, a request's lone AR row in a verify step, the CPU's torch path)
+        run :meth:`mix` on their slot's state, swapped in as this layer's buffers."""
+        kern = self.uses_kernels(proj)
+        if kern and all(sg.rows == 1 and sg.gdn_rows == "seq" for sg in inp.segments):
             from specpilot.kernels.gdn import rows as gdn_rows
 
             mixed, z, ab = self.split_proj(proj)
@@ -402,20 +405,51 @@ class GatedDeltaNet(nn.Module):
             o = gdn_rows.gdn_rows(conv, ab, self.A_log, self.dt_bias, cache.state, None, self.nk,
                                   new_state=cache.state, slots=inp.req)
             return gdn_rows.gated_norm_rows(o.view(-1, self.nv, self.dv), z, self.norm, self.eps)
-        outs = []
+        walked = [i for i, sg in enumerate(inp.segments) if kern and sg.gdn_rows in ("tree", "chain")]
+        outs = dict(zip(walked, self._walk_segments(proj, [inp.segments[i] for i in walked], cache))) \
+            if len(walked) > 1 else {}
         own = self.state, self.conv_state
         try:
-            for sg in inp.segments:
+            for i, sg in enumerate(inp.segments):
+                if i in outs:
+                    continue
                 self.state, self.conv_state = cache.state[sg.slot], cache.conv[sg.slot]
                 r = slice(sg.start, sg.start + sg.rows)
-                outs.append(self.mix(proj[r], StepInput(inp.tokens[r], inp.pos[r], inp.slots[r], inp.mask[r],
-                                                        sg.gdn_rows, sg.paths)))
+                outs[i] = self.mix(proj[r], StepInput(inp.tokens[r], inp.pos[r], inp.slots[r], inp.mask[r],
+                                                      sg.gdn_rows, sg.paths))
                 stash, self._stash = self._stash, None
                 if stash is not None:
                     cache.stash[sg.slot] = stash
         finally:
             self.state, self.conv_state = own
-        return torch.cat(outs) if len(outs) > 1 else outs[0]
+        return torch.cat([outs[i] for i in range(len(inp.segments))]) if len(outs) > 1 else outs[0]
+
+    def _walk_segments(self, proj, segs: list[Segment], cache) -> list[torch.Tensor]:
+        """Several requests' chain/tree verify rows in one conv and one path-walk launch: each
+        segment's outputs, its stash left in ``cache.stash[slot]`` as :meth:`mix` leaves it."""
+        from specpilot.kernels.gdn import rows as gdn_rows
+
+        dev = proj.device
+        rows = torch.cat([torch.arange(sg.start, sg.start + sg.rows, device=dev) for sg in segs])
+        mixed, z, ab = self.split_proj(proj[rows])
+        local = [sg.paths.to(dev) if sg.gdn_rows == "tree" else gdn_rows.chain_paths(sg.rows, dev) for sg in segs]
+        depth = max(p.shape[1] for p in local)
+        paths, slots, at = [], [], 0
+        for sg, p in zip(segs, local):
+            paths.append(F.pad(torch.where(p >= 0, p + at, p), (0, depth - p.shape[1]), value=-1))
+            slots.append(torch.full((sg.rows,), sg.slot, dtype=torch.long, device=dev))
+            at += sg.rows
+        paths, slots = torch.cat(paths), torch.cat(slots)
+        conv = gdn_rows.conv_rows(mixed, cache.conv, self.conv_weight, paths, slots=slots)
+        o = gdn_rows.gdn_rows(conv, ab, self.A_log, self.dt_bias, cache.state, paths, self.nk, slots=slots)
+        out = gdn_rows.gated_norm_rows(o.view(-1, self.nv, self.dv), z, self.norm, self.eps)
+        res, at = [], 0
+        for sg in segs:
+            r = slice(at, at + sg.rows)
+            cache.stash[sg.slot] = ("rows", mixed[r], (conv[r], ab[r]))
+            res.append(out[r])
+            at += sg.rows
+        return res
 
     def commit_slot(self, cache, slot: int, rows: list[int]):
         """:meth:`commit` for slot ``slot`` of a batch cache."""

@@ -83,6 +83,53 @@ def test_batched_outputs_equal_one_request_greedy(reference, model, extra):
         assert dec.stats.accepted > 0
 
 
+def test_hybrid_verify_rows_of_all_requests_walk_in_one_launch(reference, monkeypatch):
+    """tiny-hybrid through the GDN row kernels (Triton's interpreter): a verify step's chain/tree
+    rows of every request go through one conv and one path-walk launch per GDN layer, and the
+    outputs still equal one-request greedy decoding; the walk's outputs and stashes equal the
+    per-request launches' bit for bit."""
+    from specpilot.engine.model import GatedDeltaNet
+
+    walks, compared = [], []
+    real_walk, real_mix = GatedDeltaNet._walk_segments, GatedDeltaNet.mix
+
+    def walk(self, proj, segs, cache):
+        out = real_walk(self, proj, segs, cache)
+        walks.append(len(segs))
+        if not compared:    # the same segments, one request at a time (the fallback's launches)
+            from specpilot.engine.model import StepInput
+
+            own = self.state, self.conv_state
+            try:
+                for sg, got in zip(segs, out):
+                    self.state, self.conv_state = cache.state[sg.slot], cache.conv[sg.slot]
+                    r = slice(sg.start, sg.start + sg.rows)
+                    z = torch.zeros(sg.rows, dtype=torch.long)
+                    one = real_mix(self, proj[r], StepInput(z, z, z, torch.ones(sg.rows, 1, dtype=torch.bool),
+                                                            sg.gdn_rows, sg.paths))
+                    kind, mixed, (conv, ab) = self._stash
+                    k2, m2, (c2, a2) = cache.stash[sg.slot]
+                    assert torch.equal(one, got) and kind == k2 == "rows"
+                    assert torch.equal(mixed, m2) and torch.equal(conv, c2) and torch.equal(ab, a2)
+                    self._stash = None
+                    compared.append(sg.slot)
+            finally:
+                self.state, self.conv_state = own
+        return out
+
+    monkeypatch.setattr(GatedDeltaNet, "_walk_segments", walk)
+    eng = load_engine(EngineSpec.parse("engine:model=tiny-hybrid,batch=2,nodes=6,depth=4,topk=3,mode=tree,"
+                                       "drafter=self,draft_layers=1"))
+    for layer in eng.model.gdn_layers():
+        layer.impl = "triton"
+        layer.verify = "path"
+    dec = eng.batch_decoder()
+    n, pick = 6, (2, 3)   # the interpreter is slow: two short prompts, 6 tokens (a prefix of the reference)
+    reqs = [Request(PROMPTS[i], n, id=i) for i in pick]
+    assert [r.output_ids for r in dec.generate_many(reqs)] == [reference["tiny-hybrid"][i][:n] for i in pick]
+    assert walks and max(walks) >= 2 and compared and dec.stats.accepted > 0
+
+
 @pytest.mark.parametrize("extra", ["mode=tree,drafter=self,draft_layers=2", "mode=chain,admit=off"])
 def test_graph_bucket_layout_is_lossless(reference, extra):
     """The bucket runner's padded (requests, rows) layout over the whole static cache (on the CPU

@@ -157,6 +157,43 @@ def test_rows_of_several_requests_each_advance_their_own_slot():
         grows.conv_rows(qkv, cv[0], w, slots=slots)
 
 
+def test_verify_rows_of_several_requests_walk_their_own_paths_and_states():
+    """Continuous batching with paths: several requests' verify rows in one launch (a tree, a chain
+    and a single pending row), each row walking its root path within its request's rows from that
+    request's committed conv and recurrent state; bit for bit the one-request launches, states
+    untouched."""
+    gen = torch.Generator().manual_seed(21)
+    parents = {2: [-1, 0, 1, 1, 0, 3], 0: list(range(-1, 4)), 3: [-1]}     # slot -> its rows' parents
+    sizes = [len(p) for p in parents.values()]
+    R = sum(sizes)
+    qkv, ab, A_log, dt_bias, _ = _layer_inputs(R, seed=21)
+    states = torch.randn(4, NV, DK, DV, generator=gen)
+    convs = torch.randn(4, KW - 1, C, generator=gen)
+    w = torch.randn(C, KW, generator=gen)
+    want_conv, want_o, rows_paths, slots = [], [], [], []
+    start = 0
+    for (slot, par), n in zip(parents.items(), sizes):
+        local = gpath.row_paths(par)
+        r = slice(start, start + n)
+        want_conv.append(grows.conv_rows(qkv[r], convs[slot], w, local))
+        want_o.append(grows.gdn_rows(want_conv[-1], ab[r], A_log, dt_bias, states[slot], local, NK))
+        rows_paths.append(torch.where(local >= 0, local + start, local))
+        slots += [slot] * n
+        start += n
+    depth = max(p.shape[1] for p in rows_paths)
+    paths = torch.cat([F.pad(p, (0, depth - p.shape[1]), value=-1) for p in rows_paths])
+    slots = torch.tensor(slots)
+    st, cv = states.clone(), convs.clone()
+    conv = grows.conv_rows(qkv, cv, w, paths, slots=slots)
+    o = grows.gdn_rows(conv, ab, A_log, dt_bias, st, paths, NK, slots=slots)
+    assert torch.equal(conv, torch.cat(want_conv)) and torch.equal(o, torch.cat(want_o))
+    assert torch.equal(st, states) and torch.equal(cv, convs)
+    with pytest.raises(ValueError, match="advance"):
+        grows.conv_rows(qkv, cv, w, paths, advance=True, slots=slots)
+    with pytest.raises(ValueError, match="slots"):
+        grows.gdn_rows(conv, ab, A_log, dt_bias, st, paths, NK, new_state=st, slots=slots)
+
+
 def test_bad_inputs_are_refused():
     qkv, ab, A_log, dt_bias, state = _layer_inputs(3)
     paths = grows.chain_paths(3, "cpu")

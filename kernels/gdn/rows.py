@@ -68,15 +68,16 @@ if triton is not None:
     @triton.jit
     def _conv_rows_kernel(x_ptr, stride_x, cs_ptr, w_ptr, out_ptr, stride_o, paths_ptr, stride_p, slots_ptr,
                           stride_cs, C, D, KW: tl.constexpr, DP: tl.constexpr, BC: tl.constexpr, SEQ: tl.constexpr,
-                          EACH: tl.constexpr, ADVANCE: tl.constexpr, PDL: tl.constexpr):
+                          SLOTS: tl.constexpr, SELF: tl.constexpr, ADVANCE: tl.constexpr, PDL: tl.constexpr):
         r = tl.program_id(0)
         c = tl.program_id(1) * BC + tl.arange(0, BC)
         cm = c < C
         if PDL:
             gdc_launch_dependents()
             gdc_wait()
-        if EACH:      # continuous batching: row r is one token of its own request, conv state slots[r]
+        if SLOTS:     # continuous batching: row r belongs to the request whose conv state is slots[r]
             cs_ptr += tl.load(slots_ptr + r).to(tl.int64) * stride_cs
+        if SELF:      # row r is one token of its own: its path is itself
             depth = 1
         elif SEQ:     # consecutive rows: row r's path is rows 0..r
             depth = r + 1
@@ -88,7 +89,7 @@ if triton is not None:
         acc = tl.zeros([BC], tl.float32)
         for j in tl.static_range(KW):
             pos = depth - KW + j          # position along the path; < 0: the committed conv state
-            if EACH:
+            if SELF:
                 src = r
             elif SEQ:
                 src = tl.maximum(pos, 0)
@@ -116,12 +117,12 @@ if triton is not None:
                          state_ptr, new_state_ptr, paths_ptr, stride_p, D, out_ptr, stride_o, slots_ptr, stride_s,
                          KEY_DIM, NV,
                          DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, RATIO: tl.constexpr,
-                         DP: tl.constexpr, CH: tl.constexpr, SELF: tl.constexpr, EACH: tl.constexpr,
+                         DP: tl.constexpr, CH: tl.constexpr, SELF: tl.constexpr, SLOTS: tl.constexpr,
                          OUTPUT: tl.constexpr, WRITE_STATE: tl.constexpr, PDL: tl.constexpr):
         r = tl.program_id(0)
         h = tl.program_id(1)
         v0 = tl.program_id(2) * BV
-        if EACH:   # continuous batching: row r (its own path) reads and writes state slots[r]
+        if SLOTS:  # continuous batching: row r reads (and with WRITE_STATE writes) state slots[r]
             sl = tl.load(slots_ptr + r).to(tl.int64) * stride_s
             state_ptr += sl
             new_state_ptr += sl
@@ -269,19 +270,21 @@ def conv_rows(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, p
     """SiLU(causal depthwise conv) of rows ``x`` [R, C] along their root paths (``paths`` None:
     consecutive tokens), the committed ``conv_state`` [KW-1, C] supplying positions before the
     root; ``weight`` [C, KW]. Returns [R, C] in x's dtype. ``advance`` (R = 1): shift ``conv_state``
-    in place by the row. ``slots`` [R] (continuous batching, no paths): each row is the next token
-    of its own request, whose conv state is ``conv_state[slots[r]]`` ([requests, KW-1, C]);
-    ``advance`` shifts each row's own state (rows of distinct slots)."""
+    in place by the row. ``slots`` [R] (continuous batching): row r belongs to the request whose
+    conv state is ``conv_state[slots[r]]`` ([requests, KW-1, C]); without ``paths`` each row is the
+    next token of its own request, and ``advance`` shifts each row's own state (rows of distinct
+    slots); with ``paths`` (rows of x, every path within one request's rows) the rows are several
+    requests' verify rows."""
     R, C = x.shape
     KW = weight.shape[1]
     cs = conv_state if slots is None else conv_state[0]
     if (weight.shape[0] != C or cs.shape != (KW - 1, C) or x.stride(1) != 1 or not conv_state.is_contiguous()
-            or (slots is not None and (conv_state.dim() != 3 or slots.shape != (R,) or paths is not None))):
+            or (slots is not None and (conv_state.dim() != 3 or slots.shape != (R,)))):
         raise ValueError(f"conv_rows: x [R, {C}] (contiguous rows), conv_state [{KW - 1}, {C}] (with slots [R]: "
-                         f"[requests, {KW - 1}, {C}], no paths), weight [{C}, {KW}] expected, got {tuple(x.shape)}, "
+                         f"[requests, {KW - 1}, {C}]), weight [{C}, {KW}] expected, got {tuple(x.shape)}, "
                          f"{tuple(conv_state.shape)}, {tuple(weight.shape)}")
-    if advance and R != 1 and slots is None:
-        raise ValueError("conv_rows: advance shifts the conv state by one row only")
+    if advance and ((R != 1 and slots is None) or paths is not None):
+        raise ValueError("conv_rows: advance shifts the conv state by one row only (one per slot, no paths)")
     if paths is not None:
         _check_paths(paths, R, x.device)
     weight = weight.contiguous()
@@ -292,8 +295,8 @@ def conv_rows(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, p
         x, x.stride(0), conv_state, weight, out, out.stride(0), paths if paths is not None else x,
         paths.stride(0) if paths is not None else 0, x if slots is None else slots,
         conv_state.stride(0) if slots is not None else 0, C, D,
-        KW=KW, DP=triton.next_power_of_2(max(D, 2)), BC=BC, SEQ=paths is None, EACH=slots is not None,
-        ADVANCE=advance, num_warps=4, **pdl_args(pdl, x))
+        KW=KW, DP=triton.next_power_of_2(max(D, 2)), BC=BC, SEQ=paths is None and slots is None,
+        SLOTS=slots is not None, SELF=paths is None and slots is not None, ADVANCE=advance, num_warps=4, **pdl_args(pdl, x))
     return out
 
 
@@ -311,15 +314,18 @@ def gdn_rows(qkv: torch.Tensor, ab: torch.Tensor, A_log: torch.Tensor, dt_bias: 
     written there (one path row; it may be ``state`` itself). ``output=False`` skips the output: a
     commit, whose single path (``paths`` [1, L]) lists the accepted rows of ``qkv``/``ab`` to replay.
     ``out``: a [R, nv * dv] fp32 view to write o into. ``warps``: for benchmarks (the default keeps
-    every call's arithmetic the same, :func:`default_warps`). ``slots`` [R] (continuous batching, no
-    paths): row r is the next token of its own request, whose state is ``state[slots[r]]``
-    ([requests, nv, dk, dv]); with ``new_state`` (``state`` itself) every row advances its own."""
+    every call's arithmetic the same, :func:`default_warps`). ``slots`` [R] (continuous batching):
+    row r starts from the state of its request, ``state[slots[r]]`` ([requests, nv, dk, dv]);
+    without ``paths`` each row is the next token of its own request, and with ``new_state``
+    (``state`` itself) every row advances its own; with ``paths`` (every path within one request's
+    rows) the rows are several requests' verify rows, outputs only."""
     R = qkv.shape[0]
     P = paths.shape[0] if paths is not None else R
     if slots is not None:
-        if state.dim() != 4 or slots.shape != (R,) or paths is not None or (new_state is not None
-                                                                             and new_state is not state):
-            raise ValueError("gdn_rows: slots [R] take states [requests, nv, dk, dv], no paths, new_state the state")
+        if (state.dim() != 4 or slots.shape != (R,) or not output
+                or (new_state is not None and (new_state is not state or paths is not None))):
+            raise ValueError("gdn_rows: slots [R] take states [requests, nv, dk, dv], outputs, and new_state only "
+                             "as the state itself without paths")
         nv, dk, dv = state.shape[1:]
     else:
         nv, dk, dv = state.shape
@@ -348,6 +354,6 @@ def gdn_rows(qkv: torch.Tensor, ab: torch.Tensor, A_log: torch.Tensor, dt_bias: 
         out, out.stride(0) if output else 0, ab if slots is None else slots, state.stride(0) if slots is not None else 0,
         key_dim, nv,
         DK=dk, DV=dv, BV=bv, RATIO=nv // nk, DP=triton.next_power_of_2(max(paths.shape[1] if paths is not None else 1, 2)),
-        CH=PATH_CHUNK, SELF=paths is None, EACH=slots is not None, OUTPUT=output, WRITE_STATE=new_state is not None,
+        CH=PATH_CHUNK, SELF=paths is None, SLOTS=slots is not None, OUTPUT=output, WRITE_STATE=new_state is not None,
         num_warps=warps or default_warps(dk, dv), **pdl_args(pdl, qkv))
     return out if output else None
