@@ -296,7 +296,8 @@ def conv_rows(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, p
         paths.stride(0) if paths is not None else 0, x if slots is None else slots,
         conv_state.stride(0) if slots is not None else 0, C, D,
         KW=KW, DP=triton.next_power_of_2(max(D, 2)), BC=BC, SEQ=paths is None and slots is None,
-        SLOTS=slots is not None, SELF=paths is None and slots is not None, ADVANCE=advance, num_warps=4, **pdl_args(pdl, x))
+        SLOTS=slots is not None, SELF=paths is None and slots is not None, ADVANCE=advance, num_warps=4,
+        **pdl_args(pdl, x))
     return out
 
 
