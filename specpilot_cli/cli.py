@@ -117,6 +117,9 @@ def _run(argv, debug: bool) -> int:
 def _error(e: BaseException, debug: bool) -> int:
     if debug:
         traceback.print_exception(e)
+    signum = signals.stopped_by()
+    if signum is not None:   # raised while a signal unwound the run: a library turned the interrupt into its error
+        return _interrupted(signals.Interrupted(signum))
     user = as_user_error(e)
     if user is None:  # a bug: say so in one line, traceback with --debug
         click.echo(f"specpilot: internal error: {type(e).__name__}: {_one_line(e)} (rerun with --debug)", err=True)

@@ -78,37 +78,41 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", protect: Iterable[str 
         file_mode = stat.S_IMODE(target.stat().st_mode)
     except FileNotFoundError:
         file_mode = 0o666 & ~_umask()
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".part", dir=parent)
-    except PermissionError:
-        raise InputError(f"{option} {shown}: cannot write in folder {parent} (permission denied)") from None
-    from .signals import track_temp
+    from .signals import deferred, forget_temp, register_temp
 
-    with track_temp(tmp):
+    with deferred():   # created and registered as one step: a signal cannot leave it behind
         try:
-            os.fchmod(fd, file_mode)
-            binary = "b" in mode
-            with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as fh:
-                yield fh
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, target)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
+            fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".part", dir=parent)
+        except PermissionError:
+            raise InputError(f"{option} {shown}: cannot write in folder {parent} (permission denied)") from None
+        register_temp(tmp)
+    try:
+        os.fchmod(fd, file_mode)
+        binary = "b" in mode
+        with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as fh:
+            yield fh
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    finally:
+        forget_temp(tmp)
 
 
 def temp_dir_beside(dst: str | os.PathLike) -> Path:
     """A new hidden ``.NAME.XXXX.part`` folder beside ``dst`` to build a folder output in, then
     ``os.replace`` onto ``dst``; it has the mode a plain ``mkdir`` gives and a signal removes it."""
+    from .signals import deferred, register_temp
+
     dst = Path(dst)
     parent = dst.parent if str(dst.parent) else Path(".")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".part", dir=parent))
+    with deferred():   # created and registered as one step: a signal cannot leave it behind
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".part", dir=parent))
+        register_temp(tmp)
     os.chmod(tmp, 0o777 & ~_umask())
-    from .signals import register_temp
-
-    register_temp(tmp)
     return tmp
 
 

@@ -6,8 +6,9 @@ The CLI installs the handlers for the length of one command (:func:`installed`).
 verbs save their resumable state. What no ``finally`` sees is tracked here and ended by
 :func:`cleanup`, which the CLI runs on every exit:
 
-- temporary paths (:func:`track_temp`; ``specpilot.fileio.atomic_open`` registers its ``.part``
-  files), removed;
+- temporary paths (:func:`track_temp`, :func:`register_temp`; ``specpilot.fileio`` creates and
+  registers its ``.part`` files and folders inside :func:`deferred`, so a signal cannot fall between
+  the two), removed;
 - child processes started with :func:`spawn`, each in its own process group (a benchmark
   command and everything it starts), whose groups are ended (SIGTERM, then SIGKILL).
 
@@ -31,6 +32,7 @@ _temps: dict[str, None] = {}
 _children: dict[int, subprocess.Popen] = {}
 _lock = threading.Lock()
 _unwinding: list[int] = []
+_defer = {"depth": 0, "pending": None}   # a critical section of the main thread, a signal it held back
 
 
 class Interrupted(KeyboardInterrupt):
@@ -55,8 +57,31 @@ class Interrupted(KeyboardInterrupt):
 def _handler(signum, frame):  # noqa: ARG001
     if _unwinding:
         return  # already stopping: let the cleanup finish
+    if _defer["depth"]:   # inside deferred(): raised when the block ends
+        _defer["pending"] = _defer["pending"] or signum
+        return
     _unwinding.append(signum)
     raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def deferred():
+    """A signal arriving in the block raises :class:`Interrupted` when the block ends, not inside
+    it: a temporary path is created and registered for removal as one step, so no signal can land
+    between the two and leave it behind. Only the main thread (where handlers run) defers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _defer["depth"] += 1
+    try:
+        yield
+    finally:
+        _defer["depth"] -= 1
+        if not _defer["depth"]:
+            signum, _defer["pending"] = _defer["pending"], None
+            if signum is not None and not _unwinding:
+                _unwinding.append(signum)
+                raise Interrupted(signum)
 
 
 @contextlib.contextmanager
@@ -78,11 +103,17 @@ def installed():
         for s, h in old.items():
             signal.signal(s, h)
         _unwinding.clear()
+        _defer["pending"] = None
 
 
 def stopping() -> bool:
     """True once a signal has started to end the run."""
     return bool(_unwinding)
+
+
+def stopped_by() -> int | None:
+    """The signal that started to end the run, if one did."""
+    return _unwinding[0] if _unwinding else None
 
 
 # ----------------------------------------------------------------------------------- temporaries
@@ -104,6 +135,12 @@ def register_temp(path: str | os.PathLike) -> None:
     """Remove ``path`` in :func:`cleanup` if it still exists then (renamed away: nothing to do)."""
     with _lock:
         _temps[str(path)] = None
+
+
+def forget_temp(path: str | os.PathLike) -> None:
+    """Stop tracking ``path`` (renamed into place or removed by its writer)."""
+    with _lock:
+        _temps.pop(str(path), None)
 
 
 def _remove(path: str) -> None:

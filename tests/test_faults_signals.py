@@ -108,6 +108,72 @@ def test_signal_during_an_atomic_write_removes_the_part_file(tmp_path, sig):
     assert _part_files(tmp_path) == [] and target.read_text() == "old\n"
 
 
+@pytest.mark.parametrize("make", ["folder", "file"])
+def test_a_signal_while_a_temporary_is_created_cannot_leave_it_behind(tmp_path, monkeypatch, make):
+    """The signal lands right after ``mkdtemp``/``mkstemp`` returned, before the path is registered
+    for removal (the window a SIGTERM hit when it came as soon as the .part folder appeared): it is
+    held back until the path is registered, then ends the run, and cleanup removes the path."""
+    import tempfile
+
+    from specpilot import fileio, signals
+
+    real = tempfile.mkdtemp if make == "folder" else tempfile.mkstemp
+
+    def created_then_signalled(*a, **kw):
+        out = real(*a, **kw)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    monkeypatch.setattr(tempfile, "mkdtemp" if make == "folder" else "mkstemp", created_then_signalled)
+    with signals.installed():
+        try:
+            with pytest.raises(signals.Interrupted) as err:
+                if make == "folder":
+                    fileio.temp_dir_beside(tmp_path / "packed")
+                else:
+                    with fileio.atomic_open(tmp_path / "out.json") as fh:
+                        fh.write("never")
+            assert err.value.signum == signal.SIGTERM
+            assert _part_files(tmp_path) or make == "file"   # a folder waits for cleanup; a file's writer removes it
+        finally:
+            signals.cleanup()
+    assert _part_files(tmp_path) == [] and not (tmp_path / "out.json").exists()
+
+
+def test_an_error_raised_while_a_signal_unwinds_reports_the_signal(capsys):
+    """A library that catches the interrupt and raises its own error (safetensors reading a file
+    when SIGTERM came: "not a readable safetensors file") must not turn a signal into exit 2."""
+    from specpilot import cli, signals
+    from specpilot.errors import InputError
+
+    with signals.installed():
+        assert cli._error(InputError("data.json: not valid JSON"), False) == 2
+        with pytest.raises(signals.Interrupted):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1)
+        assert cli._error(InputError("part0.safetensors: not a readable safetensors file"), False) == 128 + 15
+    err = capsys.readouterr().err
+    assert "specpilot: interrupted by SIGTERM" in err and "not a readable safetensors" not in err
+
+
+def test_deferred_holds_a_signal_until_the_block_ends():
+    from specpilot import signals
+
+    with signals.installed():
+        reached = []
+        with pytest.raises(signals.Interrupted):
+            with signals.deferred():
+                with signals.deferred():      # nested: only the outermost block raises
+                    os.kill(os.getpid(), signal.SIGINT)
+                    reached.append("inner")
+                reached.append("outer")
+        assert reached == ["inner", "outer"] and signals.stopping()
+    with signals.installed():                 # a block without a signal raises nothing
+        with signals.deferred():
+            pass
+        assert not signals.stopping()
+
+
 # A benchmark command that records its process group and hangs (sleeping in a child of the shell)
 # on its Nth run, counted in a file beside it.
 _CANDIDATE = textwrap.dedent("""
