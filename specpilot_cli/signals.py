@@ -122,13 +122,11 @@ def stopped_by() -> int | None:
 def track_temp(path: str | os.PathLike):
     """Remove ``path`` (a file or a folder) in :func:`cleanup` unless the block renamed it away."""
     key = str(path)
-    with _lock:
-        _temps[key] = None
+    register_temp(key)
     try:
         yield key
     finally:
-        with _lock:
-            _temps.pop(key, None)
+        forget_temp(key)
 
 
 def register_temp(path: str | os.PathLike) -> None:

@@ -8,7 +8,8 @@ loads one ``[BLOCK_N, BLOCK_K]`` weight tile and the step's ``[MP, BLOCK_K]`` x 
 rows padded to a power of two >= 16, rows past M read as zero) and accumulates
 ``W_tile @ x_tile.T`` in fp32, weights on the MMA's long side. With ``split > 1`` the programs of
 an output block write fp32 partial tiles to a workspace (:mod:`specpilot.kernels.workspace`) and
-the last of them (a counter) sums them in split order: results are bitwise identical run to run.
+the last of them (a counter) sums them in a fixed order (the W12 kernels' ``sum_splits``):
+results are bitwise identical run to run.
 Under programmatic dependent launch a program loads its first weight tile before it waits for
 the previous kernel. The plain reference is :func:`.naive.linear`.
 """
@@ -22,6 +23,7 @@ import torch
 from specpilot.kernels import workspace
 from specpilot.kernels.triton_env import interpreting, pdl_args, tl, triton
 from specpilot.kernels.verify import common
+from specpilot.kernels.w12.common import split_chunk, sum_splits
 
 MAX_ROWS = 64
 
@@ -40,7 +42,7 @@ if triton is not None:
     @triton.jit
     def _skinny_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, TILES, SPLIT, stride_x, stride_w, stride_y,
                        MP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_SPLIT: tl.constexpr,
-                       STAGES: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
+                       SPLIT_CHUNK: tl.constexpr, STAGES: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -74,9 +76,7 @@ if triton is not None:
             blk = ws_ptr + pid_n.to(tl.int64) * (SPLIT * BLOCK_N * MP)
             tl.store(blk + pid_k * (BLOCK_N * MP) + tile, acc, cache_modifier=".cg")
             if tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel") == SPLIT - 1:
-                total = tl.zeros((BLOCK_N, MP), dtype=tl.float32)
-                for s in range(SPLIT):
-                    total += tl.load(blk + s * (BLOCK_N * MP) + tile, cache_modifier=".cg")
+                total = sum_splits(blk, tile, SPLIT, BLOCK_N, MP, SPLIT_CHUNK)
                 tl.store(out, total.to(y_ptr.dtype.element_ty), mask=omask)
                 tl.store(cnt_ptr + pid_n, 0)
 
@@ -128,6 +128,6 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, cfg: SkinnyConfig = SkinnyCo
         ws = cnt = y
     _skinny_kernel[(nb, split)](x, w, y, ws, cnt, M, N, K, tiles, split, x.stride(0), w.stride(0), y.stride(0),
                                 MP=mp, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, USE_SPLIT=split > 1,
-                                STAGES=cfg.stages, UPCAST=interpreting(), num_warps=WARPS,
+                                SPLIT_CHUNK=split_chunk(split, BLOCK_N * mp), STAGES=cfg.stages, UPCAST=interpreting(), num_warps=WARPS,
                                 **pdl_args(common.USE_PDL, x))
     return y
