@@ -14,6 +14,8 @@ Random bf16 weights (std 0.02), batch 1, a 1000-token prompt committed by a real
   chain and tree outputs against AR's on these weights; a tree run (32-node trees every step);
 * ``probe rows`` (``measure_rows``) for N = 1..64 with the fused AR step as T_AR, written to
   ``$OUT/probe_rows_qwen35_9b_bf16.json``;
+* batched verify steps (continuous batching, 4 and 16 requests x 4/8/16 chain rows): the bucket
+  CUDA graph against the same step launched eagerly from the host;
 * GDN kernel timings over all 24 GDN layers (a CUDA graph of 24 launches on 24 layers' states):
   the path kernel, the WY kernel, the commit (replay of a depth-8 accepted path) and the AR step's
   GDN kernel, against fla's fused recurrent kernel for one token; peak memory of a tree verify.
@@ -41,6 +43,8 @@ from common import kernel_profile, log, prefill_profile, print_table, section, w
 CONTEXT = 1024
 MODEL = "qwen3.5-9b"
 PROBE_ROWS = [1, 2, 4, 8, 16, 32, 33, 48, 64]
+BATCHES = (4, 16)      # requests in a batched step
+BATCH_ROWS = [4, 8, 16]  # verify rows per request (chains)
 NK, NV, DK, DV = 16, 32, 128, 128
 
 
@@ -361,6 +365,23 @@ def probe_json(m, reps):
              "floor_c": floor_ms(p["rows"]) / floor_ms(1)} for p in doc["points"]]
 
 
+def batched_steps(m, reps):
+    """Batched verify steps of B requests x N chain rows at CONTEXT each: the bucket graph the batch
+    decoder replays (every row's GDN path walked from its static path table) against the eager
+    step it ran before graphs covered hybrid verify steps (the same kernels, launched from the host)."""
+    from specpilot.engine.batch.probe import measure_rows_batched
+
+    m.set_decode("fused")
+    out = []
+    for B in BATCHES:
+        got = {g: measure_rows_batched(m, B, BATCH_ROWS, CONTEXT, reps=reps, warmup=5, graphs=g) for g in (True, False)}
+        for pg, pe in zip(got[True].points, got[False].points):
+            out.append({"what": "batched_step", "batch": B, "rows": pg["rows"], "graph_ms": pg["step_ms"],
+                        "eager_ms": pe["step_ms"], "graph_c": pg["c"], "eager_over_graph": pe["step_ms"] / pg["step_ms"],
+                        "method": got[True].method})
+    return out
+
+
 def logit_gap(m, context, tok_a, tok_b):
     """Logits of two candidate next tokens after ``context`` (one prefill through the layers, bf16),
     and the top logit's lead over the runner-up."""
@@ -506,6 +527,7 @@ def main() -> int:
         rows += section("ar steps", lambda: ar_steps(m, args.reps), errors) or []
         rows += section("verify methods", lambda: verify_methods(m, args.reps), errors) or []
         rows += section("probe rows", lambda: probe_json(m, args.reps), errors) or []
+        rows += section("batched steps", lambda: batched_steps(m, args.reps), errors) or []
         extra["tree_memory"] = section("tree memory", lambda: tree_memory(m), errors)
         extra["prefill_profile"] = section("prefill profile", lambda: prefill_profile(m), errors)
         extra["verify_profile"] = section("verify profile", lambda: verify_profile(m), errors)
@@ -517,6 +539,7 @@ def main() -> int:
     print_table([r for r in rows if r["what"] == "ar_step"], ["path", "step_ms", "floor_ms", "of_floor"])
     print_table([r for r in rows if r["what"] == "probe_rows"], ["rows", "step_ms", "c", "floor_c", "path"])
     print_table([r for r in rows if r["what"] == "verify_method"], ["rows", "path_step_ms", "wy_step_ms"])
+    print_table([r for r in rows if r["what"] == "batched_step"], ["batch", "rows", "graph_ms", "eager_ms", "graph_c"])
     print_table(extra.get("gdn_kernels") or [], ["nodes", "path_us", "wy_us", "wy_over_path", "commit_us"])
     print(json.dumps({k: extra.get(k) for k in ("ar_gdn_kernel", "kernel_checks", "ar_consistency", "tree_memory",
                                                 "prefill_profile", "verify_profile",

@@ -104,12 +104,47 @@ class Segment:
 
 
 @dataclass
+class Walk:
+    """The GDN verify rows of a batched step that walk their root paths in one conv and one
+    path-walk launch per layer: ``segments`` (indices into the step's segments, in row order),
+    ``rows`` [W] their step rows (None: every row of the step, in order), ``paths`` [W, D] each
+    walked row's root path as indices into the walked rows (-1 after its end) and ``slots`` [W]
+    the state slot each row walks from."""
+
+    segments: tuple[int, ...]
+    rows: torch.Tensor | None
+    paths: torch.Tensor
+    slots: torch.Tensor
+
+
+def walk_table(segments: list[Segment], device) -> Walk | None:
+    """The :class:`Walk` of the chain/tree segments of a step, when there are two or more (one
+    segment runs the one-request path, which may pick TreeWY)."""
+    from specpilot.kernels.gdn import rows as gdn_rows
+
+    idx = tuple(i for i, sg in enumerate(segments) if sg.gdn_rows in ("tree", "chain"))
+    if len(idx) < 2:
+        return None
+    local = [segments[i].paths.to(device) if segments[i].gdn_rows == "tree"
+             else gdn_rows.chain_paths(segments[i].rows, device) for i in idx]
+    depth = max(p.shape[1] for p in local)
+    paths, at = [], 0
+    for i, p in zip(idx, local):
+        paths.append(F.pad(torch.where(p >= 0, p + at, p), (0, depth - p.shape[1]), value=-1))
+        at += segments[i].rows
+    rows = torch.cat([torch.arange(segments[i].start, segments[i].start + segments[i].rows) for i in idx])
+    slots = torch.cat([torch.full((segments[i].rows,), segments[i].slot, dtype=torch.long) for i in idx])
+    return Walk(idx, rows.to(device), torch.cat(paths), slots.to(device))
+
+
+@dataclass
 class BatchStepInput:
     """The rows of several requests in one forward. ``tokens``, ``pos`` (rope positions),
     ``slots`` (positions in the row's own request cache) and ``req`` (the row's cache slot) are
     [T] long tensors; ``mask`` bool [T, kv_len] over the row's own request cache; ``segments``
     cover rows 0..T-1 in order; ``seg_table``: their device table for the fused kernels, made on
-    first use (``engine/fused_verify.py``)."""
+    first use (``engine/fused_verify.py``); ``walk``: the GDN layers' :class:`Walk`, made by the
+    first layer that needs it (a hybrid's CUDA-graph bucket brings its own, every row walked)."""
 
     tokens: torch.Tensor
     pos: torch.Tensor
@@ -118,6 +153,7 @@ class BatchStepInput:
     mask: torch.Tensor
     segments: list[Segment]
     seg_table: tuple | None = None
+    walk: Walk | None = None
 
 
 class Attention(nn.Module):
@@ -240,7 +276,11 @@ class GatedDeltaNet(nn.Module):
         return proj.split([self.conv_dim, self.value_dim, 2 * self.nv], -1)
 
     def uses_kernels(self, x) -> bool:
-        return self.impl == "triton" or (self.impl == "auto" and x.is_cuda)
+        return self.runs_kernels(x.device)
+
+    def runs_kernels(self, device) -> bool:
+        """Whether this layer's steps on ``device`` go through the GDN row kernels."""
+        return self.impl == "triton" or (self.impl == "auto" and torch.device(device).type == "cuda")
 
     def forward(self, x, inp: StepInput):
         return self.out_proj(self.mix(self.in_proj(x), inp))
@@ -392,12 +432,13 @@ class GatedDeltaNet(nn.Module):
         """:meth:`mix` for the rows of several requests, each on its own slot's state
         (``cache.state``/``cache.conv``). With the kernels, one conv and one delta-rule launch serve
         every request that brings one AR row (its state advanced in place), or every request's
-        chain/tree verify rows (each row walking its root path from its request's committed state,
-        the path kernel's AR-exact arithmetic; the stash per slot for :meth:`commit_slot`). Other
-        segments (prompt chunks, a request's lone AR row in a verify step, the CPU's torch path)
-        run :meth:`mix` on their slot's state, swapped in as this layer's buffers."""
+        chain/tree verify rows (:class:`Walk`: each row walking its root path from its request's
+        committed state, the path kernel's AR-exact arithmetic; the stash per slot for
+        :meth:`commit_slot`). Other segments (prompt chunks, a request's lone AR row in an eager
+        verify step, the CPU's torch path) run :meth:`mix` on their slot's state, swapped in as
+        this layer's buffers."""
         kern = self.uses_kernels(proj)
-        if kern and all(sg.rows == 1 and sg.gdn_rows == "seq" for sg in inp.segments):
+        if kern and inp.walk is None and all(sg.rows == 1 and sg.gdn_rows == "seq" for sg in inp.segments):
             from specpilot.kernels.gdn import rows as gdn_rows
 
             mixed, z, ab = self.split_proj(proj)
@@ -405,9 +446,10 @@ class GatedDeltaNet(nn.Module):
             o = gdn_rows.gdn_rows(conv, ab, self.A_log, self.dt_bias, cache.state, None, self.nk,
                                   new_state=cache.state, slots=inp.req)
             return gdn_rows.gated_norm_rows(o.view(-1, self.nv, self.dv), z, self.norm, self.eps)
-        walked = [i for i, sg in enumerate(inp.segments) if kern and sg.gdn_rows in ("tree", "chain")]
-        outs = dict(zip(walked, self._walk_segments(proj, [inp.segments[i] for i in walked], cache))) \
-            if len(walked) > 1 else {}
+        if kern and inp.walk is None:
+            inp.walk = walk_table(inp.segments, proj.device)
+        outs = dict(zip(inp.walk.segments, self._walk(proj, inp.walk, inp.segments, cache))) \
+            if kern and inp.walk is not None else {}
         own = self.state, self.conv_state
         try:
             for i, sg in enumerate(inp.segments):
@@ -424,27 +466,18 @@ class GatedDeltaNet(nn.Module):
             self.state, self.conv_state = own
         return torch.cat([outs[i] for i in range(len(inp.segments))]) if len(outs) > 1 else outs[0]
 
-    def _walk_segments(self, proj, segs: list[Segment], cache) -> list[torch.Tensor]:
-        """Several requests' chain/tree verify rows in one conv and one path-walk launch: each
-        segment's outputs, its stash left in ``cache.stash[slot]`` as :meth:`mix` leaves it."""
+    def _walk(self, proj, walk: Walk, segments: list[Segment], cache) -> list[torch.Tensor]:
+        """The walked segments' rows in one conv and one path-walk launch: each segment's outputs,
+        its stash left in ``cache.stash[slot]`` as :meth:`mix` leaves it."""
         from specpilot.kernels.gdn import rows as gdn_rows
 
-        dev = proj.device
-        rows = torch.cat([torch.arange(sg.start, sg.start + sg.rows, device=dev) for sg in segs])
-        mixed, z, ab = self.split_proj(proj[rows])
-        local = [sg.paths.to(dev) if sg.gdn_rows == "tree" else gdn_rows.chain_paths(sg.rows, dev) for sg in segs]
-        depth = max(p.shape[1] for p in local)
-        paths, slots, at = [], [], 0
-        for sg, p in zip(segs, local):
-            paths.append(F.pad(torch.where(p >= 0, p + at, p), (0, depth - p.shape[1]), value=-1))
-            slots.append(torch.full((sg.rows,), sg.slot, dtype=torch.long, device=dev))
-            at += sg.rows
-        paths, slots = torch.cat(paths), torch.cat(slots)
-        conv = gdn_rows.conv_rows(mixed, cache.conv, self.conv_weight, paths, slots=slots)
-        o = gdn_rows.gdn_rows(conv, ab, self.A_log, self.dt_bias, cache.state, paths, self.nk, slots=slots)
+        mixed, z, ab = self.split_proj(proj if walk.rows is None else proj[walk.rows])
+        conv = gdn_rows.conv_rows(mixed, cache.conv, self.conv_weight, walk.paths, slots=walk.slots)
+        o = gdn_rows.gdn_rows(conv, ab, self.A_log, self.dt_bias, cache.state, walk.paths, self.nk, slots=walk.slots)
         out = gdn_rows.gated_norm_rows(o.view(-1, self.nv, self.dv), z, self.norm, self.eps)
         res, at = [], 0
-        for sg in segs:
+        for i in walk.segments:
+            sg = segments[i]
             r = slice(at, at + sg.rows)
             cache.stash[sg.slot] = ("rows", mixed[r], (conv[r], ab[r]))
             res.append(out[r])

@@ -91,10 +91,11 @@ def test_hybrid_verify_rows_of_all_requests_walk_in_one_launch(reference, monkey
     from specpilot.engine.model import GatedDeltaNet
 
     walks, compared = [], []
-    real_walk, real_mix = GatedDeltaNet._walk_segments, GatedDeltaNet.mix
+    real_walk, real_mix = GatedDeltaNet._walk, GatedDeltaNet.mix
 
-    def walk(self, proj, segs, cache):
-        out = real_walk(self, proj, segs, cache)
+    def walk(self, proj, table, segments, cache):
+        out = real_walk(self, proj, table, segments, cache)
+        segs = [segments[i] for i in table.segments]
         walks.append(len(segs))
         if not compared:    # the same segments, one request at a time (the fallback's launches)
             from specpilot.engine.model import StepInput
@@ -117,7 +118,7 @@ def test_hybrid_verify_rows_of_all_requests_walk_in_one_launch(reference, monkey
                 self.state, self.conv_state = own
         return out
 
-    monkeypatch.setattr(GatedDeltaNet, "_walk_segments", walk)
+    monkeypatch.setattr(GatedDeltaNet, "_walk", walk)
     eng = load_engine(EngineSpec.parse("engine:model=tiny-hybrid,batch=2,nodes=6,depth=4,topk=3,mode=tree,"
                                        "drafter=self,draft_layers=1"))
     for layer in eng.model.gdn_layers():
@@ -128,6 +129,39 @@ def test_hybrid_verify_rows_of_all_requests_walk_in_one_launch(reference, monkey
     reqs = [Request(PROMPTS[i], n, id=i) for i in pick]
     assert [r.output_ids for r in dec.generate_many(reqs)] == [reference["tiny-hybrid"][i][:n] for i in pick]
     assert walks and max(walks) >= 2 and compared and dec.stats.accepted > 0
+
+
+@pytest.mark.parametrize("extra,n", [("mode=tree,drafter=self,draft_layers=1", 6), ("mode=chain", 12)])
+def test_hybrid_verify_buckets_walk_every_row(reference, extra, n):
+    """tiny-hybrid on the GDN row kernels (Triton's interpreter) through the bucket runner: verify
+    buckets of more than one row per request walk every row's GDN path from the static path table
+    (a one-row request's row too, committed afterwards like the others), and the outputs equal
+    one-request greedy decoding."""
+    from specpilot.engine.batch.graphs import BatchGraphRunner
+
+    eng = load_engine(EngineSpec.parse(f"engine:model=tiny-hybrid,batch=2,nodes=6,depth=4,topk=3,{extra}"))
+    for layer in eng.model.gdn_layers():
+        layer.impl = "triton"
+        layer.verify = "path"
+    dec = eng.batch_decoder()
+    dec.runner = BatchGraphRunner(dec.model, dec.cache)
+    walked, run = [], dec._run
+
+    def spy(blocks, pblocks):
+        out = run(blocks, pblocks)
+        if not pblocks and max(len(b) for b in blocks) > 1:
+            walked.append(sorted(len(b) for b in blocks))
+        return out
+
+    dec._run = spy
+    pick = (2, 3)
+    reqs = [Request(PROMPTS[i], n, id=i) for i in pick]
+    assert [r.output_ids for r in dec.generate_many(reqs)] == [reference["tiny-hybrid"][i][:n] for i in pick]
+    assert walked and any(N > 1 for _, N in dec.runner.graphs) and dec.stats.eager_steps == 0
+    if "drafter=self" in extra:
+        assert dec.stats.accepted > 0
+    else:   # the n-gram drafter finds nothing for some steps: one-row requests in walking buckets
+        assert any(sizes[0] == 1 for sizes in walked)
 
 
 @pytest.mark.parametrize("extra", ["mode=tree,drafter=self,draft_layers=2", "mode=chain,admit=off"])

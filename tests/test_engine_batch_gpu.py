@@ -1,7 +1,9 @@
 """Continuous batching on the GPU: CUDA graphs per (requests, rows) bucket, the fused row kernels
 with one attention launch over every request's slot and the Triton tree builder, each request's
-output equal to one-request greedy AR (fp32, tiny and tiny-hybrid: its AR buckets replay graphs,
-padding rows in the spare slot, and its GDN layers advance every request's state in one launch)."""
+output equal to one-request greedy AR (fp32, tiny and tiny-hybrid: its buckets replay graphs,
+padding rows in the spare slot; its GDN layers advance every request's state in one launch in AR
+buckets and walk every row's path in verify buckets, the stashes the commit reads being the
+graph's own buffers)."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ PROMPTS = [[(5 * i + j) % 256 for j in range(4 + i % 4)] * 3 for i in range(7)]
     ("tiny", "mode=tree,drafter=self,draft_layers=2"),
     ("tiny", "mode=tree,budget=equal,block=fixed,admit=off"),
     ("tiny-hybrid", "mode=tree,drafter=self,draft_layers=2"),
+    ("tiny-hybrid", "mode=chain"),
 ])
 def test_batched_on_cuda_equals_one_request_ar(model, extra):
     base = f"engine:model={model},dtype=float32,device=cuda,ctx=512"
@@ -36,8 +39,9 @@ def test_batched_on_cuda_equals_one_request_ar(model, extra):
     reqs = [Request(p, 24, id=i, arrival_step=2 * i) for i, p in enumerate(PROMPTS)]
     got = [r.output_ids for r in dec.generate_many(reqs)]
     assert got == want
-    if "mode=ar" in extra or model == "tiny":   # hybrids replay their one-row (AR) buckets only
-        assert dec.runner.graphs
+    assert dec.runner.graphs
+    if "mode=ar" not in extra:   # verify steps replay buckets of more than one row per request
+        assert any(N > 1 for _, N in dec.runner.graphs)
     if "mode=ar" in extra:   # AR steps overlap the host: fed on the device from the previous step
         assert dec.overlap and dec.stats.overlapped_steps > 0
 

@@ -117,7 +117,7 @@ def test_device_side_advance_matches_the_host_layout(model):
     dec, reqs = _in_a_streak(model, 4, 3)
     dec.drain()
     B = 4   # bucket(3 requests)
-    _, sinp, out, ids, _ = dec.runner.graphs[(B, 1)]
+    _, sinp, out, ids, *_ = dec.runner.graphs[(B, 1)]
     # after the drain the buffers hold the last launched step's inputs: each request's previous token
     blocks = [verify_rows(r.slot, r.full[-2], treelib.chain_tree([]), r.n_cache - 1, "seq") for r in reqs]
     want, _, _ = assemble(blocks, dec.cache.max_seq, torch.device("cpu"), pad=(B, 1), dump=dec.cache.dump)

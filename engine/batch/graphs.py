@@ -3,8 +3,16 @@
 A bucket (B, N) is a step of B requests x N rows laid out request after request (request b in
 cache slot b, rows ``b*N .. b*N + N - 1``), attending over the whole static cache. The scheduler
 pads a decode step to the smallest bucket that holds it (:func:`bucket`); steps with prompt rows
-run eagerly. Hybrids replay one-row buckets only (their AR steps: one conv and delta-rule launch
-over every request's state slot); their verify steps walk host-built paths and run eagerly.
+run eagerly.
+
+A hybrid's buckets need its GDN layers on the row kernels. Its one-row buckets advance every
+request's state in place (one conv and delta-rule launch per layer); in its verify buckets every
+row walks its root path from its request's committed state (:class:`~specpilot.engine.model.Walk`,
+one conv and one path-walk launch per layer), the path table a static input like the mask: a
+request's tree rows walk their tree, chain rows and padding rows the chain of their segment (reads
+only: padding outputs are dropped). A request with one row in such a step is walked too, so its
+GDN state is committed afterwards like the others' (:func:`walks`). The stashes the commit reads
+are views of the graph's own buffers, handed back to the cache after every replay.
 """
 
 from __future__ import annotations
@@ -12,17 +20,43 @@ from __future__ import annotations
 import torch
 
 from specpilot.engine.graphs import capture
-from specpilot.engine.model import BatchStepInput, Segment
+from specpilot.engine.model import BatchStepInput, Segment, Walk
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 def replays(model, rows: int | None = None) -> bool:
     """Whether batched steps of ``rows`` rows per request (any, when None) of ``model`` replay
-    bucket graphs where graphs run (CUDA): a hybrid's only with the fused kernels and one row."""
+    bucket graphs where graphs run (CUDA): a hybrid's where its GDN layers run the row kernels."""
     if not model.spec.is_hybrid:
         return True
-    return model.fused_decode and rows in (None, 1)
+    return all(layer.runs_kernels(model.device) for layer in model.gdn_layers())
+
+
+def walks(model, rows: int) -> bool:
+    """Whether bucket (B, ``rows``) of ``model`` walks every row's GDN path (a hybrid's verify
+    bucket): its GDN states advance only by the commit, a one-row request's included."""
+    return model.spec.is_hybrid and rows > 1
+
+
+def bucket_paths(segments: list[Segment], N: int) -> torch.Tensor:
+    """The path table [B * N, N] (host, int64) of a walking bucket's rows: a tree segment's rows
+    walk its tree (its paths, local to the segment), every other row the chain of its segment."""
+    out = torch.full((len(segments) * N, N), -1, dtype=torch.long)
+    chain = torch.where(torch.arange(N)[None, :] <= torch.arange(N)[:, None], torch.arange(N)[None, :], -1)
+    for b, sg in enumerate(segments):
+        if sg.rows != N or sg.start != b * N:
+            raise ValueError(f"segment {b} is not laid out for bucket rows {N}: rows {sg.start}..+{sg.rows}")
+        block = out[b * N:(b + 1) * N]
+        block.copy_(torch.where(chain >= 0, chain + b * N, -1))
+        if sg.gdn_rows == "tree":
+            p = sg.paths.cpu()
+            k, d = p.shape
+            if k > N or d > N:
+                raise ValueError(f"segment {b}'s tree ({k} rows, depth {d}) does not fit bucket rows {N}")
+            block[:k] = -1
+            block[:k, :d] = torch.where(p >= 0, p + b * N, -1)
+    return out
 
 
 def bucket(n: int, limit: int) -> int:
@@ -48,21 +82,28 @@ class BatchGraphRunner:
     def _capture(self, B: int, N: int):
         m, dev, S = self.model, self.model.device, self.cache.max_seq
         T = B * N
+        walking = walks(m, N)
         # tokens, pos, slots and req are rows of one tensor: a step's inputs arrive in two copies
         ids = torch.zeros(4, T, dtype=torch.long, device=dev)
         ids[2] = torch.arange(N, device=dev).repeat(B)
         ids[3] = torch.arange(B, device=dev).repeat_interleave(N)
-        inp = BatchStepInput(ids[0], ids[1], ids[2], ids[3], torch.zeros(T, S, dtype=torch.bool, device=dev),
-                             [Segment(b, b * N, N) for b in range(B)])
+        segs = [Segment(b, b * N, N, "chain" if walking else "seq") for b in range(B)]
+        inp = BatchStepInput(ids[0], ids[1], ids[2], ids[3], torch.zeros(T, S, dtype=torch.bool, device=dev), segs)
         inp.mask[:, 0] = True
+        paths = None
+        if walking:
+            paths = bucket_paths(segs, N).to(dev)
+            inp.walk = Walk(tuple(range(B)), None, paths, ids[3])
 
         def fn():
             return m.greedy_batch(inp, self.cache, S)
 
-        # warm-up and capture run the step for real: keep the positions and states they write intact
+        # warm-up and capture run the step for real: keep the positions, states and stashes they
+        # write intact
         kept = [(t[:B, :, :N], t[:B, :, :N].clone()) for lc in self.cache.layers for t in (lc.k, lc.v)
                 if t is not None]
         kept += [(t[:B], t[:B].clone()) for lc in self.cache.layers for t in (lc.state, lc.conv) if t is not None]
+        stashes = [dict(lc.stash) for lc in self.cache.layers]
         if dev.type == "cuda":
             g, out = capture(fn, self.warmup)
         else:
@@ -70,10 +111,17 @@ class BatchGraphRunner:
             g = _Eager(fn, out)
         for t, saved in kept:
             t.copy_(saved)
+        # the stash views the captured step leaves (the graph's buffers): every replay's stash
+        views = [{b: lc.stash[b] for b in range(B) if b in lc.stash} for lc in self.cache.layers] \
+            if walking and dev.type == "cuda" else None
+        for lc, saved in zip(self.cache.layers, stashes):
+            lc.stash.clear()
+            lc.stash.update(saved)
         pin = dev.type == "cuda"
         staging = (torch.empty(ids.shape, dtype=ids.dtype, pin_memory=pin),
-                   torch.empty(inp.mask.shape, dtype=torch.bool, pin_memory=pin))
-        self.graphs[(B, N)] = (g, inp, out, ids, staging)
+                   torch.empty(inp.mask.shape, dtype=torch.bool, pin_memory=pin),
+                   None if paths is None else torch.empty(paths.shape, dtype=paths.dtype, pin_memory=pin))
+        self.graphs[(B, N)] = (g, inp, out, ids, staging, paths, views)
         return self.graphs[(B, N)]
 
     def get(self, B: int, N: int):
@@ -81,21 +129,30 @@ class BatchGraphRunner:
 
     def run(self, inp: BatchStepInput, B: int, N: int) -> torch.Tensor:
         """Replay bucket (B, N) on ``inp`` (laid out for it; host tensors are fastest: they go through
-        pinned staging in two asynchronous copies); the argmax of every row. The staging is reused
+        pinned staging in asynchronous copies); the argmax of every row. The staging is reused
         by the next call, so read the result (a host sync) before calling again."""
-        g, sinp, out, ids, (hids, hmask) = self.get(B, N)
+        g, sinp, out, ids, (hids, hmask, hpaths), paths, _ = self.get(B, N)
         hids.copy_(torch.stack((inp.tokens, inp.pos, inp.slots, inp.req)))
         hmask.copy_(inp.mask)
         ids.copy_(hids, non_blocking=True)
         sinp.mask.copy_(hmask, non_blocking=True)
-        g.replay()
+        if paths is not None:
+            hpaths.copy_(bucket_paths(inp.segments, N))
+            paths.copy_(hpaths, non_blocking=True)
+        self._replay(B, N)
         return out
+
+    def _replay(self, B: int, N: int) -> None:
+        g, *_, views = self.graphs[(B, N)]
+        g.replay()
+        if views is not None:   # the commit reads the stashes of this replay
+            for lc, v in zip(self.cache.layers, views):
+                lc.stash.update(v)
 
     def replay(self, B: int, N: int) -> torch.Tensor:
         """Replay bucket (B, N) on the inputs its buffers hold now; its output (every row's argmax)."""
-        g, _, out, _, _ = self.graphs[(B, N)]
-        g.replay()
-        return out
+        self._replay(B, N)
+        return self.graphs[(B, N)][2]
 
     def output(self, B: int, N: int) -> torch.Tensor:
         return self.graphs[(B, N)][2]
@@ -104,7 +161,7 @@ class BatchGraphRunner:
         """Feed one-row bucket (B, 1) its next AR step on the device: each ``live`` row's token becomes
         its last argmax, its position and cache position move on by one and the new position joins
         its mask; other rows (padding) stay as they are."""
-        _, sinp, out, ids, _ = self.graphs[(B, 1)]
+        _, sinp, out, ids, *_ = self.graphs[(B, 1)]
         ids[0].copy_(torch.where(live, out, ids[0]))
         ids[1:3] += live
         sinp.mask.scatter_(1, ids[2].unsqueeze(1), live.unsqueeze(1))

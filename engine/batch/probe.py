@@ -1,8 +1,9 @@
 """T_step(B, N): one batched verify step of B requests x N rows at a given context (``probe rows
 --batch B``). Each request has its own cache slot holding ``context`` tokens; its N rows attend to
-them and causally to each other; LM head and argmax included. On CUDA (dense models) each N is a
-captured graph of the batched step (:mod:`.graphs`), timed with CUDA events; elsewhere an eager
-step, wall clock. c(N) = T(B, N) / T(B, 1): the batched AR step is the reference.
+them and causally to each other; LM head and argmax included. On CUDA each N is a captured graph
+of the batched step (:mod:`.graphs`; a hybrid's where its GDN layers run the row kernels), timed
+with CUDA events; elsewhere, or with ``graphs=False``, an eager step (CUDA events around the
+launches: the host's launch time counts where the GPU waits for it; the wall clock on the CPU). c(N) = T(B, N) / T(B, 1): the batched AR step is the reference.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ def chain_rows(B: int, N: int, context: int, vocab: int, gen) -> list[Rows]:
 
 
 def measure_rows_batched(model, batch: int, rows: list[int], context: int, reps: int = 50, warmup: int = 5,
-                         progress=None):
-    """Median step time per row count N for ``batch`` requests (cache of >= context + max(rows) slots)."""
+                         progress=None, graphs: bool = True):
+    """Median step time per row count N for ``batch`` requests (cache of >= context + max(rows) slots);
+    ``graphs=False`` times eager steps where graphs would run."""
     from specpilot.engine.rows import RowsResult
     from specpilot.machine import cpu_name
 
@@ -42,7 +44,7 @@ def measure_rows_batched(model, batch: int, rows: list[int], context: int, reps:
     cuda = model.device.type == "cuda"
     from specpilot.engine.batch.graphs import replays
 
-    graphs = cuda and replays(model)
+    graphs = graphs and cuda and replays(model)
     cache = BatchCache(model, batch)
     gen = torch.Generator(device="cpu").manual_seed(0)
     for lc in cache.layers:   # a realistic (non-zero) KV cache
@@ -80,7 +82,7 @@ def measure_rows_batched(model, batch: int, rows: list[int], context: int, reps:
     points = [{"rows": N, "step_ms": times[N], "c": times[N] / ar} for N in order if N in set(rows) or N == 1]
     gpu = torch.cuda.get_device_name(model.device) if cuda else None
     method = ("cuda graph per (requests, rows), CUDA events, median"
-              + ("; hybrid: one-row steps only, more rows eager" if model.spec.is_hybrid else "") if graphs else
+              + ("; hybrid: every verify row walks its GDN path" if model.spec.is_hybrid else "") if graphs else
               "eager, CUDA events, median" if cuda else "eager, wall clock, median")
     return RowsResult(model.spec.name, gpu, str(model.device), str(model.dtype).replace("torch.", ""), context, ar,
                       points, reps, method, cpu=None if cuda else cpu_name(),

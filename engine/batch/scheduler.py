@@ -37,7 +37,7 @@ import torch
 from specpilot.engine.batch import rules, tlv
 from specpilot.engine.batch.cache import BatchCache
 from specpilot.engine.batch.drafting import BatchDrafting
-from specpilot.engine.batch.graphs import bucket, replays
+from specpilot.engine.batch.graphs import bucket, replays, walks
 from specpilot.engine.batch.overlap import Streak
 from specpilot.engine.batch.requests import Request
 from specpilot.engine.batch.step import Rows, assemble, prefill_rows, verify_rows
@@ -481,7 +481,7 @@ class BatchDecoder:
             tr = trees[b]
             path, toks = treelib.accept_predictions(tr, [preds[i] for i in need[b]])
             rows_kept = [0] + [1 + p for p in path]
-            if len(tr):
+            if len(tr) or blocks[b].gdn_rows != "seq":
                 m.commit_batch(self.cache, r.slot, r.n_cache, rows_kept, blocks[b].gdn_rows)
             if lats[b] is not None and r.record_lattice:
                 row = {"schema": "specpilot.lattice/1", "request": r.id, "step": r.steps,
@@ -561,6 +561,9 @@ class BatchDecoder:
             B = bucket(max(b.slot for b in blocks) + 1, self.batch)
             inp, _, need = assemble(allb, self.cache.max_seq, torch.device("cpu"), pad=(B, N), dump=self.cache.dump)
             out = self.runner.run(inp, B, N).tolist()
+            if walks(m, N):   # a one-row request's GDN rows were walked too: it commits like the others
+                for blk in blocks:
+                    blk.gdn_rows = "chain" if blk.gdn_rows == "seq" else blk.gdn_rows
             return out, need
         t0 = time.perf_counter()
         inp, kv, need = assemble(allb, self.cache.max_seq, dev)
