@@ -475,14 +475,37 @@ class GatedDeltaNet(nn.Module):
         conv = gdn_rows.conv_rows(mixed, cache.conv, self.conv_weight, walk.paths, slots=walk.slots)
         o = gdn_rows.gdn_rows(conv, ab, self.A_log, self.dt_bias, cache.state, walk.paths, self.nk, slots=walk.slots)
         out = gdn_rows.gated_norm_rows(o.view(-1, self.nv, self.dv), z, self.norm, self.eps)
-        res, at = [], 0
+        res, at, by_slot = [], 0, {}
         for i in walk.segments:
             sg = segments[i]
             r = slice(at, at + sg.rows)
             cache.stash[sg.slot] = ("rows", mixed[r], (conv[r], ab[r]))
+            by_slot[sg.slot] = (at, cache.stash[sg.slot])
             res.append(out[r])
             at += sg.rows
+        cache.walked = (mixed, conv, ab, by_slot)
         return res
+
+    def commit_walked(self, cache, plan) -> list[int]:
+        """Commit the requests of ``plan`` (:class:`~specpilot.engine.batch.commit.CommitPlan`) whose
+        rows this layer walked in one launch in the last step: one replay launch over their accepted
+        paths (each into its own slot's state, the arithmetic of :meth:`commit`) and one conv-state
+        advance. Returns the slots left to commit one by one (stashes from another path)."""
+        from specpilot.kernels.gdn import rows as gdn_rows
+
+        w = cache.walked
+        if w is None or any(cache.stash.get(s) is not w[3].get(s, (0, None))[1] or w[3][s][0] != at
+                            for s, at in zip(plan.slots, plan.starts)):
+            return list(plan.slots)
+        mixed, conv, ab, _ = w
+        gdn_rows.gdn_rows(conv, ab, self.A_log, self.dt_bias, cache.state, plan.paths, self.nk, output=False,
+                          new_state=cache.state, slots=plan.slots_t)
+        old = cache.conv[plan.slots_t]
+        kept = old.gather(1, plan.old_row[..., None].expand(-1, -1, old.shape[-1]))
+        cache.conv[plan.slots_t] = torch.where(plan.use_old[..., None], kept, mixed[plan.mix_row].to(old.dtype))
+        for s in plan.slots:
+            del cache.stash[s]
+        return []
 
     def commit_slot(self, cache, slot: int, rows: list[int]):
         """:meth:`commit` for slot ``slot`` of a batch cache."""

@@ -132,11 +132,11 @@ def test_hybrid_verify_rows_of_all_requests_walk_in_one_launch(reference, monkey
 
 
 @pytest.mark.parametrize("extra,n", [("mode=tree,drafter=self,draft_layers=1", 6), ("mode=chain", 12)])
-def test_hybrid_verify_buckets_walk_every_row(reference, extra, n):
+def test_hybrid_verify_buckets_walk_every_row(reference, extra, n, monkeypatch):
     """tiny-hybrid on the GDN row kernels (Triton's interpreter) through the bucket runner: verify
     buckets of more than one row per request walk every row's GDN path from the static path table
     (a one-row request's row too, committed afterwards like the others), and the outputs equal
-    one-request greedy decoding."""
+    one-request greedy decoding; both requests' GDN states commit in one launch per layer."""
     from specpilot.engine.batch.graphs import BatchGraphRunner
 
     eng = load_engine(EngineSpec.parse(f"engine:model=tiny-hybrid,batch=2,nodes=6,depth=4,topk=3,{extra}"))
@@ -154,10 +154,21 @@ def test_hybrid_verify_buckets_walk_every_row(reference, extra, n):
         return out
 
     dec._run = spy
+    from specpilot.engine.model import GatedDeltaNet
+
+    together, one_launch = [], GatedDeltaNet.commit_walked
+
+    def commit_walked(self, cache, plan):
+        left = one_launch(self, cache, plan)
+        together.append(len(plan.slots) - len(left))
+        return left
+
+    monkeypatch.setattr(GatedDeltaNet, "commit_walked", commit_walked)
     pick = (2, 3)
     reqs = [Request(PROMPTS[i], n, id=i) for i in pick]
     assert [r.output_ids for r in dec.generate_many(reqs)] == [reference["tiny-hybrid"][i][:n] for i in pick]
     assert walked and any(N > 1 for _, N in dec.runner.graphs) and dec.stats.eager_steps == 0
+    assert max(together) == 2   # both requests' GDN commits in one launch per layer
     if "drafter=self" in extra:
         assert dec.stats.accepted > 0
     else:   # the n-gram drafter finds nothing for some steps: one-row requests in walking buckets

@@ -194,6 +194,33 @@ def test_verify_rows_of_several_requests_walk_their_own_paths_and_states():
         grows.gdn_rows(conv, ab, A_log, dt_bias, st, paths, NK, new_state=st, slots=slots)
 
 
+def test_commit_of_several_requests_replays_each_path_into_its_own_slot():
+    """A batched commit (paths [P, L], slots [P], no output, the state itself as new_state): each
+    request's accepted path is replayed into its own slot's state, bit for bit the one-request
+    commit; slots no path names stay as they were."""
+    gen = torch.Generator().manual_seed(23)
+    R = 11
+    qkv, ab, A_log, dt_bias, _ = _layer_inputs(R, seed=23)
+    states = torch.randn(4, NV, DK, DV, generator=gen)
+    accepted = {2: [0, 1, 3], 0: [5, 6], 3: [8]}            # slot -> accepted rows of the walked step
+    want = states.clone()
+    for slot, rows in accepted.items():
+        grows.gdn_rows(qkv, ab, A_log, dt_bias, want[slot], torch.tensor([rows]), NK, output=False,
+                       new_state=want[slot])
+    paths = torch.full((3, 3), -1, dtype=torch.long)
+    for b, rows in enumerate(accepted.values()):
+        paths[b, :len(rows)] = torch.tensor(rows)
+    st = states.clone()
+    assert grows.gdn_rows(qkv, ab, A_log, dt_bias, st, paths, NK, output=False, new_state=st,
+                          slots=torch.tensor(list(accepted))) is None
+    assert torch.equal(st, want) and torch.equal(st[1], states[1])
+    with pytest.raises(ValueError, match="commit"):   # a commit writes the states it reads
+        grows.gdn_rows(qkv, ab, A_log, dt_bias, st, paths, NK, output=False, new_state=st.clone(),
+                       slots=torch.tensor(list(accepted)))
+    with pytest.raises(ValueError, match="slots"):    # one slot per path
+        grows.gdn_rows(qkv, ab, A_log, dt_bias, st, paths, NK, output=False, new_state=st, slots=torch.tensor([2, 0]))
+
+
 def test_bad_inputs_are_refused():
     qkv, ab, A_log, dt_bias, state = _layer_inputs(3)
     paths = grows.chain_paths(3, "cpu")

@@ -17,14 +17,17 @@ import torch
 
 @dataclass
 class LayerSlots:
-    """One layer's per-slot tensors (``k``/``v`` for attention, ``state``/``conv`` for GDN) and the
-    GDN stashes of the last chain/tree step, by slot."""
+    """One layer's per-slot tensors (``k``/``v`` for attention, ``state``/``conv`` for GDN), the
+    GDN stashes of the last chain/tree step by slot, and ``walked``: the rows that step walked in
+    one launch (``mixed``, ``conv``, ``ab`` and, by slot, the segment's first row there and the
+    stash made from it), which lets their commits run as one launch too."""
 
     k: torch.Tensor | None = None
     v: torch.Tensor | None = None
     state: torch.Tensor | None = None
     conv: torch.Tensor | None = None
     stash: dict = field(default_factory=dict)
+    walked: tuple | None = None
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.k, self.v, self.state, self.conv) if t is not None]
@@ -79,6 +82,7 @@ class BatchCache:
         """Zero every slot (``/flush_cache``)."""
         for lc in self.layers:
             lc.stash.clear()
+            lc.walked = None
             for t in lc.tensors():
                 t.zero_()
 

@@ -103,7 +103,7 @@ class BatchGraphRunner:
         kept = [(t[:B, :, :N], t[:B, :, :N].clone()) for lc in self.cache.layers for t in (lc.k, lc.v)
                 if t is not None]
         kept += [(t[:B], t[:B].clone()) for lc in self.cache.layers for t in (lc.state, lc.conv) if t is not None]
-        stashes = [dict(lc.stash) for lc in self.cache.layers]
+        stashes = [(dict(lc.stash), lc.walked) for lc in self.cache.layers]
         if dev.type == "cuda":
             g, out = capture(fn, self.warmup)
         else:
@@ -111,12 +111,13 @@ class BatchGraphRunner:
             g = _Eager(fn, out)
         for t, saved in kept:
             t.copy_(saved)
-        # the stash views the captured step leaves (the graph's buffers): every replay's stash
-        views = [{b: lc.stash[b] for b in range(B) if b in lc.stash} for lc in self.cache.layers] \
+        # the stashes the captured step leaves are views of the graph's buffers: every replay's
+        views = [({b: lc.stash[b] for b in range(B) if b in lc.stash}, lc.walked) for lc in self.cache.layers] \
             if walking and dev.type == "cuda" else None
-        for lc, saved in zip(self.cache.layers, stashes):
+        for lc, (saved, walked) in zip(self.cache.layers, stashes):
             lc.stash.clear()
             lc.stash.update(saved)
+            lc.walked = walked
         pin = dev.type == "cuda"
         staging = (torch.empty(ids.shape, dtype=ids.dtype, pin_memory=pin),
                    torch.empty(inp.mask.shape, dtype=torch.bool, pin_memory=pin),
@@ -146,8 +147,9 @@ class BatchGraphRunner:
         g, *_, views = self.graphs[(B, N)]
         g.replay()
         if views is not None:   # the commit reads the stashes of this replay
-            for lc, v in zip(self.cache.layers, views):
-                lc.stash.update(v)
+            for lc, (stash, walked) in zip(self.cache.layers, views):
+                lc.stash.update(stash)
+                lc.walked = walked
 
     def replay(self, B: int, N: int) -> torch.Tensor:
         """Replay bucket (B, N) on the inputs its buffers hold now; its output (every row's argmax)."""

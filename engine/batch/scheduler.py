@@ -36,6 +36,7 @@ import torch
 
 from specpilot.engine.batch import rules, tlv
 from specpilot.engine.batch.cache import BatchCache
+from specpilot.engine.batch.commit import commit_step
 from specpilot.engine.batch.drafting import BatchDrafting
 from specpilot.engine.batch.graphs import bucket, replays, walks
 from specpilot.engine.batch.overlap import Streak
@@ -476,13 +477,16 @@ class BatchDecoder:
         self.stats.prompt_rows += sum(len(b) for b in pblocks)
         self.stats.rows += verify + sum(len(b) for b in pblocks)
         now = time.perf_counter()
-        accepted = []
-        for b, r in enumerate(decoding):
+        accepted, commits, results = [], [], []
+        for b, r in enumerate(decoding):   # every request's accepted rows, committed in one pass
             tr = trees[b]
             path, toks = treelib.accept_predictions(tr, [preds[i] for i in need[b]])
-            rows_kept = [0] + [1 + p for p in path]
+            results.append((path, toks))
             if len(tr) or blocks[b].gdn_rows != "seq":
-                m.commit_batch(self.cache, r.slot, r.n_cache, rows_kept, blocks[b].gdn_rows)
+                commits.append((r.slot, r.n_cache, [0] + [1 + p for p in path], blocks[b].gdn_rows))
+        commit_step(m, self.cache, commits)
+        for b, r in enumerate(decoding):
+            path, toks = results[b]
             if lats[b] is not None and r.record_lattice:
                 row = {"schema": "specpilot.lattice/1", "request": r.id, "step": r.steps,
                        "tokens": lats[b].tokens, "logprobs": lats[b].logprobs,

@@ -319,14 +319,18 @@ def gdn_rows(qkv: torch.Tensor, ab: torch.Tensor, A_log: torch.Tensor, dt_bias: 
     row r starts from the state of its request, ``state[slots[r]]`` ([requests, nv, dk, dv]);
     without ``paths`` each row is the next token of its own request, and with ``new_state``
     (``state`` itself) every row advances its own; with ``paths`` (every path within one request's
-    rows) the rows are several requests' verify rows, outputs only."""
+    rows) the rows are several requests' verify rows, outputs only; with ``paths`` [P, L],
+    ``output=False`` and ``new_state`` the state itself, ``slots`` [P] (distinct) name the state
+    each path is replayed into: the commit of several requests."""
     R = qkv.shape[0]
     P = paths.shape[0] if paths is not None else R
     if slots is not None:
-        if (state.dim() != 4 or slots.shape != (R,) or not output
-                or (new_state is not None and (new_state is not state or paths is not None))):
-            raise ValueError("gdn_rows: slots [R] take states [requests, nv, dk, dv], outputs, and new_state only "
-                             "as the state itself without paths")
+        commit = paths is not None and not output and new_state is state
+        if (state.dim() != 4 or slots.shape != (P,) or not (output or commit)
+                or (new_state is not None and (new_state is not state or (paths is not None and output)))):
+            raise ValueError("gdn_rows: slots take states [requests, nv, dk, dv] and either outputs (slots [R]; "
+                             "new_state only as the state itself without paths) or a commit (paths [P, L], "
+                             "slots [P], output=False, new_state the state itself)")
         nv, dk, dv = state.shape[1:]
     else:
         nv, dk, dv = state.shape
