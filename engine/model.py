@@ -108,13 +108,16 @@ class Walk:
     """The GDN verify rows of a batched step that walk their root paths in one conv and one
     path-walk launch per layer: ``segments`` (indices into the step's segments, in row order),
     ``rows`` [W] their step rows (None: every row of the step, in order), ``paths`` [W, D] each
-    walked row's root path as indices into the walked rows (-1 after its end) and ``slots`` [W]
-    the state slot each row walks from."""
+    walked row's root path as indices into the walked rows (-1 after its end), ``slots`` [W]
+    the state slot each row walks from, ``segs`` int32 [n, 3] the walked segments as (first
+    walked row, rows, slot) for TreeWY, and ``most`` the most rows of a segment."""
 
     segments: tuple[int, ...]
     rows: torch.Tensor | None
     paths: torch.Tensor
     slots: torch.Tensor
+    segs: torch.Tensor
+    most: int
 
 
 def walk_table(segments: list[Segment], device) -> Walk | None:
@@ -128,13 +131,15 @@ def walk_table(segments: list[Segment], device) -> Walk | None:
     local = [segments[i].paths.to(device) if segments[i].gdn_rows == "tree"
              else gdn_rows.chain_paths(segments[i].rows, device) for i in idx]
     depth = max(p.shape[1] for p in local)
-    paths, at = [], 0
+    paths, segs, at = [], [], 0
     for i, p in zip(idx, local):
         paths.append(F.pad(torch.where(p >= 0, p + at, p), (0, depth - p.shape[1]), value=-1))
+        segs.append([at, segments[i].rows, segments[i].slot])
         at += segments[i].rows
     rows = torch.cat([torch.arange(segments[i].start, segments[i].start + segments[i].rows) for i in idx])
     slots = torch.cat([torch.full((segments[i].rows,), segments[i].slot, dtype=torch.long) for i in idx])
-    return Walk(idx, rows.to(device), torch.cat(paths), slots.to(device))
+    return Walk(idx, rows.to(device), torch.cat(paths), slots.to(device),
+                torch.tensor(segs, dtype=torch.int32).to(device), max(n for _, n, _ in segs))
 
 
 @dataclass
@@ -467,13 +472,24 @@ class GatedDeltaNet(nn.Module):
         return torch.cat([outs[i] for i in range(len(inp.segments))]) if len(outs) > 1 else outs[0]
 
     def _walk(self, proj, walk: Walk, segments: list[Segment], cache) -> list[torch.Tensor]:
-        """The walked segments' rows in one conv and one path-walk launch: each segment's outputs,
-        its stash left in ``cache.stash[slot]`` as :meth:`mix` leaves it."""
-        from specpilot.kernels.gdn import rows as gdn_rows
+        """The walked segments' rows in one conv and one verification launch (the path kernel, or
+        TreeWY where it is the faster for the segments' rows, as for one request): each segment's
+        outputs, its stash left in ``cache.stash[slot]`` as :meth:`mix` leaves it."""
+        from specpilot.kernels.gdn import rows as gdn_rows, wy
 
         mixed, z, ab = self.split_proj(proj if walk.rows is None else proj[walk.rows])
         conv = gdn_rows.conv_rows(mixed, cache.conv, self.conv_weight, walk.paths, slots=walk.slots)
-        o = gdn_rows.gdn_rows(conv, ab, self.A_log, self.dt_bias, cache.state, walk.paths, self.nk, slots=walk.slots)
+        method = self.verify if self.verify != "auto" else gdn_rows.verify_method(walk.most, mixed.device)
+        if method == "wy" and walk.most <= wy.MAX_ROWS:
+            T = conv.shape[0]
+            q, k, v = conv.split([self.key_dim, self.key_dim, self.value_dim], -1)
+            g, beta = gdn_rows.decay_rows(ab, self.A_log, self.dt_bias)
+            o = wy.wy_verify_segments(q.view(T, self.nk, self.dk), k.view(T, self.nk, self.dk),
+                                      v.view(T, self.nv, self.dv), g, beta, cache.state, walk.paths, walk.segs,
+                                      walk.most)
+        else:
+            o = gdn_rows.gdn_rows(conv, ab, self.A_log, self.dt_bias, cache.state, walk.paths, self.nk,
+                                  slots=walk.slots)
         out = gdn_rows.gated_norm_rows(o.view(-1, self.nv, self.dv), z, self.norm, self.eps)
         res, at, by_slot = [], 0, {}
         for i in walk.segments:

@@ -131,18 +131,22 @@ def test_hybrid_verify_rows_of_all_requests_walk_in_one_launch(reference, monkey
     assert walks and max(walks) >= 2 and compared and dec.stats.accepted > 0
 
 
-@pytest.mark.parametrize("extra,n", [("mode=tree,drafter=self,draft_layers=1", 6), ("mode=chain", 12)])
-def test_hybrid_verify_buckets_walk_every_row(reference, extra, n, monkeypatch):
+@pytest.mark.parametrize("extra,n,verify", [("mode=tree,drafter=self,draft_layers=1", 6, "wy"),
+                                            ("mode=chain", 12, "path")])
+def test_hybrid_verify_buckets_walk_every_row(reference, extra, n, verify, monkeypatch):
     """tiny-hybrid on the GDN row kernels (Triton's interpreter) through the bucket runner: verify
     buckets of more than one row per request walk every row's GDN path from the static path table
-    (a one-row request's row too, committed afterwards like the others), and the outputs equal
-    one-request greedy decoding; both requests' GDN states commit in one launch per layer."""
+    (a one-row request's row too, committed afterwards like the others) with the path kernel or
+    TreeWY over every request at once, and the outputs equal one-request greedy decoding; both
+    requests' GDN states commit in one launch per layer."""
+    from specpilot.kernels.gdn import wy
+
     from specpilot.engine.batch.graphs import BatchGraphRunner
 
     eng = load_engine(EngineSpec.parse(f"engine:model=tiny-hybrid,batch=2,nodes=6,depth=4,topk=3,{extra}"))
     for layer in eng.model.gdn_layers():
         layer.impl = "triton"
-        layer.verify = "path"
+        layer.verify = verify
     dec = eng.batch_decoder()
     dec.runner = BatchGraphRunner(dec.model, dec.cache)
     walked, run = [], dec._run
@@ -164,11 +168,19 @@ def test_hybrid_verify_buckets_walk_every_row(reference, extra, n, monkeypatch):
         return left
 
     monkeypatch.setattr(GatedDeltaNet, "commit_walked", commit_walked)
+    launches, segments_wy = [], wy.wy_verify_segments
+
+    def spy_wy(*a, **kw):
+        launches.append(a[7].shape[0])
+        return segments_wy(*a, **kw)
+
+    monkeypatch.setattr(wy, "wy_verify_segments", spy_wy)
     pick = (2, 3)
     reqs = [Request(PROMPTS[i], n, id=i) for i in pick]
     assert [r.output_ids for r in dec.generate_many(reqs)] == [reference["tiny-hybrid"][i][:n] for i in pick]
     assert walked and any(N > 1 for _, N in dec.runner.graphs) and dec.stats.eager_steps == 0
     assert max(together) == 2   # both requests' GDN commits in one launch per layer
+    assert (max(launches, default=0) == 2) == (verify == "wy")   # TreeWY over both requests at once
     if "drafter=self" in extra:
         assert dec.stats.accepted > 0
     else:   # the n-gram drafter finds nothing for some steps: one-row requests in walking buckets

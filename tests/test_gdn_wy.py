@@ -19,6 +19,7 @@ pytest.importorskip("triton")
 
 from specpilot.kernels.gdn import naive, path as gpath  # noqa: E402
 from specpilot.kernels.gdn import wy_verify  # noqa: E402
+from specpilot.kernels.gdn.wy import wy_verify_segments  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -133,6 +134,39 @@ def test_odd_shapes_gqa_and_strided_inputs():
     o = wy_verify(q, k, v, g, beta, state, gpath.row_paths(parents).int().to(DEV))
     ref = _reference(q, k, v, g, beta, state, gpath.row_paths(parents).to(DEV))
     torch.testing.assert_close(o, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+def test_segments_of_several_requests_equal_their_own_launches(dt):
+    """Continuous batching: a tree, a chain and a lone row of three requests in one launch, each
+    from its own state slot, give each request's own launch bit for bit (the same tile); states
+    are not modified and a slot no request names is never read."""
+    sizes, parents = [7, 5, 1], [[-1, 0, 1, 1, 0, 3, 5], [-1, 0, 1, 2, 3], [-1]]
+    slots = [2, 0, 3]
+    R = sum(sizes)
+    q, k, v, g, beta, _ = _inputs(R, dt=dt, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    states = torch.randn(4, 4, 16, 16, generator=gen).to(DEV)
+    states[1] = float("nan")
+    before = states.clone()
+    rows, segs, want, start = [], [], [], 0
+    for n, par, slot in zip(sizes, parents, slots):
+        local = gpath.row_paths(par).to(DEV)
+        r = slice(start, start + n)
+        want.append(wy_verify(q[r], k[r], v[r], g[r], beta[r], states[slot], local))
+        rows.append(torch.nn.functional.pad(torch.where(local >= 0, local + start, local), (0, 5 - local.shape[1]),
+                                            value=-1))
+        segs.append([start, n, slot])
+        start += n
+    o = wy_verify_segments(q, k, v, g, beta, states, torch.cat(rows), torch.tensor(segs, dtype=torch.int32, device=DEV),
+                           max(sizes))
+    assert torch.equal(o, torch.cat(want))
+    assert torch.equal(states[[0, 2, 3]], before[[0, 2, 3]]) and states[1].isnan().all()
+    with pytest.raises(ValueError, match="segs"):
+        wy_verify_segments(q, k, v, g, beta, states, torch.cat(rows), torch.tensor(segs, device=DEV), 7)
+    with pytest.raises(ValueError, match="1..64"):
+        wy_verify_segments(q, k, v, g, beta, states, torch.cat(rows),
+                           torch.tensor(segs, dtype=torch.int32, device=DEV), 65)
 
 
 def test_bad_inputs_are_refused_with_the_reason():

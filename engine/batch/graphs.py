@@ -7,12 +7,13 @@ run eagerly.
 
 A hybrid's buckets need its GDN layers on the row kernels. Its one-row buckets advance every
 request's state in place (one conv and delta-rule launch per layer); in its verify buckets every
-row walks its root path from its request's committed state (:class:`~specpilot.engine.model.Walk`,
-one conv and one path-walk launch per layer), the path table a static input like the mask: a
-request's tree rows walk their tree, chain rows and padding rows the chain of their segment (reads
-only: padding outputs are dropped). A request with one row in such a step is walked too, so its
-GDN state is committed afterwards like the others' (:func:`walks`). The stashes the commit reads
-are views of the graph's own buffers, handed back to the cache after every replay.
+row walks its root path from its request's committed state (:class:`~specpilot.engine.model.Walk`:
+one conv and one verification launch per layer, the path kernel or TreeWY over every request),
+the path table a static input like the mask: a request's tree rows walk their tree, chain rows
+and padding rows the chain of their segment (reads only: padding outputs are dropped). A request
+with one row in such a step is walked too, so its GDN state is committed afterwards like the
+others' (:func:`walks`). The stashes the commit reads are views of the graph's own buffers,
+handed back to the cache after every replay.
 """
 
 from __future__ import annotations
@@ -93,7 +94,9 @@ class BatchGraphRunner:
         paths = None
         if walking:
             paths = bucket_paths(segs, N).to(dev)
-            inp.walk = Walk(tuple(range(B)), None, paths, ids[3])
+            # TreeWY reads a padding request's state from its segment's own slot (reads only)
+            segs_t = torch.tensor([[b * N, N, b] for b in range(B)], dtype=torch.int32, device=dev)
+            inp.walk = Walk(tuple(range(B)), None, paths, ids[3], segs_t, N)
 
         def fn():
             return m.greedy_batch(inp, self.cache, S)

@@ -28,7 +28,8 @@ exactly, and multiply them with the RAW bf16 q/k rows (exact in bf16) accumulati
 per-row normalisation (and Gamma, beta) scales the fp32 result afterwards. K K^T and Q K^T are
 raw too. fp32 inputs take fp32 (``ieee``) dots. The [R, R] and [R, R] x [R, dv] parts are fp32.
 
-Grid: (value head, dv block); a program holds all rows of its head, padded to 16/32/64. A tree
+Grid: (value head, dv block[, request]); a program holds all rows of its head, padded to 16/32/64
+(:func:`wy_verify_segments`: the rows of one request of a batched step, from that request's state). A tree
 of 2^k + 1 rows (33 = root + 32 nodes) would need the next tile: the program applies the root to
 its state columns first (one delta-rule step) and the nodes, a forest under it, fill the smaller
 tile. Rows above :data:`MAX_ROWS` are refused (ValueError): the caller uses the path kernel then.
@@ -63,13 +64,27 @@ if triton is not None:
             return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
 
     @triton.jit
-    def _wy_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, s_ptr, p_ptr, o_ptr,
+    def _wy_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, s_ptr, p_ptr, o_ptr, seg_ptr,
                    R, D, DK, DV, GROUP, scale,
                    sq_r, sq_h, sq_d, sk_r, sk_h, sk_d, sv_r, sv_h, sv_d,
-                   sg_r, sg_h, sb_r, sb_h, ss_h, ss_k, ss_v, sp_r, sp_d, so_r, so_h,
+                   sg_r, sg_h, sb_r, sb_h, ss_b, ss_h, ss_k, ss_v, sp_r, sp_d, so_r, so_h,
                    RP: tl.constexpr, DKP: tl.constexpr, BV: tl.constexpr, BS: tl.constexpr,
-                   BF16: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, ROOT: tl.constexpr):
+                   BF16: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, ROOT: tl.constexpr,
+                   SEGS: tl.constexpr):
         h = tl.program_id(0)
+        start = 0
+        if SEGS:   # several requests: segment (first row, rows, state slot); paths name rows of the launch
+            seg = tl.program_id(2)
+            start = tl.load(seg_ptr + seg * 3)
+            R = tl.load(seg_ptr + seg * 3 + 1)
+            s_ptr += tl.load(seg_ptr + seg * 3 + 2).to(tl.int64) * ss_b
+            q_ptr += start * sq_r
+            k_ptr += start * sk_r
+            v_ptr += start * sv_r
+            g_ptr += start * sg_r
+            b_ptr += start * sb_r
+            p_ptr += start * sp_r
+            o_ptr += start * so_r
         kh = h // GROUP                      # GQA: repeat_interleave of the key heads
         dks = tl.arange(0, DKP)
         dvs = tl.program_id(1) * BV + tl.arange(0, BV)
@@ -128,7 +143,7 @@ if triton is not None:
         pt = tl.load(p_row + rows[None, :] * sp_d, mask=rm[:, None] & (rows[None, :] < D), other=-1)
         depth = tl.sum((pt >= 0).to(tl.int32), 1) - 1
         at = tl.load(p_row + depth[None, :] * sp_d, mask=rm[:, None] & rm[None, :], other=-1)
-        anc = at == rows[None, :]
+        anc = at == rows[None, :] + start
         g = tl.load(g_ptr + rows * sg_r + h * sg_h, mask=rm, other=0.0).to(tl.float32)
         beta = tl.load(b_ptr + rows * sb_r + h * sb_h, mask=rm, other=0.0).to(tl.float32)
         G = tl.sum(tl.where(anc, g[None, :], 0.0), 1)
@@ -274,10 +289,49 @@ def wy_verify(q, k, v, g, beta, state, paths, out=None, nodes=None, config: Conf
     tile_paths = nodes if root else paths
     o = out if out is not None else torch.empty((R, nv, dv), dtype=torch.float32, device=q.device)
     _wy_kernel[(nv, triton.cdiv(dv, BV))](
-        q, k, v, g, beta, state, tile_paths, o,
+        q, k, v, g, beta, state, tile_paths, o, tile_paths,
         R - root, tile_paths.shape[1], dk, dv, nv // nk, float(dk) ** -0.5,
-        *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *state.stride(),
+        *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), 0, *state.stride(),
         *tile_paths.stride(), o.stride(0), o.stride(1),
         RP=RP, DKP=DKP, BV=BV, BS=BLOCK, BF16=q.dtype == torch.bfloat16, UPCAST=interpreting(),
-        PREC=cfg.small_dot, ROOT=root, num_warps=cfg.warps)
+        PREC=cfg.small_dot, ROOT=root, SEGS=False, num_warps=cfg.warps)
+    return o
+
+
+def wy_verify_segments(q, k, v, g, beta, states, paths, segs, most: int, out=None,
+                       config: Config | None = None):
+    """:func:`wy_verify` for the verify rows of several requests in one launch (continuous
+    batching): ``segs`` [n, 3] int32 on the device (first row, rows, state slot) cuts the rows into
+    requests; request i's rows start from ``states[slot]`` ([slots, nv, dk, dv] fp32, not modified)
+    and ``paths`` [R, D] give every row's root path as rows of the launch (within its request's
+    rows, topological order). ``most``: the most rows of a request (host value, <= 64; it sets the
+    tile, so every request of the launch runs the same arithmetic). The tile holds a request's root
+    with its nodes (no root-first split). Output [R, nv, dv] fp32 (into ``out`` if given)."""
+    if triton is None:  # pragma: no cover
+        raise RuntimeError("wy_verify needs triton")
+    if states.dim() != 4:
+        raise ValueError(f"states must be [slots, nv, dk, dv], got {tuple(states.shape)}")
+    R, nk, dk = q.shape
+    if not 1 <= most <= MAX_ROWS:
+        raise ValueError(f"wy_verify_segments takes requests of 1..{MAX_ROWS} rows, got most={most}")
+    _check(q[:1], k[:1], v[:1], g[:1], beta[:1], states[0], paths[:1])
+    if v.shape[0] != R or g.shape[0] != R or beta.shape[0] != R or paths.shape[0] != R:
+        raise ValueError(f"q, k, v, g, beta and paths must have the same rows, got {q.shape[0]}, {v.shape[0]}, "
+                         f"{g.shape[0]}, {beta.shape[0]}, {paths.shape[0]}")
+    if segs.dim() != 2 or segs.shape[1] != 3 or segs.dtype != torch.int32 or segs.device != q.device:
+        raise ValueError("segs must be an int32 [n, 3] table (first row, rows, slot) on the rows' device")
+    nv, dv = v.shape[1], v.shape[2]
+    cfg = config or Config()
+    DKP = max(16, triton.next_power_of_2(dk))
+    BV = min(cfg.block_v, max(16, triton.next_power_of_2(dv)))
+    if out is not None and (out.shape != (R, nv, dv) or out.dtype != torch.float32 or out.stride(2) != 1):
+        raise ValueError(f"out must be fp32 [R={R}, nv={nv}, dv={dv}] with contiguous rows, got {tuple(out.shape)}")
+    o = out if out is not None else torch.empty((R, nv, dv), dtype=torch.float32, device=q.device)
+    _wy_kernel[(nv, triton.cdiv(dv, BV), segs.shape[0])](
+        q, k, v, g, beta, states, paths, o, segs,
+        0, paths.shape[1], dk, dv, nv // nk, float(dk) ** -0.5,
+        *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *states.stride(),
+        *paths.stride(), o.stride(0), o.stride(1),
+        RP=max(BLOCK, triton.next_power_of_2(most)), DKP=DKP, BV=BV, BS=BLOCK, BF16=q.dtype == torch.bfloat16,
+        UPCAST=interpreting(), PREC=cfg.small_dot, ROOT=False, SEGS=True, num_warps=cfg.warps)
     return o
