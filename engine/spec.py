@@ -75,7 +75,8 @@ class EngineSpec:
                                default_text="float32 on cpu, bfloat16 on cuda or with --w12")
     device: str = option("cpu", "cpu or cuda[:N].")
     ctx: int = option(2048, "KV-cache slots (prompt + new tokens + draft rows).", range=(16, 1 << 20))
-    graphs: bool = option(True, "CUDA graphs for AR and verify steps (cuda, dense models).")
+    graphs: bool = option(True, "CUDA graphs for AR and verify steps (cuda; a hybrid's with its GDN layers on "
+                                "the row kernels).")
     threads: int | None = option(None, "CPU threads for torch; 0 = torch's default.", range=(0, 1024),
                                  default_text="physical cores less the machine's load average, 1 for tiny models")
     compile: bool = option(False, "torch.compile the layers (cuda, dense models).")
