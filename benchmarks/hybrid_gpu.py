@@ -392,8 +392,8 @@ def batched_steps(m, reps):
         got = {g: measure_rows_batched(m, B, BATCH_ROWS, CONTEXT, reps=reps, warmup=5, graphs=g) for g in (True, False)}
         for pg, pe in zip(got[True].points, got[False].points):
             out.append({"what": "batched_step", "batch": B, "rows": pg["rows"], "graph_ms": pg["step_ms"],
-                        "eager_ms": pe["step_ms"], "graph_c": pg["c"], "eager_over_graph": pe["step_ms"] / pg["step_ms"],
-                        "method": got[True].method})
+                        "eager_ms": pe["step_ms"], "graph_c": pg["c"],
+                        "eager_over_graph": pe["step_ms"] / pg["step_ms"], "method": got[True].method})
     return out
 
 

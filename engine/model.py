@@ -510,8 +510,12 @@ class GatedDeltaNet(nn.Module):
         from specpilot.kernels.gdn import rows as gdn_rows
 
         w = cache.walked
-        if w is None or any(cache.stash.get(s) is not w[3].get(s, (0, None))[1] or w[3][s][0] != at
-                            for s, at in zip(plan.slots, plan.starts)):
+
+        def walked_here(s: int, at: int) -> bool:   # this layer's walk made the slot's stash, at that row
+            got = w[3].get(s)
+            return got is not None and got[0] == at and cache.stash.get(s) is got[1]
+
+        if w is None or not all(walked_here(s, at) for s, at in zip(plan.slots, plan.starts)):
             return list(plan.slots)
         mixed, conv, ab, _ = w
         gdn_rows.gdn_rows(conv, ab, self.A_log, self.dt_bias, cache.state, plan.paths, self.nk, output=False,

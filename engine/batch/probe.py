@@ -3,7 +3,8 @@
 them and causally to each other; LM head and argmax included. On CUDA each N is a captured graph
 of the batched step (:mod:`.graphs`; a hybrid's where its GDN layers run the row kernels), timed
 with CUDA events; elsewhere, or with ``graphs=False``, an eager step (CUDA events around the
-launches: the host's launch time counts where the GPU waits for it; the wall clock on the CPU). c(N) = T(B, N) / T(B, 1): the batched AR step is the reference.
+launches: the host's launch time counts where the GPU waits for it; the wall clock on the CPU).
+c(N) = T(B, N) / T(B, 1): the batched AR step is the reference.
 """
 
 from __future__ import annotations

@@ -29,10 +29,10 @@ per-row normalisation (and Gamma, beta) scales the fp32 result afterwards. K K^T
 raw too. fp32 inputs take fp32 (``ieee``) dots. The [R, R] and [R, R] x [R, dv] parts are fp32.
 
 Grid: (value head, dv block[, request]); a program holds all rows of its head, padded to 16/32/64
-(:func:`wy_verify_segments`: the rows of one request of a batched step, from that request's state). A tree
-of 2^k + 1 rows (33 = root + 32 nodes) would need the next tile: the program applies the root to
-its state columns first (one delta-rule step) and the nodes, a forest under it, fill the smaller
-tile. Rows above :data:`MAX_ROWS` are refused (ValueError): the caller uses the path kernel then.
+(:func:`wy_verify_segments`: the rows of one request of a batched step, from that request's
+state). A tree of 2^k + 1 rows (33 = root + 32 nodes) would need the next tile: the program
+applies the root to its state columns first (one delta-rule step) and the nodes, a forest under
+it, fill the smaller tile. Rows above :data:`MAX_ROWS` are refused (ValueError): the caller uses the path kernel then.
 Nothing here syncs with the host, so the launch can be captured in a CUDA graph; for the same
 reason ``paths`` is trusted as ``row_paths`` builds it (topological order, -1 padding).
 """
