@@ -228,14 +228,6 @@ class Attention(nn.Module):
         self.k_cache[0, :, dst] = self.k_cache[0, :, src]
         self.v_cache[0, :, dst] = self.v_cache[0, :, src]
 
-    @staticmethod
-    def commit_slot(cache, slot: int, start: int, rows: torch.Tensor):
-        """:meth:`commit` in slot ``slot`` of a batch cache."""
-        src = start + rows
-        dst = start + torch.arange(rows.numel(), device=rows.device)
-        cache.k[slot, :, dst] = cache.k[slot, :, src]
-        cache.v[slot, :, dst] = cache.v[slot, :, src]
-
 
 class GatedDeltaNet(nn.Module):
     """Qwen3.5-style GDN layer. One input projection ``in_proj`` gives, per row, the conv input
@@ -782,18 +774,6 @@ class Transformer(nn.Module):
         if rows is not None:
             h = h[rows]
         return self._argmax(h)
-
-    def commit_batch(self, cache, slot: int, start: int, rows: list[int], gdn_rows: str):
-        """:meth:`commit` for the request in slot ``slot`` of a batch cache."""
-        if rows != list(range(len(rows))):
-            r = torch.tensor(rows, device=self.device)
-            for blk, lc in zip(self.layers, cache.layers):
-                if isinstance(blk.mixer, Attention):
-                    Attention.commit_slot(lc, slot, start, r)
-        if gdn_rows in ("chain", "tree"):
-            for blk, lc in zip(self.layers, cache.layers):
-                if isinstance(blk.mixer, GatedDeltaNet):
-                    blk.mixer.commit_slot(lc, slot, rows)
 
     def forward(self, inp: StepInput, kv_len: int | None = None, layers: int | None = None):
         """Logits [T, vocab] of the step's rows (``layers`` < all: an early-exit self-draft)."""
