@@ -74,7 +74,7 @@ def time_calls(fn, reps: int, warmup: int, cuda: bool) -> list[float]:
 
 def graph_ready(model: Transformer) -> bool:
     """Whether the model's steps can be captured: CUDA, and GDN layers (if any) on the row kernels."""
-    return model.device.type == "cuda" and all(g.uses_kernels(model.embed.weight) for g in model.gdn_layers())
+    return model.device.type == "cuda" and all(g.runs_kernels(model.device) for g in model.gdn_layers())
 
 
 class GraphRunner:

@@ -26,11 +26,9 @@ from specpilot.engine.model import BatchStepInput, Segment, Walk
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
-def replays(model, rows: int | None = None) -> bool:
-    """Whether batched steps of ``rows`` rows per request (any, when None) of ``model`` replay
-    bucket graphs where graphs run (CUDA): a hybrid's where its GDN layers run the row kernels."""
-    if not model.spec.is_hybrid:
-        return True
+def replays(model) -> bool:
+    """Whether ``model``'s batched steps replay bucket graphs where graphs run (CUDA): a dense
+    model's always, a hybrid's where its GDN layers run the row kernels."""
     return all(layer.runs_kernels(model.device) for layer in model.gdn_layers())
 
 
@@ -43,8 +41,10 @@ def walks(model, rows: int) -> bool:
 def bucket_paths(segments: list[Segment], N: int) -> torch.Tensor:
     """The path table [B * N, N] (host, int64) of a walking bucket's rows: a tree segment's rows
     walk its tree (its paths, local to the segment), every other row the chain of its segment."""
+    from specpilot.kernels.gdn.rows import chain_paths
+
     out = torch.full((len(segments) * N, N), -1, dtype=torch.long)
-    chain = torch.where(torch.arange(N)[None, :] <= torch.arange(N)[:, None], torch.arange(N)[None, :], -1)
+    chain = chain_paths(N, "cpu")
     for b, sg in enumerate(segments):
         if sg.rows != N or sg.start != b * N:
             raise ValueError(f"segment {b} is not laid out for bucket rows {N}: rows {sg.start}..+{sg.rows}")

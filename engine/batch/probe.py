@@ -57,7 +57,7 @@ def measure_rows_batched(model, batch: int, rows: list[int], context: int, reps:
     it = order if progress is None else progress(order, total=len(order), desc="rows", unit="N")
     for N in it:
         blocks = chain_rows(batch, N, context, model.spec.vocab_size, gen)
-        if graphs and replays(model, N):
+        if graphs:
             from specpilot.engine.batch.graphs import BatchGraphRunner
             from specpilot.engine.graphs import time_replays
 

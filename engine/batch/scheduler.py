@@ -115,7 +115,7 @@ class BatchDecoder:
             from specpilot.engine.batch.graphs import BatchGraphRunner
 
             self.runner = BatchGraphRunner(model, self.cache)
-        self.overlap = bool(overlap) and self.runner is not None and mode == "ar" and replays(model, 1)
+        self.overlap = bool(overlap) and self.runner is not None and mode == "ar" and replays(model)
         self.streak: Streak | None = None   # overlapped AR steps in flight
         self.running: list[Request] = []          # running[i] holds slot i
         self.waiting: deque[Request] = deque()
@@ -482,9 +482,8 @@ class BatchDecoder:
             tr = trees[b]
             path, toks = treelib.accept_predictions(tr, [preds[i] for i in need[b]])
             results.append((path, toks))
-            if len(tr) or blocks[b].gdn_rows != "seq":
-                commits.append((r.slot, r.n_cache, [0] + [1 + p for p in path], blocks[b].gdn_rows))
-        commit_step(m, self.cache, commits)
+            commits.append((r.slot, r.n_cache, [0] + [1 + p for p in path], blocks[b].gdn_rows))
+        commit_step(m, self.cache, commits)   # skips requests with nothing to move or replay
         for b, r in enumerate(decoding):
             path, toks = results[b]
             if lats[b] is not None and r.record_lattice:
@@ -561,13 +560,14 @@ class BatchDecoder:
         m, dev = self.model, self.model.device
         allb = blocks + pblocks
         N = bucket(max(len(b) for b in blocks), self.rows_per_request) if blocks else 0
-        if self.runner is not None and not pblocks and replays(m, N):
+        if self.runner is not None and not pblocks and replays(m):
             B = bucket(max(b.slot for b in blocks) + 1, self.batch)
             inp, _, need = assemble(allb, self.cache.max_seq, torch.device("cpu"), pad=(B, N), dump=self.cache.dump)
             out = self.runner.run(inp, B, N).tolist()
             if walks(m, N):   # a one-row request's GDN rows were walked too: it commits like the others
                 for blk in blocks:
-                    blk.gdn_rows = "chain" if blk.gdn_rows == "seq" else blk.gdn_rows
+                    if blk.gdn_rows == "seq":
+                        blk.gdn_rows = "chain"
             return out, need
         t0 = time.perf_counter()
         inp, kv, need = assemble(allb, self.cache.max_seq, dev)

@@ -9,7 +9,7 @@
 * :mod:`.common`  the PDL switch
 * :mod:`.naive`   the plain torch references (the layers' arithmetic, ``linear``)
 
-The projections are cuBLAS or the skinny GEMM (bf16) or the W12 GEMM (``kernels/w12``), the attention is
-``kernels/attention`` (split-KV, masked), the rows' argmax ``kernels/decode/argmax``;
+The projections are cuBLAS or the skinny GEMM (bf16) or the W12 GEMM (``kernels/w12``), the
+attention is ``kernels/attention`` (split-KV, masked), the rows' argmax ``kernels/decode/argmax``;
 ``engine/fused_verify.py`` chains them.
 """

@@ -128,6 +128,6 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, cfg: SkinnyConfig = SkinnyCo
         ws = cnt = y
     _skinny_kernel[(nb, split)](x, w, y, ws, cnt, M, N, K, tiles, split, x.stride(0), w.stride(0), y.stride(0),
                                 MP=mp, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, USE_SPLIT=split > 1,
-                                SPLIT_CHUNK=split_chunk(split, BLOCK_N * mp), STAGES=cfg.stages, UPCAST=interpreting(), num_warps=WARPS,
-                                **pdl_args(common.USE_PDL, x))
+                                SPLIT_CHUNK=split_chunk(split, BLOCK_N * mp), STAGES=cfg.stages,
+                                UPCAST=interpreting(), num_warps=WARPS, **pdl_args(common.USE_PDL, x))
     return y
