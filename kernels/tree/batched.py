@@ -26,15 +26,10 @@ from __future__ import annotations
 import os
 import torch
 
+from specpilot.kernels.triton_env import tl, triton  # None without triton: the torch path still works
+
 from .build import BatchedTrees
 from .naive import build_batched_ref
-
-try:
-    import triton
-    import triton.language as tl
-except Exception:  # pragma: no cover - triton missing: the torch path still works
-    triton = None
-    tl = None
 
 
 def _check(tokens, logprobs, transitions, max_nodes):
