@@ -36,9 +36,10 @@ def time_replays(g: "torch.cuda.CUDAGraph", reps: int, warmup: int = 3) -> list[
     return samples
 
 
-def capture(fn, warmup: int) -> tuple["torch.cuda.CUDAGraph", object]:
+def capture(fn, warmup: int, pool=None) -> tuple["torch.cuda.CUDAGraph", object]:
     """Run ``fn`` ``warmup`` times on a side stream (lazy initialisation, autotuning), then capture
-    one call into a CUDA graph; returns the graph and the call's output (the graph's static output)."""
+    one call into a CUDA graph; returns the graph and the call's output (the graph's static output).
+    ``pool`` (``torch.cuda.graph_pool_handle()``) shares graph memory with other captures into it."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -46,7 +47,7 @@ def capture(fn, warmup: int) -> tuple["torch.cuda.CUDAGraph", object]:
             fn()
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with torch.cuda.graph(g, pool=pool):
         out = fn()
     return g, out
 

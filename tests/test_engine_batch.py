@@ -317,6 +317,22 @@ def test_trees_from_packed_lattices_match_the_host_builder():
         assert [t.tokens for t in got] == [t.tokens for t in want]
 
 
+@pytest.mark.parametrize("budget", ["equal", "shared"])
+def test_padding_lattices_and_requests_keeps_the_trees(budget):
+    """The decoder pads a step's lattices to its depth and top-k and the requests to their bucket
+    (one kernel shape per bucket): the requests' trees and the shared budget stay as they were."""
+    rnd = random.Random(11)
+    lats = [_lattice(rnd, rnd.randrange(1, 4), 3, transitions=b != 1) for b in range(3)]
+    m = max(lt.m for lt in lats)
+    plain = rules.build_trees(*rules.pack_lattices(lats, m, 3, "cpu"), 3, budget)
+    padded = rules.build_trees(*rules.pack_lattices(lats + [Lattice.empty()], m + 3, 5, "cpu"), 3, budget,
+                               requests=3)
+    assert padded.count[3] == 0
+    for b in range(3):
+        assert padded.request(b).tokens == plain.request(b).tokens
+        assert padded.request(b).parents == plain.request(b).parents
+
+
 def test_plan_admission():
     assert rules.plan_admission("off", [5, 9], 10, 128, 512) == ([0, 0], True)
     assert rules.plan_admission("waiting", [100, 20, 200], 10, 128, 512) == ([100, 0, 0], True)

@@ -36,10 +36,11 @@ def test_batched_on_cuda_equals_one_request_ar(model, extra):
     eng = load_engine(EngineSpec.parse(f"{base},{extra},batch=3,nodes=6,depth=4,topk=3"))
     dec = eng.batch_decoder()
     assert dec.runner is not None and fused_verify.takes_batch(eng.model)   # the fused row kernels
+    warm = set(dec.runner.graphs)   # load-time warm-up: every bucket, one shared graph memory pool
     reqs = [Request(p, 24, id=i, arrival_step=2 * i) for i, p in enumerate(PROMPTS)]
     got = [r.output_ids for r in dec.generate_many(reqs)]
     assert got == want
-    assert dec.runner.graphs
+    assert dec.runner.graphs and set(dec.runner.graphs) == warm
     if "mode=ar" not in extra:   # verify steps replay buckets of more than one row per request
         assert any(N > 1 for _, N in dec.runner.graphs)
     if "mode=ar" in extra:   # AR steps overlap the host: fed on the device from the previous step

@@ -138,6 +138,33 @@ def test_warm_up_captures_every_one_row_bucket_and_leaves_no_trace(model):
     assert [r.output_ids for r in res] == ref and dec.stats.tokens == 120
 
 
+@pytest.mark.parametrize("mode", ["tree", "chain"])
+def test_warm_up_leaves_nothing_for_a_request_to_compile(model, mode, monkeypatch):
+    """After warm-up a verify-mode decoder captures no new bucket and hands the tree builder no new
+    shape: every (requests, rows) bucket a step can pad to is captured, and the builder sees the
+    lattices padded to the decoder's depth and top-k and the requests to their bucket."""
+    from specpilot.engine.batch import rules
+    from specpilot.engine.batch.graphs import sizes
+
+    seen, real = [], rules.build_trees
+
+    def spy(tok, lp, tr, *a, **k):
+        seen.append((tuple(tok.shape), tr is None))
+        return real(tok, lp, tr, *a, **k)
+
+    monkeypatch.setattr(rules, "build_trees", spy)
+    kw = dict(nodes=4, depth=3, topk=3) if mode == "tree" else dict(depth=3)
+    _, ref, _ = _outputs(model, 4, (16,) * 6, (0, 0, 2, 3, 7, 12), overlap=False, graphs=False)
+    dec = BatchDecoder(model, mode, "ngram", batch=4, graphs=True, **kw)
+    dec.warm_up()
+    captured, warm = set(dec.runner.graphs), set(seen)
+    assert captured == {(B, N) for B in sizes(4) for N in sizes(dec.rows_per_request)}
+    seen.clear()
+    res = dec.generate_many(_requests((16,) * 6, (0, 0, 2, 3, 7, 12)))
+    assert [r.output_ids for r in res] == ref
+    assert seen and set(seen) <= warm and set(dec.runner.graphs) == captured
+
+
 def test_steps_with_prompt_rows_are_counted_as_eager(model):
     """With bucket graphs, a verify step that carries an admitted prompt's rows runs eagerly: the
     totals count it and its wall time (``run``'s JSON, ``/metrics``); without prompt rows in verify

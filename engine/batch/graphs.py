@@ -65,6 +65,11 @@ def bucket(n: int, limit: int) -> int:
     return next((b for b in BUCKETS if n <= b <= limit), limit)
 
 
+def sizes(limit: int, least: int = 1) -> list[int]:
+    """Every size :func:`bucket` can give for counts from ``least`` up to ``limit``."""
+    return sorted({bucket(n, limit) for n in range(least, limit + 1)})
+
+
 class _Eager:
     """A bucket step without CUDA graphs (CPU): replay runs it on the static inputs into ``out``."""
 
@@ -79,6 +84,15 @@ class BatchGraphRunner:
     def __init__(self, model, cache, warmup: int = 2):
         self.model, self.cache, self.warmup = model, cache, warmup
         self.graphs: dict[tuple[int, int], tuple] = {}
+        # One memory pool for every bucket: a replay's outputs (argmax, the stashes the commit
+        # reads) are consumed before the next replay on the same stream, so the graphs may share
+        # their scratch; captured largest first (:meth:`prepare`), the smaller ones fit in its pool.
+        self.pool = torch.cuda.graph_pool_handle() if model.device.type == "cuda" else None
+
+    def prepare(self, shapes) -> None:
+        """Capture the buckets ``shapes`` ((B, N) pairs) not captured yet, the most rows first."""
+        for B, N in sorted(set(shapes), key=lambda s: (-s[0] * s[1], -s[1])):
+            self.get(B, N)
 
     def _capture(self, B: int, N: int):
         m, dev, S = self.model, self.model.device, self.cache.max_seq
@@ -108,7 +122,7 @@ class BatchGraphRunner:
         kept += [(t[:B], t[:B].clone()) for lc in self.cache.layers for t in (lc.state, lc.conv) if t is not None]
         stashes = [(dict(lc.stash), lc.walked) for lc in self.cache.layers]
         if dev.type == "cuda":
-            g, out = capture(fn, self.warmup)
+            g, out = capture(fn, self.warmup, self.pool)
         else:
             out = fn()
             g = _Eager(fn, out)

@@ -95,11 +95,13 @@ def cut_blocks(logprobs: torch.Tensor, transitions: torch.Tensor | None, blocks:
     return lp, tr
 
 
-def build_trees(tokens, logprobs, transitions, nodes: int, budget: str):
-    """The step's trees as :class:`~specpilot.kernels.tree.BatchedTrees` (``budget``: shared | equal)."""
+def build_trees(tokens, logprobs, transitions, nodes: int, budget: str, requests: int | None = None):
+    """The step's trees as :class:`~specpilot.kernels.tree.BatchedTrees` (``budget``: shared | equal).
+    ``requests``: how many of the lattices are requests' (a shared budget is ``nodes`` for each);
+    the rest are padding, empty lattices that grow no node."""
     from specpilot.kernels.tree.batched import build_batched
 
-    B = tokens.shape[0]
+    B = tokens.shape[0] if requests is None else requests
     if budget == "shared":
         return build_batched(tokens, logprobs, transitions, max(1, SHARED_CAP * nodes),
                              budget=torch.full((), B * nodes, dtype=torch.int64, device=tokens.device))

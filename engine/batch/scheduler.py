@@ -38,11 +38,12 @@ from specpilot.engine.batch import rules, tlv
 from specpilot.engine.batch.cache import BatchCache
 from specpilot.engine.batch.commit import commit_step
 from specpilot.engine.batch.drafting import BatchDrafting
-from specpilot.engine.batch.graphs import bucket, replays, walks
+from specpilot.engine.batch.graphs import bucket, replays, sizes, walks
 from specpilot.engine.batch.overlap import Streak
 from specpilot.engine.batch.requests import Request
 from specpilot.engine.batch.step import Rows, assemble, prefill_rows, verify_rows
 from specpilot.engine.decode import GenerationResult
+from specpilot.engine.drafters import Lattice
 from specpilot.engine.metrics import STEP_BUCKETS, Histogram
 from specpilot.engine.tlv import TLVStats
 from specpilot.errors import InputError
@@ -207,15 +208,25 @@ class BatchDecoder:
     @torch.no_grad()
     def warm_up(self) -> float:
         """Compile and capture now what requests will hit (the engine calls this at load on CUDA):
-        a synthetic workload through this decoder - ``batch`` requests finishing a few steps apart
-        (the one-row bucket of every request count, verify buckets as drafts vary), then prompts of
-        every Triton specialisation class (:data:`~specpilot.engine.decode.WARMUP_PROMPTS`) arriving
-        while others decode (prefill passes and, under the admission rule, prompt rows in verify
-        steps). Totals and drafting state start afresh afterwards; the caches stay dirty (a request
-        writes what it reads). Returns the seconds taken."""
+        the graph of every (requests, rows) bucket a step can pad to, the tree builder at every
+        request bucket, then a synthetic workload through this decoder - ``batch`` requests
+        finishing a few steps apart, then prompts of every Triton specialisation class
+        (:data:`~specpilot.engine.decode.WARMUP_PROMPTS`) arriving while others decode (prefill
+        passes and, under the admission rule, prompt rows in verify steps). Totals and drafting
+        state start afresh afterwards; the caches stay dirty (a request writes what it reads).
+        Returns the seconds taken."""
         from specpilot.engine.decode import WARMUP_PROMPTS
 
         t0 = time.perf_counter()
+        if self.runner is not None and replays(self.model):
+            rows = [1] if self.mode == "ar" else sizes(self.rows_per_request)
+            self.runner.prepare([(B, N) for B in sizes(self.batch) for N in rows])
+        if self.mode in ("chain", "tree"):
+            k = self.topk
+            for B in sizes(self.batch):
+                for tr in (None, [[[-1.0] * k] * k] * (self.depth - 1)):
+                    lat = Lattice([[1] * k] * self.depth, [[-0.5] * k] * self.depth, tr)
+                    self._trees([lat] * B, list(range(B)))
         V = self.model.spec.vocab_size
         room = self.cache.max_seq - self.capacity_needed(2, 0)   # new tokens a 2-token prompt may take
 
@@ -519,28 +530,43 @@ class BatchDecoder:
 
     def _build_trees(self, decoding, idx, lats, trees) -> None:
         """Trees for the requests ``idx`` from their lattices (block rule, node budget)."""
-        dev = self.model.device
         if self.mode == "chain":
             lats = [type(lt)([row[:1] for row in lt.tokens], [row[:1] for row in lt.logprobs], None) for lt in lats]
         m = max((lt.m for lt in lats), default=0)
         self.stats.drafted_positions += sum(lt.m for lt in lats)
         if m == 0:
             return
-        k = max(1, max(len(row) for lt in lats for row in lt.tokens))
-        tok, lp, tr = rules.pack_lattices(lats, m, k, dev)
-        slots = torch.tensor([decoding[b].slot for b in idx], device=dev)
-        if self.block == "adaptive" and len(self.sizes) > 1:
-            blocks = rules.choose_blocks(self.recent[slots], rules.draft_confidence(lp), self.sizes)
-            lp, tr = rules.cut_blocks(lp, tr, blocks)
-            self.stats.kept_positions += int(torch.minimum(blocks.cpu(), torch.tensor([lt.m for lt in lats])).sum())
-        else:
-            self.stats.kept_positions += sum(min(lt.m, self.depth) for lt in lats)
-        # a chain is the tree of a one-candidate lattice: its node budget is the draft length
-        out = rules.build_trees(tok, lp, tr, self.depth if self.mode == "chain" else self.nodes, self.budget)
-        host = type(out)(*(t.cpu() for t in (out.tokens, out.parents, out.depth, out.cand, out.score, out.valid,
-                                                out.count)))
+        host, kept = self._trees(lats, [decoding[b].slot for b in idx])
+        self.stats.kept_positions += kept
         for j, b in enumerate(idx):
             trees[b] = host.request(j)
+
+    def _trees(self, lats, slots: list[int]):
+        """The batched builder's trees (on the host) for lattices of the requests in ``slots``, and
+        the draft positions kept. The builder's kernels see one shape per request bucket: lattices
+        pad to the decoder's depth and top-k, the requests to their bucket (empty lattices, no
+        nodes), so a step never compiles what warm-up did not."""
+        from specpilot.engine.batch.graphs import bucket
+
+        dev = self.model.device
+        n = len(lats)
+        m = max([self.depth] + [lt.m for lt in lats])
+        k = max([self.topk] + [len(row) for lt in lats for row in lt.tokens])
+        pad = bucket(n, self.batch) - n
+        tok, lp, tr = rules.pack_lattices(list(lats) + [Lattice.empty()] * pad, m, k, dev)
+        if self.block == "adaptive" and len(self.sizes) > 1:
+            where = torch.tensor(list(slots) + [slots[0]] * pad, device=dev)
+            blocks = rules.choose_blocks(self.recent[where], rules.draft_confidence(lp), self.sizes)
+            lp, tr = rules.cut_blocks(lp, tr, blocks)
+            kept = int(torch.minimum(blocks[:n].cpu(), torch.tensor([lt.m for lt in lats])).sum())
+        else:
+            kept = sum(min(lt.m, self.depth) for lt in lats)
+        # a chain is the tree of a one-candidate lattice: its node budget is the draft length
+        out = rules.build_trees(tok, lp, tr, self.depth if self.mode == "chain" else self.nodes, self.budget,
+                                requests=n)
+        host = type(out)(*(t.cpu() for t in (out.tokens, out.parents, out.depth, out.cand, out.score, out.valid,
+                                                out.count)))
+        return host, kept
 
     def _note_accepted(self, accepted: list[tuple[int, int]]) -> None:
         """Each verifying request's accepted draft length goes into its ring of recent lengths
