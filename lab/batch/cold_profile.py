@@ -47,6 +47,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--new", type=int, default=96)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--warm", action="store_true", help="run the decoder's load-time warm-up first")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     hook_triton()
@@ -82,6 +83,10 @@ def main() -> int:
 
     bg.BatchGraphRunner._capture = cap
     dec = BatchDecoder(m, "tree", "ngram", nodes=64, depth=8, topk=8, batch=args.batch, graphs=True)
+    if args.warm:
+        c0 = len(COMPILES)
+        print(f"warm-up {dec.warm_up():.1f} s, {len(COMPILES) - c0} compiles")
+        n_load = len(COMPILES)
     steps = []
     real_step = BatchDecoder.step
 
@@ -107,6 +112,8 @@ def main() -> int:
               f"({sum(c[2] for c in comp):.1f} s)")
         slow = sorted(steps[s0:], reverse=True)[:12]
         print("  slowest steps (s, compiles, verify_steps, eager):", [(round(a, 2), b, c, d) for a, b, c, d in slow])
+        for name, cx, sec in comp:
+            print(f"  compiled {name} {sec:.2f} s {cx[:200]}")
     print(f"load {load:.1f} s with {n_load} compiles ({sum(c[2] for c in COMPILES[:n_load]):.1f} s)")
     print("captures (B, N, s, compiles):", [(b, n, round(s, 2), c) for b, n, s, c in captures])
     by = collections.defaultdict(lambda: [0, 0.0])
