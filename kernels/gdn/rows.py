@@ -66,8 +66,19 @@ if triton is not None:
         return A * sp, 1.0 / (1.0 + tl.exp(-b))
 
     @triton.jit
+    def _path_len(paths_ptr, r, stride_p, D, CH: tl.constexpr):
+        """Tokens on row ``r``'s root path: its entries >= 0, in chunks of ``CH`` over the table's ``D``
+        columns (a loop, not a block of ``D``: one compiled kernel serves every path length)."""
+        cc = tl.arange(0, CH)
+        n = 0
+        for c0 in range(0, D, CH):
+            n += tl.sum((tl.load(paths_ptr + r * stride_p + c0 + cc, mask=c0 + cc < D, other=-1) >= 0).to(tl.int32),
+                        axis=0)
+        return n
+
+    @triton.jit(do_not_specialize=["stride_p", "D"])
     def _conv_rows_kernel(x_ptr, stride_x, cs_ptr, w_ptr, out_ptr, stride_o, paths_ptr, stride_p, slots_ptr,
-                          stride_cs, C, D, KW: tl.constexpr, DP: tl.constexpr, BC: tl.constexpr, SEQ: tl.constexpr,
+                          stride_cs, C, D, KW: tl.constexpr, BC: tl.constexpr, SEQ: tl.constexpr,
                           SLOTS: tl.constexpr, SELF: tl.constexpr, ADVANCE: tl.constexpr, PDL: tl.constexpr):
         r = tl.program_id(0)
         c = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -82,9 +93,7 @@ if triton is not None:
         elif SEQ:     # consecutive rows: row r's path is rows 0..r
             depth = r + 1
         else:
-            dd = tl.arange(0, DP)
-            prow = tl.load(paths_ptr + r * stride_p + dd, mask=dd < D, other=-1)
-            depth = tl.sum((prow >= 0).to(tl.int32), axis=0)
+            depth = _path_len(paths_ptr, r, stride_p, D, 16)
         dt = x_ptr.dtype.element_ty
         acc = tl.zeros([BC], tl.float32)
         for j in tl.static_range(KW):
@@ -112,12 +121,12 @@ if triton is not None:
             xl = tl.load(x_ptr + r * stride_x + c, mask=cm)
             tl.store(cs_ptr + (KW - 2) * C + c, xl.to(cs_ptr.dtype.element_ty), mask=cm)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["stride_p", "D"])
     def _gdn_rows_kernel(qkv_ptr, stride_qkv, ab_ptr, stride_ab, alog_ptr, dtb_ptr,
                          state_ptr, new_state_ptr, paths_ptr, stride_p, D, out_ptr, stride_o, slots_ptr, stride_s,
                          KEY_DIM, NV,
                          DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, RATIO: tl.constexpr,
-                         DP: tl.constexpr, CH: tl.constexpr, SELF: tl.constexpr, SLOTS: tl.constexpr,
+                         CH: tl.constexpr, SELF: tl.constexpr, SLOTS: tl.constexpr,
                          OUTPUT: tl.constexpr, WRITE_STATE: tl.constexpr, PDL: tl.constexpr):
         r = tl.program_id(0)
         h = tl.program_id(1)
@@ -142,8 +151,7 @@ if triton is not None:
         if SELF:     # the AR step: the row's path is the row itself; no path table to wait for
             L = 1
         else:
-            dd = tl.arange(0, DP)
-            L = tl.sum((tl.load(paths_ptr + r * stride_p + dd, mask=dd < D, other=-1) >= 0).to(tl.int32), axis=0)
+            L = _path_len(paths_ptr, r, stride_p, D, CH)
         for c0 in range(0, L, CH):
             # one gather per CH path tokens, so the walk waits on memory once per chunk, not per token;
             # each token's values are picked out exactly (one nonzero term per sum), and CH, BV and
@@ -295,7 +303,7 @@ def conv_rows(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, p
         x, x.stride(0), conv_state, weight, out, out.stride(0), paths if paths is not None else x,
         paths.stride(0) if paths is not None else 0, x if slots is None else slots,
         conv_state.stride(0) if slots is not None else 0, C, D,
-        KW=KW, DP=triton.next_power_of_2(max(D, 2)), BC=BC, SEQ=paths is None and slots is None,
+        KW=KW, BC=BC, SEQ=paths is None and slots is None,
         SLOTS=slots is not None, SELF=paths is None and slots is not None, ADVANCE=advance, num_warps=4,
         **pdl_args(pdl, x))
     return out
@@ -358,7 +366,6 @@ def gdn_rows(qkv: torch.Tensor, ab: torch.Tensor, A_log: torch.Tensor, dt_bias: 
         paths.stride(0) if paths is not None else 0, paths.shape[1] if paths is not None else 1,
         out, out.stride(0) if output else 0, ab if slots is None else slots, state.stride(0) if slots is not None else 0,
         key_dim, nv,
-        DK=dk, DV=dv, BV=bv, RATIO=nv // nk, DP=triton.next_power_of_2(max(paths.shape[1] if paths is not None else 1, 2)),
-        CH=PATH_CHUNK, SELF=paths is None, SLOTS=slots is not None, OUTPUT=output, WRITE_STATE=new_state is not None,
+        DK=dk, DV=dv, BV=bv, RATIO=nv // nk, CH=PATH_CHUNK, SELF=paths is None, SLOTS=slots is not None, OUTPUT=output, WRITE_STATE=new_state is not None,
         num_warps=warps or default_warps(dk, dv), **pdl_args(pdl, qkv))
     return out if output else None
