@@ -291,6 +291,24 @@ def test_cut_blocks_cuts_positions_past_each_block():
     assert torch.isinf(tr2[0, 1:]).all() and torch.isfinite(tr2[0, 0]).all() and torch.isfinite(tr2[1]).all()
 
 
+def test_pack_lattices_even_ragged_and_cut_rows():
+    """Each candidate at its place, -inf where there is none, rows wider than ``k`` cut, a lattice
+    without transitions given its marginal scores in them; even and ragged rows alike."""
+    even = Lattice([[1, 2], [3, 4]], [[-0.1, -0.2], [-0.3, -0.4]], [[[-1.0, -2.0], [-3.0, -4.0]]])
+    ragged = Lattice([[5, 6, 7], [8]], [[-0.5, -0.6, -0.7], [-0.8]], [[[-5.0], [-6.0, -6.5], [-7.0]]])
+    plain = Lattice([[9], [10, 11]], [[-0.9], [-1.0, -1.1]], None)
+    tok, lp, tr = rules.pack_lattices([even, ragged, plain], 3, 2, "cpu")
+    inf = float("-inf")
+    assert tok.tolist() == [[[1, 2], [3, 4], [0, 0]], [[5, 6], [8, 0], [0, 0]], [[9, 0], [10, 11], [0, 0]]]
+    assert torch.equal(lp, torch.tensor([[[-0.1, -0.2], [-0.3, -0.4], [inf, inf]],
+                                         [[-0.5, -0.6], [-0.8, inf], [inf, inf]],
+                                         [[-0.9, inf], [-1.0, -1.1], [inf, inf]]]))
+    assert torch.equal(tr, torch.tensor([[[[-1.0, -2.0], [-3.0, -4.0]], [[inf, inf], [inf, inf]]],
+                                         [[[-5.0, inf], [-6.0, -6.5]], [[inf, inf], [inf, inf]]],
+                                         [[[-1.0, -1.1], [inf, inf]], [[inf, inf], [inf, inf]]]]))
+    assert rules.pack_lattices([plain], 2, 2, "cpu")[2] is None
+
+
 def _lattice(rnd, m, k, transitions=True):
     toks = [[rnd.randrange(50) for _ in range(rnd.randrange(1, k + 1))] for _ in range(m)]
     lps = [sorted((np.log(rnd.random()) for _ in row), reverse=True) for row in toks]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 SHARED_CAP = 2        # a request's share of a shared budget is at most this many times ``nodes``
@@ -36,27 +37,36 @@ def pack_lattices(lattices, m: int, k: int, device) -> tuple[torch.Tensor, torch
     no request has any."""
     B = len(lattices)
     m = max(1, m)
-    tok = torch.zeros((B, m, k), dtype=torch.long)
-    lp = torch.full((B, m, k), float("-inf"), dtype=torch.float32)
+    tok = np.zeros((B, m, k), dtype=np.int64)
+    lp = np.full((B, m, k), -np.inf, dtype=np.float32)
     has_tr = m > 1 and any(lat.transitions for lat in lattices)
-    tr = torch.full((B, m - 1, k, k), float("-inf"), dtype=torch.float32) if has_tr else None
-    for b, lat in enumerate(lattices):
-        for i, (ts, ls) in enumerate(zip(lat.tokens[:m], lat.logprobs[:m])):
-            n = min(len(ts), k)
-            tok[b, i, :n] = torch.tensor(ts[:n], dtype=torch.long)
-            lp[b, i, :n] = torch.tensor(ls[:n], dtype=torch.float32)
+    tr = np.full((B, m - 1, k, k), -np.inf, dtype=np.float32) if has_tr else None
+    for b, lat in enumerate(lattices):   # numpy, a block per lattice where its rows are even
+        _fill(tok[b], lat.tokens[:m])
+        _fill(lp[b], lat.logprobs[:m])
         if tr is not None:
             for i in range(1, min(lat.m, m)):
                 if lat.transitions:
-                    rows = lat.transitions[i - 1]
-                    for a, row in enumerate(rows[:k]):
-                        n = min(len(row), k)
-                        tr[b, i - 1, a, :n] = torch.tensor(row[:n], dtype=torch.float32)
+                    _fill(tr[b, i - 1], lat.transitions[i - 1][:k])
                 else:
                     na = min(len(lat.tokens[i - 1]), k)
                     tr[b, i - 1, :na, :] = lp[b, i][None, :]
     dev = torch.device(device)
-    return tok.to(dev), lp.to(dev), None if tr is None else tr.to(dev)
+    return (torch.from_numpy(tok).to(dev), torch.from_numpy(lp).to(dev),
+            None if tr is None else torch.from_numpy(tr).to(dev))
+
+
+def _fill(out: np.ndarray, rows: list) -> None:
+    """``out[i, :len(rows[i])] = rows[i]`` (cut to ``out``'s width) for a list of rows."""
+    if not rows:
+        return
+    w = out.shape[1]
+    n = len(rows[0])
+    if all(len(r) == n for r in rows):
+        out[:len(rows), :min(n, w)] = np.asarray(rows, dtype=out.dtype)[:, :w]
+        return
+    for i, r in enumerate(rows):
+        out[i, :min(len(r), w)] = r[:w]
 
 
 def draft_confidence(logprobs: torch.Tensor) -> torch.Tensor:
