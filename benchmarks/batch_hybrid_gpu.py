@@ -74,7 +74,8 @@ def loop(m, batch: int, new: int, graphs: bool) -> tuple[list[dict], list[list[i
                "tokens": st.tokens, "tokens_per_s": st.tokens / dt, "verify_steps": st.verify_steps,
                "rows_per_verify_step": st.verify_rows / max(1, st.verify_steps), "tau": st.tau(),
                "eager_steps": st.eager_steps, "prefill_passes": st.prefill_passes,
-               "bucket_graphs": len(after), "captured_in_pass": sorted(after - before)}
+               "bucket_graphs": len(after), "captured_in_pass": sorted(after - before),
+               "graphs_captured_in_pass": len(after - before)}
         out.append(row)
         log(f"graphs={graphs} pass {p + 1}: {row['tokens_per_s']:.1f} tokens/s, {st.verify_steps} verify steps, "
             f"{row['rows_per_verify_step']:.1f} rows each, {st.eager_steps} eager, "
