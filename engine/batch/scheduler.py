@@ -221,10 +221,10 @@ class BatchDecoder:
         if self.runner is not None and replays(self.model):
             rows = [1] if self.mode == "ar" else sizes(self.rows_per_request)
             self.runner.prepare([(B, N) for B in sizes(self.batch) for N in rows])
-        if self.mode in ("chain", "tree"):
+        if self.mode in ("chain", "tree"):   # a chain's lattices come without transitions
             k = self.topk
             for B in sizes(self.batch):
-                for tr in (None, [[[-1.0] * k] * k] * (self.depth - 1)):
+                for tr in (None,) if self.mode == "chain" else (None, [[[-1.0] * k] * k] * (self.depth - 1)):
                     lat = Lattice([[1] * k] * self.depth, [[-0.5] * k] * self.depth, tr)
                     self._trees([lat] * B, list(range(B)))
         V = self.model.spec.vocab_size
@@ -546,8 +546,6 @@ class BatchDecoder:
         the draft positions kept. The builder's kernels see one shape per request bucket: lattices
         pad to the decoder's depth and top-k, the requests to their bucket (empty lattices, no
         nodes), so a step never compiles what warm-up did not."""
-        from specpilot.engine.batch.graphs import bucket
-
         dev = self.model.device
         n = len(lats)
         m = max([self.depth] + [lt.m for lt in lats])

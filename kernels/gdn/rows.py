@@ -72,8 +72,8 @@ if triton is not None:
         cc = tl.arange(0, CH)
         n = 0
         for c0 in range(0, D, CH):
-            n += tl.sum((tl.load(paths_ptr + r * stride_p + c0 + cc, mask=c0 + cc < D, other=-1) >= 0).to(tl.int32),
-                        axis=0)
+            p = tl.load(paths_ptr + r * stride_p + c0 + cc, mask=c0 + cc < D, other=-1)
+            n += tl.sum((p >= 0).to(tl.int32), axis=0)
         return n
 
     @triton.jit(do_not_specialize=["stride_p", "D"])
@@ -366,6 +366,7 @@ def gdn_rows(qkv: torch.Tensor, ab: torch.Tensor, A_log: torch.Tensor, dt_bias: 
         paths.stride(0) if paths is not None else 0, paths.shape[1] if paths is not None else 1,
         out, out.stride(0) if output else 0, ab if slots is None else slots, state.stride(0) if slots is not None else 0,
         key_dim, nv,
-        DK=dk, DV=dv, BV=bv, RATIO=nv // nk, CH=PATH_CHUNK, SELF=paths is None, SLOTS=slots is not None, OUTPUT=output, WRITE_STATE=new_state is not None,
+        DK=dk, DV=dv, BV=bv, RATIO=nv // nk, CH=PATH_CHUNK, SELF=paths is None, SLOTS=slots is not None,
+        OUTPUT=output, WRITE_STATE=new_state is not None,
         num_warps=warps or default_warps(dk, dv), **pdl_args(pdl, qkv))
     return out if output else None
