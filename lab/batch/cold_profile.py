@@ -14,8 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from common import bootstrap  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from lab.common import bootstrap  # noqa: E402
 
 bootstrap()
 
@@ -57,8 +57,7 @@ def main() -> int:
     from specpilot.engine.batch.requests import Request
     from specpilot.engine.batch.scheduler import BatchDecoder
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    from batch_hybrid_gpu import build, prompts
+    from batch_hybrid_gpu import build, prompts   # benchmarks/ (on the path through lab.common)
 
     torch.set_grad_enabled(False)
 
