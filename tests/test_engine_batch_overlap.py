@@ -187,6 +187,20 @@ def test_steps_with_prompt_rows_are_counted_as_eager(model):
     assert dec.stats.admitted_prompt_rows > 0 and dec.stats.eager_steps == 0
 
 
+def test_warm_up_refuses_a_cache_no_request_fits(model):
+    """A tree decoder whose largest bucket outgrows the cache can run no request: warm-up says so
+    (the one-line input error a request would get) instead of capturing a bucket it cannot hold."""
+    from specpilot.engine.batch.cache import BatchCache
+    from specpilot.errors import InputError
+
+    dec = BatchDecoder(model, "tree", "ngram", nodes=64, depth=8, topk=4, batch=4, graphs=True)
+    dec.cache = BatchCache(model, 4, max_seq=100)
+    dec.runner.cache = dec.cache
+    with pytest.raises(InputError, match="raise ctx="):
+        dec.warm_up()
+    assert not dec.runner.graphs
+
+
 def test_warm_up_fits_a_small_cache(model):
     """Warm-up requests never ask for more cache than the slots hold (a short context, many slots)."""
     from specpilot.engine.batch.cache import BatchCache

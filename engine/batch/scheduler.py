@@ -218,6 +218,7 @@ class BatchDecoder:
         from specpilot.engine.decode import WARMUP_PROMPTS
 
         t0 = time.perf_counter()
+        self.check(Request([0, 1], 1))   # a cache too small for any request: say so, capture nothing
         if self.runner is not None and replays(self.model):
             rows = [1] if self.mode == "ar" else sizes(self.rows_per_request)
             self.runner.prepare([(B, N) for B in sizes(self.batch) for N in rows])
