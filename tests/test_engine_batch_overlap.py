@@ -143,6 +143,7 @@ def test_warm_up_leaves_nothing_for_a_request_to_compile(model, mode, monkeypatc
     """After warm-up a verify-mode decoder captures no new bucket and hands the tree builder no new
     shape: every (requests, rows) bucket a step can pad to is captured, and the builder sees the
     lattices padded to the decoder's depth and top-k and the requests to their bucket."""
+    from specpilot.engine.api import batch_stats
     from specpilot.engine.batch import rules
     from specpilot.engine.batch.graphs import sizes
 
@@ -163,6 +164,7 @@ def test_warm_up_leaves_nothing_for_a_request_to_compile(model, mode, monkeypatc
     res = dec.generate_many(_requests((16,) * 6, (0, 0, 2, 3, 7, 12)))
     assert [r.output_ids for r in res] == ref
     assert seen and set(seen) <= warm and set(dec.runner.graphs) == captured
+    assert batch_stats(dec)["bucket_graphs"] == len(captured)
 
 
 def test_steps_with_prompt_rows_are_counted_as_eager(model):
