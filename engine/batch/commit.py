@@ -91,7 +91,7 @@ def commit_step(model, cache, items: list[tuple[int, int, list[int], str]]) -> N
     dev = model.device
     moves = kv_moves([(s, start, rows) for s, start, rows, _ in items], dev)
     gdn = [(s, rows) for s, _, rows, kind in items if kind in ("chain", "tree")]
-    plan = None
+    plan, accepted = None, dict(gdn)
     for blk, lc in zip(model.layers, cache.layers):
         if isinstance(blk.mixer, Attention):
             if moves is not None:
@@ -101,7 +101,6 @@ def commit_step(model, cache, items: list[tuple[int, int, list[int], str]]) -> N
         elif isinstance(blk.mixer, GatedDeltaNet) and gdn:
             if plan is None and lc.walked is not None:
                 plan = gdn_plan(gdn, lc.walked[3], lc.conv.shape[1], dev)
-            rest = blk.mixer.commit_walked(lc, plan) if plan is not None else [s for s, _ in gdn]
-            rows = dict(gdn)
+            rest = blk.mixer.commit_walked(lc, plan) if plan is not None else list(accepted)
             for s in rest:
-                blk.mixer.commit_slot(lc, s, rows[s])
+                blk.mixer.commit_slot(lc, s, accepted[s])

@@ -32,7 +32,8 @@ Grid: (value head, dv block[, request]); a program holds all rows of its head, p
 (:func:`wy_verify_segments`: the rows of one request of a batched step, from that request's
 state). A tree of 2^k + 1 rows (33 = root + 32 nodes) would need the next tile: the program
 applies the root to its state columns first (one delta-rule step) and the nodes, a forest under
-it, fill the smaller tile. Rows above :data:`MAX_ROWS` are refused (ValueError): the caller uses the path kernel then.
+it, fill the smaller tile. Rows above :data:`MAX_ROWS` are refused (ValueError): the caller uses
+the path kernel then.
 Nothing here syncs with the host, so the launch can be captured in a CUDA graph; for the same
 reason ``paths`` is trusted as ``row_paths`` builds it (topological order, -1 padding).
 """
@@ -258,6 +259,15 @@ def node_paths(paths: torch.Tensor) -> torch.Tensor:
     return (paths[1:, 1:] - 1).clamp(min=-1)
 
 
+def _launch(config: Config | None, R: int, dk: int, nv: int, dv: int, out, device):
+    """(config, padded dk, dv block, output [R, nv, dv] fp32: ``out`` checked, or a new tensor)."""
+    cfg = config or Config()
+    if out is not None and (out.shape != (R, nv, dv) or out.dtype != torch.float32 or out.stride(2) != 1):
+        raise ValueError(f"out must be fp32 [R={R}, nv={nv}, dv={dv}] with contiguous rows, got {tuple(out.shape)}")
+    o = out if out is not None else torch.empty((R, nv, dv), dtype=torch.float32, device=device)
+    return cfg, max(16, triton.next_power_of_2(dk)), min(cfg.block_v, max(16, triton.next_power_of_2(dv))), o
+
+
 def wy_verify(q, k, v, g, beta, state, paths, out=None, nodes=None, config: Config | None = None):
     """Every row's GDN output at the end of its root path, [R, nv, dv] fp32 (into ``out`` if given).
 
@@ -275,11 +285,7 @@ def wy_verify(q, k, v, g, beta, state, paths, out=None, nodes=None, config: Conf
     nv, dv = v.shape[1], v.shape[2]
     root = root_first(R)
     RP = padded_rows(R)
-    cfg = config or Config()
-    DKP = max(16, triton.next_power_of_2(dk))
-    BV = min(cfg.block_v, max(16, triton.next_power_of_2(dv)))
-    if out is not None and (out.shape != (R, nv, dv) or out.dtype != torch.float32 or out.stride(2) != 1):
-        raise ValueError(f"out must be fp32 [R={R}, nv={nv}, dv={dv}] with contiguous rows, got {tuple(out.shape)}")
+    cfg, DKP, BV, o = _launch(config, R, dk, nv, dv, out, q.device)
     if root:
         if nodes is None:
             nodes = node_paths(paths)
@@ -287,7 +293,6 @@ def wy_verify(q, k, v, g, beta, state, paths, out=None, nodes=None, config: Conf
             raise ValueError(f"nodes must be [{R - 1}, {paths.shape[1] - 1}] (node_paths of paths), "
                              f"got {tuple(nodes.shape)}")
     tile_paths = nodes if root else paths
-    o = out if out is not None else torch.empty((R, nv, dv), dtype=torch.float32, device=q.device)
     _wy_kernel[(nv, triton.cdiv(dv, BV))](
         q, k, v, g, beta, state, tile_paths, o, tile_paths,
         R - root, tile_paths.shape[1], dk, dv, nv // nk, float(dk) ** -0.5,
@@ -321,12 +326,7 @@ def wy_verify_segments(q, k, v, g, beta, states, paths, segs, most: int, out=Non
     if segs.dim() != 2 or segs.shape[1] != 3 or segs.dtype != torch.int32 or segs.device != q.device:
         raise ValueError("segs must be an int32 [n, 3] table (first row, rows, slot) on the rows' device")
     nv, dv = v.shape[1], v.shape[2]
-    cfg = config or Config()
-    DKP = max(16, triton.next_power_of_2(dk))
-    BV = min(cfg.block_v, max(16, triton.next_power_of_2(dv)))
-    if out is not None and (out.shape != (R, nv, dv) or out.dtype != torch.float32 or out.stride(2) != 1):
-        raise ValueError(f"out must be fp32 [R={R}, nv={nv}, dv={dv}] with contiguous rows, got {tuple(out.shape)}")
-    o = out if out is not None else torch.empty((R, nv, dv), dtype=torch.float32, device=q.device)
+    cfg, DKP, BV, o = _launch(config, R, dk, nv, dv, out, q.device)
     _wy_kernel[(nv, triton.cdiv(dv, BV), segs.shape[0])](
         q, k, v, g, beta, states, paths, o, segs,
         0, paths.shape[1], dk, dv, nv // nk, float(dk) ** -0.5,
