@@ -1,5 +1,7 @@
 """Continuous batching of a hybrid target on the H200: the batch decoder's tree-mode loop over
-Qwen3.5-9B shapes (random bf16 weights), with the bucket CUDA graphs and without, in one process.
+Qwen3.5-9B shapes (random bf16 weights), with the bucket CUDA graphs and without, and with a
+batch's prompt chunks through the GDN layers in one variable-length pass or one request at a
+time, in one process.
 
     python benchmarks/batch_hybrid_gpu.py [--batch 16] [--new 128] [--model qwen3.5-9b] [--device cuda]
 
@@ -10,7 +12,8 @@ Per setting the decoder warms up as the engine does at load (every bucket graph 
 tree builder at every request bucket, a synthetic workload), then runs the requests twice: a
 first request after load should be as fast as the tenth, so pass 1 should match pass 2. Per pass:
 tokens/s over the pass (prefill included), verify steps, rows per verify step, steps run eagerly,
-bucket graphs captured during the pass; and whether both settings gave the same tokens.
+bucket graphs captured during the pass, prefill passes and their wall time; and whether the
+settings gave the same tokens.
 
 Writes results/batch_hybrid_gpu.json (``--device cpu --model tiny-hybrid`` is a smoke run).
 """
@@ -45,12 +48,14 @@ def prompts(n: int, vocab: int) -> list[list[int]]:
     return [[rnd.randrange(min(vocab, 32000)) for _ in range(24 + 8 * (i % 4))] * 3 for i in range(n)]
 
 
-def loop(m, batch: int, new: int, graphs: bool) -> tuple[list[dict], list[list[int]]]:
+def loop(m, batch: int, new: int, graphs: bool, batch_prefill: bool) -> tuple[list[dict], list[list[int]]]:
     import torch
 
+    from specpilot.engine.model import GatedDeltaNet
     from specpilot.engine.batch.requests import Request
     from specpilot.engine.batch.scheduler import BatchDecoder, BatchStats
 
+    GatedDeltaNet.batch_prefill = batch_prefill
     dec = BatchDecoder(m, "tree", "ngram", nodes=64, depth=8, topk=8, batch=batch, graphs=graphs)
     ps, out, outputs = prompts(batch, m.spec.vocab_size), [], []
     cuda = m.device.type == "cuda"
@@ -70,15 +75,17 @@ def loop(m, batch: int, new: int, graphs: bool) -> tuple[list[dict], list[list[i
         st = dec.stats
         outputs = [r.output_ids for r in res]
         after = set(dec.runner.graphs) if dec.runner is not None else set()
-        row = {"kind": "loop", "graphs": graphs, "pass": p + 1, "batch": batch, "warm_up_s": warm, "seconds": dt,
+        row = {"kind": "loop", "graphs": graphs, "batch_prefill": batch_prefill, "pass": p + 1, "batch": batch, "warm_up_s": warm, "seconds": dt,
                "tokens": st.tokens, "tokens_per_s": st.tokens / dt, "verify_steps": st.verify_steps,
                "rows_per_verify_step": st.verify_rows / max(1, st.verify_steps), "tau": st.tau(),
                "eager_steps": st.eager_steps, "prefill_passes": st.prefill_passes,
+               "prefill_seconds": st.prefill_seconds,
                "bucket_graphs": len(after), "captured_in_pass": sorted(after - before),
                "graphs_captured_in_pass": len(after - before)}
         out.append(row)
-        log(f"graphs={graphs} pass {p + 1}: {row['tokens_per_s']:.1f} tokens/s, {st.verify_steps} verify steps, "
-            f"{row['rows_per_verify_step']:.1f} rows each, {st.eager_steps} eager, "
+        log(f"graphs={graphs} batch_prefill={batch_prefill} pass {p + 1}: {row['tokens_per_s']:.1f} tokens/s, "
+            f"{st.verify_steps} verify steps, {row['rows_per_verify_step']:.1f} rows each, {st.eager_steps} eager, "
+            f"{st.prefill_passes} prefill passes {st.prefill_seconds:.3f} s, "
             f"{len(row['captured_in_pass'])} graphs captured")
     del dec
     if cuda:
@@ -98,17 +105,20 @@ def main() -> int:
     torch.set_grad_enabled(False)
     m = build(args.model, args.device, ctx=256 + args.new + 128)
     rows, outs = [], {}
-    for graphs in (True, False):
-        got, outs[graphs] = loop(m, args.batch, args.new, graphs and m.device.type == "cuda")
+    for graphs, batch_prefill in ((True, True), (True, False), (False, True)):
+        got, outs[graphs, batch_prefill] = loop(m, args.batch, args.new, graphs and m.device.type == "cuda",
+                                                batch_prefill)
         rows += got
-    same = outs[True] == outs[False]
+    same = outs[True, True] == outs[False, True]
+    same_prefill = outs[True, True] == outs[True, False]
     extra = {"model": f"{args.model} (random {'bf16' if m.device.type == 'cuda' else 'fp32'})",
              "mode": "tree, ngram drafter, shared 64-node budget, depth 8, top-8",
-             "new_tokens": args.new, "outputs_equal_graphs_vs_eager": same}
+             "new_tokens": args.new, "outputs_equal_graphs_vs_eager": same,
+             "outputs_equal_batch_prefill_vs_per_request": same_prefill}
     write_results("batch_hybrid_gpu", rows, extra)
-    print_table(rows, ["graphs", "pass", "warm_up_s", "tokens_per_s", "verify_steps", "rows_per_verify_step",
-                       "eager_steps"])
-    print(f"outputs equal with and without graphs: {same}")
+    print_table(rows, ["graphs", "batch_prefill", "pass", "warm_up_s", "tokens_per_s", "verify_steps",
+                       "prefill_passes", "prefill_seconds", "eager_steps"])
+    print(f"outputs equal with and without graphs: {same}; with the batch prefill and per request: {same_prefill}")
     return 0
 
 

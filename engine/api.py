@@ -171,7 +171,8 @@ class Engine:
 def batch_stats(dec) -> dict:
     """A batch decoder's totals as the run JSON reports them."""
     st = dec.stats
-    return {"verify_steps": st.verify_steps, "prefill_passes": st.prefill_passes, "rows": st.rows,
+    return {"verify_steps": st.verify_steps, "prefill_passes": st.prefill_passes,
+            "prefill_seconds": st.prefill_seconds, "rows": st.rows,
             "verify_rows": st.verify_rows, "prompt_rows": st.prompt_rows,
             "admitted_prompt_rows": st.admitted_prompt_rows, "overlapped_steps": st.overlapped_steps,
             "eager_steps": st.eager_steps, "eager_seconds": st.eager_seconds,

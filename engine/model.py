@@ -32,6 +32,7 @@ from specpilot.engine.spec import HEADS, check_choice
 from specpilot.errors import InputError
 from specpilot.kernels.gdn import naive as gdn_ref
 from specpilot.kernels.gdn import path as gdn_path
+from specpilot.kernels.gdn import prefill
 from specpilot.models import FULL_ATTENTION, ModelSpec
 
 
@@ -239,7 +240,11 @@ class GatedDeltaNet(nn.Module):
     bit) and long prompts through fla's chunked kernel (:mod:`specpilot.kernels.gdn.prefill`);
     ``auto`` is triton on CUDA, torch elsewhere. ``verify`` picks the kernel of a triton verify step:
     ``path`` (each row walks its root path, bitwise AR's arithmetic) or ``wy`` (TreeWY, one
-    bf16 ulp from it; :mod:`specpilot.kernels.gdn.wy`); ``auto`` takes the measured faster one."""
+    bf16 ulp from it; :mod:`specpilot.kernels.gdn.wy`); ``auto`` takes the measured faster one.
+    ``batch_prefill``: a batched step's prompt chunks go through fla in one variable-length call
+    (:meth:`_prefill_segments`); off, one request at a time (what benchmarks compare it with)."""
+
+    batch_prefill = True
 
     def __init__(self, spec: ModelSpec, dtype, device):
         super().__init__()
@@ -331,7 +336,7 @@ class GatedDeltaNet(nn.Module):
         return self._forward_torch(mixed, z, ab, inp)
 
     def _forward_kernels(self, mixed, z, ab, inp: StepInput):
-        from specpilot.kernels.gdn import prefill, rows as gdn_rows
+        from specpilot.kernels.gdn import rows as gdn_rows
 
         T = mixed.shape[0]
         mode = inp.gdn_rows
@@ -447,6 +452,9 @@ class GatedDeltaNet(nn.Module):
             inp.walk = walk_table(inp.segments, proj.device)
         outs = dict(zip(inp.walk.segments, self._walk(proj, inp.walk, inp.segments, cache))) \
             if kern and inp.walk is not None else {}
+        prompts = [i for i, sg in enumerate(inp.segments) if i not in outs and sg.gdn_rows == "seq" and sg.rows > 1]
+        if kern and self.batch_prefill and len(prompts) > 1 and prefill.available(proj.device):
+            outs.update(zip(prompts, self._prefill_segments(proj, [inp.segments[i] for i in prompts], cache)))
         own = self.state, self.conv_state
         try:
             for i, sg in enumerate(inp.segments):
@@ -462,6 +470,35 @@ class GatedDeltaNet(nn.Module):
         finally:
             self.state, self.conv_state = own
         return torch.cat([outs[i] for i in range(len(inp.segments))]) if len(outs) > 1 else outs[0]
+
+    def _prefill_segments(self, proj, segs: list[Segment], cache) -> list[torch.Tensor]:
+        """Several requests' prompt chunks (``segs``) at once: one conv launch (each row from its
+        request's window), one variable-length chunked delta-rule call (each chunk from its slot's
+        state, the state left there), one gated norm; each slot's conv window advanced past its
+        chunk. What :meth:`mix` does for one chunk, without a launch sequence per request."""
+        from specpilot.kernels.gdn import rows as gdn_rows
+
+        lengths = [sg.rows for sg in segs]
+        slots = [sg.slot for sg in segs]
+        starts = [sum(lengths[:i]) for i in range(len(segs))]
+        if all(b.start == a.start + a.rows for a, b in zip(segs, segs[1:])):
+            proj = proj[segs[0].start:segs[-1].start + segs[-1].rows]
+        else:
+            rows = [r for sg in segs for r in range(sg.start, sg.start + sg.rows)]
+            proj = proj.index_select(0, torch.tensor(rows).to(proj.device, non_blocking=True))
+        mixed, z, ab = self.split_proj(proj)
+        T = mixed.shape[0]
+        dev = mixed.device
+        row_slot = torch.tensor([s for s, n in zip(slots, lengths) for _ in range(n)]).to(dev, non_blocking=True)
+        row_start = torch.tensor([a for a, n in zip(starts, lengths) for _ in range(n)]).to(dev, non_blocking=True)
+        conv = gdn_rows.conv_rows(mixed, cache.conv, self.conv_weight, slots=row_slot, starts=row_start)
+        q, k, v = conv.split([self.key_dim, self.key_dim, self.value_dim], -1)
+        g, beta = gdn_rows.decay_rows(ab, self.A_log, self.dt_bias)
+        o = prefill.chunk_prefill_segments(q.reshape(T, self.nk, self.dk), k.reshape(T, self.nk, self.dk),
+                                           v.reshape(T, self.nv, self.dv), g, beta, cache.state, slots, lengths)
+        gdn_rows.advance_conv_segments(cache.conv, mixed, slots, starts, lengths)
+        out = gdn_rows.gated_norm_rows(o.contiguous(), z, self.norm, self.eps)
+        return [out[a:a + n] for a, n in zip(starts, lengths)]
 
     def _walk(self, proj, walk: Walk, segments: list[Segment], cache) -> list[torch.Tensor]:
         """The walked segments' rows in one conv and one verification launch (the path kernel, or

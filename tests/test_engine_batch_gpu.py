@@ -47,6 +47,30 @@ def test_batched_on_cuda_equals_one_request_ar(model, extra):
         assert dec.overlap and dec.stats.overlapped_steps > 0
 
 
+@pytest.mark.parametrize("extra", ["mode=ar", "mode=tree,drafter=self,draft_layers=2"])
+def test_prompts_arriving_together_prefill_in_one_gdn_pass(extra, monkeypatch):
+    """tiny-hybrid (fp32, CUDA, real fla): prompts arriving at once are prefilled together, every
+    GDN layer taking all their chunks in one variable-length call, and each output equals
+    one-request AR."""
+    from specpilot.engine.model import GatedDeltaNet
+
+    calls = []
+    real = GatedDeltaNet._prefill_segments
+
+    def spy(self, proj, segs, cache):
+        calls.append(len(segs))
+        return real(self, proj, segs, cache)
+
+    monkeypatch.setattr(GatedDeltaNet, "_prefill_segments", spy)
+    base = "engine:model=tiny-hybrid,dtype=float32,device=cuda,ctx=512"
+    ar = load_engine(EngineSpec.parse(base + ",mode=ar,graphs=0"))
+    want = [ar.generate(p, 24).output_ids for p in PROMPTS[:4]]
+    dec = load_engine(EngineSpec.parse(f"{base},{extra},batch=4,nodes=6,depth=4,topk=3")).batch_decoder()
+    calls.clear()   # the warm-up's synthetic prompts
+    got = [r.output_ids for r in dec.generate_many([Request(p, 24, id=i) for i, p in enumerate(PROMPTS[:4])])]
+    assert got == want and calls and max(calls) == 4
+
+
 @pytest.mark.parametrize("model", ["tiny", "tiny-hybrid"])
 def test_overlapped_ar_steps_equal_host_fed_steps_bf16(model):
     """The same bucket graphs fed on the device (overlap) or from the host give the same tokens,

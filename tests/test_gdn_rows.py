@@ -321,3 +321,31 @@ def test_paths_longer_than_64_rows():
                          k.reshape(R, NK, DK).repeat_interleave(NV // NK, 1), v.reshape(R, NV, DV), g, torch.sigmoid(b))
     _, last = naive.recurrent(*prep, state, keep_states=False)
     assert torch.allclose(new, last[0], rtol=1e-4, atol=1e-5)
+
+
+def test_prompt_chunks_of_several_requests_in_one_conv_launch():
+    """``starts``: several requests' prompt chunks one after another, each row's window from its
+    own request's conv state and earlier rows, bit for bit the one-request conv of each chunk;
+    ``advance_conv_segments`` leaves each window where the one-request advance does (chunks
+    shorter than the window included)."""
+    lengths, slots = [5, 1, 2, 7], [3, 0, 2, 1]
+    gen = torch.Generator().manual_seed(21)
+    x = torch.randn(sum(lengths), C, generator=gen)
+    convs = torch.randn(5, KW - 1, C, generator=gen)
+    w = torch.randn(C, KW, generator=gen)
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    want_out, want_cv = [], convs.clone()
+    for s, a, n in zip(slots, starts, lengths):
+        want_out.append(grows.conv_rows(x[a:a + n], convs[s], w))
+        want_cv[s] = torch.cat([convs[s], x[a:a + n]])[-(KW - 1):]
+    row_slot = torch.tensor([s for s, n in zip(slots, lengths) for _ in range(n)])
+    row_start = torch.tensor([a for a, n in zip(starts, lengths) for _ in range(n)])
+    cv = convs.clone()
+    assert torch.equal(grows.conv_rows(x, cv, w, slots=row_slot, starts=row_start), torch.cat(want_out))
+    grows.advance_conv_segments(cv, x, slots, starts, lengths)
+    assert torch.equal(cv, want_cv)
+    assert torch.equal(cv[4], convs[4])   # a slot no chunk names stays
+    with pytest.raises(ValueError, match="starts"):
+        grows.conv_rows(x, cv[0], w, starts=row_start)
+    with pytest.raises(ValueError, match="starts"):
+        grows.conv_rows(x, cv, w, grows.chain_paths(x.shape[0], "cpu"), slots=row_slot, starts=row_start)

@@ -115,6 +115,36 @@ def test_fla_prefill_matches_the_reference():
     torch.testing.assert_close(state, last[0], atol=3e-2, rtol=3e-2)
 
 
+def test_fla_prefill_of_several_chunks_in_one_call_matches_one_call_each():
+    """``chunk_prefill_segments`` (one ``cu_seqlens`` call, states gathered from and scattered to
+    their slots) against one ``chunk_prefill`` per chunk: fla chunks each sequence from its own
+    start, so outputs and final states agree to fp32 rounding; a slot no chunk names stays."""
+    from specpilot.kernels.gdn import prefill
+
+    if not prefill.available(DEV):
+        pytest.skip("fla-core is not installed")
+    lengths, slots = [130, 7, 64, 201], [3, 0, 4, 1]
+    T, nk, nv, d = sum(lengths), 2, 4, 128
+    g = torch.Generator(device=DEV).manual_seed(1)
+    q, k = (torch.randn(T, nk, d, generator=g, device=DEV).to(torch.bfloat16) for _ in range(2))
+    v = torch.randn(T, nv, d, generator=g, device=DEV).to(torch.bfloat16)
+    gate = -torch.rand(T, nv, generator=g, device=DEV)
+    beta = torch.rand(T, nv, generator=g, device=DEV)
+    states = torch.randn(6, nv, d, d, generator=g, device=DEV) * 0.1
+    want_st, want_o, at = states.clone(), [], 0
+    for s, n in zip(slots, lengths):
+        r = slice(at, at + n)
+        want_o.append(prefill.chunk_prefill(q[r], k[r], v[r], gate[r], beta[r], want_st[s]))
+        at += n
+    st = states.clone()
+    o = prefill.chunk_prefill_segments(q, k, v, gate, beta, st, slots, lengths)
+    torch.testing.assert_close(o, torch.cat(want_o), atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(st, want_st, atol=1e-3, rtol=1e-3)
+    assert torch.equal(st[2], states[2]) and torch.equal(st[5], states[5])
+    with pytest.raises(ValueError, match="lengths"):
+        prefill.chunk_prefill_segments(q, k, v, gate, beta, st, slots, lengths[:3])
+
+
 @pytest.mark.parametrize("mode", ["chain", "tree"])
 def test_tiny_hybrid_fp32_cuda_graphs_equal_ar(mode):
     from specpilot.engine.api import load_engine

@@ -61,6 +61,7 @@ class BatchStats:
 
     verify_steps: int = 0        # verify passes (each counts once, whatever its requests)
     prefill_passes: int = 0
+    prefill_seconds: float = 0.0  # their wall time (launches; the device's work where a prompt ends: its first token's copy waits for it)
     request_steps: int = 0       # sum over verify passes of the requests they verified
     rows: int = 0                # rows run through the target (verify, prompt, padding excluded)
     verify_rows: int = 0
@@ -405,6 +406,7 @@ class BatchDecoder:
     def _prefill_pass(self, reqs: list[Request]) -> None:
         """Prompt chunks of ``reqs`` (first come first) in a pass of their own, up to
         ``prefill_chunk`` rows in all (at least one request's chunk)."""
+        t0 = time.perf_counter()
         rows, budget = [], self.prefill_chunk
         for r in reqs:
             n = min(len(r.prompt_ids) - r.prefilled, budget)
@@ -422,6 +424,7 @@ class BatchDecoder:
             self.model.hidden_batch(inp, self.cache, kv)
             preds = []
         self.stats.prefill_passes += 1
+        self.stats.prefill_seconds += time.perf_counter() - t0
         self.stats.rows += sum(len(b) for b in blocks)
         self.stats.prompt_rows += sum(len(b) for b in blocks)
         self._after_prefill(blocks, need, preds, flat)

@@ -26,7 +26,8 @@ def _chunk():
 
 
 def available(device) -> bool:
-    """Whether fla's chunked kernel can run on ``device``."""
+    """Whether fla's chunked kernel can run on ``device`` (the callers' gate: the functions below
+    take whatever device their inputs are on)."""
     return torch.device(device).type == "cuda" and _chunk() is not None
 
 
@@ -36,9 +37,27 @@ def chunk_prefill(q, k, v, g, beta, state):
     ``q``/``k`` [T, nk, dk] raw (normalised in the kernel), ``v`` [T, nv, dv], ``g``/``beta`` [T, nv]
     fp32 (log decay, post-sigmoid write strength). Returns o [T, nv, dv] fp32."""
     fn = _chunk()
-    if fn is None or not q.is_cuda:
+    if fn is None:
         raise RuntimeError("fla-core's chunk_gated_delta_rule needs CUDA and the fla-core package")
     o, final = fn(q[None], k[None], v[None], g[None], beta[None], scale=q.shape[-1] ** -0.5,
                   initial_state=state[None], output_final_state=True, use_qk_l2norm_in_kernel=True)
     state.copy_(final[0])
+    return o[0].float()
+
+
+def chunk_prefill_segments(q, k, v, g, beta, states, slots: list[int], lengths: list[int]):
+    """:func:`chunk_prefill` for several requests' prompt chunks laid one after another (``lengths``
+    rows each) in one variable-length call (``cu_seqlens``): chunk i starts from
+    ``states[slots[i]]`` and leaves its final state there. Returns o [T, nv, dv] fp32."""
+    fn = _chunk()
+    if fn is None:
+        raise RuntimeError("fla-core's chunk_gated_delta_rule needs CUDA and the fla-core package")
+    if len(slots) != len(lengths) or sum(lengths) != q.shape[0] or min(lengths) < 1:
+        raise ValueError(f"chunk_prefill_segments: {len(slots)} slots and lengths {lengths} for {q.shape[0]} rows")
+    cu_cpu = torch.tensor([0] + lengths, dtype=torch.long).cumsum(0)
+    idx = torch.tensor(slots, dtype=torch.long).to(q.device, non_blocking=True)
+    o, final = fn(q[None], k[None], v[None], g[None], beta[None], scale=q.shape[-1] ** -0.5,
+                  initial_state=states.index_select(0, idx), output_final_state=True, use_qk_l2norm_in_kernel=True,
+                  cu_seqlens=cu_cpu.to(q.device, non_blocking=True), cu_seqlens_cpu=cu_cpu)
+    states.index_copy_(0, idx, final.to(states.dtype))
     return o[0].float()

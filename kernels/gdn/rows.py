@@ -79,7 +79,8 @@ if triton is not None:
     @triton.jit(do_not_specialize=["stride_p", "D"])
     def _conv_rows_kernel(x_ptr, stride_x, cs_ptr, w_ptr, out_ptr, stride_o, paths_ptr, stride_p, slots_ptr,
                           stride_cs, C, D, KW: tl.constexpr, BC: tl.constexpr, SEQ: tl.constexpr,
-                          SLOTS: tl.constexpr, SELF: tl.constexpr, ADVANCE: tl.constexpr, PDL: tl.constexpr):
+                          SLOTS: tl.constexpr, SELF: tl.constexpr, SEG: tl.constexpr, ADVANCE: tl.constexpr,
+                          PDL: tl.constexpr):
         r = tl.program_id(0)
         c = tl.program_id(1) * BC + tl.arange(0, BC)
         cm = c < C
@@ -88,10 +89,14 @@ if triton is not None:
             gdc_wait()
         if SLOTS:     # continuous batching: row r belongs to the request whose conv state is slots[r]
             cs_ptr += tl.load(slots_ptr + r).to(tl.int64) * stride_cs
+        seg0 = 0
         if SELF:      # row r is one token of its own: its path is itself
             depth = 1
         elif SEQ:     # consecutive rows: row r's path is rows 0..r
             depth = r + 1
+        elif SEG:     # consecutive rows of its request from row paths[r] (the request's first row) to r
+            seg0 = tl.load(paths_ptr + r)
+            depth = r - seg0 + 1
         else:
             depth = _path_len(paths_ptr, r, stride_p, D, 16)
         dt = x_ptr.dtype.element_ty
@@ -100,8 +105,8 @@ if triton is not None:
             pos = depth - KW + j          # position along the path; < 0: the committed conv state
             if SELF:
                 src = r
-            elif SEQ:
-                src = tl.maximum(pos, 0)
+            elif SEQ or SEG:
+                src = seg0 + tl.maximum(pos, 0)
             else:
                 src = tl.load(paths_ptr + r * stride_p + tl.maximum(pos, 0))
             posv = pos + tl.zeros([BC], tl.int32)   # a block, so the masks below are blocks too
@@ -274,7 +279,8 @@ def _check_paths(paths: torch.Tensor, rows: int, device) -> None:
 
 
 def conv_rows(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, paths: torch.Tensor | None = None,
-              advance: bool = False, pdl: bool = False, slots: torch.Tensor | None = None) -> torch.Tensor:
+              advance: bool = False, pdl: bool = False, slots: torch.Tensor | None = None,
+              starts: torch.Tensor | None = None) -> torch.Tensor:
     """SiLU(causal depthwise conv) of rows ``x`` [R, C] along their root paths (``paths`` None:
     consecutive tokens), the committed ``conv_state`` [KW-1, C] supplying positions before the
     root; ``weight`` [C, KW]. Returns [R, C] in x's dtype. ``advance`` (R = 1): shift ``conv_state``
@@ -282,7 +288,9 @@ def conv_rows(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, p
     conv state is ``conv_state[slots[r]]`` ([requests, KW-1, C]); without ``paths`` each row is the
     next token of its own request, and ``advance`` shifts each row's own state (rows of distinct
     slots); with ``paths`` (rows of x, every path within one request's rows) the rows are several
-    requests' verify rows."""
+    requests' verify rows. ``starts`` [R] (with ``slots``, without ``paths``): several requests'
+    prompt chunks one after another, row r the next token after rows ``starts[r] .. r - 1`` of
+    its request (``starts[r]``: the chunk's first row)."""
     R, C = x.shape
     KW = weight.shape[1]
     cs = conv_state if slots is None else conv_state[0]
@@ -295,18 +303,40 @@ def conv_rows(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, p
         raise ValueError("conv_rows: advance shifts the conv state by one row only (one per slot, no paths)")
     if paths is not None:
         _check_paths(paths, R, x.device)
+    if starts is not None and (slots is None or paths is not None or advance or starts.shape != (R,)):
+        raise ValueError("conv_rows: starts [R] go with slots, without paths or advance")
     weight = weight.contiguous()
     out = torch.empty(R, C, dtype=x.dtype, device=x.device)
     BC = 512
     D = paths.shape[1] if paths is not None else 1
     _conv_rows_kernel[(R, triton.cdiv(C, BC))](
-        x, x.stride(0), conv_state, weight, out, out.stride(0), paths if paths is not None else x,
-        paths.stride(0) if paths is not None else 0, x if slots is None else slots,
-        conv_state.stride(0) if slots is not None else 0, C, D,
-        KW=KW, BC=BC, SEQ=paths is None and slots is None,
-        SLOTS=slots is not None, SELF=paths is None and slots is not None, ADVANCE=advance, num_warps=4,
+        x, x.stride(0), conv_state, weight, out, out.stride(0), paths if paths is not None else
+        (starts if starts is not None else x), paths.stride(0) if paths is not None else 0,
+        x if slots is None else slots, conv_state.stride(0) if slots is not None else 0, C, D,
+        KW=KW, BC=BC, SEQ=paths is None and slots is None, SLOTS=slots is not None,
+        SELF=paths is None and slots is not None and starts is None, SEG=starts is not None, ADVANCE=advance,
+        num_warps=4,
         **pdl_args(pdl, x))
     return out
+
+
+def advance_conv_segments(conv_state: torch.Tensor, x: torch.Tensor, slots: list[int], starts: list[int],
+                          lengths: list[int]) -> None:
+    """Advance the conv states ``conv_state[slots[i]]`` ([requests, KW-1, C]) past rows
+    ``starts[i] .. starts[i] + lengths[i] - 1`` of ``x`` [R, C]: each keeps the last KW-1 tokens
+    of its old window followed by its rows (one gather and one indexed write for all requests)."""
+    w = conv_state.shape[1]
+    S = len(slots)
+    idx = []
+    for s, (a, n) in enumerate(zip(starts, lengths)):
+        for j in range(w):   # position n + j of (old window ++ rows): the window's row j afterwards
+            at = n + j
+            idx.append(s * w + at if at < w else S * w + a + at - w)
+    dev = x.device
+    sl = torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True)
+    src = torch.cat([conv_state.index_select(0, sl).reshape(S * w, -1), x.to(conv_state.dtype)])
+    new = src.index_select(0, torch.tensor(idx, dtype=torch.long).to(dev, non_blocking=True))
+    conv_state.index_copy_(0, sl, new.view(S, w, -1))
 
 
 def gdn_rows(qkv: torch.Tensor, ab: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
