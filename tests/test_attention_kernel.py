@@ -234,3 +234,16 @@ def test_cli_attention_choice_errors(run_cli):
     assert code == 2 and "needs device=cuda" in err
     code, out, _ = run_cli("run", "--model", "tiny", "--prompt", "x", "--max-new-tokens", "2", "--format", "json")
     assert code == 0 and '"attn": "torch"' in out
+
+
+def test_merge_takes_more_splits_than_it_loads_at_once():
+    """A cache split into more parts than the merge loads at once (``MERGE_SPLITS``): the merge's
+    loop over them gives the reference's result, with the live keys in the last splits only."""
+    S = fused.BLOCK_N * (2 * fused.MERGE_SPLITS + 3)
+    q, k, v, mask = _case(2, 4, 2, 16, S, seed=8, dead_tail=False)
+    mask[:, : S - 3 * fused.BLOCK_N] = False   # every split before the last three sees nothing
+    mask[:, -1] = True
+    cfg = fused.SplitConfig(1 << 12)
+    assert fused.plan(2, 4, 2, S, 1, cfg)[3] > 2 * fused.MERGE_SPLITS
+    got = fused.masked_gqa_attention(q, k, v, mask, 0.25, cfg=cfg)
+    torch.testing.assert_close(got, ref.masked_gqa_attention(q, k, v, mask, 0.25), atol=2e-6, rtol=2e-6)

@@ -13,7 +13,7 @@ casts and permutes), this is two:
    software-pipelined: a pipelined one (dead tiles predicated off) measured slower in whole
    steps on the H200 (16 requests x 1 row: 5.49 -> 5.59 ms).
 2. ``_attn_merge``: per (KV head, row), combines the splits' partial outputs in split order -
-   deterministic, no atomics.
+   deterministic, no atomics; one compiled kernel for every split count.
 
 :func:`batched_gqa_attention` runs the rows of several requests (continuous batching) in the same
 two launches: each request is a segment of consecutive rows attending over its own cache slot
@@ -36,6 +36,7 @@ from ..triton_env import pdl_args, tl, triton  # sets TRITON_INTERPRET first on 
 
 BLOCK_N = 64        # cache slots per tile
 MAX_BLOCK_M = 64    # query rows per program (group members x step rows); more rows: more programs
+MERGE_SPLITS = 16   # partials the merge loads at once (a step's split count is up to a few dozen)
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ if triton is not None:
 
     NEG = tl.constexpr(-1.0e30)  # finite "minus infinity": a row with nothing to attend in a split stays finite
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["T", "R", "row_blocks"])   # an eager step's rows vary: one compile for all
     def _attn_split(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, ml_ptr, seg_ptr,
                     T, S, R, chunk, scale, row_blocks,
                     stride_qt, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
@@ -129,23 +130,36 @@ if triton is not None:
         tl.store(ml_ptr + base * 2, m_i, mask=row_ok)
         tl.store(ml_ptr + base * 2 + 1, l_i, mask=row_ok)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["T", "R", "nsplit"])
     def _attn_merge(acc_ptr, ml_ptr, out_ptr, T, R, nsplit, stride_ot,
                     GRP: tl.constexpr, HD: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
+        """Out row ``r`` of KV head ``kvh`` from the ``nsplit`` partials, ``SPLITS`` per load: the
+        largest max first, then the weighted sums in split order. A loop, not a block of
+        ``nsplit``: one compiled kernel serves every split count (an eager step's count follows
+        its cache length)."""
         if PDL:
             gdc_launch_dependents()
             gdc_wait()
         kvh = tl.program_id(0)
         r = tl.program_id(1)
-        sp = tl.arange(0, SPLITS)
-        ok = sp < nsplit
-        base = (kvh * nsplit + sp) * R + r
-        m = tl.load(ml_ptr + base * 2, mask=ok, other=NEG)
-        l_s = tl.load(ml_ptr + base * 2 + 1, mask=ok, other=0.0)
-        w = tl.exp(m - tl.max(m, 0))
+        sc = tl.arange(0, SPLITS)
+        top = tl.full([SPLITS], NEG, tl.float32)
+        for s0 in range(0, nsplit, SPLITS):
+            sp = s0 + sc
+            top = tl.maximum(top, tl.load(ml_ptr + ((kvh * nsplit + sp) * R + r) * 2, mask=sp < nsplit, other=NEG))
+        mx = tl.max(top, 0)
         d = tl.arange(0, HD)
-        acc = tl.load(acc_ptr + base[:, None] * HD + d[None, :], mask=ok[:, None], other=0.0)
-        o = tl.sum(acc * w[:, None], 0) / tl.sum(l_s * w, 0)
+        num = tl.zeros([HD], tl.float32)
+        den = tl.zeros([SPLITS], tl.float32)
+        for s0 in range(0, nsplit, SPLITS):
+            sp = s0 + sc
+            ok = sp < nsplit
+            base = (kvh * nsplit + sp) * R + r
+            w = tl.exp(tl.load(ml_ptr + base * 2, mask=ok, other=NEG) - mx)
+            den += tl.load(ml_ptr + base * 2 + 1, mask=ok, other=0.0) * w
+            acc = tl.load(acc_ptr + base[:, None] * HD + d[None, :], mask=ok[:, None], other=0.0)
+            num += tl.sum(acc * w[:, None], 0)
+        o = num / tl.sum(den, 0)
         g = r // T
         t = r % T
         tl.store(out_ptr + t * stride_ot + (kvh * GRP + g) * HD + d, o.to(out_ptr.dtype.element_ty))
@@ -225,8 +239,8 @@ def _launch(q, k, v, mask, scale, pdl, segs=None, seg_rows: int = 0, cfg: SplitC
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         mask.stride(0), GRP=nh // nkv, HD=hd, BLOCK_M=block_m, BLOCK_N=BLOCK_N, IEEE=ieee, SEGS=segs is not None,
         num_warps=4, **pdl_args(pdl, q))
-    _attn_merge[(nkv, R)](acc, ml, out, T, R, splits, out.stride(0), GRP=nh // nkv, HD=hd,
-                          SPLITS=max(2, triton.next_power_of_2(splits)), num_warps=4, **pdl_args(pdl, q))
+    _attn_merge[(nkv, R)](acc, ml, out, T, R, splits, out.stride(0), GRP=nh // nkv, HD=hd, SPLITS=MERGE_SPLITS,
+                          num_warps=4, **pdl_args(pdl, q))
     return out
 
 

@@ -114,7 +114,7 @@ def variant(q, k, v, mask, scale, segs, seg_rows, v_early, block_n, warps, cfg):
         mask.stride(0), GRP=nh // nkv, HD=hd, BLOCK_M=block_m, BLOCK_N=block_n, SEGS=segs is not None,
         V_EARLY=v_early, num_warps=warps)
     decode._attn_merge[(nkv, R)](acc, ml, out, T, R, splits, out.stride(0), GRP=nh // nkv, HD=hd,
-                                 SPLITS=max(2, triton.next_power_of_2(splits)), PDL=False, num_warps=4)
+                                 SPLITS=decode.MERGE_SPLITS, PDL=False, num_warps=4)
     return out
 
 
