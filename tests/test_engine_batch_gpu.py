@@ -52,16 +52,9 @@ def test_prompts_arriving_together_prefill_in_one_gdn_pass(extra, monkeypatch):
     """tiny-hybrid (fp32, CUDA, real fla): prompts arriving at once are prefilled together, every
     GDN layer taking all their chunks in one variable-length call, and each output equals
     one-request AR."""
-    from specpilot.engine.model import GatedDeltaNet
+    from test_engine_batch_prefill import count_prefill_segments
 
-    calls = []
-    real = GatedDeltaNet._prefill_segments
-
-    def spy(self, proj, segs, cache):
-        calls.append(len(segs))
-        return real(self, proj, segs, cache)
-
-    monkeypatch.setattr(GatedDeltaNet, "_prefill_segments", spy)
+    calls = count_prefill_segments(monkeypatch)
     base = "engine:model=tiny-hybrid,dtype=float32,device=cuda,ctx=512"
     ar = load_engine(EngineSpec.parse(base + ",mode=ar,graphs=0"))
     want = [ar.generate(p, 24).output_ids for p in PROMPTS[:4]]

@@ -39,6 +39,19 @@ def _reference_fla(q, k, v, g, beta, scale=None, initial_state=None, output_fina
     return torch.cat(outs)[None], torch.stack(finals)
 
 
+def count_prefill_segments(monkeypatch) -> list[int]:
+    """Spy on ``GatedDeltaNet._prefill_segments``: the returned list gets each call's chunk count."""
+    calls = []
+    real = GatedDeltaNet._prefill_segments
+
+    def spy(self, proj, segs, cache):
+        calls.append(len(segs))
+        return real(self, proj, segs, cache)
+
+    monkeypatch.setattr(GatedDeltaNet, "_prefill_segments", spy)
+    return calls
+
+
 @pytest.fixture
 def fla_on_cpu(monkeypatch):
     monkeypatch.setattr(prefill, "_chunk", lambda: _reference_fla)
@@ -93,14 +106,7 @@ def test_batched_prefill_pass_equals_one_request_greedy(fla_on_cpu, monkeypatch,
     """Prompts arriving together are prefilled in one pass through ``_prefill_segments`` (every GDN
     layer, all their chunks at once), and each request's output equals its one-request greedy
     output (the one-request decoder prefills through the same reference)."""
-    calls = []
-    real = GatedDeltaNet._prefill_segments
-
-    def spy(self, proj, segs, cache):
-        calls.append(len(segs))
-        return real(self, proj, segs, cache)
-
-    monkeypatch.setattr(GatedDeltaNet, "_prefill_segments", spy)
+    calls = count_prefill_segments(monkeypatch)
     n = 5
     one = _engine(extra, batch=1)
     want = [one.generate(p, n).output_ids for p in PROMPTS[:3]]
