@@ -75,7 +75,8 @@ def loop(m, batch: int, new: int, graphs: bool, batch_prefill: bool) -> tuple[li
         st = dec.stats
         outputs = [r.output_ids for r in res]
         after = set(dec.runner.graphs) if dec.runner is not None else set()
-        row = {"kind": "loop", "graphs": graphs, "batch_prefill": batch_prefill, "pass": p + 1, "batch": batch, "warm_up_s": warm, "seconds": dt,
+        row = {"kind": "loop", "graphs": graphs, "batch_prefill": batch_prefill, "pass": p + 1, "batch": batch,
+               "warm_up_s": warm, "seconds": dt,
                "tokens": st.tokens, "tokens_per_s": st.tokens / dt, "verify_steps": st.verify_steps,
                "rows_per_verify_step": st.verify_rows / max(1, st.verify_steps), "tau": st.tau(),
                "eager_steps": st.eager_steps, "prefill_passes": st.prefill_passes,

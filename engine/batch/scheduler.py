@@ -61,7 +61,7 @@ class BatchStats:
 
     verify_steps: int = 0        # verify passes (each counts once, whatever its requests)
     prefill_passes: int = 0
-    prefill_seconds: float = 0.0  # their wall time (launches; the device's work where a prompt ends: its first token's copy waits for it)
+    prefill_seconds: float = 0.0  # their wall time (the device's work too where a prompt ends: its token is copied)
     request_steps: int = 0       # sum over verify passes of the requests they verified
     rows: int = 0                # rows run through the target (verify, prompt, padding excluded)
     verify_rows: int = 0
