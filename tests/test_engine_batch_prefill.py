@@ -101,7 +101,7 @@ def test_prompt_chunks_of_a_batch_equal_one_request_prefills(fla_on_cpu):
     assert torch.equal(cache.state[1], st0[1]) and torch.equal(cache.conv[1], cv0[1])
 
 
-@pytest.mark.parametrize("extra", ["mode=ar", "mode=chain,admit=off"])
+@pytest.mark.parametrize("extra", ["mode=ar"])
 def test_batched_prefill_pass_equals_one_request_greedy(fla_on_cpu, monkeypatch, extra):
     """Prompts arriving together are prefilled in one pass through ``_prefill_segments`` (every GDN
     layer, all their chunks at once), and each request's output equals its one-request greedy
