@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+# The repository root holds the package's folders (kernels/, engine/, ...) under their installed
+# names specpilot.*; on sys.path (``python -m pytest`` puts the working directory there) its
+# kernels/ would shadow Hugging Face's ``kernels`` package, which transformers imports.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != REPO]
 SHARED = Path(os.environ.get("SPECPILOT_SHARED", REPO.parent / "shared"))
 FIXTURES = SHARED / "fixtures"
 LOCAL_FIXTURES = REPO / "tests" / "fixtures"

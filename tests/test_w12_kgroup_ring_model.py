@@ -11,14 +11,10 @@ record is still in flight (the H200 hangs on that config).
 from __future__ import annotations
 
 import random
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from specpilot.kernels.w12 import mma, mma_tma  # noqa: E402
+from specpilot.kernels.w12 import mma, mma_tma
 
 
 def schedule(nb: int, kt: int, programs: int) -> tuple[int, int, int]:
