@@ -19,7 +19,7 @@ from specpilot.engine.model import GatedDeltaNet, StepInput
 from specpilot.engine.spec import EngineSpec
 from specpilot.kernels.gdn import naive, prefill
 
-PROMPTS = [list(b"gated delta rules, gated"), list(b"abcabcab"), list(b"one two one two one"), list(b"xy")]
+PROMPTS = [list(b"gated delta"), list(b"abcabcab"), list(b"one two o"), list(b"xy")]
 
 
 def _reference_fla(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
