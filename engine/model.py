@@ -20,6 +20,7 @@ treats them is given by ``gdn_rows``:
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -480,7 +481,7 @@ class GatedDeltaNet(nn.Module):
 
         lengths = [sg.rows for sg in segs]
         slots = [sg.slot for sg in segs]
-        starts = [sum(lengths[:i]) for i in range(len(segs))]
+        starts = list(itertools.accumulate(lengths, initial=0))[:-1]
         if all(b.start == a.start + a.rows for a, b in zip(segs, segs[1:])):
             proj = proj[segs[0].start:segs[-1].start + segs[-1].rows]
         else:

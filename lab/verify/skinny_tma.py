@@ -26,7 +26,9 @@ register, but the layers stay at cuBLAS's 2.2-4.1 TB/s, below the one-row GEMV's
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -35,6 +37,10 @@ from specpilot.kernels.triton_env import interpreting, pdl_args, tl, triton
 from specpilot.kernels.verify import common
 from specpilot.kernels.verify.skinny import MAX_ROWS, _mma, row_tile
 from specpilot.kernels.w12.common import split_chunk, sum_splits
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository root, for lab
+
+from lab.w12.variants.mma_stream import schedule as stream_schedule  # noqa: E402 - the same split as W12's stream-K
 
 if triton is not None:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -128,20 +134,6 @@ class TmaConfig:
         return f"{self.schedule}-n{self.block_n}-k{self.block_k}-w{self.warps}-st{self.stages}-{s}"
 
 
-def stream_schedule(nb: int, kt: int, programs: int) -> tuple[int, int, int]:
-    """``(per, programs, slots)``: tiles per program, the programs launched (none empty) and the most
-    programs one block's ``kt`` tiles can span."""
-    total = nb * kt
-    per = -(-total // max(1, min(programs, total)))
-    progs = -(-total // per)
-    slots = min(progs, -(-(kt - 1) // per) + 1)
-    return per, progs, slots
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 def aligned(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether TMA descriptors can describe x and w (contiguous, one dtype, 16-byte aligned rows)."""
     return (x.is_contiguous() and w.is_contiguous() and x.dtype == w.dtype and x.shape[-1] % 8 == 0
@@ -180,7 +172,7 @@ def tma_linear(x: torch.Tensor, w: torch.Tensor, cfg: TmaConfig = TmaConfig()) -
         raise ValueError(f"schedule grid or stream, got {cfg.schedule!r}")
     sms = 132 if x.device.type != "cuda" else torch.cuda.get_device_properties(x.device).multi_processor_count
     per, progs, slots = stream_schedule(nb, kt, cfg.programs or sms)
-    maxp = _pow2(slots)
+    maxp = triton.next_power_of_2(slots)
     ws = workspace.scratch(x.device, "skinny_tma.partials", nb * maxp * bn * mp)
     cnt = workspace.counters(x.device, "skinny_tma.blocks", nb)
     _stream_kernel[(progs,)](x_desc, w_desc, y, ws, cnt, M, N, kt, nb * kt, per, y.stride(0), MP=mp, BLOCK_N=bn,
@@ -250,10 +242,7 @@ def steps(entries: dict, rows_list: list[int], rounds: int = 2) -> list[dict]:
 
 def main() -> None:
     import argparse
-    import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     import torch.nn.functional as F
 
     from lab.common import L2Flusher, bootstrap, parse_int_list, time_interleaved, write_results

@@ -133,21 +133,18 @@ def main() -> int:
         rows.append(summarize(f"1 request x {T} rows", profile_graph(g, args.replays, tdir and tdir / f"r{T}.json")))
         print({k: (round(v, 1) if isinstance(v, float) else v) for k, v in rows[-1].items() if k != "top"}, flush=True)
         del runner, g
-    for B in (16,):
-        cache = BatchCache(model, B)
-        for lc in cache.layers:
-            for t in (lc.k, lc.v):
-                if t is not None:
-                    t.normal_()
-        runner = BatchGraphRunner(model, cache)
-        inp, _, _ = assemble(chain_rows(B, 1, ctx, model.spec.vocab_size, gen), cache.max_seq, model.device,
-                             pad=(B, 1))
-        runner.run(inp, B, 1)
-        g = runner.graphs[(B, 1)][0]
-        rows.append(summarize(f"{B} requests x 1 row", profile_graph(g, args.replays,
-                                                                       tdir and tdir / f"b{B}.json")))
-        print({k: (round(v, 1) if isinstance(v, float) else v) for k, v in rows[-1].items() if k != "top"}, flush=True)
-        del runner, g, cache
+    B = 16
+    cache = BatchCache(model, B)
+    for lc in cache.layers:
+        for t in (lc.k, lc.v):
+            if t is not None:
+                t.normal_()
+    runner = BatchGraphRunner(model, cache)
+    inp, _, _ = assemble(chain_rows(B, 1, ctx, model.spec.vocab_size, gen), cache.max_seq, model.device, pad=(B, 1))
+    runner.run(inp, B, 1)
+    g = runner.graphs[(B, 1)][0]
+    rows.append(summarize(f"{B} requests x 1 row", profile_graph(g, args.replays, tdir and tdir / f"b{B}.json")))
+    print({k: (round(v, 1) if isinstance(v, float) else v) for k, v in rows[-1].items() if k != "top"}, flush=True)
     for r in rows:
         print(f"\n{r['step']}: span {r['span_us']:.0f} us, kernels {r['kernel_us']:.0f} us ({r['kernels']} kernels)")
         for n, v in r["top"]:
