@@ -346,7 +346,7 @@ class GatedDeltaNet(nn.Module):
             conv = gdn_rows.conv_rows(mixed, self.conv_state, self.conv_weight, advance=True)
             o = gdn_rows.gdn_rows(conv, ab, self.A_log, self.dt_bias, self.state, None, self.nk, new_state=self.state)
             return gdn_rows.gated_norm_rows(o.view(1, self.nv, self.dv), z, self.norm, self.eps)
-        if mode == "seq" and (T > gdn_rows.WALKED_PROMPT_ROWS or prefill.available(mixed.device)):   # a prompt
+        if mode == "seq" and not gdn_rows.walks_prompt(T, mixed.device):   # a prompt
             conv = gdn_rows.conv_rows(mixed, self.conv_state, self.conv_weight)
             q, k, v = conv.split([self.key_dim, self.key_dim, self.value_dim], -1)
             g, beta = gdn_rows.decay_rows(ab, self.A_log, self.dt_bias)

@@ -278,6 +278,20 @@ def test_engine_wy_verify_gives_ar_tokens():
     assert e.generate(prompt, max_new_tokens=8).output_ids == ar
 
 
+def test_prompts_take_the_walk_only_when_short_and_compiled(monkeypatch):
+    """A prompt chunk walks its rows (O(rows^2)) only on a GPU without fla and up to
+    WALKED_PROMPT_ROWS rows; under the interpreter the torch recurrence is the faster."""
+    from specpilot.kernels.gdn import prefill
+
+    assert not grows.walks_prompt(8, "cpu")                  # the CPU tests run interpreted
+    monkeypatch.setattr(grows, "interpreting", lambda: False)
+    monkeypatch.setattr(prefill, "available", lambda device: False)
+    assert grows.walks_prompt(grows.WALKED_PROMPT_ROWS, "cuda")
+    assert not grows.walks_prompt(grows.WALKED_PROMPT_ROWS + 1, "cuda")
+    monkeypatch.setattr(prefill, "available", lambda device: True)
+    assert not grows.walks_prompt(8, "cuda")
+
+
 def test_verify_method_defaults_to_path_off_cuda_and_above_64_rows():
     assert grows.verify_method(33, "cpu") == "path"
     assert grows.verify_method(65, "cpu") == "path"

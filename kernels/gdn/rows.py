@@ -31,12 +31,22 @@ from __future__ import annotations
 
 import torch
 
-from specpilot.kernels.triton_env import pdl_args, tl, triton
+from specpilot.kernels.triton_env import interpreting, pdl_args, tl, triton
 
 WALKED_PROMPT_ROWS = 64  # a plain sequence up to this long may go through the path walk (O(rows^2))
 PATH_CHUNK = 16         # path tokens gathered per load in the walk
 BLOCK_V = 32            # state columns per program: 4 programs per head at dv = 128
 _CHAINS: dict = {}
+
+
+def walks_prompt(rows: int, device) -> bool:
+    """Whether a plain sequence of ``rows`` rows (a prompt chunk) takes the path walk rather than the
+    chunked prefill (fla) or the torch recurrence: a short one on a GPU without fla. Never under
+    Triton's interpreter, where the walk's O(rows^2) interpreted token steps cost seconds per layer
+    and the torch recurrence milliseconds."""
+    from . import prefill
+
+    return rows <= WALKED_PROMPT_ROWS and not prefill.available(device) and not interpreting()
 
 
 def chain_paths(rows: int, device) -> torch.Tensor:
