@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from specpilot.engine.drafters import Lattice
@@ -204,23 +205,30 @@ class Decoder:
 
     def verify_predictions(self, pending: int, tree, n_cache: int, mode: str) -> list[int]:
         """The target's argmax after the pending token and after every node of ``tree`` (one
-        pass that writes the rows' KV into the slots after the committed prefix)."""
+        pass that writes the rows' KV into the slots after the committed prefix). On CUDA the
+        step's events bracket the device work: a graph step's inputs are built on the host
+        before its start event (that time is outside the step, as the tree build is)."""
         T = 1 + len(tree)
         t0 = time.perf_counter()
-        if self._times is not None:
+        timed = self._times is not None
+        if timed:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        if T == 1 and self.runner is not None:
-            preds = [self.runner.ar_step(pending, n_cache)]
-        elif self.runner is not None:
-            preds = self._graph_verify(pending, tree, n_cache)
+        if T > 1 and self.runner is not None:
+            rows = next(b for b in self.verify_buckets if b >= T)
+            preds = self._graph_verify(pending, tree, n_cache, (start, end) if timed else None)
         else:
-            preds = self._eager_verify(pending, tree, n_cache, mode)
+            rows = T
+            if timed:
+                start.record()
+            if self.runner is not None:
+                preds = [self.runner.ar_step(pending, n_cache)]
+            else:
+                preds = self._eager_verify(pending, tree, n_cache, mode)
+            if timed:
+                end.record()
         # the predictions are host lists, so the wall clock has waited for the forward
-        rows = T if self.runner is None or T == 1 else next(b for b in self.verify_buckets if b >= T)
         self._verify = (rows, (time.perf_counter() - t0) * 1e3)
-        if self._times is not None:
-            end.record()
+        if timed:
             self._times.append((rows, start, end))
         return preds
 
@@ -234,15 +242,19 @@ class Decoder:
         return path, toks
 
     @staticmethod
-    def _verify_mask(tree, n_cache: int, rows: int, width: int) -> torch.Tensor:
-        """bool [rows, width] (CPU): row 0 (the pending token) and the ``len(tree)`` node rows attend the
-        committed cache, the root and their ancestors; rows past them (graph padding) attend slot 0 only."""
+    def _verify_mask(tree, n_cache: int, rows: int, width: int, pin: bool = False) -> torch.Tensor:
+        """bool [rows, width] (CPU; ``pin``: in pinned memory, for an asynchronous copy): row 0 (the
+        pending token) and the ``len(tree)`` node rows attend the committed cache, the root and
+        their ancestors; rows past them (graph padding) attend slot 0 only. Filled through numpy:
+        a torch op per slice costs more host time than the whole fill."""
         T = 1 + len(tree)
-        mask = torch.zeros(rows, width, dtype=torch.bool)
-        mask[:T, :n_cache + 1] = True
+        mask = torch.empty(rows, width, dtype=torch.bool, pin_memory=pin)
+        a = mask.numpy()
+        a.fill(False)
+        a[:T, :n_cache + 1] = True
         if len(tree):
-            mask[1:T, n_cache + 1:n_cache + T] = torch.from_numpy(treelib.ancestor_mask(tree))
-        mask[T:, 0] = True
+            a[1:T, n_cache + 1:n_cache + T] = treelib.ancestor_mask(tree)
+        a[T:, 0] = True
         return mask
 
     def _eager_verify(self, pending: int, tree, n_cache: int, mode: str, keep_state: bool = False) -> list[int]:
@@ -260,29 +272,39 @@ class Decoder:
         tokens = torch.tensor([pending] + list(tree.tokens), device=dev)
         return m.greedy(StepInput(tokens, pos, slots, mask.to(dev), gdn_rows, paths), kv_len=kv).tolist()
 
-    def _graph_verify(self, pending: int, tree, n_cache: int) -> list[int]:
+    def _graph_verify(self, pending: int, tree, n_cache: int, events=None) -> list[int]:
         """The verify pass of ``1 + len(tree)`` rows replayed from the CUDA graph of the smallest
-        bucket that holds them (:meth:`padded_rows`)."""
+        bucket that holds them (:meth:`padded_rows`); ``events`` (start, end): recorded around the
+        device work, after the inputs are built on the host."""
         T = 1 + len(tree)
-        Tp = next(b for b in self.verify_buckets if b >= T)
-        return self.runner.run(*self.padded_rows(pending, tree, n_cache, Tp))[:T].tolist()
+        inputs = self.padded_rows(pending, tree, n_cache, next(b for b in self.verify_buckets if b >= T))
+        if events:
+            events[0].record()
+        out = self.runner.run(*inputs)
+        if events:
+            events[1].record()
+        return out[:T].tolist()
 
     def padded_rows(self, pending: int, tree, n_cache: int, rows: int):
         """The inputs (tokens, pos, slots, mask over the whole cache, GDN paths or None) of a pass over
-        the pending token and ``tree`` padded to ``rows`` rows. Padding rows sit after the tree
-        (slots and cache positions no real row attends), attend to slot 0 only, walk only themselves
-        in GDN layers, and their predictions are dropped; the KV they write lies past the committed
-        prefix and is overwritten by later steps."""
-        dev = self.model.device
-        pad = rows - 1 - len(tree)
-        tokens = torch.tensor([pending] + list(tree.tokens) + [0] * pad, device=dev)
-        pos = torch.tensor([n_cache] + [n_cache + 1 + d for d in tree.depth] + [n_cache] * pad, device=dev)
-        slots = n_cache + torch.arange(rows, device=dev)
-        mask = self._verify_mask(tree, n_cache, rows, self.model.max_seq).to(dev)
+        the pending token and ``tree`` padded to ``rows`` rows, as host tensors (pinned on CUDA:
+        :meth:`GraphRunner.run` copies them without a host round trip). Padding rows sit after the
+        tree (slots and cache positions no real row attends), attend to slot 0 only, walk only
+        themselves in GDN layers, and their predictions are dropped; the KV they write lies past the
+        committed prefix and is overwritten by later steps."""
+        pin = self.model.device.type == "cuda"
+        T = 1 + len(tree)
+        ids = torch.empty(3, rows, dtype=torch.long, pin_memory=pin)
+        a = ids.numpy()
+        a[0, 0], a[0, 1:T], a[0, T:] = pending, tree.tokens, 0
+        a[1, 0], a[1, 1:T], a[1, T:] = n_cache, treelib.positions(tree, n_cache + 1), n_cache
+        a[2] = np.arange(n_cache, n_cache + rows)
+        mask = self._verify_mask(tree, n_cache, rows, self.model.max_seq, pin)
         paths = None
         if self.model.spec.is_hybrid:
-            paths = row_paths([-1] + [p + 1 for p in tree.parents] + [-1] * pad).to(dev)
-        return tokens, pos, slots, mask, paths
+            paths = row_paths([-1] + [p + 1 for p in tree.parents] + [-1] * (rows - T))
+            paths = paths.pin_memory() if pin else paths
+        return ids[0], ids[1], ids[2], mask, paths
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, record_lattice: bool = False,
                  request=0) -> GenerationResult:

@@ -128,10 +128,11 @@ class GraphRunner:
         ``paths`` [T, <= T] (hybrids): the rows' root paths, -1 padded (default: a chain)."""
         T = len(tokens)
         g, inp, out = self.get(T)
-        inp.tokens.copy_(tokens)
-        inp.pos.copy_(pos)
-        inp.slots.copy_(slots)
-        inp.mask.copy_(mask)
+        # host inputs in pinned memory copy without waiting for the host (Decoder.padded_rows)
+        inp.tokens.copy_(tokens, non_blocking=True)
+        inp.pos.copy_(pos, non_blocking=True)
+        inp.slots.copy_(slots, non_blocking=True)
+        inp.mask.copy_(mask, non_blocking=True)
         if inp.paths is not None:
             if paths is None:
                 from specpilot.kernels.gdn.rows import chain_paths
@@ -139,7 +140,7 @@ class GraphRunner:
                 inp.paths.copy_(chain_paths(T, inp.paths.device))
             else:
                 inp.paths.fill_(-1)
-                inp.paths[:, :paths.shape[1]].copy_(paths)
+                inp.paths[:, :paths.shape[1]].copy_(paths, non_blocking=True)
         g.replay()
         for layer, st in zip(self.model.gdn_layers(), self.stashes.get(T, ())):
             layer._stash = st   # the step's commit data lives in the graph's memory

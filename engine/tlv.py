@@ -327,7 +327,8 @@ class TLVDecoder(Decoder):
         if self.qrunner is not None:
             out = self.qrunner.run(*inputs)
         else:
-            tokens, pos, slots, mask, paths = inputs
+            tokens, pos, slots, mask, paths = (None if t is None else t.to(self.model.device, non_blocking=True)
+                                               for t in inputs)
             with self.qview.active():
                 out = self.model.greedy(StepInput(tokens, pos, slots, mask, "tree" if paths is not None else "seq",
                                                   paths))
