@@ -20,34 +20,38 @@ LOCAL_FIXTURES = REPO / "tests" / "fixtures"
 
 
 def _device_calls_skip_the_language_patch() -> None:
-    """Under Triton's interpreter every call of a ``@triton.jit`` helper inside a kernel re-patches
-    ``triton.language`` (``inspect.getmembers`` over the language modules, about 3 ms), although the
-    kernel's launch has already patched the same modules for the whole grid: in the GDN and W12
-    kernels' loops that is half the interpreter time of the CPU suite. Here a helper call skips the
-    patch when its language modules are among those its launch patched (the patch it would apply is
-    the one in force); anything else takes Triton's own path."""
+    """Under Triton's interpreter every call of a ``@triton.jit`` function inside a kernel (our
+    helpers, and ``tl.sum``/``tl.max``, themselves jit functions) re-patches the language modules
+    its source sees (``inspect.getmembers`` over them, about 0.3 ms), although the patch is already
+    in force: the kernel's launch patched ``triton.language`` for the whole grid, and a helper's
+    patch (of ``triton.language.core``, say) is never undone. In the GDN kernels' loops that is most
+    of the CPU suite's interpreter time. Here a call patches only modules not yet patched during its
+    launch; anything outside a launch takes Triton's own path."""
     try:
         from triton.runtime import interpreter as ti
     except Exception:  # no triton, or not the interpreter this targets
         return
-    if not all(hasattr(ti, n) for n in ("InterpretedFunction", "GridExecutor", "InterpreterError", "tl")):
+    if not all(hasattr(ti, n) for n in ("InterpretedFunction", "GridExecutor", "InterpreterError", "tl", "_patch_lang")):
         return
     import inspect
     import threading
 
-    launch = threading.local()
     call, run = ti.InterpretedFunction.__call__, ti.GridExecutor.__call__
-
+    src = inspect.getsource(call)
+    if "_patch_lang(self.fn)" not in src or "restore" in src:   # a Triton that undoes a helper's patch
+        return
+    launch = threading.local()
     seen: dict = {}
 
     def langs(fn):
         if fn not in seen:
-            seen[fn] = {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (ti.tl, ti.tl.core)}
+            seen[fn] = frozenset(id(v) for v in fn.__globals__.values()
+                                 if inspect.ismodule(v) and v in (ti.tl, ti.tl.core))
         return seen[fn]
 
     def grid_call(self, *args, **kwargs):
         outer = getattr(launch, "langs", None)
-        launch.langs = langs(self.fn)
+        launch.langs = set(langs(self.fn))
         try:
             return run(self, *args, **kwargs)
         finally:
@@ -55,8 +59,12 @@ def _device_calls_skip_the_language_patch() -> None:
 
     def device_call(self, *args, **kwargs):
         patched = getattr(launch, "langs", None)
-        if not patched or not langs(self.fn) <= patched:
+        if patched is None:
             return call(self, *args, **kwargs)
+        need = langs(self.fn)
+        if not need <= patched:
+            ti._patch_lang(self.fn)   # what Triton's own call does first
+            patched |= need
         fn = self.rewrite()
         try:
             return fn(*args, **kwargs)
