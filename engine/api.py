@@ -334,6 +334,21 @@ def load_target(spec: EngineSpec, max_seq: int | None = None) -> Target:
                         "decode": decode}, qview=qview)
 
 
+def _draft_graphs(drafter, runner) -> None:
+    """A self or model drafter's rollout as one CUDA graph per (m, k) where the target's steps are
+    captured and the drafting model can be (engine/draft_graph.py)."""
+    from specpilot.engine.draft_graph import RolloutGraphs
+    from specpilot.engine.drafters import ModelDrafter, SelfDrafter
+    from specpilot.engine.graphs import graph_ready
+
+    if runner is None:
+        return
+    if isinstance(drafter, SelfDrafter):
+        drafter.graphs = RolloutGraphs(drafter.target, drafter.layers)
+    elif isinstance(drafter, ModelDrafter) and graph_ready(drafter.draft):
+        drafter.graphs = RolloutGraphs(drafter.draft)
+
+
 def load_engine(spec: EngineSpec | str) -> Engine:
     """Build the model, drafter and decoder a spec describes."""
     from specpilot.engine.decode import Decoder
@@ -376,6 +391,7 @@ def load_engine(spec: EngineSpec | str) -> Engine:
         from specpilot.engine.graphs import GraphRunner, graph_ready
 
         runner = GraphRunner(model) if graph_ready(model) else None
+        _draft_graphs(drafter, runner)
     eos = _eos_ids(folder, tok)
     if spec.mode == "tlv":
         from specpilot.engine.tlv import TLVDecoder

@@ -138,6 +138,18 @@ def _rollout(model: Transformer, first_logits, n_next: int, m: int, k: int, laye
     return Lattice(tokens, logprobs, None)
 
 
+def _fill(model: Transformer, context, start: int, end: int, kv_len_fn, layers=None) -> None:
+    """``context[start:end]`` through ``model`` (its first ``layers`` layers) into cache slots
+    start..end-1, GDN states advanced; no logits (a captured rollout starts after them)."""
+    if end <= start:
+        return
+    dev = model.device
+    slots = torch.arange(start, end, device=dev)
+    model.hidden(StepInput(tokens=torch.tensor(context[start:end], device=dev), pos=slots, slots=slots,
+                           mask=torch.arange(kv_len_fn(end), device=dev)[None] <= slots[:, None], gdn_rows="seq"),
+                 kv_len=kv_len_fn(end), layers=layers)
+
+
 class SelfDrafter:
     """Early exit from the target's first ``layers`` layers (shares the target's cache)."""
 
@@ -145,6 +157,7 @@ class SelfDrafter:
 
     def __init__(self, target: Transformer, layers: int):
         self.target, self.layers = target, layers
+        self.graphs = None   # CUDA: RolloutGraphs (engine/draft_graph.py), set where the engine captures graphs
 
     def reset(self, model, prompt_ids):
         pass
@@ -153,7 +166,8 @@ class SelfDrafter:
     def propose(self, context, n_cache, m, k) -> Lattice:
         """``context[n_cache:]`` (the pending token, and a TLV commit chain after it) is not in the
         cache yet: its rows run through the first layers into the slots after the committed
-        prefix, which the verification pass overwrites."""
+        prefix, which the verification pass overwrites. With graphs the last of them starts the
+        captured rollout."""
         t = self.target
         L = len(context)
         if m <= 0 or L + m > t.max_seq:
@@ -163,6 +177,9 @@ class SelfDrafter:
         gdn = t.gdn_layers(self.layers)
         saved = [(g.state.clone(), g.conv_state.clone()) for g in gdn]
         try:
+            if self.graphs is not None:
+                _fill(t, context, n_cache, L - 1, kv, self.layers)
+                return Lattice(*self.graphs.rollout(context[-1], L - 1, m, k))
             slots = torch.arange(n_cache, L, device=dev)
             inp = StepInput(tokens=torch.tensor(context[n_cache:], device=dev), pos=slots, slots=slots,
                             mask=torch.arange(kv(L), device=dev)[None] <= slots[:, None], gdn_rows="seq")
@@ -185,6 +202,7 @@ class ModelDrafter:
     def __init__(self, draft: Transformer):
         self.draft = draft
         self.n_done = 0
+        self.graphs = None   # CUDA: RolloutGraphs of the draft model (engine/draft_graph.py)
 
     def reset(self, model, prompt_ids):
         self.draft.reset()
@@ -207,9 +225,14 @@ class ModelDrafter:
         L = len(context)
         if m <= 0 or L + m + 1 > d.max_seq:
             return Lattice.empty()
+        kv = _kv_len_fn(d.max_seq, d.device)
+        if self.graphs is not None:   # the rollout's graph runs the last token (and restores GDN states)
+            _fill(d, context, self.n_done, L - 1, kv)
+            self.n_done = L - 1
+            return Lattice(*self.graphs.rollout(context[-1], L - 1, m, k))
         logits = self._feed(context, self.n_done)
         self.n_done = L
-        return _rollout(d, logits, L, m, k, None, _kv_len_fn(d.max_seq, d.device))
+        return _rollout(d, logits, L, m, k, None, kv)
 
     @torch.no_grad()
     def propose_after(self, context, chain, n_cache, m, k) -> Lattice:
@@ -225,8 +248,12 @@ class ModelDrafter:
         gdn = d.gdn_layers()
         saved = [(g.state.clone(), g.conv_state.clone()) for g in gdn]
         try:
+            kv = _kv_len_fn(d.max_seq, d.device)
+            if self.graphs is not None:
+                _fill(d, full, L, len(full) - 1, kv)
+                return Lattice(*self.graphs.rollout(full[-1], len(full) - 1, m, k))
             logits = self._feed(full, L)
-            return _rollout(d, logits, len(full), m, k, None, _kv_len_fn(d.max_seq, d.device))
+            return _rollout(d, logits, len(full), m, k, None, kv)
         finally:
             # the chain's KV lies past n_done and is overwritten by the next feed
             for g, (s, c) in zip(gdn, saved):
