@@ -44,7 +44,7 @@ def test_graph_rollout_proposes_the_eager_lattice_and_restores_states(model):
     want = d.drafter.propose(ctx, n, 6, 4)
     assert got.tokens == want.tokens
     assert torch.allclose(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-4)
-    assert list(graphs.graphs) == [(6, 4)]
+    assert (6, 4) in graphs.graphs   # captured by the call (the load-time warm-up captured the spec's own)
 
 
 @pytest.mark.parametrize("extra", ["mode=tree,drafter=self,draft_layers=2",
