@@ -67,13 +67,14 @@ class RolloutGraphs:
         g, _ = capture(fn, self.warmup)
         for c, sv in zip(caches, saved):
             c[:, :, :m].copy_(sv)
-        self.graphs[(m, k)] = (g, token0, slot0, tok, lp)
+        # the graph holds raw pointers: every buffer it reads or writes lives as long as it does
+        self.graphs[(m, k)] = (g, token0, slot0, tok, lp, (inp, ar, kept))
         return self.graphs[(m, k)]
 
     def rollout(self, token: int, slot: int, m: int, k: int):
         """Top-k tokens and log-probabilities ([m][k] host lists) of draft positions 0..m-1, the
         first predicted from ``token`` at cache slot ``slot`` (its position too)."""
-        g, token0, slot0, tok, lp = self.graphs.get((m, k)) or self._capture(m, k)
+        g, token0, slot0, tok, lp, _ = self.graphs.get((m, k)) or self._capture(m, k)
         token0.fill_(token)
         slot0.fill_(slot)
         g.replay()
