@@ -249,14 +249,17 @@ def _step_engine(impl, mode="ar"):
     return e
 
 
-@pytest.mark.parametrize("mode", ["chain", "tree"])
-def test_engine_kernels_give_ar_tokens_and_match_torch(mode):
-    """tiny-hybrid (fp32) through the row kernels: the speculative mode gives AR's tokens, and the
-    kernels' logits match the torch layer's."""
-    prompt = list(b"gated delta rules")
-    ar = _step_engine("torch").generate(prompt, max_new_tokens=8).output_ids
-    assert _step_engine("triton").generate(prompt, max_new_tokens=8).output_ids == ar
-    assert _step_engine("triton", mode).generate(prompt, max_new_tokens=8).output_ids == ar
+@pytest.fixture(scope="module")
+def torch_ar():
+    """tiny-hybrid's AR tokens through the torch layers (fp32)."""
+    return _step_engine("torch").generate(list(b"gated delta rules"), max_new_tokens=8).output_ids
+
+
+@pytest.mark.parametrize("mode", ["ar", "chain", "tree"])
+def test_engine_kernels_give_ar_tokens_and_match_torch(mode, torch_ar):
+    """tiny-hybrid (fp32) through the row kernels: AR and the speculative modes give the torch
+    layers' AR tokens."""
+    assert _step_engine("triton", mode).generate(list(b"gated delta rules"), max_new_tokens=8).output_ids == torch_ar
 
 
 def test_decay_rows_match_the_layer():
@@ -268,14 +271,12 @@ def test_decay_rows_match_the_layer():
     torch.testing.assert_close(beta, torch.sigmoid(b), rtol=1e-5, atol=1e-6)
 
 
-def test_engine_wy_verify_gives_ar_tokens():
+def test_engine_wy_verify_gives_ar_tokens(torch_ar):
     """tiny-hybrid (fp32) with the GDN layers verifying through TreeWY: AR's tokens."""
-    prompt = list(b"gated delta rules")
-    ar = _step_engine("torch").generate(prompt, max_new_tokens=8).output_ids
     e = _step_engine("triton", "tree")
     for m in e.model.gdn_layers():
         m.verify = "wy"
-    assert e.generate(prompt, max_new_tokens=8).output_ids == ar
+    assert e.generate(list(b"gated delta rules"), max_new_tokens=8).output_ids == torch_ar
 
 
 def test_prompts_take_the_walk_only_when_short_and_compiled(monkeypatch):
