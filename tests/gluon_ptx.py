@@ -3,6 +3,9 @@ PTX of its main loop, for assertions on the instructions it issues.
 
 The compile runs in a child process with ``TRITON_INTERPRET=0``: in a process where the interpreter
 is on, Triton's standard library is replaced by interpreter stand-ins that Gluon cannot compile.
+One child per test process imports Triton once and forks a fresh copy of itself for every compile
+(importing torch and Triton costs about 3 s, most of a small compile), so no compile sees what an
+earlier one changed.
 ``setup`` is Python source, run in the child after the imports below, that defines ``k`` (the
 kernel), ``ptrs`` (pointer argument -> Triton type), ``const`` (constexpr argument -> value),
 ``div`` (arguments declared divisible by 16) and ``warps``, and may define ``opts`` (more compile
@@ -56,14 +59,59 @@ def main_loop_ptx(setup: str, header: str = "Loop Header") -> str:
     return loop_ptx(_child(setup + _COMPILE + "\nprint(json.dumps(ptx))\n"), header)
 
 
+_FORK_SERVER = r"""
+import json, os, sys, tempfile
+os.environ["TRITON_INTERPRET"] = "0"
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+for line in sys.stdin:
+    code = json.loads(line)
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        pid = os.fork()
+        if pid == 0:   # the job, in a copy of this process: its own globals, its output in the files
+            os.dup2(out.fileno(), 1)
+            os.dup2(err.fileno(), 2)
+            rc = 0
+            try:
+                exec(compile(code, "<compile job>", "exec"), {"__name__": "__main__"})
+            except BaseException:
+                import traceback
+                traceback.print_exc()
+                rc = 1
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(rc)
+        _, status = os.waitpid(pid, 0)
+        out.seek(0)
+        err.seek(0)
+        print(json.dumps({"rc": os.waitstatus_to_exitcode(status), "stdout": out.read().decode(errors="replace"),
+                          "stderr": err.read().decode(errors="replace")}), flush=True)
+"""
+_server: subprocess.Popen | None = None
+
+
+def _compile_server() -> subprocess.Popen:
+    global _server
+    if _server is None or _server.poll() is not None:
+        env = dict(os.environ, TRITON_INTERPRET="0")
+        _server = subprocess.Popen([sys.executable, "-c", _FORK_SERVER], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, text=True, env=env)
+    return _server
+
+
 def _child(code: str):
     """Run ``code`` after the imports in a child process; its last printed line, as JSON."""
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    r = subprocess.run([sys.executable, "-c", _HEAD + code], capture_output=True, text=True, env=env, timeout=300)
-    if r.returncode and "ptxas" in r.stderr and "not found" in r.stderr.lower():   # pragma: no cover
+    server = _compile_server()
+    server.stdin.write(json.dumps(_HEAD + code) + "\n")
+    server.stdin.flush()
+    line = server.stdout.readline()
+    assert line, "the compile server exited"
+    r = json.loads(line)
+    if r["rc"] and "ptxas" in r["stderr"] and "not found" in r["stderr"].lower():   # pragma: no cover
         pytest.skip("no sm_90 toolchain in this Triton build")
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    assert r["rc"] == 0, r["stderr"][-3000:]
+    return json.loads(r["stdout"].strip().splitlines()[-1])
 
 
 _PTXAS_TAIL = _COMPILE + r"""
