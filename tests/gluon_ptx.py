@@ -62,6 +62,7 @@ def main_loop_ptx(setup: str, header: str = "Loop Header") -> str:
 _FORK_SERVER = r"""
 import json, os, sys, tempfile
 os.environ["TRITON_INTERPRET"] = "0"
+import torch   # the kernels' modules import it; no CUDA is touched before the forks
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
