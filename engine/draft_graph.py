@@ -29,7 +29,7 @@ class RolloutGraphs:
         self.graphs: dict[tuple[int, int], tuple] = {}
 
     def _capture(self, m: int, k: int):
-        from specpilot.engine.graphs import capture
+        from specpilot.engine.graphs import capture_in_place
 
         md, dev, S = self.model, self.model.device, self.model.max_seq
         inp = StepInput(torch.zeros(1, dtype=torch.long, device=dev), torch.zeros(1, dtype=torch.long, device=dev),
@@ -60,13 +60,7 @@ class RolloutGraphs:
                 t.copy_(s)
             return tok
 
-        # warm-up and capture run the rollout at slots 0..m-1: keep the caches as they were
-        caches = [c for blk in md.layers[:self.layers] for c in (getattr(blk.mixer, "k_cache", None),
-                                                                getattr(blk.mixer, "v_cache", None)) if c is not None]
-        saved = [c[:, :, :m].clone() for c in caches]
-        g, _ = capture(fn, self.warmup)
-        for c, sv in zip(caches, saved):
-            c[:, :, :m].copy_(sv)
+        g, _ = capture_in_place(md, fn, self.warmup, m)
         # the graph holds raw pointers: every buffer it reads or writes lives as long as it does
         self.graphs[(m, k)] = (g, token0, slot0, tok, lp, (inp, ar, kept))
         return self.graphs[(m, k)]

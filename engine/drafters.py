@@ -138,16 +138,19 @@ def _rollout(model: Transformer, first_logits, n_next: int, m: int, k: int, laye
     return Lattice(tokens, logprobs, None)
 
 
+def _seq_input(model: Transformer, context, start: int, end: int, kv_len_fn) -> StepInput:
+    """``context[start:end]`` as consecutive rows at cache slots (and positions) start..end-1."""
+    dev = model.device
+    slots = torch.arange(start, end, device=dev)
+    return StepInput(tokens=torch.tensor(context[start:end], device=dev), pos=slots, slots=slots,
+                     mask=torch.arange(kv_len_fn(end), device=dev)[None] <= slots[:, None], gdn_rows="seq")
+
+
 def _fill(model: Transformer, context, start: int, end: int, kv_len_fn, layers=None) -> None:
     """``context[start:end]`` through ``model`` (its first ``layers`` layers) into cache slots
     start..end-1, GDN states advanced; no logits (a captured rollout starts after them)."""
-    if end <= start:
-        return
-    dev = model.device
-    slots = torch.arange(start, end, device=dev)
-    model.hidden(StepInput(tokens=torch.tensor(context[start:end], device=dev), pos=slots, slots=slots,
-                           mask=torch.arange(kv_len_fn(end), device=dev)[None] <= slots[:, None], gdn_rows="seq"),
-                 kv_len=kv_len_fn(end), layers=layers)
+    if end > start:
+        model.hidden(_seq_input(model, context, start, end, kv_len_fn), kv_len=kv_len_fn(end), layers=layers)
 
 
 class SelfDrafter:
@@ -172,18 +175,14 @@ class SelfDrafter:
         L = len(context)
         if m <= 0 or L + m > t.max_seq:
             return Lattice.empty()
-        dev = t.device
-        kv = _kv_len_fn(t.max_seq, dev)
+        kv = _kv_len_fn(t.max_seq, t.device)
         gdn = t.gdn_layers(self.layers)
         saved = [(g.state.clone(), g.conv_state.clone()) for g in gdn]
         try:
             if self.graphs is not None:
                 _fill(t, context, n_cache, L - 1, kv, self.layers)
                 return Lattice(*self.graphs.rollout(context[-1], L - 1, m, k))
-            slots = torch.arange(n_cache, L, device=dev)
-            inp = StepInput(tokens=torch.tensor(context[n_cache:], device=dev), pos=slots, slots=slots,
-                            mask=torch.arange(kv(L), device=dev)[None] <= slots[:, None], gdn_rows="seq")
-            logits = t(inp, kv_len=kv(L), layers=self.layers)[-1]
+            logits = t(_seq_input(t, context, n_cache, L, kv), kv_len=kv(L), layers=self.layers)[-1]
             return _rollout(t, logits, L, m, k, self.layers, kv)
         finally:
             for g, (s, c) in zip(gdn, saved):
@@ -210,14 +209,9 @@ class ModelDrafter:
 
     def _feed(self, context, start: int):
         """Run ``context[start:]`` through the draft model (cache slots start..); last row's logits."""
-        d = self.draft
-        dev, L = d.device, len(context)
-        kv = _kv_len_fn(d.max_seq, dev)
-        slots = torch.arange(start, L, device=dev)
-        mask = torch.arange(kv(L), device=dev)[None] <= slots[:, None]
-        inp = StepInput(tokens=torch.tensor(context[start:], device=dev), pos=slots, slots=slots, mask=mask,
-                        gdn_rows="seq")
-        return d(inp, kv_len=kv(L))[-1]
+        d, L = self.draft, len(context)
+        kv = _kv_len_fn(d.max_seq, d.device)
+        return d(_seq_input(d, context, start, L, kv), kv_len=kv(L))[-1]
 
     @torch.no_grad()
     def propose(self, context, n_cache, m, k) -> Lattice:

@@ -52,6 +52,21 @@ def capture(fn, warmup: int, pool=None) -> tuple["torch.cuda.CUDAGraph", object]
     return g, out
 
 
+def capture_in_place(model: Transformer, fn, warmup: int, slots: int) -> tuple["torch.cuda.CUDAGraph", object]:
+    """:func:`capture` of a step of ``model`` at cache slots 0..``slots``-1: warm-up and capture
+    really run it, writing K/V there and advancing GDN states, so both are put back afterwards."""
+    caches = [c for blk in model.layers for c in (getattr(blk.mixer, "k_cache", None),
+                                                  getattr(blk.mixer, "v_cache", None)) if c is not None]
+    live = [t for g in model.gdn_layers() for t in (g.state, g.conv_state)]
+    saved, states = [c[:, :, :slots].clone() for c in caches], [t.clone() for t in live]
+    g, out = capture(fn, warmup)
+    for c, sv in zip(caches, saved):
+        c[:, :, :slots].copy_(sv)
+    for t, sv in zip(live, states):
+        t.copy_(sv)
+    return g, out
+
+
 def time_calls(fn, reps: int, warmup: int, cuda: bool) -> list[float]:
     """Milliseconds of ``reps`` eager calls of ``fn`` (after ``warmup`` untimed ones): CUDA events
     on a GPU, the wall clock on the CPU."""
@@ -105,17 +120,7 @@ class GraphRunner:
         def fn():
             return m.greedy(inp, kv_len=S)
 
-        # warm-up and capture really run the step: they write K/V at ``slots`` (and an AR step
-        # advances the GDN states); keep the caches intact
-        caches = [t for blk in m.layers for t in (getattr(blk.mixer, "k_cache", None), getattr(blk.mixer, "v_cache", None))
-                  if t is not None]
-        saved = [c[:, :, :T].clone() for c in caches]
-        states = [t.clone() for g in gdn for t in (g.state, g.conv_state)]
-        g, out = capture(fn, self.warmup)
-        for c, sv in zip(caches, saved):
-            c[:, :, :T].copy_(sv)
-        for t, sv in zip([t for g in gdn for t in (g.state, g.conv_state)], states):
-            t.copy_(sv)
+        g, out = capture_in_place(m, fn, self.warmup, T)
         self.stashes[T] = [layer._stash for layer in gdn]
         self.graphs[T] = (g, inp, out)
         return self.graphs[T]
