@@ -187,3 +187,43 @@ def test_drafters_hand_the_last_context_token_to_the_captured_rollout(model, ext
     assert len(got.lattice_steps) == len(ref.lattice_steps)
     for a, b in zip(got.lattice_steps, ref.lattice_steps):
         assert a["tokens"] == b["tokens"]
+
+
+class _EagerGraph:
+    """A captured graph's stand-in on the CPU: a replay runs the captured function again."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def replay(self):
+        self.fn()
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-hybrid"])
+def test_rollout_graph_code_proposes_the_eager_lattice_on_the_cpu(model, monkeypatch):
+    """engine/draft_graph.RolloutGraphs with CUDA graph capture stood in by eager replays: after a
+    prefill its rollout gives the eager drafter's top-k, the capture leaves the committed K/V and
+    the GDN states as they were, and so does every rollout."""
+    from specpilot.engine import graphs
+    from specpilot.engine.draft_graph import RolloutGraphs
+
+    monkeypatch.setattr(graphs, "capture", lambda fn, warmup, pool=None: (_EagerGraph(fn), fn()))
+    e = load_engine(f"engine:model={model},mode=tree,drafter=self,draft_layers=2,ctx={CTX}")
+    d, m = e.decoder, e.model
+    prompt = list(b"abcabcabc hello hello abc")
+    n = len(prompt)
+    ctx = prompt + [d.prefill(prompt)]
+
+    def snapshot():
+        kv = [t[:, :, :n].clone() for blk in m.layers for t in (getattr(blk.mixer, "k_cache", None),
+                                                                 getattr(blk.mixer, "v_cache", None)) if t is not None]
+        return kv + [t.clone() for g in m.gdn_layers() for t in (g.state, g.conv_state)]
+
+    before = snapshot()
+    d.drafter.graphs = RolloutGraphs(m, 2)
+    got = d.drafter.propose(ctx, n, 4, 3)
+    assert all(torch.equal(a, b) for a, b in zip(before, snapshot()))
+    d.drafter.graphs = None
+    want = d.drafter.propose(ctx, n, 4, 3)
+    assert got.tokens == want.tokens
+    assert torch.allclose(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-5)
