@@ -147,48 +147,6 @@ def test_padded_graph_verify_steps_equal_ar(model, variant):
     assert e.decoder.verify_buckets == sorted({b for b in (2, 4, 8) if b < rows} | {rows})
 
 
-class _EagerRollouts:
-    """What engine/draft_graph.RolloutGraphs computes, eagerly (graphs need CUDA): the token's
-    forward at ``slot``, then the top-1 rollout; GDN states restored."""
-
-    def __init__(self, model, layers=None):
-        self.model, self.layers, self.calls = model, layers, []
-
-    def rollout(self, token, slot, m, k):
-        from specpilot.engine.drafters import _kv_len_fn, _rollout
-
-        md, self.calls = self.model, self.calls + [(token, slot)]
-        kv = _kv_len_fn(md.max_seq, md.device)
-        saved = [t.clone() for g in md.gdn_layers(self.layers) for t in (g.state, g.conv_state)]
-        inp = StepInput(torch.tensor([token]), torch.tensor([slot]), torch.tensor([slot]),
-                        torch.arange(kv(slot + 1))[None] <= slot, "seq")
-        lat = _rollout(md, md(inp, kv_len=kv(slot + 1), layers=self.layers)[-1], slot + 1, m, k, self.layers, kv)
-        for t, s in zip([t for g in md.gdn_layers(self.layers) for t in (g.state, g.conv_state)], saved):
-            t.copy_(s)
-        return lat.tokens, lat.logprobs
-
-
-@pytest.mark.parametrize("model", ["tiny", "tiny-hybrid"])
-@pytest.mark.parametrize("extra", ["mode=tree,drafter=self,draft_layers=2,depth=3,topk=2,nodes=6",
-                                   "mode=tree,drafter=model,draft_model=tiny-hybrid,depth=3,topk=2,nodes=6",
-                                   "mode=tlv,drafter=model,draft_model=tiny-hybrid,depth=3,topk=2,nodes=6"])
-def test_drafters_hand_the_last_context_token_to_the_captured_rollout(model, extra):
-    """With a rollout graph (here its eager stand-in) a drafter feeds the context but its last token
-    into its cache and starts the rollout from that token at its slot: the drafts, the steps and
-    the outputs are the eager drafter's (a GDN draft model's state included)."""
-    prompt = list(b"abcabcabc hello hello abc")
-    eager = load_engine(f"engine:model={model},{extra},ctx={CTX}")
-    ref = eager.generate(prompt, 20, record_lattice=True)
-    e = load_engine(f"engine:model={model},{extra},ctx={CTX}")
-    dr = e.decoder.drafter
-    dr.graphs = _EagerRollouts(getattr(dr, "target", None) or dr.draft, getattr(dr, "layers", None))
-    got = e.generate(prompt, 20, record_lattice=True)
-    assert dr.graphs.calls and got.output_ids == ref.output_ids and got.steps == ref.steps
-    assert len(got.lattice_steps) == len(ref.lattice_steps)
-    for a, b in zip(got.lattice_steps, ref.lattice_steps):
-        assert a["tokens"] == b["tokens"]
-
-
 class _EagerGraph:
     """A captured graph's stand-in on the CPU: a replay runs the captured function again."""
 
@@ -197,6 +155,31 @@ class _EagerGraph:
 
     def replay(self):
         self.fn()
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-hybrid"])
+@pytest.mark.parametrize("extra", ["mode=tree,drafter=self,draft_layers=2,depth=3,topk=2,nodes=6",
+                                   "mode=tree,drafter=model,draft_model=tiny-hybrid,depth=3,topk=2,nodes=6",
+                                   "mode=tlv,drafter=model,draft_model=tiny-hybrid,depth=3,topk=2,nodes=6"])
+def test_drafters_hand_the_last_context_token_to_the_captured_rollout(model, extra, monkeypatch):
+    """With a rollout graph (its capture stood in by eager replays) a drafter feeds the context but
+    its last token into its cache and starts the rollout from that token at its slot: the drafts,
+    the steps and the outputs are the eager drafter's (a GDN draft model's state included)."""
+    from specpilot.engine import graphs
+    from specpilot.engine.draft_graph import RolloutGraphs
+
+    monkeypatch.setattr(graphs, "capture", lambda fn, warmup, pool=None: (_EagerGraph(fn), fn()))
+    prompt = list(b"abcabcabc hello hello abc")
+    eager = load_engine(f"engine:model={model},{extra},ctx={CTX}")
+    ref = eager.generate(prompt, 20, record_lattice=True)
+    e = load_engine(f"engine:model={model},{extra},ctx={CTX}")
+    dr = e.decoder.drafter
+    dr.graphs = RolloutGraphs(getattr(dr, "target", None) or dr.draft, getattr(dr, "layers", None))
+    got = e.generate(prompt, 20, record_lattice=True)
+    assert dr.graphs.graphs and got.output_ids == ref.output_ids and got.steps == ref.steps
+    assert len(got.lattice_steps) == len(ref.lattice_steps)
+    for a, b in zip(got.lattice_steps, ref.lattice_steps):
+        assert a["tokens"] == b["tokens"]
 
 
 @pytest.mark.parametrize("model", ["tiny", "tiny-hybrid"])
