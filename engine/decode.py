@@ -135,7 +135,7 @@ class Decoder:
     @torch.no_grad()
     def warm_up(self) -> float:
         """Compile and capture at load what a request can hit (CUDA): the AR graph, every verify
-        bucket's graph, and short generations over :data:`WARMUP_PROMPTS` (prefill chunks, the
+        bucket's graph and its commit graphs, and short generations over :data:`WARMUP_PROMPTS` (prefill chunks, the
         drafter, eager steps); returns the seconds taken (0 off CUDA). The generations leave the
         cache dirty; a request's prefill overwrites what it reads."""
         m = self.model
@@ -147,6 +147,10 @@ class Decoder:
             if self.mode != "ar":
                 for b in self.verify_buckets:
                     self.runner.get(b)
+                # accepted rows: the pending token and a root path of the tree (TLV: C, up to depth + 1
+                # nodes, and a path of the subtree under it)
+                most = 1 + self.depth * (2 if self.mode == "tlv" else 1) + (self.mode == "tlv")
+                self.runner.capture_commits(self.verify_buckets, most, self.mode in ("tree", "tlv"))
         V = m.spec.vocab_size
         for n in WARMUP_PROMPTS:
             if self.capacity_needed(n, 4) <= m.max_seq:
@@ -238,7 +242,9 @@ class Decoder:
         path, toks = treelib.accept_predictions(tree, preds)
         rows = [0] + [1 + p for p in path]
         if len(tree):
-            m.commit(n_cache, rows, "tree" if mode in ("tree", "tlv") else "chain")
+            gdn_rows = "tree" if mode in ("tree", "tlv") else "chain"
+            if self.runner is None or not self.runner.commit(n_cache, rows, gdn_rows):
+                m.commit(n_cache, rows, gdn_rows)
         return path, toks
 
     @staticmethod

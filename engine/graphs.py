@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from specpilot.engine.model import StepInput, Transformer
@@ -94,10 +95,15 @@ def graph_ready(model: Transformer) -> bool:
 
 
 class GraphRunner:
+    """The step graphs of one model (:meth:`get`, :meth:`run`) and the graphs of their commits
+    (:meth:`commit`)."""
+
     def __init__(self, model: Transformer, warmup: int = 2):
         self.model = model
         self.graphs: dict[int, tuple] = {}
         self.stashes: dict[int, list] = {}
+        self.commits: dict[tuple, tuple] = {}
+        self.replayed: int | None = None   # the bucket :meth:`run` replayed last, until its commit
         self.warmup = warmup
 
     def _capture(self, T: int):
@@ -149,7 +155,94 @@ class GraphRunner:
         g.replay()
         for layer, st in zip(self.model.gdn_layers(), self.stashes.get(T, ())):
             layer._stash = st   # the step's commit data lives in the graph's memory
+        self.replayed = T
         return out
+
+    # ---- commits ----------------------------------------------------------------------
+    # A verify step's commit is a few launches per layer (a GDN layer's path replay and conv
+    # advance, an attention layer's K/V move), each costing more host time than its kernel takes:
+    # about 1.9 ms a step on Qwen3.5-9B shapes. A commit graph per (bucket, accepted rows, moved)
+    # replays them in one launch, the accepted rows a static input.
+
+    def commit(self, start: int, rows: list[int], gdn_rows: str) -> bool:
+        """:meth:`Transformer.commit` of the step :meth:`run` replayed last, through its commit
+        graph (captured on first use; :meth:`capture_commits` captures them at load); False where
+        no graph serves (no replay of this runner before it, a layer's commit data from elsewhere,
+        GDN layers off the row kernels) and the caller commits eagerly."""
+        T, self.replayed = self.replayed, None
+        m = self.model
+        gdn = m.gdn_layers() if gdn_rows in ("chain", "tree") else []
+        moved = rows != list(range(len(rows)))
+        if not (moved or gdn):
+            return True
+        if gdn and (T is None or not self._commits_rows(T)
+                    or any(layer._stash is not st for layer, st in zip(gdn, self.stashes[T]))):
+            return False   # (the step's commit data is not this runner's bucket's: commit eagerly)
+        key = (T if gdn else 0, len(rows), moved)
+        g, idx = self.commits.get(key) or self._capture_commit(*key)
+        L = len(rows)
+        host = torch.empty(3, L, dtype=torch.long, pin_memory=m.device.type == "cuda")
+        a = host.numpy()
+        a[0] = rows
+        a[1] = start + a[0]
+        a[2] = start + np.arange(L)
+        idx.copy_(host, non_blocking=True)
+        g.replay()
+        for layer in gdn:
+            layer._stash = None
+        return True
+
+    def capture_commits(self, buckets, most_rows: int, moves: bool) -> int:
+        """Capture the commit graphs a decode loop over verify ``buckets`` can hit: up to
+        ``most_rows`` accepted rows (the pending token's included) and, with ``moves`` (trees),
+        the K/V moves of accepted rows that are not the first ones. Returns how many."""
+        gdn = bool(self.model.gdn_layers())
+        keys = set()
+        for T in buckets:
+            if T < 2:
+                continue
+            if gdn:
+                self.get(T)
+                if not self._commits_rows(T):
+                    continue
+            for L in range(1, min(T, most_rows) + 1):
+                for moved in ((False, True) if moves and L > 1 else (False,)):
+                    if gdn or moved:
+                        keys.add((T if gdn else 0, L, moved))
+        for key in sorted(keys - self.commits.keys()):
+            self._capture_commit(*key)
+        return len(keys)
+
+    def _commits_rows(self, T: int) -> bool:
+        """Whether bucket ``T``'s GDN layers leave row-kernel commit data (what a graph replays)."""
+        return T in self.stashes and all(st is not None and st[0] == "rows" for st in self.stashes[T])
+
+    def _capture_commit(self, T: int, L: int, moved: bool):
+        """The commit graph of ``L`` accepted rows after a replay of bucket ``T`` (0: no GDN
+        layers), with the attention layers' K/V moves where ``moved``; its static input ``idx``
+        [3, L] holds the accepted rows, their slots and the slots they move to. Warm-up and
+        capture commit rows 0..L-1 at slot 0 for real; :func:`capture_in_place` puts back what
+        they change."""
+        from specpilot.engine.model import Attention
+
+        m = self.model
+        idx = torch.arange(L, device=m.device).repeat(3, 1)
+        attn = [blk.mixer for blk in m.layers if isinstance(blk.mixer, Attention)] if moved else []
+        gdn = list(zip(m.gdn_layers(), self.stashes[T])) if T else []
+
+        def fn():
+            for a in attn:
+                a.move(idx[1], idx[2])
+            for layer, st in gdn:
+                layer._stash = st
+                layer.commit(None, idx[:1])
+
+        kept = [layer._stash for layer in m.gdn_layers()]   # a pending commit's, when captured on first use
+        g, _ = capture_in_place(m, fn, self.warmup, L)
+        for layer, st in zip(m.gdn_layers(), kept):
+            layer._stash = st
+        self.commits[(T, L, moved)] = (g, idx)
+        return g, idx
 
     def ar_graph(self, n_cache: int, token: int | None = None):
         """The one-row graph with its inputs set for the token at slot/position ``n_cache`` (the

@@ -225,8 +225,11 @@ class Attention(nn.Module):
 
     def commit(self, start: int, rows: torch.Tensor):
         """Move the KV of accepted rows (slots start + rows) to slots start .. start+len-1."""
-        src = start + rows
-        dst = start + torch.arange(rows.numel(), device=rows.device)
+        self.move(start + rows, start + torch.arange(rows.numel(), device=rows.device))
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor):
+        """Copy the K/V of slots ``src`` to slots ``dst`` (device index tensors of one length;
+        gathered before written, so the two may overlap)."""
         self.k_cache[0, :, dst] = self.k_cache[0, :, src]
         self.v_cache[0, :, dst] = self.v_cache[0, :, src]
 

@@ -8,7 +8,7 @@ from specpilot.engine.model import StepInput
 from specpilot.errors import InputError
 from specpilot.kernels import tree as T
 from specpilot.kernels.gdn.path import row_paths
-from eager_runner import EagerRunner
+from eager_runner import EagerRunner, check_commit_graph, eager_capture, model_state
 
 CTX = 256
 
@@ -147,16 +147,6 @@ def test_padded_graph_verify_steps_equal_ar(model, variant):
     assert e.decoder.verify_buckets == sorted({b for b in (2, 4, 8) if b < rows} | {rows})
 
 
-class _EagerGraph:
-    """A captured graph's stand-in on the CPU: a replay runs the captured function again."""
-
-    def __init__(self, fn):
-        self.fn = fn
-
-    def replay(self):
-        self.fn()
-
-
 @pytest.mark.parametrize("model", ["tiny", "tiny-hybrid"])
 @pytest.mark.parametrize("extra", ["mode=tree,drafter=self,draft_layers=2,depth=3,topk=2,nodes=6",
                                    "mode=tree,drafter=model,draft_model=tiny-hybrid,depth=3,topk=2,nodes=6",
@@ -168,7 +158,7 @@ def test_drafters_hand_the_last_context_token_to_the_captured_rollout(model, ext
     from specpilot.engine import graphs
     from specpilot.engine.draft_graph import RolloutGraphs
 
-    monkeypatch.setattr(graphs, "capture", lambda fn, warmup, pool=None: (_EagerGraph(fn), fn()))
+    monkeypatch.setattr(graphs, "capture", eager_capture)
     prompt = list(b"abcabcabc hello hello abc")
     eager = load_engine(f"engine:model={model},{extra},ctx={CTX}")
     ref = eager.generate(prompt, 20, record_lattice=True)
@@ -190,7 +180,7 @@ def test_rollout_graph_code_proposes_the_eager_lattice_on_the_cpu(model, monkeyp
     from specpilot.engine import graphs
     from specpilot.engine.draft_graph import RolloutGraphs
 
-    monkeypatch.setattr(graphs, "capture", lambda fn, warmup, pool=None: (_EagerGraph(fn), fn()))
+    monkeypatch.setattr(graphs, "capture", eager_capture)
     e = load_engine(f"engine:model={model},mode=tree,drafter=self,draft_layers=2,ctx={CTX}")
     d, m = e.decoder, e.model
     prompt = list(b"abcabcabc hello hello abc")
@@ -210,3 +200,52 @@ def test_rollout_graph_code_proposes_the_eager_lattice_on_the_cpu(model, monkeyp
     want = d.drafter.propose(ctx, n, 4, 3)
     assert got.tokens == want.tokens
     assert torch.allclose(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-5)
+
+
+COMMIT_TREE = T.DraftTree((5, 9, 7), (-1, -1, 1), (0, 0, 1), (0, 1, 0), (0.0,) * 3)
+
+
+def test_commit_graph_moves_the_accepted_kv_as_the_eager_commit(monkeypatch):
+    """GraphRunner.commit on a dense model (capture stood in by eager replays): accepting the
+    second root child and its child moves their K/V as Transformer.commit does; one graph per
+    accepted length, captured once."""
+    e = load_engine(f"engine:model=tiny,mode=tree,drafter=self,draft_layers=2,ctx={CTX}")
+    runner = check_commit_graph(e, list(b"abcabcabc hello"), COMMIT_TREE, [0, 2, 3], monkeypatch)
+    assert set(runner.commits) == {(0, 3, True)}
+    assert runner.commit(20, [0, 1, 2], "tree")    # nothing moved, no GDN layer: nothing to replay
+    assert set(runner.commits) == {(0, 3, True)}
+
+
+def test_commit_graphs_fall_back_where_no_graph_serves(monkeypatch):
+    """A hybrid whose GDN layers run the torch recurrence leaves commit data no graph replays
+    (the commit is eager), as does a commit that follows no replay of the runner."""
+    e = load_engine(f"engine:model=tiny-hybrid,mode=tree,drafter=self,draft_layers=2,ctx={CTX}")
+    m, d = e.model, e.decoder
+    monkeypatch.setattr(graphs_module(), "capture", eager_capture)
+    runner = graphs_module().GraphRunner(m, warmup=0)
+    prompt = list(b"abcabcabc hello")
+    runner.run(*d.padded_rows(d.prefill(prompt), COMMIT_TREE, len(prompt), 4))
+    assert not runner.commit(len(prompt), [0, 2, 3], "tree") and not runner.commits
+    assert not runner.commit(len(prompt), [0, 1], "tree")   # no replay since the last commit
+    assert runner.capture_commits([2, 4], 3, True) == 0
+
+
+def test_capture_commits_captures_each_accepted_length_once_and_leaves_the_caches(monkeypatch):
+    """The load-time capture: per bucket, every accepted length up to the most rows (dense: only
+    moved ones, keyed without the bucket); warm-up and capture leave the K/V as they were."""
+    monkeypatch.setattr(graphs_module(), "capture", eager_capture)
+    e = load_engine(f"engine:model=tiny,mode=tree,drafter=self,draft_layers=2,ctx={CTX}")
+    m = e.model
+    e.decoder.prefill(list(b"abcabcabc hello"))
+    before = model_state(m)
+    runner = graphs_module().GraphRunner(m, warmup=1)
+    assert runner.capture_commits([2, 4, 8], 4, True) == 3
+    assert set(runner.commits) == {(0, 2, True), (0, 3, True), (0, 4, True)}
+    assert runner.capture_commits([2, 4, 8], 4, False) == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, model_state(m)))
+
+
+def graphs_module():
+    from specpilot.engine import graphs
+
+    return graphs

@@ -364,3 +364,15 @@ def test_prompt_chunks_of_several_requests_in_one_conv_launch():
         grows.conv_rows(x, cv[0], w, starts=row_start)
     with pytest.raises(ValueError, match="starts"):
         grows.conv_rows(x, cv, w, grows.chain_paths(x.shape[0], "cpu"), slots=row_slot, starts=row_start)
+
+
+def test_commit_graph_replays_the_accepted_gdn_path_as_the_eager_commit(monkeypatch):
+    """tiny-hybrid (fp32) through the row kernels, a 4-row tree step through a GraphRunner (capture
+    stood in by eager replays): the commit graph of the accepted rows leaves the GDN states, conv
+    states and K/V bit for bit as Transformer.commit does."""
+    from specpilot.kernels import tree as T
+    from eager_runner import check_commit_graph
+
+    tree = T.DraftTree((5, 9, 7), (-1, -1, 1), (0, 0, 1), (0, 1, 0), (0.0,) * 3)
+    runner = check_commit_graph(_step_engine("triton", "tree"), list(b"gated delta"), tree, [0, 2, 3], monkeypatch)
+    assert set(runner.commits) == {(4, 3, True)}

@@ -175,3 +175,27 @@ def test_pipelined_ar_loop_equals_step_by_step(model):
     a, b = e.generate(prompt, 40), e.generate(prompt, 40, record_lattice=True)
     assert a.output_ids == b.output_ids and a.stop_reason == b.stop_reason == "eos"
     assert a.output_ids[-1] == eos and len(a.step_times) == a.steps == b.steps
+
+
+@pytest.mark.parametrize("model,mode", [("tiny-hybrid", "chain"), ("tiny-hybrid", "tree"), ("tiny", "tree"),
+                                        ("tiny-hybrid", "tlv")])
+def test_commit_graphs_equal_eager_commits(model, mode):
+    """Steps committed through the runner's commit graphs (captured at load) give the tokens, the
+    steps and the final K/V and GDN states of the same decode committed eagerly."""
+    from eager_runner import model_state
+    from specpilot.engine.api import load_engine
+
+    prompt = list(b"abcabcabc hello hello abcabc")
+    e = load_engine(f"engine:model={model},dtype=float32,device=cuda,ctx=512,mode={mode},drafter=self,"
+                    "draft_layers=1,depth=4,nodes=12,topk=3")
+    runner = e.decoder.runner
+    assert runner.commits, "warm-up captures the commit graphs"
+    served = []
+    graph_commit = runner.commit
+    runner.commit = lambda *a: served.append(graph_commit(*a)) or served[-1]
+    got = e.generate(prompt, 40)
+    state = model_state(e.model)
+    runner.commit = lambda *a: False
+    want = e.generate(prompt, 40)
+    assert any(served) and got.output_ids == want.output_ids and got.steps == want.steps
+    assert all(torch.equal(a, b) for a, b in zip(state, model_state(e.model)))
