@@ -135,9 +135,9 @@ class Decoder:
     @torch.no_grad()
     def warm_up(self) -> float:
         """Compile and capture at load what a request can hit (CUDA): the AR graph, every verify
-        bucket's graph and its commit graphs, and short generations over :data:`WARMUP_PROMPTS` (prefill chunks, the
-        drafter, eager steps); returns the seconds taken (0 off CUDA). The generations leave the
-        cache dirty; a request's prefill overwrites what it reads."""
+        bucket's graph and its commit graphs, and short generations over :data:`WARMUP_PROMPTS`
+        (prefill chunks, the drafter, eager steps); returns the seconds taken (0 off CUDA). The
+        generations leave the cache dirty; a request's prefill overwrites what it reads."""
         m = self.model
         if m.device.type != "cuda":
             return 0.0
@@ -149,7 +149,7 @@ class Decoder:
                     self.runner.get(b)
                 # accepted rows: the pending token and a root path of the tree (TLV: C, up to depth + 1
                 # nodes, and a path of the subtree under it)
-                most = 1 + self.depth * (2 if self.mode == "tlv" else 1) + (self.mode == "tlv")
+                most = 2 * self.depth + 2 if self.mode == "tlv" else self.depth + 1
                 self.runner.capture_commits(self.verify_buckets, most, self.mode in ("tree", "tlv"))
         V = m.spec.vocab_size
         for n in WARMUP_PROMPTS:

@@ -161,8 +161,8 @@ class GraphRunner:
     # ---- commits ----------------------------------------------------------------------
     # A verify step's commit is a few launches per layer (a GDN layer's path replay and conv
     # advance, an attention layer's K/V move), each costing more host time than its kernel takes:
-    # about 1.9 ms a step on Qwen3.5-9B shapes. A commit graph per (bucket, accepted rows, moved)
-    # replays them in one launch, the accepted rows a static input.
+    # 2-5 ms of host time a step on Qwen3.5-9B shapes (H200). A commit graph per (bucket, accepted
+    # rows, moved) replays them in one launch, the accepted rows a static input.
 
     def commit(self, start: int, rows: list[int], gdn_rows: str) -> bool:
         """:meth:`Transformer.commit` of the step :meth:`run` replayed last, through its commit

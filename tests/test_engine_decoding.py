@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from specpilot.engine import graphs as engine_graphs
 from specpilot.engine.api import EngineSpec, load_engine
 from specpilot.engine.model import StepInput
 from specpilot.errors import InputError
@@ -221,8 +222,8 @@ def test_commit_graphs_fall_back_where_no_graph_serves(monkeypatch):
     (the commit is eager), as does a commit that follows no replay of the runner."""
     e = load_engine(f"engine:model=tiny-hybrid,mode=tree,drafter=self,draft_layers=2,ctx={CTX}")
     m, d = e.model, e.decoder
-    monkeypatch.setattr(graphs_module(), "capture", eager_capture)
-    runner = graphs_module().GraphRunner(m, warmup=0)
+    monkeypatch.setattr(engine_graphs, "capture", eager_capture)
+    runner = engine_graphs.GraphRunner(m, warmup=0)
     prompt = list(b"abcabcabc hello")
     runner.run(*d.padded_rows(d.prefill(prompt), COMMIT_TREE, len(prompt), 4))
     assert not runner.commit(len(prompt), [0, 2, 3], "tree") and not runner.commits
@@ -233,19 +234,13 @@ def test_commit_graphs_fall_back_where_no_graph_serves(monkeypatch):
 def test_capture_commits_captures_each_accepted_length_once_and_leaves_the_caches(monkeypatch):
     """The load-time capture: per bucket, every accepted length up to the most rows (dense: only
     moved ones, keyed without the bucket); warm-up and capture leave the K/V as they were."""
-    monkeypatch.setattr(graphs_module(), "capture", eager_capture)
+    monkeypatch.setattr(engine_graphs, "capture", eager_capture)
     e = load_engine(f"engine:model=tiny,mode=tree,drafter=self,draft_layers=2,ctx={CTX}")
     m = e.model
     e.decoder.prefill(list(b"abcabcabc hello"))
     before = model_state(m)
-    runner = graphs_module().GraphRunner(m, warmup=1)
+    runner = engine_graphs.GraphRunner(m, warmup=1)
     assert runner.capture_commits([2, 4, 8], 4, True) == 3
     assert set(runner.commits) == {(0, 2, True), (0, 3, True), (0, 4, True)}
     assert runner.capture_commits([2, 4, 8], 4, False) == 0
     assert all(torch.equal(a, b) for a, b in zip(before, model_state(m)))
-
-
-def graphs_module():
-    from specpilot.engine import graphs
-
-    return graphs
