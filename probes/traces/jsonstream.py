@@ -35,6 +35,7 @@ class _Buf:
         self.fh, self.path, self.on_read = fh, str(path), on_read
         self.s = ""
         self.i = 0
+        self.base = 0   # characters dropped from the front of ``s``: s[i] is character base + i
         self.eof = False
         self.dec = json.JSONDecoder()
 
@@ -52,6 +53,7 @@ class _Buf:
         if self.on_read:
             self.on_read(len(chunk))
         if self.i > CHUNK:
+            self.base += self.i
             self.s = self.s[self.i:]
             self.i = 0
         self.s += chunk
@@ -157,6 +159,7 @@ def _array(b: _Buf) -> Iterator[dict]:
     events before it with one ``json.loads`` (valid only if the cut falls between events; if it
     falls inside one, the decode fails and that stretch is decoded one event at a time)."""
     loads = json.loads
+    slow_until = -1   # after a failed batch: one event at a time up to the character it failed at
     while True:
         c = b.skip_ws()
         if c == "]":
@@ -167,13 +170,16 @@ def _array(b: _Buf) -> Iterator[dict]:
             continue
         if c == "":
             b.fail("ended inside traceEvents (truncated file?)")
-        if c == "{" and len(b.s) - b.i > BATCH_MIN:
+        if c == "{" and len(b.s) - b.i > BATCH_MIN and b.base + b.i > slow_until:
             cut = _last_boundary(b.s, b.i)
             if cut is not None:
                 try:
                     batch = loads("[" + b.s[b.i:cut + 1] + "]")
-                except ValueError:
+                except ValueError as e:
+                    # retrying the batch after each event would parse the same stretch again per
+                    # event (a malformed trace took minutes to reject)
                     batch = None
+                    slow_until = b.base + b.i + max(getattr(e, "pos", cut + 1 - b.i) - 1, 0)
                 if batch is not None:
                     b.i = cut + 1
                     for ev in batch:
