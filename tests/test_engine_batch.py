@@ -132,7 +132,7 @@ def test_hybrid_verify_rows_of_all_requests_walk_in_one_launch(reference, monkey
 
 
 @pytest.mark.parametrize("extra,n,verify", [("mode=tree,drafter=self,draft_layers=1", 6, "wy"),
-                                            ("mode=chain", 12, "path")])
+                                            ("mode=chain", 8, "path")])
 def test_hybrid_verify_buckets_walk_every_row(reference, extra, n, verify, monkeypatch):
     """tiny-hybrid on the GDN row kernels (Triton's interpreter) through the bucket runner: verify
     buckets of more than one row per request walk every row's GDN path from the static path table
