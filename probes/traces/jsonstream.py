@@ -177,7 +177,7 @@ def _array(b: _Buf) -> Iterator[dict]:
                     batch = loads("[" + b.s[b.i:cut + 1] + "]")
                 except ValueError as e:
                     # retrying the batch after each event would parse the same stretch again per
-                    # event (a malformed trace took minutes to reject)
+                    # event (a corrupt 600 KB gzipped trace took 9-33 s to reject)
                     batch = None
                     slow_until = b.base + b.i + max(getattr(e, "pos", cut + 1 - b.i) - 1, 0)
                 if batch is not None:
