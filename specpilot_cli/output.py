@@ -159,6 +159,10 @@ def progress(iterable=None, total=None, desc: str | None = None, unit: str = "it
                 return None
             return super().refresh(*args, **kwargs)
 
+        def close(self):   # a signal inside tqdm's __init__ leaves no ``pos``: its __del__ would print a traceback
+            if hasattr(self, "pos"):
+                super().close()
+
     return LineBar(iterable, total=total, desc=desc, unit=unit, file=_StderrLines(), leave=False, mininterval=every,
                 maxinterval=max(every, 1.0), miniters=1, delay=every, disable=every < 0,
                 bar_format="{desc}: {n_fmt}/{total_fmt} {unit} [{elapsed}<{remaining}, {rate_fmt}]")

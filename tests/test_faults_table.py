@@ -404,3 +404,15 @@ def test_cpu_engine_prints_its_threads_once(run_cli, tmp_path, monkeypatch):
     monkeypatch.setattr(machine, "_announced", set())
     code, _, err = run_cli(*base, "--threads", "2")
     assert "specpilot: CPU engine: 2 torch threads (--threads)" in err.splitlines(), err
+
+
+def test_a_progress_line_cut_short_while_being_built_closes_quietly(monkeypatch):
+    """A signal inside tqdm's constructor leaves the line without its position; closing it (as its
+    __del__ does at exit) must not raise (a SIGTERM there printed a traceback)."""
+    from specpilot.output import progress
+
+    monkeypatch.setenv("SPECPILOT_PROGRESS_SECONDS", "15")
+    cls = type(progress(total=1))
+    half = cls.__new__(cls)
+    half.disable = False   # set early in tqdm's __init__; ``pos`` comes later
+    half.close()
