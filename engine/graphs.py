@@ -18,7 +18,7 @@ import time
 import numpy as np
 import torch
 
-from specpilot.engine.model import StepInput, Transformer
+from specpilot.engine.model import Attention, StepInput, Transformer
 
 
 def time_replays(g: "torch.cuda.CUDAGraph", reps: int, warmup: int = 3) -> list[float]:
@@ -171,16 +171,15 @@ class GraphRunner:
         GDN layers off the row kernels) and the caller commits eagerly."""
         T, self.replayed = self.replayed, None
         m = self.model
-        gdn = m.gdn_layers() if gdn_rows in ("chain", "tree") else []
-        moved = rows != list(range(len(rows)))
+        gdn, moved = m.commit_work(rows, gdn_rows)
         if not (moved or gdn):
             return True
         if gdn and (T is None or not self._commits_rows(T)
                     or any(layer._stash is not st for layer, st in zip(gdn, self.stashes[T]))):
             return False   # (the step's commit data is not this runner's bucket's: commit eagerly)
-        key = (T if gdn else 0, len(rows), moved)
-        g, idx = self.commits.get(key) or self._capture_commit(*key)
         L = len(rows)
+        key = (T if gdn else 0, L, moved)
+        g, idx = self.commits.get(key) or self._capture_commit(*key)
         host = torch.empty(3, L, dtype=torch.long, pin_memory=m.device.type == "cuda")
         a = host.numpy()
         a[0] = rows
@@ -223,8 +222,6 @@ class GraphRunner:
         [3, L] holds the accepted rows, their slots and the slots they move to. Warm-up and
         capture commit rows 0..L-1 at slot 0 for real; :func:`capture_in_place` puts back what
         they change."""
-        from specpilot.engine.model import Attention
-
         m = self.model
         idx = torch.arange(L, device=m.device).repeat(3, 1)
         attn = [blk.mixer for blk in m.layers if isinstance(blk.mixer, Attention)] if moved else []

@@ -744,11 +744,15 @@ class Transformer(nn.Module):
     def gdn_layers(self, upto: int | None = None):
         return [b.mixer for b in self.layers[:upto] if isinstance(b.mixer, GatedDeltaNet)]
 
+    def commit_work(self, rows: list[int], gdn_rows: str) -> tuple[list, bool]:
+        """What committing ``rows`` touches: the GDN layers that advance, and whether the attention
+        layers' K/V move (accepted rows other than the first ones)."""
+        return (self.gdn_layers() if gdn_rows in ("chain", "tree") else []), rows != list(range(len(rows)))
+
     def commit(self, start: int, rows: list[int], gdn_rows: str):
         """Keep the accepted rows (row 0 = the pending token) of the step that began at slot ``start``
         (``gdn_rows``: how that step's rows were laid out for the GDN layers, chain or tree)."""
-        gdn = self.gdn_layers() if gdn_rows in ("chain", "tree") else []
-        moved = rows != list(range(len(rows)))
+        gdn, moved = self.commit_work(rows, gdn_rows)
         if not (moved or gdn):
             return
         r = torch.tensor(rows, dtype=torch.long, device=self.device)   # one copy from the host for every layer

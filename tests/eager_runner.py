@@ -65,8 +65,6 @@ def check_commit_graph(e, prompt, tree, rows, monkeypatch):
     eager replays), then ``rows`` committed through its commit graph and, from the same state,
     eagerly (``Transformer.commit``): the K/V caches and GDN states must end equal. Returns the
     runner."""
-    import torch
-
     from specpilot.engine import graphs
 
     monkeypatch.setattr(graphs, "capture", eager_capture)

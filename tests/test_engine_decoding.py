@@ -156,10 +156,9 @@ def test_drafters_hand_the_last_context_token_to_the_captured_rollout(model, ext
     """With a rollout graph (its capture stood in by eager replays) a drafter feeds the context but
     its last token into its cache and starts the rollout from that token at its slot: the drafts,
     the steps and the outputs are the eager drafter's (a GDN draft model's state included)."""
-    from specpilot.engine import graphs
     from specpilot.engine.draft_graph import RolloutGraphs
 
-    monkeypatch.setattr(graphs, "capture", eager_capture)
+    monkeypatch.setattr(engine_graphs, "capture", eager_capture)
     prompt = list(b"abcabcabc hello hello abc")
     eager = load_engine(f"engine:model={model},{extra},ctx={CTX}")
     ref = eager.generate(prompt, 20, record_lattice=True)
@@ -178,10 +177,9 @@ def test_rollout_graph_code_proposes_the_eager_lattice_on_the_cpu(model, monkeyp
     """engine/draft_graph.RolloutGraphs with CUDA graph capture stood in by eager replays: after a
     prefill its rollout gives the eager drafter's top-k, the capture leaves the committed K/V and
     the GDN states as they were, and so does every rollout."""
-    from specpilot.engine import graphs
     from specpilot.engine.draft_graph import RolloutGraphs
 
-    monkeypatch.setattr(graphs, "capture", eager_capture)
+    monkeypatch.setattr(engine_graphs, "capture", eager_capture)
     e = load_engine(f"engine:model={model},mode=tree,drafter=self,draft_layers=2,ctx={CTX}")
     d, m = e.decoder, e.model
     prompt = list(b"abcabcabc hello hello abc")
