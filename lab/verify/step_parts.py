@@ -1,0 +1,166 @@
+"""What each part of a step costs inside the whole step: the step's CUDA graph timed as it is and
+with one part taken out or swapped, so PDL overlap and launch gaps are counted where they fall
+(per-kernel profiler durations overlap under programmatic dependent launch).
+
+Variants (each captured afresh, interleaved over rounds, median of the replays):
+
+* ``product``: the step as the engine runs it;
+* ``no-merge``: the attention's split pass only (its merge kernel not launched; output garbage);
+* ``no-attn``: no attention kernels at all (the o projection reads q);
+* ``no-rows``: no small row kernels (RoPE/K/V write, residual + RMSNorm, silu*up) in multi-row steps;
+* ``skinny``: every dense projection of a multi-row step through the skinny GEMM
+  (``kernels/verify/skinny.py``, about two programs per SM), cuBLAS nowhere.
+
+Cases: one request of 1, 33 and 64 rows and a batched AR step of 16 requests, Llama-3.1-8B shapes,
+random bf16, context 1024. Outputs of the taken-out variants are meaningless; only time counts.
+
+    python lab/verify/step_parts.py [--rounds 2] [--variants product,no-attn,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from lab.common import bootstrap, print_table, write_results  # noqa: E402
+
+VARIANTS = ("product", "no-merge", "no-attn", "no-rows", "skinny")
+
+
+@contextmanager
+def patched(obj, name, value):
+    old = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, old)
+
+
+class _NoLaunch:
+    def __getitem__(self, grid):
+        return lambda *a, **k: None
+
+
+def variant(name: str):
+    from specpilot.kernels.attention import decode
+    from specpilot.kernels.verify import blas, rows as R
+    from specpilot.kernels.verify.skinny import BLOCK_N, BLOCK_K, SkinnyConfig
+
+    stack = ExitStack()
+    if name == "no-merge":
+        stack.enter_context(patched(decode, "_attn_merge", _NoLaunch()))
+    elif name == "no-attn":
+        def skip(q, *a, **k):
+            return q.reshape(q.shape[0], -1)
+        stack.enter_context(patched(decode, "masked_gqa_attention", skip))
+        stack.enter_context(patched(decode, "batched_gqa_attention", skip))
+    elif name == "no-rows":
+        def rope_store(qkv, cos, sin, pos, slots, kc, vc, nh, nkv, req=None):
+            return qkv[:, : nh * (qkv.shape[1] // (nh + 2 * nkv))]
+        stack.enter_context(patched(R, "rope_store_rows", rope_store))
+        stack.enter_context(patched(R, "add_rms_norm_rows", lambda x, d, w, eps: (x, d)))
+        stack.enter_context(patched(R, "silu_mul_rows", lambda gu, inter: gu[:, :inter]))
+    elif name == "skinny":
+        import torch
+
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+
+        def cfg(device, n, k, rows):
+            nb = -(-n // BLOCK_N)
+            return SkinnyConfig(max(1, min(-(-k // BLOCK_K), round(2 * sms / nb))), 3)
+        stack.enter_context(patched(blas, "skinny_config", cfg))
+    return stack
+
+
+def main() -> int:
+    bootstrap()
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=100)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--model", default="llama-3.1-8b")
+    args = ap.parse_args()
+    variants = args.variants.split(",")
+    bad = [v for v in variants if v not in VARIANTS]
+    if bad:
+        raise SystemExit(f"step_parts: unknown variant(s) {bad}; known: {VARIANTS}")
+    import torch
+
+    from specpilot.engine.api import load_target
+    from specpilot.engine.batch.cache import BatchCache
+    from specpilot.engine.batch.graphs import BatchGraphRunner
+    from specpilot.engine.batch.probe import chain_rows
+    from specpilot.engine.batch.step import assemble
+    from specpilot.engine.graphs import GraphRunner, time_replays
+    from specpilot.engine.rows import step_input
+    from specpilot.engine.spec import EngineSpec
+
+    torch.set_grad_enabled(False)
+    ctx = 1024
+    model = load_target(EngineSpec.parse(f"engine:model={args.model},random=1,device=cuda,ctx={ctx + 128}")).model
+    for blk in model.layers:
+        m = blk.mixer
+        if hasattr(m, "k_cache"):
+            m.k_cache.normal_()
+            m.v_cache.normal_()
+    B = 16
+    cache = BatchCache(model, B)
+    for lc in cache.layers:
+        for t in (lc.k, lc.v):
+            if t is not None:
+                t.normal_()
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    binp, _, _ = assemble(chain_rows(B, 1, ctx, model.spec.vocab_size, gen), cache.max_seq, model.device, pad=(B, 1))
+
+    def one_request(T):
+        runner = GraphRunner(model)
+        g, sinp, _ = runner.get(T)
+        inp = step_input(model, T, ctx)
+        for a in ("tokens", "pos", "slots", "mask"):
+            getattr(sinp, a).copy_(getattr(inp, a))
+        ms = statistics.median(time_replays(g, args.reps, 10))
+        del runner, g
+        return ms
+
+    def batched():
+        runner = BatchGraphRunner(model, cache)
+        runner.run(binp, B, 1)
+        g = runner.graphs[(B, 1)][0]
+        ms = statistics.median(time_replays(g, args.reps, 10))
+        del runner, g
+        return ms
+
+    cases = [("1 x 1", lambda: one_request(1)), ("1 x 33", lambda: one_request(33)),
+             ("1 x 64", lambda: one_request(64)), (f"{B} x 1", batched)]
+    times: dict = {}
+    for rnd in range(args.rounds):
+        for v in variants:
+            for label, fn in cases:
+                if v in ("no-rows", "skinny") and label == "1 x 1":
+                    continue
+                with variant(v):
+                    times.setdefault((label, v), []).append(fn())
+                torch.cuda.synchronize()
+            print(f"round {rnd} {v} done", flush=True)
+    rows = []
+    for label, _ in cases:
+        base = statistics.median(times[(label, "product")]) if (label, "product") in times else None
+        for v in variants:
+            if (label, v) not in times:
+                continue
+            ms = statistics.median(times[(label, v)])
+            rows.append({"case": label, "variant": v, "step_ms": ms, "rounds_ms": times[(label, v)],
+                         "minus_product_ms": None if base is None else ms - base})
+    print_table(rows, ["case", "variant", "step_ms", "minus_product_ms"])
+    write_results("step_parts", rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
