@@ -123,7 +123,7 @@ def block_step(blk, x: torch.Tensor, inp, cos: torch.Tensor, sin: torch.Tensor, 
         q = gemv.norm_qkv_rope_store(x, blk.attn_norm, blk.eps, _weight(m.wqkv), cos, sin, inp.pos, inp.slots,
                                      kc, vc, m.nh, m.nkv)
         o = masked_gqa_attention(q.view(1, m.nh, m.hd), kc[:, :kv_len], vc[:, :kv_len], inp.mask[:, :kv_len],
-                                 m.hd ** -0.5, pdl=gemv.USE_PDL)
+                                 m.hd ** -0.5, pdl=gemv.USE_PDL, slots=inp.slots)
         x = gemv.gemv_residual(o, _weight(m.wo), x)
     a = gemv.norm_gate_up_silu(x, blk.mlp_norm, blk.eps, _weight(blk.w13), blk.inter)
     return gemv.gemv_residual(a, _weight(blk.w2), x)
@@ -152,7 +152,7 @@ def _gated_attention_mixer(blk, m, x, inp, cos, sin, kv_len):
     q = ga.qk_norm_rope_store(proj, m.q_norm, m.k_norm, m.eps, cos, sin, inp.pos, inp.slots, m.k_cache[0],
                               m.v_cache[0], m.nh, m.nkv, m.gate, pdl=gemv.USE_PDL)
     o = masked_gqa_attention(q.view(1, m.nh, m.hd), m.k_cache[0, :, :kv_len], m.v_cache[0, :, :kv_len],
-                             inp.mask[:, :kv_len], m.hd ** -0.5, pdl=gemv.USE_PDL)
+                             inp.mask[:, :kv_len], m.hd ** -0.5, pdl=gemv.USE_PDL, slots=inp.slots)
     if m.gate:
         o = ga.sigmoid_gate(o, proj, m.nh, pdl=gemv.USE_PDL)
     return gemv.gemv_residual(o, m.wo.weight, x)

@@ -98,10 +98,11 @@ def _attend(m, q, inp, kv_len, lc=None):
     q = q.view(q.shape[0], m.nh, m.hd)
     if lc is None:
         return decode.masked_gqa_attention(q, m.k_cache[0, :, :kv_len], m.v_cache[0, :, :kv_len],
-                                           inp.mask[:, :kv_len], m.hd ** -0.5, pdl=common.USE_PDL)
+                                           inp.mask[:, :kv_len], m.hd ** -0.5, pdl=common.USE_PDL,
+                                           slots=inp.slots)
     segs, seg_rows = _segments(inp)
     return decode.batched_gqa_attention(q, lc.k[:, :, :kv_len], lc.v[:, :, :kv_len], inp.mask[:, :kv_len],
-                                        m.hd ** -0.5, segs, seg_rows, pdl=common.USE_PDL)
+                                        m.hd ** -0.5, segs, seg_rows, pdl=common.USE_PDL, slots=inp.slots)
 
 
 def hidden_rows(model, x: torch.Tensor, inp, kv_len: int, layers: int | None = None, cache=None) -> torch.Tensor:

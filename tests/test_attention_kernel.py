@@ -247,3 +247,67 @@ def test_merge_takes_more_splits_than_it_loads_at_once():
     assert fused.plan(2, 4, 2, S, 1, cfg)[3] > 2 * fused.MERGE_SPLITS
     got = fused.masked_gqa_attention(q, k, v, mask, 0.25, cfg=cfg)
     torch.testing.assert_close(got, ref.masked_gqa_attention(q, k, v, mask, 0.25), atol=2e-6, rtol=2e-6)
+
+
+def _rows_at_slots(T, S, context, seed, beyond=False):
+    """A step's mask: T rows at slots context..context+T-1, each seeing the context and its chain;
+    ``beyond``: row 0 also sees slots past every row's own (what the live walk does not assume)."""
+    mask = torch.zeros(T, S, dtype=torch.bool)
+    mask[:, :context] = True
+    mask[:, context:context + T] = torch.tril(torch.ones(T, T, dtype=torch.bool))
+    if beyond:
+        mask[0, context + T + 70:context + T + 75] = True
+    return mask, context + torch.arange(T)
+
+
+@pytest.mark.parametrize("T,context,beyond", [(1, 150, False), (3, 100, True), (20, 40, False)])
+def test_live_walk_gives_the_checked_walks_bits(T, context, beyond):
+    """The live walk (mask, K and V loaded together below the rows' highest slot) computes what
+    the checked walk does, bit for bit, also where a row attends past its own slot."""
+    nh, nkv, hd, S = 8, 2, 16, 300
+    q, k, v, _ = _case(T, nh, nkv, hd, S, seed=T)
+    mask, slots = _rows_at_slots(T, S, context, T, beyond)
+    for target in (4, 64):
+        live = fused.masked_gqa_attention(q, k, v, mask, 0.25, cfg=fused.SplitConfig(target, live=True), slots=slots)
+        checked = fused.masked_gqa_attention(q, k, v, mask, 0.25, cfg=fused.SplitConfig(target), slots=slots)
+        assert torch.equal(live, checked)
+        torch.testing.assert_close(live, ref.masked_gqa_attention(q, k, v, mask, 0.25), atol=2e-6, rtol=2e-6)
+
+
+def test_live_walk_in_a_batched_step():
+    rows, slots_of = [3, 1, 7], [2, 0, 1]
+    nh, nkv, hd, S = 8, 2, 16, 150
+    T = sum(rows)
+    q, _, _, _ = _case(T, nh, nkv, hd, S, seed=8)
+    g = torch.Generator().manual_seed(9)
+    k, v = torch.randn(4, nkv, S, hd, generator=g), torch.randn(4, nkv, S, hd, generator=g)
+    masks, slots = zip(*(_rows_at_slots(n, S, 30 + 17 * i, i) for i, n in enumerate(rows)))
+    mask, slots = torch.cat(masks), torch.cat(slots)
+    starts = [sum(rows[:i]) for i in range(len(rows))]
+    segs = torch.tensor(list(zip(starts, rows, slots_of)), dtype=torch.int32)
+    got = fused.batched_gqa_attention(q, k, v, mask, 0.25, segs, max(rows), cfg=fused.SplitConfig(64, live=True),
+                                      slots=slots)
+    assert torch.equal(got, fused.batched_gqa_attention(q, k, v, mask, 0.25, segs, max(rows),
+                                                        cfg=fused.SplitConfig(64), slots=slots))
+    torch.testing.assert_close(got, ref.batched_gqa_attention(q, k, v, mask, 0.25, segs), atol=2e-6, rtol=2e-6)
+
+
+def test_one_split_writes_the_output_without_the_merge(monkeypatch):
+    """A plan of one split (few programs wanted) is one launch: the split pass divides by the sum."""
+    q, k, v, mask = _case(3, 8, 2, 16, 200, seed=11)
+    assert fused.plan(3, 8, 2, 200, 1, fused.SplitConfig(1))[3] == 1
+    want = ref.masked_gqa_attention(q, k, v, mask, 0.25)
+
+    class Refused:
+        def __getitem__(self, grid):
+            raise AssertionError("the merge was launched")
+
+    monkeypatch.setattr(fused, "_attn_merge", Refused())
+    got = fused.masked_gqa_attention(q, k, v, mask, 0.25, cfg=fused.SplitConfig(1))
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)
+
+
+def test_live_walk_refuses_slots_of_another_shape():
+    q, k, v, mask = _case(3, 8, 2, 16, 64)
+    with pytest.raises(ValueError, match="slots must be"):
+        fused.masked_gqa_attention(q, k, v, mask, 0.25, cfg=fused.SplitConfig(live=True), slots=torch.arange(2))

@@ -41,9 +41,15 @@ MERGE_SPLITS = 16   # partials the merge loads at once (a step's split count is 
 
 @dataclass(frozen=True)
 class SplitConfig:
-    """``target_programs``: split the cache until about this many programs run (fills the SMs)."""
+    """``target_programs``: split the cache until about this many programs run (fills the SMs).
+    ``live``: below the highest slot its rows write (the step's own rows; every row attends at most
+    its own slot and earlier ones) a program loads each tile's mask, K and V at once, software-
+    pipelined ``stages`` deep, instead of checking the mask before it loads K and V; above it the
+    checked walk skips what no row attends. Same arithmetic either way; needs the rows' slots."""
 
     target_programs: int = 256
+    live: bool = False
+    stages: int = 2
 
 
 @lru_cache(maxsize=None)
@@ -63,13 +69,32 @@ if triton is not None:
 
     NEG = tl.constexpr(-1.0e30)  # finite "minus infinity": a row with nothing to attend in a split stays finite
 
+    @triton.jit
+    def _update(q, k, v, allowed, m_i, l_i, acc, scale, IEEE: tl.constexpr):
+        """One tile of the online softmax: scores (float32), the running max and sum, ``acc``."""
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(allowed, s * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        return m_new, l_i, acc * alpha[:, None] + pv
+
     @triton.jit(do_not_specialize=["T", "R", "row_blocks"])   # an eager step's rows vary: one compile for all
-    def _attn_split(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, ml_ptr, seg_ptr,
+    def _attn_split(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, ml_ptr, seg_ptr, slots_ptr, out_ptr,
                     T, S, R, chunk, scale, row_blocks,
                     stride_qt, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-                    stride_mt,
+                    stride_mt, stride_ot,
                     GRP: tl.constexpr, HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    IEEE: tl.constexpr, SEGS: tl.constexpr, PDL: tl.constexpr):
+                    IEEE: tl.constexpr, SEGS: tl.constexpr, PDL: tl.constexpr, LIVE: tl.constexpr,
+                    STAGES: tl.constexpr, DIRECT: tl.constexpr):
         if PDL:   # the fused decode chain: let the merge launch, then wait for q and the cache write
             gdc_launch_dependents()
             gdc_wait()
@@ -100,35 +125,38 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, HD], tl.float32)
         lo = sp * chunk
         hi = tl.minimum(lo + chunk, S)
-        for s0 in range(lo, hi, BLOCK_N):
+        k_base = k_ptr + kvh * stride_kh + d[None, :]
+        v_base = v_ptr + kvh * stride_vh + d[None, :]
+        mid = lo
+        if LIVE:   # tiles up to the rows' highest slot: no check, the three loads together, pipelined
+            live = tl.max(tl.load(slots_ptr + t, mask=row_ok, other=-1).to(tl.int32), 0) + 1
+            mid = lo + tl.cdiv(tl.maximum(tl.minimum(hi, live) - lo, 0), BLOCK_N) * BLOCK_N
+            for s0 in tl.range(lo, mid, BLOCK_N, num_stages=STAGES):
+                n = s0 + tl.arange(0, BLOCK_N)
+                n_ok = n < hi
+                allowed = tl.load(mask_ptr + t[:, None] * stride_mt + n[None, :],
+                                  mask=row_ok[:, None] & n_ok[None, :], other=0) != 0
+                k = tl.load(k_base + n[:, None] * stride_ks, mask=n_ok[:, None], other=0.0)
+                v = tl.load(v_base + n[:, None] * stride_vs, mask=n_ok[:, None], other=0.0)
+                m_i, l_i, acc = _update(q, k, v, allowed, m_i, l_i, acc, scale, IEEE)
+        for s0 in range(mid, hi, BLOCK_N):
             n = s0 + tl.arange(0, BLOCK_N)
             n_ok = n < hi
             allowed = tl.load(mask_ptr + t[:, None] * stride_mt + n[None, :],
                               mask=row_ok[:, None] & n_ok[None, :], other=0) != 0
             if tl.max(allowed.to(tl.int32)) > 0:  # skip tiles no row attends: K/V never loaded
-                k = tl.load(k_ptr + kvh * stride_kh + n[:, None] * stride_ks + d[None, :], mask=n_ok[:, None],
-                            other=0.0)
-                if IEEE:
-                    s = tl.dot(q, tl.trans(k), input_precision="ieee")
-                else:
-                    s = tl.dot(q, tl.trans(k))
-                s = tl.where(allowed, s * scale, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                alpha = tl.exp(m_i - m_new)
-                p = tl.exp(s - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                v = tl.load(v_ptr + kvh * stride_vh + n[:, None] * stride_vs + d[None, :], mask=n_ok[:, None],
-                            other=0.0)
-                if IEEE:
-                    pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-                else:
-                    pv = tl.dot(p.to(v.dtype), v)
-                acc = acc * alpha[:, None] + pv
-                m_i = m_new
-        base = (kvh * nsplit + sp) * R + g * T + t  # workspace [nkv, nsplit, R = GRP * T, ...]
-        tl.store(acc_ptr + base[:, None] * HD + d[None, :], acc, mask=row_ok[:, None])
-        tl.store(ml_ptr + base * 2, m_i, mask=row_ok)
-        tl.store(ml_ptr + base * 2 + 1, l_i, mask=row_ok)
+                k = tl.load(k_base + n[:, None] * stride_ks, mask=n_ok[:, None], other=0.0)
+                v = tl.load(v_base + n[:, None] * stride_vs, mask=n_ok[:, None], other=0.0)
+                m_i, l_i, acc = _update(q, k, v, allowed, m_i, l_i, acc, scale, IEEE)
+        if DIRECT:   # one split: the merge's result (its weights are exactly 1), no second kernel
+            o = acc / tl.where(row_ok, l_i, 1.0)[:, None]   # padding rows: no 0/0
+            tl.store(out_ptr + t[:, None] * stride_ot + ((kvh * GRP + g) * HD)[:, None] + d[None, :],
+                     o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        else:
+            base = (kvh * nsplit + sp) * R + g * T + t  # workspace [nkv, nsplit, R = GRP * T, ...]
+            tl.store(acc_ptr + base[:, None] * HD + d[None, :], acc, mask=row_ok[:, None])
+            tl.store(ml_ptr + base * 2, m_i, mask=row_ok)
+            tl.store(ml_ptr + base * 2 + 1, l_i, mask=row_ok)
 
     @triton.jit(do_not_specialize=["T", "R", "nsplit"])
     def _attn_merge(acc_ptr, ml_ptr, out_ptr, T, R, nsplit, stride_ot,
@@ -215,10 +243,13 @@ def _check(nh: int, nkv: int, hd: int, k: torch.Tensor, v: torch.Tensor) -> None
         raise ValueError("fused attention needs K/V caches contiguous in head_dim")
 
 
-def _launch(q, k, v, mask, scale, pdl, segs=None, seg_rows: int = 0, cfg: SplitConfig | None = None):
-    """Both kernels for ``q`` [T, nh, hd] over ``k``/``v`` [slots, nkv, S, hd]: one request in slot 0
+def _launch(q, k, v, mask, scale, pdl, segs=None, seg_rows: int = 0, cfg: SplitConfig | None = None,
+            slots: torch.Tensor | None = None):
+    """The kernels for ``q`` [T, nh, hd] over ``k``/``v`` [slots, nkv, S, hd]: one request in slot 0
     (``segs`` None) or the requests ``segs`` [n, 3] int32 (first row, rows, slot) of at most
-    ``seg_rows`` rows each; ``cfg`` (default: :func:`split_config`'s) sets the program target."""
+    ``seg_rows`` rows each; ``cfg`` (default: :func:`split_config`'s) sets the program target and
+    the walk (``live`` takes the rows' cache ``slots`` [T]; without them the checked walk runs). A
+    plan of one split writes the output from the split pass; more take the merge."""
     T, nh, hd = q.shape
     _, nkv, S, _ = k.shape
     q = q.contiguous()
@@ -230,29 +261,40 @@ def _launch(q, k, v, mask, scale, pdl, segs=None, seg_rows: int = 0, cfg: SplitC
     _, block_m, row_blocks, splits = plan(rows, nh, nkv, S, nseg, cfg)
     chunk = triton.cdiv(triton.cdiv(S, splits), BLOCK_N) * BLOCK_N
     splits = triton.cdiv(S, chunk)
-    acc = torch.empty(nkv, splits, R, hd, dtype=torch.float32, device=q.device)
-    ml = torch.empty(nkv, splits, R, 2, dtype=torch.float32, device=q.device)
     out = torch.empty(T, nh * hd, dtype=v.dtype, device=q.device)
+    direct = splits == 1
+    if direct:
+        acc = ml = out
+    else:
+        acc = torch.empty(nkv, splits, R, hd, dtype=torch.float32, device=q.device)
+        ml = torch.empty(nkv, splits, R, 2, dtype=torch.float32, device=q.device)
+    live = cfg.live and slots is not None
+    if live and (slots.dim() != 1 or slots.shape[0] != T):
+        raise ValueError(f"slots must be [T] = [{T}], got {tuple(slots.shape)}")
     ieee = v.dtype == torch.float32
     _attn_split[(nkv, splits, row_blocks * nseg)](
-        q, k, v, mask, acc, ml, mask if segs is None else segs, T, S, R, chunk, float(scale), row_blocks,
+        q, k, v, mask, acc, ml, mask if segs is None else segs, slots if live else mask, out,
+        T, S, R, chunk, float(scale), row_blocks,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        mask.stride(0), GRP=nh // nkv, HD=hd, BLOCK_M=block_m, BLOCK_N=BLOCK_N, IEEE=ieee, SEGS=segs is not None,
-        num_warps=4, **pdl_args(pdl, q))
-    _attn_merge[(nkv, R)](acc, ml, out, T, R, splits, out.stride(0), GRP=nh // nkv, HD=hd, SPLITS=MERGE_SPLITS,
-                          num_warps=4, **pdl_args(pdl, q))
+        mask.stride(0), out.stride(0), GRP=nh // nkv, HD=hd, BLOCK_M=block_m, BLOCK_N=BLOCK_N, IEEE=ieee,
+        SEGS=segs is not None, LIVE=live, STAGES=cfg.stages, DIRECT=direct, num_warps=4, **pdl_args(pdl, q))
+    if not direct:
+        _attn_merge[(nkv, R)](acc, ml, out, T, R, splits, out.stride(0), GRP=nh // nkv, HD=hd,
+                              SPLITS=MERGE_SPLITS, num_warps=4, **pdl_args(pdl, q))
     return out
 
 
 def masked_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                         scale: float, pdl: bool = False, cfg: SplitConfig | None = None) -> torch.Tensor:
+                         scale: float, pdl: bool = False, cfg: SplitConfig | None = None,
+                         slots: torch.Tensor | None = None) -> torch.Tensor:
     """Fused masked GQA attention; output [T, nh * hd] in ``v``'s dtype (see the module doc).
     ``pdl``: launch both kernels with programmatic dependent launch (kernels/triton_env.pdl_args;
-    the fused decode chain); ``cfg``: the program target (default: the measured table's)."""
+    the fused decode chain); ``cfg``: the program target and walk (default: the measured table's);
+    ``slots`` [T]: the cache slots the rows wrote (the live walk's bound)."""
     if triton is None:  # pragma: no cover
         raise RuntimeError("the fused attention needs triton")
     _check(q.shape[1], k.shape[0], q.shape[2], k, v)
-    return _launch(q, k[None], v[None], mask, scale, pdl, cfg=cfg)
+    return _launch(q, k[None], v[None], mask, scale, pdl, cfg=cfg, slots=slots)
 
 
 def segment_table(segments, device) -> tuple[torch.Tensor, int]:
@@ -264,7 +306,7 @@ def segment_table(segments, device) -> tuple[torch.Tensor, int]:
 
 def batched_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
                           segs: torch.Tensor, seg_rows: int, pdl: bool = False,
-                          cfg: SplitConfig | None = None) -> torch.Tensor:
+                          cfg: SplitConfig | None = None, slots: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`masked_gqa_attention` for the rows of several requests in one launch (continuous
     batching): rows ``segs[i, 0] ..`` (``segs[i, 1]`` of them, at most ``seg_rows``) attend over
     request ``segs[i, 2]``'s cache ``k[slot]``/``v[slot]`` ([slots, nkv, S, hd]) under their rows of
@@ -274,4 +316,4 @@ def batched_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mas
     if k.dim() != 4 or segs.dim() != 2 or segs.shape[1] != 3 or segs.dtype != torch.int32:
         raise ValueError("batched attention takes caches [slots, nkv, S, hd] and a segment table [n, 3] int32")
     _check(q.shape[1], k.shape[1], q.shape[2], k, v)
-    return _launch(q, k, v, mask, scale, pdl, segs, seg_rows, cfg)
+    return _launch(q, k, v, mask, scale, pdl, segs, seg_rows, cfg, slots)

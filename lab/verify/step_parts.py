@@ -9,7 +9,9 @@ Variants (each captured afresh, interleaved over rounds, median of the replays):
 * ``no-attn``: no attention kernels at all (the o projection reads q);
 * ``no-rows``: no small row kernels (RoPE/K/V write, residual + RMSNorm, silu*up) in multi-row steps;
 * ``skinny``: every dense projection of a multi-row step through the skinny GEMM
-  (``kernels/verify/skinny.py``, about two programs per SM), cuBLAS nowhere.
+  (``kernels/verify/skinny.py``, about two programs per SM), cuBLAS nowhere;
+* ``attn:<walk>:<target>:<stages>``: the attention with another ``SplitConfig`` for every step
+  (walk ``live`` or ``checked``, program target a number or ``table`` for the measured entry).
 
 Cases: one request of 1, 33 and 64 rows and a batched AR step of 16 requests, Llama-3.1-8B shapes,
 random bf16, context 1024. Outputs of the taken-out variants are meaningless; only time counts.
@@ -53,7 +55,18 @@ def variant(name: str):
     from specpilot.kernels.verify.skinny import BLOCK_N, BLOCK_K, SkinnyConfig
 
     stack = ExitStack()
-    if name == "no-merge":
+    if name.startswith("attn:"):
+        from dataclasses import replace
+
+        _, walk, target, stages = name.split(":")
+        table = decode.split_config
+
+        def cfg(device, batched, rows):
+            c = table(device, batched, rows)
+            return replace(c, live=walk == "live", stages=int(stages),
+                           target_programs=c.target_programs if target == "table" else int(target))
+        stack.enter_context(patched(decode, "split_config", cfg))
+    elif name == "no-merge":
         stack.enter_context(patched(decode, "_attn_merge", _NoLaunch()))
     elif name == "no-attn":
         def skip(q, *a, **k):
@@ -87,7 +100,7 @@ def main() -> int:
     ap.add_argument("--model", default="llama-3.1-8b")
     args = ap.parse_args()
     variants = args.variants.split(",")
-    bad = [v for v in variants if v not in VARIANTS]
+    bad = [v for v in variants if v not in VARIANTS and not v.startswith("attn:")]
     if bad:
         raise SystemExit(f"step_parts: unknown variant(s) {bad}; known: {VARIANTS}")
     import torch
