@@ -70,8 +70,9 @@ if triton is not None:
     NEG = tl.constexpr(-1.0e30)  # finite "minus infinity": a row with nothing to attend in a split stays finite
 
     @triton.jit
-    def _update(q, k, v, allowed, m_i, l_i, acc, scale, IEEE: tl.constexpr):
-        """One tile of the online softmax: scores (float32), the running max and sum, ``acc``."""
+    def _scores(q, k, allowed, m_i, l_i, scale, IEEE: tl.constexpr):
+        """One tile of the online softmax: probabilities ``p``, the rescale ``alpha`` of what came
+        before, the running max and sum (float32 scores)."""
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -80,12 +81,15 @@ if triton is not None:
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+    @triton.jit
+    def _accumulate(acc, alpha, p, v, IEEE: tl.constexpr):
         if IEEE:
             pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
             pv = tl.dot(p.to(v.dtype), v)
-        return m_new, l_i, acc * alpha[:, None] + pv
+        return acc * alpha[:, None] + pv
 
     @triton.jit(do_not_specialize=["T", "R", "row_blocks"])   # an eager step's rows vary: one compile for all
     def _attn_split(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, ml_ptr, seg_ptr, slots_ptr, out_ptr,
@@ -138,7 +142,8 @@ if triton is not None:
                                   mask=row_ok[:, None] & n_ok[None, :], other=0) != 0
                 k = tl.load(k_base + n[:, None] * stride_ks, mask=n_ok[:, None], other=0.0)
                 v = tl.load(v_base + n[:, None] * stride_vs, mask=n_ok[:, None], other=0.0)
-                m_i, l_i, acc = _update(q, k, v, allowed, m_i, l_i, acc, scale, IEEE)
+                p, alpha, m_i, l_i = _scores(q, k, allowed, m_i, l_i, scale, IEEE)
+                acc = _accumulate(acc, alpha, p, v, IEEE)
         for s0 in range(mid, hi, BLOCK_N):
             n = s0 + tl.arange(0, BLOCK_N)
             n_ok = n < hi
@@ -146,8 +151,10 @@ if triton is not None:
                               mask=row_ok[:, None] & n_ok[None, :], other=0) != 0
             if tl.max(allowed.to(tl.int32)) > 0:  # skip tiles no row attends: K/V never loaded
                 k = tl.load(k_base + n[:, None] * stride_ks, mask=n_ok[:, None], other=0.0)
+                p, alpha, m_i, l_i = _scores(q, k, allowed, m_i, l_i, scale, IEEE)
+                # V after the scores: one tile load in flight per program (faster here than beside K)
                 v = tl.load(v_base + n[:, None] * stride_vs, mask=n_ok[:, None], other=0.0)
-                m_i, l_i, acc = _update(q, k, v, allowed, m_i, l_i, acc, scale, IEEE)
+                acc = _accumulate(acc, alpha, p, v, IEEE)
         if DIRECT:   # one split: the merge's result (its weights are exactly 1), no second kernel
             o = acc / tl.where(row_ok, l_i, 1.0)[:, None]   # padding rows: no 0/0
             tl.store(out_ptr + t[:, None] * stride_ot + ((kvh * GRP + g) * HD)[:, None] + d[None, :],

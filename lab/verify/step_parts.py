@@ -13,10 +13,10 @@ Variants (each captured afresh, interleaved over rounds, median of the replays):
 * ``attn:<walk>:<target>:<stages>``: the attention with another ``SplitConfig`` for every step
   (walk ``live`` or ``checked``, program target a number or ``table`` for the measured entry).
 
-Cases: one request of 1, 33 and 64 rows and a batched AR step of 16 requests, Llama-3.1-8B shapes,
-random bf16, context 1024. Outputs of the taken-out variants are meaningless; only time counts.
+Cases (``--cases``): one request of 1, 33 and 64 rows and a batched AR step of 16 requests by
+default, Llama-3.1-8B shapes, random bf16, context 1024. Outputs of the taken-out variants are meaningless; only time counts.
 
-    python lab/verify/step_parts.py [--rounds 2] [--variants product,no-attn,...]
+    python lab/verify/step_parts.py [--rounds 2] [--variants product,no-attn,...] [--cases 1x1,16x1,...]
 """
 
 from __future__ import annotations
@@ -98,6 +98,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=100)
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--model", default="llama-3.1-8b")
+    ap.add_argument("--cases", default="1x1,1x33,1x64,16x1", help="BxN: B requests of N rows (B=1: one request)")
     args = ap.parse_args()
     variants = args.variants.split(",")
     bad = [v for v in variants if v not in VARIANTS and not v.startswith("attn:")]
@@ -122,14 +123,7 @@ def main() -> int:
         if hasattr(m, "k_cache"):
             m.k_cache.normal_()
             m.v_cache.normal_()
-    B = 16
-    cache = BatchCache(model, B)
-    for lc in cache.layers:
-        for t in (lc.k, lc.v):
-            if t is not None:
-                t.normal_()
     gen = torch.Generator(device="cpu").manual_seed(0)
-    binp, _, _ = assemble(chain_rows(B, 1, ctx, model.spec.vocab_size, gen), cache.max_seq, model.device, pad=(B, 1))
 
     def one_request(T):
         runner = GraphRunner(model)
@@ -141,16 +135,31 @@ def main() -> int:
         del runner, g
         return ms
 
-    def batched():
+    caches = {}
+
+    def batched(B, N):
+        if B not in caches:
+            caches.clear()
+            cache = BatchCache(model, B)
+            for lc in cache.layers:
+                for t in (lc.k, lc.v):
+                    if t is not None:
+                        t.normal_()
+            caches[B] = cache
+        cache = caches[B]
+        inp, _, _ = assemble(chain_rows(B, N, ctx, model.spec.vocab_size, gen), cache.max_seq, model.device,
+                             pad=(B, N))
         runner = BatchGraphRunner(model, cache)
-        runner.run(binp, B, 1)
-        g = runner.graphs[(B, 1)][0]
+        runner.run(inp, B, N)
+        g = runner.graphs[(B, N)][0]
         ms = statistics.median(time_replays(g, args.reps, 10))
         del runner, g
         return ms
 
-    cases = [("1 x 1", lambda: one_request(1)), ("1 x 33", lambda: one_request(33)),
-             ("1 x 64", lambda: one_request(64)), (f"{B} x 1", batched)]
+    cases = []
+    for c in args.cases.split(","):
+        B, N = (int(x) for x in c.split("x"))
+        cases.append((f"{B} x {N}", (lambda N=N: one_request(N)) if B == 1 else (lambda B=B, N=N: batched(B, N))))
     times: dict = {}
     for rnd in range(args.rounds):
         for v in variants:
