@@ -97,13 +97,15 @@ def test_fused_is_deterministic_and_plan_fills_the_gpu():
 
 
 def test_program_targets_come_from_the_measured_table():
-    """Batched steps of few rows per request aim at more programs (their table entry); one request
-    and long segments keep the default. A given target changes only the split, not the result."""
+    """Batched steps of few rows per request take the live walk with one split per program from 16
+    requests on, one request's AR step the live walk (their table entries); verify rows and long
+    segments keep the default. A given target changes only the split, not the result."""
     cpu = torch.device("cpu")
-    assert fused.split_config(cpu, True, 1).target_programs == 512
-    assert fused.split_config(cpu, True, 4).target_programs == 512
+    assert fused.split_config(cpu, True, 1) == fused.split_config(cpu, True, 4) == fused.SplitConfig(128, True, 3)
     assert fused.split_config(cpu, True, 33) == fused.SplitConfig()
-    assert fused.split_config(cpu, False, 1) == fused.SplitConfig()
+    assert fused.split_config(cpu, False, 1) == fused.SplitConfig(256, True, 2)
+    assert fused.split_config(cpu, False, 2) == fused.SplitConfig()
+    assert fused.plan(1, 32, 8, 1344, 16, fused.SplitConfig(128))[3] == 1   # 16 requests: one split each
     assert fused.plan(1, 32, 8, 1344, 16, fused.SplitConfig(512))[3] == 4
     assert fused.plan(1, 32, 8, 1344, 16)[3] == 2
     q, k, v, mask = _case(2, 8, 2, 32, 256, seed=6)
@@ -311,3 +313,32 @@ def test_live_walk_refuses_slots_of_another_shape():
     q, k, v, mask = _case(3, 8, 2, 16, 64)
     with pytest.raises(ValueError, match="slots must be"):
         fused.masked_gqa_attention(q, k, v, mask, 0.25, cfg=fused.SplitConfig(live=True), slots=torch.arange(2))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,batch", [(1, 1), (33, 1), (1, 16), (4, 16)])
+def test_live_walk_and_one_split_on_cuda(T, batch):
+    """Llama-3.1-8B attention shapes in bf16: the live walk (pipelined on the GPU) gives the checked
+    walk's bits at the same split, and the table's configs (one split from 16 requests on) stay
+    within bf16 rounding of the float32 reference."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA")
+    nh, nkv, hd, S, ctx = 32, 8, 128, 1152, 1000
+    g = torch.Generator().manual_seed(T + batch)
+    q = torch.randn(batch * T, nh, hd, generator=g).to(torch.bfloat16).cuda()
+    k = torch.randn(batch, nkv, S, hd, generator=g).to(torch.bfloat16).cuda()
+    v = torch.randn(batch, nkv, S, hd, generator=g).to(torch.bfloat16).cuda()
+    masks, slots = zip(*(_rows_at_slots(T, S, ctx - 7 * b, b) for b in range(batch)))
+    mask, slots = torch.cat(masks).cuda(), torch.cat(slots).cuda()
+    segs = torch.tensor([[b * T, T, b] for b in range(batch)], dtype=torch.int32, device="cuda")
+
+    def attend(cfg):
+        if batch == 1:
+            return fused.masked_gqa_attention(q, k[0], v[0], mask, hd ** -0.5, cfg=cfg, slots=slots)
+        return fused.batched_gqa_attention(q, k, v, mask, hd ** -0.5, segs, T, cfg=cfg, slots=slots)
+
+    for target in (64, 256):
+        assert torch.equal(attend(fused.SplitConfig(target, live=True, stages=3)), attend(fused.SplitConfig(target)))
+    got = attend(None)
+    want = ref.batched_gqa_attention(q.float(), k.float(), v.float(), mask, hd ** -0.5, segs.cpu())
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)

@@ -3,20 +3,24 @@
 The same contract as :func:`.naive.masked_gqa_attention` (``q`` [T, nh, hd], ``k``/``v``
 [nkv, S, hd], ``mask`` bool [T, S]), for AR decode and for chain/tree verification rows. Where
 the reference launches a dozen kernels per layer (two batched GEMMs, scaling, masking, softmax,
-casts and permutes), this is two:
+casts and permutes), this is two, or one:
 
 1. ``_attn_split``: program (KV head, KV split, row block) holds the group's query rows of that
    head (row ``r = g * T + t``: group member ``g``, step row ``t``) and walks its slice of the
-   cache in ``BLOCK_N`` tiles with an online softmax (float32 scores, max and sum). A tile no row
-   may attend (the unused tail of a static cache, which CUDA graphs read whole) is skipped
-   without loading its K and V, so a step reads only the live context. The walk is not
-   software-pipelined: a pipelined one (dead tiles predicated off) measured slower in whole
-   steps on the H200 (16 requests x 1 row: 5.49 -> 5.59 ms).
+   cache in ``BLOCK_N`` tiles with an online softmax (float32 scores, max and sum). Two walks
+   (``SplitConfig.live``, from the measured table): the *checked* walk loads a tile's mask first
+   and skips a tile no row may attend (the unused tail of a static cache, which CUDA graphs read
+   whole) without loading its K and V, so a step reads only the live context; the *live* walk
+   knows that no row attends past the highest slot its rows write (read from the rows' slots), so
+   below it the mask, K and V of a tile load together, software-pipelined, and above it the
+   checked walk takes over - correct for any mask, at the same arithmetic.
 2. ``_attn_merge``: per (KV head, row), combines the splits' partial outputs in split order -
-   deterministic, no atomics; one compiled kernel for every split count.
+   deterministic, no atomics; one compiled kernel for every split count. A plan of one split
+   (enough programs without splitting: batched steps of many requests) has no merge; the split
+   pass writes the output.
 
 :func:`batched_gqa_attention` runs the rows of several requests (continuous batching) in the same
-two launches: each request is a segment of consecutive rows attending over its own cache slot
+launches: each request is a segment of consecutive rows attending over its own cache slot
 (``k``/``v`` [slots, nkv, S, hd]), its programs the row blocks of that segment.
 
 Scores are accumulated in float32 from the cache dtype (``tl.dot``; IEEE float32 when the cache
