@@ -280,8 +280,10 @@ def _launch(q, k, v, mask, scale, pdl, segs=None, seg_rows: int = 0, cfg: SplitC
         acc = torch.empty(nkv, splits, R, hd, dtype=torch.float32, device=q.device)
         ml = torch.empty(nkv, splits, R, 2, dtype=torch.float32, device=q.device)
     live = cfg.live and slots is not None
-    if live and (slots.dim() != 1 or slots.shape[0] != T):
-        raise ValueError(f"slots must be [T] = [{T}], got {tuple(slots.shape)}")
+    if live:
+        if slots.dim() != 1 or slots.shape[0] != T:
+            raise ValueError(f"slots must be [T] = [{T}], got {tuple(slots.shape)}")
+        slots = slots.contiguous()   # the kernel reads slots[t] at slots_ptr + t
     ieee = v.dtype == torch.float32
     _attn_split[(nkv, splits, row_blocks * nseg)](
         q, k, v, mask, acc, ml, mask if segs is None else segs, slots if live else mask, out,
