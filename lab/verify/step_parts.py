@@ -11,7 +11,10 @@ Variants (each captured afresh, interleaved over rounds, median of the replays):
 * ``skinny``: every dense projection of a multi-row step through the skinny GEMM
   (``kernels/verify/skinny.py``, about two programs per SM), cuBLAS nowhere;
 * ``attn:<walk>:<target>:<stages>``: the attention with another ``SplitConfig`` for every step
-  (walk ``live`` or ``checked``, program target a number or ``table`` for the measured entry).
+  (walk ``live`` or ``checked``, program target a number or ``table`` for the measured entry);
+* ``skinny:<layers>:<mult>:<stages>``: the skinny GEMM for the Llama layers named (``qkv``, ``o``,
+  ``gu``, ``down``, joined by ``+``) at every row count, ``mult`` programs per SM along K, the table
+  elsewhere.
 
 Cases (``--cases``): one request of 1, 33 and 64 rows and a batched AR step of 16 requests by
 default, Llama-3.1-8B shapes, random bf16, context 1024. Outputs of the taken-out variants are meaningless; only time counts.
@@ -32,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lab.common import bootstrap, print_table, write_results  # noqa: E402
 
 VARIANTS = ("product", "no-merge", "no-attn", "no-rows", "skinny")
+LLAMA_LAYERS = {"qkv": (6144, 4096), "o": (4096, 4096), "gu": (28672, 4096), "down": (4096, 14336)}   # (n, k)
 
 
 @contextmanager
@@ -66,6 +70,20 @@ def variant(name: str):
             return replace(c, live=walk == "live", stages=int(stages),
                            target_programs=c.target_programs if target == "table" else int(target))
         stack.enter_context(patched(decode, "split_config", cfg))
+    elif name.startswith("skinny:"):
+        import torch
+
+        _, names, mult, stages = name.split(":")
+        shapes = {LLAMA_LAYERS[n] for n in names.split("+")}
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        table = blas.skinny_config
+
+        def cfg(device, n, k, rows):
+            if (n, k) not in shapes:
+                return table(device, n, k, rows)
+            return SkinnyConfig(max(1, min(-(-k // BLOCK_K), round(float(mult) * sms / -(-n // BLOCK_N)))),
+                                int(stages))
+        stack.enter_context(patched(blas, "skinny_config", cfg))
     elif name == "no-merge":
         stack.enter_context(patched(decode, "_attn_merge", _NoLaunch()))
     elif name == "no-attn":
@@ -101,7 +119,7 @@ def main() -> int:
     ap.add_argument("--cases", default="1x1,1x33,1x64,16x1", help="BxN: B requests of N rows (B=1: one request)")
     args = ap.parse_args()
     variants = args.variants.split(",")
-    bad = [v for v in variants if v not in VARIANTS and not v.startswith("attn:")]
+    bad = [v for v in variants if v not in VARIANTS and not v.startswith(("attn:", "skinny:"))]
     if bad:
         raise SystemExit(f"step_parts: unknown variant(s) {bad}; known: {VARIANTS}")
     import torch
