@@ -8,7 +8,7 @@
                   "date": "2026-12-01", "note": "why it won"}, ...]}
 
 An entry names a kernel, the key it applies to (the op's fields: ``n`` and ``k`` for a layer,
-``epilogue`` for the fused decode kernels; ``rows`` ``[lo, hi]`` a range of x rows, ``hi`` null for
+``epilogue`` for the fused decode kernels, ``head_dim`` for the attention; ``rows`` ``[lo, hi]`` a range of x rows, ``hi`` null for
 no bound) and the kernel's config fields. A kernel takes the first entry of its own that matches;
 the ops' own code decides which kernel runs (:mod:`specpilot.kernels.w12.routing`).
 
@@ -69,7 +69,7 @@ def table(op: str, arch: str | None = None) -> dict:
     return dict(data, index=index)
 
 
-_KEY_FIELDS = ("n", "k", "epilogue")
+_KEY_FIELDS = ("n", "k", "epilogue", "head_dim")
 
 
 def _key(kernel: str, fields: dict) -> tuple:

@@ -97,14 +97,18 @@ def test_fused_is_deterministic_and_plan_fills_the_gpu():
 
 
 def test_program_targets_come_from_the_measured_table():
-    """Batched steps of few rows per request take the live walk with one split per program from 16
-    requests on, one request's AR step the live walk (their table entries); verify rows and long
-    segments keep the default. A given target changes only the split, not the result."""
+    """At head_dim 128, batched steps of few rows per request take the live walk with one split per
+    program from 16 requests on, one request's AR step the live walk (their table entries); verify
+    rows and long segments keep the default. A given target changes only the split, not the result."""
     cpu = torch.device("cpu")
-    assert fused.split_config(cpu, True, 1) == fused.split_config(cpu, True, 4) == fused.SplitConfig(128, True, 3)
-    assert fused.split_config(cpu, True, 33) == fused.SplitConfig()
-    assert fused.split_config(cpu, False, 1) == fused.SplitConfig(256, True, 2)
-    assert fused.split_config(cpu, False, 2) == fused.SplitConfig()
+    live = fused.SplitConfig(128, True, 3)
+    assert fused.split_config(cpu, True, 1, 128) == fused.split_config(cpu, True, 4, 128) == live
+    assert fused.split_config(cpu, True, 33, 128) == fused.SplitConfig()
+    assert fused.split_config(cpu, False, 1, 128) == fused.SplitConfig(256, True, 2)
+    assert fused.split_config(cpu, False, 2, 128) == fused.SplitConfig()
+    # other head dims keep what was measured for them (Qwen3.5's 256) or the default
+    assert fused.split_config(cpu, True, 1, 256) == fused.SplitConfig(512)
+    assert fused.split_config(cpu, True, 1, 64) == fused.split_config(cpu, False, 1, 256) == fused.SplitConfig()
     assert fused.plan(1, 32, 8, 1344, 16, fused.SplitConfig(128))[3] == 1   # 16 requests: one split each
     assert fused.plan(1, 32, 8, 1344, 16, fused.SplitConfig(512))[3] == 4
     assert fused.plan(1, 32, 8, 1344, 16)[3] == 2

@@ -181,11 +181,11 @@ def test_every_table_entry_names_a_known_kernel_and_valid_config_fields():
     from specpilot.kernels.attention import decode as attn
     from specpilot.kernels.verify import blas
 
-    # the attention's program target; the verify GEMMs' library (by rows) and skinny configs (by layer and rows)
+    # the attention's split config (by head_dim and rows); the verify GEMMs' library (by rows) and skinny configs (by layer and rows)
     skinny_ok = lambda c: c.split >= 1 and c.stages >= 1  # noqa: E731
-    for op, kernels in (("attention", {"split-kv": (attn.SplitConfig, lambda c: c.target_programs >= 1, set()),
-                                       "split-kv-batched": (attn.SplitConfig, lambda c: c.target_programs >= 1,
-                                                            set())}),
+    split_ok = lambda c: c.target_programs >= 1 and c.stages >= 1  # noqa: E731
+    for op, kernels in (("attention", {"split-kv": (attn.SplitConfig, split_ok, {"head_dim"}),
+                                       "split-kv-batched": (attn.SplitConfig, split_ok, {"head_dim"})}),
                         ("verify", {"gemm": (blas.GemmConfig, lambda c: c.library in blas.LIBRARIES, set()),
                                     "skinny": (blas.SkinnyConfig, skinny_ok, {"n", "k"})})):
         for path in _tables(op):

@@ -57,15 +57,17 @@ class SplitConfig:
 
 
 @lru_cache(maxsize=None)
-def _split_config(arch: str | None, batched: bool, rows: int) -> SplitConfig:
-    found = tuning.lookup("attention", "split-kv-batched" if batched else "split-kv", arch, rows=rows)
+def _split_config(arch: str | None, batched: bool, rows: int, head_dim: int) -> SplitConfig:
+    found = tuning.lookup("attention", "split-kv-batched" if batched else "split-kv", arch, rows=rows,
+                          head_dim=head_dim)
     return SplitConfig(**found[0]["config"]) if found else SplitConfig()
 
 
-def split_config(device, batched: bool, rows: int) -> SplitConfig:
-    """The measured program target (``kernels/attention/tuned/<arch>.json``) for one request's
-    ``rows`` rows, or a batched step's segments of at most ``rows`` rows each, on ``device``."""
-    return _split_config(tuning.device_arch(device), batched, rows)
+def split_config(device, batched: bool, rows: int, head_dim: int) -> SplitConfig:
+    """The measured config (``kernels/attention/tuned/<arch>.json``) for one request's ``rows`` rows,
+    or a batched step's segments of at most ``rows`` rows each, at ``head_dim`` on ``device``; the
+    default where nothing was measured for that head_dim."""
+    return _split_config(tuning.device_arch(device), batched, rows, head_dim)
 
 
 if triton is not None:
@@ -268,7 +270,7 @@ def _launch(q, k, v, mask, scale, pdl, segs=None, seg_rows: int = 0, cfg: SplitC
     nseg = 1 if segs is None else segs.shape[0]
     R = (nh // nkv) * T
     rows = T if segs is None else seg_rows
-    cfg = cfg or split_config(q.device, segs is not None, rows)
+    cfg = cfg or split_config(q.device, segs is not None, rows, hd)
     _, block_m, row_blocks, splits = plan(rows, nh, nkv, S, nseg, cfg)
     chunk = triton.cdiv(triton.cdiv(S, splits), BLOCK_N) * BLOCK_N
     splits = triton.cdiv(S, chunk)

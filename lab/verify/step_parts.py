@@ -65,8 +65,8 @@ def variant(name: str):
         _, walk, target, stages = name.split(":")
         table = decode.split_config
 
-        def cfg(device, batched, rows):
-            c = table(device, batched, rows)
+        def cfg(device, batched, rows, head_dim):
+            c = table(device, batched, rows, head_dim)
             return replace(c, live=walk == "live", stages=int(stages),
                            target_programs=c.target_programs if target == "table" else int(target))
         stack.enter_context(patched(decode, "split_config", cfg))
