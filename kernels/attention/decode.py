@@ -11,9 +11,10 @@ casts and permutes), this is two, or one:
    (``SplitConfig.live``, from the measured table): the *checked* walk loads a tile's mask first
    and skips a tile no row may attend (the unused tail of a static cache, which CUDA graphs read
    whole) without loading its K and V, so a step reads only the live context; the *live* walk
-   knows that no row attends past the highest slot its rows write (read from the rows' slots), so
-   below it the mask, K and V of a tile load together, software-pipelined, and above it the
-   checked walk takes over - correct for any mask, at the same arithmetic.
+   takes the highest slot its rows write (read from the rows' slots) as the end of what they
+   attend - in the engine's steps no row attends past its own slot - so below it the mask, K and V
+   of a tile load together, software-pipelined, and above it the checked walk takes over: correct
+   for any mask, at the same arithmetic.
 2. ``_attn_merge``: per (KV head, row), combines the splits' partial outputs in split order -
    deterministic, no atomics; one compiled kernel for every split count. A plan of one split
    (enough programs without splitting: batched steps of many requests) has no merge; the split
@@ -46,10 +47,10 @@ MERGE_SPLITS = 16   # partials the merge loads at once (a step's split count is 
 @dataclass(frozen=True)
 class SplitConfig:
     """``target_programs``: split the cache until about this many programs run (fills the SMs).
-    ``live``: below the highest slot its rows write (the step's own rows; every row attends at most
-    its own slot and earlier ones) a program loads each tile's mask, K and V at once, software-
-    pipelined ``stages`` deep, instead of checking the mask before it loads K and V; above it the
-    checked walk skips what no row attends. Same arithmetic either way; needs the rows' slots."""
+    ``live``: below the highest slot its rows write (in the engine's steps no row attends past its
+    own slot) a program loads each tile's mask, K and V at once, software-pipelined ``stages``
+    deep, instead of checking the mask before it loads K and V; above it the checked walk skips
+    what no row attends. Same arithmetic either way; needs the rows' slots."""
 
     target_programs: int = 256
     live: bool = False
@@ -105,7 +106,7 @@ if triton is not None:
                     GRP: tl.constexpr, HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     IEEE: tl.constexpr, SEGS: tl.constexpr, PDL: tl.constexpr, LIVE: tl.constexpr,
                     STAGES: tl.constexpr, DIRECT: tl.constexpr):
-        if PDL:   # the fused decode chain: let the merge launch, then wait for q and the cache write
+        if PDL:   # the fused decode chain: let the next kernel launch, then wait for q and the cache write
             gdc_launch_dependents()
             gdc_wait()
         kvh = tl.program_id(0)
