@@ -119,18 +119,19 @@ def test_hybrid_verify_rows_of_all_requests_walk_in_one_launch(reference, monkey
         return out
 
     monkeypatch.setattr(GatedDeltaNet, "_walk", walk)
-    eng = load_engine(EngineSpec.parse("engine:model=tiny-hybrid,batch=2,nodes=6,depth=4,topk=3,mode=tree,"
+    eng = load_engine(EngineSpec.parse("engine:model=tiny-hybrid,batch=2,nodes=3,depth=4,topk=3,mode=tree,"
                                        "drafter=self,draft_layers=1"))
     for layer in eng.model.gdn_layers():
         layer.impl = "triton"
         layer.verify = "path"
     dec = eng.batch_decoder()
-    # the interpreter is slow: two short prompts, 4 tokens (a prefix of the reference): a step walking
-    # both requests' rows, then one from the states it committed
+    # the interpreter is slow: two short prompts, 3-node trees, 4 tokens (a prefix of the reference):
+    # two steps walking both requests' rows, the second from the states the first committed
     n, pick = 4, (2, 3)
     reqs = [Request(PROMPTS[i], n, id=i) for i in pick]
     assert [r.output_ids for r in dec.generate_many(reqs)] == [reference["tiny-hybrid"][i][:n] for i in pick]
-    assert walks and max(walks) >= 2 and compared and dec.stats.accepted > 0 and dec.stats.verify_steps >= 2
+    assert walks and max(walks) >= 2 and compared and dec.stats.accepted > 0
+    assert walks.count(2) >= 2 * len(eng.model.gdn_layers())   # two steps walked both requests
 
 
 # trees of 3 nodes (buckets of 4 rows): two steps of both requests' branching trees, the second from
