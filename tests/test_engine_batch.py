@@ -119,20 +119,25 @@ def test_hybrid_verify_rows_of_all_requests_walk_in_one_launch(reference, monkey
         return out
 
     monkeypatch.setattr(GatedDeltaNet, "_walk", walk)
-    eng = load_engine(EngineSpec.parse("engine:model=tiny-hybrid,batch=2,nodes=6,depth=4,topk=3,mode=tree,"
+    eng = load_engine(EngineSpec.parse("engine:model=tiny-hybrid,batch=2,nodes=3,depth=4,topk=3,mode=tree,"
                                        "drafter=self,draft_layers=1"))
     for layer in eng.model.gdn_layers():
         layer.impl = "triton"
         layer.verify = "path"
     dec = eng.batch_decoder()
-    n, pick = 6, (2, 3)   # the interpreter is slow: two short prompts, 6 tokens (a prefix of the reference)
+    # the interpreter is slow: two short prompts, 3-node trees, 4 tokens (a prefix of the reference):
+    # two steps walking both requests' rows, the second from the states the first committed
+    n, pick = 4, (2, 3)
     reqs = [Request(PROMPTS[i], n, id=i) for i in pick]
     assert [r.output_ids for r in dec.generate_many(reqs)] == [reference["tiny-hybrid"][i][:n] for i in pick]
     assert walks and max(walks) >= 2 and compared and dec.stats.accepted > 0
+    assert walks.count(2) >= 2 * len(eng.model.gdn_layers())   # two steps walked both requests
 
 
-@pytest.mark.parametrize("extra,n,verify", [("mode=tree,drafter=self,draft_layers=1", 6, "wy"),
-                                            ("mode=chain", 8, "path")])
+# trees of 3 nodes (buckets of 4 rows): two steps of both requests' branching trees, the second from
+# the states the first committed
+@pytest.mark.parametrize("extra,n,verify", [("mode=tree,nodes=3,depth=4,topk=3,drafter=self,draft_layers=1", 4, "wy"),
+                                            ("mode=chain,nodes=6,depth=4,topk=3", 8, "path")])
 def test_hybrid_verify_buckets_walk_every_row(reference, extra, n, verify, monkeypatch):
     """tiny-hybrid on the GDN row kernels (Triton's interpreter) through the bucket runner: verify
     buckets of more than one row per request walk every row's GDN path from the static path table
@@ -143,18 +148,19 @@ def test_hybrid_verify_buckets_walk_every_row(reference, extra, n, verify, monke
 
     from specpilot.engine.batch.graphs import BatchGraphRunner
 
-    eng = load_engine(EngineSpec.parse(f"engine:model=tiny-hybrid,batch=2,nodes=6,depth=4,topk=3,{extra}"))
+    eng = load_engine(EngineSpec.parse(f"engine:model=tiny-hybrid,batch=2,{extra}"))
     for layer in eng.model.gdn_layers():
         layer.impl = "triton"
         layer.verify = verify
     dec = eng.batch_decoder()
     dec.runner = BatchGraphRunner(dec.model, dec.cache)
-    walked, run = [], dec._run
+    walked, branched, run = [], [], dec._run
 
     def spy(blocks, pblocks):
         out = run(blocks, pblocks)
         if not pblocks and max(len(b) for b in blocks) > 1:
             walked.append(sorted(len(b) for b in blocks))
+            branched.append(all(len(set(b.pos)) < len(b) for b in blocks))   # rows at the same depth
         return out
 
     dec._run = spy
@@ -182,7 +188,7 @@ def test_hybrid_verify_buckets_walk_every_row(reference, extra, n, verify, monke
     assert max(together) == 2   # both requests' GDN commits in one launch per layer
     assert (max(launches, default=0) == 2) == (verify == "wy")   # TreeWY over both requests at once
     if "drafter=self" in extra:
-        assert dec.stats.accepted > 0
+        assert dec.stats.accepted > 0 and branched[:2] == [True, True]
     else:   # the n-gram drafter finds nothing for some steps: one-row requests in walking buckets
         assert any(sizes[0] == 1 for sizes in walked)
 

@@ -249,17 +249,29 @@ def _step_engine(impl, mode="ar"):
     return e
 
 
+# tiny-hybrid's n-gram drafts for this prompt: nothing for two steps, then two tokens, then a branching
+# tree of 6 (chain: 3), then a step from the states that tree's commit left
+PROMPT, NEW = list(b"ab path"), 6
+
+
+def _drafted_rows(r) -> int:
+    """The most rows a verify step of generation result ``r`` ran (1: it verified no drafts)."""
+    return max(t[0] for t in r.step_times)
+
+
 @pytest.fixture(scope="module")
 def torch_ar():
     """tiny-hybrid's AR tokens through the torch layers (fp32)."""
-    return _step_engine("torch").generate(list(b"gated delta rules"), max_new_tokens=8).output_ids
+    return _step_engine("torch").generate(PROMPT, max_new_tokens=NEW).output_ids
 
 
 @pytest.mark.parametrize("mode", ["ar", "chain", "tree"])
 def test_engine_kernels_give_ar_tokens_and_match_torch(mode, torch_ar):
-    """tiny-hybrid (fp32) through the row kernels: AR and the speculative modes give the torch
-    layers' AR tokens."""
-    assert _step_engine("triton", mode).generate(list(b"gated delta rules"), max_new_tokens=8).output_ids == torch_ar
+    """tiny-hybrid (fp32) through the row kernels: AR and the speculative modes (verifying drafted
+    rows) give the torch layers' AR tokens."""
+    r = _step_engine("triton", mode).generate(PROMPT, max_new_tokens=NEW)
+    assert r.output_ids == torch_ar
+    assert _drafted_rows(r) == {"ar": 1, "chain": 4, "tree": 7}[mode]
 
 
 def test_decay_rows_match_the_layer():
@@ -276,7 +288,8 @@ def test_engine_wy_verify_gives_ar_tokens(torch_ar):
     e = _step_engine("triton", "tree")
     for m in e.model.gdn_layers():
         m.verify = "wy"
-    assert e.generate(list(b"gated delta rules"), max_new_tokens=8).output_ids == torch_ar
+    r = e.generate(PROMPT, max_new_tokens=NEW)
+    assert r.output_ids == torch_ar and _drafted_rows(r) == 7
 
 
 def test_prompts_take_the_walk_only_when_short_and_compiled(monkeypatch):

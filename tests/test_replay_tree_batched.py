@@ -1,5 +1,7 @@
 """The batched best-first builder (shared node budget) against the engine's single-request builder."""
 
+import contextlib
+import io
 import json
 import math
 import os
@@ -127,11 +129,25 @@ print(json.dumps(res))
 """
 
 
-def test_triton_kernel_under_interpreter():
+def _interpreted(script: str, timeout: int) -> str:
+    """``script``'s output, run under Triton's interpreter: in this process where kernels already
+    run interpreted (the CPU suite: no interpreter start-up, and conftest's cheaper device calls),
+    else in a fresh one with ``TRITON_INTERPRET=1``."""
+    from specpilot.kernels.triton_env import interpreting
+
+    if interpreting():
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            exec(compile(script, "<script>", "exec"), {"__name__": "__main__"})
+        return out.getvalue()
     env = dict(os.environ, TRITON_INTERPRET="1")
-    p = subprocess.run([sys.executable, "-c", TRITON_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout)
     assert p.returncode == 0, p.stderr[-2000:]
-    res = json.loads(p.stdout.strip().splitlines()[-1])
+    return p.stdout
+
+
+def test_triton_kernel_under_interpreter():
+    res = json.loads(_interpreted(TRITON_SCRIPT, 300).strip().splitlines()[-1])
     assert all(ok for ok, _ in res), res
     assert sum(n for _, n in res[-3:]) == 7          # the shared budget is spent exactly
 
@@ -190,10 +206,7 @@ def test_frontier_kernel_exact_with_ties_under_interpreter():
     """The frontier kernel against the torch reference and the engine's heap on many small random
     lattices, most with dyadic scores (exact ties everywhere), some with -inf edges and shared
     budgets."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    p = subprocess.run([sys.executable, "-c", FRONTIER_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-2000:]
-    res = json.loads(p.stdout.strip().splitlines()[-1])
+    res = json.loads(_interpreted(FRONTIER_SCRIPT, 600).strip().splitlines()[-1])
     assert res["cases"] == 36 and res["ties"] > 50, res            # ties were really exercised
     assert res["bad_ref"] == [] and res["bad_valid"] == [] and res["bad_heap"] == [], res
 

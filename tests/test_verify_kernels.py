@@ -142,6 +142,7 @@ def test_engine_verify_step_matches_the_layers():
 
     ctx = 64
     m = load_engine(f"engine:model=tiny,mode=ar,ctx={ctx},device={DEV},dtype=float32,graphs=0,decode=layers").model
+    m.layers = m.layers[:2]   # a layer into the next one, and the last into the head: half the interpreter's work
     n = 11
     pos = torch.arange(n, device=DEV)
     m.forward(StepInput(torch.arange(60, 60 + n, device=DEV), pos, pos,
@@ -161,10 +162,12 @@ def test_engine_verify_step_matches_the_layers():
     assert torch.equal(m.greedy(step, kv_len=ctx), ref.argmax(-1))
 
 
-def _batched_fused_vs_layers(model: str, ctx: int, seed: int, scale: float, blocks, tol: float, prepare=None):
+def _batched_fused_vs_layers(model: str, ctx: int, seed: int, scale: float, blocks, tol: float, prepare=None,
+                             layers=None):
     """One batched step of ``blocks`` through the layer modules, then (every cache slot put back)
     through the fused kernels (``prepare(m)`` first): logits, every slot's K/V and GDN states agree
-    within ``tol``. Returns (model, the step's input and kv_len, the layers' logits)."""
+    within ``tol``; ``layers``: the model's first layers only. Returns (model, the step's input and
+    kv_len, the layers' logits)."""
     from specpilot.engine import fused_verify
     from specpilot.engine.api import load_engine
     from specpilot.engine.batch.cache import BatchCache
@@ -172,6 +175,7 @@ def _batched_fused_vs_layers(model: str, ctx: int, seed: int, scale: float, bloc
 
     m = load_engine(f"engine:model={model},mode=ar,ctx={ctx},device={DEV},dtype=float32,graphs=0,"
                     "decode=layers").model
+    m.layers = m.layers[:layers]
     cache = BatchCache(m, 3)
     g = torch.Generator().manual_seed(seed)
     tensors = [t for lc in cache.layers for t in lc.tensors()]
@@ -205,7 +209,8 @@ def test_engine_batched_step_matches_the_layers(one_row):
               prefill_rows(1, list(range(50, 80)), 20, 27, True)]
     if one_row:
         blocks = [prefill_rows(1, list(range(50, 80)), 20, 21, True)]
-    m, cache, inp, kv, ref = _batched_fused_vs_layers("tiny", 128, 0, 1.0, blocks, 2e-5)
+    # two layers: a layer into the next one, and the last into the head: half the interpreter's work
+    m, cache, inp, kv, ref = _batched_fused_vs_layers("tiny", 128, 0, 1.0, blocks, 2e-5, layers=2)
     assert torch.equal(m.greedy_batch(inp, cache, kv), ref.argmax(-1))
 
 
@@ -258,11 +263,19 @@ def test_decoder_padded_fused_verify_steps_equal_ar(model):
     the hybrid's GDN layers on the row kernels, its attention layers gated and q/k-normed)."""
     from specpilot.engine.api import load_engine
 
-    prompt = list(b"abcabcabc abcabc")
-    n = 10 if model == "tiny" else 6   # the hybrid accepts nothing here: each token is an interpreted step
+    # the hybrid accepts nothing here, so each token is an interpreted step: a shorter prompt, drafted
+    # for at its third step, then one step from that step's commit
+    prompt, n = (list(b"abcabcabc abcabc"), 10) if model == "tiny" else (list(b"abc abcabc"), 5)
     spec = f"engine:model={model},ctx=96,device={DEV},dtype=float32,graphs=0,decode=layers"
-    ar = load_engine(spec + ",mode=ar").generate(prompt, n).output_ids
-    e = load_engine(spec + ",mode=tree,nodes=6,depth=3,topk=2")
+
+    def engine(extra):
+        e = load_engine(spec + extra)
+        if model == "tiny":   # a layer into the next one, and the last into the head: half the interpreter's work
+            e.model.layers = e.model.layers[:2]
+        return e
+
+    ar = engine(",mode=ar").generate(prompt, n).output_ids
+    e = engine(",mode=tree,nodes=6,depth=3,topk=2")
     for g in e.model.gdn_layers():
         g.impl = "triton"
     e.model.set_decode("fused")
