@@ -8,8 +8,8 @@
                   "date": "2026-12-01", "note": "why it won"}, ...]}
 
 An entry names a kernel, the key it applies to (the op's fields: ``n`` and ``k`` for a layer,
-``epilogue`` for the fused decode kernels, ``head_dim`` for the attention; ``rows`` ``[lo, hi]`` a range of x rows, ``hi`` null for
-no bound) and the kernel's config fields. A kernel takes the first entry of its own that matches;
+``epilogue`` for the fused decode kernels, ``head_dim`` for the attention; ``rows`` ``[lo, hi]`` a
+range of x rows, ``hi`` null for no bound) and the kernel's config fields. A kernel takes the first entry of its own that matches;
 the ops' own code decides which kernel runs (:mod:`specpilot.kernels.w12.routing`).
 
 A device takes the table of its own architecture, else the :data:`FALLBACK` one (the only
