@@ -18,7 +18,7 @@ Variants (each captured afresh, interleaved over rounds, median of the replays):
 
 Cases (``--cases``): one request of 1, 33 and 64 rows and a batched AR step of 16 requests by
 default, Llama-3.1-8B shapes, random bf16, context 1024. Outputs of the taken-out variants are
-meaningless; only time counts. Writes lab/results/step_parts.json.
+meaningless; only time counts.
 
     python lab/verify/step_parts.py [--rounds 2] [--variants product,no-attn,...] [--cases 1x1,16x1,...]
 """
