@@ -134,7 +134,7 @@ def test_w12_one_row_step_through_the_fused_decode_kernels(monkeypatch):
 
     if not torch.cuda.is_available():
         monkeypatch.setattr(decode, "masked_gqa_attention",
-                            lambda q, k, v, mask, scale, pdl=False: reference.masked_gqa_attention(q, k, v, mask, scale))
+                            lambda q, k, v, mask, scale, **launch: reference.masked_gqa_attention(q, k, v, mask, scale))
     torch.set_grad_enabled(False)
     ctx = 32
     m, _, _ = build_model("tiny", True, torch.bfloat16, "cpu", ctx)
