@@ -48,12 +48,19 @@ def test_greedy_rows_equal_the_exact_head():
     assert last.shape == (1,) and int(last[0]) == int(got[-1])
 
 
-@pytest.mark.parametrize("variant", ["mode=chain,depth=4", "mode=tree,nodes=12,depth=4,topk=3"])
-def test_chain_and_tree_with_the_certified_head_equal_ar(variant):
+@pytest.fixture(scope="module")
+def ar_outputs():
+    """AR's tokens with the certified head and with the linear one (the same for every variant)."""
     ref = load_engine(f"engine:model=tiny,mode=ar,ctx={CTX},{ON},head=certified").generate(PROMPT, 16)
     lin = load_engine(f"engine:model=tiny,mode=ar,ctx={CTX},{ON}").generate(PROMPT, 16)
+    return ref.output_ids, lin.output_ids
+
+
+@pytest.mark.parametrize("variant", ["mode=chain,depth=4", "mode=tree,nodes=12,depth=4,topk=3"])
+def test_chain_and_tree_with_the_certified_head_equal_ar(variant, ar_outputs):
+    ref, lin = ar_outputs
     got = load_engine(f"engine:model=tiny,{variant},ctx={CTX},{ON},head=certified").generate(PROMPT, 16)
-    assert got.output_ids == ref.output_ids == lin.output_ids
+    assert got.output_ids == ref == lin
 
 
 def test_head_option_errors():

@@ -122,9 +122,11 @@ def test_w12_fused_path_under_the_interpreter(monkeypatch):
 def test_w12_one_row_step_through_the_fused_decode_kernels(monkeypatch):
     """decode=fused on a W12 model: the one-row step runs the W12 variants of the fused decode
     kernels (kernels/decode/gemv_w12.py) and gives the layer modules' logits and K/V up to bf16
-    rounding (both read the same W12 records; the interpreter runs it on the CPU). Attention is the
-    torch reference here: Triton's interpreter gets bf16 ``tl.dot`` wrong (the fused attention is
-    checked in bf16 on the GPU, tests/test_attention_kernel.py)."""
+    rounding (W12 is lossless: the modules' weights before the conversion are the records' values,
+    and the converted modules agree with them, test_w12_fused_path_under_the_interpreter; the
+    interpreter runs it on the CPU). Attention is the torch reference here: Triton's interpreter gets
+    bf16 ``tl.dot`` wrong (the fused attention is checked in bf16 on the GPU,
+    tests/test_attention_kernel.py)."""
     pytest.importorskip("triton")
     from specpilot.engine import w12_loader as ew
     from specpilot.engine.api import build_model
@@ -141,18 +143,18 @@ def test_w12_one_row_step_through_the_fused_decode_kernels(monkeypatch):
     m.layers = m.layers[:2]   # a layer into the next one, and the last into the head: half the interpreter's work
     n = 3
     pos = torch.arange(n)
-    # the prompt's K/V only set the scene for the one-row step: written before the conversion, by the
-    # torch projections (W12 is lossless, so they are the same weights), not by the interpreted W12 GEMM
+    # the prompt's K/V and the layers' step: before the conversion, through the torch projections (the
+    # same weights), not through the interpreted W12 GEMV
     m.forward(StepInput(torch.tensor(PROMPT[:n]), pos, pos, torch.arange(ctx)[None, :] <= pos[:, None], "seq"),
               kv_len=ctx)
-    ew.convert_engine_model(m, fused=True)
-    assert ineligible(m) is None
     one = StepInput(torch.tensor([PROMPT[n]]), torch.tensor([n]), torch.tensor([n]),
                     torch.arange(ctx)[None, :] <= n, "seq")
     ref = m.forward(one, kv_len=ctx).float()
     kv_ref = [blk.mixer.k_cache[0, :, n].clone() for blk in m.layers]
     for blk in m.layers:
         blk.mixer.k_cache[0, :, n] = 0
+    ew.convert_engine_model(m, fused=True)
+    assert ineligible(m) is None
     assert m.set_decode("fused") == "fused"
     got = m.forward(one, kv_len=ctx).float()
     assert (got - ref).abs().max() < 0.05 * ref.abs().max()
