@@ -323,6 +323,7 @@ def load_target(spec: EngineSpec, max_seq: int | None = None) -> Target:
         w12 = convert_engine_model(model, qviews=qviews).to_json()
     head = model.set_head(spec.head)
     decode = model.set_decode(spec.decode)
+    deterministic = model.set_deterministic(spec.deterministic)
     qview = None
     if spec.mode == "tlv":  # the Q pass's 8-bit view: W12 kernel packs on CUDA, dense views on the CPU
         from specpilot.engine.tlv import QView
@@ -331,7 +332,7 @@ def load_target(spec: EngineSpec, max_seq: int | None = None) -> Target:
     return Target(model, folder, display,
                   info={"dtype": spec.torch_dtype_name, "device": spec.device, "params": params,
                         "weights": str(folder) if folder else "random", "w12": w12, "attn": attn, "head": head,
-                        "decode": decode}, qview=qview)
+                        "decode": decode, "deterministic": deterministic}, qview=qview)
 
 
 def _draft_graphs(drafter, runner) -> None:

@@ -39,9 +39,8 @@ from __future__ import annotations
 
 import torch
 
+from specpilot.engine.spec import MAX_STEP_ROWS as MAX_ROWS
 from specpilot.kernels.verify import blas
-
-MAX_ROWS = 64
 
 
 def takes(model, rows: int) -> bool:
@@ -51,7 +50,7 @@ def takes(model, rows: int) -> bool:
     return model.fused_decode and 1 < rows and (rows <= MAX_ROWS or model.spec.is_hybrid)
 
 
-def _linear(h, lin):
+def _project(h, lin, invariant: bool = False):
     qkp = getattr(lin, "qkp", None)
     if qkp is not None:   # a TLV Q pass (engine/tlv.py QView): the 8-bit view through the QPASS kernels
         from specpilot.kernels.w12.routing import w12_linear
@@ -62,6 +61,10 @@ def _linear(h, lin):
         from specpilot.kernels.w12.routing import w12_linear
 
         return w12_linear(h, kp)
+    if invariant:
+        from specpilot.kernels.verify import invariant as inv
+
+        return inv.linear(h, lin.weight)
     return blas.linear(h, lin.weight)
 
 
@@ -91,11 +94,16 @@ def _segments(inp):
     return inp.seg_table
 
 
-def _attend(m, q, inp, kv_len, lc=None):
+def _attend(m, q, inp, kv_len, lc=None, keys=None):
     from specpilot.kernels.attention import decode
     from specpilot.kernels.verify import common
 
     q = q.view(q.shape[0], m.nh, m.hd)
+    if keys is not None:
+        from specpilot.kernels.attention import invariant
+
+        return invariant.masked_gqa_attention(q, m.k_cache[0, :, :kv_len], m.v_cache[0, :, :kv_len],
+                                              inp.mask[:, :kv_len], m.hd ** -0.5, pdl=common.USE_PDL, keys=keys)
     if lc is None:
         return decode.masked_gqa_attention(q, m.k_cache[0, :, :kv_len], m.v_cache[0, :, :kv_len],
                                            inp.mask[:, :kv_len], m.hd ** -0.5, pdl=common.USE_PDL,
@@ -105,14 +113,28 @@ def _attend(m, q, inp, kv_len, lc=None):
                                         m.hd ** -0.5, segs, seg_rows, pdl=common.USE_PDL, slots=inp.slots)
 
 
-def hidden_rows(model, x: torch.Tensor, inp, kv_len: int, layers: int | None = None, cache=None) -> torch.Tensor:
+def hidden_rows(model, x: torch.Tensor, inp, kv_len: int, layers: int | None = None, cache=None,
+                invariant: bool = False) -> torch.Tensor:
     """The final-normed hidden rows [T, hidden] of the step ``inp`` (``x``: its embedded tokens)
     through the first ``layers`` layers (all by default). With ``cache`` (a ``BatchCache``; ``inp``
     a ``BatchStepInput``, :func:`takes_batch` models) the rows of several requests, each writing and
-    attending its own slot."""
+    attending its own slot. ``invariant`` (one request, up to :data:`MAX_ROWS` rows, any from one):
+    the row-invariant GEMM and attention (``EngineSpec.deterministic``); the other kernels here work
+    row by row already, and a GDN layer walks each row's path as its AR step would."""
     from specpilot.engine.model import GatedDeltaNet
     from specpilot.kernels.decode import gated_attention as ga
     from specpilot.kernels.verify import common, rows as R
+
+    keys = None
+    if invariant:
+        if cache is not None or not 1 <= x.shape[0] <= MAX_ROWS:
+            raise ValueError(f"row-invariant steps take one request's 1..{MAX_ROWS} rows")
+        from specpilot.kernels.attention.invariant import key_table
+
+        keys = key_table(inp.mask[:, :kv_len])   # every attention layer's; recomputed at each graph replay
+
+    def _linear(h, lin):
+        return _project(h, lin, invariant)
 
     blocks = model.layers[:layers]
     caches = [None] * len(blocks) if cache is None else cache.layers
@@ -132,7 +154,7 @@ def hidden_rows(model, x: torch.Tensor, inp, kv_len: int, layers: int | None = N
             q = ga.qk_norm_rope_store(proj, m.q_norm, m.k_norm, m.eps, model.cos, model.sin, inp.pos, inp.slots,
                                       kc, vc, m.nh, m.nkv, m.gate, pdl=common.USE_PDL,
                                       req=None if lc is None else inp.req)
-            o = _attend(m, q, inp, kv_len, lc)
+            o = _attend(m, q, inp, kv_len, lc, keys)
             if m.gate:
                 o = ga.sigmoid_gate(o, proj, m.nh, pdl=common.USE_PDL)
             x, h = R.add_rms_norm_rows(x, _linear(o, m.wo), blk.mlp_norm, blk.eps)
@@ -140,7 +162,7 @@ def hidden_rows(model, x: torch.Tensor, inp, kv_len: int, layers: int | None = N
             kc, vc = (m.k_cache[0], m.v_cache[0]) if lc is None else (lc.k, lc.v)
             q = R.rope_store_rows(_linear(h, m.wqkv), model.cos, model.sin, inp.pos, inp.slots, kc, vc, m.nh, m.nkv,
                                   req=None if lc is None else inp.req)
-            x, h = R.add_rms_norm_rows(x, _linear(_attend(m, q, inp, kv_len, lc), m.wo), blk.mlp_norm, blk.eps)
+            x, h = R.add_rms_norm_rows(x, _linear(_attend(m, q, inp, kv_len, lc, keys), m.wo), blk.mlp_norm, blk.eps)
         d = _linear(R.silu_mul_rows(_linear(h, blk.w13), blk.inter), blk.w2)
         nxt = blocks[i + 1] if i + 1 < len(blocks) else None
         x, h = R.add_rms_norm_rows(x, d, nxt.attn_norm if nxt else model.norm, nxt.eps if nxt else eps)

@@ -635,6 +635,7 @@ class Transformer(nn.Module):
         self._block_call = None
         self.certified_head = None   # set_head("certified")
         self.fused_decode = False    # set_decode("fused"): one-row steps through kernels/decode
+        self.invariant = False       # set_deterministic(True): steps of up to 64 rows row-invariant
 
     def compile_blocks(self, **kw):
         """torch.compile one layer's step (shared by every layer of the same kind: parameters are
@@ -765,11 +766,13 @@ class Transformer(nn.Module):
 
     # ---- forward -------------------------------------------------------------------
     def hidden(self, inp: StepInput, kv_len: int, layers: int | None = None):
-        x = self.embed(inp.tokens)
-        if self.fused_decode and x.shape[0] == 1:
-            return self._decode_row(x, inp, kv_len, layers)
         from specpilot.engine import fused_verify
 
+        x = self.embed(inp.tokens)
+        if self.invariant and x.shape[0] <= fused_verify.MAX_ROWS:   # AR steps too: one arithmetic for all
+            return fused_verify.hidden_rows(self, x, inp, kv_len, layers, invariant=True)
+        if self.fused_decode and x.shape[0] == 1:
+            return self._decode_row(x, inp, kv_len, layers)
         if fused_verify.takes(self, x.shape[0]):
             return fused_verify.hidden_rows(self, x, inp, kv_len, layers)
         cos, sin = self.cos[inp.pos], self.sin[inp.pos]
@@ -845,6 +848,10 @@ class Transformer(nn.Module):
         if self.fused_decode and h.shape[0] <= 64:
             from specpilot.kernels.decode.argmax import argmax_rows
 
+            if self.invariant:
+                from specpilot.kernels.verify import invariant
+
+                return argmax_rows(invariant.linear(h, self.lm_head.weight))
             return argmax_rows(self.lm_head(h))
         return self.lm_head(h).argmax(-1)
 
@@ -855,6 +862,27 @@ class Transformer(nn.Module):
         from specpilot.engine.fused_decode import set_decode
 
         return set_decode(self, kind)
+
+    def set_deterministic(self, on: bool) -> bool:
+        """Row-invariant steps (``EngineSpec.deterministic``): every step of up to 64 rows, AR steps
+        included, through the multi-row fused kernels with the row-invariant GEMM and attention
+        (``kernels/verify/invariant.py``, ``kernels/attention/invariant.py``) and the GDN layers'
+        path walk (TreeWY rounds its sums unlike an AR step), so a token rounds the same in any
+        step. Needs the fused steps (``set_decode``: fused) and a one-request model."""
+        if on:
+            if not self.fused_decode:
+                from specpilot.engine.fused_decode import ineligible
+
+                why = ineligible(self) or "decode is not fused"
+                raise InputError(f"deterministic runs the fused step kernels, which {self.spec.name} cannot take: {why}")
+            from specpilot.engine.w12_loader import W12Projection
+
+            if any(isinstance(m, W12Projection) for m in self.modules()):
+                raise InputError("deterministic takes bfloat16, float16 or float32 weights, not W12 projections")
+            for m in self.gdn_layers():
+                m.verify = "path"
+        self.invariant = bool(on)
+        return self.invariant
 
     def set_head(self, kind: str, max_rows: int = 64) -> str:
         """``linear`` (``lm_head`` + argmax, the default) or ``certified``: the certified INT8 head

@@ -47,9 +47,12 @@ class RowsResult:
 
 
 def step_path(model, rows: int) -> str:
-    """``fused`` when a step of ``rows`` rows runs the fused kernels, else ``layers``."""
-    from specpilot.engine.fused_verify import takes
+    """``invariant`` when a step of ``rows`` rows runs the row-invariant kernels (deterministic),
+    ``fused`` when it runs the fused kernels, else ``layers``."""
+    from specpilot.engine.fused_verify import MAX_ROWS, takes
 
+    if model.invariant and rows <= MAX_ROWS:
+        return "invariant"
     return "fused" if model.fused_decode and (rows == 1 or takes(model, rows)) else "layers"
 
 
@@ -162,5 +165,5 @@ def probe_rows(spec, rows: list[int], context: int, reps: int = 50, warmup: int 
     target = load_target(spec, max_seq=context + max(rows) + 64)
     res = measure_rows(target.model, rows, context, reps=reps, warmup=warmup, progress=progress)
     res.model = target.name
-    res.extra.update({k: target.info[k] for k in ("w12", "attn", "head", "decode")})
+    res.extra.update({k: target.info[k] for k in ("w12", "attn", "head", "decode", "deterministic")})
     return res

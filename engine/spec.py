@@ -31,6 +31,7 @@ DECODES = ("auto", "layers", "fused")
 BUDGETS = ("shared", "equal")
 BLOCKS = ("adaptive", "fixed")
 ADMITS = ("off", "waiting", "all")
+MAX_STEP_ROWS = 64   # rows of the fused multi-row steps (engine/fused_verify.py)
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
 
@@ -94,6 +95,11 @@ class EngineSpec:
                                  "fused into the projection kernels, chained with programmatic dependent launch; "
                                  "cuda, dense attention models, bf16 or W12 weights); auto = fused where it "
                                  "applies.", choices=DECODES)
+    deterministic: bool = option(False, "Row-invariant kernels for every step of up to 64 rows (cuda, with the fused "
+                                        "steps): a token's projections, attention and LM head round the same whatever "
+                                        "the other rows of its step, so chain, tree and tlv give the ar mode's exact "
+                                        "tokens in bfloat16 too (as SGLang's deterministic inference, for "
+                                        "speculation). Steps are slower; one request at a time, not with --w12.")
     batch: int = option(1, "Requests decoded together (continuous batching; each request has its own cache slot, "
                            "one step verifies all of them through one weight stream). run: 1 = one prompt at a "
                            "time; serve: the rest wait in its queue.", range=(1, 4096))
@@ -193,10 +199,30 @@ class EngineSpec:
         if self.decode == "fused" and not cuda:
             raise InputError("decode=fused needs device=cuda (its Triton kernels only run in the interpreter on "
                              "the CPU); use decode=layers")
+        if self.deterministic:
+            self._validate_deterministic(cuda)
         if self.mode == "tlv":
             if self.torch_dtype_name == "float16":
                 raise InputError("mode=tlv: the Q pass reads the W12 8-bit view of bfloat16 or float32 weights, "
                                  "not float16; use dtype=bfloat16 or float32")
+
+    def _validate_deterministic(self, cuda: bool) -> None:
+        if not cuda:
+            raise InputError("deterministic needs device=cuda (its kernels run in Triton's interpreter on the CPU, "
+                             "where the layers' fp32 steps already give AR's tokens)")
+        if self.decode == "layers":
+            raise InputError("deterministic runs the fused step kernels; drop decode=layers")
+        if self.w12:
+            raise InputError("deterministic takes bfloat16, float16 or float32 weights, not w12 (its GEMMs are "
+                             "routed by row count)")
+        if self.batch > 1:
+            raise InputError("deterministic decodes one request at a time (batch 1): a batch's prompts prefill "
+                             "through other kernels than one request's")
+        rows = self.depth + 1 if self.mode == "chain" else self.nodes + 1 if self.mode in ("tree", "tlv") else 1
+        if rows > MAX_STEP_ROWS:
+            knob = "depth" if self.mode == "chain" else "nodes"
+            raise InputError(f"deterministic: a {self.mode} step of {rows} rows is over the {MAX_STEP_ROWS} rows "
+                             f"the row-invariant steps take; lower {knob} to {MAX_STEP_ROWS - 1} or less")
 
     # ------------------------------------------------------------------------ derived values
     @property

@@ -77,7 +77,7 @@ if triton is not None:
     NEG = tl.constexpr(-1.0e30)  # finite "minus infinity": a row with nothing to attend in a split stays finite
 
     @triton.jit
-    def _scores(q, k, allowed, m_i, l_i, scale, IEEE: tl.constexpr):
+    def softmax_tile(q, k, allowed, m_i, l_i, scale, IEEE: tl.constexpr):
         """One tile of the online softmax: probabilities ``p``, the rescale ``alpha`` of what came
         before, the running max and sum (float32 scores)."""
         if IEEE:
@@ -91,7 +91,7 @@ if triton is not None:
         return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
 
     @triton.jit
-    def _accumulate(acc, alpha, p, v, IEEE: tl.constexpr):
+    def accumulate(acc, alpha, p, v, IEEE: tl.constexpr):
         if IEEE:
             pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
@@ -149,8 +149,8 @@ if triton is not None:
                                   mask=row_ok[:, None] & n_ok[None, :], other=0) != 0
                 k = tl.load(k_base + n[:, None] * stride_ks, mask=n_ok[:, None], other=0.0)
                 v = tl.load(v_base + n[:, None] * stride_vs, mask=n_ok[:, None], other=0.0)
-                p, alpha, m_i, l_i = _scores(q, k, allowed, m_i, l_i, scale, IEEE)
-                acc = _accumulate(acc, alpha, p, v, IEEE)
+                p, alpha, m_i, l_i = softmax_tile(q, k, allowed, m_i, l_i, scale, IEEE)
+                acc = accumulate(acc, alpha, p, v, IEEE)
         for s0 in range(mid, hi, BLOCK_N):
             n = s0 + tl.arange(0, BLOCK_N)
             n_ok = n < hi
@@ -158,10 +158,10 @@ if triton is not None:
                               mask=row_ok[:, None] & n_ok[None, :], other=0) != 0
             if tl.max(allowed.to(tl.int32)) > 0:  # skip tiles no row attends: K/V never loaded
                 k = tl.load(k_base + n[:, None] * stride_ks, mask=n_ok[:, None], other=0.0)
-                p, alpha, m_i, l_i = _scores(q, k, allowed, m_i, l_i, scale, IEEE)
+                p, alpha, m_i, l_i = softmax_tile(q, k, allowed, m_i, l_i, scale, IEEE)
                 # V after the scores: one tile load in flight per program (faster here than beside K)
                 v = tl.load(v_base + n[:, None] * stride_vs, mask=n_ok[:, None], other=0.0)
-                acc = _accumulate(acc, alpha, p, v, IEEE)
+                acc = accumulate(acc, alpha, p, v, IEEE)
         if DIRECT:   # one split: the merge's result (its weights are exactly 1), no second kernel
             o = acc / tl.where(row_ok, l_i, 1.0)[:, None]   # padding rows: no 0/0
             tl.store(out_ptr + t[:, None] * stride_ot + ((kvh * GRP + g) * HD)[:, None] + d[None, :],
@@ -249,7 +249,7 @@ def plan(T: int, nh: int, nkv: int, S: int, segments: int = 1,
     return R, block_m, row_blocks, splits
 
 
-def _check(nh: int, nkv: int, hd: int, k: torch.Tensor, v: torch.Tensor) -> None:
+def check_shapes(nh: int, nkv: int, hd: int, k: torch.Tensor, v: torch.Tensor) -> None:
     if not supports(nh, nkv, hd):
         raise ValueError(f"fused attention needs heads divisible by KV heads and a power-of-two head_dim >= 16 "
                          f"(got {nh} heads, {nkv} KV heads, head_dim {hd})")
@@ -309,7 +309,7 @@ def masked_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
     ``slots`` [T]: the cache slots the rows wrote (the live walk's bound)."""
     if triton is None:  # pragma: no cover
         raise RuntimeError("the fused attention needs triton")
-    _check(q.shape[1], k.shape[0], q.shape[2], k, v)
+    check_shapes(q.shape[1], k.shape[0], q.shape[2], k, v)
     return _launch(q, k[None], v[None], mask, scale, pdl, cfg=cfg, slots=slots)
 
 
@@ -331,5 +331,5 @@ def batched_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mas
         raise RuntimeError("the fused attention needs triton")
     if k.dim() != 4 or segs.dim() != 2 or segs.shape[1] != 3 or segs.dtype != torch.int32:
         raise ValueError("batched attention takes caches [slots, nkv, S, hd] and a segment table [n, 3] int32")
-    _check(q.shape[1], k.shape[1], q.shape[2], k, v)
+    check_shapes(q.shape[1], k.shape[1], q.shape[2], k, v)
     return _launch(q, k, v, mask, scale, pdl, segs, seg_rows, cfg, slots)

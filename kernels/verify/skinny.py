@@ -32,8 +32,8 @@ if triton is not None:
 
     @triton.jit
     def _mma(acc, w, x, UPCAST: tl.constexpr):
-        """``acc + w @ x.T`` in fp32; under the interpreter on fp32 operands (its bf16 ``tl.dot`` is
-        wrong; fp32 holds bf16 products exactly)."""
+        """``acc + w @ x.T`` in fp32; on fp32 operands in IEEE fp32 under the interpreter (its bf16
+        ``tl.dot`` is wrong; fp32 holds bf16 products exactly) and for fp32 weights."""
         if UPCAST:
             return acc + tl.dot(w.to(tl.float32), tl.trans(x).to(tl.float32), input_precision="ieee")
         else:
@@ -45,8 +45,9 @@ if triton is not None:
                        SPLIT_CHUNK: tl.constexpr, STAGES: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
+        pid_m = tl.program_id(2)     # row tile (one unless a caller fixes MP below the rows)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rm = tl.arange(0, MP)
+        rm = pid_m * MP + tl.arange(0, MP)
         rk = tl.arange(0, BLOCK_K)
         nmask = rn < N
         mmask = rm < M
@@ -72,13 +73,14 @@ if triton is not None:
         if not USE_SPLIT:
             tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=omask)
         else:
-            tile = tl.arange(0, BLOCK_N)[:, None] * MP + rm[None, :]
-            blk = ws_ptr + pid_n.to(tl.int64) * (SPLIT * BLOCK_N * MP)
+            tile = tl.arange(0, BLOCK_N)[:, None] * MP + tl.arange(0, MP)[None, :]
+            block = pid_m * tl.num_programs(0) + pid_n
+            blk = ws_ptr + block.to(tl.int64) * (SPLIT * BLOCK_N * MP)
             tl.store(blk + pid_k * (BLOCK_N * MP) + tile, acc, cache_modifier=".cg")
-            if tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel") == SPLIT - 1:
+            if tl.atomic_add(cnt_ptr + block, 1, sem="acq_rel") == SPLIT - 1:
                 total = sum_splits(blk, tile, SPLIT, BLOCK_N, MP, SPLIT_CHUNK)
                 tl.store(out, total.to(y_ptr.dtype.element_ty), mask=omask)
-                tl.store(cnt_ptr + pid_n, 0)
+                tl.store(cnt_ptr + block, 0)
 
 
 # the tile every routed config takes (the sweep, lab/verify/skinny.py, also tried 128 weight rows,
@@ -107,27 +109,40 @@ def row_tile(rows: int) -> int:
 
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, cfg: SkinnyConfig = SkinnyConfig()) -> torch.Tensor:
     """``x @ w.T`` for x [M, K] (1 <= M <= 64, contiguous in K) and w [N, K] contiguous, bf16 or fp16."""
+    check_operands(x, w)
+    if not 1 <= x.shape[0] <= MAX_ROWS:
+        raise ValueError(f"the skinny GEMM takes 1..{MAX_ROWS} rows, got {x.shape[0]}")
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"the skinny GEMM takes bf16 or fp16 operands, got {x.dtype}")
+    return launch(x, w, row_tile(x.shape[0]), cfg.split, cfg.stages)
+
+
+def check_operands(x: torch.Tensor, w: torch.Tensor) -> None:
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"x [M, K] and w [N, K] expected, got {tuple(x.shape)} and {tuple(w.shape)}")
-    M, K = x.shape
-    N = w.shape[0]
-    if not 1 <= M <= MAX_ROWS:
-        raise ValueError(f"the skinny GEMM takes 1..{MAX_ROWS} rows, got {M}")
     if x.stride(1) != 1 or w.stride(1) != 1 or x.dtype != w.dtype:
         raise ValueError("x and w must be contiguous in K and of one dtype")
-    mp = row_tile(M)
+
+
+def launch(x: torch.Tensor, w: torch.Tensor, mp: int, split: int, stages: int) -> torch.Tensor:
+    """``x @ w.T`` in row tiles of ``mp`` rows (a power of two >= 16; ceil(M / mp) tiles, each its own
+    programs), ``split`` programs along K per output block (fewer where K has fewer tiles)."""
+    M, K = x.shape
+    N = w.shape[0]
     kt = triton.cdiv(K, BLOCK_K)
-    tiles = triton.cdiv(kt, max(1, min(cfg.split, kt)))
+    tiles = triton.cdiv(kt, max(1, min(split, kt)))
     split = triton.cdiv(kt, tiles)          # no program without a tile
     nb = triton.cdiv(N, BLOCK_N)
+    mt = triton.cdiv(M, mp)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if split > 1:
-        ws = workspace.scratch(x.device, "skinny.partials", nb * split * BLOCK_N * mp)
-        cnt = workspace.counters(x.device, "skinny.blocks", nb)
+        ws = workspace.scratch(x.device, "skinny.partials", mt * nb * split * BLOCK_N * mp)
+        cnt = workspace.counters(x.device, "skinny.blocks", mt * nb)
     else:
         ws = cnt = y
-    _skinny_kernel[(nb, split)](x, w, y, ws, cnt, M, N, K, tiles, split, x.stride(0), w.stride(0), y.stride(0),
-                                MP=mp, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, USE_SPLIT=split > 1,
-                                SPLIT_CHUNK=split_chunk(split, BLOCK_N * mp), STAGES=cfg.stages,
-                                UPCAST=interpreting(), num_warps=WARPS, **pdl_args(common.USE_PDL, x))
+    _skinny_kernel[(nb, split, mt)](x, w, y, ws, cnt, M, N, K, tiles, split, x.stride(0), w.stride(0), y.stride(0),
+                                    MP=mp, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, USE_SPLIT=split > 1,
+                                    SPLIT_CHUNK=split_chunk(split, BLOCK_N * mp), STAGES=stages,
+                                    UPCAST=interpreting() or x.dtype == torch.float32, num_warps=WARPS,
+                                    **pdl_args(common.USE_PDL, x))
     return y

@@ -148,7 +148,8 @@ def command(prompt_text, prompts_file, prompt_ids, chat, max_new_tokens, outputs
             "nodes": spec.nodes if spec.mode in ("tree", "tlv") else None,
             "dtype": engine.info["dtype"], "device": spec.device, "chat": used_chat, "max_new_tokens": max_new_tokens,
             "w12": engine.info.get("w12"), "attn": engine.info.get("attn"), "head": engine.info.get("head"),
-            "decode": engine.info.get("decode"), "load_seconds": engine.info["load_seconds"],
+            "decode": engine.info.get("decode"),
+            "deterministic": engine.info.get("deterministic"), "load_seconds": engine.info["load_seconds"],
             "warmup_seconds": engine.info["warmup_seconds"], **summary, "step_timing": run.step_timing(),
             "results": results}
     if run.batch:
