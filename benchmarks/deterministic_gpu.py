@@ -7,9 +7,9 @@ Random bf16 weights at each model's real shapes, CUDA graphs, one request, a 300
 random tokens twice: the n-gram drafter finds matches), 128 new tokens.
 
 * ``tokens``: for ``deterministic=1`` and for the default kernels, AR's output and each speculative
-  mode's (chain with the n-gram drafter; tree and tlv with a self drafter of every layer, whose
-  drafts are the target's own greedy tokens, so whole drafts are accepted and the deep rows of a
-  tree decide tokens): whether it equals AR's, the first position where it does not, tau.
+  mode's (chain with the n-gram drafter; tree and tlv with a self drafter of every layer but the
+  last, whose drafts are mostly the target's own greedy tokens, so long drafts are accepted and
+  the deep rows of a tree decide tokens): whether it equals AR's, the first position where it does not, tau.
 * ``speed``: AR decode tokens/s (``run --mode ar``'s figure) and ``probe rows`` (T_step(N) and
   c(N) against each path's own AR step) with and without ``deterministic``.
 
@@ -79,8 +79,8 @@ def run_model(model: str) -> tuple[list[dict], list[dict]]:
         token_rows.append({"model": model, "deterministic": bool(det), "mode": "ar", "drafter": None,
                            "equal_to_ar": True, "first_difference": None, "tau": 1.0, "tokens": len(ar.output_ids)})
         modes = [("chain", "ngram", ",drafter=ngram,depth=8"),
-                 ("tree", "self(all layers)", f",drafter=self,draft_layers={layers},nodes=32,depth=8"),
-                 ("tlv", "self(all layers)", f",drafter=self,draft_layers={layers},nodes=32,depth=8")]
+                 ("tree", "self(all layers but the last)", f",drafter=self,draft_layers={layers - 1},nodes=32,depth=8"),
+                 ("tlv", "self(all layers but the last)", f",drafter=self,draft_layers={layers - 1},nodes=32,depth=8")]
         if not det:
             modes = modes[1:2]       # the default kernels' baseline: the mode whose deep rows decide tokens
         for mode, drafter, extra in modes:

@@ -190,7 +190,7 @@ def test_gpu_invariant_attention_rows_equal_their_keys_alone(hd, nh, nkv):
 def test_gpu_bf16_chain_tree_tlv_give_ar_tokens(model):
     """Random bf16 weights at the real shapes, CUDA graphs: with deterministic steps, chain, tree
     and tlv give the AR mode's tokens, as many as asked. The tree and tlv drafter is the target's
-    every layer, so whole drafts are accepted and a tree's deep rows decide tokens."""
+    every layer but the last, so long drafts are accepted and a tree's deep rows decide tokens."""
     from specpilot.engine.api import load_engine
     from specpilot.models import load_model_spec
 
@@ -203,11 +203,11 @@ def test_gpu_bf16_chain_tree_tlv_give_ar_tokens(model):
     ar = e.generate(prompt, 48).output_ids
     assert len(ar) == 48
     del e
-    for mode, extra in (("chain", ",drafter=ngram,depth=8"), ("tree", f",drafter=self,draft_layers={layers},nodes=32,depth=8"),
-                        ("tlv", f",drafter=self,draft_layers={layers},nodes=32,depth=8")):
+    for mode, extra in (("chain", ",drafter=ngram,depth=8"), ("tree", f",drafter=self,draft_layers={layers - 1},nodes=32,depth=8"),
+                        ("tlv", f",drafter=self,draft_layers={layers - 1},nodes=32,depth=8")):
         e = load_engine(base + f",mode={mode}{extra}")
         r = e.generate(prompt, 48)
         assert r.output_ids == ar, mode
-        assert mode == "chain" or r.tau > 4, (mode, r.tau)
+        assert mode == "chain" or r.tau > 1.5, (mode, r.tau)
         del e
         torch.cuda.empty_cache()
