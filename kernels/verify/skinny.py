@@ -43,9 +43,11 @@ if triton is not None:
     def _skinny_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, TILES, SPLIT, stride_x, stride_w, stride_y,
                        MP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_SPLIT: tl.constexpr,
                        SPLIT_CHUNK: tl.constexpr, STAGES: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        pid_m = tl.program_id(2)     # row tile (one unless a caller fixes MP below the rows)
+        # row tiles (one unless a caller fixes MP below the rows) vary fastest: the tiles of one
+        # weight block run together and read it once from memory, the others from L2
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        pid_k = tl.program_id(2)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = pid_m * MP + tl.arange(0, MP)
         rk = tl.arange(0, BLOCK_K)
@@ -74,7 +76,7 @@ if triton is not None:
             tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=omask)
         else:
             tile = tl.arange(0, BLOCK_N)[:, None] * MP + tl.arange(0, MP)[None, :]
-            block = pid_m * tl.num_programs(0) + pid_n
+            block = pid_n * tl.num_programs(0) + pid_m
             blk = ws_ptr + block.to(tl.int64) * (SPLIT * BLOCK_N * MP)
             tl.store(blk + pid_k * (BLOCK_N * MP) + tile, acc, cache_modifier=".cg")
             if tl.atomic_add(cnt_ptr + block, 1, sem="acq_rel") == SPLIT - 1:
@@ -140,7 +142,7 @@ def launch(x: torch.Tensor, w: torch.Tensor, mp: int, split: int, stages: int) -
         cnt = workspace.counters(x.device, "skinny.blocks", mt * nb)
     else:
         ws = cnt = y
-    _skinny_kernel[(nb, split, mt)](x, w, y, ws, cnt, M, N, K, tiles, split, x.stride(0), w.stride(0), y.stride(0),
+    _skinny_kernel[(mt, nb, split)](x, w, y, ws, cnt, M, N, K, tiles, split, x.stride(0), w.stride(0), y.stride(0),
                                     MP=mp, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, USE_SPLIT=split > 1,
                                     SPLIT_CHUNK=split_chunk(split, BLOCK_N * mp), STAGES=stages,
                                     UPCAST=interpreting() or x.dtype == torch.float32, num_warps=WARPS,
