@@ -244,7 +244,8 @@ class GatedDeltaNet(nn.Module):
     bit) and long prompts through fla's chunked kernel (:mod:`specpilot.kernels.gdn.prefill`);
     ``auto`` is triton on CUDA, torch elsewhere. ``verify`` picks the kernel of a triton verify step:
     ``path`` (each row walks its root path, bitwise AR's arithmetic) or ``wy`` (TreeWY, one
-    bf16 ulp from it; :mod:`specpilot.kernels.gdn.wy`); ``auto`` takes the measured faster one.
+    bf16 ulp from it, up to 64 rows; :mod:`specpilot.kernels.gdn.wy`); ``auto`` takes the measured
+    faster one.
     ``batch_prefill``: a batched step's prompt chunks go through fla in one variable-length call
     (:meth:`_prefill_segments`); off, one request at a time (what benchmarks compare it with)."""
 
@@ -340,7 +341,7 @@ class GatedDeltaNet(nn.Module):
         return self._forward_torch(mixed, z, ab, inp)
 
     def _forward_kernels(self, mixed, z, ab, inp: StepInput):
-        from specpilot.kernels.gdn import rows as gdn_rows
+        from specpilot.kernels.gdn import rows as gdn_rows, wy
 
         T = mixed.shape[0]
         mode = inp.gdn_rows
@@ -366,11 +367,12 @@ class GatedDeltaNet(nn.Module):
             self._advance_conv(mixed)
             return gdn_rows.gated_norm_rows(out.contiguous(), z, self.norm, self.eps)
         # chain / tree verification (and short multi-row seq steps): every row's output at the end
-        # of its root path, by the path walk or by TreeWY, whichever the table says is faster
+        # of its root path, by the path walk or by TreeWY (up to its 64 rows), whichever the table
+        # says is faster
         paths = inp.paths.to(mixed.device) if mode == "tree" else gdn_rows.chain_paths(T, mixed.device)
         conv = gdn_rows.conv_rows(mixed, self.conv_state, self.conv_weight, None if mode != "tree" else paths)
         method = self.verify if self.verify != "auto" else gdn_rows.verify_method(T, mixed.device)
-        if method == "wy" and mode != "seq":
+        if method == "wy" and mode != "seq" and T <= wy.MAX_ROWS:
             o = self._wy(conv, ab, paths, inp)
         else:
             o = gdn_rows.gdn_rows(conv, ab, self.A_log, self.dt_bias, self.state, paths, self.nk).view(T, self.nv, self.dv)
