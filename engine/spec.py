@@ -28,6 +28,7 @@ DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 ATTENTIONS = ("auto", "torch", "fused")
 HEADS = ("linear", "certified")
 DECODES = ("auto", "layers", "fused")
+GDNS = ("auto", "naive", "path", "wy")
 BUDGETS = ("shared", "equal")
 BLOCKS = ("adaptive", "fixed")
 ADMITS = ("off", "waiting", "all")
@@ -94,6 +95,13 @@ class EngineSpec:
                                  "fused into the projection kernels, chained with programmatic dependent launch; "
                                  "cuda, dense attention models, bf16 or W12 weights); auto = fused where it "
                                  "applies.", choices=DECODES)
+    gdn: str = option("auto", "Gated DeltaNet layers of hybrid models: naive (the plain torch reference, "
+                              "kernels/gdn/naive.py and path.py: per-node torch loops), path (the GDN row kernels; "
+                              "each verify row walks its root path from the committed state), wy (the row kernels "
+                              "with TreeWY verification: a tensor-core WY solve, up to 64 rows a step, larger "
+                              "steps take the path walk); auto = the kernels on cuda, the measured table choosing "
+                              "path or wy per row count, the torch reference on the CPU. On the CPU the kernels run "
+                              "in Triton's interpreter (slow, for tests).", choices=GDNS)
     batch: int = option(1, "Requests decoded together (continuous batching; each request has its own cache slot, "
                            "one step verifies all of them through one weight stream). run: 1 = one prompt at a "
                            "time; serve: the rest wait in its queue.", range=(1, 4096))
@@ -193,6 +201,9 @@ class EngineSpec:
         if self.decode == "fused" and not cuda:
             raise InputError("decode=fused needs device=cuda (its Triton kernels only run in the interpreter on "
                              "the CPU); use decode=layers")
+        if self.gdn == "naive" and self.decode == "fused":
+            raise InputError("decode=fused runs a hybrid's GDN layers through the row kernels, gdn=naive keeps "
+                             "them on the torch reference; use decode=layers (or gdn=path, wy or auto)")
         if self.mode == "tlv":
             if self.torch_dtype_name == "float16":
                 raise InputError("mode=tlv: the Q pass reads the W12 8-bit view of bfloat16 or float32 weights, "
