@@ -300,13 +300,23 @@ class Target:
     model: object
     folder: Path | None  # weights folder, None for random weights
     name: str  # display name
-    info: dict  # dtype, device, params, weights, w12, attn, head, decode: what run/probe report
+    info: dict  # dtype, device, params, weights, w12, attn, head, decode, gdn: what run/probe report
     qview: object = None  # mode tlv: the Q pass's weights (engine/tlv.py QView)
 
 
+def _gdn_in_draft_model(spec: EngineSpec) -> bool:
+    """Whether the spec's drafter is a model with GDN layers (``gdn`` then applies to it even where
+    the target has none)."""
+    if spec.mode == "ar" or spec.drafter != "model" or spec.gdn == "auto":
+        return False
+    ms, _, _ = resolve_model(spec.draft_model, spec.random or spec.draft_model in TINY_CONFIGS)
+    return ms.is_hybrid
+
+
 def load_target(spec: EngineSpec, max_seq: int | None = None) -> Target:
-    """Build the target with the spec's attention, W12, head and decode choices (``max_seq`` cache
-    slots, default ``spec.ctx``)."""
+    """Build the target with the spec's attention, GDN, W12, head and decode choices (``max_seq``
+    cache slots, default ``spec.ctx``). ``info["gdn"]``: what the GDN layers run
+    (:meth:`Transformer.set_gdn`), None for a dense target."""
     import torch
 
     torch.set_grad_enabled(False)
@@ -314,6 +324,8 @@ def load_target(spec: EngineSpec, max_seq: int | None = None) -> Target:
     model, folder, display = build_model(spec.model, spec.random, dtype, spec.device, max_seq or spec.ctx, spec.seed)
     params = sum(p.numel() for p in model.parameters())
     attn = model.set_attention(spec.attn)
+    # before set_decode: GDN layers on the torch reference keep the AR step on the layers
+    gdn = model.set_gdn(spec.gdn) if model.gdn_layers() or not _gdn_in_draft_model(spec) else None
     w12 = None
     cuda = spec.device.startswith("cuda")
     qviews = {} if spec.mode == "tlv" and not cuda else None
@@ -324,6 +336,8 @@ def load_target(spec: EngineSpec, max_seq: int | None = None) -> Target:
     head = model.set_head(spec.head)
     decode = model.set_decode(spec.decode)
     deterministic = model.set_deterministic(spec.deterministic)
+    if deterministic and gdn is not None:
+        gdn = "path"     # what set_deterministic leaves the GDN layers on
     qview = None
     if spec.mode == "tlv":  # the Q pass's 8-bit view: W12 kernel packs on CUDA, dense views on the CPU
         from specpilot.engine.tlv import QView
@@ -332,7 +346,7 @@ def load_target(spec: EngineSpec, max_seq: int | None = None) -> Target:
     return Target(model, folder, display,
                   info={"dtype": spec.torch_dtype_name, "device": spec.device, "params": params,
                         "weights": str(folder) if folder else "random", "w12": w12, "attn": attn, "head": head,
-                        "decode": decode, "deterministic": deterministic}, qview=qview)
+                        "decode": decode, "gdn": gdn, "deterministic": deterministic}, qview=qview)
 
 
 def _draft_graphs(drafter, runner) -> None:
@@ -381,6 +395,8 @@ def load_engine(spec: EngineSpec | str) -> Engine:
                 raise InputError(f"draft model vocabulary ({dm.spec.vocab_size}) differs from the target's "
                                  f"({model.spec.vocab_size}); they must share the tokenizer")
             dm.set_attention(spec.attn)
+            if dm.gdn_layers():   # a hybrid draft model's GDN layers run as the target's do
+                dm.set_gdn(spec.gdn)
             drafter = ModelDrafter(dm)
             draft["model"] = dm
     if spec.compile:

@@ -62,6 +62,8 @@ def ineligible(model) -> str | None:
         m = blk.mixer
         hybrid_proj = isinstance(m, GatedDeltaNet) or m.qk_norm or m.gate
         if isinstance(m, GatedDeltaNet):
+            if m.impl == "torch":
+                return "its GDN layers run the torch reference (gdn=naive), the fused step runs the row kernels"
             lins = (("in", m.in_proj), ("out", m.out_proj))
             if m.dk & (m.dk - 1) or m.dv & (m.dv - 1) or m.in_proj.out_features % 2:
                 return f"layer {i}: GDN head dims must be powers of two"

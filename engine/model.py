@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specpilot.engine.attention import attend, store_and_attend
-from specpilot.engine.spec import HEADS, check_choice
+from specpilot.engine.spec import GDNS, HEADS, check_choice
 from specpilot.errors import InputError
 from specpilot.kernels.gdn import naive as gdn_ref
 from specpilot.kernels.gdn import path as gdn_path
@@ -244,7 +244,8 @@ class GatedDeltaNet(nn.Module):
     bit) and long prompts through fla's chunked kernel (:mod:`specpilot.kernels.gdn.prefill`);
     ``auto`` is triton on CUDA, torch elsewhere. ``verify`` picks the kernel of a triton verify step:
     ``path`` (each row walks its root path, bitwise AR's arithmetic) or ``wy`` (TreeWY, one
-    bf16 ulp from it; :mod:`specpilot.kernels.gdn.wy`); ``auto`` takes the measured faster one.
+    bf16 ulp from it, up to 64 rows; :mod:`specpilot.kernels.gdn.wy`); ``auto`` takes the measured
+    faster one. :meth:`Transformer.set_gdn` sets both (the engine option ``gdn``).
     ``batch_prefill``: a batched step's prompt chunks go through fla in one variable-length call
     (:meth:`_prefill_segments`); off, one request at a time (what benchmarks compare it with)."""
 
@@ -340,7 +341,7 @@ class GatedDeltaNet(nn.Module):
         return self._forward_torch(mixed, z, ab, inp)
 
     def _forward_kernels(self, mixed, z, ab, inp: StepInput):
-        from specpilot.kernels.gdn import rows as gdn_rows
+        from specpilot.kernels.gdn import rows as gdn_rows, wy
 
         T = mixed.shape[0]
         mode = inp.gdn_rows
@@ -366,11 +367,12 @@ class GatedDeltaNet(nn.Module):
             self._advance_conv(mixed)
             return gdn_rows.gated_norm_rows(out.contiguous(), z, self.norm, self.eps)
         # chain / tree verification (and short multi-row seq steps): every row's output at the end
-        # of its root path, by the path walk or by TreeWY, whichever the table says is faster
+        # of its root path, by the path walk or by TreeWY (up to its 64 rows), whichever the table
+        # says is faster
         paths = inp.paths.to(mixed.device) if mode == "tree" else gdn_rows.chain_paths(T, mixed.device)
         conv = gdn_rows.conv_rows(mixed, self.conv_state, self.conv_weight, None if mode != "tree" else paths)
         method = self.verify if self.verify != "auto" else gdn_rows.verify_method(T, mixed.device)
-        if method == "wy" and mode != "seq":
+        if method == "wy" and mode != "seq" and T <= wy.MAX_ROWS:
             o = self._wy(conv, ab, paths, inp)
         else:
             o = gdn_rows.gdn_rows(conv, ab, self.A_log, self.dt_bias, self.state, paths, self.nk).view(T, self.nv, self.dv)
@@ -665,6 +667,60 @@ class Transformer(nn.Module):
         for m in attn:
             m.fused = impl == "fused"
         return impl
+
+    def set_gdn(self, kind: str) -> str | None:
+        """How every GDN layer runs (the engine option ``gdn``): ``naive`` (the plain torch reference,
+        kernels/gdn/naive.py and path.py), ``path`` (the row kernels, each verify row walking its
+        root path from the committed state), ``wy`` (the row kernels, verify steps of up to 64 rows
+        through TreeWY, larger ones through the path walk) or ``auto`` (the kernels on CUDA where
+        they take the model, the measured table choosing path or wy per step; the torch reference
+        elsewhere). Returns what runs: ``naive``, ``path``, ``wy``, or ``auto`` where the table
+        gives some steps to each; None for a model without GDN layers. Asking for something that
+        cannot run raises InputError with the reason."""
+        check_choice("gdn", kind, GDNS)
+        layers = self.gdn_layers()
+        if not layers:
+            if kind != "auto":
+                raise InputError(f"gdn={kind}: {self.spec.name} has no Gated DeltaNet layers (a dense model); "
+                                 "leave gdn=auto")
+            return None
+        why = self.gdn_kernels_refused()
+        if why and kind in ("path", "wy"):
+            raise InputError(f"gdn={kind}: {why}; use gdn=naive")
+        if kind == "auto":   # the layers' own auto (kernels on CUDA) where the kernels take the model
+            impl = "auto" if why is None else "torch"
+        else:
+            impl = "torch" if kind == "naive" else "triton"
+        for m in layers:
+            m.impl = impl
+            m.verify = kind if kind in ("path", "wy") else "auto"
+        if not layers[0].runs_kernels(self.device):
+            return "naive"
+        if kind != "auto":
+            return kind
+        from specpilot.kernels.gdn.rows import verify_method
+
+        methods = {verify_method(rows, self.device) for rows in range(2, 65)}
+        return "path" if methods == {"path"} else "auto"
+
+    def gdn_kernels_refused(self) -> str | None:
+        """Why the GDN row kernels (kernels/gdn/rows.py, wy.py) cannot run this model's GDN layers
+        here (None when they can): Triton, a CUDA device or Triton's interpreter, power-of-two head
+        dims, a float32/bfloat16/float16 model."""
+        from specpilot.kernels.triton_env import interpreting, triton
+
+        m = self.gdn_layers()[0]
+        if triton is None:
+            return "the GDN row kernels need Triton, which is not installed"
+        if self.device.type != "cuda" and not interpreting():
+            return (f"the GDN row kernels run on {self.device.type} only under Triton's interpreter "
+                    "(TRITON_INTERPRET=1 in the environment, the default when no GPU is visible)")
+        if m.dk & (m.dk - 1) or m.dv & (m.dv - 1):
+            return (f"the GDN row kernels need power-of-two head dims ({self.spec.name}: key head dim {m.dk}, "
+                    f"value head dim {m.dv})")
+        if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return f"the GDN row kernels take float32, bfloat16 or float16 models, not {self.dtype}"
+        return None
 
     # ---- construction --------------------------------------------------------------
     @torch.no_grad()

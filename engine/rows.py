@@ -154,8 +154,8 @@ def default_device() -> str:
 
 def probe_rows(spec, rows: list[int], context: int, reps: int = 50, warmup: int = 5, progress=None) -> RowsResult:
     """:func:`measure_rows` on the target ``spec`` describes (``EngineSpec``: model, dtype, device,
-    threads, w12, attn, head, decode), with a cache of context + rows + 64 slots; the result
-    names the model and records the W12, attention, head and decode choices."""
+    threads, w12, attn, head, decode, gdn), with a cache of context + rows + 64 slots; the result
+    names the model and records the W12, attention, head, decode and GDN choices."""
     import torch
 
     from specpilot.engine.api import load_target
@@ -165,5 +165,5 @@ def probe_rows(spec, rows: list[int], context: int, reps: int = 50, warmup: int 
     target = load_target(spec, max_seq=context + max(rows) + 64)
     res = measure_rows(target.model, rows, context, reps=reps, warmup=warmup, progress=progress)
     res.model = target.name
-    res.extra.update({k: target.info[k] for k in ("w12", "attn", "head", "decode", "deterministic")})
+    res.extra.update({k: target.info[k] for k in ("w12", "attn", "head", "decode", "gdn", "deterministic")})
     return res

@@ -28,6 +28,7 @@ DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 ATTENTIONS = ("auto", "torch", "fused")
 HEADS = ("linear", "certified")
 DECODES = ("auto", "layers", "fused")
+GDNS = ("auto", "naive", "path", "wy")
 BUDGETS = ("shared", "equal")
 BLOCKS = ("adaptive", "fixed")
 ADMITS = ("off", "waiting", "all")
@@ -95,6 +96,13 @@ class EngineSpec:
                                  "fused into the projection kernels, chained with programmatic dependent launch; "
                                  "cuda, dense attention models, bf16 or W12 weights); auto = fused where it "
                                  "applies.", choices=DECODES)
+    gdn: str = option("auto", "Gated DeltaNet layers of hybrid models: naive (the plain torch reference, "
+                              "kernels/gdn/naive.py and path.py: per-node torch loops), path (the GDN row kernels; "
+                              "each verify row walks its root path from the committed state), wy (the row kernels "
+                              "with TreeWY verification: a tensor-core WY solve, up to 64 rows a step, larger "
+                              "steps take the path walk); auto = the kernels on cuda, the measured table choosing "
+                              "path or wy per row count, the torch reference on the CPU. On the CPU the kernels run "
+                              "in Triton's interpreter (slow, for tests).", choices=GDNS)
     deterministic: bool = option(False, "Row-invariant kernels for every step of up to 64 rows (cuda, with the fused "
                                         "steps): a token's projections, attention and LM head round the same whatever "
                                         "the other rows of its step, so chain, tree and tlv give the ar mode's exact "
@@ -199,6 +207,9 @@ class EngineSpec:
         if self.decode == "fused" and not cuda:
             raise InputError("decode=fused needs device=cuda (its Triton kernels only run in the interpreter on "
                              "the CPU); use decode=layers")
+        if self.gdn == "naive" and self.decode == "fused":
+            raise InputError("decode=fused runs a hybrid's GDN layers through the row kernels, gdn=naive keeps "
+                             "them on the torch reference; use decode=layers (or gdn=path, wy or auto)")
         if self.deterministic:
             self._validate_deterministic(cuda)
         if self.mode == "tlv":
@@ -215,6 +226,9 @@ class EngineSpec:
         if self.w12:
             raise InputError("deterministic takes bfloat16, float16 or float32 weights, not w12 (its GEMMs are "
                              "routed by row count)")
+        if self.gdn in ("naive", "wy"):
+            raise InputError(f"deterministic walks each GDN row's path as its AR step does (gdn=path); gdn={self.gdn} "
+                             "rounds otherwise: drop it")
         if self.batch > 1:
             raise InputError("deterministic decodes one request at a time (batch 1): a batch's prompts prefill "
                              "through other kernels than one request's")

@@ -128,6 +128,7 @@ def test_tree_step_rows_are_the_ar_steps_along_their_paths_bitwise(name):
     (["--device", "cuda", "--decode", "layers"], "drop decode=layers"),
     (["--device", "cuda", "--w12"], "not w12"),
     (["--device", "cuda", "--batch", "2"], "one request at a time"),
+    (["--device", "cuda", "--model", "tiny-hybrid", "--gdn", "wy"], "gdn=wy rounds otherwise"),
     (["--device", "cuda", "--mode", "tree", "--nodes", "64"], "lower nodes to 63"),
     (["--device", "cuda", "--mode", "chain", "--depth", "64"], "lower depth to 63"),
 ])

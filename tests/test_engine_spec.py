@@ -16,7 +16,7 @@ OTHER = {"model": "tiny", "mode": "chain", "nodes": 12, "depth": 3, "topk": 2, "
          "draft_model": "tiny-hybrid", "random": True, "seed": 7, "dtype": "bfloat16", "device": "cuda:1",
          "ctx": 512, "graphs": False, "threads": 3, "compile": True, "w12": True, "attn": "torch",
          "head": "certified", "decode": "layers", "batch": 4, "budget": "equal", "block": "fixed", "admit": "all",
-         "admit_rows": 64}
+         "admit_rows": 64, "gdn": "wy"}
 
 
 def _flags(spec: EngineSpec) -> list[str]:

@@ -101,5 +101,5 @@ def probe_rows_batched(spec, rows: list[int], context: int, reps: int = 50, warm
     target = load_target(spec, max_seq=context + max(rows) + 64)
     res = measure_rows_batched(target.model, spec.batch, rows, context, reps=reps, warmup=warmup, progress=progress)
     res.model = target.name
-    res.extra.update({k: target.info[k] for k in ("w12", "attn", "head", "decode", "deterministic")})
+    res.extra.update({k: target.info[k] for k in ("w12", "attn", "head", "decode", "gdn", "deterministic")})
     return res

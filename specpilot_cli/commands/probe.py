@@ -8,7 +8,8 @@ from specpilot.engine_options import engine_options, spec_from_cli
 from specpilot.errors import InputError
 from specpilot.output import Report, Section, emit, output_options, progress
 
-PROBE_OPTIONS = ("model", "random", "device", "dtype", "threads", "w12", "attn", "head", "decode", "deterministic", "batch")
+PROBE_OPTIONS = ("model", "random", "device", "dtype", "threads", "w12", "attn", "head", "decode", "gdn", "deterministic",
+                 "batch")
 
 
 @click.group("probe")

@@ -25,6 +25,10 @@ def _w12_label(w12: dict | None) -> str:
     return f", W12 {w12['path']}: {w12['tensors']} projections, {w12['bits_per_weight']:.3f} bits/weight"
 
 
+def _gdn_label(gdn: str | None) -> str:
+    return f", GDN {gdn}" if gdn else ""
+
+
 def _tlv_summary(results: list[dict], tau: float, batch: dict | None = None) -> dict | None:
     """TLV's cycles over every request: tau per exact pass, the Q pass's top-1 agreement with the
     exact pass, mean |C| and the mean cycle's time split."""
@@ -148,7 +152,7 @@ def command(prompt_text, prompts_file, prompt_ids, chat, max_new_tokens, outputs
             "nodes": spec.nodes if spec.mode in ("tree", "tlv") else None,
             "dtype": engine.info["dtype"], "device": spec.device, "chat": used_chat, "max_new_tokens": max_new_tokens,
             "w12": engine.info.get("w12"), "attn": engine.info.get("attn"), "head": engine.info.get("head"),
-            "decode": engine.info.get("decode"),
+            "decode": engine.info.get("decode"), "gdn": engine.info.get("gdn"),
             "deterministic": engine.info.get("deterministic"), "load_seconds": engine.info["load_seconds"],
             "warmup_seconds": engine.info["warmup_seconds"], **summary, "step_timing": run.step_timing(),
             "results": results}
@@ -169,6 +173,7 @@ def command(prompt_text, prompts_file, prompt_ids, chat, max_new_tokens, outputs
     report = Report(data=data, title=None, lines=[x for x in lines if x != ""] if len(results) == 1 else lines,
                     sections=[Section(f"{engine.model_name} {spec.mode} ({engine.info['dtype']}, {spec.device}"
                                       f"{_w12_label(engine.info.get('w12'))}"
+                                      f"{_gdn_label(engine.info.get('gdn'))}"
                                       f"{f', batch {spec.batch}' if spec.batch > 1 else ''})",
                                       ["id", "tokens", "steps", "tau", "tokens/s", "decode tok/s", "stop"], rows,
                                       note=_note(tokens, steps, summary, engine.info, run.step_timing())
