@@ -209,6 +209,6 @@ def test_gpu_bf16_chain_tree_tlv_give_ar_tokens(model):
         e = load_engine(base + f",mode={mode}{extra}")
         r = e.generate(prompt, 48)
         assert r.output_ids == ar, mode
-        assert mode == "chain" or r.tau > 1.5, (mode, r.tau)
+        assert mode != "tree" or r.tau > 1.5, (mode, r.tau)
         del e
         torch.cuda.empty_cache()

@@ -16,7 +16,10 @@ OTHER = {"model": "tiny", "mode": "chain", "nodes": 12, "depth": 3, "topk": 2, "
          "draft_model": "tiny-hybrid", "random": True, "seed": 7, "dtype": "bfloat16", "device": "cuda:1",
          "ctx": 512, "graphs": False, "threads": 3, "compile": True, "w12": True, "attn": "torch",
          "head": "certified", "decode": "layers", "batch": 4, "budget": "equal", "block": "fixed", "admit": "all",
-         "admit_rows": 64, "gdn": "wy"}
+         "admit_rows": 64, "gdn": "wy", "deterministic": True}
+# what an option needs beside it to be valid; ALONE_ONLY: options the others of OTHER rule out
+TOGETHER = {"deterministic": {"device": "cuda"}}
+ALONE_ONLY = ("deterministic",)
 
 
 def _flags(spec: EngineSpec) -> list[str]:
@@ -50,7 +53,7 @@ def test_every_option_has_a_round_trip_value():
 
 @pytest.mark.parametrize("name", list(OTHER))
 def test_spec_text_and_flags_round_trip(name):
-    spec = EngineSpec.from_options(**{name: OTHER[name]})
+    spec = EngineSpec.from_options(**{name: OTHER[name], **TOGETHER.get(name, {})})
     assert getattr(spec, name) == OTHER[name] != getattr(EngineSpec(), name)
     text = str(spec)
     assert f"{name}={OTHER[name]}" in text
@@ -60,7 +63,7 @@ def test_spec_text_and_flags_round_trip(name):
 
 
 def test_all_options_at_once_round_trip():
-    spec = EngineSpec.from_options(**OTHER)
+    spec = EngineSpec.from_options(**{k: v for k, v in OTHER.items() if k not in ALONE_ONLY})
     assert EngineSpec.parse(str(spec)) == spec == _spec_from_flags(_flags(spec))
 
 
