@@ -304,10 +304,10 @@ def test_cuda_q_view_packs_swap_in_and_out_and_the_fused_rows_path_reads_them(mo
     h = torch.zeros(3, lins[0].in_features)
     with view.active():
         assert all(lin.qkp is kp for lin, kp in view.packs)
-        assert fused_verify._linear(h, lins[0]) == "q"
+        assert fused_verify._project(h, lins[0]) == "q"
     assert seen == [(torch.bfloat16, view.packs[0][1], True, {"out_dtype": torch.float32})]
     assert all(lin.qkp is None for lin in lins)
-    assert fused_verify._linear(h, lins[0]).shape == (3, lins[0].out_features)   # the exact weights again
+    assert fused_verify._project(h, lins[0]).shape == (3, lins[0].out_features)   # the exact weights again
     # the refusals: the Q pass needs the fused rows path for all its rows
     assert "decode=fused" in cuda_refusal(e.model, view, 6)
     e.model.fused_decode = True
