@@ -67,7 +67,7 @@ def run_model(model: str) -> tuple[list[dict], list[dict]]:
         t0 = time.perf_counter()
         e = load_engine(base + ",mode=ar")
         load_s = time.perf_counter() - t0
-        e.generate(prompt, 16)   # first request after load: its own compile-free check is elsewhere
+        e.generate(prompt, 16)   # a warm-up request, not measured
         ar = e.generate(prompt, NEW)
         probe = measure_rows(e.model, ROWS, CONTEXT, reps=30, warmup=5)
         speed_rows.append({"model": model, "deterministic": bool(det), "ar_path": probe.ar_path,

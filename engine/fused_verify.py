@@ -50,6 +50,12 @@ def takes(model, rows: int) -> bool:
     return model.fused_decode and 1 < rows and (rows <= MAX_ROWS or model.spec.is_hybrid)
 
 
+def takes_invariant(model, rows: int) -> bool:
+    """Whether a step of ``rows`` rows runs the row-invariant kernels (``set_deterministic``): every
+    step of up to :data:`MAX_ROWS` rows, AR steps included; longer ones (prompts) do not."""
+    return model.invariant and rows <= MAX_ROWS
+
+
 def _project(h, lin, invariant: bool = False):
     qkp = getattr(lin, "qkp", None)
     if qkp is not None:   # a TLV Q pass (engine/tlv.py QView): the 8-bit view through the QPASS kernels

@@ -825,7 +825,7 @@ class Transformer(nn.Module):
         from specpilot.engine import fused_verify
 
         x = self.embed(inp.tokens)
-        if self.invariant and x.shape[0] <= fused_verify.MAX_ROWS:   # AR steps too: one arithmetic for all
+        if fused_verify.takes_invariant(self, x.shape[0]):   # AR steps too: one arithmetic for all
             return fused_verify.hidden_rows(self, x, inp, kv_len, layers, invariant=True)
         if self.fused_decode and x.shape[0] == 1:
             return self._decode_row(x, inp, kv_len, layers)

@@ -49,9 +49,9 @@ class RowsResult:
 def step_path(model, rows: int) -> str:
     """``invariant`` when a step of ``rows`` rows runs the row-invariant kernels (deterministic),
     ``fused`` when it runs the fused kernels, else ``layers``."""
-    from specpilot.engine.fused_verify import MAX_ROWS, takes
+    from specpilot.engine.fused_verify import takes, takes_invariant
 
-    if model.invariant and rows <= MAX_ROWS:
+    if takes_invariant(model, rows):
         return "invariant"
     return "fused" if model.fused_decode and (rows == 1 or takes(model, rows)) else "layers"
 

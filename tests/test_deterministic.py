@@ -41,11 +41,8 @@ def test_invariant_linear_split_depends_on_the_weight_only():
 def _tree_mask(T, S, n, parents):
     mask = torch.zeros(T, S, dtype=torch.bool)
     mask[:, :n] = True
-    for r in range(T):
-        a = r
-        while a >= 0:
-            mask[r, n + a] = True
-            a = parents[a]
+    for r, path in enumerate(gpath.row_paths(parents).tolist()):
+        mask[r, [n + a for a in path if a >= 0]] = True
     return mask
 
 

@@ -35,8 +35,8 @@ if triton is not None:
 
     from .decode import NEG, accumulate, softmax_tile
 
-    @triton.jit(do_not_specialize=["T"])
-    def _inv_split(q_ptr, k_ptr, v_ptr, keys_ptr, nkeys_ptr, acc_ptr, ml_ptr, T, NS, scale,
+    @triton.jit
+    def _inv_split(q_ptr, k_ptr, v_ptr, keys_ptr, nkeys_ptr, acc_ptr, ml_ptr, NS, scale,
                    stride_qt, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs, stride_keys,
                    GRP: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, BLOCK_N: tl.constexpr,
                    SPLIT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
@@ -71,8 +71,8 @@ if triton is not None:
             tl.store(ml_ptr + base * 2, m_i, mask=g_ok)
             tl.store(ml_ptr + base * 2 + 1, l_i, mask=g_ok)
 
-    @triton.jit(do_not_specialize=["T"])
-    def _inv_merge(acc_ptr, ml_ptr, nkeys_ptr, out_ptr, T, NS, stride_ot,
+    @triton.jit
+    def _inv_merge(acc_ptr, ml_ptr, nkeys_ptr, out_ptr, NS, stride_ot,
                    HD: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
         """Row ``t``, head ``h``: the largest max of its splits, then their weighted sums one split
         after another (a scalar loop: the order is the split order, whatever the split count)."""
@@ -133,10 +133,10 @@ def masked_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
     ml = torch.empty(T, nh, ns, 2, dtype=torch.float32, device=q.device)
     out = torch.empty(T, nh * hd, dtype=v.dtype, device=q.device)
     ieee = v.dtype == torch.float32
-    _inv_split[(T, nkv, ns)](q, k, v, table, nkeys, acc, ml, T, ns, float(scale),
+    _inv_split[(T, nkv, ns)](q, k, v, table, nkeys, acc, ml, ns, float(scale),
                              q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                              table.stride(0), GRP=grp, GP=max(16, triton.next_power_of_2(grp)), HD=hd,
                              BLOCK_N=BLOCK_N, SPLIT=SPLIT, IEEE=ieee, num_warps=4, **pdl_args(pdl, q))
-    _inv_merge[(T, nh)](acc, ml, nkeys, out, T, ns, out.stride(0), HD=hd, SPLIT=SPLIT, num_warps=4,
+    _inv_merge[(T, nh)](acc, ml, nkeys, out, ns, out.stride(0), HD=hd, SPLIT=SPLIT, num_warps=4,
                         **pdl_args(pdl, q))
     return out

@@ -32,8 +32,9 @@ if triton is not None:
 
     @triton.jit
     def _mma(acc, w, x, UPCAST: tl.constexpr):
-        """``acc + w @ x.T`` in fp32; on fp32 operands in IEEE fp32 under the interpreter (its bf16
-        ``tl.dot`` is wrong; fp32 holds bf16 products exactly) and for fp32 weights."""
+        """``acc + w @ x.T`` in fp32. ``UPCAST``: both operands as fp32, IEEE products - under the
+        interpreter (its bf16 ``tl.dot`` is wrong; fp32 holds bf16 products exactly) and for fp32
+        weights (no TF32)."""
         if UPCAST:
             return acc + tl.dot(w.to(tl.float32), tl.trans(x).to(tl.float32), input_precision="ieee")
         else:
