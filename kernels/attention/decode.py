@@ -15,10 +15,14 @@ casts and permutes), this is two, or one:
    attend - in the engine's steps no row attends past its own slot - so below it the mask, K and V
    of a tile load together, software-pipelined, and above it the checked walk takes over: correct
    for any mask, at the same arithmetic.
-2. ``_attn_merge``: per (KV head, row), combines the splits' partial outputs in split order -
-   deterministic, no atomics; one compiled kernel for every split count. A plan of one split
-   (enough programs without splitting: batched steps of many requests) has no merge; the split
-   pass writes the output.
+2. the merge combines the splits' partial outputs in split order - deterministic, no atomics on
+   the data - in one of two places (``SplitConfig.merge``): ``kernel``, a second kernel
+   ``_attn_merge``, one program per (KV head, row), one compiled kernel for every split count; or
+   ``last``, inside the split pass: each program counts itself done on its (KV head, row block)'s
+   counter and the last of them merges that block's rows (no second launch and no dependency wait
+   between the two, at the cost of one program reading every partial of its block). A plan of one
+   split (enough programs without splitting: batched steps of many requests) has no merge; the
+   split pass writes the output.
 
 :func:`batched_gqa_attention` runs the rows of several requests (continuous batching) in the same
 launches: each request is a segment of consecutive rows attending over its own cache slot
@@ -36,12 +40,14 @@ from functools import lru_cache
 
 import torch
 
-from .. import tuning
+from .. import tuning, workspace
 from ..triton_env import pdl_args, tl, triton  # sets TRITON_INTERPRET first on a machine without CUDA
 
 BLOCK_N = 64        # cache slots per tile
 MAX_BLOCK_M = 64    # query rows per program (group members x step rows); more rows: more programs
 MERGE_SPLITS = 16   # partials the merge loads at once (a step's split count is up to a few dozen)
+MERGES = ("kernel", "last")
+BLOCK_MS = (16, 32, 64)
 
 
 @dataclass(frozen=True)
@@ -50,11 +56,21 @@ class SplitConfig:
     ``live``: below the highest slot its rows write (in the engine's steps no row attends past its
     own slot) a program loads each tile's mask, K and V at once, software-pipelined ``stages``
     deep, instead of checking the mask before it loads K and V; above it the checked walk skips
-    what no row attends. Same arithmetic either way; needs the rows' slots."""
+    what no row attends. Same arithmetic either way; needs the rows' slots. ``merge``: where the
+    splits are combined (``kernel`` or ``last``, the module doc). ``block_m``: the most query rows a
+    program holds (fewer, more programs: less padding where the rows overrun a power of two)."""
 
     target_programs: int = 256
     live: bool = False
     stages: int = 2
+    merge: str = "kernel"
+    block_m: int = MAX_BLOCK_M
+
+    def __post_init__(self):
+        if self.merge not in MERGES:
+            raise ValueError(f"merge must be one of {MERGES}, got {self.merge!r}")
+        if self.block_m not in BLOCK_MS:
+            raise ValueError(f"block_m must be one of {BLOCK_MS}, got {self.block_m}")
 
 
 @lru_cache(maxsize=None)
@@ -99,13 +115,13 @@ if triton is not None:
         return acc * alpha[:, None] + pv
 
     @triton.jit(do_not_specialize=["T", "R", "row_blocks"])   # an eager step's rows vary: one compile for all
-    def _attn_split(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, ml_ptr, seg_ptr, slots_ptr, out_ptr,
+    def _attn_split(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, ml_ptr, seg_ptr, slots_ptr, out_ptr, cnt_ptr,
                     T, S, R, chunk, scale, row_blocks,
                     stride_qt, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                     stride_mt, stride_ot,
                     GRP: tl.constexpr, HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     IEEE: tl.constexpr, SEGS: tl.constexpr, PDL: tl.constexpr, LIVE: tl.constexpr,
-                    STAGES: tl.constexpr, DIRECT: tl.constexpr):
+                    STAGES: tl.constexpr, DIRECT: tl.constexpr, MERGE_LAST: tl.constexpr):
         if PDL:   # the fused decode chain: let the next kernel launch, then wait for q and the cache write
             gdc_launch_dependents()
             gdc_wait()
@@ -168,9 +184,36 @@ if triton is not None:
                      o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
         else:
             base = (kvh * nsplit + sp) * R + g * T + t  # workspace [nkv, nsplit, R = GRP * T, ...]
-            tl.store(acc_ptr + base[:, None] * HD + d[None, :], acc, mask=row_ok[:, None])
-            tl.store(ml_ptr + base * 2, m_i, mask=row_ok)
-            tl.store(ml_ptr + base * 2 + 1, l_i, mask=row_ok)
+            tl.store(acc_ptr + base[:, None] * HD + d[None, :], acc, mask=row_ok[:, None], cache_modifier=".cg")
+            tl.store(ml_ptr + base * 2, m_i, mask=row_ok, cache_modifier=".cg")
+            tl.store(ml_ptr + base * 2 + 1, l_i, mask=row_ok, cache_modifier=".cg")
+            if MERGE_LAST:
+                block = kvh * tl.num_programs(2) + tl.program_id(2)
+                if tl.atomic_add(cnt_ptr + block, 1, sem="acq_rel") == nsplit - 1:
+                    o = _merge_rows(acc_ptr, ml_ptr, kvh * nsplit * R + g * T + t, row_ok, R, nsplit, BLOCK_M, HD)
+                    tl.store(out_ptr + t[:, None] * stride_ot + ((kvh * GRP + g) * HD)[:, None] + d[None, :],
+                             o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+                    tl.store(cnt_ptr + block, 0)
+
+    @triton.jit
+    def _merge_rows(acc_ptr, ml_ptr, first, row_ok, R, nsplit, BLOCK_M: tl.constexpr, HD: tl.constexpr):
+        """The merged output of a row block (``first``: each row's partial index in split 0): the
+        largest max first, then the weighted sums in split order. Loads bypass L1 (``.cg``): the
+        partials were written by other programs."""
+        top = tl.load(ml_ptr + first * 2, mask=row_ok, other=NEG, cache_modifier=".cg")
+        for sp in range(1, nsplit):
+            top = tl.maximum(top, tl.load(ml_ptr + (first + sp * R) * 2, mask=row_ok, other=NEG,
+                                          cache_modifier=".cg"))
+        d = tl.arange(0, HD)
+        num = tl.zeros([BLOCK_M, HD], tl.float32)
+        den = tl.zeros([BLOCK_M], tl.float32)
+        for sp in range(0, nsplit):
+            b = first + sp * R
+            w = tl.exp(tl.load(ml_ptr + b * 2, mask=row_ok, other=NEG, cache_modifier=".cg") - top)
+            den += tl.load(ml_ptr + b * 2 + 1, mask=row_ok, other=0.0, cache_modifier=".cg") * w
+            num += tl.load(acc_ptr + b[:, None] * HD + d[None, :], mask=row_ok[:, None], other=0.0,
+                           cache_modifier=".cg") * w[:, None]
+        return num / tl.where(row_ok, den, 1.0)[:, None]   # padding rows: no 0/0
 
     @triton.jit(do_not_specialize=["T", "R", "nsplit"])
     def _attn_merge(acc_ptr, ml_ptr, out_ptr, T, R, nsplit, stride_ot,
@@ -242,7 +285,7 @@ def plan(T: int, nh: int, nkv: int, S: int, segments: int = 1,
     """(rows R, row block, row blocks per segment, splits) for a step of ``T`` rows (``segments``
     requests of at most ``T`` rows each): about ``cfg.target_programs`` programs."""
     R = (nh // nkv) * T
-    block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(R)))
+    block_m = min(cfg.block_m, max(16, triton.next_power_of_2(R)))
     row_blocks = triton.cdiv(R, block_m)
     tiles = triton.cdiv(S, BLOCK_N)
     splits = max(1, min(tiles, triton.cdiv(cfg.target_programs, nkv * row_blocks * segments)))
@@ -277,11 +320,13 @@ def _launch(q, k, v, mask, scale, pdl, segs=None, seg_rows: int = 0, cfg: SplitC
     splits = triton.cdiv(S, chunk)
     out = torch.empty(T, nh * hd, dtype=v.dtype, device=q.device)
     direct = splits == 1
+    merge_last = not direct and cfg.merge == "last"
     if direct:
         acc = ml = out
     else:
         acc = torch.empty(nkv, splits, R, hd, dtype=torch.float32, device=q.device)
         ml = torch.empty(nkv, splits, R, 2, dtype=torch.float32, device=q.device)
+    cnt = workspace.counters(q.device, "attention.blocks", nkv * row_blocks * nseg) if merge_last else out
     live = cfg.live and slots is not None
     if live:
         if slots.dim() != 1 or slots.shape[0] != T:
@@ -289,12 +334,13 @@ def _launch(q, k, v, mask, scale, pdl, segs=None, seg_rows: int = 0, cfg: SplitC
         slots = slots.contiguous()   # the kernel reads slots[t] at slots_ptr + t
     ieee = v.dtype == torch.float32
     _attn_split[(nkv, splits, row_blocks * nseg)](
-        q, k, v, mask, acc, ml, mask if segs is None else segs, slots if live else mask, out,
+        q, k, v, mask, acc, ml, mask if segs is None else segs, slots if live else mask, out, cnt,
         T, S, R, chunk, float(scale), row_blocks,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         mask.stride(0), out.stride(0), GRP=nh // nkv, HD=hd, BLOCK_M=block_m, BLOCK_N=BLOCK_N, IEEE=ieee,
-        SEGS=segs is not None, LIVE=live, STAGES=cfg.stages, DIRECT=direct, num_warps=4, **pdl_args(pdl, q))
-    if not direct:
+        SEGS=segs is not None, LIVE=live, STAGES=cfg.stages, DIRECT=direct, MERGE_LAST=merge_last,
+        num_warps=4, **pdl_args(pdl, q))
+    if not direct and not merge_last:
         _attn_merge[(nkv, R)](acc, ml, out, T, R, splits, out.stride(0), GRP=nh // nkv, HD=hd,
                               SPLITS=MERGE_SPLITS, num_warps=4, **pdl_args(pdl, q))
     return out

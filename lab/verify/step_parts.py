@@ -10,8 +10,10 @@ Variants (each captured afresh, interleaved over rounds, median of the replays):
 * ``no-rows``: no small row kernels (RoPE/K/V write, residual + RMSNorm, silu*up) in multi-row steps;
 * ``skinny``: every dense projection of a multi-row step through the skinny GEMM
   (``kernels/verify/skinny.py``, about two programs per SM), cuBLAS nowhere;
-* ``attn:<walk>:<target>:<stages>``: the attention with another ``SplitConfig`` for every step
-  (walk ``live`` or ``checked``, program target a number or ``table`` for the measured entry);
+* ``attn:<walk>:<target>:<stages>[:<merge>:<block_m>]``: the attention with another ``SplitConfig``
+  for every step (walk ``live`` or ``checked``, program target a number or ``table`` for the
+  measured entry, merge ``kernel`` or ``last``, the most rows per program; ``table`` or left out:
+  the measured entry's);
 * ``skinny:<layers>:<mult>:<stages>``: the skinny GEMM for the Llama layers named (``qkv``, ``o``,
   ``gu``, ``down``, joined by ``+``) at every row count, ``mult`` programs per SM along K, the table
   elsewhere.
@@ -63,13 +65,16 @@ def variant(name: str):
     if name.startswith("attn:"):
         from dataclasses import replace
 
-        _, walk, target, stages = name.split(":")
+        _, walk, target, stages, *more = name.split(":")
+        merge, block_m = (more + ["table", "table"])[:2]
         table = decode.split_config
 
         def cfg(device, batched, rows, head_dim):
             c = table(device, batched, rows, head_dim)
             return replace(c, live=walk == "live", stages=int(stages),
-                           target_programs=c.target_programs if target == "table" else int(target))
+                           target_programs=c.target_programs if target == "table" else int(target),
+                           merge=c.merge if merge == "table" else merge,
+                           block_m=c.block_m if block_m == "table" else int(block_m))
         stack.enter_context(patched(decode, "split_config", cfg))
     elif name.startswith("skinny:"):
         import torch
