@@ -256,6 +256,42 @@ def test_merge_takes_more_splits_than_it_loads_at_once():
     torch.testing.assert_close(got, ref.masked_gqa_attention(q, k, v, mask, 0.25), atol=2e-6, rtol=2e-6)
 
 
+@pytest.mark.parametrize("T,target,block_m", [(1, 64, 64), (3, 4, 16), (20, 64, 16), (20, 64, 32), (20, 8, 64)])
+def test_merge_in_the_last_program_gives_the_references_result(T, target, block_m):
+    """``merge=last``: the last program of each (KV head, row block) combines the splits; the
+    result is the reference's for every row cap, one request and batched, run after run (the
+    block counters are left at zero), and no merge kernel is launched."""
+    nh, nkv, hd, S = 8, 2, 16, 300
+    q, k, v, mask = _case(T, nh, nkv, hd, S, seed=T + block_m)
+    cfg = fused.SplitConfig(target, merge="last", block_m=block_m)
+    assert fused.plan(T, nh, nkv, S, 1, cfg)[3] > 1
+    want = ref.masked_gqa_attention(q, k, v, mask, 0.25)
+    got = fused.masked_gqa_attention(q, k, v, mask, 0.25, cfg=cfg)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)
+    assert torch.equal(got, fused.masked_gqa_attention(q, k, v, mask, 0.25, cfg=cfg))
+    segs = torch.tensor([[0, T, 1]], dtype=torch.int32)   # the request in cache slot 1, slot 0 another's
+    kb, vb = torch.stack((v, k)), torch.stack((k, v))
+    torch.testing.assert_close(fused.batched_gqa_attention(q, kb, vb, mask, 0.25, segs, T, cfg=cfg), want,
+                               atol=2e-6, rtol=2e-6)
+
+
+def test_merge_in_the_last_program_launches_no_merge_kernel(monkeypatch):
+    class Refused:
+        def __getitem__(self, grid):
+            raise AssertionError("the merge kernel was launched")
+
+    q, k, v, mask = _case(3, 8, 2, 16, 200, seed=12)
+    monkeypatch.setattr(fused, "_attn_merge", Refused())
+    got = fused.masked_gqa_attention(q, k, v, mask, 0.25, cfg=fused.SplitConfig(64, merge="last"))
+    torch.testing.assert_close(got, ref.masked_gqa_attention(q, k, v, mask, 0.25), atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("bad,msg", [({"merge": "atomic"}, "merge must be"), ({"block_m": 48}, "block_m must be")])
+def test_split_config_refuses_unknown_knobs(bad, msg):
+    with pytest.raises(ValueError, match=msg):
+        fused.SplitConfig(**bad)
+
+
 def _rows_at_slots(T, S, context, beyond=False):
     """A step's mask: T rows at slots context..context+T-1, each seeing the context and its chain;
     ``beyond``: row 0 also sees slots past every row's own (what the live walk does not assume)."""
@@ -345,6 +381,11 @@ def test_live_walk_and_one_split_on_cuda(T, batch):
 
     for target in (64, 256):
         assert torch.equal(attend(fused.SplitConfig(target, live=True, stages=3)), attend(fused.SplitConfig(target)))
-    got = attend(None)
     want = ref.batched_gqa_attention(q.float(), k.float(), v.float(), mask, hd ** -0.5, segs.cpu())
+    for block_m in fused.BLOCK_MS:   # the last program's merge, at every row cap, twice (counters reset)
+        cfg = fused.SplitConfig(256, live=True, merge="last", block_m=block_m)
+        last = attend(cfg)
+        assert torch.equal(last, attend(cfg))
+        torch.testing.assert_close(last.float(), want, atol=2e-2, rtol=2e-2)
+    got = attend(None)
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
