@@ -1,0 +1,218 @@
+"""Skinny bf16 GEMM ``y = x @ W.T`` for 1-32 rows on the tensor cores with K split across the warps
+of a program: the W12 ``warpk`` schedule (:mod:`specpilot.kernels.w12.warpk`) on plain bf16 weights.
+
+cuBLAS and the Triton skinny kernel (:mod:`.skinny`) stage the weight tile through shared memory
+for the MMA; at a few rows that staging, not HBM, sets their pace, and they stream the weights
+below the one-row GEMV's bandwidth. Here nothing goes through shared memory:
+
+* a program owns ``rows`` (16 or 32) weight rows; warp ``w`` streams the 64-column slices
+  ``t0 + i * warps + w`` of them, ``depth`` slices ahead in register sets reloaded in place (each
+  reload pinned with ``bar.warp.sync`` so ptxas keeps it ahead of the MMAs);
+* a slice is loaded straight into the ``mma.sync.m16n8k16`` A registers: the k order inside an MMA
+  is free as long as x uses the same one, so MMA k ``16j + 8s + 2t + c`` is slice column
+  ``16t + 4j + 2s + c`` and lane ``t`` of a row quad loads 16 consecutive bf16 (two 16-byte loads)
+  per row; x arrives the same way, 16 consecutive bf16 of one x row per lane from L1/L2, rows past
+  M predicated off;
+* the program sums its warps' accumulators in a fixed order; with ``split_k`` > 1 the programs of a
+  row block write fp32 partials to a workspace and the last of them (a counter) sums them in order:
+  results are bitwise identical run to run.
+
+Gluon (Triton's explicit-layout dialect) does not run under Triton's interpreter: on a machine
+without CUDA the kernel still compiles for sm_90 (tests do), and :mod:`.blas` routes CPU and
+interpreter calls elsewhere. The plain reference is :func:`.naive.linear`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from specpilot.kernels import workspace
+from specpilot.kernels.w12.gluon_common import gl, gluon, log2, mma_v2, per_warp, pin
+
+SLICE_K = 64     # columns per slice (4 MMAs along k)
+MAX_ROWS = 32    # x rows per launch: one to four 8-row MMA column blocks
+
+
+@dataclass(frozen=True)
+class WarpKConfig:
+    """``rows`` weight rows per program (16 or 32), ``warps`` (each streams its own slices),
+    ``depth`` register sets reloaded in place (2-4), ``split_k`` K ranges across programs."""
+
+    rows: int = 16
+    warps: int = 4
+    depth: int = 2
+    split_k: int = 1
+
+    def __post_init__(self):
+        if self.rows not in (16, 32):
+            raise ValueError(f"rows must be 16 or 32, got {self.rows}")
+        if self.warps not in (1, 2, 4, 8):
+            raise ValueError(f"warps must be 1, 2, 4 or 8, got {self.warps}")
+        if self.depth not in (2, 3, 4):
+            raise ValueError(f"depth must be 2-4, got {self.depth}")
+        if self.split_k < 1:
+            raise ValueError(f"split_k must be >= 1, got {self.split_k}")
+
+    def key(self) -> str:
+        return f"wk-r{self.rows}-w{self.warps}-d{self.depth}-s{self.split_k}"
+
+
+def block_m(m: int) -> int:
+    """x rows per launch, padded to an MMA column block multiple: 8, 16 or 32."""
+    return 8 if m <= 8 else 16 if m <= 16 else 32
+
+
+def layout_bases(rows: int, bm: int, warps: int) -> dict[str, tuple]:
+    """Register/lane/warp bases of the ``[warps, rows, 64]`` weight slice and the ``[warps, bm, 64]``
+    x slice: 16 consecutive columns per lane (registers), lanes ``t`` over the four 16-column
+    groups and ``g`` over 8 rows, further rows in registers, the warp leading (a batch dimension)."""
+    k_regs = [[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8]]
+    lanes = [[0, 0, 16], [0, 0, 32], [0, 1, 0], [0, 2, 0], [0, 4, 0]]
+    warp = [[1 << i, 0, 0] for i in range(log2(warps))]
+
+    def reps(n):
+        return [[0, 8 * (1 << i), 0] for i in range(log2(n // 8))]
+
+    return {"w": (k_regs + reps(rows), lanes, warp, [warps, rows, SLICE_K]),
+            "x": (k_regs + reps(bm), lanes, warp, [warps, bm, SLICE_K])}
+
+
+if gluon is not None:
+    _K = gl.constexpr(SLICE_K)
+
+    @lru_cache(maxsize=None)
+    def layouts(rows: int, bm: int, warps: int):
+        b = layout_bases(rows, bm, warps)
+        lin = {k: gl.DistributedLinearLayout(v[0], v[1], v[2], [], v[3]) for k, v in b.items()}
+        mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[warps, 1, 1], instr_shape=[1, 16, 8])
+        a_op = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        b_op = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+        tm = min(bm, 4)
+        ep = gl.BlockedLayout([1, min(bm // tm, 4)], [32 // tm, tm], [warps, 1], [1, 0])
+        return lin["w"], lin["x"], mma, a_op, b_op, ep
+
+    @gluon.jit
+    def _load(pw, px, t, t_end, tx, L_W: gl.constexpr, L_X: gl.constexpr):
+        """Each warp's slice ``t[w]``: clamped to the range (past it the last slice is re-read and
+        its x is zero, so it adds +-0), and its x."""
+        w = gl.load(pw + per_warp(gl.minimum(t, t_end - 1) * _K, L_W))
+        x = gl.load(px + per_warp(t * _K, L_X), mask=tx & per_warp(t < t_end, L_X), other=0.0)
+        return w, x
+
+    @gluon.jit
+    def _mma(acc, w, x, WARPS: gl.constexpr, ROWS: gl.constexpr, BM: gl.constexpr, A_OP: gl.constexpr,
+             B_OP: gl.constexpr):
+        """acc ``[W, ROWS, BM]`` += each warp's weight slice times its x, both in MMA k order."""
+        a = gl.permute(gl.reshape(w, [WARPS, ROWS, 4, 4, 2, 2]), [0, 1, 3, 4, 2, 5])   # [w, n, j, s, t, c]
+        a = gl.convert_layout(gl.reshape(a, [WARPS, ROWS, _K]), A_OP, assert_trivial=True)
+        b = gl.permute(gl.reshape(x, [WARPS, BM, 4, 4, 2, 2]), [0, 3, 4, 2, 5, 1])      # [w, j, s, t, c, m]
+        b = gl.convert_layout(gl.reshape(b, [WARPS, _K, BM]), B_OP, assert_trivial=True)
+        return mma_v2(a, b, acc)
+
+    @gluon.jit
+    def _set(acc, w, x, t_next, wid, pw, px, t_end, tx, WARPS: gl.constexpr, ROWS: gl.constexpr,
+             BM: gl.constexpr, L_W: gl.constexpr, L_X: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr):
+        """One register set: its slices' MMAs, then the set reloaded in place and pinned there."""
+        acc = _mma(acc, w, x, WARPS, ROWS, BM, A_OP, B_OP)
+        w, x = _load(pw, px, t_next + wid, t_end, tx, L_W, L_X)
+        return acc, w, x, pin(wid, True)
+
+    @gluon.jit
+    def _warpk_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, KT, TILES_PER_SPLIT, SPLIT_K,
+                      stride_x, stride_w, stride_y,
+                      ROWS: gl.constexpr, BM: gl.constexpr, WARPS: gl.constexpr, DEPTH: gl.constexpr,
+                      USE_SPLIT: gl.constexpr, L_W: gl.constexpr, L_X: gl.constexpr, MMA: gl.constexpr,
+                      A_OP: gl.constexpr, B_OP: gl.constexpr, L_EP: gl.constexpr):
+        pid_n = gl.program_id(0)
+        pid_k = gl.program_id(1)
+        n0 = pid_n * ROWS
+        # loop-invariant pointers: each lane's weight rows (past N: the last row, never stored) and
+        # its x row, at the 16 columns it loads in a slice
+        rw = gl.minimum(n0 + gl.arange(0, ROWS, layout=gl.SliceLayout(0, gl.SliceLayout(2, L_W))), N - 1)
+        kw = gl.arange(0, _K, layout=gl.SliceLayout(0, gl.SliceLayout(1, L_W)))
+        pw = (w_ptr + gl.expand_dims(gl.expand_dims(rw.to(gl.int64) * stride_w, 0), 2)
+              + gl.expand_dims(gl.expand_dims(kw, 0), 1))
+        mx = gl.expand_dims(gl.expand_dims(gl.arange(0, BM, layout=gl.SliceLayout(0, gl.SliceLayout(2, L_X))), 0), 2)
+        kx = gl.expand_dims(gl.expand_dims(gl.arange(0, _K, layout=gl.SliceLayout(0, gl.SliceLayout(1, L_X))), 0), 1)
+        px = x_ptr + mx * stride_x + kx
+        tx = mx < M
+        wid = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, L_W)))
+
+        t_begin = pid_k * TILES_PER_SPLIT
+        t_end = gl.minimum(t_begin + TILES_PER_SPLIT, KT)
+        acc = gl.zeros([WARPS, ROWS, BM], gl.float32, MMA)
+        w0, x0 = _load(pw, px, t_begin + wid, t_end, tx, L_W, L_X)
+        w1, x1 = _load(pw, px, t_begin + WARPS + wid, t_end, tx, L_W, L_X)
+        if DEPTH >= 3:
+            w2, x2 = _load(pw, px, t_begin + 2 * WARPS + wid, t_end, tx, L_W, L_X)
+        if DEPTH >= 4:
+            w3, x3 = _load(pw, px, t_begin + 3 * WARPS + wid, t_end, tx, L_W, L_X)
+        wid = pin(wid, True)
+        for t in range(t_begin, t_end, DEPTH * WARPS):
+            acc, w0, x0, wid = _set(acc, w0, x0, t + DEPTH * WARPS, wid, pw, px, t_end, tx, WARPS, ROWS, BM,
+                                    L_W, L_X, A_OP, B_OP)
+            acc, w1, x1, wid = _set(acc, w1, x1, t + (DEPTH + 1) * WARPS, wid, pw, px, t_end, tx, WARPS, ROWS, BM,
+                                    L_W, L_X, A_OP, B_OP)
+            if DEPTH >= 3:
+                acc, w2, x2, wid = _set(acc, w2, x2, t + (DEPTH + 2) * WARPS, wid, pw, px, t_end, tx, WARPS, ROWS,
+                                        BM, L_W, L_X, A_OP, B_OP)
+            if DEPTH >= 4:
+                acc, w3, x3, wid = _set(acc, w3, x3, t + (DEPTH + 3) * WARPS, wid, pw, px, t_end, tx, WARPS, ROWS,
+                                        BM, L_W, L_X, A_OP, B_OP)
+        part = gl.convert_layout(gl.sum(acc, axis=0), L_EP)      # the warps, in a fixed order
+        rn = n0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, L_EP))
+        rm = gl.arange(0, BM, layout=gl.SliceLayout(0, L_EP))
+        out = y_ptr + rm[None, :] * stride_y + rn[:, None]
+        omask = (rn < N)[:, None] & (rm < M)[None, :]
+        if not USE_SPLIT:
+            gl.store(out, part.to(y_ptr.dtype.element_ty), mask=omask)
+        else:
+            TILE: gl.constexpr = ROWS * BM
+            tile = gl.arange(0, ROWS, layout=gl.SliceLayout(1, L_EP))[:, None] * BM + rm[None, :]
+            base = ws_ptr + pid_n.to(gl.int64) * (SPLIT_K * TILE)
+            gl.store(base + pid_k * TILE + tile, part, cache_modifier=".cg")
+            if gl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
+                total = gl.zeros([ROWS, BM], gl.float32, L_EP)
+                for s in range(0, SPLIT_K):    # fixed order: bitwise identical run to run
+                    total += gl.load(base + s * TILE + tile, cache_modifier=".cg")
+                gl.store(out, total.to(y_ptr.dtype.element_ty), mask=omask)
+                gl.atomic_xchg(cnt_ptr + pid_n, 0)
+
+
+def supported(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Gluon present, 1-32 bf16 rows and a bf16 weight, both contiguous, K a multiple of 64, on a
+    CUDA device with ``mma.sync`` (compute capability 8.0+)."""
+    return (gluon is not None and x.is_cuda and x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1]
+            and x.dtype == w.dtype == torch.bfloat16 and 1 <= x.shape[0] <= MAX_ROWS
+            and x.shape[1] % SLICE_K == 0 and x.stride(1) == 1 and w.stride(1) == 1
+            and x.stride(0) % 8 == 0 and w.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
+            and torch.cuda.get_device_capability(x.device)[0] >= 8)
+
+
+def warpk_linear(x: torch.Tensor, w: torch.Tensor, cfg: WarpKConfig = WarpKConfig()) -> torch.Tensor:
+    """``x @ w.T`` for x [M, K] (M = 1..32) and w [N, K], bf16; fp32 accumulation, deterministic."""
+    if not supported(x, w):
+        raise ValueError(f"warpk_linear takes 1-{MAX_ROWS} contiguous bf16 rows and a bf16 weight with K a "
+                         f"multiple of {SLICE_K} on a CUDA GPU with mma.sync; got x {tuple(x.shape)} {x.dtype}, "
+                         f"w {tuple(w.shape)} {w.dtype}")
+    m, k = x.shape
+    n = w.shape[0]
+    kt = k // SLICE_K
+    tps = -(-kt // cfg.split_k)
+    split = -(-kt // tps)
+    nb = -(-n // cfg.rows)
+    bm = block_m(m)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if split > 1:
+        ws = workspace.scratch(x.device, "warpk.partials", nb * split * cfg.rows * bm)
+        cnt = workspace.counters(x.device, "warpk.blocks", nb)
+    else:
+        ws = cnt = y
+    l_w, l_x, mma, a_op, b_op, l_ep = layouts(cfg.rows, bm, cfg.warps)
+    _warpk_kernel[(nb, split)](x, w, y, ws, cnt, m, n, kt, tps, split, x.stride(0), w.stride(0), y.stride(0),
+                               ROWS=cfg.rows, BM=bm, WARPS=cfg.warps, DEPTH=cfg.depth, USE_SPLIT=split > 1,
+                               L_W=l_w, L_X=l_x, MMA=mma, A_OP=a_op, B_OP=b_op, L_EP=l_ep, num_warps=cfg.warps)
+    return y
