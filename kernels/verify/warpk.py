@@ -13,6 +13,8 @@ below the one-row GEMV's bandwidth. Here nothing goes through shared memory:
   ``16t + 4j + 2s + c`` and lane ``t`` of a row quad loads 16 consecutive bf16 (two 16-byte loads)
   per row; x arrives the same way, 16 consecutive bf16 of one x row per lane from L1/L2, rows past
   M predicated off;
+* under programmatic dependent launch the first register sets' weights load before the wait for
+  the previous kernel (weights are constant), x after it;
 * the program sums its warps' accumulators in a fixed order; with ``split_k`` > 1 the programs of a
   row block write fp32 partials to a workspace and the last of them (a counter) sums them in order:
   results are bitwise identical run to run.
@@ -30,6 +32,8 @@ from functools import lru_cache
 import torch
 
 from specpilot.kernels import workspace
+from specpilot.kernels.triton_env import pdl_args
+from specpilot.kernels.verify import common
 from specpilot.kernels.w12.gluon_common import gl, gluon, log2, mma_v2, per_warp, pin
 
 SLICE_K = 64     # columns per slice (4 MMAs along k)
@@ -81,6 +85,8 @@ def layout_bases(rows: int, bm: int, warps: int) -> dict[str, tuple]:
 
 
 if gluon is not None:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
     _K = gl.constexpr(SLICE_K)
 
     @lru_cache(maxsize=None)
@@ -95,12 +101,18 @@ if gluon is not None:
         return lin["w"], lin["x"], mma, a_op, b_op, ep
 
     @gluon.jit
+    def _load_w(pw, t, t_end, L_W: gl.constexpr):
+        """Each warp's slice ``t[w]``, clamped to the range (past it the last slice is re-read; its x
+        is zero, so it adds +-0)."""
+        return gl.load(pw + per_warp(gl.minimum(t, t_end - 1) * _K, L_W))
+
+    @gluon.jit
+    def _load_x(px, t, t_end, tx, L_X: gl.constexpr):
+        return gl.load(px + per_warp(t * _K, L_X), mask=tx & per_warp(t < t_end, L_X), other=0.0)
+
+    @gluon.jit
     def _load(pw, px, t, t_end, tx, L_W: gl.constexpr, L_X: gl.constexpr):
-        """Each warp's slice ``t[w]``: clamped to the range (past it the last slice is re-read and
-        its x is zero, so it adds +-0), and its x."""
-        w = gl.load(pw + per_warp(gl.minimum(t, t_end - 1) * _K, L_W))
-        x = gl.load(px + per_warp(t * _K, L_X), mask=tx & per_warp(t < t_end, L_X), other=0.0)
-        return w, x
+        return _load_w(pw, t, t_end, L_W), _load_x(px, t, t_end, tx, L_X)
 
     @gluon.jit
     def _mma(acc, w, x, WARPS: gl.constexpr, ROWS: gl.constexpr, BM: gl.constexpr, A_OP: gl.constexpr,
@@ -125,7 +137,7 @@ if gluon is not None:
                       stride_x, stride_w, stride_y,
                       ROWS: gl.constexpr, BM: gl.constexpr, WARPS: gl.constexpr, DEPTH: gl.constexpr,
                       USE_SPLIT: gl.constexpr, L_W: gl.constexpr, L_X: gl.constexpr, MMA: gl.constexpr,
-                      A_OP: gl.constexpr, B_OP: gl.constexpr, L_EP: gl.constexpr):
+                      A_OP: gl.constexpr, B_OP: gl.constexpr, L_EP: gl.constexpr, PDL: gl.constexpr):
         pid_n = gl.program_id(0)
         pid_k = gl.program_id(1)
         n0 = pid_n * ROWS
@@ -144,12 +156,23 @@ if gluon is not None:
         t_begin = pid_k * TILES_PER_SPLIT
         t_end = gl.minimum(t_begin + TILES_PER_SPLIT, KT)
         acc = gl.zeros([WARPS, ROWS, BM], gl.float32, MMA)
-        w0, x0 = _load(pw, px, t_begin + wid, t_end, tx, L_W, L_X)
-        w1, x1 = _load(pw, px, t_begin + WARPS + wid, t_end, tx, L_W, L_X)
+        # the first register sets' weights (constant) before x: under PDL they load while the
+        # previous kernel drains, and x only after it has finished
+        w0 = _load_w(pw, t_begin + wid, t_end, L_W)
+        w1 = _load_w(pw, t_begin + WARPS + wid, t_end, L_W)
         if DEPTH >= 3:
-            w2, x2 = _load(pw, px, t_begin + 2 * WARPS + wid, t_end, tx, L_W, L_X)
+            w2 = _load_w(pw, t_begin + 2 * WARPS + wid, t_end, L_W)
         if DEPTH >= 4:
-            w3, x3 = _load(pw, px, t_begin + 3 * WARPS + wid, t_end, tx, L_W, L_X)
+            w3 = _load_w(pw, t_begin + 3 * WARPS + wid, t_end, L_W)
+        if PDL:
+            gdc_launch_dependents()
+            gdc_wait()
+        x0 = _load_x(px, t_begin + wid, t_end, tx, L_X)
+        x1 = _load_x(px, t_begin + WARPS + wid, t_end, tx, L_X)
+        if DEPTH >= 3:
+            x2 = _load_x(px, t_begin + 2 * WARPS + wid, t_end, tx, L_X)
+        if DEPTH >= 4:
+            x3 = _load_x(px, t_begin + 3 * WARPS + wid, t_end, tx, L_X)
         wid = pin(wid, True)
         for t in range(t_begin, t_end, DEPTH * WARPS):
             acc, w0, x0, wid = _set(acc, w0, x0, t + DEPTH * WARPS, wid, pw, px, t_end, tx, WARPS, ROWS, BM,
@@ -214,5 +237,6 @@ def warpk_linear(x: torch.Tensor, w: torch.Tensor, cfg: WarpKConfig = WarpKConfi
     l_w, l_x, mma, a_op, b_op, l_ep = layouts(cfg.rows, bm, cfg.warps)
     _warpk_kernel[(nb, split)](x, w, y, ws, cnt, m, n, kt, tps, split, x.stride(0), w.stride(0), y.stride(0),
                                ROWS=cfg.rows, BM=bm, WARPS=cfg.warps, DEPTH=cfg.depth, USE_SPLIT=split > 1,
-                               L_W=l_w, L_X=l_x, MMA=mma, A_OP=a_op, B_OP=b_op, L_EP=l_ep, num_warps=cfg.warps)
+                               L_W=l_w, L_X=l_x, MMA=mma, A_OP=a_op, B_OP=b_op, L_EP=l_ep, num_warps=cfg.warps,
+                               **pdl_args(common.USE_PDL, x))
     return y

@@ -14,6 +14,9 @@ Variants (each captured afresh, interleaved over rounds, median of the replays):
   for every step (walk ``live`` or ``checked``, program target a number or ``table`` for the
   measured entry, merge ``kernel`` or ``last``, the most rows per program; ``table`` or left out:
   the measured entry's);
+* ``warpk:<max rows>[:<bound>=<rows>-<warps>-<depth>-<split>...]``: every dense projection of a step
+  of up to ``max rows`` rows through the bf16 warp-K GEMM (``kernels/verify/warpk.py``), the config
+  of the smallest row bound that covers the step;
 * ``skinny:<layers>:<mult>:<stages>``: the skinny GEMM for the Llama layers named (``qkv``, ``o``,
   ``gu``, ``down``, joined by ``+``) at every row count, ``mult`` programs per SM along K, the table
   elsewhere.
@@ -90,6 +93,22 @@ def variant(name: str):
             return SkinnyConfig(max(1, min(-(-k // BLOCK_K), round(float(mult) * sms / -(-n // BLOCK_N)))),
                                 int(stages))
         stack.enter_context(patched(blas, "skinny_config", cfg))
+    elif name.startswith("warpk:"):
+        from specpilot.kernels.verify import warpk
+
+        _, top, *cfgs = name.split(":")
+        picks = {}   # rows bound -> (rows, warps, depth, split) of warpk.WarpKConfig
+        for c in cfgs or ["8=16-4-4-1", "32=32-4-2-1"]:
+            bound, cfg = c.split("=")
+            picks[int(bound)] = warpk.WarpKConfig(*(int(v) for v in cfg.split("-")))
+        plain = blas.linear
+
+        def routed(h, w):
+            m = h.shape[0]
+            if m <= int(top) and warpk.supported(h, w):
+                return warpk.warpk_linear(h, w, picks[min(b for b in picks if b >= m)])
+            return plain(h, w)
+        stack.enter_context(patched(blas, "linear", routed))
     elif name == "no-merge":
         stack.enter_context(patched(decode, "_attn_merge", _NoLaunch()))
     elif name == "no-attn":
@@ -125,7 +144,7 @@ def main() -> int:
     ap.add_argument("--cases", default="1x1,1x33,1x64,16x1", help="BxN: B requests of N rows (B=1: one request)")
     args = ap.parse_args()
     variants = args.variants.split(",")
-    bad = [v for v in variants if v not in VARIANTS and not v.startswith(("attn:", "skinny:"))]
+    bad = [v for v in variants if v not in VARIANTS and not v.startswith(("attn:", "skinny:", "warpk:"))]
     if bad:
         raise SystemExit(f"step_parts: unknown variant(s) {bad}; known: {VARIANTS}")
     import torch
