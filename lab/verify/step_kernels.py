@@ -10,7 +10,7 @@ class (GEMM, attention, small row kernels, LM head, argmax, other) the summed ti
 the ten longest kernels by name. What a multi-row step loses against the AR step shows up as a
 class that grows, or as span not covered by kernels (launch gaps).
 
-    python lab/verify/step_kernels.py [--replays 10] [--trace-dir DIR]
+    python lab/verify/step_kernels.py [--replays 10] [--trace-dir DIR] [--cases 1x1,16x1] [--variant warpk:8]
 """
 
 from __future__ import annotations
@@ -99,7 +99,10 @@ def main() -> int:
     ap.add_argument("--replays", type=int, default=10)
     ap.add_argument("--trace-dir", default=None)
     ap.add_argument("--model", default="llama-3.1-8b")
+    ap.add_argument("--cases", default="1x1,1x16,1x32,16x1", help="BxN: B requests of N rows (B=1: one request)")
+    ap.add_argument("--variant", default="product", help="a lab/verify/step_parts.py variant to profile")
     args = ap.parse_args()
+    from lab.verify.step_parts import variant
     import torch
 
     from specpilot.engine.api import load_target
@@ -124,27 +127,34 @@ def main() -> int:
     if tdir:
         tdir.mkdir(parents=True, exist_ok=True)
     rows = []
-    for T in (1, 16, 32):
-        runner = GraphRunner(model)
-        g, sinp, _ = runner.get(T)
-        inp = step_input(model, T, ctx)
-        for a in ("tokens", "pos", "slots", "mask"):
-            getattr(sinp, a).copy_(getattr(inp, a))
-        rows.append(summarize(f"1 request x {T} rows", profile_graph(g, args.replays, tdir and tdir / f"r{T}.json")))
+    caches = {}
+    for case in args.cases.split(","):
+        B, T = (int(v) for v in case.split("x"))
+        label = f"1 request x {T} rows" if B == 1 else f"{B} requests x {T} rows"
+        with variant(args.variant):
+            if B == 1:
+                runner = GraphRunner(model)
+                g, sinp, _ = runner.get(T)
+                inp = step_input(model, T, ctx)
+                for a in ("tokens", "pos", "slots", "mask"):
+                    getattr(sinp, a).copy_(getattr(inp, a))
+            else:
+                if B not in caches:
+                    caches.clear()
+                    cache = BatchCache(model, B)
+                    for lc in cache.layers:
+                        for t in (lc.k, lc.v):
+                            if t is not None:
+                                t.normal_()
+                    caches[B] = cache
+                runner = BatchGraphRunner(model, caches[B])
+                inp, _, _ = assemble(chain_rows(B, T, ctx, model.spec.vocab_size, gen), caches[B].max_seq,
+                                     model.device, pad=(B, T))
+                runner.run(inp, B, T)
+                g = runner.graphs[(B, T)][0]
+            rows.append(summarize(label, profile_graph(g, args.replays, tdir and tdir / f"b{B}r{T}.json")))
         print({k: (round(v, 1) if isinstance(v, float) else v) for k, v in rows[-1].items() if k != "top"}, flush=True)
         del runner, g
-    B = 16
-    cache = BatchCache(model, B)
-    for lc in cache.layers:
-        for t in (lc.k, lc.v):
-            if t is not None:
-                t.normal_()
-    runner = BatchGraphRunner(model, cache)
-    inp, _, _ = assemble(chain_rows(B, 1, ctx, model.spec.vocab_size, gen), cache.max_seq, model.device, pad=(B, 1))
-    runner.run(inp, B, 1)
-    g = runner.graphs[(B, 1)][0]
-    rows.append(summarize(f"{B} requests x 1 row", profile_graph(g, args.replays, tdir and tdir / f"b{B}.json")))
-    print({k: (round(v, 1) if isinstance(v, float) else v) for k, v in rows[-1].items() if k != "top"}, flush=True)
     for r in rows:
         print(f"\n{r['step']}: span {r['span_us']:.0f} us, kernels {r['kernel_us']:.0f} us ({r['kernels']} kernels)")
         for n, v in r["top"]:
