@@ -16,7 +16,7 @@ Variants (each captured afresh, interleaved over rounds, median of the replays):
   the measured entry's);
 * ``warpk:<max rows>[:<bound>=<rows>-<warps>-<depth>-<split>...]``: every dense projection of a step
   of up to ``max rows`` rows through the bf16 warp-K GEMM (``kernels/verify/warpk.py``), the config
-  of the smallest row bound that covers the step;
+  of the smallest row bound that covers the step (``warpk-nopdl:``: the same, launched without PDL);
 * ``skinny:<layers>:<mult>:<stages>``: the skinny GEMM for the Llama layers named (``qkv``, ``o``,
   ``gu``, ``down``, joined by ``+``) at every row count, ``mult`` programs per SM along K, the table
   elsewhere.
@@ -93,10 +93,12 @@ def variant(name: str):
             return SkinnyConfig(max(1, min(-(-k // BLOCK_K), round(float(mult) * sms / -(-n // BLOCK_N)))),
                                 int(stages))
         stack.enter_context(patched(blas, "skinny_config", cfg))
-    elif name.startswith("warpk:"):
+    elif name.startswith(("warpk:", "warpk-nopdl:")):
         from specpilot.kernels.verify import warpk
 
-        _, top, *cfgs = name.split(":")
+        kind, top, *cfgs = name.split(":")
+        if kind == "warpk-nopdl":   # plain launches for the warp-K GEMM only
+            stack.enter_context(patched(warpk, "pdl_args", lambda on, x: {"PDL": False}))
         picks = {}   # rows bound -> (rows, warps, depth, split) of warpk.WarpKConfig
         for c in cfgs or ["8=16-4-4-1", "32=32-4-2-1"]:
             bound, cfg = c.split("=")
@@ -144,7 +146,7 @@ def main() -> int:
     ap.add_argument("--cases", default="1x1,1x33,1x64,16x1", help="BxN: B requests of N rows (B=1: one request)")
     args = ap.parse_args()
     variants = args.variants.split(",")
-    bad = [v for v in variants if v not in VARIANTS and not v.startswith(("attn:", "skinny:", "warpk:"))]
+    bad = [v for v in variants if v not in VARIANTS and not v.startswith(("attn:", "skinny:", "warpk:", "warpk-nopdl:"))]
     if bad:
         raise SystemExit(f"step_parts: unknown variant(s) {bad}; known: {VARIANTS}")
     import torch
