@@ -1,9 +1,9 @@
 """Steps of 2..64 rows (chain and tree verification, short prefills) through fused kernels
 (``decode=fused``, the default on CUDA where it applies; :mod:`.fused_decode` takes one row).
 
-A dense layer is four GEMMs (cuBLAS for bf16 weights, on the BLAS library the measured table
-picks for the step's rows (:mod:`specpilot.kernels.verify.blas`); the routed W12 GEMM ``w12_linear``
-with ``w12=1``) and one kernel between two GEMMs (:mod:`specpilot.kernels.verify.rows`), ten kernels
+A dense layer is four GEMMs (bf16 weights: the kernel the measured table picks for the step's
+rows, :mod:`specpilot.kernels.verify.blas` - the warp-K tensor-core GEMM for one request's short
+steps, cuBLAS or the skinny GEMM elsewhere; the routed W12 GEMM ``w12_linear`` with ``w12=1``) and one kernel between two GEMMs (:mod:`specpilot.kernels.verify.rows`), ten kernels
 instead of the layer modules' forty:
 
 1. RMSNorm of the rows (fused into the previous layer's last kernel), q/k/v GEMM;
@@ -56,7 +56,7 @@ def takes_invariant(model, rows: int) -> bool:
     return model.invariant and rows <= MAX_ROWS
 
 
-def _project(h, lin, invariant: bool = False):
+def _project(h, lin, invariant: bool = False, batched: bool = False):
     qkp = getattr(lin, "qkp", None)
     if qkp is not None:   # a TLV Q pass (engine/tlv.py QView): the 8-bit view through the QPASS kernels
         from specpilot.kernels.w12.routing import w12_linear
@@ -71,7 +71,7 @@ def _project(h, lin, invariant: bool = False):
         from specpilot.kernels.verify import invariant as inv
 
         return inv.linear(h, lin.weight)
-    return blas.linear(h, lin.weight)
+    return blas.linear(h, lin.weight, batched)
 
 
 def takes_batch(model) -> bool:
@@ -140,7 +140,7 @@ def hidden_rows(model, x: torch.Tensor, inp, kv_len: int, layers: int | None = N
         keys = key_table(inp.mask[:, :kv_len])   # every attention layer's; recomputed at each graph replay
 
     def _linear(h, lin):
-        return _project(h, lin, invariant)
+        return _project(h, lin, invariant, cache is not None)
 
     blocks = model.layers[:layers]
     caches = [None] * len(blocks) if cache is None else cache.layers

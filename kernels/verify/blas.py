@@ -1,7 +1,8 @@
-"""The dense projections of a multi-row step: the skinny GEMM (:mod:`.skinny`) where the measured
-table (``kernels/verify/tuned/<arch>.json``) has a ``skinny`` entry for the layer (``n``, ``k``) and
-the step's rows, else ``F.linear`` (cuBLAS) on the BLAS library the table's ``gemm`` entries pick
-for the step's rows.
+"""The dense projections of a multi-row step, by the measured table
+(``kernels/verify/tuned/<arch>.json``): one request's steps of the rows a ``warpk`` entry covers take
+the warp-K tensor-core GEMM (:mod:`.warpk`); else the skinny GEMM (:mod:`.skinny`) where a ``skinny``
+entry names the layer (``n``, ``k``) and the step's rows; else ``F.linear`` (cuBLAS) on the BLAS
+library the table's ``gemm`` entries pick for the step's rows.
 
 torch reads its preferred BLAS library (``torch.backends.cuda.preferred_blas_library``) when it
 launches a GEMM, and a CUDA graph keeps the kernel chosen at capture, so a step captured at 32
@@ -18,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import tuning
+from . import warpk
 from .skinny import SkinnyConfig, skinny_linear
 
 
@@ -54,11 +56,29 @@ def skinny_config(device, n: int, k: int, rows: int) -> SkinnyConfig | None:
     return _skinny(tuning.device_arch(device), n, k, rows)
 
 
-def linear(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``F.linear(h, w)`` (no bias); half-precision weights on CUDA go through the skinny GEMM or
-    the BLAS library the table picks for the layer and ``h``'s rows."""
+@lru_cache(maxsize=None)
+def _warpk(arch: str | None, rows: int) -> warpk.WarpKConfig | None:
+    found = tuning.lookup("verify", "warpk", arch, rows=rows)
+    return warpk.WarpKConfig(**found[0]["config"]) if found else None
+
+
+def warpk_config(device, rows: int) -> warpk.WarpKConfig | None:
+    """The table's warp-K config for one request's step of ``rows`` rows on ``device``, None where
+    another kernel runs it."""
+    return _warpk(tuning.device_arch(device), rows)
+
+
+def linear(h: torch.Tensor, w: torch.Tensor, batched: bool = False) -> torch.Tensor:
+    """``F.linear(h, w)`` (no bias); half-precision weights on CUDA go through the warp-K GEMM (one
+    request's steps, ``batched`` False), the skinny GEMM or the BLAS library the table picks for the
+    layer and ``h``'s rows. Batched steps (the rows of several requests) do not take the warp-K GEMM:
+    under PDL their steps measured slower with it (Llama-3.1-8B, 4 requests x 1 row: 4.77 -> 5.45 ms)."""
     if h.device.type != "cuda" or w.dtype not in (torch.bfloat16, torch.float16):
         return F.linear(h, w)
+    if not batched:
+        wk = warpk_config(h.device, h.shape[0])
+        if wk is not None and warpk.supported(h, w):
+            return warpk.warpk_linear(h, w, wk)
     cfg = skinny_config(h.device, w.shape[0], w.shape[1], h.shape[0])
     if cfg is not None and h.dtype == w.dtype and h.stride(-1) == 1 and w.stride(-1) == 1:
         return skinny_linear(h, w, cfg)

@@ -5,9 +5,9 @@ cuBLAS and the Triton skinny kernel (:mod:`.skinny`) stage the weight tile throu
 for the MMA; at a few rows that staging, not HBM, sets their pace, and they stream the weights
 below the one-row GEMV's bandwidth. Here nothing goes through shared memory:
 
-* a program owns ``rows`` (16 or 32) weight rows; warp ``w`` streams the 64-column slices
-  ``t0 + i * warps + w`` of them, ``depth`` slices ahead in register sets reloaded in place (each
-  reload pinned with ``bar.warp.sync`` so ptxas keeps it ahead of the MMAs);
+* a program owns 16 weight rows; each of its 4 warps streams its own 64-column slices of them
+  (``t = i * 4 + w``), ``depth`` slices ahead in register sets reloaded in place (each reload pinned
+  with ``bar.warp.sync`` so ptxas keeps it ahead of the MMAs), no split-K across programs;
 * a slice is loaded straight into the ``mma.sync.m16n8k16`` A registers: the k order inside an MMA
   is free as long as x uses the same one, so MMA k ``16j + 8s + 2t + c`` is slice column
   ``16t + 4j + 2s + c`` and lane ``t`` of a row quad loads 16 consecutive bf16 (two 16-byte loads)
@@ -15,9 +15,8 @@ below the one-row GEMV's bandwidth. Here nothing goes through shared memory:
   M predicated off;
 * under programmatic dependent launch the first register sets' weights load before the wait for
   the previous kernel (weights are constant), x after it;
-* the program sums its warps' accumulators in a fixed order; with ``split_k`` > 1 the programs of a
-  row block write fp32 partials to a workspace and the last of them (a counter) sums them in order:
-  results are bitwise identical run to run.
+* the program sums its warps' accumulators in a fixed order: results are bitwise identical run to
+  run.
 
 Gluon (Triton's explicit-layout dialect) does not run under Triton's interpreter: on a machine
 without CUDA the kernel still compiles for sm_90 (tests do), and :mod:`.blas` routes CPU and
@@ -31,37 +30,28 @@ from functools import lru_cache
 
 import torch
 
-from specpilot.kernels import workspace
 from specpilot.kernels.triton_env import pdl_args
 from specpilot.kernels.verify import common
 from specpilot.kernels.w12.gluon_common import gl, gluon, log2, mma_v2, per_warp, pin
 
 SLICE_K = 64     # columns per slice (4 MMAs along k)
+ROWS = 16        # weight rows per program: one 16-row MMA slice per warp
+WARPS = 4
 MAX_ROWS = 32    # x rows per launch: one to four 8-row MMA column blocks
 
 
 @dataclass(frozen=True)
 class WarpKConfig:
-    """``rows`` weight rows per program (16 or 32), ``warps`` (each streams its own slices),
-    ``depth`` register sets reloaded in place (2-4), ``split_k`` K ranges across programs."""
+    """``depth`` register sets per warp reloaded in place (2-4): the slices in flight."""
 
-    rows: int = 16
-    warps: int = 4
     depth: int = 2
-    split_k: int = 1
 
     def __post_init__(self):
-        if self.rows not in (16, 32):
-            raise ValueError(f"rows must be 16 or 32, got {self.rows}")
-        if self.warps not in (1, 2, 4, 8):
-            raise ValueError(f"warps must be 1, 2, 4 or 8, got {self.warps}")
         if self.depth not in (2, 3, 4):
             raise ValueError(f"depth must be 2-4, got {self.depth}")
-        if self.split_k < 1:
-            raise ValueError(f"split_k must be >= 1, got {self.split_k}")
 
     def key(self) -> str:
-        return f"wk-r{self.rows}-w{self.warps}-d{self.depth}-s{self.split_k}"
+        return f"wk-d{self.depth}"
 
 
 def block_m(m: int) -> int:
@@ -133,14 +123,11 @@ if gluon is not None:
         return acc, w, x, pin(wid, True)
 
     @gluon.jit
-    def _warpk_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, KT, TILES_PER_SPLIT, SPLIT_K,
-                      stride_x, stride_w, stride_y,
+    def _warpk_kernel(x_ptr, w_ptr, y_ptr, M, N, KT, stride_x, stride_w, stride_y,
                       ROWS: gl.constexpr, BM: gl.constexpr, WARPS: gl.constexpr, DEPTH: gl.constexpr,
-                      USE_SPLIT: gl.constexpr, L_W: gl.constexpr, L_X: gl.constexpr, MMA: gl.constexpr,
+                      L_W: gl.constexpr, L_X: gl.constexpr, MMA: gl.constexpr,
                       A_OP: gl.constexpr, B_OP: gl.constexpr, L_EP: gl.constexpr, PDL: gl.constexpr):
-        pid_n = gl.program_id(0)
-        pid_k = gl.program_id(1)
-        n0 = pid_n * ROWS
+        n0 = gl.program_id(0) * ROWS
         # loop-invariant pointers: each lane's weight rows (past N: the last row, never stored) and
         # its x row, at the 16 columns it loads in a slice
         rw = gl.minimum(n0 + gl.arange(0, ROWS, layout=gl.SliceLayout(0, gl.SliceLayout(2, L_W))), N - 1)
@@ -153,8 +140,8 @@ if gluon is not None:
         tx = mx < M
         wid = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, L_W)))
 
-        t_begin = pid_k * TILES_PER_SPLIT
-        t_end = gl.minimum(t_begin + TILES_PER_SPLIT, KT)
+        t_begin = 0
+        t_end = KT
         acc = gl.zeros([WARPS, ROWS, BM], gl.float32, MMA)
         # the first register sets' weights (constant) before x: under PDL they load while the
         # previous kernel drains, and x only after it has finished
@@ -189,20 +176,7 @@ if gluon is not None:
         rn = n0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, L_EP))
         rm = gl.arange(0, BM, layout=gl.SliceLayout(0, L_EP))
         out = y_ptr + rm[None, :] * stride_y + rn[:, None]
-        omask = (rn < N)[:, None] & (rm < M)[None, :]
-        if not USE_SPLIT:
-            gl.store(out, part.to(y_ptr.dtype.element_ty), mask=omask)
-        else:
-            TILE: gl.constexpr = ROWS * BM
-            tile = gl.arange(0, ROWS, layout=gl.SliceLayout(1, L_EP))[:, None] * BM + rm[None, :]
-            base = ws_ptr + pid_n.to(gl.int64) * (SPLIT_K * TILE)
-            gl.store(base + pid_k * TILE + tile, part, cache_modifier=".cg")
-            if gl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
-                total = gl.zeros([ROWS, BM], gl.float32, L_EP)
-                for s in range(0, SPLIT_K):    # fixed order: bitwise identical run to run
-                    total += gl.load(base + s * TILE + tile, cache_modifier=".cg")
-                gl.store(out, total.to(y_ptr.dtype.element_ty), mask=omask)
-                gl.atomic_xchg(cnt_ptr + pid_n, 0)
+        gl.store(out, part.to(y_ptr.dtype.element_ty), mask=(rn < N)[:, None] & (rm < M)[None, :])
 
 
 def supported(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -223,20 +197,11 @@ def warpk_linear(x: torch.Tensor, w: torch.Tensor, cfg: WarpKConfig = WarpKConfi
                          f"w {tuple(w.shape)} {w.dtype}")
     m, k = x.shape
     n = w.shape[0]
-    kt = k // SLICE_K
-    tps = -(-kt // cfg.split_k)
-    split = -(-kt // tps)
-    nb = -(-n // cfg.rows)
     bm = block_m(m)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if split > 1:
-        ws = workspace.scratch(x.device, "warpk.partials", nb * split * cfg.rows * bm)
-        cnt = workspace.counters(x.device, "warpk.blocks", nb)
-    else:
-        ws = cnt = y
-    l_w, l_x, mma, a_op, b_op, l_ep = layouts(cfg.rows, bm, cfg.warps)
-    _warpk_kernel[(nb, split)](x, w, y, ws, cnt, m, n, kt, tps, split, x.stride(0), w.stride(0), y.stride(0),
-                               ROWS=cfg.rows, BM=bm, WARPS=cfg.warps, DEPTH=cfg.depth, USE_SPLIT=split > 1,
-                               L_W=l_w, L_X=l_x, MMA=mma, A_OP=a_op, B_OP=b_op, L_EP=l_ep, num_warps=cfg.warps,
-                               **pdl_args(common.USE_PDL, x))
+    l_w, l_x, mma, a_op, b_op, l_ep = layouts(ROWS, bm, WARPS)
+    _warpk_kernel[(-(-n // ROWS),)](x, w, y, m, n, k // SLICE_K, x.stride(0), w.stride(0), y.stride(0),
+                                    ROWS=ROWS, BM=bm, WARPS=WARPS, DEPTH=cfg.depth, L_W=l_w, L_X=l_x, MMA=mma,
+                                    A_OP=a_op, B_OP=b_op, L_EP=l_ep, num_warps=WARPS,
+                                    **pdl_args(common.USE_PDL, x))
     return y

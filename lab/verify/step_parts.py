@@ -14,9 +14,9 @@ Variants (each captured afresh, interleaved over rounds, median of the replays):
   for every step (walk ``live`` or ``checked``, program target a number or ``table`` for the
   measured entry, merge ``kernel`` or ``last``, the most rows per program; ``table`` or left out:
   the measured entry's);
-* ``warpk:<max rows>[:<bound>=<rows>-<warps>-<depth>-<split>...]``: every dense projection of a step
-  of up to ``max rows`` rows through the bf16 warp-K GEMM (``kernels/verify/warpk.py``), the config
-  of the smallest row bound that covers the step (``warpk-nopdl:``: the same, launched without PDL);
+* ``warpk:<max rows>[:<bound>=<depth>...]``: every dense projection of a step of up to ``max rows``
+  rows through the bf16 warp-K GEMM (``kernels/verify/warpk.py``), the depth of the smallest row
+  bound that covers the step (default 4) (``warpk-nopdl:``: the same, launched without PDL);
 * ``skinny:<layers>:<mult>:<stages>``: the skinny GEMM for the Llama layers named (``qkv``, ``o``,
   ``gu``, ``down``, joined by ``+``) at every row count, ``mult`` programs per SM along K, the table
   elsewhere.
@@ -99,10 +99,10 @@ def variant(name: str):
         kind, top, *cfgs = name.split(":")
         if kind == "warpk-nopdl":   # plain launches for the warp-K GEMM only
             stack.enter_context(patched(warpk, "pdl_args", lambda on, x: {"PDL": False}))
-        picks = {}   # rows bound -> (rows, warps, depth, split) of warpk.WarpKConfig
-        for c in cfgs or ["8=16-4-4-1", "32=32-4-2-1"]:
-            bound, cfg = c.split("=")
-            picks[int(bound)] = warpk.WarpKConfig(*(int(v) for v in cfg.split("-")))
+        picks = {}   # rows bound -> warpk.WarpKConfig(depth)
+        for c in cfgs or ["32=4"]:
+            bound, depth = c.split("=")
+            picks[int(bound)] = warpk.WarpKConfig(int(depth))
         plain = blas.linear
 
         def routed(h, w):

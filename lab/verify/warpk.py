@@ -3,15 +3,22 @@
 each config checked against ``x @ W.T`` in fp32 and run to run, then timed (CUDA graphs, L2 flushed
 by reading), the best re-timed interleaved beside both.
 
-    python lab/verify/warpk.py [--rows 1,2,4,8,16,32] [--layers 4096x6144,...] [--quick]
+    python lab/verify/warpk.py [--rows 1,2,4,8,16,32] [--layers 4096x6144,...]
 
 Writes lab/results/warpk.json (and $OUT).
+
+A first sweep (H200, Llama-3.1-8B layers, 1/4/16/32 rows) also tried 32 weight rows per program, 8
+warps and split-K across programs (to 2 and 4 programs per SM): none won at 1-4 rows (16 rows, 4
+warps, depth 4, no split on every layer: q/k/v 17.8 vs cuBLAS 18.0 us, o 13.6 vs 15.0, gate/up 60.0
+vs 58.4, down 32.5 vs 33.6 at 4 rows); at 16 rows 32-row programs won on q/k/v and gate/up but
+stayed slower than cuBLAS (19.4 vs 17.6, 68.5 vs 58.9 us), and at 32 rows every config was
+0.64-0.90x of cuBLAS (x traffic from L2 binds it). The product kernel keeps 16 rows, 4 warps, no
+split; whole steps decide where it runs (``lab/verify/step_parts.py --variants warpk:...``).
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import sys
 from pathlib import Path
 
@@ -22,20 +29,10 @@ import torch  # noqa: E402
 from lab.verify.skinny import LAYERS  # noqa: E402
 
 
-def configs(k: int, n: int, m: int, quick: bool):
-    from specpilot.kernels.verify.warpk import SLICE_K, WarpKConfig
+def configs():
+    from specpilot.kernels.verify.warpk import WarpKConfig
 
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    kt = k // SLICE_K
-    out = []
-    for rows, warps, depth in itertools.product((16, 32), (4, 8) if not quick else (4,), (2, 3, 4)):
-        blocks = -(-n // rows)
-        splits = {1}
-        for target in (2, 4):   # programs per SM
-            splits.add(max(1, min(kt // (warps * depth), -(-target * sms // blocks))))
-        for s in sorted(splits):
-            out.append(WarpKConfig(rows, warps, depth, s))
-    return out
+    return [WarpKConfig(d) for d in (2, 3, 4)]
 
 
 def main() -> None:
@@ -48,7 +45,6 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,2,4,8,16,32")
     ap.add_argument("--layers", default="", help="KxN,... (default: the Llama-3.1-8B and Qwen3.5-9B layers)")
-    ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     rows_list = parse_int_list(args.rows, 1, 32, "rows")
     layers = [tuple(int(v) for v in s.split("x")) for s in args.layers.split(",") if s] or LAYERS
@@ -60,7 +56,7 @@ def main() -> None:
         ref = F.linear(x.float(), w.float())
         tol = 2e-2 * float(ref.abs().max()) + 1e-3
         best = None
-        for c in configs(k, n, m, args.quick):
+        for c in configs():
             y = warpk_linear(x, w, c)
             err = float((y.float() - ref).abs().max())
             if err > tol or not torch.equal(y, warpk_linear(x, w, c)):

@@ -1,0 +1,126 @@
+"""The warp-K bf16 GEMM of one request's short steps (kernels/verify/warpk.py) against its plain
+reference, its routing by the table, and bad input.
+
+Gluon kernels do not run under Triton's interpreter: on the CPU the kernel is compiled for sm_90
+and its main loop checked (tensor-core MMAs fed from 16-byte global loads, no shared memory);
+``-m gpu`` runs it at the engine's layer shapes, eager and captured."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from specpilot.kernels.verify import blas, warpk  # noqa: E402
+from specpilot.kernels.verify import naive as R  # noqa: E402
+
+needs_gluon = pytest.mark.skipif(warpk.gluon is None, reason="no Gluon in this Triton")
+
+
+def _pair(m, k, n, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(device)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16).to(device)
+    return x, w
+
+
+def _ulps_ok(got, want):
+    """Within one bf16 rounding of the fp32 reference (the sums' order differs)."""
+    ref = want.float()
+    tol = ref.abs().clamp_min(1e-3) * 2 ** -7 + 1e-3
+    return bool(((got.float() - ref).abs() <= tol).all())
+
+
+def _setup(bm: int, depth: int) -> str:
+    return f"""
+from specpilot.kernels.verify import warpk as W
+k = W._warpk_kernel
+l_w, l_x, mma, a_op, b_op, l_ep = W.layouts(W.ROWS, {bm}, W.WARPS)
+const = dict(ROWS=W.ROWS, BM={bm}, WARPS=W.WARPS, DEPTH={depth}, L_W=l_w, L_X=l_x, MMA=mma, A_OP=a_op,
+             B_OP=b_op, L_EP=l_ep, PDL=True)
+ptrs = {{"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16"}}
+div = ["x_ptr", "w_ptr", "y_ptr", "stride_x", "stride_w", "stride_y"]
+warps = W.WARPS
+"""
+
+
+@needs_gluon
+@pytest.mark.parametrize("bm,depth", [(8, 4), (16, 2), (32, 3)])
+def test_main_loop_feeds_the_mmas_from_global_loads_without_shared_memory(bm, depth):
+    """Per register set and warp: 4 MMAs along k per 8 x rows, the weight slice as four 16-byte
+    loads per lane and x as two per 8 rows; no shared memory and no CTA barrier in the loop (the
+    layout conversions into the MMA operands are asserted trivial at compile time)."""
+    from gluon_ptx import main_loop_ptx
+
+    ptx = main_loop_ptx(_setup(bm, depth))
+    assert ptx.count("mma.sync.aligned.m16n8k16") == depth * 4 * (bm // 8)
+    assert ptx.count("ld.global.v4") == depth * (4 + 2 * (bm // 8))
+    assert "ld.shared" not in ptx and "st.shared" not in ptx and "bar.sync" not in ptx
+
+
+def test_config_and_input_checks():
+    with pytest.raises(ValueError, match="depth must be 2-4"):
+        warpk.WarpKConfig(5)
+    x, w = _pair(4, 128, 32)
+    assert not warpk.supported(x, w)   # CPU tensors
+    with pytest.raises(ValueError, match="warpk_linear takes 1-32 contiguous bf16 rows"):
+        warpk.warpk_linear(x, w)
+
+
+def test_block_m_pads_rows_to_mma_column_blocks():
+    assert [warpk.block_m(m) for m in (1, 8, 9, 16, 17, 32)] == [8, 8, 16, 16, 32, 32]
+
+
+def test_table_routes_one_requests_short_steps_only():
+    """The sm90 table's ``warpk`` entry covers one request's steps of 2-8 rows; other row counts and
+    the CPU take the other kernels, and ``batched`` never asks for it."""
+    assert [blas._warpk("sm90", m) for m in (1, 2, 8, 9, 16, 33)] == [None, warpk.WarpKConfig(4),
+                                                                      warpk.WarpKConfig(4), None, None, None]
+    x, w = _pair(4, 128, 32)
+    assert torch.equal(blas.linear(x, w), torch.nn.functional.linear(x, w))
+    assert torch.equal(blas.linear(x, w, batched=True), torch.nn.functional.linear(x, w))
+
+
+gpu = pytest.mark.gpu
+
+
+def _cuda():
+    if not torch.cuda.is_available() or warpk.gluon is None:
+        pytest.skip("needs CUDA and Gluon")
+
+
+@gpu
+@pytest.mark.parametrize("k,n", [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (4096, 12352),
+                                 (12288, 4096), (128, 130)])
+@pytest.mark.parametrize("m", [1, 2, 5, 8, 9, 16, 17, 32])
+def test_warpk_matches_the_reference_on_cuda(k, n, m):
+    _cuda()
+    x, w = _pair(m, k, n, seed=m, device="cuda")
+    want = R.linear(x.float(), w.float())
+    for depth in (2, 3, 4):
+        got = warpk.warpk_linear(x, w, warpk.WarpKConfig(depth))
+        assert got.shape == (m, n) and got.dtype == torch.bfloat16
+        assert _ulps_ok(got, want), (depth, float((got.float() - want).abs().max()))
+        assert torch.equal(got, warpk.warpk_linear(x, w, warpk.WarpKConfig(depth)))
+
+
+@gpu
+def test_warpk_in_a_cuda_graph_gives_the_eager_bits_and_blas_routes_it():
+    _cuda()
+    x, w = _pair(4, 4096, 4096, seed=9, device="cuda")
+    eager = blas.linear(x, w)
+    assert torch.equal(eager, warpk.warpk_linear(x, w, blas.warpk_config(x.device, 4)))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        blas.linear(x, w)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = blas.linear(x, w)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, eager)
+    batched = blas.linear(x, w, batched=True)   # the skinny GEMM or cuBLAS: close, not the same kernel
+    assert _ulps_ok(batched, R.linear(x.float(), w.float()))
