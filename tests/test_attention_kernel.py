@@ -98,14 +98,16 @@ def test_fused_is_deterministic_and_plan_fills_the_gpu():
 
 def test_program_targets_come_from_the_measured_table():
     """At head_dim 128, batched steps of few rows per request take the live walk with one split per
-    program from 16 requests on, one request's AR step the live walk (their table entries); verify
-    rows and long segments keep the default. A given target changes only the split, not the result."""
+    program from 16 requests on (fewer: the merge in the last program), one request's AR step the
+    live walk, its 64-row steps the live walk and the merge in the last program (their table
+    entries); other verify rows and long segments keep the default. A given target changes only the split, not the result."""
     cpu = torch.device("cpu")
-    live = fused.SplitConfig(128, True, 3)
+    live = fused.SplitConfig(128, True, 3, merge="last")
     assert fused.split_config(cpu, True, 1, 128) == fused.split_config(cpu, True, 4, 128) == live
     assert fused.split_config(cpu, True, 33, 128) == fused.SplitConfig()
     assert fused.split_config(cpu, False, 1, 128) == fused.SplitConfig(256, True, 2)
-    assert fused.split_config(cpu, False, 2, 128) == fused.SplitConfig()
+    assert fused.split_config(cpu, False, 2, 128) == fused.split_config(cpu, False, 33, 128) == fused.SplitConfig()
+    assert fused.split_config(cpu, False, 64, 128) == fused.SplitConfig(128, True, 2, merge="last")
     # other head dims keep what was measured for them (Qwen3.5's 256) or the default
     assert fused.split_config(cpu, True, 1, 256) == fused.SplitConfig(512)
     assert fused.split_config(cpu, True, 1, 64) == fused.split_config(cpu, False, 1, 256) == fused.SplitConfig()
@@ -256,14 +258,14 @@ def test_merge_takes_more_splits_than_it_loads_at_once():
     torch.testing.assert_close(got, ref.masked_gqa_attention(q, k, v, mask, 0.25), atol=2e-6, rtol=2e-6)
 
 
-@pytest.mark.parametrize("T,target,block_m", [(1, 64, 64), (3, 4, 16), (20, 64, 16), (20, 64, 32), (20, 8, 64)])
-def test_merge_in_the_last_program_gives_the_references_result(T, target, block_m):
+@pytest.mark.parametrize("T,target", [(1, 64), (3, 4), (20, 64), (20, 8)])
+def test_merge_in_the_last_program_gives_the_references_result(T, target):
     """``merge=last``: the last program of each (KV head, row block) combines the splits; the
-    result is the reference's for every row cap, one request and batched, run after run (the
-    block counters are left at zero), and no merge kernel is launched."""
+    result is the reference's (one row block and two), one request and batched, run after run (the
+    block counters are left at zero)."""
     nh, nkv, hd, S = 8, 2, 16, 300
-    q, k, v, mask = _case(T, nh, nkv, hd, S, seed=T + block_m)
-    cfg = fused.SplitConfig(target, merge="last", block_m=block_m)
+    q, k, v, mask = _case(T, nh, nkv, hd, S, seed=T + target)
+    cfg = fused.SplitConfig(target, merge="last")
     assert fused.plan(T, nh, nkv, S, 1, cfg)[3] > 1
     want = ref.masked_gqa_attention(q, k, v, mask, 0.25)
     got = fused.masked_gqa_attention(q, k, v, mask, 0.25, cfg=cfg)
@@ -286,10 +288,9 @@ def test_merge_in_the_last_program_launches_no_merge_kernel(monkeypatch):
     torch.testing.assert_close(got, ref.masked_gqa_attention(q, k, v, mask, 0.25), atol=2e-6, rtol=2e-6)
 
 
-@pytest.mark.parametrize("bad,msg", [({"merge": "atomic"}, "merge must be"), ({"block_m": 48}, "block_m must be")])
-def test_split_config_refuses_unknown_knobs(bad, msg):
-    with pytest.raises(ValueError, match=msg):
-        fused.SplitConfig(**bad)
+def test_split_config_refuses_an_unknown_merge():
+    with pytest.raises(ValueError, match="merge must be"):
+        fused.SplitConfig(merge="atomic")
 
 
 def _rows_at_slots(T, S, context, beyond=False):
@@ -382,8 +383,8 @@ def test_live_walk_and_one_split_on_cuda(T, batch):
     for target in (64, 256):
         assert torch.equal(attend(fused.SplitConfig(target, live=True, stages=3)), attend(fused.SplitConfig(target)))
     want = ref.batched_gqa_attention(q.float(), k.float(), v.float(), mask, hd ** -0.5, segs.cpu())
-    for block_m in fused.BLOCK_MS:   # the last program's merge, at every row cap, twice (counters reset)
-        cfg = fused.SplitConfig(256, live=True, merge="last", block_m=block_m)
+    for target in (64, 256):   # the last program's merge, twice (counters reset)
+        cfg = fused.SplitConfig(target, live=True, merge="last")
         last = attend(cfg)
         assert torch.equal(last, attend(cfg))
         torch.testing.assert_close(last.float(), want, atol=2e-2, rtol=2e-2)

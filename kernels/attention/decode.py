@@ -47,7 +47,6 @@ BLOCK_N = 64        # cache slots per tile
 MAX_BLOCK_M = 64    # query rows per program (group members x step rows); more rows: more programs
 MERGE_SPLITS = 16   # partials the merge loads at once (a step's split count is up to a few dozen)
 MERGES = ("kernel", "last")
-BLOCK_MS = (16, 32, 64)
 
 
 @dataclass(frozen=True)
@@ -57,20 +56,16 @@ class SplitConfig:
     own slot) a program loads each tile's mask, K and V at once, software-pipelined ``stages``
     deep, instead of checking the mask before it loads K and V; above it the checked walk skips
     what no row attends. Same arithmetic either way; needs the rows' slots. ``merge``: where the
-    splits are combined (``kernel`` or ``last``, the module doc). ``block_m``: the most query rows a
-    program holds (fewer, more programs: less padding where the rows overrun a power of two)."""
+    splits are combined (``kernel`` or ``last``, the module doc)."""
 
     target_programs: int = 256
     live: bool = False
     stages: int = 2
     merge: str = "kernel"
-    block_m: int = MAX_BLOCK_M
 
     def __post_init__(self):
         if self.merge not in MERGES:
             raise ValueError(f"merge must be one of {MERGES}, got {self.merge!r}")
-        if self.block_m not in BLOCK_MS:
-            raise ValueError(f"block_m must be one of {BLOCK_MS}, got {self.block_m}")
 
 
 @lru_cache(maxsize=None)
@@ -285,7 +280,7 @@ def plan(T: int, nh: int, nkv: int, S: int, segments: int = 1,
     """(rows R, row block, row blocks per segment, splits) for a step of ``T`` rows (``segments``
     requests of at most ``T`` rows each): about ``cfg.target_programs`` programs."""
     R = (nh // nkv) * T
-    block_m = min(cfg.block_m, max(16, triton.next_power_of_2(R)))
+    block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(R)))
     row_blocks = triton.cdiv(R, block_m)
     tiles = triton.cdiv(S, BLOCK_N)
     splits = max(1, min(tiles, triton.cdiv(cfg.target_programs, nkv * row_blocks * segments)))

@@ -10,10 +10,9 @@ Variants (each captured afresh, interleaved over rounds, median of the replays):
 * ``no-rows``: no small row kernels (RoPE/K/V write, residual + RMSNorm, silu*up) in multi-row steps;
 * ``skinny``: every dense projection of a multi-row step through the skinny GEMM
   (``kernels/verify/skinny.py``, about two programs per SM), cuBLAS nowhere;
-* ``attn:<walk>:<target>:<stages>[:<merge>:<block_m>]``: the attention with another ``SplitConfig``
-  for every step (walk ``live`` or ``checked``, program target a number or ``table`` for the
-  measured entry, merge ``kernel`` or ``last``, the most rows per program; ``table`` or left out:
-  the measured entry's);
+* ``attn:<walk>:<target>:<stages>[:<merge>]``: the attention with another ``SplitConfig`` for every
+  step (walk ``live`` or ``checked``, program target a number or ``table`` for the measured entry,
+  merge ``kernel`` or ``last``, ``table`` or left out: the measured entry's);
 * ``warpk:<max rows>[:<bound>=<depth>...]``: every dense projection of a step of up to ``max rows``
   rows through the bf16 warp-K GEMM (``kernels/verify/warpk.py``), the depth of the smallest row
   bound that covers the step (default 4) (``warpk-nopdl:``: the same, launched without PDL);
@@ -69,15 +68,14 @@ def variant(name: str):
         from dataclasses import replace
 
         _, walk, target, stages, *more = name.split(":")
-        merge, block_m = (more + ["table", "table"])[:2]
+        merge = (more + ["table"])[0]
         table = decode.split_config
 
         def cfg(device, batched, rows, head_dim):
             c = table(device, batched, rows, head_dim)
             return replace(c, live=walk == "live", stages=int(stages),
                            target_programs=c.target_programs if target == "table" else int(target),
-                           merge=c.merge if merge == "table" else merge,
-                           block_m=c.block_m if block_m == "table" else int(block_m))
+                           merge=c.merge if merge == "table" else merge)
         stack.enter_context(patched(decode, "split_config", cfg))
     elif name.startswith("skinny:"):
         import torch
@@ -105,11 +103,11 @@ def variant(name: str):
             picks[int(bound)] = warpk.WarpKConfig(int(depth))
         plain = blas.linear
 
-        def routed(h, w):
+        def routed(h, w, batched=False):
             m = h.shape[0]
             if m <= int(top) and warpk.supported(h, w):
                 return warpk.warpk_linear(h, w, picks[min(b for b in picks if b >= m)])
-            return plain(h, w)
+            return plain(h, w, batched)
         stack.enter_context(patched(blas, "linear", routed))
     elif name == "no-merge":
         stack.enter_context(patched(decode, "_attn_merge", _NoLaunch()))
