@@ -38,6 +38,7 @@ SLICE_K = 64     # columns per slice (4 MMAs along k)
 ROWS = 16        # weight rows per program: one 16-row MMA slice per warp
 WARPS = 4
 MAX_ROWS = 32    # x rows per launch: one to four 8-row MMA column blocks
+TRIGGER = 0      # EXPERIMENT: 0 trigger dependents before the wait, 1 after it, 2 never (at exit)
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,8 @@ if gluon is not None:
     def _warpk_kernel(x_ptr, w_ptr, y_ptr, M, N, KT, stride_x, stride_w, stride_y,
                       ROWS: gl.constexpr, BM: gl.constexpr, WARPS: gl.constexpr, DEPTH: gl.constexpr,
                       L_W: gl.constexpr, L_X: gl.constexpr, MMA: gl.constexpr,
-                      A_OP: gl.constexpr, B_OP: gl.constexpr, L_EP: gl.constexpr, PDL: gl.constexpr):
+                      A_OP: gl.constexpr, B_OP: gl.constexpr, L_EP: gl.constexpr, PDL: gl.constexpr,
+                      TRIGGER: gl.constexpr = 0):
         n0 = gl.program_id(0) * ROWS
         # loop-invariant pointers: each lane's weight rows (past N: the last row, never stored) and
         # its x row, at the 16 columns it loads in a slice
@@ -152,8 +154,11 @@ if gluon is not None:
         if DEPTH >= 4:
             w3 = _load_w(pw, t_begin + 3 * WARPS + wid, t_end, L_W)
         if PDL:
-            gdc_launch_dependents()
+            if TRIGGER == 0:
+                gdc_launch_dependents()
             gdc_wait()
+            if TRIGGER == 1:
+                gdc_launch_dependents()
         x0 = _load_x(px, t_begin + wid, t_end, tx, L_X)
         x1 = _load_x(px, t_begin + WARPS + wid, t_end, tx, L_X)
         if DEPTH >= 3:
@@ -202,6 +207,6 @@ def warpk_linear(x: torch.Tensor, w: torch.Tensor, cfg: WarpKConfig = WarpKConfi
     l_w, l_x, mma, a_op, b_op, l_ep = layouts(ROWS, bm, WARPS)
     _warpk_kernel[(-(-n // ROWS),)](x, w, y, m, n, k // SLICE_K, x.stride(0), w.stride(0), y.stride(0),
                                     ROWS=ROWS, BM=bm, WARPS=WARPS, DEPTH=cfg.depth, L_W=l_w, L_X=l_x, MMA=mma,
-                                    A_OP=a_op, B_OP=b_op, L_EP=l_ep, num_warps=WARPS,
+                                    A_OP=a_op, B_OP=b_op, L_EP=l_ep, num_warps=WARPS, TRIGGER=TRIGGER,
                                     **pdl_args(common.USE_PDL, x))
     return y
