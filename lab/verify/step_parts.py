@@ -97,8 +97,6 @@ def variant(name: str):
         kind, top, *cfgs = name.split(":")
         if kind == "warpk-nopdl":   # plain launches for the warp-K GEMM only
             stack.enter_context(patched(warpk, "pdl_args", lambda on, x: {"PDL": False}))
-        if cfgs and cfgs[0].startswith("t"):
-            stack.enter_context(patched(warpk, "TRIGGER", int(cfgs.pop(0)[1:])))
         picks = {}   # rows bound -> warpk.WarpKConfig(depth)
         for c in cfgs or ["32=4"]:
             bound, depth = c.split("=")
@@ -107,7 +105,7 @@ def variant(name: str):
 
         def routed(h, w, batched=False):
             m = h.shape[0]
-            if m <= int(top) and warpk.supported(h, w) and (batched or m > 1):
+            if m <= int(top) and warpk.supported(h, w):
                 return warpk.warpk_linear(h, w, picks[min(b for b in picks if b >= m)])
             return plain(h, w, batched)
         stack.enter_context(patched(blas, "linear", routed))
