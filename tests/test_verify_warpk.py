@@ -59,6 +59,32 @@ def test_main_loop_feeds_the_mmas_from_global_loads_without_shared_memory(bm, de
     assert "ld.shared" not in ptx and "st.shared" not in ptx and "bar.sync" not in ptx
 
 
+@needs_gluon
+def test_every_routed_config_compiles_without_spills_and_reads_weights_before_the_wait():
+    """The table's configs at each x block they serve (2-8 rows: 8): no register spills (a config
+    that spills streams its register sets through local memory: two or three sets at 8-16 x rows
+    spill, and those made whole steps 2-5 ms slower on the H200), the first weight slices loaded
+    before ``griddepcontrol.wait``, x after it, and no early trigger of the dependents."""
+    import json
+    import re
+
+    from gluon_ptx import ptxas_report
+
+    from specpilot.kernels import tuning
+
+    entries = [e for e in json.loads(tuning._path("verify", "sm90").read_text())["entries"] if e["kernel"] == "warpk"]
+    assert entries
+    for e in entries:
+        for bm in sorted({warpk.block_m(m) for m in range(e["rows"][0], e["rows"][1] + 1)}):
+            r = ptxas_report(_setup(bm, e["config"]["depth"]))
+            assert r["rc"] == 0, r["log"][-2000:]
+            assert not re.search(r"[1-9]\d* bytes spill (stores|loads)", r["log"]), r["log"]
+            ptx = r["ptx"]
+            wait = ptx.find("griddepcontrol.wait")
+            assert 0 < ptx.find("ld.global.v4") < wait < ptx.find("ld.global.v4", wait)
+            assert "griddepcontrol.launch_dependents" not in ptx
+
+
 def test_config_and_input_checks():
     with pytest.raises(ValueError, match="depth must be 2-4"):
         warpk.WarpKConfig(5)
