@@ -61,10 +61,10 @@ def test_main_loop_feeds_the_mmas_from_global_loads_without_shared_memory(bm, de
 
 @needs_gluon
 def test_every_routed_config_compiles_without_spills_and_reads_weights_before_the_wait():
-    """The table's configs at each x block they serve (2-8 rows: 8): no register spills (a config
-    that spills streams its register sets through local memory: two or three sets at 8-16 x rows
-    spill, and those made whole steps 2-5 ms slower on the H200), the first weight slices loaded
-    before ``griddepcontrol.wait``, x after it, and no early trigger of the dependents."""
+    """The kernel at each x block the table's entries serve (2-8 rows: 8): no register spills (a
+    depth that spills streams its register sets through local memory: two or three sets at 8-16 x
+    rows spill, and those made whole steps 2-5 ms slower on the H200), the first weight slices
+    loaded before ``griddepcontrol.wait``, x after it, and no early trigger of the dependents."""
     import json
     import re
 
@@ -76,7 +76,7 @@ def test_every_routed_config_compiles_without_spills_and_reads_weights_before_th
     assert entries
     for e in entries:
         for bm in sorted({warpk.block_m(m) for m in range(e["rows"][0], e["rows"][1] + 1)}):
-            r = ptxas_report(_setup(bm, e["config"]["depth"]))
+            r = ptxas_report(_setup(bm, warpk.DEPTH))
             assert r["rc"] == 0, r["log"][-2000:]
             assert not re.search(r"[1-9]\d* bytes spill (stores|loads)", r["log"]), r["log"]
             ptx = r["ptx"]
@@ -85,9 +85,7 @@ def test_every_routed_config_compiles_without_spills_and_reads_weights_before_th
             assert "griddepcontrol.launch_dependents" not in ptx
 
 
-def test_config_and_input_checks():
-    with pytest.raises(ValueError, match="depth must be 2-4"):
-        warpk.WarpKConfig(5)
+def test_input_checks():
     x, w = _pair(4, 128, 32)
     assert not warpk.supported(x, w)   # CPU tensors
     with pytest.raises(ValueError, match="warpk_linear takes 1-32 contiguous bf16 rows"):
@@ -101,8 +99,7 @@ def test_block_m_pads_rows_to_mma_column_blocks():
 def test_table_routes_one_requests_short_steps_only():
     """The sm90 table's ``warpk`` entry covers one request's steps of 2-8 rows; other row counts and
     the CPU take the other kernels, and ``batched`` never asks for it."""
-    assert [blas._warpk("sm90", m) for m in (1, 2, 8, 9, 16, 33)] == [None, warpk.WarpKConfig(4),
-                                                                      warpk.WarpKConfig(4), None, None, None]
+    assert [blas._warpk("sm90", m) for m in (1, 2, 8, 9, 16, 33)] == [False, True, True, False, False, False]
     x, w = _pair(4, 128, 32)
     assert torch.equal(blas.linear(x, w), torch.nn.functional.linear(x, w))
     assert torch.equal(blas.linear(x, w, batched=True), torch.nn.functional.linear(x, w))
@@ -124,11 +121,10 @@ def test_warpk_matches_the_reference_on_cuda(k, n, m):
     _cuda()
     x, w = _pair(m, k, n, seed=m, device="cuda")
     want = R.linear(x.float(), w.float())
-    for depth in (2, 3, 4):
-        got = warpk.warpk_linear(x, w, warpk.WarpKConfig(depth))
-        assert got.shape == (m, n) and got.dtype == torch.bfloat16
-        assert _ulps_ok(got, want), (depth, float((got.float() - want).abs().max()))
-        assert torch.equal(got, warpk.warpk_linear(x, w, warpk.WarpKConfig(depth)))
+    got = warpk.warpk_linear(x, w)
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16
+    assert _ulps_ok(got, want), float((got.float() - want).abs().max())
+    assert torch.equal(got, warpk.warpk_linear(x, w))
 
 
 @gpu
@@ -136,7 +132,7 @@ def test_warpk_in_a_cuda_graph_gives_the_eager_bits_and_blas_routes_it():
     _cuda()
     x, w = _pair(4, 4096, 4096, seed=9, device="cuda")
     eager = blas.linear(x, w)
-    assert torch.equal(eager, warpk.warpk_linear(x, w, blas.warpk_config(x.device, 4)))
+    assert blas.takes_warpk(x.device, 4) and torch.equal(eager, warpk.warpk_linear(x, w))
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):

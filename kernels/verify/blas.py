@@ -57,14 +57,13 @@ def skinny_config(device, n: int, k: int, rows: int) -> SkinnyConfig | None:
 
 
 @lru_cache(maxsize=None)
-def _warpk(arch: str | None, rows: int) -> warpk.WarpKConfig | None:
-    found = tuning.lookup("verify", "warpk", arch, rows=rows)
-    return warpk.WarpKConfig(**found[0]["config"]) if found else None
+def _warpk(arch: str | None, rows: int) -> bool:
+    return bool(tuning.lookup("verify", "warpk", arch, rows=rows))
 
 
-def warpk_config(device, rows: int) -> warpk.WarpKConfig | None:
-    """The table's warp-K config for one request's step of ``rows`` rows on ``device``, None where
-    another kernel runs it."""
+def takes_warpk(device, rows: int) -> bool:
+    """Whether the table routes one request's steps of ``rows`` rows on ``device`` through the warp-K
+    GEMM (a ``warpk`` entry covers them; it has no knobs)."""
     return _warpk(tuning.device_arch(device), rows)
 
 
@@ -75,10 +74,8 @@ def linear(h: torch.Tensor, w: torch.Tensor, batched: bool = False) -> torch.Ten
     under PDL their steps measured slower with it (Llama-3.1-8B, 4 requests x 1 row: 4.77 -> 5.45 ms)."""
     if h.device.type != "cuda" or w.dtype not in (torch.bfloat16, torch.float16):
         return F.linear(h, w)
-    if not batched:
-        wk = warpk_config(h.device, h.shape[0])
-        if wk is not None and warpk.supported(h, w):
-            return warpk.warpk_linear(h, w, wk)
+    if not batched and takes_warpk(h.device, h.shape[0]) and warpk.supported(h, w):
+        return warpk.warpk_linear(h, w)
     cfg = skinny_config(h.device, w.shape[0], w.shape[1], h.shape[0])
     if cfg is not None and h.dtype == w.dtype and h.stride(-1) == 1 and w.stride(-1) == 1:
         return skinny_linear(h, w, cfg)

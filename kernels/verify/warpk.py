@@ -6,7 +6,7 @@ for the MMA; at a few rows that staging, not HBM, sets their pace, and they stre
 below the one-row GEMV's bandwidth. Here nothing goes through shared memory:
 
 * a program owns 16 weight rows; each of its 4 warps streams its own 64-column slices of them
-  (``t = i * 4 + w``), ``depth`` slices ahead in register sets reloaded in place (each reload pinned
+  (``t = i * 4 + w``), four slices ahead in register sets reloaded in place (each reload pinned
   with ``bar.warp.sync`` so ptxas keeps it ahead of the MMAs), no split-K across programs;
 * a slice is loaded straight into the ``mma.sync.m16n8k16`` A registers: the k order inside an MMA
   is free as long as x uses the same one, so MMA k ``16j + 8s + 2t + c`` is slice column
@@ -28,7 +28,6 @@ interpreter calls elsewhere. The plain reference is :func:`.naive.linear`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -41,20 +40,9 @@ SLICE_K = 64     # columns per slice (4 MMAs along k)
 ROWS = 16        # weight rows per program: one 16-row MMA slice per warp
 WARPS = 4
 MAX_ROWS = 32    # x rows per launch: one to four 8-row MMA column blocks
-
-
-@dataclass(frozen=True)
-class WarpKConfig:
-    """``depth`` register sets per warp reloaded in place (2-4): the slices in flight."""
-
-    depth: int = 2
-
-    def __post_init__(self):
-        if self.depth not in (2, 3, 4):
-            raise ValueError(f"depth must be 2-4, got {self.depth}")
-
-    def key(self) -> str:
-        return f"wk-d{self.depth}"
+# register sets per warp (slices in flight): with two or three ptxas spills registers in the loop at
+# 8-16 x rows and the sets stream through local memory (whole H200 steps 2-5 ms slower)
+DEPTH = 4
 
 
 def block_m(m: int) -> int:
@@ -191,19 +179,23 @@ def supported(x: torch.Tensor, w: torch.Tensor) -> bool:
             and torch.cuda.get_device_capability(x.device)[0] >= 8)
 
 
-def warpk_linear(x: torch.Tensor, w: torch.Tensor, cfg: WarpKConfig = WarpKConfig()) -> torch.Tensor:
+def warpk_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x @ w.T`` for x [M, K] (M = 1..32) and w [N, K], bf16; fp32 accumulation, deterministic."""
     if not supported(x, w):
         raise ValueError(f"warpk_linear takes 1-{MAX_ROWS} contiguous bf16 rows and a bf16 weight with K a "
                          f"multiple of {SLICE_K} on a CUDA GPU with mma.sync; got x {tuple(x.shape)} {x.dtype}, "
                          f"w {tuple(w.shape)} {w.dtype}")
+    return _launch(x, w, DEPTH)
+
+
+def _launch(x: torch.Tensor, w: torch.Tensor, depth: int) -> torch.Tensor:
     m, k = x.shape
     n = w.shape[0]
     bm = block_m(m)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     l_w, l_x, mma, a_op, b_op, l_ep = layouts(ROWS, bm, WARPS)
     _warpk_kernel[(-(-n // ROWS),)](x, w, y, m, n, k // SLICE_K, x.stride(0), w.stride(0), y.stride(0),
-                                    ROWS=ROWS, BM=bm, WARPS=WARPS, DEPTH=cfg.depth, L_W=l_w, L_X=l_x, MMA=mma,
+                                    ROWS=ROWS, BM=bm, WARPS=WARPS, DEPTH=depth, L_W=l_w, L_X=l_x, MMA=mma,
                                     A_OP=a_op, B_OP=b_op, L_EP=l_ep, num_warps=WARPS,
                                     **pdl_args(common.USE_PDL, x))
     return y

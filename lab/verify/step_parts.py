@@ -15,7 +15,7 @@ Variants (each captured afresh, interleaved over rounds, median of the replays):
   merge ``kernel`` or ``last``, ``table`` or left out: the measured entry's);
 * ``warpk:<max rows>[:<bound>=<depth>...]``: every dense projection of a step of up to ``max rows``
   rows through the bf16 warp-K GEMM (``kernels/verify/warpk.py``), the depth of the smallest row
-  bound that covers the step (default 4) (``warpk-nopdl:``: the same, launched without PDL);
+  bound that covers the step (default: the product's) (``warpk-nopdl:``: the same, launched without PDL);
 * ``skinny:<layers>:<mult>:<stages>``: the skinny GEMM for the Llama layers named (``qkv``, ``o``,
   ``gu``, ``down``, joined by ``+``) at every row count, ``mult`` programs per SM along K, the table
   elsewhere.
@@ -97,16 +97,16 @@ def variant(name: str):
         kind, top, *cfgs = name.split(":")
         if kind == "warpk-nopdl":   # plain launches for the warp-K GEMM only
             stack.enter_context(patched(warpk, "pdl_args", lambda on, x: {"PDL": False}))
-        picks = {}   # rows bound -> warpk.WarpKConfig(depth)
-        for c in cfgs or ["32=4"]:
+        picks = {}   # rows bound -> register sets per warp
+        for c in cfgs or [f"32={warpk.DEPTH}"]:
             bound, depth = c.split("=")
-            picks[int(bound)] = warpk.WarpKConfig(int(depth))
+            picks[int(bound)] = int(depth)
         plain = blas.linear
 
         def routed(h, w, batched=False):
             m = h.shape[0]
             if m <= int(top) and warpk.supported(h, w):
-                return warpk.warpk_linear(h, w, picks[min(b for b in picks if b >= m)])
+                return warpk._launch(h, w, picks[min(b for b in picks if b >= m)])
             return plain(h, w, batched)
         stack.enter_context(patched(blas, "linear", routed))
     elif name == "no-merge":

@@ -1,7 +1,7 @@
 """The bf16 warp-K GEMM (``kernels/verify/warpk.py``) against cuBLAS and the routed verify GEMM
 (``kernels/verify/blas.linear``: the skinny kernel or cuBLAS/cuBLASLt per the table) for 1..32 rows:
-each config checked against ``x @ W.T`` in fp32 and run to run, then timed (CUDA graphs, L2 flushed
-by reading), the best re-timed interleaved beside both.
+each depth (register sets per warp) checked against ``x @ W.T`` in fp32 and run to run, then timed
+(CUDA graphs, L2 flushed by reading), the best re-timed interleaved beside both.
 
     python lab/verify/warpk.py [--rows 1,2,4,8,16,32] [--layers 4096x6144,...]
 
@@ -29,17 +29,14 @@ import torch  # noqa: E402
 from lab.verify.skinny import LAYERS  # noqa: E402
 
 
-def configs():
-    from specpilot.kernels.verify.warpk import WarpKConfig
-
-    return [WarpKConfig(d) for d in (2, 3, 4)]
+DEPTHS = (2, 3, 4)   # register sets per warp (the product runs warpk.DEPTH)
 
 
 def main() -> None:
     from lab.common import L2Flusher, bootstrap, parse_int_list, time_interleaved, write_results
     from lab.verify.blas_backend import blas_call, operands
     from specpilot.kernels.verify import blas
-    from specpilot.kernels.verify.warpk import warpk_linear
+    from specpilot.kernels.verify.warpk import _launch
 
     bootstrap()
     ap = argparse.ArgumentParser()
@@ -56,25 +53,26 @@ def main() -> None:
         ref = F.linear(x.float(), w.float())
         tol = 2e-2 * float(ref.abs().max()) + 1e-3
         best = None
-        for c in configs():
-            y = warpk_linear(x, w, c)
+        for c in DEPTHS:
+            y = _launch(x, w, c)
             err = float((y.float() - ref).abs().max())
-            if err > tol or not torch.equal(y, warpk_linear(x, w, c)):
-                print("WRONG", k, n, m, c.key(), err, flush=True)
-                out.append({"kind": "wrong", "k": k, "n": n, "rows": m, "config": c.key(), "max_err": err})
+            if err > tol or not torch.equal(y, _launch(x, w, c)):
+                print("WRONG", k, n, m, c, err, flush=True)
+                out.append({"kind": "wrong", "k": k, "n": n, "rows": m, "depth": c, "max_err": err})
                 continue
-            us = time_interleaved([lambda c=c: warpk_linear(x, w, c)], flush=flush, rounds=1, reps=20)[0]
+            us = time_interleaved([lambda c=c: _launch(x, w, c)], flush=flush, rounds=1, reps=20)[0]
+            out.append({"kind": "depth", "k": k, "n": n, "rows": m, "depth": c, "warpk_us": us})
             if best is None or us < best[1]:
                 best = (c, us, err)
         if best is None:
             continue
         c, _, err = best
-        final = time_interleaved([blas_call(x, w, "cublas"), lambda: blas.linear(x, w), lambda c=c: warpk_linear(x, w, c)],
+        final = time_interleaved([blas_call(x, w, "cublas"), lambda: blas.linear(x, w), lambda c=c: _launch(x, w, c)],
                                  flush=flush, rounds=5, reps=50)
         torch.backends.cuda.preferred_blas_library("cublas")
         row = {"kind": "layer", "k": k, "n": n, "rows": m, "cublas_us": final[0], "routed_us": final[1],
                "warpk_us": final[2], "vs_cublas": final[0] / final[2], "vs_routed": final[1] / final[2],
-               "warpk_tbps": n * k * 2 / final[2] / 1e6, "config": c.key(), "max_err": err}
+               "warpk_tbps": n * k * 2 / final[2] / 1e6, "depth": c, "max_err": err}
         out.append(row)
         print({a: (round(b, 3) if isinstance(b, float) else b) for a, b in row.items()}, flush=True)
         write_results("warpk", out)
