@@ -1,9 +1,12 @@
 """Skinny bf16 GEMM ``y = x @ W.T`` for 1-32 rows on the tensor cores with K split across the warps
 of a program: the W12 ``warpk`` schedule (:mod:`specpilot.kernels.w12.warpk`) on plain bf16 weights.
 
-cuBLAS and the Triton skinny kernel (:mod:`.skinny`) stage the weight tile through shared memory
-for the MMA; at a few rows that staging, not HBM, sets their pace, and they stream the weights
-below the one-row GEMV's bandwidth. Here nothing goes through shared memory:
+cuBLAS kernels take no part in programmatic dependent launch: each starts streaming its weights
+only when the previous kernel has finished, where the one-row decode chain's GEMVs have theirs in
+flight already. This kernel does (the skinny kernel, :mod:`.skinny`, prefetches one tile), and
+nothing in it goes through shared memory. Layer by layer it is level with cuBLAS at 2-8 rows; in
+whole steps of one request it saves about 0.25 ms at 2-8 rows on Llama-3.1-8B shapes (H200,
+docs/engine.md), none without PDL. The table routes it (:mod:`.blas`):
 
 * a program owns 16 weight rows; each of its 4 warps streams its own 64-column slices of them
   (``t = i * 4 + w``), four slices ahead in register sets reloaded in place (each reload pinned
