@@ -141,6 +141,17 @@ def test_spec_text_round_trips():
     assert s.deterministic and EngineSpec.parse(str(s)) == s
 
 
+def test_run_table_title_says_the_steps_are_deterministic():
+    from specpilot.engine.spec import EngineSpec
+    from specpilot.commands.run import _title
+
+    spec = EngineSpec.parse("engine:model=tiny,device=cuda,deterministic=1,mode=tree")
+    info = {"dtype": "bfloat16", "deterministic": True, "gdn": None, "w12": None}
+    assert _title("tiny", spec, info) == "tiny tree (bfloat16, cuda, deterministic steps)"
+    assert _title("tiny", EngineSpec.parse("engine:model=tiny,mode=ar"), dict(info, deterministic=False,
+                                                                           dtype="float32")) == "tiny ar (float32, cpu)"
+
+
 # ---------------------------------------------------------------------------------------------
 # on the GPU
 # ---------------------------------------------------------------------------------------------

@@ -29,6 +29,13 @@ def _gdn_label(gdn: str | None) -> str:
     return f", GDN {gdn}" if gdn else ""
 
 
+def _title(model_name: str, spec, info: dict) -> str:
+    """The run table's title: model, mode and what changes the arithmetic or the schedule."""
+    return (f"{model_name} {spec.mode} ({info['dtype']}, {spec.device}{_w12_label(info.get('w12'))}"
+            f"{_gdn_label(info.get('gdn'))}{', deterministic steps' if info.get('deterministic') else ''}"
+            f"{f', batch {spec.batch}' if spec.batch > 1 else ''})")
+
+
 def _tlv_summary(results: list[dict], tau: float, batch: dict | None = None) -> dict | None:
     """TLV's cycles over every request: tau per exact pass, the Q pass's top-1 agreement with the
     exact pass, mean |C| and the mean cycle's time split."""
@@ -171,10 +178,7 @@ def command(prompt_text, prompts_file, prompt_ids, chat, max_new_tokens, outputs
             lines.append(f"--- {r['id']} ---" if len(results) > 1 else "")
             lines.append(r["text"])
     report = Report(data=data, title=None, lines=[x for x in lines if x != ""] if len(results) == 1 else lines,
-                    sections=[Section(f"{engine.model_name} {spec.mode} ({engine.info['dtype']}, {spec.device}"
-                                      f"{_w12_label(engine.info.get('w12'))}"
-                                      f"{_gdn_label(engine.info.get('gdn'))}"
-                                      f"{f', batch {spec.batch}' if spec.batch > 1 else ''})",
+                    sections=[Section(_title(engine.model_name, spec, engine.info),
                                       ["id", "tokens", "steps", "tau", "tokens/s", "decode tok/s", "stop"], rows,
                                       note=_note(tokens, steps, summary, engine.info, run.step_timing())
                                       + (_tlv_note(tlv) if tlv else ""))])
