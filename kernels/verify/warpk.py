@@ -37,7 +37,8 @@ import torch
 
 from specpilot.kernels.triton_env import pdl_args
 from specpilot.kernels.verify import common
-from specpilot.kernels.w12.gluon_common import gl, gluon, log2, mma_v2, per_warp, pin
+from specpilot.kernels.w12.gluon_common import gl, gluon, log2, mma_v2, per_warp, pin, warp_batched_mma, x_operand
+from specpilot.kernels.w12.gluon_epilogue import epilogue_layout
 
 SLICE_K = 64     # columns per slice (4 MMAs along k)
 ROWS = 16        # weight rows per program: one 16-row MMA slice per warp
@@ -77,12 +78,8 @@ if gluon is not None:
     def layouts(rows: int, bm: int, warps: int):
         b = layout_bases(rows, bm, warps)
         lin = {k: gl.DistributedLinearLayout(v[0], v[1], v[2], [], v[3]) for k, v in b.items()}
-        mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[warps, 1, 1], instr_shape=[1, 16, 8])
-        a_op = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-        b_op = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-        tm = min(bm, 4)
-        ep = gl.BlockedLayout([1, min(bm // tm, 4)], [32 // tm, tm], [warps, 1], [1, 0])
-        return lin["w"], lin["x"], mma, a_op, b_op, ep
+        mma, a_op, b_op = warp_batched_mma(warps)
+        return lin["w"], lin["x"], mma, a_op, b_op, epilogue_layout(bm, warps)
 
     @gluon.jit
     def _load_w(pw, t, t_end, L_W: gl.constexpr):
@@ -104,9 +101,7 @@ if gluon is not None:
         """acc ``[W, ROWS, BM]`` += each warp's weight slice times its x, both in MMA k order."""
         a = gl.permute(gl.reshape(w, [WARPS, ROWS, 4, 4, 2, 2]), [0, 1, 3, 4, 2, 5])   # [w, n, j, s, t, c]
         a = gl.convert_layout(gl.reshape(a, [WARPS, ROWS, _K]), A_OP, assert_trivial=True)
-        b = gl.permute(gl.reshape(x, [WARPS, BM, 4, 4, 2, 2]), [0, 3, 4, 2, 5, 1])      # [w, j, s, t, c, m]
-        b = gl.convert_layout(gl.reshape(b, [WARPS, _K, BM]), B_OP, assert_trivial=True)
-        return mma_v2(a, b, acc)
+        return mma_v2(a, x_operand(x, WARPS, BM, B_OP), acc)
 
     @gluon.jit
     def _set(acc, w, x, t_next, wid, pw, px, t_end, tx, WARPS: gl.constexpr, ROWS: gl.constexpr,

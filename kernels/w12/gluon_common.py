@@ -94,6 +94,22 @@ def check_call(x: torch.Tensor, packed: KernelPack) -> None:
 
 if gluon is not None:
 
+    def warp_batched_mma(warps: int):
+        """``mma.sync.m16n8k16`` layouts for a product batched over a program's warps (``[warps,
+        rows, k] x [warps, k, cols]``, each warp its own batch entry): the accumulator's layout and
+        the A and B operand layouts."""
+        mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[warps, 1, 1], instr_shape=[1, 16, 8])
+        return (mma, gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2),
+                gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2))
+
+    @gluon.jit
+    def x_operand(x, WARPS: gl.constexpr, BM: gl.constexpr, B_OP: gl.constexpr):
+        """x ``[WARPS, BM, 64]`` loaded 16 consecutive k per lane as the warp-batched MMA's B operand
+        ``[WARPS, 64, BM]`` in MMA k order (``16j + 8s + 2t + c`` <- column ``16t + 4j + 2s + c``; the
+        A operand must use the same order); the conversion moves no data (asserted)."""
+        b = gl.permute(gl.reshape(x, [WARPS, BM, 4, 4, 2, 2]), [0, 3, 4, 2, 5, 1])  # [w, j, s, t, c, m]
+        return gl.convert_layout(gl.reshape(b, [WARPS, 64, BM]), B_OP, assert_trivial=True)
+
     @gluon.jit
     def bf16_halves(p):
         lo = (p & 0xFFFF).to(gl.uint16).to(gl.bfloat16, bitcast=True)

@@ -39,7 +39,7 @@ import torch
 from .. import tuning
 from .format import TILE_K
 from .gluon_common import (aligned_x, bf16_halves, check_call, decode_pairs, esc_chunk, gl, gluon, load_clamped, log2,
-                           mma_v2, per_warp, pin, record_offsets_3d, split_grid)
+                           mma_v2, per_warp, pin, record_offsets_3d, split_grid, warp_batched_mma, x_operand)
 from .gluon_epilogue import epilogue, epilogue_layout, esc_cols, esc_x, finalize_apply, finalize_loads, finalize_range
 from .pack import KernelPack
 
@@ -104,9 +104,7 @@ if gluon is not None:
     def layouts(rows: int, block_m: int, warps: int):
         b = layout_bases(rows, block_m, warps)
         lin = {k: gl.DistributedLinearLayout(v[0], v[1], v[2], [], v[3]) for k, v in b.items()}
-        mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[warps, 1, 1], instr_shape=[1, 16, 8])
-        a_op = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-        b_op = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+        mma, a_op, b_op = warp_batched_mma(warps)
         return lin["view"], lin["nib"], lin["x"], mma, a_op, b_op, epilogue_layout(block_m, warps)
 
     @gluon.jit
@@ -135,9 +133,7 @@ if gluon is not None:
         a = gl.join(bf16_halves(p0), bf16_halves(p1))          # [w, n, word, c, s]
         a = gl.permute(gl.reshape(a, [WARPS, ROWS, 4, 4, 2, 2]), [0, 1, 3, 5, 2, 4])   # [w, n, j, s, t, c]
         a = gl.convert_layout(gl.reshape(a, [WARPS, ROWS, _K]), A_OP, assert_trivial=True)
-        b = gl.permute(gl.reshape(x, [WARPS, BLOCK_M, 4, 4, 2, 2]), [0, 3, 4, 2, 5, 1])  # [w, j, s, t, c, m]
-        b = gl.convert_layout(gl.reshape(b, [WARPS, _K, BLOCK_M]), B_OP, assert_trivial=True)
-        return mma_v2(a, b, acc)
+        return mma_v2(a, x_operand(x, WARPS, BLOCK_M, B_OP), acc)
 
     @gluon.jit
     def _set(acc, v, q, x, t_next, wid, pv, pq, px, t_end, tx, WARPS: gl.constexpr, ROWS: gl.constexpr,

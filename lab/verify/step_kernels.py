@@ -102,27 +102,14 @@ def main() -> int:
     ap.add_argument("--cases", default="1x1,1x16,1x32,16x1", help="BxN: B requests of N rows (B=1: one request)")
     ap.add_argument("--variant", default="product", help="a lab/verify/step_parts.py variant to profile")
     args = ap.parse_args()
-    from lab.verify.step_parts import variant
     import torch
 
-    from specpilot.engine.api import load_target
-    from specpilot.engine.batch.cache import BatchCache
-    from specpilot.engine.batch.graphs import BatchGraphRunner
-    from specpilot.engine.batch.probe import chain_rows
-    from specpilot.engine.batch.step import assemble
-    from specpilot.engine.graphs import GraphRunner
-    from specpilot.engine.rows import step_input
-    from specpilot.engine.spec import EngineSpec
+    from lab.verify.step_parts import random_target, step_graph, variant
 
     torch.set_grad_enabled(False)
     ctx = 1024
-    model = load_target(EngineSpec.parse(f"engine:model={args.model},random=1,device=cuda,ctx={ctx + 128}")).model
+    model = random_target(args.model, ctx)
     gen = torch.Generator(device="cpu").manual_seed(0)
-    for blk in model.layers:
-        m = blk.mixer
-        if hasattr(m, "k_cache"):
-            m.k_cache.normal_()
-            m.v_cache.normal_()
     tdir = Path(args.trace_dir) if args.trace_dir else None
     if tdir:
         tdir.mkdir(parents=True, exist_ok=True)
@@ -132,26 +119,7 @@ def main() -> int:
         B, T = (int(v) for v in case.split("x"))
         label = f"1 request x {T} rows" if B == 1 else f"{B} requests x {T} rows"
         with variant(args.variant):
-            if B == 1:
-                runner = GraphRunner(model)
-                g, sinp, _ = runner.get(T)
-                inp = step_input(model, T, ctx)
-                for a in ("tokens", "pos", "slots", "mask"):
-                    getattr(sinp, a).copy_(getattr(inp, a))
-            else:
-                if B not in caches:
-                    caches.clear()
-                    cache = BatchCache(model, B)
-                    for lc in cache.layers:
-                        for t in (lc.k, lc.v):
-                            if t is not None:
-                                t.normal_()
-                    caches[B] = cache
-                runner = BatchGraphRunner(model, caches[B])
-                inp, _, _ = assemble(chain_rows(B, T, ctx, model.spec.vocab_size, gen), caches[B].max_seq,
-                                     model.device, pad=(B, T))
-                runner.run(inp, B, T)
-                g = runner.graphs[(B, T)][0]
+            runner, g = step_graph(model, B, T, ctx, caches, gen)
             rows.append(summarize(label, profile_graph(g, args.replays, tdir and tdir / f"b{B}r{T}.json")))
         print({k: (round(v, 1) if isinstance(v, float) else v) for k, v in rows[-1].items() if k != "top"}, flush=True)
         del runner, g

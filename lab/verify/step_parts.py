@@ -134,6 +134,55 @@ def variant(name: str):
     return stack
 
 
+def step_graph(model, B: int, N: int, ctx: int, caches: dict, gen):
+    """(runner, graph) of one step of ``B`` requests x ``N`` rows over ``ctx`` committed slots with
+    random K/V: one request's ``GraphRunner`` graph (``B == 1``, the model's own caches), else the
+    batch decoder's bucket graph over a ``BatchCache`` (kept in ``caches`` for the next call of the
+    same ``B``). The runner keeps the graph's buffers alive."""
+    from specpilot.engine.batch.cache import BatchCache
+    from specpilot.engine.batch.graphs import BatchGraphRunner
+    from specpilot.engine.batch.probe import chain_rows
+    from specpilot.engine.batch.step import assemble
+    from specpilot.engine.graphs import GraphRunner
+    from specpilot.engine.rows import step_input
+
+    if B == 1:
+        runner = GraphRunner(model)
+        g, sinp, _ = runner.get(N)
+        inp = step_input(model, N, ctx)
+        for a in ("tokens", "pos", "slots", "mask"):
+            getattr(sinp, a).copy_(getattr(inp, a))
+        return runner, g
+    if B not in caches:
+        caches.clear()
+        cache = BatchCache(model, B)
+        for lc in cache.layers:
+            for t in (lc.k, lc.v):
+                if t is not None:
+                    t.normal_()
+        caches[B] = cache
+    inp, _, _ = assemble(chain_rows(B, N, ctx, model.spec.vocab_size, gen), caches[B].max_seq, model.device,
+                         pad=(B, N))
+    runner = BatchGraphRunner(model, caches[B])
+    runner.run(inp, B, N)
+    return runner, runner.graphs[(B, N)][0]
+
+
+def random_target(name: str, ctx: int):
+    """A random-weight target of ``name`` on CUDA with room for ``ctx`` committed slots, its
+    attention caches filled with random K/V."""
+    from specpilot.engine.api import load_target
+    from specpilot.engine.spec import EngineSpec
+
+    model = load_target(EngineSpec.parse(f"engine:model={name},random=1,device=cuda,ctx={ctx + 128}")).model
+    for blk in model.layers:
+        m = blk.mixer
+        if hasattr(m, "k_cache"):
+            m.k_cache.normal_()
+            m.v_cache.normal_()
+    return model
+
+
 def main() -> int:
     bootstrap()
     ap = argparse.ArgumentParser()
@@ -149,52 +198,16 @@ def main() -> int:
         raise SystemExit(f"step_parts: unknown variant(s) {bad}; known: {VARIANTS}")
     import torch
 
-    from specpilot.engine.api import load_target
-    from specpilot.engine.batch.cache import BatchCache
-    from specpilot.engine.batch.graphs import BatchGraphRunner
-    from specpilot.engine.batch.probe import chain_rows
-    from specpilot.engine.batch.step import assemble
-    from specpilot.engine.graphs import GraphRunner, time_replays
-    from specpilot.engine.rows import step_input
-    from specpilot.engine.spec import EngineSpec
+    from specpilot.engine.graphs import time_replays
 
     torch.set_grad_enabled(False)
     ctx = 1024
-    model = load_target(EngineSpec.parse(f"engine:model={args.model},random=1,device=cuda,ctx={ctx + 128}")).model
-    for blk in model.layers:
-        m = blk.mixer
-        if hasattr(m, "k_cache"):
-            m.k_cache.normal_()
-            m.v_cache.normal_()
+    model = random_target(args.model, ctx)
     gen = torch.Generator(device="cpu").manual_seed(0)
+    caches: dict = {}
 
-    def one_request(T):
-        runner = GraphRunner(model)
-        g, sinp, _ = runner.get(T)
-        inp = step_input(model, T, ctx)
-        for a in ("tokens", "pos", "slots", "mask"):
-            getattr(sinp, a).copy_(getattr(inp, a))
-        ms = statistics.median(time_replays(g, args.reps, 10))
-        del runner, g
-        return ms
-
-    caches = {}
-
-    def batched(B, N):
-        if B not in caches:
-            caches.clear()
-            cache = BatchCache(model, B)
-            for lc in cache.layers:
-                for t in (lc.k, lc.v):
-                    if t is not None:
-                        t.normal_()
-            caches[B] = cache
-        cache = caches[B]
-        inp, _, _ = assemble(chain_rows(B, N, ctx, model.spec.vocab_size, gen), cache.max_seq, model.device,
-                             pad=(B, N))
-        runner = BatchGraphRunner(model, cache)
-        runner.run(inp, B, N)
-        g = runner.graphs[(B, N)][0]
+    def timed(B, N):
+        runner, g = step_graph(model, B, N, ctx, caches, gen)
         ms = statistics.median(time_replays(g, args.reps, 10))
         del runner, g
         return ms
@@ -202,7 +215,7 @@ def main() -> int:
     cases = []
     for c in args.cases.split(","):
         B, N = (int(x) for x in c.split("x"))
-        cases.append((f"{B} x {N}", (lambda N=N: one_request(N)) if B == 1 else (lambda B=B, N=N: batched(B, N))))
+        cases.append((f"{B} x {N}", lambda B=B, N=N: timed(B, N)))
     times: dict = {}
     for rnd in range(args.rounds):
         for v in variants:
