@@ -184,6 +184,7 @@ if triton is not None:
             tl.store(ml_ptr + base * 2 + 1, l_i, mask=row_ok, cache_modifier=".cg")
             if MERGE_LAST:
                 block = kvh * tl.num_programs(2) + tl.program_id(2)
+                tl.debug_barrier()   # every thread's partials stored before the program counts itself done
                 if tl.atomic_add(cnt_ptr + block, 1, sem="acq_rel") == nsplit - 1:
                     o = _merge_rows(acc_ptr, ml_ptr, kvh * nsplit * R + g * T + t, row_ok, R, nsplit, BLOCK_M, HD)
                     tl.store(out_ptr + t[:, None] * stride_ot + ((kvh * GRP + g) * HD)[:, None] + d[None, :],
