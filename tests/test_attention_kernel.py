@@ -100,7 +100,8 @@ def test_program_targets_come_from_the_measured_table():
     """At head_dim 128, batched steps of few rows per request take the live walk with one split per
     program from 16 requests on (fewer: the merge in the last program), one request's AR step the
     live walk, its 64-row steps the live walk and the merge in the last program (their table
-    entries); other verify rows and long segments keep the default. A given target changes only the split, not the result."""
+    entries); other verify rows and long segments keep the default. A given target changes only the
+    split, not the result."""
     cpu = torch.device("cpu")
     live = fused.SplitConfig(128, True, 3, merge="last")
     assert fused.split_config(cpu, True, 1, 128) == fused.split_config(cpu, True, 4, 128) == live
