@@ -12,7 +12,8 @@ warps and split-K across programs (to 2 and 4 programs per SM): none won at 1-4 
 warps, depth 4, no split on every layer: q/k/v 17.8 vs cuBLAS 18.0 us, o 13.6 vs 15.0, gate/up 60.0
 vs 58.4, down 32.5 vs 33.6 at 4 rows); at 16 rows 32-row programs won on q/k/v and gate/up but
 stayed slower than cuBLAS (19.4 vs 17.6, 68.5 vs 58.9 us), and at 32 rows every config was
-0.64-0.90x of cuBLAS (x traffic from L2 binds it). The product kernel keeps 16 rows, 4 warps, no
+0.64-0.90x of cuBLAS (each warp loads its x slice from L1/L2 for every weight slice: at 32 rows
+twice the weight's bytes; the W12 warp-K kernel measured x traffic binding it there, docs/w12.md). The product kernel keeps 16 rows, 4 warps, no
 split; whole steps decide where it runs (``lab/verify/step_parts.py --variants warpk:...``).
 """
 
