@@ -112,22 +112,27 @@ if gluon is not None:
         return acc, w, x, pin(wid, True)
 
     @gluon.jit
-    def _warpk_kernel(x_ptr, w_ptr, y_ptr, M, N, KT, stride_x, stride_w, stride_y,
-                      ROWS: gl.constexpr, BM: gl.constexpr, WARPS: gl.constexpr, DEPTH: gl.constexpr,
-                      L_W: gl.constexpr, L_X: gl.constexpr, MMA: gl.constexpr,
-                      A_OP: gl.constexpr, B_OP: gl.constexpr, L_EP: gl.constexpr, PDL: gl.constexpr):
-        n0 = gl.program_id(0) * ROWS
-        # loop-invariant pointers: each lane's weight rows (past N: the last row, never stored) and
-        # its x row, at the 16 columns it loads in a slice
+    def _pointers(x_ptr, w_ptr, n0, M, N, stride_x, stride_w, ROWS: gl.constexpr, BM: gl.constexpr,
+                  WARPS: gl.constexpr, L_W: gl.constexpr, L_X: gl.constexpr):
+        """Loop-invariant pointers: each lane's weight rows from ``n0`` (past N: the last row, never
+        stored) and its x row, at the 16 columns it loads in a slice; which x rows exist; the warp
+        index."""
         rw = gl.minimum(n0 + gl.arange(0, ROWS, layout=gl.SliceLayout(0, gl.SliceLayout(2, L_W))), N - 1)
         kw = gl.arange(0, _K, layout=gl.SliceLayout(0, gl.SliceLayout(1, L_W)))
         pw = (w_ptr + gl.expand_dims(gl.expand_dims(rw.to(gl.int64) * stride_w, 0), 2)
               + gl.expand_dims(gl.expand_dims(kw, 0), 1))
         mx = gl.expand_dims(gl.expand_dims(gl.arange(0, BM, layout=gl.SliceLayout(0, gl.SliceLayout(2, L_X))), 0), 2)
         kx = gl.expand_dims(gl.expand_dims(gl.arange(0, _K, layout=gl.SliceLayout(0, gl.SliceLayout(1, L_X))), 0), 1)
-        px = x_ptr + mx * stride_x + kx
-        tx = mx < M
         wid = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, L_W)))
+        return pw, x_ptr + mx * stride_x + kx, mx < M, wid
+
+    @gluon.jit
+    def _warpk_kernel(x_ptr, w_ptr, y_ptr, M, N, KT, stride_x, stride_w, stride_y,
+                      ROWS: gl.constexpr, BM: gl.constexpr, WARPS: gl.constexpr, DEPTH: gl.constexpr,
+                      L_W: gl.constexpr, L_X: gl.constexpr, MMA: gl.constexpr,
+                      A_OP: gl.constexpr, B_OP: gl.constexpr, L_EP: gl.constexpr, PDL: gl.constexpr):
+        n0 = gl.program_id(0) * ROWS
+        pw, px, tx, wid = _pointers(x_ptr, w_ptr, n0, M, N, stride_x, stride_w, ROWS, BM, WARPS, L_W, L_X)
 
         t_begin = 0
         t_end = KT

@@ -15,7 +15,8 @@ Variants (each captured afresh, interleaved over rounds, median of the replays):
   merge ``kernel`` or ``last``, ``table`` or left out: the measured entry's);
 * ``warpk:<max rows>[:<bound>=<depth>...]``: every dense projection of a step of up to ``max rows``
   rows through the bf16 warp-K GEMM (``kernels/verify/warpk.py``), the depth of the smallest row
-  bound that covers the step (default: the product's) (``warpk-nopdl:``: the same, launched without PDL);
+  bound that covers the step (default: the product's) (``warpk-nopdl:``: the same, launched without PDL;
+  ``warpk-late:``: the variant with x loaded late, ``lab/verify/warpk_variants.py``);
 * ``skinny:<layers>:<mult>:<stages>``: the skinny GEMM for the Llama layers named (``qkv``, ``o``,
   ``gu``, ``down``, joined by ``+``) at every row count, ``mult`` programs per SM along K, the table
   elsewhere.
@@ -91,12 +92,18 @@ def variant(name: str):
             return SkinnyConfig(max(1, min(-(-k // BLOCK_K), round(float(mult) * sms / -(-n // BLOCK_N)))),
                                 int(stages))
         stack.enter_context(patched(blas, "skinny_config", cfg))
-    elif name.startswith(("warpk:", "warpk-nopdl:")):
+    elif name.startswith(("warpk:", "warpk-nopdl:", "warpk-late:")):
         from specpilot.kernels.verify import warpk
 
         kind, top, *cfgs = name.split(":")
         if kind == "warpk-nopdl":   # plain launches for the warp-K GEMM only
             stack.enter_context(patched(warpk, "pdl_args", lambda on, x: {"PDL": False}))
+        if kind == "warpk-late":    # x loaded right before each set's MMAs (lab/verify/warpk_variants.py)
+            from lab.verify.warpk_variants import launch as late
+
+            run = lambda h, w, depth: late(h, w, depth, x_late=True)  # noqa: E731
+        else:
+            run = warpk._launch
         picks = {}   # rows bound -> register sets per warp
         for c in cfgs or [f"32={warpk.DEPTH}"]:
             bound, depth = c.split("=")
@@ -106,7 +113,7 @@ def variant(name: str):
         def routed(h, w, batched=False):
             m = h.shape[0]
             if m <= int(top) and warpk.supported(h, w):
-                return warpk._launch(h, w, picks[min(b for b in picks if b >= m)])
+                return run(h, w, picks[min(b for b in picks if b >= m)])
             return plain(h, w, batched)
         stack.enter_context(patched(blas, "linear", routed))
     elif name == "no-merge":
@@ -193,7 +200,7 @@ def main() -> int:
     ap.add_argument("--cases", default="1x1,1x33,1x64,16x1", help="BxN: B requests of N rows (B=1: one request)")
     args = ap.parse_args()
     variants = args.variants.split(",")
-    bad = [v for v in variants if v not in VARIANTS and not v.startswith(("attn:", "skinny:", "warpk:", "warpk-nopdl:"))]
+    bad = [v for v in variants if v not in VARIANTS and not v.startswith(("attn:", "skinny:", "warpk:", "warpk-nopdl:", "warpk-late:"))]
     if bad:
         raise SystemExit(f"step_parts: unknown variant(s) {bad}; known: {VARIANTS}")
     import torch
