@@ -186,25 +186,27 @@ if triton is not None:
                 block = kvh * tl.num_programs(2) + tl.program_id(2)
                 tl.debug_barrier()   # every thread's partials stored before the program counts itself done
                 if tl.atomic_add(cnt_ptr + block, 1, sem="acq_rel") == nsplit - 1:
-                    o = _merge_rows(acc_ptr, ml_ptr, kvh * nsplit * R + g * T + t, row_ok, R, nsplit, BLOCK_M, HD)
+                    o = merge_rows(acc_ptr, ml_ptr, kvh * nsplit * R + g * T + t, row_ok, R, nsplit, BLOCK_M, HD)
                     tl.store(out_ptr + t[:, None] * stride_ot + ((kvh * GRP + g) * HD)[:, None] + d[None, :],
                              o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
                     tl.store(cnt_ptr + block, 0)
 
     @triton.jit
-    def _merge_rows(acc_ptr, ml_ptr, first, row_ok, R, nsplit, BLOCK_M: tl.constexpr, HD: tl.constexpr):
-        """The merged output of a row block (``first``: each row's partial index in split 0): the
-        largest max first, then the weighted sums in split order. Loads bypass L1 (``.cg``): the
-        partials were written by other programs."""
+    def merge_rows(acc_ptr, ml_ptr, first, row_ok, stride, nsplit, BLOCK_M: tl.constexpr, HD: tl.constexpr):
+        """The merged output ``[BLOCK_M, HD]`` of rows whose partials (``acc`` ``[.., HD]`` and
+        ``(max, sum)`` pairs in ``ml``) sit at index ``first`` in split 0 and ``stride`` further per
+        split: the largest max first, then the weighted sums in split order (deterministic, one
+        split after another whatever their count). Loads bypass L1 (``.cg``): the partials may have
+        been written by other programs of the same kernel."""
         top = tl.load(ml_ptr + first * 2, mask=row_ok, other=NEG, cache_modifier=".cg")
         for sp in range(1, nsplit):
-            top = tl.maximum(top, tl.load(ml_ptr + (first + sp * R) * 2, mask=row_ok, other=NEG,
+            top = tl.maximum(top, tl.load(ml_ptr + (first + sp * stride) * 2, mask=row_ok, other=NEG,
                                           cache_modifier=".cg"))
         d = tl.arange(0, HD)
         num = tl.zeros([BLOCK_M, HD], tl.float32)
         den = tl.zeros([BLOCK_M], tl.float32)
         for sp in range(0, nsplit):
-            b = first + sp * R
+            b = first + sp * stride
             w = tl.exp(tl.load(ml_ptr + b * 2, mask=row_ok, other=NEG, cache_modifier=".cg") - top)
             den += tl.load(ml_ptr + b * 2 + 1, mask=row_ok, other=0.0, cache_modifier=".cg") * w
             num += tl.load(acc_ptr + b[:, None] * HD + d[None, :], mask=row_ok[:, None], other=0.0,

@@ -33,7 +33,7 @@ SPLIT = 128     # logical keys per split (a multiple of BLOCK_N): fixed, so a ro
 if triton is not None:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-    from .decode import NEG, accumulate, softmax_tile
+    from .decode import NEG, accumulate, merge_rows, softmax_tile
 
     @triton.jit
     def _inv_split(q_ptr, k_ptr, v_ptr, keys_ptr, nkeys_ptr, acc_ptr, ml_ptr, NS, scale,
@@ -75,26 +75,17 @@ if triton is not None:
     def _inv_merge(acc_ptr, ml_ptr, nkeys_ptr, out_ptr, NS, stride_ot,
                    HD: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
         """Row ``t``, head ``h``: the largest max of its splits, then their weighted sums one split
-        after another (a scalar loop: the order is the split order, whatever the split count)."""
+        after another (:func:`.decode.merge_rows` on one row: the split order, whatever the count)."""
         if PDL:
             gdc_launch_dependents()
             gdc_wait()
         t = tl.program_id(0)
         h = tl.program_id(1)
-        nh = tl.num_programs(1)
         used = tl.cdiv(tl.load(nkeys_ptr + t), SPLIT)
-        base = (t * nh + h) * NS
+        first = (t * tl.num_programs(1) + h) * NS + tl.arange(0, 1)   # one row; its splits follow it
+        o = merge_rows(acc_ptr, ml_ptr, first, first >= 0, 1, used, 1, HD)
         d = tl.arange(0, HD)
-        mx = tl.load(ml_ptr + base * 2)
-        for s in range(1, used):
-            mx = tl.maximum(mx, tl.load(ml_ptr + (base + s) * 2))
-        num = tl.zeros([HD], tl.float32)
-        den = 0.0
-        for s in range(0, used):
-            w = tl.exp(tl.load(ml_ptr + (base + s) * 2) - mx)
-            den += tl.load(ml_ptr + (base + s) * 2 + 1) * w
-            num += tl.load(acc_ptr + (base + s) * HD + d) * w
-        tl.store(out_ptr + t * stride_ot + h * HD + d, (num / den).to(out_ptr.dtype.element_ty))
+        tl.store(out_ptr + t * stride_ot + h * HD + d[None, :], o.to(out_ptr.dtype.element_ty))
 
 
 def key_table(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
