@@ -15,7 +15,8 @@ through the decoder's padded graph verify pass (host inputs to host argmax, CUDA
 correctness (fused against the layers on a 33-row step: logits difference and argmax agreement;
 graph replays against the eager step, bit for bit); kernels per step under the PyTorch profiler;
 the decode loop (``Decoder.generate``, what ``specpilot run`` calls) after the engine's load-time
-warm-up: the first request's 1000-token prefill, AR decode tokens/s over 256 tokens, and a tree
+warm-up: the first request's 1000-token prefill, AR decode tokens/s over 256 tokens (the second
+request's SM clock and power beside it, and its fastest and slowest tenth of steps), and a tree
 run (a drafter proposing a full 32-node tree every step) with its per-step GPU time (CUDA events in
 the loop) against T_step of the same rows; and the
 ``probe rows`` JSON (``measure_rows``, the command's own function) for bf16 and W12, written to
@@ -227,6 +228,7 @@ def decode_loop(m, weights, probe):
     times per bucket against ``probe`` (T_step of the same rows)."""
     import torch
 
+    from specpilot.engine.clocks import ClockWatch
     from specpilot.engine.decode import Decoder
     from specpilot.engine.graphs import GraphRunner
 
@@ -236,10 +238,15 @@ def decode_loop(m, weights, probe):
     res["warmup_seconds"] = dec.warm_up()
     prompt = [(977 * i + 13) % 120000 for i in range(1000)]
     first = dec.generate(prompt, 256)
-    second = dec.generate(prompt[::-1], 256)
+    with ClockWatch(m.device) as watch:
+        second = dec.generate(prompt[::-1], 256)
+    steps = sorted(t[1] for t in second.step_times)
     res.update({"first_prefill_ms": first.prefill_seconds * 1e3, "second_prefill_ms": second.prefill_seconds * 1e3,
                 "ar_decode_tokens_per_s": [first.decode_tokens_per_second, second.decode_tokens_per_second],
-                "ar_step_timing": second.step_timing()})
+                "ar_step_timing": second.step_timing(), "ar_gpu_clocks": watch.summary(),
+                # GPU ms of the fastest tenth of the steps and of the slowest: at full clock and as the clock fell
+                "ar_step_gpu_ms_fastest_tenth": statistics.fmean(steps[: max(1, len(steps) // 10)]),
+                "ar_step_gpu_ms_slowest_tenth": statistics.fmean(steps[-max(1, len(steps) // 10):])})
     del dec
     torch.cuda.empty_cache()
     tree = Decoder(m, "tree", FixedDrafter(m.spec.vocab_size), nodes=32, depth=8, topk=4, runner=GraphRunner(m))

@@ -61,6 +61,7 @@ class RunResult:
 
         return step_timing(self.step_times)
     batch: dict | None = None   # batched runs: the rules and the decoder's totals
+    gpu_clocks: dict | None = None   # CUDA: SM clock and power while the run decoded (engine/clocks.py)
 
 
 @dataclass
@@ -102,8 +103,17 @@ class Engine:
         if chat is None:
             chat = bool(self.tokenizer is not None and getattr(self.tokenizer, "chat_template", None))
         out = RunResult(chat=chat)
+        from specpilot.engine.clocks import ClockWatch
+
+        with ClockWatch(self.model.device) as watch:
+            self._run(prompts, max_new_tokens, chat, record_lattice, progress, out)
+        out.gpu_clocks = watch.summary()
+        return out
+
+    def _run(self, prompts, max_new_tokens, chat, record_lattice, progress, out: "RunResult") -> None:
         if self.spec.batch > 1:
-            return self._run_batched(prompts, max_new_tokens, chat, record_lattice, progress, out)
+            self._run_batched(prompts, max_new_tokens, chat, record_lattice, progress, out)
+            return
         it = prompts if progress is None else progress(prompts, total=len(prompts), desc="run", unit="prompt")
         for pr in it:
             ids = pr.get("ids") or self.encode(pr["text"], chat=chat)
@@ -116,7 +126,6 @@ class Engine:
                                 "prefill_seconds": r.prefill_seconds, "tokens_per_s": r.tokens_per_second,
                                 "decode_tokens_per_s": r.decode_tokens_per_second, "stop": r.stop_reason,
                                 "step_timing": r.step_timing(), **({"tlv": r.tlv} if r.tlv else {})})
-        return out
 
     def _run_batched(self, prompts, max_new_tokens, chat, record_lattice, progress, out: "RunResult"):
         """``run`` with ``batch`` > 1: every prompt queued at once, ``batch`` decoded together."""

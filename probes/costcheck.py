@@ -20,7 +20,9 @@ c(N) (verify ms), drafting (the run's, unless given), outside/host time (the pre
 step's rest only; measured, the rest plus the time between the loop's steps) and T_AR; TLV's Q
 pass is listed as the run's own (a rows probe times the exact weights only). Each
 term's effect is the predicted speedup with that one term replaced by its measured value; when
-the prediction misses by more than the tolerance, the term whose effect is largest is named.
+the prediction misses by more than the tolerance, the term whose effect is largest is named. A run
+(or AR run) whose GPU lowered its SM clock while it decoded (its ``gpu_clocks``) gets a note saying
+so: a rows probe's short bursts run at full clock, a long decode loop may not.
 """
 
 from __future__ import annotations
@@ -187,6 +189,12 @@ def check_run(run: RunFigures, replay: ReplayFigures | None = None, probe: RowsP
     res = CheckResult(run=src, mode=run.mode, nodes=run.nodes, policy=policy, predicted=predicted, measured=measured,
                       tolerance=tolerance, terms=terms, notes=notes,
                       cycle=dict(run.tlv_ms, cycle=sum(run.tlv_ms.values())) if run.tlv_ms else None)
+    for r in (run, ar_run):
+        if r is not None and r.clocks and r.clocks["slowed"] > 0:
+            c = r.clocks
+            notes.append(f"the GPU lowered its clock during {r.source} ({', '.join(c['reasons']) or 'slowdown'} in "
+                         f"{100 * c['slowed']:.0f}% of the samples, SM {c['min_mhz']:.0f}-{c['max_mhz']:.0f} MHz): "
+                         "its steps are slower than a probe's at full clock")
     if not res.passed:
         res.off = max(terms, key=lambda t: abs(math.log(t.speedup_if_measured / predicted))
                       if t.speedup_if_measured not in (0, math.inf) else math.inf).name

@@ -151,6 +151,7 @@ def read_run(path: str) -> RunFigures:
             raise InputError(f"{path}: a TLV run's 'tlv.time_ms' needs {', '.join(keys)} in ms")
         tlv_ms = {k: float(t[k]) for k in keys}
     nodes = doc.get("nodes")
+    clocks = _run_clocks(path, doc.get("gpu_clocks"))
     return RunFigures(source=str(path), tau=float(tau), step_wall_ms=float(wall),
                       step_gpu_ms=float(gpu_ms) if gpu_ms is not None else None,
                       mode=doc.get("mode") if isinstance(doc.get("mode"), str) else None,
@@ -158,4 +159,19 @@ def read_run(path: str) -> RunFigures:
                       steps=steps if isinstance(steps, int) and not isinstance(steps, bool) else 0,
                       delivered=delivered, decode_ms=decode_ms, draft_ms=split["draft_ms"],
                       verify_ms=split["verify_ms"], qpass_ms=split["qpass_ms"] or 0.0, rest_ms=split["rest_ms"],
-                      verify_by_rows=by_rows, tlv_ms=tlv_ms)
+                      verify_by_rows=by_rows, tlv_ms=tlv_ms, clocks=clocks)
+
+
+def _run_clocks(path: str, c) -> dict | None:
+    """A run's ``gpu_clocks`` (engine/clocks.py; null off CUDA): SM MHz range, slowed share, reasons."""
+    if c is None:
+        return None
+    mhz = c.get("sm_mhz") if isinstance(c, dict) else None
+    reasons = c.get("reasons") if isinstance(c, dict) else None
+    if not (isinstance(mhz, dict) and all(_finite(mhz.get(k), 0, 1e5) for k in ("min", "max"))
+            and _finite(c.get("slowed"), 0, 1, lo_open=False)
+            and isinstance(reasons, list) and all(isinstance(r, str) for r in reasons)):
+        raise InputError(f"{path}: 'gpu_clocks' needs 'sm_mhz' with 'min' and 'max' in MHz, 'slowed' in [0, 1] and "
+                         "'reasons' (a list of names), or null")
+    return {"min_mhz": float(mhz["min"]), "max_mhz": float(mhz["max"]), "slowed": float(c["slowed"]),
+            "reasons": list(reasons)}

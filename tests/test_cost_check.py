@@ -191,3 +191,33 @@ def test_cpu_step_timing_present_and_consistent(run_cli, mode):
     assert sum(r["steps"] for r in t["by_rows"]) == t["steps"] and all(r["verify_ms"] > 0 for r in t["by_rows"])
     assert (t.get("qpass_ms", 0) > 0) == (mode == "tlv")
     assert d["results"][0]["step_timing"]["steps"] == t["steps"]
+    assert d["gpu_clocks"] is None and "GPU clock" not in out   # the CPU: no NVML figures
+
+
+CLOCKS = {"samples": 40, "period_s": 0.02, "sm_mhz": {"min": 1560, "median": 1600, "max": 1980},
+          "gpu_max_sm_mhz": 1980, "power_w": {"median": 698.0, "max": 702.5}, "power_limit_w": 700.0,
+          "slowed": 0.35, "reasons": ["sw_power_cap"]}
+
+
+def test_check_notes_a_run_whose_gpu_slowed(run_cli, files):
+    tmp = files["dir"]
+    ar = json.loads(files["ar"].read_text())
+    ar["gpu_clocks"] = CLOCKS
+    tree = json.loads(files["tree"].read_text())
+    tree["gpu_clocks"] = dict(CLOCKS, slowed=0.0, reasons=[])   # at full clock: no note
+    code, out, err = run_cli("ceiling", "--check", _write(tmp, "t.json", tree), "--replay", files["replay"],
+                             "--rows-probe", files["rows"], "--ar-run", _write(tmp, "a.json", ar), "--format", "json")
+    assert code == 0, err
+    notes = json.loads(out)["notes"]
+    assert len(notes) == 1 and "a.json (sw_power_cap in 35% of the samples, SM 1560-1980 MHz)" in notes[0]
+    code, out, _ = run_cli("ceiling", "--check", files["tree"], "--replay", files["replay"], "--rows-probe",
+                           files["rows"], "--ar-run", _write(tmp, "a.json", ar))
+    assert "note: the GPU lowered its clock during" in out
+
+
+@pytest.mark.parametrize("bad", [{"sm_mhz": {"min": 1560}}, dict(CLOCKS, slowed=1.5), dict(CLOCKS, reasons="cap"), [1]])
+def test_check_refuses_malformed_gpu_clocks(run_cli, files, bad):
+    doc = json.loads(files["tree"].read_text())
+    doc["gpu_clocks"] = bad
+    code, out, err = run_cli("ceiling", "--check", _write(files["dir"], "bad.json", doc), "--rows-probe", files["rows"])
+    assert code == 2 and err.startswith("specpilot: error:") and "'gpu_clocks'" in err and err.count("\n") == 1, err

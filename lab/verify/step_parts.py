@@ -13,9 +13,10 @@ Variants (each captured afresh, interleaved over rounds, median of the replays):
 * ``attn:<walk>:<target>:<stages>[:<merge>]``: the attention with another ``SplitConfig`` for every
   step (walk ``live`` or ``checked``, program target a number or ``table`` for the measured entry,
   merge ``kernel`` or ``last``, ``table`` or left out: the measured entry's);
-* ``warpk:<max rows>[:<bound>=<depth>...]``: every dense projection of a step of up to ``max rows``
-  rows through the bf16 warp-K GEMM (``kernels/verify/warpk.py``), the depth of the smallest row
-  bound that covers the step (default: the product's) (``warpk-nopdl:``: the same, launched without PDL;
+* ``warpk:<max rows>[@<layers>][:<bound>=<depth>...]``: every dense projection (or the Llama layers
+  named, as for ``skinny:``) of a step of up to ``max rows`` rows through the bf16 warp-K GEMM
+  (``kernels/verify/warpk.py``), the depth of the smallest row bound that covers the step (default:
+  the product's) (``warpk-nopdl:``: the same, launched without PDL;
   ``warpk-late:``: the variant with x loaded late, ``lab/verify/warpk_variants.py``);
 * ``skinny:<layers>:<mult>:<stages>``: the skinny GEMM for the Llama layers named (``qkv``, ``o``,
   ``gu``, ``down``, joined by ``+``) at every row count, ``mult`` programs per SM along K, the table
@@ -96,6 +97,8 @@ def variant(name: str):
         from specpilot.kernels.verify import warpk
 
         kind, top, *cfgs = name.split(":")
+        top, _, only = top.partition("@")   # "@qkv+o": those Llama layers only
+        layers = {LLAMA_LAYERS[n] for n in only.split("+")} if only else None
         if kind == "warpk-nopdl":   # plain launches for the warp-K GEMM only
             stack.enter_context(patched(warpk, "pdl_args", lambda on, x: {"PDL": False}))
         if kind == "warpk-late":    # x loaded right before each set's MMAs (lab/verify/warpk_variants.py)
@@ -112,7 +115,7 @@ def variant(name: str):
 
         def routed(h, w, batched=False):
             m = h.shape[0]
-            if m <= int(top) and warpk.supported(h, w):
+            if m <= int(top) and warpk.supported(h, w) and (layers is None or tuple(w.shape) in layers):
                 return run(h, w, picks[min(b for b in picks if b >= m)])
             return plain(h, w, batched)
         stack.enter_context(patched(blas, "linear", routed))

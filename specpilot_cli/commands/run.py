@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from specpilot.engine.clocks import clock_line
 from specpilot.engine_options import engine_options, spec_from_cli
 from specpilot.errors import InputError
 from specpilot.output import Report, Section, emit, output_options, progress
@@ -61,7 +62,7 @@ def _tlv_note(t: dict) -> str:
             f"{ms['exact']:.3f} + append {ms['append']:.3f} ms")
 
 
-def _note(tokens: int, steps: int, summary: dict, info: dict, timing: dict | None) -> str:
+def _note(tokens: int, steps: int, summary: dict, info: dict, timing: dict | None, clocks: dict | None = None) -> str:
     note = (f"total: {tokens} tokens, {steps} passes, tau {summary['tau']:.3f}, {summary['tokens_per_s']:.1f} "
             f"tokens/s; load {info['load_seconds']:.1f} s, warm-up {info['warmup_seconds']:.1f} s (before the "
             "requests)")
@@ -72,7 +73,8 @@ def _note(tokens: int, steps: int, summary: dict, info: dict, timing: dict | Non
         q = f" + Q pass {timing['qpass_ms']:.3f}" if timing.get("qpass_ms") else ""
         note += (f"\nper step: loop {timing['wall_ms']:.3f} ms = drafting {timing['draft_ms']:.3f}{q} + verify "
                  f"{timing['verify_ms']:.3f} + rest {timing['rest_ms']:.3f} ms (wall clock)")
-    return note
+    line = clock_line(clocks)
+    return note + (f"\n{line}" if line else "")
 
 
 @click.command("run")
@@ -101,6 +103,8 @@ def command(prompt_text, prompts_file, prompt_ids, chat, max_new_tokens, outputs
 
     chain, tree and tlv outputs equal ar outputs (greedy, lossless); tau is tokens per verification
     pass (tlv: per exact pass; the note adds the Q pass's agreement, |C| and the cycle's time split).
+    On CUDA the note also gives the SM clock and power over the run (NVML) and says when the GPU
+    lowered its clock (power or thermal limit), which makes a long run slower than a short probe.
     """
     spec = spec_from_cli(kw)
     given = [x is not None for x in (prompt_text, prompts_file, prompt_ids)]
@@ -162,7 +166,7 @@ def command(prompt_text, prompts_file, prompt_ids, chat, max_new_tokens, outputs
             "decode": engine.info.get("decode"), "gdn": engine.info.get("gdn"),
             "deterministic": engine.info.get("deterministic"), "load_seconds": engine.info["load_seconds"],
             "warmup_seconds": engine.info["warmup_seconds"], **summary, "step_timing": run.step_timing(),
-            "results": results}
+            "gpu_clocks": run.gpu_clocks, "results": results}
     if run.batch:
         data["batch"] = run.batch
     tlv = _tlv_summary(results, summary["tau"], run.batch)
@@ -180,7 +184,8 @@ def command(prompt_text, prompts_file, prompt_ids, chat, max_new_tokens, outputs
     report = Report(data=data, title=None, lines=[x for x in lines if x != ""] if len(results) == 1 else lines,
                     sections=[Section(_title(engine.model_name, spec, engine.info),
                                       ["id", "tokens", "steps", "tau", "tokens/s", "decode tok/s", "stop"], rows,
-                                      note=_note(tokens, steps, summary, engine.info, run.step_timing())
+                                      note=_note(tokens, steps, summary, engine.info, run.step_timing(),
+                                                 run.gpu_clocks)
                                       + (_tlv_note(tlv) if tlv else ""))])
     emit(report, fmt, out, protect=inputs)
     return 0
