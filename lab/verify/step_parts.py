@@ -13,6 +13,7 @@ Variants (each captured afresh, interleaved over rounds, median of the replays):
 * ``attn:<walk>:<target>:<stages>[:<merge>]``: the attention with another ``SplitConfig`` for every
   step (walk ``live`` or ``checked``, program target a number or ``table`` for the measured entry,
   merge ``kernel`` or ``last``, ``table`` or left out: the measured entry's);
+* ``attn-bm:<rows>``: the attention with at most ``rows`` query rows per program (a power of two);
 * ``warpk:<max rows>[@<layers>][:<bound>=<depth>...]``: every dense projection (or the Llama layers
   named, as for ``skinny:``) of a step of up to ``max rows`` rows through the bf16 warp-K GEMM
   (``kernels/verify/warpk.py``), the depth of the smallest row bound that covers the step (default:
@@ -79,6 +80,8 @@ def variant(name: str):
                            target_programs=c.target_programs if target == "table" else int(target),
                            merge=c.merge if merge == "table" else merge)
         stack.enter_context(patched(decode, "split_config", cfg))
+    elif name.startswith("attn-bm:"):   # the attention's most query rows per program
+        stack.enter_context(patched(decode, "MAX_BLOCK_M", int(name.split(":")[1])))
     elif name.startswith("skinny:"):
         import torch
 
@@ -203,7 +206,7 @@ def main() -> int:
     ap.add_argument("--cases", default="1x1,1x33,1x64,16x1", help="BxN: B requests of N rows (B=1: one request)")
     args = ap.parse_args()
     variants = args.variants.split(",")
-    bad = [v for v in variants if v not in VARIANTS and not v.startswith(("attn:", "skinny:", "warpk:", "warpk-nopdl:", "warpk-late:"))]
+    bad = [v for v in variants if v not in VARIANTS and not v.startswith(("attn:", "attn-bm:", "skinny:", "warpk:", "warpk-nopdl:", "warpk-late:"))]
     if bad:
         raise SystemExit(f"step_parts: unknown variant(s) {bad}; known: {VARIANTS}")
     import torch

@@ -5,8 +5,10 @@ set and lane, 32 for 32 rows), which raises its registers from 154 at 8 x rows t
 spills at 32 (sm_90, depth 4). Its steps of 9-16 rows measured slower than cuBLAS's. Here (``x_late``,
 as the W12 warp-K kernel does above 16 rows) a set holds only its weights and the slice index, and
 x is loaded right before the set's MMAs, from L1/L2: fewer registers, one more exposed load per set.
-Not measured on a GPU yet; ``main`` compiles it for sm_90 and prints registers and spills, and
-``launch`` runs it (``lab/verify/step_parts.py`` can route it like ``warpk:``).
+On the H200 whole steps got slower with it (Llama-3.1-8B shapes, ``step_parts.py --variants
+product,warpk-late:32:16=4:32=4``: 1 x 9 / 1 x 16 / 1 x 32 rows 4.67 / 4.97 / 5.02 -> 5.67 / 5.97 /
+8.27 ms, 16 requests x 1 row 5.14 -> 6.35 ms). ``main`` compiles it for sm_90 and prints registers
+and spills, and ``launch`` runs it (``lab/verify/step_parts.py`` can route it like ``warpk:``).
 
     python lab/verify/warpk_variants.py        # registers and spills per (x rows, depth, x_late)
 """
