@@ -106,7 +106,7 @@ def test_program_targets_come_from_the_measured_table():
     live = fused.SplitConfig(128, True, 3, merge="last")
     assert fused.split_config(cpu, True, 1, 128) == fused.split_config(cpu, True, 4, 128) == live
     assert fused.split_config(cpu, True, 33, 128) == fused.SplitConfig()
-    assert fused.split_config(cpu, False, 1, 128) == fused.SplitConfig(256, True, 2)
+    assert fused.split_config(cpu, False, 1, 128) == fused.SplitConfig(256, True, 2, prefetch=1)
     assert fused.split_config(cpu, False, 2, 128) == fused.split_config(cpu, False, 33, 128) == fused.SplitConfig()
     assert fused.split_config(cpu, False, 64, 128) == fused.SplitConfig(128, True, 2, merge="last")
     # other head dims keep what was measured for them (Qwen3.5's 256) or the default
@@ -292,6 +292,37 @@ def test_merge_in_the_last_program_launches_no_merge_kernel(monkeypatch):
 def test_split_config_refuses_an_unknown_merge():
     with pytest.raises(ValueError, match="merge must be"):
         fused.SplitConfig(merge="atomic")
+    for bad in (-1, 17):
+        with pytest.raises(ValueError, match="prefetch must be 0-16 tiles"):
+            fused.SplitConfig(prefetch=bad)
+
+
+def test_prefetch_compiles_for_sm90_before_the_pdl_wait():
+    """The L2 prefetch of the first live K/V tiles (one ``cp.async.bulk.prefetch`` each, first thread
+    only) sits before ``griddepcontrol.wait``; ptxas for sm_90 accepts it; without it none is issued."""
+    from gluon_ptx import ptxas_report
+
+    setup = """
+from triton.compiler import ASTSource as GluonASTSource   # a Triton kernel: the plain AST source
+from specpilot.kernels.attention import decode
+k = decode._attn_split
+ptrs = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
+ptrs.update({"mask_ptr": "*u8", "acc_ptr": "*fp32", "ml_ptr": "*fp32", "seg_ptr": "*i32", "slots_ptr": "*i64",
+             "cnt_ptr": "*i32", "scale": "fp32"})
+const = {"GRP": 4, "HD": 128, "BLOCK_M": 16, "BLOCK_N": 64, "IEEE": False, "SEGS": %s, "PDL": True, "LIVE": True,
+         "STAGES": 2, "DIRECT": False, "MERGE_LAST": False, "PREFETCH": %d}
+div = []
+warps = 4
+"""
+    for segs, tiles in ((False, 1), (True, 2), (False, 0)):
+        r = ptxas_report(setup % (segs, tiles))
+        assert r["rc"] == 0, r["log"][-2000:]
+        ptx = r["ptx"]
+        n = ptx.count("cp.async.bulk.prefetch.L2.global")
+        assert n == (2 if tiles else 0)
+        if tiles:
+            assert ptx.rindex("cp.async.bulk.prefetch.L2.global") < ptx.index("griddepcontrol.wait")
+            assert "%tid.x" in ptx[:ptx.index("griddepcontrol.wait")]
 
 
 def _rows_at_slots(T, S, context, beyond=False):
@@ -391,3 +422,11 @@ def test_live_walk_and_one_split_on_cuda(T, batch):
         torch.testing.assert_close(last.float(), want, atol=2e-2, rtol=2e-2)
     got = attend(None)
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    # under PDL with the L2 prefetch before the wait: the same bits as without it (a hint only)
+    for tiles in (1, 4):
+        def with_pdl(pf):
+            cfg = fused.SplitConfig(256, live=True, prefetch=pf)
+            if batch == 1:
+                return fused.masked_gqa_attention(q, k[0], v[0], mask, hd ** -0.5, pdl=True, cfg=cfg, slots=slots)
+            return fused.batched_gqa_attention(q, k, v, mask, hd ** -0.5, segs, T, pdl=True, cfg=cfg, slots=slots)
+        assert torch.equal(with_pdl(tiles), with_pdl(0))

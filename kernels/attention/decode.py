@@ -24,6 +24,11 @@ casts and permutes), this is two, or one:
    split (enough programs without splitting: batched steps of many requests) has no merge; the
    split pass writes the output.
 
+Under programmatic dependent launch a program starts while the previous kernel (the K/V write of
+the step's rows) still runs; with ``SplitConfig.prefetch`` it asks L2 for its first live K and V
+tiles (one bulk prefetch each) before it waits. The committed context below the rows' slots is
+what those tiles hold, and L2 is where every write lands, so the hint changes no bits.
+
 :func:`batched_gqa_attention` runs the rows of several requests (continuous batching) in the same
 launches: each request is a segment of consecutive rows attending over its own cache slot
 (``k``/``v`` [slots, nkv, S, hd]), its programs the row blocks of that segment.
@@ -56,16 +61,21 @@ class SplitConfig:
     own slot) a program loads each tile's mask, K and V at once, software-pipelined ``stages``
     deep, instead of checking the mask before it loads K and V; above it the checked walk skips
     what no row attends. Same arithmetic either way; needs the rows' slots. ``merge``: where the
-    splits are combined (``kernel`` or ``last``, the module doc)."""
+    splits are combined (``kernel`` or ``last``, the module doc). ``prefetch`` (with ``live`` under
+    programmatic dependent launch): before it waits for the previous kernel, a program asks L2 for
+    up to this many of its first live K and V tiles (one bulk prefetch each; the module doc)."""
 
     target_programs: int = 256
     live: bool = False
     stages: int = 2
     merge: str = "kernel"
+    prefetch: int = 0
 
     def __post_init__(self):
         if self.merge not in MERGES:
             raise ValueError(f"merge must be one of {MERGES}, got {self.merge!r}")
+        if not 0 <= self.prefetch <= 16:
+            raise ValueError(f"prefetch must be 0-16 tiles, got {self.prefetch}")
 
 
 @lru_cache(maxsize=None)
@@ -109,6 +119,62 @@ if triton is not None:
             pv = tl.dot(p.to(v.dtype), v)
         return acc * alpha[:, None] + pv
 
+    @triton.jit
+    def _segment(seg_ptr, T, row_blocks, SEGS: tl.constexpr):
+        """This program's row block and its request: (row block, first row, rows, cache slot as int64).
+        ``SEGS``: several requests, each a segment (first row, rows, cache slot) of ``row_blocks``
+        programs; else one request of ``T`` rows in slot 0."""
+        rb = tl.program_id(2)
+        if SEGS:
+            seg = rb // row_blocks
+            rb = rb % row_blocks
+            t0 = tl.load(seg_ptr + seg * 3)
+            nt = tl.load(seg_ptr + seg * 3 + 1)
+            slot = tl.load(seg_ptr + seg * 3 + 2).to(tl.int64)
+        else:
+            t0 = 0
+            nt = T
+            slot = 0
+        return rb, t0, nt, slot
+
+    @triton.jit
+    def _rows(rb, t0, nt, GRP: tl.constexpr, BLOCK_M: tl.constexpr):
+        """Row block ``rb``'s rows ``r = g * nt + t``: (in range, group member g, step row t)."""
+        rows = rb * BLOCK_M + tl.arange(0, BLOCK_M)
+        return rows < GRP * nt, rows // nt, t0 + rows % nt
+
+    @triton.jit
+    def _live_end(slots_ptr, t, row_ok):
+        """One past the highest cache slot the rows write: in the engine's steps no row attends past it."""
+        return tl.max(tl.load(slots_ptr + t, mask=row_ok, other=-1).to(tl.int32), 0) + 1
+
+    @triton.jit
+    def _prefetch_l2(ptr, nbytes):
+        """One bulk L2 prefetch of ``nbytes`` (a multiple of 16, 16-byte aligned) from ``ptr``, issued
+        by the program's first thread; nothing when ``nbytes`` is 0."""
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; setp.ne.and.u32 p, $2, 0, p;\n\t"
+            "@p cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0; }",
+            "=r,l,r", [ptr, nbytes.to(tl.uint32)], dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
+    def _prefetch_kv(k_ptr, v_ptr, seg_ptr, slots_ptr, T, S, chunk, row_blocks, stride_kb, stride_kh, stride_ks,
+                     stride_vb, stride_vh, stride_vs, GRP: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, SEGS: tl.constexpr, TILES: tl.constexpr):
+        """Before the PDL wait: ask L2 for up to ``TILES`` of this program's first live K and V tiles
+        (K/V rows contiguous in the cache). A hint only: the step's inputs read here (segments, slots)
+        may in principle be stale before the wait, and nothing read here is used past it; L2 is the
+        GPU's point of coherence, so a line fetched early never hides a later write from the loads."""
+        rb, t0, nt, slot = _segment(seg_ptr, T, row_blocks, SEGS)
+        row_ok, g, t = _rows(rb, t0, nt, GRP, BLOCK_M)
+        lo = tl.program_id(1) * chunk
+        end = tl.minimum(tl.minimum(tl.minimum(lo + chunk, S), _live_end(slots_ptr, t, row_ok)), lo + TILES * BLOCK_N)
+        n = tl.maximum(end - lo, 0)
+        kvh = tl.program_id(0)
+        size: tl.constexpr = k_ptr.dtype.element_ty.primitive_bitwidth // 8
+        _prefetch_l2(k_ptr + slot * stride_kb + kvh * stride_kh + lo * stride_ks, n * stride_ks * size)
+        _prefetch_l2(v_ptr + slot * stride_vb + kvh * stride_vh + lo * stride_vs, n * stride_vs * size)
+
     @triton.jit(do_not_specialize=["T", "R", "row_blocks"])   # an eager step's rows vary: one compile for all
     def _attn_split(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, ml_ptr, seg_ptr, slots_ptr, out_ptr, cnt_ptr,
                     T, S, R, chunk, scale, row_blocks,
@@ -116,29 +182,21 @@ if triton is not None:
                     stride_mt, stride_ot,
                     GRP: tl.constexpr, HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     IEEE: tl.constexpr, SEGS: tl.constexpr, PDL: tl.constexpr, LIVE: tl.constexpr,
-                    STAGES: tl.constexpr, DIRECT: tl.constexpr, MERGE_LAST: tl.constexpr):
+                    STAGES: tl.constexpr, DIRECT: tl.constexpr, MERGE_LAST: tl.constexpr,
+                    PREFETCH: tl.constexpr):
         if PDL:   # the fused decode chain: let the next kernel launch, then wait for q and the cache write
             gdc_launch_dependents()
+            if PREFETCH > 0:
+                _prefetch_kv(k_ptr, v_ptr, seg_ptr, slots_ptr, T, S, chunk, row_blocks, stride_kb, stride_kh,
+                             stride_ks, stride_vb, stride_vh, stride_vs, GRP, BLOCK_M, BLOCK_N, SEGS, PREFETCH)
             gdc_wait()
         kvh = tl.program_id(0)
         sp = tl.program_id(1)
-        rb = tl.program_id(2)
         nsplit = tl.num_programs(1)
-        if SEGS:   # several requests: segment (first row, rows, cache slot), row_blocks programs each
-            seg = rb // row_blocks
-            rb = rb % row_blocks
-            t0 = tl.load(seg_ptr + seg * 3)
-            nt = tl.load(seg_ptr + seg * 3 + 1)
-            slot = tl.load(seg_ptr + seg * 3 + 2)
-            k_ptr += slot.to(tl.int64) * stride_kb
-            v_ptr += slot.to(tl.int64) * stride_vb
-        else:
-            t0 = 0
-            nt = T
-        rows = rb * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = rows < GRP * nt
-        g = rows // nt
-        t = t0 + rows % nt
+        rb, t0, nt, slot = _segment(seg_ptr, T, row_blocks, SEGS)
+        k_ptr += slot * stride_kb
+        v_ptr += slot * stride_vb
+        row_ok, g, t = _rows(rb, t0, nt, GRP, BLOCK_M)
         d = tl.arange(0, HD)
         q = tl.load(q_ptr + t[:, None] * stride_qt + (kvh * GRP + g)[:, None] * stride_qh + d[None, :],
                     mask=row_ok[:, None], other=0.0)
@@ -151,7 +209,7 @@ if triton is not None:
         v_base = v_ptr + kvh * stride_vh + d[None, :]
         mid = lo
         if LIVE:   # tiles up to the rows' highest slot: no check, the three loads together, pipelined
-            live = tl.max(tl.load(slots_ptr + t, mask=row_ok, other=-1).to(tl.int32), 0) + 1
+            live = _live_end(slots_ptr, t, row_ok)
             mid = lo + tl.cdiv(tl.maximum(tl.minimum(hi, live) - lo, 0), BLOCK_N) * BLOCK_N
             for s0 in tl.range(lo, mid, BLOCK_N, num_stages=STAGES):
                 n = s0 + tl.arange(0, BLOCK_N)
@@ -337,6 +395,7 @@ def _launch(q, k, v, mask, scale, pdl, segs=None, seg_rows: int = 0, cfg: SplitC
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         mask.stride(0), out.stride(0), GRP=nh // nkv, HD=hd, BLOCK_M=block_m, BLOCK_N=BLOCK_N, IEEE=ieee,
         SEGS=segs is not None, LIVE=live, STAGES=cfg.stages, DIRECT=direct, MERGE_LAST=merge_last,
+        PREFETCH=cfg.prefetch if live and k.stride(2) == hd and v.stride(2) == hd else 0,
         num_warps=4, **pdl_args(pdl, q))
     if not direct and not merge_last:
         _attn_merge[(nkv, R)](acc, ml, out, T, R, splits, out.stride(0), GRP=nh // nkv, HD=hd,

@@ -13,6 +13,8 @@ Variants (each captured afresh, interleaved over rounds, median of the replays):
 * ``attn:<walk>:<target>:<stages>[:<merge>]``: the attention with another ``SplitConfig`` for every
   step (walk ``live`` or ``checked``, program target a number or ``table`` for the measured entry,
   merge ``kernel`` or ``last``, ``table`` or left out: the measured entry's);
+* ``attn-pf:<tiles>``: the attention asking L2 for up to ``tiles`` of each program's first K/V tiles
+  before its PDL wait (``SplitConfig.prefetch``) in every step;
 * ``attn-bm:<rows>``: the attention with at most ``rows`` query rows per program (a power of two);
 * ``warpk:<max rows>[@<layers>][:<bound>=<depth>...]``: every dense projection (or the Llama layers
   named, as for ``skinny:``) of a step of up to ``max rows`` rows through the bf16 warp-K GEMM
@@ -80,6 +82,12 @@ def variant(name: str):
                            target_programs=c.target_programs if target == "table" else int(target),
                            merge=c.merge if merge == "table" else merge)
         stack.enter_context(patched(decode, "split_config", cfg))
+    elif name.startswith("attn-pf:"):   # the attention's L2 prefetch before the PDL wait, in tiles
+        from dataclasses import replace
+
+        table = decode.split_config
+        tiles = int(name.split(":")[1])
+        stack.enter_context(patched(decode, "split_config", lambda *a: replace(table(*a), prefetch=tiles)))
     elif name.startswith("attn-bm:"):   # the attention's most query rows per program
         stack.enter_context(patched(decode, "MAX_BLOCK_M", int(name.split(":")[1])))
     elif name.startswith("skinny:"):
@@ -206,7 +214,7 @@ def main() -> int:
     ap.add_argument("--cases", default="1x1,1x33,1x64,16x1", help="BxN: B requests of N rows (B=1: one request)")
     args = ap.parse_args()
     variants = args.variants.split(",")
-    bad = [v for v in variants if v not in VARIANTS and not v.startswith(("attn:", "attn-bm:", "skinny:", "warpk:", "warpk-nopdl:", "warpk-late:"))]
+    bad = [v for v in variants if v not in VARIANTS and not v.startswith(("attn:", "attn-pf:", "attn-bm:", "skinny:", "warpk:", "warpk-nopdl:", "warpk-late:"))]
     if bad:
         raise SystemExit(f"step_parts: unknown variant(s) {bad}; known: {VARIANTS}")
     import torch
