@@ -47,23 +47,11 @@ def _split_var(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, ml_ptr, seg_ptr, T, S, R,
                SEGS: tl.constexpr, V_EARLY: tl.constexpr):
     kvh = tl.program_id(0)
     sp = tl.program_id(1)
-    rb = tl.program_id(2)
     nsplit = tl.num_programs(1)
-    if SEGS:
-        seg = rb // row_blocks
-        rb = rb % row_blocks
-        t0 = tl.load(seg_ptr + seg * 3)
-        nt = tl.load(seg_ptr + seg * 3 + 1)
-        slot = tl.load(seg_ptr + seg * 3 + 2)
-        k_ptr += slot.to(tl.int64) * stride_kb
-        v_ptr += slot.to(tl.int64) * stride_vb
-    else:
-        t0 = 0
-        nt = T
-    rows = rb * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < GRP * nt
-    g = rows // nt
-    t = t0 + rows % nt
+    rb, t0, nt, slot = decode._segment(seg_ptr, T, row_blocks, SEGS)
+    k_ptr += slot * stride_kb
+    v_ptr += slot * stride_vb
+    row_ok, g, t = decode._rows(rb, t0, nt, GRP, BLOCK_M)
     d = tl.arange(0, HD)
     q = tl.load(q_ptr + t[:, None] * stride_qt + (kvh * GRP + g)[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None], other=0.0)
