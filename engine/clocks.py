@@ -2,8 +2,9 @@
 
 A rows probe times a few hundred step replays; a decode loop runs for seconds, long enough for a GPU
 to reach its power limit and lower its clock. On the H200 the W12 AR loop of Llama-3.1-8B shapes
-draws its 700 W limit after about 190 steps, the SM clock falls from 1980 to about 1575 MHz and its
-steps from 3.6 to 4.0-4.4 ms (the bf16 loop, bound by memory, stays at 3.96 ms). :class:`ClockWatch`
+can draw the 700 W limit within a second: in one run the SM clock fell from 1980 to about 1575 MHz
+after 190 steps and the steps from 3.6 to 4.0-4.4 ms (the bf16 loop, bound by memory, stays near
+3.96 ms). :class:`ClockWatch`
 samples the SM clock, the power and NVML's clock-event reasons on a thread while a run decodes, so a
 run's figures say whether they were taken at full clock and ``ceiling --check`` can say so.
 """
@@ -128,4 +129,3 @@ def clock_line(c: dict | None) -> str | None:
         line += (f"; slowed ({', '.join(c['reasons'])}) in {100 * c['slowed']:.0f}% of {c['samples']} samples: "
                  "this run's steps are slower than a probe's at full clock")
     return line
-

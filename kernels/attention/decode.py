@@ -162,9 +162,10 @@ if triton is not None:
                      stride_vb, stride_vh, stride_vs, GRP: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, SEGS: tl.constexpr, TILES: tl.constexpr):
         """Before the PDL wait: ask L2 for up to ``TILES`` of this program's first live K and V tiles
-        (K/V rows contiguous in the cache). A hint only: the step's inputs read here (segments, slots)
-        may in principle be stale before the wait, and nothing read here is used past it; L2 is the
-        GPU's point of coherence, so a line fetched early never hides a later write from the loads."""
+        (K/V rows contiguous in the cache). A hint only: nothing read here is used past the wait, so
+        the step's inputs it reads (segments, slots) need not be visible yet (an older value of the
+        same buffer is a valid slot too: the prefetch stays inside the cache); and L2 is the GPU's
+        point of coherence, so a line fetched early never hides a later write from the loads."""
         rb, t0, nt, slot = _segment(seg_ptr, T, row_blocks, SEGS)
         row_ok, g, t = _rows(rb, t0, nt, GRP, BLOCK_M)
         lo = tl.program_id(1) * chunk
