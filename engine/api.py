@@ -127,7 +127,7 @@ class Engine:
                                 "decode_tokens_per_s": r.decode_tokens_per_second, "stop": r.stop_reason,
                                 "step_timing": r.step_timing(), **({"tlv": r.tlv} if r.tlv else {})})
 
-    def _run_batched(self, prompts, max_new_tokens, chat, record_lattice, progress, out: "RunResult"):
+    def _run_batched(self, prompts, max_new_tokens, chat, record_lattice, progress, out: "RunResult") -> None:
         """``run`` with ``batch`` > 1: every prompt queued at once, ``batch`` decoded together."""
         from specpilot.engine.batch.requests import Request
 
@@ -155,7 +155,6 @@ class Engine:
         out.batch = {"batch": dec.batch, "budget": self.spec.budget, "block": self.spec.block,
                      "admit": self.spec.admit, "seconds": time.perf_counter() - t0,
                      "warmup_seconds": dec.warmup_seconds, **batch_stats(dec)}
-        return out
 
     def encode(self, text: str, chat: bool = False) -> list[int]:
         tok = self.tokenizer

@@ -17,6 +17,7 @@ import threading
 # NVML clock-event reasons that lower the clock below what the application asked for
 SLOWDOWNS = {0x4: "sw_power_cap", 0x8: "hw_slowdown", 0x20: "sw_thermal", 0x40: "hw_thermal",
              0x80: "hw_power_brake"}
+SLOWDOWN_BITS = sum(SLOWDOWNS)
 
 
 def _nvml():
@@ -104,7 +105,7 @@ class ClockWatch:
         seen = 0
         for s in self.samples:
             seen |= s[2]
-        slowed = sum(1 for s in self.samples if s[2] & sum(SLOWDOWNS)) / len(self.samples)
+        slowed = sum(1 for s in self.samples if s[2] & SLOWDOWN_BITS) / len(self.samples)
         try:
             max_mhz = int(nv.nvmlDeviceGetMaxClockInfo(self._h, nv.NVML_CLOCK_SM))
             limit = nv.nvmlDeviceGetEnforcedPowerLimit(self._h) / 1e3

@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lab.common import bootstrap, print_table, write_results  # noqa: E402
 
 VARIANTS = ("product", "no-merge", "no-attn", "no-rows", "skinny")
+PREFIXES = ("attn:", "attn-pf:", "attn-bm:", "skinny:", "warpk:", "warpk-nopdl:", "warpk-late:")   # parametrised
 LLAMA_LAYERS = {"qkv": (6144, 4096), "o": (4096, 4096), "gu": (28672, 4096), "down": (4096, 14336)}   # (n, k)
 
 
@@ -214,9 +215,9 @@ def main() -> int:
     ap.add_argument("--cases", default="1x1,1x33,1x64,16x1", help="BxN: B requests of N rows (B=1: one request)")
     args = ap.parse_args()
     variants = args.variants.split(",")
-    bad = [v for v in variants if v not in VARIANTS and not v.startswith(("attn:", "attn-pf:", "attn-bm:", "skinny:", "warpk:", "warpk-nopdl:", "warpk-late:"))]
+    bad = [v for v in variants if v not in VARIANTS and not v.startswith(PREFIXES)]
     if bad:
-        raise SystemExit(f"step_parts: unknown variant(s) {bad}; known: {VARIANTS}")
+        raise SystemExit(f"step_parts: unknown variant(s) {bad}; known: {VARIANTS} and {PREFIXES}...")
     import torch
 
     from specpilot.engine.graphs import time_replays
