@@ -4,7 +4,7 @@ picked for the Q pass's 8 bits: every ``mma`` / ``warpk`` entry of the layer in 
 rows), each with more K splits and deeper rings (a record of the Q pass is 8 KB instead of 12, so
 a ring of the same depth holds a third fewer bytes in flight).
 
-    python lab/w12/qpass_configs.py [--shapes llama8b.qkv,...] [--rows 16,32] [--reps 50]
+    python lab/w12/qpass_configs.py [--shapes llama8b.qkv,...] [--rows 16,32] [--reps 50] [--family table|wgmma|all]
 
 Per (shape, rows): every candidate's Q pass checked against ``x @ view.T`` in fp32 (the view
 decoded on the host, :func:`specpilot.kernels.w12.decode` with ``qpass=True``) and run to run, timed
@@ -34,13 +34,37 @@ from w12_gemm import random_layer, routed_path, select_shapes, tolerance  # noqa
 LLAMA = "llama8b.qkv,llama8b.o,llama8b.gate_up,llama8b.down"
 
 
-def candidates(n: int, k: int, m: int):
+def wgmma_grid(m: int):
+    """The wgmma ring (``tma=3``) on any layer: 64-row programs of one, two or four K groups (four
+    only up to 32 x rows) or 128-row programs of one group, ring depths that are multiples of the
+    groups, 1-4 K splits."""
+    from specpilot.kernels.w12.mma import MmaConfig
+
+    out = []
+    for kg in (1, 2, 4):
+        if kg == 4 and m > 32:
+            continue
+        for depth in (4, 6, 8, 12):
+            if depth % kg:
+                continue
+            for split in (1, 2, 4):
+                out.append(("mma", MmaConfig(block_n=64, num_warps=4, tma=3, kgroups=kg, depth=depth, split_k=split)))
+    for depth in (4, 8):
+        for split in (1, 2):
+            out.append(("mma", MmaConfig(block_n=128, num_warps=8, tma=3, depth=depth, split_k=split)))
+    return out
+
+
+def candidates(n: int, k: int, m: int, family: str = "table"):
     """(kernel, config) pairs: the layer's table entries of ``mma`` and ``warpk`` (any rows) and
-    their variants with more K splits and deeper rings, deduplicated, in that order."""
+    their variants with more K splits and deeper rings (``family`` ``table``), the wgmma grid
+    (``wgmma``, :func:`wgmma_grid`) or both (``all``), deduplicated, in that order."""
     from specpilot.kernels import tuning
     from specpilot.kernels.w12 import mma, warpk
 
     out = []
+    if family == "wgmma":
+        return wgmma_grid(m)
 
     def add(kernel, cfg):
         if (kernel, cfg) not in out:
@@ -66,6 +90,9 @@ def candidates(n: int, k: int, m: int):
             for d in (2, 3, 4):
                 if d != base.depth:
                     add("warpk", replace(base, depth=d))
+    if family == "all":
+        for kernel, cfg in wgmma_grid(m):
+            add(kernel, cfg)
     return out
 
 
@@ -75,6 +102,8 @@ def main() -> int:
     ap.add_argument("--rows", default="32")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--name", default="qpass_configs")
+    ap.add_argument("--family", choices=("table", "wgmma", "all"), default="table",
+                    help="candidates: the layer's table entries and their variants, the wgmma grid, or both")
     args = ap.parse_args()
     shapes = select_shapes(args.shapes)
     ms = [int(v) for v in args.rows.split(",")]
@@ -97,7 +126,7 @@ def main() -> int:
             ref = x.float() @ view.float().T
             tol = tolerance(ref)
             best = None
-            for kernel, cfg in candidates(n, k, m):
+            for kernel, cfg in candidates(n, k, m, args.family):
                 run = LAUNCHERS[kernel]
                 try:
                     y = run(x, kp, qpass=True, config=cfg)
