@@ -137,25 +137,17 @@ if AVAILABLE:
 
     @gluon.jit
     def _issue(v_desc, q_desc, x_desc, wv_s, wq_s, xs, bar, rec, r_in, m0, t,
-               BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, QPASS: gl.constexpr, NOX: gl.constexpr = False,
-               WIDE: gl.constexpr = False):
+               BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, QPASS: gl.constexpr):
         """Record ``rec`` (k-tile ``t``) of the program's rows and its x tile into one stage: the
         expected bytes on ``bar``, then the two or three copies."""
-        XB: gl.constexpr = 0 if NOX else BLOCK_M * 128
         if QPASS:
-            mbarrier.expect(bar, BLOCK_N * 64 + XB)
+            mbarrier.expect(bar, BLOCK_N * 64 + BLOCK_M * 128)
         else:
-            mbarrier.expect(bar, BLOCK_N * 96 + XB)
-        if WIDE:   # the same bytes as 1 KB rows: [BLOCK_N / 16, 256] and [BLOCK_N / 32, 256] words
-            _tma_load(v_desc, [rec * 12 + r_in // 16, 0], bar, wv_s)
-            if not QPASS:
-                _tma_load(q_desc, [rec * 12 + 8 + r_in // 32, 0], bar, wq_s)
-        else:
-            _tma_load(v_desc, [rec * 192 + r_in, 0], bar, wv_s)
-            if not QPASS:
-                _tma_load(q_desc, [rec * 384 + 256 + r_in, 0], bar, wq_s)
-        if not NOX:
-            _tma_load(x_desc, [m0, t * 64], bar, xs)
+            mbarrier.expect(bar, BLOCK_N * 96 + BLOCK_M * 128)
+        _tma_load(v_desc, [rec * 192 + r_in, 0], bar, wv_s)
+        if not QPASS:
+            _tma_load(q_desc, [rec * 384 + 256 + r_in, 0], bar, wq_s)
+        _tma_load(x_desc, [m0, t * 64], bar, xs)
 
     @gluon.constexpr_function
     def _layout(block_n, block_m, warps, i):
@@ -186,8 +178,7 @@ if AVAILABLE:
         return b, w, q
 
     @gluon.jit
-    def _producer(pt, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, QPASS: gl.constexpr, STAGES: gl.constexpr,
-                  NOX: gl.constexpr = False, WIDE: gl.constexpr = False):
+    def _producer(pt, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, QPASS: gl.constexpr, STAGES: gl.constexpr):
         """The copy warps (one thread issues): record after record into the ring, each stage once all
         slices have read it."""
         v_desc, q_desc, x_desc, wv_s, wq_s, xs, ready, empty, rec0, r_in, m0, t_begin, n_rec = pt
@@ -195,7 +186,7 @@ if AVAILABLE:
             s = i % STAGES
             mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)    # (a fresh barrier passes parity 1)
             _issue(v_desc, q_desc, x_desc, wv_s.index(s), wq_s.index(s), xs.index(s), ready.index(s),
-                   rec0 + i, r_in, m0, t_begin + i, BLOCK_N, BLOCK_M, QPASS, NOX, WIDE)
+                   rec0 + i, r_in, m0, t_begin + i, BLOCK_N, BLOCK_M, QPASS)
 
     @gluon.jit
     def _finish(acc, rt, SLICE: gl.constexpr, SLICES: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -274,8 +265,7 @@ if AVAILABLE:
     @gluon.jit
     def _wg_step(acc, xs, wv_s, wq_s, xm, ready, empty, i, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
                  QPASS: gl.constexpr, STAGES: gl.constexpr, L_VIEW: gl.constexpr, L_NIB: gl.constexpr,
-                 A_OP: gl.constexpr, L_XP: gl.constexpr, j=None, ok=True, MASK: gl.constexpr = False,
-                 XPERM: gl.constexpr = False, WIDE: gl.constexpr = False):
+                 A_OP: gl.constexpr, L_XP: gl.constexpr, j=None, ok=True, MASK: gl.constexpr = False):
         """Record ``i`` on ``wgmma`` (see :func:`_wg_consumer`), its x restaged in buffer ``j % 2``
         (default ``i``: the group takes every record). With ``MASK`` the record may not exist
         (``ok`` false: a second K group with no record): no wait, no arrival, and x taken as zero, so
@@ -288,35 +278,14 @@ if AVAILABLE:
             mbarrier.wait(ready.index(s), (i // STAGES) & 1, pred=ok)
         else:
             mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-        wv = wv_s.index(s)
-        wq = wq_s.index(s)
-        if WIDE:
-            wv = wv.reshape([BLOCK_N, 16])
-            wq = wq.reshape([BLOCK_N, 8])
-        if XPERM:
-            w = wv.load(L_VIEW)
-            if QPASS:
-                q = w
-            else:
-                q = wq.load(L_NIB)
-            tok = warpgroup_mma(a_operand(w, q, L_VIEW, A_OP, BLOCK_N, QPASS), xs.index(s).permute((1, 0)), acc,
-                                is_async=True)
-            acc = warpgroup_mma_wait(0, deps=[tok])
-            fence_async_shared()
-            cta_barrier()
-            if MASK:
-                mbarrier.arrive(empty.index(s), pred=ok)
-            else:
-                mbarrier.arrive(empty.index(s))
-            return acc
         xv = xs.index(s).load(L_XP)
         if MASK:
             xv = gl.where(ok, xv, 0.0)
-        w = wv.load(L_VIEW)
+        w = wv_s.index(s).load(L_VIEW)
         if QPASS:
             q = w
         else:
-            q = wq.load(L_NIB)
+            q = wq_s.index(s).load(L_NIB)
         xb = xm.index(j % 2)
         x_store(xb, xv, BLOCK_M)
         fence_async_shared()                 # our stage reads and stores, before the copy and the wgmma
@@ -332,38 +301,9 @@ if AVAILABLE:
         return acc
 
     @gluon.jit
-    def _wg_pair(acc, xs, wv_s, wq_s, ready, empty, i, BLOCK_N: gl.constexpr, QPASS: gl.constexpr,
-                 STAGES: gl.constexpr, L_VIEW: gl.constexpr, L_NIB: gl.constexpr, A_OP: gl.constexpr):
-        """Records ``i`` and ``i + 1`` in one step (x in MMA k order in the stages): both waits, both
-        decodes, two ``wgmma`` retired together, one barrier, two arrivals."""
-        s0 = i % STAGES
-        s1 = (i + 1) % STAGES
-        mbarrier.wait(ready.index(s0), (i // STAGES) & 1)
-        mbarrier.wait(ready.index(s1), ((i + 1) // STAGES) & 1)
-        w0 = wv_s.index(s0).load(L_VIEW)
-        w1 = wv_s.index(s1).load(L_VIEW)
-        if QPASS:
-            q0 = w0
-            q1 = w1
-        else:
-            q0 = wq_s.index(s0).load(L_NIB)
-            q1 = wq_s.index(s1).load(L_NIB)
-        a0 = a_operand(w0, q0, L_VIEW, A_OP, BLOCK_N, QPASS)
-        a1 = a_operand(w1, q1, L_VIEW, A_OP, BLOCK_N, QPASS)
-        tok = warpgroup_mma(a0, xs.index(s0).permute((1, 0)), acc, is_async=True)
-        tok = warpgroup_mma(a1, xs.index(s1).permute((1, 0)), tok, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=[tok])
-        fence_async_shared()
-        cta_barrier()
-        mbarrier.arrive(empty.index(s0))
-        mbarrier.arrive(empty.index(s1))
-        return acc
-
-    @gluon.jit
     def _wg_consumer(rt, xm, red, done, G: gl.constexpr, GROUPS: gl.constexpr, BLOCK_N: gl.constexpr,
                      BLOCK_M: gl.constexpr, USE_SPLIT: gl.constexpr, QPASS: gl.constexpr, ESC_CH: gl.constexpr,
-                     STAGES: gl.constexpr, WARPS: gl.constexpr, XPERM: gl.constexpr = False,
-                     WIDE: gl.constexpr = False, PAIR2: gl.constexpr = False):
+                     STAGES: gl.constexpr, WARPS: gl.constexpr):
         """``tma=3``: the group as ``tma=2``, the MMA on ``wgmma``: the decoded record is the register
         A operand; the stage's x, read in physical k order, is stored in MMA k order into ``xm``
         (two buffers: the one written at record ``i`` was last read by ``wgmma i - 2``, which every
@@ -389,18 +329,10 @@ if AVAILABLE:
         # not exist): a path from the zeroed accumulator to the final wait without a wgmma makes
         # ptxas serialize the in-flight ones (C7515)
         acc = _wg_step(acc, xs, wv_s, wq_s, xm, ready, empty, G, BLOCK_N, BLOCK_M, QPASS, STAGES, L_VIEW, L_NIB,
-                       A_OP, L_XP, 0, G < n_rec, G > 0, XPERM, WIDE)
-        if PAIR2:
-            gl.static_assert(GROUPS == 1 and XPERM, "paired records: one K group, x in MMA k order")
-            for i in range(1, n_rec - 1, 2):
-                acc = _wg_pair(acc, xs, wv_s, wq_s, ready, empty, i, BLOCK_N, QPASS, STAGES, L_VIEW, L_NIB, A_OP)
-            if n_rec % 2 == 0:
-                acc = _wg_step(acc, xs, wv_s, wq_s, xm, ready, empty, n_rec - 1, BLOCK_N, BLOCK_M, QPASS, STAGES,
-                               L_VIEW, L_NIB, A_OP, L_XP, n_rec - 1, True, False, XPERM, WIDE)
-        else:
-            for i in range(G + GROUPS, n_rec, GROUPS):
-                acc = _wg_step(acc, xs, wv_s, wq_s, xm, ready, empty, i, BLOCK_N, BLOCK_M, QPASS, STAGES, L_VIEW,
-                               L_NIB, A_OP, L_XP, (i - G) // GROUPS, True, False, XPERM, WIDE)
+                       A_OP, L_XP, 0, G < n_rec, G > 0)
+        for i in range(G + GROUPS, n_rec, GROUPS):
+            acc = _wg_step(acc, xs, wv_s, wq_s, xm, ready, empty, i, BLOCK_N, BLOCK_M, QPASS, STAGES, L_VIEW, L_NIB,
+                           A_OP, L_XP, (i - G) // GROUPS)
         if GROUPS == 1:
             _finish(acc, rt, 0, 1, BLOCK_N, BLOCK_M, USE_SPLIT, ESC_CH, ACC, L_EP)
         elif G == 0:
@@ -424,8 +356,7 @@ if AVAILABLE:
         BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, USE_SPLIT: gl.constexpr, QPASS: gl.constexpr,
         ESC_CH: gl.constexpr, STAGES: gl.constexpr, REGS: gl.constexpr,
         GROUP: gl.constexpr = False, WARPS: gl.constexpr = 4, PAIR: gl.constexpr = False, WG: gl.constexpr = False,
-        KGROUPS: gl.constexpr = 1, XPERM: gl.constexpr = False, NOX: gl.constexpr = False,
-        WIDE: gl.constexpr = False,
+        KGROUPS: gl.constexpr = 1,
     ):
         pid_n = gl.program_id(0)
         pid_k = gl.program_id(1)
@@ -434,12 +365,8 @@ if AVAILABLE:
         t_begin = pid_k * TILES_PER_SPLIT
         n_rec = gl.minimum(t_begin + TILES_PER_SPLIT, KT) - t_begin
 
-        if WIDE:
-            wv_s = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N // 16, 256], v_desc.layout)
-            wq_s = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N // 32, 256], q_desc.layout)
-        else:
-            wv_s = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 16], v_desc.layout)
-            wq_s = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 8], q_desc.layout)
+        wv_s = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 16], v_desc.layout)
+        wq_s = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, 8], q_desc.layout)
         xs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 64], x_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -467,29 +394,29 @@ if AVAILABLE:
             fence_async_shared()
             if KGROUPS == 2:
                 gl.warp_specialize([(_wg_consumer, (rt, xm0, red, done, 0, 2, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS,
-                                                  ESC_CH, STAGES, WARPS, XPERM, WIDE)),
+                                                  ESC_CH, STAGES, WARPS)),
                                     (_wg_consumer, (rt, xm1, red, done, 1, 2, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS,
-                                                  ESC_CH, STAGES, WARPS, XPERM, WIDE)),
-                                    (_producer, (pt, BLOCK_N, BLOCK_M, QPASS, STAGES, NOX, WIDE))], [4, 1], [REGS, 24])
+                                                  ESC_CH, STAGES, WARPS)),
+                                    (_producer, (pt, BLOCK_N, BLOCK_M, QPASS, STAGES))], [4, 1], [REGS, 24])
             else:
                 gl.static_assert(KGROUPS == 4, "kgroups is 1, 2 or 4")
                 xm2 = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M, 64], x_desc.layout)
                 xm3 = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M, 64], x_desc.layout)
                 gl.warp_specialize([(_wg_consumer, (rt, xm0, red, done, 0, 4, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS,
-                                                  ESC_CH, STAGES, WARPS, XPERM, WIDE)),
+                                                  ESC_CH, STAGES, WARPS)),
                                     (_wg_consumer, (rt, xm1, red, done, 1, 4, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS,
-                                                  ESC_CH, STAGES, WARPS, XPERM, WIDE)),
+                                                  ESC_CH, STAGES, WARPS)),
                                     (_wg_consumer, (rt, xm2, red, done, 2, 4, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS,
-                                                  ESC_CH, STAGES, WARPS, XPERM, WIDE)),
+                                                  ESC_CH, STAGES, WARPS)),
                                     (_wg_consumer, (rt, xm3, red, done, 3, 4, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS,
-                                                  ESC_CH, STAGES, WARPS, XPERM, WIDE)),
-                                    (_producer, (pt, BLOCK_N, BLOCK_M, QPASS, STAGES, NOX, WIDE))], [4, 4, 4, 1],
+                                                  ESC_CH, STAGES, WARPS)),
+                                    (_producer, (pt, BLOCK_N, BLOCK_M, QPASS, STAGES))], [4, 4, 4, 1],
                                    [REGS, REGS, REGS, 24])
         elif WG:   # the group on wgmma; x in MMA k order in two more buffers
             xm = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M, 64], x_desc.layout)
             gl.warp_specialize([(_wg_consumer, (rt, xm, xm, empty, 0, 1, BLOCK_N, BLOCK_M, USE_SPLIT, QPASS,
-                                                  ESC_CH, STAGES, WARPS, XPERM, WIDE, PAIR)),   # (red, done unused)
-                                (_producer, (pt, BLOCK_N, BLOCK_M, QPASS, STAGES, NOX, WIDE))], [1], [24])
+                                                  ESC_CH, STAGES, WARPS)),   # (red, done unused)
+                                (_producer, (pt, BLOCK_N, BLOCK_M, QPASS, STAGES))], [1], [24])
         elif SLICES == 2:
             gl.warp_specialize([(_producer, (pt, BLOCK_N, BLOCK_M, QPASS, STAGES)),
                                 (_consumer, (rt, 0, SLICES, BLOCK_M, USE_SPLIT, QPASS, ESC_CH, STAGES)),
@@ -527,26 +454,20 @@ def launch_regs(consumers: int, regs: int, copiers: int = 4, copier_regs: int = 
     ``regs`` and the copy warps what is left (about ``copier_regs``), so the total covers both."""
     return -(-(regs * consumers + copier_regs * copiers) // (consumers + copiers) // 8) * 8
 
-def record_descriptors(packed: KernelPack, block_n: int, wide: bool = False) -> tuple:
+def record_descriptors(packed: KernelPack, block_n: int) -> tuple:
     """The TMA descriptors of the records' view rows (``[records * 192, 16]`` words, box
     ``[block_n, 16]``) and nibble rows (``[records * 384, 8]``, box ``[block_n, 8]``); cached on the
     pack (they only hold its address and shape)."""
     cache = packed.__dict__.setdefault("_tma_desc", {})
-    key = (block_n, wide)
-    if key not in cache:
+    if block_n not in cache:
         w_layout, _ = smem_layouts()
         rec = packed.rec32.reshape(-1)
-        if wide:
-            cache[key] = (TensorDescriptor.from_tensor(rec.view(-1, 256), [block_n // 16, 256], w_layout),
-                          TensorDescriptor.from_tensor(rec.view(-1, 256), [block_n // 32, 256], w_layout))
-        else:
-            cache[key] = (TensorDescriptor.from_tensor(rec.view(-1, 16), [block_n, 16], w_layout),
+        cache[block_n] = (TensorDescriptor.from_tensor(rec.view(-1, 16), [block_n, 16], w_layout),
                           TensorDescriptor.from_tensor(rec.view(-1, 8), [block_n, 8], w_layout))
-    return cache[key]
+    return cache[block_n]
 
 def launch(x: torch.Tensor, packed: KernelPack, out: torch.Tensor, qpass: bool, cfg, grid: tuple,
-           esc_ch: int, x_mma: torch.Tensor | None = None, nox: bool = False, wide: bool = False,
-           pair: bool = False) -> None:
+           esc_ch: int) -> None:
     """Launch the TMA kernel for ``cfg`` (``depth`` stages, one warp per 16 rows plus the copy
     warp); ``x`` is already aligned (:func:`.gluon_common.aligned_x`), ``grid`` is
     :func:`.gluon_common.split_grid`'s with the counters of 16-row blocks."""
@@ -562,8 +483,8 @@ def launch(x: torch.Tensor, packed: KernelPack, out: torch.Tensor, qpass: bool, 
         locks = split_workspace(x.device, 1, nb * slices * mb)[1]   # a counter per slice
     m, k = x.shape
     n, kt = packed.shape[0], packed.k_tiles
-    v_desc, q_desc = record_descriptors(packed, cfg.block_n, wide)
-    x_desc = TensorDescriptor.from_tensor(x if x_mma is None else x_mma, [bm, 64], smem_layouts()[1])
+    v_desc, q_desc = record_descriptors(packed, cfg.block_n)
+    x_desc = TensorDescriptor.from_tensor(x, [bm, 64], smem_layouts()[1])
     grid3 = (nb, split, mb)
     _w12_mma_tma_kernel[grid3](
         v_desc, q_desc, x_desc,
@@ -573,8 +494,8 @@ def launch(x: torch.Tensor, packed: KernelPack, out: torch.Tensor, qpass: bool, 
         m, n, k, kt, tps, nb, split,
         x.stride(0), out.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_M=bm, USE_SPLIT=split > 1, QPASS=qpass, ESC_CH=esc_ch, STAGES=cfg.depth,
-        REGS=regs, GROUP=cfg.tma == GROUP, WARPS=cfg.num_warps, PAIR=cfg.unroll or pair, WG=cfg.tma == WGMMA,
-        KGROUPS=cfg.kgroups, XPERM=x_mma is not None, NOX=nox, WIDE=wide,
+        REGS=regs, GROUP=cfg.tma == GROUP, WARPS=cfg.num_warps, PAIR=cfg.unroll, WG=cfg.tma == WGMMA,
+        KGROUPS=cfg.kgroups,
         num_warps=cfg.num_warps if group else 4,
         # (the one copy warp of a group is padded to a warpgroup, its idle warps at 24 registers too)
         maxnreg=launch_regs(cfg.num_warps * cfg.kgroups, regs, 4, 24) if group else launch_regs(slices, regs),
