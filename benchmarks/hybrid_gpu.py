@@ -264,20 +264,9 @@ def gdn_kernel_times(reps):
 
 
 def build():
-    import torch
+    from verify_step import build as prefilled
 
-    from specpilot.engine.model import StepInput, Transformer
-    from specpilot.models import load_model_spec
-
-    spec = load_model_spec(MODEL)
-    m = Transformer(spec, max_seq=CONTEXT + 512, dtype=torch.bfloat16, device="cuda").init_random_fast(0).eval()
-    m.set_attention("fused")
-    g = torch.Generator().manual_seed(0)
-    pos = torch.arange(CONTEXT, device="cuda")
-    m.set_decode("layers")
-    m.hidden(StepInput(torch.randint(0, spec.vocab_size, (CONTEXT,), generator=g).cuda(), pos, pos,
-                       torch.arange(m.max_seq, device="cuda")[None] <= pos[:, None], "seq"), kv_len=m.max_seq)
-    return m
+    return prefilled(MODEL)
 
 
 def ar_steps(m, reps):

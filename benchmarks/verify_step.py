@@ -51,13 +51,15 @@ ROWS = [1, 2, 4, 8, 16, 32, 33, 64]
 PROBE_ROWS = [1, 2, 4, 8, 16, 32, 33, 64]
 
 
-def build():
+def build(model: str = "llama-3.1-8b"):
+    """``model`` with random bf16 weights on CUDA, fused attention, its cache holding a prompt of
+    :data:`CONTEXT` random tokens (prefilled through the layer modules)."""
     import torch
 
     from specpilot.engine.model import StepInput, Transformer
     from specpilot.models import load_model_spec
 
-    spec = load_model_spec("llama-3.1-8b")
+    spec = load_model_spec(model)
     m = Transformer(spec, max_seq=CONTEXT + 512, dtype=torch.bfloat16, device="cuda").init_random_fast(0).eval()
     m.set_attention("fused")
     g = torch.Generator().manual_seed(0)

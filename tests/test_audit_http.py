@@ -15,7 +15,6 @@ import re
 import socket
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -24,6 +23,8 @@ import pytest
 
 from specpilot.auditors.http_client import GenerateClient, ServerError, parse_generate_response
 from specpilot.auditors.outputs import Prompt, read_outputs
+
+import stub_generate
 
 V = 96
 PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13], [20, 21, 22, 23, 24], [30, 31]]
@@ -279,34 +280,9 @@ def test_bad_urls(run_cli, prompts_file, tmp_path):
     assert code == 2 and "bad port" in err
 
 
-_DYING = textwrap.dedent("""
-    import json, os, sys
-    from http.server import BaseHTTPRequestHandler, HTTPServer
-    served = 0
-    class H(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-        def log_message(self, *a): pass
-        def _send(self, payload):
-            self.send_response(200); self.send_header("Content-Length", str(len(payload))); self.end_headers()
-            self.wfile.write(payload); self.wfile.flush()
-        def do_GET(self): self._send(b"")
-        def do_POST(self):
-            global served
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            if served == 2:
-                os._exit(1)  # dies mid-run, mid-request
-            served += 1
-            self._send(json.dumps({"output_ids": [body["input_ids"][-1] + 1] * 3}).encode())
-    srv = HTTPServer(("127.0.0.1", 0), H)
-    print(srv.server_address[1], flush=True)
-    srv.serve_forever()
-""")
-
-
 def test_server_process_dies_mid_run(run_cli, prompts_file, tmp_path):
-    proc = subprocess.Popen([sys.executable, "-c", _DYING], stdout=subprocess.PIPE, text=True)
+    proc, port = stub_generate.start("die", 2)
     try:
-        port = int(proc.stdout.readline())
         save = tmp_path / "died.jsonl"
         code, out, err = _collect(run_cli, f"http://127.0.0.1:{port}", prompts_file, save)
         assert code == 3, err
@@ -323,9 +299,8 @@ def test_audit_check_keeps_partial_outputs_when_server_dies(run_cli, prompts_fil
     stock = tmp_path / "stock.jsonl"
     stock.write_text("".join(json.dumps({"schema": "specpilot.outputs/1", "id": f"r{i}", "prompt_ids": p,
                                          "output_ids": [1, 2]}) + "\n" for i, p in enumerate(PROMPTS)))
-    proc = subprocess.Popen([sys.executable, "-c", _DYING], stdout=subprocess.PIPE, text=True)
+    proc, port = stub_generate.start("die", 2)
     try:
-        port = int(proc.stdout.readline())
         saved = tmp_path / "outs"
         code, out, err = run_cli("audit", f"http://127.0.0.1:{port}", "--against", stock, "--scorer", tmp_path,
                                  "--prompts", prompts_file, "--save-outputs", saved)

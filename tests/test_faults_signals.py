@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+import stub_generate
+
 SIGNALS = [signal.SIGTERM, signal.SIGINT, signal.SIGHUP]
 
 
@@ -233,45 +235,12 @@ def test_resume_refuses_samples_of_other_systems(tmp_path, monkeypatch):
     assert not (tmp_path / "runs").exists()  # refused before running anything
 
 
-_STALLING = textwrap.dedent("""
-    import json, sys, time
-    from http.server import BaseHTTPRequestHandler, HTTPServer
-    stall_after, log = int(sys.argv[1]), sys.argv[2]
-    served = 0
-    class H(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-        def log_message(self, *a): pass
-        def _send(self, payload):
-            self.send_response(200); self.send_header("Content-Length", str(len(payload))); self.end_headers()
-            self.wfile.write(payload); self.wfile.flush()
-        def do_GET(self): self._send(b"")
-        def do_POST(self):
-            global served
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            if served == stall_after:
-                time.sleep(300)
-            served += 1
-            with open(log, "a") as fh:
-                fh.write(json.dumps(body["input_ids"]) + "\\n")
-            self._send(json.dumps({"output_ids": [body["input_ids"][-1] + 1] * 3}).encode())
-    srv = HTTPServer(("127.0.0.1", 0), H)
-    print(srv.server_address[1], flush=True)
-    srv.serve_forever()
-""")
-
-
-def _stub(stall_after: int, log: Path) -> tuple[subprocess.Popen, int]:
-    proc = subprocess.Popen([sys.executable, "-c", _STALLING, str(stall_after), str(log)], stdout=subprocess.PIPE,
-                            text=True)
-    return proc, int(proc.stdout.readline())
-
-
 def test_sigterm_during_audit_collect_keeps_rows_and_resumes(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"schema": "specpilot.prompts/1", "id": f"p{i}", "prompt_ids": [1, 10 + i]})
                                + "\n" for i in range(5)))
     log = tmp_path / "served.log"
-    stub, port = _stub(2, log)
+    stub, port = stub_generate.start("stall", 2, log)
     try:
         proc = _specpilot("audit", "collect", f"http://127.0.0.1:{port}", "--prompts", prompts, "--save", "s.jsonl",
                           cwd=tmp_path)
@@ -287,7 +256,7 @@ def test_sigterm_during_audit_collect_keeps_rows_and_resumes(tmp_path):
     kept = [json.loads(x)["id"] for x in (tmp_path / "s.jsonl").read_text().splitlines()]
     assert kept == ["p0", "p1"] and _part_files(tmp_path) == []
     log.unlink()
-    stub, port = _stub(99, log)
+    stub, port = stub_generate.start("stall", 99, log)
     try:
         proc = _specpilot("audit", "collect", f"http://127.0.0.1:{port}", "--prompts", prompts, "--save", "s.jsonl",
                           "--resume", cwd=tmp_path)
