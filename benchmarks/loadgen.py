@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 
 @dataclass
 class Outcome:
@@ -40,20 +42,11 @@ class Outcome:
     itl: list[float] = field(default_factory=list)
 
 
-def _pct(xs, q):
-    if not xs:
-        return None
-    s = sorted(xs)
-    k = (len(s) - 1) * q / 100
-    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
 def _stats(xs, scale=1e3) -> dict:
     if not xs:
         return {"mean": None, "p50": None, "p90": None, "p99": None}
-    return {"mean": statistics.fmean(xs) * scale, "p50": _pct(xs, 50) * scale, "p90": _pct(xs, 90) * scale,
-            "p99": _pct(xs, 99) * scale}
+    p50, p90, p99 = np.percentile(xs, [50, 90, 99]) * scale
+    return {"mean": statistics.fmean(xs) * scale, "p50": float(p50), "p90": float(p90), "p99": float(p99)}
 
 
 async def _one(client, url: str, payload: dict, stream: bool) -> Outcome:

@@ -26,12 +26,12 @@ The rules are in :mod:`.rules`, the row layout in :mod:`.step`, the slots in :mo
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from specpilot.engine.batch import rules, tlv
@@ -665,9 +665,4 @@ def result_of(r: Request) -> GenerationResult:
 
 def percentile(xs: list[float], q: float) -> float | None:
     """The q-th percentile (0-100, linear interpolation) or None for no data."""
-    if not xs:
-        return None
-    s = sorted(xs)
-    k = (len(s) - 1) * q / 100
-    lo, hi = math.floor(k), math.ceil(k)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+    return float(np.percentile(xs, q)) if xs else None
