@@ -1,4 +1,5 @@
-"""Helpers the kernel-versus-reference tests share: RoPE tables, dtype-aware closeness, seeded inputs."""
+"""Helpers the kernel-versus-reference tests share: RoPE tables, dtype-aware closeness, seeded inputs,
+tree-step masks."""
 
 from __future__ import annotations
 
@@ -12,6 +13,19 @@ def rope_tables(hd: int, n: int):
     inv = 1 / (10000 ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
     emb = torch.cat([torch.outer(torch.arange(n, dtype=torch.float64), inv)] * 2, -1).float()
     return emb.cos().to(DEV), emb.sin().to(DEV)
+
+
+def tree_mask(parents: list[int], prefix: int, ctx: int) -> torch.Tensor:
+    """bool [len(parents), ctx] on the CPU: each tree row sees the committed ``prefix`` slots and, from
+    slot ``prefix`` on, itself and its ancestors (``parents[i]`` < i, -1 for a root)."""
+    mask = torch.zeros(len(parents), ctx, dtype=torch.bool)
+    mask[:, :prefix] = True
+    for i in range(len(parents)):
+        j = i
+        while j >= 0:
+            mask[i, prefix + j] = True
+            j = parents[j]
+    return mask
 
 
 def closeness(tol: dict):

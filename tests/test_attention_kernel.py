@@ -8,6 +8,7 @@ import torch
 
 from specpilot.kernels.attention import decode as fused
 from specpilot.kernels.attention import naive as ref
+from kernel_checks import tree_mask
 
 
 def _case(T, nh, nkv, hd, S, dtype=torch.float32, seed=0, device="cpu", dead_tail=True):
@@ -70,14 +71,7 @@ def test_fused_tree_mask_rows_see_only_their_ancestors():
     mask hides changes nothing, changing one it shows does."""
     T, nh, nkv, hd, S, n = 4, 4, 2, 16, 96, 40
     q, k, v, _ = _case(T, nh, nkv, hd, S, seed=3)
-    parents = [-1, 0, 0, 1]
-    mask = torch.zeros(T, S, dtype=torch.bool)
-    mask[:, :n] = True
-    for i in range(T):
-        j = i
-        while j >= 0:
-            mask[i, n + j] = True
-            j = parents[j]
+    mask = tree_mask([-1, 0, 0, 1], n, S)
     base = fused.masked_gqa_attention(q, k, v, mask, 0.25)
     torch.testing.assert_close(base, ref.masked_gqa_attention(q, k, v, mask, 0.25), atol=2e-6, rtol=2e-6)
     v2 = v.clone()

@@ -21,7 +21,7 @@ from specpilot.kernels.decode.argmax import argmax_rows  # noqa: E402
 from specpilot.kernels.verify import common  # noqa: E402
 from specpilot.kernels.verify import naive as R  # noqa: E402
 from specpilot.kernels.verify import rows as W  # noqa: E402
-from kernel_checks import DEV, closeness, rope_tables as _rope_tables, row_inputs as _inputs  # noqa: E402
+from kernel_checks import DEV, closeness, rope_tables as _rope_tables, row_inputs as _inputs, tree_mask  # noqa: E402
 from eager_runner import EagerRunner
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -120,13 +120,7 @@ def _tree_step(m, n, ctx, T, dev):
     depth = [0] * T
     for i in range(1, T):
         depth[i] = depth[parents[i]] + 1
-    mask = torch.zeros(T, ctx, dtype=torch.bool)
-    mask[:, :n] = True
-    for i in range(T):
-        j = i
-        while j >= 0:
-            mask[i, n + j] = True
-            j = parents[j]
+    mask = tree_mask(parents, n, ctx)
     from specpilot.engine.model import StepInput
 
     return StepInput(torch.arange(40, 40 + T, device=dev), torch.tensor([n + d for d in depth], device=dev),
