@@ -2,7 +2,8 @@
 kernel and config (tuned for the exact pass, which reads 12 bits a weight) against candidates
 picked for the Q pass's 8 bits: every ``mma`` / ``warpk`` entry of the layer in the table (any
 rows), each with more K splits and deeper rings (a record of the Q pass is 8 KB instead of 12, so
-a ring of the same depth holds a third fewer bytes in flight).
+a ring of the same depth holds a third fewer bytes in flight); with ``--family wgmma`` or ``all``
+also (or only) a grid of wgmma rings on any layer (:func:`wgmma_grid`).
 
     python lab/w12/qpass_configs.py [--shapes llama8b.qkv,...] [--rows 16,32] [--reps 50] [--family table|wgmma|all]
 
