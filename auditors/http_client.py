@@ -16,14 +16,12 @@ connection (died), it answered with an HTTP error, or its answer is not what /ge
 
 from __future__ import annotations
 
-import http.client
 import json
-import socket
-import urllib.error
 import urllib.parse
-import urllib.request
 from dataclasses import dataclass
 from typing import Sequence
+
+import httpx
 
 from specpilot.errors import EnvironmentMissing, InputError
 
@@ -44,6 +42,22 @@ def parse_url(url: str) -> str:
     return url.rstrip("/")
 
 
+# httpx's words (h11's) for a connection that ended before the answer did
+_DISCONNECTED = "disconnected without sending a response"
+_CUT_SHORT = "closed connection without sending complete message body"
+
+
+def _caused_by(exc: BaseException, kind: type) -> bool:
+    """Whether ``kind`` is in the chain of exceptions behind ``exc``."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, kind):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 class GenerateClient:
     """Greedy generation through a server's native ``/generate`` endpoint."""
 
@@ -56,38 +70,34 @@ class GenerateClient:
 
     # -----------------------------------------------------------------------------------
     def _request(self, path: str, body: dict | None):
+        """One HTTP request on its own connection (calls may come from several threads at once)."""
         target = self.url + path
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(target, data=data, method="GET" if body is None else "POST",
-                                     headers={"Content-Type": "application/json", "Accept": "application/json"})
+        headers = {"Content-Type": "application/json", "Accept": "application/json"}
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                status = resp.status
-                raw = resp.read()
-        except urllib.error.HTTPError as e:
-            try:
-                detail = e.read()[:200].decode("utf-8", "replace").strip().replace("\n", " ")
-            except Exception:
-                detail = ""
-            raise ServerError(f"{target}: server answered HTTP {e.code} {e.reason}"
-                              + (f": {detail}" if detail else "")) from None
-        except urllib.error.URLError as e:
-            reason = e.reason
-            if isinstance(reason, (socket.timeout, TimeoutError)):
-                raise ServerError(f"{target}: no answer within {self.timeout:g} s (--timeout)") from None
-            if isinstance(reason, ConnectionRefusedError):
-                raise ServerError(f"{target}: connection refused; is the server running at {self.url}?") from None
-            raise ServerError(f"{target}: cannot reach the server ({reason})") from None
-        except (socket.timeout, TimeoutError):
+            resp = httpx.request("GET" if body is None else "POST", target, headers=headers,
+                                 content=None if body is None else json.dumps(body).encode(),
+                                 timeout=self.timeout, follow_redirects=True)
+        except httpx.TimeoutException:
             raise ServerError(f"{target}: no answer within {self.timeout:g} s (--timeout)") from None
-        except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError, http.client.IncompleteRead):
+        except httpx.ConnectError as e:
+            if _caused_by(e, ConnectionRefusedError):
+                raise ServerError(f"{target}: connection refused; is the server running at {self.url}?") from None
+            raise ServerError(f"{target}: cannot reach the server ({e})") from None
+        except (httpx.ReadError, httpx.WriteError) as e:
             raise ServerError(f"{target}: the server closed the connection without a full answer "
-                              "(did it crash or get killed?)") from None
-        except http.client.HTTPException as e:
-            raise ServerError(f"{target}: malformed HTTP answer ({type(e).__name__}: {str(e)[:80]})") from None
-        except OSError as e:
+                              f"(did it crash or get killed?): {e}") from None
+        except httpx.RemoteProtocolError as e:
+            if _DISCONNECTED in str(e) or _CUT_SHORT in str(e):
+                raise ServerError(f"{target}: the server closed the connection without a full answer "
+                                  "(did it crash or get killed?)") from None
+            raise ServerError(f"{target}: malformed HTTP answer ({str(e)[:80]})") from None
+        except (httpx.HTTPError, OSError) as e:
             raise ServerError(f"{target}: connection failed ({e})") from None
-        return status, raw
+        if resp.status_code >= 400:
+            detail = resp.content[:200].decode("utf-8", "replace").strip().replace("\n", " ")
+            raise ServerError(f"{target}: server answered HTTP {resp.status_code} {resp.reason_phrase}"
+                              + (f": {detail}" if detail else ""))
+        return resp.status_code, resp.content
 
     def health(self) -> None:
         """Raise ServerError unless ``GET /health`` answers 200."""

@@ -61,7 +61,7 @@ class Generator:
 
 
 class HttpGenerator(Generator):
-    thread_safe = True  # one urllib request per call
+    thread_safe = True  # one HTTP request (and connection) per call
 
     def __init__(self, url: str, timeout: float):
         from .http_client import GenerateClient

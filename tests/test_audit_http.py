@@ -264,6 +264,34 @@ def test_connection_closed_without_answer(stdlib_server):
         GenerateClient(s.url, timeout=5).generate([1], 4)
 
 
+@pytest.mark.parametrize("reply, message", [
+    (b"garbage\r\n\r\n", "malformed HTTP answer (illegal status line"),
+    (b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n", "malformed HTTP answer (illegal header line"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{\"output", "closed the connection without a full answer"),
+])
+def test_broken_http_answers(reply, message):
+    """A raw socket answers once: a status line or header that is not HTTP is malformed, a body cut
+    short is a connection closed early; each one line (ServerError, exit 3)."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+
+    def answer():
+        conn, _ = srv.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(reply)
+
+    t = threading.Thread(target=answer, daemon=True)
+    t.start()
+    try:
+        with pytest.raises(ServerError, match=re.escape(message)):
+            GenerateClient(f"http://127.0.0.1:{srv.getsockname()[1]}", timeout=5).generate([1], 4)
+    finally:
+        t.join(5)
+        srv.close()
+
+
 def test_nothing_listening(run_cli, prompts_file, tmp_path):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
