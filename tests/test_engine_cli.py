@@ -6,9 +6,8 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 
+import httpx
 import pytest
 
 from conftest import one_error
@@ -156,13 +155,9 @@ def test_probe_rows_bad_input(run_cli, tmp_path):
 
 
 def _post(url, body):
-    req = urllib.request.Request(url, data=json.dumps(body).encode() if not isinstance(body, bytes) else body,
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    r = httpx.post(url, content=json.dumps(body).encode() if not isinstance(body, bytes) else body,
+                   headers={"Content-Type": "application/json"}, timeout=60)
+    return r.status_code, r.json()
 
 
 @pytest.mark.slow
@@ -179,10 +174,11 @@ def test_serve_cli_stops_cleanly_on_sigterm(tmp_path):
     try:
         for _ in range(240):
             try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
-                break
-            except OSError:
-                time.sleep(0.5)
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
         code, d = _post(f"http://127.0.0.1:{port}/generate", {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}})
         assert code == 200
         proc.send_signal(signal.SIGTERM)

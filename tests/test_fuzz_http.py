@@ -8,7 +8,6 @@ mutation kind of every seed body once; ``-m slow`` sends 8 seeds of each.
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import random
@@ -17,6 +16,7 @@ import subprocess
 import sys
 import time
 
+import httpx
 import pytest
 
 from fuzzing import KINDS, mutate
@@ -57,13 +57,10 @@ def server():
 
 
 def post(server, body: bytes, timeout: float = 60.0) -> tuple[int, bytes]:
-    conn = http.client.HTTPConnection(*server, timeout=timeout)
-    try:
-        conn.request("POST", "/generate", body=body, headers={"Content-Type": "application/json"})
-        r = conn.getresponse()
-        return r.status, r.read()
-    finally:
-        conn.close()
+    host, port = server
+    r = httpx.post(f"http://{host}:{port}/generate", content=body, headers={"Content-Type": "application/json"},
+                   timeout=timeout)
+    return r.status_code, r.content
 
 
 def check(server, body: bytes, what: str) -> None:
@@ -77,12 +74,8 @@ def check(server, body: bytes, what: str) -> None:
 
 
 def alive(server) -> bool:
-    conn = http.client.HTTPConnection(*server, timeout=10)
-    try:
-        conn.request("GET", "/health")
-        return conn.getresponse().status == 200
-    finally:
-        conn.close()
+    host, port = server
+    return httpx.get(f"http://{host}:{port}/health", timeout=10).status_code == 200
 
 
 def _bodies(seeds):
