@@ -85,7 +85,7 @@ class GenerateClient:
             raise ServerError(f"{target}: cannot reach the server ({e})") from None
         except (httpx.ReadError, httpx.WriteError) as e:
             raise ServerError(f"{target}: the server closed the connection without a full answer "
-                              f"(did it crash or get killed?): {e}") from None
+                              "(did it crash or get killed?)" + (f": {e}" if str(e) else "")) from None
         except httpx.RemoteProtocolError as e:
             if _DISCONNECTED in str(e) or _CUT_SHORT in str(e):
                 raise ServerError(f"{target}: the server closed the connection without a full answer "
