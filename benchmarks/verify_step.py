@@ -5,9 +5,10 @@ Every step is one CUDA-graph replay timed with CUDA events (median of ``--reps``
 own graphs (``GraphRunner``) on ``probe rows``' inputs: N rows at the slots after the context,
 each attending the context and its chain, the LM head and the rows' argmax included. T_AR is the
 fused one-row AR step of the same weights in the same run. Paths: ``fused`` (``decode=fused``,
-what the engine runs: the fused one-row chain for 1 row, the table's GEMMs (the warp-K GEMM, cuBLAS,
-the skinny GEMM) with one fused kernel between two GEMMs for 2..64 rows, engine/fused_verify.py) and ``layers`` (the layer modules,
-eager inside the graph: the engine's verify step before the fused one). ``--w12`` then converts
+what the engine runs: the fused one-row chain for 1 row, the table's GEMMs (the warp-K GEMM,
+cuBLAS, the skinny GEMM) with one fused kernel between two GEMMs for 2..64 rows,
+engine/fused_verify.py) and ``layers`` (the layer modules, eager inside the graph: the engine's
+verify step before the fused one). ``--w12`` then converts
 the projections to W12 in place and times the same on W12 weights (T_AR: the W12 AR step).
 
 In the same run: a tree (32 nodes, best-first from a synthetic lattice) and a chain (9 rows)

@@ -66,7 +66,8 @@ class ClockWatch:
 
     def _reasons(self) -> int:
         nv = self._nv
-        get = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or nv.nvmlDeviceGetCurrentClocksThrottleReasons
+        get = (getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None)   # the older name below
+               or nv.nvmlDeviceGetCurrentClocksThrottleReasons)
         return int(get(self._h))
 
     def sample(self) -> None:

@@ -1,5 +1,5 @@
 """Helpers the kernel-versus-reference tests share: RoPE tables, dtype-aware closeness, seeded inputs,
-tree-step masks."""
+tree-step masks, GEMM inputs and the one-bf16-rounding check."""
 
 from __future__ import annotations
 
@@ -13,6 +13,21 @@ def rope_tables(hd: int, n: int):
     inv = 1 / (10000 ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
     emb = torch.cat([torch.outer(torch.arange(n, dtype=torch.float64), inv)] * 2, -1).float()
     return emb.cos().to(DEV), emb.sin().to(DEV)
+
+
+def gemm_inputs(m: int, k: int, n: int, dt=torch.bfloat16, seed: int = 0, device="cpu"):
+    """x ``[m, k]`` (standard normal) and w ``[n, k]`` (std 0.05), seeded, in ``dt`` on ``device``."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(dt).to(device)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(dt).to(device)
+    return x, w
+
+
+def within_bf16_rounding(got, want) -> bool:
+    """Within one bf16 rounding of the fp32 reference (the sums' order differs)."""
+    ref = want.float()
+    tol = ref.abs().clamp_min(1e-3) * 2 ** -7 + 1e-3
+    return bool(((got.float() - ref).abs() <= tol).all())
 
 
 def tree_mask(parents: list[int], prefix: int, ctx: int) -> torch.Tensor:

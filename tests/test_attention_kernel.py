@@ -272,13 +272,18 @@ def test_merge_in_the_last_program_gives_the_references_result(T, target):
                                atol=2e-6, rtol=2e-6)
 
 
-def test_merge_in_the_last_program_launches_no_merge_kernel(monkeypatch):
+def _refuse_merge_kernel(monkeypatch):
+    """Make a launch of the merge kernel fail the test."""
     class Refused:
         def __getitem__(self, grid):
             raise AssertionError("the merge kernel was launched")
 
-    q, k, v, mask = _case(3, 8, 2, 16, 200, seed=12)
     monkeypatch.setattr(fused, "_attn_merge", Refused())
+
+
+def test_merge_in_the_last_program_launches_no_merge_kernel(monkeypatch):
+    q, k, v, mask = _case(3, 8, 2, 16, 200, seed=12)
+    _refuse_merge_kernel(monkeypatch)
     got = fused.masked_gqa_attention(q, k, v, mask, 0.25, cfg=fused.SplitConfig(64, merge="last"))
     torch.testing.assert_close(got, ref.masked_gqa_attention(q, k, v, mask, 0.25), atol=2e-6, rtol=2e-6)
 
@@ -368,12 +373,7 @@ def test_one_split_writes_the_output_without_the_merge(monkeypatch):
     q, k, v, mask = _case(3, 8, 2, 16, 200, seed=11)
     assert fused.plan(3, 8, 2, 200, 1, fused.SplitConfig(1))[3] == 1
     want = ref.masked_gqa_attention(q, k, v, mask, 0.25)
-
-    class Refused:
-        def __getitem__(self, grid):
-            raise AssertionError("the merge was launched")
-
-    monkeypatch.setattr(fused, "_attn_merge", Refused())
+    _refuse_merge_kernel(monkeypatch)
     got = fused.masked_gqa_attention(q, k, v, mask, 0.25, cfg=fused.SplitConfig(1))
     torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)
 

@@ -19,20 +19,7 @@ pytest.importorskip("triton")
 from specpilot.kernels.verify import blas  # noqa: E402
 from specpilot.kernels.verify import naive as R  # noqa: E402
 from specpilot.kernels.verify.skinny import SkinnyConfig, skinny_linear  # noqa: E402
-
-
-def _pair(m, k, n, dt=torch.bfloat16, seed=0, device="cpu"):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=g).to(dt).to(device)
-    w = (torch.randn(n, k, generator=g) * 0.05).to(dt).to(device)
-    return x, w
-
-
-def _ulps_ok(got, want):
-    """Within one bf16 rounding of the fp32 reference (the sums' order differs)."""
-    ref = want.float()
-    tol = ref.abs().clamp_min(1e-3) * 2 ** -7 + 1e-3
-    return bool(((got.float() - ref).abs() <= tol).all())
+from kernel_checks import gemm_inputs, within_bf16_rounding  # noqa: E402
 
 
 @pytest.mark.parametrize("m,k,n,cfg", [
@@ -44,17 +31,17 @@ def _ulps_ok(got, want):
     (64, 192, 64, SkinnyConfig(2, 3)),
 ])
 def test_skinny_gemm_matches_the_reference(m, k, n, cfg):
-    x, w = _pair(m, k, n, seed=m)
+    x, w = gemm_inputs(m, k, n, seed=m)
     got = skinny_linear(x, w, cfg)
     assert got.shape == (m, n) and got.dtype == x.dtype
-    assert _ulps_ok(got, x.float() @ w.float().T)
-    assert _ulps_ok(got, R.linear(x, w))
+    assert within_bf16_rounding(got, x.float() @ w.float().T)
+    assert within_bf16_rounding(got, R.linear(x, w))
 
 
 def test_split_k_is_bitwise_deterministic_and_leaves_the_counters_at_zero():
     from specpilot.kernels import workspace
 
-    x, w = _pair(9, 640, 192, seed=3)
+    x, w = gemm_inputs(9, 640, 192, seed=3)
     cfg = SkinnyConfig(5, 2)
     a = skinny_linear(x, w, cfg)
     b = skinny_linear(x, w, cfg)
@@ -62,12 +49,12 @@ def test_split_k_is_bitwise_deterministic_and_leaves_the_counters_at_zero():
     assert int(workspace.counters(x.device, "skinny.blocks", 3)[:3].abs().sum()) == 0
     # every split count gives the reference to one rounding
     for split in (1, 2, 3, 10):
-        assert _ulps_ok(skinny_linear(x, w, SkinnyConfig(split, 2)), x.float() @ w.float().T)
+        assert within_bf16_rounding(skinny_linear(x, w, SkinnyConfig(split, 2)), x.float() @ w.float().T)
 
 
 def test_rows_past_m_never_reach_the_output():
     """Padding rows of the tile read as zero: a row's result does not depend on what follows x."""
-    x, w = _pair(5, 128, 64, seed=4)
+    x, w = gemm_inputs(5, 128, 64, seed=4)
     big = torch.cat([x, torch.full((11, 128), 1e4, dtype=x.dtype)])
     assert torch.equal(skinny_linear(big[:5], w, SkinnyConfig(2, 2)),
                        skinny_linear(x, w, SkinnyConfig(2, 2)))
@@ -106,7 +93,7 @@ def test_linear_routes_by_the_table(monkeypatch):
         assert blas.skinny_config("cpu", 64, 128, 17) is None and blas.skinny_config("cpu", 64, 96, 8) is None
         calls = []
         monkeypatch.setattr(blas, "skinny_linear", lambda h, w, cfg: calls.append(cfg) or R.linear(h, w))
-        x, w = _pair(8, 128, 64)
+        x, w = gemm_inputs(8, 128, 64)
         blas.linear(x, w)       # the CPU: F.linear
         assert calls == []
         if torch.cuda.is_available():
@@ -130,10 +117,10 @@ def test_routed_skinny_gemms_agree_on_the_gpu_eager_and_captured():
     for e in entries:
         lo, hi = e["rows"]
         for m in sorted({lo, hi}):
-            x, w = _pair(m, e["k"], e["n"], seed=m, device="cuda")
+            x, w = gemm_inputs(m, e["k"], e["n"], seed=m, device="cuda")
             cfg = blas.skinny_config("cuda", e["n"], e["k"], m)
             eager = skinny_linear(x, w, cfg)
-            assert _ulps_ok(eager, x.float() @ w.float().T), (e, m)
+            assert within_bf16_rounding(eager, x.float() @ w.float().T), (e, m)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
                 out = skinny_linear(x, w, cfg)

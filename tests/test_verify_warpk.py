@@ -14,22 +14,9 @@ pytest.importorskip("triton")
 
 from specpilot.kernels.verify import blas, warpk  # noqa: E402
 from specpilot.kernels.verify import naive as R  # noqa: E402
+from kernel_checks import gemm_inputs, within_bf16_rounding  # noqa: E402
 
 needs_gluon = pytest.mark.skipif(warpk.gluon is None, reason="no Gluon in this Triton")
-
-
-def _pair(m, k, n, seed=0, device="cpu"):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(device)
-    w = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16).to(device)
-    return x, w
-
-
-def _ulps_ok(got, want):
-    """Within one bf16 rounding of the fp32 reference (the sums' order differs)."""
-    ref = want.float()
-    tol = ref.abs().clamp_min(1e-3) * 2 ** -7 + 1e-3
-    return bool(((got.float() - ref).abs() <= tol).all())
 
 
 def _setup(bm: int, depth: int) -> str:
@@ -86,7 +73,7 @@ def test_every_routed_config_compiles_without_spills_and_reads_weights_before_th
 
 
 def test_input_checks():
-    x, w = _pair(4, 128, 32)
+    x, w = gemm_inputs(4, 128, 32)
     assert not warpk.supported(x, w)   # CPU tensors
     with pytest.raises(ValueError, match="warpk_linear takes 1-32 contiguous bf16 rows"):
         warpk.warpk_linear(x, w)
@@ -100,7 +87,7 @@ def test_table_routes_one_requests_short_steps_only():
     """The sm90 table's ``warpk`` entry covers one request's steps of 2-8 rows; other row counts and
     the CPU take the other kernels, and ``batched`` never asks for it."""
     assert [blas._warpk("sm90", m) for m in (1, 2, 8, 9, 16, 33)] == [False, True, True, False, False, False]
-    x, w = _pair(4, 128, 32)
+    x, w = gemm_inputs(4, 128, 32)
     assert torch.equal(blas.linear(x, w), torch.nn.functional.linear(x, w))
     assert torch.equal(blas.linear(x, w, batched=True), torch.nn.functional.linear(x, w))
 
@@ -119,18 +106,18 @@ def _cuda():
 @pytest.mark.parametrize("m", [1, 2, 5, 8, 9, 16, 17, 32])
 def test_warpk_matches_the_reference_on_cuda(k, n, m):
     _cuda()
-    x, w = _pair(m, k, n, seed=m, device="cuda")
+    x, w = gemm_inputs(m, k, n, seed=m, device="cuda")
     want = R.linear(x.float(), w.float())
     got = warpk.warpk_linear(x, w)
     assert got.shape == (m, n) and got.dtype == torch.bfloat16
-    assert _ulps_ok(got, want), float((got.float() - want).abs().max())
+    assert within_bf16_rounding(got, want), float((got.float() - want).abs().max())
     assert torch.equal(got, warpk.warpk_linear(x, w))
 
 
 @gpu
 def test_warpk_in_a_cuda_graph_gives_the_eager_bits_and_blas_routes_it(monkeypatch):
     _cuda()
-    x, w = _pair(4, 4096, 4096, seed=9, device="cuda")
+    x, w = gemm_inputs(4, 4096, 4096, seed=9, device="cuda")
     eager = blas.linear(x, w)
     assert blas.takes_warpk(x.device, 4) and torch.equal(eager, warpk.warpk_linear(x, w))
     s = torch.cuda.Stream()
@@ -149,4 +136,4 @@ def test_warpk_in_a_cuda_graph_gives_the_eager_bits_and_blas_routes_it(monkeypat
 
     monkeypatch.setattr(warpk, "warpk_linear", refused)
     batched = blas.linear(x, w, batched=True)   # the skinny GEMM or cuBLAS
-    assert _ulps_ok(batched, R.linear(x.float(), w.float()))
+    assert within_bf16_rounding(batched, R.linear(x.float(), w.float()))
