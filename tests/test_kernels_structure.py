@@ -179,15 +179,21 @@ def test_every_table_entry_names_a_known_kernel_and_valid_config_fields():
             if op == "w12":
                 assert data["route"][-1] == {"kernel": "gemm", "note": data["route"][-1]["note"]}   # takes the rest
     from specpilot.kernels.attention import decode as attn
-    from specpilot.kernels.verify import blas
+    from specpilot.kernels.verify import blas, ring
 
-    # the attention's split config (by head_dim and rows); the verify GEMMs' library (by rows) and skinny configs (by layer and rows)
+    def _ring_ok(c):
+        ring.check(c)
+        return True
+
+    # the attention's split config (by head_dim and rows); the verify GEMMs' library (by rows), skinny and ring
+    # configs (by layer and rows)
     skinny_ok = lambda c: c.split >= 1 and c.stages >= 1  # noqa: E731
     split_ok = lambda c: c.target_programs >= 1 and c.stages >= 1  # noqa: E731
     for op, kernels in (("attention", {"split-kv": (attn.SplitConfig, split_ok, {"head_dim"}),
                                        "split-kv-batched": (attn.SplitConfig, split_ok, {"head_dim"})}),
                         ("verify", {"gemm": (blas.GemmConfig, lambda c: c.library in blas.LIBRARIES, set()),
                                     "skinny": (blas.SkinnyConfig, skinny_ok, {"n", "k"}),
+                                    "ring": (blas.RingConfig, _ring_ok, {"n", "k"}),
                                     "warpk": (None, None, set())})):   # no knobs: the entry routes the rows
         for path in _tables(op):
             data = json.loads(path.read_text())

@@ -1,8 +1,9 @@
 """The dense projections of a multi-row step, by the measured table
 (``kernels/verify/tuned/<arch>.json``): one request's steps of the rows a ``warpk`` entry covers take
-the warp-K tensor-core GEMM (:mod:`.warpk`); else the skinny GEMM (:mod:`.skinny`) where a ``skinny``
-entry names the layer (``n``, ``k``) and the step's rows; else ``F.linear`` (cuBLAS) on the BLAS
-library the table's ``gemm`` entries pick for the step's rows.
+the warp-K tensor-core GEMM (:mod:`.warpk`); else the stream-K TMA-ring GEMM (:mod:`.ring`) or the
+skinny GEMM (:mod:`.skinny`) where a ``ring`` or ``skinny`` entry names the layer (``n``, ``k``) and
+the step's rows; else ``F.linear`` (cuBLAS) on the BLAS library the table's ``gemm`` entries pick
+for the step's rows.
 
 torch reads its preferred BLAS library (``torch.backends.cuda.preferred_blas_library``) when it
 launches a GEMM, and a CUDA graph keeps the kernel chosen at capture, so a step captured at 32
@@ -19,7 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import tuning
-from . import warpk
+from . import ring, warpk
+from .ring import RingConfig
 from .skinny import SkinnyConfig, skinny_linear
 
 
@@ -57,6 +59,18 @@ def skinny_config(device, n: int, k: int, rows: int) -> SkinnyConfig | None:
 
 
 @lru_cache(maxsize=None)
+def _ring(arch: str | None, n: int, k: int, rows: int) -> RingConfig | None:
+    found = tuning.lookup("verify", "ring", arch, rows=rows, n=n, k=k)
+    return RingConfig(**found[0]["config"]) if found else None
+
+
+def ring_config(device, n: int, k: int, rows: int) -> RingConfig | None:
+    """The table's TMA-ring GEMM config for a layer [n, k] at ``rows`` rows on ``device``, None
+    where another kernel runs it."""
+    return _ring(tuning.device_arch(device), n, k, rows)
+
+
+@lru_cache(maxsize=None)
 def _warpk(arch: str | None, rows: int) -> bool:
     return bool(tuning.lookup("verify", "warpk", arch, rows=rows))
 
@@ -69,14 +83,17 @@ def takes_warpk(device, rows: int) -> bool:
 
 def linear(h: torch.Tensor, w: torch.Tensor, batched: bool = False) -> torch.Tensor:
     """``F.linear(h, w)`` (no bias); half-precision weights on CUDA go through the warp-K GEMM (one
-    request's steps, ``batched`` False), the skinny GEMM or the BLAS library the table picks for the
-    layer and ``h``'s rows. Batched steps (the rows of several requests) keep the other kernels: with
+    request's steps, ``batched`` False), the TMA-ring GEMM, the skinny GEMM or the BLAS library the
+    table picks for the layer and ``h``'s rows. Batched steps (the rows of several requests) keep the other kernels: with
     the warp-K GEMM a step of 4 requests x 1 row measured 4.74 -> 4.70 ms (Llama-3.1-8B shapes, H200),
     within the spread between runs, and no other batched shape was measured with it."""
     if h.device.type != "cuda" or w.dtype not in (torch.bfloat16, torch.float16):
         return F.linear(h, w)
     if not batched and takes_warpk(h.device, h.shape[0]) and warpk.supported(h, w):
         return warpk.warpk_linear(h, w)
+    rcfg = ring_config(h.device, w.shape[0], w.shape[1], h.shape[0])
+    if rcfg is not None and ring.supported(h, w):
+        return ring.ring_linear(h, w, rcfg)
     cfg = skinny_config(h.device, w.shape[0], w.shape[1], h.shape[0])
     if cfg is not None and h.dtype == w.dtype and h.stride(-1) == 1 and w.stride(-1) == 1:
         return skinny_linear(h, w, cfg)

@@ -40,7 +40,7 @@ from specpilot.kernels.w12.common import split_chunk, sum_splits
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository root, for lab
 
-from lab.w12.variants.mma_stream import schedule as stream_schedule  # noqa: E402 - the same split as W12's stream-K
+from specpilot.kernels.verify.ring import schedule as stream_schedule  # noqa: E402 - the same stream-K split
 
 if triton is not None:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait

@@ -8,6 +8,8 @@ Variants (each captured afresh, interleaved over rounds, median of the replays):
 * ``no-merge``: the attention's split pass only (its merge kernel not launched; output garbage);
 * ``no-attn``: no attention kernels at all (the o projection reads q);
 * ``no-rows``: no small row kernels (RoPE/K/V write, residual + RMSNorm, silu*up) in multi-row steps;
+* ``no-ring``: the table's ``ring`` entries left out (those layers on the kernel they would take
+  without them);
 * ``skinny``: every dense projection of a multi-row step through the skinny GEMM
   (``kernels/verify/skinny.py``, about two programs per SM), cuBLAS nowhere;
 * ``attn:<walk>:<target>:<stages>[:<merge>]``: the attention with another ``SplitConfig`` for every
@@ -44,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lab.common import bootstrap, print_table, write_results  # noqa: E402
 
-VARIANTS = ("product", "no-merge", "no-attn", "no-rows", "skinny")
+VARIANTS = ("product", "no-merge", "no-attn", "no-rows", "no-ring", "skinny")
 PREFIXES = ("attn:", "attn-pf:", "attn-bm:", "skinny:", "warpk:", "warpk-nopdl:", "warpk-late:")   # parametrised
 LLAMA_LAYERS = {"qkv": (6144, 4096), "o": (4096, 4096), "gu": (28672, 4096), "down": (4096, 14336)}   # (n, k)
 
@@ -131,6 +133,8 @@ def variant(name: str):
                 return run(h, w, picks[min(b for b in picks if b >= m)])
             return plain(h, w, batched)
         stack.enter_context(patched(blas, "linear", routed))
+    elif name == "no-ring":
+        stack.enter_context(patched(blas, "ring_config", lambda *a: None))
     elif name == "no-merge":
         stack.enter_context(patched(decode, "_attn_merge", _NoLaunch()))
     elif name == "no-attn":

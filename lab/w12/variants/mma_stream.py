@@ -24,18 +24,10 @@ from __future__ import annotations
 
 import torch
 
+from specpilot.kernels.verify.ring import schedule  # noqa: F401 - the same stream-K split (records per program)
+
 from .gemm import KernelPack, _workspace
 from .mma import gl, gluon, launch_options
-
-
-def schedule(nb: int, kt: int, programs: int) -> tuple[int, int, int]:
-    """``(L, programs, slots)``: records per program, the programs actually launched (none empty) and
-    the most programs one block's ``kt`` records can span (the workspace slots per block)."""
-    total = nb * kt
-    per = -(-total // max(1, min(programs, total)))
-    progs = -(-total // per)
-    slots = min(progs, -(-(kt - 1) // per) + 1)
-    return per, progs, slots
 
 
 if gluon is not None:
