@@ -84,9 +84,10 @@ def takes_warpk(device, rows: int) -> bool:
 def linear(h: torch.Tensor, w: torch.Tensor, batched: bool = False) -> torch.Tensor:
     """``F.linear(h, w)`` (no bias); half-precision weights on CUDA go through the warp-K GEMM (one
     request's steps, ``batched`` False), the TMA-ring GEMM, the skinny GEMM or the BLAS library the
-    table picks for the layer and ``h``'s rows. Batched steps (the rows of several requests) keep the other kernels: with
-    the warp-K GEMM a step of 4 requests x 1 row measured 4.74 -> 4.70 ms (Llama-3.1-8B shapes, H200),
-    within the spread between runs, and no other batched shape was measured with it."""
+    table picks for the layer and ``h``'s rows. Batched steps (the rows of several requests) never
+    take the warp-K GEMM: with it a step of 4 requests x 1 row measured 4.74 -> 4.70 ms
+    (Llama-3.1-8B shapes, H200), within the spread between runs, and no other batched shape was
+    measured with it. The ring entries were measured on batched steps too (docs/engine.md)."""
     if h.device.type != "cuda" or w.dtype not in (torch.bfloat16, torch.float16):
         return F.linear(h, w)
     if not batched and takes_warpk(h.device, h.shape[0]) and warpk.supported(h, w):

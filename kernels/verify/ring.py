@@ -127,8 +127,8 @@ if AVAILABLE:
     @gluon.jit
     def _producer(pt, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, KB: gl.constexpr,
                   PDL: gl.constexpr):
-        """The copy warp: the first ``STAGES`` weight tiles, the wait for the previous kernel, their x
-        tiles, then tile after tile as stages free up."""
+        """The copy warp: the weight boxes of the first ``STAGES`` stages, the wait for the previous
+        kernel, their x boxes, then stage after stage as the consumer frees them."""
         w_desc, x_desc, w_s, x_s, ready, empty, g_begin, g_end, KT = pt
         n = g_end - g_begin
         pre = gl.minimum(n, STAGES)
@@ -188,9 +188,10 @@ if AVAILABLE:
     @gluon.jit
     def _consumer(rt, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, ACC: gl.constexpr,
                   L_EP: gl.constexpr, INFLIGHT: gl.constexpr, KB: gl.constexpr):
-        """The consumer warpgroup: per tile, wait for its stage, ``wgmma`` (weights A, x B, both in
-        shared memory), retire it, free the stage; at the end of each block its run holds, the
-        block's store or partial."""
+        """The consumer warpgroup: per stage, wait for it, ``wgmma`` on its boxes (weights A, x B, both
+        in shared memory), then free the stage before (``INFLIGHT``: its ``wgmma`` retired while this
+        one's run) or this one; at the end of each block its run holds, the block's store or
+        partial."""
         (w_s, x_s, ready, empty, g_begin, g_end, KT, PER, SLOTS, y_ptr, ws_ptr, lock_ptr, M, N, stride_ym) = rt
         i = 0
         for blk in range(g_begin // KT, (g_end - 1) // KT + 1):    # the blocks this program's run touches
@@ -203,7 +204,7 @@ if AVAILABLE:
                 for j in gl.static_range(KB):
                     acc = warpgroup_mma(w_s.index(s * KB + j), x_s.index(s * KB + j).permute((1, 0)), acc,
                                         is_async=True)
-                if INFLIGHT:   # the previous tile's wgmmas retire while this one's run; then its stage is free
+                if INFLIGHT:   # the previous stage's wgmmas have retired: that stage is free
                     acc = warpgroup_mma_wait(KB, deps=[acc])
                     if g > t0:
                         mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES))
@@ -219,8 +220,8 @@ if AVAILABLE:
             _finish(acc, y_ptr, ws_ptr, lock_ptr, blk, gl.program_id(0) - first, last - first + 1, SLOTS,
                     M, N, stride_ym, BLOCK_N, BLOCK_M, ACC, L_EP)
 
-    # (no value specialization of the sizes: Triton 3.6 failed to lower the kernel with KT, PER and
-    # SLOTS specialized to 1, a K of 256 or less)
+    # (no value specialization of the sizes: Triton 3.6 failed to lower the kernel for K = 200,
+    # N = 130, where the K steps and the stages per program are 1; without it that layer compiles)
     @gluon.jit(do_not_specialize=["M", "N", "KT", "PER", "SLOTS"])
     def _ring_kernel(w_desc, x_desc, y_ptr, ws_ptr, lock_ptr, M, N, KT, PER, SLOTS, stride_ym,
                      BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
