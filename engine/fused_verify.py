@@ -3,9 +3,9 @@
 
 A dense layer is four GEMMs (bf16 weights: the kernel the measured table picks for the step's
 rows, :mod:`specpilot.kernels.verify.blas` - the warp-K tensor-core GEMM for one request's short
-steps, cuBLAS or the skinny GEMM elsewhere; the routed W12 GEMM ``w12_linear`` with ``w12=1``) and
-one kernel between two GEMMs (:mod:`specpilot.kernels.verify.rows`), ten kernels instead of the
-layer modules' forty:
+steps, the TMA-ring GEMM, the skinny GEMM or cuBLAS elsewhere; the routed W12 GEMM ``w12_linear``
+with ``w12=1``) and one kernel between two GEMMs (:mod:`specpilot.kernels.verify.rows`), ten
+kernels instead of the layer modules' forty:
 
 1. RMSNorm of the rows (fused into the previous layer's last kernel), q/k/v GEMM;
 2. RoPE of q and k at each row's position, K/V into the cache at each row's slot, q out;
