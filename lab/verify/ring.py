@@ -150,8 +150,9 @@ def main() -> int:
             print_table(st, ["case"] + [f"{v}_ms" for v in VARIANTS])
         write_results("ring_steps", out)
         return 0
+    rows_list = parse_int_list(args.rows, 9, 64, "ring: --rows")
     flush = L2Flusher()
-    rows, best = layers(parse_int_list(args.rows, 9, 64, "ring: --rows"), args.quick, flush)
+    rows, best = layers(rows_list, args.quick, flush)
     print_table(rows, ["layer", "rows", "routed_us", "ring_us", "speedup", "tb_s", "config"])
     write_results("ring_layers", rows)
     if not args.no_steps:
