@@ -23,20 +23,6 @@ def gemm_inputs(m: int, k: int, n: int, dt=torch.bfloat16, seed: int = 0, device
     return x, w
 
 
-def graph_capture(fn):
-    """``fn()`` warmed up on a side stream (compiles, workspaces), then captured in a CUDA graph:
-    ``(graph, the captured call's output)``."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = fn()
-    return g, out
-
-
 def within_bf16_rounding(got, want) -> bool:
     """Within one bf16 rounding of the fp32 reference (the sums' order differs)."""
     ref = want.float()

@@ -17,7 +17,8 @@ pytest.importorskip("triton")
 from specpilot.kernels import tuning  # noqa: E402
 from specpilot.kernels.verify import blas, ring  # noqa: E402
 from specpilot.kernels.verify import naive as R  # noqa: E402
-from kernel_checks import gemm_inputs, graph_capture, within_bf16_rounding  # noqa: E402
+from kernel_checks import gemm_inputs, within_bf16_rounding  # noqa: E402
+from specpilot.engine.graphs import capture  # noqa: E402
 
 needs_hopper_gluon = pytest.mark.skipif(not ring.AVAILABLE, reason="Triton without Gluon's Hopper module")
 
@@ -142,7 +143,7 @@ def test_ring_in_a_cuda_graph_gives_the_eager_bits_and_blas_routes_it(monkeypatc
     assert cfg is not None
     eager = blas.linear(x, w)
     assert torch.equal(eager, ring.ring_linear(x, w, cfg))
-    g, y = graph_capture(lambda: blas.linear(x, w))
+    g, y = capture(lambda: blas.linear(x, w), 1)
     x.copy_(gemm_inputs(12, 4096, 4096, seed=4, device="cuda")[0])
     g.replay()
     torch.cuda.synchronize()

@@ -14,7 +14,8 @@ pytest.importorskip("triton")
 
 from specpilot.kernels.verify import blas, warpk  # noqa: E402
 from specpilot.kernels.verify import naive as R  # noqa: E402
-from kernel_checks import gemm_inputs, graph_capture, within_bf16_rounding  # noqa: E402
+from kernel_checks import gemm_inputs, within_bf16_rounding  # noqa: E402
+from specpilot.engine.graphs import capture  # noqa: E402
 
 needs_gluon = pytest.mark.skipif(warpk.gluon is None, reason="no Gluon in this Triton")
 
@@ -120,7 +121,7 @@ def test_warpk_in_a_cuda_graph_gives_the_eager_bits_and_blas_routes_it(monkeypat
     x, w = gemm_inputs(4, 4096, 4096, seed=9, device="cuda")
     eager = blas.linear(x, w)
     assert blas.takes_warpk(x.device, 4) and torch.equal(eager, warpk.warpk_linear(x, w))
-    g, y = graph_capture(lambda: blas.linear(x, w))
+    g, y = capture(lambda: blas.linear(x, w), 1)
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(y, eager)

@@ -106,6 +106,8 @@ def supported(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 if AVAILABLE:
+    from specpilot.kernels.w12.gluon_epilogue import epilogue_layout
+
     # the copy is ``async_copy_global_to_shared`` in Triton 3.6 and ``async_load`` later
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     from triton.language.extra.cuda import gdc_wait
@@ -120,9 +122,7 @@ if AVAILABLE:
     def layouts(block_n: int, bm: int):
         """The consumer warpgroup's ``wgmma`` accumulator ``[block_n, bm]`` and the store layout."""
         acc = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, bm, 16])
-        tm = min(bm, 4)
-        ep = gl.BlockedLayout([1, min(bm // tm, 4)], [32 // tm, tm], [4, 1], [1, 0])
-        return acc, ep
+        return acc, epilogue_layout(bm, 4)
 
     @gluon.jit
     def _producer(pt, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, KB: gl.constexpr,

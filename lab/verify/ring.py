@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -81,15 +82,11 @@ def layers(rows_list, quick, flush):
 
 
 def steps(best, cases, rounds, model_name="llama-3.1-8b", fixed=None):
-    import torch
-
-    from lab.verify.step_parts import patched, random_target, step_graph
-    from specpilot.engine.graphs import time_replays
+    from lab.verify.step_parts import patched, random_target, time_cases
     from specpilot.kernels.verify import blas
     from specpilot.kernels.verify.ring import RingConfig, ring_linear, supported
 
     model = random_target(model_name, 1024)
-    gen = torch.Generator(device="cpu").manual_seed(0)
     plain = blas.linear
 
     skip = set()
@@ -102,18 +99,14 @@ def steps(best, cases, rounds, model_name="llama-3.1-8b", fixed=None):
             return ring_linear(h, w, fixed or (best[key] if key else RingConfig()))
         return plain(h, w, batched)
 
-    times, caches = {}, {}
-    for _ in range(rounds):
-        for v in VARIANTS:
-            for c in cases:
-                B, N = (int(a) for a in c.split("x"))
-                skip.clear()
-                skip.update(VARIANTS[v])
-                with patched(blas, "linear", routed if v != "cublas" else plain):
-                    runner, g = step_graph(model, B, N, 1024, caches, gen)
-                    times.setdefault((c, v), []).append(statistics.median(time_replays(g, 100, 10)))
-                    del runner, g
-                torch.cuda.synchronize()
+    @contextmanager
+    def routing(name):
+        skip.clear()
+        skip.update(VARIANTS[name])
+        with patched(blas, "linear", routed if name != "cublas" else plain):
+            yield
+
+    times = time_cases(model, cases, {v: (lambda v=v: routing(v)) for v in VARIANTS}, rounds)
     out = []
     for c in cases:
         row = {"case": c}

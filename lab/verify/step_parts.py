@@ -209,6 +209,33 @@ def random_target(name: str, ctx: int):
     return model
 
 
+def time_cases(model, cases: list[str], contexts: dict, rounds: int, reps: int = 100,
+               skip=lambda case, name: False) -> dict:
+    """Median step milliseconds per (case ``BxN``, variant name) -> one value per round: every
+    variant's context (``contexts[name]()``, a context manager) entered around each case's capture,
+    the variants interleaved within a round; ``skip(case, name)`` leaves a pair out."""
+    import torch
+
+    from specpilot.engine.graphs import time_replays
+
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    caches: dict = {}
+    times: dict = {}
+    for rnd in range(rounds):
+        for name, ctx in contexts.items():
+            for case in cases:
+                if skip(case, name):
+                    continue
+                B, N = (int(x) for x in case.split("x"))
+                with ctx():
+                    runner, g = step_graph(model, B, N, 1024, caches, gen)
+                    times.setdefault((case, name), []).append(statistics.median(time_replays(g, reps, 10)))
+                    del runner, g
+                torch.cuda.synchronize()
+            print(f"round {rnd} {name} done", flush=True)
+    return times
+
+
 def main() -> int:
     bootstrap()
     ap = argparse.ArgumentParser()
@@ -224,36 +251,14 @@ def main() -> int:
         raise SystemExit(f"step_parts: unknown variant(s) {bad}; known: {VARIANTS} and {PREFIXES}...")
     import torch
 
-    from specpilot.engine.graphs import time_replays
-
     torch.set_grad_enabled(False)
-    ctx = 1024
-    model = random_target(args.model, ctx)
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    caches: dict = {}
-
-    def timed(B, N):
-        runner, g = step_graph(model, B, N, ctx, caches, gen)
-        ms = statistics.median(time_replays(g, args.reps, 10))
-        del runner, g
-        return ms
-
-    cases = []
-    for c in args.cases.split(","):
-        B, N = (int(x) for x in c.split("x"))
-        cases.append((f"{B} x {N}", lambda B=B, N=N: timed(B, N)))
-    times: dict = {}
-    for rnd in range(args.rounds):
-        for v in variants:
-            for label, fn in cases:
-                if v in ("no-rows", "skinny") and label == "1 x 1":
-                    continue
-                with variant(v):
-                    times.setdefault((label, v), []).append(fn())
-                torch.cuda.synchronize()
-            print(f"round {rnd} {v} done", flush=True)
+    model = random_target(args.model, 1024)
+    cases = args.cases.split(",")
+    raw = time_cases(model, cases, {v: (lambda v=v: variant(v)) for v in variants}, args.rounds, args.reps,
+                     skip=lambda case, v: v in ("no-rows", "skinny") and case == "1x1")
+    times = {(c.replace("x", " x "), v): t for (c, v), t in raw.items()}
     rows = []
-    for label, _ in cases:
+    for label in (c.replace("x", " x ") for c in cases):
         base = statistics.median(times[(label, "product")]) if (label, "product") in times else None
         for v in variants:
             if (label, v) not in times:
