@@ -43,7 +43,7 @@ acc, ep = R.layouts({cfg.block_n}, {bm})
 ptrs = {{"y_ptr": "*bf16", "ws_ptr": "*fp32", "lock_ptr": "*i32",
         "w_desc": f"tensordesc<bf16[{cfg.block_n}, 64],{{sl!r}}>", "x_desc": f"tensordesc<bf16[{bm}, 64],{{sl!r}}>"}}
 const = dict(BLOCK_N={cfg.block_n}, BLOCK_M={bm}, STAGES={cfg.stages}, ACC=acc, L_EP=ep, PDL=True,
-             INFLIGHT={cfg.inflight}, KB={cfg.kboxes})
+             INFLIGHT={cfg.inflight}, KB={cfg.kboxes}, TRIGGER={cfg.trigger})
 div = ["y_ptr", "ws_ptr", "lock_ptr", "stride_ym"]
 warps = 4
 """
@@ -53,13 +53,14 @@ warps = 4
 def test_every_routed_config_compiles_without_spills_and_copies_weights_before_the_wait():
     """Each routed config at the x rows its entry serves: no spills; the copy warp's first weight
     boxes (``cp.async.bulk.tensor``) are issued before ``griddepcontrol.wait`` and the x boxes after;
-    the consumer runs ``wgmma`` on shared-memory operands; no early trigger of the dependents."""
+    the consumer runs ``wgmma`` on shared-memory operands; the dependents are triggered early
+    (``griddepcontrol.launch_dependents``) exactly where the entry says so."""
     import re
 
     from gluon_ptx import ptxas_report
 
     routed = _routed_configs()
-    assert routed
+    assert routed and {c["trigger"] for c, _ in routed} == {0, 1}
     for conf, bm in routed:
         cfg = ring.RingConfig(**conf)
         rep = ptxas_report(_setup(cfg, bm))
@@ -69,7 +70,8 @@ def test_every_routed_config_compiles_without_spills_and_copies_weights_before_t
         ptx = rep["ptx"]
         wait = ptx.find("griddepcontrol.wait")
         assert 0 < ptx.find("cp.async.bulk.tensor") < wait < ptx.find("cp.async.bulk.tensor", wait)
-        assert "wgmma.mma_async" in ptx and "griddepcontrol.launch_dependents" not in ptx
+        assert "wgmma.mma_async" in ptx
+        assert ("griddepcontrol.launch_dependents" in ptx) == bool(cfg.trigger)
 
 
 @pytest.mark.parametrize("nb,kt,programs", [(48, 32, 132), (448, 16, 132), (1, 64, 132), (3, 5, 4), (7, 1, 132),
@@ -118,7 +120,7 @@ def _hopper():
 @pytest.mark.parametrize("m", [1, 9, 16, 17, 33, 64])
 @pytest.mark.parametrize("cfg", [ring.RingConfig(64, 4, kboxes=4), ring.RingConfig(64, 2, kboxes=4),
                                  ring.RingConfig(128, 3, kboxes=2), ring.RingConfig(64, 4, 2, 128, 1, 2),
-                                 ring.RingConfig(128, 6, inflight=0)],
+                                 ring.RingConfig(128, 6, inflight=0), ring.RingConfig(64, 4, kboxes=4, trigger=1)],
                          ids=lambda c: c.key())
 def test_ring_matches_the_reference_on_cuda(k, n, m, cfg):
     """Every row count and config against fp32, bitwise the same on a second call: blocks split
@@ -157,10 +159,37 @@ def test_ring_in_a_cuda_graph_gives_the_eager_bits_and_blas_routes_it(monkeypatc
     assert within_bf16_rounding(blas.linear(x32, w), R.linear(x32.float(), w.float()))
 
 
+@gpu
+def test_early_trigger_keeps_the_dependents_reading_the_finished_output():
+    """A ring that lets its dependents launch at its start (``trigger=1``), followed by PDL kernels
+    that read its output (the row kernel of a step, then the next ring GEMM and row kernel), gives
+    the bits of the same chain with ``trigger=0``, eager and in a CUDA graph, over many replays."""
+    _hopper()
+    from specpilot.kernels.verify import rows
+
+    x, w1 = gemm_inputs(16, 4096, 4096, seed=7, device="cuda")
+    _, w2 = gemm_inputs(16, 4096, 4096, seed=8, device="cuda")
+    resid = torch.randn_like(x)
+    gamma = torch.rand(4096, device="cuda", dtype=torch.bfloat16) + 0.5
+
+    def chain(trigger):
+        cfg = ring.RingConfig(64, 4, kboxes=4, trigger=trigger)
+        s, h = rows.add_rms_norm_rows(resid, ring.ring_linear(x, w1, cfg), gamma, 1e-5)
+        return rows.add_rms_norm_rows(s, ring.ring_linear(h, w2, cfg), gamma, 1e-5)
+
+    want = chain(0)
+    assert all(torch.equal(a, b) for a, b in zip(chain(1), want))
+    g, got = capture(lambda: chain(1), 1)
+    for _ in range(20):
+        g.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def test_bad_configs_are_refused(monkeypatch):
     monkeypatch.setattr(ring, "supported", lambda x, w: True)
     x, w = gemm_inputs(16, 128, 64)
     for bad in (ring.RingConfig(block_n=96), ring.RingConfig(stages=1), ring.RingConfig(per_sm=0),
-                ring.RingConfig(inflight=2), ring.RingConfig(kboxes=3)):
+                ring.RingConfig(inflight=2), ring.RingConfig(kboxes=3), ring.RingConfig(trigger=2)):
         with pytest.raises(ValueError, match="ring config"):
             ring.ring_linear(x, w, bad)

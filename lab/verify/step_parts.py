@@ -8,6 +8,8 @@ Variants (each captured afresh, interleaved over rounds, median of the replays):
 * ``no-merge``: the attention's split pass only (its merge kernel not launched; output garbage);
 * ``no-attn``: no attention kernels at all (the o projection reads q);
 * ``no-rows``: no small row kernels (RoPE/K/V write, residual + RMSNorm, silu*up) in multi-row steps;
+* ``ring-trigger:<layers>:<0|1>``: the ``ring`` entries of the Llama layers named (as for
+  ``skinny:``) with ``RingConfig.trigger`` set to 0 or 1;
 * ``no-ring``: the table's ``ring`` entries left out (those layers on the kernel they would take
   without them);
 * ``skinny``: every dense projection of a multi-row step through the skinny GEMM
@@ -47,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lab.common import bootstrap, print_table, write_results  # noqa: E402
 
 VARIANTS = ("product", "no-merge", "no-attn", "no-rows", "no-ring", "skinny")
-PREFIXES = ("attn:", "attn-pf:", "attn-bm:", "skinny:", "warpk:", "warpk-nopdl:", "warpk-late:")   # parametrised
+PREFIXES = ("attn:", "attn-pf:", "attn-bm:", "skinny:", "warpk:", "warpk-nopdl:", "warpk-late:", "ring-trigger:")   # parametrised
 LLAMA_LAYERS = {"qkv": (6144, 4096), "o": (4096, 4096), "gu": (28672, 4096), "down": (4096, 14336)}   # (n, k)
 
 
@@ -133,6 +135,17 @@ def variant(name: str):
                 return run(h, w, picks[min(b for b in picks if b >= m)])
             return plain(h, w, batched)
         stack.enter_context(patched(blas, "linear", routed))
+    elif name.startswith("ring-trigger:"):   # the ring entries of the Llama layers named with trigger 0 or 1
+        from dataclasses import replace
+
+        _, names, on = name.split(":")
+        shapes = {LLAMA_LAYERS[n] for n in names.split("+")}
+        table = blas.ring_config
+
+        def cfg(device, n, k, rows):
+            c = table(device, n, k, rows)
+            return replace(c, trigger=int(on)) if c is not None and (n, k) in shapes else c
+        stack.enter_context(patched(blas, "ring_config", cfg))
     elif name == "no-ring":
         stack.enter_context(patched(blas, "ring_config", lambda *a: None))
     elif name == "no-merge":
