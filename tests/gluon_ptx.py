@@ -211,3 +211,15 @@ def inflight_a_writes(sass_text: str) -> list[str]:
             if hit:
                 bad.append(t2)
     return bad
+
+
+_GLOBAL_ACCESS = re.compile(r"\b(ld\.global|st\.global|cp\.async|atom\.|red\.global|ld\.volatile\.global|prefetch\.)")
+
+
+def waits_before_any_global_access(setup: str) -> bool:
+    """Compiled ``setup`` (with the kernel's ``PDL=True``): ``griddepcontrol.wait`` comes before its
+    first global-memory access, and the kernel does not trigger its dependents."""
+    ptx = ptxas_report(setup)["ptx"]
+    wait = ptx.find("griddepcontrol.wait")
+    first = _GLOBAL_ACCESS.search(ptx)
+    return 0 < wait and (first is None or wait < first.start()) and "griddepcontrol.launch_dependents" not in ptx

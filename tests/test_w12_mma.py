@@ -20,7 +20,7 @@ from specpilot.kernels.w12 import fragments, mma, routing  # noqa: E402
 from specpilot.kernels.w12.pack import KernelPack  # noqa: E402
 from specpilot.kernels.w12.naive import w12_linear_ref  # noqa: E402
 
-from gluon_ptx import main_loop_ptx  # noqa: E402
+from gluon_ptx import main_loop_ptx, waits_before_any_global_access  # noqa: E402
 from test_w12_gemm import check_close, make_weight  # noqa: E402
 
 
@@ -87,6 +87,13 @@ const = dict(BLOCK_N=128, BLOCK_M=32, USE_SPLIT=True, QPASS=False, ESC_CH=8, DEP
 div = list(ptrs) + ["K", "stride_xm", "stride_ym"]
 warps = 4
 """
+
+
+@needs_gluon
+def test_under_pdl_the_kernel_waits_before_it_reads():
+    """``PDL=True``: the wait for the previous kernel precedes the first record or x copy;
+    dependents are not triggered early."""
+    assert waits_before_any_global_access(_SETUP.replace("WSL=wsl)", "WSL=wsl, PDL=True)"))
 
 
 @needs_gluon

@@ -19,7 +19,7 @@ triton = pytest.importorskip("triton")
 from specpilot.kernels import tuning  # noqa: E402
 from specpilot.kernels.w12 import mma, mma_tma  # noqa: E402
 
-from gluon_ptx import inflight_a_writes, ptxas_report, sass  # noqa: E402
+from gluon_ptx import inflight_a_writes, ptxas_report, sass, waits_before_any_global_access  # noqa: E402
 from test_w12_gemm import check_close  # noqa: E402
 from test_w12_mma import _cuda_layer, _gpu_gluon  # noqa: E402
 
@@ -70,6 +70,16 @@ div = [p for p in ptrs if p.endswith("_ptr")] + ["K", "stride_xm", "stride_ym"]
 warps = 4
 opts = {"maxnreg": mma_tma.launch_regs(4, 128)}
 """
+
+
+@pytest.mark.skipif(not mma_tma.AVAILABLE, reason="Triton without Gluon's Hopper module")
+@pytest.mark.parametrize("extra", ["", ", WG=True, KGROUPS=2"])
+def test_under_pdl_the_kernel_waits_before_it_reads(extra):
+    """``PDL=True`` (the launch under programmatic dependent launch): the wait for the previous
+    kernel precedes every global access of every partition; dependents are not triggered early."""
+    setup = _SETUP.replace("REGS=128)", f"REGS=104{extra}, PDL=True)").replace(
+        "launch_regs(4, 128)", "launch_regs(8, 104, 4, 24)" if extra else "launch_regs(4, 104)")
+    assert waits_before_any_global_access(setup)
 
 
 @pytest.mark.skipif(not mma_tma.AVAILABLE, reason="Triton without Gluon's Hopper module")

@@ -35,11 +35,12 @@ from functools import lru_cache
 import torch
 
 from .. import tuning
+from ..triton_env import pdl_args
 from . import mma_tma
 from .format import TILE_K
 from .fragments import a_operand, b_operand, mma_layouts
 from .gluon_common import (aligned_x, async_copy, check_call, cp_async, cta_barrier, esc_chunk, gl, gluon, load_rec,
-                           mma_block_m, mma_v2, pin, record_offsets, split_grid)
+                           mma_block_m, mma_v2, pdl_wait, pin, record_offsets, split_grid)
 from .gluon_epilogue import epilogue
 from .pack import KernelPack
 
@@ -180,7 +181,9 @@ if gluon is not None:
         L_VIEW: gl.constexpr, L_NIB: gl.constexpr, L_X: gl.constexpr, MMA: gl.constexpr,
         A_OP: gl.constexpr, B_OP: gl.constexpr, L_EP: gl.constexpr, L_XC: gl.constexpr, XS: gl.constexpr,
         L_WC: gl.constexpr, L_QC: gl.constexpr, WSL: gl.constexpr,
+        PDL: gl.constexpr = False,
     ):
+        pdl_wait(PDL)
         pid_n = gl.program_id(0)
         pid_k = gl.program_id(1)
         pid_m = gl.program_id(2)
@@ -238,11 +241,12 @@ class MmaConfig:
     tma: int = 0        # weights and x by TMA into ``depth`` stages with mbarriers (mma_tma): 1 a consumer
                         # warp per 16 rows, 2 the program's warps as one consumer group, 3 the group on wgmma
     kgroups: int = 1    # tma=3: 2 or 4 warpgroups on the program's rows, each taking every kgroups-th record
+    pdl: bool = True    # launched under PDL (placed while the previous kernel drains; waits before any read)
 
     def key(self) -> str:
         return (f"mma-n{self.block_n}-s{self.split_k}-w{self.num_warps}-d{self.depth}{'-ws' if self.wsmem else ''}"
                 f"{'-u' if self.unroll else ''}{f'-tma{self.tma}' if self.tma else ''}"
-                f"{f'-kg{self.kgroups}' if self.kgroups > 1 else ''}")
+                f"{f'-kg{self.kgroups}' if self.kgroups > 1 else ''}{'' if self.pdl else '-nopdl'}")
 
 
 def supported(x: torch.Tensor, packed: KernelPack) -> bool:
@@ -331,6 +335,6 @@ def w12_mma(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: Mm
         WSMEM=cfg.wsmem, UNROLL=cfg.unroll,
         L_VIEW=l_view, L_NIB=l_nib, L_X=l_x, MMA=mma, A_OP=a_op, B_OP=b_op, L_EP=l_ep, L_XC=l_xc,
         XS=xs, L_WC=l_wc, L_QC=l_qc, WSL=wsl,
-        num_warps=cfg.num_warps,
+        num_warps=cfg.num_warps, **pdl_args(cfg.pdl, x),
     )
     return out

@@ -62,10 +62,11 @@ from functools import lru_cache
 
 import torch
 
+from ..triton_env import pdl_args
 from . import fragments as _fr
 from .common import split_workspace
 from .fragments import WGMMA_AVAILABLE, a_operand, b_operand, warpgroup_mma, warpgroup_mma_wait, x_store
-from .gluon_common import cta_barrier, gl, gluon, mma_v2
+from .gluon_common import cta_barrier, gl, gluon, mma_v2, pdl_wait
 from .gluon_epilogue import epilogue
 from .pack import KernelPack
 
@@ -356,8 +357,9 @@ if AVAILABLE:
         BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, USE_SPLIT: gl.constexpr, QPASS: gl.constexpr,
         ESC_CH: gl.constexpr, STAGES: gl.constexpr, REGS: gl.constexpr,
         GROUP: gl.constexpr = False, WARPS: gl.constexpr = 4, PAIR: gl.constexpr = False, WG: gl.constexpr = False,
-        KGROUPS: gl.constexpr = 1,
+        KGROUPS: gl.constexpr = 1, PDL: gl.constexpr = False,
     ):
+        pdl_wait(PDL)
         pid_n = gl.program_id(0)
         pid_k = gl.program_id(1)
         pid_m = gl.program_id(2)
@@ -499,4 +501,5 @@ def launch(x: torch.Tensor, packed: KernelPack, out: torch.Tensor, qpass: bool, 
         num_warps=cfg.num_warps if group else 4,
         # (the one copy warp of a group is padded to a warpgroup, its idle warps at 24 registers too)
         maxnreg=launch_regs(cfg.num_warps * cfg.kgroups, regs, 4, 24) if group else launch_regs(slices, regs),
+        **pdl_args(cfg.pdl, x),
     )

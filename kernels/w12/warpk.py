@@ -37,9 +37,11 @@ from functools import lru_cache
 import torch
 
 from .. import tuning
+from ..triton_env import pdl_args
 from .format import TILE_K
-from .gluon_common import (aligned_x, bf16_halves, check_call, decode_pairs, esc_chunk, gl, gluon, load_clamped, log2,
-                           mma_v2, per_warp, pin, record_offsets_3d, split_grid, warp_batched_mma, x_operand)
+from .gluon_common import (aligned_x, bf16_halves, check_call, decode_pairs, esc_chunk, gl, gluon, load_clamped,
+                           log2, mma_v2, pdl_wait, per_warp, pin, record_offsets_3d, split_grid,
+                           warp_batched_mma, x_operand)
 from .gluon_epilogue import epilogue, epilogue_layout, esc_cols, esc_x, finalize_apply, finalize_loads, finalize_range
 from .pack import KernelPack
 
@@ -157,8 +159,9 @@ if gluon is not None:
         USE_SPLIT: gl.constexpr, QPASS: gl.constexpr, ESC_CH: gl.constexpr,
         L_V: gl.constexpr, L_Q: gl.constexpr, L_X: gl.constexpr, MMA: gl.constexpr,
         A_OP: gl.constexpr, B_OP: gl.constexpr, L_EP: gl.constexpr, X_LATE: gl.constexpr = False,
-        EPI_SPREAD: gl.constexpr = False,
+        EPI_SPREAD: gl.constexpr = False, PDL: gl.constexpr = False,
     ):
+        pdl_wait(PDL)
         pid_n = gl.program_id(0)
         pid_k = gl.program_id(1)
         n0 = pid_n * ROWS
@@ -284,6 +287,6 @@ def w12_warpk(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: 
         ROWS=ROWS, BLOCK_M=bm, WARPS=cfg.warps, DEPTH=cfg.depth, USE_SPLIT=split > 1, QPASS=qpass,
         ESC_CH=cfg.esc_ch or esc_chunk(bm), L_V=l_v, L_Q=l_q, L_X=l_x, MMA=mma, A_OP=a_op, B_OP=b_op, L_EP=l_ep,
         X_LATE=cfg.x_late, EPI_SPREAD=cfg.epi_spread and split == 1,
-        num_warps=cfg.warps,
+        num_warps=cfg.warps, **pdl_args(True, x),
     )
     return out

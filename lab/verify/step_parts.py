@@ -10,6 +10,9 @@ Variants (each captured afresh, interleaved over rounds, median of the replays):
 * ``no-rows``: no small row kernels (RoPE/K/V write, residual + RMSNorm, silu*up) in multi-row steps;
 * ``ring-trigger:<layers>:<0|1>``: the ``ring`` entries of the Llama layers named (as for
   ``skinny:``) with ``RingConfig.trigger`` set to 0 or 1;
+* ``w12-pdl:<on|off>`` (with ``--w12``): every W12 tensor-core GEMM (``mma`` and ``warpk``)
+  launched under PDL or plainly; ``w12-pdl-skip:<layers>``: the ``mma`` kernel of the Llama layers
+  named launched plainly, the rest as the table says;
 * ``no-ring``: the table's ``ring`` entries left out (those layers on the kernel they would take
   without them);
 * ``skinny``: every dense projection of a multi-row step through the skinny GEMM
@@ -49,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lab.common import bootstrap, print_table, write_results  # noqa: E402
 
 VARIANTS = ("product", "no-merge", "no-attn", "no-rows", "no-ring", "skinny")
-PREFIXES = ("attn:", "attn-pf:", "attn-bm:", "skinny:", "warpk:", "warpk-nopdl:", "warpk-late:", "ring-trigger:")   # parametrised
+PREFIXES = ("attn:", "attn-pf:", "attn-bm:", "skinny:", "warpk:", "warpk-nopdl:", "warpk-late:", "ring-trigger:", "w12-pdl:", "w12-pdl-skip:")   # parametrised
 LLAMA_LAYERS = {"qkv": (6144, 4096), "o": (4096, 4096), "gu": (28672, 4096), "down": (4096, 14336)}   # (n, k)
 
 
@@ -146,6 +149,27 @@ def variant(name: str):
             c = table(device, n, k, rows)
             return replace(c, trigger=int(on)) if c is not None and (n, k) in shapes else c
         stack.enter_context(patched(blas, "ring_config", cfg))
+    elif name.startswith(("w12-pdl:", "w12-pdl-skip:")):
+        from dataclasses import replace
+
+        from specpilot.kernels.triton_env import pdl_args
+        from specpilot.kernels.w12 import mma, warpk
+
+        arg = name.split(":")[1]
+        table = mma.default_config
+        if name.startswith("w12-pdl:"):   # every W12 tensor-core GEMM with PDL on or off
+            on = arg == "on"
+            stack.enter_context(patched(warpk, "pdl_args", lambda enabled, x: pdl_args(on, x)))
+
+            def cfg(m, n, k, *a, **kw):
+                return replace(table(m, n, k, *a, **kw), pdl=on)
+        else:                             # the mma kernel of the Llama layers named launched plainly
+            shapes = {LLAMA_LAYERS[n] for n in arg.split("+")}
+
+            def cfg(m, n, k, *a, **kw):
+                c = table(m, n, k, *a, **kw)
+                return replace(c, pdl=False) if (n, k) in shapes else c
+        stack.enter_context(patched(mma, "default_config", cfg))
     elif name == "no-ring":
         stack.enter_context(patched(blas, "ring_config", lambda *a: None))
     elif name == "no-merge":
@@ -207,13 +231,14 @@ def step_graph(model, B: int, N: int, ctx: int, caches: dict, gen):
     return runner, runner.graphs[(B, N)][0]
 
 
-def random_target(name: str, ctx: int):
-    """A random-weight target of ``name`` on CUDA with room for ``ctx`` committed slots, its
-    attention caches filled with random K/V."""
+def random_target(name: str, ctx: int, w12: bool = False):
+    """A random-weight target of ``name`` on CUDA with room for ``ctx`` committed slots (``w12``: its
+    projections in W12), its attention caches filled with random K/V."""
     from specpilot.engine.api import load_target
     from specpilot.engine.spec import EngineSpec
 
-    model = load_target(EngineSpec.parse(f"engine:model={name},random=1,device=cuda,ctx={ctx + 128}")).model
+    model = load_target(EngineSpec.parse(f"engine:model={name},random=1,device=cuda,ctx={ctx + 128}"
+                                         + (",w12=1" if w12 else ""))).model
     for blk in model.layers:
         m = blk.mixer
         if hasattr(m, "k_cache"):
@@ -256,6 +281,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=100)
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--model", default="llama-3.1-8b")
+    ap.add_argument("--w12", action="store_true", help="the target's projections in W12")
     ap.add_argument("--cases", default="1x1,1x33,1x64,16x1", help="BxN: B requests of N rows (B=1: one request)")
     args = ap.parse_args()
     variants = args.variants.split(",")
@@ -265,7 +291,7 @@ def main() -> int:
     import torch
 
     torch.set_grad_enabled(False)
-    model = random_target(args.model, 1024)
+    model = random_target(args.model, 1024, args.w12)
     cases = args.cases.split(",")
     raw = time_cases(model, cases, {v: (lambda v=v: variant(v)) for v in variants}, args.rounds, args.reps,
                      skip=lambda case, v: v in ("no-rows", "skinny") and case == "1x1")
