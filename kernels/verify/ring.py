@@ -72,7 +72,8 @@ class RingConfig:
 
     def key(self) -> str:
         return (f"n{self.block_n}-s{self.stages}-p{self.per_sm}-i{self.inflight}"
-                + (f"-r{self.regs}" if self.regs else "") + (f"-k{self.kboxes}" if self.kboxes > 1 else "") + ("-t" if self.trigger else ""))
+                + (f"-r{self.regs}" if self.regs else "") + (f"-k{self.kboxes}" if self.kboxes > 1 else "")
+                + ("-t" if self.trigger else ""))
 
 
 def block_m(m: int) -> int:
