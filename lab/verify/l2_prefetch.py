@@ -15,7 +15,6 @@ top); outputs of each variant's graph checked equal to the product's.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from contextlib import ExitStack
 from pathlib import Path
@@ -99,7 +98,7 @@ def main() -> int:
     args = ap.parse_args()
     import torch
 
-    from lab.verify.step_parts import random_target, step_graph, time_cases
+    from lab.verify.step_parts import random_target, step_graph, summary, time_cases
 
     torch.set_grad_enabled(False)
     model = random_target("llama-3.1-8b", 1024)
@@ -118,14 +117,9 @@ def main() -> int:
                 outs[v] = out.clone()
                 del runner, g
         print(case, {v: bool(torch.equal(outs[v], outs["product"])) for v in variants}, flush=True)
-    times = time_cases(model, args.cases.split(","), {v: (lambda v=v: variant(v)) for v in variants}, args.rounds)
-    rows = []
-    for case in args.cases.split(","):
-        base = statistics.median(times[(case, "product")])
-        for v in variants:
-            ms = statistics.median(times[(case, v)])
-            rows.append({"case": case, "variant": v, "step_ms": ms, "rounds_ms": times[(case, v)],
-                         "minus_product_ms": ms - base})
+    cases = args.cases.split(",")
+    rows = summary(time_cases(model, cases, {v: (lambda v=v: variant(v)) for v in variants}, args.rounds),
+                   cases, variants)
     print_table(rows, ["case", "variant", "step_ms", "minus_product_ms"])
     write_results("l2_prefetch", rows)
     return 0

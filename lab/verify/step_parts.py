@@ -275,6 +275,22 @@ def time_cases(model, cases: list[str], contexts: dict, rounds: int, reps: int =
     return times
 
 
+def summary(raw: dict, cases: list[str], variants: list[str]) -> list[dict]:
+    """:func:`time_cases`' rounds as result rows: per case (``B x N``) and variant the median step
+    ms, the rounds and the difference from the ``product`` variant's median."""
+    rows = []
+    for case in cases:
+        label = case.replace("x", " x ")
+        base = statistics.median(raw[(case, "product")]) if (case, "product") in raw else None
+        for v in variants:
+            if (case, v) not in raw:
+                continue
+            ms = statistics.median(raw[(case, v)])
+            rows.append({"case": label, "variant": v, "step_ms": ms, "rounds_ms": raw[(case, v)],
+                         "minus_product_ms": None if base is None else ms - base})
+    return rows
+
+
 def main() -> int:
     bootstrap()
     ap = argparse.ArgumentParser()
@@ -296,16 +312,7 @@ def main() -> int:
     cases = args.cases.split(",")
     raw = time_cases(model, cases, {v: (lambda v=v: variant(v)) for v in variants}, args.rounds, args.reps,
                      skip=lambda case, v: v in ("no-rows", "skinny") and case == "1x1")
-    times = {(c.replace("x", " x "), v): t for (c, v), t in raw.items()}
-    rows = []
-    for label in (c.replace("x", " x ") for c in cases):
-        base = statistics.median(times[(label, "product")]) if (label, "product") in times else None
-        for v in variants:
-            if (label, v) not in times:
-                continue
-            ms = statistics.median(times[(label, v)])
-            rows.append({"case": label, "variant": v, "step_ms": ms, "rounds_ms": times[(label, v)],
-                         "minus_product_ms": None if base is None else ms - base})
+    rows = summary(raw, cases, variants)
     print_table(rows, ["case", "variant", "step_ms", "minus_product_ms"])
     write_results("step_parts", rows)
     return 0
