@@ -81,24 +81,39 @@ def takes_warpk(device, rows: int) -> bool:
     return _warpk(tuning.device_arch(device), rows)
 
 
+def route(h: torch.Tensor, w: torch.Tensor, batched: bool = False) -> str:
+    """The kernel :func:`linear` runs for ``h @ w.T``: ``warpk``, ``ring``, ``skinny`` or ``blas``
+    (``F.linear``: cuBLAS, or the CPU's)."""
+    if h.device.type != "cuda" or w.dtype not in (torch.bfloat16, torch.float16):
+        return "blas"
+    if not batched and takes_warpk(h.device, h.shape[0]) and warpk.supported(h, w):
+        return "warpk"
+    if ring_config(h.device, w.shape[0], w.shape[1], h.shape[0]) is not None and ring.supported(h, w):
+        return "ring"
+    if (skinny_config(h.device, w.shape[0], w.shape[1], h.shape[0]) is not None and h.dtype == w.dtype
+            and h.stride(-1) == 1 and w.stride(-1) == 1):
+        return "skinny"
+    return "blas"
+
+
 def linear(h: torch.Tensor, w: torch.Tensor, batched: bool = False) -> torch.Tensor:
     """``F.linear(h, w)`` (no bias); half-precision weights on CUDA go through the warp-K GEMM (one
     request's steps, ``batched`` False), the TMA-ring GEMM, the skinny GEMM or the BLAS library the
-    table picks for the layer and ``h``'s rows. Batched steps (the rows of several requests) never
-    take the warp-K GEMM: with it a step of 4 requests x 1 row measured 4.74 -> 4.70 ms
-    (Llama-3.1-8B shapes, H200), within the spread between runs, and no other batched shape was
+    table picks for the layer and ``h``'s rows (:func:`route`). Batched steps (the rows of several
+    requests) never take the warp-K GEMM: with it a step of 4 requests x 1 row measured 4.74 -> 4.70
+    ms (Llama-3.1-8B shapes, H200), within the spread between runs, and no other batched shape was
     measured with it. The ring entries were measured on batched steps too (docs/engine.md)."""
     if h.device.type != "cuda" or w.dtype not in (torch.bfloat16, torch.float16):
         return F.linear(h, w)
-    if not batched and takes_warpk(h.device, h.shape[0]) and warpk.supported(h, w):
+    kernel = route(h, w, batched)
+    m, (n, k) = h.shape[0], w.shape
+    if kernel == "warpk":
         return warpk.warpk_linear(h, w)
-    rcfg = ring_config(h.device, w.shape[0], w.shape[1], h.shape[0])
-    if rcfg is not None and ring.supported(h, w):
-        return ring.ring_linear(h, w, rcfg)
-    cfg = skinny_config(h.device, w.shape[0], w.shape[1], h.shape[0])
-    if cfg is not None and h.dtype == w.dtype and h.stride(-1) == 1 and w.stride(-1) == 1:
-        return skinny_linear(h, w, cfg)
-    lib = gemm_config(h.device, h.shape[0]).library
+    if kernel == "ring":
+        return ring.ring_linear(h, w, ring_config(h.device, n, k, m))
+    if kernel == "skinny":
+        return skinny_linear(h, w, skinny_config(h.device, n, k, m))
+    lib = gemm_config(h.device, m).library
     if lib == "default":
         return F.linear(h, w)
     prev = torch.backends.cuda.preferred_blas_library()

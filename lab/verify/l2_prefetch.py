@@ -67,7 +67,7 @@ def prefetch(w, nbytes: int, mode: str) -> None:
 
 def variant(name: str):
     from lab.verify.step_parts import patched
-    from specpilot.kernels.verify import blas, ring, warpk
+    from specpilot.kernels.verify import blas
 
     stack = ExitStack()
     if name == "product":
@@ -77,12 +77,7 @@ def variant(name: str):
     plain = blas.linear
 
     def routed(h, w, batched=False):
-        m = h.shape[0]
-        to_blas = (h.is_cuda and w.dtype == h.dtype
-                   and not (not batched and blas.takes_warpk(h.device, m) and warpk.supported(h, w))
-                   and not (blas.ring_config(h.device, *w.shape, m) is not None and ring.supported(h, w))
-                   and blas.skinny_config(h.device, *w.shape, m) is None)
-        if to_blas:
+        if h.is_cuda and blas.route(h, w, batched) == "blas":
             prefetch(w, int(float(mb) * 1e6), mode)
         return plain(h, w, batched)
     stack.enter_context(patched(blas, "linear", routed))
