@@ -123,19 +123,21 @@ try:   # the ptxas Triton itself uses for sm_90 (newer Triton: a separate binary
 except Exception:
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 if not os.path.exists(ptxas):
-    print(json.dumps({"ptx": ptx, "log": "", "rc": None}))
+    print(json.dumps({"ptx": ptx, "log": "", "rc": None, "args": [[n, sig[n]] for n in names if n not in const]}))
 else:
     with tempfile.TemporaryDirectory() as d:
         open(os.path.join(d, "k.ptx"), "w").write(ptx)
         r = subprocess.run([ptxas, "-arch=sm_90a", "-v", os.path.join(d, "k.ptx"), "-o", os.path.join(d, "k.cubin")],
                            capture_output=True, text=True)
-    print(json.dumps({"ptx": ptx, "log": r.stdout + r.stderr, "rc": r.returncode}))
+    print(json.dumps({"ptx": ptx, "log": r.stdout + r.stderr, "rc": r.returncode,
+                      "args": [[n, sig[n]] for n in names if n not in const]}))
 """
 
 
 def ptxas_report(setup: str) -> dict:
     """Compile like :func:`main_loop_ptx`, then run Triton's bundled ``ptxas -v`` on the whole PTX:
-    ``{"ptx", "log", "rc"}`` (the log has registers, spills and performance warnings such as C7513)."""
+    ``{"ptx", "log", "rc", "args"}`` (the log has registers, spills and performance warnings such as
+    C7513; ``args``: the kernel's runtime arguments in order, ``[name, type]``)."""
     out = _child(setup + _PTXAS_TAIL)
     if out["rc"] is None:   # pragma: no cover
         pytest.skip("no ptxas binary in this Triton build")
@@ -211,6 +213,59 @@ def inflight_a_writes(sass_text: str) -> list[str]:
             if hit:
                 bad.append(t2)
     return bad
+
+
+def _param_names(args: list) -> list[str | None]:
+    """The pointer or tensor-descriptor argument each PTX kernel parameter belongs to, in parameter
+    order (None: a scalar): a descriptor is its 128-byte map then its shape (i32) and strides
+    (i64), one each per dimension."""
+    out: list[str | None] = []
+    for name, sig in args:
+        if sig.startswith("tensordesc"):
+            out += [name] * (1 + 2 * (sig.split("[", 1)[1].split("]")[0].count(",") + 1))
+        else:
+            out.append(name if sig.startswith("*") else None)
+    return out
+
+
+_ACCESS = re.compile(r"\b(ld\.global|st\.global|atom\.global|red\.global|cp\.async\.(?:ca|cg)\.shared|"
+                     r"cp\.async\.bulk\.tensor|cp\.async\.bulk\.prefetch)")
+_INSTR = re.compile(r"^\s*(?:@!?%p\d+\s+)?([a-z][\w.:]*)\s+([^;]*);", re.M)
+
+
+def global_accesses(setup: str) -> tuple[list, list[int], bool]:
+    """Compiled ``setup``: every global-memory access of the PTX as ``(offset, instruction, {pointer
+    and descriptor arguments its address derives from})``, the offsets of ``griddepcontrol.wait``,
+    and whether the kernel lets its dependents launch early (``griddepcontrol.launch_dependents``). Registers are
+    traced through their definitions (all of them, to a fixed point) back to the kernel's
+    parameters; a value loaded from memory derives from nothing."""
+    rep = ptxas_report(setup)
+    ptx, names = rep["ptx"], _param_names(rep["args"])
+    param = re.compile(r"_param_(\d+)\b")
+    defs: dict[str, set] = {}
+    instrs = [(m.start(), m.group(1), m.group(2)) for m in _INSTR.finditer(ptx)]
+    changed = True
+    while changed:
+        changed = False
+        for _, op, rest in instrs:
+            dst = re.match(r"\s*(%\w+)\s*,", rest)
+            if not dst or _ACCESS.match(op) or op.startswith(("ld.shared", "mbarrier", "setp", "st.")):
+                continue
+            src = rest[dst.end():]
+            got = {int(i) for i in param.findall(src)} if op.startswith(("ld.param", "mov", "cvta")) else set()
+            if not op.startswith("ld.") or op.startswith("ld.param"):
+                for r in re.findall(r"%\w+", src):
+                    got |= defs.get(r, set())
+            if not got <= defs.get(dst.group(1), set()):
+                defs[dst.group(1)] = defs.get(dst.group(1), set()) | got
+                changed = True
+    accesses = []
+    for off, op, rest in instrs:
+        if _ACCESS.match(op):
+            regs = [r for b in re.findall(r"\[([^\]]*)\]", rest) for r in re.findall(r"%\w+", b)]
+            accesses.append((off, f"{op} {rest}", {names[i] for r in regs for i in defs.get(r, ()) if names[i]}))
+    return (accesses, [m.start() for m in re.finditer(r"griddepcontrol\.wait", ptx)],
+            "griddepcontrol.launch_dependents" in ptx)
 
 
 _GLOBAL_ACCESS = re.compile(r"\b(ld\.global|st\.global|cp\.async|atom\.|red\.global|ld\.volatile\.global|prefetch\.)")

@@ -22,7 +22,7 @@ from specpilot.kernels.w12.gluon_common import mma_block_m  # noqa: E402
 from specpilot.kernels.w12.pack import KernelPack  # noqa: E402
 from specpilot.kernels.w12.naive import w12_linear_ref  # noqa: E402
 
-from gluon_ptx import ptxas_report, loop_ptx, waits_before_any_global_access  # noqa: E402
+from gluon_ptx import ptxas_report, loop_ptx  # noqa: E402
 from test_w12_gemm import check_close, make_weight  # noqa: E402
 from test_w12_mma import _span  # noqa: E402
 
@@ -58,13 +58,6 @@ const = dict(ROWS=16, BLOCK_M=8, WARPS=4, DEPTH=2, USE_SPLIT=True, QPASS=False, 
 div = list(ptrs) + ["K", "stride_xm", "stride_ym"]
 warps = 4
 """
-
-
-@needs_gluon
-def test_under_pdl_the_kernel_waits_before_it_reads():
-    """``PDL=True``: the wait for the previous kernel precedes the first record, x or escape load;
-    dependents are not triggered early."""
-    assert waits_before_any_global_access(_SETUP.replace("L_EP=lep)", "L_EP=lep, PDL=True)"))
 
 
 @needs_gluon

@@ -116,11 +116,16 @@ if gluon is not None:
         its x is zero, so it adds +-0): view words, nibble words, x (with ``X_LATE``: the record
         index instead, for :func:`_x_of`)."""
         v, q = load_clamped(pv, pq, t, t_end, L_V, L_Q, QPASS)
+        return v, q, _x_set(px, t, t_end, tx, L_X, X_LATE)
+
+    @gluon.jit
+    def _x_set(px, t, t_end, tx, L_X: gl.constexpr, X_LATE: gl.constexpr):
+        """A register set's x as :func:`_load` gives it: x of records ``t`` (with ``X_LATE``: ``t``)."""
         if X_LATE:
             x = t
         else:
             x = _x_of(px, t, t_end, tx, L_X)
-        return v, q, x
+        return x
 
     @gluon.jit
     def _x_of(px, t, t_end, tx, L_X: gl.constexpr):
@@ -161,7 +166,6 @@ if gluon is not None:
         A_OP: gl.constexpr, B_OP: gl.constexpr, L_EP: gl.constexpr, X_LATE: gl.constexpr = False,
         EPI_SPREAD: gl.constexpr = False, PDL: gl.constexpr = False,
     ):
-        pdl_wait(PDL)
         pid_n = gl.program_id(0)
         pid_k = gl.program_id(1)
         n0 = pid_n * ROWS
@@ -180,12 +184,21 @@ if gluon is not None:
         t_begin = pid_k * TILES_PER_SPLIT
         t_end = gl.minimum(t_begin + TILES_PER_SPLIT, KT)
         acc = gl.zeros([WARPS, ROWS, BLOCK_M], gl.float32, MMA)
-        v0, q0, x0 = _load(pv, pq, px, t_begin + wid, t_end, tx, L_V, L_Q, L_X, QPASS, X_LATE)
-        v1, q1, x1 = _load(pv, pq, px, t_begin + WARPS + wid, t_end, tx, L_V, L_Q, L_X, QPASS, X_LATE)
+        # the records are constant: the register sets' first records load before the wait for the
+        # previous kernel (under PDL, while it drains), their x after it
+        v0, q0 = load_clamped(pv, pq, t_begin + wid, t_end, L_V, L_Q, QPASS)
+        v1, q1 = load_clamped(pv, pq, t_begin + WARPS + wid, t_end, L_V, L_Q, QPASS)
         if DEPTH >= 3:
-            v2, q2, x2 = _load(pv, pq, px, t_begin + 2 * WARPS + wid, t_end, tx, L_V, L_Q, L_X, QPASS, X_LATE)
+            v2, q2 = load_clamped(pv, pq, t_begin + 2 * WARPS + wid, t_end, L_V, L_Q, QPASS)
         if DEPTH >= 4:
-            v3, q3, x3 = _load(pv, pq, px, t_begin + 3 * WARPS + wid, t_end, tx, L_V, L_Q, L_X, QPASS, X_LATE)
+            v3, q3 = load_clamped(pv, pq, t_begin + 3 * WARPS + wid, t_end, L_V, L_Q, QPASS)
+        pdl_wait(PDL)
+        x0 = _x_set(px, t_begin + wid, t_end, tx, L_X, X_LATE)
+        x1 = _x_set(px, t_begin + WARPS + wid, t_end, tx, L_X, X_LATE)
+        if DEPTH >= 3:
+            x2 = _x_set(px, t_begin + 2 * WARPS + wid, t_end, tx, L_X, X_LATE)
+        if DEPTH >= 4:
+            x3 = _x_set(px, t_begin + 3 * WARPS + wid, t_end, tx, L_X, X_LATE)
         if not USE_SPLIT and not EPI_SPREAD:   # the epilogue's three dependent round trips, behind the
             # weights (held in registers through the loop)
             wid = pin(wid, True)
