@@ -206,6 +206,41 @@ WG_CASES = [  # the group on wgmma: 1-3 records per split, 4 and 8 warps, 2-64 x
 ]
 
 
+_PAST_N = r"""
+import dataclasses, torch
+from test_w12_mma import _cuda_layer
+from specpilot.kernels.w12 import mma
+_, _, kp = _cuda_layer(40, 200, seed=2)
+n = kp.esc_rowptr.numel()
+padded = torch.full((n + 64,), -(1 << 30), dtype=kp.esc_rowptr.dtype, device="cuda")
+padded[:n] = kp.esc_rowptr
+poisoned = dataclasses.replace(kp, esc_rowptr=padded[:n])
+x = torch.randn(2, 200, generator=torch.Generator().manual_seed(2)).bfloat16().cuda()
+cfg = mma.MmaConfig(32, 1, 4, 3, tma=1)
+want = mma.w12_mma(x, kp, config=cfg, out_dtype=torch.float32)
+got = mma.w12_mma(x, poisoned, config=cfg, out_dtype=torch.float32)
+torch.cuda.synchronize()
+print(torch.equal(got.view(torch.int32), want.view(torch.int32)))
+"""
+
+
+@_gpu_gluon
+@pytest.mark.skipif(not mma_tma.AVAILABLE, reason="Triton without Gluon's Hopper module")
+def test_a_slice_past_the_last_row_reads_no_row_pointer_past_n():
+    """``tma=1`` with 32-row programs over 40 rows: the second program's second 16-row slice starts
+    at row 48, past N. Its epilogue read the escape row pointer ``eptr[48]``, past the N + 1 there
+    are (compute-sanitizer, PyTorch's allocator cache off: an invalid global read), and walked the
+    escapes from whatever lay there (an illegal address when that was negative). With the row
+    pointers followed by -2**30 the product still equals the plain pack's; in a child process,
+    since a fault leaves the process's CUDA context unusable."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", _PAST_N], capture_output=True, text=True, timeout=600,
+                       cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert r.returncode == 0 and r.stdout.strip().splitlines()[-1:] == ["True"], r.stderr[-3000:]
+
+
 @_gpu_gluon
 @pytest.mark.skipif(not mma_tma.AVAILABLE, reason="Triton without Gluon's Hopper module")
 def test_a_consumer_warp_per_16_rows_refuses_a_second_row_block():

@@ -119,7 +119,8 @@ if gluon is not None:
         low = gl.load(low_ptr + offs_n, mask=n_mask, other=112).to(gl.int32)
         r_lo = gl.load(eptr_ptr + offs_n, mask=n_mask, other=0)
         r_hi = gl.load(eptr_ptr + offs_n + 1, mask=n_mask, other=0)
-        e_lo = gl.load(eptr_ptr + n0)
+        # (a TMA kernel's 16-row slice may start past N: eptr has N + 1 entries)
+        e_lo = gl.load(eptr_ptr + gl.minimum(n0, N))
         e_hi = gl.load(eptr_ptr + gl.minimum(n0 + BLOCK_N, N))
         scale = ((low + (127 - 112)) << 23).to(gl.float32, bitcast=True)
         return scale, r_lo, r_hi, e_lo, e_hi

@@ -317,8 +317,9 @@ def w12_mma(x: torch.Tensor, packed: KernelPack, qpass: bool = False, config: Mm
         out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     esc_ch = esc_chunk(bm)
     if cfg.tma == mma_tma.SLICE_WARPS and mb > 1:
-        # an open bug: on the H200 this layout faults (illegal address) on its second x row block;
-        # the tuning table routes it to 1-8 rows only
+        # on the H200 this layout faulted (illegal address) on its second x row block; the table
+        # routes it to 1-8 rows only. The epilogue's read of a row pointer past N by a slice that
+        # starts past the last row (tests/test_w12_mma_tma.py) may have been the cause: unverified
         raise ValueError(f"tma=1 takes at most 64 x rows (one row block), got {m}; use tma=2 or 3")
     if cfg.tma:
         mma_tma.launch(x, packed, out, qpass, cfg, (bm, tps, split, nb, mb, ws, locks), esc_ch)
