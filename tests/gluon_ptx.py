@@ -228,17 +228,17 @@ def _param_names(args: list) -> list[str | None]:
     return out
 
 
-_ACCESS = re.compile(r"\b(ld\.global|st\.global|atom\.global|red\.global|cp\.async\.(?:ca|cg)\.shared|"
-                     r"cp\.async\.bulk\.tensor|cp\.async\.bulk\.prefetch)")
+_ACCESS = re.compile(r"\b(ld\.global|ld\.volatile\.global|st\.global|atom\.global|red\.global|prefetch\.global|"
+                     r"cp\.async\.(?:ca|cg)\.shared|cp\.async\.bulk\.(?:tensor|prefetch|shared))")
 _INSTR = re.compile(r"^\s*(?:@!?%p\d+\s+)?([a-z][\w.:]*)\s+([^;]*);", re.M)
 
 
 def global_accesses(setup: str) -> tuple[list, list[int], bool]:
     """Compiled ``setup``: every global-memory access of the PTX as ``(offset, instruction, {pointer
     and descriptor arguments its address derives from})``, the offsets of ``griddepcontrol.wait``,
-    and whether the kernel lets its dependents launch early (``griddepcontrol.launch_dependents``). Registers are
-    traced through their definitions (all of them, to a fixed point) back to the kernel's
-    parameters; a value loaded from memory derives from nothing."""
+    and whether the kernel lets its dependents launch early (``griddepcontrol.launch_dependents``).
+    Registers are traced through their definitions (all of them, to a fixed point) back to the
+    kernel's parameters; a value loaded from memory derives from nothing."""
     rep = ptxas_report(setup)
     ptx, names = rep["ptx"], _param_names(rep["args"])
     param = re.compile(r"_param_(\d+)\b")
@@ -268,13 +268,8 @@ def global_accesses(setup: str) -> tuple[list, list[int], bool]:
             "griddepcontrol.launch_dependents" in ptx)
 
 
-_GLOBAL_ACCESS = re.compile(r"\b(ld\.global|st\.global|cp\.async|atom\.|red\.global|ld\.volatile\.global|prefetch\.)")
-
-
 def waits_before_any_global_access(setup: str) -> bool:
     """Compiled ``setup`` (with the kernel's ``PDL=True``): ``griddepcontrol.wait`` comes before its
     first global-memory access, and the kernel does not trigger its dependents."""
-    ptx = ptxas_report(setup)["ptx"]
-    wait = ptx.find("griddepcontrol.wait")
-    first = _GLOBAL_ACCESS.search(ptx)
-    return 0 < wait and (first is None or wait < first.start()) and "griddepcontrol.launch_dependents" not in ptx
+    accesses, waits, triggers = global_accesses(setup)
+    return bool(waits) and all(off > waits[0] for off, _, _ in accesses) and not triggers
