@@ -15,6 +15,9 @@ Variants (each captured afresh, interleaved over rounds, median of the replays):
   named launched plainly, the rest as the table says;
 * ``no-ring``: the table's ``ring`` entries left out (those layers on the kernel they would take
   without them);
+* ``ring:<layers>:<block_n>:<stages>:<kboxes>:<trigger>``: the Llama layers named (as for
+  ``skinny:``) on the TMA-ring GEMM with that ``RingConfig`` at every row count it takes (1-64; one
+  request's steps of up to 8 rows stay on the warp-K GEMM), the table elsewhere;
 * ``skinny``: every dense projection of a multi-row step through the skinny GEMM
   (``kernels/verify/skinny.py``, about two programs per SM), cuBLAS nowhere;
 * ``attn:<walk>:<target>:<stages>[:<merge>]``: the attention with another ``SplitConfig`` for every
@@ -53,7 +56,7 @@ from lab.common import bootstrap, print_table, write_results  # noqa: E402
 
 VARIANTS = ("product", "no-merge", "no-attn", "no-rows", "no-ring", "skinny")
 PREFIXES = ("attn:", "attn-pf:", "attn-bm:", "skinny:", "warpk:", "warpk-nopdl:", "warpk-late:",   # parametrised
-            "ring-trigger:", "w12-pdl:", "w12-pdl-skip:")
+            "ring-trigger:", "ring:", "w12-pdl:", "w12-pdl-skip:")
 LLAMA_LAYERS = {"qkv": (6144, 4096), "o": (4096, 4096), "gu": (28672, 4096), "down": (4096, 14336)}   # (n, k)
 
 
@@ -149,6 +152,19 @@ def variant(name: str):
         def cfg(device, n, k, rows):
             c = table(device, n, k, rows)
             return replace(c, trigger=int(on)) if c is not None and (n, k) in shapes else c
+        stack.enter_context(patched(blas, "ring_config", cfg))
+    elif name.startswith("ring:"):   # the Llama layers named on the ring at every row count, one config
+        from specpilot.kernels.verify import ring
+
+        _, names, *fields = name.split(":")
+        shapes = {LLAMA_LAYERS[n] for n in names.split("+")}
+        forced = ring.RingConfig(block_n=int(fields[0]), stages=int(fields[1]), kboxes=int(fields[2]),
+                                 trigger=int(fields[3]))
+        ring.check(forced)
+        table = blas.ring_config
+
+        def cfg(device, n, k, rows):
+            return forced if (n, k) in shapes and rows <= ring.MAX_ROWS else table(device, n, k, rows)
         stack.enter_context(patched(blas, "ring_config", cfg))
     elif name.startswith(("w12-pdl:", "w12-pdl-skip:")):
         from dataclasses import replace
