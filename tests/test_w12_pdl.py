@@ -27,15 +27,7 @@ from gluon_ptx import global_accesses  # noqa: E402
 import test_w12_mma  # noqa: E402
 import test_w12_warpk  # noqa: E402
 
-needs_gluon = pytest.mark.skipif(mma.gluon is None, reason="Triton without Gluon")
-
-
-def _records_first(setup: str) -> None:
-    accesses, waits, triggers = global_accesses(setup)
-    assert len(waits) == 1 and not triggers
-    before = [names for off, _, names in accesses if off < waits[0]]
-    assert before and all(names == {"rec_ptr"} for names in before)
-    assert any("x_ptr" in names for off, _, names in accesses if off > waits[0])
+from test_w12_mma import _gpu_gluon, needs_gluon  # noqa: E402
 
 
 @needs_gluon
@@ -44,8 +36,12 @@ def _records_first(setup: str) -> None:
 def test_warpk_reads_only_records_before_the_wait(depth, late):
     """The warp-K kernel: its register sets' first records before the wait, x after (loaded with
     the records, or late before each record's MMAs), no early trigger of the dependents."""
-    _records_first(test_w12_warpk._SETUP.replace("DEPTH=2", f"DEPTH={depth}").replace(
+    accesses, waits, triggers = global_accesses(test_w12_warpk._SETUP.replace("DEPTH=2", f"DEPTH={depth}").replace(
         "L_EP=lep)", f"L_EP=lep, X_LATE={late}, PDL=True)"))
+    assert len(waits) == 1 and not triggers
+    before = [names for off, _, names in accesses if off < waits[0]]
+    assert before and all(names == {"rec_ptr"} for names in before)
+    assert any("x_ptr" in names for off, _, names in accesses if off > waits[0])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -89,12 +85,7 @@ def _after_late_write(x: torch.Tensor, product):
     return product(x2)
 
 
-def _gpu(fn):
-    skip = pytest.mark.skipif(not torch.cuda.is_available() or mma.gluon is None, reason="needs CUDA and Gluon")
-    return pytest.mark.gpu(skip(fn))
-
-
-@_gpu
+@_gpu_gluon
 def test_the_control_reads_the_old_x():
     """The harness opens the window: a PDL kernel reading before its wait gets the zeros."""
     x = torch.randn(8, 1024, device="cuda").bfloat16()
@@ -121,7 +112,7 @@ CONFIGS = [   # (rows, launcher, config): every W12 tensor-core kernel form the 
 ]
 
 
-@_gpu
+@_gpu_gluon
 @pytest.mark.parametrize("rows,kernel,cfg", CONFIGS)
 @pytest.mark.parametrize("qpass", [False, True])
 def test_each_kernel_reads_x_only_after_the_wait(rows, kernel, cfg, qpass):
