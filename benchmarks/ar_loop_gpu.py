@@ -3,7 +3,8 @@
 Random weights (std 0.02), batch 1, a 1000-token prompt, 256 greedy tokens through
 ``Decoder.generate`` (what ``specpilot run --mode ar`` calls) after the engine's load-time
 warm-up; beside it the AR step's CUDA graph replayed back to back (CUDA events, median) in the
-same run, and where a repeated 1000-token prefill's time goes (CUDA kernels by name). The loop
+same run, and where a repeated 1000-token prefill's time goes (CUDA kernels by name), through the
+fused rows path the decoder runs and, as the baseline, through the layer modules. The loop
 queues graph replays ahead of the host (``Decoder._ar_pipelined``), so its per-token time should be
 the graph step's.
 
@@ -43,11 +44,15 @@ def measure(m, weights):
     del dec, g
     torch.cuda.empty_cache()
     prof = prefill_profile(m)
+    m.set_decode("layers")   # the baseline: the prompt through the layer modules, same process
+    base = prefill_profile(m)
+    m.set_decode("fused")
     tps = [r.decode_tokens_per_second for r in runs]
     return {"weights": weights, "warmup_seconds": warm, "loop_tokens_per_s": tps, "graph_step_ms": step,
             "graph_tokens_per_s": 1e3 / step, "loop_over_graph": max(tps) * step / 1e3,
             "first_prefill_ms": runs[0].prefill_seconds * 1e3, "repeat_prefill_ms": prof["wall_ms"],
-            "loop_gpu_ms_per_step": runs[1].step_timing()["gpu_ms"], "prefill_profile": prof}
+            "repeat_prefill_layers_ms": base["wall_ms"], "loop_gpu_ms_per_step": runs[1].step_timing()["gpu_ms"],
+            "prefill_profile": prof, "prefill_layers_profile": base}
 
 
 def main() -> int:
@@ -65,11 +70,12 @@ def main() -> int:
     convert_engine_model(m)
     rows.append(measure(m, "w12"))
     print_table(rows, ["weights", "loop_tokens_per_s", "graph_tokens_per_s", "loop_over_graph", "first_prefill_ms",
-                       "repeat_prefill_ms"])
+                       "repeat_prefill_ms", "repeat_prefill_layers_ms"])
     for r in rows:
-        p = r["prefill_profile"]
-        print(r["weights"], f"prefill kernels {p['kernel_ms']:.1f} ms in {p['kernels']} launches:",
-              "; ".join(f"{t['name'][:60]} x{t['calls']} {t['ms']:.2f}" for t in p["top"][:8]))
+        for key in ("prefill_profile", "prefill_layers_profile"):
+            p = r[key]
+            print(r["weights"], key, f"kernels {p['kernel_ms']:.1f} ms in {p['kernels']} launches:",
+                  "; ".join(f"{t['name'][:60]} x{t['calls']} {t['ms']:.2f}" for t in p["top"][:8]))
     write_results("ar_loop_gpu", rows, {"model": "llama-3.1-8b", "context": CONTEXT, "prompt_tokens": 1000,
                                         "new_tokens": 256, "method": "Decoder.generate after warm-up; graph step: "
                                         "CUDA graph replays back to back, CUDA events, median of 100"})

@@ -1,4 +1,4 @@
-"""Steps of 2..64 rows (chain and tree verification, short prefills) through fused kernels
+"""Steps of two rows or more (chain and tree verification, prompts) through fused kernels
 (``decode=fused``, the default on CUDA where it applies; :mod:`.fused_decode` takes one row).
 
 A dense layer is four GEMMs (bf16 weights: the kernel the measured table picks for the step's
@@ -45,10 +45,10 @@ from specpilot.kernels.verify import blas
 
 
 def takes(model, rows: int) -> bool:
-    """Whether a step of ``rows`` rows runs here (``decode=fused`` and 2..64 rows; any rows for a
-    hybrid model, whose prompts take this path too: its layer modules cost dozens of small torch
-    kernels per layer, a launch-bound prefill)."""
-    return model.fused_decode and 1 < rows and (rows <= MAX_ROWS or model.spec.is_hybrid)
+    """Whether a step of ``rows`` rows runs here: with ``decode=fused``, every step of two rows or
+    more, prompts included (the layer modules cost about forty small torch kernels per layer, a
+    launch-bound prefill)."""
+    return model.fused_decode and 1 < rows
 
 
 def takes_invariant(model, rows: int) -> bool:

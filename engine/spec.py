@@ -32,7 +32,7 @@ GDNS = ("auto", "naive", "path", "wy")
 BUDGETS = ("shared", "equal")
 BLOCKS = ("adaptive", "fixed")
 ADMITS = ("off", "waiting", "all")
-MAX_STEP_ROWS = 64   # rows of the fused multi-row steps (engine/fused_verify.py)
+MAX_STEP_ROWS = 64   # most rows of a verify step (its graph buckets, the row-invariant kernels)
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
 

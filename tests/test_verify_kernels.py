@@ -156,6 +156,35 @@ def test_engine_verify_step_matches_the_layers():
     assert torch.equal(m.greedy(step, kv_len=ctx), ref.argmax(-1))
 
 
+def test_engine_prompt_longer_than_a_verify_step_takes_the_fused_rows():
+    """A prompt of more rows than a verify step (70 > 64) through the fused kernels against the
+    layer modules: the last row's logits and every row's K/V agree (fp32, tiny model, two layers;
+    CPU: Triton's interpreter)."""
+    from specpilot.engine import fused_verify
+    from specpilot.engine.api import load_engine
+    from specpilot.engine.model import StepInput
+    from specpilot.engine.spec import MAX_STEP_ROWS
+
+    ctx, n = 96, MAX_STEP_ROWS + 6
+    m = load_engine(f"engine:model=tiny,mode=ar,ctx={ctx},device={DEV},dtype=float32,graphs=0,decode=layers").model
+    m.layers = m.layers[:2]
+    pos = torch.arange(n, device=DEV)
+    prompt = StepInput((7 * pos + 3) % m.spec.vocab_size, pos, pos,
+                       torch.arange(ctx, device=DEV)[None, :] <= pos[:, None], "seq")
+    ref = m.forward(prompt, kv_len=ctx)
+    kv_ref = [(blk.mixer.k_cache[0, :, :n].clone(), blk.mixer.v_cache[0, :, :n].clone()) for blk in m.layers]
+    for blk in m.layers:
+        blk.mixer.k_cache.zero_()
+        blk.mixer.v_cache.zero_()
+    assert m.set_decode("fused") == "fused" and fused_verify.takes(m, n)
+    assert not fused_verify.takes_invariant(m, n)
+    got = m.forward(prompt, kv_len=ctx)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
+    for blk, (k, v) in zip(m.layers, kv_ref):
+        torch.testing.assert_close(blk.mixer.k_cache[0, :, :n], k, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(blk.mixer.v_cache[0, :, :n], v, atol=2e-5, rtol=2e-5)
+
+
 def _batched_fused_vs_layers(model: str, ctx: int, seed: int, scale: float, blocks, tol: float, prepare=None,
                              layers=None):
     """One batched step of ``blocks`` through the layer modules, then (every cache slot put back)
