@@ -81,10 +81,6 @@ def cell(text) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
-def cell(text) -> str:
-    return str(text).replace("|", "\\|").replace("\n", " ")
-
-
 def substitute(obj, loop: dict):
     """``$name`` of a ``for`` loop in a spec; a string that is just ``$name`` keeps the value's type."""
     if isinstance(obj, str):
@@ -112,6 +108,23 @@ def expand(row, where: str) -> list[tuple[dict, str]]:
     body = {k: v for k, v in row.items() if k != "for"}
     return [(substitute(body, dict(zip(loop, vals))), f"{where} [{', '.join(map(str, vals))}]")
             for vals in zip(*loop.values())]
+
+
+def status(targets, values: dict, where: str) -> str:
+    """``met`` when every target of a row holds for the values read, else ``not met`` with the
+    values that miss (``targets``: ``[{value: name, min: x | max: x, label: text}]``)."""
+    if targets is None:
+        return "met"
+    missed = []
+    for t in targets if isinstance(targets, list) else [None]:
+        if not isinstance(t, dict) or t.get("value") not in values or ("min" in t) == ("max" in t):
+            raise SpecError(f"{where}: a target needs 'value' (a value of the row) and one of 'min', 'max'")
+        v, label = values[t["value"]], t.get("label", t["value"])
+        if "min" in t and not v >= t["min"]:
+            missed.append(f"{label} {v:.3g} < {t['min']}")
+        if "max" in t and not v <= t["max"]:
+            missed.append(f"{label} {v:.3g} > {t['max']}")
+    return "met" if not missed else f"not met ({', '.join(missed)})"
 
 
 def render_table(table: dict, results: Results, where: str) -> str:
@@ -142,6 +155,7 @@ def render_table(table: dict, results: Results, where: str) -> str:
             shown = {k: ("yes" if v else "no") if isinstance(v, bool) else "-" if v is None else v
                      for k, v in values.items()}
             shown["sources"] = links(sources)
+            shown["status"] = status(row.get("targets"), values, at)
             cites_per_row |= any("{sources}" in str(c) for c in row["cells"])
             out = []
             for c in row["cells"]:

@@ -128,3 +128,23 @@ def test_for_rows_and_docs_tables(tmp_path):
     text = doc.read_text()
     assert "Source: [demo](../benchmarks/results/demo.json)." in text
     assert "| 1 | 10.0 |\n| 8 | 12.5 |" in text
+
+
+def test_targets_give_the_status(tmp_path):
+    """A row's ``targets`` say ``met`` or name the value that misses; a malformed target exits 2."""
+    for targets, want in [([{"value": "v", "min": 1.1}], "| met |"),
+                          ([{"value": "v", "min": 1.3, "label": "speedup"}], "| not met (speedup 1.23 < 1.3) |"),
+                          ([{"value": "v", "max": 1.0}], "| not met (v 1.23 > 1.0) |")]:
+        sub = tmp_path / str(len(list(tmp_path.iterdir())))
+        sub.mkdir()
+        results, spec, readme = small_setup(sub, "{v:.2f}x", {"field": "summary.speedup"})
+        s = json.loads(spec.read_text())
+        s["tables"][0]["rows"][0]["targets"] = targets
+        s["tables"][0]["rows"][0]["cells"][3] = "{status}"
+        spec.write_text(json.dumps(s))
+        assert run_in(sub, results, spec).returncode == 0
+        assert want in readme.read_text(), readme.read_text()
+    s["tables"][0]["rows"][0]["targets"] = [{"value": "v"}]
+    spec.write_text(json.dumps(s))
+    r = run_in(sub, results, spec)
+    assert r.returncode == 2 and "one of 'min', 'max'" in r.stderr and r.stderr.count("\n") == 1
