@@ -9,7 +9,8 @@
 
 An entry names a kernel, the key it applies to (the op's fields: ``n`` and ``k`` for a layer,
 ``epilogue`` for the fused decode kernels, ``head_dim`` for the attention; ``rows`` ``[lo, hi]`` a
-range of x rows, ``hi`` null for no bound) and the kernel's config fields. A kernel takes the first entry of its own that matches;
+range of x rows, ``hi`` null for no bound; ``requests``, the same for a batched step's requests)
+and the kernel's config fields. A kernel takes the first entry of its own that matches;
 the ops' own code decides which kernel runs (:mod:`specpilot.kernels.w12.routing`).
 
 A device takes the table of its own architecture, else the :data:`FALLBACK` one (the only
@@ -76,11 +77,13 @@ def _key(kernel: str, fields: dict) -> tuple:
     return (kernel,) + tuple(sorted(fields.items()))
 
 
-def lookup(op: str, kernel: str, arch: str | None = None, rows: int | None = None, **key) -> list[dict]:
+def lookup(op: str, kernel: str, arch: str | None = None, rows: int | None = None, requests: int | None = None,
+           **key) -> list[dict]:
     """The entries of ``kernel`` in ``op``'s table for ``arch`` that match ``key`` (e.g. ``n``,
-    ``k``) and cover ``rows``, in file order."""
+    ``k``) and cover ``rows`` and ``requests``, in file order."""
     found = table(op, arch)["index"].get(_key(kernel, key), ())
-    return [e for e in found if rows is None or _covers(e.get("rows"), rows)]
+    return [e for e in found if (rows is None or _covers(e.get("rows"), rows))
+            and (requests is None or _covers(e.get("requests"), requests))]
 
 
 def _covers(span, m: int) -> bool:

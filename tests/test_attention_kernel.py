@@ -99,6 +99,10 @@ def test_program_targets_come_from_the_measured_table():
     cpu = torch.device("cpu")
     live = fused.SplitConfig(128, True, 3, merge="last")
     assert fused.split_config(cpu, True, 1, 128) == fused.split_config(cpu, True, 4, 128) == live
+    # 4 to 16 requests: 128-slot tiles (one program per SM); more requests keep 64
+    wide = fused.SplitConfig(128, True, 3, merge="last", block_n=128)
+    assert fused.split_config(cpu, True, 1, 128, 16) == fused.split_config(cpu, True, 4, 128, 4) == wide
+    assert fused.split_config(cpu, True, 1, 128, 32) == fused.split_config(cpu, True, 1, 128, 3) == live
     assert fused.split_config(cpu, True, 33, 128) == fused.SplitConfig()
     assert fused.split_config(cpu, False, 1, 128) == fused.SplitConfig(256, True, 2, prefetch=1)
     assert fused.split_config(cpu, False, 2, 128) == fused.split_config(cpu, False, 33, 128) == fused.SplitConfig()
@@ -113,6 +117,19 @@ def test_program_targets_come_from_the_measured_table():
     a = fused.masked_gqa_attention(q, k, v, mask, 0.2, cfg=fused.SplitConfig(16))
     b = fused.masked_gqa_attention(q, k, v, mask, 0.2, cfg=fused.SplitConfig(1024))
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_tile_and_warps_change_the_walk_not_the_result():
+    """128-slot tiles and 8 warps (``SplitConfig.block_n``, ``warps``) give what 64-slot tiles and
+    4 warps give, one request and batched; a tile or warp count the kernel cannot take is refused."""
+    q, k, v, mask = _case(3, 8, 2, 32, 320, seed=9)
+    ref = fused.masked_gqa_attention(q, k, v, mask, 0.2, cfg=fused.SplitConfig(16))
+    for cfg in (fused.SplitConfig(16, block_n=128), fused.SplitConfig(4, block_n=128, warps=8),
+                fused.SplitConfig(16, block_n=32, warps=2)):
+        torch.testing.assert_close(fused.masked_gqa_attention(q, k, v, mask, 0.2, cfg=cfg), ref, atol=1e-5, rtol=1e-5)
+    for bad in ({"block_n": 96}, {"block_n": 256}, {"warps": 3}):
+        with pytest.raises(ValueError, match="block_n must be"):
+            fused.SplitConfig(**bad)
 
 
 def test_fused_refuses_unsupported_shapes():
@@ -388,7 +405,7 @@ def test_live_walk_refuses_slots_of_another_shape():
 @pytest.mark.parametrize("T,batch", [(1, 1), (33, 1), (1, 16), (4, 16)])
 def test_live_walk_and_one_split_on_cuda(T, batch):
     """Llama-3.1-8B attention shapes in bf16: the live walk (pipelined on the GPU) gives the checked
-    walk's bits at the same split, and the table's configs (one split from 16 requests on) stay
+    walk's bits at the same split and tile, and the table's configs (one split from 16 requests on) stay
     within bf16 rounding of the float32 reference."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA")
@@ -407,7 +424,9 @@ def test_live_walk_and_one_split_on_cuda(T, batch):
         return fused.batched_gqa_attention(q, k, v, mask, hd ** -0.5, segs, T, cfg=cfg, slots=slots)
 
     for target in (64, 256):
-        assert torch.equal(attend(fused.SplitConfig(target, live=True, stages=3)), attend(fused.SplitConfig(target)))
+        for bn in (64, 128):
+            assert torch.equal(attend(fused.SplitConfig(target, live=True, stages=3, block_n=bn)),
+                               attend(fused.SplitConfig(target, block_n=bn)))
     want = ref.batched_gqa_attention(q.float(), k.float(), v.float(), mask, hd ** -0.5, segs.cpu())
     for target in (64, 256):   # the last program's merge, twice (counters reset)
         cfg = fused.SplitConfig(target, live=True, merge="last")

@@ -48,7 +48,7 @@ import torch
 from .. import tuning, workspace
 from ..triton_env import pdl_args, tl, triton  # sets TRITON_INTERPRET first on a machine without CUDA
 
-BLOCK_N = 64        # cache slots per tile
+BLOCK_N = 64        # cache slots per tile (SplitConfig's default)
 MAX_BLOCK_M = 64    # query rows per program (group members x step rows); more rows: more programs
 MERGE_SPLITS = 16   # partials the merge loads at once (a step's split count is up to a few dozen)
 MERGES = ("kernel", "last")
@@ -63,33 +63,39 @@ class SplitConfig:
     what no row attends. Same arithmetic either way; needs the rows' slots. ``merge``: where the
     splits are combined (``kernel`` or ``last``, the module doc). ``prefetch`` (with ``live`` under
     programmatic dependent launch): before it waits for the previous kernel, a program asks L2 for
-    up to this many of its first live K and V tiles (one bulk prefetch each; the module doc)."""
+    up to this many of its first live K and V tiles (one bulk prefetch each; the module doc).
+    ``block_n``: cache slots per tile; ``warps``: warps per program."""
 
     target_programs: int = 256
     live: bool = False
     stages: int = 2
     merge: str = "kernel"
     prefetch: int = 0
+    block_n: int = BLOCK_N
+    warps: int = 4
 
     def __post_init__(self):
         if self.merge not in MERGES:
             raise ValueError(f"merge must be one of {MERGES}, got {self.merge!r}")
         if not 0 <= self.prefetch <= 16:
             raise ValueError(f"prefetch must be 0-16 tiles, got {self.prefetch}")
+        if self.block_n not in (16, 32, 64, 128) or self.warps not in (2, 4, 8):
+            raise ValueError(f"block_n must be 16-128 (a power of two) and warps 2, 4 or 8; got {self.block_n}, "
+                             f"{self.warps}")
 
 
 @lru_cache(maxsize=None)
-def _split_config(arch: str | None, batched: bool, rows: int, head_dim: int) -> SplitConfig:
+def _split_config(arch: str | None, batched: bool, rows: int, head_dim: int, requests: int) -> SplitConfig:
     found = tuning.lookup("attention", "split-kv-batched" if batched else "split-kv", arch, rows=rows,
-                          head_dim=head_dim)
+                          requests=requests if batched else None, head_dim=head_dim)
     return SplitConfig(**found[0]["config"]) if found else SplitConfig()
 
 
-def split_config(device, batched: bool, rows: int, head_dim: int) -> SplitConfig:
+def split_config(device, batched: bool, rows: int, head_dim: int, requests: int = 1) -> SplitConfig:
     """The measured config (``kernels/attention/tuned/<arch>.json``) for one request's ``rows`` rows,
-    or a batched step's segments of at most ``rows`` rows each, at ``head_dim`` on ``device``; the
-    default where nothing was measured for that head_dim."""
-    return _split_config(tuning.device_arch(device), batched, rows, head_dim)
+    or a batched step of ``requests`` requests whose segments have at most ``rows`` rows each, at
+    ``head_dim`` on ``device``; the default where nothing was measured for that head_dim."""
+    return _split_config(tuning.device_arch(device), batched, rows, head_dim, requests)
 
 
 if triton is not None:
@@ -344,7 +350,7 @@ def plan(T: int, nh: int, nkv: int, S: int, segments: int = 1,
     R = (nh // nkv) * T
     block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(R)))
     row_blocks = triton.cdiv(R, block_m)
-    tiles = triton.cdiv(S, BLOCK_N)
+    tiles = triton.cdiv(S, cfg.block_n)
     splits = max(1, min(tiles, triton.cdiv(cfg.target_programs, nkv * row_blocks * segments)))
     return R, block_m, row_blocks, splits
 
@@ -371,9 +377,9 @@ def _launch(q, k, v, mask, scale, pdl, segs=None, seg_rows: int = 0, cfg: SplitC
     nseg = 1 if segs is None else segs.shape[0]
     R = (nh // nkv) * T
     rows = T if segs is None else seg_rows
-    cfg = cfg or split_config(q.device, segs is not None, rows, hd)
+    cfg = cfg or split_config(q.device, segs is not None, rows, hd, nseg)
     _, block_m, row_blocks, splits = plan(rows, nh, nkv, S, nseg, cfg)
-    chunk = triton.cdiv(triton.cdiv(S, splits), BLOCK_N) * BLOCK_N
+    chunk = triton.cdiv(triton.cdiv(S, splits), cfg.block_n) * cfg.block_n
     splits = triton.cdiv(S, chunk)
     out = torch.empty(T, nh * hd, dtype=v.dtype, device=q.device)
     direct = splits == 1
@@ -394,10 +400,10 @@ def _launch(q, k, v, mask, scale, pdl, segs=None, seg_rows: int = 0, cfg: SplitC
         q, k, v, mask, acc, ml, mask if segs is None else segs, slots if live else mask, out, cnt,
         T, S, R, chunk, float(scale), row_blocks,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        mask.stride(0), out.stride(0), GRP=nh // nkv, HD=hd, BLOCK_M=block_m, BLOCK_N=BLOCK_N, IEEE=ieee,
+        mask.stride(0), out.stride(0), GRP=nh // nkv, HD=hd, BLOCK_M=block_m, BLOCK_N=cfg.block_n, IEEE=ieee,
         SEGS=segs is not None, LIVE=live, STAGES=cfg.stages, DIRECT=direct, MERGE_LAST=merge_last,
         PREFETCH=cfg.prefetch if live and k.stride(2) == hd and v.stride(2) == hd else 0,
-        num_warps=4, **pdl_args(pdl, q))
+        num_warps=cfg.warps, **pdl_args(pdl, q))
     if not direct and not merge_last:
         _attn_merge[(nkv, R)](acc, ml, out, T, R, splits, out.stride(0), GRP=nh // nkv, HD=hd,
                               SPLITS=MERGE_SPLITS, num_warps=4, **pdl_args(pdl, q))

@@ -135,7 +135,7 @@ def main():
                 mask[b * N:(b + 1) * N, ctx:ctx + N] = torch.tril(torch.ones(N, N, dtype=torch.bool, device="cuda"))
             segs = torch.tensor([[b * N, N, b] for b in range(B)], dtype=torch.int32, device="cuda") if B > 1 else None
             live = B * nkv * (ctx + N) * hd * 2 * 2
-            cfg = decode.split_config(q.device, B > 1, N if B > 1 else T, hd)
+            cfg = decode.split_config(q.device, B > 1, N if B > 1 else T, hd, B)
             if B == 1:
                 prod = lambda: decode.masked_gqa_attention(q, k[0], v[0], mask, hd ** -0.5)  # noqa: E731
             else:
