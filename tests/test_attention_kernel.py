@@ -120,14 +120,14 @@ def test_program_targets_come_from_the_measured_table():
 
 
 def test_tile_and_warps_change_the_walk_not_the_result():
-    """128-slot tiles and 8 warps (``SplitConfig.block_n``, ``warps``) give what 64-slot tiles and
-    4 warps give, one request and batched; a tile or warp count the kernel cannot take is refused."""
+    """128- and 32-slot tiles (``SplitConfig.block_n``) give what 64-slot tiles give, in one split
+    or several; a tile the kernel cannot take is refused."""
     q, k, v, mask = _case(3, 8, 2, 32, 320, seed=9)
     ref = fused.masked_gqa_attention(q, k, v, mask, 0.2, cfg=fused.SplitConfig(16))
-    for cfg in (fused.SplitConfig(16, block_n=128), fused.SplitConfig(4, block_n=128, warps=8),
-                fused.SplitConfig(16, block_n=32, warps=2)):
+    for cfg in (fused.SplitConfig(16, block_n=128), fused.SplitConfig(4, block_n=128),
+                fused.SplitConfig(16, block_n=32)):
         torch.testing.assert_close(fused.masked_gqa_attention(q, k, v, mask, 0.2, cfg=cfg), ref, atol=1e-5, rtol=1e-5)
-    for bad in ({"block_n": 96}, {"block_n": 256}, {"warps": 3}):
+    for bad in ({"block_n": 96}, {"block_n": 256}, {"block_n": 8}):
         with pytest.raises(ValueError, match="block_n must be"):
             fused.SplitConfig(**bad)
 

@@ -248,21 +248,28 @@ def _default_configs(kernel: str):
         return [mod.default_config(m, n, k) for n, k in SHAPES for m in ROWS if kernel != "warpk" or m <= 32]
     if kernel == "verify/skinny":
         return []   # no default: a layer without an entry runs on cuBLAS
+    if kernel == "attention/split-kv":
+        from specpilot.kernels.attention.decode import SplitConfig
+
+        return [SplitConfig()]
     mod = {"decode/gemv": dgemv, "decode/gemv-w12": gemv_w12, "decode/gemv-w12-gluon": gemv_w12_gluon}[kernel]
     return [mod.DEFAULT]
 
 
 @pytest.mark.parametrize("kernel", ["mma", "warpk", "gemv-gluon", "gemv", "gemm", "decode/gemv", "decode/gemv-w12",
-                                    "decode/gemv-w12-gluon", "verify/skinny"])
+                                    "decode/gemv-w12-gluon", "verify/skinny", "attention/split-kv"])
 def test_every_config_field_is_set_by_a_table_entry_or_the_default_heuristic(kernel):
+    from specpilot.kernels.attention.decode import SplitConfig
     from specpilot.kernels.verify.skinny import SkinnyConfig
 
     w12, decode = _config_classes()
     op, name = kernel.split("/") if "/" in kernel else ("w12", kernel)
-    cls = {"decode": decode, "w12": w12, "verify": {"skinny": SkinnyConfig}}[op][name]
+    classes = {"decode": decode, "w12": w12, "verify": {"skinny": SkinnyConfig}, "attention": {"split-kv": SplitConfig}}
+    cls = classes[op][name]
+    names = {name, "split-kv-batched"} if op == "attention" else {name}   # one config class for both kinds
     default = cls()
     configs = [cls(**e["config"]) for path in _tables(op) for e in json.loads(path.read_text())["entries"]
-               if e["kernel"] == name]
+               if e["kernel"] in names]
     configs += _default_configs(kernel)
     dead = [f.name for f in dataclasses.fields(cls)
             if all(getattr(c, f.name) == getattr(default, f.name) for c in configs)]

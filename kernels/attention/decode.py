@@ -64,7 +64,7 @@ class SplitConfig:
     splits are combined (``kernel`` or ``last``, the module doc). ``prefetch`` (with ``live`` under
     programmatic dependent launch): before it waits for the previous kernel, a program asks L2 for
     up to this many of its first live K and V tiles (one bulk prefetch each; the module doc).
-    ``block_n``: cache slots per tile; ``warps``: warps per program."""
+    ``block_n``: cache slots per tile."""
 
     target_programs: int = 256
     live: bool = False
@@ -72,16 +72,14 @@ class SplitConfig:
     merge: str = "kernel"
     prefetch: int = 0
     block_n: int = BLOCK_N
-    warps: int = 4
 
     def __post_init__(self):
         if self.merge not in MERGES:
             raise ValueError(f"merge must be one of {MERGES}, got {self.merge!r}")
         if not 0 <= self.prefetch <= 16:
             raise ValueError(f"prefetch must be 0-16 tiles, got {self.prefetch}")
-        if self.block_n not in (16, 32, 64, 128) or self.warps not in (2, 4, 8):
-            raise ValueError(f"block_n must be 16-128 (a power of two) and warps 2, 4 or 8; got {self.block_n}, "
-                             f"{self.warps}")
+        if self.block_n not in (16, 32, 64, 128):
+            raise ValueError(f"block_n must be 16, 32, 64 or 128, got {self.block_n}")
 
 
 @lru_cache(maxsize=None)
@@ -403,7 +401,7 @@ def _launch(q, k, v, mask, scale, pdl, segs=None, seg_rows: int = 0, cfg: SplitC
         mask.stride(0), out.stride(0), GRP=nh // nkv, HD=hd, BLOCK_M=block_m, BLOCK_N=cfg.block_n, IEEE=ieee,
         SEGS=segs is not None, LIVE=live, STAGES=cfg.stages, DIRECT=direct, MERGE_LAST=merge_last,
         PREFETCH=cfg.prefetch if live and k.stride(2) == hd and v.stride(2) == hd else 0,
-        num_warps=cfg.warps, **pdl_args(pdl, q))
+        num_warps=4, **pdl_args(pdl, q))
     if not direct and not merge_last:
         _attn_merge[(nkv, R)](acc, ml, out, T, R, splits, out.stride(0), GRP=nh // nkv, HD=hd,
                               SPLITS=MERGE_SPLITS, num_warps=4, **pdl_args(pdl, q))

@@ -20,10 +20,10 @@ Variants (each captured afresh, interleaved over rounds, median of the replays):
   request's steps of up to 8 rows stay on the warp-K GEMM), the table elsewhere;
 * ``skinny``: every dense projection of a multi-row step through the skinny GEMM
   (``kernels/verify/skinny.py``, about two programs per SM), cuBLAS nowhere;
-* ``attn:<walk>:<target>:<stages>[:<merge>[:<block_n>:<warps>]]``: the attention with another
+* ``attn:<walk>:<target>:<stages>[:<merge>[:<block_n>]]``: the attention with another
   ``SplitConfig`` for every step (walk ``live`` or ``checked``, program target a number or ``table``
   for the measured entry, merge ``kernel`` or ``last``, ``table`` or left out: the measured entry's;
-  cache slots per tile and warps per program, ``table`` or left out: the entry's);
+  cache slots per tile, ``table`` or left out: the entry's);
 * ``attn-pf:<tiles>``: the attention asking L2 for up to ``tiles`` of each program's first K/V tiles
   before its PDL wait (``SplitConfig.prefetch``) in every step;
 * ``attn-bm:<rows>``: the attention with at most ``rows`` query rows per program (a power of two);
@@ -86,7 +86,7 @@ def variant(name: str):
         from dataclasses import replace
 
         _, walk, target, stages, *more = name.split(":")
-        merge, block_n, warps = (more + ["table"] * 3)[:3]
+        merge, block_n = (more + ["table"] * 2)[:2]
         table = decode.split_config
 
         def cfg(*where):   # (device, batched, rows, head_dim, requests)
@@ -94,8 +94,7 @@ def variant(name: str):
             return replace(c, live=walk == "live", stages=int(stages),
                            target_programs=c.target_programs if target == "table" else int(target),
                            merge=c.merge if merge == "table" else merge,
-                           block_n=c.block_n if block_n == "table" else int(block_n),
-                           warps=c.warps if warps == "table" else int(warps))
+                           block_n=c.block_n if block_n == "table" else int(block_n))
         stack.enter_context(patched(decode, "split_config", cfg))
     elif name.startswith("attn-pf:"):   # the attention's L2 prefetch before the PDL wait, in tiles
         from dataclasses import replace
