@@ -119,7 +119,7 @@ def test_program_targets_come_from_the_measured_table():
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-def test_tile_and_warps_change_the_walk_not_the_result():
+def test_tile_size_changes_the_walk_not_the_result():
     """128- and 32-slot tiles (``SplitConfig.block_n``) give what 64-slot tiles give, in one split
     or several; a tile the kernel cannot take is refused."""
     q, k, v, mask = _case(3, 8, 2, 32, 320, seed=9)

@@ -158,7 +158,7 @@ def test_engine_verify_step_matches_the_layers():
 
 def test_engine_prompt_longer_than_a_verify_step_takes_the_fused_rows():
     """A prompt of more rows than a verify step (70 > 64) through the fused kernels against the
-    layer modules: the last row's logits and every row's K/V agree (fp32, tiny model, two layers;
+    layer modules: every row's logits and K/V agree (fp32, tiny model, two layers;
     CPU: Triton's interpreter)."""
     from specpilot.engine import fused_verify
     from specpilot.engine.api import load_engine
