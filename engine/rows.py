@@ -9,7 +9,7 @@ where the fused kernels apply) gets a warning: its c(N) is flattered by a slow d
 On a GPU each N is a captured CUDA graph (the engine's verify step: N rows at slots
 context..context+N-1 attending to the context plus their own chain, LM head and argmax
 included), timed with CUDA events, median of ``reps`` replays; each point names the path its
-step ran (``fused``: the fused kernels, 1..64 rows; ``layers``: the layer modules). On the CPU
+step ran (``fused``: the fused kernels, any rows; ``layers``: the layer modules). On the CPU
 the same forward is timed with a wall clock (median); there, compute grows with N from the first
 rows, the opposite of a GPU's flat, bandwidth-bound region.
 """

@@ -91,7 +91,7 @@ class EngineSpec:
                                  "rescoring: the exact head's argmax, up to 64 rows a step; bfloat16 or float32 "
                                  "weights; meant for cuda, on the CPU its kernels run in Triton's interpreter).",
                        choices=HEADS)
-    decode: str = option("auto", "Steps of 1..64 rows (AR decode, chain and tree verification): layers (the layer "
+    decode: str = option("auto", "Every step (AR decode, chain and tree verification, prompts): layers (the layer "
                                  "modules, eager or compiled) or fused (RMSNorm, RoPE, KV store, residual and SiLU "
                                  "fused into the projection kernels, chained with programmatic dependent launch; "
                                  "cuda, dense attention models, bf16 or W12 weights); auto = fused where it "
