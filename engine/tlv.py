@@ -268,8 +268,8 @@ def cuda_refusal(model: Transformer, qview: QView, nodes: int) -> str | None:
         why = ineligible(model)
         return "the Q pass runs through the fused verify kernels: use decode=fused" + (f" ({why})" if why else "")
     if 1 + nodes > fused_verify.MAX_ROWS and not model.spec.is_hybrid:   # the verify graphs' largest bucket
-        return (f"nodes={nodes}: the Q pass's {1 + nodes} rows exceed the fused verify path's "
-                f"{fused_verify.MAX_ROWS}; use nodes <= {fused_verify.MAX_ROWS - 1}")
+        return (f"nodes={nodes}: the Q pass's {1 + nodes} rows exceed a verify step's {fused_verify.MAX_ROWS}; "
+                f"use nodes <= {fused_verify.MAX_ROWS - 1}")
     return None
 
 
