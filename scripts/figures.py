@@ -110,20 +110,26 @@ def expand(row, where: str) -> list[tuple[dict, str]]:
             for vals in zip(*loop.values())]
 
 
+BOUNDS = ("min", "max", "within")
+
+
 def status(targets, values: dict, where: str) -> str:
     """``met`` when every target of a row holds for the values read, else ``not met`` with the
-    values that miss (``targets``: ``[{value: name, min: x | max: x, label: text}]``)."""
+    values that miss (``targets``: ``[{value: name, min: x | max: x | within: x, label: text}]``;
+    ``within``: ``|value| <= x``)."""
     if targets is None:
         return "met"
     missed = []
     for t in targets if isinstance(targets, list) else [None]:
-        if not isinstance(t, dict) or t.get("value") not in values or ("min" in t) == ("max" in t):
-            raise SpecError(f"{where}: a target needs 'value' (a value of the row) and one of 'min', 'max'")
+        if not isinstance(t, dict) or t.get("value") not in values or sum(b in t for b in BOUNDS) != 1:
+            raise SpecError(f"{where}: a target needs 'value' (a value of the row) and one of 'min', 'max', 'within'")
         v, label = values[t["value"]], t.get("label", t["value"])
         if "min" in t and not v >= t["min"]:
             missed.append(f"{label} {v:.3g} < {t['min']}")
         if "max" in t and not v <= t["max"]:
             missed.append(f"{label} {v:.3g} > {t['max']}")
+        if "within" in t and not abs(v) <= t["within"]:
+            missed.append(f"{label} {v:+.3g} outside +-{t['within']}")
     return "met" if not missed else f"not met ({', '.join(missed)})"
 
 

@@ -134,7 +134,9 @@ def test_targets_give_the_status(tmp_path):
     """A row's ``targets`` say ``met`` or name the value that misses; a malformed target exits 2."""
     for targets, want in [([{"value": "v", "min": 1.1}], "| met |"),
                           ([{"value": "v", "min": 1.3, "label": "speedup"}], "| not met (speedup 1.23 < 1.3) |"),
-                          ([{"value": "v", "max": 1.0}], "| not met (v 1.23 > 1.0) |")]:
+                          ([{"value": "v", "max": 1.0}], "| not met (v 1.23 > 1.0) |"),
+                          ([{"value": "v", "within": 1.3}], "| met |"),
+                          ([{"value": "v", "within": 0.5, "label": "err"}], "| not met (err +1.23 outside +-0.5) |")]:
         sub = tmp_path / str(len(list(tmp_path.iterdir())))
         sub.mkdir()
         results, spec, readme = small_setup(sub, "{v:.2f}x", {"field": "summary.speedup"})
@@ -147,4 +149,4 @@ def test_targets_give_the_status(tmp_path):
     s["tables"][0]["rows"][0]["targets"] = [{"value": "v"}]
     spec.write_text(json.dumps(s))
     r = run_in(sub, results, spec)
-    assert r.returncode == 2 and "one of 'min', 'max'" in r.stderr and r.stderr.count("\n") == 1
+    assert r.returncode == 2 and "one of 'min', 'max', 'within'" in r.stderr and r.stderr.count("\n") == 1
