@@ -74,6 +74,9 @@ class HttpGenerator(Generator):
 
 
 class EngineGenerator(Generator):
+    """The embedded engine; with ``batch=B`` in its spec (B > 1) prompts run through its continuous
+    batching decoder, up to B decoded together (:meth:`generate_many`), as ``run --batch`` does."""
+
     def __init__(self, spec: str):
         try:
             from specpilot.engine.api import EngineSpec, load_engine
@@ -81,10 +84,22 @@ class EngineGenerator(Generator):
             raise EnvironmentMissing(f"{spec}: the embedded engine is not available in this installation ({e})") \
                 from None
         self.engine = load_engine(EngineSpec.parse(spec))
+        self.batch = self.engine.spec.batch
+        self._batcher = None
 
     def generate(self, prompt_ids, max_new_tokens):
         out = self.engine.generate(list(prompt_ids), max_new_tokens)
         return _as_ids(out)
+
+    def generate_many(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+        """Greedy outputs of ``prompts``, queued at once on the batch decoder (made on first use)."""
+        from specpilot.engine.batch.requests import Request
+
+        if self._batcher is None:
+            self._batcher = self.engine.batch_decoder()
+        eos = frozenset(self.engine.eos_ids)
+        reqs = [Request(list(p), max_new_tokens, id=i, stop_ids=eos, eos_ids=eos) for i, p in enumerate(prompts)]
+        return [_as_ids(r) for r in self._batcher.generate_many(reqs)]
 
 
 def _as_ids(out) -> list[int]:
@@ -122,6 +137,11 @@ class CollectError(SpecPilotError):
         self.path = path
 
 
+# a batched engine's prompts are queued this many batches at a time: the decoder stays full while
+# a failure or a signal keeps every chunk that finished before it
+BATCH_ROUNDS = 4
+
+
 def collect(generator: Generator, prompts: Sequence[Prompt], max_new_tokens: int, *, save_to: str | None = None,
             name: str = "system", progress: Callable | None = None,
             on_row: Callable[[OutputRow], None] | None = None, protect: Sequence = (),
@@ -129,8 +149,9 @@ def collect(generator: Generator, prompts: Sequence[Prompt], max_new_tokens: int
     """Generate for every prompt; save the outputs file (also on failure or a signal, with the
     rows so far).
 
-    With ``concurrency`` > 1 (servers only) that many requests are in flight at once; the file
-    keeps prompt order, and on a failure every request that completed is kept. ``already``: rows
+    With ``concurrency`` > 1 (servers only) that many requests are in flight at once; an engine
+    with ``batch=B`` decodes B at once (:class:`EngineGenerator`); the file keeps prompt order, and
+    on a failure every request that completed is kept. ``already``: rows
     of an earlier, interrupted collection; prompts they answer (same id, same prompt_ids) are not
     run again.
     """
@@ -139,7 +160,8 @@ def collect(generator: Generator, prompts: Sequence[Prompt], max_new_tokens: int
     if concurrency < 1:
         raise InputError(f"--concurrency {concurrency}: must be at least 1")
     if concurrency > 1 and not getattr(generator, "thread_safe", False):
-        concurrency = 1  # the embedded engine runs one request at a time
+        concurrency = 1  # the embedded engine takes its own batching (batch=B), not threads
+    batch = getattr(generator, "batch", 1)
     done: dict[int, OutputRow] = {}
     earlier = {key(r.id): r for r in already}
     for i, p in enumerate(prompts):
@@ -158,7 +180,14 @@ def collect(generator: Generator, prompts: Sequence[Prompt], max_new_tokens: int
             on_row(done[i])
 
     try:
-        if concurrency == 1:
+        if batch > 1:   # a batched engine: BATCH_ROUNDS x batch prompts queued at a time, kept as they finish
+            step = BATCH_ROUNDS * batch
+            for at in range(0, len(todo), step):
+                chunk = todo[at:at + step]
+                for i, ids in zip(chunk, generator.generate_many([prompts[i].prompt_ids for i in chunk],
+                                                                 max_new_tokens)):
+                    finish(i, ids)
+        elif concurrency == 1:
             for i in todo:
                 finish(i, generator.generate(list(prompts[i].prompt_ids), max_new_tokens))
         else:

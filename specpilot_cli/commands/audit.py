@@ -95,7 +95,8 @@ def _read_prompts(path, tokenizer_spec):
 
 def _common_run_options(f):
     f = click.option("--concurrency", type=int, default=1, show_default=True,
-                     help="Requests in flight at once to an http:// server (the engine runs one at a time).")(f)
+                     help="Requests in flight at once to an http:// server (an engine: spec batches by its "
+                          "own batch=B, else runs one request at a time).")(f)
     f = click.option("--timeout", type=float, default=120.0, show_default=True,
                      help="Seconds to wait for a server's answer to one request.")(f)
     f = click.option("--max-new-tokens", type=int, default=128, show_default=True,
@@ -203,7 +204,8 @@ def run_audit(system_outputs, stock_outputs, ar_outputs, scorer_spec, *, device=
               help="Keep the rows --save already holds (an interrupted collection) and run only the other prompts.")
 @output_options
 def collect_cmd(system, prompts_path, max_new_tokens, timeout, concurrency, save, tokenizer, resume, fmt, out):
-    """Run SYSTEM (engine: spec or http:// server) over --prompts and save its outputs file.
+    """Run SYSTEM (engine: spec or http:// server) over --prompts and save its outputs file. An
+    engine: spec with batch=B decodes B prompts at a time on its batch decoder.
 
     When the run fails or is interrupted (SIGINT, SIGTERM, SIGHUP) the outputs collected so far
     are kept in --save; --resume continues from them.
