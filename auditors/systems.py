@@ -151,9 +151,8 @@ def collect(generator: Generator, prompts: Sequence[Prompt], max_new_tokens: int
 
     With ``concurrency`` > 1 (servers only) that many requests are in flight at once; an engine
     with ``batch=B`` decodes B at once (:class:`EngineGenerator`); the file keeps prompt order, and
-    on a failure every request that completed is kept. ``already``: rows
-    of an earlier, interrupted collection; prompts they answer (same id, same prompt_ids) are not
-    run again.
+    on a failure every request that completed is kept. ``already``: rows of an earlier,
+    interrupted collection; prompts they answer (same id, same prompt_ids) are not run again.
     """
     if max_new_tokens < 1:
         raise InputError(f"--max-new-tokens {max_new_tokens}: must be at least 1")
@@ -180,7 +179,7 @@ def collect(generator: Generator, prompts: Sequence[Prompt], max_new_tokens: int
             on_row(done[i])
 
     try:
-        if batch > 1:   # a batched engine: BATCH_ROUNDS x batch prompts queued at a time, kept as they finish
+        if batch > 1:   # a batched engine, a chunk of BATCH_ROUNDS batches at a time
             step = BATCH_ROUNDS * batch
             for at in range(0, len(todo), step):
                 chunk = todo[at:at + step]
