@@ -93,12 +93,9 @@ class EngineGenerator(Generator):
 
     def generate_many(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
         """Greedy outputs of ``prompts``, queued at once on the batch decoder (made on first use)."""
-        from specpilot.engine.batch.requests import Request
-
         if self._batcher is None:
             self._batcher = self.engine.batch_decoder()
-        eos = frozenset(self.engine.eos_ids)
-        reqs = [Request(list(p), max_new_tokens, id=i, stop_ids=eos, eos_ids=eos) for i, p in enumerate(prompts)]
+        reqs = [self.engine.request(p, max_new_tokens, id=i) for i, p in enumerate(prompts)]
         return [_as_ids(r) for r in self._batcher.generate_many(reqs)]
 
 

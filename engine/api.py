@@ -93,6 +93,15 @@ class Engine:
         dec.warmup_seconds = dec.warm_up() if self.model.device.type == "cuda" else 0.0
         return dec
 
+    def request(self, prompt_ids: list[int], max_new_tokens: int, id=0, record_lattice: bool = False):
+        """A batch decoder's request for ``prompt_ids`` that stops where :meth:`generate` would (the
+        model's end-of-sequence ids)."""
+        from specpilot.engine.batch.requests import Request
+
+        eos = frozenset(self.eos_ids)
+        return Request(list(prompt_ids), max_new_tokens, id=id, stop_ids=eos, eos_ids=eos,
+                       record_lattice=record_lattice)
+
     def generate(self, prompt_ids: list[int], max_new_tokens: int, record_lattice: bool = False, request=0):
         return self.decoder.generate(prompt_ids, max_new_tokens, record_lattice=record_lattice, request=request)
 
@@ -129,11 +138,8 @@ class Engine:
 
     def _run_batched(self, prompts, max_new_tokens, chat, record_lattice, progress, out: "RunResult") -> None:
         """``run`` with ``batch`` > 1: every prompt queued at once, ``batch`` decoded together."""
-        from specpilot.engine.batch.requests import Request
-
-        reqs = [Request(pr.get("ids") or self.encode(pr["text"], chat=chat), max_new_tokens, id=pr["id"],
-                        stop_ids=frozenset(self.eos_ids), eos_ids=frozenset(self.eos_ids),
-                        record_lattice=record_lattice) for pr in prompts]
+        reqs = [self.request(pr.get("ids") or self.encode(pr["text"], chat=chat), max_new_tokens, id=pr["id"],
+                             record_lattice=record_lattice) for pr in prompts]
         dec = self.batch_decoder()
         t0 = time.perf_counter()
         bar = None

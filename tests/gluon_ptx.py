@@ -122,15 +122,15 @@ try:   # the ptxas Triton itself uses for sm_90 (newer Triton: a separate binary
     ptxas = get_ptxas(90).path
 except Exception:
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+args = [[n, sig[n]] for n in names if n not in const]
 if not os.path.exists(ptxas):
-    print(json.dumps({"ptx": ptx, "log": "", "rc": None, "args": [[n, sig[n]] for n in names if n not in const]}))
+    print(json.dumps({"ptx": ptx, "log": "", "rc": None, "args": args}))
 else:
     with tempfile.TemporaryDirectory() as d:
         open(os.path.join(d, "k.ptx"), "w").write(ptx)
         r = subprocess.run([ptxas, "-arch=sm_90a", "-v", os.path.join(d, "k.ptx"), "-o", os.path.join(d, "k.cubin")],
                            capture_output=True, text=True)
-    print(json.dumps({"ptx": ptx, "log": r.stdout + r.stderr, "rc": r.returncode,
-                      "args": [[n, sig[n]] for n in names if n not in const]}))
+    print(json.dumps({"ptx": ptx, "log": r.stdout + r.stderr, "rc": r.returncode, "args": args}))
 """
 
 

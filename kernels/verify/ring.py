@@ -131,6 +131,16 @@ if AVAILABLE:
         return acc, epilogue_layout(bm, 4)
 
     @gluon.jit
+    def _w_box(w_desc, w_s, bar, g, s, j, KT, BLOCK_N: gl.constexpr, KB: gl.constexpr):
+        """Box ``j`` of (block, K step) pair ``g``'s weights into stage ``s``."""
+        _tma_load(w_desc, [(g // KT) * BLOCK_N, ((g % KT) * KB + j) * _TK], bar, w_s.index(s * KB + j))
+
+    @gluon.jit
+    def _x_box(x_desc, x_s, bar, g, s, j, KT, KB: gl.constexpr):
+        """Box ``j`` of pair ``g``'s x into stage ``s``."""
+        _tma_load(x_desc, [0, ((g % KT) * KB + j) * _TK], bar, x_s.index(s * KB + j))
+
+    @gluon.jit
     def _producer(pt, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, KB: gl.constexpr,
                   PDL: gl.constexpr):
         """The copy warp: the weight boxes of the first ``STAGES`` stages, the wait for the previous
@@ -139,25 +149,21 @@ if AVAILABLE:
         n = g_end - g_begin
         pre = gl.minimum(n, STAGES)
         for i in range(0, pre):
-            g = g_begin + i
             mbarrier.expect(ready.index(i), KB * (BLOCK_N + BLOCK_M) * _TK * 2)
             for j in gl.static_range(KB):
-                _tma_load(w_desc, [(g // KT) * BLOCK_N, ((g % KT) * KB + j) * _TK], ready.index(i),
-                          w_s.index(i * KB + j))
+                _w_box(w_desc, w_s, ready.index(i), g_begin + i, i, j, KT, BLOCK_N, KB)
         if PDL:
             gdc_wait()
         for i in range(0, pre):
             for j in gl.static_range(KB):
-                _tma_load(x_desc, [0, (((g_begin + i) % KT) * KB + j) * _TK], ready.index(i), x_s.index(i * KB + j))
+                _x_box(x_desc, x_s, ready.index(i), g_begin + i, i, j, KT, KB)
         for i in range(pre, n):
             s = i % STAGES
-            g = g_begin + i
             mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(s), KB * (BLOCK_N + BLOCK_M) * _TK * 2)
             for j in gl.static_range(KB):
-                _tma_load(w_desc, [(g // KT) * BLOCK_N, ((g % KT) * KB + j) * _TK], ready.index(s),
-                          w_s.index(s * KB + j))
-                _tma_load(x_desc, [0, ((g % KT) * KB + j) * _TK], ready.index(s), x_s.index(s * KB + j))
+                _w_box(w_desc, w_s, ready.index(s), g_begin + i, s, j, KT, BLOCK_N, KB)
+                _x_box(x_desc, x_s, ready.index(s), g_begin + i, s, j, KT, KB)
 
     @gluon.jit
     def _store(acc, y_ptr, n0, M, N, stride_ym, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
