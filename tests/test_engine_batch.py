@@ -359,7 +359,12 @@ def test_padding_lattices_and_requests_keeps_the_trees(budget):
 
 def test_plan_admission():
     assert rules.plan_admission("off", [5, 9], 10, 128, 512) == ([0, 0], True)
-    assert rules.plan_admission("waiting", [100, 20, 200], 10, 128, 512) == ([100, 0, 0], True)
+    # a pass runs for the 200-row prompt and takes the other two as well: none waits, none joins
+    assert rules.plan_admission("waiting", [100, 20, 200], 10, 128, 512) == ([0, 0, 0], True)
+    # the pass's 512 rows go to the first prompt: the second would wait, and it fits
+    assert rules.plan_admission("waiting", [600, 20], 10, 128, 512) == ([0, 20], True)
+    assert rules.plan_admission("waiting", [600, 20, 100, 10], 10, 128, 512) == ([0, 20, 0, 10], True)
+    assert rules.plan_admission("waiting", [100, 20], 10, 128, 512) == ([0, 0], True)
     assert rules.plan_admission("waiting", [10, 20], 10, 128, 512) == ([10, 20], False)
     assert rules.plan_admission("all", [700, 20], 500, 128, 512) == ([512, 20], False)
     assert rules.plan_admission("waiting", [10], 0, 128, 512) == ([0], True)

@@ -189,6 +189,26 @@ def test_steps_with_prompt_rows_are_counted_as_eager(model):
     assert dec.stats.admitted_prompt_rows > 0 and dec.stats.eager_steps == 0
 
 
+def test_waiting_admits_only_prompts_that_would_otherwise_wait(model):
+    """``admit=waiting`` with two prompts arriving together while two requests decode, one too long
+    for the step: the prefill pass that runs for it takes the short prompt as well (no prompt row in
+    a verify step, no eager step); with a pass of 32 rows, which the long prompt fills, the short
+    prompt would wait, so it joins the step (then the long prompt's last 8 rows, which fit). The
+    outputs are ``admit=off``'s either way."""
+    prompts = [PROMPTS[1], PROMPTS[4], [(7 * i) % 256 for i in range(40)], PROMPTS[2]]   # 10, 8, 40, 4 rows
+
+    def run(admit, chunk):
+        dec = BatchDecoder(model, "ar", batch=4, graphs=True, admit=admit, admit_rows=16, prefill_chunk=chunk)
+        res = dec.generate_many([Request(p, n, id=i, arrival_step=a)
+                                 for i, (p, n, a) in enumerate(zip(prompts, (12, 12, 6, 6), (0, 0, 3, 3)))])
+        return [r.output_ids for r in res], dec.stats.admitted_prompt_rows, dec.stats.eager_steps
+
+    off, whole, small = run("off", 512), run("waiting", 512), run("waiting", 32)
+    assert whole[0] == small[0] == off[0]
+    assert whole[1:] == (0, 0)
+    assert small[1:] == (4 + 8, 2)
+
+
 def test_warm_up_refuses_a_cache_no_request_fits(model):
     """A tree decoder whose largest bucket outgrows the cache can run no request: warm-up says so
     (the one-line input error a request would get) instead of capturing a bucket it cannot hold."""

@@ -123,13 +123,18 @@ def plan_admission(admit: str, prefill_left: list[int], verify_rows: int, admit_
     """Which prompts' rows join this verify step (paper 4.4, prompt admission).
 
     ``prefill_left``: prompt rows still to prefill, per prefilling request (arrival order);
-    ``verify_rows``: the step's verify rows. Returns (rows each prompt puts into the step, whether a
-    prefill pass of its own must run first for the others):
+    ``verify_rows``: the step's verify rows; ``chunk``: the rows of a prefill pass (the scheduler's
+    ``prefill_chunk``: prompts in arrival order, at least one prompt's chunk). Returns (rows each
+    prompt puts into the step, whether a prefill pass of its own must run first for the others):
 
-    * ``off``: no prompt joins; any prompt is prefilled in passes of its own.
-    * ``waiting``: a prompt joins whole when its rows fit in what the verify step leaves of
-      ``admit_rows`` (its compute hides behind the step's weight reads); the others take passes of
-      their own.
+    * ``off``: no prompt joins; any prompt is prefilled in passes of their own.
+    * ``waiting``: only prompts that would otherwise wait join, whole, while their rows fit in what
+      the verify step leaves of ``admit_rows`` (their compute hides behind the step's weight reads).
+      When every prompt fits, they all join and no pass runs. Otherwise a pass runs for the prompts
+      that do not fit, and it takes prompts in arrival order up to ``chunk`` rows: those it takes
+      do not wait, so they go to it; only the prompts past its rows join the step (where bucket
+      graphs run, a step with prompt rows runs eagerly: admitting a prompt the pass would have
+      taken anyway buys nothing and costs that).
     * ``all``: every prompt joins with its next chunk of up to ``chunk`` rows, whatever the step's size.
     """
     n = len(prefill_left)
@@ -138,11 +143,15 @@ def plan_admission(admit: str, prefill_left: list[int], verify_rows: int, admit_
     if admit == "all":
         return [min(left, chunk) for left in prefill_left], False
     free = max(0, admit_rows - verify_rows)
-    out = []
+    if sum(prefill_left) <= free:
+        return list(prefill_left), False
+    budget, out = chunk, []
     for left in prefill_left:
-        if left <= free:
+        taken = max(0, min(left, budget))
+        budget -= taken
+        if taken == 0 and left <= free:   # past the pass's rows: it would wait
             out.append(left)
             free -= left
         else:
             out.append(0)
-    return out, any(x == 0 for x in out)
+    return out, True
