@@ -189,11 +189,12 @@ def batch_stats(dec) -> dict:
             "prefill_seconds": st.prefill_seconds, "rows": st.rows,
             "verify_rows": st.verify_rows, "prompt_rows": st.prompt_rows,
             "admitted_prompt_rows": st.admitted_prompt_rows, "overlapped_steps": st.overlapped_steps,
-            "eager_steps": st.eager_steps, "eager_seconds": st.eager_seconds,
+            "eager_steps": st.eager_steps, "eager_seconds": st.eager_seconds, "mixed_steps": st.mixed_steps,
             "drafted_positions": st.drafted_positions,
             "kept_positions": st.kept_positions, "accepted": st.accepted, "request_steps": st.request_steps,
             "tau": st.tau(), "step_seconds": st.step_seconds,
             "bucket_graphs": len(dec.runner.graphs) if dec.runner is not None else 0,
+            "mixed_graphs": len(dec.runner.mixed) if dec.runner is not None else 0,
             **({"tlv": st.tlv.to_json(steps=st.tlv_steps)} if st.tlv else {})}
 
 

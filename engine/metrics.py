@@ -126,6 +126,9 @@ class ServeMetrics:
                    [f"specpilot_eager_steps_total {st.eager_steps}"])
             metric("eager_step_seconds_total", "counter", "Wall time of those eager steps.",
                    [f"specpilot_eager_step_seconds_total {st.eager_seconds:.6f}"])
+            metric("mixed_steps_total", "counter",
+                   "Verify steps with a prompt chunk replayed from a mixed bucket graph.",
+                   [f"specpilot_mixed_steps_total {st.mixed_steps}"])
             metric("rows_total", "counter", "Rows run through the target (verify and prompt rows).",
                    [f"specpilot_rows_total {st.rows}"])
             metric("accepted_draft_tokens_total", "counter", "Draft tokens accepted by verification.",

@@ -37,14 +37,17 @@ def test_batched_on_cuda_equals_one_request_ar(model, extra):
     dec = eng.batch_decoder()
     assert dec.runner is not None and fused_verify.takes_batch(eng.model)   # the fused row kernels
     warm = set(dec.runner.graphs)   # load-time warm-up: every bucket, one shared graph memory pool
+    warm_mixed = set(dec.runner.mixed)
     reqs = [Request(p, 24, id=i, arrival_step=2 * i) for i, p in enumerate(PROMPTS)]
     got = [r.output_ids for r in dec.generate_many(reqs)]
     assert got == want
-    assert dec.runner.graphs and set(dec.runner.graphs) == warm
+    assert dec.runner.graphs and set(dec.runner.graphs) == warm and set(dec.runner.mixed) == warm_mixed
     if "mode=ar" not in extra:   # verify steps replay buckets of more than one row per request
         assert any(N > 1 for _, N in dec.runner.graphs)
     if "mode=ar" in extra:   # AR steps overlap the host: fed on the device from the previous step
         assert dec.overlap and dec.stats.overlapped_steps > 0
+    if "mode=ar" in extra and model == "tiny":   # arriving prompts' rows ride AR steps in mixed buckets
+        assert dec.runner.mixed and dec.stats.mixed_steps > 0
 
 
 @pytest.mark.parametrize("extra", ["mode=ar", "mode=tree,drafter=self,draft_layers=2"])
@@ -99,3 +102,33 @@ def test_batched_graph_step_equals_eager_step_bf16():
     graph = BatchGraphRunner(m, cache).run(inp, 4, 8)
     rows = [i for n in need for i in n]
     assert graph[rows].tolist() == eager[rows].tolist()
+
+
+def test_mixed_bucket_replay_equals_eager_step_bf16():
+    """A mixed bucket (4 requests x 1 row, then 32 prompt rows) replayed for two different prompt
+    chunks, in different slots, gives the eager step's argmax on the same layout (bf16): the
+    segment table is refreshed at each replay."""
+    from specpilot.engine.batch.cache import BatchCache
+    from specpilot.engine.batch.graphs import BatchGraphRunner
+    from specpilot.engine.batch.probe import chain_rows
+    from specpilot.engine.batch.step import assemble, prefill_rows
+
+    eng = load_engine(EngineSpec.parse("engine:model=tiny,mode=ar,dtype=bfloat16,device=cuda,ctx=256"))
+    m = eng.model
+    cache = BatchCache(m, 4)
+    gen = torch.Generator().manual_seed(2)
+    for lc in cache.layers:
+        lc.k.copy_(torch.randn(lc.k.shape, generator=gen).to(lc.k.dtype))
+        lc.v.copy_(torch.randn(lc.v.shape, generator=gen).to(lc.v.dtype))
+    runner = BatchGraphRunner(m, cache)
+    runner.prepare_mixed([(4, 1, 32)])
+    prompt = torch.randint(0, m.spec.vocab_size, (40,), generator=gen).tolist()
+    for slot, (a, b) in ((3, (0, 20)), (2, (8, 37))):
+        blocks = [blk for blk in chain_rows(4, 1, 60, m.spec.vocab_size, gen) if blk.slot != slot]
+        chunk = prefill_rows(slot, prompt, a, b, True)
+        inp, _, need = assemble(blocks, cache.max_seq, torch.device("cpu"), pad=(4, 1), prompt=(chunk, 32))
+        graph = runner.run_mixed(inp, 4, 1, 32).clone()
+        dev = assemble(blocks, cache.max_seq, m.device, pad=(4, 1), prompt=(chunk, 32))[0]
+        eager = m.greedy_batch(dev, cache, cache.max_seq)
+        rows = [i for n in need for i in n]
+        assert graph[rows].tolist() == eager[rows].tolist()

@@ -24,12 +24,23 @@ from specpilot.engine.graphs import capture
 from specpilot.engine.model import BatchStepInput, Segment, Walk
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512)   # a mixed bucket's prompt rows
 
 
 def replays(model) -> bool:
     """Whether ``model``'s batched steps replay bucket graphs where graphs run (CUDA): a dense
     model's always, a hybrid's where its GDN layers run the row kernels."""
     return all(layer.runs_kernels(model.device) for layer in model.gdn_layers())
+
+
+def mixes(model) -> bool:
+    """Whether ``model``'s verify steps with a prompt chunk in them may replay mixed buckets
+    (:meth:`BatchGraphRunner.prepare_mixed`): a dense model on the fused rows path, whose kernels
+    read the step's segments from the device table a replay refreshes (a hybrid's GDN layers and
+    the layer modules build theirs on the host)."""
+    from specpilot.engine import fused_verify
+
+    return fused_verify.takes_batch(model) and not model.gdn_layers()
 
 
 def walks(model, rows: int) -> bool:
@@ -84,6 +95,7 @@ class BatchGraphRunner:
     def __init__(self, model, cache, warmup: int = 2):
         self.model, self.cache, self.warmup = model, cache, warmup
         self.graphs: dict[tuple[int, int], tuple] = {}
+        self.mixed: dict[tuple[int, int, int], tuple] = {}   # (B, N, P): prompt rows after the B x N
         # One memory pool for every bucket: a replay's outputs (argmax, the stashes the commit
         # reads) are consumed before the next replay on the same stream, so the graphs may share
         # their scratch; captured largest first (:meth:`prepare`), the smaller ones fit in its pool.
@@ -94,16 +106,23 @@ class BatchGraphRunner:
         for B, N in sorted(set(shapes), key=lambda s: (-s[0] * s[1], -s[1])):
             self.get(B, N)
 
-    def _capture(self, B: int, N: int):
+    def _capture(self, B: int, N: int, P: int = 0):
         m, dev, S = self.model, self.model.device, self.cache.max_seq
-        T = B * N
+        T = B * N + P
         walking = walks(m, N)
         # tokens, pos, slots and req are rows of one tensor: a step's inputs arrive in two copies
         ids = torch.zeros(4, T, dtype=torch.long, device=dev)
-        ids[2] = torch.arange(N, device=dev).repeat(B)
-        ids[3] = torch.arange(B, device=dev).repeat_interleave(N)
+        ids[2, :B * N] = torch.arange(N, device=dev).repeat(B)
+        ids[3, :B * N] = torch.arange(B, device=dev).repeat_interleave(N)
         segs = [Segment(b, b * N, N, "chain" if walking else "seq") for b in range(B)]
+        segtab = None
+        if P:   # the prompt rows: slot 0 at capture, the step's own segment table at every replay
+            ids[2, B * N:] = torch.arange(P, device=dev)
+            segs.append(Segment(0, B * N, P))
+            segtab = torch.tensor([[sg.start, sg.rows, sg.slot] for sg in segs], dtype=torch.int32, device=dev)
         inp = BatchStepInput(ids[0], ids[1], ids[2], ids[3], torch.zeros(T, S, dtype=torch.bool, device=dev), segs)
+        if segtab is not None:
+            inp.seg_table = (segtab, max(N, P))
         inp.mask[:, 0] = True
         paths = None
         if walking:
@@ -117,8 +136,8 @@ class BatchGraphRunner:
 
         # warm-up and capture run the step for real: keep the positions, states and stashes they
         # write intact
-        kept = [(t[:B, :, :N], t[:B, :, :N].clone()) for lc in self.cache.layers for t in (lc.k, lc.v)
-                if t is not None]
+        kept = [(t[:B, :, :max(N, P)], t[:B, :, :max(N, P)].clone()) for lc in self.cache.layers
+                for t in (lc.k, lc.v) if t is not None]
         kept += [(t[:B], t[:B].clone()) for lc in self.cache.layers for t in (lc.state, lc.conv) if t is not None]
         stashes = [(dict(lc.stash), lc.walked) for lc in self.cache.layers]
         if dev.type == "cuda":
@@ -139,11 +158,39 @@ class BatchGraphRunner:
         staging = (torch.empty(ids.shape, dtype=ids.dtype, pin_memory=pin),
                    torch.empty(inp.mask.shape, dtype=torch.bool, pin_memory=pin),
                    None if paths is None else torch.empty(paths.shape, dtype=paths.dtype, pin_memory=pin))
+        if P:
+            self.mixed[(B, N, P)] = (g, inp, out, ids, staging, segtab,
+                                     torch.empty(segtab.shape, dtype=segtab.dtype, pin_memory=pin))
+            return self.mixed[(B, N, P)]
         self.graphs[(B, N)] = (g, inp, out, ids, staging, paths, views)
         return self.graphs[(B, N)]
 
     def get(self, B: int, N: int):
         return self.graphs.get((B, N)) or self._capture(B, N)
+
+    def prepare_mixed(self, shapes) -> None:
+        """Capture the mixed buckets ``shapes`` ((B, N, P) triples: B x N verify rows, then P rows of
+        one prompt chunk) not captured yet, the most rows first. Only where :func:`mixes`."""
+        shapes = set(shapes)
+        if shapes and not mixes(self.model):
+            raise ValueError("mixed buckets need a dense model on the fused rows path")
+        for B, N, P in sorted(shapes, key=lambda s: -(s[0] * s[1] + s[2])):
+            if (B, N, P) not in self.mixed:
+                self._capture(B, N, P)
+
+    def run_mixed(self, inp: BatchStepInput, B: int, N: int, P: int) -> torch.Tensor:
+        """Replay mixed bucket (B, N, P), captured by :meth:`prepare_mixed`, on ``inp`` (laid out by
+        ``assemble(pad=(B, N), prompt=(chunk, P))``, host tensors); every row's argmax. As
+        :meth:`run`: read the result before the next call."""
+        g, _, out, ids, (hids, hmask, _), segtab, hseg = self.mixed[(B, N, P)]
+        hids.copy_(torch.stack((inp.tokens, inp.pos, inp.slots, inp.req)))
+        hmask.copy_(inp.mask)
+        hseg.copy_(torch.tensor([[sg.start, sg.rows, sg.slot] for sg in inp.segments], dtype=torch.int32))
+        ids.copy_(hids, non_blocking=True)
+        self.mixed[(B, N, P)][1].mask.copy_(hmask, non_blocking=True)
+        segtab.copy_(hseg, non_blocking=True)
+        g.replay()
+        return out
 
     def run(self, inp: BatchStepInput, B: int, N: int) -> torch.Tensor:
         """Replay bucket (B, N) on ``inp`` (laid out for it; host tensors are fastest: they go through

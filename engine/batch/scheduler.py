@@ -38,10 +38,10 @@ from specpilot.engine.batch import rules, tlv
 from specpilot.engine.batch.cache import BatchCache
 from specpilot.engine.batch.commit import commit_step
 from specpilot.engine.batch.drafting import BatchDrafting
-from specpilot.engine.batch.graphs import bucket, replays, sizes, walks
+from specpilot.engine.batch.graphs import PROMPT_BUCKETS, bucket, mixes, replays, sizes, walks
 from specpilot.engine.batch.overlap import Streak
 from specpilot.engine.batch.requests import Request
-from specpilot.engine.batch.step import Rows, assemble, prefill_rows, verify_rows
+from specpilot.engine.batch.step import Rows, assemble, fits_mixed, prefill_rows, verify_rows
 from specpilot.engine.decode import GenerationResult
 from specpilot.engine.drafters import Lattice
 from specpilot.engine.metrics import STEP_BUCKETS, Histogram
@@ -69,6 +69,7 @@ class BatchStats:
     admitted_prompt_rows: int = 0  # prompt rows that rode a verify step
     overlapped_steps: int = 0    # AR steps fed on the device while the host took the previous one's tokens
     eager_steps: int = 0         # verify steps run eagerly although there are bucket graphs (prompt rows in them)
+    mixed_steps: int = 0         # verify steps with a prompt chunk replayed from a mixed bucket graph
     eager_seconds: float = 0.0   # ... their wall time (launches, the device's work, the argmax copy)
     drafted_positions: int = 0   # draft positions the drafter proposed
     kept_positions: int = 0      # ... inside the requests' blocks
@@ -223,6 +224,7 @@ class BatchDecoder:
         if self.runner is not None and replays(self.model):
             rows = [1] if self.mode == "ar" else sizes(self.rows_per_request)
             self.runner.prepare([(B, N) for B in sizes(self.batch) for N in rows])
+            self.runner.prepare_mixed([(bucket(self.batch, self.batch), 1, P) for P in self.prompt_sizes()])
         if self.mode in ("chain", "tree"):   # a chain's lattices come without transitions
             k = self.topk
             for B in sizes(self.batch):
@@ -247,6 +249,15 @@ class BatchDecoder:
         if self.model.device.type == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter() - t0
+
+    def prompt_sizes(self) -> list[int]:
+        """The prompt rows of the mixed buckets (:meth:`_run`) this decoder captures: AR steps of a
+        model that :func:`~.graphs.mixes`, the buckets up to the most rows one prompt chunk brings
+        into a step under the admission rule (none with ``admit=off``)."""
+        if self.runner is None or self.mode != "ar" or not mixes(self.model):
+            return []
+        most = {"waiting": self.admit_rows - 1, "all": self.prefill_chunk}.get(self.admit, 0)
+        return [p for p in PROMPT_BUCKETS if p // 2 < most]
 
     def run_forever(self, stop: threading.Event, on_error=None) -> None:
         """The engine thread: step while there is work, sleep on the condition otherwise."""
@@ -597,6 +608,15 @@ class BatchDecoder:
                     if blk.gdn_rows == "seq":
                         blk.gdn_rows = "chain"
             return out, need
+        if self.runner is not None and len(pblocks) == 1 and blocks and self.runner.mixed:
+            # one prompt chunk: the mixed bucket that holds it, when warm-up captured one
+            B, chunk = bucket(self.batch, self.batch), pblocks[0]
+            P = next((p for p in PROMPT_BUCKETS if len(chunk) <= p), 0)
+            if (B, N, P) in self.runner.mixed and fits_mixed(chunk, P, N, self.cache.max_seq):
+                inp, _, need = assemble(blocks, self.cache.max_seq, torch.device("cpu"), pad=(B, N),
+                                        prompt=(chunk, P))
+                self.stats.mixed_steps += 1
+                return self.runner.run_mixed(inp, B, N, P).tolist(), need
         t0 = time.perf_counter()
         inp, kv, need = assemble(allb, self.cache.max_seq, dev)
         flat = [i for n in need for i in n]

@@ -58,14 +58,18 @@ def prefill_rows(slot: int, prompt: list[int], a: int, b: int, last: bool) -> Ro
 
 
 def assemble(blocks: list[Rows], max_seq: int, device, pad: tuple[int, int] | None = None,
-             dump: int | None = None) -> tuple[BatchStepInput, int, list[list[int]]]:
+             dump: int | None = None, prompt: tuple[Rows, int] | None = None
+             ) -> tuple[BatchStepInput, int, list[list[int]]]:
     """The step's input, its kv_len and, per block, the step rows of its ``need`` rows.
 
     ``pad=(B, N)``: the layout of CUDA-graph bucket (B, N): slot b's rows at ``b*N``; every block
     must be of a slot below B with at most N rows. Slots below B without a block (free, or a
-    request prefilling outside this step) get N padding rows writing at the cache's last N
-    positions, never live for them; with ``dump`` (a hybrid's spare cache slot) they write there
-    instead (their GDN rows advance a state)."""
+    request prefilling) get N padding rows writing at the cache's last N positions, never live for
+    them; with ``dump`` (a hybrid's spare cache slot) they write there instead (their GDN rows
+    advance a state). ``prompt=(block, P)`` (with ``pad``: mixed bucket (B, N, P)): a prompt
+    chunk's rows after the B x N rows, padded to P rows (cache positions past the chunk, attending
+    position 0 only: :func:`fits_mixed` keeps them below the cache's last N positions); its
+    ``need`` rows come last in the result."""
     if pad is None:
         width = kv_len(max_seq, max(max(b.cslots[-1] + 1, b.n_ctx) for b in blocks))
         layout = [(b, len(b)) for b in blocks]
@@ -74,6 +78,9 @@ def assemble(blocks: list[Rows], max_seq: int, device, pad: tuple[int, int] | No
         B, N = pad
         by_slot = {b.slot: b for b in blocks}
         layout = [(by_slot.get(s, s), N) for s in range(B)]
+        if prompt is not None:
+            layout.append(prompt)
+            blocks = list(blocks) + [prompt[0]]
     T = sum(n for _, n in layout)
     tokens = np.zeros(T, dtype=np.int64)
     pos = np.zeros(T, dtype=np.int64)
@@ -109,3 +116,10 @@ def assemble(blocks: list[Rows], max_seq: int, device, pad: tuple[int, int] | No
     need = [where[id(b)] for b in blocks]
     t = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
     return BatchStepInput(t(tokens), t(pos), t(cs), t(req), t(mask), segs), width, need
+
+
+def fits_mixed(pblock: Rows, P: int, N: int, max_seq: int) -> bool:
+    """Whether prompt chunk ``pblock`` goes into a mixed bucket's P prompt rows (:func:`assemble`'s
+    ``prompt``) with its padding rows below the cache's last ``N`` positions, where the bucket's
+    padding rows for the request's own slot write."""
+    return len(pblock) <= P and pblock.cslots[-1] + 1 + P - len(pblock) <= max_seq - N
