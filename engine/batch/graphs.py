@@ -2,8 +2,10 @@
 
 A bucket (B, N) is a step of B requests x N rows laid out request after request (request b in
 cache slot b, rows ``b*N .. b*N + N - 1``), attending over the whole static cache. The scheduler
-pads a decode step to the smallest bucket that holds it (:func:`bucket`); steps with prompt rows
-run eagerly.
+pads a decode step to the smallest bucket that holds it (:func:`bucket`). A mixed bucket (B, N, P)
+adds P rows for one prompt chunk after them (its slot and first row vary, so the step's segment
+table is a graph input, :meth:`BatchGraphRunner.run_mixed`); other steps with prompt rows run
+eagerly.
 
 A hybrid's buckets need its GDN layers on the row kernels. Its one-row buckets advance every
 request's state in place (one conv and delta-rule launch per layer); in its verify buckets every
