@@ -84,18 +84,11 @@ def test_overlapped_ar_steps_equal_host_fed_steps_bf16(model):
 
 def test_batched_graph_step_equals_eager_step_bf16():
     """One bucket's graph replay gives the eager batched step's argmax (bf16, Llama-like shapes)."""
-    from specpilot.engine.batch.cache import BatchCache
     from specpilot.engine.batch.graphs import BatchGraphRunner
     from specpilot.engine.batch.probe import chain_rows
     from specpilot.engine.batch.step import assemble
 
-    eng = load_engine(EngineSpec.parse("engine:model=tiny,mode=ar,dtype=bfloat16,device=cuda,ctx=256"))
-    m = eng.model
-    cache = BatchCache(m, 4)
-    gen = torch.Generator().manual_seed(1)
-    for lc in cache.layers:
-        lc.k.copy_(torch.randn(lc.k.shape, generator=gen).to(lc.k.dtype))
-        lc.v.copy_(torch.randn(lc.v.shape, generator=gen).to(lc.v.dtype))
+    m, cache, gen = _bf16_tiny_with_cache(1)
     blocks = chain_rows(3, 5, 40, m.spec.vocab_size, gen)
     inp, _, need = assemble(blocks, cache.max_seq, m.device, pad=(4, 8))
     eager = m.greedy_batch(inp, cache, cache.max_seq)
@@ -108,18 +101,11 @@ def test_mixed_bucket_replay_equals_eager_step_bf16():
     """A mixed bucket (4 requests x 1 row, then 32 prompt rows) replayed for two different prompt
     chunks, in different slots, gives the eager step's argmax on the same layout (bf16): the
     segment table is refreshed at each replay."""
-    from specpilot.engine.batch.cache import BatchCache
     from specpilot.engine.batch.graphs import BatchGraphRunner
     from specpilot.engine.batch.probe import chain_rows
     from specpilot.engine.batch.step import assemble, prefill_rows
 
-    eng = load_engine(EngineSpec.parse("engine:model=tiny,mode=ar,dtype=bfloat16,device=cuda,ctx=256"))
-    m = eng.model
-    cache = BatchCache(m, 4)
-    gen = torch.Generator().manual_seed(2)
-    for lc in cache.layers:
-        lc.k.copy_(torch.randn(lc.k.shape, generator=gen).to(lc.k.dtype))
-        lc.v.copy_(torch.randn(lc.v.shape, generator=gen).to(lc.v.dtype))
+    m, cache, gen = _bf16_tiny_with_cache(2)
     runner = BatchGraphRunner(m, cache)
     runner.prepare_mixed([(4, 1, 32)])
     prompt = torch.randint(0, m.spec.vocab_size, (40,), generator=gen).tolist()
@@ -132,3 +118,17 @@ def test_mixed_bucket_replay_equals_eager_step_bf16():
         eager = m.greedy_batch(dev, cache, cache.max_seq)
         rows = [i for n in need for i in n]
         assert graph[rows].tolist() == eager[rows].tolist()
+
+
+def _bf16_tiny_with_cache(seed: int):
+    """A bf16 tiny model on CUDA, a 4-slot batch cache of random K/V, and the generator that made
+    them (the tests draw their rows from it next)."""
+    from specpilot.engine.batch.cache import BatchCache
+
+    m = load_engine(EngineSpec.parse("engine:model=tiny,mode=ar,dtype=bfloat16,device=cuda,ctx=256")).model
+    cache = BatchCache(m, 4)
+    gen = torch.Generator().manual_seed(seed)
+    for lc in cache.layers:
+        lc.k.copy_(torch.randn(lc.k.shape, generator=gen).to(lc.k.dtype))
+        lc.v.copy_(torch.randn(lc.v.shape, generator=gen).to(lc.v.dtype))
+    return m, cache, gen
