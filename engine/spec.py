@@ -118,8 +118,8 @@ class EngineSpec:
                                     "--depth, from its recent accepted lengths and its draft's confidence) or fixed "
                                     "(--depth).", choices=BLOCKS)
     admit: str = option("waiting", "Prompt admission in batched steps: off (prompts prefill in passes of their own), "
-                                   "waiting (a prompt that would otherwise wait, one no prefill pass takes, joins a verify step "
-                                   "when its rows fit in --admit-rows) or "
+                                   "waiting (a prompt that would otherwise wait, one no prefill pass takes, joins a "
+                                   "verify step when its rows fit in --admit-rows) or "
                                    "all (every prompt joins the verify steps in chunks).", choices=ADMITS)
     admit_rows: int = option(128, "Rows of a verify step whose compute hides behind its weight reads (prompt "
                                   "admission).", range=(1, 1 << 20))

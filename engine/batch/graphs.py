@@ -184,12 +184,12 @@ class BatchGraphRunner:
         """Replay mixed bucket (B, N, P), captured by :meth:`prepare_mixed`, on ``inp`` (laid out by
         ``assemble(pad=(B, N), prompt=(chunk, P))``, host tensors); every row's argmax. As
         :meth:`run`: read the result before the next call."""
-        g, _, out, ids, (hids, hmask, _), segtab, hseg = self.mixed[(B, N, P)]
+        g, sinp, out, ids, (hids, hmask, _), segtab, hseg = self.mixed[(B, N, P)]
         hids.copy_(torch.stack((inp.tokens, inp.pos, inp.slots, inp.req)))
         hmask.copy_(inp.mask)
         hseg.copy_(torch.tensor([[sg.start, sg.rows, sg.slot] for sg in inp.segments], dtype=torch.int32))
         ids.copy_(hids, non_blocking=True)
-        self.mixed[(B, N, P)][1].mask.copy_(hmask, non_blocking=True)
+        sinp.mask.copy_(hmask, non_blocking=True)
         segtab.copy_(hseg, non_blocking=True)
         g.replay()
         return out

@@ -132,9 +132,9 @@ def plan_admission(admit: str, prefill_left: list[int], verify_rows: int, admit_
       the verify step leaves of ``admit_rows`` (their compute hides behind the step's weight reads).
       When every prompt fits, they all join and no pass runs. Otherwise a pass runs for the prompts
       that do not fit, and it takes prompts in arrival order up to ``chunk`` rows: those it takes
-      do not wait, so they go to it; only the prompts past its rows join the step (where bucket
-      graphs run, a step with prompt rows runs eagerly: admitting a prompt the pass would have
-      taken anyway buys nothing and costs that).
+      do not wait, so they go to it; only the prompts past its rows join the step (admitting a
+      prompt the pass takes anyway saves no pass, and with bucket graphs a step of more than one
+      prompt chunk runs eagerly).
     * ``all``: every prompt joins with its next chunk of up to ``chunk`` rows, whatever the step's size.
     """
     n = len(prefill_left)

@@ -69,8 +69,8 @@ class BatchStats:
     admitted_prompt_rows: int = 0  # prompt rows that rode a verify step
     overlapped_steps: int = 0    # AR steps fed on the device while the host took the previous one's tokens
     eager_steps: int = 0         # verify steps run eagerly although there are bucket graphs (prompt rows in them)
-    mixed_steps: int = 0         # verify steps with a prompt chunk replayed from a mixed bucket graph
     eager_seconds: float = 0.0   # ... their wall time (launches, the device's work, the argmax copy)
+    mixed_steps: int = 0         # verify steps with a prompt chunk replayed from a mixed bucket graph
     drafted_positions: int = 0   # draft positions the drafter proposed
     kept_positions: int = 0      # ... inside the requests' blocks
     accepted: int = 0            # draft tokens accepted
