@@ -76,3 +76,14 @@ def test_prompt_rows_in_an_ar_step_replay_a_mixed_bucket(model):
     got, st = run(True)
     assert got == plain
     assert st.mixed_steps == 1 and st.eager_steps == 0 and st.admitted_prompt_rows == len(prompts[3])
+
+
+def test_mixed_buckets_follow_the_rule_and_fit_the_cache(model):
+    """The prompt rows captured: none with ``admit=off``, up to what one prompt may bring under
+    ``waiting`` (``admit_rows``) and ``all`` (a prefill chunk), never past the cache (96 slots)."""
+    def sizes(admit, **kw):
+        return BatchDecoder(model, "ar", batch=2, graphs=True, admit=admit, **kw).prompt_sizes()
+
+    assert sizes("off") == [] and sizes("waiting", admit_rows=40) == [16, 32, 64]
+    assert sizes("waiting", admit_rows=16) == [16] and sizes("all") == [16, 32, 64]
+    assert BatchDecoder(model, "tree", "ngram", batch=2, graphs=True).prompt_sizes() == []

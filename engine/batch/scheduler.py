@@ -253,11 +253,12 @@ class BatchDecoder:
     def prompt_sizes(self) -> list[int]:
         """The prompt rows of the mixed buckets (:meth:`_run`) this decoder captures: AR steps of a
         model that :func:`~.graphs.mixes`, the buckets up to the most rows one prompt chunk brings
-        into a step under the admission rule (none with ``admit=off``)."""
+        into a step under the admission rule (none with ``admit=off``) that leave the cache's last
+        position to the bucket's own padding rows."""
         if self.runner is None or self.mode != "ar" or not mixes(self.model):
             return []
         most = {"waiting": self.admit_rows - 1, "all": self.prefill_chunk}.get(self.admit, 0)
-        return [p for p in PROMPT_BUCKETS if p // 2 < most]
+        return [p for p in PROMPT_BUCKETS if p // 2 < most and p < self.cache.max_seq]
 
     def run_forever(self, stop: threading.Event, on_error=None) -> None:
         """The engine thread: step while there is work, sleep on the condition otherwise."""
