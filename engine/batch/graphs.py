@@ -24,6 +24,7 @@ import torch
 
 from specpilot.engine.graphs import capture
 from specpilot.engine.model import BatchStepInput, Segment, Walk
+from specpilot.kernels.attention.decode import segment_table
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512)   # a mixed bucket's prompt rows
@@ -93,6 +94,16 @@ class _Eager:
         self.out.copy_(self.fn())
 
 
+def _feed(inp: BatchStepInput, sinp: BatchStepInput, ids: torch.Tensor, staging) -> None:
+    """A bucket's inputs from ``inp`` (host tensors): tokens, positions, cache positions, slots and
+    the mask through the pinned ``staging``, copied to the graph's buffers asynchronously."""
+    hids, hmask = staging[0], staging[1]
+    hids.copy_(torch.stack((inp.tokens, inp.pos, inp.slots, inp.req)))
+    hmask.copy_(inp.mask)
+    ids.copy_(hids, non_blocking=True)
+    sinp.mask.copy_(hmask, non_blocking=True)
+
+
 class BatchGraphRunner:
     def __init__(self, model, cache, warmup: int = 2):
         self.model, self.cache, self.warmup = model, cache, warmup
@@ -121,7 +132,7 @@ class BatchGraphRunner:
         if P:   # the prompt rows: slot 0 at capture, the step's own segment table at every replay
             ids[2, B * N:] = torch.arange(P, device=dev)
             segs.append(Segment(0, B * N, P))
-            segtab = torch.tensor([[sg.start, sg.rows, sg.slot] for sg in segs], dtype=torch.int32, device=dev)
+            segtab = segment_table(segs, dev)[0]
         inp = BatchStepInput(ids[0], ids[1], ids[2], ids[3], torch.zeros(T, S, dtype=torch.bool, device=dev), segs)
         if segtab is not None:
             inp.seg_table = (segtab, max(N, P))
@@ -184,12 +195,9 @@ class BatchGraphRunner:
         """Replay mixed bucket (B, N, P), captured by :meth:`prepare_mixed`, on ``inp`` (laid out by
         ``assemble(pad=(B, N), prompt=(chunk, P))``, host tensors); every row's argmax. As
         :meth:`run`: read the result before the next call."""
-        g, sinp, out, ids, (hids, hmask, _), segtab, hseg = self.mixed[(B, N, P)]
-        hids.copy_(torch.stack((inp.tokens, inp.pos, inp.slots, inp.req)))
-        hmask.copy_(inp.mask)
-        hseg.copy_(torch.tensor([[sg.start, sg.rows, sg.slot] for sg in inp.segments], dtype=torch.int32))
-        ids.copy_(hids, non_blocking=True)
-        sinp.mask.copy_(hmask, non_blocking=True)
+        g, sinp, out, ids, staging, segtab, hseg = self.mixed[(B, N, P)]
+        _feed(inp, sinp, ids, staging)
+        hseg.copy_(segment_table(inp.segments, "cpu")[0])
         segtab.copy_(hseg, non_blocking=True)
         g.replay()
         return out
@@ -198,14 +206,11 @@ class BatchGraphRunner:
         """Replay bucket (B, N) on ``inp`` (laid out for it; host tensors are fastest: they go through
         pinned staging in asynchronous copies); the argmax of every row. The staging is reused
         by the next call, so read the result (a host sync) before calling again."""
-        g, sinp, out, ids, (hids, hmask, hpaths), paths, _ = self.get(B, N)
-        hids.copy_(torch.stack((inp.tokens, inp.pos, inp.slots, inp.req)))
-        hmask.copy_(inp.mask)
-        ids.copy_(hids, non_blocking=True)
-        sinp.mask.copy_(hmask, non_blocking=True)
+        g, sinp, out, ids, staging, paths, _ = self.get(B, N)
+        _feed(inp, sinp, ids, staging)
         if paths is not None:
-            hpaths.copy_(bucket_paths(inp.segments, N))
-            paths.copy_(hpaths, non_blocking=True)
+            staging[2].copy_(bucket_paths(inp.segments, N))
+            paths.copy_(staging[2], non_blocking=True)
         self._replay(B, N)
         return out
 
