@@ -50,6 +50,22 @@ def test_assemble_puts_the_prompt_chunk_after_the_bucket_rows():
     assert not fits_mixed(chunk, 4, 1, 64)
 
 
+def test_assemble_lays_free_slots_padding_at_their_first_positions():
+    """Padding rows of a free slot write at its first positions (the attention walks a slot up to the
+    highest position its rows write: a tile, not the whole cache); a prefilling request's at the
+    cache's last, past anything it holds; a hybrid's dump slot takes both at the same positions."""
+    verify = [verify_rows(0, 5, treelib.chain_tree([]), 10, "seq"), verify_rows(2, 6, treelib.chain_tree([]), 7, "seq")]
+    for dump in (None, 9):
+        inp, _, _ = assemble(verify, 64, torch.device("cpu"), pad=(6, 2), dump=dump, free_from=3)
+        # slot 1 runs (prefilling), slots 3-5 are free
+        assert inp.slots.tolist() == [10, 11, 62, 63, 7, 8, 0, 1, 0, 1, 0, 1]
+        assert inp.req.tolist() == [0, 0] + [1 if dump is None else dump] * 2 + [2, 2] + \
+            ([3, 3, 4, 4, 5, 5] if dump is None else [dump] * 6)
+        assert inp.mask[6:].sum(1).tolist() == [1] * 6 and inp.mask[6:, 0].all()
+    old, _, _ = assemble(verify, 64, torch.device("cpu"), pad=(6, 2))
+    assert old.slots[6:].tolist() == [62, 63] * 3
+
+
 def test_only_the_fused_rows_path_of_a_dense_model_mixes(model):
     assert mixes(model)
     assert not mixes(_fused("tiny-hybrid", 64))

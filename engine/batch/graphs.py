@@ -233,8 +233,10 @@ class BatchGraphRunner:
     def advance(self, B: int, live: torch.Tensor) -> None:
         """Feed one-row bucket (B, 1) its next AR step on the device: each ``live`` row's token becomes
         its last argmax, its position and cache position move on by one and the new position joins
-        its mask; other rows (padding) stay as they are."""
+        its mask; other rows (padding) stay as they are, mask included (a free slot's padding row
+        writes at position 0, the one it attends)."""
         _, sinp, out, ids, *_ = self.graphs[(B, 1)]
         ids[0].copy_(torch.where(live, out, ids[0]))
         ids[1:3] += live
-        sinp.mask.scatter_(1, ids[2].unsqueeze(1), live.unsqueeze(1))
+        at = ids[2].unsqueeze(1)
+        sinp.mask.scatter_(1, at, sinp.mask.gather(1, at) | live.unsqueeze(1))

@@ -360,7 +360,8 @@ class BatchDecoder:
         then go on as :meth:`_streak_step`."""
         blocks = [verify_rows(r.slot, r.full[-1], treelib.chain_tree([]), r.n_cache, "seq") for r in decoding]
         B = bucket(len(decoding), self.batch)
-        inp, _, _ = assemble(blocks, self.cache.max_seq, torch.device("cpu"), pad=(B, 1), dump=self.cache.dump)
+        inp, _, _ = assemble(blocks, self.cache.max_seq, torch.device("cpu"), pad=(B, 1), dump=self.cache.dump,
+                             free_from=len(self.running))
         self.runner.run(inp, B, 1)
         self.streak = Streak(self.runner, decoding, B)
         self._streak_step()
@@ -602,7 +603,8 @@ class BatchDecoder:
         N = bucket(max(len(b) for b in blocks), self.rows_per_request) if blocks else 0
         if self.runner is not None and not pblocks and replays(m):
             B = bucket(max(b.slot for b in blocks) + 1, self.batch)
-            inp, _, need = assemble(allb, self.cache.max_seq, torch.device("cpu"), pad=(B, N), dump=self.cache.dump)
+            inp, _, need = assemble(allb, self.cache.max_seq, torch.device("cpu"), pad=(B, N), dump=self.cache.dump,
+                                    free_from=len(self.running))
             out = self.runner.run(inp, B, N).tolist()
             if walks(m, N):   # a one-row request's GDN rows were walked too: it commits like the others
                 for blk in blocks:
@@ -615,7 +617,7 @@ class BatchDecoder:
             P = next((p for p in PROMPT_BUCKETS if len(chunk) <= p), 0)
             if (B, N, P) in self.runner.mixed and fits_mixed(chunk, P, N, self.cache.max_seq):
                 inp, _, need = assemble(blocks, self.cache.max_seq, torch.device("cpu"), pad=(B, N),
-                                        prompt=(chunk, P))
+                                        prompt=(chunk, P), free_from=len(self.running))
                 self.stats.mixed_steps += 1
                 return self.runner.run_mixed(inp, B, N, P).tolist(), need
         t0 = time.perf_counter()

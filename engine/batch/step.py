@@ -6,7 +6,9 @@ the block's rows that ``local`` allows (a verify block: the pending token and ea
 ancestors; a prefill chunk: causal). :func:`assemble` lays the blocks out one after another
 (eager steps) or, with ``pad=(B, N)``, as B requests x N rows (CUDA-graph buckets): padding rows
 come after a request's rows (cache positions past them, attending position 0 only, predictions
-dropped) and padding requests take the free slots after the running ones.
+dropped) and padding requests take the free slots after the running ones, writing at their first
+positions: the attention walks a slot's cache up to the highest position its rows write, so a
+free slot's padding costs a tile, not the whole cache.
 """
 
 from __future__ import annotations
@@ -58,15 +60,17 @@ def prefill_rows(slot: int, prompt: list[int], a: int, b: int, last: bool) -> Ro
 
 
 def assemble(blocks: list[Rows], max_seq: int, device, pad: tuple[int, int] | None = None,
-             dump: int | None = None, prompt: tuple[Rows, int] | None = None
+             dump: int | None = None, prompt: tuple[Rows, int] | None = None, free_from: int | None = None
              ) -> tuple[BatchStepInput, int, list[list[int]]]:
     """The step's input, its kv_len and, per block, the step rows of its ``need`` rows.
 
     ``pad=(B, N)``: the layout of CUDA-graph bucket (B, N): slot b's rows at ``b*N``; every block
-    must be of a slot below B with at most N rows. Slots below B without a block (free, or a
-    request prefilling) get N padding rows writing at the cache's last N positions, never live for
-    them; with ``dump`` (a hybrid's spare cache slot) they write there instead (their GDN rows
-    advance a state). ``prompt=(block, P)`` (with ``pad``: mixed bucket (B, N, P)): a prompt
+    must be of a slot below B with at most N rows. Slots below B without a block get N padding rows:
+    a request prefilling there has them write at the cache's last N positions, never live for it;
+    free slots (``free_from`` and up: nothing running there) at the first N, so the attention's walk,
+    which ends at the highest position a slot's rows write, reads N positions of a free slot rather
+    than all of them. With ``dump`` (a hybrid's spare cache slot) they write there instead, at the
+    same positions (their GDN rows advance a state). ``prompt=(block, P)`` (with ``pad``: mixed bucket (B, N, P)): a prompt
     chunk's rows after the B x N rows, padded to P rows (cache positions past the chunk, attending
     position 0 only: :func:`fits_mixed` keeps them below the cache's last N positions); its
     ``need`` rows come last in the result."""
@@ -92,7 +96,8 @@ def assemble(blocks: list[Rows], max_seq: int, device, pad: tuple[int, int] | No
     for blk, n in layout:
         if isinstance(blk, int):   # a slot without rows in this step
             req[r:r + n] = blk if dump is None else dump
-            cs[r:r + n] = max_seq - n + np.arange(n)
+            free = free_from is not None and blk >= free_from
+            cs[r:r + n] = np.arange(n) if free else max_seq - n + np.arange(n)
             mask[r:r + n, 0] = True
             segs.append(Segment(blk, r, n))
             r += n
