@@ -36,6 +36,7 @@ except ImportError:  # pragma: no cover
     TensorDescriptor = None
 
 NEG = decode.NEG
+softmax_tile, accumulate = decode.softmax_tile, decode.accumulate   # the product's online softmax
 
 
 @triton.jit
@@ -94,14 +95,8 @@ def _walk(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, seg_ptr, slots_ptr, k_desc, v_
                                   mask=row_ok[:, None] & n_ok[None, :], other=0) != 0
             else:
                 allowed = (n < hi)[None, :] & row_ok[:, None]
-            s = tl.dot(q, tl.trans(k))
-            s = tl.where(allowed, s * scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            m_i = m_new
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            p, alpha, m_i, l_i = softmax_tile(q, k, allowed, m_i, l_i, scale, False)
+            acc = accumulate(acc, alpha, p, v, False)
     if STREAM:
         tl.store(out_ptr + ((seg * NKV + kvh) * tl.num_programs(1) + sp) * HD + d, sink)
     else:
