@@ -34,6 +34,8 @@ bootstrap()
 from common import L2Flusher, capture_and_time, environment, print_table, write_results  # noqa: E402
 
 KERNELS = ("frontier",)
+BUILDERS: dict = {}   # kernels a lab script adds (name -> builder taking build_batched's arguments)
+BASES = {"torch": "torch reference"}   # what the paired timings judge the frontier kernel against
 
 
 def lattice(B, m, K, seed, device, quant=None):
@@ -55,6 +57,8 @@ def build(name, tok, lp, t, n, bud, out=None, **kw):
 
     if name == "torch":
         return build_batched_ref(tok, lp, t, n, bud)
+    if name in BUILDERS:
+        return BUILDERS[name](tok, lp, t, n, bud, out=out, **kw)
     return build_batched(tok, lp, t, n, budget=bud, backend="triton", out=out, **kw)
 
 
@@ -95,8 +99,8 @@ def heap_mismatches(out, tok, lp, t, n, budget):
     return bad
 
 
-def check_row(B, m, K, n, budget, trans, row):
-    """Exactness of both kernels, before timing: vs the torch reference (plain and tied lattices)
+def check_row(B, m, K, n, budget, trans, row, kernels=KERNELS):
+    """Exactness of each kernel, before timing: vs the torch reference (plain and tied lattices)
     and vs the engine's heap."""
     import torch
 
@@ -107,7 +111,7 @@ def check_row(B, m, K, n, budget, trans, row):
         ref = build("torch", tok, lp, t, n, bud)
         if not tag:
             row["torch_mismatch_requests"] = heap_mismatches(ref, tok, lp, t, n, budget)
-        for k in KERNELS:
+        for k in kernels:
             try:
                 out = build(k, tok, lp, t, n, bud)
                 torch.cuda.synchronize()
@@ -118,25 +122,25 @@ def check_row(B, m, K, n, budget, trans, row):
                 row[f"{k}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 row[f"{k}_equals_reference{tag}"] = False
                 traceback.print_exc()
-    return all(row.get(f"{k}_equals_reference{tag}") for k in KERNELS for tag in ("", "_ties"))
+    return all(row.get(f"{k}_equals_reference{tag}") for k in kernels for tag in ("", "_ties"))
 
 
 def graph_us(fn, reps=200, flush=None):
     return capture_and_time(fn, reps=reps, warmup=10, flush=flush)
 
 
-def bench_row(B, m, K, n, budget, trans, flush):
+def bench_row(B, m, K, n, budget, trans, flush, kernels=KERNELS):
     import torch
 
     from specpilot.kernels.tree.batched import alloc
 
     row = {"requests": B, "positions": m, "candidates": K, "nodes_per_request": n,
            "shared_budget": budget, "scores": "parent-conditioned" if trans else "marginal"}
-    row["exact"] = check_row(B, m, K, n, budget, trans, row)
+    row["exact"] = check_row(B, m, K, n, budget, trans, row, kernels)
     tok, lp, tr = lattice(B, m, K, 7 + B, "cuda")
     t = tr if trans else None
     bud = None if budget is None else torch.tensor(budget, device="cuda")
-    for name in KERNELS + ("torch",):
+    for name in kernels + ("torch",):
         try:
             out = alloc(B, n, "cuda")
             fn = lambda: build(name, tok, lp, t, n, bud, out=out)  # noqa: E731
@@ -168,9 +172,9 @@ def bench_row(B, m, K, n, budget, trans, flush):
     return row
 
 
-def aa_timing(flush):
+def aa_timing(flush, kernels=KERNELS, bases=BASES):
     """Real paired timings of GPU kernels judged by the compare rule: A/A (frontier vs itself) must
-    not be approved; frontier vs the torch reference is a real difference."""
+    not be approved; frontier vs each of ``bases`` (name -> label) is a real difference."""
     import torch
 
     from specpilot.auditors.timing import Sample, judge
@@ -178,7 +182,7 @@ def aa_timing(flush):
 
     tok, lp, tr = lattice(32, 16, 16, 99, "cuda")
     graphs, outs = {}, {}          # outs: a graph writes into buffers that must stay alive
-    for name in KERNELS + ("torch",):
+    for name in kernels + ("torch",):
         outs[name] = alloc(32, 32, "cuda")
         graphs[name] = graph_us(lambda: build(name, tok, lp, tr, 32, None, out=outs[name]), reps=5)[1]  # noqa: B023
 
@@ -205,9 +209,10 @@ def aa_timing(flush):
         v = paired("frontier", "frontier", seed=trial)
         rows.append({"kind": "A/A frontier vs frontier", "trial": trial, "gain": v.gain, "ci_low": v.ci_low,
                      "noise": v.noise, "approved": v.approved})
-    v = paired("torch", "frontier")
-    rows.append({"kind": "frontier vs torch reference", "trial": 0, "gain": v.gain, "ci_low": v.ci_low,
-                 "noise": v.noise, "approved": v.approved})
+    for base, label in bases.items():
+        v = paired(base, "frontier")
+        rows.append({"kind": f"frontier vs {label}", "trial": 0, "gain": v.gain, "ci_low": v.ci_low,
+                     "noise": v.noise, "approved": v.approved})
     return rows
 
 
