@@ -36,19 +36,14 @@ def main() -> int:
 
     import torch
 
-    from lab.verify.step_parts import random_target
-    from specpilot.engine.batch.cache import BatchCache
+    from lab.verify.step_parts import random_cache, random_target
     from specpilot.engine.batch.probe import chain_rows
     from specpilot.engine.batch.step import assemble, prefill_rows
     from specpilot.engine.graphs import capture, time_replays
 
     ctx, B, P = 1024, args.batch, args.prompt
     model = random_target(args.model, ctx)
-    cache = BatchCache(model, B + 1)
-    for lc in cache.layers:
-        for t in (lc.k, lc.v):
-            if t is not None:
-                t.normal_()
+    cache = random_cache(model, B + 1)
     gen = torch.Generator(device="cpu").manual_seed(0)
     prompt = torch.randint(0, model.spec.vocab_size, (P,), generator=gen).tolist()
     blocks = chain_rows(B, 1, ctx, model.spec.vocab_size, gen) + [prefill_rows(B, prompt, 0, P, True)]

@@ -34,8 +34,7 @@ def main() -> int:
     args = ap.parse_args()
     import torch
 
-    from lab.verify.step_parts import random_target
-    from specpilot.engine.batch.cache import BatchCache
+    from lab.verify.step_parts import random_cache, random_target
     from specpilot.engine.batch.graphs import BatchGraphRunner
     from specpilot.engine.batch.probe import chain_rows
     from specpilot.engine.batch.step import assemble
@@ -47,11 +46,7 @@ def main() -> int:
     rows = []
     for case in args.cases.split(","):
         B, n = (int(v) for v in case.split("x"))
-        cache = BatchCache(model, B)
-        for lc in cache.layers:
-            for t in (lc.k, lc.v):
-                if t is not None:
-                    t.normal_()
+        cache = random_cache(model, B)
         runner = BatchGraphRunner(model, cache)
         blocks = chain_rows(n, 1, args.context, model.spec.vocab_size, gen)
         cpu = torch.device("cpu")

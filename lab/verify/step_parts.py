@@ -221,7 +221,6 @@ def step_graph(model, B: int, N: int, ctx: int, caches: dict, gen):
     random K/V: one request's ``GraphRunner`` graph (``B == 1``, the model's own caches), else the
     batch decoder's bucket graph over a ``BatchCache`` (kept in ``caches`` for the next call of the
     same ``B``). The runner keeps the graph's buffers alive."""
-    from specpilot.engine.batch.cache import BatchCache
     from specpilot.engine.batch.graphs import BatchGraphRunner
     from specpilot.engine.batch.probe import chain_rows
     from specpilot.engine.batch.step import assemble
@@ -237,17 +236,24 @@ def step_graph(model, B: int, N: int, ctx: int, caches: dict, gen):
         return runner, g
     if B not in caches:
         caches.clear()
-        cache = BatchCache(model, B)
-        for lc in cache.layers:
-            for t in (lc.k, lc.v):
-                if t is not None:
-                    t.normal_()
-        caches[B] = cache
+        caches[B] = random_cache(model, B)
     inp, _, _ = assemble(chain_rows(B, N, ctx, model.spec.vocab_size, gen), caches[B].max_seq, model.device,
                          pad=(B, N))
     runner = BatchGraphRunner(model, caches[B])
     runner.run(inp, B, N)
     return runner, runner.graphs[(B, N)][0]
+
+
+def random_cache(model, slots: int):
+    """A batch cache of ``slots`` slots for ``model`` with random K/V in every attention layer."""
+    from specpilot.engine.batch.cache import BatchCache
+
+    cache = BatchCache(model, slots)
+    for lc in cache.layers:
+        for t in (lc.k, lc.v):
+            if t is not None:
+                t.normal_()
+    return cache
 
 
 def random_target(name: str, ctx: int, w12: bool = False):
