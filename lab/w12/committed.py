@@ -1,6 +1,8 @@
 """The product's choice for a layer and row count (its tuned table entry, else its default config),
 as the config class of the lab's variant kernels (:mod:`lab.w12.variants`), whose fields are a
-superset: the sweeps let the committed choice compete with the variants."""
+superset of the launch choices: the sweeps let the committed choice compete with the variants.
+The lab's kernels run one layer at a time, launched plainly, so the product's ``pdl`` (programmatic
+dependent launch, which only matters between the kernels of a step) has no field there."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ from specpilot.kernels.w12 import gemv, gemv_gluon, mma, mma_tma, warpk
 
 
 def _as(cls, cfg):
-    return cls(**dataclasses.asdict(cfg))
+    fields = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in dataclasses.asdict(cfg).items() if k in fields or k != "pdl"})
 
 
 def gemv_config(m: int, n: int, k: int):
