@@ -70,10 +70,10 @@ def assemble(blocks: list[Rows], max_seq: int, device, pad: tuple[int, int] | No
     free slots (``free_from`` and up: nothing running there) at the first N, so the attention's walk,
     which ends at the highest position a slot's rows write, reads N positions of a free slot rather
     than all of them. With ``dump`` (a hybrid's spare cache slot) they write there instead, at the
-    same positions (their GDN rows advance a state). ``prompt=(block, P)`` (with ``pad``: mixed bucket (B, N, P)): a prompt
-    chunk's rows after the B x N rows, padded to P rows (cache positions past the chunk, attending
-    position 0 only: :func:`fits_mixed` keeps them below the cache's last N positions); its
-    ``need`` rows come last in the result."""
+    same positions (their GDN rows advance a state). ``prompt=(block, P)`` (with ``pad``: mixed
+    bucket (B, N, P)): a prompt chunk's rows after the B x N rows, padded to P rows (cache
+    positions past the chunk, attending position 0 only: :func:`fits_mixed` keeps them below the
+    cache's last N positions); its ``need`` rows come last in the result."""
     if pad is None:
         width = kv_len(max_seq, max(max(b.cslots[-1] + 1, b.n_ctx) for b in blocks))
         layout = [(b, len(b)) for b in blocks]

@@ -178,8 +178,8 @@ def case(B: int, ctx: int, splits: int, L: int, grid: str) -> list[dict]:
                   TensorDescriptor.from_tensor(vs[i].view(-1, hd), [block_n, hd])) if tma else (ks[i], vs[i])
                  for i in range(L)]
         dst = sink if stream else out
-        name = (("stream" if stream else "walk") + ("-tma" if tma else "-ptr") + ("" if use_mask or stream else "-nomask")
-                + ("-const" if const else ""))
+        name = (("stream" if stream else "walk") + ("-tma" if tma else "-ptr")
+                + ("" if use_mask or stream else "-nomask") + ("-const" if const else ""))
         try:
             lab_launch(q, ks[0], vs[0], *descs[0], mask8, scale, segs, slots, dst, block_n, stages, warps,
                        use_mask, tma, stream, splits, const, ctx + 1)

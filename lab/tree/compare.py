@@ -128,7 +128,8 @@ def main():
         (r.get("frontier_graph_us") or 1e9) <= 50 for r in target)
     summary["wall_s"] = round(time.time() - t_start, 1)
     write_results("tree_compare", rows, extra={
-        "frontier_variants": variants, "aa_timing": aa, "summary": summary, "target": "<= 50 us for 32 requests x 32 nodes from 16 x 16 lattices",
+        "frontier_variants": variants, "aa_timing": aa, "summary": summary,
+        "target": "<= 50 us for 32 requests x 32 nodes from 16 x 16 lattices",
         "notes": "levels = the level-sort kernel (lab), frontier = the heap in registers (the product's). "
                  "*_equals_reference[_ties]: every kept node (token, parent, depth, candidate, float32 score), "
                  "valid and count identical to the torch reference, on the row's lattice and on a dyadic one "
