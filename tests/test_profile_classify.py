@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
 from specpilot.errors import InputError
@@ -196,3 +199,35 @@ def test_bad_rule_files(tmp_path, text, msg):
     f.write_text(text)
     with pytest.raises(InputError, match=msg):
         load_rules([str(f)])
+
+
+# every kernel the package launches, with the class `profile` gives it (a new kernel needs its class
+# here, and a rule in probes/kernel_classes.yaml where the generic rules miss it)
+ENGINE_KERNELS = {
+    **dict.fromkeys(["_gemv_kernel", "_ring_kernel", "_skinny_kernel", "_warpk_kernel", "_restore_kernel",
+                     "_escape_kernel", "_w12_gemv_kernel", "_w12_gemv_gl_kernel", "_w12_fused_gl_kernel",
+                     "_w12_gemm_kernel", "_w12_mma_kernel", "_w12_mma_tma_kernel", "_w12_warpk_kernel"], "linear"),
+    **dict.fromkeys(["_lm_head_prep", "_lm_head_bounds", "_lm_head_select", "_lm_head_fallback",
+                     "_lm_head_finish"], "lm_head"),
+    **dict.fromkeys(["_attn_split", "_attn_merge", "_inv_split", "_inv_merge", "_store_kv"], "attention"),
+    **dict.fromkeys(["_gdn_rows_kernel", "_conv_rows_kernel", "_decay_kernel", "_wy_kernel"], "gdn"),
+    **dict.fromkeys(["_rms_norm_kernel", "_rms_norm_rows_kernel", "_add_rms_norm_rows_kernel", "_gated_norm_kernel",
+                     "_rope_store_rows_kernel", "_qk_norm_rope_kernel", "_silu_mul_rows_kernel",
+                     "_sigmoid_gate_kernel"], "norm"),
+    **dict.fromkeys(["_argmax_chunks", "_argmax_merge", "_frontier_kernel", "_budget_rank_kernel"], "sampling"),
+}
+
+
+def test_every_kernel_the_engine_launches_has_its_class():
+    """`profile` on a trace of the embedded engine puts each of its kernels in its class (the ring
+    GEMM was "other", the GDN conv "linear")."""
+    import specpilot.engine
+    import specpilot.kernels
+
+    launched = set()
+    for pkg in (specpilot.kernels, specpilot.engine):
+        for f in Path(pkg.__file__).parent.rglob("*.py"):
+            launched |= set(re.findall(r"\b(_[A-Za-z0-9_]+)\[[^\]\n]*\]\(", f.read_text()))
+    assert launched == set(ENGINE_KERNELS)
+    got = {n: _cls(n).cls for n in ENGINE_KERNELS}
+    assert got == ENGINE_KERNELS

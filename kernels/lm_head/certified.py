@@ -1,15 +1,15 @@
 """Fast certified INT8 LM head (Triton): prep -> INT8 bounds -> select + exact rescoring -> argmax.
 
 Four kernels (five with the device fallback), no host synchronization (CUDA-graph friendly):
-1. ``_prep``: per row, two-level int8 quantization of h (``h ~ s1 q1 + s2 q2``), ||h|| and ||h - h~||;
-2. ``_bounds``: INT8 tensor-core GEMM ``q_W @ q_h^T`` (exact int32), approximate logits, the radius
+1. ``_lm_head_prep``: per row, two-level int8 quantization of h (``h ~ s1 q1 + s2 q2``), ||h|| and ||h - h~||;
+2. ``_lm_head_bounds``: INT8 tensor-core GEMM ``q_W @ q_h^T`` (exact int32), approximate logits, the radius
    ``rho``; writes the upper bounds and each block's best lower bound;
-3. ``_select``: per (row, vocab block) keeps tokens whose upper bound reaches the best lower bound,
+3. ``_lm_head_select``: per (row, vocab block) keeps tokens whose upper bound reaches the best lower bound,
    rescores each survivor exactly (fp64 dot of the bf16 values, rounded to fp32) and folds
    ``(logit, -id)`` into one int64 key with an atomic max (order-independent, so deterministic);
-4. ``_fallback`` (``argmax_exact`` only): the full head on the device for rows with too many
+4. ``_lm_head_fallback`` (``argmax_exact`` only): the full head on the device for rows with too many
    survivors or a non-finite h; every other program returns after one load;
-5. ``_finish``: decodes the key into the argmax, saves the survivor count, resets the state.
+5. ``_lm_head_finish``: decodes the key into the argmax, saves the survivor count, resets the state.
 The naive reference (``naive.certified_argmax_ref``) defines the same results.
 """
 
@@ -29,7 +29,7 @@ INT64_MIN = -(2 ** 63)
 if triton is not None:
 
     @triton.jit
-    def _prep(h_ptr, hq_ptr, s_ptr, cnt_ptr, H, stride_hm, M_PAD, CAP, BLOCK_H: tl.constexpr):
+    def _lm_head_prep(h_ptr, hq_ptr, s_ptr, cnt_ptr, H, stride_hm, M_PAD, CAP, BLOCK_H: tl.constexpr):
         m = tl.program_id(0)
         offs = tl.arange(0, BLOCK_H)
         mask = offs < H
@@ -51,13 +51,13 @@ if triton is not None:
         tl.store(s_ptr + m * 4 + 1, s2)
         tl.store(s_ptr + m * 4 + 2, hn * (1.0 + 1e-5))
         tl.store(s_ptr + m * 4 + 3, en * (1.0 + 1e-5) + hn * 1e-6)
-        # a row with inf/nan has no certificate: mark it for the full head (``_fallback``)
+        # a row with inf/nan has no certificate: mark it for the full head (``_lm_head_fallback``)
         tl.store(cnt_ptr + m, tl.where(hn < float("inf"), 0, CAP + 1))
 
     @triton.jit
-    def _bounds(q_ptr, hq_ptr, s_ptr, scale_ptr, resid_ptr, qnorm_ptr, ub_ptr, blk_ptr,
-                M, V, H, M_PAD, NB,
-                BLOCK_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    def _lm_head_bounds(q_ptr, hq_ptr, s_ptr, scale_ptr, resid_ptr, qnorm_ptr, ub_ptr, blk_ptr,
+                         M, V, H, M_PAD, NB,
+                         BLOCK_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
         pid_v = tl.program_id(0)
         pid_m = tl.program_id(1)
         offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -101,9 +101,9 @@ if triton is not None:
         tl.store(blk_ptr + offs_m * NB + pid_v, tl.max(lb, axis=0), mask=m_mask)
 
     @triton.jit
-    def _select(h_ptr, w_ptr, ub_ptr, blk_ptr, key_ptr, cnt_ptr, slot_ptr, sidx_ptr, sval_ptr,
-                V, H, NB, stride_hm, CAP,
-                BLOCK_V: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_H: tl.constexpr):
+    def _lm_head_select(h_ptr, w_ptr, ub_ptr, blk_ptr, key_ptr, cnt_ptr, slot_ptr, sidx_ptr, sval_ptr,
+                         V, H, NB, stride_hm, CAP,
+                         BLOCK_V: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_H: tl.constexpr):
         pid_v = tl.program_id(0)
         m = tl.program_id(1)
         best = tl.full((BLOCK_NB,), -float("inf"), tl.float32)
@@ -142,9 +142,9 @@ if triton is not None:
             left -= 1
 
     @triton.jit
-    def _fallback(h_ptr, w_ptr, cnt_ptr, key_ptr, V, H, stride_hm, CAP,
-                  BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr):
-        """The full head, on the device, for rows whose survivors exceeded CAP (``_select`` did not
+    def _lm_head_fallback(h_ptr, w_ptr, cnt_ptr, key_ptr, V, H, stride_hm, CAP,
+                           BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr):
+        """The full head, on the device, for rows whose survivors exceeded CAP (``_lm_head_select`` did not
         rescore them) or whose h is not finite: every token's exact logit (fp64 dot of the bf16
         values, rounded to fp32) folded into the row's key. Other rows return at once, so the
         kernel can sit in a CUDA graph at a cost of one load per program."""
@@ -169,7 +169,7 @@ if triton is not None:
             tl.atomic_max(key_ptr + m, tl.max(key, axis=0))
 
     @triton.jit
-    def _finish(key_ptr, cnt_ptr, slot_ptr, out_ptr, count_ptr):
+    def _lm_head_finish(key_ptr, cnt_ptr, slot_ptr, out_ptr, count_ptr):
         m = tl.program_id(0)
         key = tl.load(key_ptr + m)
         # no key (every logit NaN; or, without the device fallback, a row left to the host): id 0,
@@ -252,7 +252,7 @@ class CertifiedHead:
     def argmax_async(self, h: torch.Tensor, exact: bool = False):
         """The argmax and survivor counts as device tensors, no host sync (CUDA-graph capturable).
         With ``exact``, rows with more than ``max_survivors`` survivors (or non-finite h) are
-        answered by the full head on the device (:func:`_fallback`), so the argmax is the exact
+        answered by the full head on the device (:func:`_lm_head_fallback`), so the argmax is the exact
         head's in every row; without it, those rows are left to :meth:`__call__`'s host fallback."""
         m, hd = h.shape
         if hd != self.hidden or m > self.max_rows or m < 1:
@@ -262,26 +262,26 @@ class CertifiedHead:
             h = h.contiguous()
         up = interpreting()
         block_h = triton.next_power_of_2(hd)
-        _prep[(m,)](h, self.hq, self.hs, self.cnt, hd, h.stride(0), self.m_pad, self.cap, BLOCK_H=block_h,
-                    num_warps=8 if block_h >= 4096 else 4)
+        _lm_head_prep[(m,)](h, self.hq, self.hs, self.cnt, hd, h.stride(0), self.m_pad, self.cap, BLOCK_H=block_h,
+                             num_warps=8 if block_h >= 4096 else 4)
         bm = 16 if m <= 16 else 32 if m <= 32 else 64
         block_v, block_k, warps, stages = self.tile(m)
         nb = triton.cdiv(self.vocab, block_v)
-        _bounds[(nb, triton.cdiv(m, bm))](
+        _lm_head_bounds[(nb, triton.cdiv(m, bm))](
             self.head.q, self.hq, self.hs, self.head.scale, self.head.resid, self.head.qnorm,
             self.ub, self.blk, m, self.vocab, hd, self.m_pad, nb,
             BLOCK_V=block_v, BLOCK_M=bm, BLOCK_K=block_k, UPCAST=up,
             num_warps=warps, num_stages=stages)
         sel_v = 1024
-        _select[(triton.cdiv(self.vocab, sel_v), m)](
+        _lm_head_select[(triton.cdiv(self.vocab, sel_v), m)](
             h, self.head.weight, self.ub, self.blk, self.key, self.cnt, self.slot, self.sidx, self.sval,
             self.vocab, hd, nb, h.stride(0), self.cap,
             BLOCK_V=sel_v, BLOCK_NB=1024, BLOCK_H=min(1024, block_h), num_warps=4)
         if exact:
-            _fallback[(triton.cdiv(self.vocab, 16), m)](
+            _lm_head_fallback[(triton.cdiv(self.vocab, 16), m)](
                 h, self.head.weight, self.cnt, self.key, self.vocab, hd, h.stride(0), self.cap,
                 BLOCK_V=16, BLOCK_H=min(256, block_h), num_warps=4)
-        _finish[(m,)](self.key, self.cnt, self.slot, self.out, self.count)
+        _lm_head_finish[(m,)](self.key, self.cnt, self.slot, self.out, self.count)
         return self.out[:m], self.count[:m]
 
     def argmax_exact(self, h: torch.Tensor) -> torch.Tensor:
