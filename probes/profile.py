@@ -25,7 +25,7 @@ from .classify import FLOOR_CLASSES, Classifier, ExplainRow, RuleTable, explain
 from .traces.model import Aggregate, KernelGroup
 
 SCHEMA = "specpilot.profile/1"
-# the input most likely wrong when a class runs faster than its floor (efficiency above 100 %)
+# the input most likely wrong when a class runs faster than its floor allows at the GPU's peak
 LIKELY_FIELD = {
     "linear": "--weight-dtype (quantized weights read fewer bytes) or the model's hidden/intermediate sizes",
     "lm_head": "--lm-head-dtype or the model's vocab_size (or the LM head was not in the step)",
@@ -126,6 +126,16 @@ class Profile:
         return d
 
 
+def peak_limit(floors: Floors, cls: str) -> float:
+    """The efficiency a class can reach at most: its floor counts a fraction of the GPU's peak
+    bandwidth (or dense FLOPs, where those bind), so kernels may beat it by up to 1 / fraction (111%
+    at the default 0.9 of the bandwidth); faster than that, the floor assumed more work than the
+    kernels did. 1 where the fractions are not known."""
+    f = floors.classes.get(cls) or {}
+    frac = floors.shape.get("flops_fraction" if f.get("bound") == "flops" else "bw_fraction")
+    return 1.0 / frac if isinstance(frac, (int, float)) and 0 < frac <= 1 else 1.0
+
+
 def apply_positions(groups: list[KernelGroup], clf: Classifier, agg: Aggregate, notes: list[str]) -> list[KernelGroup]:
     """Split off, per step, the kernel each ``position: last`` rule names (the last launched among
     its candidates), as a group of its own with ``position="last"``. A rule whose class some other
@@ -216,8 +226,11 @@ def build_profile(agg: Aggregate, table: RuleTable, floors: Floors | None = None
                 row.flops, row.floor_ms = 0.0, row.bytes / (link_gbs * 1e9) * 1e3
         if row.floor_ms is not None and row.ms > 0:
             row.efficiency = row.floor_ms / row.ms
-            if row.efficiency > 1.0:
-                row.flag = (f"model/config mismatch: {c} takes {row.ms:.4g} ms, below its floor of {row.floor_ms:.4g} ms; "
+            limit = peak_limit(floors, c) if floors else 1.0
+            if row.efficiency > limit:
+                below = (f"the {row.floor_ms / limit:.4g} ms it needs at the GPU's full peak (its floor: "
+                         f"{row.floor_ms:.4g} ms)" if limit > 1 else f"its floor of {row.floor_ms:.4g} ms")
+                row.flag = (f"model/config mismatch: {c} takes {row.ms:.4g} ms, below {below}; "
                             f"check {LIKELY_FIELD.get(c, 'the model and shape options')}")
         classes[c] = row
     whole_graphs = any(g.kind == "graph" for g in agg_kept.groups)
@@ -319,6 +332,10 @@ def floors_from_ceiling(path: str, rows: int | None = None) -> Floors:
             raise InputError(f"{path}: class {name!r} has no numeric floor_ms")
         out[name] = {"bytes": c.get("bytes"), "flops": c.get("flops"), "floor_ms": float(c["floor_ms"]),
                      "bound": c.get("bound")}
+    fr = doc.get("fractions")
+    if isinstance(fr, dict):
+        shape.update({k: fr[f] for k, f in (("bw_fraction", "bandwidth"), ("flops_fraction", "flops"))
+                      if isinstance(fr.get(f), (int, float))})
     total = block.get("total_floor_ms")
     if not isinstance(total, (int, float)):
         total = sum(c["floor_ms"] for c in out.values())

@@ -97,6 +97,23 @@ def test_steps_from_annotations_and_implausible_steps_warned(run_cli, tmp_path):
     assert len(warns) == 1 and "spans" in warns[0] and "'decode_step_N' x3" in warns[0]
 
 
+def test_a_class_may_beat_its_floor_by_the_peak_fraction(run_cli, tmp_path):
+    """A floor counts a fraction of the GPU's peak: a class up to 1 / fraction of it is fast, not a
+    mismatch; past that it is flagged. Without the fractions the floor itself is the limit."""
+    ms = _json(run_cli, H200_EAGER)["classes"]["linear"]["ms"]
+
+    def flag(fractions, efficiency):
+        ceil = tmp_path / "c.json"
+        doc = {"schema": "specpilot.ceiling/1", "classes": {
+            "linear": {"bytes": 1e10, "flops": 0, "floor_ms": efficiency * ms, "bound": "bytes"}}}
+        ceil.write_text(json.dumps({**doc, **({"fractions": fractions} if fractions else {})}))
+        return _json(run_cli, H200_EAGER, "--ceiling", ceil)["classes"]["linear"].get("flag")
+
+    assert flag({"bandwidth": 0.5, "flops": 0.6}, 1.5) is None
+    assert "at the GPU's full peak" in flag({"bandwidth": 0.5, "flops": 0.6}, 2.5)
+    assert "below its floor" in flag(None, 1.5)
+
+
 def test_efficiency_above_100_percent_is_flagged_with_the_likely_field(run_cli, tmp_path):
     ceil = tmp_path / "c.json"
     ceil.write_text(json.dumps({"schema": "specpilot.ceiling/1", "total_floor_ms": 5.0, "classes": {

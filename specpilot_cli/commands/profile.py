@@ -276,8 +276,8 @@ def _report(p) -> Report:
                   f"{eff} (!)" if c.flag else eff]
         rows.append(r)
     sections = [Section("Kernel time per class (median per step)", headers, rows,
-                        note="(!): faster than its floor: a model/config mismatch (see the warnings)"
-                        if any(c.flag for c in p.classes.values()) else None)]
+                        note=("(!): faster than its floor allows at the GPU's peak: a model/config mismatch "
+                              "(see the warnings)") if any(c.flag for c in p.classes.values()) else None)]
     tot = [["step wall ms", p.step_wall.median, p.step_wall.p10, p.step_wall.p90],
            ["kernel busy ms", p.kernel_busy.median, p.kernel_busy.p10, p.kernel_busy.p90]]
     if p.events is not None:
