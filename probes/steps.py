@@ -192,6 +192,33 @@ def union_ns(starts: np.ndarray, ends: np.ndarray) -> int:
     return int(np.clip(e - np.maximum(s, prev), 0, None).sum())
 
 
+def exclusive_ns(step: np.ndarray, stream: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """Per event, the part of its interval that no earlier-starting event of its step and stream
+    covers. On one stream kernels overlap only under programmatic dependent launch, where a kernel
+    starts while the one before it still runs and waits for it: that wait is the earlier kernel's
+    time, not its own. Per (step, stream) these sum to the union of the intervals; an event that
+    overlaps nothing keeps its whole duration."""
+    n = len(starts)
+    out = np.zeros(n, dtype=np.int64)
+    if n == 0:
+        return out
+    order = np.lexsort((ends, starts, stream, step))
+    st_, sm_, s, e = step[order], stream[order], starts[order], ends[order]
+    first = np.ones(n, dtype=bool)
+    first[1:] = (st_[1:] != st_[:-1]) | (sm_[1:] != sm_[:-1])
+    seg = np.cumsum(first) - 1
+    base = s[first][seg]   # each event's (step, stream) first start: ends relative to it are >= 0
+    rel = e - base
+    big = int(rel.max()) + 1
+    # a running maximum per segment: each segment offset above every value of the ones before it
+    run = np.maximum.accumulate(rel + seg * big) - seg * big
+    prev = np.empty(n, dtype=np.int64)
+    prev[1:] = run[:-1]
+    prev = np.where(first, s, prev + base)
+    out[order] = np.clip(e - np.maximum(s, prev), 0, None)
+    return out
+
+
 @dataclass
 class Spread:
     median: float

@@ -33,6 +33,8 @@ class SynthSpec:
     memcpy: bool = True  # one 8-byte DtoH copy per step (the accepted token)
     second_stream: bool = False  # run the attention kernels on stream 13 ...
     overlap_ns: int = 0  # ... starting this much before the previous kernel ends (concurrent streams)
+    pdl_ns: int = 0  # each stream-7 kernel after a step's first starts this much before the one before it
+    # ends, on the same stream: launched early under programmatic dependent launch, waiting for it
     schema2: bool = False  # EXPORT_META_DATA (2.x) instead of META_DATA_EXPORT (3.x)
     nvtx_text_ids: bool = False  # NVTX names through textId -> StringIds instead of text
     start_ns: int = 1_000_000_000
@@ -51,7 +53,7 @@ def timeline(spec: SynthSpec):
         evs = []
         for name, dur in spec.kernels():
             stream = 13 if (spec.second_stream and name.startswith("flash")) else 7
-            s0 = g - (spec.gap_ns + spec.overlap_ns if stream == 13 else 0)
+            s0 = g - (spec.gap_ns + spec.overlap_ns if stream == 13 else spec.gap_ns + spec.pdl_ns if evs else 0)
             evs.append((name, s0, s0 + dur, stream, launch, "kernel"))
             launch += 3000 if not spec.graphs else 0
             g = s0 + dur + spec.gap_ns
@@ -79,7 +81,11 @@ def truth(spec: SynthSpec) -> list[dict]:
             else:
                 cur_e = max(cur_e, e)
         busy += cur_e - cur_s
-        out.append({"cpu": (cpu0, cpu1), "busy_ns": busy, "names": per,
+        excl, ends = {}, {}   # per name, its kernels' time no earlier kernel of their stream covers
+        for name, s, e, stream, *_ in sorted(evs, key=lambda x: (x[1], x[2])):
+            excl[name] = excl.get(name, 0) + max(0, e - max(s, ends.get(stream, s)))
+            ends[stream] = max(ends.get(stream, e), e)
+        out.append({"cpu": (cpu0, cpu1), "busy_ns": busy, "names": per, "excl": excl,
                     "gpu": (min(x[1] for x in evs), max(x[2] for x in evs))})
     return out
 

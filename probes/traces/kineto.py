@@ -389,6 +389,7 @@ def aggregate_kineto(tr: KinetoTrace, req: StepRequest) -> Aggregate:
     comm = (np.array([tr.comm_bytes.get(int(x), 0) for x in ext], dtype=np.int64) if tr.comm_bytes
             else np.zeros(len(start), dtype=np.int64))
 
+    excl = st.exclusive_ns(step, stream, start, end)
     keep = step >= 0
     groups: list[KernelGroup] = []
     steps: list[StepInfo] = []
@@ -409,6 +410,7 @@ def aggregate_kineto(tr: KinetoTrace, req: StepRequest) -> Aggregate:
         inv = inv.reshape(-1)
         cnt = np.bincount(inv)
         tot = np.bincount(inv, weights=kp(dur)).astype(np.int64)
+        exc = np.bincount(inv, weights=kp(excl)).astype(np.int64)
         cb = np.bincount(inv, weights=kp(comm)).astype(np.int64) if tr.comm_bytes else np.zeros(len(cnt), np.int64)
         digits = []
         rest = ukey.copy()
@@ -416,10 +418,12 @@ def aggregate_kineto(tr: KinetoTrace, req: StepRequest) -> Aggregate:
             digits.append(u[rest % len(u)])
             rest //= len(u)
         uniq = np.stack(digits[::-1], axis=1)
-        for (s_, t_, n_, k_, str_, d_), cn, to, by in zip(uniq.tolist(), cnt.tolist(), tot.tolist(), cb.tolist()):
+        for (s_, t_, n_, k_, str_, d_), cn, to, by, ex in zip(uniq.tolist(), cnt.tolist(), tot.tolist(), cb.tolist(),
+                                                              exc.tolist()):
             groups.append(KernelGroup(step=s_, name=tr.names[n_], kind=("kernel", "memcpy", "memset")[k_],
                                       stream=str_, tag=(tag_names[t_] if t_ >= 0 else None),
-                                      dims=(tr.dims[d_] if d_ >= 0 else None), count=cn, total_ns=to, comm_bytes=by))
+                                      dims=(tr.dims[d_] if d_ >= 0 else None), count=cn, total_ns=to, comm_bytes=by,
+                                      excl_ns=ex))
         ks, kst, ken = kp(step), kp(start), kp(end)
         order = np.argsort(ks, kind="stable")
         ks, kst, ken = ks[order], kst[order], ken[order]
@@ -453,7 +457,7 @@ def aggregate_kineto(tr: KinetoTrace, req: StepRequest) -> Aggregate:
         last = idx[np.append(np.nonzero(np.diff(step[idx]))[0], len(idx) - 1)]
         for i in last.tolist():
             out[int(step[i])] = (tr.names[name[i]], "kernel", int(stream[i]),
-                                 tr.dims[dims[i]] if dims[i] >= 0 else None, int(dur[i]))
+                                 tr.dims[dims[i]] if dims[i] >= 0 else None, int(dur[i]), int(excl[i]))
         return out
 
     version = str(tr.header.get("schemaVersion", "unknown"))

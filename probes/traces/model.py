@@ -77,6 +77,9 @@ class KernelGroup:
     total_ns: int = 0
     position: str | None = None  # "last": the step's last launch among a position rule's kernels
     comm_bytes: int = 0  # message bytes of the collectives in the group (Kineto: record_param_comms)
+    # the group's time that no earlier-starting event of its stream covers (steps.exclusive_ns): its
+    # share of the step when kernels overlap under programmatic dependent launch; None: not computed
+    excl_ns: int | None = None
 
     @property
     def op(self) -> str:
@@ -98,8 +101,8 @@ class Aggregate:
     groups: list[KernelGroup]
     total_events: int = 0  # GPU events read (kernels + memcpy + memset), in steps or not
     notes: list[str] = field(default_factory=list)  # what the trace lacks, what was assumed
-    # (name -> bool) -> {step: (name, kind, stream, dims, duration ns)}: the last kernel launched in
-    # each step, outside any tracked range, among names the predicate accepts (None: cannot tell)
+    # (name -> bool) -> {step: (name, kind, stream, dims, duration ns[, exclusive ns])}: the last kernel
+    # launched in each step, outside any tracked range, among names the predicate accepts (None: cannot tell)
     locate_last: Callable[[Callable[[str], bool]], dict[int, tuple]] | None = None
     orphans: tuple[int, int] = (0, 0)  # kernels left out because their launch lies outside the trace: count, ns
     annotations: dict[str, int] = field(default_factory=dict)  # range families (digits as N) -> count

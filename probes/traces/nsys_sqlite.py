@@ -1031,8 +1031,15 @@ def _aggregate(ex: NsysExport, req: StepRequest) -> Aggregate:
         groups = gr.kernel_groups(g, label)
         per_step, several_streams = gr.step_sums(g)
 
-    if several_streams:
-        # several streams: busy time is the union of intervals, not the sum of durations
+    # kernels on one stream overlap under programmatic dependent launch (one starts while the one
+    # before it runs, and waits): a step whose durations add up to more than its span has some
+    overlapped = int(np.count_nonzero(per_step[3] > per_step[2] - per_step[1]))
+    if overlapped and not several_streams:
+        notes.append(f"kernels overlap the one before them on their stream in {overlapped} step(s) (programmatic "
+                     "dependent launch): busy time is their union; class times from an Nsight export are sums of "
+                     "durations, each kernel's wait for the one before included")
+    if several_streams or overlapped:
+        # several streams, or overlaps on one: busy time is the union of intervals, not the sum of durations
         step_sql, join = "0", ""
         if step is not None:
             join, step_sql = step[0].sql(step[1], "sbk")
