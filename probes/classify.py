@@ -267,7 +267,7 @@ def explain(agg: Aggregate, clf: Classifier) -> list[ExplainRow]:
         key = (g.name, g.kind, g.tag, d.cls, d.rule.describe() if d.rule else "no rule matched")
         a = acc.setdefault(key, [0, 0])
         a[0] += g.count
-        a[1] += g.total_ns
+        a[1] += g.total_ns if g.excl_ns is None else g.excl_ns   # as the profile's class times
     rows = [ExplainRow(name=k[0], kind=k[1], tag=k[2], cls=k[3], rule=k[4], per_step=v[0] / n_steps,
                        ms_per_step=v[1] / n_steps / 1e6) for k, v in acc.items()]
     rows.sort(key=lambda r: -r.ms_per_step)
