@@ -4,9 +4,9 @@ from its byte floor.
 Per step the trace gives the wall window, the GPU busy time (union of kernel/memcpy/memset
 intervals) and each class's kernel time: the sum of its kernels' durations, each kernel counted
 from where the one before it on its stream ended (under programmatic dependent launch a kernel
-starts early and waits; the wait is the earlier kernel's time). Kineto traces are split so; Nsight
-exports give the plain durations. The profile reports the
-median over steps of each (so a warm-up step does not move it) with the spread, and
+starts early and waits; the wait is the earlier kernel's time; the readers set
+``KernelGroup.excl_ns``). The profile reports the median over steps of each (so a warm-up step
+does not move it) with the spread, and
 
 - ``outside_ms`` = step wall ms - kernel busy ms (time the GPU sits idle inside a step)
 - ``kernel_factor`` = kernel busy ms / total floor ms (how far kernels are from the floor)
@@ -173,8 +173,9 @@ def apply_positions(groups: list[KernelGroup], clf: Classifier, agg: Aggregate, 
                 continue
             g.count -= 1
             g.total_ns -= dur
-            ex = excl[0] if excl and g.excl_ns is not None else None
-            if ex is not None:
+            ex = None
+            if g.excl_ns is not None:   # a reader that gives no exclusive time here: its duration, at most the group's
+                ex = excl[0] if excl else min(dur, g.excl_ns)
                 g.excl_ns -= ex
             added.append(KernelGroup(step=step_i, name=name, kind=kind, stream=stream, tag=None, dims=g.dims,
                                      count=1, total_ns=dur, position="last", excl_ns=ex))

@@ -1034,10 +1034,8 @@ def _aggregate(ex: NsysExport, req: StepRequest) -> Aggregate:
     # kernels on one stream overlap under programmatic dependent launch (one starts while the one
     # before it runs, and waits): a step whose durations add up to more than its span has some
     overlapped = int(np.count_nonzero(per_step[3] > per_step[2] - per_step[1]))
-    if overlapped and not several_streams:
-        notes.append(f"kernels overlap the one before them on their stream in {overlapped} step(s) (programmatic "
-                     "dependent launch): busy time is their union; class times from an Nsight export are sums of "
-                     "durations, each kernel's wait for the one before included")
+    if overlapped:
+        _split_overlaps(ex, parts, step, tag, groups, label)
     if several_streams or overlapped:
         # several streams, or overlaps on one: busy time is the union of intervals, not the sum of durations
         step_sql, join = "0", ""
@@ -1093,6 +1091,35 @@ def _aggregate(ex: NsysExport, req: StepRequest) -> Aggregate:
                      step_mode=mode, step_detail=detail, steps=steps, groups=groups,
                      total_events=int(total_events), notes=notes, locate_last=locate_last,
                      annotations=annotations)
+
+
+def _split_overlaps(ex: NsysExport, parts: list[Part], step, tag, groups: list[KernelGroup], label) -> None:
+    """Each group's exclusive time (``KernelGroup.excl_ns``, as :func:`.steps.exclusive_ns` gives it for
+    Kineto): every event counted from where the events before it on its stream in its step ended.
+    One more pass over the activity tables, a window over (step, stream) in start order; run only
+    when some step's durations add up to more than its span."""
+    join, step_sql = step[0].sql(step[1], "sbk") if step is not None else ("", "0")
+    tag_sql = "NULL"
+    if tag is not None:
+        tj, tag_sql = tag[0].sql(tag[1], "gbk")
+        join = f"{join} {tj}"
+    act = " UNION ALL ".join(
+        f"SELECT {step_sql} AS step, {tag_sql} AS tag, {p.name} AS name, {p.kind} AS kind, a.streamId AS stream, "
+        f"a.start AS s, a.end AS e FROM {p.table} a {join} WHERE 1{p.dev}" for p in parts)
+    rows = ex._q(
+        f"SELECT step, tag, name, kind, stream, sum(max(0, e - max(s, coalesce(pe, s)))) FROM ("
+        f"SELECT *, max(e) OVER (PARTITION BY step, stream ORDER BY s, e "
+        f"ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS pe FROM ({act})) "
+        f"WHERE step >= 0 GROUP BY step, tag, name, kind, stream")
+    excl: dict[tuple, int] = {}
+    for st_i, tg, nid, kind, stream, ns in rows:
+        name, kind_name, tag_name = label(nid, kind, tg if tg is None or tg >= 0 else None)
+        key = (int(st_i), name, kind_name, stream, tag_name)
+        excl[key] = excl.get(key, 0) + int(ns)
+    keys = [(g.step, g.name, g.kind, g.stream, g.tag) for g in groups]
+    if all(k in excl for k in keys):   # else (a group this pass did not see) the durations stand
+        for g, k in zip(groups, keys):
+            g.excl_ns = excl[k]
 
 
 def _rows_present(ex: NsysExport, parts: list[Part], device: int | None) -> int:
