@@ -1035,9 +1035,11 @@ def _aggregate(ex: NsysExport, req: StepRequest) -> Aggregate:
     # before it runs, and waits): a step whose durations add up to more than its span has some
     overlapped = int(np.count_nonzero(per_step[3] > per_step[2] - per_step[1]))
     if overlapped:
-        _split_overlaps(ex, parts, step, tag, groups, label)
-    if several_streams or overlapped:
-        # several streams, or overlaps on one: busy time is the union of intervals, not the sum of durations
+        per_step_excl = _split_overlaps(ex, parts, step, tag, groups, label)
+        if not several_streams:   # one stream: the exclusive times add up to the union
+            per_step[3] = [per_step_excl.get(int(i), 0) for i in per_step[0].tolist()]
+    if several_streams:
+        # several streams: busy time is the union of intervals, not the sum of durations
         step_sql, join = "0", ""
         if step is not None:
             join, step_sql = step[0].sql(step[1], "sbk")
@@ -1093,11 +1095,11 @@ def _aggregate(ex: NsysExport, req: StepRequest) -> Aggregate:
                      annotations=annotations)
 
 
-def _split_overlaps(ex: NsysExport, parts: list[Part], step, tag, groups: list[KernelGroup], label) -> None:
+def _split_overlaps(ex: NsysExport, parts: list[Part], step, tag, groups: list[KernelGroup], label) -> dict[int, int]:
     """Each group's exclusive time (``KernelGroup.excl_ns``, as :func:`.steps.exclusive_ns` gives it for
     Kineto): every event counted from where the events before it on its stream in its step ended.
     One more pass over the activity tables, a window over (step, stream) in start order; run only
-    when some step's durations add up to more than its span."""
+    when some step's durations add up to more than its span. Returns each step's total."""
     join, step_sql = step[0].sql(step[1], "sbk") if step is not None else ("", "0")
     tag_sql = "NULL"
     if tag is not None:
@@ -1112,14 +1114,17 @@ def _split_overlaps(ex: NsysExport, parts: list[Part], step, tag, groups: list[K
         f"ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS pe FROM ({act})) "
         f"WHERE step >= 0 GROUP BY step, tag, name, kind, stream")
     excl: dict[tuple, int] = {}
+    per_step: dict[int, int] = {}
     for st_i, tg, nid, kind, stream, ns in rows:
         name, kind_name, tag_name = label(nid, kind, tg if tg is None or tg >= 0 else None)
         key = (int(st_i), name, kind_name, stream, tag_name)
         excl[key] = excl.get(key, 0) + int(ns)
+        per_step[int(st_i)] = per_step.get(int(st_i), 0) + int(ns)
     keys = [(g.step, g.name, g.kind, g.stream, g.tag) for g in groups]
     if all(k in excl for k in keys):   # else (a group this pass did not see) the durations stand
         for g, k in zip(groups, keys):
             g.excl_ns = excl[k]
+    return per_step
 
 
 def _rows_present(ex: NsysExport, parts: list[Part], device: int | None) -> int:
