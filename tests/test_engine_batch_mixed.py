@@ -45,25 +45,35 @@ def test_assemble_puts_the_prompt_chunk_after_the_bucket_rows():
     assert inp.slots[9:20].tolist() == list(range(9, 20)) and inp.req[4:20].tolist() == [2] * 16
     assert inp.mask[9:].sum(1).tolist() == [1] * 11 and inp.mask[9:, 0].all()
     assert inp.mask[4:9, :9].numpy().tolist() == np.tril(np.ones((5, 9), bool), 4).tolist()
-    # the bucket's padding rows for the chunk's slot write the cache's last position: the chunk's stay below
-    assert inp.slots[2] == 63 and fits_mixed(chunk, 16, 1, 21) and not fits_mixed(chunk, 16, 1, 20)
+    # the bucket's padding row for the chunk's slot writes after the chunk's padding, within the cache
+    assert inp.slots[2] == 20 and fits_mixed(chunk, 16, 1, 21) and not fits_mixed(chunk, 16, 1, 20)
     assert not fits_mixed(chunk, 4, 1, 64)
 
 
-def test_assemble_lays_free_slots_padding_at_their_first_positions():
-    """Padding rows of a free slot write at its first positions (the attention walks a slot up to the
-    highest position its rows write: a tile, not the whole cache); a prefilling request's at the
-    cache's last, past anything it holds; a hybrid's dump slot takes both at the same positions."""
+def test_assemble_lays_padding_rows_past_what_each_slot_holds():
+    """A slot without rows writes its padding rows past what it holds (the attention walks a slot up
+    to the highest position its rows write): a free slot at its start, a prefilling request after
+    its prefilled rows, a mixed step's chunk slot after the chunk's padding; without ``held`` (or
+    where the rows would pass the cache's end) at the cache's last positions. A hybrid's dump slot
+    takes the same positions."""
     verify = [verify_rows(0, 5, treelib.chain_tree([]), 10, "seq"), verify_rows(2, 6, treelib.chain_tree([]), 7, "seq")]
+    held = {0: 10, 1: 20, 2: 7, 3: 0, 4: 0, 5: 0}   # slot 1 prefilling (20 rows so far), slots 3-5 free
     for dump in (None, 9):
-        inp, _, _ = assemble(verify, 64, torch.device("cpu"), pad=(6, 2), dump=dump, free_from=3)
-        # slot 1 runs (prefilling), slots 3-5 are free
-        assert inp.slots.tolist() == [10, 11, 62, 63, 7, 8, 0, 1, 0, 1, 0, 1]
+        inp, _, _ = assemble(verify, 64, torch.device("cpu"), pad=(6, 2), dump=dump, held=held)
+        assert inp.slots.tolist() == [10, 11, 20, 21, 7, 8, 0, 1, 0, 1, 0, 1]
         assert inp.req.tolist() == [0, 0] + [1 if dump is None else dump] * 2 + [2, 2] + \
             ([3, 3, 4, 4, 5, 5] if dump is None else [dump] * 6)
-        assert inp.mask[6:].sum(1).tolist() == [1] * 6 and inp.mask[6:, 0].all()
+        assert inp.mask[2:4].sum(1).tolist() == [1, 1] and inp.mask[6:].sum(1).tolist() == [1] * 6
+        assert inp.mask[2:4, 0].all() and inp.mask[6:, 0].all()
     old, _, _ = assemble(verify, 64, torch.device("cpu"), pad=(6, 2))
-    assert old.slots[6:].tolist() == [62, 63] * 3
+    assert old.slots[2:4].tolist() == [62, 63] and old.slots[6:].tolist() == [62, 63] * 3
+    near_end, _, _ = assemble(verify, 64, torch.device("cpu"), pad=(6, 2), held={**held, 1: 63})
+    assert near_end.slots[2:4].tolist() == [62, 63]
+    # a mixed step: slot 1's chunk (rows 20..24, padded to 16 rows) - its padding row after them
+    chunk = prefill_rows(1, list(range(40)), 20, 25, False)
+    mixed, _, _ = assemble(verify, 64, torch.device("cpu"), pad=(6, 1), prompt=(chunk, 16), held=held)
+    assert mixed.slots[1] == 25 + 11 and mixed.slots[6:11].tolist() == list(range(20, 25))
+    assert mixed.slots[11:].tolist() == list(range(25, 36))
 
 
 def test_only_the_fused_rows_path_of_a_dense_model_mixes(model):
@@ -92,6 +102,42 @@ def test_prompt_rows_in_an_ar_step_replay_a_mixed_bucket(model):
     got, st = run(True)
     assert got == plain
     assert st.mixed_steps == 1 and st.eager_steps == 0 and st.admitted_prompt_rows == len(prompts[3])
+
+
+def test_padding_rows_of_a_prefilling_slot_write_past_its_prompt_rows(model, monkeypatch):
+    """A 40-token prompt prefills in 16-row passes (``admit=waiting``, 16 rows) while two requests
+    decode and a short prompt rides their step through mixed bucket (4, 1, 16), then decodes: the
+    long prompt's slot gets its bucket padding row right after the rows prefilled so far, and in the
+    mixed step that carries its own last chunk after that chunk's padding; every output equals the
+    graphless decoder's."""
+    from specpilot.engine.batch import scheduler as sch
+
+    prompts = [[(3 * i + k) % 200 for k in range(5)] for i in range(2)] + [[(7 * k) % 190 for k in range(40)],
+                                                                          [11, 12, 13, 14, 15]]
+    seen = []
+    real = sch.assemble
+
+    def spy(*a, **kw):
+        out = real(*a, **kw)
+        if kw.get("pad") == (4, 1):
+            seen.append((out[0].slots[:4].tolist(), kw.get("prompt") is not None))
+        return out
+
+    def run(graphs):
+        dec = BatchDecoder(model, "ar", batch=4, graphs=graphs, admit="waiting", admit_rows=16, prefill_chunk=16,
+                           overlap=False)
+        if graphs:
+            dec.runner.prepare_mixed([(4, 1, 16)])
+        res = dec.generate_many([Request(p, 6, id=i, arrival_step=0 if i < 2 else 2) for i, p in enumerate(prompts)])
+        return [r.output_ids for r in res], dec.stats
+
+    plain, _ = run(False)
+    monkeypatch.setattr(sch, "assemble", spy)
+    got, st = run(True)
+    assert got == plain and st.mixed_steps == 2 and st.eager_steps == 0
+    assert ([6, 6, 0, 16], True) in seen       # the short prompt's chunk (5 rows in 16): its slot's row at 16
+    assert ([7, 7, 16, 5], False) in seen      # the long prompt after its first 16-row pass
+    assert ([8, 8, 48, 6], True) in seen       # its last 8 rows ride the step: after their padding (32 + 16)
 
 
 def test_mixed_buckets_follow_the_rule_and_fit_the_cache(model):

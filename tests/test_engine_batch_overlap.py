@@ -121,7 +121,8 @@ def test_device_side_advance_matches_the_host_layout(model):
     # after the drain the buffers hold the last launched step's inputs: each request's previous token
     blocks = [verify_rows(r.slot, r.full[-2], treelib.chain_tree([]), r.n_cache - 1, "seq") for r in reqs]
     want, _, _ = assemble(blocks, dec.cache.max_seq, torch.device("cpu"), pad=(B, 1), dump=dec.cache.dump,
-                          free_from=len(reqs))
+                          held=dec._held())
+    assert want.slots[3] == 0   # the free slot's padding row writes at its first position
     assert torch.equal(ids[0], want.tokens) and torch.equal(ids[1], want.pos) and torch.equal(ids[2], want.slots)
     assert torch.equal(sinp.mask, want.mask)
 

@@ -253,8 +253,8 @@ class BatchDecoder:
     def prompt_sizes(self) -> list[int]:
         """The prompt rows of the mixed buckets (:meth:`_run`) this decoder captures: AR steps of a
         model that :func:`~.graphs.mixes`, the buckets up to the most rows one prompt chunk brings
-        into a step under the admission rule (none with ``admit=off``) that leave the cache's last
-        position to the bucket's own padding rows."""
+        into a step under the admission rule (none with ``admit=off``) that leave a position of the
+        cache after them for the bucket's own padding row of the chunk's slot."""
         if self.runner is None or self.mode != "ar" or not mixes(self.model):
             return []
         most = {"waiting": self.admit_rows - 1, "all": self.prefill_chunk}.get(self.admit, 0)
@@ -361,7 +361,7 @@ class BatchDecoder:
         blocks = [verify_rows(r.slot, r.full[-1], treelib.chain_tree([]), r.n_cache, "seq") for r in decoding]
         B = bucket(len(decoding), self.batch)
         inp, _, _ = assemble(blocks, self.cache.max_seq, torch.device("cpu"), pad=(B, 1), dump=self.cache.dump,
-                             free_from=len(self.running))
+                             held=self._held())
         self.runner.run(inp, B, 1)
         self.streak = Streak(self.runner, decoding, B)
         self._streak_step()
@@ -596,6 +596,12 @@ class BatchDecoder:
         for s in slots:
             self.recent_at[s] += 1
 
+    def _held(self) -> dict[int, int]:
+        """Per running slot the first cache position past what its request holds (its committed or
+        prefilled length; free slots: 0), where a bucket's padding rows for it write."""
+        return {r.slot: max(r.prefilled, r.n_cache) for r in self.running} | \
+            {s: 0 for s in range(len(self.running), self.batch)}
+
     def _run(self, blocks: list[Rows], pblocks: list[Rows]) -> tuple[list[int], list[list[int]]]:
         """Run the step's rows; the argmax of the rows each block needs (host list) and where they are."""
         m, dev = self.model, self.model.device
@@ -604,7 +610,7 @@ class BatchDecoder:
         if self.runner is not None and not pblocks and replays(m):
             B = bucket(max(b.slot for b in blocks) + 1, self.batch)
             inp, _, need = assemble(allb, self.cache.max_seq, torch.device("cpu"), pad=(B, N), dump=self.cache.dump,
-                                    free_from=len(self.running))
+                                    held=self._held())
             out = self.runner.run(inp, B, N).tolist()
             if walks(m, N):   # a one-row request's GDN rows were walked too: it commits like the others
                 for blk in blocks:
@@ -617,7 +623,7 @@ class BatchDecoder:
             P = next((p for p in PROMPT_BUCKETS if len(chunk) <= p), 0)
             if (B, N, P) in self.runner.mixed and fits_mixed(chunk, P, N, self.cache.max_seq):
                 inp, _, need = assemble(blocks, self.cache.max_seq, torch.device("cpu"), pad=(B, N),
-                                        prompt=(chunk, P), free_from=len(self.running))
+                                        prompt=(chunk, P), held=self._held())
                 self.stats.mixed_steps += 1
                 return self.runner.run_mixed(inp, B, N, P).tolist(), need
         t0 = time.perf_counter()

@@ -6,9 +6,9 @@ the block's rows that ``local`` allows (a verify block: the pending token and ea
 ancestors; a prefill chunk: causal). :func:`assemble` lays the blocks out one after another
 (eager steps) or, with ``pad=(B, N)``, as B requests x N rows (CUDA-graph buckets): padding rows
 come after a request's rows (cache positions past them, attending position 0 only, predictions
-dropped) and padding requests take the free slots after the running ones, writing at their first
-positions: the attention walks a slot's cache up to the highest position its rows write, so a
-free slot's padding costs a tile, not the whole cache.
+dropped) and padding requests take the free slots after the running ones. A slot's padding rows
+write past what the slot holds (at the start of a free slot): the attention walks a slot's cache up
+to the highest position its rows write, so padding costs what the slot holds, not the whole cache.
 """
 
 from __future__ import annotations
@@ -60,20 +60,24 @@ def prefill_rows(slot: int, prompt: list[int], a: int, b: int, last: bool) -> Ro
 
 
 def assemble(blocks: list[Rows], max_seq: int, device, pad: tuple[int, int] | None = None,
-             dump: int | None = None, prompt: tuple[Rows, int] | None = None, free_from: int | None = None
+             dump: int | None = None, prompt: tuple[Rows, int] | None = None, held: dict[int, int] | None = None
              ) -> tuple[BatchStepInput, int, list[list[int]]]:
     """The step's input, its kv_len and, per block, the step rows of its ``need`` rows.
 
     ``pad=(B, N)``: the layout of CUDA-graph bucket (B, N): slot b's rows at ``b*N``; every block
-    must be of a slot below B with at most N rows. Slots below B without a block get N padding rows:
-    a request prefilling there has them write at the cache's last N positions, never live for it;
-    free slots (``free_from`` and up: nothing running there) at the first N, so the attention's walk,
-    which ends at the highest position a slot's rows write, reads N positions of a free slot rather
-    than all of them. With ``dump`` (a hybrid's spare cache slot) they write there instead, at the
-    same positions (their GDN rows advance a state). ``prompt=(block, P)`` (with ``pad``: mixed
+    must be of a slot below B with at most N rows. Slots below B without a block (free, or a request
+    prefilling) get N padding rows, attending position 0 only. ``held`` gives per slot the first
+    cache position past what it holds (0 for a free slot; a request's committed or prefilled
+    length): the padding rows write there (in a mixed step's chunk slot, past the chunk's own
+    padding), so the attention's walk, which ends at the highest position a slot's rows write,
+    reads only what the slot holds. Slots ``held`` leaves out, or whose rows would pass the cache's
+    end, write at its last N positions. Either way nothing live is overwritten: a slot's positions
+    past what it holds are written before they are read. With ``dump`` (a hybrid's spare cache
+    slot) the padding rows write there instead, at the same positions (their GDN rows advance a
+    state). ``prompt=(block, P)`` (with ``pad``: mixed
     bucket (B, N, P)): a prompt chunk's rows after the B x N rows, padded to P rows (cache
-    positions past the chunk, attending position 0 only: :func:`fits_mixed` keeps them below the
-    cache's last N positions); its ``need`` rows come last in the result."""
+    positions past the chunk, attending position 0 only: :func:`fits_mixed` leaves N positions of
+    the cache after them); its ``need`` rows come last in the result."""
     if pad is None:
         width = kv_len(max_seq, max(max(b.cslots[-1] + 1, b.n_ctx) for b in blocks))
         layout = [(b, len(b)) for b in blocks]
@@ -96,8 +100,10 @@ def assemble(blocks: list[Rows], max_seq: int, device, pad: tuple[int, int] | No
     for blk, n in layout:
         if isinstance(blk, int):   # a slot without rows in this step
             req[r:r + n] = blk if dump is None else dump
-            free = free_from is not None and blk >= free_from
-            cs[r:r + n] = np.arange(n) if free else max_seq - n + np.arange(n)
+            at = max_seq - n if held is None else held.get(blk, max_seq - n)
+            if prompt is not None and blk == prompt[0].slot:   # past the chunk's rows and its padding
+                at = prompt[0].cslots[-1] + 1 + prompt[1] - len(prompt[0])
+            cs[r:r + n] = min(at, max_seq - n) + np.arange(n)
             mask[r:r + n, 0] = True
             segs.append(Segment(blk, r, n))
             r += n
@@ -125,6 +131,6 @@ def assemble(blocks: list[Rows], max_seq: int, device, pad: tuple[int, int] | No
 
 def fits_mixed(pblock: Rows, P: int, N: int, max_seq: int) -> bool:
     """Whether prompt chunk ``pblock`` goes into a mixed bucket's P prompt rows (:func:`assemble`'s
-    ``prompt``) with its padding rows below the cache's last ``N`` positions, where the bucket's
+    ``prompt``) with ``N`` positions of the cache left after its padding rows, where the bucket's
     padding rows for the request's own slot write."""
     return len(pblock) <= P and pblock.cslots[-1] + 1 + P - len(pblock) <= max_seq - N

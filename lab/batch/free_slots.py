@@ -1,6 +1,6 @@
 """What a bucket's free slots cost: an AR step of n running requests in bucket (B, 1) (B > n: the
 slots n..B-1 hold no request and get padding rows) with the padding rows writing at the free
-slots' last cache positions against their first (``assemble(free_from=n)``, what the scheduler
+slots' last cache positions against their first (``assemble(held=...)``, what the scheduler
 lays out). The attention walks each slot's cache up to the highest position its rows write, so the
 first layout reads a free slot's whole cache, the second one tile.
 
@@ -52,7 +52,7 @@ def main() -> int:
         cpu = torch.device("cpu")
         layouts = {"free slots at their last positions": assemble(blocks, cache.max_seq, cpu, pad=(B, 1))[0],
                    "free slots at their first positions": assemble(blocks, cache.max_seq, cpu, pad=(B, 1),
-                                                                   free_from=n)[0]}
+                                                                   held={s: 0 for s in range(n, B)})[0]}
         outs = {name: runner.run(inp, B, 1)[:n].tolist() for name, inp in layouts.items()}
         same = len({tuple(o) for o in outs.values()}) == 1
         g = runner.graphs[(B, 1)][0]
