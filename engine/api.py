@@ -190,6 +190,7 @@ def batch_stats(dec) -> dict:
             "verify_rows": st.verify_rows, "prompt_rows": st.prompt_rows,
             "admitted_prompt_rows": st.admitted_prompt_rows, "overlapped_steps": st.overlapped_steps,
             "eager_steps": st.eager_steps, "eager_seconds": st.eager_seconds, "mixed_steps": st.mixed_steps,
+            "prefill_replays": st.prefill_replays,
             "drafted_positions": st.drafted_positions,
             "kept_positions": st.kept_positions, "accepted": st.accepted, "request_steps": st.request_steps,
             "tau": st.tau(), "step_seconds": st.step_seconds,

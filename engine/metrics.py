@@ -129,6 +129,9 @@ class ServeMetrics:
             metric("mixed_steps_total", "counter",
                    "Verify steps with a prompt chunk replayed from a mixed bucket graph.",
                    [f"specpilot_mixed_steps_total {st.mixed_steps}"])
+            metric("prefill_replays_total", "counter",
+                   "Prefill passes of one prompt chunk replayed from a mixed bucket graph.",
+                   [f"specpilot_prefill_replays_total {st.prefill_replays}"])
             metric("rows_total", "counter", "Rows run through the target (verify and prompt rows).",
                    [f"specpilot_rows_total {st.rows}"])
             metric("accepted_draft_tokens_total", "counter", "Draft tokens accepted by verification.",

@@ -46,8 +46,9 @@ def test_batched_on_cuda_equals_one_request_ar(model, extra):
         assert any(N > 1 for _, N in dec.runner.graphs)
     if "mode=ar" in extra:   # AR steps overlap the host: fed on the device from the previous step
         assert dec.overlap and dec.stats.overlapped_steps > 0
-    if "mode=ar" in extra and model == "tiny":   # arriving prompts' rows ride AR steps in mixed buckets
-        assert dec.runner.mixed and dec.stats.mixed_steps > 0
+    if "mode=ar" in extra and model == "tiny":   # arriving prompts' rows ride AR steps in mixed buckets,
+        assert dec.runner.mixed and dec.stats.mixed_steps > 0   # and a lone prompt's pass replays one too
+        assert dec.stats.prefill_replays > 0
 
 
 @pytest.mark.parametrize("extra", ["mode=ar", "mode=tree,drafter=self,draft_layers=2"])

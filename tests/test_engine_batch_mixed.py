@@ -107,9 +107,9 @@ def test_prompt_rows_in_an_ar_step_replay_a_mixed_bucket(model):
 def test_padding_rows_of_a_prefilling_slot_write_past_its_prompt_rows(model, monkeypatch):
     """A 40-token prompt prefills in 16-row passes (``admit=waiting``, 16 rows) while two requests
     decode and a short prompt rides their step through mixed bucket (4, 1, 16), then decodes: the
-    long prompt's slot gets its bucket padding row right after the rows prefilled so far, and in the
-    mixed step that carries its own last chunk after that chunk's padding; every output equals the
-    graphless decoder's."""
+    long prompt's passes (one chunk each) replay the same bucket with every verify row padding; its
+    slot gets its bucket padding row right after the rows prefilled so far, and in a step that
+    carries its own chunk after that chunk's padding; every output equals the graphless decoder's."""
     from specpilot.engine.batch import scheduler as sch
 
     prompts = [[(3 * i + k) % 200 for k in range(5)] for i in range(2)] + [[(7 * k) % 190 for k in range(40)],
@@ -135,8 +135,10 @@ def test_padding_rows_of_a_prefilling_slot_write_past_its_prompt_rows(model, mon
     monkeypatch.setattr(sch, "assemble", spy)
     got, st = run(True)
     assert got == plain and st.mixed_steps == 2 and st.eager_steps == 0
+    assert st.prefill_passes == 3 and st.prefill_replays == 2   # the first pass holds two prompts: eager
     assert ([6, 6, 0, 16], True) in seen       # the short prompt's chunk (5 rows in 16): its slot's row at 16
-    assert ([7, 7, 16, 5], False) in seen      # the long prompt after its first 16-row pass
+    assert ([7, 7, 16, 5], True) in seen       # the long prompt's first pass (rows 0-15): its slot's row at 16
+    assert ([7, 7, 16, 5], False) in seen      # the AR step after it
     assert ([8, 8, 48, 6], True) in seen       # its last 8 rows ride the step: after their padding (32 + 16)
 
 

@@ -71,6 +71,7 @@ class BatchStats:
     eager_steps: int = 0         # verify steps run eagerly although there are bucket graphs (prompt rows in them)
     eager_seconds: float = 0.0   # ... their wall time (launches, the device's work, the argmax copy)
     mixed_steps: int = 0         # verify steps with a prompt chunk replayed from a mixed bucket graph
+    prefill_replays: int = 0     # prefill passes of one chunk replayed from a mixed bucket (verify rows all padding)
     drafted_positions: int = 0   # draft positions the drafter proposed
     kept_positions: int = 0      # ... inside the requests' blocks
     accepted: int = 0            # draft tokens accepted
@@ -429,13 +430,20 @@ class BatchDecoder:
         if not blocks:
             return
         dev = self.model.device
-        inp, kv, need = assemble(blocks, self.cache.max_seq, dev)
-        flat = [i for n in need for i in n]
-        if flat:
-            preds = self.model.greedy_batch(inp, self.cache, kv, rows=torch.tensor(flat, device=dev)).tolist()
-        else:   # no prompt ends in this pass: the chunks only fill the caches
-            self.model.hidden_batch(inp, self.cache, kv)
-            preds = []
+        replayed = self._replay_mixed([], blocks[0], 1) if len(blocks) == 1 else None
+        if replayed is not None:   # one chunk: a mixed bucket whose verify rows are all padding
+            out, need = replayed
+            flat = [i for n in need for i in n]
+            preds = [out[i] for i in flat]
+            self.stats.prefill_replays += 1
+        else:
+            inp, kv, need = assemble(blocks, self.cache.max_seq, dev)
+            flat = [i for n in need for i in n]
+            if flat:
+                preds = self.model.greedy_batch(inp, self.cache, kv, rows=torch.tensor(flat, device=dev)).tolist()
+            else:   # no prompt ends in this pass: the chunks only fill the caches
+                self.model.hidden_batch(inp, self.cache, kv)
+                preds = []
         self.stats.prefill_passes += 1
         self.stats.prefill_seconds += time.perf_counter() - t0
         self.stats.rows += sum(len(b) for b in blocks)
@@ -596,6 +604,20 @@ class BatchDecoder:
         for s in slots:
             self.recent_at[s] += 1
 
+    def _replay_mixed(self, blocks: list[Rows], chunk: Rows, N: int) -> tuple[list[int], list[list[int]]] | None:
+        """Replay the mixed bucket (B, N, P) that holds ``blocks`` and prompt ``chunk`` (B: every slot;
+        P: the smallest prompt size the chunk fits), when warm-up captured it; every row's argmax and
+        where each block's ``need`` rows are. None where no such bucket exists."""
+        if self.runner is None or not self.runner.mixed:
+            return None
+        B = bucket(self.batch, self.batch)
+        P = next((p for p in PROMPT_BUCKETS if len(chunk) <= p), 0)
+        if (B, N, P) not in self.runner.mixed or not fits_mixed(chunk, P, N, self.cache.max_seq):
+            return None
+        inp, _, need = assemble(blocks, self.cache.max_seq, torch.device("cpu"), pad=(B, N), prompt=(chunk, P),
+                                held=self._held())
+        return self.runner.run_mixed(inp, B, N, P).tolist(), need
+
     def _held(self) -> dict[int, int]:
         """Per running slot the first cache position past what its request holds (its committed or
         prefilled length; free slots: 0), where a bucket's padding rows for it write."""
@@ -617,15 +639,11 @@ class BatchDecoder:
                     if blk.gdn_rows == "seq":
                         blk.gdn_rows = "chain"
             return out, need
-        if self.runner is not None and len(pblocks) == 1 and blocks and self.runner.mixed:
-            # one prompt chunk: the mixed bucket that holds it, when warm-up captured one
-            B, chunk = bucket(self.batch, self.batch), pblocks[0]
-            P = next((p for p in PROMPT_BUCKETS if len(chunk) <= p), 0)
-            if (B, N, P) in self.runner.mixed and fits_mixed(chunk, P, N, self.cache.max_seq):
-                inp, _, need = assemble(blocks, self.cache.max_seq, torch.device("cpu"), pad=(B, N),
-                                        prompt=(chunk, P), held=self._held())
+        if len(pblocks) == 1 and blocks:   # one prompt chunk: the mixed bucket that holds it, if captured
+            replayed = self._replay_mixed(blocks, pblocks[0], N)
+            if replayed is not None:
                 self.stats.mixed_steps += 1
-                return self.runner.run_mixed(inp, B, N, P).tolist(), need
+                return replayed
         t0 = time.perf_counter()
         inp, kv, need = assemble(allb, self.cache.max_seq, dev)
         flat = [i for n in need for i in n]
