@@ -287,9 +287,12 @@ def build_profile(agg: Aggregate, table: RuleTable, floors: Floors | None = None
                      "kernel's duration includes its wait for the one before); shares are of the summed kernel time")
     kf = busy.median / total_floor if total_floor else None
     of = wall.median / busy.median if busy.median > 0 else None
-    if kf is not None and kf < 1:
-        warnings.append("model/config mismatch: kernel busy time is below the byte floor; check --rows/--batch/"
-                        "--context and the model")
+    # the step at the GPU's full peak: each class's floor without its fraction of peak (as per class)
+    at_peak = sum((f.get("floor_ms") or 0.0) / peak_limit(floors, c) for c, f in floors.classes.items()) \
+        + (total_floor - floors.total_floor_ms) if floors and total_floor else None   # + a link floor (no fraction)
+    if kf is not None and at_peak and busy.median < at_peak:
+        warnings.append("model/config mismatch: kernel busy time is below the byte floor at the GPU's full peak; "
+                        "check --rows/--batch/--context and the model")
     # a whole-graph record is one event for a graph's many kernels: the kernel count says nothing then
     warnings += st.plausibility([] if whole_graphs else [s.events for s in steps], [s.busy_ns for s in steps],
                                 agg.annotations)

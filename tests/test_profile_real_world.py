@@ -102,14 +102,20 @@ def test_a_class_may_beat_its_floor_by_the_peak_fraction(run_cli, tmp_path):
     mismatch; past that it is flagged. Without the fractions the floor itself is the limit."""
     ms = _json(run_cli, H200_EAGER)["classes"]["linear"]["ms"]
 
-    def flag(fractions, efficiency):
+    def profile(fractions, efficiency):
         ceil = tmp_path / "c.json"
         doc = {"schema": "specpilot.ceiling/1", "classes": {
             "linear": {"bytes": 1e10, "flops": 0, "floor_ms": efficiency * ms, "bound": "bytes"}}}
         ceil.write_text(json.dumps({**doc, **({"fractions": fractions} if fractions else {})}))
-        return _json(run_cli, H200_EAGER, "--ceiling", ceil)["classes"]["linear"].get("flag")
+        return _json(run_cli, H200_EAGER, "--ceiling", ceil)
+
+    def flag(fractions, efficiency):
+        return profile(fractions, efficiency)["classes"]["linear"].get("flag")
 
     assert flag({"bandwidth": 0.5, "flops": 0.6}, 1.5) is None
+    # the step's busy time (more than the linear kernels' time) against its floor at the full peak
+    assert not any("kernel busy time" in w for w in profile({"bandwidth": 0.5, "flops": 0.6}, 1.5)["warnings"])
+    assert any("kernel busy time" in w for w in profile({"bandwidth": 0.5, "flops": 0.6}, 100)["warnings"])
     assert "at the GPU's full peak" in flag({"bandwidth": 0.5, "flops": 0.6}, 2.5)
     assert "below its floor" in flag(None, 1.5)
 
