@@ -74,10 +74,10 @@ def assemble(blocks: list[Rows], max_seq: int, device, pad: tuple[int, int] | No
     end, write at its last N positions. Either way nothing live is overwritten: a slot's positions
     past what it holds are written before they are read. With ``dump`` (a hybrid's spare cache
     slot) the padding rows write there instead, at the same positions (their GDN rows advance a
-    state). ``prompt=(block, P)`` (with ``pad``: mixed
-    bucket (B, N, P)): a prompt chunk's rows after the B x N rows, padded to P rows (cache
-    positions past the chunk, attending position 0 only: :func:`fits_mixed` leaves N positions of
-    the cache after them); its ``need`` rows come last in the result."""
+    state). ``prompt=(block, P)`` (with ``pad``: mixed bucket (B, N, P)): a prompt chunk's rows
+    after the B x N rows, padded to P rows (cache positions past the chunk, attending position 0
+    only: :func:`fits_mixed` leaves N positions of the cache after them); its ``need`` rows come
+    last in the result."""
     if pad is None:
         width = kv_len(max_seq, max(max(b.cslots[-1] + 1, b.n_ctx) for b in blocks))
         layout = [(b, len(b)) for b in blocks]
