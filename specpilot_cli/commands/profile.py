@@ -78,6 +78,8 @@ def command(traces, step_range, step_mode, gap_us, skip_steps, device, include_o
     Steps come from --step-range, else the trace's step annotations, else CUDA graph launches,
     else idle gaps; the output says how they were found. Give --model (and --rows/--batch/
     --context) or --ceiling for floors; the GPU comes from the trace unless --gpu says otherwise.
+    A kernel launched early under programmatic dependent launch counts from where the one before
+    it on its stream ended: its wait is that kernel's time.
 
     \b
     One trace: a profile. Two traces with --diff: BASE vs CANDIDATE. Several traces (or one
