@@ -7,6 +7,7 @@ first layout reads a free slot's whole cache, the second one tile.
 Llama-3.1-8B shapes, random bf16, every running request at ``--context`` tokens in a cache of
 ``--max-seq`` slots (2048: the engine's default), the bucket's CUDA graph replayed on each layout
 (interleaved rounds, CUDA events, median); the real rows' argmax must match between layouts.
+Measured (H200): 9 requests in bucket 16 5.22 -> 4.89 ms, 17 in bucket 32 6.17 -> 5.59 ms, same tokens.
 
     python lab/batch/free_slots.py [--cases 16x9,32x17] [--context 1024] [--max-seq 2048] [--rounds 3]
 """

@@ -9,6 +9,11 @@ the caches together are far larger than L2, so each launch reads its K/V from HB
 Prints microseconds per launch and the live K/V bandwidth; outputs of the attention walks are
 checked against the product kernel's.
 
+Measured (H200, 16 requests): the product 11.7 / 23.7 / 68.0 us at context 256 / 1024 / 4096, a
+fixed ~8 us plus the bytes at 4.5 TB/s; at 1024 every walk (TMA or pointers, mask or not, segment
+table or not, 2 or 4 programs per (request, KV head)) and the stream kernel took 21.5-23.5 us: the
+fixed cost is the launch's, not the walk's.
+
     python lab/decode/attn_stream.py [--batch 16] [--ctx 1024] [--layers 32]
 """
 
