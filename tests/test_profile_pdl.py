@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from specpilot.probes.steps import exclusive_ns, union_ns
+from test_profile_real_world import _json
 
 FIXTURE = Path(__file__).parent / "fixtures" / "kineto_specpilot_h200_batch16_pdl.json.gz"
 GEMM = "nvjet_sm90_tst_256x16_64x6_2x1_v_bz_TNT"
@@ -53,12 +54,6 @@ def _trace(path: Path) -> Path:
         json.dump({"schemaVersion": 1, "deviceProperties": [{"id": 0, "name": "NVIDIA H200", "numSms": 132}],
                    "traceEvents": ev}, fh)
     return path
-
-
-def _json(run_cli, *args):
-    code, out, err = run_cli("profile", *args, "--format", "json")
-    assert code == 0, err
-    return json.loads(out)
 
 
 def test_a_kernel_launched_early_counts_from_where_the_one_before_ended(run_cli, tmp_path):

@@ -1040,16 +1040,7 @@ def _aggregate(ex: NsysExport, req: StepRequest) -> Aggregate:
             per_step[3] = [per_step_excl.get(int(i), 0) for i in per_step[0].tolist()]
     if several_streams:
         # several streams: busy time is the union of intervals, not the sum of durations
-        step_sql, join = "0", ""
-        if step is not None:
-            join, step_sql = step[0].sql(step[1], "sbk")
-        act = " UNION ALL ".join(f"SELECT {step_sql} AS step, a.start AS start, a.end AS end FROM {p.table} a {join} "
-                                 f"WHERE 1{p.dev}" for p in parts)
-        union = ex._q(
-            f"SELECT step, sum(max(0, end - max(start, coalesce(pe, start)))) FROM ("
-            f"SELECT step, start, end, max(end) OVER (PARTITION BY step ORDER BY start "
-            f"ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS pe FROM ({act})) "
-            f"WHERE step >= 0 GROUP BY step")
+        union = ex._q(_uncovered_sql(_activity_sql(parts, step, keys=False), "step", "step"))
         pos = {i: j for j, i in enumerate(per_step[0].tolist())}
         for st_i, busy in union:
             if int(st_i) in pos:
@@ -1095,24 +1086,38 @@ def _aggregate(ex: NsysExport, req: StepRequest) -> Aggregate:
                      annotations=annotations)
 
 
-def _split_overlaps(ex: NsysExport, parts: list[Part], step, tag, groups: list[KernelGroup], label) -> dict[int, int]:
-    """Each group's exclusive time (``KernelGroup.excl_ns``, as :func:`.steps.exclusive_ns` gives it for
-    Kineto): every event counted from where the events before it on its stream in its step ended.
-    One more pass over the activity tables, a window over (step, stream) in start order; run only
-    when some step's durations add up to more than its span. Returns each step's total."""
+def _activity_sql(parts: list[Part], step, tag=None, keys: bool = True) -> str:
+    """Every GPU activity row of ``parts`` as (step, tag, name, kind, stream, s, e) - (step, s, e)
+    without ``keys`` - through the step and tag lookups (step 0 and tag NULL without them)."""
     join, step_sql = step[0].sql(step[1], "sbk") if step is not None else ("", "0")
     tag_sql = "NULL"
     if tag is not None:
         tj, tag_sql = tag[0].sql(tag[1], "gbk")
         join = f"{join} {tj}"
-    act = " UNION ALL ".join(
-        f"SELECT {step_sql} AS step, {tag_sql} AS tag, {p.name} AS name, {p.kind} AS kind, a.streamId AS stream, "
-        f"a.start AS s, a.end AS e FROM {p.table} a {join} WHERE 1{p.dev}" for p in parts)
-    rows = ex._q(
-        f"SELECT step, tag, name, kind, stream, sum(max(0, e - max(s, coalesce(pe, s)))) FROM ("
-        f"SELECT *, max(e) OVER (PARTITION BY step, stream ORDER BY s, e "
-        f"ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS pe FROM ({act})) "
-        f"WHERE step >= 0 GROUP BY step, tag, name, kind, stream")
+
+    def cols(p: Part) -> str:
+        return f", {tag_sql} AS tag, {p.name} AS name, {p.kind} AS kind, a.streamId AS stream" if keys else ""
+
+    return " UNION ALL ".join(f"SELECT {step_sql} AS step{cols(p)}, a.start AS s, a.end AS e FROM {p.table} a "
+                              f"{join} WHERE 1{p.dev}" for p in parts)
+
+
+def _uncovered_sql(act: str, partition: str, group: str) -> str:
+    """Per ``group`` of the rows of ``act`` (steps 0 and up), the sum of each row's time that no
+    row before it (start order) in its ``partition`` covers: per step, the union of its intervals;
+    per (step, stream), each event's exclusive time."""
+    return (f"SELECT {group}, sum(max(0, e - max(s, coalesce(pe, s)))) FROM ("
+            f"SELECT *, max(e) OVER (PARTITION BY {partition} ORDER BY s, e "
+            f"ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS pe FROM ({act})) "
+            f"WHERE step >= 0 GROUP BY {group}")
+
+
+def _split_overlaps(ex: NsysExport, parts: list[Part], step, tag, groups: list[KernelGroup], label) -> dict[int, int]:
+    """Each group's exclusive time (``KernelGroup.excl_ns``, as :func:`.steps.exclusive_ns` gives it for
+    Kineto): every event counted from where the events before it on its stream in its step ended.
+    One more pass over the activity tables, a window over (step, stream) in start order; run only
+    when some step's durations add up to more than its span. Returns each step's total."""
+    rows = ex._q(_uncovered_sql(_activity_sql(parts, step, tag), "step, stream", "step, tag, name, kind, stream"))
     excl: dict[tuple, int] = {}
     per_step: dict[int, int] = {}
     for st_i, tg, nid, kind, stream, ns in rows:
