@@ -41,11 +41,24 @@ def output_target(path: str | os.PathLike) -> Path:
     return Path(os.path.realpath(p)) if p.is_symlink() else p
 
 
+def is_special(path: str | os.PathLike) -> bool:
+    """Whether ``path`` (symlinks followed) is an existing file that is neither a regular file nor a
+    folder - a device such as ``/dev/null``, a named pipe, ``/dev/stdout``: written in place, since
+    renaming a file onto it would replace the device instead of writing to it."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
+
+
 def check_output_path(path: str | os.PathLike, option: str = "--out",
                       protect: Iterable[str | os.PathLike] = ()) -> Path:
     """Fail early (InputError naming ``option``) when ``path`` cannot be written or is an input;
-    returns where the write will land (:func:`output_target`)."""
+    returns where the write will land (:func:`output_target`; a device or pipe: ``path`` itself)."""
     shown = Path(path)
+    if is_special(shown):
+        return shown
     target = output_target(shown)
     for p in protect:
         try:
@@ -69,10 +82,25 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", protect: Iterable[str 
     The file gets the mode an ordinary ``open`` would give it: an existing file keeps its mode,
     a new one gets ``0o666`` less the umask. A symlink is followed: its target is replaced and the
     link kept. The temporary ``.NAME.XXXX.part`` is removed on any failure or signal.
-    ``option`` names the option that chose ``path`` in error messages.
+    A device or a pipe (:func:`is_special`) is written in place. ``option`` names the option that
+    chose ``path`` in error messages.
     """
     shown = Path(path)
     target = check_output_path(path, option, protect)
+    if is_special(target):
+        binary = "b" in mode
+        try:
+            fh = open(target, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"}))
+        except OSError as e:
+            raise InputError(f"{option} {shown}: cannot write ({e.strerror})") from None
+        try:
+            with fh:
+                yield fh
+        except OSError as e:   # a full device or a closed pipe: say which output
+            if e.filename is not None:
+                raise
+            raise OSError(e.errno, e.strerror, str(shown)) from None
+        return
     parent = target.parent if str(target.parent) else Path(".")
     try:
         file_mode = stat.S_IMODE(target.stat().st_mode)

@@ -214,6 +214,28 @@ def test_output_files_get_the_umask_mode_keep_theirs_and_follow_symlinks(run_cli
     assert not [p for p in tmp_path.rglob("*.part")]
 
 
+def test_outputs_to_a_pipe_or_device_are_written_in_place(run_cli, tmp_path):
+    import threading
+
+    args = ("ceiling", "--model", "llama-3.1-8b", "--gpu", "h200", "--format", "json", "--out")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_text()))
+    reader.start()
+    code, _, err = run_cli(*args, fifo)
+    reader.join(timeout=30)
+    assert code == 0, err
+    assert stat.S_ISFIFO(fifo.stat().st_mode) and json.loads(got[0])["schema"] == "specpilot.ceiling/1"
+    code, _, err = run_cli(*args, "/dev/null")
+    assert code == 0 and stat.S_ISCHR(os.stat("/dev/null").st_mode), err
+    if os.path.exists("/dev/full"):
+        code, _, err = run_cli(*args, "/dev/full")
+        assert code == 3 and "/dev/full: No space left on device" in _one_error(err)
+        assert stat.S_ISCHR(os.stat("/dev/full").st_mode)
+    assert not list(tmp_path.glob(".*.part")) and not list(Path("/dev").glob(".*.part"))
+
+
 def test_outputs_and_lattice_files_get_the_umask_mode(run_cli, tmp_path, umask_022):
     outs, lat = tmp_path / "o.jsonl", tmp_path / "l.jsonl"
     code, _, err = run_cli("run", "--model", "tiny", "--prompt-ids", "1,2,3", "--max-new-tokens", "4",
