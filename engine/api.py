@@ -254,6 +254,21 @@ def resolve_model(name: str, random: bool):
     return spec, folder, spec.name
 
 
+def _check_cache_fits(spec, max_seq: int, dtype, device: str) -> None:
+    """Refuse (EnvironmentMissing) a KV cache of ``max_seq`` slots that the device's free memory
+    cannot hold, before allocating it: the CPU would hand out the pages lazily and the process be
+    killed when they are touched."""
+    import torch
+
+    from specpilot.machine import free_memory
+
+    need = 2 * spec.num_full_attention_layers * spec.num_kv_heads * spec.head_dim * max_seq * torch.empty((), dtype=dtype).element_size()
+    free = free_memory(device)
+    if free is not None and need > free:
+        raise EnvironmentMissing(f"a KV cache of {max_seq} slots for {spec.name} needs {need / 1e9:.3g} GB; "
+                                 f"{device} has {free / 1e9:.3g} GB free (a shorter context: --ctx for run and serve, --context for probe rows)")
+
+
 def build_model(name: str, random: bool, dtype, device: str, max_seq: int, seed: int = 0):
     import torch
 
@@ -263,6 +278,7 @@ def build_model(name: str, random: bool, dtype, device: str, max_seq: int, seed:
     spec, folder, display = resolve_model(name, random)
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise EnvironmentMissing("device=cuda but no CUDA GPU is visible; use device=cpu")
+    _check_cache_fits(spec, max_seq, dtype, device)
     model = Transformer(spec, max_seq=max_seq, dtype=dtype, device=device)
     if folder is None:
         # the tiny built-ins use a larger std so their greedy text is not one repeated token
@@ -380,6 +396,19 @@ def _draft_graphs(drafter, runner) -> None:
         drafter.graphs = RolloutGraphs(drafter.draft)
 
 
+def cpu_threads(spec) -> int:
+    """The torch CPU threads an engine of ``spec`` runs with (0: torch's own default, ``--threads 0``):
+    ``--threads``, else one for a tiny model (thread hand-offs cost more than its math), else the
+    free physical cores (:func:`specpilot.machine.choose_cpu_threads`). ``probe rows`` takes the same,
+    so its c(N) is the engine's."""
+    from specpilot.machine import choose_cpu_threads
+
+    if spec.threads is None and spec.model.lower() in TINY_CONFIGS:
+        return choose_cpu_threads(1, given_by="tiny model")
+    n = choose_cpu_threads(spec.threads)
+    return n if spec.threads != 0 else 0
+
+
 def load_engine(spec: EngineSpec | str) -> Engine:
     """Build the model, drafter and decoder a spec describes."""
     from specpilot.engine.decode import Decoder
@@ -435,13 +464,7 @@ def load_engine(spec: EngineSpec | str) -> Engine:
         dec = Decoder(model, spec.mode, drafter, nodes=spec.nodes, depth=spec.depth, topk=spec.topk, eos_ids=eos,
                       runner=runner)
     if spec.device == "cpu":
-        from specpilot.machine import choose_cpu_threads
-
-        if spec.threads is None and spec.model.lower() in TINY_CONFIGS:  # thread hand-offs cost more than the math
-            dec.threads = choose_cpu_threads(1, given_by="tiny model")
-        else:
-            n = choose_cpu_threads(spec.threads)
-            dec.threads = n if spec.threads != 0 else 0
+        dec.threads = cpu_threads(spec)
     info = dict(target.info, load_seconds=time.perf_counter() - t0)
     # CUDA: compile every kernel and capture every graph a request can hit now, not in the first request
     info["warmup_seconds"] = dec.warm_up()

@@ -158,10 +158,11 @@ def probe_rows(spec, rows: list[int], context: int, reps: int = 50, warmup: int 
     names the model and records the W12, attention, head, decode and GDN choices."""
     import torch
 
-    from specpilot.engine.api import load_target
+    from specpilot.engine.api import cpu_threads, load_target
 
-    if spec.threads:
-        torch.set_num_threads(spec.threads)
+    threads = cpu_threads(spec) if spec.device == "cpu" else spec.threads   # as the engine runs
+    if threads:
+        torch.set_num_threads(threads)
     target = load_target(spec, max_seq=context + max(rows) + 64)
     res = measure_rows(target.model, rows, context, reps=reps, warmup=warmup, progress=progress)
     res.model = target.name

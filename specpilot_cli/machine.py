@@ -90,3 +90,23 @@ def choose_cpu_threads(requested: int | None, what: str = "CPU engine", given_by
         _announced.add(what)
         logging.getLogger("specpilot.status").info(f"{what}: {n} torch thread{'s' if n != 1 else ''} ({why})")
     return n
+
+
+def free_memory(device: str) -> int | None:
+    """Bytes that new tensors on ``device`` can take now: the GPU's free memory, the CPU's
+    ``MemAvailable``; None where unknown."""
+    if device.startswith("cuda"):
+        import torch
+
+        try:
+            return torch.cuda.mem_get_info(torch.device(device))[0]
+        except (RuntimeError, AssertionError):
+            return None
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

@@ -20,6 +20,12 @@ class FiniteRange(click.FloatRange):
         return rv
 
 
+def seed_option(what: str):
+    """``--seed``: the seed of ``what`` (a whole number in 0..2^32-1, numpy's range)."""
+    return click.option("--seed", type=click.IntRange(0, 2**32 - 1), default=0, show_default=True,
+                        help=f"Seed of {what}: the same seed, the same result.")
+
+
 def positive(hi: float) -> FiniteRange:
     """A finite float in (0, hi]."""
     return FiniteRange(0, hi, min_open=True)

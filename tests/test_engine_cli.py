@@ -152,6 +152,31 @@ def test_probe_rows_bad_input(run_cli, tmp_path):
     assert code == 2 and err.startswith("specpilot: error:")
     code, _, err = run_cli("probe", "rows", "--model", "llama-3.1-8b", "--device", "cpu")
     assert code == 2 and "--random-weights" in err
+    code, _, err = run_cli("probe", "rows", "--model", "tiny", "--device", "cpu", "--context", str(2**24 + 1))
+    assert code == 2 and "1<=x<=16777216" in err
+
+
+def test_a_cache_the_memory_cannot_hold_is_refused_before_it_is_made(run_cli, tmp_path, monkeypatch):
+    import specpilot.machine
+
+    monkeypatch.setattr(specpilot.machine, "free_memory", lambda device: 10**6)
+    out = tmp_path / "rows.json"
+    code, _, err = run_cli("probe", "rows", "--model", "tiny", "--device", "cpu", "--context", "100000", "--out", out)
+    assert code == 3 and not out.exists(), err
+    assert "a KV cache of 100128 slots for tiny needs" in err and "GB; cpu has 0.001 GB free" in err
+    code, _, err = run_cli("run", "--model", "tiny", "--ctx", "100000", "--prompt-ids", "1,2", "--max-new-tokens", "2")
+    assert code == 3 and "a KV cache of 100000 slots" in err, err
+
+
+def test_probe_rows_takes_the_threads_run_takes(run_cli, tmp_path, monkeypatch):
+    import specpilot.machine
+
+    monkeypatch.setattr(specpilot.machine, "default_cpu_threads", lambda: (2, "test"))
+    for model, threads in (("tiny", 1), ("tiny-hybrid", 1)):
+        out = tmp_path / f"{model}.json"
+        code, _, err = run_cli("probe", "rows", "--model", model, "--rows", "1,2", "--context", "16", "--device", "cpu",
+                               "--reps", "1", "--warmup", "0", "--format", "json", "--out", out)
+        assert code == 0 and json.loads(out.read_text())["threads"] == threads, err
 
 
 def _post(url, body):

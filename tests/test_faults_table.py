@@ -154,6 +154,16 @@ def test_absurd_numbers_are_bad_input_with_the_range(run_cli, tmp_path, args, ex
     assert expect in _one_error(err)
 
 
+@pytest.mark.parametrize("verb", [["replay", "{lattice}"], ["compare", "--from", "{lattice}"],
+                                  ["audit", "check"]], ids=["replay", "compare", "audit-check"])
+def test_a_negative_seed_is_bad_input(run_cli, tmp_path, verb):
+    lat = tmp_path / "lat.jsonl"
+    lat.write_text(_jsonl(LATTICE))
+    args = [a.format(lattice=lat) for a in verb]
+    code, out, err = run_cli(*args, "--seed", "-1")
+    assert code == 2 and "'--seed': -1 is not in the range 0<=x<=4294967295" in _one_error(err), err
+
+
 ROWS_PROBE = {"schema": "specpilot.rows/1", "model": "tiny", "dtype": "float32", "context": 64, "ar_ms": 1.0,
               "points": [{"rows": 1, "step_ms": 1.0, "c": 1.0}, {"rows": 8, "step_ms": 1.4, "c": 1.4}],
               "reps": 5, "method": "eager, wall clock, median"}

@@ -94,10 +94,11 @@ def measure_rows_batched(model, batch: int, rows: list[int], context: int, reps:
 
 def probe_rows_batched(spec, rows: list[int], context: int, reps: int = 50, warmup: int = 5, progress=None):
     """:func:`measure_rows_batched` on the target ``spec`` describes, ``spec.batch`` requests."""
-    from specpilot.engine.api import load_target
+    from specpilot.engine.api import cpu_threads, load_target
 
-    if spec.threads:
-        torch.set_num_threads(spec.threads)
+    threads = cpu_threads(spec) if spec.device == "cpu" else spec.threads   # as the engine runs
+    if threads:
+        torch.set_num_threads(threads)
     target = load_target(spec, max_seq=context + max(rows) + 64)
     res = measure_rows_batched(target.model, spec.batch, rows, context, reps=reps, warmup=warmup, progress=progress)
     res.model = target.name

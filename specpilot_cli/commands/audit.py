@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from specpilot.errors import InputError
+from specpilot.options import seed_option
 from specpilot.output import Report, Section, emit, fmt_num, output_options, progress
 
 SUBCOMMANDS = ("check", "collect", "selftest")
@@ -125,7 +126,7 @@ def _common_run_options(f):
               help="Dtype of the scorer's hidden states (auto: checkpoint dtype on GPU, float32 on CPU).")
 @click.option("--batch-tokens", type=int, default=8192, show_default=True, help="Scorer batch size in tokens.")
 @click.option("--bootstrap", type=int, default=2000, show_default=True, help="Prompt resamples for intervals.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@seed_option("the bootstrap intervals")
 @output_options
 def check(systems, stock_spec, ar_spec, scorer_spec, prompts_path, max_new_tokens, timeout, concurrency, save_dir, delta,
           max_increase, device, scorer_dtype, batch_tokens, bootstrap, seed, fmt, out):
@@ -255,7 +256,7 @@ def collect_cmd(system, prompts_path, max_new_tokens, timeout, concurrency, save
 @click.option("--engine-prompts", type=int, default=4, show_default=True,
               help="Prompts on which the embedded engine's chain and tree systems are run and audited (0: none).")
 @click.option("--device", default=None, help="cpu or cuda (default: cuda when present).")
-@click.option("--seed", type=int, default=0, show_default=True)
+@seed_option("the random prompts and biases")
 @click.option("--save-outputs", "save_dir", type=click.Path(file_okay=False), default=None,
               help="Also write every system's outputs JSONL to this folder (to re-audit them with 'specpilot audit').")
 @output_options

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from specpilot.options import seed_option
 from specpilot.output import Report, Section, emit, fmt_num, output_options, progress
 
 
@@ -17,7 +18,7 @@ from specpilot.output import Report, Section, emit, fmt_num, output_options, pro
 @click.option("--tolerance", type=float, default=0.0, show_default=True,
               help="Extra slowdown allowed, as a fraction (0.2 = 20%), on runners whose speed drifts between sessions "
                    "(a shared CPU); GPU runners need none.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@seed_option("the bootstrap intervals of the timing and the audit")
 @output_options
 def command(baseline_path, system, runs, scorer, no_audit, tolerance, seed, fmt, out):
     """Re-measure the current system and compare it with a stored baseline; exit 1 on a regression

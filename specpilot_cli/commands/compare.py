@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import click
 
-from specpilot.options import positive
+from specpilot.options import positive, seed_option
 from specpilot.output import Report, Section, emit, output_options
 
 
@@ -62,7 +62,7 @@ def _runs(ctx, param, value):
                    "[default: OUT.partial.json with --out, else specpilot-compare.partial.json].")
 @click.option("--resume", "resume_file", type=click.Path(dir_okay=False), default=None, metavar="FILE",
               help="Continue an interrupted run of the same systems from its partial file (kept up to date).")
-@click.option("--seed", type=int, default=0, show_default=True, help="Bootstrap seed.")
+@seed_option("the bootstrap interval")
 @click.option("--from", "from_file", type=click.Path(dir_okay=False), default=None, metavar="TIMING.json",
               help="Judge the samples of a stored specpilot.timing/1 file again (no runs; with --noise or "
                    "--changes-output to apply a stricter rule).")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from specpilot.engine_options import engine_options, spec_from_cli
-from specpilot.errors import InputError
+from specpilot.limits import MAX_CONTEXT
 from specpilot.output import Report, Section, emit, output_options, progress
 
 PROBE_OPTIONS = ("model", "random", "device", "dtype", "threads", "w12", "attn", "head", "decode", "gdn", "deterministic",
@@ -23,7 +23,8 @@ def command():
 
 @command.command("rows")
 @engine_options(only=PROBE_OPTIONS, spec_option=False, defaults={"device": None},
-                default_texts={"device": "cuda when available", "threads": "torch's choice"},
+                default_texts={"device": "cuda when available",
+                               "threads": "as run: 1 for a tiny model, else the free physical cores"},
                 help_texts={"decode": "Steps of 1..64 rows as in run --decode (fused: cuda, dense models); auto "
                                       "times what run takes, so T_AR is the AR step the engine runs.",
                             "batch": "Requests per step: B requests x N rows, each request with its own cache of "
@@ -31,9 +32,12 @@ def command():
                                      "T(B, 1))."})
 @click.option("--rows", "rows_text", default="1,2,4,8,16,32,64", show_default=True,
               help="Row counts N; '1,2,4,...,256' continues a doubling series.")
-@click.option("--context", type=int, default=1024, show_default=True, help="Committed tokens in the KV cache.")
-@click.option("--reps", type=int, default=50, show_default=True, help="Timed repetitions per N (median).")
-@click.option("--warmup", type=int, default=5, show_default=True)
+@click.option("--context", type=click.IntRange(1, MAX_CONTEXT), default=1024, show_default=True,
+              help="Committed tokens in the KV cache (a cache the device's free memory cannot hold is refused).")
+@click.option("--reps", type=click.IntRange(1, 100_000), default=50, show_default=True,
+              help="Timed repetitions per N (their median is reported).")
+@click.option("--warmup", type=click.IntRange(0, 10_000), default=5, show_default=True,
+              help="Untimed steps per N before the timed ones (compilation, caches, clocks).")
 @output_options
 def rows(rows_text, context, reps, warmup, fmt, out, **kw):
     """T_step(N) for N verification rows and c(N) = T_step(N) / T_AR (JSON for ``ceiling --rows-probe``).
@@ -47,10 +51,6 @@ def rows(rows_text, context, reps, warmup, fmt, out, **kw):
     from specpilot.options import parse_int_list
 
     row_list = parse_int_list(rows_text, "--rows", minimum=1)
-    if reps < 1 or warmup < 0:
-        raise InputError("--reps must be >= 1 and --warmup >= 0")
-    if context < 1:
-        raise InputError(f"--context must be >= 1, got {context}")
     if kw["device"] is None:
         kw["device"] = default_device()
     spec = spec_from_cli(kw)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from specpilot.options import seed_option
 from specpilot.output import Report, Section, emit, output_options
 
 
@@ -20,7 +21,7 @@ from specpilot.output import Report, Section, emit, output_options
               help="Lattice to measure sequoia's acceptance by rank on (default: LATTICE itself).")
 @click.option("--bootstrap", "n_boot", type=click.IntRange(100, 100000), default=1000, show_default=True,
               help="Bootstrap resamples (over requests) for the 95% tau interval.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Bootstrap seed.")
+@seed_option("the bootstrap intervals")
 @output_options
 def command(lattice, policies, nodes, calibration, n_boot, seed, fmt, out):
     """Replay draft-tree policies over LATTICE (specpilot.lattice/1 JSONL) and report tau.

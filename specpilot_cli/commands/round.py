@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from specpilot.errors import InputError
+from specpilot.options import seed_option
 from specpilot.output import Report, Section, emit, fmt_num, output_options, progress
 
 
@@ -42,7 +43,7 @@ def _names(text: str | None) -> list[str] | None:
               help="Deployment records folder (default: $SPECPILOT_RECORDS or ~/.cache/specpilot/deployments).")
 @click.option("--fresh", is_flag=True, help="Start from DEPLOYMENT even when its record has a later system.")
 @click.option("--no-remember", "no_remember", is_flag=True, help="Do not write the deployment record.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@seed_option("the bootstrap intervals and of token-id prompts")
 @output_options
 def command(deployment, budget, out_dir, resume_dir, dry_run, prompts, n_prompts, max_new_tokens, candidates, control,
             scorer, memory_dir, records_dir, fresh, no_remember, seed, fmt, out):
