@@ -68,6 +68,11 @@ def sweep_partial(purelib: str | Path) -> list[str]:
     return removed
 
 
+# the activation's fields that readers rely on, with their types (present in every file apply writes)
+_FIELDS = {"bundles": list, "closure": list, "settings": dict, "sglang": dict, "hooks": list}
+_OPTIONAL = {"fingerprints": dict, "targets": dict, "setup": list}
+
+
 def read_activation(path: Path) -> dict | None:
     if not path.is_file():
         return None
@@ -76,6 +81,15 @@ def read_activation(path: Path) -> dict | None:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise InputError(f"{path}: not valid JSON ({e}); run 'specpilot revert' to remove it") from None
     check_schema(obj, "activation", str(path))
+    bad = [k for k, t in _FIELDS.items() if not isinstance(obj.get(k), t)]
+    bad += [k for k, t in _OPTIONAL.items() if k in obj and not isinstance(obj[k], t)]
+    if not bad:
+        bad += [k for k in ("bundles", "closure") if not all(isinstance(i, str) for i in obj[k])]
+        bad += ["hooks"] * (not all(isinstance(h, dict) and all(isinstance(h.get(f), str) for f in
+                                                                    ("target", "type", "handler")) for h in obj["hooks"]))
+    if bad:
+        raise InputError(f"{path}: malformed activation ({', '.join(bad)} missing or of the wrong type); run "
+                         "'specpilot revert' to remove it, then apply again")
     return obj
 
 
@@ -86,14 +100,32 @@ def parse_bundle_list(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def _registry(entries: dict[str, mem.Entry], ids: list[str]) -> dict[str, tuple[str, mem.Variant]]:
+    """Variant name -> (owning bundle, variant) over the bundles ``ids``."""
+    return {v.name: (i, v) for i in ids for v in entries[i].variants}
+
+
+def check_setting(name: str, value: Any, owner: str, var: mem.Variant, shown: str) -> None:
+    """Refuse (InputError, led by ``shown``) a value outside variant ``var``'s choices, list shape or range."""
+    if var.choices is not None and value not in var.choices:
+        raise InputError(f"{shown}: must be one of {var.choices} ({owner})")
+    if isinstance(var.default, list):
+        kinds = {type(x) for x in var.default}
+        if not isinstance(value, list) or not value or any(type(x) not in kinds for x in value):
+            raise InputError(f"{shown}: must be a non-empty list like {var.default} ({owner})")
+    if var.range is not None:
+        lo, hi = var.range
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not (lo <= value <= hi):
+            raise InputError(f"{shown}: must be a number in [{lo}, {hi}] ({owner})")
+        if isinstance(var.default, int) and not isinstance(value, int):
+            raise InputError(f"{shown}: must be an integer ({owner})")
+
+
 def parse_settings(pairs, entries: dict[str, mem.Entry], ids: list[str]) -> dict[str, Any]:
     """``--set name=value`` over the variant registries of ``ids``; checked against ranges."""
     import yaml
 
-    registry: dict[str, tuple[str, mem.Variant]] = {}
-    for i in ids:
-        for v in entries[i].variants:
-            registry[v.name] = (i, v)
+    registry = _registry(entries, ids)
     values = {name: v.default for name, (_, v) in registry.items()}
     for pair in pairs or ():
         if "=" not in pair:
@@ -105,18 +137,7 @@ def parse_settings(pairs, entries: dict[str, mem.Entry], ids: list[str]) -> dict
             raise InputError(f"--set {name}: not a variant of the applied bundles (known: {known})")
         owner, var = registry[name]
         value = yaml.safe_load(raw)
-        if var.choices is not None and value not in var.choices:
-            raise InputError(f"--set {name}={raw}: must be one of {var.choices} ({owner})")
-        if isinstance(var.default, list):
-            kinds = {type(x) for x in var.default}
-            if not isinstance(value, list) or not value or any(type(x) not in kinds for x in value):
-                raise InputError(f"--set {name}={raw}: must be a non-empty list like {var.default} ({owner})")
-        if var.range is not None:
-            lo, hi = var.range
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not (lo <= value <= hi):
-                raise InputError(f"--set {name}={raw}: must be a number in [{lo}, {hi}] ({owner})")
-            if isinstance(var.default, int) and not isinstance(value, int):
-                raise InputError(f"--set {name}={raw}: must be an integer ({owner})")
+        check_setting(name, value, owner, var, f"--set {name}={raw}")
         values[name] = value
     return values
 
@@ -344,6 +365,14 @@ def status(python: str | None = None, memory_dir=None) -> StatusResult:
                     changed.setdefault(c.file, []).append(c.target.rsplit(".", 1)[-1])
             for file, names in changed.items():
                 problems.append(f"{file} changed since apply (defines {', '.join(names)}); check and apply again")
+            registry = _registry(entries, act["closure"])
+            for name, value in act["settings"].items():
+                try:
+                    if name not in registry:
+                        raise InputError(f"setting {name}: not a variant of the applied bundles")
+                    check_setting(name, value, *registry[name], f"setting {name}={value!r}")
+                except InputError as e:
+                    problems.append(f"{e}; apply again")
             now = mem.compose(entries, act["closure"])
             listed = sorted(hook_key(h["type"], h["target"], h["handler"]) for h in act.get("hooks", []))
             if listed != now.hooks:

@@ -216,8 +216,9 @@ def _require_file(path: Path) -> None:
 
 
 def read_json(path, kind: str | None = None, versions: Iterable[int] = (1,),
-              max_bytes: int | None = MAX_JSON_BYTES) -> Any:
-    """A whole JSON file (``.gz`` too), schema-checked when ``kind`` is given."""
+              max_bytes: int | None = MAX_JSON_BYTES, build=None) -> Any:
+    """A whole JSON file (``.gz`` too), schema-checked when ``kind`` is given; with ``build``, what
+    ``build(obj)`` makes of it, a field it misses or has of the wrong type being bad input."""
     path = Path(path)
     _require_file(path)
     _check_size(path, max_bytes)
@@ -232,7 +233,14 @@ def read_json(path, kind: str | None = None, versions: Iterable[int] = (1,),
         raise InputError(f"{path}: JSON nested too deeply") from None
     if kind is not None:
         check_schema(obj, kind, str(path), versions)
-    return obj
+    if build is None:
+        return obj
+    try:
+        return build(obj)
+    except KeyError as e:
+        raise InputError(f"{path}: malformed {kind or 'document'} (no field {e.args[0]!r})") from None
+    except (TypeError, ValueError, AttributeError, IndexError) as e:
+        raise InputError(f"{path}: malformed {kind or 'document'} ({_short(e)})") from None
 
 
 def iter_jsonl(path, kind: str | None = None, versions: Iterable[int] = (1,)) -> Iterator[dict]:

@@ -234,6 +234,27 @@ def test_status_detects_drift(run_cli, tmp_path):
     assert code == 3 and "do not match" in err
 
 
+def test_status_on_a_damaged_activation_is_bad_input_or_a_problem(run_cli, env):
+    assert run_cli("apply", "tree", "--python", env)[0] == 0
+    path = _purelib(env) / act.ACTIVATION_NAME
+    good = json.loads(path.read_text())
+    try:
+        for damage, field in (({"closure": None}, "closure"), ({"hooks": 5}, "hooks"), ({"hooks": [{"type": 1}]}, "hooks"),
+                              ({"bundles": [3]}, "bundles"), ({"targets": []}, "targets")):
+            path.write_text(json.dumps(dict(good, **damage)))
+            code, _, err = run_cli("status", "--python", env)
+            assert code == 2 and f"malformed activation ({field} missing or of the wrong type)" in err, err
+        path.write_text(json.dumps({"schema": good["schema"]}))
+        assert run_cli("status", "--python", env)[0] == 2
+        path.write_text(json.dumps(dict(good, settings=dict(good["settings"], node_budget="abc"))))
+        code, out, err = run_cli("status", "--python", env, "--format", "json")
+        assert code == 1 and any("setting node_budget='abc': must be a number in" in p
+                                 for p in json.loads(out)["problems"]), out
+    finally:
+        path.write_text(json.dumps(good))
+        assert run_cli("revert", "--python", env)[0] == 0
+
+
 _KILL_AT_RENAME = r"""
 import os, signal, sys
 real = os.replace

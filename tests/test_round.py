@@ -121,6 +121,20 @@ def test_committed_example_rounds_rerender_to_their_reports(name, run_cli, tmp_p
     assert (tmp_path / name / "report.md").read_text() == (src / "report.md").read_text()
 
 
+@pytest.mark.parametrize("stage, what", [("measure/measure.json", "round-measure (Measurement"),
+                                         ("model/model.json", "round-model (ModelResult"),
+                                         ("propose/candidates.json", "round-candidates (no field 'candidates')"),
+                                         ("approve/decisions.json", "round-decisions (no field 'decisions')")])
+def test_report_on_a_stage_file_without_its_fields_is_bad_input(stage, what, run_cli, tmp_path):
+    src = Path(__file__).resolve().parents[1] / "examples" / "rounds" / "smollm2-cpu"
+    shutil.copytree(src, tmp_path / "r")
+    f = tmp_path / "r" / stage
+    f.write_text(json.dumps({"schema": json.loads(f.read_text())["schema"]}))
+    code, _, err = run_cli("report", tmp_path / "r")
+    assert code == 2 and f"{stage}: malformed {what}" in err and "Traceback" not in err, err
+    assert (tmp_path / "r" / "report.md").read_text() == (src / "report.md").read_text()
+
+
 def _chromium() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser")
 

@@ -212,3 +212,17 @@ def test_escape_count_mismatch_is_a_format_error(tmp_path, run_cli):
     write_packed(dst, tensors, meta, doc)
     code, out, err = run_cli("w12", "stats", dst)
     assert code == 2 and "escape positions" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("crc", [None, "x", {"records": "1"}], ids=["null", "string", "string-value"])
+def test_a_damaged_crc_table_is_reported_not_a_crash(tmp_path, run_cli, crc):
+    src, dst = tmp_path / "m.safetensors", tmp_path / "w.safetensors"
+    make_checkpoint(src)
+    assert run_cli("w12", "pack", src, "-o", dst)[0] == 0
+    tensors, meta, doc = read_packed(dst)
+    doc["tensors"][Q]["crc32"] = crc
+    write_packed(dst, tensors, meta, doc)
+    code, out, err = run_cli("w12", "stats", dst)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    code, out, err = run_cli("w12", "verify", dst)
+    assert code == 1 and f"{Q}: {Q}" not in err and "Traceback" not in err, err

@@ -33,6 +33,11 @@ class Decision:
         return asdict(self)
 
 
+def decisions_from_json(d: dict) -> list[Decision]:
+    """The decisions of a ``specpilot.round-decisions/1`` document."""
+    return [Decision(**x) for x in d["decisions"]]
+
+
 def audit_data(result, scorer_info) -> dict:
     """The audit as ``specpilot audit --format json`` writes it (``specpilot.audit/1``)."""
     return result.to_json(asdict(scorer_info) if scorer_info is not None else None)

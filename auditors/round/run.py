@@ -213,7 +213,7 @@ class _Round:
     def measure(self) -> ms.Measurement:
         path = self.dir / "measure" / "measure.json"
         if self._done("measure") and path.is_file():
-            return ms.Measurement.from_json(read_json(path, kind="round-measure"))
+            return read_json(path, kind="round-measure", build=ms.Measurement.from_json)
         from specpilot.engine.spec import EngineSpec
 
         t0 = time.perf_counter()
@@ -339,7 +339,7 @@ class _Round:
     def model(self, meas) -> ModelResult:
         path = self.dir / "model" / "model.json"
         if self._done("model") and path.is_file():
-            return ModelResult.from_json(read_json(path, kind="round-model"))
+            return read_json(path, kind="round-model", build=ModelResult.from_json)
         t0 = time.perf_counter()
         res = build_model(meas)
         (self.dir / "model").mkdir(exist_ok=True)
@@ -357,7 +357,7 @@ class _Round:
     def propose(self, meas, model) -> Proposal:
         path = self.dir / "propose" / "candidates.json"
         if self._done("propose") and path.is_file():
-            return Proposal.from_json(read_json(path, kind="round-candidates"))
+            return read_json(path, kind="round-candidates", build=Proposal.from_json)
         from specpilot.bundles.memory import load_memory
         from specpilot.engine.spec import EngineSpec
 
@@ -390,7 +390,7 @@ class _Round:
         d = self.dir / "approve"
         d.mkdir(exist_ok=True)
         dpath = d / "decisions.json"
-        decisions = [ap.Decision(**x) for x in read_json(dpath, kind="round-decisions")["decisions"]] \
+        decisions = read_json(dpath, kind="round-decisions", build=ap.decisions_from_json) \
             if dpath.is_file() else []
         if self._done("approve"):
             return decisions
@@ -628,16 +628,16 @@ def load_round(path: str | Path) -> RoundResult:
     res = RoundResult(d, state)
     f = d / "measure" / "measure.json"
     if f.is_file():
-        res.measurement = ms.Measurement.from_json(read_json(f, kind="round-measure"))
+        res.measurement = read_json(f, kind="round-measure", build=ms.Measurement.from_json)
     f = d / "model" / "model.json"
     if f.is_file():
-        res.model = ModelResult.from_json(read_json(f, kind="round-model"))
+        res.model = read_json(f, kind="round-model", build=ModelResult.from_json)
     f = d / "propose" / "candidates.json"
     if f.is_file():
-        res.proposal = Proposal.from_json(read_json(f, kind="round-candidates"))
+        res.proposal = read_json(f, kind="round-candidates", build=Proposal.from_json)
     f = d / "approve" / "decisions.json"
     if f.is_file():
-        res.decisions = [ap.Decision(**x) for x in read_json(f, kind="round-decisions")["decisions"]]
+        res.decisions = read_json(f, kind="round-decisions", build=ap.decisions_from_json)
     res.record = state.get("record")
     return res
 

@@ -413,7 +413,7 @@ def approve_sglang(dep: SGLangDeployment, out: Path, cfg, clock, notify, prop, m
     from . import plan as pl
     from .engines import outputs_from
 
-    decisions = [ap.Decision(**x) for x in read_json(out / "decisions.json", kind="round-decisions")["decisions"]] \
+    decisions = read_json(out / "decisions.json", kind="round-decisions", build=ap.decisions_from_json) \
         if (out / "decisions.json").is_file() else []
     if not dep.prompts:
         raise InputError(f"{dep.path}: give prompts: (a prompts file) for the paired runs and the audit")

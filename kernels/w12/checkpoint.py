@@ -307,13 +307,16 @@ def w12_info(meta: dict[str, str], source: str) -> dict:
 
 def load_w12(tensors: dict[str, torch.Tensor], name: str, entry: dict, source: str,
              check_crc: bool = True) -> W12Tensor:
+    if not isinstance(entry, dict) or (check_crc and not isinstance(entry.get("crc32"), dict)):
+        raise W12FormatError(f"{source}: {name}: its metadata entry has no CRC-32 table")
     parts = {}
     for p in PARTS:
         key = f"{name}.w12.{p}"
         if key not in tensors:
             raise W12FormatError(f"{source}: {name}: part {key} is missing")
         parts[p] = tensors[key]
-        if check_crc and _crc(parts[p]) != int(entry.get("crc32", {}).get(p, -1)):
+        want = entry["crc32"].get(p) if check_crc else None
+        if check_crc and (not isinstance(want, int) or _crc(parts[p]) != want):
             raise W12FormatError(f"{source}: {name}: {p} is corrupted (CRC-32 mismatch)")
     try:
         shape = tuple(int(x) for x in entry["shape"])
@@ -387,8 +390,8 @@ def verify(packed: str, against: str | None = None, progress: Callable | None = 
             try:
                 t = load_w12(tensors, name, entry, str(f))
                 restored = decode(t.to(device))
-            except W12FormatError as e:
-                res.mismatched.append((name, str(e).split(": ", 1)[-1]))
+            except W12FormatError as e:   # "FILE: NAME: what" -> (NAME, what)
+                res.mismatched.append((name, str(e).removeprefix(f"{f}: ").removeprefix(f"{name}: ")))
                 continue
             res.checked.append(name)
             if against is not None:
