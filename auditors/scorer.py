@@ -247,7 +247,12 @@ class Scorer:
 
 
 def load_tokenizer(spec: str):
-    """The scorer's tokenizer alone (for text prompts), without loading weights."""
+    """The scorer's tokenizer alone (for text prompts), without loading weights; a tiny built-in
+    model's is its bytes."""
+    from specpilot.engine.api import TINY_CONFIGS, ByteTokenizer
+
+    if spec.lower() in TINY_CONFIGS:
+        return ByteTokenizer()
     folder, gguf = _resolve_path(spec, what="tokenizer", need_config=False)
     try:
         from transformers import AutoTokenizer

@@ -211,21 +211,33 @@ def read_timing(path) -> dict:
     from specpilot.fileio import read_json
 
     d = read_json(path, "timing")
-    for k in ("samples", "gain", "ci_low", "approved"):
+    for k in ("samples", "gain", "ci_low", "approved", "metric", "higher_is_better"):
         if k not in d:
             raise InputError(f"{path}: timing file lacks {k!r}")
+    if not isinstance(d["metric"], str) or not isinstance(d["higher_is_better"], bool):
+        raise InputError(f"{path}: 'metric' must be a string and 'higher_is_better' true or false")
+    if not isinstance(d.get("changes_output", False), bool):
+        raise InputError(f"{path}: 'changes_output' must be true or false")
     return d
 
 
 def parse_samples(d: dict, path) -> tuple[list[Sample], list[tuple[float, float]]]:
     """The paired samples and A/A pairs of a timing (or partial timing) document, checked."""
-    try:
-        samples = [Sample(int(x["pair"]), int(x["block"]), float(x["base"]), float(x["candidate"]),
-                          str(x.get("order", "AB")), x.get("gpu_base"), x.get("gpu_candidate"))
-                   for x in d["samples"]]
-        aa = [(float(x["first"]), float(x["second"])) for x in d.get("aa", [])]
-    except (KeyError, TypeError, ValueError, OverflowError, AttributeError) as e:
-        raise InputError(f"{path}: malformed timing samples ({type(e).__name__}: {e})") from None
+    if not isinstance(d.get("samples"), list) or not isinstance(d.get("aa", []), list):
+        raise InputError(f"{path}: 'samples' (and 'aa') must be lists")
+    samples, aa = [], []
+    for i, x in enumerate(d["samples"]):
+        try:
+            samples.append(Sample(int(x["pair"]), int(x["block"]), float(x["base"]), float(x["candidate"]),
+                                  str(x.get("order", "AB")), x.get("gpu_base"), x.get("gpu_candidate")))
+        except (KeyError, TypeError, ValueError, OverflowError, AttributeError):
+            raise InputError(f"{path}: sample {i} needs whole numbers 'pair' and 'block' and numbers 'base' and "
+                             "'candidate'") from None
+    for i, x in enumerate(d.get("aa", [])):
+        try:
+            aa.append((float(x["first"]), float(x["second"])))
+        except (KeyError, TypeError, ValueError, OverflowError, AttributeError):
+            raise InputError(f"{path}: A/A pair {i} needs numbers 'first' and 'second'") from None
     values = [v for s in samples for v in (s.base, s.candidate)] + [v for pair in aa for v in pair]
     if not all(math.isfinite(v) and v > 0 for v in values):
         raise InputError(f"{path}: every measurement must be a positive finite number")
@@ -243,16 +255,14 @@ def rejudge(path, *, noise: float | None = None, changes_output: bool | None = N
 
 
 def _rejudge(d: dict, path, noise, changes_output, n_boot, seed) -> TimingResult:
-    try:
-        hib = bool(d["higher_is_better"])
-    except KeyError:
-        raise InputError(f"{path}: timing file lacks 'higher_is_better'") from None
+    hib = d["higher_is_better"]
     samples, aa = parse_samples(d, path)
+    if len(samples) < 2:
+        raise InputError(f"{path}: {len(samples)} paired samples; a verdict needs at least 2")
     warmup = d.get("warmup", 0)
     if isinstance(warmup, bool) or not isinstance(warmup, int) or not 0 <= warmup <= 10**6:
         raise InputError(f"{path}: 'warmup' must be a whole number in [0, 1000000]")
-    co = bool(d.get("changes_output", False)) if changes_output is None else (changes_output or
-                                                                               bool(d.get("changes_output")))
+    co = d.get("changes_output", False) if changes_output is None else (changes_output or d.get("changes_output", False))
     v = judge(samples, higher_is_better=hib, aa_pairs=aa, noise=noise, changes_output=co, n_boot=n_boot, seed=seed)
     keep = {k: d[k] for k in ("outputs_identical", "outputs_stable", "prompts", "max_new_tokens", "concurrency",
                               "changes_output_reason") if k in d}

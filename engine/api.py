@@ -44,6 +44,9 @@ class ByteTokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")
 
+    def __call__(self, text: str) -> dict:   # as a transformers tokenizer is called
+        return {"input_ids": self.encode(text)}
+
 
 @dataclass
 class RunResult:

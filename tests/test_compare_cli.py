@@ -209,7 +209,15 @@ def test_rejudge_from_stored_file(tmp_path, run_cli):
     d["samples"][0]["base"] = "fast"
     bad.write_text(json.dumps(d))
     code, _, err = run_cli("compare", "--from", bad)
-    assert code == 2 and "malformed timing samples" in err
+    assert code == 2 and "bad.json: sample 0 needs whole numbers 'pair' and 'block'" in err
+    for damage, needle in (({"higher_is_better": "yes"}, "'higher_is_better' true or false"),
+                           ({"metric": None}, "'metric' must be a string"), ({"samples": []}, "0 paired samples"),
+                           ({"samples": 3}, "must be lists"), ({"changes_output": "no"}, "'changes_output' must be")):
+        bad.write_text(json.dumps(dict(json.loads(t.read_text()), **damage)))
+        code, _, err = run_cli("compare", "--from", bad)
+        assert code == 2 and needle in err and err.count("\n") == 1, err
+    bad.write_text(json.dumps({k: v for k, v in json.loads(t.read_text()).items() if k != "metric"}))
+    assert "lacks 'metric'" in run_cli("compare", "--from", bad)[2]
     code, _, err = run_cli("compare", "--from", t, "--base-cmd", "true")
     assert code == 2 and "--from" in err
     code, _, err = run_cli("compare", "--from", t, "--out", t)
@@ -231,12 +239,15 @@ def test_gpu_swap_failure_stops_the_other_run(tmp_path):
 
 
 def test_text_prompts_use_the_base_engines_tokenizer(tmp_path, run_cli):
-    # the tiny byte-vocabulary engine has no HF tokenizer: text prompts are refused with one line
+    # the tiny byte-vocabulary engines read text as its UTF-8 bytes
+    from specpilot.auditors.outputs import read_prompts_tokenized
+
     p = tmp_path / "text.jsonl"
-    p.write_text(json.dumps({"schema": "specpilot.prompts/1", "id": "a", "text": "hello"}) + "\n")
-    code, _, err = run_cli("compare", "--base", "engine:model=tiny,mode=ar", "--candidate", "engine:model=tiny,mode=ar",
-                           "--prompts", p, "--runs", "2", "--max-new-tokens", "2")
-    assert code == 2 and "tokenizer" in err and len(err.strip().splitlines()) == 1
+    p.write_text(json.dumps({"schema": "specpilot.prompts/1", "id": "a", "text": "héllo"}) + "\n")
+    assert read_prompts_tokenized(p, "tiny")[0].prompt_ids == list("héllo".encode())
+    code, out, err = run_cli("compare", "--base", "engine:model=tiny,mode=ar", "--candidate", "engine:model=tiny,mode=ar",
+                             "--prompts", p, "--runs", "2", "--warmup", "0", "--max-new-tokens", "2", "--format", "json")
+    assert code in (0, 1) and json.loads(out)["runs"] == 2, err
 
 
 def test_read_prompts_tokenized_with_a_real_tokenizer(tmp_path):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import math
 import os
 import shutil
 import time
@@ -93,6 +94,33 @@ def _load() -> float | None:
         return None
 
 
+def check_config(cfg: RoundConfig):
+    """Refuse, before anything runs, a new round's options that would fail a later stage: a
+    non-empty --out-dir, a budget that is not positive, a deployment, --candidates, --memory-dir,
+    --prompts or --scorer that cannot be read; the parsed deployment."""
+    from specpilot.auditors.outputs import read_prompt_rows
+    from specpilot.bundles.memory import load_memory
+
+    from .propose import check_names
+
+    out = Path(cfg.out_dir) if cfg.out_dir else None
+    if out is not None and out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise InputError(f"{out} exists and is not an empty folder; continue a round there with --resume {out} "
+                         "or choose another --out-dir")
+    if not (math.isfinite(cfg.budget_min) and cfg.budget_min > 0):
+        raise InputError(f"--budget {cfg.budget_min}: give the minutes the round may take (> 0)")
+    dep = parse_deployment(cfg.deployment)
+    load_memory(cfg.memory_dir)
+    check_names(cfg.candidates, dep.kind, cfg.memory_dir)
+    if cfg.prompts and not read_prompt_rows(cfg.prompts):
+        raise InputError(f"{cfg.prompts}: no prompts in the file")
+    if cfg.scorer:
+        from specpilot.auditors.scorer import check_scorer_spec
+
+        check_scorer_spec(cfg.scorer)
+    return dep
+
+
 class _Round:
     def __init__(self, cfg: RoundConfig, *, resume: bool, budget_min: float | None, progress, notify):
         self.progress = progress
@@ -114,15 +142,7 @@ class _Round:
             self.dep = parse_deployment(self.state["deployment"])
         else:
             self.cfg = cfg
-            if self.dir.exists() and any(self.dir.iterdir()):
-                raise InputError(f"{self.dir} exists and is not empty; continue it with --resume {self.dir} "
-                                 "or choose another --out-dir")
-            if not cfg.budget_min > 0:
-                raise InputError(f"--budget {cfg.budget_min}: give the minutes the round may take (> 0)")
-            self.dep = parse_deployment(cfg.deployment)
-            from .propose import check_names
-
-            check_names(cfg.candidates, self.dep.kind, cfg.memory_dir)
+            self.dep = check_config(cfg)
             self.clock = pl.Clock(cfg.budget_min * 60.0)
             self.state = self._new_state()
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -658,10 +678,11 @@ def estimate_tokens_per_s(facts, spec) -> tuple[float, str]:
 
 
 def plan_round(cfg: RoundConfig) -> dict:
-    """The dry run: what the round would do and how long, without running anything."""
+    """The dry run: what the round would do and how long, without running anything; its options are
+    checked as the round checks them (:func:`check_config`)."""
     from specpilot.engine.spec import EngineSpec
 
-    dep = parse_deployment(cfg.deployment)
+    dep = check_config(cfg)
     if dep.kind != "engine":
         from .sglang import plan_sglang
 

@@ -43,6 +43,10 @@ def command(baseline_path, system, runs, scorer, no_audit, tolerance, seed, fmt,
         from specpilot.errors import InputError
 
         raise InputError("--tolerance must be a fraction in [0, 1)")
+    if scorer and not no_audit:   # before the timed runs, not after them
+        from specpilot.auditors.scorer import check_scorer_spec
+
+        check_scorer_spec(scorer)
     base = read_baseline(baseline_path)
 
     def notify(stage, message):

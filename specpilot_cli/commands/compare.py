@@ -59,7 +59,7 @@ def _runs(ctx, param, value):
                    "engines and servers to 120 s per request. A command past it is ended with its process group.")
 @click.option("--partial", "partial_file", type=click.Path(dir_okay=False), default=None, metavar="FILE",
               help="Keep the paired samples collected so far here while it runs (removed when it finishes) "
-                   "[default: OUT.partial.json with --out, else specpilot-compare.partial.json].")
+                   "[default: with --out timing.json, timing.partial.json beside it; else specpilot-compare.partial.json].")
 @click.option("--resume", "resume_file", type=click.Path(dir_okay=False), default=None, metavar="FILE",
               help="Continue an interrupted run of the same systems from its partial file (kept up to date).")
 @seed_option("the bootstrap interval")
@@ -119,6 +119,14 @@ def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, tokenizer
     gpu_pair = parse_gpus(gpus)
     if gpu_pair and base_cmd is None:
         raise InputError("--gpus runs shell commands on two GPUs; for engines/servers start each on its own GPU")
+    for role, spec in (("--base", base), ("--candidate", candidate)):
+        if spec and spec.strip().startswith("engine"):   # refused before the base's model loads
+            from specpilot.engine.api import EngineSpec
+
+            try:
+                EngineSpec.parse(spec)
+            except InputError as e:
+                raise InputError(f"{role} {spec}: {e}") from None
     prompt_rows = None
     if prompts:
         from specpilot.auditors.outputs import read_prompts_tokenized
