@@ -78,7 +78,7 @@ class Engine:
     info: dict = field(default_factory=dict)
     draft: dict = field(default_factory=dict)   # the drafter as a batch decoder builds it: kind, layers, model
 
-    def batch_decoder(self, batch: int | None = None, max_queue: int = 0):
+    def batch_decoder(self, batch: int | None = None, max_queue: int | None = None):
         """A continuous-batching decoder (``specpilot.engine.batch``) on this engine's model and
         drafter, with ``batch`` slots (default: the spec's)."""
         from specpilot.engine.batch.graphs import replays

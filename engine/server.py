@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import socket
 import threading
@@ -153,12 +154,17 @@ async def _read_body(request) -> bytes:
     n = request.headers.get("content-length")
     if n is not None and n.isdigit() and int(n) > MAX_BODY:
         raise BadRequest(f"body of {int(n)} bytes is over the limit of {MAX_BODY >> 20} MiB", 413)
+    from starlette.requests import ClientDisconnect
+
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY:
-            raise BadRequest(f"body is over the limit of {MAX_BODY >> 20} MiB", 413)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY:
+                raise BadRequest(f"body is over the limit of {MAX_BODY >> 20} MiB", 413)
+            chunks.append(chunk)
+    except ClientDisconnect:   # nobody reads the answer; counted as a bad request, not logged as a crash
+        raise BadRequest("the client closed the connection before sending its whole body", 400) from None
     return b"".join(chunks)
 
 
@@ -231,13 +237,9 @@ def make_app(state: ServeState):
         except InputError as e:
             state.metrics.reject("bad_request")
             return _error(str(e), 400)
-        submitted = []
         try:
-            for r in reqs:
-                submitted.append(dec.submit(r))
+            dec.submit_all(reqs)   # all of a list request, or none
         except QueueFull as e:
-            for r in submitted:
-                dec.cancel(r)
             state.metrics.reject("queue_full" if not state.draining else "draining")
             return _error(f"server busy: {e}; retry later", 503, {"Retry-After": RETRY_AFTER})
         if call.stream:
@@ -245,13 +247,13 @@ def make_app(state: ServeState):
                                      media_type="text/event-stream")
         return await _collect(state, request, reqs, call, updates)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])   # load balancers probe with HEAD
     async def health():
         if state.draining:
             return _error("the server is shutting down", 503)
         return Response(status_code=200)
 
-    @app.get("/health_generate")
+    @app.api_route("/health_generate", methods=["GET", "HEAD"])
     async def health_generate():
         alive = state.thread is not None and state.thread.is_alive()
         if state.draining or not alive:
@@ -332,6 +334,11 @@ async def _stream(state: ServeState, r: Request, sp: Sampling, updates: asyncio.
             state.decoder.cancel(r)
 
 
+def url_host(host: str) -> str:
+    """``host`` as a URL writes it (an IPv6 address in brackets)."""
+    return f"[{host}]" if ":" in host else host
+
+
 def _bind(host: str, port: int, backlog: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -341,7 +348,10 @@ def _bind(host: str, port: int, backlog: int) -> socket.socket:
         sock.listen(backlog)
     except OSError as e:
         sock.close()
-        raise EnvironmentMissing(f"cannot listen on {host}:{port} ({e.strerror or e}); choose another --port") from None
+        # an address in use or forbidden is the port's fault; one this machine does not have, the host's
+        option = "--port" if e.errno in (errno.EADDRINUSE, errno.EACCES) else "--host"
+        raise EnvironmentMissing(f"cannot listen on {url_host(host)}:{port} ({e.strerror or e}); "
+                                 f"choose another {option}") from None
     sock.set_inheritable(True)
     return sock
 
@@ -371,6 +381,10 @@ class Server:
     def __init__(self, engine, options: ServeOptions):
         self.options = options
         decoder = engine.batch_decoder(max_queue=options.max_queue)
+        need = decoder.capacity_needed(1, 1)
+        if need > decoder.cache.max_seq:   # every request would be refused: do not start
+            raise InputError(f"--ctx {decoder.cache.max_seq}: a one-token prompt and one new token need {need} cache "
+                             "slots with these draft options; raise --ctx")
         self.state = ServeState(engine, decoder, options)
         self.sock = _bind(options.host, options.port, options.backlog)
         self.port = self.sock.getsockname()[1]

@@ -70,7 +70,17 @@ def check_output_path(path: str | os.PathLike, option: str = "--out",
         raise InputError(f"{option} {shown}: is a folder; give a file name")
     parent = target.parent if str(target.parent) else Path(".")
     if not parent.is_dir():
-        raise InputError(f"{option} {shown}: folder {parent} does not exist")
+        what = "is not a folder" if parent.exists() else "does not exist"
+        raise InputError(f"{option} {shown}: {parent} {what}")
+    from .signals import deferred
+
+    with deferred():   # a file can be made there (permissions, a read-only or virtual file system)
+        try:
+            fd, probe = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".probe", dir=parent)
+        except OSError as e:
+            raise InputError(f"{option} {shown}: cannot write in folder {parent} ({e.strerror})") from None
+        os.close(fd)
+        os.unlink(probe)
     return target
 
 
@@ -111,8 +121,8 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", protect: Iterable[str 
     with deferred():   # created and registered as one step: a signal cannot leave it behind
         try:
             fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".part", dir=parent)
-        except PermissionError:
-            raise InputError(f"{option} {shown}: cannot write in folder {parent} (permission denied)") from None
+        except OSError as e:
+            raise InputError(f"{option} {shown}: cannot write in folder {parent} ({e.strerror})") from None
         register_temp(tmp)
     try:
         os.fchmod(fd, file_mode)

@@ -408,3 +408,28 @@ def test_probe_rows_batch_and_ceiling(run_cli, tmp_path):
     assert code == 0, err
     cost = json.loads(res)["cost_model"]
     assert cost["sources"]["step_ms"].startswith("rows probe")
+
+
+def test_the_queue_bound_counts_the_free_slots_and_takes_a_list_whole():
+    from specpilot.engine.batch.scheduler import QueueFull
+
+    eng = load_engine(EngineSpec.parse("engine:model=tiny,mode=ar,device=cpu"))
+    req = lambda: Request([1, 2, 3], 4)  # noqa: E731
+    dec = eng.batch_decoder(batch=2, max_queue=1)
+    for _ in range(3):   # two about to take the free slots, one waiting
+        dec.submit(req())
+    with pytest.raises(QueueFull, match="1 requests are waiting for a slot already"):
+        dec.submit(req())
+    dec = eng.batch_decoder(batch=2, max_queue=1)
+    dec.submit(req())
+    with pytest.raises(QueueFull, match="3 requests with 0 waiting already would pass the queue's 1"):
+        dec.submit_all([req(), req(), req()])
+    assert len(dec.waiting) == 1   # none of the list was queued
+    dec.submit_all([req(), req()])
+    dec = eng.batch_decoder(batch=2, max_queue=0)   # none may wait for a slot
+    dec.submit_all([req(), req()])
+    with pytest.raises(QueueFull):
+        dec.submit(req())
+    dec = eng.batch_decoder(batch=2)   # no bound (run --batch)
+    dec.submit_all([req() for _ in range(50)])
+    assert len(dec.waiting) == 50

@@ -286,6 +286,8 @@ def test_metrics_info_health_flush(server_a):
     info = _info(url)
     assert info["max_running_requests"] == 16 and info["budget"] == "shared" and info["model"] == "tiny"
     assert httpx.get(url + "/health", timeout=10).status_code == 200
+    assert httpx.head(url + "/health", timeout=10).status_code == 200
+    assert httpx.head(url + "/health_generate", timeout=10).status_code == 200
     assert httpx.get(url + "/get_model_info", timeout=10).json()["is_generation"] is True
     assert _wait_running(url, 0)
     assert httpx.post(url + "/flush_cache", timeout=10).status_code == 200

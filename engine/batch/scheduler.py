@@ -96,7 +96,7 @@ class BatchDecoder:
     def __init__(self, model, mode: str = "ar", drafter: str | None = None, *, nodes: int = 32, depth: int = 8,
                  topk: int = 8, eos_ids=(), batch: int = 8, budget: str = "shared", block: str = "adaptive",
                  admit: str = "waiting", admit_rows: int = 128, draft_layers: int | None = None, draft_model=None,
-                 graphs: bool = False, max_queue: int = 0, prefill_chunk: int = 512, qview=None,
+                 graphs: bool = False, max_queue: int | None = None, prefill_chunk: int = 512, qview=None,
                  overlap: bool = True):
         if mode != "ar" and drafter is None:
             raise InputError(f"mode {mode} needs a drafter")
@@ -106,7 +106,8 @@ class BatchDecoder:
         self.nodes, self.depth, self.topk = nodes, depth, topk if mode in ("tree", "tlv") else 1
         self.eos_ids = frozenset(eos_ids or ())
         self.batch, self.budget, self.block, self.admit = int(batch), budget, block, admit
-        self.admit_rows, self.prefill_chunk, self.max_queue = int(admit_rows), int(prefill_chunk), int(max_queue)
+        self.admit_rows, self.prefill_chunk = int(admit_rows), int(prefill_chunk)
+        self.max_queue = None if max_queue is None else int(max_queue)   # None: no bound
         self.cache = BatchCache(model, self.batch)
         self.drafting = None if mode == "ar" else BatchDrafting(drafter, model, self.cache, layers=draft_layers,
                                                                draft_model=draft_model)
@@ -160,17 +161,30 @@ class BatchDecoder:
 
     # ---- thread-safe API --------------------------------------------------------------
     def submit(self, req: Request) -> Request:
-        """Queue a request (checked first: InputError). QueueFull when ``max_queue`` wait already."""
-        self.check(req)
+        """Queue a request (checked first: InputError); see :meth:`submit_all`."""
+        return self.submit_all([req])[0]
+
+    def submit_all(self, reqs: list[Request]) -> list[Request]:
+        """Queue every request of ``reqs`` or none (each checked first: InputError). QueueFull when
+        more than ``max_queue`` requests would wait beyond the free slots they are about to take
+        (0: none may wait for a slot)."""
+        for req in reqs:
+            self.check(req)
         with self.cond:
             if self.draining:
                 raise QueueFull("the server is shutting down")
-            if self.max_queue and len(self.waiting) >= self.max_queue:
-                raise QueueFull(f"{len(self.waiting)} requests are waiting already")
-            req.t_arrival = time.perf_counter()
-            self.waiting.append(req)
+            free = max(0, self.batch - len(self.running))
+            if self.max_queue is not None and len(self.waiting) + len(reqs) > self.max_queue + free:
+                ahead = max(0, len(self.waiting) - free)
+                raise QueueFull(f"{ahead} requests are waiting for a slot already" if len(reqs) == 1 else
+                                f"{len(reqs)} requests with {ahead} waiting already would pass the queue's "
+                                f"{self.max_queue}")
+            now = time.perf_counter()
+            for req in reqs:
+                req.t_arrival = now
+                self.waiting.append(req)
             self.cond.notify_all()
-        return req
+        return reqs
 
     def cancel(self, req: Request) -> None:
         """Stop a request at the next step boundary (a client went away); frees its slot."""

@@ -130,9 +130,11 @@ def command(prompt_text, prompts_file, prompt_ids, chat, max_new_tokens, outputs
     outs = [Path(x).resolve() for x in (outputs_out, lattice_out, out) if x]
     if len(set(outs)) != len(outs):
         raise InputError("--outputs-out, --lattice-out and --out must be different files")
-    for path in (outputs_out, lattice_out, out):
-        if path and any(Path(path).exists() and Path(path).resolve() == Path(i).resolve() for i in inputs):
-            raise InputError(f"refusing to overwrite input file {path}; choose another output path")
+    from specpilot.fileio import check_output_path, write_jsonl_atomic
+
+    for path, option in ((outputs_out, "--outputs-out"), (lattice_out, "--lattice-out"), (out, "--out")):
+        if path:   # before the model loads and generates
+            check_output_path(path, option, protect=inputs)
 
     from specpilot.engine.api import load_engine
 
@@ -140,14 +142,13 @@ def command(prompt_text, prompts_file, prompt_ids, chat, max_new_tokens, outputs
     run = engine.run(prompts, max_new_tokens, chat=chat, record_lattice=bool(lattice_out), progress=progress)
     results, lattice_rows, used_chat = run.results, run.lattice_rows, run.chat
 
-    from specpilot.fileio import write_jsonl_atomic
-
     if outputs_out:
         write_jsonl_atomic(outputs_out, ({"schema": "specpilot.outputs/1", "id": r["id"], "prompt_ids": r["prompt_ids"],
-                                          "output_ids": r["output_ids"]} for r in results), protect=inputs)
+                                          "output_ids": r["output_ids"]} for r in results), protect=inputs,
+                           option="--outputs-out")
         click.echo(f"wrote {outputs_out}", err=True)
     if lattice_out:
-        write_jsonl_atomic(lattice_out, lattice_rows, protect=inputs)
+        write_jsonl_atomic(lattice_out, lattice_rows, protect=inputs, option="--lattice-out")
         click.echo(f"wrote {lattice_out}", err=True)
 
     tokens = sum(r["tokens"] for r in results)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from specpilot.engine_options import engine_options, spec_from_cli
-from specpilot.errors import InputError
+from specpilot.options import FiniteRange
 from specpilot.output import Report, Section, emit, output_options
 
 SERVE_BATCH = 8
@@ -16,12 +16,14 @@ SERVE_BATCH = 8
                 help_texts={"batch": "Requests decoded together (continuous batching: each has its own cache slot, "
                                      "one step verifies all of them); more wait in the queue (--max-queue)."})
 @click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", type=int, default=30000, show_default=True, help="0 picks a free port (printed on stderr).")
-@click.option("--max-queue", type=int, default=1024, show_default=True,
-              help="Requests that may wait for a slot; beyond it /generate answers 503 with Retry-After.")
-@click.option("--backlog", type=int, default=2048, show_default=True,
+@click.option("--port", type=click.IntRange(0, 65535), default=30000, show_default=True,
+              help="0 picks a free port (printed on stderr).")
+@click.option("--max-queue", type=click.IntRange(0, 1_000_000), default=1024, show_default=True,
+              help="Requests that may wait for a slot when every slot is taken (0: none); beyond it /generate "
+                   "answers 503 with Retry-After.")
+@click.option("--backlog", type=click.IntRange(1, 65535), default=2048, show_default=True,
               help="Connections the listen socket holds before the server accepts them.")
-@click.option("--grace", type=float, default=30.0, show_default=True,
+@click.option("--grace", type=FiniteRange(0, 86400), default=30.0, show_default=True,
               help="Seconds the requests in flight get to finish after SIGTERM before they are failed.")
 @click.option("--log-requests", is_flag=True, help="One line per finished request on stderr (TTFT, ITL, e2e).")
 @output_options
@@ -39,17 +41,17 @@ def command(host, port, max_queue, backlog, grace, log_requests, fmt, out, **kw)
     flight finish (--grace), then prints what it served and exits 0.
     """
     spec = spec_from_cli(kw)
-    if not 0 <= port <= 65535:
-        raise InputError(f"--port must be 0..65535, got {port}")
-    if max_queue < 0 or backlog < 1 or grace < 0:
-        raise InputError("--max-queue must be >= 0, --backlog >= 1 and --grace >= 0")
+    if out:   # before the model loads, not when the server stops
+        from specpilot.fileio import check_output_path
+
+        check_output_path(out)
     from specpilot.engine.api import load_engine
-    from specpilot.engine.server import Server, ServeOptions
+    from specpilot.engine.server import Server, ServeOptions, url_host
 
     engine = load_engine(spec)
     log = (lambda m: click.echo(f"specpilot serve: {m}", err=True)) if log_requests else None
     srv = Server(engine, ServeOptions(host=host, port=port, backlog=backlog, max_queue=max_queue, grace=grace, log=log))
-    click.echo(f"specpilot serve: {engine.model_name} {spec.mode} on http://{host}:{srv.port} "
+    click.echo(f"specpilot serve: {engine.model_name} {spec.mode} on http://{url_host(host)}:{srv.port} "
                f"({engine.info['dtype']}, {spec.device}, batch {srv.state.decoder.batch}; load "
                f"{engine.info['load_seconds']:.1f} s, warm-up {engine.info['warmup_seconds']:.1f} s); {spec}", err=True)
     st = srv.run()
