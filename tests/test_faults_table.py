@@ -316,6 +316,23 @@ def test_errors_name_the_option_at_fault(run_cli, tmp_path):
 
 # ---------------------------------------------------------------------------------- compare
 
+def test_audit_collect_resume_refuses_a_save_of_other_prompts_and_keeps_it(run_cli, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(_jsonl([{"schema": "specpilot.prompts/1", "id": "a", "prompt_ids": [1, 2, 3]}]))
+    save = tmp_path / "s.jsonl"
+    other = [{"schema": "specpilot.outputs/1", "id": f"x{i}", "prompt_ids": [9, i], "output_ids": [5] * 4}
+             for i in range(8)]
+    save.write_text(_jsonl(other))
+    args = ("audit", "collect", "engine:model=tiny,mode=ar", "--prompts", prompts, "--save", save, "--resume")
+    code, _, err = run_cli(*args, "--max-new-tokens", "4")
+    assert code == 2 and "8 of its 8 rows answer none of --prompts (first: id 'x0')" in _one_error(err)
+    assert save.read_text() == _jsonl(other)
+    save.write_text(_jsonl([{"schema": "specpilot.outputs/1", "id": "a", "prompt_ids": [1, 2, 3], "output_ids": [5] * 8}]))
+    code, _, err = run_cli(*args, "--max-new-tokens", "4")
+    assert code == 2 and "row 'a' has 8 output tokens, more than --max-new-tokens 4" in _one_error(err)
+    assert run_cli(*args, "--max-new-tokens", "8")[0] == 0
+
+
 def test_compare_ends_a_hung_command_after_the_default_timeout(run_cli, tmp_path, monkeypatch):
     """No --timeout: 10 x the slowest base run, at least AUTO_TIMEOUT_MIN_S (lowered here)."""
     from specpilot.auditors import pairing

@@ -202,7 +202,8 @@ def run_audit(system_outputs, stock_outputs, ar_outputs, scorer_spec, *, device=
               help="Outputs JSONL to write (also written with the rows collected so far when a run fails).")
 @click.option("--tokenizer", default=None, help="Model whose tokenizer turns text prompts into ids.")
 @click.option("--resume", is_flag=True,
-              help="Keep the rows --save already holds (an interrupted collection) and run only the other prompts.")
+              help="Keep the rows --save already holds (an interrupted collection with the same --prompts and "
+                   "--max-new-tokens) and run only the other prompts.")
 @output_options
 def collect_cmd(system, prompts_path, max_new_tokens, timeout, concurrency, save, tokenizer, resume, fmt, out):
     """Run SYSTEM (engine: spec or http:// server) over --prompts and save its outputs file. An
@@ -227,6 +228,7 @@ def collect_cmd(system, prompts_path, max_new_tokens, timeout, concurrency, save
         raise InputError("collect needs --prompts FILE")
     prompts = _read_prompts(prompts_path, tokenizer)
     already = read_outputs(save).rows if resume and Path(save).exists() else []
+    _check_resumable(already, prompts, max_new_tokens, save)
     try:
         outputs = collect(make_generator(spec, timeout=timeout), prompts, max_new_tokens, save_to=save,
                           name=spec.name, progress=progress, protect=[prompts_path], concurrency=concurrency,
@@ -242,6 +244,23 @@ def collect_cmd(system, prompts_path, max_new_tokens, timeout, concurrency, save
                                              [[spec.spec, len(prompts), sum(lens), sum(lens) / len(lens), save]])]),
          fmt, out, protect=[prompts_path, save])
     return 0
+
+
+def _check_resumable(already, prompts, max_new_tokens: int, save: str) -> None:
+    """Refuse to resume from rows the collection would drop or mix in: rows of other prompts (the
+    file is rewritten with the prompts' rows only), rows longer than --max-new-tokens."""
+    from specpilot.auditors.outputs import key
+
+    want = {key(p.id): list(p.prompt_ids) for p in prompts}
+    stray = [r for r in already if want.get(key(r.id)) != list(r.prompt_ids)]
+    if stray:
+        raise InputError(f"--save {save}: {len(stray)} of its {len(already)} rows answer none of --prompts (first: "
+                         f"id {stray[0].id!r}); --resume continues a collection of the same prompts, so choose "
+                         "another --save")
+    long = next((r for r in already if len(r.output_ids) > max_new_tokens), None)
+    if long is not None:
+        raise InputError(f"--save {save}: row {long.id!r} has {len(long.output_ids)} output tokens, more than "
+                         f"--max-new-tokens {max_new_tokens}; resume with the --max-new-tokens it was collected with")
 
 
 @command.command("selftest")
