@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 from specpilot.errors import InputError
-from specpilot.fileio import iter_jsonl_numbered, write_jsonl_atomic
+from specpilot.fileio import iter_jsonl_numbered, unicode_text, write_jsonl_atomic
 from specpilot.limits import MAX_TOKEN_ID
 
 OUTPUTS_SCHEMA = "specpilot.outputs/1"
@@ -155,7 +155,7 @@ def read_prompt_rows(path) -> list[PromptRow]:
         elif "text" in obj:
             if not isinstance(obj["text"], str) or not obj["text"]:
                 raise InputError(f"{where}: \"text\" must be a non-empty string")
-            rows.append(PromptRow(id_, text=obj["text"]))
+            rows.append(PromptRow(id_, text=unicode_text(obj["text"], where)))
         else:
             raise InputError(f"{where}: row needs \"prompt_ids\" or \"text\"")
     if not rows:

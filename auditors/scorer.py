@@ -109,8 +109,9 @@ class Scorer:
             raise EnvironmentMissing(f"the scorer needs torch and transformers ({e})") from None
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            raise EnvironmentMissing(f"--device {device}: CUDA is not available on this machine")
+        from specpilot.machine import check_device
+
+        check_device(device)
         if dtype == "auto":
             # the checkpoint's dtype on GPU; FP32 on CPU, where half-precision matmuls are slow and rare
             torch_dtype = "auto" if device.startswith("cuda") else torch.float32

@@ -166,6 +166,9 @@ class Engine:
                      "warmup_seconds": dec.warmup_seconds, **batch_stats(dec)}
 
     def encode(self, text: str, chat: bool = False) -> list[int]:
+        from specpilot.fileio import unicode_text
+
+        unicode_text(text, "prompt")
         tok = self.tokenizer
         if tok is None:
             raise InputError(f"model {self.model_name} has no tokenizer; give token ids instead of text")

@@ -16,6 +16,7 @@ The choice tuples below (``MODES``, ``DRAFTERS``, ...) are the one list of each 
 
 from __future__ import annotations
 
+import re
 import typing
 from dataclasses import MISSING, dataclass, field, fields, replace
 
@@ -200,8 +201,8 @@ class EngineSpec:
             v = getattr(self, o.name)
             if o.choices is not None and v is not None:
                 check_choice(o.label, v, o.choices)
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise InputError(f"unknown device {self.device!r}; use cpu or cuda[:N]")
+        if re.fullmatch(r"cpu|cuda(:\d{1,4})?", self.device) is None:
+            raise InputError(f"unknown device {self.device!r}; use cpu, cuda or cuda:N")
         cuda = self.device.startswith("cuda")
         if self.attn == "fused" and not cuda:
             raise InputError("attn=fused needs device=cuda (use attn=torch on the CPU)")

@@ -53,7 +53,11 @@ def smollm2_dir() -> Path:
 
 
 def convert_gguf(gguf: Path, folder: Path) -> Path:
-    """Dequantize ``gguf`` through transformers once and save a plain HF folder at ``folder``."""
+    """Dequantize ``gguf`` through transformers once and save a plain HF folder at ``folder``; a file
+    that is not a GGUF model transformers can load is bad input."""
+    with open(gguf, "rb") as fh:
+        if fh.read(4) != b"GGUF":
+            raise InputError(f"{gguf}: not a GGUF file (it does not start with the GGUF magic bytes)")
     for mod in ("gguf", "transformers"):
         if importlib.util.find_spec(mod) is None:
             raise EnvironmentMissing(f"converting {gguf.name} once needs the package {mod!r}: pip install {mod}")
@@ -65,14 +69,18 @@ def convert_gguf(gguf: Path, folder: Path) -> Path:
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
-        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         try:
-            model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype="float32")
-        except TypeError:  # transformers < 4.56 names it torch_dtype
-            import torch
+            tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            try:
+                model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype="float32")
+            except TypeError:  # transformers < 4.56 names it torch_dtype
+                import torch
 
-            model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                         torch_dtype=torch.float32)
+                model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                             torch_dtype=torch.float32)
+        except (ValueError, OSError, KeyError, TypeError, IndexError, EOFError) as e:   # truncated, damaged
+            raise InputError(f"{gguf}: transformers cannot load it as a GGUF model "
+                             f"({(str(e).splitlines() or [type(e).__name__])[0][:160]})") from None
         state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
         if model.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)

@@ -212,6 +212,16 @@ def reading(path: str | os.PathLike):
         raise
 
 
+def unicode_text(text: str, where: str) -> str:
+    """``text`` when UTF-8 can hold it; InputError naming ``where`` for a lone surrogate (JSON's
+    ``"\\ud800"``, or bytes that are not UTF-8 in a command-line argument)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InputError(f"{where}: the text is not valid Unicode (a lone surrogate at character {e.start})") from None
+    return text
+
+
 def _check_size(path: Path, max_bytes: int | None) -> None:
     if max_bytes is not None and path.stat().st_size > max_bytes:
         raise InputError(f"{path}: {path.stat().st_size / 2**20:.1f} MiB is larger than the {max_bytes / 2**20:g} MiB "

@@ -110,3 +110,25 @@ def free_memory(device: str) -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def check_device(device: str, option: str = "--device") -> str:
+    """``device`` when it names a device torch takes (``cpu``, ``cuda``, ``cuda:N``): InputError for
+    another name, EnvironmentMissing for a GPU this machine does not have."""
+    import re
+
+    from .errors import EnvironmentMissing, InputError
+
+    m = re.fullmatch(r"cpu|cuda(?::(\d{1,4}))?", device)
+    if m is None:
+        raise InputError(f"{option} {device}: not a device; use cpu, cuda or cuda:N")
+    if device.startswith("cuda"):
+        import torch
+
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise EnvironmentMissing(f"{option} {device}: no CUDA GPU is visible; use cpu")
+        if m.group(1) is not None and int(m.group(1)) >= n:
+            raise EnvironmentMissing(f"{option} {device}: this machine has {n} CUDA GPU{'s' * (n != 1)} (cuda:0"
+                                     f"{f'..cuda:{n - 1}' if n > 1 else ''})")
+    return device

@@ -26,6 +26,18 @@ def seed_option(what: str):
                         help=f"Seed of {what}: the same seed, the same result.")
 
 
+def device_option(help: str):
+    """``--device``: cpu, cuda or cuda:N, checked when parsed (:func:`specpilot.machine.check_device`)."""
+    def check(ctx, param, value):
+        if value is None:
+            return None
+        from .machine import check_device
+
+        return check_device(value)
+
+    return click.option("--device", default=None, callback=check, help=help)
+
+
 def positive(hi: float) -> FiniteRange:
     """A finite float in (0, hi]."""
     return FiniteRange(0, hi, min_open=True)

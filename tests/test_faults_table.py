@@ -316,6 +316,33 @@ def test_errors_name_the_option_at_fault(run_cli, tmp_path):
 
 # ---------------------------------------------------------------------------------- compare
 
+def test_a_file_that_is_not_a_gguf_model_is_bad_input(run_cli, tmp_path):
+    (tmp_path / "text.gguf").write_text("hello")
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    (tmp_path / "cut.gguf").write_bytes(b"GGUF" + bytes(60))
+    for name in ("text", "empty", "cut"):
+        code, _, err = run_cli("run", "--model", tmp_path / f"{name}.gguf", "--prompt-ids", "1,2", "--max-new-tokens", "1")
+        line = _one_error(err)
+        assert code == 2 and f"{name}.gguf: " in line and ("magic bytes" in line or "cannot load it" in line), err
+
+
+def test_text_that_is_not_unicode_is_bad_input_before_the_model_loads(run_cli, tmp_path):
+    p = tmp_path / "p.jsonl"
+    p.write_text('{"schema": "specpilot.prompts/1", "id": "a", "text": "hi \\ud800 there"}\n')
+    code, _, err = run_cli("run", "--model", "smollm2", "--prompts", p)
+    assert code == 2 and "p.jsonl:1: the text is not valid Unicode (a lone surrogate at character 3)" in _one_error(err)
+    code, _, err = run_cli("run", "--model", "smollm2", "--raw", "--prompt", "bad \udcff bytes")
+    assert code == 2 and "--prompt: the text is not valid Unicode" in _one_error(err) and "loading" not in err
+
+
+@pytest.mark.parametrize("args", [["audit", "selftest"], ["run", "--model", "tiny", "--prompt-ids", "1"]])
+def test_a_device_that_is_not_one_is_bad_input(run_cli, args):
+    code, _, err = run_cli(*args, "--device", "banana")
+    assert code == 2 and "banana" in _one_error(err) and "cuda:N" in err
+    code, _, err = run_cli(*args, "--device", "cuda:abc")
+    assert code == 2, err
+
+
 def test_audit_collect_resume_refuses_a_save_of_other_prompts_and_keeps_it(run_cli, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(_jsonl([{"schema": "specpilot.prompts/1", "id": "a", "prompt_ids": [1, 2, 3]}]))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from specpilot.errors import InputError
-from specpilot.options import seed_option
+from specpilot.options import device_option, seed_option
 from specpilot.output import Report, Section, emit, fmt_num, output_options, progress
 
 SUBCOMMANDS = ("check", "collect", "selftest")
@@ -120,7 +120,7 @@ def _common_run_options(f):
 @click.option("--delta", type=float, default=None, help="Near-tie threshold; skips phase 0.")
 @click.option("--max-increase", type=float, default=0.5, show_default=True,
               help="Reject when the mismatch rate exceeds stock's by more than this many percentage points.")
-@click.option("--device", default=None, help="Scorer device (default: cuda when present, else cpu).")
+@device_option("Scorer device: cpu, cuda or cuda:N (default: cuda when present, else cpu).")
 @click.option("--scorer-dtype", default="auto", show_default=True,
               type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
               help="Dtype of the scorer's hidden states (auto: checkpoint dtype on GPU, float32 on CPU).")
@@ -274,7 +274,7 @@ def _check_resumable(already, prompts, max_new_tokens: int, save: str) -> None:
               help="Fraction of the vocabulary whose logits get the bias.")
 @click.option("--engine-prompts", type=int, default=4, show_default=True,
               help="Prompts on which the embedded engine's chain and tree systems are run and audited (0: none).")
-@click.option("--device", default=None, help="cpu or cuda (default: cuda when present).")
+@device_option("cpu, cuda or cuda:N (default: cuda when present).")
 @seed_option("the random prompts and biases")
 @click.option("--save-outputs", "save_dir", type=click.Path(file_okay=False), default=None,
               help="Also write every system's outputs JSONL to this folder (to re-audit them with 'specpilot audit').")

@@ -125,7 +125,9 @@ def command(prompt_text, prompts_file, prompt_ids, chat, max_new_tokens, outputs
     else:
         if not prompt_text:
             raise InputError("--prompt is empty")
-        prompts = [{"id": 0, "text": prompt_text}]
+        from specpilot.fileio import unicode_text
+
+        prompts = [{"id": 0, "text": unicode_text(prompt_text, "--prompt")}]
     inputs = [p for p in (prompts_file,) if p]
     outs = [Path(x).resolve() for x in (outputs_out, lattice_out, out) if x]
     if len(set(outs)) != len(outs):
