@@ -17,7 +17,7 @@ connection (died), it answered with an HTTP error, or its answer is not what /ge
 from __future__ import annotations
 
 import json
-import urllib.parse
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -32,13 +32,14 @@ class ServerError(EnvironmentMissing):
 
 def parse_url(url: str) -> str:
     """Normalise ``http://host:port[/prefix]``; raise InputError when it is not an http(s) URL."""
-    u = urllib.parse.urlparse(url)
-    if u.scheme not in ("http", "https") or not u.hostname:
-        raise InputError(f"{url!r}: expected a server URL like http://127.0.0.1:30000")
     try:
-        u.port
-    except ValueError:
-        raise InputError(f"{url!r}: bad port") from None
+        u = httpx.URL(url)
+    except httpx.InvalidURL as e:
+        raise InputError(f"{url!r}: not a URL ({e}); expected one like http://127.0.0.1:30000") from None
+    if u.scheme not in ("http", "https") or not u.host:
+        raise InputError(f"{url!r}: expected a server URL like http://127.0.0.1:30000")
+    if u.port is not None and not 0 < u.port < 65536:
+        raise InputError(f"{url!r}: bad port {u.port}")
     return url.rstrip("/")
 
 
@@ -69,12 +70,30 @@ class GenerateClient:
         self.return_logprob = return_logprob
 
     # -----------------------------------------------------------------------------------
-    def _request(self, path: str, body: dict | None):
-        """One HTTP request on its own connection (calls may come from several threads at once)."""
+    def _request(self, path: str, body: dict | None, started: list | None = None):
+        """One HTTP request on its own connection (calls may come from several threads at once). A
+        server that is busy (503 with ``Retry-After``) is asked again after the wait it names, for
+        up to ``timeout`` seconds in all; ``started`` gets the time the answered attempt began."""
+        deadline = time.perf_counter() + self.timeout
+        while True:
+            if started is not None:
+                started[:] = [time.perf_counter()]
+            resp = self._send(path, body)
+            wait = _retry_after(resp) if resp.status_code == 503 else None
+            if wait is None or time.perf_counter() + wait >= deadline:
+                break
+            time.sleep(wait)
+        if resp.status_code >= 400:
+            detail = resp.content[:200].decode("utf-8", "replace").strip().replace("\n", " ")
+            raise ServerError(f"{self.url + path}: server answered HTTP {resp.status_code} {resp.reason_phrase}"
+                              + (f": {detail}" if detail else ""))
+        return resp.status_code, resp.content
+
+    def _send(self, path: str, body: dict | None):
         target = self.url + path
         headers = {"Content-Type": "application/json", "Accept": "application/json"}
         try:
-            resp = httpx.request("GET" if body is None else "POST", target, headers=headers,
+            return httpx.request("GET" if body is None else "POST", target, headers=headers,
                                  content=None if body is None else json.dumps(body).encode(),
                                  timeout=self.timeout, follow_redirects=True)
         except httpx.TimeoutException:
@@ -93,11 +112,6 @@ class GenerateClient:
             raise ServerError(f"{target}: malformed HTTP answer ({str(e)[:80]})") from None
         except (httpx.HTTPError, OSError) as e:
             raise ServerError(f"{target}: connection failed ({e})") from None
-        if resp.status_code >= 400:
-            detail = resp.content[:200].decode("utf-8", "replace").strip().replace("\n", " ")
-            raise ServerError(f"{target}: server answered HTTP {resp.status_code} {resp.reason_phrase}"
-                              + (f": {detail}" if detail else ""))
-        return resp.status_code, resp.content
 
     def health(self) -> None:
         """Raise ServerError unless ``GET /health`` answers 200."""
@@ -111,18 +125,28 @@ class GenerateClient:
 
     def generate_full(self, input_ids: Sequence[int], max_new_tokens: int) -> "GenerateResult":
         """Greedy continuation with the server's ``meta_info`` and the request's wall time."""
-        import time
-
         body = {"input_ids": list(map(int, input_ids)),
                 "sampling_params": {"temperature": 0.0, "max_new_tokens": int(max_new_tokens)}}
         if self.return_logprob:
             body["return_logprob"] = True
-        t0 = time.perf_counter()
-        _, raw = self._request("/generate", body)
-        seconds = time.perf_counter() - t0
+        started: list = []
+        _, raw = self._request("/generate", body, started)
+        seconds = time.perf_counter() - started[0]   # the answered attempt's, not a busy server's waits
         meta: dict = {}
         ids = parse_generate_response(raw, self.url + "/generate", max_new_tokens, meta_out=meta)
         return GenerateResult(ids, meta, seconds)
+
+
+MAX_RETRY_AFTER_S = 30.0
+
+
+def _retry_after(resp) -> float | None:
+    """The seconds a 503's ``Retry-After`` asks for (a number, at most :data:`MAX_RETRY_AFTER_S`), or None."""
+    try:
+        wait = float(resp.headers.get("retry-after", ""))
+    except ValueError:
+        return None
+    return min(wait, MAX_RETRY_AFTER_S) if wait >= 0 else None
 
 
 @dataclass

@@ -306,6 +306,9 @@ def test_bad_urls(run_cli, prompts_file, tmp_path):
     assert code == 2 and "server URL" in err
     code, out, err = _collect(run_cli, "http://127.0.0.1:99999", prompts_file, tmp_path / "x.jsonl")
     assert code == 2 and "bad port" in err
+    for url in ("http://[::1", "http://localhost:abc"):
+        code, out, err = _collect(run_cli, url, prompts_file, tmp_path / "x.jsonl")
+        assert code == 2 and "not a URL" in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_server_process_dies_mid_run(run_cli, prompts_file, tmp_path):
@@ -321,6 +324,19 @@ def test_server_process_dies_mid_run(run_cli, prompts_file, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_busy_server_is_asked_again_after_its_retry_after(run_cli, prompts_file, tmp_path):
+    proc, port = stub_generate.start("busy", 2)
+    try:
+        save = tmp_path / "busy.jsonl"
+        t0 = time.perf_counter()
+        code, out, err = _collect(run_cli, f"http://127.0.0.1:{port}", prompts_file, save)
+        assert code == 0 and len(read_outputs(save).rows) == 5, err
+        assert time.perf_counter() - t0 >= 1.0   # it waited the second Retry-After asked for
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_audit_check_keeps_partial_outputs_when_server_dies(run_cli, prompts_file, tmp_path, tiny_dir):
