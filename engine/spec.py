@@ -63,8 +63,8 @@ class EngineSpec:
                                "verification, paper 4.3: a Q pass over the tree with the W12 8-bit view of the "
                                "weights picks a commit chain, a second draft grows from its end, one exact pass "
                                "verifies both).", choices=MODES)
-    nodes: int = option(32, "Tree node budget N (tlv: of each draft tree and of the exact pass).", range=(0, 4096))
-    depth: int = option(8, "Draft positions m.", range=(0, 64))
+    nodes: int = option(32, "Tree node budget N (tlv: of each draft tree and of the exact pass).", range=(1, 4096))
+    depth: int = option(8, "Draft positions m.", range=(1, 64))
     topk: int = option(8, "Candidates per position K (tree).", range=(1, 64))
     drafter: str = option("ngram", "Drafter: ngram (prompt lookup), self (the target's first --draft-layers layers) "
                                    "or model (--draft-model).", choices=DRAFTERS)
@@ -145,6 +145,11 @@ class EngineSpec:
     def parse(cls, text: str) -> "EngineSpec":
         """``engine:model=smollm2,mode=tree,nodes=32`` (the ``engine:`` prefix is optional); keys are
         field names or flag names (``random-weights`` = ``random``)."""
+        return cls.from_options(**cls.parse_fields(text))
+
+    @classmethod
+    def parse_fields(cls, text: str) -> dict[str, str]:
+        """The ``field: value text`` pairs a spec text gives (:meth:`parse` without the checks)."""
         body = text.strip()
         if body.startswith("engine:"):
             body = body[len("engine:"):]
@@ -163,7 +168,7 @@ class EngineSpec:
             if k not in keys:
                 raise InputError(f"engine spec {text!r}: unknown key {k!r}; known: {', '.join(sorted(set(keys.values())))}")
             kv[keys[k]] = v
-        return cls.from_options(**kv)
+        return kv
 
     def __str__(self) -> str:
         parts = [f"model={self.model}", f"mode={self.mode}"]

@@ -13,9 +13,11 @@ from collections.abc import Iterable, Mapping
 import click
 
 from specpilot.engine.spec import EngineSpec, OptionInfo
+from specpilot.errors import InputError
 
 ENGINE_HELP = ("The engine options as one spec, engine:key=value,... (keys are the option names: "
-               "engine:model=tiny,mode=ar,w12=1; the run JSON's 'engine' field is one); replaces the options above.")
+               "engine:model=tiny,mode=ar,w12=1; the run JSON's 'engine' field is one) instead of the flags above; "
+               "what it leaves out takes the command's defaults.")
 
 
 def _click_option(o: OptionInfo, default, help_text: str, default_text: str | None):
@@ -62,6 +64,17 @@ def spec_from_cli(kw: dict) -> EngineSpec:
     text = kw.pop("engine_spec", None)
     values = {o.name: kw.pop(o.name) for o in EngineSpec.options() if o.name in kw}
     if text:
-        return EngineSpec.parse(text)
+        ctx = click.get_current_context(silent=True)
+        source = (lambda name: ctx.get_parameter_source(name)) if ctx is not None else (lambda name: None)
+        given = [o for o in EngineSpec.options() if o.name in values
+                 and source(o.name) is click.core.ParameterSource.COMMANDLINE]
+        if given:   # a flag beside the spec would be dropped without a word
+            raise InputError(f"--engine replaces the engine flags; give {given[0].name}=... inside it instead of "
+                             f"{given[0].flag}")
+        fields = EngineSpec.parse_fields(text)
+        # the command's own defaults (serve's batch) hold for what the spec leaves out
+        own = {o.name: values[o.name] for o in EngineSpec.options()
+               if o.name in values and o.name not in fields and values[o.name] != o.default}
+        return EngineSpec.from_options(**own, **fields)
     return EngineSpec.from_options(**values)
 

@@ -63,13 +63,15 @@ def test_run_prompts_file_table(run_cli, tmp_path):
     (["--prompts", "/nonexistent/p.jsonl"], "no such prompts file"),
     (["--prompt", "x", "--max-new-tokens", "0"], "max-new-tokens"),
     (["--prompt-ids", "1,999"], "vocabulary"),
-    (["--prompt", "x", "--engine", "engine:mode=beam"], "unknown mode"),
+    (["--prompt", "x", "--engine", "engine:model=tiny,mode=beam"], "unknown mode"),
+    (["--prompt", "x", "--engine", "engine:model=tiny", "--nodes", "4"], "give nodes=... inside it instead of --nodes"),
     (["--prompt", "x", "--lattice-out", "SAME"], "different files"),
 ])
 def test_run_bad_input_exit_2_one_line_no_file(run_cli, tmp_path, args, msg):
     outs = tmp_path / "o.jsonl"
     args = [str(outs) if a == "SAME" else a for a in args]
-    code, out, err = run_cli("run", "--model", "tiny", *args, "--outputs-out", outs)
+    model = [] if "--engine" in args else ["--model", "tiny"]
+    code, out, err = run_cli("run", *model, *args, "--outputs-out", outs)
     assert code == 2
     assert msg in one_error(err)
     assert not outs.exists()
