@@ -7,9 +7,10 @@ every kind (not JSON, not UTF-8, NaN or Infinity, nesting deeper than ``MAX_DEPT
 surrogates, wrong types, out-of-range numbers) are :class:`BadRequest` (HTTP 400), never an
 exception that escapes.
 
-Honoured sampling parameters: ``max_new_tokens``, ``min_new_tokens``, ``stop`` (strings; the text
-is cut before the match unless ``no_stop_trim``), ``stop_token_ids``, ``ignore_eos``,
-``skip_special_tokens``, ``n`` = 1.
+Honoured sampling parameters: ``max_new_tokens``, ``stop`` (strings; the text is cut before the
+match unless ``no_stop_trim``), ``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens``,
+``n`` = 1. ``min_new_tokens`` above 0 is refused: SGLang masks the stop tokens' logits until then,
+which changes the greedy answer (its own speculative workers refuse it too).
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ class BadRequest(Exception):
 @dataclass
 class Sampling:
     max_new_tokens: int = 128
-    min_new_tokens: int = 0
     stop: tuple[str, ...] = ()
     stop_token_ids: frozenset = frozenset()
     ignore_eos: bool = False
@@ -189,9 +189,10 @@ _NEUTRAL = {
     "spaces_between_special_tokens": lambda v: v in (None, True),
     "sampling_seed": lambda v: v is None or _is_int(v),
     "seed": lambda v: v is None or _is_int(v),
+    "min_new_tokens": lambda v: v is None or (_is_int(v) and v == 0),   # >0 masks stop tokens: a new answer
     "stream_interval": lambda v: v is None or (_is_int(v) and v >= 1),
 }
-_HONOURED = {"max_new_tokens", "min_new_tokens", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens",
+_HONOURED = {"max_new_tokens", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens",
              "no_stop_trim", "n", "temperature", "top_k", "top_p", "min_p"}
 
 # top-level fields: honoured, or accepted at their neutral value
@@ -250,7 +251,6 @@ def parse_sampling(params) -> Sampling:
     if _int(params, "n", 1, 1, 1) != 1:
         raise BadRequest("sampling_params.n must be 1")
     max_new = _int(params, "max_new_tokens", 1, MAX_NEW_TOKENS, 128)
-    min_new = _int(params, "min_new_tokens", 0, MAX_NEW_TOKENS, 0)
     stop = params.get("stop", None)
     if stop is None:
         stop = []
@@ -263,7 +263,7 @@ def parse_sampling(params) -> Sampling:
         ids = []
     if not isinstance(ids, list) or not all(_is_int(i) and i >= 0 for i in ids) or len(ids) > MAX_STOP:
         raise BadRequest(f"sampling_params.stop_token_ids must be a list of up to {MAX_STOP} token ids")
-    return Sampling(max_new_tokens=max_new, min_new_tokens=min_new, stop=tuple(stop), stop_token_ids=frozenset(ids),
+    return Sampling(max_new_tokens=max_new, stop=tuple(stop), stop_token_ids=frozenset(ids),
                     ignore_eos=_bool(params, "ignore_eos", False),
                     skip_special_tokens=_bool(params, "skip_special_tokens", True),
                     no_stop_trim=_bool(params, "no_stop_trim", False))

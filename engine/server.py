@@ -228,7 +228,7 @@ def make_app(state: ServeState):
         for p, sp, rid in zip(call.prompts, call.sampling, call.rids):
             stop_ids = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else eos)
             reqs.append(Request(p, sp.max_new_tokens, id=rid or uuid.uuid4().hex, stop_ids=stop_ids, eos_ids=eos,
-                                stop_strings=sp.stop, min_new_tokens=sp.min_new_tokens,
+                                stop_strings=sp.stop,
                                 decode=(lambda ids, s=sp: eng.decode(ids, skip_special_tokens=s.skip_special_tokens)),
                                 on_update=on_update))
         try:

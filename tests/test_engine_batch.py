@@ -230,8 +230,8 @@ def test_cancel_frees_slot_and_others_stay_lossless(reference):
 
 
 def test_stop_conditions():
-    r = Request([1], 10, stop_ids=frozenset({7}), eos_ids=frozenset({7}), min_new_tokens=2)
-    assert r.offer([7, 5, 7, 9], 0.0) == [7, 5, 7] and r.finish == {"type": "stop", "matched": 7}
+    r = Request([1], 10, stop_ids=frozenset({7}), eos_ids=frozenset({7}))
+    assert r.offer([5, 7, 9], 0.0) == [5, 7] and r.finish == {"type": "stop", "matched": 7}
     assert r.stop_reason == "eos"
     r = Request([1], 10, stop_strings=("ab",), decode=lambda ids: "".join(chr(97 + i) for i in ids))
     assert r.offer([2, 0, 1, 3], 0.0) == [2, 0, 1] and r.finish == {"type": "stop", "matched": "ab"}

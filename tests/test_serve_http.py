@@ -165,9 +165,10 @@ def test_text_prompts_and_stop_token_ids(server_a, greedy):
     r = httpx.post(url + "/generate", json=_gen(PROMPTS[1], 16, stop_token_ids=[stop]), timeout=60).json()
     assert r["output_ids"] == want[:want.index(stop) + 1]
     assert r["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
-    r = httpx.post(url + "/generate", json=_gen(PROMPTS[1], 16, stop_token_ids=[stop], min_new_tokens=16),
-                   timeout=60).json()
-    assert r["output_ids"] == want
+    r = httpx.post(url + "/generate", json=_gen(PROMPTS[1], 16, stop_token_ids=[stop], min_new_tokens=4), timeout=60)
+    assert r.status_code == 400 and "min_new_tokens" in r.json()["error"]["message"]
+    r = httpx.post(url + "/generate", json=_gen(PROMPTS[1], 16, stop_token_ids=[stop], min_new_tokens=0), timeout=60)
+    assert r.json()["output_ids"] == want[:want.index(stop) + 1]
 
 
 RAW_BAD = [

@@ -19,7 +19,6 @@ class Request:
     stop_ids: frozenset = frozenset()          # tokens that end the request (EOS unless ignore_eos, stop_token_ids)
     eos_ids: frozenset = frozenset()           # which of them are the model's EOS (stop_reason "eos")
     stop_strings: tuple = ()                   # texts that end the request (needs ``decode``)
-    min_new_tokens: int = 0                    # stop tokens and texts do not count before this many tokens
     decode: Callable | None = None             # ids -> text
     on_update: Callable | None = None          # (request, new ids, finished) on the engine thread
     record_lattice: bool = False
@@ -68,9 +67,9 @@ class Request:
             self.output.append(int(t))
             taken.append(int(t))
             n = len(self.output)
-            if n >= self.min_new_tokens and t in self.stop_ids:
+            if t in self.stop_ids:
                 self.finish = {"type": "stop", "matched": int(t)}
-            elif self.stop_strings and n >= self.min_new_tokens and self.decode is not None:
+            elif self.stop_strings and self.decode is not None:
                 text = self.decode(self.output)
                 hit = next((s for s in self.stop_strings if s in text), None)
                 if hit is not None:
