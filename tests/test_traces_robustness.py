@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import gzip
 import json
+import shutil
 import sqlite3
+import subprocess
 import zlib
 
 import numpy as np
@@ -114,6 +116,21 @@ def test_gzip_corrupt_and_truncated(tmp_path, good):
     flipped = tmp_path / "flip.json.gz"
     flipped.write_bytes(bytes(bad))
     _err(flipped)
+
+
+@pytest.mark.skipif(shutil.which("zstd") is None, reason="the zstd command is not installed")
+def test_zstd_truncated_is_named_as_such(tmp_path, good):
+    whole = subprocess.run(["zstd", "-q", "-c", str(good["sqlite"])], capture_output=True, check=True).stdout
+    cut = tmp_path / "cut.sqlite.zst"
+    cut.write_bytes(whole[: len(whole) // 2])
+    msg = _err(cut)
+    assert "cut.sqlite.zst: zstd" in msg and "corrupt" in msg and "specpilot-trace-" not in msg
+    from conftest import LOCAL_FIXTURES
+
+    real = subprocess.run(["zstd", "-q", "-c", str(LOCAL_FIXTURES / "nsys_h200_decode_eager.sqlite")],
+                          capture_output=True, check=True).stdout
+    cut.write_bytes(real[:30000])   # its first blocks come out, the rest does not
+    assert "cut.sqlite.zst: zstd stream is corrupt or truncated" in _err(cut)
 
 
 @FUZZ

@@ -62,10 +62,35 @@ def _open_compressed(path, compression: str):
     if exe is None:
         raise EnvironmentMissing(f"{path}: zstd-compressed; decompress it first (zstd -d {Path(path).name}) or put "
                                  "the zstd command on PATH")
-    import subprocess
+    return _Zstd(exe, path)
 
-    proc = subprocess.Popen([exe, "-dc", str(path)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    return proc.stdout
+
+class _Zstd:
+    """``zstd -dc``'s output as a binary stream; :meth:`finish` (after reading it all) raises
+    OSError when zstd failed: the stream was corrupt or truncated, though what came out reads."""
+
+    def __init__(self, exe: str, path):
+        import subprocess
+
+        self.proc = subprocess.Popen([exe, "-dc", str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    def read(self, n: int = -1) -> bytes:
+        return self.proc.stdout.read(n)
+
+    def finish(self) -> None:
+        err = self.proc.stderr.read().decode("utf-8", "replace").strip()
+        if self.proc.wait() != 0:
+            raise OSError(err.splitlines()[-1] if err else f"zstd exited with {self.proc.returncode}")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.poll() is None:   # closed before the end (a sniff of the first bytes)
+            self.proc.kill()
+        self.proc.stdout.close()
+        self.proc.stderr.close()
+        self.proc.wait()
 
 
 def sniff(path: str | os.PathLike) -> str:
@@ -110,6 +135,8 @@ def _decompressed(path, comp: str, kind: str) -> Path:
     try:
         with _open_compressed(path, comp) as src, open(out, "wb") as dst:
             shutil.copyfileobj(src, dst, 1 << 20)
+            if isinstance(src, _Zstd):
+                src.finish()
     except (OSError, EOFError, ValueError, zlib.error) as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise InputError(f"{path}: {comp} stream is corrupt or truncated ({str(e)[:80]})") from None
