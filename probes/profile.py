@@ -230,9 +230,12 @@ def build_profile(agg: Aggregate, table: RuleTable, floors: Floors | None = None
         row = ClassRow(name=c, ms=meds[c], ms_mean=sum(vals) / len(vals), share=(meds[c] / total if total else 0.0),
                        calls=float(median([calls.get(c, {}).get(i, 0) for i in idx])),
                        duration_ms=median([durations.get(c, {}).get(i, 0.0) for i in idx]))
-        if floors and c in floors.classes:
+        unknown = c == "drafter" and floors and not (floors.classes.get(c) or {}).get("floor_ms")
+        if floors and c in floors.classes and not unknown:
             f = floors.classes[c]
             row.bytes, row.flops, row.floor_ms = f.get("bytes"), f.get("flops"), f.get("floor_ms")
+        elif unknown and row.ms > 0:   # a drafter's floor needs the drafter's model, not a floor of 0
+            notes.append("drafter kernels ran, but without --drafter MODEL they have no floor")
         if c == "communication" and comm_bytes:
             row.bytes = float(median([comm_bytes.get(i, 0) for i in idx]))
             if link_gbs:
