@@ -21,7 +21,7 @@ from specpilot.errors import InputError
 from specpilot.fileio import iter_jsonl_numbered
 from specpilot.limits import MAX_TOKEN_ID
 
-from .policies import Policy, StepView, parse_policy
+from .policies import MAX_NODES, Policy, StepView, parse_policy
 from .resample import bootstrap_mean_ci
 
 LATTICE_KIND = "lattice"
@@ -360,8 +360,8 @@ def parse_nodes(text: str | None) -> list[int] | None:
             n = int(part)
         except ValueError:
             raise InputError(f"--nodes: {part!r} is not an integer (e.g. --nodes 8,16,32,63)") from None
-        if not 1 <= n <= 4096:
-            raise InputError(f"--nodes: {n} out of range 1..4096")
+        if not 1 <= n <= MAX_NODES:
+            raise InputError(f"--nodes: {n} out of range 1..{MAX_NODES}")
         out.append(n)
     return sorted(set(out))
 
