@@ -131,12 +131,12 @@ def read_prompt_rows(path) -> list[PromptRow]:
     if not path.is_file():
         raise InputError(f"{path}: no such prompts file")
     try:
-        with open(path, encoding="utf-8") as fh:
+        with open(path, encoding="utf-8-sig") as fh:
             first = next((line for line in fh if line.strip()), "")
     except UnicodeDecodeError:
         raise InputError(f"{path}: not UTF-8 text") from None
     if first and not first.lstrip().startswith("{"):
-        lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        lines = [line for line in path.read_text(encoding="utf-8-sig").splitlines() if line.strip()]
         return [PromptRow(f"p{i}", text=line) for i, line in enumerate(lines)]
     rows: list[PromptRow] = []
     seen: set[str] = set()

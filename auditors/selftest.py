@@ -20,6 +20,8 @@ detection rate of each bias.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -177,10 +179,12 @@ def run_selftest(*, n_prompts: int = 24, max_new_tokens: int = 32, repeats: int 
     if max_new_tokens < 1:
         raise InputError("--max-new-tokens must be at least 1")
     biases = sorted({float(b) for b in biases}, reverse=True)
-    if not biases or any(b <= 0 for b in biases):
-        raise InputError("--biases: give positive numbers, e.g. 4,2,1,0.5")
+    if not biases or not all(math.isfinite(b) and b > 0 for b in biases):
+        raise InputError("--biases: give positive finite numbers, e.g. 4,2,1,0.5")
     if not 0 < bias_fraction <= 1:
         raise InputError("--bias-fraction must be in (0, 1]")
+    if not 0 <= engine_prompts <= n_prompts:
+        raise InputError(f"--engine-prompts {engine_prompts}: choose 0..{n_prompts} (of the --prompts)")
 
     if scorer is None:
         scorer = Scorer.load("smollm2", device=device)

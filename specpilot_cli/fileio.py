@@ -283,7 +283,7 @@ def iter_jsonl_numbered(path, kind: str | None = None, versions: Iterable[int] =
                 if len(raw) > MAX_JSONL_LINE_BYTES:
                     raise InputError(f"{path}:{lineno}: a line of {len(raw)} bytes is longer than the "
                                      f"{MAX_JSONL_LINE_BYTES} a row may have (see docs/formats.md, limits)")
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")   # a byte order mark some editors write
                 if not line.strip():
                     continue
                 try:

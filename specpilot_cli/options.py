@@ -88,3 +88,25 @@ def _to_int(p: str, name: str, minimum: int, maximum: int) -> int:
     if not minimum <= v <= maximum:
         raise InputError(f"{name}: values must be in [{minimum}, {maximum}], got {v}")
     return v
+
+
+def dtype_options(f):
+    """``--weight-dtype``, ``--lm-head-dtype``, ``--kv-dtype``, ``--flops-fraction``, ``--bw-fraction``:
+    what the byte and FLOP floors of ``ceiling`` and ``profile`` assume."""
+    from .models import KV_DTYPES, WEIGHT_DTYPES
+
+    opts = [
+        click.option("--weight-dtype", type=click.Choice(WEIGHT_DTYPES), default="bf16", show_default=True,
+                     help="Storage of projection and expert weights (w12 = 12.02 bits/weight)."),
+        click.option("--lm-head-dtype", type=click.Choice(WEIGHT_DTYPES), default=None,
+                     help="LM head storage [default: bf16 with w12 weights, else the weight dtype]."),
+        click.option("--kv-dtype", type=click.Choice(KV_DTYPES), default="bf16", show_default=True,
+                     help="Storage of the KV cache the attention reads."),
+        click.option("--flops-fraction", type=positive(1.0), default=0.60, show_default=True,
+                     help="Share of the GPU's peak FLOP/s a step can reach (the floors' compute rate)."),
+        click.option("--bw-fraction", type=positive(1.0), default=0.90, show_default=True,
+                     help="Share of the GPU's peak bandwidth a step can reach (the floors' byte rate)."),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f

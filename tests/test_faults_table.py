@@ -343,6 +343,27 @@ def test_a_device_that_is_not_one_is_bad_input(run_cli, args):
     assert code == 2, err
 
 
+def test_a_prompts_file_with_a_byte_order_mark_is_read_as_its_rows(tmp_path):
+    from specpilot.auditors.outputs import read_prompt_rows
+
+    p = tmp_path / "bom.jsonl"
+    p.write_bytes("\ufeff".encode() + _jsonl([{"schema": "specpilot.prompts/1", "id": "a", "prompt_ids": [1, 2]}]).encode())
+    assert [(r.id, r.prompt_ids) for r in read_prompt_rows(p)] == [("a", [1, 2])]
+    p.write_bytes("\ufeffhello\n".encode())
+    assert [r.text for r in read_prompt_rows(p)] == ["hello"]
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["run", "--model", "tiny", "--prompt-ids", "1,,2"], "comma-separated integers"),
+    (["audit", "selftest", "--biases", "nan"], "positive finite numbers"),
+    (["audit", "selftest", "--engine-prompts", "-1"], "choose 0..24"),
+    (["audit", "selftest", "--prompts", "4", "--repeats", "2", "--engine-prompts", "5"], "choose 0..4"),
+])
+def test_nonsense_values_are_refused_not_clamped(run_cli, args, needle):
+    code, _, err = run_cli(*args)
+    assert code == 2 and needle in _one_error(err), err
+
+
 def test_audit_collect_resume_refuses_a_save_of_other_prompts_and_keeps_it(run_cli, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(_jsonl([{"schema": "specpilot.prompts/1", "id": "a", "prompt_ids": [1, 2, 3]}]))

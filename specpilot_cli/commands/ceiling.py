@@ -5,8 +5,7 @@ from __future__ import annotations
 import click
 
 from specpilot.limits import MAX_BATCH, MAX_CONTEXT, MAX_DRAFT_PASSES, MAX_MS, MAX_ROWS, MAX_TAU, MAX_TBS, MAX_TFLOPS
-from specpilot.models import KV_DTYPES, WEIGHT_DTYPES
-from specpilot.options import FiniteRange, positive
+from specpilot.options import FiniteRange, dtype_options, positive
 from specpilot.output import Report, Section, emit, output_options
 
 
@@ -24,19 +23,11 @@ from specpilot.output import Report, Section, emit, output_options
 @click.option("--batch", default=1, show_default=True, type=click.IntRange(1, MAX_BATCH), help="Requests per step (a --rows-probe must be from probe rows --batch with the same B).")
 @click.option("--context", default=2048, show_default=True, type=click.IntRange(0, MAX_CONTEXT),
               help="Committed context tokens per request.")
-@click.option("--weight-dtype", type=click.Choice(WEIGHT_DTYPES), default="bf16", show_default=True,
-              help="Storage of projection and expert weights (w12 = 12.02 bits/weight).")
-@click.option("--lm-head-dtype", type=click.Choice(WEIGHT_DTYPES), default=None,
-              help="LM head storage [default: bf16 with w12 weights, else the weight dtype].")
-@click.option("--kv-dtype", type=click.Choice(KV_DTYPES), default="bf16", show_default=True)
+@dtype_options
 @click.option("--drafter", "drafter_name", metavar="NAME|PATH", help="Drafter model: adds its step as the drafter class.")
 @click.option("--draft-rows", type=click.IntRange(1, MAX_ROWS), help="Drafter rows per request per pass [default: --rows].")
 @click.option("--draft-passes", type=click.IntRange(1, MAX_DRAFT_PASSES), default=1, show_default=True,
               help="Drafter passes per step: 1 for a block drafter (DFlash), k for a sequential one (EAGLE).")
-@click.option("--flops-fraction", default=0.60, show_default=True, type=positive(1.0),
-              help="Reachable share of peak FLOP/s.")
-@click.option("--bw-fraction", default=0.90, show_default=True, type=positive(1.0),
-              help="Reachable share of peak bandwidth.")
 @click.option("--tau", type=FiniteRange(1, MAX_TAU), help="Measured tokens accepted per verification pass.")
 @click.option("--tau-best", type=FiniteRange(1, MAX_TAU), help="Best reachable tau (any tree; e.g. replay's oracle).")
 @click.option("--step-ms", type=positive(MAX_MS), help="Measured step wall time T_step(N), drafting included.")

@@ -7,10 +7,9 @@ import click
 
 from specpilot.errors import InputError
 from specpilot.limits import MAX_BATCH, MAX_CONTEXT, MAX_DRAFT_PASSES, MAX_ROWS, MAX_TBS, MAX_TFLOPS
-from specpilot.options import positive
+from specpilot.options import dtype_options, positive
 from specpilot.output import Report, Section, emit, output_options, progress
 
-DTYPES = ["bf16", "fp16", "fp8", "w12", "int8", "int4"]
 STEP_MODES = ["auto", "range", "graph", "gap", "whole"]
 
 
@@ -54,16 +53,12 @@ STEP_MODES = ["auto", "range", "graph", "gap", "whole"]
 @click.option("--batch", type=click.IntRange(1, MAX_BATCH), default=1, show_default=True, help="Requests per step.")
 @click.option("--context", type=click.IntRange(0, MAX_CONTEXT), default=2048, show_default=True,
               help="Committed context tokens per request.")
-@click.option("--weight-dtype", type=click.Choice(DTYPES), default="bf16", show_default=True)
-@click.option("--lm-head-dtype", type=click.Choice(DTYPES), default=None)
-@click.option("--kv-dtype", type=click.Choice(["bf16", "fp16", "fp8"]), default="bf16", show_default=True)
 @click.option("--gpu", "gpu_name", metavar="NAME", help="GPU for floors [default: the one the trace names].")
 @click.option("--bandwidth", type=positive(MAX_TBS), metavar="TB/S", help="Peak bandwidth for floors (with --flops: a GPU not in the catalog).")
 @click.option("--flops", type=positive(MAX_TFLOPS), metavar="TFLOP/S", help="Dense bf16 TFLOP/s for floors.")
 @click.option("--ceiling", "ceiling_file", type=click.Path(dir_okay=False),
               help="Floors from a specpilot ceiling JSON instead of --model.")
-@click.option("--flops-fraction", type=positive(1.0), default=0.60, show_default=True)
-@click.option("--bw-fraction", type=positive(1.0), default=0.90, show_default=True)
+@dtype_options
 @click.option("--plot", "plot_file", type=click.Path(dir_okay=False), help="Draw measured vs floor per class (PNG).")
 @output_options
 def command(traces, step_range, step_mode, gap_us, skip_steps, device, include_orphans, rules_files, explain, top_n,

@@ -115,12 +115,12 @@ def command(prompt_text, prompts_file, prompt_ids, chat, max_new_tokens, outputs
     if prompts_file:
         prompts = read_prompts(prompts_file)
     elif prompt_ids is not None:
+        if not prompt_ids.strip():
+            raise InputError("--prompt-ids is empty")
         try:
-            ids = [int(x) for x in prompt_ids.split(",") if x.strip()]
+            ids = [int(x) for x in prompt_ids.split(",")]
         except ValueError:
             raise InputError(f"--prompt-ids must be comma-separated integers, got {prompt_ids!r}") from None
-        if not ids:
-            raise InputError("--prompt-ids is empty")
         prompts = [{"id": 0, "ids": ids}]
     else:
         if not prompt_text:
