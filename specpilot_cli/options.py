@@ -44,13 +44,17 @@ def positive(hi: float) -> FiniteRange:
 
 
 def parse_int_list(text: str, name: str = "--rows", minimum: int = 1, maximum: int = MAX_ROWS) -> list[int]:
-    """``"1,8,32"``; ``"1,2,4,...,256"`` continues a doubling (or constant-step) series to its end.
+    """``"1,8,32"``; ``"1,2,4,...,256"`` continues a doubling (or constant-step) series to its end;
+    where both fit the first two values (``1,2``), the one that lands on the end (``1,2,...,17``
+    counts by one).
 
     Values must be in [``minimum``, ``maximum``]; duplicates are dropped, order kept.
     """
-    parts = [p.strip() for p in str(text).split(",") if p.strip()]
-    if not parts:
+    parts = [p.strip() for p in str(text).split(",")]
+    if not any(parts):
         raise InputError(f"{name}: give at least one value, e.g. {name} 1,8,32")
+    if not all(parts):
+        raise InputError(f"{name}: an empty value between commas in {str(text)[:60]!r}")
     values: list[int] = []
     i = 0
     while i < len(parts):
@@ -60,7 +64,11 @@ def parse_int_list(text: str, name: str = "--rows", minimum: int = 1, maximum: i
                 raise InputError(f"{name}: '...' needs two values before it and one after, e.g. 1,2,4,...,256")
             a, b = values[-2], values[-1]
             end = _to_int(parts[i + 1], name, minimum, maximum)
-            if a > 0 and b % a == 0 and b // a > 1:
+            doubling = a > 0 and b % a == 0 and b // a > 1
+            if doubling and not _on_series(b, end, lambda v: v * (b // a)) \
+                    and _on_series(b, end, lambda v: v + (b - a)):
+                doubling = False   # 1,2,...,17: only counting by one reaches 17
+            if doubling:
                 r = b // a
                 v = b * r
                 while v < end:
@@ -78,6 +86,13 @@ def parse_int_list(text: str, name: str = "--rows", minimum: int = 1, maximum: i
         values.append(_to_int(p, name, minimum, maximum))
         i += 1
     return list(dict.fromkeys(values))
+
+
+def _on_series(v: int, end: int, step) -> bool:
+    """Whether stepping from ``v`` with ``step`` lands on ``end``."""
+    while v < end:
+        v = step(v)
+    return v == end
 
 
 def _to_int(p: str, name: str, minimum: int, maximum: int) -> int:
