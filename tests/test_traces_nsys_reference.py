@@ -149,7 +149,9 @@ def reference(path, req: StepRequest) -> Aggregate:
                 key, intervals = "time", [(bb[i], bb[i + 1] - 1, i) for i in range(len(b))]
                 labels = [f"gap step {i}" for i in range(len(b))]
                 detail = f"{len(b)} steps separated by GPU idle gaps > {gap / 1e3:.1f} us"
-        if mode == "whole":
+        if mode == "whole" and req.mode == "whole":
+            labels, detail = ["whole trace"], "the whole trace as one step, as --step-mode whole asks"
+        elif mode == "whole":
             labels = ["whole trace"]
             detail = "no step ranges, graph launches or repeating gaps: the whole trace is one step"
             notes.append("steps not found; pass --step-range REGEX to profile per step")

@@ -318,6 +318,7 @@ def aggregate_kineto(tr: KinetoTrace, req: StepRequest) -> Aggregate:
     gpu_ranges = [r for r in tr.ranges if r.gpu]
     annotations = st.families(cpu_ranges or gpu_ranges)
     mode, regex, found = req.mode, req.range_regex, ""
+    asked = req.mode
     if mode == "auto":
         if regex is None:
             auto = st.auto_step_range(cpu_ranges) or st.auto_step_range(gpu_ranges)
@@ -365,8 +366,11 @@ def aggregate_kineto(tr: KinetoTrace, req: StepRequest) -> Aggregate:
     if mode == "whole":
         step[:] = 0
         labels = ["whole trace"]
-        detail = "no step ranges, graph launches or repeating gaps: the whole trace is one step"
-        notes.append("steps not found; pass --step-range REGEX to profile per step")
+        if asked == "whole":
+            detail = "the whole trace as one step, as --step-mode whole asks"
+        else:
+            detail = "no step ranges, graph launches or repeating gaps: the whole trace is one step"
+            notes.append("steps not found; pass --step-range REGEX to profile per step")
 
     tag = np.full(len(start), -1, dtype=np.int64)
     tag_names: list[str] = []

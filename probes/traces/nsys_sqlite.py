@@ -900,6 +900,7 @@ def _aggregate(ex: NsysExport, req: StepRequest) -> Aggregate:
     ranges = ex.ranges() if req.range_regex or req.tag_regex or req.mode == "auto" else []
     annotations = st.families(ranges)
     mode, regex, found = req.mode, req.range_regex, ""
+    asked = req.mode
     if mode == "auto":
         if regex is None:
             auto = st.auto_step_range(ranges)
@@ -960,8 +961,11 @@ def _aggregate(ex: NsysExport, req: StepRequest) -> Aggregate:
     if mode == "whole":
         step_key = None
         labels = ["whole trace"]
-        detail = "no step ranges, graph launches or repeating gaps: the whole trace is one step"
-        notes.append("steps not found; pass --step-range REGEX to profile per step")
+        if asked == "whole":
+            detail = "the whole trace as one step, as --step-mode whole asks"
+        else:
+            detail = "no step ranges, graph launches or repeating gaps: the whole trace is one step"
+            notes.append("steps not found; pass --step-range REGEX to profile per step")
 
     # tags: ranges that rules test with range: (drafter, lm_head ...), outside the step ranges
     tag_key = None
