@@ -73,6 +73,7 @@ def command(baseline_path, system, runs, scorer, no_audit, tolerance, seed, fmt,
                      f"{sysrow.get('events')} events on {sysrow.get('tokens')} tokens"])
     lines = [f"FAIL: {r}" for r in res.reasons] + [f"warning: {w}" for w in res.warnings]
     lines.append(f"gate: {'PASS' if res.passed else 'FAIL'}")
-    emit(Report(data=res.to_json(), title="specpilot check", sections=[Section(None, ["", ""], rows)], lines=lines),
+    emit(Report(data=res.to_json(), title="specpilot check", sections=[Section(None, ["measure", "value"], rows)],
+                lines=lines),
          fmt, out, protect=[baseline_path])
     return 0 if res.passed else 1
