@@ -104,7 +104,9 @@ def test_combinations_that_cannot_run_together_are_refused(run_cli, tmp_path, bu
     # refused before any environment is probed: no SGLang needed, nothing written
     args = ["apply", bundles, "--python", tmp_path / "nowhere" / "python", "--experimental"]
     code, out, err = run_cli(*args, *(["--drafter", drafter] if drafter else []))
-    assert code == 2 and msg in err and "cannot be applied together" in err, err
+    assert code == 2 and msg in err, err
+    what = "cannot be applied together" if "," in bundles else "cannot be applied"
+    assert f"{bundles.replace(',', ', ')} {what}{f' with --drafter {drafter}' if drafter else ''}:" in err, err
 
 
 def test_launch_flags_follow_the_drafter(run_cli, env):
