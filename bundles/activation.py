@@ -232,9 +232,8 @@ def check_composition(entries: dict[str, mem.Entry], ids: list[str], drafter: st
     the launch command is written for (given, or the only one every bundle accepts)."""
     problems = mem.composition_problems(entries, ids, drafter)
     if problems:
-        what = "cannot be applied together" if len(ids) > 1 else "cannot be applied"
-        raise InputError(f"{', '.join(ids)} {what}{f' with --drafter {drafter}' if drafter else ''}: "
-                         + "; ".join(problems))
+        what = f"cannot be applied with --drafter {drafter}" if drafter else "cannot be applied together"
+        raise InputError(f"{', '.join(ids)} {what}: " + "; ".join(problems))
     if drafter is None:
         common = mem.common_drafters(entries, ids)
         if len(common) == 1:

@@ -105,8 +105,7 @@ def test_combinations_that_cannot_run_together_are_refused(run_cli, tmp_path, bu
     args = ["apply", bundles, "--python", tmp_path / "nowhere" / "python", "--experimental"]
     code, out, err = run_cli(*args, *(["--drafter", drafter] if drafter else []))
     assert code == 2 and msg in err, err
-    what = "cannot be applied together" if "," in bundles else "cannot be applied"
-    assert f"{bundles.replace(',', ', ')} {what}{f' with --drafter {drafter}' if drafter else ''}:" in err, err
+    assert (f"cannot be applied with --drafter {drafter}:" if drafter else "cannot be applied together:") in err, err
 
 
 def test_launch_flags_follow_the_drafter(run_cli, env):
