@@ -398,6 +398,31 @@ def module_file(module: str) -> Path:
     return Path(spec.origin)
 
 
+def handler_problem(handler: str) -> str | None:
+    """Why hook ``handler`` ("module:attr") would not resolve, read from the module's source
+    without importing it (its imports may need SGLang); None when it is defined there."""
+    import ast
+
+    module, _, attr = handler.partition(":")
+    try:
+        tree = ast.parse(module_file(module).read_text(encoding="utf-8"))
+    except InputError:
+        return f"handler {handler}: module {module} not found"
+    except (SyntaxError, UnicodeDecodeError) as e:
+        return f"handler {handler}: module {module} does not parse ({e})"
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+    head = attr.split(".")[0]
+    return None if head in names else f"handler {handler}: {module} defines no {head}"
+
+
 def fingerprint(module: str) -> str:
     """sha256 of the module's source file (what the memory entry pins)."""
     return "sha256:" + hashlib.sha256(module_file(module).read_bytes()).hexdigest()
@@ -460,6 +485,7 @@ def verify(entries: dict[str, Entry], ids: Iterable[str] | None = None) -> list[
                 problems.append("hooks not recorded: " + "; ".join(extra))
             if gone:
                 problems.append("recorded hooks missing: " + "; ".join(gone))
+        problems += [p for h in e.hooks if (p := handler_problem(h.handler)) is not None]
         rec_fp = e.system.get("fingerprints", {})
         for mod in sorted(set(rec_fp) | set(state.fingerprints)):
             if mod not in state.fingerprints:

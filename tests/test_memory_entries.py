@@ -77,6 +77,18 @@ def test_recorded_hook_set_must_match(run_cli, tmp_path):
     assert code == 1 and "recorded hooks missing" in out
 
 
+def test_a_handler_its_module_does_not_define_is_drift_even_when_recorded(run_cli, tmp_path):
+    d = _copy(tmp_path)
+    raw = yaml.safe_load((d / "tree.yaml").read_text())
+    old = raw["code"]["hooks"][0]["handler"]
+    new = old.split(":")[0] + ":no_such_handler"
+    raw["code"]["hooks"][0]["handler"] = new
+    raw["system"]["hooks"] = [h.replace(old, new) for h in raw["system"]["hooks"]]   # the record agrees
+    (d / "tree.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    code, out, _ = run_cli("memory", "verify", "--memory-dir", d, "tree")
+    assert code == 1 and f"handler {new}: {old.split(':')[0]} defines no no_such_handler" in " ".join(out.split()), out
+
+
 def test_cycle_and_missing_requirement_are_errors(run_cli, tmp_path):
     d = _copy(tmp_path)
     _edit(d / "w12.yaml", requires=["tlv"])  # tlv requires w12
