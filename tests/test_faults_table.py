@@ -364,6 +364,19 @@ def test_nonsense_values_are_refused_not_clamped(run_cli, args, needle):
     assert code == 2 and needle in _one_error(err), err
 
 
+def test_audit_refuses_a_file_of_other_prompts_before_running_a_system(run_cli, tmp_path):
+    prompts, stock = tmp_path / "p.jsonl", tmp_path / "stock.jsonl"
+    prompts.write_text(_jsonl([{"schema": "specpilot.prompts/1", "id": i, "prompt_ids": [1 + n, 2]} for n, i in enumerate("ab")]))
+    stock.write_text(_jsonl([{"schema": "specpilot.outputs/1", "id": "a", "prompt_ids": [99], "output_ids": [5]},
+                             {"schema": "specpilot.outputs/1", "id": "c", "prompt_ids": [1], "output_ids": [5]}]))
+    code, _, err = run_cli("audit", "engine:model=tiny,mode=ar", "--against", stock, "--scorer", "smollm2",
+                           "--prompts", prompts)
+    line = _one_error(err)
+    assert code == 2 and "stock.jsonl: its prompts are not those of --prompts" in line, err
+    assert "1 missing (first: b); 1 with other token ids (first: a); 1 not in --prompts (first: c)" in line
+    assert "loading model" not in err   # the engine never ran
+
+
 def test_audit_collect_resume_refuses_a_save_of_other_prompts_and_keeps_it(run_cli, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(_jsonl([{"schema": "specpilot.prompts/1", "id": "a", "prompt_ids": [1, 2, 3]}]))

@@ -158,7 +158,8 @@ def check(systems, stock_spec, ar_spec, scorer_spec, prompts_path, max_new_token
         prompts = _read_prompts(prompts_path, scorer_spec)
     loaded = {}
     counters: dict[str, int] = {}
-    for role, spec in specs:
+    # files first: one that answers other prompts is refused before any system runs for minutes
+    for role, spec in sorted(specs, key=lambda rs: rs[1].needs_prompts):
         save = None
         if spec.needs_prompts:
             save = default_save_path(save_dir, role, counters.get(role, 0))
@@ -166,12 +167,29 @@ def check(systems, stock_spec, ar_spec, scorer_spec, prompts_path, max_new_token
         loaded[id(spec)] = load_system(spec, prompts, max_new_tokens, save_to=save, timeout=timeout,
                                        progress=progress, protect=inputs, concurrency=concurrency,
                                        save_option="--save-outputs")
+        if prompts is not None and not spec.needs_prompts:
+            _check_same_prompts(loaded[id(spec)], prompts, spec.spec, prompts_path)
     result, info = run_audit(
         [loaded[id(s)] for r, s in specs if r == "system"], loaded[id(specs[0][1])],
         loaded[id(specs[1][1])] if ar_spec else None, scorer_spec, device=device, dtype=scorer_dtype,
         batch_tokens=batch_tokens, delta=delta, max_increase=max_increase / 100.0, bootstrap=bootstrap, seed=seed)
     emit(audit_report(result, info), fmt, out, protect=inputs)
     return 0 if result.verdict == "pass" else 1
+
+
+def _check_same_prompts(outputs, prompts, name: str, prompts_path: str) -> None:
+    """Refuse an outputs file whose prompts (ids and token ids) are not those of --prompts."""
+    from specpilot.auditors.outputs import key
+
+    want = {key(p.id): list(p.prompt_ids) for p in prompts}
+    have = {key(r.id): list(r.prompt_ids) for r in outputs.rows}
+    if want != have:
+        missing = sorted(set(want) - set(have))
+        other = sorted(k for k in set(want) & set(have) if want[k] != have[k])
+        extra = sorted(set(have) - set(want))
+        what = "; ".join(f"{len(v)} {label} (first: {v[0]})" for v, label in
+                         ((missing, "missing"), (other, "with other token ids"), (extra, "not in --prompts")) if v)
+        raise InputError(f"{name}: its prompts are not those of --prompts {prompts_path}: {what}")
 
 
 def run_audit(system_outputs, stock_outputs, ar_outputs, scorer_spec, *, device=None, dtype="auto",
