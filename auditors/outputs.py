@@ -144,8 +144,8 @@ def read_prompt_rows(path) -> list[PromptRow]:
         where = f"{path}:{n}"
         schema = obj.get("schema") if isinstance(obj, dict) else None
         if schema not in (PROMPTS_SCHEMA, OUTPUTS_SCHEMA):
-            raise InputError(f"{where}: unknown schema {schema!r}; expected {PROMPTS_SCHEMA} or {OUTPUTS_SCHEMA} "
-                             "(see docs/formats.md)")
+            what = "no \"schema\" field" if schema is None else f"unknown schema {schema!r}"
+            raise InputError(f"{where}: {what}; expected {PROMPTS_SCHEMA} or {OUTPUTS_SCHEMA} (see docs/formats.md)")
         id_ = _id(obj, where)
         if key(id_) in seen:
             raise InputError(f"{where}: duplicate id {id_!r}")

@@ -191,7 +191,8 @@ def check_schema(obj: Any, kind: str, source: str, versions: Iterable[int] = (1,
     if not isinstance(schema, str) or schema not in allowed:
         want = " or ".join(sorted(allowed))
         shown = repr(schema) if len(repr(schema)) <= 60 else repr(schema)[:57] + "..."
-        raise InputError(f"{source}: unknown schema {shown}; expected {want} (see docs/formats.md)")
+        what = "no \"schema\" field" if schema is None else f"unknown schema {shown}"
+        raise InputError(f"{source}: {what}; expected {want} (see docs/formats.md)")
 
 
 def _open_text(path: Path):
