@@ -123,6 +123,9 @@ class Scorer:
 
             torch.set_num_threads(choose_cpu_threads(None, "CPU scorer", given_by="default"))
         logging.getLogger("specpilot.status").info(f"loading scorer {spec} ({device}) ...")
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()   # our status line says it loads; its bar would interleave with ours
         try:
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, **kwargs)
         except (OSError, ValueError, KeyError) as e:
