@@ -262,7 +262,8 @@ def _rejudge(d: dict, path, noise, changes_output, n_boot, seed) -> TimingResult
     warmup = d.get("warmup", 0)
     if isinstance(warmup, bool) or not isinstance(warmup, int) or not 0 <= warmup <= 10**6:
         raise InputError(f"{path}: 'warmup' must be a whole number in [0, 1000000]")
-    co = d.get("changes_output", False) if changes_output is None else (changes_output or d.get("changes_output", False))
+    stored = d.get("changes_output", False)
+    co = stored if changes_output is None else (changes_output or stored)
     v = judge(samples, higher_is_better=hib, aa_pairs=aa, noise=noise, changes_output=co, n_boot=n_boot, seed=seed)
     keep = {k: d[k] for k in ("outputs_identical", "outputs_stable", "prompts", "max_new_tokens", "concurrency",
                               "changes_output_reason") if k in d}

@@ -85,8 +85,9 @@ def read_activation(path: Path) -> dict | None:
     bad += [k for k, t in _OPTIONAL.items() if k in obj and not isinstance(obj[k], t)]
     if not bad:
         bad += [k for k in ("bundles", "closure") if not all(isinstance(i, str) for i in obj[k])]
-        bad += ["hooks"] * (not all(isinstance(h, dict) and all(isinstance(h.get(f), str) for f in
-                                                                    ("target", "type", "handler")) for h in obj["hooks"]))
+        named = all(isinstance(h, dict) and all(isinstance(h.get(f), str) for f in ("target", "type", "handler"))
+                    for h in obj["hooks"])
+        bad += [] if named else ["hooks"]
     if bad:
         raise InputError(f"{path}: malformed activation ({', '.join(bad)} missing or of the wrong type); run "
                          "'specpilot revert' to remove it, then apply again")

@@ -260,31 +260,16 @@ def resolve_model(name: str, random: bool):
     return spec, folder, spec.name
 
 
-def _check_cache_fits(spec, max_seq: int, dtype, device: str) -> None:
-    """Refuse (EnvironmentMissing) a KV cache of ``max_seq`` slots that the device's free memory
-    cannot hold, before allocating it: the CPU would hand out the pages lazily and the process be
-    killed when they are touched."""
-    import torch
-
-    from specpilot.machine import free_memory
-
-    need = 2 * spec.num_full_attention_layers * spec.num_kv_heads * spec.head_dim * max_seq * torch.empty((), dtype=dtype).element_size()
-    free = free_memory(device)
-    if free is not None and need > free:
-        raise EnvironmentMissing(f"a KV cache of {max_seq} slots for {spec.name} needs {need / 1e9:.3g} GB; "
-                                 f"{device} has {free / 1e9:.3g} GB free (a shorter context: --ctx for run and serve, --context for probe rows)")
-
-
 def build_model(name: str, random: bool, dtype, device: str, max_seq: int, seed: int = 0):
     import torch
 
     from specpilot.engine import weights
-    from specpilot.engine.model import Transformer
+    from specpilot.engine.model import Transformer, check_cache_fits
 
     spec, folder, display = resolve_model(name, random)
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise EnvironmentMissing("device=cuda but no CUDA GPU is visible; use device=cpu")
-    _check_cache_fits(spec, max_seq, dtype, device)
+    check_cache_fits(spec, max_seq, dtype, device)
     model = Transformer(spec, max_seq=max_seq, dtype=dtype, device=device)
     if folder is None:
         # the tiny built-ins use a larger std so their greedy text is not one repeated token

@@ -30,7 +30,7 @@ from torch import nn
 
 from specpilot.engine.attention import attend, store_and_attend
 from specpilot.engine.spec import GDNS, HEADS, check_choice
-from specpilot.errors import InputError
+from specpilot.errors import EnvironmentMissing, InputError
 from specpilot.kernels.gdn import naive as gdn_ref
 from specpilot.kernels.gdn import path as gdn_path
 from specpilot.kernels.gdn import prefill
@@ -74,6 +74,22 @@ def apply_rope(x, cos, sin):
     c, s = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
     out = xr * c + rotated * s
     return torch.cat([out, xp], -1) if xp.shape[-1] else out
+
+
+def check_cache_fits(spec: ModelSpec, max_seq: int, dtype, device: str, slots: int = 1) -> None:
+    """Refuse (EnvironmentMissing) KV caches of ``slots`` x ``max_seq`` positions that the device's
+    free memory cannot hold, before allocating them: the CPU would hand out the pages lazily and
+    the process be killed when they are touched."""
+    from specpilot.machine import free_memory
+
+    elem = torch.empty((), dtype=dtype).element_size()
+    per = 2 * spec.num_full_attention_layers * spec.num_kv_heads * spec.head_dim * elem
+    need, free = per * max_seq * slots, free_memory(device)
+    if free is not None and need > free:
+        what = f"{slots} KV caches of {max_seq} slots need" if slots > 1 else f"a KV cache of {max_seq} slots needs"
+        raise EnvironmentMissing(f"{what} {need / 1e9:.3g} GB for {spec.name}; {device} has {free / 1e9:.3g} GB "
+                                 "free (a shorter context: --ctx for run and serve, --context for probe rows; "
+                                 "fewer requests: --batch)")
 
 
 @dataclass

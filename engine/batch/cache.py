@@ -37,7 +37,7 @@ class BatchCache:
     """Static per-slot caches for ``model`` (a :class:`~specpilot.engine.model.Transformer`)."""
 
     def __init__(self, model, slots: int, max_seq: int | None = None):
-        from specpilot.engine.model import Attention
+        from specpilot.engine.model import Attention, check_cache_fits
 
         self.slots = int(slots)
         self.max_seq = int(max_seq or model.max_seq)
@@ -45,6 +45,7 @@ class BatchCache:
         # their K/V and advance their GDN states there, never in a slot whose request is prefilling
         self.dump = self.slots if model.spec.is_hybrid else None
         n = self.slots + (self.dump is not None)
+        check_cache_fits(model.spec, self.max_seq, model.dtype, str(model.device), slots=n)
         self.layers: list[LayerSlots] = []
         for blk in model.layers:
             m = blk.mixer
