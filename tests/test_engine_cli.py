@@ -54,7 +54,7 @@ def test_run_prompts_file_table(run_cli, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "a", "prompt": "x"}\n')
     code, _, err = run_cli("run", "--model", "tiny", "--prompts", bad)
-    assert code == 2 and "unknown schema" in err
+    assert code == 2 and "no \"schema\" field" in err
 
 
 @pytest.mark.parametrize("args,msg", [

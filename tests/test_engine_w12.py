@@ -190,7 +190,8 @@ def test_run_and_probe_rows_take_w12(run_cli, tmp_path):
     (["--engine", "engine:model=tiny,w12=on-gpu"], "must be 0 or 1"),
 ])
 def test_run_w12_bad_input_exit_2(run_cli, args, msg):
-    code, _, err = run_cli("run", "--model", "tiny", "--prompt", "abc", "--max-new-tokens", "2", *args)
+    model = [] if "--engine" in args else ["--model", "tiny"]
+    code, _, err = run_cli("run", *model, "--prompt", "abc", "--max-new-tokens", "2", *args)
     assert code == 2 and msg in one_error(err)
 
 
