@@ -57,7 +57,7 @@ def command(lattice, policies, nodes, calibration, n_boot, seed, fmt, out):
 
 
 def _report(result) -> Report:
-    rows = [[p.policy, p.nodes if p.nodes is not None else "-", round(p.tau, 4),
+    rows = [[p.policy, p.nodes if p.nodes is not None else "-", p.tau,
              f"[{p.tau_ci[0]:.3f}, {p.tau_ci[1]:.3f}]"] for p in result.policies]
     sections = [Section(f"tau per policy ({result.steps} steps, {result.requests} requests, "
                         f"m={result.m} positions x K={result.k} candidates, "
@@ -65,7 +65,7 @@ def _report(result) -> Report:
                         ["policy", "nodes", "tau", "95% CI (requests resampled)"], rows)]
     if result.curves:
         ns = sorted({int(n) for c in result.curves.values() for n in c})
-        crow = [[k] + [round(c[str(n)], 4) if str(n) in c else None for n in ns] for k, c in result.curves.items()]
+        crow = [[k] + [c.get(str(n)) for n in ns] for k, c in result.curves.items()]
         sections.append(Section("tau(N) curves", ["policy"] + [f"N={n}" for n in ns], crow))
     lines = []
     if result.rank_accept is not None:
