@@ -64,6 +64,12 @@ def test_round_runs_every_stage_and_writes_its_files(tiny_round):
     assert row["speedup"] == pytest.approx(tlv["tau"] * row["c"] ** -1)
     assert cands["tlv"].retuned.startswith("N = 16 nodes as recorded") and "mode=tlv" in cands["tlv"].system
     assert cands["tlv"].predicted_speedup == pytest.approx(row["speedup"])
+    base = json.loads((r / "baseline.json").read_text())
+    assert set(base["outputs"]) == {"stock", "ar", "system"}   # the AR stock's outputs are AR's
+    if res.state["final"] != TINY:   # the final system's own outputs, kept past later refusals
+        final = next(d for d in res.decisions if d.system == res.state["final"] and d.verdict == "approved")
+        saved = [json.loads(x)["output_ids"] for x in (r / final.files["outputs"]).read_text().splitlines()]
+        assert [o["output_ids"] for o in base["outputs"]["system"]] == saved
 
 
 def test_the_no_op_control_is_refused_and_every_judged_candidate_is_audited(tiny_round):
@@ -159,9 +165,10 @@ def test_report_renders_in_a_headless_browser(tiny_round, tmp_path):
 def test_check_passes_on_the_same_system_and_fails_on_a_regression_or_a_failed_audit(tiny_round, run_cli, tmp_path):
     r = tiny_round / "r"
     # this shared CPU drifts between sessions: the same system passes with a tolerance
-    code, out, err = run_cli("check", "--baseline", r, "--runs", "4", "--tolerance", "0.6")
+    code, out, err = run_cli("check", "--baseline", r, "--runs", "4", "--tolerance", "0.6", "--format", "json")
     assert code == 0, out + err
-    assert "gate: PASS" in out and "audit against stock" in out
+    res = json.loads(out)
+    assert res["passed"] and res["audit_verdict"] == "pass" and res["outputs_identical"] is True, res
     base = json.loads((r / "baseline.json").read_text())
     # a baseline a thousand times faster than anything this machine does: a regression beyond the
     # noise, even the noise of runs that share two cores with other tests (a run twice as slow as

@@ -536,8 +536,10 @@ class _Round:
             self.state["final_samples"] = {"system": cand.system, "samples": [s["candidate"] for s in timing["samples"]],
                                            "noise": timing["noise"], "outputs": f"approve/{cand.id}.outputs.jsonl"}
         elif not self.state.get("final_samples") or self.state["final_samples"].get("system") == base:
+            # the base's fresh samples; its outputs stay those its own approval saved (None: stock's)
+            kept = (self.state.get("final_samples") or {}).get("outputs")
             self.state["final_samples"] = {"system": base, "samples": [s["base"] for s in timing["samples"]],
-                                           "noise": timing["noise"], "outputs": None}
+                                           "noise": timing["noise"], "outputs": kept}
         return dec
 
     # ---------------------------------------------------------------------------- stage 5
@@ -595,13 +597,17 @@ class _Round:
 
     def _write_baseline(self, final: str) -> None:
         from specpilot.auditors.outputs import read_outputs
+        from specpilot.engine.spec import EngineSpec
 
         a = self.dir / "approve"
         fs = self.state.get("final_samples") or {}
         outs = {}
-        for role, f in (("stock", a / "stock.outputs.jsonl"), ("ar", a / "ar.outputs.jsonl"),
+        stock = self.state["stock"]
+        # a stock that decodes AR writes no AR file: its outputs are AR's (the round's own audits used them)
+        ar_role = "stock" if str(EngineSpec.parse(stock).with_(mode="ar")) == stock else "ar"
+        for role, f in (("stock", a / "stock.outputs.jsonl"), ("ar", a / f"{ar_role}.outputs.jsonl"),
                         ("system", self.dir / fs["outputs"] if fs.get("outputs") else (
-                            a / "stock.outputs.jsonl" if final == self.state["stock"] else None))):
+                            a / "stock.outputs.jsonl" if final == stock else None))):
             if f is not None and Path(f).is_file():
                 outs[role] = [r.to_json() for r in read_outputs(f).rows]
         shape = self.state.get("shape") or {}
