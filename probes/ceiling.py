@@ -335,7 +335,21 @@ def compute_ceiling(req: CeilingRequest) -> CeilingResult:
         res.warnings = rows_probe_warnings(req.rows_probe)
     if warning:
         res.warnings.append(warning)
+    mismatch = rows_mismatch(req.policy, cost_rows, m) if cost is not None and req.replay else None
+    if mismatch:
+        res.warnings.append(mismatch)
     return res
+
+
+def rows_mismatch(policy: str, cost_rows: int | None, m: Measurements) -> str | None:
+    """A warning when the cost model divides the tau of ``policy`` (a replay policy with a node
+    budget) by a step of another row count taken from a rows probe (``--rows``, default 1)."""
+    budget = policy.partition(":")[2].split(",")[-1]
+    if not budget.isdigit() or cost_rows is None or int(budget) == cost_rows \
+            or not m.sources.get("step_ms", "").startswith("rows probe"):
+        return None
+    return (f"the cost model pairs {policy}'s tau with the {cost_rows}-row step (--rows {cost_rows}); the policy "
+            f"verifies {budget} nodes a step: give --rows {budget}, or read its row of the by-node table")
 
 
 TLV_TERMS = ("draft1", "qpass", "draft2", "exact", "append")

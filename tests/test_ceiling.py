@@ -228,6 +228,23 @@ def test_cli_predicted_speedup_by_nodes(run_cli, tmp_path):
     assert code == 0 and "Best: best-first at 32 nodes" in out
 
 
+def test_a_policys_tau_over_a_step_of_other_rows_is_flagged(run_cli, tmp_path):
+    replay = tmp_path / "replay.json"
+    replay.write_text(json.dumps({"schema": "specpilot.replay/1", "policies": [
+        {"policy": "chain", "tau": 1.5}, {"policy": "best-first:16", "tau": 1.7}]}))
+    rows = tmp_path / "rows.json"
+    rows.write_text(json.dumps({"schema": "specpilot.rows/1", "ar_ms": 10.0, "ar_path": "fused", "warnings": [],
+                                "points": [{"rows": 1, "step_ms": 10.0}, {"rows": 16, "step_ms": 12.0}]}))
+    args = ("ceiling", "--replay", replay, "--rows-probe", rows, "--policy", "best-first:16", "--format", "json")
+    doc = json.loads(run_cli(*args)[1])   # --rows 1 by default: a 16-node tree's tau over a 1-row step
+    assert doc["cost_model"]["c"] == 1.0
+    assert any("pairs best-first:16's tau with the 1-row step" in w and "--rows 16" in w for w in doc["warnings"])
+    doc = json.loads(run_cli(*args, "--rows", "16")[1])
+    assert doc["cost_model"]["c"] == pytest.approx(1.2) and doc["warnings"] == []
+    doc = json.loads(run_cli(*args[:-4], "--policy", "chain", "--format", "json")[1])
+    assert doc["warnings"] == []   # no node budget to compare
+
+
 def test_cli_rows_probe_ar_path_and_its_warnings(run_cli, tmp_path):
     """A probe that says which AR step T_AR is gives no warning of its own; one that does not (older
     files), or that carries the probe's warning, is flagged: c(N) is only as honest as T_AR."""
