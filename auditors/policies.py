@@ -16,9 +16,16 @@ Policies (``parse_policy`` spells them the way the CLI does):
 ``shared:N``
     Batched serving with one node budget shared across requests (paper 4.4): the steps with the
     same ``step`` index form one batch, which gets N nodes per request in total, filled from the
-    highest path score over all its requests (``specpilot.kernels.tree.build_best_first_shared``).
-    Compare with ``best-first:N`` (the same nodes split equally). Replayed by
-    ``specpilot.auditors.replay`` (it needs the whole batch, not one step).
+    highest path score over all its requests, each request's share at most 2 x N nodes, as the batch
+    engine builds it with ``block=fixed`` (``specpilot.engine.batch.rules.build_trees``). Compare
+    with ``best-first:N`` (the same nodes split equally). Replayed by ``specpilot.auditors.replay``
+    (it needs the whole batch, not one step).
+``adaptive:N``
+    The batch engine's default (``budget=shared``, ``block=adaptive``): as ``shared:N``, after each
+    request's drafter block (the lattice's m positions, 3/4 or 1/2 of them) is chosen from its
+    recent accepted lengths and its draft's confidence by the engine's own rule
+    (``specpilot.engine.batch.rules``) and the positions past it are cut. Replayed by
+    ``specpilot.auditors.replay`` (it needs each request's history).
 ``eagle2:TOPK,DEPTH,N``
     EAGLE-2: per depth, every beam node expands its TOPK best children, the TOPK best of those by
     path score form the next beam; after DEPTH levels every scored node is reranked globally and
@@ -57,7 +64,7 @@ import numpy as np
 
 from specpilot.errors import InputError
 
-FAMILIES = ("chain", "best-first", "marginal", "shared", "eagle2", "sequoia", "oracle", "tlv")
+FAMILIES = ("chain", "best-first", "marginal", "shared", "adaptive", "eagle2", "sequoia", "oracle", "tlv")
 MAX_NODES = 4096
 
 
@@ -134,7 +141,7 @@ class Policy:
     @property
     def curve_key(self) -> str | None:
         """The family name a tau(N) curve is filed under (None: the policy has no node budget)."""
-        if self.family in ("best-first", "marginal", "sequoia", "shared"):
+        if self.family in ("best-first", "marginal", "sequoia", "shared", "adaptive"):
             return self.family
         if self.family == "eagle2":
             return f"eagle2:{self.topk},{self.depth}"
@@ -154,7 +161,8 @@ class Policy:
 
     # ---- the work ----
     def tau(self, step: StepView) -> int:
-        if self.family == "shared":  # alone in its batch, a shared budget is a best-first tree
+        if self.family in ("shared", "adaptive"):   # replay runs them over the whole batch; alone in its
+            # batch and without a history, the request keeps its whole draft: a best-first tree
             return accept_length(best_first_tree(step, self.nodes), step.target) + 1
         if self.family == "oracle":
             return oracle_tau(step, self.k)
@@ -202,12 +210,13 @@ def split_policies(text: str) -> list[str]:
 
 
 def parse_policy(spec: str) -> Policy:
-    """``chain``, ``chain:N``, ``best-first:N``, ``marginal:N``, ``eagle2:TOPK,DEPTH,N``, ``sequoia:N``,
-    ``oracle:K``, ``tlv:N``."""
+    """``chain``, ``chain:N``, ``best-first:N``, ``marginal:N``, ``shared:N``, ``adaptive:N``,
+    ``eagle2:TOPK,DEPTH,N``, ``sequoia:N``, ``oracle:K``, ``tlv:N``."""
     text = spec.strip()
     name, _, arg = text.partition(":")
     name = name.strip().lower()
-    hint = "chain, chain:N, best-first:N, marginal:N, shared:N, eagle2:TOPK,DEPTH,N, sequoia:N, oracle:K, tlv:N"
+    hint = ("chain, chain:N, best-first:N, marginal:N, shared:N, adaptive:N, eagle2:TOPK,DEPTH,N, sequoia:N, oracle:K, "
+            "tlv:N")
     if name not in FAMILIES:
         raise InputError(f"unknown policy {spec!r}; use one of {hint}")
     if name == "chain":

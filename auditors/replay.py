@@ -294,23 +294,47 @@ def replay(lattice: Lattice, policies: Sequence[Policy | str], nodes: Sequence[i
     for i, s in enumerate(lattice.steps):
         batches.setdefault(s.step, []).append(i)
 
-    def shared_taus(n: int) -> list[int]:
-        """Steps with the same index are one batch sharing n nodes per request (paper 4.4)."""
-        from specpilot.kernels.tree import accept_greedy, build_best_first_shared
+    def batch_taus(n: int, adaptive: bool) -> list[int]:
+        """Steps with the same index are one batch of requests sharing n nodes per request (paper
+        4.4), built by the batch engine's own rules (``specpilot.engine.batch.rules``: each request's
+        share at most ``SHARED_CAP`` x n nodes). ``adaptive`` (the engine's default ``block``): first
+        each request's block of draft positions from its recent accepted lengths and its draft's
+        confidence, and the positions past it cut."""
+        import collections
 
+        import torch
+
+        from specpilot.engine.batch import rules
+        from specpilot.engine.drafters import Lattice as DraftLattice
+        from specpilot.kernels.tree import accept_greedy
+
+        sizes = rules.block_sizes(m)
+        recent: dict = collections.defaultdict(lambda: collections.deque(maxlen=rules.BLOCK_WINDOW))
         out = [0] * len(lattice.steps)
-        for idx in batches.values():
+        for key in sorted(batches):   # a request's blocks depend on its earlier steps
+            idx = batches[key]
             sts = [lattice.steps[i] for i in idx]
-            trees = build_best_first_shared([(st.tokens, st.logprobs, st.transitions) for st in sts], n * len(sts))
-            for i, st, tr in zip(idx, sts, trees):
-                out[i] = len(accept_greedy(tr, st.target)[0]) + 1
+            lats = [DraftLattice(st.tokens.tolist(), st.logprobs.tolist(),
+                                 None if st.transitions is None else st.transitions.tolist()) for st in sts]
+            tok, lp, tr = rules.pack_lattices(lats, m, lattice.k, "cpu")
+            if adaptive and len(sizes) > 1:
+                ring = torch.full((len(sts), rules.BLOCK_WINDOW), float("nan"))
+                for j, st in enumerate(sts):
+                    got = list(recent[_req_key(st.request)])
+                    ring[j, :len(got)] = torch.tensor(got, dtype=ring.dtype)
+                lp, tr = rules.cut_blocks(lp, tr, rules.choose_blocks(ring, rules.draft_confidence(lp), sizes))
+            trees = rules.build_trees(tok, lp, tr, n, "shared", requests=len(sts))
+            for j, (i, st) in enumerate(zip(idx, sts)):
+                accepted = len(accept_greedy(trees.request(j), st.target)[0])
+                recent[_req_key(st.request)].append(float(accepted))
+                out[i] = accepted + 1
         return out
 
     cap = np.array([s.remaining if s.remaining is not None else np.inf for s in lattice.steps], dtype=np.float64)
 
     def run(p: Policy) -> PolicyResult:
         taus = []
-        shared = shared_taus(p.nodes) if p.family == "shared" else None
+        shared = batch_taus(p.nodes, p.family == "adaptive") if p.family in ("shared", "adaptive") else None
         for i, s in enumerate(lattice.steps):
             if shared is not None:
                 taus.append(shared[i])

@@ -282,6 +282,27 @@ def test_shared_budget_policy(tmp_path, run_cli):
     assert d["curves"]["shared"]["2"] == 3.0 and d["curves"]["best-first"]["1"] == 2.0
 
 
+@pytest.mark.parametrize("block, policy", [("fixed", "shared:16"), ("adaptive", "adaptive:16")])
+def test_batched_runs_replay_to_their_own_tau(tmp_path, run_cli, block, policy):
+    """A batched tree run (shared budget) with fixed drafter blocks is shared:N, with the per-request
+    block rule adaptive:N: each replays to the run's own tau, step for step."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"schema": "specpilot.prompts/1", "id": f"t{i}",
+                                           "prompt_ids": [(7 * i + j) % 256 for j in range(5 + i)] * 3}) + "\n"
+                               for i in range(4)))
+    lat, run = tmp_path / "l.jsonl", tmp_path / "run.json"
+    code, _, err = run_cli("run", "--model", "tiny", "--mode", "tree", "--nodes", "16", "--batch", "4", "--block",
+                           block, "--prompts", prompts, "--max-new-tokens", "40", "--lattice-out", lat,
+                           "--format", "json", "--out", run)
+    assert code == 0, err
+    tau = json.loads(run.read_text())["tau"]
+    other = "adaptive:16" if policy == "shared:16" else "shared:16"
+    code, out, err = run_cli("replay", lat, "--policy", policy, "--policy", other, "--format", "json")
+    assert code == 0, err
+    got = {p["policy"]: p["tau"] for p in json.loads(out)["policies"]}
+    assert got[policy] == pytest.approx(tau, abs=1e-12) and got[other] != pytest.approx(tau)   # the rule shows
+
+
 def test_marginal_scores_ignore_transitions_beside_best_first(tmp_path, run_cli):
     """marginal:N is the best-first tree over each position's own log-probabilities (DDTree):
     the same as best-first:N on a lattice without transitions, its own tree on one with them."""
