@@ -283,7 +283,8 @@ def _check_resumable(already, prompts, max_new_tokens: int, save: str) -> None:
 
 @command.command("selftest")
 @click.option("--prompts", "n_prompts", type=int, default=24, show_default=True, help="Built-in prompts to use.")
-@click.option("--max-new-tokens", type=int, default=32, show_default=True)
+@click.option("--max-new-tokens", type=int, default=32, show_default=True,
+              help="New tokens per prompt of every system the self-test runs.")
 @click.option("--repeats", type=int, default=6, show_default=True,
               help="Disjoint prompt subsets audited separately for the false-reject and detection rates.")
 @click.option("--biases", default="2,1,0.5,0.25,0.125", show_default=True,

@@ -35,7 +35,8 @@ def _runs(ctx, param, value):
                    "same order, every run.")
 @click.option("--tokenizer", default=None, metavar="MODEL",
               help="Model whose tokenizer turns text prompts into ids [default: the base engine's model].")
-@click.option("--max-new-tokens", type=click.IntRange(1, 100000), default=128, show_default=True)
+@click.option("--max-new-tokens", type=click.IntRange(1, 100000), default=128, show_default=True,
+              help="New tokens per prompt in every timed run of an engine or server (greedy).")
 @click.option("--concurrency", type=click.IntRange(1, 4096), default=1, show_default=True,
               help="Servers: requests in flight at once (the same set every run; tokens/s of the whole set).")
 @click.option("--runs", callback=_runs, default="auto", show_default=True, metavar="N|auto",

@@ -85,7 +85,8 @@ def _note(tokens: int, steps: int, summary: dict, info: dict, timing: dict | Non
 @click.option("--prompt-ids", default=None, help="One prompt as comma-separated token ids.")
 @click.option("--chat/--raw", "chat", default=None,
               help="Wrap text prompts in the model's chat template (default when it has one) or not.")
-@click.option("--max-new-tokens", type=int, default=128, show_default=True)
+@click.option("--max-new-tokens", type=int, default=128, show_default=True,
+              help="New tokens per prompt at most (a request also stops at its end-of-sequence token).")
 @click.option("--outputs-out", type=click.Path(dir_okay=False), default=None,
               help="Write the outputs JSONL (audit input): one line per prompt.")
 @click.option("--lattice-out", type=click.Path(dir_okay=False), default=None,

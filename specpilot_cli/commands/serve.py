@@ -15,7 +15,8 @@ SERVE_BATCH = 8
 @engine_options(defaults={"batch": SERVE_BATCH},
                 help_texts={"batch": "Requests decoded together (continuous batching: each has its own cache slot, "
                                      "one step verifies all of them); more wait in the queue (--max-queue)."})
-@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on (0.0.0.0 or :: for every interface; an IPv6 address works too).")
 @click.option("--port", type=click.IntRange(0, 65535), default=30000, show_default=True,
               help="0 picks a free port (printed on stderr).")
 @click.option("--max-queue", type=click.IntRange(0, 1_000_000), default=1024, show_default=True,
