@@ -14,12 +14,13 @@ Policies (``parse_policy`` spells them the way the CLI does):
     lattice has transitions, marginal otherwise). Built by ``specpilot.kernels.tree``, the same
     builder the engine runs.
 ``shared:N``
-    Batched serving with one node budget shared across requests (paper 4.4): the steps with the
-    same ``step`` index form one batch, which gets N nodes per request in total, filled from the
-    highest path score over all its requests, each request's share at most 2 x N nodes, as the batch
-    engine builds it with ``block=fixed`` (``specpilot.engine.batch.rules.build_trees``). Compare
-    with ``best-first:N`` (the same nodes split equally). Replayed by ``specpilot.auditors.replay``
-    (it needs the whole batch, not one step).
+    Batched serving with one node budget shared across requests (paper 4.4): the rows of one
+    ``batch_step`` (else of one ``step`` index) form one batch, which gets N nodes per request in
+    total, filled from the highest path score over all its requests, each request's share at most
+    2 x N nodes, as the batch engine builds it with ``block=fixed``
+    (``specpilot.engine.batch.rules.build_trees``). Compare with ``best-first:N`` (the same nodes
+    split equally). Replayed by ``specpilot.auditors.replay`` (it needs the whole batch, not one
+    step).
 ``adaptive:N``
     The batch engine's default (``budget=shared``, ``block=adaptive``): as ``shared:N``, after each
     request's drafter block (the lattice's m positions, 3/4 or 1/2 of them) is chosen from its

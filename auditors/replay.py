@@ -36,6 +36,7 @@ class LatticeStep(StepView):
     step: int = 0
     tlv: "TLVRecord | None" = None
     remaining: int | None = None  # tokens the request could still deliver (its limit or EOS); caps tau
+    batch_step: int | None = None  # the batch decoder's step that verified it (the requests verified together)
 
 
 @dataclass
@@ -165,9 +166,12 @@ def parse_row(row: dict, where: str) -> LatticeStep:
     if remaining is not None and (isinstance(remaining, bool) or not isinstance(remaining, int) or remaining < 1):
         raise InputError(f"{where}: \"remaining\" must be a positive integer (tokens the request could still "
                          f"deliver), got {remaining!r}")
+    batch_step = row.get("batch_step")
+    if batch_step is not None and (isinstance(batch_step, bool) or not isinstance(batch_step, int) or batch_step < 0):
+        raise InputError(f"{where}: \"batch_step\" must be a whole number >= 0, got {batch_step!r}")
     return LatticeStep(tokens=tokens, logprobs=logprobs, transitions=trans,
                        target=np.array(target, dtype=np.int64), request=req, step=step, tlv=tlv,
-                       remaining=remaining)
+                       remaining=remaining, batch_step=batch_step)
 
 
 def _parse_tlv(rec, row: dict, where: str) -> TLVRecord:
@@ -290,9 +294,11 @@ def replay(lattice: Lattice, policies: Sequence[Policy | str], nodes: Sequence[i
             k += 1
         return k + 1
 
+    # a batched run's rows say which requests its decoder verified together; other lattices are
+    # taken as a static batch (the requests' steps of one index verify together)
     batches: dict[int, list[int]] = {}
     for i, s in enumerate(lattice.steps):
-        batches.setdefault(s.step, []).append(i)
+        batches.setdefault(s.batch_step if s.batch_step is not None else s.step, []).append(i)
 
     def batch_taus(n: int, adaptive: bool) -> list[int]:
         """Steps with the same index are one batch of requests sharing n nodes per request (paper

@@ -264,7 +264,9 @@ def test_batched_lattice_rows_equal_one_request_rows():
     reqs = [Request(p, 12, id=i, record_lattice=True, arrival_step=i) for i, p in enumerate(PROMPTS[:4])]
     res = eng.batch_decoder().generate_many(reqs)
     got = [x for r in res for x in r.lattice_steps]
+    steps = [x.pop("batch_step") for x in got]   # the batch decoder's step, which one-request rows lack
     assert got == rows and rows
+    assert all(isinstance(s, int) and s >= 0 for s in steps) and len(set(steps)) > 1
 
 
 # ------------------------------------------------------------------------------------- rules

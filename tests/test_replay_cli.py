@@ -90,6 +90,8 @@ def bad(field, value):
     (bad("step", -1), "non-negative"),
     (bad("remaining", 0), "\"remaining\" must be a positive integer"),
     (bad("remaining", "3"), "\"remaining\" must be a positive integer"),
+    (bad("batch_step", -1), "\"batch_step\" must be a whole number >= 0"),
+    (bad("batch_step", True), "\"batch_step\" must be a whole number >= 0"),
     (bad("logprobs", [[float("nan"), -1, -1], [-1, -1, -1], [-1, -1, -1]]), "NaN"),
 ])
 def test_malformed_rows_name_file_and_line(tmp_path, run_cli, row, msg):
@@ -285,11 +287,12 @@ def test_shared_budget_policy(tmp_path, run_cli):
 @pytest.mark.parametrize("block, policy", [("fixed", "shared:16"), ("adaptive", "adaptive:16")])
 def test_batched_runs_replay_to_their_own_tau(tmp_path, run_cli, block, policy):
     """A batched tree run (shared budget) with fixed drafter blocks is shared:N, with the per-request
-    block rule adaptive:N: each replays to the run's own tau, step for step."""
+    block rule adaptive:N: each replays to the run's own tau, step for step, with 6 prompts in 4
+    slots (requests join as others leave: the rows' batch_step groups them)."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"schema": "specpilot.prompts/1", "id": f"t{i}",
                                            "prompt_ids": [(7 * i + j) % 256 for j in range(5 + i)] * 3}) + "\n"
-                               for i in range(4)))
+                               for i in range(6)))
     lat, run = tmp_path / "l.jsonl", tmp_path / "run.json"
     code, _, err = run_cli("run", "--model", "tiny", "--mode", "tree", "--nodes", "16", "--batch", "4", "--block",
                            block, "--prompts", prompts, "--max-new-tokens", "40", "--lattice-out", lat,

@@ -538,6 +538,7 @@ class BatchDecoder:
             path, toks = results[b]
             if lats[b] is not None and r.record_lattice:
                 row = {"schema": "specpilot.lattice/1", "request": r.id, "step": r.steps,
+                       "batch_step": self.stats.verify_steps - 1,   # the decoder's step: who verified together
                        "tokens": lats[b].tokens, "logprobs": lats[b].logprobs,
                        "transitions": lats[b].transitions, "target": None, "_at": len(r.full), "_m": lats[b].m}
                 if b in cyc:   # what replaying the cycle needs, as the one-request TLV decoder records it

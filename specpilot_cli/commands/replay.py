@@ -13,8 +13,7 @@ from specpilot.output import Report, Section, emit, output_options
 @click.option("--policy", "policies", multiple=True, metavar="P",
               help="chain | chain:N | best-first:N | marginal:N | shared:N | adaptive:N | eagle2:TOPK,DEPTH,N | "
                    "sequoia:N | oracle:K | tlv:N (a lattice from run --mode tlv --nodes N); shared:N and adaptive:N "
-                   "take the steps of one index as a batch (run --batch with block=fixed and the default "
-                   "block=adaptive); repeatable, or several in one (best-first:32,marginal:32). Default: chain, "
+                   "replay run --batch with block=fixed and the default block=adaptive; repeatable, or several in one (best-first:32,marginal:32). Default: chain, "
                    "best-first:32, oracle:K.")
 @click.option("--nodes", default=None, metavar="N,N,...",
               help="Also give tau(N) curves at these node budgets for every policy with a budget "
