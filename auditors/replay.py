@@ -296,15 +296,15 @@ def replay(lattice: Lattice, policies: Sequence[Policy | str], nodes: Sequence[i
 
     # a batched run's rows say which requests its decoder verified together; other lattices are
     # taken as a static batch (the requests' steps of one index verify together)
-    batches: dict[int, list[int]] = {}
+    batches: dict[tuple, list[int]] = {}
     for i, s in enumerate(lattice.steps):
-        batches.setdefault(s.batch_step if s.batch_step is not None else s.step, []).append(i)
+        batches.setdefault((0, s.batch_step) if s.batch_step is not None else (1, s.step), []).append(i)
 
     def batch_taus(n: int, adaptive: bool) -> list[int]:
-        """Steps with the same index are one batch of requests sharing n nodes per request (paper
-        4.4), built by the batch engine's own rules (``specpilot.engine.batch.rules``: each request's
-        share at most ``SHARED_CAP`` x n nodes). ``adaptive`` (the engine's default ``block``): first
-        each request's block of draft positions from its recent accepted lengths and its draft's
+        """Each batch (``batches``) shares n nodes per request (paper 4.4), built by the batch
+        engine's own rules (``specpilot.engine.batch.rules``: each request's share at most
+        ``SHARED_CAP`` x n nodes). ``adaptive`` (the engine's default ``block``): first each
+        request's block of draft positions from its recent accepted lengths and its draft's
         confidence, and the positions past it cut."""
         import collections
 
