@@ -320,6 +320,9 @@ def replay(lattice: Lattice, policies: Sequence[Policy | str], nodes: Sequence[i
         for key in sorted(batches):   # a request's blocks depend on its earlier steps
             idx = batches[key]
             sts = [lattice.steps[i] for i in idx]
+            if len({_req_key(st.request) for st in sts}) < len(sts):   # a request is verified once a step
+                raise InputError(f"{lattice.path}: a request has two rows at "
+                                 f"{'batch_step' if key[0] == 0 else 'step'} {key[1]}; a batch policy needs one")
             lats = [DraftLattice(st.tokens.tolist(), st.logprobs.tolist(),
                                  None if st.transitions is None else st.transitions.tolist()) for st in sts]
             tok, lp, tr = rules.pack_lattices(lats, m, lattice.k, "cpu")

@@ -72,16 +72,35 @@ def check_output_path(path: str | os.PathLike, option: str = "--out",
     if not parent.is_dir():
         what = "is not a folder" if parent.exists() else "does not exist"
         raise InputError(f"{option} {shown}: {parent} {what}")
+    _probe_write(parent, option, shown)
+    return target
+
+
+def _probe_write(folder: Path, option: str, shown: Path) -> None:
+    """InputError unless a file can be made in ``folder`` (permissions, a read-only or virtual file
+    system); the probe is removed at once."""
     from .signals import deferred
 
-    with deferred():   # a file can be made there (permissions, a read-only or virtual file system)
+    with deferred():
         try:
-            fd, probe = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".probe", dir=parent)
+            fd, probe = tempfile.mkstemp(prefix=".specpilot-", suffix=".probe", dir=folder)
         except OSError as e:
-            raise InputError(f"{option} {shown}: cannot write in folder {parent} ({e.strerror})") from None
+            raise InputError(f"{option} {shown}: cannot write in folder {folder} ({e.strerror})") from None
         os.close(fd)
         os.unlink(probe)
-    return target
+
+
+def check_output_folder(path: str | os.PathLike, option: str) -> Path:
+    """Fail early (InputError naming ``option``) when folder ``path`` cannot be made or written
+    (its nearest existing ancestor must be a folder that takes files); returns ``path``."""
+    shown = Path(path)
+    anc = shown
+    while not anc.exists() and anc != anc.parent:
+        anc = anc.parent
+    if not anc.is_dir():
+        raise InputError(f"{option} {shown}: {anc} is not a folder")
+    _probe_write(anc, option, shown)
+    return shown
 
 
 @contextlib.contextmanager
@@ -131,7 +150,10 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", protect: Iterable[str 
             yield fh
             fh.flush()
             os.fsync(fh.fileno())
-        os.replace(tmp, target)
+        try:
+            os.replace(tmp, target)
+        except OSError as e:   # name the output, not the temporary beside it
+            raise OSError(e.errno, e.strerror, str(shown)) from None
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)

@@ -115,6 +115,8 @@ def emit(report: Report, fmt: str, out: str | None, protect: Sequence[str] = ())
 
 
 def _check_out(ctx, param, value):
+    if value is not None and not value.strip():
+        raise click.BadParameter("an empty file name; give a file, or leave --out out for stdout")
     if value:
         from .fileio import check_output_path
 

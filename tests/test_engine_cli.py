@@ -172,6 +172,9 @@ def test_a_cache_the_memory_cannot_hold_is_refused_before_it_is_made(run_cli, tm
     code, _, err = run_cli("run", "--model", "tiny", "--ctx", "100000", "--batch", "8", "--prompt-ids", "1,2",
                            "--max-new-tokens", "2")
     assert code == 3 and "8 KV caches of 100000 slots need" in err, err
+    code, _, err = run_cli("probe", "rows", "--model", "tiny", "--device", "cpu", "--context", "100000", "--batch", "4",
+                           "--rows", "1")   # refused before either the one-request cache or the slots' is made
+    assert code == 3 and "5 KV caches of 100065 slots need" in err, err
 
 
 def test_probe_rows_takes_the_threads_run_takes(run_cli, tmp_path, monkeypatch):

@@ -377,6 +377,32 @@ def test_audit_refuses_a_file_of_other_prompts_before_running_a_system(run_cli, 
     assert "loading model" not in err   # the engine never ran
 
 
+def test_an_empty_out_is_refused_not_stdout(run_cli):
+    code, out, err = run_cli("ceiling", "--model", "llama-3.1-8b", "--gpu", "h200", "--out", "")
+    assert code == 2 and out == "" and "an empty file name" in _one_error(err)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--out-dir", "/proc/x"], "cannot write in folder /proc"),
+    (["--out-dir", "{file}/sub"], "is not a folder"),
+    (["--candidates", "tree,,chain"], "an empty name between commas"),
+])
+def test_round_dry_run_refuses_what_the_round_would(run_cli, tmp_path, args, needle):
+    (tmp_path / "afile").write_text("x")
+    args = [a.format(file=tmp_path / "afile") for a in args]
+    code, _, err = run_cli("round", "engine:model=tiny,mode=ar", "--dry-run", *args)
+    assert code == 2 and needle in _one_error(err), err
+
+
+def test_round_dry_run_proposes_from_the_memory_it_is_given(run_cli, tmp_path):
+    (tmp_path / "mem").mkdir()
+    code, out, err = run_cli("round", "engine:model=tiny,mode=ar", "--dry-run", "--memory-dir", tmp_path / "mem",
+                             "--format", "json")
+    assert code == 0, err
+    reasons = {x["id"]: x["reason"] for x in json.loads(out)["not_runnable"]}
+    assert reasons["tree"] == "memory entry 'tree' is not in the memory used"
+
+
 def test_audit_collect_resume_refuses_a_save_of_other_prompts_and_keeps_it(run_cli, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(_jsonl([{"schema": "specpilot.prompts/1", "id": "a", "prompt_ids": [1, 2, 3]}]))

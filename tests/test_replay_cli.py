@@ -306,6 +306,18 @@ def test_batched_runs_replay_to_their_own_tau(tmp_path, run_cli, block, policy):
     assert got[policy] == pytest.approx(tau, abs=1e-12) and got[other] != pytest.approx(tau)   # the rule shows
 
 
+def test_a_batch_policy_refuses_a_request_twice_in_one_step(tmp_path, run_cli):
+    rows = synthetic_rows(requests=2, steps=3, m=4, k=3, seed=2)
+    for r in rows:
+        r["batch_step"] = r["step"]
+    same = [r for r in rows if r["request"] == rows[0]["request"]]
+    same[1]["batch_step"] = same[0]["batch_step"]
+    lat = write(tmp_path / "l.jsonl", rows)
+    code, _, err = run_cli("replay", lat, "--policy", "shared:4")
+    assert code == 2 and "a request has two rows at batch_step 0; a batch policy needs one" in err, err
+    assert run_cli("replay", lat, "--policy", "best-first:4")[0] == 0   # one request at a time: no batch needed
+
+
 def test_marginal_scores_ignore_transitions_beside_best_first(tmp_path, run_cli):
     """marginal:N is the best-first tree over each position's own log-probabilities (DDTree):
     the same as best-first:N on a lattice without transitions, its own tree on one with them."""

@@ -107,6 +107,10 @@ def check_config(cfg: RoundConfig):
     if out is not None and out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise InputError(f"{out} exists and is not an empty folder; continue a round there with --resume {out} "
                          "or choose another --out-dir")
+    if out is not None:
+        from specpilot.fileio import check_output_folder
+
+        check_output_folder(out, "--out-dir")
     if not (math.isfinite(cfg.budget_min) and cfg.budget_min > 0):
         raise InputError(f"--budget {cfg.budget_min}: give the minutes the round may take (> 0)")
     dep = parse_deployment(cfg.deployment)
@@ -702,14 +706,19 @@ def plan_round(cfg: RoundConfig) -> dict:
     last = ((rec or {}).get("rounds") or [{}])[-1].get("tokens_per_s") if rec else None
     if last:
         rate, how = sum(last) / len(last), "measured by the previous round of this deployment"
+    from specpilot.bundles.memory import load_memory
+
     from .propose import engine_catalog
 
     fits, not_fit = [], []
+    memory_ids = set(load_memory(cfg.memory_dir))
     for c in engine_catalog():
         if cfg.candidates is not None and c["id"] not in cfg.candidates:
             continue
         needs = c.get("needs") or {}
-        if c.get("unavailable"):
+        if c.get("memory") and c["memory"] not in memory_ids:   # as the round's propose stage skips it
+            not_fit.append({"id": c["id"], "reason": f"memory entry {c['memory']!r} is not in the memory used"})
+        elif c.get("unavailable"):
             not_fit.append({"id": c["id"], "reason": c["unavailable"]})
         elif needs.get("device") and needs["device"] != facts.device:
             not_fit.append({"id": c["id"], "reason": f"needs a CUDA GPU: {c.get('why_device', '')}".rstrip(": ")})

@@ -94,12 +94,18 @@ def measure_rows_batched(model, batch: int, rows: list[int], context: int, reps:
 
 def probe_rows_batched(spec, rows: list[int], context: int, reps: int = 50, warmup: int = 5, progress=None):
     """:func:`measure_rows_batched` on the target ``spec`` describes, ``spec.batch`` requests."""
-    from specpilot.engine.api import cpu_threads, load_target
+    from specpilot.engine.api import cpu_threads, load_target, resolve_model
+    from specpilot.engine.model import check_cache_fits
 
     threads = cpu_threads(spec) if spec.device == "cpu" else spec.threads   # as the engine runs
     if threads:
         torch.set_num_threads(threads)
-    target = load_target(spec, max_seq=context + max(rows) + 64)
+    max_seq = context + max(rows) + 64
+    model_spec = resolve_model(spec.model, spec.random)[0]
+    # the model's own one-request cache and the B slots' (a hybrid's spare one too), before either is made
+    check_cache_fits(model_spec, max_seq, getattr(torch, spec.torch_dtype_name), spec.device,
+                     slots=1 + spec.batch + model_spec.is_hybrid)
+    target = load_target(spec, max_seq=max_seq)
     res = measure_rows_batched(target.model, spec.batch, rows, context, reps=reps, warmup=warmup, progress=progress)
     res.model = target.name
     res.extra.update({k: target.info[k] for k in ("w12", "attn", "head", "decode", "gdn", "deterministic")})

@@ -12,9 +12,11 @@ from specpilot.output import Report, Section, emit, fmt_num, output_options, pro
 def _names(text: str | None) -> list[str] | None:
     if text is None:
         return None
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    if not names:
+    names = [n.strip() for n in text.split(",")]
+    if not any(names):
         raise InputError("--candidates: name at least one candidate, e.g. --candidates chain,tree")
+    if not all(names):
+        raise InputError(f"--candidates: an empty name between commas in {text!r}")
     return names
 
 
