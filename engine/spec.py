@@ -21,6 +21,7 @@ import typing
 from dataclasses import MISSING, dataclass, field, fields, replace
 
 from specpilot.errors import InputError
+from specpilot.machine import DEVICE_PATTERN
 
 MODES = ("ar", "chain", "tree", "tlv")
 DRAFTERS = ("ngram", "self", "model")
@@ -206,7 +207,7 @@ class EngineSpec:
             v = getattr(self, o.name)
             if o.choices is not None and v is not None:
                 check_choice(o.label, v, o.choices)
-        if re.fullmatch(r"cpu|cuda(:\d{1,4})?", self.device) is None:
+        if re.fullmatch(DEVICE_PATTERN, self.device) is None:
             raise InputError(f"unknown device {self.device!r}; use cpu, cuda or cuda:N")
         cuda = self.device.startswith("cuda")
         if self.attn == "fused" and not cuda:

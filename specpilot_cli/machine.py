@@ -112,6 +112,9 @@ def free_memory(device: str) -> int | None:
     return None
 
 
+DEVICE_PATTERN = r"cpu|cuda(?::(\d{1,4}))?"   # the devices SpecPilot runs on: cpu, cuda, cuda:N
+
+
 def check_device(device: str, option: str = "--device") -> str:
     """``device`` when it names a device torch takes (``cpu``, ``cuda``, ``cuda:N``): InputError for
     another name, EnvironmentMissing for a GPU this machine does not have."""
@@ -119,7 +122,7 @@ def check_device(device: str, option: str = "--device") -> str:
 
     from .errors import EnvironmentMissing, InputError
 
-    m = re.fullmatch(r"cpu|cuda(?::(\d{1,4}))?", device)
+    m = re.fullmatch(DEVICE_PATTERN, device)
     if m is None:
         raise InputError(f"{option} {device}: not a device; use cpu, cuda or cuda:N")
     if device.startswith("cuda"):

@@ -78,6 +78,15 @@ def check_names(names: list[str] | None, kind: str, memory_dir=None) -> None:
             raise InputError(f"--candidates: unknown candidate {name!r}; known: {', '.join(sorted(known))}")
 
 
+def memory_gap(candidate: dict, memory_ids: set[str] | None) -> str | None:
+    """Why ``candidate`` (an engine catalog entry) is not proposed with the memory ``memory_ids``
+    (None: any memory), or None."""
+    mem_id = candidate.get("memory")
+    if mem_id and memory_ids is not None and mem_id not in memory_ids:
+        return f"memory entry {mem_id!r} is not in the memory used"
+    return None
+
+
 def _best(model, family: str, limit: int | None = None) -> dict | None:
     rows = [r for r in model.by_nodes if r["family"] == family and (limit is None or r["nodes"] <= limit)]
     return max(rows, key=lambda r: r["speedup"]) if rows else None
@@ -99,8 +108,9 @@ def propose_engine(current, facts, model, meas, *, only: list[str] | None = None
         cid, mem_id = c["id"], c.get("memory")
         if only is not None and cid not in only:
             continue
-        if mem_id and memory_ids is not None and mem_id not in memory_ids:
-            skipped.append({"id": cid, "memory": mem_id, "reason": f"memory entry {mem_id!r} is not in the memory used"})
+        gap = memory_gap(c, memory_ids)
+        if gap:
+            skipped.append({"id": cid, "memory": mem_id, "reason": gap})
             continue
         if c.get("unavailable"):
             skipped.append({"id": cid, "memory": mem_id, "reason": c["unavailable"]})

@@ -708,7 +708,7 @@ def plan_round(cfg: RoundConfig) -> dict:
         rate, how = sum(last) / len(last), "measured by the previous round of this deployment"
     from specpilot.bundles.memory import load_memory
 
-    from .propose import engine_catalog
+    from .propose import engine_catalog, memory_gap
 
     fits, not_fit = [], []
     memory_ids = set(load_memory(cfg.memory_dir))
@@ -716,8 +716,9 @@ def plan_round(cfg: RoundConfig) -> dict:
         if cfg.candidates is not None and c["id"] not in cfg.candidates:
             continue
         needs = c.get("needs") or {}
-        if c.get("memory") and c["memory"] not in memory_ids:   # as the round's propose stage skips it
-            not_fit.append({"id": c["id"], "reason": f"memory entry {c['memory']!r} is not in the memory used"})
+        gap = memory_gap(c, memory_ids)   # as the round's propose stage skips it
+        if gap:
+            not_fit.append({"id": c["id"], "reason": gap})
         elif c.get("unavailable"):
             not_fit.append({"id": c["id"], "reason": c["unavailable"]})
         elif needs.get("device") and needs["device"] != facts.device:

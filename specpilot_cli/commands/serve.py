@@ -42,10 +42,6 @@ def command(host, port, max_queue, backlog, grace, log_requests, fmt, out, **kw)
     flight finish (--grace), then prints what it served and exits 0.
     """
     spec = spec_from_cli(kw)
-    if out:   # before the model loads, not when the server stops
-        from specpilot.fileio import check_output_path
-
-        check_output_path(out)
     from specpilot.engine.api import load_engine
     from specpilot.engine.server import Server, ServeOptions, url_host
 
