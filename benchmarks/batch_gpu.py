@@ -2,6 +2,7 @@
 ``specpilot ceiling --batch B`` gives, T_step for B requests x N rows, and a lossless check.
 
     SPECPILOT_GIT_SHA=<hash> python3 benchmarks/batch_gpu.py [--batches 1,4,16,32] [--rows 1,4,16,32]
+        [--loop-batches 1,4,9,16,32]
 
 Llama-3.1-8B shapes with random bf16 weights, context 1024 per request (its own cache slot).
 
@@ -210,12 +211,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,4,16,32")
     ap.add_argument("--rows", default="1,4,16,32")
+    ap.add_argument("--loop-batches", default="1,4,9,16,32",
+                    help="requests in the decode-loop rows (9 runs in bucket 16 with 7 free slots)")
     ap.add_argument("--skip-lossless", action="store_true")
     args = ap.parse_args()
     batches = parse_int_list(args.batches, 1, 256, "batch_gpu: --batches")
     rows = parse_int_list(args.rows, 1, 256, "batch_gpu: --rows")
+    loop_batches = parse_int_list(args.loop_batches, 1, 256, "batch_gpu: --loop-batches")
     target, rows_out = steps(batches, rows)
-    rows_out += loop(target, batches)
+    rows_out += loop(target, loop_batches)
     rows_out += admission(target)
     extra = {"model": "llama-3.1-8b (random bf16)", "context": CONTEXT}
     write_results("batch_gpu", rows_out, extra)
