@@ -17,7 +17,8 @@ Llama-3.1-8B shapes with random bf16 weights, context 1024 per request (its own 
 * admission: ``admit=off|waiting|all`` with 16 requests decoding and a 96-token prompt arriving
   every 4 scheduler iterations: output tokens/s and time to first token, after the decoder's
   load-time warm-up (``BatchDecoder.warm_up``), how many verify steps with a prompt chunk replayed
-  a mixed bucket graph, and how many ran eagerly (several prompts' rows in them) at what wall time each.
+  a mixed bucket graph, how many ran eagerly (several prompts' rows in them) at what wall time each,
+  and how many prefill passes of one prompt chunk replayed a captured mixed bucket.
 * lossless: a 4-layer random Llama folder (bf16, CUDA): single-request AR outputs against batched
   AR and batched tree outputs (``run --batch 8``), token agreement, and ``specpilot audit`` of the
   batched outputs against single-request AR (exit 0 = pass).
@@ -150,6 +151,7 @@ def admission(target, n_requests=48, batch=16, prompt_len=96, max_new=64) -> lis
                     "ttft_p90_ms": ttft[int(len(ttft) * 0.9)] * 1e3, "prefill_passes": st.prefill_passes,
                     "admitted_prompt_rows": st.admitted_prompt_rows, "verify_steps": st.verify_steps,
                     "eager_steps": st.eager_steps, "mixed_steps": st.mixed_steps,
+                    "prefill_replays": st.prefill_replays,
                     "eager_step_ms": st.eager_seconds / st.eager_steps * 1e3 if st.eager_steps else None,
                     "same_outputs_as_off": outs == ref,
                     "warmup_s": warm})
