@@ -8,7 +8,8 @@ Llama-3.1-8B shapes with random bf16 weights, context 1024 per request (its own 
 
 * ``step``: one batched step of B requests x N rows, replayed from its CUDA graph (the bucket
   graph the batch decoder replays), CUDA events, median of 30 -- the T_step of ``probe rows --batch B``.
-* ``loop``: the batch decoder's own AR decode loop with B requests running (host work, the
+* ``loop``: the batch decoder's own AR decode loop with B requests running in the smallest bucket
+  of slots that holds them (9 requests: 16 slots, 7 free; host work, the
   step's host copy and sync included): tokens/s over 64 steps, ``overlap`` on (each step fed on the
   device while the host takes the previous step's tokens, the default) and off (every step's
   inputs from the host after the previous step's tokens), side by side.
@@ -84,6 +85,7 @@ def steps(batches, rows):
 def loop(target, batches, n_steps=64):
     import torch
 
+    from specpilot.engine.batch.graphs import bucket
     from specpilot.engine.batch.requests import Request
     from specpilot.engine.batch.scheduler import BatchDecoder
 
@@ -91,9 +93,10 @@ def loop(target, batches, n_steps=64):
     out = []
     gen = torch.Generator().manual_seed(0)
     for B in batches:
+        slots = bucket(B, 256)   # B requests in the smallest bucket that holds them, its other slots free
         prompts = [torch.randint(0, m.spec.vocab_size, (CONTEXT,), generator=gen).tolist() for _ in range(B)]
         for overlap in (True, False):
-            dec = BatchDecoder(m, "ar", None, batch=B, graphs=True, prefill_chunk=1024, overlap=overlap)
+            dec = BatchDecoder(m, "ar", None, batch=slots, graphs=True, prefill_chunk=1024, overlap=overlap)
             for b, ids in enumerate(prompts):
                 dec.submit(Request(ids, n_steps + 40, id=b))
             while any(r.prefilled < len(r.prompt_ids) or not r.full for r in dec.running) or dec.waiting:
@@ -110,7 +113,7 @@ def loop(target, batches, n_steps=64):
             tokens = dec.stats.tokens - tokens
             fl = _floor(B, 1)
             tps = tokens / dt
-            out.append({"kind": "loop", "batch": B, "rows": 1, "overlap": overlap, "tokens": tokens,
+            out.append({"kind": "loop", "batch": B, "slots": slots, "rows": 1, "overlap": overlap, "tokens": tokens,
                         "step_ms": dt / (tokens / B) * 1e3, "tokens_per_s": tps, "floor_ms": fl,
                         "floor_tokens_per_s": B * 1e3 / fl, "of_floor": tps / (B * 1e3 / fl)})
             print(f"loop B={B} overlap={overlap}: {tps:.1f} tokens/s ({out[-1]['of_floor']:.1%} of the floor)",
@@ -214,7 +217,8 @@ def main():
     ap.add_argument("--batches", default="1,4,16,32")
     ap.add_argument("--rows", default="1,4,16,32")
     ap.add_argument("--loop-batches", default="1,4,9,16,32",
-                    help="requests in the decode-loop rows (9 runs in bucket 16 with 7 free slots)")
+                    help="requests in the decode-loop rows, each in the smallest bucket of slots that holds "
+                         "them (9: 16 slots, 7 of them free)")
     ap.add_argument("--skip-lossless", action="store_true")
     args = ap.parse_args()
     batches = parse_int_list(args.batches, 1, 256, "batch_gpu: --batches")
