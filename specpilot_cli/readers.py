@@ -107,8 +107,11 @@ def read_run(path: str) -> RunFigures:
     doc = read_json(path, kind="run")
     timing = doc.get("step_timing")
     if not isinstance(timing, dict):
-        raise InputError(f"{path}: the run has no 'step_timing' (a run JSON from an older SpecPilot, or a batched "
-                         "run): run specpilot run --format json again")
+        if isinstance(doc.get("batch"), dict):
+            raise InputError(f"{path}: a batched run (--batch) has no per-step timing of one request; ceiling "
+                             "--run/--check take a one-request run (specpilot run without --batch)")
+        raise InputError(f"{path}: the run has no 'step_timing' (a run JSON from an older SpecPilot): run "
+                         "specpilot run --format json again")
     tau, wall, gpu_ms = doc.get("tau"), timing.get("wall_ms"), timing.get("gpu_ms")
     if not (_finite(tau, 0, MAX_TAU, lo_open=False) and _finite(wall, 0, MAX_MS)
             and (gpu_ms is None or _finite(gpu_ms, 0, MAX_MS))):
