@@ -37,10 +37,13 @@ class OutputRow:
     id: str | int
     prompt_ids: list[int]
     output_ids: list[int]
+    max_new_tokens: int | None = None   # the limit it was generated under, where known (audit collect)
 
     def to_json(self) -> dict:
-        return {"schema": OUTPUTS_SCHEMA, "id": self.id, "prompt_ids": self.prompt_ids,
-                "output_ids": self.output_ids}
+        row = {"schema": OUTPUTS_SCHEMA, "id": self.id, "prompt_ids": self.prompt_ids, "output_ids": self.output_ids}
+        if self.max_new_tokens is not None:
+            row["max_new_tokens"] = self.max_new_tokens
+        return row
 
 
 @dataclass
@@ -104,8 +107,13 @@ def read_outputs(path, name: str | None = None) -> Outputs:
         for k in ("prompt_ids", "output_ids"):
             if k not in obj:
                 raise InputError(f"{where}: row has no \"{k}\"")
-        rows.append(OutputRow(id_, _token_list(obj["prompt_ids"], "prompt_ids", where, False),
-                              _token_list(obj["output_ids"], "output_ids", where, True)))
+        limit = obj.get("max_new_tokens")
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            raise InputError(f"{where}: \"max_new_tokens\" must be a positive integer, got {_short(limit)}")
+        out = _token_list(obj["output_ids"], "output_ids", where, True)
+        if limit is not None and len(out) > limit:
+            raise InputError(f"{where}: {len(out)} output_ids, more than its \"max_new_tokens\" {limit}")
+        rows.append(OutputRow(id_, _token_list(obj["prompt_ids"], "prompt_ids", where, False), out, limit))
     if not rows:
         raise InputError(f"{path}: no outputs rows")
     return Outputs(name or path.name, rows, str(path))

@@ -169,7 +169,7 @@ def collect(generator: Generator, prompts: Sequence[Prompt], max_new_tokens: int
 
     def finish(i: int, ids) -> None:
         p = prompts[i]
-        done[i] = OutputRow(p.id, list(p.prompt_ids), list(ids))
+        done[i] = OutputRow(p.id, list(p.prompt_ids), list(ids), max_new_tokens)
         if bar is not None:
             bar.update(1)
         if on_row is not None:

@@ -420,6 +420,32 @@ def test_audit_collect_resume_refuses_a_save_of_other_prompts_and_keeps_it(run_c
     assert run_cli(*args, "--max-new-tokens", "8")[0] == 0
 
 
+def test_audit_collect_rows_record_their_limit_and_resume_refuses_another(run_cli, tmp_path):
+    """A row collected under --max-new-tokens 3 that stopped at the limit would stay 3 tokens long in
+    a collection resumed with 6; the saved rows record their limit, so the resume is refused."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(_jsonl([{"schema": "specpilot.prompts/1", "id": i, "prompt_ids": [1, 2 + i]} for i in range(2)]))
+    save = tmp_path / "s.jsonl"
+    args = ("audit", "collect", "engine:model=tiny,mode=ar", "--prompts", prompts, "--save", save)
+    code, _, err = run_cli(*args, "--max-new-tokens", "3")
+    assert code == 0, err
+    rows = [json.loads(line) for line in save.read_text().splitlines()]
+    assert [r["max_new_tokens"] for r in rows] == [3, 3] and all(len(r["output_ids"]) <= 3 for r in rows)
+    before = save.read_text()
+    code, _, err = run_cli(*args, "--resume", "--max-new-tokens", "6")
+    assert code == 2 and "row 0 was collected with --max-new-tokens 3, not 6" in _one_error(err)
+    assert save.read_text() == before
+    assert run_cli(*args, "--resume", "--max-new-tokens", "3")[0] == 0 and save.read_text() == before
+    rows[0]["max_new_tokens"] = 0
+    save.write_text(_jsonl(rows))
+    code, _, err = run_cli(*args, "--resume", "--max-new-tokens", "3")
+    assert code == 2 and '"max_new_tokens" must be a positive integer' in _one_error(err)
+    rows[0].update(max_new_tokens=2, output_ids=[5, 6, 7])
+    save.write_text(_jsonl(rows))
+    code, _, err = run_cli(*args, "--resume", "--max-new-tokens", "3")
+    assert code == 2 and '3 output_ids, more than its "max_new_tokens" 2' in _one_error(err)
+
+
 def test_compare_ends_a_hung_command_after_the_default_timeout(run_cli, tmp_path, monkeypatch):
     """No --timeout: 10 x the slowest base run, at least AUTO_TIMEOUT_MIN_S (lowered here)."""
     from specpilot.auditors import pairing

@@ -266,7 +266,8 @@ def collect_cmd(system, prompts_path, max_new_tokens, timeout, concurrency, save
 
 def _check_resumable(already, prompts, max_new_tokens: int, save: str) -> None:
     """Refuse to resume from rows the collection would drop or mix in: rows of other prompts (the
-    file is rewritten with the prompts' rows only), rows longer than --max-new-tokens."""
+    file is rewritten with the prompts' rows only), rows collected under another --max-new-tokens
+    (a row records its limit) or, for rows that do not record it, longer than --max-new-tokens."""
     from specpilot.auditors.outputs import key
 
     want = {key(p.id): list(p.prompt_ids) for p in prompts}
@@ -275,6 +276,11 @@ def _check_resumable(already, prompts, max_new_tokens: int, save: str) -> None:
         raise InputError(f"--save {save}: {len(stray)} of its {len(already)} rows answer none of --prompts (first: "
                          f"id {stray[0].id!r}); --resume continues a collection of the same prompts, so choose "
                          "another --save")
+    other = next((r for r in already if r.max_new_tokens not in (None, max_new_tokens)), None)
+    if other is not None:
+        raise InputError(f"--save {save}: row {other.id!r} was collected with --max-new-tokens "
+                         f"{other.max_new_tokens}, not {max_new_tokens}; resume with the --max-new-tokens it was "
+                         "collected with, or choose another --save")
     long = next((r for r in already if len(r.output_ids) > max_new_tokens), None)
     if long is not None:
         raise InputError(f"--save {save}: row {long.id!r} has {len(long.output_ids)} output tokens, more than "
