@@ -113,6 +113,10 @@ def test_program_targets_come_from_the_measured_table():
     assert fused.plan(1, 32, 8, 1344, 16, fused.SplitConfig(128))[3] == 1   # 16 requests: one split each
     assert fused.plan(1, 32, 8, 1344, 16, fused.SplitConfig(512))[3] == 4
     assert fused.plan(1, 32, 8, 1344, 16)[3] == 2
+    # a count between powers of two splits as its bucket does: 9 requests as 16 (72 programs, one
+    # wave, where rounding 72 pairs up to 128 programs made 144), 3 as 4
+    assert fused.plan(1, 32, 8, 1344, 9, wide)[3] == fused.plan(1, 32, 8, 1344, 16, wide)[3] == 1
+    assert fused.plan(1, 32, 8, 1344, 3, live)[3] == fused.plan(1, 32, 8, 1344, 4, live)[3] == 4
     q, k, v, mask = _case(2, 8, 2, 32, 256, seed=6)
     a = fused.masked_gqa_attention(q, k, v, mask, 0.2, cfg=fused.SplitConfig(16))
     b = fused.masked_gqa_attention(q, k, v, mask, 0.2, cfg=fused.SplitConfig(1024))
