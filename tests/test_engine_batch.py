@@ -10,6 +10,7 @@ and admission rule).
 from __future__ import annotations
 
 import json
+import re
 import random
 
 import numpy as np
@@ -385,6 +386,20 @@ def test_run_batch_equals_run_one_at_a_time(run_cli, tmp_path):
         outs[b] = json.loads(out)
     assert [r["output_ids"] for r in outs[3]["results"]] == [r["output_ids"] for r in outs[1]["results"]]
     assert outs[3]["batch"]["batch"] == 3 and outs[3]["batch"]["verify_steps"] > 0 and "batch" not in outs[1]
+
+
+def test_run_batch_note_gives_the_steps_and_the_rules(run_cli, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"schema": "specpilot.prompts/1", "id": f"p{i}", "prompt_ids": p}) + "\n"
+                               for i, p in enumerate(PROMPTS[:3])))
+    for mode, rules in (("tree", "budget shared, block adaptive, admit waiting"), ("ar", "; admit waiting")):
+        code, out, err = run_cli("run", "--model", "tiny", "--mode", mode, "--prompts", prompts, "--max-new-tokens",
+                                 MAX_NEW, "--batch", "2")
+        assert code == 0, err
+        (line,) = [ln for ln in out.splitlines() if ln.startswith("batch 2: ")]
+        assert re.search(r"batch 2: \d+ verify steps of [12]\.\d requests on average, \d+\.\d{3} ms each \(wall "
+                         r"clock\); \d+ prefill pass(es)?, \d+ prompt rows in verify steps", line), line
+        assert line.endswith(rules) and (mode != "ar" or "budget" not in line)
 
 
 def test_run_batch_refuses_too_long_prompt(run_cli):

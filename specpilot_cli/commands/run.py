@@ -62,10 +62,27 @@ def _tlv_note(t: dict) -> str:
             f"{ms['exact']:.3f} + append {ms['append']:.3f} ms")
 
 
-def _note(tokens: int, steps: int, summary: dict, info: dict, timing: dict | None, clocks: dict | None = None) -> str:
+def _batch_note(b: dict, mode: str) -> str:
+    """A batched run's steps: how many requests each verify step carried, its wall time, the prompt
+    rows, and the batching rules that apply to ``mode`` (the JSON's ``batch`` has every total)."""
+    steps = b["verify_steps"]
+    per = f" of {b['request_steps'] / steps:.1f} requests on average" if steps else ""
+    # scheduler iterations run verify steps or prefill passes; the latter's wall time is counted apart
+    wall = (b["step_seconds"] - b["prefill_seconds"]) * 1e3 / steps if steps else 0.0
+    overlap = f", {b['overlapped_steps']} overlapped" if b.get("overlapped_steps") else ""
+    return (f"\nbatch {b['batch']}: {steps} verify steps{per}, {wall:.3f} ms each (wall clock{overlap}); "
+            f"{b['prefill_passes']} prefill pass{'es' if b['prefill_passes'] != 1 else ''}, "
+            f"{b['admitted_prompt_rows']} prompt rows in verify steps; "
+            + (f"budget {b['budget']}, block {b['block']}, " if mode != "ar" else "") + f"admit {b['admit']}")
+
+
+def _note(tokens: int, steps: int, summary: dict, info: dict, timing: dict | None, clocks: dict | None = None,
+          batch: dict | None = None, mode: str = "ar") -> str:
     note = (f"total: {tokens} tokens, {steps} passes, tau {summary['tau']:.3f}, {summary['tokens_per_s']:.1f} "
             f"tokens/s; load {info['load_seconds']:.1f} s, warm-up {info['warmup_seconds']:.1f} s (before the "
             "requests)")
+    if batch:
+        note += _batch_note(batch, mode)
     if timing and "gpu_ms" in timing:
         note += (f"\nper step: GPU {timing['gpu_ms']:.3f} ms (CUDA events), loop {timing['wall_ms']:.3f} ms, "
                  f"outside {timing['outside_ms']:.3f} ms")
@@ -189,7 +206,7 @@ def command(prompt_text, prompts_file, prompt_ids, chat, max_new_tokens, outputs
                     sections=[Section(_title(engine.model_name, spec, engine.info),
                                       ["id", "tokens", "steps", "tau", "tokens/s", "decode tok/s", "stop"], rows,
                                       note=_note(tokens, steps, summary, engine.info, run.step_timing(),
-                                                 run.gpu_clocks)
+                                                 run.gpu_clocks, run.batch, spec.mode)
                                       + (_tlv_note(tlv) if tlv else ""))])
     emit(report, fmt, out, protect=inputs)
     return 0
