@@ -169,7 +169,9 @@ def collect(generator: Generator, prompts: Sequence[Prompt], max_new_tokens: int
 
     def finish(i: int, ids) -> None:
         p = prompts[i]
-        done[i] = OutputRow(p.id, list(p.prompt_ids), list(ids), max_new_tokens)
+        ids = list(ids)
+        # a generator that returned more than asked keeps its tokens and records no limit
+        done[i] = OutputRow(p.id, list(p.prompt_ids), ids, max_new_tokens if len(ids) <= max_new_tokens else None)
         if bar is not None:
             bar.update(1)
         if on_row is not None:

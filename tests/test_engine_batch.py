@@ -10,8 +10,8 @@ and admission rule).
 from __future__ import annotations
 
 import json
-import re
 import random
+import re
 
 import numpy as np
 import pytest
