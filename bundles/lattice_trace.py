@@ -42,6 +42,7 @@ _step: contextvars.ContextVar[dict | None] = contextvars.ContextVar("specpilot_l
 @dataclass
 class _Pending:
     step: int
+    batch_step: int   # the decode call it came from: the requests of one call verified together
     tokens: list
     logprobs: list
     transitions: list | None
@@ -52,7 +53,9 @@ class LatticeRecorder:
     """Turns per-step candidates, scores and committed tokens into lattice rows.
 
     ``observe(rid, tokens, logprobs, transitions, committed)`` is called once per verify step of
-    request ``rid``; rows come out through ``sink(row)`` as soon as their target is complete.
+    request ``rid``; rows come out through ``sink(row)`` as soon as their target is complete, with
+    ``batch_step`` the decode call (:meth:`end_call` ends each) the step came from, so that
+    ``replay``'s batch policies take the requests SGLang verified together as one batch.
     """
 
     def __init__(self, sink):
@@ -74,14 +77,15 @@ class LatticeRecorder:
                 p.target.extend(committed)
             step = self.steps.get(rid, 0)
             self.steps[rid] = step + 1
-            queue.append(_Pending(step, tokens, logprobs, transitions, list(committed)))
+            queue.append(_Pending(step, self.calls, tokens, logprobs, transitions, list(committed)))
             self.last_seen[rid] = self.calls
             keep = []
             for p in queue:
                 need = len(p.tokens) + 1
                 if len(p.target) >= need:
-                    self.sink({"schema": LATTICE_SCHEMA, "request": rid, "step": p.step, "tokens": p.tokens,
-                               "logprobs": p.logprobs, "transitions": p.transitions, "target": p.target[:need]})
+                    self.sink({"schema": LATTICE_SCHEMA, "request": rid, "step": p.step, "batch_step": p.batch_step,
+                               "tokens": p.tokens, "logprobs": p.logprobs, "transitions": p.transitions,
+                               "target": p.target[:need]})
                     self.written += 1
                 else:
                     keep.append(p)

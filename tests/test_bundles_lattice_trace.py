@@ -159,6 +159,15 @@ def test_replay_reads_recorded_lattice(sgl, rows, run_cli, tmp_path):
     assert rep["steps"] == len(rows) and rep["requests"] == 2 and rep["transitions"] is True
     tau = {p["policy"]: p["tau"] for p in rep["policies"]}
     assert tau["best-first:6"] >= 1.0 and tau["chain"] >= 1.0
+    # the requests of one decode call verified together: their rows share a batch_step, which the
+    # batch policies group by
+    calls = {}
+    for r in rows:
+        calls.setdefault(r["batch_step"], set()).add(r["request"])
+    assert len(calls) > 1 and calls[0] == {"r0", "r1"}   # (a request's last rows wait for their target)
+    assert all(r["batch_step"] == r["step"] for r in rows)   # here every call decodes both requests
+    code, out, err = run_cli("replay", path, "--policy", "shared:3", "--format", "json", "--bootstrap", "100")
+    assert code == 0, err
 
 
 def test_observer_skips_prefill_sampling_and_other_ranks(rows):
@@ -182,8 +191,9 @@ def test_recorder_drops_unfinished_steps_and_forgets_stale_requests():
     rec = lt.LatticeRecorder(out.append)
     tok, lp = [[1, 2], [3, 4]], [[-0.1, -2.0], [-0.2, -1.0]]
     rec.observe("a", tok, lp, None, [5])       # needs 3 target tokens: pending
+    rec.end_call()
     rec.observe("a", tok, lp, None, [6, 7])    # first row complete: [5, 6, 7]
-    assert [r["target"] for r in out] == [[5, 6, 7]]
+    assert [r["target"] for r in out] == [[5, 6, 7]] and out[0]["batch_step"] == 0
     for _ in range(lt.STALE_CALLS + 2):
         rec.end_call()
     assert rec.pending == {} and rec.dropped == 1
