@@ -202,6 +202,14 @@ def _margin_stats(m: np.ndarray, delta: float) -> MarginStats:
         p50=q(50), p90=q(90), p99=q(99), max=float(m.max()) if m.size else None)
 
 
+def _limits(s: Scored) -> str | None:
+    """The --max-new-tokens its rows record ("8" or "8-16"), None where a row records none."""
+    got = {r.max_new_tokens for r in s.outputs.rows}
+    if not got or None in got:
+        return None
+    return str(min(got)) if len(got) == 1 else f"{min(got)}-{max(got)}"
+
+
 def audit(systems: list[Scored], stock: Scored, ar: Scored | None = None, *, delta: float | None = None,
           max_increase: float = MAX_MISMATCH_INCREASE, bootstrap: int = 2000, seed: int = 0) -> AuditResult:
     """Audit each system against stock; phase 0 from AR unless ``delta`` is given."""
@@ -263,8 +271,11 @@ def audit(systems: list[Scored], stock: Scored, ar: Scored | None = None, *, del
             if tokens == 0 and st_tokens > 0:
                 sa.reasons.append("produced no tokens (stock produced some): nothing to audit")
             elif st_tokens and tokens < 0.9 * st_tokens:
-                warnings.append(f"{sa.name}: {tokens} tokens vs stock's {st_tokens}; a system that stops early is "
-                                "audited only on what it produced")
+                mine, theirs = _limits(s), _limits(stock)
+                why = (f" (collected with --max-new-tokens {mine}, stock with {theirs})"
+                       if mine and theirs and mine != theirs else "")
+                warnings.append(f"{sa.name}: {tokens} tokens vs stock's {st_tokens}{why}; a system that stops early "
+                                "is audited only on what it produced")
             sa.verdict = "reject" if sa.reasons else "pass"
             half = (hi - lo) / 2
             if sa.verdict == "pass" and half > max_increase:

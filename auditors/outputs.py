@@ -14,6 +14,7 @@ An outputs file is also accepted wherever prompts are read (its prompt_ids are u
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
@@ -37,12 +38,16 @@ class OutputRow:
     id: str | int
     prompt_ids: list[int]
     output_ids: list[int]
-    max_new_tokens: int | None = None   # the limit it was generated under, where known (audit collect)
+    # where known (audit collect): the limit it was generated under and the system that generated it
+    max_new_tokens: int | None = None
+    system: str | None = None
 
     def to_json(self) -> dict:
         row = {"schema": OUTPUTS_SCHEMA, "id": self.id, "prompt_ids": self.prompt_ids, "output_ids": self.output_ids}
         if self.max_new_tokens is not None:
             row["max_new_tokens"] = self.max_new_tokens
+        if self.system is not None:
+            row["system"] = self.system
         return row
 
 
@@ -84,6 +89,12 @@ def _short(v) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+def _json_short(v) -> str:
+    """``v`` as the file spells it (``true``, ``"3"``), cut to 40 characters."""
+    text = json.dumps(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def _id(obj: dict, where: str):
     if "id" not in obj:
         raise InputError(f"{where}: row has no \"id\"")
@@ -107,13 +118,15 @@ def read_outputs(path, name: str | None = None) -> Outputs:
         for k in ("prompt_ids", "output_ids"):
             if k not in obj:
                 raise InputError(f"{where}: row has no \"{k}\"")
-        limit = obj.get("max_new_tokens")
+        limit, system = obj.get("max_new_tokens"), obj.get("system")
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-            raise InputError(f"{where}: \"max_new_tokens\" must be a positive integer, got {_short(limit)}")
+            raise InputError(f"{where}: \"max_new_tokens\" must be a positive integer, got {_json_short(limit)}")
+        if system is not None and not (isinstance(system, str) and system):
+            raise InputError(f"{where}: \"system\" must be a non-empty string, got {_json_short(system)}")
         out = _token_list(obj["output_ids"], "output_ids", where, True)
         if limit is not None and len(out) > limit:
             raise InputError(f"{where}: {len(out)} output_ids, more than its \"max_new_tokens\" {limit}")
-        rows.append(OutputRow(id_, _token_list(obj["prompt_ids"], "prompt_ids", where, False), out, limit))
+        rows.append(OutputRow(id_, _token_list(obj["prompt_ids"], "prompt_ids", where, False), out, limit, system))
     if not rows:
         raise InputError(f"{path}: no outputs rows")
     return Outputs(name or path.name, rows, str(path))

@@ -116,6 +116,16 @@ def _as_ids(out) -> list[int]:
     return [int(t) for t in out]
 
 
+def system_identity(system: SystemSpec) -> str:
+    """What a collected row records as its system: an engine spec in its canonical form (the keys
+    in one order, defaults left out), a server's URL as parsed."""
+    if system.kind == "engine":
+        from specpilot.engine.spec import EngineSpec
+
+        return str(EngineSpec.parse(system.spec))
+    return system.spec
+
+
 def make_generator(system: SystemSpec, timeout: float = 120.0) -> Generator:
     if system.kind == "http":
         return HttpGenerator(system.spec, timeout)
@@ -142,7 +152,8 @@ BATCH_ROUNDS = 4
 def collect(generator: Generator, prompts: Sequence[Prompt], max_new_tokens: int, *, save_to: str | None = None,
             name: str = "system", progress: Callable | None = None,
             on_row: Callable[[OutputRow], None] | None = None, protect: Sequence = (),
-            concurrency: int = 1, save_option: str = "--save", already: Sequence[OutputRow] = ()) -> Outputs:
+            concurrency: int = 1, save_option: str = "--save", already: Sequence[OutputRow] = (),
+            system: str | None = None) -> Outputs:
     """Generate for every prompt; save the outputs file (also on failure or a signal, with the
     rows so far).
 
@@ -150,6 +161,7 @@ def collect(generator: Generator, prompts: Sequence[Prompt], max_new_tokens: int
     with ``batch=B`` decodes B at once (:class:`EngineGenerator`); the file keeps prompt order, and
     on a failure every request that completed is kept. ``already``: rows of an earlier,
     interrupted collection; prompts they answer (same id, same prompt_ids) are not run again.
+    ``system``: recorded in every row (with ``max_new_tokens``) so that a resume can check both.
     """
     if max_new_tokens < 1:
         raise InputError(f"--max-new-tokens {max_new_tokens}: must be at least 1")
@@ -171,7 +183,8 @@ def collect(generator: Generator, prompts: Sequence[Prompt], max_new_tokens: int
         p = prompts[i]
         ids = list(ids)
         # a generator that returned more than asked keeps its tokens and records no limit
-        done[i] = OutputRow(p.id, list(p.prompt_ids), ids, max_new_tokens if len(ids) <= max_new_tokens else None)
+        done[i] = OutputRow(p.id, list(p.prompt_ids), ids, max_new_tokens if len(ids) <= max_new_tokens else None,
+                            system)
         if bar is not None:
             bar.update(1)
         if on_row is not None:

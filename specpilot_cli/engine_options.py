@@ -63,11 +63,11 @@ def spec_from_cli(kw: dict) -> EngineSpec:
     """Pop the engine flags (and ``--engine``) from a command's keywords; the checked spec."""
     text = kw.pop("engine_spec", None)
     values = {o.name: kw.pop(o.name) for o in EngineSpec.options() if o.name in kw}
+    ctx = click.get_current_context(silent=True)
+    source = (lambda name: ctx.get_parameter_source(name)) if ctx is not None else (lambda name: None)
+    given = [o for o in EngineSpec.options() if o.name in values
+             and source(o.name) is click.core.ParameterSource.COMMANDLINE]
     if text:
-        ctx = click.get_current_context(silent=True)
-        source = (lambda name: ctx.get_parameter_source(name)) if ctx is not None else (lambda name: None)
-        given = [o for o in EngineSpec.options() if o.name in values
-                 and source(o.name) is click.core.ParameterSource.COMMANDLINE]
         if given:   # a flag beside the spec would be dropped without a word
             raise InputError(f"--engine replaces the engine flags; give {given[0].name}=... inside it instead of "
                              f"{given[0].flag}")
@@ -75,6 +75,10 @@ def spec_from_cli(kw: dict) -> EngineSpec:
         # the command's own defaults (serve's batch) hold for what the spec leaves out
         own = {o.name: values[o.name] for o in EngineSpec.options()
                if o.name in values and o.name not in fields and values[o.name] != o.default}
-        return EngineSpec.from_options(**own, **fields)
-    return EngineSpec.from_options(**values)
+        spec = EngineSpec.from_options(**own, **fields)
+        spec.check_used(fields)
+        return spec
+    spec = EngineSpec.from_options(**values)
+    spec.check_used([o.name for o in given])
+    return spec
 

@@ -77,7 +77,8 @@ def _render_text(report: Report, markdown: bool) -> str:
                             disable_numparse=True))
         if s.note:
             out.append("")
-            out.append(s.note)
+            # Markdown joins consecutive lines into one paragraph: each note line is its own
+            out.append(s.note.replace("\n", "\n\n") if markdown else s.note)
         out.append("")
     for line in report.lines:
         out.append(line)

@@ -336,6 +336,12 @@ def test_empty_or_short_outputs_cannot_sneak_through():
     by = {s.name: s for s in res.systems}
     assert by["empty"].verdict == "reject" and "no tokens" in by["empty"].reasons[0]
     assert by["short"].verdict == "pass" and any("short" in w and "stops early" in w for w in res.warnings)
+    # rows that record their limits: the warning says the systems were collected under different ones
+    for sc, limit in ((stock, 20), (short, 5)):
+        for r in sc.outputs.rows:
+            r.max_new_tokens = limit
+    res = audit([short], stock, delta=0.125, bootstrap=200)
+    assert any("collected with --max-new-tokens 5, stock with 20" in w for w in res.warnings), res.warnings
 
 
 def test_cli_other_formats(run_cli, tiny):

@@ -392,14 +392,24 @@ def test_run_batch_note_gives_the_steps_and_the_rules(run_cli, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"schema": "specpilot.prompts/1", "id": f"p{i}", "prompt_ids": p}) + "\n"
                                for i, p in enumerate(PROMPTS[:3])))
-    for mode, rules in (("tree", "budget shared, block adaptive, admit waiting"), ("ar", "; admit waiting")):
+    for mode, step, rules in (("tree", "verify", "budget shared, block adaptive, admit waiting"),
+                              ("ar", "decode", "; admit waiting"), ("tlv", "verify", "; admit waiting")):
         code, out, err = run_cli("run", "--model", "tiny", "--mode", mode, "--prompts", prompts, "--max-new-tokens",
                                  MAX_NEW, "--batch", "2")
         assert code == 0, err
         (line,) = [ln for ln in out.splitlines() if ln.startswith("batch 2: ")]
-        assert re.search(r"batch 2: \d+ verify steps of [12]\.\d requests on average, \d+\.\d{3} ms each \(wall "
-                         r"clock\); \d+ prefill pass(es)?, \d+ prompt rows in verify steps", line), line
-        assert line.endswith(rules) and (mode != "ar" or "budget" not in line)
+        assert re.search(rf"batch 2: \d+ {step} steps of [12]\.\d requests on average, \d+\.\d{{3}} ms each "
+                         rf"\(wall clock\); \d+ prefill pass(es)?, \d+ prompt rows? in {step} steps", line), line
+        assert line.endswith(rules) and (mode == "tree" or "budget" not in line)
+    # one new token: the prompts' passes give it, no step runs
+    code, out, err = run_cli("run", "--model", "tiny", "--mode", "chain", "--prompts", prompts, "--max-new-tokens",
+                             "1", "--batch", "2")
+    (line,) = [ln for ln in out.splitlines() if ln.startswith("batch 2: ")]
+    assert code == 0 and line.startswith("batch 2: 0 verify steps; ") and "ms each" not in line
+    # in Markdown each note line is a paragraph of its own (one newline would join them)
+    code, out, err = run_cli("run", "--model", "tiny", "--mode", "ar", "--prompts", prompts, "--max-new-tokens", "2",
+                             "--batch", "2", "--format", "markdown")
+    assert code == 0 and re.search(r"\(before the requests\)\n\nbatch 2: ", out), out
 
 
 def test_run_batch_refuses_too_long_prompt(run_cli):

@@ -18,7 +18,7 @@ OTHER = {"model": "tiny", "mode": "chain", "nodes": 12, "depth": 3, "topk": 2, "
          "head": "certified", "decode": "layers", "batch": 4, "budget": "equal", "block": "fixed", "admit": "all",
          "admit_rows": 64, "gdn": "wy", "deterministic": True}
 # what an option needs beside it to be valid; ALONE_ONLY: options the others of OTHER rule out
-TOGETHER = {"deterministic": {"device": "cuda"}}
+TOGETHER = {"deterministic": {"device": "cuda"}, **{k: {"batch": 4} for k in ("budget", "block", "admit", "admit_rows")}}
 ALONE_ONLY = ("deterministic",)
 
 
@@ -82,10 +82,30 @@ def test_spec_keys_take_flag_names_and_dtype_aliases():
     ("engine:attn=flash", "unknown attention"), ("engine:nodes=5000", "out of range"),
     ("engine:ctx=x", "not an integer"), ("engine:graphs=maybe", "must be 0 or 1"),
     ("engine:dtype=int8", "unknown dtype"), ("engine:device=tpu", "unknown device"),
+    ("engine:model=tiny,batch=2,batch=3", "batch is given twice"),
+    ("engine:random=1,random-weights=0", "random is given twice"),
 ])
 def test_spec_errors(text, msg):
     with pytest.raises(InputError, match=msg):
         EngineSpec.parse(text)
+
+
+@pytest.mark.parametrize("text,msg", [
+    ("engine:model=tiny,budget=equal", "engine option budget applies to batched decoding"),
+    ("engine:model=tiny,admit_rows=64,batch=1", "engine option admit_rows applies to batched decoding"),
+    ("engine:model=tiny,mode=ar,batch=2,block=fixed", "block applies to batched chain and tree steps, not mode ar"),
+    ("engine:model=tiny,mode=tlv,batch=2,budget=shared", "budget applies to batched chain and tree steps, not mode tlv"),
+])
+def test_batching_rules_given_where_they_change_nothing_are_refused(text, msg, run_cli):
+    with pytest.raises(InputError, match=msg):
+        EngineSpec.parse(text)
+    # the same through the flags; defaults left alone are fine, and admit applies to every mode
+    fields = EngineSpec.parse_fields(text)
+    flags = [a for k, v in fields.items() if k != "model" for a in (f"--{k.replace('_', '-')}", v)]
+    code, _, err = run_cli("run", "--model", "tiny", "--prompt-ids", "1,2", "--max-new-tokens", "2", *flags)
+    assert code == 2 and msg in err.strip().splitlines()[-1]
+    assert EngineSpec.parse("engine:model=tiny,mode=ar,batch=2,admit=off").admit == "off"
+    assert _spec_from_flags(["--mode", "ar"]).batch == 1
 
 
 @pytest.mark.parametrize("verb", [["run"], ["serve"]])

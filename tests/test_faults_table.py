@@ -444,6 +444,46 @@ def test_audit_collect_rows_record_their_limit_and_resume_refuses_another(run_cl
     save.write_text(_jsonl(rows))
     code, _, err = run_cli(*args, "--resume", "--max-new-tokens", "3")
     assert code == 2 and '3 output_ids, more than its "max_new_tokens" 2' in _one_error(err)
+    rows[0].update(max_new_tokens=True, output_ids=[5])
+    save.write_text(_jsonl(rows))
+    code, _, err = run_cli(*args, "--resume", "--max-new-tokens", "3")
+    assert code == 2 and 'must be a positive integer, got true' in _one_error(err)
+
+
+def test_audit_collect_resume_refuses_another_system_and_checks_out_first(run_cli, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(_jsonl([{"schema": "specpilot.prompts/1", "id": i, "prompt_ids": [1, 2 + i]} for i in range(2)]))
+    save = tmp_path / "s.jsonl"
+    ar = ("audit", "collect", "engine:model=tiny,mode=ar", "--prompts", prompts, "--save", save, "--max-new-tokens", "3")
+    assert run_cli(*ar)[0] == 0
+    assert {json.loads(line)["system"] for line in save.read_text().splitlines()} == {"engine:model=tiny,mode=ar"}
+    before = save.read_text()
+    code, _, err = run_cli("audit", "collect", "engine:model=tiny,mode=tree", "--prompts", prompts, "--save", save,
+                           "--max-new-tokens", "3", "--resume")
+    assert code == 2 and "was collected from engine:model=tiny,mode=ar, not engine:model=tiny,mode=tree" \
+        in _one_error(err)
+    assert save.read_text() == before
+    # the same system written another way is the same system
+    code, _, err = run_cli("audit", "collect", "engine:mode=ar,model=tiny", "--prompts", prompts, "--save", save,
+                           "--max-new-tokens", "3", "--resume")
+    assert code == 0, err
+    # --out is checked before anything runs: not the save, not an input
+    fresh = tmp_path / "fresh.jsonl"
+    for out, what in ((fresh, "the same file as --save"), (prompts, "refusing to overwrite input file")):
+        code, _, err = run_cli("audit", "collect", "engine:model=tiny,mode=ar", "--prompts", prompts, "--save", fresh,
+                               "--format", "json", "--out", out)
+        assert code == 2 and what in _one_error(err) and "loading model" not in err and not fresh.exists()
+    # an empty save (nothing collected yet) resumes from nothing; rows recording no system are kept with a warning
+    fresh.write_text("")
+    assert run_cli("audit", "collect", "engine:model=tiny,mode=ar", "--prompts", prompts, "--save", fresh,
+                   "--max-new-tokens", "3", "--resume")[0] == 0
+    assert fresh.read_text() == before
+    old = [{k: v for k, v in json.loads(line).items() if k not in ("system", "max_new_tokens")}
+           for line in before.splitlines()]
+    fresh.write_text(_jsonl(old[:1]))
+    code, _, err = run_cli("audit", "collect", "engine:model=tiny,mode=ar", "--prompts", prompts, "--save", fresh,
+                           "--max-new-tokens", "3", "--resume")
+    assert code == 0 and "1 of the 1 rows kept do not record the system or --max-new-tokens" in err
 
 
 def test_compare_ends_a_hung_command_after_the_default_timeout(run_cli, tmp_path, monkeypatch):

@@ -220,8 +220,8 @@ def run_audit(system_outputs, stock_outputs, ar_outputs, scorer_spec, *, device=
               help="Outputs JSONL to write (also written with the rows collected so far when a run fails).")
 @click.option("--tokenizer", default=None, help="Model whose tokenizer turns text prompts into ids.")
 @click.option("--resume", is_flag=True,
-              help="Keep the rows --save already holds (an interrupted collection with the same --prompts and "
-                   "--max-new-tokens) and run only the other prompts.")
+              help="Keep the rows --save already holds (an interrupted collection of the same SYSTEM, --prompts "
+                   "and --max-new-tokens; each row records its system and limit) and run only the other prompts.")
 @output_options
 def collect_cmd(system, prompts_path, max_new_tokens, timeout, concurrency, save, tokenizer, resume, fmt, out):
     """Run SYSTEM (engine: spec or http:// server) over --prompts and save its outputs file. An
@@ -237,20 +237,27 @@ def collect_cmd(system, prompts_path, max_new_tokens, timeout, concurrency, save
     from pathlib import Path
 
     from specpilot.auditors.outputs import read_outputs
-    from specpilot.auditors.systems import collect, make_generator, parse_system
+    from specpilot.auditors.systems import collect, make_generator, parse_system, system_identity
+    from specpilot.fileio import check_output_path
 
     spec = parse_system(system)
     if spec.kind == "file":
         raise InputError(f"{system}: already an outputs file; collect runs an engine: spec or an http:// server")
     if not prompts_path:
         raise InputError("collect needs --prompts FILE")
+    if out:   # before the collection: --out may be neither its inputs nor its save
+        if Path(out).resolve() == Path(save).resolve():
+            raise InputError(f"--out {out}: the same file as --save; choose another --out (or leave it out)")
+        check_output_path(out, "--out", protect=[prompts_path])
+    identity = system_identity(spec)
     prompts = _read_prompts(prompts_path, tokenizer)
-    already = read_outputs(save).rows if resume and Path(save).exists() else []
-    _check_resumable(already, prompts, max_new_tokens, save)
+    # an empty --save (made, nothing collected yet) resumes from nothing
+    already = read_outputs(save).rows if resume and Path(save).exists() and Path(save).stat().st_size else []
+    _check_resumable(already, prompts, max_new_tokens, save, identity)
     try:
         outputs = collect(make_generator(spec, timeout=timeout), prompts, max_new_tokens, save_to=save,
                           name=spec.name, progress=progress, protect=[prompts_path], concurrency=concurrency,
-                          already=already)
+                          already=already, system=identity)
     except BaseException as e:
         if getattr(e, "path", None) or (isinstance(e, KeyboardInterrupt) and Path(save).exists()):
             e.add_note(f"continue with --resume (same --save {save})")
@@ -264,10 +271,11 @@ def collect_cmd(system, prompts_path, max_new_tokens, timeout, concurrency, save
     return 0
 
 
-def _check_resumable(already, prompts, max_new_tokens: int, save: str) -> None:
+def _check_resumable(already, prompts, max_new_tokens: int, save: str, system: str) -> None:
     """Refuse to resume from rows the collection would drop or mix in: rows of other prompts (the
-    file is rewritten with the prompts' rows only), rows collected under another --max-new-tokens
-    (a row records its limit) or, for rows that do not record it, longer than --max-new-tokens."""
+    file is rewritten with the prompts' rows only), rows of another system or collected under
+    another --max-new-tokens (a row records both) or, for rows that do not record the limit,
+    longer than --max-new-tokens; warn that rows recording neither cannot be checked."""
     from specpilot.auditors.outputs import key
 
     want = {key(p.id): list(p.prompt_ids) for p in prompts}
@@ -276,6 +284,15 @@ def _check_resumable(already, prompts, max_new_tokens: int, save: str) -> None:
         raise InputError(f"--save {save}: {len(stray)} of its {len(already)} rows answer none of --prompts (first: "
                          f"id {stray[0].id!r}); --resume continues a collection of the same prompts, so choose "
                          "another --save")
+    alien = next((r for r in already if r.system not in (None, system)), None)
+    # a server may come back at another address with the same model: only a note for two URLs
+    if alien is not None and alien.system.startswith(("http://", "https://")) and system.startswith(("http://",
+                                                                                                   "https://")):
+        click.echo(f"specpilot: warning: --save {save}: row {alien.id!r} was collected from {alien.system}, this "
+                   f"collection runs {system}; resume only if that server runs the same model and settings", err=True)
+    elif alien is not None:
+        raise InputError(f"--save {save}: row {alien.id!r} was collected from {alien.system}, not {system}; resume "
+                         "with the SYSTEM it was collected from, or choose another --save")
     other = next((r for r in already if r.max_new_tokens not in (None, max_new_tokens)), None)
     if other is not None:
         raise InputError(f"--save {save}: row {other.id!r} was collected with --max-new-tokens "
@@ -285,6 +302,11 @@ def _check_resumable(already, prompts, max_new_tokens: int, save: str) -> None:
     if long is not None:
         raise InputError(f"--save {save}: row {long.id!r} has {len(long.output_ids)} output tokens, more than "
                          f"--max-new-tokens {max_new_tokens}; resume with the --max-new-tokens it was collected with")
+    unknown = sum(1 for r in already if r.max_new_tokens is None or r.system is None)
+    if unknown:
+        click.echo(f"specpilot: warning: --save {save}: {unknown} of the {len(already)} rows kept do not record the "
+                   "system or --max-new-tokens they were collected with (a file from an older SpecPilot); they "
+                   "cannot be checked against this collection's", err=True)
 
 
 @command.command("selftest")

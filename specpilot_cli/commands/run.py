@@ -62,18 +62,25 @@ def _tlv_note(t: dict) -> str:
             f"{ms['exact']:.3f} + append {ms['append']:.3f} ms")
 
 
+def _count(n: int, one: str, many: str | None = None) -> str:
+    return f"{n} {one if n == 1 else many or one + 's'}"
+
+
 def _batch_note(b: dict, mode: str) -> str:
-    """A batched run's steps: how many requests each verify step carried, its wall time, the prompt
-    rows, and the batching rules that apply to ``mode`` (the JSON's ``batch`` has every total)."""
+    """A batched run's steps: how many requests each step carried, its wall time, the prompt rows,
+    and the batching rules that apply to ``mode`` (the JSON's ``batch`` has every total)."""
     steps = b["verify_steps"]
-    per = f" of {b['request_steps'] / steps:.1f} requests on average" if steps else ""
-    # scheduler iterations run verify steps or prefill passes; the latter's wall time is counted apart
-    wall = (b["step_seconds"] - b["prefill_seconds"]) * 1e3 / steps if steps else 0.0
-    overlap = f", {b['overlapped_steps']} overlapped" if b.get("overlapped_steps") else ""
-    return (f"\nbatch {b['batch']}: {steps} verify steps{per}, {wall:.3f} ms each (wall clock{overlap}); "
-            f"{b['prefill_passes']} prefill pass{'es' if b['prefill_passes'] != 1 else ''}, "
-            f"{b['admitted_prompt_rows']} prompt rows in verify steps; "
-            + (f"budget {b['budget']}, block {b['block']}, " if mode != "ar" else "") + f"admit {b['admit']}")
+    what = "decode step" if mode == "ar" else "verify step"   # an AR step verifies nothing
+    line = f"\nbatch {b['batch']}: {_count(steps, what)}"
+    if steps:
+        # scheduler iterations run steps or prefill passes; the latter's wall time is counted apart
+        wall = (b["step_seconds"] - b["prefill_seconds"]) * 1e3 / steps
+        overlap = f", {b['overlapped_steps']} overlapped" if b.get("overlapped_steps") else ""
+        line += (f" of {b['request_steps'] / steps:.1f} requests on average, {wall:.3f} ms each "
+                 f"(wall clock{overlap})")
+    rules = (f"budget {b['budget']}, block {b['block']}, " if mode in ("chain", "tree") else "") + f"admit {b['admit']}"
+    return (f"{line}; {_count(b['prefill_passes'], 'prefill pass', 'prefill passes')}, "
+            f"{_count(b['admitted_prompt_rows'], 'prompt row')} in {what}s; {rules}")
 
 
 def _note(tokens: int, steps: int, summary: dict, info: dict, timing: dict | None, clocks: dict | None = None,
