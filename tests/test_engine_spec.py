@@ -108,6 +108,16 @@ def test_batching_rules_given_where_they_change_nothing_are_refused(text, msg, r
     assert _spec_from_flags(["--mode", "ar"]).batch == 1
 
 
+def test_a_spec_changed_to_where_a_rule_cannot_apply_drops_it():
+    """A batched tree's stock turned into its AR reference (the round does) or into one request keeps
+    only the rules that still apply, so its text parses back to it."""
+    tree = EngineSpec.parse("engine:model=tiny,mode=tree,batch=4,budget=equal,block=fixed,admit=off")
+    for changed, text in ((tree.with_(mode="ar"), "engine:model=tiny,mode=ar,batch=4,admit=off"),
+                          (tree.with_(mode="tlv"), "engine:model=tiny,mode=tlv,batch=4,admit=off"),
+                          (tree.with_(batch=1), "engine:model=tiny,mode=tree")):
+        assert str(changed) == text and EngineSpec.parse(text) == changed
+
+
 @pytest.mark.parametrize("verb", [["run"], ["serve"]])
 def test_run_and_serve_help_list_every_engine_flag(run_cli, verb):
     code, out, _ = run_cli(*verb, "--help")
