@@ -39,7 +39,13 @@ def parse_system(spec: str, name: str | None = None) -> SystemSpec:
         from .http_client import parse_url
 
         return SystemSpec("http", parse_url(s), name or s)
-    if s.startswith("engine:"):
+    if s.startswith("engine:"):   # checked now, before any system of the command runs
+        from specpilot.engine.spec import EngineSpec
+
+        try:
+            EngineSpec.parse(s, strict=True)
+        except InputError as e:
+            raise InputError(f"{s}: {e}") from None
         return SystemSpec("engine", s, name or s)
     p = Path(s).expanduser()
     if p.is_file():

@@ -27,6 +27,7 @@ import contextvars
 import json
 import logging
 import os
+import secrets
 import threading
 from dataclasses import dataclass, field
 
@@ -54,12 +55,16 @@ class LatticeRecorder:
 
     ``observe(rid, tokens, logprobs, transitions, committed)`` is called once per verify step of
     request ``rid``; rows come out through ``sink(row)`` as soon as their target is complete, with
-    ``batch_step`` the decode call (:meth:`end_call` ends each) the step came from, so that
-    ``replay``'s batch policies take the requests SGLang verified together as one batch.
+    ``batch_step`` the decode call (:meth:`end_call` ends each) the step came from, under the
+    recorder's random ``run`` prefix, so that ``replay``'s batch policies take the requests SGLang
+    verified together as one batch.
     """
 
-    def __init__(self, sink):
+    def __init__(self, sink, run: int | None = None):
         self.sink = sink
+        # batch_step = run << 32 | decode call: files of several processes (DP workers, restarts
+        # appending to a reused pid's file) concatenate without two processes' calls meeting
+        self.run = secrets.randbits(30) if run is None else int(run)
         self.pending: dict[str, list[_Pending]] = {}
         self.steps: dict[str, int] = {}
         self.last_seen: dict[str, int] = {}
@@ -77,7 +82,7 @@ class LatticeRecorder:
                 p.target.extend(committed)
             step = self.steps.get(rid, 0)
             self.steps[rid] = step + 1
-            queue.append(_Pending(step, self.calls, tokens, logprobs, transitions, list(committed)))
+            queue.append(_Pending(step, self.run << 32 | self.calls, tokens, logprobs, transitions, list(committed)))
             self.last_seen[rid] = self.calls
             keep = []
             for p in queue:

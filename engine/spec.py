@@ -148,12 +148,15 @@ class EngineSpec:
 
     # ------------------------------------------------------------------------ text <-> spec
     @classmethod
-    def parse(cls, text: str) -> "EngineSpec":
+    def parse(cls, text: str, strict: bool = False) -> "EngineSpec":
         """``engine:model=smollm2,mode=tree,nodes=32`` (the ``engine:`` prefix is optional); keys are
-        field names or flag names (``random-weights`` = ``random``)."""
+        field names or flag names (``random-weights`` = ``random``). ``strict`` (a spec the user
+        typed): a batching rule where it changes nothing is refused (:meth:`check_used`); without
+        it (a spec a file stored) such a rule keeps its default."""
         fields = cls.parse_fields(text)
         spec = cls.from_options(**fields)
-        spec.check_used(fields)
+        if strict:
+            spec.check_used(fields)
         return spec
 
     @classmethod

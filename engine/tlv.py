@@ -243,6 +243,18 @@ class TLVStats:
         return out
 
 
+def run_totals(results: list[dict], batch: dict | None = None) -> dict:
+    """TLV's statistics over a run's requests (``results``: each with its ``tlv``): the batch
+    decoder's totals where it ran them (its phases per batched step), else every request's cycles
+    summed (their phases per cycle)."""
+    if batch and batch.get("tlv"):
+        return dict(batch["tlv"])
+    total = TLVStats(results[0]["tlv"]["nodes"])
+    for r in results:
+        total.add(TLVStats.from_json(r["tlv"]))
+    return total.to_json()
+
+
 class QRunner(GraphRunner):
     """The Q pass's CUDA graphs, one per row bucket: captured with the 8-bit view active, so their
     replays run the W12 QPASS kernels (the exact pass replays the decoder's own runner)."""

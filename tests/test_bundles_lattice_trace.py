@@ -164,8 +164,9 @@ def test_replay_reads_recorded_lattice(sgl, rows, run_cli, tmp_path):
     calls = {}
     for r in rows:
         calls.setdefault(r["batch_step"], set()).add(r["request"])
-    assert len(calls) > 1 and calls[0] == {"r0", "r1"}   # (a request's last rows wait for their target)
-    assert all(r["batch_step"] == r["step"] for r in rows)   # here every call decodes both requests
+    run = lt.recorder().run
+    assert len(calls) > 1 and calls[run << 32] == {"r0", "r1"}   # (a request's last rows wait for their target)
+    assert all(r["batch_step"] == run << 32 | r["step"] for r in rows)   # here every call decodes both requests
     code, out, err = run_cli("replay", path, "--policy", "shared:3", "--format", "json", "--bootstrap", "100")
     assert code == 0, err
 
@@ -188,12 +189,18 @@ def test_observer_skips_prefill_sampling_and_other_ranks(rows):
 
 def test_recorder_drops_unfinished_steps_and_forgets_stale_requests():
     out = []
-    rec = lt.LatticeRecorder(out.append)
+    rec = lt.LatticeRecorder(out.append, run=3)
     tok, lp = [[1, 2], [3, 4]], [[-0.1, -2.0], [-0.2, -1.0]]
     rec.observe("a", tok, lp, None, [5])       # needs 3 target tokens: pending
     rec.end_call()
     rec.observe("a", tok, lp, None, [6, 7])    # first row complete: [5, 6, 7]
-    assert [r["target"] for r in out] == [[5, 6, 7]] and out[0]["batch_step"] == 0
+    assert [r["target"] for r in out] == [[5, 6, 7]] and out[0]["batch_step"] == 3 << 32
+    # two processes' files concatenated: their decode calls stay apart
+    other = []
+    rec2 = lt.LatticeRecorder(other.append)
+    rec2.observe("b", tok, lp, None, [5])
+    rec2.observe("b", tok, lp, None, [6, 7])
+    assert other[0]["batch_step"] != out[0]["batch_step"] and other[0]["batch_step"] >> 32 == rec2.run
     for _ in range(lt.STALE_CALLS + 2):
         rec.end_call()
     assert rec.pending == {} and rec.dropped == 1

@@ -98,7 +98,11 @@ def test_spec_errors(text, msg):
 ])
 def test_batching_rules_given_where_they_change_nothing_are_refused(text, msg, run_cli):
     with pytest.raises(InputError, match=msg):
-        EngineSpec.parse(text)
+        EngineSpec.parse(text, strict=True)
+    # a stored spec (a baseline, a record written before the rule) still reads: the rule keeps its default
+    stored = EngineSpec.parse(text)
+    assert all(getattr(stored, k) == getattr(EngineSpec(), k) for k in EngineSpec.parse_fields(text)
+               if k in ("budget", "block", "admit", "admit_rows"))
     # the same through the flags; defaults left alone are fine, and admit applies to every mode
     fields = EngineSpec.parse_fields(text)
     flags = [a for k, v in fields.items() if k != "model" for a in (f"--{k.replace('_', '-')}", v)]

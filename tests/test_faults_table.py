@@ -450,6 +450,15 @@ def test_audit_collect_rows_record_their_limit_and_resume_refuses_another(run_cl
     assert code == 2 and 'must be a positive integer, got true' in _one_error(err)
 
 
+def test_audit_checks_every_engine_spec_before_any_system_runs(run_cli, tmp_path):
+    code, _, err = run_cli("audit", "engine:model=tiny,batch=1,block=fixed", "--against", "engine:model=tiny,mode=ar",
+                           "--scorer", "smollm2", "--prompts", REPO / "examples" / "prompts.jsonl", "--max-new-tokens", "2",
+                           "--save-outputs", tmp_path / "outs")
+    assert code == 2 and "engine:model=tiny,batch=1,block=fixed: engine option block applies to batched decoding" \
+        in _one_error(err)
+    assert "loading model" not in err and not (tmp_path / "outs").exists()
+
+
 def test_audit_collect_resume_refuses_another_system_and_checks_out_first(run_cli, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(_jsonl([{"schema": "specpilot.prompts/1", "id": i, "prompt_ids": [1, 2 + i]} for i in range(2)]))

@@ -284,6 +284,19 @@ def test_shared_budget_policy(tmp_path, run_cli):
     assert d["curves"]["shared"]["2"] == 3.0 and d["curves"]["best-first"]["1"] == 2.0
 
 
+def test_batch_policies_on_a_lattice_with_no_draft(tmp_path, run_cli):
+    """A drafter that proposed nothing (m = 0, K = 0: random weights give the n-gram drafter no match)
+    verifies the bonus token only: tau 1 for every policy, batched ones included."""
+    rows = [{"schema": "specpilot.lattice/1", "request": r, "step": s, "tokens": [], "logprobs": [],
+             "transitions": None, "target": [7]} for r in range(2) for s in range(3)]
+    lat = write(tmp_path / "l.jsonl", rows)
+    code, out, err = run_cli("replay", lat, "--policy", "shared:8", "--policy", "adaptive:8", "--policy",
+                             "best-first:8", "--format", "json")
+    assert code == 0, err
+    assert {p["policy"]: p["tau"] for p in json.loads(out)["policies"]} == \
+        {"shared:8": 1.0, "adaptive:8": 1.0, "best-first:8": 1.0}
+
+
 @pytest.mark.parametrize("block, policy", [("fixed", "shared:16"), ("adaptive", "adaptive:16")])
 def test_batched_runs_replay_to_their_own_tau(tmp_path, run_cli, block, policy):
     """A batched tree run (shared budget) with fixed drafter blocks is shared:N, with the per-request

@@ -423,3 +423,20 @@ def test_the_model_takes_the_profile_of_the_decode_steps():
     assert m.largest == "tree" and m.cost_model["ceiling"] == pytest.approx(2.0 * 1.5 * 5.0 / 4.5)
     assert {(r["family"], r["nodes"]) for r in m.by_nodes} == {("chain", 4), ("best-first", 4)}
     assert next(r for r in m.by_nodes if r["family"] == "best-first")["speedup"] == pytest.approx(1.6 / 1.1)
+
+
+def test_a_batched_engine_deployment_is_its_own_and_records_tlv_per_batched_step(tmp_path):
+    """The deployment's facts carry the engine's batch (its record file is not the one-request
+    deployment's), and the TLV recording of a batched engine takes the batch decoder's totals (its
+    requests' own rows have no time split)."""
+    from specpilot.auditors.outputs import Prompt
+    from specpilot.auditors.round.deployment import parse_deployment
+    from specpilot.auditors.round.measure import record_tlv
+    from specpilot.engine.api import load_engine
+
+    one, two = (parse_deployment(f"engine:model=tiny,mode=tree,threads=1{b}").facts for b in ("", ",batch=2"))
+    assert (one.batch, two.batch) == (1, 2) and one.identity().endswith("-b1") and two.identity().endswith("-b2")
+    eng = load_engine("engine:model=tiny,mode=tlv,nodes=6,depth=3,topk=2,threads=1,batch=2")
+    got = record_tlv(eng, [Prompt(i, [1, 2 + i, 3]) for i in range(3)], 6, tmp_path / "tlv.jsonl")
+    assert got["cycles"] > 0 and got["cycle_ms"] > 0 and set(got["time_ms"]) == {"draft1", "qpass", "draft2", "exact",
+                                                                                  "append"}

@@ -97,18 +97,19 @@ def engine_facts(spec) -> Facts:
         gpu_key = match.key if match else None
     return Facts(kind="engine", model=display, device="cuda" if cuda else "cpu", gpu=gpu, gpu_key=gpu_key,
                  dtype=DTYPE_SHORT.get(spec.torch_dtype_name, spec.torch_dtype_name),
-                 drafter=spec.drafter, target="hybrid" if model_spec.is_hybrid else "dense", batch=1,
+                 drafter=spec.drafter, target="hybrid" if model_spec.is_hybrid else "dense", batch=spec.batch,
                  cpu=None if cuda else cpu_name())
 
 
-def parse_deployment(text: str | None) -> Deployment:
-    """An engine spec (or ``engine``/None for the default) or an SGLang deployment file."""
+def parse_deployment(text: str | None, strict: bool = True) -> Deployment:
+    """An engine spec (or ``engine``/None for the default) or an SGLang deployment file;
+    ``strict``: the user typed it (a round's state file: not, see :meth:`EngineSpec.parse`)."""
     raw = (text or "engine").strip()
     if raw == "engine" or raw.startswith("engine:"):
         from specpilot.engine.spec import EngineSpec
 
         resolved = default_engine_text() if raw == "engine" else raw
-        spec = EngineSpec.parse(resolved)
+        spec = EngineSpec.parse(resolved, strict=strict)
         return Deployment(text=str(spec), kind="engine", facts=engine_facts(spec), engine_spec=spec)
     path = Path(raw).expanduser()
     if path.is_file():

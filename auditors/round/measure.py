@@ -115,21 +115,18 @@ def tlv_unavailable(spec) -> str | None:
 
 def record_tlv(engine, prompts, max_new_tokens: int, path: Path, progress=None) -> dict:
     """The prompts through ``engine`` (TLV mode) with its lattice recorded to ``path``, replayed as
-    ``tlv:N``: tau per exact pass, and the mean ms per cycle of each phase (draft 1, Q pass,
-    draft 2, exact pass, append) from the run's own clock."""
+    ``tlv:N``: tau per exact pass, and the mean ms of each phase (draft 1, Q pass, draft 2, exact
+    pass, append) per cycle (a batched engine: per batched step) from the run's own clock."""
     from specpilot.auditors.replay import read_lattice, replay
-    from specpilot.engine.tlv import TLVStats
+    from specpilot.engine.tlv import run_totals
 
     nodes = engine.spec.nodes
     t0 = time.perf_counter()
     run = engine.run([{"id": p.id, "ids": list(p.prompt_ids)} for p in prompts], max_new_tokens,
                      record_lattice=True, progress=progress)
     write_jsonl_atomic(path, run.lattice_rows)
-    total = TLVStats(nodes)
-    for r in run.results:
-        total.add(TLVStats.from_json(r["tlv"]))
     res = replay(read_lattice(path), [f"tlv:{nodes}"], n_boot=200).to_json()
-    stats = total.to_json()
+    stats = run_totals(run.results, run.batch)   # a batched engine's phases are per batched step
     return {"spec": str(engine.spec), "nodes": nodes, "tau": res["policies"][0]["tau"], "cycles": stats["cycles"],
             "q_top1_agreement": stats["q_top1_agreement"], "mean_commit_chain": stats["mean_commit_chain"],
             "time_ms": stats["time_ms"], "cycle_ms": stats["cycle_ms"], "prompts": len(prompts),

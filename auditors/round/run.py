@@ -143,7 +143,7 @@ class _Round:
             else:
                 spent = float(self.state.get("spent_s") or 0.0)
             self.clock = pl.Clock(self.cfg.budget_min * 60.0, spent_before=spent)
-            self.dep = parse_deployment(self.state["deployment"])
+            self.dep = parse_deployment(self.state["deployment"], strict=False)
         else:
             self.cfg = cfg
             self.dep = check_config(cfg)

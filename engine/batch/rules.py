@@ -36,7 +36,7 @@ def pack_lattices(lattices, m: int, k: int, device) -> tuple[torch.Tensor, torch
     such candidate). A request without transitions gets its marginal scores in them; ``None`` when
     no request has any."""
     B = len(lattices)
-    m = max(1, m)
+    m, k = max(1, m), max(1, k)   # an empty lattice (a drafter that proposed nothing) still has a shape
     tok = np.zeros((B, m, k), dtype=np.int64)
     lp = np.full((B, m, k), -np.inf, dtype=np.float32)
     has_tr = m > 1 and any(lat.transitions for lat in lattices)

@@ -125,7 +125,7 @@ def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, tokenizer
             from specpilot.engine.api import EngineSpec
 
             try:
-                EngineSpec.parse(spec)
+                EngineSpec.parse(spec, strict=True)
             except InputError as e:
                 raise InputError(f"{role} {spec}: {e}") from None
     prompt_rows = None

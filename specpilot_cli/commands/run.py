@@ -42,14 +42,9 @@ def _tlv_summary(results: list[dict], tau: float, batch: dict | None = None) -> 
     exact pass, mean |C| and the mean cycle's time split."""
     if not results or "tlv" not in results[0]:
         return None
-    if batch and batch.get("tlv"):   # the batch decoder's totals: its phases per batched step
-        return {"tau_per_exact_pass": tau, **batch["tlv"]}
-    from specpilot.engine.tlv import TLVStats
+    from specpilot.engine.tlv import run_totals
 
-    total = TLVStats(results[0]["tlv"]["nodes"])
-    for r in results:
-        total.add(TLVStats.from_json(r["tlv"]))
-    return {"tau_per_exact_pass": tau, **total.to_json()}
+    return {"tau_per_exact_pass": tau, **run_totals(results, batch)}
 
 
 def _tlv_note(t: dict) -> str:
@@ -85,7 +80,8 @@ def _batch_note(b: dict, mode: str) -> str:
 
 def _note(tokens: int, steps: int, summary: dict, info: dict, timing: dict | None, clocks: dict | None = None,
           batch: dict | None = None, mode: str = "ar") -> str:
-    note = (f"total: {tokens} tokens, {steps} passes, tau {summary['tau']:.3f}, {summary['tokens_per_s']:.1f} "
+    note = (f"total: {_count(tokens, 'token')}, {_count(steps, 'pass', 'passes')}, tau {summary['tau']:.3f}, "
+            f"{summary['tokens_per_s']:.1f} "
             f"tokens/s; load {info['load_seconds']:.1f} s, warm-up {info['warmup_seconds']:.1f} s (before the "
             "requests)")
     if batch:
