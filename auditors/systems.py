@@ -39,13 +39,15 @@ def parse_system(spec: str, name: str | None = None) -> SystemSpec:
         from .http_client import parse_url
 
         return SystemSpec("http", parse_url(s), name or s)
-    if s.startswith("engine:"):   # checked now, before any system of the command runs
+    if s.startswith("engine:"):   # checked now, its model too, before any system of the command runs
+        from specpilot.engine.api import resolve_model
         from specpilot.engine.spec import EngineSpec
 
         try:
-            EngineSpec.parse(s, strict=True)
+            parsed = EngineSpec.parse(s, strict=True)
+            resolve_model(parsed.model, parsed.random)
         except InputError as e:
-            raise InputError(f"{s}: {e}") from None
+            raise InputError(str(e) if s in str(e) else f"{s}: {e}") from None
         return SystemSpec("engine", s, name or s)
     p = Path(s).expanduser()
     if p.is_file():
@@ -61,6 +63,9 @@ class Generator:
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:  # pragma: no cover
         raise NotImplementedError
+
+    def check(self, prompt_ids: list[int], max_new_tokens: int) -> None:
+        """InputError for a prompt the system cannot run, where it can tell before running any."""
 
     def close(self) -> None:
         pass
@@ -97,12 +102,21 @@ class EngineGenerator(Generator):
         out = self.engine.generate(list(prompt_ids), max_new_tokens)
         return _as_ids(out)
 
-    def generate_many(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
-        """Greedy outputs of ``prompts``, queued at once on the batch decoder (made on first use)."""
-        if self._batcher is None:
+    def check(self, prompt_ids, max_new_tokens: int) -> None:
+        if self.batch > 1:
+            self._batch_decoder().check(self.engine.request(list(prompt_ids), max_new_tokens))
+        else:
+            self.engine.decoder.check([int(t) for t in prompt_ids], max_new_tokens)
+
+    def _batch_decoder(self):
+        if self._batcher is None:   # made on first use (on CUDA it captures its graphs)
             self._batcher = self.engine.batch_decoder()
+        return self._batcher
+
+    def generate_many(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+        """Greedy outputs of ``prompts``, queued at once on the batch decoder."""
         reqs = [self.engine.request(p, max_new_tokens, id=i) for i, p in enumerate(prompts)]
-        return [_as_ids(r) for r in self._batcher.generate_many(reqs)]
+        return [_as_ids(r) for r in self._batch_decoder().generate_many(reqs)]
 
 
 def _as_ids(out) -> list[int]:
@@ -183,6 +197,15 @@ def collect(generator: Generator, prompts: Sequence[Prompt], max_new_tokens: int
         if r is not None and list(r.prompt_ids) == list(p.prompt_ids):
             done[i] = r
     todo = [i for i in range(len(prompts)) if i not in done]
+    try:   # a prompt the system cannot run is refused before any runs
+        for i in todo:
+            try:
+                generator.check(list(prompts[i].prompt_ids), max_new_tokens)
+            except InputError as e:
+                raise InputError(f"{name}: prompt {prompts[i].id!r}: {e}") from None
+    except BaseException:
+        generator.close()
+        raise
     bar = progress(total=len(todo), desc=f"running {name}") if progress else None
 
     def finish(i: int, ids) -> None:
@@ -265,7 +288,8 @@ def load_system(system: SystemSpec, prompts: Sequence[Prompt] | None, max_new_to
         raise InputError(f"{system.spec}: running a system needs --prompts FILE")
     gen = make_generator(system, timeout=timeout)
     return collect(gen, prompts, max_new_tokens, save_to=save_to, name=system.name, progress=progress,
-                   protect=protect, concurrency=concurrency, save_option=save_option)
+                   protect=protect, concurrency=concurrency, save_option=save_option,
+                   system=system_identity(system))
 
 
 def default_save_path(folder: str, role: str, index: int = 0, option: str = "--save-outputs") -> str:

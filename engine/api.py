@@ -7,6 +7,7 @@ check live there) or its text form ``engine:model=smollm2,mode=tree,nodes=32``.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -57,14 +58,23 @@ class RunResult:
     results: list[dict] = field(default_factory=list)
     lattice_rows: list[dict] = field(default_factory=list)
     step_times: list = field(default_factory=list)   # every request's per-step timing tuples (decode.step_timing)
+    batch: dict | None = None   # batched runs: the rules and the decoder's totals
+    gpu_clocks: dict | None = None   # CUDA: SM clock and power while the run decoded (engine/clocks.py)
 
     def step_timing(self) -> dict | None:
         """The decode loop's step timing over all requests (``GenerationResult.step_timing``)."""
         from specpilot.engine.decode import step_timing
 
         return step_timing(self.step_times)
-    batch: dict | None = None   # batched runs: the rules and the decoder's totals
-    gpu_clocks: dict | None = None   # CUDA: SM clock and power while the run decoded (engine/clocks.py)
+
+
+@contextlib.contextmanager
+def _naming(prompt_id):
+    """An InputError about one of several prompts names the prompt."""
+    try:
+        yield
+    except InputError as e:
+        raise InputError(f"prompt {prompt_id!r}: {e}") from None
 
 
 @dataclass
@@ -126,9 +136,12 @@ class Engine:
         if self.spec.batch > 1:
             self._run_batched(prompts, max_new_tokens, chat, record_lattice, progress, out)
             return
+        encoded = [pr.get("ids") or self.encode(pr["text"], chat=chat) for pr in prompts]
+        for pr, ids in zip(prompts, encoded):   # a prompt that cannot run is refused before any runs
+            with _naming(pr["id"]):
+                self.decoder.check(ids, max_new_tokens)
         it = prompts if progress is None else progress(prompts, total=len(prompts), desc="run", unit="prompt")
-        for pr in it:
-            ids = pr.get("ids") or self.encode(pr["text"], chat=chat)
+        for pr, ids in zip(it, encoded):
             r = self.generate(ids, max_new_tokens, record_lattice=record_lattice, request=pr["id"])
             out.lattice_rows.extend(r.lattice_steps)
             out.step_times.extend(r.step_times)
@@ -144,6 +157,9 @@ class Engine:
         reqs = [self.request(pr.get("ids") or self.encode(pr["text"], chat=chat), max_new_tokens, id=pr["id"],
                              record_lattice=record_lattice) for pr in prompts]
         dec = self.batch_decoder()
+        for r in reqs:
+            with _naming(r.id):
+                dec.check(r)
         t0 = time.perf_counter()
         bar = None
         if progress is not None:

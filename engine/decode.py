@@ -23,6 +23,22 @@ from specpilot.errors import InputError
 from specpilot.kernels import tree as treelib
 from specpilot.kernels.gdn.path import row_paths
 
+
+def check_request(prompt_ids, max_new_tokens: int, vocab: int, need: int, slots: int) -> None:
+    """InputError for a request no decoder can run: an empty prompt, a token outside the
+    vocabulary, no new token, or more cache slots (``need``) than the decoder has (``slots``)."""
+    if not prompt_ids:
+        raise InputError("empty prompt: give at least one token")
+    bad = [t for t in prompt_ids if not 0 <= t < vocab]
+    if bad:
+        raise InputError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+    if max_new_tokens < 1:
+        raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if need > slots:
+        raise InputError(f"prompt ({len(prompt_ids)} tokens) + {max_new_tokens} new tokens + draft rows need "
+                         f"{need} cache slots; the engine has {slots} (raise ctx=)")
+
+
 @dataclass
 class GenerationResult:
     output_ids: list[int]
@@ -323,22 +339,16 @@ class Decoder:
         finally:
             torch.set_num_threads(old)
 
+    def check(self, prompt_ids: list[int], max_new_tokens: int) -> None:
+        """Refuse a request this decoder cannot run (InputError)."""
+        check_request(prompt_ids, max_new_tokens, self.model.spec.vocab_size,
+                      self.capacity_needed(len(prompt_ids), max_new_tokens), self.model.max_seq)
+
     @torch.no_grad()
     def _generate(self, prompt_ids: list[int], max_new_tokens: int, record_lattice: bool = False,
                   request=0) -> GenerationResult:
         prompt_ids = [int(t) for t in prompt_ids]
-        if not prompt_ids:
-            raise InputError("empty prompt: give at least one token")
-        V = self.model.spec.vocab_size
-        bad = [t for t in prompt_ids if not 0 <= t < V]
-        if bad:
-            raise InputError(f"prompt token id {bad[0]} is outside the vocabulary (0..{V - 1})")
-        if max_new_tokens < 1:
-            raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        need = self.capacity_needed(len(prompt_ids), max_new_tokens)
-        if need > self.model.max_seq:
-            raise InputError(f"prompt ({len(prompt_ids)} tokens) + {max_new_tokens} new tokens + draft rows need "
-                             f"{need} cache slots; the engine has {self.model.max_seq} (raise ctx=)")
+        self.check(prompt_ids, max_new_tokens)
         if self.drafter is not None:
             self.drafter.reset(self.model, prompt_ids)
         self._sync()

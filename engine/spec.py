@@ -316,6 +316,9 @@ class OptionInfo:
                 return word in TRUE_WORDS
             raise InputError(f"engine option {self.name}={v!r} must be 0 or 1")
         if self.kind is int:
+            # plain ASCII digits: int() also takes "1_0" and other scripts' digits
+            if isinstance(v, bool) or (isinstance(v, str) and not re.fullmatch(r"\s*[+-]?[0-9]+\s*", v)):
+                raise InputError(f"engine option {self.name}={v!r} is not an integer")
             try:
                 iv = int(v)
             except (TypeError, ValueError):

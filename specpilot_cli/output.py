@@ -60,6 +60,11 @@ def visible(text: str) -> str:
     return "".join(c if c in "\n\t" or unicodedata.category(c) != "Cc" else repr(c)[1:-1] for c in text)
 
 
+def _paragraphs(text: str) -> str:
+    """Markdown joins consecutive lines into one paragraph: each line of ``text`` its own."""
+    return text.replace("\n", "\n\n")
+
+
 def _render_text(report: Report, markdown: bool) -> str:
     from tabulate import tabulate
 
@@ -77,11 +82,10 @@ def _render_text(report: Report, markdown: bool) -> str:
                             disable_numparse=True))
         if s.note:
             out.append("")
-            # Markdown joins consecutive lines into one paragraph: each note line is its own
-            out.append(s.note.replace("\n", "\n\n") if markdown else s.note)
+            out.append(_paragraphs(s.note) if markdown else s.note)
         out.append("")
     for line in report.lines:
-        out.append(line)
+        out.extend([_paragraphs(line), ""] if markdown else [line])
     return visible("\n".join(out).rstrip()) + "\n"
 
 
@@ -113,6 +117,19 @@ def emit(report: Report, fmt: str, out: str | None, protect: Sequence[str] = ())
         click.echo(f"wrote {out}", err=True)
     else:
         click.echo(text, nl=False)
+
+
+def count(n: int, one: str, many: str | None = None) -> str:
+    """``n`` with its noun in the singular or plural: "1 step", "3 passes"."""
+    return f"{n} {one if n == 1 else many or one + 's'}"
+
+
+def not_empty(ctx, param, value):
+    """Click callback for an output path option: an empty name would write nothing or the current
+    folder."""
+    if value is not None and not value.strip():
+        raise click.BadParameter("an empty path" + ("" if param.required else f"; give one, or leave {param.opts[0]} out"))
+    return value
 
 
 def _check_out(ctx, param, value):

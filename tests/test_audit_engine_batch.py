@@ -8,6 +8,7 @@ import pytest
 
 from specpilot.auditors.outputs import Prompt, read_outputs
 from specpilot.auditors.systems import BATCH_ROUNDS, CollectError, EngineGenerator, collect
+from specpilot.errors import InputError
 
 SPEC = "engine:model=tiny,mode=tree,drafter=ngram,nodes=8,depth=4,dtype=float32,ctx=96"
 
@@ -33,10 +34,22 @@ def test_batched_engine_collects_what_one_request_at_a_time_gives(tmp_path):
     assert [r.id for r in read_outputs(tmp_path / "b.jsonl").rows] == [p.id for p in prompts]
 
 
-def test_a_refused_prompt_keeps_the_chunks_before_it(tmp_path):
+def test_a_prompt_the_engine_cannot_run_is_refused_before_any_runs(tmp_path):
     gen = EngineGenerator(SPEC + ",batch=2")
     prompts = _prompts(2 * BATCH_ROUNDS + 3, gen.engine.model.spec.vocab_size)
     prompts[2 * BATCH_ROUNDS + 1] = Prompt("long", [1] * 200)   # past the 96 cache slots
+    save = tmp_path / "o.jsonl"
+    with pytest.raises(InputError, match="prompt 'long': .*raise ctx="):
+        collect(gen, prompts, 6, save_to=str(save))
+    assert not save.exists()
+
+
+def test_a_failing_chunk_keeps_the_chunks_before_it(tmp_path, monkeypatch):
+    """A failure the up-front check cannot see (here: the check skipped) keeps what completed."""
+    gen = EngineGenerator(SPEC + ",batch=2")
+    monkeypatch.setattr(gen, "check", lambda *a: None)
+    prompts = _prompts(2 * BATCH_ROUNDS + 3, gen.engine.model.spec.vocab_size)
+    prompts[2 * BATCH_ROUNDS + 1] = Prompt("long", [1] * 200)
     save = tmp_path / "o.jsonl"
     with pytest.raises(CollectError) as ei:
         collect(gen, prompts, 6, save_to=str(save))

@@ -299,8 +299,11 @@ def test_cli_bad_inputs(run_cli, tiny, tmp_path):
     code, out, err = run_cli("audit", f["stock"], "--against", f["stock"], "--scorer", tmp_path)
     assert code == 2 and "config.json" in err
 
-    code, out, err = run_cli("audit", "engine:model=x", "--against", f["stock"], "--scorer", m)
+    code, out, err = run_cli("audit", "engine:model=tiny", "--against", f["stock"], "--scorer", m)
     assert code == 2 and "--prompts" in err
+    # an engine: system's model is checked before any system runs
+    code, out, err = run_cli("audit", "engine:model=x", "--against", f["stock"], "--scorer", m)
+    assert code == 2 and "unknown model 'x'" in err and len(err.splitlines()) == 1
 
     # --out never overwrites an input, and a failed run leaves no output file
     before = f["stock"].read_text()

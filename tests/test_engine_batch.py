@@ -270,6 +270,21 @@ def test_batched_lattice_rows_equal_one_request_rows():
     assert all(isinstance(s, int) and s >= 0 for s in steps) and len(set(steps)) > 1
 
 
+def test_batched_ar_lattice_rows_equal_one_request_rows():
+    """An AR step records a row of no draft, batched as alone (replay's tau 1 needs every step)."""
+    spec = "engine:model=tiny,mode=ar"
+    one = load_engine(EngineSpec.parse(spec))
+    rows = []
+    for i, p in enumerate(PROMPTS[:3]):
+        rows += one.generate(p, 6, record_lattice=True, request=i).lattice_steps
+    eng = load_engine(EngineSpec.parse(spec + ",batch=2"))
+    res = eng.batch_decoder().generate_many([Request(p, 6, id=i, record_lattice=True) for i, p in enumerate(PROMPTS[:3])])
+    got = [x for r in res for x in r.lattice_steps]
+    for x in got:
+        x.pop("batch_step")
+    assert got == rows and len(rows) == 3 * 5 and all(x["tokens"] == [] for x in rows)
+
+
 # ------------------------------------------------------------------------------------- rules
 def test_block_sizes():
     assert rules.block_sizes(16) == [16, 12, 8]

@@ -84,6 +84,7 @@ def test_spec_keys_take_flag_names_and_dtype_aliases():
     ("engine:dtype=int8", "unknown dtype"), ("engine:device=tpu", "unknown device"),
     ("engine:model=tiny,batch=2,batch=3", "batch is given twice"),
     ("engine:random=1,random-weights=0", "random is given twice"),
+    ("engine:nodes=1_0", "not an integer"), ("engine:nodes=\uff18", "not an integer"),
 ])
 def test_spec_errors(text, msg):
     with pytest.raises(InputError, match=msg):

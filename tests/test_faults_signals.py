@@ -266,7 +266,7 @@ def test_sigterm_during_audit_collect_keeps_rows_and_resumes(tmp_path):
         stub.wait()
     assert proc.returncode == 0, err
     # the server came back at another port: resumed, with a note that the rows name the old one
-    assert "was collected from http://127.0.0.1:" in err and "resume only if that server runs the same model" in err
+    assert "of its rows were collected from http://127.0.0.1:" in err and "resume only if that server runs the same model" in err
     assert [json.loads(x) for x in log.read_text().splitlines()] == [[1, 12], [1, 13], [1, 14]]  # only the rest ran
     rows = [json.loads(x) for x in (tmp_path / "s.jsonl").read_text().splitlines()]
     assert [r["id"] for r in rows] == [f"p{i}" for i in range(5)]

@@ -495,6 +495,63 @@ def test_audit_collect_resume_refuses_another_system_and_checks_out_first(run_cl
     assert code == 0 and "1 of the 1 rows kept do not record the system or --max-new-tokens" in err
 
 
+def test_audit_collect_checks_save_first_and_reads_stored_specs_as_engines(run_cli, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(_jsonl([{"schema": "specpilot.prompts/1", "id": i, "prompt_ids": [1, 2 + i]} for i in range(3)]))
+    spec = "engine:model=tiny,mode=tree,nodes=4"
+    args = ("audit", "collect", spec, "--prompts", prompts, "--max-new-tokens", "3")
+    # an empty --save, or one in a folder that does not exist: refused before the model loads
+    for save, what in (("", "--save': an empty path"), (tmp_path / "no" / "s.jsonl", "does not exist")):
+        code, _, err = run_cli(*args, "--save", save)
+        assert code == 2 and what in _one_error(err) and "loading model" not in err
+    save = tmp_path / "s.jsonl"
+    save.write_text("\n  \n")   # white space only: nothing collected yet
+    code, out, err = run_cli(*args, "--save", save, "--resume", "--format", "json")
+    assert code == 0, err
+    rows = [json.loads(line) for line in save.read_text().splitlines()]
+    assert json.loads(out)["system"] == rows[0]["system"] == spec
+    # a row that stored the same engine with its keys in another order resumes; any row of another
+    # engine is refused, not only the first
+    rows[0]["system"] = "engine:nodes=4,mode=tree,model=tiny"
+    rows[2]["system"] = "engine:model=tiny,mode=chain"
+    save.write_text(_jsonl(rows[:1] + rows[2:]))
+    code, _, err = run_cli(*args, "--save", save, "--resume")
+    assert code == 2 and "row 2 was collected from engine:model=tiny,mode=chain" in _one_error(err)
+    save.write_text(_jsonl(rows[:1]))
+    assert run_cli(*args, "--save", save, "--resume")[0] == 0
+
+
+def test_audit_saves_outputs_with_their_system_and_checks_out_first(run_cli, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(_jsonl([{"schema": "specpilot.prompts/1", "id": 0, "prompt_ids": [1, 2]}]))
+    outs = tmp_path / "outs"
+    code, _, err = run_cli("audit", "engine:model=tiny,mode=tree", "--against", "engine:model=tiny,mode=ar",
+                           "--scorer", "smollm2", "--prompts", prompts, "--max-new-tokens", "2",
+                           "--save-outputs", outs, "--out", prompts)
+    assert code == 2 and "refusing to overwrite input file" in _one_error(err) and "loading model" not in err
+    from specpilot.auditors.outputs import Prompt
+    from specpilot.auditors.systems import load_system, parse_system
+
+    got = load_system(parse_system("engine:mode=ar,model=tiny"), [Prompt(0, [1, 2])], 2,
+                      save_to=str(tmp_path / "stock.jsonl"))
+    assert [r.system for r in got.rows] == ["engine:model=tiny,mode=ar"]
+    assert json.loads((tmp_path / "stock.jsonl").read_text())["system"] == "engine:model=tiny,mode=ar"
+
+
+def test_run_refuses_a_prompt_it_cannot_run_before_running_any(run_cli, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(_jsonl([{"schema": "specpilot.prompts/1", "id": "a", "prompt_ids": [1, 2]},
+                               {"schema": "specpilot.prompts/1", "id": "b", "prompt_ids": [1, 300]}]))
+    for batch in ("1", "2"):
+        code, _, err = run_cli("run", "--model", "tiny", "--prompts", prompts, "--max-new-tokens", "2",
+                               "--batch", batch, "--outputs-out", tmp_path / "o.jsonl")
+        assert code == 2 and "prompt 'b': prompt token id 300 is outside the vocabulary" in _one_error(err)
+        assert not (tmp_path / "o.jsonl").exists()
+    for option in ("--outputs-out", "--lattice-out"):
+        code, _, err = run_cli("run", "--model", "tiny", "--prompt-ids", "1,2", option, "")
+        assert code == 2 and f"'{option}': an empty path" in _one_error(err)
+
+
 def test_compare_ends_a_hung_command_after_the_default_timeout(run_cli, tmp_path, monkeypatch):
     """No --timeout: 10 x the slowest base run, at least AUTO_TIMEOUT_MIN_S (lowered here)."""
     from specpilot.auditors import pairing

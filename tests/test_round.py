@@ -186,6 +186,13 @@ def test_check_passes_on_the_same_system_and_fails_on_a_regression_or_a_failed_a
     assert code == 1 and res["audit_verdict"] == "reject" and any("audit" in x for x in res["reasons"])
 
 
+def test_check_reads_system_as_typed(tiny_round, run_cli):
+    """--system is typed: a batching rule where it changes nothing is refused, as run refuses it."""
+    code, _, err = run_cli("check", "--baseline", tiny_round / "r", "--system", "engine:model=tiny,mode=ar,budget=equal",
+                           "--runs", "2", "--no-audit")
+    assert code == 2 and "engine option budget applies to batched decoding" in err.strip().splitlines()[-1]
+
+
 @pytest.mark.parametrize("args, msg", [
     (["round", TINY, "--candidates", "bogus"], "unknown candidate 'bogus'"),
     (["round", "engine:model=tiny,mode=warp"], "unknown mode"),
@@ -200,6 +207,17 @@ def test_bad_input_is_one_line_exit_2(run_cli, tmp_path, monkeypatch, args, msg)
     code, out, err = run_cli(*args, "--out-dir", tmp_path / "o") if args[0] == "round" and "--resume" not in args \
         else run_cli(*args)
     assert code == 2 and msg in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("rules,policy", [("", "adaptive:8"), (",block=fixed", "shared:8"),
+                                          (",budget=equal,block=fixed", "best-first:8"), ("batch=1", "best-first:8")])
+def test_a_batched_tree_is_placed_by_its_batching_rules(rules, policy):
+    """The current system's tau is replayed under the policy its batch decoder builds trees by."""
+    from specpilot.auditors.round import measure as ms
+    from specpilot.engine.spec import EngineSpec
+
+    text = "engine:model=tiny,mode=tree,nodes=8" + (",batch=1" if rules == "batch=1" else ",batch=4" + rules)
+    assert ms.system_rows(EngineSpec.parse(text)) == (9, policy)
 
 
 def test_a_tlv_system_is_placed_by_its_recorded_cycles():

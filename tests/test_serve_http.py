@@ -468,3 +468,15 @@ def test_smollm2_concurrent_clients_equal_greedy():
         assert code == 0
     finally:
         s.kill()
+
+
+def test_serve_without_its_http_stack_says_what_is_missing(tmp_path):
+    """A Python without uvicorn (an install that skipped the dependencies): exit 3 naming it, before
+    any model loads."""
+    (tmp_path / "uvicorn.py").write_text("raise ModuleNotFoundError(\"No module named 'uvicorn'\", name='uvicorn')\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    p = subprocess.run([sys.executable, "-m", "specpilot", "serve", "--model", "tiny", "--port", "0"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 3, p.stderr
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "serve needs uvicorn" in lines[0], p.stderr

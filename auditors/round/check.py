@@ -98,7 +98,8 @@ def run_check(baseline: dict, *, system: str | None = None, runs: int | None = N
                          "deployment run 'specpilot round' on its deployment file")
     from specpilot.engine.spec import EngineSpec
 
-    sys_text = str(EngineSpec.parse(system or baseline["system"]))
+    # --system is typed (strict); the baseline's is stored (read leniently, see EngineSpec.parse)
+    sys_text = str(EngineSpec.parse(system, strict=True) if system else EngineSpec.parse(baseline["system"]))
     outs = baseline.get("outputs") or {}
     rows = outs.get("system") or outs.get("stock")
     if not rows:

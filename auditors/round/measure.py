@@ -86,11 +86,17 @@ def probe_rows_set(current_rows: int) -> list[int]:
 
 
 def system_rows(spec) -> tuple[int, str]:
-    """(verify rows per step, replay policy) of an engine spec's decoding mode."""
+    """(verify rows per step, replay policy) of an engine spec's decoding mode. A batched tree
+    replays under its batching rules: a shared budget as ``adaptive:N`` (``block=adaptive``) or
+    ``shared:N``, equal trees as ``best-first:N`` (with ``block=adaptive`` the nearest policy:
+    replay has none that cuts blocks of equal trees)."""
     if spec.mode == "chain":
         return spec.depth + 1, f"chain:{spec.depth}" if spec.depth else "chain"
     if spec.mode == "tree":
-        return spec.nodes + 1, f"best-first:{spec.nodes}"
+        family = "best-first"
+        if spec.batch > 1 and spec.budget == "shared":
+            family = "adaptive" if spec.block == "adaptive" else "shared"
+        return spec.nodes + 1, f"{family}:{spec.nodes}"
     if spec.mode == "tlv":   # the exact pass: C + subtree under the pending token, up to N + 2 rows
         return spec.nodes + 2, f"tlv:{spec.nodes}"
     return 1, "ar"

@@ -42,7 +42,7 @@ from specpilot.engine.batch.graphs import PROMPT_BUCKETS, bucket, mixes, replays
 from specpilot.engine.batch.overlap import Streak
 from specpilot.engine.batch.requests import Request
 from specpilot.engine.batch.step import Rows, assemble, fits_mixed, prefill_rows, verify_rows
-from specpilot.engine.decode import GenerationResult
+from specpilot.engine.decode import GenerationResult, check_request
 from specpilot.engine.drafters import Lattice
 from specpilot.engine.metrics import STEP_BUCKETS, Histogram
 from specpilot.engine.tlv import TLVStats
@@ -146,18 +146,8 @@ class BatchDecoder:
     def check(self, req: Request) -> None:
         """Refuse a request the engine cannot run (InputError)."""
         ids = req.prompt_ids
-        if not ids:
-            raise InputError("empty prompt: give at least one token")
-        V = self.model.spec.vocab_size
-        bad = [t for t in ids if not 0 <= t < V]
-        if bad:
-            raise InputError(f"prompt token id {bad[0]} is outside the vocabulary (0..{V - 1})")
-        if req.max_new_tokens < 1:
-            raise InputError(f"max_new_tokens must be >= 1, got {req.max_new_tokens}")
-        need = self.capacity_needed(len(ids), req.max_new_tokens)
-        if need > self.cache.max_seq:
-            raise InputError(f"prompt ({len(ids)} tokens) + {req.max_new_tokens} new tokens + draft rows need {need} "
-                             f"cache slots; the engine has {self.cache.max_seq} (raise ctx=)")
+        check_request(ids, req.max_new_tokens, self.model.spec.vocab_size,
+                      self.capacity_needed(len(ids), req.max_new_tokens), self.cache.max_seq)
 
     # ---- thread-safe API --------------------------------------------------------------
     def submit(self, req: Request) -> Request:
@@ -355,7 +345,8 @@ class BatchDecoder:
             prefilling = [r for r in self.running if r.prefilled < len(r.prompt_ids)]
             if not decoding:
                 self._prefill_pass(prefilling)
-            elif self.overlap and not prefilling and not any(r.done for r in decoding):
+            # a recorded lattice takes a row per step, which the overlapped steps do not write
+            elif self.overlap and not prefilling and not any(r.done or r.record_lattice for r in decoding):
                 self._start_streak(decoding)
             else:
                 left_out = self._verify_step(decoding, prefilling)
@@ -536,13 +527,14 @@ class BatchDecoder:
         commit_step(m, self.cache, commits)   # skips requests with nothing to move or replay
         for b, r in enumerate(decoding):
             path, toks = results[b]
-            if lats[b] is not None and r.record_lattice:
+            lat = Lattice.empty() if self.mode == "ar" and not tail[b] else lats[b]   # AR: a lattice of no draft
+            if lat is not None and r.record_lattice:
                 row = {"schema": "specpilot.lattice/1", "request": r.id, "step": r.steps,
                        "batch_step": self.stats.verify_steps - 1,   # the decoder's step: who verified together
-                       "tokens": lats[b].tokens, "logprobs": lats[b].logprobs,
-                       "transitions": lats[b].transitions, "target": None, "_at": len(r.full), "_m": lats[b].m}
+                       "tokens": lat.tokens, "logprobs": lat.logprobs,
+                       "transitions": lat.transitions, "target": None, "_at": len(r.full), "_m": lat.m}
                 if b in cyc:   # what replaying the cycle needs, as the one-request TLV decoder records it
-                    row.update(cyc[b].record(self.nodes, lats[b]))
+                    row.update(cyc[b].record(self.nodes, lat))
                 r.lattice.append(row)
             if b in cyc:   # the request's counts and the decoder's totals
                 if r.tlv is None:

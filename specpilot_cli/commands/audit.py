@@ -6,7 +6,7 @@ import click
 
 from specpilot.errors import InputError
 from specpilot.options import device_option, seed_option
-from specpilot.output import Report, Section, emit, fmt_num, output_options, progress
+from specpilot.output import Report, Section, emit, fmt_num, not_empty, output_options, progress
 
 SUBCOMMANDS = ("check", "collect", "selftest")
 
@@ -115,7 +115,7 @@ def _common_run_options(f):
 @click.option("--scorer", "scorer_spec", required=True,
               help="Target model for teacher forcing: smollm2, a Hugging Face folder, or a .gguf file.")
 @_common_run_options
-@click.option("--save-outputs", "save_dir", type=click.Path(file_okay=False), default="specpilot-audit-outputs",
+@click.option("--save-outputs", "save_dir", type=click.Path(file_okay=False), callback=not_empty, default="specpilot-audit-outputs",
               show_default=True, help="Folder for the outputs of systems that are run (kept on failure).")
 @click.option("--delta", type=float, default=None, help="Near-tie threshold; skips phase 0.")
 @click.option("--max-increase", type=float, default=0.5, show_default=True,
@@ -151,6 +151,10 @@ def check(systems, stock_spec, ar_spec, scorer_spec, prompts_path, max_new_token
     specs = [("system", parse_system(s)) for s in systems]
     specs = [("stock", parse_system(stock_spec))] + ([("ar", parse_system(ar_spec))] if ar_spec else []) + specs
     inputs = [s.spec for _, s in specs if s.kind == "file"] + ([prompts_path] if prompts_path else [])
+    if out:   # the systems run and the scorer scores for minutes before the report is written
+        from specpilot.fileio import check_output_path
+
+        check_output_path(out, "--out", protect=inputs)
     prompts = None
     if any(s.needs_prompts for _, s in specs):
         if not prompts_path:
@@ -216,7 +220,7 @@ def run_audit(system_outputs, stock_outputs, ar_outputs, scorer_spec, *, device=
 @command.command("collect")
 @click.argument("system")
 @_common_run_options
-@click.option("--save", "save", type=click.Path(dir_okay=False), required=True,
+@click.option("--save", "save", type=click.Path(dir_okay=False), callback=not_empty, required=True,
               help="Outputs JSONL to write (also written with the rows collected so far when a run fails).")
 @click.option("--tokenizer", default=None, help="Model whose tokenizer turns text prompts into ids.")
 @click.option("--resume", is_flag=True,
@@ -245,14 +249,16 @@ def collect_cmd(system, prompts_path, max_new_tokens, timeout, concurrency, save
         raise InputError(f"{system}: already an outputs file; collect runs an engine: spec or an http:// server")
     if not prompts_path:
         raise InputError("collect needs --prompts FILE")
-    if out:   # before the collection: --out may be neither its inputs nor its save
+    # before the collection: --save and --out may be neither its inputs nor each other
+    check_output_path(save, "--save", protect=[prompts_path])
+    if out:
         if Path(out).resolve() == Path(save).resolve():
             raise InputError(f"--out {out}: the same file as --save; choose another --out (or leave it out)")
         check_output_path(out, "--out", protect=[prompts_path])
     identity = system_identity(spec)
     prompts = _read_prompts(prompts_path, tokenizer)
     # an empty --save (made, nothing collected yet) resumes from nothing
-    already = read_outputs(save).rows if resume and Path(save).exists() and Path(save).stat().st_size else []
+    already = read_outputs(save).rows if resume and _holds_rows(save) else []
     _check_resumable(already, prompts, max_new_tokens, save, identity)
     try:
         outputs = collect(make_generator(spec, timeout=timeout), prompts, max_new_tokens, save_to=save,
@@ -263,12 +269,38 @@ def collect_cmd(system, prompts_path, max_new_tokens, timeout, concurrency, save
             e.add_note(f"continue with --resume (same --save {save})")
         raise
     lens = [len(r.output_ids) for r in outputs.rows]
-    data = {"schema": "specpilot.audit-collect/1", "system": spec.spec, "prompts": len(prompts),
+    data = {"schema": "specpilot.audit-collect/1", "system": identity, "prompts": len(prompts),
             "tokens": sum(lens), "max_new_tokens": max_new_tokens, "saved": save}
     emit(Report(data=data, sections=[Section(None, ["system", "prompts", "tokens", "mean tokens/prompt", "saved"],
-                                             [[spec.spec, len(prompts), sum(lens), sum(lens) / len(lens), save]])]),
+                                             [[identity, len(prompts), sum(lens), sum(lens) / len(lens), save]])]),
          fmt, out, protect=[prompts_path, save])
     return 0
+
+
+def _same_system(stored: str | None, system: str) -> bool:
+    """Whether a row's recorded system is ``system`` (canonical): unknown counts as the same; a
+    stored engine spec is compared as the engine it names, not as text."""
+    if stored is None or stored == system:
+        return True
+    if stored.startswith("engine:") and system.startswith("engine:"):
+        from specpilot.engine.spec import EngineSpec
+
+        try:
+            return str(EngineSpec.parse(stored)) == system
+        except InputError:
+            return False
+    return False
+
+
+def _holds_rows(path: str) -> bool:
+    """Whether file ``path`` holds anything but white space."""
+    from pathlib import Path
+
+    p = Path(path)
+    if not p.is_file():
+        return False
+    with p.open("rb") as f:
+        return any(line.strip() for line in f)
 
 
 def _check_resumable(already, prompts, max_new_tokens: int, save: str, system: str) -> None:
@@ -284,15 +316,17 @@ def _check_resumable(already, prompts, max_new_tokens: int, save: str, system: s
         raise InputError(f"--save {save}: {len(stray)} of its {len(already)} rows answer none of --prompts (first: "
                          f"id {stray[0].id!r}); --resume continues a collection of the same prompts, so choose "
                          "another --save")
-    alien = next((r for r in already if r.system not in (None, system)), None)
+    aliens = [r for r in already if not _same_system(r.system, system)]
     # a server may come back at another address with the same model: only a note for two URLs
-    if alien is not None and alien.system.startswith(("http://", "https://")) and system.startswith(("http://",
-                                                                                                   "https://")):
-        click.echo(f"specpilot: warning: --save {save}: row {alien.id!r} was collected from {alien.system}, this "
+    http = ("http://", "https://")
+    refused = next((r for r in aliens if not (r.system.startswith(http) and system.startswith(http))), None)
+    if refused is not None:
+        raise InputError(f"--save {save}: row {refused.id!r} was collected from {refused.system}, not {system}; "
+                         "resume with the SYSTEM it was collected from, or choose another --save")
+    if aliens:
+        click.echo(f"specpilot: warning: --save {save}: {len(aliens)} of its rows were collected from "
+                   f"{aliens[0].system}{' and others' if len({r.system for r in aliens}) > 1 else ''}, this "
                    f"collection runs {system}; resume only if that server runs the same model and settings", err=True)
-    elif alien is not None:
-        raise InputError(f"--save {save}: row {alien.id!r} was collected from {alien.system}, not {system}; resume "
-                         "with the SYSTEM it was collected from, or choose another --save")
     other = next((r for r in already if r.max_new_tokens not in (None, max_new_tokens)), None)
     if other is not None:
         raise InputError(f"--save {save}: row {other.id!r} was collected with --max-new-tokens "
@@ -323,7 +357,7 @@ def _check_resumable(already, prompts, max_new_tokens: int, save: str, system: s
               help="Prompts on which the embedded engine's chain and tree systems are run and audited (0: none).")
 @device_option("cpu, cuda or cuda:N (default: cuda when present).")
 @seed_option("the random prompts and biases")
-@click.option("--save-outputs", "save_dir", type=click.Path(file_okay=False), default=None,
+@click.option("--save-outputs", "save_dir", type=click.Path(file_okay=False), callback=not_empty, default=None,
               help="Also write every system's outputs JSONL to this folder (to re-audit them with 'specpilot audit').")
 @output_options
 def selftest_cmd(n_prompts, max_new_tokens, repeats, biases, bias_fraction, engine_prompts, device, seed, save_dir,

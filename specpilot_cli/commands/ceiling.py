@@ -6,7 +6,7 @@ import click
 
 from specpilot.limits import MAX_BATCH, MAX_CONTEXT, MAX_DRAFT_PASSES, MAX_MS, MAX_ROWS, MAX_TAU, MAX_TBS, MAX_TFLOPS
 from specpilot.options import FiniteRange, dtype_options, positive
-from specpilot.output import Report, Section, emit, output_options
+from specpilot.output import Report, Section, count, emit, output_options
 
 
 @click.command("ceiling")
@@ -179,7 +179,7 @@ def _report(res) -> Report:
             rows.append([f"{k} factor", v if v is not None else "unknown",
                          desc[k] + (f" -> {c.if_removed[k]:.3g}x if removed" if v is not None else "")])
         rows.append(["ceiling", c.ceiling, "speedup x known factors"])
-        title = "Cost model" + (f" at {res.rows_for_cost} rows" if res.rows_for_cost else "")
+        title = "Cost model" + (f" at {count(res.rows_for_cost, 'row')}" if res.rows_for_cost else "")
         sections.append(Section(title, ["", "value", "how"], rows))
         if c.largest:
             from specpilot.probes.costmodel import ADVICE

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import click
 
-from specpilot.output import Report, Section, emit, output_options
+from specpilot.output import Report, Section, emit, not_empty, output_options
 
-_memdir = click.option("--memory-dir", "memory_dir", type=click.Path(file_okay=False), default=None,
+_memdir = click.option("--memory-dir", "memory_dir", type=click.Path(file_okay=False), callback=not_empty, default=None,
                        help="Read entries from this folder instead of the packaged memory.")
 
 

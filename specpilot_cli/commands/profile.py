@@ -8,7 +8,7 @@ import click
 from specpilot.errors import InputError
 from specpilot.limits import MAX_BATCH, MAX_CONTEXT, MAX_DRAFT_PASSES, MAX_ROWS, MAX_TBS, MAX_TFLOPS
 from specpilot.options import dtype_options, positive
-from specpilot.output import Report, Section, emit, output_options, progress
+from specpilot.output import Report, Section, emit, not_empty, output_options, progress
 
 STEP_MODES = ["auto", "range", "graph", "gap", "whole"]
 
@@ -59,7 +59,7 @@ STEP_MODES = ["auto", "range", "graph", "gap", "whole"]
 @click.option("--ceiling", "ceiling_file", type=click.Path(dir_okay=False),
               help="Floors from a specpilot ceiling JSON instead of --model.")
 @dtype_options
-@click.option("--plot", "plot_file", type=click.Path(dir_okay=False), help="Draw measured vs floor per class (PNG).")
+@click.option("--plot", "plot_file", type=click.Path(dir_okay=False), callback=not_empty, help="Draw measured vs floor per class (PNG).")
 @output_options
 def command(traces, step_range, step_mode, gap_us, skip_steps, device, include_orphans, rules_files, explain, top_n,
             diff, ranks, link_bandwidth, model_name, drafter_name, rows, draft_rows, draft_passes, batch, context,

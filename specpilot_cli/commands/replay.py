@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from specpilot.options import seed_option
-from specpilot.output import Report, Section, emit, output_options
+from specpilot.output import Report, Section, count, emit, output_options
 
 
 @click.command("replay")
@@ -60,8 +60,8 @@ def command(lattice, policies, nodes, calibration, n_boot, seed, fmt, out):
 def _report(result) -> Report:
     rows = [[p.policy, p.nodes if p.nodes is not None else "-", p.tau,
              f"[{p.tau_ci[0]:.3f}, {p.tau_ci[1]:.3f}]"] for p in result.policies]
-    sections = [Section(f"tau per policy ({result.steps} steps, {result.requests} requests, "
-                        f"m={result.m} positions x K={result.k} candidates, "
+    sections = [Section(f"tau per policy ({count(result.steps, 'step')}, {count(result.requests, 'request')}, "
+                        f"m={count(result.m, 'position')} x K={count(result.k, 'candidate')}, "
                         f"{'parent-conditioned' if result.transitions else 'marginal'} scores)",
                         ["policy", "nodes", "tau", "95% CI (requests resampled)"], rows)]
     if result.curves:

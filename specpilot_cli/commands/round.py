@@ -6,7 +6,7 @@ import click
 
 from specpilot.errors import InputError
 from specpilot.options import seed_option
-from specpilot.output import Report, Section, emit, fmt_num, output_options, progress
+from specpilot.output import Report, Section, emit, fmt_num, not_empty, output_options, progress
 
 
 def _names(text: str | None) -> list[str] | None:
@@ -25,7 +25,7 @@ def _names(text: str | None) -> list[str] | None:
 @click.option("--budget", "budget", type=float, default=None, metavar="MINUTES",
               help="Minutes the round may take (default 20); runs are planned to fit and a stage that runs out stops "
                    "cleanly, recording what it skipped.")
-@click.option("--out-dir", "out_dir", type=click.Path(file_okay=False), default="specpilot-round", show_default=True,
+@click.option("--out-dir", "out_dir", type=click.Path(file_okay=False), callback=not_empty, default="specpilot-round", show_default=True,
               help="Folder for the round's files (must not exist or be empty).")
 @click.option("--resume", "resume_dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
               help="Continue the round in DIR where it stopped (with --budget: that many more minutes).")
@@ -39,9 +39,9 @@ def _names(text: str | None) -> list[str] | None:
 @click.option("--control", is_flag=True, help="Add a no-op candidate (the current system loaded again): it must be refused.")
 @click.option("--scorer", default=None, help="Audit scorer (smollm2, a HF folder, a .gguf); default: the stock "
                                              "engine's target with an FP32 LM head.")
-@click.option("--memory-dir", type=click.Path(file_okay=False), default=None,
+@click.option("--memory-dir", type=click.Path(file_okay=False), callback=not_empty, default=None,
               help="Memory entries to propose from (default: the packaged memory).")
-@click.option("--records", "records_dir", type=click.Path(file_okay=False), default=None,
+@click.option("--records", "records_dir", type=click.Path(file_okay=False), callback=not_empty, default=None,
               help="Deployment records folder (default: $SPECPILOT_RECORDS or ~/.cache/specpilot/deployments).")
 @click.option("--fresh", is_flag=True, help="Start from DEPLOYMENT even when its record has a later system.")
 @click.option("--no-remember", "no_remember", is_flag=True, help="Do not write the deployment record.")

@@ -9,7 +9,7 @@ import click
 from specpilot.engine.clocks import clock_line
 from specpilot.engine_options import engine_options, spec_from_cli
 from specpilot.errors import InputError
-from specpilot.output import Report, Section, emit, output_options, progress
+from specpilot.output import Report, Section, count, emit, not_empty, output_options, progress
 
 
 def read_prompts(path: str) -> list[dict]:
@@ -57,16 +57,12 @@ def _tlv_note(t: dict) -> str:
             f"{ms['exact']:.3f} + append {ms['append']:.3f} ms")
 
 
-def _count(n: int, one: str, many: str | None = None) -> str:
-    return f"{n} {one if n == 1 else many or one + 's'}"
-
-
 def _batch_note(b: dict, mode: str) -> str:
     """A batched run's steps: how many requests each step carried, its wall time, the prompt rows,
     and the batching rules that apply to ``mode`` (the JSON's ``batch`` has every total)."""
     steps = b["verify_steps"]
     what = "decode step" if mode == "ar" else "verify step"   # an AR step verifies nothing
-    line = f"\nbatch {b['batch']}: {_count(steps, what)}"
+    line = f"\nbatch {b['batch']}: {count(steps, what)}"
     if steps:
         # scheduler iterations run steps or prefill passes; the latter's wall time is counted apart
         wall = (b["step_seconds"] - b["prefill_seconds"]) * 1e3 / steps
@@ -74,13 +70,13 @@ def _batch_note(b: dict, mode: str) -> str:
         line += (f" of {b['request_steps'] / steps:.1f} requests on average, {wall:.3f} ms each "
                  f"(wall clock{overlap})")
     rules = (f"budget {b['budget']}, block {b['block']}, " if mode in ("chain", "tree") else "") + f"admit {b['admit']}"
-    return (f"{line}; {_count(b['prefill_passes'], 'prefill pass', 'prefill passes')}, "
-            f"{_count(b['admitted_prompt_rows'], 'prompt row')} in {what}s; {rules}")
+    return (f"{line}; {count(b['prefill_passes'], 'prefill pass', 'prefill passes')}, "
+            f"{count(b['admitted_prompt_rows'], 'prompt row')} in {what}s; {rules}")
 
 
 def _note(tokens: int, steps: int, summary: dict, info: dict, timing: dict | None, clocks: dict | None = None,
           batch: dict | None = None, mode: str = "ar") -> str:
-    note = (f"total: {_count(tokens, 'token')}, {_count(steps, 'pass', 'passes')}, tau {summary['tau']:.3f}, "
+    note = (f"total: {count(tokens, 'token')}, {count(steps, 'pass', 'passes')}, tau {summary['tau']:.3f}, "
             f"{summary['tokens_per_s']:.1f} "
             f"tokens/s; load {info['load_seconds']:.1f} s, warm-up {info['warmup_seconds']:.1f} s (before the "
             "requests)")
@@ -107,9 +103,9 @@ def _note(tokens: int, steps: int, summary: dict, info: dict, timing: dict | Non
               help="Wrap text prompts in the model's chat template (default when it has one) or not.")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True,
               help="New tokens per prompt at most (a request also stops at its end-of-sequence token).")
-@click.option("--outputs-out", type=click.Path(dir_okay=False), default=None,
+@click.option("--outputs-out", type=click.Path(dir_okay=False), default=None, callback=not_empty,
               help="Write the outputs JSONL (audit input): one line per prompt.")
-@click.option("--lattice-out", type=click.Path(dir_okay=False), default=None,
+@click.option("--lattice-out", type=click.Path(dir_okay=False), default=None, callback=not_empty,
               help="Write every step's draft lattice (replay input), target filled from committed tokens.")
 @output_options
 def command(prompt_text, prompts_file, prompt_ids, chat, max_new_tokens, outputs_out, lattice_out, fmt, out, **kw):

@@ -43,7 +43,15 @@ def command(host, port, max_queue, backlog, grace, log_requests, fmt, out, **kw)
     """
     spec = spec_from_cli(kw)
     from specpilot.engine.api import load_engine
-    from specpilot.engine.server import Server, ServeOptions, url_host
+    from specpilot.errors import EnvironmentMissing
+
+    try:   # declared dependencies, but an install without them should say so, not crash
+        import uvicorn  # noqa: F401  (imported where the server starts, after the model loads)
+
+        from specpilot.engine.server import Server, ServeOptions, url_host
+    except ModuleNotFoundError as e:
+        raise EnvironmentMissing(f"serve needs {e.name}, which this Python lacks (pip install fastapi uvicorn "
+                                 "httpx, or reinstall specpilot with its dependencies)") from None
 
     engine = load_engine(spec)
     log = (lambda m: click.echo(f"specpilot serve: {m}", err=True)) if log_requests else None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from specpilot.errors import EnvironmentMissing, InputError
-from specpilot.output import Report, Section, emit, output_options, progress
+from specpilot.output import Report, Section, emit, not_empty, output_options, progress
 
 
 def _lib():
@@ -64,7 +64,7 @@ def _device(device: str) -> str:
 
 @command.command("pack")
 @click.argument("src", metavar="IN", type=click.Path())
-@click.option("-o", "--output", "dst", required=True, type=click.Path(), help="Output file or folder (atomic).")
+@click.option("-o", "--output", "dst", required=True, type=click.Path(), callback=not_empty, help="Output file or folder (atomic).")
 @click.option("--include", multiple=True, metavar="GLOB",
               help="Tensor names to convert (repeatable; default: *proj.weight, *fc1/fc2.weight, ...).")
 @click.option("--exclude", multiple=True, metavar="GLOB",
