@@ -93,9 +93,11 @@ def loop(target, batches, n_steps=64):
     out = []
     gen = torch.Generator().manual_seed(0)
     for B in batches:
-        slots = bucket(B, 256)   # B requests in the smallest bucket that holds them, its other slots free
         prompts = [torch.randint(0, m.spec.vocab_size, (CONTEXT,), generator=gen).tolist() for _ in range(B)]
-        for overlap in (True, False):
+        # B requests in the smallest bucket that holds them (its other slots free), as serve runs
+        # them; a count between buckets also in a decoder of exactly B slots (`run --batch B`)
+        runs = [(bucket(B, 256), True), (bucket(B, 256), False)] + ([(B, True)] if bucket(B, 256) != B else [])
+        for slots, overlap in runs:
             dec = BatchDecoder(m, "ar", None, batch=slots, graphs=True, prefill_chunk=1024, overlap=overlap)
             for b, ids in enumerate(prompts):
                 dec.submit(Request(ids, n_steps + 40, id=b))
@@ -116,8 +118,8 @@ def loop(target, batches, n_steps=64):
             out.append({"kind": "loop", "batch": B, "slots": slots, "rows": 1, "overlap": overlap, "tokens": tokens,
                         "step_ms": dt / (tokens / B) * 1e3, "tokens_per_s": tps, "floor_ms": fl,
                         "floor_tokens_per_s": B * 1e3 / fl, "of_floor": tps / (B * 1e3 / fl)})
-            print(f"loop B={B} overlap={overlap}: {tps:.1f} tokens/s ({out[-1]['of_floor']:.1%} of the floor)",
-                  flush=True)
+            print(f"loop B={B} slots={slots} overlap={overlap}: {tps:.1f} tokens/s "
+                  f"({out[-1]['of_floor']:.1%} of the floor)", flush=True)
             del dec
             torch.cuda.empty_cache()
     return out

@@ -21,6 +21,17 @@ def test_readme_table_is_current():
     assert r.returncode == 0, r.stderr
 
 
+def test_each_page_has_at_most_one_figures_table_and_no_hand_written_as_of():
+    """One current figures table per page, generated (its "as of" line too)."""
+    import re
+
+    for page in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        text = page.read_text()
+        assert len(re.findall(r"<!-- figures:begin", text)) <= 1, page.name
+        outside = re.sub(r"<!-- figures:begin.*?<!-- figures:end[^>]*-->", "", text, flags=re.S)
+        assert not re.search(r"^As of \d{4}-\d\d-\d\d", outside, flags=re.M), page.name
+
+
 def test_every_results_file_is_a_subject_with_environment():
     """One JSON per subject, each naming the machine and date the table's 'as of' line needs."""
     files = sorted((REPO / "benchmarks" / "results").iterdir())
