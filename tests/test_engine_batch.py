@@ -254,35 +254,26 @@ def test_stop_token_ids_and_ignore_eos_in_the_decoder(reference):
     assert b.output == want and b.stop_reason == "length"
 
 
-def test_batched_lattice_rows_equal_one_request_rows():
-    """With equal trees and fixed blocks a batched run drafts exactly what one-request runs draft."""
-    spec = "engine:model=tiny,mode=tree,nodes=6,depth=4,topk=3"
+@pytest.mark.parametrize("spec, batched, n, max_new", [
+    # equal trees and fixed blocks: a batched run drafts exactly what one-request runs draft
+    ("engine:model=tiny,mode=tree,nodes=6,depth=4,topk=3", ",batch=3,budget=equal,block=fixed", 4, 12),
+    # an AR step records a row of no draft (replay's tau 1 needs every step)
+    ("engine:model=tiny,mode=ar", ",batch=2", 3, 6),
+])
+def test_batched_lattice_rows_equal_one_request_rows(spec, batched, n, max_new):
     one = load_engine(EngineSpec.parse(spec))
     rows = []
-    for i, p in enumerate(PROMPTS[:4]):
-        rows += one.generate(p, 12, record_lattice=True, request=i).lattice_steps
-    eng = load_engine(EngineSpec.parse(spec + ",batch=3,budget=equal,block=fixed"))
-    reqs = [Request(p, 12, id=i, record_lattice=True, arrival_step=i) for i, p in enumerate(PROMPTS[:4])]
+    for i, p in enumerate(PROMPTS[:n]):
+        rows += one.generate(p, max_new, record_lattice=True, request=i).lattice_steps
+    eng = load_engine(EngineSpec.parse(spec + batched))
+    reqs = [Request(p, max_new, id=i, record_lattice=True, arrival_step=i) for i, p in enumerate(PROMPTS[:n])]
     res = eng.batch_decoder().generate_many(reqs)
     got = [x for r in res for x in r.lattice_steps]
     steps = [x.pop("batch_step") for x in got]   # the batch decoder's step, which one-request rows lack
     assert got == rows and rows
     assert all(isinstance(s, int) and s >= 0 for s in steps) and len(set(steps)) > 1
-
-
-def test_batched_ar_lattice_rows_equal_one_request_rows():
-    """An AR step records a row of no draft, batched as alone (replay's tau 1 needs every step)."""
-    spec = "engine:model=tiny,mode=ar"
-    one = load_engine(EngineSpec.parse(spec))
-    rows = []
-    for i, p in enumerate(PROMPTS[:3]):
-        rows += one.generate(p, 6, record_lattice=True, request=i).lattice_steps
-    eng = load_engine(EngineSpec.parse(spec + ",batch=2"))
-    res = eng.batch_decoder().generate_many([Request(p, 6, id=i, record_lattice=True) for i, p in enumerate(PROMPTS[:3])])
-    got = [x for r in res for x in r.lattice_steps]
-    for x in got:
-        x.pop("batch_step")
-    assert got == rows and len(rows) == 3 * 5 and all(x["tokens"] == [] for x in rows)
+    if "mode=ar" in spec:
+        assert len(rows) == n * (max_new - 1) and all(x["tokens"] == [] for x in rows)
 
 
 # ------------------------------------------------------------------------------------- rules
