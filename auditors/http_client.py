@@ -30,6 +30,10 @@ class ServerError(EnvironmentMissing):
     """The server failed us (exit 3): unreachable, timed out, died, HTTP error, malformed answer."""
 
 
+class RequestRefused(InputError):
+    """The server refused the request itself (HTTP 400): bad input, exit 2 (asking again cannot help)."""
+
+
 def parse_url(url: str) -> str:
     """Normalise ``http://host:port[/prefix]``; raise InputError when it is not an http(s) URL."""
     try:
@@ -85,8 +89,9 @@ class GenerateClient:
             time.sleep(wait)
         if resp.status_code >= 400:
             detail = resp.content[:200].decode("utf-8", "replace").strip().replace("\n", " ")
-            raise ServerError(f"{self.url + path}: server answered HTTP {resp.status_code} {resp.reason_phrase}"
-                              + (f": {detail}" if detail else ""))
+            error = RequestRefused if resp.status_code == 400 else ServerError
+            raise error(f"{self.url + path}: server answered HTTP {resp.status_code} {resp.reason_phrase}"
+                        + (f": {detail}" if detail else ""))
         return resp.status_code, resp.content
 
     def _send(self, path: str, body: dict | None):

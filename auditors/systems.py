@@ -46,6 +46,13 @@ def parse_system(spec: str, name: str | None = None) -> SystemSpec:
         try:
             parsed = EngineSpec.parse(s, strict=True)
             resolve_model(parsed.model, parsed.random)
+            if parsed.drafter == "model":
+                from specpilot.engine.api import TINY_CONFIGS
+
+                try:
+                    resolve_model(parsed.draft_model, parsed.random or parsed.draft_model in TINY_CONFIGS)
+                except InputError as e:
+                    raise InputError(f"draft_model: {e}") from None
         except InputError as e:
             raise InputError(str(e) if s in str(e) else f"{s}: {e}") from None
         return SystemSpec("engine", s, name or s)
@@ -219,6 +226,12 @@ def collect(generator: Generator, prompts: Sequence[Prompt], max_new_tokens: int
         if on_row is not None:
             on_row(done[i])
 
+    def run_one(i: int):
+        try:
+            return generator.generate(list(prompts[i].prompt_ids), max_new_tokens)
+        except InputError as e:   # a refused prompt (a server's 400): name it
+            raise InputError(f"prompt {prompts[i].id!r}: {e}") from None
+
     try:
         if batch > 1:   # a batched engine, a chunk of BATCH_ROUNDS batches at a time
             step = BATCH_ROUNDS * batch
@@ -229,13 +242,12 @@ def collect(generator: Generator, prompts: Sequence[Prompt], max_new_tokens: int
                     finish(i, ids)
         elif concurrency == 1:
             for i in todo:
-                finish(i, generator.generate(list(prompts[i].prompt_ids), max_new_tokens))
+                finish(i, run_one(i))
         else:
             from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
             with ThreadPoolExecutor(max_workers=concurrency) as pool:
-                futs = {pool.submit(generator.generate, list(prompts[i].prompt_ids), max_new_tokens): i
-                        for i in todo}
+                futs = {pool.submit(run_one, i): i for i in todo}
                 pending = set(futs)
                 error = None
                 while pending and error is None:
@@ -299,5 +311,7 @@ def default_save_path(folder: str, role: str, index: int = 0, option: str = "--s
         raise InputError(f"{option} {folder}: not a folder; name a folder for the outputs") from None
     except PermissionError:
         raise InputError(f"{option} {folder}: cannot create the folder (permission denied)") from None
+    except OSError as e:   # a read-only or virtual file system (/proc)
+        raise InputError(f"{option} {folder}: cannot create the folder ({e.strerror or e})") from None
     suffix = f"-{index + 1}" if index else ""
     return str(Path(folder) / f"{role}{suffix}.outputs.jsonl")

@@ -264,6 +264,10 @@ def _rejudge(d: dict, path, noise, changes_output, n_boot, seed) -> TimingResult
         raise InputError(f"{path}: 'warmup' must be a whole number in [0, 1000000]")
     stored = d.get("changes_output", False)
     co = stored if changes_output is None else (changes_output or stored)
+    was = d.get("noise")
+    if noise is not None and isinstance(was, (int, float)) and math.isfinite(was) and noise < was:
+        raise InputError(f"--noise {noise:g} is below the noise the stored run judged by ({was:.4g}); --from can only "
+                         "make the rule stricter: give at least that or leave --noise out")
     v = judge(samples, higher_is_better=hib, aa_pairs=aa, noise=noise, changes_output=co, n_boot=n_boot, seed=seed)
     keep = {k: d[k] for k in ("outputs_identical", "outputs_stable", "prompts", "max_new_tokens", "concurrency",
                               "changes_output_reason") if k in d}

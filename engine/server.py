@@ -239,6 +239,9 @@ def make_app(state: ServeState):
             return _error(str(e), 400)
         try:
             dec.submit_all(reqs)   # all of a list request, or none
+        except InputError as e:    # a list longer than the slots and the queue together
+            state.metrics.reject("bad_request")
+            return _error(str(e), 400)
         except QueueFull as e:
             state.metrics.reject("queue_full" if not state.draining else "draining")
             return _error(f"server busy: {e}; retry later", 503, {"Retry-After": RETRY_AFTER})
@@ -339,7 +342,9 @@ def url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def _bind(host: str, port: int, backlog: int) -> socket.socket:
+def bind(host: str, port: int, backlog: int) -> socket.socket:
+    """The listening socket (``serve`` makes it before loading the model, so a port in use or a
+    host this machine does not have is said at once)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
@@ -348,10 +353,12 @@ def _bind(host: str, port: int, backlog: int) -> socket.socket:
         sock.listen(backlog)
     except OSError as e:
         sock.close()
-        # an address in use or forbidden is the port's fault; one this machine does not have, the host's
-        option = "--port" if e.errno in (errno.EADDRINUSE, errno.EACCES) else "--host"
-        raise EnvironmentMissing(f"cannot listen on {url_host(host)}:{port} ({e.strerror or e}); "
-                                 f"choose another {option}") from None
+        where = f"cannot listen on {url_host(host)}:{port} ({e.strerror or e})"
+        # an address in use or forbidden is the port's fault (the machine's state); a host name that
+        # does not resolve, or an address this machine does not have, is the --host given
+        if e.errno in (errno.EADDRINUSE, errno.EACCES):
+            raise EnvironmentMissing(f"{where}; choose another --port") from None
+        raise InputError(f"{where}; choose another --host") from None
     sock.set_inheritable(True)
     return sock
 
@@ -378,7 +385,7 @@ def _protocol():
 class Server:
     """The HTTP server and its engine thread; :meth:`run` blocks until shut down."""
 
-    def __init__(self, engine, options: ServeOptions):
+    def __init__(self, engine, options: ServeOptions, sock: socket.socket | None = None):
         self.options = options
         decoder = engine.batch_decoder(max_queue=options.max_queue)
         need = decoder.capacity_needed(1, 1)
@@ -386,7 +393,7 @@ class Server:
             raise InputError(f"--ctx {decoder.cache.max_seq}: a one-token prompt and one new token need {need} cache "
                              "slots with these draft options; raise --ctx")
         self.state = ServeState(engine, decoder, options)
-        self.sock = _bind(options.host, options.port, options.backlog)
+        self.sock = sock if sock is not None else bind(options.host, options.port, options.backlog)
         self.port = self.sock.getsockname()[1]
 
     def run(self) -> dict:
@@ -402,7 +409,7 @@ class Server:
             server.run(sockets=[self.sock])
         finally:
             state.join_engine()
-            state.decoder.abort_all("server shutting down")
+            state.decoder.abort_all("the server is shutting down")
             self.sock.close()
         return state.summary()
 
@@ -416,7 +423,7 @@ class Server:
         while not state.decoder.idle() and time.monotonic() < deadline and not server.force_exit:
             await asyncio.sleep(0.05)
         await asyncio.get_running_loop().run_in_executor(None, state.join_engine)
-        state.decoder.abort_all("server shutting down")
+        state.decoder.abort_all("the server is shutting down")
         await asyncio.sleep(0.2)   # the handlers answer the aborted requests
         server.should_exit = True
 

@@ -23,7 +23,7 @@ _DONE = ".complete"
 
 
 def cache_root() -> Path:
-    root = os.environ.get("SPECPILOT_CACHE")
+    root = (os.environ.get("SPECPILOT_CACHE") or "").strip()   # blank: unset
     return Path(root).expanduser() if root else Path.home() / ".cache" / "specpilot"
 
 

@@ -12,6 +12,17 @@ CLASS_COLORS = {
 }
 
 
+PLOT_FORMATS = ("png", "svg", "pdf")
+
+
+def plot_format(path: str) -> str | None:
+    """The image format a plot file's name asks for (no suffix: PNG); None for another suffix."""
+    from pathlib import Path
+
+    suffix = Path(path).suffix.lower().lstrip(".")
+    return "png" if not suffix else suffix if suffix in PLOT_FORMATS else None
+
+
 def plot_profile(profile, path: str, protect=(), option: str = "--plot") -> None:
     """Left: measured kernel ms per class stacked beside the byte floor per class (hatched).
     Right: the step wall time split into GPU busy and outside time."""
@@ -55,5 +66,5 @@ def plot_profile(profile, path: str, protect=(), option: str = "--plot") -> None
     fig.suptitle(f"{profile.model or 'profile'} on {gpu}: {profile.steps} steps", fontsize=10)
     fig.tight_layout()
     with atomic_open(path, "wb", protect=protect, option=option) as fh:
-        fig.savefig(fh, format="png")
+        fig.savefig(fh, format=plot_format(path) or "png")
     plt.close(fig)

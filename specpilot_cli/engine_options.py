@@ -8,6 +8,7 @@ engine option is adding a field. ``--engine SPEC`` takes the same options serial
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 
 import click
@@ -20,6 +21,20 @@ ENGINE_HELP = ("The engine options as one spec, engine:key=value,... (keys are t
                "what it leaves out takes the command's defaults.")
 
 
+class _SpecInt(click.ParamType):
+    """An integer flag read as the ``--engine`` spec reads the same option (ASCII digits only:
+    Python's ``int`` also takes "1_0" and other scripts' digits)."""
+
+    name = "integer"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int):
+            return value
+        if not re.fullmatch(r"\s*[+-]?[0-9]+\s*", str(value)):
+            self.fail(f"{value!r} is not an integer", param, ctx)
+        return int(value)
+
+
 def _click_option(o: OptionInfo, default, help_text: str, default_text: str | None):
     if o.kind is bool:
         decl = f"{o.flag}/--no-{o.flag[2:]}" if default else o.flag
@@ -27,7 +42,7 @@ def _click_option(o: OptionInfo, default, help_text: str, default_text: str | No
                             help=help_text)
     if default is None and default_text:
         help_text = f"{help_text}  [default: {default_text}]"
-    kind = click.Choice(o.choices) if o.choices else o.kind
+    kind = click.Choice(o.choices) if o.choices else _SpecInt() if o.kind is int else o.kind
     return click.option(o.flag, o.name, type=kind, default=default, show_default=default is not None,
                         help=help_text)
 

@@ -235,6 +235,22 @@ def test_http_error_status(stdlib_server):
         GenerateClient(s.url, timeout=5).generate([1], 4)
 
 
+def test_a_prompt_the_server_refuses_is_bad_input_named_by_its_id(run_cli, stdlib_server, prompts_file, tmp_path):
+    def behaviour(h, body, n):
+        if n == 2:
+            h._send(400, b'{"error": {"message": "input_ids: token id 99999 is outside the vocabulary"}}')
+        else:
+            h._send(200, json.dumps(_good_answer(body)).encode())
+
+    s = stdlib_server(behaviour)
+    save = tmp_path / "refused.jsonl"
+    code, out, err = _collect(run_cli, s.url, prompts_file, save)
+    line = err.strip().splitlines()[-1]
+    assert code == 2 and "prompt 'r1': " in line and "HTTP 400" in line and "kept the 1 of 5 outputs" in line
+    assert "fix or leave out that prompt, then continue with --resume" in line
+    assert [r.id for r in read_outputs(save).rows] == ["r0"]
+
+
 def test_timeout(run_cli, stdlib_server, prompts_file, tmp_path):
     release = threading.Event()
 

@@ -165,7 +165,14 @@ def test_http_server_a_a(tmp_path, run_cli):
     assert code == 3 and "connection refused" in err
 
 
-def test_gpu_swap_through_cli(run_cli):
+def test_gpu_swap_through_cli(run_cli, monkeypatch):
+    from specpilot.auditors import pairing
+
+    # no GPU: a swap would time the CPU twice and call it two GPUs
+    monkeypatch.setattr(pairing, "_gpu_count", lambda: 0)
+    code, _, err = run_cli("compare", "--base-cmd", "true", "--candidate-cmd", "true", "--gpus", "0,1", "--runs", "4")
+    assert code == 3 and "no GPU is visible" in err.strip().splitlines()[-1]
+    monkeypatch.setattr(pairing, "_gpu_count", lambda: 2)
     # the candidate is faster on GPU "1" only: swapping GPUs exposes it in the A/A split and the pairs
     code, out, err = run_cli("compare", "--base-cmd", "echo '{\"t\": 100}'", "--candidate-cmd", "echo '{\"t\": 10{gpu}}'",
                              "--metric", "t", "--gpus", "0,1", "--runs", "4", "--warmup", "0", "--format", "json")
@@ -201,6 +208,12 @@ def test_rejudge_from_stored_file(tmp_path, run_cli):
     assert code == 1 and json.loads(out)["threshold"] == pytest.approx(0.03)
     code, out, _ = run_cli("compare", "--from", t, "--noise", "0.01", "--format", "json")
     assert code == 1 and json.loads(out)["noise_source"] == "given"
+    # a noise below the stored run's would loosen the rule
+    stored = json.loads(t.read_text())
+    stored["noise"] = 0.02
+    t.write_text(json.dumps(stored))
+    code, _, err = run_cli("compare", "--from", t, "--noise", "0.01")
+    assert code == 2 and "--from can only make the rule stricter" in err
     # bad inputs: another schema, a mangled sample, systems besides --from, overwriting the input
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"schema": "specpilot.replay/1"}))

@@ -22,6 +22,7 @@ from specpilot.engine.batch import rules
 from specpilot.engine.batch.requests import Request
 from specpilot.engine.drafters import Lattice
 from specpilot.engine.spec import EngineSpec
+from specpilot.errors import InputError
 from specpilot.kernels.tree import build_best_first, build_best_first_shared
 
 MAX_NEW = 20
@@ -458,6 +459,8 @@ def test_the_queue_bound_counts_the_free_slots_and_takes_a_list_whole():
     with pytest.raises(QueueFull, match="3 requests with 0 waiting already would pass the queue's 1"):
         dec.submit_all([req(), req(), req()])
     assert len(dec.waiting) == 1   # none of the list was queued
+    with pytest.raises(InputError, match="4 requests in one list: more than this server holds at once"):
+        dec.submit_all([req() for _ in range(4)])   # 503 would be a promise no retry keeps
     dec.submit_all([req(), req()])
     dec = eng.batch_decoder(batch=2, max_queue=0)   # none may wait for a slot
     dec.submit_all([req(), req()])

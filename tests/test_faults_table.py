@@ -552,6 +552,45 @@ def test_run_refuses_a_prompt_it_cannot_run_before_running_any(run_cli, tmp_path
         assert code == 2 and f"'{option}': an empty path" in _one_error(err)
 
 
+@pytest.mark.parametrize("verb", ["round", "audit", "compare"])
+def test_a_prompt_an_engine_cannot_run_is_refused_before_any_system_runs(verb, run_cli, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(_jsonl([{"schema": "specpilot.prompts/1", "id": "good", "prompt_ids": [10, 20, 30]},
+                               {"schema": "specpilot.prompts/1", "id": "long", "prompt_ids": [5] * 300}]))
+    tight = "engine:model=tiny,mode=tree,nodes=4,ctx=256"
+    args = {"round": ["round", tight, "--prompts", prompts, "--out-dir", tmp_path / "r", "--budget", "1",
+                      "--max-new-tokens", "8"],
+            "audit": ["audit", tight, "--against", "engine:model=tiny,mode=ar", "--scorer", "smollm2", "--prompts",
+                      prompts, "--max-new-tokens", "8", "--save-outputs", tmp_path / "so"],
+            "compare": ["compare", "--base", "engine:model=tiny,mode=ar", "--candidate", tight, "--prompts", prompts,
+                        "--max-new-tokens", "8", "--runs", "2"]}[verb]
+    code, _, err = run_cli(*args)
+    line = _one_error(err)
+    assert code == 2 and "prompt 'long': 300 tokens + 8 new tokens do not fit the engine's ctx=256" in line
+    assert "loading model" not in err and not (tmp_path / "r").exists() and not (tmp_path / "so").exists()
+
+
+def test_audit_checks_an_engine_systems_draft_model_first(run_cli, tmp_path):
+    code, _, err = run_cli("audit", "engine:model=tiny,drafter=model,draft_model=" + str(tmp_path / "none"),
+                           "--against", "engine:model=tiny,mode=ar", "--scorer", "smollm2", "--prompts",
+                           REPO / "examples" / "prompts.jsonl", "--save-outputs", tmp_path / "so")
+    assert code == 2 and "draft_model: unknown model" in _one_error(err) and "loading model" not in err
+
+
+def test_report_keeps_the_round_and_refuses_one_missing_a_finished_stage(run_cli, tmp_path):
+    import shutil
+
+    r = tmp_path / "r"
+    shutil.copytree(REPO / "examples" / "rounds" / "smollm2-cpu", r)
+    before = (r / "round.json").read_text()
+    code, _, err = run_cli("report", r, "--out", r / "round.json")
+    assert code == 2 and "refusing to overwrite input file" in _one_error(err)
+    assert (r / "round.json").read_text() == before
+    (r / "approve" / "decisions.json").unlink()
+    code, _, err = run_cli("report", r)
+    assert code == 2 and "decisions.json: missing, though round.json says the approve stage is done" in _one_error(err)
+
+
 def test_compare_ends_a_hung_command_after_the_default_timeout(run_cli, tmp_path, monkeypatch):
     """No --timeout: 10 x the slowest base run, at least AUTO_TIMEOUT_MIN_S (lowered here)."""
     from specpilot.auditors import pairing

@@ -231,3 +231,13 @@ def test_every_kernel_the_engine_launches_has_its_class():
     assert launched == set(ENGINE_KERNELS)
     got = {n: _cls(n).cls for n in ENGINE_KERNELS}
     assert got == ENGINE_KERNELS
+
+
+def test_a_split_k_reduce_is_not_taken_for_the_lm_head(fixtures_dir, run_cli):
+    """One split-K linear per step (its GEMM, then cuBLAS's reduce) and a softmax: no LM head."""
+    import json
+
+    code, out, err = run_cli("profile", fixtures_dir / "nsys_h200_linear_softmax_schema3.20.sqlite", "--format", "json")
+    assert code == 0, err
+    classes = json.loads(out)["classes"]
+    assert "lm_head" not in classes and classes["linear"]["calls"] == 2

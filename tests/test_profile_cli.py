@@ -51,6 +51,12 @@ def test_table_explain_and_plot(run_cli, tmp_path):
     assert "Kernel time per class" in out and "Classification (--explain)" in out
     assert "default#2: range~" in out  # the drafter range rule shows in the explanation
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the suffix picks the format; one no format has is refused before the trace is read
+    svg = tmp_path / "p.svg"
+    assert run_cli("profile", H200_KINETO, "--step-range", "^decode_step", "--plot", svg)[0] == 0
+    assert svg.read_text().lstrip().startswith("<?xml")
+    code, _, err = run_cli("profile", H200_KINETO, "--plot", tmp_path / "p.txt")
+    assert code == 2 and "name a .png, .svg, .pdf file" in err and not (tmp_path / "p.txt").exists()
 
 
 def test_synthetic_numbers_exact(run_cli, tmp_path):

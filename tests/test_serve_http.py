@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -29,6 +30,7 @@ from specpilot.engine.api import load_engine
 from specpilot.engine.spec import EngineSpec
 
 PROMPTS = [[(7 * i + j) % 256 for j in range(3 + i % 5)] * 2 for i in range(10)]
+REPO = Path(__file__).resolve().parents[1]
 
 
 class ServeProcess:
@@ -480,3 +482,27 @@ def test_serve_without_its_http_stack_says_what_is_missing(tmp_path):
     assert p.returncode == 3, p.stderr
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "serve needs uvicorn" in lines[0], p.stderr
+
+
+def test_a_port_in_use_or_a_bad_host_is_said_before_the_model_loads():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for args, code, what in ((["--port", str(port)], 3, "choose another --port"),
+                                 (["--port", "0", "--host", "999.1.1.1"], 2, "choose another --host")):
+            p = subprocess.run([sys.executable, "-m", "specpilot", "serve", "--model", "tiny", *args],
+                               capture_output=True, text=True, timeout=120)
+            lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+            assert p.returncode == code and len(lines) == 1 and what in lines[0], p.stderr
+            assert "loading model" not in p.stderr
+
+
+def test_load_generator_refuses_bad_options_and_fails_when_requests_fail(tmp_path):
+    gen = [sys.executable, str(REPO / "benchmarks" / "loadgen.py"), "--url", "http://127.0.0.1:1"]
+    for bad in (["--random-ids", "4", "--rate", "0"], ["--random-ids", "4", "--concurrency", "1,0"],
+                ["--prompts", str(tmp_path / "none.jsonl")]):
+        assert subprocess.run(gen + bad, capture_output=True, text=True, timeout=60).returncode == 2, bad
+    p = subprocess.run(gen + ["--random-ids", "4", "--num-prompts", "2", "--max-new-tokens", "2"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and "2 of 2 requests failed" in p.stderr, p.stderr

@@ -99,7 +99,13 @@ def run_check(baseline: dict, *, system: str | None = None, runs: int | None = N
     from specpilot.engine.spec import EngineSpec
 
     # --system is typed (strict); the baseline's is stored (read leniently, see EngineSpec.parse)
-    sys_text = str(EngineSpec.parse(system, strict=True) if system else EngineSpec.parse(baseline["system"]))
+    if system:
+        try:
+            sys_text = str(EngineSpec.parse(system, strict=True))
+        except InputError as e:
+            raise InputError(f"--system {system}: {e}") from None
+    else:
+        sys_text = str(EngineSpec.parse(baseline["system"]))
     outs = baseline.get("outputs") or {}
     rows = outs.get("system") or outs.get("stock")
     if not rows:

@@ -24,7 +24,8 @@ SCHEMA = "specpilot.deployment-record/1"
 
 
 def default_records_dir() -> Path:
-    return Path(os.environ.get("SPECPILOT_RECORDS") or Path.home() / ".cache" / "specpilot" / "deployments")
+    # a blank value counts as unset (it would make a folder named " " in the current folder)
+    return Path((os.environ.get("SPECPILOT_RECORDS") or "").strip() or Path.home() / ".cache" / "specpilot" / "deployments")
 
 
 def record_path(records_dir: str | Path | None, identity: str) -> Path:

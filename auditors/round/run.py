@@ -116,13 +116,28 @@ def check_config(cfg: RoundConfig):
     dep = parse_deployment(cfg.deployment)
     load_memory(cfg.memory_dir)
     check_names(cfg.candidates, dep.kind, cfg.memory_dir)
-    if cfg.prompts and not read_prompt_rows(cfg.prompts):
+    rows = read_prompt_rows(cfg.prompts) if cfg.prompts else None
+    if cfg.prompts and not rows:
         raise InputError(f"{cfg.prompts}: no prompts in the file")
+    if rows and dep.kind == "engine":   # a prompt the engine cannot run would fail only after the measure stage
+        _check_prompt_ids(rows, dep, cfg)
     if cfg.scorer:
         from specpilot.auditors.scorer import check_scorer_spec
 
         check_scorer_spec(cfg.scorer)
     return dep
+
+
+def _check_prompt_ids(rows, dep, cfg) -> None:
+    """Token-id prompts against the engine's vocabulary and context (text prompts are checked as
+    they are encoded)."""
+    from specpilot.engine.api import check_prompts
+
+    max_new = cfg.max_new_tokens or pl.SHAPES["cuda" if dep.facts.device == "cuda" else "cpu"][0].max_new_tokens
+    try:
+        check_prompts(dep.engine_spec, [(r.id, r.prompt_ids) for r in rows if r.prompt_ids], max_new)
+    except InputError as e:
+        raise InputError(f"{cfg.prompts}: {e}") from None
 
 
 class _Round:
@@ -651,11 +666,22 @@ def run_round(cfg: RoundConfig, *, resume: bool = False, budget_min: float | Non
     return _Round(cfg, resume=resume, budget_min=budget_min, progress=progress, notify=notify).run()
 
 
+# the file each stage leaves (the report and the CI gate read them)
+STAGE_FILES = {"measure": "measure/measure.json", "model": "model/model.json", "propose": "propose/candidates.json",
+               "approve": "approve/decisions.json"}
+
+
 def load_round(path: str | Path) -> RoundResult:
     """A round's files, for the report and the CI gate."""
     d = Path(path)
     state = read_json(d / "round.json", kind="round")
     res = RoundResult(d, state)
+    stages = state.get("stages") if isinstance(state.get("stages"), dict) else {}
+    for stage, rel in STAGE_FILES.items():   # a finished stage whose file is gone: a report would mislead
+        st = stages.get(stage)
+        if isinstance(st, dict) and st.get("status") == "done" and not (d / rel).is_file():
+            raise InputError(f"{d / rel}: missing, though round.json says the {stage} stage is done; copy the "
+                             "whole round folder (or run the round again)")
     f = d / "measure" / "measure.json"
     if f.is_file():
         res.measurement = read_json(f, kind="round-measure", build=ms.Measurement.from_json)

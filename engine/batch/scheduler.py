@@ -160,6 +160,9 @@ class BatchDecoder:
         (0: none may wait for a slot)."""
         for req in reqs:
             self.check(req)
+        if self.max_queue is not None and len(reqs) > self.batch + self.max_queue:   # never, not later either
+            raise InputError(f"{len(reqs)} requests in one list: more than this server holds at once ({self.batch} "
+                             f"slots + a queue of {self.max_queue}); send at most {self.batch + self.max_queue}")
         with self.cond:
             if self.draining:
                 raise QueueFull("the server is shutting down")

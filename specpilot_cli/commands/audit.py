@@ -160,6 +160,7 @@ def check(systems, stock_spec, ar_spec, scorer_spec, prompts_path, max_new_token
         if not prompts_path:
             raise InputError("systems to run (engine:/http://) need --prompts FILE")
         prompts = _read_prompts(prompts_path, scorer_spec)
+        _check_engine_prompts([s for _, s in specs], prompts, max_new_tokens)
     loaded = {}
     counters: dict[str, int] = {}
     # files first: one that answers other prompts is refused before any system runs for minutes
@@ -179,6 +180,20 @@ def check(systems, stock_spec, ar_spec, scorer_spec, prompts_path, max_new_token
         batch_tokens=batch_tokens, delta=delta, max_increase=max_increase / 100.0, bootstrap=bootstrap, seed=seed)
     emit(audit_report(result, info), fmt, out, protect=inputs)
     return 0 if result.verdict == "pass" else 1
+
+
+def _check_engine_prompts(systems, prompts, max_new_tokens: int) -> None:
+    """Every engine: system against every prompt before any system runs (a prompt one of them
+    cannot run would otherwise fail after the others ran)."""
+    from specpilot.engine.api import check_prompts
+    from specpilot.engine.spec import EngineSpec
+
+    for s in systems:
+        if s.kind == "engine":
+            try:
+                check_prompts(EngineSpec.parse(s.spec), [(p.id, p.prompt_ids) for p in prompts], max_new_tokens)
+            except InputError as e:
+                raise InputError(f"{s.spec}: {e}") from None
 
 
 def _check_same_prompts(outputs, prompts, name: str, prompts_path: str) -> None:
@@ -266,7 +281,8 @@ def collect_cmd(system, prompts_path, max_new_tokens, timeout, concurrency, save
                           already=already, system=identity)
     except BaseException as e:
         if getattr(e, "path", None) or (isinstance(e, KeyboardInterrupt) and Path(save).exists()):
-            e.add_note(f"continue with --resume (same --save {save})")
+            e.add_note(f"continue with --resume (same --save {save})" if getattr(e, "exit_code", 0) != 2 else
+                       f"fix or leave out that prompt, then continue with --resume (same --save {save})")
         raise
     lens = [len(r.output_ids) for r in outputs.rows]
     data = {"schema": "specpilot.audit-collect/1", "system": identity, "prompts": len(prompts),
@@ -299,8 +315,8 @@ def _holds_rows(path: str) -> bool:
     p = Path(path)
     if not p.is_file():
         return False
-    with p.open("rb") as f:
-        return any(line.strip() for line in f)
+    with p.open("rb") as f:   # a byte order mark or a no-break space is white space here too
+        return any(line.decode("utf-8", "replace").strip().strip("\ufeff") for line in f)
 
 
 def _check_resumable(already, prompts, max_new_tokens: int, save: str, system: str) -> None:
@@ -324,7 +340,8 @@ def _check_resumable(already, prompts, max_new_tokens: int, save: str, system: s
         raise InputError(f"--save {save}: row {refused.id!r} was collected from {refused.system}, not {system}; "
                          "resume with the SYSTEM it was collected from, or choose another --save")
     if aliens:
-        click.echo(f"specpilot: warning: --save {save}: {len(aliens)} of its rows were collected from "
+        click.echo(f"specpilot: warning: --save {save}: {len(aliens)} of its rows "
+                   f"{'was' if len(aliens) == 1 else 'were'} collected from "
                    f"{aliens[0].system}{' and others' if len({r.system for r in aliens}) > 1 else ''}, this "
                    f"collection runs {system}; resume only if that server runs the same model and settings", err=True)
     other = next((r for r in already if r.max_new_tokens not in (None, max_new_tokens)), None)

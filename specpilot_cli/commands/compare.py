@@ -6,7 +6,7 @@ from __future__ import annotations
 import click
 
 from specpilot.options import positive, seed_option
-from specpilot.output import Report, Section, emit, output_options
+from specpilot.output import Report, Section, emit, not_empty, output_options
 
 
 def _runs(ctx, param, value):
@@ -58,10 +58,10 @@ def _runs(ctx, param, value):
               help="Seconds allowed per run (shell commands) or per request (engines, servers). Shell commands "
                    "default to 10 x the slowest base run so far, at least 60 s (1 hour for the first base run); "
                    "engines and servers to 120 s per request. A command past it is ended with its process group.")
-@click.option("--partial", "partial_file", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+@click.option("--partial", "partial_file", type=click.Path(dir_okay=False), default=None, callback=not_empty, metavar="FILE",
               help="Keep the paired samples collected so far here while it runs (removed when it finishes) "
                    "[default: with --out timing.json, timing.partial.json beside it; else specpilot-compare.partial.json].")
-@click.option("--resume", "resume_file", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+@click.option("--resume", "resume_file", type=click.Path(dir_okay=False), default=None, callback=not_empty, metavar="FILE",
               help="Continue an interrupted run of the same systems from its partial file (kept up to date).")
 @seed_option("the bootstrap interval")
 @click.option("--from", "from_file", type=click.Path(dir_okay=False), default=None, metavar="TIMING.json",
@@ -137,6 +137,15 @@ def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, tokenizer
 
             tokenizer = EngineSpec.parse(base).model
         prompt_rows = read_prompts_tokenized(prompts, tokenizer)
+        for role, spec in (("--base", base), ("--candidate", candidate)):
+            if spec and spec.strip().startswith("engine"):   # before either system runs a prompt
+                from specpilot.engine.api import EngineSpec, check_prompts
+
+                try:
+                    check_prompts(EngineSpec.parse(spec), [(r.id, r.prompt_ids) for r in prompt_rows],
+                                  max_new_tokens)
+                except InputError as e:
+                    raise InputError(f"{role} {spec}: {e}") from None
     elif base_cmd is None:
         raise InputError("timing engines or servers needs --prompts FILE (the request set)")
     if concurrency > 1 and base_cmd is not None:

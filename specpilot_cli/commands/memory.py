@@ -76,7 +76,7 @@ def show(entry_id, memory_dir, fmt, out):
 
 @command.command("verify")
 @click.argument("ids", nargs=-1, metavar="[ID]...")
-@click.option("--results", "results_dir", type=click.Path(file_okay=False), default=None,
+@click.option("--results", "results_dir", type=click.Path(file_okay=False), default=None, callback=not_empty,
               help="Benchmark results folder the evidence is generated from (default: benchmarks/results "
                    "of the checkout SpecPilot runs from).")
 @click.option("--python", "python", default=None, metavar="PATH",

@@ -59,7 +59,7 @@ STEP_MODES = ["auto", "range", "graph", "gap", "whole"]
 @click.option("--ceiling", "ceiling_file", type=click.Path(dir_okay=False),
               help="Floors from a specpilot ceiling JSON instead of --model.")
 @dtype_options
-@click.option("--plot", "plot_file", type=click.Path(dir_okay=False), callback=not_empty, help="Draw measured vs floor per class (PNG).")
+@click.option("--plot", "plot_file", type=click.Path(dir_okay=False), callback=not_empty, help="Draw measured vs floor per class: a .png, .svg or .pdf file (the suffix picks the format).")
 @output_options
 def command(traces, step_range, step_mode, gap_us, skip_steps, device, include_orphans, rules_files, explain, top_n,
             diff, ranks, link_bandwidth, model_name, drafter_name, rows, draft_rows, draft_passes, batch, context,
@@ -103,6 +103,11 @@ def command(traces, step_range, step_mode, gap_us, skip_steps, device, include_o
         raise InputError("--plot and --out name the same file")
     if plot_file:
         from specpilot.fileio import check_output_path
+        from specpilot.reports.plots import PLOT_FORMATS, plot_format
+
+        if plot_format(plot_file) is None:
+            raise InputError(f"--plot {plot_file}: name a {', '.join('.' + f for f in PLOT_FORMATS)} file (the "
+                             "suffix picks the image format)")
 
         check_output_path(plot_file, "--plot", protect=[*traces, *(p for p in (ceiling_file, *rules_files) if p)])
     if diff and len(traces) != 2:
@@ -290,7 +295,7 @@ def _report(p) -> Report:
         sections.append(Section(f"Top {len(p.top)} kernels (median ms per step)", ["ms/step", "share", "class", "kernel"],
                                 [[t["ms"], f"{100 * t['share']:.1f}%", t["class"], _short(t["name"])] for t in p.top]))
     if p.explain is not None:
-        sections.append(Section("Classification (--explain)", ["class", "ms/step", "per step", "kind", "range", "rule", "kernel"],
+        sections.append(Section("Classification (--explain)", ["class", "mean ms/step", "per step", "kind", "range", "rule", "kernel"],
                                 [[r.cls, r.ms_per_step, r.per_step, r.kind, r.tag or "", r.rule, _short(r.name)]
                                  for r in p.explain]))
     lines = [f"warning: {w}" for w in p.warnings] + [f"note: {n}" for n in p.notes]

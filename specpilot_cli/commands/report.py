@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import click
 
-from specpilot.output import Report, Section, emit, output_options
+from specpilot.output import Report, Section, emit, not_empty, output_options
 
 
 @click.command("report")
-@click.argument("round_dir", type=click.Path(file_okay=False))
+@click.argument("round_dir", type=click.Path(file_okay=False), callback=not_empty)
 @output_options
 def command(round_dir, fmt, out):
     """Render the round in ROUND_DIR as report.md (plots in report/) and report.html (plots embedded).
@@ -26,8 +26,13 @@ def command(round_dir, fmt, out):
 
     if not (Path(round_dir) / "round.json").is_file():
         raise InputError(f"{round_dir}: no round.json here; give the --out-dir of a 'specpilot round'")
+    if out:   # the round's files are its inputs, the report's two files what it writes
+        from specpilot.fileio import check_output_path
+
+        check_output_path(out, "--out", protect=[p for p in Path(round_dir).rglob("*") if p.is_file()])
     md, html = write_report(round_dir)
     emit(Report(data={"schema": "specpilot.report/1", "round": str(round_dir), "markdown": str(md), "html": str(html)},
                 sections=[Section(None, ["file", "what"], [[str(md), "Markdown (plots in report/)"],
-                                                          [str(html), "one self-contained HTML page"]])]), fmt, out)
+                                                          [str(html), "one self-contained HTML page"]])]), fmt, out,
+         protect=[md, html])
     return 0

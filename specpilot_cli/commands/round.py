@@ -27,7 +27,7 @@ def _names(text: str | None) -> list[str] | None:
                    "cleanly, recording what it skipped.")
 @click.option("--out-dir", "out_dir", type=click.Path(file_okay=False), callback=not_empty, default="specpilot-round", show_default=True,
               help="Folder for the round's files (must not exist or be empty).")
-@click.option("--resume", "resume_dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
+@click.option("--resume", "resume_dir", type=click.Path(file_okay=False), default=None, callback=not_empty, metavar="DIR",
               help="Continue the round in DIR where it stopped (with --budget: that many more minutes).")
 @click.option("--dry-run", is_flag=True, help="Show the plan and its time estimate; run nothing.")
 @click.option("--prompts", "prompts", type=click.Path(dir_okay=False), default=None,

@@ -48,14 +48,16 @@ def command(host, port, max_queue, backlog, grace, log_requests, fmt, out, **kw)
     try:   # declared dependencies, but an install without them should say so, not crash
         import uvicorn  # noqa: F401  (imported where the server starts, after the model loads)
 
-        from specpilot.engine.server import Server, ServeOptions, url_host
+        from specpilot.engine.server import Server, ServeOptions, bind, url_host
     except ModuleNotFoundError as e:
         raise EnvironmentMissing(f"serve needs {e.name}, which this Python lacks (pip install fastapi uvicorn "
                                  "httpx, or reinstall specpilot with its dependencies)") from None
+    sock = bind(host, port, backlog)   # before the model loads: a port in use is said at once
 
     engine = load_engine(spec)
     log = (lambda m: click.echo(f"specpilot serve: {m}", err=True)) if log_requests else None
-    srv = Server(engine, ServeOptions(host=host, port=port, backlog=backlog, max_queue=max_queue, grace=grace, log=log))
+    srv = Server(engine, ServeOptions(host=host, port=port, backlog=backlog, max_queue=max_queue, grace=grace, log=log),
+                 sock=sock)
     click.echo(f"specpilot serve: {engine.model_name} {spec.mode} on http://{url_host(host)}:{srv.port} "
                f"({engine.info['dtype']}, {spec.device}, batch {srv.state.decoder.batch}; load "
                f"{engine.info['load_seconds']:.1f} s, warm-up {engine.info['warmup_seconds']:.1f} s); {spec}", err=True)
