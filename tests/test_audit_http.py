@@ -196,14 +196,18 @@ def test_garbage_after_two_answers_keeps_partial(run_cli, stdlib_server, prompts
     assert rows[0].output_ids == [9, 10, 11, 12] and rows[0].prompt_ids == PROMPTS[0]
 
 
-def test_concurrent_requests_keep_completed_outputs_on_failure(run_cli, stdlib_server, prompts_file, tmp_path):
+def _fails_at(request: int, status: int, payload: bytes):
+    """A server that answers well except for its ``request``-th request (1-based)."""
     def behaviour(h, body, n):
-        if n == 3:
-            h._send(200, b"garbage")
+        if n == request:
+            h._send(status, payload)
         else:
             h._send(200, json.dumps(_good_answer(body)).encode())
+    return behaviour
 
-    s = stdlib_server(behaviour)
+
+def test_concurrent_requests_keep_completed_outputs_on_failure(run_cli, stdlib_server, prompts_file, tmp_path):
+    s = stdlib_server(_fails_at(3, 200, b"garbage"))
     save = tmp_path / "conc.jsonl"
     code, out, err = _collect(run_cli, s.url, prompts_file, save, "--concurrency", 2)
     assert code == 3 and "not JSON" in err
@@ -236,13 +240,7 @@ def test_http_error_status(stdlib_server):
 
 
 def test_a_prompt_the_server_refuses_is_bad_input_named_by_its_id(run_cli, stdlib_server, prompts_file, tmp_path):
-    def behaviour(h, body, n):
-        if n == 2:
-            h._send(400, b'{"error": {"message": "input_ids: token id 99999 is outside the vocabulary"}}')
-        else:
-            h._send(200, json.dumps(_good_answer(body)).encode())
-
-    s = stdlib_server(behaviour)
+    s = stdlib_server(_fails_at(2, 400, b'{"error": {"message": "input_ids: token id 99999 is outside the vocabulary"}}'))
     save = tmp_path / "refused.jsonl"
     code, out, err = _collect(run_cli, s.url, prompts_file, save)
     line = err.strip().splitlines()[-1]
