@@ -145,6 +145,18 @@ class PromptRow:
     text: str | None = None
 
 
+def _jsonl_row(line: str) -> bool:
+    """Whether a prompts file's first line makes it JSONL: a JSON object, or a line meant as one
+    (a broken row with a prompts file's keys, reported as such) - not text that starts with "{"."""
+    text = line.strip()
+    if not text.startswith("{"):
+        return False
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return any(f'"{k}"' in text for k in ("schema", "id", "prompt_ids", "text", "output_ids"))
+
+
 def read_prompt_rows(path) -> list[PromptRow]:
     """Read prompts: ``specpilot.prompts/1`` JSONL (ids or text), an outputs file (its prompts), or
     a plain text file with one prompt per line (ids ``p0``, ``p1``, ...)."""
@@ -156,7 +168,7 @@ def read_prompt_rows(path) -> list[PromptRow]:
             first = next((line for line in fh if line.strip()), "")
     except UnicodeDecodeError:
         raise InputError(f"{path}: not UTF-8 text") from None
-    if first and not first.lstrip().startswith("{"):
+    if first and not _jsonl_row(first):
         lines = [line for line in path.read_text(encoding="utf-8-sig").splitlines() if line.strip()]
         return [PromptRow(f"p{i}", text=line) for i, line in enumerate(lines)]
     rows: list[PromptRow] = []

@@ -107,6 +107,8 @@ def measure_rows(model, rows: list[int], context: int, reps: int = 50, warmup: i
     graphs = graph_ready(model)
     it = order if progress is None else progress(order, total=len(order), desc="rows", unit="N")
     for T in it:
+        # a process's first step pays for allocation and lazy set-up: never time it
+        warm = max(warmup, 1) if T == order[0] else warmup
         inp = step_input(model, T, context)
         if graphs:
             from specpilot.engine.graphs import GraphRunner, time_replays
@@ -117,7 +119,7 @@ def measure_rows(model, rows: list[int], context: int, reps: int = 50, warmup: i
             sinp.pos.copy_(inp.pos)
             sinp.slots.copy_(inp.slots)
             sinp.mask.copy_(inp.mask)
-            samples = time_replays(g, reps, warmup)
+            samples = time_replays(g, reps, warm)
             del runner, g
         else:
             kv = model.max_seq if cuda else min(model.max_seq, ((context + T + 63) // 64) * 64)
@@ -130,19 +132,23 @@ def measure_rows(model, rows: list[int], context: int, reps: int = 50, warmup: i
 
             from specpilot.engine.graphs import time_calls
 
-            samples = time_calls(once, reps, warmup, cuda)
+            samples = time_calls(once, reps, warm, cuda)
         times[T] = statistics.median(samples)
     ar = times[1]
     points = [{"rows": T, "step_ms": times[T], "c": times[T] / ar, "path": step_path(model, T)}
               for T in order if T in set(rows) or T == 1]
-    warn = slower_ar_warning(model)
+    warnings = [w for w in (slower_ar_warning(model),) if w]
+    head = model.certified_head
+    if head is not None and max(order) > head.max_rows:
+        warnings.append(f"the certified head takes up to {head.max_rows} rows a step: the points above "
+                        f"{head.max_rows} rows run the linear head, as the engine's steps of that size do")
     gpu = torch.cuda.get_device_name(model.device) if cuda else None
     method = ("cuda graph, CUDA events, median" if graphs else
               "eager, CUDA events, median" if cuda else "eager, wall clock, median")
     return RowsResult(model.spec.name, gpu, str(model.device), str(model.dtype).replace("torch.", ""), context, ar,
                       points, reps, method, cpu=None if cuda else cpu_name(), ar_path=step_path(model, 1),
-                      warnings=[warn] if warn else [],
-                      extra={"torch": torch.__version__, "threads": torch.get_num_threads()})
+                      warnings=warnings,
+                      extra={"torch": torch.__version__, "threads": torch.get_num_threads(), "warmup": warmup})
 
 
 def default_device() -> str:

@@ -3,6 +3,8 @@ text is their serialization (both round-trip for every field)."""
 
 from __future__ import annotations
 
+import json
+
 import click
 import pytest
 from click.testing import CliRunner
@@ -142,3 +144,11 @@ def test_probe_rows_help_lists_its_engine_flags(run_cli):
         assert flags[name] in out, name
     assert "--mode " not in out and "--engine" not in out
     assert "[default: auto]" in out and "cuda when" in out
+
+
+def test_probe_rows_never_times_a_cold_first_step_and_says_where_the_certified_head_stops(run_cli):
+    code, out, err = run_cli("probe", "rows", "--model", "tiny", "--device", "cpu", "--rows", "1,2,65", "--context", "8",
+                             "--reps", "1", "--warmup", "0", "--head", "certified", "--format", "json")
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["warmup"] == 0 and any("points above 64 rows run the linear head" in w for w in d["warnings"])

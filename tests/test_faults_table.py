@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import LOCAL_FIXTURES, REPO
+from specpilot.errors import InputError
 
 LATTICE = [{"schema": "specpilot.lattice/1", "request": 0, "step": s, "tokens": [[5, 6], [7, 8]],
             "logprobs": [[-0.1, -2.0], [-0.3, -1.5]], "transitions": None, "target": [5, 7, 9]} for s in range(4)]
@@ -351,6 +352,12 @@ def test_a_prompts_file_with_a_byte_order_mark_is_read_as_its_rows(tmp_path):
     assert [(r.id, r.prompt_ids) for r in read_prompt_rows(p)] == [("a", [1, 2])]
     p.write_bytes("\ufeffhello\n".encode())
     assert [r.text for r in read_prompt_rows(p)] == ["hello"]
+    # text that starts with "{" is text; a broken JSON row is still reported as one
+    p.write_text("{curly braces} make a set\nsecond\n")
+    assert [r.text for r in read_prompt_rows(p)] == ["{curly braces} make a set", "second"]
+    p.write_text('{"schema": "specpilot.prompts/1", "id": 1, "prompt_ids": [1, 2\n')
+    with pytest.raises(InputError, match="not valid JSON"):
+        read_prompt_rows(p)
 
 
 @pytest.mark.parametrize("args, needle", [

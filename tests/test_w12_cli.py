@@ -142,6 +142,11 @@ def test_bad_input_leaves_no_output(tmp_path, run_cli):
     code, _, err = run_cli("w12", "pack", src, "-o", src)
     assert code == 2
     assert load_file(str(src))[Q].dtype == torch.bfloat16   # the input is untouched
+    # the report onto the packed file, or a name verify and stats would not read: refused before packing
+    for args, what in ((["-o", tmp_path / "p.safetensors", "--out", tmp_path / "p.safetensors"], "the same file as --output"),
+                       (["-o", tmp_path / "p.w12"], "name a .safetensors file")):
+        code, _, err = run_cli("w12", "pack", src, *args)
+        assert code == 2 and what in err and not (tmp_path / "p.safetensors").exists() and not (tmp_path / "p.w12").exists()
     # a plain (unpacked) file is not a W12 checkpoint
     code, _, err = run_cli("w12", "stats", src)
     assert code == 2 and "pack it first" in err

@@ -37,7 +37,8 @@ def command():
 @click.option("--reps", type=click.IntRange(1, 100_000), default=50, show_default=True,
               help="Timed repetitions per N (their median is reported).")
 @click.option("--warmup", type=click.IntRange(0, 10_000), default=5, show_default=True,
-              help="Untimed steps per N before the timed ones (compilation, caches, clocks).")
+              help="Untimed steps per N before the timed ones (compilation, caches, clocks); the first N "
+                   "always gets at least one (a process's first step pays for allocation).")
 @output_options
 def rows(rows_text, context, reps, warmup, fmt, out, **kw):
     """T_step(N) for N verification rows and c(N) = T_step(N) / T_AR (JSON for ``ceiling --rows-probe``).

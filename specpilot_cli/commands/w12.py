@@ -87,6 +87,11 @@ def pack_cmd(src, dst, include, exclude, device, fmt, out):
         from specpilot.fileio import check_output_path
 
         check_output_path(dst, "--output", protect=[src])  # before the long conversion
+    if out and Path(out).resolve() == Path(dst).resolve():
+        raise InputError(f"--out {out}: the same file as --output; the report needs another name (or leave --out "
+                         "out)")
+    if Path(src).is_file() and Path(dst).suffix != ".safetensors":   # what verify and stats recognise
+        raise InputError(f"--output {dst}: name a .safetensors file (a single-file checkpoint packs into one)")
     device = _device(device)
     inc = tuple(include) or ck.DEFAULT_INCLUDE
     exc = tuple(exclude) or ck.DEFAULT_EXCLUDE
