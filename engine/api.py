@@ -437,6 +437,12 @@ def load_engine(spec: EngineSpec | str) -> Engine:
 
     if isinstance(spec, str):
         spec = EngineSpec.parse(spec)
+    if spec.mode != "ar" and spec.drafter == "model":   # before either model loads: their configs say it
+        vocab = resolve_model(spec.model, spec.random)[0].vocab_size
+        draft_vocab = resolve_model(spec.draft_model, spec.random or spec.draft_model in TINY_CONFIGS)[0].vocab_size
+        if draft_vocab != vocab:
+            raise InputError(f"draft model {spec.draft_model} has a vocabulary of {draft_vocab}, the target "
+                             f"{spec.model} {vocab}; they must share the tokenizer (give --draft-model)")
     logging.getLogger("specpilot.status").info(f"loading model {spec.model} ({spec.mode}, {spec.device}) ...")
     t0 = time.perf_counter()
     target = load_target(spec)

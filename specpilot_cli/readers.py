@@ -82,6 +82,8 @@ def read_rows_probe(path: str, batch: int | None = None) -> RowsProbeFigures:
         r, ms = (p.get("rows"), p.get("step_ms")) if isinstance(p, dict) else (None, None)
         if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r <= MAX_ROWS or not _finite(ms, 0, MAX_MS):
             raise InputError(f"{path}: every point needs 'rows' in [1, {MAX_ROWS}] and 'step_ms' in (0, {MAX_MS:g}]")
+        if r in curve:   # which of the two the cost model would take is not for the reader to pick
+            raise InputError(f"{path}: two points at {r} rows; a rows probe times each row count once")
         curve[r] = float(ms)
     ar = doc.get("ar_ms", curve.get(1))
     if ar is None:

@@ -269,6 +269,9 @@ def test_cli_rows_probe_ar_path_and_its_warnings(run_cli, tmp_path):
     rows.write_text(json.dumps({**base, "ar_path": 3}))
     code, _, err = run_cli("ceiling", "--rows", "32", "--tau", "3", "--rows-probe", rows)
     assert code == 2 and "ar_path" in err
+    rows.write_text(json.dumps({**base, "points": base["points"] + [{"rows": 32, "step_ms": 99.0}]}))
+    code, _, err = run_cli("ceiling", "--rows", "32", "--tau", "3", "--rows-probe", rows)
+    assert code == 2 and "two points at 32 rows" in err
 
 
 def test_cli_run_step_timing_is_the_outside_factor(run_cli, tmp_path):

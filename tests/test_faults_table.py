@@ -577,6 +577,12 @@ def test_a_prompt_an_engine_cannot_run_is_refused_before_any_system_runs(verb, r
     assert "loading model" not in err and not (tmp_path / "r").exists() and not (tmp_path / "so").exists()
 
 
+def test_a_draft_model_of_another_vocabulary_is_refused_before_either_loads(run_cli):
+    code, _, err = run_cli("run", "--model", "smollm2", "--random-weights", "--drafter", "model", "--prompt-ids", "1,2",
+                           "--max-new-tokens", "2")
+    assert code == 2 and "draft model tiny has a vocabulary of 256" in _one_error(err) and "loading model" not in err
+
+
 def test_audit_checks_an_engine_systems_draft_model_first(run_cli, tmp_path):
     code, _, err = run_cli("audit", "engine:model=tiny,drafter=model,draft_model=" + str(tmp_path / "none"),
                            "--against", "engine:model=tiny,mode=ar", "--scorer", "smollm2", "--prompts",

@@ -80,6 +80,11 @@ def test_verify_catches_a_different_checkpoint_by_bits(tmp_path, run_cli):
     assert not res.ok and res.mismatched[0][0] == Q and "1 weights differ" in res.mismatched[0][1]
     code, _, err = run_cli("w12", "verify", dst, "--against", b)
     assert code == 1 and Q in err
+    # a reference without some kept tensor says it is missing, not that it differs
+    del t["model.norm.weight"]
+    t[Q] = load_file(str(a))[Q]
+    save_file(t, str(b))
+    assert dict(verify(str(dst), str(b)).mismatched) == {"model.norm.weight": "kept tensor not in the reference checkpoint"}
 
 
 def test_sharded_folder(tmp_path, run_cli):

@@ -414,7 +414,9 @@ def verify(packed: str, against: str | None = None, progress: Callable | None = 
                 if k in w12_names:
                     continue
                 r = ref_tensor(k)
-                if r is None or r.dtype != v.dtype or r.shape != v.shape or not torch.equal(
+                if r is None:
+                    res.mismatched.append((k, "kept tensor not in the reference checkpoint"))
+                elif r.dtype != v.dtype or r.shape != v.shape or not torch.equal(
                         r.contiguous().view(torch.uint8), v.contiguous().view(torch.uint8)):
                     res.mismatched.append((k, "kept tensor differs from the reference"))
                 else:
