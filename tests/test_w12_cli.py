@@ -236,3 +236,15 @@ def test_a_damaged_crc_table_is_reported_not_a_crash(tmp_path, run_cli, crc):
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     code, out, err = run_cli("w12", "verify", dst)
     assert code == 1 and f"{Q}: {Q}" not in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("version", [True, 3, "2"])
+def test_a_version_this_reader_does_not_know_is_refused(tmp_path, run_cli, version):
+    src, dst = tmp_path / "m.safetensors", tmp_path / "w.safetensors"
+    make_checkpoint(src)
+    assert run_cli("w12", "pack", src, "-o", dst)[0] == 0
+    tensors, meta, doc = read_packed(dst)
+    doc["version"] = version   # true == 1 to Python, but no W12 file says so
+    write_packed(dst, tensors, meta, doc)
+    code, _, err = run_cli("w12", "stats", dst)
+    assert code == 2 and "is not supported" in err and len(err.strip().splitlines()) == 1, err

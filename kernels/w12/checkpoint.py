@@ -294,7 +294,8 @@ def w12_info(meta: dict[str, str], source: str) -> dict:
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
         raise W12FormatError(f"{source}: unknown W12 schema {doc.get('schema') if isinstance(doc, dict) else doc!r}; "
                              f"this SpecPilot reads {SCHEMA}")
-    if doc.get("version") not in (1, FORMAT_VERSION) or doc.get("tile") != [TILE_N, TILE_K]:
+    version = doc.get("version")
+    if isinstance(version, bool) or version not in (1, FORMAT_VERSION) or doc.get("tile") != [TILE_N, TILE_K]:
         raise W12FormatError(f"{source}: W12 version {doc.get('version')} tile {doc.get('tile')} is not supported")
     tensors = doc.get("tensors", {})
     if not isinstance(tensors, dict):
