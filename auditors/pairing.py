@@ -314,36 +314,15 @@ def parse_gpus(text: str | None) -> tuple[str, str] | None:
     parts = [p.strip() for p in text.split(",") if p.strip()]
     if len(parts) != 2 or parts[0] == parts[1]:
         raise InputError(f"--gpus {text!r}: give two different GPU ids, e.g. --gpus 0,1")
-    n = _gpu_count()
+    from specpilot.machine import gpu_count
+
+    n = gpu_count()
     if n == 0:   # the swap would time two CPU runs and report them as two GPUs
         raise EnvironmentMissing(f"--gpus {text}: no GPU is visible on this machine (no driver answers)")
     for p in parts:
         if p.isdigit() and int(p) >= n:
             raise EnvironmentMissing(f"--gpus {text}: GPU {p} does not exist ({n} visible)")
     return parts[0], parts[1]
-
-
-def _gpu_count() -> int:
-    """GPUs the driver shows: NVML's count (a CPU build of torch sees none on a GPU machine), or
-    torch's (ROCm), whichever is larger."""
-    n = 0
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            n = pynvml.nvmlDeviceGetCount()
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:   # no NVIDIA driver
-        pass
-    try:
-        import torch
-
-        n = max(n, torch.cuda.device_count())
-    except Exception:
-        pass
-    return n
 
 
 def _outputs_differ(a: System, b: System) -> bool:

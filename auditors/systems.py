@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from specpilot.errors import EnvironmentMissing, InputError, SpecPilotError
+from specpilot.errors import EnvironmentMissing, InputError, SpecPilotError, about_prompt
 
 from .outputs import OutputRow, Outputs, Prompt, key, read_outputs, write_outputs
 
@@ -143,6 +143,20 @@ def _as_ids(out) -> list[int]:
     return [int(t) for t in out]
 
 
+def check_engine_prompts(systems, prompts: Sequence[Prompt], max_new_tokens: int) -> None:
+    """Every ``engine:`` system of ``systems`` ((label, spec text) pairs) against every prompt,
+    before any system runs: a prompt one of them cannot run would otherwise fail after others ran."""
+    from specpilot.engine.api import check_prompts
+    from specpilot.engine.spec import EngineSpec
+
+    for label, text in systems:
+        if text and (text.strip() == "engine" or text.strip().startswith("engine:")):
+            try:
+                check_prompts(EngineSpec.parse(text), [(p.id, p.prompt_ids) for p in prompts], max_new_tokens)
+            except InputError as e:
+                raise InputError(f"{label}: {e}") from None
+
+
 def system_identity(system: SystemSpec) -> str:
     """What a collected row records as its system: an engine spec in its canonical form (the keys
     in one order, defaults left out), a server's URL as parsed."""
@@ -206,10 +220,8 @@ def collect(generator: Generator, prompts: Sequence[Prompt], max_new_tokens: int
     todo = [i for i in range(len(prompts)) if i not in done]
     try:   # a prompt the system cannot run is refused before any runs
         for i in todo:
-            try:
+            with about_prompt(prompts[i].id, f"{name}: "):
                 generator.check(list(prompts[i].prompt_ids), max_new_tokens)
-            except InputError as e:
-                raise InputError(f"{name}: prompt {prompts[i].id!r}: {e}") from None
     except BaseException:
         generator.close()
         raise
@@ -227,10 +239,8 @@ def collect(generator: Generator, prompts: Sequence[Prompt], max_new_tokens: int
             on_row(done[i])
 
     def run_one(i: int):
-        try:
+        with about_prompt(prompts[i].id):   # a refused prompt (a server's 400): name it
             return generator.generate(list(prompts[i].prompt_ids), max_new_tokens)
-        except InputError as e:   # a refused prompt (a server's 400): name it
-            raise InputError(f"prompt {prompts[i].id!r}: {e}") from None
 
     try:
         if batch > 1:   # a batched engine, a chunk of BATCH_ROUNDS batches at a time

@@ -7,7 +7,6 @@ check live there) or its text form ``engine:model=smollm2,mode=tree,nodes=32``.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -16,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specpilot.engine.spec import EngineSpec
-from specpilot.errors import EnvironmentMissing, InputError
+from specpilot.errors import EnvironmentMissing, InputError, about_prompt
 
 # Built-in tiny configs: random weights, byte-level vocabulary (no tokenizer needed).
 TINY_CONFIGS = {
@@ -66,15 +65,6 @@ class RunResult:
         from specpilot.engine.decode import step_timing
 
         return step_timing(self.step_times)
-
-
-@contextlib.contextmanager
-def _naming(prompt_id):
-    """An InputError about one of several prompts names the prompt."""
-    try:
-        yield
-    except InputError as e:
-        raise InputError(f"prompt {prompt_id!r}: {e}") from None
 
 
 @dataclass
@@ -138,7 +128,7 @@ class Engine:
             return
         encoded = [pr.get("ids") or self.encode(pr["text"], chat=chat) for pr in prompts]
         for pr, ids in zip(prompts, encoded):   # a prompt that cannot run is refused before any runs
-            with _naming(pr["id"]):
+            with about_prompt(pr["id"]):
                 self.decoder.check(ids, max_new_tokens)
         it = prompts if progress is None else progress(prompts, total=len(prompts), desc="run", unit="prompt")
         for pr, ids in zip(it, encoded):
@@ -158,7 +148,7 @@ class Engine:
                              record_lattice=record_lattice) for pr in prompts]
         dec = self.batch_decoder()
         for r in reqs:
-            with _naming(r.id):
+            with about_prompt(r.id):
                 dec.check(r)
         t0 = time.perf_counter()
         bar = None

@@ -232,14 +232,8 @@ def make_app(state: ServeState):
                                 decode=(lambda ids, s=sp: eng.decode(ids, skip_special_tokens=s.skip_special_tokens)),
                                 on_update=on_update))
         try:
-            for r in reqs:
-                dec.check(r)
-        except InputError as e:
-            state.metrics.reject("bad_request")
-            return _error(str(e), 400)
-        try:
-            dec.submit_all(reqs)   # all of a list request, or none
-        except InputError as e:    # a list longer than the slots and the queue together
+            dec.submit_all(reqs)   # all of a list request, or none; each checked first
+        except InputError as e:    # a request the engine cannot run, or a list longer than slots + queue
             state.metrics.reject("bad_request")
             return _error(str(e), 400)
         except QueueFull as e:

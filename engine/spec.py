@@ -55,6 +55,9 @@ def check_choice(label: str, value, choices: tuple) -> None:
         raise InputError(f"unknown {label} {value!r}; choose one of {', '.join(choices)}")
 
 
+# an integer option's text: plain ASCII digits (int() also takes "1_0" and other scripts' digits)
+INT_TEXT = r"\s*[+-]?[0-9]+\s*"
+
 # the batching rules (meaningful with batch > 1) and those of them that shape drafted chains and trees
 BATCH_RULES = ("budget", "block", "admit", "admit_rows")
 DRAFT_RULES = ("budget", "block")
@@ -316,8 +319,7 @@ class OptionInfo:
                 return word in TRUE_WORDS
             raise InputError(f"engine option {self.name}={v!r} must be 0 or 1")
         if self.kind is int:
-            # plain ASCII digits: int() also takes "1_0" and other scripts' digits
-            if isinstance(v, bool) or (isinstance(v, str) and not re.fullmatch(r"\s*[+-]?[0-9]+\s*", v)):
+            if isinstance(v, bool) or (isinstance(v, str) and not re.fullmatch(INT_TEXT, v)):
                 raise InputError(f"engine option {self.name}={v!r} is not an integer")
             try:
                 iv = int(v)

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 
 import click
 
-from specpilot.engine.spec import EngineSpec, OptionInfo
+from specpilot.engine.spec import INT_TEXT, EngineSpec, OptionInfo
 from specpilot.errors import InputError
 
 ENGINE_HELP = ("The engine options as one spec, engine:key=value,... (keys are the option names: "
@@ -30,7 +30,7 @@ class _SpecInt(click.ParamType):
     def convert(self, value, param, ctx):
         if isinstance(value, int):
             return value
-        if not re.fullmatch(r"\s*[+-]?[0-9]+\s*", str(value)):
+        if not re.fullmatch(INT_TEXT, str(value)):
             self.fail(f"{value!r} is not an integer", param, ctx)
         return int(value)
 

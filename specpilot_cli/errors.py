@@ -9,6 +9,8 @@ turns them into an :class:`InputError` that names the file (``file:line`` where 
 
 from __future__ import annotations
 
+import contextlib
+
 EXIT_OK = 0
 EXIT_VERDICT = 1
 EXIT_USAGE = 2
@@ -26,6 +28,16 @@ class InputError(SpecPilotError):
     """Bad input: malformed file, unknown name, out-of-range option (exit 2)."""
 
     exit_code = EXIT_USAGE
+
+
+@contextlib.contextmanager
+def about_prompt(prompt_id, prefix: str = ""):
+    """An InputError raised inside, about one of several prompts, names the prompt (after
+    ``prefix``, e.g. the system's name)."""
+    try:
+        yield
+    except InputError as e:
+        raise InputError(f"{prefix}prompt {prompt_id!r}: {e}") from None
 
 
 class EnvironmentMissing(SpecPilotError):

@@ -112,6 +112,29 @@ def free_memory(device: str) -> int | None:
     return None
 
 
+def gpu_count() -> int:
+    """GPUs the driver shows: NVML's count (a CPU build of torch sees none on a GPU machine), or
+    torch's (ROCm), whichever is larger."""
+    n = 0
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            n = pynvml.nvmlDeviceGetCount()
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:   # no NVIDIA driver
+        pass
+    try:
+        import torch
+
+        n = max(n, torch.cuda.device_count())
+    except Exception:
+        pass
+    return n
+
+
 DEVICE_PATTERN = r"cpu|cuda(?::(\d{1,4}))?"   # the devices SpecPilot runs on: cpu, cuda, cuda:N
 
 

@@ -166,13 +166,13 @@ def test_http_server_a_a(tmp_path, run_cli):
 
 
 def test_gpu_swap_through_cli(run_cli, monkeypatch):
-    from specpilot.auditors import pairing
+    from specpilot import machine
 
     # no GPU: a swap would time the CPU twice and call it two GPUs
-    monkeypatch.setattr(pairing, "_gpu_count", lambda: 0)
+    monkeypatch.setattr(machine, "gpu_count", lambda: 0)
     code, _, err = run_cli("compare", "--base-cmd", "true", "--candidate-cmd", "true", "--gpus", "0,1", "--runs", "4")
     assert code == 3 and "no GPU is visible" in err.strip().splitlines()[-1]
-    monkeypatch.setattr(pairing, "_gpu_count", lambda: 2)
+    monkeypatch.setattr(machine, "gpu_count", lambda: 2)
     # the candidate is faster on GPU "1" only: swapping GPUs exposes it in the A/A split and the pairs
     code, out, err = run_cli("compare", "--base-cmd", "echo '{\"t\": 100}'", "--candidate-cmd", "echo '{\"t\": 10{gpu}}'",
                              "--metric", "t", "--gpus", "0,1", "--runs", "4", "--warmup", "0", "--format", "json")

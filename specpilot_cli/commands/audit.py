@@ -139,7 +139,7 @@ def check(systems, stock_spec, ar_spec, scorer_spec, prompts_path, max_new_token
       specpilot audit engine:model=smollm2,mode=tree,nodes=32 --against engine:model=smollm2,mode=chain \\
           --ar engine:model=smollm2,mode=ar --scorer smollm2 --prompts prompts.jsonl
     """
-    from specpilot.auditors.systems import default_save_path, load_system, parse_system
+    from specpilot.auditors.systems import check_engine_prompts, default_save_path, load_system, parse_system
 
     if batch_tokens < 1 or bootstrap < 100:
         raise InputError("--batch-tokens must be >= 1 and --bootstrap >= 100")
@@ -160,7 +160,7 @@ def check(systems, stock_spec, ar_spec, scorer_spec, prompts_path, max_new_token
         if not prompts_path:
             raise InputError("systems to run (engine:/http://) need --prompts FILE")
         prompts = _read_prompts(prompts_path, scorer_spec)
-        _check_engine_prompts([s for _, s in specs], prompts, max_new_tokens)
+        check_engine_prompts([(s.spec, s.spec) for _, s in specs if s.kind == "engine"], prompts, max_new_tokens)
     loaded = {}
     counters: dict[str, int] = {}
     # files first: one that answers other prompts is refused before any system runs for minutes
@@ -180,20 +180,6 @@ def check(systems, stock_spec, ar_spec, scorer_spec, prompts_path, max_new_token
         batch_tokens=batch_tokens, delta=delta, max_increase=max_increase / 100.0, bootstrap=bootstrap, seed=seed)
     emit(audit_report(result, info), fmt, out, protect=inputs)
     return 0 if result.verdict == "pass" else 1
-
-
-def _check_engine_prompts(systems, prompts, max_new_tokens: int) -> None:
-    """Every engine: system against every prompt before any system runs (a prompt one of them
-    cannot run would otherwise fail after the others ran)."""
-    from specpilot.engine.api import check_prompts
-    from specpilot.engine.spec import EngineSpec
-
-    for s in systems:
-        if s.kind == "engine":
-            try:
-                check_prompts(EngineSpec.parse(s.spec), [(p.id, p.prompt_ids) for p in prompts], max_new_tokens)
-            except InputError as e:
-                raise InputError(f"{s.spec}: {e}") from None
 
 
 def _check_same_prompts(outputs, prompts, name: str, prompts_path: str) -> None:

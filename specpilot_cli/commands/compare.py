@@ -136,16 +136,11 @@ def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, tokenizer
             from specpilot.engine.api import EngineSpec
 
             tokenizer = EngineSpec.parse(base).model
-        prompt_rows = read_prompts_tokenized(prompts, tokenizer)
-        for role, spec in (("--base", base), ("--candidate", candidate)):
-            if spec and spec.strip().startswith("engine"):   # before either system runs a prompt
-                from specpilot.engine.api import EngineSpec, check_prompts
+        from specpilot.auditors.systems import check_engine_prompts
 
-                try:
-                    check_prompts(EngineSpec.parse(spec), [(r.id, r.prompt_ids) for r in prompt_rows],
-                                  max_new_tokens)
-                except InputError as e:
-                    raise InputError(f"{role} {spec}: {e}") from None
+        prompt_rows = read_prompts_tokenized(prompts, tokenizer)
+        check_engine_prompts([(f"{role} {spec}", spec) for role, spec in (("--base", base), ("--candidate", candidate))],
+                             prompt_rows, max_new_tokens)
     elif base_cmd is None:
         raise InputError("timing engines or servers needs --prompts FILE (the request set)")
     if concurrency > 1 and base_cmd is not None:
