@@ -1,9 +1,11 @@
 """TLV on the H200: the Q pass against the exact pass of the same rows, and the cycle's time split.
 
-    SPECPILOT_GIT_SHA=<hash> python3 benchmarks/tlv_gpu.py [--configs llama-bf16,llama-w12,qwen-bf16]
+    SPECPILOT_GIT_SHA=<hash> python3 benchmarks/tlv_gpu.py [--configs llama-bf16,llama-w12,qwen-bf16,...]
 
 For each target (random weights, std 0.02; Llama-3.1-8B shapes in bf16 with a W12 copy for the Q
-pass and with W12 weights; Qwen3.5-9B shapes in bf16) the engine ``specpilot run --mode tlv`` loads
+pass and with W12 weights; Qwen3.5-9B shapes in bf16), with the Q pass's W12 view (``qview=w12``)
+and with its e4m3 copy (``qview=fp8``, the ``-fp8`` configs), the engine ``specpilot run --mode
+tlv`` loads
 (``load_engine``: self-drafter of 2 layers, 32 nodes, depth 8, top-4, CUDA graphs for both passes):
 
 * the Q pass's CUDA graph against the exact pass's graph at 8, 16 and 32 rows (the same inputs,
@@ -39,8 +41,11 @@ from common import print_table, section, write_results  # noqa: E402
 from hybrid_gpu import logit_gap  # noqa: E402
 from verify_step import FixedDrafter  # noqa: E402
 
-CONFIGS = {"llama-bf16": ("llama-3.1-8b", False), "llama-w12": ("llama-3.1-8b", True),
-           "qwen-bf16": ("qwen3.5-9b", False)}
+CONFIGS = {"llama-bf16": ("llama-3.1-8b", False, "w12"), "llama-w12": ("llama-3.1-8b", True, "w12"),
+           "qwen-bf16": ("qwen3.5-9b", False, "w12"), "llama-bf16-fp8": ("llama-3.1-8b", False, "fp8"),
+           "llama-w12-fp8": ("llama-3.1-8b", True, "fp8"), "qwen-bf16-fp8": ("qwen3.5-9b", False, "fp8")}
+Q_VIEWS = {("w12", True): "the target's W12 records", ("w12", False): "a W12 copy of the bf16 projections",
+           ("fp8", True): "an e4m3 copy of the W12 projections", ("fp8", False): "an e4m3 copy of the bf16 projections"}
 PAPER_SPLIT = {"draft1": 1.05, "qpass": 11.5, "draft2": 1.05, "exact": 14.9, "append": 1.6}
 GRAPH_ROWS = (8, 16, 32)
 
@@ -69,10 +74,11 @@ def measure(name: str, args) -> dict:
     from specpilot.engine.decode import Decoder
     from specpilot.engine.graphs import time_replays
 
-    model, w12 = CONFIGS[name]
+    model, w12, qview = CONFIGS[name]
     t0 = time.perf_counter()
     e = load_engine(f"engine:model={model},random=1,mode=tlv,drafter=self,draft_layers=2,nodes={args.nodes},"
-                    f"depth=8,topk=4,device=cuda,ctx={args.prompt_len + args.max_new + 128},w12={int(w12)}")
+                    f"depth=8,topk=4,device=cuda,ctx={args.prompt_len + args.max_new + 128},w12={int(w12)},"
+                    f"qview={qview}")
     load_s = time.perf_counter() - t0
     dec = e.decoder
     V = e.model.spec.vocab_size
@@ -93,8 +99,8 @@ def measure(name: str, args) -> dict:
         graphs.append({"rows": rows, "qpass_ms": q, "exact_ms": x, "q_over_exact": q / x})
     ar_ms = statistics.median(time_replays(dec.runner.ar_graph(n_cache, 5)[0], args.reps))
     st = tlv.tlv
-    row = {"config": name, "model": model, "weights": "w12" if w12 else "bf16",
-           "q_view": "the target's W12 records" if w12 else "a W12 copy of the bf16 projections",
+    row = {"config": name, "model": model, "weights": "w12" if w12 else "bf16", "qview": qview,
+           "q_view": Q_VIEWS[qview, w12],
            "q_view_extra_gb": dec.qview.extra_bytes() / 1e9, "load_s": load_s,
            "warmup_s": e.info.get("warmup_seconds"), "ar_step_ms": ar_ms, "graphs": graphs,
            "cycle_ms": st["time_ms"], "cycle_total_ms": st["cycle_ms"], "tau_per_exact_pass": tlv.tau,

@@ -57,7 +57,16 @@ def takes_invariant(model, rows: int) -> bool:
     return model.invariant and rows <= MAX_ROWS
 
 
-def _project(h, lin, invariant: bool = False, batched: bool = False):
+def _project(h, lin, invariant: bool = False, batched: bool = False, split: bool = False):
+    """``h @ lin.T`` through the kernel the projection takes. ``h`` may be split rows (an FP8 Q
+    pass's); with ``split`` an FP8 projection leaves its product split for the row kernel after it."""
+    q8 = getattr(lin, "q8", None)
+    if q8 is not None:    # a TLV Q pass with qview=fp8 (engine/tlv.py QView): the e4m3 copy, cuBLASLt FP8 GEMM
+        from specpilot.kernels.fp8 import fp8_linear
+
+        return fp8_linear(h, q8, split_out=split)
+    if not isinstance(h, torch.Tensor):   # split rows where this projection has no e4m3 copy
+        h = h.dense()
     qkp = getattr(lin, "qkp", None)
     if qkp is not None:   # a TLV Q pass (engine/tlv.py QView): the 8-bit view through the QPASS kernels
         from specpilot.kernels.w12.routing import w12_linear
@@ -88,7 +97,8 @@ def one_row_chain(model) -> bool:
     from specpilot.engine.model import Attention
 
     return all(isinstance(b.mixer, Attention) and not (b.mixer.qk_norm or b.mixer.gate)
-               and getattr(b.mixer.wqkv, "qkp", None) is None for b in model.layers)
+               and getattr(b.mixer.wqkv, "qkp", None) is None and getattr(b.mixer.wqkv, "q8", None) is None
+               for b in model.layers)
 
 
 def _segments(inp):
@@ -140,21 +150,23 @@ def hidden_rows(model, x: torch.Tensor, inp, kv_len: int, layers: int | None = N
 
         keys = key_table(inp.mask[:, :kv_len])   # every attention layer's; recomputed at each graph replay
 
-    def _linear(h, lin):
-        return _project(h, lin, invariant, cache is not None)
+    def _linear(h, lin, split: bool = False):
+        return _project(h, lin, invariant, cache is not None, split)
 
     blocks = model.layers[:layers]
     caches = [None] * len(blocks) if cache is None else cache.layers
     eps = model.spec.rms_norm_eps
     if not blocks:
         return R.rms_norm_rows(x, model.norm, eps)
-    h = R.rms_norm_rows(x, blocks[0].attn_norm, blocks[0].eps)
+    # an FP8 Q pass: products stay split into the row kernel after them, normed rows leave split
+    q8 = getattr(blocks[0].w13, "q8", None) is not None
+    h = R.rms_norm_rows(x, blocks[0].attn_norm, blocks[0].eps, quant=q8)
     for i, (blk, lc) in enumerate(zip(blocks, caches)):
         m = blk.mixer
         if isinstance(m, GatedDeltaNet):
             proj = _linear(h, m.in_proj)
             o = m.mix(proj, inp) if lc is None else m.mix_batch(proj, inp, lc)
-            x, h = R.add_rms_norm_rows(x, _linear(o, m.out_proj), blk.mlp_norm, blk.eps)
+            x, h = R.add_rms_norm_rows(x, _linear(o, m.out_proj, q8), blk.mlp_norm, blk.eps, quant=q8)
         elif m.qk_norm or m.gate:
             proj = _linear(h, m.wqkv)
             kc, vc = (m.k_cache[0], m.v_cache[0]) if lc is None else (lc.k, lc.v)
@@ -164,13 +176,15 @@ def hidden_rows(model, x: torch.Tensor, inp, kv_len: int, layers: int | None = N
             o = _attend(m, q, inp, kv_len, lc, keys)
             if m.gate:
                 o = ga.sigmoid_gate(o, proj, m.nh, pdl=common.USE_PDL)
-            x, h = R.add_rms_norm_rows(x, _linear(o, m.wo), blk.mlp_norm, blk.eps)
+            x, h = R.add_rms_norm_rows(x, _linear(o, m.wo, q8), blk.mlp_norm, blk.eps, quant=q8)
         else:
             kc, vc = (m.k_cache[0], m.v_cache[0]) if lc is None else (lc.k, lc.v)
-            q = R.rope_store_rows(_linear(h, m.wqkv), model.cos, model.sin, inp.pos, inp.slots, kc, vc, m.nh, m.nkv,
-                                  req=None if lc is None else inp.req)
-            x, h = R.add_rms_norm_rows(x, _linear(_attend(m, q, inp, kv_len, lc, keys), m.wo), blk.mlp_norm, blk.eps)
-        d = _linear(R.silu_mul_rows(_linear(h, blk.w13), blk.inter), blk.w2)
+            q = R.rope_store_rows(_linear(h, m.wqkv, q8), model.cos, model.sin, inp.pos, inp.slots, kc, vc, m.nh,
+                                  m.nkv, req=None if lc is None else inp.req)
+            x, h = R.add_rms_norm_rows(x, _linear(_attend(m, q, inp, kv_len, lc, keys), m.wo, q8), blk.mlp_norm,
+                                       blk.eps, quant=q8)
+        d = _linear(R.silu_mul_rows(_linear(h, blk.w13, q8), blk.inter), blk.w2, q8)
         nxt = blocks[i + 1] if i + 1 < len(blocks) else None
-        x, h = R.add_rms_norm_rows(x, d, nxt.attn_norm if nxt else model.norm, nxt.eps if nxt else eps)
+        x, h = R.add_rms_norm_rows(x, d, nxt.attn_norm if nxt else model.norm, nxt.eps if nxt else eps,
+                                   quant=q8 and nxt is not None)
     return h

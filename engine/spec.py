@@ -34,6 +34,7 @@ GDNS = ("auto", "naive", "path", "wy")
 BUDGETS = ("shared", "equal")
 BLOCKS = ("adaptive", "fixed")
 ADMITS = ("off", "waiting", "all")
+QVIEWS = ("auto", "w12", "fp8")
 MAX_STEP_ROWS = 64   # most rows of a verify step (its graph buckets, the row-invariant kernels)
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
@@ -95,6 +96,10 @@ class EngineSpec:
     w12: bool = option(False, "Target projections as lossless W12 (verified at load; on cuda bf16 read as 12-bit "
                               "records by the fused kernels, AR steps by the fused decode kernels; decoded weights "
                               "elsewhere; implies bfloat16 unless --dtype is given).")
+    qview: str = option("auto", "The TLV Q pass's weights: w12 (the W12 8-bit view of paper 4.3: a W12 target's "
+                                "own records, else a W12 copy beside the weights, 12 bits a weight) or fp8 (an "
+                                "e4m3 copy, 8 bits a weight, through FP8 tensor-core GEMMs on cuda (sm_89 or "
+                                "newer), the e4m3 weights dequantized on the CPU); auto = w12.", choices=QVIEWS)
     attn: str = option("auto", "Attention: torch (plain reference) or fused (split-KV Triton kernel, cuda); auto = "
                                "fused on cuda.", choices=ATTENTIONS, label="attention")
     head: str = option("linear", "Greedy LM head: linear (lm_head + argmax) or certified (INT8 bounds + exact "
@@ -217,13 +222,16 @@ class EngineSpec:
         # tree's stock turned into its AR reference) serializes to a text parse() accepts
         unused = BATCH_RULES if self.batch == 1 else DRAFT_RULES if self.mode not in ("chain", "tree") else ()
         defaults = {f.name: f.default for f in fields(self)}
-        for k in unused:
+        for k in unused + (("qview",) if self.mode != "tlv" else ()):
             object.__setattr__(self, k, defaults[k])
 
     def check_used(self, given) -> None:
         """Refuse a batching rule the user gave (``given``: option names) where it would change
         nothing: any of them with batch 1 (the one-request decoder), the drafting rules in modes
-        that draft no chain or tree."""
+        that draft no chain or tree; and ``qview`` outside mode tlv."""
+        if "qview" in given and self.mode != "tlv":
+            raise InputError(f"engine option qview sets the TLV Q pass's weights, not mode {self.mode}'s; "
+                             "leave it out")
         if self.batch == 1:
             unused = [k for k in BATCH_RULES if k in given]
             if unused:

@@ -47,8 +47,13 @@ def cpu_bf16_fast() -> bool:
 
 class QView:
     """The Q pass's weights: for every projection of the target's layers, its W12 8-bit view
-    (``kernels.w12.decode(packed, qpass=True)``), made once at load. :meth:`active` swaps the
-    views into the projections for the length of a pass.
+    (``kernels.w12.decode(packed, qpass=True)``) or with ``kind`` fp8 its e4m3 copy
+    (``kernels.fp8``), made once at load. :meth:`active` swaps the views into the projections for
+    the length of a pass.
+
+    On CUDA an fp8 view (:meth:`build_fp8`) is each projection's e4m3 copy (``fp8``), which the
+    fused rows path multiplies with FP8 tensor-core GEMMs while the view is active; on the CPU it is
+    the e4m3 weights dequantized, a dense view like the W12 one.
 
     On CUDA (:meth:`build_packs`) the view is never made dense: each projection's W12 records in
     the kernels' layout (``packs``; a W12 target's own) are read by the QPASS variants of the W12
@@ -61,20 +66,49 @@ class QView:
     head and embeddings stay exact (W12 converts projections only)."""
 
     def __init__(self, pairs: list[tuple[torch.nn.Linear, torch.Tensor]], model: Transformer | None = None,
-                 head: torch.nn.Linear | None = None, packs: list[tuple[torch.nn.Module, object]] | None = None):
+                 head: torch.nn.Linear | None = None, packs: list[tuple[torch.nn.Module, object]] | None = None,
+                 fp8: list[tuple[torch.nn.Module, object]] | None = None, kind: str = "w12"):
         self.pairs = pairs
         self.model, self.head = model, head   # head: the bf16 LM head of a bf16 Q pass (None: exact)
         self.packs = packs or []              # CUDA: (projection, KernelPack) pairs
+        self.fp8 = fp8 or []                  # CUDA, kind fp8: (projection, Fp8Weight) pairs
+        self.kind = kind
 
     @property
     def dtype(self) -> torch.dtype | None:
-        return self.pairs[0][1].dtype if self.pairs else torch.bfloat16 if self.packs else None
+        return self.pairs[0][1].dtype if self.pairs else torch.bfloat16 if self.packs or self.fp8 else None
 
     def extra_bytes(self) -> int:
         """Device or host memory the view adds to the target's (a W12 target's packs are its own)."""
         own = {id(getattr(lin, "kp", None)) for lin, _ in self.packs}
         return (sum(q.numel() * q.element_size() for _, q in self.pairs)
-                + sum(kp.nbytes() for _, kp in self.packs if id(kp) not in own))
+                + sum(kp.nbytes() for _, kp in self.packs if id(kp) not in own)
+                + sum(fw.nbytes() for _, fw in self.fp8))
+
+    @classmethod
+    @torch.no_grad()
+    def build_fp8(cls, model: Transformer) -> "QView":
+        """The CUDA fp8 view: every projection's e4m3 copy with its power-of-two scale
+        (``kernels.fp8.quantize_weight``), from the weight, or from a W12 target's records restored
+        one projection at a time. A projection whose sides are not multiples of 16 keeps its exact
+        weights in the Q pass."""
+        from specpilot.engine.w12_loader import projections
+        from specpilot.kernels.fp8 import linear as fp8
+
+        pairs = []
+        for parent, attr, _ in projections(model, w12=True):
+            lin = getattr(parent, attr)
+            kp = getattr(lin, "kp", None)
+            if kp is not None:
+                from specpilot.kernels.w12.restore import restore
+
+                w = restore(kp)
+            else:
+                w = lin.weight.detach()
+            if fp8.supported(w):
+                pairs.append((lin, fp8.quantize_weight(w)))
+            del w
+        return cls([], model, fp8=pairs, kind="fp8")
 
     @classmethod
     @torch.no_grad()
@@ -98,13 +132,15 @@ class QView:
     @classmethod
     @torch.no_grad()
     def build(cls, model: Transformer, views: dict[str, torch.Tensor] | None = None,
-              bf16_pass: bool | None = None) -> "QView":
+              bf16_pass: bool | None = None, kind: str = "w12") -> "QView":
         """``views``: 8-bit views by projection name from the W12 loader (``w12=1``: the records
         the engine already holds); otherwise the view of each weight rounded to bf16 (a float32
         weight has no exact W12 form; the Q pass only needs an approximation), computed without
-        building the records (``kernels.w12.qpass_view``). ``bf16_pass``: run the pass in bf16
-        (default: a float32 model on a CPU with bf16 units)."""
+        building the records (``kernels.w12.qpass_view``); with ``kind`` fp8 each weight's e4m3
+        copy dequantized (``kernels.fp8.naive``). ``bf16_pass``: run the pass in bf16 (default: a
+        float32 model on a CPU with bf16 units)."""
         from specpilot.engine.w12_loader import projections
+        from specpilot.kernels.fp8 import naive as fp8
         from specpilot.kernels.w12 import qpass_view
 
         w = model.lm_head.weight
@@ -114,26 +150,29 @@ class QView:
         pairs = []
         for parent, attr, name in projections(model):
             lin = getattr(parent, attr)
-            q = views.get(name) if views else None
-            if q is None:
+            q = views.get(name) if views and kind == "w12" else None
+            if kind == "fp8":
+                q = fp8.dequantize_weight(*fp8.quantize_weight(lin.weight.detach()))
+            elif q is None:
                 q = qpass_view(lin.weight.detach().to(torch.bfloat16))
             pairs.append((lin, q.to(dtype).to(lin.weight.device)))
         head = None
         if bf16_pass and w.dtype != torch.bfloat16:
             head = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=torch.bfloat16, device=w.device)
             head.weight.copy_(w.detach())
-        return cls(pairs, model, head)
+        return cls(pairs, model, head, kind=kind)
 
     @contextmanager
     def active(self):
-        if self.packs:
+        if self.packs or self.fp8:
+            attr, pairs = ("qkp", self.packs) if self.packs else ("q8", self.fp8)
             try:
-                for lin, kp in self.packs:
-                    lin.qkp = kp
+                for lin, w in pairs:
+                    setattr(lin, attr, w)
                 yield
             finally:
-                for lin, _ in self.packs:
-                    lin.qkp = None
+                for lin, _ in pairs:
+                    setattr(lin, attr, None)
             return
         exact = [lin.weight.data for lin, _ in self.pairs]
         lm_head = self.model.lm_head if self.head is not None else None
@@ -257,7 +296,8 @@ def run_totals(results: list[dict], batch: dict | None = None) -> dict:
 
 class QRunner(GraphRunner):
     """The Q pass's CUDA graphs, one per row bucket: captured with the 8-bit view active, so their
-    replays run the W12 QPASS kernels (the exact pass replays the decoder's own runner)."""
+    replays run the W12 QPASS kernels or the FP8 GEMMs (the exact pass replays the decoder's own
+    runner)."""
 
     def __init__(self, model: Transformer, qview: QView, warmup: int = 2):
         super().__init__(model, warmup)
@@ -274,8 +314,8 @@ def cuda_refusal(model: Transformer, qview: QView, nodes: int) -> str | None:
     from specpilot.engine import fused_verify
     from specpilot.engine.fused_decode import ineligible
 
-    if not qview.packs:
-        return "the Q pass's view on CUDA is the W12 kernel packs (QView.build_packs)"
+    if not qview.packs and not qview.fp8:
+        return "the Q pass's view on CUDA is the W12 kernel packs or the e4m3 copies (QView.build_packs, build_fp8)"
     if not model.fused_decode:
         why = ineligible(model)
         return "the Q pass runs through the fused verify kernels: use decode=fused" + (f" ({why})" if why else "")

@@ -18,10 +18,11 @@ OTHER = {"model": "tiny", "mode": "chain", "nodes": 12, "depth": 3, "topk": 2, "
          "draft_model": "tiny-hybrid", "random": True, "seed": 7, "dtype": "bfloat16", "device": "cuda:1",
          "ctx": 512, "graphs": False, "threads": 3, "compile": True, "w12": True, "attn": "torch",
          "head": "certified", "decode": "layers", "batch": 4, "budget": "equal", "block": "fixed", "admit": "all",
-         "admit_rows": 64, "gdn": "wy", "deterministic": True}
+         "admit_rows": 64, "gdn": "wy", "deterministic": True, "qview": "fp8"}
 # what an option needs beside it to be valid; ALONE_ONLY: options the others of OTHER rule out
-TOGETHER = {"deterministic": {"device": "cuda"}, **{k: {"batch": 4} for k in ("budget", "block", "admit", "admit_rows")}}
-ALONE_ONLY = ("deterministic",)
+TOGETHER = {"deterministic": {"device": "cuda"}, "qview": {"mode": "tlv"},
+            **{k: {"batch": 4} for k in ("budget", "block", "admit", "admit_rows")}}
+ALONE_ONLY = ("deterministic", "qview")
 
 
 def _flags(spec: EngineSpec) -> list[str]:
@@ -98,6 +99,7 @@ def test_spec_errors(text, msg):
     ("engine:model=tiny,admit_rows=64,batch=1", "engine option admit_rows applies to batched decoding"),
     ("engine:model=tiny,mode=ar,batch=2,block=fixed", "block applies to batched chain and tree steps, not mode ar"),
     ("engine:model=tiny,mode=tlv,batch=2,budget=shared", "budget applies to batched chain and tree steps, not mode tlv"),
+    ("engine:model=tiny,mode=tree,qview=fp8", "engine option qview sets the TLV Q pass's weights, not mode tree's"),
 ])
 def test_batching_rules_given_where_they_change_nothing_are_refused(text, msg, run_cli):
     with pytest.raises(InputError, match=msg):
@@ -105,7 +107,7 @@ def test_batching_rules_given_where_they_change_nothing_are_refused(text, msg, r
     # a stored spec (a baseline, a record written before the rule) still reads: the rule keeps its default
     stored = EngineSpec.parse(text)
     assert all(getattr(stored, k) == getattr(EngineSpec(), k) for k in EngineSpec.parse_fields(text)
-               if k in ("budget", "block", "admit", "admit_rows"))
+               if k in ("budget", "block", "admit", "admit_rows", "qview"))
     # the same through the flags; defaults left alone are fine, and admit applies to every mode
     fields = EngineSpec.parse_fields(text)
     flags = [a for k, v in fields.items() if k != "model" for a in (f"--{k.replace('_', '-')}", v)]

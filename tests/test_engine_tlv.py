@@ -29,6 +29,18 @@ def test_tlv_outputs_equal_ar_for_every_drafter(model):
             assert r.tlv["q_compared"] == r.tlv["chain_tokens"] >= r.steps
 
 
+@pytest.mark.parametrize("model", ["tiny", "tiny-hybrid"])
+def test_tlv_with_the_fp8_view_equals_ar(model):
+    """qview=fp8 on the CPU: the e4m3 copies dequantized as the Q pass's weights; only the exact
+    pass accepts, so the output is AR's."""
+    ref = load_engine(f"engine:model={model},mode=ar,ctx={CTX}").generate(PROMPT, 24)
+    e = load_engine(f"engine:model={model},mode=tlv,drafter=self,draft_layers=1,nodes=6,depth=4,topk=3,ctx={CTX},"
+                    "qview=fp8")
+    assert e.decoder.qview.kind == "fp8" and e.decoder.qview.pairs
+    r = e.generate(PROMPT, 24)
+    assert r.output_ids == ref.output_ids and r.tlv["cycles"] == r.steps
+
+
 def after_cycles(dec, nodes: int = 12):
     """A few TLV cycles of ``dec`` (committed KV and GDN state that are not zero), then the next
     draft tree: (context, committed length, tree)."""

@@ -74,6 +74,37 @@ def test_gpu_q_pass_runs_the_qpass_kernels_and_leaves_committed_state_bit_identi
     assert True not in calls
 
 
+@pytest.mark.parametrize("model", ["tiny", "tiny-hybrid"])
+def test_gpu_fp8_q_pass_runs_the_fp8_gemms_and_tlv_equals_ar(model, monkeypatch):
+    """qview=fp8: every projection of the Q pass through the FP8 GEMM (eager), the committed state
+    bit-identical after it, the exact pass on the exact weights; TLV's output is AR's (fp32)."""
+    from specpilot.kernels import fp8
+
+    base = f"engine:model={model},device=cuda,ctx={CTX}"
+    e = load_engine(f"{base},dtype=bfloat16,mode=tlv,drafter=self,draft_layers=1,nodes=12,depth=4,topk=3,graphs=0,"
+                    "qview=fp8")
+    dec = e.decoder
+    assert dec.qview.kind == "fp8" and dec.qview.extra_bytes() == sum(fw.nbytes() for _, fw in dec.qview.fp8) > 0
+    ctx, n_cache, tree = after_cycles(dec)
+    calls = []
+    real = fp8.linear.fp8_linear
+    monkeypatch.setattr(fp8.linear, "fp8_linear", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(fp8, "fp8_linear", fp8.linear.fp8_linear)
+    before = _committed(e.model, n_cache)
+    assert len(dec.q_pass(ctx[-1], tree, n_cache)) == 1 + len(tree)
+    for a, b in zip(before, _committed(e.model, n_cache)):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    assert len(calls) == len(dec.qview.fp8)
+    calls.clear()
+    dec.verify_predictions(ctx[-1], tree, n_cache, "tlv")
+    assert not calls
+    ref = load_engine(f"{base},dtype=float32,mode=ar").generate(PROMPT, 24)
+    for graphs in (1, 0):
+        r = load_engine(f"{base},dtype=float32,mode=tlv,drafter=self,draft_layers=2,nodes=6,depth=4,topk=3,"
+                        f"graphs={graphs},qview=fp8").generate(PROMPT, 24)
+        assert r.output_ids == ref.output_ids, graphs
+
+
 def test_gpu_w12_target_q_pass_reads_its_own_records():
     e = load_engine(f"engine:model=tiny,device=cuda,ctx={CTX},mode=tlv,w12=1,drafter=self,draft_layers=1,"
                     "nodes=8,depth=3,topk=3")
