@@ -174,3 +174,41 @@ def test_gpu_fp8_kernels_at_llama_shapes(T):
     torch.testing.assert_close(y.float(), naive.linear(x, fw.q, fw.scale).float(), rtol=2 ** -7, atol=1e-2)
     exact = x.float() @ w.float().T
     assert ((y.float() - exact).norm() / exact.norm()) < 0.035
+
+
+_SM90 = """
+from triton.compiler import ASTSource as GluonASTSource   # Triton kernels: the plain AST source
+from specpilot.kernels.fp8 import rows as F
+from specpilot.kernels.verify import rows as W
+k = %s
+ptrs = %s
+const = %s
+div = []
+warps = 4
+"""
+
+
+@pytest.mark.parametrize("kernel, ptrs, const", [
+    ("F._quantize_rows_kernel", {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "qs_ptr": "*fp32"},
+     {"XP": 4096, "PDL": True}),
+    ("F._dequant_split_kernel", {"y_ptr": "*bf16", "ys_ptr": "*fp32", "o_ptr": "*bf16"}, {"BLOCK": 1024, "PDL": True}),
+    ("W._rms_norm_rows_kernel", {"x_ptr": "*bf16", "g_ptr": "*bf16", "y_ptr": "*fp8e4nv", "qs_ptr": "*fp32",
+                                 "eps": "fp32"}, {"XP": 4096, "QUANT": True, "PDL": True}),
+    ("W._add_rms_norm_rows_kernel", {"x_ptr": "*bf16", "d_ptr": "*bf16", "ds_ptr": "*fp32", "g_ptr": "*bf16",
+                                     "s_ptr": "*bf16", "y_ptr": "*fp8e4nv", "qs_ptr": "*fp32", "eps": "fp32"},
+     {"XP": 4096, "SPLIT": True, "QUANT": True, "PDL": True}),
+    ("W._silu_mul_rows_kernel", {"gu_ptr": "*bf16", "gus_ptr": "*fp32", "y_ptr": "*bf16"},
+     {"BLOCK": 1024, "SPLIT": True, "PDL": True}),
+    ("W._rope_store_rows_kernel", {n: "*bf16" for n in ("qkv_ptr", "cos_ptr", "sin_ptr", "q_ptr", "kc_ptr", "vc_ptr")}
+     | {"qkvs_ptr": "*fp32", "pos_ptr": "*i64", "slot_ptr": "*i64", "req_ptr": "*i64"},
+     {"HD": 128, "REQ": False, "SPLIT": True, "PDL": True}),
+])
+def test_split_row_kernels_compile_for_sm90(kernel, ptrs, const):
+    """ptxas for sm_90 takes every kernel that gives or takes split rows (no GPU needed); those that
+    write e4m3 convert with the hardware's round-to-nearest (exact here: the values are rounded
+    before)."""
+    from gluon_ptx import ptxas_report
+
+    r = ptxas_report(_SM90 % (kernel, ptrs, const))
+    assert r["rc"] == 0, r["log"][-2000:]
+    assert ("e4m3" in r["ptx"]) == (ptrs.get("q_ptr") == "*fp8e4nv" or ptrs.get("y_ptr") == "*fp8e4nv")

@@ -215,6 +215,7 @@ ENGINE_KERNELS = {
                      "_rope_store_rows_kernel", "_qk_norm_rope_kernel", "_silu_mul_rows_kernel",
                      "_sigmoid_gate_kernel"], "norm"),
     **dict.fromkeys(["_argmax_chunks", "_argmax_merge", "_frontier_kernel", "_budget_rank_kernel"], "sampling"),
+    **dict.fromkeys(["_quantize_rows_kernel", "_dequant_split_kernel"], "elementwise"),
 }
 
 

@@ -73,7 +73,7 @@ if triton is not None:
         quant_hilo(xf, k, K, q_ptr, qs_ptr, t, T, stride_q)
 
     @triton.jit
-    def _combine_rows_kernel(y_ptr, ys_ptr, o_ptr, N, T, stride_y, stride_o, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    def _dequant_split_kernel(y_ptr, ys_ptr, o_ptr, N, T, stride_y, stride_o, BLOCK: tl.constexpr, PDL: tl.constexpr):
         t = tl.program_id(0)
         c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         if PDL:
@@ -129,6 +129,6 @@ def combine_rows(y: SplitRows) -> torch.Tensor:
     T, N = y.shape
     out = torch.empty(T, N, dtype=y.dtype, device=y.data.device)
     block = 1024
-    _combine_rows_kernel[(T, triton.cdiv(N, block))](y.data, y.scale, out, N, T, y.data.stride(0), out.stride(0),
+    _dequant_split_kernel[(T, triton.cdiv(N, block))](y.data, y.scale, out, N, T, y.data.stride(0), out.stride(0),
                                                       BLOCK=block, num_warps=4, **pdl_args(common.USE_PDL, out))
     return out
