@@ -150,6 +150,10 @@ def test_batched_tlv_cycles_equal_one_request_cycles(model):
     check_batched_cycles(f"model={model}")
 
 
+def test_batched_tlv_with_the_fp8_view_equals_one_request_cycles():
+    check_batched_cycles("model=tiny,qview=fp8")
+
+
 def check_batched_cycles(base: str) -> None:
     """:func:`test_batched_tlv_cycles_equal_one_request_cycles` on the engine ``base`` describes."""
     from specpilot.engine.batch.requests import Request
