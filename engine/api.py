@@ -363,7 +363,7 @@ def check_fp8_gpu(device) -> None:
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) < (8, 9):
         raise EnvironmentMissing(f"qview=fp8 multiplies e4m3 weights on FP8 tensor cores (sm_89 or newer); "
-                            f"{torch.cuda.get_device_name(device)} is sm_{major}{minor}: use qview=w12")
+                                 f"{torch.cuda.get_device_name(device)} is sm_{major}{minor}: use qview=w12")
 
 
 def load_target(spec: EngineSpec, max_seq: int | None = None) -> Target:
