@@ -381,7 +381,7 @@ def load_target(spec: EngineSpec, max_seq: int | None = None) -> Target:
     gdn = model.set_gdn(spec.gdn) if model.gdn_layers() or not _gdn_in_draft_model(spec) else None
     w12 = None
     cuda = spec.device.startswith("cuda")
-    qviews = {} if spec.mode == "tlv" and not cuda else None
+    qviews = {} if spec.mode == "tlv" and not cuda and spec.qview != "fp8" else None
     if spec.w12:  # before drafters, compile and graphs: they all see the converted projections
         from specpilot.engine.w12_loader import convert_engine_model
 

@@ -222,7 +222,8 @@ class EngineSpec:
         # tree's stock turned into its AR reference) serializes to a text parse() accepts
         unused = BATCH_RULES if self.batch == 1 else DRAFT_RULES if self.mode not in ("chain", "tree") else ()
         defaults = {f.name: f.default for f in fields(self)}
-        for k in unused + (("qview",) if self.mode != "tlv" else ()):
+        # qview outside tlv too, when it is one of its choices (validate() refuses the others)
+        for k in unused + (("qview",) if self.mode != "tlv" and self.qview in QVIEWS else ()):
             object.__setattr__(self, k, defaults[k])
 
     def check_used(self, given) -> None:
@@ -230,8 +231,8 @@ class EngineSpec:
         nothing: any of them with batch 1 (the one-request decoder), the drafting rules in modes
         that draft no chain or tree; and ``qview`` outside mode tlv."""
         if "qview" in given and self.mode != "tlv":
-            raise InputError(f"engine option qview sets the TLV Q pass's weights, not mode {self.mode}'s; "
-                             "leave it out")
+            raise InputError(f"engine option qview sets the TLV Q pass's weights, and this spec's mode is "
+                             f"{self.mode}: add mode=tlv (--mode tlv) or leave qview out")
         if self.batch == 1:
             unused = [k for k in BATCH_RULES if k in given]
             if unused:
@@ -268,9 +269,9 @@ class EngineSpec:
         if self.deterministic:
             self._validate_deterministic(cuda)
         if self.mode == "tlv":
-            if self.torch_dtype_name == "float16":
+            if self.torch_dtype_name == "float16" and self.qview != "fp8":
                 raise InputError("mode=tlv: the Q pass reads the W12 8-bit view of bfloat16 or float32 weights, "
-                                 "not float16; use dtype=bfloat16 or float32")
+                                 "not float16; use dtype=bfloat16 or float32, or qview=fp8")
 
     def _validate_deterministic(self, cuda: bool) -> None:
         if not cuda:

@@ -314,6 +314,9 @@ def cuda_refusal(model: Transformer, qview: QView, nodes: int) -> str | None:
     from specpilot.engine import fused_verify
     from specpilot.engine.fused_decode import ineligible
 
+    if qview.kind == "fp8" and not qview.fp8:
+        return ("qview=fp8: no projection has both sides a multiple of 16, which cuBLASLt's FP8 GEMM needs; "
+                "use qview=w12")
     if not qview.packs and not qview.fp8:
         return "the Q pass's view on CUDA is the W12 kernel packs or the e4m3 copies (QView.build_packs, build_fp8)"
     if not model.fused_decode:

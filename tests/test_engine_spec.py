@@ -99,7 +99,8 @@ def test_spec_errors(text, msg):
     ("engine:model=tiny,admit_rows=64,batch=1", "engine option admit_rows applies to batched decoding"),
     ("engine:model=tiny,mode=ar,batch=2,block=fixed", "block applies to batched chain and tree steps, not mode ar"),
     ("engine:model=tiny,mode=tlv,batch=2,budget=shared", "budget applies to batched chain and tree steps, not mode tlv"),
-    ("engine:model=tiny,mode=tree,qview=fp8", "engine option qview sets the TLV Q pass's weights, not mode tree's"),
+    ("engine:model=tiny,mode=tree,qview=fp8", "engine option qview sets the TLV Q pass's weights, and this spec's "
+                                              "mode is tree: add mode=tlv"),
 ])
 def test_batching_rules_given_where_they_change_nothing_are_refused(text, msg, run_cli):
     with pytest.raises(InputError, match=msg):
@@ -115,6 +116,12 @@ def test_batching_rules_given_where_they_change_nothing_are_refused(text, msg, r
     assert code == 2 and msg in err.strip().splitlines()[-1]
     assert EngineSpec.parse("engine:model=tiny,mode=ar,batch=2,admit=off").admit == "off"
     assert _spec_from_flags(["--mode", "ar"]).batch == 1
+
+
+def test_an_unknown_qview_is_refused_in_any_mode():
+    for text in ("engine:model=tiny,mode=ar,qview=bogus", "engine:model=tiny,mode=tlv,qview=FP8"):
+        with pytest.raises(InputError, match="unknown qview '(bogus|FP8)'; choose one of auto, w12, fp8"):
+            EngineSpec.parse(text)
 
 
 def test_a_spec_changed_to_where_a_rule_cannot_apply_drops_it():

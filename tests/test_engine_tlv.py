@@ -9,6 +9,8 @@ import torch
 from conftest import one_error
 from specpilot.auditors.policies import tree_is_prefix_closed
 from specpilot.engine.api import load_engine
+from specpilot.engine.spec import EngineSpec
+from specpilot.errors import InputError
 from specpilot.kernels import tree as T
 
 CTX = 256
@@ -39,6 +41,13 @@ def test_tlv_with_the_fp8_view_equals_ar(model):
     assert e.decoder.qview.kind == "fp8" and e.decoder.qview.pairs
     r = e.generate(PROMPT, 24)
     assert r.output_ids == ref.output_ids and r.tlv["cycles"] == r.steps
+    if model == "tiny":   # float16 weights: the W12 view (of bf16 numbers) refuses them, the fp8 view takes them
+        with pytest.raises(InputError, match="not float16; use dtype=bfloat16 or float32, or qview=fp8"):
+            EngineSpec.parse(f"engine:model=tiny,mode=tlv,dtype=float16,ctx={CTX}")
+        ref16 = load_engine(f"engine:model=tiny,mode=ar,dtype=float16,ctx={CTX}").generate(PROMPT, 24)
+        r16 = load_engine(f"engine:model=tiny,mode=tlv,dtype=float16,nodes=6,depth=4,topk=3,ctx={CTX},qview=fp8"
+                          ).generate(PROMPT, 24)
+        assert r16.output_ids == ref16.output_ids
 
 
 def after_cycles(dec, nodes: int = 12):
