@@ -381,7 +381,7 @@ def load_target(spec: EngineSpec, max_seq: int | None = None) -> Target:
     gdn = model.set_gdn(spec.gdn) if model.gdn_layers() or not _gdn_in_draft_model(spec) else None
     w12 = None
     cuda = spec.device.startswith("cuda")
-    qviews = {} if spec.mode == "tlv" and not cuda and spec.qview != "fp8" else None
+    qviews = {} if spec.mode == "tlv" and not cuda and spec.qview_kind == "w12" else None
     if spec.w12:  # before drafters, compile and graphs: they all see the converted projections
         from specpilot.engine.w12_loader import convert_engine_model
 
@@ -395,12 +395,11 @@ def load_target(spec: EngineSpec, max_seq: int | None = None) -> Target:
     if spec.mode == "tlv":  # the Q pass's 8-bit view: W12 kernel packs or e4m3 copies on CUDA, dense views on the CPU
         from specpilot.engine.tlv import QView
 
-        kind = "w12" if spec.qview == "auto" else spec.qview
-        if kind == "fp8" and cuda:
+        if spec.qview_kind == "fp8" and cuda:
             check_fp8_gpu(torch.device(spec.device))
             qview = QView.build_fp8(model)
         else:
-            qview = QView.build_packs(model) if cuda else QView.build(model, qviews, kind=kind)
+            qview = QView.build_packs(model) if cuda else QView.build(model, qviews, kind=spec.qview_kind)
     return Target(model, folder, display,
                   info={"dtype": spec.torch_dtype_name, "device": spec.device, "params": params,
                         "weights": str(folder) if folder else "random", "w12": w12, "attn": attn, "head": head,

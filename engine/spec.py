@@ -296,6 +296,11 @@ class EngineSpec:
 
     # ------------------------------------------------------------------------ derived values
     @property
+    def qview_kind(self) -> str:
+        """The weights a TLV Q pass reads: ``qview``, ``auto`` being ``w12``."""
+        return "w12" if self.qview == "auto" else self.qview
+
+    @property
     def torch_dtype_name(self) -> str:
         """The dtype the engine loads: ``dtype``, else bfloat16 on CUDA and for W12 (a bf16 format),
         float32 otherwise."""

@@ -34,13 +34,8 @@ def _title(model_name: str, spec, info: dict) -> str:
     """The run table's title: model, mode and what changes the arithmetic or the schedule."""
     return (f"{model_name} {spec.mode} ({info['dtype']}, {spec.device}{_w12_label(info.get('w12'))}"
             f"{_gdn_label(info.get('gdn'))}{', deterministic steps' if info.get('deterministic') else ''}"
-            f"{f', Q pass {qview_kind(spec)}' if spec.mode == 'tlv' else ''}"
+            f"{f', Q pass {spec.qview_kind}' if spec.mode == 'tlv' else ''}"
             f"{f', batch {spec.batch}' if spec.batch > 1 else ''})")
-
-
-def qview_kind(spec) -> str:
-    """The Q pass's weights a TLV spec runs (``qview``, auto = w12)."""
-    return "w12" if spec.qview == "auto" else spec.qview
 
 
 def _tlv_summary(results: list[dict], tau: float, spec, batch: dict | None = None) -> dict | None:
@@ -50,7 +45,7 @@ def _tlv_summary(results: list[dict], tau: float, spec, batch: dict | None = Non
         return None
     from specpilot.engine.tlv import run_totals
 
-    return {"qview": qview_kind(spec), "tau_per_exact_pass": tau, **run_totals(results, batch)}
+    return {"qview": spec.qview_kind, "tau_per_exact_pass": tau, **run_totals(results, batch)}
 
 
 def _tlv_note(t: dict) -> str:
