@@ -12,6 +12,10 @@ import bisect
 import threading
 
 MAX_SAMPLES = 200_000
+# every label value the counters can take, exported at 0 from the start: a series that appears
+# only when its first event happens reads as missing to rate() until then
+OUTCOMES = ("length", "eos", "stop", "abort", "error")
+REJECTIONS = ("bad_request", "queue_full", "draining")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -54,8 +58,8 @@ class ServeMetrics:
 
     def __init__(self):
         self.lock = threading.Lock()
-        self.finished: dict[str, int] = {}
-        self.rejected: dict[str, int] = {}
+        self.finished: dict[str, int] = dict.fromkeys(OUTCOMES, 0)
+        self.rejected: dict[str, int] = dict.fromkeys(REJECTIONS, 0)
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.ttft = Histogram(LATENCY_BUCKETS)
@@ -103,8 +107,7 @@ class ServeMetrics:
                 out.extend(lines)
 
             def labelled(name, values: dict, label: str):
-                return [f'specpilot_{name}{{{label}="{k}"}} {v}' for k, v in sorted(values.items())] or \
-                    [f"specpilot_{name} 0"]
+                return [f'specpilot_{name}{{{label}="{k}"}} {v}' for k, v in sorted(values.items())]
 
             metric("requests_total", "counter", "Finished requests by outcome (length, eos, stop, abort, error).",
                    labelled("requests_total", self.finished, "outcome"))

@@ -506,3 +506,25 @@ def test_load_generator_refuses_bad_options_and_fails_when_requests_fail(tmp_pat
     p = subprocess.run(gen + ["--random-ids", "4", "--num-prompts", "2", "--max-new-tokens", "2"],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 1 and "2 of 2 requests failed" in p.stderr, p.stderr
+
+
+def test_metrics_labelled_counters_start_with_every_label_at_zero():
+    """Each labelled counter is exported at 0 for every outcome and reason from the first scrape,
+    never as an unlabelled series that later turns into labelled ones."""
+    from types import SimpleNamespace
+
+    from specpilot.engine.metrics import OUTCOMES, REJECTIONS, Histogram, ServeMetrics, STEP_BUCKETS
+
+    stats = SimpleNamespace(tokens=0, verify_steps=0, prefill_passes=0, overlapped_steps=0, eager_steps=0,
+                            eager_seconds=0.0, mixed_steps=0, prefill_replays=0, rows=0, accepted=0,
+                            tau=lambda: None, step_hist=Histogram(STEP_BUCKETS))
+    decoder = SimpleNamespace(stats=stats, load=lambda: (0, 0))
+    m = ServeMetrics()
+    text = m.render(decoder)
+    for o in OUTCOMES:
+        assert f'specpilot_requests_total{{outcome="{o}"}} 0' in text.splitlines()
+    for r in REJECTIONS:
+        assert f'specpilot_rejected_requests_total{{reason="{r}"}} 0' in text.splitlines()
+    assert not re.search(r"^specpilot_(rejected_)?requests_total \d", text, re.M)
+    m.reject("queue_full")
+    assert 'specpilot_rejected_requests_total{reason="queue_full"} 1' in m.render(decoder).splitlines()
