@@ -97,7 +97,10 @@ def _short(text, width: int = 90) -> str:
 
 def record(entry, results_dir: str | Path) -> str:
     """The entry's YAML text with every measured item's ``what`` and ``hardware`` regenerated
-    from the results files (the rest of the file as it is)."""
+    from the results files; the other items and the rest of the file as written (a measured item
+    is rewritten whole, at the list's indentation)."""
+    import re
+
     import yaml
 
     text = entry.path.read_text(encoding="utf-8")
@@ -107,12 +110,20 @@ def record(entry, results_dir: str | Path) -> str:
     end = text.find("\nlimits:", start)
     if end < 0:
         raise InputError(f"{entry.path}: 'limits' must follow 'evidence'")
-    items = []
-    for i, item in enumerate(entry.evidence):
-        item = dict(item)
+    head, *lines = text[start + 1:end].split("\n")
+    firsts = [i for i, line in enumerate(lines) if re.match(r"( *)- ", line)]
+    indent = len(lines[firsts[0]]) - len(lines[firsts[0]].lstrip(" ")) if firsts else 0
+    starts = [i for i in firsts if len(lines[i]) - len(lines[i].lstrip(" ")) == indent]
+    if len(starts) != len(entry.evidence):
+        raise InputError(f"{entry.path}: the evidence list's items must each start with '- ' at one indentation")
+    out = [head] + lines[:starts[0] if starts else len(lines)]
+    for n, (a, b) in enumerate(zip(starts, starts[1:] + [len(lines)])):
+        item = entry.evidence[n]
         if item.get("kind") in MEASURED_KINDS and item.get("source"):
-            r = render(item, results_dir, f"{entry.path}: evidence {i + 1}")
-            item["what"], item["hardware"] = r.what, r.hardware
-        items.append(item)
-    block = yaml.safe_dump({"evidence": items}, sort_keys=False, width=110, allow_unicode=True)
-    return text[: start + 1] + block.rstrip("\n") + text[end:]
+            r = render(item, results_dir, f"{entry.path}: evidence {n + 1}")
+            item = dict(item, what=r.what, hardware=r.hardware)
+            dumped = yaml.safe_dump([item], sort_keys=False, width=110, allow_unicode=True).rstrip("\n")
+            out += [" " * indent + line if line else line for line in dumped.split("\n")]
+        else:
+            out += lines[a:b]
+    return text[: start + 1] + "\n".join(out) + text[end:]

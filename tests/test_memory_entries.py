@@ -204,6 +204,32 @@ def test_evidence_is_generated_from_results_and_stale_evidence_fails(run_cli, tm
     assert code == 1 and "1.50x" in out
 
 
+def test_record_rewrites_only_the_measured_items(run_cli, tmp_path):
+    """--record regenerates a measured item in place; hand-written items (folded text, their
+    indentation, a comment) and the rest of the file stay byte for byte."""
+    d = _copy(tmp_path)
+    path = d / "tree.yaml"
+    text = path.read_text()
+    at = text.index("\nevidence:\n") + len("\nevidence:\n")
+    indent = " " * (len(text[at:]) - len(text[at:].lstrip(" ")))
+    item = (f"{indent}# figures below come from benchmarks/results/demo.json\n"
+            f"{indent}- kind: gpu\n{indent}  source: demo\n{indent}  values:\n"
+            f"{indent}    s: {{row: {{m: 1}}, field: speedup}}\n"
+            f"{indent}  text: the demo kernel is {{s:.2f}}x faster at one row\n{indent}  what: pasted 0.89x\n")
+    path.write_text(text[:at] + item + text[at:])
+    before = path.read_text()
+    res = _results(tmp_path, 1.25)
+    assert run_cli("memory", "verify", "tree", "--memory-dir", d, "--results", res, "--record")[0] == 0
+    after = path.read_text()
+    assert yaml.safe_load(after)["evidence"][0]["what"] == "the demo kernel is 1.25x faster at one row"
+    assert after.startswith(before[:at] + f"{indent}# figures below")
+    rest_before = before[before.index(item) + len(item):before.index("\nsystem:")]
+    assert rest_before in after   # every hand-written item after it, byte for byte
+    # recording again with the same results changes nothing
+    assert run_cli("memory", "verify", "tree", "--memory-dir", d, "--results", res, "--record")[0] == 0
+    assert path.read_text() == after
+
+
 def test_measured_evidence_without_a_results_file_fails(run_cli, tmp_path):
     d = _copy(tmp_path)
     raw = yaml.safe_load((d / "tree.yaml").read_text())
