@@ -295,6 +295,12 @@ class EngineSpec:
                              f"the row-invariant steps take; lower {knob} to {MAX_STEP_ROWS - 1} or less")
 
     # ------------------------------------------------------------------------ derived values
+    def resolved(self) -> "EngineSpec":
+        """The spec with the choices its other options decide written out (``dtype``, ``qview``), so
+        that two specs of the same engine compare equal (``dtype=float32`` given or left to the CPU
+        default). Thread counts stay as given: on the CPU they can change float sums."""
+        return replace(self, dtype=self.torch_dtype_name, qview=self.qview_kind if self.mode == "tlv" else "auto")
+
     @property
     def qview_kind(self) -> str:
         """The weights a TLV Q pass reads: ``qview``, ``auto`` being ``w12``."""

@@ -479,10 +479,11 @@ def test_audit_collect_resume_refuses_another_system_and_checks_out_first(run_cl
     assert code == 2 and "was collected from engine:model=tiny,mode=ar, not engine:model=tiny,mode=tree" \
         in _one_error(err)
     assert save.read_text() == before
-    # the same system written another way is the same system
-    code, _, err = run_cli("audit", "collect", "engine:mode=ar,model=tiny", "--prompts", prompts, "--save", save,
-                           "--max-new-tokens", "3", "--resume")
-    assert code == 0, err
+    # the same system written another way is the same system, its dtype given or left to the default too
+    for same in ("engine:mode=ar,model=tiny", "engine:model=tiny,mode=ar,dtype=float32"):
+        code, _, err = run_cli("audit", "collect", same, "--prompts", prompts, "--save", save,
+                               "--max-new-tokens", "3", "--resume")
+        assert code == 0, err
     # --out is checked before anything runs: not the save, not an input
     fresh = tmp_path / "fresh.jsonl"
     for out, what in ((fresh, "the same file as --save"), (prompts, "refusing to overwrite input file")):

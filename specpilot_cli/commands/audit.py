@@ -281,14 +281,14 @@ def collect_cmd(system, prompts_path, max_new_tokens, timeout, concurrency, save
 
 def _same_system(stored: str | None, system: str) -> bool:
     """Whether a row's recorded system is ``system`` (canonical): unknown counts as the same; a
-    stored engine spec is compared as the engine it names, not as text."""
+    stored engine spec is compared as the engine it names (``EngineSpec.resolved``), not as text."""
     if stored is None or stored == system:
         return True
     if stored.startswith("engine:") and system.startswith("engine:"):
         from specpilot.engine.spec import EngineSpec
 
         try:
-            return str(EngineSpec.parse(stored)) == system
+            return EngineSpec.parse(stored).resolved() == EngineSpec.parse(system).resolved()
         except InputError:
             return False
     return False
