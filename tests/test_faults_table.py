@@ -484,6 +484,10 @@ def test_audit_collect_resume_refuses_another_system_and_checks_out_first(run_cl
         code, _, err = run_cli("audit", "collect", same, "--prompts", prompts, "--save", save,
                                "--max-new-tokens", "3", "--resume")
         assert code == 0, err
+    # a save that answers every prompt: nothing runs, no model loads (no server is asked)
+    code, _, err = run_cli("audit", "collect", "engine:model=tiny,mode=ar", "--prompts", prompts, "--save", save,
+                           "--max-new-tokens", "3", "--resume")
+    assert code == 0 and "loading model" not in err and save.read_text() == before
     # --out is checked before anything runs: not the save, not an input
     fresh = tmp_path / "fresh.jsonl"
     for out, what in ((fresh, "the same file as --save"), (prompts, "refusing to overwrite input file")):

@@ -241,8 +241,8 @@ def collect_cmd(system, prompts_path, max_new_tokens, timeout, concurrency, save
     """
     from pathlib import Path
 
-    from specpilot.auditors.outputs import read_outputs
-    from specpilot.auditors.systems import collect, make_generator, parse_system, system_identity
+    from specpilot.auditors.outputs import key, read_outputs
+    from specpilot.auditors.systems import Generator, collect, make_generator, parse_system, system_identity
     from specpilot.fileio import check_output_path
 
     spec = parse_system(system)
@@ -261,10 +261,13 @@ def collect_cmd(system, prompts_path, max_new_tokens, timeout, concurrency, save
     # an empty --save (made, nothing collected yet) resumes from nothing
     already = read_outputs(save).rows if resume and _holds_rows(save) else []
     _check_resumable(already, prompts, max_new_tokens, save, identity)
+    answered = {key(r.id): list(r.prompt_ids) for r in already}
+    # a save that answers every prompt needs no model loaded and no server up
+    finished = all(answered.get(key(p.id)) == list(p.prompt_ids) for p in prompts)
     try:
-        outputs = collect(make_generator(spec, timeout=timeout), prompts, max_new_tokens, save_to=save,
-                          name=spec.name, progress=progress, protect=[prompts_path], concurrency=concurrency,
-                          already=already, system=identity)
+        outputs = collect(Generator() if finished else make_generator(spec, timeout=timeout), prompts,
+                          max_new_tokens, save_to=save, name=spec.name, progress=progress, protect=[prompts_path],
+                          concurrency=concurrency, already=already, system=identity)
     except BaseException as e:
         if getattr(e, "path", None) or (isinstance(e, KeyboardInterrupt) and Path(save).exists()):
             e.add_note(f"continue with --resume (same --save {save})" if getattr(e, "exit_code", 0) != 2 else
