@@ -307,3 +307,40 @@ def test_amd_gpus_in_catalog():
     from specpilot.gpus import match_gpu_name
 
     assert match_gpu_name("AMD Instinct MI300X").key == "mi300x"
+
+
+def test_cost_model_title_names_the_rows_a_runs_verify_steps_used(run_cli, tmp_path):
+    # the title said "at 1 row" (the --rows default) for a tree run whose steps verified up to 17 rows
+    runs = {}
+    for mode in ("tree", "chain"):
+        runs[mode] = tmp_path / f"{mode}.json"
+        code, _, err = run_cli("run", "--model", "tiny", "--mode", mode, "--nodes", "16", "--prompt", "abcabcabcabcabc",
+                               "--max-new-tokens", "24", "--format", "json", "--out", runs[mode])
+        assert code == 0, err
+    for mode, nodes in (("tree", "tree at 16 nodes, "), ("chain", "chain, ")):
+        by_rows = json.loads(runs[mode].read_text())["step_timing"]["by_rows"]
+        lo, hi = min(r["rows"] for r in by_rows), max(r["rows"] for r in by_rows)
+        assert hi > 1
+        code, out, err = run_cli("ceiling", "--run", runs[mode], "--ar-ms", "1.0")
+        assert code == 0, err
+        title = out.splitlines()[0]
+        assert title.startswith(f"Cost model of run {runs[mode]}: {nodes}verify steps of {lo}-{hi} rows, "), title
+        assert "1 row" not in title
+    # a byte floor still sits at --rows, and says so; a step given on the command line keeps --rows
+    code, out, _ = run_cli("ceiling", "--run", runs["tree"], "--ar-ms", "1.0", "--model", "llama-3.1-8b",
+                           "--gpu", "h100")
+    title = next(x for x in out.splitlines() if x.startswith("Cost model"))
+    assert code == 0 and title.endswith("; byte floor at 1 row"), title
+    code, out, _ = run_cli("ceiling", "--run", runs["tree"], "--ar-ms", "1.0", "--step-ms", "2", "--rows", "17")
+    assert code == 0 and out.splitlines()[0] == "Cost model at 17 rows"
+
+
+def test_cost_model_title_of_a_tlv_cycle_without_a_run(run_cli, tmp_path):
+    replay = tmp_path / "replay.json"
+    replay.write_text(json.dumps({"schema": "specpilot.replay/1", "policies": [{"policy": "tlv:8", "tau": 3.0}]}))
+    rows = tmp_path / "rows.json"
+    rows.write_text(json.dumps({"schema": "specpilot.rows/1", "ar_ms": 10.0, "ar_path": "fused", "warnings": [],
+                                "points": [{"rows": 1, "step_ms": 10.0}, {"rows": 9, "step_ms": 11.0}]}))
+    code, out, err = run_cli("ceiling", "--replay", replay, "--rows-probe", rows, "--policy", "tlv:8")
+    assert code == 0, err
+    assert "Cost model over the TLV cycle at 8 nodes\n" in out and "Cost model at 1 row" not in out

@@ -93,6 +93,8 @@ def test_gpu_swap_schedule():
     (["--base-cmd", "true", "--candidate", "engine:model=x"], "like with like"),
     (["--base", "engine:model=x", "--candidate", "engine:model=y"], "--prompts"),
     (["--base-cmd", "true", "--candidate-cmd", "true", "--runs", "1"], "at least 2"),
+    (["--base-cmd", "true", "--candidate-cmd", "true", "--runs", "5"], "'--runs': 5: pairs come in blocks of 2"),
+    (["--base-cmd", "true", "--candidate-cmd", "true", "--max-runs", "9"], "'--max-runs': 9: pairs come in blocks"),
     (["--base-cmd", "true", "--candidate-cmd", "true", "--noise", "2"], "--noise"),
     (["--base-cmd", "true", "--candidate-cmd", "true", "--gpus", "0"], "two different GPU ids"),
     (["--base-cmd", "true", "--candidate-cmd", "true", "--concurrency", "2"], "--concurrency applies to servers"),
@@ -278,3 +280,51 @@ def test_read_prompts_tokenized_with_a_real_tokenizer(tmp_path):
                  + json.dumps({"schema": "specpilot.prompts/1", "id": "b", "prompt_ids": [2, 1]}) + "\n")
     rows = read_prompts_tokenized(p, str(folder))
     assert [r.prompt_ids for r in rows] == [[1, 2], [2, 1]]
+
+
+def test_runs_take_even_numbers_and_the_help_says_so(tmp_path, run_cli):
+    # ABBA measures two pairs a block: an odd --runs used to be rounded up (5 ran 6 pairs)
+    code, _, err = run_cli("compare", "--base-cmd", emit_cmd(100), "--candidate-cmd", emit_cmd(110),
+                           "--metric", "tokens_per_s", "--runs", "5", "--warmup", "0")
+    assert code == 2 and "give an even number, e.g. 4 or 6" in err and err.count("\n") == 1, err
+    # an odd --max-runs capped --runs auto below what it ran (3 ran 4 pairs)
+    code, _, err = run_cli("compare", "--base-cmd", emit_cmd(100), "--candidate-cmd", emit_cmd(110),
+                           "--metric", "tokens_per_s", "--max-runs", "3", "--warmup", "0")
+    assert code == 2 and "e.g. 2 or 4" in err, err
+    code, out, _ = run_cli("compare", "--base-cmd", emit_cmd(100), "--candidate-cmd", emit_cmd(110),
+                           "--metric", "tokens_per_s", "--runs", "6", "--warmup", "0", "--format", "json")
+    assert code == 0 and json.loads(out)["runs"] == 6
+    code, out, _ = run_cli("compare", "--help")
+    assert "an even number" in " ".join(out.split())
+
+
+def _partial(base, candidate, blocks):
+    samples = [{"pair": 2 * b + i, "block": b, "base": 100.0, "candidate": 110.0, "order": o}
+               for b in range(blocks) for i, o in enumerate(("AB", "BA"))]
+    return {"schema": "specpilot.timing-partial/1", "base": base, "candidate": candidate, "metric": "t", "unit": "t",
+            "higher_is_better": True, "schedule": "ABBA", "runs": len(samples), "samples": samples,
+            "aa": [{"block": b, "first": 100.0, "second": 100.0} for b in range(blocks)]}
+
+
+def test_resume_never_reports_more_pairs_than_asked(tmp_path, run_cli):
+    ran = tmp_path / "ran"
+    base, cand = f"echo x >> {ran}; " + emit_cmd(100, "t"), f"echo x >> {ran}; " + emit_cmd(110, "t")
+    part = tmp_path / "p.json"
+    part.write_text(json.dumps(_partial(base, cand, 4)))   # 8 pairs kept
+    before = part.read_text()
+    out = tmp_path / "t.json"
+    common = ("compare", "--base-cmd", base, "--candidate-cmd", cand, "--metric", "t", "--warmup", "0",
+              "--resume", part, "--out", out)
+    # used to judge all 8 kept pairs under --runs 4 (and under --max-runs 6)
+    code, _, err = run_cli(*common, "--runs", "4")
+    assert code == 2 and err.count("\n") == 1, err
+    assert "it already holds 8 paired samples, more than --runs 4; resume with --runs 8 or more" in err
+    code, _, err = run_cli(*common, "--max-runs", "6")
+    assert code == 2 and "more than --max-runs 6; resume with --max-runs 8 or more" in err, err
+    assert part.read_text() == before and not out.exists() and not ran.exists()
+    code, _, err = run_cli(*common, "--runs", "8", "--format", "json")
+    assert code == 0, err
+    assert json.loads(out.read_text())["runs"] == 8 and not ran.exists()   # judged, nothing more run
+    part.write_text(before)
+    code, _, err = run_cli(*common, "--runs", "10", "--format", "json")
+    assert code == 0 and json.loads(out.read_text())["runs"] == 10 and len(ran.read_text().split()) == 4, err

@@ -116,11 +116,37 @@ def command(model_name, gpu_name, bandwidth, flops, fp8_flops, rows, batch, cont
                          rows_probe=read_rows_probe(rows_file, batch=batch) if rows_file else None,
                          run=run)
     res = compute_ceiling(req)
-    emit(_report(res), fmt, out, protect=protect)
+    emit(_report(res, run), fmt, out, protect=protect)
     return 0
 
 
-def _report(res) -> Report:
+def _cost_title(res, run) -> str:
+    """Where the cost model's step time was measured. ``--rows`` (default 1) names it only when the
+    step is of that row count: a run's mean step spans the rows its verify passes used."""
+    step_from = res.measurements.sources.get("step_ms", "")
+    floor_from = res.measurements.sources.get("floor_ms", "")
+    parts = []
+    if run is not None and step_from.startswith(f"run {run.source}"):
+        head = f"Cost model of run {run.source}"
+        what = [(run.mode or "") + (f" at {count(run.nodes, 'node')}" if run.nodes and run.mode != "chain" else "")]
+        if run.verify_by_rows:
+            lo, hi = min(run.verify_by_rows), max(run.verify_by_rows)
+            steps = sum(n for n, _ in run.verify_by_rows.values())
+            mean = sum(r * n for r, (n, _) in run.verify_by_rows.items()) / steps
+            what.append(f"verify steps of {lo}-{hi} rows, {mean:.3g} on average" if hi > lo
+                        else f"verify steps of {count(lo, 'row')}")
+        parts.append(", ".join(w for w in what if w))
+    elif step_from.startswith("TLV cycle") and res.cycle:
+        head = f"Cost model over the TLV cycle at {count(res.cycle['nodes'], 'node')}"
+    else:
+        return "Cost model" + (f" at {count(res.rows_for_cost, 'row')}" if res.rows_for_cost else "")
+    if res.rows_for_cost and floor_from.startswith("byte floor"):
+        parts.append(f"byte floor at {count(res.rows_for_cost, 'row')}")
+    parts = [p for p in parts if p]
+    return head + (": " + "; ".join(parts) if parts else "")
+
+
+def _report(res, run=None) -> Report:
     sections = []
     lines = []
     if res.floors:
@@ -179,8 +205,7 @@ def _report(res) -> Report:
             rows.append([f"{k} factor", v if v is not None else "unknown",
                          desc[k] + (f" -> {c.if_removed[k]:.3g}x if removed" if v is not None else "")])
         rows.append(["ceiling", c.ceiling, "speedup x known factors"])
-        title = "Cost model" + (f" at {count(res.rows_for_cost, 'row')}" if res.rows_for_cost else "")
-        sections.append(Section(title, ["", "value", "how"], rows))
+        sections.append(Section(_cost_title(res, run), ["", "value", "how"], rows))
         if c.largest:
             from specpilot.probes.costmodel import ADVICE
 

@@ -18,7 +18,20 @@ def _runs(ctx, param, value):
         raise click.BadParameter(f"{value!r} is not a number or 'auto'") from None
     if n < 2:
         raise click.BadParameter("need at least 2 pairs")
+    return _even(n)
+
+
+def _even(n: int) -> int:
+    # Both schedules measure pairs two at a time (ABBA, or a GPU swap); a half block would lose
+    # its drift cancellation and its A/A pair, so an odd count is refused rather than rounded.
+    if n % 2:
+        raise click.BadParameter(f"{n}: pairs come in blocks of 2 (ABBA, or a GPU swap); give an even number, "
+                                 f"e.g. {n - 1} or {n + 1}")
     return n
+
+
+def _max_runs(ctx, param, value):
+    return _even(value)
 
 
 @click.command("compare")
@@ -40,10 +53,10 @@ def _runs(ctx, param, value):
 @click.option("--concurrency", type=click.IntRange(1, 4096), default=1, show_default=True,
               help="Servers: requests in flight at once (the same set every run; tokens/s of the whole set).")
 @click.option("--runs", callback=_runs, default="auto", show_default=True, metavar="N|auto",
-              help="Paired samples (rounded up to whole blocks of 2). auto: a pilot of 8 pairs, then as many "
-                   "as give 80% power to approve a true 3% gain.")
-@click.option("--max-runs", type=click.IntRange(2, 100000), default=400, show_default=True,
-              help="Cap on the pairs --runs auto may plan.")
+              help="Paired samples, an even number (pairs come in blocks of 2). auto: a pilot of 8 pairs, then "
+                   "as many as give 80% power to approve a true 3% gain.")
+@click.option("--max-runs", type=click.IntRange(2, 100000), callback=_max_runs, default=400, show_default=True,
+              help="Cap on the pairs --runs auto may plan (even).")
 @click.option("--warmup", type=click.IntRange(0, 1000), default=1, show_default=True,
               help="Unmeasured runs of each system first.")
 @click.option("--gpus", default=None, metavar="G0,G1",
@@ -164,6 +177,10 @@ def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, tokenizer
         if resume_file:
             samples, aa = read_partial(resume_file, base=a.label, candidate=b.label, metric=a.metric,
                                        schedule=schedule)
+            cap, option = (runs, "--runs") if runs is not None else (max_runs, "--max-runs")
+            if len(samples) > cap:  # refused, not cut: which samples to drop is not ours to choose
+                raise InputError(f"--resume {resume_file}: it already holds {len(samples)} paired samples, more than "
+                                 f"{option} {cap}; resume with {option} {len(samples)} or more")
             prior = PairRun(samples, aa)
 
         def keep(run):
