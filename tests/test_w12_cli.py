@@ -45,7 +45,7 @@ def test_pack_verify_stats_round_trip(tmp_path, run_cli):
     assert f"{Q}.w12.records" in stored and Q not in stored
     assert torch.equal(stored["model.norm.weight"], orig["model.norm.weight"])
     code, out, err = run_cli("w12", "verify", dst, "--against", src)
-    assert code == 0 and "OK: 2 W12 tensors" in out, err
+    assert code == 0 and "OK: 2 converted tensors restored and identical" in out, err
     code, out, err = run_cli("w12", "stats", dst, "--format", "json")
     assert code == 0, err
     doc = json.loads(out)
@@ -248,3 +248,150 @@ def test_a_version_this_reader_does_not_know_is_refused(tmp_path, run_cli, versi
     write_packed(dst, tensors, meta, doc)
     code, _, err = run_cli("w12", "stats", dst)
     assert code == 2 and "is not supported" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_pack_and_verify_count_converted_and_kept_tensors_alike(tmp_path, run_cli):
+    """A tensor that matched --include but is not bf16 is kept: pack and verify both count it so."""
+    src, dst, ref = tmp_path / "m.safetensors", tmp_path / "w.safetensors", tmp_path / "r.safetensors"
+    t = make_checkpoint(src)
+    code, out, err = run_cli("w12", "pack", src, "-o", dst)
+    assert code == 0, err
+    assert "2 tensors converted, 3 kept (1 not bf16)" in out
+    code, out, err = run_cli("w12", "pack", src, "-o", tmp_path / "w2.safetensors", "--format", "json")
+    packed = json.loads(out)
+    assert (packed["converted"], packed["kept"]) == (2, 3)
+    code, out, err = run_cli("w12", "verify", dst, "--against", src, "--format", "json")
+    doc = json.loads(out)
+    assert code == 0 and (doc["converted"], doc["kept"], doc["checked"], doc["kept_checked"]) == (2, 3, 2, 3)
+    code, out, _ = run_cli("w12", "verify", dst, "--against", src)
+    assert "OK: 2 converted tensors restored and identical to" in out and ", 3 kept tensors identical" in out
+    code, out, _ = run_cli("w12", "verify", dst)
+    assert code == 0 and "2 converted tensors restored (CRC and structure only), 3 kept tensors not compared" in out
+    # a reference lacking one converted and one kept tensor, holding one the packed file lacks: each
+    # is counted once, as not identical, and the extra one as missing
+    del t[Q], t["model.norm.weight"]
+    t["extra.weight"] = torch.ones(3)
+    save_file(t, str(ref))
+    code, out, err = run_cli("w12", "verify", dst, "--against", ref, "--format", "json")
+    doc = json.loads(out)
+    assert code == 1 and (doc["converted"], doc["kept"], doc["checked"], doc["kept_checked"]) == (2, 3, 1, 2)
+    assert doc["missing"] == ["extra.weight"]
+    assert {m["tensor"]: m["what"] for m in doc["mismatches"]} == {
+        Q: "not in the reference checkpoint", "model.norm.weight": "kept tensor not in the reference checkpoint",
+        "extra.weight": "missing from the packed checkpoint"}
+    code, out, _ = run_cli("w12", "verify", dst, "--against", ref)
+    assert ("FAILED: 1 of 2 converted tensors restored and identical to" in out
+            and "2 of 3 kept tensors identical; 1 tensor of" in out and "missing" in out)
+
+
+def test_sharded_index_states_the_packed_total_size(tmp_path, run_cli):
+    """The index's total_size is the byte size of the tensors it maps (what transformers writes)."""
+    folder, out = tmp_path / "model", tmp_path / "model-w12"
+    folder.mkdir()
+    a = make_checkpoint(folder / "a.safetensors")
+    b = {"model.layers.1.self_attn.o_proj.weight": (torch.randn(64, 64) * 0.02).bfloat16()}
+    save_file(b, str(folder / "b.safetensors"))
+    total_in = sum(v.numel() * v.element_size() for v in [*a.values(), *b.values()])
+    wm = {**{k: "a.safetensors" for k in a}, **{k: "b.safetensors" for k in b}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total_in},
+                                                                     "weight_map": wm}))
+    assert run_cli("w12", "pack", folder, "-o", out)[0] == 0
+    meta = json.loads((out / "model.safetensors.index.json").read_text())["metadata"]
+    total_out = sum(v.numel() * v.element_size() for f in ("a", "b")
+                    for v in load_file(str(out / f"{f}.safetensors")).values())
+    assert total_out != total_in
+    assert meta == {"total_size": total_out, "specpilot.w12": "specpilot.w12/1"}
+
+
+@pytest.mark.parametrize("dtype", ["float16", None], ids=["float16", "absent"])
+def test_a_w12_dtype_other_than_bf16_is_refused(tmp_path, run_cli, dtype):
+    src, dst = tmp_path / "m.safetensors", tmp_path / "w.safetensors"
+    make_checkpoint(src)
+    assert run_cli("w12", "pack", src, "-o", dst)[0] == 0
+    tensors, meta, doc = read_packed(dst)
+    if dtype is None:
+        del doc["tensors"][Q]["dtype"]
+    else:
+        doc["tensors"][Q]["dtype"] = dtype
+    write_packed(dst, tensors, meta, doc)
+    for args in (["stats", dst], ["verify", dst], ["verify", dst, "--against", src]):
+        code, _, err = run_cli("w12", *args)
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert str(dst) in err and Q in err and "dtype" in err and repr(dtype) in err
+
+
+def _signal_after(monkeypatch, target, signum):
+    """Make ``os.replace`` onto ``target`` send this process ``signum`` right after the rename."""
+    import os
+
+    real = os.replace
+
+    def replace(a, b, *args, **kw):
+        real(a, b, *args, **kw)
+        if os.fspath(b) == os.fspath(target):
+            os.kill(os.getpid(), signum)
+
+    monkeypatch.setattr(os, "replace", replace)
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["file", "folder"])
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+def test_a_signal_after_the_output_is_renamed_into_place_is_success(tmp_path, run_cli, monkeypatch, sharded,
+                                                                    signame):
+    import signal
+
+    if sharded:
+        src, dst = tmp_path / "model", tmp_path / "model-w12"
+        src.mkdir()
+        make_checkpoint(src / "a.safetensors")
+    else:
+        src, dst = tmp_path / "m.safetensors", tmp_path / "w.safetensors"
+        make_checkpoint(src)
+    _signal_after(monkeypatch, dst, getattr(signal, signame))
+    code, out, err = run_cli("w12", "pack", src, "-o", dst)
+    assert code == 0, err
+    assert "interrupted" not in err and "2 tensors converted" in out
+    monkeypatch.undo()
+    assert run_cli("w12", "verify", dst, "--against", src)[0] == 0
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".part")]
+
+
+def test_a_signal_while_the_pack_report_is_written_is_success(tmp_path, run_cli, monkeypatch):
+    import os
+    import signal
+
+    from specpilot.commands import w12
+
+    src, dst, rep = tmp_path / "m.safetensors", tmp_path / "w.safetensors", tmp_path / "rep.json"
+    make_checkpoint(src)
+    real = w12.emit
+
+    def emit(*a, **kw):
+        os.kill(os.getpid(), signal.SIGTERM)
+        real(*a, **kw)
+
+    monkeypatch.setattr(w12, "emit", emit)
+    code, _, err = run_cli("w12", "pack", src, "-o", dst, "--format", "json", "--out", rep)
+    assert code == 0 and f"{dst} is complete, its report was not written" in err, err
+    monkeypatch.undo()
+    assert not rep.exists() and run_cli("w12", "verify", dst, "--against", src)[0] == 0
+
+
+def test_a_signal_before_the_rename_still_stops_the_pack(tmp_path, run_cli, monkeypatch):
+    import os
+    import signal
+
+    from specpilot.kernels.w12 import checkpoint
+
+    src, dst = tmp_path / "m.safetensors", tmp_path / "w.safetensors"
+    make_checkpoint(src)
+    real = checkpoint._save_bytes
+
+    def save_bytes(*a, **kw):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(checkpoint, "_save_bytes", save_bytes)
+    code, _, err = run_cli("w12", "pack", src, "-o", dst)
+    assert code == 143 and "interrupted by SIGTERM" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors"]

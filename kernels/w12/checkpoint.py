@@ -144,8 +144,8 @@ class _Totals:
 class PackResult(_Totals):
     output: str
     converted: list[TensorStat] = field(default_factory=list)
-    kept: list[str] = field(default_factory=list)
-    skipped_not_bf16: list[str] = field(default_factory=list)
+    kept: list[str] = field(default_factory=list)               # every tensor stored as it was
+    skipped_not_bf16: list[str] = field(default_factory=list)   # those of ``kept`` that matched but are not bf16
 
     def _stats(self) -> list[TensorStat]:
         return self.converted
@@ -187,6 +187,7 @@ def pack_tensors(tensors: dict[str, torch.Tensor], meta: dict[str, str], include
             continue
         if t.dtype != torch.bfloat16:
             out[name] = t
+            result.kept.append(name)
             result.skipped_not_bf16.append(name)
             continue
         w12 = encode(t.to(device)).to("cpu")
@@ -212,8 +213,14 @@ def _save_bytes(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> bytes
 
 
 def pack(src: str, dst: str, include=DEFAULT_INCLUDE, exclude=DEFAULT_EXCLUDE, device: str = "cpu",
-         progress: Callable | None = None) -> PackResult:
-    """Pack a checkpoint (file, sharded folder or folder of files) into ``dst`` atomically."""
+         progress: Callable | None = None, on_commit: Callable[[PackResult], None] | None = None) -> PackResult:
+    """Pack a checkpoint (file, sharded folder or folder of files) into ``dst`` atomically.
+
+    ``on_commit(result)`` is called as soon as ``dst`` is renamed into place, with signals held back
+    from the rename to the call: a caller whose run a signal ends after that knows the output is
+    complete, and the result."""
+    from specpilot.signals import deferred
+
     ck = find_checkpoint(src)
     dst_p = Path(dst)
     res = PackResult(str(dst_p))
@@ -230,6 +237,7 @@ def pack(src: str, dst: str, include=DEFAULT_INCLUDE, exclude=DEFAULT_EXCLUDE, d
         tmp = temp_dir_beside(dst_p)
         try:
             weight_map: dict[str, str] = {}
+            total_size = 0
             for f in ck.files:
                 tensors, meta = read_file(f)
                 bar = progress(total=len(tensors), desc=f.name) if progress else None
@@ -239,18 +247,25 @@ def pack(src: str, dst: str, include=DEFAULT_INCLUDE, exclude=DEFAULT_EXCLUDE, d
                     bar.close()
                 (tmp / f.name).write_bytes(_save_bytes(out, new_meta))
                 weight_map.update({k: f.name for k in out})
+                total_size += sum(v.numel() * v.element_size() for v in out.values())
             for other in ck.root.iterdir():  # config, tokenizer, ... copied as they are
                 if other.is_file() and other.suffix != ".safetensors" and not other.name.endswith(".index.json"):
                     shutil.copy2(other, tmp / other.name)
             if ck.index is not None:
                 doc = json.loads(ck.index.read_text())
                 doc["weight_map"] = dict(sorted(weight_map.items()))
-                doc.setdefault("metadata", {})["specpilot.w12"] = SCHEMA
+                index_meta = doc.setdefault("metadata", {})
+                # the byte size of the tensors listed, as transformers writes it (the input's is the bf16 one)
+                index_meta["total_size"] = total_size
+                index_meta["specpilot.w12"] = SCHEMA
                 (tmp / ck.index.name).write_text(json.dumps(doc, indent=2) + "\n")
             _require_converted(res, src, include)
             if dst_p.exists():
                 dst_p.rmdir()
-            os.replace(tmp, dst_p)
+            with deferred():
+                os.replace(tmp, dst_p)
+                if on_commit:
+                    on_commit(res)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -266,8 +281,17 @@ def pack(src: str, dst: str, include=DEFAULT_INCLUDE, exclude=DEFAULT_EXCLUDE, d
         _require_converted(res, src, include)
         from specpilot.fileio import atomic_open
 
-        with atomic_open(dst_p, "wb", protect=[src]) as fh:
+        writer = atomic_open(dst_p, "wb", protect=[src])
+        fh = writer.__enter__()
+        try:
             fh.write(_save_bytes(out, new_meta))
+        except BaseException as e:
+            writer.__exit__(type(e), e, e.__traceback__)
+            raise
+        with deferred():   # the writer's exit renames the file into place
+            writer.__exit__(None, None, None)
+            if on_commit:
+                on_commit(res)
     return res
 
 
@@ -300,8 +324,11 @@ def w12_info(meta: dict[str, str], source: str) -> dict:
     tensors = doc.get("tensors", {})
     if not isinstance(tensors, dict):
         raise W12FormatError(f"{source}: the {META_KEY} metadata has no tensor table")
-    for entry in tensors.values():
+    for name, entry in tensors.items():
         if isinstance(entry, dict):
+            if entry.get("dtype") != "bfloat16":   # the codec restores bf16 bit patterns, nothing else
+                raise W12FormatError(f"{source}: {name}: W12 metadata field dtype is {entry.get('dtype')!r}; "
+                                     "W12 holds bfloat16 weights only")
             entry["_version"] = doc["version"]
     return tensors
 
@@ -341,9 +368,13 @@ def load_w12(tensors: dict[str, torch.Tensor], name: str, entry: dict, source: s
 
 @dataclass
 class VerifyResult:
-    checked: list[str] = field(default_factory=list)
+    """Counts in ``pack``'s terms: ``converted`` W12 tensors and ``kept`` tensors stored as they were."""
+    checked: list[str] = field(default_factory=list)   # converted tensors restored (and identical to the reference)
     mismatched: list[tuple[str, str]] = field(default_factory=list)   # (tensor, what)
-    kept_checked: int = 0
+    kept_checked: int = 0                              # kept tensors identical to the reference
+    converted: int = 0
+    kept: int = 0
+    missing: list[str] = field(default_factory=list)   # tensors of the reference the packed checkpoint lacks
 
     @property
     def ok(self) -> bool:
@@ -379,10 +410,16 @@ def verify(packed: str, against: str | None = None, progress: Callable | None = 
         return cache[f][name]
 
     any_w12 = False
+    present: set[str] = set()
     for f in ck.files:
         tensors, meta = read_file(f)
         info = w12_info(meta, str(f))
         any_w12 = any_w12 or bool(info)
+        w12_names = {f"{n}.w12.{p}" for n in info for p in PARTS}
+        present.update(info)
+        present.update(k for k in tensors if k not in w12_names)
+        res.converted += len(info)
+        res.kept += sum(k not in w12_names for k in tensors)
         items = list(info.items())
         bar = progress(total=len(items), desc=f"verify {f.name}") if progress else None
         for name, entry in items:
@@ -394,23 +431,24 @@ def verify(packed: str, against: str | None = None, progress: Callable | None = 
             except W12FormatError as e:   # "FILE: NAME: what" -> (NAME, what)
                 res.mismatched.append((name, str(e).removeprefix(f"{f}: ").removeprefix(f"{name}: ")))
                 continue
-            res.checked.append(name)
             if against is not None:
                 r = ref_tensor(name)
                 if r is None:
                     res.mismatched.append((name, "not in the reference checkpoint"))
-                elif r.dtype != torch.bfloat16 or tuple(r.shape) != t.shape:
+                    continue
+                if r.dtype != torch.bfloat16 or tuple(r.shape) != t.shape:
                     res.mismatched.append((name, f"reference is {r.dtype} {tuple(r.shape)}"))
-                else:
-                    diff = restored.view(torch.int16) != r.to(restored.device).view(torch.int16)
-                    if bool(diff.any()):
-                        n = int(diff.sum())
-                        first = diff.flatten().nonzero()[0].item()
-                        res.mismatched.append((name, f"{n} weights differ (first at flat index {first})"))
+                    continue
+                diff = restored.view(torch.int16) != r.to(restored.device).view(torch.int16)
+                if bool(diff.any()):
+                    n = int(diff.sum())
+                    first = diff.flatten().nonzero()[0].item()
+                    res.mismatched.append((name, f"{n} weights differ (first at flat index {first})"))
+                    continue
+            res.checked.append(name)
         if bar:
             bar.close()
         if against is not None:   # tensors kept as they were must be identical too
-            w12_names = {f"{n}.w12.{p}" for n in info for p in PARTS}
             for k, v in tensors.items():
                 if k in w12_names:
                     continue
@@ -424,6 +462,8 @@ def verify(packed: str, against: str | None = None, progress: Callable | None = 
                     res.kept_checked += 1
     if not any_w12:
         raise W12FormatError(f"{packed}: no W12 tensors found (no {META_KEY} metadata); pack it first")
+    res.missing = sorted(set(ref_files) - present)
+    res.mismatched.extend((k, "missing from the packed checkpoint") for k in res.missing)
     return res
 
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import click
 
+from specpilot import signals
 from specpilot.errors import EnvironmentMissing, InputError
-from specpilot.output import Report, Section, emit, not_empty, output_options, progress
+from specpilot.output import Report, Section, count, emit, not_empty, output_options, progress
 
 
 def _lib():
@@ -95,7 +96,14 @@ def pack_cmd(src, dst, include, exclude, device, fmt, out):
     device = _device(device)
     inc = tuple(include) or ck.DEFAULT_INCLUDE
     exc = tuple(exclude) or ck.DEFAULT_EXCLUDE
-    res = ck.pack(src, dst, inc, exc, device=device, progress=lambda **kw: progress(unit="tensor", **kw))
+    committed: list = []
+    try:
+        res = ck.pack(src, dst, inc, exc, device=device, progress=lambda **kw: progress(unit="tensor", **kw),
+                      on_commit=committed.append)
+    except signals.Interrupted:
+        if not committed:
+            raise
+        res = committed[0]   # the signal came after OUT was renamed into place: the pack is complete
     data = {"schema": "specpilot.w12-pack/1", "input": src, "output": dst,
             "bits_per_weight": res.bits_per_weight, "escape_rate": res.escape_rate,
             "converted": len(res.converted), "kept": len(res.kept),
@@ -103,12 +111,16 @@ def pack_cmd(src, dst, include, exclude, device, fmt, out):
             "tensors": [t.__dict__ for t in res.converted]}
     rep = Report(data, [Section("converted tensors", ["tensor", "shape", "bits/weight", "escapes", "escape rate"],
                                 _tensor_rows(res.converted))],
-                 [f"wrote {dst}: {len(res.converted)} tensors converted, {len(res.kept)} kept; "
-                  f"{res.bits_per_weight:.4f} bits/weight, escape rate {res.escape_rate:.3e}"]
+                 [f"wrote {dst}: {len(res.converted)} tensors converted, {len(res.kept)} kept"
+                  + (f" ({len(res.skipped_not_bf16)} not bf16)" if res.skipped_not_bf16 else "")
+                  + f"; {res.bits_per_weight:.4f} bits/weight, escape rate {res.escape_rate:.3e}"]
                  + ([f"not converted (not bf16): {', '.join(res.skipped_not_bf16[:5])}"
                      + (" ..." if len(res.skipped_not_bf16) > 5 else "")] if res.skipped_not_bf16 else []),
                  title="W12 pack")
-    emit(rep, fmt, out, protect=[src, dst])
+    try:
+        emit(rep, fmt, out, protect=[src, dst])
+    except signals.Interrupted as e:   # OUT is complete: a signal now does not make the pack a failure
+        click.echo(f"specpilot: {e}; {dst} is complete, its report was not written", err=True)
     return 0
 
 
@@ -128,11 +140,21 @@ def verify_cmd(packed, against, device, fmt, out):
     ck = _lib()
     res = ck.verify(packed, against, progress=lambda **kw: progress(unit="tensor", **kw), device=_device(device))
     data = {"schema": "specpilot.w12-verify/1", "packed": packed, "against": against, "ok": res.ok,
-            "checked": len(res.checked), "kept_checked": res.kept_checked,
+            "converted": res.converted, "kept": res.kept, "checked": len(res.checked),
+            "kept_checked": res.kept_checked, "missing": res.missing,
             "mismatches": [{"tensor": n, "what": w} for n, w in res.mismatched]}
-    lines = [f"{'OK' if res.ok else 'FAILED'}: {len(res.checked)} W12 tensors restored"
-             + (f" and compared bit for bit with {against}" if against else " (CRC and structure only)")
-             + (f"; {res.kept_checked} kept tensors identical" if against else "")]
+
+    def of(n, total):   # "2", or "1 of 2" when some failed
+        return f"{n}" if n == total else f"{n} of {total}"
+
+    if against:
+        summary = (f"{of(len(res.checked), res.converted)} converted tensors restored and identical to {against}, "
+                   f"{of(res.kept_checked, res.kept)} kept tensors identical"
+                   + (f"; {count(len(res.missing), 'tensor')} of {against} missing" if res.missing else ""))
+    else:
+        summary = (f"{of(len(res.checked), res.converted)} converted tensors restored (CRC and structure only), "
+                   f"{res.kept} kept tensors not compared")
+    lines = [f"{'OK' if res.ok else 'FAILED'}: {summary}"]
     sections = []
     if res.mismatched:
         sections.append(Section("differences", ["tensor", "what"], [[n, w] for n, w in res.mismatched]))
