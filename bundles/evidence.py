@@ -95,15 +95,18 @@ def _short(text, width: int = 90) -> str:
     return t if len(t) <= width else t[: width - 3] + "..."
 
 
-def record(entry, results_dir: str | Path) -> str:
-    """The entry's YAML text with every measured item's ``what`` and ``hardware`` regenerated
-    from the results files; the other items and the rest of the file as written (a measured item
-    is rewritten whole, at the list's indentation)."""
+def record(entry, results_dir: str | Path, text: str | None = None) -> str:
+    """The entry's YAML text (``text``, else its file's) with every measured item's ``what`` and
+    ``hardware`` regenerated from the results files; the other items, the comments and blank lines
+    between items and the rest of the file as written (a measured item is rewritten whole, at the
+    list's indentation)."""
     import re
 
     import yaml
 
-    text = entry.path.read_text(encoding="utf-8")
+    text = entry.path.read_text(encoding="utf-8") if text is None else text
+    if not any(i.get("kind") in MEASURED_KINDS and i.get("source") for i in entry.evidence):
+        return text
     start = text.find("\nevidence:")
     if start < 0:
         raise InputError(f"{entry.path}: no top-level 'evidence' list")
@@ -124,6 +127,10 @@ def record(entry, results_dir: str | Path) -> str:
             item = dict(item, what=r.what, hardware=r.hardware)
             dumped = yaml.safe_dump([item], sort_keys=False, width=110, allow_unicode=True).rstrip("\n")
             out += [" " * indent + line if line else line for line in dumped.split("\n")]
+            tail = b
+            while tail > a + 1 and (not lines[tail - 1].strip() or lines[tail - 1].lstrip().startswith("#")):
+                tail -= 1
+            out += lines[tail:b]   # the blank lines and comments after the item
         else:
             out += lines[a:b]
     return text[: start + 1] + "\n".join(out) + text[end:]

@@ -107,13 +107,14 @@ def verify(ids, python, record, results_dir, memory_dir, fmt, out):
     if results_dir and not results.is_dir():
         raise InputError(f"--results {results_dir}: no such folder")
     entries = mem.load_memory(memory_dir)
-    if record:
+    if record:   # every entry's new text first: an entry that cannot be recorded leaves every file as it was
+        texts = []
         for i in ids or sorted(entries):
             e = mem.get_entry(entries, i)
-            write_text_atomic(e.path, mem.record_system(e, entries))
-            if results is not None:
-                e = mem.load_memory(memory_dir)[i]
-                write_text_atomic(e.path, ev.record(e, results))
+            text = mem.record_system(e, entries)
+            texts.append((e.path, ev.record(e, results, text) if results is not None else text))
+        for path, text in texts:
+            write_text_atomic(path, text)
         entries = mem.load_memory(memory_dir)
     rows = mem.verify(entries, ids or None)
     for r in rows:
