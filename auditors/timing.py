@@ -298,6 +298,14 @@ def partial_doc(base: str, candidate: str, metric: str, unit: str, higher_is_bet
             "aa": [{"block": i, "first": x, "second": y} for i, (x, y) in enumerate(aa)]}
 
 
+def partial_samples(path) -> int:
+    """How many paired samples a ``specpilot.timing-partial/1`` file holds (read before any system
+    is started, to refuse a resume that asks for fewer)."""
+    from specpilot.fileio import read_json
+
+    return len(parse_samples(read_json(path, "timing-partial"), path)[0])
+
+
 def read_partial(path, *, base: str, candidate: str, metric: str, schedule: str):
     """Samples and A/A pairs of a ``specpilot.timing-partial/1`` file taken with these systems."""
     from specpilot.fileio import read_json

@@ -326,6 +326,9 @@ def test_cost_model_title_names_the_rows_a_runs_verify_steps_used(run_cli, tmp_p
         title = out.splitlines()[0]
         assert title.startswith(f"Cost model of run {runs[mode]}: {nodes}verify steps of {lo}-{hi} rows, "), title
         assert "1 row" not in title
+        code, out, err = run_cli("ceiling", "--run", runs[mode], "--ar-ms", "1.0", "--format", "json")
+        vr = json.loads(out)["cost_model"]["run_verify_rows"]
+        assert code == 0 and (vr["min"], vr["max"]) == (lo, hi) and lo < vr["mean"] < hi, out
     # a byte floor still sits at --rows, and says so; a step given on the command line keeps --rows
     code, out, _ = run_cli("ceiling", "--run", runs["tree"], "--ar-ms", "1.0", "--model", "llama-3.1-8b",
                            "--gpu", "h100")
@@ -333,6 +336,8 @@ def test_cost_model_title_names_the_rows_a_runs_verify_steps_used(run_cli, tmp_p
     assert code == 0 and title.endswith("; byte floor at 1 row"), title
     code, out, _ = run_cli("ceiling", "--run", runs["tree"], "--ar-ms", "1.0", "--step-ms", "2", "--rows", "17")
     assert code == 0 and out.splitlines()[0] == "Cost model at 17 rows"
+    code, out, _ = run_cli("ceiling", "--run", runs["tree"], "--ar-ms", "1.0", "--step-ms", "2", "--format", "json")
+    assert code == 0 and "run_verify_rows" not in json.loads(out)["cost_model"]
 
 
 def test_cost_model_title_of_a_tlv_cycle_without_a_run(run_cli, tmp_path):

@@ -322,6 +322,12 @@ def test_resume_never_reports_more_pairs_than_asked(tmp_path, run_cli):
     code, _, err = run_cli(*common, "--max-runs", "6")
     assert code == 2 and "more than --max-runs 6; resume with --max-runs 8 or more" in err, err
     assert part.read_text() == before and not out.exists() and not ran.exists()
+    # engines: refused before either model loads
+    prompts = tmp_path / "pr.jsonl"
+    prompts.write_text(json.dumps({"schema": "specpilot.prompts/1", "id": 0, "prompt_ids": [1, 2, 3]}) + "\n")
+    code, _, err = run_cli("compare", "--base", "engine:model=tiny,mode=ar", "--candidate", "engine:model=tiny,mode=chain",
+                           "--prompts", prompts, "--max-new-tokens", "4", "--runs", "4", "--resume", part)
+    assert code == 2 and "more than --runs 4" in err and "loading model" not in err, err
     code, _, err = run_cli(*common, "--runs", "8", "--format", "json")
     assert code == 0, err
     assert json.loads(out.read_text())["runs"] == 8 and not ran.exists()   # judged, nothing more run

@@ -327,7 +327,8 @@ def w12_info(meta: dict[str, str], source: str) -> dict:
     for name, entry in tensors.items():
         if isinstance(entry, dict):
             if entry.get("dtype") != "bfloat16":   # the codec restores bf16 bit patterns, nothing else
-                raise W12FormatError(f"{source}: {name}: W12 metadata field dtype is {entry.get('dtype')!r}; "
+                got = f"is {entry['dtype']!r}" if "dtype" in entry else "is missing"
+                raise W12FormatError(f"{source}: {name}: W12 metadata field dtype {got}; "
                                      "W12 holds bfloat16 weights only")
             entry["_version"] = doc["version"]
     return tensors

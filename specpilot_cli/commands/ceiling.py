@@ -120,6 +120,17 @@ def command(model_name, gpu_name, bandwidth, flops, fp8_flops, rows, batch, cont
     return 0
 
 
+def _run_rows(res, run) -> dict | None:
+    """The rows of the verify steps behind the cost model's step time when it is a run's
+    (``min``, ``max``, ``mean`` over its steps), else None."""
+    step_from = res.measurements.sources.get("step_ms", "")
+    if run is None or not run.verify_by_rows or not step_from.startswith(f"run {run.source}"):
+        return None
+    steps = sum(n for n, _ in run.verify_by_rows.values())
+    return {"min": min(run.verify_by_rows), "max": max(run.verify_by_rows),
+            "mean": sum(r * n for r, (n, _) in run.verify_by_rows.items()) / steps}
+
+
 def _cost_title(res, run) -> str:
     """Where the cost model's step time was measured. ``--rows`` (default 1) names it only when the
     step is of that row count: a run's mean step spans the rows its verify passes used."""
@@ -129,12 +140,10 @@ def _cost_title(res, run) -> str:
     if run is not None and step_from.startswith(f"run {run.source}"):
         head = f"Cost model of run {run.source}"
         what = [(run.mode or "") + (f" at {count(run.nodes, 'node')}" if run.nodes and run.mode != "chain" else "")]
-        if run.verify_by_rows:
-            lo, hi = min(run.verify_by_rows), max(run.verify_by_rows)
-            steps = sum(n for n, _ in run.verify_by_rows.values())
-            mean = sum(r * n for r, (n, _) in run.verify_by_rows.items()) / steps
-            what.append(f"verify steps of {lo}-{hi} rows, {mean:.3g} on average" if hi > lo
-                        else f"verify steps of {count(lo, 'row')}")
+        vr = _run_rows(res, run)
+        if vr:
+            what.append(f"verify steps of {vr['min']}-{vr['max']} rows, {vr['mean']:.3g} on average"
+                        if vr["max"] > vr["min"] else f"verify steps of {count(vr['min'], 'row')}")
         parts.append(", ".join(w for w in what if w))
     elif step_from.startswith("TLV cycle") and res.cycle:
         head = f"Cost model over the TLV cycle at {count(res.cycle['nodes'], 'node')}"
@@ -212,7 +221,11 @@ def _report(res, run=None) -> Report:
             lines.append(f"Largest factor: {c.largest} ({c.factors[c.largest]:.3g}x): {ADVICE[c.largest]}.")
         lines.extend(f"note: {n}" for n in c.notes)
     lines.extend(f"warning: {w}" for w in res.warnings)
-    return Report(data=res.as_dict(), sections=sections, lines=lines)
+    data = res.as_dict()
+    if data.get("cost_model") and _run_rows(res, run):
+        # a run's step is a mean over its verify passes: ``rows`` is then the byte floor's
+        data["cost_model"]["run_verify_rows"] = _run_rows(res, run)
+    return Report(data=data, sections=sections, lines=lines)
 
 
 def _check(check_file, run_file, replay_file, rows_file, ar_run_file, profile_file, model_name, batch, policy,

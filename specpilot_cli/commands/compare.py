@@ -106,7 +106,7 @@ def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, tokenizer
       specpilot compare --base-cmd ... --candidate-cmd ... --resume specpilot-compare.partial.json
     """
     from specpilot.auditors.pairing import PairRun, RunTimeout, make_system, paired_compare, parse_gpus
-    from specpilot.auditors.timing import partial_doc, read_partial
+    from specpilot.auditors.timing import partial_doc, partial_samples, read_partial
     from specpilot.errors import InputError
     from specpilot.output import progress
     from specpilot.resume import StateKeeper
@@ -158,6 +158,12 @@ def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, tokenizer
         raise InputError("timing engines or servers needs --prompts FILE (the request set)")
     if concurrency > 1 and base_cmd is not None:
         raise InputError("--concurrency applies to servers (--base/--candidate http://...)")
+    if resume_file:   # refused before any system starts: the file says how many pairs it holds
+        held = partial_samples(resume_file)
+        cap, option = (runs, "--runs") if runs is not None else (max_runs, "--max-runs")
+        if held > cap:  # refused, not cut: which samples to drop is not ours to choose
+            raise InputError(f"--resume {resume_file}: it already holds {held} paired samples, more than "
+                             f"{option} {cap}; resume with {option} {held} or more")
     limit = RunTimeout(timeout)  # both shell commands share it: derived from the base runs
     a = make_system(base, base_cmd, "base", metric=metric, timeout=limit, prompts=prompt_rows,
                     max_new_tokens=max_new_tokens, concurrency=concurrency)
@@ -177,10 +183,6 @@ def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, tokenizer
         if resume_file:
             samples, aa = read_partial(resume_file, base=a.label, candidate=b.label, metric=a.metric,
                                        schedule=schedule)
-            cap, option = (runs, "--runs") if runs is not None else (max_runs, "--max-runs")
-            if len(samples) > cap:  # refused, not cut: which samples to drop is not ours to choose
-                raise InputError(f"--resume {resume_file}: it already holds {len(samples)} paired samples, more than "
-                                 f"{option} {cap}; resume with {option} {len(samples)} or more")
             prior = PairRun(samples, aa)
 
         def keep(run):
