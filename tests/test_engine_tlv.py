@@ -282,12 +282,13 @@ def test_replay_tlv_refusals_are_one_error_line_exit_2(run_cli, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)  # the real model on a shared 2-core CPU; the Q view is encoded at load
-def test_smollm2_tlv_equals_ar_for_every_drafter():
+@pytest.mark.parametrize("qview", ["w12", "fp8"])
+def test_smollm2_tlv_equals_ar_for_every_drafter(qview):
     ar = load_engine("engine:model=smollm2,mode=ar,ctx=512")
     prompt = ar.encode("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):")
     ref = ar.generate(prompt, 32).output_ids
     for d in ("drafter=ngram", "drafter=self,draft_layers=8", "drafter=model,draft_model=smollm2"):
-        r = load_engine(f"engine:model=smollm2,mode=tlv,nodes=16,{d},ctx=512").generate(prompt, 32)
+        r = load_engine(f"engine:model=smollm2,mode=tlv,nodes=16,{d},ctx=512,qview={qview}").generate(prompt, 32)
         assert r.output_ids == ref, d
         assert r.tlv["q_compared"] > 0
 
