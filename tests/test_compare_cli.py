@@ -283,7 +283,7 @@ def test_read_prompts_tokenized_with_a_real_tokenizer(tmp_path):
 
 
 def test_runs_take_even_numbers_and_the_help_says_so(tmp_path, run_cli):
-    # ABBA measures two pairs a block: an odd --runs used to be rounded up (5 ran 6 pairs)
+    # ABBA measures two pairs a block: an odd --runs is refused, not rounded up
     code, _, err = run_cli("compare", "--base-cmd", emit_cmd(100), "--candidate-cmd", emit_cmd(110),
                            "--metric", "tokens_per_s", "--runs", "5", "--warmup", "0")
     assert code == 2 and "give an even number, e.g. 4 or 6" in err and err.count("\n") == 1, err
@@ -315,7 +315,7 @@ def test_resume_never_reports_more_pairs_than_asked(tmp_path, run_cli):
     out = tmp_path / "t.json"
     common = ("compare", "--base-cmd", base, "--candidate-cmd", cand, "--metric", "t", "--warmup", "0",
               "--resume", part, "--out", out)
-    # used to judge all 8 kept pairs under --runs 4 (and under --max-runs 6)
+    # a partial file with more pairs than asked is refused, its samples left as they are
     code, _, err = run_cli(*common, "--runs", "4")
     assert code == 2 and err.count("\n") == 1, err
     assert "it already holds 8 paired samples, more than --runs 4; resume with --runs 8 or more" in err
