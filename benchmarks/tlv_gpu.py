@@ -8,7 +8,7 @@ and with its e4m3 copy (``qview=fp8``, the ``-fp8`` configs), the engine ``specp
 tlv`` loads
 (``load_engine``: self-drafter of 2 layers, 32 nodes, depth 8, top-4, CUDA graphs for both passes):
 
-* the Q pass's CUDA graph against the exact pass's graph at 8, 16 and 32 rows (the same inputs,
+* the Q pass's CUDA graph against the exact pass's graph at 8, 16, 32 and 33 rows (the same inputs,
   CUDA events, median of ``--reps`` replays), and the AR step's graph beside them;
 * a 1000-token prompt and ``--max-new`` TLV tokens: the cycle's split (draft 1, Q pass, draft 2,
   exact pass, append; wall ms), tau per exact pass, the Q pass's top-1 agreement with the exact
@@ -47,7 +47,7 @@ CONFIGS = {"llama-bf16": ("llama-3.1-8b", False, "w12"), "llama-w12": ("llama-3.
 Q_VIEWS = {("w12", True): "the target's W12 records", ("w12", False): "a W12 copy of the bf16 projections",
            ("fp8", True): "an e4m3 copy of the W12 projections", ("fp8", False): "an e4m3 copy of the bf16 projections"}
 PAPER_SPLIT = {"draft1": 1.05, "qpass": 11.5, "draft2": 1.05, "exact": 14.9, "append": 1.6}
-GRAPH_ROWS = (8, 16, 32)
+GRAPH_ROWS = (8, 16, 32, 33)   # 33: a 32-node tree and its pending token, the cycle's own passes
 
 
 def graph_ms(runner, dec, rows: int, n_cache: int, reps: int) -> float:
