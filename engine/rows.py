@@ -6,6 +6,10 @@ c(N) = T_step(N) / T_AR is the verification cost factor of the cost model (speed
 decode actually takes. A spec whose AR step is not the fastest the model can take (``decode=layers``
 where the fused kernels apply) gets a warning: its c(N) is flattered by a slow denominator.
 
+With a Q view (``probe rows --qview w12|fp8``) every N of two rows or more is timed a second time
+as TLV's Q pass over that view of the weights (``qpass_ms``, ``q_over_exact``), so the cost model
+can take the Q pass's own time instead of the exact step's.
+
 On a GPU each N is a captured CUDA graph (the engine's verify step: N rows at slots
 context..context+N-1 attending to the context plus their own chain, LM head and argmax
 included), timed with CUDA events, median of ``reps`` replays; each point names the path its
@@ -83,8 +87,10 @@ def step_input(model, T: int, context: int):
     return StepInput(tokens, slots.clone(), slots, mask, "chain" if model.spec.is_hybrid else "seq")
 
 
-def measure_rows(model, rows: list[int], context: int, reps: int = 50, warmup: int = 5, progress=None) -> RowsResult:
-    """Median step time per row count on an already-built model (cache of >= context + max(rows) slots)."""
+def measure_rows(model, rows: list[int], context: int, reps: int = 50, warmup: int = 5, progress=None,
+                 qview=None) -> RowsResult:
+    """Median step time per row count on an already-built model (cache of >= context + max(rows) slots);
+    with ``qview`` (``engine.tlv.QView``) also the Q pass's at every count of two rows or more."""
     import torch
 
     if context < 1:
@@ -101,7 +107,7 @@ def measure_rows(model, rows: list[int], context: int, reps: int = 50, warmup: i
     order = sorted(set(rows))
     if 1 not in order:
         order = [1] + order
-    times = {}
+    times, qtimes = {}, {}
     from specpilot.engine.graphs import graph_ready
 
     graphs = graph_ready(model)
@@ -110,32 +116,13 @@ def measure_rows(model, rows: list[int], context: int, reps: int = 50, warmup: i
         # a process's first step pays for allocation and lazy set-up: never time it
         warm = max(warmup, 1) if T == order[0] else warmup
         inp = step_input(model, T, context)
-        if graphs:
-            from specpilot.engine.graphs import GraphRunner, time_replays
-
-            runner = GraphRunner(model)
-            g, sinp, _ = runner.get(T)
-            sinp.tokens.copy_(inp.tokens)
-            sinp.pos.copy_(inp.pos)
-            sinp.slots.copy_(inp.slots)
-            sinp.mask.copy_(inp.mask)
-            samples = time_replays(g, reps, warm)
-            del runner, g
-        else:
-            kv = model.max_seq if cuda else min(model.max_seq, ((context + T + 63) // 64) * 64)
-            inp.mask = inp.mask[:, :kv]
-
-            def once():
-                model.greedy(inp, kv_len=kv)
-                for gl in model.gdn_layers():
-                    gl._stash = None
-
-            from specpilot.engine.graphs import time_calls
-
-            samples = time_calls(once, reps, warm, cuda)
-        times[T] = statistics.median(samples)
+        times[T] = _time_step(model, inp, T, context, reps, warm, graphs, cuda)
+        if qview is not None and T > 1:   # one row is the AR step, which a Q pass never is
+            with qview.active():
+                qtimes[T] = _time_step(model, inp, T, context, reps, max(warmup, 1), graphs, cuda)
     ar = times[1]
-    points = [{"rows": T, "step_ms": times[T], "c": times[T] / ar, "path": step_path(model, T)}
+    points = [{"rows": T, "step_ms": times[T], "c": times[T] / ar, "path": step_path(model, T),
+               **({"qpass_ms": qtimes[T], "q_over_exact": qtimes[T] / times[T]} if T in qtimes else {})}
               for T in order if T in set(rows) or T == 1]
     warnings = [w for w in (slower_ar_warning(model),) if w]
     head = model.certified_head
@@ -151,6 +138,49 @@ def measure_rows(model, rows: list[int], context: int, reps: int = 50, warmup: i
                       extra={"torch": torch.__version__, "threads": torch.get_num_threads(), "warmup": warmup})
 
 
+def _time_step(model, inp, T: int, context: int, reps: int, warm: int, graphs: bool, cuda: bool) -> float:
+    """Median ms of the step ``inp`` of ``T`` rows: its CUDA graph's replays, else eager calls."""
+    if graphs:
+        from specpilot.engine.graphs import GraphRunner, time_replays
+
+        runner = GraphRunner(model)
+        g, sinp, _ = runner.get(T)   # captured here: inside a Q view's active(), its kernels
+        sinp.tokens.copy_(inp.tokens)
+        sinp.pos.copy_(inp.pos)
+        sinp.slots.copy_(inp.slots)
+        sinp.mask.copy_(inp.mask)
+        return statistics.median(time_replays(g, reps, warm))
+    kv = model.max_seq if cuda else min(model.max_seq, ((context + T + 63) // 64) * 64)
+    inp.mask = inp.mask[:, :kv]   # the same kv for the exact and the Q pass's timing
+
+    def once():
+        model.greedy(inp, kv_len=kv)
+        for gl in model.gdn_layers():
+            gl._stash = None
+
+    from specpilot.engine.graphs import time_calls
+
+    return statistics.median(time_calls(once, reps, warm, cuda))
+
+
+def q_view(model, kind: str, rows: int):
+    """The Q pass's weights ``kind`` (w12 or fp8) for ``model``, as a TLV engine builds them, for
+    steps of up to ``rows`` rows (an InputError where TLV could not run them)."""
+    from specpilot.engine.tlv import QView, cuda_refusal
+
+    if model.device.type != "cuda":
+        return QView.build(model, kind=kind)
+    if kind == "fp8":
+        from specpilot.engine.api import check_fp8_gpu
+
+        check_fp8_gpu(model.device)
+    view = QView.build_fp8(model) if kind == "fp8" else QView.build_packs(model)
+    why = cuda_refusal(model, view, rows - 1)
+    if why:
+        raise InputError(f"--qview {kind}: {why}")
+    return view
+
+
 def default_device() -> str:
     """``cuda`` when a GPU is visible, else ``cpu`` (``probe rows`` without ``--device``)."""
     import torch
@@ -158,10 +188,12 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def probe_rows(spec, rows: list[int], context: int, reps: int = 50, warmup: int = 5, progress=None) -> RowsResult:
+def probe_rows(spec, rows: list[int], context: int, reps: int = 50, warmup: int = 5, progress=None,
+               qview: str | None = None) -> RowsResult:
     """:func:`measure_rows` on the target ``spec`` describes (``EngineSpec``: model, dtype, device,
     threads, w12, attn, head, decode, gdn), with a cache of context + rows + 64 slots; the result
-    names the model and records the W12, attention, head, decode and GDN choices."""
+    names the model and records the W12, attention, head, decode and GDN choices. ``qview``: also
+    time the TLV Q pass over that view (:func:`q_view`)."""
     import torch
 
     from specpilot.engine.api import cpu_threads, load_target
@@ -170,7 +202,10 @@ def probe_rows(spec, rows: list[int], context: int, reps: int = 50, warmup: int 
     if threads:
         torch.set_num_threads(threads)
     target = load_target(spec, max_seq=context + max(rows) + 64)
-    res = measure_rows(target.model, rows, context, reps=reps, warmup=warmup, progress=progress)
+    view = q_view(target.model, qview, max(rows)) if qview else None
+    res = measure_rows(target.model, rows, context, reps=reps, warmup=warmup, progress=progress, qview=view)
     res.model = target.name
     res.extra.update({k: target.info[k] for k in ("w12", "attn", "head", "decode", "gdn", "deterministic")})
+    if qview:
+        res.extra["qview"] = qview
     return res

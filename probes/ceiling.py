@@ -121,6 +121,7 @@ class RowsProbeFigures:
     cpu: str | None = None     # the CPU's name when measured on the CPU
     ar_path: str | None = None
     warnings: list[str] = field(default_factory=list)
+    qpass_ms: dict[int, float] = field(default_factory=dict)   # the TLV Q pass per row count (probe rows --qview)
 
     @property
     def on_cpu(self) -> bool:
@@ -359,7 +360,8 @@ def tlv_cycle(req: CeilingRequest) -> dict | None:
     """TLV's cycle (paper 4.3): tau counts tokens per exact pass, so the time it divides is the
     whole cycle, draft 1 + Q pass + draft 2 + exact pass + append. The terms come from a TLV
     run's time split; without one, from a ``tlv:N`` replay policy and a rows probe: the Q pass
-    and the exact pass each at N + 1 rows (the draft tree, and C + subtree under the pending
+    (the probe's own Q pass times where it took them, ``probe rows --qview``, else its exact
+    step) and the exact pass each at N + 1 rows (the draft tree, and C + subtree under the pending
     token), drafting and append unknown (left out of the cycle, and said so). With both, the
     probe's passes stand beside the run's (``probe_ms``)."""
     run, probe = req.run, req.rows_probe
@@ -376,8 +378,10 @@ def tlv_cycle(req: CeilingRequest) -> dict | None:
     probe_ms = None
     if probe is not None and nodes is not None:
         t = step_time(nodes + 1, probe.step_ms)
-        if t is not None:
-            probe_ms = {"qpass": t, "exact": t, "rows": nodes + 1}
+        q = step_time(nodes + 1, probe.qpass_ms) if probe.qpass_ms else None
+        if t is not None:   # without a timed Q pass, the exact step stands for it
+            probe_ms = {"qpass": q if q is not None else t, "exact": t, "rows": nodes + 1,
+                        "qpass_timed": q is not None}
     if run is not None and run.tlv_ms:
         terms, source, unknown = dict(run.tlv_ms), f"run {run.source}", []
     elif probe_ms is not None:

@@ -77,7 +77,7 @@ def read_rows_probe(path: str, batch: int | None = None) -> RowsProbeFigures:
     pts = doc.get("points")
     if not isinstance(pts, list) or not pts:
         raise InputError(f"{path}: rows probe has no 'points'")
-    curve = {}
+    curve, qpass = {}, {}
     for p in pts:
         r, ms = (p.get("rows"), p.get("step_ms")) if isinstance(p, dict) else (None, None)
         if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r <= MAX_ROWS or not _finite(ms, 0, MAX_MS):
@@ -85,6 +85,11 @@ def read_rows_probe(path: str, batch: int | None = None) -> RowsProbeFigures:
         if r in curve:   # which of the two the cost model would take is not for the reader to pick
             raise InputError(f"{path}: two points at {r} rows; a rows probe times each row count once")
         curve[r] = float(ms)
+        q = p.get("qpass_ms")
+        if q is not None:
+            if not _finite(q, 0, MAX_MS) or r < 2:
+                raise InputError(f"{path}: a point's 'qpass_ms' must be a number in (0, {MAX_MS:g}], at 2 rows or more")
+            qpass[r] = float(q)
     ar = doc.get("ar_ms", curve.get(1))
     if ar is None:
         raise InputError(f"{path}: rows probe has neither 'ar_ms' nor a point at 1 row")
@@ -100,7 +105,7 @@ def read_rows_probe(path: str, batch: int | None = None) -> RowsProbeFigures:
                             device=device if isinstance(device, str) else None,
                             gpu=gpu if isinstance(gpu, str) and gpu else None,
                             cpu=doc.get("cpu") if isinstance(doc.get("cpu"), str) else None,
-                            ar_path=path_name, warnings=[str(w) for w in warnings])
+                            ar_path=path_name, warnings=[str(w) for w in warnings], qpass_ms=qpass)
 
 
 def read_run(path: str) -> RunFigures:

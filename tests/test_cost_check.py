@@ -163,6 +163,30 @@ def test_ceiling_tlv_cycle_from_replay_and_probe(run_cli, tmp_path):
     assert d["cost_model"]["speedup"] == pytest.approx(5.0 / 2.4)
 
 
+def test_ceiling_tlv_cycle_takes_the_probes_own_q_pass(run_cli, tmp_path):
+    """A rows probe that timed the Q pass (probe rows --qview) gives the cycle its Q pass term; a
+    qpass_ms at one row or out of range is refused."""
+    replay = _write(tmp_path, "r.json", {"schema": "specpilot.replay/1", "policies": [{"policy": "tlv:16", "tau": 5.0}]})
+    pts = [{"rows": 1, "step_ms": 10.0}, {"rows": 9, "step_ms": 11.0, "qpass_ms": 7.0},
+           {"rows": 33, "step_ms": 13.0, "qpass_ms": 9.0}]
+    rows = _write(tmp_path, "rows.json", {"schema": "specpilot.rows/1", "ar_ms": 10.0, "ar_path": "layers",
+                                          "qview": "fp8", "points": pts})
+    code, out, err = run_cli("ceiling", "--replay", replay, "--rows-probe", rows, "--policy", "tlv:16",
+                             "--format", "json")
+    assert code == 0, err
+    cy = json.loads(out)["tlv_cycle"]
+    assert cy["terms_ms"]["qpass"] == pytest.approx(7.0 + 2.0 * 8 / 24) and cy["terms_ms"]["exact"] == pytest.approx(11.0 + 2.0 * 8 / 24)
+    assert cy["probe_ms"]["qpass_timed"] is True
+    code, out, _ = run_cli("ceiling", "--replay", replay, "--rows-probe", rows, "--policy", "tlv:16")
+    assert code == 0 and "The probe's Q pass is its exact step" not in out
+    for bad in ({"rows": 1, "step_ms": 10.0, "qpass_ms": 5.0}, {"rows": 9, "step_ms": 11.0, "qpass_ms": -1}):
+        doc = {"schema": "specpilot.rows/1", "ar_ms": 10.0, "points": [pts[0] if bad["rows"] != 1 else bad, bad
+                                                                        if bad["rows"] != 1 else pts[1]]}
+        path = _write(tmp_path, "bad.json", doc)
+        code, _, err = run_cli("ceiling", "--replay", replay, "--rows-probe", path, "--policy", "tlv:16")
+        assert code == 2 and "'qpass_ms' must be a number" in err, err
+
+
 def test_check_tlv_run(run_cli, tmp_path, files):
     run = _write(tmp_path, "tlv.json", _run_doc("tlv", tau=6.0, verify=12.0, draft=1.0, qpass=9.0, rest=1.0,
                                                 tlv=TLV_SPLIT))

@@ -149,6 +149,24 @@ def test_step_timing_summary():
     assert t["by_rows"] == [{"rows": 1, "steps": 2, "gpu_ms": 4.1}, {"rows": 33, "steps": 1, "gpu_ms": 4.6}]
 
 
+@pytest.mark.parametrize("qview", ["w12", "fp8"])
+def test_probe_rows_times_the_q_pass(run_cli, tmp_path, qview):
+    out = tmp_path / "rows.json"
+    code, text, err = run_cli("probe", "rows", "--model", "tiny", "--device", "cpu", "--rows", "1,2,4", "--context",
+                              "32", "--reps", "2", "--qview", qview)
+    assert code == 0, err
+    assert f"Q pass {qview}" in text and "Q pass ms" in text
+    code, _, err = run_cli("probe", "rows", "--model", "tiny", "--device", "cpu", "--rows", "1,2,4", "--context", "32",
+                           "--reps", "2", "--qview", qview, "--format", "json", "--out", out)
+    d = json.loads(out.read_text())
+    assert code == 0 and d["qview"] == qview, err
+    one, *more = d["points"]
+    assert "qpass_ms" not in one and all(p["q_over_exact"] == pytest.approx(p["qpass_ms"] / p["step_ms"]) for p in more)
+    code, _, err = run_cli("probe", "rows", "--model", "tiny", "--device", "cpu", "--rows", "1,2", "--qview", qview,
+                           "--batch", "2")
+    assert code == 2 and "--qview times one request's Q pass" in err
+
+
 def test_probe_rows_bad_input(run_cli, tmp_path):
     code, _, err = run_cli("probe", "rows", "--model", "tiny", "--rows", "0,2", "--device", "cpu")
     assert code == 2 and err.startswith("specpilot: error:")

@@ -201,6 +201,8 @@ def _report(res, run=None) -> Report:
             note += f" tau {cy['tau']:.4g} per exact pass over the cycle: {cy['speedup']:.3g}x over AR."
         if cy["unknown"]:
             note += " Unknown, left out of the cycle: " + ", ".join(names[k] for k in cy["unknown"]) + "."
+        if probe and not probe.get("qpass_timed") and cy["source"].startswith("rows probe"):
+            note += " The probe's Q pass is its exact step (probe rows --qview times the Q pass itself)."
         sections.append(Section(f"TLV cycle at {cy['nodes']} nodes (ms per exact pass)",
                                 ["term", "ms", "share",
                                  f"probe ms ({probe['rows']} rows)" if probe else "probe ms"], rows, note=note))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from specpilot.engine_options import engine_options, spec_from_cli
+from specpilot.errors import InputError
 from specpilot.limits import MAX_CONTEXT
 from specpilot.output import Report, Section, emit, output_options, progress
 
@@ -39,8 +40,11 @@ def command():
 @click.option("--warmup", type=click.IntRange(0, 10_000), default=5, show_default=True,
               help="Untimed steps per N before the timed ones (compilation, caches, clocks); the first N "
                    "always gets at least one (a process's first step pays for allocation).")
+@click.option("--qview", type=click.Choice(["w12", "fp8"]), default=None,
+              help="Also time TLV's Q pass at each N of 2 rows or more, reading this view of the weights (as run "
+                   "--mode tlv --qview): qpass_ms and Q/exact per point, which ceiling's TLV cycle then takes.")
 @output_options
-def rows(rows_text, context, reps, warmup, fmt, out, **kw):
+def rows(rows_text, context, reps, warmup, qview, fmt, out, **kw):
     """T_step(N) for N verification rows and c(N) = T_step(N) / T_AR (JSON for ``ceiling --rows-probe``).
 
     T_AR is the AR step the engine runs for these options (ar_path: fused or layers); a warning
@@ -55,8 +59,12 @@ def rows(rows_text, context, reps, warmup, fmt, out, **kw):
     if kw["device"] is None:
         kw["device"] = default_device()
     spec = spec_from_cli(kw)
-    probe = probe_rows_batched if spec.batch > 1 else probe_rows
-    res = probe(spec, row_list, context, reps=reps, warmup=warmup, progress=progress)
+    if qview and spec.batch > 1:
+        raise InputError("--qview times one request's Q pass; leave out --batch (or --qview)")
+    if spec.batch > 1:
+        res = probe_rows_batched(spec, row_list, context, reps=reps, warmup=warmup, progress=progress)
+    else:
+        res = probe_rows(spec, row_list, context, reps=reps, warmup=warmup, progress=progress, qview=qview)
     data = res.to_json()
     w12 = res.extra["w12"]
     hw = res.gpu or f"CPU {res.cpu}"
@@ -64,9 +72,12 @@ def rows(rows_text, context, reps, warmup, fmt, out, **kw):
     for w in res.warnings:
         click.echo(f"specpilot: warning: {w}", err=True)
     batch = f", {spec.batch} requests" if spec.batch > 1 else ""
-    emit(Report(data=data, sections=[Section(f"{res.model} {res.dtype}{label}, context {context}{batch}, {hw}",
-                                             ["rows", "step ms", "c = T(N)/T_AR", "path"],
+    q_cols = ["Q pass ms", "Q/exact"] if qview else []
+    emit(Report(data=data, sections=[Section(f"{res.model} {res.dtype}{label}, context {context}{batch}, {hw}"
+                                             + (f", Q pass {qview}" if qview else ""),
+                                             ["rows", "step ms", "c = T(N)/T_AR", "path"] + q_cols,
                                              [[p["rows"], p["step_ms"], p["c"], p.get("path", res.ar_path)]
+                                              + ([p.get("qpass_ms", "-"), p.get("q_over_exact", "-")] if qview else [])
                                               for p in res.points],
                                              note=f"{res.method} of {reps} steps; T_AR = {res.ar_ms:.4g} ms, "
                                                   f"the {res.ar_path} AR step")]), fmt, out)
