@@ -41,8 +41,8 @@ def command():
               help="Untimed steps per N before the timed ones (compilation, caches, clocks); the first N "
                    "always gets at least one (a process's first step pays for allocation).")
 @click.option("--qview", type=click.Choice(["w12", "fp8"]), default=None,
-              help="Also time TLV's Q pass at each N of 2 rows or more, reading this view of the weights (as run "
-                   "--mode tlv --qview): qpass_ms and Q/exact per point, which ceiling's TLV cycle then takes.")
+              help="Also time TLV's Q pass at each N of 2 rows or more, reading this view of the weights (as a "
+                   "TLV run's --qview): qpass_ms and Q/exact per point, which ceiling's TLV cycle then takes.")
 @output_options
 def rows(rows_text, context, reps, warmup, qview, fmt, out, **kw):
     """T_step(N) for N verification rows and c(N) = T_step(N) / T_AR (JSON for ``ceiling --rows-probe``).
