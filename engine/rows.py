@@ -111,15 +111,17 @@ def measure_rows(model, rows: list[int], context: int, reps: int = 50, warmup: i
     from specpilot.engine.graphs import graph_ready
 
     graphs = graph_ready(model)
+    first_q = next((T for T in order if T > 1), None)
     it = order if progress is None else progress(order, total=len(order), desc="rows", unit="N")
     for T in it:
-        # a process's first step pays for allocation and lazy set-up: never time it
+        # a process's first step pays for allocation and lazy set-up: never time it (nor the Q pass's first)
         warm = max(warmup, 1) if T == order[0] else warmup
         inp = step_input(model, T, context)
         times[T] = _time_step(model, inp, T, context, reps, warm, graphs, cuda)
         if qview is not None and T > 1:   # one row is the AR step, which a Q pass never is
             with qview.active():
-                qtimes[T] = _time_step(model, inp, T, context, reps, max(warmup, 1), graphs, cuda)
+                qtimes[T] = _time_step(model, inp, T, context, reps, max(warmup, 1) if T == first_q else warmup,
+                                       graphs, cuda)
     ar = times[1]
     points = [{"rows": T, "step_ms": times[T], "c": times[T] / ar, "path": step_path(model, T),
                **({"qpass_ms": qtimes[T], "q_over_exact": qtimes[T] / times[T]} if T in qtimes else {})}
@@ -174,6 +176,11 @@ def q_view(model, kind: str, rows: int):
         from specpilot.engine.api import check_fp8_gpu
 
         check_fp8_gpu(model.device)
+    from specpilot.engine.spec import MAX_STEP_ROWS
+
+    if rows > MAX_STEP_ROWS and not model.spec.is_hybrid:   # before the view is built
+        raise InputError(f"--qview {kind}: TLV's Q pass runs in verify steps of up to {MAX_STEP_ROWS} rows on CUDA; "
+                         f"give --rows up to {MAX_STEP_ROWS}")
     view = QView.build_fp8(model) if kind == "fp8" else QView.build_packs(model)
     why = cuda_refusal(model, view, rows - 1)
     if why:

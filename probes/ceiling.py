@@ -122,6 +122,7 @@ class RowsProbeFigures:
     ar_path: str | None = None
     warnings: list[str] = field(default_factory=list)
     qpass_ms: dict[int, float] = field(default_factory=dict)   # the TLV Q pass per row count (probe rows --qview)
+    qview: str | None = None                                    # the weights that Q pass read
 
     @property
     def on_cpu(self) -> bool:
@@ -180,6 +181,7 @@ class RunFigures:
     rest_ms: float | None = None
     verify_by_rows: dict[int, tuple[int, float]] = field(default_factory=dict)  # rows -> (steps, mean verify ms)
     tlv_ms: dict[str, float] | None = None  # draft1, qpass, draft2, exact, append: mean ms per cycle
+    qview: str | None = None                # a TLV run's Q pass weights (w12, fp8), None where it says nothing
     clocks: dict | None = None  # CUDA: min_mhz, max_mhz, slowed (share of samples), reasons (engine/clocks.py)
 
     @property
@@ -356,6 +358,21 @@ def rows_mismatch(policy: str, cost_rows: int | None, m: Measurements) -> str | 
 TLV_TERMS = ("draft1", "qpass", "draft2", "exact", "append")
 
 
+def probe_qpass(probe: RowsProbeFigures, rows: int) -> tuple[float | None, str | None]:
+    """The rows probe's Q pass at ``rows`` rows (``probe rows --qview``): timed there or linear
+    between the two timed counts around it, and (None, why not) elsewhere: no Q pass timed, or
+    ``rows`` outside the counts it was timed at (a Q pass is not extrapolated)."""
+    q = probe.qpass_ms
+    if not q:
+        return None, f"rows probe {probe.source} timed no Q pass (probe rows --qview times it)"
+    if rows in q:
+        return q[rows], None
+    if not min(q) < rows < max(q):
+        got = f"{min(q)}-{max(q)}" if len(q) > 1 else f"{min(q)}"
+        return None, f"rows probe {probe.source} timed its Q pass at {got} rows, not around {rows}"
+    return step_time(rows, q), None
+
+
 def tlv_cycle(req: CeilingRequest) -> dict | None:
     """TLV's cycle (paper 4.3): tau counts tokens per exact pass, so the time it divides is the
     whole cycle, draft 1 + Q pass + draft 2 + exact pass + append. The terms come from a TLV
@@ -370,7 +387,9 @@ def tlv_cycle(req: CeilingRequest) -> dict | None:
         try:
             nodes = int(req.policy.split(":", 1)[1])
         except ValueError:
-            raise InputError(f"--policy {req.policy}: tlv:N takes a node budget N") from None
+            nodes = 0
+        if nodes < 1:
+            raise InputError(f"--policy {req.policy}: tlv:N takes a node budget N of 1 or more")
     if run is not None and run.tlv_ms:
         nodes = run.nodes or nodes
     elif nodes is None:
@@ -378,12 +397,15 @@ def tlv_cycle(req: CeilingRequest) -> dict | None:
     probe_ms = None
     if probe is not None and nodes is not None:
         t = step_time(nodes + 1, probe.step_ms)
-        q = step_time(nodes + 1, probe.qpass_ms) if probe.qpass_ms else None
+        q, why = probe_qpass(probe, nodes + 1)
         if t is not None:   # without a timed Q pass, the exact step stands for it
             probe_ms = {"qpass": q if q is not None else t, "exact": t, "rows": nodes + 1,
-                        "qpass_timed": q is not None}
+                        "qpass_timed": q is not None, "qview": probe.qview, "qpass_note": why}
     if run is not None and run.tlv_ms:
         terms, source, unknown = dict(run.tlv_ms), f"run {run.source}", []
+        if probe_ms and probe_ms["qpass_timed"] and None not in (run.qview, probe.qview) and run.qview != probe.qview:
+            probe_ms["qpass_note"] = (f"the probe's Q pass read the {probe.qview} view, the run's the {run.qview} "
+                                      "view: the two Q pass columns are not the same pass")
     elif probe_ms is not None:
         terms = {"draft1": None, "qpass": probe_ms["qpass"], "draft2": None, "exact": probe_ms["exact"],
                  "append": None}

@@ -8,7 +8,8 @@ predicted = tau_p x T_AR_p / T_pass_p, with T_pass_p (per verification pass; TLV
 - verify_p: the rows probe's T_step at the rows the run's passes verified (its steps by rows,
   interpolated between probed counts), else the run's own verify ms;
 - drafting, Q pass and rest (acceptance, KV compaction, host work inside the step): the run's
-  step split, the engine's own measured step times;
+  step split, the engine's own measured step times (the Q pass the rows probe's at the run's
+  N + 1 rows where the probe timed one around them, ``probe rows --qview``);
 - T_AR_p: the rows probe's T_AR, else the AR run's loop step (``--ar-run``).
 
 measured = T_AR_m / (the run's decode ms per delivered token), the decode time end to end (every
@@ -17,8 +18,8 @@ or, without one, the rows probe's T_AR.
 
 The terms are those the prediction takes from elsewhere than the run's end-to-end time: tau,
 c(N) (verify ms), drafting (the run's, unless given), outside/host time (the prediction counts the
-step's rest only; measured, the rest plus the time between the loop's steps) and T_AR; TLV's Q
-pass is listed as the run's own (a rows probe times the exact weights only). Each
+step's rest only; measured, the rest plus the time between the loop's steps), T_AR and TLV's Q
+pass (the run's own on both sides unless the rows probe timed one). Each
 term's effect is the predicted speedup with that one term replaced by its measured value; when
 the prediction misses by more than the tolerance, the term whose effect is largest is named. A run
 (or AR run) whose GPU lowered its SM clock while it decoded (its ``gpu_clocks``) gets a note saying
@@ -32,7 +33,7 @@ from dataclasses import dataclass, field
 
 from specpilot.errors import InputError
 
-from .ceiling import ReplayFigures, RowsProbeFigures, RunFigures
+from .ceiling import ReplayFigures, RowsProbeFigures, RunFigures, probe_qpass
 from .costmodel import step_time
 
 TERMS = ("tau", "c(N)", "drafting", "Q pass", "outside/host", "T_AR")
@@ -145,7 +146,13 @@ def check_run(run: RunFigures, replay: ReplayFigures | None = None, probe: RowsP
         rows = sorted(run.verify_by_rows)
         verify_from = f"rows probe {probe.source} at {rows[0]}..{rows[-1]} rows, weighted by the run's steps"
 
-    # drafting (TLV: draft 1 + draft 2) and TLV's Q pass, the run's own (a rows probe times exact weights only)
+    # drafting (TLV: draft 1 + draft 2), the run's own; TLV's Q pass the rows probe's at the run's
+    # N + 1 rows where it timed one there (probe rows --qview), else the run's own
+    qpass_p, qpass_from = run.qpass_ms, f"run {src} (its own)"
+    if probe is not None and run.mode == "tlv" and run.nodes:
+        q, _ = probe_qpass(probe, run.nodes + 1)
+        if q is not None:
+            qpass_p, qpass_from = q, f"rows probe {probe.source} at {run.nodes + 1} rows (its Q pass)"
     draft_m = run.draft_ms
     draft_p = draft_m if draft_ms is None else draft_ms
     draft_from = f"run {src} (loop step split)" if draft_ms is None else "--draft-ms"
@@ -164,7 +171,7 @@ def check_run(run: RunFigures, replay: ReplayFigures | None = None, probe: RowsP
     else:
         ar_p, ar_p_from = ar_run.step_wall_ms, f"AR run {ar_run.source} (loop step wall ms)"
 
-    pass_p = verify_p + draft_p + run.qpass_ms + host_p
+    pass_p = verify_p + draft_p + qpass_p + host_p
     if pass_p <= 0:
         raise InputError(f"{src}: the predicted pass time is not positive ({pass_p:.4g} ms)")
     predicted = _speedup(tau_p, ar_p, pass_p)
@@ -172,7 +179,7 @@ def check_run(run: RunFigures, replay: ReplayFigures | None = None, probe: RowsP
     terms = [Term("tau", tau_p, tau_m, tau_from, f"run {src}"),
              Term("c(N)", verify_p, verify_m, verify_from, f"run {src} (verify ms per pass)"),
              Term("drafting", draft_p, draft_m, draft_from, f"run {src}"),
-             *([Term("Q pass", run.qpass_ms, run.qpass_ms, f"run {src} (its own)", f"run {src}")]
+             *([Term("Q pass", qpass_p, run.qpass_ms, qpass_from, f"run {src}")]
                if run.mode == "tlv" or run.qpass_ms else []),
              Term("outside/host", host_p, host_m, f"run {src} (the step's rest)",
                   f"run {src} (decode ms per pass - verify - drafting)"),

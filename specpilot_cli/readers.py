@@ -105,7 +105,8 @@ def read_rows_probe(path: str, batch: int | None = None) -> RowsProbeFigures:
                             device=device if isinstance(device, str) else None,
                             gpu=gpu if isinstance(gpu, str) and gpu else None,
                             cpu=doc.get("cpu") if isinstance(doc.get("cpu"), str) else None,
-                            ar_path=path_name, warnings=[str(w) for w in warnings], qpass_ms=qpass)
+                            ar_path=path_name, warnings=[str(w) for w in warnings], qpass_ms=qpass,
+                            qview=doc.get("qview") if doc.get("qview") in ("w12", "fp8") else None)
 
 
 def read_run(path: str) -> RunFigures:
@@ -169,7 +170,8 @@ def read_run(path: str) -> RunFigures:
                       steps=steps if isinstance(steps, int) and not isinstance(steps, bool) else 0,
                       delivered=delivered, decode_ms=decode_ms, draft_ms=split["draft_ms"],
                       verify_ms=split["verify_ms"], qpass_ms=split["qpass_ms"] or 0.0, rest_ms=split["rest_ms"],
-                      verify_by_rows=by_rows, tlv_ms=tlv_ms, clocks=clocks)
+                      verify_by_rows=by_rows, tlv_ms=tlv_ms, clocks=clocks,
+                      qview=tlv.get("qview") if isinstance(tlv, dict) and tlv.get("qview") in ("w12", "fp8") else None)
 
 
 def _run_clocks(path: str, c) -> dict | None:

@@ -178,7 +178,18 @@ def test_ceiling_tlv_cycle_takes_the_probes_own_q_pass(run_cli, tmp_path):
     assert cy["terms_ms"]["qpass"] == pytest.approx(7.0 + 2.0 * 8 / 24) and cy["terms_ms"]["exact"] == pytest.approx(11.0 + 2.0 * 8 / 24)
     assert cy["probe_ms"]["qpass_timed"] is True
     code, out, _ = run_cli("ceiling", "--replay", replay, "--rows-probe", rows, "--policy", "tlv:16")
-    assert code == 0 and "The probe's Q pass is its exact step" not in out
+    assert code == 0 and "stands in for the Q pass" not in out and "probe ms (17 rows, Q pass fp8)" in out
+    # a Q pass is not extrapolated, nor taken from one timed count elsewhere: the exact step stands in, and says why
+    for policy, pts_used, why in (("tlv:40", pts, "timed its Q pass at 9-33 rows, not around 41"),
+                                  ("tlv:16", pts[:2], "timed its Q pass at 9 rows, not around 17")):
+        r2 = _write(tmp_path, "r2.json", {"schema": "specpilot.rows/1", "ar_ms": 10.0, "points": pts_used})
+        rp = _write(tmp_path, "rp.json", {"schema": "specpilot.replay/1", "policies": [{"policy": policy, "tau": 5.0}]})
+        code, out, err = run_cli("ceiling", "--replay", rp, "--rows-probe", r2, "--policy", policy)
+        assert code == 0 and "exact step stands in for the Q pass" in out and why in out, out + err
+    for policy in ("tlv:0", "tlv:-1", "tlv:x"):
+        rp = _write(tmp_path, "rp.json", {"schema": "specpilot.replay/1", "policies": [{"policy": policy, "tau": 5.0}]})
+        code, _, err = run_cli("ceiling", "--replay", rp, "--rows-probe", rows, "--policy", policy)
+        assert code == 2 and "tlv:N takes a node budget N of 1 or more" in err, err
     for bad in ({"rows": 1, "step_ms": 10.0, "qpass_ms": 5.0}, {"rows": 9, "step_ms": 11.0, "qpass_ms": -1}):
         doc = {"schema": "specpilot.rows/1", "ar_ms": 10.0, "points": [pts[0] if bad["rows"] != 1 else bad, bad
                                                                         if bad["rows"] != 1 else pts[1]]}
@@ -199,6 +210,24 @@ def test_check_tlv_run(run_cli, tmp_path, files):
     terms = {t["term"]: t for t in d["terms"]}
     assert terms["drafting"]["measured"] == pytest.approx(1.0) and terms["Q pass"]["measured"] == pytest.approx(9.0)
     assert d["predicted_speedup"] == pytest.approx(6.0 * 10.5 / 23.0)
+
+
+def test_check_tlv_run_takes_the_probes_q_pass_and_names_another_view(run_cli, tmp_path, files):
+    doc = _run_doc("tlv", tau=6.0, verify=12.0, draft=1.0, qpass=9.0, rest=1.0, tlv=TLV_SPLIT)
+    doc["tlv"]["qview"] = "fp8"
+    run = _write(tmp_path, "tlv.json", doc)
+    replay = _write(tmp_path, "r.json", {"schema": "specpilot.replay/1", "policies": [{"policy": "tlv:16", "tau": 6.0}]})
+    probe = {"schema": "specpilot.rows/1", "ar_ms": 10.0, "qview": "w12",
+             "points": [{"rows": 1, "step_ms": 10.0}, {"rows": 9, "step_ms": 11.0, "qpass_ms": 6.0},
+                        {"rows": 33, "step_ms": 13.0, "qpass_ms": 8.0}]}
+    rows = _write(tmp_path, "rows.json", probe)
+    code, out, err = run_cli("ceiling", "--check", run, "--replay", replay, "--rows-probe", rows, "--format", "json")
+    assert code in (0, 1), err
+    q = {t["term"]: t for t in json.loads(out)["terms"]}["Q pass"]
+    assert q["predicted"] == pytest.approx(6.0 + 2.0 * 8 / 24) and q["measured"] == pytest.approx(9.0)
+    assert q["predicted_from"] == f"rows probe {rows} at 17 rows (its Q pass)"
+    code, out, err = run_cli("ceiling", "--run", run, "--replay", replay, "--rows-probe", rows)
+    assert code == 0 and "the probe's Q pass read the w12 view, the run's the fp8 view" in out, out + err
 
 
 @pytest.mark.parametrize("mode", ["tree", "tlv"])

@@ -165,6 +165,21 @@ def test_probe_rows_times_the_q_pass(run_cli, tmp_path, qview):
     code, _, err = run_cli("probe", "rows", "--model", "tiny", "--device", "cpu", "--rows", "1,2", "--qview", qview,
                            "--batch", "2")
     assert code == 2 and "--qview times one request's Q pass" in err
+    code, _, err = run_cli("probe", "rows", "--model", "tiny", "--device", "cpu", "--rows", "1", "--qview", qview)
+    assert code == 2 and "--qview times the Q pass at N of 2 rows or more" in err
+
+
+def test_probe_rows_q_view_names_its_row_limit_on_cuda():
+    """On CUDA the Q pass runs in verify steps of up to 64 rows (dense models): --rows above that is
+    refused by its own name, before any view is built."""
+    from types import SimpleNamespace
+
+    from specpilot.engine.rows import q_view
+    from specpilot.errors import InputError
+
+    fake = SimpleNamespace(device=SimpleNamespace(type="cuda"), spec=SimpleNamespace(is_hybrid=False))
+    with pytest.raises(InputError, match="verify steps of up to 64 rows on CUDA; give --rows up to 64"):
+        q_view(fake, "w12", 128)
 
 
 def test_probe_rows_bad_input(run_cli, tmp_path):

@@ -202,10 +202,14 @@ def _report(res, run=None) -> Report:
         if cy["unknown"]:
             note += " Unknown, left out of the cycle: " + ", ".join(names[k] for k in cy["unknown"]) + "."
         if probe and not probe.get("qpass_timed") and cy["source"].startswith("rows probe"):
-            note += " The probe's Q pass is its exact step (probe rows --qview times the Q pass itself)."
+            note += f" The probe's exact step stands in for the Q pass: {probe.get('qpass_note')}."
+        elif probe and probe.get("qpass_timed") and probe.get("qpass_note"):
+            note += f" Note: {probe['qpass_note']}."
         sections.append(Section(f"TLV cycle at {cy['nodes']} nodes (ms per exact pass)",
                                 ["term", "ms", "share",
-                                 f"probe ms ({probe['rows']} rows)" if probe else "probe ms"], rows, note=note))
+                                 (f"probe ms ({probe['rows']} rows"
+                                  + (f", Q pass {probe['qview']}" if probe.get("qpass_timed") and probe.get("qview")
+                                     else "") + ")") if probe else "probe ms"], rows, note=note))
     if res.cost:
         c = res.cost
         rows = [["current speedup (tau / c)", c.speedup, f"tau {c.tau:.4g}, c {c.c:.4g} = {c.step_ms:.4g} / {c.ar_ms:.4g} ms"]]

@@ -61,6 +61,8 @@ def rows(rows_text, context, reps, warmup, qview, fmt, out, **kw):
     spec = spec_from_cli(kw)
     if qview and spec.batch > 1:
         raise InputError("--qview times one request's Q pass; leave out --batch (or --qview)")
+    if qview and max(row_list) < 2:
+        raise InputError("--qview times the Q pass at N of 2 rows or more; --rows has none")
     if spec.batch > 1:
         res = probe_rows_batched(spec, row_list, context, reps=reps, warmup=warmup, progress=progress)
     else:
