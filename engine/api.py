@@ -356,16 +356,6 @@ def _gdn_in_draft_model(spec: EngineSpec) -> bool:
     return ms.is_hybrid
 
 
-def check_fp8_gpu(device) -> None:
-    """Refuse ``qview=fp8`` on a GPU without FP8 tensor cores (before sm_89): exit 3."""
-    import torch
-
-    major, minor = torch.cuda.get_device_capability(device)
-    if (major, minor) < (8, 9):
-        raise EnvironmentMissing(f"qview=fp8 multiplies e4m3 weights on FP8 tensor cores (sm_89 or newer); "
-                                 f"{torch.cuda.get_device_name(device)} is sm_{major}{minor}: use qview=w12")
-
-
 def load_target(spec: EngineSpec, max_seq: int | None = None) -> Target:
     """Build the target with the spec's attention, GDN, W12, head and decode choices (``max_seq``
     cache slots, default ``spec.ctx``). ``info["gdn"]``: what the GDN layers run
@@ -395,11 +385,7 @@ def load_target(spec: EngineSpec, max_seq: int | None = None) -> Target:
     if spec.mode == "tlv":  # the Q pass's 8-bit view: W12 kernel packs or e4m3 copies on CUDA, dense views on the CPU
         from specpilot.engine.tlv import QView
 
-        if spec.qview_kind == "fp8" and cuda:
-            check_fp8_gpu(torch.device(spec.device))
-            qview = QView.build_fp8(model)
-        else:
-            qview = QView.build_packs(model) if cuda else QView.build(model, qviews, kind=spec.qview_kind)
+        qview = QView.for_model(model, spec.qview_kind, qviews)
     return Target(model, folder, display,
                   info={"dtype": spec.torch_dtype_name, "device": spec.device, "params": params,
                         "weights": str(folder) if folder else "random", "w12": w12, "attn": attn, "head": head,

@@ -168,20 +168,15 @@ def _time_step(model, inp, T: int, context: int, reps: int, warm: int, graphs: b
 def q_view(model, kind: str, rows: int):
     """The Q pass's weights ``kind`` (w12 or fp8) for ``model``, as a TLV engine builds them, for
     steps of up to ``rows`` rows (an InputError where TLV could not run them)."""
+    from specpilot.engine.spec import MAX_STEP_ROWS
     from specpilot.engine.tlv import QView, cuda_refusal
 
-    if model.device.type != "cuda":
-        return QView.build(model, kind=kind)
-    if kind == "fp8":
-        from specpilot.engine.api import check_fp8_gpu
-
-        check_fp8_gpu(model.device)
-    from specpilot.engine.spec import MAX_STEP_ROWS
-
-    if rows > MAX_STEP_ROWS and not model.spec.is_hybrid:   # before the view is built
+    if model.device.type == "cuda" and rows > MAX_STEP_ROWS and not model.spec.is_hybrid:   # before it is built
         raise InputError(f"--qview {kind}: TLV's Q pass runs in verify steps of up to {MAX_STEP_ROWS} rows on CUDA; "
                          f"give --rows up to {MAX_STEP_ROWS}")
-    view = QView.build_fp8(model) if kind == "fp8" else QView.build_packs(model)
+    view = QView.for_model(model, kind)
+    if model.device.type != "cuda":
+        return view
     why = cuda_refusal(model, view, rows - 1)
     if why:
         raise InputError(f"--qview {kind}: {why}")

@@ -45,6 +45,16 @@ def cpu_bf16_fast() -> bool:
     return bool(caps.get("amx_bf16") or caps.get("avx512_bf16"))
 
 
+def check_fp8_gpu(device) -> None:
+    """Refuse ``qview=fp8`` on a GPU without FP8 tensor cores (before sm_89): exit 3."""
+    from specpilot.errors import EnvironmentMissing
+
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        raise EnvironmentMissing(f"qview=fp8 multiplies e4m3 weights on FP8 tensor cores (sm_89 or newer); "
+                                 f"{torch.cuda.get_device_name(device)} is sm_{major}{minor}: use qview=w12")
+
+
 class QView:
     """The Q pass's weights: for every projection of the target's layers, its W12 8-bit view
     (``kernels.w12.decode(packed, qpass=True)``) or with ``kind`` fp8 its e4m3 copy
@@ -84,6 +94,18 @@ class QView:
         return (sum(q.numel() * q.element_size() for _, q in self.pairs)
                 + sum(kp.nbytes() for _, kp in self.packs if id(kp) not in own)
                 + sum(fw.nbytes() for _, fw in self.fp8))
+
+    @classmethod
+    def for_model(cls, model: Transformer, kind: str, views: dict[str, torch.Tensor] | None = None) -> "QView":
+        """The view ``kind`` (w12 or fp8) a TLV engine on ``model`` runs its Q pass with: on CUDA the
+        W12 kernel packs or the e4m3 copies (fp8 refused before sm_89), on the CPU a dense view
+        (``views``: the W12 loader's 8-bit views)."""
+        if model.device.type != "cuda":
+            return cls.build(model, views, kind=kind)
+        if kind == "fp8":
+            check_fp8_gpu(model.device)
+            return cls.build_fp8(model)
+        return cls.build_packs(model)
 
     @classmethod
     @torch.no_grad()

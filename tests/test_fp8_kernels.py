@@ -148,13 +148,13 @@ def test_engine_fp8_q_pass_step_matches_the_dense_fp8_view():
 
 
 def test_fp8_needs_fp8_tensor_cores(monkeypatch):
-    from specpilot.engine import api
+    from specpilot.engine import tlv
     from specpilot.errors import EnvironmentMissing
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA A100")
     with pytest.raises(EnvironmentMissing, match="sm_89 or newer.*sm_80: use qview=w12"):
-        api.check_fp8_gpu(torch.device("cuda"))
+        tlv.check_fp8_gpu(torch.device("cuda"))
 
 
 @pytest.mark.gpu
