@@ -64,7 +64,8 @@ def step_breakdown(profile: dict) -> bytes:
     ax2.set_xticks([0], ["step wall"])
     of = profile.get("outside_factor")
     ax2.set_title(f"{wall:.3g} ms per step" + (f" (outside {of:.2f}x)" if of else ""), fontsize=9)
-    ax2.legend(fontsize=7, frameon=False)
+    # below the axes: the bar fills the axes' width, so a legend inside it covers the bar's top
+    ax2.legend(fontsize=7, frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=1)
     return _png(plt, fig)
 
 
