@@ -330,6 +330,14 @@ def _outputs_differ(a: System, b: System) -> bool:
             and b.outputs is not None and a.outputs != b.outputs)
 
 
+def even_pairs(option: str, n: int) -> None:
+    """Pairs are measured in blocks of two (ABBA, or a GPU swap): a half block has neither its
+    drift cancellation nor its A/A pair, so an odd count is refused, not rounded."""
+    if n % 2:
+        raise InputError(f"{option} {n}: pairs come in blocks of 2 (ABBA, or a GPU swap); give an even number, "
+                         f"e.g. {max(n - 1, 2)} or {n + 1}")
+
+
 def paired_compare(a: System, b: System, *, runs: int | None = None, warmup: int = 1,
                    gpus: Sequence[str] | None = None, noise: float | None = None, changes_output: bool = False,
                    max_runs: int = 400, n_boot: int = 4000, seed: int = 0,
@@ -349,6 +357,7 @@ def paired_compare(a: System, b: System, *, runs: int | None = None, warmup: int
 
     if runs is not None and runs < 2:
         raise InputError(f"--runs {runs}: need at least 2 pairs")
+    even_pairs("--runs", runs) if runs is not None else even_pairs("--max-runs", max_runs)
     if a.higher_is_better != b.higher_is_better or a.unit != b.unit:
         raise InputError("base and candidate must be measured in the same metric")
     hib = a.higher_is_better
@@ -393,7 +402,7 @@ def paired_compare(a: System, b: System, *, runs: int | None = None, warmup: int
         plan = stages[-1] | {"stages": stages}
     else:
         if set_total:
-            set_total(runs + runs % 2)
+            set_total(runs)
         if tick and samples:
             tick(len(samples))
         if runs > len(samples):

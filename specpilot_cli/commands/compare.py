@@ -18,20 +18,7 @@ def _runs(ctx, param, value):
         raise click.BadParameter(f"{value!r} is not a number or 'auto'") from None
     if n < 2:
         raise click.BadParameter("need at least 2 pairs")
-    return _even(n)
-
-
-def _even(n: int) -> int:
-    # Both schedules measure pairs two at a time (ABBA, or a GPU swap); a half block would lose
-    # its drift cancellation and its A/A pair, so an odd count is refused rather than rounded.
-    if n % 2:
-        raise click.BadParameter(f"{n}: pairs come in blocks of 2 (ABBA, or a GPU swap); give an even number, "
-                                 f"e.g. {n - 1} or {n + 1}")
     return n
-
-
-def _max_runs(ctx, param, value):
-    return _even(value)
 
 
 @click.command("compare")
@@ -55,7 +42,7 @@ def _max_runs(ctx, param, value):
 @click.option("--runs", callback=_runs, default="auto", show_default=True, metavar="N|auto",
               help="Paired samples, an even number (pairs come in blocks of 2). auto: a pilot of 8 pairs, then "
                    "as many as give 80% power to approve a true 3% gain.")
-@click.option("--max-runs", type=click.IntRange(2, 100000), callback=_max_runs, default=400, show_default=True,
+@click.option("--max-runs", type=click.IntRange(2, 100000), default=400, show_default=True,
               help="Cap on the pairs --runs auto may plan (even).")
 @click.option("--warmup", type=click.IntRange(0, 1000), default=1, show_default=True,
               help="Unmeasured runs of each system first.")
@@ -105,7 +92,7 @@ def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, tokenizer
       specpilot compare --from timing.json --changes-output     # re-judge stored samples
       specpilot compare --base-cmd ... --candidate-cmd ... --resume specpilot-compare.partial.json
     """
-    from specpilot.auditors.pairing import PairRun, RunTimeout, make_system, paired_compare, parse_gpus
+    from specpilot.auditors.pairing import PairRun, RunTimeout, even_pairs, make_system, paired_compare, parse_gpus
     from specpilot.auditors.timing import partial_doc, partial_samples, read_partial
     from specpilot.errors import InputError
     from specpilot.output import progress
@@ -130,6 +117,8 @@ def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, tokenizer
         raise InputError("compare like with like: two shell commands, or two systems")
     if noise is not None and not 0 <= noise < 1:
         raise InputError(f"--noise {noise}: a fraction in [0, 1), e.g. 0.001 for 0.1%")
+    # only the auto plan uses --max-runs: an odd cap beside a fixed --runs is not an error
+    even_pairs("--runs", runs) if runs is not None else even_pairs("--max-runs", max_runs)
     gpu_pair = parse_gpus(gpus)
     if gpu_pair and base_cmd is None:
         raise InputError("--gpus runs shell commands on two GPUs; for engines/servers start each on its own GPU")
