@@ -16,7 +16,7 @@ import stat
 import tempfile
 import zlib
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from .errors import SOURCE_ATTR, InputError
 from .limits import MAX_JSON_BYTES, MAX_JSONL_LINE_BYTES
@@ -105,8 +105,11 @@ def check_output_folder(path: str | os.PathLike, option: str) -> Path:
 
 @contextlib.contextmanager
 def atomic_open(path: str | os.PathLike, mode: str = "w", protect: Iterable[str | os.PathLike] = (),
-                option: str = "--out"):
+                option: str = "--out", on_commit: Callable[[], None] | None = None):
     """Open a temporary file beside ``path``; rename it onto ``path`` only on success.
+
+    ``on_commit()`` runs right after the rename with signals held back from the rename to its
+    end, so a caller that a signal stops after it knows the output is complete.
 
     The file gets the mode an ordinary ``open`` would give it: an existing file keeps its mode,
     a new one gets ``0o666`` less the umask. A symlink is followed: its target is replaced and the
@@ -125,6 +128,8 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", protect: Iterable[str 
         try:
             with fh:
                 yield fh
+            if on_commit:
+                on_commit()
         except OSError as e:   # a full device or a closed pipe: say which output
             if e.filename is not None:
                 raise
@@ -150,10 +155,13 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", protect: Iterable[str 
             yield fh
             fh.flush()
             os.fsync(fh.fileno())
-        try:
-            os.replace(tmp, target)
-        except OSError as e:   # name the output, not the temporary beside it
-            raise OSError(e.errno, e.strerror, str(shown)) from None
+        with deferred() if on_commit else contextlib.nullcontext():
+            try:
+                os.replace(tmp, target)
+            except OSError as e:   # name the output, not the temporary beside it
+                raise OSError(e.errno, e.strerror, str(shown)) from None
+            if on_commit:
+                on_commit()
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)

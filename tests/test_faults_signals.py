@@ -176,6 +176,28 @@ def test_deferred_holds_a_signal_until_the_block_ends():
         assert not signals.stopping()
 
 
+def test_atomic_open_commit_callback_runs_after_the_rename_with_signals_held(tmp_path):
+    """A signal that lands during ``on_commit`` is raised after it: the caller's callback (w12
+    pack's "the output is complete") always runs once the file is in place."""
+    from specpilot import fileio, signals
+
+    target, seen = tmp_path / "out.json", []
+
+    def commit():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.2)
+        seen.append(target.read_text())
+
+    with signals.installed():
+        try:
+            with pytest.raises(signals.Interrupted):
+                with fileio.atomic_open(target, on_commit=commit) as fh:
+                    fh.write("done\n")
+        finally:
+            signals.cleanup()
+    assert seen == ["done\n"] and target.read_text() == "done\n" and _part_files(tmp_path) == []
+
+
 # A benchmark command that records its process group and hangs (sleeping in a child of the shell)
 # on its Nth run, counted in a file beside it.
 _CANDIDATE = textwrap.dedent("""

@@ -281,17 +281,8 @@ def pack(src: str, dst: str, include=DEFAULT_INCLUDE, exclude=DEFAULT_EXCLUDE, d
         _require_converted(res, src, include)
         from specpilot.fileio import atomic_open
 
-        writer = atomic_open(dst_p, "wb", protect=[src])
-        fh = writer.__enter__()
-        try:
+        with atomic_open(dst_p, "wb", protect=[src], on_commit=(lambda: on_commit(res)) if on_commit else None) as fh:
             fh.write(_save_bytes(out, new_meta))
-        except BaseException as e:
-            writer.__exit__(type(e), e, e.__traceback__)
-            raise
-        with deferred():   # the writer's exit renames the file into place
-            writer.__exit__(None, None, None)
-            if on_commit:
-                on_commit(res)
     return res
 
 
