@@ -113,7 +113,7 @@ class Engine:
         """Generate every prompt (``{"id", "ids"}`` or ``{"id", "text"}``); text goes through the
         chat template when ``chat`` (default: when the tokenizer has one)."""
         if chat is None:
-            chat = bool(self.tokenizer is not None and getattr(self.tokenizer, "chat_template", None))
+            chat = self.has_chat_template
         out = RunResult(chat=chat)
         from specpilot.engine.clocks import ClockWatch
 
@@ -179,14 +179,21 @@ class Engine:
         if tok is None:
             raise InputError(f"model {self.model_name} has no tokenizer; give token ids instead of text")
         if chat:
-            if not getattr(tok, "chat_template", None):
+            if not self.has_chat_template:
                 raise InputError(f"model {self.model_name} has no chat template; use --raw")
-            ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                          tokenize=True)
-            if isinstance(ids, dict) or hasattr(ids, "keys"):
-                ids = ids["input_ids"]
-            return [int(i) for i in ids]
+            return self.encode_messages([{"role": "user", "content": text}])
         return [int(i) for i in tok.encode(text, add_special_tokens=False)]
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def encode_messages(self, messages: list[dict]) -> list[int]:
+        """A conversation through the model's chat template, ready for the assistant's turn."""
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return [int(i) for i in ids]
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         if self.tokenizer is None:

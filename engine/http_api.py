@@ -149,29 +149,29 @@ def _bracket_depth(text: str) -> int:
 
 
 # ------------------------------------------------------------------------------- the contract
-def _is_int(x) -> bool:
+def is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _is_num(x) -> bool:
+def is_num(x) -> bool:
     return (isinstance(x, (int, float)) and not isinstance(x, bool)) and math.isfinite(x)
 
 
-def _int(params: dict, key: str, lo: int, hi: int, default: int) -> int:
+def _int(params: dict, key: str, lo: int, hi: int, default: int, name=lambda k: f"sampling_params.{k}") -> int:
     v = params.get(key, default)
     if v is None:
         return default
-    if not _is_int(v) or not lo <= v <= hi:
-        raise BadRequest(f"sampling_params.{key} must be an integer in [{lo}, {hi}], got {json.dumps(v)[:40]}")
+    if not is_int(v) or not lo <= v <= hi:
+        raise BadRequest(f"{name(key)} must be an integer in [{lo}, {hi}], got {json.dumps(v)[:40]}")
     return v
 
 
-def _bool(params: dict, key: str, default: bool) -> bool:
+def _bool(params: dict, key: str, default: bool, name=lambda k: f"sampling_params.{k}") -> bool:
     v = params.get(key, default)
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise BadRequest(f"sampling_params.{key} must be true or false")
+        raise BadRequest(f"{name(key)} must be true or false")
     return v
 
 
@@ -187,10 +187,10 @@ _NEUTRAL = {
     "structural_tag": lambda v: v is None,
     "custom_params": lambda v: v in (None, {}),
     "spaces_between_special_tokens": lambda v: v in (None, True),
-    "sampling_seed": lambda v: v is None or _is_int(v),
-    "seed": lambda v: v is None or _is_int(v),
-    "min_new_tokens": lambda v: v is None or (_is_int(v) and v == 0),   # >0 masks stop tokens: a new answer
-    "stream_interval": lambda v: v is None or (_is_int(v) and v >= 1),
+    "sampling_seed": lambda v: v is None or is_int(v),
+    "seed": lambda v: v is None or is_int(v),
+    "min_new_tokens": lambda v: v is None or (is_int(v) and v == 0),   # >0 masks stop tokens: a new answer
+    "stream_interval": lambda v: v is None or (is_int(v) and v >= 1),
 }
 _HONOURED = {"max_new_tokens", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens",
              "no_stop_trim", "n", "temperature", "top_k", "top_p", "min_p"}
@@ -199,7 +199,7 @@ _HONOURED = {"max_new_tokens", "stop", "stop_token_ids", "ignore_eos", "skip_spe
 _TOP_HONOURED = {"text", "input_ids", "sampling_params", "stream", "rid"}
 _TOP_NEUTRAL = {
     "return_logprob": lambda v: v in (None, False),
-    "logprob_start_len": lambda v: v is None or _is_int(v),
+    "logprob_start_len": lambda v: v is None or is_int(v),
     "top_logprobs_num": lambda v: v in (None, 0),
     "token_ids_logprob": lambda v: v is None,
     "return_text_in_logprobs": lambda v: v is None or isinstance(v, bool),
@@ -217,56 +217,101 @@ _TOP_NEUTRAL = {
     "bootstrap_host": lambda v: v is None,
     "bootstrap_port": lambda v: v is None,
     "bootstrap_room": lambda v: v is None,
-    "priority": lambda v: v is None or _is_int(v),
+    "priority": lambda v: v is None or is_int(v),
 }
 
 
-def parse_sampling(params) -> Sampling:
+def parse_sampling(params, group: str = "sampling_params", rename: dict[str, str] | None = None,
+                   default_max_new: int = 128) -> Sampling:
+    """Check sampling parameters (SGLang's names). Errors name a parameter ``group.key``, or the
+    bare key when ``group`` is empty, through ``rename`` (the OpenAI routes' ``max_tokens`` is
+    ``max_new_tokens`` here)."""
+    def name(key: str) -> str:
+        shown = (rename or {}).get(key, key)
+        return f"{group}.{shown}" if group else shown
+
     if params is None:
         params = {}
     if not isinstance(params, dict):
-        raise BadRequest("sampling_params must be an object")
-    unknown = sorted(k for k in params if k not in _HONOURED and k not in _NEUTRAL)
+        raise BadRequest(f"{group or 'the request'} must be an object")
+    listed = lambda keys: f"{group} {', '.join(keys)}" if group else ", ".join(keys)  # noqa: E731
+    unknown = sorted((rename or {}).get(k, k) for k in params if k not in _HONOURED and k not in _NEUTRAL)
     if unknown:
-        raise BadRequest(f"unknown sampling_params: {', '.join(unknown)}")
-    refused = sorted(k for k, ok in _NEUTRAL.items() if k in params and not ok(params[k]))
+        raise BadRequest(f"unknown {group or 'fields'}: {', '.join(unknown)}")
+    refused = sorted((rename or {}).get(k, k) for k, ok in _NEUTRAL.items() if k in params and not ok(params[k]))
     if refused:
-        raise BadRequest("the embedded engine decodes greedily and cannot honour sampling_params "
-                         f"{', '.join(refused)} (leave them out or at their neutral values)")
+        raise BadRequest("the embedded engine decodes greedily and cannot honour "
+                         f"{listed(refused)} (leave them out or at their neutral values)")
     t = params.get("temperature", 0.0)
     if t is None:
         t = 0.0
-    if not _is_num(t) or t < 0:
-        raise BadRequest("sampling_params.temperature must be a number >= 0")
+    if not is_num(t) or t < 0:
+        raise BadRequest(f"{name('temperature')} must be a number >= 0")
     top_k = params.get("top_k", None)
-    if top_k is not None and (not _is_int(top_k) or (top_k < 1 and top_k != -1)):
-        raise BadRequest("sampling_params.top_k must be -1 or an integer >= 1")
+    if top_k is not None and (not is_int(top_k) or (top_k < 1 and top_k != -1)):
+        raise BadRequest(f"{name('top_k')} must be -1 or an integer >= 1")
     for key, lo in (("top_p", 0.0), ("min_p", 0.0)):
         v = params.get(key, None)
-        if v is not None and (not _is_num(v) or not lo <= v <= 1.0 or (key == "top_p" and v == 0)):
-            raise BadRequest(f"sampling_params.{key} must be a number in {'(0, 1]' if key == 'top_p' else '[0, 1]'}")
+        if v is not None and (not is_num(v) or not lo <= v <= 1.0 or (key == "top_p" and v == 0)):
+            raise BadRequest(f"{name(key)} must be a number in {'(0, 1]' if key == 'top_p' else '[0, 1]'}")
     if t > 1e-6 and top_k != 1:
-        raise BadRequest("sampling_params.temperature: the embedded engine decodes greedily only; use temperature 0 "
+        raise BadRequest(f"{name('temperature')}: the embedded engine decodes greedily only; use temperature 0 "
                          "(or top_k 1)")
-    if _int(params, "n", 1, 1, 1) != 1:
-        raise BadRequest("sampling_params.n must be 1")
-    max_new = _int(params, "max_new_tokens", 1, MAX_NEW_TOKENS, 128)
+    if _int(params, "n", 1, 1, 1, name) != 1:
+        raise BadRequest(f"{name('n')} must be 1")
+    max_new = _int(params, "max_new_tokens", 1, MAX_NEW_TOKENS, default_max_new, name)
     stop = params.get("stop", None)
     if stop is None:
         stop = []
     elif isinstance(stop, str):
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP:
-        raise BadRequest(f"sampling_params.stop must be a non-empty string or a list of up to {MAX_STOP} of them")
+        raise BadRequest(f"{name('stop')} must be a non-empty string or a list of up to {MAX_STOP} of them")
     ids = params.get("stop_token_ids", None)
     if ids is None:
         ids = []
-    if not isinstance(ids, list) or not all(_is_int(i) and i >= 0 for i in ids) or len(ids) > MAX_STOP:
-        raise BadRequest(f"sampling_params.stop_token_ids must be a list of up to {MAX_STOP} token ids")
+    if not isinstance(ids, list) or not all(is_int(i) and i >= 0 for i in ids) or len(ids) > MAX_STOP:
+        raise BadRequest(f"{name('stop_token_ids')} must be a list of up to {MAX_STOP} token ids")
     return Sampling(max_new_tokens=max_new, stop=tuple(stop), stop_token_ids=frozenset(ids),
-                    ignore_eos=_bool(params, "ignore_eos", False),
-                    skip_special_tokens=_bool(params, "skip_special_tokens", True),
-                    no_stop_trim=_bool(params, "no_stop_trim", False))
+                    ignore_eos=_bool(params, "ignore_eos", False, name),
+                    skip_special_tokens=_bool(params, "skip_special_tokens", True, name),
+                    no_stop_trim=_bool(params, "no_stop_trim", False, name))
+
+
+def check_stop_ids(sampling: list[Sampling], vocab_size: int | None, name: str = "sampling_params.stop_token_ids"):
+    if vocab_size is None:
+        return
+    for s in sampling:
+        bad = next((t for t in s.stop_token_ids if t >= vocab_size), None)
+        if bad is not None:
+            raise BadRequest(f"{name}: {bad} is outside the vocabulary (0..{vocab_size - 1})")
+
+
+def check_ids(prompts, vocab_size: int | None, what: str = "input_ids") -> None:
+    """Token-id prompts: each a non-empty list of ids in the vocabulary."""
+    for p in prompts:
+        if not isinstance(p, list) or not p or not all(is_int(t) for t in p):
+            raise BadRequest(f"{what} must be a non-empty list of integers (or a list of such lists)")
+        if vocab_size is not None:
+            bad = next((t for t in p if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise BadRequest(f"{what}: token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
+
+
+def encode_texts(texts: list[str], encode, what: str = "text") -> list[list[int]]:
+    """Text prompts through ``encode`` (None: the model has no tokenizer)."""
+    if encode is None:
+        raise BadRequest(f"this model has no tokenizer; send token ids instead of {what}")
+    prompts = []
+    for t in texts:
+        try:
+            p = encode(t)
+        except Exception as e:   # a tokenizer failing on odd text is the request's problem
+            raise BadRequest(f"cannot tokenize {what} ({type(e).__name__}: {str(e)[:120]})") from None
+        if not p:
+            raise BadRequest(f"{what} tokenizes to no tokens")
+        prompts.append(p)
+    return prompts
 
 
 def parse_generate(body, encode=None, vocab_size: int | None = None) -> GenerateCall:
@@ -292,29 +337,13 @@ def parse_generate(body, encode=None, vocab_size: int | None = None) -> Generate
     if ids is not None:
         batched = isinstance(ids, list) and bool(ids) and all(isinstance(x, list) for x in ids)
         prompts = ids if batched else [ids]
-        for p in prompts:
-            if not isinstance(p, list) or not p or not all(_is_int(t) for t in p):
-                raise BadRequest("input_ids must be a non-empty list of integers (or a list of such lists)")
-            if vocab_size is not None:
-                bad = next((t for t in p if not 0 <= t < vocab_size), None)
-                if bad is not None:
-                    raise BadRequest(f"input_ids: token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
+        check_ids(prompts, vocab_size)
     else:
         batched = isinstance(text, list)
         texts = text if batched else [text]
         if not texts or not all(isinstance(t, str) and t for t in texts):
             raise BadRequest("text must be a non-empty string (or a list of them)")
-        if encode is None:
-            raise BadRequest("this model has no tokenizer; send input_ids")
-        prompts = []
-        for t in texts:
-            try:
-                p = encode(t)
-            except Exception as e:   # a tokenizer failing on odd text is the request's problem
-                raise BadRequest(f"cannot tokenize text ({type(e).__name__}: {str(e)[:120]})") from None
-            if not p:
-                raise BadRequest("text tokenizes to no tokens")
-            prompts.append(p)
+        prompts = encode_texts(texts, encode)
     sp = body.get("sampling_params")
     if isinstance(sp, list):
         if len(sp) != len(prompts):
@@ -322,12 +351,7 @@ def parse_generate(body, encode=None, vocab_size: int | None = None) -> Generate
         sampling = [parse_sampling(s) for s in sp]
     else:
         sampling = [parse_sampling(sp)] * len(prompts)
-    if vocab_size is not None:
-        for s in sampling:
-            bad = next((t for t in s.stop_token_ids if t >= vocab_size), None)
-            if bad is not None:
-                raise BadRequest(f"sampling_params.stop_token_ids: {bad} is outside the vocabulary "
-                                 f"(0..{vocab_size - 1})")
+    check_stop_ids(sampling, vocab_size)
     rid = body.get("rid")
     if rid is None:
         rids = [None] * len(prompts)

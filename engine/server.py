@@ -7,6 +7,8 @@
   :class:`~specpilot.engine.batch.scheduler.BatchDecoder` on an engine thread; beyond its slots
   they wait in a bounded queue (full: 503 with ``Retry-After``). A client that goes away cancels
   its request and frees its slot at the next step.
+- ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``: the OpenAI-compatible
+  routes (:mod:`specpilot.engine.openai_api`), streamed as OpenAI streams (a text delta per event).
 - ``GET /health``, ``/health_generate``, ``/get_model_info``, ``/get_server_info``, ``/metrics``
   (Prometheus text), ``/flush_cache`` (GET or POST: zeroes the cache slots when idle, else 400).
 - SIGTERM or SIGINT: stop admitting (503), let the requests in flight finish for up to ``grace``
@@ -30,6 +32,7 @@ from fastapi import Request as HTTPRequest
 
 from specpilot.engine.batch.requests import Request
 from specpilot.engine.batch.scheduler import QueueFull, percentile
+from specpilot.engine import openai_api as oa
 from specpilot.engine.http_api import BadRequest, Sampling, parse_generate, parse_json
 from specpilot.engine.metrics import ServeMetrics, inter_token_gaps
 from specpilot.errors import EnvironmentMissing, InputError
@@ -200,16 +203,13 @@ def make_app(state: ServeState):
     async def _internal_error(request, exc):   # a bug of ours: say so, without the traceback
         return _error(f"internal error: {type(exc).__name__}", 500)
 
-    @app.post("/generate")
-    async def generate(request: HTTPRequest):
-        if state.draining:
-            state.metrics.reject("draining")
-            return _error("the server is shutting down", 503, {"Retry-After": RETRY_AFTER})
-        try:
-            call = parse_generate(parse_json(await _read_body(request)), encode, vocab)
-        except BadRequest as e:
-            state.metrics.reject("bad_request")
-            return _error(str(e), e.status)
+    def refuse(reason: str, message: str, status: int, headers: dict | None = None):
+        state.metrics.reject(reason)
+        return _error(message, status, headers)
+
+    def submit(prompts, sampling, rids):
+        """The engine requests of a call, queued (all or none), and the queue of their updates;
+        or the error response."""
         loop = asyncio.get_running_loop()
         updates: asyncio.Queue = asyncio.Queue()
 
@@ -225,7 +225,7 @@ def make_app(state: ServeState):
                 pass
 
         reqs = []
-        for p, sp, rid in zip(call.prompts, call.sampling, call.rids):
+        for p, sp, rid in zip(prompts, sampling, rids):
             stop_ids = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else eos)
             reqs.append(Request(p, sp.max_new_tokens, id=rid or uuid.uuid4().hex, stop_ids=stop_ids, eos_ids=eos,
                                 stop_strings=sp.stop,
@@ -234,15 +234,70 @@ def make_app(state: ServeState):
         try:
             dec.submit_all(reqs)   # all of a list request, or none; each checked first
         except InputError as e:    # a request the engine cannot run, or a list longer than slots + queue
-            state.metrics.reject("bad_request")
-            return _error(str(e), 400)
+            return None, refuse("bad_request", str(e), 400)
         except QueueFull as e:
-            state.metrics.reject("queue_full" if not state.draining else "draining")
-            return _error(f"server busy: {e}; retry later", 503, {"Retry-After": RETRY_AFTER})
+            return None, refuse("queue_full" if not state.draining else "draining",
+                                f"server busy: {e}; retry later", 503, {"Retry-After": RETRY_AFTER})
+        return (reqs, updates), None
+
+    async def checked(request, parse):
+        if state.draining:
+            return None, refuse("draining", "the server is shutting down", 503, {"Retry-After": RETRY_AFTER})
+        try:
+            return parse(parse_json(await _read_body(request))), None
+        except BadRequest as e:
+            return None, refuse("bad_request", str(e), e.status)
+
+    @app.post("/generate")
+    async def generate(request: HTTPRequest):
+        call, bad = await checked(request, lambda body: parse_generate(body, encode, vocab))
+        if bad is not None:
+            return bad
+        started, bad = submit(call.prompts, call.sampling, call.rids)
+        if bad is not None:
+            return bad
+        reqs, updates = started
         if call.stream:
             return StreamingResponse(_stream(state, reqs[0], call.sampling[0], updates),
                                      media_type="text/event-stream")
-        return await _collect(state, request, reqs, call, updates)
+        outs = await _collect(state, request, reqs, call.sampling, updates)
+        if not isinstance(outs, list):
+            return outs
+        return _json_response(outs if call.batched else outs[0])
+
+    async def openai(request, parse):
+        call, bad = await checked(request, parse)
+        if bad is not None:
+            return bad
+        started, bad = submit(call.prompts, call.sampling, [None] * len(call.prompts))
+        if bad is not None:
+            return bad
+        reqs, updates = started
+        if call.stream:
+            return StreamingResponse(_stream_openai(state, reqs[0], call.sampling[0], updates, call),
+                                     media_type="text/event-stream")
+        outs = await _collect(state, request, reqs, call.sampling, updates)
+        if not isinstance(outs, list):
+            return outs
+        return _json_response(oa.response(call, outs))
+
+    served = eng.model_name
+    chat_encode = eng.encode_messages if eng.has_chat_template else None
+
+    def room(prompt_len: int) -> int:   # a chat answer without max_tokens may fill the context
+        return dec.cache.max_seq - dec.capacity_needed(prompt_len, 0)
+
+    @app.post("/v1/completions")
+    async def completions(request: HTTPRequest):
+        return await openai(request, lambda body: oa.parse_completion(body, encode, vocab, served))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: HTTPRequest):
+        return await openai(request, lambda body: oa.parse_chat(body, chat_encode, vocab, served, room))
+
+    @app.get("/v1/models")
+    async def list_models():
+        return _json_response(oa.models(served, int(state.started), dec.cache.max_seq))
 
     @app.api_route("/health", methods=["GET", "HEAD"])   # load balancers probe with HEAD
     async def health():
@@ -287,8 +342,9 @@ def _final_status(reqs: list[Request]) -> tuple[int, str] | None:
     return None
 
 
-async def _collect(state: ServeState, request, reqs: list[Request], call, updates: asyncio.Queue):
-    """Wait for every request of a non-streaming call, or for the client to leave."""
+async def _collect(state: ServeState, request, reqs: list[Request], sampling: list[Sampling], updates: asyncio.Queue):
+    """Wait for every request of a non-streaming call: their answers (``ServeState.answer``), or the
+    error response when the client left or the engine failed them."""
     left = {id(r) for r in reqs}
     disc = asyncio.ensure_future(_wait_disconnect(request))
     try:
@@ -308,8 +364,7 @@ async def _collect(state: ServeState, request, reqs: list[Request], call, update
     bad = _final_status(reqs)
     if bad is not None:
         return _error(bad[1], bad[0], {"Retry-After": RETRY_AFTER} if bad[0] == 503 else None)
-    outs = [state.answer(r, sp) for r, sp in zip(reqs, call.sampling)]
-    return _json_response(outs if call.batched else outs[0])
+    return [state.answer(r, sp) for r, sp in zip(reqs, sampling)]
 
 
 async def _stream(state: ServeState, r: Request, sp: Sampling, updates: asyncio.Queue):
@@ -325,6 +380,44 @@ async def _stream(state: ServeState, r: Request, sp: Sampling, updates: asyncio.
                 yield b"data: " + json.dumps(state.answer(r, sp)).encode() + b"\n\n"
             if fin:
                 break
+        yield b"data: [DONE]\n\n"
+    finally:
+        if not r.done:
+            state.decoder.cancel(r)
+
+
+async def _stream_openai(state: ServeState, r: Request, sp: Sampling, updates: asyncio.Queue, call):
+    """OpenAI's streaming answer: each event carries the text added since the last (a delta). Text
+    that may be the start of a stop string, or a character whose bytes have not all come, is held
+    back until the next step shows what it is: a delta once sent cannot be taken back."""
+    eng = state.engine
+    hold = max((len(s) for s in sp.stop), default=1) - 1
+    sent, first = "", True
+    try:
+        while True:
+            _, fin = await updates.get()
+            while not updates.empty() and not fin:
+                _, fin = updates.get_nowait()
+            if fin:
+                if r.finish and r.finish["type"] == "abort":
+                    text, reason = "", "abort"
+                else:
+                    full = state.answer(r, sp)["text"]
+                    text, reason = (full[len(sent):] if full.startswith(sent) else ""), oa.finish_reason(r.finish)
+            else:
+                full = eng.decode(r.output, skip_special_tokens=sp.skip_special_tokens)
+                end = len(full) - hold
+                while end > len(sent) and full[end - 1] == "\ufffd":
+                    end -= 1
+                text, reason = (full[len(sent):end] if full.startswith(sent) and end > len(sent) else ""), None
+            if text or first or fin:
+                sent += text
+                yield b"data: " + json.dumps(oa.chunk(call, text, reason, first)).encode() + b"\n\n"
+                first = False
+            if fin:
+                break
+        if call.include_usage:
+            yield b"data: " + json.dumps(oa.usage_chunk(call, len(r.prompt_ids), len(r.output))).encode() + b"\n\n"
         yield b"data: [DONE]\n\n"
     finally:
         if not r.done:

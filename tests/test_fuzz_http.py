@@ -1,7 +1,7 @@
 """Fuzz: ``specpilot serve``'s HTTP contract on mutated request bodies.
 
 Written against the contract, not the server's code, so they hold for any server behind
-``specpilot serve``: every body to ``POST /generate`` gets 200 (a request that is still valid)
+``specpilot serve``: every body to ``POST /generate`` (and the OpenAI routes) gets 200 (a request that is still valid)
 or 400 with a JSON error message, never a 500 and never a dead server. The default run sends each
 mutation kind of every seed body once; ``-m slow`` sends 8 seeds of each.
 """
@@ -23,9 +23,12 @@ from fuzzing import KINDS, mutate
 
 
 SEED_BODIES = [
-    {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4, "temperature": 0}},
-    {"input_ids": [[5, 9], [7, 7, 7]], "sampling_params": {"max_new_tokens": 3}},
-    {"text": "abcabc", "sampling_params": {"max_new_tokens": 2, "top_k": 1}},
+    ("/generate", {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4, "temperature": 0}}),
+    ("/generate", {"input_ids": [[5, 9], [7, 7, 7]], "sampling_params": {"max_new_tokens": 3}}),
+    ("/generate", {"text": "abcabc", "sampling_params": {"max_new_tokens": 2, "top_k": 1}}),
+    ("/v1/completions", {"model": "m", "prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0}),
+    ("/v1/completions", {"prompt": ["ab", "cd"], "max_tokens": 2, "stop": ["x"], "stream": False}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
 ]
 
 
@@ -56,15 +59,15 @@ def server():
         proc.wait()
 
 
-def post(server, body: bytes, timeout: float = 60.0) -> tuple[int, bytes]:
+def post(server, body: bytes, timeout: float = 60.0, path: str = "/generate") -> tuple[int, bytes]:
     host, port = server
-    r = httpx.post(f"http://{host}:{port}/generate", content=body, headers={"Content-Type": "application/json"},
+    r = httpx.post(f"http://{host}:{port}{path}", content=body, headers={"Content-Type": "application/json"},
                    timeout=timeout)
     return r.status_code, r.content
 
 
-def check(server, body: bytes, what: str) -> None:
-    status, payload = post(server, body)
+def check(server, body: bytes, what: str, path: str = "/generate") -> None:
+    status, payload = post(server, body, path=path)
     where = f"{what}: body {body[:200]!r} -> {status} {payload[:300]!r}"
     assert status in (200, 400), where
     if status == 400:
@@ -79,25 +82,25 @@ def alive(server) -> bool:
 
 
 def _bodies(seeds):
-    for i, body in enumerate(SEED_BODIES):
+    for i, (path, body) in enumerate(SEED_BODIES):
         raw = json.dumps(body).encode()
         for kind in KINDS:
             if kind == "empty":
                 continue  # no body at all: its own case below
             for seed in seeds:
-                yield f"body {i} {kind} {seed}", mutate(raw, kind, random.Random(f"http/{i}/{kind}/{seed}"))
+                yield path, f"{path} body {i} {kind} {seed}", mutate(raw, kind, random.Random(f"http/{i}/{kind}/{seed}"))
 
 
 def test_fuzz_http_bodies(server):
-    for what, body in _bodies([0]):
-        check(server, body, what)
+    for path, what, body in _bodies([0]):
+        check(server, body, what, path)
     assert alive(server)
 
 
 @pytest.mark.slow
 def test_fuzz_http_bodies_many_seeds(server):
-    for what, body in _bodies(range(1, 9)):
-        check(server, body, what)
+    for path, what, body in _bodies(range(1, 9)):
+        check(server, body, what, path)
     assert alive(server)
 
 
@@ -114,8 +117,9 @@ def test_fuzz_http_bodies_many_seeds(server):
     b"\xff\xfe\x00{",
 ], ids=["empty", "null", "list", "inf-tokens", "huge-tokens", "huge-id", "negative-id", "nan-temperature",
         "lone-surrogate", "binary"])
-def test_http_bad_body_is_400(server, body):
-    check(server, body, "fixed case")
+@pytest.mark.parametrize("path", ["/generate", "/v1/completions", "/v1/chat/completions"])
+def test_http_bad_body_is_400(server, body, path):
+    check(server, body, "fixed case", path)
     assert alive(server)
 
 

@@ -39,7 +39,7 @@ class ServeProcess:
     def __init__(self, *args):
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen([sys.executable, "-m", "specpilot", "serve", *map(str, args), "--port", "0"],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
         self.err: list[str] = []
         self._url = None
         self._found = threading.Event()
@@ -298,6 +298,91 @@ def test_metrics_info_health_flush(server_a):
     assert r.status_code == 404 and r.json()["error"]["message"]
 
 
+def _completion(url, **body):
+    return httpx.post(url + "/v1/completions", json=body, timeout=60)
+
+
+def _events(r) -> list[dict]:
+    lines = [ln for ln in r.text.split("\n\n") if ln]
+    assert lines[-1] == "data: [DONE]" and all(ln.startswith("data: ") for ln in lines), r.text
+    return [json.loads(ln[6:]) for ln in lines[:-1]]
+
+
+def test_openai_completions_are_the_greedy_text(server_a, greedy):
+    url = server_a.url()
+    tok = load_engine(EngineSpec.parse("engine:model=tiny,mode=ar"))
+    assert httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"] == "tiny"
+    r = _completion(url, model="any-name", prompt=PROMPTS[0], max_tokens=12, temperature=0)
+    body = r.json()
+    assert r.status_code == 200 and body["object"] == "text_completion" and body["model"] == "any-name"
+    assert body["choices"] == [{"index": 0, "text": tok.decode(greedy(PROMPTS[0], 12)), "logprobs": None,
+                                "finish_reason": "length"}]
+    assert body["usage"] == {"prompt_tokens": len(PROMPTS[0]), "completion_tokens": 12,
+                             "total_tokens": len(PROMPTS[0]) + 12}
+    # a list of prompts: one choice each, in order; no max_tokens: OpenAI's 16
+    r = _completion(url, prompt=PROMPTS[1:4]).json()
+    assert [c["text"] for c in r["choices"]] == [tok.decode(greedy(p, 16)) for p in PROMPTS[1:4]]
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2] and r["usage"]["completion_tokens"] == 48
+    # text prompts go through the tokenizer (bytes for the tiny model)
+    r = _completion(url, prompt="hello", max_tokens=5).json()
+    assert r["choices"][0]["text"] == tok.decode(greedy(list(b"hello"), 5))
+
+
+def test_openai_streaming_sends_deltas_and_holds_back_a_stop_string(server_a, greedy):
+    url = server_a.url()
+    tok = load_engine(EngineSpec.parse("engine:model=tiny,mode=ar"))
+    p = PROMPTS[0]
+    text = tok.decode(greedy(p, 24))
+    r = httpx.post(url + "/v1/completions", json={"prompt": p, "max_tokens": 24, "stream": True,
+                                                  "stream_options": {"include_usage": True}}, timeout=60)
+    ev = _events(r)
+    assert "".join(e["choices"][0]["text"] for e in ev[:-1]) == text and len(ev) > 3
+    assert ev[-2]["choices"][0]["finish_reason"] == "length" and ev[-1]["choices"] == []
+    assert ev[-1]["usage"]["completion_tokens"] == 24 and all(e["object"] == "text_completion" for e in ev)
+    # a stop string from the middle of the text: no delta ever shows it, the pieces add up to the cut text
+    stop = text[10:13]
+    want = text[:text.find(stop)]
+    ev = _events(httpx.post(url + "/v1/completions", json={"prompt": p, "max_tokens": 24, "stream": True,
+                                                          "stop": stop}, timeout=60))
+    sent = "".join(e["choices"][0]["text"] for e in ev)
+    assert sent == want and ev[-1]["choices"][0]["finish_reason"] == "stop"
+    assert _completion(url, prompt=p, max_tokens=24, stop=stop).json()["choices"][0]["text"] == want
+
+
+@pytest.mark.parametrize("body, words", [
+    ({"prompt": [1, 2], "max_tokens": 0}, "max_tokens must be an integer in [1,"),
+    ({"prompt": [1, 2], "max_completion_tokens": 0}, "max_completion_tokens must be an integer"),
+    ({"prompt": [1, 2], "max_tokens": 2, "max_completion_tokens": 2}, "not both"),
+    ({"prompt": [1, 2], "temperature": 0.7}, "temperature: the embedded engine decodes greedily"),
+    ({"prompt": [1, 2], "logprobs": 1}, "does not support logprobs"),
+    ({"prompt": [1, 2], "echo": True}, "does not support echo"),
+    ({"prompt": [1, 2], "best_of": 3}, "does not support best_of"),
+    ({"prompt": [1, 2], "n": 2}, "n must be an integer in [1, 1]"),
+    ({"prompt": [1, 2], "presence_penalty": 1.0}, "cannot honour presence_penalty"),
+    ({"prompt": [1, 2], "min_tokens": 3}, "cannot honour min_tokens"),
+    ({"prompt": [1, 2], "messages": []}, "unknown request fields: messages"),
+    ({"prompt": [1, 2], "stream_options": {"include_usage": True}}, "stream_options needs stream: true"),
+    ({"prompt": [1, 2], "stream": "yes"}, "stream must be true or false"),
+    ({"prompt": [1, 2], "model": 3}, "model must be a non-empty string"),
+    ({"prompt": []}, "prompt must be a non-empty string"),
+    ({"prompt": [1, "a"]}, "prompt must be a non-empty string"),
+    ({"prompt": [[1], []]}, "prompt must be a non-empty list of integers"),
+    ({"prompt": [1, 999]}, "prompt: token id 999 is outside the vocabulary"),
+    ({"prompt": [[1], [2]], "stream": True}, "stream with several prompts"),
+    ({"prompt": [1, 2], "stop_token_ids": [999]}, "stop_token_ids: 999 is outside"),
+    ({}, "prompt must be a non-empty string"),
+])
+def test_openai_bad_requests_get_400_naming_the_field(server_a, body, words):
+    r = _completion(server_a.url(), **body)
+    assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+
+
+def test_openai_chat_needs_a_chat_template(server_a):
+    r = httpx.post(server_a.url() + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]},
+                   timeout=30)
+    assert r.status_code == 400 and "no chat template; use /v1/completions" in r.json()["error"]["message"]
+
+
 def test_sigterm_drains_requests_in_flight(server_a, greedy):
     url = server_a.url()
     results = {}
@@ -466,6 +551,76 @@ def test_smollm2_concurrent_clients_equal_greedy():
 
         rs = asyncio.run(main())
         assert [r.json()["output_ids"] for r in rs] == want
+        code, _ = s.stop()
+        assert code == 0
+    finally:
+        s.kill()
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    """A tiny random Llama folder with SmolLM2's tokenizer and chat template (fast, real text)."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specpilot.engine.weights import smollm2_dir
+
+    src = smollm2_dir()
+    folder = tmp_path_factory.mktemp("serve_chat") / "model"
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).eval().save_pretrained(str(folder))
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (src / f).is_file():
+            shutil.copy(src / f, folder / f)
+    return str(folder)
+
+
+def test_openai_chat_completions_use_the_chat_template(chat_model):
+    eng = load_engine(EngineSpec.parse(f"engine:model={chat_model},mode=ar"))
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    ids = eng.encode_messages(msgs)
+    s = ServeProcess("--model", chat_model, "--mode", "chain", "--depth", "3", "--batch", "2", "--ctx", "96",
+                     "--threads", "1")
+    try:
+        url = s.url()
+        want = eng.decode(eng.generate(ids, 10).output_ids)
+        r = httpx.post(url + "/v1/chat/completions", json={"model": "m", "messages": msgs, "max_tokens": 10},
+                       timeout=60).json()
+        assert r["object"] == "chat.completion" and r["choices"][0]["message"] == {"role": "assistant",
+                                                                                  "content": want}
+        assert r["usage"]["prompt_tokens"] == len(ids) and r["choices"][0]["finish_reason"] == "length"
+        # content as text parts is the same conversation
+        parts = [dict(m, content=[{"type": "text", "text": m["content"]}]) for m in msgs]
+        r2 = httpx.post(url + "/v1/chat/completions", json={"messages": parts, "max_completion_tokens": 10},
+                        timeout=60).json()
+        assert r2["choices"][0]["message"]["content"] == want
+        # streamed: the role first, then content deltas that add up to the answer
+        ev = _events(httpx.post(url + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 10,
+                                                                     "stream": True}, timeout=60))
+        assert ev[0]["choices"][0]["delta"]["role"] == "assistant"
+        assert all(e["object"] == "chat.completion.chunk" for e in ev)
+        assert "".join(e["choices"][0]["delta"].get("content", "") for e in ev) == want
+        assert ev[-1]["choices"][0]["finish_reason"] == "length"
+        # no max_tokens: the answer may fill the context (--ctx 96)
+        r3 = httpx.post(url + "/v1/chat/completions", json={"messages": msgs}, timeout=120).json()
+        n = r3["usage"]["completion_tokens"]
+        assert r3["choices"][0]["finish_reason"] in ("length", "stop") and n > 10
+        assert len(ids) + n + 3 + 2 <= 96 + 3   # within the context, draft rows included
+        for bad, words in [({"messages": [{"role": "robot", "content": "x"}]}, "role among"),
+                           ({"messages": [{"role": "user", "content": 3}]}, "content must be a string"),
+                           ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "unsupported fields"),
+                           ({"messages": "hi"}, "messages must be a non-empty list"),
+                           ({"messages": msgs, "tools": [{"type": "function"}]}, "does not support tools"),
+                           ({"messages": msgs, "response_format": {"type": "json_object"}},
+                            "does not support response_format"),
+                           ({"messages": msgs, "prompt": "x"}, "unknown request fields: prompt")]:
+            r = httpx.post(url + "/v1/chat/completions", json=bad, timeout=30)
+            assert r.status_code == 400 and words in r.json()["error"]["message"], (bad, r.text)
         code, _ = s.stop()
         assert code == 0
     finally:

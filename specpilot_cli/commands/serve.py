@@ -29,12 +29,14 @@ SERVE_BATCH = 8
 @click.option("--log-requests", is_flag=True, help="One line per finished request on stderr (TTFT, ITL, e2e).")
 @output_options
 def command(host, port, max_queue, backlog, grace, log_requests, fmt, out, **kw):
-    """Serve the engine over HTTP: POST /generate (SGLang-native, streaming too), GET /metrics.
+    """Serve the engine over HTTP: POST /generate (SGLang-native), the OpenAI-compatible
+    /v1/completions and /v1/chat/completions (streaming too), GET /metrics.
 
     \b
     Example:
       specpilot serve --model smollm2 --mode tree --nodes 16 --batch 8 --port 30000
       curl -s localhost:30000/generate -d '{"text": "Hi", "sampling_params": {"max_new_tokens": 16}}'
+      curl -s localhost:30000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}]}'
 
     Concurrent requests are decoded together (--batch of them at a time, each lossless: its
     output equals its own greedy decoding). Greedy only: sampling parameters that would change

@@ -1,0 +1,239 @@
+"""The OpenAI-compatible routes ``specpilot serve`` keeps beside SGLang's ``/generate``.
+
+``POST /v1/completions`` and ``POST /v1/chat/completions`` (the shapes OpenAI, vLLM and SGLang
+answer, which load generators such as ``vllm bench serve``, genai-perf and SGLang's
+``bench_serving --backend sglang-oai`` send), ``GET /v1/models``. The rules are ``/generate``'s
+(:mod:`specpilot.engine.http_api`): every field is honoured, accepted at a value that cannot change
+a greedy answer, or refused with a 400 naming it. A missing ``temperature`` means greedy, as on
+``/generate``: the engine samples nothing.
+
+Honoured: ``prompt`` (a string, a list of strings, token ids or a list of token-id lists) or
+``messages`` (through the model's chat template), ``max_tokens`` (completions: 16 when absent, as
+OpenAI's; chat: what fits in the context; ``max_completion_tokens`` too), ``stop``,
+``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens``, ``stream`` and
+``stream_options.include_usage``, ``n`` = 1.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from .http_api import (MAX_NEW_TOKENS, BadRequest, Sampling, check_ids, check_stop_ids, encode_texts, is_int,
+                       parse_sampling)
+
+# OpenAI's names for the sampling parameters /generate has
+_RENAME = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}
+_SHOWN = {"min_new_tokens": "min_tokens"}
+_SAMPLING = {"max_tokens", "max_completion_tokens", "min_tokens", "stop", "stop_token_ids", "ignore_eos",
+             "skip_special_tokens", "n", "temperature", "top_k", "top_p", "min_p", "seed", "frequency_penalty",
+             "presence_penalty", "repetition_penalty", "logit_bias", "no_stop_trim"}
+
+# other fields, at values that cannot change a greedy answer
+_NEUTRAL_COMPLETION = {
+    "best_of": lambda v: v in (None, 1),
+    "echo": lambda v: v in (None, False),
+    "logprobs": lambda v: v is None,
+    "suffix": lambda v: v is None,
+    "user": lambda v: v is None or isinstance(v, str),
+}
+_NEUTRAL_CHAT = {
+    "logprobs": lambda v: v in (None, False),
+    "top_logprobs": lambda v: v in (None, 0),
+    "response_format": lambda v: v is None or v == {"type": "text"},
+    "tools": lambda v: v in (None, []),
+    "tool_choice": lambda v: v in (None, "none"),
+    "parallel_tool_calls": lambda v: v is None or isinstance(v, bool),
+    "user": lambda v: v is None or isinstance(v, str),
+}
+_ROLES = ("system", "user", "assistant", "developer")
+
+
+@dataclass
+class OpenAICall:
+    """A checked completions or chat request: one engine request per prompt."""
+
+    chat: bool
+    model: str
+    prompts: list[list[int]]
+    sampling: list[Sampling]
+    stream: bool = False
+    include_usage: bool = False
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def object(self) -> str:
+        return "chat.completion" if self.chat else "text_completion"
+
+    @property
+    def response_id(self) -> str:
+        return ("chatcmpl-" if self.chat else "cmpl-") + self.id
+
+
+def _model(body: dict, served: str) -> str:
+    # any name is taken, as SGLang takes it: load generators send whatever name they were given
+    m = body.get("model")
+    if m is None:
+        return served
+    if not isinstance(m, str) or not m:
+        raise BadRequest("model must be a non-empty string")
+    return m
+
+
+def _stream(body: dict) -> tuple[bool, bool]:
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise BadRequest("stream must be true or false")
+    opts = body.get("stream_options")
+    if opts is None:
+        return bool(stream), False
+    if not stream:
+        raise BadRequest("stream_options needs stream: true")
+    if not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}:
+        raise BadRequest("stream_options must be an object with include_usage (and continuous_usage_stats false)")
+    usage = opts.get("include_usage", False)
+    if not isinstance(usage, bool) or opts.get("continuous_usage_stats") not in (None, False):
+        raise BadRequest("stream_options.include_usage must be true or false; continuous_usage_stats is not supported")
+    return True, usage
+
+
+def _fields(body, neutral: dict, own: set[str]) -> None:
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    known = own | _SAMPLING | set(neutral) | {"model", "stream", "stream_options"}
+    unknown = sorted(k for k in body if k not in known)
+    if unknown:
+        raise BadRequest(f"unknown request fields: {', '.join(unknown)}")
+    refused = sorted(k for k, ok in neutral.items() if k in body and not ok(body[k]))
+    if refused:
+        raise BadRequest(f"the embedded engine does not support {', '.join(refused)} (leave them out or at their "
+                         "defaults)")
+
+
+def _sampling(body: dict, prompts: list[list[int]], default_max, vocab_size: int | None) -> list[Sampling]:
+    if "max_tokens" in body and "max_completion_tokens" in body:
+        raise BadRequest("give max_tokens or max_completion_tokens, not both")
+    params = {_RENAME.get(k, k): v for k, v in body.items() if k in _SAMPLING}
+    shown = dict(_SHOWN, max_new_tokens="max_completion_tokens" if "max_completion_tokens" in body else "max_tokens")
+    out = []
+    for p in prompts:
+        fits = default_max(len(p))
+        out.append(parse_sampling(params, group="", rename=shown, default_max_new=max(1, min(fits, MAX_NEW_TOKENS))))
+    check_stop_ids(out, vocab_size, "stop_token_ids")
+    return out
+
+
+def parse_completion(body, encode, vocab_size: int | None, served: str) -> OpenAICall:
+    """Check a ``/v1/completions`` body (parsed JSON). ``encode(text) -> ids`` (None: no tokenizer)."""
+    _fields(body, _NEUTRAL_COMPLETION, {"prompt"})
+    model = _model(body, served)
+    stream, usage = _stream(body)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        prompts = encode_texts([prompt], encode, "prompt")
+    elif isinstance(prompt, list) and prompt and all(isinstance(x, str) for x in prompt):
+        prompts = encode_texts(prompt, encode, "prompt")
+    elif isinstance(prompt, list) and prompt and all(is_int(x) for x in prompt):
+        prompts = [prompt]
+        check_ids(prompts, vocab_size, "prompt")
+    elif isinstance(prompt, list) and prompt and all(isinstance(x, list) for x in prompt):
+        prompts = prompt
+        check_ids(prompts, vocab_size, "prompt")
+    else:
+        raise BadRequest("prompt must be a non-empty string, a list of strings, a list of token ids or a list of "
+                         "such lists")
+    if stream and len(prompts) > 1:
+        raise BadRequest("stream with several prompts is not supported; send one request per prompt")
+    return OpenAICall(False, model, prompts, _sampling(body, prompts, lambda n: 16, vocab_size), stream, usage)
+
+
+def _content(m: dict, i: int) -> str:
+    c = m.get("content")
+    if isinstance(c, str):
+        return c
+    if isinstance(c, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                                   for p in c):
+        return "".join(p["text"] for p in c)
+    raise BadRequest(f"messages[{i}].content must be a string or a list of text parts ({{type: text, text}})")
+
+
+def parse_chat(body, chat_encode, vocab_size: int | None, served: str, room) -> OpenAICall:
+    """Check a ``/v1/chat/completions`` body. ``chat_encode(messages) -> ids`` applies the model's chat
+    template (None: the model has none); ``room(prompt_len)``: the most new tokens that fit."""
+    _fields(body, _NEUTRAL_CHAT, {"messages"})
+    model = _model(body, served)
+    stream, usage = _stream(body)
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise BadRequest("messages must be a non-empty list of {role, content} objects")
+    clean = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or m.get("role") not in _ROLES:
+            raise BadRequest(f"messages[{i}] must be an object with a role among {', '.join(_ROLES)}")
+        extra = sorted(set(m) - {"role", "content", "name"})
+        if extra:
+            raise BadRequest(f"messages[{i}]: unsupported fields {', '.join(extra)}")
+        clean.append({"role": m["role"], "content": _content(m, i)})
+    if chat_encode is None:
+        raise BadRequest("this model has no chat template; use /v1/completions")
+    try:
+        ids = chat_encode(clean)
+    except Exception as e:   # a template refusing a message order is the request's problem
+        raise BadRequest(f"the chat template refused the messages ({type(e).__name__}: {str(e)[:120]})") from None
+    if not ids:
+        raise BadRequest("messages render to no tokens")
+    return OpenAICall(True, model, [ids], _sampling(body, [ids], room, vocab_size), stream, usage)
+
+
+# ---------------------------------------------------------------------------------- answers
+def finish_reason(finish: dict | None) -> str | None:
+    """OpenAI's finish reason for an engine request's ``finish`` (EOS, stop ids and strings: stop)."""
+    if not finish:
+        return None
+    return {"length": "length", "stop": "stop"}.get(finish["type"], finish["type"])
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def response(call: OpenAICall, answers: list[dict]) -> dict:
+    """The whole answer from ``/generate``-style answers (text, meta_info), one per prompt."""
+    choices = []
+    for i, a in enumerate(answers):
+        reason = finish_reason(a["meta_info"]["finish_reason"])
+        if call.chat:
+            choices.append({"index": i, "message": {"role": "assistant", "content": a["text"]}, "logprobs": None,
+                            "finish_reason": reason})
+        else:
+            choices.append({"index": i, "text": a["text"], "logprobs": None, "finish_reason": reason})
+    total = usage(sum(a["meta_info"]["prompt_tokens"] for a in answers),
+                  sum(a["meta_info"]["completion_tokens"] for a in answers))
+    return {"id": call.response_id, "object": call.object, "created": call.created, "model": call.model,
+            "choices": choices, "usage": total}
+
+
+def chunk(call: OpenAICall, text: str | None, reason: str | None, first: bool = False) -> dict:
+    """One streamed event: the new text (a delta), and the finish reason on the last."""
+    if call.chat:
+        delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+        obj = "text_completion"
+    return {"id": call.response_id, "object": obj, "created": call.created, "model": call.model, "choices": [choice]}
+
+
+def usage_chunk(call: OpenAICall, prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"id": call.response_id, "object": "chat.completion.chunk" if call.chat else "text_completion",
+            "created": call.created, "model": call.model, "choices": [], "usage": usage(prompt_tokens,
+                                                                                     completion_tokens)}
+
+
+def models(served: str, created: int, max_model_len: int) -> dict:
+    return {"object": "list", "data": [{"id": served, "object": "model", "created": created,
+                                        "owned_by": "specpilot", "root": served, "max_model_len": max_model_len}]}
