@@ -162,6 +162,47 @@ def test_report_renders_in_a_headless_browser(tiny_round, tmp_path):
     assert len(np.unique(img)) > 50 and (img < 200).mean() > 0.02
 
 
+def _set(doc: dict, path: str, value):
+    *head, last = path.split(".")
+    for k in head:
+        doc = doc[int(k)] if isinstance(doc, list) else doc[k]
+    if isinstance(doc, list):
+        doc[int(last)] = value
+    else:
+        doc[last] = value
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("system", 5, "'system' must be a non-empty string"),
+    ("noise", "x", "'noise' must be a fraction in [0, 1)"),
+    ("samples", ["a", "b"], "'samples' must be a list of positive throughputs"),
+    ("samples", "x", "'samples' must be a list of positive throughputs"),
+    ("max_new_tokens", 0, "'max_new_tokens' must be a whole number >= 1"),
+    ("outputs.stock.0.prompt_ids", [99999], "outside the vocabulary"),
+    ("outputs.stock.0.prompt_ids", "abc", "'outputs.stock[0]' must be a row"),
+    ("outputs.system.0.output_ids", None, "'outputs.system[0]' must be a row"),
+    ("outputs.stock", [], "no stock outputs to audit against; give --no-audit"),
+    ("outputs.stock", None, "no stock outputs to audit against"),
+    ("outputs", [], "'outputs' must be an object"),
+])
+def test_check_refuses_a_damaged_baseline_before_any_run(tiny_round, run_cli, tmp_path, field, value, words):
+    """A field of the wrong type is bad input, said before the timed runs: not a crash (exit 4),
+    and not a gate that passes having checked nothing."""
+    doc = json.loads((tiny_round / "r" / "baseline.json").read_text())
+    _set(doc, field, value)
+    (tmp_path / "baseline.json").write_text(json.dumps(doc))
+    code, out, err = run_cli("check", "--baseline", tmp_path, "--runs", "2")
+    assert code == 2 and words in err and "internal error" not in err and err.count("\n") == 1, err
+
+
+def test_check_with_nothing_to_check_is_refused(tiny_round, run_cli, tmp_path):
+    doc = json.loads((tiny_round / "r" / "baseline.json").read_text())
+    doc["samples"] = []
+    (tmp_path / "baseline.json").write_text(json.dumps(doc))
+    code, _, err = run_cli("check", "--baseline", tmp_path, "--runs", "2", "--no-audit")
+    assert code == 2 and "--no-audit leaves nothing to check" in err, err
+
+
 def test_check_passes_on_the_same_system_and_fails_on_a_regression_or_a_failed_audit(tiny_round, run_cli, tmp_path):
     r = tiny_round / "r"
     # this shared CPU drifts between sessions: the same system passes with a tolerance

@@ -111,11 +111,27 @@ def run_check(baseline: dict, *, system: str | None = None, runs: int | None = N
     if not rows:
         raise InputError(f"{baseline['_path']}: the baseline holds no outputs (its prompts); run the round again")
     prompts = [Prompt(r["id"], list(r["prompt_ids"])) for r in rows]
-    max_new = int(baseline.get("max_new_tokens") or max(len(r["output_ids"]) for r in rows))
+    max_new = int(baseline.get("max_new_tokens") or max(len(r["output_ids"]) for r in rows) or 1)
     ref = baseline.get("samples")
     n = runs or max(4, len(ref or []) or 6)
     if n < 2:
         raise InputError(f"--runs {n}: need at least 2 runs")
+    if audit and not outs.get("stock"):   # a gate must check what it says it checks
+        raise InputError(f"{baseline['_path']}: the baseline holds no stock outputs to audit against; give "
+                         "--no-audit to check the timing only")
+    if not audit and not (ref and len(ref) >= 2):
+        raise InputError(f"{baseline['_path']}: the baseline holds no timing samples and --no-audit leaves "
+                         "nothing to check")
+    if audit and not scorer and not baseline.get("stock"):
+        raise InputError(f"{baseline['_path']}: baseline lacks 'stock' (the engine whose target scores the "
+                         "audit); give --scorer MODEL")
+    from specpilot.auditors.systems import check_engine_prompts
+
+    check_engine_prompts([(f"{baseline['_path']}: {sys_text}", sys_text)], prompts, max_new)
+    if audit and not scorer:   # the stock engine scores the stock rows
+        stock_prompts = [Prompt(r["id"], list(r["prompt_ids"])) for r in outs["stock"]]
+        check_engine_prompts([(f"{baseline['_path']}: stock {baseline['stock']}", baseline["stock"])], stock_prompts,
+                             max_new)
     res = CheckResult(system=sys_text, baseline=baseline["_path"], runs=n, fresh=[], reference=ref)
     spec = EngineSpec.parse(sys_text)
     facts = engine_facts(spec)
@@ -151,24 +167,21 @@ def run_check(baseline: dict, *, system: str | None = None, runs: int | None = N
     if base_sys:
         res.outputs_identical = [list(r.output_ids) for r in fresh_out.rows] == base_sys
     if audit:
-        if not outs.get("stock"):
-            res.warnings.append("the baseline holds no stock outputs: audit not run")
-        else:
-            stock = Outputs("stock", [OutputRow(r["id"], r["prompt_ids"], r["output_ids"]) for r in outs["stock"]], "stock")
-            ar = Outputs("ar", [OutputRow(r["id"], r["prompt_ids"], r["output_ids"]) for r in outs["ar"]], "ar") \
-                if outs.get("ar") else None
-            if scorer:
-                from specpilot.auditors.scorer import Scorer
+        stock = Outputs("stock", [OutputRow(r["id"], r["prompt_ids"], r["output_ids"]) for r in outs["stock"]], "stock")
+        ar = Outputs("ar", [OutputRow(r["id"], r["prompt_ids"], r["output_ids"]) for r in outs["ar"]], "ar") \
+            if outs.get("ar") else None
+        if scorer:
+            from specpilot.auditors.scorer import Scorer
 
-                sc = Scorer.load(scorer)
-            else:
-                notify("check", f"loading the stock engine for the scorer ({baseline['stock']})")
-                sc = EngineScorer(pool.get(str(EngineSpec.parse(baseline["stock"]))),
-                                  "stock engine's target, FP32 LM head")
-            result = run_audit(fresh_out, stock, ar, sc, seed=seed)
-            res.audit = audit_data(result, getattr(sc, "info", None))
-            res.audit_verdict = result.verdict
-            if result.verdict != "pass":
-                res.reasons += ["audit: " + r for s in result.systems if s.role == "system" for r in s.reasons]
+            sc = Scorer.load(scorer)
+        else:
+            notify("check", f"loading the stock engine for the scorer ({baseline['stock']})")
+            sc = EngineScorer(pool.get(str(EngineSpec.parse(baseline["stock"]))),
+                              "stock engine's target, FP32 LM head")
+        result = run_audit(fresh_out, stock, ar, sc, seed=seed)
+        res.audit = audit_data(result, getattr(sc, "info", None))
+        res.audit_verdict = result.verdict
+        if result.verdict != "pass":
+            res.reasons += ["audit: " + r for s in result.systems if s.role == "system" for r in s.reasons]
     res.passed = not res.reasons
     return res

@@ -783,11 +783,58 @@ def read_baseline(path: str | Path) -> dict:
     if p.is_dir():
         p = p / "baseline.json"
     doc = read_json(p, kind="baseline")
+    if not isinstance(doc, dict):
+        raise InputError(f"{p}: a baseline is a JSON object")
     for k in ("system", "outputs"):
         if k not in doc:
             raise InputError(f"{p}: baseline lacks {k!r}")
+    _check_baseline(doc, p)
     doc["_path"] = str(p)
     return doc
+
+
+def _check_baseline(doc: dict, p: Path) -> None:
+    """Every field ``check`` reads has the type a round writes: a damaged baseline is bad input,
+    not a crash after the timed runs, nor a gate that passes having checked nothing."""
+    import math
+
+    def bad(field: str, want: str):
+        raise InputError(f"{p}: baseline field {field!r} must be {want}")
+
+    def num(x) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+    for k in ("system", "stock", "kind"):
+        if k in doc and doc[k] is not None and not (isinstance(doc[k], str) and doc[k].strip()):
+            bad(k, "a non-empty string")
+    if doc.get("samples") is not None and not (isinstance(doc["samples"], list)
+                                               and all(num(x) and x > 0 for x in doc["samples"])):
+        bad("samples", "a list of positive throughputs")
+    if doc.get("noise") is not None and not (num(doc["noise"]) and 0 <= doc["noise"] < 1):
+        bad("noise", "a fraction in [0, 1)")
+    if doc.get("max_new_tokens") is not None and not (isinstance(doc["max_new_tokens"], int)
+                                                      and not isinstance(doc["max_new_tokens"], bool)
+                                                      and doc["max_new_tokens"] >= 1):
+        bad("max_new_tokens", "a whole number >= 1")
+    if doc.get("facts") is not None and not isinstance(doc["facts"], dict):
+        bad("facts", "an object")
+    outs = doc["outputs"]
+    if not isinstance(outs, dict):
+        bad("outputs", "an object of output rows per role (system, stock, ar)")
+
+    def ids(x, empty_ok: bool) -> bool:
+        return (isinstance(x, list) and (empty_ok or bool(x))
+                and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in x))
+
+    for role, rows in outs.items():
+        if rows is None:
+            continue
+        if not isinstance(rows, list):
+            bad(f"outputs.{role}", "a list of output rows")
+        for i, r in enumerate(rows):
+            if not (isinstance(r, dict) and isinstance(r.get("id"), (str, int)) and ids(r.get("prompt_ids"), False)
+                    and ids(r.get("output_ids"), True)):
+                bad(f"outputs.{role}[{i}]", "a row with an id, non-empty prompt_ids and output_ids (token ids)")
 
 
 def dumps(obj) -> str:
