@@ -159,6 +159,8 @@ def parse_row(row: dict, where: str) -> LatticeStep:
     if not isinstance(target, list):
         raise InputError(f"{where}: \"target\" must be a list of token ids")
     _ints(target, "target", where)
+    if any(t < 0 for t in target):
+        raise InputError(f"{where}: \"target\" holds a negative token id")
     if len(target) < m + 1:
         raise InputError(f"{where}: \"target\" has {len(target)} tokens, needs at least m+1 = {m + 1}")
     tlv = _parse_tlv(row["tlv"], row, where) if row.get("tlv") is not None else None
@@ -325,7 +327,14 @@ def replay(lattice: Lattice, policies: Sequence[Policy | str], nodes: Sequence[i
                                  f"{'batch_step' if key[0] == 0 else 'step'} {key[1]}; a batch policy needs one")
             lats = [DraftLattice(st.tokens.tolist(), st.logprobs.tolist(),
                                  None if st.transitions is None else st.transitions.tolist()) for st in sts]
-            tok, lp, tr = rules.pack_lattices(lats, m, lattice.k, "cpu")
+            # padded to this batch's widest position, not the lattice's: one wide row elsewhere
+            # must not make every batch [B, m-1, K, K]
+            kb = max(max((len(r) for r in lat.tokens), default=1) for lat in lats)
+            if any(lat.transitions for lat in lats) and len(sts) * max(m - 1, 0) * kb * kb > MAX_TRANSITION_SCORES:
+                raise InputError(f"{lattice.path}: the batch at {'batch_step' if key[0] == 0 else 'step'} {key[1]} "
+                                 f"({len(sts)} requests x {m - 1} x {kb} x {kb} transition scores, padded) is more "
+                                 f"than the {MAX_TRANSITION_SCORES} a shared or adaptive policy packs")
+            tok, lp, tr = rules.pack_lattices(lats, m, kb, "cpu")
             if adaptive and len(sizes) > 1:
                 ring = torch.full((len(sts), rules.BLOCK_WINDOW), float("nan"))
                 for j, st in enumerate(sts):
@@ -384,8 +393,10 @@ def default_policies(lattice: Lattice) -> list[str]:
 
 
 def parse_nodes(text: str | None) -> list[int] | None:
-    if not text:
+    if text is None:
         return None
+    if not text.strip():
+        raise InputError("--nodes: empty; give node budgets, e.g. --nodes 8,16,32,63")
     out = []
     for part in text.split(","):
         part = part.strip()

@@ -93,6 +93,7 @@ def bad(field, value):
     (bad("batch_step", -1), "\"batch_step\" must be a whole number >= 0"),
     (bad("batch_step", True), "\"batch_step\" must be a whole number >= 0"),
     (bad("logprobs", [[float("nan"), -1, -1], [-1, -1, -1], [-1, -1, -1]]), "NaN"),
+    (bad("target", [11, -1, 30, 99]), "\"target\" holds a negative token id"),
 ])
 def test_malformed_rows_name_file_and_line(tmp_path, run_cli, row, msg):
     lat = tmp_path / "l.jsonl"
@@ -121,6 +122,9 @@ def test_bad_json_line_and_missing_file(tmp_path, run_cli):
     (["--policy", "beam:4"], "unknown policy"),
     (["--nodes", "8,x"], "--nodes"),
     (["--policy", "eagle2:4,4"], "TOPK,DEPTH,N"),
+    (["--policy", ""], "--policy: empty"),
+    (["--policy", " "], "--policy: empty"),
+    (["--nodes", ""], "--nodes: empty"),
 ])
 def test_bad_options(tmp_path, run_cli, args, msg):
     lat = write(tmp_path / "l.jsonl", [HAND])
@@ -282,6 +286,32 @@ def test_shared_budget_policy(tmp_path, run_cli):
     tau = {p["policy"]: p["tau"] for p in d["policies"]}
     assert tau == {"best-first:2": 2.5, "shared:2": 3.0}
     assert d["curves"]["shared"]["2"] == 3.0 and d["curves"]["best-first"]["1"] == 2.0
+
+
+def test_batch_policies_pad_each_batch_to_its_own_width(tmp_path, run_cli):
+    """One step with a very wide position must not pad every batch to its width: the other steps
+    replay as they would without it, and a batch too wide to pack is refused (exit 2), not a run
+    that eats the machine's memory."""
+    def row(req, step, k, trans):
+        toks = [[100 + i for i in range(k)], [200 + i for i in range(k)]]
+        lp = np.log(np.full((2, k), 1.0 / k)).tolist()
+        return {"schema": "specpilot.lattice/1", "request": req, "step": step, "tokens": toks, "logprobs": lp,
+                "transitions": [np.log(np.full((k, k), 1.0 / k)).tolist()] if trans else None,
+                "target": [100, 200, 7]}
+    narrow = [row(r, s, 3, True) for r in range(2) for s in range(3)]
+    lat = write(tmp_path / "n.jsonl", narrow)
+    want = json.loads(run_cli("replay", lat, "--policy", "shared:4", "--format", "json")[1])["policies"][0]["tau"]
+    alone = write(tmp_path / "a.jsonl", [row(0, 3, 5000, False)])
+    wide_tau = json.loads(run_cli("replay", alone, "--policy", "shared:4", "--format", "json")[1])["policies"][0]["tau"]
+    lat = write(tmp_path / "w.jsonl", narrow + [row(0, 3, 5000, False)])
+    code, out, err = run_cli("replay", lat, "--policy", "shared:4", "--format", "json")
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["steps"] == 7 and d["policies"][0]["tau"] == pytest.approx((want * 6 + wide_tau) / 7)
+    # a batch that has transitions and one 6000-wide position would pack [2, 1, 6000, 6000]
+    lat = write(tmp_path / "x.jsonl", narrow + [row(0, 3, 6000, False), row(1, 3, 3, True)])
+    code, _, err = run_cli("replay", lat, "--policy", "shared:4")
+    assert code == 2 and "transition scores, padded" in err, err
 
 
 def test_batch_policies_on_a_lattice_with_no_draft(tmp_path, run_cli):

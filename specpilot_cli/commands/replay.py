@@ -38,9 +38,12 @@ def command(lattice, policies, nodes, calibration, n_boot, seed, fmt, out):
     """
     from specpilot.auditors.policies import parse_policy, split_policies
     from specpilot.auditors.replay import default_policies, parse_nodes, read_lattice, replay, total_work
+    from specpilot.errors import InputError
     from specpilot.output import progress
 
     node_list = parse_nodes(nodes)
+    if any(not text.strip() for text in policies):
+        raise InputError("--policy: empty; give a policy, e.g. --policy best-first:32")
     pols_spec = [p for text in policies for p in split_policies(text)]
     parsed = [parse_policy(p) for p in pols_spec]  # fail fast on a typo, before reading the file
     lat = read_lattice(lattice)
