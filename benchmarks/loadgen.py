@@ -217,6 +217,24 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="write the summaries as JSON")
     args = ap.parse_args(argv)
+    import httpx
+
+    try:   # refused before any load is sent, not counted as failed requests after it
+        url = httpx.URL(args.url)
+    except httpx.InvalidURL as e:
+        print(f"loadgen: --url {args.url}: {e}", file=sys.stderr)
+        return 2
+    if url.scheme not in ("http", "https") or not url.host:
+        print(f"loadgen: --url {args.url}: give an http:// or https:// URL with a host", file=sys.stderr)
+        return 2
+    if args.out:
+        parent = Path(args.out).parent
+        if not parent.is_dir():
+            print(f"loadgen: --out {args.out}: folder {parent} does not exist", file=sys.stderr)
+            return 2
+        if Path(args.out).is_dir():
+            print(f"loadgen: --out {args.out}: is a folder; give a file name", file=sys.stderr)
+            return 2
     if args.prompts:
         try:
             prompts = read_prompts(args.prompts)

@@ -656,8 +656,14 @@ def test_a_port_in_use_or_a_bad_host_is_said_before_the_model_loads():
 def test_load_generator_refuses_bad_options_and_fails_when_requests_fail(tmp_path):
     gen = [sys.executable, str(REPO / "benchmarks" / "loadgen.py"), "--url", "http://127.0.0.1:1"]
     for bad in (["--random-ids", "4", "--rate", "0"], ["--random-ids", "4", "--concurrency", "1,0"],
-                ["--prompts", str(tmp_path / "none.jsonl")]):
-        assert subprocess.run(gen + bad, capture_output=True, text=True, timeout=60).returncode == 2, bad
+                ["--prompts", str(tmp_path / "none.jsonl")],
+                # said before any load is sent: a missing folder, a URL with no scheme
+                ["--random-ids", "4", "--out", str(tmp_path / "no" / "x.json")]):
+        p = subprocess.run(gen + bad, capture_output=True, text=True, timeout=60)
+        assert p.returncode == 2 and "Traceback" not in p.stderr, (bad, p.stderr)
+    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "loadgen.py"), "--url", "notaurl",
+                        "--random-ids", "4"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "give an http:// or https:// URL" in p.stderr, p.stderr
     p = subprocess.run(gen + ["--random-ids", "4", "--num-prompts", "2", "--max-new-tokens", "2"],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 1 and "2 of 2 requests failed" in p.stderr, p.stderr
