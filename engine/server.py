@@ -13,7 +13,7 @@
   (Prometheus text), ``/flush_cache`` (GET or POST: zeroes the cache slots when idle, else 400).
 - SIGTERM or SIGINT: stop admitting (503), let the requests in flight finish for up to ``grace``
   seconds, fail the rest (503, or a final stream event with ``finish_reason`` abort), exit. A
-  second signal skips the wait.
+  second signal skips the wait (the rest still get their answer); a third closes at once.
 """
 
 from __future__ import annotations
@@ -480,6 +480,7 @@ class Server:
             raise InputError(f"--ctx {decoder.cache.max_seq}: a one-token prompt and one new token need {need} cache "
                              "slots with these draft options; raise --ctx")
         self.state = ServeState(engine, decoder, options)
+        self.skip_grace = False   # a second signal: fail the requests in flight now, cleanly
         self.sock = sock if sock is not None else bind(options.host, options.port, options.backlog)
         self.port = self.sock.getsockname()[1]
 
@@ -507,7 +508,7 @@ class Server:
         with state.decoder.cond:
             state.decoder.draining = True
         deadline = time.monotonic() + self.options.grace
-        while not state.decoder.idle() and time.monotonic() < deadline and not server.force_exit:
+        while not state.decoder.idle() and time.monotonic() < deadline and not self.skip_grace:
             await asyncio.sleep(0.05)
         await asyncio.get_running_loop().run_in_executor(None, state.join_engine)
         state.decoder.abort_all("the server is shutting down")
@@ -527,9 +528,12 @@ def _uvicorn_server(config, owner: Server):
 
         def handle_exit(self, sig, frame):
             loop = owner.state.loop
-            if owner.state.draining or loop is None:
+            if loop is None or owner.skip_grace:   # not serving yet, or a third signal: close at once
                 self.force_exit = True
                 self.should_exit = True
+                return
+            if owner.state.draining:   # a second signal: no more grace, but the requests still get their end
+                owner.skip_grace = True
                 return
             owner.state.draining = True
             loop.call_soon_threadsafe(lambda: asyncio.ensure_future(owner.drain(self)))

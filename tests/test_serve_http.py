@@ -511,6 +511,47 @@ def test_sigterm_past_the_grace_fails_the_rest_cleanly(server_b):
     assert last["meta_info"]["finish_reason"]["type"] == "abort"
 
 
+def test_a_second_signal_ends_the_grace_and_every_stream_still_gets_its_end():
+    """SIGTERM, then SIGINT while the long grace runs: the requests in flight are failed at once,
+    each stream with its abort event and [DONE] (they were cut mid-stream), the OpenAI one too;
+    the summary counts them; no traceback; exit 0 long before the grace would end."""
+    # SmolLM2's steps take tens of ms on the CPU: the second signal lands inside one
+    s = ServeProcess("--model", "smollm2", "--mode", "tree", "--nodes", "16", "--batch", "8", "--grace", "120",
+                     "--threads", "1")
+    try:
+        url = s.url()
+        results = {}
+
+        def streamed(i, path, body):
+            with httpx.stream("POST", url + path, json=body, timeout=120) as r:
+                results[i] = [x for x in r.iter_lines() if x]
+
+        bodies = [("/generate", {**_gen([3, 4, i], 1000, ignore_eos=True), "stream": True}) for i in range(5)]
+        bodies.append(("/v1/completions", {"prompt": [5, 6], "max_tokens": 1000, "ignore_eos": True, "stream": True}))
+        threads = [threading.Thread(target=streamed, args=(i, p, b)) for i, (p, b) in enumerate(bodies)]
+        for t in threads:
+            t.start()
+        assert _wait_running(url, 6)
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        s.proc.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        s.proc.send_signal(signal.SIGINT)
+        out, err = s.proc.communicate(timeout=60)
+        for t in threads:
+            t.join(60)
+        assert s.proc.returncode == 0 and time.monotonic() - t0 < 30
+        assert "Traceback" not in "".join(s.err) + err, "".join(s.err) + err
+        for i in range(5):
+            assert results[i][-1] == "data: [DONE]", results[i][-3:]
+            assert json.loads(results[i][-2][6:])["meta_info"]["finish_reason"]["type"] == "abort"
+        assert results[5][-1] == "data: [DONE]"
+        assert json.loads(results[5][-2][6:])["choices"][0]["finish_reason"] == "abort"
+        assert re.search(r"\n\S+\s+\S+\s+\S+\s+6\s", out.split("served", 1)[1]), out   # aborted 6
+    finally:
+        s.kill()
+
+
 def test_tlv_server_batches_concurrent_cycles_losslessly(greedy):
     """serve --mode tlv: concurrent clients' TLV cycles share Q passes and exact passes; every output
     is the one-request greedy output."""
