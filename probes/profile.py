@@ -298,7 +298,7 @@ def build_profile(agg: Aggregate, table: RuleTable, floors: Floors | None = None
                         "check --rows/--batch/--context and the model")
     # a whole-graph record is one event for a graph's many kernels: the kernel count says nothing then
     warnings += st.plausibility([] if whole_graphs else [s.events for s in steps], [s.busy_ns for s in steps],
-                                agg.annotations)
+                                agg.annotations, [s.label for s in steps] if agg.step_mode == "range" else None)
     per_step = [{"index": s.index, "label": s.label, "wall_ms": s.wall_ns / 1e6, "busy_ms": s.busy_ns / 1e6,
                  "events": s.events} for s in steps]
     top = sorted(((median([v.get(i, 0.0) for i in idx]), n, c) for (n, c), v in per_kernel.items()), reverse=True)

@@ -231,12 +231,23 @@ class Spread:
         return {"median": self.median, "p10": self.p10, "p90": self.p90, "min": self.min, "max": self.max}
 
 
-def plausibility(events: list[int], busy_ns: list[int], annotations: dict[str, int]) -> list[str]:
-    """Warnings when the steps found look like something other than decode steps."""
+def plausibility(events: list[int], busy_ns: list[int], annotations: dict[str, int],
+                 step_labels: list[str] | None = None) -> list[str]:
+    """Warnings when the steps found look like something other than decode steps. ``step_labels``:
+    the names of the ranges that are the steps, when steps are annotation ranges (their families
+    are not suggested again)."""
     out = []
-    hint = ("; name the step annotations with --step-range REGEX (the trace has "
-            + ", ".join(f"{k!r} x{v}" for k, v in annotations.items()) + ")") if annotations else \
-        "; give --step-range REGEX (annotate steps with NVTX or torch.profiler.record_function)"
+    used = Counter(_generic(n) for n in step_labels) if step_labels else Counter()
+    others = {k: v for k, v in annotations.items() if k not in used}
+    fams = lambda d: ", ".join(f"{k!r} x{v}" for k, v in d.items())  # noqa: E731
+    if used:
+        hint = (f"; the steps are the trace's {', '.join(map(repr, used))} ranges: if they are not whole decode "
+                "steps, " + (f"name other annotations with --step-range REGEX (the trace also has {fams(others)})"
+                             if others else "try --step-mode graph or gap (the trace has no other annotations)"))
+    elif annotations:
+        hint = f"; name the step annotations with --step-range REGEX (the trace has {fams(annotations)})"
+    else:
+        hint = "; give --step-range REGEX (annotate steps with NVTX or torch.profiler.record_function)"
     med = float(np.median(events)) if events else 0.0
     if len(events) > 1 and med < IMPLAUSIBLE_EVENTS:
         out.append(f"steps look implausible: a median of {med:g} kernels per step{hint}")

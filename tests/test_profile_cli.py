@@ -174,3 +174,50 @@ def test_skip_steps_and_gap_mode(run_cli, tmp_path):
     d = json.loads(out)
     assert d["steps"] == 3 and d["trace"]["steps_found"] == 5 and d["step_mode"] == "gap"
     assert [s["index"] for s in d["per_step"]] == [2, 3, 4]
+
+
+def test_empty_step_range_is_refused(run_cli):
+    from conftest import one_error
+
+    code, out, err = run_cli("profile", H200_KINETO, "--step-range", "")
+    assert code == 2 and not out and "--step-range is empty" in one_error(err)
+
+
+def test_implausible_steps_from_annotations_do_not_suggest_them_again(run_cli, fixtures_dir):
+    code, out, err = run_cli("profile", fixtures_dir / "nsys_h200_linear_softmax_schema3.20.sqlite", "--format", "json")
+    assert code == 0, err
+    d = json.loads(out)
+    assert "20 SGLang step ranges" in d["step_detail"]
+    (warn,) = [w for w in d["warnings"] if "implausible" in w]
+    assert "the steps are the trace's 'step_N' ranges" in warn and "--step-mode graph or gap" in warn
+    assert "--step-range" not in warn
+    # found by gap mode instead, the annotations are worth naming
+    code, out, err = run_cli("profile", fixtures_dir / "nsys_h200_linear_softmax_schema3.20.sqlite", "--step-mode",
+                             "gap", "--format", "json")
+    assert code == 0, err
+    assert any("--step-range REGEX (the trace has 'step_N' x20)" in w for w in json.loads(out)["warnings"])
+
+
+def test_implausible_range_steps_list_the_other_annotation_families():
+    from specpilot.probes.steps import plausibility
+
+    (warn,) = plausibility([2, 2, 2], [1000] * 3, {"step_N": 3, "layer_N": 90}, ["step_0", "step_1", "step_2"])
+    assert "the steps are the trace's 'step_N' ranges" in warn
+    assert "other annotations with --step-range REGEX (the trace also has 'layer_N' x90)" in warn
+
+
+def test_gpu_from_kernel_names_needs_gpu_for_floors(run_cli, fixtures_dir, tmp_path):
+    """Without deviceProperties a ROCm trace names only the gfx ISA, which several catalog GPUs share."""
+    import gzip
+
+    from conftest import one_error
+
+    doc = json.loads(gzip.decompress((fixtures_dir / "kineto_sglang_qwen3-8b_decode_mi300x.json.gz").read_bytes()))
+    del doc["deviceProperties"]
+    p = tmp_path / "mi300x_no_props.json.gz"
+    p.write_bytes(gzip.compress(json.dumps(doc).encode()))
+    code, _, err = run_cli("profile", p, "--model", "qwen3-8b")
+    assert code == 2 and "'AMD gfx942 GPU (MI300 series, from kernel names)' is not in the GPU catalog" in one_error(err)
+    code, out, err = run_cli("profile", p, "--model", "qwen3-8b", "--gpu", "mi300x", "--format", "json")
+    assert code == 0, err
+    assert json.loads(out)["gpu"]["key"] == "mi300x"

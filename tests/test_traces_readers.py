@@ -221,3 +221,51 @@ def test_two_gpus_busiest_by_default_and_device_option(tmp_path):
     assert {g.name for g in b.groups if g.kind == "kernel"} == {"flash_fwd_splitkv_kernel"}
     with pytest.raises(InputError, match="no kernels on device 5"):
         read_trace(p, StepRequest(device=5))
+
+
+@pytest.mark.parametrize("comp", ["gzip", "xz"])
+def test_compressed_nsys_export_profiles_as_the_plain_one(run_cli, fixtures_dir, tmp_path, monkeypatch, comp):
+    """The LM-head rule reads the export again after the reader returned: the decompressed copy
+    lives until then, and is deleted afterwards."""
+    import gc
+    import gzip
+    import json
+    import lzma
+    import tempfile
+
+    plain = tmp_path / "h.sqlite"
+    shutil.copy(fixtures_dir / "nsys_h200_linear_softmax_schema3.20.sqlite", plain)
+    packed = tmp_path / f"h.sqlite.{'gz' if comp == 'gzip' else 'xz'}"
+    packed.write_bytes((gzip.compress if comp == "gzip" else lzma.compress)(plain.read_bytes()))
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+
+    def profile(*args):
+        code, out, err = run_cli("profile", *args, "--format", "json")
+        assert code == 0, err
+        return json.loads(out)
+
+    want, got = profile(plain), profile(packed)
+    assert got["notes"] == [*want["notes"], f"{comp}-compressed nsys-sqlite trace, decompressed to a temporary file"]
+    for d in (want, got):
+        d.pop("notes")
+        d.pop("trace")
+    assert got == want and got["steps"] == 20
+    d = profile(plain, packed, "--diff")
+    assert all(t["delta"] == 0 for t in d["totals"])
+    gc.collect()
+    assert list(scratch.iterdir()) == []
+
+
+def test_string_ids_stored_as_blobs_read_as_text(run_cli, fixtures_dir, tmp_path):
+    p = tmp_path / "blob.sqlite"
+    shutil.copy(fixtures_dir / "nsys_h200_linear_softmax_schema3.20.sqlite", p)
+    con = sqlite3.connect(p)
+    con.execute("UPDATE StringIds SET value = x'ff00fe'")
+    con.commit()
+    con.close()
+    a = read_trace(p)
+    assert len(a.steps) == 20 and {g.name for g in a.groups if g.kind == "kernel"} == {"\ufffd\x00\ufffd"}
+    code, _, err = run_cli("profile", p)
+    assert code == 0, err

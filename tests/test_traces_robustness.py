@@ -8,6 +8,7 @@ import json
 import shutil
 import sqlite3
 import subprocess
+import warnings
 import zlib
 
 import numpy as np
@@ -267,3 +268,43 @@ def test_zlib_error_is_input_error(tmp_path):
     p = tmp_path / "z.json.gz"
     p.write_bytes(b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\x03" + raw[2:-4] + b"\x00" * 3)
     _err(p)
+
+
+# ---- bad values inside Kineto events ------------------------------------------------------------
+def _kineto_with(tmp_path, good, cat: str, **fields):
+    """The good Kineto trace with ``fields`` set on its first ``cat`` event."""
+    doc = json.loads(good["json"].read_text())
+    ev = next(e for e in doc["traceEvents"] if e.get("cat") == cat)
+    ev.update(fields)
+    p = tmp_path / f"bad_{cat}.json"
+    p.write_text(json.dumps(doc))   # float('inf') is written as Infinity, as JavaScript tools write it
+    return p
+
+
+@pytest.mark.parametrize("name", [123, None, ["gemm"]])
+def test_kineto_kernel_name_not_a_string_is_malformed(tmp_path, good, name):
+    p = _kineto_with(tmp_path, good, "kernel", name=name)
+    msg = _err(p)
+    assert msg.startswith(f"{p}: malformed kernel event") and "not a string" in msg
+
+
+@pytest.mark.parametrize("cat, field", [("kernel", "ts"), ("kernel", "dur"), ("user_annotation", "ts"),
+                                        ("user_annotation", "dur"), ("cuda_runtime", "ts")])
+@pytest.mark.parametrize("value", [float("inf"), 1e300])
+def test_kineto_non_finite_or_huge_times_name_the_file(tmp_path, good, cat, field, value):
+    p = _kineto_with(tmp_path, good, cat, **{field: value})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # a numpy cast warning would be a leak to stderr
+        msg = _err(p)
+    assert msg.startswith(f"{p}: an event has a ") and ("non-finite" in msg or "out of range" in msg)
+
+
+def test_kineto_event_ending_before_it_starts_is_left_out_and_counted(tmp_path, good):
+    whole = read_trace(good["json"], StepRequest(range_regex="decode_step"))
+    p = _kineto_with(tmp_path, good, "kernel", dur=-5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        a = read_trace(p, StepRequest(range_regex="decode_step"))
+    assert sum(s.events for s in a.steps) == sum(s.events for s in whole.steps) - 1
+    assert "1 GPU event(s) ending before they start were left out (a damaged trace)" in a.notes
+    assert not any("ending before" in n for n in whole.notes)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import weakref
 import zlib
 from pathlib import Path
 from typing import Callable
@@ -143,6 +144,12 @@ def _decompressed(path, comp: str, kind: str) -> Path:
     return out
 
 
+def _remove_with(agg: Aggregate, folder: Path) -> None:
+    """Delete the temporary ``folder`` once ``agg`` is gone (or at exit): its ``locate_last`` reads the
+    file in it again, after the reader has returned."""
+    weakref.finalize(agg, shutil.rmtree, folder, ignore_errors=True)
+
+
 def read_trace(path: str | os.PathLike, request: StepRequest | None = None,
                on_read: Callable[[int], None] | None = None) -> Aggregate:
     """``on_read(n)`` is called as work proceeds: bytes of JSON read, or SQLite progress ticks."""
@@ -152,8 +159,10 @@ def read_trace(path: str | os.PathLike, request: StepRequest | None = None,
         plain = _decompressed(path, comp, kind)
         try:
             agg = read_trace(plain, request, on_read)
-        finally:
+        except BaseException:
             shutil.rmtree(plain.parent, ignore_errors=True)
+            raise
+        _remove_with(agg, plain.parent)
         agg.path = str(path)
         agg.notes.append(f"{comp}-compressed {kind} trace, decompressed to a temporary file")
         return agg
@@ -168,12 +177,15 @@ def read_trace(path: str | os.PathLike, request: StepRequest | None = None,
         db, temporary = export_sqlite(path)
         try:
             agg = read_nsys_sqlite(db, request, on_read)
-            agg.path = str(path)
-            agg.notes.append(f"exported with nsys to {'a temporary file' if temporary else db}")
-            return agg
-        finally:
+        except BaseException:
             if temporary:
                 shutil.rmtree(db.parent, ignore_errors=True)
+            raise
+        if temporary:
+            _remove_with(agg, db.parent)
+        agg.path = str(path)
+        agg.notes.append(f"exported with nsys to {'a temporary file' if temporary else db}")
+        return agg
     from .kineto import read_kineto
 
     return read_kineto(path, request, on_read)

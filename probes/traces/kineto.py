@@ -10,7 +10,9 @@ scopes (``python_function`` events of traces recorded with ``with_modules``), wh
 as ranges. Aggregation per step then runs in numpy.
 
 A kernel whose launch is not in the trace (its runtime call has no event: it was launched before
-the profiler started) is left out unless ``include_orphans`` is set, and counted in the notes.
+the profiler started) is left out unless ``include_orphans`` is set, and counted in the notes; so is
+a GPU event that ends before it starts (damage). A time, duration or id that is not finite or does
+not fit the integer columns, or a kernel name that is not a string, is an InputError.
 """
 
 from __future__ import annotations
@@ -71,13 +73,22 @@ def comm_bus_bytes(a: dict, name: str, world: int | None) -> int:
 FLUSH = 8_192
 
 
-def _block(rows: list[tuple], ncols: int, path) -> np.ndarray:
+# bounds on the magnitude of each column of a row as read (times in us): what the integer columns
+# hold; a time stays below 2**62 ns so that start + duration fits int64 too
+TIME_US_MAX = 2.0 ** 62 / 1000.0
+GPU_ROW_MAX = np.array([np.inf, TIME_US_MAX, TIME_US_MAX, 2.0 ** 31, 2.0 ** 63, np.inf, 2.0 ** 63, 2.0 ** 15])
+RT_ROW_MAX = np.array([2.0 ** 63, TIME_US_MAX])
+
+
+def _block(rows: list[tuple], ncols: int, path, limits: np.ndarray) -> np.ndarray:
     try:
         arr = np.array(rows, dtype=np.float64).reshape(-1, ncols)
     except (TypeError, ValueError) as e:
         raise InputError(f"{path}: malformed event field ({e})") from None
     if not np.isfinite(arr).all():
         raise InputError(f"{path}: an event has a non-finite time or id")
+    if (np.abs(arr) >= limits).any():
+        raise InputError(f"{path}: an event has a time, duration or id out of range")
     return arr
 
 
@@ -94,8 +105,15 @@ def _gpu_columns(arr: np.ndarray) -> dict[str, np.ndarray]:
     return out
 
 
+class _OutOfRange(ValueError):
+    """A time that is not finite or does not fit the integer nanosecond columns."""
+
+
 def _ns(x) -> int:
-    return int(round(float(x) * 1000.0))
+    us = float(x)
+    if not abs(us) < TIME_US_MAX:  # NaN too
+        raise _OutOfRange
+    return int(round(us * 1000.0))
 
 
 class KinetoTrace:
@@ -135,13 +153,15 @@ class KinetoTrace:
                 if kind is not None:
                     a = ev.get("args") or {}
                     nm = ev.get("name", "")
+                    if not isinstance(nm, str):
+                        raise TypeError(f"name {nm!r} is not a string")
                     nid = names.get(nm)
                     if nid is None:
                         nid = names[nm] = len(names)
                     append((kind, ev["ts"], ev.get("dur", 0), a.get("stream", -1), a.get("correlation", -1), nid,
                             a.get("External id", -1), a.get("device", -1)))
                     if len(gpu_rows) >= FLUSH:
-                        gpu_blocks.append(_gpu_columns(_block(gpu_rows, 8, path)))
+                        gpu_blocks.append(_gpu_columns(_block(gpu_rows, 8, path, GPU_ROW_MAX)))
                         gpu_rows.clear()
                 elif cat in RUNTIME_CATS:
                     a = ev.get("args") or {}
@@ -149,7 +169,7 @@ class KinetoTrace:
                     if c is not None:
                         rt_rows.append((c, ev["ts"]))
                         if len(rt_rows) >= FLUSH:
-                            rt_blocks.append(_block(rt_rows, 2, path))
+                            rt_blocks.append(_block(rt_rows, 2, path, RT_ROW_MAX))
                             rt_rows.clear()
                         if ev.get("name", "").startswith(GRAPH_LAUNCH):
                             graph_corr.append(int(c))
@@ -172,17 +192,24 @@ class KinetoTrace:
                         s = _ns(ev["ts"])
                         ranges.append(Range(name=nm, start=s, end=s + _ns(ev.get("dur", 0)),
                                             thread=(ev.get("pid"), ev.get("tid"))))
-            except (KeyError, TypeError, ValueError, AttributeError) as e:
+            except _OutOfRange:
+                raise InputError(f"{path}: an event has a non-finite or out-of-range time ({cat} "
+                                 f"{str(ev)[:120]})") from None
+            except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
                 raise InputError(f"{path}: malformed {cat} event ({type(e).__name__}: {e}) in {str(ev)[:120]}") from None
         if not isinstance(self.header.get("traceEvents", []), list):
             raise InputError(f"{path}: traceEvents is not a list")
         self.n_events = n_events
         self.names = list(names)
         self.dims = list(dims_ids)
-        gpu_blocks.append(_gpu_columns(_block(gpu_rows, 8, path)))
-        self.cols = {k: np.concatenate([b[k] for b in gpu_blocks]) for k in COLUMNS}
+        gpu_blocks.append(_gpu_columns(_block(gpu_rows, 8, path, GPU_ROW_MAX)))
+        cols = {k: np.concatenate([b[k] for b in gpu_blocks]) for k in COLUMNS}
         del gpu_blocks, gpu_rows
-        rt = np.concatenate(rt_blocks + [_block(rt_rows, 2, path)])
+        # a GPU event ending before it starts is damage: left out, and counted in a note per device
+        bad = cols["dur"] < 0
+        self.left_out = cols["device"][bad]
+        self.cols = {k: v[~bad] for k, v in cols.items()} if bad.any() else cols
+        rt = np.concatenate(rt_blocks + [_block(rt_rows, 2, path, RT_ROW_MAX)])
         order = np.argsort(rt[:, 0], kind="stable")
         self.rt_corr = rt[order, 0].astype(np.int64)
         self.rt_ts = np.rint(rt[order, 1] * 1000.0).astype(np.int64)
@@ -266,19 +293,27 @@ def aggregate_kineto(tr: KinetoTrace, req: StepRequest) -> Aggregate:
     notes: list[str] = []
     n = len(c["start"])
     if n == 0:
+        if len(tr.left_out):
+            raise InputError(f"{tr.path}: every GPU event ends before it starts (a damaged trace)")
         raise InputError(f"{tr.path}: the trace has no GPU events (kernel, gpu_memcpy, gpu_memset); "
                          "profile with ProfilerActivity.CUDA")
     sel = np.ones(n, dtype=bool)
     devs = c["device"]
     present = sorted({int(d) for d in np.unique(devs)})
+    device = None
     if req.device is not None:
         if req.device not in present:
             raise InputError(f"{tr.path}: no kernels on device {req.device} (devices: {', '.join(map(str, present))})")
         sel = devs == req.device
+        device = req.device
     elif len(present) > 1:
         main = int(np.bincount(devs - devs.min()).argmax() + devs.min())
         sel = devs == main
+        device = main
         notes.append(f"kernels on {len(present)} GPUs; profiling device {main} (choose with --device)")
+    damaged = int(len(tr.left_out) if device is None else np.count_nonzero(tr.left_out == device))
+    if damaged:
+        notes.append(f"{damaged} GPU event(s) ending before they start were left out (a damaged trace)")
     # a kernel whose runtime call is not in the trace was launched before the profiler started
     corr_all = c["corr"]
     orphan = np.zeros(n, dtype=bool)

@@ -288,7 +288,8 @@ class NsysExport:
         name = "n.text"
         join = ""
         if "textId" in cols:
-            name = "coalesce(n.text, s.value)" if "text" in cols else "s.value"
+            # CAST: a damaged export's BLOB (or number) reads as text, decoded as the connection decodes text
+            name = "CAST(coalesce(n.text, s.value) AS TEXT)" if "text" in cols else "CAST(s.value AS TEXT)"
             join = "LEFT JOIN StringIds s ON s.id = n.textId"
         tid = "n.globalTid" if "globalTid" in cols else "NULL"
         rows = self._q(f"SELECT n.start, n.end, {name}, {tid} FROM {NVTX} n {join} "
@@ -306,7 +307,9 @@ class NsysExport:
         for i in range(0, len(ids), 500):
             chunk = ids[i:i + 500]
             q = ",".join("?" * len(chunk))
-            out.update({int(k): v for k, v in self._q(f"SELECT id, value FROM StringIds WHERE id IN ({q})", chunk)})
+            # CAST as in ranges(); a NULL value gives no name (the group keeps a placeholder)
+            out.update({int(k): v for k, v in self._q(f"SELECT id, CAST(value AS TEXT) FROM StringIds "
+                                                       f"WHERE id IN ({q}) AND value IS NOT NULL", chunk)})
         return out
 
     def memcpy_names(self) -> dict[int, str]:

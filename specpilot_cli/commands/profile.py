@@ -93,6 +93,9 @@ def command(traces, step_range, step_mode, gap_us, skip_steps, device, include_o
 
     if model_name and ceiling_file:
         raise InputError("give --model or --ceiling, not both")
+    if step_range == "":
+        raise InputError("--step-range is empty: give a REGEX of the step ranges' names, or leave it out to find "
+                         "the steps automatically")
     if gap_us is not None and gap_us <= 0:
         raise InputError("--gap-us must be positive")
     if link_bandwidth is not None and link_bandwidth <= 0:
