@@ -68,29 +68,64 @@ def sweep_partial(purelib: str | Path) -> list[str]:
     return removed
 
 
-# the activation's fields that readers rely on, with their types (present in every file apply writes)
-_FIELDS = {"bundles": list, "closure": list, "settings": dict, "sglang": dict, "hooks": list}
-_OPTIONAL = {"fingerprints": dict, "targets": dict, "setup": list}
+def _text(x) -> bool:
+    return isinstance(x, str)
+
+
+def _names(x) -> bool:
+    return isinstance(x, list) and all(isinstance(i, str) for i in x)
+
+
+def _sglang_field(x) -> bool:
+    return (isinstance(x, dict) and isinstance(x.get("version"), (str, type(None)))
+            and isinstance(x.get("package"), (str, type(None))) and isinstance(x.get("forced"), bool))
+
+
+def _hooks_field(x) -> bool:
+    return isinstance(x, list) and all(isinstance(h, dict) and all(isinstance(h.get(f), str)
+                                                                   for f in ("target", "type", "handler")) for h in x)
+
+
+def _drafter_field(x) -> bool:
+    from .contract import DRAFTERS
+
+    return x is None or x in DRAFTERS
+
+
+# every field apply writes, with the test its value must pass (status, revert and the plugin rely on them)
+_FIELDS = {
+    "bundles": _names, "closure": _names, "settings": lambda x: isinstance(x, dict), "sglang": _sglang_field,
+    "hooks": _hooks_field, "setup": _names, "quantization": _names,
+    "fingerprints": lambda x: isinstance(x, dict) and all(_text(v) for v in x.values()),
+    "targets": lambda x: isinstance(x, dict) and all(v is None or _text(v) for v in x.values()),
+    "specpilot_version": _text, "applied_at": _text, "launch": _text, "drafter": _drafter_field,
+}
+
+
+def not_a_file(path: Path) -> str:
+    what = "a folder" if path.is_dir() else "not a regular file"
+    return f"{path}: the activation file is {what}; SpecPilot did not write it, remove it by hand"
 
 
 def read_activation(path: Path) -> dict | None:
-    if not path.is_file():
+    if not os.path.lexists(path):
         return None
+    if not path.is_file():
+        raise InputError(not_a_file(path))
     try:
         obj = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise InputError(f"{path}: not valid JSON ({e}); run 'specpilot revert' to remove it") from None
     check_schema(obj, "activation", str(path))
-    bad = [k for k, t in _FIELDS.items() if not isinstance(obj.get(k), t)]
-    bad += [k for k, t in _OPTIONAL.items() if k in obj and not isinstance(obj[k], t)]
-    if not bad:
-        bad += [k for k in ("bundles", "closure") if not all(isinstance(i, str) for i in obj[k])]
-        named = all(isinstance(h, dict) and all(isinstance(h.get(f), str) for f in ("target", "type", "handler"))
-                    for h in obj["hooks"])
-        bad += [] if named else ["hooks"]
+    bad = [k for k, ok in _FIELDS.items() if k not in obj or not ok(obj[k])]
+    fix = "run 'specpilot revert' to remove it, then apply again"
     if bad:
-        raise InputError(f"{path}: malformed activation ({', '.join(bad)} missing or of the wrong type); run "
-                         "'specpilot revert' to remove it, then apply again")
+        raise InputError(f"{path}: malformed activation ({', '.join(bad)} missing or of the wrong type); {fix}")
+    # apply records the bundles asked for within their closure (requirements first); anything else was edited
+    stray = [b for b in obj["bundles"] if b not in obj["closure"]]
+    if stray or not obj["bundles"]:
+        what = f"{', '.join(map(repr, stray))} not in closure" if stray else "empty"
+        raise InputError(f"{path}: malformed activation (bundles: {what}); {fix}")
     return obj
 
 
@@ -107,19 +142,10 @@ def _registry(entries: dict[str, mem.Entry], ids: list[str]) -> dict[str, tuple[
 
 
 def check_setting(name: str, value: Any, owner: str, var: mem.Variant, shown: str) -> None:
-    """Refuse (InputError, led by ``shown``) a value outside variant ``var``'s choices, list shape or range."""
-    if var.choices is not None and value not in var.choices:
-        raise InputError(f"{shown}: must be one of {var.choices} ({owner})")
-    if isinstance(var.default, list):
-        kinds = {type(x) for x in var.default}
-        if not isinstance(value, list) or not value or any(type(x) not in kinds for x in value):
-            raise InputError(f"{shown}: must be a non-empty list like {var.default} ({owner})")
-    if var.range is not None:
-        lo, hi = var.range
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not (lo <= value <= hi):
-            raise InputError(f"{shown}: must be a number in [{lo}, {hi}] ({owner})")
-        if isinstance(var.default, int) and not isinstance(value, int):
-            raise InputError(f"{shown}: must be an integer ({owner})")
+    """Refuse (InputError, led by ``shown``) a value that is not a valid setting of variant ``var``."""
+    problem = var.problem(value)
+    if problem:
+        raise InputError(f"{shown}: {problem} ({owner})")
 
 
 def parse_settings(pairs, entries: dict[str, mem.Entry], ids: list[str]) -> dict[str, Any]:
@@ -137,7 +163,8 @@ def parse_settings(pairs, entries: dict[str, mem.Entry], ids: list[str]) -> dict
             known = ", ".join(sorted(registry)) or "none"
             raise InputError(f"--set {name}: not a variant of the applied bundles (known: {known})")
         owner, var = registry[name]
-        value = yaml.safe_load(raw)
+        # a text variant (a folder name) takes the text as written: YAML would read "" as null, "1" as 1
+        value = raw if isinstance(var.default, str) and var.choices is None else yaml.safe_load(raw)
         check_setting(name, value, owner, var, f"--set {name}={raw}")
         values[name] = value
     return values
@@ -324,6 +351,8 @@ def revert(python: str | None = None) -> RevertResult:
     with locked(env.purelib):
         swept = sweep_partial(env.purelib)
         removed = None
+        if os.path.lexists(path) and not path.is_file():
+            raise InputError(not_a_file(path))
         if path.exists():
             try:
                 removed = (read_activation(path) or {}).get("bundles")
@@ -379,9 +408,12 @@ def status(python: str | None = None, memory_dir=None) -> StatusResult:
             listed = sorted(hook_key(h["type"], h["target"], h["handler"]) for h in act.get("hooks", []))
             if listed != now.hooks:
                 problems.append("the bundles' hook set changed since apply (SpecPilot was updated); apply again")
-    for m, fp in act.get("fingerprints", {}).items():
-        if env.fingerprints.get(m) != fp:
-            problems.append(f"bundle module {m} in that environment changed since apply; apply again")
-    if env.specpilot_version is None:
+    if env.specpilot_version is None:  # its modules are gone with it: this one problem says so
         problems.append("SpecPilot is no longer installed there: SGLang will not load the plugin")
+    else:
+        for m, fp in act["fingerprints"].items():
+            if env.fingerprints.get(m) is None:
+                problems.append(f"bundle module {m} is missing from that environment; apply again")
+            elif env.fingerprints[m] != fp:
+                problems.append(f"bundle module {m} in that environment changed since apply; apply again")
     return StatusResult(path=str(path), env=env, activation=act, checks=checks, problems=problems, swept=swept)

@@ -13,6 +13,10 @@ from pathlib import Path
 from .memory import Hook, Symbol
 
 
+class Unparsable(Exception):
+    """A target file that cannot be read as Python source; the message says why."""
+
+
 @dataclass
 class TargetCheck:
     target: str
@@ -77,7 +81,14 @@ class SGLangSource:
 
     def tree(self, path: Path) -> ast.Module:
         if path not in self._trees:
-            self._trees[path] = ast.parse(path.read_bytes(), filename=str(path))
+            try:
+                self._trees[path] = ast.parse(path.read_bytes(), filename=str(path))
+            except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
+                where = f", line {e.lineno}" if isinstance(e, SyntaxError) and e.lineno else ""
+                msg = e.msg if isinstance(e, SyntaxError) else str(e) or type(e).__name__
+                raise Unparsable(f"{path} does not parse ({msg}{where})") from None
+            except OSError as e:
+                raise Unparsable(f"{path} cannot be read ({e.strerror or e})") from None
         return self._trees[path]
 
     def split(self, target: str) -> tuple[str, Path, list[str]] | None:
@@ -127,7 +138,10 @@ class SGLangSource:
         if not attrs:
             return "module", None, path
         node = None
-        body = self.tree(path).body
+        try:
+            body = self.tree(path).body
+        except Unparsable as e:
+            return None, f"target {e}", path
         kind = None
         for depth, name in enumerate(attrs):
             node = self._find(body, name)
@@ -157,7 +171,7 @@ class SGLangSource:
         if split is None or not split[2]:
             return []
         _mod, path, attrs = split
-        body = self.tree(path).body
+        body = self.tree(path).body  # resolve() has parsed this file already
         for name in attrs[:-1]:
             node = self._find(body, name)
             if not isinstance(node, ast.ClassDef):
@@ -167,7 +181,10 @@ class SGLangSource:
 
 
 def _sha(path: Path | None) -> str | None:
-    return None if path is None else "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
+    try:
+        return None if path is None else "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:  # resolve() reports the unreadable file
+        return None
 
 
 def check_hook(src: SGLangSource, hook: Hook) -> TargetCheck:

@@ -57,11 +57,40 @@ class Symbol:
 
 @dataclass
 class Variant:
+    """A tunable of an entry. ``range`` bounds a number, or each item of a list variant;
+    ``order: descending`` asks a list variant for its items largest first, each once."""
+
     name: str
     default: Any
     range: list | None = None
     choices: list | None = None
     doc: str = ""
+    order: str | None = None
+
+    def problem(self, value: Any) -> str | None:
+        """Why ``value`` is not a valid setting of this variant (None when it is)."""
+        if self.choices is not None:
+            return None if value in self.choices else f"must be one of {self.choices}"
+        if isinstance(self.default, str) and self.range is None:
+            return None if isinstance(value, str) and value.strip() else "must not be empty"
+        if isinstance(self.default, list):
+            kinds = {type(x) for x in self.default}
+            if not isinstance(value, list) or not value or any(type(x) not in kinds for x in value):
+                return f"must be a non-empty list like {self.default}"
+            items = value
+        else:
+            items = [value]
+        if self.range is not None:
+            lo, hi = self.range
+            for x in items:
+                if not isinstance(x, (int, float)) or isinstance(x, bool) or not lo <= x <= hi:
+                    return f"must be a number in [{lo}, {hi}]" if items is not value else \
+                        f"each item must be a number in [{lo}, {hi}]"
+                if isinstance(self.default, int) and not isinstance(self.default, bool) and not isinstance(x, int):
+                    return "must be an integer"
+        if self.order == "descending" and any(a <= b for a, b in zip(items, items[1:])):
+            return "must list its items largest first, each once"
+        return None
 
 
 @dataclass(frozen=True)
@@ -190,6 +219,29 @@ def parse_fits(raw: Any, source: str) -> Fits:
                 batch=batch, changes_output=bool(raw.get("changes_output", False)))
 
 
+def parse_variant(name: Any, v: Any, source: str) -> Variant:
+    """One entry of ``variants``; its default must be a valid setting of it."""
+    if not isinstance(v, dict) or "default" not in v:
+        raise InputError(f"{source}: variant {name!r} needs a default")
+    rng, choices, order = v.get("range"), v.get("choices"), v.get("order")
+    if rng is not None and not (isinstance(rng, list) and len(rng) == 2
+                                and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in rng)
+                                and rng[0] <= rng[1]):
+        raise InputError(f"{source}: variant {name!r}: range must be [low, high] numbers with low <= high, not {rng!r}")
+    if choices is not None and not (isinstance(choices, list) and choices):
+        raise InputError(f"{source}: variant {name!r}: choices must be a non-empty list")
+    if order not in (None, "descending"):
+        raise InputError(f"{source}: variant {name!r}: order must be descending or absent, not {order!r}")
+    var = Variant(name=str(name), default=v["default"], range=rng, choices=choices, doc=str(v.get("doc", "")),
+                  order=order)
+    if isinstance(var.default, list) and not var.default:
+        raise InputError(f"{source}: variant {name!r}: default must not be an empty list")
+    problem = var.problem(var.default)
+    if problem:
+        raise InputError(f"{source}: variant {name!r}: default {var.default!r} {problem}")
+    return var
+
+
 def parse_entry(raw: Any, source: str, path: Path | None = None) -> Entry:
     if not isinstance(raw, dict):
         raise InputError(f"{source}: a memory entry must be a YAML mapping")
@@ -238,10 +290,7 @@ def parse_entry(raw: Any, source: str, path: Path | None = None) -> Entry:
     if not isinstance(raw_variants, dict):
         raise InputError(f"{source}: 'variants' must be a mapping of name to variant")
     for name, v in raw_variants.items():
-        if not isinstance(v, dict) or "default" not in v:
-            raise InputError(f"{source}: variant {name!r} needs a default")
-        variants.append(Variant(name=name, default=v["default"], range=v.get("range"),
-                                choices=v.get("choices"), doc=v.get("doc", "")))
+        variants.append(parse_variant(name, v, source))
     sglang = raw["sglang"] or {}
     if not isinstance(sglang, dict):
         raise InputError(f"{source}: 'sglang' must be a mapping (checked: [versions])")
@@ -286,6 +335,8 @@ def load_memory(directory: str | Path | None = None) -> dict[str, Entry]:
     for path in sorted(directory.glob("*.yaml")):
         raw = read_yaml(path, "memory entry")
         entry = parse_entry(raw, str(path), path)
+        if entry.id != path.stem:
+            raise InputError(f"{path}: id {entry.id!r} does not match the file name (expected id: {path.stem})")
         if entry.id in entries:
             raise InputError(f"{path}: duplicate memory id {entry.id!r} (also in {entries[entry.id].path})")
         entries[entry.id] = entry

@@ -77,9 +77,27 @@ class TargetEnv:
         return self.sglang_version in SUPPORTED_SGLANG
 
 
+def _probe_shaped(info) -> bool:
+    """Whether ``info`` has the shape ``_PROBE`` prints (something else may answer as "python")."""
+    def text(x, none_ok=False):
+        return isinstance(x, str) or (none_ok and x is None)
+
+    if not isinstance(info, dict) or not all(text(info.get(k)) for k in ("executable", "python", "prefix", "purelib")):
+        return False
+    sg, sp, fps = info.get("sglang"), info.get("specpilot"), info.get("fingerprints", {})
+    if sg is not None and not (isinstance(sg, dict) and text(sg.get("version"), True) and text(sg.get("package"))):
+        return False
+    if sp is not None and not (isinstance(sp, dict) and text(sp.get("version"))
+                               and isinstance(sp.get("entry_point") or {}, dict)):
+        return False
+    return isinstance(fps, dict) and all(text(k) and text(v, True) for k, v in fps.items())
+
+
 def probe(python: str | None = None, timeout: float = 60.0, modules=()) -> TargetEnv:
     """Describe the environment of interpreter ``python`` (default: this one); ``modules``: also
     fingerprint these modules' source files as that environment would import them."""
+    if python is not None and not str(python).strip():
+        raise InputError("--python: empty path; give the interpreter of the SGLang environment")
     python = python or sys.executable
     exe = Path(python)
     if not exe.exists():
@@ -90,8 +108,9 @@ def probe(python: str | None = None, timeout: float = 60.0, modules=()) -> Targe
         # -B: the probe must not leave __pycache__ files behind in the target environment
         env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
         script = f"MODULES = {sorted(modules)!r}\nPLUGIN_GROUP = {PLUGIN_GROUP!r}\n" + _PROBE
-        proc = subprocess.run([str(exe), "-B", "-c", script], capture_output=True, text=True, timeout=timeout,
-                              env=env)
+        # absolute: Path("./py") is "py", which subprocess would look up on $PATH
+        proc = subprocess.run([os.path.abspath(exe), "-B", "-c", script], capture_output=True, text=True,
+                              timeout=timeout, env=env)
     except OSError as e:
         raise InputError(f"--python {python}: cannot run it ({e.strerror or e})") from None
     except subprocess.TimeoutExpired:
@@ -102,6 +121,8 @@ def probe(python: str | None = None, timeout: float = 60.0, modules=()) -> Targe
     try:
         info = json.loads(proc.stdout.strip().splitlines()[-1])
     except (json.JSONDecodeError, IndexError):
+        info = None
+    if not _probe_shaped(info):
         raise InputError(f"--python {python}: unexpected probe output") from None
     sg, sp = info.get("sglang"), info.get("specpilot")
     return TargetEnv(

@@ -192,6 +192,15 @@ def test_missing_sglang_and_missing_specpilot(run_cli, tmp_path):
     (["apply", "tree", "--python", "/nonexistent/python"], "no such file"),
     (["apply", "tree", "--python", "/etc/passwd"], "not an executable Python interpreter"),
     (["status", "--python", "/bin/false"], "the probe failed"),
+    (["apply", "lattice-trace", "--dry-run", "--set", "lattice_dir="], "--set lattice_dir=: must not be empty"),
+    (["apply", "batching", "--dry-run", "--set", "block_sizes=[-1,2,3]"],
+     "block_sizes=[-1,2,3]: each item must be a number in [1, 256]"),
+    (["apply", "batching", "--dry-run", "--set", "block_sizes=[0]"], "block_sizes=[0]: each item must be a number in"),
+    (["apply", "batching", "--dry-run", "--set", "block_sizes=[3,5,7]"], "must list its items largest first"),
+    (["apply", "batching", "--dry-run", "--set", "block_sizes=[12,12]"], "must list its items largest first"),
+    (["apply", "tree", "--python", ""], "--python: empty path"),
+    (["status", "--python", ""], "--python: empty path"),
+    (["revert", "--python", ""], "--python: empty path"),
 ])
 def test_bad_input_exit_2(run_cli, env, args, msg):
     if "--python" not in args:
@@ -203,8 +212,9 @@ def test_bad_input_exit_2(run_cli, env, args, msg):
     assert err.startswith("specpilot: error:") and msg in err and len(err.strip().splitlines()) == 1
 
 
-def test_status_detects_drift(run_cli, tmp_path):
-    """Status fails (exit 1) when the installed SGLang changed under an activation."""
+def _env_with_own_speculative(tmp_path) -> tuple[Path, Path]:
+    """(python, speculative folder): an environment whose SGLang is the real one except for a copy
+    of ``sglang/srt/speculative`` that a test may edit."""
     import shutil
 
     root = tmp_path / "sgl"
@@ -221,9 +231,14 @@ def test_status_detects_drift(run_cli, tmp_path):
             (root2 / "sglang" / "srt" / item.name).symlink_to(item)
     (root2 / "sglang" / "srt" / "speculative").symlink_to(root / "sglang" / "srt" / "speculative")
     shutil.copytree(next(SGL.glob("sglang-*.dist-info")), root2 / "sglang-0.5.23.dist-info")
-    py = make_env(tmp_path / "env", root2)
+    return make_env(tmp_path / "env", root2), root / "sglang" / "srt" / "speculative"
+
+
+def test_status_detects_drift(run_cli, tmp_path):
+    """Status fails (exit 1) when the installed SGLang changed under an activation."""
+    py, spec = _env_with_own_speculative(tmp_path)
     assert run_cli("apply", "tree", "--python", py)[0] == 0
-    f = root / "sglang" / "srt" / "speculative" / "eagle_utils.py"
+    f = spec / "eagle_utils.py"
     f.write_text(f.read_text().replace("    num_draft_token: int,\n):\n    # b, n, topk",
                                        "    num_draft_token: int,\n    extra,\n):\n    # b, n, topk"))
     code, out, err = run_cli("status", "--python", py, "--format", "json")
@@ -235,16 +250,82 @@ def test_status_detects_drift(run_cli, tmp_path):
     assert code == 3 and "do not match" in err
 
 
+@pytest.mark.parametrize("name, tail", [("eagle_utils.py", b"def broken(:\n"), ("dflash_info.py", b"\xff\xfe\x00")])
+def test_a_target_file_that_does_not_parse_is_a_problem_not_a_crash(run_cli, tmp_path, name, tail):
+    py, spec = _env_with_own_speculative(tmp_path)
+    assert run_cli("apply", "tree", "--python", py)[0] == 0
+    (spec / name).write_bytes((spec / name).read_bytes() + tail)
+    code, out, err = run_cli("status", "--python", py, "--format", "json")
+    assert code == 1, err
+    assert any(f"{name} does not parse" in p for p in json.loads(out)["problems"]), out
+    code, _, err = run_cli("apply", "tree", "--python", py, "--dry-run")
+    assert code == 3 and f"{name} does not parse" in err and len(err.strip().splitlines()) == 1
+    code, out, err = run_cli("memory", "verify", "tree", "--python", py)
+    assert code == 1 and f"{name} does not parse" in out, err
+
+
+@pytest.mark.parametrize("answer", ["{}", "[1,2]", '"x"', '{"executable": "a", "python": "3.11.7", "prefix": "/p", '
+                                    '"purelib": "/p", "sglang": "weird", "specpilot": null}'])
+@pytest.mark.parametrize("verb", [["status"], ["apply", "tree"], ["revert"]])
+def test_an_interpreter_that_answers_something_else_is_bad_input(run_cli, tmp_path, monkeypatch, answer, verb):
+    fake = tmp_path / "py"
+    fake.write_text(f"#!/bin/sh\necho '{answer}'\n")
+    fake.chmod(0o755)
+    monkeypatch.chdir(tmp_path)  # "./py": a relative path is run as given, not looked up on $PATH
+    code, _, err = run_cli(*verb, "--python", "./py")
+    assert code == 2 and err.strip() == "specpilot: error: --python ./py: unexpected probe output", err
+
+
+def test_an_activation_path_that_is_a_folder_is_named(run_cli, env):
+    path = _purelib(env) / act.ACTIVATION_NAME
+    path.mkdir()
+    try:
+        for args in (["apply", "tree"], ["apply", "tree", "--dry-run"], ["status"], ["revert"]):
+            code, out, err = run_cli(*args, "--python", env)
+            assert code == 2 and err.strip() == (f"specpilot: error: {path}: the activation file is a folder; "
+                                                 "SpecPilot did not write it, remove it by hand"), (args, err)
+        assert path.is_dir()
+    finally:
+        path.rmdir()
+
+
+def test_status_says_what_is_missing(run_cli, env, tmp_path):
+    no_sgl = make_env(tmp_path / "a", None)
+    code, out, _ = run_cli("status", "--python", no_sgl)
+    assert code == 0 and out.strip().endswith("absent); SGLang is not installed there"), out
+    code, out, _ = run_cli("status", "--python", env)
+    assert code == 0 and out.strip().endswith("absent); SGLang 0.5.23 runs stock"), out
+    # an activation left behind in an environment SpecPilot was removed from: its modules went with it
+    no_sp = make_env(tmp_path / "b", SGL, with_specpilot=False)
+    assert run_cli("apply", "tree", "--python", env)[0] == 0
+    try:
+        (_purelib(no_sp) / act.ACTIVATION_NAME).write_text((_purelib(env) / act.ACTIVATION_NAME).read_text())
+    finally:
+        assert run_cli("revert", "--python", env)[0] == 0
+    code, out, _ = run_cli("status", "--python", no_sp, "--format", "json")
+    assert code == 1
+    assert json.loads(out)["problems"] == ["SpecPilot is no longer installed there: SGLang will not load the plugin"]
+
+
 def test_status_on_a_damaged_activation_is_bad_input_or_a_problem(run_cli, env):
     assert run_cli("apply", "tree", "--python", env)[0] == 0
     path = _purelib(env) / act.ACTIVATION_NAME
     good = json.loads(path.read_text())
+    gone = object()  # the key deleted
     try:
         for damage, field in (({"closure": None}, "closure"), ({"hooks": 5}, "hooks"), ({"hooks": [{"type": 1}]}, "hooks"),
-                              ({"bundles": [3]}, "bundles"), ({"targets": []}, "targets")):
-            path.write_text(json.dumps(dict(good, **damage)))
+                              ({"bundles": [3]}, "bundles"), ({"targets": []}, "targets"),
+                              ({"fingerprints": gone}, "fingerprints"), ({"targets": gone}, "targets"),
+                              ({"quantization": "x"}, "quantization"), ({"launch": 5}, "launch"),
+                              ({"drafter": 7}, "drafter"), ({"drafter": "medusa"}, "drafter"),
+                              ({"sglang": {"forced": "yes"}}, "sglang"), ({"setup": "x"}, "setup")):
+            damaged = {k: v for k, v in dict(good, **damage).items() if v is not gone}
+            path.write_text(json.dumps(damaged))
             code, _, err = run_cli("status", "--python", env)
             assert code == 2 and f"malformed activation ({field} missing or of the wrong type)" in err, err
+        path.write_text(json.dumps(dict(good, bundles=["nope"])))
+        code, _, err = run_cli("status", "--python", env)
+        assert code == 2 and "malformed activation (bundles: 'nope' not in closure)" in err, err
         path.write_text(json.dumps({"schema": good["schema"]}))
         assert run_cli("status", "--python", env)[0] == 2
         path.write_text(json.dumps(dict(good, settings=dict(good["settings"], node_budget="abc"))))

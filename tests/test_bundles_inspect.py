@@ -121,3 +121,14 @@ def test_every_bundle_target_resolves_in_the_real_wheel():
         checks = check_targets(sglang_dir(), e.hooks, e.symbols)
         assert checks and all(c.ok for c in checks), [(c.target, c.problem) for c in checks if not c.ok]
         assert all(c.file_sha256.startswith("sha256:") for c in checks)
+
+
+@pytest.mark.parametrize("tail, problem", [
+    (b"def broken(:\n", "does not parse (invalid syntax, line"),
+    (b"\xff\xfe\x00", "does not parse (source code string cannot contain null bytes)"),
+])
+def test_a_target_file_that_does_not_parse_is_a_problem(src, tail, problem):
+    path = src.root / "sglang" / "srt" / "mod.py"
+    path.write_bytes(path.read_bytes() + tail)
+    for res in (check_hook(src, Hook("sglang.srt.mod.f", "replace", "x:y")), check_symbol(src, Symbol("sglang.srt.mod.C"))):
+        assert not res.ok and res.problem.startswith(f"target {path} ") and problem in res.problem

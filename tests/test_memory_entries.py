@@ -39,8 +39,7 @@ def test_every_entry_is_complete_and_honest():
         if e.status != "library":
             assert e.sglang_checked == ["0.5.23"] and (e.hooks or e.setup), e.id
         for v in e.variants:
-            if v.range:
-                assert v.range[0] <= v.default <= v.range[1]
+            assert v.problem(v.default) is None, (e.id, v.name)
 
 
 def _copy(tmp_path) -> Path:
@@ -129,14 +128,30 @@ def test_list_and_show(run_cli):
     (lambda raw: raw.pop("unverified"), "missing field(s) unverified"),
     (lambda raw: raw.update(status="great"), "status must be one of"),
     (lambda raw: raw["code"]["hooks"][0].update(type="sideways"), "hook type 'sideways'"),
+    (lambda raw: raw.update(id="other"), "tree.yaml: id 'other' does not match the file name (expected id: tree)"),
+    (lambda raw: raw["variants"]["node_budget"].update(default="abc"),
+     "variant 'node_budget': default 'abc' must be a number in [2, 256]"),
+    (lambda raw: raw["variants"]["node_budget"].update(range=[256, 2]),
+     "variant 'node_budget': range must be [low, high] numbers with low <= high, not [256, 2]"),
+    (lambda raw: raw["variants"]["node_budget"].update(range="x"), "variant 'node_budget': range must be"),
+    (lambda raw: raw["variants"]["node_budget"].update(default=1000), "default 1000 must be a number in [2, 256]"),
+    (lambda raw: raw["variants"]["node_budget"].update(order="up"), "order must be descending or absent"),
 ])
 def test_bad_entries_exit_2(run_cli, tmp_path, mutate, msg):
     d = _copy(tmp_path)
     raw = yaml.safe_load((d / "tree.yaml").read_text())
     mutate(raw)
     (d / "tree.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
-    code, out, err = run_cli("memory", "list", "--memory-dir", d)
-    assert code == 2 and msg in err and out == ""
+    for verb in ("list", "verify"):
+        code, out, err = run_cli("memory", verb, "--memory-dir", d)
+        assert code == 2 and msg in err and out == "" and len(err.strip().splitlines()) == 1, err
+
+
+def test_verify_of_an_empty_memory_is_bad_input(run_cli, tmp_path):
+    code, out, err = run_cli("memory", "verify", "--memory-dir", tmp_path)
+    assert code == 2 and err.strip() == f"specpilot: error: {tmp_path}: no entries (*.yaml) to verify" and out == ""
+    code, _, err = run_cli("memory", "verify", "--python", "")
+    assert code == 2 and "--python: empty path" in err
 
 
 def test_unknown_id_and_broken_yaml(run_cli, tmp_path):

@@ -107,6 +107,8 @@ def verify(ids, python, record, results_dir, memory_dir, fmt, out):
     if results_dir and not results.is_dir():
         raise InputError(f"--results {results_dir}: no such folder")
     entries = mem.load_memory(memory_dir)
+    if not entries:  # verifying nothing must not read as a pass
+        raise InputError(f"{memory_dir or mem.MEMORY_DIR}: no entries (*.yaml) to verify")
     if record:   # every entry's new text first: an entry that cannot be recorded leaves every file as it was
         texts = []
         for i in ids or sorted(entries):
@@ -122,7 +124,7 @@ def verify(ids, python, record, results_dir, memory_dir, fmt, out):
         if stale:
             r.problems += stale
             r.ok = False
-    if python:
+    if python is not None:
         from specpilot.bundles.activation import require_sglang
         from specpilot.bundles.inspect_sglang import check_targets
         from specpilot.bundles.sglang_env import probe

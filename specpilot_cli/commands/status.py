@@ -33,7 +33,11 @@ def command(python, fmt, out):
             "specpilot_installed": res.env.specpilot_version, "activation": act,
             "checks": [c.__dict__ for c in res.checks]}
     if act is None:
-        lines = [f"no bundles active ({res.path} absent); SGLang {res.env.sglang_version or 'not installed'} runs stock"]
+        if res.env.sglang_package is None:
+            sglang = "SGLang is not installed there"
+        else:
+            sglang = f"SGLang {res.env.sglang_version or '(unknown version)'} runs stock"
+        lines = [f"no bundles active ({res.path} absent); {sglang}"]
         emit(Report(data=data, lines=lines), fmt, out)
         return 0
     sections = [Section("active", ["bundles", "applied", "SGLang then", "SGLang now", "matches"],
