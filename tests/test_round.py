@@ -313,6 +313,46 @@ def test_a_stopped_round_resumes_where_it_stopped(tmp_path):
     assert (tmp_path / "r" / "measure" / "measure.json").read_text() == measured  # not measured again
 
 
+def test_resume_adds_its_minutes_and_judges_what_was_skipped_for_time(tmp_path):
+    """A round resumed with --budget M: spent and budget add up over the sessions (M more minutes),
+    a candidate an earlier session skipped for want of time is judged now, and the deployment
+    record's entry for the round is replaced, not added twice."""
+    from specpilot.cli import main
+
+    cfg = RoundConfig(deployment=TINY, out_dir=str(tmp_path / "r"), budget_min=1.0, records_dir=str(tmp_path / "rec"),
+                      candidates=["chain"], n_prompts=2, max_new_tokens=8)
+    run_round(cfg)
+    r = tmp_path / "r"
+    state = json.loads((r / "round.json").read_text())
+    # as a session that ran out of time leaves it: the candidate skipped, 59 of 60 s spent
+    state["spent_s"] = 59.0
+    (r / "round.json").write_text(json.dumps(state))
+    reason = "budget: 0 s left, not enough for 4 paired runs of 2 prompts x 8 tokens"
+    (r / "approve" / "decisions.json").write_text(json.dumps({"schema": "specpilot.round-decisions/1", "decisions": [
+        {"id": "chain", "memory": None, "system": "x", "base": "y", "verdict": "skipped", "reason": reason}]}))
+    record = next((tmp_path / "rec").glob("*.yaml"))
+    with pytest.raises(SystemExit) as e:
+        main(["round", "--resume", str(r), "--budget", "1"])
+    assert e.value.code == 0
+    state = json.loads((r / "round.json").read_text())
+    assert state["budget_s"] == pytest.approx(59.0 + 60.0) and state["spent_s"] > 59.0
+    dec = json.loads((r / "approve" / "decisions.json").read_text())["decisions"]
+    assert [d["id"] for d in dec] == ["chain"] and not dec[0]["reason"].startswith("budget:"), dec
+    import yaml
+
+    assert len(yaml.safe_load(record.read_text())["rounds"]) == 1
+    # a resume without --budget keeps the budget; new settings are refused, not ignored
+    with pytest.raises(SystemExit) as e:
+        main(["round", "--resume", str(r)])
+    assert e.value.code == 0 and json.loads((r / "round.json").read_text())["budget_s"] == pytest.approx(119.0)
+
+
+@pytest.mark.parametrize("extra", [["--candidates", "tree"], ["--control"], ["--n-prompts", "3"], ["--fresh"]])
+def test_resume_refuses_settings_of_a_new_round(run_cli, tiny_round, extra):
+    code, _, err = run_cli("round", "--resume", tiny_round / "r", *extra)
+    assert code == 2 and "as it was set up; leave out " + extra[0] in err, err
+
+
 def test_a_budget_too_small_skips_cleanly(tmp_path):
     res = run_round(RoundConfig(deployment=TINY, out_dir=str(tmp_path / "r"), budget_min=0.01,
                                 records_dir=str(tmp_path / "rec")))

@@ -98,7 +98,8 @@ def build_entry(round_dir: Path, facts, stock: str, start: str, final: str, deci
 
 
 def remember(path: Path, facts, stock: str, entry: dict) -> tuple[dict, dict | None]:
-    """Append ``entry`` (one round) to the deployment's record and write it atomically; returns
+    """Append ``entry`` (one round; its own earlier entry is replaced) to the deployment's record and
+    write it atomically; returns
     (the new record, the record as it was before, None when there was none)."""
     import yaml
 
@@ -107,8 +108,16 @@ def remember(path: Path, facts, stock: str, entry: dict) -> tuple[dict, dict | N
     before = read_record(path)
     doc = dict(before) if before else {"schema": SCHEMA, "identity": facts.identity(), "deployment": facts.to_json(),
                                        "stock": stock, "rounds": []}
-    doc["rounds"] = list(doc.get("rounds") or []) + [entry]
-    doc["current"] = entry["final"]
+    rounds = list(doc.get("rounds") or [])
+    # a resumed round that judged more replaces its own entry; a later round's start is left alone
+    at = next((i for i, r in enumerate(rounds) if isinstance(r, dict) and r.get("round") == entry["round"]), None)
+    if at is None:
+        rounds.append(entry)
+    else:
+        rounds[at] = entry
+    doc["rounds"] = rounds
+    if at is None or at == len(rounds) - 1:
+        doc["current"] = entry["final"]
     if "bundles" in entry:  # SGLang: the bundles the next round starts with
         doc["bundles"], doc["settings"] = entry["bundles"], entry.get("settings") or {}
     doc = json.loads(json.dumps(doc, default=str))  # plain types for YAML

@@ -152,12 +152,16 @@ class _Round:
             self.state = read_json(path, kind="round")
             self.cfg = RoundConfig(**self.state["config"])
             self.cfg.out_dir = str(self.dir)
-            spent = 0.0
+            # spent and budget add up over the sessions: --budget gives that many more minutes
+            spent = float(self.state.get("spent_s") or 0.0)
+            budget_s = float(self.state.get("budget_s") or self.cfg.budget_min * 60.0)
             if budget_min is not None:
-                self.cfg.budget_min = budget_min
-            else:
-                spent = float(self.state.get("spent_s") or 0.0)
-            self.clock = pl.Clock(self.cfg.budget_min * 60.0, spent_before=spent)
+                budget_s = spent + budget_min * 60.0
+                self._reopen_skipped_for_budget()
+            self.cfg.budget_min = budget_s / 60.0
+            self.state["budget_s"] = budget_s
+            self.state.pop("stopped", None)
+            self.clock = pl.Clock(budget_s, spent_before=spent)
             self.dep = parse_deployment(self.state["deployment"], strict=False)
         else:
             self.cfg = cfg
@@ -170,6 +174,29 @@ class _Round:
         self.facts = self.dep.facts
 
     # ---------------------------------------------------------------------------- state
+    def _reopen_skipped_for_budget(self) -> None:
+        """Candidates an earlier session skipped for want of time are judged in this one (with the
+        minutes it was given); the record then gets this round's entry again, replaced."""
+        dpath = self.dir / "approve" / "decisions.json"
+        if not dpath.is_file():
+            return
+        doc = read_json(dpath, kind="round-decisions")
+        rows = doc.get("decisions") if isinstance(doc, dict) else None
+        if not isinstance(rows, list):
+            return
+        again = {r.get("id") for r in rows if isinstance(r, dict) and r.get("verdict") == "skipped"
+                 and str(r.get("reason", "")).startswith("budget:")}
+        if not again:
+            return
+        write_json_atomic(dpath, dict(doc, decisions=[r for r in rows if r.get("id") not in again]))
+        st = self.state["stages"]["approve"]
+        st["skipped"] = [n for n in st.get("skipped", []) if not any(n.startswith(f"{i}: budget:") for i in again)]
+        for stage in ("approve", "remember"):
+            if self.state["stages"][stage]["status"] in ("done", "stopped"):
+                self.state["stages"][stage]["status"] = "pending"
+        self.state["notes"].append(f"resumed with more time: {', '.join(sorted(again))} judged again (skipped for "
+                                   "budget before)")
+
     def _new_state(self) -> dict:
         sglang = self.dep.kind == "sglang"
         stock = "stock" if sglang else self.dep.text

@@ -97,6 +97,16 @@ def command(deployment, budget, out_dir, resume_dir, dry_run, prompts, n_prompts
         return 0
     if resume_dir and deployment:
         raise InputError("--resume continues the round in DIR with its own deployment; leave out DEPLOYMENT")
+    if resume_dir:   # the round goes on as it was set up: a new setting would be silently ignored
+        given = [f"--{k.replace('_', '-')}" for k, v in (("prompts", prompts), ("n_prompts", n_prompts),
+                                                         ("max_new_tokens", max_new_tokens), ("candidates", candidates),
+                                                         ("scorer", scorer), ("memory_dir", memory_dir),
+                                                         ("records", records_dir)) if v is not None]
+        given += [f"--{k.replace('_', '-')}" for k, v in (("control", control), ("fresh", fresh),
+                                                         ("no_remember", no_remember)) if v]
+        if given:
+            raise InputError(f"--resume continues the round in {resume_dir} as it was set up; leave out "
+                             f"{', '.join(given)} (or start a new round)")
 
     def notify(stage, message):
         click.echo(f"[{stage}] {message}", err=True)
