@@ -725,19 +725,33 @@ def load_round(path: str | Path) -> RoundResult:
     return res
 
 
-def estimate_tokens_per_s(facts, spec) -> tuple[float, str]:
-    """A rough decode speed for the dry run: weight bytes over an assumed bandwidth."""
+def _weight_bytes(facts, spec) -> float:
     from specpilot.engine.api import resolve_model
 
     model_spec, _, _ = resolve_model(spec.model, spec.random)
-    bytes_per = {"fp32": 4, "bf16": 2, "fp16": 2}.get(facts.dtype, 2)
-    weights = model_spec.total_params() * bytes_per
+    return model_spec.total_params() * {"fp32": 4, "bf16": 2, "fp16": 2}.get(facts.dtype, 2)
+
+
+def estimate_load_s(facts, spec) -> float:
+    """A rough engine load time for the dry run (a tiny model loads in a fraction of a second, an
+    8B one in tens): half a second, then its weight bytes at 100 MB/s on the CPU (read and
+    converted), 0.5 GB/s onto a GPU; capped at the defaults a round assumes before it has loaded
+    anything."""
+    per_s = 0.5e9 if facts.device == "cuda" else 1e8
+    return min(0.5 + _weight_bytes(facts, spec) / per_s, DEFAULT_LOAD_S.get(facts.device, 12.0))
+
+
+def estimate_tokens_per_s(facts, spec) -> tuple[float, str]:
+    """A rough decode speed for the dry run: weight bytes over an assumed bandwidth."""
+    weights = _weight_bytes(facts, spec)
     if facts.device == "cuda":
         from specpilot.gpus import get_gpu
 
         bw = (get_gpu(facts.gpu_key).bandwidth_tbs * 1e12 * 0.6) if facts.gpu_key else 1e12
-        return bw / weights, "assumed: 60% of the GPU's catalog bandwidth over the weight bytes"
-    return 5e9 / weights, "assumed: 5 GB/s of weight reads on the CPU"
+        return 1.0 / (weights / bw + 0.3e-3), ("assumed: 60% of the GPU's catalog bandwidth over the weight bytes, "
+                                              "plus 0.3 ms a step")
+    # a small model's step is the framework's own time, not its weight reads
+    return 1.0 / (weights / 5e9 + 1.5e-3), "assumed: 5 GB/s of weight reads on the CPU, plus 1.5 ms a step"
 
 
 def plan_round(cfg: RoundConfig) -> dict:
@@ -782,7 +796,7 @@ def plan_round(cfg: RoundConfig) -> dict:
         fits.append("no-op")
     budget = cfg.budget_min * 60.0
     device = facts.device
-    load_s = DEFAULT_LOAD_S.get(device, 12.0)
+    load_s = estimate_load_s(facts, spec)
     measure_s = min(pl.MEASURE_SHARE * budget, 3 * load_s + 4 * 48 / max(rate * 0.7, 1e-3) + 20)
     sc = score_s(pl.SHAPES["cuda" if device == "cuda" else "cpu"][0], rate, 0.2)
     shape, pairs = pl.choose_shape(device, budget - measure_s - 10, [rate] * len(fits), rate, 0.2, load_s, sc)
@@ -792,8 +806,9 @@ def plan_round(cfg: RoundConfig) -> dict:
             "budget_s": budget, "tokens_per_s": rate, "tokens_per_s_source": how,
             "stages": [
                 {"stage": "measure", "seconds": measure_s,
-                 "work": "calibration run, T_step(N) at N+1 = " + ",".join(str(n + 1) for n in ms.NODES)
-                         + " rows, lattice recording and replay" + (", a profile of the decode steps" if device == "cuda"
+                 "work": "calibration run, T_step at " + ",".join(str(n) for n in ms.probe_rows_set(1))
+                         + " rows (1-9 and N+1 for N = " + ",".join(str(n) for n in ms.NODES)
+                         + "), lattice recording and replay" + (", a profile of the decode steps" if device == "cuda"
                                                                     else " (no profile on the CPU)")},
                 {"stage": "model", "seconds": 1.0, "work": "cost model, three factors, tau(N)/c(N) per node budget"},
                 {"stage": "propose", "seconds": 1.0, "work": f"candidates that fit: {', '.join(fits) or 'none'}"},
