@@ -77,6 +77,7 @@ class ServeState:
     stop_engine: threading.Event = field(default_factory=threading.Event)
     thread: threading.Thread | None = None
     engine_errors: list = field(default_factory=list)
+    live_rids: set = field(default_factory=set)   # the request ids a client chose, of requests in flight
 
     # ---- the engine thread ----
     def start_engine(self) -> None:
@@ -118,6 +119,7 @@ class ServeState:
 
     def finished(self, r: Request) -> None:
         """Book-keeping of a finished engine request (metrics, the request log)."""
+        self.live_rids.discard(r.id)
         reason = r.stop_reason
         if reason == "abort" and str(r.finish.get("message", "")).startswith("engine error"):
             reason = "error"
@@ -224,6 +226,10 @@ def make_app(state: ServeState):
             except RuntimeError:       # the loop is gone (shutdown)
                 pass
 
+        chosen = [r for r in rids if r is not None]
+        dup = next((r for i, r in enumerate(chosen) if r in state.live_rids or r in chosen[:i]), None)
+        if dup is not None:   # SGLang refuses a request id that is in use: its answers would be confused
+            return None, refuse("bad_request", f"rid {dup!r} is already in use by a request in flight", 400)
         reqs = []
         for p, sp, rid in zip(prompts, sampling, rids):
             stop_ids = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else eos)
@@ -233,6 +239,7 @@ def make_app(state: ServeState):
                                 on_update=on_update))
         try:
             dec.submit_all(reqs)   # all of a list request, or none; each checked first
+            state.live_rids.update(chosen)
         except InputError as e:    # a request the engine cannot run, or a list longer than slots + queue
             return None, refuse("bad_request", str(e), 400)
         except QueueFull as e:

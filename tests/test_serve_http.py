@@ -298,6 +298,27 @@ def test_metrics_info_health_flush(server_a):
     assert r.status_code == 404 and r.json()["error"]["message"]
 
 
+def test_a_request_id_in_use_is_refused(server_a):
+    url = server_a.url()
+    r = httpx.post(url + "/generate", json={**_gen([[1, 2], [3, 4]], 2), "rid": ["x", "x"]}, timeout=30)
+    assert r.status_code == 400 and "rid 'x' is already in use" in r.json()["error"]["message"]
+    results = {}
+
+    def long():
+        results["long"] = httpx.post(url + "/generate", json={**_gen([5, 6], 400, ignore_eos=True), "rid": "dup"},
+                                     timeout=120)
+
+    t = threading.Thread(target=long)
+    t.start()
+    assert _wait_running(url, 1)
+    r = httpx.post(url + "/generate", json={**_gen([7, 8], 2), "rid": "dup"}, timeout=30)
+    assert r.status_code == 400 and "'dup' is already in use" in r.json()["error"]["message"]
+    t.join(120)
+    assert results["long"].status_code == 200 and results["long"].json()["meta_info"]["id"] == "dup"
+    # once it is done, the id is free again
+    assert httpx.post(url + "/generate", json={**_gen([7, 8], 2), "rid": "dup"}, timeout=30).status_code == 200
+
+
 def _completion(url, **body):
     return httpx.post(url + "/v1/completions", json=body, timeout=60)
 
