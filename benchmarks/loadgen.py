@@ -1,9 +1,11 @@
-"""A load generator for SGLang-native ``/generate`` servers (``specpilot serve``, SGLang itself),
+"""A load generator for SGLang-native ``/generate`` servers (``specpilot serve``, SGLang itself) and
+OpenAI-compatible ``/v1/completions`` ones (``--api openai``: vLLM, SGLang, ``specpilot serve``),
 reporting what SGLang's ``bench_serving`` reports: request and token throughput, time to first
 token, inter-token latency and end-to-end latency (mean, p50, p90, p99).
 
     python benchmarks/loadgen.py --url http://127.0.0.1:30000 --concurrency 1,8,32 --num-prompts 64 \
-        --max-new-tokens 64 [--prompts FILE | --random-ids 32 --vocab 128256] [--rate 4] [--no-stream]
+        --max-new-tokens 64 [--prompts FILE | --random-ids 32 --vocab 128256] [--rate 4] [--no-stream] \
+        [--api openai --model NAME]
 
 Closed loop (``--concurrency C``): C clients, each sending its next request when the last one is
 answered, until ``--num-prompts`` requests are done. Open loop (``--rate R``): requests arrive as a
@@ -49,24 +51,57 @@ def _stats(xs, scale=1e3) -> dict:
     return {"mean": statistics.fmean(xs) * scale, "p50": float(p50), "p90": float(p90), "p99": float(p99)}
 
 
-async def _one(client, url: str, payload: dict, stream: bool) -> Outcome:
+PATHS = {"sglang": "/generate", "openai": "/v1/completions"}
+
+
+def _payload(api: str, prompt, max_new_tokens: int, model: str | None) -> dict:
+    if api == "openai":
+        return {"model": model or "default", "prompt": prompt, "max_tokens": max_new_tokens, "temperature": 0,
+                "ignore_eos": True}
+    return {("text" if isinstance(prompt, str) else "input_ids"): prompt,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}}
+
+
+def _tokens_of(api: str, body: dict, seen: int) -> tuple[int | None, int | None, str | None]:
+    """(completion tokens so far, prompt tokens, abort message) of an answer or a streamed event.
+    OpenAI: the usage vLLM's continuous_usage_stats puts in every event; a server without it
+    counts an event with text as one token, as bench_serving does."""
+    if api == "openai":
+        use = body.get("usage")
+        ch = body.get("choices") or [{}]
+        if ch[0].get("finish_reason") == "abort":
+            return None, None, "aborted"
+        if use:
+            return use.get("completion_tokens"), use.get("prompt_tokens"), None
+        return (seen + 1 if ch[0].get("text") else seen), None, None
+    meta = body["meta_info"]
+    fin = meta.get("finish_reason")
+    if fin and fin.get("type") == "abort":
+        return None, None, str(fin.get("message"))
+    return meta["completion_tokens"], meta["prompt_tokens"], None
+
+
+async def _one(client, url: str, payload: dict, stream: bool, api: str = "sglang") -> Outcome:
     out = Outcome(ok=False, start=time.perf_counter())
     st = out.start
+    path = url + PATHS[api]
     try:
         if not stream:
-            r = await client.post(url + "/generate", json=payload)
+            r = await client.post(path, json=payload)
             out.status = r.status_code
             if r.status_code != 200:
                 out.error = r.text[:200]
                 return out
-            body = r.json()
+            n, prompt_n, _ = _tokens_of(api, r.json(), 0)
             out.e2e = time.perf_counter() - st
-            out.tokens = body["meta_info"]["completion_tokens"]
-            out.prompt_tokens = body["meta_info"]["prompt_tokens"]
+            out.tokens, out.prompt_tokens = n or 0, prompt_n or 0
             out.ok = True
             return out
         last_n, last_t = 0, st
-        async with client.stream("POST", url + "/generate", json={**payload, "stream": True}) as r:
+        body = {**payload, "stream": True}
+        if api == "openai":
+            body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+        async with client.stream("POST", path, json=body) as r:
             out.status = r.status_code
             if r.status_code != 200:
                 out.error = (await r.aread()).decode(errors="replace")[:200]
@@ -81,20 +116,19 @@ async def _one(client, url: str, payload: dict, stream: bool) -> Outcome:
                 if "error" in chunk:
                     out.error = str(chunk["error"])[:200]
                     return out
-                meta = chunk["meta_info"]
-                n = meta["completion_tokens"]
+                n, prompt_n, abort = _tokens_of(api, chunk, last_n)
+                if abort is not None:
+                    out.error = abort
+                    return out
                 now = time.perf_counter()
-                if n > last_n:
+                if n is not None and n > last_n:
                     if out.ttft is None:
                         out.ttft = now - st
                     else:
                         out.itl.extend([(now - last_t) / (n - last_n)] * (n - last_n))
                     last_n, last_t = n, now
-                out.prompt_tokens = meta["prompt_tokens"]
-                fin = meta.get("finish_reason")
-                if fin and fin.get("type") == "abort":
-                    out.error = str(fin.get("message"))
-                    return out
+                if prompt_n is not None:
+                    out.prompt_tokens = prompt_n
         out.e2e = time.perf_counter() - st
         out.tokens = last_n
         out.ok = True
@@ -103,7 +137,7 @@ async def _one(client, url: str, payload: dict, stream: bool) -> Outcome:
     return out
 
 
-async def _run(url, payloads, concurrency, rate, stream, seed, timeout):
+async def _run(url, payloads, concurrency, rate, stream, seed, timeout, api):
     import httpx
 
     limits = httpx.Limits(max_connections=max(concurrency or 1, 1) + 8, max_keepalive_connections=64)
@@ -115,7 +149,7 @@ async def _run(url, payloads, concurrency, rate, stream, seed, timeout):
 
             async def worker():
                 for p in it:
-                    outcomes.append(await _one(client, url, p, stream))
+                    outcomes.append(await _one(client, url, p, stream, api))
 
             await asyncio.gather(*[worker() for _ in range(concurrency)])
         else:
@@ -125,10 +159,10 @@ async def _run(url, payloads, concurrency, rate, stream, seed, timeout):
 
             async def fire(p):
                 if sem is None:
-                    outcomes.append(await _one(client, url, p, stream))
+                    outcomes.append(await _one(client, url, p, stream, api))
                     return
                 async with sem:
-                    outcomes.append(await _one(client, url, p, stream))
+                    outcomes.append(await _one(client, url, p, stream, api))
 
             for p in payloads:
                 tasks.append(asyncio.ensure_future(fire(p)))
@@ -138,20 +172,18 @@ async def _run(url, payloads, concurrency, rate, stream, seed, timeout):
 
 
 def run_load(url: str, prompts: list, *, max_new_tokens: int, concurrency: int = 1, rate: float | None = None,
-             num_prompts: int | None = None, stream: bool = True, seed: int = 0, timeout: float = 3600) -> dict:
-    """Send ``num_prompts`` requests (prompts cycled: text or token-id lists) and summarize them."""
+             num_prompts: int | None = None, stream: bool = True, seed: int = 0, timeout: float = 3600,
+             api: str = "sglang", model: str | None = None) -> dict:
+    """Send ``num_prompts`` requests (prompts cycled: text or token-id lists) and summarize them.
+    ``api``: ``sglang`` (``/generate``) or ``openai`` (``/v1/completions``, ``model`` named)."""
     n = num_prompts or len(prompts)
-    payloads = []
-    for i in range(n):
-        p = prompts[i % len(prompts)]
-        payloads.append({("text" if isinstance(p, str) else "input_ids"): p,
-                         "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}})
-    outcomes, secs = asyncio.run(_run(url.rstrip("/"), payloads, concurrency, rate, stream, seed, timeout))
+    payloads = [_payload(api, prompts[i % len(prompts)], max_new_tokens, model) for i in range(n)]
+    outcomes, secs = asyncio.run(_run(url.rstrip("/"), payloads, concurrency, rate, stream, seed, timeout, api))
     good = [o for o in outcomes if o.ok]
     tokens = sum(o.tokens for o in good)
     itl = [x for o in good for x in o.itl]
     tpot = [(o.e2e - o.ttft) / (o.tokens - 1) for o in good if o.ttft is not None and o.tokens > 1]
-    return {"concurrency": concurrency, "rate": rate, "requests": n, "completed": len(good),
+    return {"api": api, "concurrency": concurrency, "rate": rate, "requests": n, "completed": len(good),
             "failed": len(outcomes) - len(good), "errors": sorted({o.error for o in outcomes if not o.ok})[:5],
             "duration_s": secs, "request_throughput": len(good) / secs,
             "output_tokens": tokens, "output_throughput": tokens / secs,
@@ -214,6 +246,9 @@ def main(argv=None):
     ap.add_argument("--random-ids", type=_positive(int), default=None, help="random token-id prompts of this length")
     ap.add_argument("--vocab", type=_positive(int), default=32000)
     ap.add_argument("--no-stream", action="store_true")
+    ap.add_argument("--api", choices=sorted(PATHS), default="sglang",
+                    help="sglang: POST /generate; openai: POST /v1/completions (vLLM, SGLang, specpilot serve)")
+    ap.add_argument("--model", default=None, help="--api openai: the model name the server serves")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="write the summaries as JSON")
     args = ap.parse_args(argv)
@@ -253,7 +288,8 @@ def main(argv=None):
     results = []
     for c in args.concurrency:
         res = run_load(args.url, prompts, max_new_tokens=args.max_new_tokens, concurrency=c, rate=args.rate,
-                       num_prompts=args.num_prompts, stream=not args.no_stream, seed=args.seed)
+                       num_prompts=args.num_prompts, stream=not args.no_stream, seed=args.seed, api=args.api,
+                       model=args.model)
         print_summary(res)
         results.append(res)
     if args.out:

@@ -11,7 +11,7 @@ Honoured: ``prompt`` (a string, a list of strings, token ids or a list of token-
 ``messages`` (through the model's chat template), ``max_tokens`` (completions: 16 when absent, as
 OpenAI's; chat: what fits in the context; ``max_completion_tokens`` too), ``stop``,
 ``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens``, ``stream`` and
-``stream_options.include_usage``, ``n`` = 1.
+``stream_options`` (``include_usage``, vLLM's ``continuous_usage_stats``), ``n`` = 1.
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ class OpenAICall:
     sampling: list[Sampling]
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -82,21 +83,28 @@ def _model(body: dict, served: str) -> str:
     return m
 
 
-def _stream(body: dict) -> tuple[bool, bool]:
+def _stream(body: dict) -> tuple[bool, bool, bool]:
+    """``stream``, ``stream_options.include_usage`` and ``.continuous_usage_stats`` (vLLM's: the
+    usage so far in every event, which is how a load generator counts the tokens of an event)."""
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise BadRequest("stream must be true or false")
     opts = body.get("stream_options")
     if opts is None:
-        return bool(stream), False
+        return bool(stream), False, False
     if not stream:
         raise BadRequest("stream_options needs stream: true")
     if not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}:
-        raise BadRequest("stream_options must be an object with include_usage (and continuous_usage_stats false)")
-    usage = opts.get("include_usage", False)
-    if not isinstance(usage, bool) or opts.get("continuous_usage_stats") not in (None, False):
-        raise BadRequest("stream_options.include_usage must be true or false; continuous_usage_stats is not supported")
-    return True, usage
+        raise BadRequest("stream_options must be an object with include_usage and continuous_usage_stats")
+    flags = []
+    for key in ("include_usage", "continuous_usage_stats"):
+        v = opts.get(key, False)
+        if v is None:
+            v = False
+        if not isinstance(v, bool):
+            raise BadRequest(f"stream_options.{key} must be true or false")
+        flags.append(v)
+    return True, flags[0], flags[1]
 
 
 def _fields(body, neutral: dict, own: set[str]) -> None:
@@ -129,7 +137,7 @@ def parse_completion(body, encode, vocab_size: int | None, served: str) -> OpenA
     """Check a ``/v1/completions`` body (parsed JSON). ``encode(text) -> ids`` (None: no tokenizer)."""
     _fields(body, _NEUTRAL_COMPLETION, {"prompt"})
     model = _model(body, served)
-    stream, usage = _stream(body)
+    stream, usage, continuous = _stream(body)
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         prompts = encode_texts([prompt], encode, "prompt")
@@ -146,7 +154,8 @@ def parse_completion(body, encode, vocab_size: int | None, served: str) -> OpenA
                          "such lists")
     if stream and len(prompts) > 1:
         raise BadRequest("stream with several prompts is not supported; send one request per prompt")
-    return OpenAICall(False, model, prompts, _sampling(body, prompts, lambda n: 16, vocab_size), stream, usage)
+    return OpenAICall(False, model, prompts, _sampling(body, prompts, lambda n: 16, vocab_size), stream, usage,
+                      continuous)
 
 
 def _content(m: dict, i: int) -> str:
@@ -164,7 +173,7 @@ def parse_chat(body, chat_encode, vocab_size: int | None, served: str, room) -> 
     template (None: the model has none); ``room(prompt_len)``: the most new tokens that fit."""
     _fields(body, _NEUTRAL_CHAT, {"messages"})
     model = _model(body, served)
-    stream, usage = _stream(body)
+    stream, usage, continuous = _stream(body)
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise BadRequest("messages must be a non-empty list of {role, content} objects")
@@ -184,7 +193,7 @@ def parse_chat(body, chat_encode, vocab_size: int | None, served: str, room) -> 
         raise BadRequest(f"the chat template refused the messages ({type(e).__name__}: {str(e)[:120]})") from None
     if not ids:
         raise BadRequest("messages render to no tokens")
-    return OpenAICall(True, model, [ids], _sampling(body, [ids], room, vocab_size), stream, usage)
+    return OpenAICall(True, model, [ids], _sampling(body, [ids], room, vocab_size), stream, usage, continuous)
 
 
 # ---------------------------------------------------------------------------------- answers
@@ -216,8 +225,10 @@ def response(call: OpenAICall, answers: list[dict]) -> dict:
             "choices": choices, "usage": total}
 
 
-def chunk(call: OpenAICall, text: str | None, reason: str | None, first: bool = False) -> dict:
-    """One streamed event: the new text (a delta), and the finish reason on the last."""
+def chunk(call: OpenAICall, text: str | None, reason: str | None, first: bool = False,
+          counts: tuple[int, int] | None = None) -> dict:
+    """One streamed event: the new text (a delta), the finish reason on the last, and with
+    ``counts`` (prompt, completion tokens so far) the usage so far."""
     if call.chat:
         delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
@@ -225,7 +236,10 @@ def chunk(call: OpenAICall, text: str | None, reason: str | None, first: bool = 
     else:
         choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
         obj = "text_completion"
-    return {"id": call.response_id, "object": obj, "created": call.created, "model": call.model, "choices": [choice]}
+    out = {"id": call.response_id, "object": obj, "created": call.created, "model": call.model, "choices": [choice]}
+    if counts is not None:
+        out["usage"] = usage(*counts)
+    return out
 
 
 def usage_chunk(call: OpenAICall, prompt_tokens: int, completion_tokens: int) -> dict:

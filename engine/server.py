@@ -399,7 +399,7 @@ async def _stream_openai(state: ServeState, r: Request, sp: Sampling, updates: a
     back until the next step shows what it is: a delta once sent cannot be taken back."""
     eng = state.engine
     hold = max((len(s) for s in sp.stop), default=1) - 1
-    sent, first = "", True
+    sent, first, tokens = "", True, 0
     try:
         while True:
             _, fin = await updates.get()
@@ -417,9 +417,11 @@ async def _stream_openai(state: ServeState, r: Request, sp: Sampling, updates: a
                 while end > len(sent) and full[end - 1] == "\ufffd":
                     end -= 1
                 text, reason = (full[len(sent):end] if full.startswith(sent) and end > len(sent) else ""), None
-            if text or first or fin:
-                sent += text
-                yield b"data: " + json.dumps(oa.chunk(call, text, reason, first)).encode() + b"\n\n"
+            # with the usage in every event, an event is due whenever tokens came, text or not
+            if text or first or fin or (call.continuous_usage and len(r.output) > tokens):
+                sent, tokens = sent + text, len(r.output)
+                counts = (len(r.prompt_ids), tokens) if call.continuous_usage else None
+                yield b"data: " + json.dumps(oa.chunk(call, text, reason, first, counts)).encode() + b"\n\n"
                 first = False
             if fin:
                 break

@@ -360,6 +360,13 @@ def test_openai_streaming_sends_deltas_and_holds_back_a_stop_string(server_a, gr
     assert "".join(e["choices"][0]["text"] for e in ev[:-1]) == text and len(ev) > 3
     assert ev[-2]["choices"][0]["finish_reason"] == "length" and ev[-1]["choices"] == []
     assert ev[-1]["usage"]["completion_tokens"] == 24 and all(e["object"] == "text_completion" for e in ev)
+    # vLLM's continuous usage: every event says the tokens so far (how a load generator counts them)
+    ev = _events(httpx.post(url + "/v1/completions", json={"prompt": p, "max_tokens": 24, "stream": True,
+                                                          "stream_options": {"continuous_usage_stats": True}},
+                            timeout=60))
+    seen = [e["usage"]["completion_tokens"] for e in ev]
+    assert seen == sorted(seen) and seen[-1] == 24 and all(e["usage"]["prompt_tokens"] == len(p) for e in ev)
+    assert "".join(e["choices"][0]["text"] for e in ev) == text
     # a stop string from the middle of the text: no delta ever shows it, the pieces add up to the cut text
     stop = text[10:13]
     want = text[:text.find(stop)]
@@ -396,6 +403,22 @@ def test_openai_streaming_sends_deltas_and_holds_back_a_stop_string(server_a, gr
 def test_openai_bad_requests_get_400_naming_the_field(server_a, body, words):
     r = _completion(server_a.url(), **body)
     assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize("api", ["sglang", "openai"])
+def test_the_load_generator_counts_every_token_on_either_api(server_a, api):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from loadgen import run_load
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    for stream in (True, False):
+        res = run_load(server_a.url(), PROMPTS[:4], max_new_tokens=12, concurrency=4, num_prompts=8, stream=stream,
+                       api=api, model="tiny")
+        assert res["completed"] == 8 and res["output_tokens"] == 8 * 12 and res["api"] == api, res
+        assert res["input_tokens"] == 2 * sum(len(p) for p in PROMPTS[:4])
+        if stream:
+            assert res["ttft_ms"]["p50"] is not None and res["itl_ms"]["p50"] is not None
 
 
 def test_openai_chat_needs_a_chat_template(server_a):
