@@ -314,18 +314,23 @@ def encode_texts(texts: list[str], encode, what: str = "text") -> list[list[int]
     return prompts
 
 
-def parse_generate(body, encode=None, vocab_size: int | None = None) -> GenerateCall:
-    """Check a /generate body (parsed JSON). ``encode(text) -> ids`` tokenizes text prompts (None:
-    the model has no tokenizer); ``vocab_size`` bounds token ids."""
+def check_fields(body, honoured: set[str], neutral: dict) -> None:
+    """A request object's top-level fields: each honoured, or at the value ``neutral[field]`` accepts."""
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
-    unknown = sorted(k for k in body if k not in _TOP_HONOURED and k not in _TOP_NEUTRAL)
+    unknown = sorted(k for k in body if k not in honoured and k not in neutral)
     if unknown:
         raise BadRequest(f"unknown request fields: {', '.join(unknown)}")
-    refused = sorted(k for k, ok in _TOP_NEUTRAL.items() if k in body and not ok(body[k]))
+    refused = sorted(k for k, ok in neutral.items() if k in body and not ok(body[k]))
     if refused:
         raise BadRequest(f"the embedded engine does not support {', '.join(refused)} (leave them out or at their "
                          "defaults)")
+
+
+def parse_generate(body, encode=None, vocab_size: int | None = None) -> GenerateCall:
+    """Check a /generate body (parsed JSON). ``encode(text) -> ids`` tokenizes text prompts (None:
+    the model has no tokenizer); ``vocab_size`` bounds token ids."""
+    check_fields(body, _TOP_HONOURED, _TOP_NEUTRAL)
     stream = body.get("stream", False)
     if stream is None:
         stream = False

@@ -20,8 +20,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from .http_api import (MAX_NEW_TOKENS, BadRequest, Sampling, check_ids, check_stop_ids, encode_texts, is_int,
-                       parse_sampling)
+from .http_api import (MAX_NEW_TOKENS, BadRequest, Sampling, check_fields, check_ids, check_stop_ids, encode_texts,
+                       is_int, parse_sampling)
 
 # OpenAI's names for the sampling parameters /generate has
 _RENAME = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}
@@ -108,16 +108,7 @@ def _stream(body: dict) -> tuple[bool, bool, bool]:
 
 
 def _fields(body, neutral: dict, own: set[str]) -> None:
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
-    known = own | _SAMPLING | set(neutral) | {"model", "stream", "stream_options"}
-    unknown = sorted(k for k in body if k not in known)
-    if unknown:
-        raise BadRequest(f"unknown request fields: {', '.join(unknown)}")
-    refused = sorted(k for k, ok in neutral.items() if k in body and not ok(body[k]))
-    if refused:
-        raise BadRequest(f"the embedded engine does not support {', '.join(refused)} (leave them out or at their "
-                         "defaults)")
+    check_fields(body, own | _SAMPLING | {"model", "stream", "stream_options"}, neutral)
 
 
 def _sampling(body: dict, prompts: list[list[int]], default_max, vocab_size: int | None) -> list[Sampling]:
