@@ -314,6 +314,9 @@ def parse_gpus(text: str | None) -> tuple[str, str] | None:
     parts = [p.strip() for p in text.split(",") if p.strip()]
     if len(parts) != 2 or parts[0] == parts[1]:
         raise InputError(f"--gpus {text!r}: give two different GPU ids, e.g. --gpus 0,1")
+    bad = [p for p in parts if not (p.isdigit() or p.startswith(("GPU-", "MIG-")))]
+    if bad:   # what CUDA_VISIBLE_DEVICES takes: an index, a GPU-/MIG- UUID
+        raise InputError(f"--gpus {text!r}: {bad[0]!r} is not a GPU id (an index such as 0, or a GPU-/MIG- UUID)")
     from specpilot.machine import gpu_count
 
     n = gpu_count()

@@ -259,6 +259,7 @@ def _rejudge(d: dict, path, noise, changes_output, n_boot, seed) -> TimingResult
     samples, aa = parse_samples(d, path)
     if len(samples) < 2:
         raise InputError(f"{path}: {len(samples)} paired samples; a verdict needs at least 2")
+    check_blocks(samples, aa, path)
     warmup = d.get("warmup", 0)
     if isinstance(warmup, bool) or not isinstance(warmup, int) or not 0 <= warmup <= 10**6:
         raise InputError(f"{path}: 'warmup' must be a whole number in [0, 1000000]")
@@ -290,12 +291,39 @@ PARTIAL_SCHEMA = "specpilot.timing-partial/1"
 
 
 def partial_doc(base: str, candidate: str, metric: str, unit: str, higher_is_better: bool, schedule: str,
-                samples: Sequence[Sample], aa: Sequence[tuple[float, float]]) -> dict:
-    """The paired samples of an unfinished run: ``compare --resume`` continues from them."""
+                samples: Sequence[Sample], aa: Sequence[tuple[float, float]], workload: dict | None = None) -> dict:
+    """The paired samples of an unfinished run: ``compare --resume`` continues from them.
+    ``workload``: what each run of engines or servers sends (:func:`workload_of`)."""
     return {"schema": PARTIAL_SCHEMA, "base": base, "candidate": candidate, "metric": metric, "unit": unit,
             "higher_is_better": higher_is_better, "schedule": schedule, "runs": len(samples),
             "samples": [asdict(s) for s in samples],
-            "aa": [{"block": i, "first": x, "second": y} for i, (x, y) in enumerate(aa)]}
+            "aa": [{"block": i, "first": x, "second": y} for i, (x, y) in enumerate(aa)], "workload": workload}
+
+
+def workload_of(prompt_rows, max_new_tokens: int, concurrency: int) -> dict | None:
+    """The request set of a run of engines or servers, as a partial file records it (a digest of
+    the prompts' ids and tokens); None for shell commands (their workload is their own)."""
+    if prompt_rows is None:
+        return None
+    import hashlib
+    import json
+
+    digest = hashlib.sha256(json.dumps([[p.id, list(p.prompt_ids)] for p in prompt_rows]).encode()).hexdigest()
+    return {"prompts": len(prompt_rows), "prompts_sha256": digest[:16], "max_new_tokens": max_new_tokens,
+            "concurrency": concurrency}
+
+
+def check_partial_workload(path, workload: dict | None) -> None:
+    """Refuse to resume samples measured on another request set (read before any system starts)."""
+    from specpilot.fileio import read_json
+
+    theirs = read_json(path, "timing-partial").get("workload")
+    if theirs is None or workload is None or theirs == workload:
+        return
+    diff = ", ".join(f"{k} {theirs.get(k)} there, {workload.get(k)} here" for k in workload
+                     if theirs.get(k) != workload.get(k))
+    raise InputError(f"--resume {path}: its samples were measured on another request set ({diff}); resume with the "
+                     "same --prompts, --max-new-tokens and --concurrency")
 
 
 def partial_samples(path) -> int:
@@ -317,8 +345,14 @@ def read_partial(path, *, base: str, candidate: str, metric: str, schedule: str)
                          f"({theirs[2]}, {theirs[3]}), not of these systems; resume with the same systems and "
                          "options")
     samples, aa = parse_samples(d, path)
+    check_blocks(samples, aa, f"--resume {path}")
+    return samples, aa
+
+
+def check_blocks(samples: Sequence[Sample], aa, where) -> None:
+    """Whole blocks only: two pairs and one A/A pair each (a half block has neither its drift
+    cancellation nor its A/A pair, so it is not judged)."""
     blocks = {s.block for s in samples}
     if len(aa) != len(blocks) or len(samples) != 2 * len(aa):
-        raise InputError(f"--resume {path}: {len(samples)} samples in {len(blocks)} blocks do not match its "
-                         f"{len(aa)} A/A pairs")
-    return samples, aa
+        raise InputError(f"{where}: {len(samples)} samples in {len(blocks)} blocks do not match its {len(aa)} A/A "
+                         "pairs (every block has two paired samples and one A/A pair)")

@@ -17,11 +17,33 @@ from .errors import SpecPilotError
 class StateKeeper:
     """Keeps ``doc``s in ``path``; ``what(doc)`` says what a doc holds ("4 paired samples")."""
 
-    def __init__(self, path: str, option: str, resume_option: str = "--resume", what=None):
+    def __init__(self, path: str, option: str, resume_option: str = "--resume", what=None,
+                 resuming: str | None = None):
         self.path, self.option, self.resume_option = path, option, resume_option
         self.what = what or (lambda doc: "the state so far")
+        self.resuming = resuming   # the state file this run continues from (it may be ``path``)
         self.kept: str | None = None
         self.broken = False
+
+    def check(self, outputs: dict[str, str | None]) -> None:
+        """Before any work: the state file must be one this run may write and later remove. An
+        existing file is another run's state (or not state at all) unless it is the one resumed;
+        ``outputs`` (option -> path) must not name it either."""
+        from pathlib import Path
+
+        from .errors import InputError
+        from .fileio import check_output_path
+
+        here = Path(self.path).resolve()
+        for option, other in outputs.items():
+            if other and Path(other).resolve() == here:
+                raise InputError(f"{self.option} {self.path}: is also {option}; give them different files")
+        resumed = self.resuming is not None and Path(self.resuming).resolve() == here
+        if os.path.lexists(self.path) and not resumed:
+            raise InputError(f"{self.option} {self.path}: exists (an earlier run's state, or another file); continue "
+                             f"that run with {self.resume_option} {self.path}, or remove it or give another "
+                             f"{self.option}")
+        check_output_path(self.path, self.option)
 
     def save(self, doc: dict) -> None:
         """Write ``doc`` atomically; a failure stops keeping state but not the verb's work."""
@@ -43,5 +65,8 @@ class StateKeeper:
             e.add_note(f"{self.kept} kept in {self.path}; continue with {self.resume_option} {self.path}")
 
     def finished(self) -> None:
+        """Remove the state file, if this run wrote it (a file it never wrote is not its to remove)."""
+        if self.kept is None:
+            return
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)

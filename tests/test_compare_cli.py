@@ -353,3 +353,74 @@ def test_the_library_refuses_an_odd_pair_count_before_running_anything(kw, msg, 
     with pytest.raises(InputError, match=msg):
         paired_compare(a, b, **kw)
     assert not marker.exists()
+
+
+def test_the_partial_file_is_never_another_file(tmp_path, run_cli, monkeypatch):
+    """--partial names a file this run writes and removes: an existing file (an earlier run's state,
+    an input, anything) is refused before any run, and left as it is; --out is not it either."""
+    monkeypatch.chdir(tmp_path)
+    common = ("compare", "--base-cmd", emit_cmd(100), "--candidate-cmd", emit_cmd(110), "--metric", "tokens_per_s",
+              "--runs", "2", "--warmup", "0")
+    keep = tmp_path / "keep.json"
+    keep.write_text('{"keep": 1}')
+    code, _, err = run_cli(*common, "--partial", keep)
+    assert code == 2 and "exists (an earlier run's state, or another file)" in err and keep.read_text() == '{"keep": 1}'
+    code, _, err = run_cli(*common, "--partial", tmp_path / "same.json", "--out", tmp_path / "same.json")
+    assert code == 2 and "is also --out" in err and not (tmp_path / "same.json").exists()
+    # the default partial file of an interrupted run: pointed at, not replaced
+    default = tmp_path / "specpilot-compare.partial.json"
+    default.write_text(json.dumps(_partial("a", "b", 1)))
+    code, _, err = run_cli(*common)
+    assert code == 2 and "--resume specpilot-compare.partial.json" in err and json.loads(default.read_text())["runs"] == 2
+    default.unlink()
+    code, _, err = run_cli(*common, "--out", tmp_path / "t.json")
+    assert code in (0, 1) and not (tmp_path / "t.partial.json").exists(), err   # its own is removed
+
+
+def test_a_resume_on_another_request_set_is_refused(tmp_path, run_cli):
+    def prompts(name, rows):
+        f = tmp_path / name
+        f.write_text("".join(json.dumps({"schema": "specpilot.prompts/1", "id": i, "prompt_ids": r}) + "\n"
+                             for i, r in enumerate(rows)))
+        return f
+
+    a, b = prompts("a.jsonl", [[1, 2, 3]]), prompts("b.jsonl", [[4, 5, 6]])
+    sysargs = ("compare", "--base", "engine:model=tiny,mode=ar", "--candidate", "engine:model=tiny,mode=chain",
+               "--warmup", "0")
+    out = tmp_path / "t.json"
+    code, _, err = run_cli(*sysargs, "--prompts", a, "--max-new-tokens", "4", "--runs", "2", "--out", out,
+                           "--format", "json")
+    assert code in (0, 1), err
+    # the samples of that run as a partial file (as an interrupted run leaves them)
+    from specpilot.auditors.timing import partial_doc, read_timing, workload_of
+    from specpilot.auditors.outputs import read_prompts_tokenized
+    from specpilot.auditors.timing import parse_samples
+
+    d = read_timing(out)
+    samples, aa = parse_samples(d, out)
+    part = tmp_path / "p.json"
+    part.write_text(json.dumps(partial_doc(d["base"], d["candidate"], d["metric"], d["unit"], True, d["schedule"],
+                                           samples, aa, workload_of(read_prompts_tokenized(a, "tiny"), 4, 1))))
+    for other in (("--prompts", b, "--max-new-tokens", "4"), ("--prompts", a, "--max-new-tokens", "8")):
+        code, _, err = run_cli(*sysargs, *other, "--runs", "4", "--resume", part)
+        assert code == 2 and "measured on another request set" in err and "loading model" not in err, err
+
+
+@pytest.mark.parametrize("args, words", [(["--runs", "8"], "--runs go with a live run"),
+                                         (["--warmup", "2"], "--warmup go with a live run")])
+def test_from_refuses_live_run_options_and_half_blocks(tmp_path, run_cli, args, words):
+    out = tmp_path / "t.json"
+    assert run_cli("compare", "--base-cmd", emit_cmd(100), "--candidate-cmd", emit_cmd(150), "--metric",
+                   "tokens_per_s", "--runs", "4", "--warmup", "0", "--out", out, "--format", "json")[0] == 0
+    code, _, err = run_cli("compare", "--from", out, *args)
+    assert code == 2 and words in err, err
+    d = json.loads(out.read_text())
+    d["samples"] = d["samples"][:3]
+    (tmp_path / "three.json").write_text(json.dumps(d))
+    code, _, err = run_cli("compare", "--from", tmp_path / "three.json")
+    assert code == 2 and "3 samples in 2 blocks do not match its 2 A/A pairs" in err, err
+
+
+def test_gpu_ids_that_are_not_ids_are_bad_input(run_cli):
+    code, _, err = run_cli("compare", "--base-cmd", "true", "--candidate-cmd", "true", "--gpus", "a,b")
+    assert code == 2 and "'a' is not a GPU id" in err, err

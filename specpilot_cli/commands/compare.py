@@ -93,7 +93,8 @@ def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, tokenizer
       specpilot compare --base-cmd ... --candidate-cmd ... --resume specpilot-compare.partial.json
     """
     from specpilot.auditors.pairing import PairRun, RunTimeout, even_pairs, make_system, paired_compare, parse_gpus
-    from specpilot.auditors.timing import partial_doc, partial_samples, read_partial
+    from specpilot.auditors.timing import (check_partial_workload, partial_doc, partial_samples, read_partial,
+                                          workload_of)
     from specpilot.errors import InputError
     from specpilot.output import progress
     from specpilot.resume import StateKeeper
@@ -101,6 +102,14 @@ def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, tokenizer
     if from_file is not None:
         if any(x is not None for x in (base, candidate, base_cmd, candidate_cmd, prompts, gpus, resume_file)):
             raise InputError("--from judges a stored timing file; do not also give systems, commands or prompts")
+        ctx = click.get_current_context()
+        live = [opt for name, opt in (("runs", "--runs"), ("max_runs", "--max-runs"), ("warmup", "--warmup"),
+                                      ("partial_file", "--partial"), ("timeout", "--timeout"),
+                                      ("max_new_tokens", "--max-new-tokens"), ("concurrency", "--concurrency"),
+                                      ("tokenizer", "--tokenizer"), ("metric", "--metric"))
+                if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE]
+        if live:
+            raise InputError(f"--from judges the stored samples as they are; {', '.join(live)} go with a live run")
         if noise is not None and not 0 <= noise < 1:
             raise InputError(f"--noise {noise}: a fraction in [0, 1), e.g. 0.001 for 0.1%")
         from specpilot.auditors.timing import rejudge
@@ -147,12 +156,17 @@ def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, tokenizer
         raise InputError("timing engines or servers needs --prompts FILE (the request set)")
     if concurrency > 1 and base_cmd is not None:
         raise InputError("--concurrency applies to servers (--base/--candidate http://...)")
+    workload = workload_of(prompt_rows, max_new_tokens, concurrency)
     if resume_file:   # refused before any system starts: the file says how many pairs it holds
         held = partial_samples(resume_file)
         cap, option = (runs, "--runs") if runs is not None else (max_runs, "--max-runs")
         if held > cap:  # refused, not cut: which samples to drop is not ours to choose
             raise InputError(f"--resume {resume_file}: it already holds {held} paired samples, more than "
                              f"{option} {cap}; resume with {option} {held} or more")
+        check_partial_workload(resume_file, workload)
+    keeper = StateKeeper(partial_file or resume_file or _default_partial(out), "--partial",
+                         what=lambda doc: f"{doc['runs']} paired samples", resuming=resume_file)
+    keeper.check({"--out": out})
     limit = RunTimeout(timeout)  # both shell commands share it: derived from the base runs
     a = make_system(base, base_cmd, "base", metric=metric, timeout=limit, prompts=prompt_rows,
                     max_new_tokens=max_new_tokens, concurrency=concurrency)
@@ -164,8 +178,6 @@ def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, tokenizer
         raise
     inputs = [p for p in [prompts, resume_file] if p]
     schedule = f"GPU swap on {gpu_pair[0]},{gpu_pair[1]}" if gpu_pair else "ABBA"
-    keeper = StateKeeper(partial_file or resume_file or _default_partial(out), "--partial",
-                         what=lambda doc: f"{doc['runs']} paired samples")
     bar = progress(total=runs or 8, desc="paired runs", unit="pair")
     try:
         prior = None
@@ -176,7 +188,7 @@ def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, tokenizer
 
         def keep(run):
             keeper.save(partial_doc(a.label, b.label, a.metric, a.unit, a.higher_is_better, schedule, run.samples,
-                                    run.aa))
+                                    run.aa, workload))
 
         if prior:
             keep(prior)  # the partial file holds them from now on, wherever it is
