@@ -123,6 +123,7 @@ class RowsProbeFigures:
     warnings: list[str] = field(default_factory=list)
     qpass_ms: dict[int, float] = field(default_factory=dict)   # the TLV Q pass per row count (probe rows --qview)
     qview: str | None = None                                    # the weights that Q pass read
+    model: str | None = None                                    # the model it was measured on
 
     @property
     def on_cpu(self) -> bool:
@@ -271,6 +272,23 @@ def _use_run(r: RunFigures, m: Measurements) -> None:
     m.set("profile_ms", r.step_gpu_ms, f"run {r.source} (GPU ms per step in the loop, CUDA events)")
 
 
+def probe_model_mismatch(probe: RowsProbeFigures | None, model) -> str | None:
+    """A warning when a rows probe's model is not the one whose floors stand beside it."""
+    if probe is None or model is None or not probe.model:
+        return None
+    from specpilot.models import load_model_spec
+
+    try:
+        theirs = load_model_spec(probe.model).name
+    except Exception:   # a folder or name this machine does not have: compared as written
+        theirs = probe.model
+    a, b = theirs.lower(), model.name.lower()
+    if a.startswith(b) or b.startswith(a):   # smollm2-135m-instruct is the catalog's smollm2-135m
+        return None
+    return (f"--rows-probe {probe.source} was measured on {theirs}, the floors are for {model.name}: c(N) and the "
+            "floors come from different models")
+
+
 def _use_rows_probe(p: RowsProbeFigures, m: Measurements, rows: int | None) -> None:
     m.set("ar_ms", p.ar_ms, f"rows probe {p.source}" + (f" ({p.ar_path} AR step)" if p.ar_path else ""))
     if rows is not None and rows in p.step_ms:
@@ -322,6 +340,10 @@ def compute_ceiling(req: CeilingRequest) -> CeilingResult:
             raise InputError("measurements apply to one row count: give a single --rows N with --tau/--step-ms/...")
         missing = [n for n, v in (("--tau (or --replay)", m.tau), ("--step-ms (or --profile)", m.step_ms),
                                   ("--ar-ms (or --rows-probe)", m.ar_ms)) if v is None]
+        if m.step_ms is None and req.rows_probe is not None and cost_rows is not None:
+            timed = ",".join(str(n) for n in sorted(req.rows_probe.step_ms))
+            raise InputError(f"--rows-probe {req.rows_probe.source} has no point at {cost_rows} rows (timed at "
+                             f"{timed}): give one of those --rows, or --step-ms")
         if missing:
             raise InputError("the cost model needs " + ", ".join(missing))
         cost = cost_model(m.tau, m.step_ms, m.ar_ms, m.tau_best, m.profile_ms, m.floor_ms)
@@ -338,6 +360,9 @@ def compute_ceiling(req: CeilingRequest) -> CeilingResult:
         res.warnings = rows_probe_warnings(req.rows_probe)
     if warning:
         res.warnings.append(warning)
+    other = probe_model_mismatch(req.rows_probe, model)
+    if other:
+        res.warnings.append(other)
     mismatch = rows_mismatch(req.policy, cost_rows, m) if cost is not None and req.replay else None
     if mismatch:
         res.warnings.append(mismatch)

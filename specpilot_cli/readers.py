@@ -106,7 +106,8 @@ def read_rows_probe(path: str, batch: int | None = None) -> RowsProbeFigures:
                             gpu=gpu if isinstance(gpu, str) and gpu else None,
                             cpu=doc.get("cpu") if isinstance(doc.get("cpu"), str) else None,
                             ar_path=path_name, warnings=[str(w) for w in warnings], qpass_ms=qpass,
-                            qview=doc.get("qview") if doc.get("qview") in ("w12", "fp8") else None)
+                            qview=doc.get("qview") if doc.get("qview") in ("w12", "fp8") else None,
+                            model=doc.get("model") if isinstance(doc.get("model"), str) and doc.get("model") else None)
 
 
 def read_run(path: str) -> RunFigures:

@@ -349,3 +349,20 @@ def test_cost_model_title_of_a_tlv_cycle_without_a_run(run_cli, tmp_path):
     code, out, err = run_cli("ceiling", "--replay", replay, "--rows-probe", rows, "--policy", "tlv:8")
     assert code == 0, err
     assert "Cost model over the TLV cycle at 8 nodes\n" in out and "Cost model at 1 row" not in out
+
+
+def test_rows_probe_without_the_asked_rows_and_from_another_model(run_cli):
+    from pathlib import Path
+
+    probe = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "probe_rows_llama8b_bf16.json"
+    code, _, err = run_cli("ceiling", "--rows-probe", probe, "--rows", "20", "--tau", "3")
+    assert code == 2 and "has no point at 20 rows (timed at 1,2,4,8,16,32,33,64)" in err, err
+    code, out, err = run_cli("ceiling", "--rows-probe", probe, "--model", "qwen3-8b", "--gpu", "h200", "--rows", "32",
+                             "--tau", "3", "--format", "json")
+    assert code == 0 and any("measured on llama-3.1-8b, the floors are for qwen3-8b" in w
+                             for w in json.loads(out)["warnings"]), out
+    code, out, _ = run_cli("ceiling", "--rows-probe", probe, "--model", "llama-3.1-8b", "--gpu", "h200", "--rows", "32",
+                           "--tau", "3", "--format", "json")
+    assert code == 0 and not any("different models" in w for w in json.loads(out)["warnings"])
+    code, _, err = run_cli("ceiling", "--tolerance", "0.5", "--tau", "2", "--step-ms", "3", "--ar-ms", "2")
+    assert code == 2 and "--tolerance go with --check" in err, err

@@ -85,8 +85,9 @@ def command(model_name, gpu_name, bandwidth, flops, fp8_flops, rows, batch, cont
     if check_file:
         return _check(check_file, run_file, replay_file, rows_file, ar_run_file, profile_file, model_name, batch,
                       policy, tolerance, draft_ms, fmt, out)
-    if ar_run_file or draft_ms is not None:
-        raise InputError("--ar-run and --draft-ms go with --check RUN.json")
+    tol_given = click.get_current_context().get_parameter_source("tolerance") is click.core.ParameterSource.COMMANDLINE
+    if ar_run_file or draft_ms is not None or tol_given:
+        raise InputError("--ar-run, --draft-ms and --tolerance go with --check RUN.json")
     row_list = parse_int_list(rows, "--rows")
     if draft_rows is not None and draft_rows <= 0:
         raise InputError(f"--draft-rows must be positive, got {draft_rows}")
