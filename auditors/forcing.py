@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from specpilot.errors import InputError
+
 from .outputs import Outputs, align, key
 from .scorer import TokenScores
 
@@ -215,8 +217,6 @@ def audit(systems: list[Scored], stock: Scored, ar: Scored | None = None, *, del
     """Audit each system against stock; phase 0 from AR unless ``delta`` is given."""
     if delta is not None:
         if not (delta > 0 and math.isfinite(delta)):
-            from specpilot.errors import InputError
-
             raise InputError(f"--delta {delta}: must be a positive number")
         ph = Phase0(delta=float(delta), source="given")
     elif ar is not None:
@@ -225,6 +225,9 @@ def audit(systems: list[Scored], stock: Scored, ar: Scored | None = None, *, del
         ph = Phase0(delta=DELTA_STEP, source="default")
     d = ph.delta
 
+    if stock.outputs.tokens == 0:   # every verdict would be a pass on no evidence
+        raise InputError(f"{stock.outputs.source or stock.outputs.name}: stock produced no tokens; the audit has "
+                         "nothing to compare against (collect stock's outputs again)")
     everyone = [stock] + ([ar] if ar is not None else []) + list(systems)
     for s in everyone[1:]:
         align(stock.outputs, s.outputs)  # raises on different prompt sets / prompt ids
@@ -282,9 +285,7 @@ def audit(systems: list[Scored], stock: Scored, ar: Scored | None = None, *, del
                 warnings.append(f"{sa.name}: the mismatch-rate difference is only known to +/-{100 * half:.2f} pp "
                                 f"over {P} prompts; audit more prompts for the {100 * max_increase:.1f} pp rule to bite")
         rows.append(sa)
-    if int(st_tok.sum()) == 0:
-        warnings.append("stock produced no tokens; the audit has nothing to compare")
-    elif int(st_tok.sum()) < 1000:
+    if int(st_tok.sum()) < 1000:
         n = int(st_tok.sum())
         warnings.append(f"only {n} stock tokens: one mismatch moves a rate by {100 / n:.2f} pp; audit 1000+ tokens "
                         f"for the {100 * max_increase:.1f} pp rule to mean much")
@@ -299,5 +300,13 @@ def audit(systems: list[Scored], stock: Scored, ar: Scored | None = None, *, del
 
 def score_outputs(scorer, outputs: Outputs, role: str, **kw) -> Scored:
     """Teacher-force one system's outputs through the scorer."""
-    scores = scorer.score([(r.prompt_ids, r.output_ids) for r in outputs.rows], **kw)
+    try:
+        scores = scorer.score([(r.prompt_ids, r.output_ids) for r in outputs.rows], **kw)
+    except InputError as e:   # "sequence 3: ..." names a row: say whose, and which prompt
+        import re
+
+        m = re.match(r"sequence (\d+): (.*)", str(e))
+        if m and int(m.group(1)) < len(outputs.rows):
+            e = InputError(f"prompt {outputs.rows[int(m.group(1))].id!r}: {m.group(2)}")
+        raise InputError(f"{outputs.source or outputs.name}: {e}") from None
     return Scored(outputs, role, scores)

@@ -179,7 +179,8 @@ class Scorer:
                 raise InputError(f"sequence {i}: empty prompt; the scorer needs at least one prompt token")
             top = max(max(p), max(o) if len(o) else 0)
             if top >= self.vocab_size:
-                raise InputError(f"token id {top} is outside the scorer's vocabulary ({self.vocab_size}); "
+                raise InputError(f"sequence {i}: token id {top} is outside the scorer's vocabulary "
+                                 f"({self.vocab_size}); "
                                  "is --scorer the target model of these outputs?")
             if len(o) == 0:
                 results[i] = TokenScores(np.zeros(0, np.int64), np.zeros(0, np.float32))

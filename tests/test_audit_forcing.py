@@ -291,7 +291,20 @@ def test_cli_bad_inputs(run_cli, tiny, tmp_path):
     big = _write(tmp_path / "big.jsonl", [{"schema": "specpilot.outputs/1", "id": r.id, "prompt_ids": r.prompt_ids,
                                             "output_ids": [V + 1]} for r in read_outputs(f["stock"]).rows])
     code, out, err = run_cli("audit", big, "--against", f["stock"], "--scorer", m, "--device", "cpu")
-    assert code == 2 and "vocabulary" in err
+    assert code == 2 and "vocabulary" in err and f"{big}: prompt " in err, err   # the file and the prompt named
+
+    # --prompts with files only: each file must answer them (it was ignored)
+    ids = _write(tmp_path / "ids.jsonl", [{"schema": "specpilot.prompts/1", "id": "q0", "prompt_ids": [1, 2]}])
+    code, out, err = run_cli("audit", f["batch4"], "--against", f["stock"], "--scorer", m, "--prompts", ids)
+    assert code == 2 and "its prompts are not those of --prompts" in err, err
+    # a stock that produced nothing gives no evidence: refused, not a pass
+    nothing = _write(tmp_path / "nothing.jsonl", [{"schema": "specpilot.outputs/1", "id": r.id,
+                                                   "prompt_ids": r.prompt_ids, "output_ids": []}
+                                                  for r in read_outputs(f["stock"]).rows])
+    code, out, err = run_cli("audit", f["batch4"], "--against", nothing, "--scorer", m, "--device", "cpu")
+    assert code == 2 and "stock produced no tokens" in err, err
+    code, out, err = run_cli("audit", f["batch4"], "--against", f["stock"], "--scorer", m, "--bootstrap", "0")
+    assert code == 2 and "--bootstrap 0: must be >= 100" in err and "--batch-tokens" not in err, err
 
     code, out, err = run_cli("audit", tmp_path / "missing.jsonl", "--against", f["stock"], "--scorer", m)
     assert code == 2 and "no such file" in err

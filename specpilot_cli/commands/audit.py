@@ -98,7 +98,7 @@ def _common_run_options(f):
     f = click.option("--concurrency", type=int, default=1, show_default=True,
                      help="Requests in flight at once to an http:// server (an engine: spec batches by its "
                           "own batch=B, else runs one request at a time).")(f)
-    f = click.option("--timeout", type=float, default=120.0, show_default=True,
+    f = click.option("--timeout", type=click.FloatRange(0, 1e6, min_open=True), default=120.0, show_default=True,
                      help="Seconds to wait for a server's answer to one request.")(f)
     f = click.option("--max-new-tokens", type=int, default=128, show_default=True,
                      help="Tokens to generate per prompt when running a system.")(f)
@@ -125,7 +125,8 @@ def _common_run_options(f):
               type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
               help="Dtype of the scorer's hidden states (auto: checkpoint dtype on GPU, float32 on CPU).")
 @click.option("--batch-tokens", type=int, default=8192, show_default=True, help="Scorer batch size in tokens.")
-@click.option("--bootstrap", type=int, default=2000, show_default=True, help="Prompt resamples for intervals.")
+@click.option("--bootstrap", type=int, default=2000, show_default=True,
+              help="Prompt resamples for intervals (at least 100).")
 @seed_option("the bootstrap intervals")
 @output_options
 def check(systems, stock_spec, ar_spec, scorer_spec, prompts_path, max_new_tokens, timeout, concurrency, save_dir, delta,
@@ -141,8 +142,10 @@ def check(systems, stock_spec, ar_spec, scorer_spec, prompts_path, max_new_token
     """
     from specpilot.auditors.systems import check_engine_prompts, default_save_path, load_system, parse_system
 
-    if batch_tokens < 1 or bootstrap < 100:
-        raise InputError("--batch-tokens must be >= 1 and --bootstrap >= 100")
+    if batch_tokens < 1:
+        raise InputError(f"--batch-tokens {batch_tokens}: must be >= 1")
+    if bootstrap < 100:
+        raise InputError(f"--bootstrap {bootstrap}: must be >= 100 (fewer resamples give no interval worth the name)")
     if not max_increase >= 0:
         raise InputError("--max-increase must be >= 0")
     from specpilot.auditors.scorer import check_scorer_spec
@@ -156,9 +159,9 @@ def check(systems, stock_spec, ar_spec, scorer_spec, prompts_path, max_new_token
 
         check_output_path(out, "--out", protect=inputs)
     prompts = None
-    if any(s.needs_prompts for _, s in specs):
-        if not prompts_path:
-            raise InputError("systems to run (engine:/http://) need --prompts FILE")
+    if any(s.needs_prompts for _, s in specs) and not prompts_path:
+        raise InputError("systems to run (engine:/http://) need --prompts FILE")
+    if prompts_path:   # with files only too: each must answer these prompts, or --prompts means nothing
         prompts = _read_prompts(prompts_path, scorer_spec)
         check_engine_prompts([(s.spec, s.spec) for _, s in specs if s.kind == "engine"], prompts, max_new_tokens)
     loaded = {}
@@ -318,8 +321,11 @@ def _check_resumable(already, prompts, max_new_tokens: int, save: str, system: s
     want = {key(p.id): list(p.prompt_ids) for p in prompts}
     stray = [r for r in already if want.get(key(r.id)) != list(r.prompt_ids)]
     if stray:
-        raise InputError(f"--save {save}: {len(stray)} of its {len(already)} rows answer none of --prompts (first: "
-                         f"id {stray[0].id!r}); --resume continues a collection of the same prompts, so choose "
+        changed = [r for r in stray if key(r.id) in want]
+        what = (f"{len(changed)} of its {len(already)} rows have the id of a prompt of --prompts but other prompt "
+                f"tokens (first: id {changed[0].id!r})") if changed else \
+            f"{len(stray)} of its {len(already)} rows answer none of --prompts (first: id {stray[0].id!r})"
+        raise InputError(f"--save {save}: {what}; --resume continues a collection of the same prompts, so choose "
                          "another --save")
     aliens = [r for r in already if not _same_system(r.system, system)]
     # a server may come back at another address with the same model: only a note for two URLs
