@@ -157,8 +157,8 @@ def judge(samples: Sequence[Sample], *, higher_is_better: bool, aa_pairs: Sequen
     elif ok_boot != ok_t:
         reason = (f"bootstrap ({_pct(lo)}) and t ({_pct(t_lo)}) lower bounds disagree about the threshold "
                   f"{_pct(need)}: more runs needed")
-    else:
-        reason = f"lower bound {_pct(lo)} <= threshold {_pct(need)}"
+    else:   # both miss: quote the lower (the one further from approval)
+        reason = f"lower bound {_pct(min(lo, t_lo))} <= threshold {_pct(need)}"
     sd = float(log_r.std(ddof=1)) if len(log_r) > 1 else 0.0
     return Verdict(gain, lo, hi, (t_lo, t_hi), noise_v, src, thr, approved, len(samples),
                    n_blocks, sd, reason)

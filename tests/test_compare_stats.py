@@ -124,3 +124,12 @@ def test_gpu_swap_noise_ignores_the_gpus_own_speed_difference():
     assert aa_noise(aa, higher_is_better=True, swap=True) < 0.005                  # same GPU, next block
     v = judge(samples, higher_is_better=True, aa_pairs=aa)
     assert v.approved and "same GPU" in v.noise_source and v.gain == pytest.approx(1.04, abs=0.005)
+
+
+def test_a_refusal_quotes_the_lower_of_the_two_bounds():
+    # two blocks of scattered gains: the t-interval reaches further down than the block bootstrap
+    s = [Sample(0, 0, 100.0, 250.0), Sample(1, 0, 100.0, 150.0), Sample(2, 1, 100.0, 300.0),
+         Sample(3, 1, 100.0, 101.0)]
+    v = judge(s, higher_is_better=True, noise=0.9)
+    assert not v.approved and v.ci_low > v.t_ci[0]
+    assert v.reason.startswith(f"lower bound {(v.t_ci[0] - 1) * 100:+.2f}% <= threshold"), v.reason
