@@ -250,7 +250,7 @@ def check_prompts(spec: EngineSpec, prompts, max_new_tokens: int) -> None:
             raise InputError(f"prompt {pid!r}: token id {bad} is outside the vocabulary (0..{vocab - 1})")
         if len(ids) + max_new_tokens > spec.ctx:
             raise InputError(f"prompt {pid!r}: {len(ids)} tokens + {max_new_tokens} new tokens do not fit the "
-                             f"engine's ctx={spec.ctx}; raise ctx= or shorten the prompt")
+                             f"engine's ctx={spec.ctx}; raise ctx= (--ctx) or shorten the prompt")
 
 
 def resolve_model(name: str, random: bool):

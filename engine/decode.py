@@ -36,7 +36,7 @@ def check_request(prompt_ids, max_new_tokens: int, vocab: int, need: int, slots:
         raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if need > slots:
         raise InputError(f"prompt ({len(prompt_ids)} tokens) + {max_new_tokens} new tokens + draft rows need "
-                         f"{need} cache slots; the engine has {slots} (raise ctx=)")
+                         f"{need} cache slots; the engine has {slots} (raise ctx=, --ctx on the command line)")
 
 
 @dataclass

@@ -192,6 +192,16 @@ _NEUTRAL = {
     "min_new_tokens": lambda v: v is None or (is_int(v) and v == 0),   # >0 masks stop tokens: a new answer
     "stream_interval": lambda v: v is None or (is_int(v) and v >= 1),
 }
+
+# the type each neutral parameter has, for a message that says a wrong type is one
+_NEUTRAL_TYPES = {
+    "frequency_penalty": ("a number", is_num), "presence_penalty": ("a number", is_num),
+    "repetition_penalty": ("a number", is_num), "seed": ("an integer", is_int), "sampling_seed": ("an integer", is_int),
+    "min_new_tokens": ("an integer", is_int), "stream_interval": ("an integer", is_int),
+    "logit_bias": ("an object", lambda v: isinstance(v, dict)),
+    "custom_params": ("an object", lambda v: isinstance(v, dict)),
+    "spaces_between_special_tokens": ("true or false", lambda v: isinstance(v, bool)),
+}
 _HONOURED = {"max_new_tokens", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens",
              "no_stop_trim", "n", "temperature", "top_k", "top_p", "min_p"}
 
@@ -238,6 +248,9 @@ def parse_sampling(params, group: str = "sampling_params", rename: dict[str, str
     unknown = sorted((rename or {}).get(k, k) for k in params if k not in _HONOURED and k not in _NEUTRAL)
     if unknown:
         raise BadRequest(f"unknown {group or 'fields'}: {', '.join(unknown)}")
+    for k, (what, ok) in _NEUTRAL_TYPES.items():
+        if params.get(k) is not None and not ok(params[k]):
+            raise BadRequest(f"{name(k)} must be {what}")
     refused = sorted((rename or {}).get(k, k) for k, ok in _NEUTRAL.items() if k in params and not ok(params[k]))
     if refused:
         raise BadRequest("the embedded engine decodes greedily and cannot honour "

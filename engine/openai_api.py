@@ -108,6 +108,8 @@ def _stream(body: dict) -> tuple[bool, bool, bool]:
 
 
 def _fields(body, neutral: dict, own: set[str]) -> None:
+    if isinstance(body, dict) and body.get("user") is not None and not isinstance(body["user"], str):
+        raise BadRequest("user must be a string")
     check_fields(body, own | _SAMPLING | {"model", "stream", "stream_options"}, neutral)
 
 
@@ -153,10 +155,11 @@ def _content(m: dict, i: int) -> str:
     c = m.get("content")
     if isinstance(c, str):
         return c
-    if isinstance(c, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                                   for p in c):
+    if isinstance(c, list) and c and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in c):
         return "".join(p["text"] for p in c)
-    raise BadRequest(f"messages[{i}].content must be a string or a list of text parts ({{type: text, text}})")
+    raise BadRequest(f"messages[{i}].content must be a string or a non-empty list of text parts "
+                     "({type: text, text})")
 
 
 def parse_chat(body, chat_encode, vocab_size: int | None, served: str, room) -> OpenAICall:
@@ -172,7 +175,7 @@ def parse_chat(body, chat_encode, vocab_size: int | None, served: str, room) -> 
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or m.get("role") not in _ROLES:
             raise BadRequest(f"messages[{i}] must be an object with a role among {', '.join(_ROLES)}")
-        extra = sorted(set(m) - {"role", "content", "name"})
+        extra = sorted(set(m) - {"role", "content"})
         if extra:
             raise BadRequest(f"messages[{i}]: unsupported fields {', '.join(extra)}")
         clean.append({"role": m["role"], "content": _content(m, i)})

@@ -304,7 +304,8 @@ def make_app(state: ServeState):
 
     @app.get("/v1/models")
     async def list_models():
-        return _json_response(oa.models(served, int(state.started), dec.cache.max_seq))
+        # what a prompt and its answer may take: the cache less the draft rows a step adds
+        return _json_response(oa.models(served, int(state.started), dec.cache.max_seq - dec.capacity_needed(0, 0)))
 
     @app.api_route("/health", methods=["GET", "HEAD"])   # load balancers probe with HEAD
     async def health():
@@ -414,6 +415,12 @@ async def _stream_openai(state: ServeState, r: Request, sp: Sampling, updates: a
             else:
                 full = eng.decode(r.output, skip_special_tokens=sp.skip_special_tokens)
                 end = len(full) - hold
+                # the engine thread may have appended the next step's tokens meanwhile: a stop string
+                # already in the text is never sent, whatever this update said
+                for stop in sp.stop:
+                    at = full.find(stop)
+                    if at >= 0:
+                        end = min(end, at)
                 while end > len(sent) and full[end - 1] == "\ufffd":
                     end -= 1
                 text, reason = (full[len(sent):end] if full.startswith(sent) and end > len(sent) else ""), None
