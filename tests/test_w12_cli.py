@@ -235,7 +235,25 @@ def test_a_damaged_crc_table_is_reported_not_a_crash(tmp_path, run_cli, crc):
     code, out, err = run_cli("w12", "stats", dst)
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     code, out, err = run_cli("w12", "verify", dst)
-    assert code == 1 and f"{Q}: {Q}" not in err and "Traceback" not in err, err
+    # a malformed table is bad input for verify too (exit 1 is a tensor that failed to restore)
+    assert code == 2 and "W12 metadata field crc32" in err and f"{Q}: {Q}" not in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("shape", "x", "field shape must be [rows, columns]"), ("shape", [64, 128, 1], "field shape must be"),
+    ("rows_stored", 0, "field rows_stored must be a positive whole number"), ("low_base", -5, "field low_base"),
+    ("escapes", "3", "field escapes must be a whole number"), ("k_pad", 64, "field k_pad must be the columns"),
+    ("shape", [16, 192], "does not describe its stored parts")])
+def test_a_malformed_w12_table_is_bad_input_for_stats_and_verify_alike(tmp_path, run_cli, field, value, words):
+    src, dst = tmp_path / "m.safetensors", tmp_path / "w.safetensors"
+    make_checkpoint(src)
+    assert run_cli("w12", "pack", src, "-o", dst)[0] == 0
+    tensors, meta, doc = read_packed(dst)
+    doc["tensors"][Q][field] = value
+    write_packed(dst, tensors, meta, doc)
+    for args in (("w12", "stats", dst), ("w12", "verify", dst, "--against", src)):
+        code, out, err = run_cli(*args)
+        assert code == 2 and words in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, (args, err)
 
 
 @pytest.mark.parametrize("version", [True, 3, "2"])

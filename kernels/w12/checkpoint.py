@@ -47,6 +47,11 @@ class W12FormatError(ValueError):
     """The file is not a valid W12 checkpoint (or a part of it is corrupted)."""
 
 
+class W12TableError(W12FormatError):
+    """A W12 tensor's metadata entry is malformed or does not describe its stored parts: the file is
+    bad input, not a tensor that failed to restore (``verify`` says the latter)."""
+
+
 # ----------------------------------------------------------------------------------------------
 # checkpoint discovery
 # ----------------------------------------------------------------------------------------------
@@ -325,10 +330,39 @@ def w12_info(meta: dict[str, str], source: str) -> dict:
     return tensors
 
 
+def _check_entry(entry, name: str, source: str, check_crc: bool) -> None:
+    """Every field the reader uses has the type and range ``pack`` writes (W12TableError)."""
+    def bad(field: str, want: str):
+        raise W12TableError(f"{source}: {name}: W12 metadata field {field} must be {want}, got "
+                            f"{json.dumps(entry.get(field))[:40]}")
+
+    def whole(x, lo: int = 0) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool) and x >= lo
+
+    if not isinstance(entry, dict):
+        raise W12TableError(f"{source}: {name}: its W12 metadata entry is not an object")
+    if check_crc:
+        crc = entry.get("crc32")
+        if not isinstance(crc, dict) or not all(whole(crc.get(p)) for p in PARTS):
+            bad("crc32", f"a CRC-32 per part ({', '.join(PARTS)})")
+    shape = entry.get("shape")
+    if not (isinstance(shape, list) and len(shape) == 2 and all(whole(x, 1) for x in shape)):
+        bad("shape", "[rows, columns] of positive whole numbers")
+    if not whole(entry.get("rows_stored"), 1):
+        bad("rows_stored", "a positive whole number")
+    if "k_pad" in entry and entry["k_pad"] != -(-shape[1] // TILE_K) * TILE_K:
+        bad("k_pad", f"the columns rounded up to {TILE_K} ({-(-shape[1] // TILE_K) * TILE_K})")
+    if entry.get("_version", FORMAT_VERSION) != 1:
+        base = entry.get("low_base")
+        if base is not None and not whole(base, 1):
+            bad("low_base", "a positive whole number or null")
+        if not whole(entry.get("escapes")):
+            bad("escapes", "a whole number")
+
+
 def load_w12(tensors: dict[str, torch.Tensor], name: str, entry: dict, source: str,
              check_crc: bool = True) -> W12Tensor:
-    if not isinstance(entry, dict) or (check_crc and not isinstance(entry.get("crc32"), dict)):
-        raise W12FormatError(f"{source}: {name}: its metadata entry has no CRC-32 table")
+    _check_entry(entry, name, source, check_crc)
     parts = {}
     for p in PARTS:
         key = f"{name}.w12.{p}"
@@ -351,10 +385,10 @@ def load_w12(tensors: dict[str, torch.Tensor], name: str, entry: dict, source: s
         t = W12Tensor(shape, int(entry["rows_stored"]), parts["records"].to(torch.uint8), low, pos,
                       parts["esc_bits"].to(torch.int16))
         check(t)
-    except (KeyError, ValueError, TypeError) as e:
-        raise W12FormatError(f"{source}: {name}: {e}") from None
+    except (KeyError, ValueError, TypeError) as e:   # parts intact (CRC), so the table does not describe them
+        raise W12TableError(f"{source}: {name}: its W12 metadata does not describe its stored parts ({e})") from None
     if t.records.numel() != expected_record_bytes(t.shape, t.rows_stored):
-        raise W12FormatError(f"{source}: {name}: record size mismatch")
+        raise W12TableError(f"{source}: {name}: its W12 metadata does not describe its stored parts (record size)")
     return t
 
 
@@ -420,6 +454,8 @@ def verify(packed: str, against: str | None = None, progress: Callable | None = 
             try:
                 t = load_w12(tensors, name, entry, str(f))
                 restored = decode(t.to(device))
+            except W12TableError:         # a malformed table is bad input, not a failed restore
+                raise
             except W12FormatError as e:   # "FILE: NAME: what" -> (NAME, what)
                 res.mismatched.append((name, str(e).removeprefix(f"{f}: ").removeprefix(f"{name}: ")))
                 continue
