@@ -111,6 +111,11 @@ def as_user_error(exc: BaseException) -> SpecPilotError | None:
                                                                              errno.ENFILE, errno.ENOMEM):
             return EnvironmentMissing(f"{where}: {what}" if where else what)
         return InputError(f"{where}: {what}" if where else f"{what} ({_detail(exc)})")
+    if isinstance(exc, MemoryError) or any(n.endswith(".OutOfMemoryError") for n in names) or (
+            isinstance(exc, RuntimeError) and ("can't allocate memory" in str(exc) or "out of memory" in str(exc))):
+        # the machine's limit, not the input's nor a bug: a smaller --context, --batch or model fits
+        return EnvironmentMissing(f"not enough memory for this run ({_detail(exc)[:160]}); try a smaller context, "
+                                  "batch or model")
     for name, meaning in _DECODE:
         if name in names:
             head = f"{source}{_position(exc)}: " if source else ""

@@ -131,6 +131,13 @@ def test_unexpected_decode_error_is_bad_input_not_a_bug():
     assert as_user_error(FileNotFoundError(2, "No such file or directory", "z.txt")).args[0].startswith("z.txt:")
     assert as_user_error(OSError(28, "No space left on device", "out.json")).exit_code == EXIT_ENV
     assert as_user_error(KeyError("a bug")) is None and as_user_error(TypeError("a bug")) is None
+    # the machine's memory running out is its environment, not a bug: exit 3 in one line
+    for e in (MemoryError(), RuntimeError("[enforce fail at alloc_cpu.cpp:116] DefaultCPUAllocator: can't allocate "
+                                          "memory: you tried to allocate 68719476736 bytes"),
+              RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")):
+        err = as_user_error(e)
+        assert err.exit_code == EXIT_ENV and str(err).startswith("not enough memory for this run"), e
+    assert as_user_error(RuntimeError("shape mismatch")) is None
 
 
 # ----------------------------------------------------------------------------- absurd numbers
