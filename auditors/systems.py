@@ -13,6 +13,7 @@ already collected are kept in the file the user named and the error says how man
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -190,6 +191,9 @@ class CollectError(SpecPilotError):
 BATCH_ROUNDS = 4
 
 
+SAVE_EVERY_S = 10.0   # how often a collection rewrites its --save file with the rows so far
+
+
 def collect(generator: Generator, prompts: Sequence[Prompt], max_new_tokens: int, *, save_to: str | None = None,
             name: str = "system", progress: Callable | None = None,
             on_row: Callable[[OutputRow], None] | None = None, protect: Sequence = (),
@@ -226,6 +230,7 @@ def collect(generator: Generator, prompts: Sequence[Prompt], max_new_tokens: int
         generator.close()
         raise
     bar = progress(total=len(todo), desc=f"running {name}") if progress else None
+    saved_at = [time.monotonic()]
 
     def finish(i: int, ids) -> None:
         p = prompts[i]
@@ -237,6 +242,11 @@ def collect(generator: Generator, prompts: Sequence[Prompt], max_new_tokens: int
             bar.update(1)
         if on_row is not None:
             on_row(done[i])
+        # the rows so far, whole, every SAVE_EVERY_S: a run killed outright (SIGKILL, out of memory)
+        # keeps them for --resume as a signal does
+        if save_to and time.monotonic() - saved_at[0] >= SAVE_EVERY_S and len(done) < len(prompts):
+            write_outputs(save_to, [done[j] for j in sorted(done)], protect=protect, option=save_option)
+            saved_at[0] = time.monotonic()
 
     def run_one(i: int):
         with about_prompt(prompts[i].id):   # a refused prompt (a server's 400): name it

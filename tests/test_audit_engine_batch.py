@@ -71,3 +71,28 @@ def test_audit_collect_runs_a_batched_engine(run_cli, tmp_path):
         assert json.loads(out)["tokens"] == 25
         files.append([(r.id, r.output_ids) for r in read_outputs(save).rows])
     assert files[0] == files[1]
+
+
+def test_a_collection_killed_outright_keeps_its_rows_so_far(tmp_path, monkeypatch):
+    """A run that dies without a signal to catch (SIGKILL, the OOM killer; here an exception the
+    collection does not handle) has rewritten --save with the rows so far, whole, for --resume."""
+    from specpilot.auditors import systems
+    from specpilot.auditors.outputs import Prompt, read_outputs
+
+    class Dies(systems.Generator):
+        def __init__(self):
+            self.n = 0
+
+        def generate(self, prompt_ids, max_new_tokens):
+            self.n += 1
+            if self.n == 4:
+                raise SystemError("killed")
+            return [7] * max_new_tokens
+
+    monkeypatch.setattr(systems, "SAVE_EVERY_S", 0.0)
+    prompts = [Prompt(f"p{i}", [1, 2, i]) for i in range(6)]
+    save = tmp_path / "out.jsonl"
+    with pytest.raises(SystemError):
+        systems.collect(Dies(), prompts, 3, save_to=str(save), system="engine:model=tiny")
+    rows = read_outputs(save).rows
+    assert [r.id for r in rows] == ["p0", "p1", "p2"] and all(r.output_ids == [7, 7, 7] for r in rows)
