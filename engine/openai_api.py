@@ -192,10 +192,9 @@ def parse_chat(body, chat_encode, vocab_size: int | None, served: str, room) -> 
 
 # ---------------------------------------------------------------------------------- answers
 def finish_reason(finish: dict | None) -> str | None:
-    """OpenAI's finish reason for an engine request's ``finish`` (EOS, stop ids and strings: stop)."""
-    if not finish:
-        return None
-    return {"length": "length", "stop": "stop"}.get(finish["type"], finish["type"])
+    """OpenAI's finish reason for an engine request's ``finish``: its type already is one (``length``;
+    ``stop`` for EOS, a stop token or a stop string; ``abort`` as vLLM says it)."""
+    return finish["type"] if finish else None
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

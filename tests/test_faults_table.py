@@ -191,7 +191,7 @@ def test_rows_probe_from_a_cpu_beside_gpu_floors_is_refused_naming_both(run_cli,
 
 def test_rows_probe_from_another_gpu_warns_naming_both(run_cli, tmp_path):
     p = tmp_path / "rows.json"
-    p.write_text(json.dumps({**ROWS_PROBE, "gpu": "NVIDIA A100-SXM4-80GB", "device": "cuda:0", "cpu": None, "ar_path": "fused"}))
+    p.write_text(json.dumps({**ROWS_PROBE, "model": "llama-3.1-8b", "gpu": "NVIDIA A100-SXM4-80GB", "device": "cuda:0", "cpu": None, "ar_path": "fused"}))
     code, out, err = run_cli("ceiling", "--model", "llama-3.1-8b", "--gpu", "h200", "--rows", "8", "--rows-probe", p,
                              "--tau", "3", "--format", "json")
     assert code == 0, err
