@@ -293,7 +293,7 @@ def test_cli_bad_inputs(run_cli, tiny, tmp_path):
     code, out, err = run_cli("audit", big, "--against", f["stock"], "--scorer", m, "--device", "cpu")
     assert code == 2 and "vocabulary" in err and f"{big}: prompt " in err, err   # the file and the prompt named
 
-    # --prompts with files only: each file must answer them (it was ignored)
+    # --prompts with files only: each file must answer them (else --prompts would mean nothing)
     ids = _write(tmp_path / "ids.jsonl", [{"schema": "specpilot.prompts/1", "id": "q0", "prompt_ids": [1, 2]}])
     code, out, err = run_cli("audit", f["batch4"], "--against", f["stock"], "--scorer", m, "--prompts", ids)
     assert code == 2 and "its prompts are not those of --prompts" in err, err
