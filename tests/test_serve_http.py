@@ -561,7 +561,7 @@ def test_sigterm_past_the_grace_fails_the_rest_cleanly(server_b):
 
 def test_a_second_signal_ends_the_grace_and_every_stream_still_gets_its_end():
     """SIGTERM, then SIGINT while the long grace runs: the requests in flight are failed at once,
-    each stream with its abort event and [DONE] (they were cut mid-stream), the OpenAI one too;
+    each stream with its abort event and [DONE] (not cut mid-stream), the OpenAI one too;
     the summary counts them; no traceback; exit 0 long before the grace would end."""
     # SmolLM2's steps take tens of ms on the CPU: the second signal lands inside one
     s = ServeProcess("--model", "smollm2", "--mode", "tree", "--nodes", "16", "--batch", "8", "--grace", "120",
