@@ -347,7 +347,8 @@ def test_resume_adds_its_minutes_and_judges_what_was_skipped_for_time(tmp_path):
     assert e.value.code == 0 and json.loads((r / "round.json").read_text())["budget_s"] == pytest.approx(119.0)
 
 
-@pytest.mark.parametrize("extra", [["--candidates", "tree"], ["--control"], ["--n-prompts", "3"], ["--fresh"]])
+@pytest.mark.parametrize("extra", [["--candidates", "tree"], ["--control"], ["--n-prompts", "3"], ["--fresh"],
+                                   ["--seed", "3"], ["--out-dir", "elsewhere"]])
 def test_resume_refuses_settings_of_a_new_round(run_cli, tiny_round, extra):
     code, _, err = run_cli("round", "--resume", tiny_round / "r", *extra)
     assert code == 2 and "as it was set up; leave out " + extra[0] in err, err

@@ -13,7 +13,8 @@ from specpilot.output import Report, Section, count, emit, output_options
 @click.option("--model", "model_name", metavar="NAME|PATH",
               help="Target model: catalog name (llama-3.1-8b, qwen3-8b, ...) or config.json / model folder.")
 @click.option("--gpu", "gpu_name", default="auto", show_default=True, metavar="NAME",
-              help="GPU from the catalog (h100, h200, a100, b200, l40s, rtx-pro-6000) or 'auto' (NVML).")
+              help="GPU from the catalog (h100, h200, a100, b200, l40s, rtx-pro-6000, mi300x, mi325x) or 'auto' "
+                   "(NVML).")
 @click.option("--bandwidth", type=positive(MAX_TBS), metavar="TB/S", help="Measured peak bandwidth, replaces the datasheet.")
 @click.option("--flops", type=positive(MAX_TFLOPS), metavar="TFLOP/S",
               help="Measured dense bf16 TFLOP/s, replaces the datasheet.")

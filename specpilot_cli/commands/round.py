@@ -104,6 +104,9 @@ def command(deployment, budget, out_dir, resume_dir, dry_run, prompts, n_prompts
                                                          ("records", records_dir)) if v is not None]
         given += [f"--{k.replace('_', '-')}" for k, v in (("control", control), ("fresh", fresh),
                                                          ("no_remember", no_remember)) if v]
+        ctx = click.get_current_context()   # these have defaults: refused when typed
+        given += [opt for name, opt in (("seed", "--seed"), ("out_dir", "--out-dir"))
+                  if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE]
         if given:
             raise InputError(f"--resume continues the round in {resume_dir} as it was set up; leave out "
                              f"{', '.join(given)} (or start a new round)")
