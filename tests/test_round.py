@@ -395,7 +395,9 @@ def _tiny_hf(folder: Path) -> Path:
     return folder
 
 
-def test_sglang_deployment_runs_candidates_as_servers(tmp_path, run_cli):
+def _sglang_deployment(tmp_path) -> tuple[dict, int, int]:
+    """A deployment of the tiny model behind two fake SGLang servers (``specpilot serve``): the
+    file's fields, the stock port and the candidate's."""
     from specpilot.auditors.replay import synthetic_rows
 
     lat = tmp_path / "lattice.jsonl"
@@ -416,6 +418,11 @@ def test_sglang_deployment_runs_candidates_as_servers(tmp_path, run_cli):
                                  "start": serve.replace("{engine}", TINY).replace("{port}", str(stock_port))},
                        "candidate": {"port": cand_port, "ready_timeout": 120, "expected_start_s": 5},
                        "candidates": {"tree": {"start": serve.replace("{engine}", "engine:model=tiny,mode=tree,nodes=8")}}}}
+    return dep, stock_port, cand_port
+
+
+def test_sglang_deployment_runs_candidates_as_servers(tmp_path, run_cli):
+    dep, stock_port, cand_port = _sglang_deployment(tmp_path)
     (tmp_path / "deployment.yaml").write_text(yaml.safe_dump(dep))
     code, out, err = run_cli("round", tmp_path / "deployment.yaml", "--budget", "0.3", "--out-dir", tmp_path / "r",
                              "--records", tmp_path / "rec", "--candidates", "tree,tlv,batching,w12,lattice-trace",
@@ -434,6 +441,21 @@ def test_sglang_deployment_runs_candidates_as_servers(tmp_path, run_cli):
     assert (tmp_path / "r" / "approve" / "tree.server.log").is_file()
     for port in (stock_port, cand_port):  # every server the round started is stopped
         assert not _started_with_port(port)
+
+
+def test_a_candidate_whose_server_cannot_be_its_own_is_refused_and_the_round_reports(tmp_path, run_cli):
+    """The candidate's port is stock's: what answers there is stock, which must not be timed as
+    the candidate. It is refused with the reason, the round ends (exit 0) and renders."""
+    dep, stock_port, _ = _sglang_deployment(tmp_path)
+    dep["servers"]["candidate"]["port"] = stock_port
+    (tmp_path / "deployment.yaml").write_text(yaml.safe_dump(dep))
+    code, out, err = run_cli("round", tmp_path / "deployment.yaml", "--budget", "0.3", "--out-dir", tmp_path / "r",
+                             "--records", tmp_path / "rec", "--candidates", "tree")
+    assert code == 0, err
+    (dec,) = load_round(tmp_path / "r").decisions
+    assert dec.verdict == "refused" and "already answers before its server is started" in dec.reason, dec.reason
+    assert not dec.timing and run_cli("report", tmp_path / "r")[0] == 0
+    assert not _started_with_port(stock_port)
 
 
 def test_a_stopped_server_is_gone_when_stop_returns():
@@ -472,6 +494,41 @@ def test_sglang_deployment_file_errors(tmp_path, run_cli):
     (tmp_path / "e.yaml").write_text(yaml.safe_dump({"schema": "specpilot.other/1"}))
     code, _, err = run_cli("round", tmp_path / "e.yaml", "--out-dir", tmp_path / "r2")
     assert code == 2 and "unknown schema" in err
+
+
+_GOOD = {"schema": "specpilot.deployment/1", "drafter": "eagle", "prompts": "p.jsonl",
+         "servers": {"stock": {"url": "http://127.0.0.1:1", "start": "true"}}}
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"servers": "abc"}, "servers must be a map"),
+    ({"servers": {"stock": "http://127.0.0.1:1"}}, "servers.stock must be a map"),
+    ({"servers": {"stock": {"url": "not a url"}}}, "servers.stock.url must be an http:// URL"),
+    ({"servers": {"stock": {"url": "http://127.0.0.1:1"}, "candidates": ["tree"]}}, "servers.candidates must be a map"),
+    ({"servers": {"stock": {"url": "http://127.0.0.1:1"}, "candidate": {"port": "abc"}}}, "servers.candidate.port"),
+    ({"servers": {"stock": {"url": "http://127.0.0.1:1", "ready_timeout": "soon"}}}, "servers.stock.ready_timeout"),
+    ({"measurements": "rows.json"}, "measurements must be a map"),
+    ({"measurements": {"ar_ms": "x", "step_ms": 3}}, "measurements.ar_ms must be a positive number"),
+    ({"measurements": {"rows_probe": "missing.json"}}, "measurements: missing.json is not a file"),
+    ({"sglang": "0.5.23"}, "sglang must be a map"),
+    ({"drafter": ["eagle"]}, "drafter must be one of"),
+    ({"batch": 0}, "batch must be a whole number >= 1"), ({"rows": -3}, "rows must be a whole number >= 1"),
+    ({"max_new_tokens": 0}, "max_new_tokens must be a whole number >= 1"),
+    ({"experimental": "no"}, "experimental must be true or false"),
+    ({"scorer": "tiny"}, "scorer: tiny is neither smollm2 nor a model folder"),
+    ({"prompts": None}, "give prompts:"), ({"prompts": "none.jsonl"}, "prompts: none.jsonl is not a file"),
+    ({"servers": {}}, "give servers.stock.url"),
+])
+def test_a_deployment_file_is_checked_when_read(tmp_path, run_cli, change, words):
+    """Wrong types and impossible values are named at once (exit 2), the dry run included: not a
+    crash (exit 4), nor a failure after stages have run."""
+    (tmp_path / "p.jsonl").write_text(json.dumps({"schema": "specpilot.prompts/1", "id": "a", "prompt_ids": [1]}) + "\n")
+    doc = {k: v for k, v in {**_GOOD, **change}.items() if v is not None}
+    (tmp_path / "d.yaml").write_text(yaml.safe_dump(doc))
+    for extra in (["--dry-run"], ["--out-dir", tmp_path / "r"]):
+        code, _, err = run_cli("round", tmp_path / "d.yaml", *extra)
+        assert code == 2 and words in err and "internal error" not in err, (extra, err)
+    assert not (tmp_path / "r").exists()
 
 
 # ------------------------------------------------------------------------------------ real SmolLM2

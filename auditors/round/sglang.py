@@ -82,6 +82,116 @@ class SGLangDeployment:
         return p if p.is_absolute() else (self.path.parent / p)
 
 
+def _check_fields(raw: dict, path: Path) -> None:
+    """Every field has the type and range the round uses it with: a deployment file is read once,
+    up front, and its mistakes are named there (not as a crash, nor after stages have run)."""
+    from urllib.parse import urlsplit
+
+    def bad(field: str, want: str):
+        raise InputError(f"{path}: {field} must be {want}")
+
+    def whole(x, lo: int) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool) and x >= lo
+
+    def number(x) -> bool:
+        import math
+
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+    def url(field: str, u) -> None:
+        if not isinstance(u, str):
+            bad(field, "an http:// URL")
+        try:
+            parts = urlsplit(u.replace("{port}", "1"))
+            parts.port   # noqa: B018  (raises on a port that is not a number)
+        except ValueError:
+            bad(field, "an http:// URL")
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            bad(field, "an http:// URL")
+
+    for key, lo in (("batch", 1), ("rows", 1), ("context", 1), ("max_new_tokens", 1)):
+        if key in raw and not whole(raw[key], lo):
+            bad(key, f"a whole number >= {lo}")
+    for key in ("model", "name", "dtype", "policy", "prompts", "scorer", "model_path", "gpu"):
+        if raw.get(key) is not None and not (isinstance(raw[key], str) and raw[key].strip()):
+            bad(key, "a non-empty string")
+    if "experimental" in raw and not isinstance(raw["experimental"], bool):
+        bad("experimental", "true or false")
+    sg = raw.get("sglang")
+    if sg is not None:
+        if not isinstance(sg, dict):
+            bad("sglang", "a map (version, python)")
+        if sg.get("python") is not None and not isinstance(sg["python"], str):
+            bad("sglang.python", "a path")
+        if sg.get("version") is not None and not isinstance(sg["version"], (str, int, float)):
+            bad("sglang.version", "a version")
+    m = raw.get("measurements")
+    if m is not None:
+        if not isinstance(m, dict):
+            bad("measurements", "a map (rows_probe, ar_ms, step_ms, lattices, profile, outputs)")
+        for key in ("ar_ms", "step_ms"):
+            if key in m and not number(m[key]):
+                bad(f"measurements.{key}", "a positive number of milliseconds")
+        for key in ("rows_probe", "profile"):
+            if m.get(key) is not None and not isinstance(m[key], str):
+                bad(f"measurements.{key}", "a file")
+        lats = m.get("lattices")
+        if lats is not None and not (isinstance(lats, str) or (isinstance(lats, list)
+                                                                 and all(isinstance(x, str) for x in lats))):
+            bad("measurements.lattices", "a file or a list of files")
+        outs = m.get("outputs")
+        if outs is not None and not (isinstance(outs, dict) and all(isinstance(v, str) for v in outs.values())):
+            bad("measurements.outputs", "a map of role to outputs file (stock, ar)")
+    srv = raw.get("servers")
+    if srv is not None:
+        if not isinstance(srv, dict):
+            bad("servers", "a map (stock, candidate, candidates)")
+
+        def server(field: str, d, need_url: bool) -> None:
+            if not isinstance(d, dict):
+                bad(field, "a map (url, start, port, ready_timeout)")
+            if need_url or d.get("url") is not None:
+                url(f"{field}.url", d.get("url"))
+            if d.get("start") is not None and not (isinstance(d["start"], str) and d["start"].strip()):
+                bad(f"{field}.start", "a shell command")
+            if d.get("port") is not None and not (whole(d["port"], 1) and d["port"] <= 65535):
+                bad(f"{field}.port", "a port number (1-65535)")
+            for key in ("ready_timeout", "expected_start_s"):
+                if d.get(key) is not None and not number(d[key]):
+                    bad(f"{field}.{key}", "a positive number of seconds")
+
+        if srv.get("stock") is not None:
+            server("servers.stock", srv["stock"], True)
+        if srv.get("candidate") is not None:
+            server("servers.candidate", srv["candidate"], False)
+        cands = srv.get("candidates")
+        if cands is not None:
+            if not isinstance(cands, dict):
+                bad("servers.candidates", "a map of candidate id to its server (start, url)")
+            for cid, d in cands.items():
+                server(f"servers.candidates.{cid}", d, False)
+
+
+def _check_files(raw: dict, path: Path) -> None:
+    """The files the round will read exist (a missing one is said now, not at stage 4)."""
+    def where(rel: str) -> Path:
+        p = Path(rel).expanduser()
+        return p if p.is_absolute() else path.parent / p
+
+    if raw.get("prompts") and not where(raw["prompts"]).is_file():
+        raise InputError(f"{path}: prompts: {raw['prompts']} is not a file")
+    scorer = raw.get("scorer")
+    if scorer and scorer != "smollm2" and not where(scorer).exists() and not Path(scorer).expanduser().exists():
+        raise InputError(f"{path}: scorer: {scorer} is neither smollm2 nor a model folder or .gguf file")
+    m = raw.get("measurements") or {}
+    files = [m.get("rows_probe"), m.get("profile")] + ([m["lattices"]] if isinstance(m.get("lattices"), str)
+                                                       else list(m.get("lattices") or []))
+    files += list((m.get("outputs") or {}).values())
+    for rel in files:
+        if rel and not where(rel).is_file():
+            raise InputError(f"{path}: measurements: {rel} is not a file")
+
+
 def read_deployment(path: Path) -> SGLangDeployment:
     import yaml
 
@@ -95,8 +205,15 @@ def read_deployment(path: Path) -> SGLangDeployment:
         raise InputError(f"{path}: unknown schema {raw.get('schema') if isinstance(raw, dict) else raw!r}; "
                          f"expected {SCHEMA} (see docs/round.md)")
     drafter = raw.get("drafter")
-    if drafter not in DRAFTERS:
+    if not isinstance(drafter, str) or drafter not in DRAFTERS:
         raise InputError(f"{path}: drafter must be one of {', '.join(DRAFTERS)}")
+    _check_fields(raw, path)
+    if not raw.get("prompts"):
+        raise InputError(f"{path}: give prompts: (a prompts file) for the paired runs and the audit")
+    if not isinstance(raw.get("servers"), dict) or not isinstance(raw["servers"].get("stock"), dict):
+        raise InputError(f"{path}: give servers.stock.url (and .start, or a server already answering there): "
+                         "candidates are timed against stock")
+    _check_files(raw, path)
     model_spec = None
     if raw.get("model"):
         from specpilot.models import load_model_spec
@@ -110,11 +227,8 @@ def read_deployment(path: Path) -> SGLangDeployment:
         g = get_gpu(str(raw["gpu"]))
         gpu_key, gpu_name = g.key, g.name
     sg = raw.get("sglang") or {}
-    try:
-        batch, rows = int(raw.get("batch", 1)), int(raw.get("rows", 1))
-        context, max_new = int(raw.get("context", 2048)), int(raw.get("max_new_tokens", 128))
-    except (TypeError, ValueError):
-        raise InputError(f"{path}: batch, rows, context and max_new_tokens must be integers") from None
+    batch, rows = raw.get("batch", 1), raw.get("rows", 1)
+    context, max_new = raw.get("context", 2048), raw.get("max_new_tokens", 128)
     facts = Facts(kind="sglang", model=str(raw.get("model") or raw.get("name") or "target"), device="cuda",
                   gpu=gpu_name, gpu_key=gpu_key, dtype=str(raw.get("dtype", "bf16")), drafter=drafter,
                   target="hybrid" if (model_spec is not None and model_spec.is_hybrid) else "dense", batch=batch,
@@ -122,7 +236,7 @@ def read_deployment(path: Path) -> SGLangDeployment:
     return SGLangDeployment(path=path, raw=raw, facts=facts, model_spec=model_spec, gpu_key=gpu_key, rows=rows,
                             policy=str(raw.get("policy", "chain")), context=context, prompts=raw.get("prompts"),
                             max_new_tokens=max_new, scorer=raw.get("scorer"), python=sg.get("python"),
-                            experimental=bool(raw.get("experimental", False)),
+                            experimental=raw.get("experimental", False),
                             measurements=dict(raw.get("measurements") or {}), servers=dict(raw.get("servers") or {}))
 
 
@@ -317,7 +431,11 @@ def _healthy(url: str, timeout: float = 5.0) -> bool:
 
 
 def start_server(command: str, url: str, cwd: Path, log: Path, ready_timeout: float) -> Server:
-    """Run ``command`` in a shell (its own process group), wait until ``url``/health answers."""
+    """Run ``command`` in a shell (its own process group), wait until ``url``/health answers. A
+    server already answering at ``url`` is refused first: it, not the one started, would be timed."""
+    if _healthy(url, timeout=2.0):
+        raise EnvironmentMissing(f"{url} already answers before its server is started (another server on that "
+                                 "port?); give the candidate a free port")
     fh = open(log, "ab")
     proc = subprocess.Popen(command, shell=True, cwd=str(cwd), stdout=fh, stderr=subprocess.STDOUT,
                             start_new_session=True)
@@ -415,15 +533,11 @@ def approve_sglang(dep: SGLangDeployment, out: Path, cfg, clock, notify, prop, m
 
     decisions = read_json(out / "decisions.json", kind="round-decisions", build=ap.decisions_from_json) \
         if (out / "decisions.json").is_file() else []
-    if not dep.prompts:
-        raise InputError(f"{dep.path}: give prompts: (a prompts file) for the paired runs and the audit")
     prompts = read_prompts_tokenized(dep.file(dep.prompts), dep.scorer)
     prompts = prompts[:cfg.n_prompts or 8]
     max_new = cfg.max_new_tokens or dep.max_new_tokens
     stock_srv = dep.servers.get("stock") or {}
-    stock_url = stock_srv.get("url")
-    if not stock_url:
-        raise InputError(f"{dep.path}: servers.stock.url is needed to time candidates against stock")
+    stock_url = stock_srv["url"]
     started: list[Server] = []
     timeout = float(stock_srv.get("ready_timeout", 900))
     if not _healthy(stock_url):
@@ -431,8 +545,10 @@ def approve_sglang(dep: SGLangDeployment, out: Path, cfg, clock, notify, prop, m
             raise EnvironmentMissing(f"the stock server {stock_url} does not answer and the deployment gives no "
                                      "servers.stock.start command")
         notify("approve", f"starting the stock server ({stock_url})")
+        from urllib.parse import urlsplit
+
         started.append(start_server(fill(stock_srv["start"], python=dep.python or sys.executable,
-                                         port=stock_url.rsplit(":", 1)[-1]), stock_url, dep.path.parent,
+                                         port=urlsplit(stock_url).port or ""), stock_url, dep.path.parent,
                                     out / "stock.server.log", timeout))
     try:
         refs = {}
@@ -460,6 +576,13 @@ def approve_sglang(dep: SGLangDeployment, out: Path, cfg, clock, notify, prop, m
         start_s = float((dep.servers.get("candidate") or {}).get("expected_start_s", 120))
         rate = meas.tokens_per_s or 0.0
         todo = [c for c in prop.candidates if c.id not in {x.id for x in decisions}]
+
+        def record(dec) -> None:   # every verdict kept at once, a refusal or a skip too
+            decisions.append(dec)
+            write_json_atomic(out / "decisions.json", {"schema": ap.SCHEMA,
+                                                       "decisions": [x.to_json() for x in decisions]})
+            save()
+
         for i, cand in enumerate(todo):
             t0 = time.perf_counter()
             dec = ap.Decision(id=cand.id, memory=cand.memory, system="stock + " + " + ".join(bundles + [cand.id]),
@@ -469,7 +592,7 @@ def approve_sglang(dep: SGLangDeployment, out: Path, cfg, clock, notify, prop, m
                                  ap_score_s()) if rate else pl.PAIRS_MIN
             if pairs is None:
                 dec.reason = f"budget: {max(clock.left(), 0):.0f} s left, not enough for {pl.PAIRS_MIN} paired runs"
-                decisions.append(dec)
+                record(dec)
                 continue
             server = None
             try:
@@ -491,13 +614,13 @@ def approve_sglang(dep: SGLangDeployment, out: Path, cfg, clock, notify, prop, m
                 rate = rate or (timing["samples"][0]["base"] if timing["samples"] else 0.0)
             except pl.OutOfBudget as e:
                 dec.reason = f"budget: {e}"
-                decisions.append(dec)
+                record(dec)
                 if server:
                     server.stop()
                 continue
             except (EnvironmentMissing, InputError) as e:
                 dec.verdict, dec.reason = "refused", f"could not run: {e}"
-                decisions.append(dec)
+                record(dec)
                 if server:
                     server.stop()
                 continue
@@ -517,7 +640,7 @@ def approve_sglang(dep: SGLangDeployment, out: Path, cfg, clock, notify, prop, m
                          "server_log": f"approve/{cand.id}.server.log"}
             dec.seconds = time.perf_counter() - t0
             notify("approve", f"{cand.id}: {dec.verdict.upper()}: {dec.reason}")
-            decisions.append(dec)
+            record(dec)
             if dec.verdict == "approved":
                 if base["server"] is not None:
                     base["server"].stop()
@@ -527,13 +650,14 @@ def approve_sglang(dep: SGLangDeployment, out: Path, cfg, clock, notify, prop, m
                 state.update(bundles=bundles, settings=settings, current=dec.system)
             else:
                 server.stop()
-            write_json_atomic(out / "decisions.json", {"schema": ap.SCHEMA, "decisions": [x.to_json() for x in decisions]})
             save()
         if base["server"] is not None:
             base["server"].stop()
     finally:
         for s in started:
             s.stop()  # a no-op for servers already stopped
+    if not (out / "decisions.json").is_file():   # nothing to judge: the stage's file says so
+        write_json_atomic(out / "decisions.json", {"schema": ap.SCHEMA, "decisions": []})
     state["final"] = state.get("current")
     return decisions
 
