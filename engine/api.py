@@ -213,6 +213,7 @@ def batch_stats(dec) -> dict:
             "drafted_positions": st.drafted_positions,
             "kept_positions": st.kept_positions, "accepted": st.accepted, "request_steps": st.request_steps,
             "tau": st.tau(), "step_seconds": st.step_seconds,
+            "lattice_steps": st.lattice_steps, "lattice_rows": st.lattice_rows, "lattice_seconds": st.lattice_seconds,
             "bucket_graphs": len(dec.runner.graphs) if dec.runner is not None else 0,
             "mixed_graphs": len(dec.runner.mixed) if dec.runner is not None else 0,
             **({"tlv": st.tlv.to_json(steps=st.tlv_steps)} if st.tlv else {})}

@@ -469,3 +469,22 @@ def test_the_queue_bound_counts_the_free_slots_and_takes_a_list_whole():
     dec = eng.batch_decoder(batch=2)   # no bound (run --batch)
     dec.submit_all([req() for _ in range(50)])
     assert len(dec.waiting) == 50
+
+
+def test_recording_lattices_keeps_the_rows_and_counts_of_the_run(run_cli, tmp_path):
+    """A finished request that decodes on only to learn its last draft's targets adds rows and steps
+    of its own: they are counted apart (lattice_rows, lattice_steps), so the run's verify rows and
+    request steps are the same with a lattice recorded as without."""
+    p = tmp_path / "p.jsonl"
+    p.write_text("".join(json.dumps({"schema": "specpilot.prompts/1", "id": str(i), "prompt_ids": ids}) + "\n"
+                         for i, ids in enumerate([[1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12]])))
+    got = []
+    for extra in ([], ["--lattice-out", tmp_path / "x.lat"]):
+        code, out, err = run_cli("run", "--model", "tiny", "--mode", "tree", "--nodes", "8", "--batch", "3",
+                                 "--prompts", p, "--max-new-tokens", "40", "--format", "json", *extra)
+        assert code == 0, err
+        got.append(json.loads(out)["batch"])
+    plain, recorded = got
+    for key in ("rows", "verify_rows", "request_steps", "accepted"):
+        assert plain[key] == recorded[key], key
+    assert plain["lattice_rows"] == plain["lattice_steps"] == 0 and recorded["lattice_rows"] > 0

@@ -81,6 +81,11 @@ class BatchStats:
     finished: dict = field(default_factory=dict)    # finish type -> count
     tlv: TLVStats | None = None  # mode tlv: every request's cycles (the phase seconds are per batched step)
     tlv_steps: int = 0           # batched steps that ran TLV cycles
+    # recording lattices: a finished request decodes on (plain AR rows) until its last draft's
+    # targets are known; those rows, and the steps that run only them, are counted here, not above
+    lattice_rows: int = 0
+    lattice_steps: int = 0
+    lattice_seconds: float = 0.0
 
     def tau(self) -> float | None:
         return (self.accepted + self.request_steps) / self.request_steps if self.request_steps else None
@@ -337,6 +342,7 @@ class BatchDecoder:
     def step(self) -> bool:
         """One scheduler iteration; False when there was nothing to do."""
         t0 = time.perf_counter()
+        self._lattice_only = False
         if self.streak is not None:
             self._streak_step()
         else:
@@ -356,8 +362,11 @@ class BatchDecoder:
                 if left_out:
                     self._prefill_pass(left_out)
         dt = time.perf_counter() - t0
-        self.stats.step_seconds += dt
-        self.stats.step_hist.observe(dt)
+        if self._lattice_only:
+            self.stats.lattice_seconds += dt
+        else:
+            self.stats.step_seconds += dt
+            self.stats.step_hist.observe(dt)
         for r in [r for r in self.running if r.done and r.tail <= 0]:
             self._finish_lattice(r)
             self._release(r)
@@ -514,12 +523,18 @@ class BatchDecoder:
         t_exact = time.perf_counter()
         preds, need = self._run(blocks, pblocks)
         t_append = time.perf_counter()
-        self.stats.verify_steps += 1
+        extra = sum(len(blk) for blk, t in zip(blocks, tail) if t)   # lattice-target rows
+        self._lattice_only = all(tail) and not pblocks
+        if self._lattice_only:
+            self.stats.lattice_steps += 1
+        else:
+            self.stats.verify_steps += 1
         self.stats.request_steps += sum(1 for t in tail if not t)
-        self.stats.verify_rows += verify
+        self.stats.verify_rows += verify - extra
+        self.stats.lattice_rows += extra
         self.stats.admitted_prompt_rows += sum(len(b) for b in pblocks)
         self.stats.prompt_rows += sum(len(b) for b in pblocks)
-        self.stats.rows += verify + sum(len(b) for b in pblocks)
+        self.stats.rows += verify - extra + sum(len(b) for b in pblocks)
         now = time.perf_counter()
         accepted, commits, results = [], [], []
         for b, r in enumerate(decoding):   # every request's accepted rows, committed in one pass
@@ -533,7 +548,8 @@ class BatchDecoder:
             lat = Lattice.empty() if self.mode == "ar" and not tail[b] else lats[b]   # AR: a lattice of no draft
             if lat is not None and r.record_lattice:
                 row = {"schema": "specpilot.lattice/1", "request": r.id, "step": r.steps,
-                       "batch_step": self.stats.verify_steps - 1,   # the decoder's step: who verified together
+                       # the decoder's step: who verified together
+                       "batch_step": self.stats.verify_steps + self.stats.lattice_steps - 1,
                        "tokens": lat.tokens, "logprobs": lat.logprobs,
                        "transitions": lat.transitions, "target": None, "_at": len(r.full), "_m": lat.m}
                 if b in cyc:   # what replaying the cycle needs, as the one-request TLV decoder records it
