@@ -180,7 +180,10 @@ class EngineSpec:
             keys[o.name] = o.name
             keys[o.flag[2:].replace("-", "_")] = o.name
         kv: dict = {}
-        for part in filter(None, (p.strip() for p in body.split(","))):
+        parts = [p.strip() for p in body.split(",")] if body.strip() else []
+        if any(not p for p in parts):   # "a=1,,b=2": a key lost to a typo would not be said otherwise
+            raise InputError(f"engine spec {text!r}: an empty item between commas")
+        for part in parts:
             if "=" not in part:
                 raise InputError(f"engine spec {text!r}: {part!r} is not key=value")
             k, v = (s.strip() for s in part.split("=", 1))
