@@ -87,6 +87,8 @@ def test_spec_keys_take_flag_names_and_dtype_aliases():
     ("engine:dtype=int8", "unknown dtype"), ("engine:device=tpu", "unknown device"),
     ("engine:model=tiny,batch=2,batch=3", "batch is given twice"),
     ("engine:random=1,random-weights=0", "random is given twice"),
+    ("engine:model=tiny,,mode=tree", "an empty item between commas"),
+    ("engine:model=tiny,", "an empty item between commas"),
     ("engine:nodes=1_0", "not an integer"), ("engine:nodes=\uff18", "not an integer"),
 ])
 def test_spec_errors(text, msg):
