@@ -64,6 +64,10 @@ def check_output_path(path: str | os.PathLike, option: str = "--out",
         try:
             if p and Path(p).exists() and target.exists() and os.path.samefile(p, target):
                 raise InputError(f"{option} {shown}: refusing to overwrite input file {p}; choose another {option}")
+            # a file inside an input folder (a checkpoint's weights, a model's config) is an input too
+            if p and Path(p).is_dir() and target.exists() and target.resolve().is_relative_to(Path(p).resolve()):
+                raise InputError(f"{option} {shown}: refusing to overwrite a file of input folder {p}; choose "
+                                 f"another {option}")
         except (FileNotFoundError, NotADirectoryError):
             pass
     if target.is_dir():

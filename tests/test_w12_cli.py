@@ -413,3 +413,33 @@ def test_a_signal_before_the_rename_still_stops_the_pack(tmp_path, run_cli, monk
     code, _, err = run_cli("w12", "pack", src, "-o", dst)
     assert code == 143 and "interrupted by SIGTERM" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors"]
+
+
+def test_out_never_overwrites_a_file_inside_an_input_folder(tmp_path, run_cli):
+    """--out is the report: a file of the checkpoint folder read is an input, like a file named as one."""
+    src = tmp_path / "model"
+    src.mkdir()
+    make_checkpoint(src / "model.safetensors")
+    before = (src / "model.safetensors").read_bytes()
+    code, _, err = run_cli("w12", "pack", src, "-o", tmp_path / "w", "--out", src / "model.safetensors")
+    assert code == 2 and "refusing to overwrite a file of input folder" in err and not (tmp_path / "w").exists()
+    assert (src / "model.safetensors").read_bytes() == before
+    assert run_cli("w12", "pack", src, "-o", tmp_path / "w")[0] == 0
+    packed = (tmp_path / "w" / "model.safetensors").read_bytes()
+    code, _, err = run_cli("w12", "stats", tmp_path / "w", "--out", tmp_path / "w" / "model.safetensors")
+    assert code == 2 and (tmp_path / "w" / "model.safetensors").read_bytes() == packed
+    # a new file beside them is not an input
+    assert run_cli("w12", "stats", tmp_path / "w", "--out", tmp_path / "w" / "stats.txt")[0] == 0
+
+
+def test_ceiling_out_never_overwrites_the_model_config(tmp_path, run_cli):
+    import shutil
+    from pathlib import Path
+
+    cfg = tmp_path / "cfg"
+    cfg.mkdir()
+    shutil.copy(Path(__file__).resolve().parents[1] / "specpilot_cli" / "catalog" / "llama-3.1-8b.json",
+                cfg / "config.json")
+    before = (cfg / "config.json").read_text()
+    code, _, err = run_cli("ceiling", "--model", cfg, "--gpu", "h200", "--out", cfg / "config.json")
+    assert code == 2 and "refusing to overwrite" in err and (cfg / "config.json").read_text() == before, err

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from specpilot.limits import MAX_BATCH, MAX_CONTEXT, MAX_DRAFT_PASSES, MAX_MS, MAX_ROWS, MAX_TAU, MAX_TBS, MAX_TFLOPS
@@ -106,7 +108,9 @@ def command(model_name, gpu_name, bandwidth, flops, fp8_flops, rows, batch, cont
     for name, v in (("tau", tau), ("tau_best", tau_best), ("step_ms", step_ms), ("ar_ms", ar_ms),
                     ("profile_ms", profile_ms)):
         m.set(name, v, "command line")
-    protect = [p for p in (profile_file, replay_file, rows_file, run_file) if p]
+    # a model or drafter given as a config file or folder is an input too
+    models = [n for n in (model_name, drafter_name) if n and Path(n).exists()]
+    protect = [p for p in (profile_file, replay_file, rows_file, run_file) if p] + models
     run = read_run(run_file) if run_file else None
     policy = policy or (run.policy if run is not None else None) or "chain"
     req = CeilingRequest(model=model, gpu=gpu, rows=row_list, batch=batch, context=context, weight_dtype=weight_dtype,

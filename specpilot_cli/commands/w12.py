@@ -91,6 +91,10 @@ def pack_cmd(src, dst, include, exclude, device, fmt, out):
     if out and Path(out).resolve() == Path(dst).resolve():
         raise InputError(f"--out {out}: the same file as --output; the report needs another name (or leave --out "
                          "out)")
+    if out:   # before the long conversion, not after it
+        from specpilot.fileio import check_output_path
+
+        check_output_path(out, "--out", protect=[src])
     if Path(src).is_file() and Path(dst).suffix != ".safetensors":   # what verify and stats recognise
         raise InputError(f"--output {dst}: name a .safetensors file (a single-file checkpoint packs into one)")
     device = _device(device)
