@@ -195,12 +195,18 @@ def test_check_refuses_a_damaged_baseline_before_any_run(tiny_round, run_cli, tm
     assert code == 2 and words in err and "internal error" not in err and err.count("\n") == 1, err
 
 
-def test_check_with_nothing_to_check_is_refused(tiny_round, run_cli, tmp_path):
+def test_check_without_timing_samples_needs_no_timing(tiny_round, run_cli, tmp_path):
+    """A baseline whose round timed no candidate: the gate passing on the audit alone is asked for
+    (--no-timing), not given silently; with --no-audit too there is nothing to check."""
     doc = json.loads((tiny_round / "r" / "baseline.json").read_text())
     doc["samples"] = []
     (tmp_path / "baseline.json").write_text(json.dumps(doc))
-    code, _, err = run_cli("check", "--baseline", tmp_path, "--runs", "2", "--no-audit")
-    assert code == 2 and "--no-audit leaves nothing to check" in err, err
+    code, _, err = run_cli("check", "--baseline", tmp_path, "--runs", "2")
+    assert code == 2 and "holds no timing samples" in err and "--no-timing" in err, err
+    code, _, err = run_cli("check", "--baseline", tmp_path, "--no-timing", "--no-audit")
+    assert code == 2 and "leave nothing to check" in err, err
+    code, out, err = run_cli("check", "--baseline", tmp_path, "--no-timing", "--format", "json")
+    assert code == 0 and json.loads(out)["timing"] == "not judged" and json.loads(out)["fresh"] == [], err
 
 
 def test_check_passes_on_the_same_system_and_fails_on_a_regression_or_a_failed_audit(tiny_round, run_cli, tmp_path):

@@ -85,7 +85,8 @@ def judge_regression(fresh: list[float], reference: list[float], reference_noise
 
 
 def run_check(baseline: dict, *, system: str | None = None, runs: int | None = None, scorer: str | None = None,
-              audit: bool = True, seed: int = 0, tolerance: float = 0.0, progress=None, notify=None) -> CheckResult:
+              audit: bool = True, timing: bool = True, seed: int = 0, tolerance: float = 0.0, progress=None,
+              notify=None) -> CheckResult:
     from specpilot.auditors.outputs import OutputRow, Outputs, Prompt
 
     from .deployment import engine_facts
@@ -119,9 +120,12 @@ def run_check(baseline: dict, *, system: str | None = None, runs: int | None = N
     if audit and not outs.get("stock"):   # a gate must check what it says it checks
         raise InputError(f"{baseline['_path']}: the baseline holds no stock outputs to audit against; give "
                          "--no-audit to check the timing only")
-    if not audit and not (ref and len(ref) >= 2):
-        raise InputError(f"{baseline['_path']}: the baseline holds no timing samples and --no-audit leaves "
-                         "nothing to check")
+    timed = bool(ref and len(ref) >= 2)
+    if not audit and not timing:
+        raise InputError("--no-audit and --no-timing leave nothing to check")
+    if timing and not timed:   # a gate that passes on half its check must be asked for
+        raise InputError(f"{baseline['_path']}: the baseline holds no timing samples (its round timed no candidate); "
+                         "give --no-timing to audit only, or run the round with a larger --budget")
     if audit and not scorer and not baseline.get("stock"):
         raise InputError(f"{baseline['_path']}: baseline lacks 'stock' (the engine whose target scores the "
                          "audit); give --scorer MODEL")
@@ -132,7 +136,7 @@ def run_check(baseline: dict, *, system: str | None = None, runs: int | None = N
         stock_prompts = [Prompt(r["id"], list(r["prompt_ids"])) for r in outs["stock"]]
         check_engine_prompts([(f"{baseline['_path']}: stock {baseline['stock']}", baseline["stock"])], stock_prompts,
                              max_new)
-    res = CheckResult(system=sys_text, baseline=baseline["_path"], runs=n, fresh=[], reference=ref)
+    res = CheckResult(system=sys_text, baseline=baseline["_path"], runs=n if timing else 0, fresh=[], reference=ref)
     spec = EngineSpec.parse(sys_text)
     facts = engine_facts(spec)
     res.machine = facts.gpu or facts.cpu
@@ -146,13 +150,14 @@ def run_check(baseline: dict, *, system: str | None = None, runs: int | None = N
     pool = EnginePool()
     notify("check", f"loading {sys_text}")
     sysm = PooledSystem(sys_text, pool.get(sys_text), prompts, max_new)
-    sysm.measure()  # warm-up
-    it = range(n) if progress is None else progress(range(n), total=n, desc="runs", unit="run")
-    t0 = time.perf_counter()
-    for _ in it:
-        res.fresh.append(sysm.measure())
-    notify("check", f"{n} runs in {time.perf_counter() - t0:.0f} s: median {float(np.median(res.fresh)):.4g} tokens/s")
-    if ref and len(ref) >= 2:
+    sysm.measure()  # warm-up (and, with --no-timing, the outputs the audit needs)
+    if timing:
+        it = range(n) if progress is None else progress(range(n), total=n, desc="runs", unit="run")
+        t0 = time.perf_counter()
+        for _ in it:
+            res.fresh.append(sysm.measure())
+        notify("check", f"{n} runs in {time.perf_counter() - t0:.0f} s: median {float(np.median(res.fresh)):.4g} "
+                        "tokens/s")
         res.gain, res.ci, res.noise, res.threshold, regression = judge_regression(
             res.fresh, ref, baseline.get("noise"), seed=seed, tolerance=tolerance)
         res.timing = "regression" if regression else "ok"
@@ -161,7 +166,7 @@ def run_check(baseline: dict, *, system: str | None = None, runs: int | None = N
                                f"{res.ci[1]:.4f}] entirely below 1 - {res.threshold:.2%} (1% + 2 x noise {res.noise:.2%}"
                                + (f" + tolerance {tolerance:.0%})" if tolerance else ")"))
     else:
-        res.warnings.append("the baseline holds no timing samples of this system: timing not judged")
+        res.warnings.append("--no-timing: timing not judged")
     fresh_out = outputs_from(sysm, prompts, "system")
     base_sys = [list(r["output_ids"]) for r in outs.get("system") or []]
     if base_sys:

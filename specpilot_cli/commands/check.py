@@ -15,12 +15,14 @@ from specpilot.output import Report, Section, emit, fmt_num, output_options, pro
 @click.option("--runs", type=int, default=None, help="Timed runs (default: as many as the baseline has samples).")
 @click.option("--scorer", default=None, help="Audit scorer (default: the stock engine's target, FP32 head).")
 @click.option("--no-audit", is_flag=True, help="Timing only.")
+@click.option("--no-timing", is_flag=True,
+              help="Audit only (needed for a baseline without timing samples: its round timed no candidate).")
 @click.option("--tolerance", type=float, default=0.0, show_default=True,
               help="Extra slowdown allowed, as a fraction (0.2 = 20%), on runners whose speed drifts between sessions "
                    "(a shared CPU); GPU runners need none.")
 @seed_option("the bootstrap intervals of the timing and the audit")
 @output_options
-def command(baseline_path, system, runs, scorer, no_audit, tolerance, seed, fmt, out):
+def command(baseline_path, system, runs, scorer, no_audit, no_timing, tolerance, seed, fmt, out):
     """Re-measure the current system and compare it with a stored baseline; exit 1 on a regression
     beyond the measured noise or on a failed token-forcing audit.
 
@@ -52,17 +54,19 @@ def command(baseline_path, system, runs, scorer, no_audit, tolerance, seed, fmt,
     def notify(stage, message):
         click.echo(f"[{stage}] {message}", err=True)
 
-    res = run_check(base, system=system, runs=runs, scorer=scorer, audit=not no_audit, seed=seed,
-                    tolerance=tolerance, progress=progress, notify=notify)
+    res = run_check(base, system=system, runs=runs, scorer=scorer, audit=not no_audit, timing=not no_timing,
+                    seed=seed, tolerance=tolerance, progress=progress, notify=notify)
     import statistics
 
     rows = [["system", res.system],
             ["baseline", f"{res.baseline} ({res.baseline_machine})"],
-            ["tokens/s now (median of runs)", f"{fmt_num(statistics.median(res.fresh))} ({res.runs} runs, {res.machine})"],
+            ["tokens/s now (median of runs)", f"{fmt_num(statistics.median(res.fresh))} ({res.runs} runs, {res.machine})"
+             if res.fresh else f"- (--no-timing; {res.machine})"],
             ["tokens/s baseline (median)", fmt_num(statistics.median(res.reference)) if res.reference else "-"],
             ["now / baseline", f"{fmt_num(res.gain)} 95% CI [{fmt_num(res.ci[0])}, {fmt_num(res.ci[1])}]"
              if res.ci else "-"],
-            ["noise, threshold", f"{res.noise:.2%}, regression below {1 - res.threshold:.4f}" if res.threshold else "-"],
+            ["noise, threshold", f"{res.noise:.2%}; a regression when the CI's upper end is below "
+                                 f"{1 - res.threshold:.4f}" if res.threshold else "-"],
             ["timing", res.timing.upper()],
             ["outputs identical to the baseline's", fmt_num(res.outputs_identical)],
             ["audit against stock", res.audit_verdict.upper()]]
