@@ -174,7 +174,9 @@ def run_selftest(*, n_prompts: int = 24, max_new_tokens: int = 32, repeats: int 
 
     if not 1 <= n_prompts <= len(PROMPTS):
         raise InputError(f"--prompts {n_prompts}: choose 1..{len(PROMPTS)} (the built-in set)")
-    if repeats < 1 or n_prompts // repeats < 1:
+    if repeats < 1:
+        raise InputError(f"--repeats {repeats}: must be at least 1")
+    if n_prompts // repeats < 1:
         raise InputError(f"--repeats {repeats}: need at least one prompt per repeat ({n_prompts} prompts)")
     if max_new_tokens < 1:
         raise InputError("--max-new-tokens must be at least 1")

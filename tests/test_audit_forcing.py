@@ -380,6 +380,7 @@ def test_cli_other_formats(run_cli, tiny):
     (["--biases", "2,x"], "not a number"),
     (["--biases", "-1"], "positive"),
     (["--repeats", "50", "--prompts", "8"], "--repeats 50"),
+    (["--repeats", "0"], "--repeats 0: must be at least 1"),
 ])
 def test_selftest_bad_options(run_cli, args, message):
     code, out, err = run_cli("audit", "selftest", *args)
@@ -413,3 +414,19 @@ def test_scorer_on_cuda_matches_cpu(tiny):
     f32 = Scorer.load(tiny["model"], device="cuda", dtype="float32")
     for g, r in zip(f32.score(seqs), ref):
         np.testing.assert_allclose(g.margin, r.margin, atol=2e-3)
+
+
+def test_collect_reads_text_prompts_with_the_engines_own_tokenizer(run_cli, tmp_path):
+    p = _write(tmp_path / "t.jsonl", [{"schema": "specpilot.prompts/1", "id": "a", "text": "hello"}])
+    code, out, err = run_cli("audit", "collect", "engine:model=tiny,mode=ar", "--prompts", p, "--max-new-tokens", "3",
+                             "--save", tmp_path / "s.jsonl")
+    assert code == 0, err
+    assert read_outputs(tmp_path / "s.jsonl").rows[0].prompt_ids == list(b"hello")
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--delta", "-1"], "--delta"), (["--concurrency", "0"], "--concurrency")])
+def test_audit_options_out_of_range_are_refused_before_anything_loads(run_cli, tiny, args, words):
+    f = tiny["files"]
+    code, out, err = run_cli("audit", f["batch4"], "--against", f["stock"], "--scorer", tiny["model"], *args)
+    assert code == 2 and words in err and "loading scorer" not in err, err

@@ -95,12 +95,12 @@ def _read_prompts(path, tokenizer_spec):
 
 
 def _common_run_options(f):
-    f = click.option("--concurrency", type=int, default=1, show_default=True,
+    f = click.option("--concurrency", type=click.IntRange(1, 4096), default=1, show_default=True,
                      help="Requests in flight at once to an http:// server (an engine: spec batches by its "
                           "own batch=B, else runs one request at a time).")(f)
     f = click.option("--timeout", type=click.FloatRange(0, 1e6, min_open=True), default=120.0, show_default=True,
                      help="Seconds to wait for a server's answer to one request.")(f)
-    f = click.option("--max-new-tokens", type=int, default=128, show_default=True,
+    f = click.option("--max-new-tokens", type=click.IntRange(1, 1 << 20), default=128, show_default=True,
                      help="Tokens to generate per prompt when running a system.")(f)
     f = click.option("--prompts", "prompts_path", type=click.Path(dir_okay=False), default=None,
                      help="Prompts for systems that are run: specpilot.prompts/1 (token ids or text) "
@@ -117,7 +117,8 @@ def _common_run_options(f):
 @_common_run_options
 @click.option("--save-outputs", "save_dir", type=click.Path(file_okay=False), callback=not_empty, default="specpilot-audit-outputs",
               show_default=True, help="Folder for the outputs of systems that are run (kept on failure).")
-@click.option("--delta", type=float, default=None, help="Near-tie threshold; skips phase 0.")
+@click.option("--delta", type=click.FloatRange(0, 1e6, min_open=True), default=None,
+              help="Near-tie threshold (> 0); skips phase 0.")
 @click.option("--max-increase", type=float, default=0.5, show_default=True,
               help="Reject when the mismatch rate exceeds stock's by more than this many percentage points.")
 @device_option("Scorer device: cpu, cuda or cuda:N (default: cuda when present, else cpu).")
@@ -226,7 +227,8 @@ def run_audit(system_outputs, stock_outputs, ar_outputs, scorer_spec, *, device=
 @_common_run_options
 @click.option("--save", "save", type=click.Path(dir_okay=False), callback=not_empty, required=True,
               help="Outputs JSONL to write (also written with the rows collected so far when a run fails).")
-@click.option("--tokenizer", default=None, help="Model whose tokenizer turns text prompts into ids.")
+@click.option("--tokenizer", default=None,
+              help="Model whose tokenizer turns text prompts into ids [default: an engine: SYSTEM's model].")
 @click.option("--resume", is_flag=True,
               help="Keep the rows --save already holds (an interrupted collection of the same SYSTEM, --prompts "
                    "and --max-new-tokens; each row records its system and limit) and run only the other prompts.")
@@ -260,6 +262,10 @@ def collect_cmd(system, prompts_path, max_new_tokens, timeout, concurrency, save
             raise InputError(f"--out {out}: the same file as --save; choose another --out (or leave it out)")
         check_output_path(out, "--out", protect=[prompts_path])
     identity = system_identity(spec)
+    if tokenizer is None and spec.kind == "engine":   # the engine's own model reads its text prompts
+        from specpilot.engine.spec import EngineSpec
+
+        tokenizer = EngineSpec.parse(spec.spec).model
     prompts = _read_prompts(prompts_path, tokenizer)
     # an empty --save (made, nothing collected yet) resumes from nothing
     already = read_outputs(save).rows if resume and _holds_rows(save) else []
