@@ -430,3 +430,8 @@ def test_audit_options_out_of_range_are_refused_before_anything_loads(run_cli, t
     f = tiny["files"]
     code, out, err = run_cli("audit", f["batch4"], "--against", f["stock"], "--scorer", tiny["model"], *args)
     assert code == 2 and words in err and "loading scorer" not in err, err
+
+
+def test_a_misspelt_subcommand_is_said_so(run_cli):
+    code, _, err = run_cli("audit", "selftst")
+    assert code == 2 and "No such command 'selftst'. Did you mean 'selftest'?" in err, err

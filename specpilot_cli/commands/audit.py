@@ -19,8 +19,21 @@ class _AuditGroup(click.Group):
             click.echo(ctx.get_help())
             ctx.exit(0)
         if args[0] not in self.commands and args[0] not in ("-h", "--help"):
+            self._typo(ctx, args[0])
             args = ["check", *args]
         return super().parse_args(ctx, args)
+
+    def _typo(self, ctx, word: str) -> None:
+        """A bare word close to a subcommand that names no file is a misspelt subcommand, not a
+        SYSTEM (a system is an outputs file, an engine: spec or an http:// URL)."""
+        import difflib
+        import os
+
+        if os.path.exists(word) or ":" in word or "/" in word or "." in word or word.startswith("-"):
+            return
+        close = difflib.get_close_matches(word, list(self.commands), n=1)
+        if close:
+            raise click.UsageError(f"No such command {word!r}. Did you mean {close[0]!r}?", ctx)
 
 
 @click.group("audit", cls=_AuditGroup)
