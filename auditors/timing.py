@@ -151,7 +151,7 @@ def judge(samples: Sequence[Sample], *, higher_is_better: bool, aa_pairs: Sequen
     if ok_boot and ok_t and too_few_blocks:
         reason = (f"one block only: the block bootstrap cannot bound the gain from a single block "
                   f"(its interval is the point estimate); approval needs at least {MIN_BLOCKS} blocks "
-                  f"({2 * MIN_BLOCKS} runs)")
+                  f"({2 * MIN_BLOCKS} paired samples)")
     elif approved:
         reason = f"lower bound {_pct(min(lo, t_lo))} > threshold {_pct(need)}"
     elif ok_boot != ok_t:

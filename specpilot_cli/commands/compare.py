@@ -76,7 +76,7 @@ def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, tokenizer
     two GPUs, then swapped. gain = geometric mean of paired speed ratios; 95% interval by paired
     bootstrap over blocks (a t-interval on log ratios as a check). Approved when both lower bounds
     exceed 1% + 2 x stock noise (A/A split of the base runs), or 3% with --changes-output, and
-    at least two blocks (4 runs) were measured.
+    at least two blocks (4 paired samples) were measured.
     Exit 0 approved, 1 not approved, 2 bad input, 3 missing environment. The samples collected
     so far are kept in a partial file after every block; after SIGINT/SIGTERM/SIGHUP, a failed or
     timed-out command, rerun with --resume FILE to continue (each command runs in its own process
