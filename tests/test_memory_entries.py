@@ -60,8 +60,8 @@ def test_drift_is_detected_and_record_repairs_it(run_cli, tmp_path):
     raw["system"]["fingerprints"]["specpilot.bundles.tree"] = "sha256:" + "0" * 64
     (d / "tree.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
     code, out, _ = run_cli("memory", "verify", "--memory-dir", d)
-    assert code == 1 and "DRIFT" in out and "specpilot.bundles.tree changed since it was verified" in out
-    assert out.count("DRIFT") == 1  # only tree's own record was altered
+    assert code == 1 and "NOT REPRODUCED" in out and "specpilot.bundles.tree changed since it was verified" in out
+    assert out.count("NOT REPRODUCED") == 1  # only tree's own record was altered
     code, out, _ = run_cli("memory", "verify", "--memory-dir", d, "--record", "tree")
     assert code == 0 and "reproduced" in out
     assert run_cli("memory", "verify", "--memory-dir", d, "tree")[0] == 0

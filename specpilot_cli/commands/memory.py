@@ -40,8 +40,9 @@ def list_(memory_dir, fmt, out):
     data = {"schema": "specpilot.memory-list/1",
             "entries": [{"id": e.id, "status": e.status, "requires": e.requires, "hooks": len(e.hooks),
                          "sglang_checked": e.sglang_checked, "summary": e.summary} for e in entries.values()]}
-    emit(Report(data=data, sections=[Section(None, ["id", "status", "requires", "hooks", "sglang", "summary"], rows)]),
-         fmt, out)
+    lines = [] if entries else [f"no entries (*.yaml) in {memory_dir or 'the packaged memory'}"]
+    emit(Report(data=data, sections=[Section(None, ["id", "status", "requires", "hooks", "sglang", "summary"], rows)],
+                lines=lines), fmt, out)
     return 0
 
 
@@ -143,7 +144,8 @@ def verify(ids, python, record, results_dir, memory_dir, fmt, out):
     data = {"schema": "specpilot.memory-verify/1", "ok": all(r.ok for r in rows),
             "evidence_checked_against": str(results) if results is not None else None,
             "entries": [r.__dict__ for r in rows]}
-    table = [[r.id, " + ".join(r.closure), r.hooks, "reproduced" if r.ok else "DRIFT"] for r in rows]
+    # what failed is said in the lines below the table (code drift, stale or missing evidence, SGLang)
+    table = [[r.id, " + ".join(r.closure), r.hooks, "reproduced" if r.ok else "NOT REPRODUCED"] for r in rows]
     lines = [f"{r.id}: {p}" for r in rows for p in r.problems]
     if results is None:
         lines.append("evidence not checked against results files: no benchmarks/results here (give --results DIR)")
