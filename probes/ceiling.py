@@ -373,11 +373,12 @@ def rows_mismatch(policy: str, cost_rows: int | None, m: Measurements) -> str | 
     """A warning when the cost model divides the tau of ``policy`` (a replay policy with a node
     budget) by a step of another row count taken from a rows probe (``--rows``, default 1)."""
     budget = policy.partition(":")[2].split(",")[-1]
-    if not budget.isdigit() or cost_rows is None or int(budget) == cost_rows \
+    if not budget.isdigit() or cost_rows is None or int(budget) + 1 == cost_rows \
             or not m.sources.get("step_ms", "").startswith("rows probe"):
         return None
     return (f"the cost model pairs {policy}'s tau with the {cost_rows}-row step (--rows {cost_rows}); the policy "
-            f"verifies {budget} nodes a step: give --rows {budget}, or read its row of the by-node table")
+            f"verifies {budget} nodes and the pending token a step, {int(budget) + 1} rows: give "
+            f"--rows {int(budget) + 1}, or read its row of the by-node table")
 
 
 TLV_TERMS = ("draft1", "qpass", "draft2", "exact", "append")
@@ -454,23 +455,26 @@ def rows_probe_warnings(p: RowsProbeFigures) -> list[str]:
 
 def predict_by_nodes(req: CeilingRequest, curves: dict[str, dict[int, float]], step_curve: dict[int, float],
                      res: CeilingResult) -> list[dict]:
-    """Speedup tau(N) / c(N) for every node budget N of the replay's tau(N) curves.
+    """Speedup tau(N) / c for every node budget N of the replay's tau(N) curves, c at the N + 1
+    rows a budget of N verifies (its nodes and the pending token they hang from).
 
-    c(N) is measured (rows probe: T_step(N) / T_AR) when a rows probe is given (node budgets it did
-    not measure are left out, never mixed with floors), else the floor c(N) of the model (the
-    regime where every kernel sits at its byte floor).
+    c is measured (rows probe: T_step(N + 1) / T_AR) when a rows probe is given (budgets whose
+    N + 1 rows it did not time are left out, never mixed with floors), else the model's floor c
+    (the regime where every kernel sits at its byte floor).
     """
     ar_ms = res.measurements.ar_ms
     out = []
     for policy, pts in curves.items():
         for n, tau in sorted(pts.items()):
+            rows = n + 1
             if step_curve:
-                if n not in step_curve or not ar_ms:
+                if rows not in step_curve or not ar_ms:
                     continue
-                c, source = step_curve[n] / ar_ms, "measured"
+                c, source = step_curve[rows] / ar_ms, "measured"
             elif req.model is not None and req.gpu is not None and res.ar_floor is not None:
-                c, source = req.step_floor(n).total_floor_ms / res.ar_floor.total_floor_ms, "floor"
+                c, source = req.step_floor(rows).total_floor_ms / res.ar_floor.total_floor_ms, "floor"
             else:
                 continue
-            out.append({"policy": policy, "nodes": n, "tau": tau, "c": c, "c_source": source, "speedup": tau / c})
+            out.append({"policy": policy, "nodes": n, "rows": rows, "tau": tau, "c": c, "c_source": source,
+                        "speedup": tau / c})
     return out

@@ -208,24 +208,25 @@ def test_cli_predicted_speedup_by_nodes(run_cli, tmp_path):
                                   "curves": {"best-first": {"8": 4.5, "32": 5.4, "63": 5.6}}}))
     rows = tmp_path / "rows.json"
     rows.write_text(json.dumps({"schema": "specpilot.rows/1", "ar_ms": 10.0, "points": [
-        {"rows": 1, "step_ms": 10.0}, {"rows": 8, "step_ms": 10.2}, {"rows": 32, "step_ms": 10.8}]}))
-    code, out, err = run_cli("ceiling", "--model", "llama-3.1-8b", "--gpu", "h100", "--rows", "32",
+        {"rows": 1, "step_ms": 10.0}, {"rows": 9, "step_ms": 10.2}, {"rows": 33, "step_ms": 10.8}]}))
+    code, out, err = run_cli("ceiling", "--model", "llama-3.1-8b", "--gpu", "h100", "--rows", "33",
                              "--replay", replay, "--rows-probe", rows, "--format", "json")
     assert code == 0, err
     doc = json.loads(out)
     by = {r["nodes"]: r for r in doc["by_nodes"]}
-    assert by[32]["c_source"] == "measured" and by[32]["c"] == pytest.approx(1.08)
+    # a budget of N nodes verifies N + 1 rows: its c is the probe's 33-row step
+    assert by[32]["c_source"] == "measured" and by[32]["c"] == pytest.approx(1.08) and by[32]["rows"] == 33
     assert by[32]["speedup"] == pytest.approx(5.4 / 1.08)
     assert 63 not in by  # not probed: measured and floor c are never mixed
-    code, out, err = run_cli("ceiling", "--model", "llama-3.1-8b", "--gpu", "h100", "--rows", "32",
+    code, out, err = run_cli("ceiling", "--model", "llama-3.1-8b", "--gpu", "h100", "--rows", "33",
                              "--replay", replay, "--format", "json")
     floor_by = {r["nodes"]: r for r in json.loads(out)["by_nodes"]}
     assert floor_by[63]["c_source"] == "floor" and floor_by[63]["c"] > floor_by[8]["c"] > 1.0
-    # T_step(32) and T_AR came from the rows probe
+    # T_step(33) and T_AR came from the rows probe
     assert doc["cost_model"]["step_ms"] == 10.8 and doc["cost_model"]["ar_ms"] == 10.0
-    code, out, err = run_cli("ceiling", "--model", "llama-3.1-8b", "--gpu", "h100", "--rows", "32",
+    code, out, err = run_cli("ceiling", "--model", "llama-3.1-8b", "--gpu", "h100", "--rows", "33",
                              "--replay", replay, "--rows-probe", rows)
-    assert code == 0 and "Best: best-first at 32 nodes" in out
+    assert code == 0 and "Best in this table: best-first at 32 nodes" in out
 
 
 def test_a_policys_tau_over_a_step_of_other_rows_is_flagged(run_cli, tmp_path):
@@ -234,12 +235,16 @@ def test_a_policys_tau_over_a_step_of_other_rows_is_flagged(run_cli, tmp_path):
         {"policy": "chain", "tau": 1.5}, {"policy": "best-first:16", "tau": 1.7}]}))
     rows = tmp_path / "rows.json"
     rows.write_text(json.dumps({"schema": "specpilot.rows/1", "ar_ms": 10.0, "ar_path": "fused", "warnings": [],
-                                "points": [{"rows": 1, "step_ms": 10.0}, {"rows": 16, "step_ms": 12.0}]}))
+                                "points": [{"rows": 1, "step_ms": 10.0}, {"rows": 16, "step_ms": 11.0},
+                                           {"rows": 17, "step_ms": 12.0}]}))
     args = ("ceiling", "--replay", replay, "--rows-probe", rows, "--policy", "best-first:16", "--format", "json")
     doc = json.loads(run_cli(*args)[1])   # --rows 1 by default: a 16-node tree's tau over a 1-row step
     assert doc["cost_model"]["c"] == 1.0
-    assert any("pairs best-first:16's tau with the 1-row step" in w and "--rows 16" in w for w in doc["warnings"])
+    assert any("pairs best-first:16's tau with the 1-row step" in w and "--rows 17" in w for w in doc["warnings"])
+    # 16 nodes and the pending token they hang from: 17 rows
     doc = json.loads(run_cli(*args, "--rows", "16")[1])
+    assert any("--rows 17" in w for w in doc["warnings"])
+    doc = json.loads(run_cli(*args, "--rows", "17")[1])
     assert doc["cost_model"]["c"] == pytest.approx(1.2) and doc["warnings"] == []
     doc = json.loads(run_cli(*args[:-4], "--policy", "chain", "--format", "json")[1])
     assert doc["warnings"] == []   # no node budget to compare

@@ -188,11 +188,12 @@ def _report(res, run=None) -> Report:
                                      f"{res.fractions['bandwidth']:.2f} of peak bandwidth."))
     if res.by_nodes:
         best = max(res.by_nodes, key=lambda r: r["speedup"])
-        sections.append(Section("Predicted speedup by node budget: tau(N) / c(N)",
-                                ["policy", "nodes", "tau", "c", "c from", "speedup"],
-                                [[r["policy"], r["nodes"], r["tau"], r["c"], r["c_source"], r["speedup"]]
+        sections.append(Section("Predicted speedup by node budget N: tau(N) / c at its N + 1 rows",
+                                ["policy", "nodes", "rows", "tau", "c", "c from", "speedup"],
+                                [[r["policy"], r["nodes"], r["rows"], r["tau"], r["c"], r["c_source"], r["speedup"]]
                                  for r in res.by_nodes],
-                                note=f"Best: {best['policy']} at {best['nodes']} nodes ({best['speedup']:.3g}x over AR)."))
+                                note=f"Best in this table: {best['policy']} at {best['nodes']} nodes "
+                                     f"({best['speedup']:.3g}x over AR)."))
     if res.cycle:
         cy = res.cycle
         names = {"draft1": "draft 1", "qpass": "Q pass", "draft2": "draft 2", "exact": "exact pass",
