@@ -184,6 +184,7 @@ def _set(doc: dict, path: str, value):
     ("outputs.stock", [], "no stock outputs to audit against; give --no-audit"),
     ("outputs.stock", None, "no stock outputs to audit against"),
     ("outputs", [], "'outputs' must be an object"),
+    ("outputs.stock.0.output_ids", [10 ** 9], "outside the stock model's vocabulary"),
 ])
 def test_check_refuses_a_damaged_baseline_before_any_run(tiny_round, run_cli, tmp_path, field, value, words):
     """A field of the wrong type is bad input, said before the timed runs: not a crash (exit 4),
@@ -193,6 +194,16 @@ def test_check_refuses_a_damaged_baseline_before_any_run(tiny_round, run_cli, tm
     (tmp_path / "baseline.json").write_text(json.dumps(doc))
     code, out, err = run_cli("check", "--baseline", tmp_path, "--runs", "2")
     assert code == 2 and words in err and "internal error" not in err and err.count("\n") == 1, err
+
+
+def test_check_refuses_out_on_its_baseline_before_running(tiny_round, run_cli, tmp_path):
+    import shutil
+
+    shutil.copy(tiny_round / "r" / "baseline.json", tmp_path / "b.json")
+    before = (tmp_path / "b.json").read_text()
+    code, _, err = run_cli("check", "--baseline", tmp_path / "b.json", "--out", tmp_path / "b.json")
+    assert code == 2 and "refusing to overwrite" in err and "runs in" not in err, err
+    assert (tmp_path / "b.json").read_text() == before
 
 
 def test_check_without_timing_samples_needs_no_timing(tiny_round, run_cli, tmp_path):

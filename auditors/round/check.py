@@ -132,10 +132,20 @@ def run_check(baseline: dict, *, system: str | None = None, runs: int | None = N
     from specpilot.auditors.systems import check_engine_prompts
 
     check_engine_prompts([(f"{baseline['_path']}: {sys_text}", sys_text)], prompts, max_new)
-    if audit and not scorer:   # the stock engine scores the stock rows
+    if audit and not scorer:   # the stock engine scores the stock rows, outputs included
+        from specpilot.engine.api import resolve_model
+
+        stock_spec = EngineSpec.parse(baseline["stock"])
         stock_prompts = [Prompt(r["id"], list(r["prompt_ids"])) for r in outs["stock"]]
         check_engine_prompts([(f"{baseline['_path']}: stock {baseline['stock']}", baseline["stock"])], stock_prompts,
                              max_new)
+        vocab = resolve_model(stock_spec.model, stock_spec.random)[0].vocab_size
+        for role in ("stock", "ar", "system"):
+            for r in outs.get(role) or []:
+                bad = next((t for t in r["output_ids"] if t >= vocab), None)
+                if bad is not None:
+                    raise InputError(f"{baseline['_path']}: outputs.{role} row {r['id']!r}: token id {bad} is outside "
+                                     f"the stock model's vocabulary (0..{vocab - 1})")
     res = CheckResult(system=sys_text, baseline=baseline["_path"], runs=n if timing else 0, fresh=[], reference=ref)
     spec = EngineSpec.parse(sys_text)
     facts = engine_facts(spec)

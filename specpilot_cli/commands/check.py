@@ -50,6 +50,10 @@ def command(baseline_path, system, runs, scorer, no_audit, no_timing, tolerance,
 
         check_scorer_spec(scorer)
     base = read_baseline(baseline_path)
+    if out:   # before the timed runs, not after them
+        from specpilot.fileio import check_output_path
+
+        check_output_path(out, "--out", protect=[base["_path"]])
 
     def notify(stage, message):
         click.echo(f"[{stage}] {message}", err=True)
