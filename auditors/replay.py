@@ -389,7 +389,8 @@ def replay(lattice: Lattice, policies: Sequence[Policy | str], nodes: Sequence[i
 
 
 def default_policies(lattice: Lattice) -> list[str]:
-    return ["chain", "best-first:32", f"oracle:{lattice.k}"]
+    # a lattice without any draft (an AR run's, or a drafter that never matched) has no oracle
+    return ["chain", "best-first:32"] + ([f"oracle:{lattice.k}"] if lattice.k else [])
 
 
 def parse_nodes(text: str | None) -> list[int] | None:

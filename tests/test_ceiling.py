@@ -293,7 +293,7 @@ def test_cli_run_step_timing_is_the_outside_factor(run_cli, tmp_path):
     assert code == 2 and "step_timing" in err
     run.write_text(json.dumps({"schema": "specpilot.run/1", "tau": 1.3, "step_timing": None,
                                "batch": {"batch": 2, "verify_steps": 24}}))
-    code, _, err = run_cli("ceiling", "--rows", "33", "--ar-ms", "4.0", "--check", run)
+    code, _, err = run_cli("ceiling", "--rows", "33", "--check", run)
     assert code == 2 and "batched run" in err and "without --batch" in err and len(err.strip().splitlines()) == 1
 
 
@@ -371,3 +371,12 @@ def test_rows_probe_without_the_asked_rows_and_from_another_model(run_cli):
     assert code == 0 and not any("different models" in w for w in json.loads(out)["warnings"])
     code, _, err = run_cli("ceiling", "--tolerance", "0.5", "--tau", "2", "--step-ms", "3", "--ar-ms", "2")
     assert code == 2 and "--tolerance go with --check" in err, err
+
+
+def test_what_if_numbers_with_check_and_factors_without_gain(run_cli, tmp_path):
+    code, _, err = run_cli("ceiling", "--check", tmp_path / "run.json", "--tau", "3")
+    assert code == 2 and "--tau: --check judges the run against its measured files" in err, err
+    code, out, err = run_cli("ceiling", "--tau", "2", "--tau-best", "2", "--step-ms", "10", "--ar-ms", "8")
+    assert code == 0 and "No known factor offers a gain" in out and "Largest factor" not in out, out
+    code, _, err = run_cli("ceiling", "--tau", "3", "--tau-best", "2", "--step-ms", "10", "--ar-ms", "8")
+    assert code == 2 and "--tau-best 2 is below --tau 3" in err, err

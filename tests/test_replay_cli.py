@@ -392,3 +392,12 @@ def test_marginal_scores_ignore_transitions_beside_best_first(tmp_path, run_cli)
     assert code == 0, err
     assert [p["policy"] for p in json.loads(out3)["policies"]][1] == "marginal:12"
     assert run_cli("replay", cond.path, "--policy", "best-first:12,warp:3")[0] == 2
+
+
+def test_a_lattice_without_drafts_replays_with_the_default_policies(tmp_path, run_cli):
+    """An AR run's lattice (no draft at any step) replays to tau 1; no oracle of 0 candidates."""
+    rows = [{"schema": "specpilot.lattice/1", "request": 0, "step": s, "tokens": [], "logprobs": [],
+             "transitions": None, "target": [7]} for s in range(3)]
+    code, out, err = run_cli("replay", write(tmp_path / "ar.jsonl", rows), "--format", "json")
+    assert code == 0, err
+    assert {p["policy"]: p["tau"] for p in json.loads(out)["policies"]} == {"chain": 1.0, "best-first:32": 1.0}

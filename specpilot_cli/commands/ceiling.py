@@ -86,9 +86,17 @@ def command(model_name, gpu_name, bandwidth, flops, fp8_flops, rows, batch, cont
     from specpilot.readers import read_profile, read_replay, read_rows_probe, read_run
 
     if check_file:
+        given = [opt for opt, v in (("--tau", tau), ("--tau-best", tau_best), ("--step-ms", step_ms),
+                                    ("--ar-ms", ar_ms), ("--profile-ms", profile_ms)) if v is not None]
+        if given:   # --check judges the files' measurements: a what-if number would be ignored
+            raise InputError(f"{', '.join(given)}: --check judges the run against its measured files; give "
+                             "these without --check for a what-if")
         return _check(check_file, run_file, replay_file, rows_file, ar_run_file, profile_file, model_name, batch,
                       policy, tolerance, draft_ms, fmt, out)
     tol_given = click.get_current_context().get_parameter_source("tolerance") is click.core.ParameterSource.COMMANDLINE
+    if tau is not None and tau_best is not None and tau_best < tau:
+        raise InputError(f"--tau-best {tau_best:g} is below --tau {tau:g}: the best reachable tau is at least the "
+                         "current one")
     if ar_run_file or draft_ms is not None or tol_given:
         raise InputError("--ar-run, --draft-ms and --tolerance go with --check RUN.json")
     row_list = parse_int_list(rows, "--rows")
@@ -228,10 +236,12 @@ def _report(res, run=None) -> Report:
                          desc[k] + (f" -> {c.if_removed[k]:.3g}x if removed" if v is not None else "")])
         rows.append(["ceiling", c.ceiling, "speedup x known factors"])
         sections.append(Section(_cost_title(res, run), ["", "value", "how"], rows))
-        if c.largest:
+        if c.largest and c.factors[c.largest] > 1:
             from specpilot.probes.costmodel import ADVICE
 
             lines.append(f"Largest factor: {c.largest} ({c.factors[c.largest]:.3g}x): {ADVICE[c.largest]}.")
+        elif c.largest:
+            lines.append("No known factor offers a gain (each is 1 or below).")
         lines.extend(f"note: {n}" for n in c.notes)
     lines.extend(f"warning: {w}" for w in res.warnings)
     data = res.as_dict()
