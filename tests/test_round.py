@@ -141,6 +141,39 @@ def test_report_on_a_stage_file_without_its_fields_is_bad_input(stage, what, run
     assert (tmp_path / "r" / "report.md").read_text() == (src / "report.md").read_text()
 
 
+@pytest.mark.parametrize("change, words", [
+    (("round.json", "stages", "oops"), "stages must be a map"), (("round.json", "facts", [1, 2]), "facts must be a map"),
+    (("round.json", "budget_s", "x"), "budget_s must be a number"), (("round.json", "spent_s", None), "spent_s"),
+    (("round.json", "current", 5), "current must be a system"),
+])
+def test_a_damaged_round_file_is_bad_input_for_report_and_resume(run_cli, tmp_path, change, words):
+    src = Path(__file__).resolve().parents[1] / "examples" / "rounds" / "smollm2-cpu"
+    shutil.copytree(src, tmp_path / "r")
+    f, key, value = change
+    doc = json.loads((tmp_path / "r" / f).read_text())
+    doc[key] = value
+    (tmp_path / "r" / f).write_text(json.dumps(doc))
+    for args in (("report", tmp_path / "r"), ("round", "--resume", tmp_path / "r", "--budget", "0.05")):
+        code, _, err = run_cli(*args)
+        assert code == 2 and words in err and "internal error" not in err, (args, err)
+
+
+def test_a_wrong_value_deep_in_a_stage_file_is_bad_input_and_a_deleted_one_is_not_redone(run_cli, tmp_path):
+    src = Path(__file__).resolve().parents[1] / "examples" / "rounds" / "smollm2-cpu"
+    shutil.copytree(src, tmp_path / "r")
+    f = tmp_path / "r" / "approve" / "decisions.json"
+    doc = json.loads(f.read_text())
+    doc["decisions"][0]["timing"]["gain"] = "fast"
+    f.write_text(json.dumps(doc))
+    code, _, err = run_cli("report", tmp_path / "r")
+    assert code == 2 and "holds a value of the wrong type" in err and "internal error" not in err, err
+    shutil.rmtree(tmp_path / "r")
+    shutil.copytree(src, tmp_path / "r")
+    (tmp_path / "r" / "measure" / "measure.json").unlink()
+    code, _, err = run_cli("round", "--resume", tmp_path / "r", "--budget", "0.05")
+    assert code == 2 and "missing, though round.json says the measure stage is done" in err, err
+
+
 def _chromium() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser")
 

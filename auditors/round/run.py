@@ -150,6 +150,8 @@ class _Round:
             if not path.is_file():
                 raise InputError(f"{self.dir}: no round.json here; nothing to resume")
             self.state = read_json(path, kind="round")
+            check_state(self.state, path)
+            check_stage_files(self.dir, self.state)
             self.cfg = RoundConfig(**self.state["config"])
             self.cfg.out_dir = str(self.dir)
             # spent and budget add up over the sessions: --budget gives that many more minutes
@@ -698,17 +700,55 @@ STAGE_FILES = {"measure": "measure/measure.json", "model": "model/model.json", "
                "approve": "approve/decisions.json"}
 
 
+def check_state(state, path: Path) -> None:
+    """round.json's fields have the types a round writes (a damaged file is bad input, not a crash
+    of the report or of a resume)."""
+    import math
+
+    def bad(field: str, want: str):
+        raise InputError(f"{path}: {field} must be {want}; the round's files are damaged (run the round again)")
+
+    if not isinstance(state, dict):
+        bad("the file", "a JSON object")
+    stages = state.get("stages")
+    if not isinstance(stages, dict) or not all(
+            isinstance(v, dict) and isinstance(v.get("status"), str) and isinstance(v.get("notes", []), list)
+            and isinstance(v.get("skipped", []), list) for v in stages.values()):
+        bad("stages", "a map of stage to {status, notes, skipped}")
+    for key in ("budget_s", "spent_s"):
+        v = state.get(key)
+        if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0):
+            bad(key, "a number of seconds")
+    if not isinstance(state.get("facts"), dict):
+        bad("facts", "a map")
+    for key in ("current", "start", "stock", "deployment"):
+        if not isinstance(state.get(key), str):
+            bad(key, "a system (text)")
+    if state.get("final") is not None and not isinstance(state["final"], str):
+        bad("final", "a system (text)")
+    if not isinstance(state.get("config"), dict):
+        bad("config", "a map")
+    for key, kind in (("settings", dict), ("bundles", list), ("notes", list)):
+        if state.get(key) is not None and not isinstance(state[key], kind):
+            bad(key, f"a {'map' if kind is dict else 'list'}")
+
+
+def check_stage_files(d: Path, state: dict) -> None:
+    """A finished stage whose file is gone: a report would mislead, a resume would not redo it."""
+    for stage, rel in STAGE_FILES.items():
+        st = state["stages"].get(stage)
+        if isinstance(st, dict) and st.get("status") == "done" and not (d / rel).is_file():
+            raise InputError(f"{d / rel}: missing, though round.json says the {stage} stage is done; copy the "
+                             "whole round folder (or run the round again)")
+
+
 def load_round(path: str | Path) -> RoundResult:
     """A round's files, for the report and the CI gate."""
     d = Path(path)
     state = read_json(d / "round.json", kind="round")
+    check_state(state, d / "round.json")
     res = RoundResult(d, state)
-    stages = state.get("stages") if isinstance(state.get("stages"), dict) else {}
-    for stage, rel in STAGE_FILES.items():   # a finished stage whose file is gone: a report would mislead
-        st = stages.get(stage)
-        if isinstance(st, dict) and st.get("status") == "done" and not (d / rel).is_file():
-            raise InputError(f"{d / rel}: missing, though round.json says the {stage} stage is done; copy the "
-                             "whole round folder (or run the round again)")
+    check_stage_files(d, state)
     f = d / "measure" / "measure.json"
     if f.is_file():
         res.measurement = read_json(f, kind="round-measure", build=ms.Measurement.from_json)

@@ -30,7 +30,13 @@ def command(round_dir, fmt, out):
         from specpilot.fileio import check_output_path
 
         check_output_path(out, "--out", protect=[p for p in Path(round_dir).rglob("*") if p.is_file()])
-    md, html = write_report(round_dir)
+    try:
+        md, html = write_report(round_dir)
+    except (TypeError, AttributeError, ValueError, KeyError) as e:
+        # the round's own files passed their checks: a value of the wrong type deeper in a stage
+        # file (a gain that is text, a timing that is not a map) is the file's fault
+        raise InputError(f"{round_dir}: a round file holds a value of the wrong type ({type(e).__name__}: "
+                         f"{str(e)[:120]}); the round's files are damaged") from None
     emit(Report(data={"schema": "specpilot.report/1", "round": str(round_dir), "markdown": str(md), "html": str(html)},
                 sections=[Section(None, ["file", "what"], [[str(md), "Markdown (plots in report/)"],
                                                           [str(html), "one self-contained HTML page"]])]), fmt, out,
