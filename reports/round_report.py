@@ -176,13 +176,16 @@ def build(res) -> list[Block]:
             stock = next((s for s in a.get("systems", []) if s.get("role") == "stock"), {})
             rows.append([d["id"], d["verdict"].upper(), _n(t.get("gain")),
                          f"[{t['ci_low']:.4f}, {t['ci_high']:.4f}]" if t else "-",
+                         f"{t['t_ci'][0]:.4f}" if t and t.get("t_ci") else "-",
                          _n(1 + t["threshold"]) if t else "-", _pct(t.get("noise")), _n(t.get("runs")),
                          _n(t.get("outputs_identical")),
                          (a.get("verdict") or "-").upper(),
                          f"{_pct(sysrow.get('mismatch_rate'))} vs {_pct(stock.get('mismatch_rate'))}" if a else "-",
                          _n(sysrow.get("events"))])
-        b.append(Block("table", headers=["candidate", "verdict", "gain", "95% CI", "threshold", "noise", "pairs",
-                                         "outputs identical", "audit", "mismatch vs stock", "events"], rows=rows))
+        # both lower bounds must clear the threshold: the table shows both, as the verdicts quote the lower
+        b.append(Block("table", headers=["candidate", "verdict", "gain", "95% CI (bootstrap)", "t lower bound",
+                                         "threshold", "noise", "pairs", "outputs identical", "audit",
+                                         "mismatch vs stock", "events"], rows=rows))
         b.append(Block("list", items=[f"**{d['id']}**: {d['reason']}" for d in decs]))
         b.append(Block("img", name="candidates", image=plots.candidates(decs), text="paired samples per candidate"))
         b.append(Block("img", name="audit", image=plots.audit(decs), text="audit mismatch rates"))
