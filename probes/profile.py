@@ -329,7 +329,16 @@ def floors_from_model(model_spec, gpu_spec, rows: int, batch: int, context: int,
              "kv_dtype": kv_dtype, "flops_fraction": flops_fraction, "bw_fraction": bw_fraction}
     if drafter is not None:
         shape.update({"drafter": drafter.name, "draft_rows": draft_rows or rows, "draft_passes": draft_passes})
-    return Floors(source=f"step_floor({model_spec.name}, {gpu_spec.key})", classes=classes,
+    # a GPU whose catalog figures --bandwidth or --flops replaced says so (its key alone would not)
+    from specpilot.gpus import get_gpu
+
+    try:
+        cat = get_gpu(gpu_spec.key)
+        same = (cat.bandwidth_tbs, cat.bf16_tflops) == (gpu_spec.bandwidth_tbs, gpu_spec.bf16_tflops)
+    except Exception:   # a GPU given by its figures alone
+        same = False
+    peaks = "" if same else f", {gpu_spec.bandwidth_tbs:g} TB/s, {gpu_spec.bf16_tflops:g} TFLOP/s"
+    return Floors(source=f"step_floor({model_spec.name}, {gpu_spec.key}{peaks})", classes=classes,
                   total_floor_ms=f.total_floor_ms, shape=shape)
 
 

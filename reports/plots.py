@@ -63,7 +63,8 @@ def plot_profile(profile, path: str, protect=(), option: str = "--plot") -> None
         ax2.set_title(f"outside factor (wall / busy) {profile.outside_factor:.2f}x", fontsize=9)
     ax2.legend(loc="upper right", fontsize=7, frameon=False)
     gpu = (profile.gpu or {}).get("name", "unknown GPU")
-    fig.suptitle(f"{profile.model or 'profile'} on {gpu}: {profile.steps} steps", fontsize=10)
+    fig.suptitle(f"{profile.model or 'profile'} on {gpu}: {profile.steps} step{'' if profile.steps == 1 else 's'}",
+                 fontsize=10)
     fig.tight_layout()
     with atomic_open(path, "wb", protect=protect, option=option) as fh:
         fig.savefig(fh, format=plot_format(path) or "png")

@@ -103,6 +103,17 @@ def test_ceiling_json_supplies_floors(run_cli, tmp_path):
     assert d["shape"] == {"rows": 1, "batch": 1, "context": 512}
     code, _, err = run_cli("profile", H200_EAGER, "--step-range", "^decode_step", "--ceiling", ceil, "--rows", 8)
     assert code == 2 and "no floors for --rows 8" in err
+    # the ceiling's floors are its GPU's: another --gpu (or peak figures) would be ignored
+    code, _, err = run_cli("profile", H200_EAGER, "--ceiling", ceil, "--gpu", "h100")
+    assert code == 2 and "--gpu: --ceiling brings the floors of the GPU it was made for" in err, err
+
+
+def test_the_floors_line_names_replaced_peaks(run_cli):
+    code, out, err = run_cli("profile", H200_EAGER, "--step-range", "^decode_step", "--model", "llama-3.1-8b")
+    assert code == 0 and "floors: step_floor(llama-3.1-8b, h200)\n" in out, out
+    code, out, err = run_cli("profile", H200_EAGER, "--step-range", "^decode_step", "--model", "llama-3.1-8b",
+                             "--bandwidth", "3")
+    assert code == 0 and "floors: step_floor(llama-3.1-8b, h200, 3 TB/s" in out, out
 
 
 def test_gpu_from_flag_and_unknown_gpu(run_cli, fixtures_dir):

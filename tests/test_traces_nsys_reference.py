@@ -148,7 +148,9 @@ def reference(path, req: StepRequest) -> Aggregate:
                 bb = b + [int(e.max()) + 1]
                 key, intervals = "time", [(bb[i], bb[i + 1] - 1, i) for i in range(len(b))]
                 labels = [f"gap step {i}" for i in range(len(b))]
-                detail = f"{len(b)} steps separated by GPU idle gaps > {gap / 1e3:.1f} us"
+                us = gap / 1e3
+                shown = f"{us:.1f}" if us >= 0.1 else f"{us:.3g}"
+                detail = f"{len(b)} step{'' if len(b) == 1 else 's'} separated by GPU idle gaps > {shown} us"
         if mode == "whole" and req.mode == "whole":
             labels, detail = ["whole trace"], "the whole trace as one step, as --step-mode whole asks"
         elif mode == "whole":

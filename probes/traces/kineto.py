@@ -395,7 +395,9 @@ def aggregate_kineto(tr: KinetoTrace, req: StepRequest) -> Aggregate:
         if len(b) >= 2 or (req.gap_us and b):
             step = np.searchsorted(np.asarray(b), start, side="right") - 1
             labels = [f"gap step {i}" for i in range(len(b))]
-            detail = f"{len(b)} steps separated by GPU idle gaps > {gap_ns / 1e3:.1f} us"
+            us = gap_ns / 1e3
+            shown = f"{us:.1f}" if us >= 0.1 else f"{us:.3g}"
+            detail = f"{len(b)} step{'' if len(b) == 1 else 's'} separated by GPU idle gaps > {shown} us"
         else:
             mode = "whole"
     if mode == "whole":

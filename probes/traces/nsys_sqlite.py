@@ -960,7 +960,9 @@ def _aggregate(ex: NsysExport, req: StepRequest) -> Aggregate:
             bb = b + [end + 1]
             step_key = ("time", [(bb[i], bb[i + 1] - 1, i) for i in range(len(b))])
             labels = [f"gap step {i}" for i in range(len(b))]
-            detail = f"{len(b)} steps separated by GPU idle gaps > {gap_ns / 1e3:.1f} us"
+            us = gap_ns / 1e3
+            shown = f"{us:.1f}" if us >= 0.1 else f"{us:.3g}"
+            detail = f"{len(b)} step{'' if len(b) == 1 else 's'} separated by GPU idle gaps > {shown} us"
     if mode == "whole":
         step_key = None
         labels = ["whole trace"]

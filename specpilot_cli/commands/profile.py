@@ -8,7 +8,7 @@ import click
 from specpilot.errors import InputError
 from specpilot.limits import MAX_BATCH, MAX_CONTEXT, MAX_DRAFT_PASSES, MAX_ROWS, MAX_TBS, MAX_TFLOPS
 from specpilot.options import dtype_options, positive
-from specpilot.output import Report, Section, emit, not_empty, output_options, progress
+from specpilot.output import Report, Section, count, emit, not_empty, output_options, progress
 
 STEP_MODES = ["auto", "range", "graph", "gap", "whole"]
 
@@ -93,6 +93,12 @@ def command(traces, step_range, step_mode, gap_us, skip_steps, device, include_o
 
     if model_name and ceiling_file:
         raise InputError("give --model or --ceiling, not both")
+    ctx = click.get_current_context()
+    typed = [opt for name, opt in (("gpu_name", "--gpu"), ("bandwidth", "--bandwidth"), ("flops", "--flops"))
+             if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE]
+    if ceiling_file and typed:   # the ceiling's floors are its GPU's: another GPU's would not be used
+        raise InputError(f"{', '.join(typed)}: --ceiling brings the floors of the GPU it was made for; give the GPU "
+                         "to `specpilot ceiling` instead (or use --model)")
     if step_range == "":
         raise InputError("--step-range is empty: give a REGEX of the step ranges' names, or leave it out to find "
                          "the steps automatically")
@@ -307,7 +313,7 @@ def _report(p) -> Report:
 
 def _diff_report(d: dict) -> Report:
     b, c = d["base"], d["candidate"]
-    title = f"Diff: {b['trace']} ({b['steps']} steps) -> {c['trace']} ({c['steps']} steps)"
+    title = f"Diff: {b['trace']} ({count(b['steps'], 'step')}) -> {c['trace']} ({count(c['steps'], 'step')})"
     totals = [[t["what"], t["base"], t["candidate"], t["delta"], _pct(t["relative"])] for t in d["totals"]]
     classes = [[r["class"], r["base_ms"], r["candidate_ms"], r["delta_ms"], _pct(r["delta"]),
                 f"{100 * r['base_share']:.1f}% -> {100 * r['candidate_share']:.1f}%",
@@ -324,7 +330,7 @@ def _diff_report(d: dict) -> Report:
 
 
 def _ranks_report(d: dict) -> Report:
-    title = (f"Tensor-parallel profile: {len(d['ranks'])} ranks, {d['steps']} steps; the group's busy time per step "
+    title = (f"Tensor-parallel profile: {len(d['ranks'])} ranks, {count(d['steps'], 'step')}; the group's busy time per step "
              f"{d['group_busy_ms']:.4g} ms (median), imbalance {100 * d['imbalance']:.1f}%")
     ranks = d["ranks"]
     headers = ["class"] + [r["rank"] for r in ranks]
