@@ -27,7 +27,9 @@ def diff_profiles(base: Profile, cand: Profile, top_n: int = 15) -> dict[str, An
         rows.append({"class": c, "base_ms": bms, "candidate_ms": kms, "delta_ms": kms - bms, "delta": _rel(bms, kms),
                      "base_share": b.share if b else 0.0, "candidate_share": k.share if k else 0.0,
                      "base_efficiency": b.efficiency if b else None,
-                     "candidate_efficiency": k.efficiency if k else None})
+                     "candidate_efficiency": k.efficiency if k else None,
+                     # an efficiency a model/config mismatch makes meaningless stays flagged, as in one profile
+                     "base_flag": b.flag if b else None, "candidate_flag": k.flag if k else None})
     kb = {(t["name"], t["class"]): t for t in base.top}
     kc = {(t["name"], t["class"]): t for t in cand.top}
     keys = sorted(set(kb) | set(kc), key=lambda x: -max(kb.get(x, {}).get("ms", 0.0), kc.get(x, {}).get("ms", 0.0)))
@@ -46,10 +48,13 @@ def diff_profiles(base: Profile, cand: Profile, top_n: int = 15) -> dict[str, An
         bv, kv = getattr(base, attr), getattr(cand, attr)
         if bv is not None and kv is not None:
             totals.append({"what": label, "base": bv, "candidate": kv, "delta": kv - bv, "relative": _rel(bv, kv)})
+    warnings = [f"base: {w}" for w in base.warnings] + [f"candidate: {w}" for w in cand.warnings]
+    bg, cg = (base.gpu or {}).get("name"), (cand.gpu or {}).get("name")
+    if bg and cg and bg != cg:
+        warnings.append(f"the traces come from different GPUs ({bg} -> {cg}): the difference is not the change alone")
     return {"schema": SCHEMA, "base": _summary(base), "candidate": _summary(cand), "totals": totals,
-            "classes": rows, "kernels": kernels,
-            "notes": [f"base: {n}" for n in base.notes + base.warnings]
-            + [f"candidate: {n}" for n in cand.notes + cand.warnings]}
+            "classes": rows, "kernels": kernels, "warnings": warnings,
+            "notes": [f"base: {n}" for n in base.notes] + [f"candidate: {n}" for n in cand.notes]}
 
 
 def _summary(p: Profile) -> dict:

@@ -232,3 +232,13 @@ def test_gpu_from_kernel_names_needs_gpu_for_floors(run_cli, fixtures_dir, tmp_p
     code, out, err = run_cli("profile", p, "--model", "qwen3-8b", "--gpu", "mi300x", "--format", "json")
     assert code == 0, err
     assert json.loads(out)["gpu"]["key"] == "mi300x"
+
+
+def test_a_diff_keeps_flags_and_warnings_and_says_when_the_gpus_differ(run_cli, fixtures_dir):
+    mi = fixtures_dir / "kineto_sglang_qwen3-8b_decode_mi300x.json.gz"
+    code, out, err = run_cli("profile", H200_EAGER, mi, "--diff", "--model", "llama-3.1-8b")
+    assert code == 0, err
+    line = next(x for x in out.splitlines() if x.startswith("linear "))
+    assert "(!) ->" in line, line
+    assert "warning: base: linear: model/config mismatch" in out
+    assert "warning: the traces come from different GPUs (NVIDIA H200 -> AMD Instinct MI300X)" in out

@@ -317,7 +317,8 @@ def _diff_report(d: dict) -> Report:
     totals = [[t["what"], t["base"], t["candidate"], t["delta"], _pct(t["relative"])] for t in d["totals"]]
     classes = [[r["class"], r["base_ms"], r["candidate_ms"], r["delta_ms"], _pct(r["delta"]),
                 f"{100 * r['base_share']:.1f}% -> {100 * r['candidate_share']:.1f}%",
-                (f"{_pct(r['base_efficiency'])} -> {_pct(r['candidate_efficiency'])}"
+                (f"{_pct(r['base_efficiency'])}{' (!)' if r.get('base_flag') else ''} -> "
+                 f"{_pct(r['candidate_efficiency'])}{' (!)' if r.get('candidate_flag') else ''}"
                  if r["base_efficiency"] is not None or r["candidate_efficiency"] is not None else None)]
                for r in d["classes"]]
     kernels = [[k["base_ms"], k["candidate_ms"], k["delta_ms"], _pct(k["delta"]), k["class"], _short(k["name"], 70)]
@@ -326,7 +327,9 @@ def _diff_report(d: dict) -> Report:
                 Section("Kernel time per class (ms per step)", ["class", "base", "candidate", "delta", "relative", "share",
                                                                 "efficiency"], classes),
                 Section("Top kernels (ms per step)", ["base", "candidate", "delta", "relative", "class", "kernel"], kernels)]
-    return Report(data=d, sections=sections, lines=[f"note: {n}" for n in d["notes"]], title=title)
+    return Report(data=d, sections=sections,
+                  lines=[f"warning: {w}" for w in d.get("warnings", [])] + [f"note: {n}" for n in d["notes"]],
+                  title=title)
 
 
 def _ranks_report(d: dict) -> Report:
@@ -345,7 +348,9 @@ def _ranks_report(d: dict) -> Report:
                 Section("Communication (NCCL/RCCL, custom all-reduce) against its byte floor", [""] + headers[1:], comm,
                         note="floor = bytes each rank sends (ring algorithms) / link bandwidth per direction"),
                 Section("Slowest rank per step", ["rank", "steps", "share"], slow)]
-    return Report(data=d, sections=sections, lines=[f"note: {n}" for n in d["notes"]], title=title)
+    return Report(data=d, sections=sections,
+                  lines=[f"warning: {w}" for w in d.get("warnings", [])] + [f"note: {n}" for n in d["notes"]],
+                  title=title)
 
 
 def _short(name: str, width: int = 90) -> str:
