@@ -184,6 +184,7 @@ class RunFigures:
     tlv_ms: dict[str, float] | None = None  # draft1, qpass, draft2, exact, append: mean ms per cycle
     qview: str | None = None                # a TLV run's Q pass weights (w12, fp8), None where it says nothing
     clocks: dict | None = None  # CUDA: min_mhz, max_mhz, slowed (share of samples), reasons (engine/clocks.py)
+    model: str | None = None                # the model it decoded
 
     @property
     def policy(self) -> str | None:
@@ -272,6 +273,24 @@ def _use_run(r: RunFigures, m: Measurements) -> None:
     m.set("profile_ms", r.step_gpu_ms, f"run {r.source} (GPU ms per step in the loop, CUDA events)")
 
 
+def same_model(a: str | None, b: str | None) -> bool:
+    """Two files' model names as one model (unknown: no objection; a catalog name and its
+    -instruct folder name are one)."""
+    if not a or not b:
+        return True
+    a, b = a.lower(), b.lower()
+    return a.startswith(b) or b.startswith(a)
+
+
+def files_from_other_models(run: RunFigures | None, probe: RowsProbeFigures | None,
+                            ar_run: RunFigures | None = None) -> None:
+    """A run's speedup over AR cannot be modelled from another model's step times: InputError."""
+    for other, what in ((probe, "--rows-probe"), (ar_run, "--ar-run")):
+        if run is not None and other is not None and not same_model(run.model, other.model):
+            raise InputError(f"{what} {other.source} was measured on {other.model}, the run {run.source} decoded "
+                             f"{run.model}: give files of the same deployment")
+
+
 def probe_model_mismatch(probe: RowsProbeFigures | None, model) -> str | None:
     """A warning when a rows probe's model is not the one whose floors stand beside it."""
     if probe is None or model is None or not probe.model:
@@ -308,6 +327,7 @@ def compute_ceiling(req: CeilingRequest) -> CeilingResult:
         if cost_rows is None and req.profile.rows in rows:
             cost_rows = req.profile.rows
     if req.run:
+        files_from_other_models(req.run, req.rows_probe)
         _use_run(req.run, m)
     curves = {}
     if req.replay:

@@ -102,6 +102,9 @@ def check_run(run: RunFigures, replay: ReplayFigures | None = None, probe: RowsP
     if run.pass_ms is None or not run.steps or not run.delivered:
         raise InputError(f"{src}: the run needs 'steps' and per-request 'seconds', 'prefill_seconds' and 'tokens' "
                          "to measure its decode time")
+    from .ceiling import files_from_other_models
+
+    files_from_other_models(run, probe, ar_run)
     if ar_run is None and probe is None:
         raise InputError("--check needs the AR reference: --ar-run AR_RUN.json (specpilot run --mode ar on the same "
                          "prompts) or --rows-probe (its T_AR)")

@@ -172,7 +172,8 @@ def read_run(path: str) -> RunFigures:
                       delivered=delivered, decode_ms=decode_ms, draft_ms=split["draft_ms"],
                       verify_ms=split["verify_ms"], qpass_ms=split["qpass_ms"] or 0.0, rest_ms=split["rest_ms"],
                       verify_by_rows=by_rows, tlv_ms=tlv_ms, clocks=clocks,
-                      qview=tlv.get("qview") if isinstance(tlv, dict) and tlv.get("qview") in ("w12", "fp8") else None)
+                      qview=tlv.get("qview") if isinstance(tlv, dict) and tlv.get("qview") in ("w12", "fp8") else None,
+                      model=doc.get("model") if isinstance(doc.get("model"), str) and doc.get("model") else None)
 
 
 def _run_clocks(path: str, c) -> dict | None:

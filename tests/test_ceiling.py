@@ -380,3 +380,18 @@ def test_what_if_numbers_with_check_and_factors_without_gain(run_cli, tmp_path):
     assert code == 0 and "No known factor offers a gain" in out and "Largest factor" not in out, out
     code, _, err = run_cli("ceiling", "--tau", "3", "--tau-best", "2", "--step-ms", "10", "--ar-ms", "8")
     assert code == 2 and "--tau-best 2 is below --tau 3" in err, err
+
+
+def test_files_of_another_model_are_refused_beside_a_run(run_cli, tmp_path):
+    """A run's speedup is not modelled from another model's step times: --run and --check refuse a
+    rows probe (or an AR run) of another model."""
+    run = tmp_path / "run.json"
+    code, out, err = run_cli("run", "--model", "tiny", "--mode", "tree", "--nodes", "8", "--raw", "--prompt", "abc",
+                             "--max-new-tokens", "8", "--format", "json", "--out", run)
+    assert code == 0, err
+    rows = tmp_path / "rows.json"
+    rows.write_text(json.dumps({"schema": "specpilot.rows/1", "model": "llama-3.1-8b", "ar_ms": 4.0,
+                                "points": [{"rows": 1, "step_ms": 4.0}, {"rows": 9, "step_ms": 4.4}]}))
+    for args in (("--run", run), ("--check", run)):
+        code, _, err = run_cli("ceiling", *args, "--rows-probe", rows)
+        assert code == 2 and "was measured on llama-3.1-8b, the run" in err and "decoded tiny" in err, err
