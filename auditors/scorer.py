@@ -268,6 +268,7 @@ def load_tokenizer(spec: str):
                          "give prompts as token ids") from None
 
 
-def check_scorer_spec(spec: str) -> None:
-    """Raise InputError/EnvironmentMissing now when ``--scorer`` cannot name a model (cheap: no loading)."""
-    _resolve_path(spec)
+def check_scorer_spec(spec: str, what: str = "--scorer") -> None:
+    """Raise InputError/EnvironmentMissing now when a scorer spec (``what`` names where it was given)
+    cannot name a model (cheap: no loading)."""
+    _resolve_path(spec, what=what)

@@ -565,7 +565,7 @@ _GOOD = {"schema": "specpilot.deployment/1", "drafter": "eagle", "prompts": "p.j
     ({"batch": 0}, "batch must be a whole number >= 1"), ({"rows": -3}, "rows must be a whole number >= 1"),
     ({"max_new_tokens": 0}, "max_new_tokens must be a whole number >= 1"),
     ({"experimental": "no"}, "experimental must be true or false"),
-    ({"scorer": "tiny"}, "scorer: tiny is neither smollm2 nor a model folder"),
+    ({"scorer": "tiny"}, "scorer: tiny: not a model folder, a .gguf file, or 'smollm2'"),
     ({"prompts": None}, "give prompts:"), ({"prompts": "none.jsonl"}, "prompts: none.jsonl is not a file"),
     ({"servers": {}}, "give servers.stock.url"),
 ])

@@ -181,8 +181,10 @@ def _check_files(raw: dict, path: Path) -> None:
     if raw.get("prompts") and not where(raw["prompts"]).is_file():
         raise InputError(f"{path}: prompts: {raw['prompts']} is not a file")
     scorer = raw.get("scorer")
-    if scorer and scorer != "smollm2" and not where(scorer).exists() and not Path(scorer).expanduser().exists():
-        raise InputError(f"{path}: scorer: {scorer} is neither smollm2 nor a model folder or .gguf file")
+    if scorer:   # as the audit will resolve it: a name it knows, or a path beside the file
+        from specpilot.auditors.scorer import check_scorer_spec
+
+        check_scorer_spec(str(where(scorer)) if where(scorer).exists() else scorer, what=f"{path}: scorer:")
     m = raw.get("measurements") or {}
     files = [m.get("rows_probe"), m.get("profile")] + ([m["lattices"]] if isinstance(m.get("lattices"), str)
                                                        else list(m.get("lattices") or []))
