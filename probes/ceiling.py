@@ -301,8 +301,7 @@ def probe_model_mismatch(probe: RowsProbeFigures | None, model) -> str | None:
         theirs = load_model_spec(probe.model).name
     except Exception:   # a folder or name this machine does not have: compared as written
         theirs = probe.model
-    a, b = theirs.lower(), model.name.lower()
-    if a.startswith(b) or b.startswith(a):   # smollm2-135m-instruct is the catalog's smollm2-135m
+    if same_model(theirs, model.name):
         return None
     return (f"--rows-probe {probe.source} was measured on {theirs}, the floors are for {model.name}: c(N) and the "
             "floors come from different models")
