@@ -66,6 +66,8 @@ def test_run_prompts_file_table(run_cli, tmp_path):
     (["--prompt", "x", "--engine", "engine:model=tiny,mode=beam"], "unknown mode"),
     (["--prompt", "x", "--engine", "engine:model=tiny", "--nodes", "4"], "give nodes=... inside it instead of --nodes"),
     (["--prompt", "x", "--lattice-out", "SAME"], "different files"),
+    (["--prompt", "x", "--nodes", "0"], "--nodes 0: out of range [1, 4096]"),   # the flag named, not the key
+    (["--prompt", "x", "--batch", "0"], "--batch 0: out of range"),
 ])
 def test_run_bad_input_exit_2_one_line_no_file(run_cli, tmp_path, args, msg):
     outs = tmp_path / "o.jsonl"
