@@ -51,7 +51,8 @@ def plot_profile(profile, path: str, protect=(), option: str = "--plot") -> None
     ax.set_ylim(0, ymax * 1.12)
     if profile.kernel_factor:
         ax.set_title(f"kernel factor (busy / floor) {profile.kernel_factor:.2f}x", fontsize=9)
-    ax.legend(loc="upper right", fontsize=7, frameon=False)
+    # beside the bars, not over them: a stacked bar fills its column up to the ms label
+    ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=7, frameon=False)
 
     wall, busy = profile.step_wall.median, profile.kernel_busy.median
     ax2.bar(0, busy, color="#777777", label="GPU busy")
@@ -61,7 +62,7 @@ def plot_profile(profile, path: str, protect=(), option: str = "--plot") -> None
     ax2.set_ylim(0, (wall or 1.0) * 1.12)
     if profile.outside_factor:
         ax2.set_title(f"outside factor (wall / busy) {profile.outside_factor:.2f}x", fontsize=9)
-    ax2.legend(loc="upper right", fontsize=7, frameon=False)
+    ax2.legend(loc="upper center", bbox_to_anchor=(0.5, -0.08), fontsize=7, frameon=False)
     gpu = (profile.gpu or {}).get("name", "unknown GPU")
     fig.suptitle(f"{profile.model or 'profile'} on {gpu}: {profile.steps} step{'' if profile.steps == 1 else 's'}",
                  fontsize=10)
