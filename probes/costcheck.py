@@ -156,6 +156,9 @@ def check_run(run: RunFigures, replay: ReplayFigures | None = None, probe: RowsP
         q, _ = probe_qpass(probe, run.nodes + 1)
         if q is not None:
             qpass_p, qpass_from = q, f"rows probe {probe.source} at {run.nodes + 1} rows (its Q pass)"
+            if None not in (run.qview, probe.qview) and run.qview != probe.qview:
+                notes.append(f"the probe's Q pass read the {probe.qview} view, the run's the {run.qview} view: the "
+                             "predicted Q pass is not the run's pass")
     draft_m = run.draft_ms
     draft_p = draft_m if draft_ms is None else draft_ms
     draft_from = f"run {src} (loop step split)" if draft_ms is None else "--draft-ms"

@@ -226,6 +226,7 @@ def test_check_tlv_run_takes_the_probes_q_pass_and_names_another_view(run_cli, t
     q = {t["term"]: t for t in json.loads(out)["terms"]}["Q pass"]
     assert q["predicted"] == pytest.approx(6.0 + 2.0 * 8 / 24) and q["measured"] == pytest.approx(9.0)
     assert q["predicted_from"] == f"rows probe {rows} at 17 rows (its Q pass)"
+    assert any("the probe's Q pass read the w12 view, the run's the fp8 view" in n for n in json.loads(out)["notes"])
     code, out, err = run_cli("ceiling", "--run", run, "--replay", replay, "--rows-probe", rows)
     assert code == 0 and "the probe's Q pass read the w12 view, the run's the fp8 view" in out, out + err
 
