@@ -82,6 +82,11 @@ def tau_c(model: dict, current: dict | None) -> bytes:
         ax.plot(n, [p[1]["tau"] for p in pts], color=color, marker=marker, lw=1, ms=4, label=f"tau(N), {fam}")
         ax2.plot(n, [p[1]["speedup"] for p in pts], color=color, marker=marker, ls="--", lw=1.5, ms=4,
                  label=f"predicted speedup tau/c, {fam}")
+    # TLV's tau is per exact pass (its own scale): only its predicted speedup joins the plot
+    tlv = sorted((r["nodes"], r["speedup"]) for r in rows if r["family"] == "tlv")
+    if tlv:
+        ax2.plot([p[0] for p in tlv], [p[1] for p in tlv], color="#8172B3", marker="*", ls="none", ms=9,
+                 label="predicted speedup, tlv (per exact pass over its cycle)")
     cpts = sorted({(r["nodes"], r["c"]) for r in rows if r["family"] == "best-first"} or
                   {(r["nodes"], r["c"]) for r in rows})
     if cpts:
