@@ -174,7 +174,9 @@ def audit(decisions: list[dict]) -> bytes:
         ax.barh(y, 100 * rate, color=color, height=0.6)
         ax.errorbar([100 * rate], [y], xerr=[[100 * (rate - ci[0])], [100 * (ci[1] - rate)]], fmt="none",
                     ecolor="#333333", capsize=3)
-        ax.text(100 * max(ci[1], rate) + 0.05, y, f"{100 * rate:.2f}%, {events} events", va="center", fontsize=7)
+        # a few points past the interval's cap whatever the axis' scale
+        ax.annotate(f"{100 * rate:.2f}%, {events} events", (100 * max(ci[1], rate), y), xytext=(5, 0),
+                    textcoords="offset points", va="center", fontsize=7)
     ax.set_yticks(range(len(rows)), [r[0] for r in reversed(rows)], fontsize=8)
     ax.set_xlabel("token-forcing mismatch rate, % (95% interval resampling prompts)", fontsize=8)
     ax.set_xlim(0, max([100 * r[3][1] for r in rows] + [1.0]) * 1.6)
