@@ -236,25 +236,26 @@ def parse_sampling(params, group: str = "sampling_params", rename: dict[str, str
     """Check sampling parameters (SGLang's names). Errors name a parameter ``group.key``, or the
     bare key when ``group`` is empty, through ``rename`` (the OpenAI routes' ``max_tokens`` is
     ``max_new_tokens`` here)."""
+    rename = rename or {}
+
     def name(key: str) -> str:
-        shown = (rename or {}).get(key, key)
-        return f"{group}.{shown}" if group else shown
+        return f"{group}.{rename.get(key, key)}" if group else rename.get(key, key)
 
     if params is None:
         params = {}
     if not isinstance(params, dict):
         raise BadRequest(f"{group or 'the request'} must be an object")
-    listed = lambda keys: f"{group} {', '.join(keys)}" if group else ", ".join(keys)  # noqa: E731
-    unknown = sorted((rename or {}).get(k, k) for k in params if k not in _HONOURED and k not in _NEUTRAL)
+    unknown = sorted(rename.get(k, k) for k in params if k not in _HONOURED and k not in _NEUTRAL)
     if unknown:
         raise BadRequest(f"unknown {group or 'fields'}: {', '.join(unknown)}")
     for k, (what, ok) in _NEUTRAL_TYPES.items():
         if params.get(k) is not None and not ok(params[k]):
             raise BadRequest(f"{name(k)} must be {what}")
-    refused = sorted((rename or {}).get(k, k) for k, ok in _NEUTRAL.items() if k in params and not ok(params[k]))
+    refused = sorted(rename.get(k, k) for k, ok in _NEUTRAL.items() if k in params and not ok(params[k]))
     if refused:
         raise BadRequest("the embedded engine decodes greedily and cannot honour "
-                         f"{listed(refused)} (leave them out or at their neutral values)")
+                         f"{(group + ' ') if group else ''}{', '.join(refused)} (leave them out or at their neutral "
+                         "values)")
     t = params.get("temperature", 0.0)
     if t is None:
         t = 0.0

@@ -204,9 +204,9 @@ class EngineSpec:
         return "engine:" + ",".join(parts)
 
     @classmethod
-    def from_options(cls, **kv) -> "EngineSpec":
+    def from_options(cls, as_flags: bool = False, **kv) -> "EngineSpec":
         """A checked spec from option values (strings from a spec text or typed values from the
-        flags); ``None`` means the default."""
+        flags, ``as_flags``: errors name the flag); ``None`` means the default."""
         info = {o.name: o for o in cls.options()}
         out = {}
         for k, v in kv.items():
@@ -215,7 +215,7 @@ class EngineSpec:
             o = info.get(k)
             if o is None:
                 raise InputError(f"unknown engine option {k!r}; known: {', '.join(info)}")
-            out[k] = o.convert(v)
+            out[k] = o.convert(v, as_flag=as_flags)
         spec = cls(**out)
         spec.validate()
         return spec
@@ -332,25 +332,30 @@ class OptionInfo:
     flag: str
     default_text: str | None
 
-    def convert(self, v):
-        """``v`` (a string from a spec text, or a typed flag value) as this option's type, checked."""
+    def convert(self, v, as_flag: bool = False):
+        """``v`` (a string from a spec text, or a typed flag value) as this option's type, checked;
+        an error names the flag (``as_flag``) or the spec key, as the user typed it."""
+        def bad(shown, what: str) -> InputError:
+            return InputError(f"{self.flag} {shown}: {what.removeprefix('is ')}" if as_flag
+                              else f"engine option {self.name}={shown!r} {what}")
+
         if self.kind is bool:
             if isinstance(v, bool):
                 return v
             word = str(v).lower()
             if word in TRUE_WORDS or word in FALSE_WORDS:
                 return word in TRUE_WORDS
-            raise InputError(f"engine option {self.name}={v!r} must be 0 or 1")
+            raise bad(v, "must be 0 or 1")
         if self.kind is int:
             if isinstance(v, bool) or (isinstance(v, str) and not re.fullmatch(INT_TEXT, v)):
-                raise InputError(f"engine option {self.name}={v!r} is not an integer")
+                raise bad(v, "is not an integer")
             try:
                 iv = int(v)
             except (TypeError, ValueError):
-                raise InputError(f"engine option {self.name}={v!r} is not an integer") from None
+                raise bad(v, "is not an integer") from None
             lo, hi = self.range
             if not lo <= iv <= hi:
-                raise InputError(f"engine option {self.name}={iv} is out of range [{lo}, {hi}]")
+                raise bad(iv, f"is out of range [{lo}, {hi}]")
             return iv
         text = str(v)
         return DTYPE_ALIASES.get(text, text) if self.name == "dtype" else text

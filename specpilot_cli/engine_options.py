@@ -93,17 +93,7 @@ def spec_from_cli(kw: dict) -> EngineSpec:
         spec = EngineSpec.from_options(**own, **fields)
         spec.check_used(fields)
         return spec
-    try:
-        spec = EngineSpec.from_options(**values)
-    except InputError as e:   # typed as flags: name the flag, not the spec key it maps to
-        import re
-
-        flags = {o.name: o.flag for o in EngineSpec.options()}
-        m = re.match(r"engine option (\w+)=(.*?) (is |must )(.*)", str(e))
-        if m and m.group(1) in flags:
-            verb = "" if m.group(3) == "is " else m.group(3)
-            raise InputError(f"{flags[m.group(1)]} {m.group(2).strip(chr(39))}: {verb}{m.group(4)}") from None
-        raise
+    spec = EngineSpec.from_options(as_flags=True, **values)   # typed as flags: errors name the flag
     spec.check_used([o.name for o in given])
     return spec
 

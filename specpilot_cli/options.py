@@ -10,6 +10,15 @@ from .errors import InputError
 from .limits import MAX_ROWS
 
 
+def typed(*names: str) -> list[str]:
+    """The options among ``names`` (parameter names) that the user typed on the command line, as
+    their flags (defaults left out: what a refusal of an option that does not apply names)."""
+    ctx = click.get_current_context()
+    params = {p.name: p for p in ctx.command.params}
+    return [params[n].opts[0] for n in names
+            if ctx.get_parameter_source(n) is click.core.ParameterSource.COMMANDLINE]
+
+
 class FiniteRange(click.FloatRange):
     """A float option in a range that is also finite (``inf`` and ``nan`` are refused)."""
 

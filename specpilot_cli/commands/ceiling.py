@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from specpilot.limits import MAX_BATCH, MAX_CONTEXT, MAX_DRAFT_PASSES, MAX_MS, MAX_ROWS, MAX_TAU, MAX_TBS, MAX_TFLOPS
-from specpilot.options import FiniteRange, dtype_options, positive
+from specpilot.options import FiniteRange, dtype_options, positive, typed
 from specpilot.output import Report, Section, count, emit, output_options
 
 
@@ -93,7 +93,7 @@ def command(model_name, gpu_name, bandwidth, flops, fp8_flops, rows, batch, cont
                              "these without --check for a what-if")
         return _check(check_file, run_file, replay_file, rows_file, ar_run_file, profile_file, model_name, batch,
                       policy, tolerance, draft_ms, fmt, out)
-    tol_given = click.get_current_context().get_parameter_source("tolerance") is click.core.ParameterSource.COMMANDLINE
+    tol_given = bool(typed("tolerance"))
     if tau is not None and tau_best is not None and tau_best < tau:
         raise InputError(f"--tau-best {tau_best:g} is below --tau {tau:g}: the best reachable tau is at least the "
                          "current one")

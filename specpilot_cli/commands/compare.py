@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import click
 
-from specpilot.options import positive, seed_option
+from specpilot.options import positive, seed_option, typed
 from specpilot.output import Report, Section, emit, not_empty, output_options
 
 
@@ -102,12 +102,8 @@ def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, tokenizer
     if from_file is not None:
         if any(x is not None for x in (base, candidate, base_cmd, candidate_cmd, prompts, gpus, resume_file)):
             raise InputError("--from judges a stored timing file; do not also give systems, commands or prompts")
-        ctx = click.get_current_context()
-        live = [opt for name, opt in (("runs", "--runs"), ("max_runs", "--max-runs"), ("warmup", "--warmup"),
-                                      ("partial_file", "--partial"), ("timeout", "--timeout"),
-                                      ("max_new_tokens", "--max-new-tokens"), ("concurrency", "--concurrency"),
-                                      ("tokenizer", "--tokenizer"), ("metric", "--metric"))
-                if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE]
+        live = typed("runs", "max_runs", "warmup", "partial_file", "timeout", "max_new_tokens", "concurrency",
+                     "tokenizer", "metric")
         if live:
             raise InputError(f"--from judges the stored samples as they are; {', '.join(live)} go with a live run")
         if noise is not None and not 0 <= noise < 1:

@@ -7,7 +7,7 @@ import click
 
 from specpilot.errors import InputError
 from specpilot.limits import MAX_BATCH, MAX_CONTEXT, MAX_DRAFT_PASSES, MAX_ROWS, MAX_TBS, MAX_TFLOPS
-from specpilot.options import dtype_options, positive
+from specpilot.options import dtype_options, positive, typed
 from specpilot.output import Report, Section, count, emit, not_empty, output_options, progress
 
 STEP_MODES = ["auto", "range", "graph", "gap", "whole"]
@@ -93,11 +93,9 @@ def command(traces, step_range, step_mode, gap_us, skip_steps, device, include_o
 
     if model_name and ceiling_file:
         raise InputError("give --model or --ceiling, not both")
-    ctx = click.get_current_context()
-    typed = [opt for name, opt in (("gpu_name", "--gpu"), ("bandwidth", "--bandwidth"), ("flops", "--flops"))
-             if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE]
-    if ceiling_file and typed:   # the ceiling's floors are its GPU's: another GPU's would not be used
-        raise InputError(f"{', '.join(typed)}: --ceiling brings the floors of the GPU it was made for; give the GPU "
+    gpu_opts = typed("gpu_name", "bandwidth", "flops")
+    if ceiling_file and gpu_opts:   # the ceiling's floors are its GPU's: another GPU's would not be used
+        raise InputError(f"{', '.join(gpu_opts)}: --ceiling brings the floors of the GPU it was made for; give the GPU "
                          "to `specpilot ceiling` instead (or use --model)")
     if step_range == "":
         raise InputError("--step-range is empty: give a REGEX of the step ranges' names, or leave it out to find "

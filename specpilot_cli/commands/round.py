@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from specpilot.errors import InputError
-from specpilot.options import seed_option
+from specpilot.options import seed_option, typed
 from specpilot.output import Report, Section, emit, fmt_num, not_empty, output_options, progress
 
 
@@ -98,15 +98,8 @@ def command(deployment, budget, out_dir, resume_dir, dry_run, prompts, n_prompts
     if resume_dir and deployment:
         raise InputError("--resume continues the round in DIR with its own deployment; leave out DEPLOYMENT")
     if resume_dir:   # the round goes on as it was set up: a new setting would be silently ignored
-        given = [f"--{k.replace('_', '-')}" for k, v in (("prompts", prompts), ("n_prompts", n_prompts),
-                                                         ("max_new_tokens", max_new_tokens), ("candidates", candidates),
-                                                         ("scorer", scorer), ("memory_dir", memory_dir),
-                                                         ("records", records_dir)) if v is not None]
-        given += [f"--{k.replace('_', '-')}" for k, v in (("control", control), ("fresh", fresh),
-                                                         ("no_remember", no_remember)) if v]
-        ctx = click.get_current_context()   # these have defaults: refused when typed
-        given += [opt for name, opt in (("seed", "--seed"), ("out_dir", "--out-dir"))
-                  if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE]
+        given = typed("prompts", "n_prompts", "max_new_tokens", "candidates", "scorer", "memory_dir", "records_dir",
+                      "control", "fresh", "no_remember", "seed", "out_dir")
         if given:
             raise InputError(f"--resume continues the round in {resume_dir} as it was set up; leave out "
                              f"{', '.join(given)} (or start a new round)")
