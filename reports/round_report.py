@@ -250,7 +250,9 @@ def _inline(text: str) -> str:
     import re
 
     t = html.escape(text)
-    t = re.sub(r"`([^`]+)`", r"<code>\1</code>", t)
+    # a command wraps between its words only: a browser would break "--records" after a hyphen
+    t = re.sub(r"`([^`]+)`", lambda m: "<code>" + " ".join(f"<span>{w}</span>" for w in m.group(1).split(" "))
+               + "</code>", t)
     return re.sub(r"\*\*([^*]+)\*\*", r"<b>\1</b>", t)
 
 
@@ -258,7 +260,7 @@ CSS = """body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;max
 padding:0 16px;color:#222;line-height:1.45}h1{font-size:1.5em}h2{font-size:1.2em;border-bottom:1px solid #ddd;
 padding-bottom:4px;margin-top:1.6em}table{border-collapse:collapse;margin:8px 0 14px;font-size:0.86em}
 td,th{border:1px solid #ccc;padding:3px 7px;text-align:left;vertical-align:top}th{background:#f3f3f3}
-code{background:#f4f4f4;padding:0 3px;font-size:0.92em}img{max-width:100%;display:block;margin:6px 0 14px}
+code{background:#f4f4f4;padding:0 3px;font-size:0.92em}code span{white-space:nowrap}img{max-width:100%;display:block;margin:6px 0 14px}
 li{margin:3px 0}"""
 
 

@@ -647,3 +647,11 @@ def test_a_batched_engine_deployment_is_its_own_and_records_tlv_per_batched_step
     got = record_tlv(eng, [Prompt(i, [1, 2 + i, 3]) for i in range(3)], 6, tmp_path / "tlv.jsonl")
     assert got["cycles"] > 0 and got["cycle_ms"] > 0 and set(got["time_ms"]) == {"draft1", "qpass", "draft2", "exact",
                                                                                   "append"}
+
+
+def test_report_commands_wrap_between_words_only():
+    from specpilot.reports.round_report import CSS, _inline
+
+    out = _inline("Made by `specpilot round --records r.jsonl` <now>")
+    assert "<code><span>specpilot</span> <span>round</span> <span>--records</span> <span>r.jsonl</span></code>" in out
+    assert "&lt;now&gt;" in out and "code span{white-space:nowrap}" in CSS
