@@ -441,6 +441,12 @@ def load_engine(spec: EngineSpec | str) -> Engine:
         if draft_vocab != vocab:
             raise InputError(f"draft model {spec.draft_model} has a vocabulary of {draft_vocab}, the target "
                              f"{spec.model} {vocab}; they must share the tokenizer (give --draft-model)")
+    if spec.compile and not spec.device.startswith("cuda"):
+        raise InputError("compile=1 is for dense models on cuda (it is what benchmarks/engine_gpu.py measured)")
+    if spec.mode != "ar" and spec.drafter == "self" and spec.draft_layers:   # the config says it: refuse before loading
+        layers = resolve_model(spec.model, spec.random)[0].num_layers
+        if spec.draft_layers >= layers:
+            raise InputError(f"draft_layers={spec.draft_layers} must be below the model's {layers} layers")
     logging.getLogger("specpilot.status").info(f"loading model {spec.model} ({spec.mode}, {spec.device}) ...")
     t0 = time.perf_counter()
     target = load_target(spec)

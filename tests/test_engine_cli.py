@@ -303,3 +303,17 @@ def test_run_table_escapes_control_characters_of_the_text(run_cli):
     assert code == 0, err
     assert not controls(table)
     assert all(repr(c)[1:-1] in table for c in raw)
+
+
+def test_options_a_model_cannot_take_are_refused_before_it_loads(run_cli, monkeypatch):
+    import specpilot.engine.api as api
+
+    def no_load(spec):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(api, "load_target", no_load)
+    code, _, err = run_cli("run", "--model", "smollm2", "--mode", "tree", "--drafter", "self", "--draft-layers", "30",
+                           "--prompt", "hi", "--max-new-tokens", "2")
+    assert code == 2 and "draft_layers=30 must be below the model's 30 layers" in err
+    code, _, err = run_cli("run", "--model", "tiny", "--compile", "--prompt", "hi", "--max-new-tokens", "2")
+    assert code == 2 and "compile=1 is for dense models on cuda" in err
