@@ -21,7 +21,8 @@ c(N) (verify ms), drafting (the run's, unless given), outside/host time (the pre
 step's rest only; measured, the rest plus the time between the loop's steps), T_AR and TLV's Q
 pass (the run's own on both sides unless the rows probe timed one). Each
 term's effect is the predicted speedup with that one term replaced by its measured value; when
-the prediction misses by more than the tolerance, the term whose effect is largest is named. A run
+the prediction misses by more than the tolerance, the term whose effect is largest is named; when it
+does not but terms that alone would move it past the tolerance cancel, a note names them. A run
 (or AR run) whose GPU lowered its SM clock while it decoded (its ``gpu_clocks``) gets a note saying
 so: a rows probe's short bursts run at full clock, a long decode loop may not.
 """
@@ -208,6 +209,13 @@ def check_run(run: RunFigures, replay: ReplayFigures | None = None, probe: RowsP
             notes.append(f"the GPU lowered its clock during {r.source} ({', '.join(c['reasons']) or 'slowdown'} in "
                          f"{100 * c['slowed']:.0f}% of the samples, SM {c['min_mhz']:.0f}-{c['max_mhz']:.0f} MHz): "
                          "its steps are slower than a probe's at full clock")
+    # a pass can hide terms off in opposite directions (a loaded CPU: c(N) and T_AR both 2x): name them
+    moved = [t for t in terms if t.speedup_if_measured not in (0, math.inf)
+             and abs(t.speedup_if_measured / predicted - 1) > tolerance]
+    if res.passed and moved:
+        notes.append("the speedups agree, but these terms alone move the prediction past the tolerance and cancel: "
+                     + ", ".join(f"{t.name} ({t.predicted:.4g} predicted vs {t.measured:.4g} measured "
+                                 f"{UNITS[t.name]}: {t.speedup_if_measured:.3f}x)" for t in moved))
     if not res.passed:
         res.off = max(terms, key=lambda t: abs(math.log(t.speedup_if_measured / predicted))
                       if t.speedup_if_measured not in (0, math.inf) else math.inf).name

@@ -275,3 +275,21 @@ def test_check_refuses_malformed_gpu_clocks(run_cli, files, bad):
     doc["gpu_clocks"] = bad
     code, out, err = run_cli("ceiling", "--check", _write(files["dir"], "bad.json", doc), "--rows-probe", files["rows"])
     assert code == 2 and err.startswith("specpilot: error:") and "'gpu_clocks'" in err and err.count("\n") == 1, err
+
+
+def test_check_names_terms_that_cancel_in_a_pass(run_cli, files):
+    # a probe taken on a machine twice as slow: its T_AR and its verify steps both 2x the runs'
+    rows = _write(files["dir"], "slow.json", {"schema": "specpilot.rows/1", "ar_ms": 20.0, "ar_path": "layers",
+                                             "points": [{"rows": 1, "step_ms": 20.0}, {"rows": 16, "step_ms": 23.0},
+                                                        {"rows": 32, "step_ms": 26.0}]})
+    code, out, err = run_cli("ceiling", "--check", files["tree"], "--replay", files["replay"], "--rows-probe", rows,
+                             "--ar-run", files["ar"], "--format", "json")
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["passed"]
+    note = next(n for n in d["notes"] if "cancel" in n)
+    assert "c(N) (23.19 predicted vs 12 measured verify ms/pass" in note and "T_AR (20 predicted vs 10.6" in note
+    assert "tau" not in note and "drafting" not in note
+    code, out, _ = run_cli("ceiling", "--check", files["tree"], "--replay", files["replay"], "--rows-probe",
+                           files["rows"], "--ar-run", files["ar"], "--format", "json")
+    assert not any("cancel" in n for n in json.loads(out)["notes"])
