@@ -121,6 +121,28 @@ def test_include_exclude_and_report_file(tmp_path, run_cli):
     assert doc["converted"] == 1 and doc["tensors"][0]["name"] == "model.embed_tokens.weight"
 
 
+def test_include_wins_over_the_default_excludes(tmp_path, run_cli):
+    """A tensor an --include names is converted although a default exclude (lm_head.weight) would keep
+    it; an --exclude the user gives still drops it, and the error says that is why nothing matched."""
+    src, dst = tmp_path / "single.safetensors", tmp_path / "lm.safetensors"
+    head = (torch.randn(96, 64, generator=torch.Generator().manual_seed(1)) * 0.02).bfloat16()
+    save_file({"lm_head.weight": head, "model.norm.weight": torch.ones(64).bfloat16()}, str(src))
+    code, out, err = run_cli("w12", "pack", src, "-o", dst, "--include", "lm_head.weight", "--format", "json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["converted"] == 1 and doc["tensors"][0]["name"] == "lm_head.weight"
+    assert run_cli("w12", "verify", dst, "--against", src)[0] == 0
+    dst.unlink()
+    code, _, err = run_cli("w12", "pack", src, "-o", dst, "--include", "lm_head.weight", "--exclude", "lm_*")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and not dst.exists()
+    assert "lm_head.weight matched --include but --exclude (lm_*) drops it; nothing written" in err
+    # the default includes, dropped by the default excludes: the error names those
+    save_file({"model.embed_proj.weight": head}, str(src))
+    code, _, err = run_cli("w12", "pack", src, "-o", dst)
+    assert code == 2 and not dst.exists()
+    assert "model.embed_proj.weight matched --include but the default excludes (*embed*, lm_head.weight, *norm*) drop it" in err
+
+
 @pytest.mark.parametrize("args,needle", [
     (["w12", "pack", "missing.safetensors", "-o", "x.safetensors"], "no such file"),
     (["w12", "stats", "missing"], "no such file"),

@@ -40,7 +40,9 @@ SCHEMA = "specpilot.w12/1"
 PARTS = ("records", "low_exp", "esc_pos", "esc_bits")
 DEFAULT_INCLUDE = ("*proj.weight", "*fc1.weight", "*fc2.weight", "*c_fc.weight", "*c_proj.weight",
                    "*query_key_value.weight", "*dense*.weight", "*experts*.weight")
-DEFAULT_EXCLUDE = ("*embed*", "lm_head.weight", "*norm*", "*.w12.*")
+DEFAULT_EXCLUDE = ("*embed*", "lm_head.weight", "*norm*")
+# the stored parts of an already packed tensor are never weights to convert, whatever the patterns say
+ALWAYS_EXCLUDE = ("*.w12.*",)
 
 
 class W12FormatError(ValueError):
@@ -151,6 +153,7 @@ class PackResult(_Totals):
     converted: list[TensorStat] = field(default_factory=list)
     kept: list[str] = field(default_factory=list)               # every tensor stored as it was
     skipped_not_bf16: list[str] = field(default_factory=list)   # those of ``kept`` that matched but are not bf16
+    excluded: list[str] = field(default_factory=list)           # 2-D, matched the includes, dropped by the excludes
 
     def _stats(self) -> list[TensorStat]:
         return self.converted
@@ -159,6 +162,15 @@ class PackResult(_Totals):
 def selected(name: str, t: torch.Tensor, include: Iterable[str], exclude: Iterable[str]) -> bool:
     return (t.dim() == 2 and any(fnmatch.fnmatch(name, p) for p in include)
             and not any(fnmatch.fnmatch(name, p) for p in exclude))
+
+
+def patterns(include: Iterable[str] | None, exclude: Iterable[str] | None) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The include and exclude patterns ``pack`` applies: None means the defaults. The default
+    excludes guard the default includes only: a user's include names what to convert, so a tensor
+    it matches (``lm_head.weight``) is converted unless the user's own excludes drop it."""
+    inc = tuple(include) if include else DEFAULT_INCLUDE
+    exc = tuple(exclude) if exclude else (() if include else DEFAULT_EXCLUDE)
+    return inc, exc + ALWAYS_EXCLUDE
 
 
 def w12_parts(name: str, t: W12Tensor) -> tuple[dict[str, torch.Tensor], dict]:
@@ -189,6 +201,8 @@ def pack_tensors(tensors: dict[str, torch.Tensor], meta: dict[str, str], include
         if not selected(name, t, include, exclude):
             out[name] = t
             result.kept.append(name)
+            if selected(name, t, include, ()) and not any(fnmatch.fnmatch(name, p) for p in ALWAYS_EXCLUDE):
+                result.excluded.append(name)
             continue
         if t.dtype != torch.bfloat16:
             out[name] = t
@@ -217,15 +231,20 @@ def _save_bytes(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> bytes
     return save({k: v.contiguous() for k, v in tensors.items()}, metadata=meta or None)
 
 
-def pack(src: str, dst: str, include=DEFAULT_INCLUDE, exclude=DEFAULT_EXCLUDE, device: str = "cpu",
-         progress: Callable | None = None, on_commit: Callable[[PackResult], None] | None = None) -> PackResult:
+def pack(src: str, dst: str, include: Iterable[str] | None = None, exclude: Iterable[str] | None = None,
+         device: str = "cpu", progress: Callable | None = None,
+         on_commit: Callable[[PackResult], None] | None = None) -> PackResult:
     """Pack a checkpoint (file, sharded folder or folder of files) into ``dst`` atomically.
+
+    ``include``/``exclude``: the user's name patterns, None for the defaults (see ``patterns``).
 
     ``on_commit(result)`` is called as soon as ``dst`` is renamed into place, with signals held back
     from the rename to the call: a caller whose run a signal ends after that knows the output is
     complete, and the result."""
     from specpilot.signals import deferred
 
+    user_exclude = bool(exclude)
+    include, exclude = patterns(include, exclude)
     ck = find_checkpoint(src)
     dst_p = Path(dst)
     res = PackResult(str(dst_p))
@@ -264,7 +283,7 @@ def pack(src: str, dst: str, include=DEFAULT_INCLUDE, exclude=DEFAULT_EXCLUDE, d
                 index_meta["total_size"] = total_size
                 index_meta["specpilot.w12"] = SCHEMA
                 (tmp / ck.index.name).write_text(json.dumps(doc, indent=2) + "\n")
-            _require_converted(res, src, include)
+            _require_converted(res, src, include, exclude, user_exclude)
             if dst_p.exists():
                 dst_p.rmdir()
             with deferred():
@@ -283,7 +302,7 @@ def pack(src: str, dst: str, include=DEFAULT_INCLUDE, exclude=DEFAULT_EXCLUDE, d
                                      (lambda _n: bar.update(1)) if bar else None)
         if bar:
             bar.close()
-        _require_converted(res, src, include)
+        _require_converted(res, src, include, exclude, user_exclude)
         from specpilot.fileio import atomic_open
 
         with atomic_open(dst_p, "wb", protect=[src], on_commit=(lambda: on_commit(res)) if on_commit else None) as fh:
@@ -291,10 +310,15 @@ def pack(src: str, dst: str, include=DEFAULT_INCLUDE, exclude=DEFAULT_EXCLUDE, d
     return res
 
 
-def _require_converted(res: PackResult, src: str, include) -> None:
+def _require_converted(res: PackResult, src: str, include, exclude, user_exclude: bool) -> None:
     if not res.converted:
         extra = (f"; {len(res.skipped_not_bf16)} matching tensors are not bf16 (W12 is exact for bf16 only)"
                  if res.skipped_not_bf16 else "")
+        if res.excluded:
+            shown = ", ".join(res.excluded[:3]) + (f" and {len(res.excluded) - 3} more" if len(res.excluded) > 3 else "")
+            pats = ", ".join(p for p in exclude if p not in ALWAYS_EXCLUDE)
+            who = f"--exclude ({pats}) drops" if user_exclude else f"the default excludes ({pats}) drop"
+            extra += f"; {shown} matched --include but {who} {'it' if len(res.excluded) == 1 else 'them'}"
         raise W12FormatError(f"{src}: no tensor matched --include ({', '.join(include)}) among bf16 2-D "
                              f"weights{extra}; nothing written")
 

@@ -42,7 +42,8 @@ def command():
 
     IN is a .safetensors file, a sharded folder (model.safetensors.index.json) or a folder of
     .safetensors files. Only bf16 2-D weights are converted (W12 is exact for bf16); embeddings,
-    norms and lm_head are kept unless --include says otherwise.
+    norms and lm_head are kept unless --include names them (a tensor an --include matches is
+    converted unless an --exclude you give drops it).
     """
 
 
@@ -67,9 +68,11 @@ def _device(device: str) -> str:
 @click.argument("src", metavar="IN", type=click.Path())
 @click.option("-o", "--output", "dst", required=True, type=click.Path(), callback=not_empty, help="Output file or folder (atomic).")
 @click.option("--include", multiple=True, metavar="GLOB",
-              help="Tensor names to convert (repeatable; default: *proj.weight, *fc1/fc2.weight, ...).")
+              help="Tensor names to convert (repeatable; default: *proj.weight, *fc1/fc2.weight, ...); a tensor "
+                   "it matches is converted even if the default excludes would keep it.")
 @click.option("--exclude", multiple=True, metavar="GLOB",
-              help="Tensor names to keep as they are (repeatable; default: *embed*, lm_head.weight, *norm*).")
+              help="Tensor names to keep as they are (repeatable; applies to --include's matches too; default, "
+                   "with the default includes only: *embed*, lm_head.weight, *norm*).")
 @click.option("--device", default="auto", show_default=True,
               help="Where to encode: cuda, cpu, or auto (cuda when there is one).")
 @output_options
@@ -98,11 +101,9 @@ def pack_cmd(src, dst, include, exclude, device, fmt, out):
     if Path(src).is_file() and Path(dst).suffix != ".safetensors":   # what verify and stats recognise
         raise InputError(f"--output {dst}: name a .safetensors file (a single-file checkpoint packs into one)")
     device = _device(device)
-    inc = tuple(include) or ck.DEFAULT_INCLUDE
-    exc = tuple(exclude) or ck.DEFAULT_EXCLUDE
     committed: list = []
     try:
-        res = ck.pack(src, dst, inc, exc, device=device, progress=lambda **kw: progress(unit="tensor", **kw),
+        res = ck.pack(src, dst, tuple(include) or None, tuple(exclude) or None, device=device, progress=lambda **kw: progress(unit="tensor", **kw),
                       on_commit=committed.append)
     except signals.Interrupted:
         if not committed:
