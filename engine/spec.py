@@ -56,12 +56,29 @@ def check_choice(label: str, value, choices: tuple) -> None:
         raise InputError(f"unknown {label} {value!r}; choose one of {', '.join(choices)}")
 
 
+def say(msg: str, as_flags: bool) -> str:
+    """``msg`` with its options named as the user gave them: ``{key}`` and ``{key=value}`` become
+    ``--flag`` and ``--flag value`` (``as_flags``) or ``key`` and ``key=value`` (a spec text)."""
+    flags = {o.name: o.flag for o in EngineSpec.options()}
+
+    def name(m: re.Match) -> str:
+        key, value = m.group(1), m.group(2)
+        if as_flags:
+            return flags[key] if value is None else f"{flags[key]} {value}"
+        return key if value is None else f"{key}={value}"
+
+    return re.sub(r"\{(\w+)(?:=([^{}]*))?\}", name, msg)
+
+
 # an integer option's text: plain ASCII digits (int() also takes "1_0" and other scripts' digits)
 INT_TEXT = r"\s*[+-]?[0-9]+\s*"
 
 # the batching rules (meaningful with batch > 1) and those of them that shape drafted chains and trees
 BATCH_RULES = ("budget", "block", "admit", "admit_rows")
 DRAFT_RULES = ("budget", "block")
+# the draft shape's options and the modes that read them (the drafter's own options stay in every
+# mode: a round measures an AR deployment's drafter)
+SHAPE_MODES = {"nodes": ("tree", "tlv"), "depth": ("chain", "tree", "tlv"), "topk": ("tree", "tlv")}
 
 
 @dataclass(frozen=True)
@@ -217,35 +234,45 @@ class EngineSpec:
                 raise InputError(f"unknown engine option {k!r}; known: {', '.join(info)}")
             out[k] = o.convert(v, as_flag=as_flags)
         spec = cls(**out)
-        spec.validate()
+        spec.validate(as_flags)
         return spec
 
     def __post_init__(self):
         # a rule that cannot apply keeps its default, so that a spec changed by with_() (a batched
         # tree's stock turned into its AR reference) serializes to a text parse() accepts
         unused = BATCH_RULES if self.batch == 1 else DRAFT_RULES if self.mode not in ("chain", "tree") else ()
+        unused += tuple(k for k, modes in SHAPE_MODES.items() if self.mode not in modes)
         defaults = {f.name: f.default for f in fields(self)}
         # qview outside tlv too, when it is one of its choices (validate() refuses the others)
         for k in unused + (("qview",) if self.mode != "tlv" and self.qview in QVIEWS else ()):
             object.__setattr__(self, k, defaults[k])
 
-    def check_used(self, given) -> None:
-        """Refuse a batching rule the user gave (``given``: option names) where it would change
-        nothing: any of them with batch 1 (the one-request decoder), the drafting rules in modes
-        that draft no chain or tree; and ``qview`` outside mode tlv."""
+    def check_used(self, given, as_flags: bool = False) -> None:
+        """Refuse an option the user gave (``given``: option names; ``as_flags``: typed as flags, so
+        the error names the flag) where it would change nothing: a batching rule with batch 1 (the
+        one-request decoder), the drafting rules in modes that draft no chain or tree, a draft shape
+        option (nodes, depth, topk) in a mode that does not read it, and ``qview`` outside mode tlv."""
+        def fail(msg: str) -> InputError:
+            return InputError(say(msg, True) if as_flags else "engine option " + say(msg, False))
+
         if "qview" in given and self.mode != "tlv":
-            raise InputError(f"engine option qview sets the TLV Q pass's weights, and this spec's mode is "
-                             f"{self.mode}: add mode=tlv (--mode tlv) or leave qview out")
+            raise fail(f"{{qview}} sets the TLV Q pass's weights, and the mode is {self.mode}: add {{mode=tlv}} or "
+                       "leave it out")
+        shape = [k for k in SHAPE_MODES if k in given and self.mode not in SHAPE_MODES[k]]
+        if shape:
+            k = shape[0]
+            modes = SHAPE_MODES[k]
+            raise fail(f"{{{k}}} applies to mode{'s' if len(modes) > 1 else ''} {', '.join(modes[:-1])}"
+                       f"{' and ' if len(modes) > 1 else ''}{modes[-1]}, and the mode is {self.mode}: leave it out")
         if self.batch == 1:
             unused = [k for k in BATCH_RULES if k in given]
             if unused:
-                raise InputError(f"engine option {unused[0]} applies to batched decoding; give batch above 1 "
-                                 "or leave it out")
+                raise fail(f"{{{unused[0]}}} applies to batched decoding; give {{batch}} above 1 or leave it out")
         elif self.mode not in ("chain", "tree"):
             unused = [k for k in DRAFT_RULES if k in given]
             if unused:
-                raise InputError(f"engine option {unused[0]} applies to batched chain and tree steps, not mode "
-                                 f"{self.mode}; leave it out")
+                raise fail(f"{{{unused[0]}}} applies to batched chain and tree steps, not mode {self.mode}; "
+                           "leave it out")
 
     def with_(self, **kw) -> "EngineSpec":
         s = replace(self, **kw)
@@ -253,7 +280,12 @@ class EngineSpec:
         return s
 
     # ------------------------------------------------------------------------ rules between options
-    def validate(self) -> None:
+    def validate(self, as_flags: bool = False) -> None:
+        """The rules between options; an error names the options as flags (``as_flags``: the user
+        typed flags) or as spec keys."""
+        def fail(msg: str) -> InputError:
+            return InputError(say(msg, as_flags))
+
         for o in self.options():
             v = getattr(self, o.name)
             if o.choices is not None and v is not None:
@@ -262,40 +294,40 @@ class EngineSpec:
             raise InputError(f"unknown device {self.device!r}; use cpu, cuda or cuda:N")
         cuda = self.device.startswith("cuda")
         if self.attn == "fused" and not cuda:
-            raise InputError("attn=fused needs device=cuda (use attn=torch on the CPU)")
+            raise fail("{attn=fused} needs {device=cuda} (use {attn=torch} on the CPU)")
         if self.decode == "fused" and not cuda:
-            raise InputError("decode=fused needs device=cuda (its Triton kernels only run in the interpreter on "
-                             "the CPU); use decode=layers")
+            raise fail("{decode=fused} needs {device=cuda} (its Triton kernels only run in the interpreter on "
+                       "the CPU); use {decode=layers}")
         if self.gdn == "naive" and self.decode == "fused":
-            raise InputError("decode=fused runs a hybrid's GDN layers through the row kernels, gdn=naive keeps "
-                             "them on the torch reference; use decode=layers (or gdn=path, wy or auto)")
+            raise fail("{decode=fused} runs a hybrid's GDN layers through the row kernels, {gdn=naive} keeps "
+                       "them on the torch reference; use {decode=layers} (or gdn path, wy or auto)")
         if self.deterministic:
-            self._validate_deterministic(cuda)
+            self._validate_deterministic(cuda, fail)
         if self.mode == "tlv":
             if self.torch_dtype_name == "float16" and self.qview != "fp8":
-                raise InputError("mode=tlv: the Q pass reads the W12 8-bit view of bfloat16 or float32 weights, "
-                                 "not float16; use dtype=bfloat16 or float32, or qview=fp8")
+                raise fail("{mode=tlv}: the Q pass reads the W12 8-bit view of bfloat16 or float32 weights, "
+                           "not float16; use {dtype=bfloat16} or float32, or {qview=fp8}")
 
-    def _validate_deterministic(self, cuda: bool) -> None:
+    def _validate_deterministic(self, cuda: bool, fail) -> None:
         if not cuda:
-            raise InputError("deterministic needs device=cuda (its kernels run in Triton's interpreter on the CPU, "
-                             "where the layers' fp32 steps already give AR's tokens)")
+            raise fail("{deterministic} needs {device=cuda} (its kernels run in Triton's interpreter on the CPU, "
+                       "where the layers' fp32 steps already give AR's tokens)")
         if self.decode == "layers":
-            raise InputError("deterministic runs the fused step kernels; drop decode=layers")
+            raise fail("{deterministic} runs the fused step kernels; drop {decode=layers}")
         if self.w12:
-            raise InputError("deterministic takes bfloat16, float16 or float32 weights, not w12 (its GEMMs are "
-                             "routed by row count)")
+            raise fail("{deterministic} takes bfloat16, float16 or float32 weights, not {w12} (its GEMMs are "
+                       "routed by row count)")
         if self.gdn in ("naive", "wy"):
-            raise InputError(f"deterministic walks each GDN row's path as its AR step does (gdn=path); gdn={self.gdn} "
-                             "rounds otherwise: drop it")
+            raise fail(f"{{deterministic}} walks each GDN row's path as its AR step does ({{gdn=path}}); "
+                       f"{{gdn={self.gdn}}} rounds otherwise: drop it")
         if self.batch > 1:
-            raise InputError("deterministic decodes one request at a time (batch 1): a batch's prompts prefill "
-                             "through other kernels than one request's")
+            raise fail("{deterministic} decodes one request at a time ({batch=1}): a batch's prompts prefill "
+                       "through other kernels than one request's")
         rows = self.depth + 1 if self.mode == "chain" else self.nodes + 1 if self.mode in ("tree", "tlv") else 1
         if rows > MAX_STEP_ROWS:
             knob = "depth" if self.mode == "chain" else "nodes"
-            raise InputError(f"deterministic: a {self.mode} step of {rows} rows is over the {MAX_STEP_ROWS} rows "
-                             f"the row-invariant steps take; lower {knob} to {MAX_STEP_ROWS - 1} or less")
+            raise fail(f"{{deterministic}}: a {self.mode} step of {rows} rows is over the {MAX_STEP_ROWS} rows "
+                       f"the row-invariant steps take; lower {{{knob}}} to {MAX_STEP_ROWS - 1} or less")
 
     # ------------------------------------------------------------------------ derived values
     def resolved(self) -> "EngineSpec":

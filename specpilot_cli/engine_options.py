@@ -94,6 +94,6 @@ def spec_from_cli(kw: dict) -> EngineSpec:
         spec.check_used(fields)
         return spec
     spec = EngineSpec.from_options(as_flags=True, **values)   # typed as flags: errors name the flag
-    spec.check_used([o.name for o in given])
+    spec.check_used([o.name for o in given], as_flags=True)
     return spec
 

@@ -173,13 +173,13 @@ def test_set_decode_refuses_what_it_cannot_fuse():
 def test_cli_decode_option_errors(run_cli):
     code, _, err = run_cli("run", "--model", "tiny", "--mode", "ar", "--decode", "fused", "--prompt", "hi",
                            "--max-new-tokens", "2")
-    assert code == 2 and "decode=fused needs device=cuda" in err
+    assert code == 2 and "--decode fused needs --device cuda" in err
     code, _, err = run_cli("run", "--engine", "engine:model=tiny,decode=megakernel", "--prompt", "hi")
     assert code == 2 and "unknown decode" in err
     code, _, err = run_cli("run", "--model", "tiny", "--mode", "ar", "--decode", "warp", "--prompt", "hi")
     assert code == 2 and "'warp' is not one of" in err
     code, _, err = run_cli("probe", "rows", "--model", "tiny", "--device", "cpu", "--decode", "fused")
-    assert code == 2 and "decode=fused needs device=cuda" in err
+    assert code == 2 and "--decode fused needs --device cuda" in err
 
 
 @pytest.mark.gpu

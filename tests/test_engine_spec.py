@@ -96,28 +96,50 @@ def test_spec_errors(text, msg):
         EngineSpec.parse(text)
 
 
-@pytest.mark.parametrize("text,msg", [
-    ("engine:model=tiny,budget=equal", "engine option budget applies to batched decoding"),
-    ("engine:model=tiny,admit_rows=64,batch=1", "engine option admit_rows applies to batched decoding"),
-    ("engine:model=tiny,mode=ar,batch=2,block=fixed", "block applies to batched chain and tree steps, not mode ar"),
-    ("engine:model=tiny,mode=tlv,batch=2,budget=shared", "budget applies to batched chain and tree steps, not mode tlv"),
-    ("engine:model=tiny,mode=tree,qview=fp8", "engine option qview sets the TLV Q pass's weights, and this spec's "
-                                              "mode is tree: add mode=tlv"),
+@pytest.mark.parametrize("text,msg,flag_msg", [
+    ("engine:model=tiny,budget=equal", "engine option budget applies to batched decoding",
+     "--budget applies to batched decoding; give --batch above 1"),
+    ("engine:model=tiny,admit_rows=64,batch=1", "engine option admit_rows applies to batched decoding",
+     "--admit-rows applies to batched decoding"),
+    ("engine:model=tiny,mode=ar,batch=2,block=fixed", "block applies to batched chain and tree steps, not mode ar",
+     "--block applies to batched chain and tree steps, not mode ar"),
+    ("engine:model=tiny,mode=tlv,batch=2,budget=shared", "budget applies to batched chain and tree steps, not mode tlv",
+     "--budget applies to batched chain and tree steps, not mode tlv"),
+    ("engine:model=tiny,mode=tree,qview=fp8", "engine option qview sets the TLV Q pass's weights, and the mode is "
+                                              "tree: add mode=tlv", "--qview sets the TLV Q pass's weights, and the "
+                                                                    "mode is tree: add --mode tlv"),
+    ("engine:model=tiny,mode=ar,nodes=7", "engine option nodes applies to modes tree and tlv, and the mode is ar",
+     "--nodes applies to modes tree and tlv, and the mode is ar: leave it out"),
+    ("engine:model=tiny,mode=ar,depth=3", "engine option depth applies to modes chain, tree and tlv",
+     "--depth applies to modes chain, tree and tlv"),
+    ("engine:model=tiny,mode=chain,topk=3", "engine option topk applies to modes tree and tlv, and the mode is chain",
+     "--topk applies to modes tree and tlv, and the mode is chain"),
 ])
-def test_batching_rules_given_where_they_change_nothing_are_refused(text, msg, run_cli):
+def test_options_given_where_they_change_nothing_are_refused(text, msg, flag_msg, run_cli):
     with pytest.raises(InputError, match=msg):
         EngineSpec.parse(text, strict=True)
-    # a stored spec (a baseline, a record written before the rule) still reads: the rule keeps its default
+    # a stored spec (a baseline, a record written before the rule) still reads: the option keeps its default
     stored = EngineSpec.parse(text)
     assert all(getattr(stored, k) == getattr(EngineSpec(), k) for k in EngineSpec.parse_fields(text)
-               if k in ("budget", "block", "admit", "admit_rows", "qview"))
-    # the same through the flags; defaults left alone are fine, and admit applies to every mode
+               if k in ("budget", "block", "admit", "admit_rows", "qview", "nodes", "depth", "topk"))
+    assert "nodes=7" not in str(stored)
+    # the same through the flags, the error naming them; defaults left alone are fine, and admit
+    # applies to every mode
     fields = EngineSpec.parse_fields(text)
     flags = [a for k, v in fields.items() if k != "model" for a in (f"--{k.replace('_', '-')}", v)]
     code, _, err = run_cli("run", "--model", "tiny", "--prompt-ids", "1,2", "--max-new-tokens", "2", *flags)
-    assert code == 2 and msg in err.strip().splitlines()[-1]
+    assert code == 2 and flag_msg in err.strip().splitlines()[-1]
     assert EngineSpec.parse("engine:model=tiny,mode=ar,batch=2,admit=off").admit == "off"
     assert _spec_from_flags(["--mode", "ar"]).batch == 1
+
+
+def test_rules_between_options_name_flags_or_spec_keys_as_given(run_cli):
+    code, _, err = run_cli("run", "--model", "tiny", "--deterministic", "--prompt", "hi", "--max-new-tokens", "2")
+    assert code == 2 and "error: --deterministic needs --device cuda" in err
+    code, _, err = run_cli("run", "--engine", "engine:model=tiny,deterministic=1", "--prompt", "hi")
+    assert code == 2 and "error: deterministic needs device=cuda" in err
+    code, _, err = run_cli("run", "--model", "tiny", "--mode", "tlv", "--dtype", "float16", "--prompt", "hi")
+    assert code == 2 and "use --dtype bfloat16 or float32, or --qview fp8" in err
 
 
 def test_an_unknown_qview_is_refused_in_any_mode():
