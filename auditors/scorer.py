@@ -7,7 +7,9 @@ argmax). Sequences are batched by length under a token budget; the LM head is ap
 chunks of positions so the vocabulary never materialises for a whole batch.
 
 A scorer is named by ``smollm2`` (the real SmolLM2-135M-Instruct), a Hugging Face model folder
-(config.json + weights), or a ``.gguf`` file that transformers can load.
+(config.json + weights), a ``.gguf`` file that transformers can load, or one of the embedded
+engine's built-in models (``tiny``, ``tiny-hybrid``: random weights transformers has no file for,
+so they score through the engine's target as ``engine:model=NAME`` builds it, FP32 LM head).
 """
 
 from __future__ import annotations
@@ -46,6 +48,20 @@ class ScorerInfo:
     vocab_size: int
 
 
+def builtin_model(spec: str) -> str | None:
+    """The engine's built-in model a scorer spec names (``tiny``, ``tiny-hybrid``), else None."""
+    from specpilot.engine.api import TINY_CONFIGS
+
+    key = spec.strip().lower()
+    return key if key in TINY_CONFIGS else None
+
+
+def _builtin_names() -> str:
+    from specpilot.engine.api import TINY_CONFIGS
+
+    return ", ".join(["smollm2", *TINY_CONFIGS])
+
+
 def _resolve_path(spec: str, what: str = "--scorer", need_config: bool = True) -> tuple[str, str | None]:
     """(folder, gguf_file or None) for a scorer (or tokenizer) spec."""
     if spec.lower() in ("smollm2", "smollm2-135m", "smollm2-135m-instruct"):
@@ -69,7 +85,8 @@ def _resolve_path(spec: str, what: str = "--scorer", need_config: bool = True) -
         if need_config and not (p / "config.json").is_file():
             raise InputError(f"{what} {spec}: folder has no config.json; give a Hugging Face model folder")
         return str(p), None
-    raise InputError(f"{what} {spec}: not a model folder, a .gguf file, or 'smollm2'")
+    raise InputError(f"{what} {spec}: not a model folder, a .gguf file, or one of the engine's models "
+                     f"({_builtin_names()})")
 
 
 class Scorer:
@@ -101,6 +118,8 @@ class Scorer:
     def load(cls, spec: str, device: str | None = None, dtype: str = "auto") -> "Scorer":
         if dtype not in DTYPES:
             raise InputError(f"--scorer-dtype {dtype}: choose one of {', '.join(DTYPES)}")
+        if builtin_model(spec):
+            return BuiltinScorer.load(builtin_model(spec), device, dtype)
         folder, gguf = _resolve_path(spec)
         try:
             import torch
@@ -251,6 +270,55 @@ class Scorer:
             pos += k
 
 
+def _check_sequences(sequences, vocab_size: int) -> None:
+    for i, (p, o) in enumerate(sequences):
+        if len(p) == 0:
+            raise InputError(f"sequence {i}: empty prompt; the scorer needs at least one prompt token")
+        top = max(max(p), max(o) if len(o) else 0)
+        if top >= vocab_size:
+            raise InputError(f"sequence {i}: token id {top} is outside the scorer's vocabulary ({vocab_size}); "
+                             "is --scorer the target model of these outputs?")
+
+
+class BuiltinScorer:
+    """A built-in engine model (``tiny``, ``tiny-hybrid``) as the scorer: the engine's target with an
+    FP32 LM head (:class:`specpilot.auditors.round.engines.EngineScorer`, what ``round`` and ``check``
+    score with when no scorer is given), with the vocabulary checks of :class:`Scorer`."""
+
+    def __init__(self, inner, info: ScorerInfo):
+        self._inner = inner
+        self.info = info
+        self.vocab_size = inner.vocab_size
+        self.device = inner.model.device
+
+    @classmethod
+    def load(cls, name: str, device: str | None = None, dtype: str = "auto") -> "BuiltinScorer":
+        import torch
+
+        from specpilot.auditors.round.engines import EngineScorer
+        from specpilot.engine.api import cpu_threads, load_engine
+        from specpilot.engine.spec import EngineSpec
+        from specpilot.machine import check_device
+
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        check_device(device)
+        # ctx: the configs' max_position_embeddings, so the longest sequence the model takes is scored
+        text = f"engine:model={name},mode=ar,device={device},ctx=4096" + (f",dtype={dtype}" if dtype != "auto" else "")
+        spec = EngineSpec.parse(text)
+        if device == "cpu" and cpu_threads(spec):
+            torch.set_num_threads(cpu_threads(spec))
+        inner = EngineScorer(load_engine(spec), name)
+        info = ScorerInfo(name=name, path=f"the engine's built-in {name} (random weights, seed 0)",
+                          device=str(device), dtype=inner.info.dtype, lm_head="float32", vocab_size=inner.vocab_size)
+        return cls(inner, info)
+
+    def score(self, sequences, batch_tokens: int = 8192, head_chunk: int | None = None,
+              progress: Callable | None = None) -> list[TokenScores]:
+        _check_sequences(sequences, self.vocab_size)
+        return self._inner.score(sequences, batch_tokens, head_chunk, progress)
+
+
 def load_tokenizer(spec: str):
     """The scorer's tokenizer alone (for text prompts), without loading weights; a tiny built-in
     model's is its bytes."""
@@ -271,4 +339,5 @@ def load_tokenizer(spec: str):
 def check_scorer_spec(spec: str, what: str = "--scorer") -> None:
     """Raise InputError/EnvironmentMissing now when a scorer spec (``what`` names where it was given)
     cannot name a model (cheap: no loading)."""
-    _resolve_path(spec, what=what)
+    if not builtin_model(spec):
+        _resolve_path(spec, what=what)

@@ -100,7 +100,7 @@ class EngineSpec:
     draft_model: str = option("tiny", "Model for --drafter model (same forms as --model).")
     random: bool = option(False, "Random weights for any supported config (catalog names need it).",
                           flag="--random-weights")
-    seed: int = option(0, "Random-weight seed.", range=(0, 2**31))
+    seed: int = option(0, "Random-weight seed.", range=(0, 2**32 - 1))
     dtype: str | None = option(None, "Weights and activations.", choices=DTYPES,
                                default_text="float32 on cpu, bfloat16 on cuda or with --w12")
     device: str = option("cpu", "cpu or cuda[:N].")

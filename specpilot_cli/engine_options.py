@@ -40,6 +40,8 @@ def _click_option(o: OptionInfo, default, help_text: str, default_text: str | No
         decl = f"{o.flag}/--no-{o.flag[2:]}" if default else o.flag
         return click.option(decl, o.name, is_flag=True, default=bool(default), show_default=bool(default),
                             help=help_text)
+    if o.range is not None:
+        help_text = f"{help_text}  [{o.range[0]}<=x<={o.range[1]}]"
     if default is None and default_text:
         help_text = f"{help_text}  [default: {default_text}]"
     kind = click.Choice(o.choices) if o.choices else _SpecInt() if o.kind is int else o.kind
