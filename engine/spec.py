@@ -79,6 +79,8 @@ DRAFT_RULES = ("budget", "block")
 # the draft shape's options and the modes that read them (the drafter's own options stay in every
 # mode: a round measures an AR deployment's drafter)
 SHAPE_MODES = {"nodes": ("tree", "tlv"), "depth": ("chain", "tree", "tlv"), "topk": ("tree", "tlv")}
+# the options of one drafter
+DRAFTER_OPTIONS = {"draft_layers": "self", "draft_model": "model"}
 
 
 @dataclass(frozen=True)
@@ -242,6 +244,7 @@ class EngineSpec:
         # tree's stock turned into its AR reference) serializes to a text parse() accepts
         unused = BATCH_RULES if self.batch == 1 else DRAFT_RULES if self.mode not in ("chain", "tree") else ()
         unused += tuple(k for k, modes in SHAPE_MODES.items() if self.mode not in modes)
+        unused += tuple(k for k, d in DRAFTER_OPTIONS.items() if self.drafter != d)
         defaults = {f.name: f.default for f in fields(self)}
         # qview outside tlv too, when it is one of its choices (validate() refuses the others)
         for k in unused + (("qview",) if self.mode != "tlv" and self.qview in QVIEWS else ()):
@@ -251,7 +254,8 @@ class EngineSpec:
         """Refuse an option the user gave (``given``: option names; ``as_flags``: typed as flags, so
         the error names the flag) where it would change nothing: a batching rule with batch 1 (the
         one-request decoder), the drafting rules in modes that draft no chain or tree, a draft shape
-        option (nodes, depth, topk) in a mode that does not read it, and ``qview`` outside mode tlv."""
+        option (nodes, depth, topk) in a mode that does not read it, a drafter's option beside
+        another drafter, and ``qview`` outside mode tlv."""
         def fail(msg: str) -> InputError:
             return InputError(say(msg, True) if as_flags else "engine option " + say(msg, False))
 
@@ -264,6 +268,11 @@ class EngineSpec:
             modes = SHAPE_MODES[k]
             raise fail(f"{{{k}}} applies to mode{'s' if len(modes) > 1 else ''} {', '.join(modes[:-1])}"
                        f"{' and ' if len(modes) > 1 else ''}{modes[-1]}, and the mode is {self.mode}: leave it out")
+        other = [k for k, d in DRAFTER_OPTIONS.items() if k in given and self.drafter != d]
+        if other:
+            k = other[0]
+            raise fail(f"{{{k}}} is an option of {{drafter={DRAFTER_OPTIONS[k]}}}, and the drafter is "
+                       f"{self.drafter}: add {{drafter={DRAFTER_OPTIONS[k]}}} or leave it out")
         if self.batch == 1:
             unused = [k for k in BATCH_RULES if k in given]
             if unused:

@@ -20,9 +20,10 @@ OTHER = {"model": "tiny", "mode": "chain", "nodes": 12, "depth": 3, "topk": 2, "
          "head": "certified", "decode": "layers", "batch": 4, "budget": "equal", "block": "fixed", "admit": "all",
          "admit_rows": 64, "gdn": "wy", "deterministic": True, "qview": "fp8"}
 # what an option needs beside it to be valid; ALONE_ONLY: options the others of OTHER rule out
-TOGETHER = {"deterministic": {"device": "cuda"}, "qview": {"mode": "tlv"},
+TOGETHER = {"deterministic": {"device": "cuda"}, "qview": {"mode": "tlv"}, "nodes": {"mode": "tree"},
+            "topk": {"mode": "tree"}, "draft_layers": {"drafter": "self"}, "draft_model": {"drafter": "model"},
             **{k: {"batch": 4} for k in ("budget", "block", "admit", "admit_rows")}}
-ALONE_ONLY = ("deterministic", "qview")
+ALONE_ONLY = ("deterministic", "qview", "nodes", "topk", "draft_model")
 
 
 def _flags(spec: EngineSpec) -> list[str]:
@@ -76,7 +77,7 @@ def test_flag_defaults_are_the_spec_defaults():
 
 
 def test_spec_keys_take_flag_names_and_dtype_aliases():
-    s = EngineSpec.parse("engine:model=tiny,random-weights=1,draft-layers=2,dtype=bf16")
+    s = EngineSpec.parse("engine:model=tiny,random-weights=1,drafter=self,draft-layers=2,dtype=bf16")
     assert (s.random, s.draft_layers, s.dtype) == (True, 2, "bfloat16")
 
 
@@ -114,6 +115,12 @@ def test_spec_errors(text, msg):
      "--depth applies to modes chain, tree and tlv"),
     ("engine:model=tiny,mode=chain,topk=3", "engine option topk applies to modes tree and tlv, and the mode is chain",
      "--topk applies to modes tree and tlv, and the mode is chain"),
+    ("engine:model=tiny,draft_layers=2", "engine option draft_layers is an option of drafter=self, and the drafter "
+                                         "is ngram", "--draft-layers is an option of --drafter self, and the drafter is "
+                                                     "ngram: add --drafter self or leave it out"),
+    ("engine:model=tiny,drafter=self,draft_model=tiny-hybrid", "engine option draft_model is an option of "
+                                                               "drafter=model", "--draft-model is an option of "
+                                                                                "--drafter model, and the drafter is self"),
 ])
 def test_options_given_where_they_change_nothing_are_refused(text, msg, flag_msg, run_cli):
     with pytest.raises(InputError, match=msg):
@@ -121,7 +128,8 @@ def test_options_given_where_they_change_nothing_are_refused(text, msg, flag_msg
     # a stored spec (a baseline, a record written before the rule) still reads: the option keeps its default
     stored = EngineSpec.parse(text)
     assert all(getattr(stored, k) == getattr(EngineSpec(), k) for k in EngineSpec.parse_fields(text)
-               if k in ("budget", "block", "admit", "admit_rows", "qview", "nodes", "depth", "topk"))
+               if k in ("budget", "block", "admit", "admit_rows", "qview", "nodes", "depth", "topk", "draft_layers",
+                        "draft_model"))
     assert "nodes=7" not in str(stored)
     # the same through the flags, the error naming them; defaults left alone are fine, and admit
     # applies to every mode
