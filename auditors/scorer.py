@@ -62,8 +62,10 @@ def _builtin_names() -> str:
     return ", ".join(["smollm2", *TINY_CONFIGS])
 
 
-def _resolve_path(spec: str, what: str = "--scorer", need_config: bool = True) -> tuple[str, str | None]:
-    """(folder, gguf_file or None) for a scorer (or tokenizer) spec."""
+def _resolve_path(spec: str, what: str = "--scorer", need_config: bool = True,
+                  builtins: bool = True) -> tuple[str, str | None]:
+    """(folder, gguf_file or None) for a scorer (or tokenizer) spec; ``builtins``: whether the error
+    offers the engine's built-in models (handled before this: they have no folder)."""
     if spec.lower() in ("smollm2", "smollm2-135m", "smollm2-135m-instruct"):
         try:
             from specpilot.engine.weights import smollm2_dir
@@ -85,6 +87,8 @@ def _resolve_path(spec: str, what: str = "--scorer", need_config: bool = True) -
         if need_config and not (p / "config.json").is_file():
             raise InputError(f"{what} {spec}: folder has no config.json; give a Hugging Face model folder")
         return str(p), None
+    if not builtins:
+        raise InputError(f"{what} {spec}: not a model folder, a .gguf file, or 'smollm2'")
     raise InputError(f"{what} {spec}: not a model folder, a .gguf file, or one of the engine's models "
                      f"({_builtin_names()})")
 
@@ -338,6 +342,9 @@ def load_tokenizer(spec: str):
 
 def check_scorer_spec(spec: str, what: str = "--scorer") -> None:
     """Raise InputError/EnvironmentMissing now when a scorer spec (``what`` names where it was given)
-    cannot name a model (cheap: no loading)."""
-    if not builtin_model(spec):
-        _resolve_path(spec, what=what)
+    cannot name a model (cheap: no loading). The engine's built-in models are scorers of a
+    ``--scorer`` option, whose systems can be engines running them; a deployment file's ``scorer:``
+    scores SGLang servers, which serve real models only."""
+    builtins = what == "--scorer"
+    if not (builtins and builtin_model(spec)):
+        _resolve_path(spec, what=what, builtins=builtins)

@@ -126,7 +126,8 @@ def _common_run_options(f):
 @click.option("--against", "stock_spec", required=True, help="Stock: outputs file, engine: spec or http:// server.")
 @click.option("--ar", "ar_spec", default=None, help="Plain autoregressive run for phase 0 (sets delta).")
 @click.option("--scorer", "scorer_spec", required=True,
-              help="Target model for teacher forcing: smollm2, a Hugging Face folder, or a .gguf file.")
+              help="Target model for teacher forcing: smollm2, a Hugging Face folder, a .gguf file, or an "
+                   "engine built-in (tiny, tiny-hybrid: the engine's target with an FP32 head).")
 @_common_run_options
 @click.option("--save-outputs", "save_dir", type=click.Path(file_okay=False), callback=not_empty, default="specpilot-audit-outputs",
               show_default=True, help="Folder for the outputs of systems that are run (kept on failure).")
