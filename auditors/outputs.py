@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 from specpilot.errors import InputError
-from specpilot.fileio import iter_jsonl_numbered, unicode_text, write_jsonl_atomic
+from specpilot.fileio import iter_jsonl_numbered, open_text, unicode_text, write_jsonl_atomic
 from specpilot.limits import MAX_TOKEN_ID
 
 OUTPUTS_SCHEMA = "specpilot.outputs/1"
@@ -147,14 +147,27 @@ class PromptRow:
 
 def _jsonl_row(line: str) -> bool:
     """Whether a prompts file's first line makes it JSONL: a JSON object, or a line meant as one
-    (a broken row with a prompts file's keys, reported as such) - not text that starts with "{"."""
+    (a lone bracket, or a broken row with a prompts file's keys, reported as such) - not text that
+    starts with "{"."""
     text = line.strip()
+    if text in ("{", "["):
+        return True
     if not text.startswith("{"):
         return False
     try:
         return isinstance(json.loads(text), dict)
     except ValueError:
         return any(f'"{k}"' in text for k in ("schema", "id", "prompt_ids", "text", "output_ids"))
+
+
+def _json_document(path: Path) -> bool:
+    """Whether the whole file is one JSON object or array (a run's ``--format json``, say): read
+    as text it would be one prompt per line of JSON."""
+    try:
+        with open_text(path, "utf-8-sig") as fh:
+            return isinstance(json.loads(fh.read()), (dict, list))
+    except (ValueError, RecursionError):
+        return False
 
 
 def read_prompt_rows(path) -> list[PromptRow]:
@@ -164,12 +177,16 @@ def read_prompt_rows(path) -> list[PromptRow]:
     if not path.is_file():
         raise InputError(f"{path}: no such prompts file")
     try:
-        with open(path, encoding="utf-8-sig") as fh:
+        with open_text(path, "utf-8-sig") as fh:
             first = next((line for line in fh if line.strip()), "")
     except UnicodeDecodeError:
         raise InputError(f"{path}: not UTF-8 text") from None
+    if first.strip() in ("{", "[") and _json_document(path):
+        raise InputError(f"{path}: one JSON document, not prompts: give JSONL (one specpilot.prompts/1 object "
+                         "a line, or an outputs file) or plain text, one prompt a line")
     if first and not _jsonl_row(first):
-        lines = [line for line in path.read_text(encoding="utf-8-sig").splitlines() if line.strip()]
+        with open_text(path, "utf-8-sig") as fh:
+            lines = [line for line in fh.read().splitlines() if line.strip()]
         return [PromptRow(f"p{i}", text=line) for i, line in enumerate(lines)]
     rows: list[PromptRow] = []
     seen: set[str] = set()

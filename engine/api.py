@@ -114,6 +114,7 @@ class Engine:
         chat template when ``chat`` (default: when the tokenizer has one)."""
         if chat is None:
             chat = self.has_chat_template
+        chat = chat and any(pr.get("ids") is None for pr in prompts)   # token ids are never wrapped
         out = RunResult(chat=chat)
         from specpilot.engine.clocks import ClockWatch
 

@@ -84,6 +84,8 @@ def spec_from_cli(kw: dict) -> EngineSpec:
     source = (lambda name: ctx.get_parameter_source(name)) if ctx is not None else (lambda name: None)
     given = [o for o in EngineSpec.options() if o.name in values
              and source(o.name) is click.core.ParameterSource.COMMANDLINE]
+    if text is not None and not text.strip():
+        raise InputError("--engine is empty; give a spec (engine:model=tiny,mode=ar) or leave it out")
     if text:
         if given:   # a flag beside the spec would be dropped without a word
             raise InputError(f"--engine replaces the engine flags; give {given[0].name}=... inside it instead of "

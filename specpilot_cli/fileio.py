@@ -199,6 +199,16 @@ def write_json_atomic(path, obj: Any, protect=(), option: str = "--out") -> None
 
 
 def write_jsonl_atomic(path, rows: Iterable[dict], protect=(), option: str = "--out") -> None:
+    """One JSON object a line, gzip-compressed when ``path`` ends in ``.gz`` (the readers take both)."""
+    if str(path).endswith(".gz"):
+        import gzip
+        import io
+
+        with atomic_open(path, "wb", protect=protect, option=option) as raw:
+            with gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz, io.TextIOWrapper(gz, encoding="utf-8") as fh:
+                for row in rows:
+                    fh.write(json.dumps(row, default=_json_default) + "\n")
+        return
     with atomic_open(path, "w", protect=protect, option=option) as fh:
         for row in rows:
             fh.write(json.dumps(row, default=_json_default) + "\n")
@@ -229,10 +239,11 @@ def check_schema(obj: Any, kind: str, source: str, versions: Iterable[int] = (1,
         raise InputError(f"{source}: {what}; expected {want} (see docs/formats.md)")
 
 
-def _open_text(path: Path):
-    if path.suffix == ".gz":
-        return gzip.open(path, "rt", encoding="utf-8")
-    return open(path, "r", encoding="utf-8")
+def open_text(path: Path, encoding: str = "utf-8"):
+    """``path`` as text, gzip-decompressed when it ends in ``.gz``."""
+    if Path(path).suffix == ".gz":
+        return gzip.open(path, "rt", encoding=encoding)
+    return open(path, "r", encoding=encoding)
 
 
 @contextlib.contextmanager
@@ -278,7 +289,7 @@ def read_json(path, kind: str | None = None, versions: Iterable[int] = (1,),
     _require_file(path)
     _check_size(path, max_bytes)
     try:
-        with _open_text(path) as fh:
+        with open_text(path) as fh:
             obj = json.load(fh)
     except json.JSONDecodeError as e:
         raise InputError(f"{path}:{e.lineno}:{e.colno}: not valid JSON ({e.msg})") from None

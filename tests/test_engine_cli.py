@@ -317,3 +317,30 @@ def test_options_a_model_cannot_take_are_refused_before_it_loads(run_cli, monkey
     assert code == 2 and "draft_layers=30 must be below the model's 30 layers" in err
     code, _, err = run_cli("run", "--model", "tiny", "--compile", "--prompt", "hi", "--max-new-tokens", "2")
     assert code == 2 and "compile=1 is for dense models on cuda" in err
+
+
+def test_prompt_files_that_are_not_prompts_and_gz_outputs(run_cli, tmp_path):
+    # a run's JSON (one document over many lines) is not read as one prompt a line
+    doc = tmp_path / "r.json"
+    doc.write_text(json.dumps({"schema": "specpilot.run/1", "results": [1, 2]}, indent=2))
+    code, _, err = run_cli("run", "--model", "tiny", "--mode", "ar", "--prompts", doc, "--max-new-tokens", "2")
+    assert code == 2 and "r.json: one JSON document, not prompts" in err
+    # .gz outputs are gzip, and read back by replay and as prompts
+    lat, outs = tmp_path / "l.lat.gz", tmp_path / "o.jsonl.gz"
+    code, _, err = run_cli("run", "--model", "tiny", "--prompt", "abcabc", "--max-new-tokens", "6", "--lattice-out",
+                           lat, "--outputs-out", outs)
+    assert code == 0, err
+    assert lat.read_bytes()[:2] == outs.read_bytes()[:2] == b"\x1f\x8b"
+    code, out, err = run_cli("replay", lat, "--format", "json")
+    assert code == 0, err
+    code, out, err = run_cli("run", "--model", "tiny", "--mode", "ar", "--prompts", outs, "--max-new-tokens", "2",
+                             "--format", "json")
+    assert code == 0, err
+    assert json.loads(out)["requests"] == 1
+
+
+def test_chat_and_an_empty_engine_spec_are_refused_where_they_mean_nothing(run_cli):
+    code, _, err = run_cli("run", "--model", "tiny", "--prompt-ids", "1,2", "--chat", "--max-new-tokens", "2")
+    assert code == 2 and "--chat wraps text prompts" in err
+    code, _, err = run_cli("run", "--engine", " ", "--prompt", "a")
+    assert code == 2 and "--engine is empty" in err

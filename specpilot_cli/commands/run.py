@@ -146,6 +146,9 @@ def command(prompt_text, prompts_file, prompt_ids, chat, max_new_tokens, outputs
         from specpilot.fileio import unicode_text
 
         prompts = [{"id": 0, "text": unicode_text(prompt_text, "--prompt")}]
+    if chat and all(p.get("ids") is not None for p in prompts):
+        raise InputError("--chat wraps text prompts in the model's chat template, and these prompts are token ids; "
+                         "leave --chat out")
     inputs = [p for p in (prompts_file,) if p]
     outs = [Path(x).resolve() for x in (outputs_out, lattice_out, out) if x]
     if len(set(outs)) != len(outs):
