@@ -424,6 +424,19 @@ def test_collect_reads_text_prompts_with_the_engines_own_tokenizer(run_cli, tmp_
     assert read_outputs(tmp_path / "s.jsonl").rows[0].prompt_ids == list(b"hello")
 
 
+def test_collect_requires_prompts_and_its_help_says_so(run_cli, tmp_path):
+    code, _, err = run_cli("audit", "collect", "engine:model=tiny,mode=ar", "--save", tmp_path / "x.jsonl")
+    assert code == 2 and err.startswith("specpilot: error:") and "'--prompts'" in err, err
+    assert len(err.strip().splitlines()) == 1 and "loading model" not in err and not (tmp_path / "x.jsonl").exists()
+    code, out, _ = run_cli("audit", "collect", "--help")
+    prompts = out[out.index("--prompts"):out.index("--max-new-tokens")]
+    assert code == 0 and "[required]" in prompts
+    from specpilot.commands.audit import command
+
+    check = command.commands["check"]   # optional there: outputs files need no prompts
+    assert not next(p for p in check.params if p.name == "prompts_path").required
+
+
 @pytest.mark.parametrize("args, words", [
     (["--delta", "-1"], "--delta"), (["--concurrency", "0"], "--concurrency")])
 def test_audit_options_out_of_range_are_refused_before_anything_loads(run_cli, tiny, args, words):

@@ -107,7 +107,9 @@ def _read_prompts(path, tokenizer_spec):
     return read_prompts_tokenized(path, tokenizer_spec)
 
 
-def _common_run_options(f):
+def _common_run_options(f=None, *, prompts_required: bool = False):
+    if f is None:   # @_common_run_options(prompts_required=True)
+        return lambda g: _common_run_options(g, prompts_required=prompts_required)
     f = click.option("--concurrency", type=click.IntRange(1, 4096), default=1, show_default=True,
                      help="Requests in flight at once to an http:// server (an engine: spec batches by its "
                           "own batch=B, else runs one request at a time).")(f)
@@ -115,7 +117,8 @@ def _common_run_options(f):
                      help="Seconds to wait for a server's answer to one request.")(f)
     f = click.option("--max-new-tokens", type=click.IntRange(1, 1 << 20), default=128, show_default=True,
                      help="Tokens to generate per prompt when running a system.")(f)
-    f = click.option("--prompts", "prompts_path", type=click.Path(dir_okay=False), default=None,
+    # no default=None beside required: click 8.3+ takes an explicit None as a given value
+    f = click.option("--prompts", "prompts_path", type=click.Path(dir_okay=False), required=prompts_required,
                      help="Prompts for systems that are run: specpilot.prompts/1 (token ids or text) "
                           "or an outputs file.")(f)
     return f
@@ -238,7 +241,7 @@ def run_audit(system_outputs, stock_outputs, ar_outputs, scorer_spec, *, device=
 
 @command.command("collect")
 @click.argument("system")
-@_common_run_options
+@_common_run_options(prompts_required=True)   # --resume too: it runs the prompts --save does not answer yet
 @click.option("--save", "save", type=click.Path(dir_okay=False), callback=not_empty, required=True,
               help="Outputs JSONL to write (also written with the rows collected so far when a run fails).")
 @click.option("--tokenizer", default=None,
@@ -267,8 +270,6 @@ def collect_cmd(system, prompts_path, max_new_tokens, timeout, concurrency, save
     spec = parse_system(system)
     if spec.kind == "file":
         raise InputError(f"{system}: already an outputs file; collect runs an engine: spec or an http:// server")
-    if not prompts_path:
-        raise InputError("collect needs --prompts FILE")
     # before the collection: --save and --out may be neither its inputs nor each other
     check_output_path(save, "--save", protect=[prompts_path])
     if out:
