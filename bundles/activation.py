@@ -24,7 +24,8 @@ from specpilot.errors import EnvironmentMissing, InputError
 from specpilot.fileio import atomic_open, check_schema
 
 from . import memory as mem
-from .contract import ACTIVATION_NAME, ACTIVATION_SCHEMA, ENTRY_POINT, PLUGIN_NAME, SUPPORTED_SGLANG, hook_key
+from .contract import (ACTIVATION_NAME, ACTIVATION_SCHEMA, DRAFTERS, ENTRY_POINT, PLUGIN_NAME, SUPPORTED_SGLANG,
+                       hook_key)
 from .inspect_sglang import TargetCheck, check_targets
 from .sglang_env import TargetEnv, probe
 
@@ -181,6 +182,7 @@ class ApplyResult:
     swept: list[str] = field(default_factory=list)
     dry_run: bool = False
     notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)   # applied, but something asked for will not act
 
 
 @dataclass
@@ -255,6 +257,30 @@ def launch_command(entries: dict[str, mem.Entry], ids: list[str], settings: dict
     return f"{head} {shlex.quote(python)} -m sglang.launch_server --model-path {shlex.quote(model)} {tail}".rstrip()
 
 
+def idle_warnings(entries: dict[str, mem.Entry], ids: list[str], settings, drafter: str | None) -> list[str]:
+    """What the user asked for that will not act on ``drafter`` (None: unknown, nothing said): a
+    bundle another bundle of ``ids`` turns off there (its ``off_with``), and each ``--set`` whose
+    variant acts on other drafters only or belongs to such a bundle."""
+    if drafter is None:
+        return []
+    out, off = [], {}
+    for i in ids:
+        for o in entries[i].off_with:
+            if o.bundle in ids and (not o.drafters or drafter in o.drafters):
+                off[i] = o.bundle
+                out.append(f"{i} with {o.bundle} on {DRAFTERS[drafter]}: {o.why}")
+    registry = _registry(entries, ids)
+    for pair in settings or ():
+        name = pair.split("=", 1)[0].strip()
+        owner, var = registry[name]   # parse_settings refused unknown names
+        if var.drafters and drafter not in var.drafters:
+            out.append(f"--set {pair.strip()} has no effect on {DRAFTERS[drafter]}: {owner}'s {name} acts on "
+                       + " or ".join(DRAFTERS[d] for d in var.drafters) + " only")
+        elif owner in off:
+            out.append(f"--set {pair.strip()} has no effect: {owner} is off with {off[owner]}")
+    return out
+
+
 def check_composition(entries: dict[str, mem.Entry], ids: list[str], drafter: str | None) -> str | None:
     """Refuse (InputError) bundles that cannot run together or on ``drafter``; returns the drafter
     the launch command is written for (given, or the only one every bundle accepts)."""
@@ -285,8 +311,10 @@ def apply(bundles: str, *, python: str | None = None, force: bool = False, exper
     if risky and not experimental:
         raise InputError(f"{', '.join(risky)} {'is' if len(risky) == 1 else 'are'} experimental "
                          f"(see 'specpilot memory show {risky[0]}'); pass --experimental to apply anyway")
+    given = drafter
     drafter = check_composition(entries, ids, drafter)
     values = parse_settings(settings, entries, ids)
+    warnings = idle_warnings(entries, ids, settings, drafter)
     state = mem.compose(entries, ids)
 
     env = probe(python, modules=state.fingerprints)
@@ -340,9 +368,12 @@ def apply(bundles: str, *, python: str | None = None, force: bool = False, exper
             with atomic_open(path, "w") as fh:
                 fh.write(json.dumps(activation, indent=2) + "\n")
     notes = launch_parts(entries, ids, values, drafter)[2]
+    if given is None and drafter is not None:
+        notes.insert(0, f"no --drafter given: the launch is for {drafter}, the only drafter "
+                        f"{', '.join(ids)} {'all accept' if len(ids) > 1 else 'accepts'}")
     return ApplyResult(activation=activation, path=str(path), env=env, checks=checks,
                        previous=previous and previous.get("bundles"), launch=launch, swept=swept, dry_run=dry_run,
-                       notes=notes)
+                       notes=notes, warnings=warnings)
 
 
 def revert(python: str | None = None) -> RevertResult:

@@ -66,6 +66,7 @@ class Variant:
     choices: list | None = None
     doc: str = ""
     order: str | None = None
+    drafters: tuple[str, ...] = ()   # the drafter families the setting acts on (empty: any)
 
     def problem(self, value: Any) -> str | None:
         """Why ``value`` is not a valid setting of this variant (None when it is)."""
@@ -129,6 +130,16 @@ class Fits:
         return out
 
 
+@dataclass(frozen=True)
+class OffWith:
+    """An entry whose mechanism stays off when ``bundle`` is applied with it on one of ``drafters``
+    (empty: any drafter); ``why`` says so in apply's warning."""
+
+    bundle: str
+    drafters: tuple[str, ...] = ()
+    why: str = ""
+
+
 @dataclass
 class Entry:
     id: str
@@ -152,6 +163,7 @@ class Entry:
     path: Path
     raw: dict = field(repr=False, default_factory=dict)
     fits: Fits = field(default_factory=Fits)
+    off_with: list[OffWith] = field(default_factory=list)
 
 
 @dataclass
@@ -233,13 +245,24 @@ def parse_variant(name: Any, v: Any, source: str) -> Variant:
     if order not in (None, "descending"):
         raise InputError(f"{source}: variant {name!r}: order must be descending or absent, not {order!r}")
     var = Variant(name=str(name), default=v["default"], range=rng, choices=choices, doc=str(v.get("doc", "")),
-                  order=order)
+                  order=order, drafters=_str_tuple(v.get("drafters"), f"variant {name!r}: drafters", source,
+                                                   tuple(DRAFTERS)))
     if isinstance(var.default, list) and not var.default:
         raise InputError(f"{source}: variant {name!r}: default must not be an empty list")
     problem = var.problem(var.default)
     if problem:
         raise InputError(f"{source}: variant {name!r}: default {var.default!r} {problem}")
     return var
+
+
+def parse_off_with(raw: Any, source: str) -> list[OffWith]:
+    out = []
+    for item in _as_list(raw, "off_with", source):
+        if not (isinstance(item, dict) and isinstance(item.get("bundle"), str) and isinstance(item.get("why", ""), str)):
+            raise InputError(f"{source}: each off_with item needs a bundle (an entry id) and a why (text)")
+        out.append(OffWith(bundle=item["bundle"], why=str(item.get("why", "")).strip(),
+                           drafters=_str_tuple(item.get("drafters"), "off_with.drafters", source, tuple(DRAFTERS))))
+    return out
 
 
 def parse_entry(raw: Any, source: str, path: Path | None = None) -> Entry:
@@ -323,6 +346,7 @@ def parse_entry(raw: Any, source: str, path: Path | None = None) -> Entry:
         unverified=[str(c).strip() for c in _as_list(raw["unverified"], "unverified", source)],
         system={"hooks": list(rec_hooks), "fingerprints": {str(k): v for k, v in rec_fp.items()}},
         path=path or Path(source), raw=raw, fits=parse_fits(raw.get("fits"), source),
+        off_with=parse_off_with(raw.get("off_with"), source),
     )
 
 
@@ -340,6 +364,10 @@ def load_memory(directory: str | Path | None = None) -> dict[str, Entry]:
         if entry.id in entries:
             raise InputError(f"{path}: duplicate memory id {entry.id!r} (also in {entries[entry.id].path})")
         entries[entry.id] = entry
+    for entry in entries.values():   # a misspelt id would never warn
+        unknown = [o.bundle for o in entry.off_with if o.bundle not in entries]
+        if unknown:
+            raise InputError(f"{entry.path}: off_with names {unknown[0]!r}, not a memory entry")
     return entries
 
 

@@ -123,6 +123,60 @@ def test_launch_flags_follow_the_drafter(run_cli, env):
     assert any("give --drafter" in n for n in res["notes"])
 
 
+def test_settings_and_bundles_that_would_sit_idle_are_warned_about(run_cli, env):
+    """tree with lattice-trace runs on DFlash2 only, where the trace keeps the tree verify off and
+    node_budget (an EAGLE flag) does nothing: applied (exit 0), with a one-line warning for each."""
+    code, out, err = run_cli("apply", "tree,lattice-trace", "--python", env, "--model", "/models/Qwen3-8B",
+                             "--set", "node_budget=24", "--dry-run", "--format", "json")
+    assert code == 0, err
+    warned = err.strip().splitlines()
+    assert len(warned) == 2 and all(w.startswith("specpilot: warning: ") for w in warned), err
+    assert "tree with lattice-trace on a DFlash2 drafter" in warned[0] and "tree verify stays off" in warned[0]
+    assert "--set node_budget=24 has no effect on a DFlash2 drafter" in warned[1]
+    res = json.loads(out)
+    assert res["warnings"] == [w.removeprefix("specpilot: warning: ") for w in warned]
+    assert res["activation"]["drafter"] == "dflash2"
+    assert res["notes"][0] == ("no --drafter given: the launch is for dflash2, the only drafter tree, lattice-trace "
+                               "all accept")
+    # each setting on the drafter it acts on is quiet; on another drafter it is warned about
+    for drafter, setting, quiet in (("eagle", "node_budget=24", True), ("dflash2", "dflash_tree_max_batch=8", True),
+                                    ("dflash2", "node_budget=24", False), ("eagle3", "dflash_tree_max_batch=8", False)):
+        code, out, err = run_cli("apply", "tree", "--python", env, "--drafter", drafter, "--set", setting, "--dry-run")
+        assert code == 0 and (err == "") == quiet, (drafter, setting, err)
+        assert "no --drafter given" not in out
+    # drafter unknown (tree alone fits three): nothing to say about a setting yet
+    code, _, err = run_cli("apply", "tree", "--python", env, "--set", "node_budget=24", "--dry-run")
+    assert code == 0 and err == ""
+
+
+def test_apply_help_shows_the_drafter_default_and_an_example_that_acts(run_cli):
+    code, out, _ = run_cli("apply", "--help")
+    assert code == 0 and "Default: the only drafter every bundle named accepts" in " ".join(out.split())
+    assert "tree,lattice-trace)" not in out and "e.g. batching,w12" in out
+
+
+def test_a_memory_entry_naming_an_unknown_bundle_or_drafter_is_refused(tmp_path):
+    import shutil
+
+    import yaml
+
+    from specpilot.bundles import memory as mem
+    from specpilot.errors import InputError
+
+    d = tmp_path / "mem"
+    shutil.copytree(mem.MEMORY_DIR, d)
+    raw = yaml.safe_load((d / "tree.yaml").read_text())
+    raw["off_with"][0]["bundle"] = "lattice-traces"
+    (d / "tree.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    with pytest.raises(InputError, match="off_with names 'lattice-traces', not a memory entry"):
+        mem.load_memory(d)
+    raw["off_with"][0]["bundle"] = "lattice-trace"
+    raw["variants"]["node_budget"]["drafters"] = ["medusa"]
+    (d / "tree.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    with pytest.raises(InputError, match="drafters 'medusa' is not one of"):
+        mem.load_memory(d)
+
+
 def test_a_library_entry_cannot_be_applied(tmp_path):
     import shutil
 
