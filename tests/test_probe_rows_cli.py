@@ -37,3 +37,32 @@ def test_batched_probe_c_is_sane_without_warmup():
     assert proc.returncode == 0, proc.stderr
     c = {p["rows"]: p["c"] for p in json.loads(proc.stdout)["points"]}
     assert c[2] > 0.3 and c[4] > 0.3, c
+
+
+@pytest.mark.parametrize("text, rows", [
+    ("1,2,4,...,256", [1, 2, 4, 8, 16, 32, 64, 128, 256]),
+    ("1,2,...,6", [1, 2, 3, 4, 5, 6]),                 # only stepping by one reaches 6
+    ("8,16,24,...,64", [8, 16, 24, 32, 40, 48, 56, 64]),
+    ("2,5,...,14", [2, 5, 8, 11, 14]),
+    ("1,2,4,...,16,24,...,40", [1, 2, 4, 8, 16, 24, 32, 40]),
+])
+def test_rows_series_accepted(text, rows):
+    from specpilot.commands.probe import parse_rows
+    from specpilot.options import parse_int_list
+
+    assert parse_rows(text) == rows == parse_int_list(text)
+
+
+@pytest.mark.parametrize("text, words", [
+    ("1,2,4,...,100", "100 is not on the series 1,2,4,... (times 2: ...,64,128)"),   # was 51 counts by 2
+    ("1,3,...,20", "20 is not on the series 1,3,... (times 3: ...,9,27; steps of 2: ...,19,21)"),   # was 1,3,9,20
+    ("1,2,...,16", "give a third value (1,2,4,...,16 or 1,2,3,...,16)"),
+    ("1,2,4,...,4", "must end above 4, got 4"),
+])
+def test_rows_series_refused_before_loading(run_cli, monkeypatch, text, words):
+    import specpilot.engine.rows as rows
+
+    monkeypatch.setattr(rows, "probe_rows", lambda *a, **k: pytest.fail("loaded a model for a bad --rows"))
+    code, out, err = run_cli(*TINY, "--rows", text)
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert err.startswith("specpilot: error: --rows: ") and words in err, err
