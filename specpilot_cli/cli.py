@@ -82,12 +82,21 @@ def main(argv=None) -> None:
     sys.exit(code)
 
 
+# click 8.2+ raises it; click 8.1 prints the help itself and exits 0
+_NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())
+
+
 def _run(argv, debug: bool) -> int:
     try:
         rv = cli.main(args=argv, prog_name="specpilot", standalone_mode=False)
         return rv if isinstance(rv, int) else 0
     except click.exceptions.Exit as e:
         return e.exit_code
+    except _NO_ARGS_IS_HELP as e:
+        # a group given no subcommand (specpilot, specpilot probe): its help on stdout and 0, as --help
+        # and audit give it; the handler below would squeeze the help into one error line
+        click.echo(e.ctx.get_help(), color=e.ctx.color)
+        return 0
     except click.Abort as e:
         # click turns EOFError and KeyboardInterrupt into Abort; an EOFError is a truncated input
         cause = e.__cause__ or e.__context__

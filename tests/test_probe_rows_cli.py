@@ -66,3 +66,11 @@ def test_rows_series_refused_before_loading(run_cli, monkeypatch, text, words):
     code, out, err = run_cli(*TINY, "--rows", text)
     assert code == 2 and out == "" and err.count("\n") == 1, err
     assert err.startswith("specpilot: error: --rows: ") and words in err, err
+
+
+@pytest.mark.parametrize("group", [(), ("probe",), ("memory",), ("w12",), ("audit",)])
+def test_a_group_without_a_subcommand_prints_its_help(run_cli, group):
+    """As --help and as audit always did: the help on stdout, exit 0, not one squeezed error line."""
+    code, out, err = run_cli(*group)
+    assert code == 0 and err == "", err
+    assert out.startswith(f"Usage: {' '.join(('specpilot',) + group)} [OPTIONS] COMMAND") and "\nCommands:\n" in out
