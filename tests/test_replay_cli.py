@@ -169,6 +169,17 @@ def test_sequoia_calibration_file(tmp_path, run_cli):
     assert json.loads(out)["sequoia_rank_acceptance"][0] > 0.7     # calibrated where rank 0 dominates
 
 
+@pytest.mark.parametrize("policies", [[], ["--policy", "chain,best-first:8"]])
+def test_calibrate_without_sequoia_is_refused(tmp_path, run_cli, policies):
+    """Only sequoia reads --calibrate; the defaults have no sequoia, so it was silently ignored."""
+    lat = write(tmp_path / "l.jsonl", synthetic_rows(requests=2, steps=2, m=3, k=3))
+    out = tmp_path / "o.json"
+    code, stdout, err = run_cli("replay", lat, *policies, "--calibrate", lat, "--out", out)
+    assert code == 2 and stdout == "" and not out.exists()
+    assert err == ("specpilot: error: --calibrate is read by sequoia:N only; add --policy sequoia:N or leave it "
+                   "out\n")
+
+
 def test_ragged_and_empty_steps_from_the_engine(tmp_path, run_cli):
     """Rows shorter than K, parent-conditioned ragged transitions, and a step with no draft."""
     rows = [

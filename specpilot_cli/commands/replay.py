@@ -19,7 +19,8 @@ from specpilot.output import Report, Section, count, emit, output_options
               help="Also give tau(N) curves at these node budgets for every policy with a budget "
                    "(e.g. 8,16,32,63; read by 'specpilot ceiling --replay').")
 @click.option("--calibrate", "calibration", type=click.Path(dir_okay=False), default=None,
-              help="Lattice to measure sequoia's acceptance by rank on (default: LATTICE itself).")
+              help="Lattice to measure sequoia's acceptance by rank on (default: LATTICE itself); only with a "
+                   "sequoia:N policy.")
 @click.option("--bootstrap", "n_boot", type=click.IntRange(100, 100000), default=1000, show_default=True,
               help="Bootstrap resamples (over requests) for the 95% tau interval.")
 @seed_option("the bootstrap intervals")
@@ -46,6 +47,8 @@ def command(lattice, policies, nodes, calibration, n_boot, seed, fmt, out):
         raise InputError("--policy: empty; give a policy, e.g. --policy best-first:32")
     pols_spec = [p for text in policies for p in split_policies(text)]
     parsed = [parse_policy(p) for p in pols_spec]  # fail fast on a typo, before reading the file
+    if calibration and not any(p.family == "sequoia" for p in parsed):   # the defaults have no sequoia
+        raise InputError("--calibrate is read by sequoia:N only; add --policy sequoia:N or leave it out")
     lat = read_lattice(lattice)
     calib = read_lattice(calibration) if calibration else None
     if not parsed:
