@@ -180,12 +180,15 @@ def _parse_tlv(rec, row: dict, where: str) -> TLVRecord:
     if not isinstance(rec, dict) or any(k not in rec for k in ("nodes", "q_argmax", "commit", "draft2")):
         raise InputError(f"{where}: \"tlv\" must be an object with nodes, q_argmax, commit and draft2")
     n = rec["nodes"]
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise InputError(f"{where}: \"tlv\".nodes must be a non-negative integer")
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_NODES:
+        raise InputError(f"{where}: \"tlv\".nodes must be a whole number in 1..{MAX_NODES} (the engine's --nodes "
+                         f"range), got {n!r}")
     for k in ("q_argmax", "commit"):
         if not isinstance(rec[k], list) or not rec[k]:
             raise InputError(f"{where}: \"tlv\".{k} must be a non-empty list of token ids")
         _ints(rec[k], f"tlv.{k}", where)
+        if any(t < 0 for t in rec[k]):
+            raise InputError(f"{where}: \"tlv\".{k} holds a negative token id")
     d2 = rec["draft2"]
     if not isinstance(d2, dict):
         raise InputError(f"{where}: \"tlv\".draft2 must be an object with tokens, logprobs and transitions")

@@ -106,6 +106,27 @@ def test_malformed_rows_name_file_and_line(tmp_path, run_cli, row, msg):
     assert not out.exists() and stdout == ""
 
 
+TLV_ROW = {"schema": "specpilot.lattice/1", "request": 0, "step": 0, "tokens": [], "logprobs": [],
+           "transitions": None, "target": [55, 38],
+           "tlv": {"nodes": 8, "q_argmax": [55], "commit": [55],
+                   "draft2": {"tokens": [], "logprobs": [], "transitions": None}}}
+
+
+@pytest.mark.parametrize("policy, tlv, msg", [
+    ("tlv:32", {"nodes": 0}, "\"tlv\".nodes must be a whole number in 1..4096 (the engine's --nodes range), got 0"),
+    ("tlv:32", {"nodes": 4097}, "got 4097"),
+    ("chain", {"commit": [-1]}, "\"tlv\".commit holds a negative token id"),
+    ("chain", {"q_argmax": [-3]}, "\"tlv\".q_argmax holds a negative token id"),
+])
+def test_tlv_fields_are_range_checked_when_read(tmp_path, run_cli, policy, tlv, msg):
+    """tlv.nodes 0 made tlv:32 suggest 'replay tlv:0'; a commit of token -1 replayed under chain."""
+    lat = write(tmp_path / "l.jsonl", [TLV_ROW, dict(TLV_ROW, step=1, tlv=dict(TLV_ROW["tlv"], **tlv))])
+    assert run_cli("replay", write(tmp_path / "ok.jsonl", [TLV_ROW]), "--policy", "tlv:8")[0] == 0
+    code, out, err = run_cli("replay", lat, "--policy", policy)
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert err.startswith(f"specpilot: error: {lat}:2: ") and msg in err, err
+
+
 def test_bad_json_line_and_missing_file(tmp_path, run_cli):
     lat = tmp_path / "l.jsonl"
     lat.write_text(json.dumps(HAND) + "\n{not json\n")
