@@ -392,8 +392,30 @@ def replay(lattice: Lattice, policies: Sequence[Policy | str], nodes: Sequence[i
 
 
 def default_policies(lattice: Lattice) -> list[str]:
+    """chain, best-first:32, oracle:K; on a TLV recording also tlv:N, the only policy that replays
+    what its exact passes accepted (the others score the draft-1 lattices: tau 1 where the first
+    draft was empty, far below the run's own)."""
+    n = tlv_budget(lattice)
     # a lattice without any draft (an AR run's, or a drafter that never matched) has no oracle
-    return ["chain", "best-first:32"] + ([f"oracle:{lattice.k}"] if lattice.k else [])
+    return (["chain", "best-first:32"] + ([f"tlv:{n}"] if n else [])
+            + ([f"oracle:{lattice.k}"] if lattice.k else []))
+
+
+def tlv_budget(lattice: Lattice) -> int | None:
+    """N of a TLV recording (every row a cycle at budget N), else None."""
+    budgets = {s.tlv.nodes if s.tlv is not None else None for s in lattice.steps}
+    return budgets.pop() if len(budgets) == 1 and None not in budgets else None
+
+
+def tlv_hint(lattice: Lattice) -> str | None:
+    """Why the default policies leave out tlv:N on a lattice some of whose rows are TLV cycles."""
+    with_tlv = [s for s in lattice.steps if s.tlv is not None]
+    if not with_tlv or tlv_budget(lattice):
+        return None
+    budgets = sorted({s.tlv.nodes for s in with_tlv})
+    return (f"{len(with_tlv)} of {len(lattice.steps)} rows are TLV cycles (recorded at --nodes "
+            f"{', '.join(map(str, budgets))}); tlv:N needs every row to be one at that N, so the default policies "
+            "leave it out")
 
 
 def parse_nodes(text: str | None) -> list[int] | None:

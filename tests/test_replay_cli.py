@@ -433,3 +433,24 @@ def test_a_lattice_without_drafts_replays_with_the_default_policies(tmp_path, ru
     code, out, err = run_cli("replay", write(tmp_path / "ar.jsonl", rows), "--format", "json")
     assert code == 0, err
     assert {p["policy"]: p["tau"] for p in json.loads(out)["policies"]} == {"chain": 1.0, "best-first:32": 1.0}
+
+
+def test_a_tlv_recording_replays_its_own_tau_with_the_default_policies(tmp_path, run_cli):
+    """Without --policy a lattice of run --mode tlv gets tlv:N (N as recorded): the others score the
+    draft-1 lattices only and were all the table showed, far below the run's tau."""
+    lat, run = tmp_path / "t.lat.jsonl", tmp_path / "run.json"
+    code, _, err = run_cli("run", "--model", "tiny", "--threads", "1", "--mode", "tlv", "--nodes", "8", "--prompt",
+                           "abcabcabcabc", "--max-new-tokens", "16", "--lattice-out", lat, "--format", "json",
+                           "--out", run)
+    assert code == 0, err
+    code, out, err = run_cli("replay", lat, "--format", "json")
+    assert code == 0 and err == "", err
+    taus = {p["policy"]: p["tau"] for p in json.loads(out)["policies"]}
+    assert list(taus)[:3] == ["chain", "best-first:32", "tlv:8"]
+    assert taus["tlv:8"] == pytest.approx(json.loads(run.read_text())["tau"]) and taus["tlv:8"] > taus["chain"]
+    rows = [json.loads(line) for line in lat.read_text().splitlines()]
+    del rows[1]["tlv"]   # not every row a cycle: tlv:N would refuse it, so it is left out, and the user told
+    code, out, err = run_cli("replay", write(tmp_path / "mixed.jsonl", rows), "--format", "json")
+    assert code == 0 and not any(p["policy"].startswith("tlv") for p in json.loads(out)["policies"])
+    assert err == (f"specpilot: warning: {len(rows) - 1} of {len(rows)} rows are TLV cycles (recorded at --nodes 8); "
+                   "tlv:N needs every row to be one at that N, so the default policies leave it out\n")

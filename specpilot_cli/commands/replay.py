@@ -13,8 +13,9 @@ from specpilot.output import Report, Section, count, emit, output_options
 @click.option("--policy", "policies", multiple=True, metavar="P",
               help="chain | chain:N | best-first:N | marginal:N | shared:N | adaptive:N | eagle2:TOPK,DEPTH,N | "
                    "sequoia:N | oracle:K | tlv:N (a lattice from run --mode tlv --nodes N); shared:N and adaptive:N "
-                   "replay run --batch with block=fixed and the default block=adaptive; repeatable, or several in one (best-first:32,marginal:32). Default: chain, "
-                   "best-first:32, oracle:K.")
+                   "replay run --batch with block=fixed and the default block=adaptive; repeatable, or several in "
+                   "one (best-first:32,marginal:32). Default: chain, best-first:32, oracle:K, and tlv:N on a "
+                   "lattice from run --mode tlv --nodes N.")
 @click.option("--nodes", default=None, metavar="N,N,...",
               help="Also give tau(N) curves at these node budgets for every policy with a budget "
                    "(e.g. 8,16,32,63; read by 'specpilot ceiling --replay').")
@@ -38,7 +39,7 @@ def command(lattice, policies, nodes, calibration, n_boot, seed, fmt, out):
           --policy eagle2:4,8,32 --policy sequoia:32 --policy oracle:16 --nodes 8,16,32,63
     """
     from specpilot.auditors.policies import parse_policy, split_policies
-    from specpilot.auditors.replay import default_policies, parse_nodes, read_lattice, replay, total_work
+    from specpilot.auditors.replay import default_policies, parse_nodes, read_lattice, replay, tlv_hint, total_work
     from specpilot.errors import InputError
     from specpilot.output import progress
 
@@ -53,6 +54,9 @@ def command(lattice, policies, nodes, calibration, n_boot, seed, fmt, out):
     calib = read_lattice(calibration) if calibration else None
     if not parsed:
         parsed = [parse_policy(p) for p in default_policies(lat)]
+        hint = tlv_hint(lat)
+        if hint:
+            click.echo(f"specpilot: warning: {hint}", err=True)
     bar = progress(total=total_work(lat, parsed, node_list), desc="replay", unit="step")
     try:
         result = replay(lat, parsed, node_list, n_boot=n_boot, seed=seed, calibration=calib,
