@@ -378,12 +378,10 @@ def replay(lattice: Lattice, policies: Sequence[Policy | str], nodes: Sequence[i
             key = p.curve_key
             if key is None or key in curves:
                 continue
-            curves[key] = {}
-            for n in nodes:
-                if p.family == "chain" and n > m:
-                    continue  # a chain cannot use more nodes than draft positions
-                q = p.with_nodes(n)
-                curves[key][str(n)] = run(q).tau
+            # a chain cannot use more nodes than draft positions; a family left with no budget has no curve
+            curve = {str(n): run(p.with_nodes(n)).tau for n in nodes if not (p.family == "chain" and n > m)}
+            if curve:
+                curves[key] = curve
     rank = None
     if any(p.family == "sequoia" for p in pols):
         rank = [float(x) for x in next(p for p in pols if p.family == "sequoia").rank_accept]

@@ -454,3 +454,20 @@ def test_a_tlv_recording_replays_its_own_tau_with_the_default_policies(tmp_path,
     assert code == 0 and not any(p["policy"].startswith("tlv") for p in json.loads(out)["policies"])
     assert err == (f"specpilot: warning: {len(rows) - 1} of {len(rows)} rows are TLV cycles (recorded at --nodes 8); "
                    "tlv:N needs every row to be one at that N, so the default policies leave it out\n")
+
+
+def test_a_chain_longer_than_the_lattice_says_so(tmp_path, run_cli):
+    """m=3: a chain has no budget among --nodes 4,8 (no empty 'tau(N) curves' table), and chain:100
+    verifies 3 nodes, which the table says rather than only naming chain:100."""
+    lat = write(tmp_path / "l.jsonl", synthetic_rows(requests=2, steps=3, m=3, k=4))
+    code, out, err = run_cli("replay", lat, "--policy", "chain", "--nodes", "4,8")
+    assert code == 0, err
+    assert "tau(N) curves" not in out
+    assert "chain: no tau(N) curve: every --nodes budget is above the lattice's 3 draft positions" in out
+    code, out, _ = run_cli("replay", lat, "--policy", "chain", "--nodes", "4,8", "--format", "json")
+    assert code == 0 and json.loads(out)["curves"] == {}
+    code, out, _ = run_cli("replay", lat, "--policy", "chain:100", "--policy", "chain:2")
+    assert code == 0 and "chain:100 is cut to the lattice's 3 draft positions (nodes 3)" in out
+    assert "chain:2 is cut" not in out
+    code, out, _ = run_cli("replay", lat, "--policy", "chain:100", "--format", "json")
+    assert json.loads(out)["policies"][0]["nodes"] == 3

@@ -63,11 +63,15 @@ def command(lattice, policies, nodes, calibration, n_boot, seed, fmt, out):
                         tick=lambda: bar.update(1))
     finally:
         bar.close()
-    emit(_report(result), fmt, out, protect=[lattice] + ([calibration] if calibration else []))
+    notes = [f"{p.spec} is cut to the lattice's {count(result.m, 'draft position')} (nodes {result.m})"
+             for p in parsed if p.family == "chain" and p.nodes is not None and p.nodes > result.m]
+    if node_list and any(p.family == "chain" for p in parsed) and "chain" not in result.curves:
+        notes.append(f"chain: no tau(N) curve: every --nodes budget is above the lattice's {result.m} draft positions")
+    emit(_report(result, notes), fmt, out, protect=[lattice] + ([calibration] if calibration else []))
     return 0
 
 
-def _report(result) -> Report:
+def _report(result, notes=()) -> Report:
     rows = [[p.policy, p.nodes if p.nodes is not None else "-", p.tau,
              f"[{p.tau_ci[0]:.3f}, {p.tau_ci[1]:.3f}]"] for p in result.policies]
     sections = [Section(f"tau per policy ({count(result.steps, 'step')}, {count(result.requests, 'request')}, "
@@ -78,7 +82,7 @@ def _report(result) -> Report:
         ns = sorted({int(n) for c in result.curves.values() for n in c})
         crow = [[k] + [c.get(str(n)) for n in ns] for k, c in result.curves.items()]
         sections.append(Section("tau(N) curves", ["policy"] + [f"N={n}" for n in ns], crow))
-    lines = []
+    lines = list(notes)
     if result.rank_accept is not None:
         top = ", ".join(f"{x:.3f}" for x in result.rank_accept[:8])
         lines.append(f"sequoia acceptance by rank (measured): {top}{' ...' if len(result.rank_accept) > 8 else ''}")
