@@ -319,7 +319,8 @@ def test_cost_model_title_names_the_rows_a_runs_verify_steps_used(run_cli, tmp_p
     runs = {}
     for mode in ("tree", "chain"):
         runs[mode] = tmp_path / f"{mode}.json"
-        code, _, err = run_cli("run", "--model", "tiny", "--mode", mode, "--nodes", "16", "--prompt", "abcabcabcabcabc",
+        nodes = ("--nodes", "16") if mode == "tree" else ()
+        code, _, err = run_cli("run", "--model", "tiny", "--mode", mode, *nodes, "--prompt", "abcabcabcabcabc",
                                "--max-new-tokens", "24", "--format", "json", "--out", runs[mode])
         assert code == 0, err
     for mode, nodes in (("tree", "tree at 16 nodes, "), ("chain", "chain, ")):
