@@ -172,7 +172,9 @@ def test_gpu_fp8_kernels_at_llama_shapes(T):
     w = (torch.randn(6144, 4096, device="cuda") * 0.02).to(torch.bfloat16)
     fw = quantize_weight(w)
     y = fp8_linear(x, fw)
-    torch.testing.assert_close(y.float(), naive.linear(x, fw.q, fw.scale).float(), rtol=2 ** -7, atol=1e-2)
+    # each split part's product is rounded to bf16 and the parts recombined: a sum in another order
+    # can move each rounding by one ulp, so two bf16 ulps (2^-6 relative) apart at most
+    torch.testing.assert_close(y.float(), naive.linear(x, fw.q, fw.scale).float(), rtol=2 ** -6, atol=1e-2)
     exact = x.float() @ w.float().T
     assert ((y.float() - exact).norm() / exact.norm()) < 0.035
 
