@@ -53,9 +53,11 @@ def positive(hi: float) -> FiniteRange:
 
 
 def parse_int_list(text: str, name: str = "--rows", minimum: int = 1, maximum: int = MAX_ROWS) -> list[int]:
-    """``"1,8,32"``; ``"1,2,4,...,256"`` continues a doubling (or constant-step) series to its end;
-    where both fit the first two values (``1,2``), the one that lands on the end (``1,2,...,17``
-    counts by one).
+    """``"1,8,32"``; ``...`` continues the series the values before it show and must end on it:
+    ``1,2,4,...,256`` doubles, ``8,16,24,...,64`` steps by 8; of two values that could do either,
+    the rule that reaches the end (``1,2,...,6`` steps by one). An end off the series
+    (``1,2,4,...,100``) or one both rules reach (``1,2,...,16``: give a third value) is refused: a
+    sweep of counts no one asked for can cost minutes on a GPU.
 
     Values must be in [``minimum``, ``maximum``]; duplicates are dropped, order kept.
     """
@@ -68,28 +70,10 @@ def parse_int_list(text: str, name: str = "--rows", minimum: int = 1, maximum: i
     i = 0
     while i < len(parts):
         p = parts[i]
-        if p in ("...", "…"):
+        if p in ("...", "\u2026"):
             if len(values) < 2 or i + 1 >= len(parts):
                 raise InputError(f"{name}: '...' needs two values before it and one after, e.g. 1,2,4,...,256")
-            a, b = values[-2], values[-1]
-            end = _to_int(parts[i + 1], name, minimum, maximum)
-            doubling = a > 0 and b % a == 0 and b // a > 1
-            if doubling and not _on_series(b, end, lambda v: v * (b // a)) \
-                    and _on_series(b, end, lambda v: v + (b - a)):
-                doubling = False   # 1,2,...,17: only counting by one reaches 17
-            if doubling:
-                r = b // a
-                v = b * r
-                while v < end:
-                    values.append(v)
-                    v *= r
-            elif b > a:
-                v = b + (b - a)
-                while v < end:
-                    values.append(v)
-                    v += b - a
-            else:
-                raise InputError(f"{name}: cannot continue the series {a},{b},...")
+            values.extend(_series(values, _to_int(parts[i + 1], name, minimum, maximum), name))
             i += 1
             continue
         values.append(_to_int(p, name, minimum, maximum))
@@ -97,11 +81,40 @@ def parse_int_list(text: str, name: str = "--rows", minimum: int = 1, maximum: i
     return list(dict.fromkeys(values))
 
 
-def _on_series(v: int, end: int, step) -> bool:
-    """Whether stepping from ``v`` with ``step`` lands on ``end``."""
-    while v < end:
-        v = step(v)
-    return v == end
+def _series(before: list[int], end: int, name: str) -> list[int]:
+    """The values strictly between ``before[-1]`` and ``end`` of the series ``before`` shows (a
+    ratio where the last value is a whole multiple of the one before, a step where it is larger;
+    a third value picks between them, else the one that lands on ``end``)."""
+    a, b = before[-2], before[-1]
+    shown = ",".join(map(str, before[-3:]))
+    if end <= b:
+        raise InputError(f"{name}: the series {shown},... must end above {b}, got {end}")
+    rules = {}
+    if a > 0 and b % a == 0 and b // a > 1:
+        rules[f"times {b // a}"] = lambda v, r=b // a: v * r
+    if b > a:
+        rules[f"steps of {b - a}"] = lambda v, d=b - a: v + d
+    if not rules:
+        raise InputError(f"{name}: cannot continue the series {a},{b},...")
+    if len(before) >= 3 and len(rules) > 1:
+        rules = {k: f for k, f in rules.items() if f(before[-3]) == a} or rules
+    walks = {}
+    for k, f in rules.items():
+        out, v = [], f(b)
+        while v < end:
+            out.append(v)
+            v = f(v)
+        walks[k] = (out, v)
+    landing = [k for k, (_, v) in walks.items() if v == end]
+    if len(landing) == 1:
+        return walks[landing[0]][0]
+    if landing:
+        ratio, step = landing
+        raise InputError(f"{name}: {a},{b},...,{end} reaches {end} both in {ratio} and in {step}; give a third value "
+                         f"({a},{b},{rules[ratio](b)},...,{end} or {a},{b},{rules[step](b)},...,{end})")
+    near = "; ".join(f"{k}: ...,{(out or [b])[-1]},{v}" for k, (out, v) in walks.items())
+    raise InputError(f"{name}: {end} is not on the series {shown},... ({near}); end it on the series or list the "
+                     "values")
 
 
 def _to_int(p: str, name: str, minimum: int, maximum: int) -> int:

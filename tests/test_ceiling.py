@@ -95,11 +95,11 @@ def test_cost_model_factors():
 def test_parse_int_list():
     assert parse_int_list("1,8,32,64") == [1, 8, 32, 64]
     assert parse_int_list("1,2,4,...,256") == [1, 2, 4, 8, 16, 32, 64, 128, 256]
-    assert parse_int_list("8,16,...,64") == [8, 16, 32, 64]
-    assert parse_int_list("1,2,...,16") == [1, 2, 4, 8, 16]   # both fit: doubling, as documented
+    assert parse_int_list("8,16,32,...,64") == [8, 16, 32, 64]
+    assert parse_int_list("1,2,4,...,16") == [1, 2, 4, 8, 16]
     assert parse_int_list("1,2,...,6") == [1, 2, 3, 4, 5, 6]  # only counting by one lands on 6
     assert parse_int_list("2,4,...,10") == [2, 4, 6, 8, 10]
-    for bad in ("0", "1,x", "", "1,...,8", "-3", "1,,8", "1,8,"):
+    for bad in ("0", "1,x", "", "1,...,8", "-3", "1,,8", "1,8,", "1,2,...,16", "1,2,4,...,100", "4,2,...,8"):
         with pytest.raises(InputError):
             parse_int_list(bad)
 

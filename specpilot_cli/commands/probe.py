@@ -56,7 +56,9 @@ def rows(rows_text, context, reps, warmup, qview, fmt, out, **kw):
     """
     from specpilot.engine.batch.probe import probe_rows_batched
     from specpilot.engine.rows import default_device, probe_rows
-    row_list = parse_rows(rows_text)
+    from specpilot.options import parse_int_list
+
+    row_list = parse_int_list(rows_text, "--rows")
     if kw["device"] is None:
         kw["device"] = default_device()
     spec = spec_from_cli(kw)
@@ -85,56 +87,3 @@ def rows(rows_text, context, reps, warmup, qview, fmt, out, **kw):
                                              note=f"{res.method} of {reps} steps; T_AR = {res.ar_ms:.4g} ms, "
                                                   f"the {res.ar_path} AR step")]), fmt, out)
     return 0
-
-
-ELLIPSES = ("...", "\u2026")
-
-
-def parse_rows(text: str) -> list[int]:
-    """``--rows``: :func:`specpilot.options.parse_int_list`, but a ``...`` series must say its rule
-    and end on it. That parser reads the rule from the last two values and keeps the end wherever it
-    falls, so 1,2,4,...,100 counted by 2 (51 row counts) and 1,3,...,20 gave 1,3,9,20; a probe of
-    row counts no one asked for costs minutes on a GPU."""
-    from specpilot.options import parse_int_list
-
-    rows = parse_int_list(text, "--rows", minimum=1)   # syntax, ranges and the expansion
-    parts = [p.strip() for p in str(text).split(",")]
-    values: list[int] = []   # as the parser walks them: a series' values count as written
-    for i, p in enumerate(parts):
-        if p not in ELLIPSES:
-            values.append(int(p))
-            continue
-        values.extend(_series(values, int(parts[i + 1])))
-    return rows
-
-
-def _series(before: list[int], end: int) -> list[int]:
-    """The values strictly between ``before[-1]`` and ``end`` of the series ``before`` shows, by
-    the rule the parser takes there (an InputError where that rule is a guess)."""
-    a, b = before[-2], before[-1]
-    if end <= b:
-        raise InputError(f"--rows: the series {','.join(map(str, before[-3:]))},... must end above {b}, got {end}")
-    fits = {}
-    if b % a == 0 and b // a > 1:
-        fits[f"times {b // a}"] = lambda v, r=b // a: v * r
-    if b > a:
-        fits[f"steps of {b - a}"] = lambda v, d=b - a: v + d
-    if len(before) >= 3 and len(fits) > 1:   # a third value tells doubling from a step
-        fits = {k: f for k, f in fits.items() if f(before[-3]) == a} or fits
-    walks = {}
-    for k, f in fits.items():
-        out, v = [], f(b)
-        while v < end:
-            out.append(v)
-            v = f(v)
-        walks[k] = (out, v)
-    landing = [k for k, (_, v) in walks.items() if v == end]
-    if len(landing) == 1:
-        return walks[landing[0]][0]
-    if landing:
-        ratio, step = landing
-        raise InputError(f"--rows: {a},{b},...,{end} reaches {end} both in {ratio} and in {step}; give a third value "
-                         f"({a},{b},{fits[ratio](b)},...,{end} or {a},{b},{fits[step](b)},...,{end})")
-    near = "; ".join(f"{k}: ...,{(out or [b])[-1]},{v}" for k, (out, v) in walks.items())
-    raise InputError(f"--rows: {end} is not on the series {','.join(map(str, before[-3:]))},... ({near}); end it "
-                     "on the series or list the values")
