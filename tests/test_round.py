@@ -655,3 +655,11 @@ def test_report_commands_wrap_between_words_only():
     out = _inline("Made by `specpilot round --records r.jsonl` <now>")
     assert "<code><span>specpilot</span> <span>round</span> <span>--records</span> <span>r.jsonl</span></code>" in out
     assert "&lt;now&gt;" in out and "code span{white-space:nowrap}" in CSS
+
+
+def test_a_dry_run_over_its_budget_says_so(run_cli):
+    code, out, err = run_cli("round", TINY, "--dry-run", "--budget", "0.05")
+    assert code == 0, err
+    assert "warning: the smallest plan takes" in out and "more than the 0.1 min budget" in out
+    code, out, _ = run_cli("round", TINY, "--dry-run", "--budget", "60")
+    assert code == 0 and "smallest plan" not in out

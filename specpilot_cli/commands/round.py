@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import click
 
 from specpilot.errors import InputError
@@ -23,8 +25,9 @@ def _names(text: str | None) -> list[str] | None:
 @click.command("round")
 @click.argument("deployment", required=False)
 @click.option("--budget", "budget", type=float, default=None, metavar="MINUTES",
-              help="Minutes the round may take (default 20); runs are planned to fit and a stage that runs out stops "
-                   "cleanly, recording what it skipped.")
+              help="Minutes the round may take (default 20); runs are planned to fit where they can (--dry-run says "
+                   "when the smallest plan does not) and a stage that runs out stops cleanly, recording what it "
+                   "skipped.")
 @click.option("--out-dir", "out_dir", type=click.Path(file_okay=False), callback=not_empty, default="specpilot-round", show_default=True,
               help="Folder for the round's files (must not exist or be empty).")
 @click.option("--resume", "resume_dir", type=click.Path(file_okay=False), default=None, callback=not_empty, metavar="DIR",
@@ -89,6 +92,10 @@ def command(deployment, budget, out_dir, resume_dir, dry_run, prompts, n_prompts
                  + (f" (record {plan['record']})" if plan.get("record") else ""),
                  f"decode speed: {fmt_num(plan['tokens_per_s'])} tokens/s ({plan['tokens_per_s_source']})",
                  f"estimated time: {total / 60:.1f} min of the {plan['budget_s'] / 60:.1f} min budget"]
+        if total > plan["budget_s"]:
+            lines.append(f"warning: the smallest plan takes {total / 60:.1f} min, more than the "
+                         f"{plan['budget_s'] / 60:.1f} min budget: the stages that run out stop and record what they "
+                         f"skip (--budget {math.ceil(total / 60)} runs it all)")
         lines += [f"not runnable here: {x['id']}: {x['reason']}" for x in plan["not_runnable"]]
         emit(Report(data=plan, title="specpilot round --dry-run: the plan",
                     sections=[Section(None, ["stage", "estimated s", "work"],
