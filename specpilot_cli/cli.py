@@ -52,6 +52,17 @@ def cli(ctx, debug):
       how much faster could it be?       specpilot ceiling, specpilot replay
       is a change really faster?         specpilot compare
       is it still lossless?              specpilot audit --against stock
+      the whole procedure, judged        specpilot round (report, check)
+
+    \b
+    Words the helps use ("paper 4.3" is a section of the SpecPilot paper, whose procedure this is):
+      stock        the published implementation a deployment starts from
+      tau          tokens accepted per verification pass; c(N) = T_step(N rows) / T_AR
+      lattice      a step's draft: top-K candidates and scores per position (replay's input)
+      W12          lossless 12-bit weights; its 8-bit view is what TLV's Q pass reads
+      TLV          two-stage verification: a cheap Q pass over the draft tree picks a commit
+                   chain C, a second draft grows from its end, one exact pass verifies both
+      GDN          Gated DeltaNet, the linear-attention layers of hybrid targets
 
     Exit codes: 0 done/pass, 1 negative verdict, 2 bad input, 3 missing environment,
     4 a bug in SpecPilot, 128+N stopped by signal N (SIGINT 130, SIGTERM 143, SIGHUP 129).
