@@ -15,8 +15,9 @@ from specpilot.output import Report, Section, count, emit, output_options
 @click.option("--model", "model_name", metavar="NAME|PATH",
               help="Target model: catalog name (llama-3.1-8b, qwen3-8b, ...) or config.json / model folder.")
 @click.option("--gpu", "gpu_name", default="auto", show_default=True, metavar="NAME",
-              help="GPU from the catalog (h100, h200, a100, b200, l40s, rtx-pro-6000, mi300x, mi325x) or 'auto' "
-                   "(NVML).")
+              help="GPU from the catalog (a100-80gb, b200, h100-sxm, h200, l40s, mi300x, mi325x, "
+                   "rtx-pro-6000-blackwell-server; a prefix that names one, such as h100 or a100, works too) or "
+                   "'auto' (the NVIDIA GPU NVML sees; without one, name a GPU).")
 @click.option("--bandwidth", type=positive(MAX_TBS), metavar="TB/S", help="Measured peak bandwidth, replaces the datasheet.")
 @click.option("--flops", type=positive(MAX_TFLOPS), metavar="TFLOP/S",
               help="Measured dense bf16 TFLOP/s, replaces the datasheet.")
