@@ -251,12 +251,12 @@ def test_set_attention_falls_back_or_refuses_unsupported_head_dims(monkeypatch):
 
 def test_cli_attention_choice_errors(run_cli):
     code, _, err = run_cli("run", "--model", "tiny", "--prompt", "x", "--attn", "fused")
-    assert code == 2 and "needs device=cuda" in err and err.count("\n") == 1
+    assert code == 2 and "--attn fused needs --device cuda" in err and err.count("\n") == 1
     code, _, err = run_cli("run", "--model", "tiny", "--prompt", "x", "--attn", "flash")
     assert code == 2 and "flash" in err
     code, _, err = run_cli("probe", "rows", "--model", "tiny", "--random-weights", "--device", "cpu", "--rows", "1",
                            "--attn", "fused")
-    assert code == 2 and "needs device=cuda" in err
+    assert code == 2 and "--attn fused needs --device cuda" in err
     code, out, _ = run_cli("run", "--model", "tiny", "--prompt", "x", "--max-new-tokens", "2", "--format", "json")
     assert code == 0 and '"attn": "torch"' in out
 

@@ -121,13 +121,13 @@ def test_tree_step_rows_are_the_ar_steps_along_their_paths_bitwise(name):
 
 
 @pytest.mark.parametrize("args,why", [
-    (["--device", "cpu"], "needs device=cuda"),
-    (["--device", "cuda", "--decode", "layers"], "drop decode=layers"),
-    (["--device", "cuda", "--w12"], "not w12"),
+    (["--device", "cpu"], "--deterministic needs --device cuda"),
+    (["--device", "cuda", "--decode", "layers"], "drop --decode layers"),
+    (["--device", "cuda", "--w12"], "not --w12"),
     (["--device", "cuda", "--batch", "2"], "one request at a time"),
-    (["--device", "cuda", "--model", "tiny-hybrid", "--gdn", "wy"], "gdn=wy rounds otherwise"),
-    (["--device", "cuda", "--mode", "tree", "--nodes", "64"], "lower nodes to 63"),
-    (["--device", "cuda", "--mode", "chain", "--depth", "64"], "lower depth to 63"),
+    (["--device", "cuda", "--model", "tiny-hybrid", "--gdn", "wy"], "--gdn wy rounds otherwise"),
+    (["--device", "cuda", "--mode", "tree", "--nodes", "64"], "lower --nodes to 63"),
+    (["--device", "cuda", "--mode", "chain", "--depth", "64"], "lower --depth to 63"),
 ])
 def test_run_refuses_what_deterministic_cannot_do(run_cli, args, why):
     code, out, err = run_cli("run", "--model", "tiny", "--deterministic", "--max-new-tokens", "2", "--prompt", "ab", *args)
