@@ -118,6 +118,8 @@ def test_list_and_show(run_cli):
     assert code == 0
     assert "replace  sglang.srt.speculative.eagle_utils.organize_draft_results" in out
     assert "node_budget" in out and "unverified:" in out and "NOT run on a GPU" in out
+    # what apply warns about is shown too: the drafters a variant acts on, the bundle that keeps it off
+    assert "eagle, eagle3" in out and "off beside lattice-trace with dflash2: " in out
     code, out, _ = run_cli("memory", "show", "w12", "--format", "json")
     data = json.loads(out)
     assert data["schema"] == "specpilot.memory-entry/1" and data["code"]["quantization"] == ["w12"]

@@ -58,8 +58,9 @@ def show(entry_id, memory_dir, fmt, out):
     e = mem.get_entry(entries, entry_id)
     sections = [
         Section("hooks", ["type", "target", "handler"], [[h.type, h.target, h.handler] for h in e.hooks]),
-        Section("variants", ["name", "default", "range/choices", "meaning"],
-                [[v.name, v.default, v.range or v.choices or "-", v.doc] for v in e.variants]),
+        Section("variants", ["name", "default", "range/choices", "drafters", "meaning"],
+                [[v.name, v.default, v.range or v.choices or "-", ", ".join(v.drafters) or "any", v.doc]
+                 for v in e.variants]),
         Section("evidence", ["kind", "what", "where"],
                 [[ev.get("kind"), " ".join(str(ev.get("what", "")).split()), ev.get("deployment") or ev.get("hardware")]
                  for ev in e.evidence]),
@@ -68,6 +69,8 @@ def show(entry_id, memory_dir, fmt, out):
              f"SGLang checked: {', '.join(e.sglang_checked) or 'none'}",
              f"modules: {', '.join(e.modules) or '-'}; uses: {', '.join(e.uses) or '-'}"
              + (f"; setup: {e.setup}" if e.setup else "")]
+    lines += [f"off beside {o.bundle}" + (f" with {', '.join(o.drafters)}" if o.drafters else "")
+              + (f": {o.why}" if o.why else "") for o in e.off_with]
     for title, items in (("contracts", e.contracts), ("limits", e.limits), ("unverified", e.unverified)):
         lines += ["", f"{title}:"] + [f"  - {x}" for x in items]
     data = {"schema": "specpilot.memory-entry/1", **{k: v for k, v in e.raw.items() if k != "schema"}}
