@@ -468,3 +468,17 @@ def test_refuses_a_target_with_a_different_specpilot(run_cli, env, monkeypatch):
     code, _, err = run_cli("apply", "tree", "--python", env)
     assert code == 3 and "differs from this one" in err and f"{env} -m specpilot apply tree" in err
     assert not (_purelib(env) / act.ACTIVATION_NAME).exists()
+
+
+def test_a_rounds_candidate_launch_carries_applys_warnings(env, tmp_path):
+    """A round starts candidate servers through apply's checks (activation_launch): a setting that
+    will not act on the deployment's drafter is in the candidate's notes, as apply warns."""
+    from types import SimpleNamespace
+
+    from specpilot.auditors.round.sglang import activation_launch
+
+    dep = SimpleNamespace(python=str(env), experimental=False, raw={"model_path": "/models/Qwen3-8B"},
+                          facts=SimpleNamespace(drafter="dflash2"))
+    launch, notes = activation_launch(dep, ["tree"], {"node_budget": 24}, tmp_path, "tree")
+    assert "SPECPILOT_ACTIVATION=" in launch and (tmp_path / "tree.activation.json").is_file()
+    assert any(n.startswith("warning: ") and "node_budget=24 has no effect on a DFlash2 drafter" in n for n in notes)

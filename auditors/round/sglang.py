@@ -498,7 +498,8 @@ def activation_launch(dep: SGLangDeployment, bundles: list[str], settings: dict,
                 model=str(dep.raw.get("model_path", "MODEL")), drafter=dep.facts.drafter)
     path = (out / f"{name}.activation.json").resolve()
     write_text_atomic(path, _json.dumps(res.activation, indent=2) + "\n")
-    return f"{ACTIVATION_ENV}={quote(str(path))} {res.launch}", res.notes
+    # a setting or bundle that will not act (apply's warnings) belongs in the candidate's record too
+    return f"{ACTIVATION_ENV}={quote(str(path))} {res.launch}", res.notes + [f"warning: {w}" for w in res.warnings]
 
 
 def server_command(dep: SGLangDeployment, cand_id: str, bundles: list[str], settings: dict, port: int,
