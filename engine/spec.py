@@ -253,26 +253,14 @@ class EngineSpec:
     def check_used(self, given, as_flags: bool = False) -> None:
         """Refuse an option the user gave (``given``: option names; ``as_flags``: typed as flags, so
         the error names the flag) where it would change nothing: a batching rule with batch 1 (the
-        one-request decoder), the drafting rules in modes that draft no chain or tree, a draft shape
-        option (nodes, depth, topk) in a mode that does not read it, a drafter's option beside
-        another drafter, and ``qview`` outside mode tlv."""
+        one-request decoder), the drafting rules in modes that draft no chain or tree, and ``qview``
+        outside mode tlv (:meth:`idle_options` names the draft options that do nothing)."""
         def fail(msg: str) -> InputError:
             return InputError(say(msg, True) if as_flags else "engine option " + say(msg, False))
 
         if "qview" in given and self.mode != "tlv":
             raise fail(f"{{qview}} sets the TLV Q pass's weights, and the mode is {self.mode}: add {{mode=tlv}} or "
                        "leave it out")
-        shape = [k for k in SHAPE_MODES if k in given and self.mode not in SHAPE_MODES[k]]
-        if shape:
-            k = shape[0]
-            modes = SHAPE_MODES[k]
-            raise fail(f"{{{k}}} applies to mode{'s' if len(modes) > 1 else ''} {', '.join(modes[:-1])}"
-                       f"{' and ' if len(modes) > 1 else ''}{modes[-1]}, and the mode is {self.mode}: leave it out")
-        other = [k for k, d in DRAFTER_OPTIONS.items() if k in given and self.drafter != d]
-        if other:
-            k = other[0]
-            raise fail(f"{{{k}}} is an option of {{drafter={DRAFTER_OPTIONS[k]}}}, and the drafter is "
-                       f"{self.drafter}: add {{drafter={DRAFTER_OPTIONS[k]}}} or leave it out")
         if self.batch == 1:
             unused = [k for k in BATCH_RULES if k in given]
             if unused:
@@ -282,6 +270,23 @@ class EngineSpec:
             if unused:
                 raise fail(f"{{{unused[0]}}} applies to batched chain and tree steps, not mode {self.mode}; "
                            "leave it out")
+
+    def idle_options(self, given, as_flags: bool = False) -> list[str]:
+        """What the options the user gave (``given``) that do nothing here would say: a draft shape
+        option (nodes, depth, topk) in a mode that does not read it, a drafter's option beside
+        another drafter. Warned about, not refused: one set of flags swept over modes or drafters
+        is a common script (their values are left out of the spec)."""
+        out = []
+        for k in given:
+            if k in SHAPE_MODES and self.mode not in SHAPE_MODES[k]:
+                modes = SHAPE_MODES[k]
+                out.append(say(f"{{{k}}} does nothing in mode {self.mode} (it shapes the drafts of mode"
+                               f"{'s' if len(modes) > 1 else ''} {', '.join(modes[:-1])}"
+                               f"{' and ' if len(modes) > 1 else ''}{modes[-1]})", as_flags))
+            elif k in DRAFTER_OPTIONS and self.drafter != DRAFTER_OPTIONS[k]:
+                out.append(say(f"{{{k}}} does nothing with the {self.drafter} drafter (it is an option of "
+                               f"{{drafter={DRAFTER_OPTIONS[k]}}})", as_flags))
+        return out
 
     def with_(self, **kw) -> "EngineSpec":
         s = replace(self, **kw)

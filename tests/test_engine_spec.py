@@ -109,18 +109,6 @@ def test_spec_errors(text, msg):
     ("engine:model=tiny,mode=tree,qview=fp8", "engine option qview sets the TLV Q pass's weights, and the mode is "
                                               "tree: add mode=tlv", "--qview sets the TLV Q pass's weights, and the "
                                                                     "mode is tree: add --mode tlv"),
-    ("engine:model=tiny,mode=ar,nodes=7", "engine option nodes applies to modes tree and tlv, and the mode is ar",
-     "--nodes applies to modes tree and tlv, and the mode is ar: leave it out"),
-    ("engine:model=tiny,mode=ar,depth=3", "engine option depth applies to modes chain, tree and tlv",
-     "--depth applies to modes chain, tree and tlv"),
-    ("engine:model=tiny,mode=chain,topk=3", "engine option topk applies to modes tree and tlv, and the mode is chain",
-     "--topk applies to modes tree and tlv, and the mode is chain"),
-    ("engine:model=tiny,draft_layers=2", "engine option draft_layers is an option of drafter=self, and the drafter "
-                                         "is ngram", "--draft-layers is an option of --drafter self, and the drafter is "
-                                                     "ngram: add --drafter self or leave it out"),
-    ("engine:model=tiny,drafter=self,draft_model=tiny-hybrid", "engine option draft_model is an option of "
-                                                               "drafter=model", "--draft-model is an option of "
-                                                                                "--drafter model, and the drafter is self"),
 ])
 def test_options_given_where_they_change_nothing_are_refused(text, msg, flag_msg, run_cli):
     with pytest.raises(InputError, match=msg):
@@ -128,9 +116,7 @@ def test_options_given_where_they_change_nothing_are_refused(text, msg, flag_msg
     # a stored spec (a baseline, a record written before the rule) still reads: the option keeps its default
     stored = EngineSpec.parse(text)
     assert all(getattr(stored, k) == getattr(EngineSpec(), k) for k in EngineSpec.parse_fields(text)
-               if k in ("budget", "block", "admit", "admit_rows", "qview", "nodes", "depth", "topk", "draft_layers",
-                        "draft_model"))
-    assert "nodes=7" not in str(stored)
+               if k in ("budget", "block", "admit", "admit_rows", "qview"))
     # the same through the flags, the error naming them; defaults left alone are fine, and admit
     # applies to every mode
     fields = EngineSpec.parse_fields(text)
@@ -139,6 +125,31 @@ def test_options_given_where_they_change_nothing_are_refused(text, msg, flag_msg
     assert code == 2 and flag_msg in err.strip().splitlines()[-1]
     assert EngineSpec.parse("engine:model=tiny,mode=ar,batch=2,admit=off").admit == "off"
     assert _spec_from_flags(["--mode", "ar"]).batch == 1
+
+
+@pytest.mark.parametrize("args,warning", [
+    (["--mode", "ar", "--nodes", "7"], "--nodes does nothing in mode ar (it shapes the drafts of modes tree and tlv)"),
+    (["--mode", "ar", "--depth", "3"], "--depth does nothing in mode ar (it shapes the drafts of modes chain, tree and "
+                                       "tlv)"),
+    (["--mode", "chain", "--topk", "3"], "--topk does nothing in mode chain"),
+    (["--draft-layers", "2"], "--draft-layers does nothing with the ngram drafter (it is an option of --drafter "
+                              "self)"),
+    (["--drafter", "self", "--draft-model", "tiny-hybrid"], "--draft-model does nothing with the self drafter"),
+])
+def test_draft_options_that_do_nothing_are_warned_about_and_left_out(run_cli, args, warning):
+    """One set of flags swept over modes or drafters is a common script: a warning, not a refusal;
+    the value is left out of the spec (a run's JSON would record it as if it applied)."""
+    code, out, err = run_cli("run", "--model", "tiny", "--prompt-ids", "1,2", "--max-new-tokens", "2",
+                             "--format", "json", *args)
+    assert code == 0, err
+    assert f"specpilot: warning: {warning}" in err
+    engine = json.loads(out)["engine"]
+    assert not any(f"{k}=" in engine for k in ("nodes", "depth", "topk", "draft_layers", "draft_model"))
+    code, _, err = run_cli("run", "--engine", "engine:model=tiny,mode=ar,nodes=7", "--prompt-ids", "1,2",
+                           "--max-new-tokens", "2")
+    assert code == 0 and "specpilot: warning: nodes does nothing in mode ar" in err
+    stored = EngineSpec.parse("engine:model=tiny,mode=chain,nodes=7,topk=3,draft_layers=2")
+    assert (stored.nodes, stored.topk, stored.draft_layers) == (32, 8, None)
 
 
 def test_rules_between_options_name_flags_or_spec_keys_as_given(run_cli):
