@@ -19,8 +19,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import json
+import signal
 import socket
 import threading
 import time
@@ -226,7 +228,7 @@ def make_app(state: ServeState):
             except RuntimeError:       # the loop is gone (shutdown)
                 pass
 
-        chosen = [r for r in rids if r is not None]
+        chosen = [r for r in rids if r]   # an empty rid is no rid: the request gets an id of its own
         dup = next((r for i, r in enumerate(chosen) if r in state.live_rids or r in chosen[:i]), None)
         if dup is not None:   # SGLang refuses a request id that is in use: its answers would be confused
             return None, refuse("bad_request", f"rid {dup!r} is already in use by a request in flight", 400)
@@ -538,6 +540,22 @@ def _uvicorn_server(config, owner: Server):
     import uvicorn
 
     class _Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            """uvicorn's, but once a shutdown began its signals stay with it to the end: handed
+            back to the command's handlers, a late one (while the loop closes) made exit 0 a 143."""
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            sigs = (signal.SIGINT, signal.SIGTERM)
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in sigs}
+            try:
+                yield
+            finally:
+                if not owner.state.draining:
+                    for sig, handler in original.items():
+                        signal.signal(sig, handler)
+
         async def startup(self, sockets=None):
             owner.state.loop = asyncio.get_running_loop()
             await super().startup(sockets=sockets)

@@ -33,6 +33,7 @@ _children: dict[int, subprocess.Popen] = {}
 _lock = threading.Lock()
 _unwinding: list[int] = []
 _defer = {"depth": 0, "pending": None}   # a critical section of the main thread, a signal it held back
+_after = {"ignore": False}   # the handlers the command leaves behind: the old ones, or ignore (ignore_to_exit)
 
 
 class Interrupted(KeyboardInterrupt):
@@ -101,9 +102,19 @@ def installed():
         yield
     finally:
         for s, h in old.items():
-            signal.signal(s, h)
+            signal.signal(s, signal.SIG_IGN if _after["ignore"] else h)
         _unwinding.clear()
         _defer["pending"] = None
+
+
+def ignore_to_exit() -> None:
+    """Once the command has ended on a signal of its own choosing (serve's drain), further
+    signals until the process exits are part of that end: ignored, not a 143 or a kill."""
+    _after["ignore"] = True
+    if threading.current_thread() is threading.main_thread():
+        for s in SIGNALS:
+            with contextlib.suppress(OSError, ValueError):
+                signal.signal(s, signal.SIG_IGN)
 
 
 def stopping() -> bool:

@@ -240,6 +240,13 @@ def test_stop_conditions():
     assert r.stop_reason == "stop"
     r = Request([1], 3)
     assert r.offer([4, 4, 4, 4], 0.0) == [4, 4, 4] and r.finish == {"type": "length", "length": 3}
+    # two stop strings in one token's text: the earliest is matched whatever the list's order
+    # (" Paris" with stop ["is", "Par"] was cut at "is", sending "Par")
+    words = {0: " Paris"}
+    for stops in (("is", "Par"), ("Par", "is")):
+        r = Request([1], 10, stop_strings=stops, decode=lambda ids: "".join(words[i] for i in ids))
+        r.offer([0], 0.0)
+        assert r.finish == {"type": "stop", "matched": "Par"}, stops
 
 
 def test_stop_token_ids_and_ignore_eos_in_the_decoder(reference):

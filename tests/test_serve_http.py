@@ -317,6 +317,10 @@ def test_a_request_id_in_use_is_refused(server_a):
     assert results["long"].status_code == 200 and results["long"].json()["meta_info"]["id"] == "dup"
     # once it is done, the id is free again
     assert httpx.post(url + "/generate", json={**_gen([7, 8], 2), "rid": "dup"}, timeout=30).status_code == 200
+    # an empty rid is no rid: never in use (it stayed "in use" after its request finished)
+    for _ in range(2):
+        r = httpx.post(url + "/generate", json={**_gen([7, 8], 2), "rid": ""}, timeout=30)
+        assert r.status_code == 200 and r.json()["meta_info"]["id"]
 
 
 def _completion(url, **body):
@@ -596,6 +600,23 @@ def test_a_second_signal_ends_the_grace_and_every_stream_still_gets_its_end():
         assert results[5][-1] == "data: [DONE]"
         assert json.loads(results[5][-2][6:])["choices"][0]["finish_reason"] == "abort"
         assert re.search(r"\n\S+\s+\S+\s+\S+\s+6\s", out.split("served", 1)[1]), out   # aborted 6
+    finally:
+        s.kill()
+
+
+def test_signals_that_keep_coming_during_the_shutdown_still_exit_0():
+    """A signal landing after the drain (uvicorn has handed the signals back) made the exit 143;
+    signals every 30 ms from the first on: every one is part of the same shutdown, exit 0."""
+    s = ServeProcess("--model", "tiny", "--threads", "1", "--grace", "0.3")
+    try:
+        assert httpx.get(s.url() + "/health", timeout=30).status_code == 200   # serving, its handlers in place
+        deadline = time.monotonic() + 30
+        while s.proc.poll() is None and time.monotonic() < deadline:
+            s.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.03)
+        out, err = s.proc.communicate(timeout=30)
+        assert s.proc.returncode == 0, "".join(s.err) + err
+        assert "served" in out
     finally:
         s.kill()
 

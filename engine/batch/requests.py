@@ -71,9 +71,10 @@ class Request:
                 self.finish = {"type": "stop", "matched": int(t)}
             elif self.stop_strings and self.decode is not None:
                 text = self.decode(self.output)
-                hit = next((s for s in self.stop_strings if s in text), None)
-                if hit is not None:
-                    self.finish = {"type": "stop", "matched": hit}
+                # the earliest match, whatever the list's order: the text is cut before it
+                found = [(text.find(s), i) for i, s in enumerate(self.stop_strings) if s in text]
+                if found:
+                    self.finish = {"type": "stop", "matched": self.stop_strings[min(found)[1]]}
             if self.finish is None and n >= self.max_new_tokens:
                 self.finish = {"type": "length", "length": n}
         if taken:
