@@ -16,6 +16,7 @@ The choice tuples below (``MODES``, ``DRAFTERS``, ...) are the one list of each 
 
 from __future__ import annotations
 
+import logging
 import re
 import typing
 from dataclasses import MISSING, dataclass, field, fields, replace
@@ -178,12 +179,15 @@ class EngineSpec:
     def parse(cls, text: str, strict: bool = False) -> "EngineSpec":
         """``engine:model=smollm2,mode=tree,nodes=32`` (the ``engine:`` prefix is optional); keys are
         field names or flag names (``random-weights`` = ``random``). ``strict`` (a spec the user
-        typed): a batching rule where it changes nothing is refused (:meth:`check_used`); without
-        it (a spec a file stored) such a rule keeps its default."""
+        typed): a batching rule where it changes nothing is refused (:meth:`check_used`) and a draft
+        option that does nothing warned about (:meth:`idle_options`); without it (a spec a file
+        stored) such a rule keeps its default."""
         fields = cls.parse_fields(text)
         spec = cls.from_options(**fields)
         if strict:
             spec.check_used(fields)
+            for line in spec.idle_options(fields):   # the command's status lines: "specpilot: warning: ..."
+                logging.getLogger("specpilot.status").warning(f"warning: {line}")
         return spec
 
     @classmethod

@@ -204,3 +204,10 @@ def test_probe_rows_never_times_a_cold_first_step_and_says_where_the_certified_h
     assert code == 0, err
     d = json.loads(out)
     assert d["warmup"] == 0 and any("points above 64 rows run the linear head" in w for w in d["warnings"])
+
+
+def test_a_typed_spec_text_warns_about_draft_options_that_do_nothing(run_cli):
+    """round's DEPLOYMENT, check --system, audit and compare systems: the warning run gives."""
+    code, out, err = run_cli("round", "engine:model=tiny,mode=ar,nodes=16,threads=1", "--dry-run")
+    assert code == 0 and "specpilot: warning: nodes does nothing in mode ar" in err, err
+    assert "deployment: engine:model=tiny,mode=ar,threads=1" in out
