@@ -83,12 +83,13 @@ def _approved_item(d, facts, machine_note: str, unverified_extra: list[str]) -> 
 
 
 def build_entry(round_dir: Path, facts, stock: str, start: str, final: str, decisions, extra_unverified: dict,
-                budget_note: str) -> dict:
+                budget_note: str, round_id: str | None = None) -> dict:
     machine = facts.gpu or facts.cpu or facts.device
     approved = [_approved_item(d, facts, machine, extra_unverified.get(d.id, [])) for d in decisions
                 if d.verdict == "approved"]
     return {
-        "round": str(round_dir), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "round": str(Path(round_dir).resolve()), "round_id": round_id,
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "start": start, "final": final, "stock": stock, "versions": versions(), "budget": budget_note,
         "approved": approved,
         "refused": [{"id": d.id, "memory": d.memory, "system": d.system, "reason": d.reason, "control": d.control}
@@ -97,7 +98,7 @@ def build_entry(round_dir: Path, facts, stock: str, start: str, final: str, deci
     }
 
 
-def remember(path: Path, facts, stock: str, entry: dict) -> tuple[dict, dict | None]:
+def remember(path: Path, facts, stock: str, entry: dict, legacy_key: str | None = None) -> tuple[dict, dict | None]:
     """Append ``entry`` (one round; its own earlier entry is replaced) to the deployment's record and
     write it atomically; returns
     (the new record, the record as it was before, None when there was none)."""
@@ -109,8 +110,15 @@ def remember(path: Path, facts, stock: str, entry: dict) -> tuple[dict, dict | N
     doc = dict(before) if before else {"schema": SCHEMA, "identity": facts.identity(), "deployment": facts.to_json(),
                                        "stock": stock, "rounds": []}
     rounds = list(doc.get("rounds") or [])
-    # a resumed round that judged more replaces its own entry; a later round's start is left alone
-    at = next((i for i, r in enumerate(rounds) if isinstance(r, dict) and r.get("round") == entry["round"]), None)
+    # a resumed round that judged more replaces its own entry, found by the id round.json got at the
+    # round's start: another round in a folder of the same name is a round of its own. A round
+    # started before rounds had ids has only its folder to go by.
+    if entry.get("round_id"):
+        at = next((i for i, r in enumerate(rounds) if isinstance(r, dict) and r.get("round_id") == entry["round_id"]),
+                  None)
+    else:
+        at = next((i for i, r in enumerate(rounds) if isinstance(r, dict) and not r.get("round_id")
+                   and r.get("round") in (entry["round"], legacy_key)), None)
     if at is None:
         rounds.append(entry)
     else:

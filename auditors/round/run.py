@@ -19,6 +19,7 @@ import math
 import os
 import shutil
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -214,7 +215,8 @@ class _Round:
                 start = str(EngineSpec.parse(rec["current"]))
             notes.append(f"starts from the previous round's final system {start} (deployment record; --fresh "
                          "starts from DEPLOYMENT)")
-        return {"bundles": bundles, "settings": {},"schema": SCHEMA, "deployment": self.dep.text, "kind": self.dep.kind, "facts": self.dep.facts.to_json(),
+        return {"bundles": bundles, "settings": {}, "schema": SCHEMA, "round_id": uuid.uuid4().hex,
+                "deployment": self.dep.text, "kind": self.dep.kind, "facts": self.dep.facts.to_json(),
                 "stock": stock, "start": start, "current": start, "final": None, "config": asdict(self.cfg),
                 "budget_s": self.cfg.budget_min * 60.0, "spent_s": 0.0, "started_at": _now(), "updated_at": _now(),
                 "load_average_start": _load(), "notes": notes, "shape": None,
@@ -624,12 +626,13 @@ class _Round:
                            f"timed on {machine}" + (f" (load average {la[0]} -> {la[1]})" if la and la[0] is not None
                                                      else "")]
         entry = rm.build_entry(self.dir, self.facts, self.state["stock"], self.state["start"], final, decisions, extra,
-                               f"{self.clock.budget_s / 60:.1f} min budget, {self.clock.spent() / 60:.1f} min used")
+                               f"{self.clock.budget_s / 60:.1f} min budget, {self.clock.spent() / 60:.1f} min used",
+                               round_id=self.state.get("round_id"))
         entry["tokens_per_s"] = (self.state.get("final_samples") or {}).get("samples")
         if self.dep.kind == "sglang":
             entry["bundles"], entry["settings"] = self.state.get("bundles") or [], self.state.get("settings") or {}
         path = rm.record_path(self.cfg.records_dir, self.facts.identity())
-        doc, before = rm.remember(path, self.facts, self.state["stock"], entry)
+        doc, before = rm.remember(path, self.facts, self.state["stock"], entry, legacy_key=str(self.dir))
         shutil.copyfile(path, d / "record.yaml")
         changes = {"schema": "specpilot.round-memory/1", "record": str(path),
                    "before": {"current": (before or {}).get("current"), "rounds": len((before or {}).get("rounds") or [])},

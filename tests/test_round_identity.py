@@ -1,0 +1,45 @@
+"""A round's identity in the deployment record, and the checks a resumed or reported round.json gets."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+TINY = "engine:model=tiny,mode=ar,threads=1"
+
+
+def _round(run_cli, *extra):
+    code, _, err = run_cli("round", TINY, "--budget", "0.1", "--candidates", "chain", "--n-prompts", "2",
+                           "--max-new-tokens", "8", *extra)
+    assert code == 0, err
+
+
+def test_two_rounds_in_folders_of_the_same_name_are_two_entries(run_cli, tmp_path, monkeypatch):
+    rec = tmp_path / "rec"
+    for sub in ("a", "b"):
+        (tmp_path / sub).mkdir()
+        monkeypatch.chdir(tmp_path / sub)
+        _round(run_cli, "--records", rec)   # the default --out-dir, specpilot-round, in both
+    doc = yaml.safe_load(next(rec.glob("*.yaml")).read_text())
+    rounds = doc["rounds"]
+    assert len(rounds) == 2, rounds
+    assert [r["round"] for r in rounds] == [str(tmp_path / s / "specpilot-round") for s in ("a", "b")]
+    ids = [json.loads((tmp_path / s / "specpilot-round" / "round.json").read_text())["round_id"] for s in ("a", "b")]
+    assert [r["round_id"] for r in rounds] == ids and ids[0] != ids[1]
+
+
+def test_a_record_written_before_rounds_had_ids_is_read_and_kept(run_cli, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    rec = tmp_path / "rec"
+    _round(run_cli, "--records", rec, "--out-dir", "r1")
+    path = next(rec.glob("*.yaml"))
+    doc = yaml.safe_load(path.read_text())
+    old = doc["rounds"][0]
+    del old["round_id"]
+    old["round"] = "r2"    # as typed, the way an earlier version keyed it
+    path.write_text(yaml.safe_dump(doc))
+    _round(run_cli, "--records", rec, "--out-dir", "r2")
+    rounds = yaml.safe_load(path.read_text())["rounds"]
+    assert len(rounds) == 2 and rounds[0]["round"] == "r2" and rounds[1]["round"] == str(tmp_path / "r2")
