@@ -74,6 +74,7 @@ class RoundResult:
     proposal: Proposal | None = None
     decisions: list[ap.Decision] = field(default_factory=list)
     record: str | None = None
+    complete: bool = False   # a resume found nothing left to do
 
     @property
     def approved(self) -> list[ap.Decision]:
@@ -153,8 +154,13 @@ class _Round:
             self.state = read_json(path, kind="round")
             check_state(self.state, path)
             check_stage_files(self.dir, self.state)
+            read_stage_files(RoundResult(self.dir, self.state))   # a damaged one refuses before anything is written
             self.cfg = RoundConfig(**self.state["config"])
             self.cfg.out_dir = str(self.dir)
+            try:
+                self.dep = parse_deployment(self.state["deployment"], strict=False)
+            except InputError as e:
+                raise InputError(f"{path}: deployment: {e}") from None
             # spent and budget add up over the sessions: --budget gives that many more minutes
             spent = float(self.state.get("spent_s") or 0.0)
             budget_s = float(self.state.get("budget_s") or self.cfg.budget_min * 60.0)
@@ -165,8 +171,10 @@ class _Round:
             self.state["budget_s"] = budget_s
             self.state.pop("stopped", None)
             self.clock = pl.Clock(budget_s, spent_before=spent)
-            self.dep = parse_deployment(self.state["deployment"], strict=False)
+            # nothing left to do (with --budget, no candidate skipped for time reopened): nothing is rewritten
+            self.complete = all(v["status"] in ("done", "stopped") for v in self.state["stages"].values())
         else:
+            self.complete = False
             self.cfg = cfg
             self.dep = check_config(cfg)
             self.clock = pl.Clock(cfg.budget_min * 60.0)
@@ -204,15 +212,14 @@ class _Round:
         sglang = self.dep.kind == "sglang"
         stock = "stock" if sglang else self.dep.text
         start, notes, bundles = stock, [], []
-        rec = rm.read_record(rm.record_path(self.cfg.records_dir, self.dep.facts.identity()))
+        rec_path = rm.record_path(self.cfg.records_dir, self.dep.facts.identity())
+        rec = rm.read_record(rec_path)
         if rec and rec.get("current") and not self.cfg.fresh:
             if sglang:
                 bundles = list((rec.get("bundles") or []))
                 start = rec["current"]
             else:
-                from specpilot.engine.spec import EngineSpec
-
-                start = str(EngineSpec.parse(rec["current"]))
+                start = record_spec(rec, rec_path)
             notes.append(f"starts from the previous round's final system {start} (deployment record; --fresh "
                          "starts from DEPLOYMENT)")
         return {"bundles": bundles, "settings": {}, "schema": SCHEMA, "round_id": uuid.uuid4().hex,
@@ -672,6 +679,10 @@ class _Round:
     # ---------------------------------------------------------------------------- all
     def run(self) -> RoundResult:
         res = RoundResult(self.dir, self.state)
+        if self.complete:
+            read_stage_files(res)
+            res.complete = True
+            return res
         try:
             res.measurement = self.measure()
             res.model = self.model(res.measurement)
@@ -734,6 +745,49 @@ def check_state(state, path: Path) -> None:
     for key, kind in (("settings", dict), ("bundles", list), ("notes", list)):
         if state.get(key) is not None and not isinstance(state[key], kind):
             bad(key, f"a {'map' if kind is dict else 'list'}")
+    if state.get("kind") not in ("engine", "sglang"):
+        bad("kind", "engine or sglang")
+    _check_config_fields(state["config"], bad)
+    if state["kind"] == "engine":   # a spec that does not parse would run, or be recorded for every later round
+        from specpilot.engine.spec import EngineSpec
+
+        for key in ("stock", "start", "current", "final"):
+            if state.get(key) is None:
+                continue
+            try:
+                EngineSpec.parse(state[key])
+            except InputError as e:
+                raise InputError(f"{path}: {key}: {e}; the round's files are damaged (run the round again)") from None
+
+
+# RoundConfig's fields as round.json stores them: the check each value gets, and what it must be
+_CONFIG_TYPES = {
+    "deployment": ("opt_str", "text"), "out_dir": ("str", "text"), "budget_min": ("pos", "a number of minutes > 0"),
+    "prompts": ("opt_str", "a file name"), "n_prompts": ("opt_count", "a whole number >= 1"),
+    "max_new_tokens": ("opt_count", "a whole number >= 1"), "candidates": ("opt_names", "a list of candidate names"),
+    "control": ("bool", "true or false"), "scorer": ("opt_str", "text"), "memory_dir": ("opt_str", "a folder"),
+    "records_dir": ("opt_str", "a folder"), "fresh": ("bool", "true or false"), "remember": ("bool", "true or false"),
+    "seed": ("int", "a whole number"),
+}
+
+
+def _check_config_fields(cfg: dict, bad) -> None:
+    def ok(check: str, v) -> bool:
+        is_int = isinstance(v, int) and not isinstance(v, bool)
+        return {"str": lambda: isinstance(v, str),
+                "opt_str": lambda: v is None or isinstance(v, str),
+                "pos": lambda: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0,
+                "opt_count": lambda: v is None or (is_int and v >= 1),
+                "opt_names": lambda: v is None or (isinstance(v, list) and bool(v)
+                                                   and all(isinstance(x, str) and x for x in v)),
+                "bool": lambda: isinstance(v, bool), "int": lambda: is_int}[check]()
+
+    for key in cfg:
+        if key not in _CONFIG_TYPES:
+            bad(f"config.{key}", f"one of the round's settings ({', '.join(_CONFIG_TYPES)})")
+    for key, (check, want) in _CONFIG_TYPES.items():
+        if key in cfg and not ok(check, cfg[key]):
+            bad(f"config.{key}", want)
 
 
 def check_stage_files(d: Path, state: dict) -> None:
@@ -752,6 +806,12 @@ def load_round(path: str | Path) -> RoundResult:
     check_state(state, d / "round.json")
     res = RoundResult(d, state)
     check_stage_files(d, state)
+    return read_stage_files(res)
+
+
+def read_stage_files(res: RoundResult) -> RoundResult:
+    """The stage files a round has written, read into ``res`` (a damaged one is bad input)."""
+    d, state = res.dir, res.state
     f = d / "measure" / "measure.json"
     if f.is_file():
         res.measurement = read_json(f, kind="round-measure", build=ms.Measurement.from_json)
@@ -766,6 +826,18 @@ def load_round(path: str | Path) -> RoundResult:
         res.decisions = read_json(f, kind="round-decisions", build=ap.decisions_from_json)
     res.record = state.get("record")
     return res
+
+
+def record_spec(rec: dict, path: Path) -> str:
+    """The engine system a deployment record says a round starts from."""
+    from specpilot.engine.spec import EngineSpec
+
+    try:
+        if not isinstance(rec["current"], str):
+            raise InputError("not an engine spec (text)")
+        return str(EngineSpec.parse(rec["current"]))
+    except InputError as e:
+        raise InputError(f"{path}: current: {e} (edit the record, or --fresh starts from DEPLOYMENT)") from None
 
 
 def _weight_bytes(facts, spec) -> float:
@@ -810,7 +882,7 @@ def plan_round(cfg: RoundConfig) -> dict:
     facts = dep.facts
     rec_path = rm.record_path(cfg.records_dir, facts.identity())
     rec = rm.read_record(rec_path)
-    start = rec["current"] if (rec and rec.get("current") and not cfg.fresh) else dep.text
+    start = record_spec(rec, rec_path) if (rec and rec.get("current") and not cfg.fresh) else dep.text
     spec = EngineSpec.parse(start)
     rate, how = estimate_tokens_per_s(facts, spec)
     last = ((rec or {}).get("rounds") or [{}])[-1].get("tokens_per_s") if rec else None

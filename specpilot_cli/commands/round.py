@@ -116,6 +116,10 @@ def command(deployment, budget, out_dir, resume_dir, dry_run, prompts, n_prompts
 
     res = run_round(cfg, resume=bool(resume_dir), budget_min=budget if resume_dir else None,
                     progress=progress, notify=notify)
+    if res.complete:
+        click.echo(f"specpilot: the round in {res.dir} is complete: nothing to resume (its report: specpilot report "
+                   f"{res.dir}; a new round: specpilot round)", err=True)
+        return 0
     from specpilot.reports.round_report import write_report
 
     try:
