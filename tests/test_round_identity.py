@@ -43,3 +43,30 @@ def test_a_record_written_before_rounds_had_ids_is_read_and_kept(run_cli, tmp_pa
     _round(run_cli, "--records", rec, "--out-dir", "r2")
     rounds = yaml.safe_load(path.read_text())["rounds"]
     assert len(rounds) == 2 and rounds[0]["round"] == "r2" and rounds[1]["round"] == str(tmp_path / "r2")
+
+
+@pytest.mark.parametrize("where", ["afile/sub", "/proc/specpilot-records"])
+def test_a_records_folder_that_cannot_be_written_is_refused_at_the_start(run_cli, tmp_path, monkeypatch, where):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("")
+    code, _, err = run_cli("round", TINY, "--records", where, "--out-dir", "r", "--budget", "0.1")
+    assert code == 2 and f"--records {where}" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "r").exists()
+    code, _, err = run_cli("round", TINY, "--out-dir", "afile/r", "--no-remember")
+    assert code == 2 and "--out-dir afile/r" in err, err
+
+
+def test_the_records_folder_is_stored_absolute_and_a_resume_elsewhere_writes_it(run_cli, tmp_path, monkeypatch):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    _round(run_cli, "--records", "rec", "--out-dir", "r")
+    state = json.loads((tmp_path / "a" / "r" / "round.json").read_text())
+    assert state["config"]["records_dir"] == str(tmp_path / "a" / "rec")
+    state["stages"]["remember"]["status"] = "pending"
+    (tmp_path / "a" / "r" / "round.json").write_text(json.dumps(state))
+    monkeypatch.chdir(tmp_path / "b")
+    code, _, err = run_cli("round", "--resume", tmp_path / "a" / "r")
+    assert code == 0, err
+    assert not (tmp_path / "b" / "rec").exists()
+    assert len(yaml.safe_load(next((tmp_path / "a" / "rec").glob("*.yaml")).read_text())["rounds"]) == 1

@@ -113,6 +113,10 @@ def check_config(cfg: RoundConfig):
         from specpilot.fileio import check_output_folder
 
         check_output_folder(out, "--out-dir")
+    if cfg.remember:   # found at the start, not after the whole round ran (a resume could not fix it)
+        from specpilot.fileio import check_output_folder
+
+        check_output_folder(cfg.records_dir or rm.default_records_dir(), "--records")
     if not (math.isfinite(cfg.budget_min) and cfg.budget_min > 0):
         raise InputError(f"--budget {cfg.budget_min}: give the minutes the round may take (> 0)")
     dep = parse_deployment(cfg.deployment)
@@ -177,6 +181,8 @@ class _Round:
             self.complete = False
             self.cfg = cfg
             self.dep = check_config(cfg)
+            if cfg.remember:   # absolute: a resume from another folder writes the same record
+                self.cfg.records_dir = str(Path(cfg.records_dir or rm.default_records_dir()).resolve())
             self.clock = pl.Clock(cfg.budget_min * 60.0)
             self.state = self._new_state()
             self.dir.mkdir(parents=True, exist_ok=True)
