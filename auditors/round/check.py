@@ -146,6 +146,24 @@ def run_check(baseline: dict, *, system: str | None = None, runs: int | None = N
                 if bad is not None:
                     raise InputError(f"{baseline['_path']}: outputs.{role} row {r['id']!r}: token id {bad} is outside "
                                      f"the stock model's vocabulary (0..{vocab - 1})")
+    if audit:   # the scorer forces the system's outputs: token ids of another vocabulary are not its tokens
+        from specpilot.engine.api import resolve_model
+
+        sys_spec = EngineSpec.parse(sys_text)
+        sys_vocab = resolve_model(sys_spec.model, sys_spec.random)[0].vocab_size
+        if scorer:
+            try:
+                sc_vocab, sc_name = resolve_model(scorer, False)[0].vocab_size, f"--scorer {scorer}"
+            except Exception:   # a scorer resolve_model does not know (a .gguf) is checked as it loads
+                sc_vocab = None
+        else:
+            stock_spec = EngineSpec.parse(baseline["stock"])
+            sc_vocab = resolve_model(stock_spec.model, stock_spec.random)[0].vocab_size
+            sc_name = f"the baseline's scorer (stock {baseline['stock']}, {baseline['_path']})"
+        if sc_vocab is not None and sc_vocab != sys_vocab:
+            raise InputError(f"--system {sys_text}: its vocabulary ({sys_vocab} tokens) is not that of {sc_name}, "
+                             f"{sc_vocab} tokens: the audit cannot score its outputs; check it against a baseline of "
+                             "its own model, or give --no-audit")
     res = CheckResult(system=sys_text, baseline=baseline["_path"], runs=n if timing else 0, fresh=[], reference=ref)
     spec = EngineSpec.parse(sys_text)
     facts = engine_facts(spec)

@@ -1,0 +1,28 @@
+"""``specpilot check``'s refusals before any timed run: what the baseline and the options must be."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+TINY = "engine:model=tiny,mode=ar,threads=1"
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    from specpilot.cli import main
+
+    d = tmp_path_factory.mktemp("check")
+    with pytest.raises(SystemExit) as e:
+        main(["round", TINY, "--budget", "0.1", "--candidates", "chain", "--n-prompts", "2", "--max-new-tokens", "8",
+              "--out-dir", str(d / "r"), "--no-remember"])
+    assert e.value.code == 0
+    return d / "r"
+
+
+@pytest.mark.parametrize("extra", [[], ["--scorer", "tiny"]])
+def test_a_system_of_another_vocabulary_than_the_scorer_is_refused_before_any_run(base, run_cli, extra):
+    code, _, err = run_cli("check", "--baseline", base, "--system", "engine:model=smollm2,mode=ar,threads=1",
+                           "--no-timing", *extra)
+    assert code == 2 and "vocabulary (49152 tokens)" in err and "256 tokens" in err and err.count("\n") == 1, err
