@@ -568,6 +568,8 @@ _GOOD = {"schema": "specpilot.deployment/1", "drafter": "eagle", "prompts": "p.j
     ({"scorer": "tiny"}, "scorer: tiny: not a model folder, a .gguf file, or 'smollm2'"),
     ({"prompts": None}, "give prompts:"), ({"prompts": "none.jsonl"}, "prompts: none.jsonl is not a file"),
     ({"servers": {}}, "give servers.stock.url"),
+    ({"max_new_token": 512}, "unknown field 'max_new_token' (did you mean 'max_new_tokens'?)"),
+    ({"experimantal": True}, "unknown field 'experimantal' (did you mean 'experimental'?)"),
 ])
 def test_a_deployment_file_is_checked_when_read(tmp_path, run_cli, change, words):
     """Wrong types and impossible values are named at once (exit 2), the dry run included: not a

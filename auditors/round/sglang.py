@@ -82,6 +82,11 @@ class SGLangDeployment:
         return p if p.is_absolute() else (self.path.parent / p)
 
 
+# a deployment file's top-level fields (docs/round.md); any other is a typo that would be ignored
+FIELDS = ("schema", "name", "model", "model_path", "gpu", "dtype", "drafter", "batch", "context", "rows", "policy",
+          "sglang", "experimental", "prompts", "max_new_tokens", "scorer", "measurements", "servers")
+
+
 def _check_fields(raw: dict, path: Path) -> None:
     """Every field has the type and range the round uses it with: a deployment file is read once,
     up front, and its mistakes are named there (not as a crash, nor after stages have run)."""
@@ -109,6 +114,13 @@ def _check_fields(raw: dict, path: Path) -> None:
         if parts.scheme not in ("http", "https") or not parts.hostname:
             bad(field, "an http:// URL")
 
+    for key in raw:
+        if key not in FIELDS:
+            import difflib
+
+            close = difflib.get_close_matches(str(key), FIELDS, n=1)
+            raise InputError(f"{path}: unknown field {key!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+                             + f"; the fields: {', '.join(FIELDS)}")
     for key, lo in (("batch", 1), ("rows", 1), ("context", 1), ("max_new_tokens", 1)):
         if key in raw and not whole(raw[key], lo):
             bad(key, f"a whole number >= {lo}")
