@@ -125,6 +125,8 @@ def check_config(cfg: RoundConfig):
     rows = read_prompt_rows(cfg.prompts) if cfg.prompts else None
     if cfg.prompts and not rows:
         raise InputError(f"{cfg.prompts}: no prompts in the file")
+    if cfg.max_new_tokens and dep.kind == "engine":
+        _check_cache(cfg.max_new_tokens, dep, cfg)
     if rows and dep.kind == "engine":   # a prompt the engine cannot run would fail only after the measure stage
         _check_prompt_ids(rows, dep, cfg)
     if cfg.scorer:
@@ -132,6 +134,16 @@ def check_config(cfg: RoundConfig):
 
         check_scorer_spec(cfg.scorer)
     return dep
+
+
+def _check_cache(max_new: int, dep, cfg) -> None:
+    """New tokens that cannot fit the engine's cache (ctx) beside a prompt and a candidate's draft
+    rows would fail only when the approve stage collects stock's outputs, the folder half made."""
+    room = max(ms.NODES) + 2   # the largest tree's draft rows and a one-token prompt
+    ctx = dep.engine_spec.ctx
+    if max_new + room > ctx:
+        raise InputError(f"--max-new-tokens {max_new}: with a prompt and up to {room - 1} draft rows it does not fit "
+                         f"the engine's cache (ctx={ctx}); give at most {ctx - room}, or raise ctx= in the deployment")
 
 
 def _check_prompt_ids(rows, dep, cfg) -> None:
@@ -898,10 +910,15 @@ def plan_round(cfg: RoundConfig) -> dict:
 
     from .propose import engine_catalog, memory_gap
 
-    fits, not_fit = [], []
+    fits, not_fit, same_family = [], [], []
     memory_ids = set(load_memory(cfg.memory_dir))
     for c in engine_catalog():
         if cfg.candidates is not None and c["id"] not in cfg.candidates:
+            continue
+        mode = (c.get("change") or {}).get("mode")
+        if mode and mode == spec.mode and not memory_gap(c, memory_ids):
+            # the propose stage retunes it from the current system: the same spec again is not proposed
+            same_family.append(c["id"])
             continue
         needs = c.get("needs") or {}
         gap = memory_gap(c, memory_ids)   # as the round's propose stage skips it
@@ -918,9 +935,22 @@ def plan_round(cfg: RoundConfig) -> dict:
     budget = cfg.budget_min * 60.0
     device = facts.device
     load_s = estimate_load_s(facts, spec)
-    measure_s = min(pl.MEASURE_SHARE * budget, 3 * load_s + 4 * 48 / max(rate * 0.7, 1e-3) + 20)
-    sc = score_s(pl.SHAPES["cuda" if device == "cuda" else "cpu"][0], rate, 0.2)
-    shape, pairs = pl.choose_shape(device, budget - measure_s - 10, [rate] * len(fits), rate, 0.2, load_s, sc)
+    # the prompts and the run shape as the round fixes them (Round.prompts, Round.approve)
+    shape0 = pl.SHAPES["cuda" if device == "cuda" else "cpu"][0]
+    if cfg.prompts:
+        from specpilot.auditors.outputs import read_prompt_rows
+
+        n_avail = len(read_prompt_rows(cfg.prompts))
+    else:
+        n_avail = cfg.n_prompts or max(s.prompts for s in pl.SHAPES["cuda" if device == "cuda" else "cpu"])
+    fixed = pl.Shape(min(cfg.n_prompts or shape0.prompts, n_avail), cfg.max_new_tokens or shape0.max_new_tokens) \
+        if (cfg.n_prompts or cfg.max_new_tokens) else None
+    rec_shape = fixed or shape0
+    measure_s = min(pl.MEASURE_SHARE * budget, 3 * load_s + rec_shape.prompts * rec_shape.max_new_tokens
+                    / max(rate * 0.7, 1e-3) + 20)
+    sc = score_s(shape0, rate, 0.2)
+    shape, pairs = pl.choose_shape(device, budget - measure_s - 10, [rate] * len(fits), rate, 0.2, load_s, sc,
+                                   max_prompts=n_avail, fixed=fixed)
     per = pl.candidate_cost(shape, pairs, rate, rate, 0.2, load_s, sc)
     return {"schema": "specpilot.round-plan/1", "deployment": dep.text, "facts": facts.to_json(),
             "start": start, "stock": dep.text, "record": str(rec_path) if rec else None,
@@ -936,8 +966,10 @@ def plan_round(cfg: RoundConfig) -> dict:
                 {"stage": "approve", "seconds": shape.run_s(rate, 0.2) * 2 + per * len(fits),
                  "work": f"{len(fits)} candidate(s) x {pairs} paired runs of {shape.prompts} prompts x "
                          f"{shape.max_new_tokens} tokens, each audited against stock"},
-                {"stage": "remember", "seconds": 1.0, "work": f"deployment record {rec_path}"}],
-            "not_runnable": not_fit, "shape": asdict(shape), "pairs": pairs}
+                {"stage": "remember", "seconds": 1.0,
+                 "work": f"deployment record {rec_path}" if cfg.remember
+                 else "baseline.json only; the deployment record is not written (--no-remember)"}],
+            "not_runnable": not_fit, "current_family": same_family, "shape": asdict(shape), "pairs": pairs}
 
 
 def read_baseline(path: str | Path) -> dict:

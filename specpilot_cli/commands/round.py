@@ -97,6 +97,8 @@ def command(deployment, budget, out_dir, resume_dir, dry_run, prompts, n_prompts
                          f"{plan['budget_s'] / 60:.1f} min budget: the stages that run out stop and record what they "
                          f"skip (--budget {math.ceil(total / 60)} runs it all)")
         lines += [f"not runnable here: {x['id']}: {x['reason']}" for x in plan["not_runnable"]]
+        lines += [f"not planned: {x}: the current system's family; the round proposes it only when its retuning "
+                  "changes the current system's size" for x in plan.get("current_family") or []]
         emit(Report(data=plan, title="specpilot round --dry-run: the plan",
                     sections=[Section(None, ["stage", "estimated s", "work"],
                                       [[s["stage"], s["seconds"], s["work"]] for s in plan["stages"]])],
