@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import yaml
 
 TINY = "engine:model=tiny,mode=ar,threads=1"
@@ -40,3 +41,18 @@ def test_the_dry_run_leaves_out_the_current_systems_family_as_the_round_does(run
     plan = _plan(run_cli, TINY, "--records", rec)
     assert plan["start"].startswith("engine:model=tiny,mode=chain") 
     assert "chain" not in plan["stages"][2]["work"] and plan["current_family"] == ["chain"]
+
+
+
+
+@pytest.mark.parametrize("cands, words", [
+    ("w12", "--candidates w12: cannot run here: needs a CUDA GPU"),
+    ("batching", "--candidates batching: cannot run here: a round judges one-request"),
+    ("no-op", "--candidates no-op: the control runs with --control"),
+    ("chain,chain", "'chain' is named twice"),
+])
+def test_a_typed_candidate_that_cannot_run_here_is_refused(run_cli, tmp_path, cands, words):
+    for extra in (["--dry-run"], ["--out-dir", tmp_path / "r", "--no-remember"]):
+        code, _, err = run_cli("round", TINY, "--candidates", cands, *extra)
+        assert code == 2 and words in err and err.count("\n") == 1, err
+    assert not (tmp_path / "r").exists()

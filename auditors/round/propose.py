@@ -78,6 +78,29 @@ def check_names(names: list[str] | None, kind: str, memory_dir=None) -> None:
             raise InputError(f"--candidates: unknown candidate {name!r}; known: {', '.join(sorted(known))}")
 
 
+def check_runnable(names: list[str] | None, device: str, control: bool, memory_dir=None) -> None:
+    """Refuse a typed engine candidate the round could only list as not runnable here (a round of
+    zero candidates that exits 0 would look like a verdict), with the reason the plan gives."""
+    if not names:
+        return
+    from specpilot.bundles.memory import load_memory
+
+    memory_ids = set(load_memory(memory_dir))
+    by_id = {c["id"]: c for c in engine_catalog()}
+    for name in names:
+        if name == CONTROL:
+            if not control:
+                raise InputError(f"--candidates {CONTROL}: the control runs with --control")
+            continue
+        c = by_id[name]
+        needs = c.get("needs") or {}
+        why = memory_gap(c, memory_ids) or c.get("unavailable") or (
+            f"needs a CUDA GPU: {c.get('why_device') or ''}".rstrip(": ")
+            if needs.get("device") and needs["device"] != device else None)
+        if why:
+            raise InputError(f"--candidates {name}: cannot run here: {why}")
+
+
 def memory_gap(candidate: dict, memory_ids: set[str] | None) -> str | None:
     """Why ``candidate`` (an engine catalog entry) is not proposed with the memory ``memory_ids``
     (None: any memory), or None."""

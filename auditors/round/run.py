@@ -103,7 +103,7 @@ def check_config(cfg: RoundConfig):
     from specpilot.auditors.outputs import read_prompt_rows
     from specpilot.bundles.memory import load_memory
 
-    from .propose import check_names
+    from .propose import check_names, check_runnable
 
     out = Path(cfg.out_dir) if cfg.out_dir else None
     if out is not None and out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -122,6 +122,8 @@ def check_config(cfg: RoundConfig):
     dep = parse_deployment(cfg.deployment)
     load_memory(cfg.memory_dir)
     check_names(cfg.candidates, dep.kind, cfg.memory_dir)
+    if dep.kind == "engine":
+        check_runnable(cfg.candidates, dep.facts.device, cfg.control, cfg.memory_dir)
     rows = read_prompt_rows(cfg.prompts) if cfg.prompts else None
     if cfg.prompts and not rows:
         raise InputError(f"{cfg.prompts}: no prompts in the file")

@@ -37,6 +37,18 @@ def command(baseline_path, system, runs, scorer, no_audit, no_timing, tolerance,
     from specpilot.auditors.round import read_baseline
     from specpilot.auditors.round.check import run_check
 
+    from specpilot.options import typed
+
+    if system is not None and not system.strip():   # an empty spec would check the baseline's system unasked
+        from specpilot.errors import InputError
+
+        raise InputError("--system: give an engine spec, or leave --system out to check the baseline's system")
+    for flag, given in (("--no-audit", typed("scorer")), ("--no-timing", typed("runs", "tolerance"))):
+        if flag == "--no-audit" and no_audit or flag == "--no-timing" and no_timing:
+            if given:   # an option the run would ignore
+                from specpilot.errors import InputError
+
+                raise InputError(f"{given[0]} does nothing with {flag}; leave one of them out")
     if runs is not None and runs < 2:
         from specpilot.errors import InputError
 

@@ -19,6 +19,9 @@ def _names(text: str | None) -> list[str] | None:
         raise InputError("--candidates: name at least one candidate, e.g. --candidates chain,tree")
     if not all(names):
         raise InputError(f"--candidates: an empty name between commas in {text!r}")
+    dup = next((n for i, n in enumerate(names) if n in names[:i]), None)
+    if dup:
+        raise InputError(f"--candidates: {dup!r} is named twice in {text!r}")
     return names
 
 
