@@ -93,3 +93,22 @@ def test_a_record_whose_current_system_does_not_parse_is_named(done, tmp_path, r
         code, _, err = run_cli("round", TINY, "--records", tmp_path / "rec", *extra)
         assert code == 2 and f"{path.name}: current: engine spec" in err and err.count("\n") == 1, err
     assert not (tmp_path / "o").exists()
+
+
+def test_a_round_resumed_in_its_measure_stage_lists_a_skip_once(tmp_path):
+    from specpilot.auditors.round import RoundConfig, run_round
+
+    class Stop(Exception):
+        pass
+
+    def stop_after_the_skip(stage, msg):
+        if stage == "measure" and msg.startswith("skipped: profile"):
+            raise Stop
+
+    cfg = RoundConfig(deployment=TINY, out_dir=str(tmp_path / "r"), budget_min=0.1, records_dir=str(tmp_path / "rec"),
+                      candidates=["chain"], n_prompts=2, max_new_tokens=8)
+    with pytest.raises(Stop):
+        run_round(cfg, notify=stop_after_the_skip)
+    res = run_round(RoundConfig(out_dir=str(tmp_path / "r")), resume=True)
+    skipped = res.state["stages"]["measure"]["skipped"]
+    assert sum(s.startswith("profile: no GPU kernels") for s in skipped) == 1, skipped

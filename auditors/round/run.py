@@ -269,7 +269,9 @@ class _Round:
         self._save()
 
     def _note(self, stage: str, msg: str, skipped: bool = False) -> None:
-        self._stage(stage)["skipped" if skipped else "notes"].append(msg)
+        kept = self._stage(stage)["skipped" if skipped else "notes"]
+        if msg not in kept:   # a resumed stage that runs again says the same once
+            kept.append(msg)
         self.notify(stage, ("skipped: " if skipped else "") + msg)
 
     # ---------------------------------------------------------------------------- prompts
