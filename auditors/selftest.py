@@ -173,7 +173,7 @@ def run_selftest(*, n_prompts: int = 24, max_new_tokens: int = 32, repeats: int 
     from .outputs import Prompt
 
     if not 1 <= n_prompts <= len(PROMPTS):
-        raise InputError(f"--prompts {n_prompts}: choose 1..{len(PROMPTS)} (the built-in set)")
+        raise InputError(f"--n-prompts {n_prompts}: choose 1..{len(PROMPTS)} (the built-in set)")
     if repeats < 1:
         raise InputError(f"--repeats {repeats}: must be at least 1")
     if n_prompts // repeats < 1:
@@ -186,7 +186,7 @@ def run_selftest(*, n_prompts: int = 24, max_new_tokens: int = 32, repeats: int 
     if not 0 < bias_fraction <= 1:
         raise InputError("--bias-fraction must be in (0, 1]")
     if not 0 <= engine_prompts <= n_prompts:
-        raise InputError(f"--engine-prompts {engine_prompts}: choose 0..{n_prompts} (of the --prompts)")
+        raise InputError(f"--engine-prompts {engine_prompts}: choose 0..{n_prompts} (of the --n-prompts)")
 
     if scorer is None:
         scorer = Scorer.load("smollm2", device=device)

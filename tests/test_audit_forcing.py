@@ -375,12 +375,12 @@ def test_cli_other_formats(run_cli, tiny):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--prompts", "0"], "--prompts 0"),
-    (["--prompts", "999"], "--prompts 999"),
+    (["--prompts", "0"], "'--n-prompts' / '--prompts': 0 is not in the range 1<=x<=64"),
+    (["--n-prompts", "999"], "999 is not in the range 1<=x<=64"),
     (["--biases", "2,x"], "not a number"),
     (["--biases", "-1"], "positive"),
     (["--repeats", "50", "--prompts", "8"], "--repeats 50"),
-    (["--repeats", "0"], "--repeats 0: must be at least 1"),
+    (["--repeats", "0"], "'--repeats': 0 is not in the range x>=1"),
 ])
 def test_selftest_bad_options(run_cli, args, message):
     code, out, err = run_cli("audit", "selftest", *args)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import click
 
 from specpilot.errors import InputError
-from specpilot.options import device_option, seed_option
+from specpilot.auditors.prompts_builtin import PROMPTS as BUILTIN_PROMPTS
+from specpilot.options import FiniteRange, device_option, seed_option
 from specpilot.output import Report, Section, emit, fmt_num, not_empty, output_options, progress
 
 SUBCOMMANDS = ("check", "collect", "selftest")
@@ -136,7 +137,7 @@ def _common_run_options(f=None, *, prompts_required: bool = False):
               show_default=True, help="Folder for the outputs of systems that are run (kept on failure).")
 @click.option("--delta", type=click.FloatRange(0, 1e6, min_open=True), default=None,
               help="Near-tie threshold (> 0); skips phase 0.")
-@click.option("--max-increase", type=float, default=0.5, show_default=True,
+@click.option("--max-increase", type=FiniteRange(0, 100), default=0.5, show_default=True,
               help="Reject when the mismatch rate exceeds stock's by more than this many percentage points.")
 @device_option("Scorer device: cpu, cuda or cuda:N (default: cuda when present, else cpu).")
 @click.option("--scorer-dtype", default="auto", show_default=True,
@@ -377,14 +378,15 @@ def _check_resumable(already, prompts, max_new_tokens: int, save: str, system: s
 
 
 @command.command("selftest")
-@click.option("--prompts", "n_prompts", type=int, default=24, show_default=True, help="Built-in prompts to use.")
+@click.option("--n-prompts", "--prompts", "n_prompts", type=click.IntRange(1, len(BUILTIN_PROMPTS)), default=24,
+              show_default=True, help="Built-in prompts to use (a count: --prompts FILE of the other verbs is a file).")
 @click.option("--max-new-tokens", type=int, default=32, show_default=True,
               help="New tokens per prompt of every system the self-test runs.")
-@click.option("--repeats", type=int, default=6, show_default=True,
+@click.option("--repeats", type=click.IntRange(1), default=6, show_default=True,
               help="Disjoint prompt subsets audited separately for the false-reject and detection rates.")
 @click.option("--biases", default="2,1,0.5,0.25,0.125", show_default=True,
               help="Logit biases of the defective system, largest first.")
-@click.option("--bias-fraction", type=float, default=0.1, show_default=True,
+@click.option("--bias-fraction", type=click.FloatRange(0, 1, min_open=True), default=0.1, show_default=True,
               help="Fraction of the vocabulary whose logits get the bias.")
 @click.option("--engine-prompts", type=int, default=4, show_default=True,
               help="Prompts on which the embedded engine's chain and tree systems are run and audited (0: none).")
