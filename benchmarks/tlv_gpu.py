@@ -1,4 +1,4 @@
-"""TLV on the H200: the Q pass against the exact pass of the same rows, and the cycle's time split.
+"""TLV on a GPU (Hopper: H100, H200): the Q pass against the exact pass of the same rows, and the cycle's time split.
 
     SPECPILOT_GIT_SHA=<hash> python3 benchmarks/tlv_gpu.py [--configs llama-bf16,llama-w12,qwen-bf16,...]
 
