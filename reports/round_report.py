@@ -15,6 +15,8 @@ import html
 from dataclasses import dataclass
 from pathlib import Path
 
+from specpilot.auditors.round.run import resume_command, stages_left
+
 from . import round_plots as plots
 
 
@@ -61,6 +63,23 @@ def _command(state: dict) -> str:
     return " ".join(parts)
 
 
+def _stage_state(name: str, v: dict) -> str:
+    """What an unfinished stage's status means, with the time it ran."""
+    secs = f"{_n(float(v.get('seconds') or 0.0), 3)} s"
+    return {"interrupted": f"{name} was interrupted after {secs}",
+            "failed": f"{name} stopped on an error after {secs}",
+            "running": f"{name} was running when round.json was last written, {secs} in (the process was killed, "
+                       "or is still running)",
+            "not run": f"{name} was not run"}.get(v.get("status"), f"{name} has not finished")
+
+
+def _judged(res, decs) -> str:
+    """How many of the proposed candidates an unfinished round has judged."""
+    if res.proposal is None or not res.proposal.candidates:
+        return ""
+    return f" ({len(decs)} of {len(res.proposal.candidates)} candidates judged)"
+
+
 def build(res) -> list[Block]:
     """The report's blocks from a loaded round (:func:`specpilot.auditors.round.load_round`)."""
     st = res.state
@@ -69,11 +88,20 @@ def build(res) -> list[Block]:
     approved = [d for d in decs if d["verdict"] == "approved"]
     refused = [d for d in decs if d["verdict"] == "refused"]
     b: list[Block] = [Block("h1", f"SpecPilot round: {facts.get('model')} on {facts.get('gpu') or facts.get('cpu') or facts.get('device')}")]
-    summary = (f"Approved: {', '.join(d['id'] for d in approved) or 'nothing'}; "
-               f"refused: {', '.join(d['id'] for d in refused) or 'nothing'}. "
-               f"The round started from `{st.get('start')}` and ends with `{st.get('final') or st.get('current')}`.")
-    if st.get("stopped"):
-        summary += f" Stopped early: {st['stopped']}."
+    left = stages_left(st)
+    verdicts = (f"approved: {', '.join(d['id'] for d in approved) or 'nothing'}; "
+                f"refused: {', '.join(d['id'] for d in refused) or 'nothing'}")
+    if left:   # an unfinished round's current system is not its final one, nor are its verdicts all
+        folder = (st.get("config") or {}).get("out_dir") or res.dir
+        how = "; ".join(_stage_state(s, (st.get("stages") or {})[s]) for s in left)
+        summary = ("**The round stopped before it finished**: " + how + ". "
+                   + (f"Why: {st['stopped']}. " if st.get("stopped") else "")
+                   + f"Stages left: {', '.join(left)}; continue it with `{resume_command(st, folder)}`. "
+                    f"So far {verdicts}{_judged(res, decs)}. The round started from `{st.get('start')}`; its current "
+                    f"system so far is `{st.get('current')}` (no final system yet).")
+    else:
+        summary = (f"{verdicts[0].upper()}{verdicts[1:]}. The round started from `{st.get('start')}` and ends with "
+                   f"`{st.get('final') or st.get('current')}`.")
     b.append(Block("p", summary))
     b.append(Block("p", f"Made by `{_command(st)}` ({_n(st.get('spent_s', 0) / 60, 3)} of "
                         f"{_n(st.get('budget_s', 0) / 60, 3)} minutes; load average {st.get('load_average_start')} at "
@@ -82,7 +110,8 @@ def build(res) -> list[Block]:
     b.append(Block("h2", "Deployment"))
     rows = [[k, _n(v)] for k, v in facts.items() if v not in (None, "")]
     rows += [["stock", f"`{st.get('stock')}`"], ["start", f"`{st.get('start')}`"],
-             ["final", f"`{st.get('final') or st.get('current')}`"]]
+             ["final", f"`{st.get('final') or st.get('current')}`" if not left
+              else f"- (the round has not finished; current so far: `{st.get('current')}`)"]]
     vers = st.get("versions") or {}
     rows.append(["versions", ", ".join(f"{k} {v}" for k, v in vers.items() if v)])
     b.append(Block("table", headers=["fact", "value"], rows=rows))
@@ -166,6 +195,11 @@ def build(res) -> list[Block]:
                            rows=[[x["id"], x.get("memory") or "-", x["reason"]] for x in pr.not_proposed]))
     # stage 4
     b.append(Block("h2", "4. Approve"))
+    if "approve" in left and pr is not None and pr.candidates:
+        judged = {d["id"] for d in decs}
+        b.append(Block("p", f"The stage did not finish: {len(judged)} of {len(pr.candidates)} candidates judged so far"
+                            + (" (below)" if decs else "") + "; not judged yet: "
+                            + ", ".join(c.id for c in pr.candidates if c.id not in judged) + "."))
     if not decs:
         b.append(Block("p", "No candidate was judged."))
     else:

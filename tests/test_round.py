@@ -356,7 +356,7 @@ def test_a_stopped_round_resumes_where_it_stopped(tmp_path):
     with pytest.raises(Stop):
         run_round(cfg, notify=stop_at_approve)
     state = json.loads((tmp_path / "r" / "round.json").read_text())
-    assert state["stages"]["measure"]["status"] == "done" and state["stages"]["approve"]["status"] == "pending"
+    assert state["stages"]["measure"]["status"] == "done" and state["stages"]["approve"]["status"] == "failed"
     measured = (tmp_path / "r" / "measure" / "measure.json").read_text()
     res = run_round(RoundConfig(out_dir=str(tmp_path / "r")), resume=True)
     assert res.state["stages"]["approve"]["status"] == "done" and [d.id for d in res.decisions] == ["chain"]

@@ -112,3 +112,47 @@ def test_a_round_resumed_in_its_measure_stage_lists_a_skip_once(tmp_path):
     res = run_round(RoundConfig(out_dir=str(tmp_path / "r")), resume=True)
     skipped = res.state["stages"]["measure"]["skipped"]
     assert sum(s.startswith("profile: no GPU kernels") for s in skipped) == 1, skipped
+
+
+def test_an_interrupted_round_reports_itself_unfinished_and_check_says_how_to_finish_it(tmp_path, run_cli):
+    """An interrupt mid-approve: the stage keeps its time and says it was interrupted; the report
+    says the round stopped, what is left and how to continue, not a final system; check says the
+    round is unfinished, not only that baseline.json is missing; a resume finishes it."""
+    from specpilot.auditors.round import RoundConfig, run_round
+
+    timed = []
+
+    def interrupt_at_the_second_candidate(stage, msg):
+        if stage == "approve" and "paired runs against" in msg:
+            timed.append(msg)
+            if len(timed) == 2:
+                raise KeyboardInterrupt
+
+    r = tmp_path / "r"
+    cfg = RoundConfig(deployment=TINY, out_dir=str(r), budget_min=0.25, records_dir=str(tmp_path / "rec"),
+                      candidates=["chain", "tree"], n_prompts=2, max_new_tokens=8)
+    with pytest.raises(KeyboardInterrupt):
+        run_round(cfg, notify=interrupt_at_the_second_candidate)
+    state = json.loads((r / "round.json").read_text())
+    approve = state["stages"]["approve"]
+    assert approve["status"] == "interrupted" and approve["seconds"] > 0, approve
+    assert state["final"] is None and state["stages"]["remember"]["status"] == "pending"
+    judged = timed[0].split(":")[0]
+    left = timed[1].split(":")[0]
+
+    code, _, err = run_cli("report", r)
+    assert code == 0, err
+    md = (r / "report.md").read_text()
+    html = (r / "report.html").read_text()
+    assert "The round stopped before it finished" in md and "approve was interrupted after" in md, md[:800]
+    assert f"Stages left: approve, remember; continue it with `specpilot round --resume {r}`" in md, md[:800]
+    assert "1 of 2 candidates judged" in md and f"not judged yet: {left}." in md, md
+    assert "and ends with" not in md and "no final system yet" in md
+    assert "<b>The round stopped before it finished</b>" in html
+    code, _, err = run_cli("check", "--baseline", r, "--runs", "2")
+    assert code == 2 and err.count("\n") == 1 and "the round is unfinished (stages left: approve, remember)" in err \
+        and f"specpilot round --resume {r}" in err, err
+
+    res = run_round(RoundConfig(out_dir=str(r)), resume=True)
+    assert res.state["stages"]["approve"]["status"] == "done" and res.state["final"], res.state["stages"]
+    assert [d.id for d in res.decisions] == [judged, left] and (r / "baseline.json").is_file()

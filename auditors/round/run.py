@@ -165,6 +165,7 @@ class _Round:
         self.progress = progress
         self.notify = notify or (lambda stage, msg: None)
         self.dir = Path(cfg.out_dir)
+        self._running = None   # (stage, its start, its seconds before this session)
         if resume:
             path = self.dir / "round.json"
             if not path.is_file():
@@ -254,6 +255,10 @@ class _Round:
         self.state["updated_at"] = _now()
         if hasattr(self, "clock"):
             self.state["spent_s"] = self.clock.spent()
+        running = self._running
+        if running:   # a round killed mid-stage still shows the stage's time up to its last save
+            name, t0, before = running
+            self._stage(name)["seconds"] = before + (time.perf_counter() - t0)
         write_json_atomic(self.dir / "round.json", self.state)
 
     def _stage(self, name: str) -> dict:
@@ -262,11 +267,27 @@ class _Round:
     def _done(self, name: str) -> bool:
         return self._stage(name)["status"] in ("done", "stopped")
 
-    def _finish(self, name: str, t0: float, status: str = "done") -> None:
+    def _start(self, name: str) -> float:
         st = self._stage(name)
-        st["status"] = status
-        st["seconds"] = st.get("seconds", 0.0) + (time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        self._running = (name, t0, float(st.get("seconds") or 0.0))
+        st["status"] = "running"
         self._save()
+        return t0
+
+    def _finish(self, name: str, t0: float, status: str = "done") -> None:
+        self._save()   # the stage's seconds, up to now
+        self._running = None
+        self._stage(name)["status"] = status
+        self._save()
+
+    def _stop_running(self, status: str) -> None:
+        """The stage under way when the round stops early keeps its time and says why it stopped."""
+        running = self._running
+        if running:
+            self._save()
+            self._running = None
+            self._stage(running[0])["status"] = status
 
     def _note(self, stage: str, msg: str, skipped: bool = False) -> None:
         kept = self._stage(stage)["skipped" if skipped else "notes"]
@@ -315,7 +336,7 @@ class _Round:
             return read_json(path, kind="round-measure", build=ms.Measurement.from_json)
         from specpilot.engine.spec import EngineSpec
 
-        t0 = time.perf_counter()
+        t0 = self._start("measure")
         d = self.dir / "measure"
         d.mkdir(exist_ok=True)
         if self.dep.kind == "sglang":
@@ -439,7 +460,7 @@ class _Round:
         path = self.dir / "model" / "model.json"
         if self._done("model") and path.is_file():
             return read_json(path, kind="round-model", build=ModelResult.from_json)
-        t0 = time.perf_counter()
+        t0 = self._start("model")
         res = build_model(meas)
         (self.dir / "model").mkdir(exist_ok=True)
         write_json_atomic(path, res.to_json())
@@ -460,7 +481,7 @@ class _Round:
         from specpilot.bundles.memory import load_memory
         from specpilot.engine.spec import EngineSpec
 
-        t0 = time.perf_counter()
+        t0 = self._start("propose")
         if self.dep.kind == "sglang":
             from .sglang import propose_sglang
 
@@ -493,7 +514,7 @@ class _Round:
             if dpath.is_file() else []
         if self._done("approve"):
             return decisions
-        t0 = time.perf_counter()
+        t0 = self._start("approve")
         if self.dep.kind == "sglang":
             from .sglang import approve_sglang
 
@@ -625,7 +646,7 @@ class _Round:
     def remember(self, decisions) -> str | None:
         if self._done("remember"):
             return self.state.get("record")
-        t0 = time.perf_counter()
+        t0 = self._start("remember")
         d = self.dir / "remember"
         d.mkdir(exist_ok=True)
         final = self.state.get("final") or self.state["current"]
@@ -712,12 +733,19 @@ class _Round:
             res.decisions = self.approve(res.measurement, res.model, res.proposal)
             res.record = self.remember(res.decisions)
         except pl.OutOfBudget as e:
+            self._stop_running("pending")
             for s in STAGES:
                 if self._stage(s)["status"] == "pending":
                     self._stage(s)["status"] = "not run"
                     self._stage(s)["skipped"].append(str(e))
             self.state["stopped"] = str(e)
             self._save()
+        except KeyboardInterrupt:
+            self._stop_running("interrupted")
+            raise
+        except BaseException:
+            self._stop_running("failed")
+            raise
         finally:
             self.state["load_average_end"] = _load()
             self._save()
@@ -729,6 +757,16 @@ def run_round(cfg: RoundConfig, *, resume: bool = False, budget_min: float | Non
               progress: Callable | None = None, notify: Callable[[str, str], None] | None = None) -> RoundResult:
     """Run (or, with ``resume``, continue) one round in ``cfg.out_dir``."""
     return _Round(cfg, resume=resume, budget_min=budget_min, progress=progress, notify=notify).run()
+
+
+def stages_left(state: dict) -> list[str]:
+    """The stages a round has not finished (a resume runs them); none for a finished round."""
+    return [s for s, v in (state.get("stages") or {}).items() if v.get("status") not in ("done", "stopped")]
+
+
+def resume_command(state: dict, folder) -> str:
+    """How to finish a round that stopped early: more minutes when its budget ran out."""
+    return f"specpilot round --resume {folder}" + (" --budget MINUTES" if state.get("stopped") else "")
 
 
 # the file each stage leaves (the report and the CI gate read them)
@@ -981,6 +1019,8 @@ def read_baseline(path: str | Path) -> dict:
     p = Path(path)
     if p.is_dir():
         p = p / "baseline.json"
+    if not p.exists() and (p.parent / "round.json").is_file():   # the round writes its baseline last
+        _refuse_unfinished(p.parent)
     doc = read_json(p, kind="baseline")
     if not isinstance(doc, dict):
         raise InputError(f"{p}: a baseline is a JSON object")
@@ -990,6 +1030,15 @@ def read_baseline(path: str | Path) -> dict:
     _check_baseline(doc, p)
     doc["_path"] = str(p)
     return doc
+
+
+def _refuse_unfinished(d: Path) -> None:
+    state = read_json(d / "round.json", kind="round")
+    check_state(state, d / "round.json")
+    left = stages_left(state)
+    if left:
+        raise InputError(f"{d}: the round is unfinished (stages left: {', '.join(left)}), so it has no baseline.json "
+                         f"yet; finish it with {resume_command(state, d)}")
 
 
 def _check_baseline(doc: dict, p: Path) -> None:
