@@ -141,6 +141,25 @@ def test_report_on_a_stage_file_without_its_fields_is_bad_input(stage, what, run
     assert (tmp_path / "r" / "report.md").read_text() == (src / "report.md").read_text()
 
 
+@pytest.mark.parametrize("entry, words", [
+    ("oops", "decisions[1] is a str, not an object"),
+    ({"verdict": "maybe"}, "decisions[1] (tree): verdict must be approved, refused or skipped"),
+    ({"gain": 1.2}, "decisions[1] (tree): unknown field 'gain'"),
+    ({"id": None}, "decisions[1]: id must be a candidate name"),
+])
+def test_a_malformed_decision_is_named_by_report_and_resume(run_cli, tmp_path, entry, words):
+    src = Path(__file__).resolve().parents[1] / "examples" / "rounds" / "smollm2-cpu"
+    shutil.copytree(src, tmp_path / "r")
+    f = tmp_path / "r" / "approve" / "decisions.json"
+    doc = json.loads(f.read_text())
+    doc["decisions"][1] = dict(doc["decisions"][1], **entry) if isinstance(entry, dict) else entry
+    f.write_text(json.dumps(doc))
+    for args in (("report", tmp_path / "r"), ("round", "--resume", tmp_path / "r", "--budget", "0.05")):
+        code, _, err = run_cli(*args)
+        assert code == 2 and err.count("\n") == 1 and "approve/decisions.json: malformed round-decisions" in err \
+            and words in err and "argument after **" not in err, (args, err)
+
+
 @pytest.mark.parametrize("change, words", [
     (("round.json", "stages", "oops"), "stages must be a map"), (("round.json", "facts", [1, 2]), "facts must be a map"),
     (("round.json", "budget_s", "x"), "budget_s must be a number"), (("round.json", "spent_s", None), "spent_s"),
@@ -229,6 +248,24 @@ def test_check_refuses_a_damaged_baseline_before_any_run(tiny_round, run_cli, tm
     assert code == 2 and words in err and "internal error" not in err and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize("change, words", [
+    (lambda d: d.update(system="engine:model=tiny,bogus=1"), "baseline.json: baseline field 'system': engine spec"),
+    (lambda d: d.update(stock="engine:model=tiny,mode=warp"), "baseline.json: baseline field 'stock': unknown mode"),
+    (lambda d: d["outputs"]["stock"].pop(0), "baseline.json: baseline field 'outputs.stock' lacks prompt id"),
+    (lambda d: d["outputs"]["system"].append(d["outputs"]["system"][0]),
+     "baseline.json: baseline field 'outputs.system' holds prompt id"),
+])
+def test_check_names_the_baseline_for_a_bad_spec_or_prompts_that_do_not_pair(tiny_round, run_cli, tmp_path, change,
+                                                                                words):
+    """Said as the baseline is read, naming its file and field: not after the timed runs."""
+    doc = json.loads((tiny_round / "r" / "baseline.json").read_text())
+    change(doc)
+    (tmp_path / "baseline.json").write_text(json.dumps(doc))
+    for extra in ((), ("--no-audit",)):
+        code, _, err = run_cli("check", "--baseline", tmp_path, "--runs", "2", *extra)
+        assert code == 2 and words in err and err.count("\n") == 1, err
+
+
 def test_check_refuses_out_on_its_baseline_before_running(tiny_round, run_cli, tmp_path):
     import shutil
 
@@ -288,7 +325,9 @@ def test_check_reads_system_as_typed(tiny_round, run_cli):
     (["round", TINY, "--candidates", "bogus"], "unknown candidate 'bogus'"),
     (["round", "engine:model=tiny,mode=warp"], "unknown mode"),
     (["round", "engine:model=tiny,mode=tlv,dtype=float16"], "not float16"),
-    (["round", "nope.yaml"], "a DEPLOYMENT is an engine spec"),
+    (["round", "nope.yaml"], "nope.yaml: no such file (a DEPLOYMENT file is an SGLang deployment"),
+    (["round", "deploy/nope"], "deploy/nope: no such file"),
+    (["round", "nope"], "a DEPLOYMENT is an engine spec"),
     (["round", TINY, "--budget", "0"], "--budget 0.0"),
     (["round", "--resume", "nowhere"], "nothing to resume"),
     (["check", "--baseline", "nowhere.json"], "no such file"),

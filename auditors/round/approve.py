@@ -33,9 +33,46 @@ class Decision:
         return asdict(self)
 
 
+# each field's check, and what it must be: an entry of the wrong shape is named, not a TypeError
+_FIELDS = {"id": (lambda v: isinstance(v, str) and bool(v), "a candidate name"),
+           "memory": (lambda v: v is None or isinstance(v, str), "a memory entry name or null"),
+           "system": (lambda v: v is None or isinstance(v, str), "a system (text) or null"),
+           "base": (lambda v: v is None or isinstance(v, str), "a system (text) or null"),
+           "verdict": (lambda v: v in ("approved", "refused", "skipped"), "approved, refused or skipped"),
+           "reason": (lambda v: isinstance(v, str), "text"),
+           "control": (lambda v: isinstance(v, bool), "true or false"),
+           "pairs": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "a whole number >= 0"),
+           "timing": (lambda v: v is None or isinstance(v, dict), "an object or null"),
+           "audit": (lambda v: v is None or isinstance(v, dict), "an object or null"),
+           "files": (lambda v: isinstance(v, dict), "an object"),
+           "seconds": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0,
+                       "a number of seconds")}
+_REQUIRED = ("id", "memory", "system", "base", "verdict", "reason")
+
+
 def decisions_from_json(d: dict) -> list[Decision]:
-    """The decisions of a ``specpilot.round-decisions/1`` document."""
-    return [Decision(**x) for x in d["decisions"]]
+    """The decisions of a ``specpilot.round-decisions/1`` document (a malformed entry is a
+    ValueError naming it and what is wrong)."""
+    rows = d["decisions"]
+    if not isinstance(rows, list):
+        raise ValueError(f"'decisions' is a {type(rows).__name__}, not a list of entries")
+    out = []
+    for i, x in enumerate(rows):
+        if not isinstance(x, dict):
+            raise ValueError(f"decisions[{i}] is a {type(x).__name__}, not an object (a candidate's decision)")
+        name = f"decisions[{i}]" + (f" ({x['id']})" if isinstance(x.get("id"), str) else "")
+        for key in x:
+            if key not in _FIELDS:
+                raise ValueError(f"{name}: unknown field {key!r} (known: {', '.join(_FIELDS)})")
+        for key in _REQUIRED:
+            if key not in x:
+                raise ValueError(f"{name}: no field {key!r}")
+        for key, v in x.items():
+            check, want = _FIELDS[key]
+            if not check(v):
+                raise ValueError(f"{name}: {key} must be {want}, not {v!r:.40}")
+        out.append(Decision(**x))
+    return out
 
 
 def audit_data(result, scorer_info) -> dict:

@@ -117,5 +117,8 @@ def parse_deployment(text: str | None, strict: bool = True) -> Deployment:
 
         dep = read_deployment(path)
         return Deployment(text=str(path), kind="sglang", facts=dep.facts, sglang=dep)
+    if path.suffix.lower() in (".yaml", ".yml") or "/" in raw or path.exists():   # meant as a deployment file
+        what = "a folder, not a file" if path.is_dir() else "not a file" if path.exists() else "no such file"
+        raise InputError(f"{raw}: {what} (a DEPLOYMENT file is an SGLang deployment, specpilot.deployment/1 YAML)")
     raise InputError(f"{raw}: a DEPLOYMENT is an engine spec (engine:model=smollm2,mode=ar), 'engine' for the "
                      "default, or an SGLang deployment file (specpilot.deployment/1 YAML)")

@@ -1083,6 +1083,30 @@ def _check_baseline(doc: dict, p: Path) -> None:
             if not (isinstance(r, dict) and isinstance(r.get("id"), (str, int)) and ids(r.get("prompt_ids"), False)
                     and ids(r.get("output_ids"), True)):
                 bad(f"outputs.{role}[{i}]", "a row with an id, non-empty prompt_ids and output_ids (token ids)")
+    # the audit pairs the roles' rows by prompt id: a duplicate or a prompt one role lacks would fail
+    # only after the timed runs
+    prompts: dict = {}
+    for role, rows in outs.items():
+        seen = set()
+        for r in rows or []:
+            if r["id"] in seen:
+                raise InputError(f"{p}: baseline field 'outputs.{role}' holds prompt id {r['id']!r} twice")
+            seen.add(r["id"])
+            prompts.setdefault(r["id"], None)
+    for role, rows in outs.items():
+        missing = [i for i in prompts if rows and i not in {r["id"] for r in rows}]
+        if missing:
+            raise InputError(f"{p}: baseline field 'outputs.{role}' lacks prompt id {missing[0]!r}, which another "
+                             f"role's rows have (every role holds the same prompts)")
+    if doc.get("kind", "engine") == "engine":   # a spec that does not parse would fail only as the gate ran
+        from specpilot.engine.spec import EngineSpec
+
+        for k in ("system", "stock"):
+            if doc.get(k) is not None:
+                try:
+                    EngineSpec.parse(doc[k])
+                except InputError as e:
+                    raise InputError(f"{p}: baseline field {k!r}: {e}") from None
 
 
 def dumps(obj) -> str:
