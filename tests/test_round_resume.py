@@ -27,7 +27,9 @@ def _copy(done, tmp_path, **changes):
     shutil.copytree(done / "r", r)
     state = json.loads((r / "round.json").read_text())
     for k, v in changes.items():
-        if k.startswith("config_"):
+        if k.startswith("stage_"):
+            state["stages"]["measure"][k[6:]] = v
+        elif k.startswith("config_"):
             state["config"][k[7:]] = v
         else:
             state[k] = v
@@ -44,6 +46,9 @@ def _copy(done, tmp_path, **changes):
     ({"config_control": "yes"}, "round.json: config.control must be true or false"),
     ({"config_colour": 1}, "round.json: config.colour must be one of the round's settings"),
     ({"kind": "vllm"}, "round.json: kind must be engine or sglang"),
+    ({"load_average_start": "abc"}, "round.json: load_average_start must be a number or null"),
+    ({"stage_status": "weird"}, "round.json: stages.measure.status must be one of pending, running, done"),
+    ({"stage_seconds": "1.2"}, "round.json: stages.measure.seconds must be a number of seconds"),
 ])
 def test_a_damaged_round_json_is_refused_by_resume_and_report_before_anything_is_written(
         done, tmp_path, run_cli, change, words):

@@ -759,6 +759,11 @@ def run_round(cfg: RoundConfig, *, resume: bool = False, budget_min: float | Non
     return _Round(cfg, resume=resume, budget_min=budget_min, progress=progress, notify=notify).run()
 
 
+# a stage's status in round.json; a resume redoes every one but done and stopped (which it has
+# always read as done)
+STATUSES = ("pending", "running", "done", "stopped", "not run", "interrupted", "failed")
+
+
 def stages_left(state: dict) -> list[str]:
     """The stages a round has not finished (a resume runs them); none for a finished round."""
     return [s for s, v in (state.get("stages") or {}).items() if v.get("status") not in ("done", "stopped")]
@@ -789,6 +794,16 @@ def check_state(state, path: Path) -> None:
             isinstance(v, dict) and isinstance(v.get("status"), str) and isinstance(v.get("notes", []), list)
             and isinstance(v.get("skipped", []), list) for v in stages.values()):
         bad("stages", "a map of stage to {status, notes, skipped}")
+    for name, v in stages.items():
+        if v["status"] not in STATUSES:
+            bad(f"stages.{name}.status", "one of " + ", ".join(STATUSES))
+        secs = v.get("seconds", 0.0)
+        if not (isinstance(secs, (int, float)) and not isinstance(secs, bool) and math.isfinite(secs) and secs >= 0):
+            bad(f"stages.{name}.seconds", "a number of seconds")
+    for key in ("load_average_start", "load_average_end"):   # null: a platform without one
+        v = state.get(key)
+        if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)):
+            bad(key, "a number or null")
     for key in ("budget_s", "spent_s"):
         v = state.get(key)
         if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0):
