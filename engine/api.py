@@ -442,8 +442,6 @@ def load_engine(spec: EngineSpec | str) -> Engine:
         if draft_vocab != vocab:
             raise InputError(f"draft model {spec.draft_model} has a vocabulary of {draft_vocab}, the target "
                              f"{spec.model} {vocab}; they must share the tokenizer (give --draft-model)")
-    if spec.compile and not spec.device.startswith("cuda"):
-        raise InputError("compile=1 is for dense models on cuda (it is what benchmarks/engine_gpu.py measured)")
     if spec.mode != "ar" and spec.drafter == "self" and spec.draft_layers:   # the config says it: refuse before loading
         layers = resolve_model(spec.model, spec.random)[0].num_layers
         if spec.draft_layers >= layers:

@@ -313,6 +313,9 @@ class EngineSpec:
         cuda = self.device.startswith("cuda")
         if self.attn == "fused" and not cuda:
             raise fail("{attn=fused} needs {device=cuda} (use {attn=torch} on the CPU)")
+        if self.compile and not cuda:
+            raise fail("{compile} is for dense models on {device=cuda} (it is what benchmarks/engine_gpu.py "
+                       "measured)")
         if self.decode == "fused" and not cuda:
             raise fail("{decode=fused} needs {device=cuda} (its Triton kernels only run in the interpreter on "
                        "the CPU); use {decode=layers}")

@@ -20,7 +20,7 @@ OTHER = {"model": "tiny", "mode": "chain", "nodes": 12, "depth": 3, "topk": 2, "
          "head": "certified", "decode": "layers", "batch": 4, "budget": "equal", "block": "fixed", "admit": "all",
          "admit_rows": 64, "gdn": "wy", "deterministic": True, "qview": "fp8"}
 # what an option needs beside it to be valid; ALONE_ONLY: options the others of OTHER rule out
-TOGETHER = {"deterministic": {"device": "cuda"}, "qview": {"mode": "tlv"}, "nodes": {"mode": "tree"},
+TOGETHER = {"deterministic": {"device": "cuda"}, "compile": {"device": "cuda"}, "qview": {"mode": "tlv"}, "nodes": {"mode": "tree"},
             "topk": {"mode": "tree"}, "draft_layers": {"drafter": "self"}, "draft_model": {"drafter": "model"},
             **{k: {"batch": 4} for k in ("budget", "block", "admit", "admit_rows")}}
 ALONE_ONLY = ("deterministic", "qview", "nodes", "topk", "draft_model")
