@@ -5,8 +5,8 @@
 * :func:`tau_c`: tau(N) of chains and best-first trees, c(N), and the predicted speedup
   tau(N) / c(N) per node budget, with the current system marked;
 * :func:`factors`: the ceiling's three factors (unknown ones shown as such);
-* :func:`candidates`: each candidate's paired speed ratios, the gain with its 95% interval and
-  the threshold the lower bound had to clear;
+* :func:`candidates`: each candidate's paired speed ratios, the gain with its 95% bootstrap and
+  t intervals and the threshold the lower of their lower bounds had to clear;
 * :func:`audit`: mismatch rates with their prompt-resampled 95% intervals, events annotated.
 """
 
@@ -130,7 +130,7 @@ def factors(model: dict) -> bytes:
 
 def candidates(decisions: list[dict]) -> bytes:
     timed = [d for d in decisions if d.get("timing")]
-    plt, (fig, ax) = _fig(8.5, 0.9 + 0.7 * max(len(timed), 1))
+    plt, (fig, ax) = _fig(8.5, 1.1 + 0.7 * max(len(timed), 1))
     for i, d in enumerate(timed):
         t = d["timing"]
         y = len(timed) - 1 - i
@@ -140,11 +140,16 @@ def candidates(decisions: list[dict]) -> bytes:
         lo, hi = t["ci_low"], t["ci_high"]
         ax.errorbar([t["gain"]], [y], xerr=[[t["gain"] - lo], [hi - t["gain"]]], fmt="o", color=color, capsize=4,
                     zorder=3)
+        if t.get("t_ci"):   # the verdict takes the lower of the two lower bounds: both are drawn
+            tlo, thi = t["t_ci"]
+            ax.errorbar([t["gain"]], [y - 0.18], xerr=[[max(t["gain"] - tlo, 0)], [max(thi - t["gain"], 0)]],
+                        fmt="none", color=color, capsize=3, lw=0.9, alpha=0.8, zorder=3)
         ax.plot([1 + t["threshold"]] * 2, [y - 0.3, y + 0.3], color="#333333", lw=1.2, ls="--", zorder=1)
     ax.axvline(1.0, color="#999999", lw=0.8)
     ax.set_yticks(range(len(timed)), [f"{d['id']} ({d['verdict']})" for d in reversed(timed)], fontsize=8)
-    ax.set_xlabel("speed ratio candidate / current (dots: paired samples; bar: gain and 95% interval; "
-                  "dashes: threshold)", fontsize=8)
+    ax.set_xlabel("speed ratio candidate / current (dots: paired samples; bar: gain and 95% bootstrap interval;\n"
+                  "thin bar below: t-interval; the verdict takes the lower of their lower bounds; dashes: threshold)",
+                  fontsize=8)
     ax.set_title("paired runs (ABBA) per candidate", fontsize=9)
     if not timed:
         ax.text(0.5, 0.5, "no candidate was timed", ha="center", transform=ax.transAxes)
