@@ -6,19 +6,12 @@ import json
 
 import pytest
 
-TINY = "engine:model=tiny,mode=ar,threads=1"
+from round_support import small_round
 
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    from specpilot.cli import main
-
-    d = tmp_path_factory.mktemp("check")
-    with pytest.raises(SystemExit) as e:
-        main(["round", TINY, "--budget", "0.1", "--candidates", "chain", "--n-prompts", "2", "--max-new-tokens", "8",
-              "--out-dir", str(d / "r"), "--no-remember"])
-    assert e.value.code == 0
-    return d / "r"
+    return small_round(tmp_path_factory.mktemp("check") / "r", "--no-remember")
 
 
 @pytest.mark.parametrize("extra", [[], ["--scorer", "tiny"]])

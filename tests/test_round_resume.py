@@ -7,18 +7,13 @@ import shutil
 
 import pytest
 
-TINY = "engine:model=tiny,mode=ar,threads=1"
+from round_support import TINY, small_round
 
 
 @pytest.fixture(scope="module")
 def done(tmp_path_factory):
-    from specpilot.cli import main
-
     d = tmp_path_factory.mktemp("resume")
-    with pytest.raises(SystemExit) as e:
-        main(["round", TINY, "--budget", "0.1", "--candidates", "chain", "--n-prompts", "2", "--max-new-tokens", "8",
-              "--out-dir", str(d / "r"), "--records", str(d / "rec")])
-    assert e.value.code == 0
+    small_round(d / "r", "--records", str(d / "rec"))
     return d
 
 

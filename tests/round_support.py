@@ -1,0 +1,20 @@
+"""A small tiny-model round for the tests that need a finished one (about 10 s on the CPU)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+TINY = "engine:model=tiny,mode=ar,threads=1"
+
+
+def small_round(out_dir: Path, *extra: str) -> Path:
+    """``specpilot round`` of the tiny model with one candidate (chain) into ``out_dir``."""
+    from specpilot.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["round", TINY, "--budget", "0.1", "--candidates", "chain", "--n-prompts", "2", "--max-new-tokens", "8",
+              "--out-dir", str(out_dir), *extra])
+    assert e.value.code == 0
+    return out_dir
