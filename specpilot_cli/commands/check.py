@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import click
 
-from specpilot.options import seed_option
+from specpilot.errors import InputError
+from specpilot.options import seed_option, typed
 from specpilot.output import Report, Section, emit, fmt_num, output_options, progress
 
 
@@ -37,25 +38,14 @@ def command(baseline_path, system, runs, scorer, no_audit, no_timing, tolerance,
     from specpilot.auditors.round import read_baseline
     from specpilot.auditors.round.check import run_check
 
-    from specpilot.options import typed
-
     if system is not None and not system.strip():   # an empty spec would check the baseline's system unasked
-        from specpilot.errors import InputError
-
         raise InputError("--system: give an engine spec, or leave --system out to check the baseline's system")
-    for flag, given in (("--no-audit", typed("scorer")), ("--no-timing", typed("runs", "tolerance"))):
-        if flag == "--no-audit" and no_audit or flag == "--no-timing" and no_timing:
-            if given:   # an option the run would ignore
-                from specpilot.errors import InputError
-
-                raise InputError(f"{given[0]} does nothing with {flag}; leave one of them out")
+    for flag, on, given in (("--no-audit", no_audit, typed("scorer")), ("--no-timing", no_timing, typed("runs", "tolerance"))):
+        if on and given:   # an option the run would ignore
+            raise InputError(f"{given[0]} does nothing with {flag}; leave one of them out")
     if runs is not None and runs < 2:
-        from specpilot.errors import InputError
-
         raise InputError("--runs must be >= 2")
     if not 0 <= tolerance < 1:
-        from specpilot.errors import InputError
-
         raise InputError("--tolerance must be a fraction in [0, 1)")
     if scorer and not no_audit:   # before the timed runs, not after them
         from specpilot.auditors.scorer import check_scorer_spec
