@@ -264,14 +264,16 @@ def collect(generator: Generator, prompts: Sequence[Prompt], max_new_tokens: int
             for i in todo:
                 finish(i, run_one(i))
         else:
-            from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+            from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
-            with ThreadPoolExecutor(max_workers=concurrency) as pool:
+            pool = ThreadPoolExecutor(max_workers=concurrency)
+            try:
                 futs = {pool.submit(run_one, i): i for i in todo}
                 pending = set(futs)
                 error = None
                 while pending and error is None:
-                    finished, pending = wait(pending, return_when=FIRST_EXCEPTION)
+                    # each row as it completes: saved every SAVE_EVERY_S, and kept when a signal stops the run
+                    finished, pending = wait(pending, return_when=FIRST_COMPLETED)
                     for f in finished:
                         if f.exception() is None:
                             finish(futs[f], f.result())
@@ -287,6 +289,9 @@ def collect(generator: Generator, prompts: Sequence[Prompt], max_new_tokens: int
                             except Exception:
                                 pass
                     raise error
+            finally:
+                # a signal: the queued requests are dropped, not sent (the pool's own exit ran them all)
+                pool.shutdown(wait=False, cancel_futures=True)
     except (SpecPilotError, KeyboardInterrupt) as e:
         rows = [done[i] for i in sorted(done)]
         where = None

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import os
 import re
 import socket
@@ -222,7 +223,9 @@ def test_concurrent_requests_keep_completed_outputs_on_failure(run_cli, stdlib_s
 
 @pytest.mark.parametrize("answer, message", [
     ({"text": "hi", "meta_info": {}}, "no \"output_ids\""),
-    ({"output_ids": [1, "x"]}, "not a list of non-negative integers"),
+    ({"output_ids": [1, "x"]}, "not a list of token ids (integers in 0..2147483647)"),
+    # one its own reader would refuse: it is never saved
+    ({"output_ids": [1, 10 ** 12]}, "not a list of token ids (integers in 0..2147483647)"),
     ({"output_ids": [1, 2], "meta_info": {"completion_tokens": 3}}, "completion_tokens=3"),
     ({"output_ids": [1, 2, 3, 4, 5, 6]}, "6 tokens returned for max_new_tokens=4"),
     ([1, 2, 3], "expected a JSON object"),
@@ -436,3 +439,39 @@ def test_specpilot_serve_killed_mid_run_keeps_outputs(serve, tmp_path):
     assert ei.value.exit_code == 3 and ei.value.kept == 2
     assert "connection refused" in str(ei.value) and "kept the 2 of 5" in str(ei.value)
     assert [r.id for r in read_outputs(save).rows] == ["r0", "r1"]
+
+
+def test_a_signal_stops_a_concurrent_collection_at_once_and_keeps_its_rows(tmp_path):
+    """--concurrency 4 against a server that stalls at its 4th request: SIGTERM drops the queued
+    requests (the pool's exit sent every one, each waiting out --timeout) and keeps the rows that
+    completed (every one was lost: rows were recorded only when all had finished)."""
+    proc, port = stub_generate.start("stall", 3)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"schema": "specpilot.prompts/1", "id": f"r{i}", "prompt_ids": [i + 1, 2]})
+                               + "\n" for i in range(40)))
+    save = tmp_path / "s.jsonl"
+    try:
+        run = subprocess.Popen([sys.executable, "-m", "specpilot", "audit", "collect", f"http://127.0.0.1:{port}",
+                                "--prompts", str(prompts), "--save", str(save), "--max-new-tokens", "4",
+                                "--concurrency", "4", "--timeout", "6"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(4)   # three answered, the rest stuck behind the stalled request
+        t0 = time.monotonic()
+        run.send_signal(signal.SIGTERM)
+        _, err = run.communicate(timeout=60)
+        assert run.returncode == 143, err
+        assert time.monotonic() - t0 < 12, err   # the requests in flight, not the 37 queued, waited out
+        assert "kept the 3 of 40" in err
+        assert len(read_outputs(save).rows) == 3
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_collect_does_not_replace_an_earlier_collection_without_resume(run_cli, prompts_file, tmp_path):
+    save = tmp_path / "earlier.jsonl"
+    save.write_text(json.dumps({"schema": "specpilot.outputs/1", "id": "r0", "prompt_ids": PROMPTS[0],
+                                "output_ids": [9, 9, 9]}) + "\n")
+    code, _, err = _collect(run_cli, "http://127.0.0.1:9", prompts_file, save)
+    assert code == 2 and "holds the rows of an earlier collection; continue it with --resume" in err
+    assert len(read_outputs(save).rows) == 1

@@ -282,6 +282,9 @@ def collect_cmd(system, prompts_path, max_new_tokens, timeout, concurrency, save
         from specpilot.engine.spec import EngineSpec
 
         tokenizer = EngineSpec.parse(spec.spec).model
+    if not resume and _holds_rows(save):   # a new collection would replace them, whatever it gets to
+        raise InputError(f"--save {save}: holds the rows of an earlier collection; continue it with --resume, or "
+                         "remove the file or give another --save")
     prompts = _read_prompts(prompts_path, tokenizer)
     # an empty --save (made, nothing collected yet) resumes from nothing
     already = read_outputs(save).rows if resume and _holds_rows(save) else []
