@@ -45,6 +45,11 @@ def parse_url(url: str) -> str:
         raise InputError(f"{url!r}: expected a server URL like http://127.0.0.1:30000")
     if u.port is not None and not 0 < u.port < 65536:
         raise InputError(f"{url!r}: bad port {u.port}")
+    if u.query or u.fragment:   # the routes are appended to the path: /health after "?x=1" is no route
+        raise InputError(f"{url!r}: a server URL has no query or fragment; give http://host:port[/prefix]")
+    if u.path.rstrip("/").endswith(("/generate", "/v1/completions", "/v1/chat/completions")):
+        raise InputError(f"{url!r}: give the server's address without the route (http://{u.host}"
+                         f"{':' + str(u.port) if u.port else ''}); SpecPilot adds /generate itself")
     return url.rstrip("/")
 
 

@@ -36,7 +36,7 @@ class SystemSpec:
 
 def parse_system(spec: str, name: str | None = None) -> SystemSpec:
     s = spec.strip()
-    if s.startswith(("http://", "https://")):
+    if s.lower().startswith(("http://", "https://")):   # a scheme is case-insensitive (HTTP://...)
         from .http_client import parse_url
 
         return SystemSpec("http", parse_url(s), name or s)

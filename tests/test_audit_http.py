@@ -326,6 +326,14 @@ def test_bad_urls(run_cli, prompts_file, tmp_path):
     for url in ("http://[::1", "http://localhost:abc"):
         code, out, err = _collect(run_cli, url, prompts_file, tmp_path / "x.jsonl")
         assert code == 2 and "not a URL" in err and len(err.strip().splitlines()) == 1, err
+    # the routes are appended to the URL: a query, a fragment or a route of its own make none of them
+    for url, words in (("http://127.0.0.1:9?x=1", "no query or fragment"), ("http://127.0.0.1:9#a", "no query"),
+                       ("http://127.0.0.1:9/generate", "without the route (http://127.0.0.1:9)")):
+        code, out, err = _collect(run_cli, url, prompts_file, tmp_path / "x.jsonl")
+        assert code == 2 and words in err and len(err.strip().splitlines()) == 1, err
+    from specpilot.auditors.systems import parse_system
+
+    assert parse_system("HTTP://127.0.0.1:30000").kind == "http"   # a scheme in capitals is a URL, not a file
 
 
 def test_server_process_dies_mid_run(run_cli, prompts_file, tmp_path):
