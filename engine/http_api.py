@@ -19,6 +19,8 @@ import json
 import math
 from dataclasses import dataclass, field
 
+from specpilot.fileio import is_int, is_num
+
 MAX_DEPTH = 32          # JSON nesting a request may have (a real one has 3)
 MAX_STOP = 64           # stop strings / stop token ids per request
 MAX_NEW_TOKENS = 1 << 20
@@ -149,14 +151,6 @@ def _bracket_depth(text: str) -> int:
 
 
 # ------------------------------------------------------------------------------- the contract
-def is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def is_num(x) -> bool:
-    return (isinstance(x, (int, float)) and not isinstance(x, bool)) and math.isfinite(x)
-
-
 def _int(params: dict, key: str, lo: int, hi: int, default: int, name=lambda k: f"sampling_params.{k}") -> int:
     v = params.get(key, default)
     if v is None:

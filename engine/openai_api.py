@@ -20,8 +20,10 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from specpilot.fileio import is_int
+
 from .http_api import (MAX_NEW_TOKENS, BadRequest, Sampling, check_fields, check_ids, check_stop_ids, encode_texts,
-                       is_int, parse_sampling)
+                       parse_sampling)
 
 # OpenAI's names for the sampling parameters /generate has
 _RENAME = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import json
+import math
 import os
 import stat
 import tempfile
@@ -224,6 +225,16 @@ def _json_default(o):
     if isinstance(o, Path):
         return str(o)
     raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+def is_int(x) -> bool:
+    """A JSON integer (``true`` is an int to Python, not to a reader of the file)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def is_num(x) -> bool:
+    """A finite JSON number."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def check_schema(obj: Any, kind: str, source: str, versions: Iterable[int] = (1,)) -> None:

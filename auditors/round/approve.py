@@ -11,6 +11,8 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 
+from specpilot.fileio import is_int
+
 SCHEMA = "specpilot.round-decisions/1"
 
 
@@ -41,7 +43,7 @@ _FIELDS = {"id": (lambda v: isinstance(v, str) and bool(v), "a candidate name"),
            "verdict": (lambda v: v in ("approved", "refused", "skipped"), "approved, refused or skipped"),
            "reason": (lambda v: isinstance(v, str), "text"),
            "control": (lambda v: isinstance(v, bool), "true or false"),
-           "pairs": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "a whole number >= 0"),
+           "pairs": (lambda v: is_int(v) and v >= 0, "a whole number >= 0"),
            "timing": (lambda v: v is None or isinstance(v, dict), "an object or null"),
            "audit": (lambda v: v is None or isinstance(v, dict), "an object or null"),
            "files": (lambda v: isinstance(v, dict), "an object"),

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 from specpilot.errors import InputError
-from specpilot.fileio import read_json, write_json_atomic
+from specpilot.fileio import is_int, is_num, read_json, write_json_atomic
 
 from . import approve as ap
 from . import measure as ms
@@ -782,8 +782,6 @@ STAGE_FILES = {"measure": "measure/measure.json", "model": "model/model.json", "
 def check_state(state, path: Path) -> None:
     """round.json's fields have the types a round writes (a damaged file is bad input, not a crash
     of the report or of a resume)."""
-    import math
-
     def bad(field: str, want: str):
         raise InputError(f"{path}: {field} must be {want}; the round's files are damaged (run the round again)")
 
@@ -798,15 +796,15 @@ def check_state(state, path: Path) -> None:
         if v["status"] not in STATUSES:
             bad(f"stages.{name}.status", "one of " + ", ".join(STATUSES))
         secs = v.get("seconds", 0.0)
-        if not (isinstance(secs, (int, float)) and not isinstance(secs, bool) and math.isfinite(secs) and secs >= 0):
+        if not (is_num(secs) and secs >= 0):
             bad(f"stages.{name}.seconds", "a number of seconds")
     for key in ("load_average_start", "load_average_end"):   # null: a platform without one
         v = state.get(key)
-        if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)):
+        if v is not None and not is_num(v):
             bad(key, "a number or null")
     for key in ("budget_s", "spent_s"):
         v = state.get(key)
-        if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0):
+        if not (is_num(v) and v >= 0):
             bad(key, "a number of seconds")
     if not isinstance(state.get("facts"), dict):
         bad("facts", "a map")
@@ -835,33 +833,36 @@ def check_state(state, path: Path) -> None:
                 raise InputError(f"{path}: {key}: {e}; the round's files are damaged (run the round again)") from None
 
 
+def _optional(check):
+    return lambda v: v is None or check(v)
+
+
 # RoundConfig's fields as round.json stores them: the check each value gets, and what it must be
 _CONFIG_TYPES = {
-    "deployment": ("opt_str", "text"), "out_dir": ("str", "text"), "budget_min": ("pos", "a number of minutes > 0"),
-    "prompts": ("opt_str", "a file name"), "n_prompts": ("opt_count", "a whole number >= 1"),
-    "max_new_tokens": ("opt_count", "a whole number >= 1"), "candidates": ("opt_names", "a list of candidate names"),
-    "control": ("bool", "true or false"), "scorer": ("opt_str", "text"), "memory_dir": ("opt_str", "a folder"),
-    "records_dir": ("opt_str", "a folder"), "fresh": ("bool", "true or false"), "remember": ("bool", "true or false"),
-    "seed": ("int", "a whole number"),
+    "deployment": (_optional(lambda v: isinstance(v, str)), "text"),
+    "out_dir": (lambda v: isinstance(v, str), "text"),
+    "budget_min": (lambda v: is_num(v) and v > 0, "a number of minutes > 0"),
+    "prompts": (_optional(lambda v: isinstance(v, str)), "a file name"),
+    "n_prompts": (_optional(lambda v: is_int(v) and v >= 1), "a whole number >= 1"),
+    "max_new_tokens": (_optional(lambda v: is_int(v) and v >= 1), "a whole number >= 1"),
+    "candidates": (_optional(lambda v: isinstance(v, list) and bool(v) and all(isinstance(x, str) and x for x in v)),
+                   "a list of candidate names"),
+    "control": (lambda v: isinstance(v, bool), "true or false"),
+    "scorer": (_optional(lambda v: isinstance(v, str)), "text"),
+    "memory_dir": (_optional(lambda v: isinstance(v, str)), "a folder"),
+    "records_dir": (_optional(lambda v: isinstance(v, str)), "a folder"),
+    "fresh": (lambda v: isinstance(v, bool), "true or false"),
+    "remember": (lambda v: isinstance(v, bool), "true or false"),
+    "seed": (is_int, "a whole number"),
 }
 
 
 def _check_config_fields(cfg: dict, bad) -> None:
-    def ok(check: str, v) -> bool:
-        is_int = isinstance(v, int) and not isinstance(v, bool)
-        return {"str": lambda: isinstance(v, str),
-                "opt_str": lambda: v is None or isinstance(v, str),
-                "pos": lambda: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0,
-                "opt_count": lambda: v is None or (is_int and v >= 1),
-                "opt_names": lambda: v is None or (isinstance(v, list) and bool(v)
-                                                   and all(isinstance(x, str) and x for x in v)),
-                "bool": lambda: isinstance(v, bool), "int": lambda: is_int}[check]()
-
     for key in cfg:
         if key not in _CONFIG_TYPES:
             bad(f"config.{key}", f"one of the round's settings ({', '.join(_CONFIG_TYPES)})")
-    for key, (check, want) in _CONFIG_TYPES.items():
-        if key in cfg and not ok(check, cfg[key]):
+    for key, (ok, want) in _CONFIG_TYPES.items():
+        if key in cfg and not ok(cfg[key]):
             bad(f"config.{key}", want)
 
 
@@ -1059,25 +1060,18 @@ def _refuse_unfinished(d: Path) -> None:
 def _check_baseline(doc: dict, p: Path) -> None:
     """Every field ``check`` reads has the type a round writes: a damaged baseline is bad input,
     not a crash after the timed runs, nor a gate that passes having checked nothing."""
-    import math
-
     def bad(field: str, want: str):
         raise InputError(f"{p}: baseline field {field!r} must be {want}")
-
-    def num(x) -> bool:
-        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
     for k in ("system", "stock", "kind"):
         if k in doc and doc[k] is not None and not (isinstance(doc[k], str) and doc[k].strip()):
             bad(k, "a non-empty string")
     if doc.get("samples") is not None and not (isinstance(doc["samples"], list)
-                                               and all(num(x) and x > 0 for x in doc["samples"])):
+                                               and all(is_num(x) and x > 0 for x in doc["samples"])):
         bad("samples", "a list of positive throughputs")
-    if doc.get("noise") is not None and not (num(doc["noise"]) and 0 <= doc["noise"] < 1):
+    if doc.get("noise") is not None and not (is_num(doc["noise"]) and 0 <= doc["noise"] < 1):
         bad("noise", "a fraction in [0, 1)")
-    if doc.get("max_new_tokens") is not None and not (isinstance(doc["max_new_tokens"], int)
-                                                      and not isinstance(doc["max_new_tokens"], bool)
-                                                      and doc["max_new_tokens"] >= 1):
+    if doc.get("max_new_tokens") is not None and not (is_int(doc["max_new_tokens"]) and doc["max_new_tokens"] >= 1):
         bad("max_new_tokens", "a whole number >= 1")
     if doc.get("facts") is not None and not isinstance(doc["facts"], dict):
         bad("facts", "an object")
@@ -1087,7 +1081,7 @@ def _check_baseline(doc: dict, p: Path) -> None:
 
     def ids(x, empty_ok: bool) -> bool:
         return (isinstance(x, list) and (empty_ok or bool(x))
-                and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in x))
+                and all(is_int(t) and t >= 0 for t in x))
 
     for role, rows in outs.items():
         if rows is None:

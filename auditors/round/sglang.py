@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specpilot.errors import EnvironmentMissing, InputError
-from specpilot.fileio import read_json, write_json_atomic
+from specpilot.fileio import is_int, is_num, read_json, write_json_atomic
 
 from .deployment import Facts
 
@@ -96,12 +96,10 @@ def _check_fields(raw: dict, path: Path) -> None:
         raise InputError(f"{path}: {field} must be {want}")
 
     def whole(x, lo: int) -> bool:
-        return isinstance(x, int) and not isinstance(x, bool) and x >= lo
+        return is_int(x) and x >= lo
 
     def number(x) -> bool:
-        import math
-
-        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+        return is_num(x) and x > 0
 
     def url(field: str, u) -> None:
         if not isinstance(u, str):
