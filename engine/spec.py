@@ -186,8 +186,7 @@ class EngineSpec:
         spec = cls.from_options(**fields)
         if strict:
             spec.check_used(fields)
-            for line in spec.idle_options(fields):   # the command's status lines: "specpilot: warning: ..."
-                logging.getLogger("specpilot.status").warning(f"warning: {line}")
+            spec.warn_idle(fields)
         return spec
 
     @classmethod
@@ -291,6 +290,11 @@ class EngineSpec:
                 out.append(say(f"{{{k}}} does nothing with the {self.drafter} drafter (it is an option of "
                                f"{{drafter={DRAFTER_OPTIONS[k]}}})", as_flags))
         return out
+
+    def warn_idle(self, given, as_flags: bool = False) -> None:
+        """:meth:`idle_options`' lines as the command's status lines ("specpilot: warning: ...")."""
+        for line in self.idle_options(given, as_flags):
+            logging.getLogger("specpilot.status").warning(f"warning: {line}")
 
     def with_(self, **kw) -> "EngineSpec":
         s = replace(self, **kw)

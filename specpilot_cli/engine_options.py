@@ -96,15 +96,10 @@ def spec_from_cli(kw: dict) -> EngineSpec:
                if o.name in values and o.name not in fields and values[o.name] != o.default}
         spec = EngineSpec.from_options(**own, **fields)
         spec.check_used(fields)
-        _warn(spec.idle_options(fields))
+        spec.warn_idle(fields)
         return spec
     spec = EngineSpec.from_options(as_flags=True, **values)   # typed as flags: errors name the flag
     spec.check_used([o.name for o in given], as_flags=True)
-    _warn(spec.idle_options([o.name for o in given], as_flags=True))
+    spec.warn_idle([o.name for o in given], as_flags=True)
     return spec
-
-
-def _warn(lines: list[str]) -> None:
-    for line in lines:
-        click.echo(f"specpilot: warning: {line}", err=True)
 
