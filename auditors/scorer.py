@@ -184,6 +184,7 @@ class Scorer:
         """Score each (prompt_ids, output_ids) pair; returns TokenScores in input order."""
         import torch
 
+        _check_sequences(sequences, self.vocab_size)
         n = len(sequences)
         results: list[TokenScores | None] = [None] * n
         todo = []
@@ -198,13 +199,6 @@ class Scorer:
                 dups.append((i, first[k]))
                 continue
             first[k] = i
-            if len(p) == 0:
-                raise InputError(f"sequence {i}: empty prompt; the scorer needs at least one prompt token")
-            top = max(max(p), max(o) if len(o) else 0)
-            if top >= self.vocab_size:
-                raise InputError(f"sequence {i}: token id {top} is outside the scorer's vocabulary "
-                                 f"({self.vocab_size}); "
-                                 "is --scorer the target model of these outputs?")
             if len(o) == 0:
                 results[i] = TokenScores(np.zeros(0, np.int64), np.zeros(0, np.float32))
             else:
