@@ -542,17 +542,21 @@ def _uvicorn_server(config, owner: Server):
     class _Server(uvicorn.Server):
         @contextlib.contextmanager
         def capture_signals(self):
-            """uvicorn's, but once a shutdown began its signals stay with it to the end: handed
-            back to the command's handlers, a late one (while the loop closes) made exit 0 a 143."""
+            """uvicorn's, but once a shutdown began the signals that follow belong to it until the
+            process exits: handed back to the command's handlers, a late one (while the loop
+            closes, or the interpreter ends) made exit 0 a 143 or a kill."""
             if threading.current_thread() is not threading.main_thread():
                 yield
                 return
-            sigs = (signal.SIGINT, signal.SIGTERM)
-            original = {sig: signal.signal(sig, self.handle_exit) for sig in sigs}
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
             try:
                 yield
             finally:
-                if not owner.state.draining:
+                if owner.state.draining:
+                    from specpilot.signals import ignore_to_exit
+
+                    ignore_to_exit()
+                else:
                     for sig, handler in original.items():
                         signal.signal(sig, handler)
 

@@ -64,10 +64,6 @@ def command(host, port, max_queue, backlog, grace, log_requests, fmt, out, **kw)
                f"({engine.info['dtype']}, {spec.device}, batch {srv.state.decoder.batch}; load "
                f"{engine.info['load_seconds']:.1f} s, warm-up {engine.info['warmup_seconds']:.1f} s); {spec}", err=True)
     st = srv.run()
-    if srv.state.draining:   # ended by a signal: the ones that follow belong to the same shutdown
-        from specpilot.signals import ignore_to_exit
-
-        ignore_to_exit()
     data = {"schema": "specpilot.serve/1", "engine": str(spec), "model": engine.model_name, "host": host,
             "port": srv.port, **st}
     pct = lambda k: st.get(k) if st.get(k) is None else round(st[k] * 1e3, 1)  # noqa: E731
