@@ -92,13 +92,18 @@ def check_runnable(names: list[str] | None, device: str, control: bool, memory_d
             if not control:
                 raise InputError(f"--candidates {CONTROL}: the control runs with --control")
             continue
-        c = by_id[name]
-        needs = c.get("needs") or {}
-        why = memory_gap(c, memory_ids) or c.get("unavailable") or (
-            f"needs a CUDA GPU: {c.get('why_device') or ''}".rstrip(": ")
-            if needs.get("device") and needs["device"] != device else None)
+        why = cannot_run_here(by_id[name], memory_ids, device)
         if why:
             raise InputError(f"--candidates {name}: cannot run here: {why}")
+
+
+def cannot_run_here(candidate: dict, memory_ids: set[str] | None, device: str) -> str | None:
+    """Why the round cannot run an engine catalog ``candidate`` on ``device`` (what ``--dry-run``
+    lists as not runnable), or None."""
+    needs = candidate.get("needs") or {}
+    return memory_gap(candidate, memory_ids) or candidate.get("unavailable") or (
+        f"needs a CUDA GPU: {candidate.get('why_device') or ''}".rstrip(": ")
+        if needs.get("device") and needs["device"] != device else None)
 
 
 def memory_gap(candidate: dict, memory_ids: set[str] | None) -> str | None:

@@ -966,7 +966,7 @@ def plan_round(cfg: RoundConfig) -> dict:
         rate, how = sum(last) / len(last), "measured by the previous round of this deployment"
     from specpilot.bundles.memory import load_memory
 
-    from .propose import engine_catalog, memory_gap
+    from .propose import cannot_run_here, engine_catalog, memory_gap
 
     fits, not_fit, same_family = [], [], []
     memory_ids = set(load_memory(cfg.memory_dir))
@@ -978,14 +978,9 @@ def plan_round(cfg: RoundConfig) -> dict:
             # the propose stage retunes it from the current system: the same spec again is not proposed
             same_family.append(c["id"])
             continue
-        needs = c.get("needs") or {}
-        gap = memory_gap(c, memory_ids)   # as the round's propose stage skips it
-        if gap:
-            not_fit.append({"id": c["id"], "reason": gap})
-        elif c.get("unavailable"):
-            not_fit.append({"id": c["id"], "reason": c["unavailable"]})
-        elif needs.get("device") and needs["device"] != facts.device:
-            not_fit.append({"id": c["id"], "reason": f"needs a CUDA GPU: {c.get('why_device', '')}".rstrip(": ")})
+        why = cannot_run_here(c, memory_ids, facts.device)   # as the round's propose stage skips it
+        if why:
+            not_fit.append({"id": c["id"], "reason": why})
         else:
             fits.append(c["id"])
     if cfg.control:
