@@ -201,7 +201,7 @@ def pack_tensors(tensors: dict[str, torch.Tensor], meta: dict[str, str], include
         if not selected(name, t, include, exclude):
             out[name] = t
             result.kept.append(name)
-            if selected(name, t, include, ()) and not any(fnmatch.fnmatch(name, p) for p in ALWAYS_EXCLUDE):
+            if selected(name, t, include, ALWAYS_EXCLUDE):   # an exclude the user or the defaults chose dropped it
                 result.excluded.append(name)
             continue
         if t.dtype != torch.bfloat16:
