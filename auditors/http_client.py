@@ -24,6 +24,7 @@ from typing import Sequence
 import httpx
 
 from specpilot.errors import EnvironmentMissing, InputError
+from specpilot.fileio import is_int
 from specpilot.limits import MAX_TOKEN_ID
 
 
@@ -196,8 +197,7 @@ def parse_generate_response(raw: bytes, where: str, max_new_tokens: int | None =
         keys = ", ".join(sorted(map(str, obj))) or "none"
         raise _bad(where, f"no \"output_ids\" (keys: {keys}); the server must return generated token ids "
                           "(SGLang >= 0.4 does)")
-    if not isinstance(ids, list) or any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= MAX_TOKEN_ID
-                                        for t in ids):
+    if not isinstance(ids, list) or not all(is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in ids):
         raise _bad(where, f"\"output_ids\" is not a list of token ids (integers in 0..{MAX_TOKEN_ID})")
     if max_new_tokens is not None and len(ids) > max_new_tokens:
         raise _bad(where, f"{len(ids)} tokens returned for max_new_tokens={max_new_tokens}")
