@@ -7,10 +7,12 @@ every kind (not JSON, not UTF-8, NaN or Infinity, nesting deeper than ``MAX_DEPT
 surrogates, wrong types, out-of-range numbers) are :class:`BadRequest` (HTTP 400), never an
 exception that escapes.
 
-Honoured sampling parameters: ``max_new_tokens``, ``stop`` (strings; the text is cut before the
-match unless ``no_stop_trim``), ``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens``,
-``n`` = 1. ``min_new_tokens`` above 0 is refused: SGLang masks the stop tokens' logits until then,
-which changes the greedy answer (its own speculative workers refuse it too).
+Honoured sampling parameters: ``max_new_tokens`` (0 as SGLang takes it: the prompt is checked as
+any prompt is, the answer is empty with ``finish_reason`` ``{"type": "length", "length": 0}``),
+``stop`` (strings; the text is cut before the match unless ``no_stop_trim``), ``stop_token_ids``,
+``ignore_eos``, ``skip_special_tokens``, ``n`` = 1. ``min_new_tokens`` above 0 is refused: SGLang
+masks the stop tokens' logits until then, which changes the greedy answer (its own speculative
+workers refuse it too).
 """
 
 from __future__ import annotations
@@ -226,10 +228,11 @@ _TOP_NEUTRAL = {
 
 
 def parse_sampling(params, group: str = "sampling_params", rename: dict[str, str] | None = None,
-                   default_max_new: int = 128) -> Sampling:
+                   default_max_new: int = 128, least_new: int = 0) -> Sampling:
     """Check sampling parameters (SGLang's names). Errors name a parameter ``group.key``, or the
     bare key when ``group`` is empty, through ``rename`` (the OpenAI routes' ``max_tokens`` is
-    ``max_new_tokens`` here)."""
+    ``max_new_tokens`` here). ``max_new_tokens`` may be ``least_new`` or more: 0 on ``/generate``
+    (SGLang's ``SamplingParams.verify`` refuses only a negative value)."""
     rename = rename or {}
 
     def name(key: str) -> str:
@@ -267,7 +270,7 @@ def parse_sampling(params, group: str = "sampling_params", rename: dict[str, str
                          "(or top_k 1)")
     if _int(params, "n", 1, 1, 1, name) != 1:
         raise BadRequest(f"{name('n')} must be 1")
-    max_new = _int(params, "max_new_tokens", 1, MAX_NEW_TOKENS, default_max_new, name)
+    max_new = _int(params, "max_new_tokens", least_new, MAX_NEW_TOKENS, default_max_new, name)
     stop = params.get("stop", None)
     if stop is None:
         stop = []

@@ -9,7 +9,9 @@ a greedy answer, or refused with a 400 naming it. A missing ``temperature`` mean
 
 Honoured: ``prompt`` (a string, a list of strings, token ids or a list of token-id lists) or
 ``messages`` (through the model's chat template), ``max_tokens`` (completions: 16 when absent, as
-OpenAI's; chat: what fits in the context; ``max_completion_tokens`` too), ``stop``,
+OpenAI's, and at least 1, as SGLang's ``CompletionRequest`` validator says; chat: what fits in the
+context when absent, and 0 taken, as SGLang's chat route takes it: the prompt checked, an empty
+answer with ``finish_reason`` ``length``; ``max_completion_tokens`` too), ``stop``,
 ``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens``, ``stream`` and
 ``stream_options`` (``include_usage``, vLLM's ``continuous_usage_stats``), ``n`` = 1.
 """
@@ -115,7 +117,8 @@ def _fields(body, neutral: dict, own: set[str]) -> None:
     check_fields(body, own | _SAMPLING | {"model", "stream", "stream_options"}, neutral)
 
 
-def _sampling(body: dict, prompts: list[list[int]], default_max, vocab_size: int | None) -> list[Sampling]:
+def _sampling(body: dict, prompts: list[list[int]], default_max, vocab_size: int | None,
+              least_new: int) -> list[Sampling]:
     if "max_tokens" in body and "max_completion_tokens" in body:
         raise BadRequest("give max_tokens or max_completion_tokens, not both")
     params = {_RENAME.get(k, k): v for k, v in body.items() if k in _SAMPLING}
@@ -123,7 +126,8 @@ def _sampling(body: dict, prompts: list[list[int]], default_max, vocab_size: int
     out = []
     for p in prompts:
         fits = default_max(len(p))
-        out.append(parse_sampling(params, group="", rename=shown, default_max_new=max(1, min(fits, MAX_NEW_TOKENS))))
+        out.append(parse_sampling(params, group="", rename=shown, default_max_new=max(1, min(fits, MAX_NEW_TOKENS)),
+                                  least_new=least_new))
     check_stop_ids(out, vocab_size, "stop_token_ids")
     return out
 
@@ -149,7 +153,8 @@ def parse_completion(body, encode, vocab_size: int | None, served: str) -> OpenA
                          "such lists")
     if stream and len(prompts) > 1:
         raise BadRequest("stream with several prompts is not supported; send one request per prompt")
-    return OpenAICall(False, model, prompts, _sampling(body, prompts, lambda n: 16, vocab_size), stream, usage,
+    # max_tokens 0 is a 400 here: SGLang's CompletionRequest refuses it ("max_tokens must be positive")
+    return OpenAICall(False, model, prompts, _sampling(body, prompts, lambda n: 16, vocab_size, 1), stream, usage,
                       continuous)
 
 
@@ -189,7 +194,10 @@ def parse_chat(body, chat_encode, vocab_size: int | None, served: str, room) -> 
         raise BadRequest(f"the chat template refused the messages ({type(e).__name__}: {str(e)[:120]})") from None
     if not ids:
         raise BadRequest("messages render to no tokens")
-    return OpenAICall(True, model, [ids], _sampling(body, [ids], room, vocab_size), stream, usage, continuous)
+    # max_tokens 0 is taken here, as SGLang's ChatCompletionRequest takes it (no validator; 0 new
+    # tokens). SGLang reads max_completion_tokens 0 as absent (``max_completion_tokens or max_tokens``);
+    # here it is 0 new tokens as well, as the field says
+    return OpenAICall(True, model, [ids], _sampling(body, [ids], room, vocab_size, 0), stream, usage, continuous)
 
 
 # ---------------------------------------------------------------------------------- answers

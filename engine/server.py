@@ -2,8 +2,10 @@
 
 - ``POST /generate``: text or input_ids (one prompt or a list), ``sampling_params``, ``stream``
   (SGLang's server-sent events: ``data: {cumulative text, output_ids, meta_info}`` per step, then
-  ``data: [DONE]``). The contract is :mod:`specpilot.engine.http_api`; bad requests of every kind
-  get 400 with ``{"error": {"message": ...}}``. Concurrent requests are decoded together by one
+  ``data: [DONE]``). A request for ``max_new_tokens`` 0 is answered without the engine once its
+  prompt is checked: an empty answer, ``finish_reason`` ``{"type": "length", "length": 0}``. The
+  contract is :mod:`specpilot.engine.http_api`; bad requests of every kind get 400 with
+  ``{"error": {"message": ...}}``. Concurrent requests are decoded together by one
   :class:`~specpilot.engine.batch.scheduler.BatchDecoder` on an engine thread; beyond its slots
   they wait in a bounded queue (full: 503 with ``Retry-After``). A client that goes away cancels
   its request and frees its slot at the next step.
@@ -239,14 +241,25 @@ def make_app(state: ServeState):
                                 stop_strings=sp.stop,
                                 decode=(lambda ids, s=sp: eng.decode(ids, skip_special_tokens=s.skip_special_tokens)),
                                 on_update=on_update))
+        # max_new_tokens 0 (SGLang's way to score or cache a prompt): nothing to compute, so the
+        # request never reaches the engine; its prompt is checked like any other, then it is answered
+        run = [r for r in reqs if r.max_new_tokens > 0]
         try:
-            dec.submit_all(reqs)   # all of a list request, or none; each checked first
+            for r in reqs:
+                if r.max_new_tokens == 0:
+                    check_prompt(dec, r.prompt_ids)
+            if run:
+                dec.submit_all(run)   # all of a list request, or none; each checked first
             state.live_rids.update(chosen)
         except InputError as e:    # a request the engine cannot run, or a list longer than slots + queue
             return None, refuse("bad_request", str(e), 400)
         except QueueFull as e:
             return None, refuse("queue_full" if not state.draining else "draining",
                                 f"server busy: {e}; retry later", 503, {"Retry-After": RETRY_AFTER})
+        for r in reqs:
+            if r.max_new_tokens == 0:   # SGLang's FINISH_LENGTH(length=0): no token, the answer empty
+                r.finish, r.t_done = {"type": "length", "length": 0}, time.perf_counter()
+                delivered(r, True)
         return (reqs, updates), None
 
     async def checked(request, parse):
@@ -342,6 +355,22 @@ def make_app(state: ServeState):
         return _error("requests are running or waiting; the cache was not flushed", 400)
 
     return app
+
+
+def check_prompt(dec, ids: list[int]) -> None:
+    """The decoder's check of a request (``BatchDecoder.check``) for one that asks for no new
+    token: the prompt's ids in the vocabulary, and the prompt within the context (the cache slots
+    it would take with no new token: what ``/v1/models`` gives as ``max_model_len``). InputError."""
+    vocab = dec.model.spec.vocab_size
+    if not ids:
+        raise InputError("empty prompt: give at least one token")
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise InputError(f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})")
+    need = dec.capacity_needed(len(ids), 0)
+    if need > dec.cache.max_seq:
+        raise InputError(f"prompt ({len(ids)} tokens) + 0 new tokens + draft rows need {need} cache slots; the "
+                         f"engine has {dec.cache.max_seq} (raise ctx=, --ctx on the command line)")
 
 
 def _final_status(reqs: list[Request]) -> tuple[int, str] | None:

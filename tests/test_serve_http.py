@@ -2,8 +2,9 @@
 
 Server A (tiny model, 8 slots): hundreds of concurrent clients all answered, each output equal to
 the model's own one-request greedy output; SGLang's streaming format; every kind of malformed
-request a 400 with a JSON error; sampling parameters honoured or refused by name; a client that
-leaves frees its slot; /metrics in Prometheus text; SIGTERM drains the requests in flight.
+request a 400 with a JSON error; sampling parameters honoured or refused by name; max_new_tokens 0
+answered empty among concurrent requests; a client that leaves frees its slot; /metrics in
+Prometheus text; SIGTERM drains the requests in flight.
 Server B (a tiny Llama folder whose EOS the greedy text reaches, 1 slot, queue of 1, 0.5 s grace):
 EOS and ignore_eos, 503 + Retry-After when the queue is full, SIGTERM past the grace fails the
 rest cleanly. Both exit 0.
@@ -321,6 +322,110 @@ def test_a_request_id_in_use_is_refused(server_a):
     for _ in range(2):
         r = httpx.post(url + "/generate", json={**_gen([7, 8], 2), "rid": ""}, timeout=30)
         assert r.status_code == 200 and r.json()["meta_info"]["id"]
+
+
+def _metric(text: str, name: str) -> float:
+    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    assert m, name
+    return float(m.group(1))
+
+
+def _counts(url) -> dict:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    names = [f'specpilot_requests_total{{outcome="{o}"}}' for o in ("length", "eos", "stop", "abort", "error")]
+    names += ['specpilot_rejected_requests_total{reason="bad_request"}', "specpilot_generation_tokens_total",
+              "specpilot_prompt_tokens_total", "specpilot_prefill_passes_total", "specpilot_verify_steps_total",
+              "specpilot_time_to_first_token_seconds_count", "specpilot_e2e_request_latency_seconds_count"]
+    return {n: _metric(text, n) for n in names}
+
+
+def _empty_answer(body, prompt_len):
+    assert body["text"] == "" and body["output_ids"] == []
+    meta = body["meta_info"]
+    assert meta["prompt_tokens"] == prompt_len and meta["completion_tokens"] == 0 and meta["spec_verify_ct"] == 0
+    assert meta["finish_reason"] == {"type": "length", "length": 0}
+
+
+def test_max_new_tokens_0_answers_empty_among_concurrent_requests(server_a, greedy):
+    """SGLang's ``max_new_tokens`` 0 (a client scoring or caching a prompt): the prompt checked, an
+    empty answer with finish_reason length 0, streamed as one event and [DONE]; concurrent requests
+    around it decode as before; the engine runs nothing for it; /metrics counts it as a request."""
+    url = server_a.url()
+    assert _wait_running(url, 0)
+    before = _counts(url)
+    plan = [(PROMPTS[i % 10], 0 if i % 3 == 0 else 3 + i % 4, i % 5 == 0) for i in range(60)]
+
+    async def one(c, ids, n, stream):
+        r = await c.post(url + "/generate", json={**_gen(ids, n), "stream": stream})
+        return r.status_code, ([json.loads(e[6:]) if e != "data: [DONE]" else e
+                                for e in r.text.split("\n\n") if e] if stream else r.json())
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=100)) as c:
+            return await asyncio.gather(*[one(c, *p) for p in plan])
+
+    rs = asyncio.run(main())
+    assert [code for code, _ in rs] == [200] * len(plan)
+    for (ids, n, stream), (_, got) in zip(plan, rs):
+        if stream:   # events, then [DONE]; a 0-token request has one event, the final one
+            assert got[-1] == "data: [DONE]" and (len(got) == 2 if n == 0 else len(got) >= 2)
+            got = got[-2]
+        if n == 0:
+            _empty_answer(got, len(ids))
+        else:
+            assert got["output_ids"] == greedy(ids, n) and got["meta_info"]["finish_reason"]["length"] == n
+    after = _counts(url)
+    done = sum(after[k] - before[k] for k in after if "requests_total{outcome" in k)
+    assert done == len(plan) and after['specpilot_requests_total{outcome="length"}'] - \
+        before['specpilot_requests_total{outcome="length"}'] == len(plan)
+    assert after["specpilot_generation_tokens_total"] - before["specpilot_generation_tokens_total"] == \
+        sum(n for _, n, _ in plan)
+    assert after["specpilot_prompt_tokens_total"] - before["specpilot_prompt_tokens_total"] == \
+        sum(len(ids) for ids, _, _ in plan)
+    zeros = sum(1 for _, n, _ in plan if n == 0)
+    # every request has an end-to-end latency; only those with a token have a time to first token
+    assert after["specpilot_e2e_request_latency_seconds_count"] - \
+        before["specpilot_e2e_request_latency_seconds_count"] == len(plan)
+    assert after["specpilot_time_to_first_token_seconds_count"] - \
+        before["specpilot_time_to_first_token_seconds_count"] == len(plan) - zeros
+
+    # only 0-token requests (a list, a text prompt, a stream): the engine runs no pass for them
+    before = _counts(url)
+    r = httpx.post(url + "/generate", json={"input_ids": [PROMPTS[0], PROMPTS[1]],
+                                            "sampling_params": {"max_new_tokens": 0}}, timeout=30)
+    assert r.status_code == 200 and len(r.json()) == 2
+    for body, p in zip(r.json(), PROMPTS[:2]):
+        _empty_answer(body, len(p))
+    _empty_answer(httpx.post(url + "/generate", json={"text": "hello", "sampling_params": {"max_new_tokens": 0}},
+                             timeout=30).json(), len(b"hello"))
+    after = _counts(url)
+    for k in ("specpilot_prefill_passes_total", "specpilot_verify_steps_total", "specpilot_generation_tokens_total"):
+        assert after[k] == before[k], k
+    # a list with 0 beside a real request: each answered as asked, in order
+    r = httpx.post(url + "/generate", json={"input_ids": [PROMPTS[2], PROMPTS[3]],
+                                            "sampling_params": [{"max_new_tokens": 0}, {"max_new_tokens": 5}]},
+                   timeout=60).json()
+    _empty_answer(r[0], len(PROMPTS[2]))
+    assert r[1]["output_ids"] == greedy(PROMPTS[3], 5)
+    # its rid is free again once answered
+    for _ in range(2):
+        r = httpx.post(url + "/generate", json={**_gen([7, 8], 0), "rid": "score-me"}, timeout=30)
+        assert r.status_code == 200 and r.json()["meta_info"]["id"] == "score-me"
+
+    # the prompt is checked as for any request: the context, the vocabulary; a negative count is refused
+    room = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["max_model_len"]
+    assert httpx.post(url + "/generate", json=_gen([1] * room, 0), timeout=30).status_code == 200
+    refused = _counts(url)['specpilot_rejected_requests_total{reason="bad_request"}']
+    cases = ((_gen([1] * (room + 1), 0), f"prompt ({room + 1} tokens) + 0 new tokens + draft rows need"),
+             ({**_gen([1] * (room + 1), 0), "stream": True}, "cache slots"),
+             (_gen([1] * (room + 1), 1), f"prompt ({room + 1} tokens) + 1 new tokens + draft rows need"),
+             (_gen([1, 999], 0), "token id 999 is outside the vocabulary"),
+             ({"input_ids": [[1, 2], [3, 999]], "sampling_params": {"max_new_tokens": 0}}, "999"),
+             (_gen([1, 2], -1), "sampling_params.max_new_tokens must be an integer in [0, "))
+    for body, words in cases:
+        r = httpx.post(url + "/generate", json=body, timeout=30)
+        assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+    assert _counts(url)['specpilot_rejected_requests_total{reason="bad_request"}'] - refused == len(cases)
 
 
 def _completion(url, **body):
@@ -721,6 +826,18 @@ def test_openai_chat_completions_use_the_chat_template(chat_model):
         n = r3["usage"]["completion_tokens"]
         assert r3["choices"][0]["finish_reason"] in ("length", "stop") and n > 10
         assert len(ids) + n + 3 + 2 <= 96 + 3   # within the context, draft rows included
+        # max_tokens 0, as SGLang's chat route takes it (max_completion_tokens 0 too): an empty answer
+        for key in ("max_tokens", "max_completion_tokens"):
+            r4 = httpx.post(url + "/v1/chat/completions", json={"messages": msgs, key: 0}, timeout=30).json()
+            assert r4["choices"][0]["message"] == {"role": "assistant", "content": ""}
+            assert r4["choices"][0]["finish_reason"] == "length"
+            assert r4["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
+        ev = _events(httpx.post(url + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 0, "stream": True,
+                                                                     "stream_options": {"include_usage": True}},
+                                timeout=30))
+        assert len(ev) == 2 and ev[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert ev[0]["choices"][0]["finish_reason"] == "length" and ev[1]["choices"] == []
+        assert ev[1]["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
         for bad, words in [({"messages": [{"role": "robot", "content": "x"}]}, "role among"),
                            ({"messages": [{"role": "user", "content": 3}]}, "content must be a string"),
                            ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "unsupported fields"),
@@ -730,7 +847,10 @@ def test_openai_chat_completions_use_the_chat_template(chat_model):
                            ({"messages": msgs, "tools": [{"type": "function"}]}, "does not support tools"),
                            ({"messages": msgs, "response_format": {"type": "json_object"}},
                             "does not support response_format"),
-                           ({"messages": msgs, "prompt": "x"}, "unknown request fields: prompt")]:
+                           ({"messages": msgs, "prompt": "x"}, "unknown request fields: prompt"),
+                           ({"messages": msgs, "max_tokens": -1}, "max_tokens must be an integer in [0, "),
+                           ({"messages": [{"role": "user", "content": "long " * 100}], "max_tokens": 0},
+                            "+ 0 new tokens + draft rows need")]:
             r = httpx.post(url + "/v1/chat/completions", json=bad, timeout=30)
             assert r.status_code == 400 and words in r.json()["error"]["message"], (bad, r.text)
         code, _ = s.stop()

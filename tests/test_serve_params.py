@@ -1,0 +1,102 @@
+"""``specpilot serve``'s request parsing, without a server: ``max_new_tokens`` 0 and its OpenAI names.
+
+SGLang takes ``max_new_tokens`` 0 on ``/generate`` (``SamplingParams.verify`` refuses only a
+negative value) and ``max_tokens`` 0 on ``/v1/chat/completions`` (no validator), and refuses
+``max_tokens`` 0 on ``/v1/completions`` (``CompletionRequest``'s "max_tokens must be positive").
+A request for no token is checked like any other: its prompt within the context.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from specpilot.engine import openai_api as oa
+from specpilot.engine.http_api import BadRequest, parse_generate, parse_sampling
+from specpilot.engine.server import check_prompt
+from specpilot.errors import InputError
+
+
+def _bytes(text: str) -> list[int]:
+    return list(text.encode())
+
+
+def test_generate_takes_max_new_tokens_0():
+    call = parse_generate({"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 0}}, vocab_size=256)
+    assert call.sampling[0].max_new_tokens == 0 and call.prompts == [[1, 2, 3]]
+    call = parse_generate({"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": 0}}, _bytes, 256)
+    assert call.stream and call.sampling[0].max_new_tokens == 0 and call.prompts == [[104, 105]]
+    # one per prompt in a list: 0 beside others
+    call = parse_generate({"input_ids": [[1], [2, 3]], "sampling_params": [{"max_new_tokens": 0},
+                                                                        {"max_new_tokens": 5}]}, vocab_size=256)
+    assert [s.max_new_tokens for s in call.sampling] == [0, 5]
+    # absent: SGLang's 128
+    assert parse_sampling({}).max_new_tokens == 128
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True, "0", 1 << 21])
+def test_generate_refuses_other_max_new_tokens_by_name(value):
+    with pytest.raises(BadRequest, match=r"sampling_params\.max_new_tokens must be an integer in \[0, "):
+        parse_generate({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": value}}, vocab_size=256)
+
+
+def test_the_prompt_of_a_0_token_request_is_still_checked():
+    with pytest.raises(BadRequest, match="outside the vocabulary"):
+        parse_generate({"input_ids": [1, 999], "sampling_params": {"max_new_tokens": 0}}, vocab_size=256)
+    with pytest.raises(BadRequest, match="non-empty list"):
+        parse_generate({"input_ids": [], "sampling_params": {"max_new_tokens": 0}}, vocab_size=256)
+    with pytest.raises(BadRequest, match="non-empty string"):
+        parse_generate({"text": "", "sampling_params": {"max_new_tokens": 0}}, _bytes, 256)
+
+
+def test_check_prompt_is_the_decoders_check_with_no_new_token():
+    # capacity_needed(prompt, new) = prompt + new + 5 draft rows: 15 prompt tokens fit 20 slots, 16 do not
+    dec = SimpleNamespace(model=SimpleNamespace(spec=SimpleNamespace(vocab_size=10)),
+                          capacity_needed=lambda n, m: n + m + 5, cache=SimpleNamespace(max_seq=20))
+    check_prompt(dec, [1] * 15)
+    with pytest.raises(InputError, match=r"prompt \(16 tokens\) \+ 0 new tokens \+ draft rows need 21 cache slots; "
+                                         r"the engine has 20"):
+        check_prompt(dec, [1] * 16)
+    with pytest.raises(InputError, match="token id 10 is outside the vocabulary"):
+        check_prompt(dec, [1, 10])
+    with pytest.raises(InputError, match="empty prompt"):
+        check_prompt(dec, [])
+
+
+@pytest.mark.parametrize("key", ["max_tokens", "max_completion_tokens"])
+def test_completions_refuse_0_as_sglang_does(key):
+    with pytest.raises(BadRequest, match=rf"^{key} must be an integer in \[1, "):
+        oa.parse_completion({"prompt": [1, 2], key: 0}, None, 256, "tiny")
+    assert oa.parse_completion({"prompt": [1, 2], key: 1}, None, 256, "tiny").sampling[0].max_new_tokens == 1
+    assert oa.parse_completion({"prompt": [1, 2]}, None, 256, "tiny").sampling[0].max_new_tokens == 16
+
+
+@pytest.mark.parametrize("key", ["max_tokens", "max_completion_tokens"])
+def test_chat_takes_0_as_sglang_does(key):
+    msgs = [{"role": "user", "content": "hi"}]
+    encode = lambda m: [3, 4, 5]   # noqa: E731
+    call = oa.parse_chat({"messages": msgs, key: 0}, encode, 256, "tiny", lambda n: 100)
+    assert call.sampling[0].max_new_tokens == 0 and call.prompts == [[3, 4, 5]]
+    call = oa.parse_chat({"messages": msgs, key: 0, "stream": True, "stream_options": {"include_usage": True}},
+                         encode, 256, "tiny", lambda n: 100)
+    assert call.stream and call.include_usage and call.sampling[0].max_new_tokens == 0
+    with pytest.raises(BadRequest, match=rf"^{key} must be an integer in \[0, "):
+        oa.parse_chat({"messages": msgs, key: -1}, encode, 256, "tiny", lambda n: 100)
+    # absent: what fits (and at least 1 when nothing does: the decoder's check then says why not)
+    assert oa.parse_chat({"messages": msgs}, encode, 256, "tiny", lambda n: 100).sampling[0].max_new_tokens == 100
+    assert oa.parse_chat({"messages": msgs}, encode, 256, "tiny", lambda n: -4).sampling[0].max_new_tokens == 1
+
+
+def test_an_empty_chat_answer_and_its_stream_chunk():
+    call = oa.parse_chat({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0, "stream": True},
+                         lambda m: [3, 4], 256, "tiny", lambda n: 100)
+    answer = {"text": "", "meta_info": {"prompt_tokens": 2, "completion_tokens": 0,
+                                        "finish_reason": {"type": "length", "length": 0}}}
+    body = oa.response(call, [answer])
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": ""}
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 0, "total_tokens": 2}
+    chunk = oa.chunk(call, "", "length", first=True)
+    assert chunk["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunk["choices"][0]["finish_reason"] == "length"
