@@ -162,14 +162,20 @@ class Policy:
 
     # ---- the work ----
     def tau(self, step: StepView) -> int:
+        return self.verify(step)[0]
+
+    def verify(self, step: StepView) -> tuple[int, int | None]:
+        """(tau, nodes of the tree the policy built) for one step: fewer than its budget N where
+        the step's lattice has fewer candidates (or an eagle2 depth beyond its positions); None
+        for ``oracle``, which builds no tree."""
+        if self.family == "oracle":
+            return oracle_tau(step, self.k), None
         if self.family in ("shared", "adaptive"):   # replay runs them over the whole batch; alone in its
             # batch and without a history, the request keeps its whole draft: a best-first tree
-            return accept_length(best_first_tree(step, self.nodes), step.target) + 1
-        if self.family == "oracle":
-            return oracle_tau(step, self.k)
-        if self.family == "tlv":
-            return accept_length(tlv_tree(step, self.nodes), step.target) + 1
-        return accept_length(self.tree(step), step.target) + 1
+            tree = best_first_tree(step, self.nodes)
+        else:
+            tree = self.tree(step)
+        return accept_length(tree, step.target) + 1, len(tree)
 
     def tree(self, step: StepView) -> Tree:
         if self.family == "chain":

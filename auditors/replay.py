@@ -230,10 +230,11 @@ def read_lattice(path) -> Lattice:
 @dataclass
 class PolicyResult:
     policy: str
-    nodes: int | None
+    nodes: int | None               # the budget N (chain: its positions, cut to m); None for oracle
     tau: float
     tau_ci: tuple[float, float]
     accepted_hist: list[int] = field(default_factory=list)  # steps by tau value 1..m+1
+    built: float | None = None      # nodes the trees held, mean over steps (below N on a small lattice)
 
 
 @dataclass
@@ -252,8 +253,8 @@ class ReplayResult:
         d = {"schema": REPLAY_SCHEMA, "lattice": self.lattice, "steps": self.steps,
              "requests": self.requests, "positions": self.m, "candidates": self.k,
              "transitions": self.transitions,
-             "policies": [{"policy": p.policy, "nodes": p.nodes, "tau": p.tau, "tau_ci": list(p.tau_ci),
-                           "tau_hist": p.accepted_hist} for p in self.policies]}
+             "policies": [{"policy": p.policy, "nodes": p.nodes, "nodes_built": p.built, "tau": p.tau,
+                           "tau_ci": list(p.tau_ci), "tau_hist": p.accepted_hist} for p in self.policies]}
         if self.curves is not None:
             d["curves"] = self.curves
         if self.rank_accept is not None:
@@ -284,20 +285,24 @@ def replay(lattice: Lattice, policies: Sequence[Policy | str], nodes: Sequence[i
     bf_max = max([p.nodes for p in pols if p.family == "best-first"]
                  + ([max(nodes)] if nodes and any(p.family == "best-first" for p in pols) else []), default=0)
     bf_paths: list[list[int]] | None = None
+    bf_sizes: list[int] = []
 
-    def best_first_tau(s_idx: int, n: int) -> int:
+    def best_first_tau(s_idx: int, n: int) -> tuple[int, int]:
+        """(tau, nodes) of the best-first tree of budget n: the first n nodes of the largest one."""
         nonlocal bf_paths
         if bf_paths is None:
             from specpilot.kernels.tree import accept_greedy
 
             from .policies import best_first_tree
 
-            bf_paths = [accept_greedy(best_first_tree(st, bf_max), st.target)[0] for st in lattice.steps]
+            trees = [best_first_tree(st, bf_max) for st in lattice.steps]
+            bf_paths = [accept_greedy(t, st.target)[0] for t, st in zip(trees, lattice.steps)]
+            bf_sizes[:] = [len(t) for t in trees]
         path = bf_paths[s_idx]
         k = 0
         while k < len(path) and path[k] < n:
             k += 1
-        return k + 1
+        return k + 1, min(n, bf_sizes[s_idx])
 
     # a batched run's rows say which requests its decoder verified together; other lattices are
     # taken as a static batch (the requests' steps of one index verify together)
@@ -305,12 +310,12 @@ def replay(lattice: Lattice, policies: Sequence[Policy | str], nodes: Sequence[i
     for i, s in enumerate(lattice.steps):
         batches.setdefault((0, s.batch_step) if s.batch_step is not None else (1, s.step), []).append(i)
 
-    def batch_taus(n: int, adaptive: bool) -> list[int]:
+    def batch_taus(n: int, adaptive: bool) -> list[tuple[int, int]]:
         """Each batch (``batches``) shares n nodes per request (paper 4.4), built by the batch
         engine's own rules (``specpilot.engine.batch.rules``: each request's share at most
         ``SHARED_CAP`` x n nodes). ``adaptive`` (the engine's default ``block``): first each
         request's block of draft positions from its recent accepted lengths and its draft's
-        confidence, and the positions past it cut."""
+        confidence, and the positions past it cut. Per step: (tau, nodes of its request's tree)."""
         import collections
 
         import torch
@@ -321,7 +326,7 @@ def replay(lattice: Lattice, policies: Sequence[Policy | str], nodes: Sequence[i
 
         sizes = rules.block_sizes(m)
         recent: dict = collections.defaultdict(lambda: collections.deque(maxlen=rules.BLOCK_WINDOW))
-        out = [0] * len(lattice.steps)
+        out = [(0, 0)] * len(lattice.steps)
         for key in sorted(batches):   # a request's blocks depend on its earlier steps
             idx = batches[key]
             sts = [lattice.steps[i] for i in idx]
@@ -346,42 +351,44 @@ def replay(lattice: Lattice, policies: Sequence[Policy | str], nodes: Sequence[i
                 lp, tr = rules.cut_blocks(lp, tr, rules.choose_blocks(ring, rules.draft_confidence(lp), sizes))
             trees = rules.build_trees(tok, lp, tr, n, "shared", requests=len(sts))
             for j, (i, st) in enumerate(zip(idx, sts)):
-                accepted = len(accept_greedy(trees.request(j), st.target)[0])
+                tree = trees.request(j)
+                accepted = len(accept_greedy(tree, st.target)[0])
                 recent[_req_key(st.request)].append(float(accepted))
-                out[i] = accepted + 1
+                out[i] = (accepted + 1, len(tree))
         return out
 
     cap = np.array([s.remaining if s.remaining is not None else np.inf for s in lattice.steps], dtype=np.float64)
 
     def run(p: Policy) -> PolicyResult:
-        taus = []
+        taus, sizes = [], []
         shared = batch_taus(p.nodes, p.family == "adaptive") if p.family in ("shared", "adaptive") else None
         for i, s in enumerate(lattice.steps):
             if shared is not None:
-                taus.append(shared[i])
+                tau, size = shared[i]
+            elif p.family == "best-first":
+                tau, size = best_first_tau(i, p.nodes)
             else:
-                taus.append(best_first_tau(i, p.nodes) if p.family == "best-first" else p.tau(s))
+                tau, size = p.verify(s)
+            taus.append(tau)
+            sizes.append(size)
             if tick:
                 tick()
         # a step delivers no more than its request had left (the run's token limit or EOS)
         t = np.minimum(np.array(taus, dtype=np.float64), cap)
         # a TLV cycle can accept past the lattice's m positions (C, then the second draft)
         hist = np.bincount(t.astype(int), minlength=m + 2)[1:max(m + 2, int(t.max()) + 1)].tolist()
+        built = None if any(x is None for x in sizes) else float(np.mean(sizes))
         return PolicyResult(p.spec, p.node_count(m), float(t.mean()),
-                            bootstrap_mean_ci(t, groups, n_boot, seed), hist)
+                            bootstrap_mean_ci(t, groups, n_boot, seed), hist, built)
 
     results = [run(p) for p in pols]
     curves = None
     if nodes:
         curves = {}
-        for p in pols:
-            key = p.curve_key
-            if key is None or key in curves:
-                continue
-            # a chain cannot use more nodes than draft positions; a family left with no budget has no curve
-            curve = {str(n): run(p.with_nodes(n)).tau for n in nodes if not (p.family == "chain" and n > m)}
-            if curve:
-                curves[key] = curve
+        for p, budgets in curve_budgets(pols, nodes, m):
+            curve = {str(n): run(p.with_nodes(n)).tau for n in budgets}
+            if curve:   # a family left with no budget has no curve
+                curves[p.curve_key] = curve
     rank = None
     if any(p.family == "sequoia" for p in pols):
         rank = [float(x) for x in next(p for p in pols if p.family == "sequoia").rank_accept]
@@ -434,9 +441,23 @@ def parse_nodes(text: str | None) -> list[int] | None:
     return sorted(set(out))
 
 
+def curve_budgets(policies: Sequence[Policy], nodes: Sequence[int] | None, m: int) -> list[tuple[Policy, list[int]]]:
+    """The tau(N) curves :func:`replay` computes: the first policy of each family with a curve, and
+    the budgets of ``nodes`` it replays (a chain cannot use more nodes than the m draft positions)."""
+    out, seen = [], set()
+    for p in policies:
+        key = p.curve_key
+        if key is None or key in seen or not nodes:
+            continue
+        seen.add(key)
+        out.append((p, [n for n in nodes if not (p.family == "chain" and n > m)]))
+    return out
+
+
 def total_work(lattice: Lattice, policies: Sequence[Policy], nodes: Sequence[int] | None) -> int:
-    n_curves = len({p.curve_key for p in policies if p.curve_key}) * len(nodes or [])
-    return len(lattice.steps) * (len(policies) + n_curves)
+    """Steps :func:`replay` goes through (its ``tick`` calls): every policy's, then every curve point's."""
+    points = sum(len(b) for _, b in curve_budgets(policies, nodes, lattice.m))
+    return len(lattice.steps) * (len(policies) + points)
 
 
 

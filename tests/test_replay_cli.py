@@ -471,3 +471,60 @@ def test_a_chain_longer_than_the_lattice_says_so(tmp_path, run_cli):
     assert "chain:2 is cut" not in out
     code, out, _ = run_cli("replay", lat, "--policy", "chain:100", "--format", "json")
     assert json.loads(out)["policies"][0]["nodes"] == 3
+
+
+def test_a_small_lattice_reports_the_nodes_its_trees_hold(tmp_path, run_cli):
+    """m=2 x K=3 holds 3 + 9 = 12 nodes: best-first:32 and the batch policies build 12, not 32; an
+    eagle2 depth of 8 is cut to the 2 positions (2 + 2 x 2 = 6 nodes), which a note says; the chain
+    builds its m; oracle builds no tree."""
+    lat = write(tmp_path / "l.jsonl", synthetic_rows(requests=2, steps=3, m=2, k=3))
+    pols = "chain,best-first:32,marginal:32,shared:32,adaptive:32,eagle2:2,8,32,sequoia:32,oracle:3"
+    code, out, err = run_cli("replay", lat, "--policy", pols, "--format", "json")
+    assert code == 0, err
+    got = {p["policy"]: (p["nodes"], p["nodes_built"]) for p in json.loads(out)["policies"]}
+    assert got == {"chain": (2, 2.0), "best-first:32": (32, 12.0), "marginal:32": (32, 12.0),
+                   "shared:32": (32, 12.0), "adaptive:32": (32, 12.0), "eagle2:2,8,32": (32, 6.0),
+                   "sequoia:32": (32, 12.0), "oracle:3": (None, None)}
+    code, out, err = run_cli("replay", lat, "--policy", "best-first:32,eagle2:2,8,32,eagle2:2,2,4")
+    assert code == 0, err
+    assert "built (mean)" in out.splitlines()[1]
+    row = next(x for x in out.splitlines() if x.startswith("best-first:32")).split()
+    assert row[1:3] == ["32", "12.0"]
+    assert "eagle2:2,8,32 is cut to the lattice's 2 draft positions (depth 2)" in out
+    assert "eagle2:2,2,4 is cut" not in out
+
+
+def test_a_ragged_step_builds_what_its_candidates_allow(tmp_path):
+    """Step 0 has 1 + 2 candidates (3 nodes at most), step 1 has no draft: best-first:8 builds 1.5
+    nodes a step on average."""
+    rows = [dict(HAND, tokens=[[10], [20, 21]], logprobs=[[-0.1], [-0.2, -0.3]], target=[10, 20, 5]),
+            dict(HAND, step=1, tokens=[], logprobs=[], target=[7])]
+    res = replay(read_lattice(write(tmp_path / "l.jsonl", rows)), ["best-first:8", "chain"])
+    assert [(p.nodes, p.built) for p in res.policies] == [(8, 1.5), (2, 1.0)]
+
+
+def test_the_progress_total_is_the_work_done(tmp_path, run_cli, monkeypatch):
+    """The bar's total counts only the curve budgets replayed: a chain has none above m (here 3 of
+    --nodes 2,8,16), and a family's curve is computed once however many of its policies are given."""
+    import specpilot.output
+
+    lat = write(tmp_path / "l.jsonl", synthetic_rows(requests=2, steps=3, m=3, k=4))
+    bars = []
+
+    class Bar:
+        def __init__(self, total, **_):
+            self.total, self.n = total, 0
+            bars.append(self)
+
+        def update(self, k):
+            self.n += k
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(specpilot.output, "progress", lambda *a, **kw: Bar(**kw))
+    code, _, err = run_cli("replay", lat, "--policy", "chain,chain:2,best-first:4,best-first:8,oracle:4",
+                           "--nodes", "2,8,16")
+    assert code == 0, err
+    # 6 steps x (5 policies + chain at N=2 + best-first at N=2, 8, 16)
+    assert [(b.total, b.n) for b in bars] == [(6 * 9, 6 * 9)]

@@ -65,6 +65,8 @@ def command(lattice, policies, nodes, calibration, n_boot, seed, fmt, out):
         bar.close()
     notes = [f"{p.spec} is cut to the lattice's {count(result.m, 'draft position')} (nodes {result.m})"
              for p in parsed if p.family == "chain" and p.nodes is not None and p.nodes > result.m]
+    notes += [f"{p.spec} is cut to the lattice's {count(result.m, 'draft position')} (depth {result.m})"
+              for p in parsed if p.family == "eagle2" and p.depth > result.m]
     if node_list and any(p.family == "chain" for p in parsed) and "chain" not in result.curves:
         notes.append(f"chain: no tau(N) curve: every --nodes budget is above the lattice's {result.m} draft positions")
     emit(_report(result, notes), fmt, out, protect=[lattice] + ([calibration] if calibration else []))
@@ -72,12 +74,12 @@ def command(lattice, policies, nodes, calibration, n_boot, seed, fmt, out):
 
 
 def _report(result, notes=()) -> Report:
-    rows = [[p.policy, p.nodes if p.nodes is not None else "-", p.tau,
-             f"[{p.tau_ci[0]:.3f}, {p.tau_ci[1]:.3f}]"] for p in result.policies]
+    rows = [[p.policy, p.nodes if p.nodes is not None else "-", f"{p.built:.1f}" if p.built is not None else "-",
+             p.tau, f"[{p.tau_ci[0]:.3f}, {p.tau_ci[1]:.3f}]"] for p in result.policies]
     sections = [Section(f"tau per policy ({count(result.steps, 'step')}, {count(result.requests, 'request')}, "
                         f"m={count(result.m, 'position')} x K={count(result.k, 'candidate')}, "
                         f"{'parent-conditioned' if result.transitions else 'marginal'} scores)",
-                        ["policy", "nodes", "tau", "95% CI (requests resampled)"], rows)]
+                        ["policy", "nodes", "built (mean)", "tau", "95% CI (requests resampled)"], rows)]
     if result.curves:
         ns = sorted({int(n) for c in result.curves.values() for n in c})
         crow = [[k] + [c.get(str(n)) for n in ns] for k, c in result.curves.items()]
