@@ -382,22 +382,46 @@ def compute_ceiling(req: CeilingRequest) -> CeilingResult:
     other = probe_model_mismatch(req.rows_probe, model)
     if other:
         res.warnings.append(other)
-    mismatch = rows_mismatch(req.policy, cost_rows, m) if cost is not None and req.replay else None
+    mismatch = (rows_mismatch(req.policy, cost_rows, m, req.rows_probe, res.by_nodes)
+                if cost is not None and req.replay else None)
     if mismatch:
         res.warnings.append(mismatch)
     return res
 
 
-def rows_mismatch(policy: str, cost_rows: int | None, m: Measurements) -> str | None:
+def rows_mismatch(policy: str, cost_rows: int | None, m: Measurements, probe: RowsProbeFigures | None = None,
+                  by_nodes: list[dict] | None = None) -> str | None:
     """A warning when the cost model divides the tau of ``policy`` (a replay policy with a node
-    budget) by a step of another row count taken from a rows probe (``--rows``, default 1)."""
+    budget) by a step of another row count taken from a rows probe (``--rows``, default 1). Its
+    advice is what works here: ``--rows N + 1`` where the probe timed N + 1 rows; else the step
+    linear between the probe's counts around it (as ``ceiling --check`` interpolates) for
+    ``--step-ms``, and the ``probe rows`` command that times it; the by-node table's row only
+    where that table is printed with it."""
     budget = policy.partition(":")[2].split(",")[-1]
     if not budget.isdigit() or cost_rows is None or int(budget) + 1 == cost_rows \
             or not m.sources.get("step_ms", "").startswith("rows probe"):
         return None
-    return (f"the cost model pairs {policy}'s tau with the {cost_rows}-row step (--rows {cost_rows}); the policy "
-            f"verifies {budget} nodes and the pending token a step, {int(budget) + 1} rows: give "
-            f"--rows {int(budget) + 1}, or read its row of the by-node table")
+    want = int(budget) + 1
+    head = (f"the cost model pairs {policy}'s tau with the {cost_rows}-row step (--rows {cost_rows}); the policy "
+            f"verifies {budget} nodes and the pending token a step, {want} rows: ")
+    table = any(r["nodes"] == int(budget) and r["policy"] in (policy, policy.partition(":")[0])
+                for r in by_nodes or [])
+    if probe is None or want in probe.step_ms:
+        return head + f"give --rows {want}" + (", or read its row of the by-node table" if table else "")
+    timed = sorted(probe.step_ms)
+    rows_arg = ",".join(str(n) for n in sorted(set(timed) | {want}))
+    model = f" --model {probe.model}" if probe.model else ""
+    advice = [f"the probe timed {','.join(str(n) for n in timed)} rows, not {want}"]
+    if timed[0] < want < timed[-1]:
+        lo, hi = max(n for n in timed if n < want), min(n for n in timed if n > want)
+        ms = step_time(want, probe.step_ms)
+        advice.append(f"linear between its {lo}- and {hi}-row steps (as ceiling --check interpolates) T_step({want}) "
+                      f"is {ms:.4g} ms: give --rows {want} --step-ms {ms:.4g}")
+    advice.append(f"or time {want} rows with specpilot probe rows{model} --rows {rows_arg} (and the probe's other "
+                  f"options), then give --rows {want}")
+    if table:
+        advice.append("or read its row of the by-node table")
+    return head + "; ".join(advice)
 
 
 TLV_TERMS = ("draft1", "qpass", "draft2", "exact", "append")

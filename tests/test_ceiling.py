@@ -250,6 +250,42 @@ def test_a_policys_tau_over_a_step_of_other_rows_is_flagged(run_cli, tmp_path):
     assert doc["warnings"] == []   # no node budget to compare
 
 
+def test_rows_mismatch_advice_works_where_the_probe_lacks_the_rows(run_cli, tmp_path):
+    """The warning's advice is one that runs: a probe without N + 1 rows gets the interpolated step
+    for --step-ms and the probe rows command that times them, never a bare --rows N + 1 (refused),
+    and the by-node table only where it is printed."""
+    replay = tmp_path / "replay.json"
+    replay.write_text(json.dumps({"schema": "specpilot.replay/1", "policies": [
+        {"policy": "chain", "tau": 1.5}, {"policy": "best-first:16", "tau": 1.7}]}))
+    rows = tmp_path / "rows.json"
+    rows.write_text(json.dumps({"schema": "specpilot.rows/1", "model": "smollm2-135m", "ar_ms": 10.0,
+                                "ar_path": "fused", "warnings": [],
+                                "points": [{"rows": r, "step_ms": 10 + 0.1 * r} for r in (1, 2, 4, 8, 16, 32)]}))
+    args = ("ceiling", "--replay", replay, "--rows-probe", rows, "--policy", "best-first:16")
+    code, out, err = run_cli(*args, "--rows", "8")
+    assert code == 0, err
+    (warning,) = [line for line in out.splitlines() if line.startswith("warning:")]
+    assert "17 rows: the probe timed 1,2,4,8,16,32 rows, not 17" in warning, warning
+    assert "give --rows 17 --step-ms 11.7" in warning and "by-node table" not in warning, warning
+    assert "specpilot probe rows --model smollm2-135m --rows 1,2,4,8,16,17,32" in warning, warning
+    code, out, err = run_cli(*args, "--rows", "17", "--step-ms", "11.7", "--format", "json")
+    assert code == 0 and json.loads(out)["cost_model"]["c"] == pytest.approx(1.17), err
+    # beyond the probed counts nothing is interpolated: only the probe command is offered
+    rows.write_text(json.dumps({"schema": "specpilot.rows/1", "ar_ms": 10.0, "ar_path": "fused", "warnings": [],
+                                "points": [{"rows": r, "step_ms": 10 + 0.1 * r} for r in (1, 2, 4, 8)]}))
+    warning = json.loads(run_cli(*args, "--rows", "8", "--format", "json")[1])["warnings"][0]
+    assert "--step-ms" not in warning and "specpilot probe rows --rows 1,2,4,8,17 " in warning, warning
+    # the by-node table is named where it is printed with the policy's row
+    replay.write_text(json.dumps({"schema": "specpilot.replay/1", "policies": [
+        {"policy": "chain", "tau": 1.5}, {"policy": "best-first:16", "tau": 1.7}],
+        "curves": {"best-first": {"16": 1.7}}}))
+    rows.write_text(json.dumps({"schema": "specpilot.rows/1", "ar_ms": 10.0, "ar_path": "fused", "warnings": [],
+                                "points": [{"rows": r, "step_ms": 10 + 0.1 * r} for r in (1, 8, 17)]}))
+    code, out, err = run_cli(*args, "--rows", "8")
+    assert code == 0 and "Predicted speedup by node budget" in out, err
+    assert "give --rows 17, or read its row of the by-node table" in out, out
+
+
 def test_cli_rows_probe_ar_path_and_its_warnings(run_cli, tmp_path):
     """A probe that says which AR step T_AR is gives no warning of its own; one that does not (older
     files), or that carries the probe's warning, is flagged: c(N) is only as honest as T_AR."""
