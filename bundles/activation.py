@@ -165,7 +165,11 @@ def parse_settings(pairs, entries: dict[str, mem.Entry], ids: list[str]) -> dict
             raise InputError(f"--set {name}: not a variant of the applied bundles (known: {known})")
         owner, var = registry[name]
         # a text variant (a folder name) takes the text as written: YAML would read "" as null, "1" as 1
-        value = raw if isinstance(var.default, str) and var.choices is None else yaml.safe_load(raw)
+        try:
+            value = raw if isinstance(var.default, str) and var.choices is None else yaml.safe_load(raw)
+        except yaml.YAMLError as e:   # the parser's own reason, without its dump of the text and marks
+            reason = getattr(e, "problem", None) or " ".join(str(e).split())[:120]
+            raise InputError(f"--set {name}={raw}: not valid YAML ({reason})") from None
         check_setting(name, value, owner, var, f"--set {name}={raw}")
         values[name] = value
     return values

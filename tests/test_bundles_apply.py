@@ -252,6 +252,8 @@ def test_missing_sglang_and_missing_specpilot(run_cli, tmp_path):
     (["apply", "batching", "--dry-run", "--set", "block_sizes=[0]"], "block_sizes=[0]: each item must be a number in"),
     (["apply", "batching", "--dry-run", "--set", "block_sizes=[3,5,7]"], "must list its items largest first"),
     (["apply", "batching", "--dry-run", "--set", "block_sizes=[12,12]"], "must list its items largest first"),
+    (["apply", "batching", "--dry-run", "--set", "block_sizes=[7,5"],
+     "--set block_sizes=[7,5: not valid YAML (expected ',' or ']', but got '<stream end>')"),
     (["apply", "tree", "--python", ""], "--python: empty path"),
     (["status", "--python", ""], "--python: empty path"),
     (["revert", "--python", ""], "--python: empty path"),
