@@ -73,3 +73,19 @@ def test_a_group_without_a_subcommand_prints_its_help(run_cli, group):
     code, out, err = run_cli(*group)
     assert code == 0 and err == "", err
     assert out.startswith(f"Usage: {' '.join(('specpilot',) + group)} [OPTIONS] COMMAND") and "\nCommands:\n" in out
+
+
+def test_a_bad_model_is_refused_before_the_engine_banner(tmp_path):
+    """The model argument is checked before the CPU engine's thread banner: a bad one is one line
+    alone (a fresh process each: the banner is printed once per process)."""
+    (tmp_path / "noconfig").mkdir()
+    (tmp_path / "empty.json").write_text("")
+    for model, words in (("nosuch", "unknown model 'nosuch'"),
+                         ("llama-3.1-8b", "is a catalog config with no weights; add --random-weights"),
+                         (tmp_path / "noconfig", "folder has no config.json"),
+                         (tmp_path / "empty.json", "not valid JSON")):
+        proc = subprocess.run([sys.executable, "-m", "specpilot", "probe", "rows", "--model", str(model), "--device",
+                               "cpu", "--rows", "1,2"], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+        assert proc.stderr.startswith("specpilot: error: ") and proc.stderr.count("\n") == 1, proc.stderr
+        assert words in proc.stderr, proc.stderr

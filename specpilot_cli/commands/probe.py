@@ -54,6 +54,7 @@ def rows(rows_text, context, reps, warmup, qview, fmt, out, **kw):
     says when a faster AR step exists. On a GPU each N is a CUDA graph timed with CUDA events
     (median); on the CPU a wall clock.
     """
+    from specpilot.engine.api import resolve_model
     from specpilot.engine.batch.probe import probe_rows_batched
     from specpilot.engine.rows import default_device, probe_rows
     from specpilot.options import parse_int_list
@@ -66,6 +67,9 @@ def rows(rows_text, context, reps, warmup, qview, fmt, out, **kw):
         raise InputError("--qview times one request's Q pass; leave out --batch (or --qview)")
     if qview and max(row_list) < 2:
         raise InputError("--qview times the Q pass at N of 2 rows or more; --rows has none")
+    # the model argument is checked as the engine resolves it before the engine's CPU thread banner:
+    # an unknown name, a catalog config without --random-weights or a bad config is one line alone
+    resolve_model(spec.model, spec.random)
     if spec.batch > 1:
         res = probe_rows_batched(spec, row_list, context, reps=reps, warmup=warmup, progress=progress)
     else:
