@@ -67,27 +67,75 @@ def render(item: dict, results_dir: str | Path, where: str = "evidence") -> Rend
 
 def problems(entry, results_dir: str | Path | None) -> list[str]:
     """Why ``entry``'s evidence is not what its results files say (empty when it is)."""
-    out = []
+    return check(entry, results_dir).problems
+
+
+@dataclass
+class EvidenceCheck:
+    """One entry's measured evidence against its results files. ``status``: ``current``, ``none measured``
+    (no measured item), ``not checked`` (no results folder), else what is wrong, worst first, of
+    ``missing`` (a results file it names is not in the folder), ``unsourced`` (figures without a
+    results file) and ``stale`` (the text or hardware no longer what the file gives, or a value the
+    file does not hold)."""
+
+    status: str
+    problems: list[str]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def _subjects(item: dict) -> list[str]:
+    """The results subjects a measured item reads: its ``source`` and any value's own."""
+    out = [item["source"]]
+    for spec in (item.get("values") or {}).values():
+        if isinstance(spec, dict) and isinstance(spec.get("source"), str) and spec["source"] not in out:
+            out.append(spec["source"])
+    return out
+
+
+def check(entry, results_dir: str | Path | None) -> EvidenceCheck:
+    """``entry``'s measured evidence against the results files of ``results_dir``."""
+    out: list[str] = []
+    kinds: set[str] = set()
+    measured = False
     for i, item in enumerate(entry.evidence):
         where = f"evidence {i + 1} ({item.get('kind')})"
         if item.get("kind") not in MEASURED_KINDS:
             continue
+        measured = True
         if not item.get("source"):
             out.append(f"{where}: quotes measurements without a results file (give source, values, text)")
+            kinds.add("unsourced")
             continue
         if results_dir is None:
+            continue
+        absent = [s for s in _subjects(item) if not (Path(results_dir) / f"{s}.json").is_file()]
+        if absent:
+            out += [f"{where}: no results file {s}.json in {results_dir}" for s in absent]
+            kinds.add("missing")
             continue
         try:
             r = render(item, results_dir, where)
         except InputError as e:
             out.append(str(e))
+            kinds.add("stale")
             continue
         if " ".join(str(item.get("what", "")).split()) != " ".join(r.what.split()):
             out.append(f"{where}: stale: the text says {_short(item.get('what'))!r}, "
                        f"{item['source']}.json now gives {_short(r.what)!r}")
+            kinds.add("stale")
         elif item.get("hardware") != r.hardware:
             out.append(f"{where}: stale hardware {item.get('hardware')!r}; {item['source']}.json says {r.hardware!r}")
-    return out
+            kinds.add("stale")
+    if kinds:
+        status = ", ".join(k for k in ("missing", "unsourced", "stale") if k in kinds)
+    elif not measured:
+        status = "none measured"
+    else:
+        status = "not checked" if results_dir is None else "current"
+    return EvidenceCheck(status=status, problems=out)
 
 
 def _short(text, width: int = 90) -> str:

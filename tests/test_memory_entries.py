@@ -287,3 +287,31 @@ def test_packaged_evidence_matches_the_results_files(run_cli):
     code, out, err = run_cli("memory", "verify", "--format", "json")
     assert code == 0, out
     assert json.loads(out)["evidence_checked_against"]
+
+
+def test_missing_evidence_is_not_a_system_that_failed_to_reproduce(run_cli, tmp_path):
+    """Results files absent from --results: the hooks and module hashes still reproduce, so the
+    system column says so and the evidence column says MISSING; the exit status stays 1."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code, out, _ = run_cli("memory", "verify", "--results", empty)
+    assert code == 1, out
+    assert "NOT REPRODUCED" not in out, out
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[2:] if line and not line.startswith(" ")}
+    assert rows["w12"][-2:] == ["reproduced", "MISSING"], out
+    assert rows["tree"][-3:] == ["reproduced", "none", "measured"], out
+    assert "w12: evidence 1 (gpu): no results file w12_gemm.json in" in out
+    doc = json.loads(run_cli("memory", "verify", "--results", empty, "--format", "json")[1])
+    w12 = next(r for r in doc["entries"] if r["id"] == "w12")
+    assert not doc["ok"] and not w12["ok"] and w12["system"] == "reproduced" and w12["evidence"] == "missing"
+    # stale evidence beside code that drifted: both columns say what is wrong
+    d = _copy(tmp_path)
+    raw = yaml.safe_load((d / "tree.yaml").read_text())
+    raw["evidence"].insert(0, {"kind": "gpu", "source": "demo", "values": {"s": {"row": {"m": 1}, "field": "speedup"}},
+                               "text": "{s:.2f}x", "what": "0.89x"})
+    raw["system"]["fingerprints"]["specpilot.bundles.tree"] = "sha256:" + "0" * 64
+    (d / "tree.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    doc = json.loads(run_cli("memory", "verify", "tree", "--memory-dir", d, "--results", _results(tmp_path, 1.25),
+                             "--format", "json")[1])
+    (tree,) = doc["entries"]
+    assert tree["system"] == "not reproduced" and tree["evidence"] == "stale" and not tree["ok"], tree

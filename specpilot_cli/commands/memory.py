@@ -123,10 +123,13 @@ def verify(ids, python, record, results_dir, memory_dir, fmt, out):
             write_text_atomic(path, text)
         entries = mem.load_memory(memory_dir)
     rows = mem.verify(entries, ids or None)
+    # the system (hooks, module hashes, SGLang's targets) and the evidence (results files) are
+    # judged apart: evidence missing from a results folder is not code that drifted
+    system_ok = {r.id: r.ok for r in rows}
+    evidence = {r.id: ev.check(entries[r.id], results) for r in rows}
     for r in rows:
-        stale = ev.problems(entries[r.id], results)
-        if stale:
-            r.problems += stale
+        if not evidence[r.id].ok:
+            r.problems += evidence[r.id].problems
             r.ok = False
     if python is not None:
         from specpilot.bundles.activation import require_sglang
@@ -143,15 +146,17 @@ def verify(ids, python, record, results_dir, memory_dir, fmt, out):
             for c in check_targets(env.sglang_root, hooks, symbols):
                 if not c.ok:
                     r.problems.append(f"SGLang {env.sglang_version}: {c.target}: {c.problem}")
-                    r.ok = False
+                    r.ok = system_ok[r.id] = False
     data = {"schema": "specpilot.memory-verify/1", "ok": all(r.ok for r in rows),
             "evidence_checked_against": str(results) if results is not None else None,
-            "entries": [r.__dict__ for r in rows]}
+            "entries": [{**r.__dict__, "system": "reproduced" if system_ok[r.id] else "not reproduced",
+                         "evidence": evidence[r.id].status} for r in rows]}
     # what failed is said in the lines below the table (code drift, stale or missing evidence, SGLang)
-    table = [[r.id, " + ".join(r.closure), r.hooks, "reproduced" if r.ok else "NOT REPRODUCED"] for r in rows]
+    table = [[r.id, " + ".join(r.closure), r.hooks, "reproduced" if system_ok[r.id] else "NOT REPRODUCED",
+              evidence[r.id].status if evidence[r.id].ok else evidence[r.id].status.upper()] for r in rows]
     lines = [f"{r.id}: {p}" for r in rows for p in r.problems]
     if results is None:
         lines.append("evidence not checked against results files: no benchmarks/results here (give --results DIR)")
-    emit(Report(data=data, sections=[Section(None, ["id", "applied with requirements", "hooks", "system"], table)],
+    emit(Report(data=data, sections=[Section(None, ["id", "applied with requirements", "hooks", "system", "evidence"], table)],
                 lines=lines), fmt, out)
     return 0 if data["ok"] else 1
