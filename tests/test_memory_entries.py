@@ -315,3 +315,27 @@ def test_missing_evidence_is_not_a_system_that_failed_to_reproduce(run_cli, tmp_
                              "--format", "json")[1])
     (tree,) = doc["entries"]
     assert tree["system"] == "not reproduced" and tree["evidence"] == "stale" and not tree["ok"], tree
+
+
+def test_test_counts_named_in_evidence_are_what_pytest_collects():
+    """An evidence item (or docs/bundles.md) that says "tests/X.py (N tests)" names the count
+    pytest collects from that file now (every test, the default -m filter aside)."""
+    import re
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    pattern = re.compile(r"(tests/[\w/]+\.py)`?(?:,| \()\s*(\d+) tests\b")
+    named = []
+    for e in mem.load_memory().values():
+        for i, item in enumerate(e.evidence):
+            named += [(f"{e.id} evidence {i + 1}", f, int(n))
+                      for f, n in pattern.findall(" ".join(str(item.get("what", "")).split()))]
+    named += [("docs/bundles.md", f, int(n)) for f, n in pattern.findall((root / "docs" / "bundles.md").read_text())]
+    assert any(where.startswith("tree ") for where, _, _ in named), named   # the pattern still finds the tree's
+    for where, path, n in named:
+        proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                               "-o", "addopts=", path], cwd=root, capture_output=True, text=True, timeout=300)
+        found = re.search(r"(\d+) tests? collected", proc.stdout)
+        assert found, proc.stdout[-2000:] + proc.stderr[-2000:]
+        assert int(found.group(1)) == n, f"{where} says {path} has {n} tests; pytest collects {found.group(1)}"
