@@ -334,6 +334,36 @@ def load_tokenizer(spec: str):
                          "give prompts as token ids") from None
 
 
+def scorer_vocab_size(spec: str) -> int | None:
+    """The vocabulary of the model a ``--scorer`` spec names, without loading its weights: a
+    built-in model's config, else the config transformers builds the model from (a folder's
+    config.json; a .gguf file's metadata, read by transformers' GGUF loader as :meth:`Scorer.load`
+    reads it). None when that cannot be told here: transformers (or, for a .gguf, the gguf
+    package) is not installed, or the config names no vocabulary size. A spec that names no
+    model, or a config transformers cannot read, is an InputError (the load would fail the same
+    way, later)."""
+    name = builtin_model(spec)
+    if name:
+        from specpilot.engine.api import resolve_model
+
+        return resolve_model(name, False)[0].vocab_size
+    folder, gguf = _resolve_path(spec)
+    try:
+        from transformers import AutoConfig
+    except ImportError:
+        return None
+    try:
+        cfg = AutoConfig.from_pretrained(folder, **({"gguf_file": gguf} if gguf else {}))
+    except ImportError:   # transformers reads a .gguf through the gguf package
+        return None
+    except (OSError, ValueError, KeyError) as e:
+        raise InputError(f"--scorer {spec}: transformers cannot load it ({str(e).splitlines()[0][:160]})") from None
+    if hasattr(cfg, "get_text_config"):   # a multimodal config keeps the language model's apart
+        cfg = cfg.get_text_config()
+    vocab = getattr(cfg, "vocab_size", None)
+    return vocab if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0 else None
+
+
 def check_scorer_spec(spec: str, what: str = "--scorer") -> None:
     """Raise InputError/EnvironmentMissing now when a scorer spec (``what`` names where it was given)
     cannot name a model (cheap: no loading). The engine's built-in models are scorers of a

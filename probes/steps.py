@@ -5,7 +5,7 @@ Steps are found, in this order of preference (``--step-mode auto``):
 1. ``range``: NVTX ranges or profiler annotations whose name matches ``--step-range`` (a Python
    regex searched in the name; anchor it with ``^...$``), or, without ``--step-range``, the first
    family of :data:`STEP_FAMILIES` the trace has (``decode_step_N``, SGLang/vLLM step ranges,
-   ``ProfilerStep#N``). Nested matches keep the outermost. Kernels belong to the range in which
+   ``step_N``, ``ProfilerStep#N``). Nested matches keep the outermost. Kernels belong to the range in which
    they were *launched* (CUDA runtime correlation), the way Nsight projects NVTX ranges onto the GPU.
 2. ``graph``: CUDA graph launches. Each launch of the graph launched most often starts a step;
    other graphs and eager kernels launched before the next such launch belong to that step.
@@ -30,10 +30,12 @@ from .traces.model import Range
 
 STEP_MODES = ("auto", "range", "graph", "gap", "whole")
 
-# Step annotations engines and users write, most specific first: (what, regex on the range name)
+# Step annotations engines and users write, most specific first: (what, regex on the range name);
+# "{source}" in what is the kind of range the trace holds ("NVTX", "annotation")
 STEP_FAMILIES = (
     ("decode/verify step ranges", r"^(decode|verify|spec(ulative)?|target|generation|forward)[_ -]?step([_ #\[]|$)"),
-    ("SGLang step ranges", r"^step\[|^step[_ #]?\d+$"),
+    ("SGLang step ranges", r"^step\["),
+    ("{source} step ranges", r"^step[_ #]?\d+$"),
     ("vLLM execute_model ranges", r"^execute_(\d+_)?context_"),
     ("ProfilerStep ranges", r"^ProfilerStep#\d+$"),
 )
@@ -65,12 +67,13 @@ def select_step_ranges(ranges: list[Range], pattern: str, source: str) -> list[R
     return kept
 
 
-def auto_step_range(ranges: list[Range]) -> tuple[str, str] | None:
-    """(regex, what) of the first :data:`STEP_FAMILIES` entry some range matches, or None."""
+def auto_step_range(ranges: list[Range], source: str = "NVTX") -> tuple[str, str] | None:
+    """(regex, what) of the first :data:`STEP_FAMILIES` entry some range matches, or None.
+    ``source`` names the kind of range for a family that is not an engine's ("NVTX step ranges")."""
     for what, rx in STEP_FAMILIES:
         pat = re.compile(rx)
         if any(pat.search(r.name) and r.end > r.start for r in ranges):
-            return rx, what
+            return rx, what.format(source=source)
     return None
 
 
@@ -160,6 +163,12 @@ def gap_threshold_ns(starts: np.ndarray, ends: np.ndarray, names: np.ndarray | N
         if cov > best_cov:
             best, best_cov = int(q), cov
     return None if best is None else max(best - 1, 0)
+
+
+def no_gap_steps(path) -> str:
+    """Why ``--step-mode gap`` found no steps: no idle gap repeats between equal kernel sequences."""
+    return (f"{path}: --step-mode gap found no idle gaps that separate repeating steps; give the gap between steps "
+            "with --gap-us US, name the step ranges with --step-range REGEX, or use --step-mode whole")
 
 
 def gap_boundaries(starts: np.ndarray, ends: np.ndarray, gap_ns: int) -> list[int]:

@@ -198,7 +198,7 @@ def test_implausible_steps_from_annotations_do_not_suggest_them_again(run_cli, f
     code, out, err = run_cli("profile", fixtures_dir / "nsys_h200_linear_softmax_schema3.20.sqlite", "--format", "json")
     assert code == 0, err
     d = json.loads(out)
-    assert "20 SGLang step ranges" in d["step_detail"]
+    assert "20 NVTX step ranges" in d["step_detail"]
     (warn,) = [w for w in d["warnings"] if "implausible" in w]
     assert "the steps are the trace's 'step_N' ranges" in warn and "--step-mode graph or gap" in warn
     assert "--step-range" not in warn

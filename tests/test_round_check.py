@@ -30,3 +30,79 @@ def test_a_system_of_another_vocabulary_than_the_scorer_is_refused_before_any_ru
 def test_options_that_conflict_or_do_nothing_are_refused(base, run_cli, args, words):
     code, _, err = run_cli("check", "--baseline", base, *args)
     assert code == 2 and words in err and err.count("\n") == 1, err
+
+
+def _scorer_folder(path, **config):
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"hidden_size": 16, "num_hidden_layers": 1,
+                                                  "num_attention_heads": 2, **config}))
+    return path
+
+
+def _gguf(path, vocab: int):
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(64)
+    w.add_embedding_length(8)
+    w.add_block_count(1)
+    w.add_feed_forward_length(16)
+    w.add_head_count(2)
+    w.add_head_count_kv(2)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"t{i}" for i in range(vocab)])
+    w.add_tensor("token_embd.weight", np.zeros((vocab, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("kind", ["folder", "gguf"])
+def test_a_scorer_file_of_another_vocabulary_is_refused_before_any_run(base, run_cli, tmp_path, kind):
+    """A model folder the engine has no spec for (gpt2) and a .gguf are read through transformers'
+    config (the GGUF's metadata) now, not after the system ran."""
+    scorer = (_scorer_folder(tmp_path / "gpt2", model_type="gpt2", vocab_size=300, n_embd=16, n_layer=1, n_head=2)
+              if kind == "folder" else _gguf(tmp_path / "s.gguf", 300))
+    code, _, err = run_cli("check", "--baseline", base, "--no-timing", "--scorer", scorer)
+    assert code == 2 and err.count("\n") == 1 and "[check]" not in err, err
+    assert f"its vocabulary (256 tokens) is not that of --scorer {scorer}, 300 tokens" in err
+
+
+def test_recorded_tokens_outside_a_scorer_folders_vocabulary_are_refused_before_any_run(base, run_cli, tmp_path):
+    doc = json.loads((base / "baseline.json").read_text())
+    row = doc["outputs"]["stock"][0]
+    row["output_ids"] = row["output_ids"][:2] + [300]
+    f = tmp_path / "baseline.json"
+    f.write_text(json.dumps(doc))
+    scorer = _scorer_folder(tmp_path / "llama", model_type="llama", vocab_size=256, intermediate_size=32)
+    code, _, err = run_cli("check", "--baseline", f, "--no-timing", "--scorer", scorer)
+    assert code == 2 and err.count("\n") == 1 and "[check]" not in err, err
+    assert (f"outputs.stock row {row['id']!r}: token id 300 is outside the vocabulary of --scorer {scorer} (0..255)"
+            in err)
+
+
+def test_the_scorer_vocabulary_is_unknown_only_when_it_cannot_be_read(tmp_path, monkeypatch):
+    """No transformers: not known (the load says so later). A config transformers cannot read: bad
+    input now. Any other error is a bug, not 'cannot tell'."""
+    import transformers
+
+    from specpilot.auditors.scorer import scorer_vocab_size
+    from specpilot.errors import InputError
+
+    folder = _scorer_folder(tmp_path / "m", model_type="llama", vocab_size=256)
+    assert scorer_vocab_size(str(folder)) == 256 and scorer_vocab_size("tiny") == 256
+    for exc, outcome in ((ImportError("no gguf"), None), (OSError("unreadable"), InputError),
+                         (RuntimeError("a bug"), RuntimeError)):
+        def boom(*a, exc=exc, **kw):
+            raise exc
+
+        monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", boom)
+        if outcome is None:
+            assert scorer_vocab_size(str(folder)) is None
+        else:
+            with pytest.raises(outcome):
+                scorer_vocab_size(str(folder))

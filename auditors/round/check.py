@@ -152,10 +152,9 @@ def run_check(baseline: dict, *, system: str | None = None, runs: int | None = N
         sys_spec = EngineSpec.parse(sys_text)
         sys_vocab = resolve_model(sys_spec.model, sys_spec.random)[0].vocab_size
         if scorer:
-            try:
-                sc_vocab, sc_name = resolve_model(scorer, False)[0].vocab_size, f"--scorer {scorer}"
-            except Exception:   # a scorer resolve_model does not know (a .gguf) is checked as it loads
-                sc_vocab = None
+            from specpilot.auditors.scorer import scorer_vocab_size
+
+            sc_vocab, sc_name = scorer_vocab_size(scorer), f"--scorer {scorer}"   # None: told as it scores
         else:
             stock_spec = EngineSpec.parse(baseline["stock"])
             sc_vocab = resolve_model(stock_spec.model, stock_spec.random)[0].vocab_size
@@ -164,6 +163,14 @@ def run_check(baseline: dict, *, system: str | None = None, runs: int | None = N
             raise InputError(f"--system {sys_text}: its vocabulary ({sys_vocab} tokens) is not that of {sc_name}, "
                              f"{sc_vocab} tokens: the audit cannot score its outputs; check it against a baseline of "
                              "its own model, or give --no-audit")
+        if scorer and sc_vocab is not None:   # the rows the scorer forces: found now, not after the timed runs
+            for role in ("stock", "ar", "system"):
+                for r in outs.get(role) or []:
+                    bad = next((t for t in (*r["prompt_ids"], *r["output_ids"]) if t >= sc_vocab), None)
+                    if bad is not None:
+                        raise InputError(f"{baseline['_path']}: outputs.{role} row {r['id']!r}: token id {bad} is "
+                                         f"outside the vocabulary of {sc_name} (0..{sc_vocab - 1}); is it the target "
+                                         "model of these outputs?")
     res = CheckResult(system=sys_text, baseline=baseline["_path"], runs=n if timing else 0, fresh=[], reference=ref)
     spec = EngineSpec.parse(sys_text)
     facts = engine_facts(spec)

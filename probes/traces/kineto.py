@@ -356,7 +356,7 @@ def aggregate_kineto(tr: KinetoTrace, req: StepRequest) -> Aggregate:
     asked = req.mode
     if mode == "auto":
         if regex is None:
-            auto = st.auto_step_range(cpu_ranges) or st.auto_step_range(gpu_ranges)
+            auto = st.auto_step_range(cpu_ranges, "annotation") or st.auto_step_range(gpu_ranges, "GPU annotation")
             if auto is not None:
                 regex, found = auto
         mode = "range" if regex else ("graph" if len(tr.graph_corr) >= 2 else "gap")
@@ -398,6 +398,8 @@ def aggregate_kineto(tr: KinetoTrace, req: StepRequest) -> Aggregate:
             us = gap_ns / 1e3
             shown = f"{us:.1f}" if us >= 0.1 else f"{us:.3g}"
             detail = f"{len(b)} step{'' if len(b) == 1 else 's'} separated by GPU idle gaps > {shown} us"
+        elif asked == "gap":   # asked for, it finds steps or says why not (as graph mode does)
+            raise InputError(st.no_gap_steps(tr.path))
         else:
             mode = "whole"
     if mode == "whole":

@@ -952,6 +952,8 @@ def _aggregate(ex: NsysExport, req: StepRequest) -> Aggregate:
         detail = f"{len(starters)} launches of the most frequent CUDA graph ({len(graph_launches)} graph launches)"
     elif mode == "gap":
         found = _gap_steps(ex, parts, req, device)
+        if found is None and asked == "gap":   # asked for, it finds steps or says why not (as graph mode does)
+            raise InputError(st.no_gap_steps(ex.path))
         if found is None:
             mode = "whole"
         else:

