@@ -21,6 +21,12 @@ def _ceiling(path, gpu: dict, model="llama-3.1-8b"):
     return path
 
 
+def test_a_step_range_matching_nothing_lists_the_kineto_annotations(run_cli, tmp_path):
+    trace = write_kineto(tmp_path / "t.json", SynthSpec(steps=3, layers=1))
+    code, out, err = run_cli("profile", trace, "--step-range", "^nothing")
+    assert code == 2 and "(ranges in the trace: 'decode_step_N' x3)" in one_error(err)
+
+
 def _nvtx_renamed(path, old: str, new: str):
     con = sqlite3.connect(path)
     con.execute("UPDATE NVTX_EVENTS SET text = replace(text, ?, ?)", (old, new))

@@ -368,8 +368,11 @@ def aggregate_kineto(tr: KinetoTrace, req: StepRequest) -> Aggregate:
     detail = ""
     if mode == "range":
         rx = st.compile_regex(regex, "--step-range")
-        on_gpu = not any(rx.search(r.name) for r in cpu_ranges)
-        step_ranges = st.select_step_ranges(gpu_ranges if on_gpu else cpu_ranges, regex, tr.path)
+        on_cpu = any(rx.search(r.name) for r in cpu_ranges)
+        on_gpu = not on_cpu and any(rx.search(r.name) for r in gpu_ranges)
+        # matching neither: the error lists the annotation ranges of both kinds
+        pool = gpu_ranges if on_gpu else cpu_ranges if on_cpu else cpu_ranges + gpu_ranges
+        step_ranges = st.select_step_ranges(pool, regex, tr.path)
         key = start if on_gpu else launch
         step = _assign(key, [(r.start, r.end, i) for i, r in enumerate(step_ranges)])
         labels = [r.name for r in step_ranges]
