@@ -1,8 +1,8 @@
 """Two profiles side by side: what a change did to each kernel class and to the top kernels, per step.
 
 Both profiles come from the same options (rules, floors, step selection), so a class or a kernel
-name means the same thing on both sides. Kernels are matched by name and class; a kernel present
-on one side only shows 0 ms on the other.
+name means the same thing on both sides. Kernels are matched by name and class; the kernels listed
+are each side's ``top_n`` by time, merged; a kernel present on one side only shows 0 ms on the other.
 """
 
 from __future__ import annotations
@@ -32,9 +32,12 @@ def diff_profiles(base: Profile, cand: Profile, top_n: int = 15) -> dict[str, An
                      "base_flag": b.flag if b else None, "candidate_flag": k.flag if k else None})
     kb = {(t["name"], t["class"]): t for t in base.top}
     kc = {(t["name"], t["class"]): t for t in cand.top}
-    keys = sorted(set(kb) | set(kc), key=lambda x: -max(kb.get(x, {}).get("ms", 0.0), kc.get(x, {}).get("ms", 0.0)))
+    # each side's top_n (``top`` is sorted by ms, largest first), merged: a kernel the change removed
+    # stays in the list as one it added does
+    picked = {(t["name"], t["class"]) for t in base.top[:top_n]} | {(t["name"], t["class"]) for t in cand.top[:top_n]}
+    keys = sorted(picked, key=lambda x: (-max(kb.get(x, {}).get("ms", 0.0), kc.get(x, {}).get("ms", 0.0)), x))
     kernels = []
-    for key in keys[:top_n]:
+    for key in keys:
         bms, kms = kb.get(key, {}).get("ms", 0.0), kc.get(key, {}).get("ms", 0.0)
         kernels.append({"name": key[0], "class": key[1], "base_ms": bms, "candidate_ms": kms, "delta_ms": kms - bms,
                         "delta": _rel(bms, kms), "base_share": kb.get(key, {}).get("share", 0.0),

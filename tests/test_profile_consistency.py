@@ -55,3 +55,17 @@ def test_gap_mode_asked_for_finds_steps_or_says_why_not(run_cli, tmp_path):
         assert "--gap-us" in err
         assert _json(run_cli, trace, "--step-mode", "gap", "--gap-us", 0.1)["step_mode"] == "gap"
         assert _json(run_cli, trace, "--step-mode", "whole")["steps"] == 1
+
+
+def test_a_diff_lists_each_sides_top_kernels(run_cli, tmp_path):
+    """'gone' is the base's second kernel, removed by the change; the candidate's second and third
+    kernels are larger. With --top 2 it stays listed (the union's top 2 dropped it)."""
+    base = write_trace(tmp_path / "b.json.gz", [[("kern_a", 100), ("gone", 50)]] * 3)
+    cand = write_trace(tmp_path / "c.json.gz", [[("kern_a", 100), ("kern_c", 90), ("kern_d", 80)]] * 3)
+    d = _json(run_cli, base, cand, "--diff", "--top", 2)
+    assert [k["name"] for k in d["kernels"]] == ["kern_a", "kern_c", "gone"]
+    gone = d["kernels"][2]
+    assert gone["base_ms"] > 0 and gone["candidate_ms"] == 0
+    assert _json(run_cli, base, cand, "--diff", "--top", 0)["kernels"] == []
+    code, out, err = run_cli("profile", base, cand, "--diff", "--top", 0)
+    assert code == 0 and "Top kernels" not in out

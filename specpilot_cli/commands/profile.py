@@ -164,7 +164,7 @@ def command(traces, step_range, step_mode, gap_us, skip_steps, device, include_o
 
         base, cand = (profile(_read(t, device, step_range, step_mode, gap_us, include_orphans, table), n_top=100_000)
                       for t in traces)
-        emit(_diff_report(diff_profiles(base, cand, top_n=max(top_n, 1))), fmt, out, protect=protect)
+        emit(_diff_report(diff_profiles(base, cand, top_n=top_n)), fmt, out, protect=protect)
         return 0
     if ranks or len(traces) > 1:
         from specpilot.probes.ranks import rank_profiles
@@ -325,6 +325,8 @@ def _diff_report(d: dict) -> Report:
                 Section("Kernel time per class (ms per step)", ["class", "base", "candidate", "delta", "relative", "share",
                                                                 "efficiency"], classes),
                 Section("Top kernels (ms per step)", ["base", "candidate", "delta", "relative", "class", "kernel"], kernels)]
+    if not kernels:   # --top 0
+        sections.pop()
     return Report(data=d, sections=sections,
                   lines=[f"warning: {w}" for w in d.get("warnings", [])] + [f"note: {n}" for n in d["notes"]],
                   title=title)
