@@ -50,6 +50,7 @@ class Floors:
     total_floor_ms: float
     gpu: dict | None = None
     shape: dict = field(default_factory=dict)
+    model: str | None = None  # the model the floors are for (a ceiling JSON's ``model``)
 
 
 @dataclass
@@ -377,5 +378,7 @@ def floors_from_ceiling(path: str, rows: int | None = None) -> Floors:
     total = block.get("total_floor_ms")
     if not isinstance(total, (int, float)):
         total = sum(c["floor_ms"] for c in out.values())
+    model = doc.get("model")
     return Floors(source=f"ceiling {path}", classes=out, total_floor_ms=float(total), shape=shape,
-                  gpu=doc.get("gpu") if isinstance(doc.get("gpu"), dict) else None)
+                  gpu=doc.get("gpu") if isinstance(doc.get("gpu"), dict) else None,
+                  model=model if isinstance(model, str) and model else None)

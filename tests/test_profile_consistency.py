@@ -21,6 +21,30 @@ def _ceiling(path, gpu: dict, model="llama-3.1-8b"):
     return path
 
 
+def test_a_ceiling_for_another_gpu_is_refused(run_cli, tmp_path):
+    """The synthetic trace ran on an H200; floors made for an MI300X would put every efficiency off by
+    the ratio of the two GPUs' bandwidths."""
+    trace = write_kineto(tmp_path / "t.json", SynthSpec(steps=3, layers=1))
+    other = _ceiling(tmp_path / "mi.json", {"key": "mi300x", "name": "AMD Instinct MI300X"})
+    code, out, err = run_cli("profile", trace, "--ceiling", other)
+    line = one_error(err)
+    assert code == 2 and not out
+    assert "its floors are for AMD Instinct MI300X (mi300x)" in line and "ran on NVIDIA H200 (h200)" in line
+    assert "--gpu h200" in line
+    # the trace's own GPU: no complaint, and the floors' model is named
+    same = _ceiling(tmp_path / "h200.json", {"key": "h200", "name": "NVIDIA H200 SXM 141GB"})
+    d = _json(run_cli, trace, "--ceiling", same)
+    assert d["model"] == "llama-3.1-8b" and d["gpu"]["floors_gpu"] == "NVIDIA H200 SXM 141GB"
+    assert not any("GPU" in n for n in d["notes"])
+    code, out, err = run_cli("profile", trace, "--ceiling", same, "--top", 0)
+    assert code == 0 and out.startswith("Profile: 3 steps (3 decode/verify step ranges found in the trace) on NVIDIA "
+                                        "H200, llama-3.1-8b"), out
+    # a GPU given by its figures cannot be compared: a note says so
+    custom = _ceiling(tmp_path / "custom.json", {"key": "custom", "name": "custom", "bandwidth_tbs": 3.0})
+    d = _json(run_cli, trace, "--ceiling", custom)
+    assert any("a GPU given by its figures, which the GPU catalog cannot compare" in n for n in d["notes"])
+
+
 def test_a_step_range_matching_nothing_lists_the_kineto_annotations(run_cli, tmp_path):
     trace = write_kineto(tmp_path / "t.json", SynthSpec(steps=3, layers=1))
     code, out, err = run_cli("profile", trace, "--step-range", "^nothing")

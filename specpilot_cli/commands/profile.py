@@ -141,7 +141,7 @@ def command(traces, step_range, step_mode, gap_us, skip_steps, device, include_o
         from specpilot.probes.profile import build_profile, floors_from_ceiling, floors_from_model
 
         gpu_info, gpu_spec = _resolve_gpu(agg, gpu_name, bandwidth, flops, needed=bool(model_spec))
-        floors = None
+        floors = note = None
         if model_spec is not None:
             floors = floors_from_model(model_spec, gpu_spec, rows=rows or 1, batch=batch, context=context,
                                        weight_dtype=weight_dtype, lm_head_dtype=lm_head_dtype, kv_dtype=kv_dtype,
@@ -151,12 +151,17 @@ def command(traces, step_range, step_mode, gap_us, skip_steps, device, include_o
             floors = floors_from_ceiling(ceiling_file, rows)
             if gpu_info is not None and floors.gpu and floors.gpu.get("name"):
                 gpu_info["floors_gpu"] = floors.gpu.get("name")
+            note = _check_ceiling_gpu(ceiling_file, floors.gpu, agg, gpu_spec)
         link = link_bandwidth or (_link_gbs(gpu_spec.key) if gpu_spec is not None else None)
         if gpu_info is not None and link:
             gpu_info["link_gbs"] = link
-        return build_profile(agg, table, floors=floors, vocab=(model_spec.vocab_size if model_spec else None),
-                             skip_steps=skip_steps, model=(model_spec.name if model_spec else None), gpu=gpu_info,
-                             want_explain=want_explain, link_gbs=link, top_n=n_top)
+        model = model_spec.name if model_spec else (floors.model if floors else None)   # a ceiling names its model
+        prof = build_profile(agg, table, floors=floors, vocab=(model_spec.vocab_size if model_spec else None),
+                             skip_steps=skip_steps, model=model, gpu=gpu_info, want_explain=want_explain, link_gbs=link,
+                             top_n=n_top)
+        if note:
+            prof.notes.append(note)
+        return prof
 
     protect = [p for p in (*traces, ceiling_file, *rules_files) if p]
     if diff:
@@ -215,6 +220,31 @@ def _rank_labels(traces, profiles) -> list[str]:  # noqa: ARG001
 
     names = [Path(t).name for t in traces]
     return names if len(set(names)) == len(names) else [f"rank {i}" for i in range(len(traces))]
+
+
+def _check_ceiling_gpu(path, floors_gpu: dict | None, agg, trace_spec) -> str | None:
+    """Refuse a ceiling made for another GPU than the trace's; a note where they cannot be compared.
+
+    Efficiency = floor / measured, and the floor is the ceiling GPU's bytes / bandwidth (or FLOPs /
+    peak): another GPU's floors would make every efficiency, and every model/config mismatch flag,
+    off by the ratio of the two GPUs' peaks."""
+    from specpilot.gpus import gpu_keys, match_gpu_name
+
+    if not floors_gpu or agg.gpu is None:
+        return None
+    key, name = floors_gpu.get("key"), floors_gpu.get("name") or floors_gpu.get("key")
+    if key not in gpu_keys():   # a GPU detected or given by its figures: its name may still be a catalog one
+        found = match_gpu_name(name) if isinstance(name, str) and name != "custom" else None
+        key = found.key if found is not None else None
+    if key is None or trace_spec is None:
+        what = "a GPU given by its figures" if floors_gpu.get("key") == "custom" else repr(name)
+        return (f"the floors are {path}'s, for {what}, which the GPU catalog cannot compare with the trace's GPU "
+                f"{agg.gpu.name!r}: check that the ceiling was made for this GPU")
+    if key != trace_spec.key:
+        raise InputError(f"{path}: its floors are for {name} ({key}), the trace {agg.path} ran on {agg.gpu.name} "
+                         f"({trace_spec.key}): efficiencies against another GPU's floors mean nothing; make the "
+                         f"ceiling with --gpu {trace_spec.key}, or give --model instead of --ceiling")
+    return None
 
 
 def _link_gbs(key: str) -> float | None:
