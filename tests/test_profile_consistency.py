@@ -10,7 +10,7 @@ import sqlite3
 
 from conftest import one_error
 from synthetic_traces import SynthSpec, write_kineto, write_nsys_sqlite
-from test_profile_real_world import _json, llama_step, write_trace
+from test_profile_real_world import AR, _json, llama_step, write_trace
 
 CLASSES = {"linear": {"bytes": 1e9, "flops": 2e9, "floor_ms": 0.2, "bound": "bytes"}}
 
@@ -93,3 +93,26 @@ def test_a_diff_lists_each_sides_top_kernels(run_cli, tmp_path):
     assert _json(run_cli, base, cand, "--diff", "--top", 0)["kernels"] == []
     code, out, err = run_cli("profile", base, cand, "--diff", "--top", 0)
     assert code == 0 and "Top kernels" not in out
+
+
+def test_tensor_parallel_ranks_refuse_floors_and_name_their_warnings(run_cli, tmp_path):
+    r0 = write_trace(tmp_path / "rank0.json.gz", [llama_step()] * 3)
+    r1 = write_trace(tmp_path / "rank1.json.gz", [llama_step()] * 3, slow=1.5)
+    for opt in (["--model", "llama-3.1-8b"], ["--ceiling", _ceiling(tmp_path / "c.json", {"key": "h100-sxm"})]):
+        code, out, err = run_cli("profile", r0, r1, *opt)
+        assert code == 2 and not out
+        assert f"{opt[0]}: tensor-parallel mode" in one_error(err) and "leave it out" in err
+    # every kernel its own step: each rank's implausible-steps warnings, named by the rank
+    args = (r0, r1, "--step-mode", "gap", "--gap-us", 1)
+    d = _json(run_cli, *args)
+    assert d["warnings"] and all(w.startswith(("rank0.json.gz: ", "rank1.json.gz: ")) for w in d["warnings"])
+    assert {w.split(":")[0] for w in d["warnings"]} == {"rank0.json.gz", "rank1.json.gz"}
+    assert not any("implausible" in n for n in d["notes"])
+    code, out, err = run_cli("profile", *args)
+    assert code == 0 and "warning: rank1.json.gz: steps look implausible" in out
+    assert "note: rank" not in out and "Communication (NCCL" not in out   # no collectives: no empty table
+    # with message sizes the table is there
+    c0 = write_trace(tmp_path / "c0.json.gz", [llama_step() + [(AR, 40)]] * 3, comm_nelems=1_000_000)
+    c1 = write_trace(tmp_path / "c1.json.gz", [llama_step() + [(AR, 40)]] * 3, comm_nelems=1_000_000)
+    code, out, err = run_cli("profile", c0, c1)
+    assert code == 0 and "Communication (NCCL" in out

@@ -86,7 +86,7 @@ def command(traces, step_range, step_mode, gap_us, skip_steps, device, include_o
       specpilot profile trace.json.gz --step-range '^decode_step_' --explain
       specpilot profile run.sqlite --ceiling ceiling.json --rows 8 --format json --out profile.json --plot profile.png
       specpilot profile base.sqlite patched.sqlite --diff --model llama-3.1-8b
-      specpilot profile rank0.json.gz rank1.json.gz rank2.json.gz rank3.json.gz --model qwen3-8b
+      specpilot profile rank0.json.gz rank1.json.gz rank2.json.gz rank3.json.gz
       specpilot profile tp8.sqlite --ranks --link-bandwidth 450
     """
     from specpilot.probes.classify import load_rules
@@ -125,6 +125,11 @@ def command(traces, step_range, step_mode, gap_us, skip_steps, device, include_o
         raise InputError("--plot and --explain profile one trace; leave them out with --diff, --ranks or several traces")
     if ranks and device is not None:
         raise InputError("--ranks profiles every GPU; leave out --device")
+    if (ranks or (len(traces) > 1 and not diff)) and (model_name or ceiling_file):
+        # a rank runs its shard of the model: the whole model's floors would be N times too high for it
+        raise InputError(f"{'--model' if model_name else '--ceiling'}: tensor-parallel mode (several traces, or "
+                         "--ranks) compares the ranks with each other and sets no per-class floors (each rank runs a "
+                         "shard of the model, which the byte floors do not split); leave it out")
     table = load_rules(rules_files)
 
     # the model first: a bad --model should fail before a long trace read
@@ -189,7 +194,8 @@ def command(traces, step_range, step_mode, gap_us, skip_steps, device, include_o
         else:
             profiles = [profile(_read(t, device, step_range, step_mode, gap_us, include_orphans, table)) for t in traces]
             labels = _rank_labels(traces, profiles)
-        emit(_ranks_report(rank_profiles(profiles, labels)), fmt, out, protect=protect)
+        d = _rank_messages(rank_profiles(profiles, labels), profiles, labels)
+        emit(_ranks_report(d), fmt, out, protect=protect)
         return 0
 
     prof = profile(_read(traces[0], device, step_range, step_mode, gap_us, include_orphans, table), want_explain=explain)
@@ -220,6 +226,18 @@ def _rank_labels(traces, profiles) -> list[str]:  # noqa: ARG001
 
     names = [Path(t).name for t in traces]
     return names if len(set(names)) == len(names) else [f"rank {i}" for i in range(len(traces))]
+
+
+def _rank_messages(d: dict, profiles, labels) -> dict:
+    """Each rank's warnings as warnings named by their rank (as --diff names base: and candidate:);
+    a note every rank has once, any other note named by its rank."""
+    own = {x for p in profiles for x in p.warnings + p.notes}
+    group = [n for n in d.get("notes", []) if n not in own]   # the group's own (step counts that differ)
+    shared = [n for n in dict.fromkeys(n for p in profiles for n in p.notes) if all(n in p.notes for p in profiles)]
+    notes = group + shared + [f"{label}: {n}" for label, p in zip(labels, profiles) for n in p.notes
+                              if n not in shared]
+    warnings = list(d.get("warnings", [])) + [f"{label}: {w}" for label, p in zip(labels, profiles) for w in p.warnings]
+    return {**d, "warnings": warnings, "notes": notes}
 
 
 def _check_ceiling_gpu(path, floors_gpu: dict | None, agg, trace_spec) -> str | None:
@@ -374,10 +392,12 @@ def _ranks_report(d: dict) -> Report:
             ["floor ms"] + [r["communication_floor_ms"] for r in ranks],
             ["efficiency"] + [_pct(r["communication_efficiency"]) for r in ranks]]
     slow = [[k, v, f"{100 * v / d['steps']:.0f}%"] for k, v in d["slowest"].items()]
-    sections = [Section("Kernel time per class and rank (median ms per step)", headers, rows),
-                Section("Communication (NCCL/RCCL, custom all-reduce) against its byte floor", [""] + headers[1:], comm,
-                        note="floor = bytes each rank sends (ring algorithms) / link bandwidth per direction"),
-                Section("Slowest rank per step", ["rank", "steps", "share"], slow)]
+    sections = [Section("Kernel time per class and rank (median ms per step)", headers, rows)]
+    if any(v is not None for r in comm for v in r[1:]):   # no message sizes, no floor: nothing to show
+        sections.append(Section("Communication (NCCL/RCCL, custom all-reduce) against its byte floor",
+                                [""] + headers[1:], comm,
+                                note="floor = bytes each rank sends (ring algorithms) / link bandwidth per direction"))
+    sections.append(Section("Slowest rank per step", ["rank", "steps", "share"], slow))
     return Report(data=d, sections=sections,
                   lines=[f"warning: {w}" for w in d.get("warnings", [])] + [f"note: {n}" for n in d["notes"]],
                   title=title)
