@@ -484,3 +484,23 @@ def test_a_rounds_candidate_launch_carries_applys_warnings(env, tmp_path):
     launch, notes = activation_launch(dep, ["tree"], {"node_budget": 24}, tmp_path, "tree")
     assert "SPECPILOT_ACTIVATION=" in launch and (tmp_path / "tree.activation.json").is_file()
     assert any(n.startswith("warning: ") and "node_budget=24 has no effect on a DFlash2 drafter" in n for n in notes)
+
+
+def test_status_with_a_problem_gives_no_launch_command(run_cli, tmp_path):
+    """An activation that no longer matches (here: applied to another SGLang version) gets what
+    to do instead of its launch command: apply the same bundles again, or revert."""
+    py = make_env(tmp_path / "env", SGL)
+    assert run_cli("apply", "tree", "--python", py, "--drafter", "eagle", "--set", "node_budget=24")[0] == 0
+    code, out, _ = run_cli("status", "--python", py)
+    assert code == 0 and "launch with:" in out and "SGLANG_PLUGINS=specpilot" in out, out
+    path = _purelib(py) / act.ACTIVATION_NAME
+    data = json.loads(path.read_text())
+    data["sglang"]["version"] = "0.5.22"
+    path.write_text(json.dumps(data))
+    code, out, _ = run_cli("status", "--python", py)
+    assert code == 1 and "problem: SGLang is 0.5.23, the activation was applied to 0.5.22" in out, out
+    assert "launch with:" not in out and "SGLANG_PLUGINS" not in out, out
+    assert "do not launch with this activation" in out, out
+    assert (f"  specpilot apply tree --python {py} --drafter eagle --set node_budget=24 "
+            "--set dflash_tree_max_batch=16\n") in out, out
+    assert out.rstrip().endswith(f"or remove it:\n  specpilot revert --python {py}"), out

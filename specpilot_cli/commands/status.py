@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import shlex
+
 import click
 
 from specpilot.output import Report, Section, emit, output_options
@@ -45,7 +48,22 @@ def command(python, fmt, out):
                           res.env.sglang_version, "yes" if res.matches else "NO"]]),
                 Section("hook targets", ["target", "kind", "check"],
                         [[c.target, c.kind, "ok" if c.ok else "FAIL"] for c in res.checks])]
-    lines = [f"problem: {p}" for p in res.problems] or ["the activation matches the installed SGLang"]
-    lines += ["", "launch with:", f"  {act.get('launch')}"]
+    if res.matches:
+        lines = ["the activation matches the installed SGLang", "", "launch with:", f"  {act.get('launch')}"]
+    else:   # its launch command would start a server whose hooks may not hold: what to do instead
+        where = f" --python {shlex.quote(python)}" if python else ""
+        lines = [f"problem: {p}" for p in res.problems]
+        lines += ["", "do not launch with this activation; apply it again to this environment:",
+                  f"  {reapply_command(act, where)}", "or remove it:", f"  specpilot revert{where}"]
     emit(Report(data=data, sections=sections, lines=lines, title="specpilot status"), fmt, out)
     return 0 if res.matches else 1
+
+
+def reapply_command(act: dict, where: str) -> str:
+    """The ``specpilot apply`` command that writes ``act`` (its bundles, drafter and settings) again."""
+    sets = [f"--set {shlex.quote(f'{k}={v if isinstance(v, str) else json.dumps(v)}')}"
+            for k, v in (act.get("settings") or {}).items()]
+    flags = (f" --drafter {act['drafter']}" if act.get("drafter") else "") \
+        + (" --force" if (act.get("sglang") or {}).get("forced") else "")
+    bundles = ",".join(act.get("bundles") or act.get("closure", []))
+    return " ".join([f"specpilot apply {bundles}{where}{flags}"] + sets)
