@@ -24,16 +24,18 @@ from specpilot.kernels import tree as treelib
 from specpilot.kernels.gdn.path import row_paths
 
 
-def check_request(prompt_ids, max_new_tokens: int, vocab: int, need: int, slots: int) -> None:
+def check_request(prompt_ids, max_new_tokens: int, vocab: int, need: int, slots: int, least_new: int = 1) -> None:
     """InputError for a request no decoder can run: an empty prompt, a token outside the
-    vocabulary, no new token, or more cache slots (``need``) than the decoder has (``slots``)."""
+    vocabulary, fewer new tokens than ``least_new`` (a decoder makes at least one; ``serve``
+    answers a request for none itself), or more cache slots (``need``) than the decoder has
+    (``slots``)."""
     if not prompt_ids:
         raise InputError("empty prompt: give at least one token")
     bad = [t for t in prompt_ids if not 0 <= t < vocab]
     if bad:
         raise InputError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
-    if max_new_tokens < 1:
-        raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if max_new_tokens < least_new:
+        raise InputError(f"max_new_tokens must be >= {least_new}, got {max_new_tokens}")
     if need > slots:
         raise InputError(f"prompt ({len(prompt_ids)} tokens) + {max_new_tokens} new tokens + draft rows need "
                          f"{need} cache slots; the engine has {slots} (raise ctx=, --ctx on the command line)")

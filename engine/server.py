@@ -361,16 +361,10 @@ def check_prompt(dec, ids: list[int]) -> None:
     """The decoder's check of a request (``BatchDecoder.check``) for one that asks for no new
     token: the prompt's ids in the vocabulary, and the prompt within the context (the cache slots
     it would take with no new token: what ``/v1/models`` gives as ``max_model_len``). InputError."""
-    vocab = dec.model.spec.vocab_size
-    if not ids:
-        raise InputError("empty prompt: give at least one token")
-    bad = next((t for t in ids if not 0 <= t < vocab), None)
-    if bad is not None:
-        raise InputError(f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})")
-    need = dec.capacity_needed(len(ids), 0)
-    if need > dec.cache.max_seq:
-        raise InputError(f"prompt ({len(ids)} tokens) + 0 new tokens + draft rows need {need} cache slots; the "
-                         f"engine has {dec.cache.max_seq} (raise ctx=, --ctx on the command line)")
+    from specpilot.engine.decode import check_request
+
+    check_request(ids, 0, dec.model.spec.vocab_size, dec.capacity_needed(len(ids), 0), dec.cache.max_seq,
+                  least_new=0)
 
 
 def _final_status(reqs: list[Request]) -> tuple[int, str] | None:
