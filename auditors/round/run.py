@@ -572,6 +572,8 @@ class _Round:
             write_json_atomic(dpath, {"schema": ap.SCHEMA, "decisions": [x.to_json() for x in decisions]})
             self._save()
             self.pool.keep_only([current, stock, ar_text])
+        if not dpath.is_file():   # nothing to judge: the stage's file says so (as an SGLang round's does)
+            write_json_atomic(dpath, {"schema": ap.SCHEMA, "decisions": []})
         self.state["final"] = current
         self._finish("approve", t0)
         return decisions
