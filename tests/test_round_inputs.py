@@ -8,7 +8,48 @@ import json
 
 import pytest
 
+from conftest import one_error
+
 TINY = "engine:model=tiny,mode=ar,threads=1"
+TIGHT = "engine:model=tiny,mode=ar,threads=1,ctx=256"
+
+
+def _prompts(path, rows):
+    path.write_text("".join(json.dumps({"schema": "specpilot.prompts/1", **r}) + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.parametrize("long_prompt", [{"id": "long", "text": "x" * 200},   # the tiny model's tokens are bytes
+                                         {"id": "long", "prompt_ids": [5] * 200}])
+def test_a_prompt_that_leaves_no_room_for_the_draft_rows_is_refused_before_the_round(run_cli, tmp_path,
+                                                                                      long_prompt):
+    """200 tokens + 32 new tokens fit ctx=256 alone, not with the largest tree's 33 draft rows; the
+    check counted a one-token prompt (and text prompts not at all)."""
+    prompts = _prompts(tmp_path / "p.jsonl", [{"id": "short", "text": "hello"}, long_prompt])
+    for extra in (["--dry-run"], ["--out-dir", tmp_path / "r", "--no-remember"]):
+        code, _, err = run_cli("round", TIGHT, "--prompts", prompts, "--max-new-tokens", "32", *extra)
+        assert code == 2, err
+        assert (f"{prompts}: prompt 'long': 200 tokens + 32 new tokens + up to 33 draft rows do not fit the engine's "
+                "cache (ctx=256); shorten it, give --max-new-tokens 23 or fewer, or raise ctx= in the deployment"
+                in one_error(err))
+    assert not (tmp_path / "r").exists()
+    code, _, err = run_cli("round", TIGHT, "--prompts", prompts, "--max-new-tokens", "23", "--dry-run")
+    assert code == 0, err
+
+
+def test_the_built_in_prompts_are_measured_with_the_planned_new_tokens(run_cli, tmp_path):
+    code, _, err = run_cli("round", "engine:model=tiny,mode=ar,threads=1,ctx=64", "--dry-run")
+    line = one_error(err)
+    assert code == 2 and "the round's built-in prompt 'p" in line and "48 new tokens + up to 33 draft rows" in line
+    assert "(ctx=64); give shorter prompts (--prompts)" in line
+
+
+def test_text_prompts_for_a_model_without_a_tokenizer_are_refused_before_the_round(run_cli, tmp_path):
+    prompts = _prompts(tmp_path / "p.jsonl", [{"id": "a", "text": "hello"}])
+    code, _, err = run_cli("round", "engine:model=smollm2,random=1,mode=ar,threads=1", "--prompts", prompts,
+                           "--out-dir", tmp_path / "r", "--no-remember")
+    assert code == 2 and f"{prompts}: model smollm2-135m has no tokenizer" in one_error(err)
+    assert not (tmp_path / "r").exists()
 
 
 # ---------------------------------------------------------------------------- the round's own files

@@ -131,6 +131,8 @@ def check_config(cfg: RoundConfig):
         _check_cache(cfg.max_new_tokens, dep, cfg)
     if rows and dep.kind == "engine":   # a prompt the engine cannot run would fail only after the measure stage
         _check_prompt_ids(rows, dep, cfg)
+    if dep.kind == "engine":
+        _check_prompt_room(rows, dep, cfg)
     if cfg.scorer:
         from specpilot.auditors.scorer import check_scorer_spec
 
@@ -138,10 +140,13 @@ def check_config(cfg: RoundConfig):
     return dep
 
 
+DRAFT_ROWS = max(ms.NODES) + 1   # the rows of the largest tree a round verifies (its N + the pending token)
+
+
 def _check_cache(max_new: int, dep, cfg) -> None:
     """New tokens that cannot fit the engine's cache (ctx) beside a prompt and a candidate's draft
     rows would fail only when the approve stage collects stock's outputs, the folder half made."""
-    room = max(ms.NODES) + 2   # the largest tree's draft rows and a one-token prompt
+    room = DRAFT_ROWS + 1   # the largest tree's draft rows and a one-token prompt (the prompts: _check_prompt_room)
     ctx = dep.engine_spec.ctx
     if max_new + room > ctx:
         raise InputError(f"--max-new-tokens {max_new}: with a prompt and up to {room - 1} draft rows it does not fit "
@@ -158,6 +163,59 @@ def _check_prompt_ids(rows, dep, cfg) -> None:
         check_prompts(dep.engine_spec, [(r.id, r.prompt_ids) for r in rows if r.prompt_ids], max_new)
     except InputError as e:
         raise InputError(f"{cfg.prompts}: {e}") from None
+
+
+def _check_prompt_room(rows, dep, cfg) -> None:
+    """The round's longest prompt (of ``rows``, the --prompts file's, else of the prompts the round
+    makes), its new tokens (--max-new-tokens, else the most the plan gives) and the largest tree's
+    draft rows must fit the engine's cache (ctx): a prompt that does not would fail only once a
+    stage runs it. Text is encoded by the deployment's tokenizer, loaded alone."""
+    from specpilot.engine.api import Engine, _tokenizer, resolve_model
+
+    spec = dep.engine_spec
+    max_new = cfg.max_new_tokens or pl.SHAPES["cuda" if dep.facts.device == "cuda" else "cpu"][0].max_new_tokens
+    if rows and all(r.prompt_ids is not None for r in rows):   # no text: no tokenizer to load
+        prompts = [(r.id, r.prompt_ids) for r in rows]
+    else:
+        model_spec, folder, display = resolve_model(spec.model, spec.random)
+        eng = Engine(spec, None, None, _tokenizer(folder, display), display)
+        try:
+            prompts = [(p.id, p.prompt_ids) for p in round_prompts(cfg, rows, eng, model_spec.vocab_size,
+                                                                    dep.facts.device)]
+        except InputError as e:
+            raise InputError(f"{cfg.prompts}: {e}" if cfg.prompts else str(e)) from None
+    pid, ids = max(prompts, key=lambda p: len(p[1]))
+    ctx = spec.ctx
+    if len(ids) + max_new + DRAFT_ROWS > ctx:
+        where = f"{cfg.prompts}: " if cfg.prompts else "the round's built-in "
+        fewer = ctx - len(ids) - DRAFT_ROWS
+        raise InputError(f"{where}prompt {pid!r}: {len(ids)} tokens + {max_new} new tokens + up to {DRAFT_ROWS} draft "
+                         f"rows do not fit the engine's cache (ctx={ctx}); "
+                         + ("shorten it" if cfg.prompts else "give shorter prompts (--prompts)")
+                         + (f", give --max-new-tokens {fewer} or fewer" if fewer >= 1 else "")
+                         + ", or raise ctx= in the deployment")
+
+
+def round_prompts(cfg: RoundConfig, rows, eng, vocab: int, device: str) -> list:
+    """The prompts a round runs (``Prompt``: id, token ids): the --prompts file's ``rows``, text
+    through ``eng``'s tokenizer (with its chat template when it has one); else the built-in chat
+    prompts; else (a model without a tokenizer: random weights) seeded token-id prompts."""
+    from specpilot.auditors.outputs import Prompt
+
+    want = cfg.n_prompts or max(s.prompts for s in pl.SHAPES["cuda" if device == "cuda" else "cpu"])
+    if rows is not None:
+        chat = bool(eng.tokenizer is not None and getattr(eng.tokenizer, "chat_template", None))
+        return [Prompt(r.id, r.prompt_ids if r.prompt_ids is not None else eng.encode(r.text, chat=chat))
+                for r in rows]
+    if eng.tokenizer is not None:
+        from specpilot.auditors.prompts_builtin import PROMPTS
+
+        chat = bool(getattr(eng.tokenizer, "chat_template", None))
+        return [Prompt(f"p{i}", eng.encode(t, chat=chat)) for i, t in enumerate(PROMPTS[:want])]
+    import random
+
+    rng = random.Random(cfg.seed)
+    return [Prompt(f"p{i}", [rng.randrange(vocab) for _ in range(32)]) for i in range(want)]
 
 
 class _Round:
@@ -305,24 +363,8 @@ class _Round:
 
             return [Prompt(r["id"], [int(x) for x in r["prompt_ids"]]) for r in iter_jsonl(path, kind="prompts")]
         eng = self.pool.get(self.state["stock"])
-        cuda = self.facts.device == "cuda"
-        want = self.cfg.n_prompts or max(s.prompts for s in pl.SHAPES["cuda" if cuda else "cpu"])
-        if self.cfg.prompts:
-            rows = read_prompt_rows(self.cfg.prompts)
-            chat = bool(eng.tokenizer is not None and getattr(eng.tokenizer, "chat_template", None))
-            prompts = [Prompt(r.id, r.prompt_ids if r.prompt_ids is not None else eng.encode(r.text, chat=chat))
-                       for r in rows]
-        elif eng.tokenizer is not None:
-            from specpilot.auditors.prompts_builtin import PROMPTS
-
-            chat = bool(getattr(eng.tokenizer, "chat_template", None))
-            prompts = [Prompt(f"p{i}", eng.encode(t, chat=chat)) for i, t in enumerate(PROMPTS[:want])]
-        else:  # random weights without a tokenizer: seeded token-id prompts
-            import random
-
-            rng = random.Random(self.cfg.seed)
-            V = eng.model.spec.vocab_size
-            prompts = [Prompt(f"p{i}", [rng.randrange(V) for _ in range(32)]) for i in range(want)]
+        rows = read_prompt_rows(self.cfg.prompts) if self.cfg.prompts else None
+        prompts = round_prompts(self.cfg, rows, eng, eng.model.spec.vocab_size, self.facts.device)
         from specpilot.fileio import write_jsonl_atomic
 
         write_jsonl_atomic(path, [{"schema": "specpilot.prompts/1", "id": p.id, "prompt_ids": list(p.prompt_ids)}
