@@ -5,6 +5,7 @@ or a resume reads them again."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -76,3 +77,39 @@ def test_a_round_that_judges_no_candidate_finishes_with_its_decisions_file(finis
     assert json.loads((finished / "approve" / "decisions.json").read_text())["decisions"] == []
     code, out, err = run_cli("check", "--baseline", finished, "--no-timing")
     assert code == 0 and "gate: PASS" in out, err
+
+
+DECISION = {"id": "chain", "memory": None, "system": "engine:model=tiny,mode=chain,threads=1", "base": TINY,
+            "verdict": "refused", "reason": "could not run: test", "seconds": 1.5}
+
+
+@pytest.mark.parametrize("stage_file, edit, words", [
+    ("approve/decisions.json", lambda d: d["decisions"].append(dict(DECISION, seconds="Infinity")),
+     "decisions[0] (chain): seconds must be a number of seconds, not inf"),
+    ("approve/decisions.json", lambda d: d["decisions"].append(dict(DECISION, seconds="NaN")),
+     "decisions[0] (chain): seconds must be a number of seconds, not nan"),
+    ("measure/measure.json", lambda d: d.update(tokens_per_s="NaN"), "tokens_per_s must be a number >= 0, not nan"),
+    ("measure/measure.json", lambda d: d["step_ms"].update({"9": "-Infinity"}),
+     "step_ms['9'] must be a number of milliseconds, not -inf"),
+    ("measure/measure.json", lambda d: d["calibration"].update(prefill_s="Infinity"),
+     "calibration.prefill_s must be a number, not inf"),
+    ("propose/candidates.json", lambda d: d["candidates"].append(
+        {"id": "chain", "memory": None, "what": "w", "attacks": "tree", "predicted_gain": "Infinity"}),
+     "candidate 'chain': predicted_gain must be a number or null, not inf"),
+])
+def test_non_finite_numbers_in_the_rounds_files_are_refused(finished, run_cli, tmp_path, stage_file, edit, words):
+    """Python's json reads NaN and Infinity (the strings stand for them here); a report or a resume
+    refuses them naming the file and the field, as it does a number of the wrong type."""
+    d = tmp_path / "r"
+    shutil.copytree(finished, d)
+    f = d / stage_file
+    doc = json.loads(f.read_text())
+    edit(doc)
+    text = json.dumps(doc, indent=1)
+    for name in ("Infinity", "-Infinity", "NaN"):   # the bare JSON tokens, as a file could hold them
+        text = text.replace(f'"{name}"', name)
+    f.write_text(text)
+    for args in (["report", d], ["round", "--resume", d]):
+        code, _, err = run_cli(*args)
+        line = one_error(err)
+        assert code == 2 and f"{f}: malformed" in line and words in line, err

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 
-from specpilot.fileio import is_int
+from specpilot.fileio import is_int, is_num
 
 SCHEMA = "specpilot.round-decisions/1"
 
@@ -47,8 +47,7 @@ _FIELDS = {"id": (lambda v: isinstance(v, str) and bool(v), "a candidate name"),
            "timing": (lambda v: v is None or isinstance(v, dict), "an object or null"),
            "audit": (lambda v: v is None or isinstance(v, dict), "an object or null"),
            "files": (lambda v: isinstance(v, dict), "an object"),
-           "seconds": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0,
-                       "a number of seconds")}
+           "seconds": (lambda v: is_num(v) and v >= 0, "a number of seconds")}
 _REQUIRED = ("id", "memory", "system", "base", "verdict", "reason")
 
 

@@ -28,7 +28,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from specpilot.fileio import write_json_atomic, write_jsonl_atomic
+from specpilot.fileio import is_int, is_num, write_json_atomic, write_jsonl_atomic
 
 NODES = (1, 2, 4, 8, 16, 32)
 RECORD_NODES, RECORD_DEPTH, RECORD_TOPK = 8, 8, 8
@@ -64,6 +64,7 @@ class Measurement:
     @classmethod
     def from_json(cls, d: dict) -> "Measurement":
         d = {k: v for k, v in d.items() if k != "schema"}
+        _check_numbers(d)
         d["step_ms"] = {int(k): float(v) for k, v in (d.get("step_ms") or {}).items()}
         return cls(**d)
 
@@ -77,6 +78,33 @@ class Measurement:
     @property
     def curves(self) -> dict[str, dict[int, float]]:
         return {k: {int(n): float(t) for n, t in v.items()} for k, v in ((self.replay or {}).get("curves") or {}).items()}
+
+
+def _check_numbers(d: dict) -> None:
+    """The numbers later stages compute with are finite numbers (JSON's NaN and Infinity are not
+    measurements): a ValueError naming the field (the reader says the file is malformed)."""
+    def need(ok: bool, name: str, want: str, v) -> None:
+        if not ok:
+            raise ValueError(f"{name} must be {want}, not {v!r:.40}")
+
+    if "tokens_per_s" in d:   # a field missing is the constructor's to name
+        need(is_num(d["tokens_per_s"]) and d["tokens_per_s"] >= 0, "tokens_per_s", "a number >= 0", d["tokens_per_s"])
+    for key in ("context", "current_rows"):
+        if key in d:
+            need(is_int(d[key]), key, "a whole number", d[key])
+    if d.get("ar_ms") is not None:
+        need(is_num(d["ar_ms"]), "ar_ms", "a number of milliseconds or null", d["ar_ms"])
+    for key, want in (("step_ms", "milliseconds per row count"), ("calibration", "an object"),
+                      ("seconds", "seconds per part")):
+        v = d.get(key)
+        need(v is None or isinstance(v, dict), key, want, v)
+    for n, v in (d.get("step_ms") or {}).items():
+        need(is_num(v), f"step_ms[{n!r}]", "a number of milliseconds", v)
+    for key in ("tokens", "seconds", "prefill_s", "tokens_per_s"):   # the plan sizes the runs from them
+        if key in (d.get("calibration") or {}):
+            need(is_num(d["calibration"][key]), f"calibration.{key}", "a number", d["calibration"][key])
+    for key, v in (d.get("seconds") or {}).items():
+        need(is_num(v), f"seconds.{key}", "a number of seconds", v)
 
 
 def probe_rows_set(current_rows: int) -> list[int]:

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from importlib import resources
 
 from specpilot.errors import InputError
+from specpilot.fileio import is_num
 
 SCHEMA = "specpilot.round-candidates/1"
 CONTROL = "no-op"
@@ -52,7 +53,13 @@ class Proposal:
 
     @classmethod
     def from_json(cls, d: dict) -> "Proposal":
-        return cls([Candidate(**c) for c in d["candidates"]], d["not_proposed"], d["order"], d.get("largest"))
+        cands = [Candidate(**c) for c in d["candidates"]]
+        for c in cands:   # the approve stage plans each candidate's runs from its predicted gain
+            for key in ("predicted_speedup", "predicted_gain"):
+                v = getattr(c, key)
+                if v is not None and not is_num(v):
+                    raise ValueError(f"candidate {c.id!r}: {key} must be a number or null, not {v!r:.40}")
+        return cls(cands, d["not_proposed"], d["order"], d.get("largest"))
 
 
 def engine_catalog() -> list[dict]:
