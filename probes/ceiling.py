@@ -389,6 +389,20 @@ def compute_ceiling(req: CeilingRequest) -> CeilingResult:
     return res
 
 
+def largest_factor_line(largest: str | None, factors: dict[str, float | None], name=str) -> str | None:
+    """The sentence that names the factor to attack: the largest with its advice where it offers a
+    gain (above 1), else that none does; None when no factor is known. ``name`` dresses the
+    factor's name (the round report's Markdown bold)."""
+    if not largest:
+        return None
+    v = factors.get(largest)
+    if v is not None and v > 1:
+        from .costmodel import ADVICE
+
+        return f"Largest factor: {name(largest)} ({v:.3g}x): {ADVICE[largest]}."
+    return "No known factor offers a gain (each is 1 or below)."
+
+
 def rows_mismatch(policy: str, cost_rows: int | None, m: Measurements, probe: RowsProbeFigures | None = None,
                   by_nodes: list[dict] | None = None) -> str | None:
     """A warning when the cost model divides the tau of ``policy`` (a replay policy with a node

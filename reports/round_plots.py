@@ -72,16 +72,24 @@ def step_breakdown(profile: dict) -> bytes:
 def tau_c(model: dict, current: dict | None) -> bytes:
     plt, (fig, ax) = _fig(8.5, 5.0)
     rows = model.get("by_nodes") or []
-    styles = {"chain": ("#DD8452", "o"), "best-first": ("#4C72B0", "s")}
+    # series that coincide (a drafter with one candidate per position makes the chain the tree;
+    # random weights put tau, c and the speedup all at 1) must not hide one another: the chain is
+    # drawn wide with large rings beneath the tree's thin lines and small squares, each speedup
+    # with hollow markers of its own shape around the tau markers, c(N) with large crosses on top
+    chain = {"color": "#DD8452", "mfc": "none", "mew": 1.6, "alpha": 0.75, "zorder": 2}
+    tree = {"color": "#4C72B0", "zorder": 3}
+    styles = {"chain": ({**chain, "marker": "o", "ms": 9, "lw": 3.5, "ls": "-"},
+                        {**chain, "marker": "D", "ms": 10, "lw": 3.5, "ls": (0, (1.5, 1))}),
+              "best-first": ({**tree, "marker": "s", "ms": 4, "lw": 1, "ls": "-"},
+                             {**tree, "marker": "s", "ms": 7, "mfc": "none", "mew": 1.2, "lw": 1.5, "ls": "--"})}
     ax2 = ax.twinx()
-    for fam, (color, marker) in styles.items():
+    for fam, (tau_style, speedup_style) in styles.items():
         pts = sorted((r["nodes"], r) for r in rows if r["family"] == fam)
         if not pts:
             continue
         n = [p[0] for p in pts]
-        ax.plot(n, [p[1]["tau"] for p in pts], color=color, marker=marker, lw=1, ms=4, label=f"tau(N), {fam}")
-        ax2.plot(n, [p[1]["speedup"] for p in pts], color=color, marker=marker, ls="--", lw=1.5, ms=4,
-                 label=f"predicted speedup tau/c, {fam}")
+        ax.plot(n, [p[1]["tau"] for p in pts], label=f"tau(N), {fam}", **tau_style)
+        ax2.plot(n, [p[1]["speedup"] for p in pts], label=f"predicted speedup tau/c, {fam}", **speedup_style)
     # TLV's tau is per exact pass (its own scale): only its predicted speedup joins the plot
     tlv = sorted((r["nodes"], r["speedup"]) for r in rows if r["family"] == "tlv")
     if tlv:
@@ -90,8 +98,8 @@ def tau_c(model: dict, current: dict | None) -> bytes:
     cpts = sorted({(r["nodes"], r["c"]) for r in rows if r["family"] == "best-first"} or
                   {(r["nodes"], r["c"]) for r in rows})
     if cpts:
-        ax2.plot([p[0] for p in cpts], [p[1] for p in cpts], color="#555555", marker="x", lw=1, ms=4,
-                 label="c(N): mean T_step of the rows verified / T_AR")
+        ax2.plot([p[0] for p in cpts], [p[1] for p in cpts], color="#555555", marker="x", lw=1, ms=7, mew=1.5,
+                 zorder=4, label="c(N): mean T_step of the rows verified / T_AR")
     if current and current.get("speedup"):
         ax2.axhline(current["speedup"], color="#2E8B57", lw=1, ls=":",
                     label=f"current system ({current['policy']}): {current['speedup']:.3g}x")
@@ -112,6 +120,8 @@ def factors(model: dict) -> bytes:
     names = ["tree", "kernel", "outside"]
     vals = [f.get(n) for n in names]
     largest = model.get("largest")
+    if largest and not (f.get(largest) or 0) > 1:   # as specpilot ceiling: a largest factor of 1 offers nothing
+        largest = None
     for i, (n, v) in enumerate(zip(names, vals)):
         if v is None:
             ax.bar(i, 1.0, color="white", edgecolor="#999999", hatch="..")
@@ -124,7 +134,8 @@ def factors(model: dict) -> bytes:
     ax.set_ylabel("factor (1 = nothing to gain)")
     top = max([v for v in vals if v] + [1.1])
     ax.set_ylim(0, top * 1.18)
-    ax.set_title("the ceiling's three factors" + (f"; largest: {largest}" if largest else ""), fontsize=9)
+    ax.set_title("the ceiling's three factors" + (f"; largest: {largest}" if largest else "; none offers a gain"
+                                                  if any(v is not None for v in vals) else ""), fontsize=9)
     return _png(plt, fig)
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specpilot.auditors.round.run import resume_command, stages_left
+from specpilot.probes.ceiling import largest_factor_line
 
 from . import round_plots as plots
 
@@ -162,9 +163,12 @@ def build(res) -> list[Block]:
     else:
         cm = mo.cost_model or {}
         cur = mo.current
+        # the factor to attack in the words of specpilot ceiling (none offers a gain when each is 1)
+        factor = largest_factor_line(mo.largest, mo.factors or {}, name=lambda f: f"**{f}**")
         b.append(Block("p", f"Current system: tau {_n(cur.get('tau'))}, c {_n(cur.get('c'))}, speedup over AR "
-                            f"{_n(cur.get('speedup'))}. Largest factor: **{mo.largest or 'unknown'}**"
-                            + (f"; ceiling {_n(cm.get('ceiling'))}x over AR." if cm.get("ceiling") else ".")))
+                            f"{_n(cur.get('speedup'))}"
+                            + (f"; ceiling {_n(cm.get('ceiling'))}x over AR. " if cm.get("ceiling") else ". ")
+                            + (factor or "Largest factor: unknown.")))
         b.append(Block("table", headers=["factor", "value", "speedup if removed", "source"],
                        rows=[[k, _n(v), _n((cm.get("speedup_if_removed") or {}).get(k)),
                               {"tree": mo.sources.get("tau_best"), "kernel": mo.sources.get("floor_ms"),

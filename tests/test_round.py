@@ -704,3 +704,46 @@ def test_a_dry_run_over_its_budget_says_so(run_cli):
     assert "warning: the smallest plan takes" in out and "more than the 0.1 min budget" in out
     code, out, _ = run_cli("round", TINY, "--dry-run", "--budget", "60")
     assert code == 0 and "smallest plan" not in out
+
+
+def test_report_names_no_factor_where_none_offers_a_gain(tiny_round, run_cli, tmp_path):
+    """Every factor at 1: the report says what specpilot ceiling says (no known factor offers a
+    gain), not that one of them is the largest."""
+    shutil.copytree(tiny_round / "r", tmp_path / "r")
+    path = tmp_path / "r" / "model" / "model.json"
+    doc = json.loads(path.read_text())
+    doc["factors"] = {"tree": 1.0, "kernel": None, "outside": None}
+    doc["largest"] = doc["cost_model"]["largest_factor"] = "tree"
+    doc["cost_model"]["factors"] = dict(doc["factors"])
+    doc["cost_model"]["ceiling"] = doc["cost_model"]["speedup"]
+    path.write_text(json.dumps(doc))
+    code, _, err = run_cli("report", tmp_path / "r")
+    assert code == 0, err
+    md = (tmp_path / "r" / "report.md").read_text()
+    line = next(x for x in md.splitlines() if x.startswith("Current system: tau"))
+    assert line.endswith("No known factor offers a gain (each is 1 or below).") and "Largest" not in line, line
+    # a factor above 1 is named with the ceiling's advice
+    doc["factors"]["tree"] = doc["cost_model"]["factors"]["tree"] = 1.5
+    path.write_text(json.dumps(doc))
+    assert run_cli("report", tmp_path / "r")[0] == 0
+    md = (tmp_path / "r" / "report.md").read_text()
+    assert "Largest factor: **tree** (1.5x): build a better draft tree (replay policies: specpilot replay)." in md
+
+
+def test_tau_c_plot_shows_a_chain_that_equals_the_tree():
+    """Chain and best-first rows with the same values: the chain's series still shows (its colour
+    covers a good part of the plot area, not only the legend)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from specpilot.reports import round_plots
+
+    rows = [{"family": fam, "nodes": n, "rows": n + 1, "tau": 1.0 + 0.1 * i, "c": 1.0 + 0.02 * i,
+             "speedup": (1.0 + 0.1 * i) / (1.0 + 0.02 * i)}
+            for fam in ("chain", "best-first") for i, n in enumerate((1, 2, 4, 8))]
+    img = np.asarray(Image.open(io.BytesIO(round_plots.tau_c({"by_nodes": rows}, None))).convert("RGB")).astype(int)
+    plot = img[: int(img.shape[0] * 0.7)]   # above the legend
+    chain = (np.abs(plot - np.array([0xDD, 0x84, 0x52])).sum(axis=2) < 90)
+    assert chain.sum() > 1500, chain.sum()

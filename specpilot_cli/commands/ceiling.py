@@ -237,12 +237,11 @@ def _report(res, run=None) -> Report:
                          desc[k] + (f" -> {c.if_removed[k]:.3g}x if removed" if v is not None else "")])
         rows.append(["ceiling", c.ceiling, "speedup x known factors"])
         sections.append(Section(_cost_title(res, run), ["", "value", "how"], rows))
-        if c.largest and c.factors[c.largest] > 1:
-            from specpilot.probes.costmodel import ADVICE
+        from specpilot.probes.ceiling import largest_factor_line
 
-            lines.append(f"Largest factor: {c.largest} ({c.factors[c.largest]:.3g}x): {ADVICE[c.largest]}.")
-        elif c.largest:
-            lines.append("No known factor offers a gain (each is 1 or below).")
+        line = largest_factor_line(c.largest, c.factors)
+        if line:
+            lines.append(line)
         lines.extend(f"note: {n}" for n in c.notes)
     lines.extend(f"warning: {w}" for w in res.warnings)
     data = res.as_dict()
