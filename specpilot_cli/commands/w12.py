@@ -188,8 +188,22 @@ def stats_cmd(path, fmt, out):
     rows.append(["(all W12 tensors)", f"{st.weights} weights", round(st.bits_per_weight, 4),
                  sum(t.escapes for t in st.tensors), float(f"{st.escape_rate:.3e}")])
     lines = [f"{st.bits_per_weight:.4f} bits/weight over {len(st.tensors)} tensors "
-             f"({st.stored_bytes / 2**20:.1f} MiB vs {2 * st.weights / 2**20:.1f} MiB bf16); "
+             f"({sizes(st.stored_bytes, 2 * st.weights)} bf16); "
              f"escape rate {st.escape_rate:.3e}"]
     emit(Report(data, [Section(None, ["tensor", "shape", "bits/weight", "escapes", "escape rate"], rows)], lines,
                 title="W12 stats"), fmt, out, protect=[path])
     return 0
+
+
+def sizes(stored: int, bf16: int) -> str:
+    """"A vs B" for two byte counts in one unit, the larger's (bytes below 1 KiB, KiB below 1 MiB,
+    else MiB), three significant digits or one decimal: a small file is not "0.1 MiB vs 0.1 MiB"."""
+    if bf16 < 2**10:
+        return f"{stored} bytes vs {bf16} bytes"
+    div, unit = (2**10, "KiB") if bf16 < 2**20 else (2**20, "MiB")
+
+    def one(n: int) -> str:
+        v = n / div
+        return f"{v:.1f}" if v >= 100 else f"{v:.3g}"
+
+    return f"{one(stored)} {unit} vs {one(bf16)} {unit}"
