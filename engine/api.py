@@ -313,7 +313,9 @@ def build_model(name: str, random: bool, dtype, device: str, max_seq: int, seed:
     return model, folder, display
 
 
-def _tokenizer(folder: Path | None, display: str):
+def model_tokenizer(folder: Path | None, display: str):
+    """The tokenizer of the model ``resolve_model`` found (a built-in tiny model's: its bytes); None
+    for a folder without one (token-id prompts only). InputError for one that does not load."""
     if folder is None:
         return ByteTokenizer() if display in TINY_CONFIGS else None
     if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
@@ -450,7 +452,7 @@ def load_engine(spec: EngineSpec | str) -> Engine:
     t0 = time.perf_counter()
     target = load_target(spec)
     model, folder, display = target.model, target.folder, target.name
-    tok = _tokenizer(folder, display)
+    tok = model_tokenizer(folder, display)
     drafter = None
     draft = {}
     if spec.mode != "ar":

@@ -170,7 +170,7 @@ def _check_prompt_room(rows, dep, cfg) -> None:
     makes), its new tokens (--max-new-tokens, else the most the plan gives) and the largest tree's
     draft rows must fit the engine's cache (ctx): a prompt that does not would fail only once a
     stage runs it. Text is encoded by the deployment's tokenizer, loaded alone."""
-    from specpilot.engine.api import Engine, _tokenizer, resolve_model
+    from specpilot.engine.api import Engine, model_tokenizer, resolve_model
 
     spec = dep.engine_spec
     max_new = cfg.max_new_tokens or pl.SHAPES["cuda" if dep.facts.device == "cuda" else "cpu"][0].max_new_tokens
@@ -178,7 +178,7 @@ def _check_prompt_room(rows, dep, cfg) -> None:
         prompts = [(r.id, r.prompt_ids) for r in rows]
     else:
         model_spec, folder, display = resolve_model(spec.model, spec.random)
-        eng = Engine(spec, None, None, _tokenizer(folder, display), display)
+        eng = Engine(spec, None, None, model_tokenizer(folder, display), display)
         try:
             prompts = [(p.id, p.prompt_ids) for p in round_prompts(cfg, rows, eng, model_spec.vocab_size,
                                                                     dep.facts.device)]
