@@ -36,6 +36,7 @@ BUDGETS = ("shared", "equal")
 BLOCKS = ("adaptive", "fixed")
 ADMITS = ("off", "waiting", "all")
 QVIEWS = ("auto", "w12", "fp8")
+
 MAX_STEP_ROWS = 64   # most rows of a verify step (its graph buckets, the row-invariant kernels)
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
@@ -69,6 +70,19 @@ def say(msg: str, as_flags: bool) -> str:
         return key if value is None else f"{key}={value}"
 
     return re.sub(r"\{(\w+)(?:=([^{}]*))?\}", name, msg)
+
+
+def fp8_tensor_cores(device: str) -> bool:
+    """Whether the CUDA device ``device`` (``cuda`` or ``cuda:N``) multiplies e4m3 on its tensor cores
+    (sm_89 or newer); False where CUDA or that device is not there."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    index = int(device.partition(":")[2] or torch.cuda.current_device())
+    if index >= torch.cuda.device_count():
+        return False
+    return torch.cuda.get_device_capability(index) >= (8, 9)
 
 
 # an integer option's text: plain ASCII digits (int() also takes "1_0" and other scripts' digits)
@@ -119,7 +133,10 @@ class EngineSpec:
     qview: str = option("auto", "The TLV Q pass's weights: w12 (the W12 8-bit view of paper 4.3: a W12 target's "
                                 "own records, else a W12 copy beside the weights, 12 bits a weight) or fp8 (an "
                                 "e4m3 copy, 8 bits a weight, through FP8 tensor-core GEMMs on cuda (sm_89 or "
-                                "newer), the e4m3 weights dequantized on the CPU); auto = w12.", choices=QVIEWS)
+                                "newer), the e4m3 weights dequantized on the CPU); auto = fp8 for a bfloat16 or "
+                                "float16 target on a GPU with FP8 tensor cores (a faster Q pass and a smaller copy "
+                                "than the W12 one), w12 elsewhere (a W12 target's own records: no copy).",
+                  choices=QVIEWS)
     attn: str = option("auto", "Attention: torch (plain reference) or fused (split-KV Triton kernel, cuda); auto = "
                                "fused on cuda.", choices=ATTENTIONS, label="attention")
     head: str = option("linear", "Greedy LM head: linear (lm_head + argmax) or certified (INT8 bounds + exact "
@@ -329,7 +346,7 @@ class EngineSpec:
         if self.deterministic:
             self._validate_deterministic(cuda, fail)
         if self.mode == "tlv":
-            if self.torch_dtype_name == "float16" and self.qview != "fp8":
+            if self.torch_dtype_name == "float16" and self.qview_kind != "fp8":
                 raise fail("{mode=tlv}: the Q pass reads the W12 8-bit view of bfloat16 or float32 weights, "
                            "not float16; use {dtype=bfloat16} or float32, or {qview=fp8}")
 
@@ -363,8 +380,16 @@ class EngineSpec:
 
     @property
     def qview_kind(self) -> str:
-        """The weights a TLV Q pass reads: ``qview``, ``auto`` being ``w12``."""
-        return "w12" if self.qview == "auto" else self.qview
+        """The weights a TLV Q pass reads: ``qview``; ``auto`` is ``fp8`` for a bfloat16 or float16
+        target (not W12) on a CUDA GPU with FP8 tensor cores, where the e4m3 copy's Q pass is the
+        faster one and the copy smaller than a W12 copy (docs/tlv.md), and ``w12`` elsewhere: on the
+        CPU, on older GPUs, and beside a W12 target, whose own records are the view at no memory."""
+        if self.qview != "auto":
+            return self.qview
+        if (not self.w12 and self.torch_dtype_name in ("bfloat16", "float16") and self.device.startswith("cuda")
+                and fp8_tensor_cores(self.device)):
+            return "fp8"
+        return "w12"
 
     @property
     def torch_dtype_name(self) -> str:

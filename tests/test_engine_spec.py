@@ -161,6 +161,32 @@ def test_rules_between_options_name_flags_or_spec_keys_as_given(run_cli):
     assert code == 2 and "use --dtype bfloat16 or float32, or --qview fp8" in err
 
 
+def test_auto_q_view_is_fp8_for_bf16_and_fp16_targets_on_gpus_with_fp8_tensor_cores(monkeypatch):
+    """``qview=auto``: fp8 where the device multiplies e4m3 and the target is bf16 or fp16 (not
+    W12), w12 elsewhere; what the resolved spec records, and float16 TLV taken there."""
+    import torch
+
+    from specpilot.engine import spec as S
+
+    if not torch.cuda.is_available():
+        assert S.fp8_tensor_cores("cuda") is False and S.fp8_tensor_cores("cuda:3") is False
+    for capable in (True, False):
+        monkeypatch.setattr(S, "fp8_tensor_cores", lambda device, c=capable: c and device.startswith("cuda"))
+        kinds = {text: EngineSpec.parse(f"engine:model=tiny,mode=tlv,{text}").qview_kind
+                 for text in ("device=cuda", "device=cuda,dtype=float32", "device=cuda,w12=1",
+                              "device=cpu,dtype=bfloat16", "device=cuda,qview=w12")}
+        fp8 = "fp8" if capable else "w12"
+        assert kinds == {"device=cuda": fp8, "device=cuda,dtype=float32": "w12", "device=cuda,w12=1": "w12",
+                         "device=cpu,dtype=bfloat16": "w12", "device=cuda,qview=w12": "w12"}
+        assert EngineSpec.parse("engine:model=tiny,mode=tlv,device=cuda").resolved().qview == fp8
+        half = "engine:model=tiny,mode=tlv,device=cuda:1,dtype=float16"
+        if capable:   # float16 weights have no W12 view; the e4m3 copy takes them
+            assert EngineSpec.parse(half).qview_kind == "fp8"
+        else:
+            with pytest.raises(InputError, match="or qview=fp8"):
+                EngineSpec.parse(half)
+
+
 def test_an_unknown_qview_is_refused_in_any_mode():
     for text in ("engine:model=tiny,mode=ar,qview=bogus", "engine:model=tiny,mode=tlv,qview=FP8"):
         with pytest.raises(InputError, match="unknown qview '(bogus|FP8)'; choose one of auto, w12, fp8"):

@@ -46,7 +46,7 @@ def test_gpu_q_pass_runs_the_qpass_kernels_and_leaves_committed_state_bit_identi
     from specpilot.kernels.w12 import routing
 
     e = load_engine(f"engine:model={model},device=cuda,dtype=bfloat16,ctx={CTX},mode=tlv,drafter=self,"
-                    f"draft_layers=1,nodes=12,depth=4,topk=3,graphs={graphs}")
+                    f"draft_layers=1,nodes=12,depth=4,topk=3,graphs={graphs},qview=w12")
     dec = e.decoder
     ctx, n_cache, tree = after_cycles(dec)
     calls = []
@@ -138,16 +138,30 @@ def test_gpu_tlv_refusals(run_cli):
     assert code == 2 and "decode=fused" in err
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype,qview", [("float32", "w12"), ("bfloat16", "w12"), ("bfloat16", "fp8")])
 @pytest.mark.parametrize("model", ["tiny", "tiny-hybrid"])
-def test_gpu_batched_tlv(model, dtype):
-    """Batched TLV on CUDA (the fused batched step reads the W12 packs in the Q pass). fp32: every
-    request's output is AR's and its cycles are its one-request cycles exactly; bf16: the batched Q
-    pass leaves every slot bit-identical."""
-    base = f"model={model},device=cuda,dtype={dtype}"
+def test_gpu_batched_tlv(model, dtype, qview):
+    """Batched TLV on CUDA (the fused batched step reads the W12 packs or the e4m3 copies in the Q
+    pass). fp32: every request's output is AR's and its cycles are its one-request cycles exactly;
+    bf16: the batched Q pass leaves every slot bit-identical."""
+    if qview == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("qview=fp8 needs FP8 tensor cores (sm_89 or newer)")
+    base = f"model={model},device=cuda,dtype={dtype},qview={qview}"
     if dtype == "float32":
         check_batched_cycles(base)
     check_batched_q_pass(base)
+
+
+def test_gpu_auto_q_view_is_fp8_for_a_bf16_target_with_fp8_tensor_cores():
+    """``qview=auto``: the e4m3 copy for a bf16 target where the GPU multiplies e4m3, else (and
+    beside a W12 target, whose records are the view) the W12 view."""
+    fp8 = torch.cuda.get_device_capability() >= (8, 9)
+    spec = f"engine:model=tiny,device=cuda,ctx={CTX},mode=tlv,drafter=self,draft_layers=1,nodes=8,depth=3,topk=3"
+    e = load_engine(spec)
+    assert e.decoder.qview.kind == ("fp8" if fp8 else "w12") == e.spec.resolved().qview
+    r = e.generate(PROMPT, 16)
+    assert len(r.output_ids) == 16 and r.tlv["cycles"] == r.steps
+    assert load_engine(spec + ",w12=1").decoder.qview.kind == "w12"
 
 
 def test_gpu_batched_tlv_refuses_the_layer_modules(run_cli):

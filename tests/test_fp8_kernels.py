@@ -88,6 +88,16 @@ def test_row_kernels_take_and_give_split_rows(dt):
     a = W.rope_store_rows(sq, cos, sin, pos, pos, caches[0], caches[1], nh, nkv)
     b = W.rope_store_rows(naive.combine_rows(sq.data, s, dt), cos, sin, pos, pos, caches[2], caches[3], nh, nkv)
     assert torch.equal(_bits(a), _bits(b)) and torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    # a batched step's rows (continuous batching, a batched FP8 Q pass): each row into its request's caches
+    req = torch.tensor([2, 0, 2, 1, 0, 1][:T], device=DEV)
+    slots = torch.tensor([5, 5, 6, 9, 6, 10][:T], device=DEV)
+    caches = [torch.zeros(3, nkv, S, hd, dtype=dt, device=DEV) for _ in range(4)]
+    a = W.rope_store_rows(sq, cos, sin, pos, slots, caches[0], caches[1], nh, nkv, req=req)
+    b = W.rope_store_rows(naive.combine_rows(sq.data, s, dt), cos, sin, pos, slots, caches[2], caches[3], nh, nkv,
+                          req=req)
+    assert torch.equal(_bits(a), _bits(b)) and torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert caches[0][2, :, 6].abs().sum() > 0 and caches[0][1, :, 9].abs().sum() > 0   # rows 2 and 3
+    assert caches[0][0, :, 9].abs().sum() == 0 and caches[0][2, :, 9].abs().sum() == 0  # row 3 is request 1's
 
 
 def test_fp8_linear_is_the_reference_product():
