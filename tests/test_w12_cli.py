@@ -269,7 +269,7 @@ def test_a_damaged_crc_table_is_reported_not_a_crash(tmp_path, run_cli, crc):
     ("shape", "x", "field shape must be [rows, columns]"), ("shape", [64, 128, 1], "field shape must be"),
     ("rows_stored", 0, "field rows_stored must be a positive whole number"), ("low_base", -5, "field low_base"),
     ("escapes", "3", "field escapes must be a whole number"), ("k_pad", 64, "field k_pad must be the columns"),
-    ("shape", [16, 192], "does not describe its stored parts")])
+    ("shape", [16, 192], "does not describe its stored parts"), ("sha256", "abc", "field sha256 must be 64")])
 def test_a_malformed_w12_table_is_bad_input_for_stats_and_verify_alike(tmp_path, run_cli, field, value, words):
     src, dst = tmp_path / "m.safetensors", tmp_path / "w.safetensors"
     make_checkpoint(src)
@@ -280,6 +280,25 @@ def test_a_malformed_w12_table_is_bad_input_for_stats_and_verify_alike(tmp_path,
     for args in (("w12", "stats", dst), ("w12", "verify", dst, "--against", src)):
         code, out, err = run_cli(*args)
         assert code == 2 and words in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, (args, err)
+
+
+def test_verify_checks_the_restored_weights_against_the_originals_sha256(tmp_path, run_cli):
+    """Without the original: a table whose parts are intact (CRC) but describe other weights than
+    those pack was given (here: the digest of one flipped weight) fails the sha256 pack recorded."""
+    import hashlib
+
+    src, dst = tmp_path / "m.safetensors", tmp_path / "w.safetensors"
+    orig = make_checkpoint(src)
+    assert run_cli("w12", "pack", src, "-o", dst)[0] == 0
+    tensors, meta, doc = read_packed(dst)
+    assert doc["tensors"][Q]["sha256"] == hashlib.sha256(orig[Q].view(torch.int16).numpy().tobytes()).hexdigest()
+    other = orig[Q].clone()
+    other[3, 4] = -other[3, 4]
+    doc["tensors"][Q]["sha256"] = hashlib.sha256(other.view(torch.int16).numpy().tobytes()).hexdigest()
+    write_packed(dst, tensors, meta, doc)
+    code, out, err = run_cli("w12", "verify", dst)
+    assert code == 1 and Q in err and "sha256" in err, err
+    assert D not in err
 
 
 @pytest.mark.parametrize("version", [True, 3, "2"])

@@ -24,6 +24,7 @@ import fnmatch
 import hashlib
 import json
 import os
+import re
 import shutil
 import zlib
 from dataclasses import dataclass, field
@@ -382,6 +383,9 @@ def _check_entry(entry, name: str, source: str, check_crc: bool) -> None:
             bad("low_base", "a positive whole number or null")
         if not whole(entry.get("escapes")):
             bad("escapes", "a whole number")
+    digest = entry.get("sha256")
+    if digest is not None and not (isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{64}", digest)):
+        bad("sha256", "64 lowercase hex digits")
 
 
 def load_w12(tensors: dict[str, torch.Tensor], name: str, entry: dict, source: str,
@@ -433,7 +437,8 @@ class VerifyResult:
 
 def verify(packed: str, against: str | None = None, progress: Callable | None = None,
            device: str = "cpu") -> VerifyResult:
-    """Restore every W12 tensor and compare bit for bit with ``against`` (CRC and structure always)."""
+    """Restore every W12 tensor and compare bit for bit with ``against``; CRC, structure and the
+    restored bytes against the sha256 ``pack`` recorded of the original always."""
     ck = find_checkpoint(packed)
     ref_files: dict[str, Path] = {}
     if against is not None:
@@ -482,6 +487,9 @@ def verify(packed: str, against: str | None = None, progress: Callable | None = 
                 raise
             except W12FormatError as e:   # "FILE: NAME: what" -> (NAME, what)
                 res.mismatched.append((name, str(e).removeprefix(f"{f}: ").removeprefix(f"{name}: ")))
+                continue
+            if entry.get("sha256") and bf16_sha256(restored) != entry["sha256"]:
+                res.mismatched.append((name, "restored weights differ from the original's sha256 that pack recorded"))
                 continue
             if against is not None:
                 r = ref_tensor(name)
