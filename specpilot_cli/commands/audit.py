@@ -48,7 +48,8 @@ def command():
 
     SYSTEM, STOCK and AR are outputs JSONL files, embedded-engine specs
     (engine:model=smollm2,mode=tree,nodes=32) or SGLang-compatible servers (http://host:port).
-    Exit 0 when every system passes, 1 when one is rejected.
+    Exit 0 when every system passes, 1 when one is rejected. The first form is `audit check`: its
+    options (--scorer, --prompts, --delta and the rest) are in `specpilot audit check --help`.
     """
 
 
