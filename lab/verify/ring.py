@@ -37,6 +37,25 @@ def configs(quick: bool):
     return [RingConfig(*g) for g in grid]
 
 
+def checked(run, ref, blas_err: float, label: str) -> float | None:
+    """The largest error of ``run()`` against the fp32 product ``ref``, or None (printed with
+    ``label``) where the config does not compile or fit, is off by more than twice cuBLAS's error,
+    or differs between two runs."""
+    import torch
+
+    try:
+        y = run()
+        err = float((y.float() - ref).abs().max())
+        same = bool(torch.equal(y, run()))
+    except Exception as e:  # noqa: BLE001 - a config that does not compile or fit is skipped
+        print("skip", label, type(e).__name__, str(e)[:160], flush=True)
+        return None
+    if err > 2 * blas_err + 1e-2 or not same:
+        print("WRONG", label, err, blas_err, same, flush=True)
+        return None
+    return err
+
+
 def layers(rows_list, quick, flush):
     import torch
     import torch.nn.functional as F
@@ -53,17 +72,10 @@ def layers(rows_list, quick, flush):
             blas_err = float((F.linear(x, w).float() - ref).abs().max())
             cands = []
             for cfg in configs(quick):
-                try:
-                    y = ring_linear(x, w, cfg)
-                    err = float((y.float() - ref).abs().max())
-                    same = bool(torch.equal(y, ring_linear(x, w, cfg)))
-                    us = time_interleaved([lambda c=cfg: ring_linear(x, w, c)], flush=flush, rounds=1, reps=20)[0]
-                except Exception as e:  # noqa: BLE001 - a config that does not compile or fit is skipped
-                    print("skip", name, m, cfg.key(), type(e).__name__, str(e)[:160], flush=True)
+                err = checked(lambda c=cfg: ring_linear(x, w, c), ref, blas_err, f"{name} {m} {cfg.key()}")
+                if err is None:
                     continue
-                if err > 2 * blas_err + 1e-2 or not same:
-                    print("WRONG", name, m, cfg.key(), err, blas_err, same, flush=True)
-                    continue
+                us = time_interleaved([lambda c=cfg: ring_linear(x, w, c)], flush=flush, rounds=1, reps=20)[0]
                 cands.append((us, cfg, err))
             cands.sort(key=lambda t: t[0])
             print(name, m, " ".join(f"{c.key()}={us:.1f}" for us, c, _ in cands), flush=True)

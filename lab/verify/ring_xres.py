@@ -208,6 +208,7 @@ def sweep_configs() -> list[XresConfig]:
 
 def main() -> int:
     from lab.common import L2Flusher, bootstrap, parse_int_list, print_table, time_interleaved, write_results
+    from lab.verify.ring import checked
 
     bootstrap()
     ap = argparse.ArgumentParser()
@@ -229,19 +230,9 @@ def main() -> int:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = F.linear(x.float(), w.float())
             blas_err = float((F.linear(x, w).float() - ref).abs().max())
-            cands = []
-            for cfg in sweep_configs():
-                try:
-                    y = xres_linear(x, w, cfg)
-                    err = float((y.float() - ref).abs().max())
-                    same = bool(torch.equal(y, xres_linear(x, w, cfg)))
-                except Exception as e:  # noqa: BLE001 - a config that does not fit or compile is skipped
-                    print("skip", name, m, cfg.key(), type(e).__name__, str(e)[:160], flush=True)
-                    continue
-                if err > 2 * blas_err + 1e-2 or not same:
-                    print("WRONG", name, m, cfg.key(), err, blas_err, same, flush=True)
-                    continue
-                cands.append(cfg)
+            cands = [cfg for cfg in sweep_configs()
+                     if checked(lambda c=cfg: xres_linear(x, w, c), ref, blas_err, f"{name} {m} {cfg.key()}")
+                     is not None]
             if not cands:
                 continue
             fns = ([lambda: blas.linear(x, w), lambda: R.ring_linear(x, w, ring_cfg)]
