@@ -155,11 +155,12 @@ def check_run(run: RunFigures, replay: ReplayFigures | None = None, probe: RowsP
     qpass_p, qpass_from = run.qpass_ms, f"run {src} (its own)"
     if probe is not None and run.mode == "tlv" and run.nodes:
         q, _ = probe_qpass(probe, run.nodes + 1)
-        if q is not None:
+        if q is not None and None not in (run.qview, probe.qview) and run.qview != probe.qview:
+            notes.append(f"the probe's Q pass read the {probe.qview} view, the run's the {run.qview} view: the "
+                         "prediction takes the run's own Q pass (probe rows --qview "
+                         f"{run.qview} times that one)")
+        elif q is not None:
             qpass_p, qpass_from = q, f"rows probe {probe.source} at {run.nodes + 1} rows (its Q pass)"
-            if None not in (run.qview, probe.qview) and run.qview != probe.qview:
-                notes.append(f"the probe's Q pass read the {probe.qview} view, the run's the {run.qview} view: the "
-                             "predicted Q pass is not the run's pass")
     draft_m = run.draft_ms
     draft_p = draft_m if draft_ms is None else draft_ms
     draft_from = f"run {src} (loop step split)" if draft_ms is None else "--draft-ms"

@@ -212,12 +212,15 @@ def test_check_tlv_run(run_cli, tmp_path, files):
     assert d["predicted_speedup"] == pytest.approx(6.0 * 10.5 / 23.0)
 
 
-def test_check_tlv_run_takes_the_probes_q_pass_and_names_another_view(run_cli, tmp_path, files):
+def test_check_tlv_run_takes_the_probes_q_pass_of_its_own_view_only(run_cli, tmp_path, files):
+    """The probe's Q pass predicts the run's where both read the same view; a probe of the other
+    view cannot (it would fail the check on a comparison it knows is not like for like): the run's
+    own Q pass stands in, with a note naming both views."""
     doc = _run_doc("tlv", tau=6.0, verify=12.0, draft=1.0, qpass=9.0, rest=1.0, tlv=TLV_SPLIT)
     doc["tlv"]["qview"] = "fp8"
     run = _write(tmp_path, "tlv.json", doc)
     replay = _write(tmp_path, "r.json", {"schema": "specpilot.replay/1", "policies": [{"policy": "tlv:16", "tau": 6.0}]})
-    probe = {"schema": "specpilot.rows/1", "ar_ms": 10.0, "qview": "w12",
+    probe = {"schema": "specpilot.rows/1", "ar_ms": 10.0, "qview": "fp8",
              "points": [{"rows": 1, "step_ms": 10.0}, {"rows": 9, "step_ms": 11.0, "qpass_ms": 6.0},
                         {"rows": 33, "step_ms": 13.0, "qpass_ms": 8.0}]}
     rows = _write(tmp_path, "rows.json", probe)
@@ -226,7 +229,15 @@ def test_check_tlv_run_takes_the_probes_q_pass_and_names_another_view(run_cli, t
     q = {t["term"]: t for t in json.loads(out)["terms"]}["Q pass"]
     assert q["predicted"] == pytest.approx(6.0 + 2.0 * 8 / 24) and q["measured"] == pytest.approx(9.0)
     assert q["predicted_from"] == f"rows probe {rows} at 17 rows (its Q pass)"
-    assert any("the probe's Q pass read the w12 view, the run's the fp8 view" in n for n in json.loads(out)["notes"])
+    assert not any("view" in n for n in json.loads(out)["notes"])
+    probe["qview"] = "w12"
+    rows = _write(tmp_path, "rows_w12.json", probe)
+    code, out, err = run_cli("ceiling", "--check", run, "--replay", replay, "--rows-probe", rows, "--format", "json")
+    assert code in (0, 1), err
+    q = {t["term"]: t for t in json.loads(out)["terms"]}["Q pass"]
+    assert q["predicted"] == pytest.approx(9.0) and q["predicted_from"] == f"run {run} (its own)"
+    assert any("the probe's Q pass read the w12 view, the run's the fp8 view: the prediction takes the run's own"
+               in n for n in json.loads(out)["notes"])
     code, out, err = run_cli("ceiling", "--run", run, "--replay", replay, "--rows-probe", rows)
     assert code == 0 and "the probe's Q pass read the w12 view, the run's the fp8 view" in out, out + err
 
