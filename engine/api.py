@@ -168,8 +168,8 @@ class Engine:
                                 "prefill_seconds": res.prefill_seconds, "tokens_per_s": res.tokens_per_second,
                                 "decode_tokens_per_s": res.decode_tokens_per_second, "stop": res.stop_reason,
                                 **({"tlv": res.tlv} if res.tlv else {})})
-        out.batch = {"batch": dec.batch, "budget": self.spec.budget, "block": self.spec.block,
-                     "admit": self.spec.admit, "seconds": time.perf_counter() - t0,
+        out.batch = {"batch": dec.batch, "budget": self.spec.rule("budget"), "block": self.spec.rule("block"),
+                     "admit": self.spec.rule("admit"), "seconds": time.perf_counter() - t0,
                      "warmup_seconds": dec.warmup_seconds, **batch_stats(dec)}
 
     def encode(self, text: str, chat: bool = False) -> list[int]:

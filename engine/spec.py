@@ -270,6 +270,13 @@ class EngineSpec:
         for k in unused + (("qview",) if self.mode != "tlv" and self.qview in QVIEWS else ()):
             object.__setattr__(self, k, defaults[k])
 
+    def rule(self, key: str):
+        """Batching rule ``key``'s value where it acts (batch above 1; budget and block in chain and
+        tree), else None: what reports show for it."""
+        if self.batch == 1 or (key in DRAFT_RULES and self.mode not in ("chain", "tree")):
+            return None
+        return getattr(self, key)
+
     def check_used(self, given, as_flags: bool = False) -> None:
         """Refuse an option the user gave (``given``: option names; ``as_flags``: typed as flags, so
         the error names the flag) where it would change nothing: a batching rule with batch 1 (the

@@ -226,6 +226,7 @@ def test_run_batch_tlv_reports_the_cycles(run_cli):
     assert set(t["time_ms"]) == {"draft1", "qpass", "draft2", "exact", "append"}
     assert d["results"][0]["tlv"]["cycles"] == d["results"][0]["steps"]
     assert d["tlv"]["q_agree"] == t["q_agree"] and d["tlv"]["tau_per_exact_pass"] == d["tau"]
+    assert d["batch"]["budget"] is None and d["batch"]["block"] is None   # rules of chain and tree steps
     code, out, err = run_cli("run", "--model", "tiny", "--mode", "tlv", "--nodes", "8", "--batch", "2",
                              "--prompt", "abcabcabc the cat the cat abc", "--max-new-tokens", "16")
     assert code == 0, err

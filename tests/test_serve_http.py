@@ -289,6 +289,7 @@ def test_metrics_info_health_flush(server_a):
     assert re.search(r'^specpilot_requests_total\{outcome="length"\} [1-9]', text, re.M)
     info = _info(url)
     assert info["max_running_requests"] == 16 and info["budget"] == "shared" and info["model"] == "tiny"
+    assert info["qview"] is None
     assert httpx.get(url + "/health", timeout=10).status_code == 200
     assert httpx.head(url + "/health", timeout=10).status_code == 200
     assert httpx.head(url + "/health_generate", timeout=10).status_code == 200
@@ -742,7 +743,11 @@ def test_tlv_server_batches_concurrent_cycles_losslessly(greedy):
         assert [r.status_code for r in rs] == [200] * 10
         assert [r.json()["output_ids"] for r in rs] == [greedy(PROMPTS[i], 8) for i in range(10)]
         steps = sum(r.json()["meta_info"]["spec_verify_ct"] for r in rs)
-        assert _info(url)["spec_verify_ct"] < steps   # exact passes served several requests each
+        info = _info(url)
+        assert info["spec_verify_ct"] < steps   # exact passes served several requests each
+        # the Q pass's view is said; the batching rules TLV does not take are none
+        assert info["qview"] == "w12" and info["budget"] is None and info["block"] is None
+        assert any("tiny tlv on http://" in line and "Q pass w12, batch 8;" in line for line in s.err), s.err
         code, _ = s.stop()
         assert code == 0
     finally:

@@ -61,7 +61,8 @@ def command(host, port, max_queue, backlog, grace, log_requests, fmt, out, **kw)
     srv = Server(engine, ServeOptions(host=host, port=port, backlog=backlog, max_queue=max_queue, grace=grace, log=log),
                  sock=sock)
     click.echo(f"specpilot serve: {engine.model_name} {spec.mode} on http://{url_host(host)}:{srv.port} "
-               f"({engine.info['dtype']}, {spec.device}, batch {srv.state.decoder.batch}; load "
+               f"({engine.info['dtype']}, {spec.device}, "
+               f"{f'Q pass {spec.qview_kind}, ' if spec.mode == 'tlv' else ''}batch {srv.state.decoder.batch}; load "
                f"{engine.info['load_seconds']:.1f} s, warm-up {engine.info['warmup_seconds']:.1f} s); {spec}", err=True)
     st = srv.run()
     data = {"schema": "specpilot.serve/1", "engine": str(spec), "model": engine.model_name, "host": host,
