@@ -448,6 +448,9 @@ def test_a_tlv_recording_replays_its_own_tau_with_the_default_policies(tmp_path,
     taus = {p["policy"]: p["tau"] for p in json.loads(out)["policies"]}
     assert list(taus)[:3] == ["chain", "best-first:32", "tlv:8"]
     assert taus["tlv:8"] == pytest.approx(json.loads(run.read_text())["tau"]) and taus["tlv:8"] > taus["chain"]
+    code, out, err = run_cli("replay", lat, "--policy", "tlv:8", "--nodes", "4,8")   # tlv:N has no tau(N) curve
+    assert code == 0 and "tau(N) curves" not in out, err
+    assert "--nodes: no tau(N) curve: tlv replays at its own budget only" in out
     rows = [json.loads(line) for line in lat.read_text().splitlines()]
     del rows[1]["tlv"]   # not every row a cycle: tlv:N would refuse it, so it is left out, and the user told
     code, out, err = run_cli("replay", write(tmp_path / "mixed.jsonl", rows), "--format", "json")

@@ -69,6 +69,9 @@ def command(lattice, policies, nodes, calibration, n_boot, seed, fmt, out):
               for p in parsed if p.family == "eagle2" and p.depth > result.m]
     if node_list and any(p.family == "chain" for p in parsed) and "chain" not in result.curves:
         notes.append(f"chain: no tau(N) curve: every --nodes budget is above the lattice's {result.m} draft positions")
+    if node_list and all(p.curve_key is None for p in parsed):
+        notes.append(f"--nodes: no tau(N) curve: {', '.join(sorted({p.family for p in parsed}))} replays at its own "
+                     "budget only (add a tree policy, e.g. --policy best-first:32, for a curve)")
     emit(_report(result, notes), fmt, out, protect=[lattice] + ([calibration] if calibration else []))
     return 0
 
