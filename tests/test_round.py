@@ -673,6 +673,27 @@ def test_the_model_takes_the_profile_of_the_decode_steps():
     assert next(r for r in m.by_nodes if r["family"] == "best-first")["speedup"] == pytest.approx(1.6 / 1.1)
 
 
+def test_a_tlv_current_system_beyond_the_trees_is_the_best_tau_it_names():
+    """A TLV current system's tau per exact pass above every replayed tree's: tau_best is the
+    current system's, and its source says so (it named the trees' best, oracle:8, at 1.37)."""
+    from specpilot.auditors.round.measure import Measurement
+    from specpilot.auditors.round.modeling import build_model
+
+    replay = {"policies": [{"policy": "chain", "tau": 1.2}, {"policy": "oracle:8", "tau": 1.37}], "curves": {}}
+    tlv = {"nodes": 16, "tau": 2.38, "time_ms": {"draft1": 0.2, "qpass": 3.0, "draft2": 0.2, "exact": 5.0,
+                                                  "append": 0.1}}
+    meas = Measurement(system="engine:model=x,mode=tlv,nodes=16", tokens_per_s=100.0, calibration={}, context=96,
+                       ar_ms=4.0, step_ms={1: 4.0, 17: 5.0}, current_rows=17, current_policy="tlv:16",
+                       replay=replay, tlv=tlv)
+    m = build_model(meas)
+    assert m.cost_model["inputs"]["tau_best"] == pytest.approx(2.38)
+    assert m.sources["tau_best"] == "replay measure/tlv.lattice.jsonl (tlv:16, the current system)"
+    meas.tlv = dict(tlv, tau=1.3)   # below oracle:8: the trees' best, named
+    m = build_model(meas)
+    assert m.cost_model["inputs"]["tau_best"] == pytest.approx(1.37)
+    assert m.sources["tau_best"] == "replay measure/replay.json (oracle:8)"
+
+
 def test_a_batched_engine_deployment_is_its_own_and_records_tlv_per_batched_step(tmp_path):
     """The deployment's facts carry the engine's batch (its record file is not the one-request
     deployment's), and the TLV recording of a batched engine takes the batch decoder's totals (its
