@@ -270,6 +270,21 @@ class EngineSpec:
         for k in unused + (("qview",) if self.mode != "tlv" and self.qview in QVIEWS else ()):
             object.__setattr__(self, k, defaults[k])
 
+    def cache_room(self) -> int:
+        """Cache slots a request of this engine takes past its prompt and new tokens, as its decoder
+        reserves them (``capacity_needed``): its most verify rows (the pending token and its draft: a
+        chain's depth, a tree's nodes, up to ``SHARED_CAP`` times them in a shared batched budget, a
+        TLV tree's nodes and C's bonus token), the draft depth and two."""
+        from specpilot.engine.batch.rules import SHARED_CAP
+
+        if self.mode == "tree":
+            rows = 1 + (SHARED_CAP * self.nodes if self.batch > 1 and self.budget == "shared" else self.nodes)
+        elif self.mode == "tlv":
+            rows = 1 + self.nodes + 1
+        else:
+            rows = 1 + (self.depth if self.mode == "chain" else 0)
+        return rows + self.depth + 2
+
     def rule(self, key: str):
         """Batching rule ``key``'s value where it acts (batch above 1; budget and block in chain and
         tree), else None: what reports show for it."""

@@ -237,3 +237,17 @@ def test_a_typed_spec_text_warns_about_draft_options_that_do_nothing(run_cli):
     code, out, err = run_cli("round", "engine:model=tiny,mode=ar,nodes=16,threads=1", "--dry-run")
     assert code == 0 and "specpilot: warning: nodes does nothing in mode ar" in err, err
     assert "deployment: engine:model=tiny,mode=ar,threads=1" in out
+
+
+@pytest.mark.parametrize("text", ["mode=ar", "mode=chain,depth=5", "mode=tree,nodes=12,depth=4", "mode=tlv,nodes=9",
+                                  "mode=tree,nodes=6,batch=3", "mode=tree,nodes=6,batch=3,budget=equal",
+                                  "mode=tlv,nodes=7,batch=2", "mode=chain,depth=3,batch=2"])
+def test_cache_room_is_what_the_decoders_reserve(text):
+    """``EngineSpec.cache_room`` (the round's check of its prompts) against the real decoders'
+    ``capacity_needed``: one request's and the batch decoder's."""
+    from specpilot.engine.api import load_engine
+
+    spec = EngineSpec.parse(f"engine:model=tiny,threads=1,{text}")
+    eng = load_engine(spec)
+    dec = eng.batch_decoder() if spec.batch > 1 else eng.decoder
+    assert spec.cache_room() == dec.capacity_needed(0, 0)

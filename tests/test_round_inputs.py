@@ -24,24 +24,42 @@ def _prompts(path, rows):
                                          {"id": "long", "prompt_ids": [5] * 200}])
 def test_a_prompt_that_leaves_no_room_for_the_draft_rows_is_refused_before_the_round(run_cli, tmp_path,
                                                                                       long_prompt):
-    """200 tokens + 32 new tokens fit ctx=256 alone, not with the largest tree's 33 draft rows; the
-    check counted a one-token prompt (and text prompts not at all)."""
+    """200 tokens + 32 new tokens fit ctx=256 alone, not with the 43 cache slots the largest tree a
+    round runs reserves (32 nodes + the pending token, depth 8, two), text prompts counted too."""
     prompts = _prompts(tmp_path / "p.jsonl", [{"id": "short", "text": "hello"}, long_prompt])
     for extra in (["--dry-run"], ["--out-dir", tmp_path / "r", "--no-remember"]):
         code, _, err = run_cli("round", TIGHT, "--prompts", prompts, "--max-new-tokens", "32", *extra)
         assert code == 2, err
-        assert (f"{prompts}: prompt 'long': 200 tokens + 32 new tokens + up to 33 draft rows do not fit the engine's "
-                "cache (ctx=256); shorten it, give --max-new-tokens 23 or fewer, or raise ctx= in the deployment"
-                in one_error(err))
+        assert (f"{prompts}: prompt 'long': 200 tokens + 32 new tokens + 43 cache slots for draft rows do not fit the "
+                "engine's cache (ctx=256); shorten it, give --max-new-tokens 13 or fewer, or raise ctx= in the "
+                "deployment" in one_error(err))
     assert not (tmp_path / "r").exists()
-    code, _, err = run_cli("round", TIGHT, "--prompts", prompts, "--max-new-tokens", "23", "--dry-run")
+    code, _, err = run_cli("round", TIGHT, "--prompts", prompts, "--max-new-tokens", "13", "--dry-run")
+    assert code == 0, err
+
+
+@pytest.mark.parametrize("current, room", [("mode=tree,nodes=63", 74), ("mode=tlv,nodes=32", 44),
+                                           ("mode=chain,depth=32", 67)])
+def test_the_room_is_the_largest_the_rounds_engines_reserve(run_cli, tmp_path, current, room):
+    """A current system that drafts more than the candidates: its own decoder's reservation is the
+    room (a 63-node tree's 74 slots), so a round that fits the check runs."""
+    from specpilot.auditors.round.run import draft_room
+    from specpilot.engine.spec import EngineSpec
+
+    assert draft_room(EngineSpec.parse(f"engine:model=tiny,{current}")) == room
+    prompts = _prompts(tmp_path / "p.jsonl", [{"id": "long", "prompt_ids": [5] * 150}])
+    spec = f"engine:model=tiny,{current},threads=1,ctx=256"
+    fits = 256 - 150 - room
+    code, _, err = run_cli("round", spec, "--prompts", prompts, "--max-new-tokens", str(fits + 1), "--dry-run")
+    assert code == 2 and f"give --max-new-tokens {fits} or fewer" in one_error(err), err
+    code, _, err = run_cli("round", spec, "--prompts", prompts, "--max-new-tokens", str(fits), "--dry-run")
     assert code == 0, err
 
 
 def test_the_built_in_prompts_are_measured_with_the_planned_new_tokens(run_cli, tmp_path):
     code, _, err = run_cli("round", "engine:model=tiny,mode=ar,threads=1,ctx=64", "--dry-run")
     line = one_error(err)
-    assert code == 2 and "the round's built-in prompt 'p" in line and "48 new tokens + up to 33 draft rows" in line
+    assert code == 2 and "the round's built-in prompt 'p" in line and "48 new tokens + 43 cache slots for draft rows" in line
     assert "(ctx=64); give shorter prompts (--prompts)" in line
 
 

@@ -140,17 +140,33 @@ def check_config(cfg: RoundConfig):
     return dep
 
 
-DRAFT_ROWS = max(ms.NODES) + 1   # the rows of the largest tree a round verifies (its N + the pending token)
+def draft_room(spec) -> int:
+    """The most cache slots past a prompt and its new tokens that an engine the round runs takes
+    (``EngineSpec.cache_room``): the current system's, its recordings' and the candidates' the
+    round can propose (trees of up to the largest measured budget, TLV at its recording budget,
+    chains as deep as the recorded drafts)."""
+    depth = max(spec.depth, ms.RECORD_DEPTH)
+    shapes = [{}, {"mode": "tree", "nodes": max(ms.NODES), "depth": depth},
+              {"mode": "tlv", "nodes": spec.nodes if spec.mode == "tlv" else ms.TLV_NODES, "depth": depth},
+              {"mode": "chain", "depth": depth}]
+    rooms = []
+    for change in shapes:
+        try:
+            rooms.append(spec.with_(**change).cache_room())
+        except InputError:   # a shape this deployment cannot take (its rules refuse it): never run
+            pass
+    return max(rooms)
 
 
 def _check_cache(max_new: int, dep, cfg) -> None:
     """New tokens that cannot fit the engine's cache (ctx) beside a prompt and a candidate's draft
     rows would fail only when the approve stage collects stock's outputs, the folder half made."""
-    room = DRAFT_ROWS + 1   # the largest tree's draft rows and a one-token prompt (the prompts: _check_prompt_room)
+    room = draft_room(dep.engine_spec) + 1   # and a one-token prompt (the prompts: _check_prompt_room)
     ctx = dep.engine_spec.ctx
     if max_new + room > ctx:
-        raise InputError(f"--max-new-tokens {max_new}: with a prompt and up to {room - 1} draft rows it does not fit "
-                         f"the engine's cache (ctx={ctx}); give at most {ctx - room}, or raise ctx= in the deployment")
+        raise InputError(f"--max-new-tokens {max_new}: with a prompt and {room - 1} cache slots for draft rows it "
+                         f"does not fit the engine's cache (ctx={ctx}); give at most {ctx - room}, or raise ctx= in "
+                         "the deployment")
 
 
 def _check_prompt_ids(rows, dep, cfg) -> None:
@@ -167,9 +183,10 @@ def _check_prompt_ids(rows, dep, cfg) -> None:
 
 def _check_prompt_room(rows, dep, cfg) -> None:
     """The round's longest prompt (of ``rows``, the --prompts file's, else of the prompts the round
-    makes), its new tokens (--max-new-tokens, else the most the plan gives) and the largest tree's
-    draft rows must fit the engine's cache (ctx): a prompt that does not would fail only once a
-    stage runs it. Text is encoded by the deployment's tokenizer, loaded alone."""
+    makes), its new tokens (--max-new-tokens, else the most the plan gives) and the draft rows of
+    the engines it runs (:func:`draft_room`) must fit the engine's cache (ctx): a prompt that does
+    not would fail only once a stage runs it. Text is encoded by the deployment's tokenizer,
+    loaded alone."""
     from specpilot.engine.api import Engine, model_tokenizer, resolve_model
 
     spec = dep.engine_spec
@@ -185,12 +202,12 @@ def _check_prompt_room(rows, dep, cfg) -> None:
         except InputError as e:
             raise InputError(f"{cfg.prompts}: {e}" if cfg.prompts else str(e)) from None
     pid, ids = max(prompts, key=lambda p: len(p[1]))
-    ctx = spec.ctx
-    if len(ids) + max_new + DRAFT_ROWS > ctx:
+    ctx, room = spec.ctx, draft_room(spec)
+    if len(ids) + max_new + room > ctx:
         where = f"{cfg.prompts}: " if cfg.prompts else "the round's built-in "
-        fewer = ctx - len(ids) - DRAFT_ROWS
-        raise InputError(f"{where}prompt {pid!r}: {len(ids)} tokens + {max_new} new tokens + up to {DRAFT_ROWS} draft "
-                         f"rows do not fit the engine's cache (ctx={ctx}); "
+        fewer = ctx - len(ids) - room
+        raise InputError(f"{where}prompt {pid!r}: {len(ids)} tokens + {max_new} new tokens + {room} cache slots for "
+                         f"draft rows do not fit the engine's cache (ctx={ctx}); "
                          + ("shorten it" if cfg.prompts else "give shorter prompts (--prompts)")
                          + (f", give --max-new-tokens {fewer} or fewer" if fewer >= 1 else "")
                          + ", or raise ctx= in the deployment")
