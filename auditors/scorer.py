@@ -356,8 +356,10 @@ def scorer_vocab_size(spec: str) -> int | None:
         cfg = AutoConfig.from_pretrained(folder, **({"gguf_file": gguf} if gguf else {}))
     except ImportError:   # transformers reads a .gguf through the gguf package
         return None
-    except (OSError, ValueError, KeyError) as e:
-        raise InputError(f"--scorer {spec}: transformers cannot load it ({str(e).splitlines()[0][:160]})") from None
+    except Exception as e:  # noqa: BLE001 - a file transformers' readers cannot parse (struct, type or
+        # validation errors of a damaged .gguf or config.json) is the user's input, which the load refuses too
+        first = (str(e).splitlines() or [type(e).__name__])[0][:160]
+        raise InputError(f"--scorer {spec}: transformers cannot load it ({type(e).__name__}: {first})") from None
     if hasattr(cfg, "get_text_config"):   # a multimodal config keeps the language model's apart
         cfg = cfg.get_text_config()
     vocab = getattr(cfg, "vocab_size", None)

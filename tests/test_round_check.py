@@ -86,8 +86,10 @@ def test_recorded_tokens_outside_a_scorer_folders_vocabulary_are_refused_before_
 
 
 def test_the_scorer_vocabulary_is_unknown_only_when_it_cannot_be_read(tmp_path, monkeypatch):
-    """No transformers: not known (the load says so later). A config transformers cannot read: bad
-    input now. Any other error is a bug, not 'cannot tell'."""
+    """No transformers (or gguf): not known (the load says so later). A file transformers' readers
+    cannot parse, whatever they raise for it: bad input now, naming the scorer."""
+    import struct
+
     import transformers
 
     from specpilot.auditors.scorer import scorer_vocab_size
@@ -95,8 +97,18 @@ def test_the_scorer_vocabulary_is_unknown_only_when_it_cannot_be_read(tmp_path, 
 
     folder = _scorer_folder(tmp_path / "m", model_type="llama", vocab_size=256)
     assert scorer_vocab_size(str(folder)) == 256 and scorer_vocab_size("tiny") == 256
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUFgarbage")
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        assert scorer_vocab_size(str(bad)) is None
+    else:
+        with pytest.raises(InputError, match=f"--scorer {bad}: transformers cannot load it"):
+            scorer_vocab_size(str(bad))
     for exc, outcome in ((ImportError("no gguf"), None), (OSError("unreadable"), InputError),
-                         (RuntimeError("a bug"), RuntimeError)):
+                         (struct.error("unpack_from requires a buffer"), InputError),
+                         (TypeError("vocab_size must be an int"), InputError)):
         def boom(*a, exc=exc, **kw):
             raise exc
 
