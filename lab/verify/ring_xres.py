@@ -31,6 +31,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from lab.common import bootstrap  # noqa: E402
+
+bootstrap()   # specpilot from the working tree where it is not installed (the kernel below is built at import)
+
 import torch  # noqa: E402
 
 from specpilot.kernels.triton_env import pdl_args  # noqa: E402
@@ -207,10 +211,9 @@ def sweep_configs() -> list[XresConfig]:
 
 
 def main() -> int:
-    from lab.common import L2Flusher, bootstrap, parse_int_list, print_table, time_interleaved, write_results
+    from lab.common import L2Flusher, parse_int_list, print_table, time_interleaved, write_results
     from lab.verify.ring import checked
 
-    bootstrap()
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="16,32,64")
     ap.add_argument("--layers", default=",".join(LLAMA))
