@@ -397,10 +397,13 @@ def load_target(spec: EngineSpec, max_seq: int | None = None) -> Target:
         from specpilot.engine.tlv import QView
 
         qview = QView.for_model(model, spec.qview_kind, qviews)
+        if spec.qview == "auto" and qview.kind == "fp8" and cuda and not qview.fp8:
+            qview = QView.for_model(model, "w12", qviews)   # no projection cuBLASLt's FP8 GEMM takes
     return Target(model, folder, display,
                   info={"dtype": spec.torch_dtype_name, "device": spec.device, "params": params,
                         "weights": str(folder) if folder else "random", "w12": w12, "attn": attn, "head": head,
-                        "decode": decode, "gdn": gdn, "deterministic": deterministic}, qview=qview)
+                        "decode": decode, "gdn": gdn, "deterministic": deterministic,
+                        "qview": qview.kind if qview is not None else None}, qview=qview)
 
 
 def _draft_graphs(drafter, runner) -> None:

@@ -143,7 +143,6 @@ class ServeState:
         return {"engine": str(eng.spec), "model": eng.model_name, "model_path": eng.model_name, **eng.info,
                 "batch_warmup_seconds": dec.warmup_seconds,
                 "max_running_requests": dec.batch, "max_queued_requests": self.options.max_queue,
-                "qview": eng.spec.qview_kind if eng.spec.mode == "tlv" else None,
                 "budget": eng.spec.rule("budget"), "block": eng.spec.rule("block"), "admit": dec.admit,
                 "admit_rows": dec.admit_rows,
                 "running": running, "waiting": waiting, "draining": self.draining,

@@ -34,18 +34,18 @@ def _title(model_name: str, spec, info: dict) -> str:
     """The run table's title: model, mode and what changes the arithmetic or the schedule."""
     return (f"{model_name} {spec.mode} ({info['dtype']}, {spec.device}{_w12_label(info.get('w12'))}"
             f"{_gdn_label(info.get('gdn'))}{', deterministic steps' if info.get('deterministic') else ''}"
-            f"{f', Q pass {spec.qview_kind}' if spec.mode == 'tlv' else ''}"
+            f"{', Q pass ' + str(info.get('qview')) if spec.mode == 'tlv' else ''}"
             f"{f', batch {spec.batch}' if spec.batch > 1 else ''})")
 
 
-def _tlv_summary(results: list[dict], tau: float, spec, batch: dict | None = None) -> dict | None:
+def _tlv_summary(results: list[dict], tau: float, qview: str | None, batch: dict | None = None) -> dict | None:
     """TLV's cycles over every request: the Q pass's weights, tau per exact pass, the Q pass's top-1
     agreement with the exact pass, mean |C| and the mean cycle's time split."""
     if not results or "tlv" not in results[0]:
         return None
     from specpilot.engine.tlv import run_totals
 
-    return {"qview": spec.qview_kind, "tau_per_exact_pass": tau, **run_totals(results, batch)}
+    return {"qview": qview, "tau_per_exact_pass": tau, **run_totals(results, batch)}
 
 
 def _tlv_note(t: dict) -> str:
@@ -193,7 +193,7 @@ def command(prompt_text, prompts_file, prompt_ids, chat, max_new_tokens, outputs
             "gpu_clocks": run.gpu_clocks, "results": results}
     if run.batch:
         data["batch"] = run.batch
-    tlv = _tlv_summary(results, summary["tau"], spec, run.batch)
+    tlv = _tlv_summary(results, summary["tau"], engine.info.get("qview"), run.batch)
     if tlv:
         data["tlv"] = tlv
     if len(results) == 1:

@@ -62,7 +62,8 @@ def command(host, port, max_queue, backlog, grace, log_requests, fmt, out, **kw)
                  sock=sock)
     click.echo(f"specpilot serve: {engine.model_name} {spec.mode} on http://{url_host(host)}:{srv.port} "
                f"({engine.info['dtype']}, {spec.device}, "
-               f"{f'Q pass {spec.qview_kind}, ' if spec.mode == 'tlv' else ''}batch {srv.state.decoder.batch}; load "
+               f"{'Q pass ' + str(engine.info.get('qview')) + ', ' if spec.mode == 'tlv' else ''}"
+               f"batch {srv.state.decoder.batch}; load "
                f"{engine.info['load_seconds']:.1f} s, warm-up {engine.info['warmup_seconds']:.1f} s); {spec}", err=True)
     st = srv.run()
     data = {"schema": "specpilot.serve/1", "engine": str(spec), "model": engine.model_name, "host": host,
