@@ -101,6 +101,7 @@ def check_modes(work: Path, run_args: list, probe_args: list, budgets: list[int]
                     "equals_ar": [r["output_ids"] for r in d["results"]] == ref,
                     "step_timing": {k: v for k, v in d["step_timing"].items() if k != "by_rows"},
                     "tlv_cycle_ms": c["tlv_cycle_ms"], "q_top1_agreement": (d.get("tlv") or {}).get("q_top1_agreement"),
+                    "qview": (d.get("tlv") or {}).get("qview"),
                     "terms": terms, "run_seconds": secs})
         print(f"{cname}: predicted {c['predicted_speedup']:.3f}x measured {c['measured_speedup']:.3f}x "
               f"({100 * c['error']:+.1f}%) {'pass' if c['passed'] else 'FAIL: ' + str(c['term_off'])}", flush=True)
