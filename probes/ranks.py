@@ -50,8 +50,13 @@ def rank_profiles(profiles: list[Profile], labels: list[str]) -> dict[str, Any]:
         slowest[labels[top]] += 1
         per_step.append({"step": i, "busy_ms": busy, "slowest": labels[top], "max_busy_ms": busy[top],
                          "imbalance": (busy[top] - min(busy)) / busy[top] if busy[top] else 0.0})
+    # each rank's warnings named by their rank (as a diff names base: and candidate:); a note every
+    # rank has once, any other named by its rank
+    shared = [x for x in dict.fromkeys(x for p in profiles for x in p.notes) if all(x in p.notes for p in profiles)]
+    notes = ([note] if note else []) + shared + [f"{label}: {x}" for label, p in zip(labels, profiles)
+                                                 for x in p.notes if x not in shared]
     return {"schema": SCHEMA, "ranks": ranks, "classes": classes, "steps": n,
             "group_busy_ms": median(s["max_busy_ms"] for s in per_step),
             "imbalance": median(s["imbalance"] for s in per_step),
             "slowest": dict(slowest.most_common()), "per_step": per_step,
-            "notes": ([note] if note else []) + list(dict.fromkeys(x for p in profiles for x in p.warnings + p.notes))}
+            "warnings": [f"{label}: {w}" for label, p in zip(labels, profiles) for w in p.warnings], "notes": notes}

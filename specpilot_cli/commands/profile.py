@@ -194,7 +194,7 @@ def command(traces, step_range, step_mode, gap_us, skip_steps, device, include_o
         else:
             profiles = [profile(_read(t, device, step_range, step_mode, gap_us, include_orphans, table)) for t in traces]
             labels = _rank_labels(traces, profiles)
-        d = _rank_messages(rank_profiles(profiles, labels), profiles, labels)
+        d = rank_profiles(profiles, labels)
         emit(_ranks_report(d), fmt, out, protect=protect)
         return 0
 
@@ -226,18 +226,6 @@ def _rank_labels(traces, profiles) -> list[str]:  # noqa: ARG001
 
     names = [Path(t).name for t in traces]
     return names if len(set(names)) == len(names) else [f"rank {i}" for i in range(len(traces))]
-
-
-def _rank_messages(d: dict, profiles, labels) -> dict:
-    """Each rank's warnings as warnings named by their rank (as --diff names base: and candidate:);
-    a note every rank has once, any other note named by its rank."""
-    own = {x for p in profiles for x in p.warnings + p.notes}
-    group = [n for n in d.get("notes", []) if n not in own]   # the group's own (step counts that differ)
-    shared = [n for n in dict.fromkeys(n for p in profiles for n in p.notes) if all(n in p.notes for p in profiles)]
-    notes = group + shared + [f"{label}: {n}" for label, p in zip(labels, profiles) for n in p.notes
-                              if n not in shared]
-    warnings = list(d.get("warnings", [])) + [f"{label}: {w}" for label, p in zip(labels, profiles) for w in p.warnings]
-    return {**d, "warnings": warnings, "notes": notes}
 
 
 def _check_ceiling_gpu(path, floors_gpu: dict | None, agg, trace_spec) -> str | None:
