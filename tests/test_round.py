@@ -675,7 +675,7 @@ def test_the_model_takes_the_profile_of_the_decode_steps():
 
 def test_a_tlv_current_system_beyond_the_trees_is_the_best_tau_it_names():
     """A TLV current system's tau per exact pass above every replayed tree's: tau_best is the
-    current system's, and its source says so (it named the trees' best, oracle:8, at 1.37)."""
+    current system's, and its source says so; below the trees' best, the trees' best is named."""
     from specpilot.auditors.round.measure import Measurement
     from specpilot.auditors.round.modeling import build_model
 

@@ -64,7 +64,7 @@ def _gguf(path, vocab: int):
 @pytest.mark.parametrize("kind", ["folder", "gguf"])
 def test_a_scorer_file_of_another_vocabulary_is_refused_before_any_run(base, run_cli, tmp_path, kind):
     """A model folder the engine has no spec for (gpt2) and a .gguf are read through transformers'
-    config (the GGUF's metadata) now, not after the system ran."""
+    config (the GGUF's metadata) before the system runs."""
     scorer = (_scorer_folder(tmp_path / "gpt2", model_type="gpt2", vocab_size=300, n_embd=16, n_layer=1, n_head=2)
               if kind == "folder" else _gguf(tmp_path / "s.gguf", 300))
     code, _, err = run_cli("check", "--baseline", base, "--no-timing", "--scorer", scorer)

@@ -52,7 +52,7 @@ def test_pack_verify_stats_round_trip(tmp_path, run_cli):
     assert doc["schema"] == "specpilot.w12-stats/1"
     assert 12.0 < doc["bits_per_weight"] < 16 and doc["escape_rate"] > 0
     assert {t["name"] for t in doc["tensors"]} == {Q, D}
-    # a small file's sizes in KiB with three digits, both in one unit (was "0.1 MiB vs 0.1 MiB")
+    # a small file's sizes in KiB with three digits, both in one unit
     code, out, err = run_cli("w12", "stats", dst)
     kib = lambda n: f"{n / 1024:.3g}"   # noqa: E731
     assert code == 0 and f"({kib(doc['w12_bytes'])} KiB vs {kib(doc['bf16_bytes'])} KiB bf16)" in out, out

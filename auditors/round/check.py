@@ -163,7 +163,7 @@ def run_check(baseline: dict, *, system: str | None = None, runs: int | None = N
             raise InputError(f"--system {sys_text}: its vocabulary ({sys_vocab} tokens) is not that of {sc_name}, "
                              f"{sc_vocab} tokens: the audit cannot score its outputs; check it against a baseline of "
                              "its own model, or give --no-audit")
-        if scorer and sc_vocab is not None:   # the rows the scorer forces: found now, not after the timed runs
+        if scorer and sc_vocab is not None:   # the rows the scorer forces, before the timed runs
             for role in ("stock", "ar", "system"):
                 for r in outs.get(role) or []:
                     bad = next((t for t in (*r["prompt_ids"], *r["output_ids"]) if t >= sc_vocab), None)
