@@ -143,8 +143,7 @@ class ServeState:
         return {"engine": str(eng.spec), "model": eng.model_name, "model_path": eng.model_name, **eng.info,
                 "batch_warmup_seconds": dec.warmup_seconds,
                 "max_running_requests": dec.batch, "max_queued_requests": self.options.max_queue,
-                "budget": eng.spec.rule("budget"), "block": eng.spec.rule("block"), "admit": dec.admit,
-                "admit_rows": dec.admit_rows,
+                **{k: eng.spec.rule(k) for k in ("budget", "block", "admit", "admit_rows")},
                 "running": running, "waiting": waiting, "draining": self.draining,
                 "completion_tokens": st.tokens, "spec_verify_ct": st.verify_steps, "tau": st.tau(),
                 "uptime_s": time.time() - self.started}

@@ -262,7 +262,7 @@ class EngineSpec:
     def __post_init__(self):
         # a rule that cannot apply keeps its default, so that a spec changed by with_() (a batched
         # tree's stock turned into its AR reference) serializes to a text parse() accepts
-        unused = BATCH_RULES if self.batch == 1 else DRAFT_RULES if self.mode not in ("chain", "tree") else ()
+        unused = tuple(k for k in BATCH_RULES if not self._rule_acts(k))
         unused += tuple(k for k, modes in SHAPE_MODES.items() if self.mode not in modes)
         unused += tuple(k for k, d in DRAFTER_OPTIONS.items() if self.drafter != d)
         defaults = {f.name: f.default for f in fields(self)}
@@ -285,12 +285,13 @@ class EngineSpec:
             rows = 1 + (self.depth if self.mode == "chain" else 0)
         return rows + self.depth + 2
 
+    def _rule_acts(self, key: str) -> bool:
+        """Whether batching rule ``key`` acts: batch above 1, and for budget and block a chain or tree mode."""
+        return self.batch > 1 and not (key in DRAFT_RULES and self.mode not in ("chain", "tree"))
+
     def rule(self, key: str):
-        """Batching rule ``key``'s value where it acts (batch above 1; budget and block in chain and
-        tree), else None: what reports show for it."""
-        if self.batch == 1 or (key in DRAFT_RULES and self.mode not in ("chain", "tree")):
-            return None
-        return getattr(self, key)
+        """Batching rule ``key``'s value where it acts, else None: what reports show for it."""
+        return getattr(self, key) if self._rule_acts(key) else None
 
     def check_used(self, given, as_flags: bool = False) -> None:
         """Refuse an option the user gave (``given``: option names; ``as_flags``: typed as flags, so

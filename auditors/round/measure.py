@@ -91,15 +91,15 @@ def _check_numbers(d: dict) -> None:
         need(is_num(d["tokens_per_s"]) and d["tokens_per_s"] >= 0, "tokens_per_s", "a number >= 0", d["tokens_per_s"])
     for key in ("context", "current_rows"):
         if key in d:
-            need(is_int(d[key]), key, "a whole number", d[key])
+            need(is_int(d[key]) and d[key] >= 1, key, "a whole number >= 1", d[key])
     if d.get("ar_ms") is not None:
-        need(is_num(d["ar_ms"]), "ar_ms", "a number of milliseconds or null", d["ar_ms"])
+        need(is_num(d["ar_ms"]) and d["ar_ms"] > 0, "ar_ms", "a number of milliseconds above 0, or null", d["ar_ms"])
     for key, want in (("step_ms", "milliseconds per row count"), ("calibration", "an object"),
                       ("seconds", "seconds per part")):
         v = d.get(key)
         need(v is None or isinstance(v, dict), key, want, v)
     for n, v in (d.get("step_ms") or {}).items():
-        need(is_num(v), f"step_ms[{n!r}]", "a number of milliseconds", v)
+        need(is_num(v) and v > 0, f"step_ms[{n!r}]", "a number of milliseconds above 0", v)
     for key in ("tokens", "seconds", "prefill_s", "tokens_per_s"):   # the plan sizes the runs from them
         if key in (d.get("calibration") or {}):
             need(is_num(d["calibration"][key]), f"calibration.{key}", "a number", d["calibration"][key])
