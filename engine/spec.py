@@ -36,7 +36,6 @@ BUDGETS = ("shared", "equal")
 BLOCKS = ("adaptive", "fixed")
 ADMITS = ("off", "waiting", "all")
 QVIEWS = ("auto", "w12", "fp8")
-
 MAX_STEP_ROWS = 64   # most rows of a verify step (its graph buckets, the row-invariant kernels)
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
