@@ -118,3 +118,17 @@ def test_the_scorer_vocabulary_is_unknown_only_when_it_cannot_be_read(tmp_path, 
         else:
             with pytest.raises(outcome):
                 scorer_vocab_size(str(folder))
+
+
+def test_a_round_refuses_a_scorer_of_another_vocabulary_before_it_starts(run_cli, tmp_path):
+    """round --scorer: the scorer forces the engine's outputs, so a vocabulary that is not the
+    model's is refused at the start (dry run included), not by the approve stage's audit."""
+    scorer = _scorer_folder(tmp_path / "gpt2", model_type="gpt2", vocab_size=300, n_embd=16, n_layer=1, n_head=2)
+    for extra in (["--dry-run"], ["--out-dir", tmp_path / "r", "--no-remember"]):
+        code, _, err = run_cli("round", "engine:model=tiny,mode=ar,threads=1", "--scorer", scorer, *extra)
+        assert code == 2 and (f"--scorer {scorer}: its vocabulary (300 tokens) is not that of the deployment's model "
+                              "tiny (256 tokens)") in err, err
+    assert not (tmp_path / "r").exists()
+    same = _scorer_folder(tmp_path / "same", model_type="gpt2", vocab_size=256, n_embd=16, n_layer=1, n_head=2)
+    code, _, err = run_cli("round", "engine:model=tiny,mode=ar,threads=1", "--scorer", same, "--dry-run")
+    assert code == 0, err

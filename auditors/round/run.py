@@ -137,7 +137,23 @@ def check_config(cfg: RoundConfig):
         from specpilot.auditors.scorer import check_scorer_spec
 
         check_scorer_spec(cfg.scorer)
+        if dep.kind == "engine":
+            _check_scorer_vocab(cfg.scorer, dep.engine_spec)
     return dep
+
+
+def _check_scorer_vocab(scorer: str, spec) -> None:
+    """The scorer forces the engine's outputs: a scorer of another vocabulary cannot score them,
+    which the approve stage's audit would find only after the timed runs."""
+    from specpilot.auditors.scorer import scorer_vocab_size
+    from specpilot.engine.api import resolve_model
+
+    vocab = scorer_vocab_size(scorer)   # None: not known without loading it (the audit says so)
+    own = resolve_model(spec.model, spec.random)[0].vocab_size
+    if vocab is not None and vocab != own:
+        raise InputError(f"--scorer {scorer}: its vocabulary ({vocab} tokens) is not that of the deployment's model "
+                         f"{spec.model} ({own} tokens): the audit cannot score its outputs; give the model's own "
+                         "scorer, or leave --scorer out")
 
 
 def draft_room(spec) -> int:
