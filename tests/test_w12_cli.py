@@ -227,7 +227,7 @@ def test_format_1_files_are_still_read(tmp_path, run_cli):
         tensors[f"{name}.w12.low_exp"] = t.low_exp.clone()
         tensors[f"{name}.w12.esc_pos"] = t.esc_pos.to(torch.int32)
         e = doc["tensors"][name]
-        for k in ("low_base", "escapes"):
+        for k in ("low_base", "escapes", "sha256"):   # format 1 had no digest of the original
             e.pop(k)
         e["crc32"]["low_exp"] = _crc(tensors[f"{name}.w12.low_exp"])
         e["crc32"]["esc_pos"] = _crc(tensors[f"{name}.w12.esc_pos"])
@@ -235,6 +235,8 @@ def test_format_1_files_are_still_read(tmp_path, run_cli):
     write_packed(old, tensors, meta, doc)
     code, out, err = run_cli("w12", "verify", old, "--against", src)
     assert code == 0, err
+    code, out, err = run_cli("w12", "verify", old)
+    assert code == 0 and "restored (CRC and structure only: packed without the original's sha256)" in out, err
     code, out, err = run_cli("w12", "stats", old, "--format", "json")
     assert code == 0 and json.loads(out)["escape_rate"] > 0
 
@@ -329,7 +331,8 @@ def test_pack_and_verify_count_converted_and_kept_tensors_alike(tmp_path, run_cl
     code, out, _ = run_cli("w12", "verify", dst, "--against", src)
     assert "OK: 2 converted tensors restored and identical to" in out and ", 3 kept tensors identical" in out
     code, out, _ = run_cli("w12", "verify", dst)
-    assert code == 0 and "2 converted tensors restored (CRC and structure only), 3 kept tensors not compared" in out
+    assert code == 0 and ("2 converted tensors restored (CRC, structure and the original's sha256), 3 kept tensors "
+                          "not compared") in out
     # a reference lacking one converted and one kept tensor, holding one the packed file lacks: each
     # is counted once, as not identical, and the extra one as missing
     del t[Q], t["model.norm.weight"]

@@ -426,6 +426,7 @@ class VerifyResult:
     checked: list[str] = field(default_factory=list)   # converted tensors restored (and identical to the reference)
     mismatched: list[tuple[str, str]] = field(default_factory=list)   # (tensor, what)
     kept_checked: int = 0                              # kept tensors identical to the reference
+    digests: int = 0                                   # converted tensors checked against pack's sha256
     converted: int = 0
     kept: int = 0
     missing: list[str] = field(default_factory=list)   # tensors of the reference the packed checkpoint lacks
@@ -488,9 +489,12 @@ def verify(packed: str, against: str | None = None, progress: Callable | None = 
             except W12FormatError as e:   # "FILE: NAME: what" -> (NAME, what)
                 res.mismatched.append((name, str(e).removeprefix(f"{f}: ").removeprefix(f"{name}: ")))
                 continue
-            if entry.get("sha256") and bf16_sha256(restored) != entry["sha256"]:
-                res.mismatched.append((name, "restored weights differ from the original's sha256 that pack recorded"))
-                continue
+            if entry.get("sha256"):
+                if bf16_sha256(restored) != entry["sha256"]:
+                    res.mismatched.append((name, "restored weights differ from the original's sha256 that pack "
+                                                 "recorded"))
+                    continue
+                res.digests += 1
             if against is not None:
                 r = ref_tensor(name)
                 if r is None:

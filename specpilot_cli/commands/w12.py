@@ -139,14 +139,16 @@ def pack_cmd(src, dst, include, exclude, device, fmt, out):
 def verify_cmd(packed, against, device, fmt, out):
     """Restore every W12 tensor of OUT and compare it bit for bit with --against IN.
 
-    Exit 0 when every tensor (and every kept tensor) is identical, 1 on any difference or
-    corrupted record, naming the tensor.
+    Without --against each restored tensor is checked against the sha256 of the original bf16
+    bytes that pack recorded (and every stored part against its CRC-32). Exit 0 when every tensor
+    (and every kept tensor) is identical, 1 on any difference or corrupted record, naming the
+    tensor.
     """
     ck = _lib()
     res = ck.verify(packed, against, progress=lambda **kw: progress(unit="tensor", **kw), device=_device(device))
     data = {"schema": "specpilot.w12-verify/1", "packed": packed, "against": against, "ok": res.ok,
             "converted": res.converted, "kept": res.kept, "checked": len(res.checked),
-            "kept_checked": res.kept_checked, "missing": res.missing,
+            "kept_checked": res.kept_checked, "sha256_checked": res.digests, "missing": res.missing,
             "mismatches": [{"tensor": n, "what": w} for n, w in res.mismatched]}
 
     def of(n, total):   # "2", or "1 of 2" when some failed
@@ -157,7 +159,10 @@ def verify_cmd(packed, against, device, fmt, out):
                    f"{of(res.kept_checked, res.kept)} kept tensors identical"
                    + (f"; {count(len(res.missing), 'tensor')} of {against} missing" if res.missing else ""))
     else:
-        summary = (f"{of(len(res.checked), res.converted)} converted tensors restored (CRC and structure only), "
+        how = ("CRC, structure and the original's sha256" if res.digests == len(res.checked)
+               else "CRC and structure only: packed without the original's sha256" if not res.digests
+               else f"CRC and structure; {res.digests} of them against the original's sha256 too")
+        summary = (f"{of(len(res.checked), res.converted)} converted tensors restored ({how}), "
                    f"{res.kept} kept tensors not compared")
     lines = [f"{'OK' if res.ok else 'FAILED'}: {summary}"]
     sections = []
