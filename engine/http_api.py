@@ -9,7 +9,8 @@ exception that escapes.
 
 Honoured sampling parameters: ``max_new_tokens`` (0 as SGLang takes it: the prompt is checked as
 any prompt is, the answer is empty with ``finish_reason`` ``{"type": "length", "length": 0}``),
-``stop`` (strings; the text is cut before the match unless ``no_stop_trim``), ``stop_token_ids``,
+``stop`` (strings; the text is cut before the match unless ``no_stop_trim``), ``stop_token_ids``
+(the matched token stays in ``output_ids`` and leaves the text unless ``no_stop_trim``),
 ``ignore_eos``, ``skip_special_tokens``, ``n`` = 1. ``min_new_tokens`` above 0 is refused: SGLang
 masks the stop tokens' logits until then, which changes the greedy answer (its own speculative
 workers refuse it too).

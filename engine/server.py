@@ -106,10 +106,14 @@ class ServeState:
     # ---- answers ----
     def answer(self, r: Request, sp: Sampling) -> dict:
         eng = self.engine
-        text = eng.decode(r.output, skip_special_tokens=sp.skip_special_tokens)
         fin = r.finish
-        if fin and fin["type"] == "stop" and isinstance(fin.get("matched"), str) and not sp.no_stop_trim:
-            cut = text.find(fin["matched"])
+        shown = r.output
+        matched = fin.get("matched") if fin and fin["type"] == "stop" and not sp.no_stop_trim else None
+        if isinstance(matched, int) and not isinstance(matched, bool) and shown and shown[-1] == matched:
+            shown = shown[:-1]   # SGLang's detokenizer leaves a matched stop token out of the text
+        text = eng.decode(shown, skip_special_tokens=sp.skip_special_tokens)
+        if isinstance(matched, str):
+            cut = text.find(matched)
             if cut >= 0:
                 text = text[:cut]
         end = r.t_done or time.perf_counter()

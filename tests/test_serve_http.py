@@ -168,6 +168,16 @@ def test_text_prompts_and_stop_token_ids(server_a, greedy):
     r = httpx.post(url + "/generate", json=_gen(PROMPTS[1], 16, stop_token_ids=[stop]), timeout=60).json()
     assert r["output_ids"] == want[:want.index(stop) + 1]
     assert r["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    # the text leaves the matched stop token out, as SGLang's detokenizer does, unless no_stop_trim
+    tok = load_engine(EngineSpec.parse("engine:model=tiny,mode=ar"))
+    assert r["text"] == tok.decode(want[:want.index(stop)])
+    kept = httpx.post(url + "/generate", json=_gen(PROMPTS[1], 16, stop_token_ids=[stop], no_stop_trim=True),
+                      timeout=60).json()
+    assert kept["text"] == tok.decode(want[:want.index(stop) + 1]) and kept["output_ids"] == r["output_ids"]
+    streamed = _events(httpx.post(url + "/generate", json={**_gen(PROMPTS[1], 16, stop_token_ids=[stop]),
+                                                           "stream": True}, timeout=60))
+    assert streamed[-1]["text"] == r["text"]
+    assert all(b["text"].startswith(a["text"]) for a, b in zip(streamed, streamed[1:]))   # no event takes back text
     r = httpx.post(url + "/generate", json=_gen(PROMPTS[1], 16, stop_token_ids=[stop], min_new_tokens=4), timeout=60)
     assert r.status_code == 400 and "min_new_tokens" in r.json()["error"]["message"]
     r = httpx.post(url + "/generate", json=_gen(PROMPTS[1], 16, stop_token_ids=[stop], min_new_tokens=0), timeout=60)
