@@ -270,7 +270,10 @@ def make_app(state: ServeState):
         if state.draining:
             return None, refuse("draining", "the server is shutting down", 503, {"Retry-After": RETRY_AFTER})
         try:
-            return parse(parse_json(await _read_body(request))), None
+            body = await _read_body(request)
+            # parsing and tokenizing off the event loop: a long text (up to the body limit, tens of MB)
+            # takes seconds to tokenize, and every other client's request and stream waits on the loop
+            return await asyncio.to_thread(lambda: parse(parse_json(body))), None
         except BadRequest as e:
             return None, refuse("bad_request", str(e), e.status)
 

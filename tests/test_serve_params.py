@@ -100,3 +100,39 @@ def test_an_empty_chat_answer_and_its_stream_chunk():
     chunk = oa.chunk(call, "", "length", first=True)
     assert chunk["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert chunk["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_slow_prompt_to_tokenize_does_not_hold_up_other_clients():
+    """Parsing and tokenizing run off the event loop: while one request's long text tokenizes
+    (here an encode that takes 1.5 s), /health answers at once."""
+    import asyncio
+    import time
+
+    import httpx
+
+    from specpilot.engine.api import load_engine
+    from specpilot.engine.server import ServeOptions, ServeState, make_app
+
+    eng = load_engine("engine:model=tiny,mode=ar,threads=1,batch=2")
+    real = eng.encode
+
+    def slow(text, chat=False):
+        if text == "slow":
+            time.sleep(1.5)
+        return real(text, chat=chat)
+
+    eng.encode = slow
+    app = make_app(ServeState(eng, eng.batch_decoder(), ServeOptions()))
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://serve") as c:
+            t0 = time.perf_counter()
+            gen = asyncio.create_task(c.post("/generate", json={"text": "slow", "sampling_params": {"max_new_tokens": 0}}))
+            await asyncio.sleep(0.3)   # the slow request is tokenizing by now
+            health = await c.get("/health")
+            answered = time.perf_counter() - t0   # on a blocked loop: after the 1.5 s encode
+            return health.status_code, answered, (await gen).json()
+
+    status, answered, answer = asyncio.run(main())
+    assert status == 200 and answered < 1.2, answered
+    assert answer["text"] == "" and answer["meta_info"]["prompt_tokens"] == 4
