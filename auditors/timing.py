@@ -225,22 +225,27 @@ def parse_samples(d: dict, path) -> tuple[list[Sample], list[tuple[float, float]
     """The paired samples and A/A pairs of a timing (or partial timing) document, checked."""
     if not isinstance(d.get("samples"), list) or not isinstance(d.get("aa", []), list):
         raise InputError(f"{path}: 'samples' (and 'aa') must be lists")
+    from specpilot.fileio import is_int, is_num
+
+    def positive(x) -> bool:   # a JSON number, not true/false or a string of digits
+        return is_num(x) and x > 0
+
     samples, aa = [], []
     for i, x in enumerate(d["samples"]):
-        try:
-            samples.append(Sample(int(x["pair"]), int(x["block"]), float(x["base"]), float(x["candidate"]),
-                                  str(x.get("order", "AB")), x.get("gpu_base"), x.get("gpu_candidate")))
-        except (KeyError, TypeError, ValueError, OverflowError, AttributeError):
+        if not (isinstance(x, dict) and is_int(x.get("pair")) and is_int(x.get("block"))
+                and is_num(x.get("base")) and is_num(x.get("candidate"))):
             raise InputError(f"{path}: sample {i} needs whole numbers 'pair' and 'block' and numbers 'base' and "
-                             "'candidate'") from None
+                             "'candidate'")
+        if not (positive(x["base"]) and positive(x["candidate"])):
+            raise InputError(f"{path}: every measurement must be a positive finite number (sample {i})")
+        samples.append(Sample(x["pair"], x["block"], float(x["base"]), float(x["candidate"]),
+                              str(x.get("order", "AB")), x.get("gpu_base"), x.get("gpu_candidate")))
     for i, x in enumerate(d.get("aa", [])):
-        try:
-            aa.append((float(x["first"]), float(x["second"])))
-        except (KeyError, TypeError, ValueError, OverflowError, AttributeError):
-            raise InputError(f"{path}: A/A pair {i} needs numbers 'first' and 'second'") from None
-    values = [v for s in samples for v in (s.base, s.candidate)] + [v for pair in aa for v in pair]
-    if not all(math.isfinite(v) and v > 0 for v in values):
-        raise InputError(f"{path}: every measurement must be a positive finite number")
+        if not (isinstance(x, dict) and is_num(x.get("first")) and is_num(x.get("second"))):
+            raise InputError(f"{path}: A/A pair {i} needs numbers 'first' and 'second'")
+        if not (positive(x["first"]) and positive(x["second"])):
+            raise InputError(f"{path}: every measurement must be a positive finite number (A/A pair {i})")
+        aa.append((float(x["first"]), float(x["second"])))
     return samples, aa
 
 
@@ -269,6 +274,9 @@ def _rejudge(d: dict, path, noise, changes_output, n_boot, seed) -> TimingResult
     if noise is not None and isinstance(was, (int, float)) and math.isfinite(was) and noise < was:
         raise InputError(f"--noise {noise:g} is below the noise the stored run judged by ({was:.4g}); --from can only "
                          "make the rule stricter: give at least that or leave --noise out")
+    if noise is None and d.get("noise_source") == "given" and isinstance(was, (int, float)) and math.isfinite(was) \
+            and was >= 0:
+        noise = was   # the run was judged by a given noise: its A/A split's own estimate could only loosen it
     v = judge(samples, higher_is_better=hib, aa_pairs=aa, noise=noise, changes_output=co, n_boot=n_boot, seed=seed)
     keep = {k: d[k] for k in ("outputs_identical", "outputs_stable", "prompts", "max_new_tokens", "concurrency",
                               "changes_output_reason") if k in d}

@@ -216,15 +216,25 @@ def test_rejudge_from_stored_file(tmp_path, run_cli):
     t.write_text(json.dumps(stored))
     code, _, err = run_cli("compare", "--from", t, "--noise", "0.01")
     assert code == 2 and "--from can only make the rule stricter" in err
+    # a run judged by a given noise keeps it when --noise is left out (its A/A estimate could loosen it)
+    stored.update(noise=0.3, noise_source="given")
+    t.write_text(json.dumps(stored))
+    code, out, _ = run_cli("compare", "--from", t, "--format", "json")
+    assert code == 1 and json.loads(out)["noise"] == pytest.approx(0.3) and json.loads(out)["noise_source"] == "given"
     # bad inputs: another schema, a mangled sample, systems besides --from, overwriting the input
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"schema": "specpilot.replay/1"}))
     code, _, err = run_cli("compare", "--from", bad)
     assert code == 2 and "unknown schema" in err
-    d["samples"][0]["base"] = "fast"
+    for value in ("fast", True, "1.5"):   # numbers only: true is not 1, nor a string of digits a number
+        d["samples"][0]["base"] = value
+        bad.write_text(json.dumps(d))
+        code, _, err = run_cli("compare", "--from", bad)
+        assert code == 2 and "bad.json: sample 0 needs whole numbers 'pair' and 'block'" in err, (value, err)
+    d["samples"][0]["base"] = 0
     bad.write_text(json.dumps(d))
     code, _, err = run_cli("compare", "--from", bad)
-    assert code == 2 and "bad.json: sample 0 needs whole numbers 'pair' and 'block'" in err
+    assert code == 2 and "every measurement must be a positive finite number (sample 0)" in err
     for damage, needle in (({"higher_is_better": "yes"}, "'higher_is_better' true or false"),
                            ({"metric": None}, "'metric' must be a string"), ({"samples": []}, "0 paired samples"),
                            ({"samples": 3}, "must be lists"), ({"changes_output": "no"}, "'changes_output' must be")):
