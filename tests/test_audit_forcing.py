@@ -448,3 +448,24 @@ def test_audit_options_out_of_range_are_refused_before_anything_loads(run_cli, t
 def test_a_misspelt_subcommand_is_said_so(run_cli):
     code, _, err = run_cli("audit", "selftst")
     assert code == 2 and "No such command 'selftst'. Did you mean 'selftest'?" in err, err
+
+
+def test_a_scorer_of_another_vocabulary_is_refused_before_it_scores(run_cli, tmp_path):
+    """The scorer forces the systems' tokens: outputs a model of another vocabulary wrote and
+    engines of another model are refused before it scores (such an audit passed on a 94% stock
+    mismatch rate)."""
+    p = _write(tmp_path / "p.jsonl", [{"schema": "specpilot.prompts/1", "id": "a", "text": "hello there"}])
+    outs = {}
+    for mode in ("ar", "tree"):
+        outs[mode] = tmp_path / f"{mode}.jsonl"
+        code, _, err = run_cli("audit", "collect", f"engine:model=tiny,mode={mode}", "--prompts", p,
+                               "--max-new-tokens", "6", "--save", outs[mode])
+        assert code == 0, err
+    code, _, err = run_cli("audit", outs["tree"], "--against", outs["ar"], "--scorer", "smollm2")
+    assert code == 2 and ("written by engine:model=tiny,mode=ar, whose vocabulary (256 tokens) is not that of "
+                          "--scorer smollm2 (49152 tokens)") in err, err
+    code, _, err = run_cli("audit", "engine:model=tiny,mode=tree", "--against", "engine:model=tiny,mode=ar",
+                           "--scorer", "smollm2", "--prompts", p)
+    assert code == 2 and "engine:model=tiny,mode=ar: its vocabulary (256 tokens) is not that of --scorer" in err, err
+    code, _, err = run_cli("audit", outs["ar"], "--against", outs["ar"], "--scorer", "tiny")
+    assert code == 0, err

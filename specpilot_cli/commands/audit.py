@@ -171,6 +171,9 @@ def check(systems, stock_spec, ar_spec, scorer_spec, prompts_path, max_new_token
     from specpilot.auditors.scorer import check_scorer_spec
 
     check_scorer_spec(scorer_spec)  # fail before spending time running systems
+    from specpilot.auditors.scorer import scorer_vocab_size
+
+    sc_vocab = scorer_vocab_size(scorer_spec)   # None: not known without loading it
     specs = [("system", parse_system(s)) for s in systems]
     specs = [("stock", parse_system(stock_spec))] + ([("ar", parse_system(ar_spec))] if ar_spec else []) + specs
     inputs = [s.spec for _, s in specs if s.kind == "file"] + ([prompts_path] if prompts_path else [])
@@ -181,6 +184,16 @@ def check(systems, stock_spec, ar_spec, scorer_spec, prompts_path, max_new_token
     prompts = None
     if any(s.needs_prompts for _, s in specs) and not prompts_path:
         raise InputError("systems to run (engine:/http://) need --prompts FILE")
+    for _, spec in specs:   # an engine to run: its model's vocabulary, before it runs
+        if spec.kind == "engine" and sc_vocab is not None:
+            from specpilot.engine.api import resolve_model
+            from specpilot.engine.spec import EngineSpec
+
+            es = EngineSpec.parse(spec.spec)
+            own = resolve_model(es.model, es.random)[0].vocab_size
+            if own != sc_vocab:
+                raise InputError(f"{spec.spec}: its vocabulary ({own} tokens) is not that of --scorer {scorer_spec} "
+                                 f"({sc_vocab} tokens): the scorer cannot force its tokens")
     if prompts_path:   # with files only too: each must answer these prompts, or --prompts means nothing
         prompts = _read_prompts(prompts_path, scorer_spec)
         check_engine_prompts([(s.spec, s.spec) for _, s in specs if s.kind == "engine"], prompts, max_new_tokens)
@@ -197,12 +210,34 @@ def check(systems, stock_spec, ar_spec, scorer_spec, prompts_path, max_new_token
                                        save_option="--save-outputs")
         if prompts is not None and not spec.needs_prompts:
             _check_same_prompts(loaded[id(spec)], prompts, spec.spec, prompts_path)
+        if not spec.needs_prompts:   # a file: was it written by a model of the scorer's vocabulary?
+            _check_scorer_vocab(loaded[id(spec)], spec.spec, scorer_spec, sc_vocab)
     result, info = run_audit(
         [loaded[id(s)] for r, s in specs if r == "system"], loaded[id(specs[0][1])],
         loaded[id(specs[1][1])] if ar_spec else None, scorer_spec, device=device, dtype=scorer_dtype,
         batch_tokens=batch_tokens, delta=delta, max_increase=max_increase / 100.0, bootstrap=bootstrap, seed=seed)
     emit(audit_report(result, info), fmt, out, protect=inputs)
     return 0 if result.verdict == "pass" else 1
+
+
+def _check_scorer_vocab(outputs, name: str, scorer: str, vocab: int | None) -> None:
+    """The scorer forces these outputs: outputs a model of another vocabulary wrote (the rows'
+    recorded ``system``, an engine spec) cannot be scored, though every id may be in range (an
+    audit of them read a 94% mismatch rate, and passed). Ids out of range: the scorer's own check."""
+    if vocab is None:
+        return
+    from specpilot.engine.api import resolve_model
+    from specpilot.engine.spec import EngineSpec
+
+    for system in dict.fromkeys(r.system for r in outputs.rows if r.system and r.system.startswith("engine:")):
+        try:
+            spec = EngineSpec.parse(system)
+            own = resolve_model(spec.model, spec.random)[0].vocab_size
+        except InputError:   # a spec this install cannot resolve: the token ids above are what can be checked
+            continue
+        if own != vocab:
+            raise InputError(f"{name}: written by {system}, whose vocabulary ({own} tokens) is not that of --scorer "
+                             f"{scorer} ({vocab} tokens): the scorer cannot force its tokens")
 
 
 def _check_same_prompts(outputs, prompts, name: str, prompts_path: str) -> None:
