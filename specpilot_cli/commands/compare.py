@@ -127,14 +127,20 @@ def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, tokenizer
     gpu_pair = parse_gpus(gpus)
     if gpu_pair and base_cmd is None:
         raise InputError("--gpus runs shell commands on two GPUs; for engines/servers start each on its own GPU")
+    vocabs = {}
     for role, spec in (("--base", base), ("--candidate", candidate)):
         if spec and spec.strip().startswith("engine"):   # refused before the base's model loads
-            from specpilot.engine.api import EngineSpec
+            from specpilot.engine.api import EngineSpec, resolve_model
 
             try:
-                EngineSpec.parse(spec, strict=True)
+                es = EngineSpec.parse(spec, strict=True)
+                vocabs[role] = resolve_model(es.model, es.random)[0].vocab_size
             except InputError as e:
                 raise InputError(f"{role} {spec}: {e}") from None
+    if len(set(vocabs.values())) > 1:   # one request set, one tokenizer: the other engine's ids are not its text
+        raise InputError(f"--base {base} has a vocabulary of {vocabs['--base']} tokens, --candidate {candidate} "
+                         f"{vocabs['--candidate']}: compare runs both on the same token ids, so they must share the "
+                         "tokenizer")
     prompt_rows = None
     if prompts:
         from specpilot.auditors.outputs import read_prompts_tokenized
