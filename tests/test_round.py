@@ -254,6 +254,8 @@ def test_check_refuses_a_damaged_baseline_before_any_run(tiny_round, run_cli, tm
     (lambda d: d["outputs"]["stock"].pop(0), "baseline.json: baseline field 'outputs.stock' lacks prompt id"),
     (lambda d: d["outputs"]["system"].append(d["outputs"]["system"][0]),
      "baseline.json: baseline field 'outputs.system' holds prompt id"),
+    (lambda d: d["outputs"]["ar"][0].update(prompt_ids=d["outputs"]["ar"][0]["prompt_ids"] + [5]),
+     "baseline.json: baseline field 'outputs.ar': prompt"),
 ])
 def test_check_names_the_baseline_for_a_bad_spec_or_prompts_that_do_not_pair(tiny_round, run_cli, tmp_path, change,
                                                                                 words):

@@ -1173,7 +1173,10 @@ def _check_baseline(doc: dict, p: Path) -> None:
             if r["id"] in seen:
                 raise InputError(f"{p}: baseline field 'outputs.{role}' holds prompt id {r['id']!r} twice")
             seen.add(r["id"])
-            prompts.setdefault(r["id"], None)
+            first = prompts.setdefault(r["id"], (role, r["prompt_ids"]))
+            if first[1] != r["prompt_ids"]:
+                raise InputError(f"{p}: baseline field 'outputs.{role}': prompt {r['id']!r} has other prompt_ids "
+                                 f"than in 'outputs.{first[0]}' (every role ran the same token ids)")
     for role, rows in outs.items():
         missing = [i for i in prompts if rows and i not in {r["id"] for r in rows}]
         if missing:
