@@ -160,6 +160,16 @@ def test_a_malformed_decision_is_named_by_report_and_resume(run_cli, tmp_path, e
             and words in err and "argument after **" not in err, (args, err)
 
 
+def test_check_refuses_prompt_ids_outside_the_stock_vocabulary_before_any_run(tiny_round, run_cli, tmp_path):
+    doc = json.loads((tiny_round / "r" / "baseline.json").read_text())
+    first = next(iter(doc["outputs"].values()))[0]["id"]
+    for rows in doc["outputs"].values():   # every role ran the prompt on these ids
+        next(r for r in rows if r["id"] == first)["prompt_ids"] = [99999]
+    (tmp_path / "baseline.json").write_text(json.dumps(doc))
+    code, _, err = run_cli("check", "--baseline", tmp_path, "--runs", "2")
+    assert code == 2 and "outside the vocabulary" in err and err.count("\n") == 1, err
+
+
 @pytest.mark.parametrize("change, words", [
     (("round.json", "stages", "oops"), "stages must be a map"), (("round.json", "facts", [1, 2]), "facts must be a map"),
     (("round.json", "budget_s", "x"), "budget_s must be a number"), (("round.json", "spent_s", None), "spent_s"),
@@ -230,7 +240,7 @@ def _set(doc: dict, path: str, value):
     ("samples", ["a", "b"], "'samples' must be a list of positive throughputs"),
     ("samples", "x", "'samples' must be a list of positive throughputs"),
     ("max_new_tokens", 0, "'max_new_tokens' must be a whole number >= 1"),
-    ("outputs.stock.0.prompt_ids", [99999], "outside the vocabulary"),
+    ("outputs.stock.0.prompt_ids", [99999], "has other prompt_ids than in"),
     ("outputs.stock.0.prompt_ids", "abc", "'outputs.stock[0]' must be a row"),
     ("outputs.system.0.output_ids", None, "'outputs.system[0]' must be a row"),
     ("outputs.stock", [], "no stock outputs to audit against; give --no-audit"),

@@ -173,7 +173,10 @@ def check(systems, stock_spec, ar_spec, scorer_spec, prompts_path, max_new_token
     check_scorer_spec(scorer_spec)  # fail before spending time running systems
     from specpilot.auditors.scorer import scorer_vocab_size
 
-    sc_vocab = scorer_vocab_size(scorer_spec)   # None: not known without loading it
+    try:
+        sc_vocab = scorer_vocab_size(scorer_spec)   # None: not known without loading it
+    except InputError:   # a scorer transformers cannot read: its load says so, after the inputs' own checks
+        sc_vocab = None
     specs = [("system", parse_system(s)) for s in systems]
     specs = [("stock", parse_system(stock_spec))] + ([("ar", parse_system(ar_spec))] if ar_spec else []) + specs
     inputs = [s.spec for _, s in specs if s.kind == "file"] + ([prompts_path] if prompts_path else [])
@@ -184,16 +187,6 @@ def check(systems, stock_spec, ar_spec, scorer_spec, prompts_path, max_new_token
     prompts = None
     if any(s.needs_prompts for _, s in specs) and not prompts_path:
         raise InputError("systems to run (engine:/http://) need --prompts FILE")
-    for _, spec in specs:   # an engine to run: its model's vocabulary, before it runs
-        if spec.kind == "engine" and sc_vocab is not None:
-            from specpilot.engine.api import resolve_model
-            from specpilot.engine.spec import EngineSpec
-
-            es = EngineSpec.parse(spec.spec)
-            own = resolve_model(es.model, es.random)[0].vocab_size
-            if own != sc_vocab:
-                raise InputError(f"{spec.spec}: its vocabulary ({own} tokens) is not that of --scorer {scorer_spec} "
-                                 f"({sc_vocab} tokens): the scorer cannot force its tokens")
     if prompts_path:   # with files only too: each must answer these prompts, or --prompts means nothing
         prompts = _read_prompts(prompts_path, scorer_spec)
         check_engine_prompts([(s.spec, s.spec) for _, s in specs if s.kind == "engine"], prompts, max_new_tokens)
@@ -202,6 +195,8 @@ def check(systems, stock_spec, ar_spec, scorer_spec, prompts_path, max_new_token
     # files first: one that answers other prompts is refused before any system runs for minutes
     for role, spec in sorted(specs, key=lambda rs: rs[1].needs_prompts):
         save = None
+        if spec.kind == "engine":   # the files are checked by now; an engine's vocabulary before it runs
+            _check_engine_vocab(spec.spec, scorer_spec, sc_vocab)
         if spec.needs_prompts:
             save = default_save_path(save_dir, role, counters.get(role, 0))
             counters[role] = counters.get(role, 0) + 1
@@ -220,20 +215,32 @@ def check(systems, stock_spec, ar_spec, scorer_spec, prompts_path, max_new_token
     return 0 if result.verdict == "pass" else 1
 
 
+def _model_vocab(spec_text: str) -> int:
+    """The vocabulary of an engine spec's model (InputError where it names none)."""
+    from specpilot.engine.api import resolve_model
+    from specpilot.engine.spec import EngineSpec
+
+    es = EngineSpec.parse(spec_text)
+    return resolve_model(es.model, es.random)[0].vocab_size
+
+
+def _check_engine_vocab(spec_text: str, scorer: str, vocab: int | None) -> None:
+    """An engine system whose model has another vocabulary than the scorer's: InputError."""
+    if vocab is not None and (own := _model_vocab(spec_text)) != vocab:
+        raise InputError(f"{spec_text}: its vocabulary ({own} tokens) is not that of --scorer {scorer} ({vocab} "
+                         "tokens): the scorer cannot force its tokens")
+
+
 def _check_scorer_vocab(outputs, name: str, scorer: str, vocab: int | None) -> None:
     """The scorer forces these outputs: outputs a model of another vocabulary wrote (the rows'
     recorded ``system``, an engine spec) cannot be scored, though every id may be in range (an
     audit of them read a 94% mismatch rate, and passed). Ids out of range: the scorer's own check."""
     if vocab is None:
         return
-    from specpilot.engine.api import resolve_model
-    from specpilot.engine.spec import EngineSpec
-
     for system in dict.fromkeys(r.system for r in outputs.rows if r.system and r.system.startswith("engine:")):
         try:
-            spec = EngineSpec.parse(system)
-            own = resolve_model(spec.model, spec.random)[0].vocab_size
-        except InputError:   # a spec this install cannot resolve: the token ids above are what can be checked
+            own = _model_vocab(system)
+        except InputError:   # a recorded spec this install cannot resolve: the scorer's own id check stays
             continue
         if own != vocab:
             raise InputError(f"{name}: written by {system}, whose vocabulary ({own} tokens) is not that of --scorer "
