@@ -168,11 +168,9 @@ def check(systems, stock_spec, ar_spec, scorer_spec, prompts_path, max_new_token
         raise InputError(f"--bootstrap {bootstrap}: must be >= 100 (fewer resamples give no interval worth the name)")
     if not max_increase >= 0:
         raise InputError("--max-increase must be >= 0")
-    from specpilot.auditors.scorer import check_scorer_spec
+    from specpilot.auditors.scorer import check_scorer_spec, scorer_vocab_size
 
     check_scorer_spec(scorer_spec)  # fail before spending time running systems
-    from specpilot.auditors.scorer import scorer_vocab_size
-
     try:
         sc_vocab = scorer_vocab_size(scorer_spec)   # None: not known without loading it
     except InputError:   # a scorer transformers cannot read: its load says so, after the inputs' own checks
@@ -233,8 +231,9 @@ def _check_engine_vocab(spec_text: str, scorer: str, vocab: int | None) -> None:
 
 def _check_scorer_vocab(outputs, name: str, scorer: str, vocab: int | None) -> None:
     """The scorer forces these outputs: outputs a model of another vocabulary wrote (the rows'
-    recorded ``system``, an engine spec) cannot be scored, though every id may be in range (an
-    audit of them read a 94% mismatch rate, and passed). Ids out of range: the scorer's own check."""
+    recorded ``system``, an engine spec) cannot be scored, though every id may be in range (such an
+    audit reads a mismatch rate near 100% on stock and may pass). Ids out of range: the scorer's
+    own check."""
     if vocab is None:
         return
     for system in dict.fromkeys(r.system for r in outputs.rows if r.system and r.system.startswith("engine:")):
