@@ -235,8 +235,12 @@ def make_app(state: ServeState):
                 pass
 
         chosen = [r for r in rids if r]   # an empty rid is no rid: the request gets an id of its own
-        dup = next((r for i, r in enumerate(chosen) if r in state.live_rids or r in chosen[:i]), None)
-        if dup is not None:   # SGLang refuses a request id that is in use: its answers would be confused
+        # SGLang refuses a request id that is in use: its answers would be confused
+        twice = next((r for i, r in enumerate(chosen) if r in chosen[:i]), None)
+        if twice is not None:
+            return None, refuse("bad_request", f"rid {twice!r} is given twice in this request's list", 400)
+        dup = next((r for r in chosen if r in state.live_rids), None)
+        if dup is not None:
             return None, refuse("bad_request", f"rid {dup!r} is already in use by a request in flight", 400)
         reqs = []
         for p, sp, rid in zip(prompts, sampling, rids):
