@@ -245,7 +245,7 @@ def check_prompts(spec: EngineSpec, prompts, max_new_tokens: int) -> None:
     """Without loading the model: InputError naming the first of ``prompts`` ((id, token ids)
     pairs) that ``spec``'s engine cannot run for its vocabulary or its context (``ctx``). The
     decoder's own check (its draft rows too) still runs as each prompt runs."""
-    vocab = resolve_model(spec.model, spec.random)[0].vocab_size
+    vocab = model_vocab(spec)
     for pid, ids in prompts:
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
@@ -253,6 +253,14 @@ def check_prompts(spec: EngineSpec, prompts, max_new_tokens: int) -> None:
         if len(ids) + max_new_tokens > spec.ctx:
             raise InputError(f"prompt {pid!r}: {len(ids)} tokens + {max_new_tokens} new tokens do not fit the "
                              f"engine's ctx={spec.ctx}; raise ctx= (--ctx) or shorten the prompt")
+
+
+def model_vocab(spec: EngineSpec | str) -> int:
+    """The vocabulary of an engine spec's target model, from its config (no weights loaded);
+    InputError where the spec names no model."""
+    if isinstance(spec, str):
+        spec = EngineSpec.parse(spec)
+    return resolve_model(spec.model, spec.random)[0].vocab_size
 
 
 def resolve_model(name: str, random: bool):
@@ -442,7 +450,7 @@ def load_engine(spec: EngineSpec | str) -> Engine:
     if isinstance(spec, str):
         spec = EngineSpec.parse(spec)
     if spec.mode != "ar" and spec.drafter == "model":   # before either model loads: their configs say it
-        vocab = resolve_model(spec.model, spec.random)[0].vocab_size
+        vocab = model_vocab(spec)
         draft_vocab = resolve_model(spec.draft_model, spec.random or spec.draft_model in TINY_CONFIGS)[0].vocab_size
         if draft_vocab != vocab:
             raise InputError(f"draft model {spec.draft_model} has a vocabulary of {draft_vocab}, the target "

@@ -133,13 +133,12 @@ def run_check(baseline: dict, *, system: str | None = None, runs: int | None = N
 
     check_engine_prompts([(f"{baseline['_path']}: {sys_text}", sys_text)], prompts, max_new)
     if audit and not scorer:   # the stock engine scores the stock rows, outputs included
-        from specpilot.engine.api import resolve_model
+        from specpilot.engine.api import model_vocab
 
-        stock_spec = EngineSpec.parse(baseline["stock"])
         stock_prompts = [Prompt(r["id"], list(r["prompt_ids"])) for r in outs["stock"]]
         check_engine_prompts([(f"{baseline['_path']}: stock {baseline['stock']}", baseline["stock"])], stock_prompts,
                              max_new)
-        vocab = resolve_model(stock_spec.model, stock_spec.random)[0].vocab_size
+        vocab = model_vocab(baseline["stock"])
         for role in ("stock", "ar", "system"):
             for r in outs.get(role) or []:
                 bad = next((t for t in r["output_ids"] if t >= vocab), None)
@@ -147,17 +146,15 @@ def run_check(baseline: dict, *, system: str | None = None, runs: int | None = N
                     raise InputError(f"{baseline['_path']}: outputs.{role} row {r['id']!r}: token id {bad} is outside "
                                      f"the stock model's vocabulary (0..{vocab - 1})")
     if audit:   # the scorer forces the system's outputs: token ids of another vocabulary are not its tokens
-        from specpilot.engine.api import resolve_model
+        from specpilot.engine.api import model_vocab
 
-        sys_spec = EngineSpec.parse(sys_text)
-        sys_vocab = resolve_model(sys_spec.model, sys_spec.random)[0].vocab_size
+        sys_vocab = model_vocab(sys_text)
         if scorer:
             from specpilot.auditors.scorer import scorer_vocab_size
 
             sc_vocab, sc_name = scorer_vocab_size(scorer), f"--scorer {scorer}"   # None: told as it scores
         else:
-            stock_spec = EngineSpec.parse(baseline["stock"])
-            sc_vocab = resolve_model(stock_spec.model, stock_spec.random)[0].vocab_size
+            sc_vocab = model_vocab(baseline["stock"])
             sc_name = f"the baseline's scorer (stock {baseline['stock']}, {baseline['_path']})"
         if sc_vocab is not None and sc_vocab != sys_vocab:
             raise InputError(f"--system {sys_text}: its vocabulary ({sys_vocab} tokens) is not that of {sc_name}, "

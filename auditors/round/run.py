@@ -146,10 +146,10 @@ def _check_scorer_vocab(scorer: str, spec) -> None:
     """The scorer forces the engine's outputs: a scorer of another vocabulary cannot score them,
     which the approve stage's audit would find only after the timed runs."""
     from specpilot.auditors.scorer import scorer_vocab_size
-    from specpilot.engine.api import resolve_model
+    from specpilot.engine.api import model_vocab
 
     vocab = scorer_vocab_size(scorer)   # None: not known without loading it (the audit says so)
-    own = resolve_model(spec.model, spec.random)[0].vocab_size
+    own = model_vocab(spec)
     if vocab is not None and vocab != own:
         raise InputError(f"--scorer {scorer}: its vocabulary ({vocab} tokens) is not that of the deployment's model "
                          f"{spec.model} ({own} tokens): the audit cannot score its outputs; give the model's own "

@@ -213,18 +213,11 @@ def check(systems, stock_spec, ar_spec, scorer_spec, prompts_path, max_new_token
     return 0 if result.verdict == "pass" else 1
 
 
-def _model_vocab(spec_text: str) -> int:
-    """The vocabulary of an engine spec's model (InputError where it names none)."""
-    from specpilot.engine.api import resolve_model
-    from specpilot.engine.spec import EngineSpec
-
-    es = EngineSpec.parse(spec_text)
-    return resolve_model(es.model, es.random)[0].vocab_size
-
-
 def _check_engine_vocab(spec_text: str, scorer: str, vocab: int | None) -> None:
     """An engine system whose model has another vocabulary than the scorer's: InputError."""
-    if vocab is not None and (own := _model_vocab(spec_text)) != vocab:
+    from specpilot.engine.api import model_vocab
+
+    if vocab is not None and (own := model_vocab(spec_text)) != vocab:
         raise InputError(f"{spec_text}: its vocabulary ({own} tokens) is not that of --scorer {scorer} ({vocab} "
                          "tokens): the scorer cannot force its tokens")
 
@@ -236,9 +229,11 @@ def _check_scorer_vocab(outputs, name: str, scorer: str, vocab: int | None) -> N
     own check."""
     if vocab is None:
         return
+    from specpilot.engine.api import model_vocab
+
     for system in dict.fromkeys(r.system for r in outputs.rows if r.system and r.system.startswith("engine:")):
         try:
-            own = _model_vocab(system)
+            own = model_vocab(system)
         except InputError:   # a recorded spec this install cannot resolve: the scorer's own id check stays
             continue
         if own != vocab:

@@ -130,11 +130,10 @@ def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, tokenizer
     vocabs = {}
     for role, spec in (("--base", base), ("--candidate", candidate)):
         if spec and spec.strip().startswith("engine"):   # refused before the base's model loads
-            from specpilot.engine.api import EngineSpec, resolve_model
+            from specpilot.engine.api import EngineSpec, model_vocab
 
             try:
-                es = EngineSpec.parse(spec, strict=True)
-                vocabs[role] = resolve_model(es.model, es.random)[0].vocab_size
+                vocabs[role] = model_vocab(EngineSpec.parse(spec, strict=True))
             except InputError as e:
                 raise InputError(f"{role} {spec}: {e}") from None
     if len(set(vocabs.values())) > 1:   # one request set, one tokenizer: the other engine's ids are not its text
