@@ -47,10 +47,11 @@ def cpu_bf16_fast() -> bool:
 
 def check_fp8_gpu(device) -> None:
     """Refuse ``qview=fp8`` on a GPU without FP8 tensor cores (before sm_89): exit 3."""
+    from specpilot.engine.spec import fp8_tensor_cores
     from specpilot.errors import EnvironmentMissing
 
-    major, minor = torch.cuda.get_device_capability(device)
-    if (major, minor) < (8, 9):
+    if not fp8_tensor_cores(str(device)):
+        major, minor = torch.cuda.get_device_capability(device)
         raise EnvironmentMissing(f"qview=fp8 multiplies e4m3 weights on FP8 tensor cores (sm_89 or newer); "
                                  f"{torch.cuda.get_device_name(device)} is sm_{major}{minor}: use qview=w12")
 
