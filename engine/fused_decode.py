@@ -19,8 +19,8 @@ Steps of more than one row (prefill, chain and tree verification) keep the layer
 arithmetic is the layer's own, rounding for rounding; only the fp32 summation order of the
 projections differs from cuBLAS's, as between any two GEMM kernels.
 
-With ``w12=1`` (on CUDA the projections are ``W12Projection``s) the same four kernels read the W12
-records instead: 12 bits per weight, decoded in registers, the same prologues and epilogues
+With ``w12=1`` (on CUDA the projections are ``W12Projection``s) the same kernels (a hybrid's
+too) read the W12 records instead: 12 bits per weight, decoded in registers, the same prologues and epilogues
 (:mod:`specpilot.kernels.decode.gemv_w12_gluon` where Gluon runs, else the Triton variants of
 :mod:`specpilot.kernels.decode.gemv_w12`).
 
@@ -33,8 +33,8 @@ gated attention layer is ``norm_proj``, per-head q/k RMSNorm + partial RoPE + th
 ``x + wo(o)``. So a hybrid's whole AR step is one PDL-chained sequence of kernels, one CUDA graph.
 
 Eligible models: Llama-family attention layers (q/k norms, output gate and partial RoPE only in
-hybrid-style gated layers) and GDN layers, with ``nn.Linear`` projections without bias (W12 ones
-for the dense layers), power-of-two head dimensions, on CUDA (the kernels run in Triton's
+hybrid-style gated layers) and GDN layers, with ``nn.Linear`` or W12 projections without bias,
+power-of-two head dimensions, on CUDA (the kernels run in Triton's
 interpreter on the CPU, for tests only).
 """
 
@@ -60,7 +60,6 @@ def ineligible(model) -> str | None:
         return "hidden and intermediate sizes must be multiples of the kernel's row blocks"
     for i, blk in enumerate(model.layers):
         m = blk.mixer
-        hybrid_proj = isinstance(m, GatedDeltaNet) or m.qk_norm or m.gate
         if isinstance(m, GatedDeltaNet):
             if m.impl == "torch":
                 return "its GDN layers run the torch reference (gdn=naive), the fused step runs the row kernels"
@@ -72,8 +71,6 @@ def ineligible(model) -> str | None:
         for name, lin in lins + (("gate/up", blk.w13), ("down", blk.w2)):
             if type(lin) is not nn.Linear and type(lin) is not W12Projection:
                 return f"layer {i}'s {name} projection is a {type(lin).__name__}, not nn.Linear or W12"
-            if type(lin) is W12Projection and hybrid_proj:
-                return f"layer {i}: W12 projections of hybrid (GDN, gated-attention) layers are not fused"
             if lin.bias is not None:
                 return f"the {name} projection has a bias"
         if blk.inter % DEFAULT.pairs:
@@ -137,12 +134,12 @@ def _gdn_mixer(blk, m, x):
     from specpilot.kernels.decode import gemv
     from specpilot.kernels.gdn import rows
 
-    proj = gemv.norm_proj(x, blk.attn_norm, blk.eps, m.in_proj.weight)
+    proj = gemv.norm_proj(x, blk.attn_norm, blk.eps, _weight(m.in_proj))
     mixed, z, ab = m.split_proj(proj)
     conv = rows.conv_rows(mixed, m.conv_state, m.conv_weight, advance=True, pdl=gemv.USE_PDL)
     o = rows.gdn_rows(conv, ab, m.A_log, m.dt_bias, m.state, None, m.nk, new_state=m.state, pdl=gemv.USE_PDL)
     o = rows.gated_norm_rows(o.view(1, m.nv, m.dv), z, m.norm, m.eps, pdl=gemv.USE_PDL)
-    return gemv.gemv_residual(o, m.out_proj.weight, x)
+    return gemv.gemv_residual(o, _weight(m.out_proj), x)
 
 
 def _gated_attention_mixer(blk, m, x, inp, cos, sin, kv_len):
@@ -150,14 +147,14 @@ def _gated_attention_mixer(blk, m, x, inp, cos, sin, kv_len):
     from specpilot.kernels.attention.decode import masked_gqa_attention
     from specpilot.kernels.decode import gated_attention as ga, gemv
 
-    proj = gemv.norm_proj(x, blk.attn_norm, blk.eps, m.wqkv.weight)
+    proj = gemv.norm_proj(x, blk.attn_norm, blk.eps, _weight(m.wqkv))
     q = ga.qk_norm_rope_store(proj, m.q_norm, m.k_norm, m.eps, cos, sin, inp.pos, inp.slots, m.k_cache[0],
                               m.v_cache[0], m.nh, m.nkv, m.gate, pdl=gemv.USE_PDL)
     o = masked_gqa_attention(q.view(1, m.nh, m.hd), m.k_cache[0, :, :kv_len], m.v_cache[0, :, :kv_len],
                              inp.mask[:, :kv_len], m.hd ** -0.5, pdl=gemv.USE_PDL, slots=inp.slots)
     if m.gate:
         o = ga.sigmoid_gate(o, proj, m.nh, pdl=gemv.USE_PDL)
-    return gemv.gemv_residual(o, m.wo.weight, x)
+    return gemv.gemv_residual(o, _weight(m.wo), x)
 
 
 def _weight(lin):

@@ -153,6 +153,45 @@ def test_hybrid_one_row_step_matches_the_layers():
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+def test_w12_hybrid_one_row_step_matches_the_dense_kernels():
+    """A bf16 tiny-hybrid's GDN layers: the fused AR step on W12 projections (the W12 kernels' plain
+    prologue-normed input projection, residual and SiLU epilogues) gives the dense kernels' logits
+    and GDN/conv states on the same weights (the W12 records restore them bit for bit; the kernels
+    may sum in another order). The attention kernel's bf16 runs on a GPU only (the interpreter's
+    bf16 is not it), so the gated attention layer is left out here and in the GPU tests."""
+    from specpilot.engine.w12_loader import W12Projection, convert_engine_model
+
+    ctx = 64
+    m = load_engine(f"engine:model=tiny-hybrid,mode=ar,ctx={ctx},device={DEV},dtype=bfloat16,graphs=0").model
+    m.layers = m.layers[:3]
+    prompt = [ord(c) for c in "state space"]
+    n = len(prompt)
+    pos = torch.arange(n, device=DEV)
+    m.forward(StepInput(torch.tensor(prompt, device=DEV), pos, pos,
+                        torch.arange(ctx, device=DEV)[None, :] <= pos[:, None], "seq"), kv_len=ctx)
+    for g in m.gdn_layers():
+        g.impl = "triton"
+    saved = [(g.state.clone(), g.conv_state.clone()) for g in m.gdn_layers()]
+    one = StepInput(torch.tensor([ord("!")], device=DEV), torch.tensor([n], device=DEV),
+                    torch.tensor([n], device=DEV), torch.arange(ctx, device=DEV)[None, :] <= n, "seq")
+    m.set_decode("fused")
+    dense = m.forward(one, kv_len=ctx)
+    after = [(g.state.clone(), g.conv_state.clone()) for g in m.gdn_layers()]
+    for g, (s, c) in zip(m.gdn_layers(), saved):
+        g.state.copy_(s)
+        g.conv_state.copy_(c)
+    convert_engine_model(m, warmup=False, fused=True)
+    assert all(type(blk.mixer.in_proj) is W12Projection and type(blk.mixer.out_proj) is W12Projection
+               for blk in m.layers)
+    assert m.set_decode("fused") == "fused"
+    got = m.forward(one, kv_len=ctx)
+    torch.testing.assert_close(got.float(), dense.float(), atol=2e-2, rtol=1e-2)
+    assert torch.equal(got.argmax(-1), dense.argmax(-1))
+    for (s, c), g in zip(after, m.gdn_layers()):
+        torch.testing.assert_close(g.state, s, atol=1e-3, rtol=1e-2)
+        torch.testing.assert_close(g.conv_state.float(), c.float(), atol=2e-2, rtol=1e-2)
+
+
 def test_set_decode_refuses_what_it_cannot_fuse():
     hybrid = load_engine("engine:model=tiny-hybrid,mode=ar,ctx=32,graphs=0").model
     hybrid.layers[0].mixer.in_proj.bias = torch.nn.Parameter(torch.zeros(hybrid.layers[0].mixer.in_proj.out_features))
@@ -260,10 +299,10 @@ _DENSE_OUTPUTS: dict = {}   # the dense kernels' outputs by inputs: every W12 co
 
 
 def _w12_kernel_outputs(seed, K, N, inter, hd, cfg, other_cfg, other_dense, repeat=False):
-    """The three fused kernels on W12 weights (escapes in most rows, :func:`_w12_weight`) with
+    """The four fused kernels on W12 weights (escapes in most rows, :func:`_w12_weight`) with
     ``cfg``: dicts ``got``, ``again`` (a second run, with ``repeat``), ``ref`` (the plain references),
     ``other`` (the kernels with ``other_cfg``, on the dense weights if ``other_dense``, else on the
-    W12 ones), each of ``resid``, ``silu``, ``q``, ``k``, ``v`` (the caches after the RoPE kernel),
+    W12 ones), each of ``resid``, ``plain``, ``silu``, ``q``, ``k``, ``v`` (the caches after the RoPE kernel),
     and the inputs ``res`` and ``caches`` (before the RoPE kernel)."""
     g = torch.Generator().manual_seed(seed)
     dt = torch.bfloat16
@@ -275,24 +314,25 @@ def _w12_kernel_outputs(seed, K, N, inter, hd, cfg, other_cfg, other_dense, repe
     cos, sin = _rope_tables(hd, 16)
     pos, slot = torch.tensor([7], device=DEV), torch.tensor([9], device=DEV)
 
-    def three(mod, ws, c):
+    def kernels(mod, ws, c):
         kc, vc = caches[0].clone(), caches[1].clone()
         y = mod.gemv_residual(x, ws[0], res, *([c] if c else []))
+        p = mod.norm_proj(x, gamma, 1e-5, ws[0], *([c] if c else []))
         a = mod.norm_gate_up_silu(x, gamma, 1e-5, ws[1], inter, *([c] if c else []))
         q = mod.norm_qkv_rope_store(x, gamma, 1e-5, ws[2], cos, sin, pos, slot, kc, vc, nh, nkv, *([c] if c else []))
-        return {"resid": y, "silu": a, "q": q, "k": kc, "v": vc}
+        return {"resid": y, "plain": p, "silu": a, "q": q, "k": kc, "v": vc}
 
     w12s, dense = (kp, kp13, kpq), (w, w13, wq)
-    got = three(G, w12s, cfg)
-    again = three(G, w12s, cfg) if repeat else None
+    got = kernels(G, w12s, cfg)
+    again = kernels(G, w12s, cfg) if repeat else None
     if other_dense:   # read only by the callers, so shared
         key = (seed, K, N, inter, hd, other_cfg)
         if key not in _DENSE_OUTPUTS:
-            _DENSE_OUTPUTS[key] = three(G, dense, other_cfg)
+            _DENSE_OUTPUTS[key] = kernels(G, dense, other_cfg)
         other = _DENSE_OUTPUTS[key]
     else:
-        other = three(G, w12s, other_cfg)
-    return got, again, three(R, dense, None), other, {"res": res, "caches": caches}
+        other = kernels(G, w12s, other_cfg)
+    return got, again, kernels(R, dense, None), other, {"res": res, "caches": caches}
 
 
 @pytest.mark.parametrize("cfg", [None, "small"])
@@ -382,7 +422,7 @@ warps = 4
 """
 
 
-@pytest.mark.parametrize("epi", [1, 3])
+@pytest.mark.parametrize("epi", [1, 3, 4])
 def test_w12_gluon_kernel_compiles_for_sm90(epi):
     """The Gluon W12 decode kernel (16 rows x 4 warps, four unrolled sets) compiled for sm_90 on the
     CPU: the main loop streams each warp's records (16-byte view and 8-byte nibble loads, 2 rows per
@@ -446,6 +486,13 @@ def test_gpu_w12_kernels_at_llama_shapes():
                             fast=f)
         assert torch.equal(fast, plain)
         _one_rounding(got - x, fast - x)
+    # a hybrid layer's input projection: Qwen3.5-9B's GDN width, and one too narrow for the Gluon
+    # kernel's 8-row programs (the Triton kernel takes it)
+    for n in (12352, 4098):
+        w, kp = pack(n, hidden)
+        got = G.norm_proj(x, gamma, 1e-5, kp)
+        assert torch.equal(got, G.norm_proj(x, gamma, 1e-5, kp))
+        _near(got, G.norm_proj(x, gamma, 1e-5, w))
     w13, kp13 = pack(2 * inter, hidden)
     got = G.norm_gate_up_silu(x, gamma, 1e-5, kp13, inter)
     assert torch.equal(got, G.norm_gate_up_silu(x, gamma, 1e-5, kp13, inter))
@@ -463,23 +510,29 @@ def test_gpu_w12_kernels_at_llama_shapes():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_w12_engine_takes_the_fused_decode():
-    """``w12=1`` on CUDA: ``decode=auto`` now picks the fused kernels (their W12 variants); AR
-    generation replayed from CUDA graphs gives the eager fused steps' tokens (the kernels are
-    deterministic), and one step's logits are within bf16 noise of the W12 layer modules'."""
+@pytest.mark.parametrize("model", ["tiny", "tiny-hybrid"])
+def test_gpu_w12_engine_takes_the_fused_decode(model):
+    """``w12=1`` on CUDA: ``decode=auto`` picks the fused kernels (their W12 variants; a hybrid's
+    GDN and gated layers too); AR generation replayed from CUDA graphs gives the eager fused steps'
+    tokens (the kernels are deterministic), and one step's logits are within bf16 noise of the W12
+    layer modules'."""
     prompt = [ord(c) for c in "the cat sat on the mat. the cat sat on the"]
-    auto = load_engine("engine:model=tiny,mode=ar,ctx=256,device=cuda,w12=1")
+    auto = load_engine(f"engine:model={model},mode=ar,ctx=256,device=cuda,w12=1")
     assert auto.info["decode"] == "fused" and auto.info["w12"]["path"] == "fused"
-    eager = load_engine("engine:model=tiny,mode=ar,ctx=256,device=cuda,w12=1,decode=fused,graphs=0")
+    eager = load_engine(f"engine:model={model},mode=ar,ctx=256,device=cuda,w12=1,decode=fused,graphs=0")
     assert auto.generate(prompt, 24).output_ids == eager.generate(prompt, 24).output_ids
-    m = load_engine("engine:model=tiny,mode=ar,ctx=64,device=cuda,w12=1,decode=layers,graphs=0").model
+    m = load_engine(f"engine:model={model},mode=ar,ctx=64,device=cuda,w12=1,decode=layers,graphs=0").model
     n = 8
     pos = torch.arange(n, device="cuda")
     m.forward(StepInput(torch.arange(40, 40 + n, device="cuda"), pos, pos,
                         torch.arange(64, device="cuda")[None, :] <= pos[:, None], "seq"), kv_len=64)
+    saved = [(g.state.clone(), g.conv_state.clone()) for g in m.gdn_layers()]
     one = StepInput(torch.tensor([7], device="cuda"), torch.tensor([n], device="cuda"),
                     torch.tensor([n], device="cuda"), torch.arange(64, device="cuda")[None, :] <= n, "seq")
     ref = m.forward(one, kv_len=64).float()
+    for g, (st, c) in zip(m.gdn_layers(), saved):   # the step again from the same recurrent state
+        g.state.copy_(st)
+        g.conv_state.copy_(c)
     m.set_decode("fused")
     got = m.forward(one, kv_len=64).float()
     assert (got - ref).abs().max() < 0.05 * ref.abs().max()
@@ -502,13 +555,13 @@ def test_gpu_w12_gluon_kernels_match_the_reference(cfg, monkeypatch):
     monkeypatch.setattr(gemv_w12, "ESC_CH", 4)    # the Triton kernels' escapes in several chunks
     tri = W12GemvConfig(pairs=c.pairs, recs=2, warps=1, stages=1)
     got, again, ref, other, inp = _w12_kernel_outputs(9, 160, 256, 144, 64, c, tri, other_dense=False, repeat=True)
-    for name in ("resid", "silu"):
+    for name in ("resid", "plain", "silu"):
         assert torch.equal(got[name], again[name])
     for name in got:
         _close(got[name], ref[name], torch.bfloat16)
     res = inp["res"]
     _one_rounding(got["resid"] - res, other["resid"] - res)
-    for name in ("silu", "q", "k", "v"):
+    for name in ("plain", "silu", "q", "k", "v"):
         _near(got[name], other[name])
     others = torch.arange(12, device=DEV) != 9
     for name, before in zip("kv", inp["caches"]):

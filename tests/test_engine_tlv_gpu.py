@@ -105,12 +105,16 @@ def test_gpu_fp8_q_pass_runs_the_fp8_gemms_and_tlv_equals_ar(model, monkeypatch)
         assert r.output_ids == ref.output_ids, graphs
 
 
-def test_gpu_w12_target_q_pass_reads_its_own_records():
-    e = load_engine(f"engine:model=tiny,device=cuda,ctx={CTX},mode=tlv,w12=1,drafter=self,draft_layers=1,"
+@pytest.mark.parametrize("model", ["tiny", "tiny-hybrid"])
+def test_gpu_w12_target_q_pass_reads_its_own_records(model):
+    """A W12 target (a hybrid's GDN and gated layers too): the Q pass reads the target's own records,
+    no copy; the output is W12 AR's."""
+    e = load_engine(f"engine:model={model},device=cuda,ctx={CTX},mode=tlv,w12=1,drafter=self,draft_layers=1,"
                     "nodes=8,depth=3,topk=3")
+    assert e.model.fused_decode and e.decoder.qview.kind == "w12"
     assert e.decoder.qview.extra_bytes() == 0     # the packs are the target's own
-    assert all(lin.kp is kp for lin, kp in e.decoder.qview.packs)
-    ref = load_engine(f"engine:model=tiny,device=cuda,ctx={CTX},mode=ar,w12=1").generate(PROMPT, 16).output_ids
+    assert e.decoder.qview.packs and all(lin.kp is kp for lin, kp in e.decoder.qview.packs)
+    ref = load_engine(f"engine:model={model},device=cuda,ctx={CTX},mode=ar,w12=1").generate(PROMPT, 16).output_ids
     assert e.generate(PROMPT, 16).output_ids == ref
 
 

@@ -28,7 +28,7 @@ The plain reference is :mod:`.naive`; the kernels also run under Triton's interp
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -205,14 +205,19 @@ def gemv_residual(x: torch.Tensor, w, res: torch.Tensor, cfg=None, out: torch.Te
     return y
 
 def norm_proj(x: torch.Tensor, gamma: torch.Tensor, eps: float, w, cfg=None) -> torch.Tensor:
-    """``rms_norm(x) @ w.T`` for one row x [1, K] and a dense w [N, K] (``N`` even; the config's
-    row pairs halve until they divide it): the input projection of a hybrid model's layers, [1, N]."""
+    """``rms_norm(x) @ w.T`` for one row x [1, K] and w [N, K] (dense or a W12 ``KernelPack``;
+    ``N`` even; the config's row pairs halve until they divide it): the input projection of a
+    hybrid model's layers, [1, N]."""
     N, K = w.shape
-    if gemv_w12.is_w12(w):
-        raise ValueError("norm_proj takes dense weights (no W12 variant of the plain epilogue)")
+    given = cfg is not None
     cfg = _config("plain", w, cfg, x)
-    while N % (2 * cfg.pairs) and cfg.pairs > 1:   # odd projection widths (GDN: conv + z + 2 x heads)
-        cfg = GemvConfig(cfg.pairs // 2, cfg.block_k, cfg.warps, cfg.stages)
+    least = 4 if isinstance(cfg, gemv_w12_gluon.GluonFusedConfig) else 1   # the Gluon kernel's 8-row programs
+    while N % (2 * cfg.pairs) and cfg.pairs > least:   # odd projection widths (GDN: conv + z + 2 x heads)
+        cfg = replace(cfg, pairs=cfg.pairs // 2)
+    if N % (2 * cfg.pairs) and not given and least > 1:   # narrower than the Gluon kernel's programs: Triton's
+        cfg = gemv_w12.config_for("plain", N, K, device=x.device)
+        while N % (2 * cfg.pairs) and cfg.pairs > 1:
+            cfg = replace(cfg, pairs=cfg.pairs // 2)
     _check_row(x, K, "x")
     _check_weight(w, x)
     if N % (2 * cfg.pairs):

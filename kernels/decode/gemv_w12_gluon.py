@@ -19,8 +19,9 @@ module is that GEMV's main loop with the fused decode kernels' prologues and epi
   ``DEPTH`` records per warp, the row scales, both groups' escape ranges and first escape entries
   (and gamma at their columns); after the wait only x, and x at the escape columns, are read;
 * the epilogue: row scale ``2**(L_n - 112)``, the exact escape corrections ``x[k] * (w - slot)`` in
-  CSR order, rounding to bf16, then the residual add, ``silu(gate) * up`` or rotate-half RoPE with
-  the K/V cache store, with :mod:`.gemv`'s roundings.
+  CSR order, rounding to bf16, then the residual add, ``silu(gate) * up``, rotate-half RoPE with
+  the K/V cache store or nothing more (a hybrid layer's input projection), with :mod:`.gemv`'s
+  roundings.
 
 The plain reference is :mod:`.naive` on the decoded weights; the Triton variant gives the same
 values up to the fp32 summation order. Gluon does not run under Triton's interpreter: CPU tests
@@ -237,6 +238,8 @@ if gluon is not None:
         if EPI == 1:
             r = gl.load(res_ptr + rows).to(gl.float32)
             gl.store(y_ptr + rows, (r + yd.to(gl.float32)).to(dt))
+        elif EPI == 4:
+            gl.store(y_ptr + rows, yd)
         else:
             LP: gl.constexpr = gl.BlockedLayout([1, 2], [32, 1], [WARPS, 1], [1, 0])
             ya, yb = gl.split(gl.convert_layout(gl.reshape(yd, [B, 2]), LP))

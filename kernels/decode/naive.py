@@ -38,6 +38,11 @@ def norm_qkv_rope_store(x, gamma, eps, w_qkv, cos, sin, pos, slot, k_cache, v_ca
     return rope(q).reshape(1, nh * hd)
 
 
+def norm_proj(x, gamma, eps, w):
+    """RMSNorm, then the projection (a hybrid layer's input projection): [1, N]."""
+    return F.linear(rms_norm(x, gamma, eps), w)
+
+
 def gemv_residual(x, w, res):
     """``res + x @ w.T``, the product rounded to the dtype before the add (as ``x + wo(o)``)."""
     return res + F.linear(x, w)
