@@ -78,7 +78,8 @@ class ServeMetrics:
             self.rejected[reason] = self.rejected.get(reason, 0) + 1
 
     def request_done(self, r, reason: str) -> None:
-        """A finished engine request: outcome, tokens, TTFT, inter-token gaps, end-to-end latency."""
+        """A finished engine request: outcome, tokens, TTFT, inter-token gaps, end-to-end latency (the
+        latencies only of a request that asked for tokens)."""
         with self.lock:
             self.finished[reason] = self.finished.get(reason, 0) + 1
             self.prompt_tokens += len(r.prompt_ids)
@@ -91,7 +92,10 @@ class ServeMetrics:
             for gap in inter_token_gaps(r.token_times):
                 self.itl.observe(gap)
                 self._sample("itl", gap)
-            if r.t_done is not None:
+            # a request for no token (max_new_tokens 0: a prompt scored or cached) is answered without
+            # the engine in no time; it counts as a finished request, but its ~0 s would only pull the
+            # end-to-end percentiles of generating requests down
+            if r.t_done is not None and r.max_new_tokens > 0:
                 self.e2e.observe(r.t_done - r.t_arrival)
                 self._sample("e2e", r.t_done - r.t_arrival)
 

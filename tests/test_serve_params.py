@@ -136,3 +136,20 @@ def test_a_slow_prompt_to_tokenize_does_not_hold_up_other_clients():
     status, answered, answer = asyncio.run(main())
     assert status == 200 and answered < 1.2, answered
     assert answer["text"] == "" and answer["meta_info"]["prompt_tokens"] == 4
+
+
+def test_a_0_token_request_counts_but_stays_out_of_the_latencies():
+    """A request for no token is answered at once: a finished request (outcome, prompt tokens), but
+    its ~0 s end-to-end latency would pull the percentiles of generating requests down."""
+    from specpilot.engine.metrics import ServeMetrics
+
+    m = ServeMetrics()
+    zero = SimpleNamespace(prompt_ids=[1, 2, 3], output=[], max_new_tokens=0, t_arrival=10.0, t_admitted=None,
+                           t_first=None, token_times=[], t_done=10.0001)
+    real = SimpleNamespace(prompt_ids=[1, 2], output=[5, 6], max_new_tokens=2, t_arrival=10.0, t_admitted=10.1,
+                           t_first=10.5, token_times=[(10.5, 1), (11.0, 1)], t_done=11.0)
+    m.request_done(zero, "length")
+    m.request_done(real, "length")
+    assert m.finished["length"] == 2 and m.prompt_tokens == 5 and m.completion_tokens == 2
+    assert m.e2e.count == 1 and m.samples["e2e"] == [1.0]
+    assert m.ttft.count == 1 and m.queue.count == 1 and m.itl.count == 1
