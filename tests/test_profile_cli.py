@@ -242,3 +242,20 @@ def test_a_diff_keeps_flags_and_warnings_and_says_when_the_gpus_differ(run_cli, 
     assert "(!) ->" in line, line
     assert "warning: base: linear: model/config mismatch" in out
     assert "warning: the traces come from different GPUs (NVIDIA H200 -> AMD Instinct MI300X)" in out
+
+
+def test_floor_shape_options_without_floors_are_refused(run_cli, tmp_path):
+    """--rows/--batch/--context (and the other options of the floors) where no floors read them: refused
+    before the trace is read, naming what they need (they were silently ignored)."""
+    out = tmp_path / "o.json"
+    good = write_kineto(tmp_path / "s.json.gz", SynthSpec(steps=2, layers=1))
+    err = _bad(run_cli, good, "--rows", 8, "--batch", 4, "--context", 100, out=out)
+    assert "--rows, --batch, --context: they shape the byte floors, which need --model or --ceiling" in err
+    assert "--kv-dtype: it shapes the byte floors" in _bad(run_cli, good, "--kv-dtype", "fp8", out=out)
+    # a ceiling takes --rows (one of its row counts); its floors have their own batch and context
+    ceil = tmp_path / "c.json"
+    err = _bad(run_cli, good, "--ceiling", ceil, "--rows", 8, "--batch", 4, out=out)
+    assert "--batch: --ceiling brings floors of the shape it was made for" in err
+    assert "sets no byte floors" in _bad(run_cli, good, good, "--context", 100, out=out)
+    code, _, err = run_cli("profile", good, "--model", CONFIG, "--rows", 8, "--batch", 4, "--gpu", "h200")
+    assert code == 0, err

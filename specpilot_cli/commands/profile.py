@@ -130,6 +130,7 @@ def command(traces, step_range, step_mode, gap_us, skip_steps, device, include_o
         raise InputError(f"{'--model' if model_name else '--ceiling'}: tensor-parallel mode (several traces, or "
                          "--ranks) compares the ranks with each other and sets no per-class floors (each rank runs a "
                          "shard of the model, which the byte floors do not split); leave it out")
+    _check_floor_options(model_name, ceiling_file, tp_mode=ranks or (len(traces) > 1 and not diff))
     table = load_rules(rules_files)
 
     # the model first: a bad --model should fail before a long trace read
@@ -206,6 +207,30 @@ def command(traces, step_range, step_mode, gap_us, skip_steps, device, include_o
         click.echo(f"wrote {plot_file}", err=True)
     emit(_report(prof), fmt, out, protect=protect)
     return 0
+
+
+def _check_floor_options(model_name, ceiling_file, tp_mode: bool) -> None:
+    """Refuse the floors' shape options (--rows, --batch, --context, the drafter's and the dtype
+    options) where no floors use them: without --model (a ceiling's floors take --rows alone, to
+    pick one of its row counts) and in tensor-parallel mode, which sets no floors."""
+    given = typed("rows", "batch", "context", "draft_rows", "draft_passes", "weight_dtype", "lm_head_dtype",
+                  "kv_dtype", "flops_fraction", "bw_fraction")
+    if model_name or not given:
+        return
+    names, them = ", ".join(given), "it" if len(given) == 1 else "them"
+    if tp_mode:
+        raise InputError(f"{names}: tensor-parallel mode (several traces, or --ranks) sets no byte floors for "
+                         f"{them} to shape; leave {them} out")
+    if ceiling_file:
+        other = [g for g in given if g != "--rows"]
+        if other:
+            raise InputError(f"{', '.join(other)}: --ceiling brings floors of the shape it was made for (it takes "
+                             f"--rows alone, to pick one of its row counts); give {'it' if len(other) == 1 else 'them'} to "
+                             "`specpilot ceiling`, or use "
+                             "--model instead of --ceiling")
+        return
+    raise InputError(f"{names}: {'it shapes' if len(given) == 1 else 'they shape'} the byte floors, which need "
+                     f"--model or --ceiling; give one, or leave {them} out")
 
 
 def _read(trace, device, step_range, step_mode, gap_us, include_orphans, table):
