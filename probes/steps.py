@@ -43,6 +43,12 @@ IMPLAUSIBLE_EVENTS = 5  # median kernels per step below this: steps are probably
 IMPLAUSIBLE_SPREAD = 100.0  # busy time max / min above this: steps of very different kinds
 
 
+def count(n: int, one: str, many: str | None = None) -> str:
+    """``n`` with its noun in the singular or plural: "1 launch", "3 launches"; the default plural
+    adds an s ("1 step range", "2 step ranges")."""
+    return f"{n} {one if n == 1 else many or one + 's'}"
+
+
 def compile_regex(pattern: str, what: str) -> re.Pattern:
     try:
         return re.compile(pattern)

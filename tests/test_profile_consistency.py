@@ -66,6 +66,10 @@ def test_step_families_are_named_for_what_they_are(run_cli, tmp_path):
     assert _json(run_cli, kin)["step_detail"] == "3 annotation step ranges found in the trace"
     sgl = write_trace(tmp_path / "s.json.gz", [llama_step()] * 3, step_name="step[DECODE bs=32]")
     assert _json(run_cli, sgl)["step_detail"] == "3 SGLang step ranges found in the trace"
+    one = write_trace(tmp_path / "one.json.gz", [llama_step()], step_name="step[DECODE bs=32]")
+    code, out, err = run_cli("profile", one)
+    assert code == 0 and out.startswith("Profile: 1 step (1 SGLang step range found in the trace)"), err
+    assert _json(run_cli, nsys, "--step-range", "step_1$")["step_detail"] == "1 range matching 'step_1$'"
 
 
 def test_gap_mode_asked_for_finds_steps_or_says_why_not(run_cli, tmp_path):

@@ -376,8 +376,8 @@ def aggregate_kineto(tr: KinetoTrace, req: StepRequest) -> Aggregate:
         key = start if on_gpu else launch
         step = _assign(key, [(r.start, r.end, i) for i, r in enumerate(step_ranges)])
         labels = [r.name for r in step_ranges]
-        detail = (f"{len(step_ranges)} {found} found in the trace" if found else
-                  f"{len(step_ranges)} {'GPU' if on_gpu else 'CPU'} annotation ranges matching '{regex}'")
+        detail = (f"{st.count(len(step_ranges), found.removesuffix('s'), found)} found in the trace" if found else
+                  f"{st.count(len(step_ranges), ('GPU' if on_gpu else 'CPU') + ' annotation range')} matching '{regex}'")
         if found and not (step >= 0).any():  # the annotations hold no GPU work: fall back
             mode, step_ranges, labels = ("graph" if len(tr.graph_corr) >= 2 else "gap"), [], []
     if mode == "graph":
@@ -391,7 +391,8 @@ def aggregate_kineto(tr: KinetoTrace, req: StepRequest) -> Aggregate:
         idx = np.searchsorted(np.asarray(starters), corr, side="right") - 1
         step = np.where(corr >= starters[0], idx, -1)
         labels = [f"graph launch {x}" for x in starters]
-        detail = f"{len(starters)} launches of the most frequent CUDA graph ({len(tr.graph_corr)} graph launches)"
+        detail = (f"{st.count(len(starters), 'launch', 'launches')} of the most frequent CUDA graph "
+                  f"({st.count(len(tr.graph_corr), 'graph launch', 'graph launches')})")
     elif mode == "gap":
         gap_ns = int(req.gap_us * 1e3) if req.gap_us else st.gap_threshold_ns(start, end, name)
         b = st.gap_boundaries(start, end, gap_ns) if gap_ns is not None else []

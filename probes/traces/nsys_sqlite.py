@@ -943,13 +943,15 @@ def _aggregate(ex: NsysExport, req: StepRequest) -> Aggregate:
             step_key = ("corr", _ranges_to_corr(ex, intervals, [r.thread for r in step_ranges]))
         else:
             step_key = ("time", intervals)
-        detail = f"{len(step_ranges)} {found} found in the trace" if found else f"{len(step_ranges)} ranges matching '{regex}'"
+        detail = (f"{st.count(len(step_ranges), found.removesuffix('s'), found)} found in the trace" if found else
+                  f"{st.count(len(step_ranges), 'range')} matching '{regex}'")
     elif mode == "graph":
         starters = st.graph_step_starters(graph_launches)
         bounds = starters + [2 ** 62]  # the last step runs to the end of the trace
         step_key = ("corr", [(bounds[i], bounds[i + 1] - 1, i) for i in range(len(starters))])
         labels = [f"graph launch {c}" for c in starters]
-        detail = f"{len(starters)} launches of the most frequent CUDA graph ({len(graph_launches)} graph launches)"
+        detail = (f"{st.count(len(starters), 'launch', 'launches')} of the most frequent CUDA graph "
+                  f"({st.count(len(graph_launches), 'graph launch', 'graph launches')})")
     elif mode == "gap":
         found = _gap_steps(ex, parts, req, device)
         if found is None and asked == "gap":   # asked for, it finds steps or says why not (as graph mode does)
