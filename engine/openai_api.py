@@ -11,7 +11,8 @@ Honoured: ``prompt`` (a string, a list of strings, token ids or a list of token-
 ``messages`` (through the model's chat template), ``max_tokens`` (completions: 16 when absent, as
 OpenAI's, and at least 1, as SGLang's ``CompletionRequest`` validator says; chat: what fits in the
 context when absent, and 0 taken, as SGLang's chat route takes it: the prompt checked, an empty
-answer with ``finish_reason`` ``length``; ``max_completion_tokens`` too), ``stop``,
+answer with ``finish_reason`` ``length``; ``max_completion_tokens`` too, on chat only: the
+completions request has no such field, a 400 names it), ``stop``,
 ``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens``, ``stream`` and
 ``stream_options`` (``include_usage``, vLLM's ``continuous_usage_stats``), ``n`` = 1.
 """
@@ -111,10 +112,10 @@ def _stream(body: dict) -> tuple[bool, bool, bool]:
     return True, flags[0], flags[1]
 
 
-def _fields(body, neutral: dict, own: set[str]) -> None:
+def _fields(body, neutral: dict, own: set[str], sampling: set[str] = _SAMPLING) -> None:
     if isinstance(body, dict) and body.get("user") is not None and not isinstance(body["user"], str):
         raise BadRequest("user must be a string")
-    check_fields(body, own | _SAMPLING | {"model", "stream", "stream_options"}, neutral)
+    check_fields(body, own | sampling | {"model", "stream", "stream_options"}, neutral)
 
 
 def _sampling(body: dict, prompts: list[list[int]], default_max, vocab_size: int | None,
@@ -134,7 +135,14 @@ def _sampling(body: dict, prompts: list[list[int]], default_max, vocab_size: int
 
 def parse_completion(body, encode, vocab_size: int | None, served: str) -> OpenAICall:
     """Check a ``/v1/completions`` body (parsed JSON). ``encode(text) -> ids`` (None: no tokenizer)."""
-    _fields(body, _NEUTRAL_COMPLETION, {"prompt"})
+    # max_completion_tokens is the chat request's: SGLang's CompletionRequest has max_tokens only
+    try:
+        _fields(body, _NEUTRAL_COMPLETION, {"prompt"}, _SAMPLING - {"max_completion_tokens"})
+    except BadRequest as e:
+        if isinstance(body, dict) and "max_completion_tokens" in body:
+            raise BadRequest(f"{e} (/v1/completions takes max_tokens; max_completion_tokens is "
+                             "/v1/chat/completions')") from None
+        raise
     model = _model(body, served)
     stream, usage, continuous = _stream(body)
     prompt = body.get("prompt")

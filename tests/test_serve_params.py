@@ -64,12 +64,20 @@ def test_check_prompt_is_the_decoders_check_with_no_new_token():
         check_prompt(dec, [])
 
 
-@pytest.mark.parametrize("key", ["max_tokens", "max_completion_tokens"])
-def test_completions_refuse_0_as_sglang_does(key):
-    with pytest.raises(BadRequest, match=rf"^{key} must be an integer in \[1, "):
-        oa.parse_completion({"prompt": [1, 2], key: 0}, None, 256, "tiny")
-    assert oa.parse_completion({"prompt": [1, 2], key: 1}, None, 256, "tiny").sampling[0].max_new_tokens == 1
+def test_completions_refuse_0_as_sglang_does():
+    with pytest.raises(BadRequest, match=r"^max_tokens must be an integer in \[1, "):
+        oa.parse_completion({"prompt": [1, 2], "max_tokens": 0}, None, 256, "tiny")
+    assert oa.parse_completion({"prompt": [1, 2], "max_tokens": 1}, None, 256, "tiny").sampling[0].max_new_tokens == 1
     assert oa.parse_completion({"prompt": [1, 2]}, None, 256, "tiny").sampling[0].max_new_tokens == 16
+
+
+@pytest.mark.parametrize("extra", [{}, {"max_tokens": 3}])
+@pytest.mark.parametrize("value", [0, 3, None])
+def test_completions_refuse_max_completion_tokens_by_name(value, extra):
+    """SGLang's CompletionRequest has max_tokens only; max_completion_tokens is the chat request's."""
+    with pytest.raises(BadRequest, match=r"^unknown request fields: max_completion_tokens \(/v1/completions takes "
+                                         r"max_tokens"):
+        oa.parse_completion({"prompt": [1, 2], "max_completion_tokens": value, **extra}, None, 256, "tiny")
 
 
 @pytest.mark.parametrize("key", ["max_tokens", "max_completion_tokens"])
