@@ -146,14 +146,24 @@ def _as_ids(out) -> list[int]:
 
 def check_engine_prompts(systems, prompts: Sequence[Prompt], max_new_tokens: int) -> None:
     """Every ``engine:`` system of ``systems`` ((label, spec text) pairs) against every prompt,
-    before any system runs: a prompt one of them cannot run would otherwise fail after others ran."""
+    before any system runs: a prompt one of them cannot run would otherwise fail after others ran.
+    The cache must hold each prompt, its new tokens and the draft rows the engine's decoder
+    reserves (``EngineSpec.cache_room``: a tree's nodes, a chain's depth)."""
     from specpilot.engine.api import check_prompts
     from specpilot.engine.spec import EngineSpec
 
     for label, text in systems:
         if text and (text.strip() == "engine" or text.strip().startswith("engine:")):
             try:
-                check_prompts(EngineSpec.parse(text), [(p.id, p.prompt_ids) for p in prompts], max_new_tokens)
+                spec = EngineSpec.parse(text)
+                check_prompts(spec, [(p.id, p.prompt_ids) for p in prompts], max_new_tokens)
+                room = spec.cache_room()
+                for p in prompts:
+                    need = len(p.prompt_ids) + max_new_tokens + room
+                    if need > spec.ctx:
+                        raise InputError(f"prompt {p.id!r}: {len(p.prompt_ids)} tokens + {max_new_tokens} new "
+                                         f"tokens + {room} draft rows need {need} cache slots; the engine has "
+                                         f"ctx={spec.ctx}: raise ctx= or lower --max-new-tokens")
             except InputError as e:
                 raise InputError(f"{label}: {e}") from None
 
