@@ -339,6 +339,13 @@ def load_system(system: SystemSpec, prompts: Sequence[Prompt] | None, max_new_to
                    system=system_identity(system))
 
 
+def save_path_of(folder: str, role: str, index: int = 0) -> str:
+    """Where :func:`default_save_path` keeps the outputs of the ``index``-th system of ``role``
+    (the folder is not made)."""
+    suffix = f"-{index + 1}" if index else ""
+    return str(Path(folder) / f"{role}{suffix}.outputs.jsonl")
+
+
 def default_save_path(folder: str, role: str, index: int = 0, option: str = "--save-outputs") -> str:
     try:
         os.makedirs(folder, exist_ok=True)
@@ -348,5 +355,4 @@ def default_save_path(folder: str, role: str, index: int = 0, option: str = "--s
         raise InputError(f"{option} {folder}: cannot create the folder (permission denied)") from None
     except OSError as e:   # a read-only or virtual file system (/proc)
         raise InputError(f"{option} {folder}: cannot create the folder ({e.strerror or e})") from None
-    suffix = f"-{index + 1}" if index else ""
-    return str(Path(folder) / f"{role}{suffix}.outputs.jsonl")
+    return save_path_of(folder, role, index)

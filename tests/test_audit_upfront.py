@@ -28,3 +28,24 @@ def test_a_tree_whose_draft_rows_do_not_fit_is_refused_before_stock_runs(run_cli
     assert err.startswith("specpilot: error: ") and err.count("\n") == 1, err
     assert TREE in err and "'p0'" in err and "67 cache slots" in err and "ctx=64" in err, err
     assert "loading model" not in err and not saved.exists()
+
+
+def test_a_partial_outputs_file_an_earlier_run_kept_is_not_replaced(run_cli, prompts, tmp_path):
+    """A run that stops keeps its outputs in --save-outputs; the next audit with that folder refuses
+    to overwrite them (before anything runs) and says how to finish them."""
+    saved = tmp_path / "outs"
+    saved.mkdir()
+    kept = saved / "stock.outputs.jsonl"
+    kept.write_text(json.dumps({"schema": "specpilot.outputs/1", "id": "p0", "prompt_ids": [1, 2, 3],
+                                "output_ids": [5, 6], "max_new_tokens": 2, "system": STOCK}) + "\n")
+    before = kept.read_text()
+    code, out, err = run_cli("audit", TREE, "--against", STOCK, "--scorer", "tiny", "--prompts", prompts,
+                             "--max-new-tokens", "4", "--save-outputs", saved)
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert str(kept) in err and "1 of the 3 prompts" in err and "--resume" in err and "--max-new-tokens 2" in err, err
+    assert "loading model" not in err and kept.read_text() == before
+    assert sorted(p.name for p in saved.iterdir()) == ["stock.outputs.jsonl"]
+    kept.write_text("not json\n")   # not outputs at all: not replaced either
+    code, out, err = run_cli("audit", TREE, "--against", STOCK, "--scorer", "tiny", "--prompts", prompts,
+                             "--max-new-tokens", "4", "--save-outputs", saved)
+    assert code == 2 and "not an outputs file this audit may replace" in err and kept.read_text() == "not json\n", err

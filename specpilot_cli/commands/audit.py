@@ -160,7 +160,8 @@ def check(systems, stock_spec, ar_spec, scorer_spec, prompts_path, max_new_token
       specpilot audit engine:model=smollm2,mode=tree,nodes=32 --against engine:model=smollm2,mode=chain \\
           --ar engine:model=smollm2,mode=ar --scorer smollm2 --prompts prompts.jsonl
     """
-    from specpilot.auditors.systems import check_engine_prompts, default_save_path, load_system, parse_system
+    from specpilot.auditors.systems import (check_engine_prompts, default_save_path, load_system, parse_system,
+                                            save_path_of)
 
     if batch_tokens < 1:
         raise InputError(f"--batch-tokens {batch_tokens}: must be >= 1")
@@ -188,16 +189,21 @@ def check(systems, stock_spec, ar_spec, scorer_spec, prompts_path, max_new_token
     if prompts_path:   # with files only too: each must answer these prompts, or --prompts means nothing
         prompts = _read_prompts(prompts_path, scorer_spec)
         check_engine_prompts([(s.spec, s.spec) for _, s in specs if s.kind == "engine"], prompts, max_new_tokens)
-    loaded = {}
-    counters: dict[str, int] = {}
     # files first: one that answers other prompts is refused before any system runs for minutes
-    for role, spec in sorted(specs, key=lambda rs: rs[1].needs_prompts):
+    order = sorted(specs, key=lambda rs: rs[1].needs_prompts)
+    slots: dict[int, tuple[str, int]] = {}   # a system that runs: its role and index in --save-outputs
+    for role, spec in order:
+        if spec.needs_prompts:
+            slots[id(spec)] = (role, sum(1 for r, _ in slots.values() if r == role))
+    for role, index in slots.values():   # a file an earlier run kept is not replaced by this one
+        _check_kept_outputs(save_path_of(save_dir, role, index), prompts, save_dir, prompts_path, max_new_tokens)
+    loaded = {}
+    for role, spec in order:
         save = None
         if spec.kind == "engine":   # the files are checked by now; an engine's vocabulary before it runs
             _check_engine_vocab(spec.spec, scorer_spec, sc_vocab)
         if spec.needs_prompts:
-            save = default_save_path(save_dir, role, counters.get(role, 0))
-            counters[role] = counters.get(role, 0) + 1
+            save = default_save_path(save_dir, *slots[id(spec)])
         loaded[id(spec)] = load_system(spec, prompts, max_new_tokens, save_to=save, timeout=timeout,
                                        progress=progress, protect=inputs, concurrency=concurrency,
                                        save_option="--save-outputs")
@@ -211,6 +217,35 @@ def check(systems, stock_spec, ar_spec, scorer_spec, prompts_path, max_new_token
         batch_tokens=batch_tokens, delta=delta, max_increase=max_increase / 100.0, bootstrap=bootstrap, seed=seed)
     emit(audit_report(result, info), fmt, out, protect=inputs)
     return 0 if result.verdict == "pass" else 1
+
+
+def _check_kept_outputs(save: str, prompts, save_dir: str, prompts_path: str, max_new_tokens: int) -> None:
+    """Refuse to replace outputs a run would overwrite but not reproduce: a file that does not
+    answer every prompt of --prompts (what a run that failed or was stopped keeps, or another
+    prompt set's outputs). A file answering all of them is rewritten, as a new run of the system."""
+    from specpilot.auditors.outputs import key, read_outputs
+
+    if not _holds_rows(save):
+        return
+    what = "remove it or give another --save-outputs"
+    try:
+        rows = read_outputs(save).rows
+    except InputError as e:
+        raise InputError(f"--save-outputs {save_dir}: {save} is not an outputs file this audit may replace ({e}); "
+                         f"{what}") from None
+    have = {key(r.id): list(r.prompt_ids) for r in rows}
+    answered = sum(1 for p in prompts if have.get(key(p.id)) == list(p.prompt_ids))
+    if answered == len(prompts):
+        return
+    systems, limits = {r.system for r in rows}, {r.max_new_tokens for r in rows}
+    system = next(iter(systems)) if len(systems) == 1 and None not in systems else "SYSTEM"
+    limit = next(iter(limits)) if len(limits) == 1 and None not in limits else max_new_tokens
+    held = f"{save} holds an earlier run's outputs for {answered} of the {len(prompts)} prompts of --prompts"
+    if len(rows) > answered:   # another prompt set's: nothing --resume can finish
+        raise InputError(f"--save-outputs {save_dir}: {held} and {len(rows) - answered} other prompts; {what}")
+    raise InputError(f"--save-outputs {save_dir}: {held} (a run that stops keeps its outputs there); finish it with "
+                     f"'specpilot audit collect {system} --prompts {prompts_path} --max-new-tokens {limit} --save "
+                     f"{save} --resume' and audit that file, or {what}")
 
 
 def _check_engine_vocab(spec_text: str, scorer: str, vocab: int | None) -> None:
