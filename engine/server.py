@@ -3,7 +3,9 @@
 - ``POST /generate``: text or input_ids (one prompt or a list), ``sampling_params``, ``stream``
   (SGLang's server-sent events: ``data: {cumulative text, output_ids, meta_info}`` per step, then
   ``data: [DONE]``). A request for ``max_new_tokens`` 0 is answered without the engine once its
-  prompt is checked: an empty answer, ``finish_reason`` ``{"type": "length", "length": 0}``. The
+  prompt is checked: an empty answer, ``finish_reason`` ``{"type": "length", "length": 0}``. A
+  prompt of the context length (``max_model_len``) or more, or a prompt and ``max_new_tokens``
+  over it, is a 400 with SGLang's message (:func:`check_context`). The
   contract is :mod:`specpilot.engine.http_api`; bad requests of every kind get 400 with
   ``{"error": {"message": ...}}``. Concurrent requests are decoded together by one
   :class:`~specpilot.engine.batch.scheduler.BatchDecoder` on an engine thread; beyond its slots
@@ -197,6 +199,7 @@ def make_app(state: ServeState):
 
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
     eng, dec = state.engine, state.decoder
+    context = context_len(dec)
     eos = frozenset(eng.eos_ids)
     vocab = eng.model.spec.vocab_size
     encode = (lambda t: eng.encode(t, chat=False)) if eng.tokenizer is not None else None
@@ -253,6 +256,8 @@ def make_app(state: ServeState):
         # request never reaches the engine; its prompt is checked like any other, then it is answered
         run = [r for r in reqs if r.max_new_tokens > 0]
         try:
+            for r in reqs:
+                check_context(len(r.prompt_ids), r.max_new_tokens, context)
             for r in reqs:
                 if r.max_new_tokens == 0:
                     check_prompt(dec, r.prompt_ids)
@@ -330,8 +335,7 @@ def make_app(state: ServeState):
 
     @app.get("/v1/models")
     async def list_models():
-        # what a prompt and its answer may take: the cache less the draft rows a step adds
-        return _json_response(oa.models(served, int(state.started), dec.cache.max_seq - dec.capacity_needed(0, 0)))
+        return _json_response(oa.models(served, int(state.started), context))
 
     @app.api_route("/health", methods=["GET", "HEAD"])   # load balancers probe with HEAD
     async def health():
@@ -366,6 +370,27 @@ def make_app(state: ServeState):
         return _error("requests are running or waiting; the cache was not flushed", 400)
 
     return app
+
+
+def context_len(dec) -> int:
+    """The context length a request may use (``/v1/models``' ``max_model_len``): the cache slots less
+    the draft rows a step adds."""
+    return dec.cache.max_seq - dec.capacity_needed(0, 0)
+
+
+def check_context(prompt_len: int, max_new: int, context: int) -> None:
+    """SGLang's length checks of a request (``TokenizerManager._validate_one_request``, 0.5.23), with
+    its messages: a prompt of ``context`` tokens or more is refused whatever ``max_new`` is (0
+    included), and so is a prompt and ``max_new`` that add up to more than ``context``. InputError."""
+    hint = " (the context is --ctx less the draft rows a step adds; raise --ctx)"
+    if prompt_len >= context:
+        raise InputError(f"The input ({prompt_len} tokens) is longer than the model's context length ({context} "
+                         f"tokens).{hint}")
+    if prompt_len + max_new > context:
+        raise InputError(f"Requested token count exceeds the model's maximum context length of {context} tokens. "
+                         f"You requested a total of {prompt_len + max_new} tokens: {prompt_len} tokens from the "
+                         f"input messages and {max_new} tokens for the completion. Please reduce the number of "
+                         f"tokens in the input messages or the completion to fit within the limit.{hint}")
 
 
 def check_prompt(dec, ids: list[int]) -> None:

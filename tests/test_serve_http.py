@@ -424,13 +424,18 @@ def test_max_new_tokens_0_answers_empty_among_concurrent_requests(server_a, gree
         r = httpx.post(url + "/generate", json={**_gen([7, 8], 0), "rid": "score-me"}, timeout=30)
         assert r.status_code == 200 and r.json()["meta_info"]["id"] == "score-me"
 
-    # the prompt is checked as for any request: the context, the vocabulary; a negative count is refused
+    # the prompt is checked as for any request: the context (SGLang's rules and messages: a prompt of
+    # the context length or more is refused, 0 new tokens or not), the vocabulary; a negative count too
     room = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["max_model_len"]
-    assert httpx.post(url + "/generate", json=_gen([1] * room, 0), timeout=30).status_code == 200
+    assert httpx.post(url + "/generate", json=_gen([1] * (room - 1), 0), timeout=30).status_code == 200
     refused = _counts(url)['specpilot_rejected_requests_total{reason="bad_request"}']
-    cases = ((_gen([1] * (room + 1), 0), f"prompt ({room + 1} tokens) + 0 new tokens + draft rows need"),
-             ({**_gen([1] * (room + 1), 0), "stream": True}, "cache slots"),
-             (_gen([1] * (room + 1), 1), f"prompt ({room + 1} tokens) + 1 new tokens + draft rows need"),
+    too_long = f"The input ({room} tokens) is longer than the model's context length ({room} tokens)"
+    cases = ((_gen([1] * room, 0), too_long),
+             ({**_gen([1] * room, 0), "stream": True}, too_long),
+             ({"input_ids": [[1, 2], [1] * room], "sampling_params": {"max_new_tokens": 0}}, too_long),
+             (_gen([1] * (room + 1), 0), f"The input ({room + 1} tokens) is longer"),
+             (_gen([1] * (room - 1), 2), f"maximum context length of {room} tokens. You requested a total of "
+                                         f"{room + 1} tokens: {room - 1} tokens from the input messages and 2 tokens"),
              (_gen([1, 999], 0), "token id 999 is outside the vocabulary"),
              ({"input_ids": [[1, 2], [3, 999]], "sampling_params": {"max_new_tokens": 0}}, "999"),
              (_gen([1, 2], -1), "sampling_params.max_new_tokens must be an integer in [0, "))
@@ -866,7 +871,7 @@ def test_openai_chat_completions_use_the_chat_template(chat_model):
                            ({"messages": msgs, "prompt": "x"}, "unknown request fields: prompt"),
                            ({"messages": msgs, "max_tokens": -1}, "max_tokens must be an integer in [0, "),
                            ({"messages": [{"role": "user", "content": "long " * 100}], "max_tokens": 0},
-                            "+ 0 new tokens + draft rows need")]:
+                            "is longer than the model's context length")]:
             r = httpx.post(url + "/v1/chat/completions", json=bad, timeout=30)
             assert r.status_code == 400 and words in r.json()["error"]["message"], (bad, r.text)
         code, _ = s.stop()

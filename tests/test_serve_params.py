@@ -14,7 +14,7 @@ import pytest
 
 from specpilot.engine import openai_api as oa
 from specpilot.engine.http_api import BadRequest, parse_generate, parse_sampling
-from specpilot.engine.server import check_prompt
+from specpilot.engine.server import check_context, check_prompt
 from specpilot.errors import InputError
 
 
@@ -161,3 +161,21 @@ def test_a_0_token_request_counts_but_stays_out_of_the_latencies():
     assert m.finished["length"] == 2 and m.prompt_tokens == 5 and m.completion_tokens == 2
     assert m.e2e.count == 1 and m.samples["e2e"] == [1.0]
     assert m.ttft.count == 1 and m.queue.count == 1 and m.itl.count == 1
+
+
+def test_context_checks_are_sglangs():
+    """SGLang 0.5.23's ``_validate_one_request``: a prompt of the context length or more is refused,
+    whatever the new tokens (0 too); a prompt and its new tokens may fill the context, not pass it."""
+    check_context(99, 0, 100)
+    check_context(99, 1, 100)
+    check_context(60, 40, 100)
+    for n in (0, 1, 5):
+        with pytest.raises(InputError, match=r"^The input \(100 tokens\) is longer than the model's context length "
+                                             r"\(100 tokens\)\. \(.*raise --ctx\)$"):
+            check_context(100, n, 100)
+    with pytest.raises(InputError, match=r"^The input \(101 tokens\) is longer"):
+        check_context(101, 0, 100)
+    with pytest.raises(InputError, match=r"^Requested token count exceeds the model's maximum context length of 100 "
+                                         r"tokens\. You requested a total of 101 tokens: 60 tokens from the input "
+                                         r"messages and 41 tokens for the completion\. "):
+        check_context(60, 41, 100)
