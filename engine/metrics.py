@@ -94,7 +94,8 @@ class ServeMetrics:
                 self._sample("itl", gap)
             # a request for no token (max_new_tokens 0: a prompt scored or cached) is answered without
             # the engine in no time; it counts as a finished request, but its ~0 s would only pull the
-            # end-to-end percentiles of generating requests down
+            # end-to-end percentiles of generating requests down (SGLang 0.5.23 observes its latencies,
+            # but there it runs a prefill)
             if r.t_done is not None and r.max_new_tokens > 0:
                 self.e2e.observe(r.t_done - r.t_arrival)
                 self._sample("e2e", r.t_done - r.t_arrival)
