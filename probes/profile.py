@@ -99,6 +99,7 @@ class Profile:
     events: st.Spread | None = None  # kernels per step
     top: list[dict] = field(default_factory=list)  # the kernels taking the most time per step
     warnings: list[str] = field(default_factory=list)
+    distributed: dict | None = None   # the multi-GPU job the trace is one rank of (:func:`rank_of_job`)
 
     def to_json(self) -> dict[str, Any]:
         d = {
@@ -118,6 +119,7 @@ class Profile:
             "step_mode": self.step_mode,
             "step_detail": self.step_detail,
             "floor_source": self.floor_source,
+            "distributed": self.distributed,
             "spread": {"step_wall_ms": self.step_wall.as_dict(), "kernel_busy_ms": self.kernel_busy.as_dict(),
                        **({"events": self.events.as_dict()} if self.events else {})},
             "per_step": self.per_step,
@@ -297,6 +299,10 @@ def build_profile(agg: Aggregate, table: RuleTable, floors: Floors | None = None
     if kf is not None and at_peak and busy.median < at_peak:
         warnings.append("model/config mismatch: kernel busy time is below the byte floor at the GPU's full peak; "
                         "check --rows/--batch/--context and the model")
+    distributed = rank_of_job(agg, classes)
+    if distributed is not None and floors is not None:
+        distributed["floors"] = "whole model"
+        warnings.insert(0, whole_model_floors_warning(distributed))   # first: it may explain the mismatches
     # a whole-graph record is one event for a graph's many kernels: the kernel count says nothing then
     warnings += st.plausibility([] if whole_graphs else [s.events for s in steps], [s.busy_ns for s in steps],
                                 agg.annotations, [s.label for s in steps] if agg.step_mode == "range" else None)
@@ -312,7 +318,42 @@ def build_profile(agg: Aggregate, table: RuleTable, floors: Floors | None = None
                    outside_ms=outside, total_floor_ms=total_floor, kernel_factor=kf, outside_factor=of,
                    classes=classes, per_step=per_step, floor_source=(floors.source if floors else None), notes=notes,
                    explain=(explain(agg_kept, clf) if want_explain else None), events=events, top=top_rows,
-                   warnings=warnings)
+                   warnings=warnings, distributed=distributed)
+
+
+def rank_of_job(agg: Aggregate, classes: dict) -> dict | None:
+    """What shows the trace to be one rank of a multi-GPU job, or None: the trace's own word
+    (``Aggregate.distributed``: rank and world size, the group its collectives ran over, other GPUs'
+    kernels) and collectives in its steps (``collectives_ms`` per step). A trace that says it is
+    the only process (world size 1, no larger group) is not one, whatever it launched."""
+    d = dict(agg.distributed)
+    comm = classes.get("communication")
+    if comm is not None and comm.ms > 0:
+        d["collectives_ms"] = comm.ms
+    many = any((d.get(k) or 1) > 1 for k in ("world_size", "group_size", "gpus"))
+    alone = d.get("world_size") == 1 and (d.get("group_size") or 1) == 1 and (d.get("gpus") or 1) == 1
+    return d if many or (d.get("collectives_ms") and not alone) else None
+
+
+def whole_model_floors_warning(d: dict) -> str:
+    """The warning for floors set beside one rank's trace: the floors are the whole model's on one
+    GPU, and no rule here splits them by rank (which weights a tensor-parallel rank holds whole,
+    whether the KV heads split, how experts are placed), so they are not scaled."""
+    said = []
+    if d.get("world_size", 1) > 1:
+        said.append(f"rank {d['rank']} of {d['world_size']}" if "rank" in d else f"world size {d['world_size']}")
+    if d.get("group_size", 1) > 1:
+        said.append(f"collectives over {d['group_size']} ranks")
+    if d.get("gpus", 1) > 1:
+        said.append(f"kernels on {d['gpus']} GPUs")
+    if d.get("collectives_ms"):
+        said.append(f"{d['collectives_ms']:.4g} ms of collectives per step")
+    n = d.get("group_size") or d.get("world_size") or d.get("gpus")
+    by = f"{n}x" if n and n > 1 else "the tensor-parallel size"
+    return (f"the floors are the whole model's on one GPU, and this trace is one rank of a multi-GPU job "
+            f"({', '.join(said)}): a tensor-parallel rank reads only its shard of the weights and KV cache, which "
+            f"the floors do not split, so efficiencies read up to {by} high and the kernel factor up to {by} low "
+            "(mismatch flags may come from this); profile the ranks' traces side by side instead")
 
 
 def floors_from_model(model_spec, gpu_spec, rows: int, batch: int, context: int, weight_dtype: str = "bf16",

@@ -209,3 +209,42 @@ def test_ranks_of_one_multi_gpu_nsight_export(run_cli, tmp_path):
     assert [r["rank"] for r in d["ranks"]] == ["GPU 0", "GPU 1"]
     assert d["ranks"][1]["classes"]["attention"] > 0 and d["ranks"][0]["classes"]["attention"] == 0
     assert d["slowest"] == {"GPU 0": 4}
+
+
+def test_one_rank_with_floors_says_the_floors_are_the_whole_models(run_cli, tmp_path):
+    """One tensor-parallel rank's trace with --model: the floors are the whole model's (no rule here
+    splits them by rank), which the output and the JSON say, with what shows the trace to be a rank."""
+    step = llama_step(2) + [(AR, 40)]
+    rank = write_trace(tmp_path / "rank1.json.gz", [step] * 3, comm_nelems=4_000_000,
+                       header={"distributedInfo": {"backend": "nccl", "rank": 1, "world_size": 2}})
+    d = _json(run_cli, rank, "--model", "llama-3.1-8b")
+    assert d["distributed"] == {"rank": 1, "world_size": 2, "group_size": 2, "collectives_ms": pytest.approx(0.04),
+                                "floors": "whole model"}
+    assert d["warnings"][0].startswith("the floors are the whole model's on one GPU, and this trace is one rank of "
+                                       "a multi-GPU job (rank 1 of 2, collectives over 2 ranks, 0.04 ms of "
+                                       "collectives per step)") and "up to 2x high" in d["warnings"][0]
+    code, out, err = run_cli("profile", rank, "--model", "llama-3.1-8b", "--top", 0)
+    assert code == 0 and "warning: the floors are the whole model's on one GPU" in out, err
+    # no floors, nothing to warn of; a one-GPU trace with floors: neither
+    plain = _json(run_cli, rank)
+    assert plain["distributed"]["rank"] == 1 and "floors" not in plain["distributed"] and not plain["warnings"]
+    alone = _json(run_cli, write_trace(tmp_path / "one.json.gz", [llama_step(2)] * 3,
+                                       header={"distributedInfo": {"rank": 0, "world_size": 1}}), "--model", "llama-3.1-8b")
+    assert alone["distributed"] is None and not any("whole model" in w for w in alone["warnings"])
+
+
+def test_one_gpu_of_a_multi_gpu_nsight_export_with_floors_is_warned(run_cli, tmp_path):
+    import sqlite3
+
+    from synthetic_traces import SynthSpec, write_nsys_sqlite
+
+    p = write_nsys_sqlite(tmp_path / "two.sqlite", SynthSpec(steps=4, layers=1))
+    con = sqlite3.connect(p)
+    con.execute("INSERT INTO TARGET_INFO_GPU VALUES (0, 1, 'NVIDIA H200', 4814304000000, 132, 0, 0)")
+    con.execute("UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET deviceId = 1 WHERE demangledName IN "
+                "(SELECT id FROM StringIds WHERE value LIKE 'flash%')")
+    con.commit()
+    con.close()
+    d = _json(run_cli, p, "--device", 0, "--model", "llama-3.1-8b")
+    assert d["distributed"] == {"gpus": 2, "floors": "whole model"}
+    assert "(kernels on 2 GPUs)" in d["warnings"][0] and "up to 2x high" in d["warnings"][0]

@@ -218,6 +218,10 @@ class KinetoTrace:
         dist = self.header.get("distributedInfo")
         world = dist.get("world_size") if isinstance(dist, dict) and isinstance(dist.get("world_size"), int) else None
         self.rank = dist.get("rank") if isinstance(dist, dict) and isinstance(dist.get("rank"), int) else None
+        self.world_size = world
+        self.group_size = max((a["Group size"] for a, _ in comm_args.values()
+                               if isinstance(a.get("Group size"), int) and not isinstance(a["Group size"], bool)),
+                              default=None)
         self.comm_bytes = {ext: comm_bus_bytes(a, nm, world) for ext, (a, nm) in comm_args.items()}
         self.ranges = ranges
         if n_events == 0:
@@ -508,9 +512,11 @@ def aggregate_kineto(tr: KinetoTrace, req: StepRequest) -> Aggregate:
         return out
 
     version = str(tr.header.get("schemaVersion", "unknown"))
+    distributed = {k: v for k, v in (("rank", tr.rank), ("world_size", tr.world_size), ("group_size", tr.group_size),
+                                     ("gpus", len(present) if len(present) > 1 else None)) if v is not None}
     return Aggregate(path=tr.path, format="kineto", format_version=version, gpu=tr.gpu(), step_mode=mode,
                      step_detail=detail, steps=steps, groups=groups, total_events=int(n), notes=notes,
-                     locate_last=locate_last, orphans=orphans, annotations=annotations)
+                     locate_last=locate_last, orphans=orphans, annotations=annotations, distributed=distributed)
 
 
 def _assign(key: np.ndarray, intervals: list[tuple[int, int, int]]) -> np.ndarray:

@@ -106,6 +106,10 @@ class Aggregate:
     locate_last: Callable[[Callable[[str], bool]], dict[int, tuple]] | None = None
     orphans: tuple[int, int] = (0, 0)  # kernels left out because their launch lies outside the trace: count, ns
     annotations: dict[str, int] = field(default_factory=dict)  # range families (digits as N) -> count
+    # what the trace says of the multi-GPU job it may be one process of, where it says it: rank and
+    # world_size (Kineto distributedInfo), group_size (the largest group its collectives ran over),
+    # gpus (GPUs with kernels in the trace, when more than one)
+    distributed: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

@@ -1096,7 +1096,7 @@ def _aggregate(ex: NsysExport, req: StepRequest) -> Aggregate:
     return Aggregate(path=ex.path, format="nsys-sqlite", format_version=ex.schema_version, gpu=gpu,
                      step_mode=mode, step_detail=detail, steps=steps, groups=groups,
                      total_events=int(total_events), notes=notes, locate_last=locate_last,
-                     annotations=annotations)
+                     annotations=annotations, distributed={"gpus": len(devices)} if len(devices) > 1 else {})
 
 
 def _activity_sql(parts: list[Part], step, tag=None, keys: bool = True) -> str:
