@@ -49,3 +49,33 @@ def test_a_partial_outputs_file_an_earlier_run_kept_is_not_replaced(run_cli, pro
     code, out, err = run_cli("audit", TREE, "--against", STOCK, "--scorer", "tiny", "--prompts", prompts,
                              "--max-new-tokens", "4", "--save-outputs", saved)
     assert code == 2 and "not an outputs file this audit may replace" in err and kept.read_text() == "not json\n", err
+
+
+@pytest.fixture
+def selftest_args(monkeypatch):
+    """What ``audit selftest`` would run with (the run itself, on SmolLM2, is the slow suite's)."""
+    from specpilot.auditors import selftest
+    from specpilot.errors import InputError
+
+    seen = {}
+
+    def run_selftest(**kw):
+        seen.update(kw)
+        raise InputError("the self-test would run here")
+
+    monkeypatch.setattr(selftest, "run_selftest", run_selftest)
+    return seen
+
+
+def test_selftest_defaults_follow_a_small_n_prompts(run_cli, selftest_args):
+    """--n-prompts 2 alone runs: --repeats and --engine-prompts default to at most 2."""
+    code, out, err = run_cli("audit", "selftest", "--n-prompts", "2")
+    assert "the self-test would run here" in err, err
+    assert selftest_args["n_prompts"] == 2 and selftest_args["repeats"] == 2 and selftest_args["engine_prompts"] == 2
+
+
+def test_selftest_names_every_option_that_does_not_fit_n_prompts_at_once(run_cli, selftest_args):
+    code, out, err = run_cli("audit", "selftest", "--n-prompts", "2", "--repeats", "6", "--engine-prompts", "4",
+                             "--max-new-tokens", "0")
+    assert code == 2 and err.count("\n") == 1 and not selftest_args, err
+    assert "--repeats 6" in err and "--engine-prompts 4: choose 0..2" in err and "--max-new-tokens 0" in err, err

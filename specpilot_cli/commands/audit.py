@@ -457,13 +457,13 @@ def _check_resumable(already, prompts, max_new_tokens: int, save: str, system: s
               show_default=True, help="Built-in prompts to use (a count: --prompts FILE of the other verbs is a file).")
 @click.option("--max-new-tokens", type=int, default=32, show_default=True,
               help="New tokens per prompt of every system the self-test runs.")
-@click.option("--repeats", type=click.IntRange(1), default=6, show_default=True,
+@click.option("--repeats", type=click.IntRange(1), default=6, show_default="6, at most --n-prompts",
               help="Disjoint prompt subsets audited separately for the false-reject and detection rates.")
 @click.option("--biases", default="2,1,0.5,0.25,0.125", show_default=True,
               help="Logit biases of the defective system, largest first.")
 @click.option("--bias-fraction", type=click.FloatRange(0, 1, min_open=True), default=0.1, show_default=True,
               help="Fraction of the vocabulary whose logits get the bias.")
-@click.option("--engine-prompts", type=int, default=4, show_default=True,
+@click.option("--engine-prompts", type=int, default=4, show_default="4, at most --n-prompts",
               help="Prompts on which the embedded engine's chain and tree systems are run and audited (0: none).")
 @device_option("cpu, cuda or cuda:N (default: cuda when present).")
 @seed_option("the random prompts and biases")
@@ -479,7 +479,24 @@ def selftest_cmd(n_prompts, max_new_tokens, repeats, biases, bias_fraction, engi
     rejected or a lossless system is rejected on the full prompt set.
     """
     from specpilot.auditors.selftest import run_selftest
+    from specpilot.options import typed
 
+    given = typed("repeats", "engine_prompts")
+    # the defaults follow a smaller --n-prompts; values typed that do not fit it are all named at once
+    if "--repeats" not in given:
+        repeats = min(repeats, n_prompts)
+    if "--engine-prompts" not in given:
+        engine_prompts = min(engine_prompts, n_prompts)
+    wrong = []
+    if n_prompts // repeats < 1:
+        wrong.append(f"--repeats {repeats}: need at least one prompt per repeat (choose 1..{n_prompts} for "
+                     f"--n-prompts {n_prompts})")
+    if not 0 <= engine_prompts <= n_prompts:
+        wrong.append(f"--engine-prompts {engine_prompts}: choose 0..{n_prompts} (of the --n-prompts)")
+    if max_new_tokens < 1:
+        wrong.append(f"--max-new-tokens {max_new_tokens}: must be at least 1")
+    if wrong:
+        raise InputError("; ".join(wrong))
     bias_list = _float_list(biases, "--biases")
     res = run_selftest(n_prompts=n_prompts, max_new_tokens=max_new_tokens, repeats=repeats, biases=bias_list,
                        bias_fraction=bias_fraction, engine_prompts=engine_prompts, device=device, seed=seed,
