@@ -120,6 +120,13 @@ def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, tokenizer
         raise InputError("give exactly one of --candidate SYSTEM and --candidate-cmd CMD")
     if (base_cmd is None) != (candidate_cmd is None):
         raise InputError("compare like with like: two shell commands, or two systems")
+    if base_cmd is not None:   # what engines and servers are sent; a shell command's work is its own
+        idle = typed("max_new_tokens", "prompts", "tokenizer")
+        if idle:
+            raise InputError(f"{', '.join(idle)} {'sets' if len(idle) == 1 else 'set'} what engines and servers "
+                             "(--base/--candidate) are sent; a shell command does its own work, so "
+                             f"{'it' if len(idle) == 1 else 'they'} would change nothing: give the limit or the "
+                             "request set in --base-cmd and --candidate-cmd")
     if noise is not None and not 0 <= noise < 1:
         raise InputError(f"--noise {noise}: a fraction in [0, 1), e.g. 0.001 for 0.1%")
     # only the auto plan uses --max-runs: an odd cap beside a fixed --runs is not an error
