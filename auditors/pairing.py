@@ -159,6 +159,16 @@ def _kill(p: subprocess.Popen) -> None:
     signals.end(p)
 
 
+def check_metric(key: str) -> None:
+    """InputError for a --metric that no command's output can carry: empty, or a dotted path with
+    an empty part (``a..b``). Checked before any command runs."""
+    if not key or not key.strip():
+        raise InputError(f"--metric {key!r}: empty; give 'wall' to time each run, or the key of the throughput "
+                         "the commands print as JSON on their last stdout line (e.g. tokens_per_s)")
+    if any(not part.strip() for part in key.split(".")):
+        raise InputError(f"--metric {key!r}: an empty key in the dotted path (a.b reaches into nested objects)")
+
+
 def _metric_from_stdout(out: str, key: str, where: str) -> float:
     lines = [ln for ln in (out or "").splitlines() if ln.strip()]
     if not lines:

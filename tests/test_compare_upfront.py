@@ -24,3 +24,13 @@ def test_shell_commands_refuse_the_options_of_engines(run_cli, tmp_path, args, n
     """--max-new-tokens (even at its default value) does nothing to a shell command: refused."""
     err = _refused_before_running(run_cli, tmp_path, *args)
     assert named in err and "would change nothing" in err, err
+
+
+@pytest.mark.parametrize("metric, words", [
+    ("", "--metric '': empty"),
+    ("  ", "empty"),
+    ("stats..tps", "an empty key in the dotted path"),
+])
+def test_a_metric_no_output_can_carry_is_refused_before_the_base_runs(run_cli, tmp_path, metric, words):
+    err = _refused_before_running(run_cli, tmp_path, "--metric", metric)
+    assert words in err, err

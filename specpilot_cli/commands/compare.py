@@ -92,7 +92,8 @@ def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, tokenizer
       specpilot compare --from timing.json --changes-output     # re-judge stored samples
       specpilot compare --base-cmd ... --candidate-cmd ... --resume specpilot-compare.partial.json
     """
-    from specpilot.auditors.pairing import PairRun, RunTimeout, even_pairs, make_system, paired_compare, parse_gpus
+    from specpilot.auditors.pairing import (PairRun, RunTimeout, check_metric, even_pairs, make_system,
+                                           paired_compare, parse_gpus)
     from specpilot.auditors.timing import (check_partial_workload, partial_doc, partial_samples, read_partial,
                                           workload_of)
     from specpilot.errors import InputError
@@ -120,6 +121,10 @@ def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, tokenizer
         raise InputError("give exactly one of --candidate SYSTEM and --candidate-cmd CMD")
     if (base_cmd is None) != (candidate_cmd is None):
         raise InputError("compare like with like: two shell commands, or two systems")
+    if base_cmd is not None:   # a --metric no output can carry is refused before any run
+        check_metric(metric)
+    elif metric != "wall":
+        raise InputError("--metric applies to shell commands; engines and servers are timed in tokens/s")
     if base_cmd is not None:   # what engines and servers are sent; a shell command's work is its own
         idle = typed("max_new_tokens", "prompts", "tokenizer")
         if idle:
