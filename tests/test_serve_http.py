@@ -208,7 +208,7 @@ BAD_BODIES = [
     (b'{"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1e400}}', "overflows"),
     (b'{"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1' + b"0" * 5000 + b'}}', "number"),
     (b'{"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 100000000000000000000000}}', "max_new_tokens"),
-    (b'{"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 100000}}', "cache slots"),
+    (b'{"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 100000}}', "You requested a total of 100002 tokens"),
     (b'{"input_ids": [1, 2], "sampling_params": "fast"}', "sampling_params"),
     (b'{"input_ids": [1, 2], "sampling_params": {"stop": [1]}}', "stop"),
     (b'{"input_ids": [1, 2], "stream": "yes"}', "stream"),
