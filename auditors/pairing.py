@@ -240,6 +240,12 @@ class GenerateSystem(System):
         self.gen.close()
 
 
+def recorded_as(spec: str | None, cmd: str | None, metric: str) -> tuple[str, str]:
+    """The label and metric that the system :func:`make_system` makes of these options records in
+    a timing file (what a resumed partial file is checked against), without starting it."""
+    return (cmd, metric) if cmd is not None else (spec, "throughput")
+
+
 def make_system(spec: str | None, cmd: str | None, role: str, *, metric: str, timeout: float | RunTimeout | None,
                 prompts=None, max_new_tokens: int = 128, concurrency: int = 1) -> System:
     """A shell system (``timeout``: seconds or a :class:`RunTimeout` shared with the other

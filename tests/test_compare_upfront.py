@@ -34,3 +34,35 @@ def test_shell_commands_refuse_the_options_of_engines(run_cli, tmp_path, args, n
 def test_a_metric_no_output_can_carry_is_refused_before_the_base_runs(run_cli, tmp_path, metric, words):
     err = _refused_before_running(run_cli, tmp_path, "--metric", metric)
     assert words in err, err
+
+
+def _partial(base, candidate, metric, workload=None):
+    samples = [{"pair": i, "block": 0, "base": 100.0, "candidate": 110.0, "order": o} for i, o in enumerate(("AB", "BA"))]
+    return {"schema": "specpilot.timing-partial/1", "base": base, "candidate": candidate, "metric": metric,
+            "unit": "tok/s", "higher_is_better": True, "schedule": "ABBA", "runs": 2, "samples": samples,
+            "aa": [{"block": 0, "first": 100.0, "second": 100.0}], "workload": workload}
+
+
+def test_a_resume_of_other_systems_is_refused_before_either_model_loads(run_cli, tmp_path):
+    import json
+
+    from specpilot.auditors.outputs import read_prompts_tokenized
+    from specpilot.auditors.timing import workload_of
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"schema": "specpilot.prompts/1", "id": 0, "prompt_ids": [1, 2, 3]}) + "\n")
+    base, cand = "engine:model=tiny,mode=ar", "engine:model=tiny,mode=chain"
+    common = ("compare", "--base", base, "--candidate", cand, "--prompts", prompts, "--max-new-tokens", "4",
+              "--runs", "2", "--warmup", "0")
+    part = tmp_path / "shell.partial.json"
+    part.write_text(json.dumps(_partial("sleep 1", "sleep 2", "wall")))
+    before = part.read_text()
+    code, out, err = run_cli(*common, "--resume", part)
+    assert code == 2 and err.count("\n") == 1 and "not of these systems" in err, err
+    assert "loading model" not in err and part.read_text() == before
+    # the same systems' samples resume (the check reads what the systems record, before they start)
+    mine = tmp_path / "mine.partial.json"
+    mine.write_text(json.dumps(_partial(base, cand, "throughput", workload_of(read_prompts_tokenized(prompts, "tiny"),
+                                                                             4, 1))))
+    code, out, err = run_cli(*common, "--resume", mine, "--format", "json")
+    assert code in (0, 1) and json.loads(out)["runs"] == 2, err

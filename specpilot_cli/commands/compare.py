@@ -93,7 +93,7 @@ def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, tokenizer
       specpilot compare --base-cmd ... --candidate-cmd ... --resume specpilot-compare.partial.json
     """
     from specpilot.auditors.pairing import (PairRun, RunTimeout, check_metric, even_pairs, make_system,
-                                           paired_compare, parse_gpus)
+                                           paired_compare, parse_gpus, recorded_as)
     from specpilot.auditors.timing import (check_partial_workload, partial_doc, partial_samples, read_partial,
                                           workload_of)
     from specpilot.errors import InputError
@@ -170,6 +170,7 @@ def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, tokenizer
     if concurrency > 1 and base_cmd is not None:
         raise InputError("--concurrency applies to servers (--base/--candidate http://...)")
     workload = workload_of(prompt_rows, max_new_tokens, concurrency)
+    schedule = f"GPU swap on {gpu_pair[0]},{gpu_pair[1]}" if gpu_pair else "ABBA"
     if resume_file:   # refused before any system starts: the file says how many pairs it holds
         held = partial_samples(resume_file)
         cap, option = (runs, "--runs") if runs is not None else (max_runs, "--max-runs")
@@ -177,6 +178,11 @@ def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, tokenizer
             raise InputError(f"--resume {resume_file}: it already holds {held} paired samples, more than "
                              f"{option} {cap}; resume with {option} {held} or more")
         check_partial_workload(resume_file, workload)
+        # and of these systems: checked before either one starts (an engine's model loads for seconds)
+        (base_label, metric_label), (cand_label, _) = (recorded_as(base, base_cmd, metric),
+                                                       recorded_as(candidate, candidate_cmd, metric))
+        resumed = read_partial(resume_file, base=base_label, candidate=cand_label, metric=metric_label,
+                               schedule=schedule)
     keeper = StateKeeper(partial_file or resume_file or _default_partial(out), "--partial",
                          what=lambda doc: f"{doc['runs']} paired samples", resuming=resume_file)
     keeper.check({"--out": out})
@@ -190,14 +196,9 @@ def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, tokenizer
         a.close()
         raise
     inputs = [p for p in [prompts, resume_file] if p]
-    schedule = f"GPU swap on {gpu_pair[0]},{gpu_pair[1]}" if gpu_pair else "ABBA"
     bar = progress(total=runs or 8, desc="paired runs", unit="pair")
     try:
-        prior = None
-        if resume_file:
-            samples, aa = read_partial(resume_file, base=a.label, candidate=b.label, metric=a.metric,
-                                       schedule=schedule)
-            prior = PairRun(samples, aa)
+        prior = PairRun(*resumed) if resume_file else None
 
         def keep(run):
             keeper.save(partial_doc(a.label, b.label, a.metric, a.unit, a.higher_is_better, schedule, run.samples,
