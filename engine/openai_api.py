@@ -236,18 +236,29 @@ def response(call: OpenAICall, answers: list[dict]) -> dict:
             "choices": choices, "usage": total}
 
 
-def chunk(call: OpenAICall, text: str | None, reason: str | None, first: bool = False,
-          counts: tuple[int, int] | None = None) -> dict:
+def chunk(call: OpenAICall, text: str | None, reason: str | None, counts: tuple[int, int] | None = None) -> dict:
     """One streamed event: the new text (a delta), the finish reason on the last, and with
-    ``counts`` (prompt, completion tokens so far) the usage so far."""
+    ``counts`` (prompt, completion tokens so far) the usage so far. A chat stream's first event is
+    :func:`role_chunk`; these carry no role."""
     if call.chat:
-        delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
+        delta = {"content": text} if text else {}
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
         obj = "chat.completion.chunk"
     else:
         choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
         obj = "text_completion"
     out = {"id": call.response_id, "object": obj, "created": call.created, "model": call.model, "choices": [choice]}
+    if counts is not None:
+        out["usage"] = usage(*counts)
+    return out
+
+
+def role_chunk(call: OpenAICall, counts: tuple[int, int] | None = None) -> dict:
+    """A chat stream's first event, as OpenAI and SGLang send it: ``delta: {"role": "assistant",
+    "content": ""}``, no finish reason; the content follows in the events after it."""
+    choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+    out = {"id": call.response_id, "object": "chat.completion.chunk", "created": call.created, "model": call.model,
+           "choices": [choice]}
     if counts is not None:
         out["usage"] = usage(*counts)
     return out

@@ -456,7 +456,8 @@ async def _stream(state: ServeState, r: Request, sp: Sampling, updates: asyncio.
 
 
 async def _stream_openai(state: ServeState, r: Request, sp: Sampling, updates: asyncio.Queue, call):
-    """OpenAI's streaming answer: each event carries the text added since the last (a delta). Text
+    """OpenAI's streaming answer: each event carries the text added since the last (a delta); a chat
+    stream's first event is the role alone (``delta: {"role": "assistant", "content": ""}``). Text
     that may be the start of a stop string, or a character whose bytes have not all come, is held
     back until the next step shows what it is: a delta once sent cannot be taken back."""
     eng = state.engine
@@ -467,6 +468,10 @@ async def _stream_openai(state: ServeState, r: Request, sp: Sampling, updates: a
             _, fin = await updates.get()
             while not updates.empty() and not fin:
                 _, fin = updates.get_nowait()
+            if first and call.chat:   # the role alone first (OpenAI's, SGLang's), when the first update comes
+                counts = (len(r.prompt_ids), 0) if call.continuous_usage else None
+                yield b"data: " + json.dumps(oa.role_chunk(call, counts)).encode() + b"\n\n"
+                first = False
             if fin:
                 if r.finish and r.finish["type"] == "abort":
                     text, reason = "", "abort"
@@ -489,7 +494,7 @@ async def _stream_openai(state: ServeState, r: Request, sp: Sampling, updates: a
             if text or first or fin or (call.continuous_usage and len(r.output) > tokens):
                 sent, tokens = sent + text, len(r.output)
                 counts = (len(r.prompt_ids), tokens) if call.continuous_usage else None
-                yield b"data: " + json.dumps(oa.chunk(call, text, reason, first, counts)).encode() + b"\n\n"
+                yield b"data: " + json.dumps(oa.chunk(call, text, reason, counts)).encode() + b"\n\n"
                 first = False
             if fin:
                 break

@@ -835,10 +835,12 @@ def test_openai_chat_completions_use_the_chat_template(chat_model):
         r2 = httpx.post(url + "/v1/chat/completions", json={"messages": parts, "max_completion_tokens": 10},
                         timeout=60).json()
         assert r2["choices"][0]["message"]["content"] == want
-        # streamed: the role first, then content deltas that add up to the answer
+        # streamed: the role alone first (OpenAI's, SGLang's), then content deltas that add up to the answer
         ev = _events(httpx.post(url + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 10,
                                                                      "stream": True}, timeout=60))
-        assert ev[0]["choices"][0]["delta"]["role"] == "assistant"
+        assert ev[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert ev[0]["choices"][0]["finish_reason"] is None
+        assert all("role" not in e["choices"][0]["delta"] for e in ev[1:])
         assert all(e["object"] == "chat.completion.chunk" for e in ev)
         assert "".join(e["choices"][0]["delta"].get("content", "") for e in ev) == want
         assert ev[-1]["choices"][0]["finish_reason"] == "length"
@@ -856,9 +858,11 @@ def test_openai_chat_completions_use_the_chat_template(chat_model):
         ev = _events(httpx.post(url + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 0, "stream": True,
                                                                      "stream_options": {"include_usage": True}},
                                 timeout=30))
-        assert len(ev) == 2 and ev[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-        assert ev[0]["choices"][0]["finish_reason"] == "length" and ev[1]["choices"] == []
-        assert ev[1]["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
+        assert len(ev) == 3 and ev[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert ev[0]["choices"][0]["finish_reason"] is None
+        assert ev[1]["choices"][0]["delta"] == {} and ev[1]["choices"][0]["finish_reason"] == "length"
+        assert ev[2]["choices"] == []
+        assert ev[2]["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
         for bad, words in [({"messages": [{"role": "robot", "content": "x"}]}, "role among"),
                            ({"messages": [{"role": "user", "content": 3}]}, "content must be a string"),
                            ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "unsupported fields"),

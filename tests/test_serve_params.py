@@ -105,9 +105,71 @@ def test_an_empty_chat_answer_and_its_stream_chunk():
     assert body["choices"][0]["message"] == {"role": "assistant", "content": ""}
     assert body["choices"][0]["finish_reason"] == "length"
     assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 0, "total_tokens": 2}
-    chunk = oa.chunk(call, "", "length", first=True)
-    assert chunk["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-    assert chunk["choices"][0]["finish_reason"] == "length"
+    # a chat stream: the role alone first (OpenAI's, SGLang's), then deltas without it
+    role = oa.role_chunk(call)
+    assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert role["choices"][0]["finish_reason"] is None and role["object"] == "chat.completion.chunk"
+    assert "usage" not in role and oa.role_chunk(call, (2, 0))["usage"]["completion_tokens"] == 0
+    chunk = oa.chunk(call, "", "length")
+    assert chunk["choices"][0]["delta"] == {} and chunk["choices"][0]["finish_reason"] == "length"
+    assert oa.chunk(call, "hi", None)["choices"][0]["delta"] == {"content": "hi"}
+
+
+def _chat_app():
+    """The tiny model's server in process, given a chat template (its messages' text as bytes)."""
+    from specpilot.engine.api import load_engine
+    from specpilot.engine.server import ServeOptions, ServeState, make_app
+
+    eng = load_engine("engine:model=tiny,mode=ar,threads=1,batch=2")
+    eng.__class__ = type("ChatTiny", (type(eng),), {
+        "has_chat_template": True,
+        "encode_messages": lambda self, msgs: list("".join(m["content"] for m in msgs).encode())})
+    state = ServeState(eng, eng.batch_decoder(), ServeOptions())
+    return eng, state, make_app(state)
+
+
+def test_a_chat_stream_sends_the_role_alone_first():
+    """OpenAI's and SGLang's chat stream: a first event ``delta: {"role": "assistant", "content": ""}``,
+    then content deltas without the role that add up to the answer, the finish reason on the last."""
+    import asyncio
+    import json
+
+    import httpx
+
+    eng, state, app = _chat_app()
+    want = eng.decode(eng.generate(list(b"hello"), 6).output_ids)
+    state.start_engine()
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://serve") as c:
+            out = []
+            for body in ({"max_tokens": 6}, {"max_tokens": 0, "stream_options": {"include_usage": True}},
+                         {"max_tokens": 6, "stream_options": {"continuous_usage_stats": True}}):
+                r = await c.post("/v1/chat/completions", timeout=60, json={
+                    "messages": [{"role": "user", "content": "hello"}], "stream": True, **body})
+                assert r.status_code == 200, r.text
+                lines = [ln for ln in r.text.split("\n\n") if ln]
+                assert lines[-1] == "data: [DONE]"
+                out.append([json.loads(ln[6:]) for ln in lines[:-1]])
+            return out
+
+    try:
+        full, empty, usage = asyncio.run(main())
+    finally:
+        state.join_engine()
+    for ev in (full, empty, usage):
+        assert ev[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert ev[0]["choices"][0]["finish_reason"] is None
+        assert all("role" not in e["choices"][0]["delta"] for e in ev[1:] if e["choices"])
+    assert len(full) >= 2 and "".join(e["choices"][0]["delta"].get("content", "") for e in full) == want
+    assert full[-1]["choices"][0]["finish_reason"] == "length"
+    # max_tokens 0: the role, the finish reason with an empty delta, the usage
+    assert [e["choices"][0]["delta"] for e in empty[:2]] == [{"role": "assistant", "content": ""}, {}]
+    assert empty[1]["choices"][0]["finish_reason"] == "length" and empty[2]["choices"] == []
+    assert empty[2]["usage"] == {"prompt_tokens": 5, "completion_tokens": 0, "total_tokens": 5}
+    # continuous usage: the role's event says 0 tokens so far
+    assert usage[0]["usage"] == {"prompt_tokens": 5, "completion_tokens": 0, "total_tokens": 5}
+    assert usage[-1]["usage"]["completion_tokens"] == 6
 
 
 def test_a_slow_prompt_to_tokenize_does_not_hold_up_other_clients():
