@@ -298,6 +298,10 @@ def test_check_without_timing_samples_needs_no_timing(tiny_round, run_cli, tmp_p
     assert code == 2 and "holds no timing samples" in err and "--no-timing" in err, err
     code, _, err = run_cli("check", "--baseline", tmp_path, "--no-timing", "--no-audit")
     assert code == 2 and "leave nothing to check" in err, err
+    doc["samples"] = [123.4]   # one sample: said as one, not as none
+    (tmp_path / "baseline.json").write_text(json.dumps(doc))
+    code, _, err = run_cli("check", "--baseline", tmp_path, "--runs", "2")
+    assert code == 2 and "holds 1 timing sample" in err and "at least 2" in err and err.count("\n") == 1, err
     code, out, err = run_cli("check", "--baseline", tmp_path, "--no-timing", "--format", "json")
     assert code == 0 and json.loads(out)["timing"] == "not judged" and json.loads(out)["fresh"] == [], err
 

@@ -124,8 +124,10 @@ def run_check(baseline: dict, *, system: str | None = None, runs: int | None = N
     if not audit and not timing:
         raise InputError("--no-audit and --no-timing leave nothing to check")
     if timing and not timed:   # a gate that passes on half its check must be asked for
-        raise InputError(f"{baseline['_path']}: the baseline holds no timing samples (its round timed no candidate); "
-                         "give --no-timing to audit only, or run the round with a larger --budget")
+        held = ("holds 1 timing sample, and a timing check needs at least 2" if ref and len(ref) == 1
+                else "holds no timing samples (its round timed no candidate)")
+        raise InputError(f"{baseline['_path']}: the baseline {held}; give --no-timing to audit only, or run the "
+                         "round with a larger --budget")
     if audit and not scorer and not baseline.get("stock"):
         raise InputError(f"{baseline['_path']}: baseline lacks 'stock' (the engine whose target scores the "
                          "audit); give --scorer MODEL")
