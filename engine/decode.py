@@ -19,6 +19,7 @@ import torch
 
 from specpilot.engine.drafters import Lattice
 from specpilot.engine.model import StepInput, Transformer
+from specpilot.engine.spec import cache_room, request_rows
 from specpilot.errors import InputError
 from specpilot.kernels import tree as treelib
 from specpilot.kernels.gdn.path import row_paths
@@ -178,10 +179,10 @@ class Decoder:
 
     def verify_rows(self) -> int:
         """The most rows a verification pass of this mode feeds (the pending token included)."""
-        return 1 + (self.nodes if self.mode == "tree" else self.depth if self.mode == "chain" else 0)
+        return request_rows(self.mode, self.nodes, self.depth)
 
     def capacity_needed(self, prompt_len: int, max_new: int) -> int:
-        return prompt_len + max_new + self.verify_rows() + self.depth + 2
+        return prompt_len + max_new + cache_room(self.mode, self.nodes, self.depth)
 
     @torch.no_grad()
     def prefill(self, prompt_ids: list[int]) -> int:

@@ -41,6 +41,23 @@ TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
 
 
+def request_rows(mode: str, nodes: int, depth: int, shared_cap: int = 1) -> int:
+    """The most rows one request feeds a verification pass of ``mode``: the pending token and its
+    draft (a chain's ``depth``, a tree's ``nodes``, ``shared_cap`` times them where a batched step
+    shares one budget, a TLV tree's nodes and C's bonus token)."""
+    if mode == "tree":
+        return 1 + shared_cap * nodes
+    if mode == "tlv":   # C can be the whole draft tree plus its bonus token
+        return 1 + nodes + 1
+    return 1 + (depth if mode == "chain" else 0)
+
+
+def cache_room(mode: str, nodes: int, depth: int, shared_cap: int = 1) -> int:
+    """Cache slots a request takes past its prompt and new tokens, as the decoders reserve them:
+    its most verify rows (:func:`request_rows`), the draft depth and two."""
+    return request_rows(mode, nodes, depth, shared_cap) + depth + 2
+
+
 def option(default, help: str, *, choices: tuple | None = None, range: tuple[int, int] | None = None,
            label: str | None = None, flag: str | None = None, default_text: str | None = None):
     """A spec field with what the flags and the parser need: ``help`` (the flag's help text),
@@ -270,19 +287,13 @@ class EngineSpec:
             object.__setattr__(self, k, defaults[k])
 
     def cache_room(self) -> int:
-        """Cache slots a request of this engine takes past its prompt and new tokens, as its decoder
-        reserves them (``capacity_needed``): its most verify rows (the pending token and its draft: a
-        chain's depth, a tree's nodes, up to ``SHARED_CAP`` times them in a shared batched budget, a
-        TLV tree's nodes and C's bonus token), the draft depth and two."""
+        """Cache slots a request of this engine takes past its prompt and new tokens
+        (:func:`cache_room`; a shared batched budget lets a request's tree grow to ``SHARED_CAP``
+        times the nodes)."""
         from specpilot.engine.batch.rules import SHARED_CAP
 
-        if self.mode == "tree":
-            rows = 1 + (SHARED_CAP * self.nodes if self.batch > 1 and self.budget == "shared" else self.nodes)
-        elif self.mode == "tlv":
-            rows = 1 + self.nodes + 1
-        else:
-            rows = 1 + (self.depth if self.mode == "chain" else 0)
-        return rows + self.depth + 2
+        shared = SHARED_CAP if self.batch > 1 and self.budget == "shared" else 1
+        return cache_room(self.mode, self.nodes, self.depth, shared)
 
     def _rule_acts(self, key: str) -> bool:
         """Whether batching rule ``key`` acts: batch above 1, and for budget and block a chain or tree mode."""

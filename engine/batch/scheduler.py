@@ -44,6 +44,7 @@ from specpilot.engine.batch.requests import Request
 from specpilot.engine.batch.step import Rows, assemble, fits_mixed, prefill_rows, verify_rows
 from specpilot.engine.decode import GenerationResult, check_request
 from specpilot.engine.drafters import Lattice
+from specpilot.engine.spec import cache_room, request_rows
 from specpilot.engine.metrics import STEP_BUCKETS, Histogram
 from specpilot.engine.tlv import TLVStats
 from specpilot.errors import InputError
@@ -139,14 +140,14 @@ class BatchDecoder:
     @property
     def rows_per_request(self) -> int:
         """Most rows one request puts into a verify step."""
-        if self.mode == "tree":
-            return 1 + (rules.SHARED_CAP * self.nodes if self.budget == "shared" else self.nodes)
-        if self.mode == "tlv":   # C can be the whole draft tree plus its bonus token
-            return 1 + self.nodes + 1
-        return 1 + (self.depth if self.mode == "chain" else 0)
+        return request_rows(self.mode, self.nodes, self.depth, self._shared_cap)
+
+    @property
+    def _shared_cap(self) -> int:
+        return rules.SHARED_CAP if self.budget == "shared" else 1
 
     def capacity_needed(self, prompt_len: int, max_new: int) -> int:
-        return prompt_len + max_new + self.rows_per_request + self.depth + 2
+        return prompt_len + max_new + cache_room(self.mode, self.nodes, self.depth, self._shared_cap)
 
     def check(self, req: Request) -> None:
         """Refuse a request the engine cannot run (InputError)."""
