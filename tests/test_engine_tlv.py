@@ -115,14 +115,18 @@ def test_truncation_keeps_the_tree_prefix_closed_and_attach_hangs_it_under_the_c
     assert T.attach([], T.truncate(full, 3)) == T.truncate(full, 3)
 
 
-def test_w12_target_takes_the_q_view_from_its_records():
+@pytest.mark.parametrize("model", ["tiny", "tiny-hybrid"])
+def test_w12_target_takes_the_q_view_from_its_records(model):
+    """A W12 target (a hybrid's GDN and gated layers too): the Q pass's view is its records' 8-bit
+    part, and the output is W12 AR's."""
     from specpilot.kernels.w12 import decode, encode
 
-    e = load_engine(f"engine:model=tiny,mode=tlv,w12=1,nodes=6,depth=3,topk=2,ctx={CTX}")
+    e = load_engine(f"engine:model={model},mode=tlv,w12=1,nodes=6,depth=3,topk=2,ctx={CTX}")
     lin, qw = e.decoder.qview.pairs[0]
     assert qw.dtype == torch.bfloat16
     assert torch.equal(qw, decode(encode(lin.weight.detach()), qpass=True))
-    assert len(e.generate(PROMPT, 8).output_ids) == 8
+    ref = load_engine(f"engine:model={model},mode=ar,w12=1,ctx={CTX}").generate(PROMPT, 8).output_ids
+    assert e.generate(PROMPT, 8).output_ids == ref
 
 
 def test_run_tlv_reports_tau_agreement_chain_and_time_split(run_cli):
