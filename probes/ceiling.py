@@ -96,6 +96,7 @@ class ProfileFigures:
     step_wall_ms: float
     total_floor_ms: float | None = None  # None when the profile had no (positive) floor
     rows: int | None = None  # the profiled shape's rows per request
+    distributed: dict | None = None  # the profile's ``distributed``: what shows the trace is one rank of several
 
 
 @dataclass
@@ -386,7 +387,28 @@ def compute_ceiling(req: CeilingRequest) -> CeilingResult:
                 if cost is not None and req.replay else None)
     if mismatch:
         res.warnings.append(mismatch)
+    rank = one_rank_profile(req.profile, m) if cost is not None and cost.factors.get("kernel") is not None else None
+    if rank:
+        res.warnings.insert(0, rank)   # first, as profile puts it: it may explain the kernel factor's notes
     return res
+
+
+def one_rank_profile(p: ProfileFigures | None, m: Measurements) -> str | None:
+    """The warning for a kernel factor of one rank's profile against a floor of the whole model
+    (the profile's own floors or ``--model``'s: neither is split by rank, and neither is scaled
+    here), or None when the profile is not a rank's or gave neither side of the factor."""
+    if p is None or not p.distributed:
+        return None
+    mine = f"profile {p.source}"
+    if mine not in (m.sources.get("profile_ms"), m.sources.get("floor_ms")):
+        return None
+    from .profile import rank_evidence
+
+    said, by = rank_evidence(p.distributed)
+    floor = "the profile's own" if m.sources.get("floor_ms") == mine else m.sources.get("floor_ms")
+    return (f"--profile {p.source} is one rank's trace of a multi-GPU job ({said}), and the floor beside it "
+            f"({floor}) is the whole model's on one GPU, not split by rank and not scaled here: the kernel factor "
+            f"reads up to {by} low and the ceiling with it")
 
 
 def largest_factor_line(largest: str | None, factors: dict[str, float | None], name=str) -> str | None:

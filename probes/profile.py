@@ -335,10 +335,9 @@ def rank_of_job(agg: Aggregate, classes: dict) -> dict | None:
     return d if many or (d.get("collectives_ms") and not alone) else None
 
 
-def whole_model_floors_warning(d: dict) -> str:
-    """The warning for floors set beside one rank's trace: the floors are the whole model's on one
-    GPU, and no rule here splits them by rank (which weights a tensor-parallel rank holds whole,
-    whether the KV heads split, how experts are placed), so they are not scaled."""
+def rank_evidence(d: dict) -> tuple[str, str]:
+    """What shows a trace to be one rank (``Profile.distributed``, as :func:`rank_of_job` gives it),
+    in words, and how far that puts floor-based figures off: ``("rank 1 of 2, ...", "2x")``."""
     said = []
     if d.get("world_size", 1) > 1:
         said.append(f"rank {d['rank']} of {d['world_size']}" if "rank" in d else f"world size {d['world_size']}")
@@ -350,8 +349,16 @@ def whole_model_floors_warning(d: dict) -> str:
         said.append(f"{d['collectives_ms']:.4g} ms of collectives per step")
     n = d.get("group_size") or d.get("world_size") or d.get("gpus")
     by = f"{n}x" if n and n > 1 else "the tensor-parallel size"
+    return ", ".join(said), by
+
+
+def whole_model_floors_warning(d: dict) -> str:
+    """The warning for floors set beside one rank's trace: the floors are the whole model's on one
+    GPU, and no rule here splits them by rank (which weights a tensor-parallel rank holds whole,
+    whether the KV heads split, how experts are placed), so they are not scaled."""
+    said, by = rank_evidence(d)
     return (f"the floors are the whole model's on one GPU, and this trace is one rank of a multi-GPU job "
-            f"({', '.join(said)}): a tensor-parallel rank reads only its shard of the weights and KV cache, which "
+            f"({said}): a tensor-parallel rank reads only its shard of the weights and KV cache, which "
             f"the floors do not split, so efficiencies read up to {by} high and the kernel factor up to {by} low "
             "(mismatch flags may come from this); profile the ranks' traces side by side instead")
 

@@ -32,10 +32,19 @@ def read_profile(path: str) -> ProfileFigures:
     rows = shape.get("rows") if isinstance(shape, dict) else None
     if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or not 1 <= rows <= MAX_ROWS):
         raise InputError(f"{path}: profile's shape 'rows' must be a whole number in [1, {MAX_ROWS}]")
+    dist = doc.get("distributed")   # absent in profiles written before it was recorded
+    if dist is not None:
+        counts = ("rank", "world_size", "group_size", "gpus")
+        if (not isinstance(dist, dict)
+                or not all(isinstance(dist[k], int) and not isinstance(dist[k], bool) and 0 <= dist[k] <= 2 ** 31
+                           for k in counts if k in dist)
+                or ("collectives_ms" in dist and not _finite(dist["collectives_ms"], 0, MAX_MS, lo_open=False))):
+            raise InputError(f"{path}: profile's 'distributed' must be null or an object of whole numbers "
+                             f"({', '.join(counts)}) and 'collectives_ms' in [0, {MAX_MS:g}]")
     return ProfileFigures(source=str(path), kernel_busy_ms=float(doc["kernel_busy_ms"]),
                           step_wall_ms=float(doc["step_wall_ms"]),
                           total_floor_ms=float(floor) if isinstance(floor, (int, float)) and floor > 0 else None,
-                          rows=rows if isinstance(rows, int) else None)
+                          rows=rows if isinstance(rows, int) else None, distributed=dist or None)
 
 
 def read_replay(path: str) -> ReplayFigures:
