@@ -8,7 +8,9 @@ surrogates, wrong types, out-of-range numbers) are :class:`BadRequest` (HTTP 400
 exception that escapes.
 
 Honoured sampling parameters: ``max_new_tokens`` (0 as SGLang takes it: the prompt is checked as
-any prompt is, the answer is empty with ``finish_reason`` ``{"type": "length", "length": 0}``),
+any prompt is, the answer is empty with ``finish_reason`` ``{"type": "length", "length": 0}``;
+absent, 128, and ``null``, unbounded, each clipped to what fits after the prompt, as SGLang's
+scheduler clips them, where a given value is checked against the context),
 ``stop`` (strings; the text is cut before the match unless ``no_stop_trim``), ``stop_token_ids``
 (the matched token stays in ``output_ids`` and leaves the text unless ``no_stop_trim``),
 ``ignore_eos``, ``skip_special_tokens``, ``n`` = 1. ``min_new_tokens`` above 0 is refused: SGLang
@@ -27,6 +29,7 @@ from specpilot.fileio import is_int, is_num
 MAX_DEPTH = 32          # JSON nesting a request may have (a real one has 3)
 MAX_STOP = 64           # stop strings / stop token ids per request
 MAX_NEW_TOKENS = 1 << 20
+DEFAULT_MAX_NEW = 128   # SGLang's SamplingParams.max_new_tokens default
 
 
 class BadRequest(Exception):
@@ -39,7 +42,7 @@ class BadRequest(Exception):
 
 @dataclass
 class Sampling:
-    max_new_tokens: int = 128
+    max_new_tokens: int = DEFAULT_MAX_NEW
     stop: tuple[str, ...] = ()
     stop_token_ids: frozenset = frozenset()
     ignore_eos: bool = False
@@ -229,7 +232,7 @@ _TOP_NEUTRAL = {
 
 
 def parse_sampling(params, group: str = "sampling_params", rename: dict[str, str] | None = None,
-                   default_max_new: int = 128, least_new: int = 0) -> Sampling:
+                   default_max_new: int = DEFAULT_MAX_NEW, least_new: int = 0) -> Sampling:
     """Check sampling parameters (SGLang's names). Errors name a parameter ``group.key``, or the
     bare key when ``group`` is empty, through ``rename`` (the OpenAI routes' ``max_tokens`` is
     ``max_new_tokens`` here). ``max_new_tokens`` may be ``least_new`` or more: 0 on ``/generate``
@@ -339,9 +342,26 @@ def check_fields(body, honoured: set[str], neutral: dict) -> None:
                          "defaults)")
 
 
-def parse_generate(body, encode=None, vocab_size: int | None = None) -> GenerateCall:
+def _default_max_new(params, prompt_len: int, room) -> int:
+    """``max_new_tokens`` when a request gives none, as SGLang 0.5.23 sets it: the field absent,
+    ``SamplingParams``' 128; ``null``, no bound of its own (``None``); either way clipped by its
+    scheduler to what fits in the context (``Scheduler.init_req_max_new_tokens``). Its tokenizer
+    manager checks a prompt and ``max_new_tokens`` against the context only when the field is given,
+    so neither is refused for the default. ``room(prompt_len)``: the most new tokens the engine
+    takes after that prompt (None: no clipping, the 128)."""
+    if room is None:
+        return DEFAULT_MAX_NEW
+    fits = max(1, min(room(prompt_len), MAX_NEW_TOKENS))   # a prompt with no room is refused for its length
+    if isinstance(params, dict) and "max_new_tokens" in params and params["max_new_tokens"] is None:
+        return fits
+    return min(DEFAULT_MAX_NEW, fits)
+
+
+def parse_generate(body, encode=None, vocab_size: int | None = None, room=None) -> GenerateCall:
     """Check a /generate body (parsed JSON). ``encode(text) -> ids`` tokenizes text prompts (None:
-    the model has no tokenizer); ``vocab_size`` bounds token ids."""
+    the model has no tokenizer); ``vocab_size`` bounds token ids; ``room(prompt_len)``, the most new
+    tokens that fit after a prompt, clips a ``max_new_tokens`` the request does not give
+    (:func:`_default_max_new`; None: the default is 128 whatever the prompt)."""
     check_fields(body, _TOP_HONOURED, _TOP_NEUTRAL)
     stream = body.get("stream", False)
     if stream is None:
@@ -365,9 +385,9 @@ def parse_generate(body, encode=None, vocab_size: int | None = None) -> Generate
     if isinstance(sp, list):
         if len(sp) != len(prompts):
             raise BadRequest(f"sampling_params is a list of {len(sp)} but there are {len(prompts)} prompts")
-        sampling = [parse_sampling(s) for s in sp]
+        sampling = [parse_sampling(s, default_max_new=_default_max_new(s, len(p), room)) for s, p in zip(sp, prompts)]
     else:
-        sampling = [parse_sampling(sp)] * len(prompts)
+        sampling = [parse_sampling(sp, default_max_new=_default_max_new(sp, len(p), room)) for p in prompts]
     check_stop_ids(sampling, vocab_size)
     rid = body.get("rid")
     if rid is None:

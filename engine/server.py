@@ -4,8 +4,9 @@
   (SGLang's server-sent events: ``data: {cumulative text, output_ids, meta_info}`` per step, then
   ``data: [DONE]``). A request for ``max_new_tokens`` 0 is answered without the engine once its
   prompt is checked: an empty answer, ``finish_reason`` ``{"type": "length", "length": 0}``. A
-  prompt of the context length (``max_model_len``) or more, or a prompt and ``max_new_tokens``
-  over it, is a 400 with SGLang's message (:func:`check_context`). The
+  prompt of the context length (``max_model_len``) or more, or a prompt and a given
+  ``max_new_tokens`` over it, is a 400 with SGLang's message (:func:`check_context`); a
+  ``max_new_tokens`` the request does not give is clipped to what fits (SGLang's scheduler). The
   contract is :mod:`specpilot.engine.http_api`; bad requests of every kind get 400 with
   ``{"error": {"message": ...}}``. Concurrent requests are decoded together by one
   :class:`~specpilot.engine.batch.scheduler.BatchDecoder` on an engine thread; beyond its slots
@@ -204,6 +205,11 @@ def make_app(state: ServeState):
     vocab = eng.model.spec.vocab_size
     encode = (lambda t: eng.encode(t, chat=False)) if eng.tokenizer is not None else None
 
+    def room(prompt_len: int) -> int:
+        """The most new tokens the engine takes after a prompt (its cache slots less the prompt and
+        the draft rows): what a request that gives no max_new_tokens / max_tokens is clipped to."""
+        return dec.cache.max_seq - dec.capacity_needed(prompt_len, 0)
+
     @app.exception_handler(HTTPException)
     async def _http_error(request, exc):
         return _error(str(exc.detail), exc.status_code, getattr(exc, "headers", None))
@@ -288,7 +294,7 @@ def make_app(state: ServeState):
 
     @app.post("/generate")
     async def generate(request: HTTPRequest):
-        call, bad = await checked(request, lambda body: parse_generate(body, encode, vocab))
+        call, bad = await checked(request, lambda body: parse_generate(body, encode, vocab, room))
         if bad is not None:
             return bad
         started, bad = submit(call.prompts, call.sampling, call.rids)
@@ -321,9 +327,6 @@ def make_app(state: ServeState):
 
     served = eng.model_name
     chat_encode = eng.encode_messages if eng.has_chat_template else None
-
-    def room(prompt_len: int) -> int:   # a chat answer without max_tokens may fill the context
-        return dec.cache.max_seq - dec.capacity_needed(prompt_len, 0)
 
     @app.post("/v1/completions")
     async def completions(request: HTTPRequest):

@@ -445,6 +445,29 @@ def test_max_new_tokens_0_answers_empty_among_concurrent_requests(server_a, gree
     assert _counts(url)['specpilot_rejected_requests_total{reason="bad_request"}'] - refused == len(cases)
 
 
+def test_generate_without_max_new_tokens_takes_what_fits(server_a, greedy):
+    """SGLang 0.5.23: a /generate that gives no max_new_tokens is not refused for the default's 128
+    (its tokenizer manager checks the context only against a given one); the scheduler clips the
+    default (128 absent, no bound when null) to what fits. A given one is still checked."""
+    url = server_a.url()
+    room = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["max_model_len"]
+    for sp, prompt_len, n in (({}, room - 5, 5), ({"max_new_tokens": None}, room - 40, 40),
+                              ({}, room - 1, 1), ({}, 20, 128)):
+        ids = [3] * prompt_len
+        r = httpx.post(url + "/generate", json={"input_ids": ids, "sampling_params": {**sp, "ignore_eos": True}},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["meta_info"]["finish_reason"] == {"type": "length", "length": n}
+        assert body["output_ids"] == greedy(ids, n)
+    chunks = _events(httpx.post(url + "/generate", json={"input_ids": [3] * (room - 3), "stream": True,
+                                                         "sampling_params": {"ignore_eos": True}}, timeout=60))
+    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
+    r = httpx.post(url + "/generate", json=_gen([3] * (room - 5), 128), timeout=30)
+    assert r.status_code == 400 and f"{room - 5} tokens from the input messages and 128 tokens for the completion" \
+        in r.json()["error"]["message"]
+
+
 def _completion(url, **body):
     return httpx.post(url + "/v1/completions", json=body, timeout=60)
 

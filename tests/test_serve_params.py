@@ -50,6 +50,29 @@ def test_the_prompt_of_a_0_token_request_is_still_checked():
         parse_generate({"text": "", "sampling_params": {"max_new_tokens": 0}}, _bytes, 256)
 
 
+def test_generate_clips_a_max_new_tokens_it_is_not_given_to_the_room():
+    """SGLang 0.5.23: an absent ``max_new_tokens`` is ``SamplingParams``' 128 and ``null`` is no bound;
+    neither is checked against the context (``TokenizerManager._validate_one_request`` checks a given
+    one only); the scheduler clips both to what fits (``Scheduler.init_req_max_new_tokens``). A given
+    one is kept as given, for the context check to refuse."""
+    room = lambda n: 200 - n   # noqa: E731  the most new tokens after an n-token prompt
+
+    def got(prompts, sp):
+        return [s.max_new_tokens for s in parse_generate({"input_ids": prompts, "sampling_params": sp}, None, 256,
+                                                         room).sampling]
+    assert got([[1] * 10], {}) == [128] and got([[1] * 10], None) == [128]
+    assert got([[1] * 150], {}) == [50] and got([[1] * 150], {"max_new_tokens": None}) == [50]
+    assert got([[1] * 10], {"max_new_tokens": None}) == [190]            # null: no bound but the room
+    assert got([[1] * 10], {"max_new_tokens": 300}) == [300]             # given: kept, for check_context
+    assert got([[1] * 10, [1] * 190], {"ignore_eos": True}) == [128, 10]   # per prompt of a list
+    assert got([[1] * 10, [1] * 190], [{}, {"max_new_tokens": 7}]) == [128, 7]
+    assert got([[1] * 200], {}) == [1]   # no room: the prompt is refused for its length (check_context)
+    with pytest.raises(InputError, match=r"The input \(200 tokens\) is longer"):
+        check_context(200, 1, 200)
+    # without a room: SGLang's 128 whatever the prompt
+    assert parse_generate({"input_ids": [1] * 150}, None, 256).sampling[0].max_new_tokens == 128
+
+
 def test_check_prompt_is_the_decoders_check_with_no_new_token():
     # capacity_needed(prompt, new) = prompt + new + 5 draft rows: 15 prompt tokens fit 20 slots, 16 do not
     dec = SimpleNamespace(model=SimpleNamespace(spec=SimpleNamespace(vocab_size=10)),
