@@ -159,10 +159,26 @@ def _engine_specs(device: str) -> tuple[list[str], str | None]:
     return [f"engine:model=smollm2,mode=chain{extra}", f"engine:model=smollm2,mode=tree,nodes=32{extra}"], None
 
 
+def _bias_name(b: float) -> str:
+    return f"bias={b:g}"
+
+
+def _save_path(save_dir: str, name: str) -> str:
+    """Where ``--save-outputs`` keeps system ``name``'s outputs."""
+    from pathlib import Path
+
+    safe = "".join(c if c.isalnum() or c in "=.-" else "_" for c in name)
+    return str(Path(save_dir) / f"{safe}.jsonl")
+
+
 def run_selftest(*, n_prompts: int = 24, max_new_tokens: int = 32, repeats: int = 6, biases=(2.0, 1.0, 0.5, 0.25, 0.125),
                  bias_fraction: float = 0.1, engine_prompts: int = 4, device: str | None = None, seed: int = 0,
                  bootstrap: int = 1000, progress: Callable | None = None, scorer=None,
-                 save_dir: str | None = None) -> SelftestResult:
+                 save_dir: str | None = None, check_save: Callable | None = None) -> SelftestResult:
+    """The self-test. With ``save_dir`` every system's outputs are written there as
+    ``NAME.jsonl``; ``check_save(path, prompts, option)``, called for each such file before any
+    system runs (``prompts`` the :class:`Prompt` list that file will answer, ``option`` the one
+    that sets them), may refuse (raise) to replace a file kept there."""
     import time
 
     import torch
@@ -206,6 +222,17 @@ def run_selftest(*, n_prompts: int = 24, max_new_tokens: int = 32, repeats: int 
     def as_outputs(name, outs):
         return Outputs(name, [OutputRow(pid, p, o) for pid, p, o in zip(pids, prompt_ids, outs)], "selftest")
 
+    k_eng = min(engine_prompts, n_prompts)
+    specs, engine_note = _engine_specs(str(scorer.device)) if k_eng > 0 else ([], "left out (--engine-prompts 0)")
+    prev = getattr(model.config, "_attn_implementation", None)
+    if save_dir and check_save is not None:   # before any system runs: a file kept there may not be replaced
+        every = [Prompt(pid, p) for pid, p in zip(pids, prompt_ids)]
+        names = ["ar", "stock", "batch4"] + (["eager-attention"] if prev and prev != "eager" else [])
+        for name in names + [_bias_name(float(b)) for b in biases]:
+            check_save(_save_path(save_dir, name), every, "--n-prompts")
+        for spec in specs:
+            check_save(_save_path(save_dir, spec), every[:k_eng], "--engine-prompts")
+
     gen_s: dict[str, float] = {}
     systems: dict[str, Outputs] = {}
 
@@ -219,7 +246,6 @@ def run_selftest(*, n_prompts: int = 24, max_new_tokens: int = 32, repeats: int 
     run("stock", batch_size=8)
     run("batch4", batch_size=4)
     lossless = ["batch4"]
-    prev = getattr(model.config, "_attn_implementation", None)
     if prev and prev != "eager" and _set_attn(model, "eager"):
         try:
             run("eager-attention", batch_size=8)
@@ -227,12 +253,9 @@ def run_selftest(*, n_prompts: int = 24, max_new_tokens: int = 32, repeats: int 
         finally:
             _set_attn(model, prev)
 
-    engine_note = None
     engine_specs: list[str] = []
     engine_outputs: dict[str, Outputs] = {}
-    k_eng = min(engine_prompts, n_prompts)
     if k_eng > 0:
-        specs, engine_note = _engine_specs(str(scorer.device))
         for spec in specs:
             try:
                 t0 = time.perf_counter()
@@ -244,8 +267,6 @@ def run_selftest(*, n_prompts: int = 24, max_new_tokens: int = 32, repeats: int 
                 engine_specs.append(spec)
             except Exception as e:  # the engine is optional here; say why it was left out
                 engine_note = f"{spec}: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
-    else:
-        engine_note = "left out (--engine-prompts 0)"
 
     V = scorer.vocab_size
     g = torch.Generator().manual_seed(seed)
@@ -254,7 +275,7 @@ def run_selftest(*, n_prompts: int = 24, max_new_tokens: int = 32, repeats: int 
     for b in biases:
         vec = torch.zeros(V, dtype=torch.float32, device=scorer.device)
         vec[chosen.to(scorer.device)] = b
-        name = f"bias={b:g}"
+        name = _bias_name(b)
         run(name, batch_size=8, bias=vec)
         defective.append((name, b))
 
@@ -265,8 +286,7 @@ def run_selftest(*, n_prompts: int = 24, max_new_tokens: int = 32, repeats: int 
 
         Path(save_dir).mkdir(parents=True, exist_ok=True)
         for name, o in list(systems.items()) + list(engine_outputs.items()):
-            safe = "".join(c if c.isalnum() or c in "=.-" else "_" for c in name)
-            write_outputs(Path(save_dir) / f"{safe}.jsonl", o.rows, option="--save-outputs")
+            write_outputs(_save_path(save_dir, name), o.rows, option="--save-outputs")
 
     kw = {"progress": progress}
     scored: dict[str, Scored] = {}

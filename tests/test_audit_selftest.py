@@ -50,3 +50,28 @@ def test_audit_runs_engine_systems_from_text_prompts(run_cli, tmp_path):
     data = json.loads(out)
     assert data["verdict"] == "pass"
     assert {p.name for p in saved.iterdir()} == {"stock.outputs.jsonl", "system.outputs.jsonl"}
+
+
+def test_selftest_does_not_replace_outputs_that_answer_other_prompts(run_cli, tmp_path):
+    """--save-outputs holding an earlier self-test's outputs of fewer prompts: refused before any
+    system runs, as 'audit check' refuses a partial file (one check for both); the same prompts rewrite."""
+    saved = tmp_path / "outs"
+    args = ("audit", "selftest", "--repeats", 1, "--max-new-tokens", 2, "--biases", "2", "--engine-prompts", 0,
+            "--device", "cpu", "--save-outputs", saved, "--format", "json")
+    code, _, err = run_cli(*args, "--n-prompts", 1)
+    assert code in (0, 1), err
+    before = {p.name: p.read_text() for p in saved.iterdir()}
+    assert "stock.jsonl" in before and all(t.count("\n") == 1 for t in before.values())
+    code, out, err = run_cli(*args, "--n-prompts", 2)
+    assert code == 2 and out == "", err
+    last = err.strip().splitlines()[-1]
+    assert last == (f"specpilot: error: --save-outputs {saved}: {saved / 'ar.jsonl'} holds an earlier run's outputs "
+                    "for 1 of the 2 prompts of --n-prompts; remove it or give another --save-outputs"), err
+    assert "Full audit" not in err and {p.name: p.read_text() for p in saved.iterdir()} == before
+    (saved / "bias=2.jsonl").write_text("not json\n")   # not outputs at all: not replaced either
+    code, out, err = run_cli(*args, "--n-prompts", 1)
+    assert code == 2 and "bias=2.jsonl is not an outputs file this audit may replace" in err, err
+    assert (saved / "bias=2.jsonl").read_text() == "not json\n"
+    (saved / "bias=2.jsonl").unlink()
+    code, out, err = run_cli(*args, "--n-prompts", 1)   # every file answers the prompts: a new run rewrites them
+    assert code in (0, 1) and json.loads(out)["schema"] == "specpilot.audit-selftest/1", err

@@ -219,10 +219,13 @@ def check(systems, stock_spec, ar_spec, scorer_spec, prompts_path, max_new_token
     return 0 if result.verdict == "pass" else 1
 
 
-def _check_kept_outputs(save: str, prompts, save_dir: str, prompts_path: str, max_new_tokens: int) -> None:
+def _check_kept_outputs(save: str, prompts, save_dir: str, prompts_path: str | None, max_new_tokens: int,
+                        prompts_option: str = "--prompts") -> None:
     """Refuse to replace outputs a run would overwrite but not reproduce: a file that does not
     answer every prompt of --prompts (what a run that failed or was stopped keeps, or another
-    prompt set's outputs). A file answering all of them is rewritten, as a new run of the system."""
+    prompt set's outputs). A file answering all of them is rewritten, as a new run of the system.
+    Without ``prompts_path`` (the self-test's built-in prompts, set by ``prompts_option``) there
+    is no 'audit collect --resume' to name."""
     from specpilot.auditors.outputs import key, read_outputs
 
     if not _holds_rows(save):
@@ -240,9 +243,10 @@ def _check_kept_outputs(save: str, prompts, save_dir: str, prompts_path: str, ma
     systems, limits = {r.system for r in rows}, {r.max_new_tokens for r in rows}
     system = next(iter(systems)) if len(systems) == 1 and None not in systems else "SYSTEM"
     limit = next(iter(limits)) if len(limits) == 1 and None not in limits else max_new_tokens
-    held = f"{save} holds an earlier run's outputs for {answered} of the {len(prompts)} prompts of --prompts"
-    if len(rows) > answered:   # another prompt set's: nothing --resume can finish
-        raise InputError(f"--save-outputs {save_dir}: {held} and {len(rows) - answered} other prompts; {what}")
+    held = f"{save} holds an earlier run's outputs for {answered} of the {len(prompts)} prompts of {prompts_option}"
+    if len(rows) > answered or prompts_path is None:   # another prompt set's, or no file: nothing --resume can finish
+        other = f" and {len(rows) - answered} other prompts" if len(rows) > answered else ""
+        raise InputError(f"--save-outputs {save_dir}: {held}{other}; {what}")
     raise InputError(f"--save-outputs {save_dir}: {held} (a run that stops keeps its outputs there); finish it with "
                      f"'specpilot audit collect {system} --prompts {prompts_path} --max-new-tokens {limit} --save "
                      f"{save} --resume' and audit that file, or {what}")
@@ -500,7 +504,9 @@ def selftest_cmd(n_prompts, max_new_tokens, repeats, biases, bias_fraction, engi
     bias_list = _float_list(biases, "--biases")
     res = run_selftest(n_prompts=n_prompts, max_new_tokens=max_new_tokens, repeats=repeats, biases=bias_list,
                        bias_fraction=bias_fraction, engine_prompts=engine_prompts, device=device, seed=seed,
-                       progress=progress, save_dir=save_dir)
+                       progress=progress, save_dir=save_dir,
+                       check_save=lambda path, prompts, option: _check_kept_outputs(path, prompts, save_dir, None,
+                                                                                    max_new_tokens, option))
     emit(selftest_report(res), fmt, out)
     return 0 if res.ok else 1
 
