@@ -99,7 +99,7 @@ def test_gpu_swap_schedule():
     (["--base-cmd", "true", "--candidate-cmd", "true", "--max-runs", "9"], "--max-runs 9: pairs come in blocks"),
     (["--base-cmd", "true", "--candidate-cmd", "true", "--noise", "2"], "--noise"),
     (["--base-cmd", "true", "--candidate-cmd", "true", "--gpus", "0"], "two different GPU ids"),
-    (["--base-cmd", "true", "--candidate-cmd", "true", "--concurrency", "2"], "--concurrency applies to servers"),
+    (["--base-cmd", "true", "--candidate-cmd", "true", "--concurrency", "2"], "--concurrency sets how many requests servers"),
 ])
 def test_bad_input_exit_2(tmp_path, run_cli, args, msg):
     out = tmp_path / "t.json"

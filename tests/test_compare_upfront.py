@@ -19,9 +19,12 @@ def _refused_before_running(run_cli, tmp_path, *args):
 @pytest.mark.parametrize("args, named", [
     (["--max-new-tokens", "64"], "--max-new-tokens sets"),
     (["--max-new-tokens", "128", "--tokenizer", "tiny"], "--max-new-tokens, --tokenizer set"),
+    (["--concurrency", "1"], "--concurrency sets how many requests servers (--base/--candidate) are sent at once"),
+    (["--concurrency", "3", "--max-new-tokens", "64"], "--max-new-tokens, --concurrency set what engines and "
+                                                       "servers (--base/--candidate) are sent and how many at once"),
 ])
 def test_shell_commands_refuse_the_options_of_engines(run_cli, tmp_path, args, named):
-    """--max-new-tokens (even at its default value) does nothing to a shell command: refused."""
+    """--max-new-tokens or --concurrency (even at its default value) does nothing to a shell command: refused."""
     err = _refused_before_running(run_cli, tmp_path, *args)
     assert named in err and "would change nothing" in err, err
 

@@ -126,11 +126,19 @@ def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, tokenizer
     elif metric != "wall":
         raise InputError("--metric applies to shell commands; engines and servers are timed in tokens/s")
     if base_cmd is not None:   # what engines and servers are sent; a shell command's work is its own
-        idle = typed("max_new_tokens", "prompts", "tokenizer")
+        # typed, not only away from the default: --concurrency 1 or --max-new-tokens 128 does nothing here either
+        idle = typed("max_new_tokens", "prompts", "tokenizer", "concurrency")
+        if concurrency > 1 and "--concurrency" not in idle:
+            idle.append("--concurrency")
+        at_once = "--concurrency" in idle
+        if idle == ["--concurrency"]:
+            what = "--concurrency sets how many requests servers (--base/--candidate) are sent at once"
+        else:
+            what = (f"{', '.join(idle)} {'sets' if len(idle) == 1 else 'set'} what engines and servers "
+                    f"(--base/--candidate) are sent{' and how many at once' if at_once else ''}")
         if idle:
-            raise InputError(f"{', '.join(idle)} {'sets' if len(idle) == 1 else 'set'} what engines and servers "
-                             "(--base/--candidate) are sent; a shell command does its own work, so "
-                             f"{'it' if len(idle) == 1 else 'they'} would change nothing: give the limit or the "
+            raise InputError(f"{what}; a shell command does its own work, so {'it' if len(idle) == 1 else 'they'} "
+                             f"would change nothing: give the limit{', the concurrency' if at_once else ''} or the "
                              "request set in --base-cmd and --candidate-cmd")
     if noise is not None and not 0 <= noise < 1:
         raise InputError(f"--noise {noise}: a fraction in [0, 1), e.g. 0.001 for 0.1%")
@@ -167,8 +175,6 @@ def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, tokenizer
                              prompt_rows, max_new_tokens)
     elif base_cmd is None:
         raise InputError("timing engines or servers needs --prompts FILE (the request set)")
-    if concurrency > 1 and base_cmd is not None:
-        raise InputError("--concurrency applies to servers (--base/--candidate http://...)")
     workload = workload_of(prompt_rows, max_new_tokens, concurrency)
     schedule = f"GPU swap on {gpu_pair[0]},{gpu_pair[1]}" if gpu_pair else "ABBA"
     if resume_file:   # refused before any system starts: the file says how many pairs it holds
