@@ -237,9 +237,10 @@ def response(call: OpenAICall, answers: list[dict]) -> dict:
 
 
 def chunk(call: OpenAICall, text: str | None, reason: str | None, counts: tuple[int, int] | None = None) -> dict:
-    """One streamed event: the new text (a delta), the finish reason on the last, and with
-    ``counts`` (prompt, completion tokens so far) the usage so far. A chat stream's first event is
-    :func:`role_chunk`; these carry no role."""
+    """One streamed event: the new text (a delta), the finish reason on the last (a completions
+    stream's last text; a chat stream's own last event, ``text`` None: an empty delta, as SGLang's),
+    and with ``counts`` (prompt, completion tokens so far) the usage so far. A chat stream's first
+    event is :func:`role_chunk`; these carry no role."""
     if call.chat:
         delta = {"content": text} if text else {}
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}

@@ -460,7 +460,9 @@ async def _stream(state: ServeState, r: Request, sp: Sampling, updates: asyncio.
 
 async def _stream_openai(state: ServeState, r: Request, sp: Sampling, updates: asyncio.Queue, call):
     """OpenAI's streaming answer: each event carries the text added since the last (a delta); a chat
-    stream's first event is the role alone (``delta: {"role": "assistant", "content": ""}``). Text
+    stream's first event is the role alone (``delta: {"role": "assistant", "content": ""}``) and its
+    last before the usage the finish reason alone (``delta: {}``), as SGLang's; a completions
+    stream's finish reason comes on its last text event. Text
     that may be the start of a stop string, or a character whose bytes have not all come, is held
     back until the next step shows what it is: a delta once sent cannot be taken back."""
     eng = state.engine
@@ -493,12 +495,19 @@ async def _stream_openai(state: ServeState, r: Request, sp: Sampling, updates: a
                 while end > len(sent) and full[end - 1] == "\ufffd":
                     end -= 1
                 text, reason = (full[len(sent):end] if full.startswith(sent) and end > len(sent) else ""), None
+            # a chat stream ends as SGLang's does (serving_chat.py, _generate_chat_stream): the last
+            # text in a content event of its own, then an event with an empty delta and the finish
+            # reason alone; a completions stream puts the finish reason on its last text event
+            own_finish = fin and call.chat
             # with the usage in every event, an event is due whenever tokens came, text or not
-            if text or first or fin or (call.continuous_usage and len(r.output) > tokens):
+            if text or first or (fin and not own_finish) or (call.continuous_usage and len(r.output) > tokens):
                 sent, tokens = sent + text, len(r.output)
                 counts = (len(r.prompt_ids), tokens) if call.continuous_usage else None
-                yield b"data: " + json.dumps(oa.chunk(call, text, reason, counts)).encode() + b"\n\n"
+                yield (b"data: " + json.dumps(oa.chunk(call, text, None if own_finish else reason, counts)).encode()
+                       + b"\n\n")
                 first = False
+            if own_finish:   # no usage on it, as SGLang's has none (the usage event follows if asked)
+                yield b"data: " + json.dumps(oa.chunk(call, None, reason)).encode() + b"\n\n"
             if fin:
                 break
         if call.include_usage:

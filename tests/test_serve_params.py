@@ -153,7 +153,8 @@ def _chat_app():
 
 def test_a_chat_stream_sends_the_role_alone_first():
     """OpenAI's and SGLang's chat stream: a first event ``delta: {"role": "assistant", "content": ""}``,
-    then content deltas without the role that add up to the answer, the finish reason on the last."""
+    then content deltas without the role that add up to the answer and carry no finish reason, then
+    SGLang's own finish event (``serving_chat.py``: an empty delta, the finish reason, no usage)."""
     import asyncio
     import json
 
@@ -184,15 +185,21 @@ def test_a_chat_stream_sends_the_role_alone_first():
         assert ev[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
         assert ev[0]["choices"][0]["finish_reason"] is None
         assert all("role" not in e["choices"][0]["delta"] for e in ev[1:] if e["choices"])
-    assert len(full) >= 2 and "".join(e["choices"][0]["delta"].get("content", "") for e in full) == want
-    assert full[-1]["choices"][0]["finish_reason"] == "length"
+    assert len(full) >= 3 and "".join(e["choices"][0]["delta"].get("content", "") for e in full) == want
+    assert all(e["choices"][0]["finish_reason"] is None for e in full[:-1])
+    assert all(e["choices"][0]["delta"].get("content") for e in full[1:-1])   # each content event has text
+    assert full[-1]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
+    assert "usage" not in full[-1]
     # max_tokens 0: the role, the finish reason with an empty delta, the usage
     assert [e["choices"][0]["delta"] for e in empty[:2]] == [{"role": "assistant", "content": ""}, {}]
     assert empty[1]["choices"][0]["finish_reason"] == "length" and empty[2]["choices"] == []
     assert empty[2]["usage"] == {"prompt_tokens": 5, "completion_tokens": 0, "total_tokens": 5}
     # continuous usage: the role's event says 0 tokens so far
     assert usage[0]["usage"] == {"prompt_tokens": 5, "completion_tokens": 0, "total_tokens": 5}
-    assert usage[-1]["usage"]["completion_tokens"] == 6
+    # the last content event has the whole count; SGLang's finish event carries no usage
+    assert usage[-2]["usage"]["completion_tokens"] == 6 and usage[-2]["choices"][0]["finish_reason"] is None
+    assert usage[-1]["choices"][0]["delta"] == {} and usage[-1]["choices"][0]["finish_reason"] == "length"
+    assert "usage" not in usage[-1]
 
 
 def test_a_slow_prompt_to_tokenize_does_not_hold_up_other_clients():
