@@ -56,6 +56,51 @@ def checked(run, ref, blas_err: float, label: str) -> float | None:
     return err
 
 
+def against_cublas_and_ring(label: str, run, candidates, rows_text: str, names, ring_cfgs) -> list[dict]:
+    """Each Llama-3.1-8B layer of ``names`` at each row count of ``rows_text``: the fastest of
+    ``candidates`` (configs of ``run(x, w, cfg)`` that pass :func:`checked`) beside cuBLAS and the
+    ring (its first config of ``ring_cfgs`` that fits the rows), CUDA graphs with L2 flushed, timed
+    interleaved. Rows: layer, rows, k, n, ``blas_us``, ``ring_us``, ``us``, config, ``vs_blas``,
+    ``vs_ring``, ``tb_s`` (the weight bytes over the time)."""
+    import torch
+    import torch.nn.functional as F
+
+    from specpilot.kernels.verify import blas
+    from specpilot.kernels.verify.ring import ring_linear
+
+    torch.set_grad_enabled(False)
+    flush = L2Flusher()
+    out = []
+    for name in names:
+        k, n = LLAMA[name]
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        for m in parse_int_list(rows_text, 1, 64, f"{label}: --rows"):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = F.linear(x.float(), w.float())
+            blas_err = float((F.linear(x, w).float() - ref).abs().max())
+            cands = [c for c in candidates
+                     if checked(lambda c=c: run(x, w, c), ref, blas_err, f"{name} {m} {c.key()}") is not None]
+            if not cands:
+                continue
+            ring = next((c for c in ring_cfgs
+                         if checked(lambda c=c: ring_linear(x, w, c), ref, blas_err, f"{name} {m} ring {c.key()}")
+                         is not None), None)
+            fns = ([lambda: blas.linear(x, w)] + ([lambda: ring_linear(x, w, ring)] if ring else [])
+                   + [lambda c=c: run(x, w, c) for c in cands])
+            t = time_interleaved(fns, flush=flush, rounds=3, reps=30)
+            t_ring, t_c = (t[1], t[2:]) if ring else (None, t[1:])
+            i = min(range(len(cands)), key=lambda j: t_c[j])
+            row = {"layer": name, "rows": m, "k": k, "n": n, "blas_us": t[0], "ring_us": t_ring, "us": t_c[i],
+                   "config": cands[i].key(), "vs_blas": t[0] / t_c[i], "vs_ring": t_ring / t_c[i] if ring else None,
+                   "tb_s": n * k * 2 / t_c[i] / 1e6}
+            out.append(row)
+            print({a: round(b, 3) if isinstance(b, float) else b for a, b in row.items()}, flush=True)
+        del w
+    print_table(out, ["layer", "rows", "blas_us", "ring_us", "us", "config", "vs_blas", "vs_ring"])
+    write_results(label, out)
+    return out
+
+
 def layers(rows_list, quick, flush):
     import torch
     import torch.nn.functional as F

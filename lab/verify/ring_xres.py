@@ -203,7 +203,6 @@ def xres_linear(x: torch.Tensor, w: torch.Tensor, cfg: XresConfig = XresConfig()
     return y
 
 
-LLAMA = {"qkv": (4096, 6144), "o": (4096, 4096), "gu": (4096, 28672), "down": (14336, 4096)}   # (k, n)
 
 
 def sweep_configs() -> list[XresConfig]:
@@ -212,49 +211,19 @@ def sweep_configs() -> list[XresConfig]:
 
 
 def main() -> int:
-    from lab.common import L2Flusher, parse_int_list, print_table, time_interleaved, write_results
-    from lab.verify.ring import checked
+    from lab.verify.ring import LLAMA, against_cublas_and_ring
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="16,32,64")
     ap.add_argument("--layers", default=",".join(LLAMA))
     args = ap.parse_args()
-    import torch.nn.functional as F
-
-    from specpilot.kernels.verify import blas
-
-    torch.set_grad_enabled(False)
-    flush = L2Flusher()
-    ring_cfg = R.RingConfig(64, 4, 1, 0, 1, 4)   # the routed ring entries' config (9-16 rows)
-    rows_out = []
-    for name in args.layers.split(","):
-        k, n = LLAMA[name]
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-        for m in parse_int_list(args.rows, 1, 64, "ring_xres: --rows"):
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            ref = F.linear(x.float(), w.float())
-            blas_err = float((F.linear(x, w).float() - ref).abs().max())
-            cands = [cfg for cfg in sweep_configs()
-                     if checked(lambda c=cfg: xres_linear(x, w, c), ref, blas_err, f"{name} {m} {cfg.key()}")
-                     is not None]
-            if not cands:
-                continue
-            # the ring beside it where its config fits these rows (its 9-16-row entry runs out of
-            # shared memory at 64)
-            ring = checked(lambda: R.ring_linear(x, w, ring_cfg), ref, blas_err, f"{name} {m} ring") is not None
-            fns = ([lambda: blas.linear(x, w)] + ([lambda: R.ring_linear(x, w, ring_cfg)] if ring else [])
-                   + [lambda c=c: xres_linear(x, w, c) for c in cands])
-            t = time_interleaved(fns, flush=flush, rounds=3, reps=30)
-            t_ring, t_x = (t[1], t[2:]) if ring else (None, t[1:])
-            i = min(range(len(cands)), key=lambda j: t_x[j])
-            row = {"layer": name, "rows": m, "k": k, "n": n, "blas_us": t[0], "ring_us": t_ring, "xres_us": t_x[i],
-                   "config": cands[i].key(), "vs_blas": t[0] / t_x[i], "vs_ring": t_ring / t_x[i] if ring else None,
-                   "tb_s": n * k * 2 / t_x[i] / 1e6}
-            rows_out.append(row)
-            print({a: round(b, 3) if isinstance(b, float) else b for a, b in row.items()}, flush=True)
-        del w
-    print_table(rows_out, ["layer", "rows", "blas_us", "ring_us", "xres_us", "config", "vs_blas", "vs_ring"])
-    write_results("ring_xres", rows_out)
+    bad = [x for x in args.layers.split(",") if x not in LLAMA]
+    if bad:
+        raise SystemExit(f"ring_xres: --layers: unknown layer {bad[0]!r}; choose from {', '.join(LLAMA)}")
+    # the ring's configs beside it, the first that fits the rows (its 9-16-row entry runs out of
+    # shared memory at 64)
+    against_cublas_and_ring("ring_xres", xres_linear, sweep_configs(), args.rows, args.layers.split(","),
+                            (R.RingConfig(64, 4, 1, 0, 1, 4),))
     return 0
 
 
