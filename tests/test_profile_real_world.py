@@ -193,7 +193,8 @@ def test_tensor_parallel_ranks_with_communication_floor(run_cli, tmp_path):
     assert code == 0 and "Slowest rank per step" in out and "communication" in out
 
 
-def test_ranks_of_one_multi_gpu_nsight_export(run_cli, tmp_path):
+def _two_gpu_export(tmp_path):
+    """A synthetic Nsight export whose attention kernels ran on a second GPU."""
     import sqlite3
 
     from synthetic_traces import SynthSpec, write_nsys_sqlite
@@ -205,6 +206,11 @@ def test_ranks_of_one_multi_gpu_nsight_export(run_cli, tmp_path):
                 "(SELECT id FROM StringIds WHERE value LIKE 'flash%')")
     con.commit()
     con.close()
+    return p
+
+
+def test_ranks_of_one_multi_gpu_nsight_export(run_cli, tmp_path):
+    p = _two_gpu_export(tmp_path)
     d = _json(run_cli, p, "--ranks")
     assert [r["rank"] for r in d["ranks"]] == ["GPU 0", "GPU 1"]
     assert d["ranks"][1]["classes"]["attention"] > 0 and d["ranks"][0]["classes"]["attention"] == 0
@@ -234,17 +240,7 @@ def test_one_rank_with_floors_says_the_floors_are_the_whole_models(run_cli, tmp_
 
 
 def test_one_gpu_of_a_multi_gpu_nsight_export_with_floors_is_warned(run_cli, tmp_path):
-    import sqlite3
-
-    from synthetic_traces import SynthSpec, write_nsys_sqlite
-
-    p = write_nsys_sqlite(tmp_path / "two.sqlite", SynthSpec(steps=4, layers=1))
-    con = sqlite3.connect(p)
-    con.execute("INSERT INTO TARGET_INFO_GPU VALUES (0, 1, 'NVIDIA H200', 4814304000000, 132, 0, 0)")
-    con.execute("UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET deviceId = 1 WHERE demangledName IN "
-                "(SELECT id FROM StringIds WHERE value LIKE 'flash%')")
-    con.commit()
-    con.close()
+    p = _two_gpu_export(tmp_path)
     d = _json(run_cli, p, "--device", 0, "--model", "llama-3.1-8b")
     assert d["distributed"] == {"gpus": 2, "floors": "whole model"}
     assert "(kernels on 2 GPUs)" in d["warnings"][0] and "up to 2x high" in d["warnings"][0]
