@@ -101,6 +101,19 @@ def against_cublas_and_ring(label: str, run, candidates, rows_text: str, names, 
     return out
 
 
+def sweep_main(label: str, run, candidates, ring_cfgs) -> int:
+    """A ring variant's command line (``--rows``, ``--layers``): :func:`against_cublas_and_ring`."""
+    ap = argparse.ArgumentParser(prog=label)
+    ap.add_argument("--rows", default="16,32,64")
+    ap.add_argument("--layers", default=",".join(LLAMA))
+    args = ap.parse_args()
+    bad = [x for x in args.layers.split(",") if x not in LLAMA]
+    if bad:
+        raise SystemExit(f"{label}: --layers: unknown layer {bad[0]!r}; choose from {', '.join(LLAMA)}")
+    against_cublas_and_ring(label, run, candidates, args.rows, args.layers.split(","), ring_cfgs)
+    return 0
+
+
 def layers(rows_list, quick, flush):
     import torch
     import torch.nn.functional as F

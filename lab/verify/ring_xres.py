@@ -24,7 +24,6 @@ Not routed; :func:`xres_linear` is called by this script's sweep only. Reference
 
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -211,20 +210,11 @@ def sweep_configs() -> list[XresConfig]:
 
 
 def main() -> int:
-    from lab.verify.ring import LLAMA, against_cublas_and_ring
+    from lab.verify.ring import sweep_main
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", default="16,32,64")
-    ap.add_argument("--layers", default=",".join(LLAMA))
-    args = ap.parse_args()
-    bad = [x for x in args.layers.split(",") if x not in LLAMA]
-    if bad:
-        raise SystemExit(f"ring_xres: --layers: unknown layer {bad[0]!r}; choose from {', '.join(LLAMA)}")
-    # the ring's configs beside it, the first that fits the rows (its 9-16-row entry runs out of
+    # beside it the ring's configs, the first that fits the rows (its 9-16-row entry runs out of
     # shared memory at 64)
-    against_cublas_and_ring("ring_xres", xres_linear, sweep_configs(), args.rows, args.layers.split(","),
-                            (R.RingConfig(64, 4, 1, 0, 1, 4),))
-    return 0
+    return sweep_main("ring_xres", xres_linear, sweep_configs(), (R.RingConfig(64, 4, 1, 0, 1, 4),))
 
 
 if __name__ == "__main__":
