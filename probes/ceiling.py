@@ -397,12 +397,13 @@ def one_rank_profile(p: ProfileFigures | None, m: Measurements) -> str | None:
     """The warning for a kernel factor of one rank's profile against a floor of the whole model
     (the profile's own floors or ``--model``'s: neither is split by rank, and neither is scaled
     here), or None when the profile is not a rank's or gave neither side of the factor."""
-    if p is None or not p.distributed:
+    from .profile import is_one_rank, rank_evidence
+
+    if p is None or not p.distributed or not is_one_rank(p.distributed):
         return None
     mine = f"profile {p.source}"
     if mine not in (m.sources.get("profile_ms"), m.sources.get("floor_ms")):
         return None
-    from .profile import rank_evidence
 
     said, by = rank_evidence(p.distributed)
     floor = "the profile's own" if m.sources.get("floor_ms") == mine else m.sources.get("floor_ms")

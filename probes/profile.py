@@ -330,9 +330,15 @@ def rank_of_job(agg: Aggregate, classes: dict) -> dict | None:
     comm = classes.get("communication")
     if comm is not None and comm.ms > 0:
         d["collectives_ms"] = comm.ms
+    return d if is_one_rank(d) else None
+
+
+def is_one_rank(d: dict) -> bool:
+    """Whether the evidence ``d`` (:func:`rank_of_job`'s keys) shows one rank of several: a world,
+    group or GPU count above one, or collectives in a trace that does not say it ran alone."""
     many = any((d.get(k) or 1) > 1 for k in ("world_size", "group_size", "gpus"))
     alone = d.get("world_size") == 1 and (d.get("group_size") or 1) == 1 and (d.get("gpus") or 1) == 1
-    return d if many or (d.get("collectives_ms") and not alone) else None
+    return bool(many or (d.get("collectives_ms") and not alone))
 
 
 def rank_evidence(d: dict) -> tuple[str, str]:
@@ -347,8 +353,8 @@ def rank_evidence(d: dict) -> tuple[str, str]:
         said.append(f"kernels on {d['gpus']} GPUs")
     if d.get("collectives_ms"):
         said.append(f"{d['collectives_ms']:.4g} ms of collectives per step")
-    n = d.get("group_size") or d.get("world_size") or d.get("gpus")
-    by = f"{n}x" if n and n > 1 else "the tensor-parallel size"
+    n = next((v for v in (d.get("group_size"), d.get("world_size"), d.get("gpus")) if v and v > 1), None)
+    by = f"{n}x" if n else "the tensor-parallel size"
     return ", ".join(said), by
 
 

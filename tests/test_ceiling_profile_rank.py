@@ -71,3 +71,21 @@ def test_a_malformed_distributed_is_refused(run_cli, tmp_path, bad):
     code, _, err = run_cli("ceiling", "--profile", prof, *MEASURED, "--out", out)
     assert code == 2 and err.startswith("specpilot: error:") and "'distributed'" in err
     assert len(err.strip().splitlines()) == 1 and not out.exists() and not list(tmp_path.glob("*.part"))
+
+
+@pytest.mark.parametrize("alone", [{"world_size": 1, "rank": 0}, {"rank": 0}, {"world_size": 1, "group_size": 1}])
+def test_evidence_of_one_process_is_not_warned_of(run_cli, tmp_path, alone):
+    """A `distributed` that shows no second rank (written by hand or by another tool: profile itself
+    writes null there) is not one rank's: no warning, as profile gives none."""
+    prof = _profile(run_cli, tmp_path, "one", "--model", "llama-3.1-8b", "--gpu", "h100")
+    doc = json.loads(prof.read_text())
+    prof.write_text(json.dumps({**doc, "distributed": alone}))
+    code, out, err = run_cli("ceiling", "--profile", prof, *MEASURED, "--format", "json")
+    assert code == 0 and not any("one rank" in w for w in json.loads(out)["warnings"]), err
+
+
+def test_the_group_named_is_the_first_count_above_one():
+    from specpilot.probes.profile import rank_evidence
+
+    assert rank_evidence({"rank": 1, "world_size": 2, "group_size": 1})[1] == "2x"
+    assert rank_evidence({"collectives_ms": 0.5})[1] == "the tensor-parallel size"
