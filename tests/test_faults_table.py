@@ -585,7 +585,11 @@ def test_a_prompt_an_engine_cannot_run_is_refused_before_any_system_runs(verb, r
                         "--max-new-tokens", "8", "--runs", "2"]}[verb]
     code, _, err = run_cli(*args)
     line = _one_error(err)
-    assert code == 2 and "prompt 'long': 300 tokens + 8 new tokens do not fit the engine's ctx=256" in line
+    want = ("prompt 'long': 300 tokens + 8 new tokens + 43 cache slots for draft rows do not fit the engine's cache "
+            "(ctx=256)" if verb == "round"   # the largest tree the round runs
+            else "prompt 'long': 300 tokens + 8 new tokens + 15 slots for draft rows need 323 cache slots; the engine "
+                 "has ctx=256")
+    assert code == 2 and want in line, line
     assert "loading model" not in err and not (tmp_path / "r").exists() and not (tmp_path / "so").exists()
 
 

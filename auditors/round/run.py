@@ -186,13 +186,13 @@ def _check_cache(max_new: int, dep, cfg) -> None:
 
 
 def _check_prompt_ids(rows, dep, cfg) -> None:
-    """Token-id prompts against the engine's vocabulary and context (text prompts are checked as
-    they are encoded)."""
+    """Token-id prompts against the engine's vocabulary (text prompts are checked as they are
+    encoded; the context, for every engine the round runs: :func:`_check_prompt_room`)."""
     from specpilot.engine.api import check_prompts
 
     max_new = cfg.max_new_tokens or pl.SHAPES["cuda" if dep.facts.device == "cuda" else "cpu"][0].max_new_tokens
     try:
-        check_prompts(dep.engine_spec, [(r.id, r.prompt_ids) for r in rows if r.prompt_ids], max_new)
+        check_prompts(dep.engine_spec, [(r.id, r.prompt_ids) for r in rows if r.prompt_ids], max_new, fit=False)
     except InputError as e:
         raise InputError(f"{cfg.prompts}: {e}") from None
 
