@@ -342,6 +342,12 @@ def check_fields(body, honoured: set[str], neutral: dict) -> None:
                          "defaults)")
 
 
+def clip_room(room: int) -> int:
+    """The new tokens a request that gives no bound of its own may take: the room its prompt leaves,
+    at least one (a prompt with no room is refused for its length) and at most MAX_NEW_TOKENS."""
+    return max(1, min(room, MAX_NEW_TOKENS))
+
+
 def _default_max_new(params, prompt_len: int, room) -> int:
     """``max_new_tokens`` when a request gives none, as SGLang 0.5.23 sets it: the field absent,
     ``SamplingParams``' 128; ``null``, no bound of its own (``None``); either way clipped by its
@@ -351,7 +357,7 @@ def _default_max_new(params, prompt_len: int, room) -> int:
     takes after that prompt (None: no clipping, the 128)."""
     if room is None:
         return DEFAULT_MAX_NEW
-    fits = max(1, min(room(prompt_len), MAX_NEW_TOKENS))   # a prompt with no room is refused for its length
+    fits = clip_room(room(prompt_len))
     if isinstance(params, dict) and "max_new_tokens" in params and params["max_new_tokens"] is None:
         return fits
     return min(DEFAULT_MAX_NEW, fits)

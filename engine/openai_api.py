@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from specpilot.fileio import is_int
 
-from .http_api import (MAX_NEW_TOKENS, BadRequest, Sampling, check_fields, check_ids, check_stop_ids, encode_texts,
+from .http_api import (BadRequest, Sampling, check_fields, check_ids, check_stop_ids, clip_room, encode_texts,
                        parse_sampling)
 
 # OpenAI's names for the sampling parameters /generate has
@@ -127,7 +127,7 @@ def _sampling(body: dict, prompts: list[list[int]], default_max, vocab_size: int
     out = []
     for p in prompts:
         fits = default_max(len(p))
-        out.append(parse_sampling(params, group="", rename=shown, default_max_new=max(1, min(fits, MAX_NEW_TOKENS)),
+        out.append(parse_sampling(params, group="", rename=shown, default_max_new=clip_room(fits),
                                   least_new=least_new))
     check_stop_ids(out, vocab_size, "stop_token_ids")
     return out
@@ -140,8 +140,8 @@ def parse_completion(body, encode, vocab_size: int | None, served: str) -> OpenA
         _fields(body, _NEUTRAL_COMPLETION, {"prompt"}, _SAMPLING - {"max_completion_tokens"})
     except BadRequest as e:
         if isinstance(body, dict) and "max_completion_tokens" in body:
-            raise BadRequest(f"{e} (/v1/completions takes max_tokens; max_completion_tokens is "
-                             "/v1/chat/completions')") from None
+            raise BadRequest(f"{e} (/v1/completions takes max_tokens; max_completion_tokens belongs "
+                             "to /v1/chat/completions)") from None
         raise
     model = _model(body, served)
     stream, usage, continuous = _stream(body)

@@ -206,9 +206,9 @@ def make_app(state: ServeState):
     encode = (lambda t: eng.encode(t, chat=False)) if eng.tokenizer is not None else None
 
     def room(prompt_len: int) -> int:
-        """The most new tokens the engine takes after a prompt (its cache slots less the prompt and
-        the draft rows): what a request that gives no max_new_tokens / max_tokens is clipped to."""
-        return dec.cache.max_seq - dec.capacity_needed(prompt_len, 0)
+        """The most new tokens the engine takes after a prompt (the context less the prompt): what a
+        request that gives no max_new_tokens / max_tokens is clipped to."""
+        return context - prompt_len
 
     @app.exception_handler(HTTPException)
     async def _http_error(request, exc):
