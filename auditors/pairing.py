@@ -159,9 +159,14 @@ def _kill(p: subprocess.Popen) -> None:
     signals.end(p)
 
 
-def check_metric(key: str) -> None:
-    """InputError for a --metric that no command's output can carry: empty, or a dotted path with
-    an empty part (``a..b``). Checked before any command runs."""
+def check_metric(key: str, shell: bool = True) -> None:
+    """InputError for a --metric the systems cannot be timed by, checked before any runs: beside
+    engines and servers anything but ``wall`` (they are timed in tokens/s); beside shell commands
+    one no output can carry: empty, or a dotted path with an empty part (``a..b``)."""
+    if not shell:
+        if key != "wall":
+            raise InputError("--metric applies to shell commands; engines and servers are timed in tokens/s")
+        return
     if not key or not key.strip():
         raise InputError(f"--metric {key!r}: empty; give 'wall' to time each run, or the key of the throughput "
                          "the commands print as JSON on their last stdout line (e.g. tokens_per_s)")
@@ -256,8 +261,7 @@ def make_system(spec: str | None, cmd: str | None, role: str, *, metric: str, ti
         timeout = timeout.fixed
     if spec is None:
         raise InputError(f"give --{role} SPEC or --{role}-cmd CMD")
-    if metric != "wall":
-        raise InputError("--metric applies to shell commands; engines and servers are timed in tokens/s")
+    check_metric(metric, shell=False)
     return GenerateSystem(spec, prompts, max_new_tokens, timeout=timeout or 120.0, concurrency=concurrency)
 
 

@@ -16,17 +16,21 @@ def _refused_before_running(run_cli, tmp_path, *args):
     return err
 
 
-@pytest.mark.parametrize("args, named", [
-    (["--max-new-tokens", "64"], "--max-new-tokens sets"),
-    (["--max-new-tokens", "128", "--tokenizer", "tiny"], "--max-new-tokens, --tokenizer set"),
-    (["--concurrency", "1"], "--concurrency sets how many requests servers (--base/--candidate) are sent at once"),
+@pytest.mark.parametrize("args, named, give", [
+    (["--max-new-tokens", "64"], "--max-new-tokens sets", "give the limit in"),
+    (["--max-new-tokens", "128", "--tokenizer", "tiny"], "--max-new-tokens, --tokenizer set",
+     "give the limit and the request set in"),
+    (["--concurrency", "1"], "--concurrency sets how many requests servers (--base/--candidate) are sent at once",
+     "give the concurrency in"),
     (["--concurrency", "3", "--max-new-tokens", "64"], "--max-new-tokens, --concurrency set what engines and "
-                                                       "servers (--base/--candidate) are sent and how many at once"),
+                                                       "servers (--base/--candidate) are sent and how many at once",
+     "give the limit and the concurrency in"),
 ])
-def test_shell_commands_refuse_the_options_of_engines(run_cli, tmp_path, args, named):
-    """--max-new-tokens or --concurrency (even at its default value) does nothing to a shell command: refused."""
+def test_shell_commands_refuse_the_options_of_engines(run_cli, tmp_path, args, named, give):
+    """--max-new-tokens or --concurrency (even at its default value) does nothing to a shell command:
+    refused, saying what to put in the commands instead (only what was given)."""
     err = _refused_before_running(run_cli, tmp_path, *args)
-    assert named in err and "would change nothing" in err, err
+    assert named in err and "would change nothing" in err and give in err, err
 
 
 @pytest.mark.parametrize("metric, words", [

@@ -121,10 +121,7 @@ def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, tokenizer
         raise InputError("give exactly one of --candidate SYSTEM and --candidate-cmd CMD")
     if (base_cmd is None) != (candidate_cmd is None):
         raise InputError("compare like with like: two shell commands, or two systems")
-    if base_cmd is not None:   # a --metric no output can carry is refused before any run
-        check_metric(metric)
-    elif metric != "wall":
-        raise InputError("--metric applies to shell commands; engines and servers are timed in tokens/s")
+    check_metric(metric, shell=base_cmd is not None)   # before any run
     if base_cmd is not None:   # what engines and servers are sent; a shell command's work is its own
         # typed, not only away from the default: --concurrency 1 or --max-new-tokens 128 does nothing here either
         idle = typed("max_new_tokens", "prompts", "tokenizer", "concurrency")
@@ -137,9 +134,11 @@ def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, tokenizer
             what = (f"{', '.join(idle)} {'sets' if len(idle) == 1 else 'set'} what engines and servers "
                     f"(--base/--candidate) are sent{' and how many at once' if at_once else ''}")
         if idle:
+            give = list(dict.fromkeys({"--max-new-tokens": "the limit", "--concurrency": "the concurrency"}
+                                      .get(o, "the request set") for o in idle))
+            give = give[0] if len(give) == 1 else f"{', '.join(give[:-1])} and {give[-1]}"
             raise InputError(f"{what}; a shell command does its own work, so {'it' if len(idle) == 1 else 'they'} "
-                             f"would change nothing: give the limit{', the concurrency' if at_once else ''} or the "
-                             "request set in --base-cmd and --candidate-cmd")
+                             f"would change nothing: give {give} in --base-cmd and --candidate-cmd")
     if noise is not None and not 0 <= noise < 1:
         raise InputError(f"--noise {noise}: a fraction in [0, 1), e.g. 0.001 for 0.1%")
     # only the auto plan uses --max-runs: an odd cap beside a fixed --runs is not an error
