@@ -70,7 +70,7 @@ def test_prompts_arriving_together_prefill_in_one_gdn_pass(extra, monkeypatch):
 
 @pytest.mark.parametrize("weights", ["dtype=bfloat16", "w12=1"])
 @pytest.mark.parametrize("model", ["tiny", "tiny-hybrid"])
-def test_overlapped_ar_steps_equal_host_fed_steps_bf16(model, weights):
+def test_overlapped_ar_steps_equal_host_fed_steps(model, weights):
     """The same bucket graphs fed on the device (overlap) or from the host give the same tokens,
     with requests of different lengths finishing mid-streak and arriving later (bf16 weights, and
     W12 ones: a hybrid's GDN and gated layers on the W12 kernels too)."""

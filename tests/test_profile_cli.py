@@ -246,7 +246,7 @@ def test_a_diff_keeps_flags_and_warnings_and_says_when_the_gpus_differ(run_cli, 
 
 def test_floor_shape_options_without_floors_are_refused(run_cli, tmp_path):
     """--rows/--batch/--context (and the other options of the floors) where no floors read them: refused
-    before the trace is read, naming what they need (they were silently ignored)."""
+    before the trace is read, naming what they need."""
     out = tmp_path / "o.json"
     good = write_kineto(tmp_path / "s.json.gz", SynthSpec(steps=2, layers=1))
     err = _bad(run_cli, good, "--rows", 8, "--batch", 4, "--context", 100, out=out)

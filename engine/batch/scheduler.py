@@ -44,8 +44,8 @@ from specpilot.engine.batch.requests import Request
 from specpilot.engine.batch.step import Rows, assemble, fits_mixed, prefill_rows, verify_rows
 from specpilot.engine.decode import GenerationResult, check_request
 from specpilot.engine.drafters import Lattice
-from specpilot.engine.spec import cache_room, request_rows
 from specpilot.engine.metrics import STEP_BUCKETS, Histogram
+from specpilot.engine.spec import cache_room, request_rows
 from specpilot.engine.tlv import TLVStats
 from specpilot.errors import InputError
 from specpilot.kernels import tree as treelib

@@ -202,8 +202,6 @@ def xres_linear(x: torch.Tensor, w: torch.Tensor, cfg: XresConfig = XresConfig()
     return y
 
 
-
-
 def sweep_configs() -> list[XresConfig]:
     return [XresConfig(0, 64, 3, 4), XresConfig(0, 64, 4, 4), XresConfig(0, 64, 2, 4), XresConfig(0, 128, 2, 2),
             XresConfig(0, 64, 4, 2), XresConfig(2, 64, 3, 4), XresConfig(4, 64, 3, 4), XresConfig(8, 64, 3, 4)]
