@@ -171,6 +171,32 @@ def _save_path(save_dir: str, name: str) -> str:
     return str(Path(save_dir) / f"{safe}.jsonl")
 
 
+def check_options(n_prompts: int, max_new_tokens: int, repeats: int, biases, bias_fraction: float,
+                  engine_prompts: int) -> list[float]:
+    """InputError naming every option of the self-test that does not fit, at once; else the biases,
+    largest first."""
+    from .prompts_builtin import PROMPTS
+
+    biases = sorted({float(b) for b in biases}, reverse=True)
+    wrong = []
+    if not 1 <= n_prompts <= len(PROMPTS):
+        wrong.append(f"--n-prompts {n_prompts}: choose 1..{len(PROMPTS)} (the built-in set)")
+    if repeats < 1 or n_prompts // repeats < 1:
+        wrong.append(f"--repeats {repeats}: need at least one prompt per repeat (choose 1..{max(1, n_prompts)} for "
+                     f"--n-prompts {n_prompts})")
+    if max_new_tokens < 1:
+        wrong.append(f"--max-new-tokens {max_new_tokens}: must be at least 1")
+    if not biases or not all(math.isfinite(b) and b > 0 for b in biases):
+        wrong.append("--biases: give positive finite numbers, e.g. 4,2,1,0.5")
+    if not 0 < bias_fraction <= 1:
+        wrong.append(f"--bias-fraction {bias_fraction}: must be in (0, 1]")
+    if not 0 <= engine_prompts <= n_prompts:
+        wrong.append(f"--engine-prompts {engine_prompts}: choose 0..{n_prompts} (of the --n-prompts)")
+    if wrong:
+        raise InputError("; ".join(wrong))
+    return biases
+
+
 def run_selftest(*, n_prompts: int = 24, max_new_tokens: int = 32, repeats: int = 6, biases=(2.0, 1.0, 0.5, 0.25, 0.125),
                  bias_fraction: float = 0.1, engine_prompts: int = 4, device: str | None = None, seed: int = 0,
                  bootstrap: int = 1000, progress: Callable | None = None, scorer=None,
@@ -188,21 +214,7 @@ def run_selftest(*, n_prompts: int = 24, max_new_tokens: int = 32, repeats: int 
     from .systems import EngineGenerator, collect
     from .outputs import Prompt
 
-    if not 1 <= n_prompts <= len(PROMPTS):
-        raise InputError(f"--n-prompts {n_prompts}: choose 1..{len(PROMPTS)} (the built-in set)")
-    if repeats < 1:
-        raise InputError(f"--repeats {repeats}: must be at least 1")
-    if n_prompts // repeats < 1:
-        raise InputError(f"--repeats {repeats}: need at least one prompt per repeat ({n_prompts} prompts)")
-    if max_new_tokens < 1:
-        raise InputError("--max-new-tokens must be at least 1")
-    biases = sorted({float(b) for b in biases}, reverse=True)
-    if not biases or not all(math.isfinite(b) and b > 0 for b in biases):
-        raise InputError("--biases: give positive finite numbers, e.g. 4,2,1,0.5")
-    if not 0 < bias_fraction <= 1:
-        raise InputError("--bias-fraction must be in (0, 1]")
-    if not 0 <= engine_prompts <= n_prompts:
-        raise InputError(f"--engine-prompts {engine_prompts}: choose 0..{n_prompts} (of the --n-prompts)")
+    biases = check_options(n_prompts, max_new_tokens, repeats, biases, bias_fraction, engine_prompts)
 
     if scorer is None:
         scorer = Scorer.load("smollm2", device=device)

@@ -482,26 +482,18 @@ def selftest_cmd(n_prompts, max_new_tokens, repeats, biases, bias_fraction, engi
     subsets) and the detection rate as the bias shrinks. Exit 1 when the largest bias is not
     rejected or a lossless system is rejected on the full prompt set.
     """
-    from specpilot.auditors.selftest import run_selftest
+    from specpilot.auditors.selftest import check_options, run_selftest
     from specpilot.options import typed
 
     given = typed("repeats", "engine_prompts")
-    # the defaults follow a smaller --n-prompts; values typed that do not fit it are all named at once
+    # the defaults follow a smaller --n-prompts; values typed that do not fit it are named by
+    # run_selftest, every one at once, before the scorer loads
     if "--repeats" not in given:
-        repeats = min(repeats, n_prompts)
+        repeats = max(1, min(repeats, n_prompts))
     if "--engine-prompts" not in given:
-        engine_prompts = min(engine_prompts, n_prompts)
-    wrong = []
-    if n_prompts // repeats < 1:
-        wrong.append(f"--repeats {repeats}: need at least one prompt per repeat (choose 1..{n_prompts} for "
-                     f"--n-prompts {n_prompts})")
-    if not 0 <= engine_prompts <= n_prompts:
-        wrong.append(f"--engine-prompts {engine_prompts}: choose 0..{n_prompts} (of the --n-prompts)")
-    if max_new_tokens < 1:
-        wrong.append(f"--max-new-tokens {max_new_tokens}: must be at least 1")
-    if wrong:
-        raise InputError("; ".join(wrong))
+        engine_prompts = max(0, min(engine_prompts, n_prompts))
     bias_list = _float_list(biases, "--biases")
+    check_options(n_prompts, max_new_tokens, repeats, bias_list, bias_fraction, engine_prompts)   # before any load
     res = run_selftest(n_prompts=n_prompts, max_new_tokens=max_new_tokens, repeats=repeats, biases=bias_list,
                        bias_fraction=bias_fraction, engine_prompts=engine_prompts, device=device, seed=seed,
                        progress=progress, save_dir=save_dir,
