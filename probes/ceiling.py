@@ -55,6 +55,7 @@ class CeilingResult:
     fractions: dict[str, float]
     tau_curve: dict[str, dict[int, float]] = field(default_factory=dict)
     by_nodes: list[dict] = field(default_factory=list)  # predicted speedup tau(N) / c(N) per node budget
+    by_nodes_left_out: list[dict] = field(default_factory=list)  # budgets whose N + 1 rows the rows probe lacks
     warnings: list[str] = field(default_factory=list)
     cycle: dict | None = None  # TLV: the cycle's terms (tlv_cycle)
 
@@ -82,6 +83,7 @@ class CeilingResult:
             "cost_model": ({**self.cost.as_dict(), "rows": self.rows_for_cost,
                             "sources": self.measurements.sources} if self.cost else None),
             "by_nodes": self.by_nodes,
+            "by_nodes_left_out": self.by_nodes_left_out,
             "tlv_cycle": self.cycle,
             "warnings": self.warnings,
         }
@@ -106,6 +108,8 @@ class ReplayFigures:
     source: str
     taus: dict[str, float]
     curves: dict[str, dict[int, float]] = field(default_factory=dict)
+    nodes: dict[str, int | None] = field(default_factory=dict)  # the nodes each policy verifies (chain: its depth)
+    positions: int | None = None  # the lattice's draft positions m
 
 
 @dataclass
@@ -249,13 +253,39 @@ def _use_profile(p: ProfileFigures, m: Measurements) -> None:
         m.set("floor_ms", p.total_floor_ms, f"profile {p.source}")
 
 
+def replay_policy(r: ReplayFigures, policy: str) -> str | None:
+    """The replay's name for ``policy``: itself, else the one policy of its family (``best-first``
+    for ``best-first:32``), else None."""
+    if policy in r.taus:
+        return policy
+    matches = [k for k in r.taus if k.split(":")[0] == policy]
+    return matches[0] if len(matches) == 1 else None
+
+
+def policy_nodes(r: ReplayFigures | None, policy: str) -> int | None:
+    """The nodes ``policy`` verifies a step besides the pending token (so N + 1 rows): the replay's
+    own ``nodes`` for it (a chain's depth, cut to m), else its budget after ':' (a chain's cut to
+    the lattice's m, a bare ``chain`` its m); None for ``oracle:K``, which builds no tree."""
+    name = replay_policy(r, policy) if r is not None else None
+    if r is not None and name is not None and r.nodes.get(name) is not None:
+        return r.nodes[name]
+    name = name or policy
+    family, _, arg = name.partition(":")
+    if family == "oracle":
+        return None
+    budget = arg.split(",")[-1]
+    if family == "chain":
+        m = r.positions if r is not None else None
+        if budget.isdigit():
+            return min(int(budget), m) if m else int(budget)
+        return m
+    return int(budget) if budget.isdigit() else None
+
+
 def _use_replay(r: ReplayFigures, m: Measurements, current_policy: str) -> None:
     taus = r.taus
-    cur = taus.get(current_policy)
-    if cur is None:
-        matches = [k for k in taus if k.split(":")[0] == current_policy]
-        if len(matches) == 1:
-            cur = taus[matches[0]]
+    name = replay_policy(r, current_policy)
+    cur = taus[name] if name is not None else None
     if cur is None:
         raise InputError(f"{r.source}: no policy {current_policy!r} in the replay (has {', '.join(taus)}); "
                          "choose one with --policy")
@@ -383,7 +413,8 @@ def compute_ceiling(req: CeilingRequest) -> CeilingResult:
     other = probe_model_mismatch(req.rows_probe, model)
     if other:
         res.warnings.append(other)
-    mismatch = (rows_mismatch(req.policy, cost_rows, m, req.rows_probe, res.by_nodes)
+    mismatch = (rows_mismatch(req.policy, cost_rows, m, req.rows_probe, res.by_nodes,
+                              policy_nodes(req.replay, req.policy))
                 if cost is not None and req.replay else None)
     if mismatch:
         res.warnings.append(mismatch)
@@ -427,21 +458,23 @@ def largest_factor_line(largest: str | None, factors: dict[str, float | None], n
 
 
 def rows_mismatch(policy: str, cost_rows: int | None, m: Measurements, probe: RowsProbeFigures | None = None,
-                  by_nodes: list[dict] | None = None) -> str | None:
+                  by_nodes: list[dict] | None = None, nodes: int | None = None) -> str | None:
     """A warning when the cost model divides the tau of ``policy`` (a replay policy with a node
     budget) by a step of another row count taken from a rows probe (``--rows``, default 1). Its
     advice is what works here: ``--rows N + 1`` where the probe timed N + 1 rows; else the step
     linear between the probe's counts around it (as ``ceiling --check`` interpolates) for
     ``--step-ms``, and the ``probe rows`` command that times it; the by-node table's row only
-    where that table is printed with it."""
-    budget = policy.partition(":")[2].split(",")[-1]
-    if not budget.isdigit() or cost_rows is None or int(budget) + 1 == cost_rows \
+    where that table is printed with it. ``nodes``: the nodes the policy verifies (``policy_nodes``:
+    a chain's depth too); by default its budget after ':'."""
+    if nodes is None:
+        nodes = policy_nodes(None, policy)
+    if nodes is None or cost_rows is None or nodes + 1 == cost_rows \
             or not m.sources.get("step_ms", "").startswith("rows probe"):
         return None
-    want = int(budget) + 1
+    budget, want = nodes, nodes + 1
     head = (f"the cost model pairs {policy}'s tau with the {cost_rows}-row step (--rows {cost_rows}); the policy "
             f"verifies {budget} nodes and the pending token a step, {want} rows: ")
-    table = any(r["nodes"] == int(budget) and r["policy"] in (policy, policy.partition(":")[0])
+    table = any(r["nodes"] == budget and r["policy"] in (policy, policy.partition(":")[0])
                 for r in by_nodes or [])
     if probe is None or want in probe.step_ms:
         return head + f"give --rows {want}" + (", or read its row of the by-node table" if table else "")
@@ -540,7 +573,8 @@ def predict_by_nodes(req: CeilingRequest, curves: dict[str, dict[int, float]], s
 
     c is measured (rows probe: T_step(N + 1) / T_AR) when a rows probe is given (budgets whose
     N + 1 rows it did not time are left out, never mixed with floors), else the model's floor c
-    (the regime where every kernel sits at its byte floor).
+    (the regime where every kernel sits at its byte floor). The budgets a rows probe leaves out
+    go to ``res.by_nodes_left_out`` (``policy``, ``nodes``, ``rows``), which the report names.
     """
     ar_ms = res.measurements.ar_ms
     out = []
@@ -549,6 +583,7 @@ def predict_by_nodes(req: CeilingRequest, curves: dict[str, dict[int, float]], s
             rows = n + 1
             if step_curve:
                 if rows not in step_curve or not ar_ms:
+                    res.by_nodes_left_out.append({"policy": policy, "nodes": n, "rows": rows})
                     continue
                 c, source = step_curve[rows] / ar_ms, "measured"
             elif req.model is not None and req.gpu is not None and res.ar_floor is not None:

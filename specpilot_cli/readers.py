@@ -53,11 +53,18 @@ def read_replay(path: str) -> ReplayFigures:
     pols = doc.get("policies")
     if not isinstance(pols, list) or not pols:
         raise InputError(f"{path}: replay has no 'policies' list")
-    taus = {}
+    taus, nodes = {}, {}
     for p in pols:
         if not isinstance(p, dict) or not _finite(p.get("tau"), 1, MAX_TAU, lo_open=False) or "policy" not in p:
             raise InputError(f"{path}: every policy needs 'policy' and a 'tau' in [1, {MAX_TAU}]")
         taus[str(p["policy"])] = float(p["tau"])
+        n = p.get("nodes")
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_ROWS):
+            raise InputError(f"{path}: policy {p['policy']!r}: 'nodes' must be null or a whole number in "
+                             f"[1, {MAX_ROWS}]")
+        nodes[str(p["policy"])] = n
+    m = doc.get("positions")
+    m = m if isinstance(m, int) and not isinstance(m, bool) and m >= 1 else None
     curves = {}
     raw_curves = doc.get("curves") or {}
     if not isinstance(raw_curves, dict):
@@ -70,7 +77,7 @@ def read_replay(path: str) -> ReplayFigures:
         if not all(1 <= n <= MAX_ROWS and _finite(t, 1, MAX_TAU, lo_open=False) for n, t in curves[name].items()):
             raise InputError(f"{path}: curve {name!r}: node counts must be in [1, {MAX_ROWS}] and tau in "
                              f"[1, {MAX_TAU}]")
-    return ReplayFigures(source=str(path), taus=taus, curves=curves)
+    return ReplayFigures(source=str(path), taus=taus, curves=curves, nodes=nodes, positions=m)
 
 
 def read_rows_probe(path: str, batch: int | None = None) -> RowsProbeFigures:

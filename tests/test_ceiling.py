@@ -247,7 +247,53 @@ def test_a_policys_tau_over_a_step_of_other_rows_is_flagged(run_cli, tmp_path):
     doc = json.loads(run_cli(*args, "--rows", "17")[1])
     assert doc["cost_model"]["c"] == pytest.approx(1.2) and doc["warnings"] == []
     doc = json.loads(run_cli(*args[:-4], "--policy", "chain", "--format", "json")[1])
-    assert doc["warnings"] == []   # no node budget to compare
+    assert doc["warnings"] == []   # a file that names neither the chain's nodes nor the lattice's m
+
+
+def test_a_chains_tau_over_the_one_row_step_is_flagged(run_cli, tmp_path):
+    """A chain verifies its depth + 1 rows: the replay's nodes for it (else its m, or chain:N cut to m)."""
+    replay = tmp_path / "replay.json"
+    rows = tmp_path / "rows.json"
+    rows.write_text(json.dumps({"schema": "specpilot.rows/1", "ar_ms": 10.0, "ar_path": "fused", "warnings": [],
+                                "points": [{"rows": r, "step_ms": 10 + 0.1 * r} for r in (1, 2, 5, 9)]}))
+    for policies, positions, policy, want in (
+            ([{"policy": "chain", "nodes": 8, "tau": 1.5}], 8, None, 9),   # ceiling's default policy
+            ([{"policy": "chain", "tau": 1.5}], 8, "chain", 9),            # no nodes: the lattice's m
+            ([{"policy": "chain:4", "tau": 1.4}], 8, "chain", 5),          # the one chain, by family
+            ([{"policy": "chain:16", "tau": 1.5}], 8, "chain:16", 9)):     # cut to m
+        replay.write_text(json.dumps({"schema": "specpilot.replay/1", "positions": positions, "policies": policies}))
+        args = ("ceiling", "--replay", replay, "--rows-probe", rows, "--format", "json")
+        args += ("--policy", policy) if policy else ()
+        code, out, err = run_cli(*args)
+        assert code == 0, err
+        (w,) = json.loads(out)["warnings"]
+        assert f"with the 1-row step" in w and f"the pending token a step, {want} rows: give --rows {want}" in w, w
+        doc = json.loads(run_cli(*args, "--rows", str(want))[1])
+        assert doc["warnings"] == [] and doc["cost_model"]["step_ms"] == pytest.approx(10 + 0.1 * want)
+
+
+def test_budgets_the_probe_did_not_time_are_named(run_cli, tmp_path):
+    """The by-node table leaves out budgets whose N + 1 rows the probe lacks, and says which."""
+    replay = tmp_path / "replay.json"
+    replay.write_text(json.dumps({"schema": "specpilot.replay/1", "positions": 8, "policies": [
+        {"policy": "chain", "nodes": 8, "tau": 1.5}, {"policy": "best-first:32", "nodes": 32, "tau": 1.7}],
+        "curves": {"chain": {"8": 1.5}, "best-first": {"8": 1.6, "16": 1.65, "32": 1.7}}}))
+    rows = tmp_path / "rows.json"
+    rows.write_text(json.dumps({"schema": "specpilot.rows/1", "ar_ms": 10.0, "ar_path": "fused", "warnings": [],
+                                "points": [{"rows": r, "step_ms": 10 + 0.1 * r} for r in (1, 9, 16)]}))
+    args = ("ceiling", "--replay", replay, "--rows-probe", rows, "--rows", "9")
+    code, out, err = run_cli(*args)
+    assert code == 0, err
+    assert ("did not time their N + 1 rows: best-first at 16, 32 nodes (17, 33 rows)" in out
+            and "chain at" not in out.split("Left out")[1]), out
+    doc = json.loads(run_cli(*args, "--format", "json")[1])
+    assert [(r["policy"], r["nodes"]) for r in doc["by_nodes"]] == [("chain", 8), ("best-first", 8)]
+    assert doc["by_nodes_left_out"] == [{"policy": "best-first", "nodes": 16, "rows": 17},
+                                        {"policy": "best-first", "nodes": 32, "rows": 33}]
+    rows.write_text(json.dumps({"schema": "specpilot.rows/1", "ar_ms": 10.0, "ar_path": "fused", "warnings": [],
+                                "points": [{"rows": r, "step_ms": 10 + 0.1 * r} for r in (1, 2)]}))
+    code, out, err = run_cli(*args[:-2])
+    assert code == 0 and "note: no node budget's speedup is predicted: left out" in out, out
 
 
 def test_rows_mismatch_advice_works_where_the_probe_lacks_the_rows(run_cli, tmp_path):

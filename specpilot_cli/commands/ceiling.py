@@ -195,6 +195,7 @@ def _report(res, run=None) -> Report:
                                 note=f"AR floor (1 row, no drafter): {res.ar_floor.total_floor_ms:.4g} ms/token; "
                                      f"fractions {res.fractions['flops']:.2f} of peak FLOP/s, "
                                      f"{res.fractions['bandwidth']:.2f} of peak bandwidth."))
+    left_out = by_nodes_left_out(res)
     if res.by_nodes:
         best = max(res.by_nodes, key=lambda r: r["speedup"])
         sections.append(Section("Predicted speedup by node budget N: tau(N) / c at its N + 1 rows",
@@ -202,7 +203,9 @@ def _report(res, run=None) -> Report:
                                 [[r["policy"], r["nodes"], r["rows"], r["tau"], r["c"], r["c_source"], r["speedup"]]
                                  for r in res.by_nodes],
                                 note=f"Best in this table: {best['policy']} at {best['nodes']} nodes "
-                                     f"({best['speedup']:.3g}x over AR)."))
+                                     f"({best['speedup']:.3g}x over AR)." + (f" {left_out}" if left_out else "")))
+    elif left_out:
+        lines.append(f"note: no node budget's speedup is predicted: {left_out[0].lower()}{left_out[1:]}")
     if res.cycle:
         cy = res.cycle
         names = {"draft1": "draft 1", "qpass": "Q pass", "draft2": "draft 2", "exact": "exact pass",
@@ -249,6 +252,21 @@ def _report(res, run=None) -> Report:
         # a run's step is a mean over its verify passes: ``rows`` is then the byte floor's
         data["cost_model"]["run_verify_rows"] = _run_rows(res, run)
     return Report(data=data, sections=sections, lines=lines)
+
+
+def by_nodes_left_out(res) -> str | None:
+    """The sentence naming the replay's budgets left out of the by-node table because the rows
+    probe did not time their N + 1 rows (None when none is)."""
+    if not res.by_nodes_left_out:
+        return None
+    by_policy: dict[str, list[dict]] = {}
+    for r in res.by_nodes_left_out:
+        by_policy.setdefault(r["policy"], []).append(r)
+    parts = [f"{p} at {', '.join(str(r['nodes']) for r in rs)} nodes "
+             f"({', '.join(str(r['rows']) for r in rs)} rows)" for p, rs in by_policy.items()]
+    probe = res.measurements.sources.get("ar_ms", "the rows probe").split(" (")[0]
+    return (f"Left out, {probe} did not time their N + 1 rows: {'; '.join(parts)} (probe rows --rows "
+            "with those counts times them).")
 
 
 def _check(check_file, run_file, replay_file, rows_file, ar_run_file, profile_file, model_name, batch, policy,
