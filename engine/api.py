@@ -144,10 +144,12 @@ class Engine:
                                 "step_timing": r.step_timing(), **({"tlv": r.tlv} if r.tlv else {})})
 
     def _run_batched(self, prompts, max_new_tokens, chat, record_lattice, progress, out: "RunResult") -> None:
-        """``run`` with ``batch`` > 1: every prompt queued at once, ``batch`` decoded together."""
+        """``run`` with ``batch`` > 1: every prompt queued at once, ``batch`` decoded together. The
+        decoder gets no more slots than there are prompts: a slot no request takes would only hold
+        its caches (the memory check counts the slots it makes)."""
         reqs = [self.request(pr.get("ids") or self.encode(pr["text"], chat=chat), max_new_tokens, id=pr["id"],
                              record_lattice=record_lattice) for pr in prompts]
-        dec = self.batch_decoder()
+        dec = self.batch_decoder(max(1, min(self.spec.batch, len(reqs))))
         for r in reqs:
             with about_prompt(r.id):
                 dec.check(r)
@@ -168,7 +170,8 @@ class Engine:
                                 "prefill_seconds": res.prefill_seconds, "tokens_per_s": res.tokens_per_second,
                                 "decode_tokens_per_s": res.decode_tokens_per_second, "stop": res.stop_reason,
                                 **({"tlv": res.tlv} if res.tlv else {})})
-        out.batch = {"batch": dec.batch, "budget": self.spec.rule("budget"), "block": self.spec.rule("block"),
+        out.batch = {"batch": dec.batch, **({"batch_asked": self.spec.batch} if dec.batch != self.spec.batch else {}),
+                     "budget": self.spec.rule("budget"), "block": self.spec.rule("block"),
                      "admit": self.spec.rule("admit"), "seconds": time.perf_counter() - t0,
                      "warmup_seconds": dec.warmup_seconds, **batch_stats(dec)}
 

@@ -402,6 +402,27 @@ def test_run_batch_equals_run_one_at_a_time(run_cli, tmp_path):
     assert outs[3]["batch"]["batch"] == 3 and outs[3]["batch"]["verify_steps"] > 0 and "batch" not in outs[1]
 
 
+def test_run_batch_takes_no_more_slots_than_prompts(run_cli, tmp_path, monkeypatch):
+    """--batch above the prompts' count: the decoder has one slot per prompt, which is what the
+    memory check counts, and the report gives the batch used beside the one asked for."""
+    import specpilot.machine
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"schema": "specpilot.prompts/1", "id": f"p{i}", "prompt_ids": p}) + "\n"
+                               for i, p in enumerate(PROMPTS[:2])))
+    # a tiny cache of 100000 slots is about 0.1 GB: the model's own and two fit, fifty would not
+    monkeypatch.setattr(specpilot.machine, "free_memory", lambda device: 400 * 10**6)
+    args = ("run", "--model", "tiny", "--ctx", "100000", "--prompts", prompts, "--max-new-tokens", "4")
+    code, out, err = run_cli(*args, "--batch", "50", "--format", "json")
+    assert code == 0, err
+    b = json.loads(out)["batch"]
+    assert b["batch"] == 2 and b["batch_asked"] == 50
+    code, out, err = run_cli(*args, "--batch", "50")
+    assert code == 0 and "batch 2 of --batch 50: 2 prompts)" in out and "\nbatch 2: " in out, out + err
+    code, out, err = run_cli(*args, "--batch", "2", "--format", "json")   # as many slots as asked: no batch_asked
+    assert code == 0 and json.loads(out)["batch"]["batch"] == 2 and "batch_asked" not in json.loads(out)["batch"]
+
+
 def test_run_batch_note_gives_the_steps_and_the_rules(run_cli, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"schema": "specpilot.prompts/1", "id": f"p{i}", "prompt_ids": p}) + "\n"

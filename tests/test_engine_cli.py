@@ -204,7 +204,9 @@ def test_a_cache_the_memory_cannot_hold_is_refused_before_it_is_made(run_cli, tm
     code, _, err = run_cli("run", "--model", "tiny", "--ctx", "100000", "--prompt-ids", "1,2", "--max-new-tokens", "2")
     assert code == 3 and "a KV cache of 100000 slots" in err, err
     monkeypatch.setattr(specpilot.machine, "free_memory", lambda device: 200 * 10**6)   # one cache fits, 8 do not
-    code, _, err = run_cli("run", "--model", "tiny", "--ctx", "100000", "--batch", "8", "--prompt-ids", "1,2",
+    prompts = tmp_path / "p.txt"   # 8 prompts: a slot each
+    prompts.write_text("".join(f"prompt {i}\n" for i in range(8)))
+    code, _, err = run_cli("run", "--model", "tiny", "--ctx", "100000", "--batch", "8", "--prompts", prompts,
                            "--max-new-tokens", "2")
     assert code == 3 and "8 KV caches of 100000 slots need" in err, err
     code, _, err = run_cli("probe", "rows", "--model", "tiny", "--device", "cpu", "--context", "100000", "--batch", "4",

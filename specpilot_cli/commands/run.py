@@ -30,12 +30,21 @@ def _gdn_label(gdn: str | None) -> str:
     return f", GDN {gdn}" if gdn else ""
 
 
-def _title(model_name: str, spec, info: dict) -> str:
+def _batch_label(spec, batch: dict | None) -> str:
+    """The title's batch: the slots the batch decoder had (no more than the prompts) and the
+    ``--batch`` asked for where that was more."""
+    if spec.batch == 1:
+        return ""
+    used = batch["batch"] if batch else spec.batch
+    return f", batch {used}" + (f" of --batch {spec.batch}: {count(used, 'prompt')}" if used != spec.batch else "")
+
+
+def _title(model_name: str, spec, info: dict, batch: dict | None = None) -> str:
     """The run table's title: model, mode and what changes the arithmetic or the schedule."""
     return (f"{model_name} {spec.mode} ({info['dtype']}, {spec.device}{_w12_label(info.get('w12'))}"
             f"{_gdn_label(info.get('gdn'))}{', deterministic steps' if info.get('deterministic') else ''}"
             f"{', Q pass ' + str(info.get('qview')) if spec.mode == 'tlv' else ''}"
-            f"{f', batch {spec.batch}' if spec.batch > 1 else ''})")
+            f"{_batch_label(spec, batch)})")
 
 
 def _tlv_summary(results: list[dict], tau: float, qview: str | None, batch: dict | None = None) -> dict | None:
@@ -206,7 +215,7 @@ def command(prompt_text, prompts_file, prompt_ids, chat, max_new_tokens, outputs
             lines.append(f"--- {r['id']} ---" if len(results) > 1 else "")
             lines.append(r["text"])
     report = Report(data=data, title=None, lines=[x for x in lines if x != ""] if len(results) == 1 else lines,
-                    sections=[Section(_title(engine.model_name, spec, engine.info),
+                    sections=[Section(_title(engine.model_name, spec, engine.info, run.batch),
                                       ["id", "tokens", "steps", "tau", "tokens/s", "decode tok/s", "stop"], rows,
                                       note=_note(tokens, steps, summary, engine.info, run.step_timing(),
                                                  run.gpu_clocks, run.batch, spec.mode)
