@@ -29,6 +29,17 @@ def test_batched_probe_warms_the_first_row_count(run_cli, monkeypatch):
     assert json.loads(out)["warmup"] == 0
 
 
+@pytest.mark.parametrize("batch", ["1", "2"])
+def test_every_point_names_the_path_its_step_ran(run_cli, batch):
+    """One request's probe and the batched probe alike: each point has ``path`` (the text's column
+    read it from the point, falling back to ``ar_path``, so only the JSON lacked it)."""
+    code, out, err = run_cli(*TINY, "--batch", batch, "--rows", "1,2,4", "--reps", "1", "--warmup", "0",
+                             "--format", "json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert [p["path"] for p in data["points"]] == ["layers"] * 3 and data["ar_path"] == "layers"
+
+
 def test_batched_probe_c_is_sane_without_warmup():
     """In a fresh process (where the first step pays for allocation) c(N) of a batched probe with
     --warmup 0 is not an artefact of an untimed first step: T_AR is not many times T(2)."""

@@ -31,6 +31,14 @@ def chain_rows(B: int, N: int, context: int, vocab: int, gen) -> list[Rows]:
     return out
 
 
+def step_path(model) -> str:
+    """The path a batched step runs, whatever its rows (:meth:`Transformer.hidden_batch`): ``fused``
+    where the fused kernels take batched steps (``decode=fused``), else ``layers``."""
+    from specpilot.engine.fused_verify import takes_batch
+
+    return "fused" if takes_batch(model) else "layers"
+
+
 def measure_rows_batched(model, batch: int, rows: list[int], context: int, reps: int = 50, warmup: int = 5,
                          progress=None, graphs: bool = True):
     """Median step time per row count N for ``batch`` requests (cache of >= context + max(rows) slots);
@@ -82,14 +90,16 @@ def measure_rows_batched(model, batch: int, rows: list[int], context: int, reps:
             samples = time_calls(once, reps, warm, cuda)
         times[N] = statistics.median(samples)
     ar = times[1]
-    points = [{"rows": N, "step_ms": times[N], "c": times[N] / ar} for N in order if N in set(rows) or N == 1]
+    path = step_path(model)
+    points = [{"rows": N, "step_ms": times[N], "c": times[N] / ar, "path": path}
+              for N in order if N in set(rows) or N == 1]
     gpu = torch.cuda.get_device_name(model.device) if cuda else None
     method = ("cuda graph per (requests, rows), CUDA events, median"
               + ("; hybrid: every verify row walks its GDN path" if model.spec.is_hybrid else "") if graphs else
               "eager, CUDA events, median" if cuda else "eager, wall clock, median")
     return RowsResult(model.spec.name, gpu, str(model.device), str(model.dtype).replace("torch.", ""), context, ar,
                       points, reps, method, cpu=None if cuda else cpu_name(),
-                      ar_path="fused" if model.fused_decode else "layers",
+                      ar_path=path,
                       extra={"batch": batch, "ar_tokens_per_s": batch / ar * 1e3, "torch": torch.__version__,
                              "threads": torch.get_num_threads(), "warmup": warmup})
 
