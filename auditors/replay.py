@@ -137,6 +137,12 @@ def parse_row(row: dict, where: str) -> LatticeStep:
         tokens[i, :len(tr_)] = tr_
         logprobs[i, :len(lr_)] = lr_
     _check_scores(logprobs[~np.isneginf(logprobs)], where, "logprobs")
+    for i, lr_ in enumerate(raw_lp):
+        j = next((j for j in range(1, len(lr_)) if lr_[j] > lr_[j - 1]), None)
+        if j is not None:
+            raise InputError(f"{where}: \"logprobs\"[{i}] is not sorted by score (candidate {j} scores {lr_[j]:g}, "
+                             f"above candidate {j - 1}'s {lr_[j - 1]:g}); a position's candidates are sorted best "
+                             "first")
     trans = row["transitions"]
     if trans is not None:
         if not isinstance(trans, list) or len(trans) != max(m - 1, 0):

@@ -12,7 +12,8 @@ call. Three hooks observe that call and never change a value:
 * AFTER ``DFlashWorkerV2._accept_block``: keeps the committed tokens of each row.
 
 The recorder writes ``specpilot.lattice/1`` rows (the ``specpilot replay`` input): ``tokens[i]``
-the K candidates of draft position i, ``logprobs[0]`` the log-softmax of the anchor-conditioned
+the K candidates of draft position i, sorted best first by ``logprobs[i]`` (the transitions
+permuted with them), ``logprobs[0]`` the log-softmax of the anchor-conditioned
 first-edge scores, ``logprobs[i>0]`` the log-softmax of the unary logits, ``transitions[i-1][k][j]``
 the log-softmax over j of ``score[b, i, k, j]``, and ``target`` the target's greedy continuation,
 filled from the request's committed tokens of this and the following steps (a row is written once
@@ -123,6 +124,14 @@ def lattice_rows_from_scores(candidate_ids, unary_logits, scores):
     logprobs = torch.cat([first[:, None, :], unary[:, 1:, :]], dim=1)
     transitions = torch.log_softmax(scores[:, 1:], dim=-1)                    # [b, m-1, K, K]
     ids = candidate_ids.detach().cpu().long()
+    # a lattice row's candidates are sorted best first by their position's score (replay's chain and
+    # oracle:K read the order); the first edge's scores need not follow the unary order of the ids
+    logprobs, perm = torch.sort(logprobs, dim=-1, descending=True, stable=True)
+    ids = ids.gather(-1, perm)
+    if transitions.shape[1]:
+        k = perm.shape[-1]
+        transitions = transitions.gather(2, perm[:, :-1, :, None].expand(-1, -1, -1, k))   # parents' order
+        transitions = transitions.gather(3, perm[:, 1:, None, :].expand(-1, -1, k, -1))    # children's order
     return [(ids[b].tolist(), logprobs[b].tolist(), transitions[b].tolist() if transitions.shape[1] else None)
             for b in range(ids.shape[0])]
 

@@ -94,6 +94,9 @@ def bad(field, value):
     (bad("batch_step", True), "\"batch_step\" must be a whole number >= 0"),
     (bad("logprobs", [[float("nan"), -1, -1], [-1, -1, -1], [-1, -1, -1]]), "NaN"),
     (bad("target", [11, -1, 30, 99]), "\"target\" holds a negative token id"),
+    (bad("logprobs", [[-1, -1, -1], [-3.0, -0.1, -4], [-1, -1, -1]]),
+     "\"logprobs\"[1] is not sorted by score (candidate 1 scores -0.1, above candidate 0's -3)"),
+    (bad("logprobs", [[-1, -1, -1], [-1, -1, -1], [float("-inf"), -0.5, -1]]), "\"logprobs\"[2] is not sorted"),
 ])
 def test_malformed_rows_name_file_and_line(tmp_path, run_cli, row, msg):
     lat = tmp_path / "l.jsonl"
