@@ -313,6 +313,11 @@ def replay(lattice: Lattice, policies: Sequence[Policy | str], nodes: Sequence[i
     # a batched run's rows say which requests its decoder verified together; other lattices are
     # taken as a static batch (the requests' steps of one index verify together)
     batches: dict[tuple, list[int]] = {}
+    with_bs = sum(s.batch_step is not None for s in lattice.steps)
+    if 0 < with_bs < len(lattice.steps) and any(p.family in ("shared", "adaptive") for p in pols):
+        raise InputError(f"{lattice.path}: {with_bs} of {len(lattice.steps)} rows carry \"batch_step\" and the others "
+                         "do not: a batch policy groups the first by the batched run's steps and the others by step "
+                         "index, which mixes runs; replay each run's lattice on its own")
     for i, s in enumerate(lattice.steps):
         batches.setdefault((0, s.batch_step) if s.batch_step is not None else (1, s.step), []).append(i)
 
@@ -427,6 +432,31 @@ def tlv_hint(lattice: Lattice) -> str | None:
     return (f"{len(with_tlv)} of {len(lattice.steps)} rows are TLV cycles (recorded at --nodes "
             f"{', '.join(map(str, budgets))}); tlv:N needs every row to be one at that N, so the default policies "
             "leave it out")
+
+
+def transitions_share(lattice: Lattice) -> tuple[int, int]:
+    """(rows with ``transitions``, rows that could have them): rows of 2 or more draft positions,
+    where a parent exists to condition on (a row of no or one position has none either way)."""
+    deep = [s for s in lattice.steps if s.m >= 2]
+    return sum(s.transitions is not None for s in deep), len(deep)
+
+
+def mix_warnings(lattice: Lattice, policies: Sequence[Policy] = ()) -> list[str]:
+    """One line per sign that the file joins lattices of different runs: rows of 2+ positions with
+    and without ``transitions`` (best-first then scores some steps parent-conditioned, the others
+    marginal), rows with and without ``batch_step`` (a batched run's and another's; with a batch
+    policy in ``policies`` that is replay's refusal, not a warning)."""
+    out = []
+    have, deep = transitions_share(lattice)
+    if 0 < have < deep:
+        out.append(f"{have} of {deep} rows of 2+ draft positions carry \"transitions\", {deep - have} do not: "
+                   "their trees are scored parent-conditioned and marginal respectively (rows of different "
+                   "drafters or runs in one file?)")
+    with_bs = sum(s.batch_step is not None for s in lattice.steps)
+    if 0 < with_bs < len(lattice.steps) and not any(p.family in ("shared", "adaptive") for p in policies):
+        out.append(f"{with_bs} of {len(lattice.steps)} rows carry \"batch_step\" (a batched run's), the others do "
+                   "not (rows of different runs in one file?); shared:N and adaptive:N refuse such a file")
+    return out
 
 
 def parse_nodes(text: str | None) -> list[int] | None:

@@ -534,3 +534,23 @@ def test_the_progress_total_is_the_work_done(tmp_path, run_cli, monkeypatch):
     assert code == 0, err
     # 6 steps x (5 policies + chain at N=2 + best-first at N=2, 8, 16)
     assert [(b.total, b.n) for b in bars] == [(6 * 9, 6 * 9)]
+
+
+def test_lattices_of_different_runs_in_one_file(tmp_path, run_cli):
+    """Rows of 2+ positions with and without transitions, rows with and without batch_step: one
+    warning line each and a header that says which scores; a batch policy refuses the batch_step mix."""
+    trans = [[[-0.1, -2.5, -3.0]] * 3] * 2
+    rows = [dict(HAND, step=0, transitions=trans), dict(HAND, step=1),
+            dict(HAND, step=2, tokens=[[10]], logprobs=[[0.0]], transitions=None)]   # one position: no parent
+    code, out, err = run_cli("replay", write(tmp_path / "t.jsonl", rows), "--policy", "chain")
+    assert code == 0 and err.count("warning:") == 1, err
+    assert "1 of 2 rows of 2+ draft positions carry \"transitions\", 1 do not" in err, err
+    assert "parent-conditioned scores in 1 of 2 rows of 2+ positions, marginal in the others)" in out, out
+    code, out, err = run_cli("replay", write(tmp_path / "ok.jsonl", [rows[0], rows[2]]), "--policy", "chain")
+    assert code == 0 and "warning" not in err and ", parent-conditioned scores)" in out, (out, err)
+    lat = write(tmp_path / "b.jsonl", [dict(HAND, batch_step=0), dict(HAND, step=1)])
+    code, out, err = run_cli("replay", lat, "--policy", "chain")
+    assert code == 0 and "1 of 2 rows carry \"batch_step\"" in err and err.count("\n") == 1, err
+    code, out, err = run_cli("replay", lat, "--policy", "shared:4", "--out", tmp_path / "o.json")
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert "1 of 2 rows carry \"batch_step\" and the others do not" in err and not (tmp_path / "o.json").exists()

@@ -39,7 +39,8 @@ def command(lattice, policies, nodes, calibration, n_boot, seed, fmt, out):
           --policy eagle2:4,8,32 --policy sequoia:32 --policy oracle:16 --nodes 8,16,32,63
     """
     from specpilot.auditors.policies import parse_policy, split_policies
-    from specpilot.auditors.replay import default_policies, parse_nodes, read_lattice, replay, tlv_hint, total_work
+    from specpilot.auditors.replay import (default_policies, mix_warnings, parse_nodes, read_lattice, replay,
+                                           tlv_hint, total_work, transitions_share)
     from specpilot.errors import InputError
     from specpilot.output import progress
 
@@ -57,6 +58,8 @@ def command(lattice, policies, nodes, calibration, n_boot, seed, fmt, out):
         hint = tlv_hint(lat)
         if hint:
             click.echo(f"specpilot: warning: {hint}", err=True)
+    for line in mix_warnings(lat, parsed):
+        click.echo(f"specpilot: warning: {line}", err=True)
     bar = progress(total=total_work(lat, parsed, node_list), desc="replay", unit="step")
     try:
         result = replay(lat, parsed, node_list, n_boot=n_boot, seed=seed, calibration=calib,
@@ -72,16 +75,20 @@ def command(lattice, policies, nodes, calibration, n_boot, seed, fmt, out):
     if node_list and all(p.curve_key is None for p in parsed):
         notes.append(f"--nodes: no tau(N) curve: {', '.join(sorted({p.family for p in parsed}))} replays at its own "
                      "budget only (add a tree policy, e.g. --policy best-first:32, for a curve)")
-    emit(_report(result, notes), fmt, out, protect=[lattice] + ([calibration] if calibration else []))
+    emit(_report(result, notes, transitions_share(lat)), fmt, out, protect=[lattice] + ([calibration] if calibration else []))
     return 0
 
 
-def _report(result, notes=()) -> Report:
+def _report(result, notes=(), share: tuple[int, int] | None = None) -> Report:
+    have, deep = share or (0, 0)
+    scores = ("marginal" if not result.transitions else
+              f"parent-conditioned scores in {have} of {deep} rows of 2+ positions, marginal in the others"
+              if 0 < have < deep else "parent-conditioned")
     rows = [[p.policy, p.nodes if p.nodes is not None else "-", f"{p.built:.1f}" if p.built is not None else "-",
              p.tau, f"[{p.tau_ci[0]:.3f}, {p.tau_ci[1]:.3f}]"] for p in result.policies]
     sections = [Section(f"tau per policy ({count(result.steps, 'step')}, {count(result.requests, 'request')}, "
                         f"m={count(result.m, 'position')} x K={count(result.k, 'candidate')}, "
-                        f"{'parent-conditioned' if result.transitions else 'marginal'} scores)",
+                        f"{scores}{'' if scores.endswith('others') else ' scores'})",
                         ["policy", "nodes", "built (mean)", "tau", "95% CI (requests resampled)"], rows)]
     if result.curves:
         ns = sorted({int(n) for c in result.curves.values() for n in c})
