@@ -218,16 +218,17 @@ def read_lattice(path) -> Lattice:
     if not p.is_file():
         raise InputError(f"{p}: no such file")
     # the reader checks the schema of every row and reports file:line for JSON errors
+    seen = {}
     for lineno, row in iter_jsonl_numbered(p, LATTICE_KIND):
-        steps.append(parse_row(row, f"{p}:{lineno}"))
-    if not steps:
-        raise InputError(f"{p}: no lattice rows")
-    seen = set()
-    for s in steps:
+        s = parse_row(row, f"{p}:{lineno}")
         key = (_req_key(s.request), s.step)
         if key in seen:
-            raise InputError(f"{p}: request {s.request!r} step {s.step} appears twice")
-        seen.add(key)
+            raise InputError(f"{p}:{lineno}: request {s.request!r} step {s.step} appears twice (first at line "
+                             f"{seen[key]})")
+        seen[key] = lineno
+        steps.append(s)
+    if not steps:
+        raise InputError(f"{p}: no lattice rows")
     return Lattice(str(p), steps)
 
 

@@ -159,7 +159,7 @@ def test_bad_options(tmp_path, run_cli, args, msg):
 def test_duplicate_step_and_overwrite_input(tmp_path, run_cli):
     lat = write(tmp_path / "l.jsonl", [HAND, HAND])
     code, _, err = run_cli("replay", lat)
-    assert code == 2 and "appears twice" in err
+    assert code == 2 and f"{lat}:2: request 0 step 0 appears twice (first at line 1)" in err, err
     lat = write(tmp_path / "l.jsonl", [HAND])
     code, _, err = run_cli("replay", lat, "--out", lat)
     assert code == 2 and "refusing to overwrite" in err
@@ -181,6 +181,12 @@ def test_library_replay_matches_cli_numbers(tmp_path):
     assert res.policies[0].tau <= res.policies[1].tau
     assert res.curves == {"chain": {"2": replay(read_lattice(lat), ["chain:2"]).policies[0].tau,
                                     "4": replay(read_lattice(lat), ["chain:4"]).policies[0].tau}}
+
+
+def test_a_bad_calibration_file_names_the_option(tmp_path, run_cli):
+    lat = write(tmp_path / "l.jsonl", [HAND])
+    code, out, err = run_cli("replay", lat, "--policy", "sequoia:4", "--calibrate", tmp_path / "nope.jsonl")
+    assert code == 2 and out == "" and err == f"specpilot: error: --calibrate {tmp_path / 'nope.jsonl'}: no such file\n"
 
 
 def test_sequoia_calibration_file(tmp_path, run_cli):

@@ -52,7 +52,10 @@ def command(lattice, policies, nodes, calibration, n_boot, seed, fmt, out):
     if calibration and not any(p.family == "sequoia" for p in parsed):   # the defaults have no sequoia
         raise InputError("--calibrate is read by sequoia:N only; add --policy sequoia:N or leave it out")
     lat = read_lattice(lattice)
-    calib = read_lattice(calibration) if calibration else None
+    try:
+        calib = read_lattice(calibration) if calibration else None
+    except InputError as e:   # name the option: two lattices are read
+        raise InputError(f"--calibrate {e}") from None
     if not parsed:
         parsed = [parse_policy(p) for p in default_policies(lat)]
         hint = tlv_hint(lat)
