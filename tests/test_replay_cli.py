@@ -254,6 +254,26 @@ def test_oracle_wider_than_the_lattice_takes_every_candidate(tmp_path, run_cli):
     lat = write(tmp_path / "l.jsonl", [HAND])
     d = json.loads(run_cli("replay", lat, "--policy", "oracle:3", "--policy", "oracle:16", "--format", "json")[1])
     assert d["policies"][0]["tau"] == d["policies"][1]["tau"] == 4.0
+    code, out, err = run_cli("replay", lat, "--policy", "oracle:16")
+    assert code == 0 and "oracle:16 is cut to the lattice's" in out, out
+
+
+def test_a_policy_given_twice_replays_once(tmp_path, run_cli):
+    lat = write(tmp_path / "l.jsonl", [HAND])
+    code, out, err = run_cli("replay", lat, "--policy", "best-first:8", "--policy", "chain,best-first:8",
+                             "--format", "json")
+    assert code == 0, err
+    assert [p["policy"] for p in json.loads(out)["policies"]] == ["best-first:8", "chain"]
+
+
+def test_a_lattice_without_drafts_prints_no_empty_sequoia_line(tmp_path, run_cli):
+    row = {"schema": "specpilot.lattice/1", "request": 0, "step": 0, "tokens": [], "logprobs": [], "transitions": None,
+           "target": [5]}
+    lat = write(tmp_path / "l.jsonl", [row])
+    code, out, err = run_cli("replay", lat, "--policy", "sequoia:4")
+    assert code == 0, err
+    assert "sequoia acceptance by rank (measured): \n" not in out + "\n" and not any(
+        ln.rstrip().endswith("(measured):") for ln in out.splitlines()), out
 
 
 def test_engine_recorded_lattice_replays_to_the_engines_acceptance(tmp_path, run_cli):

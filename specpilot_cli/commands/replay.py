@@ -49,6 +49,7 @@ def command(lattice, policies, nodes, calibration, n_boot, seed, fmt, out):
         raise InputError("--policy: empty; give a policy, e.g. --policy best-first:32")
     pols_spec = [p for text in policies for p in split_policies(text)]
     parsed = [parse_policy(p) for p in pols_spec]  # fail fast on a typo, before reading the file
+    parsed = list({p.spec: p for p in parsed}.values())   # a policy given twice replays once
     if calibration and not any(p.family == "sequoia" for p in parsed):   # the defaults have no sequoia
         raise InputError("--calibrate is read by sequoia:N only; add --policy sequoia:N or leave it out")
     lat = read_lattice(lattice)
@@ -73,6 +74,8 @@ def command(lattice, policies, nodes, calibration, n_boot, seed, fmt, out):
              for p in parsed if p.family == "chain" and p.nodes is not None and p.nodes > result.m]
     notes += [f"{p.spec} is cut to the lattice's {count(result.m, 'draft position')} (depth {result.m})"
               for p in parsed if p.family == "eagle2" and p.depth > result.m]
+    notes += [f"{p.spec} is cut to the lattice's {count(result.k, 'candidate')} per position (K {result.k})"
+              for p in parsed if p.family == "oracle" and p.k > result.k]
     if node_list and any(p.family == "chain" for p in parsed) and "chain" not in result.curves:
         notes.append(f"chain: no tau(N) curve: every --nodes budget is above the lattice's {result.m} draft positions")
     if node_list and all(p.curve_key is None for p in parsed):
@@ -98,7 +101,7 @@ def _report(result, notes=(), share: tuple[int, int] | None = None) -> Report:
         crow = [[k] + [c.get(str(n)) for n in ns] for k, c in result.curves.items()]
         sections.append(Section("tau(N) curves", ["policy"] + [f"N={n}" for n in ns], crow))
     lines = list(notes)
-    if result.rank_accept is not None:
+    if result.rank_accept is not None and len(result.rank_accept):   # a lattice without drafts measures none
         top = ", ".join(f"{x:.3f}" for x in result.rank_accept[:8])
         lines.append(f"sequoia acceptance by rank (measured): {top}{' ...' if len(result.rank_accept) > 8 else ''}")
     return Report(data=result.to_json(), sections=sections, lines=lines)
