@@ -303,6 +303,11 @@ def read_json(path, kind: str | None = None, versions: Iterable[int] = (1,),
         with open_text(path) as fh:
             obj = json.load(fh)
     except json.JSONDecodeError as e:
+        rows = _jsonl_schema(path) if e.msg == "Extra data" else None
+        if rows:   # JSON Lines where one document is wanted: say what the file is
+            made = {"specpilot.lattice": "; `specpilot replay` reads it (its --format json output is a replay)"}
+            raise InputError(f"{path}: JSON Lines of {rows} rows, where one JSON document"
+                             f"{f' ({kind})' if kind else ''} is wanted{made.get(rows.split('/')[0], '')}") from None
         raise InputError(f"{path}:{e.lineno}:{e.colno}: not valid JSON ({e.msg})") from None
     except (UnicodeDecodeError, EOFError, OSError, zlib.error) as e:
         raise InputError(f"{path}: not valid JSON ({_short(e)})") from None
@@ -318,6 +323,28 @@ def read_json(path, kind: str | None = None, versions: Iterable[int] = (1,),
         raise InputError(f"{path}: malformed {kind or 'document'} (no field {e.args[0]!r})") from None
     except (TypeError, ValueError, AttributeError, IndexError) as e:
         raise InputError(f"{path}: malformed {kind or 'document'} ({_short(e)})") from None
+
+
+def _jsonl_schema(path) -> str | None:
+    """The ``schema`` of the first line of ``path`` when that line alone is a JSON object with one."""
+    try:
+        with open_text(path) as fh:
+            first = json.loads(fh.readline())
+    except (ValueError, UnicodeDecodeError, EOFError, OSError, zlib.error, RecursionError):
+        return None
+    schema = first.get("schema") if isinstance(first, dict) else None
+    return schema if isinstance(schema, str) else None
+
+
+def _document_schema(path) -> str | None:
+    """For a file that is one JSON document: its ``schema`` ('' when it has none); else None."""
+    try:
+        with open_text(path) as fh:
+            obj = json.loads(fh.read(MAX_JSON_BYTES or -1))
+    except (ValueError, UnicodeDecodeError, EOFError, OSError, zlib.error, RecursionError):
+        return None
+    schema = obj.get("schema") if isinstance(obj, dict) else None
+    return schema if isinstance(schema, str) else ""
 
 
 def iter_jsonl(path, kind: str | None = None, versions: Iterable[int] = (1,)) -> Iterator[dict]:
@@ -346,6 +373,10 @@ def iter_jsonl_numbered(path, kind: str | None = None, versions: Iterable[int] =
                 try:
                     obj = json.loads(line)
                 except json.JSONDecodeError as e:
+                    doc = _document_schema(path) if line.strip() in ("{", "[") else None
+                    if doc is not None:   # one pretty-printed JSON document where JSON Lines are wanted
+                        raise InputError(f"{path}: one JSON document{f' ({doc})' if doc else ''}, where JSON Lines"
+                                         f"{f' of {kind} rows' if kind else ''} are wanted") from None
                     raise InputError(f"{path}:{lineno}: not valid JSON ({_short(e)})") from None
                 except RecursionError:
                     raise InputError(f"{path}:{lineno}: JSON nested too deeply") from None

@@ -580,3 +580,17 @@ def test_lattices_of_different_runs_in_one_file(tmp_path, run_cli):
     code, out, err = run_cli("replay", lat, "--policy", "shared:4", "--out", tmp_path / "o.json")
     assert code == 2 and out == "" and err.count("\n") == 1, err
     assert "1 of 2 rows carry \"batch_step\" and the others do not" in err and not (tmp_path / "o.json").exists()
+
+
+def test_a_file_of_the_other_json_shape_is_said_to_be_one(tmp_path, run_cli):
+    """A pretty-printed JSON document where lattice rows are wanted, and a lattice (JSON Lines) given
+    to ceiling where a replay's one JSON document is wanted: each named for what it is."""
+    lat = write(tmp_path / "l.jsonl", [HAND, dict(HAND, step=1)])
+    doc = tmp_path / "run.json"
+    doc.write_text(json.dumps({"schema": "specpilot.run/1", "tau": 1.5}, indent=2))
+    code, _, err = run_cli("replay", doc)
+    assert code == 2 and "run.json: one JSON document (specpilot.run/1), where JSON Lines of lattice rows are wanted" \
+        in err and err.count("\n") == 1, err
+    code, _, err = run_cli("ceiling", "--replay", lat, "--tau", "2")
+    assert code == 2 and "l.jsonl: JSON Lines of specpilot.lattice/1 rows, where one JSON document (replay) is " \
+        "wanted; `specpilot replay` reads it" in err and err.count("\n") == 1, err
