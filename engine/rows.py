@@ -70,6 +70,18 @@ def slower_ar_warning(model) -> str | None:
             "(decode=fused), a faster AR step: c(N) against the slower step understates what verification costs")
 
 
+def fill_random(tensors: list, gen, progress=None) -> None:
+    """Fill each of ``tensors`` with random normal values from ``gen`` (a probe's KV cache), one
+    tensor at a time; ``progress`` (``specpilot.output.progress``) reports them, since at long
+    contexts the fill takes longer than the timed steps."""
+    import torch
+
+    it = tensors if progress is None else progress(tensors, total=len(tensors), desc="filling the KV cache",
+                                                   unit="tensor")
+    for t in it:
+        t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+
+
 def step_input(model, T: int, context: int):
     """N = ``T`` rows at the slots after ``context`` committed tokens, each attending the context and
     its chain (causal among the rows), random tokens: a probe step's inputs."""
@@ -99,11 +111,8 @@ def measure_rows(model, rows: list[int], context: int, reps: int = 50, warmup: i
         raise InputError(f"context {context} + {max(rows)} rows exceed the cache ({model.max_seq} slots)")
     cuda = model.device.type == "cuda"
     gen = torch.Generator(device="cpu").manual_seed(0)
-    for blk in model.layers:  # a realistic (non-zero) KV cache
-        m = blk.mixer
-        if hasattr(m, "k_cache"):
-            m.k_cache.copy_(torch.randn(m.k_cache.shape, generator=gen).to(m.k_cache.dtype))
-            m.v_cache.copy_(torch.randn(m.v_cache.shape, generator=gen).to(m.v_cache.dtype))
+    fill_random([t for blk in model.layers if hasattr(blk.mixer, "k_cache")   # a realistic (non-zero) KV cache
+                 for t in (blk.mixer.k_cache, blk.mixer.v_cache)], gen, progress)
     order = sorted(set(rows))
     if 1 not in order:
         order = [1] + order
@@ -183,11 +192,79 @@ def q_view(model, kind: str, rows: int):
     return view
 
 
+def peak_bytes(spec, max_seq: int, dtype, device: str, rows: int, batch: int = 1,
+               torch_attention: bool = True) -> dict:
+    """What a rows probe of ``spec`` (a ModelSpec) holds at its peak, by the cache's ``max_seq``
+    positions, before anything is made: ``device`` (bytes on the device) and ``host`` (CPU bytes
+    the build and the cache fill take beside them on a GPU machine; 0 on the CPU, whose peak is
+    ``device``), and the parts (``kv``, ``rope``, ``transient``) the refusal names. The parts that
+    grow with the context: the KV caches (the model's one-request cache, and ``batch`` slots of
+    the batch decoder's, a hybrid's spare slot too), the RoPE tables (cos and sin, fp32) and the
+    largest of what is made and dropped again: building the RoPE tables (float64 positions and
+    angles), filling one layer's K or V with random fp32 values, or a step's mask and, with the
+    torch attention, one layer's scores over ``rows`` rows (fp32 scores, the masked copy and the
+    softmax). Weights and activations of a few rows are not counted (they do not grow with it)."""
+    import torch
+
+    elem = torch.empty((), dtype=dtype).element_size()
+    slots = 1 + (batch + spec.is_hybrid if batch > 1 else 0)
+    layer_pos = spec.num_kv_heads * spec.head_dim   # one layer's K (or V) per slot and position
+    kv = 2 * spec.num_full_attention_layers * layer_pos * elem * slots
+    rot = int(spec.head_dim * spec.partial_rotary_factor)
+    rot -= rot % 2
+    rope = 2 * rot * 4
+    build = 8 + 16 * rot   # rope_tables: positions and angles in float64, the angles in fp32
+    fill_slots = batch + spec.is_hybrid if batch > 1 else 1
+    fill = layer_pos * fill_slots * (4 + (elem if elem != 4 else 0))   # randn fp32, then .to(dtype)
+    step = rows * batch * (1 + (16 * spec.num_heads if torch_attention else 0))
+    cuda = device.startswith("cuda")
+    transient = max(step, 0 if cuda else max(build, fill))
+    return {"device": (kv + rope + transient) * max_seq, "host": max(build, fill) * max_seq if cuda else 0,
+            "kv": kv * max_seq, "rope": rope * max_seq, "transient": transient * max_seq, "slots": slots}
+
+
+def check_probe_fits(spec, max_seq: int, dtype, device: str, rows: int, batch: int = 1,
+                     torch_attention: bool = True) -> None:
+    """Refuse (EnvironmentMissing, exit 3) a rows probe whose peak (:func:`peak_bytes`) the free
+    memory cannot hold, before anything is made (the CPU hands out pages lazily: the process would
+    grow until the machine runs out, or be killed)."""
+    from specpilot.errors import EnvironmentMissing
+    from specpilot.machine import free_memory
+
+    need = peak_bytes(spec, max_seq, dtype, device, rows, batch, torch_attention)
+    for where, n in ((device, need["device"]), ("cpu", need["host"])):
+        free = free_memory(where)
+        if n and free is not None and n > free:
+            caches = (f"{need['slots']} KV caches of {max_seq} slots" if need["slots"] > 1
+                      else f"a KV cache of {max_seq} slots")
+            raise EnvironmentMissing(
+                f"probe rows needs about {n / 1e9:.3g} GB on {where} at its peak for {spec.name} ({caches} "
+                f"{need['kv'] / 1e9:.3g} GB, RoPE tables {need['rope'] / 1e9:.3g} GB, the largest transient "
+                f"{need['transient'] / 1e9:.3g} GB); {where} has {free / 1e9:.3g} GB free (a shorter --context, "
+                "fewer --rows or a smaller --batch)")
+
+
 def default_device() -> str:
     """``cuda`` when a GPU is visible, else ``cpu`` (``probe rows`` without ``--device``)."""
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def start(spec, max_seq: int, rows: int) -> None:
+    """A rows probe's first steps, before its CPU thread banner and its model: refuse a peak the
+    memory cannot hold (:func:`check_probe_fits`), then the ``loading model`` status line."""
+    import logging
+
+    import torch
+
+    from specpilot.engine.api import resolve_model
+    from specpilot.engine.attention import resolve
+
+    model_spec = resolve_model(spec.model, spec.random)[0]
+    check_probe_fits(model_spec, max_seq, getattr(torch, spec.torch_dtype_name), spec.device, rows, spec.batch,
+                     torch_attention=resolve(spec.attn, spec.device) == "torch")
+    logging.getLogger("specpilot.status").info(f"loading model {spec.model} (probe rows, {spec.device}) ...")
 
 
 def probe_rows(spec, rows: list[int], context: int, reps: int = 50, warmup: int = 5, progress=None,
@@ -200,10 +277,12 @@ def probe_rows(spec, rows: list[int], context: int, reps: int = 50, warmup: int 
 
     from specpilot.engine.api import cpu_threads, load_target
 
+    max_seq = context + max(rows) + 64
+    start(spec, max_seq, max(rows))
     threads = cpu_threads(spec) if spec.device == "cpu" else spec.threads   # as the engine runs
     if threads:
         torch.set_num_threads(threads)
-    target = load_target(spec, max_seq=context + max(rows) + 64)
+    target = load_target(spec, max_seq=max_seq)
     view = q_view(target.model, qview, max(rows)) if qview else None
     res = measure_rows(target.model, rows, context, reps=reps, warmup=warmup, progress=progress, qview=view)
     res.model = target.name

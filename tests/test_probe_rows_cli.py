@@ -40,6 +40,51 @@ def test_every_point_names_the_path_its_step_ran(run_cli, batch):
     assert [p["path"] for p in data["points"]] == ["layers"] * 3 and data["ar_path"] == "layers"
 
 
+@pytest.mark.parametrize("batch", ["1", "2"])
+def test_the_memory_check_counts_the_probes_peak(run_cli, tmp_path, monkeypatch, batch):
+    """Free memory that holds the KV caches but not the RoPE tables and the largest transient
+    beside them (the cache fill's random values, a step's scores): refused up front, exit 3, one
+    line, nothing written. Here a tiny fp32 cache takes 1024 bytes a position and slot, the whole
+    peak about 1.4 KB a position (plus the fill of the batch's slots)."""
+    import specpilot.machine
+
+    from specpilot.engine.api import resolve_model
+    from specpilot.engine.rows import peak_bytes
+
+    import torch
+
+    spec, S = resolve_model("tiny", False)[0], 100_000 + 2 + 64
+    need = peak_bytes(spec, S, torch.float32, "cpu", 2, int(batch))
+    assert need["kv"] == 1024 * S * (1 if batch == "1" else 3) and need["device"] > need["kv"] + need["rope"]
+    monkeypatch.setattr(specpilot.machine, "free_memory", lambda device: need["kv"] + need["rope"])
+    out = tmp_path / "rows.json"
+    code, stdout, err = run_cli("probe", "rows", "--model", "tiny", "--device", "cpu", "--context", "100000",
+                                "--rows", "1,2", "--batch", batch, "--out", out)
+    assert code == 3 and not out.exists() and stdout == "", err
+    assert err.startswith("specpilot: error: probe rows needs about") and err.count("\n") == 1, err
+    monkeypatch.setattr(specpilot.machine, "free_memory", lambda device: need["device"])   # the peak fits
+    code, _, err = run_cli("probe", "rows", "--model", "tiny", "--device", "cpu", "--context", "100000",
+                           "--rows", "1,2", "--batch", batch, "--reps", "1", "--warmup", "0", "--out", out)
+    assert code == 0 and out.exists(), err
+
+
+@pytest.mark.parametrize("batch", ["1", "2"])
+def test_probe_says_it_loads_the_model_and_reports_the_cache_fill(run_cli, monkeypatch, batch):
+    """stderr not a terminal: the loading line before the CPU engine's, and progress lines for the
+    cache fill (long at long contexts) as for the row counts."""
+    from specpilot import machine
+
+    monkeypatch.setattr(machine, "_announced", set())
+    monkeypatch.setenv("SPECPILOT_PROGRESS_SECONDS", "0")
+    code, _, err = run_cli(*TINY, "--batch", batch, "--rows", "1,2", "--reps", "1", "--warmup", "0")
+    assert code == 0, err
+    lines = err.splitlines()
+    assert lines[:2] == ["specpilot: loading model tiny (probe rows, cpu) ...",
+                         "specpilot: CPU engine: 1 torch thread (--threads)"], err
+    assert any(ln.startswith("filling the KV cache: 8/8 tensor") for ln in lines), err
+    assert any(ln.startswith("rows: 2/2 N") for ln in lines) and "\r" not in err, err
+
+
 def test_batched_probe_c_is_sane_without_warmup():
     """In a fresh process (where the first step pays for allocation) c(N) of a batched probe with
     --warmup 0 is not an artefact of an untimed first step: T_AR is not many times T(2)."""

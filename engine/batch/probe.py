@@ -43,7 +43,7 @@ def measure_rows_batched(model, batch: int, rows: list[int], context: int, reps:
                          progress=None, graphs: bool = True):
     """Median step time per row count N for ``batch`` requests (cache of >= context + max(rows) slots);
     ``graphs=False`` times eager steps where graphs would run."""
-    from specpilot.engine.rows import RowsResult
+    from specpilot.engine.rows import RowsResult, fill_random
     from specpilot.machine import cpu_name
 
     if context < 1:
@@ -56,10 +56,7 @@ def measure_rows_batched(model, batch: int, rows: list[int], context: int, reps:
     graphs = graphs and cuda and replays(model)
     cache = BatchCache(model, batch)
     gen = torch.Generator(device="cpu").manual_seed(0)
-    for lc in cache.layers:   # a realistic (non-zero) KV cache
-        for t in (lc.k, lc.v):
-            if t is not None:
-                t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+    fill_random([t for lc in cache.layers for t in (lc.k, lc.v) if t is not None], gen, progress)   # non-zero KV
     order = sorted(set(rows) | {1})
     times = {}
     it = order if progress is None else progress(order, total=len(order), desc="rows", unit="N")
@@ -106,17 +103,16 @@ def measure_rows_batched(model, batch: int, rows: list[int], context: int, reps:
 
 def probe_rows_batched(spec, rows: list[int], context: int, reps: int = 50, warmup: int = 5, progress=None):
     """:func:`measure_rows_batched` on the target ``spec`` describes, ``spec.batch`` requests."""
-    from specpilot.engine.api import cpu_threads, load_target, resolve_model
-    from specpilot.engine.model import check_cache_fits
+    from specpilot.engine.api import cpu_threads, load_target
+    from specpilot.engine.rows import start
 
+    max_seq = context + max(rows) + 64
+    # the peak: the model's own one-request cache and the B slots' (a hybrid's spare one too) with
+    # the rest that grows with the context, before either is made
+    start(spec, max_seq, max(rows))
     threads = cpu_threads(spec) if spec.device == "cpu" else spec.threads   # as the engine runs
     if threads:
         torch.set_num_threads(threads)
-    max_seq = context + max(rows) + 64
-    model_spec = resolve_model(spec.model, spec.random)[0]
-    # the model's own one-request cache and the B slots' (a hybrid's spare one too), before either is made
-    check_cache_fits(model_spec, max_seq, getattr(torch, spec.torch_dtype_name), spec.device,
-                     slots=1 + spec.batch + model_spec.is_hybrid)
     target = load_target(spec, max_seq=max_seq)
     res = measure_rows_batched(target.model, spec.batch, rows, context, reps=reps, warmup=warmup, progress=progress)
     res.model = target.name

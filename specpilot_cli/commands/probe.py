@@ -37,7 +37,8 @@ def command():
                    "values that could multiply or step take the rule that reaches the end (1,2,...,6 steps by 1); "
                    "one both reach (1,2,...,16) is refused: give a third value.")
 @click.option("--context", type=click.IntRange(1, MAX_CONTEXT), default=1024, show_default=True,
-              help="Committed tokens in the KV cache (a cache the device's free memory cannot hold is refused).")
+              help="Committed tokens in the KV cache (a probe whose peak memory, caches and what the steps "
+                   "make beside them, the device's free memory cannot hold is refused).")
 @click.option("--reps", type=click.IntRange(1, 100_000), default=50, show_default=True,
               help="Timed repetitions per N (their median is reported).")
 @click.option("--warmup", type=click.IntRange(0, 10_000), default=5, show_default=True,
