@@ -199,11 +199,14 @@ if AVAILABLE:
 
     @gluon.jit
     def _consumer(rt, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, ACC: gl.constexpr,
-                  L_EP: gl.constexpr, INFLIGHT: gl.constexpr, KB: gl.constexpr):
+                  L_EP: gl.constexpr, INFLIGHT: gl.constexpr, KB: gl.constexpr, H: gl.constexpr,
+                  PARTS: gl.constexpr):
         """The consumer warpgroup: per stage, wait for it, ``wgmma`` on its boxes (weights A, x B, both
         in shared memory), then free the stage before (``INFLIGHT``: its ``wgmma`` retired while this
         one's run) or this one; at the end of each block its run holds, the block's store or
-        partial."""
+        partial. With ``PARTS`` warpgroups sharing each box (a lab variant; the routed kernel has
+        one), this one takes its rows ``H * BLOCK_N ..`` and finishes them as block
+        ``PARTS * block + H``."""
         (w_s, x_s, ready, empty, g_begin, g_end, KT, PER, SLOTS, y_ptr, ws_ptr, lock_ptr, M, N, stride_ym) = rt
         i = 0
         for blk in range(g_begin // KT, (g_end - 1) // KT + 1):    # the blocks this program's run touches
@@ -214,8 +217,10 @@ if AVAILABLE:
                 s = i % STAGES
                 mbarrier.wait(ready.index(s), (i // STAGES) & 1)
                 for j in gl.static_range(KB):
-                    acc = warpgroup_mma(w_s.index(s * KB + j), x_s.index(s * KB + j).permute((1, 0)), acc,
-                                        is_async=True)
+                    w_box = w_s.index(s * KB + j)
+                    if PARTS > 1:
+                        w_box = w_box.slice(H * BLOCK_N, BLOCK_N)
+                    acc = warpgroup_mma(w_box, x_s.index(s * KB + j).permute((1, 0)), acc, is_async=True)
                 if INFLIGHT:   # the previous stage's wgmmas have retired: that stage is free
                     acc = warpgroup_mma_wait(KB, deps=[acc])
                     if g > t0:
@@ -229,7 +234,7 @@ if AVAILABLE:
                 mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES))
             first = (blk * KT) // PER
             last = ((blk + 1) * KT - 1) // PER
-            _finish(acc, y_ptr, ws_ptr, lock_ptr, blk, gl.program_id(0) - first, last - first + 1, SLOTS,
+            _finish(acc, y_ptr, ws_ptr, lock_ptr, blk * PARTS + H, gl.program_id(0) - first, last - first + 1, SLOTS,
                     M, N, stride_ym, BLOCK_N, BLOCK_M, ACC, L_EP)
 
     # (no value specialization of the sizes: Triton 3.6 failed to lower the kernel for K = 200,
@@ -254,7 +259,7 @@ if AVAILABLE:
         fence_async_shared()
         rt = (w_s, x_s, ready, empty, g_begin, g_end, KT, PER, SLOTS, y_ptr, ws_ptr, lock_ptr, M, N, stride_ym)
         pt = (w_desc, x_desc, w_s, x_s, ready, empty, g_begin, g_end, KT)
-        gl.warp_specialize([(_consumer, (rt, BLOCK_N, BLOCK_M, STAGES, ACC, L_EP, INFLIGHT, KB)),
+        gl.warp_specialize([(_consumer, (rt, BLOCK_N, BLOCK_M, STAGES, ACC, L_EP, INFLIGHT, KB, 0, 1)),
                             (_producer, (pt, BLOCK_N, BLOCK_M, STAGES, KB, PDL))], [1], [24])
 
 

@@ -11,9 +11,10 @@ is copied once per 128 rows.
 * **copies**: the ring's copy warp (``ring._producer``), unchanged: each stage is ``KB`` boxes of
   128 weight rows and the matching x boxes, the first ``STAGES`` stages' weights before
   ``griddepcontrol.wait``, their x after it.
-* **consumers**: warpgroup ``h`` (0 or 1) waits on each stage's ``ready`` barrier, runs ``wgmma`` on
-  rows ``64h .. 64h + 63`` of the stage's weight boxes (a slice of the shared tile) against the x
-  boxes, and arrives on the stage's ``empty`` barrier, which counts both warpgroups.
+* **consumers**: the ring's consumer (``ring._consumer`` with ``PARTS = 2``) twice: warpgroup ``h``
+  (0 or 1) waits on each stage's ``ready`` barrier, runs ``wgmma`` on rows ``64h .. 64h + 63`` of
+  the stage's weight boxes (a slice of the shared tile) against the x boxes, and arrives on the
+  stage's ``empty`` barrier, which counts both warpgroups.
 * **stream-K**: the ring's schedule over (128-row block, K step) pairs; a warpgroup's half of a
   block is finished by the ring's ``_finish`` as a 64-row block of its own (index ``2 * block + h``),
   so a shared block's halves are summed through the workspace in program order, deterministic.
@@ -82,8 +83,7 @@ def check(cfg: DualConfig, bm: int) -> None:
 
 
 try:
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
-                                                                  warpgroup_mma, warpgroup_mma_wait)
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 except Exception:  # pragma: no cover - Triton without Gluon's Hopper module
     mbarrier = None
 
@@ -93,39 +93,6 @@ if AVAILABLE:
     _HALF = gl.constexpr(HALF)
     _BN = gl.constexpr(BLOCK_N)
     _TK = gl.constexpr(TILE_K)
-
-    @gluon.jit
-    def _half(rt, H: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, ACC: gl.constexpr,
-              L_EP: gl.constexpr, INFLIGHT: gl.constexpr, KB: gl.constexpr):
-        """Consumer warpgroup ``H``: the ring's consumer on rows ``64H ..`` of each weight box, its
-        half of a block finished as 64-row block ``2 * block + H``."""
-        (w_s, x_s, ready, empty, g_begin, g_end, KT, PER, SLOTS, y_ptr, ws_ptr, lock_ptr, M, N, stride_ym) = rt
-        i = 0
-        for blk in range(g_begin // KT, (g_end - 1) // KT + 1):
-            t0 = gl.maximum(g_begin, blk * KT)
-            t1 = gl.minimum(g_end, blk * KT + KT)
-            acc = gl.zeros([_HALF, BLOCK_M], gl.float32, ACC)
-            for g in range(t0, t1):
-                s = i % STAGES
-                mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-                for j in gl.static_range(KB):
-                    acc = warpgroup_mma(w_s.index(s * KB + j).slice(H * _HALF, _HALF),
-                                        x_s.index(s * KB + j).permute((1, 0)), acc, is_async=True)
-                if INFLIGHT:
-                    acc = warpgroup_mma_wait(KB, deps=[acc])
-                    if g > t0:
-                        mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES))
-                else:
-                    acc = warpgroup_mma_wait(0, deps=[acc])
-                    mbarrier.arrive(empty.index(s))
-                i += 1
-            if INFLIGHT:
-                acc = warpgroup_mma_wait(0, deps=[acc])
-                mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES))
-            first = (blk * KT) // PER
-            last = ((blk + 1) * KT - 1) // PER
-            R._finish(acc, y_ptr, ws_ptr, lock_ptr, blk * 2 + H, gl.program_id(0) - first, last - first + 1, SLOTS,
-                      M, N, stride_ym, _HALF, BLOCK_M, ACC, L_EP)
 
     @gluon.jit(do_not_specialize=["M", "N", "KT", "PER", "SLOTS"])
     def _dual_kernel(w_desc, x_desc, y_ptr, ws_ptr, lock_ptr, M, N, KT, PER, SLOTS, stride_ym,
@@ -147,8 +114,8 @@ if AVAILABLE:
         fence_async_shared()
         rt = (w_s, x_s, ready, empty, g_begin, g_end, KT, PER, SLOTS, y_ptr, ws_ptr, lock_ptr, M, N, stride_ym)
         pt = (w_desc, x_desc, w_s, x_s, ready, empty, g_begin, g_end, KT)
-        gl.warp_specialize([(_half, (rt, 0, BLOCK_M, STAGES, ACC, L_EP, INFLIGHT, KB)),
-                            (_half, (rt, 1, BLOCK_M, STAGES, ACC, L_EP, INFLIGHT, KB)),
+        gl.warp_specialize([(R._consumer, (rt, _HALF, BLOCK_M, STAGES, ACC, L_EP, INFLIGHT, KB, 0, 2)),
+                            (R._consumer, (rt, _HALF, BLOCK_M, STAGES, ACC, L_EP, INFLIGHT, KB, 1, 2)),
                             (R._producer, (pt, _BN, BLOCK_M, STAGES, KB, PDL))], [4, 1], [REGS, 24])
 
 
