@@ -209,15 +209,14 @@ def norm_proj(x: torch.Tensor, gamma: torch.Tensor, eps: float, w, cfg=None) -> 
     ``N`` even; the config's row pairs halve until they divide it): the input projection of a
     hybrid model's layers, [1, N]."""
     N, K = w.shape
-    given = cfg is not None
+    auto = cfg is None
     cfg = _config("plain", w, cfg, x)
-    least = 4 if isinstance(cfg, gemv_w12_gluon.GluonFusedConfig) else 1   # the Gluon kernel's 8-row programs
+    # a width the Gluon kernel's 8-row programs do not divide: the Triton W12 kernel's config
+    if auto and isinstance(cfg, gemv_w12_gluon.GluonFusedConfig) and N % 8:
+        cfg = gemv_w12.config_for("plain", N, K, device=x.device)
+    least = 4 if isinstance(cfg, gemv_w12_gluon.GluonFusedConfig) else 1
     while N % (2 * cfg.pairs) and cfg.pairs > least:   # odd projection widths (GDN: conv + z + 2 x heads)
         cfg = replace(cfg, pairs=cfg.pairs // 2)
-    if N % (2 * cfg.pairs) and not given and least > 1:   # narrower than the Gluon kernel's programs: Triton's
-        cfg = gemv_w12.config_for("plain", N, K, device=x.device)
-        while N % (2 * cfg.pairs) and cfg.pairs > 1:
-            cfg = replace(cfg, pairs=cfg.pairs // 2)
     _check_row(x, K, "x")
     _check_weight(w, x)
     if N % (2 * cfg.pairs):
