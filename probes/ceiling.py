@@ -277,7 +277,7 @@ def policy_nodes(r: ReplayFigures | None, policy: str) -> int | None:
     if family == "chain":
         m = r.positions if r is not None else None
         if budget.isdigit():
-            return min(int(budget), m) if m else int(budget)
+            return min(int(budget), m) if m is not None else int(budget)
         return m
     return int(budget) if budget.isdigit() else None
 

@@ -58,13 +58,15 @@ def read_replay(path: str) -> ReplayFigures:
         if not isinstance(p, dict) or not _finite(p.get("tau"), 1, MAX_TAU, lo_open=False) or "policy" not in p:
             raise InputError(f"{path}: every policy needs 'policy' and a 'tau' in [1, {MAX_TAU}]")
         taus[str(p["policy"])] = float(p["tau"])
+        # the nodes a step verifies besides the pending token: 0 for a chain over a lattice of no
+        # draft positions (an AR run's), which verifies the pending token alone
         n = p.get("nodes")
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_ROWS):
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_ROWS):
             raise InputError(f"{path}: policy {p['policy']!r}: 'nodes' must be null or a whole number in "
-                             f"[1, {MAX_ROWS}]")
+                             f"[0, {MAX_ROWS}]")
         nodes[str(p["policy"])] = n
-    m = doc.get("positions")
-    m = m if isinstance(m, int) and not isinstance(m, bool) and m >= 1 else None
+    m = doc.get("positions")   # 0 on a lattice of an AR run
+    m = m if isinstance(m, int) and not isinstance(m, bool) and 0 <= m <= MAX_ROWS else None
     curves = {}
     raw_curves = doc.get("curves") or {}
     if not isinstance(raw_curves, dict):
