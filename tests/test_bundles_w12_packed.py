@@ -119,7 +119,7 @@ def _rewrite_meta(path: Path, change) -> None:
 
 @pytest.mark.parametrize("change, msg", [
     (lambda info, t: info[f"{P}.self_attn.k_proj.weight"].update(sha256="0" * 64), "differs from the checkpoint"),
-    (lambda info, t: info[f"{P}.self_attn.k_proj.weight"].pop("sha256"), "no restore digest"),
+    (lambda info, t: info[f"{P}.self_attn.k_proj.weight"].pop("sha256"), "field sha256 must be 64"),
     (lambda info, t: t[f"{P}.self_attn.k_proj.weight.w12.records"].__setitem__(7, 1), "CRC-32 mismatch"),
     (lambda info, t: t.pop(f"{P}.self_attn.k_proj.weight.w12.esc_bits"), "missing part"),
 ])

@@ -155,14 +155,23 @@ class PackResult(_Totals):
     kept: list[str] = field(default_factory=list)               # every tensor stored as it was
     skipped_not_bf16: list[str] = field(default_factory=list)   # those of ``kept`` that matched but are not bf16
     excluded: list[str] = field(default_factory=list)           # 2-D, matched the includes, dropped by the excludes
+    skipped_empty: list[str] = field(default_factory=list)      # those of ``kept`` that matched but have no weights
+    already: list[str] = field(default_factory=list)            # W12 tensors of the input, carried over as packed
 
     def _stats(self) -> list[TensorStat]:
         return self.converted
 
 
-def selected(name: str, t: torch.Tensor, include: Iterable[str], exclude: Iterable[str]) -> bool:
+def matched(name: str, t: torch.Tensor, include: Iterable[str], exclude: Iterable[str]) -> bool:
+    """A 2-D tensor the patterns pick, empty or not."""
     return (t.dim() == 2 and any(fnmatch.fnmatch(name, p) for p in include)
             and not any(fnmatch.fnmatch(name, p) for p in exclude))
+
+
+def selected(name: str, t: torch.Tensor, include: Iterable[str], exclude: Iterable[str]) -> bool:
+    """A tensor ``pack`` converts (if bf16): 2-D, picked by the patterns, not empty (a [0, K] or
+    [N, 0] weight has nothing to encode and no W12 shape)."""
+    return t.numel() > 0 and matched(name, t, include, exclude)
 
 
 def patterns(include: Iterable[str] | None, exclude: Iterable[str] | None) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -191,18 +200,47 @@ def _crc(t: torch.Tensor) -> int:
     return zlib.crc32(t.contiguous().view(torch.uint8).numpy().tobytes()) if t.numel() else 0
 
 
+def _carried_table(tensors: dict[str, torch.Tensor], meta: dict[str, str], source: str) -> dict[str, dict]:
+    """The W12 entries of an already packed input, to carry over into the output as they are: each
+    checked first (structure, stored parts, CRC-32), so a table is merged only when it describes its
+    parts. A format 1 table is refused: one file holds one format version."""
+    info = w12_info(meta, source)
+    if not info:
+        return {}
+    doc = json.loads(meta[META_KEY])
+    if doc["version"] != FORMAT_VERSION:
+        raise W12FormatError(f"{source}: its W12 tensors are format {doc['version']}, new ones would be format "
+                             f"{FORMAT_VERSION}; pack the original bf16 checkpoint instead")
+    for name, entry in info.items():
+        if name in tensors:
+            raise W12TableError(f"{source}: {name} is both a W12 entry and a plain tensor")
+        load_w12(tensors, name, entry, source)
+    return {name: dict(entry) for name, entry in doc["tensors"].items()}
+
+
 def pack_tensors(tensors: dict[str, torch.Tensor], meta: dict[str, str], include, exclude,
-                 result: PackResult, device: str = "cpu", on_tensor: Callable[[str], None] | None = None):
-    """Convert the selected bf16 tensors of one file; returns (tensors, metadata) to save."""
+                 result: PackResult, device: str = "cpu", on_tensor: Callable[[str], None] | None = None,
+                 source: str = "input"):
+    """Convert the selected bf16 tensors of one file; returns (tensors, metadata) to save.
+
+    A file that is already packed keeps its W12 tensors as they are (parts and table entries):
+    the output's table lists them and the newly converted ones."""
     out: dict[str, torch.Tensor] = {}
-    info: dict[str, dict] = {}
+    info: dict[str, dict] = _carried_table(tensors, meta, source)
+    carried_parts = {f"{n}.w12.{p}": n for n in info for p in PARTS}
+    result.already.extend(info)
     for name, t in tensors.items():
         if on_tensor:
             on_tensor(name)
+        if name in carried_parts:
+            out[name] = t
+            continue
         if not selected(name, t, include, exclude):
             out[name] = t
             result.kept.append(name)
-            if selected(name, t, include, ALWAYS_EXCLUDE):   # an exclude the user or the defaults chose dropped it
+            if matched(name, t, include, exclude):           # picked, but an empty tensor
+                result.skipped_empty.append(name)
+            elif matched(name, t, include, ALWAYS_EXCLUDE):  # an exclude the user or the defaults chose dropped it
                 result.excluded.append(name)
             continue
         if t.dtype != torch.bfloat16:
@@ -210,6 +248,9 @@ def pack_tensors(tensors: dict[str, torch.Tensor], meta: dict[str, str], include
             result.kept.append(name)
             result.skipped_not_bf16.append(name)
             continue
+        taken = [f"{name}.w12.{p}" for p in PARTS if f"{name}.w12.{p}" in tensors]
+        if taken:
+            raise W12FormatError(f"{source}: converting {name} would overwrite tensor {taken[0]} of the file")
         w12 = encode(t.to(device)).to("cpu")
         parts, extra = w12_parts(name, w12)
         out.update(parts)
@@ -267,7 +308,7 @@ def pack(src: str, dst: str, include: Iterable[str] | None = None, exclude: Iter
                 tensors, meta = read_file(f)
                 bar = progress(total=len(tensors), desc=f.name) if progress else None
                 out, new_meta = pack_tensors(tensors, meta, include, exclude, res, device,
-                                             (lambda _n: bar.update(1)) if bar else None)
+                                             (lambda _n: bar.update(1)) if bar else None, str(f))
                 if bar:
                     bar.close()
                 (tmp / f.name).write_bytes(_save_bytes(out, new_meta))
@@ -300,7 +341,7 @@ def pack(src: str, dst: str, include: Iterable[str] | None = None, exclude: Iter
         tensors, meta = read_file(ck.files[0])
         bar = progress(total=len(tensors), desc=ck.files[0].name) if progress else None
         out, new_meta = pack_tensors(tensors, meta, include, exclude, res, device,
-                                     (lambda _n: bar.update(1)) if bar else None)
+                                     (lambda _n: bar.update(1)) if bar else None, str(ck.files[0]))
         if bar:
             bar.close()
         _require_converted(res, src, include, exclude, user_exclude)
@@ -315,6 +356,10 @@ def _require_converted(res: PackResult, src: str, include, exclude, user_exclude
     if not res.converted:
         extra = (f"; {len(res.skipped_not_bf16)} matching tensors are not bf16 (W12 is exact for bf16 only)"
                  if res.skipped_not_bf16 else "")
+        if res.skipped_empty:
+            extra += f"; {len(res.skipped_empty)} matching tensors are empty (kept as they are)"
+        if res.already:
+            extra += f"; {len(res.already)} tensors are already W12"
         if res.excluded:
             shown = ", ".join(res.excluded[:3]) + (f" and {len(res.excluded) - 3} more" if len(res.excluded) > 3 else "")
             pats = ", ".join(p for p in exclude if p not in ALWAYS_EXCLUDE)
@@ -384,8 +429,15 @@ def _check_entry(entry, name: str, source: str, check_crc: bool) -> None:
         if not whole(entry.get("escapes")):
             bad("escapes", "a whole number")
     digest = entry.get("sha256")
-    if digest is not None and not (isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{64}", digest)):
+    # format 1 recorded no digest of the original; format 2 always does
+    needed = entry.get("_version", FORMAT_VERSION) != 1
+    if (digest is not None or needed) and not (isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{64}", digest)):
         bad("sha256", "64 lowercase hex digits")
+
+
+# the dtype each stored part has (format 1 stored the positions as int32 or int64)
+_PART_DTYPES = {"records": (torch.uint8,), "low_exp": (torch.uint8,), "esc_bits": (torch.int16,)}
+_POS_DTYPES = {1: (torch.int32, torch.int64), FORMAT_VERSION: (torch.int16,)}
 
 
 def load_w12(tensors: dict[str, torch.Tensor], name: str, entry: dict, source: str,
@@ -397,6 +449,10 @@ def load_w12(tensors: dict[str, torch.Tensor], name: str, entry: dict, source: s
         if key not in tensors:
             raise W12FormatError(f"{source}: {name}: part {key} is missing")
         parts[p] = tensors[key]
+        dtypes = _PART_DTYPES.get(p) or _POS_DTYPES[1 if entry.get("_version", FORMAT_VERSION) == 1 else FORMAT_VERSION]
+        if parts[p].dtype not in dtypes:
+            raise W12TableError(f"{source}: {name}: part {key} is {str(parts[p].dtype).removeprefix('torch.')}, "
+                                f"W12 stores it as {' or '.join(str(d).removeprefix('torch.') for d in dtypes)}")
         want = entry["crc32"].get(p) if check_crc else None
         if check_crc and (not isinstance(want, int) or _crc(parts[p]) != want):
             raise W12FormatError(f"{source}: {name}: {p} is corrupted (CRC-32 mismatch)")

@@ -53,14 +53,22 @@ def _tensor_rows(tensors):
 
 
 def _device(device: str) -> str:
+    """auto, cpu, cuda or cuda:N; a malformed one is bad input (exit 2) before CUDA is asked about."""
     import torch
 
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise EnvironmentMissing(f"--device {device}: no CUDA device here; use --device cpu")
-    if not (device == "cpu" or device.startswith("cuda")):
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda") or (dev.type == "cpu" and device != "cpu") \
+            or (dev.type == "cuda" and device not in ("cuda", f"cuda:{dev.index}")):
         raise InputError(f"--device {device}: expected auto, cpu or cuda[:N]")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise EnvironmentMissing(f"--device {device}: no CUDA device here; use --device cpu")
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise EnvironmentMissing(f"--device {device}: no such CUDA device here ({torch.cuda.device_count()} found)")
     return device
 
 
@@ -74,10 +82,13 @@ def _device(device: str) -> str:
               help="Tensor names to keep as they are (repeatable; applies to --include's matches too; default, "
                    "with the default includes only: *embed*, lm_head.weight, *norm*).")
 @click.option("--device", default="auto", show_default=True,
-              help="Where to encode: cuda, cpu, or auto (cuda when there is one).")
+              help="Where to encode: cuda, cuda:N, cpu, or auto (cuda when there is one).")
+@click.option("--force", is_flag=True,
+              help="Replace an existing output file (without it an existing OUT is refused; a folder OUT must "
+                   "be absent or empty either way).")
 @output_options
 @_user_errors
-def pack_cmd(src, dst, include, exclude, device, fmt, out):
+def pack_cmd(src, dst, include, exclude, device, force, fmt, out):
     """Convert the linear weights of IN to W12 and write OUT (a file for a file, a folder for a folder).
 
     \b
@@ -85,6 +96,7 @@ def pack_cmd(src, dst, include, exclude, device, fmt, out):
       specpilot w12 pack model.safetensors -o model.w12.safetensors
     """
     ck = _lib()
+    import os
     from pathlib import Path
 
     if Path(src).is_file():
@@ -100,6 +112,8 @@ def pack_cmd(src, dst, include, exclude, device, fmt, out):
         check_output_path(out, "--out", protect=[src])
     if Path(src).is_file() and Path(dst).suffix != ".safetensors":   # what verify and stats recognise
         raise InputError(f"--output {dst}: name a .safetensors file (a single-file checkpoint packs into one)")
+    if Path(src).is_file() and os.path.lexists(dst) and not force:
+        raise InputError(f"--output {dst}: the file exists; pass --force to replace it")
     device = _device(device)
     committed: list = []
     try:
@@ -109,15 +123,18 @@ def pack_cmd(src, dst, include, exclude, device, fmt, out):
         if not committed:
             raise
         res = committed[0]   # the signal came after OUT was renamed into place: the pack is complete
+    why = ([f"{len(res.skipped_not_bf16)} not bf16"] if res.skipped_not_bf16 else []) \
+        + ([f"{len(res.skipped_empty)} empty"] if res.skipped_empty else [])
     data = {"schema": "specpilot.w12-pack/1", "input": src, "output": dst,
             "bits_per_weight": res.bits_per_weight, "escape_rate": res.escape_rate,
-            "converted": len(res.converted), "kept": len(res.kept),
-            "skipped_not_bf16": res.skipped_not_bf16,
+            "converted": len(res.converted), "already_w12": len(res.already), "kept": len(res.kept),
+            "skipped_not_bf16": res.skipped_not_bf16, "skipped_empty": res.skipped_empty,
             "tensors": [t.__dict__ for t in res.converted]}
     rep = Report(data, [Section("converted tensors", ["tensor", "shape", "bits/weight", "escapes", "escape rate"],
                                 _tensor_rows(res.converted))],
-                 [f"wrote {dst}: {len(res.converted)} tensors converted, {len(res.kept)} kept"
-                  + (f" ({len(res.skipped_not_bf16)} not bf16)" if res.skipped_not_bf16 else "")
+                 [f"wrote {dst}: {len(res.converted)} tensors converted"
+                  + (f", {len(res.already)} already W12 (carried over as packed)" if res.already else "")
+                  + f", {len(res.kept)} kept" + (f" ({', '.join(why)})" if why else "")
                   + f"; {res.bits_per_weight:.4f} bits/weight, escape rate {res.escape_rate:.3e}"]
                  + ([f"not converted (not bf16): {', '.join(res.skipped_not_bf16[:5])}"
                      + (" ..." if len(res.skipped_not_bf16) > 5 else "")] if res.skipped_not_bf16 else []),
@@ -132,7 +149,8 @@ def pack_cmd(src, dst, include, exclude, device, fmt, out):
 @command.command("verify")
 @click.argument("packed", metavar="OUT", type=click.Path())
 @click.option("--against", "against", type=click.Path(), default=None,
-              help="The original checkpoint; without it only CRCs and structure are checked.")
+              help="The original checkpoint, compared bit for bit; without it each restored tensor is checked "
+                   "against the sha256 pack recorded of the original, and CRCs and structure.")
 @click.option("--device", default="auto", show_default=True, help="Where to restore: cuda, cpu or auto.")
 @output_options
 @_user_errors
