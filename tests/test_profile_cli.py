@@ -170,11 +170,15 @@ def test_bad_inputs_exit_2_without_output(run_cli, tmp_path):
     assert "refusing to overwrite" in _bad(run_cli, good, "--out", good)
 
 
-def test_nsys_rep_without_nsys_exits_3(run_cli, monkeypatch):
+def test_nsys_rep_without_nsys_exits_3(run_cli, monkeypatch, tmp_path):
+    import shutil
+
     import specpilot.probes.traces.nsys_rep as rep
 
     monkeypatch.setattr(rep, "find_nsys", lambda: None)
-    code, _, err = run_cli("profile", LOCAL / "nsys_h200_decode_eager.nsys-rep")
+    alone = tmp_path / "nsys_h200_decode_eager.nsys-rep"   # without the export beside it, which needs no nsys
+    shutil.copy(LOCAL / "nsys_h200_decode_eager.nsys-rep", alone)
+    code, _, err = run_cli("profile", alone)
     assert code == 3 and "nsys" in err and len(err.strip().splitlines()) == 1
 
 

@@ -1,0 +1,97 @@
+"""``specpilot profile``: what its options mean and when they are refused (the GPU of the floors,
+options no step or floor reads, .nsys-rep exports, the notes on what the tables show)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import one_error
+from test_profile_real_world import llama_step, write_trace
+
+LOCAL = Path(__file__).parent / "fixtures"
+H200_EAGER = LOCAL / "nsys_h200_decode_eager.sqlite"
+H200_GRAPH = LOCAL / "nsys_h200_decode_graph.sqlite"
+H200_REP = LOCAL / "nsys_h200_decode_eager.nsys-rep"
+PDL = LOCAL / "kineto_specpilot_h200_batch16_pdl.json.gz"
+CONFIG = LOCAL / "decode_target_config.json"
+DRAFTER = LOCAL / "decode_drafter_config.json"
+
+
+def _refused(run_cli, *args) -> str:
+    code, out, err = run_cli("profile", *args)
+    assert code == 2 and not out, (code, out, err)
+    return one_error(err)
+
+
+# ---- .nsys-rep exports -------------------------------------------------------------------------
+def _fake_nsys(tmp_path: Path, payload: Path | None) -> Path:
+    """An ``nsys`` that exits 0 and writes ``payload`` (garbage when None) to its ``-o`` path."""
+    exe = tmp_path / "bin" / "nsys"
+    exe.parent.mkdir(exist_ok=True)
+    body = (f"shutil.copy({str(payload)!r}, out)" if payload else "open(out, 'wb').write(b'not an export' * 100)")
+    exe.write_text(f"#!{sys.executable}\nimport shutil, sys\nout = sys.argv[sys.argv.index('-o') + 1]\n{body}\n")
+    exe.chmod(0o755)
+    return exe
+
+
+def _report(tmp_path: Path) -> Path:
+    rep = tmp_path / "rep" / "run.nsys-rep"
+    rep.parent.mkdir()
+    shutil.copy(H200_REP, rep)
+    return rep
+
+
+def test_nsys_rep_reuses_its_export_without_nsys(run_cli, tmp_path, monkeypatch):
+    import specpilot.probes.traces.nsys_rep as nr
+
+    rep = _report(tmp_path)
+    beside = rep.with_suffix(".sqlite")
+    shutil.copy(H200_EAGER, beside)
+    os.utime(beside, (time.time() + 10, time.time() + 10))
+    monkeypatch.setattr(nr, "find_nsys", lambda: None)
+    code, out, err = run_cli("profile", rep, "--top", 0, "--format", "json")
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["steps"] == 12 and f"exported with nsys to {beside}" in d["notes"]
+
+
+def test_nsys_rep_export_that_is_not_an_export_is_refused_and_not_kept(run_cli, tmp_path, monkeypatch):
+    import specpilot.probes.traces.nsys_rep as nr
+
+    rep = _report(tmp_path)
+    nsys = _fake_nsys(tmp_path, None)
+    monkeypatch.setattr(nr, "find_nsys", lambda: str(nsys))
+    err = _refused(run_cli, rep)
+    assert f"{rep}: nsys export wrote no readable Nsight Systems export" in err, err
+    assert "run.sqlite" not in err.replace(str(rep), "")
+    assert sorted(p.name for p in rep.parent.iterdir()) == ["run.nsys-rep"]   # nothing kept, no .part
+    # a good export is written beside the report and read
+    monkeypatch.setattr(nr, "find_nsys", lambda: str(_fake_nsys(tmp_path, H200_EAGER)))
+    code, out, err = run_cli("profile", rep, "--top", 0, "--format", "json")
+    assert code == 0 and json.loads(out)["steps"] == 12, err
+    assert sorted(p.name for p in rep.parent.iterdir()) == ["run.nsys-rep", "run.sqlite"]
+
+
+def test_nsys_rep_does_not_reuse_a_file_beside_it_that_is_not_an_export(run_cli, tmp_path, monkeypatch):
+    import specpilot.probes.traces.nsys_rep as nr
+
+    rep = _report(tmp_path)
+    beside = rep.with_suffix(".sqlite")
+    beside.write_bytes(b"garbage" * 100)
+    os.utime(beside, (time.time() + 10, time.time() + 10))
+    monkeypatch.setattr(nr, "find_nsys", lambda: None)   # not reusable: exported again, which needs nsys
+    code, _, err = run_cli("profile", rep)
+    assert code == 3 and "nsys" in one_error(err)
+    monkeypatch.setattr(nr, "find_nsys", lambda: str(_fake_nsys(tmp_path, H200_EAGER)))
+    code, out, err = run_cli("profile", rep, "--top", 0, "--format", "json")
+    assert code == 0 and json.loads(out)["steps"] == 12, err
+    assert beside.read_bytes() == b"garbage" * 100   # not the profile's to overwrite
+
