@@ -95,3 +95,26 @@ def test_nsys_rep_does_not_reuse_a_file_beside_it_that_is_not_an_export(run_cli,
     assert code == 0 and json.loads(out)["steps"] == 12, err
     assert beside.read_bytes() == b"garbage" * 100   # not the profile's to overwrite
 
+
+# ---- damaged step annotations -----------------------------------------------------------------
+def test_kineto_step_annotations_of_negative_duration_are_warned_of(run_cli, tmp_path):
+    p = write_trace(tmp_path / "t.json.gz", [llama_step(2)] * 4)
+    doc = json.loads(gzip.decompress(p.read_bytes()))
+    steps = [e for e in doc["traceEvents"] if e.get("cat") == "user_annotation"]
+    for e in steps[:2]:
+        e["dur"] = -e["dur"]
+    p.write_bytes(gzip.compress(json.dumps(doc).encode()))
+    code, out, err = run_cli("profile", p, "--format", "json")
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["steps"] == 2 and d["step_mode"] == "range"
+    assert ("2 step annotation ranges ('decode_step_N') end before they start (a negative duration) and were "
+            "left out") in " ".join(d["warnings"]), d["warnings"]
+    for e in steps[2:]:
+        e["dur"] = -e["dur"]
+    p.write_bytes(gzip.compress(json.dumps(doc).encode()))
+    code, out, err = run_cli("profile", p, "--format", "json")
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["step_mode"] != "range"
+    assert any("4 step annotation ranges ('decode_step_N') end before they start" in w for w in d["warnings"]), d

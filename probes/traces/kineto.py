@@ -511,12 +511,29 @@ def aggregate_kineto(tr: KinetoTrace, req: StepRequest) -> Aggregate:
                                  tr.dims[dims[i]] if dims[i] >= 0 else None, int(dur[i]), int(excl[i]))
         return out
 
+    warnings = _negative_step_ranges(cpu_ranges + gpu_ranges, req.range_regex, mode, detail)
     version = str(tr.header.get("schemaVersion", "unknown"))
     distributed = {k: v for k, v in (("rank", tr.rank), ("world_size", tr.world_size), ("group_size", tr.group_size),
                                      ("gpus", len(present) if len(present) > 1 else None)) if v is not None}
     return Aggregate(path=tr.path, format="kineto", format_version=version, gpu=tr.gpu(), step_mode=mode,
-                     step_detail=detail, steps=steps, groups=groups, total_events=int(n), notes=notes,
+                     step_detail=detail, steps=steps, groups=groups, total_events=int(n), notes=notes, warnings=warnings,
                      locate_last=locate_last, orphans=orphans, annotations=annotations, distributed=distributed)
+
+
+def _negative_step_ranges(ranges: list[Range], regex: str | None, mode: str, detail: str) -> list[str]:
+    """A warning counting the step annotations (ranges ``--step-range`` or a step family matches)
+    that end before they start: the step finder leaves them out, which drops those steps, or all of
+    them and with them the range mode."""
+    pats = [st.compile_regex(regex, "--step-range")] if regex else [re.compile(rx) for _, rx in st.STEP_FAMILIES]
+    bad = [r for r in ranges if r.end < r.start and any(p.search(r.name) for p in pats)]
+    if not bad:
+        return []
+    fams = ", ".join(repr(f) for f in st.families(bad, top=3))
+    then = ("the steps are the step annotations left" if mode == "range" else
+            f"with no step annotation left, the steps are {detail or 'the whole trace'}")
+    return [f"{st.count(len(bad), 'step annotation range')} ({fams}) end{'s' if len(bad) == 1 else ''} before "
+            f"{'it starts' if len(bad) == 1 else 'they start'} (a negative duration) and "
+            f"{'was' if len(bad) == 1 else 'were'} left out: {then}"]
 
 
 def _assign(key: np.ndarray, intervals: list[tuple[int, int, int]]) -> np.ndarray:

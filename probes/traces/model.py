@@ -101,6 +101,7 @@ class Aggregate:
     groups: list[KernelGroup]
     total_events: int = 0  # GPU events read (kernels + memcpy + memset), in steps or not
     notes: list[str] = field(default_factory=list)  # what the trace lacks, what was assumed
+    warnings: list[str] = field(default_factory=list)  # what makes the steps found doubtful (damaged annotations)
     # (name -> bool) -> {step: (name, kind, stream, dims, duration ns[, exclusive ns])}: the last kernel
     # launched in each step, outside any tracked range, among names the predicate accepts (None: cannot tell)
     locate_last: Callable[[Callable[[str], bool]], dict[int, tuple]] | None = None

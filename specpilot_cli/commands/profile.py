@@ -167,6 +167,7 @@ def command(traces, step_range, step_mode, gap_us, skip_steps, device, include_o
                              top_n=n_top)
         if note:
             prof.notes.append(note)
+        prof.warnings += agg.warnings
         return prof
 
     protect = [p for p in (*traces, ceiling_file, *rules_files) if p]
