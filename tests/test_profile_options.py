@@ -31,6 +31,45 @@ def _refused(run_cli, *args) -> str:
     return one_error(err)
 
 
+# ---- options no step or floor reads ------------------------------------------------------------
+@pytest.mark.parametrize("opt", [("--draft-rows", 2), ("--draft-passes", 3), ("--draft-passes", 1)])
+def test_drafter_shape_without_a_drafter_is_refused(run_cli, opt):
+    err = _refused(run_cli, H200_EAGER, "--model", CONFIG, *opt)
+    assert f"{opt[0]}: it shapes the drafter's floor, which needs --drafter MODEL" in err, err
+    code, _, err = run_cli("profile", H200_EAGER, "--model", CONFIG, "--drafter", DRAFTER, *opt, "--top", 0)
+    assert code == 0, err
+
+
+@pytest.mark.parametrize("mode", ["whole", "graph", "gap"])
+def test_step_range_with_another_step_mode_is_refused(run_cli, mode):
+    err = _refused(run_cli, H200_EAGER, "--step-mode", mode, "--step-range", "^decode_step")
+    assert f"--step-range: --step-mode {mode} does not read step ranges" in err, err
+
+
+def test_gap_us_where_steps_do_not_come_from_gaps_is_refused(run_cli, tmp_path):
+    for args in (("--step-range", "^decode_step"), ("--step-mode", "range", "--step-range", "^decode_step"),
+                 ("--step-mode", "graph"), ("--step-mode", "whole")):
+        err = _refused(run_cli, H200_EAGER, *args, "--gap-us", 50)
+        assert "--gap-us: " in err and "idle gaps" in err, err
+    # auto: the trace's annotations are the steps (known once it is read)
+    out = tmp_path / "p.json"
+    code, stdout, err = run_cli("profile", H200_EAGER, "--gap-us", 50, "--out", out)
+    assert code == 2 and not out.exists(), err
+    assert (f"--gap-us: the steps of {H200_EAGER} are 12 decode/verify step ranges found in the trace, not GPU work "
+            "between idle gaps") in one_error(err)
+    # where gaps make the steps it is read
+    code, stdout, err = run_cli("profile", H200_EAGER, "--step-mode", "gap", "--gap-us", 50, "--top", 0)
+    assert code == 0 and "idle gaps > 50.0 us" in stdout, err
+
+
+@pytest.mark.parametrize("opt", [("--gpu", "h100"), ("--bandwidth", "3"), ("--flops", "900")])
+def test_gpu_options_without_floors_are_refused(run_cli, opt):
+    err = _refused(run_cli, H200_EAGER, *opt)
+    assert f"{opt[0]}: it sets the GPU of the byte floors, which need --model" in err, err
+    err = _refused(run_cli, H200_EAGER, H200_EAGER, *opt)   # tensor-parallel ranks: no floors either
+    assert f"{opt[0]}: " in err and "--link-bandwidth" in err, err
+
+
 # ---- .nsys-rep exports -------------------------------------------------------------------------
 def _fake_nsys(tmp_path: Path, payload: Path | None) -> Path:
     """An ``nsys`` that exits 0 and writes ``payload`` (garbage when None) to its ``-o`` path."""

@@ -11,6 +11,9 @@ from specpilot.options import dtype_options, positive, typed
 from specpilot.output import Report, Section, count, emit, not_empty, output_options, progress
 
 STEP_MODES = ["auto", "range", "graph", "gap", "whole"]
+# what a --step-mode that reads no --step-range takes for its steps
+STEPS_OF_MODE = {"graph": "launches of the most frequent CUDA graph", "gap": "GPU work separated by idle gaps",
+                 "whole": "the whole trace, as one step"}
 
 
 @click.command("profile")
@@ -100,6 +103,7 @@ def command(traces, step_range, step_mode, gap_us, skip_steps, device, include_o
     if step_range == "":
         raise InputError("--step-range is empty: give a REGEX of the step ranges' names, or leave it out to find "
                          "the steps automatically")
+    _check_step_options(step_range, step_mode)
     if gap_us is not None and gap_us <= 0:
         raise InputError("--gap-us must be positive")
     if link_bandwidth is not None and link_bandwidth <= 0:
@@ -130,7 +134,17 @@ def command(traces, step_range, step_mode, gap_us, skip_steps, device, include_o
         raise InputError(f"{'--model' if model_name else '--ceiling'}: tensor-parallel mode (several traces, or "
                          "--ranks) compares the ranks with each other and sets no per-class floors (each rank runs a "
                          "shard of the model, which the byte floors do not split); leave it out")
-    _check_floor_options(model_name, ceiling_file, tp_mode=ranks or (len(traces) > 1 and not diff))
+    tp_mode = ranks or (len(traces) > 1 and not diff)
+    if gpu_opts and not model_name:   # (beside --ceiling they are refused above)
+        names, them = ", ".join(gpu_opts), "it" if len(gpu_opts) == 1 else "them"
+        if tp_mode:
+            raise InputError(f"{names}: tensor-parallel mode (several traces, or --ranks) sets no byte floors for "
+                             f"{them} to shape (the communication floor's link bandwidth is --link-bandwidth); "
+                             f"leave {them} out")
+        raise InputError(f"{names}: {'it sets' if len(gpu_opts) == 1 else 'they set'} the GPU of the byte floors, "
+                         f"which need --model; give --model, or leave {them} out (the communication floor's link "
+                         "bandwidth is --link-bandwidth)")
+    _check_floor_options(model_name, ceiling_file, tp_mode=tp_mode, drafter_name=drafter_name)
     table = load_rules(rules_files)
 
     # the model first: a bad --model should fail before a long trace read
@@ -146,6 +160,7 @@ def command(traces, step_range, step_mode, gap_us, skip_steps, device, include_o
     def profile(agg, want_explain=False, n_top=top_n):
         from specpilot.probes.profile import build_profile, floors_from_ceiling, floors_from_model
 
+        _check_gap_us(agg)
         gpu_info, gpu_spec = _resolve_gpu(agg, gpu_name, bandwidth, flops, needed=bool(model_spec))
         floors = note = None
         if model_spec is not None:
@@ -210,13 +225,46 @@ def command(traces, step_range, step_mode, gap_us, skip_steps, device, include_o
     return 0
 
 
-def _check_floor_options(model_name, ceiling_file, tp_mode: bool) -> None:
+def _check_step_options(step_range, step_mode) -> None:
+    """Refuse the step options the --step-mode asked for does not read: --step-range beside a mode
+    that takes its steps from something else, --gap-us where the steps are not found by gaps (in
+    auto mode that is known once the trace is read: :func:`_check_gap_us`)."""
+    if step_range is not None and step_mode not in ("auto", "range"):
+        raise InputError(f"--step-range: --step-mode {step_mode} does not read step ranges (its steps are "
+                         f"{STEPS_OF_MODE[step_mode]}); leave one of them out")
+    if not typed("gap_us"):
+        return
+    if step_range is not None or step_mode == "range":
+        raise InputError("--gap-us: the steps are the --step-range ranges, not GPU work between idle gaps; leave it "
+                         "out, or give --step-mode gap instead of --step-range")
+    if step_mode in ("graph", "whole"):
+        raise InputError(f"--gap-us: --step-mode {step_mode} takes {STEPS_OF_MODE[step_mode]}, not GPU work between "
+                         "idle gaps; leave it out, or give --step-mode gap")
+
+
+def _check_gap_us(agg) -> None:
+    """--gap-us given in auto mode, where the trace's step annotations or graph launches made the
+    steps: it was not read."""
+    if typed("gap_us") and agg.step_mode in ("range", "graph"):
+        raise InputError(f"--gap-us: the steps of {agg.path} are {agg.step_detail}, not GPU work between idle gaps; "
+                         "leave it out, or add --step-mode gap to split the trace at idle gaps")
+
+
+def _check_floor_options(model_name, ceiling_file, tp_mode: bool, drafter_name=None) -> None:
     """Refuse the floors' shape options (--rows, --batch, --context, the drafter's and the dtype
     options) where no floors use them: without --model (a ceiling's floors take --rows alone, to
-    pick one of its row counts) and in tensor-parallel mode, which sets no floors."""
+    pick one of its row counts), in tensor-parallel mode, which sets no floors, and the drafter's
+    (--draft-rows, --draft-passes) without --drafter, which sets no drafter floor."""
     given = typed("rows", "batch", "context", "draft_rows", "draft_passes", "weight_dtype", "lm_head_dtype",
                   "kv_dtype", "flops_fraction", "bw_fraction")
-    if model_name or not given:
+    if model_name:
+        drafts = [g for g in given if g in ("--draft-rows", "--draft-passes")]
+        if drafts and not drafter_name:
+            them = "it" if len(drafts) == 1 else "them"
+            raise InputError(f"{', '.join(drafts)}: {'it shapes' if len(drafts) == 1 else 'they shape'} the drafter's "
+                             f"floor, which needs --drafter MODEL; give it, or leave {them} out")
+        return
+    if not given:
         return
     names, them = ", ".join(given), "it" if len(given) == 1 else "them"
     if tp_mode:
