@@ -29,6 +29,7 @@ class Measurements:
     ar_ms: float | None = None
     profile_ms: float | None = None
     floor_ms: float | None = None
+    floor_peak_ms: float | None = None  # the floor at the GPU's full peak (both fractions 1), where known
     sources: dict[str, str] = field(default_factory=dict)
 
     def set(self, name: str, value, source: str) -> None:
@@ -97,6 +98,7 @@ class ProfileFigures:
     kernel_busy_ms: float
     step_wall_ms: float
     total_floor_ms: float | None = None  # None when the profile had no (positive) floor
+    floor_peak_ms: float | None = None   # that floor at the GPU's full peak (its classes without the fractions)
     rows: int | None = None  # the profiled shape's rows per request
     distributed: dict | None = None  # the profile's ``distributed``: what shows the trace is one rank of several
 
@@ -237,20 +239,23 @@ class CeilingRequest:
     rows_probe: RowsProbeFigures | None = None
     run: RunFigures | None = None
 
-    def step_floor(self, rows: int, drafter: bool = True) -> StepFloor:
-        """The floor of one step at ``rows`` rows (``drafter=False``: the AR step, no drafter)."""
+    def step_floor(self, rows: int, drafter: bool = True, at_peak: bool = False) -> StepFloor:
+        """The floor of one step at ``rows`` rows (``drafter=False``: the AR step, no drafter;
+        ``at_peak``: at the GPU's full peak, both fractions 1)."""
         return step_floor(self.model, self.gpu, rows, batch=self.batch, context=self.context,
                           weight_dtype=self.weight_dtype, lm_head_dtype=self.lm_head_dtype, kv_dtype=self.kv_dtype,
                           drafter=self.drafter if drafter else None, draft_rows=self.draft_rows if drafter else None,
-                          flops_fraction=self.flops_fraction, bw_fraction=self.bw_fraction,
+                          flops_fraction=1.0 if at_peak else self.flops_fraction,
+                          bw_fraction=1.0 if at_peak else self.bw_fraction,
                           draft_passes=self.draft_passes if drafter else 1)
 
 
 def _use_profile(p: ProfileFigures, m: Measurements) -> None:
     m.set("profile_ms", p.kernel_busy_ms, f"profile {p.source}")
     m.set("step_ms", p.step_wall_ms, f"profile {p.source}")
-    if p.total_floor_ms is not None:
+    if p.total_floor_ms is not None and m.floor_ms is None:
         m.set("floor_ms", p.total_floor_ms, f"profile {p.source}")
+        m.floor_peak_ms = p.floor_peak_ms
 
 
 def replay_policy(r: ReplayFigures, policy: str) -> str | None:
@@ -381,8 +386,9 @@ def compute_ceiling(req: CeilingRequest) -> CeilingResult:
             f = next(f for f in floors if f.rows == cost_rows)
             if m.floor_ms is None:
                 m.set("floor_ms", f.total_floor_ms, f"byte floor of {model.name} at {cost_rows} rows")
+                m.floor_peak_ms = req.step_floor(cost_rows, at_peak=True).total_floor_ms
 
-    cost = None
+    cost = rank = None
     measured = {k: v for k, v in m.sources.items() if k != "floor_ms"}
     replay_only = bool(measured) and all(src.startswith("replay") for src in measured.values())
     if m.any and not (replay_only and model is not None):
@@ -396,7 +402,9 @@ def compute_ceiling(req: CeilingRequest) -> CeilingResult:
                              f"{timed}): give one of those --rows, or --step-ms")
         if missing:
             raise InputError("the cost model needs " + ", ".join(missing))
-        cost = cost_model(m.tau, m.step_ms, m.ar_ms, m.tau_best, m.profile_ms, m.floor_ms)
+        rank = one_rank_profile(req.profile, m) if m.profile_ms is not None and m.floor_ms is not None else None
+        cost = cost_model(m.tau, m.step_ms, m.ar_ms, m.tau_best, m.profile_ms, m.floor_ms,
+                          floor_peak_ms=m.floor_peak_ms, one_rank=rank is not None)
     elif model is None:
         raise InputError("give --model for byte floors, or measurements (--tau, --step-ms, --ar-ms, --profile ...)")
     res = CeilingResult(model=model, gpu=gpu, floors=floors, ar_floor=ar_floor, cost=cost, measurements=m,
@@ -418,9 +426,10 @@ def compute_ceiling(req: CeilingRequest) -> CeilingResult:
                 if cost is not None and req.replay else None)
     if mismatch:
         res.warnings.append(mismatch)
-    rank = one_rank_profile(req.profile, m) if cost is not None and cost.factors.get("kernel") is not None else None
-    if rank:
-        res.warnings.insert(0, rank)   # first, as profile puts it: it may explain the kernel factor's notes
+    if cost is not None:   # before the files' warnings: a factor taken as 1 changes the ceiling
+        res.warnings[:0] = cost.warnings
+        if rank:
+            res.warnings.insert(0, rank)   # first, as profile puts it: it may explain the kernel factor
     return res
 
 

@@ -8,7 +8,11 @@ speedup by three factors, each the gain from removing one kind of waste:
 - outside factor = step wall time / profiled GPU time  (remove time outside the profile)
 
 ceiling = speedup x tree x kernel x outside = tau_best / (floor / T_AR). A factor whose inputs are
-missing is reported as unknown and left out (taken as 1), and the result says so.
+missing is reported as unknown and left out (taken as 1), and the result says so. A factor below 1
+is no slowdown that removing a waste would bring: it says the inputs contradict each other (a
+profile faster than the floor allows, a profile longer than the step, a best tau below the
+current one). It is kept as measured in ``factors``, taken as 1 in the ceiling (``factors_used``),
+and a warning names it and its cause, so the ceiling is never below the current speedup.
 """
 
 from __future__ import annotations
@@ -32,18 +36,20 @@ class CostModel:
     ar_ms: float
     c: float
     speedup: float
-    factors: dict[str, float | None]
+    factors: dict[str, float | None]       # as measured (a value below 1 included)
     ceiling: float
     largest: str | None
     if_removed: dict[str, float | None]  # speedup if only this factor's waste were removed
     inputs: dict[str, float | None] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    factors_used: dict[str, float | None] = field(default_factory=dict)  # in the ceiling: below 1 taken as 1
+    warnings: list[str] = field(default_factory=list)  # one per factor below 1: the inputs' contradiction
 
     def as_dict(self) -> dict:
         return {"tau": self.tau, "c": self.c, "step_ms": self.step_ms, "ar_ms": self.ar_ms,
-                "speedup": self.speedup, "factors": self.factors, "ceiling": self.ceiling,
-                "largest_factor": self.largest, "speedup_if_removed": self.if_removed,
-                "inputs": self.inputs, "notes": self.notes,
+                "speedup": self.speedup, "factors": self.factors, "factors_used": self.factors_used,
+                "ceiling": self.ceiling, "largest_factor": self.largest, "speedup_if_removed": self.if_removed,
+                "inputs": self.inputs, "notes": self.notes, "warnings": self.warnings,
                 "unknown_factors": [k for k, v in self.factors.items() if v is None]}
 
 
@@ -52,43 +58,86 @@ def _positive(name: str, v: float | None) -> None:
         raise InputError(f"{name} must be positive, got {v}")
 
 
+def _taken_as_one(name: str, v: float) -> str:
+    return f"the {name} factor {v:.3g} is taken as 1 in the ceiling"
+
+
+def kernel_below_floor(factor: float, profile_ms: float, floor_ms: float, floor_peak_ms: float | None,
+                       one_rank: bool = False) -> str:
+    """The warning for a kernel factor below 1: profiled GPU time under the byte floor. Under the
+    floor at the GPU's full peak (no fraction of it) no kernel can run: the model and shape options
+    do not describe the profiled step (a model/config mismatch, as ``profile`` calls it); between
+    that and the floor the kernels reach more of the peak than the floor's fractions assume."""
+    head = _taken_as_one("kernel", factor)
+    if one_rank:
+        peak = f"; {floor_peak_ms:.4g} ms at the GPU's full peak" if floor_peak_ms is not None else ""
+        return (f"{head}: the profiled GPU time ({profile_ms:.4g} ms) is below the byte floor ({floor_ms:.4g} ms"
+                f"{peak}), and the profile is one rank's trace of a multi-GPU job, whose floor is the whole model's (see the "
+                "warning on it)")
+    if floor_peak_ms is not None and profile_ms < floor_peak_ms:
+        return (f"model/config mismatch: {head}: the profiled GPU time ({profile_ms:.4g} ms) is below the byte floor "
+                f"at the GPU's full peak ({floor_peak_ms:.4g} ms), so the model and shape options (--model, "
+                "--rows/--batch/--context, the dtypes, --drafter) do not describe the profiled step")
+    if floor_peak_ms is not None:
+        return (f"{head}: the profiled GPU time ({profile_ms:.4g} ms) is below the byte floor ({floor_ms:.4g} ms) but "
+                f"not below it at the GPU's full peak ({floor_peak_ms:.4g} ms): the kernels reach more of the peak "
+                "than the floor's fractions assume (--bw-fraction, --flops-fraction)")
+    return (f"{head}: the profiled GPU time ({profile_ms:.4g} ms) is below the byte floor ({floor_ms:.4g} ms): the "
+            "model and shape options do not describe the profiled step (a model/config mismatch), or the kernels "
+            "reach more of the peak than the floor's fractions assume")
+
+
 def cost_model(tau: float, step_ms: float, ar_ms: float, tau_best: float | None = None,
-               profile_ms: float | None = None, floor_ms: float | None = None) -> CostModel:
+               profile_ms: float | None = None, floor_ms: float | None = None,
+               floor_peak_ms: float | None = None, one_rank: bool = False) -> CostModel:
+    """The cost model. ``floor_peak_ms``: the byte floor at the GPU's full peak (the floor with
+    both fractions 1), which tells a model/config mismatch from kernels that beat the fractions;
+    ``one_rank``: the profiled GPU time is one rank's of a multi-GPU job (the floor the whole
+    model's), which a kernel factor below 1 then names."""
     for name, v in (("--tau", tau), ("--step-ms", step_ms), ("--ar-ms", ar_ms), ("--tau-best", tau_best),
-                    ("--profile-ms", profile_ms), ("floor", floor_ms)):
+                    ("--profile-ms", profile_ms), ("floor", floor_ms), ("floor at full peak", floor_peak_ms)):
         _positive(name, v)
     if tau < 1:
         raise InputError(f"--tau is tokens per verification pass and cannot be below 1 (got {tau})")
     notes: list[str] = []
+    warnings: list[str] = []
     c = step_ms / ar_ms
     speedup = tau / c
     factors: dict[str, float | None] = {"tree": None, "kernel": None, "outside": None}
     if tau_best is not None:
         factors["tree"] = tau_best / tau
         if tau_best < tau:
-            notes.append(f"best reachable tau {tau_best:.3g} is below the current tau {tau:.3g}: check the replay inputs")
+            warnings.append(f"{_taken_as_one('tree', factors['tree'])}: the best reachable tau ({tau_best:.4g}) is "
+                            f"below the current tau ({tau:.4g}); the best reachable tau is at least the current one, "
+                            "so the two come from different replays or runs")
     if profile_ms is not None and floor_ms is not None:
         factors["kernel"] = profile_ms / floor_ms
         if profile_ms < floor_ms:
-            notes.append("profiled GPU time is below the byte floor: the floor fractions are stricter than this GPU")
+            warnings.append(kernel_below_floor(factors["kernel"], profile_ms, floor_ms, floor_peak_ms, one_rank))
     if profile_ms is not None:
         factors["outside"] = step_ms / profile_ms
         if profile_ms > step_ms:
-            notes.append("profiled GPU time exceeds the step wall time: does the profile cover more than one step?")
-    known = {k: v for k, v in factors.items() if v is not None}
+            warnings.append(f"{_taken_as_one('outside', factors['outside'])}: the profiled GPU time "
+                            f"({profile_ms:.4g} ms) exceeds the step wall time ({step_ms:.4g} ms), so the profile "
+                            "covers more than one step (or the step time is another engine's)"
+                            + ("; the kernel factor, from the same GPU time, reads high with it"
+                               if factors["kernel"] is not None else ""))
+    used = {k: (max(v, 1.0) if v is not None else None) for k, v in factors.items()}
+    known = {k: v for k, v in used.items() if v is not None}
     ceiling = speedup
     for v in known.values():
         ceiling *= v
     largest = max(known, key=known.get) if known else None
-    if_removed = {k: (speedup * v if v is not None else None) for k, v in factors.items()}
+    if_removed = {k: (speedup * v if v is not None else None) for k, v in used.items()}
     missing = [k for k, v in factors.items() if v is None]
     if missing:
         need = {"tree": "--tau-best or --replay", "kernel": "--profile-ms/--profile and a floor (--model)",
                 "outside": "--profile-ms or --profile"}
         notes.append("unknown factors taken as 1: " + ", ".join(f"{k} (needs {need[k]})" for k in missing))
     return CostModel(tau=tau, step_ms=step_ms, ar_ms=ar_ms, c=c, speedup=speedup, factors=factors, ceiling=ceiling,
-                     largest=largest, if_removed=if_removed, notes=notes,
-                     inputs={"tau_best": tau_best, "profile_ms": profile_ms, "floor_ms": floor_ms})
+                     largest=largest, if_removed=if_removed, notes=notes, factors_used=used, warnings=warnings,
+                     inputs={"tau_best": tau_best, "profile_ms": profile_ms, "floor_ms": floor_ms,
+                             "floor_peak_ms": floor_peak_ms})
 
 
 def step_time(rows: int, step_ms: dict[int, float]) -> float | None:

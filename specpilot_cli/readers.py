@@ -41,10 +41,34 @@ def read_profile(path: str) -> ProfileFigures:
                 or ("collectives_ms" in dist and not _finite(dist["collectives_ms"], 0, MAX_MS, lo_open=False))):
             raise InputError(f"{path}: profile's 'distributed' must be null or an object of whole numbers "
                              f"({', '.join(counts)}) and 'collectives_ms' in [0, {MAX_MS:g}]")
+    floor = float(floor) if isinstance(floor, (int, float)) and floor > 0 else None
     return ProfileFigures(source=str(path), kernel_busy_ms=float(doc["kernel_busy_ms"]),
-                          step_wall_ms=float(doc["step_wall_ms"]),
-                          total_floor_ms=float(floor) if isinstance(floor, (int, float)) and floor > 0 else None,
+                          step_wall_ms=float(doc["step_wall_ms"]), total_floor_ms=floor,
+                          floor_peak_ms=_floor_at_peak(doc) if floor is not None else None,
                           rows=rows if isinstance(rows, int) else None, distributed=dist or None)
+
+
+def _floor_at_peak(doc: dict) -> float | None:
+    """A profile's floor at the GPU's full peak: each class's floor times the fraction of the peak
+    it assumed (the bandwidth's where the floor is the class's bytes over that share of the GPU's
+    bandwidth, else the smaller fraction: the lowest floor the class could have), None where the
+    profile records no fractions or classes."""
+    shape, gpu, classes = doc.get("shape"), doc.get("gpu"), doc.get("classes")
+    if not (isinstance(shape, dict) and isinstance(classes, dict)):
+        return None
+    bwf, ff = shape.get("bw_fraction"), shape.get("flops_fraction")
+    if not (_finite(bwf, 0, 1) and _finite(ff, 0, 1)):
+        return None
+    bw = gpu.get("bandwidth_tbs") if isinstance(gpu, dict) else None
+    total = 0.0
+    for c in classes.values():
+        f = c.get("floor_ms") if isinstance(c, dict) else None
+        if not _finite(f, 0, MAX_MS):
+            continue
+        b = c.get("bytes")
+        by_bytes = _finite(bw, 0, 1e6) and _finite(b, 0, 1e30) and abs(b / (bwf * bw * 1e12) * 1e3 - f) <= 1e-6 * f
+        total += f * (bwf if by_bytes else min(bwf, ff))
+    return total or None
 
 
 def read_replay(path: str) -> ReplayFigures:

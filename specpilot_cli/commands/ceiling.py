@@ -236,13 +236,18 @@ def _report(res, run=None) -> Report:
                 "outside": "step wall ms / profiled GPU ms"}
         for k in ("tree", "kernel", "outside"):
             v = c.factors[k]
-            rows.append([f"{k} factor", v if v is not None else "unknown",
-                         desc[k] + (f" -> {c.if_removed[k]:.3g}x if removed" if v is not None else "")])
-        rows.append(["ceiling", c.ceiling, "speedup x known factors"])
+            how = desc[k]
+            if v is not None and v < 1:   # the inputs contradict each other: a warning says how
+                how += " -> below 1: taken as 1 (see the warning)"
+            elif v is not None:
+                how += f" -> {c.if_removed[k]:.3g}x if removed"
+            rows.append([f"{k} factor", v if v is not None else "unknown", how])
+        below = any(v is not None and v < 1 for v in c.factors.values())
+        rows.append(["ceiling", c.ceiling, "speedup x known factors" + (" (below 1 taken as 1)" if below else "")])
         sections.append(Section(_cost_title(res, run), ["", "value", "how"], rows))
         from specpilot.probes.ceiling import largest_factor_line
 
-        line = largest_factor_line(c.largest, c.factors)
+        line = largest_factor_line(c.largest, c.factors_used)
         if line:
             lines.append(line)
         lines.extend(f"note: {n}" for n in c.notes)
