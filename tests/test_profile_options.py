@@ -31,6 +31,28 @@ def _refused(run_cli, *args) -> str:
     return one_error(err)
 
 
+# ---- the GPU of the floors ---------------------------------------------------------------------
+def test_gpu_names_the_floors_gpu_and_keeps_the_trace_gpu(run_cli):
+    args = (H200_EAGER, "--model", CONFIG, "--gpu", "h100", "--top", 0)
+    code, out, err = run_cli("profile", *args, "--format", "json")
+    assert code == 0, err
+    d = json.loads(out)
+    g = d["gpu"]
+    assert g["name"] == "NVIDIA H200" and g["source"] == "TARGET_INFO_GPU" and g["sm_count"] == 132
+    assert g["floors_gpu"] == "NVIDIA H100 SXM5 80GB" and g["key"] == "h100-sxm" and g["bandwidth_tbs"] == 3.35
+    assert "trace_name" not in g
+    warn = [w for w in d["warnings"] if "another GPU" in w]
+    assert len(warn) == 1 and "NVIDIA H100 SXM5 80GB (--gpu h100)" in warn[0] and "NVIDIA H200" in warn[0], d["warnings"]
+    code, text, err = run_cli("profile", *args)
+    assert code == 0, err
+    title = text.splitlines()[0]
+    assert " on NVIDIA H200 (floors for NVIDIA H100 SXM5 80GB, --gpu)," in title, title
+    assert f"warning: {warn[0]}" in text
+    # the trace's own GPU named again: no warning, nothing in the title
+    code, text, err = run_cli("profile", H200_EAGER, "--model", CONFIG, "--gpu", "h200", "--top", 0)
+    assert code == 0 and "floors for" not in text and "another GPU" not in text, text
+
+
 # ---- options no step or floor reads ------------------------------------------------------------
 @pytest.mark.parametrize("opt", [("--draft-rows", 2), ("--draft-passes", 3), ("--draft-passes", 1)])
 def test_drafter_shape_without_a_drafter_is_refused(run_cli, opt):
@@ -133,6 +155,18 @@ def test_nsys_rep_does_not_reuse_a_file_beside_it_that_is_not_an_export(run_cli,
     code, out, err = run_cli("profile", rep, "--top", 0, "--format", "json")
     assert code == 0 and json.loads(out)["steps"] == 12, err
     assert beside.read_bytes() == b"garbage" * 100   # not the profile's to overwrite
+
+
+# ---- the help ----------------------------------------------------------------------------------
+def test_help_names_bzip2_and_the_catalog_gpus(run_cli):
+    from specpilot.gpus import gpu_keys
+
+    code, out, _ = run_cli("profile", "--help")
+    assert code == 0
+    flat = " ".join(out.split())
+    assert "bzip2" in flat
+    gpu_help = flat[flat.index("--gpu NAME"):flat.index("--bandwidth")].replace("- ", "-")   # wrapped at a hyphen
+    assert all(k in gpu_help for k in gpu_keys()), gpu_help
 
 
 # ---- damaged step annotations -----------------------------------------------------------------

@@ -16,6 +16,14 @@ STEPS_OF_MODE = {"graph": "launches of the most frequent CUDA graph", "gap": "GP
                  "whole": "the whole trace, as one step"}
 
 
+def _gpu_help() -> str:
+    from specpilot.gpus import gpu_keys
+
+    return (f"GPU of the floors (with --model) when it is not the trace's: {', '.join(gpu_keys())} (the GPU "
+            "catalog; a prefix that names one, such as h100, works too) [default: the one the trace names]. "
+            "Example: --gpu h100")
+
+
 @click.command("profile")
 @click.argument("traces", nargs=-1, required=True, type=click.Path(dir_okay=False))
 @click.option("--step-range", metavar="REGEX",
@@ -56,9 +64,10 @@ STEPS_OF_MODE = {"graph": "launches of the most frequent CUDA graph", "gap": "GP
 @click.option("--batch", type=click.IntRange(1, MAX_BATCH), default=1, show_default=True, help="Requests per step.")
 @click.option("--context", type=click.IntRange(0, MAX_CONTEXT), default=2048, show_default=True,
               help="Committed context tokens per request.")
-@click.option("--gpu", "gpu_name", metavar="NAME", help="GPU for floors [default: the one the trace names].")
-@click.option("--bandwidth", type=positive(MAX_TBS), metavar="TB/S", help="Peak bandwidth for floors (with --flops: a GPU not in the catalog).")
-@click.option("--flops", type=positive(MAX_TFLOPS), metavar="TFLOP/S", help="Dense bf16 TFLOP/s for floors.")
+@click.option("--gpu", "gpu_name", metavar="NAME", help=_gpu_help())
+@click.option("--bandwidth", type=positive(MAX_TBS), metavar="TB/S",
+              help="Peak bandwidth for floors (with --model; with --flops: a GPU not in the catalog).")
+@click.option("--flops", type=positive(MAX_TFLOPS), metavar="TFLOP/S", help="Dense bf16 TFLOP/s for floors (with --model).")
 @click.option("--ceiling", "ceiling_file", type=click.Path(dir_okay=False),
               help="Floors from a specpilot ceiling JSON instead of --model.")
 @dtype_options
@@ -72,10 +81,10 @@ def command(traces, step_range, step_mode, gap_us, skip_steps, device, include_o
 
     \b
     Reads Nsight Systems exports (.sqlite; .nsys-rep when nsys is on PATH) and PyTorch
-    profiler traces (.json, .json.gz), also gzip/zstd/xz-compressed (recognised by content).
+    profiler traces (.json, .json.gz), also gzip/zstd/xz/bzip2-compressed (recognised by content).
     Steps come from --step-range, else the trace's step annotations, else CUDA graph launches,
     else idle gaps; the output says how they were found. Give --model (and --rows/--batch/
-    --context) or --ceiling for floors; the GPU comes from the trace unless --gpu says otherwise.
+    --context) or --ceiling for floors; the floors' GPU is the trace's unless --gpu names another.
     A kernel launched early under programmatic dependent launch counts from where the one before
     it on its stream ended: its wait is that kernel's time.
 
@@ -157,11 +166,18 @@ def command(traces, step_range, step_mode, gap_us, skip_steps, device, include_o
     elif drafter_name:
         raise InputError("--drafter needs --model")
 
+    from specpilot.gpus import match_gpu_name
+
+    floors_gpu_title = []   # the single profile's title names the floors' GPU where --gpu made it another
+
     def profile(agg, want_explain=False, n_top=top_n):
         from specpilot.probes.profile import build_profile, floors_from_ceiling, floors_from_model
 
         _check_gap_us(agg)
-        gpu_info, gpu_spec = _resolve_gpu(agg, gpu_name, bandwidth, flops, needed=bool(model_spec))
+        gpu_info, gpu_spec, gpu_warning = _resolve_gpu(agg, gpu_name, bandwidth, flops, needed=bool(model_spec))
+        if gpu_info is not None and gpu_info.get("floors_gpu") and (
+                gpu_warning or match_gpu_name(gpu_info.get("name") or "") is None):   # another GPU, or one not known
+            floors_gpu_title.append(f"floors for {gpu_info['floors_gpu']}, --gpu")
         floors = note = None
         if model_spec is not None:
             floors = floors_from_model(model_spec, gpu_spec, rows=rows or 1, batch=batch, context=context,
@@ -182,6 +198,7 @@ def command(traces, step_range, step_mode, gap_us, skip_steps, device, include_o
                              top_n=n_top)
         if note:
             prof.notes.append(note)
+        prof.warnings[:0] = [gpu_warning] if gpu_warning else []   # first: it explains the efficiencies
         prof.warnings += agg.warnings
         return prof
 
@@ -221,7 +238,7 @@ def command(traces, step_range, step_mode, gap_us, skip_steps, device, include_o
 
         plot_profile(prof, plot_file, protect=protect)
         click.echo(f"wrote {plot_file}", err=True)
-    emit(_report(prof), fmt, out, protect=protect)
+    emit(_report(prof, floors_gpu_title[0] if floors_gpu_title else None), fmt, out, protect=protect)
     return 0
 
 
@@ -340,25 +357,32 @@ def _link_gbs(key: str) -> float | None:
 
 
 def _resolve_gpu(agg, gpu_name, bandwidth, flops, needed: bool):
-    """(gpu dict for the profile, GPUSpec for floors or None)."""
+    """(gpu dict for the profile, GPUSpec for floors or None, warning or None).
+
+    The dict names the GPU the trace was taken on (``name``, ``source``, ``sm_count``,
+    ``trace_bandwidth_tbs``) and the catalog entry of the floors (``key``, ``bandwidth_tbs``,
+    ``bf16_tflops``); ``--gpu`` adds ``floors_gpu``, that entry's name, and a warning where the
+    trace names another catalog GPU."""
     from specpilot.gpus import custom_gpu, get_gpu, match_gpu_name, with_overrides
 
     for v, name in ((bandwidth, "--bandwidth"), (flops, "--flops")):
         if v is not None and v <= 0:
             raise InputError(f"{name} must be positive")
     info = None
+    trace_spec = match_gpu_name(agg.gpu.name) if agg.gpu is not None else None
     if agg.gpu is not None:
         info = {"name": agg.gpu.name, "source": agg.gpu.source, "sm_count": agg.gpu.sm_count,
                 "trace_bandwidth_tbs": agg.gpu.bandwidth_tbs}
-    spec = None
+    spec = warning = None
     if gpu_name:
         spec = get_gpu(gpu_name)
-        trace_name = info["name"] if info else None
-        info = {**(info or {}), "name": spec.name, "source": "--gpu"}
-        if trace_name:
-            info["trace_name"] = trace_name
+        info = {**(info or {}), "floors_gpu": spec.name}
+        if trace_spec is not None and trace_spec.key != spec.key:
+            warning = (f"the floors are for another GPU than the trace's: {spec.name} (--gpu {gpu_name}), the trace "
+                       f"{agg.path} ran on {agg.gpu.name} ({trace_spec.key}); efficiencies and the kernel factor "
+                       f"set this trace against that GPU's peaks (leave out --gpu for its own)")
     elif agg.gpu is not None:
-        spec = match_gpu_name(agg.gpu.name)
+        spec = trace_spec
     if spec is None and bandwidth is not None and flops is not None:
         spec = custom_gpu(bandwidth, flops)
         if info is not None:
@@ -372,16 +396,17 @@ def _resolve_gpu(agg, gpu_name, bandwidth, flops, needed: bool):
         raise InputError("the trace names no GPU; give --gpu (or --bandwidth and --flops) for floors")
     if spec is not None:
         info = {**(info or {}), "key": spec.key, "bandwidth_tbs": spec.bandwidth_tbs, "bf16_tflops": spec.bf16_tflops}
-    return info, spec
+    return info, spec, warning
 
 
 def _pct(x):
     return None if x is None else f"{100 * x:.1f}%"
 
 
-def _report(p) -> Report:
+def _report(p, floors_gpu: str | None = None) -> Report:
     g = p.gpu or {}
-    title = (f"Profile: {p.steps} step{'s' if p.steps != 1 else ''} ({p.step_detail}) on {g.get('name', 'an unnamed GPU')}"
+    title = (f"Profile: {p.steps} step{'s' if p.steps != 1 else ''} ({p.step_detail}) on {g.get('name') or 'an unnamed GPU'}"
+             + (f" ({floors_gpu})" if floors_gpu else "")
              + (f", {p.model} rows {p.shape.get('rows')} batch {p.shape.get('batch')} context {p.shape.get('context')}"
                 if p.model else ""))
     has_floor = p.total_floor_ms is not None or any(c.floor_ms for c in p.classes.values())
