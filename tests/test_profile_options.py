@@ -53,6 +53,26 @@ def test_gpu_names_the_floors_gpu_and_keeps_the_trace_gpu(run_cli):
     assert code == 0 and "floors for" not in text and "another GPU" not in text, text
 
 
+# ---- the floor above the measured time ---------------------------------------------------------
+def test_a_floor_above_the_busy_time_is_warned_of(run_cli):
+    args = (PDL, "--model", "llama-3.1-8b", "--batch", 16, "--context", 1024, "--top", 0)
+    code, out, err = run_cli("profile", *args, "--bw-fraction", 0.5, "--format", "json")
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["kernel_factor"] < 1
+    warn = [w for w in d["warnings"] if w.startswith("kernel busy time")]
+    assert len(warn) == 1, d["warnings"]
+    assert warn[0].startswith("kernel busy time 4.866 ms is below the byte floor 7.225 ms (kernel factor 0.6735) but "
+                              "not below it at the GPU's full peak (3.613 ms): the kernels reach more of the peak "
+                              "than the floor's fractions assume (--bw-fraction 0.5, --flops-fraction 0.6)"), warn[0]
+    assert "do not describe this trace" in warn[0]
+    code, text, err = run_cli("profile", *args, "--bw-fraction", 0.5)
+    assert code == 0 and f"warning: {warn[0]}" in text, text
+    # the default fraction: the floor is below the busy time, nothing to say
+    code, out, err = run_cli("profile", *args, "--format", "json")
+    assert code == 0 and not [w for w in json.loads(out)["warnings"] if w.startswith("kernel busy time")]
+
+
 # ---- options no step or floor reads ------------------------------------------------------------
 @pytest.mark.parametrize("opt", [("--draft-rows", 2), ("--draft-passes", 3), ("--draft-passes", 1)])
 def test_drafter_shape_without_a_drafter_is_refused(run_cli, opt):

@@ -200,6 +200,9 @@ def command(traces, step_range, step_mode, gap_us, skip_steps, device, include_o
             prof.notes.append(note)
         prof.warnings[:0] = [gpu_warning] if gpu_warning else []   # first: it explains the efficiencies
         prof.warnings += agg.warnings
+        floor_warning = _floor_above_busy(prof, floors, "ceiling" if ceiling_file else "model")
+        if floor_warning:
+            prof.warnings.append(floor_warning)
         return prof
 
     protect = [p for p in (*traces, ceiling_file, *rules_files) if p]
@@ -397,6 +400,34 @@ def _resolve_gpu(agg, gpu_name, bandwidth, flops, needed: bool):
     if spec is not None:
         info = {**(info or {}), "key": spec.key, "bandwidth_tbs": spec.bandwidth_tbs, "bf16_tflops": spec.bf16_tflops}
     return info, spec, warning
+
+
+def _floor_above_busy(p, floors, source: str) -> str | None:
+    """A warning where the kernels ran faster than the whole step's byte floor (kernel factor below
+    1) but not faster than the floor at the GPU's full peak (that is already a model/config
+    mismatch warning): the kernels reach more of the peak than the floor's fractions assume, or the
+    floors' model and shape are not this trace's; either way the efficiencies above 100% come from
+    it. Worded as ``specpilot ceiling`` words a kernel factor below 1."""
+    from specpilot.probes.profile import peak_limit
+
+    kf, floor, busy = p.kernel_factor, p.total_floor_ms, p.kernel_busy.median
+    if kf is None or kf >= 1 or floors is None:
+        return None
+    # the floor with no fraction of the peak, as build_profile takes it (+ a link floor, which has none)
+    at_peak = (sum((f.get("floor_ms") or 0.0) / peak_limit(floors, c) for c, f in floors.classes.items())
+               + (floor - floors.total_floor_ms))
+    if busy < at_peak:   # build_profile's model/config mismatch warning
+        return None
+    labels = ((("bw_fraction", "bandwidth"), ("flops_fraction", "FLOP/s")) if source == "ceiling" else
+              (("bw_fraction", "--bw-fraction"), ("flops_fraction", "--flops-fraction")))
+    fr = [f"{opt} {p.shape[k]:g}" for k, opt in labels if isinstance(p.shape.get(k), (int, float))]
+    fractions = f" ({', '.join(fr)})" if fr else ""
+    what = ("the ceiling's model and shape" if source == "ceiling" else
+            "the model, shape or GPU options (--model, --rows, --batch, --context, the dtypes, --gpu, --bandwidth)")
+    return (f"kernel busy time {busy:.4g} ms is below the byte floor {floor:.4g} ms (kernel factor {kf:.4g}) but not "
+            f"below it at the GPU's full peak ({at_peak:.4g} ms): the kernels reach more of the peak than the floor's "
+            f"fractions assume{fractions}, or {what} do not describe "
+            "this trace; efficiencies above 100% follow from it")
 
 
 def _pct(x):
