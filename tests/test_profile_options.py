@@ -73,6 +73,16 @@ def test_a_floor_above_the_busy_time_is_warned_of(run_cli):
     assert code == 0 and not [w for w in json.loads(out)["warnings"] if w.startswith("kernel busy time")]
 
 
+# ---- --diff with an unknown efficiency ---------------------------------------------------------
+def test_diff_prints_an_unknown_efficiency_as_a_dash(run_cli):
+    code, out, err = run_cli("profile", H200_EAGER, H200_GRAPH, "--diff", "--model", CONFIG, "--context", 512,
+                             "--top", 0)
+    assert code == 0, err
+    assert "None" not in out, out
+    line = next(x for x in out.splitlines() if x.startswith("linear "))
+    assert line.rstrip().endswith("21.5% -> -"), line
+
+
 # ---- options no step or floor reads ------------------------------------------------------------
 @pytest.mark.parametrize("opt", [("--draft-rows", 2), ("--draft-passes", 3), ("--draft-passes", 1)])
 def test_drafter_shape_without_a_drafter_is_refused(run_cli, opt):

@@ -431,6 +431,7 @@ def _floor_above_busy(p, floors, source: str) -> str | None:
 
 
 def _pct(x):
+    """A share as a percentage; None (a table prints it as '-') when unknown."""
     return None if x is None else f"{100 * x:.1f}%"
 
 
@@ -481,8 +482,8 @@ def _diff_report(d: dict) -> Report:
     totals = [[t["what"], t["base"], t["candidate"], t["delta"], _pct(t["relative"])] for t in d["totals"]]
     classes = [[r["class"], r["base_ms"], r["candidate_ms"], r["delta_ms"], _pct(r["delta"]),
                 f"{100 * r['base_share']:.1f}% -> {100 * r['candidate_share']:.1f}%",
-                (f"{_pct(r['base_efficiency'])}{' (!)' if r.get('base_flag') else ''} -> "
-                 f"{_pct(r['candidate_efficiency'])}{' (!)' if r.get('candidate_flag') else ''}"
+                (f"{_pct(r['base_efficiency']) or '-'}{' (!)' if r.get('base_flag') else ''} -> "
+                 f"{_pct(r['candidate_efficiency']) or '-'}{' (!)' if r.get('candidate_flag') else ''}"
                  if r["base_efficiency"] is not None or r["candidate_efficiency"] is not None else None)]
                for r in d["classes"]]
     kernels = [[k["base_ms"], k["candidate_ms"], k["delta_ms"], _pct(k["delta"]), k["class"], _short(k["name"], 70)]
