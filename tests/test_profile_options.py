@@ -199,6 +199,19 @@ def test_help_names_bzip2_and_the_catalog_gpus(run_cli):
     assert all(k in gpu_help for k in gpu_keys()), gpu_help
 
 
+# ---- what the tables show ---------------------------------------------------------------------
+def test_gap_steps_say_what_their_medians_show(run_cli):
+    code, out, err = run_cli("profile", H200_EAGER, "--step-mode", "gap", "--top", 3)
+    assert code == 0, err
+    flat = " ".join(out.split())
+    assert ("medians over steps, each taken alone: the classes' add up to 0.001216 ms per step against a busy-time "
+            "median of 0.0272 ms, as the steps differ (a class in fewer than half of them has a median of 0") in flat, out
+    assert "0 ms: the kernel runs in fewer than half of the steps (medians per step)" in flat, out
+    # steps alike (the trace's annotations): the medians add up, nothing to say
+    code, out, err = run_cli("profile", H200_EAGER, "--top", 3)
+    assert code == 0 and "each taken alone" not in out and "0 ms:" not in out, out
+
+
 # ---- damaged step annotations -----------------------------------------------------------------
 def test_kineto_step_annotations_of_negative_duration_are_warned_of(run_cli, tmp_path):
     p = write_trace(tmp_path / "t.json.gz", [llama_step(2)] * 4)

@@ -451,9 +451,17 @@ def _report(p, floors_gpu: str | None = None) -> Report:
             r += [None if c.bytes is None else c.bytes / 1e9, None if c.flops is None else c.flops / 1e9, c.floor_ms,
                   f"{eff} (!)" if c.flag else eff]
         rows.append(r)
+    class_notes = []
+    if any(c.flag for c in p.classes.values()):
+        class_notes.append("(!): faster than its floor allows at the GPU's peak: a model/config mismatch (see the warnings)")
+    summed = sum(c.ms for c in p.classes.values())
+    if p.steps > 1 and summed < 0.95 * p.kernel_busy.median:
+        # each median is taken alone: over steps that differ (gap mode cutting a step apart) they do not add up
+        class_notes.append(f"medians over steps, each taken alone: the classes' add up to {summed:.4g} ms per step "
+                           f"against a busy-time median of {p.kernel_busy.median:.4g} ms, as the steps differ (a class "
+                           "in fewer than half of them has a median of 0; the JSON's ms_mean gives the means)")
     sections = [Section("Kernel time per class (median per step)", headers, rows,
-                        note=("(!): faster than its floor allows at the GPU's peak: a model/config mismatch "
-                              "(see the warnings)") if any(c.flag for c in p.classes.values()) else None)]
+                        note="\n".join(class_notes) or None)]
     tot = [["step wall ms", p.step_wall.median, p.step_wall.p10, p.step_wall.p90],
            ["kernel busy ms", p.kernel_busy.median, p.kernel_busy.p10, p.kernel_busy.p90]]
     if p.events is not None:
@@ -466,8 +474,11 @@ def _report(p, floors_gpu: str | None = None) -> Report:
                             note=f"floors: {p.floor_source}" if p.floor_source else
                             "no floors: give --model (with --rows/--batch/--context) or --ceiling"))
     if p.top:
+        zero = any(t["ms"] == 0 for t in p.top)
         sections.append(Section(f"Top {len(p.top)} kernels (median ms per step)", ["ms/step", "share", "class", "kernel"],
-                                [[t["ms"], f"{100 * t['share']:.1f}%", t["class"], _short(t["name"])] for t in p.top]))
+                                [[t["ms"], f"{100 * t['share']:.1f}%", t["class"], _short(t["name"])] for t in p.top],
+                                note=("0 ms: the kernel runs in fewer than half of the steps (medians per step); the "
+                                      "kernels at 0 ms are in no particular order") if zero else None))
     if p.explain is not None:
         sections.append(Section("Classification (--explain)", ["class", "mean ms/step", "per step", "kind", "range", "rule", "kernel"],
                                 [[r.cls, r.ms_per_step, r.per_step, r.kind, r.tag or "", r.rule, _short(r.name)]
