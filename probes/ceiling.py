@@ -6,7 +6,9 @@ The inputs are one :class:`CeilingRequest`: the deployment's shape, numbers give
 :class:`ReplayFigures` from ``specpilot replay``: tau per policy, tau(N) curves;
 :class:`RowsProbeFigures` from ``specpilot probe rows``: T_step(N) and T_AR;
 :class:`RunFigures` from ``specpilot run``: tau and the decode loop's step timing, wall and GPU).
-Numbers given directly win over figures from results.
+Numbers given directly win over figures from results. Results of different deployments (model,
+GPU, rows, batch, floor shape) are refused (:func:`check_one_deployment`); where two results give
+the same measurement, one is used and a note says which and why (:func:`passed_over_notes`).
 """
 
 from __future__ import annotations
@@ -31,13 +33,22 @@ class Measurements:
     floor_ms: float | None = None
     floor_peak_ms: float | None = None  # the floor at the GPU's full peak (both fractions 1), where known
     sources: dict[str, str] = field(default_factory=dict)
+    origins: dict[str, object] = field(default_factory=dict)  # the file (its figures) each value came from
+    passed_over: list[tuple[str, float, object]] = field(default_factory=list)  # another file's value, not used
 
-    def set(self, name: str, value, source: str) -> None:
-        """Set a value unless the command line already gave it."""
-        if value is None or getattr(self, name) is not None:
+    def set(self, name: str, value, source: str, origin: object = None) -> None:
+        """Set a value unless the command line or a file before already gave it; ``origin``: the
+        file's figures (a value of another file than the one used is kept in ``passed_over``)."""
+        if value is None:
+            return
+        if getattr(self, name) is not None:
+            if origin is not None and self.origins.get(name) not in (None, origin):
+                self.passed_over.append((name, float(value), origin))
             return
         setattr(self, name, float(value))
         self.sources[name] = source
+        if origin is not None:
+            self.origins[name] = origin
 
     @property
     def any(self) -> bool:
@@ -101,6 +112,9 @@ class ProfileFigures:
     floor_peak_ms: float | None = None   # that floor at the GPU's full peak (its classes without the fractions)
     rows: int | None = None  # the profiled shape's rows per request
     distributed: dict | None = None  # the profile's ``distributed``: what shows the trace is one rank of several
+    model: str | None = None  # the model its floors are of (profile --model), None without floors
+    gpu: dict | None = None   # the GPU it ran on: name, key, and the figures of its floors (bandwidth_tbs, bf16_tflops)
+    shape: dict = field(default_factory=dict)  # its floors' shape: batch, context, dtypes, fractions, drafter
 
 
 @dataclass
@@ -131,6 +145,7 @@ class RowsProbeFigures:
     qpass_ms: dict[int, float] = field(default_factory=dict)   # the TLV Q pass per row count (probe rows --qview)
     qview: str | None = None                                    # the weights that Q pass read
     model: str | None = None                                    # the model it was measured on
+    batch: int = 1                                              # requests per step it timed
 
     @property
     def on_cpu(self) -> bool:
@@ -192,6 +207,7 @@ class RunFigures:
     qview: str | None = None                # a TLV run's Q pass weights (w12, fp8), None where it says nothing
     clocks: dict | None = None  # CUDA: min_mhz, max_mhz, slowed (share of samples), reasons (engine/clocks.py)
     model: str | None = None                # the model it decoded
+    device: str | None = None               # where: "cpu", "cuda", "cuda:0", ...
 
     @property
     def policy(self) -> str | None:
@@ -251,11 +267,17 @@ class CeilingRequest:
 
 
 def _use_profile(p: ProfileFigures, m: Measurements) -> None:
-    m.set("profile_ms", p.kernel_busy_ms, f"profile {p.source}")
-    m.set("step_ms", p.step_wall_ms, f"profile {p.source}")
+    """The profile's step wall time and floor (its kernel busy time: ``_use_profile_gpu_time``)."""
+    m.set("step_ms", p.step_wall_ms, f"profile {p.source}", p)
     if p.total_floor_ms is not None and m.floor_ms is None:
-        m.set("floor_ms", p.total_floor_ms, f"profile {p.source}")
+        m.set("floor_ms", p.total_floor_ms, f"profile {p.source}", p)
         m.floor_peak_ms = p.floor_peak_ms
+
+
+def _use_profile_gpu_time(p: ProfileFigures, m: Measurements) -> None:
+    """The profile's kernel busy time, before a run's GPU time: the floor it is set against is of
+    the same trace's steps."""
+    m.set("profile_ms", p.kernel_busy_ms, f"profile {p.source}", p)
 
 
 def replay_policy(r: ReplayFigures, policy: str) -> str | None:
@@ -294,27 +316,32 @@ def _use_replay(r: ReplayFigures, m: Measurements, current_policy: str) -> None:
     if cur is None:
         raise InputError(f"{r.source}: no policy {current_policy!r} in the replay (has {', '.join(taus)}); "
                          "choose one with --policy")
-    m.set("tau", cur, f"replay {r.source} ({current_policy})")
+    m.set("tau", cur, f"replay {r.source} ({current_policy})", r)
     best_name = max(taus, key=taus.get)
-    m.set("tau_best", taus[best_name], f"replay {r.source} ({best_name})")
+    m.set("tau_best", taus[best_name], f"replay {r.source} ({best_name})", r)
 
 
 def _use_run(r: RunFigures, m: Measurements) -> None:
     if r.tlv_ms:
-        m.set("tau", r.tau, f"run {r.source} (tau per exact pass)")
-        m.set("step_ms", sum(r.tlv_ms.values()), f"run {r.source} (TLV cycle ms: draft 1 + Q pass + draft 2 + "
-              "exact pass + append)")
-    m.set("tau", r.tau, f"run {r.source}")
-    m.set("step_ms", r.step_wall_ms, f"run {r.source} (decode loop wall ms per step)")
-    m.set("profile_ms", r.step_gpu_ms, f"run {r.source} (GPU ms per step in the loop, CUDA events)")
+        m.set("tau", r.tau, f"run {r.source} (tau per exact pass)", r)
+        m.set("step_ms", run_step_ms(r), f"run {r.source} (TLV cycle ms: draft 1 + Q pass + draft 2 + "
+              "exact pass + append)", r)
+    m.set("tau", r.tau, f"run {r.source}", r)
+    m.set("step_ms", r.step_wall_ms, f"run {r.source} (decode loop wall ms per step)", r)
+    m.set("profile_ms", r.step_gpu_ms, f"run {r.source} (GPU ms per step in the loop, CUDA events)", r)
+
+
+def run_step_ms(r: RunFigures) -> float:
+    """The time a run's tau is over: its TLV cycle (a TLV run), else its decode loop's step."""
+    return sum(r.tlv_ms.values()) if r.tlv_ms else r.step_wall_ms
 
 
 def same_model(a: str | None, b: str | None) -> bool:
     """Two files' model names as one model (unknown: no objection; a catalog name and its
-    -instruct folder name are one)."""
+    -instruct folder name are one, as are a Hugging Face id and its last part)."""
     if not a or not b:
         return True
-    a, b = a.lower(), b.lower()
+    a, b = model_key(a), model_key(b)
     return a.startswith(b) or b.startswith(a)
 
 
@@ -344,9 +371,178 @@ def probe_model_mismatch(probe: RowsProbeFigures | None, model) -> str | None:
 
 
 def _use_rows_probe(p: RowsProbeFigures, m: Measurements, rows: int | None) -> None:
-    m.set("ar_ms", p.ar_ms, f"rows probe {p.source}" + (f" ({p.ar_path} AR step)" if p.ar_path else ""))
+    m.set("ar_ms", p.ar_ms, f"rows probe {p.source}" + (f" ({p.ar_path} AR step)" if p.ar_path else ""), p)
     if rows is not None and rows in p.step_ms:
-        m.set("step_ms", p.step_ms[rows], f"rows probe {p.source} (rows={rows})")
+        m.set("step_ms", p.step_ms[rows], f"rows probe {p.source} (rows={rows})", p)
+
+
+# two files that both time the step (a run's decode loop and a profile's traced steps) further
+# apart than this are not one deployment's: run-to-run noise is a few percent, and a profiler adds
+# launch overhead to the wall time of the steps it traces (up to some 15% on an eager step)
+SAME_STEP_TOLERANCE = 0.25
+
+
+def model_key(name: str) -> str:
+    """A model name as files write it, compared case-blind by its last path part (a folder or a
+    Hugging Face id names the same model as its catalog name)."""
+    return name.strip().rstrip("/").rsplit("/", 1)[-1].lower()
+
+
+def _gpu_key(name: str | None) -> str | None:
+    from specpilot.gpus import match_gpu_name
+
+    spec = match_gpu_name(name) if name else None
+    return spec.key if spec is not None else None
+
+
+def _same_gpu(a_key: str | None, a_name: str | None, b_key: str | None, b_name: str | None) -> bool:
+    """Two GPUs as one (unknown: no objection): by catalog key, else by the names' catalog match."""
+    a_key = a_key if a_key not in (None, "custom") else _gpu_key(a_name)
+    b_key = b_key if b_key not in (None, "custom") else _gpu_key(b_name)
+    if a_key and b_key:
+        return a_key == b_key
+    if a_name and b_name and not (a_key or b_key):
+        return a_name.strip().lower() == b_name.strip().lower()
+    return True
+
+
+def _refuse(a: str, b: str, what: str, va, vb, advice: str) -> None:
+    raise InputError(f"{a} and {b} disagree on the {what} ({va} against {vb}): they are not one deployment's; "
+                     + advice)
+
+
+def _profile_gpu_name(p: ProfileFigures) -> str:
+    g = p.gpu or {}
+    return g.get("name") or g.get("key") or "an unnamed GPU"
+
+
+def check_one_deployment(req: CeilingRequest, cost_rows: int | None) -> None:
+    """Refuse (InputError, one line naming both inputs and the field) a profile of another model,
+    GPU, row count, batch or floor shape than the other inputs, and a run whose step a profile
+    times further apart than ``SAME_STEP_TOLERANCE``. A rows probe's own checks against a run
+    (``files_from_other_models``) and against the floors (``check_rows_probe_hardware``,
+    ``probe_model_mismatch``) stay as they are; a probe measured on the CPU beside a run or a
+    profile on a GPU is refused here."""
+    p, run, probe, model, gpu = req.profile, req.run, req.rows_probe, req.model, req.gpu
+    run_cpu = run is not None and (run.device or "").startswith("cpu")
+    probe_known = probe is not None and (probe.on_cpu or bool(probe.gpu) or (probe.device or "").startswith("cuda"))
+    if probe_known and run is not None and run.device and probe.on_cpu != run_cpu:
+        _refuse(f"--rows-probe {probe.source}", f"--run {run.source}", "device", probe.hardware,
+                "the CPU" if run_cpu else run.device, "give a rows probe of the run's device")
+    if p is None:
+        return
+    me = f"--profile {p.source}"
+    # the model
+    for other, label, theirs in ((model, f"--model {model.name}" if model else "", model.name if model else None),
+                                 (run, f"--run {run.source}" if run else "", run.model if run else None),
+                                 (probe, f"--rows-probe {probe.source}" if probe else "",
+                                  probe.model if probe else None)):
+        if other is not None and p.model and theirs and not same_model(p.model, theirs):
+            advice = ("leave out --model to take the profile's floors, or profile that model" if other is model
+                      else "give files of the same deployment")
+            _refuse(me, label, "model", p.model, theirs, advice)
+    # the GPU
+    pg = p.gpu or {}
+    if gpu is not None:
+        if not _same_gpu(pg.get("key"), pg.get("name"), gpu.key, gpu.name):
+            _refuse(me, "--gpu", "GPU", _profile_gpu_name(p), gpu.name,
+                    "leave out --gpu to take the profile's, or profile that GPU")
+        if p.total_floor_ms is not None:   # the profile's floors are of its GPU's figures
+            for k, what, unit in (("bandwidth_tbs", "peak bandwidth", "TB/s"), ("bf16_tflops", "dense bf16 peak",
+                                                                                 "TFLOP/s")):
+                mine, theirs = pg.get(k), getattr(gpu, k)
+                if mine and abs(mine - theirs) > 1e-3 * mine:
+                    _refuse(me, f"{'--bandwidth' if k == 'bandwidth_tbs' else '--flops'} {theirs:g}", f"GPU's {what}",
+                            f"{mine:g} {unit}", f"{theirs:g} {unit}",
+                            "the profile's floor is of its figures; leave the option out to take them")
+    if run_cpu:
+        _refuse(me, f"--run {run.source}", "device", _profile_gpu_name(p), "the CPU",
+                "give a run on the profile's GPU")
+    if probe is not None:
+        if probe.on_cpu:
+            _refuse(me, f"--rows-probe {probe.source}", "device", _profile_gpu_name(p), probe.hardware,
+                    "give a rows probe of the profile's GPU")
+        if probe.gpu and not _same_gpu(pg.get("key"), pg.get("name"), None, probe.gpu):
+            _refuse(me, f"--rows-probe {probe.source}", "GPU", _profile_gpu_name(p), probe.gpu,
+                    "give a rows probe of the profile's GPU")
+    # the rows and the batch
+    if p.rows is not None:
+        if cost_rows != p.rows:
+            _refuse(me, f"--rows {','.join(str(r) for r in req.rows)}", "rows per request", p.rows,
+                    ",".join(str(r) for r in req.rows),
+                    f"the profiled step verified {p.rows} row{'s' if p.rows != 1 else ''} per request; leave out "
+                    "--rows to take the profile's, or profile a step of those rows")
+        if run is not None and run.verify_by_rows and not min(run.verify_by_rows) <= p.rows <= max(run.verify_by_rows):
+            lo, hi = min(run.verify_by_rows), max(run.verify_by_rows)
+            _refuse(me, f"--run {run.source}", "rows per request", p.rows, f"{lo}-{hi}" if hi > lo else lo,
+                    "give a profile of the run's verify steps")
+    pb = p.shape.get("batch")
+    if pb is not None:
+        for label, theirs in ((f"--batch {req.batch}", req.batch), (f"--run {run.source}" if run else None, 1),
+                              (f"--rows-probe {probe.source}" if probe else None, probe.batch if probe else None)):
+            if label and theirs != pb:
+                _refuse(me, label, "requests per step", pb, theirs,
+                        "leave out --batch to take the profile's" if label.startswith("--batch")
+                        else "give files of the same deployment")
+    # the floors' shape, where --model sets floors beside the profile's step (and its own floors)
+    if model is not None and p.shape.get("weight_dtype"):
+        drafter = req.drafter.name if req.drafter is not None else None
+        for key, opt, mine, theirs in (
+                ("context", "--context", p.shape.get("context"), req.context),
+                ("weight_dtype", "--weight-dtype", p.shape.get("weight_dtype"), req.weight_dtype),
+                ("kv_dtype", "--kv-dtype", p.shape.get("kv_dtype"), req.kv_dtype),
+                ("flops_fraction", "--flops-fraction", p.shape.get("flops_fraction"), req.flops_fraction),
+                ("bw_fraction", "--bw-fraction", p.shape.get("bw_fraction"), req.bw_fraction),
+                ("drafter", "--drafter", p.shape.get("drafter"), drafter),
+                ("draft_passes", "--draft-passes", p.shape.get("draft_passes"), req.draft_passes if drafter else None),
+                ("draft_rows", "--draft-rows", p.shape.get("draft_rows"),
+                 (req.draft_rows or cost_rows) if drafter else None)):
+            if key == "drafter":
+                differ = bool(mine) != bool(theirs) or not same_model(mine, theirs)
+            else:
+                differ = mine is not None and theirs is not None and mine != theirs
+            if differ:
+                _refuse(me, f"{opt} {theirs}" if theirs is not None else f"no {opt}", key.replace("_", " "),
+                        mine if mine is not None else "none", theirs if theirs is not None else "none",
+                        f"the profile's floor is of its own shape; leave out {opt} to take the profile's")
+    # a run and a profile that both time the step
+    if run is not None:
+        for what, theirs, mine, opt in (("step wall time", run_step_ms(run), p.step_wall_ms, "--step-ms"),
+                                        ("GPU time per step", run.step_gpu_ms, p.kernel_busy_ms, "--profile-ms")):
+            given = req.measurements.step_ms if opt == "--step-ms" else req.measurements.profile_ms
+            if theirs and mine and given is None and abs(theirs - mine) > SAME_STEP_TOLERANCE * min(theirs, mine):
+                raise InputError(f"--run {run.source} and {me} differ on the {what} by more than "
+                                 f"{SAME_STEP_TOLERANCE:.0%} (run {theirs:.4g} ms, profile {mine:.4g} ms): they are "
+                                 f"not one deployment's step; give files of one deployment, or choose with {opt}")
+
+
+def passed_over_notes(m: Measurements) -> list[str]:
+    """A note for each measurement two files gave, where the value not used differs: which file's
+    is used and why."""
+    names = {"step_ms": "T_step", "profile_ms": "the GPU time per step", "tau": "tau", "floor_ms": "the floor",
+             "ar_ms": "T_AR", "tau_best": "the best reachable tau"}
+    why = {("step_ms", RunFigures): "the run delivered its tau in its own steps, which no profiler slowed",
+           ("step_ms", ProfileFigures): "the profile's is the engine's whole step, whose kernel busy and outside "
+                                        "times give the kernel and outside factors (a rows probe times a bare "
+                                        "forward)",
+           ("profile_ms", ProfileFigures): "the profile's floor is of the same trace's steps",
+           ("tau", RunFigures): "the run's own tau, over the steps it timed"}
+    out = []
+    for name, value, origin in m.passed_over:
+        used, used_origin = getattr(m, name), m.origins.get(name)
+        if used is None or used_origin is None or abs(value - used) <= 5e-3 * abs(used):
+            continue
+        unit = "" if name in ("tau", "tau_best") else " ms"
+        reason = why.get((name, type(used_origin)))
+        out.append(f"{names[name]} is {_file_label(used_origin)}'s {used:.4g}{unit}, not {_file_label(origin)}'s "
+                   f"{value:.4g}{unit}" + (f": {reason}" if reason else ""))
+    return out
+
+
+def _file_label(f) -> str:
+    kind = {ProfileFigures: "profile", RunFigures: "run", RowsProbeFigures: "rows probe",
+            ReplayFigures: "replay"}.get(type(f), "file")
+    return f"{kind} {getattr(f, 'source', '?')}"
 
 
 def compute_ceiling(req: CeilingRequest) -> CeilingResult:
@@ -357,20 +553,27 @@ def compute_ceiling(req: CeilingRequest) -> CeilingResult:
         raise InputError(f"--context must be >= 0, got {req.context}")
     # measured analysis happens at one row count
     cost_rows = rows[0] if len(rows) == 1 else None
-    if req.profile:
-        _use_profile(req.profile, m)
-        if cost_rows is None and req.profile.rows in rows:
-            cost_rows = req.profile.rows
+    if req.profile and cost_rows is None and req.profile.rows in rows:
+        cost_rows = req.profile.rows
     if req.run:
         files_from_other_models(req.run, req.rows_probe)
+    check_one_deployment(req, cost_rows)
+    # the step a run's tau was delivered in before a profile's (a profiler slows the step it
+    # traces), and the profile's GPU time before the run's (the profile's floor is of its steps)
+    if req.profile:
+        _use_profile_gpu_time(req.profile, m)
+    if req.run:
         _use_run(req.run, m)
+    if req.profile:
+        _use_profile(req.profile, m)
     curves = {}
     if req.replay:
         _use_replay(req.replay, m, req.policy)
         curves = req.replay.curves
     cycle = tlv_cycle(req)
     if cycle is not None and cycle["cycle_ms"]:
-        m.set("step_ms", cycle["cycle_ms"], f"TLV cycle ({cycle['source']})")
+        m.set("step_ms", cycle["cycle_ms"], f"TLV cycle ({cycle['source']})",
+              req.run if cycle["source"].startswith("run ") else req.rows_probe)
     step_curve = {}
     warning = check_rows_probe_hardware(req.rows_probe, gpu if model is not None else None)
     if req.rows_probe:
@@ -405,6 +608,7 @@ def compute_ceiling(req: CeilingRequest) -> CeilingResult:
         rank = one_rank_profile(req.profile, m) if m.profile_ms is not None and m.floor_ms is not None else None
         cost = cost_model(m.tau, m.step_ms, m.ar_ms, m.tau_best, m.profile_ms, m.floor_ms,
                           floor_peak_ms=m.floor_peak_ms, one_rank=rank is not None)
+        cost.notes[:0] = passed_over_notes(m)
     elif model is None:
         raise InputError("give --model for byte floors, or measurements (--tau, --step-ms, --ar-ms, --profile ...)")
     res = CeilingResult(model=model, gpu=gpu, floors=floors, ar_floor=ar_floor, cost=cost, measurements=m,

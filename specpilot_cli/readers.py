@@ -42,10 +42,44 @@ def read_profile(path: str) -> ProfileFigures:
             raise InputError(f"{path}: profile's 'distributed' must be null or an object of whole numbers "
                              f"({', '.join(counts)}) and 'collectives_ms' in [0, {MAX_MS:g}]")
     floor = float(floor) if isinstance(floor, (int, float)) and floor > 0 else None
+    model, raw_gpu, gpu = doc.get("model"), doc.get("gpu"), {}
+    if isinstance(raw_gpu, dict):   # the GPU it ran on (its floors' figures where it set floors)
+        gpu = {k: raw_gpu[k] for k in ("name", "key") if isinstance(raw_gpu.get(k), str) and raw_gpu[k]}
+        gpu.update({k: float(raw_gpu[k]) for k in ("bandwidth_tbs", "bf16_tflops") if _finite(raw_gpu.get(k), 0, 1e7)})
     return ProfileFigures(source=str(path), kernel_busy_ms=float(doc["kernel_busy_ms"]),
                           step_wall_ms=float(doc["step_wall_ms"]), total_floor_ms=floor,
                           floor_peak_ms=_floor_at_peak(doc) if floor is not None else None,
-                          rows=rows if isinstance(rows, int) else None, distributed=dist or None)
+                          rows=rows if isinstance(rows, int) else None, distributed=dist or None,
+                          model=model if isinstance(model, str) and model else None, gpu=gpu or None,
+                          shape=_profile_shape(path, shape))
+
+
+def _profile_shape(path: str, shape: dict) -> dict:
+    """The shape a profile's floors were set for (``profile --model``'s options), checked: what
+    ``ceiling`` compares with its own and takes for the options not given."""
+    if not isinstance(shape, dict):
+        return {}
+    out = {}
+    for k in ("batch", "context", "draft_rows", "draft_passes"):
+        v = shape.get(k)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 2 ** 24:
+            raise InputError(f"{path}: profile's shape {k!r} must be a whole number")
+        out[k] = v
+    for k in ("weight_dtype", "kv_dtype", "drafter"):
+        v = shape.get(k)
+        if v is not None:
+            if not isinstance(v, str) or not v:
+                raise InputError(f"{path}: profile's shape {k!r} must be a name")
+            out[k] = v
+    for k in ("flops_fraction", "bw_fraction"):
+        v = shape.get(k)
+        if v is not None:
+            if not _finite(v, 0, 1):
+                raise InputError(f"{path}: profile's shape {k!r} must be a number in (0, 1]")
+            out[k] = float(v)
+    return out
 
 
 def _floor_at_peak(doc: dict) -> float | None:
@@ -149,7 +183,8 @@ def read_rows_probe(path: str, batch: int | None = None) -> RowsProbeFigures:
                             cpu=doc.get("cpu") if isinstance(doc.get("cpu"), str) else None,
                             ar_path=path_name, warnings=[str(w) for w in warnings], qpass_ms=qpass,
                             qview=doc.get("qview") if doc.get("qview") in ("w12", "fp8") else None,
-                            model=doc.get("model") if isinstance(doc.get("model"), str) and doc.get("model") else None)
+                            model=doc.get("model") if isinstance(doc.get("model"), str) and doc.get("model") else None,
+                            batch=measured)
 
 
 def read_run(path: str) -> RunFigures:
@@ -215,7 +250,8 @@ def read_run(path: str) -> RunFigures:
                       verify_ms=split["verify_ms"], qpass_ms=split["qpass_ms"] or 0.0, rest_ms=split["rest_ms"],
                       verify_by_rows=by_rows, tlv_ms=tlv_ms, clocks=clocks,
                       qview=tlv.get("qview") if isinstance(tlv, dict) and tlv.get("qview") in ("w12", "fp8") else None,
-                      model=doc.get("model") if isinstance(doc.get("model"), str) and doc.get("model") else None)
+                      model=doc.get("model") if isinstance(doc.get("model"), str) and doc.get("model") else None,
+                      device=doc.get("device") if isinstance(doc.get("device"), str) and doc.get("device") else None)
 
 
 def _run_clocks(path: str, c) -> dict | None:

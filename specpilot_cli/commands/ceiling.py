@@ -100,14 +100,32 @@ def command(model_name, gpu_name, bandwidth, flops, fp8_flops, rows, batch, cont
                          "current one")
     if ar_run_file or draft_ms is not None or tol_given:
         raise InputError("--ar-run, --draft-ms and --tolerance go with --check RUN.json")
+    prof = read_profile(profile_file) if profile_file else None
+    if prof is not None:   # the shape and GPU of the profiled step, for the options not given
+        if not typed("rows") and prof.rows:
+            rows = str(prof.rows)
+        if not typed("batch") and prof.shape.get("batch"):
+            batch = prof.shape["batch"]
+        if model_name:
+            context, weight_dtype, kv_dtype, flops_fraction, bw_fraction = (
+                v if typed(k) or k not in prof.shape else prof.shape[k]
+                for k, v in (("context", context), ("weight_dtype", weight_dtype), ("kv_dtype", kv_dtype),
+                             ("flops_fraction", flops_fraction), ("bw_fraction", bw_fraction)))
+            if not typed("drafter_name") and prof.shape.get("drafter"):
+                drafter_name = prof.shape["drafter"]
+                draft_rows = draft_rows if typed("draft_rows") else prof.shape.get("draft_rows")
+                draft_passes = draft_passes if typed("draft_passes") else prof.shape.get("draft_passes", 1)
     row_list = parse_int_list(rows, "--rows")
     if draft_rows is not None and draft_rows <= 0:
         raise InputError(f"--draft-rows must be positive, got {draft_rows}")
     model = load_model_spec(model_name) if model_name else None
-    drafter = load_model_spec(drafter_name) if drafter_name else None
+    drafter = _load_drafter(drafter_name, prof) if drafter_name else None
     gpu = None
     if model is not None:
-        if gpu_name == "auto" and bandwidth and flops:
+        theirs = _profile_gpu(prof) if prof is not None and not typed("gpu_name") else None
+        if theirs is not None:
+            gpu = with_overrides(theirs, bandwidth, flops, fp8_flops)
+        elif gpu_name == "auto" and bandwidth and flops:
             gpu = custom_gpu(bandwidth, flops, fp8_flops)
         else:
             gpu = with_overrides(get_gpu(gpu_name), bandwidth, flops, fp8_flops)
@@ -122,17 +140,47 @@ def command(model_name, gpu_name, bandwidth, flops, fp8_flops, rows, batch, cont
     protect = [p for p in (profile_file, replay_file, rows_file, run_file) if p] + models
     run = read_run(run_file) if run_file else None
     policy = policy or (run.policy if run is not None else None) or "chain"
+    # a probe of another batch than the profile's is refused naming both files (compute_ceiling)
+    probe_batch = None if prof is not None and prof.shape.get("batch") and not typed("batch") else batch
     req = CeilingRequest(model=model, gpu=gpu, rows=row_list, batch=batch, context=context, weight_dtype=weight_dtype,
                          lm_head_dtype=lm_head_dtype, kv_dtype=kv_dtype, drafter=drafter, draft_rows=draft_rows,
                          draft_passes=draft_passes, flops_fraction=flops_fraction, bw_fraction=bw_fraction,
-                         policy=policy, measurements=m,
-                         profile=read_profile(profile_file) if profile_file else None,
+                         policy=policy, measurements=m, profile=prof,
                          replay=read_replay(replay_file) if replay_file else None,
-                         rows_probe=read_rows_probe(rows_file, batch=batch) if rows_file else None,
+                         rows_probe=read_rows_probe(rows_file, batch=probe_batch) if rows_file else None,
                          run=run)
     res = compute_ceiling(req)
     emit(_report(res, run), fmt, out, protect=protect)
     return 0
+
+
+def _profile_gpu(prof):
+    """The GPU a profile ran on, as a GPUSpec with the figures its floors used (None where it names
+    none the catalog knows and gives no figures): ``ceiling`` takes it when --gpu is not given."""
+    from specpilot.gpus import custom_gpu, get_gpu, match_gpu_name, with_overrides
+
+    g = prof.gpu or {}
+    bw, fl = g.get("bandwidth_tbs"), g.get("bf16_tflops")
+    key = g.get("key")
+    spec = get_gpu(key) if key and key != "custom" and match_gpu_name(key) else match_gpu_name(g.get("name") or "")
+    if spec is None:
+        return custom_gpu(bw, fl) if bw and fl else None
+    return with_overrides(spec, bw if bw and bw != spec.bandwidth_tbs else None,
+                          fl if fl and fl != spec.bf16_tflops else None)
+
+
+def _load_drafter(name, prof):
+    """--drafter's model; one the profile's floors name (not given here) must load by that name."""
+    from specpilot.errors import InputError
+    from specpilot.models import load_model_spec
+
+    try:
+        return load_model_spec(name)
+    except InputError:
+        if prof is None or typed("drafter_name"):
+            raise
+        raise InputError(f"--profile {prof.source}: its floor counts the drafter {name}, which does not load by "
+                         "that name here; give --drafter (its catalog name, config.json or folder)") from None
 
 
 def _run_rows(res, run) -> dict | None:

@@ -1,0 +1,119 @@
+"""`specpilot ceiling`: files of different deployments (model, GPU, rows, shape) are refused; where
+two files time the same step, the one used is named; the GPU and shape default to the profile's."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+ROUNDS = REPO / "examples" / "rounds"
+H200_PROFILE = ROUNDS / "llama8b-h200" / "measure" / "profile.json"   # llama-3.1-8b on an H200, 1 row
+H200_ROWS = ROUNDS / "llama8b-h200" / "measure" / "rows.json"         # llama-3.1-8b on an H200
+CPU_ROWS = ROUNDS / "smollm2-cpu" / "measure" / "rows.json"           # smollm2-135m-instruct on the CPU
+
+
+def _one_line_refusal(code, err, *parts):
+    assert code == 2, err
+    assert err.startswith("specpilot: error:") and len(err.strip().splitlines()) == 1, err
+    assert "Traceback" not in err
+    for p in parts:
+        assert p in err, err
+
+
+@pytest.fixture
+def cpu_run(run_cli, tmp_path):
+    run = tmp_path / "tree16.json"
+    code, _, err = run_cli("run", "--model", "tiny", "--mode", "tree", "--nodes", "16", "--prompt", "abcabcabcabc",
+                           "--max-new-tokens", "12", "--format", "json", "--out", run)
+    assert code == 0, err
+    return run
+
+
+def test_a_profile_beside_another_deployments_run_is_refused(run_cli, cpu_run):
+    code, _, err = run_cli("ceiling", "--run", cpu_run, "--profile", H200_PROFILE, "--ar-ms", "57")
+    _one_line_refusal(code, err, f"--profile {H200_PROFILE}", f"--run {cpu_run}", "model")
+
+
+def test_a_profile_beside_another_deployments_rows_probe_is_refused(run_cli):
+    code, _, err = run_cli("ceiling", "--rows-probe", CPU_ROWS, "--profile", H200_PROFILE, "--tau", "2")
+    _one_line_refusal(code, err, f"--profile {H200_PROFILE}", f"--rows-probe {CPU_ROWS}", "model")
+
+
+def test_a_cpu_probe_of_the_profiles_model_is_refused(run_cli, tmp_path):
+    probe = json.loads(CPU_ROWS.read_text())
+    probe["model"] = "llama-3.1-8b"
+    rows = tmp_path / "rows.json"
+    rows.write_text(json.dumps(probe))
+    code, _, err = run_cli("ceiling", "--rows-probe", rows, "--profile", H200_PROFILE, "--tau", "2")
+    _one_line_refusal(code, err, f"--rows-probe {rows}", "GPU", "CPU")
+
+
+def test_a_profile_and_floors_of_another_model_or_gpu_are_refused(run_cli):
+    code, _, err = run_cli("ceiling", "--profile", H200_PROFILE, "--model", "qwen3-8b", "--gpu", "h100", "--tau",
+                           "4.2", "--ar-ms", "5")
+    _one_line_refusal(code, err, f"--profile {H200_PROFILE}", "--model qwen3-8b", "model")
+    code, _, err = run_cli("ceiling", "--profile", H200_PROFILE, "--model", "llama-3.1-8b", "--gpu", "h100", "--tau",
+                           "4.2", "--ar-ms", "5")
+    _one_line_refusal(code, err, f"--profile {H200_PROFILE}", "--gpu", "GPU", "H200", "H100")
+
+
+def test_a_profile_of_other_rows_is_refused_and_its_rows_are_the_default(run_cli, tmp_path):
+    code, _, err = run_cli("ceiling", "--profile", H200_PROFILE, "--rows", "8", "--tau", "4.2", "--ar-ms", "5")
+    _one_line_refusal(code, err, f"--profile {H200_PROFILE}", "--rows 8", "rows")
+    doc = json.loads(H200_PROFILE.read_text())
+    doc["shape"]["rows"] = 17
+    prof = tmp_path / "p17.json"
+    prof.write_text(json.dumps(doc))
+    code, out, err = run_cli("ceiling", "--profile", prof, "--tau", "4.2", "--ar-ms", "5")
+    assert code == 0 and out.splitlines()[0] == "Cost model at 17 rows", out + err
+
+
+def test_the_gpu_and_shape_come_from_the_profile(run_cli):
+    """No GPU here, none named: the profile's (an H200), and its shape (context 96) for the floors."""
+    code, out, err = run_cli("ceiling", "--profile", H200_PROFILE, "--model", "llama-3.1-8b", "--tau", "4.2",
+                             "--ar-ms", "5", "--format", "json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["gpu"]["key"] == "h200" and doc["shape"]["context"] == 96
+    assert doc["total_floor_ms"] == pytest.approx(json.loads(H200_PROFILE.read_text())["total_floor_ms"])
+    code, _, err = run_cli("ceiling", "--profile", H200_PROFILE, "--model", "llama-3.1-8b", "--context", "2048",
+                           "--tau", "4.2", "--ar-ms", "5")
+    _one_line_refusal(code, err, f"--profile {H200_PROFILE}", "--context 2048", "context")
+
+
+def _gpu_run(tmp_path, wall, gpu):
+    run = tmp_path / f"run_{wall}.json"
+    run.write_text(json.dumps({"schema": "specpilot.run/1", "model": "llama-3.1-8b", "mode": "ar", "device": "cuda",
+                               "tau": 1.0, "steps": 10,
+                               "step_timing": {"steps": 10, "wall_ms": wall, "gpu_ms": gpu,
+                                               "by_rows": [{"rows": 1, "steps": 10, "verify_ms": gpu}]}}))
+    return run
+
+
+def test_a_run_and_a_profile_of_one_deployment_share_the_step(run_cli, tmp_path):
+    """Both time the step: the run's is T_step (it delivered tau, and no profiler slowed it), the
+    profile's kernel busy time is the GPU time (its floor is of the same trace); a note says so.
+    Beyond 25% apart they are not one deployment's step: refused."""
+    run = _gpu_run(tmp_path, 5.2, 4.0)
+    code, out, err = run_cli("ceiling", "--run", run, "--profile", H200_PROFILE, "--ar-ms", "3.9", "--format", "json")
+    assert code == 0, err
+    cm = json.loads(out)["cost_model"]
+    assert cm["step_ms"] == 5.2 and cm["sources"]["step_ms"].startswith(f"run {run}")
+    assert cm["sources"]["profile_ms"] == f"profile {H200_PROFILE}"
+    assert any(n.startswith(f"T_step is run {run}'s 5.2 ms") and "4.918 ms" in n for n in cm["notes"]), cm["notes"]
+    slow = _gpu_run(tmp_path, 8.0, 4.0)
+    code, _, err = run_cli("ceiling", "--run", slow, "--profile", H200_PROFILE, "--ar-ms", "3.9")
+    _one_line_refusal(code, err, f"--run {slow}", f"--profile {H200_PROFILE}", "step", "25%")
+
+
+def test_a_gpu_probe_beside_the_profile_says_whose_step_is_used(run_cli):
+    code, out, err = run_cli("ceiling", "--rows-probe", H200_ROWS, "--profile", H200_PROFILE, "--tau", "1.0",
+                             "--format", "json")
+    assert code == 0, err
+    cm = json.loads(out)["cost_model"]
+    assert cm["step_ms"] == pytest.approx(4.918425) and cm["ar_ms"] == pytest.approx(3.926159977912903)
+    assert any(n.startswith(f"T_step is profile {H200_PROFILE}'s 4.918 ms") and "3.926 ms" in n
+               for n in cm["notes"]), cm["notes"]
+
+
