@@ -375,7 +375,7 @@ def test_cli_run_step_timing_is_the_outside_factor(run_cli, tmp_path):
     assert code == 2 and "step_timing" in err
     run.write_text(json.dumps({"schema": "specpilot.run/1", "tau": 1.3, "step_timing": None,
                                "batch": {"batch": 2, "verify_steps": 24}}))
-    code, _, err = run_cli("ceiling", "--rows", "33", "--check", run)
+    code, _, err = run_cli("ceiling", "--check", run)
     assert code == 2 and "batched run" in err and "without --batch" in err and len(err.strip().splitlines()) == 1
 
 

@@ -37,9 +37,17 @@ from specpilot.output import Report, Section, count, emit, output_options
 @click.option("--step-ms", type=positive(MAX_MS), help="Measured step wall time T_step(N), drafting included.")
 @click.option("--ar-ms", type=positive(MAX_MS), help="Measured AR step time T_AR in the same engine.")
 @click.option("--profile-ms", type=positive(MAX_MS), help="Profiled GPU kernel time per step.")
-@click.option("--profile", "profile_file", type=click.Path(dir_okay=False), help="specpilot profile JSON.")
-@click.option("--replay", "replay_file", type=click.Path(dir_okay=False), help="specpilot replay JSON.")
-@click.option("--rows-probe", "rows_file", type=click.Path(dir_okay=False), help="specpilot probe rows JSON.")
+@click.option("--profile", "profile_file", type=click.Path(dir_okay=False), metavar="FILE",
+              help="specpilot profile JSON: the GPU time per step (kernel busy ms; before a --run's), the step wall "
+                   "time (T_step; after a --run's, before a --rows-probe's), the byte floor, and its GPU, rows, batch "
+                   "and floor shape, which stand for --gpu, --rows, --batch and (with --model) the shape options not "
+                   "given. --step-ms/--profile-ms win over it; inputs of another model, GPU or rows are refused.")
+@click.option("--replay", "replay_file", type=click.Path(dir_okay=False), metavar="FILE",
+              help="specpilot replay JSON: tau of --policy (the current system) and the best tau of any policy (the "
+                   "tree factor); its tau(N) curves give the by-node table.")
+@click.option("--rows-probe", "rows_file", type=click.Path(dir_okay=False), metavar="FILE",
+              help="specpilot probe rows JSON: T_AR, and T_step at --rows where no --run or --profile gives one; its "
+                   "T_step(N) gives the by-node table's c.")
 @click.option("--run", "run_file", type=click.Path(dir_okay=False),
               help="specpilot run JSON: tau and loop wall ms per step (a tlv run: tau per exact pass and its cycle "
                    "split); on CUDA also GPU ms per step (the outside factor).")
@@ -92,6 +100,10 @@ def command(model_name, gpu_name, bandwidth, flops, fp8_flops, rows, batch, cont
         if given:   # --check judges the files' measurements: a what-if number would be ignored
             raise InputError(f"{', '.join(given)}: --check judges the run against its measured files; give "
                              "these without --check for a what-if")
+        floors = typed(*FLOOR_OPTIONS, "rows")
+        if floors:   # the check's rows are the run's, and it sets no byte floors
+            raise InputError(f"{', '.join(floors)}: --check judges the run against its measured files (at the rows "
+                             f"its steps verified) and sets no byte floors; leave {_them(floors)} out")
         return _check(check_file, run_file, replay_file, rows_file, ar_run_file, profile_file, model_name, batch,
                       policy, tolerance, draft_ms, fmt, out)
     tol_given = bool(typed("tolerance"))
@@ -100,6 +112,7 @@ def command(model_name, gpu_name, bandwidth, flops, fp8_flops, rows, batch, cont
                          "current one")
     if ar_run_file or draft_ms is not None or tol_given:
         raise InputError("--ar-run, --draft-ms and --tolerance go with --check RUN.json")
+    _refuse_unread_options(model_name, profile_file, replay_file, rows_file, policy)
     prof = read_profile(profile_file) if profile_file else None
     if prof is not None:   # the shape and GPU of the profiled step, for the options not given
         if not typed("rows") and prof.rows:
@@ -115,6 +128,13 @@ def command(model_name, gpu_name, bandwidth, flops, fp8_flops, rows, batch, cont
                 drafter_name = prof.shape["drafter"]
                 draft_rows = draft_rows if typed("draft_rows") else prof.shape.get("draft_rows")
                 draft_passes = draft_passes if typed("draft_passes") else prof.shape.get("draft_passes", 1)
+    if model_name and not drafter_name and typed("draft_rows", "draft_passes"):
+        given = typed("draft_rows", "draft_passes")
+        raise InputError(f"{', '.join(given)}: {'it shapes' if len(given) == 1 else 'they shape'} the drafter's "
+                         f"floor, which needs --drafter; give it, or leave {_them(given)} out")
+    if model_name and typed("fp8_flops") and weight_dtype != "fp8":
+        raise InputError(f"--fp8-flops: the fp8 peak sets the floors of fp8 weights only (--weight-dtype fp8, here "
+                         f"{weight_dtype}); give it with --weight-dtype fp8, or leave it out")
     row_list = parse_int_list(rows, "--rows")
     if draft_rows is not None and draft_rows <= 0:
         raise InputError(f"--draft-rows must be positive, got {draft_rows}")
@@ -152,6 +172,33 @@ def command(model_name, gpu_name, bandwidth, flops, fp8_flops, rows, batch, cont
     res = compute_ceiling(req)
     emit(_report(res, run), fmt, out, protect=protect)
     return 0
+
+
+# the options that set the byte floors (and their GPU): read only with --model
+FLOOR_OPTIONS = ("gpu_name", "bandwidth", "flops", "fp8_flops", "context", "weight_dtype", "lm_head_dtype", "kv_dtype",
+                 "flops_fraction", "bw_fraction", "drafter_name", "draft_rows", "draft_passes")
+
+
+def _them(given) -> str:
+    return "it" if len(given) == 1 else "them"
+
+
+def _refuse_unread_options(model_name, profile_file, replay_file, rows_file, policy) -> None:
+    """Refuse, before any file is read, an option that nothing would read: the floors' options
+    without --model, --batch with neither floors nor a file of a batch, --policy with neither a
+    replay nor (as tlv:N) a rows probe for the TLV cycle."""
+    from specpilot.errors import InputError
+
+    floors = typed(*FLOOR_OPTIONS)
+    if floors and not model_name:
+        raise InputError(f"{', '.join(floors)}: {'it sets' if len(floors) == 1 else 'they set'} the byte floors, "
+                         f"which need --model; give it, or leave {_them(floors)} out")
+    if typed("batch") and not (model_name or profile_file or rows_file):
+        raise InputError("--batch: the requests per step shape the byte floors (--model) and must match a "
+                         "--rows-probe's or --profile's; give one of those, or leave it out")
+    if typed("policy") and not (replay_file or (rows_file and (policy or "").startswith("tlv:"))):
+        raise InputError(f"--policy {policy}: it picks the current system among a --replay's policies (or, as "
+                         "tlv:N, the TLV cycle a --rows-probe times); give one of those, or leave it out")
 
 
 def _profile_gpu(prof):

@@ -1,0 +1,52 @@
+"""`specpilot ceiling`: options that nothing reads are refused; the help says what each file supplies."""
+
+import json
+
+import pytest
+
+
+def _one_line_refusal(code, err, *parts):
+    assert code == 2, err
+    assert err.startswith("specpilot: error:") and len(err.strip().splitlines()) == 1, err
+    assert "Traceback" not in err
+    for p in parts:
+        assert p in err, err
+
+
+# options that nothing reads
+
+@pytest.mark.parametrize("args,named", [
+    (["--model", "llama-3.1-8b", "--gpu", "h100", "--draft-rows", "4", "--draft-passes", "3"],
+     "--draft-rows, --draft-passes"),
+    (["--model", "llama-3.1-8b", "--gpu", "h100", "--policy", "tlv:16"], "--policy"),
+    (["--model", "llama-3.1-8b", "--gpu", "h100", "--fp8-flops", "2000"], "--fp8-flops"),
+    (["--tau", "3", "--step-ms", "6", "--ar-ms", "5", "--gpu", "h100"], "--gpu"),
+    (["--tau", "3", "--step-ms", "6", "--ar-ms", "5", "--context", "512", "--drafter", "tiny"], "--context, --drafter"),
+    (["--tau", "3", "--step-ms", "6", "--ar-ms", "5", "--batch", "4"], "--batch"),
+])
+def test_options_nothing_reads_are_refused(run_cli, args, named):
+    code, out, err = run_cli("ceiling", *args)
+    _one_line_refusal(code, err, named)
+    assert out == ""
+
+
+def test_options_check_does_not_read_are_refused(run_cli, tmp_path):
+    code, _, err = run_cli("ceiling", "--check", tmp_path / "run.json", "--gpu", "h100", "--context", "512")
+    _one_line_refusal(code, err, "--gpu, --context", "--check")
+
+
+def test_policy_is_read_with_a_replay_or_a_tlv_probe(run_cli, tmp_path):
+    replay = tmp_path / "replay.json"
+    replay.write_text(json.dumps({"schema": "specpilot.replay/1", "policies": [
+        {"policy": "chain", "tau": 1.5}, {"policy": "best-first:16", "tau": 1.7}]}))
+    code, _, err = run_cli("ceiling", "--replay", replay, "--policy", "best-first:16", "--step-ms", "4", "--ar-ms", "3")
+    assert code == 0, err
+
+
+# help
+
+def test_help_says_what_the_profile_supplies(run_cli):
+    code, out, _ = run_cli("ceiling", "--help")
+    text = " ".join(out.split())
+    assert code == 0
+    assert "GPU time per step" in text and "its GPU" in text and "--run" in text.split("--profile FILE")[1][:600]
