@@ -7,12 +7,14 @@ token, inter-token latency and end-to-end latency (mean, p50, p90, p99).
         --max-new-tokens 64 [--prompts FILE | --random-ids 32 --vocab 128256] [--rate 4] [--no-stream] \
         [--api openai --model NAME]
 
-Closed loop (``--concurrency C``): C clients, each sending its next request when the last one is
-answered, until ``--num-prompts`` requests are done. Open loop (``--rate R``): requests arrive as a
-Poisson process of R per second whatever the answers (``--concurrency`` then caps requests in
-flight). Requests stream by default (TTFT and ITL from the server-sent events, a chunk of n tokens
-after a gap g counting n gaps of g/n, as bench_serving does); ``--no-stream`` measures end-to-end
-latency only. ``ignore_eos`` is set so every request generates ``--max-new-tokens`` tokens.
+Closed loop (``--concurrency C``, 1 when not given): C clients, each sending its next request when
+the last one is answered, until ``--num-prompts`` requests are done. Open loop (``--rate R``):
+requests arrive as a Poisson process of R per second whatever the answers, with no cap on the
+requests in flight unless ``--concurrency`` (or SGLang's name for it, ``--max-concurrency``) is
+given, as SGLang's ``bench_serving`` caps them only with ``--max-concurrency``. Each run reports
+the most requests it had in flight at once. Requests stream by default (TTFT and ITL from the
+server-sent events, a chunk of n tokens after a gap g counting n gaps of g/n, as bench_serving
+does); ``--no-stream`` measures end-to-end latency only. ``ignore_eos`` is set so every request generates ``--max-new-tokens`` tokens.
 Library use: :func:`run_load`.
 """
 
@@ -138,20 +140,34 @@ async def _one(client, url: str, payload: dict, stream: bool, api: str = "sglang
 
 
 async def _run(url, payloads, concurrency, rate, stream, seed, timeout, api):
+    """The outcomes, the seconds taken and the most requests in flight at once. Closed loop
+    (``rate`` None): ``concurrency`` clients (1 when None). Open loop: Poisson arrivals, at most
+    ``concurrency`` in flight when given, else no cap (bench_serving's ``--max-concurrency``)."""
     import httpx
 
-    limits = httpx.Limits(max_connections=max(concurrency or 1, 1) + 8, max_keepalive_connections=64)
+    # no cap: a connection per request in flight (a pool of a few would be a cap of its own)
+    limits = httpx.Limits(max_connections=(concurrency + 8) if concurrency else None, max_keepalive_connections=64)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         outcomes: list[Outcome] = []
+        flight = {"now": 0, "peak": 0}
+
+        async def one(p):
+            flight["now"] += 1
+            flight["peak"] = max(flight["peak"], flight["now"])
+            try:
+                outcomes.append(await _one(client, url, p, stream, api))
+            finally:
+                flight["now"] -= 1
+
         t0 = time.perf_counter()
         if rate is None:
             it = iter(payloads)
 
             async def worker():
                 for p in it:
-                    outcomes.append(await _one(client, url, p, stream, api))
+                    await one(p)
 
-            await asyncio.gather(*[worker() for _ in range(concurrency)])
+            await asyncio.gather(*[worker() for _ in range(concurrency or 1)])
         else:
             rnd = random.Random(seed)
             sem = asyncio.Semaphore(concurrency) if concurrency else None
@@ -159,31 +175,36 @@ async def _run(url, payloads, concurrency, rate, stream, seed, timeout, api):
 
             async def fire(p):
                 if sem is None:
-                    outcomes.append(await _one(client, url, p, stream, api))
+                    await one(p)
                     return
                 async with sem:
-                    outcomes.append(await _one(client, url, p, stream, api))
+                    await one(p)
 
             for p in payloads:
                 tasks.append(asyncio.ensure_future(fire(p)))
                 await asyncio.sleep(rnd.expovariate(rate))
             await asyncio.gather(*tasks)
-        return outcomes, time.perf_counter() - t0
+        return outcomes, time.perf_counter() - t0, flight["peak"]
 
 
-def run_load(url: str, prompts: list, *, max_new_tokens: int, concurrency: int = 1, rate: float | None = None,
-             num_prompts: int | None = None, stream: bool = True, seed: int = 0, timeout: float = 3600,
-             api: str = "sglang", model: str | None = None) -> dict:
+def run_load(url: str, prompts: list, *, max_new_tokens: int, concurrency: int | None = None,
+             rate: float | None = None, num_prompts: int | None = None, stream: bool = True, seed: int = 0,
+             timeout: float = 3600, api: str = "sglang", model: str | None = None) -> dict:
     """Send ``num_prompts`` requests (prompts cycled: text or token-id lists) and summarize them.
-    ``api``: ``sglang`` (``/generate``) or ``openai`` (``/v1/completions``, ``model`` named)."""
+    ``api``: ``sglang`` (``/generate``) or ``openai`` (``/v1/completions``, ``model`` named).
+    ``concurrency``: closed loop, the clients (None: 1); open loop (``rate``), the most requests in
+    flight (None: no cap)."""
     n = num_prompts or len(prompts)
+    if rate is None and concurrency is None:
+        concurrency = 1
     payloads = [_payload(api, prompts[i % len(prompts)], max_new_tokens, model) for i in range(n)]
-    outcomes, secs = asyncio.run(_run(url.rstrip("/"), payloads, concurrency, rate, stream, seed, timeout, api))
+    outcomes, secs, peak = asyncio.run(_run(url.rstrip("/"), payloads, concurrency, rate, stream, seed, timeout, api))
     good = [o for o in outcomes if o.ok]
     tokens = sum(o.tokens for o in good)
     itl = [x for o in good for x in o.itl]
     tpot = [(o.e2e - o.ttft) / (o.tokens - 1) for o in good if o.ttft is not None and o.tokens > 1]
-    return {"api": api, "concurrency": concurrency, "rate": rate, "requests": n, "completed": len(good),
+    return {"api": api, "concurrency": concurrency, "rate": rate, "max_in_flight": peak, "requests": n,
+            "completed": len(good),
             "failed": len(outcomes) - len(good), "errors": sorted({o.error for o in outcomes if not o.ok})[:5],
             "duration_s": secs, "request_throughput": len(good) / secs,
             "output_tokens": tokens, "output_throughput": tokens / secs,
@@ -193,7 +214,11 @@ def run_load(url: str, prompts: list, *, max_new_tokens: int, concurrency: int =
 
 
 def print_summary(res: dict) -> None:
-    mode = f"rate {res['rate']}/s" if res["rate"] else f"concurrency {res['concurrency']}"
+    if res["rate"]:
+        cap = (f"at most {res['concurrency']} in flight" if res["concurrency"] else "no cap on requests in flight")
+        mode = f"rate {res['rate']}/s ({cap}; {res['max_in_flight']} at most seen)"
+    else:
+        mode = f"concurrency {res['concurrency']}"
     print(f"== {mode}: {res['completed']}/{res['requests']} ok in {res['duration_s']:.1f} s, "
           f"{res['output_throughput']:.2f} tok/s, {res['request_throughput']:.3f} req/s")
     for key, name in (("ttft_ms", "TTFT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E")):
@@ -238,7 +263,9 @@ def main(argv=None):
     """Exit 0 when every request of every run was answered, 1 when some failed, 2 on bad input."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", required=True)
-    ap.add_argument("--concurrency", type=_counts, default=[1], help="comma list of closed-loop client counts")
+    ap.add_argument("--concurrency", "--max-concurrency", type=_counts, default=None,
+                    help="comma list: closed loop, the client counts (default 1); with --rate, the most requests "
+                         "in flight (default: no cap, as bench_serving's --max-concurrency)")
     ap.add_argument("--rate", type=_positive(float), default=None, help="open loop: requests per second (Poisson)")
     ap.add_argument("--num-prompts", type=_positive(int), default=None)
     ap.add_argument("--max-new-tokens", type=_positive(int), default=64)
@@ -286,7 +313,7 @@ def main(argv=None):
         print("loadgen: give --prompts FILE or --random-ids N", file=sys.stderr)
         return 2
     results = []
-    for c in args.concurrency:
+    for c in args.concurrency or [None]:
         res = run_load(args.url, prompts, max_new_tokens=args.max_new_tokens, concurrency=c, rate=args.rate,
                        num_prompts=args.num_prompts, stream=not args.no_stream, seed=args.seed, api=args.api,
                        model=args.model)

@@ -1,0 +1,105 @@
+"""``benchmarks/loadgen.py``'s open loop (``--rate``): arrivals are not held back by the answers.
+
+SGLang's ``bench_serving`` caps the requests in flight only when ``--max-concurrency`` is given
+(default None, ``benchmark/serving.py``); so does the load generator: ``--rate`` alone puts no cap,
+``--concurrency`` (or SGLang's name, ``--max-concurrency``) given explicitly does. The server here
+is a stand-in on loopback that takes 0.4 s per request and counts how many it holds at once.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SECONDS = 0.4   # each request's answer time
+
+
+class _Slow(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args):
+        pass
+
+    def do_POST(self):
+        srv = self.server
+        json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        with srv.lock:
+            srv.now += 1
+            srv.peak = max(srv.peak, srv.now)
+        time.sleep(SECONDS)
+        with srv.lock:
+            srv.now -= 1
+        body = json.dumps({"text": "ab", "output_ids": [1, 2], "meta_info": {
+            "prompt_tokens": 4, "completion_tokens": 2, "finish_reason": {"type": "length", "length": 2}}}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+@pytest.fixture
+def slow_server():
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Slow)
+    srv.daemon_threads = True
+    srv.lock, srv.now, srv.peak = threading.Lock(), 0, 0
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+
+
+@pytest.fixture(scope="module")
+def loadgen():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import loadgen as mod
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    return mod
+
+
+def _run(loadgen, srv, tmp_path, *extra):
+    out = tmp_path / "lg.json"
+    url = f"http://127.0.0.1:{srv.server_address[1]}"
+    code = loadgen.main(["--url", url, "--random-ids", "4", "--vocab", "100", "--num-prompts", "8",
+                         "--max-new-tokens", "2", "--no-stream", "--rate", "200", "--out", str(out), *extra])
+    assert code == 0
+    return json.loads(out.read_text())
+
+
+def test_rate_alone_puts_no_cap_on_requests_in_flight(loadgen, slow_server, tmp_path, capsys):
+    """8 arrivals at 200/s against 0.4 s answers: they overlap. With the old default (--concurrency
+    1 applied in rate mode) they went one at a time: 8 x 0.4 s, one in flight."""
+    res = _run(loadgen, slow_server, tmp_path)
+    assert len(res) == 1 and res[0]["completed"] == 8 and res[0]["rate"] == 200
+    assert slow_server.peak >= 4, slow_server.peak
+    assert res[0]["concurrency"] is None
+    assert res[0]["max_in_flight"] == slow_server.peak
+    assert res[0]["duration_s"] < 8 * SECONDS
+    assert "no cap on requests in flight" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flag", ["--concurrency", "--max-concurrency"])
+def test_an_explicit_cap_holds_in_rate_mode(loadgen, slow_server, tmp_path, capsys, flag):
+    res = _run(loadgen, slow_server, tmp_path, flag, "2")
+    assert res[0]["completed"] == 8 and res[0]["concurrency"] == 2
+    assert slow_server.peak == 2 and res[0]["max_in_flight"] == 2
+    assert "at most 2 in flight" in capsys.readouterr().out
+
+
+def test_closed_loop_still_defaults_to_one_client(loadgen, slow_server, tmp_path):
+    out = tmp_path / "closed.json"
+    url = f"http://127.0.0.1:{slow_server.server_address[1]}"
+    assert loadgen.main(["--url", url, "--random-ids", "4", "--num-prompts", "3", "--max-new-tokens", "2",
+                         "--no-stream", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res[0]["concurrency"] == 1 and res[0]["rate"] is None and slow_server.peak == 1
