@@ -88,6 +88,27 @@ def test_a_handler_its_module_does_not_define_is_drift_even_when_recorded(run_cl
     assert code == 1 and f"handler {new}: {old.split(':')[0]} defines no no_such_handler" in " ".join(out.split()), out
 
 
+def test_record_writes_nothing_when_an_entry_would_not_verify(run_cli, tmp_path):
+    """--record records only entries that verify as they would be recorded: a handler its module
+    does not define stays a failure (exit 1) and every file is left as it was."""
+    d = _copy(tmp_path)
+    raw = yaml.safe_load((d / "tree.yaml").read_text())
+    old = raw["code"]["hooks"][0]["handler"]
+    raw["code"]["hooks"][0]["handler"] = old.split(":")[0] + ":nope_func"
+    (d / "tree.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    snapshot = {p.name: p.read_text() for p in d.glob("*.yaml")}
+    for args in ((), ("tree",)):
+        code, out, err = run_cli("memory", "verify", *args, "--memory-dir", d, "--record", "--format", "json")
+        doc = json.loads(out)
+        assert code == 1 and doc["ok"] is False and doc["recorded"] is False, (out, err)
+        assert any("defines no nope_func" in p for e in doc["entries"] for p in e["problems"]), out
+        assert {p.name: p.read_text() for p in d.glob("*.yaml")} == snapshot
+    code, out, _ = run_cli("memory", "verify", "--memory-dir", d, "--record")
+    assert code == 1 and "nothing recorded: an entry fails verification" in out, out
+    code, out, _ = run_cli("memory", "verify", "--help")
+    assert "only when every entry verifies as it would be recorded" in " ".join(out.split())
+
+
 def test_cycle_and_missing_requirement_are_errors(run_cli, tmp_path):
     d = _copy(tmp_path)
     _edit(d / "w12.yaml", requires=["tlv"])  # tlv requires w12

@@ -86,7 +86,8 @@ def show(entry_id, memory_dir, fmt, out):
 @click.option("--python", "python", default=None, metavar="PATH",
               help="Also check every entry's hook targets statically against the SGLang of this interpreter.")
 @click.option("--record", is_flag=True,
-              help="Maintainers: rewrite each entry's recorded system to the current one (after re-verifying it).")
+              help="Maintainers: rewrite each entry's recorded system and evidence to the current ones, only "
+                   "when every entry verifies as it would be recorded (else nothing is written, exit 1).")
 @_memdir
 @output_options
 def verify(ids, python, record, results_dir, memory_dir, fmt, out):
@@ -98,7 +99,9 @@ def verify(ids, python, record, results_dir, memory_dir, fmt, out):
     one whose measured evidence is stale (its text no longer matches its results file) or quotes
     figures without a results file; a requirement cycle or a missing requirement is an error
     (exit 2). With --python, every entry's hook targets are also checked (statically) against
-    that environment's SGLang. --record rewrites the recorded systems and regenerates the evidence.
+    that environment's SGLang. --record computes each entry's new recorded system and evidence,
+    verifies the entries as they would read, and writes them only when every one passes; otherwise
+    it writes nothing and exits 1 with what failed.
     """
     from pathlib import Path
 
@@ -113,15 +116,48 @@ def verify(ids, python, record, results_dir, memory_dir, fmt, out):
     entries = mem.load_memory(memory_dir)
     if not entries:  # verifying nothing must not read as a pass
         raise InputError(f"{memory_dir or mem.MEMORY_DIR}: no entries (*.yaml) to verify")
-    if record:   # every entry's new text first: an entry that cannot be recorded leaves every file as it was
-        texts = []
+    texts = []
+    if record:   # every entry's new text first, verified as it would read before any file is written
+        import yaml
+
+        new = dict(entries)
         for i in ids or sorted(entries):
             e = mem.get_entry(entries, i)
             text = mem.record_system(e, entries)
-            texts.append((e.path, ev.record(e, results, text) if results is not None else text))
+            text = ev.record(e, results, text) if results is not None else text
+            texts.append((e.path, text))
+            new[e.id] = mem.parse_entry(yaml.safe_load(text), str(e.path), e.path)
+        entries = new
+    rows, system_ok, evidence = _verify_rows(entries, ids, results, python)
+    ok = all(r.ok for r in rows)
+    lines = [f"{r.id}: {p}" for r in rows for p in r.problems]
+    if record and ok:
         for path, text in texts:
             write_text_atomic(path, text)
-        entries = mem.load_memory(memory_dir)
+        lines.append(f"recorded {len(texts)} entr{'y' if len(texts) == 1 else 'ies'}")
+    elif record:
+        lines.append("nothing recorded: an entry fails verification as it would be recorded; every entry file "
+                     "is as it was")
+    data = {"schema": "specpilot.memory-verify/1", "ok": ok, "recorded": bool(record and ok),
+            "evidence_checked_against": str(results) if results is not None else None,
+            "entries": [{**r.__dict__, "system": "reproduced" if system_ok[r.id] else "not reproduced",
+                         "evidence": evidence[r.id].status} for r in rows]}
+    # what failed is said in the lines below the table (code drift, stale or missing evidence, SGLang)
+    table = [[r.id, " + ".join(r.closure), r.hooks, "reproduced" if system_ok[r.id] else "NOT REPRODUCED",
+              evidence[r.id].status if evidence[r.id].ok else evidence[r.id].status.upper()] for r in rows]
+    if results is None:
+        lines.append("evidence not checked against results files: no benchmarks/results here (give --results DIR)")
+    emit(Report(data=data, sections=[Section(None, ["id", "applied with requirements", "hooks", "system", "evidence"], table)],
+                lines=lines), fmt, out)
+    return 0 if ok else 1
+
+
+def _verify_rows(entries, ids, results, python):
+    """(rows, system reproduced per id, evidence check per id) of ``entries``' survival rule, their
+    evidence against ``results`` and, with ``python``, their hook targets against that SGLang."""
+    from specpilot.bundles import evidence as ev
+    from specpilot.bundles import memory as mem
+
     rows = mem.verify(entries, ids or None)
     # the system (hooks, module hashes, SGLang's targets) and the evidence (results files) are
     # judged apart: evidence missing from a results folder is not code that drifted
@@ -147,16 +183,4 @@ def verify(ids, python, record, results_dir, memory_dir, fmt, out):
                 if not c.ok:
                     r.problems.append(f"SGLang {env.sglang_version}: {c.target}: {c.problem}")
                     r.ok = system_ok[r.id] = False
-    data = {"schema": "specpilot.memory-verify/1", "ok": all(r.ok for r in rows),
-            "evidence_checked_against": str(results) if results is not None else None,
-            "entries": [{**r.__dict__, "system": "reproduced" if system_ok[r.id] else "not reproduced",
-                         "evidence": evidence[r.id].status} for r in rows]}
-    # what failed is said in the lines below the table (code drift, stale or missing evidence, SGLang)
-    table = [[r.id, " + ".join(r.closure), r.hooks, "reproduced" if system_ok[r.id] else "NOT REPRODUCED",
-              evidence[r.id].status if evidence[r.id].ok else evidence[r.id].status.upper()] for r in rows]
-    lines = [f"{r.id}: {p}" for r in rows for p in r.problems]
-    if results is None:
-        lines.append("evidence not checked against results files: no benchmarks/results here (give --results DIR)")
-    emit(Report(data=data, sections=[Section(None, ["id", "applied with requirements", "hooks", "system", "evidence"], table)],
-                lines=lines), fmt, out)
-    return 0 if data["ok"] else 1
+    return rows, system_ok, evidence
