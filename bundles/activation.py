@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import errno
 import json
+import re
 import os
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specpilot import __version__
+from specpilot import __version__, signals
 from specpilot.errors import EnvironmentMissing, InputError
 from specpilot.fileio import atomic_open, check_schema
 
@@ -57,15 +59,36 @@ def locked(purelib: str | Path, timeout: float = 30.0):
         os.close(fd)
 
 
+def not_writable(purelib: str | Path, why: str | None = None) -> EnvironmentMissing:
+    return EnvironmentMissing(f"{purelib} is not writable{f' ({why})' if why else ''}; run as the environment's owner")
+
+
+def require_writable(purelib: str | Path) -> None:
+    if not os.access(purelib, os.W_OK):
+        raise not_writable(purelib)
+
+
+def remove(path: Path, purelib: str | Path) -> None:
+    """Unlink ``path`` (in ``purelib``); a folder that refuses it is a missing environment (exit 3)."""
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise not_writable(purelib, e.strerror) from None
+        raise
+
+
 def sweep_partial(purelib: str | Path) -> list[str]:
-    """Remove temporary files an interrupted apply left behind."""
+    """Remove temporary files an interrupted apply left behind (exit 3 when the folder is not writable)."""
+    leftovers = sorted(Path(purelib).glob(f".{ACTIVATION_NAME}.*.part"))
+    if leftovers:
+        require_writable(purelib)
     removed = []
-    for p in Path(purelib).glob(f".{ACTIVATION_NAME}.*.part"):
-        try:
-            p.unlink()
-            removed.append(str(p))
-        except FileNotFoundError:
-            pass
+    for p in leftovers:
+        remove(p, purelib)
+        removed.append(str(p))
     return removed
 
 
@@ -103,22 +126,39 @@ _FIELDS = {
 }
 
 
+# fields an older apply did not write: checked when present
+_OPTIONAL = {"model": _text, "experimental": lambda x: isinstance(x, bool)}
+
+
 def not_a_file(path: Path) -> str:
-    what = "a folder" if path.is_dir() else "not a regular file"
+    if path.is_symlink():
+        what = f"a symbolic link (to {os.readlink(path)})"
+    else:
+        what = "a folder" if path.is_dir() else "not a regular file"
     return f"{path}: the activation file is {what}; SpecPilot did not write it, remove it by hand"
+
+
+def check_activation_path(path: Path) -> None:
+    """InputError unless ``path`` is absent or a regular file: SpecPilot neither writes through nor
+    removes a symbolic link, a folder or a device it finds there."""
+    if os.path.lexists(path) and (path.is_symlink() or not path.is_file()):
+        raise InputError(not_a_file(path))
 
 
 def read_activation(path: Path) -> dict | None:
     if not os.path.lexists(path):
         return None
-    if not path.is_file():
-        raise InputError(not_a_file(path))
+    check_activation_path(path)
     try:
         obj = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise InputError(f"{path}: not valid JSON ({e}); run 'specpilot revert' to remove it") from None
+    except RecursionError:
+        raise InputError(f"{path}: malformed activation (nested too deeply); run 'specpilot revert' to remove "
+                         "it") from None
     check_schema(obj, "activation", str(path))
-    bad = [k for k, ok in _FIELDS.items() if k not in obj or not ok(obj[k])]
+    bad = [k for k, ok in _FIELDS.items() if k not in obj or not ok(obj[k])] \
+        + [k for k, ok in _OPTIONAL.items() if k in obj and not ok(obj[k])]
     fix = "run 'specpilot revert' to remove it, then apply again"
     if bad:
         raise InputError(f"{path}: malformed activation ({', '.join(bad)} missing or of the wrong type); {fix}")
@@ -149,12 +189,40 @@ def check_setting(name: str, value: Any, owner: str, var: mem.Variant, shown: st
         raise InputError(f"{shown}: {problem} ({owner})")
 
 
-def parse_settings(pairs, entries: dict[str, mem.Entry], ids: list[str]) -> dict[str, Any]:
-    """``--set name=value`` over the variant registries of ``ids``; checked against ranges."""
-    import yaml
+_INT = re.compile(r"[+-]?[0-9]+")
+_FLOAT = re.compile(r"[+-]?([0-9]+\.[0-9]*|\.[0-9]+|[0-9]+)([eE][+-]?[0-9]+)?")
 
+
+def setting_scalar(text: str) -> Any:
+    """One ``--set`` value: a decimal integer, a decimal number (``2.5``, ``2.4e1``), ``true`` or
+    ``false``, else the text itself (no hex, octal, binary, ``1_000``, ``yes``/``on``: they stay text
+    and the variant's check refuses them)."""
+    t = text.strip()
+    if _INT.fullmatch(t):
+        return int(t)
+    if _FLOAT.fullmatch(t):
+        return float(t)
+    return {"true": True, "false": False}.get(t, t)
+
+
+def setting_value(raw: str, var: mem.Variant) -> Any:
+    """``raw`` read for variant ``var``: a text variant (a folder name) takes the text as written; a
+    list variant ``[a, b, ...]`` of scalars; any other one scalar (:func:`setting_scalar`)."""
+    if isinstance(var.default, str) and var.choices is None:
+        return raw
+    t = raw.strip()
+    if isinstance(var.default, list) and t.startswith("[") and t.endswith("]"):
+        inner = t[1:-1].strip()
+        return [setting_scalar(x) for x in inner.split(",")] if inner else []
+    return setting_scalar(t)
+
+
+def parse_settings(pairs, entries: dict[str, mem.Entry], ids: list[str]) -> dict[str, Any]:
+    """``--set name=value`` over the variant registries of ``ids``; each name once, each value
+    read strictly (:func:`setting_value`) and checked against the variant's range."""
     registry = _registry(entries, ids)
     values = {name: v.default for name, (_, v) in registry.items()}
+    given: dict[str, str] = {}
     for pair in pairs or ():
         if "=" not in pair:
             raise InputError(f"--set {pair}: expected NAME=VALUE")
@@ -163,13 +231,11 @@ def parse_settings(pairs, entries: dict[str, mem.Entry], ids: list[str]) -> dict
         if name not in registry:
             known = ", ".join(sorted(registry)) or "none"
             raise InputError(f"--set {name}: not a variant of the applied bundles (known: {known})")
+        if name in given:
+            raise InputError(f"--set {name} given twice ({name}={given[name]} and {name}={raw}); give it once")
+        given[name] = raw
         owner, var = registry[name]
-        # a text variant (a folder name) takes the text as written: YAML would read "" as null, "1" as 1
-        try:
-            value = raw if isinstance(var.default, str) and var.choices is None else yaml.safe_load(raw)
-        except yaml.YAMLError as e:   # the parser's own reason, without its dump of the text and marks
-            reason = getattr(e, "problem", None) or " ".join(str(e).split())[:120]
-            raise InputError(f"--set {name}={raw}: not valid YAML ({reason})") from None
+        value = setting_value(raw, var)
         check_setting(name, value, owner, var, f"--set {name}={raw}")
         values[name] = value
     return values
@@ -187,6 +253,7 @@ class ApplyResult:
     dry_run: bool = False
     notes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)   # applied, but something asked for will not act
+    interrupted: str | None = None   # the signal that came once the activation was in place
 
 
 @dataclass
@@ -242,8 +309,9 @@ def launch_parts(entries: dict[str, mem.Entry], ids: list[str], settings: dict,
         for a in list(launch.get("args") or []) + list(own.get("args") or []):
             args.append(str(a).format(**settings))
         note = own.get("note") or launch.get("note")
-        if note:
-            notes.append(f"{i}: " + str(note).format(**settings))
+        if note:   # a note may hold a shell command: text settings (a folder) quoted as the launch line quotes them
+            quoted = {k: shlex.quote(v) if isinstance(v, str) else v for k, v in settings.items()}
+            notes.append(f"{i}: " + str(note).format(**quoted))
         if drafter is None and any((v or {}).get("args") for v in per.values()):
             which = ", ".join(d for d, v in per.items() if (v or {}).get("args"))
             notes.append(f"{i}: drafter-specific flags left out ({which}); give --drafter to get them")
@@ -301,7 +369,10 @@ def check_composition(entries: dict[str, mem.Entry], ids: list[str], drafter: st
 
 def apply(bundles: str, *, python: str | None = None, force: bool = False, experimental: bool = False,
           settings=(), dry_run: bool = False, memory_dir=None, model: str = "MODEL",
-          drafter: str | None = None) -> ApplyResult:
+          drafter: str | None = None, out: str | None = None) -> ApplyResult:
+    """Check and write the activation (``out``: the report file the caller will write, refused when
+    it is the activation file itself). A signal that comes once the activation is renamed into
+    place does not undo it: the result says which signal (``interrupted``)."""
     entries = mem.load_memory(memory_dir)
     asked = parse_bundle_list(bundles)
     for name in asked:
@@ -345,55 +416,69 @@ def apply(bundles: str, *, python: str | None = None, force: bool = False, exper
                                  f"run that environment's own: {env.executable} -m specpilot apply {bundles}")
 
     path = activation_path(env.purelib)
-    if not dry_run and not os.access(env.purelib, os.W_OK):
-        raise EnvironmentMissing(f"{env.purelib} is not writable; run as the environment's owner")
+    if out is not None and os.path.realpath(out) == os.path.realpath(path):
+        raise InputError(f"--out {out}: that is the activation file apply writes ({path}); the report needs "
+                         "another name (or leave --out out)")
+    if not dry_run:
+        require_writable(env.purelib)
     launch = launch_command(entries, ids, values, env.executable, model, drafter)
-    with locked(env.purelib):
-        swept = [] if dry_run else sweep_partial(env.purelib)
-        previous = read_activation(path)
-        activation = {
-            "schema": ACTIVATION_SCHEMA,
-            "bundles": asked,
-            "closure": ids,
-            "settings": values,
-            "sglang": {"version": env.sglang_version, "package": env.sglang_package, "forced": bool(force and not (
-                env.supported and env.sglang_version in checked))},
-            "hooks": [{"target": h.target, "type": h.type, "handler": h.handler} for h in hooks],
-            "setup": [entries[i].setup for i in ids if entries[i].setup],
-            "quantization": state.quantization,
-            "fingerprints": state.fingerprints,
-            "targets": {c.target: c.file_sha256 for c in checks},
-            "specpilot_version": __version__,
-            "applied_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "launch": launch,
-            "drafter": drafter,
-        }
-        if not dry_run:
-            with atomic_open(path, "w") as fh:
-                fh.write(json.dumps(activation, indent=2) + "\n")
     notes = launch_parts(entries, ids, values, drafter)[2]
     if given is None and drafter is not None:
         notes.insert(0, f"no --drafter given: the launch is for {drafter}, the only drafter "
                         f"{', '.join(ids)} {'all accept' if len(ids) > 1 else 'accepts'}")
-    return ApplyResult(activation=activation, path=str(path), env=env, checks=checks,
-                       previous=previous and previous.get("bundles"), launch=launch, swept=swept, dry_run=dry_run,
-                       notes=notes, warnings=warnings)
+    committed: list[bool] = []
+    res: ApplyResult | None = None
+    try:
+        with locked(env.purelib):
+            swept = [] if dry_run else sweep_partial(env.purelib)
+            previous = read_activation(path)
+            activation = {
+                "schema": ACTIVATION_SCHEMA,
+                "bundles": asked,
+                "closure": ids,
+                "settings": values,
+                "sglang": {"version": env.sglang_version, "package": env.sglang_package,
+                           "forced": bool(force and not (env.supported and env.sglang_version in checked))},
+                "hooks": [{"target": h.target, "type": h.type, "handler": h.handler} for h in hooks],
+                "setup": [entries[i].setup for i in ids if entries[i].setup],
+                "quantization": state.quantization,
+                "fingerprints": state.fingerprints,
+                "targets": {c.target: c.file_sha256 for c in checks},
+                "specpilot_version": __version__,
+                "applied_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                "launch": launch,
+                "drafter": drafter,
+                "model": model,
+                "experimental": bool(risky),
+            }
+            res = ApplyResult(activation=activation, path=str(path), env=env, checks=checks,
+                              previous=previous and previous.get("bundles"), launch=launch, swept=swept,
+                              dry_run=dry_run, notes=notes, warnings=warnings)
+            if not dry_run:
+                with atomic_open(path, "w", on_commit=lambda: committed.append(True)) as fh:
+                    fh.write(json.dumps(activation, indent=2) + "\n")
+    except signals.Interrupted as e:
+        if not committed or res is None:
+            raise
+        res.interrupted = e.name   # the activation was renamed into place: it is applied
+    return res
 
 
 def revert(python: str | None = None) -> RevertResult:
     env = probe(python)
     path = activation_path(env.purelib)
     with locked(env.purelib):
+        check_activation_path(path)   # a link, a folder, a device: not SpecPilot's to remove
+        if os.path.lexists(path):
+            require_writable(env.purelib)
         swept = sweep_partial(env.purelib)
         removed = None
-        if os.path.lexists(path) and not path.is_file():
-            raise InputError(not_a_file(path))
         if path.exists():
             try:
                 removed = (read_activation(path) or {}).get("bundles")
-            except InputError:
+            except InputError:   # malformed (a field, the JSON, its nesting): removed all the same
                 removed = ["(unreadable activation)"]
-            path.unlink()
+            remove(path, env.purelib)
     return RevertResult(path=str(path), removed=removed, swept=swept)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from specpilot import signals
 from specpilot.output import Report, Section, emit, output_options
 
 
@@ -16,8 +17,9 @@ def _short(text: str, width: int = 60) -> str:
 @click.option("--python", "python", default=None, metavar="PATH",
               help="Interpreter of the SGLang environment (default: this one).")
 @click.option("--set", "settings", multiple=True, metavar="NAME=VALUE",
-              help="Set a bundle variant (see 'specpilot memory show ID'); repeatable. A setting that has "
-                   "no effect on the drafter (node_budget on DFlash2) gets a warning on stderr.")
+              help="Set a bundle variant (see 'specpilot memory show ID'); repeatable, each name once. VALUE "
+                   "is a decimal integer or number (24, 2.5), true/false, a list [16, 12, 8] or text. A setting "
+                   "that has no effect on the drafter (node_budget on DFlash2) gets a warning on stderr.")
 @click.option("--drafter", type=click.Choice(["eagle", "eagle3", "dflash", "dflash2", "dspark"]), default=None,
               help="The server's drafter: bundles that do not work with it are refused, and the launch "
                    "command gets the flags right for it (e.g. the tree's node budget only for EAGLE). "
@@ -51,7 +53,21 @@ def command(bundles, python, settings, drafter, model, force, experimental, dry_
     from specpilot.bundles.activation import apply
 
     res = apply(bundles, python=python, force=force, experimental=experimental, settings=settings,
-                dry_run=dry_run, model=model, drafter=drafter)
+                dry_run=dry_run, model=model, drafter=drafter, out=out)
+    if res.interrupted:   # the signal came once the activation was in place: applied all the same
+        click.echo(f"specpilot: {res.interrupted} came after {res.path} was written; the activation is in place",
+                   err=True)
+    try:
+        _report(res, bundles, dry_run, fmt, out)
+    except signals.Interrupted as e:   # the activation is in place: a signal now does not undo the apply
+        if dry_run:
+            raise
+        click.echo(f"specpilot: interrupted by {e.name}; {res.path} is written (the activation is in place), "
+                   "its report was not", err=True)
+    return 0
+
+
+def _report(res, bundles, dry_run, fmt, out) -> None:
     act = res.activation
     rows = [[c.target, c.kind, "ok" if c.ok else "FAIL", _short(c.signature or c.found or "-")] for c in res.checks]
     data = {"schema": "specpilot.apply/1", "dry_run": dry_run, "activation_path": res.path,
@@ -72,5 +88,5 @@ def command(bundles, python, settings, drafter, model, force, experimental, dry_
         sections.append(Section("variants", ["name", "value"], settings_rows))
     for w in res.warnings:
         click.echo(f"specpilot: warning: {w}", err=True)
-    emit(Report(data=data, sections=sections, lines=lines, title=f"specpilot apply {bundles}"), fmt, out)
-    return 0
+    emit(Report(data=data, sections=sections, lines=lines, title=f"specpilot apply {bundles}"), fmt, out,
+         protect=[res.path])

@@ -15,8 +15,10 @@ def command(python, fmt, out):
     """Deactivate every SpecPilot bundle in the environment of --python.
 
     Removes the activation file 'specpilot apply' wrote (and any temporary file an interrupted
-    apply left), so the environment's files are exactly as before the apply. Running it when
-    nothing is active is not an error.
+    apply left), so the environment's files are exactly as before the apply; a malformed
+    activation is removed too. Running it when nothing is active is not an error. A symbolic
+    link, folder or other non-file at the activation path is refused (exit 2: remove it by
+    hand); a site-packages it cannot write is exit 3.
 
     \b
     Example:

@@ -54,16 +54,65 @@ def command(python, fmt, out):
         where = f" --python {shlex.quote(python)}" if python else ""
         lines = [f"problem: {p}" for p in res.problems]
         lines += ["", "do not launch with this activation; apply it again to this environment:",
-                  f"  {reapply_command(act, where)}", "or remove it:", f"  specpilot revert{where}"]
+                  f"  {reapply_command(act, python)}", "or remove it:", f"  specpilot revert{where}"]
     emit(Report(data=data, sections=sections, lines=lines, title="specpilot status"), fmt, out)
     return 0 if res.matches else 1
 
 
-def reapply_command(act: dict, where: str) -> str:
-    """The ``specpilot apply`` command that writes ``act`` (its bundles, drafter and settings) again."""
-    sets = [f"--set {shlex.quote(f'{k}={v if isinstance(v, str) else json.dumps(v)}')}"
-            for k, v in (act.get("settings") or {}).items()]
-    flags = (f" --drafter {act['drafter']}" if act.get("drafter") else "") \
-        + (" --force" if (act.get("sglang") or {}).get("forced") else "")
-    bundles = ",".join(act.get("bundles") or act.get("closure", []))
-    return " ".join([f"specpilot apply {bundles}{where}{flags}"] + sets)
+def _model(act: dict) -> str | None:
+    """The --model apply was given: recorded, or (an activation from before it was) read back from
+    the launch command apply wrote with it."""
+    if isinstance(act.get("model"), str):
+        return act["model"]
+    try:
+        words = shlex.split(act.get("launch") or "")
+    except ValueError:
+        return None
+    i = words.index("--model-path") if "--model-path" in words else -1
+    return words[i + 1] if 0 <= i < len(words) - 1 else None
+
+
+def _memory():
+    from specpilot.bundles import memory as mem
+
+    try:
+        return mem.load_memory()
+    except Exception:   # the suggestion is still useful without it
+        return {}
+
+
+def _experimental(act: dict, entries: dict) -> bool:
+    """Whether applying ``act``'s bundles needs --experimental: recorded, or what the memory says now."""
+    if isinstance(act.get("experimental"), bool):
+        return act["experimental"]
+    return any(entries[i].status == "experimental" for i in act.get("closure", []) if i in entries)
+
+
+def _defaults(act: dict, entries: dict) -> dict:
+    """The variants' defaults of ``act``'s bundles in this SpecPilot's memory."""
+    return {v.name: v.default for i in act.get("closure", []) if i in entries for v in entries[i].variants}
+
+
+def reapply_command(act: dict, python: str | None) -> str:
+    """The ``specpilot apply`` command that writes ``act`` again: its bundles, --python, the drafter
+    the launch was written for, the model, --experimental where a bundle is experimental, --force
+    where it was forced and every setting that is not the variant's default; every word shell-quoted."""
+    entries = _memory()
+    words = ["specpilot", "apply", ",".join(act.get("bundles") or act.get("closure", []))]
+    if python:
+        words += ["--python", python]
+    if act.get("drafter"):
+        words += ["--drafter", act["drafter"]]
+    model = _model(act)
+    if model and model != "MODEL":
+        words += ["--model", model]
+    if _experimental(act, entries):
+        words.append("--experimental")
+    if (act.get("sglang") or {}).get("forced"):
+        words.append("--force")
+    defaults = _defaults(act, entries)
+    for k, v in (act.get("settings") or {}).items():
+        if k in defaults and defaults[k] == v and type(defaults[k]) is type(v):
+            continue
+        words += ["--set", f"{k}={v if isinstance(v, str) else json.dumps(v)}"]
+    return " ".join(shlex.quote(w) for w in words)
