@@ -171,3 +171,29 @@ def test_verify_help_says_the_sha256_is_checked_without_against(run_cli):
     text = " ".join(out.split())
     assert code == 0 and "only CRCs and structure are checked" not in text
     assert "without it each restored tensor is checked against the sha256 pack recorded" in text
+
+
+def test_a_format_1_input_is_not_merged_into_a_format_2_table(tmp_path, run_cli):
+    """One file holds one format version: a format 1 table is refused (exit 2), nothing written."""
+    from specpilot.kernels.w12.checkpoint import _crc, load_w12, w12_info
+
+    src, dst, old = tmp_path / "m.safetensors", tmp_path / "w.safetensors", tmp_path / "v1.safetensors"
+    make_checkpoint(src)
+    assert run_cli("w12", "pack", src, "-o", dst, "--device", "cpu")[0] == 0
+    tensors = load_file(str(dst))
+    meta, doc = table(dst)
+    for name, entry in w12_info(meta, "x").items():
+        t = load_w12(tensors, name, entry, "x")
+        tensors[f"{name}.w12.low_exp"] = t.low_exp.clone()
+        tensors[f"{name}.w12.esc_pos"] = t.esc_pos.to(torch.int32)
+        e = doc["tensors"][name]
+        for k in ("low_base", "escapes", "sha256"):
+            e.pop(k)
+        e["crc32"]["low_exp"] = _crc(tensors[f"{name}.w12.low_exp"])
+        e["crc32"]["esc_pos"] = _crc(tensors[f"{name}.w12.esc_pos"])
+    doc["version"] = 1
+    save_file(tensors, str(old), metadata={**meta, "specpilot.w12": json.dumps(doc)})
+    assert run_cli("w12", "verify", old, "--against", src)[0] == 0
+    code, _, err = run_cli("w12", "pack", old, "-o", tmp_path / "y.safetensors", "--include", "*", "--device", "cpu")
+    assert code == 2 and "its W12 tensors are format 1, new ones would be format 2" in err, err
+    assert not (tmp_path / "y.safetensors").exists()
