@@ -689,6 +689,21 @@ def test_the_model_takes_the_profile_of_the_decode_steps():
     assert next(r for r in m.by_nodes if r["family"] == "best-first")["speedup"] == pytest.approx(1.6 / 1.1)
 
 
+def test_the_model_notes_a_profile_below_its_floor():
+    """A profile whose GPU time is below the byte floor does not lower the round's ceiling, and the
+    cost model's warning about it reaches the round's notes."""
+    from specpilot.auditors.round.measure import Measurement
+    from specpilot.auditors.round.modeling import build_model
+
+    replay = {"policies": [{"policy": "chain", "tau": 1.5}, {"policy": "oracle:8", "tau": 2.0}], "curves": {}}
+    meas = Measurement(system="engine:model=x,mode=ar", tokens_per_s=200.0, calibration={}, context=96, ar_ms=4.0,
+                       step_ms={1: 4.0, 5: 4.4}, current_rows=1, current_policy="ar", replay=replay,
+                       profile={"kernel_busy_ms": 2.0, "step_wall_ms": 5.0, "total_floor_ms": 3.0})
+    m = build_model(meas)
+    assert m.cost_model["ceiling"] >= m.current["speedup"]
+    assert any("floor" in n for n in m.notes), m.notes
+
+
 def test_a_tlv_current_system_beyond_the_trees_is_the_best_tau_it_names():
     """A TLV current system's tau per exact pass above every replayed tree's: tau_best is the
     current system's, and its source says so; below the trees' best, the trees' best is named."""

@@ -156,7 +156,7 @@ def build_model(meas) -> ModelResult:
         sources = dict(cost.get("sources") or {})
         why = {"tree": "no lattice was replayed", "kernel": "no profile of the decode steps (on a CPU there are no "
                "GPU kernels), or no byte floor for this model and GPU", "outside": "no profile of the decode steps"}
-        for n in cost.get("notes") or []:
+        for n in (cost.get("warnings") or []) + (cost.get("notes") or []):   # the model's doubts first
             if n.startswith("unknown factors taken as 1"):  # the ceiling verb's wording names its flags
                 unknown = [k for k, v in factors.items() if v is None]
                 n = "unknown factors taken as 1: " + "; ".join(f"{k} ({why[k]})" for k in unknown)
