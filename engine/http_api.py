@@ -2,7 +2,11 @@
 
 Every field of a request is either honoured, accepted because it cannot change a greedy answer
 (``temperature`` 0, any ``top_p``/``top_k``/``min_p`` then, a ``sampling_seed``, SGLang's logging
-and routing fields at their defaults), or refused with a 400 that names it. Malformed bodies of
+and routing fields at their defaults, ``stop_regex``/``beam_width``/``watermark`` at null), or
+refused with a 400 that names it (unknown names: the first few and a count of the rest). A request
+with no sampling parameter is greedy; but SGLang's absent ``temperature`` is 1.0, so ``top_p`` < 1,
+a ``top_k`` that keeps more than one token or ``min_p`` > 0 without ``temperature`` would sample
+there: they are refused by name (send ``temperature`` 0 for greedy decoding). Malformed bodies of
 every kind (not JSON, not UTF-8, NaN or Infinity, nesting deeper than ``MAX_DEPTH``, lone
 surrogates, wrong types, out-of-range numbers) are :class:`BadRequest` (HTTP 400), never an
 exception that escapes.
@@ -30,6 +34,9 @@ MAX_DEPTH = 32          # JSON nesting a request may have (a real one has 3)
 MAX_STOP = 64           # stop strings / stop token ids per request
 MAX_NEW_TOKENS = 1 << 20
 DEFAULT_MAX_NEW = 128   # SGLang's SamplingParams.max_new_tokens default
+TOP_K_ALL = 1 << 30     # SGLang's top_k for the whole vocabulary (what -1 and null become)
+NAMES_SHOWN = 5         # names an error lists before counting the rest
+NAME_WIDTH = 40         # characters of a name an error shows
 
 
 class BadRequest(Exception):
@@ -157,6 +164,16 @@ def _bracket_depth(text: str) -> int:
 
 
 # ------------------------------------------------------------------------------- the contract
+def name_list(names) -> str:
+    """``a, b, c, d, e and 99995 more``: a refusal names a few of the fields, each cut to
+    ``NAME_WIDTH`` characters, and counts the rest (a body of 100k unknown keys, or one key of a
+    megabyte, is not echoed back)."""
+    names = list(names)
+    shown = [n if len(n) <= NAME_WIDTH else n[:NAME_WIDTH] + "..." for n in names[:NAMES_SHOWN]]
+    rest = len(names) - len(shown)
+    return ", ".join(shown) + (f" and {rest} more" if rest else "")
+
+
 def _int(params: dict, key: str, lo: int, hi: int, default: int, name=lambda k: f"sampling_params.{k}") -> int:
     v = params.get(key, default)
     if v is None:
@@ -181,12 +198,18 @@ _NEUTRAL = {
     "presence_penalty": lambda v: v in (None, 0, 0.0),
     "repetition_penalty": lambda v: v in (None, 1, 1.0),
     "logit_bias": lambda v: v in (None, {}),
-    "json_schema": lambda v: v is None,
-    "regex": lambda v: v is None,
-    "ebnf": lambda v: v is None,
-    "structural_tag": lambda v: v is None,
+    "json_schema": lambda v: v in (None, ""),     # SGLang: an empty grammar is no grammar
+    "regex": lambda v: v in (None, ""),
+    "ebnf": lambda v: v in (None, ""),
+    "structural_tag": lambda v: v in (None, ""),
     "custom_params": lambda v: v in (None, {}),
     "spaces_between_special_tokens": lambda v: v in (None, True),
+    # SGLang 0.5.23's SamplingParams: no stop regex (null, or an empty list: nothing to match), no
+    # beam search (null or 1: BeamCoordinator.request_beam_width's "not a beam request"), no watermark
+    # (null, or enabled false: resolve_watermark_request turns it off)
+    "stop_regex": lambda v: v in (None, []),
+    "beam_width": lambda v: v is None or (is_int(v) and v == 1),
+    "watermark": lambda v: v is None or v == {"enabled": False},
     "sampling_seed": lambda v: v is None or is_int(v),
     "seed": lambda v: v is None or is_int(v),
     "min_new_tokens": lambda v: v is None or (is_int(v) and v == 0),   # >0 masks stop tokens: a new answer
@@ -198,6 +221,7 @@ _NEUTRAL_TYPES = {
     "frequency_penalty": ("a number", is_num), "presence_penalty": ("a number", is_num),
     "repetition_penalty": ("a number", is_num), "seed": ("an integer", is_int), "sampling_seed": ("an integer", is_int),
     "min_new_tokens": ("an integer", is_int), "stream_interval": ("an integer", is_int),
+    "beam_width": ("an integer", is_int),
     "logit_bias": ("an object", lambda v: isinstance(v, dict)),
     "custom_params": ("an object", lambda v: isinstance(v, dict)),
     "spaces_between_special_tokens": ("true or false", lambda v: isinstance(v, bool)),
@@ -248,7 +272,7 @@ def parse_sampling(params, group: str = "sampling_params", rename: dict[str, str
         raise BadRequest(f"{group or 'the request'} must be an object")
     unknown = sorted(rename.get(k, k) for k in params if k not in _HONOURED and k not in _NEUTRAL)
     if unknown:
-        raise BadRequest(f"unknown {group or 'fields'}: {', '.join(unknown)}")
+        raise BadRequest(f"unknown {group or 'fields'}: {name_list(unknown)}")
     for k, (what, ok) in _NEUTRAL_TYPES.items():
         if params.get(k) is not None and not ok(params[k]):
             raise BadRequest(f"{name(k)} must be {what}")
@@ -257,8 +281,9 @@ def parse_sampling(params, group: str = "sampling_params", rename: dict[str, str
         raise BadRequest("the embedded engine decodes greedily and cannot honour "
                          f"{(group + ' ') if group else ''}{', '.join(refused)} (leave them out or at their neutral "
                          "values)")
-    t = params.get("temperature", 0.0)
-    if t is None:
+    t = params.get("temperature")
+    absent = t is None   # SGLang: absent or null is 1.0 (sampling); here greedy, unless sampling is asked
+    if absent:
         t = 0.0
     if not is_num(t) or t < 0:
         raise BadRequest(f"{name('temperature')} must be a number >= 0")
@@ -269,6 +294,14 @@ def parse_sampling(params, group: str = "sampling_params", rename: dict[str, str
         v = params.get(key, None)
         if v is not None and (not is_num(v) or not lo <= v <= 1.0 or (key == "top_p" and v == 0)):
             raise BadRequest(f"{name(key)} must be a number in {'(0, 1]' if key == 'top_p' else '[0, 1]'}")
+    if absent and top_k != 1:   # top_k 1 is greedy whatever the rest (SGLang's own greedy)
+        sampled = [k for k, neutral in (("top_p", lambda v: v == 1), ("top_k", lambda v: v == -1 or v >= TOP_K_ALL),
+                                        ("min_p", lambda v: v == 0))
+                   if params.get(k) is not None and not neutral(params[k])]
+        if sampled:
+            raise BadRequest(f"{(group + ' ') if group else ''}{', '.join(rename.get(k, k) for k in sampled)} without "
+                             "temperature: SGLang samples when temperature is absent (1.0 is its default), and the "
+                             "embedded engine decodes greedily only; send temperature 0 for greedy decoding")
     if t > 1e-6 and top_k != 1:
         raise BadRequest(f"{name('temperature')}: the embedded engine decodes greedily only; use temperature 0 "
                          "(or top_k 1)")
@@ -335,7 +368,7 @@ def check_fields(body, honoured: set[str], neutral: dict) -> None:
         raise BadRequest("request body must be a JSON object")
     unknown = sorted(k for k in body if k not in honoured and k not in neutral)
     if unknown:
-        raise BadRequest(f"unknown request fields: {', '.join(unknown)}")
+        raise BadRequest(f"unknown request fields: {name_list(unknown)}")
     refused = sorted(k for k, ok in neutral.items() if k in body and not ok(body[k]))
     if refused:
         raise BadRequest(f"the embedded engine does not support {', '.join(refused)} (leave them out or at their "

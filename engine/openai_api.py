@@ -4,8 +4,9 @@
 answer, which load generators such as ``vllm bench serve``, genai-perf and SGLang's
 ``bench_serving --backend sglang-oai`` send), ``GET /v1/models``. The rules are ``/generate``'s
 (:mod:`specpilot.engine.http_api`): every field is honoured, accepted at a value that cannot change
-a greedy answer, or refused with a 400 naming it. A missing ``temperature`` means greedy, as on
-``/generate``: the engine samples nothing.
+a greedy answer, or refused with a 400 naming it. A request without ``temperature`` is greedy, as
+on ``/generate``, unless it asks for sampling: ``top_p`` < 1, a ``top_k`` above 1 or ``min_p`` > 0
+without ``temperature`` (SGLang's absent temperature is 1.0 and samples) are a 400 naming them.
 
 Honoured: ``prompt`` (a string, a list of strings, token ids or a list of token-id lists) or
 ``messages`` (through the model's chat template), ``max_tokens`` (completions: 16 when absent, as
@@ -26,14 +27,14 @@ from dataclasses import dataclass, field
 from specpilot.fileio import is_int
 
 from .http_api import (BadRequest, Sampling, check_fields, check_ids, check_stop_ids, clip_room, encode_texts,
-                       parse_sampling)
+                       name_list, parse_sampling)
 
 # OpenAI's names for the sampling parameters /generate has
 _RENAME = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}
 _SHOWN = {"min_new_tokens": "min_tokens"}
 _SAMPLING = {"max_tokens", "max_completion_tokens", "min_tokens", "stop", "stop_token_ids", "ignore_eos",
              "skip_special_tokens", "n", "temperature", "top_k", "top_p", "min_p", "seed", "frequency_penalty",
-             "presence_penalty", "repetition_penalty", "logit_bias", "no_stop_trim"}
+             "presence_penalty", "repetition_penalty", "logit_bias", "no_stop_trim", "stop_regex", "watermark"}
 
 # other fields, at values that cannot change a greedy answer
 _NEUTRAL_COMPLETION = {
@@ -192,7 +193,7 @@ def parse_chat(body, chat_encode, vocab_size: int | None, served: str, room) -> 
             raise BadRequest(f"messages[{i}] must be an object with a role among {', '.join(_ROLES)}")
         extra = sorted(set(m) - {"role", "content"})
         if extra:
-            raise BadRequest(f"messages[{i}]: unsupported fields {', '.join(extra)}")
+            raise BadRequest(f"messages[{i}]: unsupported fields {name_list(extra)}")
         clean.append({"role": m["role"], "content": _content(m, i)})
     if chat_encode is None:
         raise BadRequest("this model has no chat template; use /v1/completions")

@@ -1,0 +1,132 @@
+"""``specpilot serve`` against SGLang 0.5.23's contract: sampling defaults, nulls, bounded refusals.
+
+- Sampling parameters without ``temperature``: SGLang's absent temperature is 1.0, so ``top_p`` <
+  1, a ``top_k`` that keeps more than one token or ``min_p`` > 0 sample there; here they are a 400
+  naming them (send temperature 0 for greedy), where no sampling parameter at all stays greedy.
+- ``stop_regex``, ``beam_width``, ``watermark`` at their SGLang defaults (null) are taken, other
+  values refused by name.
+- A 400 for unknown fields names a few and counts the rest.
+"""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+import pytest
+
+from specpilot.engine import openai_api as oa
+from specpilot.engine.http_api import BadRequest, parse_generate, parse_sampling
+from test_serve_http import ServeProcess
+
+
+@pytest.fixture(scope="module")
+def tree_server():
+    s = ServeProcess("--model", "tiny", "--mode", "tree", "--nodes", "6", "--depth", "4", "--batch", "4",
+                     "--threads", "1")
+    yield s
+    s.kill()
+
+
+def _gen(ids, max_new, **sp):
+    return {"input_ids": ids, "sampling_params": {"max_new_tokens": max_new, **sp}}
+
+
+# ------------------------------------------------------------------ sampling without temperature
+@pytest.mark.parametrize("params, named", [({"top_p": 0.5}, "top_p"), ({"top_k": 5}, "top_k"),
+                                           ({"min_p": 0.1}, "min_p"), ({"top_p": 0.9, "min_p": 0.2}, "top_p, min_p"),
+                                           ({"top_p": 0.5, "temperature": None}, "top_p")])
+def test_sampling_parameters_without_temperature_are_refused_by_name(params, named):
+    with pytest.raises(BadRequest) as e:
+        parse_sampling(params)
+    msg = str(e.value)
+    assert f"sampling_params {named}" in msg and "send temperature 0" in msg, msg
+    assert "temperature is absent" in msg
+    # the OpenAI routes share the rule, the field named as sent
+    body = {"prompt": [1, 2], **{k: v for k, v in params.items()}}
+    with pytest.raises(BadRequest, match=rf"^{re.escape(named)} without temperature"):
+        oa.parse_completion(body, None, 256, "tiny")
+    with pytest.raises(BadRequest, match=rf"^{re.escape(named)} without temperature"):
+        oa.parse_chat({"messages": [{"role": "user", "content": "hi"}], **params}, lambda m: [3], 256, "tiny",
+                      lambda n: 10)
+
+
+@pytest.mark.parametrize("params", [{}, None, {"max_new_tokens": 3}, {"top_p": 1.0}, {"top_k": -1},
+                                    {"top_k": 1 << 30}, {"top_k": None}, {"min_p": 0}, {"min_p": 0.0},
+                                    {"top_k": 1}, {"top_k": 1, "top_p": 0.5, "min_p": 0.3},
+                                    {"temperature": 0, "top_p": 0.5, "top_k": 5, "min_p": 0.1},
+                                    {"temperature": 0.0, "top_p": 0.5}])
+def test_greedy_requests_stay_accepted(params):
+    """No sampling parameter (greedy, as documented), neutral values, temperature 0, or top_k 1
+    (greedy in SGLang too)."""
+    parse_sampling(params)
+
+
+def test_the_server_refuses_top_p_without_temperature(tree_server):
+    url = tree_server.url()
+    r = httpx.post(url + "/generate", json=_gen([1, 2, 3], 4, top_p=0.5), timeout=30)
+    assert r.status_code == 400 and "top_p" in r.json()["error"]["message"], r.text
+    r = httpx.post(url + "/v1/completions", json={"prompt": [1, 2, 3], "top_p": 0.5, "max_tokens": 4}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("top_p without temperature"), r.text
+    r = httpx.post(url + "/generate", json=_gen([1, 2, 3], 4, top_p=0.5, temperature=0), timeout=30)
+    assert r.status_code == 200, r.text
+
+
+# ------------------------------------------------------------------------------ SGLang's nulls
+@pytest.mark.parametrize("field", ["stop_regex", "beam_width", "watermark"])
+def test_sglang_sampling_fields_are_taken_at_their_defaults(field):
+    assert parse_sampling({field: None}).max_new_tokens == 128
+    assert parse_generate({"input_ids": [1], "sampling_params": {field: None}}, vocab_size=256).prompts == [[1]]
+
+
+@pytest.mark.parametrize("params, named", [({"stop_regex": "a+"}, "stop_regex"), ({"stop_regex": ["x"]}, "stop_regex"),
+                                           ({"beam_width": 4}, "beam_width"),
+                                           ({"watermark": {"enabled": True}}, "watermark"),
+                                           ({"watermark": {"key": "k"}}, "watermark")])
+def test_sglang_sampling_fields_that_change_the_answer_are_refused_by_name(params, named):
+    with pytest.raises(BadRequest, match=rf"cannot honour sampling_params {named} "):
+        parse_sampling(params)
+
+
+@pytest.mark.parametrize("params", [{"stop_regex": []}, {"beam_width": 1}, {"watermark": {"enabled": False}},
+                                    {"json_schema": ""}, {"regex": ""}])
+def test_other_neutral_forms_sglang_takes(params):
+    """SGLang: an empty stop_regex list matches nothing; beam_width 1 is no beam search
+    (``BeamCoordinator.request_beam_width``); a watermark with enabled false is off; an empty
+    grammar is unset (``SamplingParams.__post_init__``)."""
+    parse_sampling(params)
+
+
+def test_the_openai_routes_take_stop_regex_and_watermark_at_null():
+    call = oa.parse_completion({"prompt": [1, 2], "stop_regex": None, "watermark": None}, None, 256, "tiny")
+    assert call.prompts == [[1, 2]]
+    with pytest.raises(BadRequest, match="cannot honour stop_regex"):
+        oa.parse_completion({"prompt": [1, 2], "stop_regex": "x"}, None, 256, "tiny")
+
+
+# ------------------------------------------------------------------------ unknown fields, bounded
+def test_a_400_for_unknown_fields_names_a_few_and_counts_the_rest():
+    params = {f"k{i:06d}": 1 for i in range(100_000)}
+    with pytest.raises(BadRequest) as e:
+        parse_sampling(params)
+    msg = str(e.value)
+    assert len(msg) < 300, len(msg)
+    assert msg.startswith("unknown sampling_params: k000000, k000001, k000002, k000003, k000004 and 99995 more")
+    with pytest.raises(BadRequest) as e:
+        parse_generate({"input_ids": [1], **{f"f{i}": 1 for i in range(5000)}})
+    assert len(str(e.value)) < 300 and str(e.value).endswith("and 4995 more")
+    # a long name is cut, not echoed whole
+    with pytest.raises(BadRequest) as e:
+        parse_sampling({"x" * 1_000_000: 1})
+    assert len(str(e.value)) < 300
+    with pytest.raises(BadRequest) as e:
+        oa.parse_chat({"messages": [{"role": "user", "content": "x", **{f"m{i}": 1 for i in range(1000)}}]},
+                      lambda m: [3], 256, "tiny", lambda n: 10)
+    assert len(str(e.value)) < 300 and "and 995 more" in str(e.value)
+
+
+def test_the_server_answers_100k_unknown_keys_with_a_short_400(tree_server):
+    body = {"input_ids": [1, 2], "sampling_params": {f"k{i}": 1 for i in range(100_000)}}
+    r = httpx.post(tree_server.url() + "/generate", json=body, timeout=60)
+    assert r.status_code == 400 and len(r.content) < 1000, len(r.content)
+    assert "and 99995 more" in r.json()["error"]["message"]
