@@ -1,21 +1,22 @@
 """``specpilot serve``: SGLang's native HTTP API over the batched engine (FastAPI + uvicorn).
 
-- ``POST /generate``: text or input_ids (one prompt or a list), ``sampling_params``, ``stream``
-  (SGLang's server-sent events: ``data: {cumulative text, output_ids, meta_info}`` per step, then
-  ``data: [DONE]``). A request for ``max_new_tokens`` 0 is answered without the engine once its
-  prompt is checked: an empty answer, ``finish_reason`` ``{"type": "length", "length": 0}``. A
-  prompt of the context length (``max_model_len``) or more, or a prompt and a given
-  ``max_new_tokens`` over it, is a 400 with SGLang's message (:func:`check_context`); a
-  ``max_new_tokens`` the request does not give is clipped to what fits (SGLang's scheduler). The
-  contract is :mod:`specpilot.engine.http_api`; bad requests of every kind get 400 with
-  ``{"error": {"message": ...}}``. Concurrent requests are decoded together by one
+- ``POST /generate`` (``PUT`` too, as SGLang's): text or input_ids (one prompt or a list),
+  ``sampling_params``, ``stream`` (SGLang's server-sent events: ``data: {cumulative text,
+  output_ids, meta_info}`` per step, then ``data: [DONE]``). A request for ``max_new_tokens`` 0
+  is answered without the engine once its prompt is checked: an empty answer, ``finish_reason``
+  ``{"type": "length", "length": 0}``. A prompt of the context length (``max_model_len``) or
+  more, or a prompt and a given ``max_new_tokens`` over it, is a 400 with SGLang's message
+  (:func:`check_context`); a ``max_new_tokens`` the request does not give is clipped to what fits
+  (SGLang's scheduler). The contract is :mod:`specpilot.engine.http_api`; bad requests of every
+  kind get 400 with ``{"error": {"message": ...}}``. Concurrent requests are decoded together by one
   :class:`~specpilot.engine.batch.scheduler.BatchDecoder` on an engine thread; beyond its slots
   they wait in a bounded queue (full: 503 with ``Retry-After``). A client that goes away cancels
   its request and frees its slot at the next step.
 - ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``: the OpenAI-compatible
   routes (:mod:`specpilot.engine.openai_api`), streamed as OpenAI streams (a text delta per event).
-- ``GET /health``, ``/health_generate``, ``/get_model_info``, ``/get_server_info``, ``/metrics``
-  (Prometheus text), ``/flush_cache`` (GET or POST: zeroes the cache slots when idle, else 400).
+- ``GET /health``, ``/health_generate``, ``/ready``, ``/model_info`` and ``/server_info`` (SGLang's
+  shapes; ``/get_model_info``, ``/get_server_info`` the same), ``/metrics`` (Prometheus text),
+  ``/flush_cache`` (GET or POST: zeroes the cache slots when idle, else 400).
 - SIGTERM or SIGINT: stop admitting (503), let the requests in flight finish for up to ``grace``
   seconds, fail the rest (503, or a final stream event with ``finish_reason`` abort), exit. A
   second signal skips the wait (the rest still get their answer); a third closes at once.
@@ -120,13 +121,18 @@ class ServeState:
             if cut >= 0:
                 text = text[:cut]
         end = r.t_done or time.perf_counter()
-        return {"text": text, "output_ids": list(r.output),
-                "meta_info": {"id": str(r.id), "prompt_tokens": len(r.prompt_ids), "completion_tokens": len(r.output),
-                              "cached_tokens": 0, "spec_verify_ct": r.steps,
-                              "spec_accept_length": (len(r.output) - 1) / r.steps if r.steps else 1.0,
-                              "e2e_latency": end - r.t_arrival,
-                              "ttft": (r.t_first - r.t_arrival) if r.t_first is not None else None,
-                              "finish_reason": fin}}
+        meta = {"id": str(r.id), "prompt_tokens": len(r.prompt_ids), "completion_tokens": len(r.output),
+                "cached_tokens": 0}
+        # SGLang 0.5.23 (TokenizerManager._calculate_spec_decoding_metrics): with a speculative
+        # algorithm, once the request is finished and had verify passes, completion tokens per verify
+        # pass (the prefill's token and each pass's bonus token counted); else no spec fields at all
+        if fin is not None and r.steps and self.engine.spec.mode != "ar":
+            meta["spec_verify_ct"] = r.steps
+            meta["spec_accept_length"] = len(r.output) / r.steps
+        meta.update({"e2e_latency": end - r.t_arrival,
+                     "ttft": (r.t_first - r.t_arrival) if r.t_first is not None else None,
+                     "finish_reason": fin})
+        return {"text": text, "output_ids": list(r.output), "meta_info": meta}
 
     def finished(self, r: Request) -> None:
         """Book-keeping of a finished engine request (metrics, the request log)."""
@@ -144,16 +150,34 @@ class ServeState:
                              f"{r.steps} verify passes, finish {reason}")
 
     def server_info(self) -> dict:
+        """``/server_info`` (and ``/get_server_info``): the engine, its rules and totals, and SGLang's
+        ``internal_states`` (one, as a server of one data-parallel rank has), whose
+        ``avg_spec_accept_length`` SGLang's ``bench_serving`` reads: tokens per request per verify
+        pass since start (the tau of ``/metrics``), left out in mode ar as SGLang leaves it out
+        without a speculative algorithm, and before the first verify pass."""
         eng, dec = self.engine, self.decoder
         running, waiting = dec.load()
         st = dec.stats
+        internal = {"effective_max_running_requests_per_dp": dec.batch}
+        if eng.spec.mode != "ar" and st.tau() is not None:
+            internal["avg_spec_accept_length"] = st.tau()
         return {"engine": str(eng.spec), "model": eng.model_name, "model_path": eng.model_name, **eng.info,
                 "batch_warmup_seconds": dec.warmup_seconds,
                 "max_running_requests": dec.batch, "max_queued_requests": self.options.max_queue,
                 **{k: eng.spec.rule(k) for k in ("budget", "block", "admit", "admit_rows")},
                 "running": running, "waiting": waiting, "draining": self.draining,
                 "completion_tokens": st.tokens, "spec_verify_ct": st.verify_steps, "tau": st.tau(),
-                "uptime_s": time.time() - self.started}
+                "uptime_s": time.time() - self.started, "startup_time": self.started, "internal_states": [internal]}
+
+    def model_info(self) -> dict:
+        """``/model_info`` (and ``/get_model_info``) in SGLang 0.5.23's shape, with the engine."""
+        eng = self.engine
+        raw = getattr(eng.model.spec, "raw", None) or {}
+        return {"model_path": eng.model_name, "served_model_name": eng.model_name, "tokenizer_path": eng.model_name,
+                "is_generation": True, "preferred_sampling_params": None, "weight_version": None,
+                "has_image_understanding": False, "has_audio_understanding": False,
+                "model_type": raw.get("model_type"), "architectures": raw.get("architectures"),
+                "engine": str(eng.spec)}
 
     def summary(self) -> dict:
         m, st = self.metrics, self.decoder.stats
@@ -292,7 +316,7 @@ def make_app(state: ServeState):
         except BadRequest as e:
             return None, refuse("bad_request", str(e), e.status)
 
-    @app.post("/generate")
+    @app.api_route("/generate", methods=["POST", "PUT"])   # SGLang takes both
     async def generate(request: HTTPRequest):
         call, bad = await checked(request, lambda body: parse_generate(body, encode, vocab, room))
         if bad is not None:
@@ -353,11 +377,19 @@ def make_app(state: ServeState):
             return _error("the engine is not serving", 503)
         return Response(status_code=200)
 
-    @app.get("/get_model_info")
-    async def model_info():
-        return _json_response({"model_path": eng.model_name, "tokenizer_path": eng.model_name, "is_generation": True,
-                               "engine": str(eng.spec)})
+    @app.get("/ready")   # SGLang's: whether the server takes new requests
+    async def ready():
+        alive = state.thread is not None and state.thread.is_alive()
+        if state.draining or not alive:
+            return _error("the server is not taking requests", 503)
+        return Response(status_code=200)
 
+    @app.get("/model_info")
+    @app.get("/get_model_info")   # SGLang's older name, the same answer
+    async def model_info():
+        return _json_response(state.model_info())
+
+    @app.get("/server_info")
     @app.get("/get_server_info")
     async def server_info():
         return _json_response(state.server_info())

@@ -1,15 +1,21 @@
-"""``specpilot serve`` against SGLang 0.5.23's contract: sampling defaults, nulls, bounded refusals.
+"""``specpilot serve`` against SGLang 0.5.23's contract: routes, nulls, sampling defaults, spec fields.
 
 - Sampling parameters without ``temperature``: SGLang's absent temperature is 1.0, so ``top_p`` <
   1, a ``top_k`` that keeps more than one token or ``min_p`` > 0 sample there; here they are a 400
   naming them (send temperature 0 for greedy), where no sampling parameter at all stays greedy.
+- ``GET /ready``, ``/server_info`` (``internal_states[0].avg_spec_accept_length``, what
+  ``bench_serving`` reads), ``/model_info``, ``PUT /generate``.
 - ``stop_regex``, ``beam_width``, ``watermark`` at their SGLang defaults (null) are taken, other
   values refused by name.
+- ``meta_info.spec_accept_length`` is SGLang's ``completion_tokens / spec_verify_ct``; the spec
+  fields are left out without verify passes, and in ``--mode ar``.
 - A 400 for unknown fields names a few and counts the rest.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import re
 
 import httpx
@@ -130,3 +136,87 @@ def test_the_server_answers_100k_unknown_keys_with_a_short_400(tree_server):
     r = httpx.post(tree_server.url() + "/generate", json=body, timeout=60)
     assert r.status_code == 400 and len(r.content) < 1000, len(r.content)
     assert "and 99995 more" in r.json()["error"]["message"]
+
+
+# -------------------------------------------------------------------------------- SGLang's routes
+def _metric(text: str, name: str) -> float:
+    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    assert m, name
+    return float(m.group(1))
+
+
+def test_sglang_routes_ready_server_info_model_info_and_put(tree_server):
+    url = tree_server.url()
+    r = httpx.get(url + "/ready", timeout=10)
+    assert r.status_code == 200
+    # PUT /generate is POST /generate (SGLang takes both)
+    post = httpx.post(url + "/generate", json=_gen([5, 6, 7], 8), timeout=60)
+    put = httpx.put(url + "/generate", json=_gen([5, 6, 7], 8), timeout=60)
+    assert put.status_code == 200 and put.json()["output_ids"] == post.json()["output_ids"]
+    info = httpx.get(url + "/server_info", timeout=10).json()
+    old = httpx.get(url + "/get_server_info", timeout=10).json()
+    assert set(info) == set(old) and info["model"] == "tiny" and info["max_running_requests"] == 4
+    state = info["internal_states"][0]
+    assert state["effective_max_running_requests_per_dp"] == 4
+    # bench_serving's accept length: tokens per request per verify pass, the server's tau
+    tau = _metric(httpx.get(url + "/metrics", timeout=10).text, "specpilot_tau")
+    assert state["avg_spec_accept_length"] == pytest.approx(info["tau"]) and tau == pytest.approx(info["tau"], 1e-5)
+    assert state["avg_spec_accept_length"] >= 1.0
+    model = httpx.get(url + "/model_info", timeout=10).json()
+    assert model == httpx.get(url + "/get_model_info", timeout=10).json()
+    assert model["model_path"] == "tiny" and model["served_model_name"] == "tiny" and model["is_generation"] is True
+    assert model["model_type"] == "llama" and model["has_image_understanding"] is False
+    assert model["preferred_sampling_params"] is None
+
+
+def test_spec_accept_length_is_sglangs_completion_tokens_per_verify_pass(tree_server):
+    url = tree_server.url()
+    body = httpx.post(url + "/generate", json=_gen([3, 1, 4, 1, 5, 9, 2, 6] * 3, 24, ignore_eos=True), timeout=60).json()
+    meta = body["meta_info"]
+    assert meta["completion_tokens"] == 24 and meta["spec_verify_ct"] >= 1
+    assert meta["spec_accept_length"] == meta["completion_tokens"] / meta["spec_verify_ct"]
+    # one token: the prefill's, no verify pass: SGLang leaves the spec fields out
+    one = httpx.post(url + "/generate", json=_gen([3, 1, 4], 1), timeout=60).json()["meta_info"]
+    assert one["completion_tokens"] == 1 and not [k for k in one if k.startswith("spec_")], one
+    # streamed: the fields describe the whole request, on its last event (SGLang computes them at the finish)
+    r = httpx.post(url + "/generate", json={**_gen([2, 7, 1, 8], 20, ignore_eos=True), "stream": True}, timeout=60)
+    events = [json.loads(x[6:]) for x in r.text.split("\n\n") if x.startswith("data: {")]
+    last = events[-1]["meta_info"]
+    assert last["spec_accept_length"] == 20 / last["spec_verify_ct"]
+    assert all("spec_accept_length" not in e["meta_info"] for e in events[:-1])
+
+
+# ---------------------------------------------------------------------------- in process, mode ar
+def _app(mode: str = "ar", batch: int = 2, max_queue: int = 8):
+    from specpilot.engine.api import load_engine
+    from specpilot.engine.server import ServeOptions, ServeState, make_app
+
+    eng = load_engine(f"engine:model=tiny,mode={mode},threads=1,batch={batch}")
+    lines: list[str] = []
+    state = ServeState(eng, eng.batch_decoder(max_queue=max_queue), ServeOptions(log=lines.append))
+    return state, make_app(state), lines
+
+
+def test_mode_ar_answers_carry_no_spec_fields():
+    state, app, _ = _app("ar")
+    state.start_engine()
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://serve") as c:
+            gen = (await c.post("/generate", json=_gen([1, 2, 3], 6), timeout=60)).json()
+            streamed = await c.post("/generate", json={**_gen([1, 2, 3], 6), "stream": True}, timeout=60)
+            info = (await c.get("/server_info")).json()
+            ready = (await c.get("/ready")).status_code
+            state.draining = True
+            not_ready = (await c.get("/ready")).status_code
+            return gen, streamed.text, info, ready, not_ready
+
+    try:
+        gen, streamed, info, ready, not_ready = asyncio.run(main())
+    finally:
+        state.join_engine()
+    assert gen["meta_info"]["completion_tokens"] == 6
+    assert not [k for k in gen["meta_info"] if k.startswith("spec_")], gen["meta_info"]
+    assert "spec_" not in streamed
+    assert "avg_spec_accept_length" not in info["internal_states"][0]
+    assert ready == 200 and not_ready == 503
