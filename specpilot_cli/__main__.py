@@ -8,6 +8,6 @@ _checkout = Path(__file__).resolve().parents[1]
 if Path(__file__).resolve().parent.name == "specpilot_cli":
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _checkout]
 
-from specpilot.cli import main  # noqa: E402
+from specpilot.entry import main  # noqa: E402
 
 main()

@@ -1,0 +1,38 @@
+"""The console script handles SIGINT/SIGTERM/SIGHUP from its first line (``specpilot.entry``):
+a signal that lands while the CLI is still being imported ends the process with 128 + N and one
+line, not a traceback, and one that lands as a finished command exits keeps what it printed."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+
+
+def test_the_console_script_starts_at_the_early_handlers():
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["specpilot"] == "specpilot.entry:main"
+    assert "specpilot.entry import main" in (ROOT / "specpilot_cli" / "__main__.py").read_text()
+
+
+def test_a_signal_before_the_cli_is_imported_is_one_line_and_its_exit_code():
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        r = _run("import os, time; from specpilot import entry; entry.install(); "
+                 f"os.kill(os.getpid(), {int(sig)}); time.sleep(30)")
+        assert r.returncode == 128 + sig, (sig, r.returncode, r.stderr)
+        assert r.stderr == f"specpilot: interrupted by {sig.name}\n"
+
+
+def test_a_signal_as_a_finished_command_exits_keeps_its_output():
+    r = _run("import os, signal, time; from specpilot import entry; entry.install(); print('the result'); "
+             "os.kill(os.getpid(), signal.SIGINT); time.sleep(30)")
+    assert r.returncode == 130 and r.stdout == "the result\n", (r.returncode, r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr
