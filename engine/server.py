@@ -11,7 +11,7 @@
   kind get 400 with ``{"error": {"message": ...}}``. Concurrent requests are decoded together by one
   :class:`~specpilot.engine.batch.scheduler.BatchDecoder` on an engine thread; beyond its slots
   they wait in a bounded queue (full: 503 with ``Retry-After``). A client that goes away cancels
-  its request and frees its slot at the next step.
+  its request and frees its slot at the next step (a queued one leaves the queue unrun).
 - ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``: the OpenAI-compatible
   routes (:mod:`specpilot.engine.openai_api`), streamed as OpenAI streams (a text delta per event).
 - ``GET /health``, ``/health_generate``, ``/ready``, ``/model_info`` and ``/server_info`` (SGLang's
@@ -216,6 +216,19 @@ async def _wait_disconnect(request) -> None:
             return
 
 
+async def _next_update(updates: asyncio.Queue, disc: asyncio.Future):
+    """The next ``(request, finished)`` update, or None once the client has gone (``disc`` done)."""
+    if disc.done():
+        return None
+    get = asyncio.ensure_future(updates.get())
+    try:
+        done, _ = await asyncio.wait({get, disc}, return_when=asyncio.FIRST_COMPLETED)
+    finally:   # cancelled (Starlette's own disconnect listener ends the stream): no waiter left behind
+        if not get.done():
+            get.cancel()
+    return get.result() if get in done else None
+
+
 def make_app(state: ServeState):
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
@@ -326,7 +339,7 @@ def make_app(state: ServeState):
             return bad
         reqs, updates = started
         if call.stream:
-            return StreamingResponse(_stream(state, reqs[0], call.sampling[0], updates),
+            return StreamingResponse(_stream(state, request, reqs[0], call.sampling[0], updates),
                                      media_type="text/event-stream")
         outs = await _collect(state, request, reqs, call.sampling, updates)
         if not isinstance(outs, list):
@@ -342,7 +355,7 @@ def make_app(state: ServeState):
             return bad
         reqs, updates = started
         if call.stream:
-            return StreamingResponse(_stream_openai(state, reqs[0], call.sampling[0], updates, call),
+            return StreamingResponse(_stream_openai(state, request, reqs[0], call.sampling[0], updates, call),
                                      media_type="text/event-stream")
         outs = await _collect(state, request, reqs, call.sampling, updates)
         if not isinstance(outs, list):
@@ -471,12 +484,17 @@ async def _collect(state: ServeState, request, reqs: list[Request], sampling: li
     return [state.answer(r, sp) for r, sp in zip(reqs, sampling)]
 
 
-async def _stream(state: ServeState, r: Request, sp: Sampling, updates: asyncio.Queue):
-    """SGLang's streaming answer: one event per step that delivered tokens (cumulative text and ids)."""
+async def _stream(state: ServeState, request, r: Request, sp: Sampling, updates: asyncio.Queue):
+    """SGLang's streaming answer: one event per step that delivered tokens (cumulative text and ids).
+    A client that goes away, while the request waits for a slot too, cancels it (:func:`_next_update`)."""
     sent = -1
+    disc = asyncio.ensure_future(_wait_disconnect(request))
     try:
         while True:
-            _, fin = await updates.get()
+            got = await _next_update(updates, disc)
+            if got is None:   # the client left: the request is cancelled (a queued one never runs)
+                return
+            _, fin = got
             while not updates.empty() and not fin:   # coalesce updates that queued meanwhile
                 _, fin = updates.get_nowait()
             if len(r.output) != sent or fin:
@@ -486,23 +504,29 @@ async def _stream(state: ServeState, r: Request, sp: Sampling, updates: asyncio.
                 break
         yield b"data: [DONE]\n\n"
     finally:
+        disc.cancel()
         if not r.done:
             state.decoder.cancel(r)
 
 
-async def _stream_openai(state: ServeState, r: Request, sp: Sampling, updates: asyncio.Queue, call):
+async def _stream_openai(state: ServeState, request, r: Request, sp: Sampling, updates: asyncio.Queue, call):
     """OpenAI's streaming answer: each event carries the text added since the last (a delta); a chat
     stream's first event is the role alone (``delta: {"role": "assistant", "content": ""}``) and its
     last before the usage the finish reason alone (``delta: {}``), as SGLang's; a completions
     stream's finish reason comes on its last text event. Text
     that may be the start of a stop string, or a character whose bytes have not all come, is held
-    back until the next step shows what it is: a delta once sent cannot be taken back."""
+    back until the next step shows what it is: a delta once sent cannot be taken back. A client
+    that goes away cancels the request, as in :func:`_stream`."""
     eng = state.engine
     hold = max((len(s) for s in sp.stop), default=1) - 1
     sent, first, tokens = "", True, 0
+    disc = asyncio.ensure_future(_wait_disconnect(request))
     try:
         while True:
-            _, fin = await updates.get()
+            got = await _next_update(updates, disc)
+            if got is None:
+                return
+            _, fin = got
             while not updates.empty() and not fin:
                 _, fin = updates.get_nowait()
             if first and call.chat:   # the role alone first (OpenAI's, SGLang's), when the first update comes
@@ -546,6 +570,7 @@ async def _stream_openai(state: ServeState, r: Request, sp: Sampling, updates: a
             yield b"data: " + json.dumps(oa.usage_chunk(call, len(r.prompt_ids), len(r.output))).encode() + b"\n\n"
         yield b"data: [DONE]\n\n"
     finally:
+        disc.cancel()
         if not r.done:
             state.decoder.cancel(r)
 

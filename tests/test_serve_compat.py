@@ -10,6 +10,8 @@
 - ``meta_info.spec_accept_length`` is SGLang's ``completion_tokens / spec_verify_ct``; the spec
   fields are left out without verify passes, and in ``--mode ar``.
 - A 400 for unknown fields names a few and counts the rest.
+- A stream whose client leaves while it is queued is dropped without running, whatever the ASGI
+  server does about disconnects.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 
 import httpx
 import pytest
@@ -220,3 +223,79 @@ def test_mode_ar_answers_carry_no_spec_fields():
     assert "spec_" not in streamed
     assert "avg_spec_accept_length" not in info["internal_states"][0]
     assert ready == 200 and not_ready == 503
+
+
+# --------------------------------------------------------------- a client leaving while queued
+async def _asgi(app, path: str, body: dict, gone: asyncio.Event, spec: str):
+    """One request through the ASGI app as a server reporting ASGI ``spec`` sends it: the body, then
+    ``http.disconnect`` once ``gone`` is set; after that, sends are dropped (uvicorn's way)."""
+    raw = json.dumps(body).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": spec}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+             "root_path": "", "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 80),
+             "headers": [(b"host", b"serve"), (b"content-type", b"application/json"),
+                         (b"content-length", str(len(raw)).encode())]}
+    read = False
+    sent: list[dict] = []
+
+    async def receive():
+        nonlocal read
+        if not read:
+            read = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        if not gone.is_set():
+            sent.append(message)
+
+    await app(scope, receive, send)
+    return sent
+
+
+@pytest.mark.parametrize("spec", ["2.4", "2.3"])
+@pytest.mark.parametrize("path, body", [
+    ("/generate", {"input_ids": [5, 6, 7], "stream": True, "sampling_params": {"max_new_tokens": 50}}),
+    ("/v1/completions", {"prompt": [5, 6, 7], "stream": True, "max_tokens": 50}),
+    ("/generate", {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 50}}),
+], ids=["generate-stream", "openai-stream", "generate"])
+def test_a_request_whose_client_leaves_while_queued_never_runs(path, body, spec):
+    """One slot, held by a long request; a second waits in the queue and its client leaves: it is
+    dropped then (0 tokens, finish abort) while the first still runs, not admitted and run later.
+    At ASGI spec 2.4 Starlette's StreamingResponse does not listen for the disconnect itself (and
+    uvicorn drops what is sent after it), so the stream has to watch for it."""
+    state, app, lines = _app("ar", batch=1)
+    dec = state.decoder
+    state.start_engine()
+
+    async def until(cond, timeout=30.0):
+        deadline = time.monotonic() + timeout
+        while not cond():
+            assert time.monotonic() < deadline, (dec.load(), lines)
+            await asyncio.sleep(0.01)
+
+    async def main():
+        a_gone, b_gone = asyncio.Event(), asyncio.Event()
+        a = asyncio.ensure_future(_asgi(app, "/generate", {"input_ids": [1, 2, 3], "sampling_params": {
+            "max_new_tokens": 1900, "ignore_eos": True}}, a_gone, "2.3"))
+        await until(lambda: dec.load() == (1, 0))
+        b = asyncio.ensure_future(_asgi(app, path, body, b_gone, spec))
+        await until(lambda: dec.load() == (1, 1))
+        b_gone.set()
+        await asyncio.wait_for(b, 5)   # before the fix: it stayed queued until the long request ended
+        await until(lambda: len(lines) == 1)
+        running = not a.done() and dec.load()[0] == 1
+        a_gone.set()
+        await asyncio.wait_for(a, 30)
+        await until(lambda: len(lines) == 2)   # the long one, cancelled at its next step
+        return running
+
+    try:
+        still_running = asyncio.run(main())
+    finally:
+        state.join_engine()
+    assert still_running
+    assert re.search(r"prompt 3 tokens, 0 generated, .* finish abort$", lines[0]), lines
+    assert re.search(r"prompt 3 tokens, [1-9]\d* generated, .* finish abort$", lines[1]), lines
+    assert state.metrics.finished["abort"] == 2 and state.metrics.finished["length"] == 0
