@@ -156,3 +156,38 @@ def test_an_interrupted_round_reports_itself_unfinished_and_check_says_how_to_fi
     res = run_round(RoundConfig(out_dir=str(r)), resume=True)
     assert res.state["stages"]["approve"]["status"] == "done" and res.state["final"], res.state["stages"]
     assert [d.id for d in res.decisions] == [judged, left] and (r / "baseline.json").is_file()
+
+
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory):
+    """A tiny round interrupted in approve, as a kill would leave it."""
+    from specpilot.auditors.round import RoundConfig, run_round
+
+    d = tmp_path_factory.mktemp("interrupted")
+
+    def interrupt_in_approve(stage, msg):
+        if stage == "approve" and "paired runs against" in msg:
+            raise KeyboardInterrupt
+
+    cfg = RoundConfig(deployment=TINY, out_dir=str(d / "r"), budget_min=1.0, records_dir=str(d / "rec"),
+                      candidates=["chain"], n_prompts=2, max_new_tokens=8)
+    with pytest.raises(KeyboardInterrupt):
+        run_round(cfg, notify=interrupt_in_approve)
+    return d
+
+
+def _files(folder):
+    return {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("budget", ["nan", "inf", "-inf", "-2", "0"])
+def test_resume_refuses_a_budget_that_is_not_positive_minutes_before_anything_is_written(
+        interrupted, tmp_path, run_cli, budget):
+    r = tmp_path / "r"
+    shutil.copytree(interrupted / "r", r)
+    before, rec = _files(r), _files(interrupted / "rec")
+    code, out, err = run_cli("round", "--resume", r, "--budget", budget)
+    assert code == 2 and err.count("\n") == 1 and "give the minutes the round may take (> 0)" in err, err
+    assert f"--budget {float(budget):g}: give" in err and "internal error" not in err, err
+    assert _files(r) == before and _files(interrupted / "rec") == rec
+    assert not (r / "baseline.json").exists()
