@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -191,3 +192,42 @@ def test_resume_refuses_a_budget_that_is_not_positive_minutes_before_anything_is
     assert f"--budget {float(budget):g}: give" in err and "internal error" not in err, err
     assert _files(r) == before and _files(interrupted / "rec") == rec
     assert not (r / "baseline.json").exists()
+
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "rounds" / "smollm2-cpu"
+
+
+def _set(doc, path, value):
+    *head, last = path
+    for k in head:
+        doc = doc[k]
+    doc[last] = value
+
+
+@pytest.mark.parametrize("rel, path, value, words", [
+    ("model/model.json", ("factors", "tree"), "big", "model.json: malformed round-model (factors.tree must be"),
+    ("model/model.json", ("by_nodes", 0, "c"), None, "model.json: malformed round-model (by_nodes[0].c must be"),
+    ("model/model.json", ("current", "speedup"), float("nan"), "model.json: malformed round-model (current.speedup"),
+    ("approve/decisions.json", ("decisions", 0, "timing", "gain"), "x",
+     "decisions.json: malformed round-decisions (decisions[0] (chain): timing.gain must be a number"),
+    ("approve/decisions.json", ("decisions", 0, "audit", "systems", 0, "tokens"), "x",
+     "decisions.json: malformed round-decisions (decisions[0] (chain): audit.systems[0].tokens must be"),
+    ("measure/measure.json", ("replay", "policies", 0, "tau"), "x",
+     "measure.json: malformed round-measure (replay.policies[0].tau must be a number >= 1"),
+    ("measure/measure.json", ("replay", "curves", "chain", "1"), float("inf"),
+     "measure.json: malformed round-measure (replay.curves.chain['1'] must be"),
+])
+def test_a_damaged_stage_file_is_refused_by_report_and_resume_alike_naming_file_and_field(
+        done, tmp_path, run_cli, rel, path, value, words):
+    r = _copy(done, tmp_path)
+    doc = json.loads((r / rel).read_text())
+    if rel == "approve/decisions.json":   # the tiny round's candidate may be skipped for time: the shipped one's runs
+        shipped = json.loads((EXAMPLE / rel).read_text())["decisions"][0]
+        doc["decisions"][0].update(timing=shipped["timing"], audit=shipped["audit"])
+    _set(doc, path, value)
+    (r / rel).write_text(json.dumps(doc))
+    before = _files(r)
+    for args in (("report", r), ("round", "--resume", r)):
+        code, _, err = run_cli(*args)
+        assert code == 2 and words in err and err.count("\n") == 1 and "wrong type" not in err, (args, err)
+    assert _files(r) == before

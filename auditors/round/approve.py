@@ -72,8 +72,58 @@ def decisions_from_json(d: dict) -> list[Decision]:
             check, want = _FIELDS[key]
             if not check(v):
                 raise ValueError(f"{name}: {key} must be {want}, not {v!r:.40}")
+        _check_timing(x.get("timing"), f"{name}: timing")
+        _check_audit(x.get("audit"), f"{name}: audit")
         out.append(Decision(**x))
     return out
+
+
+def _need(ok: bool, name: str, want: str, v) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {want}, not {v!r:.40}")
+
+
+def _check_timing(t, name: str) -> None:
+    """The numbers the report and the approve stage read from a decision's timing."""
+    if t is None:
+        return
+    for key in ("gain", "ci_low", "ci_high", "threshold"):
+        _need(is_num(t.get(key)), f"{name}.{key}", "a number", t.get(key))
+    if t.get("noise") is not None:
+        _need(is_num(t["noise"]), f"{name}.noise", "a number or null", t["noise"])
+    if t.get("runs") is not None:
+        _need(is_int(t["runs"]) and t["runs"] >= 0, f"{name}.runs", "a whole number >= 0", t["runs"])
+    if t.get("t_ci") is not None:
+        _need(isinstance(t["t_ci"], list) and len(t["t_ci"]) == 2 and all(is_num(v) for v in t["t_ci"]),
+              f"{name}.t_ci", "two numbers or null", t["t_ci"])
+    samples = t.get("samples", [])
+    _need(isinstance(samples, list), f"{name}.samples", "a list", samples)
+    for i, s in enumerate(samples):
+        _need(isinstance(s, dict) and is_num(s.get("ratio")), f"{name}.samples[{i}].ratio", "a number",
+              s.get("ratio") if isinstance(s, dict) else s)
+
+
+def _check_audit(a, name: str) -> None:
+    """The fields the report reads from a decision's audit."""
+    if a is None:
+        return
+    if a.get("verdict") is not None:
+        _need(isinstance(a["verdict"], str), f"{name}.verdict", "text or null", a["verdict"])
+    systems = a.get("systems", [])
+    _need(isinstance(systems, list), f"{name}.systems", "a list", systems)
+    for i, s in enumerate(systems):
+        n = f"{name}.systems[{i}]"
+        _need(isinstance(s, dict), n, "an object", s)
+        _need(isinstance(s.get("role"), str), f"{n}.role", "text", s.get("role"))
+        for key in ("tokens", "events", "mismatches"):
+            if s.get(key) is not None:
+                _need(is_int(s[key]) and s[key] >= 0, f"{n}.{key}", "a whole number >= 0", s[key])
+        if s.get("mismatch_rate") is not None:
+            _need(is_num(s["mismatch_rate"]), f"{n}.mismatch_rate", "a number or null", s["mismatch_rate"])
+        ci = s.get("mismatch_ci")
+        if ci is not None:
+            _need(isinstance(ci, list) and len(ci) == 2 and all(is_num(v) for v in ci), f"{n}.mismatch_ci",
+                  "two numbers or null", ci)
 
 
 def audit_data(result, scorer_info) -> dict:

@@ -105,6 +105,35 @@ def _check_numbers(d: dict) -> None:
             need(is_num(d["calibration"][key]), f"calibration.{key}", "a number", d["calibration"][key])
     for key, v in (d.get("seconds") or {}).items():
         need(is_num(v), f"seconds.{key}", "a number of seconds", v)
+    # what the report prints and the model stage computes with: the replay's policies and curves, the TLV tau
+    rep = d.get("replay")
+    need(rep is None or isinstance(rep, dict), "replay", "an object (specpilot.replay/1) or null", rep)
+    if rep is not None:
+        pols = rep.get("policies")
+        need(isinstance(pols, list), "replay.policies", "a list", pols)
+        for i, pol in enumerate(pols):
+            name = f"replay.policies[{i}]"
+            need(isinstance(pol, dict), name, "an object", pol)
+            need(isinstance(pol.get("policy"), str), f"{name}.policy", "a policy name", pol.get("policy"))
+            need(pol.get("nodes") is None or is_int(pol["nodes"]), f"{name}.nodes", "a whole number or null",
+                 pol.get("nodes"))
+            need(is_num(pol.get("tau")) and pol["tau"] >= 1, f"{name}.tau", "a number >= 1", pol.get("tau"))
+            ci = pol.get("tau_ci")
+            need(isinstance(ci, list) and len(ci) == 2 and all(is_num(x) for x in ci), f"{name}.tau_ci",
+                 "two numbers", ci)
+        for key in ("steps", "positions", "candidates"):
+            need(is_int(rep.get(key)) and rep[key] >= 0, f"replay.{key}", "a whole number >= 0", rep.get(key))
+        curves = rep.get("curves") or {}
+        need(isinstance(curves, dict), "replay.curves", "an object", curves)
+        for fam, cur in curves.items():
+            need(isinstance(cur, dict), f"replay.curves.{fam}", "an object of nodes -> tau", cur)
+            for n, t in cur.items():
+                need(str(n).isdigit(), f"replay.curves.{fam}", "an object of nodes -> tau", n)
+                need(is_num(t) and t >= 1, f"replay.curves.{fam}[{n!r}]", "a number >= 1", t)
+    tlv = d.get("tlv")
+    need(tlv is None or isinstance(tlv, dict), "tlv", "an object or null", tlv)
+    if tlv is not None and tlv.get("tau") is not None:
+        need(is_num(tlv["tau"]) and tlv["tau"] >= 1, "tlv.tau", "a number >= 1, or null", tlv["tau"])
 
 
 def probe_rows_set(current_rows: int) -> list[int]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from specpilot.fileio import is_int, is_num
 from specpilot.probes.costmodel import step_time  # noqa: F401  (the round and ceiling --check share it)
 
 SCHEMA = "specpilot.round-model/1"
@@ -42,7 +43,52 @@ class ModelResult:
 
     @classmethod
     def from_json(cls, d: dict) -> "ModelResult":
+        _check_model(d)
         return cls(**{k: v for k, v in d.items() if k != "schema"})
+
+
+def _num_or_none(v) -> bool:
+    return v is None or is_num(v)
+
+
+def _check_model(d: dict) -> None:
+    """The fields the report and a resume read have the types the stage writes: a ValueError naming
+    the field (the reader says the file is malformed)."""
+    def need(ok: bool, name: str, want: str, v) -> None:
+        if not ok:
+            raise ValueError(f"{name} must be {want}, not {v!r:.40}")
+
+    def row(r, name: str, fields=("tau", "c", "speedup")) -> None:
+        need(isinstance(r, dict), name, "an object", r)
+        for k in fields:
+            need(is_num(r.get(k)), f"{name}.{k}", "a number", r.get(k))
+
+    if "current" in d:   # a field missing is the constructor's to name
+        row(d["current"], "current")
+    for key in ("factors", "sources"):
+        if key in d:
+            need(isinstance(d[key], dict), key, "an object", d[key])
+    for k, v in (d.get("factors") or {}).items():
+        need(_num_or_none(v) and (v is None or v > 0), f"factors.{k}", "a number > 0 or null", v)
+    if d.get("largest") is not None:
+        need(isinstance(d["largest"], str), "largest", "a factor name or null", d["largest"])
+    if d.get("cost_model") is not None:
+        cm = d["cost_model"]
+        need(isinstance(cm, dict), "cost_model", "an object or null", cm)
+        need(_num_or_none(cm.get("ceiling")), "cost_model.ceiling", "a number or null", cm.get("ceiling"))
+        sir = cm.get("speedup_if_removed") or {}
+        need(isinstance(sir, dict), "cost_model.speedup_if_removed", "an object", sir)
+        for k, v in sir.items():
+            need(_num_or_none(v), f"cost_model.speedup_if_removed.{k}", "a number or null", v)
+    rows = d.get("by_nodes", [])
+    need(isinstance(rows, list), "by_nodes", "a list", rows)
+    for i, r in enumerate(rows):
+        row(r, f"by_nodes[{i}]", ("rows", "tau", "c", "speedup"))
+        need(isinstance(r.get("family"), str), f"by_nodes[{i}].family", "a family name", r.get("family"))
+        need(is_int(r.get("nodes")), f"by_nodes[{i}].nodes", "a whole number", r.get("nodes"))
+    if d.get("best") is not None:
+        row(d["best"], "best")
+    need(isinstance(d.get("notes", []), list), "notes", "a list", d.get("notes"))
 
     def predicted(self, family: str, nodes: int | None) -> dict | None:
         if family == "ar":
