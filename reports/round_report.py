@@ -93,7 +93,7 @@ def build(res) -> list[Block]:
     verdicts = (f"approved: {', '.join(d['id'] for d in approved) or 'nothing'}; "
                 f"refused: {', '.join(d['id'] for d in refused) or 'nothing'}")
     if left:   # an unfinished round's current system is not its final one, nor are its verdicts all
-        folder = (st.get("config") or {}).get("out_dir") or res.dir
+        folder = res.dir   # the folder rendered: a copied round is continued where it is, not where it was made
         how = "; ".join(_stage_state(s, (st.get("stages") or {})[s]) for s in left)
         summary = ("**The round stopped before it finished**: " + how + ". "
                    + (f"Why: {st['stopped']}. " if st.get("stopped") else "")

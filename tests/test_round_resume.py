@@ -231,3 +231,14 @@ def test_a_damaged_stage_file_is_refused_by_report_and_resume_alike_naming_file_
         code, _, err = run_cli(*args)
         assert code == 2 and words in err and err.count("\n") == 1 and "wrong type" not in err, (args, err)
     assert _files(r) == before
+
+
+def test_the_report_of_a_copied_unfinished_round_says_to_resume_the_copy(interrupted, tmp_path, run_cli):
+    r = tmp_path / "copy"
+    shutil.copytree(interrupted / "r", r)
+    code, _, err = run_cli("report", r)
+    assert code == 0, err
+    md = (r / "report.md").read_text()
+    assert f"continue it with `specpilot round --resume {r}`" in md, md[:800]
+    summary = next(p for p in md.split("\n\n") if "The round stopped before it finished" in p)
+    assert str(interrupted / "r") not in summary, summary
