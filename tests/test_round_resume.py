@@ -242,3 +242,30 @@ def test_the_report_of_a_copied_unfinished_round_says_to_resume_the_copy(interru
     assert f"continue it with `specpilot round --resume {r}`" in md, md[:800]
     summary = next(p for p in md.split("\n\n") if "The round stopped before it finished" in p)
     assert str(interrupted / "r") not in summary, summary
+
+
+def test_round_json_keeps_the_measure_stage_time_after_each_step(tmp_path):
+    """A round killed mid-measure (kill -9: no handler runs) shows the time it had spent in the
+    stage: round.json is saved after each step, not only at the stage's start."""
+    from specpilot.auditors.round import RoundConfig, run_round
+
+    import time
+
+    r = tmp_path / "r"
+    seen, t = {}, {}
+
+    def snapshot(stage, msg):
+        if stage == "measure" and msg.startswith("loading the current system"):
+            t["loading"] = time.perf_counter()
+        if stage == "measure" and msg.startswith("T_AR"):
+            t["rows"] = time.perf_counter()
+            seen.update(json.loads((r / "round.json").read_text()))
+            raise SystemExit(137)   # what is on disk now is all a killed round leaves
+
+    cfg = RoundConfig(deployment=TINY, out_dir=str(r), budget_min=0.1, records_dir=str(tmp_path / "rec"),
+                      candidates=["chain"], n_prompts=2, max_new_tokens=8)
+    with pytest.raises(SystemExit):
+        run_round(cfg, notify=snapshot)
+    measure = seen["stages"]["measure"]
+    # the calibration and the rows probe ran after the load notice: the stage's seconds include them
+    assert measure["status"] == "running" and measure["seconds"] >= t["rows"] - t["loading"] > 0, (measure, t)

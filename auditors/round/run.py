@@ -388,7 +388,14 @@ class _Round:
         kept = self._stage(stage)["skipped" if skipped else "notes"]
         if msg not in kept:   # a resumed stage that runs again says the same once
             kept.append(msg)
-        self.notify(stage, ("skipped: " if skipped else "") + msg)
+        self._step(stage, ("skipped: " if skipped else "") + msg)
+
+    def _step(self, stage: str, msg: str) -> None:
+        """A step of a running stage is done or starts: round.json gets its status and time first
+        (one small atomic write), so a round killed mid-stage shows the time it had spent in it."""
+        if self._running:
+            self._save()
+        self.notify(stage, msg)
 
     # ---------------------------------------------------------------------------- prompts
     def prompts(self):
@@ -431,7 +438,7 @@ class _Round:
         spec = EngineSpec.parse(current)
         allowance = min(self.clock.left(), pl.MEASURE_SHARE * self.clock.budget_s)
         deadline = time.monotonic() + allowance
-        self.notify("measure", f"loading the current system {current}")
+        self._step("measure", f"loading the current system {current}")
         prompts = self.prompts()
         eng = self.pool.get(current)
         cal = ms.calibrate(eng, prompts[0])
@@ -442,7 +449,7 @@ class _Round:
         context = min(ms.median_prompt_len(prompts) + max_new // 2, eng.model.max_seq - max(ms.NODES) - 40)
         meas = ms.Measurement(system=current, tokens_per_s=cal["tokens_per_s"], calibration=cal, context=context,
                               current_rows=rows, current_policy=policy)
-        self.notify("measure", f"current system: {cal['tokens_per_s']:.3g} tokens/s (calibration, "
+        self._step("measure", f"current system: {cal['tokens_per_s']:.3g} tokens/s (calibration, "
                                f"{cal['tokens']} tokens)")
         # T_step(N)
         try:
@@ -454,7 +461,7 @@ class _Round:
             meas.step_ms, meas.ar_ms, meas.rows_method = step_ms, ar_ms, doc.get("method")
             meas.files["rows"] = "measure/rows.json"
             meas.seconds["rows"] = time.perf_counter() - t1
-            self.notify("measure", f"T_AR {ar_ms:.3g} ms, T_step({max(probe_rows)} rows) "
+            self._step("measure", f"T_AR {ar_ms:.3g} ms, T_step({max(probe_rows)} rows) "
                                    f"{step_ms[max(probe_rows)]:.3g} ms at context {context}")
         except InputError as e:
             self._note("measure", f"rows probe: {e}", skipped=True)
@@ -472,8 +479,10 @@ class _Round:
                 write_json_atomic(d / "profile.json", prof)
                 meas.profile = prof
                 meas.files.update(trace="measure/trace.json.gz", profile="measure/profile.json")
-                self.notify("measure", f"profile of {n} steps: step {prof['step_wall_ms']:.3g} ms, GPU busy "
-                                       f"{prof['kernel_busy_ms']:.3g} ms, floor {prof.get('total_floor_ms') or 0:.3g} ms")
+                # the steps profiled (the report's count), not the annotations the capture made
+                self._step("measure", f"profile of {prof.get('steps', n)} steps: step {prof['step_wall_ms']:.3g} ms, "
+                                      f"GPU busy {prof['kernel_busy_ms']:.3g} ms, floor "
+                                      f"{prof.get('total_floor_ms') or 0:.3g} ms")
             except Exception as e:  # the profile informs the model; a round goes on without it
                 self._note("measure", f"profile: {type(e).__name__}: {e}", skipped=True)
         # tau(N): record a lattice on the prompts, replay it
@@ -490,7 +499,7 @@ class _Round:
             self._note("measure", f"lattice recording: needs ~{n_rec * tok_rec / rate:.0f} s, "
                                   f"{max(left, 0):.0f} s left in the stage: tau(N) unknown", skipped=True)
         else:
-            self.notify("measure", f"recording the lattice: {n_rec} prompts x {tok_rec} tokens, {rec_spec}")
+            self._step("measure", f"recording the lattice: {n_rec} prompts x {tok_rec} tokens, {rec_spec}")
             rec = self.pool.get(str(rec_spec))
             meas.lattice = ms.record_lattice(rec, prompts[:n_rec], tok_rec, d / "lattice.jsonl", progress=self.progress)
             if str(rec_spec) != current:
@@ -503,7 +512,7 @@ class _Round:
                                  "k": rp["candidates"]})
             meas.files["replay"] = "measure/replay.json"
             taus = ", ".join(f"{p['policy']} {p['tau']:.3f}" for p in rp["policies"])
-            self.notify("measure", f"replayed {rp['steps']} steps: {taus}")
+            self._step("measure", f"replayed {rp['steps']} steps: {taus}")
         self._measure_tlv(meas, spec, prompts[:n_rec], tok_rec, deadline, d)
         write_json_atomic(path, meas.to_json())
         self._finish("measure", t0)
@@ -524,14 +533,14 @@ class _Round:
                                   f"{max(deadline - time.monotonic(), 0):.0f} s left in the stage", skipped=True)
             return
         tspec = ms.tlv_spec(spec)
-        self.notify("measure", f"recording TLV cycles: {len(prompts)} prompts x {max_new} tokens, {tspec}")
+        self._step("measure", f"recording TLV cycles: {len(prompts)} prompts x {max_new} tokens, {tspec}")
         eng = self.pool.get(str(tspec))
         meas.tlv = ms.record_tlv(eng, prompts, max_new, d / "tlv.lattice.jsonl", progress=self.progress)
         if str(tspec) != self.state["current"]:
             self.pool.drop(str(tspec))
         meas.files["tlv_lattice"] = "measure/tlv.lattice.jsonl"
         t = meas.tlv
-        self.notify("measure", f"TLV at N={t['nodes']}: tau {t['tau']:.3f} per exact pass, Q pass "
+        self._step("measure", f"TLV at N={t['nodes']}: tau {t['tau']:.3f} per exact pass, Q pass "
                                f"{t['time_ms']['qpass']:.3g} ms + exact pass {t['time_ms']['exact']:.3g} ms per cycle")
 
     # ---------------------------------------------------------------------------- stages 2, 3
