@@ -412,8 +412,15 @@ def _refuse(a: str, b: str, what: str, va, vb, advice: str) -> None:
 
 
 def _profile_gpu_name(p: ProfileFigures) -> str:
+    """The GPU the profile's trace ran on (what a run or a rows probe of its deployment ran on)."""
     g = p.gpu or {}
     return g.get("name") or g.get("key") or "an unnamed GPU"
+
+
+def _profile_floors_gpu_name(p: ProfileFigures) -> str:
+    """The GPU of the profile's floors: ``profile --gpu``'s (``floors_gpu``), else the trace's."""
+    g = p.gpu or {}
+    return g.get("floors_gpu") or g.get("name") or g.get("key") or "an unnamed GPU"
 
 
 def check_one_deployment(req: CeilingRequest, cost_rows: int | None) -> None:
@@ -441,12 +448,14 @@ def check_one_deployment(req: CeilingRequest, cost_rows: int | None) -> None:
             advice = ("leave out --model to take the profile's floors, or profile that model" if other is model
                       else "give files of the same deployment")
             _refuse(me, label, "model", p.model, theirs, advice)
-    # the GPU
+    # the GPU: --gpu, --bandwidth and --flops set floors, compared with the profile's floors' GPU
+    # (``profile --gpu``'s where it named one); a run or a rows probe ran on the traced GPU
     pg = p.gpu or {}
     if gpu is not None:
-        if not _same_gpu(pg.get("key"), pg.get("name"), gpu.key, gpu.name):
-            _refuse(me, "--gpu", "GPU", _profile_gpu_name(p), gpu.name,
-                    "leave out --gpu to take the profile's, or profile that GPU")
+        floors_name = pg.get("floors_gpu") or pg.get("name")
+        if not _same_gpu(pg.get("key"), floors_name, gpu.key, gpu.name):
+            _refuse(me, "--gpu", "floors' GPU", _profile_floors_gpu_name(p), gpu.name,
+                    "leave out --gpu to take the profile's, or profile with that --gpu")
         if p.total_floor_ms is not None:   # the profile's floors are of its GPU's figures
             for k, what, unit in (("bandwidth_tbs", "peak bandwidth", "TB/s"), ("bf16_tflops", "dense bf16 peak",
                                                                                  "TFLOP/s")):
@@ -462,9 +471,9 @@ def check_one_deployment(req: CeilingRequest, cost_rows: int | None) -> None:
         if probe.on_cpu:
             _refuse(me, f"--rows-probe {probe.source}", "device", _profile_gpu_name(p), probe.hardware,
                     "give a rows probe of the profile's GPU")
-        if probe.gpu and not _same_gpu(pg.get("key"), pg.get("name"), None, probe.gpu):
+        if probe.gpu and pg.get("name") and not _same_gpu(None, pg["name"], None, probe.gpu):
             _refuse(me, f"--rows-probe {probe.source}", "GPU", _profile_gpu_name(p), probe.gpu,
-                    "give a rows probe of the profile's GPU")
+                    "give a rows probe of the GPU the profile traced")
     # the rows and the batch
     if p.rows is not None:
         if cost_rows != p.rows:

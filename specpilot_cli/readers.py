@@ -43,8 +43,8 @@ def read_profile(path: str) -> ProfileFigures:
                              f"({', '.join(counts)}) and 'collectives_ms' in [0, {MAX_MS:g}]")
     floor = float(floor) if isinstance(floor, (int, float)) and floor > 0 else None
     model, raw_gpu, gpu = doc.get("model"), doc.get("gpu"), {}
-    if isinstance(raw_gpu, dict):   # the GPU it ran on (its floors' figures where it set floors)
-        gpu = {k: raw_gpu[k] for k in ("name", "key") if isinstance(raw_gpu.get(k), str) and raw_gpu[k]}
+    if isinstance(raw_gpu, dict):   # the GPU it ran on (name), its floors' (key, floors_gpu where --gpu named one)
+        gpu = {k: raw_gpu[k] for k in ("name", "key", "floors_gpu") if isinstance(raw_gpu.get(k), str) and raw_gpu[k]}
         gpu.update({k: float(raw_gpu[k]) for k in ("bandwidth_tbs", "bf16_tflops") if _finite(raw_gpu.get(k), 0, 1e7)})
     return ProfileFigures(source=str(path), kernel_busy_ms=float(doc["kernel_busy_ms"]),
                           step_wall_ms=float(doc["step_wall_ms"]), total_floor_ms=floor,

@@ -58,6 +58,33 @@ def test_a_profile_and_floors_of_another_model_or_gpu_are_refused(run_cli):
     _one_line_refusal(code, err, f"--profile {H200_PROFILE}", "--gpu", "GPU", "H200", "H100")
 
 
+H200_EAGER = REPO / "tests" / "fixtures" / "nsys_h200_decode_eager.sqlite"   # traced on an H200
+
+
+def test_a_profile_made_with_gpu_checks_probes_by_the_traced_gpu_and_gpu_by_the_floors(run_cli, tmp_path):
+    """`profile --gpu h100` of an H200 trace: its floors are the H100's, its step ran on the H200. A
+    rows probe is of the GPU the step ran on (an H200 one is taken, an H100 one refused); --gpu sets
+    floors, compared with the floors' GPU (h100 taken, h200 refused naming the H100)."""
+    prof = tmp_path / "p.json"
+    code, _, err = run_cli("profile", H200_EAGER, "--model", "llama-3.1-8b", "--gpu", "h100", "--format", "json",
+                           "--out", prof)
+    assert code == 0, err
+    gpu = json.loads(prof.read_text())["gpu"]
+    assert gpu["name"] == "NVIDIA H200" and gpu["key"] == "h100-sxm", gpu
+    code, _, err = run_cli("ceiling", "--profile", prof, "--rows-probe", H200_ROWS, "--tau", "2")
+    assert code == 0, err
+    h100_rows = tmp_path / "rows-h100.json"
+    h100_rows.write_text(H200_ROWS.read_text().replace("NVIDIA H200", "NVIDIA H100 80GB HBM3"))
+    code, _, err = run_cli("ceiling", "--profile", prof, "--rows-probe", h100_rows, "--tau", "2")
+    _one_line_refusal(code, err, f"--rows-probe {h100_rows}", "GPU (NVIDIA H200 against NVIDIA H100 80GB HBM3)")
+    code, _, err = run_cli("ceiling", "--profile", prof, "--model", "llama-3.1-8b", "--gpu", "h100", "--tau", "2",
+                           "--ar-ms", "4")
+    assert code == 0, err
+    code, _, err = run_cli("ceiling", "--profile", prof, "--model", "llama-3.1-8b", "--gpu", "h200", "--tau", "2",
+                           "--ar-ms", "4")
+    _one_line_refusal(code, err, "--gpu", "floors' GPU (NVIDIA H100 SXM5 80GB against NVIDIA H200")
+
+
 def test_a_profile_of_other_rows_is_refused_and_its_rows_are_the_default(run_cli, tmp_path):
     code, _, err = run_cli("ceiling", "--profile", H200_PROFILE, "--rows", "8", "--tau", "4.2", "--ar-ms", "5")
     _one_line_refusal(code, err, f"--profile {H200_PROFILE}", "--rows 8", "rows")
