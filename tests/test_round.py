@@ -243,7 +243,7 @@ def _set(doc: dict, path: str, value):
     ("outputs.stock.0.prompt_ids", [99999], "has other prompt_ids than in"),
     ("outputs.stock.0.prompt_ids", "abc", "'outputs.stock[0]' must be a row"),
     ("outputs.system.0.output_ids", None, "'outputs.system[0]' must be a row"),
-    ("outputs.stock", [], "no stock outputs to audit against; give --no-audit"),
+    ("outputs.stock", [], "baseline field 'outputs.stock' is empty, though every role holds the same prompts"),
     ("outputs.stock", None, "no stock outputs to audit against"),
     ("outputs", [], "'outputs' must be an object"),
     ("outputs.stock.0.output_ids", [10 ** 9], "outside the stock model's vocabulary"),

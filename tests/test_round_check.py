@@ -132,3 +132,34 @@ def test_a_round_refuses_a_scorer_of_another_vocabulary_before_it_starts(run_cli
     same = _scorer_folder(tmp_path / "same", model_type="gpt2", vocab_size=256, n_embd=16, n_layer=1, n_head=2)
     code, _, err = run_cli("round", "engine:model=tiny,mode=ar,threads=1", "--scorer", same, "--dry-run")
     assert code == 0, err
+
+
+def _baseline(base, tmp_path, change):
+    doc = json.loads((base / "baseline.json").read_text())
+    change(doc)
+    (tmp_path / "baseline.json").write_text(json.dumps(doc))
+    return tmp_path / "baseline.json"
+
+
+@pytest.mark.parametrize("role", ["system", "ar"])
+def test_a_baseline_role_that_is_there_but_empty_is_refused(base, run_cli, tmp_path, role):
+    b = _baseline(base, tmp_path, lambda d: d["outputs"].update({role: []}))
+    code, _, err = run_cli("check", "--baseline", b, "--runs", "2")
+    assert code == 2 and f"baseline field 'outputs.{role}' is empty" in err and err.count("\n") == 1, err
+
+
+def test_check_warns_without_none_when_the_baseline_has_no_facts_and_when_timing_cannot_fail(base, run_cli, tmp_path):
+    def change(d):
+        d.pop("facts", None)
+        d["noise"] = 0.6   # 1% + 2 x 60% + tolerance: the threshold passes 100%
+        d["samples"] = [500.0, 520.0, 510.0, 505.0]   # the module's round may have had no time to time a candidate
+    b = _baseline(base, tmp_path, change)
+    code, out, err = run_cli("check", "--baseline", b, "--runs", "2", "--no-audit", "--tolerance", "0.1")
+    assert code == 0, err
+    assert "measured on None" not in out and "does not say what machine it was measured on" in out, out
+    assert "timing can no longer fail" in out, out
+
+
+def test_check_runs_help_says_the_default_it_uses(run_cli):
+    code, out, _ = run_cli("check", "--help")
+    assert code == 0 and "as many as the baseline has samples, at least 4" in " ".join(out.split()), out

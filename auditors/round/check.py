@@ -176,7 +176,10 @@ def run_check(baseline: dict, *, system: str | None = None, runs: int | None = N
     res.machine = facts.gpu or facts.cpu
     bf = baseline.get("facts") or {}
     res.baseline_machine = bf.get("gpu") or bf.get("cpu")
-    if res.machine != res.baseline_machine:
+    if res.baseline_machine is None:   # an older or hand-made baseline: say so, not "measured on None"
+        res.warnings.append(f"the baseline does not say what machine it was measured on (no facts.gpu or facts.cpu); "
+                            f"this is {res.machine}: throughputs from different machines are not comparable")
+    elif res.machine != res.baseline_machine:
         res.warnings.append(f"the baseline was measured on {res.baseline_machine}, this is {res.machine}: "
                             "throughputs from different machines are not comparable")
     if system and sys_text != baseline["system"]:
@@ -195,6 +198,10 @@ def run_check(baseline: dict, *, system: str | None = None, runs: int | None = N
         res.gain, res.ci, res.noise, res.threshold, regression = judge_regression(
             res.fresh, ref, baseline.get("noise"), seed=seed, tolerance=tolerance)
         res.timing = "regression" if regression else "ok"
+        if res.threshold >= 1:   # 1 - threshold <= 0: no interval of positive throughputs lies below it
+            res.warnings.append(f"the threshold 1 - {res.threshold:.2%} (1% + 2 x noise {res.noise:.2%}"
+                                + (f" + tolerance {tolerance:.0%}" if tolerance else "") + ") is not above 0: "
+                                "timing can no longer fail; lower --tolerance, or measure a quieter baseline")
         if regression:
             res.reasons.append(f"slower: {res.gain:.4f}x of the baseline, 95% interval [{res.ci[0]:.4f}, "
                                f"{res.ci[1]:.4f}] entirely below 1 - {res.threshold:.2%} (1% + 2 x noise {res.noise:.2%}"

@@ -1173,6 +1173,9 @@ def _check_baseline(doc: dict, p: Path) -> None:
             continue
         if not isinstance(rows, list):
             bad(f"outputs.{role}", "a list of output rows")
+        if not rows and any(outs.values()):   # a round leaves a role out, never empty: its prompts are the others'
+            raise InputError(f"{p}: baseline field 'outputs.{role}' is empty, though every role holds the same "
+                             "prompts (a round leaves out a role it has no outputs for)")
         for i, r in enumerate(rows):
             if not (isinstance(r, dict) and isinstance(r.get("id"), (str, int)) and ids(r.get("prompt_ids"), False)
                     and ids(r.get("output_ids"), True)):

@@ -13,7 +13,7 @@ from specpilot.output import Report, Section, emit, fmt_num, output_options, pro
 @click.option("--baseline", "baseline_path", required=True, type=click.Path(), metavar="ROUND_OR_FILE",
               help="A round's folder (its baseline.json) or a baseline.json file.")
 @click.option("--system", default=None, help="Engine spec to check (default: the baseline's system).")
-@click.option("--runs", type=int, default=None, help="Timed runs (default: as many as the baseline has samples).")
+@click.option("--runs", type=int, default=None, help="Timed runs (default: as many as the baseline has samples, at least 4).")
 @click.option("--scorer", default=None, help="Audit scorer: smollm2, tiny, tiny-hybrid (the engine's built-in models), a HF folder or a .gguf (default: the stock engine's target, FP32 head).")
 @click.option("--no-audit", is_flag=True, help="Timing only.")
 @click.option("--no-timing", is_flag=True,
