@@ -668,9 +668,11 @@ def one_rank_profile(p: ProfileFigures | None, m: Measurements) -> str | None:
 def largest_factor_line(largest: str | None, factors: dict[str, float | None], name=str) -> str | None:
     """The sentence that names the factor to attack: the largest with its advice where it offers a
     gain (above 1), else that none does; None when no factor is known. ``name`` dresses the
-    factor's name (the round report's Markdown bold)."""
+    factor's name (the round report's Markdown bold). ``largest`` is None where no factor offers a
+    gain: the sentence says so where any factor is known."""
     if not largest:
-        return None
+        return ("No known factor offers a gain (each is 1 or below)."
+                if any(v is not None for v in factors.values()) else None)
     v = factors.get(largest)
     if v is not None and v > 1:
         from .costmodel import ADVICE

@@ -127,7 +127,9 @@ def cost_model(tau: float, step_ms: float, ar_ms: float, tau_best: float | None 
     ceiling = speedup
     for v in known.values():
         ceiling *= v
-    largest = max(known, key=known.get) if known else None
+    # a factor taken as 1 (measured at or below it) offers no gain: it is never the largest
+    gains = {k: v for k, v in factors.items() if v is not None and v > 1}
+    largest = max(gains, key=gains.get) if gains else None
     if_removed = {k: (speedup * v if v is not None else None) for k, v in used.items()}
     missing = [k for k, v in factors.items() if v is None]
     if missing:

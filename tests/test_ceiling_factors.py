@@ -74,3 +74,20 @@ def test_one_ranks_profile_keeps_the_ceiling_above_the_speedup(run_cli, tmp_path
     assert "one rank" in w
 
 
+
+
+def test_a_factor_taken_as_one_is_never_the_largest(run_cli):
+    """The only known factor measured below 1 (outside 0.75): the JSON names no largest factor, as
+    the text says none offers a gain."""
+    c = cost_model(tau=3, step_ms=6, ar_ms=5, profile_ms=8)
+    assert c.largest is None
+    args = ("ceiling", "--tau", "3", "--step-ms", "6", "--ar-ms", "5", "--profile-ms", "8")
+    code, out, err = run_cli(*args, "--format", "json")
+    assert code == 0, err
+    cm = json.loads(out)["cost_model"]
+    assert cm["factors"]["outside"] == pytest.approx(0.75) and cm["largest_factor"] is None
+    code, out, err = run_cli(*args)
+    assert code == 0 and "No known factor offers a gain (each is 1 or below)." in out, out + err
+    # a factor exactly 1 offers no gain either; one above 1 beside it is the largest
+    assert cost_model(tau=3, step_ms=6, ar_ms=5, profile_ms=6).largest is None
+    assert cost_model(tau=3, step_ms=6, ar_ms=5, tau_best=3.3, profile_ms=8).largest == "tree"
