@@ -329,8 +329,13 @@ def write_report(round_dir: str | Path) -> tuple[Path, Path]:
     from specpilot.fileio import atomic_open, write_text_atomic
 
     res = load_round(round_dir)
-    blocks = build(res)
     d = Path(round_dir)
+    if (d / "report").exists() and not (d / "report").is_dir():
+        from specpilot.errors import InputError
+
+        raise InputError(f"{d / 'report'}: not a folder; the report's plots go in it (move that file away, then run "
+                         f"specpilot report {d})")
+    blocks = build(res)
     md, images = to_markdown(blocks)
     (d / "report").mkdir(exist_ok=True)
     for name, data in images.items():

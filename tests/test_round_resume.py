@@ -269,3 +269,46 @@ def test_round_json_keeps_the_measure_stage_time_after_each_step(tmp_path):
     measure = seen["stages"]["measure"]
     # the calibration and the rows probe ran after the load notice: the stage's seconds include them
     assert measure["status"] == "running" and measure["seconds"] >= t["rows"] - t["loading"] > 0, (measure, t)
+
+
+def test_an_interrupted_round_says_how_to_continue_it(tmp_path):
+    from specpilot.auditors.round import RoundConfig, run_round
+
+    def interrupt_in_approve(stage, msg):
+        if stage == "approve" and "paired runs against" in msg:
+            raise KeyboardInterrupt
+
+    r = tmp_path / "r"
+    cfg = RoundConfig(deployment=TINY, out_dir=str(r), budget_min=1.0, records_dir=str(tmp_path / "rec"),
+                      candidates=["chain"], n_prompts=2, max_new_tokens=8)
+    with pytest.raises(KeyboardInterrupt) as e:
+        run_round(cfg, notify=interrupt_in_approve)
+    assert e.value.__notes__ == [f"the round's files are in {r}; continue it with specpilot round --resume {r}"]
+
+
+def test_resuming_a_finished_round_prints_its_summary_in_json(done, tmp_path, run_cli):
+    r = _copy(done, tmp_path)
+    before = _files(r)
+    code, out, err = run_cli("round", "--resume", r, "--format", "json")
+    assert code == 0 and "is complete: nothing to resume" in err, err
+    data = json.loads(out)
+    assert data["schema"] == "specpilot.round-summary/1" and data["dir"] == str(r) and data["final"], data
+    assert [d["id"] for d in data["decisions"]] == ["chain"]
+    assert _files(r) == before
+
+
+def test_n_prompts_above_the_prompt_file_warns_naming_both(run_cli, tmp_path):
+    f = tmp_path / "p.txt"
+    f.write_text("one\ntwo\nthree\n")
+    code, _, err = run_cli("round", TINY, "--prompts", f, "--n-prompts", "50", "--dry-run", "--records", tmp_path / "rec")
+    assert code == 0, err
+    warns = [line for line in err.splitlines() if "warning" in line]
+    assert warns == [f"specpilot: warning: --n-prompts 50: {f} holds 3 prompts; the round runs those 3"], err
+
+
+def test_report_says_when_the_report_folder_is_a_file(done, tmp_path, run_cli):
+    r = _copy(done, tmp_path)
+    shutil.rmtree(r / "report", ignore_errors=True)
+    (r / "report").write_text("not a folder")
+    code, _, err = run_cli("report", r)
+    assert code == 2 and err.count("\n") == 1 and f"{r / 'report'}: not a folder" in err, err

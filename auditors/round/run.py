@@ -830,8 +830,10 @@ class _Round:
                     self._stage(s)["skipped"].append(str(e))
             self.state["stopped"] = str(e)
             self._save()
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as e:
             self._stop_running("interrupted")
+            # said after "interrupted by SIGINT": where the round is and how to go on
+            e.add_note(f"the round's files are in {self.dir}; continue it with {resume_command(self.state, self.dir)}")
             raise
         except BaseException:
             self._stop_running("failed")

@@ -25,6 +25,19 @@ def _names(text: str | None) -> list[str] | None:
     return names
 
 
+def _warn_short_prompts(path: str, n_prompts: int) -> None:
+    """--n-prompts above what the --prompts file holds: the round runs the file's prompts (one line)."""
+    from specpilot.auditors.outputs import read_prompt_rows
+
+    try:
+        rows = read_prompt_rows(path)
+    except InputError:   # the round's own checks say what is wrong with the file
+        return
+    if rows and n_prompts > len(rows):
+        click.echo(f"specpilot: warning: --n-prompts {n_prompts}: {path} holds {len(rows)} prompt"
+                   f"{'s' if len(rows) > 1 else ''}; the round runs those {len(rows)}", err=True)
+
+
 @click.command("round")
 @click.argument("deployment", required=False)
 @click.option("--budget", "budget", type=float, default=None, metavar="MINUTES",
@@ -86,6 +99,8 @@ def command(deployment, budget, out_dir, resume_dir, dry_run, prompts, n_prompts
                       n_prompts=n_prompts, max_new_tokens=max_new_tokens, candidates=_names(candidates),
                       control=control, scorer=scorer, memory_dir=memory_dir, records_dir=records_dir, fresh=fresh,
                       remember=not no_remember, seed=seed)
+    if n_prompts and prompts and not resume_dir:
+        _warn_short_prompts(prompts, n_prompts)
     if dry_run:
         if resume_dir:
             raise InputError("--dry-run plans a new round; leave out --resume")
@@ -121,18 +136,19 @@ def command(deployment, budget, out_dir, resume_dir, dry_run, prompts, n_prompts
 
     res = run_round(cfg, resume=bool(resume_dir), budget_min=budget if resume_dir else None,
                     progress=progress, notify=notify)
-    if res.complete:
+    if res.complete:   # nothing is rewritten; the summary is printed as a run prints it (tools read --format json)
         click.echo(f"specpilot: the round in {res.dir} is complete: nothing to resume (its report: specpilot report "
                    f"{res.dir}; a new round: specpilot round)", err=True)
-        return 0
-    from specpilot.reports.round_report import write_report
+        md, html = (p if p.is_file() else None for p in (res.dir / "report.md", res.dir / "report.html"))
+    else:
+        from specpilot.reports.round_report import write_report
 
-    try:
-        md, html = write_report(res.dir)
-    except ImportError as e:  # the round's files are complete; the report can be rendered elsewhere
-        md = html = None
-        click.echo(f"specpilot: warning: report not rendered ({e}); run 'specpilot report {res.dir}' where "
-                   "matplotlib is installed", err=True)
+        try:
+            md, html = write_report(res.dir)
+        except ImportError as e:  # the round's files are complete; the report can be rendered elsewhere
+            md = html = None
+            click.echo(f"specpilot: warning: report not rendered ({e}); run 'specpilot report {res.dir}' where "
+                       "matplotlib is installed", err=True)
     st = res.state
     rows = [[d.id, d.memory or "-", d.verdict.upper(), fmt_num((d.timing or {}).get("gain")),
              ((d.audit or {}).get("verdict") or "-").upper(), d.reason] for d in res.decisions]
