@@ -100,6 +100,7 @@ class Profile:
     top: list[dict] = field(default_factory=list)  # the kernels taking the most time per step
     warnings: list[str] = field(default_factory=list)
     distributed: dict | None = None   # the multi-GPU job the trace is one rank of (:func:`rank_of_job`)
+    floor_peak_ms: float | None = None   # total_floor_ms at the GPU's full peak (:func:`floor_at_peak`)
 
     def to_json(self) -> dict[str, Any]:
         d = {
@@ -114,6 +115,7 @@ class Profile:
             "kernel_factor": self.kernel_factor,
             "outside_factor": self.outside_factor,
             "total_floor_ms": self.total_floor_ms,
+            "floor_peak_ms": self.floor_peak_ms,
             "classes": {k: v.as_dict() for k, v in self.classes.items()},
             "trace": self.trace,
             "step_mode": self.step_mode,
@@ -141,6 +143,18 @@ def peak_limit(floors: Floors, cls: str) -> float:
     f = floors.classes.get(cls) or {}
     frac = floors.shape.get("flops_fraction" if f.get("bound") == "flops" else "bw_fraction")
     return 1.0 / frac if isinstance(frac, (int, float)) and 0 < frac <= 1 else 1.0
+
+
+def floor_at_peak(floors: Floors | None, total_floor_ms: float | None) -> float | None:
+    """The step's byte floor at the GPU's full peak, below which no kernel can run: each class's
+    floor without its fraction of the peak (:func:`peak_limit`), plus what ``total_floor_ms``
+    holds beyond the floors' classes (a link floor of the trace's collectives, which assumes no
+    fraction). None without floors or a floor. ``profile`` and ``ceiling`` (through the profile
+    JSON's ``floor_peak_ms``) judge a model/config mismatch by it alike."""
+    if floors is None or not total_floor_ms:
+        return None
+    return (sum((f.get("floor_ms") or 0.0) / peak_limit(floors, c) for c, f in floors.classes.items())
+            + (total_floor_ms - floors.total_floor_ms))
 
 
 def apply_positions(groups: list[KernelGroup], clf: Classifier, agg: Aggregate, notes: list[str]) -> list[KernelGroup]:
@@ -293,9 +307,7 @@ def build_profile(agg: Aggregate, table: RuleTable, floors: Floors | None = None
                      "kernel's duration includes its wait for the one before); shares are of the summed kernel time")
     kf = busy.median / total_floor if total_floor else None
     of = wall.median / busy.median if busy.median > 0 else None
-    # the step at the GPU's full peak: each class's floor without its fraction of peak (as per class)
-    at_peak = sum((f.get("floor_ms") or 0.0) / peak_limit(floors, c) for c, f in floors.classes.items()) \
-        + (total_floor - floors.total_floor_ms) if floors and total_floor else None   # + a link floor (no fraction)
+    at_peak = floor_at_peak(floors, total_floor)
     if kf is not None and at_peak and busy.median < at_peak:
         warnings.append("model/config mismatch: kernel busy time is below the byte floor at the GPU's full peak; "
                         "check --rows/--batch/--context and the model")
@@ -315,7 +327,7 @@ def build_profile(agg: Aggregate, table: RuleTable, floors: Floors | None = None
              "rules": table.sources, "orphans": {"events": agg.orphans[0], "ms": agg.orphans[1] / 1e6}}
     return Profile(trace=trace, gpu=gpu, model=model, shape=(floors.shape if floors else {}), steps=len(steps),
                    step_mode=agg.step_mode, step_detail=agg.step_detail, step_wall=wall, kernel_busy=busy,
-                   outside_ms=outside, total_floor_ms=total_floor, kernel_factor=kf, outside_factor=of,
+                   outside_ms=outside, total_floor_ms=total_floor, floor_peak_ms=at_peak, kernel_factor=kf, outside_factor=of,
                    classes=classes, per_step=per_step, floor_source=(floors.source if floors else None), notes=notes,
                    explain=(explain(agg_kept, clf) if want_explain else None), events=events, top=top_rows,
                    warnings=warnings, distributed=distributed)

@@ -48,7 +48,7 @@ def read_profile(path: str) -> ProfileFigures:
         gpu.update({k: float(raw_gpu[k]) for k in ("bandwidth_tbs", "bf16_tflops") if _finite(raw_gpu.get(k), 0, 1e7)})
     return ProfileFigures(source=str(path), kernel_busy_ms=float(doc["kernel_busy_ms"]),
                           step_wall_ms=float(doc["step_wall_ms"]), total_floor_ms=floor,
-                          floor_peak_ms=_floor_at_peak(doc) if floor is not None else None,
+                          floor_peak_ms=_floor_peak_ms(path, doc) if floor is not None else None,
                           rows=rows if isinstance(rows, int) else None, distributed=dist or None,
                           model=model if isinstance(model, str) and model else None, gpu=gpu or None,
                           shape=_profile_shape(path, shape))
@@ -82,8 +82,22 @@ def _profile_shape(path: str, shape: dict) -> dict:
     return out
 
 
-def _floor_at_peak(doc: dict) -> float | None:
-    """A profile's floor at the GPU's full peak: each class's floor times the fraction of the peak
+def _floor_peak_ms(path: str, doc: dict) -> float | None:
+    """A profile's floor at the GPU's full peak: its ``floor_peak_ms``, the value ``profile`` judged
+    a model/config mismatch by (probes.profile.floor_at_peak); a profile file written without that
+    field gets :func:`_floor_at_peak_guessed`."""
+    if "floor_peak_ms" not in doc:
+        return _floor_at_peak_guessed(doc)
+    v = doc["floor_peak_ms"]
+    if v is not None and not _finite(v, 0, MAX_MS):
+        raise InputError(f"{path}: profile's 'floor_peak_ms' must be null or a number in (0, {MAX_MS:g}] ms")
+    return float(v) if v is not None else None
+
+
+def _floor_at_peak_guessed(doc: dict) -> float | None:
+    """The fallback for a profile file without ``floor_peak_ms`` (written before profile recorded
+    it), guessed from what the file holds, as probes.profile.floor_at_peak cannot be re-run without
+    the floors' bound classes: each class's floor times the fraction of the peak
     it assumed (the bandwidth's where the floor is the class's bytes over that share of the GPU's
     bandwidth, else the smaller fraction: the lowest floor the class could have), None where the
     profile records no fractions or classes."""

@@ -120,3 +120,32 @@ def test_tensor_parallel_ranks_refuse_floors_and_name_their_warnings(run_cli, tm
     c1 = write_trace(tmp_path / "c1.json.gz", [llama_step() + [(AR, 40)]] * 3, comm_nelems=1_000_000)
     code, out, err = run_cli("profile", c0, c1)
     assert code == 0 and "Communication (NCCL" in out
+
+
+def test_profile_and_ceiling_judge_a_step_against_one_floor_at_peak(run_cli, tmp_path):
+    """A step with a link floor (its collectives' bytes over the H100's NVLink, which assumes no
+    fraction of a peak): its busy time (6.0 ms) lies between the step floor at the GPU's full peak
+    (6.34 ms) and the link floor scaled as a GPU class's would be (5.63 ms). The profile records the
+    floor at peak it judged by (floor_peak_ms), and ceiling reads it: both call the step a
+    model/config mismatch."""
+    trace = write_trace(tmp_path / "t.json.gz", [llama_step(2) + [(AR, 40)]] * 3, comm_nelems=400_000_000,
+                        slow=6.0 / 0.404)
+    out = tmp_path / "p.json"
+    code, _, err = run_cli("profile", trace, "--model", "llama-3.1-8b", "--gpu", "h100", "--format", "json",
+                           "--out", out)
+    assert code == 0, err
+    doc = json.loads(out.read_text())
+    assert doc["classes"]["communication"]["floor_ms"] > 0
+    assert doc["kernel_busy_ms"] < doc["floor_peak_ms"] < doc["total_floor_ms"], doc["floor_peak_ms"]
+    assert any(w.startswith("model/config mismatch: kernel busy time") for w in doc["warnings"]), doc["warnings"]
+    plain = tmp_path / "plain.json"   # the same step, not named one rank's (ceiling names a rank as the cause)
+    plain.write_text(json.dumps({**doc, "distributed": None}))
+    code, text, err = run_cli("ceiling", "--profile", plain, "--tau", "3", "--ar-ms", "5", "--format", "json")
+    assert code == 0, err
+    c = json.loads(text)
+    assert c["cost_model"]["inputs"]["floor_peak_ms"] == doc["floor_peak_ms"]
+    assert any(w.startswith("model/config mismatch: the kernel factor") for w in c["warnings"]), c["warnings"]
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({**doc, "floor_peak_ms": -1}))
+    code, _, err = run_cli("ceiling", "--profile", bad, "--tau", "3", "--ar-ms", "5")
+    assert code == 2 and "'floor_peak_ms' must be null or a number" in one_error(err)

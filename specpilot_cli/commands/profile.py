@@ -408,14 +408,9 @@ def _floor_above_busy(p, floors, source: str) -> str | None:
     mismatch warning): the kernels reach more of the peak than the floor's fractions assume, or the
     floors' model and shape are not this trace's; either way the efficiencies above 100% come from
     it. Worded as ``specpilot ceiling`` words a kernel factor below 1."""
-    from specpilot.probes.profile import peak_limit
-
-    kf, floor, busy = p.kernel_factor, p.total_floor_ms, p.kernel_busy.median
-    if kf is None or kf >= 1 or floors is None:
+    kf, floor, busy, at_peak = p.kernel_factor, p.total_floor_ms, p.kernel_busy.median, p.floor_peak_ms
+    if kf is None or kf >= 1 or floors is None or at_peak is None:
         return None
-    # the floor with no fraction of the peak, as build_profile takes it (+ a link floor, which has none)
-    at_peak = (sum((f.get("floor_ms") or 0.0) / peak_limit(floors, c) for c, f in floors.classes.items())
-               + (floor - floors.total_floor_ms))
     if busy < at_peak:   # build_profile's model/config mismatch warning
         return None
     labels = ((("bw_fraction", "bandwidth"), ("flops_fraction", "FLOP/s")) if source == "ceiling" else
