@@ -127,6 +127,21 @@ def test_pack_refuses_an_existing_output_file_unless_forced(tmp_path, run_cli):
     assert code == 0 and "--force" in out and "Replace an existing output file" in out
 
 
+def test_pack_refuses_force_with_a_folder_output(tmp_path, run_cli):
+    """A folder IN packs into a folder OUT, which --force never replaces: the flag is refused, not
+    ignored, before anything is read or written."""
+    src, dst = tmp_path / "model", tmp_path / "packed"
+    src.mkdir()
+    make_checkpoint(src / "model.safetensors")
+    code, out, err = run_cli("w12", "pack", src, "-o", dst, "--device", "cpu", "--force")
+    assert code == 2 and out == "" and err.strip() == (
+        f"specpilot: error: --force: a folder IN packs into a folder --output {dst}, which is never replaced (it "
+        "must be absent or empty); leave --force out"), err
+    assert not dst.exists()
+    code, _, err = run_cli("w12", "pack", src, "-o", dst, "--device", "cpu")
+    assert code == 0 and (dst / "model.safetensors").is_file(), err
+
+
 def _rewrite(path, edit_tensors=None, edit_doc=None):
     tensors = load_file(str(path))
     meta, doc = table(path)

@@ -85,7 +85,7 @@ def _device(device: str) -> str:
               help="Where to encode: cuda, cuda:N, cpu, or auto (cuda when there is one).")
 @click.option("--force", is_flag=True,
               help="Replace an existing output file (without it an existing OUT is refused; a folder OUT must "
-                   "be absent or empty either way).")
+                   "be absent or empty, and --force with it is refused).")
 @output_options
 @_user_errors
 def pack_cmd(src, dst, include, exclude, device, force, fmt, out):
@@ -103,6 +103,9 @@ def pack_cmd(src, dst, include, exclude, device, force, fmt, out):
         from specpilot.fileio import check_output_path
 
         check_output_path(dst, "--output", protect=[src])  # before the long conversion
+    elif force and Path(src).is_dir():
+        raise InputError(f"--force: a folder IN packs into a folder --output {dst}, which is never replaced (it must "
+                         "be absent or empty); leave --force out")
     if out and Path(out).resolve() == Path(dst).resolve():
         raise InputError(f"--out {out}: the same file as --output; the report needs another name (or leave --out "
                          "out)")
