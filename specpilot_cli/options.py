@@ -19,6 +19,21 @@ def typed(*names: str) -> list[str]:
             if ctx.get_parameter_source(n) is click.core.ParameterSource.COMMANDLINE]
 
 
+def them(given) -> str:
+    """'it' for one option named, 'them' for several: what a refusal asks to leave out."""
+    return "it" if len(given) == 1 else "them"
+
+
+def refuse_draft_shape_without_drafter(drafter_name: str | None) -> None:
+    """Refuse the drafter floor's shape options (``--draft-rows``, ``--draft-passes``) typed without
+    a drafter (``--drafter``, or one a file brought): they shape a floor that is not set. Used by
+    ``profile`` and ``ceiling`` alike, where --model sets floors."""
+    given = typed("draft_rows", "draft_passes")
+    if given and not drafter_name:
+        raise InputError(f"{', '.join(given)}: {'it shapes' if len(given) == 1 else 'they shape'} the drafter's "
+                         f"floor, which needs --drafter MODEL; give it, or leave {them(given)} out")
+
+
 class FiniteRange(click.FloatRange):
     """A float option in a range that is also finite (``inf`` and ``nan`` are refused)."""
 

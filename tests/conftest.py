@@ -198,3 +198,13 @@ def one_error(err: str) -> str:
     assert len(errors) == 1 and lines[-1] == errors[0], err
     assert all(ln.startswith("specpilot: ") for ln in lines) and "Traceback" not in err, err
     return errors[0]
+
+
+def refused(code: int, err: str, *parts: str) -> str:
+    """A refusal: exit 2 and one ``specpilot: error:`` line (:func:`one_error`) holding each of
+    ``parts``; returns the line."""
+    assert code == 2, err
+    line = one_error(err)
+    for p in parts:
+        assert p in line, err
+    return line

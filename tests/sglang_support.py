@@ -2,6 +2,8 @@
 
 * :func:`sglang_dir`: the real SGLang wheel installed with ``--no-deps`` by
   ``scripts/install_sglang.sh`` (``cache/sglang/<version>``, or ``$SPECPILOT_SGLANG_DIR``).
+* :func:`env_fixture`: the ``env`` fixture (a module's target environment) for a test module that
+  imports it; :func:`purelib`: an environment's site-packages.
 * :func:`make_env`: a throw-away Python environment (a venv without pip) that sees that SGLang and,
   optionally, this SpecPilot: what ``specpilot apply --python`` is pointed at in the tests.
 * :func:`load_sglang_function`: one function from the installed SGLang source, compiled on its own
@@ -21,6 +23,8 @@ import sysconfig
 import venv
 from pathlib import Path
 
+import pytest
+
 from specpilot.bundles.contract import SUPPORTED_SGLANG
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,6 +38,22 @@ def sglang_dir(version: str = SGLANG_VERSION) -> Path | None:
 
 SKIP_REASON = ("SGLang 0.5.23 wheel not installed: run 'bash scripts/install_sglang.sh' "
                "(or set SPECPILOT_SGLANG_DIR)")
+
+
+@pytest.fixture(scope="module", name="env")
+def env_fixture(tmp_path_factory) -> Path:
+    """The ``env`` fixture of a test module that imports it: a target environment (SGLang 0.5.23 and
+    this SpecPilot), one per module, skipped without the wheel."""
+    root = sglang_dir()
+    if root is None:
+        pytest.skip(SKIP_REASON)
+    return make_env(tmp_path_factory.mktemp("sglenv") / "env", root)
+
+
+def purelib(py: Path) -> Path:
+    """The site-packages folder of the environment whose interpreter is ``py``."""
+    return Path(subprocess.run([str(py), "-B", "-c", "import sysconfig;print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip())
 
 
 def make_env(where: Path, sglang_root: Path | None, with_specpilot: bool = True) -> Path:

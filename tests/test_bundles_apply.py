@@ -12,21 +12,11 @@ from pathlib import Path
 import pytest
 
 from specpilot.bundles import activation as act
-from sglang_support import SKIP_REASON, fake_version_root, make_env, sglang_dir, tree_digest
+from sglang_support import SKIP_REASON, fake_version_root, make_env, purelib, sglang_dir, tree_digest
+from sglang_support import env_fixture  # noqa: F401  (the env fixture: a target environment per module)
 
 SGL = sglang_dir()
 pytestmark = pytest.mark.skipif(SGL is None, reason=SKIP_REASON)
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    """A target environment: SGLang 0.5.23 + this SpecPilot."""
-    return make_env(tmp_path_factory.mktemp("sglenv") / "env", SGL)
-
-
-def _purelib(py: Path) -> Path:
-    return Path(subprocess.run([str(py), "-B", "-c", "import sysconfig;print(sysconfig.get_paths()['purelib'])"],
-                               capture_output=True, text=True, check=True).stdout.strip())
 
 
 def test_round_trip_leaves_environment_byte_identical(run_cli, env):
@@ -34,7 +24,7 @@ def test_round_trip_leaves_environment_byte_identical(run_cli, env):
     before = tree_digest(root)
     code, out, err = run_cli("apply", "tree,lattice-trace", "--python", env, "--set", "node_budget=24")
     assert code == 0, err
-    path = _purelib(env) / act.ACTIVATION_NAME
+    path = purelib(env) / act.ACTIVATION_NAME
     data = json.loads(path.read_text())
     assert data["schema"] == "specpilot.activation/1"
     assert data["closure"] == ["tree", "lattice-trace"]
@@ -70,7 +60,7 @@ def test_batching_and_w12_round_trip(run_cli, env):
                              "--set", "shared_budget=256", "--set", "block_sizes=[12,8]")
     assert code == 0, err
     assert out.count(" ok ") >= 9 and "SGLANG_RAGGED_VERIFY_MODE=compact" in out and "--quantization w12" in out
-    data = json.loads((_purelib(env) / act.ACTIVATION_NAME).read_text())
+    data = json.loads((purelib(env) / act.ACTIVATION_NAME).read_text())
     assert data["closure"] == ["batching", "w12"] and data["drafter"] == "dspark"
     assert data["settings"]["shared_budget"] == 256 and data["settings"]["block_sizes"] == [12, 8]
     targets = {h["target"].rsplit(".", 2)[-2] + "." + h["target"].rsplit(".", 1)[-1] for h in data["hooks"]}
@@ -217,7 +207,7 @@ def test_unsupported_version_refused_then_forced(run_cli, tmp_path):
     code, out, err = run_cli("apply", "tree", "--python", py)
     assert code == 3 and out == ""
     assert err.startswith("specpilot: error: SGLang 0.5.22") and "--force" in err and len(err.strip().splitlines()) == 1
-    assert not (_purelib(py) / act.ACTIVATION_NAME).exists()
+    assert not (purelib(py) / act.ACTIVATION_NAME).exists()
     code, out, err = run_cli("apply", "tree", "--python", py, "--force", "--format", "json")
     assert code == 0, err
     assert json.loads(out)["activation"]["sglang"]["forced"] is True
@@ -230,7 +220,7 @@ def test_missing_sglang_and_missing_specpilot(run_cli, tmp_path):
     no_sp = make_env(tmp_path / "b", SGL, with_specpilot=False)
     code, _, err = run_cli("apply", "tree", "--python", no_sp)
     assert code == 3 and "SpecPilot is not installed" in err
-    assert not (_purelib(no_sp) / act.ACTIVATION_NAME).exists()
+    assert not (purelib(no_sp) / act.ACTIVATION_NAME).exists()
 
 
 @pytest.mark.parametrize("args, msg", [
@@ -333,7 +323,7 @@ def test_an_interpreter_that_answers_something_else_is_bad_input(run_cli, tmp_pa
 
 
 def test_an_activation_path_that_is_a_folder_is_named(run_cli, env):
-    path = _purelib(env) / act.ACTIVATION_NAME
+    path = purelib(env) / act.ACTIVATION_NAME
     path.mkdir()
     try:
         for args in (["apply", "tree"], ["apply", "tree", "--dry-run"], ["status"], ["revert"]):
@@ -355,7 +345,7 @@ def test_status_says_what_is_missing(run_cli, env, tmp_path):
     no_sp = make_env(tmp_path / "b", SGL, with_specpilot=False)
     assert run_cli("apply", "tree", "--python", env)[0] == 0
     try:
-        (_purelib(no_sp) / act.ACTIVATION_NAME).write_text((_purelib(env) / act.ACTIVATION_NAME).read_text())
+        (purelib(no_sp) / act.ACTIVATION_NAME).write_text((purelib(env) / act.ACTIVATION_NAME).read_text())
     finally:
         assert run_cli("revert", "--python", env)[0] == 0
     code, out, _ = run_cli("status", "--python", no_sp, "--format", "json")
@@ -365,7 +355,7 @@ def test_status_says_what_is_missing(run_cli, env, tmp_path):
 
 def test_status_on_a_damaged_activation_is_bad_input_or_a_problem(run_cli, env):
     assert run_cli("apply", "tree", "--python", env)[0] == 0
-    path = _purelib(env) / act.ACTIVATION_NAME
+    path = purelib(env) / act.ACTIVATION_NAME
     good = json.loads(path.read_text())
     gone = object()  # the key deleted
     try:
@@ -406,13 +396,13 @@ main(sys.argv[1:])
 """
 
 
-def _state(purelib: Path):
-    p = purelib / act.ACTIVATION_NAME
+def _state(site: Path):
+    p = site / act.ACTIVATION_NAME
     return None if not p.exists() else json.loads(p.read_text())["closure"]
 
 
 def test_kill_during_apply_leaves_old_or_new_state(run_cli, env, tmp_path):
-    purelib = _purelib(env)
+    site = purelib(env)
     root = env.parent.parent
     assert run_cli("revert", "--python", env)[0] == 0
     stock = tree_digest(root)
@@ -422,10 +412,10 @@ def test_kill_during_apply_leaves_old_or_new_state(run_cli, env, tmp_path):
     proc = subprocess.run([sys.executable, "-c", _KILL_AT_RENAME, "apply", "lattice-trace", "--python", str(env)],
                           capture_output=True, text=True)
     assert proc.returncode == -signal.SIGKILL
-    assert _state(purelib) == ["tree"]                      # the old state
-    assert list(purelib.glob(f".{act.ACTIVATION_NAME}.*.part"))  # a leftover temporary file
+    assert _state(site) == ["tree"]                      # the old state
+    assert list(site.glob(f".{act.ACTIVATION_NAME}.*.part"))  # a leftover temporary file
     code, out, _ = run_cli("status", "--python", env)
-    assert code == 0 and not list(purelib.glob(f".{act.ACTIVATION_NAME}.*.part"))  # swept
+    assert code == 0 and not list(site.glob(f".{act.ACTIVATION_NAME}.*.part"))  # swept
     assert tree_digest(root) == old
     # 2) killed at arbitrary times: always the old or the new state, never a broken file
     for delay in (0.05, 0.6):
@@ -434,7 +424,7 @@ def test_kill_during_apply_leaves_old_or_new_state(run_cli, env, tmp_path):
         time.sleep(delay)
         p.send_signal(signal.SIGKILL)
         p.wait()
-        state = _state(purelib)  # parses: never a half-written file
+        state = _state(site)  # parses: never a half-written file
         assert state in (["tree"], ["lattice-trace"])
         assert run_cli("apply", "tree", "--python", env)[0] == 0  # back to old; sweeps leftovers
     assert set(tree_digest(root)) == set(old)  # same files (the new one differs only in applied_at)
@@ -443,12 +433,12 @@ def test_kill_during_apply_leaves_old_or_new_state(run_cli, env, tmp_path):
 
 
 def test_concurrent_commands_are_serialized(env):
-    purelib = _purelib(env)
-    with act.locked(purelib):
+    site = purelib(env)
+    with act.locked(site):
         with pytest.raises(act.EnvironmentMissing, match="holds"):
-            with act.locked(purelib, timeout=0.2):
+            with act.locked(site, timeout=0.2):
                 pass
-    with act.locked(purelib, timeout=0.2):  # released
+    with act.locked(site, timeout=0.2):  # released
         pass
 
 
@@ -469,7 +459,7 @@ def test_refuses_a_target_with_a_different_specpilot(run_cli, env, monkeypatch):
     monkeypatch.setattr(act, "probe", other_specpilot)
     code, _, err = run_cli("apply", "tree", "--python", env)
     assert code == 3 and "differs from this one" in err and f"{env} -m specpilot apply tree" in err
-    assert not (_purelib(env) / act.ACTIVATION_NAME).exists()
+    assert not (purelib(env) / act.ACTIVATION_NAME).exists()
 
 
 def test_a_rounds_candidate_launch_carries_applys_warnings(env, tmp_path):
@@ -493,7 +483,7 @@ def test_status_with_a_problem_gives_no_launch_command(run_cli, tmp_path):
     assert run_cli("apply", "tree", "--python", py, "--drafter", "eagle", "--set", "node_budget=24")[0] == 0
     code, out, _ = run_cli("status", "--python", py)
     assert code == 0 and "launch with:" in out and "SGLANG_PLUGINS=specpilot" in out, out
-    path = _purelib(py) / act.ACTIVATION_NAME
+    path = purelib(py) / act.ACTIVATION_NAME
     data = json.loads(path.read_text())
     data["sglang"]["version"] = "0.5.22"
     path.write_text(json.dumps(data))

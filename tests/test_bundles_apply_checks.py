@@ -9,36 +9,26 @@ import json
 import os
 import shlex
 import signal
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from specpilot.bundles import activation as act
-from sglang_support import SKIP_REASON, make_env, sglang_dir
+from sglang_support import SKIP_REASON, make_env, purelib, sglang_dir
+from sglang_support import env_fixture  # noqa: F401  (the env fixture: a target environment per module)
 
 SGL = sglang_dir()
 pytestmark = pytest.mark.skipif(SGL is None, reason=SKIP_REASON)
 
 
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    return make_env(tmp_path_factory.mktemp("sglenv") / "env", SGL)
-
-
-def _purelib(py: Path) -> Path:
-    return Path(subprocess.run([str(py), "-B", "-c", "import sysconfig;print(sysconfig.get_paths()['purelib'])"],
-                               capture_output=True, text=True, check=True).stdout.strip())
-
-
 @pytest.fixture
 def clean(run_cli, env):
     """The environment with nothing active before and after the test."""
-    path = _purelib(env) / act.ACTIVATION_NAME
+    path = purelib(env) / act.ACTIVATION_NAME
     yield path
     if path.is_symlink() or path.is_file():
         path.unlink()
-    for p in _purelib(env).glob(f".{act.ACTIVATION_NAME}.*.part"):
+    for p in purelib(env).glob(f".{act.ACTIVATION_NAME}.*.part"):
         p.unlink()
 
 

@@ -6,19 +6,13 @@ from pathlib import Path
 
 import pytest
 
+from conftest import refused
+
 REPO = Path(__file__).resolve().parents[1]
 ROUNDS = REPO / "examples" / "rounds"
 H200_PROFILE = ROUNDS / "llama8b-h200" / "measure" / "profile.json"   # llama-3.1-8b on an H200, 1 row
 H200_ROWS = ROUNDS / "llama8b-h200" / "measure" / "rows.json"         # llama-3.1-8b on an H200
 CPU_ROWS = ROUNDS / "smollm2-cpu" / "measure" / "rows.json"           # smollm2-135m-instruct on the CPU
-
-
-def _one_line_refusal(code, err, *parts):
-    assert code == 2, err
-    assert err.startswith("specpilot: error:") and len(err.strip().splitlines()) == 1, err
-    assert "Traceback" not in err
-    for p in parts:
-        assert p in err, err
 
 
 @pytest.fixture
@@ -32,12 +26,12 @@ def cpu_run(run_cli, tmp_path):
 
 def test_a_profile_beside_another_deployments_run_is_refused(run_cli, cpu_run):
     code, _, err = run_cli("ceiling", "--run", cpu_run, "--profile", H200_PROFILE, "--ar-ms", "57")
-    _one_line_refusal(code, err, f"--profile {H200_PROFILE}", f"--run {cpu_run}", "model")
+    refused(code, err, f"--profile {H200_PROFILE}", f"--run {cpu_run}", "model")
 
 
 def test_a_profile_beside_another_deployments_rows_probe_is_refused(run_cli):
     code, _, err = run_cli("ceiling", "--rows-probe", CPU_ROWS, "--profile", H200_PROFILE, "--tau", "2")
-    _one_line_refusal(code, err, f"--profile {H200_PROFILE}", f"--rows-probe {CPU_ROWS}", "model")
+    refused(code, err, f"--profile {H200_PROFILE}", f"--rows-probe {CPU_ROWS}", "model")
 
 
 def test_a_cpu_probe_of_the_profiles_model_is_refused(run_cli, tmp_path):
@@ -46,16 +40,16 @@ def test_a_cpu_probe_of_the_profiles_model_is_refused(run_cli, tmp_path):
     rows = tmp_path / "rows.json"
     rows.write_text(json.dumps(probe))
     code, _, err = run_cli("ceiling", "--rows-probe", rows, "--profile", H200_PROFILE, "--tau", "2")
-    _one_line_refusal(code, err, f"--rows-probe {rows}", "GPU", "CPU")
+    refused(code, err, f"--rows-probe {rows}", "GPU", "CPU")
 
 
 def test_a_profile_and_floors_of_another_model_or_gpu_are_refused(run_cli):
     code, _, err = run_cli("ceiling", "--profile", H200_PROFILE, "--model", "qwen3-8b", "--gpu", "h100", "--tau",
                            "4.2", "--ar-ms", "5")
-    _one_line_refusal(code, err, f"--profile {H200_PROFILE}", "--model qwen3-8b", "model")
+    refused(code, err, f"--profile {H200_PROFILE}", "--model qwen3-8b", "model")
     code, _, err = run_cli("ceiling", "--profile", H200_PROFILE, "--model", "llama-3.1-8b", "--gpu", "h100", "--tau",
                            "4.2", "--ar-ms", "5")
-    _one_line_refusal(code, err, f"--profile {H200_PROFILE}", "--gpu", "GPU", "H200", "H100")
+    refused(code, err, f"--profile {H200_PROFILE}", "--gpu", "GPU", "H200", "H100")
 
 
 H200_EAGER = REPO / "tests" / "fixtures" / "nsys_h200_decode_eager.sqlite"   # traced on an H200
@@ -76,18 +70,18 @@ def test_a_profile_made_with_gpu_checks_probes_by_the_traced_gpu_and_gpu_by_the_
     h100_rows = tmp_path / "rows-h100.json"
     h100_rows.write_text(H200_ROWS.read_text().replace("NVIDIA H200", "NVIDIA H100 80GB HBM3"))
     code, _, err = run_cli("ceiling", "--profile", prof, "--rows-probe", h100_rows, "--tau", "2")
-    _one_line_refusal(code, err, f"--rows-probe {h100_rows}", "GPU (NVIDIA H200 against NVIDIA H100 80GB HBM3)")
+    refused(code, err, f"--rows-probe {h100_rows}", "GPU (NVIDIA H200 against NVIDIA H100 80GB HBM3)")
     code, _, err = run_cli("ceiling", "--profile", prof, "--model", "llama-3.1-8b", "--gpu", "h100", "--tau", "2",
                            "--ar-ms", "4")
     assert code == 0, err
     code, _, err = run_cli("ceiling", "--profile", prof, "--model", "llama-3.1-8b", "--gpu", "h200", "--tau", "2",
                            "--ar-ms", "4")
-    _one_line_refusal(code, err, "--gpu", "floors' GPU (NVIDIA H100 SXM5 80GB against NVIDIA H200")
+    refused(code, err, "--gpu", "floors' GPU (NVIDIA H100 SXM5 80GB against NVIDIA H200")
 
 
 def test_a_profile_of_other_rows_is_refused_and_its_rows_are_the_default(run_cli, tmp_path):
     code, _, err = run_cli("ceiling", "--profile", H200_PROFILE, "--rows", "8", "--tau", "4.2", "--ar-ms", "5")
-    _one_line_refusal(code, err, f"--profile {H200_PROFILE}", "--rows 8", "rows")
+    refused(code, err, f"--profile {H200_PROFILE}", "--rows 8", "rows")
     doc = json.loads(H200_PROFILE.read_text())
     doc["shape"]["rows"] = 17
     prof = tmp_path / "p17.json"
@@ -106,7 +100,7 @@ def test_the_gpu_and_shape_come_from_the_profile(run_cli):
     assert doc["total_floor_ms"] == pytest.approx(json.loads(H200_PROFILE.read_text())["total_floor_ms"])
     code, _, err = run_cli("ceiling", "--profile", H200_PROFILE, "--model", "llama-3.1-8b", "--context", "2048",
                            "--tau", "4.2", "--ar-ms", "5")
-    _one_line_refusal(code, err, f"--profile {H200_PROFILE}", "--context 2048", "context")
+    refused(code, err, f"--profile {H200_PROFILE}", "--context 2048", "context")
 
 
 def _gpu_run(tmp_path, wall, gpu):
@@ -131,7 +125,7 @@ def test_a_run_and_a_profile_of_one_deployment_share_the_step(run_cli, tmp_path)
     assert any(n.startswith(f"T_step is run {run}'s 5.2 ms") and "4.918 ms" in n for n in cm["notes"]), cm["notes"]
     slow = _gpu_run(tmp_path, 8.0, 4.0)
     code, _, err = run_cli("ceiling", "--run", slow, "--profile", H200_PROFILE, "--ar-ms", "3.9")
-    _one_line_refusal(code, err, f"--run {slow}", f"--profile {H200_PROFILE}", "step", "25%")
+    refused(code, err, f"--run {slow}", f"--profile {H200_PROFILE}", "step", "25%")
 
 
 def test_a_gpu_probe_beside_the_profile_says_whose_step_is_used(run_cli):

@@ -1,17 +1,13 @@
 """`specpilot ceiling`: options that nothing reads are refused; the help says what each file supplies."""
 
 import json
+from pathlib import Path
 
 import pytest
 
+from conftest import refused
 
-def _one_line_refusal(code, err, *parts):
-    assert code == 2, err
-    assert err.startswith("specpilot: error:") and len(err.strip().splitlines()) == 1, err
-    assert "Traceback" not in err
-    for p in parts:
-        assert p in err, err
-
+REPO = Path(__file__).resolve().parents[1]
 
 # options that nothing reads
 
@@ -26,13 +22,27 @@ def _one_line_refusal(code, err, *parts):
 ])
 def test_options_nothing_reads_are_refused(run_cli, args, named):
     code, out, err = run_cli("ceiling", *args)
-    _one_line_refusal(code, err, named)
+    refused(code, err, named)
     assert out == ""
+
+
+def test_the_drafter_shape_without_a_drafter_is_refused_alike_by_ceiling_and_profile(run_cli):
+    trace = REPO / "tests" / "fixtures" / "nsys_h200_decode_eager.sqlite"
+    want = ("specpilot: error: --draft-passes: it shapes the drafter's floor, which needs --drafter MODEL; give it, "
+            "or leave it out")
+    code, _, err = run_cli("ceiling", "--model", "llama-3.1-8b", "--gpu", "h100", "--draft-passes", "3")
+    assert refused(code, err) == want
+    code, _, err = run_cli("profile", trace, "--model", "llama-3.1-8b", "--draft-passes", "3")
+    assert refused(code, err) == want
+    code, _, err = run_cli("ceiling", "--model", "llama-3.1-8b", "--gpu", "h100", "--draft-rows", "4",
+                           "--draft-passes", "3")
+    assert refused(code, err).endswith("they shape the drafter's floor, which needs --drafter MODEL; give it, or leave "
+                                       "them out")
 
 
 def test_options_check_does_not_read_are_refused(run_cli, tmp_path):
     code, _, err = run_cli("ceiling", "--check", tmp_path / "run.json", "--gpu", "h100", "--context", "512")
-    _one_line_refusal(code, err, "--gpu, --context", "--check")
+    refused(code, err, "--gpu, --context", "--check")
 
 
 def test_policy_is_read_with_a_replay_or_a_tlv_probe(run_cli, tmp_path):

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from specpilot.limits import MAX_BATCH, MAX_CONTEXT, MAX_DRAFT_PASSES, MAX_MS, MAX_ROWS, MAX_TAU, MAX_TBS, MAX_TFLOPS
-from specpilot.options import FiniteRange, dtype_options, positive, typed
+from specpilot.options import FiniteRange, dtype_options, positive, refuse_draft_shape_without_drafter, them, typed
 from specpilot.output import Report, Section, count, emit, output_options
 
 
@@ -103,7 +103,7 @@ def command(model_name, gpu_name, bandwidth, flops, fp8_flops, rows, batch, cont
         floors = typed(*FLOOR_OPTIONS, "rows")
         if floors:   # the check's rows are the run's, and it sets no byte floors
             raise InputError(f"{', '.join(floors)}: --check judges the run against its measured files (at the rows "
-                             f"its steps verified) and sets no byte floors; leave {_them(floors)} out")
+                             f"its steps verified) and sets no byte floors; leave {them(floors)} out")
         return _check(check_file, run_file, replay_file, rows_file, ar_run_file, profile_file, model_name, batch,
                       policy, tolerance, draft_ms, fmt, out)
     tol_given = bool(typed("tolerance"))
@@ -128,10 +128,8 @@ def command(model_name, gpu_name, bandwidth, flops, fp8_flops, rows, batch, cont
                 drafter_name = prof.shape["drafter"]
                 draft_rows = draft_rows if typed("draft_rows") else prof.shape.get("draft_rows")
                 draft_passes = draft_passes if typed("draft_passes") else prof.shape.get("draft_passes", 1)
-    if model_name and not drafter_name and typed("draft_rows", "draft_passes"):
-        given = typed("draft_rows", "draft_passes")
-        raise InputError(f"{', '.join(given)}: {'it shapes' if len(given) == 1 else 'they shape'} the drafter's "
-                         f"floor, which needs --drafter; give it, or leave {_them(given)} out")
+    if model_name:
+        refuse_draft_shape_without_drafter(drafter_name)
     if model_name and typed("fp8_flops") and weight_dtype != "fp8":
         raise InputError(f"--fp8-flops: the fp8 peak sets the floors of fp8 weights only (--weight-dtype fp8, here "
                          f"{weight_dtype}); give it with --weight-dtype fp8, or leave it out")
@@ -179,10 +177,6 @@ FLOOR_OPTIONS = ("gpu_name", "bandwidth", "flops", "fp8_flops", "context", "weig
                  "flops_fraction", "bw_fraction", "drafter_name", "draft_rows", "draft_passes")
 
 
-def _them(given) -> str:
-    return "it" if len(given) == 1 else "them"
-
-
 def _refuse_unread_options(model_name, profile_file, replay_file, rows_file, policy) -> None:
     """Refuse, before any file is read, an option that nothing would read: the floors' options
     without --model, --batch with neither floors nor a file of a batch, --policy with neither a
@@ -192,7 +186,7 @@ def _refuse_unread_options(model_name, profile_file, replay_file, rows_file, pol
     floors = typed(*FLOOR_OPTIONS)
     if floors and not model_name:
         raise InputError(f"{', '.join(floors)}: {'it sets' if len(floors) == 1 else 'they set'} the byte floors, "
-                         f"which need --model; give it, or leave {_them(floors)} out")
+                         f"which need --model; give it, or leave {them(floors)} out")
     if typed("batch") and not (model_name or profile_file or rows_file):
         raise InputError("--batch: the requests per step shape the byte floors (--model) and must match a "
                          "--rows-probe's or --profile's; give one of those, or leave it out")

@@ -7,7 +7,8 @@ import click
 
 from specpilot.errors import InputError
 from specpilot.limits import MAX_BATCH, MAX_CONTEXT, MAX_DRAFT_PASSES, MAX_ROWS, MAX_TBS, MAX_TFLOPS
-from specpilot.options import dtype_options, positive, typed
+from specpilot.options import dtype_options, positive, refuse_draft_shape_without_drafter, typed
+from specpilot.options import them as them_of
 from specpilot.output import Report, Section, count, emit, not_empty, output_options, progress
 
 STEP_MODES = ["auto", "range", "graph", "gap", "whole"]
@@ -145,7 +146,7 @@ def command(traces, step_range, step_mode, gap_us, skip_steps, device, include_o
                          "shard of the model, which the byte floors do not split); leave it out")
     tp_mode = ranks or (len(traces) > 1 and not diff)
     if gpu_opts and not model_name:   # (beside --ceiling they are refused above)
-        names, them = ", ".join(gpu_opts), "it" if len(gpu_opts) == 1 else "them"
+        names, them = ", ".join(gpu_opts), them_of(gpu_opts)
         if tp_mode:
             raise InputError(f"{names}: tensor-parallel mode (several traces, or --ranks) sets no byte floors for "
                              f"{them} to shape (the communication floor's link bandwidth is --link-bandwidth); "
@@ -278,15 +279,11 @@ def _check_floor_options(model_name, ceiling_file, tp_mode: bool, drafter_name=N
     given = typed("rows", "batch", "context", "draft_rows", "draft_passes", "weight_dtype", "lm_head_dtype",
                   "kv_dtype", "flops_fraction", "bw_fraction")
     if model_name:
-        drafts = [g for g in given if g in ("--draft-rows", "--draft-passes")]
-        if drafts and not drafter_name:
-            them = "it" if len(drafts) == 1 else "them"
-            raise InputError(f"{', '.join(drafts)}: {'it shapes' if len(drafts) == 1 else 'they shape'} the drafter's "
-                             f"floor, which needs --drafter MODEL; give it, or leave {them} out")
+        refuse_draft_shape_without_drafter(drafter_name)
         return
     if not given:
         return
-    names, them = ", ".join(given), "it" if len(given) == 1 else "them"
+    names, them = ", ".join(given), them_of(given)
     if tp_mode:
         raise InputError(f"{names}: tensor-parallel mode (several traces, or --ranks) sets no byte floors for "
                          f"{them} to shape; leave {them} out")
@@ -294,7 +291,7 @@ def _check_floor_options(model_name, ceiling_file, tp_mode: bool, drafter_name=N
         other = [g for g in given if g != "--rows"]
         if other:
             raise InputError(f"{', '.join(other)}: --ceiling brings floors of the shape it was made for (it takes "
-                             f"--rows alone, to pick one of its row counts); give {'it' if len(other) == 1 else 'them'} to "
+                             f"--rows alone, to pick one of its row counts); give {them_of(other)} to "
                              "`specpilot ceiling`, or use "
                              "--model instead of --ceiling")
         return
