@@ -51,6 +51,15 @@ def test_policy_is_read_with_a_replay_or_a_tlv_probe(run_cli, tmp_path):
         {"policy": "chain", "tau": 1.5}, {"policy": "best-first:16", "tau": 1.7}]}))
     code, _, err = run_cli("ceiling", "--replay", replay, "--policy", "best-first:16", "--step-ms", "4", "--ar-ms", "3")
     assert code == 0, err
+    # tlv:N with a rows probe: the probe times the TLV cycle at N nodes (N + 1 rows)
+    rows = REPO / "examples" / "rounds" / "llama8b-h200" / "measure" / "rows.json"
+    code, out, err = run_cli("ceiling", "--rows-probe", rows, "--policy", "tlv:16", "--tau", "3", "--format", "json")
+    assert code == 0, err
+    cycle = json.loads(out)["tlv_cycle"]
+    assert cycle["nodes"] == 16 and cycle["probe_ms"]["rows"] == 17 and cycle["source"].startswith(f"rows probe {rows}")
+    # a rows probe reads no other policy
+    code, _, err = run_cli("ceiling", "--rows-probe", rows, "--policy", "chain", "--tau", "3")
+    refused(code, err, "--policy chain", "tlv:N")
 
 
 # help
