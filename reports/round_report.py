@@ -142,7 +142,8 @@ def build(res) -> list[Block]:
                                 "resample requests):"))
             b.append(Block("table", headers=["policy", "nodes", "tau", "95% CI"],
                            rows=[[p["policy"], _n(p["nodes"]), _n(p["tau"]),
-                                  f"[{p['tau_ci'][0]:.3f}, {p['tau_ci'][1]:.3f}]"] for p in m.replay["policies"]]))
+                                  f"[{p['tau_ci'][0]:.3f}, {p['tau_ci'][1]:.3f}]" if p.get("tau_ci") else "-"]
+                                 for p in m.replay["policies"]]))
         if m.profile:
             p = m.profile
             b.append(Block("p", f"Profile of {p.get('steps')} decode steps of the current system "

@@ -189,7 +189,7 @@ def test_resume_refuses_a_budget_that_is_not_positive_minutes_before_anything_is
     before, rec = _files(r), _files(interrupted / "rec")
     code, out, err = run_cli("round", "--resume", r, "--budget", budget)
     assert code == 2 and err.count("\n") == 1 and "give the minutes the round may take (> 0)" in err, err
-    assert f"--budget {float(budget):g}: give" in err and "internal error" not in err, err
+    assert f"--budget {float(budget)}: give" in err and "internal error" not in err, err
     assert _files(r) == before and _files(interrupted / "rec") == rec
     assert not (r / "baseline.json").exists()
 

@@ -118,11 +118,12 @@ def _check_numbers(d: dict) -> None:
             need(pol.get("nodes") is None or is_int(pol["nodes"]), f"{name}.nodes", "a whole number or null",
                  pol.get("nodes"))
             need(is_num(pol.get("tau")) and pol["tau"] >= 1, f"{name}.tau", "a number >= 1", pol.get("tau"))
-            ci = pol.get("tau_ci")
-            need(isinstance(ci, list) and len(ci) == 2 and all(is_num(x) for x in ci), f"{name}.tau_ci",
-                 "two numbers", ci)
+            ci = pol.get("tau_ci")   # null: a policy replayed without an interval (TLV's)
+            need(ci is None or (isinstance(ci, list) and len(ci) == 2 and all(is_num(x) for x in ci)),
+                 f"{name}.tau_ci", "two numbers or null", ci)
         for key in ("steps", "positions", "candidates"):
-            need(is_int(rep.get(key)) and rep[key] >= 0, f"replay.{key}", "a whole number >= 0", rep.get(key))
+            if key in rep:
+                need(is_int(rep[key]) and rep[key] >= 0, f"replay.{key}", "a whole number >= 0", rep[key])
         curves = rep.get("curves") or {}
         need(isinstance(curves, dict), "replay.curves", "an object", curves)
         for fam, cur in curves.items():

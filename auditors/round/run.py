@@ -118,7 +118,7 @@ def check_config(cfg: RoundConfig):
 
         check_output_folder(cfg.records_dir or rm.default_records_dir(), "--records")
     if not (math.isfinite(cfg.budget_min) and cfg.budget_min > 0):
-        raise InputError(f"--budget {cfg.budget_min:g}: give the minutes the round may take (> 0)")
+        raise InputError(f"--budget {cfg.budget_min}: give the minutes the round may take (> 0)")
     dep = parse_deployment(cfg.deployment)
     load_memory(cfg.memory_dir)
     check_names(cfg.candidates, dep.kind, cfg.memory_dir)
@@ -261,7 +261,7 @@ class _Round:
             # a budget that is not a positive number of minutes is refused before the folder is read
             # or written, as a new round's is (nan/inf would be written into round.json, <= 0 judges nothing)
             if budget_min is not None and not (math.isfinite(budget_min) and budget_min > 0):
-                raise InputError(f"--budget {budget_min:g}: give the minutes the round may take (> 0)")
+                raise InputError(f"--budget {budget_min}: give the minutes the round may take (> 0)")
             path = self.dir / "round.json"
             if not path.is_file():
                 raise InputError(f"{self.dir}: no round.json here; nothing to resume")
