@@ -36,3 +36,24 @@ def test_a_signal_as_a_finished_command_exits_keeps_its_output():
              "os.kill(os.getpid(), signal.SIGINT); time.sleep(30)")
     assert r.returncode == 130 and r.stdout == "the result\n", (r.returncode, r.stdout, r.stderr)
     assert "Traceback" not in r.stderr
+
+
+def test_a_signal_while_the_real_entry_imports_the_cli_is_one_line_and_130():
+    """The real entry point (``entry.main`` with arguments, as the console script runs it), with
+    SIGINT delivered from inside the CLI's own import: an import hook sends it the first time
+    ``click`` is imported, which happens only once main has begun importing the CLI."""
+    r = _run("import builtins, os, signal, sys\n"
+             "from specpilot import entry\n"
+             "assert 'click' not in sys.modules\n"
+             "real, sent = builtins.__import__, []\n"
+             "def hook(name, *a, **k):\n"
+             "    if name.split('.')[0] == 'click' and not sent:\n"
+             "        sent.append(name)\n"
+             "        os.kill(os.getpid(), signal.SIGINT)\n"
+             "    return real(name, *a, **k)\n"
+             "builtins.__import__ = hook\n"
+             "sys.argv = ['specpilot', '--help']\n"
+             "entry.main()\n"
+             "print('main returned', sent)\n")
+    assert r.returncode == 130, (r.returncode, r.stdout, r.stderr)
+    assert r.stderr == "specpilot: interrupted by SIGINT\n" and r.stdout == "", (r.stdout, r.stderr)
