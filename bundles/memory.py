@@ -357,24 +357,38 @@ def load_memory(directory: str | Path | None = None) -> dict[str, Entry]:
         raise InputError(f"{directory}: no such memory folder")
     entries: dict[str, Entry] = {}
     for path in sorted(directory.glob("*.yaml")):
-        raw = read_yaml(path, "memory entry")
-        entry = parse_entry(raw, str(path), path)
-        if entry.id != path.stem:
-            raise InputError(f"{path}: id {entry.id!r} does not match the file name (expected id: {path.stem})")
+        entry = _entry_of_file(read_yaml(path, "memory entry"), path)
         if entry.id in entries:
             raise InputError(f"{path}: duplicate memory id {entry.id!r} (also in {entries[entry.id].path})")
         entries[entry.id] = entry
-    for entry in entries.values():   # a misspelt id would never warn
+    check_off_with(entries)
+    return entries
+
+
+def parse_entry_text(text: str, path: Path) -> Entry:
+    """The entry file ``path`` would hold with ``text`` (``memory verify --record``'s new text),
+    checked as :func:`load_memory` checks a file: YAML, fields, and its id against the file name.
+    The ``off_with`` names are checked across all entries by :func:`check_off_with`."""
+    return _entry_of_file(yaml_text(text, path, "memory entry"), path)
+
+
+def _entry_of_file(raw: Any, path: Path) -> Entry:
+    entry = parse_entry(raw, str(path), path)
+    if entry.id != path.stem:
+        raise InputError(f"{path}: id {entry.id!r} does not match the file name (expected id: {path.stem})")
+    return entry
+
+
+def check_off_with(entries: dict[str, Entry]) -> None:
+    """Refuse an ``off_with`` that names no entry among ``entries`` (a misspelt id would never warn)."""
+    for entry in entries.values():
         unknown = [o.bundle for o in entry.off_with if o.bundle not in entries]
         if unknown:
             raise InputError(f"{entry.path}: off_with names {unknown[0]!r}, not a memory entry")
-    return entries
 
 
 def read_yaml(path: Path, what: str):
     """One YAML document; a binary, oversized or malformed file is an InputError naming it."""
-    import yaml
-
     from specpilot.limits import MAX_YAML_BYTES
 
     if not path.is_file():
@@ -388,6 +402,13 @@ def read_yaml(path: Path, what: str):
     except UnicodeDecodeError as e:
         line = data[:e.start].count(b"\n") + 1
         raise InputError(f"{path}:{line}: {what} is not UTF-8 text (a binary file?)") from None
+    return yaml_text(text, path, what)
+
+
+def yaml_text(text: str, path: Path, what: str):
+    """One YAML document's ``text`` (of ``path``); a malformed one is an InputError naming it."""
+    import yaml
+
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as e:

@@ -67,6 +67,30 @@ def test_drift_is_detected_and_record_repairs_it(run_cli, tmp_path):
     assert run_cli("memory", "verify", "--memory-dir", d, "tree")[0] == 0
 
 
+def test_record_refuses_a_new_text_the_memory_folder_would_refuse(run_cli, tmp_path, monkeypatch):
+    """--record checks each entry's new text as load_memory checks a file: a text whose id does not
+    match its file name (or whose off_with names no entry) is refused, exit 2, one line, and every
+    file is left as it was."""
+    from conftest import refused
+
+    d = _copy(tmp_path)
+    real = mem.record_system
+    snapshot = {p.name: p.read_text() for p in d.glob("*.yaml")}
+    for old, new, want in (("\nid: tree\n", "\nid: tree2\n", "id 'tree2' does not match the file name"),
+                           ("\noff_with:\n", "\noff_with:\n  - bundle: no-such-entry\n    why: x\n",
+                            "off_with names 'no-such-entry', not a memory entry")):
+        def edited(e, entries, old=old, new=new):
+            text = real(e, entries)
+            assert old in text
+            return text.replace(old, new, 1)
+
+        monkeypatch.setattr(mem, "record_system", edited)
+        code, out, err = run_cli("memory", "verify", "--memory-dir", d, "--record", "tree")
+        assert out == ""
+        refused(code, err, str(d / "tree.yaml"), want)
+        assert {p.name: p.read_text() for p in d.glob("*.yaml")} == snapshot
+
+
 def test_recorded_hook_set_must_match(run_cli, tmp_path):
     d = _copy(tmp_path)
     raw = yaml.safe_load((d / "lattice-trace.yaml").read_text())

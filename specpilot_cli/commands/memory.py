@@ -117,16 +117,15 @@ def verify(ids, python, record, results_dir, memory_dir, fmt, out):
     if not entries:  # verifying nothing must not read as a pass
         raise InputError(f"{memory_dir or mem.MEMORY_DIR}: no entries (*.yaml) to verify")
     texts = []
-    if record:   # every entry's new text first, verified as it would read before any file is written
-        import yaml
-
+    if record:   # every entry's new text first, checked and verified as it would read before any file is written
         new = dict(entries)
         for i in ids or sorted(entries):
             e = mem.get_entry(entries, i)
             text = mem.record_system(e, entries)
             text = ev.record(e, results, text) if results is not None else text
             texts.append((e.path, text))
-            new[e.id] = mem.parse_entry(yaml.safe_load(text), str(e.path), e.path)
+            new[e.id] = mem.parse_entry_text(text, e.path)   # as load_memory would read the file
+        mem.check_off_with(new)
         entries = new
     rows, system_ok, evidence = _verify_rows(entries, ids, results, python)
     ok = all(r.ok for r in rows)
