@@ -234,3 +234,45 @@ def test_kineto_step_annotations_of_negative_duration_are_warned_of(run_cli, tmp
     d = json.loads(out)
     assert d["step_mode"] != "range"
     assert any("4 step annotation ranges ('decode_step_N') end before they start" in w for w in d["warnings"]), d
+
+
+def _mirrored_profiler_steps(path, bad_cpu: int, bad_gpu: int):
+    """Four ``ProfilerStep#N`` steps, each a CPU user annotation and its GPU mirror (a
+    gpu_user_annotation over the step's kernels, as Kineto records it); the first ``bad_cpu`` and
+    ``bad_gpu`` of each side end before they start."""
+    p = write_trace(path, [llama_step(2)] * 4, step_name="ProfilerStep#{}")
+    doc = json.loads(gzip.decompress(p.read_bytes()))
+    steps = [e for e in doc["traceEvents"] if e.get("cat") == "user_annotation"]
+    kernels = [e for e in doc["traceEvents"] if e.get("cat") == "kernel"]
+    mirrors = []
+    for s in steps:
+        ks = [k for k in kernels if s["ts"] <= k["ts"] <= s["ts"] + s["dur"]]
+        t0, t1 = min(k["ts"] for k in ks), max(k["ts"] + k["dur"] for k in ks)
+        mirrors.append({"ph": "X", "cat": "gpu_user_annotation", "name": s["name"], "pid": 0, "tid": 7, "ts": t0,
+                        "dur": t1 - t0})
+    for e in steps[:bad_cpu] + mirrors[:bad_gpu]:
+        e["dur"] = -e["dur"]
+    doc["traceEvents"] += mirrors
+    p.write_bytes(gzip.compress(json.dumps(doc).encode()))
+    return p
+
+
+@pytest.mark.parametrize("bad_cpu,bad_gpu,steps,warned", [
+    (2, 2, 4 - 2, 2),   # two steps damaged on both sides: two annotations left out, not four
+    (4, 4, 4, 4),       # all of them: counted once each, and the steps found by gaps
+    (0, 2, 4, 0),       # the GPU mirrors alone: the CPU annotations are read, nothing is left out
+    (4, 0, 4, 0),       # the CPU annotations alone: their GPU mirrors are read
+])
+def test_a_mirrored_step_annotation_of_negative_duration_is_counted_once(run_cli, tmp_path, bad_cpu, bad_gpu,
+                                                                         steps, warned):
+    p = _mirrored_profiler_steps(tmp_path / "t.json.gz", bad_cpu, bad_gpu)
+    code, out, err = run_cli("profile", p, "--format", "json")
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["steps"] == steps and (d["step_mode"] == "range") == (bad_cpu + bad_gpu < 8), d["step_detail"]
+    bad = [w for w in d["warnings"] if "(a negative duration)" in w]
+    if warned:
+        assert len(bad) == 1 and bad[0].startswith(f"{warned} step annotation ranges ('ProfilerStep#N') end before "
+                                                   "they start"), bad
+    else:
+        assert not bad, bad

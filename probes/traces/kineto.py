@@ -369,14 +369,17 @@ def aggregate_kineto(tr: KinetoTrace, req: StepRequest) -> Aggregate:
     step = np.full(len(start), -1, dtype=np.int64)
     labels: list[str] = []
     step_ranges: list[Range] = []
+    step_pool: list[Range] = []   # the annotations the step ranges were chosen among
     detail = ""
     if mode == "range":
         rx = st.compile_regex(regex, "--step-range")
-        on_cpu = any(rx.search(r.name) for r in cpu_ranges)
-        on_gpu = not on_cpu and any(rx.search(r.name) for r in gpu_ranges)
+        # a side whose matching ranges all end before they start has no step to give (its GPU
+        # mirrors may have them)
+        on_cpu = any(rx.search(r.name) and r.end > r.start for r in cpu_ranges)
+        on_gpu = not on_cpu and any(rx.search(r.name) and r.end > r.start for r in gpu_ranges)
         # matching neither: the error lists the annotation ranges of both kinds
         pool = gpu_ranges if on_gpu else cpu_ranges if on_cpu else cpu_ranges + gpu_ranges
-        step_ranges = st.select_step_ranges(pool, regex, tr.path)
+        step_ranges, step_pool = st.select_step_ranges(pool, regex, tr.path), pool
         key = start if on_gpu else launch
         step = _assign(key, [(r.start, r.end, i) for i, r in enumerate(step_ranges)])
         labels = [r.name for r in step_ranges]
@@ -511,7 +514,10 @@ def aggregate_kineto(tr: KinetoTrace, req: StepRequest) -> Aggregate:
                                  tr.dims[dims[i]] if dims[i] >= 0 else None, int(dur[i]), int(excl[i]))
         return out
 
-    warnings = _negative_step_ranges(cpu_ranges + gpu_ranges, req.range_regex, mode, detail)
+    # the step annotations read (range mode), else each side's: a CPU annotation and its GPU mirror
+    # are one step annotation
+    sides = [step_pool] if mode == "range" else [cpu_ranges, gpu_ranges]
+    warnings = _negative_step_ranges(sides, req.range_regex, mode, detail)
     version = str(tr.header.get("schemaVersion", "unknown"))
     distributed = {k: v for k, v in (("rank", tr.rank), ("world_size", tr.world_size), ("group_size", tr.group_size),
                                      ("gpus", len(present) if len(present) > 1 else None)) if v is not None}
@@ -520,12 +526,15 @@ def aggregate_kineto(tr: KinetoTrace, req: StepRequest) -> Aggregate:
                      locate_last=locate_last, orphans=orphans, annotations=annotations, distributed=distributed)
 
 
-def _negative_step_ranges(ranges: list[Range], regex: str | None, mode: str, detail: str) -> list[str]:
+def _negative_step_ranges(sides: list[list[Range]], regex: str | None, mode: str, detail: str) -> list[str]:
     """A warning counting the step annotations (ranges ``--step-range`` or a step family matches)
     that end before they start: the step finder leaves them out, which drops those steps, or all of
-    them and with them the range mode."""
+    them and with them the range mode. ``sides``: the annotations the steps were read from, or each
+    side's (CPU, GPU) where none were; a step annotation recorded on both sides (a CPU
+    ``ProfilerStep#N`` and its GPU mirror) counts once, as the side with more of them."""
     pats = [st.compile_regex(regex, "--step-range")] if regex else [re.compile(rx) for _, rx in st.STEP_FAMILIES]
-    bad = [r for r in ranges if r.end < r.start and any(p.search(r.name) for p in pats)]
+    bad = max(([r for r in ranges if r.end < r.start and any(p.search(r.name) for p in pats)] for ranges in sides),
+              key=len, default=[])
     if not bad:
         return []
     fams = ", ".join(repr(f) for f in st.families(bad, top=3))
