@@ -657,6 +657,23 @@ def test_smollm2_round_on_the_cpu(tmp_path, run_cli):
     assert (tmp_path / "r" / "report.html").is_file()
 
 
+def test_the_pipelined_ar_loops_steps_are_its_graph_launches():
+    """On CUDA the AR loop replays one CUDA graph per token without a call per step, so the
+    capture annotates no step: the round's profile takes the graph launches as the steps (it
+    looked for decode_step_ annotations, found none and went on without a profile)."""
+    from specpilot.auditors.round.measure import profile_trace
+    from specpilot.errors import InputError
+    from specpilot.models import load_model_spec
+
+    trace = Path(__file__).parent / "fixtures" / "kineto_specpilot_h100_ar_pipelined.json.gz"
+    spec = load_model_spec("smollm2-135m")
+    prof = profile_trace(trace, spec, "h100", 1, 600, False, annotated=False)
+    assert prof["steps"] == 29 and prof["step_wall_ms"] > prof["kernel_busy_ms"] > 0
+    assert prof["total_floor_ms"] > 0
+    with pytest.raises(InputError, match="decode_step_"):
+        profile_trace(trace, spec, "h100", 1, 600, False)
+
+
 @pytest.mark.gpu
 @pytest.mark.timeout(10 * 60)
 def test_round_on_a_gpu_profiles_the_steps_and_judges_w12(tmp_path, run_cli):

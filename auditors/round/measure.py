@@ -278,7 +278,9 @@ def replay_lattice(path: Path, current_policy: str, out: Path) -> dict:
 def capture_step_trace(engine, prompt, max_new_tokens: int, path: Path) -> int:
     """The current system decoding ``prompt`` under the PyTorch profiler, each decode/verify step
     inside a ``decode_step_N`` annotation (real steps: the host work between kernels is in their
-    wall time); the Kineto trace goes to ``path`` (gzip). Returns the steps recorded."""
+    wall time); the Kineto trace goes to ``path`` (gzip). Returns the steps annotated: none where
+    the decoder's pipelined AR loop runs, whose steps are replays of one CUDA graph, queued ahead
+    without a call per step (:func:`profile_trace` then takes the graph launches as the steps)."""
     import gzip
     import itertools
     import os
@@ -317,16 +319,20 @@ def capture_step_trace(engine, prompt, max_new_tokens: int, path: Path) -> int:
     return next(counter)
 
 
-def profile_trace(path: Path, model_spec, gpu_key: str | None, rows: int, context: int, w12: bool) -> dict:
+def profile_trace(path: Path, model_spec, gpu_key: str | None, rows: int, context: int, w12: bool,
+                  annotated: bool = True) -> dict:
     """The trace read by the profile library, with the byte floors of ``model_spec`` (the engine's
-    target) on the catalog GPU ``gpu_key`` (None: no floors, the kernel factor stays unknown)."""
+    target) on the catalog GPU ``gpu_key`` (None: no floors, the kernel factor stays unknown).
+    ``annotated``: the steps are the ``decode_step_N`` annotations; else the profile library finds
+    them (the pipelined AR loop's graph launches)."""
     from specpilot.gpus import get_gpu
     from specpilot.probes.classify import load_rules
     from specpilot.probes.profile import build_profile, floors_from_model
     from specpilot.probes.traces import StepRequest, read_trace
 
     table = load_rules()
-    agg = read_trace(path, StepRequest(range_regex="^decode_step_", tag_regex=table.range_regex))
+    agg = read_trace(path, StepRequest(range_regex="^decode_step_" if annotated else None,
+                                       mode="auto" if annotated else "graph", tag_regex=table.range_regex))
     skip = 2 if len(getattr(agg, "steps", []) or []) > 6 else 0
     floors = None
     gpu = {"name": agg.gpu.name if agg.gpu else None}

@@ -475,7 +475,8 @@ class _Round:
             try:
                 trace = d / "trace.json.gz"
                 n = ms.capture_step_trace(eng, prompts[0], 32, trace)
-                prof = ms.profile_trace(trace, eng.model.spec, self.facts.gpu_key, rows, context, spec.w12)
+                prof = ms.profile_trace(trace, eng.model.spec, self.facts.gpu_key, rows, context, spec.w12,
+                                        annotated=n > 0)
                 write_json_atomic(d / "profile.json", prof)
                 meas.profile = prof
                 meas.files.update(trace="measure/trace.json.gz", profile="measure/profile.json")
