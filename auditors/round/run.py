@@ -555,7 +555,8 @@ class _Round:
         write_json_atomic(path, res.to_json())
         f = res.factors
         known = ", ".join(f"{k} {v:.3g}x" for k, v in f.items() if v is not None) or "none known"
-        self.notify("model", f"factors: {known}; largest: {res.largest or 'unknown'}"
+        largest = res.largest or ("none above 1" if any(v is not None for v in f.values()) else "unknown")
+        self.notify("model", f"factors: {known}; largest: {largest}"
                     + (f"; best predicted: {res.best['family']} N={res.best['nodes']} at {res.best['speedup']:.3g}x "
                        "over AR" if res.best else ""))
         for n in res.notes:
