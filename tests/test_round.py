@@ -707,6 +707,20 @@ def test_the_model_takes_the_profile_of_the_decode_steps():
     assert next(r for r in m.by_nodes if r["family"] == "best-first")["speedup"] == pytest.approx(1.6 / 1.1)
 
 
+def test_a_model_without_a_replayed_tau_or_rows_probe_reads_back():
+    """A round whose lattice recording or rows probe was skipped for time writes the current
+    system's tau, c and speedup as null; its model file reads back (report and resume took it for
+    damaged)."""
+    from specpilot.auditors.round.measure import Measurement
+    from specpilot.auditors.round.modeling import ModelResult, build_model
+
+    meas = Measurement(system="engine:model=x,mode=chain", tokens_per_s=100.0, calibration={}, context=96,
+                       current_rows=5, current_policy="chain:4")
+    doc = json.loads(json.dumps(build_model(meas).to_json()))
+    assert doc["current"]["tau"] is None and doc["current"]["speedup"] is None
+    assert ModelResult.from_json(doc).current == doc["current"]
+
+
 def test_the_model_notes_a_profile_below_its_floor():
     """A profile whose GPU time is below the byte floor does not lower the round's ceiling, and the
     cost model's warning about it reaches the round's notes."""

@@ -58,13 +58,15 @@ def _check_model(d: dict) -> None:
         if not ok:
             raise ValueError(f"{name} must be {want}, not {v!r:.40}")
 
-    def row(r, name: str, fields=("tau", "c", "speedup")) -> None:
+    def row(r, name: str, fields=("tau", "c", "speedup"), nulls: bool = False) -> None:
         need(isinstance(r, dict), name, "an object", r)
         for k in fields:
-            need(is_num(r.get(k)), f"{name}.{k}", "a number", r.get(k))
+            ok = _num_or_none(r.get(k)) if nulls else is_num(r.get(k))
+            need(ok, f"{name}.{k}", "a number or null" if nulls else "a number", r.get(k))
 
     if "current" in d:   # a field missing is the constructor's to name
-        row(d["current"], "current")
+        # null where the round had no replayed tau or no rows probe (skipped for time)
+        row(d["current"], "current", nulls=True)
     for key in ("factors", "sources"):
         if key in d:
             need(isinstance(d[key], dict), key, "an object", d[key])
