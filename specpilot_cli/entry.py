@@ -27,7 +27,7 @@ def _stopped(signum, frame):  # noqa: ARG001
 def install() -> None:
     for name in NAMES:
         s = getattr(signal, name, None)
-        if s is not None:
+        if s is not None and signal.getsignal(s) is not signal.SIG_IGN:   # nohup's SIGHUP stays ignored
             signal.signal(s, _stopped)
 
 

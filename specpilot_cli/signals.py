@@ -94,6 +94,8 @@ def installed():
     old = {}
     for s in SIGNALS:
         try:
+            if signal.getsignal(s) is signal.SIG_IGN:   # ignored by whoever started us (nohup): stays so
+                continue
             old[s] = signal.signal(s, _handler)
         except (OSError, ValueError):
             pass

@@ -57,3 +57,12 @@ def test_a_signal_while_the_real_entry_imports_the_cli_is_one_line_and_130():
              "print('main returned', sent)\n")
     assert r.returncode == 130, (r.returncode, r.stdout, r.stderr)
     assert r.stderr == "specpilot: interrupted by SIGINT\n" and r.stdout == "", (r.stdout, r.stderr)
+
+
+def test_a_signal_the_parent_ignores_stays_ignored():
+    """`nohup specpilot ...`: a SIGHUP ignored by whoever started the process is not taken over,
+    neither by the console script nor by the command's own handlers."""
+    r = _run("import os, signal; signal.signal(signal.SIGHUP, signal.SIG_IGN); from specpilot import entry, signals; "
+             "entry.install(); os.kill(os.getpid(), signal.SIGHUP)\n"
+             "with signals.installed():\n    os.kill(os.getpid(), signal.SIGHUP)\nprint('alive')")
+    assert r.returncode == 0 and r.stdout == "alive\n", (r.returncode, r.stdout, r.stderr)
