@@ -167,7 +167,7 @@ class ServeState:
                 **{k: eng.spec.rule(k) for k in ("budget", "block", "admit", "admit_rows")},
                 "running": running, "waiting": waiting, "draining": self.draining,
                 "completion_tokens": st.tokens, "spec_verify_ct": st.verify_steps, "tau": st.tau(),
-                "uptime_s": time.time() - self.started, "startup_time": self.started, "internal_states": [internal]}
+                "uptime_s": time.time() - self.started, "internal_states": [internal]}
 
     def model_info(self) -> dict:
         """``/model_info`` (and ``/get_model_info``) in SGLang 0.5.23's shape, with the engine."""

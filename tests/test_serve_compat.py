@@ -161,6 +161,8 @@ def test_sglang_routes_ready_server_info_model_info_and_put(tree_server):
     assert set(info) == set(old) and info["model"] == "tiny" and info["max_running_requests"] == 4
     state = info["internal_states"][0]
     assert state["effective_max_running_requests_per_dp"] == 4
+    # SGLang's startup_time is a dict of phase durations; a field of that name must not be a timestamp
+    assert not isinstance(info.get("startup_time", {}), (int, float))
     # bench_serving's accept length: tokens per request per verify pass, the server's tau
     tau = _metric(httpx.get(url + "/metrics", timeout=10).text, "specpilot_tau")
     assert state["avg_spec_accept_length"] == pytest.approx(info["tau"]) and tau == pytest.approx(info["tau"], 1e-5)
