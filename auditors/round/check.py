@@ -201,7 +201,7 @@ def run_check(baseline: dict, *, system: str | None = None, runs: int | None = N
         if res.threshold >= 1:   # 1 - threshold <= 0: no interval of positive throughputs lies below it
             res.warnings.append(f"the threshold 1 - {res.threshold:.2%} (1% + 2 x noise {res.noise:.2%}"
                                 + (f" + tolerance {tolerance:.0%}" if tolerance else "") + ") is not above 0: "
-                                "timing can no longer fail; lower --tolerance, or measure a quieter baseline")
+                                "timing cannot fail; lower --tolerance, or measure a quieter baseline")
         if regression:
             res.reasons.append(f"slower: {res.gain:.4f}x of the baseline, 95% interval [{res.ci[0]:.4f}, "
                                f"{res.ci[1]:.4f}] entirely below 1 - {res.threshold:.2%} (1% + 2 x noise {res.noise:.2%}"

@@ -35,7 +35,8 @@ def _warn_short_prompts(path: str, n_prompts: int) -> None:
         return
     if rows and n_prompts > len(rows):
         click.echo(f"specpilot: warning: --n-prompts {n_prompts}: {path} holds {len(rows)} prompt"
-                   f"{'s' if len(rows) > 1 else ''}; the round runs those {len(rows)}", err=True)
+                   f"{'s' if len(rows) > 1 else ''}; the round runs {'those ' + str(len(rows)) if len(rows) > 1 else 'it'}",
+                   err=True)
 
 
 @click.command("round")
