@@ -466,14 +466,12 @@ async def _collect(state: ServeState, request, reqs: list[Request], sampling: li
     disc = asyncio.ensure_future(_wait_disconnect(request))
     try:
         while left:
-            get = asyncio.ensure_future(updates.get())
-            done, _ = await asyncio.wait({get, disc}, return_when=asyncio.FIRST_COMPLETED)
-            if get not in done:
-                get.cancel()
+            got = await _next_update(updates, disc)
+            if got is None:
                 for r in reqs:
                     state.decoder.cancel(r)
                 return _error("client disconnected", 499)
-            r, fin = get.result()
+            r, fin = got
             if fin:
                 left.discard(id(r))
     finally:
