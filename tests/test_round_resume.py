@@ -313,3 +313,29 @@ def test_report_says_when_the_report_folder_is_a_file(done, tmp_path, run_cli):
     (r / "report").write_text("not a folder")
     code, _, err = run_cli("report", r)
     assert code == 2 and err.count("\n") == 1 and f"{r / 'report'}: not a folder" in err, err
+
+
+def test_a_measure_stage_run_again_keeps_only_its_own_notes(tmp_path, run_cli):
+    """A round cut short in measure (killed: round.json is saved after each step) runs the stage
+    again on resume; the notes of the cut run go with it (a 'skipped' line the new run contradicts
+    stayed in the report)."""
+    from specpilot.auditors.round import RoundConfig, run_round
+
+    def cut_in_measure(stage, msg):
+        if stage == "measure" and msg.startswith("T_AR"):
+            raise KeyboardInterrupt
+
+    cfg = RoundConfig(deployment=TINY, out_dir=str(tmp_path / "r"), budget_min=1.0, records_dir=str(tmp_path / "rec"),
+                      candidates=["chain"], n_prompts=2, max_new_tokens=8)
+    with pytest.raises(KeyboardInterrupt):
+        run_round(cfg, notify=cut_in_measure)
+    r = tmp_path / "r"
+    state = json.loads((r / "round.json").read_text())
+    assert not (r / "measure" / "measure.json").exists()
+    state["stages"]["measure"]["skipped"].append("lattice recording: a note of the cut run")
+    (r / "round.json").write_text(json.dumps(state))
+    code, out, err = run_cli("round", "--resume", r, "--budget", "1")
+    assert code == 0, err
+    measure = json.loads((r / "round.json").read_text())["stages"]["measure"]
+    assert "lattice recording: a note of the cut run" not in measure["skipped"], measure
+    assert any(n.startswith("profile: no GPU kernels") for n in measure["skipped"]), measure

@@ -422,6 +422,8 @@ class _Round:
             return read_json(path, kind="round-measure", build=ms.Measurement.from_json)
         from specpilot.engine.spec import EngineSpec
 
+        st = self._stage("measure")   # a stage cut short runs again from its start: its notes with it
+        st["notes"], st["skipped"] = [], []
         t0 = self._start("measure")
         d = self.dir / "measure"
         d.mkdir(exist_ok=True)
