@@ -96,20 +96,29 @@ def test_a_record_whose_current_system_does_not_parse_is_named(done, tmp_path, r
     assert not (tmp_path / "o").exists()
 
 
+def _cut_round(folder, stop, budget_min: float = 1.0, exc=KeyboardInterrupt):
+    """A tiny round (chain, 2 prompts of 8 tokens) in ``folder / "r"``, cut by ``exc`` where
+    ``stop(stage, msg)`` says, as a signal or a kill leaves it."""
+    from specpilot.auditors.round import RoundConfig, run_round
+
+    def notify(stage, msg):
+        if stop(stage, msg):
+            raise exc
+
+    cfg = RoundConfig(deployment=TINY, out_dir=str(folder / "r"), budget_min=budget_min,
+                      records_dir=str(folder / "rec"), candidates=["chain"], n_prompts=2, max_new_tokens=8)
+    with pytest.raises(exc):
+        run_round(cfg, notify=notify)
+    return folder / "r"
+
+
 def test_a_round_resumed_in_its_measure_stage_lists_a_skip_once(tmp_path):
     from specpilot.auditors.round import RoundConfig, run_round
 
     class Stop(Exception):
         pass
 
-    def stop_after_the_skip(stage, msg):
-        if stage == "measure" and msg.startswith("skipped: profile"):
-            raise Stop
-
-    cfg = RoundConfig(deployment=TINY, out_dir=str(tmp_path / "r"), budget_min=0.1, records_dir=str(tmp_path / "rec"),
-                      candidates=["chain"], n_prompts=2, max_new_tokens=8)
-    with pytest.raises(Stop):
-        run_round(cfg, notify=stop_after_the_skip)
+    _cut_round(tmp_path, lambda stage, msg: stage == "measure" and msg.startswith("skipped: profile"), 0.1, Stop)
     res = run_round(RoundConfig(out_dir=str(tmp_path / "r")), resume=True)
     skipped = res.state["stages"]["measure"]["skipped"]
     assert sum(s.startswith("profile: no GPU kernels") for s in skipped) == 1, skipped
@@ -162,18 +171,8 @@ def test_an_interrupted_round_reports_itself_unfinished_and_check_says_how_to_fi
 @pytest.fixture(scope="module")
 def interrupted(tmp_path_factory):
     """A tiny round interrupted in approve, as a kill would leave it."""
-    from specpilot.auditors.round import RoundConfig, run_round
-
     d = tmp_path_factory.mktemp("interrupted")
-
-    def interrupt_in_approve(stage, msg):
-        if stage == "approve" and "paired runs against" in msg:
-            raise KeyboardInterrupt
-
-    cfg = RoundConfig(deployment=TINY, out_dir=str(d / "r"), budget_min=1.0, records_dir=str(d / "rec"),
-                      candidates=["chain"], n_prompts=2, max_new_tokens=8)
-    with pytest.raises(KeyboardInterrupt):
-        run_round(cfg, notify=interrupt_in_approve)
+    _cut_round(d, lambda stage, msg: stage == "approve" and "paired runs against" in msg)
     return d
 
 
@@ -319,17 +318,7 @@ def test_a_measure_stage_run_again_keeps_only_its_own_notes(tmp_path, run_cli):
     """A round cut short in measure (killed: round.json is saved after each step) runs the stage
     again on resume; the notes of the cut run go with it (a 'skipped' line the new run contradicts
     stayed in the report)."""
-    from specpilot.auditors.round import RoundConfig, run_round
-
-    def cut_in_measure(stage, msg):
-        if stage == "measure" and msg.startswith("T_AR"):
-            raise KeyboardInterrupt
-
-    cfg = RoundConfig(deployment=TINY, out_dir=str(tmp_path / "r"), budget_min=1.0, records_dir=str(tmp_path / "rec"),
-                      candidates=["chain"], n_prompts=2, max_new_tokens=8)
-    with pytest.raises(KeyboardInterrupt):
-        run_round(cfg, notify=cut_in_measure)
-    r = tmp_path / "r"
+    r = _cut_round(tmp_path, lambda stage, msg: stage == "measure" and msg.startswith("T_AR"))
     state = json.loads((r / "round.json").read_text())
     assert not (r / "measure" / "measure.json").exists()
     state["stages"]["measure"]["skipped"].append("lattice recording: a note of the cut run")
