@@ -141,8 +141,8 @@ async def _one(client, url: str, payload: dict, stream: bool, api: str = "sglang
 
 async def _run(url, payloads, concurrency, rate, stream, seed, timeout, api):
     """The outcomes, the seconds taken and the most requests in flight at once. Closed loop
-    (``rate`` None): ``concurrency`` clients (1 when None). Open loop: Poisson arrivals, at most
-    ``concurrency`` in flight when given, else no cap (bench_serving's ``--max-concurrency``)."""
+    (``rate`` None): ``concurrency`` clients. Open loop: Poisson arrivals, at most ``concurrency``
+    in flight when given, else no cap (bench_serving's ``--max-concurrency``)."""
     import httpx
 
     # no cap: a connection per request in flight (a pool of a few would be a cap of its own)
@@ -167,7 +167,7 @@ async def _run(url, payloads, concurrency, rate, stream, seed, timeout, api):
                 for p in it:
                     await one(p)
 
-            await asyncio.gather(*[worker() for _ in range(concurrency or 1)])
+            await asyncio.gather(*[worker() for _ in range(concurrency)])
         else:
             rnd = random.Random(seed)
             sem = asyncio.Semaphore(concurrency) if concurrency else None
