@@ -130,6 +130,14 @@ def _attend(m, q, inp, kv_len, lc=None, keys=None):
                                         m.hd ** -0.5, segs, seg_rows, pdl=common.USE_PDL, slots=inp.slots)
 
 
+def mlp(h, blk, linear, split: bool = False):
+    """The MLP of block ``blk`` on rows ``h``: gate/up GEMM, ``silu(gate) * up``, down GEMM
+    (``linear(h, lin, split)`` the step's projection)."""
+    from specpilot.kernels.verify import rows as R
+
+    return linear(R.silu_mul_rows(linear(h, blk.w13, split), blk.inter), blk.w2, split)
+
+
 def hidden_rows(model, x: torch.Tensor, inp, kv_len: int, layers: int | None = None, cache=None,
                 invariant: bool = False) -> torch.Tensor:
     """The final-normed hidden rows [T, hidden] of the step ``inp`` (``x``: its embedded tokens)
@@ -183,7 +191,7 @@ def hidden_rows(model, x: torch.Tensor, inp, kv_len: int, layers: int | None = N
                                   m.nkv, req=None if lc is None else inp.req)
             x, h = R.add_rms_norm_rows(x, _linear(_attend(m, q, inp, kv_len, lc, keys), m.wo, q8), blk.mlp_norm,
                                        blk.eps, quant=q8)
-        d = _linear(R.silu_mul_rows(_linear(h, blk.w13, q8), blk.inter), blk.w2, q8)
+        d = mlp(h, blk, _linear, q8)
         nxt = blocks[i + 1] if i + 1 < len(blocks) else None
         x, h = R.add_rms_norm_rows(x, d, nxt.attn_norm if nxt else model.norm, nxt.eps if nxt else eps,
                                    quant=q8 and nxt is not None)

@@ -34,7 +34,12 @@ Variants (each captured afresh, interleaved over rounds, median of the replays):
   ``warpk-late:``: the variant with x loaded late, ``lab/verify/warpk_variants.py``);
 * ``skinny:<layers>:<mult>:<stages>``: the skinny GEMM for the Llama layers named (``qkv``, ``o``,
   ``gu``, ``down``, joined by ``+``) at every row count, ``mult`` programs per SM along K, the table
-  elsewhere.
+  elsewhere;
+* ``mlp-ring``: each MLP whose gate/up and down GEMMs both take the ring (the table's rows) as one
+  persistent kernel (``lab/verify/ring_mlp.py``: gate/up, ``silu * up`` and down with grid
+  barriers between, the down weights streaming through them), the ring config of gate/up;
+* ``<variant>&<variant>...``: several of the above at once (e.g. a ring config with an attention
+  config).
 
 Cases (``--cases``): one request of 1, 33 and 64 rows and a batched AR step of 16 requests by
 default, Llama-3.1-8B shapes, random bf16, context 1024. Outputs of the taken-out variants are
@@ -55,7 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lab.common import bootstrap, print_table, write_results  # noqa: E402
 
-VARIANTS = ("product", "no-merge", "no-attn", "no-rows", "no-ring", "skinny")
+VARIANTS = ("product", "no-merge", "no-attn", "no-rows", "no-ring", "skinny", "mlp-ring")
 PREFIXES = ("attn:", "attn-pf:", "attn-bm:", "skinny:", "warpk:", "warpk-nopdl:", "warpk-late:",   # parametrised
             "ring-trigger:", "ring:", "w12-pdl:", "w12-pdl-skip:")
 LLAMA_LAYERS = {"qkv": (6144, 4096), "o": (4096, 4096), "gu": (28672, 4096), "down": (4096, 14336)}   # (n, k)
@@ -82,6 +87,10 @@ def variant(name: str):
     from specpilot.kernels.verify.skinny import BLOCK_N, BLOCK_K, SkinnyConfig
 
     stack = ExitStack()
+    if "&" in name:   # several variants at once: each part's patch entered in turn
+        for part in name.split("&"):
+            stack.enter_context(variant(part))
+        return stack
     if name.startswith("attn:"):
         from dataclasses import replace
 
@@ -204,6 +213,21 @@ def variant(name: str):
         stack.enter_context(patched(R, "rope_store_rows", rope_store))
         stack.enter_context(patched(R, "add_rms_norm_rows", lambda x, d, w, eps: (x, d)))
         stack.enter_context(patched(R, "silu_mul_rows", lambda gu, inter: gu[:, :inter]))
+    elif name == "mlp-ring":
+        import torch
+
+        from specpilot.engine import fused_verify
+        from lab.verify.ring_mlp import mlp_ring
+
+        routed = fused_verify.mlp
+
+        def mlp(h, blk, linear, split=False):
+            w13, w2 = blk.w13.weight, blk.w2.weight
+            if (isinstance(h, torch.Tensor) and h.shape[0] > 8 and blas.route(h, w13, True) == "ring"
+                    and blas.route(h, w2, True) == "ring" and getattr(blk.w13, "kp", None) is None):
+                return mlp_ring(h, w13, w2, blas.ring_config(h.device, *w13.shape, h.shape[0]))
+            return routed(h, blk, linear, split)
+        stack.enter_context(patched(fused_verify, "mlp", mlp))
     elif name == "skinny":
         import torch
 
@@ -326,7 +350,7 @@ def main() -> int:
     ap.add_argument("--cases", default="1x1,1x33,1x64,16x1", help="BxN: B requests of N rows (B=1: one request)")
     args = ap.parse_args()
     variants = args.variants.split(",")
-    bad = [v for v in variants if v not in VARIANTS and not v.startswith(PREFIXES)]
+    bad = [p for v in variants for p in v.split("&") if p not in VARIANTS and not p.startswith(PREFIXES)]
     if bad:
         raise SystemExit(f"step_parts: unknown variant(s) {bad}; known: {VARIANTS} and {PREFIXES}...")
     import torch
