@@ -1,5 +1,6 @@
-"""Continuous batching on the H200: AR throughput at 1/4/16/32 requests against the byte floor
-``specpilot ceiling --batch B`` gives, T_step for B requests x N rows, and a lossless check.
+"""Continuous batching on the GPU (the issue's figures: the H200): AR throughput at 1/4/16/32
+requests against the byte floor ``specpilot ceiling --batch B`` gives on that GPU, T_step for B
+requests x N rows, and a lossless check.
 
     SPECPILOT_GIT_SHA=<hash> python3 benchmarks/batch_gpu.py [--batches 1,4,16,32] [--rows 1,4,16,32]
         [--loop-batches 1,4,9,16,32]
@@ -14,7 +15,8 @@ Llama-3.1-8B shapes with random bf16 weights, context 1024 per request (its own 
   device while the host takes the previous step's tokens, the default) and off (every step's
   inputs from the host after the previous step's tokens), side by side.
 * floors: ``ceiling``'s byte floor of one AR step of B requests at that context (the 0.90 x
-  bandwidth / 0.60 x FLOP/s rule), tokens/s at the floor = B / floor.
+  bandwidth / 0.60 x FLOP/s rule) on the GPU the run is on (``floors_gpu`` in the results),
+  tokens/s at the floor = B / floor.
 * admission: ``admit=off|waiting|all`` with 16 requests decoding and a 96-token prompt arriving
   every 4 scheduler iterations: output tokens/s and time to first token, after the decoder's
   load-time warm-up (``BatchDecoder.warm_up``), how many verify steps with a prompt chunk replayed
@@ -41,7 +43,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from common import bootstrap, parse_int_list, print_table, write_results  # noqa: E402
+from common import bootstrap, floors_gpu, parse_int_list, print_table, write_results  # noqa: E402
 from serve_bench import specpilot_cmd  # noqa: E402
 
 bootstrap()
@@ -50,11 +52,10 @@ CONTEXT = 1024
 
 
 def _floor(batch: int, rows: int) -> float:
-    from specpilot.gpus import get_gpu
     from specpilot.models import load_model_spec
     from specpilot.probes.floors import step_floor
 
-    return step_floor(load_model_spec("llama-3.1-8b"), get_gpu("h200"), rows, batch=batch,
+    return step_floor(load_model_spec("llama-3.1-8b"), floors_gpu(), rows, batch=batch,
                       context=CONTEXT).total_floor_ms
 
 
@@ -229,7 +230,7 @@ def main():
     target, rows_out = steps(batches, rows)
     rows_out += loop(target, loop_batches)
     rows_out += admission(target)
-    extra = {"model": "llama-3.1-8b (random bf16)", "context": CONTEXT}
+    extra = {"model": "llama-3.1-8b (random bf16)", "context": CONTEXT, "floors_gpu": floors_gpu().name}
     write_results("batch_gpu", rows_out, extra)
     del target
     if not args.skip_lossless:

@@ -87,6 +87,20 @@ def environment() -> dict:
     return env
 
 
+def floors_gpu():
+    """The catalog entry (``specpilot.gpus``) of the GPU this run is on, whose bandwidth and FLOP/s
+    the byte floors take: a floor of another GPU would misstate every ``of_floor``."""
+    import torch
+
+    from specpilot.gpus import match_gpu_name
+
+    name = torch.cuda.get_device_name(0)
+    spec = match_gpu_name(name)
+    if spec is None:
+        raise SystemExit(f"no catalog entry for {name!r}: the byte floors need its bandwidth and FLOP/s")
+    return spec
+
+
 def write_results(name: str, rows: list[dict], extra: dict | None = None, out_dir: str | None = None,
                   results_dir: Path = RESULTS) -> Path:
     """Write ``{benchmark, git_sha, date, gpu, driver, torch, triton, rows}`` to ``results_dir``

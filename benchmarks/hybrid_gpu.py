@@ -38,7 +38,7 @@ from common import bootstrap  # noqa: E402
 
 bootstrap()
 
-from common import kernel_profile, log, prefill_profile, print_table, section, write_results  # noqa: E402
+from common import floors_gpu, kernel_profile, log, prefill_profile, print_table, section, write_results  # noqa: E402
 
 CONTEXT = 1024
 MODEL = "qwen3.5-9b"
@@ -49,11 +49,10 @@ NK, NV, DK, DV = 16, 32, 128, 128
 
 
 def floor_ms(rows: int) -> float:
-    from specpilot.gpus import get_gpu
     from specpilot.models import load_model_spec
     from specpilot.probes.floors import step_floor
 
-    return step_floor(load_model_spec(MODEL), get_gpu("h200"), rows, context=CONTEXT).total_floor_ms
+    return step_floor(load_model_spec(MODEL), floors_gpu(), rows, context=CONTEXT).total_floor_ms
 
 
 def layer_inputs(R, seed):

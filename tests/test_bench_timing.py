@@ -40,3 +40,19 @@ def test_the_serve_benchmark_fails_at_once_when_the_server_exits_before_it_liste
     with pytest.raises(RuntimeError, match=r"(?s)exited with code 2\).*unknown model"):
         Served(["--model", "no-such-model"], timeout=120)
     assert time.monotonic() - t0 < 60
+
+
+def test_the_byte_floors_are_those_of_the_gpu_the_run_is_on(monkeypatch):
+    """``floors_gpu``: batch_gpu's and hybrid_gpu's ``of_floor`` take the floors of the GPU CUDA
+    names (an H100 run measured against the H200's floors read 62% where it was at 89%)."""
+    import pytest
+    import torch
+
+    common = _common()
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA H100 80GB HBM3")
+    assert common.floors_gpu().key == "h100-sxm"
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA H200")
+    assert common.floors_gpu().key == "h200"
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "Some Future GPU")
+    with pytest.raises(SystemExit, match="no catalog entry for 'Some Future GPU'"):
+        common.floors_gpu()
