@@ -125,10 +125,16 @@ class ServeState:
                 "cached_tokens": 0}
         # SGLang 0.5.23 (TokenizerManager._calculate_spec_decoding_metrics): with a speculative
         # algorithm, once the request is finished and had verify passes, completion tokens per verify
-        # pass (the prefill's token and each pass's bonus token counted); else no spec fields at all
+        # pass (the prefill's token and each pass's bonus token counted); else no spec fields at all.
+        # Its draft counts: the drafts its passes checked (SGLang's fixed draft size per pass, here
+        # each pass's tree nodes or chain drafts) and how many were accepted, and their ratio
         if fin is not None and r.steps and self.engine.spec.mode != "ar":
             meta["spec_verify_ct"] = r.steps
             meta["spec_accept_length"] = len(r.output) / r.steps
+            if r.proposed:
+                correct = sum(r.accepts)
+                meta.update({"spec_accept_rate": correct / r.proposed, "spec_num_correct_drafts": correct,
+                             "spec_num_proposed_drafts": r.proposed})
         meta.update({"e2e_latency": end - r.t_arrival,
                      "ttft": (r.t_first - r.t_arrival) if r.t_first is not None else None,
                      "finish_reason": fin})

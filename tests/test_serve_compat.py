@@ -7,8 +7,9 @@
   ``bench_serving`` reads), ``/model_info``, ``PUT /generate``.
 - ``stop_regex``, ``beam_width``, ``watermark`` at their SGLang defaults (null) are taken, other
   values refused by name.
-- ``meta_info.spec_accept_length`` is SGLang's ``completion_tokens / spec_verify_ct``; the spec
-  fields are left out without verify passes, and in ``--mode ar``.
+- ``meta_info.spec_accept_length`` is SGLang's ``completion_tokens / spec_verify_ct``, with its
+  draft counts (``spec_num_correct_drafts``, ``spec_num_proposed_drafts``, ``spec_accept_rate``);
+  the spec fields are left out without verify passes, and in ``--mode ar``.
 - A 400 for unknown fields names a few and counts the rest.
 - A stream whose client leaves while it is queued is dropped without running, whatever the ASGI
   server does about disconnects.
@@ -180,6 +181,12 @@ def test_spec_accept_length_is_sglangs_completion_tokens_per_verify_pass(tree_se
     meta = body["meta_info"]
     assert meta["completion_tokens"] == 24 and meta["spec_verify_ct"] >= 1
     assert meta["spec_accept_length"] == meta["completion_tokens"] / meta["spec_verify_ct"]
+    # SGLang's draft counts: each pass checks its tree's 6 nodes; the accepted ones and the bonus
+    # token of each pass, with the prefill's token, make the completion (the last pass may overrun it)
+    ct, correct, proposed = meta["spec_verify_ct"], meta["spec_num_correct_drafts"], meta["spec_num_proposed_drafts"]
+    assert 0 < proposed <= 6 * ct and 0 <= correct <= proposed
+    assert meta["spec_accept_rate"] == correct / proposed
+    assert 1 + correct + ct >= 24 and 1 + correct + ct - 24 <= 6
     # one token: the prefill's, no verify pass: SGLang leaves the spec fields out
     one = httpx.post(url + "/generate", json=_gen([3, 1, 4], 1), timeout=60).json()["meta_info"]
     assert one["completion_tokens"] == 1 and not [k for k in one if k.startswith("spec_")], one
@@ -189,6 +196,30 @@ def test_spec_accept_length_is_sglangs_completion_tokens_per_verify_pass(tree_se
     last = events[-1]["meta_info"]
     assert last["spec_accept_length"] == 20 / last["spec_verify_ct"]
     assert all("spec_accept_length" not in e["meta_info"] for e in events[:-1])
+
+
+def test_draft_counts_are_the_requests_own():
+    """``spec_num_correct_drafts`` is the sum of the request's accepted drafts over its passes,
+    ``spec_num_proposed_drafts`` the drafts its passes checked; a request whose passes checked no
+    draft (an empty drafter) has no rate, as SGLang computes none without proposed drafts."""
+    from types import SimpleNamespace
+
+    from specpilot.engine.batch.requests import Request
+    from specpilot.engine.http_api import parse_sampling
+    from specpilot.engine.server import ServeOptions, ServeState
+
+    eng = SimpleNamespace(spec=SimpleNamespace(mode="tree"), decode=lambda ids, **k: "x" * len(ids))
+    state = ServeState(eng, None, ServeOptions())
+    r = Request([1, 2], 9)
+    r.output, r.steps, r.accepts, r.proposed = list(range(9)), 3, [2, 0, 3], 18
+    r.finish = {"type": "length", "length": 9}
+    sp = parse_sampling({"max_new_tokens": 9})
+    meta = state.answer(r, sp)["meta_info"]
+    assert (meta["spec_num_correct_drafts"], meta["spec_num_proposed_drafts"]) == (5, 18)
+    assert meta["spec_accept_rate"] == 5 / 18 and meta["spec_accept_length"] == 3.0
+    r.accepts, r.proposed = [0, 0, 0], 0
+    meta = state.answer(r, sp)["meta_info"]
+    assert meta["spec_verify_ct"] == 3 and "spec_accept_rate" not in meta and "spec_num_proposed_drafts" not in meta
 
 
 # ---------------------------------------------------------------------------- in process, mode ar

@@ -33,6 +33,7 @@ class Request:
     n_cache: int = 0
     steps: int = 0
     accepts: list[int] = field(default_factory=list)
+    proposed: int = 0                          # draft tokens its verify steps checked (tree nodes, chain drafts)
     tlv: object = None                         # mode tlv: the request's cycles (engine.tlv.TLVStats)
     lattice: list[dict] = field(default_factory=list)
     tail: int = 0                              # tokens still decoded after the finish (lattice targets)

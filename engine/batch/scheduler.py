@@ -563,6 +563,7 @@ class BatchDecoder:
                     cyc[b].count(st, [preds[i] for i in need[b]], len(toks))
             if not tail[b]:
                 accepted.append((r.slot, len(path)))
+                r.proposed += len(tr)
             self._extend(r, toks, now, step=not tail[b])
         self._note_accepted(accepted)
         if cyc:
