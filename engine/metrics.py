@@ -142,6 +142,8 @@ class ServeMetrics:
                    [f"specpilot_prefill_replays_total {st.prefill_replays}"])
             metric("rows_total", "counter", "Rows run through the target (verify and prompt rows).",
                    [f"specpilot_rows_total {st.rows}"])
+            metric("draft_tokens_total", "counter", "Draft tokens verification checked (tree nodes, chain drafts).",
+                   [f"specpilot_draft_tokens_total {st.proposed}"])
             metric("accepted_draft_tokens_total", "counter", "Draft tokens accepted by verification.",
                    [f"specpilot_accepted_draft_tokens_total {st.accepted}"])
             tau = st.tau()

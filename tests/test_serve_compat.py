@@ -177,7 +177,14 @@ def test_sglang_routes_ready_server_info_model_info_and_put(tree_server):
 
 def test_spec_accept_length_is_sglangs_completion_tokens_per_verify_pass(tree_server):
     url = tree_server.url()
+
+    def counts():
+        text = httpx.get(url + "/metrics", timeout=10).text
+        return _metric(text, "specpilot_draft_tokens_total"), _metric(text, "specpilot_accepted_draft_tokens_total")
+
+    before = counts()
     body = httpx.post(url + "/generate", json=_gen([3, 1, 4, 1, 5, 9, 2, 6] * 3, 24, ignore_eos=True), timeout=60).json()
+    after = counts()
     meta = body["meta_info"]
     assert meta["completion_tokens"] == 24 and meta["spec_verify_ct"] >= 1
     assert meta["spec_accept_length"] == meta["completion_tokens"] / meta["spec_verify_ct"]
@@ -187,6 +194,8 @@ def test_spec_accept_length_is_sglangs_completion_tokens_per_verify_pass(tree_se
     assert 0 < proposed <= 6 * ct and 0 <= correct <= proposed
     assert meta["spec_accept_rate"] == correct / proposed
     assert 1 + correct + ct >= 24 and 1 + correct + ct - 24 <= 6
+    # the server's counters moved by this request's counts (it ran alone)
+    assert (after[0] - before[0], after[1] - before[1]) == (proposed, correct)
     # one token: the prefill's, no verify pass: SGLang leaves the spec fields out
     one = httpx.post(url + "/generate", json=_gen([3, 1, 4], 1), timeout=60).json()["meta_info"]
     assert one["completion_tokens"] == 1 and not [k for k in one if k.startswith("spec_")], one

@@ -75,7 +75,8 @@ class BatchStats:
     prefill_replays: int = 0     # prefill passes of one chunk replayed from a mixed bucket (verify rows all padding)
     drafted_positions: int = 0   # draft positions the drafter proposed
     kept_positions: int = 0      # ... inside the requests' blocks
-    accepted: int = 0            # draft tokens accepted
+    proposed: int = 0            # draft tokens the verify passes checked (tree nodes, chain drafts)
+    accepted: int = 0            # ... accepted
     tokens: int = 0              # tokens delivered
     step_seconds: float = 0.0
     step_hist: Histogram = field(default_factory=lambda: Histogram(STEP_BUCKETS))   # seconds per step
@@ -564,6 +565,7 @@ class BatchDecoder:
             if not tail[b]:
                 accepted.append((r.slot, len(path)))
                 r.proposed += len(tr)
+                self.stats.proposed += len(tr)
             self._extend(r, toks, now, step=not tail[b])
         self._note_accepted(accepted)
         if cyc:
