@@ -400,6 +400,9 @@ def test_run_batch_equals_run_one_at_a_time(run_cli, tmp_path):
         outs[b] = json.loads(out)
     assert [r["output_ids"] for r in outs[3]["results"]] == [r["output_ids"] for r in outs[1]["results"]]
     assert outs[3]["batch"]["batch"] == 3 and outs[3]["batch"]["verify_steps"] > 0 and "batch" not in outs[1]
+    # the drafts the passes checked: at most 6 tree nodes per request per pass, the accepted among them
+    js = outs[3]["batch"]
+    assert 0 < js["proposed"] <= 6 * js["request_steps"] and js["accepted"] <= js["proposed"]
 
 
 def test_run_batch_takes_no_more_slots_than_prompts(run_cli, tmp_path, monkeypatch):
