@@ -176,10 +176,15 @@ class ServeState:
                 "uptime_s": time.time() - self.started, "internal_states": [internal]}
 
     def model_info(self) -> dict:
-        """``/model_info`` (and ``/get_model_info``) in SGLang 0.5.23's shape, with the engine."""
+        """``/model_info`` (and ``/get_model_info``) in SGLang 0.5.23's shape, with the engine.
+        ``tokenizer_path`` is the model's folder where its tokenizer comes from one: SGLang's
+        ``bench_serving`` loads the tokenizer from it when it is given none (a catalog name such as
+        ``smollm2`` is no tokenizer it could load)."""
         eng = self.engine
         raw = getattr(eng.model.spec, "raw", None) or {}
-        return {"model_path": eng.model_name, "served_model_name": eng.model_name, "tokenizer_path": eng.model_name,
+        folder = eng.info.get("weights")
+        tok = folder if eng.tokenizer is not None and folder not in (None, "random") else eng.model_name
+        return {"model_path": eng.model_name, "served_model_name": eng.model_name, "tokenizer_path": tok,
                 "is_generation": True, "preferred_sampling_params": None, "weight_version": None,
                 "has_image_understanding": False, "has_audio_understanding": False,
                 "model_type": raw.get("model_type"), "architectures": raw.get("architectures"),

@@ -231,6 +231,24 @@ def test_draft_counts_are_the_requests_own():
     assert meta["spec_verify_ct"] == 3 and "spec_accept_rate" not in meta and "spec_num_proposed_drafts" not in meta
 
 
+def test_model_info_names_the_folder_the_tokenizer_loads_from(tmp_path):
+    """``tokenizer_path``: where ``bench_serving`` (given no ``--tokenizer``) loads the tokenizer;
+    the model's folder when its tokenizer comes from one, else the model's name (random weights)."""
+    from types import SimpleNamespace
+
+    from specpilot.engine.server import ServeOptions, ServeState
+
+    def info(weights, tokenizer):
+        eng = SimpleNamespace(model_name="smollm2-135m-instruct", tokenizer=tokenizer, spec="tree",
+                              info={"weights": weights}, model=SimpleNamespace(spec=SimpleNamespace(raw={})))
+        return ServeState(eng, None, ServeOptions()).model_info()
+
+    got = info(str(tmp_path), object())
+    assert got["tokenizer_path"] == str(tmp_path) and got["model_path"] == "smollm2-135m-instruct"
+    assert info("random", None)["tokenizer_path"] == "smollm2-135m-instruct"
+    assert info(str(tmp_path), None)["tokenizer_path"] == "smollm2-135m-instruct"   # no tokenizer there
+
+
 # ---------------------------------------------------------------------------- in process, mode ar
 def _app(mode: str = "ar", batch: int = 2, max_queue: int = 8):
     from specpilot.engine.api import load_engine
