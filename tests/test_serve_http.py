@@ -961,7 +961,7 @@ def test_metrics_labelled_counters_start_with_every_label_at_zero():
     from specpilot.engine.metrics import OUTCOMES, REJECTIONS, Histogram, ServeMetrics, STEP_BUCKETS
 
     stats = SimpleNamespace(tokens=0, verify_steps=0, prefill_passes=0, overlapped_steps=0, eager_steps=0,
-                            eager_seconds=0.0, mixed_steps=0, prefill_replays=0, rows=0, accepted=0,
+                            eager_seconds=0.0, mixed_steps=0, prefill_replays=0, rows=0, proposed=0, accepted=0,
                             tau=lambda: None, step_hist=Histogram(STEP_BUCKETS))
     decoder = SimpleNamespace(stats=stats, load=lambda: (0, 0))
     m = ServeMetrics()
