@@ -148,20 +148,6 @@ if AVAILABLE:
             gl.atomic_xchg(bar_ptr + 2, 0, sem="relaxed", scope="gpu")
 
     @gluon.jit
-    def _stream(w_desc, x_desc, w_s, x_s, ready, empty, g0, i0, lo, hi, KT, BLOCK_N: gl.constexpr,
-                STAGES: gl.constexpr, KB: gl.constexpr, BYTES: gl.constexpr):
-        """Pairs ``g0 + lo .. g0 + hi`` of one GEMM into the ring (ring position ``i0`` + their index),
-        each stage's weight and x boxes once the consumer has freed it."""
-        for i in range(lo, hi):
-            ii = i0 + i
-            s = ii % STAGES
-            mbarrier.wait(empty.index(s), ((ii // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(s), BYTES)
-            for j in gl.static_range(KB):
-                R._w_box(w_desc, w_s, ready.index(s), g0 + i, s, j, KT, BLOCK_N, KB)
-                R._x_box(x_desc, x_s, ready.index(s), g0 + i, s, j, KT, KB)
-
-    @gluon.jit
     def _producer(pt, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, KB: gl.constexpr,
                   PDL: gl.constexpr):
         """The copy warp: gate/up as the ring's (first stages' weights before the PDL wait), then
@@ -180,7 +166,13 @@ if AVAILABLE:
         for i in range(0, pre):
             for j in gl.static_range(KB):
                 R._x_box(x1_desc, x_s, ready.index(i), gb1 + i, i, j, KT1, KB)
-        _stream(w1_desc, x1_desc, w_s, x_s, ready, empty, gb1, 0, pre, n1, KT1, BLOCK_N, STAGES, KB, BYTES)
+        for i in range(pre, n1):
+            s = i % STAGES
+            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), BYTES)
+            for j in gl.static_range(KB):
+                R._w_box(w1_desc, w_s, ready.index(s), gb1 + i, s, j, KT1, BLOCK_N, KB)
+                R._x_box(x1_desc, x_s, ready.index(s), gb1 + i, s, j, KT1, KB)
         n2 = gl.maximum(ge2 - gb2, 0)
         pre2 = gl.minimum(n2, STAGES)
         for i in range(0, pre2):
@@ -195,7 +187,14 @@ if AVAILABLE:
             s = (n1 + i) % STAGES
             for j in gl.static_range(KB):
                 R._x_box(x2_desc, x_s, ready.index(s), gb2 + i, s, j, KT2, KB)
-        _stream(w2_desc, x2_desc, w_s, x_s, ready, empty, gb2, n1, pre2, n2, KT2, BLOCK_N, STAGES, KB, BYTES)
+        for i in range(pre2, n2):
+            ii = n1 + i
+            s = ii % STAGES
+            mbarrier.wait(empty.index(s), ((ii // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), BYTES)
+            for j in gl.static_range(KB):
+                R._w_box(w2_desc, w_s, ready.index(s), gb2 + i, s, j, KT2, BLOCK_N, KB)
+                R._x_box(x2_desc, x_s, ready.index(s), gb2 + i, s, j, KT2, KB)
 
     @gluon.jit(do_not_specialize=["M", "N1", "KT1", "PER1", "SLOTS1", "N2", "KT2", "PER2", "SLOTS2", "INTER", "CH"])
     def _mlp_kernel(w1_desc, x1_desc, w2_desc, x2_desc, gu_ptr, act_ptr, y_ptr, ws_ptr, lock_ptr, bar_ptr,
