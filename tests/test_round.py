@@ -196,7 +196,7 @@ def test_a_wrong_value_deep_in_a_stage_file_is_bad_input_and_a_deleted_one_is_no
     f.write_text(json.dumps(doc))
     code, _, err = run_cli("report", tmp_path / "r")
     assert code == 2 and "decisions.json: malformed round-decisions (decisions[0] (chain): timing.gain must be a " \
-        "number, not 'fast')" in err and "internal error" not in err, err
+        "number > 0, not 'fast')" in err and "internal error" not in err, err
     shutil.rmtree(tmp_path / "r")
     shutil.copytree(src, tmp_path / "r")
     (tmp_path / "r" / "measure" / "measure.json").unlink()
@@ -384,7 +384,9 @@ def test_a_tlv_system_is_placed_by_its_recorded_cycles():
            "time_ms": {"draft1": 0.1, "qpass": 0.6, "draft2": 0.1, "exact": 1.2, "append": 0.1}}
     meas = ms.Measurement(system=str(spec), tokens_per_s=100.0, calibration={}, context=64, ar_ms=1.0,
                           step_ms={1: 1.0, 8: 1.2}, current_rows=8, current_policy="tlv:6", tlv=tlv,
-                          replay={"policies": [{"policy": "chain", "tau": 1.5}, {"policy": "best-first:8", "tau": 2.0}]})
+                          replay={"policies": [{"policy": "chain", "nodes": 8, "tau": 1.5},
+                                               {"policy": "best-first:8", "nodes": 8, "tau": 2.0}],
+                                  "steps": 10, "positions": 8, "candidates": 3})
     assert meas.taus["tlv:6"] == 3.0
     res = build_model(meas)
     assert res.current["tau"] == 3.0 and res.current["c"] == pytest.approx(1.8)

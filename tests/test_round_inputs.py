@@ -115,10 +115,10 @@ DECISION = {"id": "chain", "memory": None, "system": "engine:model=tiny,mode=cha
      "ar_ms must be a number of milliseconds above 0, or null, not -3.0"),
     ("measure/measure.json", lambda d: d.update(context=0), "context must be a whole number >= 1, not 0"),
     ("measure/measure.json", lambda d: d["calibration"].update(prefill_s="Infinity"),
-     "calibration.prefill_s must be a number, not inf"),
+     "calibration.prefill_s must be a number >= 0, not inf"),
     ("propose/candidates.json", lambda d: d["candidates"].append(
         {"id": "chain", "memory": None, "what": "w", "attacks": "tree", "predicted_gain": "Infinity"}),
-     "candidate 'chain': predicted_gain must be a number or null, not inf"),
+     "candidates[0] (chain).predicted_gain must be a number > 0 or null, not inf"),
 ])
 def test_non_finite_numbers_in_the_rounds_files_are_refused(finished, run_cli, tmp_path, stage_file, edit, words):
     """Python's json reads NaN and Infinity (the strings stand for them here); a report or a resume

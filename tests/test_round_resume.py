@@ -45,6 +45,15 @@ def _copy(done, tmp_path, **changes):
     ({"load_average_start": "abc"}, "round.json: load_average_start must be a number or null"),
     ({"stage_status": "weird"}, "round.json: stages.measure.status must be one of pending, running, done"),
     ({"stage_seconds": "1.2"}, "round.json: stages.measure.seconds must be a number of seconds"),
+    ({"stage_skipped": [None]}, "round.json: stages.measure.skipped must be a list of text"),
+    ({"notes": [1]}, "round.json: notes must be a list of text"),
+    ({"round_id": 7}, "round.json: round_id must be text or null"),
+    ({"shape": {"prompts": -1, "max_new_tokens": 8}}, "round.json: shape must be null or {prompts, max_new_tokens}"),
+    ({"shape": "2x8"}, "round.json: shape must be null or {prompts, max_new_tokens}"),
+    ({"final_samples": {"system": TINY, "samples": ["x"], "noise": 0.01, "outputs": None}},
+     "round.json: final_samples.samples must be a list of tokens/s"),
+    ({"final_samples": {"system": TINY, "samples": [1.0], "noise": 0.01, "outputs": 3}},
+     "round.json: final_samples.outputs must be"),
 ])
 def test_a_damaged_round_json_is_refused_by_resume_and_report_before_anything_is_written(
         done, tmp_path, run_cli, change, words):
@@ -196,11 +205,19 @@ def test_resume_refuses_a_budget_that_is_not_positive_minutes_before_anything_is
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "rounds" / "smollm2-cpu"
 
 
+GONE = object()   # _set's value that deletes the field
+TLV = {"spec": "engine:model=tiny,mode=tlv,nodes=16,threads=1", "nodes": 16, "tau": 2.0,
+       "time_ms": {"qpass": 1.0, "exact": 2.0}}
+
+
 def _set(doc, path, value):
     *head, last = path
     for k in head:
         doc = doc[k]
-    doc[last] = value
+    if value is GONE:
+        del doc[last]
+    else:
+        doc[last] = value
 
 
 @pytest.mark.parametrize("rel, path, value, words", [
@@ -215,6 +232,45 @@ def _set(doc, path, value):
      "measure.json: malformed round-measure (replay.policies[0].tau must be a number >= 1"),
     ("measure/measure.json", ("replay", "curves", "chain", "1"), float("inf"),
      "measure.json: malformed round-measure (replay.curves.chain['1'] must be"),
+    # the replay's counts the report prints, and what the model and propose stages read
+    ("measure/measure.json", ("replay", "steps"), GONE, "measure.json: malformed round-measure (replay.steps must be"),
+    ("measure/measure.json", ("replay", "policies", 0, "nodes"), GONE,
+     "measure.json: malformed round-measure (replay.policies[0].nodes must be"),
+    ("measure/measure.json", ("verify_rows", "chain", "8"), {"9": -1},
+     "measure.json: malformed round-measure (verify_rows.chain['8']['9'] must be a whole number of steps >= 1"),
+    ("measure/measure.json", ("lattice", "m"), -1, "measure.json: malformed round-measure (lattice.m must be"),
+    ("measure/measure.json", ("current_policy",), None,
+     "measure.json: malformed round-measure (current_policy must be a policy name"),
+    ("measure/measure.json", ("skipped",), "x", "measure.json: malformed round-measure (skipped must be a list"),
+    ("measure/measure.json", ("tlv",), dict(TLV, time_ms={"qpass": "x", "exact": 2.0}),
+     "measure.json: malformed round-measure (tlv.time_ms.qpass must be"),
+    ("measure/measure.json", ("tlv",), dict(TLV, spec="engine:model=tiny,bogus=1"),
+     "measure.json: malformed round-measure (tlv.spec: engine spec"),
+    ("measure/measure.json", ("tlv",), dict(TLV, tau=None), "measure.json: malformed round-measure (tlv.tau must be"),
+    ("measure/measure.json", ("profile",), {"steps": 4, "classes": "linear"},
+     "measure.json: malformed round-measure (profile.classes must be"),
+    ("measure/measure.json", ("calibration",), None, "measure.json: malformed round-measure (calibration must be"),
+    ("measure/measure.json", ("calibration", "prefill_s"), GONE,
+     "measure.json: malformed round-measure (calibration.prefill_s must be a number >= 0, not missing"),
+    ("approve/decisions.json", ("decisions", 0, "timing", "gain"), -1.0,
+     "decisions.json: malformed round-decisions (decisions[0] (chain): timing.gain must be a number > 0"),
+    ("approve/decisions.json", ("decisions", 0, "timing", "load_average"), "x",
+     "decisions.json: malformed round-decisions (decisions[0] (chain): timing.load_average must be"),
+    ("approve/decisions.json", ("decisions", 0, "audit", "systems", 0, "mismatch_rate"), GONE,
+     "decisions.json: malformed round-decisions (decisions[0] (chain): audit.systems[0].mismatch_rate must be"),
+    ("approve/decisions.json", ("decisions", 0, "audit", "verdict"), "maybe",
+     "decisions.json: malformed round-decisions (decisions[0] (chain): audit.verdict must be pass, reject or null"),
+    ("approve/decisions.json", ("decisions", 0, "timing", "changes_output"), "no",
+     "decisions.json: malformed round-decisions (decisions[0] (chain): timing.changes_output must be"),
+    ("propose/candidates.json", ("not_proposed",), "x",
+     "candidates.json: malformed round-candidates (not_proposed must be a list"),
+    ("propose/candidates.json", ("candidates",), [{"id": "chain", "memory": None, "what": "w", "attacks": None,
+                                                   "system": "engine:model=tiny,bogus=1"}],
+     "candidates.json: malformed round-candidates (candidates[0] (chain).system: engine spec"),
+    ("propose/candidates.json", ("candidates",), [{"id": ["chain"], "memory": None, "what": "w", "attacks": None}],
+     "candidates.json: malformed round-candidates (candidates[0].id must be a candidate name"),
+    ("remember/changes.json", ("after", "rounds"), "x", "changes.json: malformed round-memory (after.rounds must be"),
+    ("remember/changes.json", ("before",), GONE, "changes.json: malformed round-memory (before must be"),
 ])
 def test_a_damaged_stage_file_is_refused_by_report_and_resume_alike_naming_file_and_field(
         done, tmp_path, run_cli, rel, path, value, words):
@@ -328,3 +384,108 @@ def test_a_measure_stage_run_again_keeps_only_its_own_notes(tmp_path, run_cli):
     measure = json.loads((r / "round.json").read_text())["stages"]["measure"]
     assert "lattice recording: a note of the cut run" not in measure["skipped"], measure
     assert any(n.startswith("profile: no GPU kernels") for n in measure["skipped"]), measure
+
+
+@pytest.mark.parametrize("damage, words", [
+    (lambda t: t.replace("rounds:", "rounds: [", 1), "record.yaml: not valid YAML"),
+    (lambda t: "- a list\n", "record.yaml: unknown schema"),
+    ("gain", "record.yaml: malformed deployment-record (rounds[0].approved[0].gain must be a number > 0"),
+    ("unverified", "record.yaml: malformed deployment-record (rounds[0].approved[0].unverified must be a list of text"),
+])
+def test_a_damaged_record_copy_is_refused_by_report_and_resume_naming_file_and_field(
+        done, tmp_path, run_cli, damage, words):
+    """remember/record.yaml is the record the report quotes the approved mechanisms from."""
+    import yaml
+
+    r = _copy(done, tmp_path)
+    f = r / "remember" / "record.yaml"
+    if callable(damage):
+        f.write_text(damage(f.read_text()))
+    else:
+        doc = yaml.safe_load(f.read_text())
+        doc["rounds"][-1]["approved"] = [{"id": "chain", "gain": "fast" if damage == "gain" else 1.1,
+                                          "unverified": "all" if damage == "unverified" else []}]
+        f.write_text(yaml.safe_dump(doc))
+    before = _files(r)
+    for args in (("report", r), ("round", "--resume", r)):
+        code, _, err = run_cli(*args)
+        assert code == 2 and words in err and err.count("\n") == 1 and "wrong type" not in err, (args, err)
+    assert _files(r) == before
+
+
+def test_a_truncated_changes_file_is_named_by_the_report(done, tmp_path, run_cli):
+    r = _copy(done, tmp_path)
+    f = r / "remember" / "changes.json"
+    f.write_text(f.read_text()[:60])
+    before = _files(r)
+    code, _, err = run_cli("report", r)
+    assert code == 2 and f"{f}:" in err and "not valid JSON" in err and err.count("\n") == 1, err
+    assert _files(r) == before
+
+
+def _reopen(r, *stages):
+    state = json.loads((r / "round.json").read_text())
+    for s in stages:
+        state["stages"][s]["status"] = "pending"
+    (r / "round.json").write_text(json.dumps(state))
+
+
+@pytest.mark.parametrize("rel, edit, words", [
+    ("prompts.jsonl", lambda row: row.pop("id"), 'prompts.jsonl:1: row has no "id"'),
+    ("prompts.jsonl", lambda row: row.update(prompt_ids="12"), "prompts.jsonl:1: prompt_ids must be a list of token ids"),
+    ("prompts.jsonl", lambda row: row.update(prompt_ids=[1.5]), "prompts.jsonl:1: prompt_ids must hold token ids"),
+    ("prompts.jsonl", lambda row: row.update(prompt_ids=[10 ** 6]), "token id 1000000 is outside the vocabulary"),
+    ("approve/stock.outputs.jsonl", lambda row: row.update(output_ids="x"),
+     "stock.outputs.jsonl:1: output_ids must be a list of token ids"),
+])
+def test_a_resume_refuses_damaged_prompts_or_outputs_before_its_stages_write(done, tmp_path, run_cli, rel, edit, words):
+    """The prompts and reference outputs a resumed approve stage reads are checked before it starts
+    (it crashed on a prompt without an id, or marked the stage failed in round.json)."""
+    r = _copy(done, tmp_path)
+    _reopen(r, "approve", "remember")
+    rows = [json.loads(line) for line in (r / rel).read_text().splitlines()]
+    edit(rows[0])
+    (r / rel).write_text("".join(json.dumps(x) + "\n" for x in rows))
+    before, rec = _files(r), _files(done / "rec")
+    code, _, err = run_cli("round", "--resume", r)
+    assert code == 2 and words in err and err.count("\n") == 1 and "internal error" not in err, err
+    assert _files(r) == before and _files(done / "rec") == rec
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda doc: doc.update(rounds=5), "malformed deployment-record (rounds must be a list of rounds, not 5)"),
+    (lambda doc: doc.update(current=["a"]), "malformed deployment-record (current must be a system (text) or null"),
+])
+def test_a_resume_refuses_a_damaged_deployment_record_before_its_remember_stage(done, tmp_path, run_cli, edit, words):
+    """The remember stage appends to the record in --records: a damaged one is named before the
+    resume writes anything (it crashed there, or wrote the round's record copy and changes first)."""
+    import yaml
+
+    r = _copy(done, tmp_path)
+    shutil.copytree(done / "rec", tmp_path / "rec")
+    state = json.loads((r / "round.json").read_text())
+    state["config"]["records_dir"] = str(tmp_path / "rec")
+    state["stages"]["remember"]["status"] = "pending"
+    (r / "round.json").write_text(json.dumps(state))
+    f = next((tmp_path / "rec").glob("*.yaml"))
+    doc = yaml.safe_load(f.read_text())
+    edit(doc)
+    f.write_text(yaml.safe_dump(doc))
+    before, rec = _files(r), _files(tmp_path / "rec")
+    code, _, err = run_cli("round", "--resume", r)
+    assert code == 2 and f"{f}: {words}" in err and err.count("\n") == 1, err
+    assert _files(r) == before and _files(tmp_path / "rec") == rec
+
+
+def test_a_resume_with_more_minutes_checks_the_prompts_before_it_reopens_skipped_candidates(done, tmp_path, run_cli):
+    r = _copy(done, tmp_path)
+    d = r / "approve" / "decisions.json"
+    doc = json.loads(d.read_text())
+    doc["decisions"][0].update(verdict="skipped", reason="budget: 5 s left", timing=None, audit=None, files={}, pairs=0)
+    d.write_text(json.dumps(doc))
+    f = r / "prompts.jsonl"
+    f.write_text(f.read_text().replace('"prompt_ids"', '"ids"', 1))
+    before = _files(r)
+    code, _, err = run_cli("round", "--resume", r, "--budget", "1")
+    assert code == 2 and "prompts.jsonl:1: row needs" in err and err.count("\n") == 1, err
+    assert _files(r) == before

@@ -28,6 +28,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from specpilot.errors import InputError
 from specpilot.fileio import is_int, is_num, write_json_atomic, write_jsonl_atomic
 
 NODES = (1, 2, 4, 8, 16, 32)
@@ -97,14 +98,18 @@ def _check_numbers(d: dict) -> None:
     for key, want in (("step_ms", "milliseconds per row count"), ("calibration", "an object"),
                       ("seconds", "seconds per part")):
         v = d.get(key)
-        need(v is None or isinstance(v, dict), key, want, v)
+        if key in d:   # the calibration is the constructor's to name when missing; the approve plan reads it
+            need(isinstance(v, dict) or (v is None and key != "calibration"), key, want, v)
     for n, v in (d.get("step_ms") or {}).items():
+        need(str(n).isdigit(), "step_ms", "milliseconds per row count", n)
         need(is_num(v) and v > 0, f"step_ms[{n!r}]", "a number of milliseconds above 0", v)
     for key in ("tokens", "seconds", "prefill_s", "tokens_per_s"):   # the plan sizes the runs from them
         if key in (d.get("calibration") or {}):
-            need(is_num(d["calibration"][key]), f"calibration.{key}", "a number", d["calibration"][key])
+            v = d["calibration"][key]
+            need(is_num(v) and v >= 0 and (key != "tokens" or is_int(v)), f"calibration.{key}",
+                 "a whole number >= 0" if key == "tokens" else "a number >= 0", v)
     for key, v in (d.get("seconds") or {}).items():
-        need(is_num(v), f"seconds.{key}", "a number of seconds", v)
+        need(is_num(v) and v >= 0, f"seconds.{key}", "a number of seconds", v)
     # what the report prints and the model stage computes with: the replay's policies and curves, the TLV tau
     rep = d.get("replay")
     need(rep is None or isinstance(rep, dict), "replay", "an object (specpilot.replay/1) or null", rep)
@@ -115,15 +120,14 @@ def _check_numbers(d: dict) -> None:
             name = f"replay.policies[{i}]"
             need(isinstance(pol, dict), name, "an object", pol)
             need(isinstance(pol.get("policy"), str), f"{name}.policy", "a policy name", pol.get("policy"))
-            need(pol.get("nodes") is None or is_int(pol["nodes"]), f"{name}.nodes", "a whole number or null",
-                 pol.get("nodes"))
+            need("nodes" in pol and (pol["nodes"] is None or is_int(pol["nodes"])), f"{name}.nodes",
+                 "a whole number or null", pol.get("nodes"))
             need(is_num(pol.get("tau")) and pol["tau"] >= 1, f"{name}.tau", "a number >= 1", pol.get("tau"))
             ci = pol.get("tau_ci")   # null: a policy replayed without an interval (TLV's)
             need(ci is None or (isinstance(ci, list) and len(ci) == 2 and all(is_num(x) for x in ci)),
                  f"{name}.tau_ci", "two numbers or null", ci)
-        for key in ("steps", "positions", "candidates"):
-            if key in rep:
-                need(is_int(rep[key]) and rep[key] >= 0, f"replay.{key}", "a whole number >= 0", rep[key])
+        for key in ("steps", "positions", "candidates"):   # the report prints them
+            need(is_int(rep.get(key)) and rep[key] >= 0, f"replay.{key}", "a whole number >= 0", rep.get(key))
         curves = rep.get("curves") or {}
         need(isinstance(curves, dict), "replay.curves", "an object", curves)
         for fam, cur in curves.items():
@@ -133,8 +137,69 @@ def _check_numbers(d: dict) -> None:
                 need(is_num(t) and t >= 1, f"replay.curves.{fam}[{n!r}]", "a number >= 1", t)
     tlv = d.get("tlv")
     need(tlv is None or isinstance(tlv, dict), "tlv", "an object or null", tlv)
-    if tlv is not None and tlv.get("tau") is not None:
-        need(is_num(tlv["tau"]) and tlv["tau"] >= 1, "tlv.tau", "a number >= 1, or null", tlv["tau"])
+    if tlv is not None:   # the model places TLV from these, the propose stage retunes from its spec
+        need(is_num(tlv.get("tau")) and tlv["tau"] >= 1, "tlv.tau", "a number >= 1", tlv.get("tau"))
+        need(is_int(tlv.get("nodes")) and tlv["nodes"] >= 1, "tlv.nodes", "a whole number >= 1", tlv.get("nodes"))
+        need(isinstance(tlv.get("spec"), str), "tlv.spec", "an engine spec (text)", tlv.get("spec"))
+        from specpilot.engine.spec import EngineSpec
+
+        try:
+            EngineSpec.parse(tlv["spec"])
+        except InputError as e:
+            raise ValueError(f"tlv.spec: {e}") from None
+        tms = tlv.get("time_ms")
+        need(isinstance(tms, dict), "tlv.time_ms", "an object of milliseconds per phase", tms)
+        for key in ("qpass", "exact"):
+            need(is_num(tms.get(key)) and tms[key] > 0, f"tlv.time_ms.{key}", "a number of milliseconds above 0",
+                 tms.get(key))
+    # what the report prints and the model and propose stages read besides
+    for key, want in (("system", "a system (text)"), ("current_policy", "a policy name")):
+        if key in d:
+            need(isinstance(d[key], str), key, want, d[key])
+    if d.get("rows_method") is not None:
+        need(isinstance(d["rows_method"], str), "rows_method", "text or null", d["rows_method"])
+    if d.get("skipped") is not None:
+        need(isinstance(d["skipped"], list) and all(isinstance(x, str) for x in d["skipped"]), "skipped",
+             "a list of text", d["skipped"])
+    if d.get("files") is not None:
+        need(isinstance(d["files"], dict) and all(isinstance(x, str) for x in d["files"].values()), "files",
+             "an object of file names", d["files"])
+    lat = d.get("lattice")
+    need(lat is None or isinstance(lat, dict), "lattice", "an object or null", lat)
+    for key in ("rows", "tokens", "prompts", "max_new_tokens", "steps", "requests", "m", "k", "seconds"):
+        if key in (lat or {}):
+            need((is_num if key == "seconds" else is_int)(lat[key]) and lat[key] >= 0, f"lattice.{key}",
+                 "a number of seconds" if key == "seconds" else "a whole number >= 0", lat[key])
+    vr = d.get("verify_rows")
+    need(vr is None or isinstance(vr, dict), "verify_rows", "an object of family -> nodes -> {rows: steps}", vr)
+    for fam, by_n in (vr or {}).items():
+        need(isinstance(by_n, dict), f"verify_rows.{fam}", "an object of nodes -> {rows: steps}", by_n)
+        for n, hist in by_n.items():
+            name = f"verify_rows.{fam}[{n!r}]"
+            need(str(n).isdigit() and isinstance(hist, dict), name, "an object of rows -> steps", hist)
+            for r, k in hist.items():
+                need(str(r).isdigit(), name, "an object of rows -> steps", r)
+                need(is_int(k) and k >= 1, f"{name}[{r!r}]", "a whole number of steps >= 1", k)
+    prof = d.get("profile")
+    need(prof is None or isinstance(prof, dict), "profile", "an object (specpilot.profile/1) or null", prof)
+    if prof is not None:
+        for key in ("step_wall_ms", "kernel_busy_ms", "total_floor_ms", "outside_ms", "kernel_factor",
+                    "outside_factor"):
+            v = prof.get(key)
+            need(v is None or (is_num(v) and v >= 0), f"profile.{key}", "a number >= 0 or null", v)
+        if prof.get("steps") is not None:
+            need(is_int(prof["steps"]) and prof["steps"] >= 0, "profile.steps", "a whole number >= 0 or null",
+                 prof["steps"])
+        gpu = prof.get("gpu")
+        need(gpu is None or (isinstance(gpu, dict) and isinstance(gpu.get("name", ""), (str, type(None)))),
+             "profile.gpu", "an object {name, ...} or null", gpu)
+        classes = prof.get("classes") or {}
+        need(isinstance(classes, dict), "profile.classes", "an object of class -> figures", classes)
+        for k, v in classes.items():
+            need(isinstance(v, dict), f"profile.classes.{k}", "an object", v)
+            for key in ("ms", "floor_ms", "efficiency"):
+                need(v.get(key) is None or (is_num(v[key]) and v[key] >= 0), f"profile.classes.{k}.{key}",
+                     "a number >= 0 or null", v.get(key))
 
 
 def probe_rows_set(current_rows: int) -> list[int]:

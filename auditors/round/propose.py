@@ -53,13 +53,43 @@ class Proposal:
 
     @classmethod
     def from_json(cls, d: dict) -> "Proposal":
+        from .approve import _need as need
+
+        need(isinstance(d["candidates"], list), "candidates", "a list", d["candidates"])
+        for i, c in enumerate(d["candidates"]):   # what the report prints and the approve stage runs
+            named = isinstance(c, dict) and isinstance(c.get("id"), str)
+            name = f"candidates[{i}]" + (f" ({c['id']})" if named else "")
+            need(isinstance(c, dict) and {"id", "memory", "what", "attacks"} <= set(c) <= _FIELDS.keys(), name,
+                 f"an object of {', '.join(_FIELDS)} (the first four required)", c)
+            for key, (ok, want) in _FIELDS.items():
+                if key in c:
+                    need(ok(c[key]), f"{name}.{key}", want, c[key])
         cands = [Candidate(**c) for c in d["candidates"]]
-        for c in cands:   # the approve stage plans each candidate's runs from its predicted gain
-            for key in ("predicted_speedup", "predicted_gain"):
-                v = getattr(c, key)
-                if v is not None and not is_num(v):
-                    raise ValueError(f"candidate {c.id!r}: {key} must be a number or null, not {v!r:.40}")
+        need(isinstance(d["not_proposed"], list), "not_proposed", "a list", d["not_proposed"])
+        for i, x in enumerate(d["not_proposed"]):
+            need(isinstance(x, dict) and isinstance(x.get("id"), str) and isinstance(x.get("reason"), str)
+                 and _text_or_none(x.get("memory")), f"not_proposed[{i}]", "an object {id, memory, reason}", x)
+        need(isinstance(d["order"], str), "order", "text", d["order"])
+        need(_text_or_none(d.get("largest")), "largest", "a factor name or null", d.get("largest"))
         return cls(cands, d["not_proposed"], d["order"], d.get("largest"))
+
+
+def _text_or_none(v) -> bool:
+    return v is None or isinstance(v, str)
+
+
+# a candidate's fields in candidates.json, the check each value gets and what it must be
+_FIELDS = {"id": (lambda v: isinstance(v, str) and bool(v), "a candidate name"),
+           "memory": (_text_or_none, "a memory entry name or null"),
+           "what": (lambda v: isinstance(v, str), "text"),
+           "attacks": (_text_or_none, "a factor name or null"),
+           "system": (_text_or_none, "a system (text) or null"),
+           "change": (lambda v: isinstance(v, dict), "an object"),
+           "retuned": (_text_or_none, "text or null"),
+           "predicted_speedup": (lambda v: v is None or (is_num(v) and v > 0), "a number > 0 or null"),
+           "predicted_gain": (lambda v: v is None or (is_num(v) and v > 0), "a number > 0 or null"),
+           "changes_output": (lambda v: isinstance(v, bool), "true or false"),
+           "control": (lambda v: isinstance(v, bool), "true or false")}
 
 
 def engine_catalog() -> list[dict]:

@@ -47,6 +47,53 @@ def read_record(path: Path) -> dict | None:
     return doc
 
 
+def check_record(doc: dict) -> None:
+    """What a resume's remember stage and the report read from a deployment record (the round's
+    copy, ``remember/record.yaml``, is the one the report quotes): its rounds and current system,
+    the last round's approved mechanisms. A ValueError naming the field."""
+    from specpilot.fileio import is_num
+
+    from .approve import _need as need
+
+    rounds = doc.get("rounds") or []
+    need(isinstance(rounds, list) and all(isinstance(r, dict) for r in rounds), "rounds", "a list of rounds", rounds)
+    need(doc.get("current") is None or isinstance(doc["current"], str), "current", "a system (text) or null",
+         doc.get("current"))
+    approved = (rounds or [{}])[-1].get("approved") or []
+    need(isinstance(approved, list), f"rounds[{len(rounds) - 1}].approved", "a list", approved)
+    for i, a in enumerate(approved):
+        name = f"rounds[{len(rounds) - 1}].approved[{i}]"
+        need(isinstance(a, dict), name, "an object", a)
+        need(isinstance(a.get("id"), str), f"{name}.id", "a candidate name", a.get("id"))
+        need(a.get("memory") is None or isinstance(a["memory"], str), f"{name}.memory", "a memory entry or null",
+             a.get("memory"))
+        need(a.get("gain") is None or (is_num(a["gain"]) and a["gain"] > 0), f"{name}.gain", "a number > 0 or null",
+             a.get("gain"))
+        un = a.get("unverified") or []
+        need(isinstance(un, list) and all(isinstance(x, str) for x in un), f"{name}.unverified", "a list of text",
+             un)
+
+
+def check_changes(d: dict) -> dict:
+    """``remember/changes.json`` (``specpilot.round-memory/1``) as the report reads it: a
+    ValueError naming the field."""
+    from specpilot.fileio import is_int
+
+    from .approve import _need as need
+
+    need(isinstance(d.get("record"), str), "record", "a file name", d.get("record"))
+    for side in ("before", "after"):
+        v = d.get(side)
+        need(isinstance(v, dict), side, "an object {current, rounds}", v)
+        need(isinstance(v.get("current"), str) or (side == "before" and "current" in v and v["current"] is None),
+             f"{side}.current", "a system (text)" + (" or null" if side == "before" else ""), v.get("current"))
+        need(is_int(v.get("rounds")) and v["rounds"] >= 0, f"{side}.rounds", "a whole number >= 0", v.get("rounds"))
+    for key in ("approved", "refused"):
+        v = d.get(key, [])
+        need(isinstance(v, list) and all(isinstance(x, dict) for x in v), key, "a list of objects", v)
+    return d
+
+
 def versions() -> dict:
     out = {"python": platform.python_version()}
     from specpilot import __version__

@@ -275,6 +275,10 @@ class _Round:
                 self.dep = parse_deployment(self.state["deployment"], strict=False)
             except InputError as e:
                 raise InputError(f"{path}: deployment: {e}") from None
+            if stages_left(self.state) or budget_min is not None:   # what the stages left read back, before
+                check_round_inputs(self.dir, self.state)              # anything is written
+                if self.cfg.remember:   # the remember stage appends to the deployment record
+                    check_record_file(rm.record_path(self.cfg.records_dir, self.dep.facts.identity()))
             # spent and budget add up over the sessions: --budget gives that many more minutes
             spent = float(self.state.get("spent_s") or 0.0)
             budget_s = float(self.state.get("budget_s") or self.cfg.budget_min * 60.0)
@@ -399,13 +403,11 @@ class _Round:
 
     # ---------------------------------------------------------------------------- prompts
     def prompts(self):
-        from specpilot.auditors.outputs import Prompt, read_prompt_rows
+        from specpilot.auditors.outputs import read_prompt_rows
 
         path = self.dir / "prompts.jsonl"
         if path.is_file():
-            from specpilot.fileio import iter_jsonl
-
-            return [Prompt(r["id"], [int(x) for x in r["prompt_ids"]]) for r in iter_jsonl(path, kind="prompts")]
+            return read_round_prompts(path, self.state)
         eng = self.pool.get(self.state["stock"])
         rows = read_prompt_rows(self.cfg.prompts) if self.cfg.prompts else None
         prompts = round_prompts(self.cfg, rows, eng, eng.model.spec.vocab_size, self.facts.device)
@@ -894,6 +896,9 @@ def check_state(state, path: Path) -> None:
         secs = v.get("seconds", 0.0)
         if not (is_num(secs) and secs >= 0):
             bad(f"stages.{name}.seconds", "a number of seconds")
+        for key in ("notes", "skipped"):
+            if not all(isinstance(x, str) for x in v.get(key, [])):
+                bad(f"stages.{name}.{key}", "a list of text")
     for key in ("load_average_start", "load_average_end"):   # null: a platform without one
         v = state.get(key)
         if v is not None and not is_num(v):
@@ -916,6 +921,33 @@ def check_state(state, path: Path) -> None:
             bad(key, f"a {'map' if kind is dict else 'list'}")
     if state.get("kind") not in ("engine", "sglang"):
         bad("kind", "engine or sglang")
+    # what the report prints and a resume's approve and remember stages read back
+    if not all(isinstance(x, str) for x in state.get("notes") or []):
+        bad("notes", "a list of text")
+    for key in ("record", "stopped", "round_id"):   # the record's entry for the round is found by its id
+        if state.get(key) is not None and not isinstance(state[key], str):
+            bad(key, "text or null")
+    if state.get("versions") is not None and not isinstance(state["versions"], dict):
+        bad("versions", "a map")
+    if state.get("planned_pairs") is not None and not (is_int(state["planned_pairs"]) and state["planned_pairs"] >= 0):
+        bad("planned_pairs", "a whole number >= 0 or null")
+    shape = state.get("shape")
+    if shape is not None and not (isinstance(shape, dict) and set(shape) == {"prompts", "max_new_tokens"}
+                                  and all(is_int(v) and v >= 1 for v in shape.values())):
+        bad("shape", "null or {prompts, max_new_tokens}, whole numbers >= 1")
+    fs = state.get("final_samples")
+    if fs is not None:
+        if not isinstance(fs, dict):
+            bad("final_samples", "a map {system, samples, noise, outputs} or null")
+        if not isinstance(fs.get("system"), str):
+            bad("final_samples.system", "a system (text)")
+        if fs.get("samples") is not None and not (isinstance(fs["samples"], list)
+                                                  and all(is_num(v) and v > 0 for v in fs["samples"])):
+            bad("final_samples.samples", "a list of tokens/s above 0, or null")
+        if fs.get("noise") is not None and not (is_num(fs["noise"]) and fs["noise"] >= 0):
+            bad("final_samples.noise", "a number >= 0 or null")
+        if fs.get("outputs") is not None and not isinstance(fs["outputs"], str):
+            bad("final_samples.outputs", "a file in the round's folder (text) or null")
     _check_config_fields(state["config"], bad)
     if state["kind"] == "engine":   # a spec that does not parse would run, or be recorded for every later round
         from specpilot.engine.spec import EngineSpec
@@ -971,6 +1003,52 @@ def check_stage_files(d: Path, state: dict) -> None:
                              "whole round folder (or run the round again)")
 
 
+def read_round_prompts(path: Path, state: dict) -> list:
+    """The round's ``prompts.jsonl``: token ids, in an engine round's vocabulary."""
+    from specpilot.auditors.outputs import Prompt, read_prompt_rows
+    from specpilot.fileio import iter_jsonl
+
+    list(iter_jsonl(path, kind="prompts"))   # JSON Lines of prompts (a plain line is not a prompt here)
+    rows = read_prompt_rows(path)
+    bad = next((r for r in rows if r.prompt_ids is None), None)
+    if bad:
+        raise InputError(f"{path}: prompt {bad.id!r} has no prompt_ids; the round's files are damaged")
+    if state.get("kind") == "engine":
+        from specpilot.engine.api import check_prompts
+        from specpilot.engine.spec import EngineSpec
+
+        try:
+            check_prompts(EngineSpec.parse(state["stock"]), [(r.id, r.prompt_ids) for r in rows], 1, fit=False)
+        except InputError as e:
+            raise InputError(f"{path}: {e}; the round's files are damaged") from None
+    return [Prompt(r.id, r.prompt_ids) for r in rows]
+
+
+def check_record_file(path: Path) -> None:
+    """A deployment record as the report and the remember stage read it (a missing one is none)."""
+    doc = rm.read_record(path)
+    try:
+        if doc is not None:
+            rm.check_record(doc)
+    except ValueError as e:
+        raise InputError(f"{path}: malformed deployment-record ({e})") from None
+
+
+def check_round_inputs(d: Path, state: dict) -> None:
+    """The files a resumed round's stages read as they were written: its prompts and the outputs
+    its approve and remember stages reuse (read_outputs names the file and line)."""
+    from specpilot.auditors.outputs import read_outputs
+
+    if (d / "prompts.jsonl").is_file():
+        read_round_prompts(d / "prompts.jsonl", state)
+    outs = [d / "approve" / "stock.outputs.jsonl", d / "approve" / "ar.outputs.jsonl"]
+    if (state.get("final_samples") or {}).get("outputs"):
+        outs.append(d / state["final_samples"]["outputs"])
+    for f in outs:
+        if f.is_file():
+            read_outputs(f)
+
+
 def load_round(path: str | Path) -> RoundResult:
     """A round's files, for the report and the CI gate."""
     d = Path(path)
@@ -987,15 +1065,35 @@ def read_stage_files(res: RoundResult) -> RoundResult:
     f = d / "measure" / "measure.json"
     if f.is_file():
         res.measurement = read_json(f, kind="round-measure", build=ms.Measurement.from_json)
+        if state.get("kind") == "engine" and "prefill_s" not in res.measurement.calibration:   # the approve plan's
+            raise InputError(f"{f}: malformed round-measure (calibration.prefill_s must be a number >= 0, not "
+                             "missing)")
     f = d / "model" / "model.json"
     if f.is_file():
         res.model = read_json(f, kind="round-model", build=ModelResult.from_json)
     f = d / "propose" / "candidates.json"
     if f.is_file():
         res.proposal = read_json(f, kind="round-candidates", build=Proposal.from_json)
+        if state.get("kind") == "engine":   # the approve stage runs them
+            from specpilot.engine.spec import EngineSpec
+
+            for i, c in enumerate(res.proposal.candidates):
+                try:
+                    if not isinstance(c.system, str):
+                        raise InputError("an engine spec is needed, not null")
+                    EngineSpec.parse(c.system)
+                except InputError as e:
+                    raise InputError(f"{f}: malformed round-candidates (candidates[{i}] ({c.id}).system: {e})") \
+                        from None
     f = d / "approve" / "decisions.json"
     if f.is_file():
         res.decisions = read_json(f, kind="round-decisions", build=ap.decisions_from_json)
+    f = d / "remember" / "changes.json"   # the report reads these two as they are
+    if f.is_file():
+        read_json(f, kind="round-memory", build=rm.check_changes)
+    f = d / "remember" / "record.yaml"
+    if f.is_file():
+        check_record_file(f)
     res.record = state.get("record")
     return res
 
