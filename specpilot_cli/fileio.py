@@ -237,6 +237,13 @@ def is_num(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+def need(ok: bool, name: str, want: str, v) -> None:
+    """A field check of a file being read: a ValueError ``<name> must be <want>, not <v>`` unless
+    ``ok`` (the reader adds the file's name)."""
+    if not ok:
+        raise ValueError(f"{name} must be {want}, not {v!r:.40}")
+
+
 def check_schema(obj: Any, kind: str, source: str, versions: Iterable[int] = (1,)) -> None:
     """Reject objects whose ``schema`` is not ``specpilot.<kind>/<v>`` for a known v."""
     if not isinstance(obj, dict):

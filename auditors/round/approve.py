@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 
-from specpilot.fileio import is_int, is_num
+from specpilot.fileio import is_int, is_num, need
 
 SCHEMA = "specpilot.round-decisions/1"
 
@@ -78,38 +78,33 @@ def decisions_from_json(d: dict) -> list[Decision]:
     return out
 
 
-def _need(ok: bool, name: str, want: str, v) -> None:
-    if not ok:
-        raise ValueError(f"{name} must be {want}, not {v!r:.40}")
-
-
 def _check_timing(t, name: str) -> None:
     """The numbers the report and the approve stage read from a decision's timing."""
     if t is None:
         return
     for key in ("gain", "ci_low", "ci_high"):   # ratios of tokens/s
-        _need(is_num(t.get(key)) and t[key] > 0, f"{name}.{key}", "a number > 0", t.get(key))
-    _need(t["ci_low"] <= t["ci_high"], f"{name}.ci_low", f"at most ci_high ({t['ci_high']})", t["ci_low"])
-    _need(is_num(t.get("threshold")) and t["threshold"] >= 0, f"{name}.threshold", "a number >= 0",
+        need(is_num(t.get(key)) and t[key] > 0, f"{name}.{key}", "a number > 0", t.get(key))
+    need(t["ci_low"] <= t["ci_high"], f"{name}.ci_low", f"at most ci_high ({t['ci_high']})", t["ci_low"])
+    need(is_num(t.get("threshold")) and t["threshold"] >= 0, f"{name}.threshold", "a number >= 0",
           t.get("threshold"))
     if t.get("noise") is not None:
-        _need(is_num(t["noise"]) and t["noise"] >= 0, f"{name}.noise", "a number >= 0 or null", t["noise"])
+        need(is_num(t["noise"]) and t["noise"] >= 0, f"{name}.noise", "a number >= 0 or null", t["noise"])
     for key in ("outputs_identical", "changes_output"):   # the report prints one, the record keeps the other
         if t.get(key) is not None:
-            _need(isinstance(t[key], bool), f"{name}.{key}", "true, false or null", t[key])
+            need(isinstance(t[key], bool), f"{name}.{key}", "true, false or null", t[key])
     la = t.get("load_average")   # the remember stage quotes it
     if la is not None:
-        _need(isinstance(la, list) and len(la) == 2 and all(v is None or is_num(v) for v in la),
+        need(isinstance(la, list) and len(la) == 2 and all(v is None or is_num(v) for v in la),
               f"{name}.load_average", "two numbers (or nulls), or null", la)
     if t.get("runs") is not None:
-        _need(is_int(t["runs"]) and t["runs"] >= 0, f"{name}.runs", "a whole number >= 0", t["runs"])
+        need(is_int(t["runs"]) and t["runs"] >= 0, f"{name}.runs", "a whole number >= 0", t["runs"])
     if t.get("t_ci") is not None:
-        _need(isinstance(t["t_ci"], list) and len(t["t_ci"]) == 2 and all(is_num(v) for v in t["t_ci"]),
+        need(isinstance(t["t_ci"], list) and len(t["t_ci"]) == 2 and all(is_num(v) for v in t["t_ci"]),
               f"{name}.t_ci", "two numbers or null", t["t_ci"])
     samples = t.get("samples", [])
-    _need(isinstance(samples, list), f"{name}.samples", "a list", samples)
+    need(isinstance(samples, list), f"{name}.samples", "a list", samples)
     for i, s in enumerate(samples):
-        _need(isinstance(s, dict) and is_num(s.get("ratio")) and s["ratio"] > 0, f"{name}.samples[{i}].ratio",
+        need(isinstance(s, dict) and is_num(s.get("ratio")) and s["ratio"] > 0, f"{name}.samples[{i}].ratio",
               "a number > 0", s.get("ratio") if isinstance(s, dict) else s)
 
 
@@ -118,22 +113,22 @@ def _check_audit(a, name: str) -> None:
     if a is None:
         return
     if a.get("verdict") is not None:
-        _need(a["verdict"] in ("pass", "reject"), f"{name}.verdict", "pass, reject or null", a["verdict"])
+        need(a["verdict"] in ("pass", "reject"), f"{name}.verdict", "pass, reject or null", a["verdict"])
     if a.get("delta") is not None:   # the record keeps it
-        _need(is_num(a["delta"]) and a["delta"] >= 0, f"{name}.delta", "a number >= 0 or null", a["delta"])
+        need(is_num(a["delta"]) and a["delta"] >= 0, f"{name}.delta", "a number >= 0 or null", a["delta"])
     systems = a.get("systems", [])
-    _need(isinstance(systems, list), f"{name}.systems", "a list", systems)
+    need(isinstance(systems, list), f"{name}.systems", "a list", systems)
     for i, s in enumerate(systems):
         n = f"{name}.systems[{i}]"
-        _need(isinstance(s, dict), n, "an object", s)
-        _need(isinstance(s.get("role"), str), f"{n}.role", "text", s.get("role"))
+        need(isinstance(s, dict), n, "an object", s)
+        need(isinstance(s.get("role"), str), f"{n}.role", "text", s.get("role"))
         for key in ("tokens", "events", "mismatches"):
             if s.get(key) is not None or key == "events":   # the report plots the events, rate and interval
-                _need(is_int(s.get(key)) and s[key] >= 0, f"{n}.{key}", "a whole number >= 0", s.get(key))
-        _need(is_num(s.get("mismatch_rate")) and 0 <= s["mismatch_rate"] <= 1, f"{n}.mismatch_rate",
+                need(is_int(s.get(key)) and s[key] >= 0, f"{n}.{key}", "a whole number >= 0", s.get(key))
+        need(is_num(s.get("mismatch_rate")) and 0 <= s["mismatch_rate"] <= 1, f"{n}.mismatch_rate",
               "a number in [0, 1]", s.get("mismatch_rate"))
         ci = s.get("mismatch_ci")
-        _need(isinstance(ci, list) and len(ci) == 2 and all(is_num(v) and 0 <= v <= 1 for v in ci) and ci[0] <= ci[1],
+        need(isinstance(ci, list) and len(ci) == 2 and all(is_num(v) and 0 <= v <= 1 for v in ci) and ci[0] <= ci[1],
               f"{n}.mismatch_ci", "two numbers in [0, 1], low first", ci)
 
 

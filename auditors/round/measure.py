@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from specpilot.errors import InputError
-from specpilot.fileio import is_int, is_num, write_json_atomic, write_jsonl_atomic
+from specpilot.fileio import is_int, is_num, need, write_json_atomic, write_jsonl_atomic
 
 NODES = (1, 2, 4, 8, 16, 32)
 RECORD_NODES, RECORD_DEPTH, RECORD_TOPK = 8, 8, 8
@@ -84,10 +84,6 @@ class Measurement:
 def _check_numbers(d: dict) -> None:
     """The numbers later stages compute with are finite numbers (JSON's NaN and Infinity are not
     measurements): a ValueError naming the field (the reader says the file is malformed)."""
-    def need(ok: bool, name: str, want: str, v) -> None:
-        if not ok:
-            raise ValueError(f"{name} must be {want}, not {v!r:.40}")
-
     if "tokens_per_s" in d:   # a field missing is the constructor's to name
         need(is_num(d["tokens_per_s"]) and d["tokens_per_s"] >= 0, "tokens_per_s", "a number >= 0", d["tokens_per_s"])
     for key in ("context", "current_rows"):

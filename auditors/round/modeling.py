@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from specpilot.fileio import is_int, is_num
+from specpilot.fileio import is_int, is_num, need
 from specpilot.probes.costmodel import step_time  # noqa: F401  (the round and ceiling --check share it)
 
 SCHEMA = "specpilot.round-model/1"
@@ -54,10 +54,6 @@ def _num_or_none(v) -> bool:
 def _check_model(d: dict) -> None:
     """The fields the report and a resume read have the types the stage writes: a ValueError naming
     the field (the reader says the file is malformed)."""
-    def need(ok: bool, name: str, want: str, v) -> None:
-        if not ok:
-            raise ValueError(f"{name} must be {want}, not {v!r:.40}")
-
     def row(r, name: str, fields=("tau", "c", "speedup"), nulls: bool = False) -> None:
         need(isinstance(r, dict), name, "an object", r)
         for k in fields:

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from importlib import resources
 
 from specpilot.errors import InputError
-from specpilot.fileio import is_num
+from specpilot.fileio import is_num, need
 
 SCHEMA = "specpilot.round-candidates/1"
 CONTROL = "no-op"
@@ -53,8 +53,6 @@ class Proposal:
 
     @classmethod
     def from_json(cls, d: dict) -> "Proposal":
-        from .approve import _need as need
-
         need(isinstance(d["candidates"], list), "candidates", "a list", d["candidates"])
         for i, c in enumerate(d["candidates"]):   # what the report prints and the approve stage runs
             named = isinstance(c, dict) and isinstance(c.get("id"), str)

@@ -19,6 +19,7 @@ import platform
 from pathlib import Path
 
 from specpilot.errors import InputError
+from specpilot.fileio import is_int, is_num, need
 
 SCHEMA = "specpilot.deployment-record/1"
 
@@ -51,10 +52,6 @@ def check_record(doc: dict) -> None:
     """What a resume's remember stage and the report read from a deployment record (the round's
     copy, ``remember/record.yaml``, is the one the report quotes): its rounds and current system,
     the last round's approved mechanisms. A ValueError naming the field."""
-    from specpilot.fileio import is_num
-
-    from .approve import _need as need
-
     rounds = doc.get("rounds") or []
     need(isinstance(rounds, list) and all(isinstance(r, dict) for r in rounds), "rounds", "a list of rounds", rounds)
     need(doc.get("current") is None or isinstance(doc["current"], str), "current", "a system (text) or null",
@@ -77,10 +74,6 @@ def check_record(doc: dict) -> None:
 def check_changes(d: dict) -> dict:
     """``remember/changes.json`` (``specpilot.round-memory/1``) as the report reads it: a
     ValueError naming the field."""
-    from specpilot.fileio import is_int
-
-    from .approve import _need as need
-
     need(isinstance(d.get("record"), str), "record", "a file name", d.get("record"))
     for side in ("before", "after"):
         v = d.get(side)
