@@ -362,6 +362,20 @@ def test_n_prompts_above_the_prompt_file_warns_naming_both(run_cli, tmp_path):
     assert warns == [f"specpilot: warning: --n-prompts 50: {f} holds 3 prompts; the round runs those 3"], err
 
 
+def test_n_prompts_above_the_built_in_prompts_is_noted():
+    """Without --prompts a model with a tokenizer runs the built-in chat prompts: more asked than
+    there are is a note of the measure stage (the round ran fewer without a word)."""
+    from specpilot.auditors.prompts_builtin import PROMPTS
+    from specpilot.auditors.round.run import RoundConfig, short_prompts_note
+
+    cfg = RoundConfig(deployment=TINY, out_dir="r", n_prompts=len(PROMPTS) + 36)
+    note = short_prompts_note(cfg, None, PROMPTS)
+    assert note == (f"--n-prompts {len(PROMPTS) + 36}: the built-in prompts are {len(PROMPTS)}; the round runs "
+                    "those (--prompts FILE for more)")
+    assert short_prompts_note(RoundConfig(deployment=TINY, out_dir="r", n_prompts=3), None, PROMPTS[:3]) is None
+    assert short_prompts_note(cfg, [object()], PROMPTS[:3]) is None   # a --prompts file: warned of at the start
+
+
 def test_report_says_when_the_report_folder_is_a_file(done, tmp_path, run_cli):
     r = _copy(done, tmp_path)
     shutil.rmtree(r / "report", ignore_errors=True)

@@ -251,6 +251,15 @@ def round_prompts(cfg: RoundConfig, rows, eng, vocab: int, device: str) -> list:
     return [Prompt(f"p{i}", [rng.randrange(vocab) for _ in range(32)]) for i in range(want)]
 
 
+def short_prompts_note(cfg: RoundConfig, rows, prompts: list) -> str | None:
+    """The note for ``--n-prompts`` above the built-in prompts a model with a tokenizer runs (a
+    --prompts file's count is warned of when the round starts)."""
+    if rows is None and cfg.n_prompts and len(prompts) < cfg.n_prompts:
+        return (f"--n-prompts {cfg.n_prompts}: the built-in prompts are {len(prompts)}; the round runs those "
+                f"(--prompts FILE for more)")
+    return None
+
+
 class _Round:
     def __init__(self, cfg: RoundConfig, *, resume: bool, budget_min: float | None, progress, notify):
         self.progress = progress
@@ -411,6 +420,9 @@ class _Round:
         eng = self.pool.get(self.state["stock"])
         rows = read_prompt_rows(self.cfg.prompts) if self.cfg.prompts else None
         prompts = round_prompts(self.cfg, rows, eng, eng.model.spec.vocab_size, self.facts.device)
+        short = short_prompts_note(self.cfg, rows, prompts)
+        if short:
+            self._note("measure", short)
         from specpilot.fileio import write_jsonl_atomic
 
         write_jsonl_atomic(path, [{"schema": "specpilot.prompts/1", "id": p.id, "prompt_ids": list(p.prompt_ids)}
