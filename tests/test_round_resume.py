@@ -105,6 +105,25 @@ def test_a_record_whose_current_system_does_not_parse_is_named(done, tmp_path, r
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("extra", [[], ["--fresh"], ["--fresh", "--no-remember"]])
+def test_a_new_round_refuses_a_damaged_record_before_it_runs(done, tmp_path, run_cli, extra):
+    """A new round reads the record for its start and its plan (the last round's rate, --fresh too)
+    and adds to it at its end: a damaged one is named before the round's folder is made (it ran the
+    whole round and crashed at its remember stage, or crashed planning)."""
+    import yaml
+
+    shutil.copytree(done / "rec", tmp_path / "rec")
+    path = next((tmp_path / "rec").glob("*.yaml"))
+    doc = yaml.safe_load(path.read_text())
+    doc["rounds"] = 5
+    path.write_text(yaml.safe_dump(doc))
+    for mode in (["--dry-run"], ["--out-dir", tmp_path / "o"]):
+        code, _, err = run_cli("round", TINY, "--records", tmp_path / "rec", *extra, *mode)
+        assert code == 2 and f"{path}: malformed deployment-record (rounds must be a list of rounds, not 5)" in err, err
+        assert err.count("\n") == 1, err
+    assert not (tmp_path / "o").exists()
+
+
 def _cut_round(folder, stop, budget_min: float = 1.0, exc=KeyboardInterrupt):
     """A tiny round (chain, 2 prompts of 8 tokens) in ``folder / "r"``, cut by ``exc`` where
     ``stop(stage, msg)`` says, as a signal or a kill leaves it."""

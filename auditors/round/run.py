@@ -342,6 +342,8 @@ class _Round:
         stock = "stock" if sglang else self.dep.text
         start, notes, bundles = stock, [], []
         rec_path = rm.record_path(self.cfg.records_dir, self.dep.facts.identity())
+        check_record_file(rec_path)   # read for the start and the plan, added to at the end: a damaged record
+                                      # is refused before the round's folder is made
         rec = rm.read_record(rec_path)
         if rec and rec.get("current") and not self.cfg.fresh:
             if sglang:
@@ -1163,6 +1165,7 @@ def plan_round(cfg: RoundConfig) -> dict:
         return plan_sglang(dep, cfg)
     facts = dep.facts
     rec_path = rm.record_path(cfg.records_dir, facts.identity())
+    check_record_file(rec_path)   # as the round refuses it (the last round's rate is read even with --fresh)
     rec = rm.read_record(rec_path)
     start = record_spec(rec, rec_path) if (rec and rec.get("current") and not cfg.fresh) else dep.text
     spec = EngineSpec.parse(start)
