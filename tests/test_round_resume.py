@@ -485,6 +485,22 @@ def test_a_resume_refuses_damaged_prompts_or_outputs_before_its_stages_write(don
     assert _files(r) == before and _files(done / "rec") == rec
 
 
+def test_a_resume_refuses_reference_outputs_that_miss_a_run_prompt(done, tmp_path, run_cli):
+    """The approve stage pairs every run prompt against the stock outputs it reuses: one missing is
+    named with the file before anything runs (the paired runs ran first, then the stage failed with
+    'systems were not run on the same prompts')."""
+    r = _copy(done, tmp_path)
+    _reopen(r, "approve", "remember")
+    (r / "approve" / "decisions.json").unlink()
+    f = r / "approve" / "stock.outputs.jsonl"
+    f.write_text(f.read_text().splitlines()[0] + "\n")
+    before, rec = _files(r), _files(done / "rec")
+    code, _, err = run_cli("round", "--resume", r)
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"{f}: no output for prompt 'p1' (1 of the round's 2 run prompts)" in err, err
+    assert _files(r) == before and _files(done / "rec") == rec
+
+
 @pytest.mark.parametrize("edit, words", [
     (lambda doc: doc.update(rounds=5), "malformed deployment-record (rounds must be a list of rounds, not 5)"),
     (lambda doc: doc.update(current=["a"]), "malformed deployment-record (current must be a system (text) or null"),

@@ -1051,16 +1051,20 @@ def check_record_file(path: Path) -> None:
 def check_round_inputs(d: Path, state: dict) -> None:
     """The files a resumed round's stages read as they were written: its prompts and the outputs
     its approve and remember stages reuse (read_outputs names the file and line)."""
-    from specpilot.auditors.outputs import read_outputs
+    from specpilot.auditors.outputs import key, read_outputs
 
-    if (d / "prompts.jsonl").is_file():
-        read_round_prompts(d / "prompts.jsonl", state)
-    outs = [d / "approve" / "stock.outputs.jsonl", d / "approve" / "ar.outputs.jsonl"]
-    if (state.get("final_samples") or {}).get("outputs"):
-        outs.append(d / state["final_samples"]["outputs"])
+    prompts = read_round_prompts(d / "prompts.jsonl", state) if (d / "prompts.jsonl").is_file() else None
+    refs = [d / "approve" / "stock.outputs.jsonl", d / "approve" / "ar.outputs.jsonl"]
+    outs = refs + ([d / state["final_samples"]["outputs"]] if (state.get("final_samples") or {}).get("outputs") else [])
+    n = (state.get("shape") or {}).get("prompts")
     for f in outs:
         if f.is_file():
-            read_outputs(f)
+            got = read_outputs(f)
+            if f in refs and prompts is not None and n:   # the approve stage pairs every run prompt against them
+                missing = [p.id for p in prompts[:n] if key(p.id) not in got.by_id]
+                if missing:
+                    raise InputError(f"{f}: no output for prompt {missing[0]!r} ({len(missing)} of the round's {n} "
+                                     "run prompts); the round's files are damaged")
 
 
 def load_round(path: str | Path) -> RoundResult:
