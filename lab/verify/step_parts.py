@@ -222,9 +222,10 @@ def variant(name: str):
         routed = fused_verify.mlp
 
         def mlp(h, blk, linear, split=False):
-            w13, w2 = blk.w13.weight, blk.w2.weight
-            if (isinstance(h, torch.Tensor) and h.shape[0] > 8 and blas.route(h, w13, True) == "ring"
-                    and blas.route(h, w2, True) == "ring" and getattr(blk.w13, "kp", None) is None):
+            w13, w2 = getattr(blk.w13, "weight", None), getattr(blk.w2, "weight", None)   # none: W12 modules
+            if (isinstance(h, torch.Tensor) and h.shape[0] > 8 and w13 is not None and w2 is not None
+                    and getattr(blk.w13, "kp", None) is None and blas.route(h, w13, True) == "ring"
+                    and blas.route(h, w2, True) == "ring"):
                 return mlp_ring(h, w13, w2, blas.ring_config(h.device, *w13.shape, h.shape[0]))
             return routed(h, blk, linear, split)
         stack.enter_context(patched(fused_verify, "mlp", mlp))
