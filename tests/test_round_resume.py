@@ -204,6 +204,16 @@ def interrupted(tmp_path_factory):
     return d
 
 
+def _report_and_resume_refuse(run_cli, r, words):
+    """``report`` and ``round --resume`` of the damaged round ``r`` each exit 2 with one line holding
+    ``words`` (not the generic type message), and the folder stays as it was."""
+    before = _files(r)
+    for args in (("report", r), ("round", "--resume", r)):
+        code, _, err = run_cli(*args)
+        assert code == 2 and words in err and err.count("\n") == 1 and "wrong type" not in err, (args, err)
+    assert _files(r) == before
+
+
 def _files(folder):
     return {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
 
@@ -300,11 +310,7 @@ def test_a_damaged_stage_file_is_refused_by_report_and_resume_alike_naming_file_
         doc["decisions"][0].update(timing=shipped["timing"], audit=shipped["audit"])
     _set(doc, path, value)
     (r / rel).write_text(json.dumps(doc))
-    before = _files(r)
-    for args in (("report", r), ("round", "--resume", r)):
-        code, _, err = run_cli(*args)
-        assert code == 2 and words in err and err.count("\n") == 1 and "wrong type" not in err, (args, err)
-    assert _files(r) == before
+    _report_and_resume_refuse(run_cli, r, words)
 
 
 def test_the_report_of_a_copied_unfinished_round_says_to_resume_the_copy(interrupted, tmp_path, run_cli):
@@ -439,11 +445,7 @@ def test_a_damaged_record_copy_is_refused_by_report_and_resume_naming_file_and_f
         doc["rounds"][-1]["approved"] = [{"id": "chain", "gain": "fast" if damage == "gain" else 1.1,
                                           "unverified": "all" if damage == "unverified" else []}]
         f.write_text(yaml.safe_dump(doc))
-    before = _files(r)
-    for args in (("report", r), ("round", "--resume", r)):
-        code, _, err = run_cli(*args)
-        assert code == 2 and words in err and err.count("\n") == 1 and "wrong type" not in err, (args, err)
-    assert _files(r) == before
+    _report_and_resume_refuse(run_cli, r, words)
 
 
 def test_a_truncated_changes_file_is_named_by_the_report(done, tmp_path, run_cli):
