@@ -154,6 +154,9 @@ def build(res) -> list[Block]:
             b.append(Block("table", headers=["class", "ms per step", "floor ms", "efficiency (floor / measured)"],
                            rows=[[k, _n(v.get("ms")), _n(v.get("floor_ms")), _pct(v.get("efficiency"))]
                                  for k, v in (p.get("classes") or {}).items() if v.get("ms") or v.get("floor_ms")]))
+            for note in p.get("notes") or []:   # how the classes were counted (e.g. kernels overlapping under PDL)
+                if isinstance(note, str):
+                    b.append(Block("p", f"Note: {note}"))
         for s in m.skipped or []:
             b.append(Block("p", f"Skipped: {s}"))
     # stage 2

@@ -833,3 +833,22 @@ def test_tau_c_plot_shows_a_chain_that_equals_the_tree():
     plot = img[: int(img.shape[0] * 0.7)]   # above the legend
     chain = (np.abs(plot - np.array([0xDD, 0x84, 0x52])).sum(axis=2) < 90)
     assert chain.sum() > 1500, chain.sum()
+
+
+def test_committed_gpu_round_profile_is_what_its_trace_gives_now():
+    """The H200 example's measure stage files hold the profile the current profile library reads
+    from the committed trace (classes counted from where the previous kernel ended under PDL), and
+    its report says how they were counted."""
+    from specpilot.auditors.round.measure import profile_trace
+    from specpilot.engine.api import resolve_model
+
+    ex = Path(__file__).resolve().parents[1] / "examples" / "rounds" / "llama8b-h200"
+    got = profile_trace(ex / "measure" / "trace.json.gz", resolve_model("llama-3.1-8b", True)[0], "h200", 1, 96,
+                        False)
+    for name in ("profile.json", "measure.json"):
+        doc = json.loads((ex / "measure" / name).read_text())
+        want = doc if name == "profile.json" else doc["profile"]
+        assert {k: v for k, v in got.items() if k != "trace"} == {k: v for k, v in want.items() if k != "trace"}
+    busy = sum(c["ms"] for c in got["classes"].values())
+    assert abs(busy - got["kernel_busy_ms"]) < 0.01   # the classes add up to the GPU's busy time per step
+    assert "Note: kernels overlap the one before them" in (ex / "report.md").read_text()
