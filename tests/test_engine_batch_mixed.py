@@ -151,3 +151,21 @@ def test_mixed_buckets_follow_the_rule_and_fit_the_cache(model):
     assert sizes("off") == [] and sizes("waiting", admit_rows=40) == [16, 32, 64]
     assert sizes("waiting", admit_rows=16) == [16] and sizes("all") == [16, 32, 64]
     assert BatchDecoder(model, "tree", "ngram", batch=2, graphs=True).prompt_sizes() == []
+
+
+def test_no_row_attends_past_its_own_cache_slot():
+    """In every step ``assemble`` lays out (decoding rows, chains, free and prefilling slots, a
+    hybrid's dump slot, a mixed step's prompt chunk and its padding), each row attends nothing past
+    the cache slot it writes: the attention's live walk ends at the highest slot a program's rows
+    write, so past it tiles are only checked, never loaded, and padding rows cost what their slot
+    holds."""
+    verify = [verify_rows(0, 5, treelib.chain_tree([3, 4, 5]), 10, "seq"),
+              verify_rows(2, 6, treelib.chain_tree([]), 7, "seq")]
+    held = {0: 10, 1: 20, 2: 7, 3: 0, 4: 0, 5: 0}
+    chunk = prefill_rows(1, list(range(40)), 20, 25, False)
+    steps = [assemble(verify, 64, torch.device("cpu"), pad=(6, 4), dump=dump, held=held)[0] for dump in (None, 9)]
+    steps.append(assemble(verify, 64, torch.device("cpu"), pad=(6, 1 + 3), prompt=(chunk, 16), held=held)[0])
+    steps.append(assemble(verify + [chunk], 64, torch.device("cpu"))[0])
+    for inp in steps:
+        last = torch.where(inp.mask, torch.arange(inp.mask.shape[1]), -1).max(1).values
+        assert (last >= 0).all() and (last <= inp.slots).all()
