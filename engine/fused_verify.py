@@ -130,6 +130,26 @@ def _attend(m, q, inp, kv_len, lc=None, keys=None):
                                         m.hd ** -0.5, segs, seg_rows, pdl=common.USE_PDL, slots=inp.slots)
 
 
+def _rope_in_attention(m, inp) -> bool:
+    """Whether a batched step's dense attention layer takes RoPE and the K/V write into the
+    attention's split pass: every request one row, the measured table's config says so."""
+    from specpilot.kernels.attention import decode
+
+    segs, seg_rows = _segments(inp)
+    return seg_rows == 1 and segs.shape[0] == inp.tokens.shape[0] and \
+        decode.split_config(inp.tokens.device, True, 1, m.hd, segs.shape[0]).rope
+
+
+def _rope_attend(m, qkv, model, inp, kv_len, lc):
+    from specpilot.kernels.attention import decode
+    from specpilot.kernels.verify import common
+
+    segs, _ = _segments(inp)
+    return decode.rope_batched_gqa_attention(qkv, model.cos, model.sin, inp.pos, inp.slots, inp.req,
+                                             lc.k[:, :, :kv_len], lc.v[:, :, :kv_len], inp.mask[:, :kv_len],
+                                             m.hd ** -0.5, segs, m.nh, pdl=common.USE_PDL)
+
+
 def mlp(h, blk, linear, split: bool = False):
     """The MLP of block ``blk`` on rows ``h``: gate/up GEMM, ``silu(gate) * up``, down GEMM
     (``linear(h, lin, split)`` the step's projection)."""
@@ -185,6 +205,9 @@ def hidden_rows(model, x: torch.Tensor, inp, kv_len: int, layers: int | None = N
             if m.gate:
                 o = ga.sigmoid_gate(o, proj, m.nh, pdl=common.USE_PDL)
             x, h = R.add_rms_norm_rows(x, _linear(o, m.wo, q8), blk.mlp_norm, blk.eps, quant=q8)
+        elif lc is not None and not q8 and _rope_in_attention(m, inp):
+            o = _rope_attend(m, _linear(h, m.wqkv), model, inp, kv_len, lc)
+            x, h = R.add_rms_norm_rows(x, _linear(o, m.wo), blk.mlp_norm, blk.eps)
         else:
             kc, vc = (m.k_cache[0], m.v_cache[0]) if lc is None else (lc.k, lc.v)
             q = R.rope_store_rows(_linear(h, m.wqkv, q8), model.cos, model.sin, inp.pos, inp.slots, kc, vc, m.nh,

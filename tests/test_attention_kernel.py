@@ -91,16 +91,18 @@ def test_fused_is_deterministic_and_plan_fills_the_gpu():
 
 
 def test_program_targets_come_from_the_measured_table():
-    """At head_dim 128, batched steps of few rows per request take the live walk with one split per
+    """At head_dim 128, batched steps of few rows per request take the live walk (without its checked
+    tail, RoPE in the split pass) with one split per
     program from 16 requests on (fewer: the merge in the last program), one request's AR step the
     live walk, its 64-row steps the live walk and the merge in the last program (their table
     entries); other verify rows and long segments keep the default. A given target changes only the
     split, not the result."""
     cpu = torch.device("cpu")
-    live = fused.SplitConfig(128, True, 3, merge="last")
+    # batched steps: no checked walk past the rows' highest slot, RoPE in the split pass (one-row segments)
+    live = fused.SplitConfig(128, True, 3, merge="last", tail=False, rope=True)
     assert fused.split_config(cpu, True, 1, 128) == fused.split_config(cpu, True, 4, 128) == live
     # 4 to 16 requests: 128-slot tiles (one program per SM); more requests keep 64
-    wide = fused.SplitConfig(128, True, 3, merge="last", block_n=128)
+    wide = fused.SplitConfig(128, True, 3, merge="last", block_n=128, tail=False, rope=True)
     assert fused.split_config(cpu, True, 1, 128, 16) == fused.split_config(cpu, True, 4, 128, 4) == wide
     assert fused.split_config(cpu, True, 1, 128, 32) == fused.split_config(cpu, True, 1, 128, 3) == live
     assert fused.split_config(cpu, True, 33, 128) == fused.SplitConfig()
@@ -328,9 +330,10 @@ from specpilot.kernels.attention import decode
 k = decode._attn_split
 ptrs = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
 ptrs.update({"mask_ptr": "*u8", "acc_ptr": "*fp32", "ml_ptr": "*fp32", "seg_ptr": "*i32", "slots_ptr": "*i64",
-             "cnt_ptr": "*i32", "scale": "fp32"})
+             "cnt_ptr": "*i32", "scale": "fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i64",
+             "req_ptr": "*i64"})
 const = {"GRP": 4, "HD": 128, "BLOCK_M": 16, "BLOCK_N": 64, "IEEE": False, "SEGS": %s, "PDL": True, "LIVE": True,
-         "STAGES": 2, "DIRECT": False, "MERGE_LAST": False, "PREFETCH": %d}
+         "STAGES": 2, "DIRECT": False, "MERGE_LAST": False, "PREFETCH": %d, "ROPE": False}
 div = []
 warps = 4
 """
@@ -369,6 +372,19 @@ def test_live_walk_gives_the_checked_walks_bits(T, context, beyond):
         checked = fused.masked_gqa_attention(q, k, v, mask, 0.25, cfg=fused.SplitConfig(target), slots=slots)
         assert torch.equal(live, checked)
         torch.testing.assert_close(live, ref.masked_gqa_attention(q, k, v, mask, 0.25), atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("target", [4, 64])
+def test_live_walk_without_the_tail_reads_nothing_past_the_rows(target):
+    """``tail=False``: the live walk alone, the same bits where no row attends past the highest slot
+    of its program's rows; a mask that does (``beyond``) is what it does not see."""
+    nh, nkv, hd, S, T = 8, 2, 16, 300, 3
+    q, k, v, _ = _case(T, nh, nkv, hd, S, seed=12)
+    for beyond in (False, True):
+        mask, slots = _rows_at_slots(T, S, 60, beyond)
+        walk = lambda tail: fused.masked_gqa_attention(   # noqa: E731
+            q, k, v, mask, 0.25, cfg=fused.SplitConfig(target, live=True, tail=tail), slots=slots)
+        assert torch.equal(walk(False), walk(True)) != beyond
 
 
 def test_live_walk_in_a_batched_step():

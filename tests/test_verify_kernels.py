@@ -237,6 +237,24 @@ def test_engine_batched_step_matches_the_layers(one_row):
     assert torch.equal(m.greedy_batch(inp, cache, kv), ref.argmax(-1))
 
 
+@pytest.mark.parametrize("rope", [False, True])
+def test_engine_batched_ar_step_with_rope_in_the_attention(rope, monkeypatch):
+    """A batched AR step (one row per request, slots 2, 0, 1) with RoPE and the K/V write in the
+    attention's split pass (``SplitConfig.rope``) or in a kernel of their own: the layer modules'
+    logits and K/V either way (fp32, tiny)."""
+    from dataclasses import replace
+
+    from specpilot.engine.batch.step import prefill_rows
+    from specpilot.kernels.attention import decode
+
+    table, real, calls = decode.split_config, decode.rope_batched_gqa_attention, []
+    monkeypatch.setattr(decode, "split_config", lambda *a: replace(table(*a), rope=rope))
+    monkeypatch.setattr(decode, "rope_batched_gqa_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    blocks = [prefill_rows(s, list(range(40, 60)), a, a + 1, True) for s, a in ((2, 9), (0, 4), (1, 13))]
+    _batched_fused_vs_layers("tiny", 128, 0, 1.0, blocks, 2e-5, layers=2)
+    assert len(calls) == (2 if rope else 0)   # each layer's attention
+
+
 @pytest.mark.parametrize("ar_rows", [True, False])
 def test_engine_batched_hybrid_step_matches_the_layers(ar_rows):
     """tiny-hybrid: a batched step through the fused kernels (GDN rows in the Triton kernels: one AR

@@ -64,7 +64,13 @@ class SplitConfig:
     splits are combined (``kernel`` or ``last``, the module doc). ``prefetch`` (with ``live`` under
     programmatic dependent launch): before it waits for the previous kernel, a program asks L2 for
     up to this many of its first live K and V tiles (one bulk prefetch each; the module doc).
-    ``block_n``: cache slots per tile."""
+    ``block_n``: cache slots per tile. ``tail`` (with ``live``): above the rows' highest slot the
+    checked walk looks for tiles a row attends (one mask load and test a tile, in sequence); off,
+    nothing above it is read (rows must attend nothing past the highest slot of their program's
+    rows, which the engine's batched steps never do), which spares a program's serial mask loads
+    over a cache longer than its context. ``rope`` (batched steps of one row per request): the
+    split pass RoPEs q and k and writes K/V itself (:func:`rope_batched_gqa_attention`), one kernel
+    fewer per layer."""
 
     target_programs: int = 256
     live: bool = False
@@ -72,6 +78,8 @@ class SplitConfig:
     merge: str = "kernel"
     prefetch: int = 0
     block_n: int = BLOCK_N
+    tail: bool = True
+    rope: bool = False
 
     def __post_init__(self):
         if self.merge not in MERGES:
@@ -180,15 +188,29 @@ if triton is not None:
         _prefetch_l2(k_ptr + slot * stride_kb + kvh * stride_kh + lo * stride_ks, n * stride_ks * size)
         _prefetch_l2(v_ptr + slot * stride_vb + kvh * stride_vh + lo * stride_vs, n * stride_vs * size)
 
+    @triton.jit
+    def _rotate(x_ptr, pos, cos_ptr, sin_ptr, stride_rot, d, ok, HD: tl.constexpr):
+        """RoPE (rotate-half) of the head rows at ``x_ptr`` (offsets ``d`` in ``[0, HD)``, any leading
+        shape; zero where ``ok`` is false) at position ``pos``, rounding as
+        ``kernels/verify/rows.py``'s RoPE kernel: each product to the rows' dtype, then their sum."""
+        HALF: tl.constexpr = HD // 2
+        dt = x_ptr.dtype.element_ty
+        x = tl.load(x_ptr + d, mask=ok, other=0.0).to(tl.float32)
+        y = tl.load(x_ptr + (d + HALF) % HD, mask=ok, other=0.0).to(tl.float32)   # the pair's other half
+        c = tl.load(cos_ptr + pos * stride_rot + d).to(dt).to(tl.float32)
+        s = tl.load(sin_ptr + pos * stride_rot + d).to(dt).to(tl.float32)
+        y = tl.where(d < HALF, -y, y)
+        return ((x * c).to(dt).to(tl.float32) + (y * s).to(dt).to(tl.float32)).to(dt)
+
     @triton.jit(do_not_specialize=["T", "R", "row_blocks"])   # an eager step's rows vary: one compile for all
     def _attn_split(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, ml_ptr, seg_ptr, slots_ptr, out_ptr, cnt_ptr,
-                    T, S, R, chunk, scale, row_blocks,
+                    cos_ptr, sin_ptr, pos_ptr, req_ptr, T, S, R, chunk, scale, row_blocks,
                     stride_qt, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-                    stride_mt, stride_ot,
+                    stride_mt, stride_ot, stride_rot, NH,
                     GRP: tl.constexpr, HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     IEEE: tl.constexpr, SEGS: tl.constexpr, PDL: tl.constexpr, LIVE: tl.constexpr,
                     STAGES: tl.constexpr, DIRECT: tl.constexpr, MERGE_LAST: tl.constexpr,
-                    PREFETCH: tl.constexpr):
+                    PREFETCH: tl.constexpr, TAIL: tl.constexpr, ROPE: tl.constexpr):
         if PDL:   # the fused decode chain: let the next kernel launch, then wait for q and the cache write
             gdc_launch_dependents()
             if PREFETCH > 0:
@@ -199,17 +221,30 @@ if triton is not None:
         sp = tl.program_id(1)
         nsplit = tl.num_programs(1)
         rb, t0, nt, slot = _segment(seg_ptr, T, row_blocks, SEGS)
-        k_ptr += slot * stride_kb
-        v_ptr += slot * stride_vb
         row_ok, g, t = _rows(rb, t0, nt, GRP, BLOCK_M)
         d = tl.arange(0, HD)
-        q = tl.load(q_ptr + t[:, None] * stride_qt + (kvh * GRP + g)[:, None] * stride_qh + d[None, :],
-                    mask=row_ok[:, None], other=0.0)
+        lo = sp * chunk
+        hi = tl.minimum(lo + chunk, S)
+        if ROPE:   # one-row segments: q_ptr holds the step's q/k/v rows; RoPE here, K/V written here
+            q = _rotate(q_ptr + t0 * stride_qt + (kvh * GRP + g)[:, None] * HD, tl.load(pos_ptr + t0),
+                        cos_ptr, sin_ptr, stride_rot, d[None, :], row_ok[:, None], HD)
+            knew = _rotate(q_ptr + t0 * stride_qt + (NH + kvh) * HD, tl.load(pos_ptr + t0), cos_ptr, sin_ptr,
+                           stride_rot, d, d < HD, HD)
+            vnew = tl.load(q_ptr + t0 * stride_qt + (NH + tl.num_programs(0) + kvh) * HD + d)
+            at = tl.load(slots_ptr + t0)
+            r = tl.load(req_ptr + t0).to(tl.int64)   # the request whose cache the row writes
+            if (lo <= at) & ((at < hi) | (sp == nsplit - 1)):   # the split holding the row's position
+                tl.store(k_ptr + r * stride_kb + kvh * stride_kh + at * stride_ks + d, knew)
+                tl.store(v_ptr + r * stride_vb + kvh * stride_vh + at * stride_vs + d, vnew)
+            tl.debug_barrier()   # the program's own writes before any of its threads loads the tiles
+        else:
+            q = tl.load(q_ptr + t[:, None] * stride_qt + (kvh * GRP + g)[:, None] * stride_qh + d[None, :],
+                        mask=row_ok[:, None], other=0.0)
+        k_ptr += slot * stride_kb
+        v_ptr += slot * stride_vb
         m_i = tl.full([BLOCK_M], NEG, tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HD], tl.float32)
-        lo = sp * chunk
-        hi = tl.minimum(lo + chunk, S)
         k_base = k_ptr + kvh * stride_kh + d[None, :]
         v_base = v_ptr + kvh * stride_vh + d[None, :]
         mid = lo
@@ -225,17 +260,18 @@ if triton is not None:
                 v = tl.load(v_base + n[:, None] * stride_vs, mask=n_ok[:, None], other=0.0)
                 p, alpha, m_i, l_i = softmax_tile(q, k, allowed, m_i, l_i, scale, IEEE)
                 acc = accumulate(acc, alpha, p, v, IEEE)
-        for s0 in range(mid, hi, BLOCK_N):
-            n = s0 + tl.arange(0, BLOCK_N)
-            n_ok = n < hi
-            allowed = tl.load(mask_ptr + t[:, None] * stride_mt + n[None, :],
-                              mask=row_ok[:, None] & n_ok[None, :], other=0) != 0
-            if tl.max(allowed.to(tl.int32)) > 0:  # skip tiles no row attends: K/V never loaded
-                k = tl.load(k_base + n[:, None] * stride_ks, mask=n_ok[:, None], other=0.0)
-                p, alpha, m_i, l_i = softmax_tile(q, k, allowed, m_i, l_i, scale, IEEE)
-                # V after the scores: one tile load in flight per program (faster here than beside K)
-                v = tl.load(v_base + n[:, None] * stride_vs, mask=n_ok[:, None], other=0.0)
-                acc = accumulate(acc, alpha, p, v, IEEE)
+        if TAIL or not LIVE:   # without the live walk's bound, or past it: only tiles some row attends
+            for s0 in range(mid, hi, BLOCK_N):
+                n = s0 + tl.arange(0, BLOCK_N)
+                n_ok = n < hi
+                allowed = tl.load(mask_ptr + t[:, None] * stride_mt + n[None, :],
+                                  mask=row_ok[:, None] & n_ok[None, :], other=0) != 0
+                if tl.max(allowed.to(tl.int32)) > 0:  # skip tiles no row attends: K/V never loaded
+                    k = tl.load(k_base + n[:, None] * stride_ks, mask=n_ok[:, None], other=0.0)
+                    p, alpha, m_i, l_i = softmax_tile(q, k, allowed, m_i, l_i, scale, IEEE)
+                    # V after the scores: one tile load in flight per program (faster here than beside K)
+                    v = tl.load(v_base + n[:, None] * stride_vs, mask=n_ok[:, None], other=0.0)
+                    acc = accumulate(acc, alpha, p, v, IEEE)
         if DIRECT:   # one split: the merge's result (its weights are exactly 1), no second kernel
             o = acc / tl.where(row_ok, l_i, 1.0)[:, None]   # padding rows: no 0/0
             tl.store(out_ptr + t[:, None] * stride_ot + ((kvh * GRP + g) * HD)[:, None] + d[None, :],
@@ -370,15 +406,18 @@ def check_shapes(nh: int, nkv: int, hd: int, k: torch.Tensor, v: torch.Tensor) -
 
 
 def _launch(q, k, v, mask, scale, pdl, segs=None, seg_rows: int = 0, cfg: SplitConfig | None = None,
-            slots: torch.Tensor | None = None):
+            slots: torch.Tensor | None = None, rope=None):
     """The kernels for ``q`` [T, nh, hd] over ``k``/``v`` [slots, nkv, S, hd]: one request in slot 0
     (``segs`` None) or the requests ``segs`` [n, 3] int32 (first row, rows, slot) of at most
     ``seg_rows`` rows each; ``cfg`` (default: :func:`split_config`'s) sets the program target and
     the walk (``live`` takes the rows' cache ``slots`` [T]; without them the checked walk runs). A
-    plan of one split writes the output from the split pass; more take the merge."""
+    plan of one split writes the output from the split pass; more take the merge. ``rope`` (``cos``,
+    ``sin``, ``pos``, ``req``, one-row segments): ``q`` is the step's q/k/v rows [T, nh, hd] view of
+    their q heads, RoPE'd in the split pass, which writes K/V too (:func:`rope_batched_gqa_attention`)."""
     T, nh, hd = q.shape
     _, nkv, S, _ = k.shape
-    q = q.contiguous()
+    if rope is None:
+        q = q.contiguous()
     mask = mask.contiguous().view(torch.uint8) if mask.dtype == torch.bool else mask.to(torch.uint8).contiguous()
     nseg = 1 if segs is None else segs.shape[0]
     R = (nh // nkv) * T
@@ -402,14 +441,15 @@ def _launch(q, k, v, mask, scale, pdl, segs=None, seg_rows: int = 0, cfg: SplitC
             raise ValueError(f"slots must be [T] = [{T}], got {tuple(slots.shape)}")
         slots = slots.contiguous()   # the kernel reads slots[t] at slots_ptr + t
     ieee = v.dtype == torch.float32
+    cos, sin, pos, req = rope if rope is not None else (mask,) * 4
     _attn_split[(nkv, splits, row_blocks * nseg)](
-        q, k, v, mask, acc, ml, mask if segs is None else segs, slots if live else mask, out, cnt,
-        T, S, R, chunk, float(scale), row_blocks,
+        q, k, v, mask, acc, ml, mask if segs is None else segs, slots if live or rope else mask, out, cnt,
+        cos, sin, pos, req, T, S, R, chunk, float(scale), row_blocks,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        mask.stride(0), out.stride(0), GRP=nh // nkv, HD=hd, BLOCK_M=block_m, BLOCK_N=cfg.block_n, IEEE=ieee,
-        SEGS=segs is not None, LIVE=live, STAGES=cfg.stages, DIRECT=direct, MERGE_LAST=merge_last,
-        PREFETCH=cfg.prefetch if live and k.stride(2) == hd and v.stride(2) == hd else 0,
-        num_warps=4, **pdl_args(pdl, q))
+        mask.stride(0), out.stride(0), cos.stride(0), nh, GRP=nh // nkv, HD=hd, BLOCK_M=block_m,
+        BLOCK_N=cfg.block_n, IEEE=ieee, SEGS=segs is not None, LIVE=live, STAGES=cfg.stages, DIRECT=direct,
+        MERGE_LAST=merge_last, PREFETCH=cfg.prefetch if live and k.stride(2) == hd and v.stride(2) == hd else 0,
+        TAIL=cfg.tail, ROPE=rope is not None, num_warps=4, **pdl_args(pdl, q))
     if not direct and not merge_last:
         _attn_merge[(nkv, R)](acc, ml, out, T, R, splits, out.stride(0), GRP=nh // nkv, HD=hd,
                               SPLITS=MERGE_SPLITS, num_warps=4, **pdl_args(pdl, q))
@@ -449,3 +489,38 @@ def batched_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mas
         raise ValueError("batched attention takes caches [slots, nkv, S, hd] and a segment table [n, 3] int32")
     check_shapes(q.shape[1], k.shape[1], q.shape[2], k, v)
     return _launch(q, k, v, mask, scale, pdl, segs, seg_rows, cfg, slots)
+
+
+def rope_batched_gqa_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
+                               slots: torch.Tensor, req: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               mask: torch.Tensor, scale: float, segs: torch.Tensor, nh: int, pdl: bool = False,
+                               cfg: SplitConfig | None = None) -> torch.Tensor:
+    """``rope_store_rows`` (:mod:`specpilot.kernels.verify.rows`) and :func:`batched_gqa_attention`
+    in one launch, for a step whose every segment is one row (a batched AR step): ``qkv`` [T,
+    (nh + 2 nkv) hd] the q/k/v GEMM's rows; each program RoPEs its row's q heads of its KV head
+    at ``pos``; the program whose split holds position ``slots[t]`` writes the row's K (RoPE) and V
+    there in request ``req[t]``'s cache, then every program walks its tiles. The same bits as the
+    two kernels (the same RoPE roundings, the same tiles) where no segment reads a position another
+    segment's row writes in the same step, as in the engine (rows write their own request's cache,
+    or a spare slot no row attends). Output [T, nh * hd]; the caches written as ``rope_store_rows``
+    writes them."""
+    if triton is None:  # pragma: no cover
+        raise RuntimeError("the fused attention needs triton")
+    if k.dim() != 4 or segs.dim() != 2 or segs.shape[1] != 3 or segs.dtype != torch.int32:
+        raise ValueError("batched attention takes caches [slots, nkv, S, hd] and a segment table [n, 3] int32")
+    _, nkv, S, hd = k.shape
+    T = qkv.shape[0]
+    if qkv.dim() != 2 or qkv.shape[1] != (nh + 2 * nkv) * hd or qkv.stride(1) != 1:
+        raise ValueError(f"qkv must be [T, (nh + 2 nkv) * hd] = [T, {(nh + 2 * nkv) * hd}] rows, contiguous in "
+                         f"each row (got {tuple(qkv.shape)})")
+    if segs.shape[0] != T:
+        raise ValueError(f"the fused RoPE takes one-row segments: {segs.shape[0]} segments for {T} rows")
+    if req.shape != (T,):
+        raise ValueError(f"req must be [{T}]")
+    from specpilot.kernels.verify import common
+
+    common.check_rope_store(T, hd, cos, sin, pos, slots, k, v)
+    check_shapes(nh, nkv, hd, k, v)
+    q = qkv.view(T, nh + 2 * nkv, hd)[:, :nh]
+    return _launch(q, k, v, mask, scale, pdl, segs, 1, cfg, slots.contiguous(),
+                   (cos, sin, pos.contiguous(), req.contiguous()))

@@ -27,6 +27,10 @@ Variants (each captured afresh, interleaved over rounds, median of the replays):
 * ``attn-pf:<tiles>``: the attention asking L2 for up to ``tiles`` of each program's first K/V tiles
   before its PDL wait (``SplitConfig.prefetch``) in every step;
 * ``attn-bm:<rows>``: the attention with at most ``rows`` query rows per program (a power of two);
+* ``attn-tail:<0|1>``: the live walk with or without the checked walk above the rows' highest
+  slot (``SplitConfig.tail``; with ``--cache`` above the context, the tiles it checks);
+* ``attn-rope:<0|1>``: batched steps of one row per request with RoPE and the K/V write in the
+  attention's split pass (``SplitConfig.rope``) or in a kernel of their own;
 * ``warpk:<max rows>[@<layers>][:<bound>=<depth>...]``: every dense projection (or the Llama layers
   named, as for ``skinny:``) of a step of up to ``max rows`` rows through the bf16 warp-K GEMM
   (``kernels/verify/warpk.py``), the depth of the smallest row bound that covers the step (default:
@@ -61,7 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lab.common import bootstrap, print_table, write_results  # noqa: E402
 
 VARIANTS = ("product", "no-merge", "no-attn", "no-rows", "no-ring", "skinny", "mlp-ring")
-PREFIXES = ("attn:", "attn-pf:", "attn-bm:", "skinny:", "warpk:", "warpk-nopdl:", "warpk-late:",   # parametrised
+PREFIXES = ("attn:", "attn-pf:", "attn-bm:", "attn-rope:", "attn-tail:", "skinny:", "warpk:", "warpk-nopdl:", "warpk-late:",   # parametrised
             "ring-trigger:", "ring:", "w12-pdl:", "w12-pdl-skip:")
 LLAMA_LAYERS = {"qkv": (6144, 4096), "o": (4096, 4096), "gu": (28672, 4096), "down": (4096, 14336)}   # (n, k)
 
@@ -111,6 +115,13 @@ def variant(name: str):
         table = decode.split_config
         tiles = int(name.split(":")[1])
         stack.enter_context(patched(decode, "split_config", lambda *a: replace(table(*a), prefetch=tiles)))
+    elif name.startswith(("attn-rope:", "attn-tail:")):   # SplitConfig.rope / .tail on or off
+        from dataclasses import replace
+
+        table = decode.split_config
+        field = name.split(":")[0][len("attn-"):]
+        on = name.split(":")[1] == "1"
+        stack.enter_context(patched(decode, "split_config", lambda *a: replace(table(*a), **{field: on})))
     elif name.startswith("attn-bm:"):   # the attention's most query rows per program
         stack.enter_context(patched(decode, "MAX_BLOCK_M", int(name.split(":")[1])))
     elif name.startswith("skinny:"):
@@ -281,13 +292,14 @@ def random_cache(model, slots: int):
     return cache
 
 
-def random_target(name: str, ctx: int, w12: bool = False):
-    """A random-weight target of ``name`` on CUDA with room for ``ctx`` committed slots (``w12``: its
-    projections in W12), its attention caches filled with random K/V."""
+def random_target(name: str, ctx: int, w12: bool = False, cache: int | None = None):
+    """A random-weight target of ``name`` on CUDA with room for ``ctx`` committed slots (a cache of
+    ``cache`` slots, default ``ctx + 128``; ``w12``: its projections in W12), its attention caches
+    filled with random K/V."""
     from specpilot.engine.api import load_target
     from specpilot.engine.spec import EngineSpec
 
-    model = load_target(EngineSpec.parse(f"engine:model={name},random=1,device=cuda,ctx={ctx + 128}"
+    model = load_target(EngineSpec.parse(f"engine:model={name},random=1,device=cuda,ctx={cache or ctx + 128}"
                                          + (",w12=1" if w12 else ""))).model
     for blk in model.layers:
         m = blk.mixer
@@ -349,6 +361,8 @@ def main() -> int:
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--w12", action="store_true", help="the target's projections in W12")
     ap.add_argument("--cases", default="1x1,1x33,1x64,16x1", help="BxN: B requests of N rows (B=1: one request)")
+    ap.add_argument("--cache", type=int, default=None,
+                    help="cache slots per request (default: the context, 1024, + 128); the steps attend 1024")
     args = ap.parse_args()
     variants = args.variants.split(",")
     bad = [p for v in variants for p in v.split("&") if p not in VARIANTS and not p.startswith(PREFIXES)]
@@ -357,7 +371,7 @@ def main() -> int:
     import torch
 
     torch.set_grad_enabled(False)
-    model = random_target(args.model, 1024, args.w12)
+    model = random_target(args.model, 1024, args.w12, args.cache)
     cases = args.cases.split(",")
     raw = time_cases(model, cases, {v: (lambda v=v: variant(v)) for v in variants}, args.rounds, args.reps,
                      skip=lambda case, v: v in ("no-rows", "skinny") and case == "1x1")
