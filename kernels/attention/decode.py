@@ -31,7 +31,9 @@ what those tiles hold, and L2 is where every write lands, so the hint changes no
 
 :func:`batched_gqa_attention` runs the rows of several requests (continuous batching) in the same
 launches: each request is a segment of consecutive rows attending over its own cache slot
-(``k``/``v`` [slots, nkv, S, hd]), its programs the row blocks of that segment.
+(``k``/``v`` [slots, nkv, S, hd]), its programs the row blocks of that segment;
+:func:`rope_batched_gqa_attention` takes a batched AR step's q/k/v rows instead of q and does the
+RoPE and the K/V write of ``kernels/verify/rows.py`` in the split pass (``SplitConfig.rope``).
 
 Scores are accumulated in float32 from the cache dtype (``tl.dot``; IEEE float32 when the cache
 is float32), probabilities enter the value product in the cache dtype as in the reference.

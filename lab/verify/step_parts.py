@@ -65,8 +65,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lab.common import bootstrap, print_table, write_results  # noqa: E402
 
 VARIANTS = ("product", "no-merge", "no-attn", "no-rows", "no-ring", "skinny", "mlp-ring")
-PREFIXES = ("attn:", "attn-pf:", "attn-bm:", "attn-rope:", "attn-tail:", "skinny:", "warpk:", "warpk-nopdl:", "warpk-late:",   # parametrised
-            "ring-trigger:", "ring:", "w12-pdl:", "w12-pdl-skip:")
+PREFIXES = ("attn:", "attn-pf:", "attn-bm:", "attn-rope:", "attn-tail:", "skinny:", "warpk:",   # parametrised
+            "warpk-nopdl:", "warpk-late:", "ring-trigger:", "ring:", "w12-pdl:", "w12-pdl-skip:")
 LLAMA_LAYERS = {"qkv": (6144, 4096), "o": (4096, 4096), "gu": (28672, 4096), "down": (4096, 14336)}   # (n, k)
 
 
