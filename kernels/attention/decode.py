@@ -109,6 +109,8 @@ def split_config(device, batched: bool, rows: int, head_dim: int, requests: int 
 if triton is not None:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+    from ..verify.rows import rope_round
+
     NEG = tl.constexpr(-1.0e30)  # finite "minus infinity": a row with nothing to attend in a split stays finite
 
     @triton.jit
@@ -194,15 +196,14 @@ if triton is not None:
     def _rotate(x_ptr, pos, cos_ptr, sin_ptr, stride_rot, d, ok, HD: tl.constexpr):
         """RoPE (rotate-half) of the head rows at ``x_ptr`` (offsets ``d`` in ``[0, HD)``, any leading
         shape; zero where ``ok`` is false) at position ``pos``, rounding as
-        ``kernels/verify/rows.py``'s RoPE kernel: each product to the rows' dtype, then their sum."""
+        ``kernels/verify/rows.py``'s RoPE kernel (its ``rope_round``)."""
         HALF: tl.constexpr = HD // 2
         dt = x_ptr.dtype.element_ty
         x = tl.load(x_ptr + d, mask=ok, other=0.0).to(tl.float32)
         y = tl.load(x_ptr + (d + HALF) % HD, mask=ok, other=0.0).to(tl.float32)   # the pair's other half
         c = tl.load(cos_ptr + pos * stride_rot + d).to(dt).to(tl.float32)
         s = tl.load(sin_ptr + pos * stride_rot + d).to(dt).to(tl.float32)
-        y = tl.where(d < HALF, -y, y)
-        return ((x * c).to(dt).to(tl.float32) + (y * s).to(dt).to(tl.float32)).to(dt)
+        return rope_round(x, tl.where(d < HALF, -y, y), c, s, dt)
 
     @triton.jit(do_not_specialize=["T", "R", "row_blocks"])   # an eager step's rows vary: one compile for all
     def _attn_split(q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, ml_ptr, seg_ptr, slots_ptr, out_ptr, cnt_ptr,
@@ -485,12 +486,16 @@ def batched_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mas
     batching): rows ``segs[i, 0] ..`` (``segs[i, 1]`` of them, at most ``seg_rows``) attend over
     request ``segs[i, 2]``'s cache ``k[slot]``/``v[slot]`` ([slots, nkv, S, hd]) under their rows of
     ``mask`` [T, S]. Every row of ``q`` must belong to one segment; ``cfg`` as there."""
+    _check_batched(q.shape[1], q.shape[2], k, v, segs)
+    return _launch(q, k, v, mask, scale, pdl, segs, seg_rows, cfg, slots)
+
+
+def _check_batched(nh: int, hd: int, k: torch.Tensor, v: torch.Tensor, segs: torch.Tensor) -> None:
     if triton is None:  # pragma: no cover
         raise RuntimeError("the fused attention needs triton")
     if k.dim() != 4 or segs.dim() != 2 or segs.shape[1] != 3 or segs.dtype != torch.int32:
         raise ValueError("batched attention takes caches [slots, nkv, S, hd] and a segment table [n, 3] int32")
-    check_shapes(q.shape[1], k.shape[1], q.shape[2], k, v)
-    return _launch(q, k, v, mask, scale, pdl, segs, seg_rows, cfg, slots)
+    check_shapes(nh, k.shape[1], hd, k, v)
 
 
 def rope_batched_gqa_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
@@ -506,10 +511,7 @@ def rope_batched_gqa_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.
     segment's row writes in the same step, as in the engine (rows write their own request's cache,
     or a spare slot no row attends). Output [T, nh * hd]; the caches written as ``rope_store_rows``
     writes them."""
-    if triton is None:  # pragma: no cover
-        raise RuntimeError("the fused attention needs triton")
-    if k.dim() != 4 or segs.dim() != 2 or segs.shape[1] != 3 or segs.dtype != torch.int32:
-        raise ValueError("batched attention takes caches [slots, nkv, S, hd] and a segment table [n, 3] int32")
+    _check_batched(nh, k.shape[-1], k, v, segs)
     _, nkv, S, hd = k.shape
     T = qkv.shape[0]
     if qkv.dim() != 2 or qkv.shape[1] != (nh + 2 * nkv) * hd or qkv.stride(1) != 1:
@@ -522,7 +524,6 @@ def rope_batched_gqa_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.
     from specpilot.kernels.verify import common
 
     common.check_rope_store(T, hd, cos, sin, pos, slots, k, v)
-    check_shapes(nh, nkv, hd, k, v)
     q = qkv.view(T, nh + 2 * nkv, hd)[:, :nh]
     return _launch(q, k, v, mask, scale, pdl, segs, 1, cfg, slots.contiguous(),
                    (cos, sin, pos.contiguous(), req.contiguous()))

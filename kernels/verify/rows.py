@@ -33,6 +33,12 @@ if triton is not None:
     from specpilot.kernels.fp8.rows import load_split, quant_hilo
 
     @triton.jit
+    def rope_round(x, y, c, s, dt: tl.constexpr):
+        """One RoPE output ``x * c + y * s`` (float32 operands; ``y`` the pair's other half, negated
+        for the first half) rounded as the layers round: each product to ``dt``, then their sum."""
+        return ((x * c).to(dt).to(tl.float32) + (y * s).to(dt).to(tl.float32)).to(dt)
+
+    @triton.jit
     def _norm(xf, g_ptr, k, K, eps, dt: tl.constexpr):
         """``rms_norm`` of one row in fp32 registers (``xf`` [XP], zero past K)."""
         rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / K + eps)
@@ -108,8 +114,8 @@ if triton is not None:
             s2 = tl.load(sin_ptr + pos * stride_rot + d + HALF).to(dt).to(tl.float32)
             af = a.to(tl.float32)
             bf = b.to(tl.float32)
-            ra = ((af * c1).to(dt).to(tl.float32) + (-bf * s1).to(dt).to(tl.float32)).to(dt)
-            rb = ((bf * c2).to(dt).to(tl.float32) + (af * s2).to(dt).to(tl.float32)).to(dt)
+            ra = rope_round(af, -bf, c1, s1, dt)
+            rb = rope_round(bf, af, c2, s2, dt)
             if h < NH:
                 tl.store(q_ptr + t * stride_q + h * HD + d, ra)
                 tl.store(q_ptr + t * stride_q + h * HD + d + HALF, rb)
