@@ -79,3 +79,44 @@ def test_selftest_names_every_option_that_does_not_fit_n_prompts_at_once(run_cli
                              "--max-new-tokens", "0")
     assert code == 2 and err.count("\n") == 1 and not selftest_args, err
     assert "--repeats 6" in err and "--engine-prompts 4: choose 0..2" in err and "--max-new-tokens 0" in err, err
+
+
+def test_a_malformed_outputs_file_is_refused_before_the_scorer_is_read(tmp_path):
+    """Reading a Hugging Face scorer's vocabulary imports transformers (seconds); a malformed
+    outputs file is refused first, in a fresh process that never imports it. The vocabulary is
+    still checked where rows name the engine that wrote them (test below)."""
+    import subprocess
+    import sys
+
+    scorer = tmp_path / "scorer"
+    scorer.mkdir()
+    (scorer / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 96}))
+    row = {"schema": "specpilot.outputs/1", "id": "p0", "prompt_ids": [1, 2], "output_ids": [3, 4]}
+    (tmp_path / "stock.jsonl").write_text(json.dumps(row) + "\n")
+    (tmp_path / "sys.jsonl").write_text(json.dumps(row)[:-9] + "\n")
+    code = ("import sys\nfrom specpilot.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n"
+            "    print('exit', e.code, 'transformers' in sys.modules)\n")
+    proc = subprocess.run([sys.executable, "-c", code, "audit", "sys.jsonl", "--against", "stock.jsonl",
+                           "--scorer", str(scorer)], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.stdout.split() == ["exit", "2", "False"], (proc.stdout, proc.stderr)
+    assert proc.stderr.startswith("specpilot: error: sys.jsonl:1: not valid JSON"), proc.stderr
+
+
+def test_outputs_of_an_engine_of_another_vocabulary_are_still_refused(run_cli, tmp_path):
+    """Rows that name the engine that wrote them: its vocabulary against the scorer's (read when a
+    row names one), refused before the scorer loads."""
+    scorer = tmp_path / "scorer"
+    scorer.mkdir()
+    (scorer / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                                                    "vocab_size": 96, "hidden_size": 32, "intermediate_size": 64,
+                                                    "num_hidden_layers": 1, "num_attention_heads": 4,
+                                                    "num_key_value_heads": 2}))
+    row = {"schema": "specpilot.outputs/1", "id": "p0", "prompt_ids": [1, 2], "output_ids": [3, 4],
+           "system": "engine:model=smollm2,mode=ar"}
+    for name in ("sys.jsonl", "stock.jsonl"):
+        (tmp_path / name).write_text(json.dumps(row) + "\n")
+    code, out, err = run_cli("audit", tmp_path / "sys.jsonl", "--against", tmp_path / "stock.jsonl",
+                             "--scorer", scorer)
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert "whose vocabulary (49152 tokens) is not that of --scorer" in err and "(96 tokens)" in err, err
+    assert "loading scorer" not in err

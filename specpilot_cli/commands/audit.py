@@ -169,13 +169,10 @@ def check(systems, stock_spec, ar_spec, scorer_spec, prompts_path, max_new_token
         raise InputError(f"--bootstrap {bootstrap}: must be >= 100 (fewer resamples give no interval worth the name)")
     if not max_increase >= 0:
         raise InputError("--max-increase must be >= 0")
-    from specpilot.auditors.scorer import check_scorer_spec, scorer_vocab_size
+    from specpilot.auditors.scorer import check_scorer_spec
 
     check_scorer_spec(scorer_spec)  # fail before spending time running systems
-    try:
-        sc_vocab = scorer_vocab_size(scorer_spec)   # None: not known without loading it
-    except InputError:   # a scorer transformers cannot read: its load says so, after the inputs' own checks
-        sc_vocab = None
+    sc_vocab = _scorer_vocab(scorer_spec)
     specs = [("system", parse_system(s)) for s in systems]
     specs = [("stock", parse_system(stock_spec))] + ([("ar", parse_system(ar_spec))] if ar_spec else []) + specs
     inputs = [s.spec for _, s in specs if s.kind == "file"] + ([prompts_path] if prompts_path else [])
@@ -201,7 +198,7 @@ def check(systems, stock_spec, ar_spec, scorer_spec, prompts_path, max_new_token
     for role, spec in order:
         save = None
         if spec.kind == "engine":   # the files are checked by now; an engine's vocabulary before it runs
-            _check_engine_vocab(spec.spec, scorer_spec, sc_vocab)
+            _check_engine_vocab(spec.spec, scorer_spec, sc_vocab())
         if spec.needs_prompts:
             save = default_save_path(save_dir, *slots[id(spec)])
         loaded[id(spec)] = load_system(spec, prompts, max_new_tokens, save_to=save, timeout=timeout,
@@ -252,6 +249,23 @@ def _check_kept_outputs(save: str, prompts, save_dir: str, prompts_path: str | N
                      f"{save} --resume' and audit that file, or {what}")
 
 
+def _scorer_vocab(scorer: str):
+    """The scorer's vocabulary, read on first call (None: not known without loading it). Reading it
+    imports transformers (seconds), so a malformed outputs file is refused before that."""
+    from functools import cache
+
+    from specpilot.auditors.scorer import scorer_vocab_size
+
+    @cache
+    def vocab() -> int | None:
+        try:
+            return scorer_vocab_size(scorer)
+        except InputError:   # a scorer transformers cannot read: its load says so, after the inputs' own checks
+            return None
+
+    return vocab
+
+
 def _check_engine_vocab(spec_text: str, scorer: str, vocab: int | None) -> None:
     """An engine system whose model has another vocabulary than the scorer's: InputError."""
     from specpilot.engine.api import model_vocab
@@ -261,16 +275,18 @@ def _check_engine_vocab(spec_text: str, scorer: str, vocab: int | None) -> None:
                          "tokens): the scorer cannot force its tokens")
 
 
-def _check_scorer_vocab(outputs, name: str, scorer: str, vocab: int | None) -> None:
+def _check_scorer_vocab(outputs, name: str, scorer: str, vocab_of) -> None:
     """The scorer forces these outputs: outputs a model of another vocabulary wrote (the rows'
     recorded ``system``, an engine spec) cannot be scored, though every id may be in range (such an
     audit reads a mismatch rate near 100% on stock and may pass). Ids out of range: the scorer's
-    own check."""
+    own check. ``vocab_of()``: the scorer's vocabulary (None: unknown), asked only for such rows."""
+    systems = dict.fromkeys(r.system for r in outputs.rows if r.system and r.system.startswith("engine:"))
+    vocab = vocab_of() if systems else None
     if vocab is None:
         return
     from specpilot.engine.api import model_vocab
 
-    for system in dict.fromkeys(r.system for r in outputs.rows if r.system and r.system.startswith("engine:")):
+    for system in systems:
         try:
             own = model_vocab(system)
         except InputError:   # a recorded spec this install cannot resolve: the scorer's own id check stays
