@@ -208,3 +208,22 @@ def refused(code: int, err: str, *parts: str) -> str:
     for p in parts:
         assert p in line, err
     return line
+
+
+_IMPORTED = ("import sys\nfrom specpilot.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n"
+             "    code = e.code\nelse:\n    code = 0\nprint('\\n' + repr((code, sorted(m for m in ('torch', 'transformers') "
+             "if m in sys.modules))))\n")
+
+
+def cli_imports(*args, cwd=None) -> tuple[int, str, str, list[str]]:
+    """``specpilot ARGS`` in a fresh process: (exit code, stdout, stderr, which of torch and
+    transformers it imported). Bad input a command can see without them is refused before them
+    (each costs seconds)."""
+    import ast
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-c", _IMPORTED, *map(str, args)], cwd=cwd, capture_output=True,
+                          text=True, timeout=300)
+    out, _, last = proc.stdout.rstrip("\n").rpartition("\n")
+    code, imported = ast.literal_eval(last)
+    return code, out, proc.stderr, imported

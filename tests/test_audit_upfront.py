@@ -83,10 +83,9 @@ def test_selftest_names_every_option_that_does_not_fit_n_prompts_at_once(run_cli
 
 def test_a_malformed_outputs_file_is_refused_before_the_scorer_is_read(tmp_path):
     """Reading a Hugging Face scorer's vocabulary imports transformers (seconds); a malformed
-    outputs file is refused first, in a fresh process that never imports it. The vocabulary is
-    still checked where rows name the engine that wrote them (test below)."""
-    import subprocess
-    import sys
+    outputs file is refused first, by a process that never imports it. The vocabulary is still
+    checked where rows name the engine that wrote them (test below)."""
+    from conftest import cli_imports, refused
 
     scorer = tmp_path / "scorer"
     scorer.mkdir()
@@ -94,12 +93,10 @@ def test_a_malformed_outputs_file_is_refused_before_the_scorer_is_read(tmp_path)
     row = {"schema": "specpilot.outputs/1", "id": "p0", "prompt_ids": [1, 2], "output_ids": [3, 4]}
     (tmp_path / "stock.jsonl").write_text(json.dumps(row) + "\n")
     (tmp_path / "sys.jsonl").write_text(json.dumps(row)[:-9] + "\n")
-    code = ("import sys\nfrom specpilot.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n"
-            "    print('exit', e.code, 'transformers' in sys.modules)\n")
-    proc = subprocess.run([sys.executable, "-c", code, "audit", "sys.jsonl", "--against", "stock.jsonl",
-                           "--scorer", str(scorer)], cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert proc.stdout.split() == ["exit", "2", "False"], (proc.stdout, proc.stderr)
-    assert proc.stderr.startswith("specpilot: error: sys.jsonl:1: not valid JSON"), proc.stderr
+    code, out, err, imported = cli_imports("audit", "sys.jsonl", "--against", "stock.jsonl", "--scorer", scorer,
+                                           cwd=tmp_path)
+    refused(code, err, "sys.jsonl:1: not valid JSON")
+    assert out == "" and imported == [], imported
 
 
 def test_outputs_of_an_engine_of_another_vocabulary_are_still_refused(run_cli, tmp_path):

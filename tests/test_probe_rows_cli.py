@@ -145,3 +145,13 @@ def test_a_bad_model_is_refused_before_the_engine_banner(tmp_path):
         assert proc.returncode == 2 and proc.stdout == "", proc.stderr
         assert proc.stderr.startswith("specpilot: error: ") and proc.stderr.count("\n") == 1, proc.stderr
         assert words in proc.stderr, proc.stderr
+
+
+def test_a_bad_model_is_refused_before_torch_is_imported(tmp_path):
+    """Such a refusal takes a fraction of a second: torch (seconds to import) only after the checks."""
+    from conftest import cli_imports, refused
+
+    code, out, err, imported = cli_imports("probe", "rows", "--model", "nosuch", "--device", "cpu", "--rows", "1,2",
+                                           "--batch", "2", cwd=tmp_path)
+    refused(code, err, "unknown model 'nosuch'")
+    assert out == "" and imported == [], imported

@@ -56,7 +56,6 @@ def rows(rows_text, context, reps, warmup, qview, fmt, out, **kw):
     (median); on the CPU a wall clock.
     """
     from specpilot.engine.api import resolve_model
-    from specpilot.engine.batch.probe import probe_rows_batched
     from specpilot.engine.rows import default_device, probe_rows
     from specpilot.options import parse_int_list
 
@@ -72,6 +71,8 @@ def rows(rows_text, context, reps, warmup, qview, fmt, out, **kw):
     # an unknown name, a catalog config without --random-weights or a bad config is one line alone
     resolve_model(spec.model, spec.random)
     if spec.batch > 1:
+        from specpilot.engine.batch.probe import probe_rows_batched   # torch: after the checks above
+
         res = probe_rows_batched(spec, row_list, context, reps=reps, warmup=warmup, progress=progress)
     else:
         res = probe_rows(spec, row_list, context, reps=reps, warmup=warmup, progress=progress, qview=qview)
