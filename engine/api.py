@@ -452,11 +452,12 @@ def cpu_threads(spec) -> int:
 
 def load_engine(spec: EngineSpec | str) -> Engine:
     """Build the model, drafter and decoder a spec describes."""
+    if isinstance(spec, str):
+        spec = EngineSpec.parse(spec)
+    resolve_model(spec.model, spec.random)   # an unknown or bad model is refused before torch loads (seconds)
     from specpilot.engine.decode import Decoder
     from specpilot.engine.drafters import ModelDrafter, NGramDrafter, SelfDrafter
 
-    if isinstance(spec, str):
-        spec = EngineSpec.parse(spec)
     if spec.mode != "ar" and spec.drafter == "model":   # before either model loads: their configs say it
         vocab = model_vocab(spec)
         draft_vocab = resolve_model(spec.draft_model, spec.random or spec.draft_model in TINY_CONFIGS)[0].vocab_size

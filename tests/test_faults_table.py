@@ -752,3 +752,14 @@ def test_a_progress_line_cut_short_while_being_built_closes_quietly(monkeypatch)
     half = cls.__new__(cls)
     half.disable = False   # set early in tqdm's __init__; ``pos`` comes later
     half.close()
+
+
+@pytest.mark.parametrize("argv", [("run", "--model", "nosuch", "--prompt", "hi"), ("serve", "--model", "nosuch"),
+                                  ("run", "--model", "llama-3.1-8b", "--prompt", "hi")])
+def test_a_bad_model_is_refused_before_torch_is_imported(argv, tmp_path):
+    """``run`` and ``serve`` check the model before importing the engine (torch: seconds)."""
+    from conftest import cli_imports, refused
+
+    code, out, err, imported = cli_imports(*argv, cwd=tmp_path)
+    refused(code, err, "unknown model 'nosuch'" if "nosuch" in argv else "is a catalog config with no weights")
+    assert out == "" and imported == [], imported

@@ -44,8 +44,10 @@ def command(host, port, max_queue, backlog, grace, log_requests, fmt, out, **kw)
     flight finish (--grace), then prints what it served and exits 0.
     """
     spec = spec_from_cli(kw)
-    from specpilot.engine.api import load_engine
+    from specpilot.engine.api import load_engine, resolve_model
     from specpilot.errors import EnvironmentMissing
+
+    resolve_model(spec.model, spec.random)   # a bad model: said before the server's imports (torch, seconds)
 
     try:   # declared dependencies, but an install without them should say so, not crash
         import uvicorn  # noqa: F401  (imported where the server starts, after the model loads)
