@@ -378,9 +378,12 @@ def test_test_counts_named_in_evidence_are_what_pytest_collects():
                       for f, n in pattern.findall(" ".join(str(item.get("what", "")).split()))]
     named += [("docs/bundles.md", f, int(n)) for f, n in pattern.findall((root / "docs" / "bundles.md").read_text())]
     assert any(where.startswith("tree ") for where, _, _ in named), named   # the pattern still finds the tree's
+    paths = sorted({path for _, path, _ in named})
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           "-o", "addopts=", *paths], cwd=root, capture_output=True, text=True, timeout=300)
+    found = re.search(r"(\d+) tests? collected", proc.stdout)
+    assert found, proc.stdout[-2000:] + proc.stderr[-2000:]
+    ids = [line.split("::", 1)[0] for line in proc.stdout.splitlines() if "::" in line]
+    assert len(ids) == int(found.group(1)), proc.stdout[-2000:]   # one line per collected test
     for where, path, n in named:
-        proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                               "-o", "addopts=", path], cwd=root, capture_output=True, text=True, timeout=300)
-        found = re.search(r"(\d+) tests? collected", proc.stdout)
-        assert found, proc.stdout[-2000:] + proc.stderr[-2000:]
-        assert int(found.group(1)) == n, f"{where} says {path} has {n} tests; pytest collects {found.group(1)}"
+        assert ids.count(path) == n, f"{where} says {path} has {n} tests; pytest collects {ids.count(path)}"
