@@ -109,11 +109,11 @@ def test_outputs_of_an_engine_of_another_vocabulary_are_still_refused(run_cli, t
                                                     "num_hidden_layers": 1, "num_attention_heads": 4,
                                                     "num_key_value_heads": 2}))
     row = {"schema": "specpilot.outputs/1", "id": "p0", "prompt_ids": [1, 2], "output_ids": [3, 4],
-           "system": "engine:model=smollm2,mode=ar"}
+           "system": "engine:model=tiny,mode=ar"}
     for name in ("sys.jsonl", "stock.jsonl"):
         (tmp_path / name).write_text(json.dumps(row) + "\n")
     code, out, err = run_cli("audit", tmp_path / "sys.jsonl", "--against", tmp_path / "stock.jsonl",
                              "--scorer", scorer)
     assert code == 2 and out == "" and err.count("\n") == 1, err
-    assert "whose vocabulary (49152 tokens) is not that of --scorer" in err and "(96 tokens)" in err, err
+    assert "whose vocabulary (256 tokens) is not that of --scorer" in err and "(96 tokens)" in err, err
     assert "loading scorer" not in err
