@@ -172,7 +172,7 @@ def check(systems, stock_spec, ar_spec, scorer_spec, prompts_path, max_new_token
     from specpilot.auditors.scorer import check_scorer_spec
 
     check_scorer_spec(scorer_spec)  # fail before spending time running systems
-    sc_vocab = _scorer_vocab(scorer_spec)
+    vocab_of = _scorer_vocab(scorer_spec)
     specs = [("system", parse_system(s)) for s in systems]
     specs = [("stock", parse_system(stock_spec))] + ([("ar", parse_system(ar_spec))] if ar_spec else []) + specs
     inputs = [s.spec for _, s in specs if s.kind == "file"] + ([prompts_path] if prompts_path else [])
@@ -198,7 +198,7 @@ def check(systems, stock_spec, ar_spec, scorer_spec, prompts_path, max_new_token
     for role, spec in order:
         save = None
         if spec.kind == "engine":   # the files are checked by now; an engine's vocabulary before it runs
-            _check_engine_vocab(spec.spec, scorer_spec, sc_vocab())
+            _check_engine_vocab(spec.spec, scorer_spec, vocab_of())
         if spec.needs_prompts:
             save = default_save_path(save_dir, *slots[id(spec)])
         loaded[id(spec)] = load_system(spec, prompts, max_new_tokens, save_to=save, timeout=timeout,
@@ -207,7 +207,7 @@ def check(systems, stock_spec, ar_spec, scorer_spec, prompts_path, max_new_token
         if prompts is not None and not spec.needs_prompts:
             _check_same_prompts(loaded[id(spec)], prompts, spec.spec, prompts_path)
         if not spec.needs_prompts:   # a file: was it written by a model of the scorer's vocabulary?
-            _check_scorer_vocab(loaded[id(spec)], spec.spec, scorer_spec, sc_vocab)
+            _check_scorer_vocab(loaded[id(spec)], spec.spec, scorer_spec, vocab_of)
     result, info = run_audit(
         [loaded[id(s)] for r, s in specs if r == "system"], loaded[id(specs[0][1])],
         loaded[id(specs[1][1])] if ar_spec else None, scorer_spec, device=device, dtype=scorer_dtype,
