@@ -333,7 +333,8 @@ ptrs.update({"mask_ptr": "*u8", "acc_ptr": "*fp32", "ml_ptr": "*fp32", "seg_ptr"
              "cnt_ptr": "*i32", "scale": "fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i64",
              "req_ptr": "*i64"})
 const = {"GRP": 4, "HD": 128, "BLOCK_M": 16, "BLOCK_N": 64, "IEEE": False, "SEGS": %s, "PDL": True, "LIVE": True,
-         "STAGES": 2, "DIRECT": False, "MERGE_LAST": False, "PREFETCH": %d, "ROPE": False}
+         "STAGES": 2, "DIRECT": False, "MERGE_LAST": False, "PREFETCH": %d, "TAIL": True,
+         "ROPE": False}
 div = []
 warps = 4
 """

@@ -109,19 +109,15 @@ def variant(name: str):
                            merge=c.merge if merge == "table" else merge,
                            block_n=c.block_n if block_n == "table" else int(block_n))
         stack.enter_context(patched(decode, "split_config", cfg))
-    elif name.startswith("attn-pf:"):   # the attention's L2 prefetch before the PDL wait, in tiles
+    elif name.startswith(("attn-pf:", "attn-rope:", "attn-tail:")):   # one SplitConfig field over the table's
         from dataclasses import replace
 
         table = decode.split_config
-        tiles = int(name.split(":")[1])
-        stack.enter_context(patched(decode, "split_config", lambda *a: replace(table(*a), prefetch=tiles)))
-    elif name.startswith(("attn-rope:", "attn-tail:")):   # SplitConfig.rope / .tail on or off
-        from dataclasses import replace
-
-        table = decode.split_config
-        field = name.split(":")[0][len("attn-"):]
-        on = name.split(":")[1] == "1"
-        stack.enter_context(patched(decode, "split_config", lambda *a: replace(table(*a), **{field: on})))
+        prefix, arg = name.split(":")
+        # the L2 prefetch before the PDL wait (in tiles); RoPE in the split pass; the checked tail (0/1)
+        field, value = {"attn-pf": ("prefetch", int(arg)), "attn-rope": ("rope", arg == "1"),
+                        "attn-tail": ("tail", arg == "1")}[prefix]
+        stack.enter_context(patched(decode, "split_config", lambda *a: replace(table(*a), **{field: value})))
     elif name.startswith("attn-bm:"):   # the attention's most query rows per program
         stack.enter_context(patched(decode, "MAX_BLOCK_M", int(name.split(":")[1])))
     elif name.startswith("skinny:"):
