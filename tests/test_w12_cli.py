@@ -189,6 +189,33 @@ def test_bad_input_leaves_no_output(tmp_path, run_cli):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["junk.safetensors", "m.safetensors"]
 
 
+@pytest.mark.parametrize("args,needle", [
+    (["stats", "missing"], "no such file"),
+    (["stats", "junk.safetensors"], "not a readable safetensors file"),
+    (["stats", "m.safetensors"], "pack it first"),
+    (["verify", "m.safetensors"], "pack it first"),
+    (["verify", "packed", "--against", "junk.safetensors"], "not a readable safetensors file"),
+    (["pack", "junk.safetensors", "-o", "o.safetensors"], "not a readable safetensors file"),
+    (["pack", "shards", "-o", "out"], "shard"),
+])
+def test_a_bad_checkpoint_is_refused_before_torch_is_imported(tmp_path, args, needle):
+    """What the W12 readers would refuse after loading torch (seconds) is refused from the files'
+    headers first."""
+    from conftest import cli_imports, refused
+
+    make_checkpoint(tmp_path / "m.safetensors")
+    (tmp_path / "junk.safetensors").write_bytes(b"\x07" * 40)
+    (tmp_path / "packed").mkdir()   # a folder whose one file carries W12 metadata
+    save_file({"x": torch.zeros(1)}, str(tmp_path / "packed" / "a.safetensors"), metadata={"specpilot.w12": "{}"})
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {Q: "model-00001-of-00002.safetensors"}}))
+    code, out, err, imported = cli_imports("w12", *args, cwd=tmp_path)
+    refused(code, err, needle)
+    assert imported == [], imported
+    assert not (tmp_path / "o.safetensors").exists() and not (tmp_path / "out").exists()
+
+
 def test_device_option(tmp_path, run_cli):
     src = tmp_path / "m.safetensors"
     make_checkpoint(src)

@@ -4,6 +4,7 @@ The format:
 
 * :mod:`.format`      the format and its vectorized torch codec (``encode``/``decode``, ``W12Tensor``)
 * :mod:`.checkpoint`  pack / verify / stats of safetensors checkpoints
+* :mod:`.files`       finding a checkpoint's files and checking their headers (no torch)
 * :mod:`.pack`        ``KernelPack``: W12 weights laid out for the kernels
 * :mod:`.module`      ``W12Linear`` and ``convert_model`` for transformers models
 
@@ -17,13 +18,15 @@ The kernels (``y = x @ W.T`` from the records, fp32 accumulation, bitwise determ
 * :mod:`.naive`       the plain torch reference the kernels are tested against
 """
 
-from .format import FORMAT_VERSION, W12Tensor, decode, encode, qpass_view
-
 __all__ = ["FORMAT_VERSION", "KernelPack", "W12Linear", "W12Tensor", "convert_model", "decode", "encode", "qpass_view",
            "route", "w12_linear"]
 
 
-def __getattr__(name):   # the kernels import Triton (and Gluon): on first use only
+def __getattr__(name):   # torch (the codec), Triton and Gluon (the kernels): on first use only
+    if name in ("FORMAT_VERSION", "W12Tensor", "decode", "encode", "qpass_view"):
+        from . import format
+
+        return getattr(format, name)
     if name == "KernelPack":
         from .pack import KernelPack
 

@@ -35,9 +35,8 @@ import torch
 
 from .format import (FORMAT_VERSION, ROW_ALIGN_FILE, TILE_K, TILE_N, W12Tensor, check, decode, encode,
                      expected_record_bytes, pack_positions, pack_windows, unpack_positions, unpack_windows)
+from .files import META_KEY, SCHEMA, Checkpoint, W12FormatError, find_checkpoint, no_w12, unreadable  # noqa: F401
 
-META_KEY = "specpilot.w12"
-SCHEMA = "specpilot.w12/1"
 PARTS = ("records", "low_exp", "esc_pos", "esc_bits")
 DEFAULT_INCLUDE = ("*proj.weight", "*fc1.weight", "*fc2.weight", "*c_fc.weight", "*c_proj.weight",
                    "*query_key_value.weight", "*dense*.weight", "*experts*.weight")
@@ -46,58 +45,14 @@ DEFAULT_EXCLUDE = ("*embed*", "lm_head.weight", "*norm*")
 ALWAYS_EXCLUDE = ("*.w12.*",)
 
 
-class W12FormatError(ValueError):
-    """The file is not a valid W12 checkpoint (or a part of it is corrupted)."""
-
-
 class W12TableError(W12FormatError):
     """A W12 tensor's metadata entry is malformed or does not describe its stored parts: the file is
     bad input, not a tensor that failed to restore (``verify`` says the latter)."""
 
 
 # ----------------------------------------------------------------------------------------------
-# checkpoint discovery
+# reading a file's tensors
 # ----------------------------------------------------------------------------------------------
-
-@dataclass
-class Checkpoint:
-    root: Path                  # the file, or the folder
-    files: list[Path]           # safetensors files
-    index: Path | None = None   # model.safetensors.index.json, if sharded
-    is_folder: bool = False
-
-
-def find_checkpoint(path: str | os.PathLike) -> Checkpoint:
-    p = Path(path)
-    if p.is_file():
-        if p.name.endswith(".index.json"):
-            return _from_index(p)
-        if p.suffix != ".safetensors":
-            raise FileNotFoundError(f"{p}: expected a .safetensors file, an index .json or a model folder")
-        return Checkpoint(p, [p])
-    if p.is_dir():
-        idx = sorted(p.glob("*.safetensors.index.json"))
-        if idx:
-            return _from_index(idx[0])
-        files = sorted(p.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"{p}: no *.safetensors files in this folder")
-        return Checkpoint(p, files, None, True)
-    raise FileNotFoundError(f"{p}: no such file or folder")
-
-
-def _from_index(index: Path) -> Checkpoint:
-    try:
-        doc = json.loads(index.read_text())
-        shards = sorted(set(doc["weight_map"].values()))
-    except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
-        raise FileNotFoundError(f"{index}: not a safetensors index ({type(e).__name__})") from None
-    files = [index.parent / s for s in shards]
-    missing = [str(f) for f in files if not f.is_file()]
-    if missing:
-        raise FileNotFoundError(f"{index}: shard {missing[0]} is missing")
-    return Checkpoint(index.parent, files, index, True)
-
 
 def read_file(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     from safetensors import safe_open
@@ -107,7 +62,7 @@ def read_file(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
             meta = dict(f.metadata() or {})
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:  # safetensors raises its own error types for malformed headers
-        raise W12FormatError(f"{path}: not a readable safetensors file ({str(e).splitlines()[0][:160]})") from None
+        raise unreadable(path, e) from None
     return tensors, meta
 
 
@@ -508,7 +463,7 @@ def verify(packed: str, against: str | None = None, progress: Callable | None = 
                     for k in h.keys():
                         ref_files[k] = f
             except Exception as e:
-                raise W12FormatError(f"{f}: not a readable safetensors file ({str(e)[:120]})") from None
+                raise unreadable(f, e) from None
     res = VerifyResult()
     cache: dict[Path, dict] = {}
 
@@ -581,7 +536,7 @@ def verify(packed: str, against: str | None = None, progress: Callable | None = 
                 else:
                     res.kept_checked += 1
     if not any_w12:
-        raise W12FormatError(f"{packed}: no W12 tensors found (no {META_KEY} metadata); pack it first")
+        raise no_w12(packed)
     res.missing = sorted(set(ref_files) - present)
     res.mismatched.extend((k, "missing from the packed checkpoint") for k in res.missing)
     return res
@@ -611,7 +566,7 @@ def stats(path: str) -> StatsResult:
                                   t.stored_bytes()))
         other += sum(v.numel() * v.element_size() for k, v in tensors.items() if k not in names)
     if not out:
-        raise W12FormatError(f"{path}: no W12 tensors found (no {META_KEY} metadata); pack it first")
+        raise no_w12(path)
     return StatsResult(out, other)
 
 

@@ -21,14 +21,22 @@ def _user_errors(fn):
     """Turn the library's file errors into one-line exit-2 errors."""
     import functools
 
+    from specpilot.kernels.w12.files import W12FormatError
+
     @functools.wraps(fn)
     def wrapper(*a, **kw):
-        ck = _lib()
         try:
             return fn(*a, **kw)
-        except (FileNotFoundError, FileExistsError, NotADirectoryError, ck.W12FormatError) as e:
+        except (FileNotFoundError, FileExistsError, NotADirectoryError, W12FormatError) as e:
             raise InputError(str(e).replace("[Errno 2] ", "")) from None
     return wrapper
+
+
+def _checked(path: str, packed: bool = False) -> None:
+    """A missing, malformed or (``packed``) never packed checkpoint is refused before torch loads."""
+    from specpilot.kernels.w12.files import check_checkpoint
+
+    check_checkpoint(path, packed)
 
 
 @click.group("w12")
@@ -95,10 +103,10 @@ def pack_cmd(src, dst, include, exclude, device, force, fmt, out):
     Example:
       specpilot w12 pack model.safetensors -o model.w12.safetensors
     """
-    ck = _lib()
     import os
     from pathlib import Path
 
+    _checked(src)
     if Path(src).is_file():
         from specpilot.fileio import check_output_path
 
@@ -118,6 +126,7 @@ def pack_cmd(src, dst, include, exclude, device, force, fmt, out):
     if Path(src).is_file() and os.path.lexists(dst) and not force:
         raise InputError(f"--output {dst}: the file exists; pass --force to replace it")
     device = _device(device)
+    ck = _lib()
     committed: list = []
     try:
         res = ck.pack(src, dst, tuple(include) or None, tuple(exclude) or None, device=device, progress=lambda **kw: progress(unit="tensor", **kw),
@@ -165,6 +174,9 @@ def verify_cmd(packed, against, device, fmt, out):
     (and every kept tensor) is identical, 1 on any difference or corrupted record, naming the
     tensor.
     """
+    _checked(packed, packed=True)
+    if against:
+        _checked(against)
     ck = _lib()
     res = ck.verify(packed, against, progress=lambda **kw: progress(unit="tensor", **kw), device=_device(device))
     data = {"schema": "specpilot.w12-verify/1", "packed": packed, "against": against, "ok": res.ok,
@@ -204,6 +216,7 @@ def verify_cmd(packed, against, device, fmt, out):
 @_user_errors
 def stats_cmd(path, fmt, out):
     """Bits per weight (escapes and per-channel metadata included) and escape rate, per tensor and overall."""
+    _checked(path, packed=True)
     ck = _lib()
     st = ck.stats(path)
     data = {"schema": "specpilot.w12-stats/1", "path": path, "bits_per_weight": st.bits_per_weight,

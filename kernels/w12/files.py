@@ -1,0 +1,86 @@
+"""Where a checkpoint's safetensors files are, and what their headers say: no torch, so a command
+refuses a missing, malformed or unpacked input at once, before its heavy imports."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+META_KEY = "specpilot.w12"
+SCHEMA = "specpilot.w12/1"
+
+
+class W12FormatError(ValueError):
+    """The file is not a valid W12 checkpoint (or a part of it is corrupted)."""
+
+
+@dataclass
+class Checkpoint:
+    root: Path                  # the file, or the folder
+    files: list[Path]           # safetensors files
+    index: Path | None = None   # model.safetensors.index.json, if sharded
+    is_folder: bool = False
+
+
+def find_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    p = Path(path)
+    if p.is_file():
+        if p.name.endswith(".index.json"):
+            return _from_index(p)
+        if p.suffix != ".safetensors":
+            raise FileNotFoundError(f"{p}: expected a .safetensors file, an index .json or a model folder")
+        return Checkpoint(p, [p])
+    if p.is_dir():
+        idx = sorted(p.glob("*.safetensors.index.json"))
+        if idx:
+            return _from_index(idx[0])
+        files = sorted(p.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{p}: no *.safetensors files in this folder")
+        return Checkpoint(p, files, None, True)
+    raise FileNotFoundError(f"{p}: no such file or folder")
+
+
+def _from_index(index: Path) -> Checkpoint:
+    try:
+        doc = json.loads(index.read_text())
+        shards = sorted(set(doc["weight_map"].values()))
+    except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
+        raise FileNotFoundError(f"{index}: not a safetensors index ({type(e).__name__})") from None
+    files = [index.parent / s for s in shards]
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise FileNotFoundError(f"{index}: shard {missing[0]} is missing")
+    return Checkpoint(index.parent, files, index, True)
+
+
+def unreadable(path: Path, e: Exception) -> W12FormatError:
+    return W12FormatError(f"{path}: not a readable safetensors file ({str(e).splitlines()[0][:160]})")
+
+
+def header_metadata(path: Path) -> dict[str, str]:
+    """The metadata of one safetensors file, its header checked by safetensors (numpy framework:
+    no tensor is read)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            return dict(f.metadata() or {})
+    except Exception as e:  # safetensors raises its own error types for malformed headers
+        raise unreadable(path, e) from None
+
+
+def check_checkpoint(path: str, packed: bool = False) -> Checkpoint:
+    """The checkpoint at ``path`` with every file's header readable; ``packed``: at least one file
+    carries W12 metadata. What the readers would refuse after loading torch, refused first."""
+    ck = find_checkpoint(path)
+    metas = [header_metadata(f) for f in ck.files]
+    if packed and not any(META_KEY in m for m in metas):
+        raise no_w12(path)
+    return ck
+
+
+def no_w12(path: str) -> W12FormatError:
+    return W12FormatError(f"{path}: no W12 tensors found (no {META_KEY} metadata); pack it first")
