@@ -151,7 +151,8 @@ def test_a_bad_model_is_refused_before_torch_is_imported(tmp_path):
     """Such a refusal takes a fraction of a second: torch (seconds to import) only after the checks."""
     from conftest import cli_imports, refused
 
-    code, out, err, imported = cli_imports("probe", "rows", "--model", "nosuch", "--device", "cpu", "--rows", "1,2",
-                                           "--batch", "2", cwd=tmp_path)
-    refused(code, err, "unknown model 'nosuch'")
-    assert out == "" and imported == [], imported
+    for device in (["--device", "cpu"], []):   # without --device: before torch is asked for a GPU
+        code, out, err, imported = cli_imports("probe", "rows", "--model", "nosuch", *device, "--rows", "1,2",
+                                               "--batch", "2", cwd=tmp_path)
+        refused(code, err, "unknown model 'nosuch'")
+        assert out == "" and imported == [], imported

@@ -60,6 +60,8 @@ def rows(rows_text, context, reps, warmup, qview, fmt, out, **kw):
     from specpilot.options import parse_int_list
 
     row_list = parse_int_list(rows_text, "--rows")
+    if not kw.get("engine_spec"):   # before the default device, which asks torch about CUDA (seconds)
+        resolve_model(kw["model"], kw["random"])
     if kw["device"] is None:
         kw["device"] = default_device()
     spec = spec_from_cli(kw)
