@@ -35,7 +35,7 @@ import torch
 
 from .format import (FORMAT_VERSION, ROW_ALIGN_FILE, TILE_K, TILE_N, W12Tensor, check, decode, encode,
                      expected_record_bytes, pack_positions, pack_windows, unpack_positions, unpack_windows)
-from .files import META_KEY, SCHEMA, Checkpoint, W12FormatError, find_checkpoint, no_w12, unreadable  # noqa: F401
+from .files import META_KEY, SCHEMA, W12FormatError, find_checkpoint, no_w12, unreadable
 
 PARTS = ("records", "low_exp", "esc_pos", "esc_bits")
 DEFAULT_INCLUDE = ("*proj.weight", "*fc1.weight", "*fc2.weight", "*c_fc.weight", "*c_proj.weight",

@@ -6,6 +6,8 @@ import click
 
 from specpilot import signals
 from specpilot.errors import EnvironmentMissing, InputError
+# (no torch: a missing, malformed or never packed checkpoint is refused before the W12 library loads)
+from specpilot.kernels.w12.files import W12FormatError, check_checkpoint
 from specpilot.output import Report, Section, count, emit, not_empty, output_options, progress
 
 
@@ -21,8 +23,6 @@ def _user_errors(fn):
     """Turn the library's file errors into one-line exit-2 errors."""
     import functools
 
-    from specpilot.kernels.w12.files import W12FormatError
-
     @functools.wraps(fn)
     def wrapper(*a, **kw):
         try:
@@ -30,13 +30,6 @@ def _user_errors(fn):
         except (FileNotFoundError, FileExistsError, NotADirectoryError, W12FormatError) as e:
             raise InputError(str(e).replace("[Errno 2] ", "")) from None
     return wrapper
-
-
-def _checked(path: str, packed: bool = False) -> None:
-    """A missing, malformed or (``packed``) never packed checkpoint is refused before torch loads."""
-    from specpilot.kernels.w12.files import check_checkpoint
-
-    check_checkpoint(path, packed)
 
 
 @click.group("w12")
@@ -106,7 +99,7 @@ def pack_cmd(src, dst, include, exclude, device, force, fmt, out):
     import os
     from pathlib import Path
 
-    _checked(src)
+    check_checkpoint(src)
     if Path(src).is_file():
         from specpilot.fileio import check_output_path
 
@@ -174,9 +167,9 @@ def verify_cmd(packed, against, device, fmt, out):
     (and every kept tensor) is identical, 1 on any difference or corrupted record, naming the
     tensor.
     """
-    _checked(packed, packed=True)
+    check_checkpoint(packed, packed=True)
     if against:
-        _checked(against)
+        check_checkpoint(against)
     ck = _lib()
     res = ck.verify(packed, against, progress=lambda **kw: progress(unit="tensor", **kw), device=_device(device))
     data = {"schema": "specpilot.w12-verify/1", "packed": packed, "against": against, "ok": res.ok,
@@ -216,7 +209,7 @@ def verify_cmd(packed, against, device, fmt, out):
 @_user_errors
 def stats_cmd(path, fmt, out):
     """Bits per weight (escapes and per-channel metadata included) and escape rate, per tensor and overall."""
-    _checked(path, packed=True)
+    check_checkpoint(path, packed=True)
     ck = _lib()
     st = ck.stats(path)
     data = {"schema": "specpilot.w12-stats/1", "path": path, "bits_per_weight": st.bits_per_weight,
