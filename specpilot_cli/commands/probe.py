@@ -60,12 +60,10 @@ def rows(rows_text, context, reps, warmup, qview, fmt, out, **kw):
     from specpilot.options import parse_int_list
 
     row_list = parse_int_list(rows_text, "--rows")
-    # the model is checked as the engine resolves it, before the engine's CPU thread banner: an unknown
-    # name, a catalog config without --random-weights or a bad config is one line alone; from the
-    # flags before the default device asks torch about CUDA (seconds), from --engine once it is parsed
-    by_flags = not kw.get("engine_spec")
-    if by_flags:
-        resolve_model(kw["model"], kw["random"])
+    # the model is checked as the engine resolves it, before the engine's CPU thread banner and the
+    # default device (which asks torch about CUDA: seconds): an unknown name, a catalog config without
+    # --random-weights or a bad config is one line alone
+    resolve_model(kw["model"], kw["random"])
     if kw["device"] is None:
         kw["device"] = default_device()
     spec = spec_from_cli(kw)
@@ -73,8 +71,6 @@ def rows(rows_text, context, reps, warmup, qview, fmt, out, **kw):
         raise InputError("--qview times one request's Q pass; leave out --batch (or --qview)")
     if qview and max(row_list) < 2:
         raise InputError("--qview times the Q pass at N of 2 rows or more; --rows has none")
-    if not by_flags:
-        resolve_model(spec.model, spec.random)
     if spec.batch > 1:
         from specpilot.engine.batch.probe import probe_rows_batched   # torch: after the checks above
 
