@@ -208,7 +208,10 @@ def test_unknown_id_and_broken_yaml(run_cli, tmp_path):
     d.mkdir()
     (d / "x.yaml").write_text("id: [unclosed\n")
     code, _, err = run_cli("memory", "list", "--memory-dir", d)
-    assert code == 2 and "not valid YAML" in err
+    assert code == 2 and "not valid YAML" in err and f"{d / 'x.yaml'}:2:" in err and err.count("\n") == 1
+    (d / "x.yaml").write_text("id: " + "[" * 5000 + "]" * 5000 + "\n")
+    code, _, err = run_cli("memory", "list", "--memory-dir", d)
+    assert code == 2 and err.strip() == f"specpilot: error: {d / 'x.yaml'}: memory entry is nested too deeply", err
 
 
 def test_out_file_is_atomic_and_protects_nothing_half_written(run_cli, tmp_path):
