@@ -528,8 +528,17 @@ class GatedDeltaNet(nn.Module):
         outputs, its stash left in ``cache.stash[slot]`` as :meth:`mix` leaves it."""
         from specpilot.kernels.gdn import rows as gdn_rows, wy
 
-        mixed, z, ab = self.split_proj(proj if walk.rows is None else proj[walk.rows])
-        conv = gdn_rows.conv_rows(mixed, cache.conv, self.conv_weight, walk.paths, slots=walk.slots)
+        proj = proj if walk.rows is None else proj[walk.rows]
+        conv = None
+        if cache.keep is not None:   # a bucket graph's step: the commit's rows in the buckets' shared buffers
+            kproj, kconv = cache.keep
+            if kproj.shape[0] < proj.shape[0] or kproj.shape[1:] != proj.shape[1:] or kproj.dtype != proj.dtype:
+                raise ValueError(f"GDN walk: kept rows {tuple(kproj.shape)} {kproj.dtype} cannot hold the step's "
+                                 f"{tuple(proj.shape)} {proj.dtype}")
+            proj = kproj[:proj.shape[0]].copy_(proj)
+            conv = kconv[:proj.shape[0]]
+        mixed, z, ab = self.split_proj(proj)
+        conv = gdn_rows.conv_rows(mixed, cache.conv, self.conv_weight, walk.paths, slots=walk.slots, out=conv)
         method = self.verify if self.verify != "auto" else gdn_rows.verify_method(walk.most, mixed.device)
         if method == "wy" and walk.most <= wy.MAX_ROWS:
             T = conv.shape[0]

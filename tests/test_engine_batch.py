@@ -145,7 +145,8 @@ def test_hybrid_verify_buckets_walk_every_row(reference, extra, n, verify, monke
     buckets of more than one row per request walk every row's GDN path from the static path table
     (a one-row request's row too, committed afterwards like the others) with the path kernel or
     TreeWY over every request at once, and the outputs equal one-request greedy decoding; both
-    requests' GDN states commit in one launch per layer."""
+    requests' GDN states commit in one launch per layer, from the projection and conv rows the
+    bucket wrote into the buffers every bucket shares."""
     from specpilot.kernels.gdn import wy
 
     from specpilot.engine.batch.graphs import BatchGraphRunner
@@ -156,6 +157,7 @@ def test_hybrid_verify_buckets_walk_every_row(reference, extra, n, verify, monke
         layer.verify = verify
     dec = eng.batch_decoder()
     dec.runner = BatchGraphRunner(dec.model, dec.cache)
+    dec.runner.prepare([(1, 2)])   # a walking bucket the steps do not use: its kept rows are the step's
     walked, branched, run = [], [], dec._run
 
     def spy(blocks, pblocks):
@@ -168,9 +170,13 @@ def test_hybrid_verify_buckets_walk_every_row(reference, extra, n, verify, monke
     dec._run = spy
     from specpilot.engine.model import GatedDeltaNet
 
-    together, one_launch = [], GatedDeltaNet.commit_walked
+    together, one_launch, kept = [], GatedDeltaNet.commit_walked, []
 
     def commit_walked(self, cache, plan):
+        kproj, kconv = dec.runner.keeps[eng.model.gdn_layers().index(self)]
+        mixed, conv, ab, _ = cache.walked
+        kept.append(mixed.data_ptr() == kproj.data_ptr() and conv.data_ptr() == kconv.data_ptr()
+                    and ab.untyped_storage().data_ptr() == kproj.data_ptr())
         left = one_launch(self, cache, plan)
         together.append(len(plan.slots) - len(left))
         return left
@@ -188,6 +194,9 @@ def test_hybrid_verify_buckets_walk_every_row(reference, extra, n, verify, monke
     assert [r.output_ids for r in dec.generate_many(reqs)] == [reference["tiny-hybrid"][i][:n] for i in pick]
     assert walked and any(N > 1 for _, N in dec.runner.graphs) and dec.stats.eager_steps == 0
     assert max(together) == 2   # both requests' GDN commits in one launch per layer
+    assert kept and all(kept)
+    walking = [B * N for B, N in dec.runner.graphs if N > 1]   # (1, 2), then the steps' larger bucket
+    assert len(walking) == 2 and all(kp[0].shape[0] == max(walking) for kp in dec.runner.keeps)
     assert (max(launches, default=0) == 2) == (verify == "wy")   # TreeWY over both requests at once
     if "drafter=self" in extra:
         assert dec.stats.accepted > 0 and branched[:2] == [True, True]

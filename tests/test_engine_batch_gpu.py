@@ -136,3 +136,39 @@ def _bf16_tiny_with_cache(seed: int):
         lc.k.copy_(torch.randn(lc.k.shape, generator=gen).to(lc.k.dtype))
         lc.v.copy_(torch.randn(lc.v.shape, generator=gen).to(lc.v.dtype))
     return m, cache, gen
+
+
+def test_hybrid_verify_buckets_share_what_their_commits_read():
+    """A hybrid's verify buckets write what their commits read (each GDN layer's projection and
+    conv rows) into buffers every bucket shares, sized for the most rows: against runners whose
+    buckets keep their own rows, the same captures hold less memory by the smaller buckets' rows
+    (each capture's own cuBLAS workspace is in both), and a replay's stashes are views of the
+    shared buffers."""
+    from specpilot.engine.batch.cache import BatchCache
+    from specpilot.engine.batch.graphs import BatchGraphRunner
+
+    m = load_engine(EngineSpec.parse("engine:model=tiny-hybrid,mode=ar,dtype=float32,device=cuda,ctx=256")).model
+    cache = BatchCache(m, 8)
+    shapes = [(B, N) for B in (1, 2, 4, 8) for N in (2, 4, 8, 16)]
+
+    def held(own: bool) -> tuple[int, BatchGraphRunner]:
+        runner = BatchGraphRunner(m, cache)
+        if own:
+            runner._keep = lambda T: [None] * len(m.gdn_layers())
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        runner.prepare(shapes)
+        torch.cuda.synchronize()
+        return torch.cuda.memory_allocated() - before, runner
+
+    held(False)   # what the first captures allocate once (kernel workspaces)
+    own, _ = held(True)
+    shared, runner = held(False)
+    assert [kp[0].shape[0] for kp in runner.keeps] == [128] * len(m.gdn_layers())
+    per_row = sum(t.shape[1] * t.element_size() for kp in runner.keeps for t in kp)
+    smaller = sum(B * N for B, N in shapes) - 128
+    assert own - shared > 0.8 * per_row * smaller, (own, shared, per_row * smaller)
+    runner.replay(2, 4)
+    gdn = [lc for lc in cache.layers if lc.state is not None]
+    assert all(lc.walked[0].data_ptr() == kp[0].data_ptr() and lc.walked[1].data_ptr() == kp[1].data_ptr()
+               for lc, kp in zip(gdn, runner.keeps))

@@ -113,9 +113,16 @@ def test_conv_rows_matches_causal_conv(shape):
     w = torch.randn(C, KW, generator=gen)
     paths = gpath.row_paths(parents)
     ref = gpath.causal_conv(x, cs, gpath.conv_windows(paths, KW), w)
-    assert torch.allclose(grows.conv_rows(x, cs, w, paths), ref, atol=1e-5)
+    got = grows.conv_rows(x, cs, w, paths)
+    assert torch.allclose(got, ref, atol=1e-5)
     if shape == "chain15":
         assert torch.allclose(grows.conv_rows(x, cs, w), ref, atol=1e-5)
+    kept = torch.full((R + 3, C), float("nan"))   # rows of a larger buffer, as a bucket's kept rows
+    assert grows.conv_rows(x, cs, w, paths, out=kept[:R]).data_ptr() == kept.data_ptr()
+    assert torch.equal(kept[:R], got) and kept[R:].isnan().all()
+    for bad in (kept[:R - 1], kept[:R].double(), torch.empty(C, R).t()):
+        with pytest.raises(ValueError, match="conv_rows: out must be"):
+            grows.conv_rows(x, cs, w, paths, out=bad)
 
 
 def test_conv_rows_advance_shifts_state():

@@ -20,7 +20,9 @@ class LayerSlots:
     """One layer's per-slot tensors (``k``/``v`` for attention, ``state``/``conv`` for GDN), the
     GDN stashes of the last chain/tree step by slot, and ``walked``: the rows that step walked in
     one launch (``mixed``, ``conv``, ``ab`` and, by slot, the segment's first row there and the
-    stash made from it), which lets their commits run as one launch too."""
+    stash made from it), which lets their commits run as one launch too. ``keep`` (a GDN layer,
+    while a bucket graph's step runs): the (projection rows, conv rows) buffers a walk writes
+    what its commit reads into, shared by every bucket (only the last replay's is committed)."""
 
     k: torch.Tensor | None = None
     v: torch.Tensor | None = None
@@ -28,6 +30,7 @@ class LayerSlots:
     conv: torch.Tensor | None = None
     stash: dict = field(default_factory=dict)
     walked: tuple | None = None
+    keep: tuple | None = None
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.k, self.v, self.state, self.conv) if t is not None]

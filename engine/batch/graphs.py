@@ -14,7 +14,9 @@ one conv and one verification launch per layer, the path kernel or TreeWY over e
 the path table a static input like the mask: a request's tree rows walk their tree, chain rows
 and padding rows the chain of their segment (reads only: padding outputs are dropped). A request
 with one row in such a step is walked too, so its GDN state is committed afterwards like the
-others' (:func:`walks`). The stashes the commit reads are views of the graph's own buffers,
+others' (:func:`walks`). What the commit reads (each GDN layer's projection and conv rows) a
+verify bucket writes into buffers every bucket shares, sized for the most rows (only the last
+replay is ever committed), not into memory of its own: the stashes, views of those buffers, are
 handed back to the cache after every replay.
 """
 
@@ -113,6 +115,16 @@ class BatchGraphRunner:
         # reads) are consumed before the next replay on the same stream, so the graphs may share
         # their scratch; captured largest first (:meth:`prepare`), the smaller ones fit in its pool.
         self.pool = torch.cuda.graph_pool_handle() if model.device.type == "cuda" else None
+        self.keeps: list[tuple] = []   # per GDN layer: the walking buckets' (projection, conv) rows
+
+    def _keep(self, T: int) -> list[tuple]:
+        """Each GDN layer's kept-rows buffers (:attr:`LayerSlots.keep`) of at least ``T`` rows. A
+        larger bucket than any before gets new ones (the graphs captured earlier keep theirs)."""
+        if not self.keeps or self.keeps[0][0].shape[0] < T:
+            m = self.model
+            self.keeps = [(torch.empty(T, g.conv_dim + g.value_dim + 2 * g.nv, dtype=m.dtype, device=m.device),
+                           torch.empty(T, g.conv_dim, dtype=m.dtype, device=m.device)) for g in m.gdn_layers()]
+        return self.keeps
 
     def prepare(self, shapes) -> None:
         """Capture the buckets ``shapes`` ((B, N) pairs) not captured yet, the most rows first."""
@@ -144,8 +156,17 @@ class BatchGraphRunner:
             segs_t = torch.tensor([[b * N, N, b] for b in range(B)], dtype=torch.int32, device=dev)
             inp.walk = Walk(tuple(range(B)), None, paths, ids[3], segs_t, N)
 
+        gdn = [lc for lc in self.cache.layers if lc.state is not None]
+        keeps = self._keep(T) if walking else [None] * len(gdn)
+
         def fn():
-            return m.greedy_batch(inp, self.cache, S)
+            for lc, kp in zip(gdn, keeps):
+                lc.keep = kp
+            try:
+                return m.greedy_batch(inp, self.cache, S)
+            finally:
+                for lc in gdn:
+                    lc.keep = None
 
         # warm-up and capture run the step for real: keep the positions, states and stashes they
         # write intact

@@ -290,7 +290,7 @@ def _check_paths(paths: torch.Tensor, rows: int, device) -> None:
 
 def conv_rows(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, paths: torch.Tensor | None = None,
               advance: bool = False, pdl: bool = False, slots: torch.Tensor | None = None,
-              starts: torch.Tensor | None = None) -> torch.Tensor:
+              starts: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """SiLU(causal depthwise conv) of rows ``x`` [R, C] along their root paths (``paths`` None:
     consecutive tokens), the committed ``conv_state`` [KW-1, C] supplying positions before the
     root; ``weight`` [C, KW]. Returns [R, C] in x's dtype. ``advance`` (R = 1): shift ``conv_state``
@@ -300,7 +300,8 @@ def conv_rows(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, p
     slots); with ``paths`` (rows of x, every path within one request's rows) the rows are several
     requests' verify rows. ``starts`` [R] (with ``slots``, without ``paths``): several requests'
     prompt chunks one after another, row r the next token after rows ``starts[r] .. r - 1`` of
-    its request (``starts[r]``: the chunk's first row)."""
+    its request (``starts[r]``: the chunk's first row). ``out``: an [R, C] tensor of x's dtype with
+    contiguous rows to write the result into."""
     R, C = x.shape
     KW = weight.shape[1]
     cs = conv_state if slots is None else conv_state[0]
@@ -315,8 +316,11 @@ def conv_rows(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, p
         _check_paths(paths, R, x.device)
     if starts is not None and (slots is None or paths is not None or advance or starts.shape != (R,)):
         raise ValueError("conv_rows: starts [R] go with slots, without paths or advance")
+    if out is not None and (out.shape != (R, C) or out.dtype != x.dtype or out.stride(1) != 1):
+        raise ValueError(f"conv_rows: out must be a {x.dtype} [{R}, {C}] tensor with contiguous rows")
     weight = weight.contiguous()
-    out = torch.empty(R, C, dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(R, C, dtype=x.dtype, device=x.device)
     BC = 512
     D = paths.shape[1] if paths is not None else 1
     _conv_rows_kernel[(R, triton.cdiv(C, BC))](
