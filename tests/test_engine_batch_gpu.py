@@ -142,8 +142,8 @@ def test_hybrid_verify_buckets_share_what_their_commits_read():
     """A hybrid's verify buckets write what their commits read (each GDN layer's projection and
     conv rows) into buffers every bucket shares, sized for the most rows: against runners whose
     buckets keep their own rows, the same captures hold less memory by the smaller buckets' rows
-    (each capture's own cuBLAS workspace is in both), and a replay's stashes are views of the
-    shared buffers."""
+    (whatever else each capture holds, about 33 MB each here, is in both), and a replay's stashes
+    are views of the shared buffers."""
     from specpilot.engine.batch.cache import BatchCache
     from specpilot.engine.batch.graphs import BatchGraphRunner
 
