@@ -7,10 +7,17 @@ from __future__ import annotations
 
 import ast
 import hashlib
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
 from .memory import Hook, Symbol
+
+# Parsed files by (path, content hash), across checks in one process: a round applies bundles
+# for each SGLang candidate, and parsing the target files is most of a check's time. Nothing
+# here changes a tree.
+_PARSED: OrderedDict[tuple[str, bytes], ast.Module] = OrderedDict()
+_PARSED_MAX = 64
 
 
 class Unparsable(Exception):
@@ -82,13 +89,20 @@ class SGLangSource:
     def tree(self, path: Path) -> ast.Module:
         if path not in self._trees:
             try:
-                self._trees[path] = ast.parse(path.read_bytes(), filename=str(path))
-            except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
-                where = f", line {e.lineno}" if isinstance(e, SyntaxError) and e.lineno else ""
-                msg = e.msg if isinstance(e, SyntaxError) else str(e) or type(e).__name__
-                raise Unparsable(f"{path} does not parse ({msg}{where})") from None
+                data = path.read_bytes()
             except OSError as e:
                 raise Unparsable(f"{path} cannot be read ({e.strerror or e})") from None
+            key = (str(path), hashlib.sha256(data).digest())
+            if key not in _PARSED:
+                try:
+                    _PARSED[key] = ast.parse(data, filename=str(path))
+                except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
+                    where = f", line {e.lineno}" if isinstance(e, SyntaxError) and e.lineno else ""
+                    msg = e.msg if isinstance(e, SyntaxError) else str(e) or type(e).__name__
+                    raise Unparsable(f"{path} does not parse ({msg}{where})") from None
+                if len(_PARSED) > _PARSED_MAX:
+                    _PARSED.popitem(last=False)
+            self._trees[path] = _PARSED[key]
         return self._trees[path]
 
     def split(self, target: str) -> tuple[str, Path, list[str]] | None:

@@ -132,3 +132,30 @@ def test_a_target_file_that_does_not_parse_is_a_problem(src, tail, problem):
     path.write_bytes(path.read_bytes() + tail)
     for res in (check_hook(src, Hook("sglang.srt.mod.f", "replace", "x:y")), check_symbol(src, Symbol("sglang.srt.mod.C"))):
         assert not res.ok and res.problem.startswith(f"target {path} ") and problem in res.problem
+
+
+def test_a_file_is_parsed_once_per_content_across_checks(src, monkeypatch):
+    """Checks in one process (a round applies bundles for each SGLang candidate) parse a file once
+    for each content it has had: the same bytes again are not parsed again, changed bytes are."""
+    import ast
+
+    from specpilot.bundles import inspect_sglang
+
+    parsed, real = [], ast.parse
+
+    def parse(*a, **kw):
+        if str(kw.get("filename", "")).endswith("mod.py"):
+            parsed.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(inspect_sglang.ast, "parse", parse)
+    hook = Hook("sglang.srt.mod.C.m", "replace", "x:y")
+    sym = Symbol("sglang.srt.mod.f", "function", ("a", "b", "*", "c", "d", "**kw"), "exact")
+    assert all(c.ok for c in check_targets(src.root, [hook], [sym])) and len(parsed) == 1
+    assert all(c.ok for c in check_targets(src.root, [hook], [sym])) and len(parsed) == 1
+    path = src.root / "sglang" / "srt" / "mod.py"
+    path.write_text(SRC.replace("def f(a, b, *, c, d=2, **kw):", "def f(a, b, *, c, d=3, **kw):"))
+    assert check_targets(src.root, [hook], [sym])[1].ok and len(parsed) == 2   # same signature, new bytes
+    path.write_text(SRC.replace("def f(a, b, *, c, d=2, **kw):", "def f(a, *, c, d=2, **kw):"))
+    got = check_targets(src.root, [hook], [sym])
+    assert len(parsed) == 3 and not got[1].ok and got[1].signature.startswith("(a, *, c")
