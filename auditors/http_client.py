@@ -16,6 +16,7 @@ connection (died), it answered with an HTTP error, or its answer is not what /ge
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from dataclasses import dataclass
@@ -70,6 +71,13 @@ def _caused_by(exc: BaseException, kind: type) -> bool:
     return False
 
 
+@functools.lru_cache(maxsize=1)
+def _tls():
+    """One TLS context for every request of the process: each request opens its own connection,
+    and a context of its own would load the CA certificates again (about 20 ms of CPU each)."""
+    return httpx.create_ssl_context()
+
+
 class GenerateClient:
     """Greedy generation through a server's native ``/generate`` endpoint."""
 
@@ -107,7 +115,7 @@ class GenerateClient:
         try:
             return httpx.request("GET" if body is None else "POST", target, headers=headers,
                                  content=None if body is None else json.dumps(body).encode(),
-                                 timeout=self.timeout, follow_redirects=True)
+                                 timeout=self.timeout, follow_redirects=True, verify=_tls())
         except httpx.TimeoutException:
             raise ServerError(f"{target}: no answer within {self.timeout:g} s (--timeout)") from None
         except httpx.ConnectError as e:
