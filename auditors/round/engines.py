@@ -58,13 +58,17 @@ class EnginePool:
 
 
 def _free_cuda() -> None:
+    """Hand a dropped engine's GPU memory back now: collect the cycles that may still hold its
+    tensors, then empty torch's cache. Without CUDA in use there is nothing to hand back (a CPU
+    engine's memory goes when its last reference does), and a full collection of a large heap
+    costs a few tenths of a second."""
     import gc
 
-    gc.collect()
     try:
         import torch
 
-        if torch.cuda.is_available():
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            gc.collect()
             torch.cuda.empty_cache()
     except Exception:  # pragma: no cover
         pass
