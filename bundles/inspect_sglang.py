@@ -93,7 +93,9 @@ class SGLangSource:
             except OSError as e:
                 raise Unparsable(f"{path} cannot be read ({e.strerror or e})") from None
             key = (str(path), hashlib.sha256(data).digest())
-            if key not in _PARSED:
+            if key in _PARSED:
+                _PARSED.move_to_end(key)
+            else:
                 try:
                     _PARSED[key] = ast.parse(data, filename=str(path))
                 except (SyntaxError, ValueError, RecursionError, MemoryError) as e:

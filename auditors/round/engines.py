@@ -60,8 +60,8 @@ class EnginePool:
 def _free_cuda() -> None:
     """Hand a dropped engine's GPU memory back now: collect the cycles that may still hold its
     tensors, then empty torch's cache. Without CUDA in use there is nothing to hand back (a CPU
-    engine's memory goes when its last reference does), and a full collection of a large heap
-    costs a few tenths of a second."""
+    engine's memory goes with its last reference, or with the next automatic collection where
+    cycles hold it), and a full collection of a large heap costs a few tenths of a second."""
     import gc
 
     try:
