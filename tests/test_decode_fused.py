@@ -144,7 +144,9 @@ def test_hybrid_one_row_step_matches_the_layers():
         g.conv_state.copy_(c)
     assert m.set_decode("fused") == "fused"
     got = m.forward(one, kv_len=ctx)
-    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    # fp32 sums in other orders (the fused GEMVs', and torch's by its thread count): 0.9e-5 with
+    # one thread, 1.2e-5 with two, on logits up to 3.1
+    torch.testing.assert_close(got, ref, atol=3e-5, rtol=1e-5)
     for (s, c), g in zip(after, m.gdn_layers()):
         torch.testing.assert_close(g.state, s, atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(g.conv_state, c, atol=1e-5, rtol=1e-5)   # the GEMV sums in another order
