@@ -78,6 +78,7 @@ class SGLangSource:
     def __init__(self, root: str | Path):
         self.root = Path(root)
         self._trees: dict[Path, ast.Module] = {}
+        self._digests: dict[Path, bytes] = {}   # SHA-256 of each file's bytes as read here
 
     def module_path(self, dotted: str) -> Path | None:
         rel = Path(*dotted.split("."))
@@ -92,7 +93,8 @@ class SGLangSource:
                 data = path.read_bytes()
             except OSError as e:
                 raise Unparsable(f"{path} cannot be read ({e.strerror or e})") from None
-            key = (str(path), hashlib.sha256(data).digest())
+            self._digests[path] = hashlib.sha256(data).digest()
+            key = (str(path), self._digests[path])
             if key in _PARSED:
                 _PARSED.move_to_end(key)
             else:
@@ -106,6 +108,18 @@ class SGLangSource:
                     _PARSED.popitem(last=False)
             self._trees[path] = _PARSED[key]
         return self._trees[path]
+
+    def sha256(self, path: Path | None) -> str | None:
+        """``sha256:<hex>`` of the file's bytes as this source read them; None without a file or
+        where it cannot be read (:meth:`resolve` reports that)."""
+        if path is None:
+            return None
+        if path not in self._digests:
+            try:
+                self._digests[path] = hashlib.sha256(path.read_bytes()).digest()
+            except OSError:
+                return None
+        return "sha256:" + self._digests[path].hex()
 
     def split(self, target: str) -> tuple[str, Path, list[str]] | None:
         """Longest module prefix of ``target`` that is an installed file, and the attribute path."""
@@ -196,17 +210,10 @@ class SGLangSource:
         return [n for n in self._find_all(body, attrs[-1]) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
 
 
-def _sha(path: Path | None) -> str | None:
-    try:
-        return None if path is None else "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
-    except OSError:  # resolve() reports the unreadable file
-        return None
-
-
 def check_hook(src: SGLangSource, hook: Hook) -> TargetCheck:
     kind, node, path = src.resolve(hook.target)
     expected = render_params(hook.params) if hook.params else None
-    base = dict(target=hook.target, kind=hook.type, file=str(path) if path else None, file_sha256=_sha(path),
+    base = dict(target=hook.target, kind=hook.type, file=str(path) if path else None, file_sha256=src.sha256(path),
                 expected=expected)
     if kind is None:
         return TargetCheck(ok=False, found=None, signature=None, problem=node, **base)
@@ -255,7 +262,7 @@ def _check_returns(fn, names: tuple[str, ...]) -> str | None:
 def check_symbol(src: SGLangSource, sym: Symbol) -> TargetCheck:
     kind, node, path = src.resolve(sym.path)
     expected = render_params(sym.params) if sym.params else None
-    base = dict(target=sym.path, kind="symbol", file=str(path) if path else None, file_sha256=_sha(path),
+    base = dict(target=sym.path, kind="symbol", file=str(path) if path else None, file_sha256=src.sha256(path),
                 expected=expected)
     if kind is None:
         return TargetCheck(ok=False, found=None, signature=None, problem=node, **base)

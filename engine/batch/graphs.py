@@ -122,7 +122,7 @@ class BatchGraphRunner:
         larger bucket than any before gets new ones (the graphs captured earlier keep theirs)."""
         if not self.keeps or self.keeps[0][0].shape[0] < T:
             m = self.model
-            self.keeps = [(torch.empty(T, g.conv_dim + g.value_dim + 2 * g.nv, dtype=m.dtype, device=m.device),
+            self.keeps = [(torch.empty(T, g.in_proj.out_features, dtype=m.dtype, device=m.device),
                            torch.empty(T, g.conv_dim, dtype=m.dtype, device=m.device)) for g in m.gdn_layers()]
         return self.keeps
 
@@ -157,7 +157,7 @@ class BatchGraphRunner:
             inp.walk = Walk(tuple(range(B)), None, paths, ids[3], segs_t, N)
 
         gdn = [lc for lc in self.cache.layers if lc.state is not None]
-        keeps = self._keep(T) if walking else [None] * len(gdn)
+        keeps = self._keep(T) if walking else []
 
         def fn():
             for lc, kp in zip(gdn, keeps):
