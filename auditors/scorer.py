@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from specpilot.errors import EnvironmentMissing, InputError
+from specpilot.machine import torch_threads
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -94,14 +95,16 @@ def _resolve_path(spec: str, what: str = "--scorer", need_config: bool = True,
 
 
 class Scorer:
-    """Teacher-forces token sequences through a causal LM with an FP32 LM head."""
+    """Teacher-forces token sequences through a causal LM with an FP32 LM head; on the CPU with
+    ``threads`` torch threads while it scores (0: as torch has them)."""
 
-    def __init__(self, model, info: ScorerInfo, tokenizer=None):
+    def __init__(self, model, info: ScorerInfo, tokenizer=None, threads: int = 0):
         import torch
 
         self.model = model
         self.info = info
         self.tokenizer = tokenizer
+        self.threads = threads
         self._memo: dict = {}
         self.device = torch.device(info.device)
         head = model.get_output_embeddings()
@@ -141,10 +144,9 @@ class Scorer:
         else:
             torch_dtype = getattr(torch, dtype)
         kwargs = {"gguf_file": gguf} if gguf else {}
-        if device == "cpu":
-            from specpilot.machine import choose_cpu_threads
+        from specpilot.machine import choose_cpu_threads
 
-            torch.set_num_threads(choose_cpu_threads(None, "CPU scorer", given_by="default"))
+        threads = choose_cpu_threads(None, "CPU scorer", given_by="default") if device == "cpu" else 0
         logging.getLogger("specpilot.status").info(f"loading scorer {spec} ({device}) ...")
         from transformers.utils import logging as hf_logging
 
@@ -162,7 +164,7 @@ class Scorer:
         info = ScorerInfo(name=spec, path=str(Path(folder) / gguf) if gguf else folder, device=str(device),
                           dtype=str(next(model.parameters()).dtype).replace("torch.", ""), lm_head="float32",
                           vocab_size=int(model.get_output_embeddings().weight.shape[0]))
-        return cls(model, info, tok)
+        return cls(model, info, tok, threads)
 
     # ---------------------------------------------------------------------------------------
     def lm_head_fp32(self, hidden):
@@ -216,7 +218,7 @@ class Scorer:
         if cur:
             batches.append(cur)
         it = progress(batches, total=len(batches), desc="scoring") if progress else batches
-        with torch.inference_mode():
+        with torch.inference_mode(), torch_threads(self.threads):
             for batch in it:
                 self._score_batch(sequences, batch, results, head_chunk)
         for i, j in dups:
@@ -283,11 +285,12 @@ class BuiltinScorer:
     FP32 LM head (:class:`specpilot.auditors.round.engines.EngineScorer`, what ``round`` and ``check``
     score with when no scorer is given), with the vocabulary checks of :class:`Scorer`."""
 
-    def __init__(self, inner, info: ScorerInfo):
+    def __init__(self, inner, info: ScorerInfo, threads: int = 0):
         self._inner = inner
         self.info = info
         self.vocab_size = inner.vocab_size
         self.device = inner.model.device
+        self.threads = threads
 
     @classmethod
     def load(cls, name: str, device: str | None = None, dtype: str = "auto") -> "BuiltinScorer":
@@ -304,17 +307,18 @@ class BuiltinScorer:
         # ctx: the configs' max_position_embeddings, so the longest sequence the model takes is scored
         text = f"engine:model={name},mode=ar,device={device},ctx=4096" + (f",dtype={dtype}" if dtype != "auto" else "")
         spec = EngineSpec.parse(text)
-        if device == "cpu" and cpu_threads(spec):
-            torch.set_num_threads(cpu_threads(spec))
-        inner = EngineScorer(load_engine(spec), name)
+        threads = cpu_threads(spec) if device == "cpu" else 0
+        with torch_threads(threads):
+            inner = EngineScorer(load_engine(spec), name)
         info = ScorerInfo(name=name, path=f"the engine's built-in {name} (random weights, seed 0)",
                           device=str(device), dtype=inner.info.dtype, lm_head="float32", vocab_size=inner.vocab_size)
-        return cls(inner, info)
+        return cls(inner, info, threads)
 
     def score(self, sequences, batch_tokens: int = 8192, head_chunk: int | None = None,
               progress: Callable | None = None) -> list[TokenScores]:
         _check_sequences(sequences, self.vocab_size)
-        return self._inner.score(sequences, batch_tokens, head_chunk, progress)
+        with torch_threads(self.threads):
+            return self._inner.score(sequences, batch_tokens, head_chunk, progress)
 
 
 def load_tokenizer(spec: str):

@@ -209,6 +209,8 @@ def run_selftest(*, n_prompts: int = 24, max_new_tokens: int = 32, repeats: int 
 
     import torch
 
+    from specpilot.machine import torch_threads
+
     from .prompts_builtin import PROMPTS
     from .scorer import Scorer
     from .systems import EngineGenerator, collect
@@ -250,7 +252,8 @@ def run_selftest(*, n_prompts: int = 24, max_new_tokens: int = 32, repeats: int 
 
     def run(name, **kw):
         t0 = time.perf_counter()
-        outs = greedy(model, prompt_ids, max_new_tokens, eos=eos, progress=progress, desc=name, **kw)
+        with torch_threads(scorer.threads):
+            outs = greedy(model, prompt_ids, max_new_tokens, eos=eos, progress=progress, desc=name, **kw)
         gen_s[name] = round(time.perf_counter() - t0, 2)
         systems[name] = as_outputs(name, outs)
 

@@ -23,6 +23,7 @@ from specpilot.engine.spec import cache_room, request_rows
 from specpilot.errors import InputError
 from specpilot.kernels import tree as treelib
 from specpilot.kernels.gdn.path import row_paths
+from specpilot.machine import torch_threads
 
 
 def check_request(prompt_ids, max_new_tokens: int, vocab: int, need: int, slots: int, least_new: int = 1) -> None:
@@ -333,14 +334,8 @@ class Decoder:
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, record_lattice: bool = False,
                  request=0) -> GenerationResult:
-        if not self.threads:
+        with torch_threads(self.threads):
             return self._generate(prompt_ids, max_new_tokens, record_lattice, request)
-        old = torch.get_num_threads()
-        torch.set_num_threads(self.threads)
-        try:
-            return self._generate(prompt_ids, max_new_tokens, record_lattice, request)
-        finally:
-            torch.set_num_threads(old)
 
     def check(self, prompt_ids: list[int], max_new_tokens: int) -> None:
         """Refuse a request this decoder cannot run (InputError)."""

@@ -273,18 +273,16 @@ def probe_rows(spec, rows: list[int], context: int, reps: int = 50, warmup: int 
     threads, w12, attn, head, decode, gdn), with a cache of context + rows + 64 slots; the result
     names the model and records the W12, attention, head, decode and GDN choices. ``qview``: also
     time the TLV Q pass over that view (:func:`q_view`)."""
-    import torch
-
     from specpilot.engine.api import cpu_threads, load_target
+    from specpilot.machine import torch_threads
 
     max_seq = context + max(rows) + 64
     start(spec, max_seq, max(rows))
     threads = cpu_threads(spec) if spec.device == "cpu" else spec.threads   # as the engine runs
-    if threads:
-        torch.set_num_threads(threads)
-    target = load_target(spec, max_seq=max_seq)
-    view = q_view(target.model, qview, max(rows)) if qview else None
-    res = measure_rows(target.model, rows, context, reps=reps, warmup=warmup, progress=progress, qview=view)
+    with torch_threads(threads):
+        target = load_target(spec, max_seq=max_seq)
+        view = q_view(target.model, qview, max(rows)) if qview else None
+        res = measure_rows(target.model, rows, context, reps=reps, warmup=warmup, progress=progress, qview=view)
     res.model = target.name
     res.extra.update({k: target.info[k] for k in ("w12", "attn", "head", "decode", "gdn", "deterministic")})
     if qview:

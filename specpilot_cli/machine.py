@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import platform
 
 
@@ -90,6 +91,23 @@ def choose_cpu_threads(requested: int | None, what: str = "CPU engine", given_by
         _announced.add(what)
         logging.getLogger("specpilot.status").info(f"{what}: {n} torch thread{'s' if n != 1 else ''} ({why})")
     return n
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's CPU threads set to ``n`` inside the block (0: left as they are) and given back after
+    it: the count is the process's, so a library call or an in-process command must not change it
+    for what runs next."""
+    import torch
+
+    old = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != old:
+            torch.set_num_threads(old)
 
 
 def free_memory(device: str) -> int | None:

@@ -275,19 +275,13 @@ def calibrate(engine, prompt) -> dict:
 
 def rows_probe(engine, rows: list[int], context: int, reps: int, progress=None) -> tuple[dict, dict[int, float], float]:
     """T_step(N) on the engine's target, with the CPU threads the engine generates with."""
-    import torch
-
     from specpilot.engine.rows import measure_rows
+    from specpilot.machine import torch_threads
 
-    threads = getattr(engine.decoder, "threads", 0)
-    old = torch.get_num_threads()
-    if threads and engine.model.device.type == "cpu":
-        torch.set_num_threads(threads)
-    try:
+    threads = getattr(engine.decoder, "threads", 0) if engine.model.device.type == "cpu" else 0
+    with torch_threads(threads):
         measure_rows(engine.model, [1], context, reps=3, warmup=3)  # the first forwards after a load are slow
         res = measure_rows(engine.model, rows, context, reps=reps, warmup=2, progress=progress)
-    finally:
-        torch.set_num_threads(old)
     res.model = engine.model_name
     return res.to_json(), {int(p["rows"]): float(p["step_ms"]) for p in res.points}, res.ar_ms
 

@@ -105,16 +105,17 @@ def probe_rows_batched(spec, rows: list[int], context: int, reps: int = 50, warm
     """:func:`measure_rows_batched` on the target ``spec`` describes, ``spec.batch`` requests."""
     from specpilot.engine.api import cpu_threads, load_target
     from specpilot.engine.rows import start
+    from specpilot.machine import torch_threads
 
     max_seq = context + max(rows) + 64
     # the peak: the model's own one-request cache and the B slots' (a hybrid's spare one too) with
     # the rest that grows with the context, before either is made
     start(spec, max_seq, max(rows))
     threads = cpu_threads(spec) if spec.device == "cpu" else spec.threads   # as the engine runs
-    if threads:
-        torch.set_num_threads(threads)
-    target = load_target(spec, max_seq=max_seq)
-    res = measure_rows_batched(target.model, spec.batch, rows, context, reps=reps, warmup=warmup, progress=progress)
+    with torch_threads(threads):
+        target = load_target(spec, max_seq=max_seq)
+        res = measure_rows_batched(target.model, spec.batch, rows, context, reps=reps, warmup=warmup,
+                                   progress=progress)
     res.model = target.name
     res.extra.update({k: target.info[k] for k in ("w12", "attn", "head", "decode", "gdn", "deterministic")})
     return res

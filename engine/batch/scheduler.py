@@ -46,6 +46,7 @@ from specpilot.engine.decode import GenerationResult, check_request
 from specpilot.engine.drafters import Lattice
 from specpilot.engine.metrics import STEP_BUCKETS, Histogram
 from specpilot.engine.spec import cache_room, request_rows
+from specpilot.machine import torch_threads
 from specpilot.engine.tlv import TLVStats
 from specpilot.errors import InputError
 from specpilot.kernels import tree as treelib
@@ -703,10 +704,7 @@ class BatchDecoder:
         ``requests[i].arrival_step`` (0 = at once). Results in the same order."""
         for r in requests:
             self.check(r)
-        old = torch.get_num_threads()
-        if self.threads:
-            torch.set_num_threads(self.threads)
-        try:
+        with torch_threads(self.threads):
             pending = sorted(requests, key=lambda r: r.arrival_step)
             it, done = 0, 0
             while pending or not self.idle():
@@ -721,8 +719,6 @@ class BatchDecoder:
                     if now > done:
                         progress(now - done)
                         done = now
-        finally:
-            torch.set_num_threads(old)
         return [result_of(r) for r in requests]
 
 
