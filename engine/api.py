@@ -314,7 +314,8 @@ def build_model(name: str, random: bool, dtype, device: str, max_seq: int, seed:
     spec, folder, display = resolve_model(name, random)
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise EnvironmentMissing("device=cuda but no CUDA GPU is visible; use device=cpu")
-    check_cache_fits(spec, max_seq, dtype, device)
+    Transformer.check_supported(spec)
+    check_cache_fits(spec, max_seq, dtype, device, weights=True)
     model = Transformer(spec, max_seq=max_seq, dtype=dtype, device=device)
     if folder is None:
         # the tiny built-ins use a larger std so their greedy text is not one repeated token

@@ -76,20 +76,40 @@ def apply_rope(x, cos, sin):
     return torch.cat([out, xp], -1) if xp.shape[-1] else out
 
 
-def check_cache_fits(spec: ModelSpec, max_seq: int, dtype, device: str, slots: int = 1) -> None:
-    """Refuse (EnvironmentMissing) KV caches of ``slots`` x ``max_seq`` positions that the device's
-    free memory cannot hold, before allocating them: the CPU would hand out the pages lazily and
-    the process be killed when they are touched."""
+def weight_bytes(spec: ModelSpec, dtype) -> int:
+    """Bytes of the model's parameters in ``dtype`` (projections, MoE experts, convolutions, the
+    embedding and an untied LM head; norms and biases are too small to count)."""
+    return spec.total_params() * torch.empty((), dtype=dtype).element_size()
+
+
+def smaller_weights_hint(dtype) -> str:
+    """What a user can do when the weights alone do not fit."""
+    wide = torch.empty((), dtype=dtype).element_size() > 2
+    return "a smaller model" + (" or 16-bit weights: --dtype bfloat16" if wide else "")
+
+
+def check_cache_fits(spec: ModelSpec, max_seq: int, dtype, device: str, slots: int = 1,
+                     weights: bool = False) -> None:
+    """Refuse (EnvironmentMissing) KV caches of ``slots`` x ``max_seq`` positions, and with
+    ``weights`` the model's parameters as well, that the device's free memory cannot hold, before
+    allocating them: the CPU would hand out the pages lazily and the process be killed when they
+    are touched."""
     from specpilot.machine import free_memory
 
     elem = torch.empty((), dtype=dtype).element_size()
     per = 2 * spec.num_full_attention_layers * spec.num_kv_heads * spec.head_dim * elem
-    need, free = per * max_seq * slots, free_memory(device)
-    if free is not None and need > free:
-        what = f"{slots} KV caches of {max_seq} slots need" if slots > 1 else f"a KV cache of {max_seq} slots needs"
-        raise EnvironmentMissing(f"{what} {need / 1e9:.3g} GB for {spec.name}; {device} has {free / 1e9:.3g} GB "
-                                 "free (a shorter context: --ctx for run and serve, --context for probe rows; "
-                                 "fewer requests: --batch)")
+    kv, free = per * max_seq * slots, free_memory(device)
+    params = weight_bytes(spec, dtype) if weights else 0
+    if free is None or kv + params <= free:
+        return
+    caches = f"{slots} KV caches of {max_seq} slots" if slots > 1 else f"a KV cache of {max_seq} slots"
+    if params:
+        dt = str(dtype).replace("torch.", "")
+        what = f"{spec.name} needs {(kv + params) / 1e9:.3g} GB ({dt} weights {params / 1e9:.3g} GB, {caches} {kv / 1e9:.3g} GB)"
+    else:
+        what = f"{caches} {'need' if slots > 1 else 'needs'} {kv / 1e9:.3g} GB for {spec.name}"
+    hint = (smaller_weights_hint(dtype) if params > free else "a shorter context: --ctx for run and serve, --context for probe rows; fewer requests: --batch")
+    raise EnvironmentMissing(f"{what}; {device} has {free / 1e9:.3g} GB free ({hint})")
 
 
 @dataclass
@@ -641,12 +661,17 @@ def _block_call(blk, x, inp, cos, sin, kv_len):
 class Transformer(nn.Module):
     """A decoder with a static cache of ``max_seq`` slots for one request."""
 
-    def __init__(self, spec: ModelSpec, max_seq: int = 2048, dtype=torch.float32, device="cpu"):
-        super().__init__()
+    @staticmethod
+    def check_supported(spec: ModelSpec) -> None:
+        """Refuse (InputError) a config the engine cannot build, before any memory is asked for it."""
         if spec.moe is not None and any(spec.moe_layers):
             raise InputError(f"{spec.name}: MoE layers are not supported by the embedded engine (dense and GDN only)")
         if spec.is_hybrid and spec.gdn is not None and spec.gdn.num_value_heads % spec.gdn.num_key_heads:
             raise InputError(f"{spec.name}: linear value heads must be a multiple of key heads")
+
+    def __init__(self, spec: ModelSpec, max_seq: int = 2048, dtype=torch.float32, device="cpu"):
+        super().__init__()
+        self.check_supported(spec)
         self.spec, self.max_seq, self.dtype = spec, max_seq, dtype
         self.device = torch.device(device)
         self.embed = nn.Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)

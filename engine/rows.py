@@ -203,8 +203,11 @@ def peak_bytes(spec, max_seq: int, dtype, device: str, rows: int, batch: int = 1
     largest of what is made and dropped again: building the RoPE tables (float64 positions and
     angles), filling one layer's K or V with random fp32 values, or a step's mask and, with the
     torch attention, one layer's scores over ``rows`` rows (fp32 scores, the masked copy and the
-    softmax). Weights and activations of a few rows are not counted (they do not grow with it)."""
+    softmax). ``weights``: the model's parameters (:func:`~specpilot.engine.model.weight_bytes`), on
+    the device; activations of a few rows are not counted."""
     import torch
+
+    from specpilot.engine.model import weight_bytes
 
     elem = torch.empty((), dtype=dtype).element_size()
     slots = 1 + (batch + spec.is_hybrid if batch > 1 else 0)
@@ -219,8 +222,10 @@ def peak_bytes(spec, max_seq: int, dtype, device: str, rows: int, batch: int = 1
     step = rows * batch * (1 + (16 * spec.num_heads if torch_attention else 0))
     cuda = device.startswith("cuda")
     transient = max(step, 0 if cuda else max(build, fill))
-    return {"device": (kv + rope + transient) * max_seq, "host": max(build, fill) * max_seq if cuda else 0,
-            "kv": kv * max_seq, "rope": rope * max_seq, "transient": transient * max_seq, "slots": slots}
+    weights = weight_bytes(spec, dtype)
+    return {"device": (kv + rope + transient) * max_seq + weights, "host": max(build, fill) * max_seq if cuda else 0,
+            "kv": kv * max_seq, "rope": rope * max_seq, "transient": transient * max_seq, "weights": weights,
+            "slots": slots}
 
 
 def check_probe_fits(spec, max_seq: int, dtype, device: str, rows: int, batch: int = 1,
@@ -228,20 +233,24 @@ def check_probe_fits(spec, max_seq: int, dtype, device: str, rows: int, batch: i
     """Refuse (EnvironmentMissing, exit 3) a rows probe whose peak (:func:`peak_bytes`) the free
     memory cannot hold, before anything is made (the CPU hands out pages lazily: the process would
     grow until the machine runs out, or be killed)."""
+    from specpilot.engine.model import smaller_weights_hint
     from specpilot.errors import EnvironmentMissing
     from specpilot.machine import free_memory
 
     need = peak_bytes(spec, max_seq, dtype, device, rows, batch, torch_attention)
     for where, n in ((device, need["device"]), ("cpu", need["host"])):
         free = free_memory(where)
-        if n and free is not None and n > free:
-            caches = (f"{need['slots']} KV caches of {max_seq} slots" if need["slots"] > 1
-                      else f"a KV cache of {max_seq} slots")
-            raise EnvironmentMissing(
-                f"probe rows needs about {n / 1e9:.3g} GB on {where} at its peak for {spec.name} ({caches} "
-                f"{need['kv'] / 1e9:.3g} GB, RoPE tables {need['rope'] / 1e9:.3g} GB, the largest transient "
-                f"{need['transient'] / 1e9:.3g} GB); {where} has {free / 1e9:.3g} GB free (a shorter --context, "
-                "fewer --rows or a smaller --batch)")
+        if not n or free is None or n <= free:
+            continue
+        on_device = where == device
+        caches = (f"{need['slots']} KV caches of {max_seq} slots" if need["slots"] > 1
+                  else f"a KV cache of {max_seq} slots")
+        parts = (f"{caches} {need['kv'] / 1e9:.3g} GB, RoPE tables {need['rope'] / 1e9:.3g} GB, the largest "
+                 f"transient {need['transient'] / 1e9:.3g} GB" + (f", weights {need['weights'] / 1e9:.3g} GB" if on_device else ""))
+        hint = (smaller_weights_hint(dtype) if on_device and need["weights"] > free
+                else "a shorter --context, fewer --rows or a smaller --batch")
+        raise EnvironmentMissing(f"probe rows needs about {n / 1e9:.3g} GB on {where} at its peak for {spec.name} "
+                                 f"({parts}); {where} has {free / 1e9:.3g} GB free ({hint})")
 
 
 def default_device() -> str:
@@ -260,8 +269,10 @@ def start(spec, max_seq: int, rows: int) -> None:
 
     from specpilot.engine.api import resolve_model
     from specpilot.engine.attention import resolve
+    from specpilot.engine.model import Transformer
 
     model_spec = resolve_model(spec.model, spec.random)[0]
+    Transformer.check_supported(model_spec)
     check_probe_fits(model_spec, max_seq, getattr(torch, spec.torch_dtype_name), spec.device, rows, spec.batch,
                      torch_attention=resolve(spec.attn, spec.device) == "torch")
     logging.getLogger("specpilot.status").info(f"loading model {spec.model} (probe rows, {spec.device}) ...")

@@ -215,6 +215,37 @@ def test_a_cache_the_memory_cannot_hold_is_refused_before_it_is_made(run_cli, tm
     assert code == 3 and "(5 KV caches of 100065 slots " in err, err
 
 
+def test_weights_the_memory_cannot_hold_are_refused_before_they_are_made(run_cli, tmp_path, monkeypatch):
+    """The weights count with the caches: memory for tiny's KV cache but not its 0.66 MB of fp32
+    weights is refused (exit 3, one line naming both, nothing written), with the hint that fits
+    the case; a MoE model is refused as unsupported (exit 2) before its memory is counted."""
+    import torch
+
+    import specpilot.machine
+    from specpilot.engine.api import resolve_model
+    from specpilot.engine.model import weight_bytes
+
+    spec = resolve_model("tiny", False)[0]
+    weights = weight_bytes(spec, torch.float32)
+    assert weights == 4 * spec.total_params() == 655360
+    monkeypatch.setattr(specpilot.machine, "free_memory", lambda device: weights // 2)
+    code, _, err = run_cli("run", "--model", "tiny", "--ctx", "64", "--prompt-ids", "1,2", "--max-new-tokens", "2")
+    assert code == 3 and err.count("error:") == 1 and err.endswith(")\n"), err
+    assert "error: tiny needs 0.000721 GB (float32 weights 0.000655 GB, a KV cache of 64 slots 6.55e-05 GB)" in err, err
+    assert "(a smaller model or 16-bit weights: --dtype bfloat16)" in err, err
+    out = tmp_path / "rows.json"
+    code, _, err = run_cli("probe", "rows", "--model", "tiny", "--device", "cpu", "--context", "16", "--rows", "1",
+                           "--out", out)
+    assert code == 3 and not out.exists() and err.count("\n") == 1, err
+    assert ", weights 0.000655 GB); cpu has 0.000328 GB free (a smaller model or 16-bit weights" in err, err
+    monkeypatch.setattr(specpilot.machine, "free_memory", lambda device: weights + 1000)   # weights fit, the cache not
+    code, _, err = run_cli("run", "--model", "tiny", "--ctx", "64", "--prompt-ids", "1,2", "--max-new-tokens", "2")
+    assert code == 3 and "(a shorter context: --ctx for run and serve" in err, err
+    for args in (("run", "--prompt-ids", "1,2", "--max-new-tokens", "2"), ("probe", "rows", "--rows", "1")):
+        code, _, err = run_cli(*args, "--model", "mixtral-8x7b", "--random-weights", "--device", "cpu")
+        assert code == 2 and "MoE layers are not supported" in err, err
+
+
 def test_probe_rows_takes_the_threads_run_takes(run_cli, tmp_path, monkeypatch):
     import specpilot.machine
 
