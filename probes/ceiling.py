@@ -370,9 +370,13 @@ def probe_model_mismatch(probe: RowsProbeFigures | None, model) -> str | None:
             "floors come from different models")
 
 
-def _use_rows_probe(p: RowsProbeFigures, m: Measurements, rows: int | None) -> None:
+def _use_rows_probe(p: RowsProbeFigures, m: Measurements, rows: int | None, run: RunFigures | None = None) -> None:
+    """T_AR from the probe, and its T_step at ``rows`` where nothing better gave one. Beside a run
+    whose verify steps were not all of ``rows`` rows, the probe's point is not the same step
+    (``--rows`` defaults to 1), so it is not offered, nor named in a note as the step passed over."""
     m.set("ar_ms", p.ar_ms, f"rows probe {p.source}" + (f" ({p.ar_path} AR step)" if p.ar_path else ""), p)
-    if rows is not None and rows in p.step_ms:
+    other_rows = run is not None and bool(run.verify_by_rows) and set(run.verify_by_rows) != {rows}
+    if rows is not None and rows in p.step_ms and not other_rows:
         m.set("step_ms", p.step_ms[rows], f"rows probe {p.source} (rows={rows})", p)
 
 
@@ -586,7 +590,7 @@ def compute_ceiling(req: CeilingRequest) -> CeilingResult:
     step_curve = {}
     warning = check_rows_probe_hardware(req.rows_probe, gpu if model is not None else None)
     if req.rows_probe:
-        _use_rows_probe(req.rows_probe, m, cost_rows)
+        _use_rows_probe(req.rows_probe, m, cost_rows, req.run)
         step_curve = req.rows_probe.step_ms
 
     floors: list[StepFloor] = []

@@ -128,6 +128,23 @@ def test_a_run_and_a_profile_of_one_deployment_share_the_step(run_cli, tmp_path)
     refused(code, err, f"--run {slow}", f"--profile {H200_PROFILE}", "step", "25%")
 
 
+def test_a_probe_point_of_other_rows_is_not_the_runs_step(run_cli, tmp_path):
+    """A tree run's steps of 1-17 rows beside a rows probe at the default --rows 1: the probe's
+    1-row point is T_AR, not a step the run's could be compared with, so no note names it; a run
+    whose steps were all of the probe's row count keeps the note."""
+    by_rows = [{"rows": r, "steps": 2, "verify_ms": 5.0} for r in (1, 5, 17)]
+    run = tmp_path / "tree.json"
+    run.write_text(json.dumps({"schema": "specpilot.run/1", "model": "llama-3.1-8b", "mode": "tree", "nodes": 16,
+                               "device": "cuda", "tau": 1.3, "steps": 6,
+                               "step_timing": {"steps": 6, "wall_ms": 5.4, "gpu_ms": 5.0, "by_rows": by_rows}}))
+    for r, noted in ((run, False), (_gpu_run(tmp_path, 5.4, 5.0), True)):
+        code, out, err = run_cli("ceiling", "--run", r, "--rows-probe", H200_ROWS, "--format", "json")
+        assert code == 0, err
+        cm = json.loads(out)["cost_model"]
+        assert cm["step_ms"] == 5.4 and cm["ar_ms"] == pytest.approx(3.926159977912903)
+        assert any(f"rows probe {H200_ROWS}" in n for n in cm["notes"]) == noted, cm["notes"]
+
+
 def test_a_gpu_probe_beside_the_profile_says_whose_step_is_used(run_cli):
     code, out, err = run_cli("ceiling", "--rows-probe", H200_ROWS, "--profile", H200_PROFILE, "--tau", "1.0",
                              "--format", "json")
