@@ -198,20 +198,9 @@ class GenerateSystem(System):
     """An engine spec or HTTP server: tokens/s over the prompt set, one run = every prompt once."""
 
     def __init__(self, spec: str, prompts, max_new_tokens: int, timeout: float = 120.0, concurrency: int = 1):
-        from .systems import make_generator, parse_system
+        from .systems import make_generator
 
-        if not prompts:
-            raise InputError(f"{spec}: timing an engine or a server needs --prompts FILE")
-        if max_new_tokens < 1:
-            raise InputError(f"--max-new-tokens {max_new_tokens}: must be at least 1")
-        self.system = parse_system(spec)
-        if self.system.kind == "file":
-            raise InputError(f"{spec}: an outputs file cannot be timed; give an engine: spec, a server URL, "
-                             "or --base-cmd/--candidate-cmd")
-        if concurrency < 1:
-            raise InputError(f"--concurrency {concurrency}: must be at least 1")
-        if concurrency > 1 and self.system.kind != "http":
-            raise InputError("--concurrency applies to servers; the embedded engine serves one request at a time")
+        self.system = self.check(spec, prompts, max_new_tokens, concurrency)
         self.concurrency = concurrency
         self.label = spec
         self.metric, self.unit, self.higher_is_better = "throughput", "tok/s", True
@@ -220,6 +209,25 @@ class GenerateSystem(System):
         self.gen = make_generator(self.system, timeout=timeout)
         self.outputs: list[list[int]] | None = None
         self.outputs_stable = True
+
+    @staticmethod
+    def check(spec: str, prompts, max_new_tokens: int, concurrency: int = 1):
+        """The parsed system, or InputError for what cannot be timed; nothing is loaded or started."""
+        from .systems import parse_system
+
+        if not prompts:
+            raise InputError(f"{spec}: timing an engine or a server needs --prompts FILE")
+        if max_new_tokens < 1:
+            raise InputError(f"--max-new-tokens {max_new_tokens}: must be at least 1")
+        system = parse_system(spec)
+        if system.kind == "file":
+            raise InputError(f"{spec}: an outputs file cannot be timed; give an engine: spec, a server URL, "
+                             "or --base-cmd/--candidate-cmd")
+        if concurrency < 1:
+            raise InputError(f"--concurrency {concurrency}: must be at least 1")
+        if concurrency > 1 and system.kind != "http":
+            raise InputError("--concurrency applies to servers; the embedded engine serves one request at a time")
+        return system
 
     def measure(self, gpu=None) -> float:
         t0 = time.perf_counter()
@@ -251,6 +259,16 @@ def recorded_as(spec: str | None, cmd: str | None, metric: str) -> tuple[str, st
     return (cmd, metric) if cmd is not None else (spec, "throughput")
 
 
+def check_system(spec: str | None, role: str, *, metric: str, prompts=None, max_new_tokens: int = 128,
+                 concurrency: int = 1) -> None:
+    """Refuse (InputError) an engine/server system :func:`make_system` could not time, before
+    either of a pair's systems loads a model or starts."""
+    if spec is None:
+        raise InputError(f"give --{role} SPEC or --{role}-cmd CMD")
+    check_metric(metric, shell=False)
+    GenerateSystem.check(spec, prompts, max_new_tokens, concurrency)
+
+
 def make_system(spec: str | None, cmd: str | None, role: str, *, metric: str, timeout: float | RunTimeout | None,
                 prompts=None, max_new_tokens: int = 128, concurrency: int = 1) -> System:
     """A shell system (``timeout``: seconds or a :class:`RunTimeout` shared with the other
@@ -259,9 +277,7 @@ def make_system(spec: str | None, cmd: str | None, role: str, *, metric: str, ti
         return ShellSystem(cmd, role, metric=metric, timeout=timeout)
     if isinstance(timeout, RunTimeout):
         timeout = timeout.fixed
-    if spec is None:
-        raise InputError(f"give --{role} SPEC or --{role}-cmd CMD")
-    check_metric(metric, shell=False)
+    check_system(spec, role, metric=metric, prompts=prompts, max_new_tokens=max_new_tokens, concurrency=concurrency)
     return GenerateSystem(spec, prompts, max_new_tokens, timeout=timeout or 120.0, concurrency=concurrency)
 
 

@@ -73,3 +73,24 @@ def test_a_resume_of_other_systems_is_refused_before_either_model_loads(run_cli,
                                                                              4, 1))))
     code, out, err = run_cli(*common, "--resume", mine, "--format", "json")
     assert code in (0, 1) and json.loads(out)["runs"] == 2, err
+
+
+@pytest.mark.parametrize("candidate, words", [
+    ("bogus:thing", "bogus:thing: no such file"),
+    ("{outs}", "an outputs file cannot be timed"),
+])
+def test_a_candidate_that_cannot_be_timed_is_refused_before_the_base_loads(run_cli, tmp_path, candidate, words):
+    """Either system's spec is checked before the base's model loads (seconds for a real model)."""
+    import json
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"schema": "specpilot.prompts/1", "id": 0, "prompt_ids": [1, 2, 3]}) + "\n")
+    outs = tmp_path / "outs.jsonl"
+    outs.write_text(json.dumps({"schema": "specpilot.outputs/1", "id": 0, "prompt_ids": [1, 2, 3],
+                                "output_ids": [4]}) + "\n")
+    partial = tmp_path / "t.partial.json"
+    code, out, err = run_cli("compare", "--base", "engine:model=tiny,mode=ar", "--candidate",
+                             candidate.format(outs=outs), "--prompts", prompts, "--max-new-tokens", "4",
+                             "--runs", "2", "--warmup", "0", "--partial", partial)
+    assert code == 2 and out == "" and err.count("\n") == 1 and words in err, err
+    assert "loading model" not in err and not partial.exists()

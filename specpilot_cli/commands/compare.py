@@ -92,8 +92,8 @@ def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, tokenizer
       specpilot compare --from timing.json --changes-output     # re-judge stored samples
       specpilot compare --base-cmd ... --candidate-cmd ... --resume specpilot-compare.partial.json
     """
-    from specpilot.auditors.pairing import (PairRun, RunTimeout, check_metric, even_pairs, make_system,
-                                           paired_compare, parse_gpus, recorded_as)
+    from specpilot.auditors.pairing import (PairRun, RunTimeout, check_metric, check_system, even_pairs,
+                                           make_system, paired_compare, parse_gpus, recorded_as)
     from specpilot.auditors.timing import (check_partial_workload, partial_doc, partial_samples, read_partial,
                                           workload_of)
     from specpilot.errors import InputError
@@ -191,6 +191,10 @@ def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, tokenizer
     keeper = StateKeeper(partial_file or resume_file or _default_partial(out), "--partial",
                          what=lambda doc: f"{doc['runs']} paired samples", resuming=resume_file)
     keeper.check({"--out": out})
+    if base_cmd is None:   # both systems' specs, before the base's model loads
+        for role, spec in (("base", base), ("candidate", candidate)):
+            check_system(spec, role, metric=metric, prompts=prompt_rows, max_new_tokens=max_new_tokens,
+                         concurrency=concurrency)
     limit = RunTimeout(timeout)  # both shell commands share it: derived from the base runs
     a = make_system(base, base_cmd, "base", metric=metric, timeout=limit, prompts=prompt_rows,
                     max_new_tokens=max_new_tokens, concurrency=concurrency)
