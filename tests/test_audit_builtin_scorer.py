@@ -45,9 +45,10 @@ def test_audit_check_and_the_ci_gate_take_a_builtin_scorer(run_cli, tmp_path, pr
 
 def test_a_builtin_scorer_refuses_tokens_outside_its_vocabulary(run_cli, tmp_path):
     rows = [{"schema": "specpilot.outputs/1", "id": "a", "prompt_ids": [1, 2, 3], "output_ids": [4, 300]}]
-    f = tmp_path / "o.jsonl"
-    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    code, _, err = run_cli("audit", "check", f, "--against", f, "--scorer", "tiny")
+    f, stock = tmp_path / "o.jsonl", tmp_path / "stock.jsonl"
+    for p in (f, stock):
+        p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code, _, err = run_cli("audit", "check", f, "--against", stock, "--scorer", "tiny")
     errors = [x for x in err.splitlines() if x.startswith("specpilot: error:")]
     assert code == 2 and len(errors) == 1 and "Traceback" not in err, err
     assert "token id 300 is outside the scorer's vocabulary (256)" in errors[0]

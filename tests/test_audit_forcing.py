@@ -468,5 +468,5 @@ def test_a_scorer_of_another_vocabulary_is_refused_before_it_scores(run_cli, tmp
     code, _, err = run_cli("audit", "engine:model=tiny,mode=tree", "--against", "engine:model=tiny,mode=ar",
                            "--scorer", "smollm2", "--prompts", ids)
     assert code == 2 and "engine:model=tiny,mode=ar: its vocabulary (256 tokens) is not that of --scorer" in err, err
-    code, _, err = run_cli("audit", outs["ar"], "--against", outs["ar"], "--scorer", "tiny")
+    code, _, err = run_cli("audit", outs["tree"], "--against", outs["ar"], "--scorer", "tiny")
     assert code == 0, err

@@ -51,6 +51,24 @@ def test_a_partial_outputs_file_an_earlier_run_kept_is_not_replaced(run_cli, pro
     assert code == 2 and "not an outputs file this audit may replace" in err and kept.read_text() == "not json\n", err
 
 
+def test_a_system_that_is_the_stock_file_itself_is_refused(run_cli, tmp_path):
+    """The same outputs file as SYSTEM and --against (by name or through a link) would pass
+    whatever it holds: refused; the AR file may be the stock file (stock is AR)."""
+    outs = tmp_path / "stock.jsonl"
+    outs.write_text(json.dumps({"schema": "specpilot.outputs/1", "id": "p0", "prompt_ids": [1, 2, 3],
+                                "output_ids": [5, 6]}) + "\n")
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(outs)
+    for system in (outs, link):
+        code, out, err = run_cli("audit", system, "--against", outs, "--scorer", "tiny")
+        assert code == 2 and out == "" and err.count("\n") == 1, err
+        assert f"SYSTEM {system} is the --against file {outs}" in err, err
+    other = tmp_path / "tree.jsonl"
+    other.write_text(outs.read_text())
+    code, out, err = run_cli("audit", other, "--against", outs, "--ar", outs, "--scorer", "tiny", "--format", "json")
+    assert code == 0 and json.loads(out)["verdict"] == "pass", err
+
+
 @pytest.fixture
 def selftest_args(monkeypatch):
     """What ``audit selftest`` would run with (the run itself, on SmolLM2, is the slow suite's)."""

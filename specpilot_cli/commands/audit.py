@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import click
 
 from specpilot.errors import InputError
@@ -175,6 +177,7 @@ def check(systems, stock_spec, ar_spec, scorer_spec, prompts_path, max_new_token
     vocab_of = _scorer_vocab(scorer_spec)
     specs = [("system", parse_system(s)) for s in systems]
     specs = [("stock", parse_system(stock_spec))] + ([("ar", parse_system(ar_spec))] if ar_spec else []) + specs
+    _refuse_stock_as_system(specs)
     inputs = [s.spec for _, s in specs if s.kind == "file"] + ([prompts_path] if prompts_path else [])
     if out:   # the systems run and the scorer scores for minutes before the report is written
         from specpilot.fileio import check_output_path
@@ -214,6 +217,25 @@ def check(systems, stock_spec, ar_spec, scorer_spec, prompts_path, max_new_token
         batch_tokens=batch_tokens, delta=delta, max_increase=max_increase / 100.0, bootstrap=bootstrap, seed=seed)
     emit(audit_report(result, info), fmt, out, protect=inputs)
     return 0 if result.verdict == "pass" else 1
+
+
+def _refuse_stock_as_system(specs) -> None:
+    """A SYSTEM that is the --against file itself (by path, link or hard link) passes whatever it
+    holds: refused as the slip it is. Two runs of one engine spec are a fair check and stay."""
+    stock = specs[0][1]
+    if stock.kind != "file":
+        return
+    for role, s in specs[1:]:
+        if role == "system" and s.kind == "file" and _same_file(s.spec, stock.spec):
+            raise InputError(f"SYSTEM {s.spec} is the --against file {stock.spec}: an audit of outputs against "
+                             "themselves finds nothing; give the stock system's outputs to --against")
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:   # a missing file is reported by its reader
+        return False
 
 
 def _check_kept_outputs(save: str, prompts, save_dir: str, prompts_path: str | None, max_new_tokens: int,
