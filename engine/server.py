@@ -194,7 +194,9 @@ class ServeState:
         m, st = self.metrics, self.decoder.stats
         ok = sum(v for k, v in m.finished.items() if k in ("length", "eos", "stop"))
         pct = {f"{k}_p{q}": percentile(v, q) for k, v in m.samples.items() for q in (50, 90, 99)}
-        return {"requests": ok, "errors": m.rejected.get("bad_request", 0) + m.finished.get("error", 0),
+        # named as /metrics names them: bad requests are rejected_requests_total{reason="bad_request"},
+        # errors requests_total{outcome="error"} (the engine failed them), rejected the queue's refusals
+        return {"requests": ok, "bad_requests": m.rejected.get("bad_request", 0), "errors": m.finished.get("error", 0),
                 "aborted": m.finished.get("abort", 0),
                 "rejected": sum(v for k, v in m.rejected.items() if k != "bad_request"),
                 "completion_tokens": m.completion_tokens, "spec_verify_ct": st.verify_steps, "tau": st.tau(),

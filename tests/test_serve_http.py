@@ -745,7 +745,26 @@ def test_a_second_signal_ends_the_grace_and_every_stream_still_gets_its_end():
             assert json.loads(results[i][-2][6:])["meta_info"]["finish_reason"]["type"] == "abort"
         assert results[5][-1] == "data: [DONE]"
         assert json.loads(results[5][-2][6:])["choices"][0]["finish_reason"] == "abort"
-        assert re.search(r"\n\S+\s+\S+\s+\S+\s+6\s", out.split("served", 1)[1]), out   # aborted 6
+        assert re.search(r"\n\S+\s+\S+\s+\S+\s+\S+\s+6\s", out.split("served", 1)[1]), out   # aborted 6
+    finally:
+        s.kill()
+
+
+def test_the_exit_summary_counts_as_metrics_does():
+    """Bad requests are the summary's bad_requests, as /metrics' rejected_requests_total
+    {reason="bad_request"}; errors are requests the engine failed (none here)."""
+    s = ServeProcess("--model", "tiny", "--threads", "1", "--grace", "1", "--format", "json")
+    try:
+        url = s.url()
+        for body in (b"not json", b'{"text": 5}', b'{"input_ids": [1], "sampling_params": {"top_k": 3}}'):
+            assert httpx.post(url + "/generate", content=body, timeout=30).status_code == 400
+        assert httpx.post(url + "/generate", json=_gen([1, 2], 2), timeout=30).status_code == 200
+        metrics = httpx.get(url + "/metrics", timeout=30).text
+        assert 'specpilot_rejected_requests_total{reason="bad_request"} 3' in metrics, metrics
+        assert 'specpilot_requests_total{outcome="error"} 0' in metrics, metrics
+        code, out = s.stop()
+        doc = json.loads(out)
+        assert code == 0 and (doc["requests"], doc["bad_requests"], doc["errors"], doc["rejected"]) == (1, 3, 0, 0), doc
     finally:
         s.kill()
 
