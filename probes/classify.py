@@ -81,20 +81,24 @@ class RuleTable:
         return "|".join(f"(?:{p})" for p in pats) if pats else None
 
 
-def _parse(doc: Any, source: str, start_index: int = 0) -> tuple[list[str], list[Rule], bool]:
+def _parse(doc: Any, source: str, start_index: int = 0,
+           shown: str | None = None) -> tuple[list[str], list[Rule], bool]:
+    """The classes, rules and ``replace`` flag of one rules document; ``source`` labels its rules,
+    errors name ``shown`` (the file as the user gave it), else ``source``."""
+    name = shown or source
     if not isinstance(doc, dict):
-        raise InputError(f"{source}: expected a YAML mapping with schema: {SCHEMA} and rules: [...]")
+        raise InputError(f"{name}: expected a YAML mapping with schema: {SCHEMA} and rules: [...]")
     if doc.get("schema") != SCHEMA:
-        raise InputError(f"{source}: unknown schema {doc.get('schema')!r}; expected {SCHEMA}")
+        raise InputError(f"{name}: unknown schema {doc.get('schema')!r}; expected {SCHEMA}")
     raw = doc.get("rules")
     if not isinstance(raw, list) or not raw:
-        raise InputError(f"{source}: 'rules' must be a non-empty list")
+        raise InputError(f"{name}: 'rules' must be a non-empty list")
     classes = doc.get("classes") or []
     if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes):
-        raise InputError(f"{source}: 'classes' must be a list of names")
+        raise InputError(f"{name}: 'classes' must be a list of names")
     rules = []
     for i, r in enumerate(raw, start_index):
-        where = f"{source}: rule {i}"
+        where = f"{name}: rule {i}"
         if not isinstance(r, dict) or not isinstance(r.get("class"), str) or not r["class"]:
             raise InputError(f"{where}: each rule needs a 'class' name")
         unknown = set(r) - set(CONDITIONS) - {"class", "note"}
@@ -157,9 +161,14 @@ def load_rules(user_files: list[str] | tuple[str, ...] = ()) -> RuleTable:
             raise InputError(f"{f}: no such rules file")
         try:
             doc = yaml.safe_load(p.read_text(encoding="utf-8"))
-        except (yaml.YAMLError, UnicodeDecodeError) as e:
+        except UnicodeDecodeError as e:
             raise InputError(f"{f}: not valid YAML ({str(e).splitlines()[0]})") from None
-        ucls, urules, replace = _parse(doc, p.name)
+        except yaml.YAMLError as e:   # the problem, not its context: the line named is the problem's
+            mark = getattr(e, "problem_mark", None)
+            where = f"{f}:{mark.line + 1}" if mark is not None else f
+            detail = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise InputError(f"{where}: not valid YAML ({detail})") from None
+        ucls, urules, replace = _parse(doc, p.name, shown=f)
         rules = urules + ([] if replace else rules)
         classes = list(dict.fromkeys([*classes, *ucls, *(r.cls for r in urules)]))
         sources.insert(0, p.name)

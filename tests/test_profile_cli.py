@@ -170,6 +170,20 @@ def test_bad_inputs_exit_2_without_output(run_cli, tmp_path):
     assert "refusing to overwrite" in _bad(run_cli, good, "--out", good)
 
 
+@pytest.mark.parametrize("name, text, expect", [
+    ("r1.yaml", "schema: specpilot.kernel_classes/1\nrules:\n  - {class: a, match: '('}\n",
+     "bad/r1.yaml: rule 0: match '(' is not a valid regex"),
+    ("empty.jsonl", "", "bad/empty.jsonl: expected a YAML mapping"),
+    ("r3.yaml", "schema: specpilot.kernel_classes/1\nrules:\n  - {class: a,\n    match: x\n  - oops\n",
+     "bad/r3.yaml:6: not valid YAML (expected ',' or '}'"),
+])
+def test_rules_file_errors_name_the_path_as_given_and_the_line(run_cli, tmp_path, monkeypatch, name, text, expect):
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / name).write_text(text)
+    monkeypatch.chdir(tmp_path)
+    assert _bad(run_cli, H200_EAGER, "--rules", f"bad/{name}").startswith(f"specpilot: error: {expect}")
+
+
 def test_nsys_rep_without_nsys_exits_3(run_cli, monkeypatch, tmp_path):
     import shutil
 
