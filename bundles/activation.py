@@ -171,10 +171,15 @@ def read_activation(path: Path) -> dict | None:
 
 
 def parse_bundle_list(text: str) -> list[str]:
-    names = [n.strip() for n in str(text).split(",") if n.strip()]
-    if not names:
+    names = [n.strip() for n in str(text).split(",")]
+    if not any(names):
         raise InputError("name at least one bundle, e.g. 'specpilot apply w12,tree'")
-    return list(dict.fromkeys(names))
+    if not all(names):
+        raise InputError(f"an empty bundle name between commas in {text!r}")
+    twice = next((n for i, n in enumerate(names) if n in names[:i]), None)
+    if twice is not None:
+        raise InputError(f"bundle {twice} given twice ({text}); give it once")
+    return names
 
 
 def _registry(entries: dict[str, mem.Entry], ids: list[str]) -> dict[str, tuple[str, mem.Variant]]:

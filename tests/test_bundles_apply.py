@@ -223,6 +223,20 @@ def test_missing_sglang_and_missing_specpilot(run_cli, tmp_path):
     assert not (purelib(no_sp) / act.ACTIVATION_NAME).exists()
 
 
+@pytest.mark.parametrize("bundles", ["tree,tree", "tree, lattice-trace,tree "])
+def test_a_bundle_named_twice_is_refused_before_the_environment_is_probed(run_cli, tmp_path, bundles):
+    code, out, err = run_cli("apply", bundles, "--python", tmp_path / "nowhere" / "python", "--dry-run")
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"specpilot: error: bundle tree given twice ({bundles}); give it once"), err
+
+
+@pytest.mark.parametrize("bundles", ["tree,,lattice-trace", "tree,"])
+def test_an_empty_bundle_name_is_refused(run_cli, tmp_path, bundles):
+    code, out, err = run_cli("apply", bundles, "--python", tmp_path / "nowhere" / "python", "--dry-run")
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert f"an empty bundle name between commas in {bundles!r}" in err, err
+
+
 @pytest.mark.parametrize("args, msg", [
     (["apply", "nope"], "unknown mechanism 'nope'"),
     (["apply", ","], "name at least one bundle"),
