@@ -18,7 +18,7 @@ import click
 from . import __version__
 from . import signals
 from .errors import EXIT_INTERNAL, EXIT_USAGE, as_user_error
-from .output import status_lines
+from .output import progress_seconds, status_lines
 
 
 class LazyGroup(click.Group):
@@ -37,6 +37,13 @@ class LazyGroup(click.Group):
             return None
         mod = importlib.import_module(f"specpilot.commands.{name.replace('-', '_')}")
         return getattr(mod, "command")
+
+    def resolve_command(self, ctx, args):
+        # the environment is checked before any verb runs (a bad value would otherwise show only once
+        # long work reports progress), except for a verb's help, which runs nothing
+        if ctx.parent is None and not {"-h", "--help"} & set(args):
+            progress_seconds()
+        return super().resolve_command(ctx, args)
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

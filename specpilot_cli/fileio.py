@@ -81,15 +81,19 @@ def check_output_path(path: str | os.PathLike, option: str = "--out",
     return target
 
 
-def _probe_write(folder: Path, option: str, shown: Path) -> None:
+def _probe_write(folder: Path, option: str, shown: Path, missing: Path | None = None) -> None:
     """InputError unless a file can be made in ``folder`` (permissions, a read-only or virtual file
-    system); the probe is removed at once."""
+    system); the probe is removed at once. ``missing``: the folder that would be made in ``folder``,
+    named as the one at fault."""
     from .signals import deferred
 
     with deferred():
         try:
             fd, probe = tempfile.mkstemp(prefix=".specpilot-", suffix=".probe", dir=folder)
         except OSError as e:
+            if missing is not None:
+                raise InputError(f"{option} {shown}: {missing} does not exist and cannot be made in {folder} "
+                                 f"({e.strerror})") from None
             raise InputError(f"{option} {shown}: cannot write in folder {folder} ({e.strerror})") from None
         os.close(fd)
         os.unlink(probe)
@@ -99,12 +103,12 @@ def check_output_folder(path: str | os.PathLike, option: str) -> Path:
     """Fail early (InputError naming ``option``) when folder ``path`` cannot be made or written
     (its nearest existing ancestor must be a folder that takes files); returns ``path``."""
     shown = Path(path)
-    anc = shown
+    anc, missing = shown, None
     while not anc.exists() and anc != anc.parent:
-        anc = anc.parent
+        anc, missing = anc.parent, anc
     if not anc.is_dir():
         raise InputError(f"{option} {shown}: {anc} is not a folder")
-    _probe_write(anc, option, shown)
+    _probe_write(anc, option, shown, missing)
     return shown
 
 

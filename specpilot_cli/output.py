@@ -167,19 +167,36 @@ class _StderrLines:
         sys.stderr.flush()
 
 
-def progress(iterable=None, total=None, desc: str | None = None, unit: str = "it"):
-    """Progress on stderr: a bar on a terminal; otherwise one plain line every
-    ``SPECPILOT_PROGRESS_SECONDS`` (default 15) seconds, so CI logs show long work moving."""
+def progress_seconds() -> float:
+    """Seconds between progress lines without a terminal: ``SPECPILOT_PROGRESS_SECONDS`` (blank:
+    unset), else :data:`PROGRESS_SECONDS`; 0 prints every update. Anything but a finite number
+    >= 0 is an InputError naming the variable."""
     import os
 
+    from .errors import InputError
+
+    raw = (os.environ.get("SPECPILOT_PROGRESS_SECONDS") or "").strip()
+    if not raw:
+        return PROGRESS_SECONDS
+    try:
+        every = float(raw)
+    except ValueError:
+        every = math.nan
+    if not (math.isfinite(every) and every >= 0):
+        raise InputError(f"SPECPILOT_PROGRESS_SECONDS={raw!r}: give the seconds between progress lines, a finite "
+                         f"number >= 0 (0: every update), or unset it for the default {PROGRESS_SECONDS:g}")
+    return every
+
+
+def progress(iterable=None, total=None, desc: str | None = None, unit: str = "it"):
+    """Progress on stderr: a bar on a terminal; otherwise one plain line every
+    :func:`progress_seconds` (default 15) seconds, so CI logs show long work moving."""
     from tqdm import tqdm
 
     if sys.stderr.isatty():
         return tqdm(iterable, total=total, desc=desc, unit=unit, file=sys.stderr, leave=False)
-    try:
-        every = float(os.environ.get("SPECPILOT_PROGRESS_SECONDS", PROGRESS_SECONDS))
-    except ValueError:
-        every = PROGRESS_SECONDS
+    every = progress_seconds()
+
     class LineBar(tqdm):
         def refresh(self, *args, **kwargs):  # an explicit refresh waits for the first interval too
             start = getattr(self, "start_t", None)  # unset while tqdm is still being built
@@ -192,7 +209,7 @@ def progress(iterable=None, total=None, desc: str | None = None, unit: str = "it
                 super().close()
 
     return LineBar(iterable, total=total, desc=desc, unit=unit, file=_StderrLines(), leave=False, mininterval=every,
-                maxinterval=max(every, 1.0), miniters=1, delay=every, disable=every < 0,
+                maxinterval=max(every, 1.0), miniters=1, delay=every,
                 bar_format="{desc}: {n_fmt}/{total_fmt} {unit} [{elapsed}<{remaining}, {rate_fmt}]")
 
 

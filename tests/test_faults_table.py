@@ -67,11 +67,14 @@ def test_outputs_huge_token_id_is_bad_input_with_file_and_line(run_cli, tmp_path
     p = tmp_path / "o.jsonl"
     p.write_text(_jsonl([{"schema": "specpilot.outputs/1", "id": 0, "prompt_ids": [1], "output_ids": [2]},
                          {"schema": "specpilot.outputs/1", "id": 1, "prompt_ids": [1], "output_ids": [10**30]}]))
-    code, _, err = run_cli("audit", p, "--against", p, "--scorer", tmp_path / "nowhere")
+    stock = tmp_path / "stock.jsonl"
+    stock.write_text(_jsonl([{"schema": "specpilot.outputs/1", "id": i, "prompt_ids": [1], "output_ids": [2]}
+                             for i in range(2)]))
+    code, _, err = run_cli("audit", p, "--against", stock, "--scorer", tmp_path / "nowhere")
     assert code == 2  # the scorer is checked first; then the file
     (tmp_path / "scorer").mkdir()
     (tmp_path / "scorer" / "config.json").write_text("{}")
-    code, _, err = run_cli("audit", p, "--against", p, "--scorer", tmp_path / "scorer")
+    code, _, err = run_cli("audit", p, "--against", stock, "--scorer", tmp_path / "scorer")
     assert code == 2, err
     assert "o.jsonl:2: output_ids must hold token ids in [0, 2147483647]" in _one_error(err)
 
@@ -397,7 +400,9 @@ def test_an_empty_out_is_refused_not_stdout(run_cli):
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--out-dir", "/proc/x"], "cannot write in folder /proc"),
+    (["--out-dir", "/proc/x"], "--out-dir /proc/x: /proc/x does not exist and cannot be made in /proc"),
+    (["--out-dir", "/proc/x/rd"], "--out-dir /proc/x/rd: /proc/x does not exist and cannot be made in /proc"),
+    (["--records", "/proc/x/rec"], "--records /proc/x/rec: /proc/x does not exist and cannot be made in /proc"),
     (["--out-dir", "{file}/sub"], "is not a folder"),
     (["--candidates", "tree,,chain"], "an empty name between commas"),
 ])
@@ -703,6 +708,26 @@ def test_progress_is_quiet_for_short_work_without_a_tty(run_cli, tmp_path):
     p.write_text(_jsonl(LATTICE))
     code, _, err = run_cli("replay", p)
     assert code == 0 and err == "", err
+
+
+@pytest.mark.parametrize("value, argv", [
+    ("abc", ["ceiling", "--model", "llama-3.1-8b", "--gpu", "h200"]),   # a verb that shows no progress
+    ("nan", ["ceiling", "--model", "llama-3.1-8b", "--gpu", "h200"]),
+    ("inf", ["ceiling", "--model", "llama-3.1-8b", "--gpu", "h200"]),
+    ("-5", ["run", "--model", "tiny", "--prompt", "hi"]),
+])
+def test_a_progress_interval_that_is_not_a_number_of_seconds_is_bad_input(run_cli, monkeypatch, value, argv):
+    from specpilot.output import progress
+
+    monkeypatch.setenv("SPECPILOT_PROGRESS_SECONDS", value)
+    code, out, err = run_cli(*argv)
+    assert code == 2 and out == "", err
+    assert _one_error(err).startswith(f"specpilot: error: SPECPILOT_PROGRESS_SECONDS={value!r}: give the seconds")
+    assert "loading model" not in err
+    with pytest.raises(InputError, match="SPECPILOT_PROGRESS_SECONDS"):   # read where the progress line is made too
+        progress(total=1)
+    code, out, err = run_cli(argv[0], "--help")   # a verb's help runs nothing: shown whatever the value
+    assert code == 0 and out.startswith(f"Usage: specpilot {argv[0]}") and err == "", err
 
 
 # ------------------------------------------------------------------------------ CPU threads
