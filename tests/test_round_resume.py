@@ -540,3 +540,29 @@ def test_a_resume_with_more_minutes_checks_the_prompts_before_it_reopens_skipped
     code, _, err = run_cli("round", "--resume", r, "--budget", "1")
     assert code == 2 and "prompts.jsonl:1: row needs" in err and err.count("\n") == 1, err
     assert _files(r) == before
+
+
+def test_a_round_folder_in_use_is_refused_by_a_second_resume(done, tmp_path, run_cli):
+    """Two sessions of one round would judge its candidates twice and rewrite each other's files:
+    while one holds the folder's lock a resume there is refused (exit 2, one line, nothing written);
+    once it is released the resume goes on."""
+    import os
+
+    from specpilot.auditors.round.run import LOCK_FILE, hold_folder
+
+    r = _copy(done, tmp_path)
+    fd = hold_folder(r)   # what a running session holds (flock: another open of the file is another holder)
+    try:
+        before = _files(r)
+        code, out, err = run_cli("round", "--resume", r)
+        assert code == 2 and out == "" and err.count("\n") == 1, err
+        assert "another specpilot round is running in this folder" in err and _files(r) == before, err
+    finally:
+        os.close(fd)
+    code, out, err = run_cli("round", "--resume", r)
+    assert code == 0 and "complete" in err + out, err
+    fresh = tmp_path / "fresh"   # a folder holding nothing but a lock file takes a new round
+    fresh.mkdir()
+    (fresh / LOCK_FILE).touch()
+    code, out, err = run_cli("round", "engine:model=tiny,mode=ar", "--out-dir", fresh, "--dry-run")
+    assert code == 0, err

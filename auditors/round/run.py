@@ -106,7 +106,7 @@ def check_config(cfg: RoundConfig):
     from .propose import check_names, check_runnable
 
     out = Path(cfg.out_dir) if cfg.out_dir else None
-    if out is not None and out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if out is not None and out.exists() and (not out.is_dir() or any(p.name != LOCK_FILE for p in out.iterdir())):
         raise InputError(f"{out} exists and is not an empty folder; continue a round there with --resume {out} "
                          "or choose another --out-dir")
     if out is not None:
@@ -261,7 +261,8 @@ def short_prompts_note(cfg: RoundConfig, rows, prompts: list) -> str | None:
 
 
 class _Round:
-    def __init__(self, cfg: RoundConfig, *, resume: bool, budget_min: float | None, progress, notify):
+    def __init__(self, cfg: RoundConfig, *, resume: bool, budget_min: float | None, progress, notify,
+                 lock: list | None = None):
         self.progress = progress
         self.notify = notify or (lambda stage, msg: None)
         self.dir = Path(cfg.out_dir)
@@ -274,6 +275,8 @@ class _Round:
             path = self.dir / "round.json"
             if not path.is_file():
                 raise InputError(f"{self.dir}: no round.json here; nothing to resume")
+            if lock is not None:   # before the state is read: another session may be rewriting it
+                lock.append(hold_folder(self.dir))
             self.state = read_json(path, kind="round")
             check_state(self.state, path)
             check_stage_files(self.dir, self.state)
@@ -309,6 +312,11 @@ class _Round:
             self.clock = pl.Clock(cfg.budget_min * 60.0)
             self.state = self._new_state()
             self.dir.mkdir(parents=True, exist_ok=True)
+            if lock is not None:   # two new rounds that both found the folder empty: the second stops here
+                lock.append(hold_folder(self.dir))
+                if any(p.name != LOCK_FILE for p in self.dir.iterdir()):   # or the first ended before it got here
+                    raise InputError(f"{self.dir} is not an empty folder any more (another round wrote there); "
+                                     f"continue that round with --resume {self.dir} or choose another --out-dir")
             self._save()
         self.pool = EnginePool()
         self.facts = self.dep.facts
@@ -867,8 +875,34 @@ class _Round:
 
 def run_round(cfg: RoundConfig, *, resume: bool = False, budget_min: float | None = None,
               progress: Callable | None = None, notify: Callable[[str, str], None] | None = None) -> RoundResult:
-    """Run (or, with ``resume``, continue) one round in ``cfg.out_dir``."""
-    return _Round(cfg, resume=resume, budget_min=budget_min, progress=progress, notify=notify).run()
+    """Run (or, with ``resume``, continue) one round in ``cfg.out_dir``; one round at a time in a
+    folder (:func:`hold_folder`)."""
+    lock: list = []
+    try:
+        return _Round(cfg, resume=resume, budget_min=budget_min, progress=progress, notify=notify,
+                      lock=lock).run()
+    finally:
+        for fd in lock:
+            os.close(fd)   # closing the descriptor releases the lock
+
+
+LOCK_FILE = ".round.lock"
+
+
+def hold_folder(folder: Path) -> int:
+    """An exclusive lock on ``folder``'s :data:`LOCK_FILE` (the descriptor; closing it releases
+    the lock, as the process's end does): a second round or resume in the same folder is refused
+    (InputError) instead of rewriting the first one's files beside it."""
+    import fcntl
+
+    fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise InputError(f"{folder}: another specpilot round is running in this folder; let it finish (or stop "
+                         f"it) before resuming it") from None
+    return fd
 
 
 # a stage's status in round.json; a resume redoes every one but done and stopped (which it has
