@@ -85,7 +85,11 @@ def _token_list(value, what: str, where: str, allow_empty: bool) -> list[int]:
 
 
 def _short(v) -> str:
-    text = repr(v)
+    """A value from a JSON file as JSON writes it (true, null, "3"), cut to 40 characters."""
+    try:
+        text = json.dumps(v)
+    except (TypeError, ValueError):
+        text = repr(v)
     return text if len(text) <= 40 else text[:37] + "..."
 
 
@@ -186,7 +190,11 @@ def read_prompt_rows(path) -> list[PromptRow]:
                          "a line, or an outputs file) or plain text, one prompt a line")
     if first and not _jsonl_row(first):
         with open_text(path, "utf-8-sig") as fh:
-            lines = [line for line in fh.read().splitlines() if line.strip()]
+            text = fh.read()
+        if "\x00" in text:   # UTF-8 that decodes but holds NULs is a binary file, not prompts
+            line = text[:text.index("\x00")].count("\n") + 1
+            raise InputError(f"{path}:{line}: a NUL byte in a text prompts file (a binary file?)")
+        lines = [line for line in text.splitlines() if line.strip()]
         return [PromptRow(f"p{i}", text=line) for i, line in enumerate(lines)]
     rows: list[PromptRow] = []
     seen: set[str] = set()
@@ -200,6 +208,8 @@ def read_prompt_rows(path) -> list[PromptRow]:
         if key(id_) in seen:
             raise InputError(f"{where}: duplicate id {id_!r}")
         seen.add(key(id_))
+        if schema == PROMPTS_SCHEMA and "prompt_ids" in obj and "text" in obj:
+            raise InputError(f"{where}: a prompt row has \"prompt_ids\" or \"text\", not both")
         if "prompt_ids" in obj:
             rows.append(PromptRow(id_, prompt_ids=_token_list(obj["prompt_ids"], "prompt_ids", where, False)))
         elif "text" in obj:

@@ -370,6 +370,23 @@ def test_a_prompts_file_with_a_byte_order_mark_is_read_as_its_rows(tmp_path):
         read_prompt_rows(p)
 
 
+@pytest.mark.parametrize("content, needle", [
+    (b'{"schema": "specpilot.prompts/1", "id": "a", "text": "abc", "prompt_ids": [1, 2]}\n',
+     ':1: a prompt row has "prompt_ids" or "text", not both'),
+    (b"first\nhello\x00world\n", ":2: a NUL byte in a text prompts file (a binary file?)"),
+    (b'{"schema": "specpilot.prompts/1", "id": "a", "prompt_ids": [1, true]}\n', "found true"),
+    (b'{"schema": "specpilot.prompts/1", "id": "a", "prompt_ids": [1, null]}\n', "found null"),
+])
+def test_a_prompts_row_that_is_not_one_prompt_is_refused(run_cli, tmp_path, content, needle):
+    """What `run`, `audit` and `compare` read as prompts: one of prompt_ids and text (a row with
+    both would drop one unseen), no NUL bytes in a text file, values named as the JSON has them."""
+    p = tmp_path / "p.txt"
+    p.write_bytes(content)
+    out = tmp_path / "out.json"
+    code, _, err = run_cli("run", "--model", "tiny", "--prompts", p, "--max-new-tokens", "2", "--out", out)
+    assert code == 2 and needle in _one_error(err) and not out.exists(), err
+
+
 @pytest.mark.parametrize("args, needle", [
     (["run", "--model", "tiny", "--prompt-ids", "1,,2"], "comma-separated integers"),
     (["audit", "selftest", "--biases", "nan"], "positive finite numbers"),
