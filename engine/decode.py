@@ -11,6 +11,7 @@ slots and GDN layers commit by snapshot (chain) or replay (tree).
 
 from __future__ import annotations
 
+import operator
 import time
 from dataclasses import dataclass, field
 
@@ -30,8 +31,14 @@ def check_request(prompt_ids, max_new_tokens: int, vocab: int, need: int, slots:
     """InputError for a request no decoder can run: an empty prompt, a token outside the
     vocabulary, fewer new tokens than ``least_new`` (a decoder makes at least one; ``serve``
     answers a request for none itself), or more cache slots (``need``) than the decoder has
-    (``slots``)."""
-    if not prompt_ids:
+    (``slots``). Token ids and counts must be integers (a library caller's text or float is refused
+    here, not failed on deep in a step)."""
+    if isinstance(prompt_ids, (str, bytes)) or not all(_integer(t) for t in prompt_ids):
+        raise InputError("prompt_ids must be a sequence of integer token ids (text goes through the tokenizer: "
+                         "Engine.run takes {'text': ...})")
+    if not _integer(max_new_tokens):
+        raise InputError(f"max_new_tokens must be an integer, got {max_new_tokens!r}")
+    if len(prompt_ids) == 0:
         raise InputError("empty prompt: give at least one token")
     bad = [t for t in prompt_ids if not 0 <= t < vocab]
     if bad:
@@ -41,6 +48,17 @@ def check_request(prompt_ids, max_new_tokens: int, vocab: int, need: int, slots:
     if need > slots:
         raise InputError(f"prompt ({len(prompt_ids)} tokens) + {max_new_tokens} new tokens + draft rows need "
                          f"{need} cache slots; the engine has {slots} (raise ctx=, --ctx on the command line)")
+
+
+def _integer(v) -> bool:
+    """An int or an integer scalar (numpy, a 0-d tensor), not a bool."""
+    if isinstance(v, bool):
+        return False
+    try:
+        operator.index(v)
+    except TypeError:
+        return False
+    return True
 
 
 @dataclass
@@ -345,8 +363,8 @@ class Decoder:
     @torch.no_grad()
     def _generate(self, prompt_ids: list[int], max_new_tokens: int, record_lattice: bool = False,
                   request=0) -> GenerationResult:
-        prompt_ids = [int(t) for t in prompt_ids]
         self.check(prompt_ids, max_new_tokens)
+        prompt_ids = [int(t) for t in prompt_ids]
         if self.drafter is not None:
             self.drafter.reset(self.model, prompt_ids)
         self._sync()

@@ -119,6 +119,12 @@ def test_capacity_and_token_range_errors():
         e.generate([1, 999], 4)
     with pytest.raises(InputError):
         e.generate([], 4)
+    for ids, n in (("abc", 4), ([97, 98.0], 4), ([97, True], 4), ([97, 98], 4.5), ([97, 98], True)):
+        with pytest.raises(InputError, match="must be"):   # a library caller's slip, named, not a TypeError
+            e.generate(ids, n)
+    import numpy as np
+
+    assert e.generate(np.array([97, 98]), np.int64(3)).output_ids == e.generate([97, 98], 3).output_ids
 
 
 @pytest.mark.parametrize("model", ["tiny", "tiny-hybrid"])
