@@ -296,7 +296,10 @@ class EngineSpec:
         return cache_room(self.mode, self.nodes, self.depth, shared)
 
     def _rule_acts(self, key: str) -> bool:
-        """Whether batching rule ``key`` acts: batch above 1, and for budget and block a chain or tree mode."""
+        """Whether batching rule ``key`` acts: batch above 1, for budget and block a chain or tree
+        mode, for admit_rows the admission rule that reads it (waiting)."""
+        if key == "admit_rows" and self.admit != "waiting":
+            return False
         return self.batch > 1 and not (key in DRAFT_RULES and self.mode not in ("chain", "tree"))
 
     def rule(self, key: str):
@@ -318,8 +321,11 @@ class EngineSpec:
             unused = [k for k in BATCH_RULES if k in given]
             if unused:
                 raise fail(f"{{{unused[0]}}} applies to batched decoding; give {{batch}} above 1 or leave it out")
-        elif self.mode not in ("chain", "tree"):
-            unused = [k for k in DRAFT_RULES if k in given]
+        else:
+            if "admit_rows" in given and self.admit != "waiting":   # only that rule reads it
+                raise fail(f"{{admit_rows}} sizes the room of {{admit=waiting}}, and admission is {self.admit}: "
+                           "leave it out")
+            unused = [k for k in DRAFT_RULES if k in given] if self.mode not in ("chain", "tree") else []
             if unused:
                 raise fail(f"{{{unused[0]}}} applies to batched chain and tree steps, not mode {self.mode}; "
                            "leave it out")
@@ -460,7 +466,7 @@ class OptionInfo:
             word = str(v).lower()
             if word in TRUE_WORDS or word in FALSE_WORDS:
                 return word in TRUE_WORDS
-            raise bad(v, "must be 0 or 1")
+            raise bad(v, f"must be 0 or 1 (also read: {'/'.join(TRUE_WORDS[1:])} and {'/'.join(FALSE_WORDS[1:])})")
         if self.kind is int:
             if isinstance(v, bool) or (isinstance(v, str) and not re.fullmatch(INT_TEXT, v)):
                 raise bad(v, "is not an integer")
