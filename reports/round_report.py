@@ -104,9 +104,13 @@ def build(res) -> list[Block]:
         summary = (f"{verdicts[0].upper()}{verdicts[1:]}. The round started from `{st.get('start')}` and ends with "
                    f"`{st.get('final') or st.get('current')}`.")
     b.append(Block("p", summary))
-    b.append(Block("p", f"Made by `{_command(st)}` ({_n(st.get('spent_s', 0) / 60, 3)} of "
-                        f"{_n(st.get('budget_s', 0) / 60, 3)} minutes; load average {st.get('load_average_start')} at "
-                        f"the start, {st.get('load_average_end')} at the end)."))
+    resumed = "".join(f", resumed with `specpilot round --resume {res.dir}"
+                      + (f" --budget {_n(r['budget_min'])}" if r.get("budget_min") is not None else "") + "`"
+                      for r in st.get("resumes") or [])
+    sessions = f" over its {1 + len(st['resumes'])} sessions" if st.get("resumes") else ""
+    b.append(Block("p", f"Made by `{_command(st)}`{resumed} ({_n(st.get('spent_s', 0) / 60, 3)} of "
+                        f"{_n(st.get('budget_s', 0) / 60, 3)} minutes{sessions}; load average "
+                        f"{st.get('load_average_start')} at the start, {st.get('load_average_end')} at the end)."))
     # deployment
     b.append(Block("h2", "Deployment"))
     rows = [[k, _n(v)] for k, v in facts.items() if v not in (None, "")]

@@ -566,3 +566,17 @@ def test_a_round_folder_in_use_is_refused_by_a_second_resume(done, tmp_path, run
     (fresh / LOCK_FILE).touch()
     code, out, err = run_cli("round", "engine:model=tiny,mode=ar", "--out-dir", fresh, "--dry-run")
     assert code == 0, err
+
+
+def test_the_report_names_each_session_that_continued_the_round(interrupted, done, tmp_path, run_cli):
+    """A resume is recorded in round.json (with the minutes it gave) and named in the report beside
+    the command that started the round; a damaged record of them is refused by report and resume."""
+    r = tmp_path / "copy"
+    shutil.copytree(interrupted / "r", r)
+    code, _, err = run_cli("round", "--resume", r, "--budget", "1")
+    assert code == 0, err
+    state = json.loads((r / "round.json").read_text())
+    assert state["resumes"] == [{"budget_min": 1}], state.get("resumes")
+    md = (r / "report.md").read_text()
+    assert f"`, resumed with `specpilot round --resume {r} --budget 1` (" in md and "over its 2 sessions" in md, md[:900]
+    _report_and_resume_refuse(run_cli, _copy(done, tmp_path / "bad", resumes=[{"budget_min": "x"}]), "resumes must be")

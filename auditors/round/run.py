@@ -303,6 +303,8 @@ class _Round:
             self.clock = pl.Clock(budget_s, spent_before=spent)
             # nothing left to do (with --budget, no candidate skipped for time reopened): nothing is rewritten
             self.complete = all(v["status"] in ("done", "stopped") for v in self.state["stages"].values())
+            if not self.complete:   # the report names each session that continued the round
+                self.state.setdefault("resumes", []).append({"budget_min": budget_min})
         else:
             self.complete = False
             self.cfg = cfg
@@ -977,6 +979,11 @@ def check_state(state, path: Path) -> None:
             bad(key, "text or null")
     if state.get("versions") is not None and not isinstance(state["versions"], dict):
         bad("versions", "a map")
+    resumes = state.get("resumes", [])
+    if not (isinstance(resumes, list) and all(
+            isinstance(r, dict) and set(r) == {"budget_min"}
+            and (r["budget_min"] is None or (is_num(r["budget_min"]) and r["budget_min"] > 0)) for r in resumes)):
+        bad("resumes", "a list of {budget_min: minutes > 0 or null}")
     if state.get("planned_pairs") is not None and not (is_int(state["planned_pairs"]) and state["planned_pairs"] >= 0):
         bad("planned_pairs", "a whole number >= 0 or null")
     shape = state.get("shape")
