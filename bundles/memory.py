@@ -361,14 +361,14 @@ def load_memory(directory: str | Path | None = None) -> dict[str, Entry]:
         if entry.id in entries:
             raise InputError(f"{path}: duplicate memory id {entry.id!r} (also in {entries[entry.id].path})")
         entries[entry.id] = entry
-    check_off_with(entries)
+    check_relations(entries)
     return entries
 
 
 def parse_entry_text(text: str, path: Path) -> Entry:
     """The entry file ``path`` would hold with ``text`` (``memory verify --record``'s new text),
     checked as :func:`load_memory` checks a file: YAML, fields, and its id against the file name.
-    The ``off_with`` names are checked across all entries by :func:`check_off_with`."""
+    What it names of other entries is checked across all entries by :func:`check_relations`."""
     return _entry_of_file(yaml_text(text, path, "memory entry"), path)
 
 
@@ -379,8 +379,11 @@ def _entry_of_file(raw: Any, path: Path) -> Entry:
     return entry
 
 
-def check_off_with(entries: dict[str, Entry]) -> None:
-    """Refuse an ``off_with`` that names no entry among ``entries`` (a misspelt id would never warn)."""
+def check_relations(entries: dict[str, Entry]) -> None:
+    """Refuse entries that relate wrongly to each other, for every verb that reads the memory (as
+    ``memory verify`` does): a requirement that names no entry or comes round in a cycle, and an
+    ``off_with`` that names no entry (a misspelt id would never warn)."""
+    closure(entries, sorted(entries))
     for entry in entries.values():
         unknown = [o.bundle for o in entry.off_with if o.bundle not in entries]
         if unknown:

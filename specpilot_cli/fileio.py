@@ -248,6 +248,25 @@ def need(ok: bool, name: str, want: str, v) -> None:
         raise ValueError(f"{name} must be {want}, not {v!r:.40}")
 
 
+def need_fields(d: dict, cls, name: str = "") -> None:
+    """The fields of a file's object ``d`` that builds the dataclass ``cls`` (its ``schema`` aside):
+    a ValueError naming one it does not know or one it misses (the reader adds the file's name),
+    where the constructor would say it in Python's words."""
+    import dataclasses
+    import difflib
+
+    fields = dataclasses.fields(cls)
+    at = f"{name}: " if name else ""
+    for key in d:
+        if key != "schema" and key not in {f.name for f in fields}:
+            # a hint, not the list of fields: a long list would be cut off in the one-line error
+            close = difflib.get_close_matches(str(key), [f.name for f in fields], n=1)
+            raise ValueError(f"{at}unknown field {key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    for f in fields:
+        if f.name not in d and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ValueError(f"{at}no field {f.name!r}")
+
+
 def check_schema(obj: Any, kind: str, source: str, versions: Iterable[int] = (1,)) -> None:
     """Reject objects whose ``schema`` is not ``specpilot.<kind>/<v>`` for a known v."""
     if not isinstance(obj, dict):

@@ -144,6 +144,34 @@ def test_cycle_and_missing_requirement_are_errors(run_cli, tmp_path):
     assert code == 2 and "unknown mechanism 'gdn-wy' (required by tree in " in err
 
 
+@pytest.mark.parametrize("requires, words", [(["nonexist"], "unknown mechanism 'nonexist' (required by tree in "),
+                                             (["tree"], "requirement cycle in memory: tree -> tree")])
+def test_every_verb_that_reads_the_memory_refuses_what_verify_refuses(run_cli, tmp_path, requires, words):
+    """A requirement that names no entry, or a cycle, is refused by list, show and the round's dry
+    run as by verify (exit 2, one line), not listed as if the memory held."""
+    from conftest import refused
+
+    d = _copy(tmp_path)
+    _edit(d / "tree.yaml", requires=requires)
+    for args in (("memory", "list"), ("memory", "show", "w12"), ("memory", "verify"),
+                 ("round", "engine:model=tiny,mode=ar", "--dry-run")):
+        code, out, err = run_cli(*args, "--memory-dir", d)
+        assert out == "", (args, out)
+        refused(code, err, words)
+
+
+def test_verify_refuses_an_entry_named_twice(run_cli, tmp_path):
+    from conftest import refused
+
+    d = _copy(tmp_path)
+    snapshot = {p.name: p.read_text() for p in d.glob("*.yaml")}
+    for extra in ((), ("--record",)):
+        code, out, err = run_cli("memory", "verify", "tree", "w12", "tree", "--memory-dir", d, *extra)
+        assert out == ""
+        refused(code, err, "'tree' is named twice in 'tree w12 tree'")
+    assert {p.name: p.read_text() for p in d.glob("*.yaml")} == snapshot
+
+
 def test_two_replacements_of_one_target_conflict(tmp_path):
     d = _copy(tmp_path)
     raw = yaml.safe_load((d / "tree.yaml").read_text())
@@ -197,6 +225,11 @@ def test_bad_entries_exit_2(run_cli, tmp_path, mutate, msg):
 def test_verify_of_an_empty_memory_is_bad_input(run_cli, tmp_path):
     code, out, err = run_cli("memory", "verify", "--memory-dir", tmp_path)
     assert code == 2 and err.strip() == f"specpilot: error: {tmp_path}: no entries (*.yaml) to verify" and out == ""
+    # show says so the same way (no entry can be found there); list lists nothing and says why
+    code, out, err = run_cli("memory", "show", "tree", "--memory-dir", tmp_path)
+    assert code == 2 and err.strip() == f"specpilot: error: {tmp_path}: no entries (*.yaml) to show" and out == ""
+    code, out, err = run_cli("memory", "list", "--memory-dir", tmp_path)
+    assert code == 0 and f"no entries (*.yaml) in {tmp_path}" in out, (out, err)
     code, _, err = run_cli("memory", "verify", "--python", "")
     assert code == 2 and "--python: empty path" in err
 

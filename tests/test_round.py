@@ -127,8 +127,8 @@ def test_committed_example_rounds_rerender_to_their_reports(name, run_cli, tmp_p
     assert (tmp_path / name / "report.md").read_text() == (src / "report.md").read_text()
 
 
-@pytest.mark.parametrize("stage, what", [("measure/measure.json", "round-measure (Measurement"),
-                                         ("model/model.json", "round-model (ModelResult"),
+@pytest.mark.parametrize("stage, what", [("measure/measure.json", "round-measure (no field 'system')"),
+                                         ("model/model.json", "round-model (no field 'current')"),
                                          ("propose/candidates.json", "round-candidates (no field 'candidates')"),
                                          ("approve/decisions.json", "round-decisions (no field 'decisions')")])
 def test_report_on_a_stage_file_without_its_fields_is_bad_input(stage, what, run_cli, tmp_path):
@@ -139,6 +139,28 @@ def test_report_on_a_stage_file_without_its_fields_is_bad_input(stage, what, run
     code, _, err = run_cli("report", tmp_path / "r")
     assert code == 2 and f"{stage}: malformed {what}" in err and "Traceback" not in err, err
     assert (tmp_path / "r" / "report.md").read_text() == (src / "report.md").read_text()
+
+
+@pytest.mark.parametrize("stage, path, words", [
+    ("measure/measure.json", (), "round-measure (unknown field 't_ar_ms' (did you mean 'ar_ms'?))"),
+    ("model/model.json", (), "round-model (unknown field 't_ar_ms')"),
+    ("propose/candidates.json", (), "round-candidates (unknown field 't_ar_ms')"),
+    ("propose/candidates.json", ("candidates", 0), "round-candidates (candidates[0] (chain): unknown field 't_ar_ms')"),
+])
+def test_report_on_a_stage_file_with_an_unknown_field_names_it(stage, path, words, run_cli, tmp_path):
+    """Every stage file that builds a dataclass says which field it does not know, as
+    decisions.json's reader does, not the constructor's words."""
+    src = Path(__file__).resolve().parents[1] / "examples" / "rounds" / "smollm2-cpu"
+    shutil.copytree(src, tmp_path / "r")
+    f = tmp_path / "r" / stage
+    doc = json.loads(f.read_text())
+    obj = doc
+    for key in path:
+        obj = obj[key]
+    obj["t_ar_ms"] = -1
+    f.write_text(json.dumps(doc))
+    code, _, err = run_cli("report", tmp_path / "r")
+    assert code == 2 and err.count("\n") == 1 and f"{stage}: malformed {words}" in err and "__init__" not in err, err
 
 
 @pytest.mark.parametrize("entry, words", [

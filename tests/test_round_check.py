@@ -163,3 +163,10 @@ def test_check_warns_without_none_when_the_baseline_has_no_facts_and_when_timing
 def test_check_runs_help_says_the_default_it_uses(run_cli):
     code, out, _ = run_cli("check", "--help")
     assert code == 0 and "as many as the baseline has samples, at least 4" in " ".join(out.split()), out
+
+
+def test_check_prints_whether_the_outputs_are_identical_as_yes_or_no(base, run_cli):
+    code, out, err = run_cli("check", "--baseline", base, "--no-timing")
+    assert code == 0, err
+    row = next(line for line in out.splitlines() if line.startswith("outputs identical to the baseline's"))
+    assert row.split()[-1] == "yes", out

@@ -580,3 +580,8 @@ def test_the_report_names_each_session_that_continued_the_round(interrupted, don
     md = (r / "report.md").read_text()
     assert f"`, resumed with `specpilot round --resume {r} --budget 1` (" in md and "over its 2 sessions" in md, md[:900]
     _report_and_resume_refuse(run_cli, _copy(done, tmp_path / "bad", resumes=[{"budget_min": "x"}]), "resumes must be")
+
+
+def test_a_budget_of_zero_in_round_json_is_damage(done, tmp_path, run_cli):
+    """round --budget takes minutes > 0: a round.json with 0 was edited, not written by a round."""
+    _report_and_resume_refuse(run_cli, _copy(done, tmp_path, budget_s=0), "budget_s must be a number of seconds > 0")

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from specpilot.errors import InputError
-from specpilot.fileio import is_int, is_num, need, write_json_atomic, write_jsonl_atomic
+from specpilot.fileio import is_int, is_num, need, need_fields, write_json_atomic, write_jsonl_atomic
 
 NODES = (1, 2, 4, 8, 16, 32)
 RECORD_NODES, RECORD_DEPTH, RECORD_TOPK = 8, 8, 8
@@ -64,6 +64,7 @@ class Measurement:
 
     @classmethod
     def from_json(cls, d: dict) -> "Measurement":
+        need_fields(d, cls)
         d = {k: v for k, v in d.items() if k != "schema"}
         _check_numbers(d)
         d["step_ms"] = {int(k): float(v) for k, v in (d.get("step_ms") or {}).items()}
@@ -84,7 +85,7 @@ class Measurement:
 def _check_numbers(d: dict) -> None:
     """The numbers later stages compute with are finite numbers (JSON's NaN and Infinity are not
     measurements): a ValueError naming the field (the reader says the file is malformed)."""
-    if "tokens_per_s" in d:   # a field missing is the constructor's to name
+    if "tokens_per_s" in d:   # a field missing is need_fields' to name
         need(is_num(d["tokens_per_s"]) and d["tokens_per_s"] >= 0, "tokens_per_s", "a number >= 0", d["tokens_per_s"])
     for key in ("context", "current_rows"):
         if key in d:
@@ -94,7 +95,7 @@ def _check_numbers(d: dict) -> None:
     for key, want in (("step_ms", "milliseconds per row count"), ("calibration", "an object"),
                       ("seconds", "seconds per part")):
         v = d.get(key)
-        if key in d:   # the calibration is the constructor's to name when missing; the approve plan reads it
+        if key in d:   # the calibration is need_fields' to name when missing; the approve plan reads it
             need(isinstance(v, dict) or (v is None and key != "calibration"), key, want, v)
     for n, v in (d.get("step_ms") or {}).items():
         need(str(n).isdigit(), "step_ms", "milliseconds per row count", n)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from specpilot.fileio import is_int, is_num, need
+from specpilot.fileio import is_int, is_num, need, need_fields
 from specpilot.probes.costmodel import step_time  # noqa: F401  (the round and ceiling --check share it)
 
 SCHEMA = "specpilot.round-model/1"
@@ -43,6 +43,7 @@ class ModelResult:
 
     @classmethod
     def from_json(cls, d: dict) -> "ModelResult":
+        need_fields(d, cls)
         _check_model(d)
         return cls(**{k: v for k, v in d.items() if k != "schema"})
 
@@ -60,7 +61,7 @@ def _check_model(d: dict) -> None:
             ok = _num_or_none(r.get(k)) if nulls else is_num(r.get(k))
             need(ok, f"{name}.{k}", "a number or null" if nulls else "a number", r.get(k))
 
-    if "current" in d:   # a field missing is the constructor's to name
+    if "current" in d:   # a field missing is need_fields' to name
         # null where the round had no replayed tau or no rows probe (skipped for time)
         row(d["current"], "current", nulls=True)
     for key in ("factors", "sources"):

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from importlib import resources
 
 from specpilot.errors import InputError
-from specpilot.fileio import is_num, need
+from specpilot.fileio import is_num, need, need_fields
 
 SCHEMA = "specpilot.round-candidates/1"
 CONTROL = "no-op"
@@ -53,12 +53,13 @@ class Proposal:
 
     @classmethod
     def from_json(cls, d: dict) -> "Proposal":
+        need_fields(d, cls)
         need(isinstance(d["candidates"], list), "candidates", "a list", d["candidates"])
         for i, c in enumerate(d["candidates"]):   # what the report prints and the approve stage runs
             named = isinstance(c, dict) and isinstance(c.get("id"), str)
             name = f"candidates[{i}]" + (f" ({c['id']})" if named else "")
-            need(isinstance(c, dict) and {"id", "memory", "what", "attacks"} <= set(c) <= _FIELDS.keys(), name,
-                 f"an object of {', '.join(_FIELDS)} (the first four required)", c)
+            need(isinstance(c, dict), name, "an object (a candidate)", c)
+            need_fields(c, Candidate, name)
             for key, (ok, want) in _FIELDS.items():
                 if key in c:
                     need(ok(c[key]), f"{name}.{key}", want, c[key])

@@ -957,6 +957,8 @@ def check_state(state, path: Path) -> None:
         v = state.get(key)
         if not (is_num(v) and v >= 0):
             bad(key, "a number of seconds")
+    if state["budget_s"] == 0:   # round --budget takes only minutes > 0 (and a resume reads 0 as none given)
+        bad("budget_s", "a number of seconds > 0")
     if not isinstance(state.get("facts"), dict):
         bad("facts", "a map")
     for key in ("current", "start", "stock", "deployment"):

@@ -74,7 +74,7 @@ def command(baseline_path, system, runs, scorer, no_audit, no_timing, tolerance,
             ["noise, threshold", f"{res.noise:.2%}; a regression when the CI's upper end is below "
                                  f"{1 - res.threshold:.4f}" if res.threshold else "-"],
             ["timing", res.timing.upper()],
-            ["outputs identical to the baseline's", fmt_num(res.outputs_identical)],
+            ["outputs identical to the baseline's", {True: "yes", False: "no"}.get(res.outputs_identical, "-")],
             ["audit against stock", res.audit_verdict.upper()]]
     if res.audit:
         sysrow = next((s for s in res.audit["systems"] if s["role"] == "system"), {})

@@ -22,6 +22,18 @@ def command():
     """
 
 
+def _load(memory_dir, verb: str):
+    """The memory's entries; a folder without any is bad input where an entry is looked for or
+    verified (verifying nothing must not read as a pass; `list` says the folder is empty)."""
+    from specpilot.bundles import memory as mem
+    from specpilot.errors import InputError
+
+    entries = mem.load_memory(memory_dir)
+    if not entries:
+        raise InputError(f"{memory_dir or mem.MEMORY_DIR}: no entries (*.yaml) to {verb}")
+    return entries
+
+
 def _first_words(text: str, width: int = 64) -> str:
     text = text.split(": ")[0] if len(text.split(": ")[0]) < width else text
     return text if len(text) <= width else text[: text.rfind(" ", 0, width - 4)] + " ..."
@@ -54,7 +66,7 @@ def show(entry_id, memory_dir, fmt, out):
     """Show one entry in full: code, hooks, variants, contracts, evidence, limits, unverified."""
     from specpilot.bundles import memory as mem
 
-    entries = mem.load_memory(memory_dir)
+    entries = _load(memory_dir, "show")
     e = mem.get_entry(entries, entry_id)
     sections = [
         Section("hooks", ["type", "target", "handler"], [[h.type, h.target, h.handler] for h in e.hooks]),
@@ -110,12 +122,13 @@ def verify(ids, python, record, results_dir, memory_dir, fmt, out):
     from specpilot.errors import InputError
     from specpilot.fileio import write_text_atomic
 
+    twice = next((i for n, i in enumerate(ids) if i in ids[:n]), None)
+    if twice is not None:   # it would be verified, and recorded, twice
+        raise InputError(f"{twice!r} is named twice in {' '.join(ids)!r}")
     results = Path(results_dir) if results_dir else ev.default_results_dir()
     if results_dir and not results.is_dir():
         raise InputError(f"--results {results_dir}: no such folder")
-    entries = mem.load_memory(memory_dir)
-    if not entries:  # verifying nothing must not read as a pass
-        raise InputError(f"{memory_dir or mem.MEMORY_DIR}: no entries (*.yaml) to verify")
+    entries = _load(memory_dir, "verify")
     texts = []
     if record:   # every entry's new text first, checked and verified as it would read before any file is written
         new = dict(entries)
@@ -125,7 +138,7 @@ def verify(ids, python, record, results_dir, memory_dir, fmt, out):
             text = ev.record(e, results, text) if results is not None else text
             texts.append((e.path, text))
             new[e.id] = mem.parse_entry_text(text, e.path)   # as load_memory would read the file
-        mem.check_off_with(new)
+        mem.check_relations(new)
         entries = new
     rows, system_ok, evidence = _verify_rows(entries, ids, results, python)
     ok = all(r.ok for r in rows)
