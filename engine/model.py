@@ -105,10 +105,12 @@ def check_cache_fits(spec: ModelSpec, max_seq: int, dtype, device: str, slots: i
     caches = f"{slots} KV caches of {max_seq} slots" if slots > 1 else f"a KV cache of {max_seq} slots"
     if params:
         dt = str(dtype).replace("torch.", "")
-        what = f"{spec.name} needs {(kv + params) / 1e9:.3g} GB ({dt} weights {params / 1e9:.3g} GB, {caches} {kv / 1e9:.3g} GB)"
+        what = (f"{spec.name} needs {(kv + params) / 1e9:.3g} GB ({dt} weights {params / 1e9:.3g} GB, "
+                f"{caches} {kv / 1e9:.3g} GB)")
     else:
         what = f"{caches} {'need' if slots > 1 else 'needs'} {kv / 1e9:.3g} GB for {spec.name}"
-    hint = (smaller_weights_hint(dtype) if params > free else "a shorter context: --ctx for run and serve, --context for probe rows; fewer requests: --batch")
+    hint = (smaller_weights_hint(dtype) if params > free else
+            "a shorter context: --ctx for run and serve, --context for probe rows; fewer requests: --batch")
     raise EnvironmentMissing(f"{what}; {device} has {free / 1e9:.3g} GB free ({hint})")
 
 

@@ -246,7 +246,8 @@ def check_probe_fits(spec, max_seq: int, dtype, device: str, rows: int, batch: i
         caches = (f"{need['slots']} KV caches of {max_seq} slots" if need["slots"] > 1
                   else f"a KV cache of {max_seq} slots")
         parts = (f"{caches} {need['kv'] / 1e9:.3g} GB, RoPE tables {need['rope'] / 1e9:.3g} GB, the largest "
-                 f"transient {need['transient'] / 1e9:.3g} GB" + (f", weights {need['weights'] / 1e9:.3g} GB" if on_device else ""))
+                 f"transient {need['transient'] / 1e9:.3g} GB"
+                 + (f", weights {need['weights'] / 1e9:.3g} GB" if on_device else ""))
         hint = (smaller_weights_hint(dtype) if on_device and need["weights"] > free
                 else "a shorter --context, fewer --rows or a smaller --batch")
         raise EnvironmentMissing(f"probe rows needs about {n / 1e9:.3g} GB on {where} at its peak for {spec.name} "
