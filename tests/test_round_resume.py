@@ -412,7 +412,8 @@ def test_report_says_when_the_report_folder_is_a_file(done, tmp_path, run_cli):
 def test_a_measure_stage_run_again_keeps_only_its_own_notes(tmp_path, run_cli):
     """A round cut short in measure (killed: round.json is saved after each step) runs the stage
     again on resume; the notes of the cut run go with it (a 'skipped' line the new run contradicts
-    stayed in the report)."""
+    stayed in the report). The resume is recorded in round.json (with the minutes it gave) and
+    named in the report beside the command that started the round."""
     r = _cut_round(tmp_path, lambda stage, msg: stage == "measure" and msg.startswith("T_AR"))
     state = json.loads((r / "round.json").read_text())
     assert not (r / "measure" / "measure.json").exists()
@@ -423,6 +424,9 @@ def test_a_measure_stage_run_again_keeps_only_its_own_notes(tmp_path, run_cli):
     measure = json.loads((r / "round.json").read_text())["stages"]["measure"]
     assert "lattice recording: a note of the cut run" not in measure["skipped"], measure
     assert any(n.startswith("profile: no GPU kernels") for n in measure["skipped"]), measure
+    assert json.loads((r / "round.json").read_text())["resumes"] == [{"budget_min": 1}]
+    md = (r / "report.md").read_text()
+    assert f"`, resumed with `specpilot round --resume {r} --budget 1` (" in md and "over its 2 sessions" in md, md[:900]
 
 
 @pytest.mark.parametrize("damage, words", [
@@ -568,18 +572,8 @@ def test_a_round_folder_in_use_is_refused_by_a_second_resume(done, tmp_path, run
     assert code == 0, err
 
 
-def test_the_report_names_each_session_that_continued_the_round(interrupted, done, tmp_path, run_cli):
-    """A resume is recorded in round.json (with the minutes it gave) and named in the report beside
-    the command that started the round; a damaged record of them is refused by report and resume."""
-    r = tmp_path / "copy"
-    shutil.copytree(interrupted / "r", r)
-    code, _, err = run_cli("round", "--resume", r, "--budget", "1")
-    assert code == 0, err
-    state = json.loads((r / "round.json").read_text())
-    assert state["resumes"] == [{"budget_min": 1}], state.get("resumes")
-    md = (r / "report.md").read_text()
-    assert f"`, resumed with `specpilot round --resume {r} --budget 1` (" in md and "over its 2 sessions" in md, md[:900]
-    _report_and_resume_refuse(run_cli, _copy(done, tmp_path / "bad", resumes=[{"budget_min": "x"}]), "resumes must be")
+def test_a_damaged_record_of_resumes_is_refused(done, tmp_path, run_cli):
+    _report_and_resume_refuse(run_cli, _copy(done, tmp_path, resumes=[{"budget_min": "x"}]), "resumes must be")
 
 
 def test_a_budget_of_zero_in_round_json_is_damage(done, tmp_path, run_cli):
