@@ -111,13 +111,16 @@ def torch_threads(n: int):
 
 
 def free_memory(device: str) -> int | None:
-    """Bytes that new tensors on ``device`` can take now: the GPU's free memory, the CPU's
+    """Bytes that new tensors on ``device`` can take now: the GPU's free memory with what torch's
+    caching allocator holds unused (a model dropped earlier in the process), the CPU's
     ``MemAvailable``; None where unknown."""
     if device.startswith("cuda"):
         import torch
 
         try:
-            return torch.cuda.mem_get_info(torch.device(device))[0]
+            dev = torch.device(device)
+            cached = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+            return torch.cuda.mem_get_info(dev)[0] + max(0, cached)
         except (RuntimeError, AssertionError):
             return None
     try:

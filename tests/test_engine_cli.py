@@ -246,6 +246,20 @@ def test_weights_the_memory_cannot_hold_are_refused_before_they_are_made(run_cli
         assert code == 2 and "MoE layers are not supported" in err, err
 
 
+def test_free_gpu_memory_counts_what_torchs_allocator_holds_unused(monkeypatch):
+    """A model dropped earlier in the process leaves its blocks in torch's cache: mem_get_info
+    counts them as used, a new model's tensors take them first (the memory checks count them)."""
+    from specpilot.machine import free_memory
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev: (10 << 30, 80 << 30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev: 30 << 30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev: 12 << 30)
+    assert free_memory("cuda") == 28 << 30
+    assert free_memory("cuda:0") == 28 << 30
+
+
 def test_probe_rows_takes_the_threads_run_takes(run_cli, tmp_path, monkeypatch):
     import specpilot.machine
 
