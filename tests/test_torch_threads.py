@@ -68,4 +68,3 @@ def test_builtin_scorer_scores_with_its_threads_and_gives_them_back(threads_at_3
     scores = scorer.score([([1, 2, 3], [4, 5])])
     assert len(scores) == 1 and len(scores[0].argmax) == 2
     assert seen == [1] and torch.get_num_threads() == 3
-
