@@ -325,8 +325,8 @@ class EngineSpec:
             if "admit_rows" in given and self.admit != "waiting":   # only that rule reads it
                 raise fail(f"{{admit_rows}} sizes the room of {{admit=waiting}}, and admission is {self.admit}: "
                            "leave it out")
-            unused = [k for k in DRAFT_RULES if k in given] if self.mode not in ("chain", "tree") else []
-            if unused:
+            unused = [k for k in DRAFT_RULES if k in given]
+            if unused and self.mode not in ("chain", "tree"):
                 raise fail(f"{{{unused[0]}}} applies to batched chain and tree steps, not mode {self.mode}; "
                            "leave it out")
 
