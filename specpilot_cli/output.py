@@ -27,6 +27,9 @@ class Section:
     headers: Sequence[str]
     rows: Sequence[Sequence[Any]]
     note: str | None = None
+    # the plain table wraps a column's text at its width here (None: unwrapped); a long prose
+    # column would otherwise widen every line of the table (markdown tables cannot wrap)
+    wrap: Sequence[int | None] | None = None
 
 
 @dataclass
@@ -35,6 +38,19 @@ class Report:
     sections: list[Section] = field(default_factory=list)
     lines: list[str] = field(default_factory=list)  # free text after the tables
     title: str | None = None
+    wrap: int | None = None   # the plain text wraps the title and free lines at this width
+
+
+def _wrapped(line: str, width: int | None) -> str:
+    """``line`` wrapped at ``width``, its continuation lines indented under its text (past a
+    leading "  - " of a list item)."""
+    if not width or len(line) <= width:
+        return line
+    import textwrap
+
+    lead = len(line) - len(line.lstrip(" -"))
+    return textwrap.fill(line, width, subsequent_indent=" " * lead, break_on_hyphens=False,
+                         break_long_words=False)
 
 
 def fmt_num(x: Any, digits: int = 4) -> Any:
@@ -69,8 +85,9 @@ def _render_text(report: Report, markdown: bool) -> str:
     from tabulate import tabulate
 
     out: list[str] = []
+    width = None if markdown else report.wrap
     if report.title:
-        out.append(f"# {report.title}" if markdown else report.title)
+        out.append(f"# {report.title}" if markdown else _wrapped(report.title, width))
         out.append("")
     for s in report.sections:
         if s.title:
@@ -78,14 +95,15 @@ def _render_text(report: Report, markdown: bool) -> str:
             if markdown:
                 out.append("")
         rows = [[visible(v) if isinstance(v, str) else fmt_num(v) for v in r] for r in s.rows]
+        wrap = {} if markdown or not s.wrap else {"maxcolwidths": list(s.wrap)}
         out.append(tabulate(rows, headers=list(s.headers), tablefmt="github" if markdown else "simple",
-                            disable_numparse=True))
+                            disable_numparse=True, **wrap))
         if s.note:
             out.append("")
             out.append(_paragraphs(s.note) if markdown else s.note)
         out.append("")
     for line in report.lines:
-        out.extend([_paragraphs(line), ""] if markdown else [line])
+        out.extend([_paragraphs(line), ""] if markdown else [_wrapped(line, width)])
     return visible("\n".join(out).rstrip()) + "\n"
 
 

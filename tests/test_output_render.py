@@ -15,3 +15,21 @@ def test_markdown_puts_each_note_and_line_in_its_own_paragraph():
 def test_count_takes_the_singular_for_one():
     assert [count(1, "step"), count(2, "step"), count(0, "pass", "passes"), count(1, "pass", "passes")] == \
         ["1 step", "2 steps", "0 passes", "1 pass"]
+
+
+def test_plain_text_wraps_prose_columns_and_lines_where_asked_and_markdown_does_not():
+    prose = " ".join(f"word{i}" for i in range(60))
+    report = Report(data={}, sections=[Section("evidence", ["kind", "what"], [["cpu-test", prose]], wrap=[None, 40])],
+                    lines=["  - " + prose], title="entry: " + prose, wrap=50)
+    text = render(report, "text")
+    assert max(map(len, text.splitlines())) <= 50 and text.count("word59") == 3
+    item = [ln for ln in text.splitlines() if ln.startswith("  - ")]
+    assert len(item) == 1 and text.split(item[0], 1)[1].splitlines()[1].startswith("    word")   # hangs under it
+    md = render(report, "markdown")
+    assert "| cpu-test | " + prose in md and "# entry: " + prose in md and "  - " + prose in md
+
+
+def test_memory_show_fits_a_wide_terminal(run_cli):
+    code, out, _ = run_cli("memory", "show", "tree")
+    wide = [ln for ln in out.splitlines() if len(ln) > 180]
+    assert code == 0 and not wide, wide[:1]

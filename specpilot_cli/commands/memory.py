@@ -72,10 +72,10 @@ def show(entry_id, memory_dir, fmt, out):
         Section("hooks", ["type", "target", "handler"], [[h.type, h.target, h.handler] for h in e.hooks]),
         Section("variants", ["name", "default", "range/choices", "drafters", "meaning"],
                 [[v.name, v.default, v.range or v.choices or "-", ", ".join(v.drafters) or "any", v.doc]
-                 for v in e.variants]),
+                 for v in e.variants], wrap=[None, None, None, None, 60]),
         Section("evidence", ["kind", "what", "where"],
                 [[ev.get("kind"), " ".join(str(ev.get("what", "")).split()), ev.get("deployment") or ev.get("hardware")]
-                 for ev in e.evidence]),
+                 for ev in e.evidence], wrap=[None, 80, 40]),
     ]
     lines = [f"status: {e.status}; requires: {', '.join(e.requires) or 'nothing'}; "
              f"SGLang checked: {', '.join(e.sglang_checked) or 'none'}",
@@ -86,7 +86,7 @@ def show(entry_id, memory_dir, fmt, out):
     for title, items in (("contracts", e.contracts), ("limits", e.limits), ("unverified", e.unverified)):
         lines += ["", f"{title}:"] + [f"  - {x}" for x in items]
     data = {"schema": "specpilot.memory-entry/1", **{k: v for k, v in e.raw.items() if k != "schema"}}
-    emit(Report(data=data, sections=sections, lines=lines, title=f"{e.id}: {e.summary}"), fmt, out)
+    emit(Report(data=data, sections=sections, lines=lines, title=f"{e.id}: {e.summary}", wrap=120), fmt, out)
     return 0
 
 
