@@ -168,6 +168,13 @@ def test_bad_inputs_exit_2_without_output(run_cli, tmp_path):
     rules.write_text("schema: nope\nrules: []\n")
     assert "unknown schema" in _bad(run_cli, good, "--rules", rules, out=out)
     assert "refusing to overwrite" in _bad(run_cli, good, "--out", good)
+    # the model's and the drafter's config files are inputs too: refused before the trace is read
+    for opt in ("--model", "--drafter"):
+        cfg = tmp_path / f"cfg{opt}.json"
+        cfg.write_text(Path(CONFIG).read_text())
+        model = ("--model", CONFIG) if opt == "--drafter" else ()
+        assert "refusing to overwrite input file" in _bad(run_cli, good, *model, opt, cfg, "--out", cfg)
+        assert cfg.read_text() == Path(CONFIG).read_text()
 
 
 @pytest.mark.parametrize("name, text, expect", [

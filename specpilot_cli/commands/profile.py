@@ -3,6 +3,8 @@ each class is from its byte floor."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from specpilot.errors import InputError
@@ -122,15 +124,21 @@ def command(traces, step_range, step_mode, gap_us, skip_steps, device, include_o
         raise InputError("--top must be >= 0")
     if plot_file and out and plot_file == out:
         raise InputError("--plot and --out name the same file")
+    from specpilot.fileio import check_output_path
+
+    # a model or drafter given as a config file or folder is an input too
+    protect = [p for p in (*traces, ceiling_file, *rules_files) if p]
+    protect += [n for n in (model_name, drafter_name) if n and Path(n).exists()]
+    if out:
+        check_output_path(out, "--out", protect=protect)
     if plot_file:
-        from specpilot.fileio import check_output_path
         from specpilot.reports.plots import PLOT_FORMATS, plot_format
 
         if plot_format(plot_file) is None:
             raise InputError(f"--plot {plot_file}: name a {', '.join('.' + f for f in PLOT_FORMATS)} file (the "
                              "suffix picks the image format)")
 
-        check_output_path(plot_file, "--plot", protect=[*traces, *(p for p in (ceiling_file, *rules_files) if p)])
+        check_output_path(plot_file, "--plot", protect=protect)
     if diff and len(traces) != 2:
         raise InputError(f"--diff compares two traces (BASE CANDIDATE); got {len(traces)}")
     if ranks and len(traces) != 1:
@@ -206,7 +214,6 @@ def command(traces, step_range, step_mode, gap_us, skip_steps, device, include_o
             prof.warnings.append(floor_warning)
         return prof
 
-    protect = [p for p in (*traces, ceiling_file, *rules_files) if p]
     if diff:
         from specpilot.probes.diff import diff_profiles
 
