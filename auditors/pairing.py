@@ -219,10 +219,7 @@ class GenerateSystem(System):
             raise InputError(f"{spec}: timing an engine or a server needs --prompts FILE")
         if max_new_tokens < 1:
             raise InputError(f"--max-new-tokens {max_new_tokens}: must be at least 1")
-        system = parse_system(spec)
-        if system.kind == "file":
-            raise InputError(f"{spec}: an outputs file cannot be timed; give an engine: spec, a server URL, "
-                             "or --base-cmd/--candidate-cmd")
+        system = parse_system(spec, files=False)
         if concurrency < 1:
             raise InputError(f"--concurrency {concurrency}: must be at least 1")
         if concurrency > 1 and system.kind != "http":

@@ -34,7 +34,10 @@ class SystemSpec:
         return self.kind != "file"
 
 
-def parse_system(spec: str, name: str | None = None) -> SystemSpec:
+def parse_system(spec: str, name: str | None = None, files: bool = True) -> SystemSpec:
+    """The system ``spec`` names: a server URL, an ``engine:`` spec (checked now, its model
+    too) or, with ``files``, an outputs JSONL file (``compare`` times systems, so it passes
+    False: its errors then name only what can be timed)."""
     s = spec.strip()
     if s.lower().startswith(("http://", "https://")):   # a scheme is case-insensitive (HTTP://...)
         from .http_client import parse_url
@@ -58,12 +61,15 @@ def parse_system(spec: str, name: str | None = None) -> SystemSpec:
             raise InputError(str(e) if s in str(e) else f"{s}: {e}") from None
         return SystemSpec("engine", s, name or s)
     p = Path(s).expanduser()
-    if p.is_file():
+    if p.is_file() and files:
         return SystemSpec("file", str(p), name or p.name)
+    kinds = ("an engine: spec (engine:model=smollm2,mode=tree,nodes=32) or a server URL (http://127.0.0.1:30000)")
+    if not files:
+        what = "an outputs file cannot be timed" if p.is_file() else "neither an engine: spec nor a server URL"
+        raise InputError(f"{spec}: {what}; a SYSTEM to time is {kinds}, or use --base-cmd/--candidate-cmd")
     if p.exists():
         raise InputError(f"{spec}: not a file; a SYSTEM is an outputs JSONL file, an engine: spec or http://host:port")
-    raise InputError(f"{spec}: no such file; a SYSTEM is an outputs JSONL file, an engine: spec "
-                     "(engine:model=smollm2,mode=tree,nodes=32) or a server URL (http://127.0.0.1:30000)")
+    raise InputError(f"{spec}: no such file; a SYSTEM is an outputs JSONL file, {kinds}")
 
 
 class Generator:

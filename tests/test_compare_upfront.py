@@ -75,12 +75,17 @@ def test_a_resume_of_other_systems_is_refused_before_either_model_loads(run_cli,
     assert code in (0, 1) and json.loads(out)["runs"] == 2, err
 
 
-@pytest.mark.parametrize("candidate, words", [
-    ("bogus:thing", "bogus:thing: no such file"),
-    ("{outs}", "an outputs file cannot be timed"),
+@pytest.mark.parametrize("candidate, extra, words", [
+    ("bogus:thing", (), "bogus:thing: neither an engine: spec nor a server URL; a SYSTEM to time is an engine: spec"),
+    ("{outs}", (), "an outputs file cannot be timed"),
+    ("engine:model=tiny,mode=chain", ("--gpus", "0,1"), "--gpus runs shell commands on two GPUs"),
+    ("engine:model=tiny,mode=chain", ("--out", "{prompts}"), "refusing to overwrite input file"),
 ])
-def test_a_candidate_that_cannot_be_timed_is_refused_before_the_base_loads(run_cli, tmp_path, candidate, words):
-    """Either system's spec is checked before the base's model loads (seconds for a real model)."""
+def test_a_candidate_that_cannot_be_timed_is_refused_before_the_base_loads(run_cli, tmp_path, candidate, extra,
+                                                                           words):
+    """Either system's spec is checked before the base's model loads (seconds for a real model), and so
+    are the options: --gpus (shell commands only; not "no GPU visible", exit 3), an --out naming the
+    prompts file. A system to time is never said to be an outputs file."""
     import json
 
     prompts = tmp_path / "p.jsonl"
@@ -91,6 +96,8 @@ def test_a_candidate_that_cannot_be_timed_is_refused_before_the_base_loads(run_c
     partial = tmp_path / "t.partial.json"
     code, out, err = run_cli("compare", "--base", "engine:model=tiny,mode=ar", "--candidate",
                              candidate.format(outs=outs), "--prompts", prompts, "--max-new-tokens", "4",
-                             "--runs", "2", "--warmup", "0", "--partial", partial)
+                             "--runs", "2", "--warmup", "0", "--partial", partial,
+                             *(str(x).format(prompts=prompts) for x in extra))
     assert code == 2 and out == "" and err.count("\n") == 1 and words in err, err
-    assert "loading model" not in err and not partial.exists()
+    assert "loading model" not in err and not partial.exists() and "outputs JSONL" not in err
+    assert prompts.read_text().startswith('{"schema": "specpilot.prompts/1"')

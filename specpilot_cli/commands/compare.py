@@ -143,9 +143,13 @@ def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, tokenizer
         raise InputError(f"--noise {noise}: a fraction in [0, 1), e.g. 0.001 for 0.1%")
     # only the auto plan uses --max-runs: an odd cap beside a fixed --runs is not an error
     even_pairs("--runs", runs) if runs is not None else even_pairs("--max-runs", max_runs)
-    gpu_pair = parse_gpus(gpus)
-    if gpu_pair and base_cmd is None:
+    if gpus is not None and base_cmd is None:   # before the GPUs are looked for: the option is the error
         raise InputError("--gpus runs shell commands on two GPUs; for engines/servers start each on its own GPU")
+    gpu_pair = parse_gpus(gpus)
+    if out:   # an input named as --out is refused now, not after every run
+        from specpilot.fileio import check_output_path
+
+        check_output_path(out, "--out", protect=[p for p in (prompts, resume_file) if p])
     vocabs = {}
     for role, spec in (("--base", base), ("--candidate", candidate)):
         if spec and spec.strip().startswith("engine"):   # refused before the base's model loads
