@@ -115,6 +115,8 @@ class ProfileFigures:
     model: str | None = None  # the model its floors are of (profile --model), None without floors
     gpu: dict | None = None   # the GPU it ran on: name, key, and the figures of its floors (bandwidth_tbs, bf16_tflops)
     shape: dict = field(default_factory=dict)  # its floors' shape: batch, context, dtypes, fractions, drafter
+    # drafter kernels it timed with no floor (profiled without --drafter): (ms a step, share of kernel time)
+    unfloored_drafter: tuple[float, float | None] | None = None
 
 
 @dataclass
@@ -619,6 +621,7 @@ def compute_ceiling(req: CeilingRequest) -> CeilingResult:
         if missing:
             raise InputError("the cost model needs " + ", ".join(missing))
         rank = one_rank_profile(req.profile, m) if m.profile_ms is not None and m.floor_ms is not None else None
+        drafter = unfloored_drafter(req.profile, m)
         cost = cost_model(m.tau, m.step_ms, m.ar_ms, m.tau_best, m.profile_ms, m.floor_ms,
                           floor_peak_ms=m.floor_peak_ms, one_rank=rank is not None)
         cost.notes[:0] = passed_over_notes(m)
@@ -645,9 +648,25 @@ def compute_ceiling(req: CeilingRequest) -> CeilingResult:
         res.warnings.append(mismatch)
     if cost is not None:   # before the files' warnings: a factor taken as 1 changes the ceiling
         res.warnings[:0] = cost.warnings
+        if drafter:
+            res.warnings.insert(0, drafter)
         if rank:
             res.warnings.insert(0, rank)   # first, as profile puts it: it may explain the kernel factor
     return res
+
+
+def unfloored_drafter(p: ProfileFigures | None, m: Measurements) -> str | None:
+    """The warning for a kernel factor whose GPU time, from a profile, counts drafter kernels that
+    the floor beside it leaves out (the profile had no --drafter; a floor of ``--model`` must be of
+    the profile's shape, so it has none either); None otherwise."""
+    if p is None or p.unfloored_drafter is None or m.sources.get("profile_ms") != f"profile {p.source}":
+        return None
+    from .profile import unfloored_drafter_warning
+
+    ms, share = p.unfloored_drafter
+    kf = m.profile_ms / m.floor_ms if m.floor_ms else None
+    return (f"--profile {p.source}: {unfloored_drafter_warning(ms, share, kf)}, and the ceiling with it; profile "
+            "with --drafter MODEL")
 
 
 def one_rank_profile(p: ProfileFigures | None, m: Measurements) -> str | None:

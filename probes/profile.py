@@ -242,6 +242,7 @@ def build_profile(agg: Aggregate, table: RuleTable, floors: Floors | None = None
     meds = {c: median([per_class.get(c, {}).get(i, 0.0) for i in idx]) for c in order}
     total = sum(meds.values())
     classes: dict[str, ClassRow] = {}
+    unfloored = None   # the drafter's row where its kernels ran with no floor (no --drafter)
     for c in order:
         vals = [per_class.get(c, {}).get(i, 0.0) for i in idx]
         row = ClassRow(name=c, ms=meds[c], ms_mean=sum(vals) / len(vals), share=(meds[c] / total if total else 0.0),
@@ -252,7 +253,7 @@ def build_profile(agg: Aggregate, table: RuleTable, floors: Floors | None = None
             f = floors.classes[c]
             row.bytes, row.flops, row.floor_ms = f.get("bytes"), f.get("flops"), f.get("floor_ms")
         elif unknown and row.ms > 0:   # a drafter's floor needs the drafter's model, not a floor of 0
-            notes.append("drafter kernels ran, but without --drafter MODEL they have no floor")
+            unfloored = row
         if c == "communication" and comm_bytes:
             row.bytes = float(median([comm_bytes.get(i, 0) for i in idx]))
             if link_gbs:
@@ -306,6 +307,8 @@ def build_profile(agg: Aggregate, table: RuleTable, floors: Floors | None = None
                      "overlap (concurrent streams; in Nsight exports also programmatic dependent launch, where a "
                      "kernel's duration includes its wait for the one before); shares are of the summed kernel time")
     kf = busy.median / total_floor if total_floor else None
+    if unfloored is not None:
+        warnings.append(unfloored_drafter_warning(unfloored.ms, unfloored.share, kf))
     of = wall.median / busy.median if busy.median > 0 else None
     at_peak = floor_at_peak(floors, total_floor)
     if kf is not None and at_peak and busy.median < at_peak:
@@ -379,6 +382,15 @@ def whole_model_floors_warning(d: dict) -> str:
             f"({said}): a tensor-parallel rank reads only its shard of the weights and KV cache, which "
             f"the floors do not split, so efficiencies read up to {by} high and the kernel factor up to {by} low "
             "(mismatch flags may come from this); profile the ranks' traces side by side instead")
+
+
+def unfloored_drafter_warning(ms: float, share: float | None, kernel_factor: float | None) -> str:
+    """The warning for drafter kernels profiled with no floor (no ``--drafter``): the floor the
+    kernel factor divides by leaves the drafter out, while the busy time counts its kernels."""
+    kf = f" ({kernel_factor:.4g})" if kernel_factor else ""
+    part = f", {share:.0%} of the kernel time" if share else ""
+    return (f"drafter kernels ran ({ms:.4g} ms a step{part}) but have no floor without --drafter MODEL: the "
+            f"kernel factor{kf} sets them against a floor without the drafter, so it reads high")
 
 
 def floors_from_model(model_spec, gpu_spec, rows: int, batch: int, context: int, weight_dtype: str = "bf16",

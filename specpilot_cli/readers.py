@@ -51,7 +51,20 @@ def read_profile(path: str) -> ProfileFigures:
                           floor_peak_ms=_floor_peak_ms(path, doc) if floor is not None else None,
                           rows=rows if isinstance(rows, int) else None, distributed=dist or None,
                           model=model if isinstance(model, str) and model else None, gpu=gpu or None,
-                          shape=_profile_shape(path, shape))
+                          shape=_profile_shape(path, shape), unfloored_drafter=_unfloored_drafter(doc, floor))
+
+
+def _unfloored_drafter(doc: dict, floor: float | None) -> tuple[float, float | None] | None:
+    """(ms a step, share) of the drafter kernels a profile timed with no floor beside a floor of
+    the rest (profiled without --drafter); None otherwise or where the file does not say."""
+    classes = doc.get("classes")
+    row = classes.get("drafter") if isinstance(classes, dict) else None
+    if floor is None or not isinstance(row, dict) or row.get("floor_ms") is not None:
+        return None
+    ms, share = row.get("ms"), row.get("share")
+    if not _finite(ms, 0, MAX_MS):
+        return None
+    return float(ms), (float(share) if _finite(share, 0, 1, lo_open=False) else None)
 
 
 def _profile_shape(path: str, shape: dict) -> dict:

@@ -42,6 +42,22 @@ def test_profile_h200_capture_with_floors(run_cli, tmp_path):
 
     p = read_profile(str(out))
     assert p.kernel_busy_ms == d["kernel_busy_ms"] and p.step_wall_ms == d["step_wall_ms"]
+    assert p.unfloored_drafter is None and not any("drafter kernels ran" in w for w in d["warnings"])
+
+
+def test_drafter_kernels_without_a_drafter_floor_are_warned_of_in_profile_and_ceiling(run_cli, tmp_path):
+    """Without --drafter the floor leaves the drafter out while the busy time counts its kernels (half
+    of this trace's): the kernel factor reads high, which both verbs say, with its size."""
+    out = tmp_path / "p.json"
+    code, _, err = run_cli("profile", H200_EAGER, "--model", CONFIG, "--context", 512, "--format", "json", "--out", out)
+    d = json.loads(out.read_text())
+    drafter = d["classes"]["drafter"]
+    assert code == 0 and drafter["floor_ms"] is None and drafter["share"] > 0.4
+    said = f"drafter kernels ran ({drafter['ms']:.4g} ms a step, {drafter['share']:.0%} of the kernel time) but " \
+           f"have no floor without --drafter MODEL: the kernel factor ({d['kernel_factor']:.4g}) sets them against"
+    assert [w for w in d["warnings"] if w.startswith(said)], d["warnings"]
+    code, text, err = run_cli("ceiling", "--profile", out, "--tau", 3, "--ar-ms", 4)
+    assert code == 0 and f"warning: --profile {out}: {said}" in text and "and the ceiling with it" in text, text
 
 
 def test_table_explain_and_plot(run_cli, tmp_path):
