@@ -22,6 +22,9 @@ from dataclasses import dataclass, field
 from specpilot.errors import InputError
 
 FACTORS = ("tree", "kernel", "outside")
+# a verify step of several rows costs at least the AR step of one; below this c (noise of a few
+# percent spared) the step and AR times cannot be of one deployment
+C_NOISE = 0.95
 ADVICE = {
     "tree": "build a better draft tree (replay policies: specpilot replay)",
     "kernel": "make kernels reach their byte floors (e.g. W12 weights, fused kernels)",
@@ -103,6 +106,10 @@ def cost_model(tau: float, step_ms: float, ar_ms: float, tau_best: float | None 
     warnings: list[str] = []
     c = step_ms / ar_ms
     speedup = tau / c
+    if c < C_NOISE:
+        warnings.append(f"c = {step_ms:.4g} / {ar_ms:.4g} ms = {c:.3g}: a verify step faster than an AR step of one "
+                        "row contradicts the inputs (T_step and T_AR from different models, GPUs or shapes, or one "
+                        "of them mistyped), so the speedup and the ceiling read high")
     factors: dict[str, float | None] = {"tree": None, "kernel": None, "outside": None}
     if tau_best is not None:
         factors["tree"] = tau_best / tau

@@ -43,6 +43,17 @@ def test_an_outside_factor_below_one_is_not_a_slowdown():
     assert largest_factor_line(c.largest, c.factors_used) == "No known factor offers a gain (each is 1 or below)."
 
 
+def test_a_verify_step_faster_than_the_ar_step_is_warned_of(run_cli):
+    """c below 1 (a step of several rows faster than one row's) cannot be one deployment's; a few
+    percent below is noise and passes."""
+    c = cost_model(tau=3, step_ms=1, ar_ms=5)
+    (w,) = c.warnings
+    assert c.c == pytest.approx(0.2) and w.startswith("c = 1 / 5 ms = 0.2: a verify step faster than an AR step")
+    assert cost_model(tau=3, step_ms=4.9, ar_ms=5).warnings == []
+    code, out, err = run_cli("ceiling", "--tau", "3", "--step-ms", "1", "--ar-ms", "5", "--format", "json")
+    assert code == 0 and any(w.startswith("c = 1 / 5 ms = 0.2") for w in json.loads(out)["warnings"]), out
+
+
 def test_cli_ceiling_never_below_the_current_speedup(run_cli):
     code, out, err = run_cli("ceiling", "--model", "llama-3.1-8b", "--gpu", "h200", "--tau", "3", "--step-ms", "6",
                              "--ar-ms", "5", "--profile-ms", "2", "--format", "json")
