@@ -1,6 +1,7 @@
 """Byte floors, the cost model and `specpilot ceiling` end to end."""
 
 import json
+import re
 
 import pytest
 
@@ -115,6 +116,13 @@ def test_cli_what_if_table_and_json(run_cli, tmp_path):
                              "--context", "2048")
     assert code == 0, err
     assert "lm_head" in out and "c floor" in out
+    ar = re.search(r"AR floor \(1 row, no drafter\): ([\d.]+) ms/token;", out)
+    assert ar, out
+    # a step of several requests gives each one token: its time per step and per token both
+    code, out, err = run_cli("ceiling", "--model", cfg, *_cli_gpu(), "--batch", "3")
+    step = re.search(r"AR floor \(1 row, no drafter\): ([\d.]+) ms/step of 3 requests, ([\d.]+) ms/token;", out)
+    assert code == 0 and step and float(step[2]) == pytest.approx(float(step[1]) / 3, rel=1e-3), out
+    assert float(step[1]) > float(ar[1])
     code, out, err = run_cli("ceiling", "--model", cfg, *_cli_gpu(), "--rows", "1,64", "--format", "json")
     assert code == 0, err
     doc = json.loads(out)
