@@ -77,8 +77,8 @@ def command(model_name, gpu_name, bandwidth, flops, fp8_flops, rows, batch, cont
       specpilot ceiling --model llama-3.1-8b --gpu h100 --rows 1,8,32,64 --batch 1 --context 2048
     With measurements: speedup = tau / c, c = T_step / T_AR, and the ceiling
     = speedup x tree x kernel x outside factors, naming the largest:
-      specpilot ceiling --model llama-3.1-8b --gpu h200 --rows 32 \\
-          --tau 4.25 --tau-best 6.4 --step-ms 24.1 --ar-ms 18.0 --profile-ms 21.0
+      specpilot ceiling --model qwen3.5-27b --gpu h100 --rows 32 \\
+          --tau 4.25 --tau-best 6.42 --step-ms 23.61 --ar-ms 17.88 --profile-ms 21.2
     Files from other verbs can replace the numbers: --profile, --replay, --rows-probe, --run.
     TLV (--run of a tlv run, or --replay with --policy tlv:N): tau per exact pass over the
     cycle, draft 1 + Q pass + draft 2 + exact pass + append.
