@@ -151,7 +151,8 @@ def test_nsys_rep_reuses_its_export_without_nsys(run_cli, tmp_path, monkeypatch)
     code, out, err = run_cli("profile", rep, "--top", 0, "--format", "json")
     assert code == 0, err
     d = json.loads(out)
-    assert d["steps"] == 12 and f"exported with nsys to {beside}" in d["notes"]
+    assert d["steps"] == 12 and f"read the export beside it, {beside} (newer than the report)" in d["notes"]
+    assert not any("exported with nsys" in n for n in d["notes"])   # nothing was exported
 
 
 def test_nsys_rep_export_that_is_not_an_export_is_refused_and_not_kept(run_cli, tmp_path, monkeypatch):

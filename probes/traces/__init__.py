@@ -174,7 +174,7 @@ def read_trace(path: str | os.PathLike, request: StepRequest | None = None,
         from .nsys_rep import export_sqlite
         from .nsys_sqlite import read_nsys_sqlite
 
-        db, temporary = export_sqlite(path)
+        db, temporary, reused = export_sqlite(path)
         try:
             agg = read_nsys_sqlite(db, request, on_read)
         except BaseException:
@@ -184,7 +184,8 @@ def read_trace(path: str | os.PathLike, request: StepRequest | None = None,
         if temporary:
             _remove_with(agg, db.parent)
         agg.path = str(path)
-        agg.notes.append(f"exported with nsys to {'a temporary file' if temporary else db}")
+        agg.notes.append(f"read the export beside it, {db} (newer than the report)" if reused
+                         else f"exported with nsys to {'a temporary file' if temporary else db}")
         return agg
     from .kineto import read_kineto
 

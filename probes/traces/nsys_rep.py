@@ -43,8 +43,9 @@ def _readable(db: Path) -> str | None:
     return None
 
 
-def export_sqlite(report: str | os.PathLike, timeout_s: float = 1800) -> tuple[Path, bool]:
-    """Export ``report`` to SQLite; returns (path, is_temporary)."""
+def export_sqlite(report: str | os.PathLike, timeout_s: float = 1800) -> tuple[Path, bool, bool]:
+    """Export ``report`` to SQLite; returns (path, is_temporary, reused): ``reused`` where an export
+    beside the report, newer than it, is read instead of exporting again."""
     report = Path(report)
     if not report.is_file():
         raise InputError(f"{report}: no such file")
@@ -53,7 +54,7 @@ def export_sqlite(report: str | os.PathLike, timeout_s: float = 1800) -> tuple[P
     beside = report.with_suffix(".sqlite")
     # an export made before needs no nsys (checked first: it may be all there is where nsys is not)
     if beside.is_file() and beside.stat().st_mtime >= report.stat().st_mtime and _readable(beside) is None:
-        return beside, False
+        return beside, False, True
     nsys = find_nsys()
     if nsys is None:
         raise EnvironmentMissing(f"{report}: reading an .nsys-rep needs the Nsight Systems 'nsys' command on PATH; "
@@ -89,4 +90,4 @@ def export_sqlite(report: str | os.PathLike, timeout_s: float = 1800) -> tuple[P
             raise InputError(f"{report}: nsys export wrote no readable Nsight Systems export ({why}); check the "
                              f"report with nsys stats {report.name}, or export it yourself and pass the .sqlite file")
         os.replace(tmp_out, out)
-    return out, temporary
+    return out, temporary, False
