@@ -106,6 +106,18 @@ def test_kineto_wrong_shapes(tmp_path):
         assert want[name] in _err(tmp_path / name), name
 
 
+def test_deeply_nested_json_is_named_with_its_file(tmp_path):
+    """Nesting past Python's recursion limit, in the events array and inside an event of the batched
+    fast path: the file's own error, not a RecursionError."""
+    deep = "[" * 100_000 + "]" * 100_000
+    ev = json.dumps({"ph": "X", "cat": "kernel", "name": "k", "ts": 1, "dur": 1, "args": {}})
+    cases = {"top.json": '{"traceEvents": ' + deep + "}",
+             "event.json": '{"traceEvents": [' + ",".join([ev] * 3000 + [ev.replace("{}", deep)]) + "]}"}
+    for name, text in cases.items():
+        (tmp_path / name).write_text(text)
+        assert _err(tmp_path / name) == f"{tmp_path / name}: not a valid trace JSON: nested too deeply", name
+
+
 def test_gzip_corrupt_and_truncated(tmp_path, good):
     data = good["gz"].read_bytes()
     cut = tmp_path / "cut.json.gz"

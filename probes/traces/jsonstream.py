@@ -82,6 +82,8 @@ class _Buf:
         while True:
             try:
                 obj, end = self.dec.raw_decode(self.s, self.i)
+            except RecursionError:
+                self.fail("nested too deeply")
             except json.JSONDecodeError as e:
                 # a value cut by the chunk boundary fails at the end of the buffer (or inside a string
                 # that the boundary left open); an error well before the end is malformed JSON
@@ -175,6 +177,8 @@ def _array(b: _Buf) -> Iterator[dict]:
             if cut is not None:
                 try:
                     batch = loads("[" + b.s[b.i:cut + 1] + "]")
+                except RecursionError:
+                    b.fail("nested too deeply")
                 except ValueError as e:
                     # retrying the batch after each event would parse the same stretch again per
                     # event (a corrupt 600 KB gzipped trace took 9-33 s to reject)
