@@ -19,6 +19,7 @@ from specpilot.errors import InputError
 from .profile import Profile
 
 SCHEMA = "specpilot.profile_ranks/1"
+TIE = "tie"   # the ``slowest`` count of steps whose slowest busy time two or more ranks share
 
 
 def rank_profiles(profiles: list[Profile], labels: list[str]) -> dict[str, Any]:
@@ -47,8 +48,9 @@ def rank_profiles(profiles: list[Profile], labels: list[str]) -> dict[str, Any]:
     for i in range(n):
         busy = [p.per_step[i]["busy_ms"] for p in profiles]
         top = max(range(len(busy)), key=lambda r: busy[r])
-        slowest[labels[top]] += 1
-        per_step.append({"step": i, "busy_ms": busy, "slowest": labels[top], "max_busy_ms": busy[top],
+        tie = busy.count(busy[top]) > 1   # no rank is the slowest: none is credited
+        slowest[TIE if tie else labels[top]] += 1
+        per_step.append({"step": i, "busy_ms": busy, "slowest": None if tie else labels[top], "max_busy_ms": busy[top],
                          "imbalance": (busy[top] - min(busy)) / busy[top] if busy[top] else 0.0})
     # each rank's warnings named by their rank (as a diff names base: and candidate:); a note every
     # rank has once, any other named by its rank

@@ -297,6 +297,8 @@ def test_floor_shape_options_without_floors_are_refused(run_cli, tmp_path):
     ceil = tmp_path / "c.json"
     err = _bad(run_cli, good, "--ceiling", ceil, "--rows", 8, "--batch", 4, out=out)
     assert "--batch: --ceiling brings floors of the shape it was made for" in err
-    assert "sets no byte floors" in _bad(run_cli, good, good, "--context", 100, out=out)
+    rank1 = tmp_path / "s1.json.gz"
+    rank1.write_bytes(good.read_bytes())
+    assert "sets no byte floors" in _bad(run_cli, good, rank1, "--context", 100, out=out)
     code, _, err = run_cli("profile", good, "--model", CONFIG, "--rows", 8, "--batch", 4, "--gpu", "h200")
     assert code == 0, err

@@ -183,6 +183,13 @@ def test_tensor_parallel_ranks_with_communication_floor(run_cli, tmp_path):
     d = _json(run_cli, r0, r1, "--link-bandwidth", 400)
     assert d["schema"] == "specpilot.profile_ranks/1" and d["steps"] == 3
     assert d["slowest"] == {"rank1.json.gz": 3}
+    # a rank of the same steps ties with rank 0: no rank is credited; one file given twice is refused
+    twin = tmp_path / "twin.json.gz"
+    twin.write_bytes(r0.read_bytes())
+    tied = _json(run_cli, r0, twin)
+    assert tied["slowest"] == {"tie": 3} and [s["slowest"] for s in tied["per_step"]] == [None] * 3
+    code, _, err = run_cli("profile", r0, r0)
+    assert code == 2 and err.strip() == f"specpilot: error: {r0}: given twice (as {r0}); each rank is its own trace file"
     assert d["imbalance"] == pytest.approx(1 / 3, rel=0.02)
     c0 = d["ranks"][0]
     # all-reduce of 4 M bf16 elements over 2 ranks: 2 (n-1)/n x 8 MB = 8 MB sent per rank

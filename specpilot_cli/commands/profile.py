@@ -224,6 +224,8 @@ def command(traces, step_range, step_mode, gap_us, skip_steps, device, include_o
     if ranks or len(traces) > 1:
         from specpilot.probes.ranks import rank_profiles
 
+        _refuse_a_trace_named_twice(traces)
+
         if ranks:
             from specpilot.probes.traces import StepRequest, read_trace_devices
 
@@ -316,6 +318,20 @@ def _read(trace, device, step_range, step_mode, gap_us, include_orphans, table):
         return read_trace(trace, req, on_read=lambda n: bar.update(n))
     finally:
         bar.close()
+
+
+def _refuse_a_trace_named_twice(traces) -> None:
+    """Each rank is its own trace: one file given twice would be profiled as two ranks that tie."""
+    import os
+
+    for i, a in enumerate(traces):
+        for b in traces[:i]:
+            try:
+                same = os.path.samefile(a, b)
+            except OSError:   # a missing file is said by its reader
+                same = False
+            if same:
+                raise InputError(f"{a}: given twice (as {b}); each rank is its own trace file")
 
 
 def _rank_labels(traces, profiles) -> list[str]:  # noqa: ARG001
