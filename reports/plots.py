@@ -8,7 +8,7 @@ from specpilot.fileio import atomic_open
 CLASS_COLORS = {
     "linear": "#4C72B0", "lm_head": "#8172B3", "attention": "#DD8452", "gdn": "#937860", "moe": "#DA8BC3",
     "norm": "#55A868", "elementwise": "#8C8C8C", "sampling": "#CCB974", "memcpy": "#64B5CD",
-    "communication": "#C44E52", "drafter": "#2E8B57", "other": "#BBBBBB",
+    "communication": "#C44E52", "drafter": "#2F2F2F", "other": "#BBBBBB",
 }
 
 

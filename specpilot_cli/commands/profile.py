@@ -38,7 +38,7 @@ def _gpu_help() -> str:
                    "else the whole trace. Example: --step-mode gap --gap-us 200")
 @click.option("--gap-us", type=positive(1e12), metavar="US", help="Idle gap (us) that separates steps in gap mode [default: found]. "
               "Example: --step-mode gap --gap-us 200")
-@click.option("--skip-steps", type=click.IntRange(0, 2**31), default=0, show_default=True, help="Leave out the first N steps (warm-up). "
+@click.option("--skip-steps", type=click.IntRange(0, 2**31 - 1), default=0, show_default=True, help="Leave out the first N steps (warm-up). "
               "Example: --skip-steps 2")
 @click.option("--device", type=click.IntRange(0, 2**16), help="GPU index when the trace holds several [default: the busiest]. Example: --device 1")
 @click.option("--include-orphans", is_flag=True,
@@ -47,7 +47,7 @@ def _gpu_help() -> str:
 @click.option("--rules", "rules_files", multiple=True, type=click.Path(dir_okay=False),
               help="YAML kernel-class rules tried before the defaults (repeatable). Example: --rules my_rules.yaml")
 @click.option("--explain", is_flag=True, help="List which rule classified each kernel name. Example: --explain")
-@click.option("--top", "top_n", type=click.IntRange(0, 2**31), default=10, show_default=True,
+@click.option("--top", "top_n", type=click.IntRange(0, 2**31 - 1), default=10, show_default=True,
               help="Kernels listed by time per step (0: none). Example: --top 20")
 @click.option("--diff", is_flag=True,
               help="Compare two traces, BASE then CANDIDATE: per class and per top kernel, ms per step, share and "
