@@ -47,6 +47,9 @@ from specpilot.errors import EnvironmentMissing, InputError
 
 MAX_BODY = 64 << 20
 RETRY_AFTER = "1"
+# the spec a server reports names its batch even at the spec's default of 1: ``serve``'s own
+# default is larger, so the spec fed back to it would start another server
+SERVED_ALWAYS = ("batch",)
 
 
 @dataclass
@@ -167,7 +170,8 @@ class ServeState:
         internal = {"effective_max_running_requests_per_dp": dec.batch}
         if eng.spec.mode != "ar" and st.tau() is not None:
             internal["avg_spec_accept_length"] = st.tau()
-        return {"engine": str(eng.spec), "model": eng.model_name, "model_path": eng.model_name, **eng.info,
+        return {"engine": eng.spec.text(always=SERVED_ALWAYS), "model": eng.model_name, "model_path": eng.model_name,
+                **eng.info,
                 "batch_warmup_seconds": dec.warmup_seconds,
                 "max_running_requests": dec.batch, "max_queued_requests": self.options.max_queue,
                 **{k: eng.spec.rule(k) for k in ("budget", "block", "admit", "admit_rows")},
@@ -188,7 +192,7 @@ class ServeState:
                 "is_generation": True, "preferred_sampling_params": None, "weight_version": None,
                 "has_image_understanding": False, "has_audio_understanding": False,
                 "model_type": raw.get("model_type"), "architectures": raw.get("architectures"),
-                "engine": str(eng.spec)}
+                "engine": eng.spec.text(always=SERVED_ALWAYS)}
 
     def summary(self) -> dict:
         m, st = self.metrics, self.decoder.stats

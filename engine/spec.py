@@ -251,10 +251,16 @@ class EngineSpec:
         return kv
 
     def __str__(self) -> str:
+        return self.text()
+
+    def text(self, always: tuple[str, ...] = ()) -> str:
+        """The canonical spec text: model, mode and every field away from its default, and the
+        fields in ``always`` even at their default (``serve`` keeps ``batch=1``: its own default
+        is larger, so a spec without it would start another server)."""
         parts = [f"model={self.model}", f"mode={self.mode}"]
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.name not in ("model", "mode") and v is not None and v != f.default:
+            if f.name not in ("model", "mode") and v is not None and (v != f.default or f.name in always):
                 parts.append(f"{f.name}={v}")
         return "engine:" + ",".join(parts)
 

@@ -504,7 +504,7 @@ def test_the_queue_bound_counts_the_free_slots_and_takes_a_list_whole():
     dec.submit_all([req(), req()])
     dec = eng.batch_decoder(batch=2, max_queue=0)   # none may wait for a slot
     dec.submit_all([req(), req()])
-    with pytest.raises(QueueFull):
+    with pytest.raises(QueueFull, match=r"^all 2 slots are taken and no request may wait for one \(a queue of 0\)$"):
         dec.submit(req())
     dec = eng.batch_decoder(batch=2)   # no bound (run --batch)
     dec.submit_all([req() for _ in range(50)])

@@ -650,6 +650,12 @@ def server_b(eos_model):
 def test_eos_and_ignore_eos(server_b, eos_model):
     _, want, eos = eos_model
     url = server_b.url()
+    # the spec it reports starts this server again: batch=1 is kept (serve's own default is 8)
+    spec = httpx.get(url + "/get_server_info", timeout=30).json()["engine"]
+    assert ",batch=1" in spec and spec in "".join(server_b.err)
+    from specpilot.engine.spec import EngineSpec
+
+    assert EngineSpec.parse(spec).batch == 1
     r = httpx.post(url + "/generate", json=_gen([5, 6, 7, 8], 24), timeout=60).json()
     assert r["output_ids"] == want[:want.index(eos) + 1]
     assert r["meta_info"]["finish_reason"] == {"type": "stop", "matched": eos}

@@ -177,6 +177,9 @@ class BatchDecoder:
             free = max(0, self.batch - len(self.running))
             if self.max_queue is not None and len(self.waiting) + len(reqs) > self.max_queue + free:
                 ahead = max(0, len(self.waiting) - free)
+                if self.max_queue == 0:
+                    raise QueueFull(f"all {self.batch} slots are taken and no request may wait for one (a queue "
+                                    "of 0)")
                 raise QueueFull(f"{ahead} requests are waiting for a slot already" if len(reqs) == 1 else
                                 f"{len(reqs)} requests with {ahead} waiting already would pass the queue's "
                                 f"{self.max_queue}")

@@ -52,7 +52,7 @@ def command(host, port, max_queue, backlog, grace, log_requests, fmt, out, **kw)
     try:   # declared dependencies, but an install without them should say so, not crash
         import uvicorn  # noqa: F401  (imported where the server starts, after the model loads)
 
-        from specpilot.engine.server import Server, ServeOptions, bind, url_host
+        from specpilot.engine.server import SERVED_ALWAYS, Server, ServeOptions, bind, url_host
     except ModuleNotFoundError as e:
         raise EnvironmentMissing(f"serve needs {e.name}, which this Python lacks (pip install fastapi uvicorn "
                                  "httpx, or reinstall specpilot with its dependencies)") from None
@@ -66,9 +66,11 @@ def command(host, port, max_queue, backlog, grace, log_requests, fmt, out, **kw)
                f"({engine.info['dtype']}, {spec.device}, "
                f"{'Q pass ' + str(engine.info.get('qview')) + ', ' if spec.mode == 'tlv' else ''}"
                f"batch {srv.state.decoder.batch}; load "
-               f"{engine.info['load_seconds']:.1f} s, warm-up {engine.info['warmup_seconds']:.1f} s); {spec}", err=True)
+               f"{engine.info['load_seconds']:.1f} s, warm-up {engine.info['warmup_seconds']:.1f} s); "
+               f"{spec.text(always=SERVED_ALWAYS)}", err=True)
     st = srv.run()
-    data = {"schema": "specpilot.serve/1", "engine": str(spec), "model": engine.model_name, "host": host,
+    data = {"schema": "specpilot.serve/1", "engine": spec.text(always=SERVED_ALWAYS), "model": engine.model_name,
+            "host": host,
             "port": srv.port, **st}
     pct = lambda k: st.get(k) if st.get(k) is None else round(st[k] * 1e3, 1)  # noqa: E731
     emit(Report(data=data, sections=[
