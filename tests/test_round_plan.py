@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import yaml
@@ -30,6 +31,12 @@ def test_new_tokens_beyond_the_engine_cache_are_refused_before_anything_is_writt
         code, _, err = run_cli("round", TINY, "--max-new-tokens", "5000", *extra)
         assert code == 2 and "--max-new-tokens 5000" in err and "ctx=2048" in err and err.count("\n") == 1, err
     assert not (tmp_path / "r").exists()
+    # the limit it names fits the round's longest prompt too: following it, the round runs
+    fewer = int(re.search(r"give --max-new-tokens (\d+) or fewer", err)[1])
+    code, _, err = run_cli("round", TINY, "--max-new-tokens", str(fewer), "--dry-run")
+    assert code == 0, err
+    code, _, err = run_cli("round", TINY, "--max-new-tokens", str(fewer + 1), "--dry-run")
+    assert code == 2 and f"give --max-new-tokens {fewer} or fewer" in err, err
 
 
 def test_the_dry_run_leaves_out_the_current_systems_family_as_the_round_does(run_cli, tmp_path):

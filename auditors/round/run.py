@@ -127,8 +127,6 @@ def check_config(cfg: RoundConfig):
     rows = read_prompt_rows(cfg.prompts) if cfg.prompts else None
     if cfg.prompts and not rows:
         raise InputError(f"{cfg.prompts}: no prompts in the file")
-    if cfg.max_new_tokens and dep.kind == "engine":
-        _check_cache(cfg.max_new_tokens, dep, cfg)
     if rows and dep.kind == "engine":   # a prompt the engine cannot run would fail only after the measure stage
         _check_prompt_ids(rows, dep, cfg)
     if dep.kind == "engine":
@@ -174,17 +172,6 @@ def draft_room(spec) -> int:
     return max(rooms)
 
 
-def _check_cache(max_new: int, dep, cfg) -> None:
-    """New tokens that cannot fit the engine's cache (ctx) beside a prompt and a candidate's draft
-    rows would fail only when the approve stage collects stock's outputs, the folder half made."""
-    room = draft_room(dep.engine_spec) + 1   # and a one-token prompt (the prompts: _check_prompt_room)
-    ctx = dep.engine_spec.ctx
-    if max_new + room > ctx:
-        raise InputError(f"--max-new-tokens {max_new}: with a prompt and {room - 1} cache slots for draft rows it "
-                         f"does not fit the engine's cache (ctx={ctx}); give at most {ctx - room}, or raise ctx= in "
-                         "the deployment")
-
-
 def _check_prompt_ids(rows, dep, cfg) -> None:
     """Token-id prompts against the engine's vocabulary (text prompts are checked as they are
     encoded; the context, for every engine the round runs: :func:`_check_prompt_room`)."""
@@ -222,7 +209,8 @@ def _check_prompt_room(rows, dep, cfg) -> None:
     if len(ids) + max_new + room > ctx:
         where = f"{cfg.prompts}: " if cfg.prompts else "the round's built-in "
         fewer = ctx - len(ids) - room
-        raise InputError(f"{where}prompt {pid!r}: {len(ids)} tokens + {max_new} new tokens + {room} cache slots for "
+        new = f"--max-new-tokens {max_new}" if cfg.max_new_tokens else f"{max_new} new tokens"
+        raise InputError(f"{where}prompt {pid!r}: {len(ids)} tokens + {new} + {room} cache slots for "
                          f"draft rows do not fit the engine's cache (ctx={ctx}); "
                          + ("shorten it" if cfg.prompts else "give shorter prompts (--prompts)")
                          + (f", give --max-new-tokens {fewer} or fewer" if fewer >= 1 else "")
