@@ -500,3 +500,15 @@ def test_collect_does_not_replace_an_earlier_collection_without_resume(run_cli, 
     code, _, err = _collect(run_cli, "http://127.0.0.1:9", prompts_file, save)
     assert code == 2 and "holds the rows of an earlier collection; continue it with --resume" in err
     assert len(read_outputs(save).rows) == 1
+    # --resume is not advised where it would refuse the rows: another prompt set's, or no outputs at all
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps({"schema": "specpilot.outputs/1", "id": "x", "prompt_ids": [1, 2],
+                                 "output_ids": [9]}) + "\n")
+    code, _, err = _collect(run_cli, "http://127.0.0.1:9", prompts_file, other)
+    assert code == 2 and "1 of its 1 rows answer none of --prompts" in err and "choose another --save" in err, err
+    assert "continue it with --resume" not in err and err.count("\n") == 1
+    junk = tmp_path / "junk.jsonl"
+    junk.write_text("not json\n")
+    code, _, err = _collect(run_cli, "http://127.0.0.1:9", prompts_file, junk)
+    assert code == 2 and "holds rows that are not a collection's outputs" in err and "--resume" not in err, err
+    assert junk.read_text() == "not json\n" and other.read_text().startswith('{"schema"')

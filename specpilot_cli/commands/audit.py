@@ -396,10 +396,17 @@ def collect_cmd(system, prompts_path, max_new_tokens, timeout, concurrency, save
         from specpilot.engine.spec import EngineSpec
 
         tokenizer = EngineSpec.parse(spec.spec).model
+    prompts = _read_prompts(prompts_path, tokenizer)
     if not resume and _holds_rows(save):   # a new collection would replace them, whatever it gets to
+        try:   # --resume is advice only where it would take them (it says why not, where not)
+            _check_resumable(read_outputs(save).rows, prompts, max_new_tokens, save, identity, quiet=True)
+        except InputError as e:
+            if str(e).startswith(f"--save {save}: "):
+                raise
+            raise InputError(f"--save {save}: holds rows that are not a collection's outputs ({e}); remove the file "
+                             "or give another --save") from None
         raise InputError(f"--save {save}: holds the rows of an earlier collection; continue it with --resume, or "
                          "remove the file or give another --save")
-    prompts = _read_prompts(prompts_path, tokenizer)
     # an empty --save (made, nothing collected yet) resumes from nothing
     already = read_outputs(save).rows if resume and _holds_rows(save) else []
     _check_resumable(already, prompts, max_new_tokens, save, identity)
@@ -450,11 +457,12 @@ def _holds_rows(path: str) -> bool:
         return any(line.decode("utf-8", "replace").strip().strip("\ufeff") for line in f)
 
 
-def _check_resumable(already, prompts, max_new_tokens: int, save: str, system: str) -> None:
+def _check_resumable(already, prompts, max_new_tokens: int, save: str, system: str, quiet: bool = False) -> None:
     """Refuse to resume from rows the collection would drop or mix in: rows of other prompts (the
     file is rewritten with the prompts' rows only), rows of another system or collected under
     another --max-new-tokens (a row records both) or, for rows that do not record the limit,
-    longer than --max-new-tokens; warn that rows recording neither cannot be checked."""
+    longer than --max-new-tokens; warn that rows recording neither cannot be checked (not where
+    ``quiet``: the check only)."""
     from specpilot.auditors.outputs import key
 
     want = {key(p.id): list(p.prompt_ids) for p in prompts}
@@ -473,7 +481,7 @@ def _check_resumable(already, prompts, max_new_tokens: int, save: str, system: s
     if refused is not None:
         raise InputError(f"--save {save}: row {refused.id!r} was collected from {refused.system}, not {system}; "
                          "resume with the SYSTEM it was collected from, or choose another --save")
-    if aliens:
+    if aliens and not quiet:
         click.echo(f"specpilot: warning: --save {save}: {len(aliens)} of its rows "
                    f"{'was' if len(aliens) == 1 else 'were'} collected from "
                    f"{aliens[0].system}{' and others' if len({r.system for r in aliens}) > 1 else ''}, this "
@@ -488,7 +496,7 @@ def _check_resumable(already, prompts, max_new_tokens: int, save: str, system: s
         raise InputError(f"--save {save}: row {long.id!r} has {len(long.output_ids)} output tokens, more than "
                          f"--max-new-tokens {max_new_tokens}; resume with the --max-new-tokens it was collected with")
     unknown = sum(1 for r in already if r.max_new_tokens is None or r.system is None)
-    if unknown:
+    if unknown and not quiet:
         click.echo(f"specpilot: warning: --save {save}: {unknown} of the {len(already)} rows kept do not record the "
                    "system or --max-new-tokens they were collected with (a file from an older SpecPilot); they "
                    "cannot be checked against this collection's", err=True)
