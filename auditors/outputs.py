@@ -189,6 +189,10 @@ def read_prompt_rows(path) -> list[PromptRow]:
         raise InputError(f"{path}: one JSON document, not prompts: give JSONL (one specpilot.prompts/1 object "
                          "a line, or an outputs file) or plain text, one prompt a line")
     if first and not _jsonl_row(first):
+        if path.name.lower().endswith((".jsonl", ".jsonl.gz")):   # named JSONL: not read as text prompts
+            raise InputError(f"{path}: its first line is not a JSON object ({first.strip()[:40]!r}); a .jsonl "
+                             "prompts file holds one specpilot.prompts/1 object a line (a file of plain-text "
+                             "prompts, one a line, takes another suffix such as .txt)")
         with open_text(path, "utf-8-sig") as fh:
             text = fh.read()
         if "\x00" in text:   # UTF-8 that decodes but holds NULs is a binary file, not prompts

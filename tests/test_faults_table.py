@@ -361,11 +361,17 @@ def test_a_prompts_file_with_a_byte_order_mark_is_read_as_its_rows(tmp_path):
     p = tmp_path / "bom.jsonl"
     p.write_bytes("\ufeff".encode() + _jsonl([{"schema": "specpilot.prompts/1", "id": "a", "prompt_ids": [1, 2]}]).encode())
     assert [(r.id, r.prompt_ids) for r in read_prompt_rows(p)] == [("a", [1, 2])]
-    p.write_bytes("\ufeffhello\n".encode())
-    assert [r.text for r in read_prompt_rows(p)] == ["hello"]
+    t = tmp_path / "bom.txt"
+    t.write_bytes("\ufeffhello\n".encode())
+    assert [r.text for r in read_prompt_rows(t)] == ["hello"]
     # text that starts with "{" is text; a broken JSON row is still reported as one
-    p.write_text("{curly braces} make a set\nsecond\n")
-    assert [r.text for r in read_prompt_rows(p)] == ["{curly braces} make a set", "second"]
+    t.write_text("{curly braces} make a set\nsecond\n")
+    assert [r.text for r in read_prompt_rows(t)] == ["{curly braces} make a set", "second"]
+    # a file named .jsonl is not read as text: a line of it that is no JSON object is refused
+    for line in ("[1, 2, 3]", "hello", "{curly braces} make a set"):
+        p.write_text(line + "\n")
+        with pytest.raises(InputError, match=r"bom.jsonl: its first line is not a JSON object .* \.jsonl prompts file"):
+            read_prompt_rows(p)
     p.write_text('{"schema": "specpilot.prompts/1", "id": 1, "prompt_ids": [1, 2\n')
     with pytest.raises(InputError, match="not valid JSON"):
         read_prompt_rows(p)

@@ -30,7 +30,7 @@ def test_a_prompt_that_leaves_no_room_for_the_draft_rows_is_refused_before_the_r
     for extra in (["--dry-run"], ["--out-dir", tmp_path / "r", "--no-remember"]):
         code, _, err = run_cli("round", TIGHT, "--prompts", prompts, "--max-new-tokens", "32", *extra)
         assert code == 2, err
-        assert (f"{prompts}: prompt 'long': 200 tokens + --max-new-tokens 32 + 43 cache slots for draft rows do not fit the "
+        assert (f"{prompts}: prompt 'long': 200 tokens + 32 new tokens + 43 cache slots for draft rows do not fit the "
                 "engine's cache (ctx=256); shorten it, give --max-new-tokens 13 or fewer, or raise ctx= in the "
                 "deployment" in one_error(err))
     assert not (tmp_path / "r").exists()

@@ -29,7 +29,7 @@ def test_new_tokens_beyond_the_engine_cache_are_refused_before_anything_is_writt
     monkeypatch.chdir(tmp_path)
     for extra in (["--dry-run"], ["--out-dir", "r", "--no-remember"]):
         code, _, err = run_cli("round", TINY, "--max-new-tokens", "5000", *extra)
-        assert code == 2 and "--max-new-tokens 5000" in err and "ctx=2048" in err and err.count("\n") == 1, err
+        assert code == 2 and "5000 new tokens" in err and "ctx=2048" in err and err.count("\n") == 1, err
     assert not (tmp_path / "r").exists()
     # the limit it names fits the round's longest prompt too: following it, the round runs
     fewer = int(re.search(r"give --max-new-tokens (\d+) or fewer", err)[1])

@@ -209,8 +209,7 @@ def _check_prompt_room(rows, dep, cfg) -> None:
     if len(ids) + max_new + room > ctx:
         where = f"{cfg.prompts}: " if cfg.prompts else "the round's built-in "
         fewer = ctx - len(ids) - room
-        new = f"--max-new-tokens {max_new}" if cfg.max_new_tokens else f"{max_new} new tokens"
-        raise InputError(f"{where}prompt {pid!r}: {len(ids)} tokens + {new} + {room} cache slots for "
+        raise InputError(f"{where}prompt {pid!r}: {len(ids)} tokens + {max_new} new tokens + {room} cache slots for "
                          f"draft rows do not fit the engine's cache (ctx={ctx}); "
                          + ("shorten it" if cfg.prompts else "give shorter prompts (--prompts)")
                          + (f", give --max-new-tokens {fewer} or fewer" if fewer >= 1 else "")
