@@ -152,10 +152,10 @@ class ServeState:
         self.metrics.request_done(r, reason)
         if self.options.log is not None:
             gaps = inter_token_gaps(r.token_times)
-            ttft = f"{r.t_first - r.t_arrival:.3f}" if r.t_first is not None else "-"
-            itl = f"{sum(gaps) / len(gaps):.4f}" if gaps else "-"
+            ttft = f"{r.t_first - r.t_arrival:.3f} s" if r.t_first is not None else "-"
+            itl = f"{sum(gaps) / len(gaps):.4f} s" if gaps else "-"
             self.options.log(f"request {r.id}: prompt {len(r.prompt_ids)} tokens, {len(r.output)} generated, "
-                             f"ttft {ttft} s, itl {itl} s, e2e {(r.t_done or time.perf_counter()) - r.t_arrival:.3f} s, "
+                             f"ttft {ttft}, itl {itl}, e2e {(r.t_done or time.perf_counter()) - r.t_arrival:.3f} s, "
                              f"{r.steps} verify passes, finish {reason}")
 
     def server_info(self) -> dict:

@@ -261,11 +261,13 @@ def _app(mode: str = "ar", batch: int = 2, max_queue: int = 8):
 
 
 def test_mode_ar_answers_carry_no_spec_fields():
-    state, app, _ = _app("ar")
+    state, app, lines = _app("ar")
     state.start_engine()
 
     async def main():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://serve") as c:
+            empty = (await c.post("/generate", json=_gen([1, 2, 3], 0), timeout=60)).json()
+            assert empty["output_ids"] == []
             gen = (await c.post("/generate", json=_gen([1, 2, 3], 6), timeout=60)).json()
             streamed = await c.post("/generate", json={**_gen([1, 2, 3], 6), "stream": True}, timeout=60)
             info = (await c.get("/server_info")).json()
@@ -283,6 +285,9 @@ def test_mode_ar_answers_carry_no_spec_fields():
     assert "spec_" not in streamed
     assert "avg_spec_accept_length" not in info["internal_states"][0]
     assert ready == 200 and not_ready == 503
+    # the request log: a request of no tokens has no latency to give, and no unit after its dash
+    assert re.search(r"0 generated, ttft -, itl -, e2e [\d.]+ s,", lines[0]), lines
+    assert re.search(r"6 generated, ttft [\d.]+ s, itl [\d.]+ s, e2e [\d.]+ s,", lines[1]), lines
 
 
 # --------------------------------------------------------------- a client leaving while queued
