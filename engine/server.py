@@ -208,6 +208,9 @@ class ServeState:
 
 
 async def _read_body(request) -> bytes:
+    coding = request.headers.get("content-encoding", "").strip().lower()
+    if coding not in ("", "identity"):   # the body would be read as JSON as it came, whatever it is
+        raise BadRequest(f"Content-Encoding {coding!r} is not supported; send the body uncompressed", 415)
     n = request.headers.get("content-length")
     if n is not None and n.isdigit() and int(n) > MAX_BODY:
         raise BadRequest(f"body of {int(n)} bytes is over the limit of {MAX_BODY >> 20} MiB", 413)

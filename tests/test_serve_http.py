@@ -234,6 +234,18 @@ def test_malformed_http_gets_a_json_400(server_a, raw):
     assert "message" in json.loads(body)["error"]
 
 
+def test_a_body_in_a_content_encoding_it_does_not_decode_is_refused(server_a, greedy):
+    """A body said to be gzip (or any coding but identity) was read as JSON as it came; now 415."""
+    import gzip
+
+    url, body = server_a.url() + "/generate", json.dumps(_gen([3, 4, 5], 2)).encode()
+    for sent, coding in ((body, "gzip"), (gzip.compress(body), "gzip"), (body, "br")):
+        r = httpx.post(url, content=sent, headers={"content-encoding": coding}, timeout=30)
+        assert r.status_code == 415 and f"Content-Encoding '{coding}' is not supported" in r.json()["error"]["message"]
+    r = httpx.post(url, content=body, headers={"content-encoding": "identity"}, timeout=30)
+    assert r.status_code == 200 and r.json()["output_ids"] == greedy([3, 4, 5], 2)
+
+
 @pytest.mark.parametrize("body,words", BAD_BODIES, ids=range(len(BAD_BODIES)))
 def test_malformed_requests_get_400_naming_the_problem(server_a, body, words):
     r = httpx.post(server_a.url() + "/generate", content=body, headers={"content-type": "application/json"},
