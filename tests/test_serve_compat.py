@@ -237,14 +237,17 @@ def test_model_info_names_the_folder_the_tokenizer_loads_from(tmp_path):
     from types import SimpleNamespace
 
     from specpilot.engine.server import ServeOptions, ServeState
+    from specpilot.engine.spec import EngineSpec
 
     def info(weights, tokenizer):
-        eng = SimpleNamespace(model_name="smollm2-135m-instruct", tokenizer=tokenizer, spec="tree",
+        eng = SimpleNamespace(model_name="smollm2-135m-instruct", tokenizer=tokenizer,
+                              spec=EngineSpec.parse("engine:model=smollm2,mode=tree"),
                               info={"weights": weights}, model=SimpleNamespace(spec=SimpleNamespace(raw={})))
         return ServeState(eng, None, ServeOptions()).model_info()
 
     got = info(str(tmp_path), object())
     assert got["tokenizer_path"] == str(tmp_path) and got["model_path"] == "smollm2-135m-instruct"
+    assert got["engine"] == "engine:model=smollm2,mode=tree,batch=1"
     assert info("random", None)["tokenizer_path"] == "smollm2-135m-instruct"
     assert info(str(tmp_path), None)["tokenizer_path"] == "smollm2-135m-instruct"   # no tokenizer there
 
