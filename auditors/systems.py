@@ -63,7 +63,7 @@ def parse_system(spec: str, name: str | None = None, files: bool = True) -> Syst
     p = Path(s).expanduser()
     if p.is_file() and files:
         return SystemSpec("file", str(p), name or p.name)
-    kinds = ("an engine: spec (engine:model=smollm2,mode=tree,nodes=32) or a server URL (http://127.0.0.1:30000)")
+    kinds = "an engine: spec (engine:model=smollm2,mode=tree,nodes=32) or a server URL (http://127.0.0.1:30000)"
     if not files:
         what = "an outputs file cannot be timed" if p.is_file() else "neither an engine: spec nor a server URL"
         raise InputError(f"{spec}: {what}; a SYSTEM to time is {kinds}, or use --base-cmd/--candidate-cmd")

@@ -70,8 +70,7 @@ def command(host, port, max_queue, backlog, grace, log_requests, fmt, out, **kw)
                f"{spec.text(always=SERVED_ALWAYS)}", err=True)
     st = srv.run()
     data = {"schema": "specpilot.serve/1", "engine": spec.text(always=SERVED_ALWAYS), "model": engine.model_name,
-            "host": host,
-            "port": srv.port, **st}
+            "host": host, "port": srv.port, **st}
     pct = lambda k: st.get(k) if st.get(k) is None else round(st[k] * 1e3, 1)  # noqa: E731
     emit(Report(data=data, sections=[
         Section("served", ["requests", "bad requests", "errors", "rejected", "aborted", "tokens", "verify passes", "tau",
