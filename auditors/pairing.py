@@ -32,7 +32,7 @@ from typing import Callable, Sequence
 from specpilot import signals
 from specpilot.errors import EnvironmentMissing, InputError
 
-from .timing import Sample
+from .timing import LEAST_MEASURED, Sample, measured
 
 
 class System:
@@ -189,8 +189,10 @@ def _metric_from_stdout(out: str, key: str, where: str) -> float:
         if not isinstance(v, dict) or part not in v:
             raise InputError(f"{where}: the JSON on its last line has no {key!r}")
         v = v[part]
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or v != v or v == float("inf"):
-        raise InputError(f"{where}: {key!r} must be a positive number, got {v!r}")
+    if not measured(v):
+        raise InputError(f"{where}: {key!r} must be a positive number, got {v!r}"
+                         + (" (below the normal floats: no measurement)" if isinstance(v, float) and 0 < v < LEAST_MEASURED
+                            else ""))
     return float(v)
 
 

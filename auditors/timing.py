@@ -22,6 +22,7 @@ base throughput for throughputs), so a ratio above 1 means the candidate is fast
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
@@ -70,12 +71,28 @@ class Verdict:
         return "approved" if self.approved else "not approved"
 
 
+# the smallest measurement: a positive float below the normal range (1e-320) is no time or rate,
+# and the ratios of a pair with it overflow
+LEAST_MEASURED = sys.float_info.min
+
+
+def measured(x) -> bool:
+    """A measurement: a positive, finite, normal float (not true/false)."""
+    return (isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+            and x >= LEAST_MEASURED)
+
+
 def speed_ratios(samples: Sequence[Sample], higher_is_better: bool) -> np.ndarray:
+    if not all(measured(s.base) and measured(s.candidate) for s in samples):
+        raise InputError("every measurement must be a positive finite number")
     b = np.array([s.base for s in samples], dtype=np.float64)
     c = np.array([s.candidate for s in samples], dtype=np.float64)
-    if (b <= 0).any() or (c <= 0).any() or not np.isfinite(b).all() or not np.isfinite(c).all():
-        raise InputError("every measurement must be a positive finite number")
-    return c / b if higher_is_better else b / c
+    with np.errstate(over="ignore"):
+        r = c / b if higher_is_better else b / c
+    if not np.isfinite(r).all():
+        raise InputError("a pair's measurements are too far apart for their ratio to be a number "
+                         f"({min(b.min(), c.min()):.3g} beside {max(b.max(), c.max()):.3g})")
+    return r
 
 
 def threshold_for(noise: float, changes_output: bool) -> float:
@@ -228,7 +245,7 @@ def parse_samples(d: dict, path) -> tuple[list[Sample], list[tuple[float, float]
     from specpilot.fileio import is_int, is_num
 
     def positive(x) -> bool:   # a JSON number, not true/false or a string of digits
-        return is_num(x) and x > 0
+        return is_num(x) and measured(x)
 
     samples, aa = [], []
     for i, x in enumerate(d["samples"]):

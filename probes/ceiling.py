@@ -13,6 +13,8 @@ the same measurement, one is used and a note says which and why (:func:`passed_o
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 from specpilot.errors import InputError
@@ -600,6 +602,9 @@ def compute_ceiling(req: CeilingRequest) -> CeilingResult:
     if model is not None and gpu is not None:
         floors = [req.step_floor(n) for n in rows]
         ar_floor = req.step_floor(1, drafter=False)
+        if not all(math.isfinite(f.total_floor_ms) for f in (*floors, ar_floor)):
+            raise InputError("the byte floors overflow: the GPU's bandwidth or FLOP/s, or a fraction of them, is too "
+                             "small a number (--bandwidth, --flops, --bw-fraction, --flops-fraction)")
         if cost_rows is not None:
             f = next(f for f in floors if f.rows == cost_rows)
             if m.floor_ms is None:

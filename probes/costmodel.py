@@ -17,6 +17,8 @@ and a warning names it and its cause, so the ceiling is never below the current 
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 from specpilot.errors import InputError
@@ -137,6 +139,14 @@ def cost_model(tau: float, step_ms: float, ar_ms: float, tau_best: float | None 
     # a factor taken as 1 (measured at or below it) offers no gain: it is never the largest
     gains = {k: v for k, v in factors.items() if v is not None and v > 1}
     largest = max(gains, key=gains.get) if gains else None
+    over = [f"{k} factor" if k in factors else k
+            for k, v in (*factors.items(), ("c", c), ("speedup", speedup), ("ceiling", ceiling))
+            if v is not None and not math.isfinite(v)]
+    if over:   # a time near 0 (1e-320 ms) divides to infinity: no figure can be read from it
+        given = ", ".join(f"{k} {v:.4g}" for k, v in (("tau", tau), ("step ms", step_ms), ("AR ms", ar_ms),
+                                                      ("profiled ms", profile_ms), ("floor ms", floor_ms)) if v)
+        raise InputError(f"the cost model's {over[0]} overflows ({given}): a time or count near 0 is not a "
+                         "measurement")
     if_removed = {k: (speedup * v if v is not None else None) for k, v in used.items()}
     missing = [k for k, v in factors.items() if v is None]
     if missing:

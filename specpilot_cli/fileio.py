@@ -194,13 +194,37 @@ def temp_dir_beside(dst: str | os.PathLike) -> Path:
 
 
 def write_text_atomic(path, text: str, protect=(), option: str = "--out") -> None:
+    """``text`` to ``path`` atomically; gzip-compressed where ``path`` ends in ``.gz`` (the readers
+    take a ``.gz`` name as compressed)."""
+    if str(path).endswith(".gz"):
+        with atomic_open(path, "wb", protect=protect, option=option) as raw:
+            with gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz:
+                gz.write(text.encode("utf-8"))
+        return
     with atomic_open(path, "w", protect=protect, option=option) as fh:
         fh.write(text)
 
 
+def json_text(obj: Any, indent: int | None = 2) -> str:
+    """``obj`` as JSON text that any reader takes: dataclasses and arrays as plain values, and a
+    number that is not finite (an overflow, a 0/0) as null, never as the NaN/Infinity that
+    Python's json writes and strict readers refuse."""
+    plain = json.loads(json.dumps(obj, default=_json_default))
+    return json.dumps(_finite(plain), indent=indent, allow_nan=False)
+
+
+def _finite(v):
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_finite(x) for x in v]
+    return v
+
+
 def write_json_atomic(path, obj: Any, protect=(), option: str = "--out") -> None:
-    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False, default=_json_default) + "\n", protect,
-                      option)
+    write_text_atomic(path, json_text(obj) + "\n", protect, option)
 
 
 def write_jsonl_atomic(path, rows: Iterable[dict], protect=(), option: str = "--out") -> None:

@@ -109,17 +109,16 @@ def _render_text(report: Report, markdown: bool) -> str:
 
 def render(report: Report, fmt: str) -> str:
     if fmt == "json":
-        from .fileio import _json_default
+        from .fileio import json_text
 
-        return json.dumps(report.data, indent=2, default=_json_default) + "\n"
+        return json_text(report.data) + "\n"
     if fmt == "yaml":
         import yaml
 
-        from .fileio import _json_default
+        from .fileio import json_text
 
-        # round-trip through JSON so dataclasses/arrays become plain types
-        plain = json.loads(json.dumps(report.data, default=_json_default))
-        return yaml.safe_dump(plain, sort_keys=False)
+        # through JSON: dataclasses and arrays become plain types, a number that is not finite null
+        return yaml.safe_dump(json.loads(json_text(report.data, indent=None)), sort_keys=False)
     if fmt == "markdown":
         return _render_text(report, markdown=True)
     return _render_text(report, markdown=False)

@@ -54,6 +54,17 @@ def test_a_verify_step_faster_than_the_ar_step_is_warned_of(run_cli):
     assert code == 0 and any(w.startswith("c = 1 / 5 ms = 0.2") for w in json.loads(out)["warnings"]), out
 
 
+@pytest.mark.parametrize("args, words", [
+    (("--bandwidth", "1e-320"), "the byte floors overflow"),
+    (("--flops-fraction", "1e-320"), "the byte floors overflow"),
+    (("--tau", "3", "--step-ms", "5", "--ar-ms", "5", "--profile-ms", "1e-320"), "the cost model's outside factor overflows"),
+])
+def test_inputs_near_zero_whose_figures_overflow_are_refused(run_cli, args, words):
+    """They gave Infinity in the JSON (floors, factors, the ceiling) and "infx" in the table."""
+    code, out, err = run_cli("ceiling", "--model", "llama-3.1-8b", "--gpu", "h100", *args, "--format", "json")
+    assert code == 2 and out == "" and words in err and err.count("\n") == 1, err
+
+
 def test_cli_ceiling_never_below_the_current_speedup(run_cli):
     code, out, err = run_cli("ceiling", "--model", "llama-3.1-8b", "--gpu", "h200", "--tau", "3", "--step-ms", "6",
                              "--ar-ms", "5", "--profile-ms", "2", "--format", "json")

@@ -10,6 +10,13 @@ from specpilot.auditors.pairing import ShellSystem, run_pairs
 PY = sys.executable
 
 
+@pytest.fixture(autouse=True)
+def _own_folder(tmp_path, monkeypatch):
+    """compare keeps its partial file in the working folder by default: each test its own, so that
+    tests running at once in other workers never find one another's."""
+    monkeypatch.chdir(tmp_path)
+
+
 def emit_cmd(value, key="tokens_per_s"):
     return f"echo '{{\"{key}\": {value}}}'"
 
@@ -122,7 +129,7 @@ def test_unreachable_server_exit_3(tmp_path, run_cli):
     p.write_text('{"schema": "specpilot.prompts/1", "id": 0, "prompt_ids": [1, 2, 3]}\n')
     code, _, err = run_cli("compare", "--base", "http://127.0.0.1:9", "--candidate", "http://127.0.0.1:9",
                            "--prompts", p, "--timeout", "2")
-    assert code == 3 and "connection refused" in err
+    assert code == 3 and "connection refused" in err, err
 
 
 def _serve_tiny():
@@ -156,8 +163,8 @@ def test_http_server_a_a(tmp_path, run_cli):
     try:
         code, out, err = run_cli("compare", "--base", url, "--candidate", url, "--prompts", p, "--max-new-tokens", "6",
                                  "--runs", "2", "--warmup", "0", "--format", "json", "--concurrency", "3")
-        d = json.loads(out)
         assert code == 1, err
+        d = json.loads(out)
         assert d["unit"] == "tok/s" and d["outputs_identical"] is True and d["outputs_stable"] is True
         assert d["prompts"] == 3 and d["concurrency"] == 3
         assert len(d["samples"]) == 2 and d["approved"] is False
@@ -166,7 +173,7 @@ def test_http_server_a_a(tmp_path, run_cli):
         proc.wait(timeout=20)
     code, _, err = run_cli("compare", "--base", url, "--candidate", url, "--prompts", p, "--runs", "2",
                            "--warmup", "0", "--timeout", "5")
-    assert code == 3 and "connection refused" in err
+    assert code == 3 and "connection refused" in err, err
 
 
 def test_gpu_swap_through_cli(run_cli, monkeypatch):
@@ -436,3 +443,16 @@ def test_from_refuses_live_run_options_and_half_blocks(tmp_path, run_cli, args, 
 def test_gpu_ids_that_are_not_ids_are_bad_input(run_cli):
     code, _, err = run_cli("compare", "--base-cmd", "true", "--candidate-cmd", "true", "--gpus", "a,b")
     assert code == 2 and "'a' is not a GPU id" in err, err
+
+
+@pytest.mark.parametrize("base, cand, words", [
+    ("1e-320", "5", "'tokens_per_s' must be a positive number, got 1e-320 (below the normal floats"),
+    ("1e-300", "1e300", "too far apart for their ratio to be a number"),
+])
+def test_measurements_whose_ratio_is_no_number_are_refused(tmp_path, run_cli, base, cand, words):
+    """A subnormal metric, or two whose ratio overflows, gave Infinity and NaN in the JSON (which
+    strict readers refuse) and numpy warnings; now one line, exit 2."""
+    code, out, err = run_cli("compare", "--base-cmd", emit_cmd(base), "--candidate-cmd", emit_cmd(cand),
+                             "--metric", "tokens_per_s", "--runs", "2", "--warmup", "0", "--format", "json",
+                             "--partial", tmp_path / "p.json")
+    assert code == 2 and out == "" and words in err and err.count("\n") == 1, err

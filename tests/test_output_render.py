@@ -33,3 +33,30 @@ def test_memory_show_fits_a_wide_terminal(run_cli):
     code, out, _ = run_cli("memory", "show", "tree")
     wide = [ln for ln in out.splitlines() if len(ln) > 180]
     assert code == 0 and not wide, wide[:1]
+
+
+def test_numbers_that_are_not_finite_are_written_as_null_never_as_nan():
+    """Python's json writes NaN/Infinity, which strict readers refuse; a report writes null."""
+    import json as std
+
+    import numpy as np
+    import yaml
+
+    report = Report(data={"a": float("inf"), "b": [1.0, float("nan")], "c": {"d": np.float64("-inf")}, "e": 2.5})
+    text = render(report, "json")
+    assert "Infinity" not in text and "NaN" not in text
+    assert std.loads(text) == {"a": None, "b": [1.0, None], "c": {"d": None}, "e": 2.5}
+    assert yaml.safe_load(render(report, "yaml")) == std.loads(text)
+
+
+def test_out_named_gz_is_gzip_and_read_back_by_the_readers(run_cli, tmp_path):
+    """--out rp.json.gz wrote plain JSON that a reader, taking .gz as compressed, refused."""
+    import gzip
+
+    out = tmp_path / "rows.json.gz"
+    code, _, err = run_cli("ceiling", "--model", "llama-3.1-8b", "--gpu", "h200", "--rows", "1,8", "--format", "json",
+                           "--out", out)
+    assert code == 0 and gzip.decompress(out.read_bytes()).startswith(b"{"), err
+    from specpilot.fileio import read_json   # what the verbs read JSON files with
+
+    assert read_json(out, kind="ceiling")["schema"] == "specpilot.ceiling/1"
