@@ -654,6 +654,7 @@ def test_compare_ends_a_hung_command_after_the_default_timeout(run_cli, tmp_path
     from specpilot.auditors import pairing
 
     monkeypatch.setattr(pairing, "AUTO_TIMEOUT_MIN_S", 1.0)
+    monkeypatch.chdir(tmp_path)   # its default partial file: not beside another test's in the checkout
     pidfile = tmp_path / "pid"
     cand = f"if [ -e {tmp_path}/once ]; then echo $$ > {pidfile}; sleep 300; fi; touch {tmp_path}/once"
     code, _, err = run_cli("compare", "--base-cmd", "sleep 0.01", "--candidate-cmd", cand, "--runs", "2",
@@ -726,6 +727,7 @@ def test_non_tty_progress_lines_and_loading_model_line(run_cli, tmp_path, monkey
     assert lines[0] == "specpilot: loading model tiny (ar, cpu) ..."
     assert "specpilot: CPU engine: 1 torch thread (tiny model)" in lines
     assert [ln for ln in lines if "/3 " in ln] and "\r" not in err
+    monkeypatch.chdir(tmp_path)   # compare's default partial file: not beside another test's in the checkout
     code, _, err = run_cli("compare", "--base-cmd", "true", "--candidate-cmd", "true", "--runs", "4", "--warmup", "0")
     assert code == 1 and "paired runs: 4/4 pair" in err, err
 
