@@ -223,13 +223,17 @@ def read_run(path: str) -> RunFigures:
         if isinstance(doc.get("batch"), dict):
             raise InputError(f"{path}: a batched run (--batch) has no per-step timing of one request; ceiling "
                              "--run/--check take a one-request run (specpilot run without --batch)")
+        if doc.get("steps") == 0:   # its one token came from the prefill: no step to time
+            raise InputError(f"{path}: the run made no verification passes (its only token came from the prefill); "
+                             "run it with --max-new-tokens 2 or more")
         raise InputError(f"{path}: the run has no 'step_timing' (a run JSON from an older SpecPilot): run "
                          "specpilot run --format json again")
     tau, wall, gpu_ms = doc.get("tau"), timing.get("wall_ms"), timing.get("gpu_ms")
-    if not (_finite(tau, 0, MAX_TAU, lo_open=False) and _finite(wall, 0, MAX_MS)
-            and (gpu_ms is None or _finite(gpu_ms, 0, MAX_MS))):
-        raise InputError(f"{path}: a run needs a finite 'tau' in [0, {MAX_TAU:g}] and step_timing 'wall_ms' (and "
-                         f"'gpu_ms', when present) in (0, {MAX_MS:g}]")
+    if not _finite(tau, 1, MAX_TAU, lo_open=False):   # tokens per verification pass: the bonus token at least
+        raise InputError(f"{path}: the run's 'tau' must be a finite number in [1, {MAX_TAU:g}], got {tau!r}")
+    if not (_finite(wall, 0, MAX_MS) and (gpu_ms is None or _finite(gpu_ms, 0, MAX_MS))):
+        raise InputError(f"{path}: a run needs step_timing 'wall_ms' (and 'gpu_ms', when present) in "
+                         f"(0, {MAX_MS:g}]")
     split = {}
     for k in ("draft_ms", "verify_ms", "rest_ms", "qpass_ms"):
         v = timing.get(k)

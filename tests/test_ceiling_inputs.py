@@ -155,3 +155,19 @@ def test_a_gpu_probe_beside_the_profile_says_whose_step_is_used(run_cli):
                for n in cm["notes"]), cm["notes"]
 
 
+
+
+def test_a_run_of_no_passes_or_a_tau_below_one_is_named_as_the_files(run_cli, cpu_run, tmp_path):
+    """A run whose only token came from the prefill was called a file from an older SpecPilot; a
+    file's tau below 1 was blamed on a --tau that was not given."""
+    one = tmp_path / "one.json"
+    code, _, err = run_cli("run", "--model", "tiny", "--prompt-ids", "1,2,3", "--max-new-tokens", "1",
+                           "--format", "json", "--out", one)
+    assert code == 0 and json.loads(one.read_text())["steps"] == 0, err
+    code, _, err = run_cli("ceiling", "--run", one, "--ar-ms", "3")
+    refused(code, err, f"{one}: the run made no verification passes")
+    for tau in (0.5, 0.0):
+        bad = tmp_path / f"tau{tau}.json"
+        bad.write_text(json.dumps({**json.loads(cpu_run.read_text()), "tau": tau}))
+        code, _, err = run_cli("ceiling", "--run", bad, "--ar-ms", "20")
+        refused(code, err, f"{bad}: the run's 'tau' must be a finite number in [1, 65536], got {tau}")
