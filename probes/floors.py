@@ -48,8 +48,8 @@ class ClassCost:
     floor_ms: float = 0.0
     bound: str = "bytes"  # which term sets the floor
 
-    def as_dict(self) -> dict:
-        return {"bytes": self.bytes, "flops": self.flops, "floor_ms": self.floor_ms, "bound": self.bound}
+    def as_dict(self) -> dict:   # numbers as floats in every class (some classes count whole bytes)
+        return {"bytes": float(self.bytes), "flops": float(self.flops), "floor_ms": self.floor_ms, "bound": self.bound}
 
 
 @dataclass

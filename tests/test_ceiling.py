@@ -128,6 +128,7 @@ def test_cli_what_if_table_and_json(run_cli, tmp_path):
     doc = json.loads(out)
     assert doc["schema"] == "specpilot.ceiling/1"
     assert set(doc["classes"]) == {"linear", "lm_head", "attention", "gdn", "moe", "norm", "drafter"}
+    assert all(isinstance(c["bytes"], float) and isinstance(c["flops"], float) for c in doc["classes"].values())
     assert set(doc["by_rows"]) == {"1", "64"}
     assert doc["by_rows"]["1"]["c_floor"] == pytest.approx(1.0)
     assert doc["by_rows"]["64"]["c_floor"] > 1.0
