@@ -76,6 +76,15 @@ def visible(text: str) -> str:
     return "".join(c if c in "\n\t" or unicodedata.category(c) != "Cc" else repr(c)[1:-1] for c in text)
 
 
+def _cell(text: str, markdown: bool) -> str:
+    """A table cell of one line: a newline in a value (an id, a model's text) would start a row of
+    its own, and in Markdown a ``|`` a column of its own."""
+    text = visible(text)
+    if markdown:
+        return text.replace("\\", "\\\\").replace("|", "\\|").replace("\n", "<br>")
+    return text.replace("\n", "\\n")
+
+
 def _paragraphs(text: str) -> str:
     """Markdown joins consecutive lines into one paragraph: each line of ``text`` its own."""
     return text.replace("\n", "\n\n")
@@ -94,7 +103,7 @@ def _render_text(report: Report, markdown: bool) -> str:
             out.append(f"## {s.title}" if markdown else s.title)
             if markdown:
                 out.append("")
-        rows = [[visible(v) if isinstance(v, str) else fmt_num(v) for v in r] for r in s.rows]
+        rows = [[_cell(v, markdown) if isinstance(v, str) else fmt_num(v) for v in r] for r in s.rows]
         wrap = {} if markdown or not s.wrap else {"maxcolwidths": list(s.wrap)}
         out.append(tabulate(rows, headers=list(s.headers), tablefmt="github" if markdown else "simple",
                             disable_numparse=True, **wrap))

@@ -60,3 +60,16 @@ def test_out_named_gz_is_gzip_and_read_back_by_the_readers(run_cli, tmp_path):
     from specpilot.fileio import read_json   # what the verbs read JSON files with
 
     assert read_json(out, kind="ceiling")["schema"] == "specpilot.ceiling/1"
+
+
+def test_a_value_with_a_bar_or_a_newline_stays_in_its_cell():
+    """An id "a|b" made two Markdown cells, "line1\\nline2" a row of its own in both renderings."""
+    report = Report(data={}, sections=[Section(None, ["id", "tokens"], [["a|b", 4], ["line1\nline2", 5],
+                                                                         ["back\\slash", 6]])])
+    import re
+
+    md = render(report, "markdown").splitlines()
+    cells = [[c.strip() for c in re.split(r"(?<!\\)\|", row)[1:-1]] for row in md]
+    assert cells[2:] == [["a\\|b", "4"], ["line1<br>line2", "5"], ["back\\\\slash", "6"]] and len(md) == 5
+    text = render(report, "text").splitlines()
+    assert len(text) == 5 and text[3].startswith("line1\\nline2")
