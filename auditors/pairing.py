@@ -190,9 +190,9 @@ def _metric_from_stdout(out: str, key: str, where: str) -> float:
             raise InputError(f"{where}: the JSON on its last line has no {key!r}")
         v = v[part]
     if not measured(v):
+        tiny = isinstance(v, float) and 0 < v < LEAST_MEASURED
         raise InputError(f"{where}: {key!r} must be a positive number, got {v!r}"
-                         + (" (below the normal floats: no measurement)" if isinstance(v, float) and 0 < v < LEAST_MEASURED
-                            else ""))
+                         + (" (below the normal floats: no measurement)" if tiny else ""))
     return float(v)
 
 

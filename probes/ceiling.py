@@ -14,7 +14,6 @@ the same measurement, one is used and a note says which and why (:func:`passed_o
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field
 
 from specpilot.errors import InputError

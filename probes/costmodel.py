@@ -18,7 +18,6 @@ and a warning names it and its cause, so the ceiling is never below the current 
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field
 
 from specpilot.errors import InputError

@@ -57,7 +57,8 @@ def test_a_verify_step_faster_than_the_ar_step_is_warned_of(run_cli):
 @pytest.mark.parametrize("args, words", [
     (("--bandwidth", "1e-320"), "the byte floors overflow"),
     (("--flops-fraction", "1e-320"), "the byte floors overflow"),
-    (("--tau", "3", "--step-ms", "5", "--ar-ms", "5", "--profile-ms", "1e-320"), "the cost model's outside factor overflows"),
+    (("--tau", "3", "--step-ms", "5", "--ar-ms", "5", "--profile-ms", "1e-320"),
+     "the cost model's outside factor overflows"),
 ])
 def test_inputs_near_zero_whose_figures_overflow_are_refused(run_cli, args, words):
     """They gave Infinity in the JSON (floors, factors, the ceiling) and "infx" in the table."""
