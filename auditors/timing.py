@@ -77,9 +77,10 @@ LEAST_MEASURED = sys.float_info.min
 
 
 def measured(x) -> bool:
-    """A measurement: a positive, finite, normal float (not true/false)."""
-    return (isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-            and x >= LEAST_MEASURED)
+    """A measurement: a finite number (not true/false) no smaller than the least normal float."""
+    from specpilot.fileio import is_num
+
+    return is_num(x) and x >= LEAST_MEASURED
 
 
 def speed_ratios(samples: Sequence[Sample], higher_is_better: bool) -> np.ndarray:
@@ -244,23 +245,20 @@ def parse_samples(d: dict, path) -> tuple[list[Sample], list[tuple[float, float]
         raise InputError(f"{path}: 'samples' (and 'aa') must be lists")
     from specpilot.fileio import is_int, is_num
 
-    def positive(x) -> bool:   # a JSON number, not true/false or a string of digits
-        return is_num(x) and measured(x)
-
     samples, aa = [], []
     for i, x in enumerate(d["samples"]):
         if not (isinstance(x, dict) and is_int(x.get("pair")) and is_int(x.get("block"))
                 and is_num(x.get("base")) and is_num(x.get("candidate"))):
             raise InputError(f"{path}: sample {i} needs whole numbers 'pair' and 'block' and numbers 'base' and "
                              "'candidate'")
-        if not (positive(x["base"]) and positive(x["candidate"])):
+        if not (measured(x["base"]) and measured(x["candidate"])):
             raise InputError(f"{path}: every measurement must be a positive finite number (sample {i})")
         samples.append(Sample(x["pair"], x["block"], float(x["base"]), float(x["candidate"]),
                               str(x.get("order", "AB")), x.get("gpu_base"), x.get("gpu_candidate")))
     for i, x in enumerate(d.get("aa", [])):
         if not (isinstance(x, dict) and is_num(x.get("first")) and is_num(x.get("second"))):
             raise InputError(f"{path}: A/A pair {i} needs numbers 'first' and 'second'")
-        if not (positive(x["first"]) and positive(x["second"])):
+        if not (measured(x["first"]) and measured(x["second"])):
             raise InputError(f"{path}: every measurement must be a positive finite number (A/A pair {i})")
         aa.append((float(x["first"]), float(x["second"])))
     return samples, aa

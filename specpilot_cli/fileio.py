@@ -205,12 +205,16 @@ def write_text_atomic(path, text: str, protect=(), option: str = "--out") -> Non
         fh.write(text)
 
 
+def plain_data(obj: Any) -> Any:
+    """``obj`` as plain JSON values: dataclasses and arrays as dicts and lists, and a number that
+    is not finite (an overflow, a 0/0) as None, never the NaN/Infinity that Python's json writes
+    and strict readers refuse."""
+    return _finite(json.loads(json.dumps(obj, default=_json_default)))
+
+
 def json_text(obj: Any, indent: int | None = 2) -> str:
-    """``obj`` as JSON text that any reader takes: dataclasses and arrays as plain values, and a
-    number that is not finite (an overflow, a 0/0) as null, never as the NaN/Infinity that
-    Python's json writes and strict readers refuse."""
-    plain = json.loads(json.dumps(obj, default=_json_default))
-    return json.dumps(_finite(plain), indent=indent, allow_nan=False)
+    """``obj`` as JSON text that any reader takes (:func:`plain_data`)."""
+    return json.dumps(plain_data(obj), indent=indent, allow_nan=False)
 
 
 def _finite(v):
@@ -258,6 +262,15 @@ def _json_default(o):
 def is_int(x) -> bool:
     """A JSON integer (``true`` is an int to Python, not to a reader of the file)."""
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def same_file(a, b) -> bool:
+    """Whether paths ``a`` and ``b`` name one file (a link, a hard link, another spelling); a path
+    that cannot be read is no match (its reader says what is wrong with it)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def is_num(x) -> bool:

@@ -124,10 +124,9 @@ def render(report: Report, fmt: str) -> str:
     if fmt == "yaml":
         import yaml
 
-        from .fileio import json_text
+        from .fileio import plain_data
 
-        # through JSON: dataclasses and arrays become plain types, a number that is not finite null
-        return yaml.safe_dump(json.loads(json_text(report.data, indent=None)), sort_keys=False)
+        return yaml.safe_dump(plain_data(report.data), sort_keys=False)
     if fmt == "markdown":
         return _render_text(report, markdown=True)
     return _render_text(report, markdown=False)

@@ -158,6 +158,14 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
+def own_folder(tmp_path, monkeypatch):
+    """The test's working folder is its own: ``compare`` keeps its partial file there by default,
+    and tests running at once in other workers must never find one another's."""
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+@pytest.fixture
 def run_cli():
     """Run ``specpilot ARGS`` in-process the way a user does; returns (exit_code, stdout, stderr)."""
     from specpilot.cli import main

@@ -9,12 +9,7 @@ from specpilot.auditors.pairing import ShellSystem, run_pairs
 
 PY = sys.executable
 
-
-@pytest.fixture(autouse=True)
-def _own_folder(tmp_path, monkeypatch):
-    """compare keeps its partial file in the working folder by default: each test its own, so that
-    tests running at once in other workers never find one another's."""
-    monkeypatch.chdir(tmp_path)
+pytestmark = pytest.mark.usefixtures("own_folder")   # compare's default partial file: each test its own
 
 
 def emit_cmd(value, key="tokens_per_s"):

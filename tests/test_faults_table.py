@@ -649,12 +649,11 @@ def test_report_keeps_the_round_and_refuses_one_missing_a_finished_stage(run_cli
     assert code == 2 and "decisions.json: missing, though round.json says the approve stage is done" in _one_error(err)
 
 
-def test_compare_ends_a_hung_command_after_the_default_timeout(run_cli, tmp_path, monkeypatch):
+def test_compare_ends_a_hung_command_after_the_default_timeout(run_cli, tmp_path, monkeypatch, own_folder):
     """No --timeout: 10 x the slowest base run, at least AUTO_TIMEOUT_MIN_S (lowered here)."""
     from specpilot.auditors import pairing
 
     monkeypatch.setattr(pairing, "AUTO_TIMEOUT_MIN_S", 1.0)
-    monkeypatch.chdir(tmp_path)   # its default partial file: not beside another test's in the checkout
     pidfile = tmp_path / "pid"
     cand = f"if [ -e {tmp_path}/once ]; then echo $$ > {pidfile}; sleep 300; fi; touch {tmp_path}/once"
     code, _, err = run_cli("compare", "--base-cmd", "sleep 0.01", "--candidate-cmd", cand, "--runs", "2",
@@ -712,7 +711,7 @@ def test_ci_gate_reports_the_real_reason(tmp_path, check_code, expect):
 
 # ------------------------------------------------------------------ long work in a non-tty
 
-def test_non_tty_progress_lines_and_loading_model_line(run_cli, tmp_path, monkeypatch):
+def test_non_tty_progress_lines_and_loading_model_line(run_cli, tmp_path, monkeypatch, own_folder):
     """stderr is not a terminal here (as in CI): plain progress lines, no carriage returns."""
     from specpilot import machine
 
@@ -727,7 +726,6 @@ def test_non_tty_progress_lines_and_loading_model_line(run_cli, tmp_path, monkey
     assert lines[0] == "specpilot: loading model tiny (ar, cpu) ..."
     assert "specpilot: CPU engine: 1 torch thread (tiny model)" in lines
     assert [ln for ln in lines if "/3 " in ln] and "\r" not in err
-    monkeypatch.chdir(tmp_path)   # compare's default partial file: not beside another test's in the checkout
     code, _, err = run_cli("compare", "--base-cmd", "true", "--candidate-cmd", "true", "--runs", "4", "--warmup", "0")
     assert code == 1 and "paired runs: 4/4 pair" in err, err
 

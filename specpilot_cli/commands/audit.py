@@ -222,20 +222,15 @@ def check(systems, stock_spec, ar_spec, scorer_spec, prompts_path, max_new_token
 def _refuse_stock_as_system(specs) -> None:
     """A SYSTEM that is the --against file itself (by path, link or hard link) passes whatever it
     holds: refused as the slip it is. Two runs of one engine spec are a fair check and stay."""
+    from specpilot.fileio import same_file
+
     stock = specs[0][1]
     if stock.kind != "file":
         return
     for role, s in specs[1:]:
-        if role == "system" and s.kind == "file" and _same_file(s.spec, stock.spec):
+        if role == "system" and s.kind == "file" and same_file(s.spec, stock.spec):
             raise InputError(f"SYSTEM {s.spec} is the --against file {stock.spec}: an audit of outputs against "
                              "themselves finds nothing; give the stock system's outputs to --against")
-
-
-def _same_file(a: str, b: str) -> bool:
-    try:
-        return os.path.samefile(a, b)
-    except OSError:   # a missing file is reported by its reader
-        return False
 
 
 def _check_kept_outputs(save: str, prompts, save_dir: str, prompts_path: str | None, max_new_tokens: int,

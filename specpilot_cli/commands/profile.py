@@ -322,16 +322,12 @@ def _read(trace, device, step_range, step_mode, gap_us, include_orphans, table):
 
 def _refuse_a_trace_named_twice(traces) -> None:
     """Each rank is its own trace: one file given twice would be profiled as two ranks that tie."""
-    import os
+    from specpilot.fileio import same_file
 
     for i, a in enumerate(traces):
-        for b in traces[:i]:
-            try:
-                same = os.path.samefile(a, b)
-            except OSError:   # a missing file is said by its reader
-                same = False
-            if same:
-                raise InputError(f"{a}: given twice (as {b}); each rank is its own trace file")
+        twin = next((b for b in traces[:i] if same_file(a, b)), None)
+        if twin is not None:
+            raise InputError(f"{a}: given twice (as {twin}); each rank is its own trace file")
 
 
 def _rank_labels(traces, profiles) -> list[str]:  # noqa: ARG001
