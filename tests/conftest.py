@@ -132,11 +132,66 @@ def _no_overflow_checks_whose_assert_is_off() -> None:
     sem.binary_op_sanitize_overflow_impl = overflow_check
 
 
+def _equal_shapes_left_unbroadcast() -> None:
+    """Triton's ``broadcast_impl_value`` compares a block's shape (a tuple) with the shape it built
+    (a list), which are never equal, so every operation on two blocks of one shape broadcasts both
+    to that shape first: two more interpreted operations each time, about a sixth of the engine
+    kernels' interpreter time. A broadcast to a block's own shape is the block itself; here two blocks
+    of one shape go on as they are, and everything else takes Triton's path."""
+    try:
+        from triton.runtime import interpreter as ti
+    except Exception:
+        return
+    import inspect
+
+    sem = getattr(ti, "interpreter_semantic", None)
+    impl = getattr(type(sem), "broadcast_impl_value", None)
+    if impl is None or "if lhs_shape != ret_shape:" not in inspect.getsource(impl):
+        return
+
+    types: dict = {}
+
+    def splat(x, shape):
+        scalar = x.type.scalar
+        if scalar.is_ptr():   # unhashable: a type of its own each time, as in Triton
+            ty = ti.tl.block_type(scalar, list(shape))
+        else:
+            ty = types.get((scalar, shape))
+            if ty is None:
+                ty = types[scalar, shape] = ti.tl.block_type(scalar, list(shape))
+        return sem.make_tensor(sem.builder.create_splat(ty, x.handle), ty)
+
+    def broadcast(lhs, rhs):
+        lb, rb = lhs.type.is_block(), rhs.type.is_block()
+        if lb and rb and lhs.type.shape == rhs.type.shape:
+            return lhs, rhs
+        if lb and not rb:
+            return lhs, splat(rhs, lhs.type.shape)
+        if rb and not lb:
+            return splat(lhs, rhs.type.shape), rhs
+        return impl(sem, lhs, rhs)
+
+    sem.broadcast_impl_value = broadcast
+
+
+def _sigint_delivered() -> None:
+    """A shell starts a background job (``pytest ... &``) with SIGINT ignored, and every process the
+    tests start inherits that, so the tests that send SIGINT would see it do nothing. The tests
+    run with SIGINT delivered, as from a terminal."""
+    import signal
+
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+_sigint_delivered()
+
 import specpilot.kernels.triton_env  # noqa: E402,F401  (chooses the interpreter before triton loads)
 
 _device_calls_skip_the_language_patch()
 _element_dtypes_looked_up_once()
 _no_overflow_checks_whose_assert_is_off()
+_equal_shapes_left_unbroadcast()
 
 
 def _cuda_available() -> bool:
