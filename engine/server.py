@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import json
 import signal
 import socket
@@ -42,6 +41,7 @@ from specpilot.engine.batch.requests import Request
 from specpilot.engine.batch.scheduler import QueueFull, percentile
 from specpilot.engine import openai_api as oa
 from specpilot.engine.http_api import BadRequest, Sampling, parse_generate, parse_json
+from specpilot.engine.listen import url_host
 from specpilot.engine.metrics import ServeMetrics, inter_token_gaps
 from specpilot.errors import EnvironmentMissing, InputError
 
@@ -591,32 +591,6 @@ async def _stream_openai(state: ServeState, request, r: Request, sp: Sampling, u
         disc.cancel()
         if not r.done:
             state.decoder.cancel(r)
-
-
-def url_host(host: str) -> str:
-    """``host`` as a URL writes it (an IPv6 address in brackets)."""
-    return f"[{host}]" if ":" in host else host
-
-
-def bind(host: str, port: int, backlog: int) -> socket.socket:
-    """The listening socket (``serve`` makes it before loading the model, so a port in use or a
-    host this machine does not have is said at once)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(backlog)
-    except OSError as e:
-        sock.close()
-        where = f"cannot listen on {url_host(host)}:{port} ({e.strerror or e})"
-        # an address in use or forbidden is the port's fault (the machine's state); a host name that
-        # does not resolve, or an address this machine does not have, is the --host given
-        if e.errno in (errno.EADDRINUSE, errno.EACCES):
-            raise EnvironmentMissing(f"{where}; choose another --port") from None
-        raise InputError(f"{where}; choose another --host") from None
-    sock.set_inheritable(True)
-    return sock
 
 
 def _protocol():

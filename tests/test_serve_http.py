@@ -26,6 +26,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from conftest import cli_imports
 
 from specpilot.engine.api import load_engine
 from specpilot.engine.spec import EngineSpec
@@ -958,11 +959,10 @@ def test_a_port_in_use_or_a_bad_host_is_said_before_the_model_loads():
         port = taken.getsockname()[1]
         for args, code, what in ((["--port", str(port)], 3, "choose another --port"),
                                  (["--port", "0", "--host", "999.1.1.1"], 2, "choose another --host")):
-            p = subprocess.run([sys.executable, "-m", "specpilot", "serve", "--model", "tiny", *args],
-                               capture_output=True, text=True, timeout=120)
-            lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
-            assert p.returncode == code and len(lines) == 1 and what in lines[0], p.stderr
-            assert "loading model" not in p.stderr
+            got, _, err, imported = cli_imports("serve", "--model", "tiny", *args)
+            lines = [ln for ln in err.splitlines() if ln.strip()]
+            assert got == code and len(lines) == 1 and what in lines[0], err
+            assert imported == [] and "loading model" not in err   # said before torch loads (seconds)
 
 
 def test_load_generator_refuses_bad_options_and_fails_when_requests_fail(tmp_path):

@@ -45,18 +45,20 @@ def command(host, port, max_queue, backlog, grace, log_requests, fmt, out, **kw)
     """
     spec = spec_from_cli(kw)
     from specpilot.engine.api import load_engine, resolve_model
+    from specpilot.engine.listen import bind, url_host
     from specpilot.errors import EnvironmentMissing
 
     resolve_model(spec.model, spec.random)   # a bad model: said before the server's imports (torch, seconds)
+    sock = bind(host, port, backlog)         # and a port in use, or a host not this machine's
 
     try:   # declared dependencies, but an install without them should say so, not crash
         import uvicorn  # noqa: F401  (imported where the server starts, after the model loads)
 
-        from specpilot.engine.server import SERVED_ALWAYS, Server, ServeOptions, bind, url_host
+        from specpilot.engine.server import SERVED_ALWAYS, Server, ServeOptions
     except ModuleNotFoundError as e:
+        sock.close()
         raise EnvironmentMissing(f"serve needs {e.name}, which this Python lacks (pip install fastapi uvicorn "
                                  "httpx, or reinstall specpilot with its dependencies)") from None
-    sock = bind(host, port, backlog)   # before the model loads: a port in use is said at once
 
     engine = load_engine(spec)
     log = (lambda m: click.echo(f"specpilot serve: {m}", err=True)) if log_requests else None
