@@ -174,6 +174,42 @@ def _equal_shapes_left_unbroadcast() -> None:
     sem.broadcast_impl_value = broadcast
 
 
+def _tensor_shapes_made_once() -> None:
+    """Every interpreted operation makes its result through ``tl.tensor.__init__``, which wraps each
+    dimension of the shape, and the element count, in a new ``constexpr``: about a sixth of the
+    engine kernels' interpreter time. Here the interpreter's tensors take those wrappers (never
+    changed) from one made per shape; the attributes are the ones ``__init__`` sets."""
+    try:
+        from triton.runtime import interpreter as ti
+    except Exception:
+        return
+    import inspect
+    import math
+
+    sem, tl = getattr(ti, "interpreter_semantic", None), ti.tl
+    init = inspect.getsource(tl.tensor.__init__)
+    body = [ln.strip() for ln in init.split('"""')[-1].splitlines() if ln.strip() and not ln.strip().startswith("#")]
+    if getattr(sem, "tensor", None) is not tl.tensor or body != [
+            "super().__init__()", "self.handle = handle", "self.shape = type.shape if type.is_block() else ()",
+            "self.numel = constexpr(math.prod(self.shape))", "self.type = type  # Tensor type (can be block_type)",
+            "self.dtype = type.scalar", "self.shape = tuple([constexpr(s) for s in self.shape])"]:
+        return
+    shapes: dict = {}
+    new = object.__new__
+
+    def make_tensor(handle, type):
+        dims = tuple(type.shape) if type.is_block() else ()
+        made = shapes.get(dims)
+        if made is None:   # (in Triton's core module ``tuple`` is its own tl.tuple)
+            made = shapes[dims] = (tl.core.tuple([tl.constexpr(d) for d in dims]), tl.constexpr(math.prod(dims)))
+        t = new(tl.tensor)
+        t.handle, t.type, t.dtype = handle, type, type.scalar
+        t.shape, t.numel = made
+        return t
+
+    sem.make_tensor = make_tensor
+
+
 def _sigint_delivered() -> None:
     """A shell starts a background job (``pytest ... &``) with SIGINT ignored, and every process the
     tests start inherits that, so the tests that send SIGINT would see it do nothing. The tests
@@ -192,6 +228,7 @@ _device_calls_skip_the_language_patch()
 _element_dtypes_looked_up_once()
 _no_overflow_checks_whose_assert_is_off()
 _equal_shapes_left_unbroadcast()
+_tensor_shapes_made_once()
 
 
 def _cuda_available() -> bool:
