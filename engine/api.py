@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specpilot.engine.spec import EngineSpec
+from specpilot.engine.spec import EngineSpec, room_words
 from specpilot.errors import EnvironmentMissing, InputError, about_prompt
 
 # Built-in tiny configs: random weights, byte-level vocabulary (no tokenizer needed).
@@ -259,8 +259,9 @@ def check_prompts(spec: EngineSpec, prompts, max_new_tokens: int, fit: bool = Tr
         need = len(ids) + max_new_tokens + room
         if fit and need > spec.ctx:
             raise InputError(f"prompt {pid!r}: {len(ids)} tokens + {max_new_tokens} new tokens + {room} slots for "
-                             f"draft rows need {need} cache slots; the engine has ctx={spec.ctx}: raise ctx= (--ctx), "
-                             "shorten the prompt or lower the new tokens")
+                             f"{room_words(spec.mode)} need {need} cache slots; "
+                             f"the engine has ctx={spec.ctx}: raise ctx= (--ctx), shorten the prompt or lower the new "
+                             "tokens")
 
 
 def model_vocab(spec: EngineSpec | str) -> int:

@@ -20,18 +20,19 @@ import torch
 
 from specpilot.engine.drafters import Lattice
 from specpilot.engine.model import StepInput, Transformer
-from specpilot.engine.spec import cache_room, request_rows
+from specpilot.engine.spec import cache_room, request_rows, room_words
 from specpilot.errors import InputError
 from specpilot.kernels import tree as treelib
 from specpilot.kernels.gdn.path import row_paths
 from specpilot.machine import torch_threads
 
 
-def check_request(prompt_ids, max_new_tokens: int, vocab: int, need: int, slots: int, least_new: int = 1) -> None:
+def check_request(prompt_ids, max_new_tokens: int, vocab: int, need: int, slots: int, least_new: int = 1,
+                  mode: str = "chain") -> None:
     """InputError for a request no decoder can run: an empty prompt, a token outside the
     vocabulary, fewer new tokens than ``least_new`` (a decoder makes at least one; ``serve``
     answers a request for none itself), or more cache slots (``need``) than the decoder has
-    (``slots``). Token ids and counts must be integers (a library caller's text or float is refused
+    (``slots``; the slots past the tokens are named for ``mode``). Token ids and counts must be integers (a library caller's text or float is refused
     here, not failed on deep in a step)."""
     if isinstance(prompt_ids, (str, bytes)) or not all(_integer(t) for t in prompt_ids):
         raise InputError("prompt_ids must be a sequence of integer token ids (text goes through the tokenizer: "
@@ -46,8 +47,8 @@ def check_request(prompt_ids, max_new_tokens: int, vocab: int, need: int, slots:
     if max_new_tokens < least_new:
         raise InputError(f"max_new_tokens must be >= {least_new}, got {max_new_tokens}")
     if need > slots:
-        raise InputError(f"prompt ({len(prompt_ids)} tokens) + {max_new_tokens} new tokens + draft rows need "
-                         f"{need} cache slots; the engine has {slots} (raise ctx=, --ctx on the command line)")
+        raise InputError(f"prompt ({len(prompt_ids)} tokens) + {max_new_tokens} new tokens + "
+                         f"{need - len(prompt_ids) - max_new_tokens} slots for {room_words(mode)} need {need} cache slots; the engine has {slots} (raise ctx=, --ctx on the command line)")
 
 
 def _integer(v) -> bool:
@@ -358,7 +359,7 @@ class Decoder:
     def check(self, prompt_ids: list[int], max_new_tokens: int) -> None:
         """Refuse a request this decoder cannot run (InputError)."""
         check_request(prompt_ids, max_new_tokens, self.model.spec.vocab_size,
-                      self.capacity_needed(len(prompt_ids), max_new_tokens), self.model.max_seq)
+                      self.capacity_needed(len(prompt_ids), max_new_tokens), self.model.max_seq, mode=self.mode)
 
     @torch.no_grad()
     def _generate(self, prompt_ids: list[int], max_new_tokens: int, record_lattice: bool = False,

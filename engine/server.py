@@ -468,7 +468,7 @@ def check_prompt(dec, ids: list[int]) -> None:
     from specpilot.engine.decode import check_request
 
     check_request(ids, 0, dec.model.spec.vocab_size, dec.capacity_needed(len(ids), 0), dec.cache.max_seq,
-                  least_new=0)
+                  least_new=0, mode=dec.mode)
 
 
 def _final_status(reqs: list[Request]) -> tuple[int, str] | None:

@@ -54,8 +54,14 @@ def request_rows(mode: str, nodes: int, depth: int, shared_cap: int = 1) -> int:
 
 def cache_room(mode: str, nodes: int, depth: int, shared_cap: int = 1) -> int:
     """Cache slots a request takes past its prompt and new tokens, as the decoders reserve them:
-    its most verify rows (:func:`request_rows`), the draft depth and two."""
-    return request_rows(mode, nodes, depth, shared_cap) + depth + 2
+    its most verify rows (:func:`request_rows`), the draft depth in a mode that drafts, and two
+    (an AR step still in flight when the request ends writes one slot past its tokens)."""
+    return request_rows(mode, nodes, depth, shared_cap) + (depth if mode != "ar" else 0) + 2
+
+
+def room_words(mode: str) -> str:
+    """What the :func:`cache_room` slots are for, as refusals name them."""
+    return "the step in flight" if mode == "ar" else "draft rows"
 
 
 def option(default, help: str, *, choices: tuple | None = None, range: tuple[int, int] | None = None,

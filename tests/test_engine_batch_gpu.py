@@ -86,6 +86,30 @@ def test_overlapped_ar_steps_equal_host_fed_steps(model, weights):
     assert outs[0] == outs[1]
 
 
+@pytest.mark.parametrize("model", ["tiny", "tiny-hybrid"])
+def test_ar_fills_a_cache_of_its_tokens_and_three_slots(model):
+    """AR reserves three slots past a request's tokens (``EngineSpec.cache_room``): in a cache that
+    tight the bucket graphs, the overlapped steps (one still in flight as a request ends), the mixed
+    buckets of arriving prompts and the one-request graph step stay inside each request's slots,
+    and every output equals one-request AR in a roomy cache."""
+    new = 24
+    ctx = max(len(p) for p in PROMPTS) + new + 3
+    base = f"engine:model={model},dtype=float32,device=cuda"
+    ar = load_engine(EngineSpec.parse(base + ",mode=ar,graphs=0,ctx=512"))
+    want = [ar.generate(p, new).output_ids for p in PROMPTS]
+    spec = EngineSpec.parse(f"{base},mode=ar,ctx={ctx},batch=3")
+    assert spec.cache_room() == 3
+    eng = load_engine(spec)
+    dec = eng.batch_decoder()
+    got = [r.output_ids for r in dec.generate_many([Request(p, new, id=i, arrival_step=2 * i)
+                                                     for i, p in enumerate(PROMPTS)])]
+    assert got == want and dec.stats.overlapped_steps > 0
+    if model == "tiny":
+        assert dec.stats.mixed_steps > 0
+    one = load_engine(EngineSpec.parse(f"{base},mode=ar,ctx={ctx}"))
+    assert [one.generate(p, new).output_ids for p in PROMPTS] == want
+
+
 def test_batched_graph_step_equals_eager_step_bf16():
     """One bucket's graph replay gives the eager batched step's argmax (bf16, Llama-like shapes)."""
     from specpilot.engine.batch.graphs import BatchGraphRunner

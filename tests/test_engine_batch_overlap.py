@@ -233,3 +233,20 @@ def test_warm_up_fits_a_small_cache(model):
     dec.cache = BatchCache(model, 16, max_seq=40)
     dec.runner.cache = dec.cache
     assert dec.warm_up() > 0 and dec.idle()
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_ar_runs_in_a_cache_of_its_tokens_and_three_slots(model, batch):
+    """AR reserves three cache slots past a request's tokens (``EngineSpec.cache_room``; the step
+    still in flight when a request ends writes one past them), not a draft's: requests that fill
+    such a cache give the tokens of a roomy one, overlapped and batched or alone."""
+    lengths, arrivals = (20, 7, 13, 20), (0, 0, 2, 3)
+    ctx = max(len(p) + n for p, n in zip(PROMPTS, lengths)) + 3
+    spec = EngineSpec.parse(f"engine:model=tiny,mode=ar,ctx={ctx}")
+    assert spec.cache_room() == 3 and spec.with_(depth=12).cache_room() == 3
+    tight = load_engine(spec)
+    _, want, _ = _outputs(model, batch, lengths, arrivals, overlap=False, graphs=False)
+    dec, got, _ = _outputs(tight.model, batch, lengths, arrivals, overlap=True)
+    assert got == want and dec.stats.overlapped_steps > 0
+    longest = max(range(len(lengths)), key=lambda i: len(PROMPTS[i]) + lengths[i])
+    assert tight.generate(PROMPTS[longest], lengths[longest]).output_ids == want[longest]

@@ -75,11 +75,11 @@ def test_generate_clips_a_max_new_tokens_it_is_not_given_to_the_room():
 
 def test_check_prompt_is_the_decoders_check_with_no_new_token():
     # capacity_needed(prompt, new) = prompt + new + 5 draft rows: 15 prompt tokens fit 20 slots, 16 do not
-    dec = SimpleNamespace(model=SimpleNamespace(spec=SimpleNamespace(vocab_size=10)),
+    dec = SimpleNamespace(model=SimpleNamespace(spec=SimpleNamespace(vocab_size=10)), mode="chain",
                           capacity_needed=lambda n, m: n + m + 5, cache=SimpleNamespace(max_seq=20))
     check_prompt(dec, [1] * 15)
-    with pytest.raises(InputError, match=r"prompt \(16 tokens\) \+ 0 new tokens \+ draft rows need 21 cache slots; "
-                                         r"the engine has 20"):
+    with pytest.raises(InputError, match=r"prompt \(16 tokens\) \+ 0 new tokens \+ 5 slots for draft rows need 21 "
+                                         r"cache slots; the engine has 20"):
         check_prompt(dec, [1] * 16)
     with pytest.raises(InputError, match="token id 10 is outside the vocabulary"):
         check_prompt(dec, [1, 10])
