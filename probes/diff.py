@@ -3,6 +3,7 @@
 Both profiles come from the same options (rules, floors, step selection), so a class or a kernel
 name means the same thing on both sides. Kernels are matched by name and class; the kernels listed
 are each side's ``top_n`` by time, merged; a kernel present on one side only shows 0 ms on the other.
+In every entry ``delta`` (``delta_ms``) is candidate less base and ``relative`` that over base.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Any
 
 from .profile import Profile
 
-SCHEMA = "specpilot.profile_diff/1"
+SCHEMA = "specpilot.profile_diff/2"
 
 
 def _rel(base: float, cand: float) -> float | None:
@@ -24,7 +25,7 @@ def diff_profiles(base: Profile, cand: Profile, top_n: int = 15) -> dict[str, An
     for c in classes:
         b, k = base.classes.get(c), cand.classes.get(c)
         bms, kms = (b.ms if b else 0.0), (k.ms if k else 0.0)
-        rows.append({"class": c, "base_ms": bms, "candidate_ms": kms, "delta_ms": kms - bms, "delta": _rel(bms, kms),
+        rows.append({"class": c, "base_ms": bms, "candidate_ms": kms, "delta_ms": kms - bms, "relative": _rel(bms, kms),
                      "base_share": b.share if b else 0.0, "candidate_share": k.share if k else 0.0,
                      "base_efficiency": b.efficiency if b else None,
                      "candidate_efficiency": k.efficiency if k else None,
@@ -40,7 +41,7 @@ def diff_profiles(base: Profile, cand: Profile, top_n: int = 15) -> dict[str, An
     for key in keys:
         bms, kms = kb.get(key, {}).get("ms", 0.0), kc.get(key, {}).get("ms", 0.0)
         kernels.append({"name": key[0], "class": key[1], "base_ms": bms, "candidate_ms": kms, "delta_ms": kms - bms,
-                        "delta": _rel(bms, kms), "base_share": kb.get(key, {}).get("share", 0.0),
+                        "relative": _rel(bms, kms), "base_share": kb.get(key, {}).get("share", 0.0),
                         "candidate_share": kc.get(key, {}).get("share", 0.0)})
     totals = []
     for label, attr in (("step wall ms", "step_wall"), ("kernel busy ms", "kernel_busy")):

@@ -163,10 +163,11 @@ def test_diff_of_two_traces(run_cli, tmp_path):
     faster = [(n, d / 2 if n == ATTN else d) for n, d in llama_step()]
     cand = write_trace(tmp_path / "cand.json.gz", [faster] * 3)
     d = _json(run_cli, base, cand, "--diff")
-    assert d["schema"] == "specpilot.profile_diff/1"
+    assert d["schema"] == "specpilot.profile_diff/2"
     att = next(r for r in d["classes"] if r["class"] == "attention")
     assert att["base_ms"] == pytest.approx(0.080) and att["candidate_ms"] == pytest.approx(0.040)
-    assert att["delta"] == pytest.approx(-0.5)
+    assert att["delta_ms"] == pytest.approx(-0.040) and att["relative"] == pytest.approx(-0.5)
+    assert "delta" not in att and all("relative" in t and "delta" in t for t in d["totals"])
     lin = next(r for r in d["classes"] if r["class"] == "linear")
     assert lin["delta_ms"] == pytest.approx(0.0)
     assert d["kernels"][0]["name"] == GEMM and any(k["name"] == ATTN and k["delta_ms"] < 0 for k in d["kernels"])

@@ -502,13 +502,13 @@ def _diff_report(d: dict) -> Report:
     b, c = d["base"], d["candidate"]
     title = f"Diff: {b['trace']} ({count(b['steps'], 'step')}) -> {c['trace']} ({count(c['steps'], 'step')})"
     totals = [[t["what"], t["base"], t["candidate"], t["delta"], _pct(t["relative"])] for t in d["totals"]]
-    classes = [[r["class"], r["base_ms"], r["candidate_ms"], r["delta_ms"], _pct(r["delta"]),
+    classes = [[r["class"], r["base_ms"], r["candidate_ms"], r["delta_ms"], _pct(r["relative"]),
                 f"{100 * r['base_share']:.1f}% -> {100 * r['candidate_share']:.1f}%",
                 (f"{_pct(r['base_efficiency']) or '-'}{' (!)' if r.get('base_flag') else ''} -> "
                  f"{_pct(r['candidate_efficiency']) or '-'}{' (!)' if r.get('candidate_flag') else ''}"
                  if r["base_efficiency"] is not None or r["candidate_efficiency"] is not None else None)]
                for r in d["classes"]]
-    kernels = [[k["base_ms"], k["candidate_ms"], k["delta_ms"], _pct(k["delta"]), k["class"], _short(k["name"], 70)]
+    kernels = [[k["base_ms"], k["candidate_ms"], k["delta_ms"], _pct(k["relative"]), k["class"], _short(k["name"], 70)]
                for k in d["kernels"]]
     sections = [Section("Per step (medians)", ["", "base", "candidate", "delta", "relative"], totals),
                 Section("Kernel time per class (ms per step)", ["class", "base", "candidate", "delta", "relative", "share",
