@@ -32,8 +32,8 @@ def check_request(prompt_ids, max_new_tokens: int, vocab: int, need: int, slots:
     """InputError for a request no decoder can run: an empty prompt, a token outside the
     vocabulary, fewer new tokens than ``least_new`` (a decoder makes at least one; ``serve``
     answers a request for none itself), or more cache slots (``need``) than the decoder has
-    (``slots``; the slots past the tokens are named for ``mode``). Token ids and counts must be integers (a library caller's text or float is refused
-    here, not failed on deep in a step)."""
+    (``slots``; the slots past the tokens are named for ``mode``). Token ids and counts must be
+    integers (a library caller's text or float is refused here, not failed on deep in a step)."""
     if isinstance(prompt_ids, (str, bytes)) or not all(_integer(t) for t in prompt_ids):
         raise InputError("prompt_ids must be a sequence of integer token ids (text goes through the tokenizer: "
                          "Engine.run takes {'text': ...})")
@@ -48,7 +48,8 @@ def check_request(prompt_ids, max_new_tokens: int, vocab: int, need: int, slots:
         raise InputError(f"max_new_tokens must be >= {least_new}, got {max_new_tokens}")
     if need > slots:
         raise InputError(f"prompt ({len(prompt_ids)} tokens) + {max_new_tokens} new tokens + "
-                         f"{need - len(prompt_ids) - max_new_tokens} slots for {room_words(mode)} need {need} cache slots; the engine has {slots} (raise ctx=, --ctx on the command line)")
+                         f"{need - len(prompt_ids) - max_new_tokens} slots for {room_words(mode)} need {need} cache "
+                         f"slots; the engine has {slots} (raise ctx=, --ctx on the command line)")
 
 
 def _integer(v) -> bool:
