@@ -27,8 +27,8 @@ from specpilot.kernels.gdn.path import row_paths
 from specpilot.machine import torch_threads
 
 
-def check_request(prompt_ids, max_new_tokens: int, vocab: int, need: int, slots: int, least_new: int = 1,
-                  mode: str = "chain") -> None:
+def check_request(prompt_ids, max_new_tokens: int, vocab: int, need: int, slots: int, least_new: int = 1, *,
+                  mode: str) -> None:
     """InputError for a request no decoder can run: an empty prompt, a token outside the
     vocabulary, fewer new tokens than ``least_new`` (a decoder makes at least one; ``serve``
     answers a request for none itself), or more cache slots (``need``) than the decoder has

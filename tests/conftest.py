@@ -132,7 +132,7 @@ def _no_overflow_checks_whose_assert_is_off() -> None:
     sem.binary_op_sanitize_overflow_impl = overflow_check
 
 
-def _equal_shapes_left_unbroadcast() -> None:
+def _broadcasts_without_new_blocks() -> None:
     """Triton's ``broadcast_impl_value`` compares a block's shape (a tuple) with the shape it built
     (a list), which are never equal, so every operation on two blocks of one shape broadcasts both
     to that shape first (two more interpreted operations), and a scalar meeting a block is splatted
@@ -229,7 +229,7 @@ import specpilot.kernels.triton_env  # noqa: E402,F401  (chooses the interpreter
 _device_calls_skip_the_language_patch()
 _element_dtypes_looked_up_once()
 _no_overflow_checks_whose_assert_is_off()
-_equal_shapes_left_unbroadcast()
+_broadcasts_without_new_blocks()
 _tensor_shapes_made_once()
 
 
