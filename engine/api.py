@@ -310,14 +310,15 @@ def build_model(name: str, random: bool, dtype, device: str, max_seq: int, seed:
     import torch
 
     from specpilot.engine import weights
-    from specpilot.engine.model import Transformer, check_cache_fits
+    from specpilot.engine.model import Transformer, check_cache_fits, weights_left_unset
 
     spec, folder, display = resolve_model(name, random)
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise EnvironmentMissing("device=cuda but no CUDA GPU is visible; use device=cpu")
     Transformer.check_supported(spec)
     check_cache_fits(spec, max_seq, dtype, device, weights=True)
-    model = Transformer(spec, max_seq=max_seq, dtype=dtype, device=device)
+    with weights_left_unset():   # every parameter is written below
+        model = Transformer(spec, max_seq=max_seq, dtype=dtype, device=device)
     if folder is None:
         # the tiny built-ins use a larger std so their greedy text is not one repeated token
         std = 0.15 if display in TINY_CONFIGS else 0.02
