@@ -162,6 +162,7 @@ class QView:
         building the records (``kernels.w12.qpass_view``); with ``kind`` fp8 each weight's e4m3
         copy dequantized (``kernels.fp8.naive``). ``bf16_pass``: run the pass in bf16 (default: a
         float32 model on a CPU with bf16 units)."""
+        from specpilot.engine.model import weights_left_unset
         from specpilot.engine.w12_loader import projections
         from specpilot.kernels.fp8 import naive as fp8
         from specpilot.kernels.w12 import qpass_view
@@ -181,7 +182,8 @@ class QView:
             pairs.append((lin, q.to(dtype).to(lin.weight.device)))
         head = None
         if bf16_pass and w.dtype != torch.bfloat16:
-            head = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=torch.bfloat16, device=w.device)
+            with weights_left_unset():   # the copy below writes every weight
+                head = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=torch.bfloat16, device=w.device)
             head.weight.copy_(w.detach())
         return cls(pairs, model, head, kind=kind)
 

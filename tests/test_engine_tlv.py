@@ -355,3 +355,21 @@ def test_padded_rows_put_padding_after_the_tree_attending_slot_zero():
     assert mask.shape == (4, CTX) and mask[3].nonzero().flatten().tolist() == [0]
     assert mask[2, :13].all() and not mask[2, 13:].any()
     assert paths[3].tolist()[0] == 3 and (paths[3, 1:] == -1).all()   # a padding row walks only itself
+
+
+def test_a_bf16_q_pass_copies_the_lm_head_without_initialising_it_first(monkeypatch):
+    """The bf16 Q pass's LM head is a bf16 copy of the model's: built with its weight as allocated
+    (the copy writes all of it), the same values as the head it copies."""
+    from torch import nn
+
+    from specpilot.engine.tlv import QView
+
+    e = load_engine(f"engine:model=tiny,mode=tlv,drafter=self,draft_layers=1,nodes=12,depth=4,topk=3,ctx={CTX}")
+
+    def refused(*a, **k):
+        raise AssertionError("default init ran")
+
+    with monkeypatch.context() as m:
+        m.setattr(nn.init, "kaiming_uniform_", refused)
+        view = QView.build(e.model, bf16_pass=True)
+    assert torch.equal(view.head.weight, e.model.lm_head.weight.to(torch.bfloat16))
