@@ -43,7 +43,7 @@ from specpilot.engine import openai_api as oa
 from specpilot.engine.http_api import BadRequest, Sampling, parse_generate, parse_json
 from specpilot.engine.listen import url_host
 from specpilot.engine.metrics import ServeMetrics, inter_token_gaps
-from specpilot.errors import EnvironmentMissing, InputError
+from specpilot.errors import InputError
 
 MAX_BODY = 64 << 20
 RETRY_AFTER = "1"
