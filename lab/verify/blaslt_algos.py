@@ -23,8 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lab.common import L2Flusher, bootstrap, parse_int_list, print_table, time_interleaved, write_results  # noqa: E402
-
-LAYERS = {"qkv": (6144, 4096), "o": (4096, 4096), "gu": (28672, 4096), "down": (4096, 14336)}   # (n, k)
+from lab.verify.step_parts import LLAMA_LAYERS as LAYERS  # noqa: E402
 
 COMPUTE_32F, R_32F, R_16BF = 68, 0, 14           # cublasComputeType_t, cudaDataType_t
 OP_N, OP_T = 0, 1                                # cublasOperation_t
