@@ -146,6 +146,15 @@ def check_run(run: RunFigures, replay: ReplayFigures | None = None, probe: RowsP
         if any(t is None for t, _ in times):
             raise InputError(f"--rows-probe {probe.source} needs at least two row counts to place "
                              f"{', '.join(map(str, sorted(run.verify_by_rows)))} rows")
+        # between probed counts a step is interpolated; past them a line through two points says
+        # nothing of how the step grows (a probe of 1 and 2 rows put a 17-row step at 0.3x)
+        lo, hi = min(probe.step_ms), max(probe.step_ms)
+        outside = sorted(r for r in run.verify_by_rows if not lo <= r <= hi)
+        if outside:
+            need = sorted({*probe.step_ms, *outside})
+            raise InputError(f"--rows-probe {probe.source} timed {lo}..{hi} rows; the run verified "
+                             f"{', '.join(map(str, outside))} rows too: probe them (probe rows --rows "
+                             f"{','.join(map(str, need))})")
         verify_p = sum(t * n for t, n in times) / total
         rows = sorted(run.verify_by_rows)
         verify_from = f"rows probe {probe.source} at {rows[0]}..{rows[-1]} rows, weighted by the run's steps"

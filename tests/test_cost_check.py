@@ -117,6 +117,11 @@ def test_check_bad_input_is_one_line(run_cli, files):
         (["--rows", "1", "--tau", "2", "--step-ms", "3", "--ar-ms", "2", "--ar-run", files["ar"]], "--check"),
         (["--check", tmp / "missing.json", "--rows-probe", files["rows"]], "missing.json"),
         (["--check", files["tree"], "--rows-probe", files["rows"], "--tolerance", "0"], "tolerance"),
+        # the run verified 17 rows; a probe of 1 and 2 rows would only extrapolate a line to them
+        (["--check", files["tree"], "--rows-probe", _write(tmp, "short.json", {
+            "schema": "specpilot.rows/1", "ar_ms": 10.0, "ar_path": "layers", "device": "cpu",
+            "points": [{"rows": 1, "step_ms": 10.0}, {"rows": 2, "step_ms": 10.1}]})],
+         "timed 1..2 rows; the run verified 17 rows too: probe them (probe rows --rows 1,2,17)"),
     ]
     for args, words in cases:
         code, out, err = run_cli("ceiling", *args)
