@@ -438,7 +438,8 @@ def test_collect_requires_prompts_and_its_help_says_so(run_cli, tmp_path):
 
 
 @pytest.mark.parametrize("args, words", [
-    (["--delta", "-1"], "--delta"), (["--concurrency", "0"], "--concurrency")])
+    (["--delta", "-1"], "--delta"), (["--delta", "nan"], "--delta"), (["--max-increase", "nan"], "--max-increase"),
+    (["--concurrency", "0"], "--concurrency")])
 def test_audit_options_out_of_range_are_refused_before_anything_loads(run_cli, tiny, args, words):
     f = tiny["files"]
     code, out, err = run_cli("audit", f["batch4"], "--against", f["stock"], "--scorer", tiny["model"], *args)

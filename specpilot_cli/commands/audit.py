@@ -117,7 +117,7 @@ def _common_run_options(f=None, *, prompts_required: bool = False):
     f = click.option("--concurrency", type=click.IntRange(1, 4096), default=1, show_default=True,
                      help="Requests in flight at once to an http:// server (an engine: spec batches by its "
                           "own batch=B, else runs one request at a time).")(f)
-    f = click.option("--timeout", type=click.FloatRange(0, 1e6, min_open=True), default=120.0, show_default=True,
+    f = click.option("--timeout", type=FiniteRange(0, 1e6, min_open=True), default=120.0, show_default=True,
                      help="Seconds to wait for a server's answer to one request.")(f)
     f = click.option("--max-new-tokens", type=click.IntRange(1, 1 << 20), default=128, show_default=True,
                      help="Tokens to generate per prompt when running a system.")(f)
@@ -138,7 +138,7 @@ def _common_run_options(f=None, *, prompts_required: bool = False):
 @_common_run_options
 @click.option("--save-outputs", "save_dir", type=click.Path(file_okay=False), callback=not_empty, default="specpilot-audit-outputs",
               show_default=True, help="Folder for the outputs of systems that are run (kept on failure).")
-@click.option("--delta", type=click.FloatRange(0, 1e6, min_open=True), default=None,
+@click.option("--delta", type=FiniteRange(0, 1e6, min_open=True), default=None,
               help="Near-tie threshold (> 0); skips phase 0.")
 @click.option("--max-increase", type=FiniteRange(0, 100), default=0.5, show_default=True,
               help="Reject when the mismatch rate exceeds stock's by more than this many percentage points.")
@@ -506,7 +506,7 @@ def _check_resumable(already, prompts, max_new_tokens: int, save: str, system: s
               help="Disjoint prompt subsets audited separately for the false-reject and detection rates.")
 @click.option("--biases", default="2,1,0.5,0.25,0.125", show_default=True,
               help="Logit biases of the defective system, largest first.")
-@click.option("--bias-fraction", type=click.FloatRange(0, 1, min_open=True), default=0.1, show_default=True,
+@click.option("--bias-fraction", type=FiniteRange(0, 1, min_open=True), default=0.1, show_default=True,
               help="Fraction of the vocabulary whose logits get the bias.")
 @click.option("--engine-prompts", type=int, default=4, show_default="4, at most --n-prompts",
               help="Prompts on which the embedded engine's chain and tree systems are run and audited (0: none).")
