@@ -21,7 +21,23 @@ from .errors import EXIT_INTERNAL, EXIT_USAGE, as_user_error
 from .output import progress_seconds, status_lines
 
 
+class _Stopped(Exception):
+    """An interrupt or end of input raised inside a verb, carried past ``click``'s ``main``, which
+    would print a blank line before re-raising it (to close a terminal's ``^C`` echo) and break the
+    one-line contract when stderr is a log."""
+
+    def __init__(self, original: BaseException):
+        super().__init__(str(original))
+        self.original = original
+
+
 class LazyGroup(click.Group):
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except (KeyboardInterrupt, EOFError) as e:
+            raise _Stopped(e) from e
+
     def _package(self):
         from . import commands
 
@@ -110,6 +126,10 @@ def _run(argv, debug: bool) -> int:
         return rv if isinstance(rv, int) else 0
     except click.exceptions.Exit as e:
         return e.exit_code
+    except _Stopped as e:
+        if isinstance(e.original, KeyboardInterrupt):
+            return _interrupted(e.original)
+        return _error(e.original, debug)
     except _NO_ARGS_IS_HELP as e:
         # a group given no subcommand (specpilot, specpilot probe): its help on stdout and 0, as --help
         # and audit give it; the handler below would squeeze the help into one error line
@@ -156,6 +176,8 @@ def _error(e: BaseException, debug: bool) -> int:
 
 
 def _interrupted(e: KeyboardInterrupt) -> int:
+    if sys.stderr.isatty():   # the terminal echoed ^C where the cursor was
+        click.echo(err=True)
     if isinstance(e, signals.Interrupted):
         click.echo(f"specpilot: interrupted by {e.name}{_notes(e)}", err=True)
         return e.exit_code

@@ -77,6 +77,7 @@ def test_sigterm_during_w12_pack_leaves_no_debris(checkpoint_folder, tmp_path):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + sig, err
     assert f"specpilot: interrupted by {sig.name}" in err and "Traceback" not in err
+    assert "" not in err.splitlines(), err   # no blank line before it (click's own for a terminal's ^C)
     assert _part_files(tmp_path) == [] and not (tmp_path / "packed").exists()
     assert {p.name: p.read_bytes() for p in checkpoint_folder.iterdir()} == before
 
