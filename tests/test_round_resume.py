@@ -288,7 +288,7 @@ def _set(doc, path, value):
     ("approve/decisions.json", ("decisions", 0, "audit", "systems", 0, "mismatch_rate"), GONE,
      "decisions.json: malformed round-decisions (decisions[0] (chain): audit.systems[0].mismatch_rate must be"),
     ("approve/decisions.json", ("decisions", 0, "audit", "verdict"), "maybe",
-     "decisions.json: malformed round-decisions (decisions[0] (chain): audit.verdict must be pass, reject or null"),
+     "decisions.json: malformed round-decisions (decisions[0] (chain): audit.verdict must be pass or reject"),
     ("approve/decisions.json", ("decisions", 0, "timing", "changes_output"), "no",
      "decisions.json: malformed round-decisions (decisions[0] (chain): timing.changes_output must be"),
     ("propose/candidates.json", ("not_proposed",), "x",
