@@ -309,3 +309,18 @@ def test_check_names_terms_that_cancel_in_a_pass(run_cli, files):
     code, out, _ = run_cli("ceiling", "--check", files["tree"], "--replay", files["replay"], "--rows-probe",
                            files["rows"], "--ar-run", files["ar"], "--format", "json")
     assert not any("cancel" in n for n in json.loads(out)["notes"])
+
+
+def test_check_names_what_offsets_a_single_term_off_in_a_pass(run_cli, files):
+    """One term alone past the tolerance cannot cancel itself: the note names the terms that offset it."""
+    rows = _write(files["dir"], "one.json", {"schema": "specpilot.rows/1", "ar_ms": 11.5, "ar_path": "layers",
+                                            "points": [{"rows": 1, "step_ms": 11.5}, {"rows": 16, "step_ms": 13.5},
+                                                       {"rows": 32, "step_ms": 15.1}]})
+    code, out, err = run_cli("ceiling", "--check", files["tree"], "--replay", files["replay"], "--rows-probe", rows,
+                             "--ar-run", files["ar"], "--format", "json")
+    assert code == 0, err
+    note = next(n for n in json.loads(out)["notes"] if "speedups agree" in n)
+    assert "this term alone moves the prediction past the tolerance: c(N) (13.6 predicted vs 12 measured" in note
+    assert "cancel" not in note
+    offset = note[note.index("; offset by "):]
+    assert "T_AR (11.5 predicted vs 10.6" in offset and "outside/host" in offset and "tau" not in offset
