@@ -57,8 +57,12 @@ def rank_profiles(profiles: list[Profile], labels: list[str]) -> dict[str, Any]:
     shared = [x for x in dict.fromkeys(x for p in profiles for x in p.notes) if all(x in p.notes for p in profiles)]
     notes = ([note] if note else []) + shared + [f"{label}: {x}" for label, p in zip(labels, profiles)
                                                  for x in p.notes if x not in shared]
+    warnings = [f"{label}: {w}" for label, p in zip(labels, profiles) for w in p.warnings]
+    gpus = list(dict.fromkeys(r["gpu"] for r in ranks if r["gpu"]))
+    if len(gpus) > 1:   # one tensor-parallel group runs on one kind of GPU: the imbalance is the GPUs'
+        warnings.insert(0, f"the ranks' traces come from different GPUs ({', '.join(gpus)}): they are not one "
+                           "tensor-parallel group's, and the imbalance is the GPUs' difference")
     return {"schema": SCHEMA, "ranks": ranks, "classes": classes, "steps": n,
             "group_busy_ms": median(s["max_busy_ms"] for s in per_step),
             "imbalance": median(s["imbalance"] for s in per_step),
-            "slowest": dict(slowest.most_common()), "per_step": per_step,
-            "warnings": [f"{label}: {w}" for label, p in zip(labels, profiles) for w in p.warnings], "notes": notes}
+            "slowest": dict(slowest.most_common()), "per_step": per_step, "warnings": warnings, "notes": notes}

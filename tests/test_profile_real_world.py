@@ -199,6 +199,12 @@ def test_tensor_parallel_ranks_with_communication_floor(run_cli, tmp_path):
     assert c0["communication_efficiency"] == pytest.approx(0.020 / 0.040)
     code, out, err = run_cli("profile", r0, r1, "--link-bandwidth", 400)
     assert code == 0 and "Slowest rank per step" in out and "communication" in out
+    assert not any("different GPUs" in w for w in d["warnings"])
+    # a trace of another GPU is no rank of this group: its imbalance is the GPUs' difference
+    other = write_trace(tmp_path / "h200.json.gz", [step] * 3, comm_nelems=4_000_000,
+                        header={"deviceProperties": [{"id": 0, "name": "NVIDIA H200", "numSms": 132}]})
+    w = _json(run_cli, r0, other)["warnings"][0]
+    assert w.startswith("the ranks' traces come from different GPUs (NVIDIA H100 80GB HBM3, NVIDIA H200)"), w
 
 
 def _two_gpu_export(tmp_path):
