@@ -293,6 +293,44 @@ def test_batched_lattice_rows_equal_one_request_rows(spec, batched, n, max_new):
         assert len(rows) == n * (max_new - 1) and all(x["tokens"] == [] for x in rows)
 
 
+@pytest.mark.parametrize("extra", ["mode=tree,drafter=self,draft_layers=2", "mode=tree,budget=equal,block=fixed",
+                                   "mode=chain", "mode=tree,admit=off", "mode=chain,admit=all,admit_rows=8"])
+def test_batched_row_counts_add_up_per_request(extra, monkeypatch):
+    """rows = prompt rows + verify rows, and verify rows = request steps + proposed, each request's
+    verify rows in a step being its root row and its own draft nodes (batched steps once credited
+    every request with the step's last request's nodes: proposed 444 against 401 rows)."""
+    from specpilot.engine.batch import scheduler
+
+    built = []   # the verify blocks of the step running now, in request order
+    real = scheduler.verify_rows
+    monkeypatch.setattr(scheduler, "verify_rows", lambda *a, **k: built.append(real(*a, **k)) or built[-1])
+    eng = load_engine(EngineSpec.parse(f"engine:model=tiny,batch=4,nodes=6,depth=4,topk=3,{extra}"))
+    dec = eng.batch_decoder()
+    step = dec._verify_step
+    seen = []
+
+    def checked(decoding, prefilling):
+        built.clear()
+        before = [(r.steps, r.proposed) for r in decoding]
+        out = step(decoding, prefilling)
+        assert len(built) == len(decoding)
+        for r, blk, (steps, proposed) in zip(decoding, built, before):
+            assert (r.steps - steps, r.proposed - proposed) == (1, len(blk) - 1)   # its own root and nodes
+        seen.append(len(decoding))
+        return out
+
+    dec._verify_step = checked
+    reqs = [Request(p, MAX_NEW, id=i, arrival_step=a) for i, (p, a) in enumerate(zip(PROMPTS, (0, 0, 0, 1, 5, 9)))]
+    dec.generate_many(reqs)
+    st = dec.stats
+    assert max(seen) > 1 and st.proposed > 0
+    assert st.prompt_rows == sum(len(p) for p in PROMPTS)
+    assert st.rows == st.prompt_rows + st.verify_rows
+    assert st.verify_rows == st.request_steps + st.proposed
+    assert st.request_steps == sum(r.steps for r in reqs) and st.proposed == sum(r.proposed for r in reqs)
+    assert (st.admitted_prompt_rows > 0) == ("admit=off" not in extra)
+
+
 # ------------------------------------------------------------------------------------- rules
 def test_block_sizes():
     assert rules.block_sizes(16) == [16, 12, 8]

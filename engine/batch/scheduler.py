@@ -64,11 +64,15 @@ class BatchStats:
     verify_steps: int = 0        # verify passes (each counts once, whatever its requests)
     prefill_passes: int = 0
     prefill_seconds: float = 0.0  # their wall time (the device's work too where a prompt ends: its token is copied)
+    # row counts: rows = prompt_rows + verify_rows and verify_rows = request_steps + proposed, batched
+    # or not. Not counted anywhere here: bucket padding rows, the row in flight of a request that
+    # finished before an overlapped step was taken, TLV's Q-pass rows (a scratch pass of the 8-bit
+    # view); lattice-target rows only in lattice_rows.
     request_steps: int = 0       # sum over verify passes of the requests they verified
-    rows: int = 0                # rows run through the target (verify, prompt, padding excluded)
-    verify_rows: int = 0
-    prompt_rows: int = 0
-    admitted_prompt_rows: int = 0  # prompt rows that rode a verify step
+    rows: int = 0                # rows run through the target for requests: prompt_rows + verify_rows
+    verify_rows: int = 0         # per request verified in a step: its root row (pending token) + its own draft nodes
+    prompt_rows: int = 0         # prompt rows prefilled, in passes of their own or riding verify steps
+    admitted_prompt_rows: int = 0  # ... of them, those that rode a verify step (admission)
     overlapped_steps: int = 0    # AR steps fed on the device while the host took the previous one's tokens
     eager_steps: int = 0         # verify steps run eagerly although there are bucket graphs (prompt rows in them)
     eager_seconds: float = 0.0   # ... their wall time (launches, the device's work, the argmax copy)
@@ -76,7 +80,8 @@ class BatchStats:
     prefill_replays: int = 0     # prefill passes of one chunk replayed from a mixed bucket (verify rows all padding)
     drafted_positions: int = 0   # draft positions the drafter proposed
     kept_positions: int = 0      # ... inside the requests' blocks
-    proposed: int = 0            # draft tokens the verify passes checked (tree nodes, chain drafts)
+    proposed: int = 0            # draft tokens the verify passes checked, each request's own (tree nodes, chain
+    #                              drafts; tlv: the exact pass's tree); the sum of the requests' ``proposed``
     accepted: int = 0            # ... accepted
     tokens: int = 0              # tokens delivered
     step_seconds: float = 0.0
@@ -544,8 +549,7 @@ class BatchDecoder:
         now = time.perf_counter()
         accepted, commits, results = [], [], []
         for b, r in enumerate(decoding):   # every request's accepted rows, committed in one pass
-            tr = trees[b]
-            path, toks = treelib.accept_predictions(tr, [preds[i] for i in need[b]])
+            path, toks = treelib.accept_predictions(trees[b], [preds[i] for i in need[b]])
             results.append((path, toks))
             commits.append((r.slot, r.n_cache, [0] + [1 + p for p in path], blocks[b].gdn_rows))
         commit_step(m, self.cache, commits)   # skips requests with nothing to move or replay
@@ -566,10 +570,10 @@ class BatchDecoder:
                     r.tlv = TLVStats(self.nodes)
                 for st in (r.tlv, self._tlv_totals()):
                     cyc[b].count(st, [preds[i] for i in need[b]], len(toks))
-            if not tail[b]:
+            if not tail[b]:   # its own draft nodes (its block's rows past the root), not another request's
                 accepted.append((r.slot, len(path)))
-                r.proposed += len(tr)
-                self.stats.proposed += len(tr)
+                r.proposed += len(trees[b])
+                self.stats.proposed += len(trees[b])
             self._extend(r, toks, now, step=not tail[b])
         self._note_accepted(accepted)
         if cyc:
