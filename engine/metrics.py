@@ -15,6 +15,7 @@ MAX_SAMPLES = 200_000
 # every label value the counters can take, exported at 0 from the start: a series that appears
 # only when its first event happens reads as missing to rate() until then
 OUTCOMES = ("length", "eos", "stop", "abort", "error")
+COMPLETED = ("length", "eos", "stop")
 REJECTIONS = ("bad_request", "queue_full", "draining")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -78,12 +79,20 @@ class ServeMetrics:
             self.rejected[reason] = self.rejected.get(reason, 0) + 1
 
     def request_done(self, r, reason: str) -> None:
-        """A finished engine request: outcome, tokens, TTFT, inter-token gaps, end-to-end latency (the
-        latencies only of a request that asked for tokens)."""
+        """A finished engine request: outcome, tokens, and the latencies (queue time, TTFT, inter-token
+        gaps, end to end) of a completed request that asked for tokens. Its prompt tokens count once
+        the prompt was served: a completed request's, or an aborted (or failed) one's whose prefill
+        ran."""
+        completed = reason in COMPLETED
         with self.lock:
             self.finished[reason] = self.finished.get(reason, 0) + 1
-            self.prompt_tokens += len(r.prompt_ids)
+            if completed or r.prefilled >= len(r.prompt_ids):
+                self.prompt_tokens += len(r.prompt_ids)
             self.completion_tokens += len(r.output)
+            # an aborted request's latencies end where the client left or the server stopped it, not
+            # where it would have finished: they would skew the percentiles (it has its own counter)
+            if not completed:
+                return
             if r.t_admitted is not None:
                 self.queue.observe(r.t_admitted - r.t_arrival)
             if r.t_first is not None:
@@ -118,7 +127,7 @@ class ServeMetrics:
                    labelled("requests_total", self.finished, "outcome"))
             metric("rejected_requests_total", "counter", "Requests refused before they reached the engine.",
                    labelled("rejected_requests_total", self.rejected, "reason"))
-            metric("prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
+            metric("prompt_tokens_total", "counter", "Prompt tokens of completed requests, and of others prefilled.",
                    [f"specpilot_prompt_tokens_total {self.prompt_tokens}"])
             metric("generation_tokens_total", "counter", "Tokens delivered to clients.",
                    [f"specpilot_generation_tokens_total {st.tokens}"])

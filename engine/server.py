@@ -42,7 +42,7 @@ from specpilot.engine.batch.scheduler import QueueFull, percentile
 from specpilot.engine import openai_api as oa
 from specpilot.engine.http_api import BadRequest, Sampling, parse_generate, parse_json
 from specpilot.engine.listen import url_host
-from specpilot.engine.metrics import ServeMetrics, inter_token_gaps
+from specpilot.engine.metrics import COMPLETED, ServeMetrics, inter_token_gaps
 from specpilot.errors import InputError
 
 MAX_BODY = 64 << 20
@@ -196,7 +196,7 @@ class ServeState:
 
     def summary(self) -> dict:
         m, st = self.metrics, self.decoder.stats
-        ok = sum(v for k, v in m.finished.items() if k in ("length", "eos", "stop"))
+        ok = sum(v for k, v in m.finished.items() if k in COMPLETED)
         pct = {f"{k}_p{q}": percentile(v, q) for k, v in m.samples.items() for q in (50, 90, 99)}
         # named as /metrics names them: bad requests are rejected_requests_total{reason="bad_request"},
         # errors requests_total{outcome="error"} (the engine failed them), rejected the queue's refusals
@@ -502,10 +502,29 @@ async def _collect(state: ServeState, request, reqs: list[Request], sampling: li
     return [state.answer(r, sp) for r, sp in zip(reqs, sampling)]
 
 
+def _sendable(full: str, sent: str, stops=(), hold: int = 0) -> str:
+    """The text a stream may send after ``sent`` (what it sent so far) of the text decoded so far,
+    ``full``: none past a stop string in it or within ``hold`` characters of its end, and not a
+    trailing character whose bytes have not all come (U+FFFD until they do), since text once sent
+    cannot be taken back; nothing while ``full`` does not extend ``sent``."""
+    end = len(full) - hold
+    for stop in stops:
+        at = full.find(stop)
+        if at >= 0:
+            end = min(end, at)
+    while end > len(sent) and full[end - 1] == "\ufffd":
+        end -= 1
+    return full[len(sent):end] if end > len(sent) and full.startswith(sent) else ""
+
+
 async def _stream(state: ServeState, request, r: Request, sp: Sampling, updates: asyncio.Queue):
     """SGLang's streaming answer: one event per step that delivered tokens (cumulative text and ids).
-    A client that goes away, while the request waits for a slot too, cancels it (:func:`_next_update`)."""
-    sent = -1
+    Until the last event the text stops short of a character whose bytes have not all come
+    (:func:`_sendable`; SGLang's incremental detokenizer holds it back too), so each event's text
+    extends the one before; the last carries the answer's whole text, cut before a matched stop
+    string (so it can be shorter than the one before, as SGLang's). A client that goes away, while
+    the request waits for a slot too, cancels it (:func:`_next_update`)."""
+    sent, text = -1, ""
     disc = asyncio.ensure_future(_wait_disconnect(request))
     try:
         while True:
@@ -517,7 +536,10 @@ async def _stream(state: ServeState, request, r: Request, sp: Sampling, updates:
                 _, fin = updates.get_nowait()
             if len(r.output) != sent or fin:
                 sent = len(r.output)
-                yield b"data: " + json.dumps(state.answer(r, sp)).encode() + b"\n\n"
+                out = state.answer(r, sp)
+                if not fin:
+                    out["text"] = text = text + _sendable(out["text"], text, sp.stop)
+                yield b"data: " + json.dumps(out).encode() + b"\n\n"
             if fin:
                 break
         yield b"data: [DONE]\n\n"
@@ -558,17 +580,10 @@ async def _stream_openai(state: ServeState, request, r: Request, sp: Sampling, u
                     full = state.answer(r, sp)["text"]
                     text, reason = (full[len(sent):] if full.startswith(sent) else ""), oa.finish_reason(r.finish)
             else:
-                full = eng.decode(r.output, skip_special_tokens=sp.skip_special_tokens)
-                end = len(full) - hold
                 # the engine thread may have appended the next step's tokens meanwhile: a stop string
                 # already in the text is never sent, whatever this update said
-                for stop in sp.stop:
-                    at = full.find(stop)
-                    if at >= 0:
-                        end = min(end, at)
-                while end > len(sent) and full[end - 1] == "\ufffd":
-                    end -= 1
-                text, reason = (full[len(sent):end] if full.startswith(sent) and end > len(sent) else ""), None
+                full = eng.decode(r.output, skip_special_tokens=sp.skip_special_tokens)
+                text, reason = _sendable(full, sent, sp.stop, hold), None
             # a chat stream ends as SGLang's does (serving_chat.py, _generate_chat_stream): the last
             # text in a content event of its own, then an event with an empty delta and the finish
             # reason alone; a completions stream puts the finish reason on its last text event

@@ -12,7 +12,9 @@
   the spec fields are left out without verify passes, and in ``--mode ar``.
 - A 400 for unknown fields names a few and counts the rest.
 - A stream whose client leaves while it is queued is dropped without running, whatever the ASGI
-  server does about disconnects.
+  server does about disconnects; aborted requests stay out of the latency histograms.
+- The native stream's text holds back a character whose bytes have not all come, as SGLang's
+  incremental detokenizer does.
 """
 
 from __future__ import annotations
@@ -369,4 +371,72 @@ def test_a_request_whose_client_leaves_while_queued_never_runs(path, body, spec)
     assert still_running
     assert re.search(r"prompt 3 tokens, 0 generated, .* finish abort$", lines[0]), lines
     assert re.search(r"prompt 3 tokens, [1-9]\d* generated, .* finish abort$", lines[1]), lines
-    assert state.metrics.finished["abort"] == 2 and state.metrics.finished["length"] == 0
+    m = state.metrics
+    assert m.finished["abort"] == 2 and m.finished["length"] == 0
+    # aborted requests stay out of the latencies; only the prompt that was prefilled counts
+    assert (m.queue.count, m.ttft.count, m.itl.count, m.e2e.count) == (0, 0, 0, 0)
+    assert m.prompt_tokens == 3
+
+
+# ------------------------------------------------- a stream's text and half-decoded characters
+def _byte_state():
+    """A server state whose engine decodes ids as UTF-8 bytes (the tiny model's tokenizer)."""
+    from types import SimpleNamespace
+
+    from specpilot.engine.server import ServeOptions, ServeState
+
+    eng = SimpleNamespace(decode=lambda ids, skip_special_tokens=True: bytes(ids).decode("utf-8", errors="replace"),
+                          spec=SimpleNamespace(mode="ar"))
+    return ServeState(eng, SimpleNamespace(cancel=lambda r: None), ServeOptions())
+
+
+async def _stream_events(state, steps: list[bytes], sp, finish: dict) -> list[dict]:
+    """The /generate stream's events for a request delivered ``steps`` (one update each; the last
+    finishes it with ``finish``)."""
+    from specpilot.engine.batch.requests import Request
+    from specpilot.engine.server import _stream
+
+    class Client:   # never leaves
+        async def receive(self):
+            await asyncio.Event().wait()
+
+    r = Request([1], 1000)
+    updates: asyncio.Queue = asyncio.Queue()
+    gen = _stream(state, Client(), r, sp, updates)
+    out = []
+    for i, toks in enumerate(steps):
+        r.output.extend(toks)
+        last = i == len(steps) - 1
+        if last:
+            r.finish, r.t_done = finish, time.perf_counter()
+        updates.put_nowait((r, last))
+        out.append(json.loads((await gen.__anext__())[6:]))
+    assert await gen.__anext__() == b"data: [DONE]\n\n"
+    await gen.aclose()
+    return out
+
+
+def test_the_native_stream_holds_back_a_character_whose_bytes_have_not_all_come():
+    """SGLang's incremental detokenizer: an event's text stops short of a character whose bytes have
+    not all come, so each extends the one before (they ended in U+FFFD: "ab\ufffd", then "ab🍎 ");
+    the last carries the whole text, the non-streamed answer's (a character the length limit cut
+    stays U+FFFD there). With a stop string the last is cut before the match, shorter."""
+    from specpilot.engine.http_api import Sampling
+
+    state = _byte_state()
+    apple, banana = "🍎".encode(), "🍌".encode()
+    steps = [b"a", b"b" + apple[:1], apple[1:2], apple[2:3], apple[3:] + b" ", banana[:2], banana[2:], banana[:2]]
+    ev = asyncio.run(_stream_events(state, steps, Sampling(), {"type": "length", "length": 16}))
+    texts = [e["text"] for e in ev]
+    assert texts == ["a", "ab", "ab", "ab", "ab🍎 ", "ab🍎 ", "ab🍎 🍌", "ab🍎 🍌\ufffd"]
+    assert [e["output_ids"] for e in ev] == [list(b"".join(steps[:i + 1])) for i in range(len(steps))]
+    assert all(e["meta_info"]["completion_tokens"] == len(e["output_ids"]) for e in ev)
+
+    ev = asyncio.run(_stream_events(state, [b"ab ", banana[:2], banana[2:], b"!"], Sampling(stop=("🍌!",)),
+                                    {"type": "stop", "matched": "🍌!"}))
+    assert [e["text"] for e in ev] == ["ab ", "ab ", "ab 🍌", "ab "]
+    # the OpenAI streams' deltas: never past the end of the text, whatever the hold
+    from specpilot.engine.server import _sendable
+
+    assert _sendable("abc", "", (), 5) == "" and _sendable("ab\ufffd", "a") == "b"
+    assert _sendable("abcd", "ab", ("cd",)) == "" and _sendable("xy", "ab") == ""

@@ -765,6 +765,8 @@ def test_a_second_signal_ends_the_grace_and_every_stream_still_gets_its_end():
         assert results[5][-1] == "data: [DONE]"
         assert json.loads(results[5][-2][6:])["choices"][0]["finish_reason"] == "abort"
         assert re.search(r"\n\S+\s+\S+\s+\S+\s+\S+\s+6\s", out.split("served", 1)[1]), out   # aborted 6
+        # none completed: the summary has no latency percentile (the aborted streams' times are no latencies)
+        assert re.search(r"^end to end\s+-\s+-\s+-$", out, re.M), out
     finally:
         s.kill()
 

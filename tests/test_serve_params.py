@@ -255,6 +255,39 @@ def test_a_0_token_request_counts_but_stays_out_of_the_latencies():
     assert m.ttft.count == 1 and m.queue.count == 1 and m.itl.count == 1
 
 
+def test_aborted_requests_stay_out_of_the_latencies_and_the_summarys_percentiles():
+    """Aborted requests (a client gone, the drain) and failed ones have their own counters; their
+    latencies end where they were stopped, so the histograms and the exit summary's percentiles
+    count completed requests only (none completed: no percentile). Their prompt tokens count only
+    when the prompt was prefilled."""
+    from specpilot.engine.metrics import ServeMetrics
+    from specpilot.engine.server import ServeOptions, ServeState
+
+    m = ServeMetrics()
+    queued = SimpleNamespace(prompt_ids=[1, 2, 3, 4], output=[], max_new_tokens=8, prefilled=0, t_arrival=10.0,
+                             t_admitted=None, t_first=None, token_times=[], t_done=12.0)
+    running = SimpleNamespace(prompt_ids=[1, 2, 3], output=[5, 6], max_new_tokens=8, prefilled=3, t_arrival=10.0,
+                              t_admitted=10.1, t_first=10.5, token_times=[(10.5, 1), (11.0, 1)], t_done=11.2)
+    half = SimpleNamespace(prompt_ids=[1] * 600, output=[], max_new_tokens=8, prefilled=512, t_arrival=10.0,
+                           t_admitted=10.1, t_first=None, token_times=[], t_done=11.0)
+    m.request_done(queued, "abort")
+    m.request_done(running, "abort")
+    m.request_done(half, "error")
+    assert m.finished["abort"] == 2 and m.finished["error"] == 1
+    assert m.prompt_tokens == 3 and m.completion_tokens == 2
+    assert (m.queue.count, m.ttft.count, m.itl.count, m.e2e.count) == (0, 0, 0, 0)
+    stats = SimpleNamespace(verify_steps=0, tau=lambda: None, step_seconds=0.0)
+    state = ServeState(SimpleNamespace(), SimpleNamespace(stats=stats), ServeOptions(), metrics=m)
+    summary = state.summary()
+    assert (summary["requests"], summary["aborted"], summary["errors"]) == (0, 2, 1)
+    assert all(summary[f"{k}_p{q}"] is None for k in ("ttft", "itl", "e2e") for q in (50, 90, 99)), summary
+    done = SimpleNamespace(prompt_ids=[1, 2], output=[5, 6], max_new_tokens=2, prefilled=2, t_arrival=10.0,
+                           t_admitted=10.1, t_first=10.5, token_times=[(10.5, 1), (11.0, 1)], t_done=11.0)
+    m.request_done(done, "eos")
+    assert m.prompt_tokens == 5 and (m.queue.count, m.ttft.count, m.itl.count, m.e2e.count) == (1, 1, 1, 1)
+    assert state.summary()["e2e_p50"] == 1.0 and state.summary()["requests"] == 1
+
+
 def test_context_checks_are_sglangs():
     """SGLang 0.5.23's ``_validate_one_request``: a prompt of the context length or more is refused,
     whatever the new tokens (0 too); a prompt and its new tokens may fill the context, not pass it."""
