@@ -70,6 +70,19 @@ def slower_ar_warning(model) -> str | None:
             "(decode=fused), a faster AR step: c(N) against the slower step understates what verification costs")
 
 
+def faster_than_ar_warning(points: list[dict]) -> str | None:
+    """A step of more rows timed faster than the one-row step (c below ``ceiling``'s 0.95): the
+    timing is noise, and a cost model built on it reads high."""
+    from specpilot.probes.costmodel import C_NOISE
+
+    low = [p for p in points if p["rows"] > 1 and p["c"] < C_NOISE]
+    if not low:
+        return None
+    at = ", ".join(f"{p['rows']} rows ({p['c']:.3g})" for p in low)
+    return (f"c(N) below {C_NOISE:g} at {at}: a step of more rows timed faster than the one-row step, which is "
+            "noise (a busy machine, too few --reps); probe again before a cost model uses it")
+
+
 def fill_random(tensors: list, gen, progress=None) -> None:
     """Fill each of ``tensors`` with random normal values from ``gen`` (a probe's KV cache), one
     tensor at a time; ``progress`` (``specpilot.output.progress``) reports them, since at long
@@ -135,7 +148,7 @@ def measure_rows(model, rows: list[int], context: int, reps: int = 50, warmup: i
     points = [{"rows": T, "step_ms": times[T], "c": times[T] / ar, "path": step_path(model, T),
                **({"qpass_ms": qtimes[T], "q_over_exact": qtimes[T] / times[T]} if T in qtimes else {})}
               for T in order if T in set(rows) or T == 1]
-    warnings = [w for w in (slower_ar_warning(model),) if w]
+    warnings = [w for w in (slower_ar_warning(model), faster_than_ar_warning(points)) if w]
     head = model.certified_head
     if head is not None and max(order) > head.max_rows:
         warnings.append(f"the certified head takes up to {head.max_rows} rows a step: the points above "

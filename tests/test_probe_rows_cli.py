@@ -156,3 +156,23 @@ def test_a_bad_model_is_refused_before_torch_is_imported(tmp_path):
                                                "--batch", "2", cwd=tmp_path)
         refused(code, err, "unknown model 'nosuch'")
         assert out == "" and imported == [], imported
+
+
+@pytest.mark.parametrize("batch", ["1", "2"])
+def test_a_step_of_more_rows_timed_faster_than_one_row_is_warned(run_cli, monkeypatch, batch):
+    """c(N) below ceiling's 0.95 is noise: said on stderr and in the JSON's warnings."""
+    import specpilot.engine.graphs as graphs
+    import specpilot.engine.rows as rows_mod
+
+    calls = []
+    if batch == "1":
+        monkeypatch.setattr(rows_mod, "_time_step", lambda model, inp, T, *a: {1: 10.0, 2: 6.0, 4: 12.0}[T])
+    else:
+        monkeypatch.setattr(graphs, "time_calls", lambda fn, reps, warmup, cuda: calls.append(1) or
+                            [{1: 10.0, 2: 6.0, 3: 12.0}[len(calls)]])
+    code, out, err = run_cli(*TINY, "--batch", batch, "--rows", "1,2,4", "--reps", "1", "--format", "json")
+    assert code == 0, err
+    w = [x for x in json.loads(out)["warnings"] if x.startswith("c(N) below 0.95")]
+    assert w == ["c(N) below 0.95 at 2 rows (0.6): a step of more rows timed faster than the one-row step, which is "
+                 "noise (a busy machine, too few --reps); probe again before a cost model uses it"], out
+    assert "c(N) below 0.95 at 2 rows" in err
