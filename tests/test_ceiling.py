@@ -448,6 +448,14 @@ def test_cost_model_title_of_a_tlv_cycle_without_a_run(run_cli, tmp_path):
     assert "Cost model over the TLV cycle at 8 nodes\n" in out and "Cost model at 1 row" not in out
 
 
+def test_cost_model_title_names_the_batch(run_cli):
+    base = ("ceiling", "--model", "llama-3.1-8b", "--gpu", "h200", "--tau", "2", "--step-ms", "6", "--ar-ms", "4.8")
+    for extra, title in (([], "Cost model at 1 row\n"), (["--batch", "16"], "Cost model at 1 row per request, batch 16\n"),
+                         (["--batch", "4", "--rows", "8"], "Cost model at 8 rows per request, batch 4\n")):
+        code, out, err = run_cli(*base, *extra)
+        assert code == 0 and title in out, (extra, out, err)
+
+
 def test_rows_probe_without_the_asked_rows_and_from_another_model(run_cli):
     from pathlib import Path
 

@@ -252,7 +252,9 @@ def _cost_title(res, run) -> str:
     elif step_from.startswith("TLV cycle") and res.cycle:
         head = f"Cost model over the TLV cycle at {count(res.cycle['nodes'], 'node')}"
     else:
-        return "Cost model" + (f" at {count(res.rows_for_cost, 'row')}" if res.rows_for_cost else "")
+        batch = res.floors[0].batch if res.floors else 1
+        return "Cost model" + (f" at {count(res.rows_for_cost, 'row')}" if res.rows_for_cost else "") + (
+            f"{' per request' if res.rows_for_cost else ''}, batch {batch}" if batch > 1 else "")
     if res.rows_for_cost and floor_from.startswith("byte floor"):
         parts.append(f"byte floor at {count(res.rows_for_cost, 'row')}")
     parts = [p for p in parts if p]
