@@ -297,6 +297,9 @@ def main(argv=None):
         if Path(args.out).is_dir():
             print(f"loadgen: --out {args.out}: is a folder; give a file name", file=sys.stderr)
             return 2
+    if args.prompts and args.random_ids:
+        print("loadgen: give --prompts FILE or --random-ids N, not both", file=sys.stderr)
+        return 2
     if args.prompts:
         try:
             prompts = read_prompts(args.prompts)

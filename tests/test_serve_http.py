@@ -975,6 +975,11 @@ def test_load_generator_refuses_bad_options_and_fails_when_requests_fail(tmp_pat
                 ["--random-ids", "4", "--out", str(tmp_path / "no" / "x.json")]):
         p = subprocess.run(gen + bad, capture_output=True, text=True, timeout=60)
         assert p.returncode == 2 and "Traceback" not in p.stderr, (bad, p.stderr)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello\n")
+    p = subprocess.run(gen + ["--prompts", str(prompts), "--random-ids", "4"], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 2 and "not both" in p.stderr, p.stderr   # one would be ignored
     p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "loadgen.py"), "--url", "notaurl",
                         "--random-ids", "4"], capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "give an http:// or https:// URL" in p.stderr, p.stderr
