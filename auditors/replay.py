@@ -461,21 +461,12 @@ def mix_warnings(lattice: Lattice, policies: Sequence[Policy] = ()) -> list[str]
 
 
 def parse_nodes(text: str | None) -> list[int] | None:
+    """``--nodes``: node budgets as ``--rows`` takes row counts (``8,16,...,64`` included), sorted."""
     if text is None:
         return None
-    if not text.strip():
-        raise InputError("--nodes: empty; give node budgets, e.g. --nodes 8,16,32,63")
-    out = []
-    for part in text.split(","):
-        part = part.strip()
-        try:
-            n = int(part)
-        except ValueError:
-            raise InputError(f"--nodes: {part!r} is not an integer (e.g. --nodes 8,16,32,63)") from None
-        if not 1 <= n <= MAX_NODES:
-            raise InputError(f"--nodes: {n} out of range 1..{MAX_NODES}")
-        out.append(n)
-    return sorted(set(out))
+    from specpilot.options import parse_int_list
+
+    return sorted(parse_int_list(text, "--nodes", 1, MAX_NODES))
 
 
 def curve_budgets(policies: Sequence[Policy], nodes: Sequence[int] | None, m: int) -> list[tuple[Policy, list[int]]]:

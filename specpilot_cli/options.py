@@ -134,6 +134,8 @@ def _series(before: list[int], end: int, name: str) -> list[int]:
 
 def _to_int(p: str, name: str, minimum: int, maximum: int) -> int:
     try:
+        if not p.isascii():   # int() reads other scripts' digits too
+            raise ValueError
         v = int(p)
     except ValueError:
         raise InputError(f"{name}: {p[:40]!r} is not a whole number") from None

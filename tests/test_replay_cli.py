@@ -148,12 +148,21 @@ def test_bad_json_line_and_missing_file(tmp_path, run_cli):
     (["--policy", "eagle2:4,4"], "TOPK,DEPTH,N"),
     (["--policy", ""], "--policy: empty"),
     (["--policy", " "], "--policy: empty"),
-    (["--nodes", ""], "--nodes: empty"),
+    (["--nodes", ""], "--nodes: give at least one value"),
+    (["--nodes", "8,\u0663"], "--nodes: '\u0663' is not a whole number"),   # an Arabic-Indic 3
+    (["--nodes", "8,16,...,60"], "--nodes"),
 ])
 def test_bad_options(tmp_path, run_cli, args, msg):
     lat = write(tmp_path / "l.jsonl", [HAND])
     code, _, err = run_cli("replay", lat, *args)
     assert code == 2 and msg in err, err
+
+
+def test_nodes_take_a_series_as_rows_do(tmp_path, run_cli):
+    lat = write(tmp_path / "l.jsonl", [HAND])
+    code, out, err = run_cli("replay", lat, "--policy", "best-first:4", "--nodes", "1,2,3,...,5", "--format", "json")
+    assert code == 0, err
+    assert sorted(int(n) for n in json.loads(out)["curves"]["best-first"]) == [1, 2, 3, 4, 5]
 
 
 def test_duplicate_step_and_overwrite_input(tmp_path, run_cli):
