@@ -377,6 +377,22 @@ def test_pack_and_verify_count_converted_and_kept_tensors_alike(tmp_path, run_cl
             and "2 of 3 kept tensors identical; 1 tensor of" in out and "missing" in out)
 
 
+def test_kept_scalar_tensors_are_compared_by_their_bytes(tmp_path, run_cli):
+    """A 0-D tensor (a checkpoint's logit scale) kept as it was: verify compares it, no crash."""
+    src, dst = tmp_path / "m.safetensors", tmp_path / "w.safetensors"
+    t = make_checkpoint(src)
+    t["logit_scale"], t["temperature"] = torch.tensor(1.5).bfloat16(), torch.tensor(2.0)
+    save_file(t, str(src))
+    assert run_cli("w12", "pack", src, "-o", dst)[0] == 0
+    code, out, err = run_cli("w12", "verify", dst, "--against", src)
+    assert code == 0 and ", 5 kept tensors identical" in out, out + err
+    t["logit_scale"] = torch.tensor(1.25).bfloat16()
+    save_file(t, str(src))
+    code, out, err = run_cli("w12", "verify", dst, "--against", src, "--format", "json")
+    assert code == 1 and {m["tensor"]: m["what"] for m in json.loads(out)["mismatches"]} == {
+        "logit_scale": "kept tensor differs from the reference"}, out + err
+
+
 def test_sharded_index_states_the_packed_total_size(tmp_path, run_cli):
     """The index's total_size is the byte size of the tensors it maps (what transformers writes)."""
     folder, out = tmp_path / "model", tmp_path / "model-w12"

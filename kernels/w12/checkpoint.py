@@ -530,8 +530,8 @@ def verify(packed: str, against: str | None = None, progress: Callable | None = 
                 r = ref_tensor(k)
                 if r is None:
                     res.mismatched.append((k, "kept tensor not in the reference checkpoint"))
-                elif r.dtype != v.dtype or r.shape != v.shape or not torch.equal(
-                        r.contiguous().view(torch.uint8), v.contiguous().view(torch.uint8)):
+                elif r.dtype != v.dtype or r.shape != v.shape or not torch.equal(   # bytes: a 0-D tensor flattened
+                        r.reshape(-1).contiguous().view(torch.uint8), v.reshape(-1).contiguous().view(torch.uint8)):
                     res.mismatched.append((k, "kept tensor differs from the reference"))
                 else:
                     res.kept_checked += 1
