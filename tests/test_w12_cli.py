@@ -311,6 +311,22 @@ def test_a_malformed_w12_table_is_bad_input_for_stats_and_verify_alike(tmp_path,
         assert code == 2 and words in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, (args, err)
 
 
+@pytest.mark.parametrize("damage", ["a part removed", "an entry with no parts"])
+def test_a_table_naming_parts_the_file_lacks_is_bad_input_for_stats_and_verify_alike(tmp_path, run_cli, damage):
+    src, dst = tmp_path / "m.safetensors", tmp_path / "w.safetensors"
+    make_checkpoint(src)
+    assert run_cli("w12", "pack", src, "-o", dst)[0] == 0
+    tensors, meta, doc = read_packed(dst)
+    if damage == "a part removed":
+        del tensors[f"{Q}.w12.esc_bits"]
+    else:
+        doc["tensors"]["ghost.weight"] = doc["tensors"][Q]
+    write_packed(dst, tensors, meta, doc)
+    for args in (("w12", "stats", dst), ("w12", "verify", dst), ("w12", "verify", dst, "--against", src)):
+        code, out, err = run_cli(*args)
+        assert code == 2 and "is missing" in err and len(err.strip().splitlines()) == 1, (args, out, err)
+
+
 def test_verify_checks_the_restored_weights_against_the_originals_sha256(tmp_path, run_cli):
     """Without the original: a table whose parts are intact (CRC) but describe other weights than
     those pack was given (here: the digest of one flipped weight) fails the sha256 pack recorded."""

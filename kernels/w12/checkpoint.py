@@ -402,7 +402,7 @@ def load_w12(tensors: dict[str, torch.Tensor], name: str, entry: dict, source: s
     for p in PARTS:
         key = f"{name}.w12.{p}"
         if key not in tensors:
-            raise W12FormatError(f"{source}: {name}: part {key} is missing")
+            raise W12TableError(f"{source}: {name}: part {key} is missing")
         parts[p] = tensors[key]
         dtypes = _PART_DTYPES.get(p) or _POS_DTYPES[1 if entry.get("_version", FORMAT_VERSION) == 1 else FORMAT_VERSION]
         if parts[p].dtype not in dtypes:
