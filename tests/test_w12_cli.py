@@ -409,6 +409,19 @@ def test_kept_scalar_tensors_are_compared_by_their_bytes(tmp_path, run_cli):
         "logit_scale": "kept tensor differs from the reference"}, out + err
 
 
+def test_a_tensor_named_in_two_files_of_a_folder_is_refused(tmp_path, run_cli):
+    """Without an index a folder's files are read in turn: which copy a reader takes would be chance."""
+    d = tmp_path / "dup"
+    d.mkdir()
+    w = torch.randn(16, 16).bfloat16()
+    save_file({Q: w}, str(d / "a.safetensors"))
+    save_file({Q: w + 1, D: w}, str(d / "b.safetensors"))
+    for args in (("w12", "pack", d, "-o", tmp_path / "out"), ("w12", "stats", d)):
+        code, _, err = run_cli(*args)
+        assert code == 2 and f"tensor {Q} is in both a.safetensors and b.safetensors" in err, (args, err)
+    assert not (tmp_path / "out").exists()
+
+
 def test_sharded_index_states_the_packed_total_size(tmp_path, run_cli):
     """The index's total_size is the byte size of the tensors it maps (what transformers writes)."""
     folder, out = tmp_path / "model", tmp_path / "model-w12"

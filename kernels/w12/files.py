@@ -60,23 +60,32 @@ def unreadable(path: Path, e: Exception) -> W12FormatError:
     return W12FormatError(f"{path}: not a readable safetensors file ({str(e).splitlines()[0][:160]})")
 
 
-def header_metadata(path: Path) -> dict[str, str]:
-    """The metadata of one safetensors file, its header checked by safetensors (numpy framework:
-    no tensor is read)."""
+def header(path: Path) -> tuple[dict[str, str], list[str]]:
+    """The metadata and tensor names of one safetensors file, its header checked by safetensors
+    (numpy framework: no tensor is read)."""
     from safetensors import safe_open
 
     try:
         with safe_open(str(path), framework="numpy") as f:
-            return dict(f.metadata() or {})
+            return dict(f.metadata() or {}), list(f.keys())
     except Exception as e:  # safetensors raises its own error types for malformed headers
         raise unreadable(path, e) from None
 
 
 def check_checkpoint(path: str, packed: bool = False) -> Checkpoint:
-    """The checkpoint at ``path`` with every file's header readable; ``packed``: at least one file
-    carries W12 metadata. What the readers would refuse after loading torch, refused first."""
+    """The checkpoint at ``path`` with every file's header readable and no tensor name in two of its
+    files (which one a reader takes would be chance); ``packed``: at least one file carries W12
+    metadata. What the readers would refuse after loading torch, refused first."""
     ck = find_checkpoint(path)
-    metas = [header_metadata(f) for f in ck.files]
+    metas, owner = [], {}
+    for f in ck.files:
+        meta, names = header(f)
+        metas.append(meta)
+        for n in names:
+            if n in owner:
+                raise W12FormatError(f"{path}: tensor {n} is in both {owner[n].name} and {f.name}; a checkpoint "
+                                     "names each tensor once")
+            owner[n] = f
     if packed and not any(META_KEY in m for m in metas):
         raise no_w12(path)
     return ck
