@@ -327,6 +327,18 @@ def test_a_table_naming_parts_the_file_lacks_is_bad_input_for_stats_and_verify_a
         assert code == 2 and "is missing" in err and len(err.strip().splitlines()) == 1, (args, out, err)
 
 
+@pytest.mark.parametrize("table, words", [("{", "is not valid JSON"), ("[" * 100000 + "]" * 100000, "is nested too deeply")])
+def test_an_unreadable_w12_table_names_the_file(tmp_path, run_cli, table, words):
+    src, dst = tmp_path / "m.safetensors", tmp_path / "w.safetensors"
+    make_checkpoint(src)
+    assert run_cli("w12", "pack", src, "-o", dst)[0] == 0
+    tensors, meta, _ = read_packed(dst)
+    save_file(tensors, str(dst), metadata={**meta, "specpilot.w12": table})
+    for args in (("w12", "stats", dst), ("w12", "verify", dst)):
+        code, _, err = run_cli(*args)
+        assert code == 2 and f"{dst}: the specpilot.w12 metadata {words}" in err and err.count("\n") == 1, err
+
+
 def test_verify_checks_the_restored_weights_against_the_originals_sha256(tmp_path, run_cli):
     """Without the original: a table whose parts are intact (CRC) but describe other weights than
     those pack was given (here: the digest of one flipped weight) fails the sha256 pack recorded."""

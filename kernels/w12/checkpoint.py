@@ -336,6 +336,8 @@ def w12_info(meta: dict[str, str], source: str) -> dict:
         doc = json.loads(raw)
     except json.JSONDecodeError:
         raise W12FormatError(f"{source}: the {META_KEY} metadata is not valid JSON") from None
+    except RecursionError:
+        raise W12FormatError(f"{source}: the {META_KEY} metadata is nested too deeply for a W12 table") from None
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
         raise W12FormatError(f"{source}: unknown W12 schema {doc.get('schema') if isinstance(doc, dict) else doc!r}; "
                              f"this SpecPilot reads {SCHEMA}")
