@@ -293,17 +293,20 @@ def test_check_refuses_malformed_gpu_clocks(run_cli, files, bad):
     assert code == 2 and err.startswith("specpilot: error:") and "'gpu_clocks'" in err and err.count("\n") == 1, err
 
 
-def test_check_names_terms_that_cancel_in_a_pass(run_cli, files):
-    # a probe taken on a machine twice as slow: its T_AR and its verify steps both 2x the runs'
-    rows = _write(files["dir"], "slow.json", {"schema": "specpilot.rows/1", "ar_ms": 20.0, "ar_path": "layers",
-                                             "points": [{"rows": 1, "step_ms": 20.0}, {"rows": 16, "step_ms": 23.0},
-                                                        {"rows": 32, "step_ms": 26.0}]})
+def _passing_check_notes(run_cli, files, name, ar_ms, steps_ms):
+    """The notes of a passing check against a rows probe of T_AR ``ar_ms`` and steps of 1 / 16 / 32
+    rows ``steps_ms``."""
+    rows = _write(files["dir"], name, {"schema": "specpilot.rows/1", "ar_ms": ar_ms, "ar_path": "layers",
+                                       "points": [{"rows": n, "step_ms": ms} for n, ms in zip((1, 16, 32), steps_ms)]})
     code, out, err = run_cli("ceiling", "--check", files["tree"], "--replay", files["replay"], "--rows-probe", rows,
                              "--ar-run", files["ar"], "--format", "json")
-    assert code == 0, err
-    d = json.loads(out)
-    assert d["passed"]
-    note = next(n for n in d["notes"] if "cancel" in n)
+    assert code == 0 and json.loads(out)["passed"], out + err
+    return json.loads(out)["notes"]
+
+
+def test_check_names_terms_that_cancel_in_a_pass(run_cli, files):
+    # a probe taken on a machine twice as slow: its T_AR and its verify steps both 2x the runs'
+    note = next(n for n in _passing_check_notes(run_cli, files, "slow.json", 20.0, (20.0, 23.0, 26.0)) if "cancel" in n)
     assert "c(N) (23.19 predicted vs 12 measured verify ms/pass" in note and "T_AR (20 predicted vs 10.6" in note
     assert "tau" not in note and "drafting" not in note
     code, out, _ = run_cli("ceiling", "--check", files["tree"], "--replay", files["replay"], "--rows-probe",
@@ -313,13 +316,8 @@ def test_check_names_terms_that_cancel_in_a_pass(run_cli, files):
 
 def test_check_names_what_offsets_a_single_term_off_in_a_pass(run_cli, files):
     """One term alone past the tolerance cannot cancel itself: the note names the terms that offset it."""
-    rows = _write(files["dir"], "one.json", {"schema": "specpilot.rows/1", "ar_ms": 11.5, "ar_path": "layers",
-                                            "points": [{"rows": 1, "step_ms": 11.5}, {"rows": 16, "step_ms": 13.5},
-                                                       {"rows": 32, "step_ms": 15.1}]})
-    code, out, err = run_cli("ceiling", "--check", files["tree"], "--replay", files["replay"], "--rows-probe", rows,
-                             "--ar-run", files["ar"], "--format", "json")
-    assert code == 0, err
-    note = next(n for n in json.loads(out)["notes"] if "speedups agree" in n)
+    notes = _passing_check_notes(run_cli, files, "one.json", 11.5, (11.5, 13.5, 15.1))
+    note = next(n for n in notes if "speedups agree" in n)
     assert "this term alone moves the prediction past the tolerance: c(N) (13.6 predicted vs 12 measured" in note
     assert "cancel" not in note
     offset = note[note.index("; offset by "):]
