@@ -23,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lab.common import L2Flusher, bootstrap, parse_int_list, print_table, time_interleaved, write_results  # noqa: E402
+from lab.verify.blas_backend import blas_call  # noqa: E402
 from lab.verify.step_parts import LLAMA_LAYERS as LAYERS  # noqa: E402
 
 COMPUTE_32F, R_32F, R_16BF = 68, 0, 14           # cublasComputeType_t, cudaDataType_t
@@ -119,16 +120,6 @@ class Lt:
         return fn
 
 
-def torch_call(x, w, backend):
-    import torch
-    import torch.nn.functional as F
-
-    def fn():
-        torch.backends.cuda.preferred_blas_library(backend)
-        return F.linear(x, w)
-    return fn
-
-
 def main() -> int:
     bootstrap()
     ap = argparse.ArgumentParser()
@@ -151,7 +142,7 @@ def main() -> int:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = torch.nn.functional.linear(x.float(), w.float())
             plan = lt.plan(m, n, k, args.algos)
-            fns, labels = [torch_call(x, w, "cublas"), torch_call(x, w, "cublaslt")], ["torch cublas", "torch cublaslt"]
+            fns, labels = [blas_call(x, w, "cublas"), blas_call(x, w, "cublaslt")], ["torch cublas", "torch cublaslt"]
             for i, h in enumerate(plan[4]):
                 y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
                 f = lt.call(plan, h, x, w, y, workspace)
