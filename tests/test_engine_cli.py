@@ -107,7 +107,8 @@ def test_probe_rows_cpu_writes_rows_schema(run_cli, tmp_path):
     for p in d["points"]:
         assert abs(p["c"] - p["step_ms"] / d["ar_ms"]) < 1e-9
         assert p["path"] == "layers"
-    assert d["ar_path"] == "layers" and d["warnings"] == []   # the CPU has no faster AR step
+    # the CPU has no faster AR step (a noise warning of c below 0.95 may come: 3 reps of a tiny model)
+    assert d["ar_path"] == "layers" and not any("faster AR step" in w for w in d["warnings"]), d["warnings"]
 
 
 def test_probe_rows_warns_when_a_faster_ar_step_exists():
