@@ -12,8 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import specpilot.probes.traces.nsys_aggregate as nagg
+import specpilot.probes.traces.nsys_export as nexp
 import specpilot.probes.traces.nsys_groups as gr
+import specpilot.probes.traces.nsys_lookup as nlook
 import specpilot.probes.traces.nsys_sqlite as ns
+import specpilot.probes.traces.nsys_steps as nstep
 from specpilot.errors import InputError
 from specpilot.probes import steps as st
 from specpilot.probes.classify import load_rules
@@ -44,14 +48,14 @@ def _step_function(intervals):
 
 
 def reference(path, req: StepRequest) -> Aggregate:
-    ex = ns.NsysExport(path)
+    ex = nexp.NsysExport(path)
     try:
         con = ex.con
         notes = list(ex.notes)
         gpus = ex.gpus()
         devices = {}
         if len(gpus) > 1 or req.device is not None:
-            for (d,) in con.execute(f"SELECT deviceId FROM {ns.KERNEL}"):
+            for (d,) in con.execute(f"SELECT deviceId FROM {nexp.KERNEL}"):
                 devices[d] = devices.get(d, 0) + 1
         device = req.device
         if device is None and len(devices) > 1:
@@ -64,8 +68,8 @@ def reference(path, req: StepRequest) -> Aggregate:
             notes.append("the trace names no GPU (no TARGET_INFO_GPU): give --gpu for floors")
         # every GPU activity row: (start, end, stream, corr, name id, kind, graphNodeId)
         events = []
-        tables = [(ns.KERNEL, "demangledName", 0), (ns.MEMCPY, "-1000 - copyKind", 1), (ns.MEMSET, "-1", 2),
-                  (ns.GRAPH_TRACE, "-2000 - graphExecId", 3)]
+        tables = [(nexp.KERNEL, "demangledName", 0), (nexp.MEMCPY, "-1000 - copyKind", 1), (nexp.MEMSET, "-1", 2),
+                  (nexp.GRAPH_TRACE, "-2000 - graphExecId", 3)]
         for table, name, kind in tables:
             if table not in ex.tables or (kind == 1 and "copyKind" not in ex.columns(table)):
                 continue
@@ -76,11 +80,11 @@ def reference(path, req: StepRequest) -> Aggregate:
                     events.append((s, e, stream, corr, nid, kind, g))
         ranges = ex.ranges()
         runtime = []
-        if ns.RUNTIME in ex.tables:
+        if nexp.RUNTIME in ex.tables:
             launch = {i for i, v in con.execute("SELECT id, value FROM StringIds")
                       if any(w in v.lower() for w in ("launch", "emcpy", "emset"))}
             runtime = [(s, t, c) for s, t, c, n in
-                       con.execute(f"SELECT start, globalTid, correlationId, nameId FROM {ns.RUNTIME}")
+                       con.execute(f"SELECT start, globalTid, correlationId, nameId FROM {nexp.RUNTIME}")
                        if (n in launch or not launch) and c is not None]
 
         def to_corr(intervals, threads):
@@ -106,10 +110,10 @@ def reference(path, req: StepRequest) -> Aggregate:
                     first[corr] = min(first.get(corr, g), g)
             launches = sorted(first.items())
             whole = []
-            if ns.GRAPH_TRACE in ex.tables:
+            if nexp.GRAPH_TRACE in ex.tables:
                 where = "" if device is None else f" WHERE deviceId = {device}"
                 whole = sorted((c, -1 - g) for c, g in con.execute(
-                    f"SELECT correlationId, graphExecId FROM {ns.GRAPH_TRACE}{where}"))
+                    f"SELECT correlationId, graphExecId FROM {nexp.GRAPH_TRACE}{where}"))
             if whole:
                 launches = sorted(launches + whole)
                 notes.append(f"{len(whole)} CUDA graph launches were traced as whole graphs (nsys --cuda-graph-trace="
@@ -124,7 +128,7 @@ def reference(path, req: StepRequest) -> Aggregate:
             step_ranges = st.select_step_ranges(ranges, regex, path)
             iv = [(r.start, r.end, i) for i, r in enumerate(step_ranges)]
             labels = [r.name for r in step_ranges]
-            if ns.RUNTIME in ex.tables:
+            if nexp.RUNTIME in ex.tables:
                 key, intervals = "corr", to_corr(iv, [r.thread for r in step_ranges])
             else:
                 key, intervals = "time", iv
@@ -140,7 +144,7 @@ def reference(path, req: StepRequest) -> Aggregate:
             s = np.array([e[0] for e in events], dtype=np.int64)
             e = np.array([e[1] for e in events], dtype=np.int64)
             nm = np.array([e[4] for e in events], dtype=np.int64)
-            gap = int(req.gap_us * 1e3) if req.gap_us else st.gap_threshold_ns(s, e, nm, sample=ns.GAP_SAMPLE)
+            gap = int(req.gap_us * 1e3) if req.gap_us else st.gap_threshold_ns(s, e, nm, sample=nstep.GAP_SAMPLE)
             b = st.gap_boundaries(s, e, gap) if gap is not None and len(s) else []
             if gap is None or not len(s) or (len(b) < 2 and not req.gap_us):
                 mode = "whole"
@@ -165,7 +169,7 @@ def reference(path, req: StepRequest) -> Aggregate:
                 segs = st.innermost_segments(tagged)
                 tag_names = sorted({n for _, _, n in segs})
                 idx = {n: i for i, n in enumerate(tag_names)}
-                if ns.RUNTIME in ex.tables:
+                if nexp.RUNTIME in ex.tables:
                     per = to_corr([(s, e - 1, i) for i, (s, e, _) in enumerate(segs)], [r.thread for r in tagged])
                     tag_key, tag_f = "corr", _step_function([(a, b, idx[segs[i][2]]) for a, b, i in per])
                 else:
@@ -287,13 +291,13 @@ def fast_paths(request, monkeypatch):
     """'forced': threads on a few hundred rows, the idle-gap path on small tables, tiny bucket tables,
     rows fetched by several threads a few rows at a time."""
     if request.param == "forced":
-        monkeypatch.setattr(ns, "PARALLEL_MIN_ROWS", 40)
-        monkeypatch.setattr(ns, "GAP_FETCH_MAX", 10)
-        monkeypatch.setattr(ns, "BUCKETS_PER_POINT", 0)
-        monkeypatch.setattr(ns, "BUCKETS_MAX", 8)
-        monkeypatch.setattr(ns, "FETCH_ROWS", 3)
-        monkeypatch.setattr(ns, "FETCH_MIN_ROWS", 7)
-        monkeypatch.setattr(ns, "FETCH_MIN_THREADS", 1)
+        monkeypatch.setattr(nexp, "PARALLEL_MIN_ROWS", 40)
+        monkeypatch.setattr(nstep, "GAP_FETCH_MAX", 10)
+        monkeypatch.setattr(nlook, "BUCKETS_PER_POINT", 0)
+        monkeypatch.setattr(nlook, "BUCKETS_MAX", 8)
+        monkeypatch.setattr(nexp, "FETCH_ROWS", 3)
+        monkeypatch.setattr(nexp, "FETCH_MIN_ROWS", 7)
+        monkeypatch.setattr(nexp, "FETCH_MIN_THREADS", 1)
     return request.param
 
 
@@ -322,14 +326,14 @@ def test_unsorted_and_huge_ids_fall_back(tmp_path, monkeypatch, graphs):
     """Rows out of time order (idle gaps found from fetched rows) and stream ids past the packed key's
     range (plain GROUP BY for those slices, graph launches by their own pass) still give the
     reference's answer."""
-    monkeypatch.setattr(ns, "PARALLEL_MIN_ROWS", 40)
-    monkeypatch.setattr(ns, "GAP_FETCH_MAX", 10)
+    monkeypatch.setattr(nexp, "PARALLEL_MIN_ROWS", 40)
+    monkeypatch.setattr(nstep, "GAP_FETCH_MAX", 10)
     src = write_nsys_sqlite(tmp_path / "s.sqlite", SynthSpec(steps=5, layers=2, graphs=graphs))
     con = sqlite3.connect(src)
     con.executescript(f"""
-        CREATE TABLE k2 AS SELECT * FROM {ns.KERNEL} ORDER BY (rowid * 7919) % 1009;
-        DELETE FROM {ns.KERNEL}; INSERT INTO {ns.KERNEL} SELECT * FROM k2; DROP TABLE k2;
-        UPDATE {ns.KERNEL} SET streamId = 1 << 40 WHERE rowid % 7 = 0;""")
+        CREATE TABLE k2 AS SELECT * FROM {nexp.KERNEL} ORDER BY (rowid * 7919) % 1009;
+        DELETE FROM {nexp.KERNEL}; INSERT INTO {nexp.KERNEL} SELECT * FROM k2; DROP TABLE k2;
+        UPDATE {nexp.KERNEL} SET streamId = 1 << 40 WHERE rowid % 7 = 0;""")
     con.commit()
     con.close()
     for req in (StepRequest(mode="gap"), StepRequest(range_regex="decode_step"), StepRequest(mode="whole"),
@@ -342,14 +346,14 @@ def test_graph_trace_with_eager_kernels_inside(tmp_path, monkeypatch, probe):
     """Eager kernels (no graph node or no correlation id) only in the middle of a graph trace: with a
     one-row probe the graph-launch pass reads every row and must notice them (the eager pass runs);
     with a large probe they are found first and filtered out of that pass."""
-    monkeypatch.setattr(ns, "PARALLEL_MIN_ROWS", 40)
-    monkeypatch.setattr(ns, "EAGER_PROBE", probe)
+    monkeypatch.setattr(nexp, "PARALLEL_MIN_ROWS", 40)
+    monkeypatch.setattr(nagg, "EAGER_PROBE", probe)
     src = write_nsys_sqlite(tmp_path / "s.sqlite", SynthSpec(steps=6, layers=2, graphs=True, second_stream=True,
                                                              overlap_ns=2000))
     con = sqlite3.connect(src)
-    n = con.execute(f"SELECT max(rowid) FROM {ns.KERNEL}").fetchone()[0]
-    con.execute(f"UPDATE {ns.KERNEL} SET graphNodeId = NULL WHERE rowid BETWEEN {n // 3} AND {n // 3 + 4}")
-    con.execute(f"UPDATE {ns.KERNEL} SET correlationId = NULL WHERE rowid = {n // 2}")
+    n = con.execute(f"SELECT max(rowid) FROM {nexp.KERNEL}").fetchone()[0]
+    con.execute(f"UPDATE {nexp.KERNEL} SET graphNodeId = NULL WHERE rowid BETWEEN {n // 3} AND {n // 3 + 4}")
+    con.execute(f"UPDATE {nexp.KERNEL} SET correlationId = NULL WHERE rowid = {n // 2}")
     con.commit()
     con.close()
     for req in (StepRequest(), StepRequest(mode="graph", tag_regex="decode"), StepRequest(mode="gap")):
@@ -373,7 +377,7 @@ def test_without_runtime_table_ranges_by_gpu_time(tmp_path, fast_paths, graphs):
     spec = SynthSpec(steps=5, layers=2, second_stream=True, overlap_ns=2000, graphs=graphs)
     src = write_nsys_sqlite(tmp_path / "s.sqlite", spec)
     con = sqlite3.connect(src)
-    con.execute(f"DROP TABLE {ns.RUNTIME}")
+    con.execute(f"DROP TABLE {nexp.RUNTIME}")
     con.commit()
     con.close()
     for req in (StepRequest(range_regex="decode_step", tag_regex="decode"), StepRequest(mode="gap", tag_regex="dec"),
@@ -385,12 +389,12 @@ def test_lookup_matches_bisect(monkeypatch):
     """The bucket table (two changes per bucket, searches past it) equals the plain step function."""
     rng = np.random.default_rng(5)
     for trial in range(20):
-        monkeypatch.setattr(ns, "BUCKETS_MAX", 4 if trial % 2 else 1 << 20)
+        monkeypatch.setattr(nlook, "BUCKETS_MAX", 4 if trial % 2 else 1 << 20)
         starts = np.sort(rng.choice(10_000, size=int(rng.integers(1, 60)), replace=False))
         iv = [(int(s), int(s + rng.integers(0, 400)), i) for i, s in enumerate(starts)]
         if trial % 4 == 0:
             iv.append((int(starts[-1]) + 5000, 2 ** 62, len(iv)))  # a last interval to "the end"
-        lk = ns._Lookup("t", iv)
+        lk = nlook._Lookup("t", iv)
         con = sqlite3.connect(":memory:")
         con.execute("ATTACH ':memory:' AS lk")
         lk.fill(con, "lk")

@@ -188,7 +188,7 @@ def test_gap_override_and_whole_mode(tmp_path):
 
 
 def test_parallel_grouping_equals_serial(tmp_path, monkeypatch):
-    import specpilot.probes.traces.nsys_sqlite as ns
+    import specpilot.probes.traces.nsys_export as nexp
 
     p = write_nsys_sqlite(tmp_path / "p.sqlite", SynthSpec(steps=12, layers=2, second_stream=True, overlap_ns=2000))
     g = write_nsys_sqlite(tmp_path / "g.sqlite", SynthSpec(steps=12, layers=2, graphs=True))
@@ -202,7 +202,7 @@ def test_parallel_grouping_equals_serial(tmp_path, monkeypatch):
         return out
 
     serial = run()
-    monkeypatch.setattr(ns, "PARALLEL_MIN_ROWS", 50)  # several threads, each on a slice of rowids
+    monkeypatch.setattr(nexp, "PARALLEL_MIN_ROWS", 50)  # several threads, each on a slice of rowids
     assert run() == serial
 
 

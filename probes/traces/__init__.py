@@ -206,7 +206,7 @@ def read_trace_devices(path: str | os.PathLike, request: StepRequest | None = No
         devices = sorted({int(d) for d in tr.cols["device"].tolist() if d >= 0})
         return [(d, aggregate_kineto(tr, replace(request, device=d))) for d in devices]
     if kind == "nsys-sqlite":
-        from .nsys_sqlite import NsysExport
+        from .nsys_export import NsysExport
 
         ex = NsysExport(path)
         try:

@@ -33,7 +33,7 @@ def find_nsys() -> str | None:
 def _readable(db: Path) -> str | None:
     """None when ``db`` opens as an Nsight Systems export (the checks the reader makes before
     reading: SQLite, its metadata table, a supported schema, StringIds), else why not."""
-    from .nsys_sqlite import NsysExport
+    from .nsys_export import NsysExport
 
     try:
         NsysExport(db).close()
