@@ -15,7 +15,7 @@ import html
 from dataclasses import dataclass
 from pathlib import Path
 
-from specpilot.auditors.round.run import resume_command, stages_left
+from specpilot.auditors.round.state import resume_command, stages_left
 from specpilot.probes.ceiling import largest_factor_line
 
 from . import round_plots as plots

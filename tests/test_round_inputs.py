@@ -43,7 +43,7 @@ def test_a_prompt_that_leaves_no_room_for_the_draft_rows_is_refused_before_the_r
 def test_the_room_is_the_largest_the_rounds_engines_reserve(run_cli, tmp_path, current, room):
     """A current system that drafts more than the candidates: its own decoder's reservation is the
     room (a 63-node tree's 74 slots), so a round that fits the check runs."""
-    from specpilot.auditors.round.run import draft_room
+    from specpilot.auditors.round.inputs import draft_room
     from specpilot.engine.spec import EngineSpec
 
     assert draft_room(EngineSpec.parse(f"engine:model=tiny,{current}")) == room

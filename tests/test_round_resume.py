@@ -391,7 +391,8 @@ def test_n_prompts_above_the_built_in_prompts_is_noted():
     """Without --prompts a model with a tokenizer runs the built-in chat prompts: more asked than
     there are is a note of the measure stage (the round ran fewer without a word)."""
     from specpilot.auditors.prompts_builtin import PROMPTS
-    from specpilot.auditors.round.run import RoundConfig, short_prompts_note
+    from specpilot.auditors.round.inputs import short_prompts_note
+    from specpilot.auditors.round.run import RoundConfig
 
     cfg = RoundConfig(deployment=TINY, out_dir="r", n_prompts=len(PROMPTS) + 36)
     note = short_prompts_note(cfg, None, PROMPTS)
@@ -552,7 +553,7 @@ def test_a_round_folder_in_use_is_refused_by_a_second_resume(done, tmp_path, run
     once it is released the resume goes on."""
     import os
 
-    from specpilot.auditors.round.run import LOCK_FILE, hold_folder
+    from specpilot.auditors.round.state import LOCK_FILE, hold_folder
 
     r = _copy(done, tmp_path)
     fd = hold_folder(r)   # what a running session holds (flock: another open of the file is another holder)

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 PAIRS_MIN = 4      # two ABBA blocks: the fewest the approval rule accepts
 PAIRS_MAX = 16
 MEASURE_SHARE = 0.35  # at most this share of the budget goes to stage 1
+DEFAULT_LOAD_S = {"cpu": 12.0, "cuda": 45.0}
 
 
 class OutOfBudget(Exception):
@@ -49,6 +50,11 @@ class Shape:
 SHAPES = {"cpu": [Shape(4, 48), Shape(3, 48), Shape(3, 32), Shape(2, 32), Shape(2, 24), Shape(2, 16)],
           "cuda": [Shape(8, 128), Shape(8, 96), Shape(6, 96), Shape(6, 64), Shape(4, 64), Shape(4, 48),
                    Shape(3, 32), Shape(2, 16)]}
+
+
+def score_s(shape: Shape, tokens_per_s: float, prefill_s: float) -> float:
+    """The audit's teacher forcing of three systems' outputs: a few prefill-like forwards."""
+    return 0.5 + 0.5 * shape.run_s(tokens_per_s * 20.0, prefill_s)
 
 
 def candidate_cost(shape: Shape, pairs: int, base_rate: float, cand_rate: float, prefill_s: float,
