@@ -115,6 +115,23 @@ def test_sharded_folder(tmp_path, run_cli):
     assert code == 0 and "3 tensors" in stdout
 
 
+def test_an_index_naming_a_tensor_no_shard_holds_is_warned_of(tmp_path, run_cli):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    t = make_checkpoint(folder / "model-00001-of-00001.safetensors")
+    wm = {k: "model-00001-of-00001.safetensors" for k in [*t, "model.layers.9.mlp.down_proj.weight"]}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))
+    out = tmp_path / "model-w12"
+    code, stdout, err = run_cli("w12", "pack", folder, "-o", out, "--format", "json")
+    assert code == 0, err
+    line = ("model.safetensors.index.json names 1 tensor no shard holds (first: model.layers.9.mlp.down_proj.weight); "
+            "the output's index lists only the tensors its shards hold")
+    assert f"specpilot: warning: {line}" in err and json.loads(stdout)["warnings"] == [line]
+    idx = json.loads((out / "model.safetensors.index.json").read_text())
+    assert not any(k.startswith("model.layers.9.") for k in idx["weight_map"])
+    assert run_cli("w12", "verify", out, "--against", folder)[0] == 0
+
+
 def test_include_exclude_and_report_file(tmp_path, run_cli):
     src, dst, rep = tmp_path / "m.safetensors", tmp_path / "w.safetensors", tmp_path / "rep.json"
     make_checkpoint(src)
@@ -419,6 +436,26 @@ def test_kept_scalar_tensors_are_compared_by_their_bytes(tmp_path, run_cli):
     code, out, err = run_cli("w12", "verify", dst, "--against", src, "--format", "json")
     assert code == 1 and {m["tensor"]: m["what"] for m in json.loads(out)["mismatches"]} == {
         "logit_scale": "kept tensor differs from the reference"}, out + err
+
+
+def test_tensors_the_includes_pick_that_are_not_2d_are_named_as_kept(tmp_path, run_cli):
+    """A stacked experts tensor (3-D) matches the default ``*experts*.weight``: pack keeps it and
+    says why, in the summary, the JSON and the error when nothing else converts."""
+    src, dst = tmp_path / "m.safetensors", tmp_path / "w.safetensors"
+    t = make_checkpoint(src)
+    E = "model.layers.0.mlp.experts.weight"
+    t[E] = (torch.randn(2, 8, 16) * 0.02).bfloat16()
+    save_file(t, str(src))
+    code, out, err = run_cli("w12", "pack", src, "-o", dst)
+    assert code == 0 and "2 tensors converted, 4 kept (1 not bf16, 1 not 2-D)" in out, out + err
+    assert f"not converted (not 2-D): {E}" in out
+    code, out, err = run_cli("w12", "pack", src, "-o", tmp_path / "w2.safetensors", "--format", "json")
+    assert code == 0 and json.loads(out)["skipped_not_2d"] == [E]
+    only = tmp_path / "e.safetensors"
+    save_file({E: t[E], "model.norm.weight": t["model.norm.weight"]}, str(only))
+    code, _, err = run_cli("w12", "pack", only, "-o", tmp_path / "e.w12.safetensors")
+    assert code == 2 and f"1 tensors it matches are not 2-D (first: {E}, kept as they are)" in err
+    assert not (tmp_path / "e.w12.safetensors").exists()
 
 
 def test_a_tensor_named_in_two_files_of_a_folder_is_refused(tmp_path, run_cli):

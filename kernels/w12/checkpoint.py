@@ -111,16 +111,22 @@ class PackResult(_Totals):
     skipped_not_bf16: list[str] = field(default_factory=list)   # those of ``kept`` that matched but are not bf16
     excluded: list[str] = field(default_factory=list)           # 2-D, matched the includes, dropped by the excludes
     skipped_empty: list[str] = field(default_factory=list)      # those of ``kept`` that matched but have no weights
+    skipped_not_2d: list[str] = field(default_factory=list)     # those of ``kept`` the patterns pick that are not 2-D
+    warnings: list[str] = field(default_factory=list)           # what the input gets wrong that the output does not carry
     already: list[str] = field(default_factory=list)            # W12 tensors of the input, carried over as packed
 
     def _stats(self) -> list[TensorStat]:
         return self.converted
 
 
+def picked(name: str, include: Iterable[str], exclude: Iterable[str]) -> bool:
+    """A tensor name the patterns pick, whatever its shape."""
+    return any(fnmatch.fnmatch(name, p) for p in include) and not any(fnmatch.fnmatch(name, p) for p in exclude)
+
+
 def matched(name: str, t: torch.Tensor, include: Iterable[str], exclude: Iterable[str]) -> bool:
     """A 2-D tensor the patterns pick, empty or not."""
-    return (t.dim() == 2 and any(fnmatch.fnmatch(name, p) for p in include)
-            and not any(fnmatch.fnmatch(name, p) for p in exclude))
+    return t.dim() == 2 and picked(name, include, exclude)
 
 
 def selected(name: str, t: torch.Tensor, include: Iterable[str], exclude: Iterable[str]) -> bool:
@@ -197,6 +203,8 @@ def pack_tensors(tensors: dict[str, torch.Tensor], meta: dict[str, str], include
                 result.skipped_empty.append(name)
             elif matched(name, t, include, ALWAYS_EXCLUDE):  # an exclude the user or the defaults chose dropped it
                 result.excluded.append(name)
+            elif t.dim() != 2 and picked(name, include, exclude):   # a stacked (3-D) or scalar tensor
+                result.skipped_not_2d.append(name)
             continue
         if t.dtype != torch.bfloat16:
             out[name] = t
@@ -259,8 +267,10 @@ def pack(src: str, dst: str, include: Iterable[str] | None = None, exclude: Iter
         try:
             weight_map: dict[str, str] = {}
             total_size = 0
+            held: set[str] = set()
             for f in ck.files:
                 tensors, meta = read_file(f)
+                held.update(tensors)
                 bar = progress(total=len(tensors), desc=f.name) if progress else None
                 out, new_meta = pack_tensors(tensors, meta, include, exclude, res, device,
                                              (lambda _n: bar.update(1)) if bar else None, str(f))
@@ -274,6 +284,11 @@ def pack(src: str, dst: str, include: Iterable[str] | None = None, exclude: Iter
                     shutil.copy2(other, tmp / other.name)
             if ck.index is not None:
                 doc = json.loads(ck.index.read_text())
+                absent = sorted(set(doc["weight_map"]) - held)
+                if absent:   # a loader of the input would miss them too; the output's index lists what is there
+                    res.warnings.append(f"{ck.index.name} names {len(absent)} tensor{'s' if len(absent) > 1 else ''} "
+                                        f"no shard holds (first: {absent[0]}); the output's index lists only the "
+                                        "tensors its shards hold")
                 doc["weight_map"] = dict(sorted(weight_map.items()))
                 index_meta = doc.setdefault("metadata", {})
                 # the byte size of the tensors listed, as transformers writes it (the input's is the bf16 one)
@@ -313,6 +328,9 @@ def _require_converted(res: PackResult, src: str, include, exclude, user_exclude
                  if res.skipped_not_bf16 else "")
         if res.skipped_empty:
             extra += f"; {len(res.skipped_empty)} matching tensors are empty (kept as they are)"
+        if res.skipped_not_2d:
+            extra += (f"; {len(res.skipped_not_2d)} tensors it matches are not 2-D (first: {res.skipped_not_2d[0]}, "
+                      "kept as they are)")
         if res.already:
             extra += f"; {len(res.already)} tensors are already W12"
         if res.excluded:

@@ -128,12 +128,16 @@ def pack_cmd(src, dst, include, exclude, device, force, fmt, out):
         if not committed:
             raise
         res = committed[0]   # the signal came after OUT was renamed into place: the pack is complete
+    for w in res.warnings:
+        click.echo(f"specpilot: warning: {w}", err=True)
     why = ([f"{len(res.skipped_not_bf16)} not bf16"] if res.skipped_not_bf16 else []) \
-        + ([f"{len(res.skipped_empty)} empty"] if res.skipped_empty else [])
+        + ([f"{len(res.skipped_empty)} empty"] if res.skipped_empty else []) \
+        + ([f"{len(res.skipped_not_2d)} not 2-D"] if res.skipped_not_2d else [])
     data = {"schema": "specpilot.w12-pack/1", "input": src, "output": dst,
             "bits_per_weight": res.bits_per_weight, "escape_rate": res.escape_rate,
             "converted": len(res.converted), "already_w12": len(res.already), "kept": len(res.kept),
             "skipped_not_bf16": res.skipped_not_bf16, "skipped_empty": res.skipped_empty,
+            "skipped_not_2d": res.skipped_not_2d, "warnings": res.warnings,
             "tensors": [t.__dict__ for t in res.converted]}
     rep = Report(data, [Section("converted tensors", ["tensor", "shape", "bits/weight", "escapes", "escape rate"],
                                 _tensor_rows(res.converted))],
@@ -142,7 +146,9 @@ def pack_cmd(src, dst, include, exclude, device, force, fmt, out):
                   + f", {len(res.kept)} kept" + (f" ({', '.join(why)})" if why else "")
                   + f"; {res.bits_per_weight:.4f} bits/weight, escape rate {res.escape_rate:.3e}"]
                  + ([f"not converted (not bf16): {', '.join(res.skipped_not_bf16[:5])}"
-                     + (" ..." if len(res.skipped_not_bf16) > 5 else "")] if res.skipped_not_bf16 else []),
+                     + (" ..." if len(res.skipped_not_bf16) > 5 else "")] if res.skipped_not_bf16 else [])
+                 + ([f"not converted (not 2-D): {', '.join(res.skipped_not_2d[:5])}"
+                     + (" ..." if len(res.skipped_not_2d) > 5 else "")] if res.skipped_not_2d else []),
                  title="W12 pack")
     try:
         emit(rep, fmt, out, protect=[src, dst])
