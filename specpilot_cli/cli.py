@@ -32,6 +32,12 @@ class _Stopped(Exception):
 
 
 class LazyGroup(click.Group):
+    def make_context(self, *args, **kwargs):   # the top command's arguments are parsed here, outside invoke
+        try:
+            return super().make_context(*args, **kwargs)
+        except (KeyboardInterrupt, EOFError) as e:
+            raise _Stopped(e) from e
+
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)

@@ -66,3 +66,17 @@ def test_a_signal_the_parent_ignores_stays_ignored():
              "entry.install(); os.kill(os.getpid(), signal.SIGHUP)\n"
              "with signals.installed():\n    os.kill(os.getpid(), signal.SIGHUP)\nprint('alive')")
     assert r.returncode == 0 and r.stdout == "alive\n", (r.returncode, r.stdout, r.stderr)
+
+
+def test_an_interrupt_while_the_arguments_are_parsed_is_one_line(monkeypatch, capsys):
+    """click's main prints a blank line for a terminal's ^C before its Abort; stderr here is a log."""
+    import click
+
+    from specpilot.cli import _run as run_cli_main
+
+    def interrupted(self, ctx, args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(click.Group, "parse_args", interrupted)
+    assert run_cli_main(["ceiling", "--help"], False) == 130
+    assert capsys.readouterr().err == "specpilot: interrupted\n"
