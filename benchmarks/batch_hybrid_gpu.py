@@ -51,9 +51,9 @@ def prompts(n: int, vocab: int) -> list[list[int]]:
 def loop(m, batch: int, new: int, graphs: bool, batch_prefill: bool) -> tuple[list[dict], list[list[int]]]:
     import torch
 
-    from specpilot.engine.model import GatedDeltaNet
     from specpilot.engine.batch.requests import Request
     from specpilot.engine.batch.scheduler import BatchDecoder, BatchStats
+    from specpilot.engine.gated_deltanet import GatedDeltaNet
 
     GatedDeltaNet.batch_prefill = batch_prefill
     dec = BatchDecoder(m, "tree", "ngram", nodes=64, depth=8, topk=8, batch=batch, graphs=graphs)

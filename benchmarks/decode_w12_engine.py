@@ -102,7 +102,7 @@ def main() -> int:
     import torch
 
     from specpilot.engine.graphs import time_replays
-    from specpilot.engine.model import StepInput
+    from specpilot.engine.step_input import StepInput
     from specpilot.kernels.decode import gemv_w12_gluon
 
     if not torch.cuda.is_available():

@@ -296,7 +296,7 @@ def ar_consistency(m):
     """The fused AR step against the layers on the same state: logits difference, argmax."""
     import torch
 
-    from specpilot.engine.model import StepInput
+    from specpilot.engine.step_input import StepInput
 
     one = StepInput(torch.tensor([11], device="cuda"), torch.tensor([CONTEXT], device="cuda"),
                     torch.tensor([CONTEXT], device="cuda"), torch.arange(m.max_seq, device="cuda")[None] <= CONTEXT, "seq")
@@ -390,7 +390,7 @@ def logit_gap(m, context, tok_a, tok_b):
     and the top logit's lead over the runner-up."""
     import torch
 
-    from specpilot.engine.model import StepInput
+    from specpilot.engine.step_input import StepInput
 
     m.reset()
     n = len(context)

@@ -57,7 +57,8 @@ def build(model: str = "llama-3.1-8b"):
     :data:`CONTEXT` random tokens (prefilled through the layer modules)."""
     import torch
 
-    from specpilot.engine.model import StepInput, Transformer
+    from specpilot.engine.model import Transformer
+    from specpilot.engine.step_input import StepInput
     from specpilot.models import load_model_spec
 
     spec = load_model_spec(model)

@@ -19,8 +19,9 @@ import numpy as np
 import torch
 
 from specpilot.engine.drafters import Lattice
-from specpilot.engine.model import StepInput, Transformer
+from specpilot.engine.model import Transformer
 from specpilot.engine.spec import cache_room, request_rows, room_words
+from specpilot.engine.step_input import StepInput
 from specpilot.errors import InputError
 from specpilot.kernels import tree as treelib
 from specpilot.kernels.gdn.path import row_paths

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from specpilot.engine.model import StepInput, Transformer
+from specpilot.engine.model import Transformer
+from specpilot.engine.step_input import StepInput
 
 
 class RolloutGraphs:

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specpilot.engine.model import StepInput, Transformer
+from specpilot.engine.model import Transformer
+from specpilot.engine.step_input import StepInput
 
 
 @dataclass

@@ -49,7 +49,8 @@ from specpilot.errors import InputError
 
 def ineligible(model) -> str | None:
     """Why ``model`` cannot take the fused one-row path (None when it can)."""
-    from specpilot.engine.model import Attention, GatedDeltaNet
+    from specpilot.engine.gated_deltanet import GatedDeltaNet
+    from specpilot.engine.model import Attention
     from specpilot.engine.w12_loader import W12Projection
     from specpilot.kernels.decode.gemv import DEFAULT
 
@@ -107,7 +108,7 @@ def block_step(blk, x: torch.Tensor, inp, cos: torch.Tensor, sin: torch.Tensor, 
     """One layer for one row ``x`` [1, hidden] (the whole RoPE tables ``cos``/``sin``; the step's
     position and slot stay on the device, so a CUDA graph replays it for any position). ``kv``:
     the K/V caches [nkv, S, hd] of a dense layer when not its own (a batch cache's slot)."""
-    from specpilot.engine.model import GatedDeltaNet
+    from specpilot.engine.gated_deltanet import GatedDeltaNet
     from specpilot.kernels.decode import gemv
 
     m = blk.mixer

@@ -166,7 +166,7 @@ def hidden_rows(model, x: torch.Tensor, inp, kv_len: int, layers: int | None = N
     attending its own slot. ``invariant`` (one request, up to :data:`MAX_ROWS` rows, any from one):
     the row-invariant GEMM and attention (``EngineSpec.deterministic``); the other kernels here work
     row by row already, and a GDN layer walks each row's path as its AR step would."""
-    from specpilot.engine.model import GatedDeltaNet
+    from specpilot.engine.gated_deltanet import GatedDeltaNet
     from specpilot.kernels.decode import gated_attention as ga
     from specpilot.kernels.verify import common, rows as R
 

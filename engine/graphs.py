@@ -18,7 +18,8 @@ import time
 import numpy as np
 import torch
 
-from specpilot.engine.model import Attention, StepInput, Transformer
+from specpilot.engine.model import Attention, Transformer
+from specpilot.engine.step_input import StepInput
 
 
 def time_replays(g: "torch.cuda.CUDAGraph", reps: int, warmup: int = 3) -> list[float]:

@@ -100,7 +100,7 @@ def step_input(model, T: int, context: int):
     its chain (causal among the rows), random tokens: a probe step's inputs."""
     import torch
 
-    from specpilot.engine.model import StepInput
+    from specpilot.engine.step_input import StepInput
 
     dev = model.device
     S = model.max_seq

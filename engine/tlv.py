@@ -31,7 +31,8 @@ import torch
 from specpilot.engine.decode import Decoder, row_buckets
 from specpilot.engine.drafters import Lattice
 from specpilot.engine.graphs import GraphRunner
-from specpilot.engine.model import Attention, StepInput, Transformer
+from specpilot.engine.model import Attention, Transformer
+from specpilot.engine.step_input import StepInput
 from specpilot.errors import InputError
 from specpilot.kernels import tree as treelib
 

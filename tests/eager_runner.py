@@ -4,7 +4,7 @@ stand-in (:func:`eager_capture`) for the CPU tests of the graph code itself."""
 
 import torch
 
-from specpilot.engine.model import StepInput
+from specpilot.engine.step_input import StepInput
 from specpilot.kernels.gdn.path import row_paths
 
 

@@ -150,7 +150,7 @@ def test_fused_refuses_unsupported_shapes():
 def test_engine_forward_with_fused_attention_equals_torch():
     """The tiny engine model's logits for a prefill plus a tree-shaped step, fused vs torch (fp32)."""
     from specpilot.engine.api import build_model
-    from specpilot.engine.model import StepInput
+    from specpilot.engine.step_input import StepInput
 
     model, _, _ = build_model("tiny", True, torch.float32, "cpu", 128)
     model.layers = model.layers[:2]   # a layer into the next one, and the last into the head: half the work

@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from specpilot.engine.api import load_engine  # noqa: E402
-from specpilot.engine.model import StepInput  # noqa: E402
+from specpilot.engine.step_input import StepInput  # noqa: E402
 from specpilot.errors import InputError  # noqa: E402
 from specpilot.kernels.decode import gemv as G  # noqa: E402
 from specpilot.kernels.decode import naive as R  # noqa: E402

@@ -91,7 +91,7 @@ def _deterministic_model(name, ctx):
 def test_tree_step_rows_are_the_ar_steps_along_their_paths_bitwise(name):
     """After a prompt, one tree step of 6 rows gives each row on the deepest path the hidden state,
     bit for bit, of AR steps taking that path's tokens one at a time; the committed caches too."""
-    from specpilot.engine.model import StepInput
+    from specpilot.engine.step_input import StepInput
 
     ctx, n = 32, 9
     m = _deterministic_model(name, ctx)

@@ -90,7 +90,7 @@ def test_hybrid_verify_rows_of_all_requests_walk_in_one_launch(reference, monkey
     rows of every request go through one conv and one path-walk launch per GDN layer, and the
     outputs still equal one-request greedy decoding; the walk's outputs and stashes equal the
     per-request launches' bit for bit."""
-    from specpilot.engine.model import GatedDeltaNet
+    from specpilot.engine.gated_deltanet import GatedDeltaNet
 
     walks, compared = [], []
     real_walk, real_mix = GatedDeltaNet._walk, GatedDeltaNet.mix
@@ -100,7 +100,7 @@ def test_hybrid_verify_rows_of_all_requests_walk_in_one_launch(reference, monkey
         segs = [segments[i] for i in table.segments]
         walks.append(len(segs))
         if not compared:    # the same segments, one request at a time (the fallback's launches)
-            from specpilot.engine.model import StepInput
+            from specpilot.engine.step_input import StepInput
 
             own = self.state, self.conv_state
             try:
@@ -168,7 +168,7 @@ def test_hybrid_verify_buckets_walk_every_row(reference, extra, n, verify, monke
         return out
 
     dec._run = spy
-    from specpilot.engine.model import GatedDeltaNet
+    from specpilot.engine.gated_deltanet import GatedDeltaNet
 
     together, one_launch, kept = [], GatedDeltaNet.commit_walked, []
 

@@ -15,8 +15,9 @@ import torch
 
 from specpilot.engine.api import load_engine
 from specpilot.engine.batch.requests import Request
-from specpilot.engine.model import GatedDeltaNet, StepInput
+from specpilot.engine.gated_deltanet import GatedDeltaNet
 from specpilot.engine.spec import EngineSpec
+from specpilot.engine.step_input import StepInput
 from specpilot.kernels.gdn import naive, prefill
 
 PROMPTS = [list(b"gated delta"), list(b"abcabcab"), list(b"one two o"), list(b"xy")]
@@ -76,7 +77,7 @@ def test_prompt_chunks_of_a_batch_equal_one_request_prefills(fla_on_cpu):
     gen = torch.Generator().manual_seed(5)
     cache.state.copy_(torch.randn(cache.state.shape, generator=gen))
     cache.conv.copy_(torch.randn(cache.conv.shape, generator=gen))
-    from specpilot.engine.model import Segment
+    from specpilot.engine.step_input import Segment
 
     lengths, slots = [6, 2, 9], [2, 0, 3]
     segs, at = [], 0

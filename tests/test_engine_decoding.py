@@ -5,7 +5,7 @@ import torch
 
 from specpilot.engine import graphs as engine_graphs
 from specpilot.engine.api import EngineSpec, load_engine
-from specpilot.engine.model import StepInput
+from specpilot.engine.step_input import StepInput
 from specpilot.errors import InputError
 from specpilot.kernels import tree as T
 from specpilot.kernels.gdn.path import row_paths

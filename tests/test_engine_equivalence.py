@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from specpilot.engine.api import load_engine
-from specpilot.engine.model import StepInput
+from specpilot.engine.step_input import StepInput
 
 
 def _hf_tiny(tmp_path, kind):

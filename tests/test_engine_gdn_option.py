@@ -164,7 +164,7 @@ def test_auto_reports_what_the_measured_table_picks(monkeypatch):
 def test_wy_takes_the_path_walk_above_64_rows(kernel_calls):
     """gdn=wy: a verify step of more rows than TreeWY holds walks the paths (a 65-row star tree:
     every path two tokens long, cheap in the interpreter)."""
-    from specpilot.engine.model import StepInput
+    from specpilot.engine.step_input import StepInput
     from specpilot.kernels.gdn import path as gpath
 
     model = load_engine("engine:model=tiny-hybrid,mode=ar,ctx=128,gdn=wy").model

@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from specpilot.engine.api import EngineSpec, load_engine  # noqa: E402
-from specpilot.engine.model import StepInput  # noqa: E402
+from specpilot.engine.step_input import StepInput  # noqa: E402
 from specpilot.errors import InputError  # noqa: E402
 from specpilot.kernels.lm_head import exact_argmax  # noqa: E402
 

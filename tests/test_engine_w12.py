@@ -37,7 +37,7 @@ def test_w12_engine_equals_plain_engine_token_for_token(model, mode):
     b = w12.generate(PROMPT, 24)
     assert b.output_ids == a.output_ids and b.steps == a.steps
     # the logits of a whole prompt are identical bit for bit (weights restored exactly)
-    from specpilot.engine.model import StepInput
+    from specpilot.engine.step_input import StepInput
 
     for e in (plain, w12):
         e.model.reset()
@@ -89,7 +89,7 @@ def test_w12_fused_path_under_the_interpreter(monkeypatch):
     pytest.importorskip("triton")
     from specpilot.engine import w12_loader as ew
     from specpilot.engine.api import build_model
-    from specpilot.engine.model import StepInput
+    from specpilot.engine.step_input import StepInput
 
     torch.set_grad_enabled(False)
     m, _, _ = build_model("tiny", True, torch.bfloat16, "cpu", 64)
@@ -131,7 +131,7 @@ def test_w12_one_row_step_through_the_fused_decode_kernels(monkeypatch):
     from specpilot.engine import w12_loader as ew
     from specpilot.engine.api import build_model
     from specpilot.engine.fused_decode import ineligible
-    from specpilot.engine.model import StepInput
+    from specpilot.engine.step_input import StepInput
     from specpilot.kernels.attention import decode, naive as reference
 
     if not torch.cuda.is_available():

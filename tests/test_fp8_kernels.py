@@ -128,7 +128,7 @@ def test_engine_fp8_q_pass_step_matches_the_dense_fp8_view():
     modules with the dense view (the same e4m3 weights dequantized; the kernels also split the
     activations): logits within 2%, the same argmax; the copies come off after the pass."""
     from specpilot.engine.api import load_engine
-    from specpilot.engine.model import StepInput
+    from specpilot.engine.step_input import StepInput
     from specpilot.engine.tlv import QView, cuda_refusal
     from test_verify_kernels import _tree_step
 

@@ -82,7 +82,7 @@ def test_conv_windows_match_conv1d_along_paths():
 def test_hybrid_tree_forward_with_chain_shape_equals_chain_mode():
     """Chain-shaped trees give results identical to the chain (stock) mode, bit for bit."""
     from specpilot.engine.api import load_engine
-    from specpilot.engine.model import StepInput
+    from specpilot.engine.step_input import StepInput
 
     e = load_engine("engine:model=tiny-hybrid,ctx=256")
     m = e.model

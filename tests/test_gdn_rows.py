@@ -88,7 +88,7 @@ def test_gated_norm_rows_matches_layer_rounding():
     z = torch.randn(R, NV * DV)
     w = torch.rand(DV) + 0.5
     plain = grows.gdn_rows(qkv, ab, A_log, dt_bias, state, grows.chain_paths(R, "cpu"), NK).view(R, NV, DV)
-    from specpilot.engine.model import rms_norm
+    from specpilot.engine.norm import rms_norm
 
     ref = rms_norm(plain, w, 1e-6) * F.silu(z.view(R, NV, DV))
     torch.testing.assert_close(grows.gated_norm_rows(plain, z, w, 1e-6).view(R, NV, DV), ref, rtol=1e-5, atol=1e-6)
@@ -323,7 +323,7 @@ def test_layer_wy_with_and_without_the_root_split_equals_the_path_kernel(rows):
     """A GDN layer's verify outputs through TreeWY (33 rows: the root alone, then its 32-node forest
     from the root's state) equal the path kernel's."""
     from specpilot.engine.api import load_engine
-    from specpilot.engine.model import StepInput
+    from specpilot.engine.step_input import StepInput
 
     m = load_engine("engine:model=tiny-hybrid,ctx=128").model
     layer = m.gdn_layers()[0]

@@ -59,7 +59,7 @@ def test_commit_and_verify_rows_equal_ar_steps_bitwise():
 
 
 def test_gated_norm_is_the_layers_rounding_bitwise():
-    from specpilot.engine.model import rms_norm
+    from specpilot.engine.norm import rms_norm
 
     R = 9
     o = torch.randn(R, NV, DV, device=DEV) * 0.05

@@ -121,7 +121,7 @@ def _tree_step(m, n, ctx, T, dev):
     for i in range(1, T):
         depth[i] = depth[parents[i]] + 1
     mask = tree_mask(parents, n, ctx)
-    from specpilot.engine.model import StepInput
+    from specpilot.engine.step_input import StepInput
 
     return StepInput(torch.arange(40, 40 + T, device=dev), torch.tensor([n + d for d in depth], device=dev),
                      n + torch.arange(T, device=dev), mask.to(dev), "seq")
@@ -132,7 +132,7 @@ def test_engine_verify_step_matches_the_layers():
     K/V written agree (fp32, tiny model; CPU: Triton's interpreter)."""
     from specpilot.engine import fused_verify
     from specpilot.engine.api import load_engine
-    from specpilot.engine.model import StepInput
+    from specpilot.engine.step_input import StepInput
 
     ctx = 64
     m = load_engine(f"engine:model=tiny,mode=ar,ctx={ctx},device={DEV},dtype=float32,graphs=0,decode=layers").model
@@ -162,8 +162,8 @@ def test_engine_prompt_longer_than_a_verify_step_takes_the_fused_rows():
     CPU: Triton's interpreter)."""
     from specpilot.engine import fused_verify
     from specpilot.engine.api import load_engine
-    from specpilot.engine.model import StepInput
     from specpilot.engine.spec import MAX_STEP_ROWS
+    from specpilot.engine.step_input import StepInput
 
     ctx, n = 96, MAX_STEP_ROWS + 6
     m = load_engine(f"engine:model=tiny,mode=ar,ctx={ctx},device={DEV},dtype=float32,graphs=0,decode=layers").model
@@ -261,7 +261,7 @@ def test_engine_batched_hybrid_step_matches_the_layers(ar_rows):
     row per request in one launch over the requests' state slots, or prompt chunks per request)
     against the layer modules (torch GDN): logits, K/V and every slot's GDN states agree (fp32)."""
     from specpilot.engine.batch.step import prefill_rows
-    from specpilot.engine.model import GatedDeltaNet
+    from specpilot.engine.gated_deltanet import GatedDeltaNet
 
     def gdn_kernels(m):
         for blk in m.layers:
@@ -281,7 +281,7 @@ def test_gpu_engine_w12_verify_step_matches_the_layers():
     """W12 projections: a 5-row tree step through the fused path against the W12 layer modules (bf16)."""
     from specpilot.engine import w12_loader as ew
     from specpilot.engine.api import build_model
-    from specpilot.engine.model import StepInput
+    from specpilot.engine.step_input import StepInput
 
     ctx = 32
     m, _, _ = build_model("tiny", True, torch.bfloat16, DEV, ctx)
@@ -372,7 +372,7 @@ def test_gpu_verify_step_graph_equals_eager_with_and_without_pdl(weights, monkey
     """A 9-row tree step through the fused kernels (bf16 and W12 weights): the captured graph gives
     the eager step's bits, with programmatic dependent launch and without, replay after replay."""
     from specpilot.engine.api import load_engine
-    from specpilot.engine.model import StepInput
+    from specpilot.engine.step_input import StepInput
 
     outs = {}
     for pdl in (False, True):

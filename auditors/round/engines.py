@@ -150,7 +150,7 @@ class EngineScorer:
     def _hidden(self, ids: list[int]):
         import torch
 
-        from specpilot.engine.model import StepInput
+        from specpilot.engine.step_input import StepInput
 
         m, dev = self.model, self.model.device
         n = len(ids)

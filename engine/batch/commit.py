@@ -83,7 +83,8 @@ def kv_moves(items: list[tuple[int, int, list[int]]], device):
 def commit_step(model, cache, items: list[tuple[int, int, list[int], str]]) -> None:
     """Commit a batched step for ``items`` (slot, first cache position, accepted rows, gdn_rows) of
     ``model``'s batch cache ``cache`` (module doc)."""
-    from specpilot.engine.model import Attention, GatedDeltaNet
+    from specpilot.engine.gated_deltanet import GatedDeltaNet
+    from specpilot.engine.model import Attention
 
     items = [it for it in items if it[3] in ("chain", "tree") or it[2] != list(range(len(it[2])))]
     if not items:

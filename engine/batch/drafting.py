@@ -15,7 +15,7 @@ import torch
 
 from specpilot.engine.batch.cache import BatchCache
 from specpilot.engine.drafters import Lattice, NGramDrafter
-from specpilot.engine.model import BatchStepInput, Segment
+from specpilot.engine.step_input import BatchStepInput, Segment
 
 
 def kv_len(max_seq: int, n: int) -> int:

@@ -9,7 +9,7 @@ eagerly.
 
 A hybrid's buckets need its GDN layers on the row kernels. Its one-row buckets advance every
 request's state in place (one conv and delta-rule launch per layer); in its verify buckets every
-row walks its root path from its request's committed state (:class:`~specpilot.engine.model.Walk`:
+row walks its root path from its request's committed state (:class:`~specpilot.engine.step_input.Walk`:
 one conv and one verification launch per layer, the path kernel or TreeWY over every request),
 the path table a static input like the mask: a request's tree rows walk their tree, chain rows
 and padding rows the chain of their segment (reads only: padding outputs are dropped). A request
@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from specpilot.engine.graphs import capture
-from specpilot.engine.model import BatchStepInput, Segment, Walk
+from specpilot.engine.step_input import BatchStepInput, Segment, Walk
 from specpilot.kernels.attention.decode import segment_table
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)

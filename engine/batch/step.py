@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from specpilot.engine.batch.drafting import kv_len
-from specpilot.engine.model import BatchStepInput, Segment
+from specpilot.engine.step_input import BatchStepInput, Segment
 
 
 @dataclass

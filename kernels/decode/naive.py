@@ -1,9 +1,9 @@
 """Plain torch references of the fused one-row decode kernels (:mod:`.gemv`).
 
-Each function is the engine's own layer code (``engine/model.py``: ``rms_norm``, ``apply_rope``,
-the cache write, ``x + wo(o)``, ``F.silu(gate) * up``) for one row, written out step by step so the
-fused kernels can be checked against the same roundings: every intermediate the layer rounds to
-the model's dtype is rounded here too.
+Each function is the engine's own layer code (``engine/norm.py``: ``rms_norm``; ``engine/model.py``:
+``apply_rope``, the cache write, ``x + wo(o)``, ``F.silu(gate) * up``) for one row, written out step
+by step so the fused kernels can be checked against the same roundings: every intermediate the layer
+rounds to the model's dtype is rounded here too.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ CANDIDATES = ["p8-k512-w4-s2", "p8-k512-w8-s1", "p4-k1024-w4-s1", "p4-k1024-w4-s
 
 def gemv_shapes(model) -> list[tuple[str, int, int]]:
     """The (epilogue, N, K) of every fused GEMV in the model's AR step, once each."""
-    from specpilot.engine.model import GatedDeltaNet
+    from specpilot.engine.gated_deltanet import GatedDeltaNet
 
     seen = []
     for blk in model.layers:

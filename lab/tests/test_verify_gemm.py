@@ -48,7 +48,7 @@ def test_fused_projections_match_the_reference(dt, T):
 def test_normalised_projection_is_the_layer_mathematics():
     """``rstd * (W @ (gamma x))`` (the fused prologue) is the layer's ``W @ rms_norm(x)``: in fp32 they
     agree to rounding, in bf16 to bf16 rounding."""
-    from specpilot.engine.model import rms_norm
+    from specpilot.engine.norm import rms_norm
 
     g = torch.Generator().manual_seed(4)
     x, w = torch.randn(5, 64, generator=g), torch.randn(32, 64, generator=g) * 0.1
