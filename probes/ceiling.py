@@ -1,14 +1,10 @@
 """``specpilot ceiling``: byte floors per row count, and the cost model from measurements.
 
-The inputs are one :class:`CeilingRequest`: the deployment's shape, numbers given directly
-(:class:`Measurements`) and figures from other verbs' results, already read
-(:class:`ProfileFigures` from ``specpilot profile``: kernel busy ms, step wall ms, floor;
-:class:`ReplayFigures` from ``specpilot replay``: tau per policy, tau(N) curves;
-:class:`RowsProbeFigures` from ``specpilot probe rows``: T_step(N) and T_AR;
-:class:`RunFigures` from ``specpilot run``: tau and the decode loop's step timing, wall and GPU).
-Numbers given directly win over figures from results. Results of different deployments (model,
-GPU, rows, batch, floor shape) are refused (:func:`check_one_deployment`); where two results give
-the same measurement, one is used and a note says which and why (:func:`passed_over_notes`).
+:func:`compute_ceiling` answers one :class:`~.ceiling_inputs.CeilingRequest` (the inputs:
+``ceiling_inputs``) with a :class:`CeilingResult`. Numbers given directly win over figures from
+results. Results of different deployments (model, GPU, rows, batch, floor shape) are refused
+(``ceiling_checks``); where two results give the same measurement, one is used and a note says
+which and why (:func:`passed_over_notes`). A TLV policy's step is its whole cycle (``tlv_cycle``).
 """
 
 from __future__ import annotations
@@ -20,40 +16,13 @@ from specpilot.errors import InputError
 from specpilot.gpus import GPUSpec
 from specpilot.models import ModelSpec
 
+from .ceiling_checks import (check_one_deployment, check_rows_probe_hardware, files_from_other_models,
+                             probe_model_mismatch)
+from .ceiling_inputs import (CeilingRequest, Measurements, ProfileFigures, ReplayFigures, RowsProbeFigures,
+                             RunFigures, run_step_ms)
 from .costmodel import CostModel, cost_model, step_time
-from .floors import StepFloor, step_floor
-
-
-@dataclass
-class Measurements:
-    tau: float | None = None
-    tau_best: float | None = None
-    step_ms: float | None = None
-    ar_ms: float | None = None
-    profile_ms: float | None = None
-    floor_ms: float | None = None
-    floor_peak_ms: float | None = None  # the floor at the GPU's full peak (both fractions 1), where known
-    sources: dict[str, str] = field(default_factory=dict)
-    origins: dict[str, object] = field(default_factory=dict)  # the file (its figures) each value came from
-    passed_over: list[tuple[str, float, object]] = field(default_factory=list)  # another file's value, not used
-
-    def set(self, name: str, value, source: str, origin: object = None) -> None:
-        """Set a value unless the command line or a file before already gave it; ``origin``: the
-        file's figures (a value of another file than the one used is kept in ``passed_over``)."""
-        if value is None:
-            return
-        if getattr(self, name) is not None:
-            if origin is not None and self.origins.get(name) not in (None, origin):
-                self.passed_over.append((name, float(value), origin))
-            return
-        setattr(self, name, float(value))
-        self.sources[name] = source
-        if origin is not None:
-            self.origins[name] = origin
-
-    @property
-    def any(self) -> bool:
-        return any(v is not None for v in (self.tau, self.tau_best, self.step_ms, self.ar_ms, self.profile_ms))
+from .floors import StepFloor
+from .tlv_cycle import tlv_cycle
 
 
 @dataclass
@@ -100,173 +69,6 @@ class CeilingResult:
             "tlv_cycle": self.cycle,
             "warnings": self.warnings,
         }
-
-
-@dataclass
-class ProfileFigures:
-    """What the ceiling takes from a profile: ``source`` names it (the file) in sources and errors."""
-
-    source: str
-    kernel_busy_ms: float
-    step_wall_ms: float
-    total_floor_ms: float | None = None  # None when the profile had no (positive) floor
-    floor_peak_ms: float | None = None   # that floor at the GPU's full peak (its classes without the fractions)
-    rows: int | None = None  # the profiled shape's rows per request
-    distributed: dict | None = None  # the profile's ``distributed``: what shows the trace is one rank of several
-    model: str | None = None  # the model its floors are of (profile --model), None without floors
-    gpu: dict | None = None   # the GPU it ran on: name, key, and the figures of its floors (bandwidth_tbs, bf16_tflops)
-    shape: dict = field(default_factory=dict)  # its floors' shape: batch, context, dtypes, fractions, drafter
-    # drafter kernels it timed with no floor (profiled without --drafter): (ms a step, share of kernel time)
-    unfloored_drafter: tuple[float, float | None] | None = None
-
-
-@dataclass
-class ReplayFigures:
-    """What the ceiling takes from a replay: tau per policy name and tau(N) curves per policy."""
-
-    source: str
-    taus: dict[str, float]
-    curves: dict[str, dict[int, float]] = field(default_factory=dict)
-    nodes: dict[str, int | None] = field(default_factory=dict)  # the nodes each policy verifies (chain: its depth)
-    positions: int | None = None  # the lattice's draft positions m
-
-
-@dataclass
-class RowsProbeFigures:
-    """What the ceiling takes from a rows probe: T_step(N) in ms per row count N, T_AR, which AR
-    step T_AR is (``ar_path``: ``fused`` or ``layers``; None in files that do not say) and the
-    probe's warnings (e.g. a faster AR step exists)."""
-
-    source: str
-    step_ms: dict[int, float]
-    ar_ms: float
-    device: str | None = None  # where it was measured: "cpu", "cuda:0", ...
-    gpu: str | None = None     # the GPU's name when measured on one
-    cpu: str | None = None     # the CPU's name when measured on the CPU
-    ar_path: str | None = None
-    warnings: list[str] = field(default_factory=list)
-    qpass_ms: dict[int, float] = field(default_factory=dict)   # the TLV Q pass per row count (probe rows --qview)
-    qview: str | None = None                                    # the weights that Q pass read
-    model: str | None = None                                    # the model it was measured on
-    batch: int = 1                                              # requests per step it timed
-
-    @property
-    def on_cpu(self) -> bool:
-        return self.gpu is None and (self.device or "").startswith("cpu")
-
-    @property
-    def hardware(self) -> str:
-        if self.gpu:
-            return self.gpu
-        if self.on_cpu:
-            return f"the CPU ({self.cpu})" if self.cpu else "the CPU"
-        return self.device or "an unnamed device"
-
-
-def check_rows_probe_hardware(probe: RowsProbeFigures | None, gpu: GPUSpec | None) -> str | None:
-    """A rows probe measured on the CPU cannot stand beside a GPU's floors: InputError naming both.
-    A probe from another GPU than the floors' gives a warning (returned)."""
-    if probe is None or gpu is None:
-        return None
-    if probe.on_cpu:
-        raise InputError(f"--rows-probe {probe.source} was measured on {probe.hardware}, but the floors are for "
-                         f"{gpu.name} (--gpu): a CPU's T_step(N) says nothing about a GPU; run 'specpilot probe rows' "
-                         f"on the {gpu.name}, or leave out --model for the measured figures alone")
-    if probe.gpu and gpu.key not in ("custom",):
-        from specpilot.gpus import match_gpu_name
-
-        m = match_gpu_name(probe.gpu)
-        same = (m is not None and m.key == gpu.key) or probe.gpu.lower() == gpu.name.lower()
-        if not same:
-            return (f"--rows-probe {probe.source} was measured on {probe.gpu}, the floors are for {gpu.name}: "
-                    "c(N) and the floors come from different GPUs")
-    return None
-
-
-@dataclass
-class RunFigures:
-    """What the ceiling takes from a run: tau, the decode loop's mean wall ms per step (drafting,
-    tree build, host round trip and KV compaction included) and, on CUDA, mean GPU ms per step
-    (CUDA events around each step's kernels in the loop): the outside factor is their ratio.
-    The rest is for TLV's cycle and ``ceiling --check``: the step's split (drafting, verify
-    forward, Q pass, rest), verify ms and steps by rows, the decode time outside prefill, and a
-    TLV run's mean cycle split."""
-
-    source: str
-    tau: float
-    step_wall_ms: float
-    step_gpu_ms: float | None = None
-    mode: str | None = None
-    nodes: int | None = None
-    steps: int = 0
-    delivered: int = 0               # tokens from verification passes (each request's first token excluded)
-    decode_ms: float | None = None   # the requests' wall time without their prefills
-    draft_ms: float | None = None
-    verify_ms: float | None = None
-    qpass_ms: float = 0.0
-    rest_ms: float | None = None
-    verify_by_rows: dict[int, tuple[int, float]] = field(default_factory=dict)  # rows -> (steps, mean verify ms)
-    tlv_ms: dict[str, float] | None = None  # draft1, qpass, draft2, exact, append: mean ms per cycle
-    qview: str | None = None                # a TLV run's Q pass weights (w12, fp8), None where it says nothing
-    clocks: dict | None = None  # CUDA: min_mhz, max_mhz, slowed (share of samples), reasons (engine/clocks.py)
-    model: str | None = None                # the model it decoded
-    device: str | None = None               # where: "cpu", "cuda", "cuda:0", ...
-
-    @property
-    def policy(self) -> str | None:
-        """The replay policy that is this run's system."""
-        return {"ar": None, "chain": "chain", "tree": f"best-first:{self.nodes}",
-                "tlv": f"tlv:{self.nodes}"}.get(self.mode or "")
-
-    @property
-    def has_split(self) -> bool:
-        return self.verify_ms is not None and self.draft_ms is not None and self.rest_ms is not None
-
-    @property
-    def pass_ms(self) -> float | None:
-        """Measured decode ms per verification (exact) pass, end to end: loop steps and the time between them."""
-        return self.decode_ms / self.steps if self.decode_ms and self.steps else None
-
-    @property
-    def token_ms(self) -> float | None:
-        """Measured decode ms per delivered token."""
-        return self.decode_ms / self.delivered if self.decode_ms and self.delivered else None
-
-
-@dataclass
-class CeilingRequest:
-    """One ``ceiling`` question: the deployment (model, GPU, rows per request, batch, context,
-    storage dtypes, drafter), the floor fractions, and the measured inputs."""
-
-    model: ModelSpec | None
-    gpu: GPUSpec | None
-    rows: list[int]
-    batch: int = 1
-    context: int = 2048
-    weight_dtype: str = "bf16"
-    lm_head_dtype: str | None = None
-    kv_dtype: str = "bf16"
-    drafter: ModelSpec | None = None
-    draft_rows: int | None = None
-    draft_passes: int = 1
-    flops_fraction: float = 0.60
-    bw_fraction: float = 0.90
-    policy: str = "chain"  # the replay policy that is the current system
-    measurements: Measurements = field(default_factory=Measurements)
-    profile: ProfileFigures | None = None
-    replay: ReplayFigures | None = None
-    rows_probe: RowsProbeFigures | None = None
-    run: RunFigures | None = None
-
-    def step_floor(self, rows: int, drafter: bool = True, at_peak: bool = False) -> StepFloor:
-        """The floor of one step at ``rows`` rows (``drafter=False``: the AR step, no drafter;
-        ``at_peak``: at the GPU's full peak, both fractions 1)."""
-        return step_floor(self.model, self.gpu, rows, batch=self.batch, context=self.context,
-                          weight_dtype=self.weight_dtype, lm_head_dtype=self.lm_head_dtype, kv_dtype=self.kv_dtype,
-                          drafter=self.drafter if drafter else None, draft_rows=self.draft_rows if drafter else None,
-                          flops_fraction=1.0 if at_peak else self.flops_fraction,
-                          bw_fraction=1.0 if at_peak else self.bw_fraction,
-                          draft_passes=self.draft_passes if drafter else 1)
 
 
 def _use_profile(p: ProfileFigures, m: Measurements) -> None:
@@ -334,45 +136,6 @@ def _use_run(r: RunFigures, m: Measurements) -> None:
     m.set("profile_ms", r.step_gpu_ms, f"run {r.source} (GPU ms per step in the loop, CUDA events)", r)
 
 
-def run_step_ms(r: RunFigures) -> float:
-    """The time a run's tau is over: its TLV cycle (a TLV run), else its decode loop's step."""
-    return sum(r.tlv_ms.values()) if r.tlv_ms else r.step_wall_ms
-
-
-def same_model(a: str | None, b: str | None) -> bool:
-    """Two files' model names as one model (unknown: no objection; a catalog name and its
-    -instruct folder name are one, as are a Hugging Face id and its last part)."""
-    if not a or not b:
-        return True
-    a, b = model_key(a), model_key(b)
-    return a.startswith(b) or b.startswith(a)
-
-
-def files_from_other_models(run: RunFigures | None, probe: RowsProbeFigures | None,
-                            ar_run: RunFigures | None = None) -> None:
-    """A run's speedup over AR cannot be modelled from another model's step times: InputError."""
-    for other, what in ((probe, "--rows-probe"), (ar_run, "--ar-run")):
-        if run is not None and other is not None and not same_model(run.model, other.model):
-            raise InputError(f"{what} {other.source} was measured on {other.model}, the run {run.source} decoded "
-                             f"{run.model}: give files of the same deployment")
-
-
-def probe_model_mismatch(probe: RowsProbeFigures | None, model) -> str | None:
-    """A warning when a rows probe's model is not the one whose floors stand beside it."""
-    if probe is None or model is None or not probe.model:
-        return None
-    from specpilot.models import load_model_spec
-
-    try:
-        theirs = load_model_spec(probe.model).name
-    except Exception:   # a folder or name this machine does not have: compared as written
-        theirs = probe.model
-    if same_model(theirs, model.name):
-        return None
-    return (f"--rows-probe {probe.source} was measured on {theirs}, the floors are for {model.name}: c(N) and the "
-            "floors come from different models")
-
-
 def _use_rows_probe(p: RowsProbeFigures, m: Measurements, rows: int | None, run: RunFigures | None = None) -> None:
     """T_AR from the probe, and its T_step at ``rows`` where nothing better gave one. Beside a run
     whose verify steps were not all of ``rows`` rows, the probe's point is not the same step
@@ -381,155 +144,6 @@ def _use_rows_probe(p: RowsProbeFigures, m: Measurements, rows: int | None, run:
     other_rows = run is not None and bool(run.verify_by_rows) and set(run.verify_by_rows) != {rows}
     if rows is not None and rows in p.step_ms and not other_rows:
         m.set("step_ms", p.step_ms[rows], f"rows probe {p.source} (rows={rows})", p)
-
-
-# two files that both time the step (a run's decode loop and a profile's traced steps) further
-# apart than this are not one deployment's: run-to-run noise is a few percent, and a profiler adds
-# launch overhead to the wall time of the steps it traces (up to some 15% on an eager step)
-SAME_STEP_TOLERANCE = 0.25
-
-
-def model_key(name: str) -> str:
-    """A model name as files write it, compared case-blind by its last path part (a folder or a
-    Hugging Face id names the same model as its catalog name)."""
-    return name.strip().rstrip("/").rsplit("/", 1)[-1].lower()
-
-
-def _gpu_key(name: str | None) -> str | None:
-    from specpilot.gpus import match_gpu_name
-
-    spec = match_gpu_name(name) if name else None
-    return spec.key if spec is not None else None
-
-
-def _same_gpu(a_key: str | None, a_name: str | None, b_key: str | None, b_name: str | None) -> bool:
-    """Two GPUs as one (unknown: no objection): by catalog key, else by the names' catalog match."""
-    a_key = a_key if a_key not in (None, "custom") else _gpu_key(a_name)
-    b_key = b_key if b_key not in (None, "custom") else _gpu_key(b_name)
-    if a_key and b_key:
-        return a_key == b_key
-    if a_name and b_name and not (a_key or b_key):
-        return a_name.strip().lower() == b_name.strip().lower()
-    return True
-
-
-def _refuse(a: str, b: str, what: str, va, vb, advice: str) -> None:
-    raise InputError(f"{a} and {b} disagree on the {what} ({va} against {vb}): they are not one deployment's; "
-                     + advice)
-
-
-def _profile_gpu_name(p: ProfileFigures) -> str:
-    """The GPU the profile's trace ran on (what a run or a rows probe of its deployment ran on)."""
-    g = p.gpu or {}
-    return g.get("name") or g.get("key") or "an unnamed GPU"
-
-
-def _profile_floors_gpu_name(p: ProfileFigures) -> str:
-    """The GPU of the profile's floors: ``profile --gpu``'s (``floors_gpu``), else the trace's."""
-    g = p.gpu or {}
-    return g.get("floors_gpu") or g.get("name") or g.get("key") or "an unnamed GPU"
-
-
-def check_one_deployment(req: CeilingRequest, cost_rows: int | None) -> None:
-    """Refuse (InputError, one line naming both inputs and the field) a profile of another model,
-    GPU, row count, batch or floor shape than the other inputs, and a run whose step a profile
-    times further apart than ``SAME_STEP_TOLERANCE``. A rows probe's own checks against a run
-    (``files_from_other_models``) and against the floors (``check_rows_probe_hardware``,
-    ``probe_model_mismatch``) stay as they are; a probe measured on the CPU beside a run or a
-    profile on a GPU is refused here."""
-    p, run, probe, model, gpu = req.profile, req.run, req.rows_probe, req.model, req.gpu
-    run_cpu = run is not None and (run.device or "").startswith("cpu")
-    probe_known = probe is not None and (probe.on_cpu or bool(probe.gpu) or (probe.device or "").startswith("cuda"))
-    if probe_known and run is not None and run.device and probe.on_cpu != run_cpu:
-        _refuse(f"--rows-probe {probe.source}", f"--run {run.source}", "device", probe.hardware,
-                "the CPU" if run_cpu else run.device, "give a rows probe of the run's device")
-    if p is None:
-        return
-    me = f"--profile {p.source}"
-    # the model
-    for other, label, theirs in ((model, f"--model {model.name}" if model else "", model.name if model else None),
-                                 (run, f"--run {run.source}" if run else "", run.model if run else None),
-                                 (probe, f"--rows-probe {probe.source}" if probe else "",
-                                  probe.model if probe else None)):
-        if other is not None and p.model and theirs and not same_model(p.model, theirs):
-            advice = ("leave out --model to take the profile's floors, or profile that model" if other is model
-                      else "give files of the same deployment")
-            _refuse(me, label, "model", p.model, theirs, advice)
-    # the GPU: --gpu, --bandwidth and --flops set floors, compared with the profile's floors' GPU
-    # (``profile --gpu``'s where it named one); a run or a rows probe ran on the traced GPU
-    pg = p.gpu or {}
-    if gpu is not None:
-        floors_name = pg.get("floors_gpu") or pg.get("name")
-        if not _same_gpu(pg.get("key"), floors_name, gpu.key, gpu.name):
-            _refuse(me, "--gpu", "floors' GPU", _profile_floors_gpu_name(p), gpu.name,
-                    "leave out --gpu to take the profile's, or profile with that --gpu")
-        if p.total_floor_ms is not None:   # the profile's floors are of its GPU's figures
-            for k, what, unit in (("bandwidth_tbs", "peak bandwidth", "TB/s"), ("bf16_tflops", "dense bf16 peak",
-                                                                                 "TFLOP/s")):
-                mine, theirs = pg.get(k), getattr(gpu, k)
-                if mine and abs(mine - theirs) > 1e-3 * mine:
-                    _refuse(me, f"{'--bandwidth' if k == 'bandwidth_tbs' else '--flops'} {theirs:g}", f"GPU's {what}",
-                            f"{mine:g} {unit}", f"{theirs:g} {unit}",
-                            "the profile's floor is of its figures; leave the option out to take them")
-    if run_cpu:
-        _refuse(me, f"--run {run.source}", "device", _profile_gpu_name(p), "the CPU",
-                "give a run on the profile's GPU")
-    if probe is not None:
-        if probe.on_cpu:
-            _refuse(me, f"--rows-probe {probe.source}", "device", _profile_gpu_name(p), probe.hardware,
-                    "give a rows probe of the profile's GPU")
-        if probe.gpu and pg.get("name") and not _same_gpu(None, pg["name"], None, probe.gpu):
-            _refuse(me, f"--rows-probe {probe.source}", "GPU", _profile_gpu_name(p), probe.gpu,
-                    "give a rows probe of the GPU the profile traced")
-    # the rows and the batch
-    if p.rows is not None:
-        if cost_rows != p.rows:
-            _refuse(me, f"--rows {','.join(str(r) for r in req.rows)}", "rows per request", p.rows,
-                    ",".join(str(r) for r in req.rows),
-                    f"the profiled step verified {p.rows} row{'s' if p.rows != 1 else ''} per request; leave out "
-                    "--rows to take the profile's, or profile a step of those rows")
-        if run is not None and run.verify_by_rows and not min(run.verify_by_rows) <= p.rows <= max(run.verify_by_rows):
-            lo, hi = min(run.verify_by_rows), max(run.verify_by_rows)
-            _refuse(me, f"--run {run.source}", "rows per request", p.rows, f"{lo}-{hi}" if hi > lo else lo,
-                    "give a profile of the run's verify steps")
-    pb = p.shape.get("batch")
-    if pb is not None:
-        for label, theirs in ((f"--batch {req.batch}", req.batch), (f"--run {run.source}" if run else None, 1),
-                              (f"--rows-probe {probe.source}" if probe else None, probe.batch if probe else None)):
-            if label and theirs != pb:
-                _refuse(me, label, "requests per step", pb, theirs,
-                        "leave out --batch to take the profile's" if label.startswith("--batch")
-                        else "give files of the same deployment")
-    # the floors' shape, where --model sets floors beside the profile's step (and its own floors)
-    if model is not None and p.shape.get("weight_dtype"):
-        drafter = req.drafter.name if req.drafter is not None else None
-        for key, opt, mine, theirs in (
-                ("context", "--context", p.shape.get("context"), req.context),
-                ("weight_dtype", "--weight-dtype", p.shape.get("weight_dtype"), req.weight_dtype),
-                ("kv_dtype", "--kv-dtype", p.shape.get("kv_dtype"), req.kv_dtype),
-                ("flops_fraction", "--flops-fraction", p.shape.get("flops_fraction"), req.flops_fraction),
-                ("bw_fraction", "--bw-fraction", p.shape.get("bw_fraction"), req.bw_fraction),
-                ("drafter", "--drafter", p.shape.get("drafter"), drafter),
-                ("draft_passes", "--draft-passes", p.shape.get("draft_passes"), req.draft_passes if drafter else None),
-                ("draft_rows", "--draft-rows", p.shape.get("draft_rows"),
-                 (req.draft_rows or cost_rows) if drafter else None)):
-            if key == "drafter":
-                differ = bool(mine) != bool(theirs) or not same_model(mine, theirs)
-            else:
-                differ = mine is not None and theirs is not None and mine != theirs
-            if differ:
-                _refuse(me, f"{opt} {theirs}" if theirs is not None else f"no {opt}", key.replace("_", " "),
-                        mine if mine is not None else "none", theirs if theirs is not None else "none",
-                        f"the profile's floor is of its own shape; leave out {opt} to take the profile's")
-    # a run and a profile that both time the step
-    if run is not None:
-        for what, theirs, mine, opt in (("step wall time", run_step_ms(run), p.step_wall_ms, "--step-ms"),
-                                        ("GPU time per step", run.step_gpu_ms, p.kernel_busy_ms, "--profile-ms")):
-            given = req.measurements.step_ms if opt == "--step-ms" else req.measurements.profile_ms
-            if theirs and mine and given is None and abs(theirs - mine) > SAME_STEP_TOLERANCE * min(theirs, mine):
-                raise InputError(f"--run {run.source} and {me} differ on the {what} by more than "
-                                 f"{SAME_STEP_TOLERANCE:.0%} (run {theirs:.4g} ms, profile {mine:.4g} ms): they are "
-                                 f"not one deployment's step; give files of one deployment, or choose with {opt}")
 
 
 def passed_over_notes(m: Measurements) -> list[str]:
@@ -692,22 +306,6 @@ def one_rank_profile(p: ProfileFigures | None, m: Measurements) -> str | None:
             f"reads up to {by} low and the ceiling with it")
 
 
-def largest_factor_line(largest: str | None, factors: dict[str, float | None], name=str) -> str | None:
-    """The sentence that names the factor to attack: the largest with its advice where it offers a
-    gain (above 1), else that none does; None when no factor is known. ``name`` dresses the
-    factor's name (the round report's Markdown bold). ``largest`` is None where no factor offers a
-    gain: the sentence says so where any factor is known."""
-    if not largest:
-        return ("No known factor offers a gain (each is 1 or below)."
-                if any(v is not None for v in factors.values()) else None)
-    v = factors.get(largest)
-    if v is not None and v > 1:
-        from .costmodel import ADVICE
-
-        return f"Largest factor: {name(largest)} ({v:.3g}x): {ADVICE[largest]}."
-    return "No known factor offers a gain (each is 1 or below)."
-
-
 def rows_mismatch(policy: str, cost_rows: int | None, m: Measurements, probe: RowsProbeFigures | None = None,
                   by_nodes: list[dict] | None = None, nodes: int | None = None) -> str | None:
     """A warning when the cost model divides the tau of ``policy`` (a replay policy with a node
@@ -743,68 +341,6 @@ def rows_mismatch(policy: str, cost_rows: int | None, m: Measurements, probe: Ro
     if table:
         advice.append("or read its row of the by-node table")
     return head + "; ".join(advice)
-
-
-TLV_TERMS = ("draft1", "qpass", "draft2", "exact", "append")
-
-
-def probe_qpass(probe: RowsProbeFigures, rows: int) -> tuple[float | None, str | None]:
-    """The rows probe's Q pass at ``rows`` rows (``probe rows --qview``): timed there or linear
-    between the two timed counts around it, and (None, why not) elsewhere: no Q pass timed, or
-    ``rows`` outside the counts it was timed at (a Q pass is not extrapolated)."""
-    q = probe.qpass_ms
-    if not q:
-        return None, f"rows probe {probe.source} timed no Q pass (probe rows --qview times it)"
-    if rows in q:
-        return q[rows], None
-    if not min(q) < rows < max(q):
-        got = f"{min(q)}-{max(q)}" if len(q) > 1 else f"{min(q)}"
-        return None, f"rows probe {probe.source} timed its Q pass at {got} rows, not around {rows}"
-    return step_time(rows, q), None
-
-
-def tlv_cycle(req: CeilingRequest) -> dict | None:
-    """TLV's cycle (paper 4.3): tau counts tokens per exact pass, so the time it divides is the
-    whole cycle, draft 1 + Q pass + draft 2 + exact pass + append. The terms come from a TLV
-    run's time split; without one, from a ``tlv:N`` replay policy and a rows probe: the Q pass
-    (the probe's own Q pass times where it took them, ``probe rows --qview``, else its exact
-    step) and the exact pass each at N + 1 rows (the draft tree, and C + subtree under the pending
-    token), drafting and append unknown (left out of the cycle, and said so). With both, the
-    probe's passes stand beside the run's (``probe_ms``)."""
-    run, probe = req.run, req.rows_probe
-    nodes = None
-    if req.policy.startswith("tlv:"):
-        try:
-            nodes = int(req.policy.split(":", 1)[1])
-        except ValueError:
-            nodes = 0
-        if nodes < 1:
-            raise InputError(f"--policy {req.policy}: tlv:N takes a node budget N of 1 or more")
-    if run is not None and run.tlv_ms:
-        nodes = run.nodes or nodes
-    elif nodes is None:
-        return None
-    probe_ms = None
-    if probe is not None and nodes is not None:
-        t = step_time(nodes + 1, probe.step_ms)
-        q, why = probe_qpass(probe, nodes + 1)
-        if t is not None:   # without a timed Q pass, the exact step stands for it
-            probe_ms = {"qpass": q if q is not None else t, "exact": t, "rows": nodes + 1,
-                        "qpass_timed": q is not None, "qview": probe.qview, "qpass_note": why}
-    if run is not None and run.tlv_ms:
-        terms, source, unknown = dict(run.tlv_ms), f"run {run.source}", []
-        if probe_ms and probe_ms["qpass_timed"] and None not in (run.qview, probe.qview) and run.qview != probe.qview:
-            probe_ms["qpass_note"] = (f"the probe's Q pass read the {probe.qview} view, the run's the {run.qview} "
-                                      "view: the two Q pass columns are not the same pass")
-    elif probe_ms is not None:
-        terms = {"draft1": None, "qpass": probe_ms["qpass"], "draft2": None, "exact": probe_ms["exact"],
-                 "append": None}
-        source, unknown = f"rows probe {probe.source} at {nodes + 1} rows", ["draft1", "draft2", "append"]
-    else:
-        return None
-    known = [v for v in terms.values() if v is not None]
-    return {"nodes": nodes, "terms_ms": terms, "cycle_ms": sum(known) if known else None, "source": source,
-            "unknown": unknown, "probe_ms": probe_ms}
 
 
 def rows_probe_warnings(p: RowsProbeFigures) -> list[str]:

@@ -34,8 +34,9 @@ from dataclasses import dataclass, field
 
 from specpilot.errors import InputError
 
-from .ceiling import ReplayFigures, RowsProbeFigures, RunFigures, probe_qpass
+from .ceiling_inputs import ReplayFigures, RowsProbeFigures, RunFigures
 from .costmodel import step_time
+from .tlv_cycle import probe_qpass
 
 TERMS = ("tau", "c(N)", "drafting", "Q pass", "outside/host", "T_AR")
 UNITS = {"tau": "tokens/pass", "c(N)": "verify ms/pass", "drafting": "ms/pass", "Q pass": "ms/pass",
@@ -103,7 +104,7 @@ def check_run(run: RunFigures, replay: ReplayFigures | None = None, probe: RowsP
     if run.pass_ms is None or not run.steps or not run.delivered:
         raise InputError(f"{src}: the run needs 'steps' and per-request 'seconds', 'prefill_seconds' and 'tokens' "
                          "to measure its decode time")
-    from .ceiling import files_from_other_models
+    from .ceiling_checks import files_from_other_models
 
     files_from_other_models(run, probe, ar_run)
     if ar_run is None and probe is None:

@@ -13,6 +13,7 @@ is no slowdown that removing a waste would bring: it says the inputs contradict 
 profile faster than the floor allows, a profile longer than the step, a best tau below the
 current one). It is kept as measured in ``factors``, taken as 1 in the ceiling (``factors_used``),
 and a warning names it and its cause, so the ceiling is never below the current speedup.
+:func:`largest_factor_line` words the factor to attack, with its ``ADVICE``.
 """
 
 from __future__ import annotations
@@ -172,3 +173,17 @@ def step_time(rows: int, step_ms: dict[int, float]) -> float | None:
     elif hi is None:
         lo, hi = pts[-2], pts[-1]
     return step_ms[lo] + (step_ms[hi] - step_ms[lo]) * (rows - lo) / (hi - lo)
+
+
+def largest_factor_line(largest: str | None, factors: dict[str, float | None], name=str) -> str | None:
+    """The sentence that names the factor to attack: the largest with its advice where it offers a
+    gain (above 1), else that none does; None when no factor is known. ``name`` dresses the
+    factor's name (the round report's Markdown bold). ``largest`` is None where no factor offers a
+    gain: the sentence says so where any factor is known."""
+    if not largest:
+        return ("No known factor offers a gain (each is 1 or below)."
+                if any(v is not None for v in factors.values()) else None)
+    v = factors.get(largest)
+    if v is not None and v > 1:
+        return f"Largest factor: {name(largest)} ({v:.3g}x): {ADVICE[largest]}."
+    return "No known factor offers a gain (each is 1 or below)."

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specpilot.auditors.round.state import resume_command, stages_left
-from specpilot.probes.ceiling import largest_factor_line
+from specpilot.probes.costmodel import largest_factor_line
 
 from . import round_plots as plots
 

@@ -11,7 +11,7 @@ import math
 from specpilot.errors import InputError
 from specpilot.fileio import read_json
 from specpilot.limits import MAX_MS, MAX_ROWS, MAX_TAU
-from specpilot.probes.ceiling import ProfileFigures, ReplayFigures, RowsProbeFigures, RunFigures
+from specpilot.probes.ceiling_inputs import ProfileFigures, ReplayFigures, RowsProbeFigures, RunFigures
 
 
 def _finite(v, lo: float, hi: float, lo_open: bool = True) -> bool:

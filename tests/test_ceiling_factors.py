@@ -37,7 +37,7 @@ def test_an_outside_factor_below_one_is_not_a_slowdown():
     c = cost_model(tau=3, step_ms=6, ar_ms=5, tau_best=2.5)
     assert c.ceiling == pytest.approx(c.speedup) and "tree factor 0.833 is taken as 1" in c.warnings[0]
     # every factor at or below 1: none offers a gain
-    from specpilot.probes.ceiling import largest_factor_line
+    from specpilot.probes.costmodel import largest_factor_line
 
     c = cost_model(tau=3, step_ms=6, ar_ms=5, profile_ms=8)
     assert largest_factor_line(c.largest, c.factors_used) == "No known factor offers a gain (each is 1 or below)."

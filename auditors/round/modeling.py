@@ -139,7 +139,8 @@ def tlv_row(tlv: dict, ar_ms: float) -> dict:
 
 def build_model(meas) -> ModelResult:
     """The model of the current system from stage 1's :class:`~.measure.Measurement`."""
-    from specpilot.probes.ceiling import CeilingRequest, Measurements, ProfileFigures, compute_ceiling
+    from specpilot.probes.ceiling import compute_ceiling
+    from specpilot.probes.ceiling_inputs import CeilingRequest, Measurements, ProfileFigures
 
     notes: list[str] = []
     taus = meas.taus

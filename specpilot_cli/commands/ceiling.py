@@ -91,7 +91,8 @@ def command(model_name, gpu_name, bandwidth, flops, fp8_flops, rows, batch, cont
     from specpilot.gpus import custom_gpu, get_gpu, with_overrides
     from specpilot.models import load_model_spec
     from specpilot.options import parse_int_list
-    from specpilot.probes.ceiling import CeilingRequest, Measurements, compute_ceiling
+    from specpilot.probes.ceiling import compute_ceiling
+    from specpilot.probes.ceiling_inputs import CeilingRequest, Measurements
     from specpilot.readers import read_profile, read_replay, read_rows_probe, read_run
 
     if check_file:
@@ -336,7 +337,7 @@ def _report(res, run=None) -> Report:
         below = any(v is not None and v < 1 for v in c.factors.values())
         rows.append(["ceiling", c.ceiling, "speedup x known factors" + (" (below 1 taken as 1)" if below else "")])
         sections.append(Section(_cost_title(res, run), ["", "value", "how"], rows))
-        from specpilot.probes.ceiling import largest_factor_line
+        from specpilot.probes.costmodel import largest_factor_line
 
         line = largest_factor_line(c.largest, c.factors_used)
         if line:
