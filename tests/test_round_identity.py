@@ -12,7 +12,7 @@ TINY = "engine:model=tiny,mode=ar,threads=1"
 
 def _round(run_cli, *extra):
     code, _, err = run_cli("round", TINY, "--budget", "0.1", "--candidates", "chain", "--n-prompts", "2",
-                           "--max-new-tokens", "8", *extra)
+                           "--max-new-tokens", "4", *extra)
     assert code == 0, err
 
 
