@@ -31,18 +31,20 @@ class _Stopped(Exception):
         self.original = original
 
 
+def _carried(call, *args, **kwargs):
+    """``call``, an interrupt or end of input in it carried past click's ``main`` as :class:`_Stopped`."""
+    try:
+        return call(*args, **kwargs)
+    except (KeyboardInterrupt, EOFError) as e:
+        raise _Stopped(e) from e
+
+
 class LazyGroup(click.Group):
     def make_context(self, *args, **kwargs):   # the top command's arguments are parsed here, outside invoke
-        try:
-            return super().make_context(*args, **kwargs)
-        except (KeyboardInterrupt, EOFError) as e:
-            raise _Stopped(e) from e
+        return _carried(super().make_context, *args, **kwargs)
 
     def invoke(self, ctx):
-        try:
-            return super().invoke(ctx)
-        except (KeyboardInterrupt, EOFError) as e:
-            raise _Stopped(e) from e
+        return _carried(super().invoke, ctx)
 
     def _package(self):
         from . import commands
