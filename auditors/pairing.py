@@ -232,10 +232,10 @@ class GenerateSystem(System):
         t0 = time.perf_counter()
         one = lambda p: list(self.gen.generate(list(p.prompt_ids), self.max_new_tokens))  # noqa: E731
         if self.concurrency > 1:  # the same requests, C in flight at once, answers kept in request order
-            from concurrent.futures import ThreadPoolExecutor
+            from .fanout import in_threads
 
-            with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
-                outs = list(pool.map(one, self.prompts))
+            got = dict(in_threads(one, self.prompts, self.concurrency))
+            outs = [got[i] for i in range(len(self.prompts))]
         else:
             outs = [one(p) for p in self.prompts]
         tokens = sum(len(o) for o in outs)

@@ -12,6 +12,7 @@ already collected are kept in the file the user named and the error says how man
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from typing import Callable, Sequence
 
 from specpilot.errors import EnvironmentMissing, InputError, SpecPilotError, about_prompt
 
+from .fanout import in_threads
 from .outputs import OutputRow, Outputs, Prompt, key, read_outputs, write_outputs
 
 
@@ -273,34 +275,11 @@ def collect(generator: Generator, prompts: Sequence[Prompt], max_new_tokens: int
             for i in todo:
                 finish(i, run_one(i))
         else:
-            from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
-
-            pool = ThreadPoolExecutor(max_workers=concurrency)
-            try:
-                futs = {pool.submit(run_one, i): i for i in todo}
-                pending = set(futs)
-                error = None
-                while pending and error is None:
-                    # each row as it completes: saved every SAVE_EVERY_S, and kept when a signal stops the run
-                    finished, pending = wait(pending, return_when=FIRST_COMPLETED)
-                    for f in finished:
-                        if f.exception() is None:
-                            finish(futs[f], f.result())
-                        elif error is None:
-                            error = f.exception()
-                if error is not None:
-                    for f in pending:
-                        f.cancel()
-                    for f in pending:  # requests already in flight: keep the ones that complete
-                        if not f.cancelled():
-                            try:
-                                finish(futs[f], f.result())
-                            except Exception:
-                                pass
-                    raise error
-            finally:
-                # a signal: the queued requests are dropped, not sent (the pool's own exit ran them all)
-                pool.shutdown(wait=False, cancel_futures=True)
+            # each row as it completes: saved every SAVE_EVERY_S, and kept when a signal stops the
+            # run (which abandons the requests in flight; a failure lets them finish and keeps them)
+            with contextlib.closing(in_threads(run_one, todo, concurrency)) as rows:
+                for i, ids in rows:
+                    finish(todo[i], ids)
     except (SpecPilotError, KeyboardInterrupt) as e:
         rows = [done[i] for i in sorted(done)]
         where = None
