@@ -51,6 +51,23 @@ def test_a_partial_outputs_file_an_earlier_run_kept_is_not_replaced(run_cli, pro
     assert code == 2 and "not an outputs file this audit may replace" in err and kept.read_text() == "not json\n", err
 
 
+def test_outputs_that_would_replace_an_input_file_are_refused_before_anything_runs(run_cli, prompts, tmp_path):
+    """A SYSTEM file inside --save-outputs under the name a running system saves to (its stock
+    outputs, audited against a new stock run): refused up front, not after the stock run (whose
+    outputs were then lost)."""
+    saved = tmp_path / "outs"
+    saved.mkdir()
+    kept = saved / "stock.outputs.jsonl"
+    kept.write_text("".join(json.dumps({"schema": "specpilot.outputs/1", "id": f"p{i}", "prompt_ids": [1, 2, 3 + i],
+                                        "output_ids": [5, 6]}) + "\n" for i in range(3)))
+    before = kept.read_text()
+    code, out, err = run_cli("audit", kept, "--against", STOCK, "--scorer", "tiny", "--prompts", prompts,
+                             "--max-new-tokens", "4", "--save-outputs", saved)
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert f"the stock system's outputs would replace input file {kept}" in err, err
+    assert "loading model" not in err and kept.read_text() == before
+
+
 def test_a_system_that_is_the_stock_file_itself_is_refused(run_cli, tmp_path):
     """The same outputs file as SYSTEM and --against (by name or through a link) would pass
     whatever it holds: refused; the AR file may be the stock file (stock is AR)."""

@@ -196,6 +196,7 @@ def check(systems, stock_spec, ar_spec, scorer_spec, prompts_path, max_new_token
         if spec.needs_prompts:
             slots[id(spec)] = (role, sum(1 for r, _ in slots.values() if r == role))
     for role, index in slots.values():   # a file an earlier run kept is not replaced by this one
+        _check_not_an_input(save_path_of(save_dir, role, index), save_dir, role, inputs)
         _check_kept_outputs(save_path_of(save_dir, role, index), prompts, save_dir, prompts_path, max_new_tokens)
     loaded = {}
     for role, spec in order:
@@ -231,6 +232,18 @@ def _refuse_stock_as_system(specs) -> None:
         if role == "system" and s.kind == "file" and same_file(s.spec, stock.spec):
             raise InputError(f"SYSTEM {s.spec} is the --against file {stock.spec}: an audit of outputs against "
                              "themselves finds nothing; give the stock system's outputs to --against")
+
+
+def _check_not_an_input(save: str, save_dir: str, role: str, inputs) -> None:
+    """A system that runs would save its outputs over an input file (an outputs file in
+    --save-outputs given as a SYSTEM, --against or --ar): refused before any system runs, not after
+    its generation, which would then be lost."""
+    from specpilot.fileio import same_file
+
+    for p in inputs:
+        if same_file(save, p):
+            raise InputError(f"--save-outputs {save_dir}: the {role} system's outputs would replace input file {p}; "
+                             "choose another --save-outputs")
 
 
 def _check_kept_outputs(save: str, prompts, save_dir: str, prompts_path: str | None, max_new_tokens: int,
