@@ -292,7 +292,7 @@ def resolve_model(name: str, random: bool):
     if key.lower() in ("smollm2", "smollm2-135m-instruct"):  # random weights, SmolLM2 shapes (catalog)
         return load_model_spec("smollm2-135m"), None, "smollm2-135m"
     try:
-        spec = load_model_spec(key)
+        spec = load_model_spec(key, also=", a .gguf file")
     except InputError as e:
         if p.exists():
             raise

@@ -348,8 +348,9 @@ def _catalog_config(name: str) -> dict | None:
     return json.loads(f.read_text())
 
 
-def load_model_spec(name_or_path: str) -> ModelSpec:
-    """A catalog short name, a ``config.json`` file, or a model folder holding one."""
+def load_model_spec(name_or_path: str, also: str = "") -> ModelSpec:
+    """A catalog short name, a ``config.json`` file, or a model folder holding one. ``also``: the
+    other forms the caller takes, named where a file is none of these (", a .gguf file")."""
     p = Path(name_or_path)
     if p.is_dir():
         p = p / "config.json"
@@ -358,7 +359,10 @@ def load_model_spec(name_or_path: str) -> ModelSpec:
     if p.is_file():
         from .fileio import read_json
 
-        cfg = read_json(p, max_bytes=MAX_CONFIG_BYTES)
+        try:
+            cfg = read_json(p, max_bytes=MAX_CONFIG_BYTES)
+        except InputError as e:   # a prompts file or a weights file given as the model: say what a model is
+            raise InputError(f"{e}; a model is its config.json, a folder holding one{also} or a known name") from None
         return spec_from_config(cfg, name=p.parent.name if p.name == "config.json" else p.stem, where=str(p))
     cfg = _catalog_config(name_or_path)
     if cfg is None:

@@ -136,10 +136,14 @@ def test_a_bad_model_is_refused_before_the_engine_banner(tmp_path):
     alone (a fresh process each: the banner is printed once per process)."""
     (tmp_path / "noconfig").mkdir()
     (tmp_path / "empty.json").write_text("")
+    (tmp_path / "prompts.txt").write_text("hello\n")
     for model, words in (("nosuch", "unknown model 'nosuch'"),
                          ("llama-3.1-8b", "is a catalog config with no weights; add --random-weights"),
                          (tmp_path / "noconfig", "folder has no config.json"),
-                         (tmp_path / "empty.json", "not valid JSON")):
+                         (tmp_path / "empty.json", "not valid JSON"),
+                         # not a config at all: what a model is given as (the engine also reads a GGUF)
+                         (tmp_path / "prompts.txt", "a model is its config.json, a folder holding one, a .gguf "
+                                                    "file or a known name")):
         proc = subprocess.run([sys.executable, "-m", "specpilot", "probe", "rows", "--model", str(model), "--device",
                                "cpu", "--rows", "1,2"], capture_output=True, text=True, timeout=300)
         assert proc.returncode == 2 and proc.stdout == "", proc.stderr
