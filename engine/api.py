@@ -466,7 +466,8 @@ def load_engine(spec: EngineSpec | str) -> Engine:
         draft_vocab = resolve_model(spec.draft_model, spec.random or spec.draft_model in TINY_CONFIGS)[0].vocab_size
         if draft_vocab != vocab:
             raise InputError(f"draft model {spec.draft_model} has a vocabulary of {draft_vocab}, the target "
-                             f"{spec.model} {vocab}; they must share the tokenizer (give --draft-model)")
+                             f"{spec.model} {vocab}; they must share the tokenizer: give a draft model of the "
+                             "target's vocabulary")
     if spec.mode != "ar" and spec.drafter == "self" and spec.draft_layers:   # the config says it: refuse before loading
         layers = resolve_model(spec.model, spec.random)[0].num_layers
         if spec.draft_layers >= layers:

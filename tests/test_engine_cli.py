@@ -366,6 +366,10 @@ def test_options_a_model_cannot_take_are_refused_before_it_loads(run_cli, monkey
     assert code == 2 and "draft_layers=30 must be below the model's 30 layers" in err
     code, _, err = run_cli("run", "--model", "tiny", "--compile", "--prompt", "hi", "--max-new-tokens", "2")
     assert code == 2 and "--compile is for dense models on --device cuda" in err
+    # a draft model of another vocabulary: the fix is another draft model, not an option already given
+    code, _, err = run_cli("run", "--model", "tiny", "--drafter", "model", "--draft-model", "smollm2", "--prompt", "hi",
+                           "--max-new-tokens", "2")
+    assert code == 2 and err.count("\n") == 1 and "give a draft model of the target's vocabulary" in err, err
 
 
 def test_prompt_files_that_are_not_prompts_and_gz_outputs(run_cli, tmp_path):
