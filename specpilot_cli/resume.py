@@ -13,13 +13,16 @@ import os
 
 from .errors import SpecPilotError
 
+STATE_MAX_BYTES = 64 << 20   # a state file past this is not one a verb wrote
+
 
 class StateKeeper:
     """Keeps ``doc``s in ``path``; ``what(doc)`` says what a doc holds ("4 paired samples")."""
 
     def __init__(self, path: str, option: str, resume_option: str = "--resume", what=None,
-                 resuming: str | None = None):
+                 resuming: str | None = None, schema: str | None = None):
         self.path, self.option, self.resume_option = path, option, resume_option
+        self.schema = schema   # what a state file of this verb records: an existing file without it is no state
         self.what = what or (lambda doc: "the state so far")
         self.resuming = resuming   # the state file this run continues from (it may be ``path``)
         self.kept: str | None = None
@@ -40,10 +43,27 @@ class StateKeeper:
                 raise InputError(f"{self.option} {self.path}: is also {option}; give them different files")
         resumed = self.resuming is not None and Path(self.resuming).resolve() == here
         if os.path.lexists(self.path) and not resumed:
+            if self.schema is not None and not self._holds_state():
+                raise InputError(f"{self.option} {self.path}: exists and holds no earlier run's state; remove it or "
+                                 f"give another {self.option}")
             raise InputError(f"{self.option} {self.path}: exists (an earlier run's state, or another file); continue "
                              f"that run with {self.resume_option} {self.path}, or remove it or give another "
                              f"{self.option}")
         check_output_path(self.path, self.option)
+
+    def _holds_state(self) -> bool:
+        """Whether the existing file is a JSON document of this verb's state schema (read whole: a
+        state file is small; a large file is no state)."""
+        import json
+
+        try:
+            if os.path.getsize(self.path) > STATE_MAX_BYTES:
+                return False
+            with open(self.path, encoding="utf-8") as fh:
+                doc = json.load(fh)
+        except (OSError, ValueError, RecursionError):
+            return False
+        return isinstance(doc, dict) and doc.get("schema") == self.schema
 
     def save(self, doc: dict) -> None:
         """Write ``doc`` atomically; a failure stops keeping state but not the verb's work."""

@@ -378,7 +378,14 @@ def test_the_partial_file_is_never_another_file(tmp_path, run_cli, monkeypatch):
     keep = tmp_path / "keep.json"
     keep.write_text('{"keep": 1}')
     code, _, err = run_cli(*common, "--partial", keep)
-    assert code == 2 and "exists (an earlier run's state, or another file)" in err and keep.read_text() == '{"keep": 1}'
+    # no state in it: nothing to resume, so --resume is not advised
+    assert code == 2 and "exists and holds no earlier run's state; remove it or give another --partial" in err, err
+    assert "--resume" not in err and keep.read_text() == '{"keep": 1}'
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"schema": "specpilot.prompts/1", "id": "a", "prompt_ids": [1, 2]}) + "\n")
+    code, _, err = run_cli("compare", "--base", "engine:model=tiny,mode=ar", "--candidate", "engine:model=tiny,mode=tree",
+                           "--prompts", prompts, "--runs", "2", "--warmup", "0", "--partial", prompts)
+    assert code == 2 and "--partial " + str(prompts) + ": is also --prompts" in err and "--resume" not in err, err
     code, _, err = run_cli(*common, "--partial", tmp_path / "same.json", "--out", tmp_path / "same.json")
     assert code == 2 and "is also --out" in err and not (tmp_path / "same.json").exists()
     # the default partial file of an interrupted run: pointed at, not replaced

@@ -94,8 +94,8 @@ def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, tokenizer
     """
     from specpilot.auditors.pairing import (PairRun, RunTimeout, check_metric, check_system, even_pairs,
                                            make_system, paired_compare, parse_gpus, recorded_as)
-    from specpilot.auditors.timing import (check_partial_workload, partial_doc, partial_samples, read_partial,
-                                          workload_of)
+    from specpilot.auditors.timing import (PARTIAL_SCHEMA, check_partial_workload, partial_doc, partial_samples,
+                                          read_partial, workload_of)
     from specpilot.errors import InputError
     from specpilot.output import progress
     from specpilot.resume import StateKeeper
@@ -193,8 +193,9 @@ def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, tokenizer
         resumed = read_partial(resume_file, base=base_label, candidate=cand_label, metric=metric_label,
                                schedule=schedule)
     keeper = StateKeeper(partial_file or resume_file or _default_partial(out), "--partial",
-                         what=lambda doc: f"{doc['runs']} paired samples", resuming=resume_file)
-    keeper.check({"--out": out})
+                         what=lambda doc: f"{doc['runs']} paired samples", resuming=resume_file,
+                         schema=PARTIAL_SCHEMA)
+    keeper.check({"--out": out, "--prompts": prompts})
     if base_cmd is None:   # both systems' specs, before the base's model loads
         for role, spec in (("base", base), ("candidate", candidate)):
             check_system(spec, role, metric=metric, prompts=prompt_rows, max_new_tokens=max_new_tokens,
