@@ -77,7 +77,8 @@ def _token_list(value, what: str, where: str, allow_empty: bool) -> list[int]:
     if not isinstance(value, list):
         raise InputError(f"{where}: {what} must be a list of token ids, got {type(value).__name__}")
     if not value and not allow_empty:
-        raise InputError(f"{where}: {what} is empty; the scorer needs at least one prompt token (e.g. BOS)")
+        raise InputError(f"{where}: {what} is empty; a prompt needs at least one token (e.g. BOS): generation "
+                         "and scoring start from it")
     for t in value:
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= MAX_TOKEN_ID:
             raise InputError(f"{where}: {what} must hold token ids in [0, {MAX_TOKEN_ID}], found {_short(t)}")

@@ -55,6 +55,9 @@ def test_run_prompts_file_table(run_cli, tmp_path):
     bad.write_text('{"id": "a", "prompt": "x"}\n')
     code, _, err = run_cli("run", "--model", "tiny", "--prompts", bad)
     assert code == 2 and "no \"schema\" field" in err
+    bad.write_text(json.dumps({"schema": "specpilot.prompts/1", "id": "a", "prompt_ids": []}) + "\n")
+    code, _, err = run_cli("run", "--model", "tiny", "--prompts", bad)   # run has no scorer to name
+    assert code == 2 and "prompt_ids is empty; a prompt needs at least one token" in err, err
 
 
 @pytest.mark.parametrize("args,msg", [
