@@ -116,6 +116,16 @@ def test_selftest_names_every_option_that_does_not_fit_n_prompts_at_once(run_cli
     assert "--repeats 6" in err and "--engine-prompts 4: choose 0..2" in err and "--max-new-tokens 0" in err, err
 
 
+def test_selftest_prompts_is_a_count_and_a_file_is_told_so(run_cli, selftest_args, prompts):
+    """--prompts is the alias of --n-prompts here: a prompts file (what it is in every other verb)
+    is refused saying the self-test runs its own prompts, not "not a valid integer range"."""
+    code, out, err = run_cli("audit", "selftest", "--prompts", prompts)
+    assert code == 2 and err.count("\n") == 1 and not selftest_args, err
+    assert "the self-test runs on its built-in prompts; give how many of them to use (1-64)" in err, err
+    code, out, err = run_cli("audit", "selftest", "--prompts", "2")   # a count passes to the run
+    assert "the self-test would run here" in err and selftest_args["n_prompts"] == 2, err
+
+
 def test_a_malformed_outputs_file_is_refused_before_the_scorer_is_read(tmp_path):
     """Reading a Hugging Face scorer's vocabulary imports transformers (seconds); a malformed
     outputs file is refused first, by a process that never imports it. The vocabulary is still

@@ -510,8 +510,18 @@ def _check_resumable(already, prompts, max_new_tokens: int, save: str, system: s
                    "cannot be checked against this collection's", err=True)
 
 
+class _PromptCount(click.IntRange):
+    """A count of built-in prompts; a file name (what --prompts is in every other verb) is told so."""
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and not value.strip().lstrip("+-").isdigit():
+            self.fail(f"{value!r}: the self-test runs on its built-in prompts; give how many of them to use "
+                      f"({self.min}-{self.max}), not a prompts file", param, ctx)
+        return super().convert(value, param, ctx)
+
+
 @command.command("selftest")
-@click.option("--n-prompts", "--prompts", "n_prompts", type=click.IntRange(1, len(BUILTIN_PROMPTS)), default=24,
+@click.option("--n-prompts", "--prompts", "n_prompts", type=_PromptCount(1, len(BUILTIN_PROMPTS)), default=24,
               show_default=True, help="Built-in prompts to use (a count: --prompts FILE of the other verbs is a file).")
 @click.option("--max-new-tokens", type=int, default=32, show_default=True,
               help="New tokens per prompt of every system the self-test runs.")
