@@ -16,7 +16,7 @@ import traceback
 import click
 
 from . import __version__
-from . import signals
+from . import entry, signals
 from .errors import EXIT_INTERNAL, EXIT_USAGE, as_user_error
 from .output import progress_seconds, status_lines
 
@@ -121,6 +121,8 @@ def main(argv=None) -> None:
             code = _run(argv, debug)
         finally:
             signals.cleanup()
+        signals.ended()   # a signal from here on keeps this status (specpilot.entry)
+        entry.finished(code)
     sys.exit(code)
 
 

@@ -33,7 +33,8 @@ _children: dict[int, subprocess.Popen] = {}
 _lock = threading.Lock()
 _unwinding: list[int] = []
 _defer = {"depth": 0, "pending": None}   # a critical section of the main thread, a signal it held back
-_after = {"ignore": False}   # the handlers the command leaves behind: the old ones, or ignore (ignore_to_exit)
+_after = {"ignore": False,   # the handlers the command leaves behind: the old ones, or ignore (ignore_to_exit)
+          "ended": False}    # the command has its exit status (ended): a signal no longer interrupts it
 
 
 class Interrupted(KeyboardInterrupt):
@@ -56,8 +57,8 @@ class Interrupted(KeyboardInterrupt):
 
 
 def _handler(signum, frame):  # noqa: ARG001
-    if _unwinding:
-        return  # already stopping: let the cleanup finish
+    if _unwinding or _after["ended"]:
+        return  # already stopping: let the cleanup finish; or ended: the handlers put back answer it
     if _defer["depth"]:   # inside deferred(): raised when the block ends
         _defer["pending"] = _defer["pending"] or signum
         return
@@ -100,6 +101,7 @@ def installed():
         except (OSError, ValueError):
             pass
     _unwinding.clear()
+    _after["ended"] = False
     try:
         yield
     finally:
@@ -117,6 +119,12 @@ def ignore_to_exit() -> None:
         for s in SIGNALS:
             with contextlib.suppress(OSError, ValueError):
                 signal.signal(s, signal.SIG_IGN)
+
+
+def ended() -> None:
+    """The command has its exit status: a signal until the handlers go back at the block's end is
+    dropped (the console script's own handler keeps that status for later ones)."""
+    _after["ended"] = True
 
 
 def stopping() -> bool:

@@ -80,3 +80,37 @@ def test_an_interrupt_while_the_arguments_are_parsed_is_one_line(monkeypatch, ca
     monkeypatch.setattr(click.Group, "parse_args", interrupted)
     assert run_cli_main(["ceiling", "--help"], False) == 130
     assert capsys.readouterr().err == "specpilot: interrupted\n"
+
+
+def test_a_signal_in_the_exit_handlers_after_the_command_ended_keeps_its_status():
+    """The command ended with 0: a signal while the exit handlers run (here one of them sends it)
+    ends the process at once with that 0 and no word (it said 'interrupted', 143)."""
+    r = _run("import atexit, os, signal, time; from specpilot import entry; entry.install(); "
+             "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(30))); "
+             "print('the result'); entry.finished(0)")
+    assert r.returncode == 0 and r.stdout == "the result\n" and r.stderr == "", (r.returncode, r.stdout, r.stderr)
+
+
+def test_a_signal_in_the_interpreters_teardown_after_the_command_ended_keeps_its_status():
+    """Past the exit handlers the interpreter puts the default action back for handlers of its own
+    (SIGTERM: death by the signal, no word, -15); an ended command's signals are ignored from there.
+    A global's finalizer, run as the modules are torn down, sends the signal."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        r = _run("import os, signal, time\nfrom specpilot import entry\nentry.install()\n"
+                 "class Late:\n"
+                 "    def __del__(self):\n"
+                 f"        os.kill(os.getpid(), {int(sig)}); time.sleep(0.3)\n"
+                 "late = Late()\nprint('the result')\nentry.finished(0)\n")
+        assert r.returncode == 0 and r.stdout == "the result\n" and r.stderr == "", (sig, r.returncode, r.stderr)
+
+
+def test_a_real_command_keeps_its_exit_status_through_a_signal_as_it_exits():
+    """The real entry point: a signal sent by the last exit handler of a command that succeeded
+    (``ceiling``, exit 0) leaves that 0; the one before ``entry.finished`` ran is still an
+    interruption (the test above it)."""
+    r = _run("import atexit, os, signal, sys, time\n"
+             "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(0.3)))\n"
+             "from specpilot import entry\n"
+             "sys.argv = ['specpilot', 'ceiling', '--model', 'llama-3.1-8b', '--gpu', 'h200', '--rows', '1']\n"
+             "entry.main()\n")
+    assert r.returncode == 0 and "Byte floors" in r.stdout and "interrupted" not in r.stderr, (r.returncode, r.stderr)
