@@ -424,8 +424,7 @@ def apply(bundles: str, *, python: str | None = None, force: bool = False, exper
     if out is not None and os.path.realpath(out) == os.path.realpath(path):
         raise InputError(f"--out {out}: that is the activation file apply writes ({path}); the report needs "
                          "another name (or leave --out out)")
-    if not dry_run:
-        require_writable(env.purelib)
+    require_writable(env.purelib)   # a dry run too: it says whether apply would succeed
     launch = launch_command(entries, ids, values, env.executable, model, drafter)
     notes = launch_parts(entries, ids, values, drafter)[2]
     if given is None and drafter is not None:

@@ -190,7 +190,8 @@ def test_revert_on_a_read_only_site_packages_is_a_missing_environment(run_cli, c
     leftover.write_text("{")
     _read_only(monkeypatch, purelib)
     want = f"specpilot: error: {purelib} is not writable; run as the environment's owner"
-    for verb in (["revert"], ["apply", "tree"]):
+    # the dry run too: it says whether apply would succeed (it said "would write", exit 0)
+    for verb in (["revert"], ["apply", "tree"], ["apply", "tree", "--dry-run"]):
         code, out, err = run_cli(*verb, "--python", env)
         assert code == 3 and err.strip() == want, (verb, err)
     assert clean.is_file() and leftover.is_file()
