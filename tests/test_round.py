@@ -806,12 +806,27 @@ def test_report_commands_wrap_between_words_only():
     assert "&lt;now&gt;" in out and "code span{white-space:nowrap}" in CSS
 
 
-def test_a_dry_run_over_its_budget_says_so(run_cli):
-    code, out, err = run_cli("round", TINY, "--dry-run", "--budget", "0.05")
+def test_a_dry_run_over_its_budget_says_so(run_cli, tmp_path):
+    """It walks stage 4 as the round does: a candidate for which not even the fewest paired runs fit
+    the time left is skipped, named with the reason, and its time is not in the estimate (the
+    estimate counted every candidate, and no candidate was said to be skipped)."""
+    records = ("--records", tmp_path / "records")
+    code, out, err = run_cli("round", TINY, "--dry-run", "--budget", "0.05", *records)
     assert code == 0, err
     assert "warning: the smallest plan takes" in out and "more than the 0.1 min budget" in out
-    code, out, _ = run_cli("round", TINY, "--dry-run", "--budget", "60")
-    assert code == 0 and "smallest plan" not in out
+    for c in ("chain", "tree", "tlv"):
+        assert f"skipped for the budget: {c}: about 0 s left, not enough for 4 paired runs" in out, out
+    assert "no candidate: the reference outputs only; skipped for the budget: chain, tree, tlv" in out, out
+    code, out, _ = run_cli("round", TINY, "--dry-run", "--budget", "0.05", *records, "--format", "json")
+    plan = json.loads(out)
+    assert [x["id"] for x in plan["over_budget"]] == ["chain", "tree", "tlv"]
+    assert plan["every_candidate_s"] > plan["budget_s"]
+    code, out, _ = run_cli("round", TINY, "--dry-run", "--budget", "60", *records, "--format", "json")
+    plan = json.loads(out)
+    assert code == 0 and plan["over_budget"] == [] and "3 candidate(s) (chain 16, tree 16, tlv 16 paired runs)" in \
+        plan["stages"][3]["work"], plan["stages"][3]
+    code, out, _ = run_cli("round", TINY, "--dry-run", "--budget", "60", *records)
+    assert code == 0 and "smallest plan" not in out and "skipped for the budget" not in out
 
 
 def test_report_names_no_factor_where_none_offers_a_gain(tiny_round, run_cli, tmp_path):

@@ -109,7 +109,25 @@ def plan_round(cfg: RoundConfig) -> dict:
     sc = score_s(shape0, rate, 0.2)
     shape, pairs = pl.choose_shape(device, budget - measure_s - 10, [rate] * len(fits), rate, 0.2, load_s, sc,
                                    max_prompts=n_avail, fixed=fixed)
-    per = pl.candidate_cost(shape, pairs, rate, rate, 0.2, load_s, sc)
+    # stage 4 as the round walks it: before each candidate its pairs from the time left (the
+    # reference outputs collected first); one for which not even PAIRS_MIN fit is skipped
+    refs_s = shape.run_s(rate, 0.2) * 2
+    left = budget - measure_s - 2.0 - refs_s
+    planned, over, approve_s = [], [], refs_s
+    for i, c in enumerate(fits):
+        n = pl.pairs_for(shape, left - 2.0, len(fits) - i, rate, rate, 0.2, load_s, sc)
+        if n is None:
+            over.append({"id": c, "reason": f"about {max(left, 0):.0f} s left, not enough for "
+                                            f"{pl.PAIRS_MIN} paired runs of {shape.prompts} prompts x "
+                                            f"{shape.max_new_tokens} tokens"})
+            continue
+        cost = pl.candidate_cost(shape, n, rate, rate, 0.2, load_s, sc)
+        planned.append(f"{c} {n}")
+        approve_s += cost
+        left -= cost
+    # what judging every candidate takes at the fewest pairs (the shape is the smallest when one was skipped)
+    every_s = measure_s + 3.0 + refs_s + sum(pl.candidate_cost(shape, pl.PAIRS_MIN, rate, rate, 0.2, load_s, sc)
+                                             for _ in fits)
     return {"schema": "specpilot.round-plan/1", "deployment": dep.text, "facts": facts.to_json(),
             "start": start, "stock": dep.text, "record": str(rec_path) if rec else None,
             "budget_s": budget, "tokens_per_s": rate, "tokens_per_s_source": how,
@@ -121,10 +139,14 @@ def plan_round(cfg: RoundConfig) -> dict:
                                                                     else " (no profile on the CPU)")},
                 {"stage": "model", "seconds": 1.0, "work": "cost model, three factors, tau(N)/c(N) per node budget"},
                 {"stage": "propose", "seconds": 1.0, "work": f"candidates that fit: {', '.join(fits) or 'none'}"},
-                {"stage": "approve", "seconds": shape.run_s(rate, 0.2) * 2 + per * len(fits),
-                 "work": f"{len(fits)} candidate(s) x {pairs} paired runs of {shape.prompts} prompts x "
-                         f"{shape.max_new_tokens} tokens, each audited against stock"},
+                {"stage": "approve", "seconds": approve_s,
+                 "work": (f"{len(planned)} candidate(s) ({', '.join(planned)} paired runs) of {shape.prompts} "
+                          f"prompts x {shape.max_new_tokens} tokens, each audited against stock" if planned
+                          else "no candidate: the reference outputs only")
+                         + (f"; skipped for the budget: {', '.join(x['id'] for x in over)}" if over else "")},
                 {"stage": "remember", "seconds": 1.0,
                  "work": f"deployment record {rec_path}" if cfg.remember
                  else "baseline.json only; the deployment record is not written (--no-remember)"}],
-            "not_runnable": not_fit, "current_family": same_family, "shape": asdict(shape), "pairs": pairs}
+            "not_runnable": not_fit, "current_family": same_family, "over_budget": over, "every_candidate_s": every_s,
+            "shape": asdict(shape),
+            "pairs": pairs}

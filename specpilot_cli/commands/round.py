@@ -111,10 +111,12 @@ def command(deployment, budget, out_dir, resume_dir, dry_run, prompts, n_prompts
                  + (f" (record {plan['record']})" if plan.get("record") else ""),
                  f"decode speed: {fmt_num(plan['tokens_per_s'])} tokens/s ({plan['tokens_per_s_source']})",
                  f"estimated time: {total / 60:.1f} min of the {plan['budget_s'] / 60:.1f} min budget"]
-        if total > plan["budget_s"]:
-            lines.append(f"warning: the smallest plan takes {total / 60:.1f} min, more than the "
+        need = max(total, plan.get("every_candidate_s") or 0.0)
+        if need > plan["budget_s"]:
+            lines.append(f"warning: the smallest plan takes {need / 60:.1f} min, more than the "
                          f"{plan['budget_s'] / 60:.1f} min budget: the stages that run out stop and record what they "
-                         f"skip (--budget {math.ceil(total / 60)} runs it all)")
+                         f"skip (--budget {math.ceil(need / 60)} runs it all)")
+        lines += [f"skipped for the budget: {x['id']}: {x['reason']}" for x in plan.get("over_budget") or []]
         lines += [f"not runnable here: {x['id']}: {x['reason']}" for x in plan["not_runnable"]]
         lines += [f"not planned: {x}: the current system's family; the round proposes it only when its retuning "
                   "changes the current system's size" for x in plan.get("current_family") or []]
