@@ -32,6 +32,20 @@ from .inspect_sglang import TargetCheck, check_targets
 from .sglang_env import TargetEnv, probe
 
 
+def mismatch_words(bad: list[TargetCheck], most: int = 3) -> str:
+    """The targets that do not match, each problem once with every target it hits (a file that does
+    not parse fails all of its targets), the first ``most`` problems named."""
+    by_problem: dict[str, list[str]] = {}
+    for c in bad:
+        by_problem.setdefault(c.problem or "does not match", []).append(c.target)
+    hooks = sum(1 for c in bad if c.kind != "symbol")
+    what = " and ".join(x for x in (f"{hooks} hook target(s)" if hooks else "",
+                                    f"{len(bad) - hooks} symbol(s)" if len(bad) > hooks else "") if x)
+    parts = [f"{', '.join(targets)}: {problem}" for problem, targets in list(by_problem.items())[:most]]
+    more = len(by_problem) - most
+    return f"{what} do not match: " + "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
+
+
 def activation_path(purelib: str | Path) -> Path:
     return Path(purelib) / ACTIVATION_NAME
 
@@ -411,9 +425,8 @@ def apply(bundles: str, *, python: str | None = None, force: bool = False, exper
     checks = check_targets(env.sglang_root, hooks, symbols)
     bad = [c for c in checks if not c.ok]
     if bad:
-        first = bad[0]
-        raise EnvironmentMissing(f"SGLang {env.sglang_version} in {env.prefix}: {len(bad)} hook target(s) do not "
-                                 f"match: {first.target}: {first.problem}; nothing was applied")
+        raise EnvironmentMissing(f"SGLang {env.sglang_version} in {env.prefix}: {mismatch_words(bad)}; nothing was "
+                                 "applied (an activation already there stays as it was)")
     _require_specpilot(env)
     differ = sorted(m for m, fp in state.fingerprints.items() if env.fingerprints.get(m) != fp)
     if differ:

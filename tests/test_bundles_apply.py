@@ -320,6 +320,11 @@ def test_a_target_file_that_does_not_parse_is_a_problem_not_a_crash(run_cli, tmp
     assert any(f"{name} does not parse" in p for p in json.loads(out)["problems"]), out
     code, _, err = run_cli("apply", "tree", "--python", py, "--dry-run")
     assert code == 3 and f"{name} does not parse" in err and len(err.strip().splitlines()) == 1
+    if name == "eagle_utils.py":   # a hook target and a symbol in that file: both named, the problem once
+        assert ("1 hook target(s) and 1 symbol(s) do not match: sglang.srt.speculative.eagle_utils."
+                "organize_draft_results, sglang.srt.speculative.eagle_utils.build_tree_kernel_efficient: "
+                "target ") in err and "eagle_utils.py does not parse" in err, err
+        assert err.count("does not parse") == 1 and "an activation already there stays as it was" in err, err
     code, out, err = run_cli("memory", "verify", "tree", "--python", py)
     assert code == 1 and f"{name} does not parse" in out, err
 
