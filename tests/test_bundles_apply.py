@@ -370,6 +370,13 @@ def test_status_says_what_is_missing(run_cli, env, tmp_path):
     code, out, _ = run_cli("status", "--python", no_sp, "--format", "json")
     assert code == 1
     assert json.loads(out)["problems"] == ["SpecPilot is no longer installed there: SGLang will not load the plugin"]
+    code, out, _ = run_cli("status", "--python", no_sp)   # apply alone cannot mend it: what it needs first
+    assert code == 1 and "install SpecPilot there again, then apply it again to this environment:" in out, out
+    # the same left in an environment whose SGLang went away (apply would be exit 3: no SGLang)
+    (purelib(no_sgl) / act.ACTIVATION_NAME).write_text((purelib(no_sp) / act.ACTIVATION_NAME).read_text())
+    code, out, _ = run_cli("status", "--python", no_sgl)
+    assert code == 1 and "problem: SGLang is no longer installed" in out, out
+    assert "install SGLang there again, then apply it again to this environment:" in out, out
 
 
 def test_status_on_a_damaged_activation_is_bad_input_or_a_problem(run_cli, env):

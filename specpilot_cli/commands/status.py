@@ -53,7 +53,11 @@ def command(python, fmt, out):
     else:   # its launch command would start a server whose hooks may not hold: what to do instead
         where = f" --python {shlex.quote(python)}" if python else ""
         lines = [f"problem: {p}" for p in res.problems]
-        lines += ["", "do not launch with this activation; apply it again to this environment:",
+        # apply needs SGLang and SpecPilot in that environment: where either is gone, say so first
+        gone = [name for name, v in (("SGLang", res.env.sglang_package), ("SpecPilot", res.env.specpilot_version))
+                if v is None]
+        first = f"install {' and '.join(gone)} there again, then " if gone else ""
+        lines += ["", f"do not launch with this activation; {first}apply it again to this environment:",
                   f"  {reapply_command(act, python)}", "or remove it:", f"  specpilot revert{where}"]
     emit(Report(data=data, sections=sections, lines=lines, title="specpilot status"), fmt, out)
     return 0 if res.matches else 1
