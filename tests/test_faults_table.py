@@ -647,6 +647,15 @@ def test_report_keeps_the_round_and_refuses_one_missing_a_finished_stage(run_cli
     (r / "approve" / "decisions.json").unlink()
     code, _, err = run_cli("report", r)
     assert code == 2 and "decisions.json: missing, though round.json says the approve stage is done" in _one_error(err)
+    shutil.copy(REPO / "examples" / "rounds" / "smollm2-cpu" / "approve" / "decisions.json", r / "approve")
+    for name in ("record.yaml", "changes.json"):   # a recorded round's stage 5 files (the report left out a paragraph)
+        kept = (r / "remember" / name).read_bytes()
+        (r / "remember" / name).unlink()
+        code, _, err = run_cli("report", r)
+        assert code == 2 and f"{name}: missing, though round.json says the remember stage is done" in _one_error(err)
+        (r / "remember" / name).write_bytes(kept)
+    code, _, err = run_cli("report", r)
+    assert code == 0, err
 
 
 def test_compare_ends_a_hung_command_after_the_default_timeout(run_cli, tmp_path, monkeypatch, own_folder):

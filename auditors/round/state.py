@@ -206,7 +206,10 @@ def _check_config_fields(cfg: dict, bad) -> None:
 
 def check_stage_files(d: Path, state: dict) -> None:
     """A finished stage whose file is gone: a report would mislead, a resume would not redo it."""
-    for stage, rel in STAGE_FILES.items():
+    wanted = list(STAGE_FILES.items())
+    if state.get("record"):   # a stage 5 that recorded the round kept the record's copy and what changed
+        wanted += [("remember", "remember/record.yaml"), ("remember", "remember/changes.json")]
+    for stage, rel in wanted:
         st = state["stages"].get(stage)
         if isinstance(st, dict) and st.get("status") == "done" and not (d / rel).is_file():
             raise InputError(f"{d / rel}: missing, though round.json says the {stage} stage is done; copy the "
