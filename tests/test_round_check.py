@@ -158,6 +158,12 @@ def test_check_warns_without_none_when_the_baseline_has_no_facts_and_when_timing
     assert code == 0, err
     assert "measured on None" not in out and "does not say what machine it was measured on" in out, out
     assert "timing cannot fail" in out, out
+    # with --no-timing no throughput is compared: no word about machines (it warned beside "timing not judged")
+    d = json.loads(b.read_text())
+    d["facts"] = {"cpu": "Another CPU 9000", "gpu": None}
+    b.write_text(json.dumps(d))
+    code, out, err = run_cli("check", "--baseline", b, "--no-timing")
+    assert code == 0 and "timing not judged" in out and "not comparable" not in out + err, out + err
 
 
 def test_check_runs_help_says_the_default_it_uses(run_cli):
