@@ -83,7 +83,9 @@ def test_rate_alone_puts_no_cap_on_requests_in_flight(loadgen, slow_server, tmp_
     assert len(res) == 1 and res[0]["completed"] == 8 and res[0]["rate"] == 200
     assert slow_server.peak >= 3, slow_server.peak
     assert res[0]["concurrency"] is None
-    assert res[0]["max_in_flight"] == slow_server.peak
+    # the client counts a request in flight from its send, the server from its handler's start: on a
+    # loaded machine the server may not yet hold every request the client has sent
+    assert res[0]["max_in_flight"] >= slow_server.peak
     assert res[0]["duration_s"] < 8 * SECONDS
     assert "no cap on requests in flight" in capsys.readouterr().out
 
