@@ -27,6 +27,8 @@ def in_threads(fn: Callable[[T], R], items: Sequence[T], workers: int) -> Iterat
     and are yielded, then that exception is raised. Leaving the iteration early (a signal raised in
     the caller) hands out nothing more and waits for nothing."""
     items = list(items)
+    if not items:
+        return
     todo: queue.SimpleQueue[int] = queue.SimpleQueue()
     for i in range(len(items)):
         todo.put(i)

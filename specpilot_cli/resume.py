@@ -43,12 +43,15 @@ class StateKeeper:
                 raise InputError(f"{self.option} {self.path}: is also {option}; give them different files")
         resumed = self.resuming is not None and Path(self.resuming).resolve() == here
         if os.path.lexists(self.path) and not resumed:
-            if self.schema is not None and not self._holds_state():
+            if self.schema is None:
+                what = "exists (an earlier run's state, or another file)"
+            elif self._holds_state():
+                what = "holds an earlier run's state"
+            else:   # nothing to continue: --resume would only be refused
                 raise InputError(f"{self.option} {self.path}: exists and holds no earlier run's state; remove it or "
                                  f"give another {self.option}")
-            raise InputError(f"{self.option} {self.path}: exists (an earlier run's state, or another file); continue "
-                             f"that run with {self.resume_option} {self.path}, or remove it or give another "
-                             f"{self.option}")
+            raise InputError(f"{self.option} {self.path}: {what}; continue that run with {self.resume_option} "
+                             f"{self.path}, or remove it or give another {self.option}")
         check_output_path(self.path, self.option)
 
     def _holds_state(self) -> bool:

@@ -176,12 +176,11 @@ def run_check(baseline: dict, *, system: str | None = None, runs: int | None = N
     res.machine = facts.gpu or facts.cpu
     bf = baseline.get("facts") or {}
     res.baseline_machine = bf.get("gpu") or bf.get("cpu")
-    if not timing:   # no throughput compared: where it was measured does not matter
-        pass
-    elif res.baseline_machine is None:   # an older or hand-made baseline: say so, not "measured on None"
+    # where the baseline was measured matters only where throughput is compared (not --no-timing)
+    if timing and res.baseline_machine is None:   # an older or hand-made baseline: not "measured on None"
         res.warnings.append(f"the baseline does not say what machine it was measured on (no facts.gpu or facts.cpu); "
                             f"this is {res.machine}: throughputs from different machines are not comparable")
-    elif res.machine != res.baseline_machine:
+    elif timing and res.machine != res.baseline_machine:
         res.warnings.append(f"the baseline was measured on {res.baseline_machine}, this is {res.machine}: "
                             "throughputs from different machines are not comparable")
     if system and sys_text != baseline["system"]:
