@@ -403,7 +403,7 @@ def _jsonl_schema(path) -> str | None:
     return schema if isinstance(schema, str) else None
 
 
-def _document_schema(path) -> str | None:
+def document_schema(path) -> str | None:
     """For a file that is one JSON document: its ``schema`` ('' when it has none); else None."""
     try:
         with open_text(path) as fh:
@@ -440,7 +440,7 @@ def iter_jsonl_numbered(path, kind: str | None = None, versions: Iterable[int] =
                 try:
                     obj = json.loads(line)
                 except json.JSONDecodeError as e:
-                    doc = _document_schema(path) if line.strip() in ("{", "[") else None
+                    doc = document_schema(path) if line.strip() in ("{", "[") else None
                     if doc is not None:   # one pretty-printed JSON document where JSON Lines are wanted
                         raise InputError(f"{path}: one JSON document{f' ({doc})' if doc else ''}, where JSON Lines"
                                          f"{f' of {kind} rows' if kind else ''} are wanted") from None

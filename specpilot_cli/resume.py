@@ -13,8 +13,6 @@ import os
 
 from .errors import SpecPilotError
 
-STATE_MAX_BYTES = 64 << 20   # a state file past this is not one a verb wrote
-
 
 class StateKeeper:
     """Keeps ``doc``s in ``path``; ``what(doc)`` says what a doc holds ("4 paired samples")."""
@@ -35,7 +33,7 @@ class StateKeeper:
         from pathlib import Path
 
         from .errors import InputError
-        from .fileio import check_output_path
+        from .fileio import check_output_path, document_schema
 
         here = Path(self.path).resolve()
         for option, other in outputs.items():
@@ -45,7 +43,7 @@ class StateKeeper:
         if os.path.lexists(self.path) and not resumed:
             if self.schema is None:
                 what = "exists (an earlier run's state, or another file)"
-            elif self._holds_state():
+            elif document_schema(self.path) == self.schema:
                 what = "holds an earlier run's state"
             else:   # nothing to continue: --resume would only be refused
                 raise InputError(f"{self.option} {self.path}: exists and holds no earlier run's state; remove it or "
@@ -53,20 +51,6 @@ class StateKeeper:
             raise InputError(f"{self.option} {self.path}: {what}; continue that run with {self.resume_option} "
                              f"{self.path}, or remove it or give another {self.option}")
         check_output_path(self.path, self.option)
-
-    def _holds_state(self) -> bool:
-        """Whether the existing file is a JSON document of this verb's state schema (read whole: a
-        state file is small; a large file is no state)."""
-        import json
-
-        try:
-            if os.path.getsize(self.path) > STATE_MAX_BYTES:
-                return False
-            with open(self.path, encoding="utf-8") as fh:
-                doc = json.load(fh)
-        except (OSError, ValueError, RecursionError):
-            return False
-        return isinstance(doc, dict) and doc.get("schema") == self.schema
 
     def save(self, doc: dict) -> None:
         """Write ``doc`` atomically; a failure stops keeping state but not the verb's work."""
