@@ -17,8 +17,8 @@ from .errors import SpecPilotError
 class StateKeeper:
     """Keeps ``doc``s in ``path``; ``what(doc)`` says what a doc holds ("4 paired samples")."""
 
-    def __init__(self, path: str, option: str, resume_option: str = "--resume", what=None,
-                 resuming: str | None = None, schema: str | None = None):
+    def __init__(self, path: str, option: str, *, schema: str, resume_option: str = "--resume", what=None,
+                 resuming: str | None = None):
         self.path, self.option, self.resume_option = path, option, resume_option
         self.schema = schema   # what a state file of this verb records: an existing file without it is no state
         self.what = what or (lambda doc: "the state so far")
@@ -41,15 +41,11 @@ class StateKeeper:
                 raise InputError(f"{self.option} {self.path}: is also {option}; give them different files")
         resumed = self.resuming is not None and Path(self.resuming).resolve() == here
         if os.path.lexists(self.path) and not resumed:
-            if self.schema is None:
-                what = "exists (an earlier run's state, or another file)"
-            elif document_schema(self.path) == self.schema:
-                what = "holds an earlier run's state"
-            else:   # nothing to continue: --resume would only be refused
+            if document_schema(self.path) != self.schema:   # nothing to continue: --resume would only be refused
                 raise InputError(f"{self.option} {self.path}: exists and holds no earlier run's state; remove it or "
                                  f"give another {self.option}")
-            raise InputError(f"{self.option} {self.path}: {what}; continue that run with {self.resume_option} "
-                             f"{self.path}, or remove it or give another {self.option}")
+            raise InputError(f"{self.option} {self.path}: holds an earlier run's state; continue that run with "
+                             f"{self.resume_option} {self.path}, or remove it or give another {self.option}")
         check_output_path(self.path, self.option)
 
     def save(self, doc: dict) -> None:
