@@ -40,6 +40,7 @@ class CeilingResult:
     by_nodes_left_out: list[dict] = field(default_factory=list)  # budgets whose N + 1 rows the rows probe lacks
     warnings: list[str] = field(default_factory=list)
     cycle: dict | None = None  # TLV: the cycle's terms (tlv_cycle)
+    batch: int = 1  # requests per step of the deployment modelled
 
     def c_floor(self, f: StepFloor) -> float | None:
         return f.total_floor_ms / self.ar_floor.total_floor_ms if self.ar_floor else None
@@ -54,6 +55,7 @@ class CeilingResult:
         return {
             "schema": "specpilot.ceiling/1",
             "model": self.model.name if self.model else None,
+            "batch": self.batch,
             "gpu": self.gpu.summary() if self.gpu else None,
             "shape": ({"rows": [f.rows for f in self.floors], "batch": first.batch, "context": first.context,
                        "weight_dtype": first.weight_dtype} if first else None),
@@ -247,7 +249,7 @@ def compute_ceiling(req: CeilingRequest) -> CeilingResult:
         raise InputError("give --model for byte floors, or measurements (--tau, --step-ms, --ar-ms, --profile ...)")
     res = CeilingResult(model=model, gpu=gpu, floors=floors, ar_floor=ar_floor, cost=cost, measurements=m,
                         rows_for_cost=cost_rows, fractions={"flops": req.flops_fraction, "bandwidth": req.bw_fraction},
-                        tau_curve=curves)
+                        tau_curve=curves, batch=req.batch)
     res.cycle = cycle
     if cycle is not None and cost is not None:
         cycle["tau"], cycle["speedup"] = cost.tau, cost.speedup

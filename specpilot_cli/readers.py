@@ -167,13 +167,17 @@ def read_replay(path: str) -> ReplayFigures:
     return ReplayFigures(source=str(path), taus=taus, curves=curves, nodes=nodes, positions=m)
 
 
-def read_rows_probe(path: str, batch: int | None = None) -> RowsProbeFigures:
+def read_rows_probe(path: str, batch: int | None = None, one_request: str | None = None) -> RowsProbeFigures:
     """A ``specpilot probe rows`` JSON: T_step(N) per row count and T_AR. With ``batch``, the probe
-    must have timed that many requests per step (``probe rows --batch``; absent = 1)."""
+    must have timed that many requests per step (``probe rows --batch``; absent = 1). With
+    ``one_request`` (the option naming a run, which is of one request per step) it must be of one."""
     doc = read_json(path, kind="rows")
     measured = doc.get("batch", 1)
     if not isinstance(measured, int) or isinstance(measured, bool) or measured < 1:
         raise InputError(f"{path}: rows probe 'batch' must be a positive integer")
+    if one_request and measured != 1:
+        raise InputError(f"{path}: the rows probe timed {measured} requests per step, but {one_request} is a run of "
+                         "one request per step; give a rows probe of one request (probe rows without --batch)")
     if batch is not None and measured != batch:
         raise InputError(f"{path}: the rows probe timed {measured} request(s) per step but --batch is {batch}; "
                          f"give --batch {measured} or probe again with probe rows --batch {batch}")

@@ -456,6 +456,21 @@ def test_cost_model_title_names_the_batch(run_cli):
         assert code == 0 and title in out, (extra, out, err)
 
 
+def test_a_batched_cost_model_without_floors_says_its_batch(run_cli, tmp_path):
+    """No --model: no floors carry the batch, yet c = T(4 requests x 4 rows) / T(4 requests x 1 row)
+    is a batched deployment's; the title and the JSON say so."""
+    rows = tmp_path / "rows4.json"
+    rows.write_text(json.dumps({"schema": "specpilot.rows/1", "batch": 4, "ar_ms": 10.0, "ar_path": "fused",
+                                "points": [{"rows": 1, "step_ms": 10.0}, {"rows": 4, "step_ms": 11.0}]}))
+    code, out, err = run_cli("ceiling", "--batch", "4", "--rows", "4", "--rows-probe", rows, "--tau", "2")
+    assert code == 0 and "Cost model at 4 rows per request, batch 4\n" in out, (out, err)
+    code, out, err = run_cli("ceiling", "--batch", "4", "--rows", "4", "--rows-probe", rows, "--tau", "2",
+                             "--format", "json")
+    assert code == 0 and json.loads(out)["batch"] == 4 and json.loads(out)["shape"] is None, err
+    code, out, _ = run_cli("ceiling", "--model", "llama-3.1-8b", "--gpu", "h200", "--format", "json")
+    assert code == 0 and json.loads(out)["batch"] == 1
+
+
 def test_rows_probe_without_the_asked_rows_and_from_another_model(run_cli):
     from pathlib import Path
 

@@ -46,6 +46,25 @@ def files(tmp_path):
     return {"ar": ar, "tree": tree, "replay": replay, "rows": rows, "dir": tmp_path}
 
 
+def test_a_run_is_not_modelled_with_a_batched_rows_probe_or_batch(run_cli, files):
+    """A run is of one request per step: a probe of 4 requests per step beside it (c = a 4-request
+    step over a 4-request AR step, T_AR per step of four) is another deployment, and the error
+    says to probe one request, not to give --batch 4; --batch 4 itself is refused beside a run."""
+    doc = json.loads(files["rows"].read_text())
+    rows4 = _write(files["dir"], "rows4.json", {**doc, "batch": 4})
+    for verb in ("--check", "--run"):
+        code, _, err = run_cli("ceiling", verb, files["tree"], "--rows-probe", rows4, "--replay", files["replay"])
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert (f"rows4.json: the rows probe timed 4 requests per step, but {verb} {files['tree']} is a run of one "
+                "request per step; give a rows probe of one request (probe rows without --batch)") in err, err
+        code, _, err = run_cli("ceiling", verb, files["tree"], "--rows-probe", rows4, "--replay", files["replay"],
+                               "--batch", "4")
+        assert code == 2 and f"--batch 4: {verb} {files['tree']} is a run of one request per step" in err, err
+    code, _, err = run_cli("ceiling", "--run", files["tree"], "--rows-probe", files["rows"], "--replay",
+                           files["replay"], "--batch", "1")
+    assert code == 0, err
+
+
 def test_check_passes_within_tolerance(run_cli, files):
     code, out, err = run_cli("ceiling", "--check", files["tree"], "--replay", files["replay"], "--rows-probe",
                              files["rows"], "--ar-run", files["ar"], "--format", "json")

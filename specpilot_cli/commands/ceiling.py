@@ -157,6 +157,8 @@ def command(model_name, gpu_name, bandwidth, flops, fp8_flops, rows, batch, cont
     # a model or drafter given as a config file or folder is an input too
     models = [n for n in (model_name, drafter_name) if n and Path(n).exists()]
     protect = [p for p in (profile_file, replay_file, rows_file, run_file) if p] + models
+    if run_file and typed("batch"):
+        _refuse_batch_with_run("--run", run_file, batch)
     run = read_run(run_file) if run_file else None
     policy = policy or (run.policy if run is not None else None) or "chain"
     # a probe of another batch than the profile's is refused naming both files (compute_ceiling)
@@ -166,11 +168,23 @@ def command(model_name, gpu_name, bandwidth, flops, fp8_flops, rows, batch, cont
                          draft_passes=draft_passes, flops_fraction=flops_fraction, bw_fraction=bw_fraction,
                          policy=policy, measurements=m, profile=prof,
                          replay=read_replay(replay_file) if replay_file else None,
-                         rows_probe=read_rows_probe(rows_file, batch=probe_batch) if rows_file else None,
+                         rows_probe=read_rows_probe(rows_file, batch=probe_batch,
+                                                    one_request=f"--run {run_file}" if run_file else None)
+                         if rows_file else None,
                          run=run)
     res = compute_ceiling(req)
     emit(_report(res, run), fmt, out, protect=protect)
     return 0
+
+
+def _refuse_batch_with_run(option: str, run_file: str, batch: int) -> None:
+    """A run is of one request per step (a batched run is refused as a run); --batch above 1 beside
+    it would model another deployment."""
+    from specpilot.errors import InputError
+
+    if batch != 1:
+        raise InputError(f"--batch {batch}: {option} {run_file} is a run of one request per step; model a batched "
+                         "deployment with probe rows --batch and ceiling --batch, without a run")
 
 
 # the options that set the byte floors (and their GPU): read only with --model
@@ -253,9 +267,8 @@ def _cost_title(res, run) -> str:
     elif step_from.startswith("TLV cycle") and res.cycle:
         head = f"Cost model over the TLV cycle at {count(res.cycle['nodes'], 'node')}"
     else:
-        batch = res.floors[0].batch if res.floors else 1
         return "Cost model" + (f" at {count(res.rows_for_cost, 'row')}" if res.rows_for_cost else "") + (
-            f"{' per request' if res.rows_for_cost else ''}, batch {batch}" if batch > 1 else "")
+            f"{' per request' if res.rows_for_cost else ''}, batch {res.batch}" if res.batch > 1 else "")
     if res.rows_for_cost and floor_from.startswith("byte floor"):
         parts.append(f"byte floor at {count(res.rows_for_cost, 'row')}")
     parts = [p for p in parts if p]
@@ -375,8 +388,9 @@ def _check(check_file, run_file, replay_file, rows_file, ar_run_file, profile_fi
 
     if run_file or profile_file or model_name:
         raise InputError("--check RUN.json takes --replay, --rows-probe, --ar-run (not --run, --profile or --model)")
+    _refuse_batch_with_run("--check", check_file, batch)
     res = check_run(read_run(check_file), replay=read_replay(replay_file) if replay_file else None,
-                    probe=read_rows_probe(rows_file, batch=batch) if rows_file else None,
+                    probe=read_rows_probe(rows_file, one_request=f"--check {check_file}") if rows_file else None,
                     ar_run=read_run(ar_run_file) if ar_run_file else None, tolerance=tolerance, policy=policy,
                     draft_ms=draft_ms)
     rows = [[t.name, t.predicted, t.measured, UNITS[t.name], t.speedup_if_measured, t.predicted_from]
