@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import sys
@@ -230,17 +231,51 @@ def print_summary(res: dict) -> None:
 
 
 def read_prompts(path: str) -> list:
-    """Text lines, or JSONL rows with ``text`` or ``prompt_ids``."""
+    """Text lines, or JSONL rows with ``text`` (a non-empty string) or ``prompt_ids`` (a non-empty
+    list of token ids); a row that is neither is a ValueError naming its line (checked before any
+    load is sent: the server would refuse every such request)."""
     out = []
-    for line in Path(path).read_text().splitlines():
+    for i, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():
             continue
-        if line.lstrip().startswith("{"):
-            row = json.loads(line)
-            out.append(row.get("prompt_ids") or row["text"])
-        else:
+        if not line.lstrip().startswith("{"):
             out.append(line)
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            raise ValueError(f"line {i}: {e}") from None
+        ids, text = row.get("prompt_ids"), row.get("text")
+        if ids is not None:
+            if not (isinstance(ids, list) and ids and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                          for t in ids)):
+                raise ValueError(f"line {i}: 'prompt_ids' must be a non-empty list of token ids (integers >= 0)")
+            out.append(ids)
+        elif isinstance(text, str) and text:
+            out.append(text)
+        else:
+            raise ValueError(f"line {i}: a JSONL row needs 'text' (a non-empty string) or 'prompt_ids' (a non-empty "
+                             "list of token ids)")
     return out
+
+
+def _same_file(a: str, b: str) -> bool:
+    """``a`` and ``b`` are one file (a symlink or a hard link of it included)."""
+    try:
+        return Path(a).resolve() == Path(b).resolve() or Path(a).samefile(b)
+    except OSError:
+        return False
+
+
+def _write_atomic(path: str, text: str) -> None:
+    """``path`` holds ``text`` whole or keeps what it held: written beside it, then renamed over it."""
+    p = Path(path)
+    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, p)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _positive(kind):
@@ -297,13 +332,17 @@ def main(argv=None):
         if Path(args.out).is_dir():
             print(f"loadgen: --out {args.out}: is a folder; give a file name", file=sys.stderr)
             return 2
+        if args.prompts and _same_file(args.out, args.prompts):
+            print(f"loadgen: --out {args.out}: is the --prompts file; give another file for the summaries",
+                  file=sys.stderr)
+            return 2
     if args.prompts and args.random_ids:
         print("loadgen: give --prompts FILE or --random-ids N, not both", file=sys.stderr)
         return 2
     if args.prompts:
         try:
             prompts = read_prompts(args.prompts)
-        except (OSError, ValueError, KeyError) as e:
+        except (OSError, ValueError) as e:
             print(f"loadgen: --prompts {args.prompts}: {e}", file=sys.stderr)
             return 2
         if not prompts:
@@ -323,7 +362,7 @@ def main(argv=None):
         print_summary(res)
         results.append(res)
     if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+        _write_atomic(args.out, json.dumps(results, indent=2) + "\n")
     failed = sum(r["failed"] for r in results)
     if failed:
         print(f"loadgen: {failed} of {sum(r['requests'] for r in results)} requests failed", file=sys.stderr)

@@ -105,3 +105,33 @@ def test_closed_loop_still_defaults_to_one_client(loadgen, slow_server, tmp_path
                          "--no-stream", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res[0]["concurrency"] == 1 and res[0]["rate"] is None and slow_server.peak == 1
+
+
+def test_bad_prompt_rows_and_an_out_over_the_prompts_are_refused_before_any_load(loadgen, slow_server, tmp_path,
+                                                                                  capsys):
+    """A JSONL row the server would refuse is bad input (exit 2, its line named), not a run of
+    failed requests (exit 1); --out naming the prompts file (or a link to it) would replace the
+    prompts with the summaries."""
+    url = f"http://127.0.0.1:{slow_server.server_address[1]}"
+    base = ["--url", url, "--num-prompts", "2", "--max-new-tokens", "2", "--no-stream"]
+    for i, row in enumerate(('{"text": 5}', '{"prompt_ids": [1, "a"]}', '{"prompt_ids": []}', '{"prompt": "hi"}',
+                             '{"prompt_ids": [true]}', '{"text": ""}')):
+        bad = tmp_path / f"bad{i}.jsonl"
+        bad.write_text('{"text": "fine"}\n' + row + "\n")
+        assert loadgen.main(base + ["--prompts", str(bad)]) == 2, row
+        err = capsys.readouterr().err
+        assert f"--prompts {bad}: line 2: " in err and len(err.strip().splitlines()) == 1, err
+    assert slow_server.peak == 0   # nothing was sent
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello\nworld\n")
+    link = tmp_path / "link.txt"
+    link.symlink_to(prompts)
+    hard = tmp_path / "hard.txt"
+    hard.hardlink_to(prompts)
+    for out in (prompts, link, hard):
+        assert loadgen.main(base + ["--prompts", str(prompts), "--out", str(out)]) == 2
+        assert "is the --prompts file" in capsys.readouterr().err
+    assert prompts.read_text() == "hello\nworld\n" and slow_server.peak == 0
+    ok = tmp_path / "rows.jsonl"
+    ok.write_text('{"text": "a"}\n\n{"prompt_ids": [1, 2]}\n')
+    assert loadgen.read_prompts(str(ok)) == ["a", [1, 2]]
