@@ -115,6 +115,28 @@ def test_sharded_folder(tmp_path, run_cli):
     assert code == 0 and "3 tensors" in stdout
 
 
+def test_a_packed_folder_s_files_all_get_the_umask_mode(tmp_path, run_cli):
+    """The config and tokenizer files copied beside the shards are new files too: a world-writable
+    source must not make a world-writable copy under umask 077."""
+    import os
+    import stat
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    make_checkpoint(folder / "model.safetensors")
+    (folder / "config.json").write_text("{}")
+    (folder / "config.json").chmod(0o666)
+    old = os.umask(0o077)
+    try:
+        code, _, err = run_cli("w12", "pack", folder, "-o", tmp_path / "out")
+    finally:
+        os.umask(old)
+    assert code == 0, err
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "out").iterdir()}
+    assert modes == {"model.safetensors": 0o600, "config.json": 0o600}, modes
+    assert (tmp_path / "out" / "config.json").read_text() == "{}"
+
+
 def test_an_index_naming_a_tensor_no_shard_holds_is_warned_of(tmp_path, run_cli):
     folder = tmp_path / "model"
     folder.mkdir()

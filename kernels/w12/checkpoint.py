@@ -279,9 +279,11 @@ def pack(src: str, dst: str, include: Iterable[str] | None = None, exclude: Iter
                 (tmp / f.name).write_bytes(_save_bytes(out, new_meta))
                 weight_map.update({k: f.name for k in out})
                 total_size += sum(v.numel() * v.element_size() for v in out.values())
-            for other in ck.root.iterdir():  # config, tokenizer, ... copied as they are
+            # config, tokenizer, ... copied as they are; the contents only: a new file's mode is
+            # the umask's, as for the shards beside it
+            for other in ck.root.iterdir():
                 if other.is_file() and other.suffix != ".safetensors" and not other.name.endswith(".index.json"):
-                    shutil.copy2(other, tmp / other.name)
+                    shutil.copyfile(other, tmp / other.name)
             if ck.index is not None:
                 doc = json.loads(ck.index.read_text())
                 absent = sorted(set(doc["weight_map"]) - held)
