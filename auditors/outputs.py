@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 from specpilot.errors import InputError
-from specpilot.fileio import iter_jsonl_numbered, open_text, unicode_text, write_jsonl_atomic
+from specpilot.fileio import iter_jsonl_numbered, open_text, reading, unicode_text, write_jsonl_atomic
 from specpilot.limits import MAX_TOKEN_ID
 
 OUTPUTS_SCHEMA = "specpilot.outputs/1"
@@ -177,10 +177,16 @@ def _json_document(path: Path) -> bool:
 
 def read_prompt_rows(path) -> list[PromptRow]:
     """Read prompts: ``specpilot.prompts/1`` JSONL (ids or text), an outputs file (its prompts), or
-    a plain text file with one prompt per line (ids ``p0``, ``p1``, ...)."""
+    a plain text file with one prompt per line (ids ``p0``, ``p1``, ...). A decoding error (a
+    truncated or corrupt ``.gz``) names the file."""
     path = Path(path)
     if not path.is_file():
         raise InputError(f"{path}: no such prompts file")
+    with reading(path):
+        return _prompt_rows(path)
+
+
+def _prompt_rows(path: Path) -> list[PromptRow]:
     try:
         with open_text(path, "utf-8-sig") as fh:
             first = next((line for line in fh if line.strip()), "")

@@ -46,6 +46,18 @@ def test_replay_truncated_gz_is_bad_input_naming_the_file(run_cli, tmp_path):
     assert "lat.jsonl.gz:" in line and "truncated" in line and "interrupted" not in err
 
 
+def test_a_truncated_or_corrupt_gz_prompts_file_is_named(run_cli, tmp_path):
+    """The prompts reader peeks at the first line before it reads the rows: a decoding error there
+    named no file ("input truncated")."""
+    whole = gzip.compress(b'{"schema": "specpilot.prompts/1", "id": "a", "text": "hello there"}\n')
+    cut, junk = tmp_path / "cut.jsonl.gz", tmp_path / "junk.jsonl.gz"
+    cut.write_bytes(whole[:20])
+    junk.write_bytes(b"garbage-not-gzip")
+    for p, what in ((cut, "truncated"), (junk, "corrupt gzip data")):
+        code, _, err = run_cli("run", "--model", "tiny", "--prompts", p, "--max-new-tokens", "2")
+        assert code == 2 and _one_error(err).startswith(f"specpilot: error: {p}: {what}"), err
+
+
 def test_replay_binary_file_is_bad_input_with_file_and_line(run_cli, tmp_path):
     p = tmp_path / "lat.jsonl"
     p.write_bytes(_jsonl(LATTICE[:2]).encode() + bytes(range(128, 256)) + b"\n")
