@@ -106,13 +106,19 @@ def convert_gguf(gguf: Path, folder: Path) -> Path:
 
 
 def load_safetensors(folder: Path, device="cpu") -> dict:
-    """All tensors of the ``*.safetensors`` files in ``folder`` (sharded or not), by HF name."""
-    from safetensors.torch import load_file
+    """All tensors of the ``*.safetensors`` files in ``folder`` (sharded or not), by HF name. A
+    folder ``specpilot w12 pack`` wrote gives its bf16 weights back, restored bit for bit (each
+    checked against the digest of the original that pack recorded)."""
+    from specpilot.kernels.w12.checkpoint import W12FormatError, read_file, restore_bf16
 
     files = sorted(Path(folder).glob("*.safetensors"))
     if not files:
         raise InputError(f"{folder}: no *.safetensors files; give a Hugging Face model folder or use --random-weights")
     state: dict = {}
     for f in files:
-        state.update(load_file(str(f), device=str(device)))
+        try:
+            tensors = restore_bf16(*read_file(f), str(f))
+        except W12FormatError as e:
+            raise InputError(str(e)) from None
+        state.update({k: v.to(device) for k, v in tensors.items()} if str(device) != "cpu" else tensors)
     return state

@@ -634,3 +634,38 @@ def test_ceiling_out_never_overwrites_the_model_config(tmp_path, run_cli):
     before = (cfg / "config.json").read_text()
     code, _, err = run_cli("ceiling", "--model", cfg, "--gpu", "h200", "--out", cfg / "config.json")
     assert code == 2 and "refusing to overwrite" in err and (cfg / "config.json").read_text() == before, err
+
+
+def test_the_engine_runs_a_packed_folder_as_its_bf16_original(tmp_path, run_cli):
+    """``run --model`` of a folder ``w12 pack`` wrote: its weights restored bit for bit (the
+    digest pack recorded checked), so the outputs are the original's; a corrupted record is one
+    line naming the file, exit 2."""
+    import torch
+    from safetensors import safe_open
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False,
+                      initializer_range=0.3, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    src = tmp_path / "model"
+    LlamaForCausalLM(cfg).to(torch.bfloat16).eval().save_pretrained(str(src))
+    packed = tmp_path / "packed"
+    assert run_cli("w12", "pack", src, "-o", packed)[0] == 0
+    outs = {}
+    for name, folder in (("bf16", src), ("w12", packed)):
+        code, _, err = run_cli("run", "--model", folder, "--mode", "ar", "--prompt-ids", "5,6,7,8",
+                               "--max-new-tokens", "12", "--outputs-out", tmp_path / f"{name}.jsonl")
+        assert code == 0, err
+        outs[name] = json.loads((tmp_path / f"{name}.jsonl").read_text())["output_ids"]
+    assert outs["w12"] == outs["bf16"] and len(outs["bf16"]) == 12
+    f = packed / "model.safetensors"
+    with safe_open(str(f), framework="pt") as fh:
+        meta, tensors = fh.metadata(), {k: fh.get_tensor(k) for k in fh.keys()}
+    key = next(k for k in tensors if k.endswith(".w12.records"))
+    tensors[key][0] ^= 1
+    save_file(tensors, str(f), metadata=meta)
+    code, _, err = run_cli("run", "--model", packed, "--mode", "ar", "--prompt-ids", "5,6", "--max-new-tokens", "2")
+    lines = [x for x in err.splitlines() if x.startswith("specpilot: error:")]
+    assert code == 2 and len(lines) == 1 and f"{f}: " in lines[0] and "CRC-32 mismatch" in lines[0], err
+

@@ -596,6 +596,24 @@ def stats(path: str) -> StatsResult:
 # load a packed checkpoint into a model
 # ----------------------------------------------------------------------------------------------
 
+def restore_bf16(tensors: dict[str, torch.Tensor], meta: dict[str, str], source: str) -> dict[str, torch.Tensor]:
+    """A packed file's tensors with every W12 weight restored to its bf16 original (its parts
+    dropped), each checked against the sha256 ``pack`` recorded (W12FormatError where it differs);
+    a file without W12 weights comes back as it is."""
+    info = w12_info(meta, source)
+    if not info:
+        return tensors
+    parts = {f"{n}.w12.{p}" for n in info for p in PARTS}
+    out = {k: v for k, v in tensors.items() if k not in parts}
+    for name, entry in info.items():
+        restored = decode(load_w12(tensors, name, entry, source))
+        if entry.get("sha256") and bf16_sha256(restored) != entry["sha256"]:
+            raise W12FormatError(f"{source}: {name}: restored weights differ from the original's sha256 that pack "
+                                 "recorded")
+        out[name] = restored
+    return out
+
+
 @dataclass
 class LoadResult:
     w12_modules: list[str] = field(default_factory=list)
