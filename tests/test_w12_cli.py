@@ -467,10 +467,12 @@ def test_tensors_the_includes_pick_that_are_not_2d_are_named_as_kept(tmp_path, r
     t = make_checkpoint(src)
     E = "model.layers.0.mlp.experts.weight"
     t[E] = (torch.randn(2, 8, 16) * 0.02).bfloat16()
+    Z = "model.layers.0.self_attn.k_proj.weight"   # empty: kept and listed too
+    t[Z] = torch.zeros(0, 16).bfloat16()
     save_file(t, str(src))
     code, out, err = run_cli("w12", "pack", src, "-o", dst)
-    assert code == 0 and "2 tensors converted, 4 kept (1 not bf16, 1 not 2-D)" in out, out + err
-    assert f"not converted (not 2-D): {E}" in out
+    assert code == 0 and "tensors converted, 5 kept (1 not bf16, 1 empty, 1 not 2-D)" in out, out + err
+    assert f"not converted (not 2-D): {E}" in out and f"not converted (empty): {Z}" in out
     code, out, err = run_cli("w12", "pack", src, "-o", tmp_path / "w2.safetensors", "--format", "json")
     assert code == 0 and json.loads(out)["skipped_not_2d"] == [E]
     only = tmp_path / "e.safetensors"

@@ -145,10 +145,9 @@ def pack_cmd(src, dst, include, exclude, device, force, fmt, out):
                   + (f", {len(res.already)} already W12 (carried over as packed)" if res.already else "")
                   + f", {len(res.kept)} kept" + (f" ({', '.join(why)})" if why else "")
                   + f"; {res.bits_per_weight:.4f} bits/weight, escape rate {res.escape_rate:.3e}"]
-                 + ([f"not converted (not bf16): {', '.join(res.skipped_not_bf16[:5])}"
-                     + (" ..." if len(res.skipped_not_bf16) > 5 else "")] if res.skipped_not_bf16 else [])
-                 + ([f"not converted (not 2-D): {', '.join(res.skipped_not_2d[:5])}"
-                     + (" ..." if len(res.skipped_not_2d) > 5 else "")] if res.skipped_not_2d else []),
+                 + [f"not converted ({why}): {', '.join(names[:5])}" + (" ..." if len(names) > 5 else "")
+                    for why, names in (("not bf16", res.skipped_not_bf16), ("empty", res.skipped_empty),
+                                       ("not 2-D", res.skipped_not_2d)) if names],
                  title="W12 pack")
     try:
         emit(rep, fmt, out, protect=[src, dst])
