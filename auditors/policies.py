@@ -281,20 +281,22 @@ def tlv_tree(step, n: int):
     from specpilot.kernels.tree import accept_predictions, attach, build_best_first, truncate
 
     rec = getattr(step, "tlv", None)
-    where = f"request {getattr(step, 'request', '?')!r} step {getattr(step, 'step', '?')}"
+    src = getattr(step, "source", None)   # the row's file:line, where the step came from a file
+    where = (f"{src}: " if src else "") + (f"policy tlv:{n}: request {getattr(step, 'request', '?')!r} "
+                                           f"step {getattr(step, 'step', '?')}")
     if rec is None:
-        raise InputError(f"policy tlv:{n}: {where} has no TLV cycle; record the lattice with "
+        raise InputError(f"{where} has no TLV cycle; record the lattice with "
                          f"specpilot run --mode tlv --nodes {n} --lattice-out FILE")
     if rec.nodes != n:
-        raise InputError(f"policy tlv:{n}: {where} was recorded with --nodes {rec.nodes}; the Q pass and the "
+        raise InputError(f"{where} was recorded with --nodes {rec.nodes}; the Q pass and the "
                          f"second draft ran for that budget only, so replay tlv:{rec.nodes}")
     tree1 = best_first_tree(step, n)
     if len(rec.q_argmax) != 1 + len(tree1):
-        raise InputError(f"policy tlv:{n}: {where} records {len(rec.q_argmax)} Q-pass tokens for a tree of "
+        raise InputError(f"{where} records {len(rec.q_argmax)} Q-pass tokens for a tree of "
                          f"{len(tree1)} nodes (it needs one per node plus the root)")
     _, chain = accept_predictions(tree1, rec.q_argmax)
     if chain != rec.commit:
-        raise InputError(f"policy tlv:{n}: {where}: the Q-pass argmax gives the commit chain {chain}, the row "
+        raise InputError(f"{where}: the Q-pass argmax gives the commit chain {chain}, the row "
                          f"records {rec.commit}")
     d2 = rec.draft2
     sub = truncate(build_best_first(d2.tokens, d2.logprobs, d2.transitions, n), n - len(chain))

@@ -37,6 +37,7 @@ class LatticeStep(StepView):
     tlv: "TLVRecord | None" = None
     remaining: int | None = None  # tokens the request could still deliver (its limit or EOS); caps tau
     batch_step: int | None = None  # the batch decoder's step that verified it (the requests verified together)
+    source: str | None = None  # "file:line" of its row, for a policy's error about it
 
 
 @dataclass
@@ -221,6 +222,7 @@ def read_lattice(path) -> Lattice:
     seen = {}
     for lineno, row in iter_jsonl_numbered(p, LATTICE_KIND):
         s = parse_row(row, f"{p}:{lineno}")
+        s.source = f"{p}:{lineno}"
         key = (_req_key(s.request), s.step)
         if key in seen:
             raise InputError(f"{p}:{lineno}: request {s.request!r} step {s.step} appears twice (first at line "

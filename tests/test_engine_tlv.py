@@ -278,7 +278,13 @@ def test_replay_tlv_refusals_are_one_error_line_exit_2(run_cli, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text("".join(json.dumps(r) + "\n" for r in rows))
     code, _, err = run_cli("replay", bad, "--policy", "tlv:8")
-    assert code == 2 and "commit chain" in one_error(err)
+    assert code == 2 and f"{bad}:1: policy tlv:8: request " in one_error(err) and "commit chain" in one_error(err)
+    short = [dict(r, tlv=dict(r["tlv"], q_argmax=r["tlv"]["q_argmax"][:2])) if i == 2 else r
+             for i, r in enumerate(json.loads(x) for x in lat.read_text().splitlines())]
+    bad.write_text("".join(json.dumps(r) + "\n" for r in short))
+    code, _, err = run_cli("replay", bad, "--policy", "tlv:8")
+    assert code == 2 and f"{bad}:3: policy tlv:8: request " in one_error(err), err
+    assert "records 2 Q-pass tokens for a tree of" in one_error(err)
     rows[0]["tlv"]["draft2"] = {"tokens": [[1, 1]], "logprobs": [[0.0, 0.0]], "transitions": None}
     bad.write_text("".join(json.dumps(r) + "\n" for r in rows))
     code, _, err = run_cli("replay", bad, "--policy", "tlv:8")
