@@ -24,7 +24,8 @@ from specpilot.output import Report, Section, count, emit, output_options
 @click.option("--fp8-flops", type=positive(MAX_TFLOPS), metavar="TFLOP/S", help="Measured dense fp8 TFLOP/s.")
 @click.option("--rows", default="1", show_default=True, metavar="N[,N...]",
               help=f"Rows verified per request per step, e.g. 1,8,32,64 or 1,2,4,...,256 (1 to {MAX_ROWS}).")
-@click.option("--batch", default=1, show_default=True, type=click.IntRange(1, MAX_BATCH), help="Requests per step (a --rows-probe must be from probe rows --batch with the same B).")
+@click.option("--batch", default=1, show_default=True, type=click.IntRange(1, MAX_BATCH), help="Requests per step (a --rows-probe must be from probe rows --batch with the same B; a --run or "
+                   "--check run is of one request per step, so it takes none above 1).")
 @click.option("--context", default=2048, show_default=True, type=click.IntRange(0, MAX_CONTEXT),
               help="Committed context tokens per request.")
 @dtype_options
