@@ -670,4 +670,3 @@ def test_the_engine_runs_a_packed_folder_as_its_bf16_original(tmp_path, run_cli)
     code, _, err = run_cli("run", "--model", packed, "--mode", "ar", "--prompt-ids", "5,6", "--max-new-tokens", "2")
     lines = [x for x in err.splitlines() if x.startswith("specpilot: error:")]
     assert code == 2 and len(lines) == 1 and f"{f}: " in lines[0] and "CRC-32 mismatch" in lines[0], err
-
