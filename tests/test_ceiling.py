@@ -276,7 +276,7 @@ def test_a_chains_tau_over_the_one_row_step_is_flagged(run_cli, tmp_path):
         code, out, err = run_cli(*args)
         assert code == 0, err
         (w,) = json.loads(out)["warnings"]
-        assert f"with the 1-row step" in w and f"the pending token a step, {want} rows: give --rows {want}" in w, w
+        assert "with the 1-row step" in w and f"the pending token a step, {want} rows: give --rows {want}" in w, w
         doc = json.loads(run_cli(*args, "--rows", str(want))[1])
         assert doc["warnings"] == [] and doc["cost_model"]["step_ms"] == pytest.approx(10 + 0.1 * want)
 
