@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import statistics
 import sys
@@ -259,25 +258,6 @@ def read_prompts(path: str) -> list:
     return out
 
 
-def _same_file(a: str, b: str) -> bool:
-    """``a`` and ``b`` are one file (a symlink or a hard link of it included)."""
-    try:
-        return Path(a).resolve() == Path(b).resolve() or Path(a).samefile(b)
-    except OSError:
-        return False
-
-
-def _write_atomic(path: str, text: str) -> None:
-    """``path`` holds ``text`` whole or keeps what it held: written beside it, then renamed over it."""
-    p = Path(path)
-    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, p)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def _positive(kind):
     def parse(text: str):
         try:
@@ -316,6 +296,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     import httpx
 
+    from specpilot.fileio import same_file, write_text_atomic
+
     try:   # refused before any load is sent, not counted as failed requests after it
         url = httpx.URL(args.url)
     except httpx.InvalidURL as e:
@@ -332,7 +314,7 @@ def main(argv=None):
         if Path(args.out).is_dir():
             print(f"loadgen: --out {args.out}: is a folder; give a file name", file=sys.stderr)
             return 2
-        if args.prompts and _same_file(args.out, args.prompts):
+        if args.prompts and same_file(args.out, args.prompts):
             print(f"loadgen: --out {args.out}: is the --prompts file; give another file for the summaries",
                   file=sys.stderr)
             return 2
@@ -362,7 +344,7 @@ def main(argv=None):
         print_summary(res)
         results.append(res)
     if args.out:
-        _write_atomic(args.out, json.dumps(results, indent=2) + "\n")
+        write_text_atomic(args.out, json.dumps(results, indent=2) + "\n")
     failed = sum(r["failed"] for r in results)
     if failed:
         print(f"loadgen: {failed} of {sum(r['requests'] for r in results)} requests failed", file=sys.stderr)

@@ -120,5 +120,5 @@ def load_safetensors(folder: Path, device="cpu") -> dict:
             tensors = restore_bf16(*read_file(f), str(f))
         except W12FormatError as e:
             raise InputError(str(e)) from None
-        state.update({k: v.to(device) for k, v in tensors.items()} if str(device) != "cpu" else tensors)
+        state.update({k: v.to(device) for k, v in tensors.items()})
     return state
