@@ -8,6 +8,7 @@ Variants (each captured afresh, interleaved over rounds, median of the replays):
 * ``no-merge``: the attention's split pass only (its merge kernel not launched; output garbage);
 * ``no-attn``: no attention kernels at all (the o projection reads q);
 * ``no-rows``: no small row kernels (RoPE/K/V write, residual + RMSNorm, silu*up) in multi-row steps;
+  ``no-norm``, ``no-silu``, ``no-rope``: only that one of them left out;
 * ``ring-trigger:<layers>:<0|1>``: the ``ring`` entries of the Llama layers named (as for
   ``skinny:``) with ``RingConfig.trigger`` set to 0 or 1;
 * ``w12-pdl:<on|off>`` (with ``--w12``): every W12 tensor-core GEMM (``mma`` and ``warpk``)
@@ -64,7 +65,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lab.common import bootstrap, print_table, write_results  # noqa: E402
 
-VARIANTS = ("product", "no-merge", "no-attn", "no-rows", "no-ring", "skinny", "mlp-ring")
+VARIANTS = ("product", "no-merge", "no-attn", "no-rows", "no-norm", "no-silu", "no-rope", "no-ring", "skinny",
+            "mlp-ring")
 PREFIXES = ("attn:", "attn-pf:", "attn-bm:", "attn-rope:", "attn-tail:", "skinny:", "warpk:",   # parametrised
             "warpk-nopdl:", "warpk-late:", "ring-trigger:", "ring:", "w12-pdl:", "w12-pdl-skip:")
 LLAMA_LAYERS = {"qkv": (6144, 4096), "o": (4096, 4096), "gu": (28672, 4096), "down": (4096, 14336)}   # (n, k)
@@ -214,12 +216,15 @@ def variant(name: str):
             return q.reshape(q.shape[0], -1)
         stack.enter_context(patched(decode, "masked_gqa_attention", skip))
         stack.enter_context(patched(decode, "batched_gqa_attention", skip))
-    elif name == "no-rows":
+    elif name in ("no-rows", "no-norm", "no-silu", "no-rope"):
         def rope_store(qkv, cos, sin, pos, slots, kc, vc, nh, nkv, req=None):
             return qkv[:, : nh * (qkv.shape[1] // (nh + 2 * nkv))]
-        stack.enter_context(patched(R, "rope_store_rows", rope_store))
-        stack.enter_context(patched(R, "add_rms_norm_rows", lambda x, d, w, eps: (x, d)))
-        stack.enter_context(patched(R, "silu_mul_rows", lambda gu, inter: gu[:, :inter]))
+        if name in ("no-rows", "no-rope"):
+            stack.enter_context(patched(R, "rope_store_rows", rope_store))
+        if name in ("no-rows", "no-norm"):
+            stack.enter_context(patched(R, "add_rms_norm_rows", lambda x, d, w, eps, quant=False: (x, d)))
+        if name in ("no-rows", "no-silu"):
+            stack.enter_context(patched(R, "silu_mul_rows", lambda gu, inter: gu[:, :inter]))
     elif name == "mlp-ring":
         import torch
 
