@@ -37,6 +37,9 @@ Variants (each captured afresh, interleaved over rounds, median of the replays):
   (``kernels/verify/warpk.py``), the depth of the smallest row bound that covers the step (default:
   the product's) (``warpk-nopdl:``: the same, launched without PDL;
   ``warpk-late:``: the variant with x loaded late, ``lab/verify/warpk_variants.py``);
+* ``warpk-fused:<max rows>``: one request's dense steps of up to ``max rows`` rows with the row
+  norms, residual adds and ``silu * up`` fused into the warp-K GEMMs (``lab/verify/warpk_fused.py``,
+  seven kernels a layer instead of ten);
 * ``skinny:<layers>:<mult>:<stages>``: the skinny GEMM for the Llama layers named (``qkv``, ``o``,
   ``gu``, ``down``, joined by ``+``) at every row count, ``mult`` programs per SM along K, the table
   elsewhere;
@@ -68,7 +71,7 @@ from lab.common import bootstrap, print_table, write_results  # noqa: E402
 VARIANTS = ("product", "no-merge", "no-attn", "no-rows", "no-norm", "no-silu", "no-rope", "no-ring", "skinny",
             "mlp-ring")
 PREFIXES = ("attn:", "attn-pf:", "attn-bm:", "attn-rope:", "attn-tail:", "skinny:", "warpk:",   # parametrised
-            "warpk-nopdl:", "warpk-late:", "ring-trigger:", "ring:", "w12-pdl:", "w12-pdl-skip:")
+            "warpk-nopdl:", "warpk-late:", "warpk-fused:", "ring-trigger:", "ring:", "w12-pdl:", "w12-pdl-skip:")
 LLAMA_LAYERS = {"qkv": (6144, 4096), "o": (4096, 4096), "gu": (28672, 4096), "down": (4096, 14336)}   # (n, k)
 
 
@@ -136,6 +139,18 @@ def variant(name: str):
             return SkinnyConfig(max(1, min(-(-k // BLOCK_K), round(float(mult) * sms / -(-n // BLOCK_N)))),
                                 int(stages))
         stack.enter_context(patched(blas, "skinny_config", cfg))
+    elif name.startswith("warpk-fused:"):
+        from specpilot.engine import fused_verify
+        from lab.verify import warpk_fused
+
+        top = int(name.split(":")[1])
+        product = fused_verify.hidden_rows
+
+        def hidden_rows(model, x, inp, kv_len, layers=None, cache=None, invariant=False):
+            if x.shape[0] <= top and warpk_fused.takes(model, inp, x, cache, invariant):
+                return warpk_fused.hidden_rows(model, x, inp, kv_len, layers)
+            return product(model, x, inp, kv_len, layers, cache=cache, invariant=invariant)
+        stack.enter_context(patched(fused_verify, "hidden_rows", hidden_rows))
     elif name.startswith(("warpk:", "warpk-nopdl:", "warpk-late:")):
         from specpilot.kernels.verify import warpk
 
