@@ -37,7 +37,7 @@ Variants (each captured afresh, interleaved over rounds, median of the replays):
   (``kernels/verify/warpk.py``), the depth of the smallest row bound that covers the step (default:
   the product's) (``warpk-nopdl:``: the same, launched without PDL;
   ``warpk-late:``: the variant with x loaded late, ``lab/verify/warpk_variants.py``);
-* ``warpk-fused:<max rows>``: one request's dense steps of up to ``max rows`` rows with the row
+* ``warpk-fused:<max rows>``: dense steps of up to ``max rows`` rows (one request's or batched) with the row
   norms, residual adds and ``silu * up`` fused into the warp-K GEMMs (``lab/verify/warpk_fused.py``,
   seven kernels a layer instead of ten);
 * ``skinny:<layers>:<mult>:<stages>``: the skinny GEMM for the Llama layers named (``qkv``, ``o``,
@@ -148,7 +148,7 @@ def variant(name: str):
 
         def hidden_rows(model, x, inp, kv_len, layers=None, cache=None, invariant=False):
             if x.shape[0] <= top and warpk_fused.takes(model, inp, x, cache, invariant):
-                return warpk_fused.hidden_rows(model, x, inp, kv_len, layers)
+                return warpk_fused.hidden_rows(model, x, inp, kv_len, layers, cache)
             return product(model, x, inp, kv_len, layers, cache=cache, invariant=invariant)
         stack.enter_context(patched(fused_verify, "hidden_rows", hidden_rows))
     elif name.startswith(("warpk:", "warpk-nopdl:", "warpk-late:")):

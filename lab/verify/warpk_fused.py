@@ -146,10 +146,11 @@ def fused_linear(x: torch.Tensor, w: torch.Tensor, pro: int = PLAIN, gamma: torc
 
 
 def takes(model, inp, x, cache, invariant) -> bool:
-    """One request's dense bf16 step of up to 32 rows outside a TLV Q pass or the invariant mode."""
+    """A dense bf16 step of up to 32 rows (one request's, or batched with ``cache``) outside a TLV Q
+    pass or the invariant mode."""
     from specpilot.engine.model import Attention
 
-    return (cache is None and not invariant and x.shape[0] <= W.MAX_ROWS and x.dtype == torch.bfloat16
+    return (not invariant and x.shape[0] <= W.MAX_ROWS and x.dtype == torch.bfloat16
             and all(isinstance(b.mixer, Attention) and not (b.mixer.qk_norm or b.mixer.gate)
                     and getattr(b.mixer.wqkv, "weight", None) is not None and getattr(b.w13, "weight", None) is not None
                     and getattr(b.mixer.wqkv, "kp", None) is None and getattr(b.w13, "kp", None) is None
@@ -157,17 +158,24 @@ def takes(model, inp, x, cache, invariant) -> bool:
                     for b in model.layers))
 
 
-def hidden_rows(model, x: torch.Tensor, inp, kv_len: int, layers: int | None = None) -> torch.Tensor:
-    """``engine.fused_verify.hidden_rows`` for :func:`takes` steps, seven kernels a layer."""
+def hidden_rows(model, x: torch.Tensor, inp, kv_len: int, layers: int | None = None, cache=None) -> torch.Tensor:
+    """``engine.fused_verify.hidden_rows`` for :func:`takes` steps, seven kernels a layer (six in a
+    batched step of one row per request, whose RoPE and K/V write the attention's split pass does)."""
     from specpilot.engine import fused_verify as F
     from specpilot.kernels.verify import rows as R
 
     blocks = model.layers[:layers]
-    for i, blk in enumerate(blocks):
+    caches = [None] * len(blocks) if cache is None else cache.layers
+    for blk, lc in zip(blocks, caches):
         m = blk.mixer
         qkv = fused_linear(x, m.wqkv.weight, NORM, blk.attn_norm, blk.eps)
-        q = R.rope_store_rows(qkv, model.cos, model.sin, inp.pos, inp.slots, m.k_cache[0], m.v_cache[0], m.nh, m.nkv)
-        o = F._attend(m, q, inp, kv_len)
+        if lc is not None and F._rope_in_attention(m, inp):
+            o = F._rope_attend(m, qkv, model, inp, kv_len, lc)
+        else:
+            kc, vc = (m.k_cache[0], m.v_cache[0]) if lc is None else (lc.k, lc.v)
+            q = R.rope_store_rows(qkv, model.cos, model.sin, inp.pos, inp.slots, kc, vc, m.nh, m.nkv,
+                                  req=None if lc is None else inp.req)
+            o = F._attend(m, q, inp, kv_len, lc)
         x = fused_linear(o, m.wo.weight, res=x)
         gu = fused_linear(x, blk.w13.weight, NORM, blk.mlp_norm, blk.eps)
         x = fused_linear(gu, blk.w2.weight, SILU, res=x)
