@@ -18,6 +18,11 @@ and adds the residual as it stores. Here the warp-K GEMM does the same:
 attention as the product runs them); ``lab/verify/step_parts.py --variants product,warpk-fused:8``
 times it against the product. Its rows agree with the product's to the last bits (RMSNorm sums the
 squares in another order).
+
+Measured slower, not routed (docs/plans/verify-gemm.md, item 6): on the H100 whole steps of 2 / 4 /
+8 rows took 6.71 / 6.86 / 7.27 ms against the product's 5.79 / 5.88 / 6.02 ms, and 16 requests x 1
+row 10.26 against 6.57 ms; the row kernels it replaces cost 0.13-0.17 ms a step in all. The sum of
+squares is a loop of dependent L2 loads before the first MMA.
 """
 
 from __future__ import annotations
