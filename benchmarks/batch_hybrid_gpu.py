@@ -52,7 +52,8 @@ def loop(m, batch: int, new: int, graphs: bool, batch_prefill: bool) -> tuple[li
     import torch
 
     from specpilot.engine.batch.requests import Request
-    from specpilot.engine.batch.scheduler import BatchDecoder, BatchStats
+    from specpilot.engine.batch.scheduler import BatchDecoder
+    from specpilot.engine.batch.stats import BatchStats
     from specpilot.engine.gated_deltanet import GatedDeltaNet
 
     GatedDeltaNet.batch_prefill = batch_prefill

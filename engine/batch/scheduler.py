@@ -21,7 +21,8 @@ In AR mode with bucket graphs, while every running request decodes, steps overla
 (:mod:`.overlap`): each iteration launches the next step, fed on the device, before it takes the
 tokens of the step in flight.
 
-The rules are in :mod:`.rules`, the row layout in :mod:`.step`, the slots in :mod:`.cache`.
+The rules are in :mod:`.rules`, the lattices-to-trees side in :mod:`.planner`, the row layout in
+:mod:`.step`, the slots in :mod:`.cache`, the totals in :mod:`.stats`.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -40,11 +40,12 @@ from specpilot.engine.batch.commit import commit_step
 from specpilot.engine.batch.drafting import BatchDrafting
 from specpilot.engine.batch.graphs import PROMPT_BUCKETS, bucket, mixes, replays, sizes, walks
 from specpilot.engine.batch.overlap import Streak
+from specpilot.engine.batch.planner import DraftPlanner
 from specpilot.engine.batch.requests import Request
+from specpilot.engine.batch.stats import BatchStats
 from specpilot.engine.batch.step import Rows, assemble, fits_mixed, prefill_rows, verify_rows
 from specpilot.engine.decode import GenerationResult, check_request
 from specpilot.engine.drafters import Lattice
-from specpilot.engine.metrics import STEP_BUCKETS, Histogram
 from specpilot.engine.spec import cache_room, request_rows
 from specpilot.machine import torch_threads
 from specpilot.engine.tlv import TLVStats
@@ -55,48 +56,6 @@ from specpilot.kernels.gdn.path import row_paths
 
 class QueueFull(Exception):
     """The waiting queue holds ``max_queue`` requests already."""
-
-
-@dataclass
-class BatchStats:
-    """Totals since start (read by ``serve``'s /metrics and ``run``)."""
-
-    verify_steps: int = 0        # verify passes (each counts once, whatever its requests)
-    prefill_passes: int = 0
-    prefill_seconds: float = 0.0  # their wall time (the device's work too where a prompt ends: its token is copied)
-    # row counts: rows = prompt_rows + verify_rows and verify_rows = request_steps + proposed, batched
-    # or not. Not counted anywhere here: bucket padding rows, the row in flight of a request that
-    # finished before an overlapped step was taken, TLV's Q-pass rows (a scratch pass of the 8-bit
-    # view); lattice-target rows only in lattice_rows.
-    request_steps: int = 0       # sum over verify passes of the requests they verified
-    rows: int = 0                # rows run through the target for requests: prompt_rows + verify_rows
-    verify_rows: int = 0         # per request verified in a step: its root row (pending token) + its own draft nodes
-    prompt_rows: int = 0         # prompt rows prefilled, in passes of their own or riding verify steps
-    admitted_prompt_rows: int = 0  # ... of them, those that rode a verify step (admission)
-    overlapped_steps: int = 0    # AR steps fed on the device while the host took the previous one's tokens
-    eager_steps: int = 0         # verify steps run eagerly although there are bucket graphs (prompt rows in them)
-    eager_seconds: float = 0.0   # ... their wall time (launches, the device's work, the argmax copy)
-    mixed_steps: int = 0         # verify steps with a prompt chunk replayed from a mixed bucket graph
-    prefill_replays: int = 0     # prefill passes of one chunk replayed from a mixed bucket (verify rows all padding)
-    drafted_positions: int = 0   # draft positions the drafter proposed
-    kept_positions: int = 0      # ... inside the requests' blocks
-    proposed: int = 0            # draft tokens the verify passes checked, each request's own (tree nodes, chain
-    #                              drafts; tlv: the exact pass's tree); the sum of the requests' ``proposed``
-    accepted: int = 0            # ... accepted
-    tokens: int = 0              # tokens delivered
-    step_seconds: float = 0.0
-    step_hist: Histogram = field(default_factory=lambda: Histogram(STEP_BUCKETS))   # seconds per step
-    finished: dict = field(default_factory=dict)    # finish type -> count
-    tlv: TLVStats | None = None  # mode tlv: every request's cycles (the phase seconds are per batched step)
-    tlv_steps: int = 0           # batched steps that ran TLV cycles
-    # recording lattices: a finished request decodes on (plain AR rows) until its last draft's
-    # targets are known; those rows, and the steps that run only them, are counted here, not above
-    lattice_rows: int = 0
-    lattice_steps: int = 0
-    lattice_seconds: float = 0.0
-
-    def tau(self) -> float | None:
-        return (self.accepted + self.request_steps) / self.request_steps if self.request_steps else None
 
 
 class BatchDecoder:
@@ -124,10 +83,7 @@ class BatchDecoder:
         self.cache = BatchCache(model, self.batch)
         self.drafting = None if mode == "ar" else BatchDrafting(drafter, model, self.cache, layers=draft_layers,
                                                                draft_model=draft_model)
-        self.sizes = rules.block_sizes(depth)
-        dev = model.device
-        self.recent = torch.full((self.batch, rules.BLOCK_WINDOW), float("nan"), device=dev)
-        self.recent_at = [0] * self.batch
+        self.planner = DraftPlanner(mode, nodes, depth, self.topk, self.batch, budget, block, model.device)
         self.runner = None
         if graphs and mode != "tlv":   # TLV's two passes run eagerly
             from specpilot.engine.batch.graphs import BatchGraphRunner
@@ -254,7 +210,7 @@ class BatchDecoder:
             for B in sizes(self.batch):
                 for tr in (None,) if self.mode == "chain" else (None, [[[-1.0] * k] * k] * (self.depth - 1)):
                     lat = Lattice([[1] * k] * self.depth, [[-0.5] * k] * self.depth, tr)
-                    self._trees([lat] * B, list(range(B)))
+                    self.planner.trees([lat] * B, list(range(B)))
         V = self.model.spec.vocab_size
         room = self.cache.max_seq - self.capacity_needed(2, 0)   # new tokens a 2-token prompt may take
 
@@ -266,8 +222,7 @@ class BatchDecoder:
                    for j, n in enumerate(WARMUP_PROMPTS) if self.capacity_needed(n, 4) <= self.cache.max_seq]
         self.generate_many([short(i, 2 * len(prompts) + 8) for i in range(max(1, self.batch // 2))] + prompts)
         self.stats = BatchStats()
-        self.recent.fill_(float("nan"))
-        self.recent_at = [0] * self.batch
+        self.planner.reset()
         if self.drafting is not None:
             self.drafting.clear()
         if self.model.device.type == "cuda":
@@ -319,8 +274,7 @@ class BatchDecoder:
                 self.cache.move(last, i)
                 if self.drafting is not None:
                     self.drafting.move(last, i)
-                self.recent[i] = self.recent[last]
-                self.recent_at[i] = self.recent_at[last]
+                self.planner.move(last, i)
                 self.running[i] = mover
                 mover.slot = i
             self.running.pop()
@@ -342,8 +296,7 @@ class BatchDecoder:
                 self.cache.reset(r.slot)
                 if self.drafting is not None:
                     self.drafting.admit(r.slot)
-                self.recent[r.slot] = float("nan")
-                self.recent_at[r.slot] = 0
+                self.planner.admit(r.slot)
         for r in [r for r in self.running if r.cancelled]:
             r.abort("cancelled")
             self._release(r)
@@ -519,7 +472,11 @@ class BatchDecoder:
                 self._tlv_totals().seconds["draft1"] += time.perf_counter() - t_draft
                 cyc = tlv.cycles(self, decoding, drafters, got, trees, self._tlv_totals().seconds)
             else:
-                self._build_trees(decoding, drafters, got, trees)
+                built, drafted, kept = self.planner.build(got, [decoding[b].slot for b in drafters])
+                self.stats.drafted_positions += drafted
+                self.stats.kept_positions += kept
+                for b, tr in zip(drafters, built or ()):
+                    trees[b] = tr
         gdn = "tree" if self.mode in ("tree", "tlv") else "chain"
         blocks = []
         for b, r in enumerate(decoding):
@@ -575,7 +532,7 @@ class BatchDecoder:
                 r.proposed += len(trees[b])
                 self.stats.proposed += len(trees[b])
             self._extend(r, toks, now, step=not tail[b])
-        self._note_accepted(accepted)
+        self.planner.note_accepted(accepted)
         if cyc:
             self.stats.tlv_steps += 1
             sec = self._tlv_totals().seconds
@@ -590,57 +547,6 @@ class BatchDecoder:
         if self.stats.tlv is None:
             self.stats.tlv = TLVStats(self.nodes)
         return self.stats.tlv
-
-    def _build_trees(self, decoding, idx, lats, trees) -> None:
-        """Trees for the requests ``idx`` from their lattices (block rule, node budget)."""
-        if self.mode == "chain":
-            lats = [type(lt)([row[:1] for row in lt.tokens], [row[:1] for row in lt.logprobs], None) for lt in lats]
-        m = max((lt.m for lt in lats), default=0)
-        self.stats.drafted_positions += sum(lt.m for lt in lats)
-        if m == 0:
-            return
-        host, kept = self._trees(lats, [decoding[b].slot for b in idx])
-        self.stats.kept_positions += kept
-        for j, b in enumerate(idx):
-            trees[b] = host.request(j)
-
-    def _trees(self, lats, slots: list[int]):
-        """The batched builder's trees (on the host) for lattices of the requests in ``slots``, and
-        the draft positions kept. The builder's kernels see one shape per request bucket: lattices
-        pad to the decoder's depth and top-k, the requests to their bucket (empty lattices, no
-        nodes), so a step never compiles what warm-up did not."""
-        dev = self.model.device
-        n = len(lats)
-        m = max([self.depth] + [lt.m for lt in lats])
-        k = max([self.topk] + [len(row) for lt in lats for row in lt.tokens])
-        pad = bucket(n, self.batch) - n
-        tok, lp, tr = rules.pack_lattices(list(lats) + [Lattice.empty()] * pad, m, k, dev)
-        if self.block == "adaptive" and len(self.sizes) > 1:
-            where = torch.tensor(list(slots) + [slots[0]] * pad, device=dev)
-            blocks = rules.choose_blocks(self.recent[where], rules.draft_confidence(lp), self.sizes)
-            lp, tr = rules.cut_blocks(lp, tr, blocks)
-            kept = int(torch.minimum(blocks[:n].cpu(), torch.tensor([lt.m for lt in lats])).sum())
-        else:
-            kept = sum(min(lt.m, self.depth) for lt in lats)
-        # a chain is the tree of a one-candidate lattice: its node budget is the draft length
-        out = rules.build_trees(tok, lp, tr, self.depth if self.mode == "chain" else self.nodes, self.budget,
-                                requests=n)
-        host = type(out)(*(t.cpu() for t in (out.tokens, out.parents, out.depth, out.cand, out.score, out.valid,
-                                                out.count)))
-        return host, kept
-
-    def _note_accepted(self, accepted: list[tuple[int, int]]) -> None:
-        """Each verifying request's accepted draft length goes into its ring of recent lengths
-        (one indexed write on the device; AR steps draft nothing, so there is nothing to note)."""
-        if not accepted or self.mode == "ar":
-            return
-        slots = [s for s, _ in accepted]
-        cols = [self.recent_at[s] % rules.BLOCK_WINDOW for s in slots]
-        dev = self.recent.device
-        self.recent[torch.tensor(slots, device=dev), torch.tensor(cols, device=dev)] = \
-            torch.tensor([float(n) for _, n in accepted], device=dev)
-        for s in slots:
-            self.recent_at[s] += 1
 
     def _replay_mixed(self, blocks: list[Rows], chunk: Rows, N: int) -> tuple[list[int], list[list[int]]] | None:
         """Replay the mixed bucket (B, N, P) that holds ``blocks`` and prompt ``chunk`` (B: every slot;
