@@ -16,8 +16,10 @@ and adds the residual as it stores. Here the warp-K GEMM does the same:
 
 :func:`hidden_rows` is the dense one-request step through them (``q``/``k``/``v`` RoPE and the
 attention as the product runs them); ``lab/verify/step_parts.py --variants product,warpk-fused:8``
-times it against the product. Its rows agree with the product's to the last bits (RMSNorm sums the
-squares in another order).
+times it against the product; :func:`check` compares its GEMMs and whole steps with the product's.
+For the measurement below the same kernel ran routed in the engine, where it passed GPU tests
+against the row kernels (``silu * up`` and the residual bit for bit, the RMSNorm to the rounding of
+its sum's order).
 
 Measured slower, not routed (docs/plans/verify-gemm.md, item 6): on the H100 whole steps of 2 / 4 /
 8 rows took 6.71 / 6.86 / 7.27 ms against the product's 5.79 / 5.88 / 6.02 ms, and 16 requests x 1
