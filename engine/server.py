@@ -41,12 +41,13 @@ from specpilot.engine.batch.requests import Request
 from specpilot.engine.batch.scheduler import QueueFull, percentile
 from specpilot.engine import openai_api as oa
 from specpilot.engine.http_api import BadRequest, Sampling, parse_generate, parse_json
-from specpilot.engine.listen import url_host
+from specpilot.engine.listen import bind
 from specpilot.engine.metrics import COMPLETED, ServeMetrics, inter_token_gaps
+from specpilot.engine.responses import (RETRY_AFTER, collect, error_body, error_response, json_response,
+                                        stream_openai, stream_sglang)
 from specpilot.errors import InputError
 
 MAX_BODY = 64 << 20
-RETRY_AFTER = "1"
 # the spec a server reports names its batch even at the spec's default of 1: ``serve``'s own
 # default is larger, so the spec fed back to it would start another server
 SERVED_ALWAYS = ("batch",)
@@ -60,20 +61,6 @@ class ServeOptions:
     max_queue: int = 1024        # requests waiting for a slot before 503
     grace: float = 30.0          # seconds in-flight requests get to finish after SIGTERM
     log: Callable[[str], None] | None = None   # one line per finished request
-
-
-def error_body(message: str, status: int) -> dict:
-    return {"error": {"message": message, "code": status}, "message": message}
-
-
-def _json_response(obj, status: int = 200, headers: dict | None = None):
-    from fastapi.responses import Response
-
-    return Response(json.dumps(obj), status_code=status, media_type="application/json", headers=headers)
-
-
-def _error(message: str, status: int, headers: dict | None = None):
-    return _json_response(error_body(message, status), status, headers)
 
 
 @dataclass
@@ -228,27 +215,6 @@ async def _read_body(request) -> bytes:
     return b"".join(chunks)
 
 
-async def _wait_disconnect(request) -> None:
-    """Returns when the client has closed the connection (the body is read already)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def _next_update(updates: asyncio.Queue, disc: asyncio.Future):
-    """The next ``(request, finished)`` update, or None once the client has gone (``disc`` done)."""
-    if disc.done():
-        return None
-    get = asyncio.ensure_future(updates.get())
-    try:
-        done, _ = await asyncio.wait({get, disc}, return_when=asyncio.FIRST_COMPLETED)
-    finally:   # cancelled (Starlette's own disconnect listener ends the stream): no waiter left behind
-        if not get.done():
-            get.cancel()
-    return get.result() if get in done else None
-
-
 def make_app(state: ServeState):
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
@@ -269,19 +235,19 @@ def make_app(state: ServeState):
 
     @app.exception_handler(HTTPException)
     async def _http_error(request, exc):
-        return _error(str(exc.detail), exc.status_code, getattr(exc, "headers", None))
+        return error_response(str(exc.detail), exc.status_code, getattr(exc, "headers", None))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request, exc):
-        return _error(f"bad request: {exc.errors()[:1]}", 400)
+        return error_response(f"bad request: {exc.errors()[:1]}", 400)
 
     @app.exception_handler(Exception)
     async def _internal_error(request, exc):   # a bug of ours: say so, without the traceback
-        return _error(f"internal error: {type(exc).__name__}", 500)
+        return error_response(f"internal error: {type(exc).__name__}", 500)
 
     def refuse(reason: str, message: str, status: int, headers: dict | None = None):
         state.metrics.reject(reason)
-        return _error(message, status, headers)
+        return error_response(message, status, headers)
 
     def submit(prompts, sampling, rids):
         """The engine requests of a call, queued (all or none), and the queue of their updates;
@@ -359,12 +325,12 @@ def make_app(state: ServeState):
             return bad
         reqs, updates = started
         if call.stream:
-            return StreamingResponse(_stream(state, request, reqs[0], call.sampling[0], updates),
+            return StreamingResponse(stream_sglang(state, request, reqs[0], call.sampling[0], updates),
                                      media_type="text/event-stream")
-        outs = await _collect(state, request, reqs, call.sampling, updates)
+        outs = await collect(state, request, reqs, call.sampling, updates)
         if not isinstance(outs, list):
             return outs
-        return _json_response(outs if call.batched else outs[0])
+        return json_response(outs if call.batched else outs[0])
 
     async def openai(request, parse):
         call, bad = await checked(request, parse)
@@ -375,12 +341,12 @@ def make_app(state: ServeState):
             return bad
         reqs, updates = started
         if call.stream:
-            return StreamingResponse(_stream_openai(state, request, reqs[0], call.sampling[0], updates, call),
+            return StreamingResponse(stream_openai(state, request, reqs[0], call.sampling[0], updates, call),
                                      media_type="text/event-stream")
-        outs = await _collect(state, request, reqs, call.sampling, updates)
+        outs = await collect(state, request, reqs, call.sampling, updates)
         if not isinstance(outs, list):
             return outs
-        return _json_response(oa.response(call, outs))
+        return json_response(oa.response(call, outs))
 
     served = eng.model_name
     chat_encode = eng.encode_messages if eng.has_chat_template else None
@@ -395,37 +361,37 @@ def make_app(state: ServeState):
 
     @app.get("/v1/models")
     async def list_models():
-        return _json_response(oa.models(served, int(state.started), context))
+        return json_response(oa.models(served, int(state.started), context))
 
     @app.api_route("/health", methods=["GET", "HEAD"])   # load balancers probe with HEAD
     async def health():
         if state.draining:
-            return _error("the server is shutting down", 503)
+            return error_response("the server is shutting down", 503)
         return Response(status_code=200)
 
     @app.api_route("/health_generate", methods=["GET", "HEAD"])
     async def health_generate():
         alive = state.thread is not None and state.thread.is_alive()
         if state.draining or not alive:
-            return _error("the engine is not serving", 503)
+            return error_response("the engine is not serving", 503)
         return Response(status_code=200)
 
     @app.get("/ready")   # SGLang's: whether the server takes new requests
     async def ready():
         alive = state.thread is not None and state.thread.is_alive()
         if state.draining or not alive:
-            return _error("the server is not taking requests", 503)
+            return error_response("the server is not taking requests", 503)
         return Response(status_code=200)
 
     @app.get("/model_info")
     @app.get("/get_model_info")   # SGLang's older name, the same answer
     async def model_info():
-        return _json_response(state.model_info())
+        return json_response(state.model_info())
 
     @app.get("/server_info")
     @app.get("/get_server_info")
     async def server_info():
-        return _json_response(state.server_info())
+        return json_response(state.server_info())
 
     @app.get("/metrics")
     async def metrics():
@@ -435,7 +401,7 @@ def make_app(state: ServeState):
     async def flush_cache():
         if dec.flush():
             return Response("Cache flushed.\n", media_type="text/plain")
-        return _error("requests are running or waiting; the cache was not flushed", 400)
+        return error_response("requests are running or waiting; the cache was not flushed", 400)
 
     return app
 
@@ -469,143 +435,6 @@ def check_prompt(dec, ids: list[int]) -> None:
 
     check_request(ids, 0, dec.model.spec.vocab_size, dec.capacity_needed(len(ids), 0), dec.cache.max_seq,
                   least_new=0, mode=dec.mode)
-
-
-def _final_status(reqs: list[Request]) -> tuple[int, str] | None:
-    for r in reqs:
-        if r.finish and r.finish["type"] == "abort":
-            msg = str(r.finish.get("message", "aborted"))
-            return (500 if msg.startswith("engine error") else 503), msg
-    return None
-
-
-async def _collect(state: ServeState, request, reqs: list[Request], sampling: list[Sampling], updates: asyncio.Queue):
-    """Wait for every request of a non-streaming call: their answers (``ServeState.answer``), or the
-    error response when the client left or the engine failed them."""
-    left = {id(r) for r in reqs}
-    disc = asyncio.ensure_future(_wait_disconnect(request))
-    try:
-        while left:
-            got = await _next_update(updates, disc)
-            if got is None:
-                for r in reqs:
-                    state.decoder.cancel(r)
-                return _error("client disconnected", 499)
-            r, fin = got
-            if fin:
-                left.discard(id(r))
-    finally:
-        disc.cancel()
-    bad = _final_status(reqs)
-    if bad is not None:
-        return _error(bad[1], bad[0], {"Retry-After": RETRY_AFTER} if bad[0] == 503 else None)
-    return [state.answer(r, sp) for r, sp in zip(reqs, sampling)]
-
-
-def _sendable(full: str, sent: str, stops=(), hold: int = 0) -> str:
-    """The text a stream may send after ``sent`` (what it sent so far) of the text decoded so far,
-    ``full``: none past a stop string in it or within ``hold`` characters of its end, and not a
-    trailing character whose bytes have not all come (U+FFFD until they do), since text once sent
-    cannot be taken back; nothing while ``full`` does not extend ``sent``."""
-    end = len(full) - hold
-    for stop in stops:
-        at = full.find(stop)
-        if at >= 0:
-            end = min(end, at)
-    while end > len(sent) and full[end - 1] == "\ufffd":
-        end -= 1
-    return full[len(sent):end] if end > len(sent) and full.startswith(sent) else ""
-
-
-async def _stream(state: ServeState, request, r: Request, sp: Sampling, updates: asyncio.Queue):
-    """SGLang's streaming answer: one event per step that delivered tokens (cumulative text and ids).
-    Until the last event the text stops short of a character whose bytes have not all come
-    (:func:`_sendable`; SGLang's incremental detokenizer holds it back too), so each event's text
-    extends the one before; the last carries the answer's whole text, cut before a matched stop
-    string (so it can be shorter than the one before, as SGLang's). A client that goes away, while
-    the request waits for a slot too, cancels it (:func:`_next_update`)."""
-    sent, text = -1, ""
-    disc = asyncio.ensure_future(_wait_disconnect(request))
-    try:
-        while True:
-            got = await _next_update(updates, disc)
-            if got is None:   # the client left: the request is cancelled (a queued one never runs)
-                return
-            _, fin = got
-            while not updates.empty() and not fin:   # coalesce updates that queued meanwhile
-                _, fin = updates.get_nowait()
-            if len(r.output) != sent or fin:
-                sent = len(r.output)
-                out = state.answer(r, sp)
-                if not fin:
-                    out["text"] = text = text + _sendable(out["text"], text, sp.stop)
-                yield b"data: " + json.dumps(out).encode() + b"\n\n"
-            if fin:
-                break
-        yield b"data: [DONE]\n\n"
-    finally:
-        disc.cancel()
-        if not r.done:
-            state.decoder.cancel(r)
-
-
-async def _stream_openai(state: ServeState, request, r: Request, sp: Sampling, updates: asyncio.Queue, call):
-    """OpenAI's streaming answer: each event carries the text added since the last (a delta); a chat
-    stream's first event is the role alone (``delta: {"role": "assistant", "content": ""}``) and its
-    last before the usage the finish reason alone (``delta: {}``), as SGLang's; a completions
-    stream's finish reason comes on its last text event. Text
-    that may be the start of a stop string, or a character whose bytes have not all come, is held
-    back until the next step shows what it is: a delta once sent cannot be taken back. A client
-    that goes away cancels the request, as in :func:`_stream`."""
-    eng = state.engine
-    hold = max((len(s) for s in sp.stop), default=1) - 1
-    sent, first, tokens = "", True, 0
-    disc = asyncio.ensure_future(_wait_disconnect(request))
-    try:
-        while True:
-            got = await _next_update(updates, disc)
-            if got is None:
-                return
-            _, fin = got
-            while not updates.empty() and not fin:
-                _, fin = updates.get_nowait()
-            if first and call.chat:   # the role alone first (OpenAI's, SGLang's), when the first update comes
-                counts = (len(r.prompt_ids), 0) if call.continuous_usage else None
-                yield b"data: " + json.dumps(oa.role_chunk(call, counts)).encode() + b"\n\n"
-                first = False
-            if fin:
-                if r.finish and r.finish["type"] == "abort":
-                    text, reason = "", "abort"
-                else:
-                    full = state.answer(r, sp)["text"]
-                    text, reason = (full[len(sent):] if full.startswith(sent) else ""), oa.finish_reason(r.finish)
-            else:
-                # the engine thread may have appended the next step's tokens meanwhile: a stop string
-                # already in the text is never sent, whatever this update said
-                full = eng.decode(r.output, skip_special_tokens=sp.skip_special_tokens)
-                text, reason = _sendable(full, sent, sp.stop, hold), None
-            # a chat stream ends as SGLang's does (serving_chat.py, _generate_chat_stream): the last
-            # text in a content event of its own, then an event with an empty delta and the finish
-            # reason alone; a completions stream puts the finish reason on its last text event
-            own_finish = fin and call.chat
-            # with the usage in every event, an event is due whenever tokens came, text or not
-            if text or first or (fin and not own_finish) or (call.continuous_usage and len(r.output) > tokens):
-                sent, tokens = sent + text, len(r.output)
-                counts = (len(r.prompt_ids), tokens) if call.continuous_usage else None
-                yield (b"data: " + json.dumps(oa.chunk(call, text, None if own_finish else reason, counts)).encode()
-                       + b"\n\n")
-                first = False
-            if own_finish:   # no usage on it, as SGLang's has none (the usage event follows if asked)
-                yield b"data: " + json.dumps(oa.chunk(call, None, reason)).encode() + b"\n\n"
-            if fin:
-                break
-        if call.include_usage:
-            yield b"data: " + json.dumps(oa.usage_chunk(call, len(r.prompt_ids), len(r.output))).encode() + b"\n\n"
-        yield b"data: [DONE]\n\n"
-    finally:
-        disc.cancel()
-        if not r.done:
-            state.decoder.cancel(r)
 
 
 def _protocol():

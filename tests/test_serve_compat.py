@@ -394,7 +394,7 @@ async def _stream_events(state, steps: list[bytes], sp, finish: dict) -> list[di
     """The /generate stream's events for a request delivered ``steps`` (one update each; the last
     finishes it with ``finish``)."""
     from specpilot.engine.batch.requests import Request
-    from specpilot.engine.server import _stream
+    from specpilot.engine.responses import stream_sglang as _stream
 
     class Client:   # never leaves
         async def receive(self):
@@ -436,7 +436,22 @@ def test_the_native_stream_holds_back_a_character_whose_bytes_have_not_all_come(
                                     {"type": "stop", "matched": "🍌!"}))
     assert [e["text"] for e in ev] == ["ab ", "ab ", "ab 🍌", "ab "]
     # the OpenAI streams' deltas: never past the end of the text, whatever the hold
-    from specpilot.engine.server import _sendable
+    from specpilot.engine.responses import sendable as _sendable
 
     assert _sendable("abc", "", (), 5) == "" and _sendable("ab\ufffd", "a") == "b"
     assert _sendable("abcd", "ab", ("cd",)) == "" and _sendable("xy", "ab") == ""
+
+
+def test_server_without_a_socket_binds_its_own():
+    """``Server`` given no socket listens on the options' host and port itself (``serve`` binds
+    before importing torch and hands its socket over; a library caller need not)."""
+    from types import SimpleNamespace
+
+    from specpilot.engine.server import Server, ServeOptions
+
+    dec = SimpleNamespace(capacity_needed=lambda p, n: 4, cache=SimpleNamespace(max_seq=64))
+    srv = Server(SimpleNamespace(batch_decoder=lambda max_queue: dec), ServeOptions(host="127.0.0.1", port=0))
+    try:
+        assert srv.port > 0 and srv.sock.getsockname()[0] == "127.0.0.1"
+    finally:
+        srv.sock.close()
