@@ -515,25 +515,20 @@ def verify(packed: str, against: str | None = None, progress: Callable | None = 
             if bar:
                 bar.update(1)
             try:
-                t = load_w12(tensors, name, entry, str(f))
-                restored = decode(t.to(device))
+                restored = restored_weight(tensors, name, entry, str(f), device)
             except W12TableError:         # a malformed table is bad input, not a failed restore
                 raise
             except W12FormatError as e:   # "FILE: NAME: what" -> (NAME, what)
                 res.mismatched.append((name, str(e).removeprefix(f"{f}: ").removeprefix(f"{name}: ")))
                 continue
             if entry.get("sha256"):
-                if bf16_sha256(restored) != entry["sha256"]:
-                    res.mismatched.append((name, "restored weights differ from the original's sha256 that pack "
-                                                 "recorded"))
-                    continue
                 res.digests += 1
             if against is not None:
                 r = ref_tensor(name)
                 if r is None:
                     res.mismatched.append((name, "not in the reference checkpoint"))
                     continue
-                if r.dtype != torch.bfloat16 or tuple(r.shape) != t.shape:
+                if r.dtype != torch.bfloat16 or r.shape != restored.shape:
                     res.mismatched.append((name, f"reference is {r.dtype} {tuple(r.shape)}"))
                     continue
                 diff = restored.view(torch.int16) != r.to(restored.device).view(torch.int16)
@@ -596,6 +591,18 @@ def stats(path: str) -> StatsResult:
 # load a packed checkpoint into a model
 # ----------------------------------------------------------------------------------------------
 
+def restored_weight(tensors: dict[str, torch.Tensor], name: str, entry: dict, source: str, device=None) -> torch.Tensor:
+    """W12 weight ``name`` of a packed file's ``tensors`` decoded to its bf16 original (on ``device``,
+    default where its parts are), checked against the sha256 ``pack`` recorded where it recorded one
+    (W12FormatError where it differs, or where the parts are malformed)."""
+    t = load_w12(tensors, name, entry, source)
+    restored = decode(t if device is None else t.to(device))
+    if entry.get("sha256") and bf16_sha256(restored) != entry["sha256"]:
+        raise W12FormatError(f"{source}: {name}: restored weights differ from the original's sha256 that pack "
+                             "recorded")
+    return restored
+
+
 def restore_bf16(tensors: dict[str, torch.Tensor], meta: dict[str, str], source: str) -> dict[str, torch.Tensor]:
     """A packed file's tensors with every W12 weight restored to its bf16 original (its parts
     dropped), each checked against the sha256 ``pack`` recorded (W12FormatError where it differs);
@@ -606,11 +613,7 @@ def restore_bf16(tensors: dict[str, torch.Tensor], meta: dict[str, str], source:
     parts = {f"{n}.w12.{p}" for n in info for p in PARTS}
     out = {k: v for k, v in tensors.items() if k not in parts}
     for name, entry in info.items():
-        restored = decode(load_w12(tensors, name, entry, source))
-        if entry.get("sha256") and bf16_sha256(restored) != entry["sha256"]:
-            raise W12FormatError(f"{source}: {name}: restored weights differ from the original's sha256 that pack "
-                                 "recorded")
-        out[name] = restored
+        out[name] = restored_weight(tensors, name, entry, source)
     return out
 
 

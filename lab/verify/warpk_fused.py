@@ -139,7 +139,7 @@ def fused_linear(x: torch.Tensor, w: torch.Tensor, pro: int = PLAIN, gamma: torc
     k = w.shape[1]
     n = w.shape[0]
     xin = x[:, :k] if pro == SILU else x
-    assert W.supported(xin if pro != SILU else torch.empty(m, k, dtype=x.dtype, device=x.device), w), "shapes"
+    assert W.supported(xin, w), "shapes"
     bm = W.block_m(m)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     l_w, l_x, mma, a_op, b_op, l_ep = W.layouts(W.ROWS, bm, W.WARPS)
@@ -153,16 +153,13 @@ def fused_linear(x: torch.Tensor, w: torch.Tensor, pro: int = PLAIN, gamma: torc
 
 
 def takes(model, inp, x, cache, invariant) -> bool:
-    """A dense bf16 step of up to 32 rows (one request's, or batched with ``cache``) outside a TLV Q
-    pass or the invariant mode."""
-    from specpilot.engine.model import Attention
+    """A dense bf16 step of up to 32 rows (one request's, or batched with ``cache``) of a model whose
+    layers the one-row chain takes, outside the invariant mode, its weights plain bf16 (no W12)."""
+    from specpilot.engine.fused_verify import one_row_chain
 
-    return (not invariant and x.shape[0] <= W.MAX_ROWS and x.dtype == torch.bfloat16
-            and all(isinstance(b.mixer, Attention) and not (b.mixer.qk_norm or b.mixer.gate)
-                    and getattr(b.mixer.wqkv, "weight", None) is not None and getattr(b.w13, "weight", None) is not None
-                    and getattr(b.mixer.wqkv, "kp", None) is None and getattr(b.w13, "kp", None) is None
-                    and getattr(b.mixer.wqkv, "qkp", None) is None and getattr(b.mixer.wqkv, "q8", None) is None
-                    for b in model.layers))
+    return (not invariant and x.shape[0] <= W.MAX_ROWS and x.dtype == torch.bfloat16 and one_row_chain(model)
+            and all(getattr(lin, "weight", None) is not None and getattr(lin, "kp", None) is None
+                    for b in model.layers for lin in (b.mixer.wqkv, b.w13)))
 
 
 def hidden_rows(model, x: torch.Tensor, inp, kv_len: int, layers: int | None = None, cache=None) -> torch.Tensor:
