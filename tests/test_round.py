@@ -591,16 +591,16 @@ def test_a_candidate_whose_server_cannot_be_its_own_is_refused_and_the_round_rep
 def test_a_stopped_server_is_gone_when_stop_returns():
     """The round starts servers through a shell; a server that drains after SIGTERM outlives the
     shell, and stop() waits for it (the whole process group), not only for the shell."""
-    from specpilot.auditors.round.sglang import Server, _group_alive
+    from specpilot.auditors.round.servers import Server, group_alive
 
     code = ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: (time.sleep(1), sys.exit(0))); "
             "print('up', flush=True); time.sleep(60)")
     proc = subprocess.Popen(f"{sys.executable} -c \"{code}\"; true", shell=True, start_new_session=True,
                             stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "up"
-    assert _group_alive(proc.pid)
+    assert group_alive(proc.pid)
     Server("http://127.0.0.1:1", proc, None).stop()
-    assert not _group_alive(proc.pid)
+    assert not group_alive(proc.pid)
 
 
 def _started_with_port(port: int) -> list[str]:

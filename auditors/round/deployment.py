@@ -6,7 +6,7 @@ Two forms:
   the default: the real SmolLM2 on the CPU, random Llama-3.1-8B shapes on a GPU). The spec is the
   deployment's current system; the round runs everything itself.
 * **an SGLang deployment file** (``specpilot.deployment/1``, YAML or JSON; see
-  :mod:`.sglang`): the target, drafter, GPU and SGLang version, the files the user captured
+  :mod:`.deployment_file`): the target, drafter, GPU and SGLang version, the files the user captured
   (a rows probe or traces, lattices, outputs), and how to start stock and candidate servers.
 
 :class:`Facts` is what proposals check: device, GPU, weight dtype, drafter family, target kind
@@ -113,7 +113,7 @@ def parse_deployment(text: str | None, strict: bool = True) -> Deployment:
         return Deployment(text=str(spec), kind="engine", facts=engine_facts(spec), engine_spec=spec)
     path = Path(raw).expanduser()
     if path.is_file():
-        from .sglang import read_deployment
+        from .deployment_file import read_deployment
 
         dep = read_deployment(path)
         return Deployment(text=str(path), kind="sglang", facts=dep.facts, sglang=dep)
