@@ -6,10 +6,8 @@ what is measured, L2 flushed by *reading* a 256 MB buffer, median of many repeti
 
 from __future__ import annotations
 
-import datetime as _dt
 import json
 import os
-import subprocess
 import sys
 import time
 import traceback
@@ -45,46 +43,10 @@ def bootstrap() -> None:
         spec.loader.exec_module(mod)
 
 
-def git_sha() -> str:
-    sha = os.environ.get("SPECPILOT_GIT_SHA")
-    if sha:
-        return sha
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=REPO, text=True,
-                                       stderr=subprocess.DEVNULL).strip()
-    except Exception:
-        return "unknown"
-
-
 def environment() -> dict:
-    env = {"git_sha": git_sha(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-           "python": sys.version.split()[0]}
-    try:
-        import torch
+    from specpilot.machine import run_facts
 
-        env["torch"] = torch.__version__
-        if torch.cuda.is_available():
-            env["gpu"] = torch.cuda.get_device_name(0)
-            env["cuda"] = torch.version.cuda
-    except Exception:
-        pass
-    try:
-        import triton
-
-        env["triton"] = triton.__version__
-    except Exception:
-        env["triton"] = None
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        env["driver"] = pynvml.nvmlSystemGetDriverVersion()
-        if isinstance(env["driver"], bytes):
-            env["driver"] = env["driver"].decode()
-    except Exception:
-        env.setdefault("driver", None)
-    env.setdefault("gpu", "cpu")
-    return env
+    return run_facts(REPO)
 
 
 def floors_gpu():

@@ -179,3 +179,63 @@ def check_device(device: str, option: str = "--device") -> str:
             raise EnvironmentMissing(f"{option} {device}: this machine has {n} CUDA GPU{'s' * (n != 1)} (cuda:0"
                                      f"{f'..cuda:{n - 1}' if n > 1 else ''})")
     return device
+
+
+def source_revision(folder=None) -> str:
+    """The commit a measurement's code came from: ``SPECPILOT_GIT_SHA`` (set where the tree travels
+    without its git folder), else ``git rev-parse HEAD`` in ``folder`` (default: this checkout, only
+    when the package runs from one: an installed copy inside some other repository says "unknown")."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    sha = os.environ.get("SPECPILOT_GIT_SHA")
+    if sha:
+        return sha
+    here = Path(__file__).resolve().parent
+    root = Path(folder) if folder is not None else here.parent
+    try:
+        top = subprocess.check_output(["git", "rev-parse", "--show-toplevel"], cwd=root, text=True,
+                                      stderr=subprocess.DEVNULL).strip()
+        if folder is None and Path(top).resolve() != root:
+            return "unknown"
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=root, text=True,
+                                       stderr=subprocess.DEVNULL).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def run_facts(folder=None) -> dict:
+    """What a measured figure names beside it: code revision, date (UTC), Python, torch, CUDA,
+    Triton, the GPU (``cpu`` without one) and its driver (NVML)."""
+    import datetime as dt
+    import sys
+
+    env = {"git_sha": source_revision(folder), "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+           "python": sys.version.split()[0]}
+    try:
+        import torch
+
+        env["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            env["gpu"] = torch.cuda.get_device_name(0)
+            env["cuda"] = torch.version.cuda
+    except Exception:
+        pass
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except Exception:
+        env["triton"] = None
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        env["driver"] = pynvml.nvmlSystemGetDriverVersion()
+        if isinstance(env["driver"], bytes):
+            env["driver"] = env["driver"].decode()
+    except Exception:
+        env.setdefault("driver", None)
+    env.setdefault("gpu", "cpu")
+    return env

@@ -86,32 +86,23 @@ def _float_list(text: str, name: str) -> list[float]:
 
 
 def _environment() -> dict:
-    """Facts a measured figure needs beside it (the benchmark-results keys of benchmarks/common.py)."""
-    import datetime as dt
-    import platform
-    import subprocess
-    from pathlib import Path
+    """Facts a measured figure needs beside it: those every benchmark result names
+    (:func:`specpilot.machine.run_facts`), with the Transformers version and torch's CPU threads."""
+    from specpilot.machine import run_facts
 
-    env = {"benchmark": "audit_selftest", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-           "python": platform.python_version()}
+    env = {"benchmark": "audit_selftest", **run_facts()}
     try:
-        env["git_sha"] = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL,
-                                                 cwd=Path(__file__).resolve().parent).strip()
+        import transformers
+
+        env["transformers"] = transformers.__version__
     except Exception:
-        env["git_sha"] = "unknown"
-    for mod in ("torch", "transformers", "triton"):
-        try:
-            env[mod] = __import__(mod).__version__
-        except Exception:
-            env[mod] = None
+        env["transformers"] = None
     try:
         import torch
 
-        env["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
         env["cpu_threads"] = torch.get_num_threads()
     except Exception:
-        env["gpu"] = "cpu"
-    env["driver"] = None
+        pass
     return env
 
 
