@@ -154,6 +154,44 @@ def test_an_index_naming_a_tensor_no_shard_holds_is_warned_of(tmp_path, run_cli)
     assert run_cli("w12", "verify", out, "--against", folder)[0] == 0
 
 
+def _misindexed(tmp_path):
+    """Two shards, the index naming only the second and putting the first's tensor in it."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    g = torch.Generator().manual_seed(1)
+    first = {D: (torch.randn(48, 200, generator=g) * 0.02).bfloat16()}
+    second = {Q: (torch.randn(130, 192, generator=g) * 0.02).bfloat16()}
+    save_file(first, str(folder / "model-00001-of-00002.safetensors"))
+    save_file(second, str(folder / "model-00002-of-00002.safetensors"))
+    return folder, first, second
+
+
+def test_an_index_that_puts_a_tensor_in_the_wrong_shard_is_refused_before_anything_is_written(tmp_path, run_cli):
+    folder, first, second = _misindexed(tmp_path)
+    wm = {k: "model-00002-of-00002.safetensors" for k in [*first, *second]}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))
+    out = tmp_path / "model-w12"
+    code, _, err = run_cli("w12", "pack", folder, "-o", out)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert (f"names model-00002-of-00002.safetensors for {D}, which model-00001-of-00002.safetensors holds and the "
+            "index does not name") in err
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+def test_a_shard_the_index_does_not_name_is_copied_and_said(tmp_path, run_cli):
+    folder, first, second = _misindexed(tmp_path)
+    wm = {k: "model-00002-of-00002.safetensors" for k in second}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))
+    out = tmp_path / "model-w12"
+    code, stdout, err = run_cli("w12", "pack", folder, "-o", out, "--format", "json")
+    assert code == 0, err
+    line = "model-00001-of-00002.safetensors is not named by model.safetensors.index.json: copied as it is, not packed"
+    assert f"specpilot: warning: {line}" in err and line in json.loads(stdout)["warnings"]
+    assert ((out / "model-00001-of-00002.safetensors").read_bytes()
+            == (folder / "model-00001-of-00002.safetensors").read_bytes())
+    assert run_cli("w12", "verify", out, "--against", folder)[0] == 0
+
+
 def test_include_exclude_and_report_file(tmp_path, run_cli):
     src, dst, rep = tmp_path / "m.safetensors", tmp_path / "w.safetensors", tmp_path / "rep.json"
     make_checkpoint(src)

@@ -284,6 +284,9 @@ def pack(src: str, dst: str, include: Iterable[str] | None = None, exclude: Iter
             for other in ck.root.iterdir():
                 if other.is_file() and other.suffix != ".safetensors" and not other.name.endswith(".index.json"):
                     shutil.copyfile(other, tmp / other.name)
+            for other in ck.unindexed:   # not part of the checkpoint a loader reads; kept, not lost
+                shutil.copyfile(other, tmp / other.name)
+                res.warnings.append(f"{other.name} is not named by {ck.index.name}: copied as it is, not packed")
             if ck.index is not None:
                 doc = json.loads(ck.index.read_text())
                 absent = sorted(set(doc["weight_map"]) - held)

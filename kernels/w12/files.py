@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 META_KEY = "specpilot.w12"
@@ -22,6 +22,11 @@ class Checkpoint:
     files: list[Path]           # safetensors files
     index: Path | None = None   # model.safetensors.index.json, if sharded
     is_folder: bool = False
+    unindexed: list[Path] = field(default_factory=list)   # safetensors files beside an index that it does not name
+
+    def index_map(self) -> dict[str, str]:
+        """The index's tensor -> shard file name ({} without an index)."""
+        return json.loads(self.index.read_text())["weight_map"] if self.index is not None else {}
 
 
 def find_checkpoint(path: str | os.PathLike) -> Checkpoint:
@@ -53,7 +58,9 @@ def _from_index(index: Path) -> Checkpoint:
     missing = [str(f) for f in files if not f.is_file()]
     if missing:
         raise FileNotFoundError(f"{index}: shard {missing[0]} is missing")
-    return Checkpoint(index.parent, files, index, True)
+    named = {f.name for f in files}
+    unindexed = [f for f in sorted(index.parent.glob("*.safetensors")) if f.name not in named]
+    return Checkpoint(index.parent, files, index, True, unindexed)
 
 
 def unreadable(path: Path, e: Exception) -> W12FormatError:
@@ -88,6 +95,13 @@ def check_checkpoint(path: str, packed: bool = False) -> Checkpoint:
             owner[n] = f
     if packed and not any(META_KEY in m for m in metas):
         raise no_w12(path)
+    if ck.unindexed:   # a tensor the index puts in a shard that lacks it, held by a file the index does not name
+        wrong = {n: s for n, s in ck.index_map().items() if owner.get(n) is None or owner[n].name != s}
+        for f in ck.unindexed:
+            stray = [n for n in header(f)[1] if n in wrong]
+            if stray:
+                raise W12FormatError(f"{ck.index}: names {wrong[stray[0]]} for {stray[0]}, which {f.name} holds and "
+                                     f"the index does not name; fix the index (or move {f.name} out of the folder)")
     return ck
 
 
