@@ -10,6 +10,8 @@ refused, and one of another GPU or model than the floors gives a warning
 
 from __future__ import annotations
 
+import re
+
 from specpilot.errors import InputError
 from specpilot.gpus import GPUSpec
 
@@ -36,13 +38,18 @@ def check_rows_probe_hardware(probe: RowsProbeFigures | None, gpu: GPUSpec | Non
     return None
 
 
+# what a folder or Hugging Face name adds to the model's own name: its size, a tuning or a dtype
+# (``smollm2`` / ``SmolLM2-135M-Instruct``), never another model (``tiny`` / ``tiny-hybrid``)
+VARIANT_TAIL = re.compile(r"(?:-(?:\d+(?:\.\d+)?[kmbt]|instruct|chat|it|base|hf|bf16|fp16|fp32|w12))+")
+
+
 def same_model(a: str | None, b: str | None) -> bool:
     """Two files' model names as one model (unknown: no objection; a catalog name and its
     -instruct folder name are one, as are a Hugging Face id and its last part)."""
     if not a or not b:
         return True
-    a, b = model_key(a), model_key(b)
-    return a.startswith(b) or b.startswith(a)
+    short, long = sorted((model_key(a), model_key(b)), key=len)
+    return long.startswith(short) and (long == short or VARIANT_TAIL.fullmatch(long[len(short):]) is not None)
 
 
 def files_from_other_models(run: RunFigures | None, probe: RowsProbeFigures | None,

@@ -510,3 +510,18 @@ def test_files_of_another_model_are_refused_beside_a_run(run_cli, tmp_path):
     for args in (("--run", run), ("--check", run)):
         code, _, err = run_cli("ceiling", *args, "--rows-probe", rows)
         assert code == 2 and "was measured on llama-3.1-8b, the run" in err and "decoded tiny" in err, err
+    # a model whose name starts with the run's is another model all the same (a dense and a hybrid)
+    rows.write_text(json.dumps({"schema": "specpilot.rows/1", "model": "tiny-hybrid", "ar_ms": 4.0,
+                                "points": [{"rows": 1, "step_ms": 4.0}, {"rows": 9, "step_ms": 4.4}]}))
+    code, _, err = run_cli("ceiling", "--check", run, "--rows-probe", rows)
+    assert code == 2 and "was measured on tiny-hybrid, the run" in err, err
+
+
+@pytest.mark.parametrize("a,b,same", [("tiny", "tiny-hybrid", False), ("qwen3", "qwen3.5-9b", False),
+                                      ("smollm2", "HuggingFaceTB/SmolLM2-135M-Instruct", True),
+                                      ("llama-3.1-8b", "Llama-3.1-8B-Instruct/", True),
+                                      ("llama-3.1-8b", "llama-3.1-8b-w12", True), ("tiny", None, True)])
+def test_model_names_compare_by_their_variant_tail(a, b, same):
+    from specpilot.probes.ceiling_checks import same_model
+
+    assert same_model(a, b) is same and same_model(b, a) is same
