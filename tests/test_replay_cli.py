@@ -163,6 +163,14 @@ def test_nodes_take_a_series_as_rows_do(tmp_path, run_cli):
     code, out, err = run_cli("replay", lat, "--policy", "best-first:4", "--nodes", "1,2,3,...,5", "--format", "json")
     assert code == 0, err
     assert sorted(int(n) for n in json.loads(out)["curves"]["best-first"]) == [1, 2, 3, 4, 5]
+    # the series --help shows runs as written; the one that could step by 8 or double is refused
+    from specpilot.commands.replay import command
+
+    example = next(o for o in command.params if o.name == "nodes").help.split("--rows takes: ")[1].split(";")[0]
+    code, out, err = run_cli("replay", lat, "--nodes", example, "--format", "json")
+    assert code == 0 and sorted(int(n) for n in json.loads(out)["curves"]["best-first"]) == list(range(8, 65, 8)), err
+    code, _, err = run_cli("replay", lat, "--nodes", "8,16,...,64")
+    assert code == 2 and "give a third value" in err, err
 
 
 def test_duplicate_step_and_overwrite_input(tmp_path, run_cli):
