@@ -708,3 +708,14 @@ def test_the_engine_runs_a_packed_folder_as_its_bf16_original(tmp_path, run_cli)
     code, _, err = run_cli("run", "--model", packed, "--mode", "ar", "--prompt-ids", "5,6", "--max-new-tokens", "2")
     lines = [x for x in err.splitlines() if x.startswith("specpilot: error:")]
     assert code == 2 and len(lines) == 1 and f"{f}: " in lines[0] and "CRC-32 mismatch" in lines[0], err
+
+
+def test_verify_against_a_packed_checkpoint_is_refused(tmp_path, run_cli):
+    src, one, two = tmp_path / "m.safetensors", tmp_path / "m.w12.safetensors", tmp_path / "m2.w12.safetensors"
+    make_checkpoint(src)
+    assert run_cli("w12", "pack", src, "-o", one)[0] == 0
+    assert run_cli("w12", "pack", one, "-o", two, "--include", "*embed*")[0] == 0
+    code, _, err = run_cli("w12", "verify", one, "--against", two)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"--against {two}: a W12 checkpoint; give the original (unpacked) checkpoint" in err, err
+    assert run_cli("w12", "verify", two, "--against", src)[0] == 0

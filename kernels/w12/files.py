@@ -79,10 +79,11 @@ def header(path: Path) -> tuple[dict[str, str], list[str]]:
         raise unreadable(path, e) from None
 
 
-def check_checkpoint(path: str, packed: bool = False) -> Checkpoint:
+def check_checkpoint(path: str, packed: bool = False, original: str | None = None) -> Checkpoint:
     """The checkpoint at ``path`` with every file's header readable and no tensor name in two of its
     files (which one a reader takes would be chance); ``packed``: at least one file carries W12
-    metadata. What the readers would refuse after loading torch, refused first."""
+    metadata; ``original`` (the option that names it): none does. What the readers would refuse
+    after loading torch, refused first."""
     ck = find_checkpoint(path)
     metas, owner = [], {}
     for f in ck.files:
@@ -95,6 +96,9 @@ def check_checkpoint(path: str, packed: bool = False) -> Checkpoint:
             owner[n] = f
     if packed and not any(META_KEY in m for m in metas):
         raise no_w12(path)
+    if original and any(META_KEY in m for m in metas):
+        raise W12FormatError(f"{original} {path}: a W12 checkpoint; give the original (unpacked) checkpoint its "
+                             "tensors are compared with")
     if ck.unindexed:   # a tensor the index puts in a shard that lacks it, held by a file the index does not name
         wrong = {n: s for n, s in ck.index_map().items() if owner.get(n) is None or owner[n].name != s}
         for f in ck.unindexed:

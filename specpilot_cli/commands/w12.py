@@ -174,7 +174,7 @@ def verify_cmd(packed, against, device, fmt, out):
     """
     check_checkpoint(packed, packed=True)
     if against:
-        check_checkpoint(against)
+        check_checkpoint(against, original="--against")
     ck = _lib()
     res = ck.verify(packed, against, progress=lambda **kw: progress(unit="tensor", **kw), device=_device(device))
     data = {"schema": "specpilot.w12-verify/1", "packed": packed, "against": against, "ok": res.ok,
