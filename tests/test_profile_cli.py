@@ -122,6 +122,15 @@ def test_ceiling_json_supplies_floors(run_cli, tmp_path):
     # the ceiling's floors are its GPU's: another --gpu (or peak figures) would be ignored
     code, _, err = run_cli("profile", H200_EAGER, "--ceiling", ceil, "--gpu", "h100")
     assert code == 2 and "--gpu: --ceiling brings the floors of the GPU it was made for" in err, err
+    # a ceiling of several row counts: --rows picks one, and without it the trace's rows are not guessed
+    doc = json.loads(ceil.read_text())
+    doc["by_rows"]["8"] = {**doc["by_rows"]["1"], "rows": 8, "total_floor_ms": 0.03}
+    ceil.write_text(json.dumps(doc))
+    code, _, err = run_cli("profile", H200_EAGER, "--step-range", "^decode_step", "--ceiling", ceil)
+    assert code == 2 and "ceiling has floors for several rows (1, 8); choose one with --rows" in err, err
+    code, out, err = run_cli("profile", H200_EAGER, "--step-range", "^decode_step", "--ceiling", ceil, "--rows", 8,
+                             "--format", "json")
+    assert code == 0 and json.loads(out)["total_floor_ms"] == 0.03, err
 
 
 def test_the_floors_line_names_replaced_peaks(run_cli):

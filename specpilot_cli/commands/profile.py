@@ -72,7 +72,8 @@ def _gpu_help() -> str:
               help="Peak bandwidth for floors (with --model; with --flops: a GPU not in the catalog).")
 @click.option("--flops", type=positive(MAX_TFLOPS), metavar="TFLOP/S", help="Dense bf16 TFLOP/s for floors (with --model).")
 @click.option("--ceiling", "ceiling_file", type=click.Path(dir_okay=False),
-              help="Floors from a specpilot ceiling JSON instead of --model.")
+              help="Floors from a specpilot ceiling JSON instead of --model (--rows picks one of its row "
+                   "counts; needed when it has several).")
 @dtype_options
 @click.option("--plot", "plot_file", type=click.Path(dir_okay=False), callback=not_empty, help="Draw measured vs floor per class: a .png, .svg or .pdf file (the suffix picks the format).")
 @output_options
