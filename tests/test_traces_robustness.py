@@ -311,6 +311,24 @@ def test_kineto_non_finite_or_huge_times_name_the_file(tmp_path, good, cat, fiel
     assert msg.startswith(f"{p}: an event has a ") and ("non-finite" in msg or "out of range" in msg)
 
 
+@pytest.mark.parametrize("cat, field", [("kernel", "ts"), ("kernel", "dur"), ("user_annotation", "dur"),
+                                        ("cuda_runtime", "ts")])
+@pytest.mark.parametrize("value", ["5", True, None])
+def test_kineto_times_that_are_no_numbers_name_the_file(tmp_path, good, cat, field, value):
+    """A string is not read as a number, a boolean not as 1 us, a null not as 0."""
+    p = _kineto_with(tmp_path, good, cat, **{field: value})
+    msg = _err(p)
+    assert msg.startswith(f"{p}: malformed {cat} event") and f"{value!r} is not a number" in msg, msg
+
+
+def test_a_kineto_kernel_without_its_duration_is_malformed(tmp_path, good):
+    doc = json.loads(good["json"].read_text())
+    next(e for e in doc["traceEvents"] if e.get("cat") == "kernel").pop("dur")
+    p = tmp_path / "nodur.json"
+    p.write_text(json.dumps(doc))
+    assert _err(p).startswith(f"{p}: malformed kernel event (KeyError: 'dur')")
+
+
 def test_kineto_event_ending_before_it_starts_is_left_out_and_counted(tmp_path, good):
     whole = read_trace(good["json"], StepRequest(range_regex="decode_step"))
     p = _kineto_with(tmp_path, good, "kernel", dur=-5)

@@ -109,8 +109,18 @@ class _OutOfRange(ValueError):
     """A time that is not finite or does not fit the integer nanosecond columns."""
 
 
+NUMBER = (int, float)   # a JSON number (bool is no time: ``type`` is checked, not ``isinstance``)
+
+
+def _time(x, what: str):
+    """A time or duration as the trace gives it (us): a JSON number, else TypeError."""
+    if type(x) not in NUMBER:
+        raise TypeError(f"{what} {x!r} is not a number")
+    return x
+
+
 def _ns(x) -> int:
-    us = float(x)
+    us = float(_time(x, "time"))
     if not abs(us) < TIME_US_MAX:  # NaN too
         raise _OutOfRange
     return int(round(us * 1000.0))
@@ -158,8 +168,8 @@ class KinetoTrace:
                     nid = names.get(nm)
                     if nid is None:
                         nid = names[nm] = len(names)
-                    append((kind, ev["ts"], ev.get("dur", 0), a.get("stream", -1), a.get("correlation", -1), nid,
-                            a.get("External id", -1), a.get("device", -1)))
+                    append((kind, _time(ev["ts"], "ts"), _time(ev["dur"], "dur"), a.get("stream", -1),
+                            a.get("correlation", -1), nid, a.get("External id", -1), a.get("device", -1)))
                     if len(gpu_rows) >= FLUSH:
                         gpu_blocks.append(_gpu_columns(_block(gpu_rows, 8, path, GPU_ROW_MAX)))
                         gpu_rows.clear()
@@ -167,7 +177,7 @@ class KinetoTrace:
                     a = ev.get("args") or {}
                     c = a.get("correlation")
                     if c is not None:
-                        rt_rows.append((c, ev["ts"]))
+                        rt_rows.append((c, _time(ev["ts"], "ts")))
                         if len(rt_rows) >= FLUSH:
                             rt_blocks.append(_block(rt_rows, 2, path, RT_ROW_MAX))
                             rt_rows.clear()
