@@ -188,6 +188,8 @@ def parse_generate_response(raw: bytes, where: str, max_new_tokens: int | None =
     except (UnicodeDecodeError, json.JSONDecodeError):
         snippet = raw[:60].decode("utf-8", "replace").replace("\n", " ")
         raise _bad(where, f"not JSON (starts with {snippet!r})") from None
+    except RecursionError:   # the server's failure, not the user's input
+        raise _bad(where, "JSON nested too deeply to read") from None
     if isinstance(obj, list) and len(obj) == 1:
         obj = obj[0]
     if not isinstance(obj, dict):

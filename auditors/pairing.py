@@ -181,7 +181,7 @@ def _metric_from_stdout(out: str, key: str, where: str) -> float:
                          f"{{\"{key}\": 123.4}} on its last line")
     try:
         obj = json.loads(lines[-1])
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         raise InputError(f"{where}: last stdout line is not JSON ({_tail(lines[-1], 60)!r}); --metric {key} "
                          f"expects {{\"{key}\": number}}") from None
     v = obj

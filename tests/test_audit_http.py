@@ -207,6 +207,16 @@ def _fails_at(request: int, status: int, payload: bytes):
     return behaviour
 
 
+def test_an_answer_nested_too_deeply_is_the_servers_failure_and_keeps_partial(run_cli, stdlib_server, prompts_file,
+                                                                              tmp_path):
+    s = stdlib_server(_fails_at(3, 200, b"[" * 100_000 + b"]" * 100_000))
+    save = tmp_path / "deep.jsonl"
+    code, _, err = _collect(run_cli, s.url, prompts_file, save)
+    assert code == 3 and len(err.strip().splitlines()) == 1, err
+    assert "malformed /generate answer: JSON nested too deeply to read" in err and "kept the 2 of 5 outputs" in err
+    assert [r.id for r in read_outputs(save).rows] == ["r0", "r1"]
+
+
 def test_concurrent_requests_keep_completed_outputs_on_failure(run_cli, stdlib_server, prompts_file, tmp_path):
     s = stdlib_server(_fails_at(3, 200, b"garbage"))
     save = tmp_path / "conc.jsonl"

@@ -88,6 +88,8 @@ def test_gpu_swap_schedule():
 @pytest.mark.parametrize("args,msg", [
     (["--base-cmd", "exit 3", "--candidate-cmd", "true"], "base command failed (exit 3)"),
     (["--base-cmd", "echo hi", "--candidate-cmd", "true", "--metric", "tps"], "not JSON"),
+    (["--base-cmd", "python3 -c \"print('[' * 100000 + ']' * 100000)\"", "--candidate-cmd", "true", "--metric", "tps"],
+     "last stdout line is not JSON"),
     (["--base-cmd", emit_cmd(1, "x"), "--candidate-cmd", "true", "--metric", "tps"], "no 'tps'"),
     (["--base-cmd", emit_cmd(-1), "--candidate-cmd", "true", "--metric", "tokens_per_s"], "positive"),
     (["--base-cmd", "sleep 5", "--candidate-cmd", "true", "--timeout", "0.2"], "--timeout"),
