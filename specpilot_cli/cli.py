@@ -103,7 +103,16 @@ def cli(ctx, debug):
 
 
 def _debug_requested(argv) -> bool:
-    return "--debug" in argv or os.environ.get("SPECPILOT_DEBUG") == "1"
+    """``specpilot --debug VERB ...`` (the group's own flags all come before the verb; a verb's
+    argument or option value that reads ``--debug`` is not the flag), or ``SPECPILOT_DEBUG=1``."""
+    if os.environ.get("SPECPILOT_DEBUG") == "1":
+        return True
+    for arg in argv:
+        if arg == "--debug":
+            return True
+        if arg == "--" or not arg.startswith("-"):
+            return False
+    return False
 
 
 def main(argv=None) -> None:

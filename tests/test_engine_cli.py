@@ -400,3 +400,15 @@ def test_chat_and_an_empty_engine_spec_are_refused_where_they_mean_nothing(run_c
     assert code == 2 and "--chat wraps text prompts" in err
     code, _, err = run_cli("run", "--engine", " ", "--prompt", "a")
     assert code == 2 and "--engine is empty" in err
+
+
+def test_only_the_flag_before_the_verb_asks_for_tracebacks(run_cli, monkeypatch):
+    """``specpilot --debug VERB``: a prompt that reads --debug, or the flag after the verb (no option
+    of the verb), leaves a mistake at one line."""
+    monkeypatch.delenv("SPECPILOT_DEBUG", raising=False)
+    for args in (("run", "--model", "tiny", "--prompt", "--debug", "--max-new-tokens", 0),
+                 ("run", "--model", "tiny", "--prompt", "x", "--debug")):
+        code, _, err = run_cli(*args)
+        assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    code, _, err = run_cli("--debug", "run", "--model", "tiny", "--prompt", "x", "--max-new-tokens", 0)
+    assert code == 2 and "Traceback" in err and err.strip().endswith("--max-new-tokens must be >= 1, got 0"), err
