@@ -48,6 +48,9 @@ MAX_MS = 3.6e6           # a step time in ms (one hour)
 MAX_TBS = 1e4            # bandwidth, TB/s
 MAX_TFLOPS = 1e7         # FLOP/s, TFLOP/s
 
+# timed runs of a comparison or a CI check (compare --runs/--max-runs, check --runs)
+MAX_RUNS = 100_000
+
 # file sizes read whole into memory
 MAX_JSON_BYTES = 1 << 30           # a JSON result file (profile, replay, timing, rows, ceiling)
 MAX_CONFIG_BYTES = 64 << 20        # a model config.json

@@ -99,6 +99,7 @@ def test_gpu_swap_schedule():
     (["--base", "engine:model=x", "--candidate", "engine:model=tiny"], "--base engine:model=x: unknown model 'x'"),
     (["--base", "engine:model=tiny", "--candidate", "engine:model=smollm2"], "they must share the tokenizer"),
     (["--base-cmd", "true", "--candidate-cmd", "true", "--runs", "1"], "at least 2"),
+    (["--base-cmd", "true", "--candidate-cmd", "true", "--runs", "200000"], "at most 100000"),
     (["--base-cmd", "true", "--candidate-cmd", "true", "--runs", "5"], "--runs 5: pairs come in blocks of 2"),
     (["--base-cmd", "true", "--candidate-cmd", "true", "--max-runs", "9"], "--max-runs 9: pairs come in blocks"),
     (["--base-cmd", "true", "--candidate-cmd", "true", "--noise", "2"], "--noise"),
@@ -460,3 +461,12 @@ def test_measurements_whose_ratio_is_no_number_are_refused(tmp_path, run_cli, ba
                              "--metric", "tokens_per_s", "--runs", "2", "--warmup", "0", "--format", "json",
                              "--partial", tmp_path / "p.json")
     assert code == 2 and out == "" and words in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("runs", ["1", "100000000"])
+def test_check_runs_out_of_range_is_refused_before_anything_runs(run_cli, runs):
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "rounds" / "smollm2-cpu"
+    code, _, err = run_cli("check", "--baseline", example, "--runs", runs)
+    assert code == 2 and f"{runs} is not in the range 2<=x<=100000" in err, err

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from specpilot.errors import InputError
+from specpilot.limits import MAX_RUNS
 from specpilot.options import seed_option, typed
 from specpilot.output import Report, Section, emit, fmt_num, output_options, progress
 
@@ -13,7 +14,8 @@ from specpilot.output import Report, Section, emit, fmt_num, output_options, pro
 @click.option("--baseline", "baseline_path", required=True, type=click.Path(), metavar="ROUND_OR_FILE",
               help="A round's folder (its baseline.json) or a baseline.json file.")
 @click.option("--system", default=None, help="Engine spec to check (default: the baseline's system).")
-@click.option("--runs", type=int, default=None, help="Timed runs (default: as many as the baseline has samples, at least 4).")
+@click.option("--runs", type=click.IntRange(2, MAX_RUNS), default=None,
+              help=f"Timed runs, 2 to {MAX_RUNS} (default: as many as the baseline has samples, at least 4).")
 @click.option("--scorer", default=None, help="Audit scorer: smollm2, tiny, tiny-hybrid (the engine's built-in models), a HF folder or a .gguf (default: the stock engine's target, FP32 head).")
 @click.option("--no-audit", is_flag=True, help="Timing only.")
 @click.option("--no-timing", is_flag=True,
@@ -43,8 +45,6 @@ def command(baseline_path, system, runs, scorer, no_audit, no_timing, tolerance,
     for flag, on, given in (("--no-audit", no_audit, typed("scorer")), ("--no-timing", no_timing, typed("runs", "tolerance"))):
         if on and given:   # an option the run would ignore
             raise InputError(f"{given[0]} does nothing with {flag}; leave one of them out")
-    if runs is not None and runs < 2:
-        raise InputError("--runs must be >= 2")
     if not 0 <= tolerance < 1:
         raise InputError("--tolerance must be a fraction in [0, 1)")
     if scorer and not no_audit:   # before the timed runs, not after them

@@ -6,6 +6,7 @@ from __future__ import annotations
 import click
 
 from specpilot.options import positive, seed_option, typed
+from specpilot.limits import MAX_RUNS
 from specpilot.output import Report, Section, emit, not_empty, output_options
 
 
@@ -18,6 +19,8 @@ def _runs(ctx, param, value):
         raise click.BadParameter(f"{value!r} is not a number or 'auto'") from None
     if n < 2:
         raise click.BadParameter("need at least 2 pairs")
+    if n > MAX_RUNS:
+        raise click.BadParameter(f"at most {MAX_RUNS} (as --max-runs)")
     return n
 
 
@@ -42,7 +45,7 @@ def _runs(ctx, param, value):
 @click.option("--runs", callback=_runs, default="auto", show_default=True, metavar="N|auto",
               help="Paired samples, an even number (pairs come in blocks of 2). auto: a pilot of 8 pairs, then "
                    "as many as give 80% power to approve a true 3% gain.")
-@click.option("--max-runs", type=click.IntRange(2, 100000), default=400, show_default=True,
+@click.option("--max-runs", type=click.IntRange(2, MAX_RUNS), default=400, show_default=True,
               help="Cap on the pairs --runs auto may plan (even).")
 @click.option("--warmup", type=click.IntRange(0, 1000), default=1, show_default=True,
               help="Unmeasured runs of each system first.")
