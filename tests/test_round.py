@@ -650,11 +650,18 @@ _GOOD = {"schema": "specpilot.deployment/1", "drafter": "eagle", "prompts": "p.j
     ({"servers": {}}, "give servers.stock.url"),
     ({"max_new_token": 512}, "unknown field 'max_new_token' (did you mean 'max_new_tokens'?)"),
     ({"experimantal": True}, "unknown field 'experimantal' (did you mean 'experimental'?)"),
+    ({"policy": "zzz"}, "d.yaml: policy: unknown policy 'zzz'"),
+    ({"policy": "best-first"}, "d.yaml: policy: policy 'best-first' needs a parameter"),
+    ({"dtype": "int3"}, "d.yaml: dtype must be the weights' dtype, one of bf16, fp16"),
+    ({"gpu": "h999"}, "d.yaml: gpu: unknown GPU 'h999'; known: "),
+    ({"model": "nosuch"}, "d.yaml: model: unknown model 'nosuch'"),
+    ({"prompts": "text.jsonl"}, "d.yaml: prompts: text.jsonl holds text prompts, which need a tokenizer: give scorer:"),
 ])
 def test_a_deployment_file_is_checked_when_read(tmp_path, run_cli, change, words):
     """Wrong types and impossible values are named at once (exit 2), the dry run included: not a
     crash (exit 4), nor a failure after stages have run."""
     (tmp_path / "p.jsonl").write_text(json.dumps({"schema": "specpilot.prompts/1", "id": "a", "prompt_ids": [1]}) + "\n")
+    (tmp_path / "text.jsonl").write_text(json.dumps({"schema": "specpilot.prompts/1", "id": "a", "text": "Why?"}) + "\n")
     doc = {k: v for k, v in {**_GOOD, **change}.items() if v is not None}
     (tmp_path / "d.yaml").write_text(yaml.safe_dump(doc))
     for extra in (["--dry-run"], ["--out-dir", tmp_path / "r"]):

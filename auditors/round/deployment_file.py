@@ -113,6 +113,19 @@ def _check_fields(raw: dict, path: Path) -> None:
             bad(key, "a non-empty string")
     if "experimental" in raw and not isinstance(raw["experimental"], bool):
         bad("experimental", "true or false")
+    if raw.get("dtype") is not None:
+        from specpilot.models import WEIGHT_DTYPES
+
+        dtypes = (*WEIGHT_DTYPES, "fp32")
+        if raw["dtype"] not in dtypes:
+            bad("dtype", f"the weights' dtype, one of {', '.join(dtypes)}")
+    if raw.get("policy") is not None and raw["policy"] != "ar":
+        from specpilot.auditors.policies import parse_policy
+
+        try:
+            parse_policy(raw["policy"])
+        except InputError as e:
+            raise InputError(f"{path}: policy: {e} (or ar)") from None
     sg = raw.get("sglang")
     if sg is not None:
         if not isinstance(sg, dict):
@@ -177,6 +190,14 @@ def _check_files(raw: dict, path: Path) -> None:
     if raw.get("prompts") and not where(raw["prompts"]).is_file():
         raise InputError(f"{path}: prompts: {raw['prompts']} is not a file")
     scorer = raw.get("scorer")
+    if raw.get("prompts") and not scorer:   # the scorer's tokenizer is the one that reads text prompts
+        from specpilot.auditors.outputs import read_prompts
+
+        def no_tokenizer(_text):
+            raise InputError(f"{path}: prompts: {raw['prompts']} holds text prompts, which need a tokenizer: give "
+                             "scorer: (the audit's model; its tokenizer reads them) or prompts of token ids")
+
+        read_prompts(where(raw["prompts"]), no_tokenizer)
     if scorer:   # as the audit will resolve it: a name it knows, or a path beside the file
         from specpilot.auditors.scorer import check_scorer_spec
 
@@ -216,13 +237,19 @@ def read_deployment(path: Path) -> SGLangDeployment:
     if raw.get("model"):
         from specpilot.models import load_model_spec
 
-        model_spec = load_model_spec(str(raw["model"]) if not str(raw["model"]).endswith(".json")
-                                     else str(path.parent / raw["model"]))
+        try:
+            model_spec = load_model_spec(str(raw["model"]) if not str(raw["model"]).endswith(".json")
+                                         else str(path.parent / raw["model"]))
+        except InputError as e:
+            raise InputError(f"{path}: model: {e}") from None
     gpu_key = gpu_name = None
     if raw.get("gpu"):
-        from specpilot.gpus import get_gpu
+        from specpilot.gpus import get_gpu, gpu_keys
 
-        g = get_gpu(str(raw["gpu"]))
+        try:
+            g = get_gpu(str(raw["gpu"]))
+        except InputError:
+            raise InputError(f"{path}: gpu: unknown GPU {raw['gpu']!r}; known: {', '.join(gpu_keys())}") from None
         gpu_key, gpu_name = g.key, g.name
     sg = raw.get("sglang") or {}
     batch, rows = raw.get("batch", 1), raw.get("rows", 1)
