@@ -117,6 +117,8 @@ def probe(python: str | None = None, timeout: float = 60.0, modules=()) -> Targe
         raise EnvironmentMissing(f"--python {python}: did not answer within {timeout:.0f} s") from None
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        if len(last) > 160:   # a program that is no Python may echo the whole probe script back
+            last = last[:160] + "..."
         raise InputError(f"--python {python}: the probe failed ({last}); is it Python >= 3.10?")
     try:
         info = json.loads(proc.stdout.strip().splitlines()[-1])

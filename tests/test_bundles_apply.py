@@ -250,6 +250,7 @@ def test_an_empty_bundle_name_is_refused(run_cli, tmp_path, bundles):
     (["apply", "tree", "--python", "/nonexistent/python"], "no such file"),
     (["apply", "tree", "--python", "/etc/passwd"], "not an executable Python interpreter"),
     (["status", "--python", "/bin/false"], "the probe failed"),
+    (["apply", "tree", "--dry-run", "--python", "/bin/ls"], "the probe failed"),   # echoes the probe script back
     (["apply", "lattice-trace", "--dry-run", "--set", "lattice_dir="], "--set lattice_dir=: must not be empty"),
     (["apply", "batching", "--dry-run", "--set", "block_sizes=[-1,2,3]"],
      "block_sizes=[-1,2,3]: each item must be a number in [1, 256]"),
@@ -270,6 +271,7 @@ def test_bad_input_exit_2(run_cli, env, args, msg):
     code, out, err = run_cli(*args)
     assert code == 2, err
     assert err.startswith("specpilot: error:") and msg in err and len(err.strip().splitlines()) == 1
+    assert len(err) < 400, err   # one readable line, not a program's whole complaint
 
 
 def _env_with_own_speculative(tmp_path) -> tuple[Path, Path]:
