@@ -84,8 +84,9 @@ def command(traces, step_range, step_mode, gap_us, skip_steps, device, include_o
     """Profile decode/verify steps from a trace: time per kernel class against byte floors.
 
     \b
-    Reads Nsight Systems exports (.sqlite; .nsys-rep when nsys is on PATH) and PyTorch
-    profiler traces (.json, .json.gz), also gzip/zstd/xz/bzip2-compressed (recognised by content).
+    Reads Nsight Systems exports (.sqlite; .nsys-rep through a newer .sqlite beside it, else nsys
+    on PATH) and PyTorch profiler traces (.json, .json.gz), also gzip/zstd/xz/bzip2-compressed
+    (recognised by content).
     Steps come from --step-range, else the trace's step annotations, else CUDA graph launches,
     else idle gaps; the output says how they were found. Give --model (and --rows/--batch/
     --context) or --ceiling for floors; the floors' GPU is the trace's unless --gpu names another.
