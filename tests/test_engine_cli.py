@@ -195,6 +195,11 @@ def test_probe_rows_bad_input(run_cli, tmp_path):
     assert code == 2 and "--random-weights" in err
     code, _, err = run_cli("probe", "rows", "--model", "tiny", "--device", "cpu", "--context", str(2**24 + 1))
     assert code == 2 and "1<=x<=16777216" in err
+    # a Q pass a TLV run would refuse is not timed either
+    out = tmp_path / "q.json"
+    code, _, err = run_cli("probe", "rows", "--model", "tiny", "--rows", "1,8", "--device", "cpu", "--dtype", "float16",
+                           "--qview", "w12", "--out", out)
+    assert code == 2 and "--qview w12: --mode tlv: the Q pass reads the W12 8-bit view" in err and not out.exists(), err
 
 
 def test_a_cache_the_memory_cannot_hold_is_refused_before_it_is_made(run_cli, tmp_path, monkeypatch):

@@ -71,6 +71,13 @@ def rows(rows_text, context, reps, warmup, qview, fmt, out, **kw):
         raise InputError("--qview times one request's Q pass; leave out --batch (or --qview)")
     if qview and max(row_list) < 2:
         raise InputError("--qview times the Q pass at N of 2 rows or more; --rows has none")
+    if qview:   # the Q pass as a TLV run builds it, or refuses it
+        from dataclasses import replace
+
+        try:
+            replace(spec, mode="tlv", qview=qview).validate(as_flags=True)
+        except InputError as e:
+            raise InputError(f"--qview {qview}: {e}") from None
     if spec.batch > 1:
         from specpilot.engine.batch.probe import probe_rows_batched   # torch: after the checks above
 
