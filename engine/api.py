@@ -136,12 +136,15 @@ class Engine:
             r = self.generate(ids, max_new_tokens, record_lattice=record_lattice, request=pr["id"])
             out.lattice_rows.extend(r.lattice_steps)
             out.step_times.extend(r.step_times)
-            out.results.append({"id": pr["id"], "prompt_ids": ids, "output_ids": r.output_ids,
-                                "text": self.decode(r.output_ids), "steps": r.steps, "tau": r.tau,
-                                "tokens": len(r.output_ids), "seconds": r.seconds,
-                                "prefill_seconds": r.prefill_seconds, "tokens_per_s": r.tokens_per_second,
-                                "decode_tokens_per_s": r.decode_tokens_per_second, "stop": r.stop_reason,
-                                "step_timing": r.step_timing(), **({"tlv": r.tlv} if r.tlv else {})})
+            out.results.append(self._result_row(pr["id"], ids, r, r.step_timing()))
+
+    def _result_row(self, rid, prompt_ids, res, step_timing) -> dict:
+        """One prompt's entry of ``run``'s results."""
+        return {"id": rid, "prompt_ids": prompt_ids, "output_ids": res.output_ids, "text": self.decode(res.output_ids),
+                "steps": res.steps, "tau": res.tau, "tokens": len(res.output_ids), "seconds": res.seconds,
+                "prefill_seconds": res.prefill_seconds, "tokens_per_s": res.tokens_per_second,
+                "decode_tokens_per_s": res.decode_tokens_per_second, "stop": res.stop_reason,
+                "step_timing": step_timing, **({"tlv": res.tlv} if res.tlv else {})}
 
     def _run_batched(self, prompts, max_new_tokens, chat, record_lattice, progress, out: "RunResult") -> None:
         """``run`` with ``batch`` > 1: every prompt queued at once, ``batch`` decoded together. The
@@ -164,12 +167,8 @@ class Engine:
                 bar.close()
         for r, res in zip(reqs, results):
             out.lattice_rows.extend(res.lattice_steps)
-            out.results.append({"id": r.id, "prompt_ids": r.prompt_ids, "output_ids": res.output_ids,
-                                "text": self.decode(res.output_ids), "steps": res.steps, "tau": res.tau,
-                                "tokens": len(res.output_ids), "seconds": res.seconds,
-                                "prefill_seconds": res.prefill_seconds, "tokens_per_s": res.tokens_per_second,
-                                "decode_tokens_per_s": res.decode_tokens_per_second, "stop": res.stop_reason,
-                                **({"tlv": res.tlv} if res.tlv else {})})
+            # a batched step serves every request at once: no step time of one request's own
+            out.results.append(self._result_row(r.id, r.prompt_ids, res, None))
         out.batch = {"batch": dec.batch, **({"batch_asked": self.spec.batch} if dec.batch != self.spec.batch else {}),
                      "budget": self.spec.rule("budget"), "block": self.spec.rule("block"),
                      "admit": self.spec.rule("admit"), "seconds": time.perf_counter() - t0,

@@ -447,6 +447,10 @@ def test_run_batch_equals_run_one_at_a_time(run_cli, tmp_path):
         outs[b] = json.loads(out)
     assert [r["output_ids"] for r in outs[3]["results"]] == [r["output_ids"] for r in outs[1]["results"]]
     assert outs[3]["batch"]["batch"] == 3 and outs[3]["batch"]["verify_steps"] > 0 and "batch" not in outs[1]
+    # each result has the same fields either way; a batched one has no step time of its own
+    assert [set(r) for r in outs[3]["results"]] == [set(r) for r in outs[1]["results"]]
+    assert all(r["step_timing"] is None for r in outs[3]["results"])
+    assert all(r["step_timing"]["steps"] > 0 for r in outs[1]["results"])
     # the drafts the passes checked: at most 6 tree nodes per request per pass, the accepted among them
     js = outs[3]["batch"]
     assert 0 < js["proposed"] <= 6 * js["request_steps"] and js["accepted"] <= js["proposed"]
