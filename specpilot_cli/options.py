@@ -125,8 +125,13 @@ def _series(before: list[int], end: int, name: str) -> list[int]:
         return walks[landing[0]][0]
     if landing:
         ratio, step = landing
+
+        def written(rule: str) -> str:   # a series whose third value is its end is the list itself
+            nxt = rules[rule](b)
+            return f"{a},{b},{nxt}" if nxt == end else f"{a},{b},{nxt},...,{end}"
+
         raise InputError(f"{name}: {a},{b},...,{end} reaches {end} both in {ratio} and in {step}; give a third value "
-                         f"({a},{b},{rules[ratio](b)},...,{end} or {a},{b},{rules[step](b)},...,{end})")
+                         f"({written(ratio)} or {written(step)})")
     near = "; ".join(f"{k}: ...,{(out or [b])[-1]},{v}" for k, (out, v) in walks.items())
     raise InputError(f"{name}: {end} is not on the series {shown},... ({near}); end it on the series or list the "
                      "values")

@@ -123,6 +123,23 @@ def test_rows_series_refused_before_loading(run_cli, monkeypatch, text, words):
     assert err.startswith("specpilot: error: --rows: ") and words in err, err
 
 
+@pytest.mark.parametrize("text", ["1,2,...,16", "1,3,...,9", "2,4,...,8", "3,6,...,12", "8,16,...,64"])
+def test_the_series_an_ambiguous_one_suggests_are_taken(text):
+    import re
+
+    from specpilot.errors import InputError
+    from specpilot.options import parse_int_list
+
+    with pytest.raises(InputError) as e:
+        parse_int_list(text)
+    first, second = re.search(r"give a third value \((.+) or (.+)\)$", str(e.value)).groups()
+    end = int(text.rsplit(",", 1)[1])
+    for suggested in (first, second):
+        got = parse_int_list(suggested)
+        assert got[:2] == [int(x) for x in text.split(",")[:2]] and got[-1] == end, (suggested, got)
+    assert parse_int_list(first) != parse_int_list(second)
+
+
 @pytest.mark.parametrize("group", [(), ("probe",), ("memory",), ("w12",), ("audit",)])
 def test_a_group_without_a_subcommand_prints_its_help(run_cli, group):
     """As --help and as audit always did: the help on stdout, exit 0, not one squeezed error line."""
