@@ -357,7 +357,17 @@ class EngineSpec:
             elif k in DRAFTER_OPTIONS and self.drafter != DRAFTER_OPTIONS[k]:
                 out.append(say(f"{{{k}}} does nothing with the {self.drafter} drafter (it is an option of "
                                f"{{drafter={DRAFTER_OPTIONS[k]}}})", as_flags))
+            elif k == "seed" and not self._random_weights():
+                out.append(say("{seed} does nothing here: it seeds random weights ({random}, the built-in tiny "
+                               "models, a tiny draft model), and these are a checkpoint's", as_flags))
         return out
+
+    def _random_weights(self) -> bool:
+        """Whether any model this spec builds has random weights (what ``seed`` seeds)."""
+        from specpilot.engine.api import TINY_CONFIGS
+
+        tiny = lambda name: str(name).strip().lower() in TINY_CONFIGS  # noqa: E731
+        return self.random or tiny(self.model) or (self.drafter == "model" and tiny(self.draft_model))
 
     def warn_idle(self, given, as_flags: bool = False) -> None:
         """:meth:`idle_options`' lines as the command's status lines ("specpilot: warning: ...")."""

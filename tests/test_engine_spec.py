@@ -253,3 +253,14 @@ def test_cache_room_is_what_the_decoders_reserve(text):
     eng = load_engine(spec)
     dec = eng.batch_decoder() if spec.batch > 1 else eng.decoder
     assert spec.cache_room() == dec.capacity_needed(0, 0)
+
+
+@pytest.mark.parametrize("fields, idle", [
+    ({"model": "smollm2"}, True), ({"model": "/models/Llama-3.1-8B"}, True),
+    ({"model": "smollm2", "random": True}, False), ({"model": "tiny"}, False), ({"model": "TINY-hybrid"}, False),
+    ({"model": "smollm2", "mode": "chain", "drafter": "model", "draft_model": "tiny"}, False),
+])
+def test_a_seed_beside_a_checkpoints_weights_is_said_to_do_nothing(fields, idle):
+    spec = EngineSpec.from_options(**fields, seed=7)
+    lines = spec.idle_options(["seed"], as_flags=True)
+    assert bool(lines) is idle and all(line.startswith("--seed does nothing here") for line in lines), lines
