@@ -181,7 +181,8 @@ def read_prompt_rows(path) -> list[PromptRow]:
     truncated or corrupt ``.gz``) names the file."""
     path = Path(path)
     if not path.is_file():
-        raise InputError(f"{path}: no such prompts file")
+        raise InputError(f"{path}: " + ("not a file of prompts (a folder or device)" if path.exists()
+                                        else "no such prompts file"))
     with reading(path):
         return _prompt_rows(path)
 

@@ -351,6 +351,8 @@ def _catalog_config(name: str) -> dict | None:
 def load_model_spec(name_or_path: str, also: str = "") -> ModelSpec:
     """A catalog short name, a ``config.json`` file, or a model folder holding one. ``also``: the
     other forms the caller takes, named where a file is none of these (", a .gguf file")."""
+    if not str(name_or_path).strip():   # Path("") is the current folder
+        raise InputError("empty model name; give a catalog name, a config.json or a model folder" + also)
     p = Path(name_or_path)
     if p.is_dir():
         p = p / "config.json"

@@ -64,6 +64,8 @@ def test_run_prompts_file_table(run_cli, tmp_path):
     (["--prompt", "x", "--prompt-ids", "1"], "exactly one"),
     (["--prompt-ids", "1,a"], "integers"),
     (["--prompts", "/nonexistent/p.jsonl"], "no such prompts file"),
+    (["--prompts", "/dev/null"], "/dev/null: not a file of prompts (a folder or device)"),
+    (["--engine", "engine:model= ,mode=ar", "--prompt-ids", "1"], "empty model name"),
     (["--prompt", "x", "--max-new-tokens", "0"], "max-new-tokens"),
     (["--prompt-ids", "1,999"], "vocabulary"),
     (["--prompt", "x", "--engine", "engine:model=tiny,mode=beam"], "unknown mode"),
