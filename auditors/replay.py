@@ -463,7 +463,8 @@ def mix_warnings(lattice: Lattice, policies: Sequence[Policy] = ()) -> list[str]
 
 
 def parse_nodes(text: str | None) -> list[int] | None:
-    """``--nodes``: node budgets as ``--rows`` takes row counts (a series such as ``8,16,24,...,64`` included), sorted."""
+    """``--nodes``: node budgets as ``--rows`` takes row counts (a series such as ``8,16,24,...,64``
+    included), sorted."""
     if text is None:
         return None
     from specpilot.options import parse_int_list

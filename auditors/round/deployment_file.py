@@ -13,7 +13,7 @@ to it), read and checked before the round starts::
     policy: chain                # the replay policy of today's verify (default chain)
     sglang: {version: 0.5.23, python: /opt/sglang/bin/python}   # python: apply candidates there
     experimental: false          # also try memory entries whose status is experimental
-    prompts: prompts.jsonl       # token ids
+    prompts: prompts.jsonl       # token ids (text rows need the scorer, whose tokenizer reads them)
     max_new_tokens: 128
     scorer: /models/Qwen3-8B     # the audit's scorer (HF folder or .gguf)
     measurements:

@@ -18,7 +18,8 @@ from specpilot.output import Report, Section, count, emit, output_options
                    "lattice from run --mode tlv --nodes N.")
 @click.option("--nodes", default=None, metavar="N,N,...",
               help="Also give tau(N) curves at these node budgets for every policy with a budget "
-                   "(e.g. 8,16,32,63, or a series as --rows takes: 8,16,24,...,64; read by 'specpilot ceiling --replay').")
+                   "(e.g. 8,16,32,63, or a series as --rows takes: 8,16,24,...,64; read by 'specpilot ceiling "
+                   "--replay').")
 @click.option("--calibrate", "calibration", type=click.Path(dir_okay=False), default=None,
               help="Lattice to measure sequoia's acceptance by rank on (default: LATTICE itself); only with a "
                    "sequoia:N policy.")
