@@ -162,3 +162,25 @@ def test_outputs_of_an_engine_of_another_vocabulary_are_still_refused(run_cli, t
     assert code == 2 and out == "" and err.count("\n") == 1, err
     assert "whose vocabulary (256 tokens) is not that of --scorer" in err and "(96 tokens)" in err, err
     assert "loading scorer" not in err
+
+
+def test_the_collect_that_finishes_a_partial_run_of_text_prompts_names_the_tokenizer(run_cli, tmp_path):
+    """The audit tokenized the text prompts with its scorer; the collect it names to finish a
+    stopped run must too (a server system has no model to take a tokenizer from)."""
+    import shlex
+
+    p = tmp_path / "p.jsonl"
+    p.write_text("".join(json.dumps({"schema": "specpilot.prompts/1", "id": f"q{i}", "text": f"Question {i}."}) + "\n"
+                         for i in range(4)))
+    so = tmp_path / "so"
+    args = ("audit", "engine:model=tiny,mode=tree", "--against", "engine:model=tiny,mode=ar", "--scorer", "tiny",
+            "--prompts", p, "--max-new-tokens", 8, "--save-outputs", so)
+    assert run_cli(*args)[0] == 0
+    kept = so / "system.outputs.jsonl"
+    kept.write_text(kept.read_text().splitlines(keepends=True)[0])   # what a stopped run keeps
+    code, _, err = run_cli(*args)
+    assert code == 2 and "--tokenizer tiny" in err, err
+    hint = shlex.split(err.split("finish it with '")[1].split("'")[0])
+    assert hint[:3] == ["specpilot", "audit", "collect"]
+    code, _, err = run_cli(*hint[1:])
+    assert code == 0 and len(kept.read_text().splitlines()) == 4, err
