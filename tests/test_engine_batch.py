@@ -570,3 +570,19 @@ def test_recording_lattices_keeps_the_rows_and_counts_of_the_run(run_cli, tmp_pa
     for key in ("rows", "verify_rows", "request_steps", "accepted"):
         assert plain[key] == recorded[key], key
     assert plain["lattice_rows"] == plain["lattice_steps"] == 0 and recorded["lattice_rows"] > 0
+
+
+@pytest.mark.parametrize("extra", ["mode=tree", "mode=chain", "mode=tlv"])
+def test_a_pass_cut_by_the_limit_counts_the_drafts_it_delivered(extra):
+    """Drafts accepted past max_new_tokens are not delivered, so neither tau nor the drafts accepted
+    count them: each request's tokens are its prefill token and, per pass, its accepted drafts and
+    the bonus token, as SGLang's completion tokens relate to its verify count."""
+    eng = load_engine(EngineSpec.parse(f"engine:model=tiny,batch=3,nodes=6,depth=4,topk=3,{extra}"))
+    dec = eng.batch_decoder()
+    limits = [5, 7, 9, 11, 12, 13]   # several cut inside a pass's accepted tokens
+    reqs = [Request(p, n, id=i) for i, (p, n) in enumerate(zip(PROMPTS, limits))]
+    res = dec.generate_many(reqs)
+    for r, n in zip(res, limits):
+        assert len(r.output_ids) == n == 1 + r.steps + sum(r.accept_lengths), (n, r.steps, r.accept_lengths)
+    st = dec.stats
+    assert st.tau() == pytest.approx((sum(limits) - len(limits)) / st.request_steps)

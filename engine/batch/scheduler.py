@@ -382,11 +382,9 @@ class BatchDecoder:
         are delivered; ``step``: count the step for the request (False: a finished request's tail)."""
         if step:
             r.steps += 1
-            r.accepts.append(len(toks) - 1)
-            self.stats.accepted += len(toks) - 1
         r.n_cache += len(toks)
         r.full.extend(toks)
-        self._deliver(r, toks, now)
+        self._deliver(r, toks, now, step)
 
     # prompt rows ---------------------------------------------------------------------
     def _prefill_blocks(self, reqs: list[Request], rows: list[int]) -> list[Rows]:
@@ -443,11 +441,19 @@ class BatchDecoder:
                 r.full = [first]
                 self._deliver(r, [first], now)
 
-    def _deliver(self, r: Request, toks: list[int], now: float) -> None:
+    def _deliver(self, r: Request, toks: list[int], now: float, step: bool = False) -> None:
+        """Offer ``toks`` to ``r``; ``step``: they are a verify pass's (its accepted drafts and the
+        bonus), whose accepted drafts are counted as delivered: a pass the request's end cuts
+        (max_new_tokens, a stop) counts its delivered tokens less one, so that tau and the drafts
+        accepted describe the tokens the request got, as its completion tokens do."""
         if r.done:
             r.tail -= len(toks)
             return
         new = r.offer(toks, now)
+        if step:   # before the update goes out: a finished request's answer reads these counts
+            acc = len(toks) - 1 if len(new) == len(toks) else max(len(new) - 1, 0)
+            r.accepts.append(acc)
+            self.stats.accepted += acc
         self.stats.tokens += len(new)
         if r.done and r.record_lattice and r.lattice:
             need = max(x["_at"] + x["_m"] + 1 for x in r.lattice)
