@@ -23,10 +23,7 @@ class Checkpoint:
     index: Path | None = None   # model.safetensors.index.json, if sharded
     is_folder: bool = False
     unindexed: list[Path] = field(default_factory=list)   # safetensors files beside an index that it does not name
-
-    def index_map(self) -> dict[str, str]:
-        """The index's tensor -> shard file name ({} without an index)."""
-        return json.loads(self.index.read_text())["weight_map"] if self.index is not None else {}
+    weight_map: dict[str, str] = field(default_factory=dict)   # the index's tensor -> shard file name
 
 
 def find_checkpoint(path: str | os.PathLike) -> Checkpoint:
@@ -60,7 +57,7 @@ def _from_index(index: Path) -> Checkpoint:
         raise FileNotFoundError(f"{index}: shard {missing[0]} is missing")
     named = {f.name for f in files}
     unindexed = [f for f in sorted(index.parent.glob("*.safetensors")) if f.name not in named]
-    return Checkpoint(index.parent, files, index, True, unindexed)
+    return Checkpoint(index.parent, files, index, True, unindexed, doc["weight_map"])
 
 
 def unreadable(path: Path, e: Exception) -> W12FormatError:
@@ -100,7 +97,7 @@ def check_checkpoint(path: str, packed: bool = False, original: str | None = Non
         raise W12FormatError(f"{original} {path}: a W12 checkpoint; give the original (unpacked) checkpoint its "
                              "tensors are compared with")
     if ck.unindexed:   # a tensor the index puts in a shard that lacks it, held by a file the index does not name
-        wrong = {n: s for n, s in ck.index_map().items() if owner.get(n) is None or owner[n].name != s}
+        wrong = {n: s for n, s in ck.weight_map.items() if owner.get(n) is None or owner[n].name != s}
         for f in ck.unindexed:
             stray = [n for n in header(f)[1] if n in wrong]
             if stray:

@@ -193,15 +193,10 @@ def check(systems, stock_spec, ar_spec, scorer_spec, prompts_path, max_new_token
     for role, spec in order:
         if spec.needs_prompts:
             slots[id(spec)] = (role, sum(1 for r, _ in slots.values() if r == role))
-    text = None   # the scorer tokenized the file's text prompts: a collect that finishes a run needs it too
-    if prompts_path and slots:
-        from specpilot.auditors.outputs import read_prompt_rows
-
-        text = scorer_spec if any(r.prompt_ids is None for r in read_prompt_rows(prompts_path)) else None
     for role, index in slots.values():   # a file an earlier run kept is not replaced by this one
         _check_not_an_input(save_path_of(save_dir, role, index), save_dir, role, inputs)
         _check_kept_outputs(save_path_of(save_dir, role, index), prompts, save_dir, prompts_path, max_new_tokens,
-                            tokenizer=text)
+                            tokenizer=scorer_spec)
     loaded = {}
     for role, spec in order:
         save = None
@@ -257,7 +252,7 @@ def _check_kept_outputs(save: str, prompts, save_dir: str, prompts_path: str | N
     prompt set's outputs). A file answering all of them is rewritten, as a new run of the system.
     Without ``prompts_path`` (the self-test's built-in prompts, set by ``prompts_option``) there
     is no 'audit collect --resume' to name; ``tokenizer``: the model that turned the file's text
-    prompts into ids (the scorer), which that command needs too."""
+    prompts into ids (the scorer), which that command needs too where the file has text prompts."""
     from shlex import quote as q
 
     from specpilot.auditors.outputs import key, read_outputs
@@ -281,6 +276,10 @@ def _check_kept_outputs(save: str, prompts, save_dir: str, prompts_path: str | N
     if len(rows) > answered or prompts_path is None:   # another prompt set's, or no file: nothing --resume can finish
         other = f" and {len(rows) - answered} other prompts" if len(rows) > answered else ""
         raise InputError(f"--save-outputs {save_dir}: {held}{other}; {what}")
+    from specpilot.auditors.outputs import read_prompt_rows
+
+    if not any(r.prompt_ids is None for r in read_prompt_rows(prompts_path)):
+        tokenizer = None   # prompts of token ids: collect needs no tokenizer
     raise InputError(f"--save-outputs {save_dir}: {held} (a run that stops keeps its outputs there); finish it with "
                      f"'specpilot audit collect {q(system)} --prompts {q(prompts_path)} --max-new-tokens {limit}"
                      f"{f' --tokenizer {q(tokenizer)}' if tokenizer else ''} --save {q(save)} --resume' and audit "
