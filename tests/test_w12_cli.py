@@ -719,3 +719,16 @@ def test_verify_against_a_packed_checkpoint_is_refused(tmp_path, run_cli):
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert f"--against {two}: a W12 checkpoint; give the original (unpacked) checkpoint" in err, err
     assert run_cli("w12", "verify", two, "--against", src)[0] == 0
+
+
+@pytest.mark.parametrize("weight_map", [["model.safetensors"], {"a": 3}, {"a": ""}, "model.safetensors"])
+def test_an_index_whose_weight_map_is_not_names_to_files_is_refused(tmp_path, run_cli, weight_map):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    make_checkpoint(folder / "model.safetensors")
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    for argv in (("w12", "pack", folder, "-o", tmp_path / "out"), ("w12", "stats", folder)):
+        code, _, err = run_cli(*argv)
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert "not a safetensors index" in err
+    assert not (tmp_path / "out").exists()

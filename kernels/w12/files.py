@@ -48,16 +48,20 @@ def find_checkpoint(path: str | os.PathLike) -> Checkpoint:
 def _from_index(index: Path) -> Checkpoint:
     try:
         doc = json.loads(index.read_text())
-        shards = sorted(set(doc["weight_map"].values()))
+        weight_map = doc["weight_map"]
     except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
         raise FileNotFoundError(f"{index}: not a safetensors index ({type(e).__name__})") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) and v for v in weight_map.values()):
+        raise FileNotFoundError(f"{index}: not a safetensors index (weight_map is not an object of "
+                                "tensor name -> shard file name)")
+    shards = sorted(set(weight_map.values()))
     files = [index.parent / s for s in shards]
     missing = [str(f) for f in files if not f.is_file()]
     if missing:
         raise FileNotFoundError(f"{index}: shard {missing[0]} is missing")
     named = {f.name for f in files}
     unindexed = [f for f in sorted(index.parent.glob("*.safetensors")) if f.name not in named]
-    return Checkpoint(index.parent, files, index, True, unindexed, doc["weight_map"])
+    return Checkpoint(index.parent, files, index, True, unindexed, weight_map)
 
 
 def unreadable(path: Path, e: Exception) -> W12FormatError:
