@@ -180,9 +180,10 @@ async def _run(url, payloads, concurrency, rate, stream, seed, timeout, api):
                 async with sem:
                     await one(p)
 
-            for p in payloads:
+            for i, p in enumerate(payloads):
+                if i:   # the gaps between arrivals only: a wait after the last would count as load time
+                    await asyncio.sleep(rnd.expovariate(rate))
                 tasks.append(asyncio.ensure_future(fire(p)))
-                await asyncio.sleep(rnd.expovariate(rate))
             await asyncio.gather(*tasks)
         return outcomes, time.perf_counter() - t0, flight["peak"]
 

@@ -135,3 +135,14 @@ def test_bad_prompt_rows_and_an_out_over_the_prompts_are_refused_before_any_load
     ok = tmp_path / "rows.jsonl"
     ok.write_text('{"text": "a"}\n\n{"prompt_ids": [1, 2]}\n')
     assert loadgen.read_prompts(str(ok)) == ["a", [1, 2]]
+
+
+def test_the_duration_ends_with_the_last_answer_not_an_arrival_gap_after_it(loadgen, slow_server, tmp_path):
+    """One request at 0.2/s: the run is its 0.25 s answer; a gap drawn after the last arrival (9.3 s
+    with seed 0) was counted in the duration and cut the request throughput by that much."""
+    out = tmp_path / "one.json"
+    url = f"http://127.0.0.1:{slow_server.server_address[1]}"
+    assert loadgen.main(["--url", url, "--random-ids", "4", "--num-prompts", "1", "--max-new-tokens", "2",
+                         "--no-stream", "--rate", "0.2", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())[0]
+    assert res["completed"] == 1 and SECONDS <= res["duration_s"] < 3, res["duration_s"]
