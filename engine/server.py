@@ -190,8 +190,10 @@ class ServeState:
         return {"requests": ok, "bad_requests": m.rejected.get("bad_request", 0), "errors": m.finished.get("error", 0),
                 "aborted": m.finished.get("abort", 0),
                 "rejected": sum(v for k, v in m.rejected.items() if k != "bad_request"),
-                "completion_tokens": m.completion_tokens, "spec_verify_ct": st.verify_steps, "tau": st.tau(),
-                "busy_seconds": st.step_seconds, **pct}
+                # spec_verify_ct: batched steps, each once; request_passes: each request's share of them
+                # (the denominator of tau: (tokens - requests' first tokens) / request passes)
+                "completion_tokens": m.completion_tokens, "spec_verify_ct": st.verify_steps,
+                "request_passes": st.request_steps, "tau": st.tau(), "busy_seconds": st.step_seconds, **pct}
 
 
 async def _read_body(request) -> bytes:

@@ -623,6 +623,10 @@ def test_sigterm_drains_requests_in_flight(server_a, greedy):
     assert server_a.proc.returncode == 0
     assert "served" in out and "latency (ms)" in out
     assert "request" in "".join(server_a.err)   # --log-requests lines
+    # batched steps count once, each request's share of them separately: tau's denominator
+    header, _, row = out.split("served\n", 1)[1].splitlines()[:3]
+    cols = dict(zip(re.split(r"\s{2,}", header.strip()), row.split()))
+    assert 0 < int(cols["steps"]) < int(cols["request passes"]), out
 
 
 # ---------------------------------------------------------------------------------- server B

@@ -276,7 +276,7 @@ def test_aborted_requests_stay_out_of_the_latencies_and_the_summarys_percentiles
     assert m.finished["abort"] == 2 and m.finished["error"] == 1
     assert m.prompt_tokens == 3 and m.completion_tokens == 2
     assert (m.queue.count, m.ttft.count, m.itl.count, m.e2e.count) == (0, 0, 0, 0)
-    stats = SimpleNamespace(verify_steps=0, tau=lambda: None, step_seconds=0.0)
+    stats = SimpleNamespace(verify_steps=0, request_steps=0, tau=lambda: None, step_seconds=0.0)
     state = ServeState(SimpleNamespace(), SimpleNamespace(stats=stats), ServeOptions(), metrics=m)
     summary = state.summary()
     assert (summary["requests"], summary["aborted"], summary["errors"]) == (0, 2, 1)

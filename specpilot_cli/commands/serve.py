@@ -75,10 +75,11 @@ def command(host, port, max_queue, backlog, grace, log_requests, fmt, out, **kw)
             "host": host, "port": srv.port, **st}
     pct = lambda k: st.get(k) if st.get(k) is None else round(st[k] * 1e3, 1)  # noqa: E731
     emit(Report(data=data, sections=[
-        Section("served", ["requests", "bad requests", "errors", "rejected", "aborted", "tokens", "verify passes", "tau",
-                           "busy s"],
+        Section("served", ["requests", "bad requests", "errors", "rejected", "aborted", "tokens", "steps",
+                           "request passes", "tau", "busy s"],
                 [[st["requests"], st["bad_requests"], st["errors"], st["rejected"], st["aborted"],
-                  st["completion_tokens"], st["spec_verify_ct"], st["tau"], st["busy_seconds"]]]),
+                  st["completion_tokens"], st["spec_verify_ct"], st["request_passes"], st["tau"],
+                  st["busy_seconds"]]]),
         Section("latency (ms)", ["", "p50", "p90", "p99"],
                 [[name, pct(f"{k}_p50"), pct(f"{k}_p90"), pct(f"{k}_p99")]
                  for name, k in (("time to first token", "ttft"), ("inter-token", "itl"), ("end to end", "e2e"))])]),
