@@ -69,3 +69,28 @@ def test_help_says_what_the_profile_supplies(run_cli):
     text = " ".join(out.split())
     assert code == 0
     assert "GPU time per step" in text and "its GPU" in text and "--run" in text.split("--profile FILE")[1][:600]
+
+
+def test_a_profile_s_draft_shape_stands_in_when_the_drafter_is_given_again(run_cli, tmp_path):
+    """--drafter given beside a --profile of that drafter: the draft passes and rows left out are the
+    profile's (they were compared as the options' defaults, 1, and refused); given, they still must
+    agree with it. A drafter given as a path is named by its stem in the profile, so --drafter must
+    be given again there."""
+    fx = REPO / "tests" / "fixtures"
+    trace, target = fx / "nsys_h200_decode_eager.sqlite", fx / "decode_target_config.json"
+    for drafter, shape in (("smollm2-135m", ["--draft-passes", "3"]), (fx / "decode_drafter_config.json",
+                                                                        ["--draft-rows", "2"])):
+        prof = tmp_path / "p.json"
+        code, _, err = run_cli("profile", trace, "--model", target, "--drafter", drafter, *shape, "--context", "512",
+                               "--format", "json", "--out", prof)
+        assert code == 0, err
+        want = json.loads(prof.read_text())
+        code, out, err = run_cli("ceiling", "--profile", prof, "--model", target, "--drafter", drafter, "--tau", "2",
+                                 "--ar-ms", "5", "--format", "json")
+        assert code == 0, err
+        doc = json.loads(out)
+        assert doc["total_floor_ms"] == pytest.approx(want["total_floor_ms"])
+        assert doc["classes"]["drafter"]["bytes"] == pytest.approx(want["classes"]["drafter"]["bytes"])
+        code, _, err = run_cli("ceiling", "--profile", prof, "--model", target, "--drafter", drafter, shape[0], "5",
+                               "--tau", "2", "--ar-ms", "5")
+        refused(code, err, f"{shape[0]} 5 disagree")

@@ -126,8 +126,9 @@ def command(model_name, gpu_name, bandwidth, flops, fp8_flops, rows, batch, cont
                 v if typed(k) or k not in prof.shape else prof.shape[k]
                 for k, v in (("context", context), ("weight_dtype", weight_dtype), ("kv_dtype", kv_dtype),
                              ("flops_fraction", flops_fraction), ("bw_fraction", bw_fraction)))
-            if not typed("drafter_name") and prof.shape.get("drafter"):
-                drafter_name = prof.shape["drafter"]
+            if prof.shape.get("drafter"):   # --drafter given (a path the profile names by its stem) or not
+                if not typed("drafter_name"):
+                    drafter_name = prof.shape["drafter"]
                 draft_rows = draft_rows if typed("draft_rows") else prof.shape.get("draft_rows")
                 draft_passes = draft_passes if typed("draft_passes") else prof.shape.get("draft_passes", 1)
     if model_name:
