@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import json
 import sqlite3
+from pathlib import Path
 
 from conftest import one_error
 from synthetic_traces import SynthSpec, write_kineto, write_nsys_sqlite
 from test_profile_real_world import AR, _json, llama_step, write_trace
+
+REPO = Path(__file__).resolve().parents[1]
 
 CLASSES = {"linear": {"bytes": 1e9, "flops": 2e9, "floor_ms": 0.2, "bound": "bytes"}}
 
@@ -148,4 +151,23 @@ def test_profile_and_ceiling_judge_a_step_against_one_floor_at_peak(run_cli, tmp
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({**doc, "floor_peak_ms": -1}))
     code, _, err = run_cli("ceiling", "--profile", bad, "--tau", "3", "--ar-ms", "5")
-    assert code == 2 and "'floor_peak_ms' must be null or a number" in one_error(err)
+    assert code == 2 and "'floor_peak_ms' must be null or a finite number" in one_error(err)
+
+
+def test_a_profile_of_a_huge_shape_is_read_back_by_ceiling(run_cli, tmp_path):
+    """Every option in range: profile writes floors past an hour, and ceiling reads that file (its
+    cap for measured step times refused the computed floor as if the file were damaged)."""
+    trace = REPO / "tests" / "fixtures" / "nsys_h200_decode_eager.sqlite"
+    out = tmp_path / "big.json"
+    code, _, err = run_cli("profile", trace, "--model", "qwen3.5-27b", "--rows", "65536", "--batch", "65536",
+                           "--context", "16777216", "--format", "json", "--out", out)
+    assert code == 0, err
+    assert json.loads(out.read_text())["total_floor_ms"] > 3.6e6
+    code, text, err = run_cli("ceiling", "--profile", out, "--tau", "3", "--ar-ms", "5", "--format", "json")
+    assert code == 0, err
+    assert json.loads(text)["total_floor_ms"] > 3.6e6
+    for bad in (float("inf"), -1.0, "5"):
+        f = tmp_path / "bad.json"
+        f.write_text(json.dumps({**json.loads(out.read_text()), "total_floor_ms": bad}).replace("Infinity", "1e999"))
+        code, _, err = run_cli("ceiling", "--profile", f, "--tau", "3", "--ar-ms", "5")
+        assert code == 2 and "'total_floor_ms' must be a finite number >= 0 ms" in one_error(err), err
