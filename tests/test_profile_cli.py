@@ -311,3 +311,10 @@ def test_floor_shape_options_without_floors_are_refused(run_cli, tmp_path):
     assert "sets no byte floors" in _bad(run_cli, good, rank1, "--context", 100, out=out)
     code, _, err = run_cli("profile", good, "--model", CONFIG, "--rows", 8, "--batch", 4, "--gpu", "h200")
     assert code == 0, err
+
+
+def test_a_rules_path_that_is_no_file_says_what_it_is(run_cli, tmp_path):
+    assert _bad(run_cli, H200_EAGER, "--rules", "/dev/null").startswith(
+        "specpilot: error: /dev/null: not a rules file (a folder or device)")
+    assert _bad(run_cli, H200_EAGER, "--rules", tmp_path / "none.yaml").startswith(
+        f"specpilot: error: {tmp_path / 'none.yaml'}: no such rules file")

@@ -43,7 +43,10 @@ def _copy(done, tmp_path, **changes):
     ({"config_colour": 1}, "round.json: config.colour must be one of the round's settings"),
     ({"kind": "vllm"}, "round.json: kind must be engine or sglang"),
     ({"load_average_start": "abc"}, "round.json: load_average_start must be a number or null"),
-    ({"stage_status": "weird"}, "round.json: stages.measure.status must be one of pending, running, done"),
+    ({"stage_status": "weird"}, "round.json: stages.measure.status must be one of pending, running, done, not run, "
+                                "interrupted, failed;"),
+    # no round writes it (a round out of budget marks its stages "not run"); read as done, it hid a stage
+    ({"stage_status": "stopped"}, "round.json: stages.measure.status must be one of pending, running, done,"),
     ({"stage_seconds": "1.2"}, "round.json: stages.measure.seconds must be a number of seconds"),
     ({"stage_skipped": [None]}, "round.json: stages.measure.skipped must be a list of text"),
     ({"notes": [1]}, "round.json: notes must be a list of text"),

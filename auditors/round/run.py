@@ -115,7 +115,7 @@ class _Round:
             self.state.pop("stopped", None)
             self.clock = pl.Clock(budget_s, spent_before=spent)
             # nothing left to do (with --budget, no candidate skipped for time reopened): nothing is rewritten
-            self.complete = all(v["status"] in ("done", "stopped") for v in self.state["stages"].values())
+            self.complete = all(v["status"] == "done" for v in self.state["stages"].values())
             if not self.complete:   # the report names each session that continued the round
                 self.state.setdefault("resumes", []).append({"budget_min": budget_min})
         else:
@@ -155,7 +155,7 @@ class _Round:
         st = self.state["stages"]["approve"]
         st["skipped"] = [n for n in st.get("skipped", []) if not any(n.startswith(f"{i}: budget:") for i in again)]
         for stage in ("approve", "remember"):
-            if self.state["stages"][stage]["status"] in ("done", "stopped"):
+            if self.state["stages"][stage]["status"] == "done":
                 self.state["stages"][stage]["status"] = "pending"
         self.state["notes"].append(f"resumed with more time: {', '.join(sorted(again))} judged again (skipped for "
                                    "budget before)")
@@ -198,7 +198,7 @@ class _Round:
         return self.state["stages"][name]
 
     def _done(self, name: str) -> bool:
-        return self._stage(name)["status"] in ("done", "stopped")
+        return self._stage(name)["status"] == "done"
 
     def _start(self, name: str) -> float:
         st = self._stage(name)

@@ -62,12 +62,12 @@ def hold_folder(folder: Path) -> int:
 
 # a stage's status in round.json; a resume redoes every one but done and stopped (which it has
 # always read as done)
-STATUSES = ("pending", "running", "done", "stopped", "not run", "interrupted", "failed")
+STATUSES = ("pending", "running", "done", "not run", "interrupted", "failed")
 
 
 def stages_left(state: dict) -> list[str]:
     """The stages a round has not finished (a resume runs them); none for a finished round."""
-    return [s for s, v in (state.get("stages") or {}).items() if v.get("status") not in ("done", "stopped")]
+    return [s for s, v in (state.get("stages") or {}).items() if v.get("status") != "done"]
 
 
 def resume_command(state: dict, folder) -> str:
