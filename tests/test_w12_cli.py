@@ -445,6 +445,7 @@ def test_a_version_this_reader_does_not_know_is_refused(tmp_path, run_cli, versi
     write_packed(dst, tensors, meta, doc)
     code, _, err = run_cli("w12", "stats", dst)
     assert code == 2 and "is not supported" in err and len(err.strip().splitlines()) == 1, err
+    assert f"W12 version {version!r} tile [128, 64] is not supported (this SpecPilot reads version 1 or 2" in err
 
 
 def test_pack_and_verify_count_converted_and_kept_tensors_alike(tmp_path, run_cli):
@@ -732,3 +733,81 @@ def test_an_index_whose_weight_map_is_not_names_to_files_is_refused(tmp_path, ru
         assert code == 2 and len(err.strip().splitlines()) == 1, err
         assert "not a safetensors index" in err
     assert not (tmp_path / "out").exists()
+
+
+def _two_shards(folder, names=("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")):
+    """Two shards under ``folder`` at ``names`` (paths relative to it) and an index naming them so."""
+    g = torch.Generator().manual_seed(3)
+    tensors = [{f"a{i}.q_proj.weight": (torch.randn(16, 64, generator=g) * 0.02).bfloat16(),
+                f"a{i}.norm.weight": torch.ones(4).bfloat16()} for i in range(2)]
+    wm = {}
+    for name, t in zip(names, tensors):
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        save_file(t, str(folder / name))
+        wm.update({k: name for k in t})
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))
+    return wm
+
+
+@pytest.mark.parametrize("names", [("p1/model.safetensors", "p2/model.safetensors"),
+                                   ("model-00001-of-00002.safetensors", "../elsewhere/model.safetensors")])
+def test_an_index_naming_shards_outside_its_folder_is_refused(tmp_path, run_cli, names):
+    """Two shards of one file name in subfolders were written over each other in the packed folder
+    (exit 0, half the tensors lost); a shard in ../ was read from outside the checkpoint."""
+    folder = tmp_path / "m"
+    folder.mkdir()
+    _two_shards(folder, names)
+    out = tmp_path / "out"
+    code, _, err = run_cli("w12", "pack", folder, "-o", out)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "is not a file name in the index's folder" in err and not out.exists()
+
+
+def test_an_index_that_puts_a_tensor_in_another_of_its_shards_is_refused(tmp_path, run_cli):
+    folder = tmp_path / "m"
+    folder.mkdir()
+    wm = _two_shards(folder)
+    wm["a1.norm.weight"] = "model-00001-of-00002.safetensors"
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": wm}))
+    code, _, err = run_cli("w12", "pack", folder, "-o", tmp_path / "out")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert ("names model-00001-of-00002.safetensors for a1.norm.weight, which model-00002-of-00002.safetensors "
+            "holds; fix the index") in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("metadata", [None, "abc", [1], 5])
+def test_an_index_s_metadata_is_an_object_or_null(tmp_path, run_cli, metadata):
+    """A metadata that was no object was an internal error (exit 4) when the packed index was written."""
+    folder = tmp_path / "m"
+    folder.mkdir()
+    wm = _two_shards(folder)
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": metadata, "weight_map": wm}))
+    out = tmp_path / "out"
+    code, _, err = run_cli("w12", "pack", folder, "-o", out)
+    if metadata is None:
+        assert code == 0, err
+        meta = json.loads((out / "model.safetensors.index.json").read_text())["metadata"]
+        assert meta["specpilot.w12"] == "specpilot.w12/1" and meta["total_size"] > 0
+        return
+    assert code == 2 and "metadata is not an object" in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists()
+
+
+def test_an_index_file_as_in_packs_its_folder_into_a_folder(tmp_path, run_cli):
+    folder = tmp_path / "m"
+    folder.mkdir()
+    _two_shards(folder)
+    (folder / "original").mkdir()
+    (folder / "original" / "params.json").write_text("{}")
+    index = folder / "model.safetensors.index.json"
+    code, _, err = run_cli("w12", "pack", index, "-o", tmp_path / "x.safetensors")
+    assert code == 2 and "name a folder, not a .safetensors file" in err and not (tmp_path / "x.safetensors").exists()
+    out = tmp_path / "out"
+    code, stdout, err = run_cli("w12", "pack", index, "-o", out, "--format", "json")
+    assert code == 0, err
+    assert sorted(p.name for p in out.iterdir()) == ["model-00001-of-00002.safetensors",
+                                                     "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
+    line = "original/ is a subfolder: not copied (copy it beside the output if the model needs it)"
+    assert f"specpilot: warning: {line}" in err and json.loads(stdout)["warnings"] == [line]
+    assert run_cli("w12", "verify", out, "--against", folder)[0] == 0

@@ -281,9 +281,12 @@ def pack(src: str, dst: str, include: Iterable[str] | None = None, exclude: Iter
                 total_size += sum(v.numel() * v.element_size() for v in out.values())
             # config, tokenizer, ... copied as they are; the contents only: a new file's mode is
             # the umask's, as for the shards beside it
-            for other in ck.root.iterdir():
+            for other in sorted(ck.root.iterdir()):
                 if other.is_file() and other.suffix != ".safetensors" and not other.name.endswith(".index.json"):
                     shutil.copyfile(other, tmp / other.name)
+                elif other.is_dir():   # e.g. a Hugging Face repo's original/ (consolidated .pth weights)
+                    res.warnings.append(f"{other.name}/ is a subfolder: not copied (copy it beside the output if "
+                                        "the model needs it)")
             for other in ck.unindexed:   # not part of the checkpoint a loader reads; kept, not lost
                 shutil.copyfile(other, tmp / other.name)
                 res.warnings.append(f"{other.name} is not named by {ck.index.name}: copied as it is, not packed")
@@ -295,7 +298,7 @@ def pack(src: str, dst: str, include: Iterable[str] | None = None, exclude: Iter
                                         f"no shard holds (first: {absent[0]}); the output's index lists only the "
                                         "tensors its shards hold")
                 doc["weight_map"] = dict(sorted(weight_map.items()))
-                index_meta = doc.setdefault("metadata", {})
+                index_meta = doc["metadata"] = dict(doc.get("metadata") or {})
                 # the byte size of the tensors listed, as transformers writes it (the input's is the bf16 one)
                 index_meta["total_size"] = total_size
                 index_meta["specpilot.w12"] = SCHEMA
@@ -366,7 +369,9 @@ def w12_info(meta: dict[str, str], source: str) -> dict:
                              f"this SpecPilot reads {SCHEMA}")
     version = doc.get("version")
     if isinstance(version, bool) or version not in (1, FORMAT_VERSION) or doc.get("tile") != [TILE_N, TILE_K]:
-        raise W12FormatError(f"{source}: W12 version {doc.get('version')} tile {doc.get('tile')} is not supported")
+        raise W12FormatError(f"{source}: W12 version {doc.get('version')!r} tile {doc.get('tile')!r} is not supported "
+                             f"(this SpecPilot reads version 1 or {FORMAT_VERSION}, tile [{TILE_N}, {TILE_K}], "
+                             "as JSON numbers)")
     tensors = doc.get("tensors", {})
     if not isinstance(tensors, dict):
         raise W12FormatError(f"{source}: the {META_KEY} metadata has no tensor table")

@@ -54,7 +54,15 @@ def _from_index(index: Path) -> Checkpoint:
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) and v for v in weight_map.values()):
         raise FileNotFoundError(f"{index}: not a safetensors index (weight_map is not an object of "
                                 "tensor name -> shard file name)")
+    if not isinstance(doc.get("metadata", {}), (dict, type(None))):
+        raise FileNotFoundError(f"{index}: not a safetensors index (metadata is not an object)")
     shards = sorted(set(weight_map.values()))
+    # a shard elsewhere (a subfolder, ../) is no part of this folder's checkpoint, and two of them
+    # with one file name would be written over each other in a packed copy
+    outside = next((s for s in shards if s != Path(s).name or s in (".", "..")), None)
+    if outside is not None:
+        raise FileNotFoundError(f"{index}: names shard {outside}, which is not a file name in the index's folder "
+                                "(a checkpoint's shards sit beside its index)")
     files = [index.parent / s for s in shards]
     missing = [str(f) for f in files if not f.is_file()]
     if missing:
@@ -100,6 +108,9 @@ def check_checkpoint(path: str, packed: bool = False, original: str | None = Non
     if original and any(META_KEY in m for m in metas):
         raise W12FormatError(f"{original} {path}: a W12 checkpoint; give the original (unpacked) checkpoint its "
                              "tensors are compared with")
+    for n, s in ck.weight_map.items():   # a tensor the index puts in another of its shards
+        if n in owner and owner[n].name != s and owner[n] not in ck.unindexed:
+            raise W12FormatError(f"{ck.index}: names {s} for {n}, which {owner[n].name} holds; fix the index")
     if ck.unindexed:   # a tensor the index puts in a shard that lacks it, held by a file the index does not name
         wrong = {n: s for n, s in ck.weight_map.items() if owner.get(n) is None or owner[n].name != s}
         for f in ck.unindexed:

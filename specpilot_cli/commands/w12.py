@@ -99,12 +99,12 @@ def pack_cmd(src, dst, include, exclude, device, force, fmt, out):
     import os
     from pathlib import Path
 
-    check_checkpoint(src)
-    if Path(src).is_file():
+    folder = check_checkpoint(src).is_folder   # an index .json is its folder's checkpoint
+    if not folder:
         from specpilot.fileio import check_output_path
 
         check_output_path(dst, "--output", protect=[src])  # before the long conversion
-    elif force and Path(src).is_dir():
+    elif force:
         raise InputError(f"--force: a folder IN packs into a folder --output {dst}, which is never replaced (it must "
                          "be absent or empty); leave --force out")
     if out and Path(out).resolve() == Path(dst).resolve():
@@ -114,9 +114,12 @@ def pack_cmd(src, dst, include, exclude, device, force, fmt, out):
         from specpilot.fileio import check_output_path
 
         check_output_path(out, "--out", protect=[src])
-    if Path(src).is_file() and Path(dst).suffix != ".safetensors":   # what verify and stats recognise
+    if not folder and Path(dst).suffix != ".safetensors":   # what verify and stats recognise
         raise InputError(f"--output {dst}: name a .safetensors file (a single-file checkpoint packs into one)")
-    if Path(src).is_file() and os.path.lexists(dst) and not force:
+    if folder and Path(dst).suffix == ".safetensors":
+        raise InputError(f"--output {dst}: {src} is a checkpoint of several files, packed into a folder; name a "
+                         "folder, not a .safetensors file")
+    if not folder and os.path.lexists(dst) and not force:
         raise InputError(f"--output {dst}: the file exists; pass --force to replace it")
     device = _device(device)
     ck = _lib()
