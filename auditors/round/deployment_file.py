@@ -68,9 +68,27 @@ class SGLangDeployment:
         return p if p.is_absolute() else (self.path.parent / p)
 
 
-# a deployment file's top-level fields (docs/round.md); any other is a typo that would be ignored
+# a deployment file's fields (docs/round.md), top-level and in its maps; any other is a typo that
+# would be ignored
 FIELDS = ("schema", "name", "model", "model_path", "gpu", "dtype", "drafter", "batch", "context", "rows", "policy",
           "sglang", "experimental", "prompts", "max_new_tokens", "scorer", "measurements", "servers")
+SGLANG_FIELDS = ("version", "python")
+MEASUREMENT_FIELDS = ("rows_probe", "ar_ms", "step_ms", "lattices", "profile", "outputs")
+OUTPUT_ROLES = ("stock", "ar")
+SERVERS_FIELDS = ("stock", "candidate", "candidates")
+SERVER_FIELDS = ("url", "start", "port", "ready_timeout", "expected_start_s")
+MAX_WAIT_S = 7 * 24 * 3600.0   # a server's ready timeout or expected start: a week at most
+
+
+def _known(d: dict, fields: tuple, where: str, path: Path) -> None:
+    """Refuse a key of ``d`` (the map at ``where``; "" for the top level) that is not one of ``fields``."""
+    import difflib
+
+    for key in d:
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=1)
+            raise InputError(f"{path}: unknown field {where}{key!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+                             + f"; the fields{' of ' + where.rstrip('.') if where else ''}: {', '.join(fields)}")
 
 
 def _check_fields(raw: dict, path: Path) -> None:
@@ -98,16 +116,13 @@ def _check_fields(raw: dict, path: Path) -> None:
         if parts.scheme not in ("http", "https") or not parts.hostname:
             bad(field, "an http:// URL")
 
-    for key in raw:
-        if key not in FIELDS:
-            import difflib
+    from specpilot.limits import MAX_BATCH, MAX_CONTEXT, MAX_MS, MAX_ROWS
 
-            close = difflib.get_close_matches(str(key), FIELDS, n=1)
-            raise InputError(f"{path}: unknown field {key!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
-                             + f"; the fields: {', '.join(FIELDS)}")
-    for key, lo in (("batch", 1), ("rows", 1), ("context", 1), ("max_new_tokens", 1)):
-        if key in raw and not whole(raw[key], lo):
-            bad(key, f"a whole number >= {lo}")
+    _known(raw, FIELDS, "", path)
+    for key, lo, hi in (("batch", 1, MAX_BATCH), ("rows", 1, MAX_ROWS), ("context", 1, MAX_CONTEXT),
+                        ("max_new_tokens", 1, MAX_CONTEXT)):
+        if key in raw and not (whole(raw[key], lo) and raw[key] <= hi):
+            bad(key, f"a whole number in [{lo}, {hi}]")
     for key in ("model", "name", "dtype", "policy", "prompts", "scorer", "model_path", "gpu"):
         if raw.get(key) is not None and not (isinstance(raw[key], str) and raw[key].strip()):
             bad(key, "a non-empty string")
@@ -130,17 +145,20 @@ def _check_fields(raw: dict, path: Path) -> None:
     if sg is not None:
         if not isinstance(sg, dict):
             bad("sglang", "a map (version, python)")
-        if sg.get("python") is not None and not isinstance(sg["python"], str):
+        _known(sg, SGLANG_FIELDS, "sglang.", path)
+        if sg.get("python") is not None and not (isinstance(sg["python"], str) and sg["python"].strip()):
             bad("sglang.python", "a path")
-        if sg.get("version") is not None and not isinstance(sg["version"], (str, int, float)):
-            bad("sglang.version", "a version")
+        v = sg.get("version")
+        if v is not None and not ((isinstance(v, str) and v.strip()) or (is_num(v) and v > 0)):
+            bad("sglang.version", "a version (0.5.23)")
     m = raw.get("measurements")
     if m is not None:
         if not isinstance(m, dict):
             bad("measurements", "a map (rows_probe, ar_ms, step_ms, lattices, profile, outputs)")
+        _known(m, MEASUREMENT_FIELDS, "measurements.", path)
         for key in ("ar_ms", "step_ms"):
-            if key in m and not number(m[key]):
-                bad(f"measurements.{key}", "a positive number of milliseconds")
+            if key in m and not (number(m[key]) and m[key] <= MAX_MS):
+                bad(f"measurements.{key}", f"a number of milliseconds in (0, {MAX_MS:g}]")
         for key in ("rows_probe", "profile"):
             if m.get(key) is not None and not isinstance(m[key], str):
                 bad(f"measurements.{key}", "a file")
@@ -151,14 +169,18 @@ def _check_fields(raw: dict, path: Path) -> None:
         outs = m.get("outputs")
         if outs is not None and not (isinstance(outs, dict) and all(isinstance(v, str) for v in outs.values())):
             bad("measurements.outputs", "a map of role to outputs file (stock, ar)")
+        if outs is not None:
+            _known(outs, OUTPUT_ROLES, "measurements.outputs.", path)
     srv = raw.get("servers")
     if srv is not None:
         if not isinstance(srv, dict):
             bad("servers", "a map (stock, candidate, candidates)")
+        _known(srv, SERVERS_FIELDS, "servers.", path)
 
         def server(field: str, d, need_url: bool) -> None:
             if not isinstance(d, dict):
                 bad(field, "a map (url, start, port, ready_timeout)")
+            _known(d, SERVER_FIELDS, f"{field}.", path)
             if need_url or d.get("url") is not None:
                 url(f"{field}.url", d.get("url"))
             if d.get("start") is not None and not (isinstance(d["start"], str) and d["start"].strip()):
@@ -166,8 +188,8 @@ def _check_fields(raw: dict, path: Path) -> None:
             if d.get("port") is not None and not (whole(d["port"], 1) and d["port"] <= 65535):
                 bad(f"{field}.port", "a port number (1-65535)")
             for key in ("ready_timeout", "expected_start_s"):
-                if d.get(key) is not None and not number(d[key]):
-                    bad(f"{field}.{key}", "a positive number of seconds")
+                if d.get(key) is not None and not (number(d[key]) and d[key] <= MAX_WAIT_S):
+                    bad(f"{field}.{key}", f"a number of seconds in (0, {MAX_WAIT_S:g}]")
 
         if srv.get("stock") is not None:
             server("servers.stock", srv["stock"], True)
