@@ -82,9 +82,43 @@ def test_the_reapply_command_of_an_older_activation_reads_its_launch(run_cli, cl
     data = json.loads(clean.read_text())
     for k in ("model", "experimental"):
         data.pop(k)
-    cmd = reapply_command(data, str(env))
-    assert "--model '/m/x y'" in cmd and "--experimental" in cmd, cmd
+    cmd, left_out = reapply_command(data, str(env))
+    assert "--model '/m/x y'" in cmd and "--experimental" in cmd and left_out == [], cmd
     assert run_cli(*shlex.split(cmd)[1:])[0] == 0
+
+
+@pytest.mark.parametrize("damage, left", [
+    ({"settings": {"node_budget": "x"}}, "setting node_budget=x"),
+    ({"settings": {"zzz": 1}}, "setting zzz=1"),
+    ({"bundles": ["tree", "zzz"], "closure": ["tree", "zzz"]}, "bundle zzz"),
+])
+def test_the_reapply_command_leaves_out_what_apply_would_refuse(run_cli, clean, env, damage, left):
+    """An activation whose settings or bundles this SpecPilot refuses: status suggested an apply
+    command that was then refused (exit 2); it leaves them out, says so, and the command runs."""
+    assert run_cli("apply", "tree", "--drafter", "eagle", "--python", env)[0] == 0
+    data = json.loads(clean.read_text())
+    for k, v in damage.items():
+        data[k] = {**data[k], **v} if isinstance(v, dict) else v
+    data["sglang"]["version"] = "0.0.1"   # so that status finds a mismatch and suggests the command
+    clean.write_text(json.dumps(data))
+    code, out, _ = run_cli("status", "--python", env)
+    assert code == 1, out
+    lines = out.splitlines()
+    cmd = lines[lines.index("do not launch with this activation; apply it again to this environment:") + 1]
+    assert lines[lines.index(cmd) + 1] == f"  (left out, as this SpecPilot's memory would refuse them: {left})"
+    code, _, err = run_cli(*shlex.split(cmd)[1:])
+    assert code == 0, err
+
+
+def test_status_of_an_activation_of_only_unknown_bundles_suggests_revert(run_cli, clean, env):
+    assert run_cli("apply", "tree", "--python", env)[0] == 0
+    data = json.loads(clean.read_text())
+    data["bundles"] = data["closure"] = ["zzz"]
+    data["sglang"]["version"] = "0.0.1"
+    clean.write_text(json.dumps(data))
+    code, out, _ = run_cli("status", "--python", env)
+    assert code == 1 and "this SpecPilot knows none of its bundles (bundle zzz); remove it:" in out, out
+    assert "apply it again" not in out
 
 
 @pytest.mark.parametrize("how", ["same", "link", "relative"])

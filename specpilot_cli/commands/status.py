@@ -57,8 +57,16 @@ def command(python, fmt, out):
         gone = [name for name, v in (("SGLang", res.env.sglang_package), ("SpecPilot", res.env.specpilot_version))
                 if v is None]
         first = f"install {' and '.join(gone)} there again, then " if gone else ""
-        lines += ["", f"do not launch with this activation; {first}apply it again to this environment:",
-                  f"  {reapply_command(act, python)}", "or remove it:", f"  specpilot revert{where}"]
+        cmd, left_out = reapply_command(act, python)
+        if cmd is None:   # none of its bundles is in this SpecPilot's memory: nothing to apply again
+            lines += ["", f"do not launch with this activation; this SpecPilot knows none of its bundles "
+                          f"({', '.join(left_out)}); remove it:", f"  specpilot revert{where}"]
+        else:
+            lines += ["", f"do not launch with this activation; {first}apply it again to this environment:",
+                      f"  {cmd}"]
+            if left_out:
+                lines.append(f"  (left out, as this SpecPilot's memory would refuse them: {', '.join(left_out)})")
+            lines += ["or remove it:", f"  specpilot revert{where}"]
     emit(Report(data=data, sections=sections, lines=lines, title="specpilot status"), fmt, out)
     return 0 if res.matches else 1
 
@@ -97,12 +105,20 @@ def _defaults(act: dict, entries: dict) -> dict:
     return {v.name: v.default for i in act.get("closure", []) if i in entries for v in entries[i].variants}
 
 
-def reapply_command(act: dict, python: str | None) -> str:
+def reapply_command(act: dict, python: str | None) -> tuple[str | None, list[str]]:
     """The ``specpilot apply`` command that writes ``act`` again: its bundles, --python, the drafter
     the launch was written for, the model, --experimental where a bundle is experimental, --force
-    where it was forced and every setting that is not the variant's default; every word shell-quoted."""
+    where it was forced and every setting that is not the variant's default; every word shell-quoted.
+    With what it leaves out because apply would refuse it here (a bundle this SpecPilot's memory
+    lacks, a setting none of the bundles has or a value its variant refuses); None for the command
+    when no bundle is left (or the memory cannot be read)."""
     entries = _memory()
-    words = ["specpilot", "apply", ",".join(act.get("bundles") or act.get("closure", []))]
+    bundles = [b for b in (act.get("bundles") or act.get("closure", [])) if isinstance(b, str)]
+    left_out = [f"bundle {b}" for b in bundles if b not in entries]
+    bundles = [b for b in bundles if b in entries]
+    if not bundles:
+        return None, left_out
+    words = ["specpilot", "apply", ",".join(bundles)]
     if python:
         words += ["--python", python]
     if act.get("drafter"):
@@ -115,8 +131,13 @@ def reapply_command(act: dict, python: str | None) -> str:
     if (act.get("sglang") or {}).get("forced"):
         words.append("--force")
     defaults = _defaults(act, entries)
+    variants = {v.name: v for i in act.get("closure", []) if i in entries for v in entries[i].variants}
     for k, v in (act.get("settings") or {}).items():
+        text = f"{k}={v if isinstance(v, str) else json.dumps(v)}"
+        if k not in variants or variants[k].problem(v):
+            left_out.append(f"setting {text}")
+            continue
         if k in defaults and defaults[k] == v and type(defaults[k]) is type(v):
             continue
-        words += ["--set", f"{k}={v if isinstance(v, str) else json.dumps(v)}"]
-    return " ".join(shlex.quote(w) for w in words)
+        words += ["--set", text]
+    return " ".join(shlex.quote(w) for w in words), left_out
