@@ -117,8 +117,8 @@ def pack_cmd(src, dst, include, exclude, device, force, fmt, out):
     if not folder and Path(dst).suffix != ".safetensors":   # what verify and stats recognise
         raise InputError(f"--output {dst}: name a .safetensors file (a single-file checkpoint packs into one)")
     if folder and Path(dst).suffix == ".safetensors":
-        raise InputError(f"--output {dst}: {src} is a checkpoint of several files, packed into a folder; name a "
-                         "folder, not a .safetensors file")
+        raise InputError(f"--output {dst}: {src} is a folder checkpoint (a folder or its index), packed into a "
+                         "folder; name a folder, not a .safetensors file")
     if not folder and os.path.lexists(dst) and not force:
         raise InputError(f"--output {dst}: the file exists; pass --force to replace it")
     device = _device(device)
