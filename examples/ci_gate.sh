@@ -9,10 +9,12 @@
 # BASELINE: a round's folder or its baseline.json (default: the SmolLM2 CPU round of this folder).
 # TOLERANCE: extra slowdown allowed, a fraction; a shared CPU drifts between sessions (default 0.5),
 # a dedicated GPU runner needs 0.
+# BASELINE, OUT_DIR (default gate-results) and SPECPILOT are paths from where it is called; the
+# defaults of BASELINE and SPECPILOT (.venv/bin/specpilot) are this repository's.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-SP=${SPECPILOT:-.venv/bin/specpilot}
-BASELINE=${1:-examples/rounds/smollm2-cpu/baseline.json}
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+SP=${SPECPILOT:-$REPO/.venv/bin/specpilot}
+BASELINE=${1:-$REPO/examples/rounds/smollm2-cpu/baseline.json}
 OUT=${OUT_DIR:-gate-results}
 mkdir -p "$OUT" || exit 2
 

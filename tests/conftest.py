@@ -285,11 +285,23 @@ def run_cli():
     return _run
 
 
+NO_SHARED = "shared fixtures not found at"
+
+
 @pytest.fixture
 def fixtures_dir():
+    """``../shared/fixtures``: real traces of other projects, which this repository does not keep."""
     if not FIXTURES.is_dir():
-        pytest.skip(f"shared fixtures not found at {FIXTURES}")
+        pytest.skip(f"{NO_SHARED} {FIXTURES}")
     return FIXTURES
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Say it aloud when the real-trace tests did not run: -q shows only a skip count."""
+    skipped = [r for r in terminalreporter.stats.get("skipped", []) if NO_SHARED in str(r.longrepr)]
+    if skipped:
+        terminalreporter.write_line(f"{len(skipped)} tests of real traces skipped: {NO_SHARED} {FIXTURES} "
+                                    "(set SPECPILOT_SHARED to the folder holding fixtures/)", yellow=True)
 
 
 def one_error(err: str) -> str:

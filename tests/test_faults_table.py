@@ -730,6 +730,23 @@ def test_ci_gate_reports_the_real_reason(tmp_path, check_code, expect):
     assert proc.returncode == expect[0] and expect[1] in proc.stderr, proc.stderr
 
 
+def test_ci_gate_takes_paths_from_where_it_is_called(tmp_path):
+    """BASELINE and OUT_DIR relative to the caller's folder (the script's cd to the repository made
+    them the repository's: a baseline beside the caller was 'no such file', the results went into
+    the checkout)."""
+    stub = tmp_path / "specpilot"
+    stub.write_text('#!/bin/sh\n[ -f "$3" ] || { echo "specpilot: error: $3: no such file" >&2; exit 2; }\n'
+                    'echo "checked $3"\n')
+    stub.chmod(0o755)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "baseline.json").write_text("{}")
+    proc = subprocess.run(["bash", str(REPO / "examples" / "ci_gate.sh"), "mine/baseline.json"], capture_output=True,
+                          text=True, cwd=tmp_path, env=dict(os.environ, SPECPILOT="./specpilot", OUT_DIR="res"))
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "res" / "check.txt").read_text() == "checked mine/baseline.json\n"
+    assert not (REPO / "res").exists()
+
+
 # ------------------------------------------------------------------ long work in a non-tty
 
 def test_non_tty_progress_lines_and_loading_model_line(run_cli, tmp_path, monkeypatch, own_folder):
