@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from specpilot.errors import InputError
-from specpilot.fileio import iter_jsonl_numbered
+from specpilot.fileio import iter_jsonl_numbered, require_file
 from specpilot.limits import MAX_TOKEN_ID
 
 from .policies import MAX_NODES, Policy, StepView, parse_policy
@@ -216,8 +216,7 @@ def read_lattice(path) -> Lattice:
     """Read and validate a lattice JSONL file; every error names ``file:line``."""
     steps = []
     p = Path(path)
-    if not p.is_file():
-        raise InputError(f"{p}: no such file")
+    require_file(p)
     # the reader checks the schema of every row and reports file:line for JSON errors
     seen = {}
     for lineno, row in iter_jsonl_numbered(p, LATTICE_KIND):

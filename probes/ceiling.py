@@ -87,20 +87,11 @@ def _use_profile_gpu_time(p: ProfileFigures, m: Measurements) -> None:
     m.set("profile_ms", p.kernel_busy_ms, f"profile {p.source}", p)
 
 
-def replay_policy(r: ReplayFigures, policy: str) -> str | None:
-    """The replay's name for ``policy``: itself, else the one policy of its family (``best-first``
-    for ``best-first:32``), else None."""
-    if policy in r.taus:
-        return policy
-    matches = [k for k in r.taus if k.split(":")[0] == policy]
-    return matches[0] if len(matches) == 1 else None
-
-
 def policy_nodes(r: ReplayFigures | None, policy: str) -> int | None:
     """The nodes ``policy`` verifies a step besides the pending token (so N + 1 rows): the replay's
     own ``nodes`` for it (a chain's depth, cut to m), else its budget after ':' (a chain's cut to
     the lattice's m, a bare ``chain`` its m); None for ``oracle:K``, which builds no tree."""
-    name = replay_policy(r, policy) if r is not None else None
+    name = r.name_of(policy) if r is not None else None
     if r is not None and name is not None and r.nodes.get(name) is not None:
         return r.nodes[name]
     name = name or policy
@@ -118,7 +109,7 @@ def policy_nodes(r: ReplayFigures | None, policy: str) -> int | None:
 
 def _use_replay(r: ReplayFigures, m: Measurements, current_policy: str) -> None:
     taus = r.taus
-    name = replay_policy(r, current_policy)
+    name = r.name_of(current_policy)
     cur = taus[name] if name is not None else None
     if cur is None:
         raise InputError(f"{r.source}: no policy {current_policy!r} in the replay (has {', '.join(taus)}); "

@@ -78,6 +78,18 @@ class ReplayFigures:
     curves: dict[str, dict[int, float]] = field(default_factory=dict)
     nodes: dict[str, int | None] = field(default_factory=dict)  # the nodes each policy verifies (chain: its depth)
     positions: int | None = None  # the lattice's draft positions m
+    steps: int | None = None      # the lattice's verification steps (over all its requests)
+
+    def name_of(self, policy: str) -> str | None:
+        """The replay's name for ``policy``: itself, else the one policy of its family (``best-first``
+        for ``best-first:32``), else None. A bare ``chain`` is a policy of its own, every draft
+        position: it stands for a ``chain:N`` only where that one verifies all of them."""
+        if policy in self.taus:
+            return policy
+        matches = [k for k in self.taus if k.split(":")[0] == policy]
+        if policy == "chain":
+            matches = [k for k in matches if self.positions is not None and self.nodes.get(k) == self.positions]
+        return matches[0] if len(matches) == 1 else None
 
 
 @dataclass

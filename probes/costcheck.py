@@ -95,8 +95,8 @@ def check_run(run: RunFigures, replay: ReplayFigures | None = None, probe: RowsP
               ar_run: RunFigures | None = None, tolerance: float = 0.10, policy: str | None = None,
               draft_ms: float | None = None) -> CheckResult:
     """Predicted against measured speedup of ``run`` (see the module's docstring)."""
-    if not (0 < tolerance < 10):
-        raise InputError(f"--tolerance must be in (0, 10), got {tolerance}")
+    if not (0 < tolerance <= 10):   # the range --tolerance takes, 10 included
+        raise InputError(f"--tolerance must be in (0, 10], got {tolerance}")
     src = run.source
     if not run.has_split:
         raise InputError(f"{src}: the run's step_timing has no drafting/verify/rest split; run specpilot run "
@@ -125,14 +125,14 @@ def check_run(run: RunFigures, replay: ReplayFigures | None = None, probe: RowsP
         if policy is None:
             raise InputError(f"{src}: the run does not say its mode; choose the replay policy with --policy")
         taus = replay.taus
-        name = policy if policy in taus else None
-        if name is None:
-            fam = [k for k in taus if k.split(":")[0] == policy.split(":")[0]]
-            name = fam[0] if len(fam) == 1 and ":" not in policy else None
+        name = replay.name_of(policy)
         if name is None:
             raise InputError(f"{replay.source}: no policy {policy!r} in the replay (has {', '.join(taus)}); replay "
                              f"the run's lattice with --policy {policy}, or choose one with --policy")
         tau_p, tau_from = taus[name], f"replay {replay.source} ({name})"
+        if replay.steps and run.steps and replay.steps != run.steps:   # a lattice records one row per pass
+            notes.append(f"the replay's lattice has {replay.steps} steps, the run {run.steps} passes: it is not this "
+                         "run's lattice, so its tau is another run's, not this run's exactly")
     else:
         notes.append("no --replay: tau is the run's own")
 
@@ -200,7 +200,8 @@ def check_run(run: RunFigures, replay: ReplayFigures | None = None, probe: RowsP
              *([Term("Q pass", qpass_p, run.qpass_ms, qpass_from, f"run {src}")]
                if run.mode == "tlv" or run.qpass_ms else []),
              Term("outside/host", host_p, host_m, f"run {src} (the step's rest)",
-                  f"run {src} (decode ms per pass - verify - drafting)"),
+                  f"run {src} (decode ms per pass - verify - drafting"
+                  + (" - Q pass)" if run.mode == "tlv" or run.qpass_ms else ")")),
              Term("T_AR", ar_p, ar_m, ar_p_from, ar_m_from)]
     for t in terms:
         tau, ar, pms = tau_p, ar_p, pass_p

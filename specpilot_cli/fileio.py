@@ -352,7 +352,10 @@ def _check_size(path: Path, max_bytes: int | None) -> None:
                          "this file kind may have (see docs/formats.md, limits)")
 
 
-def _require_file(path: Path) -> None:
+def require_file(path) -> None:
+    """InputError unless ``path`` is a regular file: "no such file", or "not a regular file" for a
+    folder or a device (``/dev/null``), which exist."""
+    path = Path(path)
     if not path.exists():
         raise InputError(f"{path}: no such file")
     if not path.is_file():
@@ -364,7 +367,7 @@ def read_json(path, kind: str | None = None, versions: Iterable[int] = (1,),
     """A whole JSON file (``.gz`` too), schema-checked when ``kind`` is given; with ``build``, what
     ``build(obj)`` makes of it, a field it misses or has of the wrong type being bad input."""
     path = Path(path)
-    _require_file(path)
+    require_file(path)
     _check_size(path, max_bytes)
     try:
         with open_text(path) as fh:
@@ -426,7 +429,7 @@ def iter_jsonl(path, kind: str | None = None, versions: Iterable[int] = (1,)) ->
 def iter_jsonl_numbered(path, kind: str | None = None, versions: Iterable[int] = (1,)) -> Iterator[tuple[int, Any]]:
     """:func:`iter_jsonl` with each object's line number: ``(line, obj)``."""
     path = Path(path)
-    _require_file(path)
+    require_file(path)
     lineno = 0
     try:
         with (gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")) as fh:

@@ -165,7 +165,9 @@ def read_replay(path: str) -> ReplayFigures:
         if not all(1 <= n <= MAX_ROWS and _finite(t, 1, MAX_TAU, lo_open=False) for n, t in curves[name].items()):
             raise InputError(f"{path}: curve {name!r}: node counts must be in [1, {MAX_ROWS}] and tau in "
                              f"[1, {MAX_TAU}]")
-    return ReplayFigures(source=str(path), taus=taus, curves=curves, nodes=nodes, positions=m)
+    steps = doc.get("steps")
+    steps = steps if isinstance(steps, int) and not isinstance(steps, bool) and steps >= 0 else None
+    return ReplayFigures(source=str(path), taus=taus, curves=curves, nodes=nodes, positions=m, steps=steps)
 
 
 def read_rows_probe(path: str, batch: int | None = None, one_request: str | None = None) -> RowsProbeFigures:

@@ -268,7 +268,8 @@ def test_a_chains_tau_over_the_one_row_step_is_flagged(run_cli, tmp_path):
     for policies, positions, policy, want in (
             ([{"policy": "chain", "nodes": 8, "tau": 1.5}], 8, None, 9),   # ceiling's default policy
             ([{"policy": "chain", "tau": 1.5}], 8, "chain", 9),            # no nodes: the lattice's m
-            ([{"policy": "chain:4", "tau": 1.4}], 8, "chain", 5),          # the one chain, by family
+            ([{"policy": "chain:8", "nodes": 8, "tau": 1.4}], 8, "chain", 9),   # every position: chain
+            ([{"policy": "chain:4", "tau": 1.4}], 8, "chain:4", 5),        # its depth
             ([{"policy": "chain:16", "tau": 1.5}], 8, "chain:16", 9)):     # cut to m
         replay.write_text(json.dumps({"schema": "specpilot.replay/1", "positions": positions, "policies": policies}))
         args = ("ceiling", "--replay", replay, "--rows-probe", rows, "--format", "json")

@@ -234,6 +234,7 @@ def test_check_tlv_run(run_cli, tmp_path, files):
     terms = {t["term"]: t for t in d["terms"]}
     assert terms["drafting"]["measured"] == pytest.approx(1.0) and terms["Q pass"]["measured"] == pytest.approx(9.0)
     assert d["predicted_speedup"] == pytest.approx(6.0 * 10.5 / 23.0)
+    assert terms["outside/host"]["measured_from"] == f"run {run} (decode ms per pass - verify - drafting - Q pass)"
 
 
 def test_check_tlv_run_takes_the_probes_q_pass_of_its_own_view_only(run_cli, tmp_path, files):
@@ -341,3 +342,44 @@ def test_check_names_what_offsets_a_single_term_off_in_a_pass(run_cli, files):
     assert "cancel" not in note
     offset = note[note.index("; offset by "):]
     assert "T_AR (11.5 predicted vs 10.6" in offset and "outside/host" in offset and "tau" not in offset
+
+
+def _chain_replay(tmp_path, name, policies, positions=8, steps=50):
+    return _write(tmp_path, name, {"schema": "specpilot.replay/1", "positions": positions, "steps": steps,
+                                   "policies": [{"policy": p, "tau": t, "nodes": n} for p, t, n in policies]})
+
+
+def test_a_bare_chain_is_not_taken_from_a_shorter_chain(run_cli, files):
+    """chain is every draft position: a replay holding only chain:2 of an 8-position lattice was read
+    as chain (its tau under chain's name, and a chain run checked against it); chain:8 is chain."""
+    tmp = files["dir"]
+    run = _write(tmp, "chain.json", _run_doc("chain", tau=3.0, rows=9))
+    short = _chain_replay(tmp, "short.json", [("chain:2", 1.5, 2)])
+    for argv in (("--replay", short, "--ar-ms", "10", "--step-ms", "12"),
+                 ("--check", run, "--replay", short, "--ar-run", files["ar"])):
+        code, _, err = run_cli("ceiling", *argv)
+        assert code == 2 and "no policy 'chain' in the replay (has chain:2)" in err and err.count("\n") == 1, err
+    full = _chain_replay(tmp, "full.json", [("chain:8", 3.0, 8)])
+    code, out, err = run_cli("ceiling", "--check", run, "--replay", full, "--ar-run", files["ar"], "--format", "json")
+    assert code == 0, err
+    assert json.loads(out)["terms"][0]["predicted_from"] == f"replay {full} (chain:8)"
+
+
+def test_check_notes_a_replay_of_another_run_s_lattice(run_cli, files):
+    tmp = files["dir"]
+    other = _write(tmp, "other.json", {"schema": "specpilot.replay/1", "steps": 49,
+                                       "policies": [{"policy": "best-first:16", "tau": 3.0}]})
+    code, out, err = run_cli("ceiling", "--check", files["tree"], "--replay", other, "--rows-probe", files["rows"],
+                             "--ar-run", files["ar"], "--format", "json")
+    assert code == 0, err
+    assert ("the replay's lattice has 49 steps, the run 50 passes: it is not this run's lattice, so its tau is "
+            "another run's, not this run's exactly") in json.loads(out)["notes"]
+    code, out, _ = run_cli("ceiling", "--check", files["tree"], "--replay", files["replay"], "--rows-probe",
+                           files["rows"], "--ar-run", files["ar"], "--format", "json")
+    assert not any("lattice has" in n for n in json.loads(out)["notes"])
+
+
+def test_check_takes_the_tolerance_its_help_allows(run_cli, files):
+    code, _, err = run_cli("ceiling", "--check", files["tree"], "--replay", files["replay"], "--rows-probe",
+                           files["rows"], "--ar-run", files["ar"], "--tolerance", "10")
+    assert code == 0, err

@@ -137,6 +137,8 @@ def test_bad_json_line_and_missing_file(tmp_path, run_cli):
     assert code == 2 and f"{lat}:2" in err
     code, _, err = run_cli("replay", tmp_path / "nope.jsonl")
     assert code == 2 and "no such file" in err
+    code, _, err = run_cli("replay", "/dev/null")   # it exists: a device, not a lattice file
+    assert code == 2 and err == "specpilot: error: /dev/null: not a regular file\n"
     empty = tmp_path / "e.jsonl"
     empty.write_text("\n")
     assert run_cli("replay", empty)[0] == 2
@@ -204,6 +206,8 @@ def test_a_bad_calibration_file_names_the_option(tmp_path, run_cli):
     lat = write(tmp_path / "l.jsonl", [HAND])
     code, out, err = run_cli("replay", lat, "--policy", "sequoia:4", "--calibrate", tmp_path / "nope.jsonl")
     assert code == 2 and out == "" and err == f"specpilot: error: --calibrate {tmp_path / 'nope.jsonl'}: no such file\n"
+    code, out, err = run_cli("replay", lat, "--policy", "sequoia:4", "--calibrate", "/dev/null")
+    assert code == 2 and out == "" and err == "specpilot: error: --calibrate /dev/null: not a regular file\n"
 
 
 def test_sequoia_calibration_file(tmp_path, run_cli):

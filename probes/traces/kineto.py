@@ -27,6 +27,7 @@ from typing import Callable
 import numpy as np
 
 from specpilot.errors import InputError
+from specpilot.fileio import require_file
 
 from .. import steps as st
 from .jsonstream import iter_chrome_trace
@@ -132,8 +133,7 @@ class KinetoTrace:
     def __init__(self, path: str | os.PathLike, on_read: Callable[[int], None] | None = None):
         self.path = str(path)
         p = Path(path)
-        if not p.is_file():
-            raise InputError(f"{path}: no such file")
+        require_file(p)
         if p.stat().st_size == 0:
             raise InputError(f"{path}: empty file")
         self.header: dict = {}

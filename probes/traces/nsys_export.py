@@ -26,6 +26,7 @@ from urllib.parse import quote
 import numpy as np
 
 from specpilot.errors import InputError
+from specpilot.fileio import require_file
 
 from .model import GPUInfo, Range
 from .nsys_lookup import _Lookup
@@ -66,8 +67,7 @@ class NsysExport:
         self.path = str(path)
         self.on_progress = on_progress  # called now and then during long queries (progress bar)
         p = Path(path)
-        if not p.is_file():
-            raise InputError(f"{path}: no such file")
+        require_file(p)
         size = p.stat().st_size
         if size == 0:
             raise InputError(f"{path}: empty file")

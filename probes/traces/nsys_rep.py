@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 from specpilot.errors import EnvironmentMissing, InputError
+from specpilot.fileio import require_file
 
 REPORT_SUFFIXES = (".nsys-rep", ".qdrep")
 
@@ -47,8 +48,7 @@ def export_sqlite(report: str | os.PathLike, timeout_s: float = 1800) -> tuple[P
     """Export ``report`` to SQLite; returns (path, is_temporary, reused): ``reused`` where an export
     beside the report, newer than it, is read instead of exporting again."""
     report = Path(report)
-    if not report.is_file():
-        raise InputError(f"{report}: no such file")
+    require_file(report)
     if report.stat().st_size == 0:
         raise InputError(f"{report}: empty file")
     beside = report.with_suffix(".sqlite")
