@@ -286,11 +286,12 @@ def _rejudge(d: dict, path, noise, changes_output, n_boot, seed) -> TimingResult
     stored = d.get("changes_output", False)
     co = stored if changes_output is None else (changes_output or stored)
     was = d.get("noise")
-    if noise is not None and isinstance(was, (int, float)) and math.isfinite(was) and noise < was:
+    if isinstance(was, bool) or not isinstance(was, (int, float)) or not math.isfinite(was) or was < 0:
+        raise InputError(f"{path}: 'noise' must be the finite noise >= 0 the run was judged by, got {was!r}")
+    if noise is not None and noise < was:
         raise InputError(f"--noise {noise:g} is below the noise the stored run judged by ({was:.4g}); --from can only "
                          "make the rule stricter: give at least that or leave --noise out")
-    if noise is None and d.get("noise_source") == "given" and isinstance(was, (int, float)) and math.isfinite(was) \
-            and was >= 0:
+    if noise is None and d.get("noise_source") == "given":
         noise = was   # the run was judged by a given noise: its A/A split's own estimate could only loosen it
     v = judge(samples, higher_is_better=hib, aa_pairs=aa, noise=noise, changes_output=co, n_boot=n_boot, seed=seed)
     keep = {k: d[k] for k in ("outputs_identical", "outputs_stable", "prompts", "max_new_tokens", "concurrency",
@@ -341,8 +342,14 @@ def check_partial_workload(path, workload: dict | None) -> None:
     from specpilot.fileio import read_json
 
     theirs = read_json(path, "timing-partial").get("workload")
-    if theirs is None or workload is None or theirs == workload:
+    if theirs is not None and not isinstance(theirs, dict):
+        raise InputError(f"--resume {path}: its 'workload' must be null or an object (the prompts' digest, "
+                         "max_new_tokens, concurrency); the file is damaged")
+    if workload is None or theirs == workload:
         return
+    if theirs is None:   # engines and servers always record it: samples of no known request set
+        raise InputError(f"--resume {path}: it does not say which request set its samples were measured on (no "
+                         "'workload'); start the comparison again")
     diff = ", ".join(f"{k} {theirs.get(k)} there, {workload.get(k)} here" for k in workload
                      if theirs.get(k) != workload.get(k))
     raise InputError(f"--resume {path}: its samples were measured on another request set ({diff}); resume with the "
@@ -379,3 +386,14 @@ def check_blocks(samples: Sequence[Sample], aa, where) -> None:
     if len(aa) != len(blocks) or len(samples) != 2 * len(aa):
         raise InputError(f"{where}: {len(samples)} samples in {len(blocks)} blocks do not match its {len(aa)} A/A "
                          "pairs (every block has two paired samples and one A/A pair)")
+    if len({s.pair for s in samples}) != len(samples):
+        raise InputError(f"{where}: two samples have one pair number; the file is damaged")
+    by_block: dict[int, list[Sample]] = {}
+    for s in samples:
+        by_block.setdefault(s.block, []).append(s)
+    # a block's A/A pair is its base's two runs (the noise comes from them): another pair is a damaged file
+    for (b, pair), (x, y) in zip(sorted(by_block.items()), aa):
+        first, second = sorted(pair, key=lambda s: s.pair)
+        if (first.base, second.base) != (x, y):
+            raise InputError(f"{where}: the A/A pair of block {b} ({x:g}, {y:g}) is not its base's two runs "
+                             f"({first.base:g}, {second.base:g}); the file is damaged")

@@ -205,6 +205,29 @@ def test_engines_with_different_outputs_get_the_3_percent_rule(tmp_path, run_cli
     assert d["unit"] == "tok/s" and len(d["samples"]) == 2
 
 
+def test_a_damaged_stored_run_cannot_loosen_the_rule(tmp_path, run_cli):
+    """--from can only make the rule stricter: a noise that is no number (or none), an A/A pair that
+    is not its block's base runs, or two samples of one pair number made it looser (exit 0 at a 1.2%
+    threshold for a run judged at 7.8%)."""
+    t = tmp_path / "t.json"
+    code, _, err = run_cli("compare", "--base-cmd", emit_cmd(100), "--candidate-cmd", emit_cmd(102),
+                           "--metric", "tokens_per_s", "--runs", "4", "--warmup", "0", "--out", t, "--format", "json")
+    assert code == 0, err
+    stored = json.loads(t.read_text())
+    bad = tmp_path / "bad.json"
+    aa = [dict(x, second=x["first"] + 1) for x in stored["aa"]]
+    twins = [dict(x, pair=0) for x in stored["samples"]]
+    for change, words in (({"noise": "x"}, "'noise' must be the finite noise >= 0"),
+                          ({"noise": -0.5}, "'noise' must be the finite noise >= 0"),
+                          ({"noise": None}, "'noise' must be the finite noise >= 0"),
+                          ({"aa": aa}, "the A/A pair of block 0 (100, 101) is not its base's two runs (100, 100)"),
+                          ({"samples": twins}, "two samples have one pair number")):
+        bad.write_text(json.dumps({**stored, **change}).replace('"x"', "NaN") if change.get("noise") == "x"
+                       else json.dumps({**stored, **change}))
+        code, _, err = run_cli("compare", "--from", bad, "--noise", "0.001")
+        assert code == 2 and words in err and err.count("\n") == 1, (change, err)
+
+
 def test_rejudge_from_stored_file(tmp_path, run_cli):
     t = tmp_path / "t.json"
     code, _, err = run_cli("compare", "--base-cmd", emit_cmd(100), "--candidate-cmd", emit_cmd(102),

@@ -69,6 +69,14 @@ def test_a_resume_of_other_systems_is_refused_before_either_model_loads(run_cli,
     code, out, err = run_cli(*common, "--resume", part)
     assert code == 2 and err.count("\n") == 1 and "not of these systems" in err, err
     assert "loading model" not in err and part.read_text() == before
+    # a workload that is no object, or none, of these systems: exit 2 (an object's .get crashed; none
+    # let samples of another request set resume)
+    for workload, words in (("x", "its 'workload' must be null or an object"),
+                            (None, "it does not say which request set its samples were measured on")):
+        other = tmp_path / "w.partial.json"
+        other.write_text(json.dumps(_partial(base, cand, "throughput", workload)))
+        code, _, err = run_cli(*common, "--resume", other)
+        assert code == 2 and err.count("\n") == 1 and words in err and "loading model" not in err, err
     # the same systems' samples resume (the check reads what the systems record, before they start)
     mine = tmp_path / "mine.partial.json"
     mine.write_text(json.dumps(_partial(base, cand, "throughput", workload_of(read_prompts_tokenized(prompts, "tiny"),

@@ -260,8 +260,8 @@ def _set(doc: dict, path: str, value):
 @pytest.mark.parametrize("field, value, words", [
     ("system", 5, "'system' must be a non-empty string"),
     ("noise", "x", "'noise' must be a fraction in [0, 1)"),
-    ("samples", ["a", "b"], "'samples' must be a list of positive throughputs"),
-    ("samples", "x", "'samples' must be a list of positive throughputs"),
+    ("samples", ["a", "b"], "'samples' must be a list of at most 100000 positive throughputs"),
+    ("samples", "x", "'samples' must be a list of at most 100000 positive throughputs"),
     ("max_new_tokens", 0, "'max_new_tokens' must be a whole number >= 1"),
     ("outputs.stock.0.prompt_ids", [99999], "has other prompt_ids than in"),
     ("outputs.stock.0.prompt_ids", "abc", "'outputs.stock[0]' must be a row"),
@@ -279,6 +279,21 @@ def test_check_refuses_a_damaged_baseline_before_any_run(tiny_round, run_cli, tm
     (tmp_path / "baseline.json").write_text(json.dumps(doc))
     code, out, err = run_cli("check", "--baseline", tmp_path, "--runs", "2")
     assert code == 2 and words in err and "internal error" not in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("samples, noise, words", [
+    ([10.0, 11.0], None, "'noise' must be the samples' A/A noise, a fraction in [0, 1), beside the samples"),
+    ([10.0] * 100_001, 0.01, "'samples' must be a list of at most 100000 positive throughputs"),
+])
+def test_check_refuses_samples_without_their_noise_or_past_the_run_limit(tiny_round, run_cli, tmp_path, samples,
+                                                                         noise, words):
+    """Samples without their noise judged by the fresh runs' own alone (a looser rule, said nowhere);
+    a baseline of 200000 samples made check's default 200000 runs, past --runs' limit."""
+    doc = json.loads((tiny_round / "r" / "baseline.json").read_text())
+    doc.update(samples=samples, noise=noise)
+    (tmp_path / "baseline.json").write_text(json.dumps(doc))
+    code, _, err = run_cli("check", "--baseline", tmp_path, "--no-audit")
+    assert code == 2 and words in err and err.count("\n") == 1, err
 
 
 @pytest.mark.parametrize("change, words", [

@@ -52,11 +52,15 @@ def _check_baseline(doc: dict, p: Path) -> None:
     for k in ("system", "stock", "kind"):
         if k in doc and doc[k] is not None and not (isinstance(doc[k], str) and doc[k].strip()):
             bad(k, "a non-empty string")
-    if doc.get("samples") is not None and not (isinstance(doc["samples"], list)
+    from specpilot.limits import MAX_RUNS
+
+    if doc.get("samples") is not None and not (isinstance(doc["samples"], list) and len(doc["samples"]) <= MAX_RUNS
                                                and all(is_num(x) and x > 0 for x in doc["samples"])):
-        bad("samples", "a list of positive throughputs")
+        bad("samples", f"a list of at most {MAX_RUNS} positive throughputs (check runs as many by default)")
     if doc.get("noise") is not None and not (is_num(doc["noise"]) and 0 <= doc["noise"] < 1):
         bad("noise", "a fraction in [0, 1)")
+    if doc.get("samples") and doc.get("noise") is None:   # a round writes both: without it the rule loosens
+        bad("noise", "the samples' A/A noise, a fraction in [0, 1), beside the samples")
     if doc.get("max_new_tokens") is not None and not (is_int(doc["max_new_tokens"]) and doc["max_new_tokens"] >= 1):
         bad("max_new_tokens", "a whole number >= 1")
     if doc.get("facts") is not None and not isinstance(doc["facts"], dict):

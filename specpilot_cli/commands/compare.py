@@ -189,12 +189,13 @@ def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, tokenizer
         if held > cap:  # refused, not cut: which samples to drop is not ours to choose
             raise InputError(f"--resume {resume_file}: it already holds {held} paired samples, more than "
                              f"{option} {cap}; resume with {option} {held} or more")
-        check_partial_workload(resume_file, workload)
-        # and of these systems: checked before either one starts (an engine's model loads for seconds)
+        # of these systems, then of this request set: checked before either one starts (an engine's
+        # model loads for seconds)
         (base_label, metric_label), (cand_label, _) = (recorded_as(base, base_cmd, metric),
                                                        recorded_as(candidate, candidate_cmd, metric))
         resumed = read_partial(resume_file, base=base_label, candidate=cand_label, metric=metric_label,
                                schedule=schedule)
+        check_partial_workload(resume_file, workload)
     keeper = StateKeeper(partial_file or resume_file or _default_partial(out), "--partial",
                          what=lambda doc: f"{doc['runs']} paired samples", resuming=resume_file,
                          schema=PARTIAL_SCHEMA)
