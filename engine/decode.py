@@ -28,14 +28,16 @@ from specpilot.kernels.gdn.path import row_paths
 from specpilot.machine import torch_threads
 
 
-def check_request(prompt_ids, max_new_tokens: int, vocab: int, need: int, slots: int, least_new: int = 1, *,
+def check_request(prompt_ids, max_new_tokens: int, vocab: int, need, slots: int, least_new: int = 1, *,
                   mode: str) -> None:
     """InputError for a request no decoder can run: an empty prompt, a token outside the
     vocabulary, fewer new tokens than ``least_new`` (a decoder makes at least one; ``serve``
-    answers a request for none itself), or more cache slots (``need``) than the decoder has
-    (``slots``; the slots past the tokens are named for ``mode``). Token ids and counts must be
-    integers (a library caller's text or float is refused here, not failed on deep in a step)."""
-    if isinstance(prompt_ids, (str, bytes)) or not all(_integer(t) for t in prompt_ids):
+    answers a request for none itself), or more cache slots (``need``, or ``need(prompt_len,
+    max_new_tokens)`` once both are known to be whole numbers) than the decoder has (``slots``; the
+    slots past the tokens are named for ``mode``). Token ids and counts must be integers (a library
+    caller's text or float is refused here, not failed on deep in a step)."""
+    if isinstance(prompt_ids, (str, bytes)) or not hasattr(prompt_ids, "__len__") \
+            or not all(_integer(t) for t in prompt_ids):
         raise InputError("prompt_ids must be a sequence of integer token ids (text goes through the tokenizer: "
                          "Engine.run takes {'text': ...})")
     if not _integer(max_new_tokens):
@@ -47,6 +49,8 @@ def check_request(prompt_ids, max_new_tokens: int, vocab: int, need: int, slots:
         raise InputError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
     if max_new_tokens < least_new:
         raise InputError(f"max_new_tokens must be >= {least_new}, got {max_new_tokens}")
+    if callable(need):
+        need = need(len(prompt_ids), max_new_tokens)
     if need > slots:
         raise InputError(f"prompt ({len(prompt_ids)} tokens) + {max_new_tokens} new tokens + "
                          f"{need - len(prompt_ids) - max_new_tokens} slots for {room_words(mode)} need {need} cache "
@@ -360,8 +364,8 @@ class Decoder:
 
     def check(self, prompt_ids: list[int], max_new_tokens: int) -> None:
         """Refuse a request this decoder cannot run (InputError)."""
-        check_request(prompt_ids, max_new_tokens, self.model.spec.vocab_size,
-                      self.capacity_needed(len(prompt_ids), max_new_tokens), self.model.max_seq, mode=self.mode)
+        check_request(prompt_ids, max_new_tokens, self.model.spec.vocab_size, self.capacity_needed,
+                      self.model.max_seq, mode=self.mode)
 
     @torch.no_grad()
     def _generate(self, prompt_ids: list[int], max_new_tokens: int, record_lattice: bool = False,

@@ -435,7 +435,7 @@ def check_prompt(dec, ids: list[int]) -> None:
     it would take with no new token: what ``/v1/models`` gives as ``max_model_len``). InputError."""
     from specpilot.engine.decode import check_request
 
-    check_request(ids, 0, dec.model.spec.vocab_size, dec.capacity_needed(len(ids), 0), dec.cache.max_seq,
+    check_request(ids, 0, dec.model.spec.vocab_size, dec.capacity_needed, dec.cache.max_seq,
                   least_new=0, mode=dec.mode)
 
 

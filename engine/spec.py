@@ -231,6 +231,8 @@ class EngineSpec:
     @classmethod
     def parse_fields(cls, text: str) -> dict[str, str]:
         """The ``field: value text`` pairs a spec text gives (:meth:`parse` without the checks)."""
+        if not isinstance(text, str):
+            raise InputError(f"an engine spec is text (engine:model=NAME,mode=...), got {type(text).__name__}")
         body = text.strip()
         if body.startswith("engine:"):
             body = body[len("engine:"):]

@@ -264,3 +264,34 @@ def test_a_seed_beside_a_checkpoints_weights_is_said_to_do_nothing(fields, idle)
     spec = EngineSpec.from_options(**fields, seed=7)
     lines = spec.idle_options(["seed"], as_flags=True)
     assert bool(lines) is idle and all(line.startswith("--seed does nothing here") for line in lines), lines
+
+
+def test_library_callers_get_input_errors_for_arguments_of_the_wrong_kind():
+    """A library caller's wrong argument is InputError (or EnvironmentMissing), not a TypeError or
+    AttributeError from deep inside: a spec that is no text, max_new_tokens as text (it was added to
+    the prompt length before it was checked), prompt ids that are no sequence; a KernelPack for CUDA
+    on a machine without it."""
+    import torch
+
+    from specpilot.engine.api import load_engine
+    from specpilot.errors import EnvironmentMissing, InputError
+
+    with pytest.raises(InputError, match="an engine spec is text"):
+        EngineSpec.parse(None)
+    eng = load_engine(EngineSpec.parse("engine:model=tiny,mode=tree,threads=1"))
+    with pytest.raises(InputError, match="max_new_tokens must be an integer, got '4'"):
+        eng.generate([1, 2], max_new_tokens="4")
+    with pytest.raises(InputError, match="prompt_ids must be a sequence of integer token ids"):
+        eng.generate(5, max_new_tokens=4)
+    dec = eng.batch_decoder()
+    from specpilot.engine.batch.requests import Request
+
+    with pytest.raises(InputError, match="max_new_tokens must be an integer"):
+        dec.check(Request(prompt_ids=[1, 2], max_new_tokens=2.5))
+    if not torch.cuda.is_available():
+        from specpilot.kernels.w12.format import encode
+        from specpilot.kernels.w12.pack import KernelPack
+
+        w = (torch.randn(128, 64, generator=torch.Generator().manual_seed(0)) * 0.02).bfloat16()
+        with pytest.raises(EnvironmentMissing, match="no CUDA device here"):
+            KernelPack.from_w12(encode(w), "cuda")

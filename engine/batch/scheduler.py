@@ -115,8 +115,8 @@ class BatchDecoder:
     def check(self, req: Request) -> None:
         """Refuse a request the engine cannot run (InputError)."""
         ids = req.prompt_ids
-        check_request(ids, req.max_new_tokens, self.model.spec.vocab_size,
-                      self.capacity_needed(len(ids), req.max_new_tokens), self.cache.max_seq, mode=self.mode)
+        check_request(ids, req.max_new_tokens, self.model.spec.vocab_size, self.capacity_needed, self.cache.max_seq,
+                      mode=self.mode)
 
     # ---- thread-safe API --------------------------------------------------------------
     def submit(self, req: Request) -> Request:

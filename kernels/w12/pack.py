@@ -42,6 +42,10 @@ class KernelPack:
     @staticmethod
     def from_w12(t: W12Tensor, device=None) -> "KernelPack":
         device = torch.device(device) if device is not None else t.records.device
+        if device.type == "cuda" and not torch.cuda.is_available():
+            from specpilot.errors import EnvironmentMissing
+
+            raise EnvironmentMissing(f"KernelPack on {device}: no CUDA device here")
         t = repad(t.to("cpu"), TILE_N) if t.rows_stored % TILE_N else t.to("cpu")
         n, k = t.shape
         rec = t.records.contiguous()
