@@ -44,6 +44,13 @@ _NEUTRAL_COMPLETION = {
     "suffix": lambda v: v is None,
     "user": lambda v: v is None or isinstance(v, str),
 }
+# what OpenAI's clients may send that touches no answer: storage, tags, the tier of service
+_BOOKKEEPING = {
+    "store": lambda v: v is None or isinstance(v, bool),
+    "metadata": lambda v: v is None or (isinstance(v, dict) and all(isinstance(x, str) for x in v.values())),
+    "service_tier": lambda v: v is None or isinstance(v, str),
+}
+_NEUTRAL_COMPLETION.update(_BOOKKEEPING)
 _NEUTRAL_CHAT = {
     "logprobs": lambda v: v in (None, False),
     "top_logprobs": lambda v: v in (None, 0),
@@ -52,6 +59,7 @@ _NEUTRAL_CHAT = {
     "tool_choice": lambda v: v in (None, "none"),
     "parallel_tool_calls": lambda v: v is None or isinstance(v, bool),
     "user": lambda v: v is None or isinstance(v, str),
+    **_BOOKKEEPING,
 }
 _ROLES = ("system", "user", "assistant", "developer")
 
@@ -191,10 +199,13 @@ def parse_chat(body, chat_encode, vocab_size: int | None, served: str, room) -> 
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or m.get("role") not in _ROLES:
             raise BadRequest(f"messages[{i}] must be an object with a role among {', '.join(_ROLES)}")
-        extra = sorted(set(m) - {"role", "content"})
+        extra = sorted(set(m) - {"role", "content", "name"})
         if extra:
             raise BadRequest(f"messages[{i}]: unsupported fields {name_list(extra)}")
-        clean.append({"role": m["role"], "content": _content(m, i)})
+        if "name" in m and not (isinstance(m["name"], str) and m["name"]):
+            raise BadRequest(f"messages[{i}].name must be a non-empty string")
+        # the participant's name goes to the chat template with the message, as SGLang passes it
+        clean.append({"role": m["role"], "content": _content(m, i), **({"name": m["name"]} if "name" in m else {})})
     if chat_encode is None:
         raise BadRequest("this model has no chat template; use /v1/completions")
     try:

@@ -19,8 +19,16 @@ if TYPE_CHECKING:
 RETRY_AFTER = "1"
 
 
+# OpenAI's error types by status, as SGLang's OpenAI routes name them (``create_error_response``)
+ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowed", 413: "BadRequestError",
+               415: "BadRequestError", 503: "ServiceUnavailableError"}
+
+
 def error_body(message: str, status: int) -> dict:
-    return {"error": {"message": message, "code": status}, "message": message}
+    """OpenAI's error object (``message``, ``type``, ``param``, ``code``; an OpenAI client reads
+    ``error``) with the message at the top level too, where SGLang's native routes put it."""
+    kind = ERROR_TYPES.get(status, "BadRequestError" if status < 500 else "InternalServerError")
+    return {"error": {"message": message, "type": kind, "param": None, "code": status}, "message": message}
 
 
 def json_response(obj, status: int = 200, headers: dict | None = None):

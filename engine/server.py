@@ -12,8 +12,9 @@
   :class:`~specpilot.engine.batch.scheduler.BatchDecoder` on an engine thread; beyond its slots
   they wait in a bounded queue (full: 503 with ``Retry-After``). A client that goes away cancels
   its request and frees its slot at the next step (a queued one leaves the queue unrun).
-- ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``: the OpenAI-compatible
-  routes (:mod:`specpilot.engine.openai_api`), streamed as OpenAI streams (a text delta per event).
+- ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` and
+  ``/v1/models/{model}``: the OpenAI-compatible routes (:mod:`specpilot.engine.openai_api`),
+  streamed as OpenAI streams (a text delta per event).
 - ``GET /health``, ``/health_generate``, ``/ready``, ``/model_info`` and ``/server_info`` (SGLang's
   shapes; ``/get_model_info``, ``/get_server_info`` the same), ``/metrics`` (Prometheus text),
   ``/flush_cache`` (GET or POST: zeroes the cache slots when idle, else 400).
@@ -338,7 +339,10 @@ def make_app(state: ServeState):
         call, bad = await checked(request, parse)
         if bad is not None:
             return bad
-        started, bad = submit(call.prompts, call.sampling, [None] * len(call.prompts))
+        # the engine requests carry the id the client gets (--log-requests names them so), one per prompt
+        n = len(call.prompts)
+        started, bad = submit(call.prompts, call.sampling,
+                              [call.response_id] if n == 1 else [f"{call.response_id}-{i}" for i in range(n)])
         if bad is not None:
             return bad
         reqs, updates = started
@@ -364,6 +368,12 @@ def make_app(state: ServeState):
     @app.get("/v1/models")
     async def list_models():
         return json_response(oa.models(served, int(state.started), context))
+
+    @app.get("/v1/models/{model:path}")   # OpenAI's retrieve-model route, as SGLang serves it
+    async def get_model(model: str):
+        if model != served:
+            return error_response(f"model {model!r} is not served here (the served model: {served!r})", 404)
+        return json_response(oa.models(served, int(state.started), context)["data"][0])
 
     @app.api_route("/health", methods=["GET", "HEAD"])   # load balancers probe with HEAD
     async def health():

@@ -295,6 +295,45 @@ def test_mode_ar_answers_carry_no_spec_fields():
     assert re.search(r"6 generated, ttft [\d.]+ s, itl [\d.]+ s, e2e [\d.]+ s,", lines[1]), lines
 
 
+def test_openai_clients_get_openai_s_error_object_model_route_and_ids():
+    """An OpenAI client reads error.type and error.param (they were absent), retrieves a model by
+    its route (404 before), finds its completion's id in the request log (it had another), and may
+    send a message's name and store/metadata/service_tier, which touch no greedy answer (400 before)."""
+    state, app, lines = _app("ar")
+    state.start_engine()
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://serve") as c:
+            bad = await c.post("/v1/completions", json={"prompt": [1, 2], "n": 2})
+            native = await c.post("/generate", json=_gen([1, 2], 2, top_p=0.5))
+            one = await c.get("/v1/models/tiny")
+            other = await c.get("/v1/models/other/name")
+            done = (await c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, "store": False,
+                                                          "metadata": {"team": "a"}, "service_tier": "auto"})).json()
+            many = (await c.post("/v1/completions", json={"prompt": [[1, 2], [3, 4]], "max_tokens": 2})).json()
+            named = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi",
+                                                                             "name": "bob"}]})
+            nameless = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi",
+                                                                                "name": 5}]})
+            return bad, native, one, other, done, many, named, nameless
+
+    try:
+        bad, native, one, other, done, many, named, nameless = asyncio.run(main())
+    finally:
+        state.join_engine()
+    err = bad.json()["error"]
+    assert bad.status_code == 400 and err["type"] == "BadRequestError" and err["param"] is None and err["code"] == 400
+    assert native.status_code == 400 and native.json()["error"]["type"] == "BadRequestError"
+    assert one.status_code == 200 and one.json()["id"] == "tiny" and one.json()["object"] == "model"
+    assert other.status_code == 404 and other.json()["error"]["type"] == "NotFoundError"
+    assert "model 'other/name' is not served here" in other.json()["error"]["message"]
+    assert done["object"] == "text_completion" and f"request {done['id']}:" in lines[0], (done["id"], lines)
+    assert f"request {many['id']}-0:" in lines[1] and f"request {many['id']}-1:" in lines[2], lines
+    # the tiny model has no chat template: the message passes the checks and meets that refusal
+    assert named.status_code == 400 and "no chat template" in named.json()["error"]["message"]
+    assert nameless.status_code == 400 and "messages[0].name must be a non-empty string" in nameless.text
+
+
 # --------------------------------------------------------------- a client leaving while queued
 async def _asgi(app, path: str, body: dict, gone: asyncio.Event, spec: str):
     """One request through the ASGI app as a server reporting ASGI ``spec`` sends it: the body, then
