@@ -158,7 +158,8 @@ def load_rules(user_files: list[str] | tuple[str, ...] = ()) -> RuleTable:
     for f in reversed(list(user_files)):
         p = Path(f)
         if not p.is_file():
-            raise InputError(f"{f}: " + ("not a rules file (a folder or device)" if p.exists() else "no such rules file"))
+            what = "not a rules file (a folder or device)" if p.exists() else "no such rules file"
+            raise InputError(f"{f}: {what}")
         try:
             doc = yaml.safe_load(p.read_text(encoding="utf-8"))
         except UnicodeDecodeError as e:

@@ -87,8 +87,9 @@ def _known(d: dict, fields: tuple, where: str, path: Path) -> None:
     for key in d:
         if key not in fields:
             close = difflib.get_close_matches(str(key), fields, n=1)
-            raise InputError(f"{path}: unknown field {where}{key!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
-                             + f"; the fields{' of ' + where.rstrip('.') if where else ''}: {', '.join(fields)}")
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise InputError(f"{path}: unknown field {where}{key!r}{hint}; the fields"
+                             f"{' of ' + where.rstrip('.') if where else ''}: {', '.join(fields)}")
 
 
 def _check_fields(raw: dict, path: Path) -> None:
