@@ -337,11 +337,8 @@ def workload_of(prompt_rows, max_new_tokens: int, concurrency: int) -> dict | No
             "concurrency": concurrency}
 
 
-def check_partial_workload(path, workload: dict | None) -> None:
-    """Refuse to resume samples measured on another request set (read before any system starts)."""
-    from specpilot.fileio import read_json
-
-    theirs = read_json(path, "timing-partial").get("workload")
+def _check_partial_workload(path, theirs, workload: dict | None) -> None:
+    """Refuse to resume samples measured on another request set (``theirs``, the file's record)."""
     if theirs is not None and not isinstance(theirs, dict):
         raise InputError(f"--resume {path}: its 'workload' must be null or an object (the prompts' digest, "
                          "max_new_tokens, concurrency); the file is damaged")
@@ -364,8 +361,9 @@ def partial_samples(path) -> int:
     return len(parse_samples(read_json(path, "timing-partial"), path)[0])
 
 
-def read_partial(path, *, base: str, candidate: str, metric: str, schedule: str):
-    """Samples and A/A pairs of a ``specpilot.timing-partial/1`` file taken with these systems."""
+def read_partial(path, *, base: str, candidate: str, metric: str, schedule: str, workload: dict | None):
+    """Samples and A/A pairs of a ``specpilot.timing-partial/1`` file taken with these systems on
+    this request set (``workload``, :func:`workload_of`), read before any system starts."""
     from specpilot.fileio import read_json
 
     d = read_json(path, "timing-partial")
@@ -374,6 +372,7 @@ def read_partial(path, *, base: str, candidate: str, metric: str, schedule: str)
         raise InputError(f"--resume {path}: its samples are of base {theirs[0]!r} vs candidate {theirs[1]!r} "
                          f"({theirs[2]}, {theirs[3]}), not of these systems; resume with the same systems and "
                          "options")
+    _check_partial_workload(path, d.get("workload"), workload)
     samples, aa = parse_samples(d, path)
     check_blocks(samples, aa, f"--resume {path}")
     return samples, aa

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 from specpilot.errors import InputError
-from specpilot.fileio import read_json
+from specpilot.fileio import is_int, read_json
 from specpilot.limits import MAX_MS, MAX_ROWS, MAX_TAU
 from specpilot.probes.ceiling_inputs import ProfileFigures, ReplayFigures, RowsProbeFigures, RunFigures
 
@@ -166,7 +166,7 @@ def read_replay(path: str) -> ReplayFigures:
             raise InputError(f"{path}: curve {name!r}: node counts must be in [1, {MAX_ROWS}] and tau in "
                              f"[1, {MAX_TAU}]")
     steps = doc.get("steps")
-    steps = steps if isinstance(steps, int) and not isinstance(steps, bool) and steps >= 0 else None
+    steps = steps if is_int(steps) and steps >= 0 else None
     return ReplayFigures(source=str(path), taus=taus, curves=curves, nodes=nodes, positions=m, steps=steps)
 
 

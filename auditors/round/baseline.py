@@ -10,6 +10,7 @@ from pathlib import Path
 
 from specpilot.errors import InputError
 from specpilot.fileio import is_int, is_num, read_json
+from specpilot.limits import MAX_RUNS
 
 from .state import check_state, resume_command, stages_left
 
@@ -52,8 +53,6 @@ def _check_baseline(doc: dict, p: Path) -> None:
     for k in ("system", "stock", "kind"):
         if k in doc and doc[k] is not None and not (isinstance(doc[k], str) and doc[k].strip()):
             bad(k, "a non-empty string")
-    from specpilot.limits import MAX_RUNS
-
     if doc.get("samples") is not None and not (isinstance(doc["samples"], list) and len(doc["samples"]) <= MAX_RUNS
                                                and all(is_num(x) and x > 0 for x in doc["samples"])):
         bad("samples", f"a list of at most {MAX_RUNS} positive throughputs (check runs as many by default)")

@@ -37,6 +37,7 @@ from pathlib import Path
 
 from specpilot.errors import InputError
 from specpilot.fileio import is_int, is_num
+from specpilot.limits import MAX_BATCH, MAX_CONTEXT, MAX_MS, MAX_ROWS
 
 from .deployment import Facts
 
@@ -116,8 +117,6 @@ def _check_fields(raw: dict, path: Path) -> None:
             bad(field, "an http:// URL")
         if parts.scheme not in ("http", "https") or not parts.hostname:
             bad(field, "an http:// URL")
-
-    from specpilot.limits import MAX_BATCH, MAX_CONTEXT, MAX_MS, MAX_ROWS
 
     _known(raw, FIELDS, "", path)
     for key, lo, hi in (("batch", 1, MAX_BATCH), ("rows", 1, MAX_ROWS), ("context", 1, MAX_CONTEXT),

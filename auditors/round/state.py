@@ -60,8 +60,7 @@ def hold_folder(folder: Path) -> int:
     return fd
 
 
-# a stage's status in round.json; a resume redoes every one but done and stopped (which it has
-# always read as done)
+# a stage's status in round.json; a resume redoes every one but done
 STATUSES = ("pending", "running", "done", "not run", "interrupted", "failed")
 
 

@@ -59,7 +59,7 @@ def _from_index(index: Path) -> Checkpoint:
     shards = sorted(set(weight_map.values()))
     # a shard elsewhere (a subfolder, ../) is no part of this folder's checkpoint, and two of them
     # with one file name would be written over each other in a packed copy
-    outside = next((s for s in shards if s != Path(s).name or s in (".", "..")), None)
+    outside = next((s for s in shards if s != Path(s).name or s == ".."), None)
     if outside is not None:
         raise FileNotFoundError(f"{index}: names shard {outside}, which is not a file name in the index's folder "
                                 "(a checkpoint's shards sit beside its index)")
@@ -108,11 +108,12 @@ def check_checkpoint(path: str, packed: bool = False, original: str | None = Non
     if original and any(META_KEY in m for m in metas):
         raise W12FormatError(f"{original} {path}: a W12 checkpoint; give the original (unpacked) checkpoint its "
                              "tensors are compared with")
-    for n, s in ck.weight_map.items():   # a tensor the index puts in another of its shards
-        if n in owner and owner[n].name != s and owner[n] not in ck.unindexed:
+    # tensors the index puts in a shard that lacks them
+    wrong = {n: s for n, s in ck.weight_map.items() if owner.get(n) is None or owner[n].name != s}
+    for n, s in wrong.items():   # ... held by another of its shards
+        if n in owner and owner[n] not in ck.unindexed:
             raise W12FormatError(f"{ck.index}: names {s} for {n}, which {owner[n].name} holds; fix the index")
-    if ck.unindexed:   # a tensor the index puts in a shard that lacks it, held by a file the index does not name
-        wrong = {n: s for n, s in ck.weight_map.items() if owner.get(n) is None or owner[n].name != s}
+    if ck.unindexed:   # ... held by a file the index does not name
         for f in ck.unindexed:
             stray = [n for n in header(f)[1] if n in wrong]
             if stray:

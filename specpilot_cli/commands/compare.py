@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import click
 
-from specpilot.options import positive, seed_option, typed
 from specpilot.limits import MAX_RUNS
+from specpilot.options import positive, seed_option, typed
 from specpilot.output import Report, Section, emit, not_empty, output_options
 
 
@@ -97,7 +97,7 @@ def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, tokenizer
     """
     from specpilot.auditors.pairing import (PairRun, RunTimeout, check_metric, check_system, even_pairs,
                                            make_system, paired_compare, parse_gpus, recorded_as)
-    from specpilot.auditors.timing import (PARTIAL_SCHEMA, check_partial_workload, partial_doc, partial_samples,
+    from specpilot.auditors.timing import (PARTIAL_SCHEMA, partial_doc, partial_samples,
                                           read_partial, workload_of)
     from specpilot.errors import InputError
     from specpilot.output import progress
@@ -194,8 +194,7 @@ def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, tokenizer
         (base_label, metric_label), (cand_label, _) = (recorded_as(base, base_cmd, metric),
                                                        recorded_as(candidate, candidate_cmd, metric))
         resumed = read_partial(resume_file, base=base_label, candidate=cand_label, metric=metric_label,
-                               schedule=schedule)
-        check_partial_workload(resume_file, workload)
+                               schedule=schedule, workload=workload)
     keeper = StateKeeper(partial_file or resume_file or _default_partial(out), "--partial",
                          what=lambda doc: f"{doc['runs']} paired samples", resuming=resume_file,
                          schema=PARTIAL_SCHEMA)

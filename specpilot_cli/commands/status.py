@@ -100,11 +100,6 @@ def _experimental(act: dict, entries: dict) -> bool:
     return any(entries[i].status == "experimental" for i in act.get("closure", []) if i in entries)
 
 
-def _defaults(act: dict, entries: dict) -> dict:
-    """The variants' defaults of ``act``'s bundles in this SpecPilot's memory."""
-    return {v.name: v.default for i in act.get("closure", []) if i in entries for v in entries[i].variants}
-
-
 def reapply_command(act: dict, python: str | None) -> tuple[str | None, list[str]]:
     """The ``specpilot apply`` command that writes ``act`` again: its bundles, --python, the drafter
     the launch was written for, the model, --experimental where a bundle is experimental, --force
@@ -130,14 +125,13 @@ def reapply_command(act: dict, python: str | None) -> tuple[str | None, list[str
         words.append("--experimental")
     if (act.get("sglang") or {}).get("forced"):
         words.append("--force")
-    defaults = _defaults(act, entries)
     variants = {v.name: v for i in act.get("closure", []) if i in entries for v in entries[i].variants}
     for k, v in (act.get("settings") or {}).items():
         text = f"{k}={v if isinstance(v, str) else json.dumps(v)}"
         if k not in variants or variants[k].problem(v):
             left_out.append(f"setting {text}")
             continue
-        if k in defaults and defaults[k] == v and type(defaults[k]) is type(v):
+        if variants[k].default == v and type(variants[k].default) is type(v):   # apply sets the default itself
             continue
         words += ["--set", text]
     return " ".join(shlex.quote(w) for w in words), left_out
