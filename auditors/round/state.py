@@ -7,6 +7,7 @@ time in a folder. A damaged file is bad input (InputError), never a crash of wha
 
 from __future__ import annotations
 
+import datetime as _dt
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +43,19 @@ class RoundResult:
 
 
 LOCK_FILE = ".round.lock"
+
+
+def now_iso() -> str:
+    """The time now, UTC, to the second (round.json's stamps)."""
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def load_average() -> float | None:
+    """The machine's one-minute load average (recorded beside timings), None where there is none."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:  # pragma: no cover - platforms without it
+        return None
 
 
 def hold_folder(folder: Path) -> int:
