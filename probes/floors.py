@@ -5,7 +5,8 @@ A step verifies ``rows`` rows for each of ``batch`` requests whose committed con
 
     floor = max(FLOPs / (flops_fraction x peak dense), bytes / (bw_fraction x peak bandwidth))
 
-with fractions 0.60 and 0.90 by default. Classes run one after another, so the step floor is the
+with fractions 0.60 and 0.90 by default; the peak is the fp8 one for GEMMs on fp8 weights
+(:func:`fp8_gemm_classes`), the bf16 one otherwise. Classes run one after another, so the step floor is the
 sum of class floors. Counting rules (stated so that users can check them by hand):
 
 - ``linear``: every dense projection GEMM (attention q/k/v/o, GDN in/out projections, dense
@@ -125,7 +126,7 @@ def class_costs(model: ModelSpec, rows: int, batch: int = 1, context: int = 2048
     if context < 0:
         raise InputError(f"context must be >= 0 (got {context})")
     wb = _bits(weight_dtype, "weight") / 8
-    hb = _bits(lm_head_dtype or ("bf16" if weight_dtype == "w12" else weight_dtype), "lm_head") / 8
+    hb = _bits(lm_head_dtype_of(weight_dtype, lm_head_dtype), "lm_head") / 8
     kvb = _bits(kv_dtype, "kv") / 8
     t = rows * batch
     d = model.hidden_size
@@ -188,15 +189,31 @@ def class_costs(model: ModelSpec, rows: int, batch: int = 1, context: int = 2048
     return costs
 
 
-def apply_floors(costs: dict[str, ClassCost], gpu: GPUSpec, flops_dtype: str = "bf16",
+def lm_head_dtype_of(weight_dtype: str, lm_head_dtype: str | None) -> str:
+    """The LM head's storage: as given, else the weights' (bf16 beside W12, which packs no LM head)."""
+    return lm_head_dtype or ("bf16" if weight_dtype == "w12" else weight_dtype)
+
+
+def fp8_gemm_classes(weight_dtype: str, lm_head_dtype: str | None) -> frozenset[str]:
+    """The classes whose GEMMs run on fp8 weights and so take the fp8 peak: the projections and
+    routed experts under fp8 weights, the LM head when it is fp8. Attention (bf16 or fp8 KV, bf16
+    queries), norms and Gated DeltaNet stay at the bf16 peak."""
+    out = {"linear", "moe"} if weight_dtype == "fp8" else set()
+    if lm_head_dtype_of(weight_dtype, lm_head_dtype) == "fp8":
+        out.add("lm_head")
+    return frozenset(out)
+
+
+def apply_floors(costs: dict[str, ClassCost], gpu: GPUSpec, fp8_classes: frozenset[str] = frozenset(),
                  flops_fraction: float = 0.60, bw_fraction: float = 0.90) -> float:
-    """Fill ``floor_ms`` of every class; returns the step floor (sum) in ms."""
+    """Fill ``floor_ms`` of every class; returns the step floor (sum) in ms. The classes named in
+    ``fp8_classes`` (GEMMs on fp8 weights) take the fp8 tensor-core peak, every other the bf16 one."""
     if not (0 < flops_fraction <= 1 and 0 < bw_fraction <= 1):
         raise InputError("--flops-fraction and --bw-fraction must be in (0, 1]")
-    peak = gpu.peak_flops(flops_dtype) * flops_fraction
     bw = gpu.bandwidth * bw_fraction
     total = 0.0
-    for c in costs.values():
+    for name, c in costs.items():
+        peak = gpu.peak_flops("fp8" if name in fp8_classes else "bf16") * flops_fraction
         t_f = c.flops / peak * 1e3
         t_b = c.bytes / bw * 1e3
         c.floor_ms, c.bound = (t_f, "flops") if t_f > t_b else (t_b, "bytes")
@@ -210,8 +227,7 @@ def step_floor(model: ModelSpec, gpu: GPUSpec, rows: int, *, batch: int = 1, con
                flops_fraction: float = 0.60, bw_fraction: float = 0.90, draft_passes: int = 1) -> StepFloor:
     """The floor of one decode/verify step, per kernel class (see module docs for the rules)."""
     costs = class_costs(model, rows, batch, context, weight_dtype, lm_head_dtype, kv_dtype)
-    flops_dtype = "fp8" if weight_dtype == "fp8" else "bf16"
-    total = apply_floors(costs, gpu, flops_dtype, flops_fraction, bw_fraction)
+    total = apply_floors(costs, gpu, fp8_gemm_classes(weight_dtype, lm_head_dtype), flops_fraction, bw_fraction)
     drafter_cost = ClassCost(0.0, 0.0)
     if drafter is not None:
         # the drafter's whole step: its own classes floored separately, summed (they run in sequence);
@@ -221,7 +237,7 @@ def step_floor(model: ModelSpec, gpu: GPUSpec, rows: int, *, batch: int = 1, con
         dcosts = class_costs(drafter, draft_rows or rows, batch, context, "bf16", None, kv_dtype)
         for c in dcosts.values():
             c.bytes, c.flops = c.bytes * draft_passes, c.flops * draft_passes
-        d_total = apply_floors(dcosts, gpu, "bf16", flops_fraction, bw_fraction)
+        d_total = apply_floors(dcosts, gpu, frozenset(), flops_fraction, bw_fraction)
         bound = "flops" if sum(c.floor_ms for c in dcosts.values() if c.bound == "flops") > d_total / 2 else "bytes"
         drafter_cost = ClassCost(sum(c.bytes for c in dcosts.values()), sum(c.flops for c in dcosts.values()),
                                  d_total, bound)

@@ -51,6 +51,14 @@ def test_w12_and_fp8_weights():
     assert w12.classes["lm_head"].bytes == pytest.approx(128256 * 4096 * 2, rel=0.01)  # head stays bf16
     fp8 = step_floor(m, GPU, rows=4096, weight_dtype="fp8")
     assert fp8.classes["linear"].floor_ms == pytest.approx(fp8.classes["linear"].flops / (0.6 * 1978.9e12) * 1e3)
+    assert fp8.classes["lm_head"].floor_ms == pytest.approx(fp8.classes["lm_head"].flops / (0.6 * 1978.9e12) * 1e3)
+    # the fp8 peak is the fp8 GEMMs' only: attention (bf16 queries) and a bf16 LM head keep the bf16 one
+    k = fp8.classes["attention"]
+    assert k.bound == "flops" and k.floor_ms == pytest.approx(k.flops / (0.6 * 989.4e12) * 1e3)
+    head = step_floor(m, GPU, rows=4096, weight_dtype="fp8", lm_head_dtype="bf16").classes["lm_head"]
+    assert head.floor_ms == pytest.approx(head.flops / (0.6 * 989.4e12) * 1e3)
+    head8 = step_floor(m, GPU, rows=4096, lm_head_dtype="fp8").classes["lm_head"]
+    assert head8.floor_ms == pytest.approx(head8.flops / (0.6 * 1978.9e12) * 1e3)
 
 
 def test_gdn_state_bytes_and_drafter():

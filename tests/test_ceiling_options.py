@@ -94,3 +94,18 @@ def test_a_profile_s_draft_shape_stands_in_when_the_drafter_is_given_again(run_c
         code, _, err = run_cli("ceiling", "--profile", prof, "--model", target, "--drafter", drafter, shape[0], "5",
                                "--tau", "2", "--ar-ms", "5")
         refused(code, err, f"{shape[0]} 5 disagree")
+
+
+def test_the_fp8_peak_is_read_for_an_fp8_lm_head(run_cli):
+    """--fp8-flops sets an fp8 LM head's floor under bf16 weights (the projections keep the bf16 peak)."""
+    base = ["ceiling", "--model", "llama-3.1-8b", "--gpu", "h100", "--lm-head-dtype", "fp8", "--rows", "4096",
+            "--format", "json"]
+    code, out, _ = run_cli(*base)
+    code2, out2, _ = run_cli(*base, "--fp8-flops", "1000")
+    assert code == code2 == 0
+    a, b = json.loads(out), json.loads(out2)
+
+    head, head2 = a["classes"]["lm_head"], b["classes"]["lm_head"]
+    assert head["bound"] == head2["bound"] == "flops"
+    assert head2["floor_ms"] == pytest.approx(head["floor_ms"] * 1979 / 1000, rel=1e-6)
+    assert b["classes"]["linear"] == a["classes"]["linear"]
