@@ -493,3 +493,27 @@ def test_check_runs_out_of_range_is_refused_before_anything_runs(run_cli, runs):
     example = Path(__file__).resolve().parents[1] / "examples" / "rounds" / "smollm2-cpu"
     code, _, err = run_cli("check", "--baseline", example, "--runs", runs)
     assert code == 2 and f"{runs} is not in the range 2<=x<=100000" in err, err
+
+
+def test_the_medians_printed_are_the_samples_medians(tmp_path, run_cli):
+    """An even number of pairs: the median is the mean of the two middle samples, not the upper one."""
+    def counting(name, values):
+        script = tmp_path / f"{name}.py"
+        script.write_text(f"import json, pathlib\nf = pathlib.Path({str(tmp_path / name)!r})\n"
+                          "i = int(f.read_text()) if f.exists() else 0\nf.write_text(str(i + 1))\n"
+                          f"print(json.dumps({{'tps': {values}[i % {len(values)}]}}))\n")
+        return f"{PY} {script}"
+
+    out = tmp_path / "t.json"
+    code, stdout, err = run_cli("compare", "--base-cmd", counting("b", [97, 100, 103, 99, 101, 98]),
+                                "--candidate-cmd", counting("c", [105, 104, 108, 103, 106, 102, 107]),
+                                "--metric", "tps", "--runs", "8", "--warmup", "0", "--out", out, "--format", "json")
+    assert code in (0, 1), err
+    samples = json.loads(out.read_text())["samples"]
+    code, stdout, err = run_cli("compare", "--from", out)   # the stored samples judged again, as a table
+    assert code in (0, 1), err
+    med_b = sorted(s["base"] for s in samples)
+    med_c = sorted(s["candidate"] for s in samples)
+    want = (f"{(med_b[3] + med_b[4]) / 2:.6g} / {(med_c[3] + med_c[4]) / 2:.6g} tps")
+    line = next(x for x in stdout.splitlines() if x.startswith("median base / candidate"))
+    assert line.split(None, 4)[-1].strip() == want, (line, want)

@@ -3,6 +3,8 @@ bound, and the paper's approval rule."""
 
 from __future__ import annotations
 
+import statistics
+
 import click
 
 from specpilot.limits import MAX_RUNS
@@ -269,8 +271,8 @@ def report(result) -> Report:
         rows.append(["run count (power plan)", f"{p['pairs']} pairs for {p['power'] * 100:.0f}% power at a true "
                      f"{(p['target_gain'] - 1) * 100:.0f}% gain" + ("  (capped by --max-runs)" if p.get("capped") else "")])
     unit = result.unit
-    med_b = sorted(s.base for s in result.samples)[len(result.samples) // 2]
-    med_c = sorted(s.candidate for s in result.samples)[len(result.samples) // 2]
+    med_b = statistics.median(s.base for s in result.samples)
+    med_c = statistics.median(s.candidate for s in result.samples)
     rows.insert(0, ["median base / candidate", f"{med_b:.6g} / {med_c:.6g} {unit}"])
     lines = [f"verdict: {v.verdict.upper()}: {v.reason}"]
     if result.extra.get("changes_output_reason"):
