@@ -434,9 +434,7 @@ def apply(bundles: str, *, python: str | None = None, force: bool = False, exper
                                  f"run that environment's own: {env.executable} -m specpilot apply {bundles}")
 
     path = activation_path(env.purelib)
-    if out is not None and os.path.realpath(out) == os.path.realpath(path):
-        raise InputError(f"--out {out}: that is the activation file apply writes ({path}); the report needs "
-                         "another name (or leave --out out)")
+    refuse_report_on_activation(out, path)
     require_writable(env.purelib)   # a dry run too: it says whether apply would succeed
     launch = launch_command(entries, ids, values, env.executable, model, drafter)
     notes = launch_parts(entries, ids, values, drafter)[2]
@@ -481,9 +479,20 @@ def apply(bundles: str, *, python: str | None = None, force: bool = False, exper
     return res
 
 
-def revert(python: str | None = None) -> RevertResult:
+def refuse_report_on_activation(out: str | None, path: Path) -> None:
+    """InputError when the report file ``out`` is the activation file (existing or not): a report
+    written there is an activation SGLang's plugin cannot read."""
+    if out is not None and os.path.realpath(out) == os.path.realpath(path):
+        raise InputError(f"--out {out}: that is the activation file ({path}); the report needs another name "
+                         "(or leave --out out)")
+
+
+def revert(python: str | None = None, out: str | None = None) -> RevertResult:
+    """Remove the activation (``out``: the report file the caller will write, refused first when it
+    is the activation file)."""
     env = probe(python)
     path = activation_path(env.purelib)
+    refuse_report_on_activation(out, path)
     with locked(env.purelib):
         check_activation_path(path)   # a link, a folder, a device: not SpecPilot's to remove
         if os.path.lexists(path):
@@ -499,9 +508,10 @@ def revert(python: str | None = None) -> RevertResult:
     return RevertResult(path=str(path), removed=removed, swept=swept)
 
 
-def status(python: str | None = None, memory_dir=None) -> StatusResult:
+def status(python: str | None = None, memory_dir=None, out: str | None = None) -> StatusResult:
     env = probe(python)
     path = activation_path(env.purelib)
+    refuse_report_on_activation(out, path)
     with locked(env.purelib):
         swept = sweep_partial(env.purelib) if os.access(env.purelib, os.W_OK) else []
         act = read_activation(path)

@@ -300,6 +300,13 @@ class EngineSpec:
         for k in unused + (("qview",) if self.mode != "tlv" and self.qview in QVIEWS else ()):
             object.__setattr__(self, k, defaults[k])
 
+    def inputs(self) -> list[str]:
+        """The user's files this engine reads (its model and draft model given as paths), which an
+        output must not overwrite (:func:`specpilot.models.model_inputs`)."""
+        from specpilot.models import model_inputs
+
+        return model_inputs(self.model) + (model_inputs(self.draft_model) if self.drafter == "model" else [])
+
     def cache_room(self) -> int:
         """Cache slots a request of this engine takes past its prompt and new tokens
         (:func:`cache_room`; a shared batched budget lets a request's tree grow to ``SHARED_CAP``

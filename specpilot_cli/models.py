@@ -374,3 +374,19 @@ def load_model_spec(name_or_path: str, also: str = "") -> ModelSpec:
     spec = spec_from_config(cfg, name=name_or_path.lower(), where=f"catalog:{name_or_path.lower()}")
     del facts
     return spec
+
+
+def model_inputs(name_or_path: str | None) -> list[str]:
+    """The files a model argument reads from disk, for an output that must not overwrite them: a
+    model folder whole; a config or GGUF file with the weights, configs and tokenizer files beside
+    it (not that folder's other files: a config in the working folder leaves it writable). A
+    catalog or built-in name reads nothing of the user's: []."""
+    if not name_or_path or not str(name_or_path).strip():
+        return []
+    p = Path(str(name_or_path).strip()).expanduser()
+    if p.is_dir():
+        return [str(p)]
+    if not p.is_file():
+        return []
+    beside = [q for q in p.parent.iterdir() if q.is_file() and q.suffix in (".safetensors", ".json", ".model", ".gguf")]
+    return [str(p)] + [str(q) for q in beside if q != p]

@@ -13,6 +13,7 @@ import pytest
 
 from specpilot.bundles import activation as act
 from sglang_support import SKIP_REASON, fake_version_root, make_env, purelib, sglang_dir, tree_digest
+from conftest import refused
 from sglang_support import env_fixture  # noqa: F401  (the env fixture: a target environment per module)
 
 SGL = sglang_dir()
@@ -521,3 +522,19 @@ def test_status_with_a_problem_gives_no_launch_command(run_cli, tmp_path):
     assert "do not launch with this activation" in out, out
     assert f"  specpilot apply tree --python {py} --drafter eagle --set node_budget=24\n" in out, out
     assert out.rstrip().endswith(f"or remove it:\n  specpilot revert --python {py}"), out
+
+
+def test_status_and_revert_never_write_their_report_over_the_activation(run_cli, env):
+    code, _, err = run_cli("apply", "tree", "--python", env)
+    assert code == 0, err
+    path = purelib(env) / act.ACTIVATION_NAME
+    before = path.read_bytes()
+    for verb in ("status", "revert"):
+        code, out, err = run_cli(verb, "--python", env, "--out", path)
+        refused(code, err, "that is the activation file")
+        assert path.read_bytes() == before and out == ""
+    code, _, err = run_cli("revert", "--python", env)
+    assert code == 0 and not path.exists()
+    code, _, err = run_cli("revert", "--python", env, "--out", path)   # absent: a report there would be one too
+    refused(code, err, "that is the activation file")
+    assert not path.exists()

@@ -135,7 +135,7 @@ def test_apply_refuses_an_out_that_is_the_activation_file(run_cli, clean, env, t
     for extra in ([], ["--dry-run"]):
         code, stdout, err = run_cli("apply", "lattice-trace", "--python", env, "--format", "json", "--out", out, *extra)
         assert code == 2 and len(err.strip().splitlines()) == 1, err
-        assert f"--out {out}: that is the activation file apply writes ({clean})" in err, err
+        assert f"--out {out}: that is the activation file ({clean})" in err, err
         assert clean.read_text() == before
 
 

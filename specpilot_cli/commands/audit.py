@@ -126,6 +126,18 @@ def _common_run_options(f=None, *, prompts_required: bool = False):
     return f
 
 
+def _model_inputs(scorer_spec: str | None, engine_specs) -> list[str]:
+    """The scorer's (or tokenizer's) and the engines' model files given as paths: inputs no output
+    may replace."""
+    from specpilot.engine.spec import EngineSpec
+    from specpilot.models import model_inputs
+
+    out = model_inputs(scorer_spec)
+    for text in engine_specs:
+        out += EngineSpec.parse(text).inputs()
+    return out
+
+
 @command.command("check")
 @click.argument("systems", nargs=-1, required=True)
 @click.option("--against", "stock_spec", required=True, help="Stock: outputs file, engine: spec or http:// server.")
@@ -177,6 +189,7 @@ def check(systems, stock_spec, ar_spec, scorer_spec, prompts_path, max_new_token
     specs = [("stock", parse_system(stock_spec))] + ([("ar", parse_system(ar_spec))] if ar_spec else []) + specs
     _refuse_stock_as_system(specs)
     inputs = [s.spec for _, s in specs if s.kind == "file"] + ([prompts_path] if prompts_path else [])
+    inputs += _model_inputs(scorer_spec, [s.spec for _, s in specs if s.kind == "engine"])
     if out:   # the systems run and the scorer scores for minutes before the report is written
         from specpilot.fileio import check_output_path
 
@@ -401,11 +414,12 @@ def collect_cmd(system, prompts_path, max_new_tokens, timeout, concurrency, save
     if spec.kind == "file":
         raise InputError(f"{system}: already an outputs file; collect runs an engine: spec or an http:// server")
     # before the collection: --save and --out may be neither its inputs nor each other
-    check_output_path(save, "--save", protect=[prompts_path])
+    inputs = [prompts_path] + _model_inputs(tokenizer, [spec.spec] if spec.kind == "engine" else [])
+    check_output_path(save, "--save", protect=inputs)
     if out:
         if Path(out).resolve() == Path(save).resolve():
             raise InputError(f"--out {out}: the same file as --save; choose another --out (or leave it out)")
-        check_output_path(out, "--out", protect=[prompts_path])
+        check_output_path(out, "--out", protect=inputs)
     identity = system_identity(spec)
     if tokenizer is None and spec.kind == "engine":   # the engine's own model reads its text prompts
         from specpilot.engine.spec import EngineSpec
@@ -430,7 +444,7 @@ def collect_cmd(system, prompts_path, max_new_tokens, timeout, concurrency, save
     finished = all(answered.get(key(p.id)) == list(p.prompt_ids) for p in prompts)
     try:
         outputs = collect(Generator() if finished else make_generator(spec, timeout=timeout), prompts,
-                          max_new_tokens, save_to=save, name=spec.name, progress=progress, protect=[prompts_path],
+                          max_new_tokens, save_to=save, name=spec.name, progress=progress, protect=inputs,
                           concurrency=concurrency, already=already, system=identity)
     except BaseException as e:
         if getattr(e, "path", None) or (isinstance(e, KeyboardInterrupt) and Path(save).exists()):
@@ -442,7 +456,7 @@ def collect_cmd(system, prompts_path, max_new_tokens, timeout, concurrency, save
             "tokens": sum(lens), "max_new_tokens": max_new_tokens, "saved": save}
     emit(Report(data=data, sections=[Section(None, ["system", "prompts", "tokens", "mean tokens/prompt", "saved"],
                                              [[identity, len(prompts), sum(lens), sum(lens) / len(lens), save]])]),
-         fmt, out, protect=[prompts_path, save])
+         fmt, out, protect=inputs + [save])
     return 0
 
 

@@ -52,10 +52,14 @@ def command(baseline_path, system, runs, scorer, no_audit, no_timing, tolerance,
 
         check_scorer_spec(scorer)
     base = read_baseline(baseline_path)
+    from specpilot.models import model_inputs
+
+    # the baseline (a round's folder whole) and a scorer given as a path
+    inputs = [baseline_path, base["_path"]] + model_inputs(scorer)
     if out:   # before the timed runs, not after them
         from specpilot.fileio import check_output_path
 
-        check_output_path(out, "--out", protect=[base["_path"]])
+        check_output_path(out, "--out", protect=inputs)
 
     def notify(stage, message):
         click.echo(f"[{stage}] {message}", err=True)
@@ -85,5 +89,5 @@ def command(baseline_path, system, runs, scorer, no_audit, no_timing, tolerance,
     lines.append(f"gate: {'PASS' if res.passed else 'FAIL'}")
     emit(Report(data=res.to_json(), title="specpilot check", sections=[Section(None, ["measure", "value"], rows)],
                 lines=lines),
-         fmt, out, protect=[baseline_path])
+         fmt, out, protect=inputs)
     return 0 if res.passed else 1

@@ -151,19 +151,24 @@ def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, tokenizer
     if gpus is not None and base_cmd is None:   # before the GPUs are looked for: the option is the error
         raise InputError("--gpus runs shell commands on two GPUs; for engines/servers start each on its own GPU")
     gpu_pair = parse_gpus(gpus)
-    if out:   # an input named as --out is refused now, not after every run
-        from specpilot.fileio import check_output_path
+    from specpilot.models import model_inputs
 
-        check_output_path(out, "--out", protect=[p for p in (prompts, resume_file) if p])
+    inputs = [p for p in (prompts, resume_file) if p] + model_inputs(tokenizer)
     vocabs = {}
     for role, spec in (("--base", base), ("--candidate", candidate)):
         if spec and spec.strip().startswith("engine"):   # refused before the base's model loads
             from specpilot.engine.api import EngineSpec, model_vocab
 
             try:
-                vocabs[role] = model_vocab(EngineSpec.parse(spec, strict=True))
+                parsed = EngineSpec.parse(spec, strict=True)
+                vocabs[role] = model_vocab(parsed)
             except InputError as e:
                 raise InputError(f"{role} {spec}: {e}") from None
+            inputs += parsed.inputs()
+    if out:   # an input named as --out (a prompts file, an engine's model) is refused now, not after every run
+        from specpilot.fileio import check_output_path
+
+        check_output_path(out, "--out", protect=inputs)
     if len(set(vocabs.values())) > 1:   # one request set, one tokenizer: the other engine's ids are not its text
         raise InputError(f"--base {base} has a vocabulary of {vocabs['--base']} tokens, --candidate {candidate} "
                          f"{vocabs['--candidate']}: compare runs both on the same token ids, so they must share the "
@@ -214,7 +219,6 @@ def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, tokenizer
     except BaseException:
         a.close()
         raise
-    inputs = [p for p in [prompts, resume_file] if p]
     bar = progress(total=runs or 8, desc="paired runs", unit="pair")
     try:
         prior = PairRun(*resumed) if resume_file else None

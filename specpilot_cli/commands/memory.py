@@ -34,6 +34,18 @@ def _load(memory_dir, verb: str):
     return entries
 
 
+def _inputs(memory_dir, out, *more) -> list[str]:
+    """The memory folder (and ``more``) an --out must not overwrite; checked now, before any work."""
+    from specpilot.bundles import memory as mem
+
+    inputs = [str(memory_dir or mem.MEMORY_DIR)] + [str(m) for m in more if m]
+    if out:
+        from specpilot.fileio import check_output_path
+
+        check_output_path(out, "--out", protect=inputs)
+    return inputs
+
+
 def _first_words(text: str, width: int = 64) -> str:
     text = text.split(": ")[0] if len(text.split(": ")[0]) < width else text
     return text if len(text) <= width else text[: text.rfind(" ", 0, width - 4)] + " ..."
@@ -46,6 +58,7 @@ def list_(memory_dir, fmt, out):
     """List the entries: id, status, requirements, hooks, SGLang versions checked."""
     from specpilot.bundles import memory as mem
 
+    inputs = _inputs(memory_dir, out)
     entries = mem.load_memory(memory_dir)
     rows = [[e.id, e.status, ", ".join(e.requires) or "-", len(e.hooks), ", ".join(e.sglang_checked) or "-",
              _first_words(e.summary)] for e in entries.values()]
@@ -54,7 +67,7 @@ def list_(memory_dir, fmt, out):
                          "sglang_checked": e.sglang_checked, "summary": e.summary} for e in entries.values()]}
     lines = [] if entries else [f"no entries (*.yaml) in {memory_dir or 'the packaged memory'}"]
     emit(Report(data=data, sections=[Section(None, ["id", "status", "requires", "hooks", "sglang", "summary"], rows)],
-                lines=lines), fmt, out)
+                lines=lines), fmt, out, protect=inputs)
     return 0
 
 
@@ -66,6 +79,7 @@ def show(entry_id, memory_dir, fmt, out):
     """Show one entry in full: code, hooks, variants, contracts, evidence, limits, unverified."""
     from specpilot.bundles import memory as mem
 
+    inputs = _inputs(memory_dir, out)
     entries = _load(memory_dir, "show")
     e = mem.get_entry(entries, entry_id)
     sections = [
@@ -86,7 +100,8 @@ def show(entry_id, memory_dir, fmt, out):
     for title, items in (("contracts", e.contracts), ("limits", e.limits), ("unverified", e.unverified)):
         lines += ["", f"{title}:"] + [f"  - {x}" for x in items]
     data = {"schema": "specpilot.memory-entry/1", **{k: v for k, v in e.raw.items() if k != "schema"}}
-    emit(Report(data=data, sections=sections, lines=lines, title=f"{e.id}: {e.summary}", wrap=120), fmt, out)
+    emit(Report(data=data, sections=sections, lines=lines, title=f"{e.id}: {e.summary}", wrap=120), fmt, out,
+         protect=inputs)
     return 0
 
 
@@ -128,6 +143,7 @@ def verify(ids, python, record, results_dir, memory_dir, fmt, out):
     results = Path(results_dir) if results_dir else ev.default_results_dir()
     if results_dir and not results.is_dir():
         raise InputError(f"--results {results_dir}: no such folder")
+    inputs = _inputs(memory_dir, out, results)
     entries = _load(memory_dir, "verify")
     texts = []
     if record:   # every entry's new text first, checked and verified as it would read before any file is written
@@ -160,7 +176,7 @@ def verify(ids, python, record, results_dir, memory_dir, fmt, out):
     if results is None:
         lines.append("evidence not checked against results files: no benchmarks/results here (give --results DIR)")
     emit(Report(data=data, sections=[Section(None, ["id", "applied with requirements", "hooks", "system", "evidence"], table)],
-                lines=lines), fmt, out)
+                lines=lines), fmt, out, protect=inputs)
     return 0 if ok else 1
 
 

@@ -67,6 +67,10 @@ def rows(rows_text, context, reps, warmup, qview, fmt, out, **kw):
     if kw["device"] is None:
         kw["device"] = default_device()
     spec = spec_from_cli(kw)
+    if out:   # the model's own files are inputs: refused before the measurement
+        from specpilot.fileio import check_output_path
+
+        check_output_path(out, "--out", protect=spec.inputs())
     if qview and spec.batch > 1:
         raise InputError("--qview times one request's Q pass; leave out --batch (or --qview)")
     if qview and max(row_list) < 2:
@@ -99,5 +103,5 @@ def rows(rows_text, context, reps, warmup, qview, fmt, out, **kw):
                                               + ([p.get("qpass_ms", "-"), p.get("q_over_exact", "-")] if qview else [])
                                               for p in res.points],
                                              note=f"{res.method} of {reps} steps; T_AR = {res.ar_ms:.4g} ms, "
-                                                  f"the {res.ar_path} AR step")]), fmt, out)
+                                                  f"the {res.ar_path} AR step")]), fmt, out, protect=spec.inputs())
     return 0

@@ -26,7 +26,7 @@ def command(python, fmt, out):
     """
     from specpilot.bundles.activation import revert
 
-    res = revert(python)
+    res = revert(python, out=out)
     data = {"schema": "specpilot.revert/1", "activation_path": res.path, "removed": res.removed, "swept": res.swept}
     if res.removed is None:
         lines = [f"nothing was active ({res.path} absent)"]
@@ -34,5 +34,5 @@ def command(python, fmt, out):
         lines = [f"removed {res.path}: {', '.join(res.removed)} no longer active; SGLang runs stock"]
     if res.swept:
         lines.append(f"also removed {len(res.swept)} leftover temporary file(s) of an interrupted apply")
-    emit(Report(data=data, lines=lines), fmt, out)
+    emit(Report(data=data, lines=lines), fmt, out, protect=[res.path])
     return 0

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import click
 
@@ -102,6 +104,11 @@ def command(deployment, budget, out_dir, resume_dir, dry_run, prompts, n_prompts
                       remember=not no_remember, seed=seed)
     if n_prompts and prompts and not resume_dir:
         _warn_short_prompts(prompts, n_prompts)
+    inputs = _round_inputs(cfg, resume_dir)
+    if out:   # a round's own files, its record and memory are inputs: refused before the round runs
+        from specpilot.fileio import check_output_path
+
+        check_output_path(out, "--out", protect=inputs)
     if dry_run:
         if resume_dir:
             raise InputError("--dry-run plans a new round; leave out --resume")
@@ -123,7 +130,7 @@ def command(deployment, budget, out_dir, resume_dir, dry_run, prompts, n_prompts
         emit(Report(data=plan, title="specpilot round --dry-run: the plan",
                     sections=[Section(None, ["stage", "estimated s", "work"],
                                       [[s["stage"], s["seconds"], s["work"]] for s in plan["stages"]])],
-                    lines=lines), fmt, out)
+                    lines=lines), fmt, out, protect=inputs)
         return 0
     if resume_dir and deployment:
         raise InputError("--resume continues the round in DIR with its own deployment; leave out DEPLOYMENT")
@@ -169,5 +176,39 @@ def command(deployment, budget, out_dir, resume_dir, dry_run, prompts, n_prompts
     emit(Report(data=data, title=f"Round in {res.dir}: {st['deployment']}",
                 sections=[Section("stages", ["stage", "status", "seconds", "skipped"], stages),
                           Section("candidates", ["candidate", "memory", "verdict", "gain", "audit", "why"], rows)],
-                lines=lines), fmt, out)
+                lines=lines), fmt, out, protect=inputs + ([res.record] if res.record else []))
     return 0
+
+
+def _round_inputs(cfg, resume_dir: str | None) -> list[str]:
+    """What a round reads and keeps, which its --out must not replace: the round's folder, the
+    deployment records and memory folders (a resumed round's own, as its round.json names them),
+    the prompts, a deployment file and the models it names by path."""
+    from specpilot.auditors.round.remember import default_records_dir
+    from specpilot.bundles.memory import MEMORY_DIR
+    from specpilot.models import model_inputs
+
+    config = {}
+    if resume_dir:
+        try:   # a damaged round.json is the round's own error to report, with its message
+            config = json.loads((Path(resume_dir) / "round.json").read_text()).get("config") or {}
+        except (OSError, ValueError, AttributeError):
+            config = {}
+    config = config if isinstance(config, dict) else {}
+    out = [cfg.out_dir, cfg.records_dir or default_records_dir(), cfg.memory_dir or MEMORY_DIR]
+    out += [v for v in (config.get("records_dir"), config.get("memory_dir"), config.get("prompts"), cfg.prompts)
+            if isinstance(v, str) and v]
+    dep = cfg.deployment or config.get("deployment")
+    if isinstance(dep, str) and dep:
+        if Path(dep).is_file():
+            out.append(dep)
+        elif dep.strip().startswith("engine"):
+            from specpilot.engine.spec import EngineSpec
+
+            try:
+                out += EngineSpec.parse(dep).inputs()
+            except InputError:   # refused with its own message when the round reads it
+                pass
+    for scorer in (cfg.scorer, config.get("scorer")):
+        out += model_inputs(scorer) if isinstance(scorer, str) else []
+    return [str(p) for p in out]

@@ -158,7 +158,7 @@ def command(prompt_text, prompts_file, prompt_ids, chat, max_new_tokens, outputs
     if chat and all(p.get("ids") is not None for p in prompts):
         raise InputError("--chat wraps text prompts in the model's chat template, and these prompts are token ids; "
                          "leave --chat out")
-    inputs = [p for p in (prompts_file,) if p]
+    inputs = [p for p in (prompts_file,) if p] + spec.inputs()   # the model's own files too
     outs = [Path(x).resolve() for x in (outputs_out, lattice_out, out) if x]
     if len(set(outs)) != len(outs):
         raise InputError("--outputs-out, --lattice-out and --out must be different files")

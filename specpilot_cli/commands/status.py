@@ -28,7 +28,7 @@ def command(python, fmt, out):
     """
     from specpilot.bundles.activation import status
 
-    res = status(python)
+    res = status(python, out=out)
     act = res.activation
     data = {"schema": "specpilot.status/1", "activation_path": res.path, "active": act is not None,
             "matches": res.matches, "problems": res.problems,
@@ -41,7 +41,7 @@ def command(python, fmt, out):
         else:
             sglang = f"SGLang {res.env.sglang_version or '(unknown version)'} runs stock"
         lines = [f"no bundles active ({res.path} absent); {sglang}"]
-        emit(Report(data=data, lines=lines), fmt, out)
+        emit(Report(data=data, lines=lines), fmt, out, protect=[res.path])
         return 0
     sections = [Section("active", ["bundles", "applied", "SGLang then", "SGLang now", "matches"],
                         [[", ".join(act.get("closure", [])), act.get("applied_at"), act.get("sglang", {}).get("version"),
@@ -67,7 +67,7 @@ def command(python, fmt, out):
             if left_out:
                 lines.append(f"  (left out, as this SpecPilot's memory would refuse them: {', '.join(left_out)})")
             lines += ["or remove it:", f"  specpilot revert{where}"]
-    emit(Report(data=data, sections=sections, lines=lines, title="specpilot status"), fmt, out)
+    emit(Report(data=data, sections=sections, lines=lines, title="specpilot status"), fmt, out, protect=[res.path])
     return 0 if res.matches else 1
 
 

@@ -1,0 +1,109 @@
+"""An output option never replaces what the command reads: a model folder or the files beside a
+config, a scorer, a round's folder and records, the memory entries, a baseline folder. Each is
+refused (exit 2, one line) before any work, and the input is left as it was."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import refused
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory):
+    """A tiny random Llama saved as a Hugging Face folder (config.json + model.safetensors)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    folder = tmp_path_factory.mktemp("hf") / "m"
+    model.save_pretrained(folder)
+    return folder
+
+
+def _snapshot(folder: Path) -> dict:
+    return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+
+
+def _prompts(tmp_path) -> Path:
+    p = tmp_path / "p.jsonl"
+    p.write_text(json.dumps({"schema": "specpilot.prompts/1", "id": "a", "prompt_ids": [1, 2, 3]}) + "\n")
+    return p
+
+
+@pytest.mark.parametrize("target", ["model.safetensors", "config.json"])
+@pytest.mark.parametrize("option", ["--out", "--outputs-out", "--lattice-out"])
+def test_run_never_writes_over_its_model(run_cli, hf_model, tmp_path, option, target):
+    before = _snapshot(hf_model)
+    code, out, err = run_cli("run", "--model", hf_model, "--mode", "ar", "--prompt-ids", "1,2,3",
+                             "--max-new-tokens", "2", option, hf_model / target)
+    refused(code, err, f"{option} {hf_model / target}: refusing to overwrite")
+    assert _snapshot(hf_model) == before
+
+
+def test_a_config_given_as_the_model_keeps_its_weights_beside_it(run_cli, hf_model, tmp_path):
+    before = _snapshot(hf_model)
+    code, _, err = run_cli("run", "--model", hf_model / "config.json", "--mode", "ar", "--prompt-ids", "1,2,3",
+                           "--max-new-tokens", "2", "--out", hf_model / "model.safetensors")
+    refused(code, err, "refusing to overwrite input file")
+    assert _snapshot(hf_model) == before
+
+
+def test_probe_compare_and_audit_never_write_over_a_model(run_cli, hf_model, tmp_path):
+    before = _snapshot(hf_model)
+    cfg = hf_model / "config.json"
+    prompts = _prompts(tmp_path)
+    for args in (["probe", "rows", "--model", hf_model, "--rows", "1"],
+                 ["compare", "--base", f"engine:model={hf_model},mode=ar", "--candidate",
+                  f"engine:model={hf_model},mode=chain", "--prompts", prompts, "--runs", "2"],
+                 ["audit", "engine:model=tiny,mode=chain", "--against", "engine:model=tiny,mode=ar",
+                  "--scorer", hf_model, "--prompts", prompts],
+                 ["audit", "collect", f"engine:model={hf_model},mode=ar", "--prompts", prompts,
+                  "--save", tmp_path / "s.jsonl"]):
+        code, _, err = run_cli(*args, "--out", cfg)
+        refused(code, err, "refusing to overwrite")
+    code, _, err = run_cli("audit", "collect", f"engine:model={hf_model},mode=ar", "--prompts", prompts,
+                           "--save", cfg)
+    refused(code, err, f"--save {cfg}: refusing to overwrite")
+    assert _snapshot(hf_model) == before
+
+
+def test_memory_never_writes_over_its_entries(run_cli, tmp_path):
+    mem = tmp_path / "mem"
+    shutil.copytree(REPO / "bundles" / "memory_entries", mem)
+    before = _snapshot(mem)
+    for args in (["list"], ["show", "tree"], ["verify"]):
+        code, _, err = run_cli("memory", *args, "--memory-dir", mem, "--out", mem / "tree.yaml")
+        refused(code, err, "refusing to overwrite a file of input folder")
+    assert _snapshot(mem) == before
+
+
+def test_round_never_writes_over_its_folder_or_records(run_cli, tmp_path):
+    rec = tmp_path / "rec"
+    rec.mkdir()
+    (rec / "engine-tiny.yaml").write_text("kept: true\n")
+    code, _, err = run_cli("round", "engine:model=tiny,mode=ar", "--dry-run", "--records", rec,
+                           "--out", rec / "engine-tiny.yaml")
+    refused(code, err, "refusing to overwrite a file of input folder")
+    assert (rec / "engine-tiny.yaml").read_text() == "kept: true\n"
+    done = tmp_path / "done"
+    shutil.copytree(REPO / "examples" / "rounds" / "smollm2-cpu", done)
+    before = (done / "round.json").read_bytes()
+    code, _, err = run_cli("round", "--resume", done, "--out", done / "round.json")
+    refused(code, err, "refusing to overwrite a file of input folder")
+    assert (done / "round.json").read_bytes() == before
+
+
+def test_check_refuses_a_report_into_the_baseline_folder_before_measuring(run_cli, tmp_path):
+    ex = tmp_path / "ex"
+    shutil.copytree(REPO / "examples" / "rounds" / "smollm2-cpu", ex)
+    before = (ex / "report.md").read_bytes()
+    code, _, err = run_cli("check", "--baseline", ex, "--out", ex / "report.md")
+    refused(code, err, "refusing to overwrite a file of input folder")
+    assert (ex / "report.md").read_bytes() == before
