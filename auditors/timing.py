@@ -248,9 +248,9 @@ def parse_samples(d: dict, path) -> tuple[list[Sample], list[tuple[float, float]
     samples, aa = [], []
     for i, x in enumerate(d["samples"]):
         if not (isinstance(x, dict) and is_int(x.get("pair")) and is_int(x.get("block"))
-                and is_num(x.get("base")) and is_num(x.get("candidate"))):
-            raise InputError(f"{path}: sample {i} needs whole numbers 'pair' and 'block' and numbers 'base' and "
-                             "'candidate'")
+                and x["pair"] >= 0 and x["block"] >= 0 and is_num(x.get("base")) and is_num(x.get("candidate"))):
+            raise InputError(f"{path}: sample {i} needs whole numbers 'pair' and 'block' (>= 0) and numbers 'base' "
+                             "and 'candidate'")
         if not (measured(x["base"]) and measured(x["candidate"])):
             raise InputError(f"{path}: every measurement must be a positive finite number (sample {i})")
         samples.append(Sample(x["pair"], x["block"], float(x["base"]), float(x["candidate"]),
@@ -390,6 +390,9 @@ def check_blocks(samples: Sequence[Sample], aa, where) -> None:
     by_block: dict[int, list[Sample]] = {}
     for s in samples:
         by_block.setdefault(s.block, []).append(s)
+    odd = next(((b, len(v)) for b, v in sorted(by_block.items()) if len(v) != 2), None)
+    if odd:
+        raise InputError(f"{where}: block {odd[0]} holds {odd[1]} samples (every block has two); the file is damaged")
     # a block's A/A pair is its base's two runs (the noise comes from them): another pair is a damaged file
     for (b, pair), (x, y) in zip(sorted(by_block.items()), aa):
         first, second = sorted(pair, key=lambda s: s.pair)

@@ -217,11 +217,15 @@ def test_a_damaged_stored_run_cannot_loosen_the_rule(tmp_path, run_cli):
     bad = tmp_path / "bad.json"
     aa = [dict(x, second=x["first"] + 1) for x in stored["aa"]]
     twins = [dict(x, pair=0) for x in stored["samples"]]
+    three = [dict(x, block=0) if i == 2 else x for i, x in enumerate(stored["samples"])]
     for change, words in (({"noise": "x"}, "'noise' must be the finite noise >= 0"),
                           ({"noise": -0.5}, "'noise' must be the finite noise >= 0"),
                           ({"noise": None}, "'noise' must be the finite noise >= 0"),
                           ({"aa": aa}, "the A/A pair of block 0 (100, 101) is not its base's two runs (100, 100)"),
-                          ({"samples": twins}, "two samples have one pair number")):
+                          ({"samples": twins}, "two samples have one pair number"),
+                          ({"samples": three}, "block 0 holds 3 samples (every block has two)"),
+                          ({"samples": [dict(stored["samples"][0], pair=-1)] + stored["samples"][1:]},
+                           "sample 0 needs whole numbers 'pair' and 'block' (>= 0)")):
         bad.write_text(json.dumps({**stored, **change}).replace('"x"', "NaN") if change.get("noise") == "x"
                        else json.dumps({**stored, **change}))
         code, _, err = run_cli("compare", "--from", bad, "--noise", "0.001")
