@@ -443,20 +443,34 @@ def floors_from_ceiling(path: str, rows: int | None = None) -> Floors:
     classes = block.get("classes") if isinstance(block, dict) else None
     if not isinstance(classes, dict) or not classes:
         raise InputError(f"{path}: ceiling has no per-class floors ('classes'); run specpilot ceiling with --model")
+    from specpilot.fileio import is_num
+
     out = {}
     for name, c in classes.items():
-        if not isinstance(c, dict) or not isinstance(c.get("floor_ms"), (int, float)):
-            raise InputError(f"{path}: class {name!r} has no numeric floor_ms")
+        if not isinstance(c, dict) or not (is_num(c.get("floor_ms")) and c["floor_ms"] >= 0):
+            raise InputError(f"{path}: class {name!r} needs a 'floor_ms' of a finite number >= 0")
+        for k in ("bytes", "flops"):
+            if c.get(k) is not None and not (is_num(c[k]) and c[k] >= 0):
+                raise InputError(f"{path}: class {name!r}: {k!r} must be a finite number >= 0 (or null)")
         out[name] = {"bytes": c.get("bytes"), "flops": c.get("flops"), "floor_ms": float(c["floor_ms"]),
                      "bound": c.get("bound")}
     fr = doc.get("fractions")
     if isinstance(fr, dict):
         shape.update({k: fr[f] for k, f in (("bw_fraction", "bandwidth"), ("flops_fraction", "flops"))
                       if isinstance(fr.get(f), (int, float))})
+    dtype = (doc.get("shape") or {}).get("weight_dtype") if isinstance(doc.get("shape"), dict) else None
+    if dtype is not None:   # the floors are of these weights: ceiling --profile compares them with its own
+        if not isinstance(dtype, str) or not dtype:
+            raise InputError(f"{path}: ceiling's shape 'weight_dtype' must be a name")
+        shape["weight_dtype"] = dtype
     total = block.get("total_floor_ms")
-    if not isinstance(total, (int, float)):
+    if total is None:
         total = sum(c["floor_ms"] for c in out.values())
+    elif not (is_num(total) and total >= 0):
+        raise InputError(f"{path}: 'total_floor_ms' must be a finite number >= 0 (or absent)")
     model = doc.get("model")
+    if model is not None and not isinstance(model, str):
+        raise InputError(f"{path}: ceiling's 'model' must be a name")
     return Floors(source=f"ceiling {path}", classes=out, total_floor_ms=float(total), shape=shape,
                   gpu=doc.get("gpu") if isinstance(doc.get("gpu"), dict) else None,
-                  model=model if isinstance(model, str) and model else None)
+                  model=model or None)

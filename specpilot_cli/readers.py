@@ -9,10 +9,21 @@ from __future__ import annotations
 import math
 
 from specpilot.errors import InputError
-from specpilot.fileio import is_int, read_json
+from specpilot.fileio import is_int, is_num, read_json
 from specpilot.limits import MAX_MS, MAX_ROWS, MAX_TAU
 from specpilot.probes.ceiling_inputs import ProfileFigures, ReplayFigures, RowsProbeFigures, RunFigures
 
+
+
+def _name(doc: dict, key: str, path: str, what: str) -> str | None:
+    """A name field (model, GPU, device...): None where absent, null or empty; a value of another
+    type is a damaged file, never taken for absent (which would skip the checks that compare it)."""
+    v = doc.get(key)
+    if v is None or v == "":
+        return None
+    if not isinstance(v, str):
+        raise InputError(f"{path}: {what} {key!r} must be a name (a string) or null, got {v!r}")
+    return v
 
 def _finite(v, lo: float, hi: float, lo_open: bool = True) -> bool:
     return (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
@@ -43,7 +54,9 @@ def read_profile(path: str) -> ProfileFigures:
             raise InputError(f"{path}: profile's 'distributed' must be null or an object of whole numbers "
                              f"({', '.join(counts)}) and 'collectives_ms' in [0, {MAX_MS:g}]")
     floor = float(floor) if isinstance(floor, (int, float)) and floor > 0 else None
-    model, raw_gpu, gpu = doc.get("model"), doc.get("gpu"), {}
+    model, raw_gpu, gpu = _name(doc, "model", path, "profile's"), doc.get("gpu"), {}
+    if raw_gpu is not None and not isinstance(raw_gpu, dict):
+        raise InputError(f"{path}: profile's 'gpu' must be an object (name, key, bandwidth...) or null")
     if isinstance(raw_gpu, dict):   # the GPU it ran on (name), its floors' (key, floors_gpu where --gpu named one)
         gpu = {k: raw_gpu[k] for k in ("name", "key", "floors_gpu") if isinstance(raw_gpu.get(k), str) and raw_gpu[k]}
         gpu.update({k: float(raw_gpu[k]) for k in ("bandwidth_tbs", "bf16_tflops") if _finite(raw_gpu.get(k), 0, 1e7)})
@@ -51,7 +64,7 @@ def read_profile(path: str) -> ProfileFigures:
                           step_wall_ms=float(doc["step_wall_ms"]), total_floor_ms=floor,
                           floor_peak_ms=_floor_peak_ms(path, doc) if floor is not None else None,
                           rows=rows if isinstance(rows, int) else None, distributed=dist or None,
-                          model=model if isinstance(model, str) and model else None, gpu=gpu or None,
+                          model=model, gpu=gpu or None,
                           shape=_profile_shape(path, shape), unfloored_drafter=_unfloored_drafter(doc, floor))
 
 
@@ -159,9 +172,11 @@ def read_replay(path: str) -> ReplayFigures:
         raise InputError(f"{path}: 'curves' must map policies to {{nodes: tau}}")
     for name, pts in raw_curves.items():
         try:
+            if not all(is_num(v) for v in pts.values()):   # a tau of true or "2.5" is no measurement
+                raise TypeError
             curves[name] = {int(k): float(v) for k, v in pts.items()}
         except (AttributeError, TypeError, ValueError, OverflowError):
-            raise InputError(f"{path}: curve {name!r} must map node counts to tau") from None
+            raise InputError(f"{path}: curve {name!r} must map node counts to tau (numbers)") from None
         if not all(1 <= n <= MAX_ROWS and _finite(t, 1, MAX_TAU, lo_open=False) for n, t in curves[name].items()):
             raise InputError(f"{path}: curve {name!r}: node counts must be in [1, {MAX_ROWS}] and tau in "
                              f"[1, {MAX_TAU}]")
@@ -205,20 +220,16 @@ def read_rows_probe(path: str, batch: int | None = None, one_request: str | None
         raise InputError(f"{path}: rows probe has neither 'ar_ms' nor a point at 1 row")
     if not _finite(ar, 0, MAX_MS):
         raise InputError(f"{path}: rows probe 'ar_ms' must be a number in (0, {MAX_MS:g}]")
-    device = doc.get("device")
-    gpu = doc.get("gpu")
     path_name = doc.get("ar_path")
     warnings = doc.get("warnings") or []
     if path_name is not None and not isinstance(path_name, str) or not isinstance(warnings, list):
         raise InputError(f"{path}: rows probe 'ar_path' must be a string and 'warnings' a list")
     return RowsProbeFigures(source=str(path), step_ms=curve, ar_ms=float(ar),
-                            device=device if isinstance(device, str) else None,
-                            gpu=gpu if isinstance(gpu, str) and gpu else None,
-                            cpu=doc.get("cpu") if isinstance(doc.get("cpu"), str) else None,
+                            device=_name(doc, "device", path, "rows probe"), gpu=_name(doc, "gpu", path, "rows probe"),
+                            cpu=_name(doc, "cpu", path, "rows probe"),
                             ar_path=path_name, warnings=[str(w) for w in warnings], qpass_ms=qpass,
                             qview=doc.get("qview") if doc.get("qview") in ("w12", "fp8") else None,
-                            model=doc.get("model") if isinstance(doc.get("model"), str) and doc.get("model") else None,
-                            batch=measured)
+                            model=_name(doc, "model", path, "rows probe"), batch=measured)
 
 
 def read_run(path: str) -> RunFigures:
@@ -244,9 +255,12 @@ def read_run(path: str) -> RunFigures:
     split = {}
     for k in ("draft_ms", "verify_ms", "rest_ms", "qpass_ms"):
         v = timing.get(k)
+        # the rest is the wall time less the GPU's parts, which may exceed it by a little: it alone may be < 0
+        lo = -MAX_MS if k == "rest_ms" else 0.0
         if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-                                  and -MAX_MS <= v <= MAX_MS):
-            raise InputError(f"{path}: step_timing {k!r} must be a finite number of ms")
+                                  and lo <= v <= MAX_MS):
+            raise InputError(f"{path}: step_timing {k!r} must be a finite number of ms"
+                             + ("" if k == "rest_ms" else " >= 0"))
         split[k] = float(v) if v is not None else None
     by_rows = {}
     for r in timing.get("by_rows") or []:
@@ -261,14 +275,19 @@ def read_run(path: str) -> RunFigures:
     results = doc.get("results") or []
     decode_ms, delivered = None, 0
     if isinstance(results, list) and results and all(isinstance(r, dict) for r in results):
+        if not all(_finite(r.get("seconds"), 0, MAX_MS, lo_open=False) and is_int(r.get("tokens"))
+                   and r["tokens"] >= 1 for r in results):
+            raise InputError(f"{path}: every result needs 'seconds' (>= 0) and 'tokens' (a whole number >= 1)")
         try:
             decode_ms = sum(1e3 * (float(r["seconds"]) - float(r.get("prefill_seconds") or 0.0)) for r in results)
-            delivered = sum(int(r["tokens"]) - 1 for r in results)
-        except (KeyError, TypeError, ValueError):
-            raise InputError(f"{path}: every result needs 'seconds' and 'tokens'") from None
+        except (TypeError, ValueError):
+            raise InputError(f"{path}: a result's 'prefill_seconds' must be a number of seconds") from None
+        delivered = sum(int(r["tokens"]) - 1 for r in results)
         if not (math.isfinite(decode_ms) and decode_ms > 0):
             decode_ms = None
     steps = doc.get("steps", timing.get("steps", 0))
+    if not (is_int(steps) and steps >= 0):
+        raise InputError(f"{path}: the run's 'steps' must be a whole number >= 0, got {steps!r}")
     tlv = doc.get("tlv")
     tlv_ms = None
     if isinstance(tlv, dict):
@@ -281,15 +300,14 @@ def read_run(path: str) -> RunFigures:
     clocks = _run_clocks(path, doc.get("gpu_clocks"))
     return RunFigures(source=str(path), tau=float(tau), step_wall_ms=float(wall),
                       step_gpu_ms=float(gpu_ms) if gpu_ms is not None else None,
-                      mode=doc.get("mode") if isinstance(doc.get("mode"), str) else None,
+                      mode=_name(doc, "mode", path, "run's"),
                       nodes=nodes if isinstance(nodes, int) and not isinstance(nodes, bool) else None,
-                      steps=steps if isinstance(steps, int) and not isinstance(steps, bool) else 0,
+                      steps=steps,
                       delivered=delivered, decode_ms=decode_ms, draft_ms=split["draft_ms"],
                       verify_ms=split["verify_ms"], qpass_ms=split["qpass_ms"] or 0.0, rest_ms=split["rest_ms"],
                       verify_by_rows=by_rows, tlv_ms=tlv_ms, clocks=clocks,
                       qview=tlv.get("qview") if isinstance(tlv, dict) and tlv.get("qview") in ("w12", "fp8") else None,
-                      model=doc.get("model") if isinstance(doc.get("model"), str) and doc.get("model") else None,
-                      device=doc.get("device") if isinstance(doc.get("device"), str) and doc.get("device") else None)
+                      model=_name(doc, "model", path, "run's"), device=_name(doc, "device", path, "run's"))
 
 
 def _run_clocks(path: str, c) -> dict | None:
