@@ -256,6 +256,10 @@ def _set(doc, path, value):
     ("model/model.json", ("factors", "tree"), "big", "model.json: malformed round-model (factors.tree must be"),
     ("model/model.json", ("by_nodes", 0, "c"), None, "model.json: malformed round-model (by_nodes[0].c must be"),
     ("model/model.json", ("current", "speedup"), float("nan"), "model.json: malformed round-model (current.speedup"),
+    ("model/model.json", ("current", "speedup"), -3, "model.json: malformed round-model (current.speedup must be a "
+                                                     "number > 0 or null"),
+    ("model/model.json", ("cost_model", "ceiling"), -7, "model.json: malformed round-model (cost_model.ceiling must be "
+                                                        "a number > 0"),
     ("approve/decisions.json", ("decisions", 0, "timing", "gain"), "x",
      "decisions.json: malformed round-decisions (decisions[0] (chain): timing.gain must be a number"),
     ("approve/decisions.json", ("decisions", 0, "audit", "systems", 0, "tokens"), "x",

@@ -48,8 +48,8 @@ class ModelResult:
         return cls(**{k: v for k, v in d.items() if k != "schema"})
 
 
-def _num_or_none(v) -> bool:
-    return v is None or is_num(v)
+def _positive_or_none(v) -> bool:
+    return v is None or (is_num(v) and v > 0)
 
 
 def _check_model(d: dict) -> None:
@@ -57,9 +57,10 @@ def _check_model(d: dict) -> None:
     the field (the reader says the file is malformed)."""
     def row(r, name: str, fields=("tau", "c", "speedup"), nulls: bool = False) -> None:
         need(isinstance(r, dict), name, "an object", r)
-        for k in fields:
-            ok = _num_or_none(r.get(k)) if nulls else is_num(r.get(k))
-            need(ok, f"{name}.{k}", "a number or null" if nulls else "a number", r.get(k))
+        for k in fields:   # tokens per pass, step ratios and speedups: all positive
+            v = r.get(k)
+            ok = (v is None and nulls) or (is_num(v) and v > 0)
+            need(ok, f"{name}.{k}", "a number > 0 or null" if nulls else "a number > 0", v)
 
     if "current" in d:   # a field missing is need_fields' to name
         # null where the round had no replayed tau or no rows probe (skipped for time)
@@ -68,17 +69,17 @@ def _check_model(d: dict) -> None:
         if key in d:
             need(isinstance(d[key], dict), key, "an object", d[key])
     for k, v in (d.get("factors") or {}).items():
-        need(_num_or_none(v) and (v is None or v > 0), f"factors.{k}", "a number > 0 or null", v)
+        need(_positive_or_none(v), f"factors.{k}", "a number > 0 or null", v)
     if d.get("largest") is not None:
         need(isinstance(d["largest"], str), "largest", "a factor name or null", d["largest"])
     if d.get("cost_model") is not None:
         cm = d["cost_model"]
         need(isinstance(cm, dict), "cost_model", "an object or null", cm)
-        need(_num_or_none(cm.get("ceiling")), "cost_model.ceiling", "a number or null", cm.get("ceiling"))
+        need(_positive_or_none(cm.get("ceiling")), "cost_model.ceiling", "a number > 0 or null", cm.get("ceiling"))
         sir = cm.get("speedup_if_removed") or {}
         need(isinstance(sir, dict), "cost_model.speedup_if_removed", "an object", sir)
         for k, v in sir.items():
-            need(_num_or_none(v), f"cost_model.speedup_if_removed.{k}", "a number or null", v)
+            need(_positive_or_none(v), f"cost_model.speedup_if_removed.{k}", "a number > 0 or null", v)
     rows = d.get("by_nodes", [])
     need(isinstance(rows, list), "by_nodes", "a list", rows)
     for i, r in enumerate(rows):
