@@ -279,7 +279,9 @@ def make_app(state: ServeState):
             return None, refuse("bad_request", f"rid {dup!r} is already in use by a request in flight", 400)
         reqs = []
         for p, sp, rid in zip(prompts, sampling, rids):
-            stop_ids = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else eos)
+            # SGLang 0.5.23 (Req._check_token_based_finish): ignore_eos turns off every token stop,
+            # stop_token_ids included; stop strings still apply
+            stop_ids = frozenset() if sp.ignore_eos else frozenset(sp.stop_token_ids) | eos
             reqs.append(Request(p, sp.max_new_tokens, id=rid or uuid.uuid4().hex, stop_ids=stop_ids, eos_ids=eos,
                                 stop_strings=sp.stop,
                                 decode=(lambda ids, s=sp: eng.decode(ids, skip_special_tokens=s.skip_special_tokens)),

@@ -678,6 +678,11 @@ def test_eos_and_ignore_eos(server_b, eos_model):
     assert r["meta_info"]["finish_reason"] == {"type": "stop", "matched": eos}
     r = httpx.post(url + "/generate", json=_gen([5, 6, 7, 8], 24, ignore_eos=True), timeout=60).json()
     assert r["output_ids"] == want and r["meta_info"]["finish_reason"]["type"] == "length"
+    # as SGLang: ignore_eos turns off stop_token_ids too (a fixed-length load run sends both)
+    body = _gen([5, 6, 7, 8], 24, ignore_eos=True)
+    body["sampling_params"]["stop_token_ids"] = [want[1]]
+    r = httpx.post(url + "/generate", json=body, timeout=60).json()
+    assert r["output_ids"] == want and r["meta_info"]["finish_reason"]["type"] == "length"
 
 
 def test_full_queue_answers_503_with_retry_after(server_b):
