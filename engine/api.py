@@ -127,7 +127,7 @@ class Engine:
         if self.spec.batch > 1:
             self._run_batched(prompts, max_new_tokens, chat, record_lattice, progress, out)
             return
-        encoded = [pr.get("ids") or self.encode(pr["text"], chat=chat) for pr in prompts]
+        encoded = [self._prompt_ids(pr, chat) for pr in prompts]
         for pr, ids in zip(prompts, encoded):   # a prompt that cannot run is refused before any runs
             with about_prompt(pr["id"]):
                 self.decoder.check(ids, max_new_tokens)
@@ -137,6 +137,20 @@ class Engine:
             out.lattice_rows.extend(r.lattice_steps)
             out.step_times.extend(r.step_times)
             out.results.append(self._result_row(pr["id"], ids, r, r.step_timing()))
+
+    def _prompt_ids(self, pr: dict, chat) -> list:
+        """A ``run`` prompt's token ids: its ``ids`` (any sequence, an empty one refused by the checks
+        as ``generate`` refuses it), else its ``text`` encoded."""
+        ids = pr.get("ids")
+        if ids is not None:   # whole numbers as Python ints (numpy or tensor elements included); others
+            from specpilot.engine.decode import integer_like   # are left for the checks to refuse
+
+            ids = list(ids) if hasattr(ids, "__iter__") and not isinstance(ids, (str, bytes)) else ids
+            return [int(t) for t in ids] if isinstance(ids, list) and all(integer_like(t) for t in ids) else ids
+        if not isinstance(pr.get("text"), str):
+            with about_prompt(pr.get("id")):
+                raise InputError("a prompt needs 'ids' (token ids) or 'text'")
+        return self.encode(pr["text"], chat=chat)
 
     def _result_row(self, rid, prompt_ids, res, step_timing) -> dict:
         """One prompt's entry of ``run``'s results."""
@@ -150,8 +164,8 @@ class Engine:
         """``run`` with ``batch`` > 1: every prompt queued at once, ``batch`` decoded together. The
         decoder gets no more slots than there are prompts: a slot no request takes would only hold
         its caches (the memory check counts the slots it makes)."""
-        reqs = [self.request(pr.get("ids") or self.encode(pr["text"], chat=chat), max_new_tokens, id=pr["id"],
-                             record_lattice=record_lattice) for pr in prompts]
+        reqs = [self.request(self._prompt_ids(pr, chat), max_new_tokens, id=pr["id"], record_lattice=record_lattice)
+                for pr in prompts]
         dec = self.batch_decoder(max(1, min(self.spec.batch, len(reqs))))
         for r in reqs:
             with about_prompt(r.id):

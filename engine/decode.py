@@ -37,10 +37,10 @@ def check_request(prompt_ids, max_new_tokens: int, vocab: int, need, slots: int,
     slots past the tokens are named for ``mode``). Token ids and counts must be integers (a library
     caller's text or float is refused here, not failed on deep in a step)."""
     if isinstance(prompt_ids, (str, bytes)) or not hasattr(prompt_ids, "__len__") \
-            or not all(_integer(t) for t in prompt_ids):
+            or not all(integer_like(t) for t in prompt_ids):
         raise InputError("prompt_ids must be a sequence of integer token ids (text goes through the tokenizer: "
                          "Engine.run takes {'text': ...})")
-    if not _integer(max_new_tokens):
+    if not integer_like(max_new_tokens):
         raise InputError(f"max_new_tokens must be an integer, got {max_new_tokens!r}")
     if len(prompt_ids) == 0:
         raise InputError("empty prompt: give at least one token")
@@ -57,7 +57,7 @@ def check_request(prompt_ids, max_new_tokens: int, vocab: int, need, slots: int,
                          f"slots; the engine has {slots} (raise ctx=, --ctx on the command line)")
 
 
-def _integer(v) -> bool:
+def integer_like(v) -> bool:
     """An int or an integer scalar (numpy, a 0-d tensor), not a bool."""
     if isinstance(v, bool):
         return False
