@@ -3,6 +3,7 @@ traces with known answers."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import sqlite3
 from collections import Counter
@@ -271,3 +272,28 @@ def test_string_ids_stored_as_blobs_read_as_text(run_cli, fixtures_dir, tmp_path
     assert len(a.steps) == 20 and {g.name for g in a.groups if g.kind == "kernel"} == {"\ufffd\x00\ufffd"}
     code, _, err = run_cli("profile", p)
     assert code == 0, err
+
+
+def test_the_busiest_gpu_is_profiled_not_the_one_with_most_kernels(tmp_path):
+    """Many short kernels on GPU 0, few long ones on GPU 1: GPU 1 is the busiest (docs/profile.md)."""
+    p = write_nsys_sqlite(tmp_path / "two.sqlite", SynthSpec(steps=4, layers=1))
+    con = sqlite3.connect(p)
+    con.execute("INSERT INTO TARGET_INFO_GPU VALUES (0, 1, 'NVIDIA A100-SXM4-80GB', 2039000000000, 108, 0, 0)")
+    con.execute("UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET deviceId = 1, end = start + 40000000 WHERE demangledName IN "
+                "(SELECT id FROM StringIds WHERE value LIKE 'flash%')")
+    con.commit()
+    con.close()
+    a = read_trace(p, StepRequest())
+    assert a.gpu.name == "NVIDIA A100-SXM4-80GB" and any("profiling device 1" in n for n in a.notes)
+    events = []
+    for step in range(3):   # Kineto: 20 x 1 us kernels on device 0, 2 x 1.9 ms on device 1, per step
+        t = step * 10_000
+        events += [{"ph": "X", "cat": "kernel", "name": f"small_{i}", "ts": t + i * 2, "dur": 1,
+                    "args": {"device": 0, "stream": 7, "correlation": step * 100 + i}} for i in range(20)]
+        events += [{"ph": "X", "cat": "kernel", "name": "big", "ts": t + 100 + i * 2000, "dur": 1900,
+                    "args": {"device": 1, "stream": 7, "correlation": step * 100 + 50 + i}} for i in range(2)]
+    k = tmp_path / "two.json"
+    k.write_text(json.dumps({"traceEvents": events}))
+    b = read_trace(k, StepRequest(mode="whole"))
+    assert any("profiling device 1" in n for n in b.notes)
+    assert {g.name for g in b.groups if g.kind == "kernel"} == {"big"}

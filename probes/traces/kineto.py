@@ -242,7 +242,8 @@ class KinetoTrace:
         if not isinstance(props, list) or not props:
             return gpu_from_names(self.names, rocm=any(k in self.header for k in ROCM_KEYS))
         devs = self.cols["device"]
-        want = int(np.bincount(devs[devs >= 0]).argmax()) if (devs >= 0).any() else None
+        on = devs >= 0   # the busiest device's properties (the one aggregate_kineto profiles)
+        want = int(np.bincount(devs[on], weights=self.cols["dur"][on]).argmax()) if on.any() else None
         chosen = next((p for p in props if isinstance(p, dict) and p.get("id") == want), None) or props[0]
         if not isinstance(chosen, dict):
             return gpu_from_names(self.names, rocm=any(k in self.header for k in ROCM_KEYS))
@@ -321,7 +322,7 @@ def aggregate_kineto(tr: KinetoTrace, req: StepRequest) -> Aggregate:
         sel = devs == req.device
         device = req.device
     elif len(present) > 1:
-        main = int(np.bincount(devs - devs.min()).argmax() + devs.min())
+        main = int(np.bincount(devs - devs.min(), weights=c["dur"]).argmax() + devs.min())   # the busiest
         sel = devs == main
         device = main
         notes.append(f"kernels on {len(present)} GPUs; profiling device {main} (choose with --device)")

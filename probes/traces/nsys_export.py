@@ -265,9 +265,11 @@ class NsysExport:
         return [Range(name=str(r[2] or ""), start=int(r[0]), end=int(r[1]), thread=r[3]) for r in rows]
 
     def kernel_devices(self) -> dict[int, int]:
+        """Each device with kernels and their summed duration (ns): the busiest is the one profiled."""
         if not self.has_kernels:
             return {}
-        return {int(d): int(n) for d, n in self._q(f"SELECT deviceId, count(*) FROM {KERNEL} GROUP BY deviceId")}
+        rows = self._q(f"SELECT deviceId, total(max(end - start, 0)) FROM {KERNEL} GROUP BY deviceId")
+        return {int(d): int(n) for d, n in rows}
 
     def strings(self, ids) -> dict[int, str]:
         ids = sorted({i for i in ids if type(i) is int and i >= 0})   # damaged rows may hold NULL, text, reals
