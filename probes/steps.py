@@ -62,8 +62,10 @@ def select_step_ranges(ranges: list[Range], pattern: str, source: str) -> list[R
     hits = sorted((r for r in ranges if rx.search(r.name) and r.end > r.start), key=lambda r: (r.start, -r.end))
     kept: list[Range] = []
     for r in hits:
-        if kept and r.start >= kept[-1].start and r.end <= kept[-1].end and r.thread == kept[-1].thread:
-            continue  # nested inside the previous step range
+        # nested inside the previous step range, on any thread: the readers map launches to disjoint
+        # ranges, so an inner one kept would take the outer one's later launches out of every step
+        if kept and r.start >= kept[-1].start and r.end <= kept[-1].end:
+            continue
         kept.append(r)
     if not kept:
         common = Counter(_generic(r.name) for r in ranges).most_common(6)

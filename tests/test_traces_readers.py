@@ -297,3 +297,25 @@ def test_the_busiest_gpu_is_profiled_not_the_one_with_most_kernels(tmp_path):
     b = read_trace(k, StepRequest(mode="whole"))
     assert any("profiling device 1" in n for n in b.notes)
     assert {g.name for g in b.groups if g.kind == "kernel"} == {"big"}
+
+
+def test_a_step_range_nested_in_another_threads_step_keeps_the_outer_steps_kernels(tmp_path):
+    """Three steps on thread 1, each holding a same-named range of thread 2: the outermost are the
+    steps, and every kernel thread 1 launched inside them is counted (the last third were lost)."""
+    events = []
+    for step in range(3):
+        s = 10_000 + step * 2000
+        events += [{"ph": "X", "cat": "user_annotation", "name": f"decode_step_{step}", "ts": s, "dur": 1000,
+                    "pid": 1, "tid": 1},
+                   {"ph": "X", "cat": "user_annotation", "name": f"decode_step_{step}", "ts": s + 100, "dur": 100,
+                    "pid": 1, "tid": 2}]
+        for i, at in enumerate((50, 150, 500)):
+            corr = step * 10 + i
+            events += [{"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": s + at, "dur": 5,
+                        "pid": 1, "tid": 1, "args": {"correlation": corr}},
+                       {"ph": "X", "cat": "kernel", "name": f"k{i}", "ts": s + at + 10, "dur": 3, "pid": 0, "tid": 7,
+                        "args": {"device": 0, "stream": 7, "correlation": corr}}]
+    p = tmp_path / "nested.json"
+    p.write_text(json.dumps({"traceEvents": events}))
+    a = read_trace(p, StepRequest(range_regex="decode_step"))
+    assert len(a.steps) == 3 and [s.events for s in a.steps] == [3, 3, 3]
