@@ -285,7 +285,14 @@ def build_profile(agg: Aggregate, table: RuleTable, floors: Floors | None = None
                      "record_param_comms)" if not comm_bytes else "no link bandwidth for this GPU; give --link-bandwidth"))
     warnings = [f"{c}: {r.flag}" for c, r in classes.items() if r.flag]
 
-    wall = st.spread(s.wall_ns / 1e6 for s in steps)
+    # steps split at graph launches or idle gaps end where the next one starts: the last has no next
+    # step, so its window is only its GPU span and its wall is left out of the wall figures
+    open_last = agg.step_mode != "range" and len(steps) > 1
+    if open_last:
+        by = {"graph": "CUDA graph launches", "gap": "idle gaps"}.get(agg.step_mode, agg.step_mode)
+        notes.append(f"the last step's wall is left out of the wall figures: steps split at {by} end where the "
+                     "next one starts, and it has no next step")
+    wall = st.spread(s.wall_ns / 1e6 for s in (steps[:-1] if open_last else steps))
     busy = st.spread(s.busy_ns / 1e6 for s in steps)
     events = st.spread(s.events for s in steps)
     outside = wall.median - busy.median
@@ -321,8 +328,8 @@ def build_profile(agg: Aggregate, table: RuleTable, floors: Floors | None = None
     # a whole-graph record is one event for a graph's many kernels: the kernel count says nothing then
     warnings += st.plausibility([] if whole_graphs else [s.events for s in steps], [s.busy_ns for s in steps],
                                 agg.annotations, [s.label for s in steps] if agg.step_mode == "range" else None)
-    per_step = [{"index": s.index, "label": s.label, "wall_ms": s.wall_ns / 1e6, "busy_ms": s.busy_ns / 1e6,
-                 "events": s.events} for s in steps]
+    per_step = [{"index": s.index, "label": s.label, "wall_ms": None if open_last and k == len(steps) - 1 else
+                 s.wall_ns / 1e6, "busy_ms": s.busy_ns / 1e6, "events": s.events} for k, s in enumerate(steps)]
     top = sorted(((median([v.get(i, 0.0) for i in idx]), n, c) for (n, c), v in per_kernel.items()), reverse=True)
     top_rows = [{"name": n, "class": c, "ms": ms, "share": (ms / total if total else 0.0)} for ms, n, c in top[:top_n]]
     trace = {"path": agg.path, "format": agg.format, "format_version": agg.format_version,

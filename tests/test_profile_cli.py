@@ -318,3 +318,18 @@ def test_a_rules_path_that_is_no_file_says_what_it_is(run_cli, tmp_path):
         "specpilot: error: /dev/null: not a rules file (a folder or device)")
     assert _bad(run_cli, H200_EAGER, "--rules", tmp_path / "none.yaml").startswith(
         f"specpilot: error: {tmp_path / 'none.yaml'}: no such rules file")
+
+
+@pytest.mark.parametrize("fmt", ["nsys", "kineto"])
+def test_graph_steps_leave_the_last_steps_open_wall_out(run_cli, tmp_path, fmt):
+    """Graph-launch steps end where the next starts; the last has no next step: its GPU span alone
+    is no wall, so the wall figures are the other steps' (its per-step wall is null) and a note says it."""
+    spec = SynthSpec(steps=4, layers=1, graphs=True, step_gap_ns=2_000_000)
+    p = write_nsys_sqlite(tmp_path / "g.sqlite", spec) if fmt == "nsys" else write_kineto(tmp_path / "g.json", spec)
+    code, out, err = run_cli("profile", p, "--step-mode", "graph", "--format", "json")
+    assert code == 0, err
+    d = json.loads(out)
+    walls = [s["wall_ms"] for s in d["per_step"]]
+    assert walls[-1] is None and all(w is not None and w > 2.0 for w in walls[:-1])
+    assert d["step_wall_ms"] == pytest.approx(sorted(walls[:-1])[1])
+    assert any("the last step's wall is left out" in n for n in d["notes"])
