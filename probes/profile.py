@@ -204,11 +204,14 @@ def apply_positions(groups: list[KernelGroup], clf: Classifier, agg: Aggregate, 
 
 def build_profile(agg: Aggregate, table: RuleTable, floors: Floors | None = None, vocab: int | None = None,
                   skip_steps: int = 0, model: str | None = None, gpu: dict | None = None,
-                  want_explain: bool = False, link_gbs: float | None = None, top_n: int = 10) -> Profile:
+                  want_explain: bool = False, link_gbs: float | None = None, top_n: int = 10,
+                  max_steps: int | None = None) -> Profile:
+    """The profile of ``agg``'s steps after the first ``skip_steps`` (at most ``max_steps`` of them:
+    tensor-parallel ranks are compared over the steps every rank has)."""
     if skip_steps < 0:
         raise InputError("--skip-steps must be >= 0")
     notes = list(agg.notes)
-    steps = agg.steps[skip_steps:]
+    steps = agg.steps[skip_steps:][:max_steps]
     if not steps:
         raise InputError(f"{agg.path}: no steps left to profile ({len(agg.steps)} found, {skip_steps} skipped)")
     keep = {s.index for s in steps}

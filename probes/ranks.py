@@ -22,15 +22,19 @@ SCHEMA = "specpilot.profile_ranks/1"
 TIE = "tie"   # the ``slowest`` count of steps whose slowest busy time two or more ranks share
 
 
-def rank_profiles(profiles: list[Profile], labels: list[str]) -> dict[str, Any]:
+def rank_profiles(profiles: list[Profile], labels: list[str], found: list[int] | None = None) -> dict[str, Any]:
+    """The ranks side by side. ``found``: the steps each rank's trace held, where the profiles were
+    cut to the first ``min(found)`` (every figure is then over the steps every rank has)."""
     if len(profiles) < 2:
         raise InputError("tensor-parallel mode needs two or more ranks (trace files, or --ranks on a multi-GPU trace)")
     n = min(p.steps for p in profiles)
     if n == 0:
         raise InputError("a rank has no steps to compare")
-    if len({p.steps for p in profiles}) > 1:
-        note = (f"ranks found different step counts ({', '.join(str(p.steps) for p in profiles)}); "
-                f"the first {n} of each are compared")
+    counts = found or [p.steps for p in profiles]
+    if len(set(counts)) > 1:
+        cut = len({p.steps for p in profiles}) == 1
+        note = (f"ranks found different step counts ({', '.join(map(str, counts))}); "
+                + (f"every figure is over the first {n} of each" if cut else f"the first {n} of each are compared"))
     else:
         note = None
     classes = list(dict.fromkeys(c for p in profiles for c in p.classes))

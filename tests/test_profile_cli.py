@@ -333,3 +333,29 @@ def test_graph_steps_leave_the_last_steps_open_wall_out(run_cli, tmp_path, fmt):
     assert walls[-1] is None and all(w is not None and w > 2.0 for w in walls[:-1])
     assert d["step_wall_ms"] == pytest.approx(sorted(walls[:-1])[1])
     assert any("the last step's wall is left out" in n for n in d["notes"])
+
+
+def _rank_trace(path, busy_us):
+    """A Kineto trace of one rank: a decode_step_i range per step holding one kernel of busy_us[i]."""
+    events = []
+    for i, us in enumerate(busy_us):
+        s = 10_000 + i * 5000
+        events += [{"ph": "X", "cat": "user_annotation", "name": f"decode_step_{i}", "ts": s, "dur": 4000,
+                    "pid": 1, "tid": 1},
+                   {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": s + 10, "dur": 5,
+                    "pid": 1, "tid": 1, "args": {"correlation": i + 1}},
+                   {"ph": "X", "cat": "kernel", "name": "gemm_kernel", "ts": s + 20, "dur": us, "pid": 0, "tid": 7,
+                    "args": {"device": 0, "stream": 7, "correlation": i + 1}}]
+    path.write_text(json.dumps({"traceEvents": events}))
+    return path
+
+
+def test_ranks_of_different_step_counts_are_compared_over_common_steps_throughout(run_cli, tmp_path):
+    a = _rank_trace(tmp_path / "rank0.json", [400, 900, 1400])
+    b = _rank_trace(tmp_path / "rank1.json", [600, 1900])
+    code, out, err = run_cli("profile", a, b, "--format", "json")
+    assert code == 0, err
+    d = json.loads(out)
+    assert [r["kernel_busy_ms"] for r in d["ranks"]] == pytest.approx([0.65, 1.25])
+    assert d["group_busy_ms"] == pytest.approx(1.25) and d["steps"] == 2
+    assert any("different step counts (3, 2); every figure is over the first 2 of each" in n for n in d["notes"])

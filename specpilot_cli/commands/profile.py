@@ -181,7 +181,7 @@ def command(traces, step_range, step_mode, gap_us, skip_steps, device, include_o
 
     floors_gpu_title = []   # the single profile's title names the floors' GPU where --gpu made it another
 
-    def profile(agg, want_explain=False, n_top=top_n):
+    def profile(agg, want_explain=False, n_top=top_n, max_steps=None):
         from specpilot.probes.profile import build_profile, floors_from_ceiling, floors_from_model
 
         _check_gap_us(agg)
@@ -206,7 +206,7 @@ def command(traces, step_range, step_mode, gap_us, skip_steps, device, include_o
         model = model_spec.name if model_spec else (floors.model if floors else None)   # a ceiling names its model
         prof = build_profile(agg, table, floors=floors, vocab=(model_spec.vocab_size if model_spec else None),
                              skip_steps=skip_steps, model=model, gpu=gpu_info, want_explain=want_explain, link_gbs=link,
-                             top_n=n_top)
+                             top_n=n_top, max_steps=max_steps)
         if note:
             prof.notes.append(note)
         prof.warnings[:0] = [gpu_warning] if gpu_warning else []   # first: it explains the efficiencies
@@ -239,11 +239,16 @@ def command(traces, step_range, step_mode, gap_us, skip_steps, device, include_o
             finally:
                 bar.close()
             labels = [f"GPU {d}" for d, _ in aggs]
-            profiles = [profile(a) for _, a in aggs]
+            aggs = [a for _, a in aggs]
         else:
-            profiles = [profile(_read(t, device, step_range, step_mode, gap_us, include_orphans, table)) for t in traces]
-            labels = _rank_labels(traces, profiles)
-        d = rank_profiles(profiles, labels)
+            aggs = [_read(t, device, step_range, step_mode, gap_us, include_orphans, table) for t in traces]
+            labels = None
+        profiles = [profile(a) for a in aggs]
+        counts = [p.steps for p in profiles]
+        if len(set(counts)) > 1:   # every rank's figures over the steps all ranks have
+            profiles = [profile(a, max_steps=min(counts)) for a in aggs]
+        labels = labels or _rank_labels(traces, profiles)
+        d = rank_profiles(profiles, labels, found=counts)
         emit(_ranks_report(d), fmt, out, protect=protect)
         return 0
 
