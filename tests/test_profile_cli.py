@@ -359,3 +359,34 @@ def test_ranks_of_different_step_counts_are_compared_over_common_steps_throughou
     assert [r["kernel_busy_ms"] for r in d["ranks"]] == pytest.approx([0.65, 1.25])
     assert d["group_busy_ms"] == pytest.approx(1.25) and d["steps"] == 2
     assert any("different step counts (3, 2); every figure is over the first 2 of each" in n for n in d["notes"])
+
+
+def test_a_compressed_trace_is_named_in_errors_and_read_by_ranks(run_cli, tmp_path):
+    import lzma
+    import sqlite3
+
+    db = tmp_path / "unrel.sqlite"
+    con = sqlite3.connect(db)
+    con.execute("create table a(x)")
+    con.commit()
+    con.close()
+    packed = tmp_path / "unrel.sqlite.xz"
+    packed.write_bytes(lzma.compress(db.read_bytes()))
+    code, _, err = run_cli("profile", packed)
+    assert code == 2 and f"{packed}:" in err and "specpilot-trace-" not in err, err
+    events = []
+    for dev in (0, 1):
+        for i in range(3):
+            s = 10_000 + i * 5000
+            events += [{"ph": "X", "cat": "kernel", "name": "gemm_kernel", "ts": s, "dur": 100 + 50 * dev,
+                        "args": {"device": dev, "stream": 7, "correlation": dev * 10 + i}}]
+    plain = json.dumps({"traceEvents": events}).encode()
+    (tmp_path / "mg.json.xz").write_bytes(lzma.compress(plain))
+    (tmp_path / "mg.json").write_bytes(plain)
+    outs = []
+    for name in ("mg.json", "mg.json.xz"):
+        code, out, err = run_cli("profile", tmp_path / name, "--ranks", "--step-mode", "whole", "--format", "json")
+        assert code == 0, err
+        d = json.loads(out)
+        outs.append([r["kernel_busy_ms"] for r in d["ranks"]])
+    assert outs[0] == outs[1] and len(outs[0]) == 2

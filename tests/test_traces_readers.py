@@ -319,3 +319,51 @@ def test_a_step_range_nested_in_another_threads_step_keeps_the_outer_steps_kerne
     p.write_text(json.dumps({"traceEvents": events}))
     a = read_trace(p, StepRequest(range_regex="decode_step"))
     assert len(a.steps) == 3 and [s.events for s in a.steps] == [3, 3, 3]
+
+
+def test_decompressing_a_trace_leaves_no_copy_on_interrupt_and_blames_a_full_disk_on_the_disk(tmp_path, monkeypatch):
+    import lzma
+    import subprocess
+    import sys
+    import tempfile
+
+    import specpilot.probes.traces as traces
+
+    packed = tmp_path / "t.json.xz"
+    event = b'{"ph": "X", "cat": "kernel", "name": "k", "ts": 1, "dur": 1, "args": {"device": 0, "stream": 7}}'
+    packed.write_bytes(lzma.compress(b'{"traceEvents": [' + event + b" " * 3_000_000 + b"]}"))
+    work = tmp_path / "tmp"
+    work.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(work))
+
+    class Stopped:   # a stream the user interrupts after its first chunk
+        def __init__(self, *a):
+            self.n = 0
+
+        def read(self, n=-1):
+            self.n += 1
+            if self.n > 1:
+                raise KeyboardInterrupt
+            return b"x" * 1000
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return None
+
+    with monkeypatch.context() as m:
+        m.setattr(traces, "sniff", lambda path: "kineto+xz")
+        m.setattr(traces, "_open_compressed", Stopped)
+        with pytest.raises(KeyboardInterrupt):
+            read_trace(packed)
+    assert list(work.iterdir()) == []
+    # a copy that cannot be written (a file size limit here, a full disk alike) is the machine's, exit 3
+    code = ("import resource, signal, sys, tempfile; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+            f"tempfile.tempdir = {str(work)!r}; resource.setrlimit(resource.RLIMIT_FSIZE, (100000, 100000)); "
+            "from specpilot.probes.traces import read_trace\n"
+            "from specpilot.errors import EnvironmentMissing\n"
+            f"try:\n    read_trace({str(packed)!r})\nexcept EnvironmentMissing as e:\n    print('MISSING', e)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.stdout.startswith(f"MISSING {packed}: cannot decompress it into"), res.stdout + res.stderr
+    assert list(work.iterdir()) == []

@@ -130,24 +130,65 @@ def sniff(path: str | os.PathLike) -> str:
 
 def _decompressed(path, comp: str, kind: str) -> Path:
     """The decompressed content in a new temporary folder (SQLite and nsys need a file)."""
-    tmp = Path(tempfile.mkdtemp(prefix="specpilot-trace-"))
+    from specpilot.signals import deferred, register_temp
+
+    with deferred():   # made and registered as one step: a signal while it fills removes it
+        tmp = Path(tempfile.mkdtemp(prefix="specpilot-trace-"))
+        register_temp(tmp)
     suffix = {"nsys-sqlite": ".sqlite", "nsys-rep": ".nsys-rep", "kineto": ".json"}[kind]
     out = tmp / (Path(path).name.split(".")[0] + suffix)
     try:
         with _open_compressed(path, comp) as src, open(out, "wb") as dst:
-            shutil.copyfileobj(src, dst, 1 << 20)
+            while chunk := src.read(1 << 20):
+                try:
+                    dst.write(chunk)
+                except OSError as e:   # the copy's folder is full or limited: not the trace's fault
+                    raise EnvironmentMissing(f"{path}: cannot decompress it into {tmp} ({e.strerror}); free space "
+                                             "there (TMPDIR) or decompress it yourself") from None
             if isinstance(src, _Zstd):
                 src.finish()
     except (OSError, EOFError, ValueError, zlib.error) as e:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove_temp(tmp)
         raise InputError(f"{path}: {comp} stream is corrupt or truncated ({str(e)[:80]})") from None
+    except BaseException:
+        _remove_temp(tmp)
+        raise
     return out
 
 
-def _remove_with(agg: Aggregate, folder: Path) -> None:
-    """Delete the temporary ``folder`` once ``agg`` is gone (or at exit): its ``locate_last`` reads the
-    file in it again, after the reader has returned."""
-    weakref.finalize(agg, shutil.rmtree, folder, ignore_errors=True)
+def _remove_temp(folder: Path) -> None:
+    from specpilot.signals import forget_temp
+
+    shutil.rmtree(folder, ignore_errors=True)
+    forget_temp(folder)
+
+
+class _TempFolder:
+    """Held by every Aggregate read from one decompressed copy: the copy is deleted once all are
+    gone (or at exit), as their ``locate_last`` reads the file again after the reader returned."""
+
+    def __init__(self, folder: Path):
+        weakref.finalize(self, _remove_temp, folder)
+
+
+def _read_compressed(path, kind: str, read: Callable[[Path], list[Aggregate]]) -> list[Aggregate]:
+    """``read`` the decompressed copy of ``path``; errors and the aggregates name ``path``, not the copy."""
+    kind, comp = kind.split("+")
+    plain = _decompressed(path, comp, kind)
+    try:
+        aggs = read(plain)
+    except InputError as e:
+        _remove_temp(plain.parent)
+        raise InputError(str(e).replace(str(plain), str(path))) from None
+    except BaseException:
+        _remove_temp(plain.parent)
+        raise
+    holder = _TempFolder(plain.parent)
+    for agg in aggs:
+        agg.temp_folder = holder
+        agg.path = str(path)
+        agg.notes.append(f"{comp}-compressed {kind} trace, decompressed to a temporary file")
+    return aggs
 
 
 def read_trace(path: str | os.PathLike, request: StepRequest | None = None,
@@ -155,17 +196,7 @@ def read_trace(path: str | os.PathLike, request: StepRequest | None = None,
     """``on_read(n)`` is called as work proceeds: bytes of JSON read, or SQLite progress ticks."""
     kind = sniff(path)
     if "+" in kind:
-        kind, comp = kind.split("+")
-        plain = _decompressed(path, comp, kind)
-        try:
-            agg = read_trace(plain, request, on_read)
-        except BaseException:
-            shutil.rmtree(plain.parent, ignore_errors=True)
-            raise
-        _remove_with(agg, plain.parent)
-        agg.path = str(path)
-        agg.notes.append(f"{comp}-compressed {kind} trace, decompressed to a temporary file")
-        return agg
+        return _read_compressed(path, kind, lambda plain: [read_trace(plain, request, on_read)])[0]
     if kind == "nsys-sqlite":
         from .nsys_sqlite import read_nsys_sqlite
 
@@ -182,7 +213,7 @@ def read_trace(path: str | os.PathLike, request: StepRequest | None = None,
                 shutil.rmtree(db.parent, ignore_errors=True)
             raise
         if temporary:
-            _remove_with(agg, db.parent)
+            agg.temp_folder = _TempFolder(db.parent)
         agg.path = str(path)
         agg.notes.append(f"read the export beside it, {db} (newer than the report)" if reused
                          else f"exported with nsys to {'a temporary file' if temporary else db}")
@@ -199,6 +230,15 @@ def read_trace_devices(path: str | os.PathLike, request: StepRequest | None = No
 
     request = request or StepRequest()
     kind = sniff(path)
+    if "+" in kind:
+        pairs: list[tuple[int, Aggregate]] = []
+
+        def read(plain: Path) -> list[Aggregate]:
+            pairs.extend(read_trace_devices(plain, request, on_read))
+            return [a for _, a in pairs]
+
+        _read_compressed(path, kind, read)
+        return pairs
     if kind == "kineto":
         from .kineto import KinetoTrace, aggregate_kineto
 
@@ -215,4 +255,4 @@ def read_trace_devices(path: str | os.PathLike, request: StepRequest | None = No
             ex.close()
         return [(d, read_trace(path, replace(request, device=d), on_read)) for d in devices]
     raise InputError(f"{path}: --ranks reads one multi-GPU trace (an Nsight .sqlite export or a Kineto JSON); "
-                     "export or decompress it first, or give one trace file per rank")
+                     "export it first, or give one trace file per rank")

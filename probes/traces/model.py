@@ -111,6 +111,9 @@ class Aggregate:
     # world_size (Kineto distributedInfo), group_size (the largest group its collectives ran over),
     # gpus (GPUs with kernels in the trace, when more than one)
     distributed: dict[str, int] = field(default_factory=dict)
+    # the temporary copy (decompressed, or exported from a .nsys-rep) that locate_last reads again:
+    # deleted once every aggregate holding it is gone
+    temp_folder: object | None = None
 
 
 @dataclass
