@@ -345,12 +345,24 @@ def build_model(name: str, random: bool, dtype, device: str, max_seq: int, seed:
     return model, folder, display
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+
+
+def has_tokenizer(model: str, random: bool) -> bool:
+    """Whether the engine of this model argument reads text (what :func:`model_tokenizer` returns
+    for it is not None), known without loading the tokenizer."""
+    _, folder, display = resolve_model(model, random)
+    if folder is None:
+        return display in TINY_CONFIGS
+    return any((folder / f).is_file() for f in TOKENIZER_FILES)
+
+
 def model_tokenizer(folder: Path | None, display: str):
     """The tokenizer of the model ``resolve_model`` found (a built-in tiny model's: its bytes); None
     for a folder without one (token-id prompts only). InputError for one that does not load."""
     if folder is None:
         return ByteTokenizer() if display in TINY_CONFIGS else None
-    if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+    if not any((folder / f).is_file() for f in TOKENIZER_FILES):
         return None
     try:
         from transformers import AutoTokenizer

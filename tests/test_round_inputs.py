@@ -140,3 +140,13 @@ def test_non_finite_numbers_in_the_rounds_files_are_refused(finished, run_cli, t
         code, _, err = run_cli(*args)
         line = one_error(err)
         assert code == 2 and f"{f}: malformed" in line and words in line, err
+
+
+def test_the_dry_run_plans_the_built_in_prompts_the_round_runs(run_cli, tmp_path):
+    """--n-prompts above the 64 built-in prompts: the plan is of 64 (what the round runs), with its note."""
+    code, out, err = run_cli("round", "engine:model=tiny,mode=ar,threads=1", "--dry-run", "--n-prompts", "80",
+                             "--budget", "200", "--records", tmp_path / "rec", "--format", "json")
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["shape"]["prompts"] == 64
+    assert d["notes"] == ["--n-prompts 80: the built-in prompts are 64; the round runs those (--prompts FILE for more)"]

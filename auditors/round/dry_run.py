@@ -95,12 +95,23 @@ def plan_round(cfg: RoundConfig) -> dict:
     load_s = estimate_load_s(facts, spec)
     # the prompts and the run shape as the round fixes them (Round.prompts, Round.approve)
     shape0 = pl.SHAPES["cuda" if device == "cuda" else "cpu"][0]
+    notes: list[str] = []
     if cfg.prompts:
         from specpilot.auditors.outputs import read_prompt_rows
 
         n_avail = len(read_prompt_rows(cfg.prompts))
     else:
         n_avail = cfg.n_prompts or max(s.prompts for s in pl.SHAPES["cuda" if device == "cuda" else "cpu"])
+        from specpilot.engine.api import has_tokenizer
+
+        if has_tokenizer(spec.model, spec.random):   # text prompts: the built-in ones, as Round.prompts runs them
+            from specpilot.auditors.prompts_builtin import PROMPTS
+
+            from .inputs import short_prompts_note
+
+            short = short_prompts_note(cfg, None, PROMPTS[:n_avail])
+            notes += [short] if short else []
+            n_avail = min(n_avail, len(PROMPTS))
     fixed = pl.Shape(min(cfg.n_prompts or shape0.prompts, n_avail), cfg.max_new_tokens or shape0.max_new_tokens) \
         if (cfg.n_prompts or cfg.max_new_tokens) else None
     rec_shape = fixed or shape0
@@ -149,4 +160,4 @@ def plan_round(cfg: RoundConfig) -> dict:
                  else "baseline.json only; the deployment record is not written (--no-remember)"}],
             "not_runnable": not_fit, "current_family": same_family, "over_budget": over, "every_candidate_s": every_s,
             "shape": asdict(shape),
-            "pairs": pairs}
+            "pairs": pairs, "notes": notes}

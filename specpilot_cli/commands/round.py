@@ -123,6 +123,7 @@ def command(deployment, budget, out_dir, resume_dir, dry_run, prompts, n_prompts
             lines.append(f"warning: the smallest plan takes {need / 60:.1f} min, more than the "
                          f"{plan['budget_s'] / 60:.1f} min budget: the stages that run out stop and record what they "
                          f"skip (--budget {math.ceil(need / 60)} runs it all)")
+        lines += [f"note: {x}" for x in plan.get("notes") or []]
         lines += [f"skipped for the budget: {x['id']}: {x['reason']}" for x in plan.get("over_budget") or []]
         lines += [f"not runnable here: {x['id']}: {x['reason']}" for x in plan["not_runnable"]]
         lines += [f"not planned: {x}: the current system's family; the round proposes it only when its retuning "
