@@ -9,6 +9,7 @@ run's inputs. Verbs write files only through these functions.
 from __future__ import annotations
 
 import contextlib
+import errno
 import gzip
 import json
 import math
@@ -77,20 +78,25 @@ def check_output_path(path: str | os.PathLike, option: str = "--out",
     if not parent.is_dir():
         what = "is not a folder" if parent.exists() else "does not exist"
         raise InputError(f"{option} {shown}: {parent} {what}")
-    _probe_write(parent, option, shown)
+    _probe_write(parent, option, shown, name=target.name)
     return target
 
 
-def _probe_write(folder: Path, option: str, shown: Path, missing: Path | None = None) -> None:
+def _probe_write(folder: Path, option: str, shown: Path, missing: Path | None = None, name: str | None = None) -> None:
     """InputError unless a file can be made in ``folder`` (permissions, a read-only or virtual file
     system); the probe is removed at once. ``missing``: the folder that would be made in ``folder``,
-    named as the one at fault."""
+    named as the one at fault. ``name``: the output's name, whose temporary ``.NAME.XXXX.part`` the
+    probe is (a name the file system takes, temporary suffix included, before any work)."""
     from .signals import deferred
 
     with deferred():
         try:
-            fd, probe = tempfile.mkstemp(prefix=".specpilot-", suffix=".probe", dir=folder)
+            fd, probe = tempfile.mkstemp(prefix=f".{name}." if name else ".specpilot-",
+                                         suffix=".part" if name else ".probe", dir=folder)
         except OSError as e:
+            if e.errno == errno.ENAMETOOLONG:
+                raise InputError(f"{option} {shown}: the name is too long for the file system (the output is "
+                                 "written as .NAME.XXXXXXXX.part first); choose a shorter one") from None
             if missing is not None:
                 raise InputError(f"{option} {shown}: {missing} does not exist and cannot be made in {folder} "
                                  f"({e.strerror})") from None
@@ -108,7 +114,7 @@ def check_output_folder(path: str | os.PathLike, option: str) -> Path:
         anc, missing = anc.parent, anc
     if not anc.is_dir():
         raise InputError(f"{option} {shown}: {anc} is not a folder")
-    _probe_write(anc, option, shown, missing)
+    _probe_write(anc, option, shown, missing, name=missing.name if missing is not None else None)
     return shown
 
 

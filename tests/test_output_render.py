@@ -73,3 +73,15 @@ def test_a_value_with_a_bar_or_a_newline_stays_in_its_cell():
     assert cells[2:] == [["a\\|b", "4"], ["line1<br>line2", "5"], ["back\\\\slash", "6"]] and len(md) == 5
     text = render(report, "text").splitlines()
     assert len(text) == 5 and text[3].startswith("line1\\nline2")
+
+
+def test_a_name_too_long_once_written_as_its_temporary_is_refused_before_the_work(run_cli, tmp_path, monkeypatch):
+    """A name the file system takes, but not as the .NAME.XXXXXXXX.part it is written as first: refused
+    up front (it failed after the work: a measurement lost)."""
+    monkeypatch.chdir(tmp_path)
+    name = "q" * 246   # 246 fits in 255 bytes; ".{name}.XXXXXXXX.part" does not
+    (tmp_path / name).write_text("")   # the plain name is a valid file name here
+    (tmp_path / name).unlink()
+    code, out, err = run_cli("ceiling", "--model", "llama-3.1-8b", "--gpu", "h200", "--rows", "1", "--out", name)
+    assert code == 2 and out == "" and "the name is too long for the file system" in err, err
+    assert list(tmp_path.iterdir()) == []
