@@ -205,6 +205,15 @@ BATCH_ROUNDS = 4
 SAVE_EVERY_S = 10.0   # how often a collection rewrites its --save file with the rows so far
 
 
+def holds_rows(path: str) -> bool:
+    """Whether file ``path`` holds anything but white space."""
+    p = Path(path)
+    if not p.is_file():
+        return False
+    with p.open("rb") as f:   # a byte order mark or a no-break space is white space here too
+        return any(line.decode("utf-8", "replace").strip().strip("\ufeff") for line in f)
+
+
 def collect(generator: Generator, prompts: Sequence[Prompt], max_new_tokens: int, *, save_to: str | None = None,
             name: str = "system", progress: Callable | None = None,
             on_row: Callable[[OutputRow], None] | None = None, protect: Sequence = (),
@@ -218,6 +227,8 @@ def collect(generator: Generator, prompts: Sequence[Prompt], max_new_tokens: int
     on a failure every request that completed is kept. ``already``: rows of an earlier,
     interrupted collection; prompts they answer (same id, same prompt_ids) are not run again.
     ``system``: recorded in every row (with ``max_new_tokens``) so that a resume can check both.
+    A ``save_to`` holding an earlier run's outputs (not resumed: ``already`` empty) is replaced
+    only by this run's complete set: a run that stops leaves it as it was.
     """
     if max_new_tokens < 1:
         raise InputError(f"--max-new-tokens {max_new_tokens}: must be at least 1")
@@ -242,6 +253,7 @@ def collect(generator: Generator, prompts: Sequence[Prompt], max_new_tokens: int
         raise
     bar = progress(total=len(todo), desc=f"running {name}") if progress else None
     saved_at = [time.monotonic()]
+    keep_earlier = bool(save_to) and not already and holds_rows(save_to)
 
     def finish(i: int, ids) -> None:
         p = prompts[i]
@@ -255,7 +267,7 @@ def collect(generator: Generator, prompts: Sequence[Prompt], max_new_tokens: int
             on_row(done[i])
         # the rows so far, whole, every SAVE_EVERY_S: a run killed outright (SIGKILL, out of memory)
         # keeps them for --resume as a signal does
-        if save_to and time.monotonic() - saved_at[0] >= SAVE_EVERY_S and len(done) < len(prompts):
+        if save_to and not keep_earlier and time.monotonic() - saved_at[0] >= SAVE_EVERY_S and len(done) < len(prompts):
             write_outputs(save_to, [done[j] for j in sorted(done)], protect=protect, option=save_option)
             saved_at[0] = time.monotonic()
 
@@ -283,12 +295,16 @@ def collect(generator: Generator, prompts: Sequence[Prompt], max_new_tokens: int
     except (SpecPilotError, KeyboardInterrupt) as e:
         rows = [done[i] for i in sorted(done)]
         where = None
-        if save_to and rows:
+        if save_to and rows and not keep_earlier:
             write_outputs(save_to, rows, protect=protect, option=save_option)
             where = save_to
-        kept = (f"; kept the {len(rows)} of {len(prompts)} outputs collected so far in {where}" if where else
-                f"; {len(rows)} of {len(prompts)} outputs were collected"
-                + ("" if save_to else " (name a file with --save/--save-outputs to keep them)"))
+        if keep_earlier:
+            kept = (f"; {len(rows)} of {len(prompts)} outputs were collected and not kept: {save_to} holds an "
+                    "earlier run's outputs, left as they were")
+        else:
+            kept = (f"; kept the {len(rows)} of {len(prompts)} outputs collected so far in {where}" if where else
+                    f"; {len(rows)} of {len(prompts)} outputs were collected"
+                    + ("" if save_to else " (name a file with --save/--save-outputs to keep them)"))
         if isinstance(e, KeyboardInterrupt):
             e.add_note(kept[2:])
             raise

@@ -96,3 +96,44 @@ def test_a_collection_killed_outright_keeps_its_rows_so_far(tmp_path, monkeypatc
         systems.collect(Dies(), prompts, 3, save_to=str(save), system="engine:model=tiny")
     rows = read_outputs(save).rows
     assert [r.id for r in rows] == ["p0", "p1", "p2"] and all(r.output_ids == [7, 7, 7] for r in rows)
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, "input"])
+def test_a_run_that_stops_leaves_an_earlier_complete_outputs_file_as_it_was(tmp_path, monkeypatch, stop):
+    """--save-outputs of an audit run again: the earlier run's complete file is replaced by this
+    run's complete set only; stopped half way (a signal, a refused prompt), it is left as it was."""
+    from specpilot.auditors import systems
+    from specpilot.auditors.outputs import Prompt
+    from specpilot.errors import InputError
+
+    class Stops(systems.Generator):
+        def __init__(self):
+            self.n = 0
+
+        def generate(self, prompt_ids, max_new_tokens):
+            self.n += 1
+            if self.n == 2:
+                raise KeyboardInterrupt if stop is KeyboardInterrupt else InputError("refused")
+            return [7] * max_new_tokens
+
+    monkeypatch.setattr(systems, "SAVE_EVERY_S", 0.0)
+    prompts = [Prompt(f"p{i}", [1, 2, i]) for i in range(3)]
+    save = tmp_path / "out.jsonl"
+    systems.collect(_Echo(), prompts, 3, save_to=str(save))
+    before = save.read_bytes()
+    with pytest.raises((KeyboardInterrupt, systems.CollectError)) as e:
+        systems.collect(Stops(), prompts, 3, save_to=str(save))
+    assert save.read_bytes() == before
+    said = "\n".join(getattr(e.value, "__notes__", [])) + str(e.value)
+    assert "holds an earlier run's outputs, left as they were" in said
+
+
+class _Echo:
+    def generate(self, prompt_ids, max_new_tokens):
+        return [5] * max_new_tokens
+
+    def check(self, prompt_ids, max_new_tokens):
+        pass
+
+    def close(self):
+        pass

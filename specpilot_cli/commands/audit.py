@@ -476,14 +476,9 @@ def _same_system(stored: str | None, system: str) -> bool:
 
 
 def _holds_rows(path: str) -> bool:
-    """Whether file ``path`` holds anything but white space."""
-    from pathlib import Path
+    from specpilot.auditors.systems import holds_rows
 
-    p = Path(path)
-    if not p.is_file():
-        return False
-    with p.open("rb") as f:   # a byte order mark or a no-break space is white space here too
-        return any(line.decode("utf-8", "replace").strip().strip("\ufeff") for line in f)
+    return holds_rows(path)
 
 
 def _check_resumable(already, prompts, max_new_tokens: int, save: str, system: str, quiet: bool = False) -> None:
