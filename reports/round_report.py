@@ -347,8 +347,8 @@ def write_report(round_dir: str | Path) -> tuple[Path, Path]:
     md, images = to_markdown(blocks)
     (d / "report").mkdir(exist_ok=True)
     for name, data in images.items():
-        with atomic_open(d / "report" / name, "wb") as fh:
+        with atomic_open(d / "report" / name, "wb", option="report file") as fh:   # no option chose them
             fh.write(data)
-    write_text_atomic(d / "report.md", md)
-    write_text_atomic(d / "report.html", to_html(blocks, blocks[0].text))
+    write_text_atomic(d / "report.md", md, option="report file")
+    write_text_atomic(d / "report.html", to_html(blocks, blocks[0].text), option="report file")
     return d / "report.md", d / "report.html"

@@ -58,6 +58,8 @@ def check_output_path(path: str | os.PathLike, option: str = "--out",
                       protect: Iterable[str | os.PathLike] = ()) -> Path:
     """Fail early (InputError naming ``option``) when ``path`` cannot be written or is an input;
     returns where the write will land (:func:`output_target`; a device or pipe: ``path`` itself)."""
+    if str(path).endswith(("/", os.sep)):   # Path() drops the slash: "f/" would write over the file f
+        raise InputError(f"{option} {path}: ends in '/', a folder; give a file name")
     shown = Path(path)
     if is_special(shown):
         return shown

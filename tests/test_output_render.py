@@ -85,3 +85,13 @@ def test_a_name_too_long_once_written_as_its_temporary_is_refused_before_the_wor
     code, out, err = run_cli("ceiling", "--model", "llama-3.1-8b", "--gpu", "h200", "--rows", "1", "--out", name)
     assert code == 2 and out == "" and "the name is too long for the file system" in err, err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_output_name_ending_in_a_slash_is_refused(run_cli, tmp_path, monkeypatch):
+    """'--out f/' named the file f (Path drops the slash) and wrote over it; 'new/' made a file 'new'."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "f").write_text("kept\n")
+    for name in ("f/", "new/"):
+        code, out, err = run_cli("ceiling", "--model", "llama-3.1-8b", "--gpu", "h200", "--rows", "1", "--out", name)
+        assert code == 2 and out == "" and f"--out {name}: ends in '/', a folder; give a file name" in err, err
+    assert (tmp_path / "f").read_text() == "kept\n" and not (tmp_path / "new").exists()

@@ -325,7 +325,8 @@ def pack(src: str, dst: str, include: Iterable[str] | None = None, exclude: Iter
         _require_converted(res, src, include, exclude, user_exclude)
         from specpilot.fileio import atomic_open
 
-        with atomic_open(dst_p, "wb", protect=[src], on_commit=(lambda: on_commit(res)) if on_commit else None) as fh:
+        with atomic_open(dst_p, "wb", protect=[src], option="--output",
+                         on_commit=(lambda: on_commit(res)) if on_commit else None) as fh:
             fh.write(_save_bytes(out, new_meta))
     return res
 
