@@ -811,3 +811,18 @@ def test_an_index_file_as_in_packs_its_folder_into_a_folder(tmp_path, run_cli):
     line = "original/ is a subfolder: not copied (copy it beside the output if the model needs it)"
     assert f"specpilot: warning: {line}" in err and json.loads(stdout)["warnings"] == [line]
     assert run_cli("w12", "verify", out, "--against", folder)[0] == 0
+
+
+@pytest.mark.parametrize("dangling", [False, True])
+def test_a_folder_output_that_is_a_symbolic_link_is_refused_before_packing(tmp_path, run_cli, dangling):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    make_checkpoint(folder / "model.safetensors")
+    (folder / "config.json").write_text("{}")
+    link = tmp_path / "link"
+    if not dangling:
+        (tmp_path / "empty").mkdir()
+    link.symlink_to(tmp_path / "empty")
+    code, out, err = run_cli("w12", "pack", folder, "-o", link)
+    assert code == 2 and out == "" and "is a symbolic link; give the folder's own path" in err, err
+    assert link.is_symlink() and not list(tmp_path.glob(".link.*"))

@@ -254,6 +254,8 @@ def pack(src: str, dst: str, include: Iterable[str] | None = None, exclude: Iter
     dst_p = Path(dst)
     res = PackResult(str(dst_p))
     if ck.is_folder:
+        if dst_p.is_symlink():   # the folder is renamed into place: a link would be replaced, not followed
+            raise FileExistsError(f"{dst_p} is a symbolic link; give the folder's own path")
         if dst_p.exists() and (not dst_p.is_dir() or any(dst_p.iterdir())):
             raise FileExistsError(f"{dst_p} exists and is not an empty folder")
         if dst_p.resolve() == ck.root.resolve():
