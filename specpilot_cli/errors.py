@@ -75,6 +75,10 @@ _DECODE = (
 )
 
 
+# what a library's own error says when the disk, not the input, stopped it
+_FULL = ("No space left on device", "Disk quota exceeded", "File too large")
+
+
 def _names(exc: BaseException) -> set[str]:
     return {f"{c.__module__}.{c.__qualname__}" for c in type(exc).__mro__}
 
@@ -107,8 +111,8 @@ def as_user_error(exc: BaseException) -> SpecPilotError | None:
 
         where = exc.filename if exc.filename is not None else source
         what = exc.strerror or _detail(exc)
-        if isinstance(exc, (ConnectionError, TimeoutError)) or exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EMFILE,
-                                                                             errno.ENFILE, errno.ENOMEM):
+        if isinstance(exc, (ConnectionError, TimeoutError)) or exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG,
+                                                                             errno.EMFILE, errno.ENFILE, errno.ENOMEM):
             return EnvironmentMissing(f"{where}: {what}" if where else what)
         return InputError(f"{where}: {what}" if where else f"{what} ({_detail(exc)})")
     if isinstance(exc, MemoryError) or any(n.endswith(".OutOfMemoryError") for n in names) or (
@@ -116,6 +120,9 @@ def as_user_error(exc: BaseException) -> SpecPilotError | None:
         # the machine's limit, not the input's nor a bug: a smaller --context, --batch or model fits
         return EnvironmentMissing(f"not enough memory for this run ({_detail(exc)[:160]}); try a smaller context, "
                                   "batch or model")
+    full = next((m for m in _FULL if m in str(exc)), None)
+    if full:   # a library that wrote (a converted checkpoint into the cache) and met a full disk: the machine's
+        return EnvironmentMissing(f"{source + ': ' if source else ''}{full} while writing ({_detail(exc)[:160]})")
     for name, meaning in _DECODE:
         if name in names:
             head = f"{source}{_position(exc)}: " if source else ""

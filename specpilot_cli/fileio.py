@@ -120,6 +120,10 @@ def check_output_folder(path: str | os.PathLike, option: str) -> Path:
     return shown
 
 
+# errors of a write the machine refuses (space, quota, a file size limit, the device)
+_WRITE_LIMITS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)
+
+
 @contextlib.contextmanager
 def atomic_open(path: str | os.PathLike, mode: str = "w", protect: Iterable[str | os.PathLike] = (),
                 option: str = "--out", on_commit: Callable[[], None] | None = None):
@@ -168,10 +172,15 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", protect: Iterable[str 
     try:
         os.fchmod(fd, file_mode)
         binary = "b" in mode
-        with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as fh:
-            yield fh
-            fh.flush()
-            os.fsync(fh.fileno())
+        try:
+            with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as fh:
+                yield fh
+                fh.flush()
+                os.fsync(fh.fileno())
+        except OSError as e:   # a full disk or a file size limit while writing: name the output
+            if e.filename is not None or e.errno not in _WRITE_LIMITS:
+                raise
+            raise OSError(e.errno, e.strerror, str(shown)) from None
         with deferred() if on_commit else contextlib.nullcontext():
             try:
                 os.replace(tmp, target)

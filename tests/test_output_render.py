@@ -95,3 +95,20 @@ def test_an_output_name_ending_in_a_slash_is_refused(run_cli, tmp_path, monkeypa
         code, out, err = run_cli("ceiling", "--model", "llama-3.1-8b", "--gpu", "h200", "--rows", "1", "--out", name)
         assert code == 2 and out == "" and f"--out {name}: ends in '/', a folder; give a file name" in err, err
     assert (tmp_path / "f").read_text() == "kept\n" and not (tmp_path / "new").exists()
+
+
+def test_an_output_the_disk_refuses_names_the_file_and_is_the_machine_s_error(tmp_path):
+    """A file size limit (a full disk alike) while writing --out: exit 3 naming the output, no temporary left."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "big.json"
+    code = ("import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (20000, 20000)); "
+            "from specpilot.entry import main; sys.argv = ['specpilot'] + sys.argv[1:]; main()")
+    res = subprocess.run([sys.executable, "-c", code, "ceiling", "--model", "llama-3.1-8b", "--gpu", "h200",
+                          "--rows", ",".join(str(r) for r in range(1, 257)), "--format", "json", "--out", str(out)],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 3, res.stderr
+    assert res.stderr.strip() == f"specpilot: error: {out}: File too large", res.stderr
+    assert list(tmp_path.iterdir()) == []
