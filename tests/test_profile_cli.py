@@ -390,3 +390,32 @@ def test_a_compressed_trace_is_named_in_errors_and_read_by_ranks(run_cli, tmp_pa
         d = json.loads(out)
         outs.append([r["kernel_busy_ms"] for r in d["ranks"]])
     assert outs[0] == outs[1] and len(outs[0]) == 2
+
+
+@pytest.mark.parametrize("nelems", [-100, 1e30])
+def test_a_collective_s_message_size_out_of_range_is_refused_naming_it(run_cli, tmp_path, nelems):
+    events = [{"ph": "X", "cat": "cpu_op", "name": "record_param_comms", "ts": 10, "dur": 50, "pid": 1, "tid": 1,
+               "args": {"External id": 5, "Collective name": "allreduce", "In msg nelems": nelems,
+                        "Out msg nelems": 100, "dtype": "BFloat16", "Group size": 2}},
+              {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 20, "dur": 5, "pid": 1, "tid": 1,
+               "args": {"correlation": 1, "External id": 5}},
+              {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllReduce_Sum_bf16_RING_LL", "ts": 30, "dur": 40,
+               "pid": 0, "tid": 7, "args": {"device": 0, "stream": 7, "correlation": 1, "External id": 5}}]
+    p = tmp_path / "comm.json"
+    p.write_text(json.dumps({"traceEvents": events}))
+    code, _, err = run_cli("profile", p, "--link-bandwidth", "450")
+    assert code == 2 and f"{p}: collective" in err and "'In msg nelems' must be a count of elements" in err, err
+
+
+def test_an_nvtx_range_past_any_clock_is_a_damaged_export(run_cli, tmp_path):
+    import shutil
+    import sqlite3
+
+    p = tmp_path / "nvtx_end.sqlite"
+    shutil.copy(Path(__file__).parent / "fixtures" / "nsys_h200_decode_eager.sqlite", p)
+    con = sqlite3.connect(p)
+    con.execute("UPDATE NVTX_EVENTS SET end = 9223372036854775807 WHERE text = 'decode_step_1'")
+    con.commit()
+    con.close()
+    code, _, err = run_cli("profile", p)
+    assert code == 2 and f"{p}: NVTX range 'decode_step_1' spans" in err and "a damaged export" in err, err

@@ -45,9 +45,20 @@ DTYPE_BYTES = {"float": 4, "float32": 4, "float16": 2, "half": 2, "bfloat16": 2,
                "float8_e4m3fnuz": 1, "c10::float8_e4m3fnuz": 1, "float8_e5m2": 1}
 
 
-def comm_bus_bytes(a: dict, name: str, world: int | None) -> int:
+MAX_MSG_NELEMS = 2 ** 48   # elements of one collective's message: far past any GPU's memory
+
+
+def comm_bus_bytes(a: dict, name: str, world: int | None, where: str = "") -> int:
     """Bytes one rank sends over its links for a collective op's args (ring algorithms): all-reduce
-    2 (n-1)/n S, all-gather (n-1)/n S_out, reduce-scatter (n-1)/n S_in, all-to-all (n-1)/n S."""
+    2 (n-1)/n S, all-gather (n-1)/n S_out, reduce-scatter (n-1)/n S_in, all-to-all (n-1)/n S.
+    InputError (naming ``where``) for a message size that is negative, not finite or past
+    :data:`MAX_MSG_NELEMS`."""
+    for k in ("In msg nelems", "Out msg nelems"):
+        v = a.get(k)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and not (
+                math.isfinite(v) and 0 <= v <= MAX_MSG_NELEMS):
+            raise InputError(f"{where}: collective {name!r}: {k!r} must be a count of elements in "
+                             f"[0, {MAX_MSG_NELEMS:.3g}], got {v!r}")
     coll = str(a.get("Collective name") or name).lower()
     dt = DTYPE_BYTES.get(str(a.get("dtype") or "").lower())
     if dt is None:
@@ -57,7 +68,9 @@ def comm_bus_bytes(a: dict, name: str, world: int | None) -> int:
     if not isinstance(n_in, (int, float)):
         dims = a.get("Input Dims") or []
         first = dims[0] if dims and isinstance(dims[0], list) else []
-        n_in = math.prod(int(x) for x in first) if first and all(isinstance(x, (int, float)) for x in first) else 0
+        ok = first and all(isinstance(x, (int, float)) and math.isfinite(x) and 0 <= x <= MAX_MSG_NELEMS
+                           for x in first)
+        n_in = min(math.prod(int(x) for x in first), MAX_MSG_NELEMS) if ok else 0
     if not isinstance(n_out, (int, float)):
         n_out = n_in
     n = a.get("Group size") if isinstance(a.get("Group size"), int) else world
@@ -232,7 +245,7 @@ class KinetoTrace:
         self.group_size = max((a["Group size"] for a, _ in comm_args.values()
                                if isinstance(a.get("Group size"), int) and not isinstance(a["Group size"], bool)),
                               default=None)
-        self.comm_bytes = {ext: comm_bus_bytes(a, nm, world) for ext, (a, nm) in comm_args.items()}
+        self.comm_bytes = {ext: comm_bus_bytes(a, nm, world, str(path)) for ext, (a, nm) in comm_args.items()}
         self.ranges = ranges
         if n_events == 0:
             raise InputError(f"{path}: the trace has no events")

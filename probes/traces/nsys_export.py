@@ -262,7 +262,12 @@ class NsysExport:
         tid = "n.globalTid" if "globalTid" in cols else "NULL"
         rows = self._q(f"SELECT n.start, n.end, {name}, {tid} FROM {NVTX} n {join} "
                        f"WHERE n.eventType IN ({ids}) AND n.end IS NOT NULL AND n.end >= n.start")
-        return [Range(name=str(r[2] or ""), start=int(r[0]), end=int(r[1]), thread=r[3]) for r in rows]
+        bad = next((r for r in rows if not (type(r[0]) is int and type(r[1]) is int and 0 <= r[0] <= r[1] < 2 ** 62)),
+                   None)
+        if bad is not None:   # a time past any capture's clock (2**62 ns) or not a whole number: a damaged export
+            raise InputError(f"{self.path}: NVTX range {str(bad[2] or '')[:60]!r} spans {bad[0]!r}..{bad[1]!r} ns, "
+                             "not times of a capture (a damaged export)")
+        return [Range(name=str(r[2] or ""), start=r[0], end=r[1], thread=r[3]) for r in rows]
 
     def kernel_devices(self) -> dict[int, int]:
         """Each device with kernels and their summed duration (ns): the busiest is the one profiled."""
