@@ -279,7 +279,9 @@ def build_profile(agg: Aggregate, table: RuleTable, floors: Floors | None = None
                      "included) and as class 'other'")
     if floors and not whole_graphs:
         for c in FLOOR_CLASSES:
-            if c in floors.classes and (floors.classes[c].get("floor_ms") or 0) > 0 and meds.get(c, 0) == 0:
+            # no kernel of the class in most steps (a zero-length one is a kernel classified all the same)
+            if c in floors.classes and (floors.classes[c].get("floor_ms") or 0) > 0 and \
+                    median([calls.get(c, {}).get(i, 0) for i in keep]) == 0:
                 notes.append(f"class {c!r} has a floor but no kernels were classified as {c}; "
                              "check the rules (--explain) or add a --rules file")
     comm = classes.get("communication")
@@ -334,7 +336,8 @@ def build_profile(agg: Aggregate, table: RuleTable, floors: Floors | None = None
     per_step = [{"index": s.index, "label": s.label, "wall_ms": None if open_last and k == len(steps) - 1 else
                  s.wall_ns / 1e6, "busy_ms": s.busy_ns / 1e6, "events": s.events} for k, s in enumerate(steps)]
     top = sorted(((median([v.get(i, 0.0) for i in idx]), n, c) for (n, c), v in per_kernel.items()), reverse=True)
-    top_rows = [{"name": n, "class": c, "ms": ms, "share": (ms / total if total else 0.0)} for ms, n, c in top[:top_n]]
+    top_rows = [{"name": n, "class": c, "ms": ms, "share": (ms / total if total else 0.0),
+                 "steps": len(per_kernel[(n, c)])} for ms, n, c in top[:top_n]]
     trace = {"path": agg.path, "format": agg.format, "format_version": agg.format_version,
              "events": agg.total_events, "steps_found": len(agg.steps), "steps_skipped": skip_steps,
              "rules": table.sources, "orphans": {"events": agg.orphans[0], "ms": agg.orphans[1] / 1e6}}

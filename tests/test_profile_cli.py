@@ -419,3 +419,29 @@ def test_an_nvtx_range_past_any_clock_is_a_damaged_export(run_cli, tmp_path):
     con.close()
     code, _, err = run_cli("profile", p)
     assert code == 2 and f"{p}: NVTX range 'decode_step_1' spans" in err and "a damaged export" in err, err
+
+
+def test_zero_length_kernels_are_kernels_of_their_class(run_cli, tmp_path):
+    """Zero-duration GEMMs in every step: their class has kernels (no 'no kernels classified' note),
+    and the top kernels' 0 ms says why (not 'fewer than half of the steps')."""
+    events = []
+    for step in range(3):
+        s = 10_000 + step * 5000
+        events.append({"ph": "X", "cat": "user_annotation", "name": f"decode_step_{step}", "ts": s, "dur": 4000,
+                       "pid": 1, "tid": 1})
+        for i in range(6):
+            corr = step * 10 + i
+            events += [{"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": s + 10 + i * 100,
+                        "dur": 5, "pid": 1, "tid": 1, "args": {"correlation": corr}},
+                       {"ph": "X", "cat": "kernel", "name": "nvjet_tst_128x64_64x4_1x2_h_bz_coopA_TNT",
+                        "ts": s + 20 + i * 100, "dur": 0, "pid": 0, "tid": 7,
+                        "args": {"device": 0, "stream": 7, "correlation": corr}}]
+    p = tmp_path / "zero.json"
+    p.write_text(json.dumps({"traceEvents": events}))
+    code, out, err = run_cli("profile", p, "--model", "llama-3.1-8b", "--gpu", "h200", "--format", "json")
+    assert code == 0, err
+    d = json.loads(out)
+    assert not any("no kernels were classified as 'linear'" in n or "classified as linear" in n for n in d["notes"])
+    code, out, err = run_cli("profile", p, "--model", "llama-3.1-8b", "--gpu", "h200")
+    assert "0 ms: its records last no time (zero-length in the trace)" in out, out
+    assert "fewer than half of the steps" not in out

@@ -492,11 +492,15 @@ def _report(p, floors_gpu: str | None = None) -> Report:
                             note=f"floors: {p.floor_source}" if p.floor_source else
                             "no floors: give --model (with --rows/--batch/--context) or --ceiling"))
     if p.top:
-        zero = any(t["ms"] == 0 for t in p.top)
+        rare = any(t["ms"] == 0 and 2 * t.get("steps", 0) < p.steps for t in p.top)
+        empty = any(t["ms"] == 0 and 2 * t.get("steps", 0) >= p.steps for t in p.top)
+        why = " or ".join(x for x in ("the kernel runs in fewer than half of the steps (medians per step)" if rare
+                                      else "", "its records last no time (zero-length in the trace)" if empty else "")
+                          if x)
+        note = f"0 ms: {why}; the kernels at 0 ms are in no particular order" if why else None
         sections.append(Section(f"Top {len(p.top)} kernels (median ms per step)", ["ms/step", "share", "class", "kernel"],
                                 [[t["ms"], f"{100 * t['share']:.1f}%", t["class"], _short(t["name"])] for t in p.top],
-                                note=("0 ms: the kernel runs in fewer than half of the steps (medians per step); the "
-                                      "kernels at 0 ms are in no particular order") if zero else None))
+                                note=note))
     if p.explain is not None:
         sections.append(Section("Classification (--explain)", ["class", "mean ms/step", "per step", "kind", "range", "rule", "kernel"],
                                 [[r.cls, r.ms_per_step, r.per_step, r.kind, r.tag or "", r.rule, _short(r.name)]
