@@ -455,7 +455,7 @@ def apply(bundles: str, *, python: str | None = None, force: bool = False, exper
                 "sglang": {"version": env.sglang_version, "package": env.sglang_package,
                            "forced": bool(force and not (env.supported and env.sglang_version in checked))},
                 "hooks": [{"target": h.target, "type": h.type, "handler": h.handler} for h in hooks],
-                "setup": [entries[i].setup for i in ids if entries[i].setup],
+                "setup": mem.setup_of(entries, ids),
                 "quantization": state.quantization,
                 "fingerprints": state.fingerprints,
                 "targets": {c.target: c.file_sha256 for c in checks},
@@ -555,6 +555,9 @@ def status(python: str | None = None, memory_dir=None, out: str | None = None) -
             listed = sorted(hook_key(h["type"], h["target"], h["handler"]) for h in act.get("hooks", []))
             if listed != now.hooks:
                 problems.append("the bundles' hook set changed since apply (SpecPilot was updated); apply again")
+            differs = mem.applied_differs(act, entries)
+            if differs:   # the plugin would run (or miss) what the bundles do not name
+                problems.append(f"the activation's {differs} are not its bundles'; apply again")
     if env.specpilot_version is None:  # its modules are gone with it: this one problem says so
         problems.append("SpecPilot is no longer installed there: SGLang will not load the plugin")
     else:

@@ -576,6 +576,22 @@ def hooks_of(entries: dict[str, Entry], ids: Iterable[str]) -> list[Hook]:
     return [out[k] for k in sorted(out)]
 
 
+def setup_of(entries: dict[str, Entry], ids: Iterable[str]) -> list[str]:
+    """The setup functions (``module:function``) an activation of the closure ``ids`` runs, in order."""
+    return [entries[i].setup for i in ids if entries[i].setup]
+
+
+def applied_differs(activation: dict, entries: dict[str, Entry]) -> str | None:
+    """What of an activation's setup list and quantization methods differs from what its bundles
+    give (None where both match): the plugin runs the setup functions it names."""
+    ids = activation.get("closure", [])
+    if activation.get("setup", []) != setup_of(entries, ids):
+        return "setup functions"
+    if activation.get("quantization", []) != compose(entries, ids).quantization:
+        return "quantization methods"
+    return None
+
+
 def verify(entries: dict[str, Entry], ids: Iterable[str] | None = None) -> list[VerifyRow]:
     """The survival rule: each entry applied with its requirements to stock must reproduce the
     hook set and module fingerprints it recorded."""

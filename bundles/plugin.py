@@ -83,6 +83,9 @@ def plan(activation: dict, sglang_version: str | None, memory_dir=None):
     if listed != state.hooks:
         raise ActivationError("the installed SpecPilot bundles produce a different hook set than the one applied; "
                               "run 'specpilot apply' again")
+    differs = mem.applied_differs(activation, entries)
+    if differs:   # its setup functions are called in every SGLang process: only the bundles' own
+        raise ActivationError(f"the activation's {differs} are not its bundles'; run 'specpilot apply' again")
     changed = sorted(m for m, fp in activation.get("fingerprints", {}).items() if state.fingerprints.get(m) != fp)
     if changed:
         raise ActivationError(f"bundle module(s) {', '.join(changed)} changed since 'specpilot apply' "

@@ -538,3 +538,29 @@ def test_status_and_revert_never_write_their_report_over_the_activation(run_cli,
     code, _, err = run_cli("revert", "--python", env, "--out", path)   # absent: a report there would be one too
     refused(code, err, "that is the activation file")
     assert not path.exists()
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("setup", ["os:abort"], "setup functions"),
+    ("setup", [], "setup functions"),
+    ("quantization", [], "quantization methods"),
+])
+def test_an_activation_whose_setup_or_quantization_differs_from_its_bundles_is_refused(run_cli, env, field, value,
+                                                                                       words):
+    """The plugin calls every setup function the activation names: only the bundles' own run."""
+    from specpilot.bundles import plugin
+
+    code, _, err = run_cli("apply", "w12", "--python", env, "--experimental")
+    assert code == 0, err
+    path = purelib(env) / act.ACTIVATION_NAME
+    data = json.loads(path.read_text())
+    assert data["setup"] and data["quantization"] == ["w12"]
+    data[field] = value
+    path.write_text(json.dumps(data))
+    code, out, err = run_cli("status", "--python", env, "--format", "json")
+    st = json.loads(out)
+    assert code == 1 and not st["matches"], err
+    assert any(f"the activation's {words} are not its bundles'" in p for p in st["problems"]), st["problems"]
+    with pytest.raises(plugin.ActivationError, match=f"the activation's {words} are not its bundles'"):
+        plugin.plan(data, data["sglang"]["version"])
+    assert run_cli("revert", "--python", env)[0] == 0

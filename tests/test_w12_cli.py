@@ -343,6 +343,9 @@ def test_format_1_files_are_still_read(tmp_path, run_cli):
     assert code == 0 and "restored (CRC and structure only: packed without the original's sha256)" in out, err
     code, out, err = run_cli("w12", "stats", old, "--format", "json")
     assert code == 0 and json.loads(out)["escape_rate"] > 0
+    # the bytes the file holds: format 1's byte windows and int32 positions, not format 2's size
+    held = sum(v.numel() * v.element_size() for k, v in tensors.items() if ".w12." in k)
+    assert json.loads(out)["w12_bytes"] == held
 
 
 def test_escape_count_mismatch_is_a_format_error(tmp_path, run_cli):
@@ -826,3 +829,22 @@ def test_a_folder_output_that_is_a_symbolic_link_is_refused_before_packing(tmp_p
     code, out, err = run_cli("w12", "pack", folder, "-o", link)
     assert code == 2 and out == "" and "is a symbolic link; give the folder's own path" in err, err
     assert link.is_symlink() and not list(tmp_path.glob(".link.*"))
+
+
+def test_a_tensor_stored_both_plain_and_as_w12_parts_is_refused(tmp_path, run_cli):
+    """pack never writes both; a reader that met them took the W12 one silently (verify counted it twice)."""
+    src, dst = tmp_path / "m.safetensors", tmp_path / "w.safetensors"
+    make_checkpoint(src)
+    assert run_cli("w12", "pack", src, "-o", dst)[0] == 0
+    tensors, meta, doc = read_packed(dst)
+    tensors[Q] = torch.zeros(1, 1, dtype=torch.bfloat16)
+    write_packed(dst, tensors, meta, doc)
+    for args in (["stats", dst], ["verify", dst, "--against", src], ["verify", dst]):
+        code, out, err = run_cli("w12", *args)
+        assert code == 2 and f"{Q} is stored twice, as a plain tensor and as W12 parts" in err, (args, err)
+
+
+def test_a_device_is_not_called_missing(run_cli):
+    for args in (["stats", "/dev/null"], ["pack", "/dev/null", "-o", "x.safetensors"]):
+        code, out, err = run_cli("w12", *args)
+        assert code == 2 and "/dev/null: not a regular file or folder" in err, err

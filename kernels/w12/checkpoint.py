@@ -431,6 +431,8 @@ _POS_DTYPES = {1: (torch.int32, torch.int64), FORMAT_VERSION: (torch.int16,)}
 def load_w12(tensors: dict[str, torch.Tensor], name: str, entry: dict, source: str,
              check_crc: bool = True) -> W12Tensor:
     _check_entry(entry, name, source, check_crc)
+    if name in tensors:   # pack never writes both: which one a reader should take is not for it to guess
+        raise W12TableError(f"{source}: {name} is stored twice, as a plain tensor and as W12 parts")
     parts = {}
     for p in PARTS:
         key = f"{name}.w12.{p}"
@@ -589,9 +591,12 @@ def stats(path: str) -> StatsResult:
         names = set()
         for name, entry in info.items():
             t = load_w12(tensors, name, entry, str(f))
-            names.update(f"{name}.w12.{p}" for p in PARTS)
-            out.append(TensorStat(name, t.shape, t.bits_per_weight(), t.num_escapes, t.escape_rate(),
-                                  t.stored_bytes()))
+            keys = [f"{name}.w12.{p}" for p in PARTS]
+            names.update(keys)
+            # the parts as the file stores them (a format-1 file's are larger than format 2's)
+            stored = sum(tensors[k].numel() * tensors[k].element_size() for k in keys)
+            out.append(TensorStat(name, t.shape, 8.0 * stored / max(1, t.numel), t.num_escapes, t.escape_rate(),
+                                  stored))
         other += sum(v.numel() * v.element_size() for k, v in tensors.items() if k not in names)
     if not out:
         raise no_w12(path)

@@ -42,6 +42,8 @@ def find_checkpoint(path: str | os.PathLike) -> Checkpoint:
         if not files:
             raise FileNotFoundError(f"{p}: no *.safetensors files in this folder")
         return Checkpoint(p, files, None, True)
+    if p.exists():   # a device, a pipe: it exists, but holds no checkpoint
+        raise FileNotFoundError(f"{p}: not a regular file or folder")
     raise FileNotFoundError(f"{p}: no such file or folder")
 
 
