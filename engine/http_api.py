@@ -33,6 +33,7 @@ from specpilot.fileio import is_int, is_num
 MAX_DEPTH = 32          # JSON nesting a request may have (a real one has 3)
 MAX_STOP = 64           # stop strings / stop token ids per request
 MAX_NEW_TOKENS = 1 << 20
+SAMPLING_EPS = 1e-6   # SGLang 0.5.23's _SAMPLING_EPS: a temperature in [0, it) is greedy
 DEFAULT_MAX_NEW = 128   # SGLang's SamplingParams.max_new_tokens default
 TOP_K_ALL = 1 << 30     # SGLang's top_k for the whole vocabulary (what -1 and null become)
 NAMES_SHOWN = 5         # names an error lists before counting the rest
@@ -302,7 +303,7 @@ def parse_sampling(params, group: str = "sampling_params", rename: dict[str, str
             raise BadRequest(f"{(group + ' ') if group else ''}{', '.join(rename.get(k, k) for k in sampled)} without "
                              "temperature: SGLang samples when temperature is absent (1.0 is its default), and the "
                              "embedded engine decodes greedily only; send temperature 0 for greedy decoding")
-    if t > 1e-6 and top_k != 1:
+    if t >= SAMPLING_EPS and top_k != 1:   # SGLang decodes greedily below it (SamplingParams.__init__)
         raise BadRequest(f"{name('temperature')}: the embedded engine decodes greedily only; use temperature 0 "
                          "(or top_k 1)")
     if _int(params, "n", 1, 1, 1, name) != 1:

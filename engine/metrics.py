@@ -9,8 +9,11 @@ the page is rendered.
 from __future__ import annotations
 
 import bisect
+import random
 import threading
 
+# samples kept per latency for the exit summary's percentiles: past it, a uniform reservoir of the
+# whole run (Vitter's algorithm R), so late requests count as much as the first ones
 MAX_SAMPLES = 200_000
 # every label value the counters can take, exported at 0 from the start: a series that appears
 # only when its first event happens reads as missing to rate() until then
@@ -68,11 +71,18 @@ class ServeMetrics:
         self.e2e = Histogram(LATENCY_BUCKETS)
         self.queue = Histogram(LATENCY_BUCKETS)
         self.samples: dict[str, list[float]] = {"ttft": [], "itl": [], "e2e": []}   # for percentiles (bounded)
+        self.seen: dict[str, int] = dict.fromkeys(self.samples, 0)
+        self._rng = random.Random(0)
 
     def _sample(self, key: str, x: float) -> None:
         xs = self.samples[key]
+        self.seen[key] += 1
         if len(xs) < MAX_SAMPLES:
             xs.append(x)
+        else:   # the n-th sample replaces a kept one with probability MAX_SAMPLES / n
+            j = self._rng.randrange(self.seen[key])
+            if j < MAX_SAMPLES:
+                xs[j] = x
 
     def reject(self, reason: str) -> None:
         with self.lock:

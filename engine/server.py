@@ -531,7 +531,9 @@ def _uvicorn_server(config, owner: Server):
             if threading.current_thread() is not threading.main_thread():
                 yield
                 return
-            original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            # SIGHUP too: a closing terminal or ssh session ends the server as SIGTERM does (drained)
+            original = {sig: signal.signal(sig, self.handle_exit)
+                        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
             try:
                 yield
             finally:

@@ -494,3 +494,13 @@ def test_server_without_a_socket_binds_its_own():
         assert srv.port > 0 and srv.sock.getsockname()[0] == "127.0.0.1"
     finally:
         srv.sock.close()
+
+
+def test_the_greedy_temperature_bound_is_sglangs():
+    """SGLang decodes greedily for 0 <= temperature < 1e-6; at 1e-6 it samples, so it is refused here."""
+    from specpilot.engine.http_api import BadRequest, parse_sampling
+
+    assert parse_sampling({"temperature": 9.9e-7}).max_new_tokens == 128
+    with pytest.raises(BadRequest, match="decodes greedily only"):
+        parse_sampling({"temperature": 1e-6})
+    assert parse_sampling({"temperature": 1e-6, "top_k": 1}).max_new_tokens == 128

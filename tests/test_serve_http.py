@@ -1018,3 +1018,38 @@ def test_metrics_labelled_counters_start_with_every_label_at_zero():
     assert not re.search(r"^specpilot_(rejected_)?requests_total \d", text, re.M)
     m.reject("queue_full")
     assert 'specpilot_rejected_requests_total{reason="queue_full"} 1' in m.render(decoder).splitlines()
+
+
+def test_sighup_drains_as_sigterm_does(tmp_path):
+    """A closing terminal or ssh session sends SIGHUP: the requests in flight are answered, the
+    summary printed and written, exit 0, no traceback (it cancelled every handler: plain 500s,
+    cut streams, no summary)."""
+    summary = tmp_path / "s.json"
+    s = ServeProcess("--model", "tiny", "--mode", "chain", "--threads", "1", "--out", summary, "--format", "json")
+    try:
+        url = s.url()
+        results = {}
+
+        def plain():
+            results["plain"] = httpx.post(url + "/generate", json=_gen([1, 2, 3], 600, ignore_eos=True), timeout=120)
+
+        def streamed():
+            with httpx.stream("POST", url + "/generate", json={**_gen([4, 5], 600, ignore_eos=True), "stream": True},
+                              timeout=120) as r:
+                results["stream"] = [x for x in r.iter_lines() if x]
+
+        threads = [threading.Thread(target=plain), threading.Thread(target=streamed)]
+        for t in threads:
+            t.start()
+        assert _wait_running(url, 2)
+        s.proc.send_signal(signal.SIGHUP)
+        out, err = s.proc.communicate(timeout=120)
+        for t in threads:
+            t.join(60)
+        assert s.proc.returncode == 0, err
+        assert "Traceback" not in "".join(s.err) + err, "".join(s.err) + err
+        assert results["plain"].status_code == 200 and len(results["plain"].json()["output_ids"]) == 600
+        assert results["stream"][-1] == "data: [DONE]"
+        assert json.loads(summary.read_text())["requests"] >= 2
+    finally:
+        s.kill()

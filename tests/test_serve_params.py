@@ -304,3 +304,17 @@ def test_context_checks_are_sglangs():
                                          r"tokens\. You requested a total of 101 tokens: 60 tokens from the input "
                                          r"messages and 41 tokens for the completion\. "):
         check_context(60, 41, 100)
+
+
+def test_the_summary_percentiles_cover_the_whole_run_past_the_sample_cap(monkeypatch):
+    """Past MAX_SAMPLES the kept latencies are a uniform sample of the whole run: a run whose
+    later three quarters are slower has its median there (the first samples alone said the fast one)."""
+    from specpilot.engine import metrics
+
+    monkeypatch.setattr(metrics, "MAX_SAMPLES", 1000)
+    sm = metrics.ServeMetrics()
+    for x in [0.008] * 1000 + [0.024] * 3000:
+        sm._sample("itl", x)
+    kept = sm.samples["itl"]
+    assert len(kept) == 1000 and sm.seen["itl"] == 4000
+    assert sorted(kept)[500] == 0.024 and 0.7 < kept.count(0.024) / 1000 < 0.8
