@@ -27,6 +27,12 @@ def hf_model(tmp_path_factory):
     return folder
 
 
+def _example_round(dst: Path) -> Path:
+    """A copy of the committed CPU round (its folder is a round's and a baseline's)."""
+    shutil.copytree(REPO / "examples" / "rounds" / "smollm2-cpu", dst)
+    return dst
+
+
 def _snapshot(folder: Path) -> dict:
     return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
 
@@ -92,8 +98,7 @@ def test_round_never_writes_over_its_folder_or_records(run_cli, tmp_path):
                            "--out", rec / "engine-tiny.yaml")
     refused(code, err, "refusing to overwrite a file of input folder")
     assert (rec / "engine-tiny.yaml").read_text() == "kept: true\n"
-    done = tmp_path / "done"
-    shutil.copytree(REPO / "examples" / "rounds" / "smollm2-cpu", done)
+    done = _example_round(tmp_path / "done")
     before = (done / "round.json").read_bytes()
     code, _, err = run_cli("round", "--resume", done, "--out", done / "round.json")
     refused(code, err, "refusing to overwrite a file of input folder")
@@ -101,8 +106,7 @@ def test_round_never_writes_over_its_folder_or_records(run_cli, tmp_path):
 
 
 def test_check_refuses_a_report_into_the_baseline_folder_before_measuring(run_cli, tmp_path):
-    ex = tmp_path / "ex"
-    shutil.copytree(REPO / "examples" / "rounds" / "smollm2-cpu", ex)
+    ex = _example_round(tmp_path / "ex")
     before = (ex / "report.md").read_bytes()
     code, _, err = run_cli("check", "--baseline", ex, "--out", ex / "report.md")
     refused(code, err, "refusing to overwrite a file of input folder")

@@ -207,15 +207,21 @@ def test_parallel_grouping_equals_serial(tmp_path, monkeypatch):
     assert run() == serial
 
 
-def test_two_gpus_busiest_by_default_and_device_option(tmp_path):
+def _two_gpus(tmp_path, moved: str = "deviceId = 1"):
+    """A synthetic export whose attention kernels ran on GPU 1, an A100 (``moved``: what they get
+    set to); everything else on GPU 0, an H200."""
     p = write_nsys_sqlite(tmp_path / "two.sqlite", SynthSpec(steps=4, layers=1))
     con = sqlite3.connect(p)
     con.execute("INSERT INTO TARGET_INFO_GPU VALUES (0, 1, 'NVIDIA A100-SXM4-80GB', 2039000000000, 108, 0, 0)")
-    # the attention kernels ran on GPU 1 (a second rank); everything else on GPU 0
-    con.execute("UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET deviceId = 1 WHERE demangledName IN "
+    con.execute(f"UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET {moved} WHERE demangledName IN "
                 "(SELECT id FROM StringIds WHERE value LIKE 'flash%')")
     con.commit()
     con.close()
+    return p
+
+
+def test_two_gpus_busiest_by_default_and_device_option(tmp_path):
+    p = _two_gpus(tmp_path)
     a = read_trace(p, StepRequest(range_regex="decode"))
     assert a.gpu.name == "NVIDIA H200" and any("--device" in n for n in a.notes)
     assert not any(g.name.startswith("flash") for g in a.groups)
@@ -276,13 +282,7 @@ def test_string_ids_stored_as_blobs_read_as_text(run_cli, fixtures_dir, tmp_path
 
 def test_the_busiest_gpu_is_profiled_not_the_one_with_most_kernels(tmp_path):
     """Many short kernels on GPU 0, few long ones on GPU 1: GPU 1 is the busiest (docs/profile.md)."""
-    p = write_nsys_sqlite(tmp_path / "two.sqlite", SynthSpec(steps=4, layers=1))
-    con = sqlite3.connect(p)
-    con.execute("INSERT INTO TARGET_INFO_GPU VALUES (0, 1, 'NVIDIA A100-SXM4-80GB', 2039000000000, 108, 0, 0)")
-    con.execute("UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET deviceId = 1, end = start + 40000000 WHERE demangledName IN "
-                "(SELECT id FROM StringIds WHERE value LIKE 'flash%')")
-    con.commit()
-    con.close()
+    p = _two_gpus(tmp_path, "deviceId = 1, end = start + 40000000")
     a = read_trace(p, StepRequest())
     assert a.gpu.name == "NVIDIA A100-SXM4-80GB" and any("profiling device 1" in n for n in a.notes)
     events = []
