@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from fractions import Fraction
 
 import numpy as np
 
@@ -264,7 +265,10 @@ def audit(systems: list[Scored], stock: Scored, ar: Scored | None = None, *, del
             st_tokens = int(st_tok.sum())
             allowed = math.ceil(int(st_evt.sum()) * tokens / st_tokens - 1e-9) if st_tokens else 0
             sa.events_allowed = int(allowed)
-            if sa.diff_vs_stock > max_increase:
+            # in exact fractions: 4/200 - 3/200 is 0.005000000000000001 in floats, "more than" 0.5 pp
+            excess = (Fraction(int(n_mis.sum()), max(tokens, 1)) - Fraction(int(st_mis.sum()), max(int(st_tok.sum()), 1))
+                      - Fraction(repr(float(max_increase))))
+            if excess > 0:
                 sa.reasons.append(f"mismatch rate {rate:.2%} exceeds stock's {st_rate:.2%} by "
                                   f"{100 * sa.diff_vs_stock:.2f} pp (limit {100 * max_increase:.2f} pp)")
             if sa.events > allowed:
@@ -279,6 +283,11 @@ def audit(systems: list[Scored], stock: Scored, ar: Scored | None = None, *, del
                        if mine and theirs and mine != theirs else "")
                 warnings.append(f"{sa.name}: {tokens} tokens vs stock's {st_tokens}{why}; a system that stops early "
                                 "is audited only on what it produced")
+            elif _limits(s) and _limits(stock) and _limits(s) != _limits(stock):
+                # longer generations than stock's: its rates and events are over other stretches of text
+                warnings.append(f"{sa.name}: collected with --max-new-tokens {_limits(s)}, stock with "
+                                f"{_limits(stock)} ({tokens} tokens vs stock's {st_tokens}); collect both with one "
+                                "limit for rates of the same stretches")
             sa.verdict = "reject" if sa.reasons else "pass"
             half = (hi - lo) / 2
             if sa.verdict == "pass" and half > max_increase:

@@ -117,6 +117,9 @@ class Scorer:
         self._softcap = getattr(cfg, "final_logit_softcapping", None) or None
         self._logit_scale = getattr(cfg, "logit_scale", None) or None
         self.vocab_size = int(self._w32.shape[0])
+        # the positions the model was made for (RoPE, its training context): past them its scores say nothing
+        mpe = getattr(cfg, "max_position_embeddings", None)
+        self.max_positions = int(mpe) if isinstance(mpe, int) and mpe > 0 else None
         self._base = model.get_decoder() if hasattr(model, "get_decoder") else None
         if self._base is None:
             self._base = getattr(model, model.base_model_prefix)
@@ -186,7 +189,7 @@ class Scorer:
         """Score each (prompt_ids, output_ids) pair; returns TokenScores in input order."""
         import torch
 
-        _check_sequences(sequences, self.vocab_size)
+        _check_sequences(sequences, self.vocab_size, self.max_positions)
         n = len(sequences)
         results: list[TokenScores | None] = [None] * n
         todo = []
@@ -270,10 +273,13 @@ class Scorer:
             pos += k
 
 
-def _check_sequences(sequences, vocab_size: int) -> None:
+def _check_sequences(sequences, vocab_size: int, max_positions: int | None = None) -> None:
     for i, (p, o) in enumerate(sequences):
         if len(p) == 0:
             raise InputError(f"sequence {i}: empty prompt; the scorer needs at least one prompt token")
+        if max_positions is not None and len(p) + len(o) > max_positions:
+            raise InputError(f"sequence {i}: {len(p)} prompt + {len(o)} output tokens exceed the scorer's "
+                             f"{max_positions} positions (max_position_embeddings)")
         top = max(max(p), max(o) if len(o) else 0)
         if top >= vocab_size:
             raise InputError(f"sequence {i}: token id {top} is outside the scorer's vocabulary ({vocab_size}); "

@@ -50,6 +50,9 @@ MAX_TFLOPS = 1e7         # FLOP/s, TFLOP/s
 
 # timed runs of a comparison or a CI check (compare --runs/--max-runs, check --runs)
 MAX_RUNS = 100_000
+# an audit's bootstrap resamples (each holds one prompt index per prompt): past it the intervals
+# gain nothing, and memory runs out
+MAX_BOOTSTRAP = 1_000_000
 
 # file sizes read whole into memory
 MAX_JSON_BYTES = 1 << 30           # a JSON result file (profile, replay, timing, rows, ceiling)

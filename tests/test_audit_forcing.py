@@ -86,6 +86,17 @@ def test_rule_mismatch_rate_increase():
     assert lo == pytest.approx(0.01) and hi == pytest.approx(0.01)  # every prompt has the same rate
 
 
+def test_an_increase_of_exactly_the_limit_passes_whatever_the_counts():
+    """3 -> 4 mismatches on 200 tokens is +0.5 pp exactly (0.005000000000000001 in floats): not
+    more than the limit, as 0 -> 1 is not."""
+    rows = _rows(10, 20)   # 200 tokens
+    for st_n, sys_n in ((0, 1), (3, 4), (1, 2)):
+        stock = _scored("stock", "stock", rows, [[0.01] + [0] * 19 if i < st_n else [0] * 20 for i in range(10)])
+        sysm = _scored("s", "system", rows, [[0.01] + [0] * 19 if i < sys_n else [0] * 20 for i in range(10)])
+        res = audit([sysm], stock, delta=100.0, bootstrap=200)
+        assert res.systems[-1].verdict == "pass", (st_n, sys_n, res.systems[-1].reasons)
+
+
 def test_rule_events_more_frequent_than_stock():
     rows = _rows(4, 50)
     stock = _scored("stock", "stock", rows, [[0.3] + [0] * 49] + [[0] * 50] * 3)  # one event at delta .125
@@ -219,6 +230,16 @@ def test_scorer_lm_head_is_fp32_on_half_hidden_states(tiny):
     torch.testing.assert_close(out, ref)
 
 
+def test_scorer_rejects_a_sequence_past_its_positions(tiny):
+    """A sequence longer than max_position_embeddings (256 here) is refused: scores past the positions
+    the model was made for said 100% mismatches and passed."""
+    from specpilot.errors import InputError
+
+    with pytest.raises(InputError, match=r"sequence 1: 250 prompt \+ 10 output tokens exceed the scorer's 256 positions"):
+        tiny["scorer"].score([([5, 6], [7]), ([5] * 250, [7] * 10)])
+    assert len(tiny["scorer"].score([([5] * 250, [7] * 6)])[0].argmax) == 6
+
+
 def test_scorer_rejects_tokens_outside_vocab(tiny):
     from specpilot.errors import InputError
 
@@ -305,6 +326,8 @@ def test_cli_bad_inputs(run_cli, tiny, tmp_path):
     assert code == 2 and "stock produced no tokens" in err, err
     code, out, err = run_cli("audit", f["batch4"], "--against", f["stock"], "--scorer", m, "--bootstrap", "0")
     assert code == 2 and "--bootstrap 0: must be >= 100" in err and "--batch-tokens" not in err, err
+    code, out, err = run_cli("audit", f["batch4"], "--against", f["stock"], "--scorer", m, "--bootstrap", "10000000000")
+    assert code == 2 and "--bootstrap 10000000000: at most 1000000" in err, err   # before scoring, not out of memory
 
     code, out, err = run_cli("audit", tmp_path / "missing.jsonl", "--against", f["stock"], "--scorer", m)
     assert code == 2 and "no such file" in err

@@ -75,3 +75,34 @@ def test_selftest_does_not_replace_outputs_that_answer_other_prompts(run_cli, tm
     (saved / "bias=2.jsonl").unlink()
     code, out, err = run_cli(*args, "--n-prompts", 1)   # every file answers the prompts: a new run rewrites them
     assert code in (0, 1) and json.loads(out)["schema"] == "specpilot.audit-selftest/1", err
+
+
+def test_a_save_outputs_file_of_more_prompts_is_not_cut_to_fewer(run_cli, tmp_path):
+    """A second audit of a prompt subset into the same --save-outputs: refused (the other prompts'
+    outputs were silently dropped from the files)."""
+    rows = [{"schema": "specpilot.prompts/1", "id": f"q{i}", "prompt_ids": [5 + i, 9, 77, 3]} for i in range(3)]
+    every, some = tmp_path / "p3.jsonl", tmp_path / "p2.jsonl"
+    every.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    some.write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))
+    saved = tmp_path / "so"
+    args = ("audit", "engine:model=tiny,mode=chain", "--against", "engine:model=tiny,mode=ar", "--scorer", "tiny",
+            "--max-new-tokens", 6, "--save-outputs", saved)
+    code, _, err = run_cli(*args, "--prompts", every)
+    assert code == 0, err
+    before = {p.name: p.read_text() for p in saved.iterdir()}
+    code, _, err = run_cli(*args, "--prompts", some)
+    assert code == 2 and "holds an earlier run's outputs for 2 of the 2 prompts of --prompts and 1 other prompt;" in err
+    assert {p.name: p.read_text() for p in saved.iterdir()} == before
+
+
+def test_a_system_collected_with_a_larger_limit_than_stock_is_warned_about(run_cli, tmp_path):
+    def rows(limit):
+        return "".join(json.dumps({"schema": "specpilot.outputs/1", "id": f"q{i}", "prompt_ids": [5 + i, 9],
+                                   "output_ids": [7] * limit, "max_new_tokens": limit}) + "\n" for i in range(2))
+
+    st, sysf = tmp_path / "stock.jsonl", tmp_path / "sys.jsonl"
+    st.write_text(rows(4))
+    sysf.write_text(rows(8))
+    code, out, err = run_cli("audit", sysf, "--against", st, "--scorer", "tiny")
+    assert code in (0, 1), err
+    assert "collected with --max-new-tokens 8, stock with 4 (16 tokens vs stock's 8)" in out + err, out + err

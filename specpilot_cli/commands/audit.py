@@ -179,6 +179,11 @@ def check(systems, stock_spec, ar_spec, scorer_spec, prompts_path, max_new_token
         raise InputError(f"--batch-tokens {batch_tokens}: must be >= 1")
     if bootstrap < 100:
         raise InputError(f"--bootstrap {bootstrap}: must be >= 100 (fewer resamples give no interval worth the name)")
+    from specpilot.limits import MAX_BOOTSTRAP
+
+    if bootstrap > MAX_BOOTSTRAP:
+        raise InputError(f"--bootstrap {bootstrap}: at most {MAX_BOOTSTRAP} (more resamples move no interval, "
+                         "and take memory)")
     if not max_increase >= 0:
         raise InputError("--max-increase must be >= 0")
     from specpilot.auditors.scorer import check_scorer_spec
@@ -262,7 +267,8 @@ def _check_kept_outputs(save: str, prompts, save_dir: str, prompts_path: str | N
                         prompts_option: str = "--prompts", tokenizer: str | None = None) -> None:
     """Refuse to replace outputs a run would overwrite but not reproduce: a file that does not
     answer every prompt of --prompts (what a run that failed or was stopped keeps, or another
-    prompt set's outputs). A file answering all of them is rewritten, as a new run of the system.
+    prompt set's outputs) or answers others besides. A file answering exactly them is rewritten,
+    as a new run of the system.
     Without ``prompts_path`` (the self-test's built-in prompts, set by ``prompts_option``) there
     is no 'audit collect --resume' to name; ``tokenizer``: the model that turned the file's text
     prompts into ids (the scorer), which that command needs too where the file has text prompts."""
@@ -280,14 +286,15 @@ def _check_kept_outputs(save: str, prompts, save_dir: str, prompts_path: str | N
                          f"{what}") from None
     have = {key(r.id): list(r.prompt_ids) for r in rows}
     answered = sum(1 for p in prompts if have.get(key(p.id)) == list(p.prompt_ids))
-    if answered == len(prompts):
+    if answered == len(prompts) == len(rows):   # this prompt set's outputs: a new run replaces them
         return
     systems, limits = {r.system for r in rows}, {r.max_new_tokens for r in rows}
     system = next(iter(systems)) if len(systems) == 1 and None not in systems else "SYSTEM"
     limit = next(iter(limits)) if len(limits) == 1 and None not in limits else max_new_tokens
     held = f"{save} holds an earlier run's outputs for {answered} of the {len(prompts)} prompts of {prompts_option}"
     if len(rows) > answered or prompts_path is None:   # another prompt set's, or no file: nothing --resume can finish
-        other = f" and {len(rows) - answered} other prompts" if len(rows) > answered else ""
+        n_other = len(rows) - answered
+        other = f" and {n_other} other prompt{'s' if n_other != 1 else ''}" if n_other > 0 else ""
         raise InputError(f"--save-outputs {save_dir}: {held}{other}; {what}")
     from specpilot.auditors.outputs import read_prompt_rows
 
