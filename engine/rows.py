@@ -70,12 +70,13 @@ def slower_ar_warning(model) -> str | None:
             "(decode=fused), a faster AR step: c(N) against the slower step understates what verification costs")
 
 
-def faster_than_ar_warning(points: list[dict]) -> str | None:
+def faster_than_ar_warning(points: list[dict], head_rows: int | None = None) -> str | None:
     """A step of more rows timed faster than the one-row step (c below ``ceiling``'s 0.95): the
-    timing is noise, and a cost model built on it reads high."""
+    timing is noise, and a cost model built on it reads high. ``head_rows``: the certified head's
+    most rows a step; the points past it run another head, a real difference said apart."""
     from specpilot.probes.costmodel import C_NOISE
 
-    low = [p for p in points if p["rows"] > 1 and p["c"] < C_NOISE]
+    low = [p for p in points if p["rows"] > 1 and p["c"] < C_NOISE and (head_rows is None or p["rows"] <= head_rows)]
     if not low:
         return None
     at = ", ".join(f"{p['rows']} rows ({p['c']:.3g})" for p in low)
@@ -148,11 +149,13 @@ def measure_rows(model, rows: list[int], context: int, reps: int = 50, warmup: i
     points = [{"rows": T, "step_ms": times[T], "c": times[T] / ar, "path": step_path(model, T),
                **({"qpass_ms": qtimes[T], "q_over_exact": qtimes[T] / times[T]} if T in qtimes else {})}
               for T in order if T in set(rows) or T == 1]
-    warnings = [w for w in (slower_ar_warning(model), faster_than_ar_warning(points)) if w]
     head = model.certified_head
+    warnings = [w for w in (slower_ar_warning(model),
+                            faster_than_ar_warning(points, head.max_rows if head is not None else None)) if w]
     if head is not None and max(order) > head.max_rows:
         warnings.append(f"the certified head takes up to {head.max_rows} rows a step: the points above "
-                        f"{head.max_rows} rows run the linear head, as the engine's steps of that size do")
+                        f"{head.max_rows} rows run the linear head, as the engine's steps of that size do (their c "
+                        "is against a one-row step of the certified head)")
     gpu = torch.cuda.get_device_name(model.device) if cuda else None
     method = ("cuda graph, CUDA events, median" if graphs else
               "eager, CUDA events, median" if cuda else "eager, wall clock, median")

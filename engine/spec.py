@@ -168,7 +168,8 @@ class EngineSpec:
     decode: str = option("auto", "Every step (AR decode, chain and tree verification, prompts): layers (the layer "
                                  "modules, eager or compiled) or fused (RMSNorm, RoPE, KV store, residual and SiLU "
                                  "fused into the projection kernels, chained with programmatic dependent launch; "
-                                 "cuda, dense attention models, bf16 or W12 weights); auto = fused where it "
+                                 "cuda, dense attention models and hybrids with GDN on the row kernels, bf16, "
+                                 "fp16, fp32 or W12 weights); auto = fused where it "
                                  "applies.", choices=DECODES)
     gdn: str = option("auto", "Gated DeltaNet layers of hybrid models: naive (the plain torch reference, "
                               "kernels/gdn/naive.py and path.py: per-node torch loops), path (the GDN row kernels; "

@@ -197,3 +197,15 @@ def test_a_step_of_more_rows_timed_faster_than_one_row_is_warned(run_cli, monkey
     assert w == ["c(N) below 0.95 at 2 rows (0.6): a step of more rows timed faster than the one-row step, which is "
                  "noise (a busy machine, too few --reps); probe again before a cost model uses it"], out
     assert "c(N) below 0.95 at 2 rows" in err
+
+
+def test_a_low_c_past_the_certified_head_is_not_called_noise(run_cli):
+    """Past 64 rows the step runs the linear head (on the CPU far faster than the certified one in
+    Triton's interpreter): a real difference, said by its own warning, not 'noise, probe again'."""
+    code, out, err = run_cli("probe", "rows", "--model", "tiny", "--head", "certified", "--rows", "1,65",
+                             "--context", "8", "--reps", "2", "--warmup", "1", "--format", "json")
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["points"][1]["c"] < 0.95
+    assert not any("noise" in w for w in d["warnings"]), d["warnings"]
+    assert any("the certified head takes up to 64 rows" in w for w in d["warnings"])

@@ -26,8 +26,8 @@ def command():
 @engine_options(only=PROBE_OPTIONS, spec_option=False, defaults={"device": None},
                 default_texts={"device": "cuda when available",
                                "threads": "as run: 1 for a tiny model, else the free physical cores"},
-                help_texts={"decode": "Steps of 1..64 rows as in run --decode (fused: cuda, dense models); auto "
-                                      "times what run takes, so T_AR is the AR step the engine runs.",
+                help_texts={"decode": "Steps of 1..64 rows as in run --decode (fused: cuda, dense and hybrid "
+                                      "models); auto times what run takes, so T_AR is the AR step the engine runs.",
                             "batch": "Requests per step: B requests x N rows, each request with its own cache of "
                                      "--context tokens (the batched step of run/serve --batch; c(N) = T(B, N) / "
                                      "T(B, 1))."})
