@@ -379,7 +379,8 @@ def load_model_spec(name_or_path: str, also: str = "") -> ModelSpec:
 def model_inputs(name_or_path: str | None) -> list[str]:
     """The files a model argument reads from disk, for an output that must not overwrite them: a
     model folder whole; a config or GGUF file with the weights, configs and tokenizer files beside
-    it (not that folder's other files: a config in the working folder leaves it writable). A
+    it (:data:`MODEL_FILES`; not that folder's other files: a config in the working folder leaves
+    the other files there writable). A
     catalog or built-in name reads nothing of the user's: []."""
     if not name_or_path or not str(name_or_path).strip():
         return []
@@ -388,5 +389,12 @@ def model_inputs(name_or_path: str | None) -> list[str]:
         return [str(p)]
     if not p.is_file():
         return []
-    beside = [q for q in p.parent.iterdir() if q.is_file() and q.suffix in (".safetensors", ".json", ".model", ".gguf")]
+    beside = [q for q in p.parent.iterdir() if q.is_file() and (q.suffix in (".safetensors", ".gguf")
+                                                                 or q.name in MODEL_FILES
+                                                                 or q.name.endswith(".safetensors.index.json"))]
     return [str(p)] + [str(q) for q in beside if q != p]
+
+
+# a checkpoint folder's files besides its weights (configs and tokenizer) that a model argument reads
+MODEL_FILES = frozenset({"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                         "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt"})

@@ -111,3 +111,17 @@ def test_check_refuses_a_report_into_the_baseline_folder_before_measuring(run_cl
     code, _, err = run_cli("check", "--baseline", ex, "--out", ex / "report.md")
     refused(code, err, "refusing to overwrite a file of input folder")
     assert (ex / "report.md").read_bytes() == before
+
+
+def test_a_config_in_the_working_folder_leaves_its_other_files_writable(run_cli, hf_model, tmp_path, monkeypatch):
+    """Only the checkpoint's own files beside a config are inputs: an earlier result there is not."""
+    import shutil
+
+    monkeypatch.chdir(tmp_path)
+    shutil.copy(hf_model / "config.json", tmp_path / "config.json")
+    shutil.copy(hf_model / "model.safetensors", tmp_path / "model.safetensors")
+    (tmp_path / "result.json").write_text("{}")
+    code, _, err = run_cli("run", "--model", "config.json", "--mode", "ar", "--prompt-ids", "1,2,3",
+                           "--max-new-tokens", "2", "--format", "json", "--out", "result.json")
+    assert code == 0, err
+    assert json.loads((tmp_path / "result.json").read_text())["schema"].startswith("specpilot.run")
