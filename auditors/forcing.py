@@ -266,8 +266,8 @@ def audit(systems: list[Scored], stock: Scored, ar: Scored | None = None, *, del
             allowed = math.ceil(int(st_evt.sum()) * tokens / st_tokens - 1e-9) if st_tokens else 0
             sa.events_allowed = int(allowed)
             # in exact fractions: 4/200 - 3/200 is 0.005000000000000001 in floats, "more than" 0.5 pp
-            excess = (Fraction(int(n_mis.sum()), max(tokens, 1)) - Fraction(int(st_mis.sum()), max(int(st_tok.sum()), 1))
-                      - Fraction(repr(float(max_increase))))
+            excess = (Fraction(int(n_mis.sum()), max(tokens, 1))
+                      - Fraction(int(st_mis.sum()), max(int(st_tok.sum()), 1)) - Fraction(repr(float(max_increase))))
             if excess > 0:
                 sa.reasons.append(f"mismatch rate {rate:.2%} exceeds stock's {st_rate:.2%} by "
                                   f"{100 * sa.diff_vs_stock:.2f} pp (limit {100 * max_increase:.2f} pp)")

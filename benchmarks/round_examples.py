@@ -19,6 +19,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
+def subject(folder: Path) -> str:
+    """The results subject of a round folder: ``smollm2-cpu`` -> ``smollm2_cpu``."""
+    return re.sub(r"[^a-z0-9]+", "_", folder.name.lower())
+
+
 def rows_of(folder: Path) -> dict:
     from specpilot.auditors.round import load_round
 
@@ -33,8 +38,8 @@ def rows_of(folder: Path) -> dict:
                      "ci_low": t.get("ci_low"), "ci_high": t.get("ci_high"),
                      "threshold": 1 + t["threshold"] if t.get("threshold") is not None else None,
                      "noise": t.get("noise"), "audit": a.get("verdict"), "mismatches": system.get("mismatches")})
-    return {"benchmark": "round_" + re.sub(r"[^a-z0-9]+", "_", folder.name.lower()), "date": st.get("started_at"), "round": str(folder.relative_to(REPO)),
-            "gpu": facts.get("gpu") or "cpu", "cpu": facts.get("cpu"), "torch": versions.get("torch"),
+    return {"benchmark": f"round_{subject(folder)}", "date": st.get("started_at"),
+            "round": str(folder.relative_to(REPO)), "gpu": facts.get("gpu") or "cpu", "cpu": facts.get("cpu"), "torch": versions.get("torch"),
             "triton": versions.get("triton"), "deployment": st.get("deployment"), "rows": rows}
 
 
@@ -46,10 +51,9 @@ def main(argv=None) -> int:
     from specpilot.fileio import write_json_atomic
 
     for folder in sorted(p for p in Path(args.rounds).iterdir() if (p / "round.json").is_file()):
-        name = re.sub(r"[^a-z0-9]+", "_", folder.name.lower())
         doc = rows_of(folder)
-        write_json_atomic(Path(args.out_dir) / f"round_{name}.json", doc)
-        print(f"round_{name}: {len(doc['rows'])} decisions")
+        write_json_atomic(Path(args.out_dir) / f"{doc['benchmark']}.json", doc)
+        print(f"{doc['benchmark']}: {len(doc['rows'])} decisions")
     return 0
 
 

@@ -235,7 +235,8 @@ def test_scorer_rejects_a_sequence_past_its_positions(tiny):
     the model was made for said 100% mismatches and passed."""
     from specpilot.errors import InputError
 
-    with pytest.raises(InputError, match=r"sequence 1: 250 prompt \+ 10 output tokens exceed the scorer's 256 positions"):
+    with pytest.raises(InputError,
+                       match=r"sequence 1: 250 prompt \+ 10 output tokens exceed the scorer's 256 positions"):
         tiny["scorer"].score([([5, 6], [7]), ([5] * 250, [7] * 10)])
     assert len(tiny["scorer"].score([([5] * 250, [7] * 6)])[0].argmax) == 6
 

@@ -52,8 +52,10 @@ def _set(key, value):
 @pytest.mark.parametrize("edit, words", [
     (_set("steps", -5), "the run's 'steps' must be a whole number >= 0"),
     (lambda d: [r.__setitem__("tokens", 0) for r in d["results"]], "'tokens' (a whole number >= 1)"),
-    (lambda d: d["step_timing"].__setitem__("verify_ms", -2.5), "step_timing 'verify_ms' must be a finite number of ms >= 0"),
-    (lambda d: d["step_timing"].__setitem__("draft_ms", -0.5), "step_timing 'draft_ms' must be a finite number of ms >= 0"),
+    (lambda d: d["step_timing"].__setitem__("verify_ms", -2.5),
+     "step_timing 'verify_ms' must be a finite number of ms >= 0"),
+    (lambda d: d["step_timing"].__setitem__("draft_ms", -0.5),
+     "step_timing 'draft_ms' must be a finite number of ms >= 0"),
     (_set("model", ["tiny"]), "run's 'model' must be a name"),
     (_set("device", 1), "run's 'device' must be a name"),
 ])

@@ -288,7 +288,7 @@ class _Round(MeasureStage, ApproveStage, RememberStage):
         self._finish("propose", t0)
         return prop
 
-    # ---------------------------------------------------------------------------- all (4, 5: .stage_approve, .stage_remember)
+    # ---------------------------------------------------------------------------- all (4, 5: .stage_*)
     def run(self) -> RoundResult:
         res = RoundResult(self.dir, self.state)
         if self.complete:

@@ -21,7 +21,8 @@ from specpilot.output import Report, Section, count, emit, output_options
 @click.option("--bandwidth", type=positive(MAX_TBS), metavar="TB/S", help="Measured peak bandwidth, replaces the datasheet.")
 @click.option("--flops", type=positive(MAX_TFLOPS), metavar="TFLOP/S",
               help="Measured dense bf16 TFLOP/s, replaces the datasheet.")
-@click.option("--fp8-flops", type=positive(MAX_TFLOPS), metavar="TFLOP/S", help="Measured dense fp8 TFLOP/s (the floors of GEMMs on fp8 weights).")
+@click.option("--fp8-flops", type=positive(MAX_TFLOPS), metavar="TFLOP/S",
+              help="Measured dense fp8 TFLOP/s (the floors of GEMMs on fp8 weights).")
 @click.option("--rows", default="1", show_default=True, metavar="N[,N...]",
               help=f"Rows verified per request per step, e.g. 1,8,32,64 or 1,2,4,...,256 (1 to {MAX_ROWS}).")
 @click.option("--batch", default=1, show_default=True, type=click.IntRange(1, MAX_BATCH), help="Requests per step (a --rows-probe must be from probe rows --batch with the same B; a --run or "
@@ -135,7 +136,7 @@ def command(model_name, gpu_name, bandwidth, flops, fp8_flops, rows, batch, cont
     if model_name:
         refuse_draft_shape_without_drafter(drafter_name)
     if model_name and typed("fp8_flops") and not fp8_gemm_classes(weight_dtype, lm_head_dtype):
-        raise InputError(f"--fp8-flops: the fp8 peak sets the floors of fp8 weights only (--weight-dtype or "
+        raise InputError("--fp8-flops: the fp8 peak sets the floors of fp8 weights only (--weight-dtype or "
                          "--lm-head-dtype fp8); give it with one of them, or leave it out")
     row_list = parse_int_list(rows, "--rows")
     if draft_rows is not None and draft_rows <= 0:
