@@ -142,11 +142,13 @@ class Engine:
         """A ``run`` prompt's token ids: its ``ids`` (any sequence, an empty one refused by the checks
         as ``generate`` refuses it), else its ``text`` encoded."""
         ids = pr.get("ids")
-        if ids is not None:   # whole numbers as Python ints (numpy or tensor elements included); others
-            from specpilot.engine.decode import integer_like   # are left for the checks to refuse
+        if ids is not None:
+            from specpilot.engine.decode import integer_like
 
-            ids = list(ids) if hasattr(ids, "__iter__") and not isinstance(ids, (str, bytes)) else ids
-            return [int(t) for t in ids] if isinstance(ids, list) and all(integer_like(t) for t in ids) else ids
+            if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+                return ids   # the checks refuse it, naming the prompt
+            ids = list(ids)   # whole numbers as Python ints (numpy or tensor elements included)
+            return [int(t) for t in ids] if all(integer_like(t) for t in ids) else ids
         if not isinstance(pr.get("text"), str):
             with about_prompt(pr.get("id")):
                 raise InputError("a prompt needs 'ids' (token ids) or 'text'")

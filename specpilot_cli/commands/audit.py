@@ -275,8 +275,9 @@ def _check_kept_outputs(save: str, prompts, save_dir: str, prompts_path: str | N
     from shlex import quote as q
 
     from specpilot.auditors.outputs import key, read_outputs
+    from specpilot.auditors.systems import holds_rows
 
-    if not _holds_rows(save):
+    if not holds_rows(save):
         return
     what = "remove it or give another --save-outputs"
     try:
@@ -414,7 +415,8 @@ def collect_cmd(system, prompts_path, max_new_tokens, timeout, concurrency, save
     from pathlib import Path
 
     from specpilot.auditors.outputs import key, read_outputs
-    from specpilot.auditors.systems import Generator, collect, make_generator, parse_system, system_identity
+    from specpilot.auditors.systems import (Generator, collect, holds_rows, make_generator, parse_system,
+                                            system_identity)
     from specpilot.fileio import check_output_path
 
     spec = parse_system(system)
@@ -433,7 +435,7 @@ def collect_cmd(system, prompts_path, max_new_tokens, timeout, concurrency, save
 
         tokenizer = EngineSpec.parse(spec.spec).model
     prompts = _read_prompts(prompts_path, tokenizer)
-    if not resume and _holds_rows(save):   # a new collection would replace them, whatever it gets to
+    if not resume and holds_rows(save):   # a new collection would replace them, whatever it gets to
         try:   # --resume is advice only where it would take them (it says why not, where not)
             _check_resumable(read_outputs(save).rows, prompts, max_new_tokens, save, identity, quiet=True)
         except InputError as e:
@@ -444,7 +446,7 @@ def collect_cmd(system, prompts_path, max_new_tokens, timeout, concurrency, save
         raise InputError(f"--save {save}: holds the rows of an earlier collection; continue it with --resume, or "
                          "remove the file or give another --save")
     # an empty --save (made, nothing collected yet) resumes from nothing
-    already = read_outputs(save).rows if resume and _holds_rows(save) else []
+    already = read_outputs(save).rows if resume and holds_rows(save) else []
     _check_resumable(already, prompts, max_new_tokens, save, identity)
     answered = {key(r.id): list(r.prompt_ids) for r in already}
     # a save that answers every prompt needs no model loaded and no server up
@@ -482,10 +484,6 @@ def _same_system(stored: str | None, system: str) -> bool:
     return False
 
 
-def _holds_rows(path: str) -> bool:
-    from specpilot.auditors.systems import holds_rows
-
-    return holds_rows(path)
 
 
 def _check_resumable(already, prompts, max_new_tokens: int, save: str, system: str, quiet: bool = False) -> None:

@@ -243,10 +243,10 @@ def command(traces, step_range, step_mode, gap_us, skip_steps, device, include_o
         else:
             aggs = [_read(t, device, step_range, step_mode, gap_us, include_orphans, table) for t in traces]
             labels = None
-        profiles = [profile(a) for a in aggs]
-        counts = [p.steps for p in profiles]
-        if len(set(counts)) > 1:   # every rank's figures over the steps all ranks have
-            profiles = [profile(a, max_steps=min(counts)) for a in aggs]
+        # every rank's figures over the steps all ranks have (a rank with none is refused by its profile)
+        counts = [max(len(a.steps) - skip_steps, 0) for a in aggs]
+        common = min(counts) if len(set(counts)) > 1 and min(counts) > 0 else None
+        profiles = [profile(a, max_steps=common) for a in aggs]
         labels = labels or _rank_labels(traces, profiles)
         d = rank_profiles(profiles, labels, found=counts)
         emit(_ranks_report(d), fmt, out, protect=protect)
