@@ -526,6 +526,22 @@ def test_probe_rows_batch_and_ceiling(run_cli, tmp_path):
     assert cost["sources"]["step_ms"].startswith("rows probe")
 
 
+def test_probe_rows_batch_warns_when_a_faster_ar_step_exists(monkeypatch):
+    """The batched probe's T_AR is its own path's step too: where the fused kernels would take a
+    model probed with the layer modules, the same warning as one request's probe."""
+    from specpilot.engine import rows
+    from specpilot.engine.api import load_target
+    from specpilot.engine.batch.probe import measure_rows_batched
+    from specpilot.engine.spec import EngineSpec
+
+    m = load_target(EngineSpec.parse("engine:model=tiny,random=1,decode=layers"), max_seq=64).model
+    res = measure_rows_batched(m, 2, [1, 2], 8, reps=1, warmup=0)
+    assert not any("faster AR step" in w for w in res.warnings)      # the CPU has no faster step
+    monkeypatch.setattr(rows, "slower_ar_warning", lambda model: "a faster AR step: " + type(model).__name__)
+    res = measure_rows_batched(m, 2, [1, 2], 8, reps=1, warmup=0)
+    assert "a faster AR step: Transformer" in res.warnings
+
+
 def test_the_queue_bound_counts_the_free_slots_and_takes_a_list_whole():
     from specpilot.engine.batch.scheduler import QueueFull
 
