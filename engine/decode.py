@@ -230,8 +230,11 @@ class Decoder:
         return int(first[0])
 
     @torch.no_grad()
-    def step(self, context: list[int], n_cache: int, mode: str) -> tuple[list[int], Lattice, "treelib.DraftTree"]:
-        """One verification pass; returns (committed tokens incl. bonus, lattice, tree)."""
+    def step(self, context: list[int], n_cache: int, mode: str,
+             room: int | None = None) -> tuple[list[int], Lattice, "treelib.DraftTree"]:
+        """One verification pass; returns (committed tokens incl. bonus, lattice, tree). ``room``:
+        the tokens the request can still take; nodes deeper than it could use are not verified
+        (the lattice is returned whole)."""
         pending = context[-1]
         t0 = time.perf_counter()
         if mode == "ar":
@@ -242,6 +245,8 @@ class Decoder:
                 tree = treelib.chain_tree(lat.top1(), [r[0] for r in lat.logprobs])
             else:
                 tree = treelib.build_best_first(lat.tokens, lat.logprobs, lat.transitions, self.nodes)
+            if room is not None:
+                tree = treelib.within_depth(tree, room - 1)
         self._draft_ms = (time.perf_counter() - t0) * 1e3
         _, toks = self.verify_tree(pending, tree, n_cache, mode)
         return toks, lat, tree
@@ -396,7 +401,7 @@ class Decoder:
             t_step = time.perf_counter()
             ctx = prompt_ids + full
             self._draft_ms, self._qpass_ms, self._verify = 0.0, 0.0, None
-            toks, lat, tree = self.step(ctx, n_cache, self.mode)
+            toks, lat, tree = self.step(ctx, n_cache, self.mode, limit - len(full))
             rows, verify = self._verify or (1, 0.0)
             splits.append((rows, self._draft_ms, verify, self._qpass_ms))
             if record_lattice:

@@ -414,9 +414,9 @@ class TLVDecoder(Decoder):
         return out[:T].tolist()
 
     @torch.no_grad()
-    def step(self, context: list[int], n_cache: int, mode: str):
+    def step(self, context: list[int], n_cache: int, mode: str, room: int | None = None):
         if mode != "tlv":
-            return super().step(context, n_cache, mode)
+            return super().step(context, n_cache, mode, room)
         pending, st = context[-1], self.stats
         t0 = time.perf_counter()
         lat = self.drafter.propose(context, n_cache, self.depth, self.topk)
@@ -427,7 +427,9 @@ class TLVDecoder(Decoder):
         t2 = time.perf_counter()
         lat2 = self.drafter.propose_after(context, chain, n_cache, self.depth, self.topk)
         sub = treelib.truncate(treelib.build_best_first(lat2.tokens, lat2.logprobs, lat2.transitions, self.nodes),
-                       self.nodes - len(chain))
+                               self.nodes - len(chain))
+        if room is not None:   # C is verified whole (its counts compare every node of it)
+            sub = treelib.within_depth(sub, room - 1 - len(chain))
         tree = treelib.attach(chain, sub)
         t3 = time.perf_counter()
         preds = self.verify_predictions(pending, tree, n_cache, "tlv")

@@ -127,9 +127,10 @@ def test_hybrid_verify_rows_of_all_requests_walk_in_one_launch(reference, monkey
         layer.impl = "triton"
         layer.verify = "path"
     dec = eng.batch_decoder()
-    # the interpreter is slow: two short prompts, 3-node trees, 4 tokens (a prefix of the reference):
-    # two steps walking both requests' rows, the second from the states the first committed
-    n, pick = 4, (2, 3)
+    # the interpreter is slow: two short prompts, 3-node trees, 6 tokens (a prefix of the reference):
+    # two steps walking both requests' rows, the second from the states the first committed (the
+    # trees near the limit are cut to what the requests can take)
+    n, pick = 6, (2, 3)
     reqs = [Request(PROMPTS[i], n, id=i) for i in pick]
     assert [r.output_ids for r in dec.generate_many(reqs)] == [reference["tiny-hybrid"][i][:n] for i in pick]
     assert walks and max(walks) >= 2 and compared and dec.stats.accepted > 0
@@ -138,7 +139,7 @@ def test_hybrid_verify_rows_of_all_requests_walk_in_one_launch(reference, monkey
 
 # trees of 3 nodes (buckets of 4 rows): two steps of both requests' branching trees, the second from
 # the states the first committed
-@pytest.mark.parametrize("extra,n,verify", [("mode=tree,nodes=3,depth=4,topk=3,drafter=self,draft_layers=1", 4, "wy"),
+@pytest.mark.parametrize("extra,n,verify", [("mode=tree,nodes=3,depth=4,topk=3,drafter=self,draft_layers=1", 6, "wy"),
                                             ("mode=chain,nodes=6,depth=4,topk=3", 8, "path")])
 def test_hybrid_verify_buckets_walk_every_row(reference, extra, n, verify, monkeypatch):
     """tiny-hybrid on the GDN row kernels (Triton's interpreter) through the bucket runner: verify

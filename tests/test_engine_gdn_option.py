@@ -16,8 +16,9 @@ from specpilot.errors import InputError
 
 # tiny-hybrid's n-gram drafts for this prompt: nothing for two steps, then two tokens (3 rows), then
 # (tree) a branching tree of 6 nodes (7 rows); the tokens generated in each mode to reach that step
+# with room for all of its nodes (a request verifies no node deeper than the tokens it can still take)
 PROMPT = ",".join(str(b) for b in b"ab path")
-NEW = {"chain": 4, "tree": 5}
+NEW = {"chain": 6, "tree": 8}
 DRAFTED = {"chain": 3, "tree": 7}
 
 

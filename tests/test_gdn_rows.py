@@ -257,8 +257,9 @@ def _step_engine(impl, mode="ar"):
 
 
 # tiny-hybrid's n-gram drafts for this prompt: nothing for two steps, then two tokens, then a branching
-# tree of 6 (chain: 3), then a step from the states that tree's commit left
-PROMPT, NEW = list(b"ab path"), 6
+# tree of 6 (chain: 3), then steps from the states that tree's commit left (8 tokens: at 6 the tree
+# is cut to the two tokens the request can still take)
+PROMPT, NEW = list(b"ab path"), 8
 
 
 def _drafted_rows(r) -> int:

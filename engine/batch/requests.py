@@ -59,6 +59,10 @@ class Request:
             return "eos"
         return kind
 
+    def room(self) -> int:
+        """The tokens the request can still take before its ``max_new_tokens``."""
+        return self.max_new_tokens - len(self.output)
+
     def offer(self, toks: list[int], now: float) -> list[int]:
         """Deliver committed tokens until a stop condition holds; returns the tokens delivered."""
         taken = []

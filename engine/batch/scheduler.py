@@ -481,8 +481,8 @@ class BatchDecoder:
                 built, drafted, kept = self.planner.build(got, [decoding[b].slot for b in drafters])
                 self.stats.drafted_positions += drafted
                 self.stats.kept_positions += kept
-                for b, tr in zip(drafters, built or ()):
-                    trees[b] = tr
+                for b, tr in zip(drafters, built or ()):   # no node deeper than the request can take
+                    trees[b] = treelib.within_depth(tr, decoding[b].room() - 1)
         gdn = "tree" if self.mode in ("tree", "tlv") else "chain"
         blocks = []
         for b, r in enumerate(decoding):

@@ -103,8 +103,10 @@ def cycles(dec, decoding, idx: list[int], lats: list[Lattice], trees: list, seco
                                          for r, (_, chain) in zip(reqs, picked)], dec.depth, dec.topk)
     out = {}
     for b, qp, (qpath, chain), lat2 in zip(idx, qpreds, picked, second):
-        sub = treelib.build_best_first(lat2.tokens, lat2.logprobs, lat2.transitions, dec.nodes)
-        trees[b] = treelib.attach(chain, treelib.truncate(sub, dec.nodes - len(chain)))
+        sub = treelib.truncate(treelib.build_best_first(lat2.tokens, lat2.logprobs, lat2.transitions, dec.nodes),
+                               dec.nodes - len(chain))
+        # no node deeper than the request can take (C is verified whole: its counts compare every node)
+        trees[b] = treelib.attach(chain, treelib.within_depth(sub, decoding[b].room() - 1 - len(chain)))
         out[b] = Cycle([int(x) for x in qp], list(qpath), [int(x) for x in chain], lat2)
     t3 = time.perf_counter()
     seconds["draft1"] += t1 - t0

@@ -179,6 +179,20 @@ def truncate(tree: DraftTree, n: int) -> DraftTree:
     return DraftTree(tree.tokens[:n], tree.parents[:n], tree.depth[:n], tree.cand[:n], tree.score[:n])
 
 
+def within_depth(tree: DraftTree, d: int) -> DraftTree:
+    """The nodes of ``tree`` at depths below ``d`` (a path of at most ``d`` drafts), in order: a
+    request ``d`` + 1 tokens from its limit accepts nothing deeper that it could use, so those rows
+    need not be verified. Ancestors are shallower than their children, so the cut is prefix-closed."""
+    keep = [i for i, x in enumerate(tree.depth) if x < d]
+    if len(keep) == len(tree):
+        return tree
+    new = {old: j for j, old in enumerate(keep)}
+    return DraftTree(tuple(tree.tokens[i] for i in keep), tuple(-1 if tree.parents[i] < 0 else new[tree.parents[i]]
+                                                                for i in keep),
+                     tuple(tree.depth[i] for i in keep), tuple(tree.cand[i] for i in keep),
+                     tuple(tree.score[i] for i in keep))
+
+
 def attach(chain: Sequence[int], sub: DraftTree) -> DraftTree:
     """The chain ``chain`` (nodes 0..len-1) with ``sub`` hanging under its last node: TLV's exact
     pass verifies the commit chain C with the second draft's subtree under it (paper 4.3)."""
