@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -153,7 +154,7 @@ def admission(target, n_requests=48, batch=16, prompt_len=96, max_new=64) -> lis
         ttft = sorted(r.t_first - r.t_arrival for r in reqs)
         st = dec.stats
         out.append({"kind": "admit", "admit": admit, "batch": batch, "requests": n_requests, "seconds": secs,
-                    "tokens_per_s": sum(len(o) for o in outs) / secs, "ttft_p50_ms": ttft[len(ttft) // 2] * 1e3,
+                    "tokens_per_s": sum(len(o) for o in outs) / secs, "ttft_p50_ms": statistics.median(ttft) * 1e3,
                     "ttft_p90_ms": ttft[int(len(ttft) * 0.9)] * 1e3, "prefill_passes": st.prefill_passes,
                     "admitted_prompt_rows": st.admitted_prompt_rows, "verify_steps": st.verify_steps,
                     "eager_steps": st.eager_steps, "mixed_steps": st.mixed_steps,

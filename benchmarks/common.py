@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -120,7 +121,7 @@ def time_interleaved(fns, *, rounds: int = 3, reps: int = 50, flush: L2Flusher |
     for _ in range(rounds):
         for t, fn in zip(times, fns):
             t.append(time_cuda_graph(fn, reps=reps, flush=flush))
-    return [sorted(t)[rounds // 2] for t in times]
+    return [statistics.median(t) for t in times]
 
 
 def capture_and_time(fn, *, reps: int = 50, warmup: int = 5, flush: L2Flusher | None = None):
@@ -152,8 +153,7 @@ def capture_and_time(fn, *, reps: int = 50, warmup: int = 5, flush: L2Flusher | 
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b) * 1e3)
-    times.sort()
-    return times[len(times) // 2], g
+    return statistics.median(times), g
 
 
 def print_table(rows: list[dict], cols: list[str]) -> None:

@@ -23,6 +23,8 @@ def test_time_interleaved_takes_turns_and_the_median(monkeypatch):
     monkeypatch.setattr(common, "time_cuda_graph", timed)
     assert common.time_interleaved([lambda: "a", lambda: "b"], reps=3) == [3.0, 8.0]
     assert calls == ["a", "b"] * 3
+    fake.update(a=iter([5.0, 1.0, 3.0, 4.0]), b=iter([9.0, 7.0, 8.0, 10.0]))   # an even count: the middle two's mean
+    assert common.time_interleaved([lambda: "a", lambda: "b"], rounds=4, reps=3) == [3.5, 8.5]
 
 
 def test_the_serve_benchmark_fails_at_once_when_the_server_exits_before_it_listens():
