@@ -290,6 +290,7 @@ class StatusResult:
     checks: list[TargetCheck]
     problems: list[str]
     swept: list[str]
+    launch: str | None = None   # the launch line of the activation as it matches (built again, not read)
 
     @property
     def matches(self) -> bool:
@@ -338,8 +339,12 @@ def launch_parts(entries: dict[str, mem.Entry], ids: list[str], settings: dict,
 
 
 def launch_command(entries: dict[str, mem.Entry], ids: list[str], settings: dict, python: str,
-                   model: str = "MODEL", drafter: str | None = None) -> str:
-    others = [p.strip() for p in os.environ.get("SGLANG_PLUGINS", "").split(",") if p.strip() and p.strip() != PLUGIN_NAME]
+                   model: str = "MODEL", drafter: str | None = None, plugins=()) -> str:
+    """The server's launch line. ``SGLANG_PLUGINS`` names SpecPilot's plugin and the others SGLang
+    would load there: those of this shell's ``SGLANG_PLUGINS`` where it is set, else every plugin
+    of the environment (``plugins``), as SGLang loads them all when it is unset."""
+    given = [p.strip() for p in os.environ.get("SGLANG_PLUGINS", "").split(",") if p.strip()]
+    others = [p for p in (given or plugins) if p != PLUGIN_NAME]
     env = {"SGLANG_PLUGINS": ",".join([PLUGIN_NAME] + others)}
     extra_env, args, _ = launch_parts(entries, ids, settings, drafter)
     env.update(extra_env)
@@ -408,6 +413,9 @@ def apply(bundles: str, *, python: str | None = None, force: bool = False, exper
     given = drafter
     drafter = check_composition(entries, ids, drafter)
     values = parse_settings(settings, entries, ids)
+    together = mem.settings_problems(entries, ids, values, drafter)
+    if together:
+        raise InputError("; ".join(together))
     warnings = idle_warnings(entries, ids, settings, drafter)
     state = mem.compose(entries, ids)
 
@@ -436,7 +444,7 @@ def apply(bundles: str, *, python: str | None = None, force: bool = False, exper
     path = activation_path(env.purelib)
     refuse_report_on_activation(out, path)
     require_writable(env.purelib)   # a dry run too: it says whether apply would succeed
-    launch = launch_command(entries, ids, values, env.executable, model, drafter)
+    launch = launch_command(entries, ids, values, env.executable, model, drafter, env.plugins)
     notes = launch_parts(entries, ids, values, drafter)[2]
     if given is None and drafter is not None:
         notes.insert(0, f"no --drafter given: the launch is for {drafter}, the only drafter "
@@ -470,8 +478,11 @@ def apply(bundles: str, *, python: str | None = None, force: bool = False, exper
                               previous=previous and previous.get("bundles"), launch=launch, swept=swept,
                               dry_run=dry_run, notes=notes, warnings=warnings)
             if not dry_run:
-                with atomic_open(path, "w", on_commit=lambda: committed.append(True)) as fh:
-                    fh.write(json.dumps(activation, indent=2) + "\n")
+                try:
+                    with atomic_open(path, "w", on_commit=lambda: committed.append(True)) as fh:
+                        fh.write(json.dumps(activation, indent=2) + "\n")
+                except PermissionError as e:   # an immutable activation (chattr +i): as revert says it
+                    raise not_writable(env.purelib, e.strerror) from None
     except signals.Interrupted as e:
         if not committed or res is None:
             raise
@@ -543,14 +554,8 @@ def status(python: str | None = None, memory_dir=None, out: str | None = None) -
                     changed.setdefault(c.file, []).append(c.target.rsplit(".", 1)[-1])
             for file, names in changed.items():
                 problems.append(f"{file} changed since apply (defines {', '.join(names)}); check and apply again")
-            registry = _registry(entries, act["closure"])
-            for name, value in act["settings"].items():
-                try:
-                    if name not in registry:
-                        raise InputError(f"setting {name}: not a variant of the applied bundles")
-                    check_setting(name, value, *registry[name], f"setting {name}={value!r}")
-                except InputError as e:
-                    problems.append(f"{e}; apply again")
+            problems += [f"{p}; apply again" for p in mem.settings_problems(entries, act["closure"], act["settings"],
+                                                                             act.get("drafter"))]
             now = mem.compose(entries, act["closure"])
             listed = sorted(hook_key(h["type"], h["target"], h["handler"]) for h in act.get("hooks", []))
             if listed != now.hooks:
@@ -566,4 +571,24 @@ def status(python: str | None = None, memory_dir=None, out: str | None = None) -
                 problems.append(f"bundle module {m} is missing from that environment; apply again")
             elif env.fingerprints[m] != fp:
                 problems.append(f"bundle module {m} in that environment changed since apply; apply again")
-    return StatusResult(path=str(path), env=env, activation=act, checks=checks, problems=problems, swept=swept)
+    launch = None
+    if not problems:   # from the activation's bundles and settings, as apply builds it (its text may be edited)
+        ids = act["closure"]
+        values = {v.name: v.default for i in ids for v in entries[i].variants} | act["settings"]
+        launch = launch_command(entries, ids, values, env.executable, launch_model(act) or "MODEL",
+                                act.get("drafter"), env.plugins)
+    return StatusResult(path=str(path), env=env, activation=act, checks=checks, problems=problems, swept=swept,
+                        launch=launch)
+
+
+def launch_model(act: dict) -> str | None:
+    """The --model apply was given: recorded, or (an activation from before it was) read back from
+    the launch command apply wrote with it."""
+    if isinstance(act.get("model"), str):
+        return act["model"]
+    try:
+        words = shlex.split(act.get("launch") or "")
+    except ValueError:
+        return None
+    i = words.index("--model-path") if "--model-path" in words else -1
+    return words[i + 1] if 0 <= i < len(words) - 1 else None

@@ -175,6 +175,10 @@ class SGLangSource:
         kind = None
         for depth, name in enumerate(attrs):
             node = self._find(body, name)
+            if node is None and depth == 0 and path.name == "__init__.py":
+                missing = self._missing_module(path.parent, _mod, attrs)
+                if missing:
+                    return None, missing, path
             if node is None:
                 where = "module" if depth == 0 else f"class {attrs[depth - 1]}"
                 where = f"module {_mod}" if depth == 0 else where
@@ -194,6 +198,17 @@ class SGLangSource:
                 if depth != len(attrs) - 1:
                     return None, f"{name} is a value, not a class", path
         return kind, node, path
+
+    def _missing_module(self, folder: Path, module: str, attrs: list[str]) -> str | None:
+        """Where ``attrs`` walks down subfolders of the package ``module`` (in ``folder``; namespace
+        packages, no ``__init__.py``) to a module file that is not there: which one."""
+        i = 0
+        while i < len(attrs) - 1 and (folder / attrs[i]).is_dir():
+            folder, i = folder / attrs[i], i + 1
+        if i == 0:
+            return None
+        gone = folder / f"{attrs[i]}.py"
+        return f"module {'.'.join([module] + attrs[:i + 1])} not found (no file {gone.relative_to(self.root)})"
 
     def alternatives(self, target: str) -> list:
         """All function definitions bound to ``target``'s last name (see ``_find_all``)."""

@@ -164,6 +164,8 @@ class Entry:
     raw: dict = field(repr=False, default_factory=dict)
     fits: Fits = field(default_factory=Fits)
     off_with: list[OffWith] = field(default_factory=list)
+    # ``module:function`` of one of its own modules: (settings, drafter) -> why they cannot run together
+    settings_check: str | None = None
 
 
 @dataclass
@@ -330,11 +332,16 @@ def parse_entry(raw: Any, source: str, path: Path | None = None) -> Entry:
     setup = code.get("setup")
     if setup is not None and not isinstance(setup, str):
         raise InputError(f"{source}: 'code.setup' must be a 'module:function' name")
+    modules = _names(code.get("modules"), "code.modules", source)
+    check = code.get("settings_check")
+    if check is not None and (not isinstance(check, str) or check.partition(":")[0] not in modules
+                              or not check.partition(":")[2]):
+        raise InputError(f"{source}: 'code.settings_check' must be a 'module:function' of the entry's own modules")
     return Entry(
         id=str(raw["id"]), summary=str(raw["summary"]).strip(), status=raw["status"],
         requires=_names(raw["requires"], "requires", source),
         sglang_checked=_names(sglang.get("checked"), "sglang.checked", source),
-        modules=_names(code.get("modules"), "code.modules", source),
+        modules=modules,
         uses=_names(code.get("uses"), "code.uses", source),
         hooks=hooks, symbols=symbols,
         quantization=_names(code.get("quantization"), "code.quantization", source),
@@ -346,7 +353,7 @@ def parse_entry(raw: Any, source: str, path: Path | None = None) -> Entry:
         unverified=[str(c).strip() for c in _as_list(raw["unverified"], "unverified", source)],
         system={"hooks": list(rec_hooks), "fingerprints": {str(k): v for k, v in rec_fp.items()}},
         path=path or Path(source), raw=raw, fits=parse_fits(raw.get("fits"), source),
-        off_with=parse_off_with(raw.get("off_with"), source),
+        off_with=parse_off_with(raw.get("off_with"), source), settings_check=check,
     )
 
 
@@ -579,6 +586,36 @@ def hooks_of(entries: dict[str, Entry], ids: Iterable[str]) -> list[Hook]:
 def setup_of(entries: dict[str, Entry], ids: Iterable[str]) -> list[str]:
     """The setup functions (``module:function``) an activation of the closure ``ids`` runs, in order."""
     return [entries[i].setup for i in ids if entries[i].setup]
+
+
+def settings_problems(entries: dict[str, Entry], ids: Iterable[str], settings: dict,
+                      drafter: str | None = None) -> list[str]:
+    """Why the variant values ``settings`` of the closure ``ids`` cannot run (empty when they can):
+    a name none of its bundles has, a value its variant refuses, and what each bundle's own
+    ``settings_check`` finds in them together (on ``drafter``; None: unknown)."""
+    import importlib
+
+    ids = list(ids)
+    registry = {v.name: (i, v) for i in ids for v in entries[i].variants}
+    out = []
+    for name, value in settings.items():
+        if name not in registry:
+            out.append(f"setting {name}: not a variant of the applied bundles")
+            continue
+        owner, var = registry[name]
+        problem = var.problem(value)
+        if problem:
+            out.append(f"setting {name}={value!r}: {problem} ({owner})")
+    if out:   # each check reads every value of its bundle: only once they are valid one by one
+        return out
+    values = {name: var.default for name, (_, var) in registry.items()} | settings
+    for i in ids:
+        if entries[i].settings_check:
+            module, _, attr = entries[i].settings_check.partition(":")
+            problem = getattr(importlib.import_module(module), attr)(values, drafter)
+            if problem:
+                out.append(f"{i}: {problem}")
+    return out
 
 
 def applied_differs(activation: dict, entries: dict[str, Entry]) -> str | None:

@@ -86,6 +86,12 @@ def plan(activation: dict, sglang_version: str | None, memory_dir=None):
     differs = mem.applied_differs(activation, entries)
     if differs:   # its setup functions are called in every SGLang process: only the bundles' own
         raise ActivationError(f"the activation's {differs} are not its bundles'; run 'specpilot apply' again")
+    settings = activation.get("settings") or {}
+    if not isinstance(settings, dict):
+        raise ActivationError("the activation's settings are not a mapping; run 'specpilot apply' again")
+    bad = mem.settings_problems(entries, ids, settings, activation.get("drafter"))
+    if bad:   # the handlers would run on values apply refuses
+        raise ActivationError(f"{'; '.join(bad)}; run 'specpilot apply' again")
     changed = sorted(m for m, fp in activation.get("fingerprints", {}).items() if state.fingerprints.get(m) != fp)
     if changed:
         raise ActivationError(f"bundle module(s) {', '.join(changed)} changed since 'specpilot apply' "
@@ -98,6 +104,9 @@ def plan(activation: dict, sglang_version: str | None, memory_dir=None):
 def register(registry=None, hook_type=None, path: str | Path | None = None) -> list[str]:
     """Entry point SGLang calls. ``registry``/``hook_type``/``path`` are for tests; SGLang passes none."""
     path = Path(path) if path else activation_file()
+    if path.is_symlink():   # apply writes a regular file; status refuses a link, and so does the plugin
+        raise ActivationError(f"{path} is a symbolic link, which SpecPilot did not write; remove it by hand "
+                              "and run 'specpilot apply' again")
     if not path.is_file():
         logger.info("SpecPilot: no activation at %s; nothing to install", path)
         return []
@@ -109,6 +118,7 @@ def register(registry=None, hook_type=None, path: str | Path | None = None) -> l
         registry, hook_type = registry or HookRegistry, hook_type or HookType
     _settings.clear()
     _settings.update(activation.get("settings", {}))
+    _registered.clear()   # what this registration installs (a test may register twice in one process)
     for name, fn in setups:
         fn()
         _registered.append(f"setup {name}")

@@ -11,7 +11,7 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from specpilot.errors import EnvironmentMissing, InputError
@@ -42,6 +42,8 @@ try:
                         "entry_point": {ep.name: ep.value for ep in eps}}
 except md.PackageNotFoundError:
     pass
+# the general plugins SGLang loads when SGLANG_PLUGINS does not restrict them
+out["plugins"] = sorted({ep.name for ep in md.entry_points(group=PLUGIN_GROUP)})
 import hashlib
 fps = {}
 for name in MODULES:
@@ -67,6 +69,7 @@ class TargetEnv:
     specpilot_version: str | None
     specpilot_entry_point: dict | None
     fingerprints: dict  # module -> sha256 of its source in the target environment (None: absent)
+    plugins: list = field(default_factory=list)   # names of the environment's SGLang plugins (entry points)
 
     @property
     def sglang_root(self) -> Path | None:
@@ -89,6 +92,9 @@ def _probe_shaped(info) -> bool:
         return False
     if sp is not None and not (isinstance(sp, dict) and text(sp.get("version"))
                                and isinstance(sp.get("entry_point") or {}, dict)):
+        return False
+    plugins = info.get("plugins", [])
+    if not isinstance(plugins, list) or not all(text(p) for p in plugins):
         return False
     return isinstance(fps, dict) and all(text(k) and text(v, True) for k, v in fps.items())
 
@@ -132,5 +138,5 @@ def probe(python: str | None = None, timeout: float = 60.0, modules=()) -> Targe
         prefix=info["prefix"], purelib=info["purelib"],
         sglang_version=sg and sg.get("version"), sglang_package=sg and sg.get("package"),
         specpilot_version=sp and sp.get("version"), specpilot_entry_point=sp and sp.get("entry_point"),
-        fingerprints=info.get("fingerprints") or {},
+        fingerprints=info.get("fingerprints") or {}, plugins=info.get("plugins", []),
     )

@@ -16,11 +16,34 @@ with the highest parent-conditioned path score (``specpilot.kernels.tree.build_b
 from __future__ import annotations
 
 
+def eagle_candidates(topk: int, steps: int) -> int:
+    """The draft tokens EAGLE's ``steps`` steps of ``topk`` expansions offer (the tree's nodes are
+    chosen among them): ``topk`` at the first step, ``topk * topk`` at each later one."""
+    return topk + (steps - 1) * topk * topk
+
+
+def settings_problem(settings: dict, drafter: str | None) -> str | None:
+    """Why the node budget cannot be met by EAGLE's steps and top-k (SGLang's stock selection
+    fails when it asks for more nodes than the steps drafted; so does this one)."""
+    if drafter not in (None, "eagle", "eagle3"):
+        return None
+    budget, topk, steps = settings["node_budget"], settings["eagle_topk"], settings["eagle_steps"]
+    have = eagle_candidates(topk, steps)
+    if budget - 1 > have:
+        return (f"node_budget={budget} needs {budget - 1} draft tokens, but eagle_steps={steps} x eagle_topk={topk} "
+                f"draft {have}; raise eagle_steps or eagle_topk, or lower node_budget")
+    return None
+
+
 def organize_draft_results(score_list, token_list, parents_list, num_draft_token):
     """REPLACE for ``sglang.srt.speculative.eagle_utils.organize_draft_results``."""
     import torch
 
     scores = torch.cat(score_list, dim=1).flatten(1)          # b, topk + (steps-1)*topk*topk
+    if num_draft_token - 1 > scores.shape[1]:   # stock's torch.topk fails here too: never fewer nodes
+        raise RuntimeError(f"organize_draft_results: {num_draft_token - 1} draft tokens asked of "
+                           f"{scores.shape[1]} candidates (--speculative-num-draft-tokens above what "
+                           "--speculative-num-steps and --speculative-eagle-topk draft)")
     ss_token_list = torch.cat(token_list, dim=1)
     # Flat candidates are laid out depth by depth (EAGLE's steps), so a stable sort on the score
     # breaks ties towards the shallower node: a parent always precedes its equal-scored child.

@@ -477,6 +477,25 @@ def test_other_plugins_stay_enabled_in_the_launch_command(run_cli, env, monkeypa
     assert code == 0 and json.loads(out)["activation"]["launch"].startswith("SGLANG_PLUGINS=specpilot,xpu_hooks ")
 
 
+def test_the_launch_command_keeps_the_environments_other_plugins(run_cli, env, monkeypatch):
+    """With SGLANG_PLUGINS unset SGLang loads every installed plugin: the launch line names them
+    all beside SpecPilot's (naming only SpecPilot's turned the others off)."""
+    import shutil
+
+    monkeypatch.delenv("SGLANG_PLUGINS", raising=False)
+    dist = purelib(env) / "otherplug-1.0.dist-info"
+    dist.mkdir()
+    try:
+        (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: otherplug\nVersion: 1.0\n")
+        (dist / "entry_points.txt").write_text("[sglang.srt.plugins]\nother = os:getcwd\n")
+        code, out, _ = run_cli("apply", "tree", "--python", env, "--dry-run", "--format", "json")
+        assert code == 0 and json.loads(out)["activation"]["launch"].startswith("SGLANG_PLUGINS=specpilot,other ")
+    finally:
+        shutil.rmtree(dist)
+    code, out, _ = run_cli("apply", "tree", "--python", env, "--dry-run", "--format", "json")
+    assert code == 0 and json.loads(out)["activation"]["launch"].startswith("SGLANG_PLUGINS=specpilot ")
+
+
 def test_refuses_a_target_with_a_different_specpilot(run_cli, env, monkeypatch):
     real = act.probe
 

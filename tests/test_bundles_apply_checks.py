@@ -67,7 +67,8 @@ def test_the_reapply_command_status_suggests_runs(run_cli, tmp_path):
     assert words[words.index("--model") + 1] == "/models/My Model" and "node_budget=24" in words, suggested
     code, out, err = run_cli(*words[1:])
     assert code == 0, err
-    assert "--model-path '/models/My Model' --speculative-num-draft-tokens 24 --quantization w12" in out, out
+    assert ("--model-path '/models/My Model' --speculative-num-steps 5 --speculative-eagle-topk 4 "
+            "--speculative-num-draft-tokens 24 --quantization w12") in out, out
     code, out, err = run_cli("status", "--python", py)
     assert code == 0 and "the activation matches" in out, (out, err)
 

@@ -34,7 +34,7 @@ def command(python, fmt, out):
             "matches": res.matches, "problems": res.problems,
             "sglang": {"version": res.env.sglang_version, "package": res.env.sglang_package},
             "specpilot_installed": res.env.specpilot_version, "activation": act,
-            "checks": [c.__dict__ for c in res.checks]}
+            "checks": [c.__dict__ for c in res.checks], "launch": res.launch}
     if act is None:
         if res.env.sglang_package is None:
             sglang = "SGLang is not installed there"
@@ -49,7 +49,7 @@ def command(python, fmt, out):
                 Section("hook targets", ["target", "kind", "check"],
                         [[c.target, c.kind, "ok" if c.ok else "FAIL"] for c in res.checks])]
     if res.matches:
-        lines = ["the activation matches the installed SGLang", "", "launch with:", f"  {act.get('launch')}"]
+        lines = ["the activation matches the installed SGLang", "", "launch with:", f"  {res.launch}"]
     else:   # its launch command would start a server whose hooks may not hold: what to do instead
         where = f" --python {shlex.quote(python)}" if python else ""
         lines = [f"problem: {p}" for p in res.problems]
@@ -57,7 +57,7 @@ def command(python, fmt, out):
         gone = [name for name, v in (("SGLang", res.env.sglang_package), ("SpecPilot", res.env.specpilot_version))
                 if v is None]
         first = f"install {' and '.join(gone)} there again, then " if gone else ""
-        cmd, left_out = reapply_command(act, python)
+        cmd, left_out = reapply_command(act, python, res.env.sglang_version)
         if cmd is None:   # none of its bundles is in this SpecPilot's memory: nothing to apply again
             lines += ["", f"do not launch with this activation; this SpecPilot knows none of its bundles "
                           f"({', '.join(left_out)}); remove it:", f"  specpilot revert{where}"]
@@ -66,22 +66,12 @@ def command(python, fmt, out):
                       f"  {cmd}"]
             if left_out:
                 lines.append(f"  (left out, as this SpecPilot's memory would refuse them: {', '.join(left_out)})")
+            if unchecked_version(act, res.env.sglang_version) and not (act.get("sglang") or {}).get("forced"):
+                lines.append(f"  (--force: the bundles were not checked against SGLang {res.env.sglang_version}; "
+                             "apply runs the static target check first)")
             lines += ["or remove it:", f"  specpilot revert{where}"]
     emit(Report(data=data, sections=sections, lines=lines, title="specpilot status"), fmt, out, protect=[res.path])
     return 0 if res.matches else 1
-
-
-def _model(act: dict) -> str | None:
-    """The --model apply was given: recorded, or (an activation from before it was) read back from
-    the launch command apply wrote with it."""
-    if isinstance(act.get("model"), str):
-        return act["model"]
-    try:
-        words = shlex.split(act.get("launch") or "")
-    except ValueError:
-        return None
-    i = words.index("--model-path") if "--model-path" in words else -1
-    return words[i + 1] if 0 <= i < len(words) - 1 else None
 
 
 def _memory():
@@ -100,13 +90,24 @@ def _experimental(act: dict, entries: dict) -> bool:
     return any(entries[i].status == "experimental" for i in act.get("closure", []) if i in entries)
 
 
-def reapply_command(act: dict, python: str | None) -> tuple[str | None, list[str]]:
+def unchecked_version(act: dict, version: str | None) -> bool:
+    """Whether SGLang ``version`` (installed now) is one none of ``act``'s bundles was checked
+    against, so that applying them again needs --force."""
+    entries = _memory()
+    checked = {v for i in act.get("closure", []) if i in entries for v in entries[i].sglang_checked}
+    return version is not None and bool(checked) and version not in checked
+
+
+def reapply_command(act: dict, python: str | None, sglang_version: str | None = None) -> tuple[str | None, list[str]]:
     """The ``specpilot apply`` command that writes ``act`` again: its bundles, --python, the drafter
     the launch was written for, the model, --experimental where a bundle is experimental, --force
-    where it was forced and every setting that is not the variant's default; every word shell-quoted.
+    where it was forced or where the installed ``sglang_version`` is not one the bundles were
+    checked against, and every setting that is not the variant's default; every word shell-quoted.
     With what it leaves out because apply would refuse it here (a bundle this SpecPilot's memory
     lacks, a setting none of the bundles has or a value its variant refuses); None for the command
     when no bundle is left (or the memory cannot be read)."""
+    from specpilot.bundles.activation import launch_model
+
     entries = _memory()
     bundles = [b for b in (act.get("bundles") or act.get("closure", [])) if isinstance(b, str)]
     left_out = [f"bundle {b}" for b in bundles if b not in entries]
@@ -118,12 +119,12 @@ def reapply_command(act: dict, python: str | None) -> tuple[str | None, list[str
         words += ["--python", python]
     if act.get("drafter"):
         words += ["--drafter", act["drafter"]]
-    model = _model(act)
+    model = launch_model(act)
     if model and model != "MODEL":
         words += ["--model", model]
     if _experimental(act, entries):
         words.append("--experimental")
-    if (act.get("sglang") or {}).get("forced"):
+    if (act.get("sglang") or {}).get("forced") or unchecked_version(act, sglang_version):
         words.append("--force")
     variants = {v.name: v for i in act.get("closure", []) if i in entries for v in entries[i].variants}
     for k, v in (act.get("settings") or {}).items():
