@@ -314,9 +314,10 @@ def run_totals(results: list[dict], batch: dict | None = None) -> dict:
     summed (their phases per cycle)."""
     if batch and batch.get("tlv"):
         return dict(batch["tlv"])
-    total = TLVStats(results[0]["tlv"]["nodes"])
-    for r in results:
-        total.add(TLVStats.from_json(r["tlv"]))
+    cycled = [r["tlv"] for r in results if "tlv" in r]
+    total = TLVStats(cycled[0]["nodes"])
+    for t in cycled:
+        total.add(TLVStats.from_json(t))
     return total.to_json()
 
 

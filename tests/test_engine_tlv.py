@@ -237,6 +237,23 @@ def test_run_batch_tlv_reports_the_cycles(run_cli):
     assert "TLV: tau" in out and "batched step" in out
 
 
+def test_the_run_summary_counts_the_cycles_whichever_request_comes_first():
+    """A batched request the prefill ended (EOS) has no ``tlv``: the run's summary is there when
+    any request, or the batch, ran a cycle, whatever the prompts' order (it keyed on the first)."""
+    from specpilot.commands.run import _tlv_summary
+    from specpilot.engine.tlv import TLVStats
+
+    st = TLVStats(8)
+    st.count(2, 3, 2)
+    ran = {"tokens": 3, "tlv": st.to_json()}
+    for results in ([{"tokens": 1}, ran], [ran, {"tokens": 1}]):
+        got = _tlv_summary(results, 3.0, None)
+        assert got["cycles"] == 1 and got["chain_tokens"] == 2 and got["tau_per_exact_pass"] == 3.0
+        assert _tlv_summary(results, 3.0, None, {"tlv": {**st.to_json(), "steps": 1}})["steps"] == 1
+    assert _tlv_summary([{"tokens": 1}], 1.0, None) is None
+    assert _tlv_summary([{"tokens": 1}], 1.0, None, {"tlv": st.to_json()})["cycles"] == 1
+
+
 @pytest.mark.parametrize("model, drafter, batch", [("tiny", "ngram", 1), ("tiny-hybrid", "self", 1),
                                                    ("tiny-hybrid", "self", 2)])
 def test_replay_tlv_reproduces_the_engines_tau(run_cli, tmp_path, model, drafter, batch):

@@ -50,7 +50,8 @@ def _title(model_name: str, spec, info: dict, batch: dict | None = None) -> str:
 def _tlv_summary(results: list[dict], tau: float, qview: str | None, batch: dict | None = None) -> dict | None:
     """TLV's cycles over every request: the Q pass's weights, tau per exact pass, the Q pass's top-1
     agreement with the exact pass, mean |C| and the mean cycle's time split."""
-    if not results or "tlv" not in results[0]:
+    # a request the prefill ended (EOS) ran no cycle: any request's, or the batch's, count
+    if not any("tlv" in r for r in results) and not (batch and batch.get("tlv")):
         return None
     from specpilot.engine.tlv import run_totals
 
