@@ -115,7 +115,10 @@ def _use_replay(r: ReplayFigures, m: Measurements, current_policy: str) -> None:
         raise InputError(f"{r.source}: no policy {current_policy!r} in the replay (has {', '.join(taus)}); "
                          "choose one with --policy")
     m.set("tau", cur, f"replay {r.source} ({current_policy})", r)
-    best_name = max(taus, key=taus.get)
+    # TLV's tau is per exact pass of a two-pass cycle, not a tree's: no draft tree reaches it (an
+    # oracle does not bound it), so it is the best reachable only as the policy in place
+    trees = {k: v for k, v in taus.items() if not k.startswith("tlv") or k == name}
+    best_name = max(trees, key=trees.get)
     m.set("tau_best", taus[best_name], f"replay {r.source} ({best_name})", r)
 
 

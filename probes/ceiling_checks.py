@@ -1,7 +1,7 @@
 """The checks that keep the inputs of ``specpilot ceiling`` (and ``ceiling --check``) one
 deployment's. Results of different deployments (model, GPU, rows, batch, floor shape) are refused
 (:func:`check_one_deployment`, a run and a profile whose step times differ by more than
-``SAME_STEP_TOLERANCE`` too); a rows probe or AR run of another model than the run is refused
+``SAME_STEP_TOLERANCE`` too); a rows probe or AR run of another model or device than the run is refused
 (:func:`files_from_other_models`); a rows probe measured on the CPU beside a GPU's floors is
 refused, and one of another GPU or model than the floors gives a warning
 (:func:`check_rows_probe_hardware`, :func:`probe_model_mismatch`). Models compare by
@@ -54,11 +54,24 @@ def same_model(a: str | None, b: str | None) -> bool:
 
 def files_from_other_models(run: RunFigures | None, probe: RowsProbeFigures | None,
                             ar_run: RunFigures | None = None) -> None:
-    """A run's speedup over AR cannot be modelled from another model's step times: InputError."""
+    """A run's speedup over AR cannot be modelled from another model's step times, nor from a
+    rows probe or an AR run on another device (the CPU against a GPU): InputError."""
     for other, what in ((probe, "--rows-probe"), (ar_run, "--ar-run")):
         if run is not None and other is not None and not same_model(run.model, other.model):
             raise InputError(f"{what} {other.source} was measured on {other.model}, the run {run.source} decoded "
                              f"{run.model}: give files of the same deployment")
+    if run is None or not run.device:
+        return
+    run_cpu = run.device.startswith("cpu")
+    where = "the CPU" if run_cpu else run.device
+    probe_known = probe is not None and (probe.on_cpu or bool(probe.gpu) or (probe.device or "").startswith("cuda"))
+    if probe_known and probe.on_cpu != run_cpu:
+        _refuse(f"--rows-probe {probe.source}", f"--run {run.source}", "device", probe.hardware, where,
+                "give a rows probe of the run's device")
+    if ar_run is not None and ar_run.device and ar_run.device.startswith("cpu") != run_cpu:
+        _refuse(f"--ar-run {ar_run.source}", f"--run {run.source}", "device",
+                "the CPU" if ar_run.device.startswith("cpu") else ar_run.device, where,
+                "give an AR run of the run's device")
 
 
 def probe_model_mismatch(probe: RowsProbeFigures | None, model) -> str | None:
@@ -128,15 +141,9 @@ def check_one_deployment(req: CeilingRequest, cost_rows: int | None) -> None:
     """Refuse (InputError, one line naming both inputs and the field) a profile of another model,
     GPU, row count, batch or floor shape than the other inputs, and a run whose step a profile
     times further apart than ``SAME_STEP_TOLERANCE``. A rows probe's own checks against a run
-    (``files_from_other_models``) and against the floors (``check_rows_probe_hardware``,
-    ``probe_model_mismatch``) stay as they are; a probe measured on the CPU beside a run or a
-    profile on a GPU is refused here."""
+    (``files_from_other_models``: its model and device) and against the floors
+    (``check_rows_probe_hardware``, ``probe_model_mismatch``) stay as they are."""
     p, run, probe, model, gpu = req.profile, req.run, req.rows_probe, req.model, req.gpu
-    run_cpu = run is not None and (run.device or "").startswith("cpu")
-    probe_known = probe is not None and (probe.on_cpu or bool(probe.gpu) or (probe.device or "").startswith("cuda"))
-    if probe_known and run is not None and run.device and probe.on_cpu != run_cpu:
-        _refuse(f"--rows-probe {probe.source}", f"--run {run.source}", "device", probe.hardware,
-                "the CPU" if run_cpu else run.device, "give a rows probe of the run's device")
     if p is None:
         return
     me = f"--profile {p.source}"

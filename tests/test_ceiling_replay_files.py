@@ -38,3 +38,19 @@ def test_the_round_example_replay_is_read(run_cli):
     assert json.loads(out)["warnings"] == []   # a chain of 0 nodes verifies 1 row: the default --rows
 
 
+
+
+@pytest.mark.parametrize("policy, best", [("best-first:32", 1.7), ("chain", 1.7), ("tlv:8", 2.8)])
+def test_tlv_tau_is_no_trees_best_reachable(run_cli, tmp_path, policy, best):
+    """A TLV recording's replay holds tlv:N, whose tau is per exact pass of a two-pass cycle: the
+    tree factor of another policy takes the best of the trees (it took TLV's, a 1.7x 'tree'
+    factor no tree reaches); TLV's own is the best reachable only when it is the policy."""
+    replay = tmp_path / "replay.json"
+    replay.write_text(json.dumps({"schema": "specpilot.replay/1", "positions": 8, "policies": [
+        {"policy": "chain", "tau": 1.6}, {"policy": "best-first:32", "tau": 1.7}, {"policy": "tlv:8", "tau": 2.8},
+        {"policy": "oracle:1", "tau": 1.7}]}))
+    code, out, err = run_cli("ceiling", "--replay", replay, "--policy", policy, "--rows", "33", "--step-ms", "10",
+                             "--ar-ms", "8", "--format", "json")
+    assert code == 0, err
+    cost = json.loads(out)["cost_model"]
+    assert cost["inputs"]["tau_best"] == best and cost["factors"]["tree"] == pytest.approx(best / cost["tau"])

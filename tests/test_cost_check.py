@@ -113,6 +113,26 @@ def test_check_fails_naming_the_term(run_cli, files, case, term, numbers):
     assert code == 1 and json.loads(out)["term_off"] == term
 
 
+def test_check_refuses_a_rows_probe_or_ar_run_of_another_device(run_cli, files):
+    """As --run does: a GPU's rows probe or a CUDA AR run beside a CPU run is another deployment
+    (--check passed with both, from the H100's c(N))."""
+    tmp = files["dir"]
+    cpu_run = _write(tmp, "tree_cpu.json", {**_run_doc(), "device": "cpu"})
+    gpu_rows = _write(tmp, "rows_gpu.json", {**json.loads(files["rows"].read_text()), "device": "cuda",
+                                             "gpu": "NVIDIA H100 80GB HBM3"})
+    cuda_ar = _write(tmp, "ar_cuda.json", {**json.loads(files["ar"].read_text()), "device": "cuda"})
+    for verb in ("--check", "--run"):
+        code, _, err = run_cli("ceiling", verb, cpu_run, "--rows-probe", gpu_rows, "--replay", files["replay"])
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert (f"--rows-probe {gpu_rows} and --run {cpu_run} disagree on the device (NVIDIA H100 80GB HBM3 against "
+                "the CPU)") in err, err
+    code, _, err = run_cli("ceiling", "--check", cpu_run, "--rows-probe", files["rows"], "--ar-run", cuda_ar)
+    assert code == 2 and (f"--ar-run {cuda_ar} and --run {cpu_run} disagree on the device (cuda against the CPU): "
+                          "they are not one deployment's; give an AR run of the run's device") in err, err
+    code, _, err = run_cli("ceiling", "--check", cpu_run, "--rows-probe", files["rows"], "--ar-run", files["ar"])
+    assert code in (0, 1), err   # a run without a device is taken as it is
+
+
 def test_check_with_the_rows_probe_alone_as_ar_reference(run_cli, files):
     code, out, err = run_cli("ceiling", "--check", files["tree"], "--rows-probe", files["rows"], "--format", "json")
     assert code in (0, 1), err
