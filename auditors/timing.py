@@ -88,12 +88,21 @@ def speed_ratios(samples: Sequence[Sample], higher_is_better: bool) -> np.ndarra
         raise InputError("every measurement must be a positive finite number")
     b = np.array([s.base for s in samples], dtype=np.float64)
     c = np.array([s.candidate for s in samples], dtype=np.float64)
-    with np.errstate(over="ignore"):
+    with np.errstate(over="ignore", under="ignore"):
         r = c / b if higher_is_better else b / c
-    if not np.isfinite(r).all():
+    if not (np.isfinite(r) & (r > 0)).all():   # overflowed, or underflowed to 0 (its log is -inf)
         raise InputError("a pair's measurements are too far apart for their ratio to be a number "
                          f"({min(b.min(), c.min()):.3g} beside {max(b.max(), c.max()):.3g})")
     return r
+
+
+def median(values) -> float:
+    """The median; of an even count the middle two's midpoint, taken without their sum (which
+    overflows for measurements near the largest float)."""
+    v = sorted(values)
+    n = len(v)
+    lo, hi = v[(n - 1) // 2], v[n // 2]
+    return lo + (hi - lo) / 2
 
 
 def threshold_for(noise: float, changes_output: bool) -> float:

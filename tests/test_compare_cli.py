@@ -480,6 +480,7 @@ def test_gpu_ids_that_are_not_ids_are_bad_input(run_cli):
 @pytest.mark.parametrize("base, cand, words", [
     ("1e-320", "5", "'tokens_per_s' must be a positive number, got 1e-320 (below the normal floats"),
     ("1e-300", "1e300", "too far apart for their ratio to be a number"),
+    ("1e300", "1e-300", "too far apart for their ratio to be a number"),   # a ratio that underflows to 0
 ])
 def test_measurements_whose_ratio_is_no_number_are_refused(tmp_path, run_cli, base, cand, words):
     """A subnormal metric, or two whose ratio overflows, gave Infinity and NaN in the JSON (which
@@ -521,3 +522,19 @@ def test_the_medians_printed_are_the_samples_medians(tmp_path, run_cli):
     want = (f"{(med_b[3] + med_b[4]) / 2:.6g} / {(med_c[3] + med_c[4]) / 2:.6g} tps")
     line = next(x for x in stdout.splitlines() if x.startswith("median base / candidate"))
     assert line.split(None, 4)[-1].strip() == want, (line, want)
+
+
+def test_medians_of_measurements_near_the_largest_float_are_theirs(tmp_path, run_cli):
+    """The two middle samples' midpoint without their sum: 1e308 samples printed 'inf / inf'."""
+    samples = [{"pair": 2 * k + i, "block": k, "base": 1e308, "candidate": 1.5e308, "order": "AB" if i == 0 else "BA"}
+               for k in range(2) for i in range(2)]
+    doc = {"schema": "specpilot.timing/1", "base": "A", "candidate": "B", "metric": "tok_s", "unit": "tok/s",
+           "higher_is_better": True, "schedule": "ABBA", "warmup": 1, "samples": samples,
+           "aa": [{"block": k, "first": 1e308, "second": 1e308} for k in range(2)], "gain": 1.5, "ci_low": 1.5,
+           "approved": True, "noise": 0.0, "noise_source": "A/A split (base first vs second run per block)",
+           "changes_output": False}
+    (tmp_path / "t.json").write_text(json.dumps(doc))
+    code, out, err = run_cli("compare", "--from", tmp_path / "t.json")
+    assert code in (0, 1) and "warning" not in err.lower(), err
+    line = next(x for x in out.splitlines() if x.startswith("median base / candidate"))
+    assert line.split(None, 4)[-1].strip() == "1e+308 / 1.5e+308 tok/s", line

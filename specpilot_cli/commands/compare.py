@@ -3,8 +3,6 @@ bound, and the paper's approval rule."""
 
 from __future__ import annotations
 
-import statistics
-
 import click
 
 from specpilot.limits import MAX_RUNS
@@ -274,9 +272,11 @@ def report(result) -> Report:
         p = result.plan
         rows.append(["run count (power plan)", f"{p['pairs']} pairs for {p['power'] * 100:.0f}% power at a true "
                      f"{(p['target_gain'] - 1) * 100:.0f}% gain" + ("  (capped by --max-runs)" if p.get("capped") else "")])
+    from specpilot.auditors.timing import median
+
     unit = result.unit
-    med_b = statistics.median(s.base for s in result.samples)
-    med_c = statistics.median(s.candidate for s in result.samples)
+    med_b = median(s.base for s in result.samples)
+    med_c = median(s.candidate for s in result.samples)
     rows.insert(0, ["median base / candidate", f"{med_b:.6g} / {med_c:.6g} {unit}"])
     lines = [f"verdict: {v.verdict.upper()}: {v.reason}"]
     if result.extra.get("changes_output_reason"):
