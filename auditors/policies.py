@@ -245,16 +245,27 @@ def parse_policy(spec: str) -> Policy:
 # policies
 
 def chain_tree(step: StepView, n: int | None = None) -> Tree:
+    """Each position's first candidate, up to the first whose score is not finite (never expanded,
+    as in the tree policies)."""
     m = step.m if n is None else min(n, step.m)
+    scores = []
+    for d in range(m):
+        sc = float(step.edge_scores(d, 0)[0])
+        if not np.isfinite(sc):
+            break
+        scores.append(sc)
+    m = len(scores)
     return Tree(tokens=[int(step.tokens[d, 0]) for d in range(m)], parents=[d - 1 for d in range(m)],
-                depth=list(range(m)), cand=[0] * m,
-                score=list(np.cumsum([float(step.edge_scores(d, 0)[0]) for d in range(m)])))
+                depth=list(range(m)), cand=[0] * m, score=list(np.cumsum(scores)))
 
 
 def oracle_tau(step: StepView, k: int) -> int:
+    """Accepted positions + 1 where the target's token is each position's among its first ``k``
+    candidates of finite score (a candidate no policy expands is none)."""
     accepted = 0
     for d in range(step.m):
-        if int(step.target[d]) in set(map(int, step.tokens[d, :k])):
+        finite = np.isfinite(step.logprobs[d, :k])
+        if int(step.target[d]) in set(map(int, step.tokens[d, :k][finite])):
             accepted += 1
         else:
             break

@@ -283,6 +283,10 @@ def replay(lattice: Lattice, policies: Sequence[Policy | str], nodes: Sequence[i
         raise InputError("give at least one --policy")
     calib_steps = (calibration or lattice).steps
     for p in pols:
+        if p.family == "sequoia" and lattice.m and not any(st.m for st in calib_steps):
+            # acceptance by rank is 0/0 there: a shape from it would be made up
+            raise InputError(f"sequoia: {(calibration or lattice).path} has no draft positions to measure acceptance "
+                             "by rank from; calibrate on a lattice of a speculative run")
         p.calibrate(calib_steps)
     ids: dict = {}
     groups = np.array([ids.setdefault(_req_key(s.request), len(ids)) for s in lattice.steps])

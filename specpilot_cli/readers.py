@@ -156,6 +156,8 @@ def read_replay(path: str) -> ReplayFigures:
     for p in pols:
         if not isinstance(p, dict) or not _finite(p.get("tau"), 1, MAX_TAU, lo_open=False) or "policy" not in p:
             raise InputError(f"{path}: every policy needs 'policy' and a 'tau' in [1, {MAX_TAU}]")
+        if str(p["policy"]) in taus:   # replay writes each once: which tau is meant is unknown
+            raise InputError(f"{path}: policy {p['policy']!r} is listed twice")
         taus[str(p["policy"])] = float(p["tau"])
         # the nodes a step verifies besides the pending token: 0 for a chain over a lattice of no
         # draft positions (an AR run's), which verifies the pending token alone
@@ -165,7 +167,8 @@ def read_replay(path: str) -> ReplayFigures:
                              f"[0, {MAX_ROWS}]")
         nodes[str(p["policy"])] = n
     m = doc.get("positions")   # 0 on a lattice of an AR run
-    m = m if isinstance(m, int) and not isinstance(m, bool) and 0 <= m <= MAX_ROWS else None
+    if m is not None and not (is_int(m) and 0 <= m <= MAX_ROWS):
+        raise InputError(f"{path}: 'positions' must be null or a whole number in [0, {MAX_ROWS}], got {m!r}")
     curves = {}
     raw_curves = doc.get("curves") or {}
     if not isinstance(raw_curves, dict):

@@ -54,3 +54,16 @@ def test_tlv_tau_is_no_trees_best_reachable(run_cli, tmp_path, policy, best):
     assert code == 0, err
     cost = json.loads(out)["cost_model"]
     assert cost["inputs"]["tau_best"] == best and cost["factors"]["tree"] == pytest.approx(best / cost["tau"])
+
+
+@pytest.mark.parametrize("doc, words", [
+    ({"policies": [{"policy": "chain", "tau": 1.7}, {"policy": "chain", "tau": 3.0}]}, "policy 'chain' is listed twice"),
+    ({"positions": -1, "policies": [{"policy": "chain", "tau": 1.7}]}, "'positions' must be null or a whole number"),
+    ({"positions": True, "policies": [{"policy": "chain", "tau": 1.7}]}, "'positions' must be null or a whole number"),
+])
+def test_a_damaged_replay_is_refused(run_cli, tmp_path, doc, words):
+    """Two taus for one policy (the last was taken), or positions out of range (taken as absent)."""
+    replay = tmp_path / "replay.json"
+    replay.write_text(json.dumps({"schema": "specpilot.replay/1", **doc}))
+    code, out, err = run_cli("ceiling", "--replay", replay, "--step-ms", "10", "--ar-ms", "8")
+    assert code == 2 and out == "" and words in err and len(err.strip().splitlines()) == 1, err

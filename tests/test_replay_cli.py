@@ -220,6 +220,19 @@ def test_sequoia_calibration_file(tmp_path, run_cli):
     assert json.loads(out)["sequoia_rank_acceptance"][0] > 0.7     # calibrated where rank 0 dominates
 
 
+def test_a_calibration_of_no_draft_positions_is_refused(tmp_path, run_cli):
+    """An AR run's lattice measures no acceptance by rank (0/0): sequoia printed tau 1 from an empty
+    shape. The replayed lattice's own calibration of no drafts replays as it is (tau 1, truly)."""
+    lat = write(tmp_path / "l.jsonl", synthetic_rows(requests=2, steps=4, m=4, k=4, seed=5))
+    ar = write(tmp_path / "ar.jsonl", [{"schema": "specpilot.lattice/1", "request": "a", "step": 0, "tokens": [],
+                                        "logprobs": [], "transitions": None, "target": [5]}])
+    code, out, err = run_cli("replay", lat, "--policy", "sequoia:4", "--calibrate", ar, "--bootstrap", "100")
+    assert code == 2 and out == "" and err == (f"specpilot: error: sequoia: {ar} has no draft positions to measure "
+                                               "acceptance by rank from; calibrate on a lattice of a speculative run\n")
+    code, out, err = run_cli("replay", ar, "--policy", "sequoia:4", "--bootstrap", "100", "--format", "json")
+    assert code == 0 and json.loads(out)["policies"][0]["tau"] == 1.0, err
+
+
 @pytest.mark.parametrize("policies", [[], ["--policy", "chain,best-first:8"]])
 def test_calibrate_without_sequoia_is_refused(tmp_path, run_cli, policies):
     """Only sequoia reads --calibrate; the defaults have no sequoia, so it was silently ignored."""
@@ -615,3 +628,19 @@ def test_a_file_of_the_other_json_shape_is_said_to_be_one(tmp_path, run_cli):
     code, _, err = run_cli("ceiling", "--replay", lat, "--tau", "2")
     assert code == 2 and "l.jsonl: JSON Lines of specpilot.lattice/1 rows, where one JSON document (replay) is " \
         "wanted; `specpilot replay` reads it" in err and err.count("\n") == 1, err
+
+
+def test_minus_infinity_scores_are_never_verified_by_any_policy(tmp_path, run_cli):
+    """chain and oracle verified the -inf candidates the tree policies never expand (tau 3 against
+    best-first's 1.5 on the same lattice)."""
+    rows = [{"schema": "specpilot.lattice/1", "request": "a", "step": 0, "tokens": [[5], [6]],
+             "logprobs": [[float("-inf")], [0.0]], "transitions": None, "target": [5, 6, 7]},
+            {"schema": "specpilot.lattice/1", "request": "b", "step": 0, "tokens": [[5, 9], [6]],
+             "logprobs": [[-1.0, float("-inf")], [float("-inf")]], "transitions": None, "target": [5, 6, 7]}]
+    lat = tmp_path / "inf.jsonl"
+    lat.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code, out, err = run_cli("replay", lat, "--policy", "chain,best-first:4,oracle:2", "--bootstrap", "100",
+                             "--format", "json")
+    assert code == 0, err
+    assert {p["policy"]: p["tau"] for p in json.loads(out)["policies"]} == {"chain": 1.5, "best-first:4": 1.5,
+                                                                             "oracle:2": 1.5}
