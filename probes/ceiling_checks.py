@@ -146,6 +146,7 @@ def check_one_deployment(req: CeilingRequest, cost_rows: int | None) -> None:
     p, run, probe, model, gpu = req.profile, req.run, req.rows_probe, req.model, req.gpu
     if p is None:
         return
+    run_cpu = run is not None and (run.device or "").startswith("cpu")
     me = f"--profile {p.source}"
     # the model
     for other, label, theirs in ((model, f"--model {model.name}" if model else "", model.name if model else None),
