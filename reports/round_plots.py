@@ -104,7 +104,7 @@ def tau_c(model: dict, current: dict | None) -> bytes:
         ax2.axhline(current["speedup"], color="#2E8B57", lw=1, ls=":",
                     label=f"current system ({current['policy']}): {current['speedup']:.3g}x")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("draft nodes N (verify rows = N + 1)")
+    ax.set_xlabel("draft nodes N (budget; the rows a step verifies: up to N + 1)")
     ax.set_ylabel("tau (tokens per verify pass)")
     ax2.set_ylabel("c(N) and predicted speedup over AR")
     h1, l1 = ax.get_legend_handles_labels()

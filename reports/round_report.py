@@ -108,9 +108,12 @@ def build(res) -> list[Block]:
                       + (f" --budget {_n(r['budget_min'])}" if r.get("budget_min") is not None else "") + "`"
                       for r in st.get("resumes") or [])
     sessions = f" over its {1 + len(st['resumes'])} sessions" if st.get("resumes") else ""
+    # a round killed before its end (or a platform without a load average) has none recorded there
+    la_start, la_end = (st.get(k) if st.get(k) is not None else "not recorded"
+                        for k in ("load_average_start", "load_average_end"))
     b.append(Block("p", f"Made by `{_command(st)}`{resumed} ({_n(st.get('spent_s', 0) / 60, 3)} of "
                         f"{_n(st.get('budget_s', 0) / 60, 3)} minutes{sessions}; load average "
-                        f"{st.get('load_average_start')} at the start, {st.get('load_average_end')} at the end)."))
+                        f"{la_start} at the start, {la_end} at the end)."))
     # deployment
     b.append(Block("h2", "Deployment"))
     rows = [[k, _n(v)] for k, v in facts.items() if v not in (None, "")]

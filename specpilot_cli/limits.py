@@ -50,6 +50,10 @@ MAX_TFLOPS = 1e7         # FLOP/s, TFLOP/s
 
 # timed runs of a comparison or a CI check (compare --runs/--max-runs, check --runs)
 MAX_RUNS = 100_000
+
+# a throughput in tokens/s (a baseline's samples): far past any machine either way, and the ratio
+# of one to a real measurement stays a number
+MIN_TPS, MAX_TPS = 1e-9, 1e9
 # an audit's bootstrap resamples (each holds one prompt index per prompt): past it the intervals
 # gain nothing, and memory runs out
 MAX_BOOTSTRAP = 1_000_000

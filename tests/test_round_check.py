@@ -69,7 +69,8 @@ def test_a_scorer_file_of_another_vocabulary_is_refused_before_any_run(base, run
               if kind == "folder" else _gguf(tmp_path / "s.gguf", 300))
     code, _, err = run_cli("check", "--baseline", base, "--no-timing", "--scorer", scorer)
     assert code == 2 and err.count("\n") == 1 and "[check]" not in err, err
-    assert f"its vocabulary (256 tokens) is not that of --scorer {scorer}, 300 tokens" in err
+    assert f"--scorer {scorer}: its vocabulary (300 tokens) is not that of the baseline's system" in err, err
+    assert "(256 tokens)" in err, err
 
 
 def test_recorded_tokens_outside_a_scorer_folders_vocabulary_are_refused_before_any_run(base, run_cli, tmp_path):
@@ -176,3 +177,54 @@ def test_check_prints_whether_the_outputs_are_identical_as_yes_or_no(base, run_c
     assert code == 0, err
     row = next(line for line in out.splitlines() if line.startswith("outputs identical to the baseline's"))
     assert row.split()[-1] == "yes", out
+
+
+def test_a_round_a_resume_reopened_has_no_baseline_to_check(base, run_cli, tmp_path):
+    """A resume stopped half way leaves the earlier session's baseline.json: the gate passed against
+    it although the round has stages left (and may end with another system)."""
+    import shutil
+
+    r = tmp_path / "r"
+    shutil.copytree(base, r)
+    state = json.loads((r / "round.json").read_text())
+    state["stages"]["approve"]["status"] = "interrupted"
+    state["stages"]["remember"]["status"] = "pending"
+    (r / "round.json").write_text(json.dumps(state))
+    for where in (r, r / "baseline.json"):
+        code, out, err = run_cli("check", "--baseline", where, "--runs", "2")
+        assert code == 2 and out == "" and err.count("\n") == 1, err
+        assert ("the round is unfinished (stages left: approve, remember), its baseline.json is from before it was "
+                f"resumed; finish it with specpilot round --resume {r}") in err, err
+
+
+@pytest.mark.parametrize("samples", [[3e-308, 3e-308], [2e9, 2e9]])
+def test_baseline_samples_no_machine_gives_are_refused_before_any_run(base, run_cli, tmp_path, samples):
+    """A throughput whose ratio to a real one overflows failed after the timed runs, naming nothing."""
+    doc = json.loads((base / "baseline.json").read_text())
+    doc["samples"] = samples
+    p = tmp_path / "b.json"
+    p.write_text(json.dumps(doc))
+    code, _, err = run_cli("check", "--baseline", p, "--runs", "2", "--no-audit")
+    assert code == 2 and err.count("\n") == 1 and "baseline field 'samples' must be a list" in err, err
+
+
+def test_a_scorer_at_odds_with_the_baselines_system_is_the_one_named(base, run_cli):
+    code, _, err = run_cli("check", "--baseline", base, "--scorer", "smollm2", "--no-timing")
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith("specpilot: error: --scorer smollm2: its vocabulary (49152 tokens) is not that of the "
+                          "baseline's system") and "--system" not in err, err
+
+
+def test_a_report_says_a_load_average_was_not_recorded(base, run_cli, tmp_path):
+    """A round killed before its end has no end load average: the report printed 'None at the end'."""
+    import shutil
+
+    r = tmp_path / "r"
+    shutil.copytree(base, r)
+    state = json.loads((r / "round.json").read_text())
+    state["load_average_end"] = None
+    (r / "round.json").write_text(json.dumps(state))
+    code, _, err = run_cli("report", r)
+    assert code == 0, err
+    md = (r / "report.md").read_text()
+    assert "at the start, not recorded at the end)." in md and "None" not in md.split("## ")[0], md[:600]

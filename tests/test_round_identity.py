@@ -70,3 +70,29 @@ def test_the_records_folder_is_stored_absolute_and_a_resume_elsewhere_writes_it(
     assert code == 0, err
     assert not (tmp_path / "b" / "rec").exists()
     assert len(yaml.safe_load(next((tmp_path / "a" / "rec").glob("*.yaml")).read_text())["rounds"]) == 1
+
+
+def test_a_resumed_rounds_before_is_the_record_without_its_own_entry(tmp_path):
+    """A resume that replaces the round's entry: 'before' is the record as the round found it (it was
+    the record with the round's own first entry, so changes.json read 'ar -> ar' for a first round)."""
+    from types import SimpleNamespace
+
+    from specpilot.auditors.round import remember as rm
+
+    facts = SimpleNamespace(identity=lambda: "dep", to_json=lambda: {"model": "m"})
+    path = tmp_path / "rec.yaml"
+
+    def entry(rid, final):
+        return {"round": str(tmp_path / rid), "round_id": rid, "final": final}
+
+    doc, before = rm.remember(path, facts, "stock", entry("r1", "chain"))
+    assert before is None and doc["current"] == "chain"
+    doc, before = rm.remember(path, facts, "stock", entry("r1", "tree"))          # r1 resumed
+    assert before is None and doc["current"] == "tree" and len(doc["rounds"]) == 1
+    doc, before = rm.remember(path, facts, "stock", entry("r2", "tlv"))
+    assert before["current"] == "tree" and len(before["rounds"]) == 1
+    doc, before = rm.remember(path, facts, "stock", entry("r2", "tlv+w12"))       # r2 resumed
+    assert before["current"] == "tree" and [r["round_id"] for r in before["rounds"]] == ["r1"]
+    assert doc["current"] == "tlv+w12" and len(doc["rounds"]) == 2
+    doc, before = rm.remember(path, facts, "stock", entry("r1", "chain"))         # r1 again, r2 after it
+    assert before["current"] == "tlv+w12" and doc["current"] == "tlv+w12"

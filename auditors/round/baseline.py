@@ -10,7 +10,7 @@ from pathlib import Path
 
 from specpilot.errors import InputError
 from specpilot.fileio import is_int, is_num, read_json
-from specpilot.limits import MAX_RUNS
+from specpilot.limits import MAX_RUNS, MAX_TPS, MIN_TPS
 
 from .state import check_state, resume_command, stages_left
 
@@ -22,8 +22,8 @@ def read_baseline(path: str | Path) -> dict:
     p = Path(path)
     if p.is_dir():
         p = p / "baseline.json"
-    if not p.exists() and (p.parent / "round.json").is_file():   # the round writes its baseline last
-        _refuse_unfinished(p.parent)
+    if (p.parent / "round.json").is_file():   # a round's own: finished (a resume may have reopened it)
+        _refuse_unfinished(p.parent, stale=p.exists())
     doc = read_json(p, kind="baseline")
     if not isinstance(doc, dict):
         raise InputError(f"{p}: a baseline is a JSON object")
@@ -35,13 +35,17 @@ def read_baseline(path: str | Path) -> dict:
     return doc
 
 
-def _refuse_unfinished(d: Path) -> None:
+def _refuse_unfinished(d: Path, stale: bool = False) -> None:
+    """Refuse the baseline of a round with stages left; ``stale``: its baseline.json is there, from
+    a session before a resume reopened the round."""
     state = read_json(d / "round.json", kind="round")
     check_state(state, d / "round.json")
     left = stages_left(state)
     if left:
-        raise InputError(f"{d}: the round is unfinished (stages left: {', '.join(left)}), so it has no baseline.json "
-                         f"yet; finish it with {resume_command(state, d)}")
+        what = ("its baseline.json is from before it was resumed" if stale
+                else "so it has no baseline.json yet")
+        raise InputError(f"{d}: the round is unfinished (stages left: {', '.join(left)}), {what}; finish it with "
+                         f"{resume_command(state, d)}")
 
 
 def _check_baseline(doc: dict, p: Path) -> None:
@@ -54,8 +58,10 @@ def _check_baseline(doc: dict, p: Path) -> None:
         if k in doc and doc[k] is not None and not (isinstance(doc[k], str) and doc[k].strip()):
             bad(k, "a non-empty string")
     if doc.get("samples") is not None and not (isinstance(doc["samples"], list) and len(doc["samples"]) <= MAX_RUNS
-                                               and all(is_num(x) and x > 0 for x in doc["samples"])):
-        bad("samples", f"a list of at most {MAX_RUNS} positive throughputs (check runs as many by default)")
+                                               and all(is_num(x) and MIN_TPS <= x <= MAX_TPS
+                                                       for x in doc["samples"])):
+        bad("samples", f"a list of at most {MAX_RUNS} throughputs in [{MIN_TPS:g}, {MAX_TPS:g}] tokens/s (check runs "
+                       "as many by default)")
     if doc.get("noise") is not None and not (is_num(doc["noise"]) and 0 <= doc["noise"] < 1):
         bad("noise", "a fraction in [0, 1)")
     if doc.get("samples") and doc.get("noise") is None:   # a round writes both: without it the rule loosens

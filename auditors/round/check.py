@@ -159,9 +159,14 @@ def run_check(baseline: dict, *, system: str | None = None, runs: int | None = N
             sc_vocab = model_vocab(baseline["stock"])
             sc_name = f"the baseline's scorer (stock {baseline['stock']}, {baseline['_path']})"
         if sc_vocab is not None and sc_vocab != sys_vocab:
-            raise InputError(f"--system {sys_text}: its vocabulary ({sys_vocab} tokens) is not that of {sc_name}, "
-                             f"{sc_vocab} tokens: the audit cannot score its outputs; check it against a baseline of "
-                             "its own model, or give --no-audit")
+            if system:
+                raise InputError(f"--system {sys_text}: its vocabulary ({sys_vocab} tokens) is not that of {sc_name}, "
+                                 f"{sc_vocab} tokens: the audit cannot score its outputs; check it against a baseline "
+                                 "of its own model, or give --no-audit")
+            # the baseline's own system: the scorer given is the one at odds
+            raise InputError(f"{sc_name}: its vocabulary ({sc_vocab} tokens) is not that of the baseline's system "
+                             f"{sys_text} ({sys_vocab} tokens): the audit cannot score its outputs; give a scorer of "
+                             "its model, or leave --scorer out")
         if scorer and sc_vocab is not None:   # the rows the scorer forces, before the timed runs
             for role in ("stock", "ar", "system"):
                 for r in outs.get(role) or []:

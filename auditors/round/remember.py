@@ -140,8 +140,8 @@ def build_entry(round_dir: Path, facts, stock: str, start: str, final: str, deci
 
 def remember(path: Path, facts, stock: str, entry: dict, legacy_key: str | None = None) -> tuple[dict, dict | None]:
     """Append ``entry`` (one round; its own earlier entry is replaced) to the deployment's record and
-    write it atomically; returns
-    (the new record, the record as it was before, None when there was none)."""
+    write it atomically; returns (the new record, the record as it was before this round: without
+    its own earlier entry, None when there was none)."""
     import yaml
 
     from specpilot.fileio import atomic_open
@@ -172,4 +172,12 @@ def remember(path: Path, facts, stock: str, entry: dict, legacy_key: str | None 
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_open(path, "w") as fh:
         fh.write(yaml.safe_dump(doc, sort_keys=False, width=110, allow_unicode=True))
+    if before is not None and at is not None:   # a resumed round: what stood before its first entry
+        old = list(before.get("rounds") or [])
+        prev = old[at - 1] if at > 0 else None
+        current = before.get("current") if at < len(old) - 1 else (prev.get("final") if isinstance(prev, dict)
+                                                                    else None)
+        before = {**before, "rounds": old[:at] + old[at + 1:], "current": current}
+        if not before["rounds"]:
+            before = None
     return doc, before
