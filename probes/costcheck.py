@@ -71,6 +71,7 @@ class CheckResult:
     cycle: dict | None = None  # TLV: the run's cycle terms (ms per cycle)
     off: str | None = None
     notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)   # the rows probe's own (noise, its AR step)
 
     @property
     def error(self) -> float:
@@ -84,7 +85,8 @@ class CheckResult:
         return {"schema": "specpilot.ceiling-check/1", "run": self.run, "mode": self.mode, "nodes": self.nodes,
                 "policy": self.policy, "predicted_speedup": self.predicted, "measured_speedup": self.measured,
                 "error": self.error, "tolerance": self.tolerance, "passed": self.passed, "term_off": self.off,
-                "terms": [t.as_dict() for t in self.terms], "tlv_cycle_ms": self.cycle, "notes": self.notes}
+                "terms": [t.as_dict() for t in self.terms], "tlv_cycle_ms": self.cycle, "notes": self.notes,
+                "warnings": self.warnings}
 
 
 def _speedup(tau: float, ar_ms: float, pass_ms: float) -> float:
@@ -215,6 +217,10 @@ def check_run(run: RunFigures, replay: ReplayFigures | None = None, probe: RowsP
     res = CheckResult(run=src, mode=run.mode, nodes=run.nodes, policy=policy, predicted=predicted, measured=measured,
                       tolerance=tolerance, terms=terms, notes=notes,
                       cycle=dict(run.tlv_ms, cycle=sum(run.tlv_ms.values())) if run.tlv_ms else None)
+    if probe is not None:
+        from .ceiling import rows_probe_warnings
+
+        res.warnings = rows_probe_warnings(probe)
     for r in (run, ar_run):
         if r is not None and r.clocks and r.clocks["slowed"] > 0:
             c = r.clocks

@@ -106,3 +106,17 @@ def test_a_system_collected_with_a_larger_limit_than_stock_is_warned_about(run_c
     code, out, err = run_cli("audit", sysf, "--against", st, "--scorer", "tiny")
     assert code in (0, 1), err
     assert "collected with --max-new-tokens 8, stock with 4 (16 tokens vs stock's 8)" in out + err, out + err
+
+
+@pytest.mark.parametrize("where", ["afile/sub", "/dev/null", "/proc/specpilot-outs"])
+def test_selftest_refuses_a_save_outputs_that_is_no_folder_before_any_system_runs(run_cli, tmp_path, monkeypatch,
+                                                                                   where):
+    """It ran every system, then failed on the folder: the verdict and figures lost."""
+    from specpilot.auditors import selftest
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("")
+    monkeypatch.setattr(selftest, "run_selftest", lambda **kw: pytest.fail("the self-test ran"))
+    code, out, err = run_cli("audit", "selftest", "--n-prompts", 1, "--repeats", 1, "--engine-prompts", 0,
+                             "--biases", "2", "--max-new-tokens", 4, "--save-outputs", where)
+    assert code == 2 and out == "" and err.count("\n") == 1 and f"--save-outputs {where}:" in err, err

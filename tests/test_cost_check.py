@@ -133,6 +133,19 @@ def test_check_refuses_a_rows_probe_or_ar_run_of_another_device(run_cli, files):
     assert code in (0, 1), err   # a run without a device is taken as it is
 
 
+def test_check_repeats_the_rows_probes_own_warnings(run_cli, files):
+    """A probe that flagged its c(N) as noise: plain ceiling repeats it, the check dropped it while
+    blaming c(N)."""
+    doc = json.loads(files["rows"].read_text())
+    noisy = _write(files["dir"], "noisy.json", {**doc, "warnings": ["c(N) below 0.95 at 2 rows (0.774): noise"]})
+    code, out, err = run_cli("ceiling", "--check", files["tree"], "--rows-probe", noisy, "--ar-run", files["ar"])
+    assert code in (0, 1), err
+    assert f"warning: rows probe {noisy}: c(N) below 0.95 at 2 rows (0.774): noise" in out, out
+    code, out, err = run_cli("ceiling", "--check", files["tree"], "--rows-probe", noisy, "--ar-run", files["ar"],
+                             "--format", "json")
+    assert json.loads(out)["warnings"] == [f"rows probe {noisy}: c(N) below 0.95 at 2 rows (0.774): noise"]
+
+
 def test_check_with_the_rows_probe_alone_as_ar_reference(run_cli, files):
     code, out, err = run_cli("ceiling", "--check", files["tree"], "--rows-probe", files["rows"], "--format", "json")
     assert code in (0, 1), err

@@ -440,13 +440,16 @@ def test_an_empty_out_is_refused_not_stdout(run_cli):
     (["--out-dir", "/proc/x/rd"], "--out-dir /proc/x/rd: /proc/x does not exist and cannot be made in /proc"),
     (["--records", "/proc/x/rec"], "--records /proc/x/rec: /proc/x does not exist and cannot be made in /proc"),
     (["--out-dir", "{file}/sub"], "is not a folder"),
+    (["--out-dir", "{file}"], "is a file"),
+    (["--out-dir", "/dev/null"], "--out-dir /dev/null exists and is not a folder; choose another --out-dir"),
     (["--candidates", "tree,,chain"], "an empty name between commas"),
 ])
 def test_round_dry_run_refuses_what_the_round_would(run_cli, tmp_path, args, needle):
     (tmp_path / "afile").write_text("x")
     args = [a.format(file=tmp_path / "afile") for a in args]
     code, _, err = run_cli("round", "engine:model=tiny,mode=ar", "--dry-run", *args)
-    assert code == 2 and needle in _one_error(err), err
+    assert code == 2 and needle.format(file=tmp_path / "afile") in _one_error(err), err
+    assert "--resume" not in err   # nothing there to continue
 
 
 def test_round_dry_run_proposes_from_the_memory_it_is_given(run_cli, tmp_path):
@@ -854,3 +857,18 @@ def test_a_bad_model_is_refused_before_torch_is_imported(argv, tmp_path):
     code, out, err, imported = cli_imports(*argv, cwd=tmp_path)
     refused(code, err, "unknown model 'nosuch'" if "nosuch" in argv else "is a catalog config with no weights")
     assert out == "" and imported == [], imported
+
+
+@pytest.mark.parametrize("argv", [
+    ["round", "engine:model=tiny,mode=ar", "--dry-run", "--scorer", ""],
+    ["check", "--baseline", "examples/rounds/smollm2-cpu", "--scorer", ""],
+    ["audit", "a.jsonl", "--against", "b.jsonl", "--scorer", ""],
+    ["apply", "tree", "--model", "", "--dry-run"],
+])
+def test_an_empty_scorer_or_model_is_refused_in_every_verb(run_cli, argv):
+    """round and check took --scorer '' as the default scorer, apply wrote --model-path ''."""
+    from pathlib import Path
+
+    argv = [str(Path(__file__).resolve().parents[1] / a) if a.startswith("examples/") else a for a in argv]
+    code, out, err = run_cli(*argv)
+    assert code == 2 and out == "" and "an empty path" in _one_error(err), err

@@ -33,7 +33,9 @@ def check_config(cfg: RoundConfig):
     from .propose import check_names, check_runnable
 
     out = Path(cfg.out_dir) if cfg.out_dir else None
-    if out is not None and out.exists() and (not out.is_dir() or any(p.name != LOCK_FILE for p in out.iterdir())):
+    if out is not None and out.exists() and not out.is_dir():   # a file or a device: no round to continue
+        raise InputError(f"--out-dir {out} exists and is not a folder; choose another --out-dir")
+    if out is not None and out.exists() and any(p.name != LOCK_FILE for p in out.iterdir()):
         raise InputError(f"{out} exists and is not an empty folder; continue a round there with --resume {out} "
                          "or choose another --out-dir")
     if out is not None:

@@ -61,6 +61,10 @@ def selftest_cmd(n_prompts, max_new_tokens, repeats, biases, bias_fraction, engi
         engine_prompts = max(0, min(engine_prompts, n_prompts))
     bias_list = _float_list(biases, "--biases")
     check_options(n_prompts, max_new_tokens, repeats, bias_list, bias_fraction, engine_prompts)   # before any load
+    if save_dir is not None:   # the folder made, or refused, before any system runs (as audit check does)
+        from specpilot.auditors.systems import default_save_path
+
+        default_save_path(save_dir, "system")
     res = run_selftest(n_prompts=n_prompts, max_new_tokens=max_new_tokens, repeats=repeats, biases=bias_list,
                        bias_fraction=bias_fraction, engine_prompts=engine_prompts, device=device, seed=seed,
                        progress=progress, save_dir=save_dir,

@@ -142,7 +142,7 @@ def _model_inputs(scorer_spec: str | None, engine_specs) -> list[str]:
 @click.argument("systems", nargs=-1, required=True)
 @click.option("--against", "stock_spec", required=True, help="Stock: outputs file, engine: spec or http:// server.")
 @click.option("--ar", "ar_spec", default=None, help="Plain autoregressive run for phase 0 (sets delta).")
-@click.option("--scorer", "scorer_spec", required=True,
+@click.option("--scorer", "scorer_spec", required=True, callback=not_empty,
               help="Target model for teacher forcing: smollm2, a Hugging Face folder, a .gguf file, or an "
                    "engine built-in (tiny, tiny-hybrid: the engine's target with an FP32 head).")
 @_common_run_options
@@ -408,9 +408,12 @@ def collect_cmd(system, prompts_path, max_new_tokens, timeout, concurrency, save
     When the run fails or is interrupted (SIGINT, SIGTERM, SIGHUP) the outputs collected so far
     are kept in --save; --resume continues from them.
 
+    A server takes token ids: text prompts need --tokenizer (the served model's).
+
     \b
     Example:
-      specpilot audit collect http://127.0.0.1:30000 --prompts prompts.jsonl --save sglang.outputs.jsonl
+      specpilot audit collect http://127.0.0.1:30000 --prompts prompts.jsonl --tokenizer smollm2 \\
+          --save sglang.outputs.jsonl
     """
     from pathlib import Path
 

@@ -409,7 +409,7 @@ def _check(check_file, run_file, replay_file, rows_file, ar_run_file, profile_fi
         sections.append(Section("TLV cycle (the run's, ms per exact pass)",
                                 ["draft 1", "Q pass", "draft 2", "exact pass", "append", "cycle"],
                                 [[cy["draft1"], cy["qpass"], cy["draft2"], cy["exact"], cy["append"], cy["cycle"]]]))
-    lines = [verdict_line(res)] + [f"note: {n}" for n in res.notes]
+    lines = [verdict_line(res)] + [f"note: {n}" for n in res.notes] + [f"warning: {w}" for w in res.warnings]
     protect = [p for p in (check_file, replay_file, rows_file, ar_run_file) if p]
     emit(Report(data=res.as_dict(), sections=sections, lines=lines), fmt, out, protect=protect)
     return 0 if res.passed else 1
