@@ -260,8 +260,8 @@ def _set(doc: dict, path: str, value):
 @pytest.mark.parametrize("field, value, words", [
     ("system", 5, "'system' must be a non-empty string"),
     ("noise", "x", "'noise' must be a fraction in [0, 1)"),
-    ("samples", ["a", "b"], "'samples' must be a list of at most 100000 positive throughputs"),
-    ("samples", "x", "'samples' must be a list of at most 100000 positive throughputs"),
+    ("samples", ["a", "b"], "'samples' must be a list of at most 100000 throughputs in [1e-09, 1e+09] tokens/s"),
+    ("samples", "x", "'samples' must be a list of at most 100000 throughputs in [1e-09, 1e+09] tokens/s"),
     ("max_new_tokens", 0, "'max_new_tokens' must be a whole number >= 1"),
     ("outputs.stock.0.prompt_ids", [99999], "has other prompt_ids than in"),
     ("outputs.stock.0.prompt_ids", "abc", "'outputs.stock[0]' must be a row"),
@@ -283,7 +283,7 @@ def test_check_refuses_a_damaged_baseline_before_any_run(tiny_round, run_cli, tm
 
 @pytest.mark.parametrize("samples, noise, words", [
     ([10.0, 11.0], None, "'noise' must be the samples' A/A noise, a fraction in [0, 1), beside the samples"),
-    ([10.0] * 100_001, 0.01, "'samples' must be a list of at most 100000 positive throughputs"),
+    ([10.0] * 100_001, 0.01, "'samples' must be a list of at most 100000 throughputs in [1e-09, 1e+09] tokens/s"),
 ])
 def test_check_refuses_samples_without_their_noise_or_past_the_run_limit(tiny_round, run_cli, tmp_path, samples,
                                                                          noise, words):
