@@ -57,7 +57,8 @@ def test_tlv_tau_is_no_trees_best_reachable(run_cli, tmp_path, policy, best):
 
 
 @pytest.mark.parametrize("doc, words", [
-    ({"policies": [{"policy": "chain", "tau": 1.7}, {"policy": "chain", "tau": 3.0}]}, "policy 'chain' is listed twice"),
+    ({"policies": [{"policy": "chain", "tau": 1.7}, {"policy": "chain", "tau": 3.0}]},
+     "policy 'chain' is listed twice"),
     ({"positions": -1, "policies": [{"policy": "chain", "tau": 1.7}]}, "'positions' must be null or a whole number"),
     ({"positions": True, "policies": [{"policy": "chain", "tau": 1.7}]}, "'positions' must be null or a whole number"),
 ])

@@ -96,7 +96,8 @@ def measure_rows_batched(model, batch: int, rows: list[int], context: int, reps:
               "eager, CUDA events, median" if cuda else "eager, wall clock, median")
     return RowsResult(model.spec.name, gpu, str(model.device), str(model.dtype).replace("torch.", ""), context, ar,
                       points, reps, method, cpu=None if cuda else cpu_name(),
-                      ar_path=path, warnings=[w for w in (slower_ar_warning(model), faster_than_ar_warning(points)) if w],
+                      ar_path=path,
+                      warnings=[w for w in (slower_ar_warning(model), faster_than_ar_warning(points)) if w],
                       extra={"batch": batch, "ar_tokens_per_s": batch / ar * 1e3, "torch": torch.__version__,
                              "threads": torch.get_num_threads(), "warmup": warmup})
 

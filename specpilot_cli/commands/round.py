@@ -59,8 +59,9 @@ def _warn_short_prompts(path: str, n_prompts: int) -> None:
 @click.option("--candidates", "candidates", default=None, metavar="A,B",
               help="Only these candidates (chain, tree, w12, no-op, ...).")
 @click.option("--control", is_flag=True, help="Add a no-op candidate (the current system loaded again): it must be refused.")
-@click.option("--scorer", default=None, callback=not_empty, help="Audit scorer (smollm2, tiny, tiny-hybrid, a HF folder, a .gguf); default: the stock "
-                                             "engine's target with an FP32 LM head.")
+@click.option("--scorer", default=None, callback=not_empty,
+              help="Audit scorer (smollm2, tiny, tiny-hybrid, a HF folder, a .gguf); default: the stock "
+                   "engine's target with an FP32 LM head.")
 @click.option("--memory-dir", type=click.Path(file_okay=False), callback=not_empty, default=None,
               help="Memory entries to propose from (default: the packaged memory).")
 @click.option("--records", "records_dir", type=click.Path(file_okay=False), callback=not_empty, default=None,
