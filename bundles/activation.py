@@ -196,11 +196,6 @@ def parse_bundle_list(text: str) -> list[str]:
     return names
 
 
-def _registry(entries: dict[str, mem.Entry], ids: list[str]) -> dict[str, tuple[str, mem.Variant]]:
-    """Variant name -> (owning bundle, variant) over the bundles ``ids``."""
-    return {v.name: (i, v) for i in ids for v in entries[i].variants}
-
-
 def check_setting(name: str, value: Any, owner: str, var: mem.Variant, shown: str) -> None:
     """Refuse (InputError, led by ``shown``) a value that is not a valid setting of variant ``var``."""
     problem = var.problem(value)
@@ -239,8 +234,8 @@ def setting_value(raw: str, var: mem.Variant) -> Any:
 def parse_settings(pairs, entries: dict[str, mem.Entry], ids: list[str]) -> dict[str, Any]:
     """``--set name=value`` over the variant registries of ``ids``; each name once, each value
     read strictly (:func:`setting_value`) and checked against the variant's range."""
-    registry = _registry(entries, ids)
-    values = {name: v.default for name, (_, v) in registry.items()}
+    registry = mem.variant_registry(entries, ids)
+    values = mem.with_defaults(entries, ids, {})
     given: dict[str, str] = {}
     for pair in pairs or ():
         if "=" not in pair:
@@ -365,7 +360,7 @@ def idle_warnings(entries: dict[str, mem.Entry], ids: list[str], settings, draft
             if o.bundle in ids and (not o.drafters or drafter in o.drafters):
                 off[i] = o.bundle
                 out.append(f"{i} with {o.bundle} on {DRAFTERS[drafter]}: {o.why}")
-    registry = _registry(entries, ids)
+    registry = mem.variant_registry(entries, ids)
     for pair in settings or ():
         name = pair.split("=", 1)[0].strip()
         owner, var = registry[name]   # parse_settings refused unknown names
@@ -574,7 +569,7 @@ def status(python: str | None = None, memory_dir=None, out: str | None = None) -
     launch = None
     if not problems:   # from the activation's bundles and settings, as apply builds it (its text may be edited)
         ids = act["closure"]
-        values = {v.name: v.default for i in ids for v in entries[i].variants} | act["settings"]
+        values = mem.with_defaults(entries, ids, act["settings"])
         launch = launch_command(entries, ids, values, env.executable, launch_model(act) or "MODEL",
                                 act.get("drafter"), env.plugins)
     return StatusResult(path=str(path), env=env, activation=act, checks=checks, problems=problems, swept=swept,

@@ -588,15 +588,23 @@ def setup_of(entries: dict[str, Entry], ids: Iterable[str]) -> list[str]:
     return [entries[i].setup for i in ids if entries[i].setup]
 
 
+def variant_registry(entries: dict[str, Entry], ids: Iterable[str]) -> dict[str, tuple[str, Variant]]:
+    """Variant name -> (owning bundle, variant) over the bundles ``ids``."""
+    return {v.name: (i, v) for i in ids for v in entries[i].variants}
+
+
+def with_defaults(entries: dict[str, Entry], ids: Iterable[str], settings: dict) -> dict:
+    """``settings`` over every variant of the bundles ``ids`` at its default."""
+    return {name: var.default for name, (_, var) in variant_registry(entries, ids).items()} | settings
+
+
 def settings_problems(entries: dict[str, Entry], ids: Iterable[str], settings: dict,
                       drafter: str | None = None) -> list[str]:
     """Why the variant values ``settings`` of the closure ``ids`` cannot run (empty when they can):
     a name none of its bundles has, a value its variant refuses, and what each bundle's own
     ``settings_check`` finds in them together (on ``drafter``; None: unknown)."""
-    import importlib
-
     ids = list(ids)
-    registry = {v.name: (i, v) for i in ids for v in entries[i].variants}
+    registry = variant_registry(entries, ids)
     out = []
     for name, value in settings.items():
         if name not in registry:
@@ -608,7 +616,7 @@ def settings_problems(entries: dict[str, Entry], ids: Iterable[str], settings: d
             out.append(f"setting {name}={value!r}: {problem} ({owner})")
     if out:   # each check reads every value of its bundle: only once they are valid one by one
         return out
-    values = {name: var.default for name, (_, var) in registry.items()} | settings
+    values = with_defaults(entries, ids, settings)
     for i in ids:
         if entries[i].settings_check:
             module, _, attr = entries[i].settings_check.partition(":")

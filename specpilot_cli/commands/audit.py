@@ -487,8 +487,6 @@ def _same_system(stored: str | None, system: str) -> bool:
     return False
 
 
-
-
 def _check_resumable(already, prompts, max_new_tokens: int, save: str, system: str, quiet: bool = False) -> None:
     """Refuse to resume from rows the collection would drop or mix in: rows of other prompts (the
     file is rewritten with the prompts' rows only), rows of another system or collected under

@@ -57,7 +57,8 @@ def command(python, fmt, out):
         gone = [name for name, v in (("SGLang", res.env.sglang_package), ("SpecPilot", res.env.specpilot_version))
                 if v is None]
         first = f"install {' and '.join(gone)} there again, then " if gone else ""
-        cmd, left_out = reapply_command(act, python, res.env.sglang_version)
+        unchecked = unchecked_version(act, res.env.sglang_version)
+        cmd, left_out = reapply_command(act, python, unchecked)
         if cmd is None:   # none of its bundles is in this SpecPilot's memory: nothing to apply again
             lines += ["", f"do not launch with this activation; this SpecPilot knows none of its bundles "
                           f"({', '.join(left_out)}); remove it:", f"  specpilot revert{where}"]
@@ -66,7 +67,7 @@ def command(python, fmt, out):
                       f"  {cmd}"]
             if left_out:
                 lines.append(f"  (left out, as this SpecPilot's memory would refuse them: {', '.join(left_out)})")
-            if unchecked_version(act, res.env.sglang_version) and not (act.get("sglang") or {}).get("forced"):
+            if unchecked and not (act.get("sglang") or {}).get("forced"):
                 lines.append(f"  (--force: the bundles were not checked against SGLang {res.env.sglang_version}; "
                              "apply runs the static target check first)")
             lines += ["or remove it:", f"  specpilot revert{where}"]
@@ -98,11 +99,12 @@ def unchecked_version(act: dict, version: str | None) -> bool:
     return version is not None and bool(checked) and version not in checked
 
 
-def reapply_command(act: dict, python: str | None, sglang_version: str | None = None) -> tuple[str | None, list[str]]:
+def reapply_command(act: dict, python: str | None, unchecked: bool = False) -> tuple[str | None, list[str]]:
     """The ``specpilot apply`` command that writes ``act`` again: its bundles, --python, the drafter
     the launch was written for, the model, --experimental where a bundle is experimental, --force
-    where it was forced or where the installed ``sglang_version`` is not one the bundles were
-    checked against, and every setting that is not the variant's default; every word shell-quoted.
+    where it was forced or where the installed SGLang is one the bundles were not checked against
+    (``unchecked``: :func:`unchecked_version`), and every setting that is not the variant's default;
+    every word shell-quoted.
     With what it leaves out because apply would refuse it here (a bundle this SpecPilot's memory
     lacks, a setting none of the bundles has or a value its variant refuses); None for the command
     when no bundle is left (or the memory cannot be read)."""
@@ -124,7 +126,7 @@ def reapply_command(act: dict, python: str | None, sglang_version: str | None = 
         words += ["--model", model]
     if _experimental(act, entries):
         words.append("--experimental")
-    if (act.get("sglang") or {}).get("forced") or unchecked_version(act, sglang_version):
+    if (act.get("sglang") or {}).get("forced") or unchecked:
         words.append("--force")
     variants = {v.name: v for i in act.get("closure", []) if i in entries for v in entries[i].variants}
     for k, v in (act.get("settings") or {}).items():
