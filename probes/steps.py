@@ -236,6 +236,23 @@ def exclusive_ns(step: np.ndarray, stream: np.ndarray, starts: np.ndarray, ends:
     return out
 
 
+def untangle_range_walls(steps) -> str | None:
+    """Range-mode steps (in time order) whose range starts before the previous step's window ends
+    start at that end instead, and a note saying how many did. A host that queues steps ahead of
+    the GPU opens each step's range while the GPU still runs the steps before it; counting from the
+    range's start would count that queue as the step's own wall, step after step."""
+    moved, prev = 0, None
+    for s in steps:
+        if prev is not None and s.start < prev:
+            s.start = min(prev, s.end)
+            moved += 1
+        prev = s.end if prev is None else max(prev, s.end)
+    if not moved:
+        return None
+    return (f"{count(moved, 'step range')} began before the previous step's GPU work ended (the host queues "
+            "steps ahead of the GPU): each such step's wall counts from the previous step's end")
+
+
 @dataclass
 class Spread:
     median: float

@@ -37,6 +37,7 @@ class SynthSpec:
     # ends, on the same stream: launched early under programmatic dependent launch, waiting for it
     schema2: bool = False  # EXPORT_META_DATA (2.x) instead of META_DATA_EXPORT (3.x)
     nvtx_text_ids: bool = False  # NVTX names through textId -> StringIds instead of text
+    ahead: bool = False  # the host queues steps ahead of the GPU: a step's range ends after its launches
     start_ns: int = 1_000_000_000
 
     def kernels(self):
@@ -46,10 +47,11 @@ class SynthSpec:
 def timeline(spec: SynthSpec):
     """Yield per step: (cpu_start, cpu_end, [(name, gpu_start, gpu_end, stream, launch_t, kind)])."""
     t = spec.start_ns
+    g = 0
     for _ in range(spec.steps):
         cpu0 = t
         launch = t + 2000
-        g = t + 10_000
+        g = max(t + 10_000, g + spec.gap_ns) if spec.ahead else t + 10_000
         evs = []
         for name, dur in spec.kernels():
             stream = 13 if (spec.second_stream and name.startswith("flash")) else 7
@@ -60,7 +62,8 @@ def timeline(spec: SynthSpec):
         if spec.memcpy:
             evs.append(("Memcpy DtoH", g, g + 1500, 7, launch + 100, "memcpy"))
             g += 1500
-        cpu1 = g + 5000  # the CPU waits for the token: the step range ends after the GPU
+        # the CPU waits for the token (the step range ends after the GPU), or runs on to the next step
+        cpu1 = launch + 1000 if spec.ahead else g + 5000
         yield cpu0, cpu1, evs
         t = cpu1 + spec.step_gap_ns
 

@@ -10,7 +10,7 @@ import sqlite3
 from pathlib import Path
 
 from conftest import one_error
-from synthetic_traces import SynthSpec, write_kineto, write_nsys_sqlite
+from synthetic_traces import SynthSpec, truth, write_kineto, write_nsys_sqlite
 from test_profile_real_world import AR, _json, llama_step, write_trace
 
 REPO = Path(__file__).resolve().parents[1]
@@ -171,3 +171,23 @@ def test_a_profile_of_a_huge_shape_is_read_back_by_ceiling(run_cli, tmp_path):
         f.write_text(json.dumps({**json.loads(out.read_text()), "total_floor_ms": bad}).replace("Infinity", "1e999"))
         code, _, err = run_cli("ceiling", "--profile", f, "--tau", "3", "--ar-ms", "5")
         assert code == 2 and "'total_floor_ms' must be a finite number >= 0 ms" in one_error(err), err
+
+
+def test_steps_a_host_queues_ahead_of_the_gpu_count_their_own_wall(run_cli, tmp_path):
+    """A host that launches each step before the GPU finished the ones before it opens every step's
+    range early: counted from the range's start, the walls grew with the queue, step after step
+    (an outside factor of several x on a GPU that was never idle). Each step counts from the previous
+    step's end, in both readers."""
+    spec = SynthSpec(steps=6, layers=2, ahead=True, memcpy=False, step_gap_ns=1000)
+    truth_ = truth(spec)
+    ends = [max(t["cpu"][1], t["gpu"][1]) for t in truth_]
+    walls = [ends[0] - truth_[0]["cpu"][0]] + [ends[i] - max(truth_[i]["cpu"][0], ends[i - 1])
+                                              for i in range(1, len(ends))]
+    assert truth_[-1]["cpu"][0] < truth_[-2]["gpu"][1]   # the host really runs ahead
+    for trace in (write_kineto(tmp_path / "t.json", spec), write_nsys_sqlite(tmp_path / "t.sqlite", spec)):
+        d = _json(run_cli, trace)
+        got = [s["wall_ms"] for s in d["per_step"]]
+        assert got == [w / 1e6 for w in walls], trace
+        busy = [s["busy_ms"] for s in d["per_step"]]
+        assert max(g / b for g, b in zip(got[1:], busy[1:])) < 1.1
+        assert any("the host queues steps ahead of the GPU" in n for n in d["notes"]), d["notes"]

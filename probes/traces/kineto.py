@@ -519,6 +519,8 @@ def aggregate_kineto(tr: KinetoTrace, req: StepRequest) -> Aggregate:
                 w1 = int(kst[bounds[j + 1]:bounds[j + 2]].min()) if j + 1 < len(present_steps) else g1
             steps.append(StepInfo(index=i, label=labels[i] if i < len(labels) else str(i), start=w0, end=w1,
                                   gpu_start=g0, gpu_end=g1, busy_ns=st.union_ns(kst[a:b], ken[a:b]), events=int(b - a)))
+    if mode == "range" and (note := st.untangle_range_walls(steps)):
+        notes.append(note)
     empty = len(labels) - len(steps)
     if empty > 0:
         notes.append(f"{empty} step(s) launched no GPU work and were left out")

@@ -227,6 +227,8 @@ def _aggregate(ex: NsysExport, req: StepRequest) -> Aggregate:
         notes.append(f"{damaged} GPU activity row(s) without a start and end, or ending before they start, were "
                      "left out (a damaged export)")
     steps = gr.build_steps(mode, labels, step_ranges, per_step)
+    if mode == "range" and (note := st.untangle_range_walls(steps)):
+        notes.append(note)
     empty = len(labels) - len(steps)
     if empty > 0:
         notes.append(f"{empty} step(s) launched no GPU work and were left out")
