@@ -142,6 +142,21 @@ def _use_rows_probe(p: RowsProbeFigures, m: Measurements, rows: int | None, run:
         m.set("step_ms", p.step_ms[rows], f"rows probe {p.source} (rows={rows})", p)
 
 
+def _ar_on_profile_clock(prof: ProfileFigures, probe: RowsProbeFigures, m: Measurements, rows: int | None) -> bool:
+    """T_AR on the profile's clock where T_step is the profile's step: its wall over the probe's
+    c(N) at the profile's rows (as ``round`` models it). The profile's step is the engine's whole
+    step, host time included, and the probe's T_AR a bare forward: divided by each other they gave
+    a profile of AR itself a c of 1.25. False where the probe did not time those rows."""
+    t = probe.step_ms.get(rows) if rows is not None else None
+    if t is None and rows == 1:
+        t = probe.ar_ms
+    if t is None or not probe.ar_ms:
+        return False
+    m.set("ar_ms", prof.step_wall_ms * probe.ar_ms / t,
+          f"profile {prof.source} step wall / rows probe {probe.source} c({rows})", probe)
+    return True
+
+
 def passed_over_notes(m: Measurements) -> list[str]:
     """A note for each measurement two files gave, where the value not used differs: which file's
     is used and why."""
@@ -202,7 +217,10 @@ def compute_ceiling(req: CeilingRequest) -> CeilingResult:
               req.run if cycle["source"].startswith("run ") else req.rows_probe)
     step_curve = {}
     warning = check_rows_probe_hardware(req.rows_probe, gpu if model is not None else None)
+    clocks_differ = False
     if req.rows_probe:
+        if req.profile is not None and m.origins.get("step_ms") is req.profile and m.ar_ms is None:
+            clocks_differ = not _ar_on_profile_clock(req.profile, req.rows_probe, m, cost_rows)
         _use_rows_probe(req.rows_probe, m, cost_rows, req.run)
         step_curve = req.rows_probe.step_ms
 
@@ -252,6 +270,12 @@ def compute_ceiling(req: CeilingRequest) -> CeilingResult:
         res.warnings = rows_probe_warnings(req.rows_probe)
     if warning:
         res.warnings.append(warning)
+    if clocks_differ and cost is not None:
+        timed = ",".join(str(n) for n in sorted(req.rows_probe.step_ms))
+        res.warnings.append(f"T_step is --profile {req.profile.source}'s whole engine step (host time included) "
+                            f"and T_AR --rows-probe {req.rows_probe.source}'s bare forward, so c counts the "
+                            f"outside time: the probe timed {timed} rows, not the profile's {cost_rows}; time "
+                            "those rows with probe rows to put T_AR on the profile's clock")
     other = probe_model_mismatch(req.rows_probe, model)
     if other:
         res.warnings.append(other)

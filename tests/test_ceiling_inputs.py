@@ -146,13 +146,32 @@ def test_a_probe_point_of_other_rows_is_not_the_runs_step(run_cli, tmp_path):
 
 
 def test_a_gpu_probe_beside_the_profile_says_whose_step_is_used(run_cli):
+    """The profile's step is the engine's whole step, the probe's T_AR a bare forward: T_AR is put
+    on the profile's clock through the probe's c(N) at the profile's rows, as round models it (a
+    profile of AR itself had c 1.25 and a speedup of 0.8 over itself)."""
     code, out, err = run_cli("ceiling", "--rows-probe", H200_ROWS, "--profile", H200_PROFILE, "--tau", "1.0",
                              "--format", "json")
     assert code == 0, err
     cm = json.loads(out)["cost_model"]
-    assert cm["step_ms"] == pytest.approx(4.918425) and cm["ar_ms"] == pytest.approx(3.926159977912903)
+    assert cm["step_ms"] == pytest.approx(4.918425) and cm["ar_ms"] == pytest.approx(4.918425)
+    assert cm["c"] == pytest.approx(1.0) and cm["speedup"] == pytest.approx(1.0)
+    assert cm["sources"]["ar_ms"].endswith(f"rows probe {H200_ROWS} c(1)")
     assert any(n.startswith(f"T_step is profile {H200_PROFILE}'s 4.918 ms") and "3.926 ms" in n
                for n in cm["notes"]), cm["notes"]
+
+
+def test_a_profile_of_rows_the_probe_did_not_time_is_warned_about(run_cli, tmp_path):
+    """A profile of 12-row steps beside a probe that timed 9 and 17 rows: T_AR stays the probe's
+    bare forward and the warning says c counts the outside time, and how to fix it."""
+    prof = json.loads(H200_PROFILE.read_text())
+    prof["shape"]["rows"] = 12
+    p = tmp_path / "p12.json"
+    p.write_text(json.dumps(prof))
+    code, out, err = run_cli("ceiling", "--rows-probe", H200_ROWS, "--profile", p, "--tau", "2", "--format", "json")
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["cost_model"]["ar_ms"] == pytest.approx(3.926159977912903)
+    assert any("so c counts the outside time" in w and "not the profile's 12" in w for w in d["warnings"]), d
 
 
 
