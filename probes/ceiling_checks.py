@@ -110,9 +110,10 @@ def _gpu_key(name: str | None) -> str | None:
 
 
 def _same_gpu(a_key: str | None, a_name: str | None, b_key: str | None, b_name: str | None) -> bool:
-    """Two GPUs as one (unknown: no objection): by catalog key, else by the names' catalog match."""
-    a_key = a_key if a_key not in (None, "custom") else _gpu_key(a_name)
-    b_key = b_key if b_key not in (None, "custom") else _gpu_key(b_name)
+    """Two GPUs as one (unknown: no objection): by catalog key (a key the catalog does not know is
+    none), else by the names' catalog match."""
+    a_key = (a_key if a_key not in (None, "custom") else None) and _gpu_key(a_key) or _gpu_key(a_name)
+    b_key = (b_key if b_key not in (None, "custom") else None) and _gpu_key(b_key) or _gpu_key(b_name)
     if a_key and b_key:
         return a_key == b_key
     if a_name and b_name and not (a_key or b_key):
@@ -170,7 +171,11 @@ def check_one_deployment(req: CeilingRequest, cost_rows: int | None) -> None:
                                                                                  "TFLOP/s")):
                 mine, theirs = pg.get(k), getattr(gpu, k)
                 if mine and abs(mine - theirs) > 1e-3 * mine:
-                    _refuse(me, f"{'--bandwidth' if k == 'bandwidth_tbs' else '--flops'} {theirs:g}", f"GPU's {what}",
+                    option = "--bandwidth" if k == "bandwidth_tbs" else "--flops"
+                    # the figure is --gpu's catalog one unless the option gave it
+                    given = (f"{option} {theirs:g}" if option[2:] in gpu.measured or gpu.key == "custom"
+                             else f"--gpu {gpu.key}")
+                    _refuse(me, given, f"GPU's {what}",
                             f"{mine:g} {unit}", f"{theirs:g} {unit}",
                             "the profile's floor is of its figures; leave the option out to take them")
     if run_cpu:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import refused
+from conftest import one_error, refused
 
 REPO = Path(__file__).resolve().parents[1]
 ROUNDS = REPO / "examples" / "rounds"
@@ -190,3 +190,26 @@ def test_a_run_of_no_passes_or_a_tau_below_one_is_named_as_the_files(run_cli, cp
         bad.write_text(json.dumps({**json.loads(cpu_run.read_text()), "tau": tau}))
         code, _, err = run_cli("ceiling", "--run", bad, "--ar-ms", "20")
         refused(code, err, f"{bad}: the run's 'tau' must be a finite number in [1, 65536], got {tau}")
+
+
+def test_a_profile_of_a_gpu_outside_the_catalog_sets_floors_with_model(run_cli, tmp_path):
+    """A profile whose floors used --bandwidth/--flops for a GPU the catalog lacks was refused beside
+    --model as disagreeing with a '--gpu' never given ('... against custom'); an unknown key beside a
+    catalog name disagreed with itself. A real --gpu is named as the option that disagrees."""
+    prof = json.loads(H200_PROFILE.read_text())
+    prof["gpu"] = {"name": "NVIDIA A100-SXM4-40GB", "key": "custom", "bandwidth_tbs": 1.555, "bf16_tflops": 312.0}
+    p = tmp_path / "a100.json"
+    p.write_text(json.dumps(prof))
+    for extra in ((), ("--bandwidth", "1.555", "--flops", "312")):
+        code, out, err = run_cli("ceiling", "--profile", p, "--model", "llama-3.1-8b", "--tau", "2", "--ar-ms", "4",
+                                 *extra, "--format", "json")
+        assert code == 0, err
+        assert json.loads(out)["gpu"]["name"] == "NVIDIA A100-SXM4-40GB"
+    code, out, err = run_cli("ceiling", "--profile", p, "--model", "llama-3.1-8b", "--gpu", "h100", "--tau", "2",
+                             "--ar-ms", "4")
+    assert code == 2 and "and --gpu h100-sxm disagree on the GPU's peak bandwidth (1.555 TB/s against 3.35 TB/s)" in \
+        one_error(err)
+    prof["gpu"] = {"name": "NVIDIA H200", "key": "no-such-gpu", "bandwidth_tbs": 4.8, "bf16_tflops": 989.5}
+    p.write_text(json.dumps(prof))
+    code, out, err = run_cli("ceiling", "--profile", p, "--model", "llama-3.1-8b", "--tau", "2", "--ar-ms", "4")
+    assert code == 0, err

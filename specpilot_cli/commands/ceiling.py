@@ -217,14 +217,17 @@ def _refuse_unread_options(model_name, profile_file, replay_file, rows_file, pol
 def _profile_gpu(prof):
     """The GPU a profile ran on, as a GPUSpec with the figures its floors used (None where it names
     none the catalog knows and gives no figures): ``ceiling`` takes it when --gpu is not given."""
+    from dataclasses import replace
+
     from specpilot.gpus import custom_gpu, get_gpu, match_gpu_name, with_overrides
 
     g = prof.gpu or {}
     bw, fl = g.get("bandwidth_tbs"), g.get("bf16_tflops")
     key = g.get("key")
     spec = get_gpu(key) if key and key != "custom" and match_gpu_name(key) else match_gpu_name(g.get("name") or "")
-    if spec is None:
-        return custom_gpu(bw, fl) if bw and fl else None
+    if spec is None:   # not in the catalog: the figures its floors used, under the name the profile gives it
+        name = g.get("floors_gpu") or g.get("name")
+        return replace(custom_gpu(bw, fl), **({"name": name} if name else {})) if bw and fl else None
     return with_overrides(spec, bw if bw and bw != spec.bandwidth_tbs else None,
                           fl if fl and fl != spec.bf16_tflops else None)
 
