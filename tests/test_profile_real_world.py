@@ -14,6 +14,7 @@ import pytest
 
 from specpilot.probes import steps as st
 from specpilot.probes.traces.kineto import amd_name, gpu_from_names
+from conftest import one_error
 
 LOCAL = Path(__file__).parent / "fixtures"
 H200_EAGER = LOCAL / "nsys_h200_decode_eager.sqlite"
@@ -258,3 +259,21 @@ def test_one_gpu_of_a_multi_gpu_nsight_export_with_floors_is_warned(run_cli, tmp
     d = _json(run_cli, p, "--device", 0, "--model", "llama-3.1-8b")
     assert d["distributed"] == {"gpus": 2, "floors": "whole model"}
     assert "(kernels on 2 GPUs)" in d["warnings"][0] and "up to 2x high" in d["warnings"][0]
+
+
+def test_traces_that_say_they_are_no_group_are_refused_as_ranks(run_cli, tmp_path):
+    """Two traces that each ran alone (world size 1), or that both say they are rank 0, were profiled
+    as a tensor-parallel group: a tie on every step, or another workload's difference as imbalance."""
+    alone = {"distributedInfo": {"backend": "nccl", "rank": 0, "world_size": 1}}
+    a = write_trace(tmp_path / "a.json.gz", [llama_step()] * 3, header=alone)
+    b = write_trace(tmp_path / "b.json.gz", [llama_step()] * 3, header=alone, slow=1.2)
+    code, out, err = run_cli("profile", a, b)
+    assert code == 2 and not out and "a.json.gz: the trace says it ran alone (world size 1)" in one_error(err)
+    both0 = {"distributedInfo": {"backend": "nccl", "rank": 0, "world_size": 2}}
+    a = write_trace(tmp_path / "a.json.gz", [llama_step()] * 3, header=both0)
+    b = write_trace(tmp_path / "b.json.gz", [llama_step()] * 3, header=both0, slow=1.2)
+    code, out, err = run_cli("profile", a, b)
+    assert code == 2 and not out and "both say they are rank 0" in one_error(err)
+    b = write_trace(tmp_path / "b.json.gz", [llama_step()] * 3, header={"distributedInfo": {"rank": 1, "world_size": 2}})
+    code, out, err = run_cli("profile", a, b)
+    assert code == 0 and "2 ranks" in out, err

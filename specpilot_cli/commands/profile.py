@@ -242,6 +242,7 @@ def command(traces, step_range, step_mode, gap_us, skip_steps, device, include_o
             aggs = [a for _, a in aggs]
         else:
             aggs = [_read(t, device, step_range, step_mode, gap_us, include_orphans, table) for t in traces]
+            _refuse_traces_of_no_group(traces, aggs)
             labels = None
         # every rank's figures over the steps all ranks have (a rank with none is refused by its profile)
         counts = [max(len(a.steps) - skip_steps, 0) for a in aggs]
@@ -335,6 +336,24 @@ def _refuse_a_trace_named_twice(traces) -> None:
         twin = next((b for b in traces[:i] if same_file(a, b)), None)
         if twin is not None:
             raise InputError(f"{a}: given twice (as {twin}); each rank is its own trace file")
+
+
+def _refuse_traces_of_no_group(traces, aggs) -> None:
+    """Traces that say they are not ranks of one group (their distributedInfo): one that ran alone
+    (world size 1), or two that claim the same rank. Profiled as ranks they tied or showed another
+    workload's difference as imbalance."""
+    seen: dict[int, str] = {}
+    for t, a in zip(traces, aggs):
+        d = a.distributed or {}
+        if d.get("world_size") == 1:
+            raise InputError(f"{t}: the trace says it ran alone (world size 1), so it is no rank of a tensor-parallel "
+                             "group; profile it by itself, or compare two traces with --diff")
+        rank = d.get("rank")
+        if rank is not None and rank in seen:
+            raise InputError(f"{t} and {seen[rank]} both say they are rank {rank}: each rank of a group is its own "
+                             "trace; give one trace per rank")
+        if rank is not None:
+            seen[rank] = t
 
 
 def _rank_labels(traces, profiles) -> list[str]:  # noqa: ARG001
