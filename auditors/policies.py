@@ -327,9 +327,10 @@ def eagle2_tree(step: StepView, topk: int, depth: int, n: int) -> Tree:
     seq = 0
     # depth 0: the root's TOPK children
     s0 = step.edge_scores(0, 0)
-    kk = min(topk, step.k)
+    # a node has as many children as its position drafted (up to TOPK); the beam keeps TOPK nodes
+    # whatever the step's width, or a ragged step's narrow positions would narrow every level
     beam = []
-    for j in _topk_idx(s0, kk):
+    for j in _topk_idx(s0, topk):
         pool.append((float(s0[j]), 0, seq, -1, int(j)))
         beam.append(len(pool) - 1)
         seq += 1
@@ -338,13 +339,13 @@ def eagle2_tree(step: StepView, topk: int, depth: int, n: int) -> Tree:
         for b in beam:
             ps, _, _, _, pc = pool[b]
             es = step.edge_scores(d, pc)
-            for j in _topk_idx(es, kk):
+            for j in _topk_idx(es, topk):
                 cands.append((ps + float(es[j]), d, seq, b, int(j)))
                 seq += 1
         pool.extend(cands)
         base = len(pool) - len(cands)
         order = sorted(range(len(cands)), key=lambda i: _order_key(cands[i][0], d, cands[i][2]))
-        beam = [base + i for i in order[:kk]]
+        beam = [base + i for i in order[:topk]]
     keep = sorted(range(len(pool)), key=lambda i: _order_key(pool[i][0], pool[i][1], pool[i][2]))[:n]
     return _compact(pool, keep, step)
 

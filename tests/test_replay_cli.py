@@ -644,3 +644,17 @@ def test_minus_infinity_scores_are_never_verified_by_any_policy(tmp_path, run_cl
     assert code == 0, err
     assert {p["policy"]: p["tau"] for p in json.loads(out)["policies"]} == {"chain": 1.5, "best-first:4": 1.5,
                                                                              "oracle:2": 1.5}
+
+
+def test_eagle2_keeps_a_beam_of_topk_on_a_narrow_step(run_cli, tmp_path):
+    """A step of two candidates per position with TOPK 4: every one of the four depth-1 nodes stays in
+    the beam (2 + 4 + 8 = 14 nodes) and the target's path 2 -> 4 -> 6 is reached (tau 4). The beam
+    was cut to the step's width, 2: 10 nodes, tau 3."""
+    lat = tmp_path / "e2.jsonl"
+    lat.write_text(json.dumps({"schema": "specpilot.lattice/1", "request": "r0", "step": 0,
+                               "tokens": [[1, 2], [3, 4], [5, 6]], "logprobs": [[-0.1, -0.2]] * 3,
+                               "transitions": None, "target": [2, 4, 6, 9]}) + "\n")
+    code, out, err = run_cli("replay", lat, "--policy", "eagle2:4,3,32", "--format", "json")
+    assert code == 0, err
+    (p,) = json.loads(out)["policies"]
+    assert p["nodes_built"] == 14 and p["tau"] == 4
