@@ -209,8 +209,14 @@ class GenerateSystem(System):
         self.prompts = list(prompts)
         self.max_new_tokens = max_new_tokens
         self.gen = make_generator(self.system, timeout=timeout)
-        self.outputs: list[list[int]] | None = None
-        self.outputs_stable = True
+        self.reset_outputs()
+
+    def reset_outputs(self) -> None:
+        """No run yet: the outputs bookkeeping ``measure`` keeps."""
+        self.outputs: list[list[int]] | None = None   # the first run's (every prompt's tokens)
+        self.outputs_digest: str | None = None   # of the first run's outputs, or a resumed file's
+        self.outputs_stable = True   # every run since gave the same outputs
+        self.outputs_unrecorded = False   # resumed from samples whose outputs were not kept
 
     @staticmethod
     def check(spec: str, prompts, max_new_tokens: int, concurrency: int = 1):
@@ -240,16 +246,39 @@ class GenerateSystem(System):
             outs = [one(p) for p in self.prompts]
         tokens = sum(len(o) for o in outs)
         wall = time.perf_counter() - t0
+        digest = outputs_digest(outs)
         if self.outputs is None:
             self.outputs = outs
-        elif outs != self.outputs:
+        if self.outputs_digest is None:
+            self.outputs_digest = digest
+        elif digest != self.outputs_digest:
             self.outputs_stable = False
         if tokens == 0:
             raise InputError(f"{self.label}: generated no tokens")
         return tokens / wall
 
+    def outputs_record(self) -> dict:
+        """What a partial file keeps of the outputs: a resumed comparison judges them with the rest."""
+        return {"sha256": self.outputs_digest, "stable": self.outputs_stable}
+
+    def resume_outputs(self, record: dict | None) -> None:
+        """The outputs of an interrupted comparison's runs (``outputs_record``); later runs are
+        compared with them."""
+        if record is None:
+            self.outputs_unrecorded = True
+        else:
+            self.outputs_digest = record.get("sha256")
+            self.outputs_stable = bool(record.get("stable"))
+
     def close(self):
         self.gen.close()
+
+
+def outputs_digest(outs: list[list[int]]) -> str:
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps(outs).encode()).hexdigest()[:32]
 
 
 def recorded_as(spec: str | None, cmd: str | None, metric: str) -> tuple[str, str]:
@@ -284,6 +313,8 @@ def make_system(spec: str | None, cmd: str | None, role: str, *, metric: str, ti
 class PairRun:
     samples: list[Sample]
     aa: list[tuple[float, float]]
+    # engines and servers: each system's outputs_record at the time (None: not recorded)
+    outputs: dict | None = None
 
 
 def run_block(a: System, b: System, block: int, pair0: int, gpus: Sequence[str] | None) -> tuple[list[Sample], tuple]:
@@ -363,9 +394,24 @@ def parse_gpus(text: str | None) -> tuple[str, str] | None:
     return parts[0], parts[1]
 
 
-def _outputs_differ(a: System, b: System) -> bool:
-    return (isinstance(a, GenerateSystem) and isinstance(b, GenerateSystem) and a.outputs is not None
-            and b.outputs is not None and a.outputs != b.outputs)
+def outputs_records(a: System, b: System) -> dict | None:
+    """Both systems' outputs records (engines and servers), for a partial file."""
+    if isinstance(a, GenerateSystem) and isinstance(b, GenerateSystem):
+        return {"base": a.outputs_record(), "candidate": b.outputs_record()}
+    return None
+
+
+def _outputs_differ(a: System, b: System) -> str | None:
+    """Why the candidate's outputs are not shown to be the base's (every run of each compared),
+    or None where they are, or the systems are not engines or servers."""
+    if not (isinstance(a, GenerateSystem) and isinstance(b, GenerateSystem)):
+        return None
+    if a.outputs_unrecorded or b.outputs_unrecorded or a.outputs_digest is None or b.outputs_digest is None:
+        return "the outputs of the resumed runs were not recorded"
+    unstable = [role for role, x in (("base", a), ("candidate", b)) if not x.outputs_stable]
+    if unstable:
+        return f"the {' and the '.join(unstable)}'s outputs changed from run to run"
+    return "candidate outputs differ from base outputs" if a.outputs_digest != b.outputs_digest else None
 
 
 def even_pairs(option: str, n: int) -> None:
@@ -402,12 +448,15 @@ def paired_compare(a: System, b: System, *, runs: int | None = None, warmup: int
     user_changes_output = changes_output
     samples: list[Sample] = list(prior.samples) if prior else []
     aa_pairs: list[tuple] = list(prior.aa) if prior else []
+    if prior and isinstance(a, GenerateSystem) and isinstance(b, GenerateSystem):
+        a.resume_outputs(prior.outputs.get("base") if prior.outputs else None)
+        b.resume_outputs(prior.outputs.get("candidate") if prior.outputs else None)
 
     def keep(block_samples, block_aa):
         samples.extend(block_samples)
         aa_pairs.append(block_aa)
         if on_block:
-            on_block(PairRun(samples, aa_pairs))
+            on_block(PairRun(samples, aa_pairs, outputs_records(a, b)))
 
     def more(n: int) -> None:
         run_pairs(a, b, n, gpus=gpus, start_block=len(aa_pairs), start_pair=len(samples), tick=tick, on_block=keep)
@@ -447,15 +496,17 @@ def paired_compare(a: System, b: System, *, runs: int | None = None, warmup: int
             more(runs - len(samples))
     extra = {}
     if isinstance(a, GenerateSystem) and isinstance(b, GenerateSystem):
-        outputs_differ = _outputs_differ(a, b)
-        extra["outputs_identical"] = not outputs_differ
+        why = _outputs_differ(a, b)
+        known = not (a.outputs_unrecorded or b.outputs_unrecorded or a.outputs_digest is None
+                     or b.outputs_digest is None)
+        extra["outputs_identical"] = (a.outputs_digest == b.outputs_digest) if known else None
         extra["outputs_stable"] = a.outputs_stable and b.outputs_stable
         extra["prompts"] = len(a.prompts)
         extra["max_new_tokens"] = a.max_new_tokens
         extra["concurrency"] = a.concurrency
-        if outputs_differ and not user_changes_output:
+        if why and not user_changes_output:
             changes_output = True
-            extra["changes_output_reason"] = "candidate outputs differ from base outputs: the 3% rule applies"
+            extra["changes_output_reason"] = f"{why}: the 3% rule applies"
     v = judge(samples, higher_is_better=hib, aa_pairs=aa_pairs, noise=noise, changes_output=changes_output,
               n_boot=n_boot, seed=seed)
     schedule = f"GPU swap on {gpus[0]},{gpus[1]}" if gpus else "ABBA"

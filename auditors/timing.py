@@ -324,13 +324,16 @@ PARTIAL_SCHEMA = "specpilot.timing-partial/1"
 
 
 def partial_doc(base: str, candidate: str, metric: str, unit: str, higher_is_better: bool, schedule: str,
-                samples: Sequence[Sample], aa: Sequence[tuple[float, float]], workload: dict | None = None) -> dict:
+                samples: Sequence[Sample], aa: Sequence[tuple[float, float]], workload: dict | None = None,
+                outputs: dict | None = None) -> dict:
     """The paired samples of an unfinished run: ``compare --resume`` continues from them.
-    ``workload``: what each run of engines or servers sends (:func:`workload_of`)."""
+    ``workload``: what each run of engines or servers sends (:func:`workload_of`); ``outputs``:
+    each one's outputs so far (a digest of the first run's, and whether every run gave them)."""
     return {"schema": PARTIAL_SCHEMA, "base": base, "candidate": candidate, "metric": metric, "unit": unit,
             "higher_is_better": higher_is_better, "schedule": schedule, "runs": len(samples),
             "samples": [asdict(s) for s in samples],
-            "aa": [{"block": i, "first": x, "second": y} for i, (x, y) in enumerate(aa)], "workload": workload}
+            "aa": [{"block": i, "first": x, "second": y} for i, (x, y) in enumerate(aa)], "workload": workload,
+            "outputs": outputs}
 
 
 def workload_of(prompt_rows, max_new_tokens: int, concurrency: int) -> dict | None:
@@ -384,7 +387,20 @@ def read_partial(path, *, base: str, candidate: str, metric: str, schedule: str,
     _check_partial_workload(path, d.get("workload"), workload)
     samples, aa = parse_samples(d, path)
     check_blocks(samples, aa, f"--resume {path}")
-    return samples, aa
+    return samples, aa, _partial_outputs(path, d.get("outputs"))
+
+
+def _partial_outputs(path, rec) -> dict | None:
+    """A partial file's outputs records (None: not recorded, judged as outputs not shown equal)."""
+    if rec is None:
+        return None
+    ok = isinstance(rec, dict) and all(
+        isinstance(rec.get(k), dict) and (rec[k].get("sha256") is None or isinstance(rec[k].get("sha256"), str))
+        and isinstance(rec[k].get("stable"), bool) for k in ("base", "candidate"))
+    if not ok:
+        raise InputError(f"--resume {path}: its 'outputs' must be null or the base's and candidate's records "
+                         "(sha256, stable); the file is damaged")
+    return rec
 
 
 def check_blocks(samples: Sequence[Sample], aa, where) -> None:

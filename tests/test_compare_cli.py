@@ -538,3 +538,92 @@ def test_medians_of_measurements_near_the_largest_float_are_theirs(tmp_path, run
     assert code in (0, 1) and "warning" not in err.lower(), err
     line = next(x for x in out.splitlines() if x.startswith("median base / candidate"))
     assert line.split(None, 4)[-1].strip() == "1e+308 / 1.5e+308 tok/s", line
+
+
+class _Gen:
+    """A generator whose answers change after ``change_after`` requests (a server that changed mid-run)."""
+
+    def __init__(self, change_after=None):
+        self.served, self.change_after = 0, change_after
+
+    def generate(self, ids, n):
+        shift = 7 if self.change_after is not None and self.served >= self.change_after else 0
+        self.served += 1
+        return [(ids[-1] + 1 + i + shift) % 200 for i in range(n)]
+
+    def close(self):
+        pass
+
+
+def _generate_system(label, gen):
+    from types import SimpleNamespace
+
+    from specpilot.auditors.pairing import GenerateSystem
+
+    s = GenerateSystem.__new__(GenerateSystem)
+    s.label, s.metric, s.unit, s.higher_is_better = label, "throughput", "tok/s", True
+    s.prompts = [SimpleNamespace(prompt_ids=[10 + i, 20 + i]) for i in range(4)]
+    s.max_new_tokens, s.concurrency, s.gen = 4, 1, gen
+    s.reset_outputs()
+    return s
+
+
+def test_outputs_are_compared_on_every_run_not_the_first_alone():
+    """A candidate whose answers equal the base's in the warm-up run and differ in every timed run
+    was judged by the 1% rule ("outputs identical"): only the first run's outputs were compared."""
+    from specpilot.auditors.pairing import paired_compare
+
+    for change_after, identical in ((None, True), (4, True), (0, False)):
+        a, b = _generate_system("a", _Gen()), _generate_system("b", _Gen(change_after))
+        res = paired_compare(a, b, runs=2, warmup=1, noise=0.001)
+        assert res.extra["outputs_identical"] is identical
+        assert res.extra["outputs_stable"] is (change_after != 4)
+        assert res.changes_output is (change_after is not None), res.extra
+        if change_after == 4:
+            assert res.extra["changes_output_reason"].startswith("the candidate's outputs changed from run to run")
+
+
+def test_a_resume_judges_the_outputs_of_the_runs_it_continues(tmp_path, run_cli):
+    """A resumed comparison knew only its own runs' outputs: resumed with no runs left it called two
+    engines of different outputs identical (the 1% rule). The partial file keeps each one's outputs;
+    one that does not is judged as outputs not shown equal."""
+    from specpilot.auditors.outputs import read_prompts_tokenized
+    from specpilot.auditors.timing import parse_samples, partial_doc, read_timing, workload_of
+
+    p = tmp_path / "p.jsonl"
+    p.write_text("".join(json.dumps({"schema": "specpilot.prompts/1", "id": i, "prompt_ids": [5 + i, 9, 77]}) + "\n"
+                         for i in range(2)))
+    sysargs = ("compare", "--base", "engine:model=tiny,mode=ar", "--candidate", "engine:model=tiny,mode=ar,seed=1",
+               "--prompts", p, "--max-new-tokens", "4", "--warmup", "0", "--format", "json")
+    out = tmp_path / "t.json"
+    code, _, err = run_cli(*sysargs, "--runs", "2", "--out", out)
+    assert code in (0, 1), err
+    d = read_timing(out)
+    samples, aa = parse_samples(d, out)
+    work = workload_of(read_prompts_tokenized(p, "tiny"), 4, 1)
+
+    def resumed(outputs, runs="2"):
+        part = tmp_path / "part.json"
+        part.write_text(json.dumps(partial_doc(d["base"], d["candidate"], d["metric"], d["unit"], True, d["schedule"],
+                                               samples, aa, work, outputs)))
+        code, got, err = run_cli(*sysargs, "--runs", runs, "--resume", part)
+        assert code in (0, 1), err
+        return json.loads(got)
+
+    r = resumed(None)
+    assert r["outputs_identical"] is None and r["changes_output"] is True
+    assert "not recorded" in r["changes_output_reason"]
+    rec = lambda x: {"sha256": x * 32, "stable": True}  # noqa: E731
+    r = resumed({"base": rec("a"), "candidate": rec("b")})
+    assert r["outputs_identical"] is False and r["changes_output"] is True
+    r = resumed({"base": rec("a"), "candidate": rec("a")})
+    assert r["outputs_identical"] is True and r["changes_output"] is False
+    # more runs are compared with the recorded outputs: these engines' real ones are other tokens
+    r = resumed({"base": rec("a"), "candidate": rec("a")}, runs="4")
+    assert r["outputs_stable"] is False and r["changes_output"] is True
+    part = tmp_path / "part.json"
+    bad = partial_doc(d["base"], d["candidate"], d["metric"], d["unit"], True, d["schedule"], samples, aa, work,
+                      {"base": {"sha256": 5}})
+    part.write_text(json.dumps(bad))
+    code, _, err = run_cli(*sysargs, "--runs", "2", "--resume", part)
+    assert code == 2 and "its 'outputs' must be null" in err, err

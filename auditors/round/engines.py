@@ -97,8 +97,7 @@ class PooledSystem(GenerateSystem):
         self.max_new_tokens = max_new_tokens
         self.concurrency = 1
         self.gen = _EngineGenerator(engine)
-        self.outputs: list[list[int]] | None = None
-        self.outputs_stable = True
+        self.reset_outputs()
 
 
 def generate_outputs(engine, prompts, max_new_tokens: int, name: str, save_to: str | None = None,

@@ -223,7 +223,7 @@ def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, tokenizer
 
         def keep(run):
             keeper.save(partial_doc(a.label, b.label, a.metric, a.unit, a.higher_is_better, schedule, run.samples,
-                                    run.aa, workload))
+                                    run.aa, workload, run.outputs))
 
         if prior:
             keep(prior)  # the partial file holds them from now on, wherever it is
