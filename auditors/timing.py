@@ -289,6 +289,10 @@ def _rejudge(d: dict, path, noise, changes_output, n_boot, seed) -> TimingResult
     if len(samples) < 2:
         raise InputError(f"{path}: {len(samples)} paired samples; a verdict needs at least 2")
     check_blocks(samples, aa, path)
+    swap = str(d.get("schedule", "")).startswith("GPU swap")
+    if d.get("schedule") is not None and any((s.order == "||") != swap for s in samples):
+        raise InputError(f"{path}: its samples' orders are not those of its schedule {d.get('schedule')!r} ('AB' "
+                         "and 'BA' in turn, '||' on a GPU swap); the file is damaged")
     warmup = d.get("warmup", 0)
     if isinstance(warmup, bool) or not isinstance(warmup, int) or not 0 <= warmup <= 10**6:
         raise InputError(f"{path}: 'warmup' must be a whole number in [0, 1000000]")
@@ -418,6 +422,16 @@ def check_blocks(samples: Sequence[Sample], aa, where) -> None:
     odd = next(((b, len(v)) for b, v in sorted(by_block.items()) if len(v) != 2), None)
     if odd:
         raise InputError(f"{where}: block {odd[0]} holds {odd[1]} samples (every block has two); the file is damaged")
+    # the order each pair ran in picks the noise estimator ('||': the GPU swap's): the schedule's
+    # orders only, or one edited sample would loosen the rule
+    for b, pair in sorted(by_block.items()):
+        orders = tuple(s.order for s in sorted(pair, key=lambda s: s.pair))
+        if orders not in (("AB", "BA"), ("||", "||")):
+            raise InputError(f"{where}: block {b}'s samples ran in the orders {', '.join(map(repr, orders))}, not a "
+                             "block's ('AB' then 'BA', or '||' twice on a GPU swap); the file is damaged")
+    if len({s.order == "||" for s in samples}) > 1:
+        raise InputError(f"{where}: some blocks ran in turn (AB, BA) and some at once on two GPUs ('||'); the file "
+                         "is damaged")
     # a block's A/A pair is its base's two runs (the noise comes from them): another pair is a damaged file
     for (b, pair), (x, y) in zip(sorted(by_block.items()), aa):
         first, second = sorted(pair, key=lambda s: s.pair)

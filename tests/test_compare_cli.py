@@ -5,6 +5,7 @@ import sys
 
 import pytest
 
+from conftest import one_error
 from specpilot.auditors.pairing import ShellSystem, run_pairs
 
 PY = sys.executable
@@ -627,3 +628,34 @@ def test_a_resume_judges_the_outputs_of_the_runs_it_continues(tmp_path, run_cli)
     part.write_text(json.dumps(bad))
     code, _, err = run_cli(*sysargs, "--runs", "2", "--resume", part)
     assert code == 2 and "its 'outputs' must be null" in err, err
+
+
+@pytest.mark.parametrize("orders, schedule, words", [
+    (("||", "BA"), "ABBA", "block 0's samples ran in the orders '||', 'BA'"),
+    (("ZZ", "BA"), "ABBA", "block 0's samples ran in the orders 'ZZ', 'BA'"),
+    (("||", "||"), "ABBA", "not those of its schedule 'ABBA'"),
+    (("AB", "BA"), "GPU swap on 0,1", "not those of its schedule 'GPU swap on 0,1'")])
+def test_a_stored_runs_orders_are_its_schedules(tmp_path, run_cli, orders, schedule, words):
+    """One sample's order edited to '||' switched --from to the GPU swap's noise estimator: a run
+    NOT APPROVED at a 19.6% threshold became APPROVED at 2.1%."""
+    b, c = [100, 90, 101, 92, 99, 91, 100, 93], [110, 111, 112, 110, 109, 111, 112, 110]
+    samples = [{"pair": i, "block": i // 2, "base": b[i], "candidate": c[i], "order": "AB" if i % 2 == 0 else "BA"}
+               for i in range(8)]
+    d = {"schema": "specpilot.timing/1", "base": "A", "candidate": "B", "metric": "tps", "unit": "tps",
+         "higher_is_better": True, "schedule": "ABBA", "warmup": 1, "samples": samples,
+         "aa": [{"block": k, "first": b[2 * k], "second": b[2 * k + 1]} for k in range(4)], "changes_output": False,
+         "gain": 1, "ci_low": 1, "approved": False, "noise": 0.09295}
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(d))
+    code, out, err = run_cli("compare", "--from", good)
+    assert code == 1 and "NOT APPROVED" in out, err
+    if orders == ("||", "||"):
+        for s in samples:
+            s["order"] = "||"
+    else:
+        samples[0]["order"], samples[1]["order"] = orders
+    d["schedule"] = schedule
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(d))
+    code, out, err = run_cli("compare", "--from", bad)
+    assert code == 2 and not out and words in one_error(err) and "the file is damaged" in err, err
