@@ -231,8 +231,8 @@ def print_summary(res: dict) -> None:
 
 
 def read_prompts(path: str) -> list:
-    """Text lines, or JSONL rows with ``text`` (a non-empty string) or ``prompt_ids`` (a non-empty
-    list of token ids); a row that is neither is a ValueError naming its line (checked before any
+    """Text lines, or JSONL rows (the lines that start with '{') with ``text`` (a non-empty string) or
+    ``prompt_ids`` (a non-empty list of token ids); a row that is neither is a ValueError naming its line (checked before any
     load is sent: the server would refuse every such request)."""
     out = []
     for i, line in enumerate(Path(path).read_text().splitlines(), 1):
@@ -244,7 +244,8 @@ def read_prompts(path: str) -> list:
         try:
             row = json.loads(line)
         except ValueError as e:
-            raise ValueError(f"line {i}: {e}") from None
+            raise ValueError(f"line {i}: a line that starts with '{{' is a JSONL row, and this one is not JSON ({e}); "
+                             "give a text prompt that starts with '{' as a row: {\"text\": \"...\"}") from None
         ids, text = row.get("prompt_ids"), row.get("text")
         if ids is not None:
             if not (isinstance(ids, list) and ids and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0

@@ -17,6 +17,9 @@ def url_host(host: str) -> str:
 def bind(host: str, port: int, backlog: int) -> socket.socket:
     """The listening socket on ``host``:``port`` (exit 3 for a port in use or forbidden, the
     machine's state; exit 2 for a host that does not resolve or is not this machine's)."""
+    if not host.strip():   # the socket layer takes '' for every interface: say it, as 0.0.0.0
+        raise InputError(f"--host {host!r}: give an address (127.0.0.1 for this machine alone, 0.0.0.0 or :: for "
+                         "every interface)")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:

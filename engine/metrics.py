@@ -139,7 +139,8 @@ class ServeMetrics:
                    labelled("rejected_requests_total", self.rejected, "reason"))
             metric("prompt_tokens_total", "counter", "Prompt tokens of completed requests, and of others prefilled.",
                    [f"specpilot_prompt_tokens_total {self.prompt_tokens}"])
-            metric("generation_tokens_total", "counter", "Tokens delivered to clients.",
+            metric("generation_tokens_total", "counter",
+                   "Tokens generated, of requests aborted or cut by a drain too (as SGLang counts them).",
                    [f"specpilot_generation_tokens_total {st.tokens}"])
             metric("verify_steps_total", "counter", "Verify passes of the target (all requests of a step count once).",
                    [f"specpilot_verify_steps_total {st.verify_steps}"])

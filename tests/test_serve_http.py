@@ -970,7 +970,10 @@ def test_a_port_in_use_or_a_bad_host_is_said_before_the_model_loads():
         taken.listen()
         port = taken.getsockname()[1]
         for args, code, what in ((["--port", str(port)], 3, "choose another --port"),
-                                 (["--port", "0", "--host", "999.1.1.1"], 2, "choose another --host")):
+                                 (["--port", "0", "--host", "999.1.1.1"], 2, "choose another --host"),
+                                 # '' is every interface to the socket layer: it listened on 0.0.0.0
+                                 (["--port", "0", "--host", ""], 2, "--host '': give an address"),
+                                 (["--port", "0", "--host", " "], 2, "give an address")):
             got, _, err, imported = cli_imports("serve", "--model", "tiny", *args)
             lines = [ln for ln in err.splitlines() if ln.strip()]
             assert got == code and len(lines) == 1 and what in lines[0], err
@@ -990,6 +993,11 @@ def test_load_generator_refuses_bad_options_and_fails_when_requests_fail(tmp_pat
     p = subprocess.run(gen + ["--prompts", str(prompts), "--random-ids", "4"], capture_output=True, text=True,
                        timeout=60)
     assert p.returncode == 2 and "not both" in p.stderr, p.stderr   # one would be ignored
+    brace = tmp_path / "brace.txt"
+    brace.write_text("{name} is a placeholder\n")   # a JSONL row by its '{': the error says so, and what to write
+    p = subprocess.run(gen + ["--prompts", str(brace)], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "a line that starts with '{' is a JSONL row" in p.stderr, p.stderr
+    assert '{"text": "..."}' in p.stderr
     p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "loadgen.py"), "--url", "notaurl",
                         "--random-ids", "4"], capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "give an http:// or https:// URL" in p.stderr, p.stderr

@@ -75,7 +75,7 @@ def command(host, port, max_queue, backlog, grace, log_requests, fmt, out, **kw)
             "host": host, "port": srv.port, **st}
     pct = lambda k: st.get(k) if st.get(k) is None else round(st[k] * 1e3, 1)  # noqa: E731
     emit(Report(data=data, sections=[
-        Section("served", ["requests", "bad requests", "errors", "rejected", "aborted", "tokens", "steps",
+        Section("served", ["requests", "bad requests", "errors", "rejected", "aborted", "generated", "steps",
                            "request passes", "tau", "busy s"],
                 [[st["requests"], st["bad_requests"], st["errors"], st["rejected"], st["aborted"],
                   st["completion_tokens"], st["spec_verify_ct"], st["request_passes"], st["tau"],
