@@ -383,7 +383,11 @@ def predict_by_nodes(req: CeilingRequest, curves: dict[str, dict[int, float]], s
     (the regime where every kernel sits at its byte floor). The budgets a rows probe leaves out
     go to ``res.by_nodes_left_out`` (``policy``, ``nodes``, ``rows``), which the report names.
     """
-    ar_ms = res.measurements.ar_ms
+    m = res.measurements
+    # the probe's steps over its own T_AR (a bare forward, as they are) where T_AR is the probe's,
+    # also when the cost model put it on a profile's clock
+    ar_ms = req.rows_probe.ar_ms if req.rows_probe is not None and m.origins.get("ar_ms") is req.rows_probe \
+        else m.ar_ms
     out = []
     for policy, pts in curves.items():
         for n, tau in sorted(pts.items()):

@@ -158,6 +158,13 @@ def test_a_gpu_probe_beside_the_profile_says_whose_step_is_used(run_cli):
     assert cm["sources"]["ar_ms"].endswith(f"rows probe {H200_ROWS} c(1)")
     assert any(n.startswith(f"T_step is profile {H200_PROFILE}'s 4.918 ms") and "3.926 ms" in n
                for n in cm["notes"]), cm["notes"]
+    # the budgets' c stays the probe's own steps over its own T_AR
+    code, out, err = run_cli("ceiling", "--rows-probe", H200_ROWS, "--profile", H200_PROFILE, "--replay",
+                             H200_ROWS.parent / "replay.json", "--format", "json")
+    assert code == 0, err
+    probe = {p["rows"]: p["c"] for p in json.loads(H200_ROWS.read_text())["points"]}
+    by_nodes = json.loads(out)["by_nodes"]
+    assert by_nodes and all(r["c"] == pytest.approx(probe[r["rows"]]) for r in by_nodes), by_nodes
 
 
 def test_a_profile_of_rows_the_probe_did_not_time_is_warned_about(run_cli, tmp_path):

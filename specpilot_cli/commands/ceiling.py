@@ -381,7 +381,8 @@ def by_nodes_left_out(res) -> str | None:
         by_policy.setdefault(r["policy"], []).append(r)
     parts = [f"{p} at {', '.join(str(r['nodes']) for r in rs)} nodes "
              f"({', '.join(str(r['rows']) for r in rs)} rows)" for p, rs in by_policy.items()]
-    probe = res.measurements.sources.get("ar_ms", "the rows probe").split(" (")[0]
+    origin = res.measurements.origins.get("ar_ms")
+    probe = f"rows probe {origin.source}" if getattr(origin, "source", None) else "the rows probe"
     return (f"Left out, {probe} did not time their N + 1 rows: {'; '.join(parts)} (probe rows --rows "
             "with those counts times them).")
 
