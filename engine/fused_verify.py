@@ -41,7 +41,6 @@ from __future__ import annotations
 import torch
 
 from specpilot.engine.spec import MAX_STEP_ROWS as MAX_ROWS
-from specpilot.kernels.verify import blas
 
 
 def takes(model, rows: int) -> bool:
@@ -81,6 +80,10 @@ def _project(h, lin, invariant: bool = False, batched: bool = False, split: bool
         from specpilot.kernels.verify import invariant as inv
 
         return inv.linear(h, lin.weight)
+    # here, not at the top: the step path imports this module on every device, and the GEMM's
+    # Triton modules took half a second of a CPU engine's first request
+    from specpilot.kernels.verify import blas
+
     return blas.linear(h, lin.weight, batched)
 
 
