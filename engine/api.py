@@ -149,10 +149,10 @@ class Engine:
                 return ids   # the checks refuse it, naming the prompt
             ids = list(ids)   # whole numbers as Python ints (numpy or tensor elements included)
             return [int(t) for t in ids] if all(integer_like(t) for t in ids) else ids
-        if not isinstance(pr.get("text"), str):
-            with about_prompt(pr.get("id")):
+        with about_prompt(pr.get("id")):
+            if not isinstance(pr.get("text"), str):
                 raise InputError("a prompt needs 'ids' (token ids) or 'text'")
-        return self.encode(pr["text"], chat=chat)
+            return self.encode(pr["text"], chat=chat)
 
     def _result_row(self, rid, prompt_ids, res, step_timing) -> dict:
         """One prompt's entry of ``run``'s results."""

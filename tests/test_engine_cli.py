@@ -419,3 +419,23 @@ def test_only_the_flag_before_the_verb_asks_for_tracebacks(run_cli, monkeypatch)
         assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
     code, _, err = run_cli("--debug", "run", "--model", "tiny", "--prompt", "x", "--max-new-tokens", 0)
     assert code == 2 and "Traceback" in err and err.strip().endswith("--max-new-tokens must be >= 1, got 0"), err
+
+
+def test_a_text_prompt_for_a_model_without_a_tokenizer_is_named_before_the_model_loads(run_cli, tmp_path):
+    """It was refused after the model loaded, naming neither the file nor the prompt."""
+    p = tmp_path / "mixed.jsonl"
+    p.write_text(json.dumps({"schema": "specpilot.prompts/1", "id": "a", "prompt_ids": [1, 2]}) + "\n"
+                 + json.dumps({"schema": "specpilot.prompts/1", "id": "b", "text": "hi"}) + "\n")
+    for args, words in ((("--prompts", p), f"{p}: prompt 'b' is text"), (("--prompt", "hi"), "--prompt is text")):
+        code, out, err = run_cli("run", "--model", "smollm2-135m", "--random-weights", "--mode", "ar",
+                                 "--max-new-tokens", "2", *args)
+        assert code == 2 and not out and "loading model" not in err, err
+        assert words in err and "has no tokenizer" in err, err
+    from specpilot.engine.api import load_engine
+    from specpilot.errors import InputError
+
+    with pytest.raises(InputError, match="prompt 'b': model tiny-random"):
+        eng = load_engine("model=tiny,mode=ar")
+        eng.tokenizer = None   # the library names the prompt too
+        eng.model_name = "tiny-random"
+        eng.run([{"id": "a", "ids": [1, 2]}, {"id": "b", "text": "hi"}], 2)

@@ -169,8 +169,13 @@ def command(prompt_text, prompts_file, prompt_ids, chat, max_new_tokens, outputs
         if path:   # before the model loads and generates
             check_output_path(path, option, protect=inputs)
 
-    from specpilot.engine.api import load_engine
+    from specpilot.engine.api import has_tokenizer, load_engine
 
+    text = next((p for p in prompts if p.get("ids") is None), None)
+    if text is not None and not has_tokenizer(spec.model, spec.random):   # said before the model loads
+        where = f"{prompts_file}: prompt {text['id']!r}" if prompts_file else "--prompt"
+        raise InputError(f"{where} is text, and model {spec.model} has no tokenizer; give its token ids "
+                         f"({'prompt_ids' if prompts_file else '--prompt-ids'}) instead")
     engine = load_engine(spec)
     run = engine.run(prompts, max_new_tokens, chat=chat, record_lattice=bool(lattice_out), progress=progress)
     results, lattice_rows, used_chat = run.results, run.lattice_rows, run.chat
