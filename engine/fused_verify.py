@@ -81,7 +81,7 @@ def _project(h, lin, invariant: bool = False, batched: bool = False, split: bool
 
         return inv.linear(h, lin.weight)
     # here, not at the top: the step path imports this module on every device, and the GEMM's
-    # Triton modules took half a second of a CPU engine's first request
+    # Triton modules would cost a CPU engine's first request half a second
     from specpilot.kernels.verify import blas
 
     return blas.linear(h, lin.weight, batched)

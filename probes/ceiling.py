@@ -145,8 +145,8 @@ def _use_rows_probe(p: RowsProbeFigures, m: Measurements, rows: int | None, run:
 def _ar_on_profile_clock(prof: ProfileFigures, probe: RowsProbeFigures, m: Measurements, rows: int | None) -> bool:
     """T_AR on the profile's clock where T_step is the profile's step: its wall over the probe's
     c(N) at the profile's rows (as ``round`` models it). The profile's step is the engine's whole
-    step, host time included, and the probe's T_AR a bare forward: divided by each other they gave
-    a profile of AR itself a c of 1.25. False where the probe did not time those rows."""
+    step, host time included, and the probe's T_AR a bare forward: divided by each other, a profile
+    of AR itself would have a c above 1. False where the probe did not time those rows."""
     t = probe.step_ms.get(rows) if rows is not None else None
     if t is None and rows == 1:
         t = probe.ar_ms
