@@ -848,3 +848,19 @@ def test_a_device_is_not_called_missing(run_cli):
     for args in (["stats", "/dev/null"], ["pack", "/dev/null", "-o", "x.safetensors"]):
         code, out, err = run_cli("w12", *args)
         assert code == 2 and "/dev/null: not a regular file or folder" in err, err
+
+
+def test_an_output_inside_the_input_folder_is_not_warned_of_as_its_subfolder(tmp_path, run_cli):
+    """Pack's own temporary folder inside the input was listed as one of its subfolders ('.packed.*.part/
+    is a subfolder: not copied'); the output folder given empty, too."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    make_checkpoint(folder / "model.safetensors")
+    for out in (folder / "packed", folder / "given"):
+        out.mkdir()   # given as an empty folder
+        code, stdout, err = run_cli("w12", "pack", folder, "-o", out, "--format", "json")
+        assert code == 0, err
+        warnings = json.loads(stdout)["warnings"]
+        assert not any(".part" in w or "given/" in w for w in warnings), warnings
+    # the first output is a subfolder of the input now: the second pack names it
+    assert "packed/ is a subfolder: not copied (copy it beside the output if the model needs it)" in warnings

@@ -283,7 +283,11 @@ def pack(src: str, dst: str, include: Iterable[str] | None = None, exclude: Iter
                 total_size += sum(v.numel() * v.element_size() for v in out.values())
             # config, tokenizer, ... copied as they are; the contents only: a new file's mode is
             # the umask's, as for the shards beside it
+            # an output inside the input folder: its own folder and the one being written are not the model's
+            ours = {tmp.resolve(), dst_p.resolve()}
             for other in sorted(ck.root.iterdir()):
+                if other.resolve() in ours:
+                    continue
                 if other.is_file() and other.suffix != ".safetensors" and not other.name.endswith(".index.json"):
                     shutil.copyfile(other, tmp / other.name)
                 elif other.is_dir():   # e.g. a Hugging Face repo's original/ (consolidated .pth weights)
