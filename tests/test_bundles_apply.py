@@ -308,9 +308,12 @@ def test_status_detects_drift(run_cli, tmp_path):
     assert code == 1
     problems = json.loads(out)["problems"]
     assert any("organize_draft_results" in p and "not compatible" in p for p in problems)
-    # and apply now refuses: the target no longer matches
+    # and apply now refuses: the target no longer matches, so status suggests revert, not apply
     code, _, err = run_cli("apply", "tree", "--python", py)
     assert code == 3 and "do not match" in err
+    code, out, _ = run_cli("status", "--python", py)
+    assert code == 1 and "1 hook target(s) no longer match this SGLang" in out, out
+    assert "specpilot apply" not in out and out.rstrip().endswith(f"specpilot revert --python {py}"), out
 
 
 @pytest.mark.parametrize("name, tail", [("eagle_utils.py", b"def broken(:\n"), ("dflash_info.py", b"\xff\xfe\x00")])

@@ -59,7 +59,12 @@ def command(python, fmt, out):
         first = f"install {' and '.join(gone)} there again, then " if gone else ""
         unchecked = unchecked_version(act, res.env.sglang_version)
         cmd, left_out = reapply_command(act, python, unchecked)
-        if cmd is None:   # none of its bundles is in this SpecPilot's memory: nothing to apply again
+        failed = [c.target for c in res.checks if not c.ok]
+        if failed:   # apply checks the same targets first: applying again would be refused
+            lines += ["", f"do not launch with this activation; {len(failed)} hook target(s) no longer match this "
+                          "SGLang, and apply checks them first, so applying again would be refused too (a SpecPilot "
+                          "whose bundles fit this SGLang may apply them); remove it:", f"  specpilot revert{where}"]
+        elif cmd is None:   # none of its bundles is in this SpecPilot's memory: nothing to apply again
             lines += ["", f"do not launch with this activation; this SpecPilot knows none of its bundles "
                           f"({', '.join(left_out)}); remove it:", f"  specpilot revert{where}"]
         else:
