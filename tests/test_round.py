@@ -661,6 +661,9 @@ _GOOD = {"schema": "specpilot.deployment/1", "drafter": "eagle", "prompts": "p.j
     ({"sglang": {"version": "0.5.23", "pyhton": "/opt/x"}}, "unknown field sglang.'pyhton' (did you mean 'python'?)"),
     ({"servers": {"stock": {"url": "http://127.0.0.1:1", "typo": 1}}}, "unknown field servers.stock.'typo'"),
     ({"servers": {"stock": {"url": "http://127.0.0.1:1"}, "candidat": {}}}, "unknown field servers.'candidat'"),
+    # a misspelt candidate id ran the round and recorded its candidate as refused ('no start command')
+    ({"servers": {"stock": {"url": "http://127.0.0.1:1"}, "candidates": {"tre": {"start": "true"}}}},
+     "d.yaml: servers.candidates: unknown candidate 'tre' (did you mean 'tree'?); the candidates: "),
     ({"measurements": {"outputs": {"stokc": "s.jsonl"}}}, "unknown field measurements.outputs.'stokc'"),
     ({"sglang": {"version": float("nan")}}, "sglang.version must be a version"),
     ({"sglang": {"version": True}}, "sglang.version must be a version"),

@@ -23,6 +23,18 @@ if TYPE_CHECKING:
     from .run import RoundConfig
 
 
+def _check_candidate_servers(dep, known: set[str]) -> None:
+    """Each ``servers.candidates`` entry names a candidate the memory knows."""
+    import difflib
+
+    for cid in (dep.servers.get("candidates") or {}):
+        if cid not in known:
+            close = difflib.get_close_matches(str(cid), sorted(known), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise InputError(f"{dep.path}: servers.candidates: unknown candidate {cid!r}{hint}; the candidates: "
+                             f"{', '.join(sorted(known))}")
+
+
 def check_config(cfg: RoundConfig):
     """Refuse, before anything runs, a new round's options that would fail a later stage: a
     non-empty --out-dir, a budget that is not positive, a deployment, --candidates, --memory-dir,
@@ -49,8 +61,10 @@ def check_config(cfg: RoundConfig):
     if not (math.isfinite(cfg.budget_min) and cfg.budget_min > 0):
         raise InputError(f"--budget {cfg.budget_min}: give the minutes the round may take (> 0)")
     dep = parse_deployment(cfg.deployment)
-    load_memory(cfg.memory_dir)
+    memory = load_memory(cfg.memory_dir)
     check_names(cfg.candidates, dep.kind, cfg.memory_dir)
+    if dep.kind == "sglang":   # a misspelt id there would be found only when its candidate is judged
+        _check_candidate_servers(dep.sglang, set(memory))
     if dep.kind == "engine":
         check_runnable(cfg.candidates, dep.facts.device, cfg.control, cfg.memory_dir)
     rows = read_prompt_rows(cfg.prompts) if cfg.prompts else None
