@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 
 from specpilot.errors import InputError
+from specpilot.fileio import load_yaml
 
 from .kernel_names import split_name
 from .traces.model import KINDS, Aggregate, KernelGroup
@@ -161,7 +162,7 @@ def load_rules(user_files: list[str] | tuple[str, ...] = ()) -> RuleTable:
             what = "not a rules file (a folder or device)" if p.exists() else "no such rules file"
             raise InputError(f"{f}: {what}")
         try:
-            doc = yaml.safe_load(p.read_text(encoding="utf-8"))
+            doc = load_yaml(p.read_text(encoding="utf-8"))
         except UnicodeDecodeError as e:
             raise InputError(f"{f}: not valid YAML ({str(e).splitlines()[0]})") from None
         except yaml.YAMLError as e:   # the problem, not its context: the line named is the problem's

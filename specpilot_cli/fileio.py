@@ -480,3 +480,25 @@ def iter_jsonl_numbered(path, kind: str | None = None, versions: Iterable[int] =
 
 def _short(e: Exception) -> str:
     return str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+
+
+def load_yaml(text: str):
+    """``yaml.safe_load`` that refuses a key given twice in one mapping (yaml.YAMLError naming both
+    lines): a file a person writes, where the second value would silently win."""
+    import yaml
+
+    class _UniqueKeys(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            self.flatten_mapping(node)
+            seen: dict = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                if isinstance(key, (str, int, float, bool)) and key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} given twice (lines {seen[key]} and {line})", key_node.start_mark)
+                if isinstance(key, (str, int, float, bool)):
+                    seen[key] = line
+            return super().construct_mapping(node, deep=deep)
+
+    return yaml.load(text, Loader=_UniqueKeys)

@@ -193,6 +193,9 @@ def test_user_rules_go_first_and_can_replace(tmp_path):
     ("schema: specpilot.kernel_classes/1\nrules: [{class: a, match: x, position: first}]", "position must be"),
     ("schema: specpilot.kernel_classes/1\nrules: [{class: a, kind: kernel, position: last}]", "needs match"),
     ("schema: [unclosed", "not valid YAML"),
+    # the second one won: a rule that matched nothing it was written for
+    ("schema: specpilot.kernel_classes/1\nrules: [{class: a, match: x, match: y}]",
+     r"bad.yaml:2: not valid YAML \(key 'match' given twice \(lines 2 and 2\)\)"),
 ])
 def test_bad_rule_files(tmp_path, text, msg):
     f = tmp_path / "bad.yaml"

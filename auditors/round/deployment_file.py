@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specpilot.errors import InputError
-from specpilot.fileio import is_int, is_num
+from specpilot.fileio import is_int, is_num, load_yaml
 from specpilot.limits import MAX_BATCH, MAX_CONTEXT, MAX_MS, MAX_ROWS
 
 from .deployment import Facts
@@ -239,7 +239,7 @@ def read_deployment(path: Path) -> SGLangDeployment:
     from specpilot.bundles.contract import DRAFTERS
 
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        raw = load_yaml(path.read_text(encoding="utf-8"))
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         raise InputError(f"{path}: not valid YAML/JSON ({str(e).splitlines()[0]})") from None
     if not isinstance(raw, dict) or raw.get("schema") != SCHEMA:

@@ -19,7 +19,7 @@ import platform
 from pathlib import Path
 
 from specpilot.errors import InputError
-from specpilot.fileio import is_int, is_num, need
+from specpilot.fileio import is_int, is_num, load_yaml, need
 
 SCHEMA = "specpilot.deployment-record/1"
 
@@ -39,7 +39,7 @@ def read_record(path: Path) -> dict | None:
     if not path.is_file():
         return None
     try:
-        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+        doc = load_yaml(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as e:
         raise InputError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
