@@ -15,6 +15,7 @@ import html
 from dataclasses import dataclass
 from pathlib import Path
 
+from specpilot.auditors.round.plan import cut_for_time
 from specpilot.auditors.round.state import resume_command, stages_left
 from specpilot.probes.costmodel import largest_factor_line
 
@@ -103,6 +104,10 @@ def build(res) -> list[Block]:
     else:
         summary = (f"{verdicts[0].upper()}{verdicts[1:]}. The round started from `{st.get('start')}` and ends with "
                    f"`{st.get('final') or st.get('current')}`.")
+    cut = cut_for_time(st)
+    if cut:   # a finished round that ran short of time: what it did not measure, and what brings it back
+        summary += (f" **Cut for time**: the measure stage skipped {'; '.join(cut)}; the round was judged without "
+                    "it, and a new round with a larger `--budget` measures it.")
     b.append(Block("p", summary))
     resumed = "".join(f", resumed with `specpilot round --resume {res.dir}"
                       + (f" --budget {_n(r['budget_min'])}" if r.get("budget_min") is not None else "") + "`"

@@ -587,3 +587,23 @@ def test_a_damaged_record_of_resumes_is_refused(done, tmp_path, run_cli):
 def test_a_budget_of_zero_in_round_json_is_damage(done, tmp_path, run_cli):
     """round --budget takes minutes > 0: a round.json with 0 was edited, not written by a round."""
     _report_and_resume_refuse(run_cli, _copy(done, tmp_path, budget_s=0), "budget_s must be a number of seconds > 0")
+
+
+def test_a_round_cut_for_time_in_measure_says_so_and_a_resume_does_not_pretend(done, tmp_path, run_cli):
+    """A round whose measure stage skipped its lattice for want of time finished as if whole, and
+    '--resume --budget' answered 'complete: nothing to resume' (exit 0): more time never measured it.
+    The summary and the report say what was cut; a resume with more time is refused, saying why."""
+    r = _copy(done, tmp_path)
+    state = json.loads((r / "round.json").read_text())
+    state["stages"]["measure"]["skipped"].append("budget: lattice recording: needs ~3 s, 1 s left in the stage: "
+                                                 "tau(N) unknown")
+    (r / "round.json").write_text(json.dumps(state))
+    code, _, err = run_cli("round", "--resume", r, "--budget", "1")
+    assert code == 2 and "its measure stage skipped lattice recording for want of time" in err, err
+    assert "start a new round with a larger --budget" in err
+    code, out, err = run_cli("round", "--resume", r)
+    assert code == 0, err
+    assert "cut for time: the measure stage skipped lattice recording: needs ~3 s" in out, out
+    code, _, err = run_cli("report", r)
+    assert code == 0, err
+    assert "**Cut for time**: the measure stage skipped lattice recording" in (r / "report.md").read_text()

@@ -14,6 +14,13 @@ from dataclasses import asdict, dataclass
 PAIRS_MIN = 4      # two ABBA blocks: the fewest the approval rule accepts
 PAIRS_MAX = 16
 MEASURE_SHARE = 0.35  # at most this share of the budget goes to stage 1
+BUDGET_SKIP = "budget: "   # what a stage skipped for want of time starts with
+
+
+def cut_for_time(state: dict) -> list[str]:
+    """What the round's measure stage skipped for want of time (its notes, the prefix left out)."""
+    st = ((state.get("stages") or {}).get("measure") or {})
+    return [n[len(BUDGET_SKIP):] for n in st.get("skipped") or [] if str(n).startswith(BUDGET_SKIP)]
 DEFAULT_LOAD_S = {"cpu": 12.0, "cuda": 45.0}
 
 

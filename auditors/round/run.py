@@ -99,6 +99,12 @@ class _Round(MeasureStage, ApproveStage, RememberStage):
             if budget_min is not None:
                 budget_s = spent + budget_min * 60.0
                 self._reopen_skipped_for_budget()
+                cut = pl.cut_for_time(self.state)
+                if cut and all(v["status"] == "done" for v in self.state["stages"].values()):
+                    raise InputError(f"{self.dir}: the round is complete, but its measure stage skipped "
+                                     f"{'; '.join(c.split(':')[0] for c in cut)} for want of time, which a resume "
+                                     "does not measure again (its candidates were judged without them); start a "
+                                     "new round with a larger --budget")
             self.cfg.budget_min = budget_s / 60.0
             self.state["budget_s"] = budget_s
             self.state.pop("stopped", None)

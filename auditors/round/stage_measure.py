@@ -73,7 +73,7 @@ class MeasureStage:
             self._note("measure", "profile: no GPU kernels to profile on the CPU; the kernel and outside factors "
                                   "stay unknown", skipped=True)
         elif time.monotonic() > deadline:
-            self._note("measure", "profile: the stage's time is spent", skipped=True)
+            self._note("measure", f"{pl.BUDGET_SKIP}profile: the stage's time is spent", skipped=True)
         else:
             try:
                 trace = d / "trace.json.gz"
@@ -99,9 +99,10 @@ class MeasureStage:
                 tok_rec = max(24, tok_rec * 2 // 3)
             else:
                 n_rec -= 1
-        if n_rec * (cal["prefill_s"] + tok_rec / rate) > left:
-            self._note("measure", f"lattice recording: needs ~{n_rec * tok_rec / rate:.0f} s, "
-                                  f"{max(left, 0):.0f} s left in the stage: tau(N) unknown", skipped=True)
+        need = n_rec * (cal["prefill_s"] + tok_rec / rate)
+        if need > left:
+            self._note("measure", f"{pl.BUDGET_SKIP}lattice recording: needs ~{need:.3g} s, {max(left, 0):.3g} s left "
+                                  "in the stage: tau(N) unknown", skipped=True)
         else:
             self._step("measure", f"recording the lattice: {n_rec} prompts x {tok_rec} tokens, {rec_spec}")
             rec = self.pool.get(str(rec_spec))
@@ -131,10 +132,14 @@ class MeasureStage:
             if wanted:
                 self._note("measure", f"TLV recording: {why}", skipped=True)
             return
-        need = 1.5 * (meas.lattice or {}).get("seconds", float("inf"))   # TLV's cycles against the tree recording
+        if spec.mode != "tlv" and meas.lattice is None:   # sized by the tree recording, which did not fit either
+            self._note("measure", f"{pl.BUDGET_SKIP}TLV recording: the tree recording it is sized by did not fit in "
+                                  "the stage's time", skipped=True)
+            return
+        need = 1.5 * (meas.lattice or {}).get("seconds", 0.0)   # TLV's cycles against the tree recording
         if spec.mode != "tlv" and time.monotonic() + need > deadline:
-            self._note("measure", f"TLV recording: needs ~{need:.0f} s (1.5x the tree recording), "
-                                  f"{max(deadline - time.monotonic(), 0):.0f} s left in the stage", skipped=True)
+            self._note("measure", f"{pl.BUDGET_SKIP}TLV recording: needs ~{need:.3g} s (1.5x the tree recording), "
+                                  f"{max(deadline - time.monotonic(), 0):.3g} s left in the stage", skipped=True)
             return
         tspec = ms.tlv_spec(spec)
         self._step("measure", f"recording TLV cycles: {len(prompts)} prompts x {max_new} tokens, {tspec}")

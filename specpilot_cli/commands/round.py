@@ -175,6 +175,12 @@ def command(deployment, budget, out_dir, resume_dir, dry_run, prompts, n_prompts
         + ([f"deployment record: {res.record}"] if res.record else [])
     if st.get("stopped"):
         lines.append(f"stopped: {st['stopped']} (specpilot round --resume {res.dir} --budget MINUTES continues)")
+    from specpilot.auditors.round.plan import cut_for_time
+
+    cut = cut_for_time(st)
+    if cut:   # the round finished without them: more time in a resume does not bring them back
+        lines.append(f"cut for time: the measure stage skipped {'; '.join(cut)} (a new round with a larger --budget "
+                     "measures them)")
     emit(Report(data=data, title=f"Round in {res.dir}: {st['deployment']}",
                 sections=[Section("stages", ["stage", "status", "seconds", "skipped"], stages),
                           Section("candidates", ["candidate", "memory", "verdict", "gain", "audit", "why"], rows)],
