@@ -100,12 +100,17 @@ def test_a_record_whose_current_system_does_not_parse_is_named(done, tmp_path, r
     shutil.copytree(done / "rec", tmp_path / "rec")
     path = next((tmp_path / "rec").glob("*.yaml"))
     doc = yaml.safe_load(path.read_text())
-    doc["current"] = "engine:model=tiny,bogus=1"
-    path.write_text(yaml.safe_dump(doc))
-    for extra in (["--dry-run"], ["--out-dir", tmp_path / "o"]):
-        code, _, err = run_cli("round", TINY, "--records", tmp_path / "rec", *extra)
-        assert code == 2 and f"{path.name}: current: engine spec" in err and err.count("\n") == 1, err
-    assert not (tmp_path / "o").exists()
+    for current, words in (("engine:model=tiny,bogus=1", "current: engine spec"),
+                           # another model's system: the round measured SmolLM2 for a tiny deployment
+                           ("engine:model=smollm2,mode=ar,threads=1", "current: engine:model=smollm2,mode=ar,threads=1"
+                                                                       " is not a system of this deployment (model "
+                                                                       "smollm2 against tiny)")):
+        doc["current"] = current
+        path.write_text(yaml.safe_dump(doc))
+        for extra in (["--dry-run"], ["--out-dir", tmp_path / "o"]):
+            code, _, err = run_cli("round", TINY, "--records", tmp_path / "rec", *extra)
+            assert code == 2 and f"{path.name}: {words}" in err and err.count("\n") == 1, err
+        assert not (tmp_path / "o").exists()
 
 
 @pytest.mark.parametrize("extra", [[], ["--fresh"], ["--fresh", "--no-remember"]])

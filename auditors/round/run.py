@@ -168,7 +168,7 @@ class _Round(MeasureStage, ApproveStage, RememberStage):
                 bundles = list((rec.get("bundles") or []))
                 start = rec["current"]
             else:
-                start = record_spec(rec, rec_path)
+                start = record_spec(rec, rec_path, self.dep.engine_spec)
             notes.append(f"starts from the previous round's final system {start} (deployment record; --fresh "
                          "starts from DEPLOYMENT)")
         return {"bundles": bundles, "settings": {}, "schema": SCHEMA, "round_id": uuid.uuid4().hex,

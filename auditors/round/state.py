@@ -328,13 +328,22 @@ def read_stage_files(res: RoundResult) -> RoundResult:
     return res
 
 
-def record_spec(rec: dict, path: Path) -> str:
-    """The engine system a deployment record says a round starts from."""
+def record_spec(rec: dict, path: Path, deployment=None) -> str:
+    """The engine system a deployment record says a round starts from; with ``deployment`` (the
+    round's EngineSpec) one of its model, weights and device: a round changes none of them, so a
+    record naming others is not this deployment's."""
     from specpilot.engine.spec import EngineSpec
 
     try:
         if not isinstance(rec["current"], str):
             raise InputError("not an engine spec (text)")
-        return str(EngineSpec.parse(rec["current"]))
+        spec = EngineSpec.parse(rec["current"])
+        if deployment is not None:
+            other = next(((k, getattr(spec, k), getattr(deployment, k)) for k in ("model", "random", "device")
+                          if getattr(spec, k) != getattr(deployment, k)), None)
+            if other is not None:
+                raise InputError(f"{spec} is not a system of this deployment ({other[0]} {other[1]} against "
+                                 f"{other[2]})")
+        return str(spec)
     except InputError as e:
         raise InputError(f"{path}: current: {e} (edit the record, or --fresh starts from DEPLOYMENT)") from None
