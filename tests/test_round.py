@@ -601,6 +601,9 @@ def test_a_candidate_whose_server_cannot_be_its_own_is_refused_and_the_round_rep
     assert dec.verdict == "refused" and "already answers before its server is started" in dec.reason, dec.reason
     assert not dec.timing and run_cli("report", tmp_path / "r")[0] == 0
     assert not _started_with_port(stock_port)
+    # it writes no baseline: check says why, not 'no such file' as of a damaged round
+    code, _, err = run_cli("check", "--baseline", tmp_path / "r", "--no-timing")
+    assert code == 2 and "a round of an SGLang deployment writes no baseline.json" in err, err
 
 
 def test_a_stopped_server_is_gone_when_stop_returns():

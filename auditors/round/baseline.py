@@ -41,6 +41,10 @@ def _refuse_unfinished(d: Path, stale: bool = False) -> None:
     state = read_json(d / "round.json", kind="round")
     check_state(state, d / "round.json")
     left = stages_left(state)
+    if not left and not stale and state.get("kind") == "sglang":
+        raise InputError(f"{d}: a round of an SGLang deployment writes no baseline.json (its systems are servers "
+                         "started by the deployment's commands, which check does not start); check gates an engine "
+                         "round's baseline")
     if left:
         what = ("its baseline.json is from before it was resumed" if stale
                 else "so it has no baseline.json yet")
