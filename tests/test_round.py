@@ -940,3 +940,26 @@ def test_committed_gpu_round_profile_is_what_its_trace_gives_now():
     busy = sum(c["ms"] for c in got["classes"].values())
     assert abs(busy - got["kernel_busy_ms"]) < 0.01   # the classes add up to the GPU's busy time per step
     assert "Note: kernels overlap the one before them" in (ex / "report.md").read_text()
+
+
+def test_the_dry_run_of_an_sglang_deployment_reads_its_record(tmp_path, run_cli):
+    """It printed 'starts from: stock' whatever the record said (a damaged record too, which the
+    round then refused), a decode speed of 0 tokens/s and an approve stage of the budget less 10 s."""
+    from specpilot.auditors.round import remember as rm
+    from specpilot.auditors.round.deployment import parse_deployment
+
+    dep, _, _ = _sglang_deployment(tmp_path)
+    path = tmp_path / "deployment.yaml"
+    path.write_text(yaml.safe_dump(dep))
+    rec = rm.record_path(tmp_path / "rec", parse_deployment(str(path)).facts.identity())
+    rec.parent.mkdir()
+    rec.write_text(yaml.safe_dump({"schema": rm.SCHEMA, "current": "stock + tree", "bundles": ["tree"],
+                                   "rounds": []}))
+    code, out, err = run_cli("round", path, "--dry-run", "--records", tmp_path / "rec")
+    assert code == 0, err
+    assert f"starts from: stock + tree (record {rec})" in out, out
+    assert "decode speed: measured by the stock server at the start of stage 4" in out and "0 tokens/s" not in out
+    assert "estimated time: the 20.0 min budget (the approve stage takes what the others leave)" in out, out
+    rec.write_text("::: [")
+    code, _, err = run_cli("round", path, "--dry-run", "--records", tmp_path / "rec")
+    assert code == 2 and "not valid YAML" in err, err

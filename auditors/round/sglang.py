@@ -169,10 +169,21 @@ def fill(template: str, **values) -> str:
 
 
 def plan_sglang(dep, cfg) -> dict:
+    """The dry run of an SGLang deployment's round: its start read from the deployment record as
+    the round reads it; the decode speed is not known before the stock server runs, and the approve
+    stage takes what the budget leaves."""
+    from . import remember as rm
+    from .state import check_record_file
+
     sg = dep.sglang
-    return {"schema": "specpilot.round-plan/1", "deployment": dep.text, "facts": dep.facts.to_json(), "start": "stock",
-            "stock": (sg.servers.get("stock") or {}).get("url"), "record": None, "budget_s": cfg.budget_min * 60,
-            "tokens_per_s": 0.0, "tokens_per_s_source": "measured by the stock server at the start of stage 4",
+    rec_path = rm.record_path(cfg.records_dir, dep.facts.identity())
+    check_record_file(rec_path)
+    rec = rm.read_record(rec_path)
+    start = str(rec["current"]) if (rec and rec.get("current") and not cfg.fresh) else "stock"
+    return {"schema": "specpilot.round-plan/1", "deployment": dep.text, "facts": dep.facts.to_json(), "start": start,
+            "stock": (sg.servers.get("stock") or {}).get("url"), "record": str(rec_path) if rec else None,
+            "budget_s": cfg.budget_min * 60, "approve_takes_the_rest": True,
+            "tokens_per_s": None, "tokens_per_s_source": "measured by the stock server at the start of stage 4",
             "stages": [{"stage": "measure", "seconds": 5.0, "work": "read the rows probe, profile trace and lattices "
                                                                     "named in the deployment file"},
                        {"stage": "model", "seconds": 1.0, "work": "cost model"},

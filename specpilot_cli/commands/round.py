@@ -117,8 +117,11 @@ def command(deployment, budget, out_dir, resume_dir, dry_run, prompts, n_prompts
         total = sum(s["seconds"] for s in plan["stages"])
         lines = [f"deployment: {plan['deployment']}", f"starts from: {plan['start']}"
                  + (f" (record {plan['record']})" if plan.get("record") else ""),
-                 f"decode speed: {fmt_num(plan['tokens_per_s'])} tokens/s ({plan['tokens_per_s_source']})",
-                 f"estimated time: {total / 60:.1f} min of the {plan['budget_s'] / 60:.1f} min budget"]
+                 f"decode speed: {fmt_num(plan['tokens_per_s'])} tokens/s ({plan['tokens_per_s_source']})"
+                 if plan["tokens_per_s"] is not None else f"decode speed: {plan['tokens_per_s_source']}",
+                 f"estimated time: the {plan['budget_s'] / 60:.1f} min budget (the approve stage takes what the "
+                 "others leave)" if plan.get("approve_takes_the_rest")
+                 else f"estimated time: {total / 60:.1f} min of the {plan['budget_s'] / 60:.1f} min budget"]
         need = max(total, plan.get("every_candidate_s") or 0.0)
         if need > plan["budget_s"]:
             lines.append(f"warning: the smallest plan takes {need / 60:.1f} min, more than the "
