@@ -232,8 +232,8 @@ def print_summary(res: dict) -> None:
 
 def read_prompts(path: str) -> list:
     """Text lines, or JSONL rows (the lines that start with '{') with ``text`` (a non-empty string) or
-    ``prompt_ids`` (a non-empty list of token ids); a row that is neither is a ValueError naming its line (checked before any
-    load is sent: the server would refuse every such request)."""
+    ``prompt_ids`` (a non-empty list of token ids); a row that is neither is a ValueError naming its
+    line (checked before any load is sent: the server would refuse every such request)."""
     out = []
     for i, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():

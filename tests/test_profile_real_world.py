@@ -274,6 +274,7 @@ def test_traces_that_say_they_are_no_group_are_refused_as_ranks(run_cli, tmp_pat
     b = write_trace(tmp_path / "b.json.gz", [llama_step()] * 3, header=both0, slow=1.2)
     code, out, err = run_cli("profile", a, b)
     assert code == 2 and not out and "both say they are rank 0" in one_error(err)
-    b = write_trace(tmp_path / "b.json.gz", [llama_step()] * 3, header={"distributedInfo": {"rank": 1, "world_size": 2}})
+    b = write_trace(tmp_path / "b.json.gz", [llama_step()] * 3,
+                    header={"distributedInfo": {"rank": 1, "world_size": 2}})
     code, out, err = run_cli("profile", a, b)
     assert code == 0 and "2 ranks" in out, err

@@ -708,7 +708,8 @@ def test_a_deployment_file_is_checked_when_read(tmp_path, run_cli, change, words
 
 def test_a_key_given_twice_in_a_deployment_file_is_refused(tmp_path, run_cli):
     """The second value won silently (drafter: eagle, then drafter: dflash: a dflash round)."""
-    (tmp_path / "p.jsonl").write_text(json.dumps({"schema": "specpilot.prompts/1", "id": "a", "prompt_ids": [1]}) + "\n")
+    (tmp_path / "p.jsonl").write_text(json.dumps({"schema": "specpilot.prompts/1", "id": "a",
+                                                  "prompt_ids": [1]}) + "\n")
     (tmp_path / "d.yaml").write_text(yaml.safe_dump(_GOOD) + "drafter: dflash\n")
     code, _, err = run_cli("round", tmp_path / "d.yaml", "--dry-run")
     assert code == 2 and "key 'drafter' given twice (lines " in err, err

@@ -44,8 +44,9 @@ class StepInfo:
     """One decode/verify step.
 
     ``start``/``end`` is the step's wall window: the NVTX/annotation range (stretched to the
-    end of the GPU work it launched, and started no earlier than the previous step's end), or, for steps found from CUDA graph launches or idle gaps,
-    the GPU period from this step's first kernel to the next step's first kernel.
+    end of the GPU work it launched, and started no earlier than the previous step's end), or,
+    for steps found from CUDA graph launches or idle gaps, the GPU period from this step's first
+    kernel to the next step's first kernel.
     ``busy_ns`` is the union of GPU activity intervals (kernels, memcpy, memset) of the step.
     """
 
