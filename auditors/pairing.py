@@ -401,12 +401,17 @@ def outputs_records(a: System, b: System) -> dict | None:
     return None
 
 
+def _outputs_known(a: GenerateSystem, b: GenerateSystem) -> bool:
+    """Both systems' outputs were seen (or recorded) for every run judged."""
+    return not any(x.outputs_unrecorded or x.outputs_digest is None for x in (a, b))
+
+
 def _outputs_differ(a: System, b: System) -> str | None:
     """Why the candidate's outputs are not shown to be the base's (every run of each compared),
     or None where they are, or the systems are not engines or servers."""
     if not (isinstance(a, GenerateSystem) and isinstance(b, GenerateSystem)):
         return None
-    if a.outputs_unrecorded or b.outputs_unrecorded or a.outputs_digest is None or b.outputs_digest is None:
+    if not _outputs_known(a, b):
         return "the outputs of the resumed runs were not recorded"
     unstable = [role for role, x in (("base", a), ("candidate", b)) if not x.outputs_stable]
     if unstable:
@@ -497,9 +502,7 @@ def paired_compare(a: System, b: System, *, runs: int | None = None, warmup: int
     extra = {}
     if isinstance(a, GenerateSystem) and isinstance(b, GenerateSystem):
         why = _outputs_differ(a, b)
-        known = not (a.outputs_unrecorded or b.outputs_unrecorded or a.outputs_digest is None
-                     or b.outputs_digest is None)
-        extra["outputs_identical"] = (a.outputs_digest == b.outputs_digest) if known else None
+        extra["outputs_identical"] = (a.outputs_digest == b.outputs_digest) if _outputs_known(a, b) else None
         extra["outputs_stable"] = a.outputs_stable and b.outputs_stable
         extra["prompts"] = len(a.prompts)
         extra["max_new_tokens"] = a.max_new_tokens

@@ -61,8 +61,7 @@ def plan_round(cfg: RoundConfig) -> dict:
         return plan_sglang(dep, cfg)
     facts = dep.facts
     rec_path = rm.record_path(cfg.records_dir, facts.identity())
-    check_record_file(rec_path)   # as the round refuses it (the last round's rate is read even with --fresh)
-    rec = rm.read_record(rec_path)
+    rec = check_record_file(rec_path)   # as the round refuses it (the last round's rate is read even with --fresh)
     start = record_spec(rec, rec_path, dep.engine_spec) if (rec and rec.get("current") and not cfg.fresh) else dep.text
     spec = EngineSpec.parse(start)
     rate, how = estimate_tokens_per_s(facts, spec)

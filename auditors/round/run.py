@@ -160,9 +160,9 @@ class _Round(MeasureStage, ApproveStage, RememberStage):
         stock = "stock" if sglang else self.dep.text
         start, notes, bundles = stock, [], []
         rec_path = rm.record_path(self.cfg.records_dir, self.dep.facts.identity())
-        check_record_file(rec_path)   # read for the start and the plan, added to at the end: a damaged record
-                                      # is refused before the round's folder is made
-        rec = rm.read_record(rec_path)
+        # read for the start and the plan, added to at the end: a damaged record is refused before
+        # the round's folder is made
+        rec = check_record_file(rec_path)
         if rec and rec.get("current") and not self.cfg.fresh:
             if sglang:
                 bundles = list((rec.get("bundles") or []))

@@ -177,8 +177,7 @@ def plan_sglang(dep, cfg) -> dict:
 
     sg = dep.sglang
     rec_path = rm.record_path(cfg.records_dir, dep.facts.identity())
-    check_record_file(rec_path)
-    rec = rm.read_record(rec_path)
+    rec = check_record_file(rec_path)
     start = str(rec["current"]) if (rec and rec.get("current") and not cfg.fresh) else "stock"
     return {"schema": "specpilot.round-plan/1", "deployment": dep.text, "facts": dep.facts.to_json(), "start": start,
             "stock": (sg.servers.get("stock") or {}).get("url"), "record": str(rec_path) if rec else None,

@@ -132,15 +132,17 @@ class MeasureStage:
             if wanted:
                 self._note("measure", f"TLV recording: {why}", skipped=True)
             return
-        if spec.mode != "tlv" and meas.lattice is None:   # sized by the tree recording, which did not fit either
-            self._note("measure", f"{pl.BUDGET_SKIP}TLV recording: the tree recording it is sized by did not fit in "
-                                  "the stage's time", skipped=True)
-            return
-        need = 1.5 * (meas.lattice or {}).get("seconds", 0.0)   # TLV's cycles against the tree recording
-        if spec.mode != "tlv" and time.monotonic() + need > deadline:
-            self._note("measure", f"{pl.BUDGET_SKIP}TLV recording: needs ~{need:.3g} s (1.5x the tree recording), "
-                                  f"{max(deadline - time.monotonic(), 0):.3g} s left in the stage", skipped=True)
-            return
+        if spec.mode != "tlv":   # a candidate: recorded if its cycles (about 1.5x the tree recording's) fit
+            if meas.lattice is None:
+                self._note("measure", f"{pl.BUDGET_SKIP}TLV recording: the tree recording it is sized by did not "
+                                      "fit in the stage's time", skipped=True)
+                return
+            need = 1.5 * meas.lattice.get("seconds", 0.0)
+            if time.monotonic() + need > deadline:
+                self._note("measure", f"{pl.BUDGET_SKIP}TLV recording: needs ~{need:.3g} s (1.5x the tree "
+                                      f"recording), {max(deadline - time.monotonic(), 0):.3g} s left in the stage",
+                           skipped=True)
+                return
         tspec = ms.tlv_spec(spec)
         self._step("measure", f"recording TLV cycles: {len(prompts)} prompts x {max_new} tokens, {tspec}")
         eng = self.pool.get(str(tspec))

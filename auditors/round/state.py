@@ -250,14 +250,16 @@ def read_round_prompts(path: Path, state: dict) -> list:
     return [Prompt(r.id, r.prompt_ids) for r in rows]
 
 
-def check_record_file(path: Path) -> None:
-    """A deployment record as the report and the remember stage read it (a missing one is none)."""
+def check_record_file(path: Path) -> dict | None:
+    """A deployment record as the report and the remember stage read it, checked (None: there is
+    none)."""
     doc = rm.read_record(path)
     try:
         if doc is not None:
             rm.check_record(doc)
     except ValueError as e:
         raise InputError(f"{path}: malformed deployment-record ({e})") from None
+    return doc
 
 
 def check_round_inputs(d: Path, state: dict) -> None:
