@@ -24,6 +24,9 @@ from .costmodel import CostModel, cost_model, step_time
 from .floors import StepFloor
 from .tlv_cycle import tlv_cycle
 
+# a profile's floor and --model's at the same rows: rounding in the JSON only
+FLOOR_AGREEMENT = 0.005
+
 
 @dataclass
 class CeilingResult:
@@ -186,6 +189,17 @@ def _file_label(f) -> str:
     return f"{kind} {getattr(f, 'source', '?')}"
 
 
+def _refuse_other_floor(p, model: str, rows: int, theirs: float, mine: float) -> None:
+    """The kernel factor divides by the profile's floor and the table shows --model's: two floors of
+    one step that differ mean a shape the checks cannot see (a profile written before it recorded its
+    LM head dtype, or edited), and a factor against a floor the output does not show."""
+    if abs(theirs - mine) > FLOOR_AGREEMENT * min(theirs, mine):
+        raise InputError(f"--profile {p.source} and --model {model} disagree on the byte floor at {rows} "
+                         f"row{'s' if rows != 1 else ''} ({theirs:.4g} against {mine:.4g} ms): the profile's floors "
+                         "are of another shape; give the options the profile was made with (its LM head dtype, "
+                         "drafter), or profile again")
+
+
 def compute_ceiling(req: CeilingRequest) -> CeilingResult:
     m, model, gpu, rows = req.measurements, req.model, req.gpu, req.rows
     if req.batch <= 0:
@@ -237,6 +251,8 @@ def compute_ceiling(req: CeilingRequest) -> CeilingResult:
             if m.floor_ms is None:
                 m.set("floor_ms", f.total_floor_ms, f"byte floor of {model.name} at {cost_rows} rows")
                 m.floor_peak_ms = req.step_floor(cost_rows, at_peak=True).total_floor_ms
+            elif m.origins.get("floor_ms") is req.profile:
+                _refuse_other_floor(req.profile, model.name, cost_rows, m.floor_ms, f.total_floor_ms)
 
     cost = rank = None
     measured = {k: v for k, v in m.sources.items() if k != "floor_ms"}

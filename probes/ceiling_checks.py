@@ -16,6 +16,7 @@ from specpilot.errors import InputError
 from specpilot.gpus import GPUSpec
 
 from .ceiling_inputs import CeilingRequest, ProfileFigures, RowsProbeFigures, RunFigures, run_step_ms
+from .floors import lm_head_dtype_of
 
 
 def check_rows_probe_hardware(probe: RowsProbeFigures | None, gpu: GPUSpec | None) -> str | None:
@@ -178,6 +179,13 @@ def check_one_deployment(req: CeilingRequest, cost_rows: int | None) -> None:
                     _refuse(me, given, f"GPU's {what}",
                             f"{mine:g} {unit}", f"{theirs:g} {unit}",
                             "the profile's floor is of its figures; leave the option out to take them")
+            if "fp8_tflops" in pg and pg.get("bf16_tflops"):   # fp8 floors: the fp8 peak, else the bf16 one
+                mine = pg["fp8_tflops"] or pg["bf16_tflops"]
+                theirs = gpu.fp8_tflops or gpu.bf16_tflops
+                if abs(mine - theirs) > 1e-3 * mine:
+                    _refuse(me, f"--fp8-flops {theirs:g}" if "fp8_flops" in gpu.measured else f"--gpu {gpu.key}",
+                            "GPU's dense fp8 peak", f"{mine:g} TFLOP/s", f"{theirs:g} TFLOP/s",
+                            "the profile's floor is of its figures; leave the option out to take them")
     if run_cpu:
         _refuse(me, f"--run {run.source}", "device", _profile_gpu_name(p), "the CPU",
                 "give a run on the profile's GPU")
@@ -213,6 +221,8 @@ def check_one_deployment(req: CeilingRequest, cost_rows: int | None) -> None:
         for key, opt, mine, theirs in (
                 ("context", "--context", p.shape.get("context"), req.context),
                 ("weight_dtype", "--weight-dtype", p.shape.get("weight_dtype"), req.weight_dtype),
+                ("lm_head_dtype", "--lm-head-dtype", p.shape.get("lm_head_dtype"),
+                 lm_head_dtype_of(req.weight_dtype, req.lm_head_dtype)),
                 ("kv_dtype", "--kv-dtype", p.shape.get("kv_dtype"), req.kv_dtype),
                 ("flops_fraction", "--flops-fraction", p.shape.get("flops_fraction"), req.flops_fraction),
                 ("bw_fraction", "--bw-fraction", p.shape.get("bw_fraction"), req.bw_fraction),

@@ -417,8 +417,11 @@ def floors_from_model(model_spec, gpu_spec, rows: int, batch: int, context: int,
                    flops_fraction=flops_fraction, bw_fraction=bw_fraction, draft_passes=draft_passes)
     classes = {k: {"bytes": v.bytes, "flops": v.flops, "floor_ms": v.floor_ms, "bound": v.bound}
                for k, v in f.classes.items()}
+    from .floors import lm_head_dtype_of
+
     shape = {"rows": rows, "batch": batch, "context": context, "weight_dtype": weight_dtype,
-             "kv_dtype": kv_dtype, "flops_fraction": flops_fraction, "bw_fraction": bw_fraction}
+             "lm_head_dtype": lm_head_dtype_of(weight_dtype, lm_head_dtype), "kv_dtype": kv_dtype,
+             "flops_fraction": flops_fraction, "bw_fraction": bw_fraction}
     if drafter is not None:
         shape.update({"drafter": drafter.name, "draft_rows": draft_rows or rows, "draft_passes": draft_passes})
     # a GPU whose catalog figures --bandwidth or --flops replaced says so (its key alone would not)

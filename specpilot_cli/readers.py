@@ -60,6 +60,11 @@ def read_profile(path: str) -> ProfileFigures:
     if isinstance(raw_gpu, dict):   # the GPU it ran on (name), its floors' (key, floors_gpu where --gpu named one)
         gpu = {k: raw_gpu[k] for k in ("name", "key", "floors_gpu") if isinstance(raw_gpu.get(k), str) and raw_gpu[k]}
         gpu.update({k: float(raw_gpu[k]) for k in ("bandwidth_tbs", "bf16_tflops") if _finite(raw_gpu.get(k), 0, 1e7)})
+        if "fp8_tflops" in raw_gpu:   # the fp8 peak its fp8 floors took (null: the bf16 one)
+            fp8 = raw_gpu["fp8_tflops"]
+            if fp8 is not None and not _finite(fp8, 0, 1e7):
+                raise InputError(f"{path}: profile's gpu 'fp8_tflops' must be a positive number or null")
+            gpu["fp8_tflops"] = float(fp8) if fp8 is not None else None
     return ProfileFigures(source=str(path), kernel_busy_ms=float(doc["kernel_busy_ms"]),
                           step_wall_ms=float(doc["step_wall_ms"]), total_floor_ms=floor,
                           floor_peak_ms=_floor_peak_ms(path, doc) if floor is not None else None,
@@ -94,7 +99,7 @@ def _profile_shape(path: str, shape: dict) -> dict:
         if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 2 ** 24:
             raise InputError(f"{path}: profile's shape {k!r} must be a whole number")
         out[k] = v
-    for k in ("weight_dtype", "kv_dtype", "drafter"):
+    for k in ("weight_dtype", "lm_head_dtype", "kv_dtype", "drafter"):
         v = shape.get(k)
         if v is not None:
             if not isinstance(v, str) or not v:

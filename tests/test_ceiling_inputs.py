@@ -204,7 +204,11 @@ def test_a_profile_of_a_gpu_outside_the_catalog_sets_floors_with_model(run_cli, 
     --model as disagreeing with a '--gpu' never given ('... against custom'); an unknown key beside a
     catalog name disagreed with itself. A real --gpu is named as the option that disagrees."""
     prof = json.loads(H200_PROFILE.read_text())
+    h200 = dict(prof)
     prof["gpu"] = {"name": "NVIDIA A100-SXM4-40GB", "key": "custom", "bandwidth_tbs": 1.555, "bf16_tflops": 312.0}
+    for k in ("total_floor_ms", "floor_peak_ms"):   # one row: every class bound by its bytes
+        if prof.get(k):
+            prof[k] *= 4.8 / 1.555
     p = tmp_path / "a100.json"
     p.write_text(json.dumps(prof))
     for extra in ((), ("--bandwidth", "1.555", "--flops", "312")):
@@ -216,7 +220,55 @@ def test_a_profile_of_a_gpu_outside_the_catalog_sets_floors_with_model(run_cli, 
                              "--ar-ms", "4")
     assert code == 2 and "and --gpu h100-sxm disagree on the GPU's peak bandwidth (1.555 TB/s against 3.35 TB/s)" in \
         one_error(err)
+    prof = h200
     prof["gpu"] = {"name": "NVIDIA H200", "key": "no-such-gpu", "bandwidth_tbs": 4.8, "bf16_tflops": 989.5}
     p.write_text(json.dumps(prof))
     code, out, err = run_cli("ceiling", "--profile", p, "--model", "llama-3.1-8b", "--tau", "2", "--ar-ms", "4")
     assert code == 0, err
+
+
+def _profile(run_cli, tmp_path, name, *opts):
+    out = tmp_path / name
+    code, _, err = run_cli("profile", ROUNDS / "llama8b-h200" / "measure" / "trace.json.gz", "--model", "llama-3.1-8b",
+                           "--context", "96", "--skip-steps", "2", *opts, "--format", "json", "--out", out)
+    assert code == 0, err
+    return out
+
+
+def test_the_profiles_lm_head_dtype_sets_the_floors_beside_model(run_cli, tmp_path):
+    """A profile of an int4 LM head beside --model: the floor table took a bf16 head (3.48 ms) while
+    the kernel factor divided by the profile's 3.30 ms; a profile of a bf16 head beside
+    --lm-head-dtype int4 showed the int4 floors and divided by the bf16 one."""
+    p = _profile(run_cli, tmp_path, "lh4.json", "--lm-head-dtype", "int4")
+    assert json.loads(p.read_text())["shape"]["lm_head_dtype"] == "int4"
+    code, out, err = run_cli("ceiling", "--profile", p, "--model", "llama-3.1-8b", "--tau", "2", "--ar-ms", "4",
+                             "--format", "json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["total_floor_ms"] == pytest.approx(doc["cost_model"]["inputs"]["floor_ms"], rel=1e-6)
+    assert doc["total_floor_ms"] < 3.35
+    code, _, err = run_cli("ceiling", "--profile", p, "--model", "llama-3.1-8b", "--tau", "2", "--ar-ms", "4",
+                           "--lm-head-dtype", "bf16")
+    refused(code, err, f"--profile {p}", "--lm-head-dtype bf16", "lm head dtype (int4 against bf16)")
+    # a profile written without the field (a bf16 head): the two floors are compared
+    old = json.loads(_profile(run_cli, tmp_path, "bf16.json").read_text())
+    del old["shape"]["lm_head_dtype"]
+    (p := tmp_path / "old.json").write_text(json.dumps(old))
+    code, _, err = run_cli("ceiling", "--profile", p, "--model", "llama-3.1-8b", "--tau", "2", "--ar-ms", "4",
+                           "--lm-head-dtype", "int4")
+    refused(code, err, f"--profile {p}", "--model llama-3.1-8b", "byte floor at 1 row (3.48 against 3.3 ms)")
+
+
+def test_fp8_flops_is_checked_against_the_profiles_fp8_peak(run_cli, tmp_path):
+    """--fp8-flops beside a profile of fp8 weights set the table's floors at that peak while the
+    kernel factor divided by the profile's floor at the catalog's."""
+    p = _profile(run_cli, tmp_path, "fp8.json", "--weight-dtype", "fp8", "--rows", "64")
+    assert json.loads(p.read_text())["gpu"]["fp8_tflops"] == 1979
+    code, _, err = run_cli("ceiling", "--profile", p, "--model", "llama-3.1-8b", "--tau", "2", "--ar-ms", "4",
+                           "--fp8-flops", "50")
+    refused(code, err, f"--profile {p}", "--fp8-flops 50", "dense fp8 peak (1979 TFLOP/s against 50 TFLOP/s)")
+    code, out, err = run_cli("ceiling", "--profile", p, "--model", "llama-3.1-8b", "--tau", "2", "--ar-ms", "4",
+                             "--format", "json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["total_floor_ms"] == pytest.approx(doc["cost_model"]["inputs"]["floor_ms"], rel=1e-6)

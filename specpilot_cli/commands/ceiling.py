@@ -124,10 +124,11 @@ def command(model_name, gpu_name, bandwidth, flops, fp8_flops, rows, batch, cont
         if not typed("batch") and prof.shape.get("batch"):
             batch = prof.shape["batch"]
         if model_name:
-            context, weight_dtype, kv_dtype, flops_fraction, bw_fraction = (
+            context, weight_dtype, lm_head_dtype, kv_dtype, flops_fraction, bw_fraction = (
                 v if typed(k) or k not in prof.shape else prof.shape[k]
-                for k, v in (("context", context), ("weight_dtype", weight_dtype), ("kv_dtype", kv_dtype),
-                             ("flops_fraction", flops_fraction), ("bw_fraction", bw_fraction)))
+                for k, v in (("context", context), ("weight_dtype", weight_dtype), ("lm_head_dtype", lm_head_dtype),
+                             ("kv_dtype", kv_dtype), ("flops_fraction", flops_fraction),
+                             ("bw_fraction", bw_fraction)))
             if prof.shape.get("drafter"):   # --drafter given (a path the profile names by its stem) or not
                 if not typed("drafter_name"):
                     drafter_name = prof.shape["drafter"]
@@ -222,14 +223,15 @@ def _profile_gpu(prof):
     from specpilot.gpus import custom_gpu, get_gpu, match_gpu_name, with_overrides
 
     g = prof.gpu or {}
-    bw, fl = g.get("bandwidth_tbs"), g.get("bf16_tflops")
+    bw, fl, f8 = g.get("bandwidth_tbs"), g.get("bf16_tflops"), g.get("fp8_tflops")
     key = g.get("key")
     spec = get_gpu(key) if key and key != "custom" and match_gpu_name(key) else match_gpu_name(g.get("name") or "")
     if spec is None:   # not in the catalog: the figures its floors used, under the name the profile gives it
         name = g.get("floors_gpu") or g.get("name")
-        return replace(custom_gpu(bw, fl), **({"name": name} if name else {})) if bw and fl else None
+        return replace(custom_gpu(bw, fl, f8), **({"name": name} if name else {})) if bw and fl else None
     return with_overrides(spec, bw if bw and bw != spec.bandwidth_tbs else None,
-                          fl if fl and fl != spec.bf16_tflops else None)
+                          fl if fl and fl != spec.bf16_tflops else None,
+                          f8 if f8 and f8 != spec.fp8_tflops else None)
 
 
 def _load_drafter(name, prof):

@@ -406,7 +406,7 @@ def _resolve_gpu(agg, gpu_name, bandwidth, flops, needed: bool):
 
     The dict names the GPU the trace was taken on (``name``, ``source``, ``sm_count``,
     ``trace_bandwidth_tbs``) and the catalog entry of the floors (``key``, ``bandwidth_tbs``,
-    ``bf16_tflops``); ``--gpu`` adds ``floors_gpu``, that entry's name, and a warning where the
+    ``bf16_tflops``, ``fp8_tflops``); ``--gpu`` adds ``floors_gpu``, that entry's name, and a warning where the
     trace names another catalog GPU."""
     from specpilot.gpus import custom_gpu, get_gpu, match_gpu_name, with_overrides
 
@@ -440,7 +440,9 @@ def _resolve_gpu(agg, gpu_name, bandwidth, flops, needed: bool):
                              "or give --bandwidth and --flops")
         raise InputError("the trace names no GPU; give --gpu (or --bandwidth and --flops) for floors")
     if spec is not None:
-        info = {**(info or {}), "key": spec.key, "bandwidth_tbs": spec.bandwidth_tbs, "bf16_tflops": spec.bf16_tflops}
+        # fp8 floors take the fp8 peak (the bf16 one where the entry has none): ceiling compares it too
+        info = {**(info or {}), "key": spec.key, "bandwidth_tbs": spec.bandwidth_tbs, "bf16_tflops": spec.bf16_tflops,
+                "fp8_tflops": spec.fp8_tflops}
     return info, spec, warning
 
 
