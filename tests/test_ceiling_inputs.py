@@ -272,3 +272,21 @@ def test_fp8_flops_is_checked_against_the_profiles_fp8_peak(run_cli, tmp_path):
     assert code == 0, err
     doc = json.loads(out)
     assert doc["total_floor_ms"] == pytest.approx(doc["cost_model"]["inputs"]["floor_ms"], rel=1e-6)
+
+
+def test_out_beside_a_model_config_file_is_refused(run_cli, tmp_path):
+    """A model given as a config file: the weights and tokenizer beside it are inputs (formats.md),
+    and profile/ceiling --out wrote over them."""
+    m = tmp_path / "m"
+    m.mkdir()
+    (m / "config.json").write_text((REPO / "tests" / "fixtures" / "decode_target_config.json").read_text())
+    for name in ("model.safetensors", "tokenizer.json"):
+        (m / name).write_text("WEIGHTS")
+    trace = REPO / "tests" / "fixtures" / "nsys_h200_decode_eager.sqlite"
+    for args in (("profile", trace, "--model", m / "config.json"),
+                 ("ceiling", "--model", "smollm2-135m", "--drafter", m / "config.json", "--gpu", "h100"),
+                 ("ceiling", "--model", m / "config.json", "--gpu", "h100")):
+        for name in ("model.safetensors", "tokenizer.json"):
+            code, _, err = run_cli(*args, "--out", m / name)
+            refused(code, err, f"--out {m / name}", "refusing to overwrite")
+            assert (m / name).read_text() == "WEIGHTS"

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import click
 
 from specpilot.limits import MAX_BATCH, MAX_CONTEXT, MAX_DRAFT_PASSES, MAX_MS, MAX_ROWS, MAX_TAU, MAX_TBS, MAX_TFLOPS
@@ -91,7 +89,7 @@ def command(model_name, gpu_name, bandwidth, flops, fp8_flops, rows, batch, cont
     """
     from specpilot.errors import InputError
     from specpilot.gpus import custom_gpu, get_gpu, with_overrides
-    from specpilot.models import load_model_spec
+    from specpilot.models import load_model_spec, model_inputs
     from specpilot.options import parse_int_list
     from specpilot.probes.ceiling import compute_ceiling
     from specpilot.probes.ceiling_inputs import CeilingRequest, Measurements
@@ -159,8 +157,8 @@ def command(model_name, gpu_name, bandwidth, flops, fp8_flops, rows, batch, cont
     for name, v in (("tau", tau), ("tau_best", tau_best), ("step_ms", step_ms), ("ar_ms", ar_ms),
                     ("profile_ms", profile_ms)):
         m.set(name, v, "command line")
-    # a model or drafter given as a config file or folder is an input too
-    models = [n for n in (model_name, drafter_name) if n and Path(n).exists()]
+    # a model or drafter given as a config file (its weights and tokenizer beside it) or folder is an input too
+    models = [f for n in (model_name, drafter_name) for f in model_inputs(n)]
     protect = [p for p in (profile_file, replay_file, rows_file, run_file) if p] + models
     if run_file and typed("batch"):
         _refuse_batch_with_run("--run", run_file, batch)

@@ -3,8 +3,6 @@ each class is from its byte floor."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import click
 
 from specpilot.errors import InputError
@@ -127,10 +125,11 @@ def command(traces, step_range, step_mode, gap_us, skip_steps, device, include_o
     if plot_file and out and plot_file == out:
         raise InputError("--plot and --out name the same file")
     from specpilot.fileio import check_output_path
+    from specpilot.models import model_inputs
 
-    # a model or drafter given as a config file or folder is an input too
+    # a model or drafter given as a config file (its weights and tokenizer beside it) or folder is an input too
     protect = [p for p in (*traces, ceiling_file, *rules_files) if p]
-    protect += [n for n in (model_name, drafter_name) if n and Path(n).exists()]
+    protect += [f for n in (model_name, drafter_name) for f in model_inputs(n)]
     if out:
         check_output_path(out, "--out", protect=protect)
     if plot_file:
