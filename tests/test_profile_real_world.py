@@ -278,3 +278,27 @@ def test_traces_that_say_they_are_no_group_are_refused_as_ranks(run_cli, tmp_pat
                     header={"distributedInfo": {"rank": 1, "world_size": 2}})
     code, out, err = run_cli("profile", a, b)
     assert code == 0 and "2 ranks" in out, err
+
+
+def test_kernel_events_without_their_device_or_name_are_damage(run_cli, tmp_path):
+    """A kernel event without ``args`` (or ``args.device``) among kernels of device 0 was a second GPU
+    ("kernels on 2 GPUs", the multi-GPU warning) and dropped silently; one without a name was a
+    kernel of class 'other' named ''."""
+    path = write_trace(tmp_path / "t.json.gz", [llama_step(2)] * 4)
+    doc = json.loads(gzip.open(path, "rt").read())
+    for variant, edit in (("noargs", lambda e: e.pop("args")), ("nullargs", lambda e: e.update(args=None)),
+                          ("nodevice", lambda e: e["args"].pop("device"))):
+        d = json.loads(json.dumps(doc))
+        edit([e for e in d["traceEvents"] if e.get("cat") == "kernel"][3])
+        p = tmp_path / f"{variant}.json"
+        p.write_text(json.dumps(d))
+        code, out, err = run_cli("profile", p, "--model", "llama-3.1-8b", "--top", "0")
+        assert code == 0, err
+        assert "GPUs" not in out + err and "multi-GPU" not in out + err
+        assert "1 GPU event(s) without their device (args.device) were left out" in out + err
+    d = json.loads(json.dumps(doc))
+    [e for e in d["traceEvents"] if e.get("cat") == "kernel"][3].pop("name")
+    p = tmp_path / "noname.json"
+    p.write_text(json.dumps(d))
+    code, _, err = run_cli("profile", p, "--model", "llama-3.1-8b")
+    assert code == 2 and str(p) in one_error(err) and "name None is not a string" in one_error(err)

@@ -175,9 +175,11 @@ class KinetoTrace:
                 kind = GPU_CATS.get(cat)
                 if kind is not None:
                     a = ev.get("args") or {}
-                    nm = ev.get("name", "")
+                    if not isinstance(a, dict):
+                        raise TypeError(f"args {a!r} is not an object")
+                    nm = ev.get("name")
                     if not isinstance(nm, str):
-                        raise TypeError(f"name {nm!r} is not a string")
+                        raise TypeError(f"name {nm!r} is not a string")   # absent: None
                     nid = names.get(nm)
                     if nid is None:
                         nid = names[nm] = len(names)
@@ -231,6 +233,11 @@ class KinetoTrace:
         # a GPU event ending before it starts is damage: left out, and counted in a note per device
         bad = cols["dur"] < 0
         self.left_out = cols["device"][bad]
+        # an event without its device among events with one is damage too, not a GPU of its own
+        nodev = cols["device"] < 0
+        self.no_device = int(np.count_nonzero(nodev & ~bad)) if (~nodev).any() else 0
+        if self.no_device:
+            bad = bad | nodev
         self.cols = {k: v[~bad] for k, v in cols.items()} if bad.any() else cols
         rt = np.concatenate(rt_blocks + [_block(rt_rows, 2, path, RT_ROW_MAX)])
         order = np.argsort(rt[:, 0], kind="stable")
@@ -342,6 +349,8 @@ def aggregate_kineto(tr: KinetoTrace, req: StepRequest) -> Aggregate:
     damaged = int(len(tr.left_out) if device is None else np.count_nonzero(tr.left_out == device))
     if damaged:
         notes.append(f"{damaged} GPU event(s) ending before they start were left out (a damaged trace)")
+    if tr.no_device:
+        notes.append(f"{tr.no_device} GPU event(s) without their device (args.device) were left out (a damaged trace)")
     # a kernel whose runtime call is not in the trace was launched before the profiler started
     corr_all = c["corr"]
     orphan = np.zeros(n, dtype=bool)
