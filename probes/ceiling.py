@@ -44,6 +44,7 @@ class CeilingResult:
     warnings: list[str] = field(default_factory=list)
     cycle: dict | None = None  # TLV: the cycle's terms (tlv_cycle)
     batch: int = 1  # requests per step of the deployment modelled
+    c_probe: dict[int, float] = field(default_factory=dict)  # a rows probe's c(N) at the floors' rows it timed
 
     def c_floor(self, f: StepFloor) -> float | None:
         return f.total_floor_ms / self.ar_floor.total_floor_ms if self.ar_floor else None
@@ -53,6 +54,8 @@ class CeilingResult:
         for f in self.floors:
             d = f.as_dict()
             d["c_floor"] = self.c_floor(f)
+            if self.c_probe:
+                d["c_probe"] = self.c_probe.get(f.rows)
             by_rows[str(f.rows)] = d
         first = self.floors[0] if self.floors else None
         return {
@@ -257,7 +260,9 @@ def compute_ceiling(req: CeilingRequest) -> CeilingResult:
     cost = rank = None
     measured = {k: v for k, v in m.sources.items() if k != "floor_ms"}
     replay_only = bool(measured) and all(src.startswith("replay") for src in measured.values())
-    if m.any and not (replay_only and model is not None):
+    # a rows probe beside floors, no tau: its c(N) stands next to the floor's, no cost model
+    probe_only = bool(measured) and m.tau is None and all(src.startswith("rows probe") for src in measured.values())
+    if m.any and not ((replay_only or probe_only) and model is not None):
         if len(rows) > 1 and cost_rows is None:
             raise InputError("measurements apply to one row count: give a single --rows N with --tau/--step-ms/...")
         missing = [n for n, v in (("--tau (or --replay)", m.tau), ("--step-ms (or --profile)", m.step_ms),
@@ -279,6 +284,9 @@ def compute_ceiling(req: CeilingRequest) -> CeilingResult:
                         rows_for_cost=cost_rows, fractions={"flops": req.flops_fraction, "bandwidth": req.bw_fraction},
                         tau_curve=curves, batch=req.batch)
     res.cycle = cycle
+    p = req.rows_probe
+    if p is not None and floors and p.ar_ms:
+        res.c_probe = {f.rows: p.step_ms[f.rows] / p.ar_ms for f in floors if f.rows in p.step_ms}
     if cycle is not None and cost is not None:
         cycle["tau"], cycle["speedup"] = cost.tau, cost.speedup
     res.by_nodes = predict_by_nodes(req, curves, step_curve, res)

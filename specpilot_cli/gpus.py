@@ -108,6 +108,10 @@ def get_gpu(name: str) -> GPUSpec:
         return found
     spec = match_gpu_name(name)
     if spec is None:
+        n = _norm(name)
+        several = sorted({s.key for s, aliases in catalog().values() if n and any(a.startswith(n) for a in aliases)})
+        if len(several) > 1:
+            raise InputError(f"GPU {name!r} is the start of several: {', '.join(several)}; give one of them")
         raise InputError(f"unknown GPU {name!r}; known: {', '.join(gpu_keys())} "
                          "(or give --bandwidth and --flops for another GPU)")
     return spec

@@ -178,6 +178,7 @@ def test_cli_measured_and_files(run_cli, tmp_path):
     (["--tau", "4"], "needs"),
     (["--batch", "0"], "--batch"),
     (["--gpu", "tpu-v9"], "unknown GPU"),
+    (["--gpu", "mi"], "GPU 'mi' is the start of several: mi300x, mi325x; give one of them"),
 ])
 def test_cli_bad_input(run_cli, tmp_path, args, msg):
     cfg = tmp_path / "config.json"

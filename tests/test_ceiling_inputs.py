@@ -290,3 +290,24 @@ def test_out_beside_a_model_config_file_is_refused(run_cli, tmp_path):
             code, _, err = run_cli(*args, "--out", m / name)
             refused(code, err, f"--out {m / name}", "refusing to overwrite")
             assert (m / name).read_text() == "WEIGHTS"
+
+
+def test_a_rows_probe_beside_floors_shows_its_c_next_to_the_floors(run_cli):
+    """ceiling.md: a rows probe beside --model floors stands beside them, its c(N) next to the floor's;
+    with several --rows it was refused as 'measurements apply to one row count ... --tau', and with
+    one row it asked for --tau, and no form showed the probe's c."""
+    code, out, err = run_cli("ceiling", "--model", "llama-3.1-8b", "--gpu", "h200", "--context", "96", "--rows",
+                             "1,2,9", "--rows-probe", H200_ROWS, "--format", "json")
+    assert code == 0, err
+    doc = json.loads(out)
+    probe = json.loads(H200_ROWS.read_text())
+    ar = probe["ar_ms"]
+    steps = {p["rows"]: p["step_ms"] for p in probe["points"]}
+    for n in (1, 2, 9):
+        assert doc["by_rows"][str(n)]["c_probe"] == pytest.approx(steps[n] / ar if n in steps else 1.0)
+    assert doc["cost_model"] is None
+    code, out, err = run_cli("ceiling", "--model", "llama-3.1-8b", "--gpu", "h200", "--context", "96", "--rows", "9",
+                             "--rows-probe", H200_ROWS)
+    assert code == 0, err
+    assert "beside the rows probe's c(N)" in out and "c probe" in out
+    assert "note: no cost model: it needs tau (--tau or --replay) at one row count (--rows N)" in out

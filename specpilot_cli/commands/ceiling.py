@@ -301,12 +301,17 @@ def _report(res, run=None) -> Report:
         curve = []
         for f in res.floors:
             cf = res.c_floor(f)
-            curve.append([f.rows, f.total_bytes / 1e9, f.total_floor_ms, cf, f.rows * f.batch / (f.total_floor_ms / 1e3)])
-        sections.append(Section("Floor per step and floor c(N) = floor(N) / floor(AR, 1 row)",
-                                ["rows", "GB", "floor ms", "c floor", "rows/s at floor"], curve,
+            curve.append([f.rows, f.total_bytes / 1e9, f.total_floor_ms, cf, f.rows * f.batch / (f.total_floor_ms / 1e3)]
+                         + ([res.c_probe.get(f.rows)] if res.c_probe else []))
+        sections.append(Section("Floor per step and floor c(N) = floor(N) / floor(AR, 1 row)"
+                                + (" beside the rows probe's c(N)" if res.c_probe else ""),
+                                ["rows", "GB", "floor ms", "c floor", "rows/s at floor"]
+                                + (["c probe"] if res.c_probe else []), curve,
                                 note=f"AR floor (1 row, no drafter): {_ar_floor_text(res.ar_floor)}; "
                                      f"fractions {res.fractions['flops']:.2f} of peak FLOP/s, "
                                      f"{res.fractions['bandwidth']:.2f} of peak bandwidth."))
+    if res.cost is None and res.c_probe and res.measurements.tau is None:
+        lines.append("note: no cost model: it needs tau (--tau or --replay) at one row count (--rows N)")
     left_out = by_nodes_left_out(res)
     if res.by_nodes:
         best = max(res.by_nodes, key=lambda r: r["speedup"])
