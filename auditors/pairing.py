@@ -174,16 +174,23 @@ def check_metric(key: str, shell: bool = True) -> None:
         raise InputError(f"--metric {key!r}: an empty key in the dotted path (a.b reaches into nested objects)")
 
 
+def _metric_shape(key: str, value: str) -> str:
+    """The JSON object --metric KEY reads: a dotted key reaches into nested objects."""
+    for part in reversed(key.split(".")):
+        value = f"{{{json.dumps(part)}: {value}}}"
+    return value
+
+
 def _metric_from_stdout(out: str, key: str, where: str) -> float:
     lines = [ln for ln in (out or "").splitlines() if ln.strip()]
     if not lines:
         raise InputError(f"{where}: printed nothing; --metric {key} expects a JSON object like "
-                         f"{{\"{key}\": 123.4}} on its last line")
+                         f"{_metric_shape(key, '123.4')} on its last line")
     try:
         obj = json.loads(lines[-1])
     except (json.JSONDecodeError, RecursionError):
         raise InputError(f"{where}: last stdout line is not JSON ({_tail(lines[-1], 60)!r}); --metric {key} "
-                         f"expects {{\"{key}\": number}}") from None
+                         f"expects {_metric_shape(key, 'number')}") from None
     v = obj
     for part in key.split("."):
         if not isinstance(v, dict) or part not in v:

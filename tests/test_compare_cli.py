@@ -89,6 +89,8 @@ def test_gpu_swap_schedule():
 @pytest.mark.parametrize("args,msg", [
     (["--base-cmd", "exit 3", "--candidate-cmd", "true"], "base command failed (exit 3)"),
     (["--base-cmd", "echo hi", "--candidate-cmd", "true", "--metric", "tps"], "not JSON"),
+    (["--base-cmd", "echo hi", "--candidate-cmd", "true", "--metric", "m.tps"],   # a dotted key: nested objects
+     "--metric m.tps expects {\"m\": {\"tps\": number}}"),
     (["--base-cmd", "python3 -c \"print('[' * 100000 + ']' * 100000)\"", "--candidate-cmd", "true", "--metric", "tps"],
      "last stdout line is not JSON"),
     (["--base-cmd", emit_cmd(1, "x"), "--candidate-cmd", "true", "--metric", "tps"], "no 'tps'"),
