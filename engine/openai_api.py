@@ -121,9 +121,15 @@ def _stream(body: dict) -> tuple[bool, bool, bool]:
     return True, flags[0], flags[1]
 
 
+# a bookkeeping field of another type is a malformed request, not a feature the engine lacks
+_SHAPES = {"user": "a string", "store": "true or false", "metadata": "an object of string values",
+           "service_tier": "a string"}
+
+
 def _fields(body, neutral: dict, own: set[str], sampling: set[str] = _SAMPLING) -> None:
-    if isinstance(body, dict) and body.get("user") is not None and not isinstance(body["user"], str):
-        raise BadRequest("user must be a string")
+    for k, shape in _SHAPES.items():
+        if isinstance(body, dict) and body.get(k) is not None and k in neutral and not neutral[k](body[k]):
+            raise BadRequest(f"{k} must be {shape}")
     check_fields(body, own | sampling | {"model", "stream", "stream_options"}, neutral)
 
 

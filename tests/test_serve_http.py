@@ -555,6 +555,8 @@ def test_openai_streaming_sends_deltas_and_holds_back_a_stop_string(server_a, gr
     ({"prompt": [1, 2], "seed": "x"}, "seed must be an integer"),
     ({"prompt": [1, 2], "presence_penalty": "0"}, "presence_penalty must be a number"),
     ({"prompt": [1, 2], "user": 5}, "user must be a string"),
+    ({"prompt": [1, 2], "metadata": {"a": 1}}, "metadata must be an object of string values"),
+    ({"prompt": [1, 2], "store": "yes"}, "store must be true or false"),
     ({"prompt": [1, 2], "messages": []}, "unknown request fields: messages"),
     ({"prompt": [1, 2], "stream_options": {"include_usage": True}}, "stream_options needs stream: true"),
     ({"prompt": [1, 2], "stream": "yes"}, "stream must be true or false"),
