@@ -1063,3 +1063,21 @@ def test_sighup_drains_as_sigterm_does(tmp_path):
         assert json.loads(summary.read_text())["requests"] >= 2
     finally:
         s.kill()
+
+
+def test_the_summary_reaches_stdout_when_out_cannot_be_written_at_exit(tmp_path):
+    """--out's folder removed while the server ran: the session's summary was lost with exit 2."""
+    folder = tmp_path / "od"
+    folder.mkdir()
+    s = ServeProcess("--model", "tiny", "--mode", "ar", "--threads", "1", "--out", folder / "x.json",
+                     "--format", "json")
+    try:
+        url = s.url()
+        assert httpx.post(url + "/generate", json=_gen([1, 2], 3), timeout=60).status_code == 200
+        folder.rmdir()
+        code, out = s.stop()
+        assert code == 2
+        assert json.loads(out)["requests"] == 1
+        assert f"--out {folder / 'x.json'}" in "".join(s.err)
+    finally:
+        s.kill()

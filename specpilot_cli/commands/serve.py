@@ -5,8 +5,9 @@ from __future__ import annotations
 import click
 
 from specpilot.engine_options import engine_options, spec_from_cli
+from specpilot.errors import InputError
 from specpilot.options import FiniteRange
-from specpilot.output import Report, Section, emit, output_options
+from specpilot.output import Report, Section, emit, output_options, render
 
 SERVE_BATCH = 8
 
@@ -74,7 +75,7 @@ def command(host, port, max_queue, backlog, grace, log_requests, fmt, out, **kw)
     data = {"schema": "specpilot.serve/1", "engine": spec.text(always=SERVED_ALWAYS), "model": engine.model_name,
             "host": host, "port": srv.port, **st}
     pct = lambda k: st.get(k) if st.get(k) is None else round(st[k] * 1e3, 1)  # noqa: E731
-    emit(Report(data=data, sections=[
+    report = Report(data=data, sections=[
         Section("served", ["requests", "bad requests", "errors", "rejected", "aborted", "generated", "steps",
                            "request passes", "tau", "busy s"],
                 [[st["requests"], st["bad_requests"], st["errors"], st["rejected"], st["aborted"],
@@ -82,6 +83,10 @@ def command(host, port, max_queue, backlog, grace, log_requests, fmt, out, **kw)
                   st["busy_seconds"]]]),
         Section("latency (ms)", ["", "p50", "p90", "p99"],
                 [[name, pct(f"{k}_p50"), pct(f"{k}_p90"), pct(f"{k}_p99")]
-                 for name, k in (("time to first token", "ttft"), ("inter-token", "itl"), ("end to end", "e2e"))])]),
-         fmt, out)
+                 for name, k in (("time to first token", "ttft"), ("inter-token", "itl"), ("end to end", "e2e"))])])
+    try:
+        emit(report, fmt, out)
+    except InputError:   # --out unwritable at exit (its folder gone): the session's summary goes to stdout
+        click.echo(render(report, fmt), nl=False)
+        raise
     return 0
