@@ -104,6 +104,11 @@ def test_sharded_folder(tmp_path, run_cli):
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))
     (folder / "config.json").write_text("{}")
     out = tmp_path / "model-w12"
+    # the report inside the output folder: refused before packing (it packed, then refused the report)
+    out.mkdir()
+    code, _, err = run_cli("w12", "pack", folder, "-o", out, "--out", out / "report.json")
+    assert code == 2 and f"--out {out / 'report.json'}: inside the output folder {out}" in err
+    assert list(out.iterdir()) == []
     code, stdout, err = run_cli("w12", "pack", folder, "-o", out, "--format", "json")
     assert code == 0, err
     assert json.loads(stdout)["converted"] == 3
@@ -864,3 +869,13 @@ def test_an_output_inside_the_input_folder_is_not_warned_of_as_its_subfolder(tmp
         assert not any(".part" in w or "given/" in w for w in warnings), warnings
     # the first output is a subfolder of the input now: the second pack names it
     assert "packed/ is a subfolder: not copied (copy it beside the output if the model needs it)" in warnings
+
+
+def test_metadata_with_an_empty_tensor_table_is_said_so(tmp_path, run_cli):
+    """W12 metadata whose tensor table is empty was 'no specpilot.w12 metadata; pack it first'."""
+    p = tmp_path / "e.safetensors"
+    table = {"schema": "specpilot.w12/1", "version": 2, "tile": [128, 64], "row_align": 16, "tensors": {}}
+    save_file({"a": torch.zeros(2, 2)}, str(p), metadata={"specpilot.w12": json.dumps(table)})
+    for verb in ("stats", "verify"):
+        code, _, err = run_cli("w12", verb, p)
+        assert code == 2 and "specpilot.w12 metadata with an empty tensor table" in err, err

@@ -515,12 +515,13 @@ def verify(packed: str, against: str | None = None, progress: Callable | None = 
             cache[f] = read_file(f)[0]
         return cache[f][name]
 
-    any_w12 = False
+    any_w12 = tables = False
     present: set[str] = set()
     for f in ck.files:
         tensors, meta = read_file(f)
         info = w12_info(meta, str(f))
         any_w12 = any_w12 or bool(info)
+        tables = tables or META_KEY in (meta or {})
         w12_names = {f"{n}.w12.{p}" for n in info for p in PARTS}
         present.update(info)
         present.update(k for k in tensors if k not in w12_names)
@@ -570,7 +571,7 @@ def verify(packed: str, against: str | None = None, progress: Callable | None = 
                 else:
                     res.kept_checked += 1
     if not any_w12:
-        raise no_w12(packed)
+        raise no_w12(packed, metadata=tables)
     res.missing = sorted(set(ref_files) - present)
     res.mismatched.extend((k, "missing from the packed checkpoint") for k in res.missing)
     return res
@@ -588,9 +589,10 @@ class StatsResult(_Totals):
 def stats(path: str) -> StatsResult:
     ck = find_checkpoint(path)
     out: list[TensorStat] = []
-    other = 0
+    other, tables = 0, False
     for f in ck.files:
         tensors, meta = read_file(f)
+        tables = tables or META_KEY in (meta or {})
         info = w12_info(meta, str(f))
         names = set()
         for name, entry in info.items():
@@ -603,7 +605,7 @@ def stats(path: str) -> StatsResult:
                                   stored))
         other += sum(v.numel() * v.element_size() for k, v in tensors.items() if k not in names)
     if not out:
-        raise no_w12(path)
+        raise no_w12(path, metadata=tables)
     return StatsResult(out, other)
 
 

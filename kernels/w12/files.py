@@ -124,5 +124,10 @@ def check_checkpoint(path: str, packed: bool = False, original: str | None = Non
     return ck
 
 
-def no_w12(path: str) -> W12FormatError:
+def no_w12(path: str, metadata: bool = False) -> W12FormatError:
+    """No W12 tensor in ``path``: no metadata at all (a plain checkpoint), or ``metadata`` whose
+    tensor tables are empty (a damaged or hand-made file)."""
+    if metadata:
+        return W12FormatError(f"{path}: no W12 tensors found ({META_KEY} metadata with an empty tensor table); "
+                              "pack the original checkpoint again")
     return W12FormatError(f"{path}: no W12 tensors found (no {META_KEY} metadata); pack it first")

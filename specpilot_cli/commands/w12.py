@@ -110,6 +110,9 @@ def pack_cmd(src, dst, include, exclude, device, force, fmt, out):
     if out and Path(out).resolve() == Path(dst).resolve():
         raise InputError(f"--out {out}: the same file as --output; the report needs another name (or leave --out "
                          "out)")
+    if out and folder and Path(out).resolve().is_relative_to(Path(dst).resolve()):
+        raise InputError(f"--out {out}: inside the output folder {dst}, which holds the packed checkpoint only; "
+                         "write the report elsewhere")
     if out:   # before the long conversion, not after it
         from specpilot.fileio import check_output_path
 
