@@ -324,8 +324,10 @@ def launch_parts(entries: dict[str, mem.Entry], ids: list[str], settings: dict,
         for a in list(launch.get("args") or []) + list(own.get("args") or []):
             args.append(str(a).format(**settings))
         note = own.get("note") or launch.get("note")
-        if note:   # a note may hold a shell command: text settings (a folder) quoted as the launch line quotes them
-            quoted = {k: shlex.quote(v) if isinstance(v, str) else v for k, v in settings.items()}
+        if note:   # a note may hold a shell command: text settings (a folder) quoted as the launch line quotes them,
+            # and one starting with '-' as ./-x, which a command cannot take for an option
+            quoted = {k: shlex.quote("./" + v if v.startswith("-") else v) if isinstance(v, str) else v
+                      for k, v in settings.items()}
             notes.append(f"{i}: " + str(note).format(**quoted))
         if drafter is None and any((v or {}).get("args") for v in per.values()):
             which = ", ".join(d for d, v in per.items() if (v or {}).get("args"))

@@ -338,3 +338,12 @@ def test_the_lattice_trace_note_quotes_its_folder(run_cli, env):
     assert "SPECPILOT_LATTICE_DIR='a b'" in res["activation"]["launch"]
     note = next(n for n in res["notes"] if n.startswith("lattice-trace: "))
     assert "cat 'a b'/lattice-*.jsonl > run.lattice.jsonl" in note, note
+
+
+def test_the_lattice_trace_note_takes_a_folder_starting_with_a_dash_as_a_path(run_cli, env):
+    """lattice_dir=-rf: the note's command was `cat -rf/lattice-*.jsonl` (an option to cat)."""
+    code, out, err = run_cli("apply", "lattice-trace", "--python", env, "--dry-run", "--format", "json",
+                             "--set", "lattice_dir=-rf")
+    assert code == 0, err
+    note = next(n for n in json.loads(out)["notes"] if n.startswith("lattice-trace: "))
+    assert "cat ./-rf/lattice-*.jsonl > run.lattice.jsonl" in note, note
