@@ -560,6 +560,7 @@ def status(python: str | None = None, memory_dir=None, out: str | None = None) -
             differs = mem.applied_differs(act, entries)
             if differs:   # the plugin would run (or miss) what the bundles do not name
                 problems.append(f"the activation's {differs} are not its bundles'; apply again")
+            problems += [f"{p}; apply again" for p in mem.activation_problems(act, entries)]
     if env.specpilot_version is None:  # its modules are gone with it: this one problem says so
         problems.append("SpecPilot is no longer installed there: SGLang will not load the plugin")
     else:

@@ -637,6 +637,26 @@ def applied_differs(activation: dict, entries: dict[str, Entry]) -> str | None:
     return None
 
 
+def activation_problems(activation: dict, entries: dict[str, Entry]) -> list[str]:
+    """What in an activation (its closure's bundles all known) ``apply`` could not have written:
+    a bundle listed twice, a closure that is not its bundles', module fingerprints that are not the
+    bundles' modules (the plugin compares the ones it lists), a drafter the bundles refuse."""
+    bundles, ids = activation.get("bundles") or [], activation.get("closure") or []
+    twice = [b for names in (bundles, ids) for b in names if names.count(b) > 1]
+    out = [f"bundle {b} is listed twice" for b in dict.fromkeys(twice)]
+    try:
+        if not out and bundles and closure(entries, bundles) != list(ids):
+            out.append(f"the closure ({', '.join(ids)}) is not its bundles' ({', '.join(closure(entries, bundles))})")
+    except InputError as e:
+        out.append(str(e))
+    fps = activation.get("fingerprints")
+    mods = sorted(compose(entries, ids).fingerprints)
+    if not isinstance(fps, dict) or sorted(fps) != mods:
+        out.append(f"its module fingerprints do not name its bundles' modules ({', '.join(mods) or 'none'})")
+    out += composition_problems(entries, ids, activation.get("drafter"))
+    return out
+
+
 def verify(entries: dict[str, Entry], ids: Iterable[str] | None = None) -> list[VerifyRow]:
     """The survival rule: each entry applied with its requirements to stock must reproduce the
     hook set and module fingerprints it recorded."""

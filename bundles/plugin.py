@@ -86,6 +86,9 @@ def plan(activation: dict, sglang_version: str | None, memory_dir=None):
     differs = mem.applied_differs(activation, entries)
     if differs:   # its setup functions are called in every SGLang process: only the bundles' own
         raise ActivationError(f"the activation's {differs} are not its bundles'; run 'specpilot apply' again")
+    wrong = mem.activation_problems(activation, entries)
+    if wrong:   # what apply could not have written (status says the same)
+        raise ActivationError(f"{'; '.join(wrong)}; run 'specpilot apply' again")
     settings = activation.get("settings") or {}
     if not isinstance(settings, dict):
         raise ActivationError("the activation's settings are not a mapping; run 'specpilot apply' again")

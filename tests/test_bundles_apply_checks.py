@@ -92,6 +92,9 @@ def test_the_reapply_command_of_an_older_activation_reads_its_launch(run_cli, cl
     ({"settings": {"node_budget": "x"}}, "setting node_budget=x"),
     ({"settings": {"zzz": 1}}, "setting zzz=1"),
     ({"bundles": ["tree", "zzz"], "closure": ["tree", "zzz"]}, "bundle zzz"),
+    # valid one by one, refused together: eagle's 5 steps x top-4 draft 68 tokens, 80 nodes need 79
+    ({"settings": {"node_budget": 80}}, "setting node_budget=80"),
+    ({"drafter": "dspark"}, "--drafter dspark"),
 ])
 def test_the_reapply_command_leaves_out_what_apply_would_refuse(run_cli, clean, env, damage, left):
     """An activation whose settings or bundles this SpecPilot refuses: status suggested an apply
@@ -109,6 +112,29 @@ def test_the_reapply_command_leaves_out_what_apply_would_refuse(run_cli, clean, 
     assert lines[lines.index(cmd) + 1] == f"  (left out, as this SpecPilot's memory would refuse them: {left})"
     code, _, err = run_cli(*shlex.split(cmd)[1:])
     assert code == 0, err
+
+
+@pytest.mark.parametrize("damage, problem", [
+    ({"drafter": "dspark"}, "tree needs"),
+    ({"bundles": ["tree", "tree"], "closure": ["tree", "tree"]}, "bundle tree is listed twice"),
+    ({"fingerprints": {}}, "its module fingerprints do not name its bundles' modules"),
+])
+def test_status_and_the_plugin_refuse_an_activation_apply_could_not_write(run_cli, clean, env, damage, problem):
+    """A hand-edited activation: status said it matched (and printed a launch line with every flag
+    twice) and the plugin registered its hooks, where apply refuses the same bundles and drafter; an
+    empty fingerprint map let the plugin compare no module at all."""
+    from specpilot.bundles import plugin
+
+    assert run_cli("apply", "tree", "--drafter", "eagle", "--python", env)[0] == 0
+    data = {**json.loads(clean.read_text()), **damage}
+    clean.write_text(json.dumps(data))
+    code, out, _ = run_cli("status", "--python", env)
+    assert code == 1 and problem in out and "the activation matches" not in out, out
+    with pytest.raises(plugin.ActivationError, match=problem):
+        plugin.plan(data, "0.5.23")
+    del data["fingerprints"]   # status: a malformed activation; the plugin registered every hook
+    with pytest.raises(plugin.ActivationError, match="fingerprints"):
+        plugin.plan(data, "0.5.23")
 
 
 def test_status_of_an_activation_of_only_unknown_bundles_suggests_revert(run_cli, clean, env):

@@ -115,17 +115,27 @@ def reapply_command(act: dict, python: str | None, unchecked: bool = False) -> t
     when no bundle is left (or the memory cannot be read)."""
     from specpilot.bundles.activation import launch_model
 
+    from specpilot.bundles import memory as mem
+
     entries = _memory()
-    bundles = [b for b in (act.get("bundles") or act.get("closure", [])) if isinstance(b, str)]
+    bundles = list(dict.fromkeys(b for b in (act.get("bundles") or act.get("closure", [])) if isinstance(b, str)))
     left_out = [f"bundle {b}" for b in bundles if b not in entries]
     bundles = [b for b in bundles if b in entries]
     if not bundles:
         return None, left_out
+    try:
+        ids = mem.closure(entries, bundles)
+    except Exception:   # a requirement this memory lacks: apply names it
+        ids = bundles
     words = ["specpilot", "apply", ",".join(bundles)]
     if python:
         words += ["--python", python]
-    if act.get("drafter"):
-        words += ["--drafter", act["drafter"]]
+    drafter = act.get("drafter")
+    if drafter and mem.composition_problems(entries, ids, drafter):   # apply would refuse the bundles on it
+        left_out.append(f"--drafter {drafter}")
+        drafter = None
+    if drafter:
+        words += ["--drafter", drafter]
     model = launch_model(act)
     if model and model != "MODEL":
         words += ["--model", model]
@@ -134,6 +144,7 @@ def reapply_command(act: dict, python: str | None, unchecked: bool = False) -> t
     if (act.get("sglang") or {}).get("forced") or unchecked:
         words.append("--force")
     variants = {v.name: v for i in act.get("closure", []) if i in entries for v in entries[i].variants}
+    kept = {}
     for k, v in (act.get("settings") or {}).items():
         text = f"{k}={v if isinstance(v, str) else json.dumps(v)}"
         if k not in variants or variants[k].problem(v):
@@ -141,5 +152,18 @@ def reapply_command(act: dict, python: str | None, unchecked: bool = False) -> t
             continue
         if variants[k].default == v and type(variants[k].default) is type(v):   # apply sets the default itself
             continue
-        words += ["--set", text]
+        kept[k] = text
+    # values valid one by one that a bundle refuses together (its settings check): that bundle's left out
+    values = {k: (act.get("settings") or {})[k] for k in kept}
+    try:
+        together = mem.settings_problems(entries, ids, values, drafter)
+        owners = {p.split(":", 1)[0] for p in together}
+        registry = mem.variant_registry(entries, ids) if together else {}
+    except Exception:   # the settings check of a bundle this memory has changed: apply will say
+        owners, registry = set(), {}
+    for k, text in kept.items():
+        if k in registry and registry[k][0] in owners:
+            left_out.append(f"setting {text}")
+        else:
+            words += ["--set", text]
     return " ".join(shlex.quote(w) for w in words), left_out
