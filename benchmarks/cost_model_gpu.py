@@ -19,8 +19,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import write_results  # noqa: E402
+from common import bootstrap, write_results  # noqa: E402
 from cost_check import add_arguments, check_modes, work_dir  # noqa: E402
+
+bootstrap()
 
 
 def main():

@@ -31,7 +31,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import log  # noqa: E402
+from common import bootstrap, log  # noqa: E402
+
+bootstrap()
 
 
 BW = 4.4e12

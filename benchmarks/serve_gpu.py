@@ -19,8 +19,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from common import print_table, write_results  # noqa: E402
+from common import bootstrap, print_table, write_results  # noqa: E402
 from serve_bench import sweep  # noqa: E402
+
+bootstrap()
 
 
 def summarize(tput: dict, levels: list[int]) -> dict:

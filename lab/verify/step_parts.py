@@ -6,7 +6,8 @@ Variants (each captured afresh, interleaved over rounds, median of the replays):
 
 * ``product``: the step as the engine runs it;
 * ``no-merge``: the attention's split pass only (its merge kernel not launched; output garbage);
-* ``no-attn``: no attention kernels at all (the o projection reads q);
+* ``no-attn``: no attention kernels at all (the o projection reads q; in batched AR steps whose
+  attention does RoPE and the K/V write, those too);
 * ``no-rows``: no small row kernels (RoPE/K/V write, residual + RMSNorm, silu*up) in multi-row steps;
   ``no-norm``, ``no-silu``, ``no-rope``: only that one of them left out;
 * ``ring-trigger:<layers>:<0|1>``: the ``ring`` entries of the Llama layers named (as for
@@ -231,6 +232,10 @@ def variant(name: str):
             return q.reshape(q.shape[0], -1)
         stack.enter_context(patched(decode, "masked_gqa_attention", skip))
         stack.enter_context(patched(decode, "batched_gqa_attention", skip))
+
+        def skip_rope(qkv, cos, sin, pos, slots, req, k, v, mask, scale, segs, nh, **kw):   # RoPE + K/V write too
+            return qkv[:, : nh * k.shape[-1]]
+        stack.enter_context(patched(decode, "rope_batched_gqa_attention", skip_rope))
     elif name in ("no-rows", "no-norm", "no-silu", "no-rope"):
         def rope_store(qkv, cos, sin, pos, slots, kc, vc, nh, nkv, req=None):
             return qkv[:, : nh * (qkv.shape[1] // (nh + 2 * nkv))]
