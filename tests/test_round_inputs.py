@@ -150,3 +150,13 @@ def test_the_dry_run_plans_the_built_in_prompts_the_round_runs(run_cli, tmp_path
     d = json.loads(out)
     assert d["shape"]["prompts"] == 64
     assert d["notes"] == ["--n-prompts 80: the built-in prompts are 64; the round runs those (--prompts FILE for more)"]
+
+
+def test_one_new_token_is_refused_before_the_round(run_cli, tmp_path):
+    """--max-new-tokens 1 passed the checks and the dry run, then failed in the measure stage
+    ('lattice.jsonl: no lattice rows': the one token is the prefill's) with a resume that could
+    never succeed."""
+    for extra in (("--dry-run",), ("--out-dir", tmp_path / "r", "--budget", "0.2")):
+        code, _, err = run_cli("round", TINY, "--n-prompts", "1", "--max-new-tokens", "1", *extra)
+        assert code == 2 and "--max-new-tokens 1: a round needs at least 2" in one_error(err), err
+    assert not (tmp_path / "r").exists()

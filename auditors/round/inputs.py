@@ -155,7 +155,7 @@ def _check_prompt_room(rows, dep, cfg) -> None:
         raise InputError(f"{where}prompt {pid!r}: {len(ids)} tokens + {max_new} new tokens + {room} cache slots for "
                          f"draft rows do not fit the engine's cache (ctx={ctx}); "
                          + ("shorten it" if cfg.prompts else "give shorter prompts (--prompts)")
-                         + (f", give --max-new-tokens {fewer} or fewer" if fewer >= 1 else "")
+                         + (f", give --max-new-tokens {fewer} or fewer" if fewer >= 2 else "")
                          + ", or raise ctx= in the deployment")
 
 

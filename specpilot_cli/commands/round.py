@@ -96,8 +96,9 @@ def command(deployment, budget, out_dir, resume_dir, dry_run, prompts, n_prompts
 
     if n_prompts is not None and n_prompts < 1:
         raise InputError("--n-prompts must be >= 1")
-    if max_new_tokens is not None and max_new_tokens < 1:
-        raise InputError("--max-new-tokens must be >= 1")
+    if max_new_tokens is not None and max_new_tokens < 2:   # the first comes from the prefill: no step to record
+        raise InputError(f"--max-new-tokens {max_new_tokens}: a round needs at least 2 (the first token comes from "
+                         "the prefill; the lattice and the timings are of the steps after it)")
     cfg = RoundConfig(deployment=deployment, out_dir=resume_dir or out_dir,
                       budget_min=20.0 if budget is None else budget, prompts=prompts,
                       n_prompts=n_prompts, max_new_tokens=max_new_tokens, candidates=_names(candidates),
