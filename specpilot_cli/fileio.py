@@ -484,14 +484,16 @@ def _short(e: Exception) -> str:
 
 def load_yaml(text: str):
     """``yaml.safe_load`` that refuses a key given twice in one mapping (yaml.YAMLError naming both
-    lines): a file a person writes, where the second value would silently win."""
+    lines): a file a person writes, where the second value would silently win. A key a merge
+    (``<<: *anchor``) brings in may be given again: that is how a merge is overridden."""
     import yaml
 
     class _UniqueKeys(yaml.SafeLoader):
         def construct_mapping(self, node, deep=False):
-            self.flatten_mapping(node)
             seen: dict = {}
-            for key_node, _ in node.value:
+            for key_node, _ in node.value:   # the mapping's own keys: a '<<' merge's may be overridden (YAML 1.1)
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
                 key = self.construct_object(key_node, deep=True)
                 line = key_node.start_mark.line + 1
                 if isinstance(key, (str, int, float, bool)) and key in seen:

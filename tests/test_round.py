@@ -715,6 +715,17 @@ def test_a_key_given_twice_in_a_deployment_file_is_refused(tmp_path, run_cli):
     assert code == 2 and "key 'drafter' given twice (lines " in err, err
 
 
+def test_a_key_a_yaml_merge_brought_in_may_be_given_again():
+    """YAML 1.1 overrides a merged key with an explicit one (tlv: <<: *t, start: ...): refused as
+    'given twice'."""
+    from specpilot.fileio import load_yaml
+
+    doc = load_yaml("tree: &t {start: echo a, ready_timeout: 100}\ntlv:\n  <<: *t\n  start: echo b\n")
+    assert doc["tlv"] == {"start": "echo b", "ready_timeout": 100}
+    with pytest.raises(yaml.YAMLError, match="key 'start' given twice"):
+        load_yaml("tlv:\n  <<: {a: 1}\n  start: x\n  start: y\n")
+
+
 # ------------------------------------------------------------------------------------ real SmolLM2
 @pytest.mark.slow
 @pytest.mark.timeout(20 * 60)
