@@ -160,3 +160,15 @@ def test_one_new_token_is_refused_before_the_round(run_cli, tmp_path):
         code, _, err = run_cli("round", TINY, "--n-prompts", "1", "--max-new-tokens", "1", *extra)
         assert code == 2 and "--max-new-tokens 1: a round needs at least 2" in one_error(err), err
     assert not (tmp_path / "r").exists()
+
+
+def test_out_inside_the_new_rounds_folder_or_records_is_refused_before_the_round(run_cli, tmp_path):
+    """--out into the round's folder or the records folder, at a file the round had not written yet:
+    refused after the whole round ran (its summary lost)."""
+    (tmp_path / "r").mkdir()
+    (tmp_path / "rec").mkdir()
+    for out in (tmp_path / "r" / "report.md", tmp_path / "rec" / "x.yaml"):
+        code, _, err = run_cli("round", TINY, "--n-prompts", "1", "--max-new-tokens", "4", "--budget", "0.2",
+                               "--out-dir", tmp_path / "r", "--records", tmp_path / "rec", "--out", out)
+        assert code == 2 and f"--out {out}: inside the " in one_error(err), err
+    assert list((tmp_path / "r").iterdir()) == [] and list((tmp_path / "rec").iterdir()) == []

@@ -108,8 +108,15 @@ def command(deployment, budget, out_dir, resume_dir, dry_run, prompts, n_prompts
         _warn_short_prompts(prompts, n_prompts)
     inputs = _round_inputs(cfg, resume_dir)
     if out:   # a round's own files, its record and memory are inputs: refused before the round runs
+        from specpilot.auditors.round.remember import default_records_dir
         from specpilot.fileio import check_output_path
 
+        # files the round is yet to write there (its stage files, a first record) do not exist yet
+        for what, folder in (("the round's folder", cfg.out_dir),
+                             ("the deployment records folder", cfg.records_dir or default_records_dir())):
+            if not dry_run and folder and Path(out).resolve().is_relative_to(Path(folder).resolve()):
+                raise InputError(f"--out {out}: inside {what} {folder}, which the round writes; choose a file "
+                                 "outside it")
         check_output_path(out, "--out", protect=inputs)
     if dry_run:
         if resume_dir:
