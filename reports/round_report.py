@@ -140,9 +140,11 @@ def build(res) -> list[Block]:
         b.append(Block("p", "Not measured."))
     else:
         cal = m.calibration or {}
-        b.append(Block("p", f"Current system `{m.system}`: {_n(m.tokens_per_s, 4)} tokens/s in a calibration run "
-                            f"({cal.get('tokens')} tokens). T_AR = {_n(m.ar_ms, 4)} ms; T_step(N) at context "
-                            f"{m.context} ({m.rows_method or 'not measured'}):"))
+        speed = (f"{_n(m.tokens_per_s, 4)} tokens/s in a calibration run ({cal.get('tokens')} tokens)"
+                 if cal.get("tokens") else   # an SGLang deployment: no engine of its own to calibrate
+                 "no calibration run (its decode speed is measured by the stock server at the start of stage 4)")
+        b.append(Block("p", f"Current system `{m.system}`: {speed}. T_AR = {_n(m.ar_ms, 4)} ms; T_step(N) at "
+                            f"context {m.context} ({m.rows_method or 'not measured'}):"))
         if m.step_ms:
             b.append(Block("table", headers=["rows", "T_step ms", "c = T_step / T_AR"],
                            rows=[[r, _n(v), _n(v / m.ar_ms if m.ar_ms else None)] for r, v in sorted(m.step_ms.items())]))

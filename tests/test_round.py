@@ -586,6 +586,10 @@ def test_sglang_deployment_runs_candidates_as_servers(tmp_path, run_cli):
     assert (tmp_path / "r" / "approve" / "tree.server.log").is_file()
     for port in (stock_port, cand_port):  # every server the round started is stopped
         assert not _started_with_port(port)
+    # no calibration run: the report said "0 tokens/s in a calibration run (None tokens)"
+    report = (tmp_path / "r" / "report.md").read_text()
+    assert "no calibration run (its decode speed is measured by the stock server" in report
+    assert "None tokens" not in report
 
 
 def test_a_candidate_whose_server_cannot_be_its_own_is_refused_and_the_round_reports(tmp_path, run_cli):
