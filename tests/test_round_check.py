@@ -193,8 +193,22 @@ def test_a_round_a_resume_reopened_has_no_baseline_to_check(base, run_cli, tmp_p
     for where in (r, r / "baseline.json"):
         code, out, err = run_cli("check", "--baseline", where, "--runs", "2")
         assert code == 2 and out == "" and err.count("\n") == 1, err
-        assert ("the round is unfinished (stages left: approve, remember), its baseline.json is from before it was "
-                f"resumed; finish it with specpilot round --resume {r}") in err, err
+        assert ("the round is unfinished (stages left: approve, remember), its baseline.json was written before the "
+                f"round stopped (or before a resume reopened it); finish it with specpilot round --resume {r}") in err, err
+
+
+def test_a_round_stopped_in_its_last_stage_is_not_said_to_be_resumed(base, run_cli, tmp_path):
+    """A round interrupted in remember after writing baseline.json, never resumed: check said its
+    baseline was 'from before it was resumed'."""
+    import shutil
+
+    r = tmp_path / "r"
+    shutil.copytree(base, r)
+    state = json.loads((r / "round.json").read_text())
+    state["stages"]["remember"]["status"] = "interrupted"
+    (r / "round.json").write_text(json.dumps(state))
+    code, _, err = run_cli("check", "--baseline", r, "--runs", "2")
+    assert code == 2 and "stages left: remember" in err and "resumed" not in err, err
 
 
 @pytest.mark.parametrize("samples", [[3e-308, 3e-308], [2e9, 2e9]])

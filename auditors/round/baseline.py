@@ -36,8 +36,8 @@ def read_baseline(path: str | Path) -> dict:
 
 
 def _refuse_unfinished(d: Path, stale: bool = False) -> None:
-    """Refuse the baseline of a round with stages left; ``stale``: its baseline.json is there, from
-    a session before a resume reopened the round."""
+    """Refuse the baseline of a round with stages left; ``stale``: its baseline.json is there, written
+    before the round stopped in its last stage or before a resume reopened it."""
     state = read_json(d / "round.json", kind="round")
     check_state(state, d / "round.json")
     left = stages_left(state)
@@ -46,7 +46,7 @@ def _refuse_unfinished(d: Path, stale: bool = False) -> None:
                          "started by the deployment's commands, which check does not start); check gates an engine "
                          "round's baseline")
     if left:
-        what = ("its baseline.json is from before it was resumed" if stale
+        what = ("its baseline.json was written before the round stopped (or before a resume reopened it)" if stale
                 else "so it has no baseline.json yet")
         raise InputError(f"{d}: the round is unfinished (stages left: {', '.join(left)}), {what}; finish it with "
                          f"{resume_command(state, d)}")
