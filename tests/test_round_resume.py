@@ -612,3 +612,27 @@ def test_a_round_cut_for_time_in_measure_says_so_and_a_resume_does_not_pretend(d
     code, _, err = run_cli("report", r)
     assert code == 0, err
     assert "**Cut for time**: the measure stage skipped lattice recording" in (r / "report.md").read_text()
+
+
+def test_a_noisy_rows_probe_is_probed_again_and_its_warning_kept(tmp_path, monkeypatch):
+    """A rows probe whose steps of more rows timed faster than one row (a busy machine) warned in
+    rows.json only: the round built its cost model on it and said nothing."""
+    from specpilot.auditors.round import measure as ms
+
+    real, calls = ms.rows_probe, []
+
+    def noisy(*a, **k):
+        doc, _, ar = real(*a, **k)
+        calls.append(1)
+        for p in doc["points"]:
+            if p["rows"] > 1:
+                p["c"], p["step_ms"] = 0.5, ar * 0.5
+        doc["warnings"] = ["c(N) below 0.95 at 2 rows (0.5): noise"]
+        return doc, {p["rows"]: p["step_ms"] for p in doc["points"]}, ar
+
+    monkeypatch.setattr(ms, "rows_probe", noisy)
+    r = small_round(tmp_path / "r", "--budget", "2", "--records", str(tmp_path / "rec"))
+    assert len(calls) == 2
+    notes = json.loads((r / "round.json").read_text())["stages"]["measure"]["notes"]
+    assert "rows probe: c(N) below 0.95 at 2 rows (0.5): noise" in notes
+    assert "rows probe: c(N) below 0.95 at 2 rows (0.5): noise" in (r / "report.md").read_text()

@@ -287,6 +287,14 @@ def rows_probe(engine, rows: list[int], context: int, reps: int, progress=None) 
     return res.to_json(), {int(p["rows"]): float(p["step_ms"]) for p in res.points}, res.ar_ms
 
 
+def noisy_probe(doc: dict) -> bool:
+    """A rows probe with a step of more rows timed faster than the one-row step (c below the cost
+    model's noise bound): a busy machine's timing, which a cost model would read high."""
+    from specpilot.probes.costmodel import C_NOISE
+
+    return any(p.get("rows", 1) > 1 and p.get("c", 1.0) < C_NOISE for p in doc.get("points") or [])
+
+
 def record_lattice(engine, prompts, max_new_tokens: int, path: Path, progress=None) -> dict:
     t0 = time.perf_counter()
     run = engine.run([{"id": p.id, "ids": list(p.prompt_ids)} for p in prompts], max_new_tokens,
