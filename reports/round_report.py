@@ -15,7 +15,7 @@ import html
 from dataclasses import dataclass
 from pathlib import Path
 
-from specpilot.auditors.round.plan import cut_for_time
+from specpilot.auditors.round.plan import cut_for_time, unjudged_for_time
 from specpilot.auditors.round.state import resume_command, stages_left
 from specpilot.probes.costmodel import largest_factor_line
 
@@ -108,6 +108,9 @@ def build(res) -> list[Block]:
     if cut:   # a finished round that ran short of time: what it did not measure, and what brings it back
         summary += (f" **Cut for time**: the measure stage skipped {'; '.join(cut)}; the round was judged without "
                     "it, and a new round with a larger `--budget` measures it.")
+    elif not left and unjudged_for_time(decs):
+        summary += (f" **Out of budget**: the approve stage did not judge {', '.join(unjudged_for_time(decs))}; "
+                    f"`specpilot round --resume {res.dir} --budget MINUTES` judges them.")
     b.append(Block("p", summary))
     resumed = "".join(f", resumed with `specpilot round --resume {res.dir}"
                       + (f" --budget {_n(r['budget_min'])}" if r.get("budget_min") is not None else "") + "`"

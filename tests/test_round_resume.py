@@ -614,6 +614,25 @@ def test_a_round_cut_for_time_in_measure_says_so_and_a_resume_does_not_pretend(d
     assert "**Cut for time**: the measure stage skipped lattice recording" in (r / "report.md").read_text()
 
 
+def test_a_round_out_of_budget_in_approve_says_how_to_judge_the_rest(done, tmp_path, run_cli):
+    """Candidates the approve stage skipped for want of time: the finished round's report opened
+    'Approved: nothing; refused: ...' and neither it nor the summary said a resume with --budget
+    judges them."""
+    r = _copy(done, tmp_path)
+    dpath = r / "approve" / "decisions.json"
+    doc = json.loads(dpath.read_text())
+    doc["decisions"][0].update(verdict="skipped", reason="budget: 0 s left, not enough for 4 paired runs")
+    dpath.write_text(json.dumps(doc))
+    name = doc["decisions"][0]["id"]
+    code, out, err = run_cli("round", "--resume", r)
+    assert code == 0, err
+    assert f"out of budget: not judged {name} (specpilot round --resume {r} --budget MINUTES judges them)" in out
+    code, _, err = run_cli("report", r)
+    assert code == 0, err
+    assert (f"**Out of budget**: the approve stage did not judge {name}; `specpilot round --resume {r} --budget "
+            "MINUTES` judges them.") in (r / "report.md").read_text()
+
+
 def test_a_noisy_rows_probe_is_probed_again_and_its_warning_kept(tmp_path, monkeypatch):
     """A rows probe whose steps of more rows timed faster than one row (a busy machine) warned in
     rows.json only: the round built its cost model on it and said nothing."""

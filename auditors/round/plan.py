@@ -17,6 +17,12 @@ MEASURE_SHARE = 0.35  # at most this share of the budget goes to stage 1
 BUDGET_SKIP = "budget: "   # what a stage skipped for want of time starts with
 
 
+def unjudged_for_time(decisions: list[dict]) -> list[str]:
+    """The candidates the approve stage skipped for want of time (a resume with --budget judges them)."""
+    return [str(d.get("id")) for d in decisions
+            if d.get("verdict") == "skipped" and str(d.get("reason", "")).startswith(BUDGET_SKIP)]
+
+
 def cut_for_time(state: dict) -> list[str]:
     """What the round's measure stage skipped for want of time (its notes, the prefix left out)."""
     st = ((state.get("stages") or {}).get("measure") or {})

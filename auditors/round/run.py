@@ -142,8 +142,7 @@ class _Round(MeasureStage, ApproveStage, RememberStage):
         rows = doc.get("decisions") if isinstance(doc, dict) else None
         if not isinstance(rows, list):
             return
-        again = {r.get("id") for r in rows if isinstance(r, dict) and r.get("verdict") == "skipped"
-                 and str(r.get("reason", "")).startswith("budget:")}
+        again = set(pl.unjudged_for_time([r for r in rows if isinstance(r, dict)]))
         if not again:
             return
         write_json_atomic(dpath, dict(doc, decisions=[r for r in rows if r.get("id") not in again]))

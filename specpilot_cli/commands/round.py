@@ -186,12 +186,15 @@ def command(deployment, budget, out_dir, resume_dir, dry_run, prompts, n_prompts
         + ([f"deployment record: {res.record}"] if res.record else [])
     if st.get("stopped"):
         lines.append(f"stopped: {st['stopped']} (specpilot round --resume {res.dir} --budget MINUTES continues)")
-    from specpilot.auditors.round.plan import cut_for_time
+    from specpilot.auditors.round.plan import cut_for_time, unjudged_for_time
 
     cut = cut_for_time(st)
     if cut:   # the round finished without them: more time in a resume does not bring them back
         lines.append(f"cut for time: the measure stage skipped {'; '.join(cut)} (a new round with a larger --budget "
                      "measures them)")
+    elif not st.get("stopped") and unjudged_for_time(data["decisions"]):
+        lines.append(f"out of budget: not judged {', '.join(unjudged_for_time(data['decisions']))} (specpilot round "
+                     f"--resume {res.dir} --budget MINUTES judges them)")
     emit(Report(data=data, title=f"Round in {res.dir}: {st['deployment']}",
                 sections=[Section("stages", ["stage", "status", "seconds", "skipped"], stages),
                           Section("candidates", ["candidate", "memory", "verdict", "gain", "audit", "why"], rows)],
