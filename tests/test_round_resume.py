@@ -655,3 +655,14 @@ def test_a_noisy_rows_probe_is_probed_again_and_its_warning_kept(tmp_path, monke
     notes = json.loads((r / "round.json").read_text())["stages"]["measure"]["notes"]
     assert "rows probe: c(N) below 0.95 at 2 rows (0.5): noise" in notes
     assert "rows probe: c(N) below 0.95 at 2 rows (0.5): noise" in (r / "report.md").read_text()
+
+
+def test_the_measure_stage_counts_the_recording_engines_load(tmp_path, monkeypatch):
+    """The lattice and TLV recordings were sized by their decoding alone: the engines they load
+    (seconds each on SmolLM2) took the stage past its share of the budget."""
+    from specpilot.auditors.round import engines
+
+    monkeypatch.setattr(engines.EnginePool, "typical_load_s", lambda self, default: 1000.0)
+    r = small_round(tmp_path / "r", "--budget", "2", "--records", str(tmp_path / "rec"))
+    skipped = json.loads((r / "round.json").read_text())["stages"]["measure"]["skipped"]
+    assert any(s.startswith("budget: lattice recording: needs ~1e+03 s") for s in skipped), skipped

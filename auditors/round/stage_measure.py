@@ -100,14 +100,16 @@ class MeasureStage:
         # tau(N): record a lattice on the prompts, replay it
         rec_spec = ms.record_spec(spec)
         rate = max(cal["tokens_per_s"] * 0.7, 1e-3)
-        left = deadline - time.monotonic()
+        load_s = self._load_s(str(rec_spec))   # the recording engine's load is the stage's time too
+        left = deadline - time.monotonic() - load_s
         n_rec, tok_rec = len(prompts), max_new
         while n_rec > 1 and n_rec * (cal["prefill_s"] + tok_rec / rate) > 0.6 * left:
             if tok_rec > 24:
                 tok_rec = max(24, tok_rec * 2 // 3)
             else:
                 n_rec -= 1
-        need = n_rec * (cal["prefill_s"] + tok_rec / rate)
+        need = n_rec * (cal["prefill_s"] + tok_rec / rate) + load_s
+        left += load_s
         if need > left:
             self._note("measure", f"{pl.BUDGET_SKIP}lattice recording: needs ~{need:.3g} s, {max(left, 0):.3g} s left "
                                   "in the stage: tau(N) unknown", skipped=True)
@@ -131,6 +133,13 @@ class MeasureStage:
         self._finish("measure", t0)
         return meas
 
+    def _load_s(self, system: str) -> float:
+        """What loading ``system`` for a recording costs: nothing where it is loaded, else the
+        slowest load the round has seen (the current system's at least)."""
+        if self.pool.loaded(system):
+            return 0.0
+        return self.pool.typical_load_s(pl.DEFAULT_LOAD_S.get(self.facts.device, 12.0))
+
     def _measure_tlv(self, meas, spec, prompts, max_new: int, deadline: float, d: Path) -> None:
         """TLV cycles recorded on the prompts (tau per exact pass, the passes' ms), when the round
         may propose TLV or the current system is TLV, the engine can run it and the stage has time."""
@@ -145,10 +154,11 @@ class MeasureStage:
                 self._note("measure", f"{pl.BUDGET_SKIP}TLV recording: the tree recording it is sized by did not "
                                       "fit in the stage's time", skipped=True)
                 return
-            need = 1.5 * meas.lattice.get("seconds", 0.0)
+            need = 1.5 * meas.lattice.get("seconds", 0.0) + self._load_s(str(ms.tlv_spec(spec)))
             if time.monotonic() + need > deadline:
                 self._note("measure", f"{pl.BUDGET_SKIP}TLV recording: needs ~{need:.3g} s (1.5x the tree "
-                                      f"recording), {max(deadline - time.monotonic(), 0):.3g} s left in the stage",
+                                      f"recording, and its engine's load), {max(deadline - time.monotonic(), 0):.3g} s "
+                                      "left in the stage",
                            skipped=True)
                 return
         tspec = ms.tlv_spec(spec)
