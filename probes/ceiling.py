@@ -294,6 +294,12 @@ def compute_ceiling(req: CeilingRequest) -> CeilingResult:
         res.warnings = rows_probe_warnings(req.rows_probe)
     if warning:
         res.warnings.append(warning)
+    between = ((cycle or {}).get("probe_ms") or {}).get("interpolated")
+    if between:
+        want = cycle["probe_ms"]["rows"]
+        res.warnings.append(f"the TLV cycle's probe passes at {want} rows are linear between --rows-probe "
+                            f"{req.rows_probe.source}'s {between[0]}- and {between[1]}-row steps (it timed no "
+                            f"{want}-row step): time {want} rows with specpilot probe rows for measured ones")
     if clocks_differ and cost is not None:
         timed = ",".join(str(n) for n in sorted(req.rows_probe.step_ms))
         res.warnings.append(f"T_step is --profile {req.profile.source}'s whole engine step (host time included) "

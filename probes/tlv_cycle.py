@@ -31,6 +31,14 @@ def probe_qpass(probe: RowsProbeFigures, rows: int) -> tuple[float | None, str |
     return step_time(rows, q), None
 
 
+def _between(timed: dict[int, float], rows: int) -> list[int] | None:
+    """The timed row counts around ``rows`` where the probe did not time it (its passes are then
+    linear between them, ``step_time``); None where it did."""
+    if rows in timed or not timed or not min(timed) < rows < max(timed):
+        return None
+    return [max(n for n in timed if n < rows), min(n for n in timed if n > rows)]
+
+
 def tlv_cycle(req: CeilingRequest) -> dict | None:
     """TLV's cycle (paper 4.3): tau counts tokens per exact pass, so the time it divides is the
     whole cycle, draft 1 + Q pass + draft 2 + exact pass + append. The terms come from a TLV
@@ -58,7 +66,8 @@ def tlv_cycle(req: CeilingRequest) -> dict | None:
         q, why = probe_qpass(probe, nodes + 1)
         if t is not None:   # without a timed Q pass, the exact step stands for it
             probe_ms = {"qpass": q if q is not None else t, "exact": t, "rows": nodes + 1,
-                        "qpass_timed": q is not None, "qview": probe.qview, "qpass_note": why}
+                        "qpass_timed": q is not None, "qview": probe.qview, "qpass_note": why,
+                        "interpolated": _between(probe.step_ms, nodes + 1)}
     if run is not None and run.tlv_ms:
         terms, source, unknown = dict(run.tlv_ms), f"run {run.source}", []
         if probe_ms and probe_ms["qpass_timed"] and None not in (run.qview, probe.qview) and run.qview != probe.qview:
@@ -67,7 +76,11 @@ def tlv_cycle(req: CeilingRequest) -> dict | None:
     elif probe_ms is not None:
         terms = {"draft1": None, "qpass": probe_ms["qpass"], "draft2": None, "exact": probe_ms["exact"],
                  "append": None}
-        source, unknown = f"rows probe {probe.source} at {nodes + 1} rows", ["draft1", "draft2", "append"]
+        between = probe_ms["interpolated"]
+        source = f"rows probe {probe.source} at {nodes + 1} rows" + (
+            f" (linear between its {between[0]}- and {between[1]}-row steps: it timed no {nodes + 1}-row step)"
+            if between else "")
+        unknown = ["draft1", "draft2", "append"]
     else:
         return None
     known = [v for v in terms.values() if v is not None]

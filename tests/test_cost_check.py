@@ -234,8 +234,13 @@ def test_ceiling_tlv_cycle_takes_the_probes_own_q_pass(run_cli, tmp_path):
     cy = json.loads(out)["tlv_cycle"]
     assert cy["terms_ms"]["qpass"] == pytest.approx(7.0 + 2.0 * 8 / 24) and cy["terms_ms"]["exact"] == pytest.approx(11.0 + 2.0 * 8 / 24)
     assert cy["probe_ms"]["qpass_timed"] is True
-    code, out, _ = run_cli("ceiling", "--replay", replay, "--rows-probe", rows, "--policy", "tlv:16")
+    code, out, err = run_cli("ceiling", "--replay", replay, "--rows-probe", rows, "--policy", "tlv:16")
     assert code == 0 and "stands in for the Q pass" not in out and "probe ms (17 rows, Q pass fp8)" in out
+    # passes at rows the probe did not time are said to be interpolated (they read as measured)
+    assert cy["probe_ms"]["interpolated"] == [9, 33]
+    assert "at 17 rows (linear between its 9- and 33-row steps: it timed no 17-row step)" in out
+    assert ("the TLV cycle's probe passes at 17 rows are linear between --rows-probe "
+            f"{rows}'s 9- and 33-row steps") in out + err
     # a Q pass is not extrapolated, nor taken from one timed count elsewhere: the exact step stands in, and says why
     for policy, pts_used, why in (("tlv:40", pts, "timed its Q pass at 9-33 rows, not around 41"),
                                   ("tlv:16", pts[:2], "timed its Q pass at 9 rows, not around 17")):
