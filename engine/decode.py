@@ -20,7 +20,7 @@ import torch
 
 from specpilot.engine.drafters import Lattice
 from specpilot.engine.model import Transformer
-from specpilot.engine.spec import cache_room, request_rows, room_words
+from specpilot.engine.spec import MAX_CTX, cache_room, request_rows, room_words
 from specpilot.engine.step_input import StepInput
 from specpilot.errors import InputError
 from specpilot.kernels import tree as treelib
@@ -52,9 +52,11 @@ def check_request(prompt_ids, max_new_tokens: int, vocab: int, need, slots: int,
     if callable(need):
         need = need(len(prompt_ids), max_new_tokens)
     if need > slots:
+        fix = ("raise ctx=, --ctx on the command line" if need <= MAX_CTX else
+               f"more than any ctx= holds, {MAX_CTX}: lower the new tokens or shorten the prompt")
         raise InputError(f"prompt ({len(prompt_ids)} tokens) + {max_new_tokens} new tokens + "
                          f"{need - len(prompt_ids) - max_new_tokens} slots for {room_words(mode)} need {need} cache "
-                         f"slots; the engine has {slots} (raise ctx=, --ctx on the command line)")
+                         f"slots; the engine has {slots} ({fix})")
 
 
 def integer_like(v) -> bool:

@@ -29,6 +29,7 @@ DRAFTERS = ("ngram", "self", "model")
 DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 ATTENTIONS = ("auto", "torch", "fused")
+MAX_CTX = 1 << 20   # the most KV-cache slots ctx= takes
 HEADS = ("linear", "certified")
 DECODES = ("auto", "layers", "fused")
 GDNS = ("auto", "naive", "path", "wy")
@@ -143,7 +144,7 @@ class EngineSpec:
     dtype: str | None = option(None, "Weights and activations.", choices=DTYPES,
                                default_text="float32 on cpu, bfloat16 on cuda or with --w12")
     device: str = option("cpu", "cpu or cuda[:N].")
-    ctx: int = option(2048, "KV-cache slots (prompt + new tokens + draft rows).", range=(16, 1 << 20))
+    ctx: int = option(2048, "KV-cache slots (prompt + new tokens + draft rows).", range=(16, MAX_CTX))
     graphs: bool = option(True, "CUDA graphs for AR and verify steps (cuda; a hybrid's with its GDN layers on "
                                 "the row kernels).")
     threads: int | None = option(None, "CPU threads for torch; 0 = torch's default.", range=(0, 1024),

@@ -439,3 +439,16 @@ def test_a_text_prompt_for_a_model_without_a_tokenizer_is_named_before_the_model
         eng.tokenizer = None   # the library names the prompt too
         eng.model_name = "tiny-random"
         eng.run([{"id": "a", "ids": [1, 2]}, {"id": "b", "text": "hi"}], 2)
+
+
+def test_a_need_past_the_largest_ctx_does_not_advise_raising_ctx(run_cli):
+    """The advice was 'raise ctx=, --ctx', which then refused any value past 1048576."""
+    code, _, err = run_cli("run", "--model", "tiny", "--mode", "ar", "--prompt", "abc", "--max-new-tokens", "2000000")
+    assert code == 2 and "more than any ctx= holds, 1048576: lower the new tokens" in err and "raise ctx" not in err
+    from specpilot.engine.api import load_engine
+    from specpilot.engine.spec import EngineSpec
+    from specpilot.errors import InputError
+
+    eng = load_engine(EngineSpec.parse("engine:model=tiny,mode=ar,threads=1"))
+    with pytest.raises(InputError, match="more than any ctx= holds"):
+        eng.generate([1, 2], 2 ** 40)
