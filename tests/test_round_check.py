@@ -194,7 +194,8 @@ def test_a_round_a_resume_reopened_has_no_baseline_to_check(base, run_cli, tmp_p
         code, out, err = run_cli("check", "--baseline", where, "--runs", "2")
         assert code == 2 and out == "" and err.count("\n") == 1, err
         assert ("the round is unfinished (stages left: approve, remember), its baseline.json was written before the "
-                f"round stopped (or before a resume reopened it); finish it with specpilot round --resume {r}") in err, err
+                "round stopped (or before a resume reopened it); finish it with specpilot round --resume "
+                f"{r}") in err, err
 
 
 def test_a_round_stopped_in_its_last_stage_is_not_said_to_be_resumed(base, run_cli, tmp_path):

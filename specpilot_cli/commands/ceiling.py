@@ -301,8 +301,9 @@ def _report(res, run=None) -> Report:
         curve = []
         for f in res.floors:
             cf = res.c_floor(f)
+            probe = [res.c_probe.get(f.rows)] if res.c_probe else []
             curve.append([f.rows, f.total_bytes / 1e9, f.total_floor_ms, cf, f.rows * f.batch / (f.total_floor_ms / 1e3)]
-                         + ([res.c_probe.get(f.rows)] if res.c_probe else []))
+                         + probe)
         sections.append(Section("Floor per step and floor c(N) = floor(N) / floor(AR, 1 row)"
                                 + (" beside the rows probe's c(N)" if res.c_probe else ""),
                                 ["rows", "GB", "floor ms", "c floor", "rows/s at floor"]
