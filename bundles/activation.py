@@ -439,7 +439,7 @@ def apply(bundles: str, *, python: str | None = None, force: bool = False, exper
                                  f"run that environment's own: {env.executable} -m specpilot apply {bundles}")
 
     path = activation_path(env.purelib)
-    refuse_report_on_activation(out, path)
+    refuse_report_on_target(out, path, env)
     require_writable(env.purelib)   # a dry run too: it says whether apply would succeed
     launch = launch_command(entries, ids, values, env.executable, model, drafter, env.plugins)
     notes = launch_parts(entries, ids, values, drafter)[2]
@@ -487,12 +487,18 @@ def apply(bundles: str, *, python: str | None = None, force: bool = False, exper
     return res
 
 
-def refuse_report_on_activation(out: str | None, path: Path) -> None:
-    """InputError when the report file ``out`` is the activation file (existing or not): a report
-    written there is an activation SGLang's plugin cannot read."""
-    if out is not None and os.path.realpath(out) == os.path.realpath(path):
+def refuse_report_on_target(out: str | None, path: Path, env: TargetEnv) -> None:
+    """InputError when the report file ``out`` is the activation file (existing or not: a report
+    written there is an activation SGLang's plugin cannot read), or the target's interpreter (as
+    given or where a link leads) or a file of its site-packages, which the verbs read."""
+    if out is None:
+        return
+    if os.path.realpath(out) == os.path.realpath(path):
         raise InputError(f"--out {out}: that is the activation file ({path}); the report needs another name "
                          "(or leave --out out)")
+    from specpilot.fileio import check_output_path
+
+    check_output_path(out, "--out", protect=[env.python, env.executable, env.purelib])
 
 
 def revert(python: str | None = None, out: str | None = None) -> RevertResult:
@@ -500,7 +506,7 @@ def revert(python: str | None = None, out: str | None = None) -> RevertResult:
     is the activation file)."""
     env = probe(python)
     path = activation_path(env.purelib)
-    refuse_report_on_activation(out, path)
+    refuse_report_on_target(out, path, env)
     with locked(env.purelib):
         check_activation_path(path)   # a link, a folder, a device: not SpecPilot's to remove
         if os.path.lexists(path):
@@ -519,7 +525,7 @@ def revert(python: str | None = None, out: str | None = None) -> RevertResult:
 def status(python: str | None = None, memory_dir=None, out: str | None = None) -> StatusResult:
     env = probe(python)
     path = activation_path(env.purelib)
-    refuse_report_on_activation(out, path)
+    refuse_report_on_target(out, path, env)
     with locked(env.purelib):
         swept = sweep_partial(env.purelib) if os.access(env.purelib, os.W_OK) else []
         act = read_activation(path)

@@ -373,3 +373,24 @@ def test_the_lattice_trace_note_takes_a_folder_starting_with_a_dash_as_a_path(ru
     assert code == 0, err
     note = next(n for n in json.loads(out)["notes"] if n.startswith("lattice-trace: "))
     assert "cat ./-rf/lattice-*.jsonl > run.lattice.jsonl" in note, note
+
+
+def test_a_report_onto_the_target_interpreter_is_refused(run_cli, clean, env, tmp_path):
+    """--out naming --python's interpreter (or a link to it) replaced the interpreter with the report,
+    exit 0: the verbs protected the activation file alone."""
+    # a wrapper stands for the interpreter: were the report written over it, no real Python is lost
+    py = tmp_path / "python"
+    py.write_text(f"#!/bin/sh\nexec {env} \"$@\"\n")
+    py.chmod(0o755)
+    before = py.read_bytes()
+    link = tmp_path / "link"
+    link.symlink_to(py)
+    for args in (("apply", "tree", "--drafter", "eagle", "--python", py, "--dry-run"),
+                 ("apply", "tree", "--drafter", "eagle", "--python", py),
+                 ("status", "--python", py), ("revert", "--python", py),
+                 ("memory", "verify", "tree", "--python", py)):
+        for out in (py, link):
+            code, _, err = run_cli(*args, "--out", out)
+            assert code == 2 and f"--out {out}: refusing to overwrite input file" in err, (args, err)
+            assert py.read_bytes() == before
+    assert not clean.exists()

@@ -143,7 +143,7 @@ def verify(ids, python, record, results_dir, memory_dir, fmt, out):
     results = Path(results_dir) if results_dir else ev.default_results_dir()
     if results_dir and not results.is_dir():
         raise InputError(f"--results {results_dir}: no such folder")
-    inputs = _inputs(memory_dir, out, results)
+    inputs = _inputs(memory_dir, out, results, python)   # --python: the interpreter it runs is read too
     entries = _load(memory_dir, "verify")
     texts = []
     if record:   # every entry's new text first, checked and verified as it would read before any file is written
