@@ -445,3 +445,14 @@ def test_zero_length_kernels_are_kernels_of_their_class(run_cli, tmp_path):
     code, out, err = run_cli("profile", p, "--model", "llama-3.1-8b", "--gpu", "h200")
     assert "0 ms: its records last no time (zero-length in the trace)" in out, out
     assert "fewer than half of the steps" not in out
+
+
+def test_plot_or_explain_with_several_traces_names_only_what_was_given(run_cli, tmp_path):
+    """--diff --plot was refused naming --explain too, which was not given."""
+    from pathlib import Path
+
+    t = Path(__file__).parent / "fixtures" / "nsys_h200_decode_eager.sqlite"
+    code, _, err = run_cli("profile", t, t, "--diff", "--plot", tmp_path / "d.png")
+    assert code == 2 and "--plot profiles one trace; leave it out with --diff" in err and "--explain" not in err, err
+    code, _, err = run_cli("profile", t, t, "--diff", "--plot", tmp_path / "d.png", "--explain")
+    assert code == 2 and "--plot and --explain profile one trace; leave them out" in err, err

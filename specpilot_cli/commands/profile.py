@@ -145,7 +145,9 @@ def command(traces, step_range, step_mode, gap_us, skip_steps, device, include_o
     if ranks and len(traces) != 1:
         raise InputError("--ranks reads one multi-GPU trace; several trace files are ranks without it")
     if (diff or len(traces) > 1 or ranks) and (plot_file or explain):
-        raise InputError("--plot and --explain profile one trace; leave them out with --diff, --ranks or several traces")
+        given = " and ".join(o for o, v in (("--plot", plot_file), ("--explain", explain)) if v)
+        raise InputError(f"{given} profile{'s' if ' and ' not in given else ''} one trace; leave "
+                         f"{'it' if ' and ' not in given else 'them'} out with --diff, --ranks or several traces")
     if ranks and device is not None:
         raise InputError("--ranks profiles every GPU; leave out --device")
     if (ranks or (len(traces) > 1 and not diff)) and (model_name or ceiling_file):
