@@ -298,7 +298,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     import httpx
 
-    from specpilot.fileio import same_file, write_text_atomic
+    from specpilot.errors import InputError
+    from specpilot.fileio import check_output_path, same_file, write_text_atomic
 
     try:   # refused before any load is sent, not counted as failed requests after it
         url = httpx.URL(args.url)
@@ -308,17 +309,17 @@ def main(argv=None):
     if url.scheme not in ("http", "https") or not url.host:
         print(f"loadgen: --url {args.url}: give an http:// or https:// URL with a host", file=sys.stderr)
         return 2
-    if args.out:
-        parent = Path(args.out).parent
-        if not parent.is_dir():
-            print(f"loadgen: --out {args.out}: folder {parent} does not exist", file=sys.stderr)
-            return 2
-        if Path(args.out).is_dir():
-            print(f"loadgen: --out {args.out}: is a folder; give a file name", file=sys.stderr)
-            return 2
-        if args.prompts and same_file(args.out, args.prompts):
+    if args.out is not None:   # what the writer would refuse after the load: refused before it
+        if args.prompts and Path(args.out).exists() and same_file(args.out, args.prompts):
             print(f"loadgen: --out {args.out}: is the --prompts file; give another file for the summaries",
                   file=sys.stderr)
+            return 2
+        try:
+            if not args.out.strip():
+                raise InputError("--out: an empty path; give a file name, or leave --out out")
+            check_output_path(args.out, "--out")
+        except InputError as e:
+            print(f"loadgen: {e}", file=sys.stderr)
             return 2
     if args.prompts and args.random_ids:
         print("loadgen: give --prompts FILE or --random-ids N, not both", file=sys.stderr)

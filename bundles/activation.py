@@ -490,7 +490,7 @@ def apply(bundles: str, *, python: str | None = None, force: bool = False, exper
 def refuse_report_on_target(out: str | None, path: Path, env: TargetEnv) -> None:
     """InputError when the report file ``out`` is the activation file (existing or not: a report
     written there is an activation SGLang's plugin cannot read), or the target's interpreter (as
-    given or where a link leads) or a file of its site-packages, which the verbs read."""
+    given or where a link leads) or a file of its site-packages or of SGLang, which the verbs read."""
     if out is None:
         return
     if os.path.realpath(out) == os.path.realpath(path):
@@ -498,7 +498,7 @@ def refuse_report_on_target(out: str | None, path: Path, env: TargetEnv) -> None
                          "(or leave --out out)")
     from specpilot.fileio import check_output_path
 
-    check_output_path(out, "--out", protect=[env.python, env.executable, env.purelib])
+    check_output_path(out, "--out", protect=[env.python, env.executable, env.purelib, env.sglang_package])
 
 
 def revert(python: str | None = None, out: str | None = None) -> RevertResult:

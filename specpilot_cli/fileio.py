@@ -69,19 +69,37 @@ def check_output_path(path: str | os.PathLike, option: str = "--out",
             if p and Path(p).exists() and target.exists() and os.path.samefile(p, target):
                 raise InputError(f"{option} {shown}: refusing to overwrite input file {p}; choose another {option}")
             # a file inside an input folder (a checkpoint's weights, a model's config) is an input too
-            if p and Path(p).is_dir() and target.exists() and target.resolve().is_relative_to(Path(p).resolve()):
+            # (by where it leads, or by its name: through a linked folder too)
+            if p and Path(p).is_dir() and target.exists() and (
+                    target.resolve().is_relative_to(Path(p).resolve())
+                    or Path(os.path.abspath(shown)).is_relative_to(os.path.abspath(p))):
                 raise InputError(f"{option} {shown}: refusing to overwrite a file of input folder {p}; choose "
                                  f"another {option}")
         except (FileNotFoundError, NotADirectoryError):
             pass
     if target.is_dir():
         raise InputError(f"{option} {shown}: is a folder; give a file name")
+    if _is_program(target):   # an interpreter or a script (a link into a venv's bin/): never a report to replace
+        raise InputError(f"{option} {shown}: {target} is a program, not a file to write a report over; choose "
+                         f"another {option}")
     parent = target.parent if str(target.parent) else Path(".")
     if not parent.is_dir():
         what = "is not a folder" if parent.exists() else "does not exist"
         raise InputError(f"{option} {shown}: {parent} {what}")
     _probe_write(parent, option, shown, name=target.name)
     return target
+
+
+def _is_program(path: Path) -> bool:
+    """An executable file that starts as a program does (an ELF binary, a ``#!`` script)."""
+    try:
+        if not (path.is_file() and os.access(path, os.X_OK)):
+            return False
+        with open(path, "rb") as fh:
+            head = fh.read(4)
+    except OSError:
+        return False
+    return head == b"\x7fELF" or head.startswith(b"#!")
 
 
 def _probe_write(folder: Path, option: str, shown: Path, missing: Path | None = None, name: str | None = None) -> None:

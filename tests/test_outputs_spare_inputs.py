@@ -85,8 +85,9 @@ def test_memory_never_writes_over_its_entries(run_cli, tmp_path):
     shutil.copytree(REPO / "bundles" / "memory_entries", mem)
     before = _snapshot(mem)
     for args in (["list"], ["show", "tree"], ["verify"]):
-        code, _, err = run_cli("memory", *args, "--memory-dir", mem, "--out", mem / "tree.yaml")
-        refused(code, err, "refusing to overwrite a file of input folder")
+        for name in ("tree.yaml", "list.yaml"):   # a new file there was written, and read as an entry after
+            code, _, err = run_cli("memory", *args, "--memory-dir", mem, "--out", mem / name)
+            refused(code, err, f"inside the memory folder {mem}, which holds its entries only")
     assert _snapshot(mem) == before
 
 
@@ -101,7 +102,7 @@ def test_round_never_writes_over_its_folder_or_records(run_cli, tmp_path):
     done = _example_round(tmp_path / "done")
     before = (done / "round.json").read_bytes()
     code, _, err = run_cli("round", "--resume", done, "--out", done / "round.json")
-    refused(code, err, "refusing to overwrite a file of input folder")
+    refused(code, err, f"inside the round's folder {done}, which the round writes")
     assert (done / "round.json").read_bytes() == before
 
 
@@ -125,3 +126,78 @@ def test_a_config_in_the_working_folder_leaves_its_other_files_writable(run_cli,
                            "--max-new-tokens", "2", "--format", "json", "--out", "result.json")
     assert code == 0, err
     assert json.loads((tmp_path / "result.json").read_text())["schema"].startswith("specpilot.run")
+
+
+def test_check_spares_the_round_folder_of_a_named_baseline_file_and_a_system_model(run_cli, hf_model, tmp_path):
+    """--baseline DIR/baseline.json left the round's other files writable (round.json replaced, and
+    the next check failed on it); a --system engine's model folder was not an input."""
+    ex = _example_round(tmp_path / "ex")
+    before = _snapshot(ex)
+    code, _, err = run_cli("check", "--baseline", ex / "baseline.json", "--out", ex / "round.json")
+    refused(code, err, "refusing to overwrite a file of input folder")
+    code, _, err = run_cli("check", "--baseline", ex, "--system", f"engine:model={hf_model},mode=ar",
+                           "--out", hf_model / "config.json")
+    refused(code, err, "refusing to overwrite")
+    assert _snapshot(ex) == before and json.loads((hf_model / "config.json").read_text())["vocab_size"] == 256
+
+
+def test_round_spares_the_files_a_deployment_file_names(run_cli, tmp_path):
+    """An SGLang deployment file's prompts and measurements were overwritten by --out (dry run too)."""
+    import yaml
+
+    (tmp_path / "p.jsonl").write_text(json.dumps({"schema": "specpilot.prompts/1", "id": "a",
+                                                  "prompt_ids": [1, 2]}) + "\n")
+    (tmp_path / "rows.json").write_text(json.dumps({"schema": "specpilot.rows/1", "ar_ms": 10.0, "points": [
+        {"rows": r, "step_ms": 10.0 + r * 0.1} for r in (1, 2, 3)]}))
+    dep = {"schema": "specpilot.deployment/1", "drafter": "eagle", "prompts": "p.jsonl",
+           "measurements": {"rows_probe": "rows.json"},
+           "servers": {"stock": {"url": "http://127.0.0.1:1", "start": "true"}}}
+    (tmp_path / "d.yaml").write_text(yaml.safe_dump(dep))
+    before = _snapshot(tmp_path)
+    for name in ("p.jsonl", "rows.json"):
+        code, _, err = run_cli("round", tmp_path / "d.yaml", "--dry-run", "--records", tmp_path / "rec",
+                               "--out", tmp_path / name)
+        refused(code, err, "refusing to overwrite input file")
+    assert _snapshot(tmp_path) == before
+
+
+def test_serve_spares_its_model_files_at_start(run_cli, hf_model, tmp_path):
+    """serve --out onto its model's config was written at exit, over the config."""
+    code, _, err = run_cli("serve", "--model", hf_model, "--mode", "ar", "--port", "0", "--out", hf_model / "config.json")
+    refused(code, err, "refusing to overwrite")
+    assert json.loads((hf_model / "config.json").read_text())["vocab_size"] == 256
+
+
+def test_audit_refuses_a_report_inside_the_outputs_folder(run_cli, tmp_path):
+    """audit check --out into --save-outputs replaced an outputs file it had just written."""
+    prompts = _prompts(tmp_path)
+    save = tmp_path / "so"
+    save.mkdir()
+    code, _, err = run_cli("audit", "check", "engine:model=tiny,mode=tree", "--against", "engine:model=tiny,mode=ar",
+                           "--prompts", prompts, "--max-new-tokens", "4", "--scorer", "tiny", "--save-outputs", save,
+                           "--out", save / "system.outputs.jsonl")
+    refused(code, err, f"inside --save-outputs {save}, where the outputs are saved")
+    assert list(save.iterdir()) == []
+    code, _, err = run_cli("audit", "selftest", "--save-outputs", save, "--out", save / "ar.jsonl")
+    refused(code, err, f"inside --save-outputs {save}")
+
+
+def test_profile_plot_and_out_are_one_file_however_spelled(run_cli, tmp_path, monkeypatch):
+    """--plot a.png --out ./a.png: the report was written over the plot."""
+    monkeypatch.chdir(tmp_path)
+    trace = REPO / "tests" / "fixtures" / "nsys_h200_decode_eager.sqlite"
+    code, _, err = run_cli("profile", trace, "--plot", "a.png", "--out", "./a.png")
+    refused(code, err, "--plot and --out name the same file")
+
+
+def test_an_out_that_leads_to_a_program_is_refused(run_cli, tmp_path):
+    """A report through a link into a venv's bin/ replaced the interpreter it leads to."""
+    prog = tmp_path / "prog"
+    prog.write_text("#!/bin/sh\necho hi\n")
+    prog.chmod(0o755)
+    (tmp_path / "link").symlink_to(prog)
+    for out in (prog, tmp_path / "link"):
+        code, _, err = run_cli("ceiling", "--model", "llama-3.1-8b", "--gpu", "h200", "--out", out)
+        refused(code, err, f"{prog} is a program, not a file to write a report over")
+    assert prog.read_text() == "#!/bin/sh\necho hi\n"
+

@@ -986,8 +986,9 @@ def test_load_generator_refuses_bad_options_and_fails_when_requests_fail(tmp_pat
     gen = [sys.executable, str(REPO / "benchmarks" / "loadgen.py"), "--url", "http://127.0.0.1:1"]
     for bad in (["--random-ids", "4", "--rate", "0"], ["--random-ids", "4", "--concurrency", "1,0"],
                 ["--prompts", str(tmp_path / "none.jsonl")],
-                # said before any load is sent: a missing folder, a URL with no scheme
-                ["--random-ids", "4", "--out", str(tmp_path / "no" / "x.json")]):
+                # said before any load is sent: a missing folder, a URL with no scheme, what the writer refuses
+                ["--random-ids", "4", "--out", str(tmp_path / "no" / "x.json")],
+                ["--random-ids", "4", "--out", str(tmp_path / "x.json") + "/"], ["--random-ids", "4", "--out", ""]):
         p = subprocess.run(gen + bad, capture_output=True, text=True, timeout=60)
         assert p.returncode == 2 and "Traceback" not in p.stderr, (bad, p.stderr)
     prompts = tmp_path / "p.txt"

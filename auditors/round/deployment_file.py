@@ -233,6 +233,36 @@ def _check_files(raw: dict, path: Path) -> None:
             raise InputError(f"{path}: measurements: {rel} is not a file")
 
 
+def named_files(path: Path) -> list[str]:
+    """The files a deployment file names (prompts, the scorer's, the measurements), resolved as the
+    round reads them: what its --out must not replace. Empty where the file does not read (the round
+    refuses it with its own message)."""
+    from specpilot.fileio import load_yaml
+    from specpilot.models import model_inputs
+
+    try:
+        raw = load_yaml(Path(path).read_text(encoding="utf-8"))
+    except Exception:
+        return []
+    if not isinstance(raw, dict):
+        return []
+
+    def where(rel) -> str:
+        p = Path(str(rel)).expanduser()
+        return str(p if p.is_absolute() else Path(path).parent / p)
+
+    m = raw.get("measurements") if isinstance(raw.get("measurements"), dict) else {}
+    lattices = m.get("lattices")
+    rels = [raw.get("prompts"), m.get("rows_probe"), m.get("profile")]
+    rels += [lattices] if isinstance(lattices, str) else list(lattices) if isinstance(lattices, list) else []
+    rels += list(m["outputs"].values()) if isinstance(m.get("outputs"), dict) else []
+    out = [where(r) for r in rels if isinstance(r, str) and r]
+    scorer = raw.get("scorer")
+    if isinstance(scorer, str) and scorer:
+        out += model_inputs(where(scorer) if Path(where(scorer)).exists() else scorer)
+    return out
+
+
 def read_deployment(path: Path) -> SGLangDeployment:
     import yaml
 

@@ -10,7 +10,7 @@ from specpilot.errors import InputError
 from specpilot.options import FiniteRange, device_option, seed_option
 from specpilot.output import Report, Section, emit, fmt_num, not_empty, output_options, progress
 
-from .audit import _check_kept_outputs, _pct, audit_report
+from .audit import _check_kept_outputs, _pct, audit_report, refuse_out_in_save_dir
 
 
 class _PromptCount(click.IntRange):
@@ -61,6 +61,7 @@ def selftest_cmd(n_prompts, max_new_tokens, repeats, biases, bias_fraction, engi
         engine_prompts = max(0, min(engine_prompts, n_prompts))
     bias_list = _float_list(biases, "--biases")
     check_options(n_prompts, max_new_tokens, repeats, bias_list, bias_fraction, engine_prompts)   # before any load
+    refuse_out_in_save_dir(out, save_dir)
     if save_dir is not None:   # the folder made, or refused, before any system runs (as audit check does)
         from specpilot.auditors.systems import default_save_path
 

@@ -198,6 +198,7 @@ def check(systems, stock_spec, ar_spec, scorer_spec, prompts_path, max_new_token
     if out:   # the systems run and the scorer scores for minutes before the report is written
         from specpilot.fileio import check_output_path
 
+        refuse_out_in_save_dir(out, save_dir)
         check_output_path(out, "--out", protect=inputs)
     prompts = None
     if any(s.needs_prompts for _, s in specs) and not prompts_path:
@@ -249,6 +250,16 @@ def _refuse_stock_as_system(specs) -> None:
         if role == "system" and s.kind == "file" and same_file(s.spec, stock.spec):
             raise InputError(f"SYSTEM {s.spec} is the --against file {stock.spec}: an audit of outputs against "
                              "themselves finds nothing; give the stock system's outputs to --against")
+
+
+def refuse_out_in_save_dir(out: str | None, save_dir: str | None) -> None:
+    """--out inside --save-outputs: the run writes its outputs files there, and the report would
+    replace one (or sit among them as a file that is no outputs file)."""
+    from pathlib import Path
+
+    if out and save_dir and Path(out).resolve().is_relative_to(Path(save_dir).resolve()):
+        raise InputError(f"--out {out}: inside --save-outputs {save_dir}, where the outputs are saved; write the "
+                         "report elsewhere")
 
 
 def _check_not_an_input(save: str, save_dir: str, role: str, inputs) -> None:

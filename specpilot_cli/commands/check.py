@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from specpilot.errors import InputError
@@ -56,8 +58,10 @@ def command(baseline_path, system, runs, scorer, no_audit, no_timing, tolerance,
     base = read_baseline(baseline_path)
     from specpilot.models import model_inputs
 
-    # the baseline (a round's folder whole) and a scorer given as a path
-    inputs = [baseline_path, base["_path"]] + model_inputs(scorer)
+    # the baseline (a round's folder whole, named or not), a scorer and a --system model given as paths
+    folder = Path(base["_path"]).parent
+    inputs = [baseline_path, base["_path"]] + ([str(folder)] if (folder / "round.json").is_file() else [])
+    inputs += model_inputs(scorer) + _system_inputs(system)
     if out:   # before the timed runs, not after them
         from specpilot.fileio import check_output_path
 
@@ -93,3 +97,15 @@ def command(baseline_path, system, runs, scorer, no_audit, no_timing, tolerance,
                 lines=lines),
          fmt, out, protect=inputs)
     return 0 if res.passed else 1
+
+
+def _system_inputs(system: str | None) -> list[str]:
+    """The files a --system engine spec reads (its model and draft model given as paths)."""
+    if not system or not system.strip().startswith("engine"):
+        return []
+    from specpilot.engine.spec import EngineSpec
+
+    try:
+        return EngineSpec.parse(system).inputs()
+    except InputError:   # refused with its own message when the check reads it
+        return []

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
+from specpilot.errors import InputError
 from specpilot.output import Report, Section, emit, not_empty, output_options
 
 _memdir = click.option("--memory-dir", "memory_dir", type=click.Path(file_okay=False), callback=not_empty, default=None,
@@ -26,7 +29,6 @@ def _load(memory_dir, verb: str):
     """The memory's entries; a folder without any is bad input where an entry is looked for or
     verified (verifying nothing must not read as a pass; `list` says the folder is empty)."""
     from specpilot.bundles import memory as mem
-    from specpilot.errors import InputError
 
     entries = mem.load_memory(memory_dir)
     if not entries:
@@ -39,6 +41,9 @@ def _inputs(memory_dir, out, *more) -> list[str]:
     from specpilot.bundles import memory as mem
 
     inputs = [str(memory_dir or mem.MEMORY_DIR)] + [str(m) for m in more if m]
+    if out and Path(out).resolve().is_relative_to(Path(inputs[0]).resolve()):   # a new file there is an entry
+        raise InputError(f"--out {out}: inside the memory folder {inputs[0]}, which holds its entries only; write "
+                         "the report elsewhere")
     if out:
         from specpilot.fileio import check_output_path
 
@@ -130,11 +135,8 @@ def verify(ids, python, record, results_dir, memory_dir, fmt, out):
     verifies the entries as they would read, and writes them only when every one passes; otherwise
     it writes nothing and exits 1 with what failed.
     """
-    from pathlib import Path
-
     from specpilot.bundles import evidence as ev
     from specpilot.bundles import memory as mem
-    from specpilot.errors import InputError
     from specpilot.fileio import write_text_atomic
 
     twice = next((i for n, i in enumerate(ids) if i in ids[:n]), None)

@@ -3,6 +3,8 @@ each class is from its byte floor."""
 
 from __future__ import annotations
 
+import os
+
 import click
 
 from specpilot.errors import InputError
@@ -122,7 +124,7 @@ def command(traces, step_range, step_mode, gap_us, skip_steps, device, include_o
         raise InputError("--link-bandwidth must be positive")
     if top_n < 0:
         raise InputError("--top must be >= 0")
-    if plot_file and out and plot_file == out:
+    if plot_file and out and os.path.realpath(plot_file) == os.path.realpath(out):   # ./a.png is a.png
         raise InputError("--plot and --out name the same file")
     from specpilot.fileio import check_output_path
     from specpilot.models import model_inputs

@@ -223,7 +223,9 @@ def _round_inputs(cfg, resume_dir: str | None) -> list[str]:
     dep = cfg.deployment or config.get("deployment")
     if isinstance(dep, str) and dep:
         if Path(dep).is_file():
-            out.append(dep)
+            from specpilot.auditors.round.deployment_file import named_files
+
+            out += [dep] + named_files(Path(dep))
         elif dep.strip().startswith("engine"):
             from specpilot.engine.spec import EngineSpec
 

@@ -50,6 +50,10 @@ def command(host, port, max_queue, backlog, grace, log_requests, fmt, out, **kw)
     from specpilot.errors import EnvironmentMissing
 
     resolve_model(spec.model, spec.random)   # a bad model: said before the server's imports (torch, seconds)
+    if out:   # the summary is written at exit: its model's files are refused now, not then
+        from specpilot.fileio import check_output_path
+
+        check_output_path(out, "--out", protect=spec.inputs())
     sock = bind(host, port, backlog)         # and a port in use, or a host not this machine's
 
     try:   # declared dependencies, but an install without them should say so, not crash
@@ -85,7 +89,7 @@ def command(host, port, max_queue, backlog, grace, log_requests, fmt, out, **kw)
                 [[name, pct(f"{k}_p50"), pct(f"{k}_p90"), pct(f"{k}_p99")]
                  for name, k in (("time to first token", "ttft"), ("inter-token", "itl"), ("end to end", "e2e"))])])
     try:
-        emit(report, fmt, out)
+        emit(report, fmt, out, protect=spec.inputs())
     except InputError:   # --out unwritable at exit (its folder gone): the session's summary goes to stdout
         click.echo(render(report, fmt), nl=False)
         raise
