@@ -27,7 +27,8 @@ def check_rows_probe_hardware(probe: RowsProbeFigures | None, gpu: GPUSpec | Non
     if probe.on_cpu:
         raise InputError(f"--rows-probe {probe.source} was measured on {probe.hardware}, but the floors are for "
                          f"{gpu.name} (--gpu): a CPU's T_step(N) says nothing about a GPU; run 'specpilot probe rows' "
-                         f"on the {gpu.name}, or leave out --model for the measured figures alone")
+                         f"on the {gpu.name}, or leave out --model and the GPU (--gpu, --bandwidth, --flops) for the "
+                         "measured figures alone")
     if probe.gpu and gpu.key not in ("custom",):
         from specpilot.gpus import match_gpu_name
 

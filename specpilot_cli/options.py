@@ -34,6 +34,26 @@ def refuse_draft_shape_without_drafter(drafter_name: str | None) -> None:
                          f"floor, which needs --drafter MODEL; give it, or leave {them(given)} out")
 
 
+class NonEmptyPath(click.Path):
+    """A path option or argument that refuses an empty value: ``--check "$RUN"`` with RUN unset
+    must not read as no option at all (a check that checked nothing), nor ``""`` as this folder."""
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and not value.strip():
+            opt = param.opts[0] if param is not None and param.opts else "it"
+            self.fail(f"an empty path; give one, or leave {opt} out" if param is not None and not
+                      param.required and param.param_type_name == "option" else "an empty path; give one", param, ctx)
+        return super().convert(value, param, ctx)
+
+
+def not_blank(ctx, param, value):
+    """Click callback for a text option (a model name, a system, GPU ids): an empty value is not the
+    option left out."""
+    if value is not None and not str(value).strip():
+        raise click.BadParameter(f"empty; give a value, or leave {param.opts[0]} out")
+    return value
+
+
 class FiniteRange(click.FloatRange):
     """A float option in a range that is also finite (``inf`` and ``nan`` are refused)."""
 

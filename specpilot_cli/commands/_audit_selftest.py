@@ -7,7 +7,7 @@ import click
 
 from specpilot.auditors.prompts_builtin import PROMPTS as BUILTIN_PROMPTS
 from specpilot.errors import InputError
-from specpilot.options import FiniteRange, device_option, seed_option
+from specpilot.options import FiniteRange, device_option, seed_option, NonEmptyPath
 from specpilot.output import Report, Section, emit, fmt_num, not_empty, output_options, progress
 
 from .audit import _check_kept_outputs, _pct, audit_report, refuse_out_in_save_dir
@@ -38,7 +38,7 @@ class _PromptCount(click.IntRange):
               help="Prompts on which the embedded engine's chain and tree systems are run and audited (0: none).")
 @device_option("cpu, cuda or cuda:N (default: cuda when present).")
 @seed_option("the random prompts and biases")
-@click.option("--save-outputs", "save_dir", type=click.Path(file_okay=False), callback=not_empty, default=None,
+@click.option("--save-outputs", "save_dir", type=NonEmptyPath(file_okay=False), callback=not_empty, default=None,
               help="Also write every system's outputs JSONL to this folder (to re-audit them with 'specpilot audit').")
 @output_options
 def selftest_cmd(n_prompts, max_new_tokens, repeats, biases, bias_fraction, engine_prompts, device, seed, save_dir,
@@ -77,8 +77,10 @@ def selftest_cmd(n_prompts, max_new_tokens, repeats, biases, bias_fraction, engi
 
 def _float_list(text: str, name: str) -> list[float]:
     vals = []
-    for part in str(text).split(","):
-        part = part.strip()
+    parts = [p.strip() for p in str(text).split(",")]
+    if any(not p for p in parts) and any(parts):   # as every other list option: "2,,1" is a slip, not 2,1
+        raise InputError(f"{name} {text}: an empty value between commas")
+    for part in parts:
         if not part:
             continue
         try:

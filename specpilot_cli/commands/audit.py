@@ -6,7 +6,7 @@ from __future__ import annotations
 import click
 
 from specpilot.errors import InputError
-from specpilot.options import FiniteRange, device_option, seed_option
+from specpilot.options import FiniteRange, device_option, seed_option, NonEmptyPath, not_blank
 from specpilot.output import Report, Section, emit, fmt_num, not_empty, output_options, progress
 
 SUBCOMMANDS = ("check", "collect", "selftest")
@@ -120,7 +120,7 @@ def _common_run_options(f=None, *, prompts_required: bool = False):
     f = click.option("--max-new-tokens", type=click.IntRange(1, 1 << 20), default=128, show_default=True,
                      help="Tokens to generate per prompt when running a system.")(f)
     # no default=None beside required: click 8.3+ takes an explicit None as a given value
-    f = click.option("--prompts", "prompts_path", type=click.Path(dir_okay=False), required=prompts_required,
+    f = click.option("--prompts", "prompts_path", type=NonEmptyPath(dir_okay=False), required=prompts_required,
                      help="Prompts for systems that are run: specpilot.prompts/1 (token ids or text) "
                           "or an outputs file.")(f)
     return f
@@ -141,12 +141,12 @@ def _model_inputs(scorer_spec: str | None, engine_specs) -> list[str]:
 @command.command("check")
 @click.argument("systems", nargs=-1, required=True)
 @click.option("--against", "stock_spec", required=True, help="Stock: outputs file, engine: spec or http:// server.")
-@click.option("--ar", "ar_spec", default=None, help="Plain autoregressive run for phase 0 (sets delta).")
+@click.option("--ar", "ar_spec", default=None, callback=not_blank, help="Plain autoregressive run for phase 0 (sets delta).")
 @click.option("--scorer", "scorer_spec", required=True, callback=not_empty,
               help="Target model for teacher forcing: smollm2, a Hugging Face folder, a .gguf file, or an "
                    "engine built-in (tiny, tiny-hybrid: the engine's target with an FP32 head).")
 @_common_run_options
-@click.option("--save-outputs", "save_dir", type=click.Path(file_okay=False), callback=not_empty, default="specpilot-audit-outputs",
+@click.option("--save-outputs", "save_dir", type=NonEmptyPath(file_okay=False), callback=not_empty, default="specpilot-audit-outputs",
               show_default=True, help="Folder for the outputs of systems that are run (kept on failure).")
 @click.option("--delta", type=FiniteRange(0, 1e6, min_open=True), default=None,
               help="Near-tie threshold (> 0); skips phase 0.")
@@ -404,9 +404,9 @@ def run_audit(system_outputs, stock_outputs, ar_outputs, scorer_spec, *, device=
 @command.command("collect")
 @click.argument("system")
 @_common_run_options(prompts_required=True)   # --resume too: it runs the prompts --save does not answer yet
-@click.option("--save", "save", type=click.Path(dir_okay=False), callback=not_empty, required=True,
+@click.option("--save", "save", type=NonEmptyPath(dir_okay=False), callback=not_empty, required=True,
               help="Outputs JSONL to write (also written with the rows collected so far when a run fails).")
-@click.option("--tokenizer", default=None,
+@click.option("--tokenizer", default=None, callback=not_blank,
               help="Model whose tokenizer turns text prompts into ids [default: an engine: SYSTEM's model].")
 @click.option("--resume", is_flag=True,
               help="Keep the rows --save already holds (an interrupted collection of the same SYSTEM, --prompts "

@@ -5,7 +5,8 @@ from __future__ import annotations
 import click
 
 from specpilot.limits import MAX_BATCH, MAX_CONTEXT, MAX_DRAFT_PASSES, MAX_MS, MAX_ROWS, MAX_TAU, MAX_TBS, MAX_TFLOPS
-from specpilot.options import FiniteRange, dtype_options, positive, refuse_draft_shape_without_drafter, them, typed
+from specpilot.options import (FiniteRange, dtype_options, positive, refuse_draft_shape_without_drafter, them,
+                               typed, NonEmptyPath, not_blank)
 from specpilot.output import Report, Section, count, emit, output_options
 
 
@@ -28,7 +29,7 @@ from specpilot.output import Report, Section, count, emit, output_options
 @click.option("--context", default=2048, show_default=True, type=click.IntRange(0, MAX_CONTEXT),
               help="Committed context tokens per request.")
 @dtype_options
-@click.option("--drafter", "drafter_name", metavar="NAME|PATH", help="Drafter model: adds its step as the drafter class.")
+@click.option("--drafter", "drafter_name", metavar="NAME|PATH", callback=not_blank, help="Drafter model: adds its step as the drafter class.")
 @click.option("--draft-rows", type=click.IntRange(1, MAX_ROWS), help="Drafter rows per request per pass [default: --rows].")
 @click.option("--draft-passes", type=click.IntRange(1, MAX_DRAFT_PASSES), default=1, show_default=True,
               help="Drafter passes per step: 1 for a block drafter (DFlash), k for a sequential one (EAGLE).")
@@ -37,28 +38,28 @@ from specpilot.output import Report, Section, count, emit, output_options
 @click.option("--step-ms", type=positive(MAX_MS), help="Measured step wall time T_step(N), drafting included.")
 @click.option("--ar-ms", type=positive(MAX_MS), help="Measured AR step time T_AR in the same engine.")
 @click.option("--profile-ms", type=positive(MAX_MS), help="Profiled GPU kernel time per step.")
-@click.option("--profile", "profile_file", type=click.Path(dir_okay=False), metavar="FILE",
+@click.option("--profile", "profile_file", type=NonEmptyPath(dir_okay=False), metavar="FILE",
               help="specpilot profile JSON: the GPU time per step (kernel busy ms; before a --run's), the step wall "
                    "time (T_step; after a --run's, before a --rows-probe's), the byte floor, and its GPU, rows, batch "
                    "and floor shape, which stand for --gpu, --rows, --batch and (with --model) the shape options not "
                    "given. --step-ms/--profile-ms win over it; inputs of another model, GPU or rows are refused.")
-@click.option("--replay", "replay_file", type=click.Path(dir_okay=False), metavar="FILE",
+@click.option("--replay", "replay_file", type=NonEmptyPath(dir_okay=False), metavar="FILE",
               help="specpilot replay JSON: tau of --policy (the current system) and the best tau of any policy (the "
                    "tree factor); its tau(N) curves give the by-node table.")
-@click.option("--rows-probe", "rows_file", type=click.Path(dir_okay=False), metavar="FILE",
+@click.option("--rows-probe", "rows_file", type=NonEmptyPath(dir_okay=False), metavar="FILE",
               help="specpilot probe rows JSON: T_AR, and T_step at --rows where no --run or --profile gives one; its "
                    "T_step(N) gives the by-node table's c.")
-@click.option("--run", "run_file", type=click.Path(dir_okay=False),
+@click.option("--run", "run_file", type=NonEmptyPath(dir_okay=False),
               help="specpilot run JSON: tau and loop wall ms per step (a tlv run: tau per exact pass and its cycle "
                    "split); on CUDA also GPU ms per step (the outside factor).")
 @click.option("--policy", default=None,
               help="Replay policy that is the current system (the others give the best reachable tau) "
                    "[default: the --run/--check run's (chain, best-first:N, tlv:N), else chain].")
-@click.option("--check", "check_file", type=click.Path(dir_okay=False), metavar="RUN.json",
+@click.option("--check", "check_file", type=NonEmptyPath(dir_okay=False), metavar="RUN.json",
               help="Check the predicted speedup over AR against this run's measured one (with --replay and/or "
                    "--rows-probe, and --ar-run or --rows-probe for T_AR); exit 1 beyond --tolerance, naming the "
                    "term that is off.")
-@click.option("--ar-run", "ar_run_file", type=click.Path(dir_okay=False), metavar="AR_RUN.json",
+@click.option("--ar-run", "ar_run_file", type=NonEmptyPath(dir_okay=False), metavar="AR_RUN.json",
               help="With --check: specpilot run --mode ar JSON on the same prompts (the AR reference).")
 @click.option("--tolerance", type=positive(10.0), default=0.10, show_default=True,
               help="With --check: largest |predicted - measured| / measured that passes.")

@@ -8,12 +8,12 @@ import click
 
 from specpilot.errors import InputError
 from specpilot.limits import MAX_RUNS
-from specpilot.options import seed_option, typed
+from specpilot.options import seed_option, typed, NonEmptyPath
 from specpilot.output import Report, Section, emit, fmt_num, not_empty, output_options, progress
 
 
 @click.command("check")
-@click.option("--baseline", "baseline_path", required=True, type=click.Path(), metavar="ROUND_OR_FILE",
+@click.option("--baseline", "baseline_path", required=True, type=NonEmptyPath(), metavar="ROUND_OR_FILE",
               help="A round's folder (its baseline.json) or a baseline.json file.")
 @click.option("--system", default=None, help="Engine spec to check (default: the baseline's system).")
 @click.option("--runs", type=click.IntRange(2, MAX_RUNS), default=None,

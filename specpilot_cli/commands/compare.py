@@ -6,7 +6,7 @@ from __future__ import annotations
 import click
 
 from specpilot.limits import MAX_RUNS
-from specpilot.options import positive, seed_option, typed
+from specpilot.options import positive, seed_option, typed, NonEmptyPath, not_blank
 from specpilot.output import Report, Section, emit, not_empty, output_options
 
 
@@ -33,10 +33,10 @@ def _runs(ctx, param, value):
 @click.option("--metric", default="wall", show_default=True, metavar="wall|KEY",
               help="Shell commands: 'wall' times each run; KEY reads a throughput (higher is better) from "
                    "the JSON object the command prints on its last stdout line, e.g. tokens_per_s.")
-@click.option("--prompts", type=click.Path(dir_okay=False), default=None,
+@click.option("--prompts", type=NonEmptyPath(dir_okay=False), default=None,
               help="Request set for engines/servers (specpilot.prompts/1 or outputs JSONL); same requests, "
                    "same order, every run.")
-@click.option("--tokenizer", default=None, metavar="MODEL",
+@click.option("--tokenizer", default=None, metavar="MODEL", callback=not_blank,
               help="Model whose tokenizer turns text prompts into ids [default: the base engine's model].")
 @click.option("--max-new-tokens", type=click.IntRange(1, 100000), default=128, show_default=True,
               help="New tokens per prompt in every timed run of an engine or server (greedy).")
@@ -49,7 +49,7 @@ def _runs(ctx, param, value):
               help="Cap on the pairs --runs auto may plan (even).")
 @click.option("--warmup", type=click.IntRange(0, 1000), default=1, show_default=True,
               help="Unmeasured runs of each system first.")
-@click.option("--gpus", default=None, metavar="G0,G1",
+@click.option("--gpus", default=None, metavar="G0,G1", callback=not_blank,
               help="Shell commands on two GPUs: both at once (CUDA_VISIBLE_DEVICES, or {gpu} in the command), "
                    "then swapped.")
 @click.option("--noise", type=float, default=None,
@@ -61,13 +61,13 @@ def _runs(ctx, param, value):
               help="Seconds allowed per run (shell commands) or per request (engines, servers). Shell commands "
                    "default to 10 x the slowest base run so far, at least 60 s (1 hour for the first base run); "
                    "engines and servers to 120 s per request. A command past it is ended with its process group.")
-@click.option("--partial", "partial_file", type=click.Path(dir_okay=False), default=None, callback=not_empty, metavar="FILE",
+@click.option("--partial", "partial_file", type=NonEmptyPath(dir_okay=False), default=None, callback=not_empty, metavar="FILE",
               help="Keep the paired samples collected so far here while it runs (removed when it finishes) "
                    "[default: with --out timing.json, timing.partial.json beside it; else specpilot-compare.partial.json].")
-@click.option("--resume", "resume_file", type=click.Path(dir_okay=False), default=None, callback=not_empty, metavar="FILE",
+@click.option("--resume", "resume_file", type=NonEmptyPath(dir_okay=False), default=None, callback=not_empty, metavar="FILE",
               help="Continue an interrupted run of the same systems from its partial file (kept up to date).")
 @seed_option("the bootstrap interval")
-@click.option("--from", "from_file", type=click.Path(dir_okay=False), default=None, metavar="TIMING.json",
+@click.option("--from", "from_file", type=NonEmptyPath(dir_okay=False), default=None, metavar="TIMING.json",
               help="Judge the samples of a stored specpilot.timing/1 file again (no runs; with --noise or "
                    "--changes-output to apply a stricter rule).")
 @output_options
@@ -104,8 +104,11 @@ def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, tokenizer
     from specpilot.resume import StateKeeper
 
     if from_file is not None:
-        if any(x is not None for x in (base, candidate, base_cmd, candidate_cmd, prompts, gpus, resume_file)):
-            raise InputError("--from judges a stored timing file; do not also give systems, commands or prompts")
+        given = [o for o, x in (("--base", base), ("--candidate", candidate), ("--base-cmd", base_cmd),
+                                ("--candidate-cmd", candidate_cmd), ("--prompts", prompts), ("--gpus", gpus),
+                                ("--resume", resume_file)) if x is not None]
+        if given:
+            raise InputError(f"--from judges a stored timing file; leave out {', '.join(given)}")
         live = typed("runs", "max_runs", "warmup", "partial_file", "timeout", "max_new_tokens", "concurrency",
                      "tokenizer", "metric")
         if live:

@@ -7,9 +7,10 @@ from pathlib import Path
 import click
 
 from specpilot.errors import InputError
+from specpilot.options import NonEmptyPath
 from specpilot.output import Report, Section, emit, not_empty, output_options
 
-_memdir = click.option("--memory-dir", "memory_dir", type=click.Path(file_okay=False), callback=not_empty, default=None,
+_memdir = click.option("--memory-dir", "memory_dir", type=NonEmptyPath(file_okay=False), callback=not_empty, default=None,
                        help="Read entries from this folder instead of the packaged memory.")
 
 
@@ -112,7 +113,7 @@ def show(entry_id, memory_dir, fmt, out):
 
 @command.command("verify")
 @click.argument("ids", nargs=-1, metavar="[ID]...")
-@click.option("--results", "results_dir", type=click.Path(file_okay=False), default=None, callback=not_empty,
+@click.option("--results", "results_dir", type=NonEmptyPath(file_okay=False), default=None, callback=not_empty,
               help="Benchmark results folder the evidence is generated from (default: benchmarks/results "
                    "of the checkout SpecPilot runs from).")
 @click.option("--python", "python", default=None, metavar="PATH",

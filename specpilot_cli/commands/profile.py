@@ -9,7 +9,8 @@ import click
 
 from specpilot.errors import InputError
 from specpilot.limits import MAX_BATCH, MAX_CONTEXT, MAX_DRAFT_PASSES, MAX_ROWS, MAX_TBS, MAX_TFLOPS
-from specpilot.options import dtype_options, positive, refuse_draft_shape_without_drafter, typed
+from specpilot.options import (dtype_options, positive, refuse_draft_shape_without_drafter,
+                               typed, NonEmptyPath, not_blank)
 from specpilot.options import them as them_of
 from specpilot.output import Report, Section, count, emit, not_empty, output_options, progress
 
@@ -28,7 +29,7 @@ def _gpu_help() -> str:
 
 
 @click.command("profile")
-@click.argument("traces", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.argument("traces", nargs=-1, required=True, type=NonEmptyPath(dir_okay=False))
 @click.option("--step-range", metavar="REGEX",
               help="NVTX/annotation ranges that are steps (regex searched in the name), e.g. 'decode_step_.*'. "
                    "[default: the first step family the trace has: decode_step_N, SGLang/vLLM step ranges, "
@@ -44,7 +45,7 @@ def _gpu_help() -> str:
 @click.option("--include-orphans", is_flag=True,
               help="Keep kernels launched before the trace began (their launch is not in the trace; left out by "
                    "default and counted in a note). Example: --include-orphans")
-@click.option("--rules", "rules_files", multiple=True, type=click.Path(dir_okay=False),
+@click.option("--rules", "rules_files", multiple=True, type=NonEmptyPath(dir_okay=False),
               help="YAML kernel-class rules tried before the defaults (repeatable). Example: --rules my_rules.yaml")
 @click.option("--explain", is_flag=True, help="List which rule classified each kernel name. Example: --explain")
 @click.option("--top", "top_n", type=click.IntRange(0, 2**31 - 1), default=10, show_default=True,
@@ -59,7 +60,7 @@ def _gpu_help() -> str:
               help="GPU-to-GPU bandwidth per direction for the communication floor [default: the GPU catalog's "
                    "NVLink/xGMI figure]. Example: --link-bandwidth 450")
 @click.option("--model", "model_name", metavar="NAME|PATH", help="Target model for byte floors (catalog name or config.json).")
-@click.option("--drafter", "drafter_name", metavar="NAME|PATH", help="Drafter model: its step is the drafter floor.")
+@click.option("--drafter", "drafter_name", metavar="NAME|PATH", callback=not_blank, help="Drafter model: its step is the drafter floor.")
 @click.option("--rows", type=click.IntRange(1, MAX_ROWS), help="Rows verified per request per step [default 1 with --model].")
 @click.option("--draft-rows", type=click.IntRange(1, MAX_ROWS), help="Drafter rows per request per pass [default: --rows].")
 @click.option("--draft-passes", type=click.IntRange(1, MAX_DRAFT_PASSES), default=1, show_default=True,
@@ -71,11 +72,11 @@ def _gpu_help() -> str:
 @click.option("--bandwidth", type=positive(MAX_TBS), metavar="TB/S",
               help="Peak bandwidth for floors (with --model; with --flops: a GPU not in the catalog).")
 @click.option("--flops", type=positive(MAX_TFLOPS), metavar="TFLOP/S", help="Dense bf16 TFLOP/s for floors (with --model).")
-@click.option("--ceiling", "ceiling_file", type=click.Path(dir_okay=False),
+@click.option("--ceiling", "ceiling_file", type=NonEmptyPath(dir_okay=False),
               help="Floors from a specpilot ceiling JSON instead of --model (--rows picks one of its row "
                    "counts; needed when it has several).")
 @dtype_options
-@click.option("--plot", "plot_file", type=click.Path(dir_okay=False), callback=not_empty, help="Draw measured vs floor per class: a .png, .svg or .pdf file (the suffix picks the format).")
+@click.option("--plot", "plot_file", type=NonEmptyPath(dir_okay=False), callback=not_empty, help="Draw measured vs floor per class: a .png, .svg or .pdf file (the suffix picks the format).")
 @output_options
 def command(traces, step_range, step_mode, gap_us, skip_steps, device, include_orphans, rules_files, explain, top_n,
             diff, ranks, link_bandwidth, model_name, drafter_name, rows, draft_rows, draft_passes, batch, context,

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import click
 
-from specpilot.options import seed_option
+from specpilot.options import seed_option, NonEmptyPath
 from specpilot.output import Report, Section, count, emit, output_options
 
 
 @click.command("replay")
-@click.argument("lattice", type=click.Path(dir_okay=False))
+@click.argument("lattice", type=NonEmptyPath(dir_okay=False))
 @click.option("--policy", "policies", multiple=True, metavar="P",
               help="chain | chain:N | best-first:N | marginal:N | shared:N | adaptive:N | eagle2:TOPK,DEPTH,N | "
                    "sequoia:N | oracle:K | tlv:N (a lattice from run --mode tlv --nodes N); shared:N and adaptive:N "
@@ -20,7 +20,7 @@ from specpilot.output import Report, Section, count, emit, output_options
               help="Also give tau(N) curves at these node budgets for every policy with a budget "
                    "(e.g. 8,16,32,63, or a series as --rows takes: 8,16,24,...,64; read by 'specpilot ceiling "
                    "--replay').")
-@click.option("--calibrate", "calibration", type=click.Path(dir_okay=False), default=None,
+@click.option("--calibrate", "calibration", type=NonEmptyPath(dir_okay=False), default=None,
               help="Lattice to measure sequoia's acceptance by rank on (default: LATTICE itself); only with a "
                    "sequoia:N policy.")
 @click.option("--bootstrap", "n_boot", type=click.IntRange(100, 100000), default=1000, show_default=True,

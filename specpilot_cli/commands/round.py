@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from specpilot.errors import InputError
-from specpilot.options import seed_option, typed
+from specpilot.options import seed_option, typed, NonEmptyPath
 from specpilot.output import Report, Section, emit, fmt_num, not_empty, output_options, progress
 
 
@@ -47,12 +47,12 @@ def _warn_short_prompts(path: str, n_prompts: int) -> None:
               help="Minutes the round may take (default 20); runs are planned to fit where they can (--dry-run says "
                    "when the smallest plan does not) and a stage that runs out stops cleanly, recording what it "
                    "skipped.")
-@click.option("--out-dir", "out_dir", type=click.Path(file_okay=False), callback=not_empty, default="specpilot-round", show_default=True,
+@click.option("--out-dir", "out_dir", type=NonEmptyPath(file_okay=False), callback=not_empty, default="specpilot-round", show_default=True,
               help="Folder for the round's files (must not exist or be empty).")
-@click.option("--resume", "resume_dir", type=click.Path(file_okay=False), default=None, callback=not_empty, metavar="DIR",
+@click.option("--resume", "resume_dir", type=NonEmptyPath(file_okay=False), default=None, callback=not_empty, metavar="DIR",
               help="Continue the round in DIR where it stopped (with --budget: that many more minutes).")
 @click.option("--dry-run", is_flag=True, help="Show the plan and its time estimate; run nothing.")
-@click.option("--prompts", "prompts", type=click.Path(dir_okay=False), default=None,
+@click.option("--prompts", "prompts", type=NonEmptyPath(dir_okay=False), default=None,
               help="Prompts (specpilot.prompts/1 text or token ids, or one per line); default: built-in chat prompts.")
 @click.option("--n-prompts", type=int, default=None, help="Prompts per timed run (default: planned from the budget).")
 @click.option("--max-new-tokens", type=int, default=None, help="New tokens per prompt (default: planned).")
@@ -62,9 +62,9 @@ def _warn_short_prompts(path: str, n_prompts: int) -> None:
 @click.option("--scorer", default=None, callback=not_empty,
               help="Audit scorer (smollm2, tiny, tiny-hybrid, a HF folder, a .gguf); default: the stock "
                    "engine's target with an FP32 LM head.")
-@click.option("--memory-dir", type=click.Path(file_okay=False), callback=not_empty, default=None,
+@click.option("--memory-dir", type=NonEmptyPath(file_okay=False), callback=not_empty, default=None,
               help="Memory entries to propose from (default: the packaged memory).")
-@click.option("--records", "records_dir", type=click.Path(file_okay=False), callback=not_empty, default=None,
+@click.option("--records", "records_dir", type=NonEmptyPath(file_okay=False), callback=not_empty, default=None,
               help="Deployment records folder (default: $SPECPILOT_RECORDS or ~/.cache/specpilot/deployments).")
 @click.option("--fresh", is_flag=True, help="Start from DEPLOYMENT even when its record has a later system.")
 @click.option("--no-remember", "no_remember", is_flag=True, help="Do not write the deployment record.")

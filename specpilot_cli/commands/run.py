@@ -9,6 +9,7 @@ import click
 from specpilot.engine.clocks import clock_line
 from specpilot.engine_options import engine_options, spec_from_cli
 from specpilot.errors import InputError
+from specpilot.options import NonEmptyPath
 from specpilot.output import Report, Section, count, emit, not_empty, output_options, progress
 
 
@@ -107,16 +108,16 @@ def _note(tokens: int, steps: int, summary: dict, info: dict, timing: dict | Non
 @click.command("run")
 @engine_options()
 @click.option("--prompt", "prompt_text", default=None, help="One prompt (text).")
-@click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False), default=None,
+@click.option("--prompts", "prompts_file", type=NonEmptyPath(dir_okay=False), default=None,
               help="Prompts file: specpilot.prompts/1 JSONL (prompt_ids or text; an outputs file works too), or plain text, one prompt per line.")
 @click.option("--prompt-ids", default=None, help="One prompt as comma-separated token ids.")
 @click.option("--chat/--raw", "chat", default=None,
               help="Wrap text prompts in the model's chat template (default when it has one) or not.")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True,
               help="New tokens per prompt at most (a request also stops at its end-of-sequence token).")
-@click.option("--outputs-out", type=click.Path(dir_okay=False), default=None, callback=not_empty,
+@click.option("--outputs-out", type=NonEmptyPath(dir_okay=False), default=None, callback=not_empty,
               help="Write the outputs JSONL (audit input): one line per prompt.")
-@click.option("--lattice-out", type=click.Path(dir_okay=False), default=None, callback=not_empty,
+@click.option("--lattice-out", type=NonEmptyPath(dir_okay=False), default=None, callback=not_empty,
               help="Write every step's draft lattice (replay input), target filled from committed tokens.")
 @output_options
 def command(prompt_text, prompts_file, prompt_ids, chat, max_new_tokens, outputs_out, lattice_out, fmt, out, **kw):

@@ -8,6 +8,7 @@ from specpilot import signals
 from specpilot.errors import EnvironmentMissing, InputError
 # (no torch: a missing, malformed or never packed checkpoint is refused before the W12 library loads)
 from specpilot.kernels.w12.files import W12FormatError, check_checkpoint
+from specpilot.options import NonEmptyPath
 from specpilot.output import Report, Section, count, emit, not_empty, output_options, progress
 
 
@@ -74,8 +75,8 @@ def _device(device: str) -> str:
 
 
 @command.command("pack")
-@click.argument("src", metavar="IN", type=click.Path())
-@click.option("-o", "--output", "dst", required=True, type=click.Path(), callback=not_empty, help="Output file or folder (atomic).")
+@click.argument("src", metavar="IN", type=NonEmptyPath())
+@click.option("-o", "--output", "dst", required=True, type=NonEmptyPath(), callback=not_empty, help="Output file or folder (atomic).")
 @click.option("--include", multiple=True, metavar="GLOB",
               help="Tensor names to convert (repeatable; default: *proj.weight, *fc1/fc2.weight, ...); a tensor "
                    "it matches is converted even if the default excludes would keep it.")
@@ -163,8 +164,8 @@ def pack_cmd(src, dst, include, exclude, device, force, fmt, out):
 
 
 @command.command("verify")
-@click.argument("packed", metavar="OUT", type=click.Path())
-@click.option("--against", "against", type=click.Path(), default=None,
+@click.argument("packed", metavar="OUT", type=NonEmptyPath())
+@click.option("--against", "against", type=NonEmptyPath(), default=None,
               help="The original checkpoint, compared bit for bit; without it each restored tensor is checked "
                    "against the sha256 pack recorded of the original, and CRCs and structure.")
 @click.option("--device", default="auto", show_default=True, help="Where to restore: cuda, cpu or auto.")
@@ -215,7 +216,7 @@ def verify_cmd(packed, against, device, fmt, out):
 
 
 @command.command("stats")
-@click.argument("path", metavar="FILE", type=click.Path())
+@click.argument("path", metavar="FILE", type=NonEmptyPath())
 @output_options
 @_user_errors
 def stats_cmd(path, fmt, out):
