@@ -297,7 +297,7 @@ def compute_ceiling(req: CeilingRequest) -> CeilingResult:
     between = ((cycle or {}).get("probe_ms") or {}).get("interpolated")
     if between:
         want = cycle["probe_ms"]["rows"]
-        res.warnings.append(f"the TLV cycle's probe passes at {want} rows are linear between --rows-probe "
+        res.warnings.append(f"the TLV cycle's probe passes at {want} rows are linear from --rows-probe "
                             f"{req.rows_probe.source}'s {between[0]}- and {between[1]}-row steps (it timed no "
                             f"{want}-row step): time {want} rows with specpilot probe rows for measured ones")
     if clocks_differ and cost is not None:

@@ -32,11 +32,16 @@ def probe_qpass(probe: RowsProbeFigures, rows: int) -> tuple[float | None, str |
 
 
 def _between(timed: dict[int, float], rows: int) -> list[int] | None:
-    """The timed row counts around ``rows`` where the probe did not time it (its passes are then
-    linear between them, ``step_time``); None where it did."""
-    if rows in timed or not timed or not min(timed) < rows < max(timed):
+    """The timed row counts ``step_time`` draws a line through where the probe did not time ``rows``
+    (the two around it, or beyond the probe the two nearest); None where it did."""
+    pts = sorted(timed)
+    if rows in timed or len(pts) < 2:
         return None
-    return [max(n for n in timed if n < rows), min(n for n in timed if n > rows)]
+    if rows < pts[0]:
+        return pts[:2]
+    if rows > pts[-1]:
+        return pts[-2:]
+    return [max(n for n in pts if n < rows), min(n for n in pts if n > rows)]
 
 
 def tlv_cycle(req: CeilingRequest) -> dict | None:
@@ -78,7 +83,7 @@ def tlv_cycle(req: CeilingRequest) -> dict | None:
                  "append": None}
         between = probe_ms["interpolated"]
         source = f"rows probe {probe.source} at {nodes + 1} rows" + (
-            f" (linear between its {between[0]}- and {between[1]}-row steps: it timed no {nodes + 1}-row step)"
+            f" (linear from its {between[0]}- and {between[1]}-row steps: it timed no {nodes + 1}-row step)"
             if between else "")
         unknown = ["draft1", "draft2", "append"]
     else:

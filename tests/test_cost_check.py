@@ -238,9 +238,19 @@ def test_ceiling_tlv_cycle_takes_the_probes_own_q_pass(run_cli, tmp_path):
     assert code == 0 and "stands in for the Q pass" not in out and "probe ms (17 rows, Q pass fp8)" in out
     # passes at rows the probe did not time are said to be interpolated (they read as measured)
     assert cy["probe_ms"]["interpolated"] == [9, 33]
-    assert "at 17 rows (linear between its 9- and 33-row steps: it timed no 17-row step)" in out
-    assert ("the TLV cycle's probe passes at 17 rows are linear between --rows-probe "
+    assert "at 17 rows (linear from its 9- and 33-row steps: it timed no 17-row step)" in out
+    assert ("the TLV cycle's probe passes at 17 rows are linear from --rows-probe "
             f"{rows}'s 9- and 33-row steps") in out + err
+    # beyond the probe's last count too (17 rows from a probe that stops at 16)
+    short = _write(tmp_path, "short.json", {"schema": "specpilot.rows/1", "ar_ms": 10.0, "ar_path": "layers",
+                                            "points": [{"rows": 1, "step_ms": 10.0}, {"rows": 8, "step_ms": 11.0},
+                                                       {"rows": 16, "step_ms": 12.0}]})
+    code, out, err = run_cli("ceiling", "--replay", replay, "--rows-probe", short, "--policy", "tlv:16",
+                             "--format", "json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["tlv_cycle"]["probe_ms"]["interpolated"] == [8, 16]
+    assert any("linear from --rows-probe" in w and "it timed no 17-row step" in w for w in doc["warnings"])
     # a Q pass is not extrapolated, nor taken from one timed count elsewhere: the exact step stands in, and says why
     for policy, pts_used, why in (("tlv:40", pts, "timed its Q pass at 9-33 rows, not around 41"),
                                   ("tlv:16", pts[:2], "timed its Q pass at 9 rows, not around 17")):
