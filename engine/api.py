@@ -16,6 +16,7 @@ from pathlib import Path
 
 from specpilot.engine.spec import MAX_CTX, EngineSpec, room_words
 from specpilot.errors import EnvironmentMissing, InputError, about_prompt
+from specpilot.models import SMOLLM2_NAMES
 
 # Built-in tiny configs: random weights, byte-level vocabulary (no tokenizer needed).
 TINY_CONFIGS = {
@@ -296,7 +297,7 @@ def resolve_model(name: str, random: bool):
     key = name.strip()
     if key.lower() in TINY_CONFIGS:
         return spec_from_config(dict(TINY_CONFIGS[key.lower()]), name=key.lower(), where=f"engine:{key}"), None, key.lower()
-    if key.lower() in ("smollm2", "smollm2-135m", "smollm2-135m-instruct") and not random:
+    if key.lower() in SMOLLM2_NAMES and not random:
         folder = weights.smollm2_dir()
         return load_model_spec(str(folder)), folder, "smollm2-135m-instruct"
     p = Path(key).expanduser()

@@ -380,10 +380,14 @@ def model_inputs(name_or_path: str | None) -> list[str]:
     """The files a model argument reads from disk, for an output that must not overwrite them: a
     model folder whole; a config or GGUF file with the weights, configs and tokenizer files beside
     it (:data:`MODEL_FILES`; not that folder's other files: a config in the working folder leaves
-    the other files there writable). A
-    catalog or built-in name reads nothing of the user's: []."""
+    the other files there writable); SmolLM2 by name, the cache folder it was converted into. A
+    catalog or other built-in name reads nothing of the user's: []."""
     if not name_or_path or not str(name_or_path).strip():
         return []
+    if str(name_or_path).strip().lower() in SMOLLM2_NAMES:   # the folder it was converted into, read by name
+        from specpilot.engine.weights import SMOLLM2_FOLDER, cache_root
+
+        return [str(cache_root() / SMOLLM2_FOLDER)]
     p = Path(str(name_or_path).strip()).expanduser()
     if p.is_dir():
         return [str(p)]
@@ -394,6 +398,9 @@ def model_inputs(name_or_path: str | None) -> list[str]:
                                                                  or q.name.endswith(".safetensors.index.json"))]
     return [str(p)] + [str(q) for q in beside if q != p]
 
+
+# the names the engine loads the real SmolLM2 by (engine/api.py), from its cached folder
+SMOLLM2_NAMES = ("smollm2", "smollm2-135m", "smollm2-135m-instruct")
 
 # a checkpoint folder's files besides its weights (configs and tokenizer) that a model argument reads
 MODEL_FILES = frozenset({"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",

@@ -201,3 +201,20 @@ def test_an_out_that_leads_to_a_program_is_refused(run_cli, tmp_path):
         refused(code, err, f"{prog} is a program, not a file to write a report over")
     assert prog.read_text() == "#!/bin/sh\necho hi\n"
 
+
+
+def test_smollm2_by_name_spares_its_cached_folder(run_cli, hf_model, tmp_path, monkeypatch):
+    """--model smollm2 reads the folder it was converted into: --out there replaced its config, and
+    every later smollm2 run failed on it."""
+    cache = tmp_path / "cache"
+    folder = cache / "smollm2-135m-instruct"
+    folder.mkdir(parents=True)
+    shutil.copy(hf_model / "config.json", folder)   # a finished conversion: none runs
+    shutil.copy(hf_model / "model.safetensors", folder)
+    (folder / ".complete").write_text("")
+    before = _snapshot(folder)
+    monkeypatch.setenv("SPECPILOT_CACHE", str(cache))
+    for args in (("run", "--model", "smollm2", "--prompt", "hi"), ("probe", "rows", "--model", "smollm2")):
+        code, _, err = run_cli(*args, "--out", folder / "config.json")
+        refused(code, err, "refusing to overwrite a file of input folder")
+    assert _snapshot(folder) == before
