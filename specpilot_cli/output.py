@@ -18,8 +18,6 @@ from typing import Any, Callable, Sequence
 
 import click
 
-from .options import NonEmptyPath
-
 FORMATS = ("table", "json", "yaml", "markdown")
 
 
@@ -171,7 +169,7 @@ def _check_out(ctx, param, value):
 
 def output_options(f: Callable) -> Callable:
     """``--format`` and ``--out``, shared by every verb."""
-    f = click.option("--out", "out", type=NonEmptyPath(dir_okay=False), default=None, callback=_check_out,
+    f = click.option("--out", "out", type=click.Path(dir_okay=False), default=None, callback=_check_out,
                      help="Write the result to FILE (atomically) instead of stdout.")(f)
     f = click.option("--format", "fmt", type=click.Choice(FORMATS), default="table", show_default=True,
                      help="Output format.")(f)

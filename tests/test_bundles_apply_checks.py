@@ -391,6 +391,20 @@ def test_a_report_onto_the_target_interpreter_is_refused(run_cli, clean, env, tm
                  ("memory", "verify", "tree", "--python", py)):
         for out in (py, link):
             code, _, err = run_cli(*args, "--out", out)
-            assert code == 2 and f"--out {out}: refusing to overwrite input file" in err, (args, err)
+            # refused as a program (any --out) or as the verb's input
+            assert code == 2 and (f"--out {out}: refusing to overwrite input file" in err
+                                  or "is a program, not a file to write a report over" in err), (args, err)
             assert py.read_bytes() == before
     assert not clean.exists()
+
+
+def test_a_report_onto_a_file_of_the_target_sglang_is_refused(run_cli, tmp_path):
+    """status --out onto a hook target's file (SGLang's own, which status reads) replaced it, exit 0,
+    and apply then failed on a target that did not parse."""
+    py, spec = _env_with_own_speculative(tmp_path)
+    target = tmp_path / "sgl2" / "sglang" / "srt" / "speculative" / "eagle_utils.py"
+    before = (spec / "eagle_utils.py").read_bytes()
+    for args in (("status",), ("revert",), ("apply", "tree", "--drafter", "eagle", "--dry-run")):
+        code, _, err = run_cli(*args, "--python", py, "--out", target)
+        assert code == 2 and "refusing to overwrite a file of input folder" in err, (args, err)
+    assert (spec / "eagle_utils.py").read_bytes() == before
