@@ -645,10 +645,12 @@ def activation_problems(activation: dict, entries: dict[str, Entry]) -> list[str
     twice = [b for names in (bundles, ids) for b in names if names.count(b) > 1]
     out = [f"bundle {b} is listed twice" for b in dict.fromkeys(twice)]
     try:
-        if not out and bundles and closure(entries, bundles) != list(ids):
-            out.append(f"the closure ({', '.join(ids)}) is not its bundles' ({', '.join(closure(entries, bundles))})")
+        theirs = closure(entries, bundles) if not out and bundles else list(ids)
     except InputError as e:
         out.append(str(e))
+    else:
+        if theirs != list(ids):
+            out.append(f"the closure ({', '.join(ids)}) is not its bundles' ({', '.join(theirs)})")
     fps = activation.get("fingerprints")
     mods = sorted(compose(entries, ids).fingerprints)
     if not isinstance(fps, dict) or sorted(fps) != mods:

@@ -274,7 +274,7 @@ def check_prompts(spec: EngineSpec, prompts, max_new_tokens: int, fit: bool = Tr
             raise InputError(f"prompt {pid!r}: token id {bad} is outside the vocabulary (0..{vocab - 1})")
         need = len(ids) + max_new_tokens + room
         if fit and need > spec.ctx:
-                raise InputError(f"prompt {pid!r}: {len(ids)} tokens + {max_new_tokens} new tokens + {room} slots for "
+            raise InputError(f"prompt {pid!r}: {len(ids)} tokens + {max_new_tokens} new tokens + {room} slots for "
                              f"{room_words(spec.mode)} need {need} cache slots; the engine has ctx={spec.ctx}: "
                              + ("raise ctx= (--ctx), shorten the prompt or lower the new tokens" if need <= MAX_CTX
                                 else f"more than any ctx= holds ({MAX_CTX}): shorten the prompt or lower the new "
