@@ -666,3 +666,17 @@ def test_the_measure_stage_counts_the_recording_engines_load(tmp_path, monkeypat
     r = small_round(tmp_path / "r", "--budget", "2", "--records", str(tmp_path / "rec"))
     skipped = json.loads((r / "round.json").read_text())["stages"]["measure"]["skipped"]
     assert any(s.startswith("budget: lattice recording: needs ~1e+03 s") for s in skipped), skipped
+
+
+def test_the_json_summary_carries_the_gain_and_audit_verdict_the_table_shows(done, tmp_path, run_cli):
+    """--format json gave every decision timing and audit null: no gain, no verdict for a tool."""
+    r = _copy(done, tmp_path)
+    code, out, err = run_cli("round", "--resume", r, "--format", "json")
+    assert code == 0, err
+    doc = json.loads((r / "approve" / "decisions.json").read_text())
+    judged = {d["id"]: d for d in doc["decisions"] if d.get("timing")}
+    assert judged
+    for d in json.loads(out)["decisions"]:
+        if d["id"] in judged:
+            assert d["gain"] == judged[d["id"]]["timing"]["gain"]
+            assert d["audit_verdict"] == (judged[d["id"]].get("audit") or {}).get("verdict")

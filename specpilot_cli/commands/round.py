@@ -179,7 +179,9 @@ def command(deployment, budget, out_dir, resume_dir, dry_run, prompts, n_prompts
               for s, v in st["stages"].items()]
     data = {"schema": "specpilot.round-summary/1", "dir": str(res.dir), "deployment": st["deployment"],
             "start": st["start"], "final": st.get("final"), "stages": st["stages"],
-            "decisions": [d.to_json() | {"timing": None, "audit": None} for d in res.decisions],
+            # each decision's samples stay in approve/decisions.json; the gain and audit verdict the table shows
+            "decisions": [d.to_json() | {"timing": None, "audit": None, "gain": (d.timing or {}).get("gain"),
+                                         "audit_verdict": (d.audit or {}).get("verdict")} for d in res.decisions],
             "record": res.record, "report": {"markdown": md and str(md), "html": html and str(html)},
             "stopped": st.get("stopped")}
     lines = [f"final system: {st.get('final') or st.get('current')}"] + ([f"report: {md} and {html}"] if md else []) \
