@@ -287,6 +287,7 @@ def compute_ceiling(req: CeilingRequest) -> CeilingResult:
     p = req.rows_probe
     if p is not None and floors and p.ar_ms:
         res.c_probe = {f.rows: p.step_ms[f.rows] / p.ar_ms for f in floors if f.rows in p.step_ms}
+
     if cycle is not None and cost is not None:
         cycle["tau"], cycle["speedup"] = cost.tau, cost.speedup
     res.by_nodes = predict_by_nodes(req, curves, step_curve, res)
@@ -294,6 +295,10 @@ def compute_ceiling(req: CeilingRequest) -> CeilingResult:
         res.warnings = rows_probe_warnings(req.rows_probe)
     if warning:
         res.warnings.append(warning)
+    if p is not None and floors and p.ar_ms and not res.c_probe:   # it would vanish from the table without a word
+        res.warnings.append(f"--rows-probe {p.source} timed none of --rows {','.join(str(f.rows) for f in floors)} "
+                            f"(it timed {','.join(str(n) for n in sorted(p.step_ms))}): give --rows it timed for its "
+                            "c(N) beside the floors'")
     between = ((cycle or {}).get("probe_ms") or {}).get("interpolated")
     if between:
         want = cycle["probe_ms"]["rows"]

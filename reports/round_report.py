@@ -108,7 +108,7 @@ def build(res) -> list[Block]:
     if cut:   # a finished round that ran short of time: what it did not measure, and what brings it back
         summary += (f" **Cut for time**: the measure stage skipped {'; '.join(cut)}; the round was judged without "
                     "it, and a new round with a larger `--budget` measures it.")
-    elif not left and unjudged_for_time(decs):
+    if not left and unjudged_for_time(decs):
         summary += (f" **Out of budget**: the approve stage did not judge {', '.join(unjudged_for_time(decs))}; "
                     f"`specpilot round --resume {res.dir} --budget MINUTES` judges them.")
     b.append(Block("p", summary))

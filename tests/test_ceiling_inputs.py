@@ -311,3 +311,8 @@ def test_a_rows_probe_beside_floors_shows_its_c_next_to_the_floors(run_cli):
     assert code == 0, err
     assert "beside the rows probe's c(N)" in out and "c probe" in out
     assert "note: no cost model: it needs tau (--tau or --replay) at one row count (--rows N)" in out
+    code, out, err = run_cli("ceiling", "--model", "llama-3.1-8b", "--gpu", "h200", "--context", "96", "--rows", "16",
+                             "--rows-probe", H200_ROWS)   # a probe that timed none of the rows: said, not dropped
+    assert code == 0, err
+    assert "timed none of --rows 16 (it timed 1,2,3,4,5,6,7,8,9,17,33)" in out + err
+    assert "note: no cost model" in out

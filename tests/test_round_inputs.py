@@ -172,3 +172,8 @@ def test_out_inside_the_new_rounds_folder_or_records_is_refused_before_the_round
                                "--out-dir", tmp_path / "r", "--records", tmp_path / "rec", "--out", out)
         assert code == 2 and f"--out {out}: inside the " in one_error(err), err
     assert list((tmp_path / "r").iterdir()) == [] and list((tmp_path / "rec").iterdir()) == []
+    # with --no-remember the round writes no record: the records folder is not its to keep --out from
+    code, _, err = run_cli("round", TINY, "--n-prompts", "1", "--max-new-tokens", "4", "--budget", "0.2",
+                           "--candidates", "chain", "--out-dir", tmp_path / "r2", "--records", tmp_path / "rec",
+                           "--no-remember", "--out", tmp_path / "rec" / "summary.txt")
+    assert code == 0 and (tmp_path / "rec" / "summary.txt").is_file(), err

@@ -631,6 +631,12 @@ def test_a_round_out_of_budget_in_approve_says_how_to_judge_the_rest(done, tmp_p
     assert code == 0, err
     assert (f"**Out of budget**: the approve stage did not judge {name}; `specpilot round --resume {r} --budget "
             "MINUTES` judges them.") in (r / "report.md").read_text()
+    # cut for time in measure too: both said (the cut line hid the candidates left unjudged)
+    state = json.loads((r / "round.json").read_text())
+    state["stages"]["measure"]["skipped"].append("budget: TLV recording: needs ~3 s, 1 s left in the stage")
+    (r / "round.json").write_text(json.dumps(state))
+    code, out, err = run_cli("round", "--resume", r)
+    assert code == 0 and "cut for time: the measure stage skipped TLV recording" in out and f"not judged {name}" in out
 
 
 def test_a_noisy_rows_probe_is_probed_again_and_its_warning_kept(tmp_path, monkeypatch):

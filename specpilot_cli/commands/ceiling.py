@@ -312,7 +312,7 @@ def _report(res, run=None) -> Report:
                                 note=f"AR floor (1 row, no drafter): {_ar_floor_text(res.ar_floor)}; "
                                      f"fractions {res.fractions['flops']:.2f} of peak FLOP/s, "
                                      f"{res.fractions['bandwidth']:.2f} of peak bandwidth."))
-    if res.cost is None and res.c_probe and res.measurements.tau is None:
+    if res.cost is None and res.measurements.ar_ms is not None and res.measurements.tau is None:
         lines.append("note: no cost model: it needs tau (--tau or --replay) at one row count (--rows N)")
     left_out = by_nodes_left_out(res)
     if res.by_nodes:

@@ -113,7 +113,8 @@ def command(deployment, budget, out_dir, resume_dir, dry_run, prompts, n_prompts
 
         # files the round is yet to write there (its stage files, a first record) do not exist yet
         for what, folder in (("the round's folder", cfg.out_dir),
-                             ("the deployment records folder", cfg.records_dir or default_records_dir())):
+                             ("the deployment records folder",
+                              (cfg.records_dir or default_records_dir()) if cfg.remember else None)):
             if not dry_run and folder and Path(out).resolve().is_relative_to(Path(folder).resolve()):
                 raise InputError(f"--out {out}: inside {what} {folder}, which the round writes; choose a file "
                                  "outside it")
@@ -194,7 +195,7 @@ def command(deployment, budget, out_dir, resume_dir, dry_run, prompts, n_prompts
     if cut:   # the round finished without them: more time in a resume does not bring them back
         lines.append(f"cut for time: the measure stage skipped {'; '.join(cut)} (a new round with a larger --budget "
                      "measures them)")
-    elif not st.get("stopped") and unjudged_for_time(data["decisions"]):
+    if not st.get("stopped") and unjudged_for_time(data["decisions"]):
         lines.append(f"out of budget: not judged {', '.join(unjudged_for_time(data['decisions']))} (specpilot round "
                      f"--resume {res.dir} --budget MINUTES judges them)")
     emit(Report(data=data, title=f"Round in {res.dir}: {st['deployment']}",
