@@ -21,6 +21,9 @@ from conftest import refused
      "Invalid value for '--ar': empty; give a value, or leave --ar out"),
     (["compare", "--base-cmd", "true", "--candidate-cmd", "true", "--gpus", ""], "Invalid value for '--gpus': empty"),
     (["audit", "selftest", "--biases", "2,,1"], "--biases 2,,1: an empty value between commas"),
+    (["ceiling", "--model", "", "--tau", "3", "--step-ms", "10", "--ar-ms", "5"], "Invalid value for '--model': empty"),
+    (["profile", "t.json", "--model", ""], "Invalid value for '--model': empty"),
+    (["round", "", "--dry-run"], "Invalid value for '[DEPLOYMENT]': empty; give a value, or leave it out"),
 ])
 def test_an_empty_value_is_refused(run_cli, tmp_path, monkeypatch, args, words):
     monkeypatch.chdir(tmp_path)

@@ -129,12 +129,12 @@ def test_a_config_in_the_working_folder_leaves_its_other_files_writable(run_cli,
 
 
 def test_check_spares_the_round_folder_of_a_named_baseline_file_and_a_system_model(run_cli, hf_model, tmp_path):
-    """--baseline DIR/baseline.json left the round's other files writable (round.json replaced, and
-    the next check failed on it); a --system engine's model folder was not an input."""
+    """--baseline DIR/baseline.json left the round.json beside it writable (replaced, and the next
+    check failed on it); a --system engine's model folder was not an input."""
     ex = _example_round(tmp_path / "ex")
     before = _snapshot(ex)
     code, _, err = run_cli("check", "--baseline", ex / "baseline.json", "--out", ex / "round.json")
-    refused(code, err, "refusing to overwrite a file of input folder")
+    refused(code, err, f"refusing to overwrite input file {ex / 'round.json'}")
     code, _, err = run_cli("check", "--baseline", ex, "--system", f"engine:model={hf_model},mode=ar",
                            "--out", hf_model / "config.json")
     refused(code, err, "refusing to overwrite")
@@ -176,8 +176,15 @@ def test_audit_refuses_a_report_inside_the_outputs_folder(run_cli, tmp_path):
     code, _, err = run_cli("audit", "check", "engine:model=tiny,mode=tree", "--against", "engine:model=tiny,mode=ar",
                            "--prompts", prompts, "--max-new-tokens", "4", "--scorer", "tiny", "--save-outputs", save,
                            "--out", save / "system.outputs.jsonl")
-    refused(code, err, f"inside --save-outputs {save}, where the outputs are saved")
+    refused(code, err, f"where --save-outputs {save} keeps the system outputs")
     assert list(save.iterdir()) == []
+    # a report beside the outputs, or an audit of files that saves nothing: written as before
+    rows = [{"schema": "specpilot.outputs/1", "id": "a", "prompt_ids": [1, 2, 3], "output_ids": [4, 5, 6]}]
+    for name in ("a.jsonl", "b.jsonl"):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code, _, err = run_cli("audit", "check", tmp_path / "b.jsonl", "--against", tmp_path / "a.jsonl", "--scorer", "tiny",
+                           "--save-outputs", save, "--out", save / "rep.json")
+    assert code in (0, 1) and (save / "rep.json").is_file(), err
     code, _, err = run_cli("audit", "selftest", "--save-outputs", save, "--out", save / "ar.jsonl")
     refused(code, err, f"inside --save-outputs {save}")
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+
 import click
 
 from specpilot.errors import InputError
@@ -198,7 +200,6 @@ def check(systems, stock_spec, ar_spec, scorer_spec, prompts_path, max_new_token
     if out:   # the systems run and the scorer scores for minutes before the report is written
         from specpilot.fileio import check_output_path
 
-        refuse_out_in_save_dir(out, save_dir)
         check_output_path(out, "--out", protect=inputs)
     prompts = None
     if any(s.needs_prompts for _, s in specs) and not prompts_path:
@@ -213,7 +214,11 @@ def check(systems, stock_spec, ar_spec, scorer_spec, prompts_path, max_new_token
         if spec.needs_prompts:
             slots[id(spec)] = (role, sum(1 for r, _ in slots.values() if r == role))
     for role, index in slots.values():   # a file an earlier run kept is not replaced by this one
-        _check_not_an_input(save_path_of(save_dir, role, index), save_dir, role, inputs)
+        save = save_path_of(save_dir, role, index)
+        if out and os.path.realpath(out) == os.path.realpath(save):   # nor by the report
+            raise InputError(f"--out {out}: where --save-outputs {save_dir} keeps the {role} outputs; write the "
+                             "report elsewhere")
+        _check_not_an_input(save, save_dir, role, inputs)
         _check_kept_outputs(save_path_of(save_dir, role, index), prompts, save_dir, prompts_path, max_new_tokens,
                             tokenizer=scorer_spec)
     loaded = {}
@@ -253,8 +258,8 @@ def _refuse_stock_as_system(specs) -> None:
 
 
 def refuse_out_in_save_dir(out: str | None, save_dir: str | None) -> None:
-    """--out inside --save-outputs: the run writes its outputs files there, and the report would
-    replace one (or sit among them as a file that is no outputs file)."""
+    """--out inside selftest's --save-outputs, where every system it runs keeps its outputs: the
+    report would replace one (or sit among them as a file that is no outputs file)."""
     from pathlib import Path
 
     if out and save_dir and Path(out).resolve().is_relative_to(Path(save_dir).resolve()):

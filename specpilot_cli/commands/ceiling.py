@@ -11,7 +11,7 @@ from specpilot.output import Report, Section, count, emit, output_options
 
 
 @click.command("ceiling")
-@click.option("--model", "model_name", metavar="NAME|PATH",
+@click.option("--model", "model_name", metavar="NAME|PATH", callback=not_blank,
               help="Target model: catalog name (llama-3.1-8b, qwen3-8b, ...) or config.json / model folder.")
 @click.option("--gpu", "gpu_name", default="auto", show_default=True, metavar="NAME",
               help="GPU from the catalog (a100-80gb, b200, h100-sxm, h200, l40s, mi300x, mi325x, "

@@ -58,9 +58,10 @@ def command(baseline_path, system, runs, scorer, no_audit, no_timing, tolerance,
     base = read_baseline(baseline_path)
     from specpilot.models import model_inputs
 
-    # the baseline (a round's folder whole, named or not), a scorer and a --system model given as paths
-    folder = Path(base["_path"]).parent
-    inputs = [baseline_path, base["_path"]] + ([str(folder)] if (folder / "round.json").is_file() else [])
+    # the baseline (a round's folder whole where it is named; its round.json beside a named baseline.json,
+    # which check reads too), a scorer and a --system model given as paths
+    beside = Path(base["_path"]).parent / "round.json"
+    inputs = [baseline_path, base["_path"]] + ([str(beside)] if beside.is_file() else [])
     inputs += model_inputs(scorer) + _system_inputs(system)
     if out:   # before the timed runs, not after them
         from specpilot.fileio import check_output_path

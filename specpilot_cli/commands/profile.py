@@ -59,7 +59,7 @@ def _gpu_help() -> str:
 @click.option("--link-bandwidth", type=positive(1e6), metavar="GB/S",
               help="GPU-to-GPU bandwidth per direction for the communication floor [default: the GPU catalog's "
                    "NVLink/xGMI figure]. Example: --link-bandwidth 450")
-@click.option("--model", "model_name", metavar="NAME|PATH", help="Target model for byte floors (catalog name or config.json).")
+@click.option("--model", "model_name", metavar="NAME|PATH", callback=not_blank, help="Target model for byte floors (catalog name or config.json).")
 @click.option("--drafter", "drafter_name", metavar="NAME|PATH", callback=not_blank, help="Drafter model: its step is the drafter floor.")
 @click.option("--rows", type=click.IntRange(1, MAX_ROWS), help="Rows verified per request per step [default 1 with --model].")
 @click.option("--draft-rows", type=click.IntRange(1, MAX_ROWS), help="Drafter rows per request per pass [default: --rows].")

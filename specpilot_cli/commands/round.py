@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from specpilot.errors import InputError
-from specpilot.options import seed_option, typed, NonEmptyPath
+from specpilot.options import seed_option, typed, NonEmptyPath, not_blank
 from specpilot.output import Report, Section, emit, fmt_num, not_empty, output_options, progress
 
 
@@ -42,7 +42,7 @@ def _warn_short_prompts(path: str, n_prompts: int) -> None:
 
 
 @click.command("round")
-@click.argument("deployment", required=False)
+@click.argument("deployment", required=False, callback=not_blank)
 @click.option("--budget", "budget", type=float, default=None, metavar="MINUTES",
               help="Minutes the round may take (default 20); runs are planned to fit where they can (--dry-run says "
                    "when the smallest plan does not) and a stage that runs out stops cleanly, recording what it "
