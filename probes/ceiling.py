@@ -287,7 +287,6 @@ def compute_ceiling(req: CeilingRequest) -> CeilingResult:
     p = req.rows_probe
     if p is not None and floors and p.ar_ms:
         res.c_probe = {f.rows: p.step_ms[f.rows] / p.ar_ms for f in floors if f.rows in p.step_ms}
-
     if cycle is not None and cost is not None:
         cycle["tau"], cycle["speedup"] = cost.tau, cost.speedup
     res.by_nodes = predict_by_nodes(req, curves, step_curve, res)
