@@ -563,9 +563,7 @@ def status(python: str | None = None, memory_dir=None, out: str | None = None) -
             listed = sorted(hook_key(h["type"], h["target"], h["handler"]) for h in act.get("hooks", []))
             if listed != now.hooks:
                 problems.append("the bundles' hook set changed since apply (SpecPilot was updated); apply again")
-            differs = mem.applied_differs(act, entries)
-            if differs:   # the plugin would run (or miss) what the bundles do not name
-                problems.append(f"the activation's {differs} are not its bundles'; apply again")
+            # the plugin would run (or miss) what the bundles do not name
             problems += [f"{p}; apply again" for p in mem.activation_problems(act, entries)]
     if env.specpilot_version is None:  # its modules are gone with it: this one problem says so
         problems.append("SpecPilot is no longer installed there: SGLang will not load the plugin")

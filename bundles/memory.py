@@ -639,13 +639,16 @@ def applied_differs(activation: dict, entries: dict[str, Entry]) -> str | None:
 
 def activation_problems(activation: dict, entries: dict[str, Entry]) -> list[str]:
     """What in an activation (its closure's bundles all known) ``apply`` could not have written:
-    a bundle listed twice, a closure that is not its bundles', module fingerprints that are not the
+    setup functions or quantization methods that are not its bundles' (:func:`applied_differs`), a
+    bundle listed twice, a closure that is not its bundles', module fingerprints that are not the
     bundles' modules (the plugin compares the ones it lists), a drafter the bundles refuse."""
     bundles, ids = activation.get("bundles") or [], activation.get("closure") or []
+    differs = applied_differs(activation, entries)
+    out = [f"the activation's {differs} are not its bundles'"] if differs else []
     twice = [b for names in (bundles, ids) for b in names if names.count(b) > 1]
-    out = [f"bundle {b} is listed twice" for b in dict.fromkeys(twice)]
+    out += [f"bundle {b} is listed twice" for b in dict.fromkeys(twice)]
     try:
-        theirs = closure(entries, bundles) if not out and bundles else list(ids)
+        theirs = closure(entries, bundles) if not twice and bundles else list(ids)
     except InputError as e:
         out.append(str(e))
     else:

@@ -309,6 +309,17 @@ class EngineSpec:
 
         return model_inputs(self.model) + (model_inputs(self.draft_model) if self.drafter == "model" else [])
 
+    @staticmethod
+    def inputs_of(text: str | None) -> list[str]:
+        """:meth:`inputs` of an engine spec's text; [] for text that is no engine spec, or one the
+        command refuses with its own message when it reads it."""
+        if not text or not text.strip().startswith("engine"):
+            return []
+        try:
+            return EngineSpec.parse(text).inputs()
+        except InputError:
+            return []
+
     def cache_room(self) -> int:
         """Cache slots a request of this engine takes past its prompt and new tokens
         (:func:`cache_room`; a shared batched budget lets a request's tree grow to ``SHARED_CAP``

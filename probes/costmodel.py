@@ -159,19 +159,29 @@ def cost_model(tau: float, step_ms: float, ar_ms: float, tau_best: float | None 
                              "floor_peak_ms": floor_peak_ms})
 
 
-def step_time(rows: int, step_ms: dict[int, float]) -> float | None:
-    """T_step at ``rows``: measured, or linear between (beyond: from) the nearest probed counts."""
-    if rows in step_ms:
-        return step_ms[rows]
+def line_points(rows: int, step_ms: dict[int, float]) -> tuple[int, int] | None:
+    """The probed counts :func:`step_time` draws its line through for ``rows`` it was not probed at:
+    the two around it, beyond the probe the two nearest; None where it was probed (or cannot be)."""
     pts = sorted(step_ms)
-    if len(pts) < 2:
+    if rows in step_ms or len(pts) < 2:
         return None
     lo = max([p for p in pts if p < rows], default=None)
     hi = min([p for p in pts if p > rows], default=None)
     if lo is None:
-        lo, hi = pts[0], pts[1]
-    elif hi is None:
-        lo, hi = pts[-2], pts[-1]
+        return pts[0], pts[1]
+    if hi is None:
+        return pts[-2], pts[-1]
+    return lo, hi
+
+
+def step_time(rows: int, step_ms: dict[int, float]) -> float | None:
+    """T_step at ``rows``: measured, or linear between (beyond: from) the nearest probed counts."""
+    if rows in step_ms:
+        return step_ms[rows]
+    line = line_points(rows, step_ms)
+    if line is None:
+        return None
+    lo, hi = line
     return step_ms[lo] + (step_ms[hi] - step_ms[lo]) * (rows - lo) / (hi - lo)
 
 

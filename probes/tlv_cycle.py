@@ -10,7 +10,7 @@ from __future__ import annotations
 from specpilot.errors import InputError
 
 from .ceiling_inputs import CeilingRequest, RowsProbeFigures
-from .costmodel import step_time
+from .costmodel import line_points, step_time
 
 
 TLV_TERMS = ("draft1", "qpass", "draft2", "exact", "append")
@@ -29,19 +29,6 @@ def probe_qpass(probe: RowsProbeFigures, rows: int) -> tuple[float | None, str |
         got = f"{min(q)}-{max(q)}" if len(q) > 1 else f"{min(q)}"
         return None, f"rows probe {probe.source} timed its Q pass at {got} rows, not around {rows}"
     return step_time(rows, q), None
-
-
-def _between(timed: dict[int, float], rows: int) -> list[int] | None:
-    """The timed row counts ``step_time`` draws a line through where the probe did not time ``rows``
-    (the two around it, or beyond the probe the two nearest); None where it did."""
-    pts = sorted(timed)
-    if rows in timed or len(pts) < 2:
-        return None
-    if rows < pts[0]:
-        return pts[:2]
-    if rows > pts[-1]:
-        return pts[-2:]
-    return [max(n for n in pts if n < rows), min(n for n in pts if n > rows)]
 
 
 def tlv_cycle(req: CeilingRequest) -> dict | None:
@@ -69,10 +56,11 @@ def tlv_cycle(req: CeilingRequest) -> dict | None:
     if probe is not None and nodes is not None:
         t = step_time(nodes + 1, probe.step_ms)
         q, why = probe_qpass(probe, nodes + 1)
+        line = line_points(nodes + 1, probe.step_ms)   # the counts its passes are drawn from, untimed
         if t is not None:   # without a timed Q pass, the exact step stands for it
             probe_ms = {"qpass": q if q is not None else t, "exact": t, "rows": nodes + 1,
                         "qpass_timed": q is not None, "qview": probe.qview, "qpass_note": why,
-                        "interpolated": _between(probe.step_ms, nodes + 1)}
+                        "interpolated": list(line) if line else None}
     if run is not None and run.tlv_ms:
         terms, source, unknown = dict(run.tlv_ms), f"run {run.source}", []
         if probe_ms and probe_ms["qpass_timed"] and None not in (run.qview, probe.qview) and run.qview != probe.qview:

@@ -90,6 +90,13 @@ def check_output_path(path: str | os.PathLike, option: str = "--out",
     return target
 
 
+def refuse_inside(out, folder, what: str, why: str, option: str = "--out") -> None:
+    """InputError when ``out`` lies in ``folder`` (existing or not), a folder the command writes or
+    reads whole: a report there would replace one of its files or sit among them as one."""
+    if out and folder and Path(out).resolve().is_relative_to(Path(folder).resolve()):
+        raise InputError(f"{option} {out}: inside {what} {folder}, {why}; write the report elsewhere")
+
+
 def _is_program(path: Path) -> bool:
     """An executable file that starts as a program does (an ELF binary, a ``#!`` script)."""
     try:

@@ -63,10 +63,7 @@ class SGLangDeployment:
     servers: dict = field(default_factory=dict)
 
     def file(self, rel: str | None) -> Path | None:
-        if not rel:
-            return None
-        p = Path(str(rel)).expanduser()
-        return p if p.is_absolute() else (self.path.parent / p)
+        return _beside(self.path, rel) if rel else None
 
 
 # a deployment file's fields (docs/round.md), top-level and in its maps; any other is a typo that
@@ -203,13 +200,24 @@ def _check_fields(raw: dict, path: Path) -> None:
                 server(f"servers.candidates.{cid}", d, False)
 
 
+def _beside(path: Path, rel) -> Path:
+    """A path a deployment file names, as the round reads it: relative paths from the file's folder."""
+    p = Path(str(rel)).expanduser()
+    return p if p.is_absolute() else Path(path).parent / p
+
+
+def _measurement_files(raw: dict) -> list:
+    """The measurement files a deployment file names (as written): rows probe, profile, lattices, outputs."""
+    m = raw.get("measurements") if isinstance(raw.get("measurements"), dict) else {}
+    lattices = m.get("lattices")
+    files = [m.get("rows_probe"), m.get("profile")]
+    files += [lattices] if isinstance(lattices, str) else list(lattices) if isinstance(lattices, list) else []
+    return files + (list(m["outputs"].values()) if isinstance(m.get("outputs"), dict) else [])
+
+
 def _check_files(raw: dict, path: Path) -> None:
     """The files the round will read exist (a missing one is said now, not at stage 4)."""
-    def where(rel: str) -> Path:
-        p = Path(rel).expanduser()
-        return p if p.is_absolute() else path.parent / p
-
-    if raw.get("prompts") and not where(raw["prompts"]).is_file():
+    if raw.get("prompts") and not _beside(path, raw["prompts"]).is_file():
         raise InputError(f"{path}: prompts: {raw['prompts']} is not a file")
     scorer = raw.get("scorer")
     if raw.get("prompts") and not scorer:   # the scorer's tokenizer is the one that reads text prompts
@@ -219,17 +227,14 @@ def _check_files(raw: dict, path: Path) -> None:
             raise InputError(f"{path}: prompts: {raw['prompts']} holds text prompts, which need a tokenizer: give "
                              "scorer: (the audit's model; its tokenizer reads them) or prompts of token ids")
 
-        read_prompts(where(raw["prompts"]), no_tokenizer)
+        read_prompts(_beside(path, raw["prompts"]), no_tokenizer)
     if scorer:   # as the audit will resolve it: a name it knows, or a path beside the file
         from specpilot.auditors.scorer import check_scorer_spec
 
-        check_scorer_spec(str(where(scorer)) if where(scorer).exists() else scorer, what=f"{path}: scorer:")
-    m = raw.get("measurements") or {}
-    files = [m.get("rows_probe"), m.get("profile")] + ([m["lattices"]] if isinstance(m.get("lattices"), str)
-                                                       else list(m.get("lattices") or []))
-    files += list((m.get("outputs") or {}).values())
-    for rel in files:
-        if rel and not where(rel).is_file():
+        at = _beside(path, scorer)
+        check_scorer_spec(str(at) if at.exists() else scorer, what=f"{path}: scorer:")
+    for rel in _measurement_files(raw):
+        if rel and not _beside(path, rel).is_file():
             raise InputError(f"{path}: measurements: {rel} is not a file")
 
 
@@ -247,19 +252,12 @@ def named_files(path: Path) -> list[str]:
     if not isinstance(raw, dict):
         return []
 
-    def where(rel) -> str:
-        p = Path(str(rel)).expanduser()
-        return str(p if p.is_absolute() else Path(path).parent / p)
-
-    m = raw.get("measurements") if isinstance(raw.get("measurements"), dict) else {}
-    lattices = m.get("lattices")
-    rels = [raw.get("prompts"), m.get("rows_probe"), m.get("profile")]
-    rels += [lattices] if isinstance(lattices, str) else list(lattices) if isinstance(lattices, list) else []
-    rels += list(m["outputs"].values()) if isinstance(m.get("outputs"), dict) else []
-    out = [where(r) for r in rels if isinstance(r, str) and r]
+    rels = [raw.get("prompts")] + _measurement_files(raw)
+    out = [str(_beside(path, r)) for r in rels if isinstance(r, str) and r]
     scorer = raw.get("scorer")
     if isinstance(scorer, str) and scorer:
-        out += model_inputs(where(scorer) if Path(where(scorer)).exists() else scorer)
+        at = _beside(path, scorer)
+        out += model_inputs(str(at) if at.exists() else scorer)
     return out
 
 

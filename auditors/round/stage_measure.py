@@ -58,14 +58,16 @@ class MeasureStage:
         try:
             probe_rows = ms.probe_rows_set(rows)
             t1 = time.perf_counter()
-            doc, step_ms, ar_ms = ms.rows_probe(eng, probe_rows, context, reps=30 if cuda else 5,
-                                                progress=self.progress)
+
+            def probe():
+                return ms.rows_probe(eng, probe_rows, context, reps=30 if cuda else 5, progress=self.progress)
+
+            doc, step_ms, ar_ms = probe()
             took = time.perf_counter() - t1
             if ms.noisy_probe(doc) and time.monotonic() + took < deadline:   # a busy machine: once more
                 self._step("measure", "rows probe: a step of more rows timed faster than one row (noise); "
                                       "probing again")
-                doc, step_ms, ar_ms = ms.rows_probe(eng, probe_rows, context, reps=30 if cuda else 5,
-                                                    progress=self.progress)
+                doc, step_ms, ar_ms = probe()
             for w in doc.get("warnings") or []:   # what the cost model stands on, in the report's notes
                 self._note("measure", f"rows probe: {w}")
             write_json_atomic(d / "rows.json", doc)

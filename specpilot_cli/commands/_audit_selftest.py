@@ -8,9 +8,11 @@ import click
 from specpilot.auditors.prompts_builtin import PROMPTS as BUILTIN_PROMPTS
 from specpilot.errors import InputError
 from specpilot.options import FiniteRange, device_option, seed_option, NonEmptyPath
-from specpilot.output import Report, Section, emit, fmt_num, not_empty, output_options, progress
+from specpilot.output import Report, Section, emit, fmt_num, output_options, progress
 
-from .audit import _check_kept_outputs, _pct, audit_report, refuse_out_in_save_dir
+from specpilot.fileio import refuse_inside
+
+from .audit import _check_kept_outputs, _pct, audit_report
 
 
 class _PromptCount(click.IntRange):
@@ -38,7 +40,7 @@ class _PromptCount(click.IntRange):
               help="Prompts on which the embedded engine's chain and tree systems are run and audited (0: none).")
 @device_option("cpu, cuda or cuda:N (default: cuda when present).")
 @seed_option("the random prompts and biases")
-@click.option("--save-outputs", "save_dir", type=NonEmptyPath(file_okay=False), callback=not_empty, default=None,
+@click.option("--save-outputs", "save_dir", type=NonEmptyPath(file_okay=False), default=None,
               help="Also write every system's outputs JSONL to this folder (to re-audit them with 'specpilot audit').")
 @output_options
 def selftest_cmd(n_prompts, max_new_tokens, repeats, biases, bias_fraction, engine_prompts, device, seed, save_dir,
@@ -61,7 +63,7 @@ def selftest_cmd(n_prompts, max_new_tokens, repeats, biases, bias_fraction, engi
         engine_prompts = max(0, min(engine_prompts, n_prompts))
     bias_list = _float_list(biases, "--biases")
     check_options(n_prompts, max_new_tokens, repeats, bias_list, bias_fraction, engine_prompts)   # before any load
-    refuse_out_in_save_dir(out, save_dir)
+    refuse_inside(out, save_dir, "--save-outputs", "where the outputs are saved")   # every system's, selftest's
     if save_dir is not None:   # the folder made, or refused, before any system runs (as audit check does)
         from specpilot.auditors.systems import default_save_path
 

@@ -148,7 +148,7 @@ def _model_inputs(scorer_spec: str | None, engine_specs) -> list[str]:
               help="Target model for teacher forcing: smollm2, a Hugging Face folder, a .gguf file, or an "
                    "engine built-in (tiny, tiny-hybrid: the engine's target with an FP32 head).")
 @_common_run_options
-@click.option("--save-outputs", "save_dir", type=NonEmptyPath(file_okay=False), callback=not_empty, default="specpilot-audit-outputs",
+@click.option("--save-outputs", "save_dir", type=NonEmptyPath(file_okay=False), default="specpilot-audit-outputs",
               show_default=True, help="Folder for the outputs of systems that are run (kept on failure).")
 @click.option("--delta", type=FiniteRange(0, 1e6, min_open=True), default=None,
               help="Near-tie threshold (> 0); skips phase 0.")
@@ -256,15 +256,6 @@ def _refuse_stock_as_system(specs) -> None:
             raise InputError(f"SYSTEM {s.spec} is the --against file {stock.spec}: an audit of outputs against "
                              "themselves finds nothing; give the stock system's outputs to --against")
 
-
-def refuse_out_in_save_dir(out: str | None, save_dir: str | None) -> None:
-    """--out inside selftest's --save-outputs, where every system it runs keeps its outputs: the
-    report would replace one (or sit among them as a file that is no outputs file)."""
-    from pathlib import Path
-
-    if out and save_dir and Path(out).resolve().is_relative_to(Path(save_dir).resolve()):
-        raise InputError(f"--out {out}: inside --save-outputs {save_dir}, where the outputs are saved; write the "
-                         "report elsewhere")
 
 
 def _check_not_an_input(save: str, save_dir: str, role: str, inputs) -> None:
@@ -409,7 +400,7 @@ def run_audit(system_outputs, stock_outputs, ar_outputs, scorer_spec, *, device=
 @command.command("collect")
 @click.argument("system")
 @_common_run_options(prompts_required=True)   # --resume too: it runs the prompts --save does not answer yet
-@click.option("--save", "save", type=NonEmptyPath(dir_okay=False), callback=not_empty, required=True,
+@click.option("--save", "save", type=NonEmptyPath(dir_okay=False), required=True,
               help="Outputs JSONL to write (also written with the rows collected so far when a run fails).")
 @click.option("--tokenizer", default=None, callback=not_blank,
               help="Model whose tokenizer turns text prompts into ids [default: an engine: SYSTEM's model].")

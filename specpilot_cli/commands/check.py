@@ -62,7 +62,9 @@ def command(baseline_path, system, runs, scorer, no_audit, no_timing, tolerance,
     # which check reads too), a scorer and a --system model given as paths
     beside = Path(base["_path"]).parent / "round.json"
     inputs = [baseline_path, base["_path"]] + ([str(beside)] if beside.is_file() else [])
-    inputs += model_inputs(scorer) + _system_inputs(system)
+    from specpilot.engine.spec import EngineSpec
+
+    inputs += model_inputs(scorer) + EngineSpec.inputs_of(system)
     if out:   # before the timed runs, not after them
         from specpilot.fileio import check_output_path
 
@@ -98,15 +100,3 @@ def command(baseline_path, system, runs, scorer, no_audit, no_timing, tolerance,
                 lines=lines),
          fmt, out, protect=inputs)
     return 0 if res.passed else 1
-
-
-def _system_inputs(system: str | None) -> list[str]:
-    """The files a --system engine spec reads (its model and draft model given as paths)."""
-    if not system or not system.strip().startswith("engine"):
-        return []
-    from specpilot.engine.spec import EngineSpec
-
-    try:
-        return EngineSpec.parse(system).inputs()
-    except InputError:   # refused with its own message when the check reads it
-        return []

@@ -7,7 +7,7 @@ import click
 
 from specpilot.limits import MAX_RUNS
 from specpilot.options import positive, seed_option, typed, NonEmptyPath, not_blank
-from specpilot.output import Report, Section, emit, not_empty, output_options
+from specpilot.output import Report, Section, emit, output_options
 
 
 def _runs(ctx, param, value):
@@ -61,10 +61,10 @@ def _runs(ctx, param, value):
               help="Seconds allowed per run (shell commands) or per request (engines, servers). Shell commands "
                    "default to 10 x the slowest base run so far, at least 60 s (1 hour for the first base run); "
                    "engines and servers to 120 s per request. A command past it is ended with its process group.")
-@click.option("--partial", "partial_file", type=NonEmptyPath(dir_okay=False), default=None, callback=not_empty, metavar="FILE",
+@click.option("--partial", "partial_file", type=NonEmptyPath(dir_okay=False), default=None, metavar="FILE",
               help="Keep the paired samples collected so far here while it runs (removed when it finishes) "
                    "[default: with --out timing.json, timing.partial.json beside it; else specpilot-compare.partial.json].")
-@click.option("--resume", "resume_file", type=NonEmptyPath(dir_okay=False), default=None, callback=not_empty, metavar="FILE",
+@click.option("--resume", "resume_file", type=NonEmptyPath(dir_okay=False), default=None, metavar="FILE",
               help="Continue an interrupted run of the same systems from its partial file (kept up to date).")
 @seed_option("the bootstrap interval")
 @click.option("--from", "from_file", type=NonEmptyPath(dir_okay=False), default=None, metavar="TIMING.json",

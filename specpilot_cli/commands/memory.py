@@ -8,9 +8,9 @@ import click
 
 from specpilot.errors import InputError
 from specpilot.options import NonEmptyPath
-from specpilot.output import Report, Section, emit, not_empty, output_options
+from specpilot.output import Report, Section, emit, output_options
 
-_memdir = click.option("--memory-dir", "memory_dir", type=NonEmptyPath(file_okay=False), callback=not_empty, default=None,
+_memdir = click.option("--memory-dir", "memory_dir", type=NonEmptyPath(file_okay=False), default=None,
                        help="Read entries from this folder instead of the packaged memory.")
 
 
@@ -42,12 +42,10 @@ def _inputs(memory_dir, out, *more) -> list[str]:
     from specpilot.bundles import memory as mem
 
     inputs = [str(memory_dir or mem.MEMORY_DIR)] + [str(m) for m in more if m]
-    if out and Path(out).resolve().is_relative_to(Path(inputs[0]).resolve()):   # a new file there is an entry
-        raise InputError(f"--out {out}: inside the memory folder {inputs[0]}, which holds its entries only; write "
-                         "the report elsewhere")
     if out:
-        from specpilot.fileio import check_output_path
+        from specpilot.fileio import check_output_path, refuse_inside
 
+        refuse_inside(out, inputs[0], "the memory folder", "which holds its entries only")   # a new file too
         check_output_path(out, "--out", protect=inputs)
     return inputs
 
@@ -113,7 +111,7 @@ def show(entry_id, memory_dir, fmt, out):
 
 @command.command("verify")
 @click.argument("ids", nargs=-1, metavar="[ID]...")
-@click.option("--results", "results_dir", type=NonEmptyPath(file_okay=False), default=None, callback=not_empty,
+@click.option("--results", "results_dir", type=NonEmptyPath(file_okay=False), default=None,
               help="Benchmark results folder the evidence is generated from (default: benchmarks/results "
                    "of the checkout SpecPilot runs from).")
 @click.option("--python", "python", default=None, metavar="PATH",

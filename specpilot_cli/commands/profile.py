@@ -12,7 +12,7 @@ from specpilot.limits import MAX_BATCH, MAX_CONTEXT, MAX_DRAFT_PASSES, MAX_ROWS,
 from specpilot.options import (dtype_options, positive, refuse_draft_shape_without_drafter,
                                typed, NonEmptyPath, not_blank)
 from specpilot.options import them as them_of
-from specpilot.output import Report, Section, count, emit, not_empty, output_options, progress
+from specpilot.output import Report, Section, count, emit, output_options, progress
 
 STEP_MODES = ["auto", "range", "graph", "gap", "whole"]
 # what a --step-mode that reads no --step-range takes for its steps
@@ -76,7 +76,7 @@ def _gpu_help() -> str:
               help="Floors from a specpilot ceiling JSON instead of --model (--rows picks one of its row "
                    "counts; needed when it has several).")
 @dtype_options
-@click.option("--plot", "plot_file", type=NonEmptyPath(dir_okay=False), callback=not_empty, help="Draw measured vs floor per class: a .png, .svg or .pdf file (the suffix picks the format).")
+@click.option("--plot", "plot_file", type=NonEmptyPath(dir_okay=False), help="Draw measured vs floor per class: a .png, .svg or .pdf file (the suffix picks the format).")
 @output_options
 def command(traces, step_range, step_mode, gap_us, skip_steps, device, include_orphans, rules_files, explain, top_n,
             diff, ranks, link_bandwidth, model_name, drafter_name, rows, draft_rows, draft_passes, batch, context,

@@ -5,11 +5,11 @@ from __future__ import annotations
 import click
 
 from specpilot.options import NonEmptyPath
-from specpilot.output import Report, Section, emit, not_empty, output_options
+from specpilot.output import Report, Section, emit, output_options
 
 
 @click.command("report")
-@click.argument("round_dir", type=NonEmptyPath(file_okay=False), callback=not_empty)
+@click.argument("round_dir", type=NonEmptyPath(file_okay=False))
 @output_options
 def command(round_dir, fmt, out):
     """Render the round in ROUND_DIR as report.md (plots in report/) and report.html (plots embedded).

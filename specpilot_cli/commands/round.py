@@ -47,9 +47,9 @@ def _warn_short_prompts(path: str, n_prompts: int) -> None:
               help="Minutes the round may take (default 20); runs are planned to fit where they can (--dry-run says "
                    "when the smallest plan does not) and a stage that runs out stops cleanly, recording what it "
                    "skipped.")
-@click.option("--out-dir", "out_dir", type=NonEmptyPath(file_okay=False), callback=not_empty, default="specpilot-round", show_default=True,
+@click.option("--out-dir", "out_dir", type=NonEmptyPath(file_okay=False), default="specpilot-round", show_default=True,
               help="Folder for the round's files (must not exist or be empty).")
-@click.option("--resume", "resume_dir", type=NonEmptyPath(file_okay=False), default=None, callback=not_empty, metavar="DIR",
+@click.option("--resume", "resume_dir", type=NonEmptyPath(file_okay=False), default=None, metavar="DIR",
               help="Continue the round in DIR where it stopped (with --budget: that many more minutes).")
 @click.option("--dry-run", is_flag=True, help="Show the plan and its time estimate; run nothing.")
 @click.option("--prompts", "prompts", type=NonEmptyPath(dir_okay=False), default=None,
@@ -62,9 +62,9 @@ def _warn_short_prompts(path: str, n_prompts: int) -> None:
 @click.option("--scorer", default=None, callback=not_empty,
               help="Audit scorer (smollm2, tiny, tiny-hybrid, a HF folder, a .gguf); default: the stock "
                    "engine's target with an FP32 LM head.")
-@click.option("--memory-dir", type=NonEmptyPath(file_okay=False), callback=not_empty, default=None,
+@click.option("--memory-dir", type=NonEmptyPath(file_okay=False), default=None,
               help="Memory entries to propose from (default: the packaged memory).")
-@click.option("--records", "records_dir", type=NonEmptyPath(file_okay=False), callback=not_empty, default=None,
+@click.option("--records", "records_dir", type=NonEmptyPath(file_okay=False), default=None,
               help="Deployment records folder (default: $SPECPILOT_RECORDS or ~/.cache/specpilot/deployments).")
 @click.option("--fresh", is_flag=True, help="Start from DEPLOYMENT even when its record has a later system.")
 @click.option("--no-remember", "no_remember", is_flag=True, help="Do not write the deployment record.")
@@ -109,15 +109,13 @@ def command(deployment, budget, out_dir, resume_dir, dry_run, prompts, n_prompts
     inputs = _round_inputs(cfg, resume_dir)
     if out:   # a round's own files, its record and memory are inputs: refused before the round runs
         from specpilot.auditors.round.remember import default_records_dir
-        from specpilot.fileio import check_output_path
+        from specpilot.fileio import check_output_path, refuse_inside
 
-        # files the round is yet to write there (its stage files, a first record) do not exist yet
-        for what, folder in (("the round's folder", cfg.out_dir),
-                             ("the deployment records folder",
-                              (cfg.records_dir or default_records_dir()) if cfg.remember else None)):
-            if not dry_run and folder and Path(out).resolve().is_relative_to(Path(folder).resolve()):
-                raise InputError(f"--out {out}: inside {what} {folder}, which the round writes; choose a file "
-                                 "outside it")
+        if not dry_run:   # files the round is yet to write there (its stage files, a first record) do not exist yet
+            refuse_inside(out, cfg.out_dir, "the round's folder", "which the round writes")
+            if cfg.remember:
+                refuse_inside(out, cfg.records_dir or default_records_dir(), "the deployment records folder",
+                              "which the round writes")
         check_output_path(out, "--out", protect=inputs)
     if dry_run:
         if resume_dir:
@@ -229,13 +227,10 @@ def _round_inputs(cfg, resume_dir: str | None) -> list[str]:
             from specpilot.auditors.round.deployment_file import named_files
 
             out += [dep] + named_files(Path(dep))
-        elif dep.strip().startswith("engine"):
+        else:
             from specpilot.engine.spec import EngineSpec
 
-            try:
-                out += EngineSpec.parse(dep).inputs()
-            except InputError:   # refused with its own message when the round reads it
-                pass
+            out += EngineSpec.inputs_of(dep)
     for scorer in (cfg.scorer, config.get("scorer")):
         out += model_inputs(scorer) if isinstance(scorer, str) else []
     return [str(p) for p in out]

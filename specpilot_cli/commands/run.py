@@ -10,7 +10,7 @@ from specpilot.engine.clocks import clock_line
 from specpilot.engine_options import engine_options, spec_from_cli
 from specpilot.errors import InputError
 from specpilot.options import NonEmptyPath
-from specpilot.output import Report, Section, count, emit, not_empty, output_options, progress
+from specpilot.output import Report, Section, count, emit, output_options, progress
 
 
 def read_prompts(path: str) -> list[dict]:
@@ -115,9 +115,9 @@ def _note(tokens: int, steps: int, summary: dict, info: dict, timing: dict | Non
               help="Wrap text prompts in the model's chat template (default when it has one) or not.")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True,
               help="New tokens per prompt at most (a request also stops at its end-of-sequence token).")
-@click.option("--outputs-out", type=NonEmptyPath(dir_okay=False), default=None, callback=not_empty,
+@click.option("--outputs-out", type=NonEmptyPath(dir_okay=False), default=None,
               help="Write the outputs JSONL (audit input): one line per prompt.")
-@click.option("--lattice-out", type=NonEmptyPath(dir_okay=False), default=None, callback=not_empty,
+@click.option("--lattice-out", type=NonEmptyPath(dir_okay=False), default=None,
               help="Write every step's draft lattice (replay input), target filled from committed tokens.")
 @output_options
 def command(prompt_text, prompts_file, prompt_ids, chat, max_new_tokens, outputs_out, lattice_out, fmt, out, **kw):

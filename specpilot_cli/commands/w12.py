@@ -9,7 +9,7 @@ from specpilot.errors import EnvironmentMissing, InputError
 # (no torch: a missing, malformed or never packed checkpoint is refused before the W12 library loads)
 from specpilot.kernels.w12.files import W12FormatError, check_checkpoint
 from specpilot.options import NonEmptyPath
-from specpilot.output import Report, Section, count, emit, not_empty, output_options, progress
+from specpilot.output import Report, Section, count, emit, output_options, progress
 
 
 def _lib():
@@ -76,7 +76,7 @@ def _device(device: str) -> str:
 
 @command.command("pack")
 @click.argument("src", metavar="IN", type=NonEmptyPath())
-@click.option("-o", "--output", "dst", required=True, type=NonEmptyPath(), callback=not_empty, help="Output file or folder (atomic).")
+@click.option("-o", "--output", "dst", required=True, type=NonEmptyPath(), help="Output file or folder (atomic).")
 @click.option("--include", multiple=True, metavar="GLOB",
               help="Tensor names to convert (repeatable; default: *proj.weight, *fc1/fc2.weight, ...); a tensor "
                    "it matches is converted even if the default excludes would keep it.")
@@ -111,9 +111,10 @@ def pack_cmd(src, dst, include, exclude, device, force, fmt, out):
     if out and Path(out).resolve() == Path(dst).resolve():
         raise InputError(f"--out {out}: the same file as --output; the report needs another name (or leave --out "
                          "out)")
-    if out and folder and Path(out).resolve().is_relative_to(Path(dst).resolve()):
-        raise InputError(f"--out {out}: inside the output folder {dst}, which holds the packed checkpoint only; "
-                         "write the report elsewhere")
+    if folder:
+        from specpilot.fileio import refuse_inside
+
+        refuse_inside(out, dst, "the output folder", "which holds the packed checkpoint only")
     if out:   # before the long conversion, not after it
         from specpilot.fileio import check_output_path
 
