@@ -487,9 +487,6 @@ def load_engine(spec: EngineSpec | str) -> Engine:
     if isinstance(spec, str):
         spec = EngineSpec.parse(spec)
     resolve_model(spec.model, spec.random)   # an unknown or bad model is refused before torch loads (seconds)
-    from specpilot.engine.decode import Decoder
-    from specpilot.engine.drafters import ModelDrafter, NGramDrafter, SelfDrafter
-
     if spec.mode != "ar" and spec.drafter == "model":   # before either model loads: their configs say it
         vocab = model_vocab(spec)
         draft_vocab = resolve_model(spec.draft_model, spec.random or spec.draft_model in TINY_CONFIGS)[0].vocab_size
@@ -501,7 +498,20 @@ def load_engine(spec: EngineSpec | str) -> Engine:
         layers = resolve_model(spec.model, spec.random)[0].num_layers
         if spec.draft_layers >= layers:
             raise InputError(f"draft_layers={spec.draft_layers} must be below the model's {layers} layers")
+    from specpilot.machine import torch_threads
+
     logging.getLogger("specpilot.status").info(f"loading model {spec.model} ({spec.mode}, {spec.device}) ...")
+    # the load (weight conversion, W12 packing, warm-up) with the threads the engine runs with: torch's
+    # default takes every core whatever --threads says
+    threads = cpu_threads(spec) if spec.device == "cpu" else 0
+    with torch_threads(threads):
+        return _build_engine(spec, threads)
+
+
+def _build_engine(spec: EngineSpec, threads: int) -> Engine:
+    from specpilot.engine.decode import Decoder
+    from specpilot.engine.drafters import ModelDrafter, NGramDrafter, SelfDrafter
+
     t0 = time.perf_counter()
     target = load_target(spec)
     model, folder, display = target.model, target.folder, target.name
@@ -549,7 +559,7 @@ def load_engine(spec: EngineSpec | str) -> Engine:
         dec = Decoder(model, spec.mode, drafter, nodes=spec.nodes, depth=spec.depth, topk=spec.topk, eos_ids=eos,
                       runner=runner)
     if spec.device == "cpu":
-        dec.threads = cpu_threads(spec)
+        dec.threads = threads
     info = dict(target.info, load_seconds=time.perf_counter() - t0)
     # CUDA: compile every kernel and capture every graph a request can hit now, not in the first request
     info["warmup_seconds"] = dec.warm_up()

@@ -50,7 +50,6 @@ from specpilot.errors import InputError
 def ineligible(model) -> str | None:
     """Why ``model`` cannot take the fused one-row path (None when it can)."""
     from specpilot.engine.gated_deltanet import GatedDeltaNet
-    from specpilot.engine.model import Attention
     from specpilot.engine.w12_loader import W12Projection
     from specpilot.kernels.decode.gemv import DEFAULT
 

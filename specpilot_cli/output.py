@@ -8,7 +8,6 @@ formats numbers inside library code; it hands a Report to :func:`emit`.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import sys
@@ -147,14 +146,6 @@ def emit(report: Report, fmt: str, out: str | None, protect: Sequence[str] = ())
 def count(n: int, one: str, many: str | None = None) -> str:
     """``n`` with its noun in the singular or plural: "1 step", "3 passes"."""
     return f"{n} {one if n == 1 else many or one + 's'}"
-
-
-def not_empty(ctx, param, value):
-    """Click callback for an output path option: an empty name would write nothing or the current
-    folder."""
-    if value is not None and not value.strip():
-        raise click.BadParameter("an empty path" + ("" if param.required else f"; give one, or leave {param.opts[0]} out"))
-    return value
 
 
 def _check_out(ctx, param, value):

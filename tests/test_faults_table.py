@@ -871,4 +871,4 @@ def test_an_empty_scorer_or_model_is_refused_in_every_verb(run_cli, argv):
 
     argv = [str(Path(__file__).resolve().parents[1] / a) if a.startswith("examples/") else a for a in argv]
     code, out, err = run_cli(*argv)
-    assert code == 2 and out == "" and "an empty path" in _one_error(err), err
+    assert code == 2 and out == "" and "empty; give a value" in _one_error(err), err

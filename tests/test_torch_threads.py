@@ -68,3 +68,22 @@ def test_builtin_scorer_scores_with_its_threads_and_gives_them_back(threads_at_3
     scores = scorer.score([([1, 2, 3], [4, 5])])
     assert len(scores) == 1 and len(scores[0].argmax) == 2
     assert seen == [1] and torch.get_num_threads() == 3
+
+
+def test_engine_loads_with_its_threads_and_gives_them_back(threads_at_3, monkeypatch):
+    """The model is built (weights made, converted, warmed up) with the engine's --threads, not
+    torch's every-core default, and the process keeps its own count after."""
+    import specpilot.engine.api as api
+
+    seen = []
+    real = api.build_model
+
+    def spy(*a, **k):
+        seen.append(torch.get_num_threads())
+        return real(*a, **k)
+
+    monkeypatch.setattr(api, "build_model", spy)
+    engine = api.load_engine("model=tiny,mode=chain,drafter=model,draft_model=tiny,threads=2,ctx=64")
+    assert seen == [2, 2]   # the target and the draft model
+    assert engine.decoder.threads == 2
+    assert torch.get_num_threads() == 3

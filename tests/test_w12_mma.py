@@ -102,8 +102,6 @@ def test_compiles_for_sm90_with_register_only_operand_conversions():
     sm_90 on any machine (no GPU needed) fails if one of them would move data. In the main loop the
     weights never touch shared memory (16-byte view and 8-byte nibble loads straight into
     registers), x arrives by cp.async and is read as 16-byte shared loads, then mma.sync."""
-    import re
-
     body = main_loop_ptx(_SETUP, header="Inner Loop Header")
     stats = {"mma": body.count("mma.sync.aligned.m16n8k16"), "st_shared": body.count("st.shared"),
              "ld_shared_v4": len(re.findall(r"ld\.shared\.v4", body)), "cp_async": body.count("cp.async.cg"),

@@ -241,7 +241,7 @@ def decay_rows(ab: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
     R, nv2 = ab.shape
     nv = nv2 // 2
     if ab.stride(1) != 1 or A_log.numel() != nv or dt_bias.numel() != nv:
-        raise ValueError(f"decay_rows: ab [R, 2 nv] with contiguous rows and A_log, dt_bias [nv] expected")
+        raise ValueError("decay_rows: ab [R, 2 nv] with contiguous rows and A_log, dt_bias [nv] expected")
     g = torch.empty(R, nv, dtype=torch.float32, device=ab.device)
     beta = torch.empty_like(g)
     _decay_kernel[(R,)](ab, ab.stride(0), A_log, dt_bias, g, beta, nv, NVP=triton.next_power_of_2(nv), num_warps=1)

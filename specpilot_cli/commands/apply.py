@@ -5,7 +5,8 @@ from __future__ import annotations
 import click
 
 from specpilot import signals
-from specpilot.output import Report, Section, emit, not_empty, output_options
+from specpilot.output import Report, Section, emit, output_options
+from specpilot.options import not_blank
 
 
 def _short(text: str, width: int = 60) -> str:
@@ -26,7 +27,7 @@ def _short(text: str, width: int = 60) -> str:
                    "Default: the only drafter every bundle named accepts (batching: dspark; "
                    "tree,lattice-trace: dflash2), a note says so; none when several fit (tree alone: "
                    "eagle, eagle3 or dflash2), and drafter-specific flags are left out.")
-@click.option("--model", "model", default="MODEL", metavar="PATH", callback=not_empty,
+@click.option("--model", "model", default="MODEL", metavar="PATH", callback=not_blank,
               help="Model path to put in the printed launch command.")
 @click.option("--force", is_flag=True, help="Apply to an SGLang version the bundles were not checked against.")
 @click.option("--experimental", is_flag=True, help="Allow bundles whose memory status is experimental.")

@@ -9,7 +9,7 @@ import click
 
 from specpilot.errors import InputError
 from specpilot.options import FiniteRange, device_option, seed_option, NonEmptyPath, not_blank
-from specpilot.output import Report, Section, emit, fmt_num, not_empty, output_options, progress
+from specpilot.output import Report, Section, emit, fmt_num, output_options, progress
 
 SUBCOMMANDS = ("check", "collect", "selftest")
 
@@ -144,7 +144,7 @@ def _model_inputs(scorer_spec: str | None, engine_specs) -> list[str]:
 @click.argument("systems", nargs=-1, required=True)
 @click.option("--against", "stock_spec", required=True, help="Stock: outputs file, engine: spec or http:// server.")
 @click.option("--ar", "ar_spec", default=None, callback=not_blank, help="Plain autoregressive run for phase 0 (sets delta).")
-@click.option("--scorer", "scorer_spec", required=True, callback=not_empty,
+@click.option("--scorer", "scorer_spec", required=True, callback=not_blank,
               help="Target model for teacher forcing: smollm2, a Hugging Face folder, a .gguf file, or an "
                    "engine built-in (tiny, tiny-hybrid: the engine's target with an FP32 head).")
 @_common_run_options

@@ -8,8 +8,8 @@ import click
 
 from specpilot.errors import InputError
 from specpilot.limits import MAX_RUNS
-from specpilot.options import seed_option, typed, NonEmptyPath
-from specpilot.output import Report, Section, emit, fmt_num, not_empty, output_options, progress
+from specpilot.options import seed_option, typed, NonEmptyPath, not_blank
+from specpilot.output import Report, Section, emit, fmt_num, output_options, progress
 
 
 @click.command("check")
@@ -18,7 +18,7 @@ from specpilot.output import Report, Section, emit, fmt_num, not_empty, output_o
 @click.option("--system", default=None, help="Engine spec to check (default: the baseline's system).")
 @click.option("--runs", type=click.IntRange(2, MAX_RUNS), default=None,
               help=f"Timed runs, 2 to {MAX_RUNS} (default: as many as the baseline has samples, at least 4).")
-@click.option("--scorer", default=None, callback=not_empty,
+@click.option("--scorer", default=None, callback=not_blank,
               help="Audit scorer: smollm2, tiny, tiny-hybrid (the engine's built-in models), a HF folder or a .gguf "
                    "(default: the stock engine's target, FP32 head).")
 @click.option("--no-audit", is_flag=True, help="Timing only.")

@@ -10,7 +10,7 @@ import click
 
 from specpilot.errors import InputError
 from specpilot.options import seed_option, typed, NonEmptyPath, not_blank
-from specpilot.output import Report, Section, emit, fmt_num, not_empty, output_options, progress
+from specpilot.output import Report, Section, emit, fmt_num, output_options, progress
 
 
 def _names(text: str | None) -> list[str] | None:
@@ -59,7 +59,7 @@ def _warn_short_prompts(path: str, n_prompts: int) -> None:
 @click.option("--candidates", "candidates", default=None, metavar="A,B",
               help="Only these candidates (chain, tree, w12, no-op, ...).")
 @click.option("--control", is_flag=True, help="Add a no-op candidate (the current system loaded again): it must be refused.")
-@click.option("--scorer", default=None, callback=not_empty,
+@click.option("--scorer", default=None, callback=not_blank,
               help="Audit scorer (smollm2, tiny, tiny-hybrid, a HF folder, a .gguf); default: the stock "
                    "engine's target with an FP32 LM head.")
 @click.option("--memory-dir", type=NonEmptyPath(file_okay=False), default=None,
