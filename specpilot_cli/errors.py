@@ -40,6 +40,15 @@ def about_prompt(prompt_id, prefix: str = ""):
         raise InputError(f"{prefix}prompt {prompt_id!r}: {e}") from None
 
 
+def did_you_mean(word, choices) -> str:
+    """" (did you mean 'x'?)" for the choice closest to a misspelt ``word``, "" where none is close:
+    a hint, not the list of choices (a long list would be cut off in a one-line error)."""
+    import difflib
+
+    close = difflib.get_close_matches(str(word), list(choices), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 class EnvironmentMissing(SpecPilotError):
     """Missing environment: no GPU, no nsys, no SGLang (exit 3)."""
 

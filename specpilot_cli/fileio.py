@@ -332,15 +332,14 @@ def need_fields(d: dict, cls, name: str = "") -> None:
     a ValueError naming one it does not know or one it misses (the reader adds the file's name),
     where the constructor would say it in Python's words."""
     import dataclasses
-    import difflib
+
+    from .errors import did_you_mean
 
     fields = dataclasses.fields(cls)
     at = f"{name}: " if name else ""
     for key in d:
         if key != "schema" and key not in {f.name for f in fields}:
-            # a hint, not the list of fields: a long list would be cut off in the one-line error
-            close = difflib.get_close_matches(str(key), [f.name for f in fields], n=1)
-            raise ValueError(f"{at}unknown field {key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            raise ValueError(f"{at}unknown field {key!r}{did_you_mean(key, [f.name for f in fields])}")
     for f in fields:
         if f.name not in d and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise ValueError(f"{at}no field {f.name!r}")

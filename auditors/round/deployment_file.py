@@ -35,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specpilot.errors import InputError
+from specpilot.errors import InputError, did_you_mean
 from specpilot.fileio import is_int, is_num, load_yaml
 from specpilot.limits import MAX_BATCH, MAX_CONTEXT, MAX_MS, MAX_ROWS
 
@@ -80,13 +80,9 @@ MAX_WAIT_S = 7 * 24 * 3600.0   # a server's ready timeout or expected start: a w
 
 def _known(d: dict, fields: tuple, where: str, path: Path) -> None:
     """Refuse a key of ``d`` (the map at ``where``; "" for the top level) that is not one of ``fields``."""
-    import difflib
-
     for key in d:
         if key not in fields:
-            close = difflib.get_close_matches(str(key), fields, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise InputError(f"{path}: unknown field {where}{key!r}{hint}; the fields"
+            raise InputError(f"{path}: unknown field {where}{key!r}{did_you_mean(key, fields)}; the fields"
                              f"{' of ' + where.rstrip('.') if where else ''}: {', '.join(fields)}")
 
 

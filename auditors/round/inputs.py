@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from specpilot.errors import InputError
+from specpilot.errors import InputError, did_you_mean
 
 from . import measure as ms
 from . import plan as pl
@@ -25,13 +25,10 @@ if TYPE_CHECKING:
 
 def _check_candidate_servers(dep, known: set[str]) -> None:
     """Each ``servers.candidates`` entry names a candidate the memory knows."""
-    import difflib
-
     for cid in (dep.servers.get("candidates") or {}):
         if cid not in known:
-            close = difflib.get_close_matches(str(cid), sorted(known), n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise InputError(f"{dep.path}: servers.candidates: unknown candidate {cid!r}{hint}; the candidates: "
+            raise InputError(f"{dep.path}: servers.candidates: unknown candidate {cid!r}"
+                             f"{did_you_mean(cid, sorted(known))}; the candidates: "
                              f"{', '.join(sorted(known))}")
 
 
