@@ -7,7 +7,10 @@ speedup by three factors, each the gain from removing one kind of waste:
 - kernel factor  = profiled GPU time / byte floor      (make kernels reach their floors)
 - outside factor = step wall time / profiled GPU time  (remove time outside the profile)
 
-ceiling = speedup x tree x kernel x outside = tau_best / (floor / T_AR). A factor whose inputs are
+ceiling = speedup x tree x kernel x outside = tau_best / (floor / T_AR). The speedup if one factor's
+waste alone were removed: tau_best / c for the tree, the step without its outside time for the
+outside factor, and the step with its kernels at their floor and its outside time kept for the
+kernel factor (not speedup x kernel, which would shrink the outside time too). A factor whose inputs are
 missing is reported as unknown and left out (taken as 1), and the result says so. A factor below 1
 is no slowdown that removing a waste would bring: it says the inputs contradict each other (a
 profile faster than the floor allows, a profile longer than the step, a best tau below the
@@ -148,6 +151,10 @@ def cost_model(tau: float, step_ms: float, ar_ms: float, tau_best: float | None 
         raise InputError(f"the cost model's {over[0]} overflows ({given}): a time or count near 0 is not a "
                          "measurement")
     if_removed = {k: (speedup * v if v is not None else None) for k, v in used.items()}
+    if used["kernel"] is not None and profile_ms <= step_ms:
+        # kernels at their floors leave the time outside them as it is: the step loses only the
+        # kernels' excess (a host-bound step gains little), not 1/kernel of its wall
+        if_removed["kernel"] = tau * ar_ms / (step_ms - profile_ms + profile_ms / used["kernel"])
     missing = [k for k, v in factors.items() if v is None]
     if missing:
         need = {"tree": "--tau-best or --replay", "kernel": "--profile-ms/--profile and a floor (--model)",

@@ -114,3 +114,17 @@ def test_a_factor_taken_as_one_is_never_the_largest(run_cli):
     # a factor exactly 1 offers no gain either; one above 1 beside it is the largest
     assert cost_model(tau=3, step_ms=6, ar_ms=5, profile_ms=6).largest is None
     assert cost_model(tau=3, step_ms=6, ar_ms=5, tau_best=3.3, profile_ms=8).largest == "tree"
+
+
+def test_the_kernel_factors_gain_keeps_the_time_outside_the_kernels():
+    """Kernels at their floors shorten the step by the kernels' excess only: a host-bound step (half
+    of it outside the profile) gains little, not speedup x kernel factor (which shrank the outside
+    time too: 1.48x for what is 0.995x)."""
+    c = cost_model(tau=3, step_ms=20, ar_ms=5, profile_ms=10, floor_ms=5.0712)
+    assert c.factors["kernel"] == pytest.approx(10 / 5.0712)
+    assert c.if_removed["kernel"] == pytest.approx(3 * 5 / (20 - 10 + 5.0712))
+    assert c.if_removed["outside"] == pytest.approx(3 * 5 / 10)   # the kernels as they are, nothing outside
+    assert c.ceiling == pytest.approx(3 * 5 / 5.0712)             # all of them: tau at the floor
+    # a profile longer than the step (outside below 1) leaves no outside time to keep
+    c = cost_model(tau=3, step_ms=6, ar_ms=5, profile_ms=8, floor_ms=4)
+    assert c.if_removed["kernel"] == pytest.approx(c.speedup * 2)
