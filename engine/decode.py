@@ -170,7 +170,7 @@ class Decoder:
         # attention kernel holds no scores, so there a prompt of up to 2048 rows goes in one forward
         fused_attn = all(getattr(b.mixer, "fused", True) for b in model.layers) and model.device.type == "cuda"
         self.prefill_chunk = 2048 if fused_attn else 512
-        self._times = None   # CUDA: (rows, start event, end event) of the request's steps
+        self._times = None   # CUDA: (rows, start event, end event, ...) of the request's steps
         self._verify = None  # (rows, wall ms) of the last verify forward
         self._draft_ms = 0.0  # drafting + tree build of the last step
         self._qpass_ms = 0.0  # a TLV cycle's Q pass (engine/tlv.py sets both for its step)
@@ -421,7 +421,9 @@ class Decoder:
         self._sync()
         seconds = time.perf_counter() - t0
         times, self._times = self._times, None
-        gpu = [a.elapsed_time(b) for _, a, b in times] if times else [None] * len(walls)
+        # a step's entry: (rows, start, end[, start, end of more device work: TLV's Q pass])
+        gpu = ([sum(t[i].elapsed_time(t[i + 1]) for i in range(1, len(t), 2)) for t in times] if times
+               else [None] * len(walls))
         step_times = [(rows, g, w, draft, g if verify is None else verify, qpass)
                       for g, w, (rows, draft, verify, qpass) in zip(gpu, walls, splits)]
         out = full[:limit]

@@ -402,6 +402,9 @@ class TLVDecoder(Decoder):
                 return self._eager_verify(pending, tree, n_cache, "tlv", keep_state=True)
         T = 1 + len(tree)
         inputs = self.padded_rows(pending, tree, n_cache, next(b for b in self.q_buckets if b >= T))
+        if self._times is not None:   # the cycle's GPU time is both passes' (step): the Q pass is no outside time
+            self._q_events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._q_events[0].record()
         if self.qrunner is not None:
             out = self.qrunner.run(*inputs)
         else:
@@ -410,6 +413,8 @@ class TLVDecoder(Decoder):
             with self.qview.active():
                 out = self.model.greedy(StepInput(tokens, pos, slots, mask, "tree" if paths is not None else "seq",
                                                   paths))
+        if self._times is not None:
+            self._q_events[1].record()
         for g in self.model.gdn_layers():
             g._stash = None   # the pass is never committed
         return out[:T].tolist()
@@ -423,7 +428,9 @@ class TLVDecoder(Decoder):
         lat = self.drafter.propose(context, n_cache, self.depth, self.topk)
         tree1 = treelib.build_best_first(lat.tokens, lat.logprobs, lat.transitions, self.nodes)
         t1 = time.perf_counter()
+        self._q_events = None
         qpreds = self.q_pass(pending, tree1, n_cache)
+        q_events = self._q_events
         qpath, chain = treelib.accept_predictions(tree1, qpreds)
         t2 = time.perf_counter()
         lat2 = self.drafter.propose_after(context, chain, n_cache, self.depth, self.topk)
@@ -435,6 +442,8 @@ class TLVDecoder(Decoder):
         t3 = time.perf_counter()
         preds = self.verify_predictions(pending, tree, n_cache, "tlv")
         t4 = time.perf_counter()
+        if self._times is not None and q_events is not None:
+            self._times[-1] += q_events
         _, toks = self.accept_commit(tree, preds, n_cache, "tlv")
         t5 = time.perf_counter()
         # C's node i is node i of the exact tree; the Q pass predicted after it at its path node

@@ -172,3 +172,21 @@ def test_gpu_batched_tlv_refuses_the_layer_modules(run_cli):
     code, out, err = run_cli("run", "--model", "tiny", "--mode", "tlv", "--prompt", "abc", "--device", "cuda",
                              "--batch", "2", "--decode", "layers")
     assert code == 2 and out == "" and "decode=fused" in err
+
+
+def test_gpu_tlv_step_gpu_time_counts_the_q_pass():
+    """A cycle's GPU time is both passes': a Q pass made ~20 ms longer on the GPU shows in
+    ``gpu_ms``, not in the outside time (which ceiling reads as host overhead)."""
+    e = load_engine(f"engine:model=tiny,device=cuda,dtype=bfloat16,ctx={CTX},mode=tlv,drafter=self,"
+                    "draft_layers=1,nodes=6,depth=4,topk=3,graphs=1,qview=w12")
+    base = e.generate(PROMPT, 12).step_timing()["gpu_ms"]
+    real = e.decoder.qrunner.run
+
+    def slow(*a):
+        torch.cuda._sleep(40_000_000)   # about 20 ms at 2 GHz, on the stream the events time
+        return real(*a)
+
+    e.decoder.qrunner.run = slow
+    timing = e.generate(PROMPT, 12).step_timing()
+    assert timing["gpu_ms"] - base > 10, (base, timing)
+    assert timing["outside_ms"] < 10, timing
