@@ -20,7 +20,7 @@ from .ceiling_checks import (check_one_deployment, check_rows_probe_hardware, fi
                              probe_model_mismatch)
 from .ceiling_inputs import (CeilingRequest, Measurements, ProfileFigures, ReplayFigures, RowsProbeFigures,
                              RunFigures, run_step_ms)
-from .costmodel import CostModel, cost_model, step_time
+from .costmodel import CostModel, best_tree_tau, cost_model, step_time
 from .floors import StepFloor
 from .tlv_cycle import tlv_cycle
 
@@ -121,11 +121,8 @@ def _use_replay(r: ReplayFigures, m: Measurements, current_policy: str) -> None:
         raise InputError(f"{r.source}: no policy {current_policy!r} in the replay (has {', '.join(taus)}); "
                          "choose one with --policy")
     m.set("tau", cur, f"replay {r.source} ({current_policy})", r)
-    # TLV's tau is per exact pass of a two-pass cycle, not a tree's: no draft tree reaches it (an
-    # oracle does not bound it), so it is the best reachable only as the policy in place
-    trees = {k: v for k, v in taus.items() if not k.startswith("tlv") or k == name}
-    best_name = max(trees, key=trees.get)
-    m.set("tau_best", taus[best_name], f"replay {r.source} ({best_name})", r)
+    best_name, best = best_tree_tau(taus, r.curves, name)
+    m.set("tau_best", best, f"replay {r.source} ({best_name})", r)
 
 
 def _use_run(r: RunFigures, m: Measurements) -> None:

@@ -166,6 +166,24 @@ def cost_model(tau: float, step_ms: float, ar_ms: float, tau_best: float | None 
                              "floor_peak_ms": floor_peak_ms})
 
 
+def best_tree_tau(taus: dict[str, float], curves: dict[str, dict[int, float]],
+                  current: str | None = None) -> tuple[str, float] | None:
+    """The best reachable tau of one verification pass in a replay: the highest of its policies and
+    of its tau(N) curves' points (``best-first:32`` where ``--nodes`` replayed 32 nodes beside a
+    ``best-first:8`` policy), as (name, tau); None for an empty replay. A TLV tau counts exact
+    passes of a two-pass cycle, which no draft tree reaches (an oracle does not bound it): it
+    counts only where it is the ``current`` policy."""
+    cands = {k: v for k, v in taus.items() if not k.startswith("tlv") or k == current}
+    for fam, pts in curves.items():
+        if not fam.startswith("tlv"):
+            for n, v in pts.items():
+                cands.setdefault(f"{fam}:{n}", v)
+    if not cands:
+        return None
+    name = max(cands, key=cands.get)
+    return name, cands[name]
+
+
 def line_points(rows: int, step_ms: dict[int, float]) -> tuple[int, int] | None:
     """The probed counts :func:`step_time` draws its line through for ``rows`` it was not probed at:
     the two around it, beyond the probe the two nearest; None where it was probed (or cannot be)."""

@@ -56,6 +56,21 @@ def test_tlv_tau_is_no_trees_best_reachable(run_cli, tmp_path, policy, best):
     assert cost["inputs"]["tau_best"] == best and cost["factors"]["tree"] == pytest.approx(best / cost["tau"])
 
 
+def test_the_best_reachable_tau_takes_the_replays_curves_too(run_cli, tmp_path):
+    """`replay --policy chain,best-first:8 --nodes 8,16,32` holds tau(32) only in its curves: the
+    tree factor took the best policy (best-first:8), not the file's best tree."""
+    replay = tmp_path / "replay.json"
+    replay.write_text(json.dumps({"schema": "specpilot.replay/1", "positions": 8, "policies": [
+        {"policy": "chain", "tau": 1.5}, {"policy": "best-first:8", "tau": 1.59}],
+        "curves": {"chain": {"8": 1.5}, "best-first": {"8": 1.59, "16": 1.64, "32": 1.68}, "tlv": {"8": 3.0}}}))
+    code, out, err = run_cli("ceiling", "--replay", replay, "--rows", "9", "--step-ms", "10", "--ar-ms", "8",
+                             "--format", "json")
+    assert code == 0, err
+    cost = json.loads(out)["cost_model"]
+    assert cost["inputs"]["tau_best"] == 1.68 and cost["factors"]["tree"] == pytest.approx(1.68 / 1.5)
+    assert cost["sources"]["tau_best"] == f"replay {replay} (best-first:32)"
+
+
 @pytest.mark.parametrize("doc, words", [
     ({"policies": [{"policy": "chain", "tau": 1.7}, {"policy": "chain", "tau": 3.0}]},
      "policy 'chain' is listed twice"),

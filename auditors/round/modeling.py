@@ -142,6 +142,7 @@ def build_model(meas) -> ModelResult:
     """The model of the current system from stage 1's :class:`~.measure.Measurement`."""
     from specpilot.probes.ceiling import compute_ceiling
     from specpilot.probes.ceiling_inputs import CeilingRequest, Measurements, ProfileFigures
+    from specpilot.probes.costmodel import best_tree_tau
 
     notes: list[str] = []
     taus = meas.taus
@@ -151,8 +152,9 @@ def build_model(meas) -> ModelResult:
         tau = taus.get(meas.current_policy)
         if tau is None:
             notes.append(f"no replayed tau for {meas.current_policy}; the model cannot place the current system")
-    # the best reachable tau of one pass: the tree lattice's policies (TLV's tau counts exact passes)
-    tau_best = max((v for k, v in taus.items() if not k.startswith("tlv:")), default=None)
+    # the best reachable tau of one pass: the tree lattice's policies and curves (TLV's tau counts exact passes)
+    best = best_tree_tau(taus, meas.curves)
+    best_policy, tau_best = best if best else (None, None)
     rows = meas.current_rows
     ar_ms = meas.ar_ms
     step = meas.step_ms.get(rows)
@@ -189,7 +191,6 @@ def build_model(meas) -> ModelResult:
         m.set("tau", tau, "AR: one token per pass" if meas.current_policy == "ar"
               else f"replay {lattice} ({meas.current_policy})")
         if tau_best is not None:
-            best_policy = max((k for k in taus if not k.startswith("tlv:")), key=taus.get)
             if tau > tau_best:   # the current system (a TLV cycle counts exact passes) already beats the trees
                 m.set("tau_best", tau, f"replay {lattice} ({meas.current_policy}, the current system)")
             else:
