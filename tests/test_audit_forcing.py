@@ -502,3 +502,19 @@ def test_a_scorer_of_another_vocabulary_is_refused_before_it_scores(run_cli, tmp
     assert code == 2 and "engine:model=tiny,mode=ar: its vocabulary (256 tokens) is not that of --scorer" in err, err
     code, _, err = run_cli("audit", outs["tree"], "--against", outs["ar"], "--scorer", "tiny")
     assert code == 0, err
+
+
+def test_a_stock_the_scorer_disagrees_with_is_refused_or_warned():
+    """A scorer of another model (same vocabulary) disagreed with stock's greedy tokens at 98%: every
+    system passed against it. Over half: refused; over 5%: a warning."""
+    rows = _rows(4, 50)
+    for wrong, refused in ((30, True), (5, False)):
+        margins = [[0.5] * wrong + [0] * (50 - wrong)] * 4   # the scorer's argmax is another token there
+        stock = _scored("stock", "stock", rows, margins)
+        sysm = _scored("s", "system", rows, margins)
+        if refused:
+            with pytest.raises(forcing.InputError, match=r"at 60\.0% of their tokens \(120 of 200\): the scorer is not"):
+                audit([sysm], stock, delta=0.125, bootstrap=50)
+        else:
+            res = audit([sysm], stock, delta=0.125, bootstrap=50)
+            assert any("differ from the scorer's greedy token at 10.0%" in w for w in res.warnings), res.warnings

@@ -96,9 +96,14 @@ def test_a_save_outputs_file_of_more_prompts_is_not_cut_to_fewer(run_cli, tmp_pa
 
 
 def test_a_system_collected_with_a_larger_limit_than_stock_is_warned_about(run_cli, tmp_path):
+    from specpilot.engine.api import load_engine
+
+    engine = load_engine("engine:model=tiny,mode=ar,threads=1")   # the scorer's own greedy outputs
+
     def rows(limit):
         return "".join(json.dumps({"schema": "specpilot.outputs/1", "id": f"q{i}", "prompt_ids": [5 + i, 9],
-                                   "output_ids": [7] * limit, "max_new_tokens": limit}) + "\n" for i in range(2))
+                                   "output_ids": engine.generate([5 + i, 9], limit).output_ids,
+                                   "max_new_tokens": limit}) + "\n" for i in range(2))
 
     st, sysf = tmp_path / "stock.jsonl", tmp_path / "sys.jsonl"
     st.write_text(rows(4))

@@ -71,9 +71,12 @@ def test_outputs_that_would_replace_an_input_file_are_refused_before_anything_ru
 def test_a_system_that_is_the_stock_file_itself_is_refused(run_cli, tmp_path):
     """The same outputs file as SYSTEM and --against (by name or through a link) would pass
     whatever it holds: refused; the AR file may be the stock file (stock is AR)."""
+    from specpilot.engine.api import load_engine
+
     outs = tmp_path / "stock.jsonl"
+    greedy = load_engine("engine:model=tiny,mode=ar,threads=1").generate([1, 2, 3], 2).output_ids   # the scorer's own
     outs.write_text(json.dumps({"schema": "specpilot.outputs/1", "id": "p0", "prompt_ids": [1, 2, 3],
-                                "output_ids": [5, 6]}) + "\n")
+                                "output_ids": greedy}) + "\n")
     link = tmp_path / "link.jsonl"
     link.symlink_to(outs)
     for system in (outs, link):

@@ -243,3 +243,40 @@ def test_a_report_says_a_load_average_was_not_recorded(base, run_cli, tmp_path):
     assert code == 0, err
     md = (r / "report.md").read_text()
     assert "at the start, not recorded at the end)." in md and "None" not in md.split("## ")[0], md[:600]
+
+
+def test_a_baseline_whose_outputs_are_longer_than_its_limit_is_refused(base, run_cli, tmp_path):
+    """The check generates max_new_tokens and audits against rows four times as long: it passed on
+    a quarter of the tokens, its warnings only in the JSON."""
+    b = _baseline(base, tmp_path, lambda d: d.update(max_new_tokens=2))
+    code, _, err = run_cli("check", "--baseline", b, "--no-timing")
+    assert code == 2 and err.count("\n") == 1 and "more than the baseline's max_new_tokens 2" in err, err
+
+
+def test_stock_outputs_without_tokens_are_refused_before_any_run(base, run_cli, tmp_path):
+    def change(d):
+        for role in d["outputs"].values():
+            for r in role:
+                r["output_ids"] = []
+    b = _baseline(base, tmp_path, change)
+    code, _, err = run_cli("check", "--baseline", b, "--runs", "2")
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"{b}: outputs.stock holds no tokens" in err and "run the round again, or give --no-audit" in err, err
+
+
+def test_a_stock_scorer_on_cuda_without_a_gpu_is_named_before_any_run(base, run_cli, tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    b = _baseline(base, tmp_path, lambda d: d.update(stock=d["stock"] + ",device=cuda"))
+    code, out, err = run_cli("check", "--baseline", b, "--runs", "40")
+    assert code == 3 and "[check]" not in err and err.count("\n") == 1, err
+    assert "the baseline's stock engine" in err and "give --scorer MODEL" in err, err
+
+
+def test_the_audits_warnings_are_checks_warnings(base, run_cli, tmp_path):
+    """A check on a few tokens says so where its gate is read (the table and the JSON's warnings)."""
+    code, out, err = run_cli("check", "--baseline", base, "--no-timing", "--format", "json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["audit"]["warnings"] and all(f"audit: {w}" in doc["warnings"] for w in doc["audit"]["warnings"])

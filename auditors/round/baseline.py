@@ -94,6 +94,10 @@ def _check_baseline(doc: dict, p: Path) -> None:
             if not (isinstance(r, dict) and isinstance(r.get("id"), (str, int)) and ids(r.get("prompt_ids"), False)
                     and ids(r.get("output_ids"), True)):
                 bad(f"outputs.{role}[{i}]", "a row with an id, non-empty prompt_ids and output_ids (token ids)")
+            limit = doc.get("max_new_tokens")
+            if limit and len(r["output_ids"]) > limit:   # the check would generate fewer and audit a prefix
+                raise InputError(f"{p}: baseline field 'outputs.{role}': row {r['id']!r} holds "
+                                 f"{len(r['output_ids'])} tokens, more than the baseline's max_new_tokens {limit}")
     # the audit pairs the roles' rows by prompt id: a duplicate or a prompt one role lacks would fail
     # only after the timed runs
     prompts: dict = {}

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from specpilot.errors import InputError
+from specpilot.errors import EnvironmentMissing, InputError
 
 SCHEMA = "specpilot.check/1"
 
@@ -131,6 +131,16 @@ def run_check(baseline: dict, *, system: str | None = None, runs: int | None = N
     if audit and not scorer and not baseline.get("stock"):
         raise InputError(f"{baseline['_path']}: baseline lacks 'stock' (the engine whose target scores the "
                          "audit); give --scorer MODEL")
+    if audit and not any(r["output_ids"] for r in outs["stock"]):   # every verdict would pass on no evidence
+        raise InputError(f"{baseline['_path']}: outputs.stock holds no tokens: the audit has nothing to compare "
+                         "against; run the round again, or give --no-audit")
+    if audit and not scorer and EngineSpec.parse(baseline["stock"]).device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():   # before the timed runs, not after them
+            raise EnvironmentMissing(f"{baseline['_path']}: the audit's scorer is the baseline's stock engine "
+                                     f"{baseline['stock']}, on CUDA, and no CUDA GPU is visible: give --scorer MODEL "
+                                     "(the target model), or --no-audit")
     from specpilot.auditors.systems import check_engine_prompts
 
     check_engine_prompts([(f"{baseline['_path']}: {sys_text}", sys_text)], prompts, max_new)
@@ -231,6 +241,7 @@ def run_check(baseline: dict, *, system: str | None = None, runs: int | None = N
             sc = EngineScorer(pool.get(str(EngineSpec.parse(baseline["stock"]))),
                               "stock engine's target, FP32 LM head")
         result = run_audit(fresh_out, stock, ar, sc, seed=seed)
+        res.warnings += [f"audit: {w}" for w in result.warnings]
         res.audit = audit_data(result, getattr(sc, "info", None))
         res.audit_verdict = result.verdict
         if result.verdict != "pass":
