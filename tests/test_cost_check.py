@@ -165,6 +165,8 @@ def test_check_bad_input_is_one_line(run_cli, files):
         (["--check", files["tree"], "--rows-probe", files["rows"], "--replay", files["replay"], "--policy", "tlv:16"],
          "no policy"),
         (["--check", files["tree"], "--ar-run", files["tree"]], "AR run"),
+        # nothing but the AR reference: every term would be the run's own (a PASS at +0.0%)
+        (["--check", files["tree"], "--ar-run", files["ar"]], "with --ar-run alone predicts the run from itself"),
         (["--check", files["tree"], "--run", files["tree"], "--rows-probe", files["rows"]], "--check RUN.json"),
         (["--rows", "1", "--tau", "2", "--step-ms", "3", "--ar-ms", "2", "--ar-run", files["ar"]], "--check"),
         (["--check", tmp / "missing.json", "--rows-probe", files["rows"]], "missing.json"),
