@@ -243,6 +243,12 @@ def read_timing(path) -> dict:
             raise InputError(f"{path}: timing file lacks {k!r}")
     if not isinstance(d["metric"], str) or not isinstance(d["higher_is_better"], bool):
         raise InputError(f"{path}: 'metric' must be a string and 'higher_is_better' true or false")
+    # compare times a command's wall clock (lower is better) or reads a throughput-like metric
+    # (higher is better): the other way round, a slower candidate would be approved
+    if d["higher_is_better"] == (d["metric"] == "wall"):
+        raise InputError(f"{path}: metric {d['metric']!r} is "
+                         f"{'lower' if d['metric'] == 'wall' else 'higher'} is better, but the file says "
+                         f"'higher_is_better': {str(d['higher_is_better']).lower()}; the file is damaged")
     if not isinstance(d.get("changes_output", False), bool):
         raise InputError(f"{path}: 'changes_output' must be true or false")
     return d

@@ -228,7 +228,11 @@ def test_a_damaged_stored_run_cannot_loosen_the_rule(tmp_path, run_cli):
                           ({"samples": twins}, "two samples have one pair number"),
                           ({"samples": three}, "block 0 holds 3 samples (every block has two)"),
                           ({"samples": [dict(stored["samples"][0], pair=-1)] + stored["samples"][1:]},
-                           "sample 0 needs whole numbers 'pair' and 'block' (>= 0)")):
+                           "sample 0 needs whole numbers 'pair' and 'block' (>= 0)"),
+                          # a slower candidate read the other way round was approved
+                          ({"higher_is_better": False}, "metric 'tokens_per_s' is higher is better, but the file "
+                                                        "says 'higher_is_better': false"),
+                          ({"metric": "wall", "unit": "s"}, "metric 'wall' is lower is better")):
         bad.write_text(json.dumps({**stored, **change}).replace('"x"', "NaN") if change.get("noise") == "x"
                        else json.dumps({**stored, **change}))
         code, _, err = run_cli("compare", "--from", bad, "--noise", "0.001")
