@@ -200,7 +200,8 @@ class Engine:
             raise InputError(f"model {self.model_name} has no tokenizer; give token ids instead of text")
         if chat:
             if not self.has_chat_template:
-                raise InputError(f"model {self.model_name} has no chat template; use --raw")
+                raise InputError(f"model {self.model_name} has no chat template; encode the text as it is (chat=False, "
+                                 "--raw on the command line)")
             return self.encode_messages([{"role": "user", "content": text}])
         return [int(i) for i in tok.encode(text, add_special_tokens=False)]
 

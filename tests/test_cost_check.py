@@ -63,6 +63,12 @@ def test_a_run_is_not_modelled_with_a_batched_rows_probe_or_batch(run_cli, files
     code, _, err = run_cli("ceiling", "--run", files["tree"], "--rows-probe", files["rows"], "--replay",
                            files["replay"], "--batch", "1")
     assert code == 0, err
+    # a batched run beside --batch: what it is, not "a run of one request per step"
+    batched = _write(files["dir"], "batched.json", {k: v for k, v in json.loads(files["tree"].read_text()).items()
+                                                   if k != "step_timing"} | {"batch": {"batch": 6}})
+    for verb, floors in (("--check", ()), ("--run", ("--model", "llama-3.1-8b", "--gpu", "h200"))):
+        code, _, err = run_cli("ceiling", verb, batched, "--batch", "6", "--replay", files["replay"], *floors)
+        assert code == 2 and "a batched run (--batch) has no per-step timing of one request" in err, err
 
 
 def test_check_passes_within_tolerance(run_cli, files):

@@ -161,9 +161,9 @@ def command(model_name, gpu_name, bandwidth, flops, fp8_flops, rows, batch, cont
     # a model or drafter given as a config file (its weights and tokenizer beside it) or folder is an input too
     models = [f for n in (model_name, drafter_name) for f in model_inputs(n)]
     protect = [p for p in (profile_file, replay_file, rows_file, run_file) if p] + models
+    run = read_run(run_file) if run_file else None   # a batched run is refused as such first
     if run_file and typed("batch"):
         _refuse_batch_with_run("--run", run_file, batch)
-    run = read_run(run_file) if run_file else None
     policy = policy or (run.policy if run is not None else None) or "chain"
     # a probe of another batch than the profile's is refused naming both files (compute_ceiling)
     probe_batch = None if prof is not None and prof.shape.get("batch") and not typed("batch") else batch
@@ -403,8 +403,9 @@ def _check(check_file, run_file, replay_file, rows_file, ar_run_file, profile_fi
 
     if run_file or profile_file or model_name:
         raise InputError("--check RUN.json takes --replay, --rows-probe, --ar-run (not --run, --profile or --model)")
+    run = read_run(check_file)   # a batched run is refused as such first
     _refuse_batch_with_run("--check", check_file, batch)
-    res = check_run(read_run(check_file), replay=read_replay(replay_file) if replay_file else None,
+    res = check_run(run, replay=read_replay(replay_file) if replay_file else None,
                     probe=read_rows_probe(rows_file, one_request=f"--check {check_file}") if rows_file else None,
                     ar_run=read_run(ar_run_file) if ar_run_file else None, tolerance=tolerance, policy=policy,
                     draft_ms=draft_ms)
