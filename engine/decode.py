@@ -52,7 +52,7 @@ def check_request(prompt_ids, max_new_tokens: int, vocab: int, need, slots: int,
     if callable(need):
         need = need(len(prompt_ids), max_new_tokens)
     if need > slots:
-        fix = ("raise ctx=, --ctx on the command line" if need <= MAX_CTX else
+        fix = ("raise ctx= in the engine spec, or run and serve's --ctx" if need <= MAX_CTX else
                f"more than any ctx= holds, {MAX_CTX}: lower the new tokens or shorten the prompt")
         raise InputError(f"prompt ({len(prompt_ids)} tokens) + {max_new_tokens} new tokens + "
                          f"{need - len(prompt_ids) - max_new_tokens} slots for {room_words(mode)} need {need} cache "

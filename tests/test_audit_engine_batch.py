@@ -39,7 +39,7 @@ def test_a_prompt_the_engine_cannot_run_is_refused_before_any_runs(tmp_path):
     prompts = _prompts(2 * BATCH_ROUNDS + 3, gen.engine.model.spec.vocab_size)
     prompts[2 * BATCH_ROUNDS + 1] = Prompt("long", [1] * 200)   # past the 96 cache slots
     save = tmp_path / "o.jsonl"
-    with pytest.raises(InputError, match="prompt 'long': .*raise ctx="):
+    with pytest.raises(InputError, match="prompt 'long': .*raise ctx= in the engine spec, or run and serve's --ctx"):
         collect(gen, prompts, 6, save_to=str(save))
     assert not save.exists()
 
