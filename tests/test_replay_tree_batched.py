@@ -70,6 +70,35 @@ def test_shared_budget_equals_engine_shared_builder(budget):
     assert int(out.count.sum()) == budget
 
 
+def test_a_shared_budget_breaks_score_ties_as_the_engines_heap_does():
+    """A tie at the budget's edge goes to the shallower node, then the earlier request (the heap's
+    order): the batched mask gave it to the earlier request whatever its depth (A's second node
+    before B's first, tau 3.0 where the heap's trees give 2.75)."""
+    half, eighth = -0.5, -0.125
+    tok = torch.tensor([[[10], [11], [0]], [[20], [0], [0]], [[30], [31], [32]], [[40], [41], [42]]])
+    lp = torch.tensor([[[half], [half], [-math.inf]], [[-1.0], [-math.inf], [-math.inf]],
+                       [[eighth], [eighth], [eighth]], [[eighth], [eighth], [eighth]]])
+    out = build_batched_ref(tok, lp, None, 4, budget=8)
+    want = build_best_first_shared([(tok[b].tolist(), lp[b].tolist(), None) for b in range(4)], 8)
+    assert [len(w.tokens) for w in want] == [1, 1, 3, 3]
+    for b in range(4):
+        assert same(out.request(b), want[b]), b
+    # dyadic random lattices (exact ties everywhere) against the heap wherever no request is capped
+    checked = 0
+    for seed in range(60):
+        g = torch.Generator().manual_seed(seed)
+        B, m, K, n, budget = 3, 3, 3, 12, 2 + seed % 9
+        tok = torch.randint(0, 100, (B, m, K), generator=g)
+        lp = (torch.log_softmax(torch.randn(B, m, K, generator=g), -1) * 2).round() / 2
+        want = build_best_first_shared([(tok[b].tolist(), lp[b].tolist(), None) for b in range(B)], budget)
+        if any(len(w.tokens) > n for w in want):
+            continue
+        out = build_batched_ref(tok, lp, None, n, budget=budget)
+        assert all(same(out.request(b), want[b]) for b in range(B)), seed
+        checked += 1
+    assert checked > 40
+
+
 def test_shared_budget_invariants_with_cap():
     B, m, K, n = 6, 6, 5, 8
     tok, lp, tr = lattice(B, m, K, 11)
@@ -154,7 +183,7 @@ def test_triton_kernel_under_interpreter():
 
 FRONTIER_SCRIPT = r"""
 import json, random, torch
-from specpilot.kernels.tree import build_best_first
+from specpilot.kernels.tree import build_best_first, build_best_first_shared
 from specpilot.kernels.tree.batched import build_batched
 from specpilot.kernels.tree.naive import build_batched_ref
 
@@ -192,12 +221,18 @@ for case in range(36):
     if not (torch.equal(out.valid, ref.valid) and torch.equal(out.count, ref.count)):
         res["bad_valid"].append(case)
     if budget is None:
-        for b in range(B):
-            want = build_best_first(tok[b].tolist(), lp[b].double().tolist(),
-                                    t[b].double().tolist() if cond else None, n)
-            got = out.request(b)
-            if (got.tokens, got.parents, got.depth, got.cand) != (want.tokens, want.parents, want.depth, want.cand):
-                res["bad_heap"].append([case, b])
+        want = [build_best_first(tok[b].tolist(), lp[b].double().tolist(), t[b].double().tolist() if cond else None,
+                                 n) for b in range(B)]
+    else:   # the engine's shared heap, where no request reaches the per-request cap n
+        want = build_best_first_shared([(tok[b].tolist(), lp[b].double().tolist(),
+                                         t[b].double().tolist() if cond else None) for b in range(B)], budget)
+        if any(len(w.tokens) > n for w in want):
+            want = None
+    for b in range(B if want is not None else 0):
+        got = out.request(b)
+        if (got.tokens, got.parents, got.depth, got.cand) != (want[b].tokens, want[b].parents, want[b].depth,
+                                                              want[b].cand):
+            res["bad_heap"].append([case, b])
 print(json.dumps(res))
 """
 

@@ -109,7 +109,7 @@ def _build_frontier(tokens, logprobs, transitions, max_nodes, budget, out, num_w
         b = budget if isinstance(budget, torch.Tensor) else torch.full((), int(budget), dtype=torch.int64, device=dev)
         total = B * n
         CH = min(_pow2(total), max(32, 32768 // BN))          # nodes of the batch compared per step
-        _budget_rank_kernel[(B,)](out.score, out.valid, out.count, b.reshape(1).to(torch.int64),
+        _budget_rank_kernel[(B,)](out.score, out.depth, out.valid, out.count, b.reshape(1).to(torch.int64),
                                   TOTAL=total, N=n, BN=BN, CH=CH, NCH=-(-total // CH), num_warps=BUDGET_WARPS)
     return out
 
@@ -224,22 +224,27 @@ if triton is not None:
                     o_p, o_d, o_c, o_s, valid, valid & om)
 
     @triton.jit
-    def _budget_rank_kernel(score_ptr, valid_ptr, count_ptr, budget_ptr, TOTAL: tl.constexpr, N: tl.constexpr,
-                            BN: tl.constexpr, CH: tl.constexpr, NCH: tl.constexpr):
+    def _budget_rank_kernel(score_ptr, depth_ptr, valid_ptr, count_ptr, budget_ptr, TOTAL: tl.constexpr,
+                            N: tl.constexpr, BN: tl.constexpr, CH: tl.constexpr, NCH: tl.constexpr):
         """Shared budget, one program per request: a node is kept when fewer than ``budget`` nodes of
-        the whole batch beat it (higher score, then earlier request, then earlier rank). A node is
-        valid when its score is > -inf (``valid`` is only written, so programs never race)."""
+        the whole batch beat it, in the engine heap's order (higher score, then shallower, then
+        earlier request, then earlier rank). A node is valid when its score is > -inf (``valid`` is
+        only written, so programs never race)."""
         b = tl.program_id(0)
         rn = tl.arange(0, BN)
         own = b * N + rn
         om = rn < N
         s = tl.load(score_ptr + own, mask=om, other=float("-inf"))
+        d = tl.load(depth_ptr + own, mask=om, other=0)
         v = s > float("-inf")
         rank = tl.zeros([BN], tl.int32)
         for c in tl.static_range(NCH):
             q = c * CH + tl.arange(0, CH)
             S = tl.load(score_ptr + q, mask=q < TOTAL, other=float("-inf"))
-            beats = (S[None, :] > s[:, None]) | ((S[None, :] == s[:, None]) & (q[None, :] < own[:, None]))
+            D = tl.load(depth_ptr + q, mask=q < TOTAL, other=0)
+            tie = (S[None, :] == s[:, None]) & ((D[None, :] < d[:, None])
+                                                | ((D[None, :] == d[:, None]) & (q[None, :] < own[:, None])))
+            beats = (S[None, :] > s[:, None]) | tie
             rank += tl.sum(beats.to(tl.int32), axis=1)
         budget = tl.load(budget_ptr)
         keep = v & om & (rank < budget)

@@ -98,16 +98,19 @@ def build_batched_ref(tokens: torch.Tensor, logprobs: torch.Tensor, transitions:
     tok = torch.gather(tokens.reshape(B, m * K), 1, depth * K + cand)
     valid = torch.isfinite(score)
     if budget is not None:
-        valid = valid & _shared_mask(score, valid, budget)
+        valid = valid & _shared_mask(score, depth, valid, budget)
     count = valid.sum(1)
     return BatchedTrees(tok, parents, depth, cand, score, valid, count)
 
 
-def _shared_mask(score: torch.Tensor, valid: torch.Tensor, budget) -> torch.Tensor:
-    """Keep the ``budget`` best nodes over all requests (ties: earlier request, then rank)."""
+def _shared_mask(score: torch.Tensor, depth: torch.Tensor, valid: torch.Tensor, budget) -> torch.Tensor:
+    """Keep the ``budget`` best nodes over all requests, in the engine heap's order (ties: shallower,
+    then earlier request, then rank)."""
     B, n = score.shape
     flat = torch.where(valid, score, torch.full_like(score, float("-inf"))).reshape(B * n)
-    _, o = torch.sort(flat, descending=True, stable=True)
+    # stable sorts, least significant key first: depth (ties: request, rank), then score
+    by_depth = torch.sort(depth.reshape(B * n), stable=True).indices
+    o = by_depth[torch.sort(flat[by_depth], descending=True, stable=True).indices]
     pos = torch.empty_like(o)
     pos[o] = torch.arange(B * n, device=score.device)
     b = budget if isinstance(budget, torch.Tensor) else torch.full((), int(budget), device=score.device)
