@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import json
 import random
+import signal
 import statistics
 import sys
 import time
@@ -66,14 +67,15 @@ def _payload(api: str, prompt, max_new_tokens: int, model: str | None) -> dict:
 
 def _tokens_of(api: str, body: dict, seen: int) -> tuple[int | None, int | None, str | None]:
     """(completion tokens so far, prompt tokens, abort message) of an answer or a streamed event.
-    OpenAI: the usage vLLM's continuous_usage_stats puts in every event; a server without it
-    counts an event with text as one token, as bench_serving does."""
+    OpenAI: the usage vLLM's continuous_usage_stats puts in every event with text; a server without
+    it counts an event with text as one token, as bench_serving does (an event of usage alone, at
+    the end, gives the answer's length, no gaps: :func:`_final_usage`)."""
     if api == "openai":
         use = body.get("usage")
         ch = body.get("choices") or [{}]
         if ch[0].get("finish_reason") == "abort":
             return None, None, "aborted"
-        if use:
+        if use and ch[0].get("text") is not None:
             return use.get("completion_tokens"), use.get("prompt_tokens"), None
         return (seen + 1 if ch[0].get("text") else seen), None, None
     meta = body["meta_info"]
@@ -81,6 +83,21 @@ def _tokens_of(api: str, body: dict, seen: int) -> tuple[int | None, int | None,
     if fin and fin.get("type") == "abort":
         return None, None, str(fin.get("message"))
     return meta["completion_tokens"], meta["prompt_tokens"], None
+
+
+def _final_usage(api: str, body: dict) -> tuple[int, int | None] | None:
+    """(completion tokens, prompt tokens) of an OpenAI stream's closing event of usage alone."""
+    use = body.get("usage")
+    if api != "openai" or not use or (body.get("choices") or [{}])[0].get("text") is not None:
+        return None
+    return use.get("completion_tokens") or 0, use.get("prompt_tokens")
+
+
+def _finished(api: str, body: dict) -> bool:
+    """Whether a streamed event says the answer is complete (its finish reason)."""
+    if api == "openai":
+        return bool((body.get("choices") or [{}])[0].get("finish_reason"))
+    return bool((body.get("meta_info") or {}).get("finish_reason"))
 
 
 async def _one(client, url: str, payload: dict, stream: bool, api: str = "sglang") -> Outcome:
@@ -94,12 +111,18 @@ async def _one(client, url: str, payload: dict, stream: bool, api: str = "sglang
             if r.status_code != 200:
                 out.error = r.text[:200]
                 return out
-            n, prompt_n, _ = _tokens_of(api, r.json(), 0)
+            n, prompt_n, abort = _tokens_of(api, r.json(), 0)
+            if abort is not None:   # SGLang answers an aborted request with 200 and finish_reason abort
+                out.error = abort
+                return out
+            if not n:   # every request sets ignore_eos: an answer without tokens was not answered
+                out.error = "no tokens in the answer"
+                return out
             out.e2e = time.perf_counter() - st
-            out.tokens, out.prompt_tokens = n or 0, prompt_n or 0
+            out.tokens, out.prompt_tokens = n, prompt_n or 0
             out.ok = True
             return out
-        last_n, last_t = 0, st
+        last_n, last_t, ended, final = 0, st, False, None
         body = {**payload, "stream": True}
         if api == "openai":
             body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
@@ -113,11 +136,18 @@ async def _one(client, url: str, payload: dict, stream: bool, api: str = "sglang
                     continue
                 data = line[6:]
                 if data == "[DONE]":
+                    ended = True
                     break
                 chunk = json.loads(data)
                 if "error" in chunk:
                     out.error = str(chunk["error"])[:200]
                     return out
+                usage = _final_usage(api, chunk)
+                if usage is not None:
+                    final = usage
+                    out.prompt_tokens = usage[1] or out.prompt_tokens
+                    continue
+                ended = ended or _finished(api, chunk)
                 n, prompt_n, abort = _tokens_of(api, chunk, last_n)
                 if abort is not None:
                     out.error = abort
@@ -132,8 +162,13 @@ async def _one(client, url: str, payload: dict, stream: bool, api: str = "sglang
                 if prompt_n is not None:
                     out.prompt_tokens = prompt_n
         out.e2e = time.perf_counter() - st
-        out.tokens = last_n
-        out.ok = True
+        out.tokens = final[0] if final is not None else last_n
+        if not ended:   # cut off: neither [DONE] nor a finish reason came
+            out.error = "the stream ended before the answer did (no [DONE], no finish reason)"
+        elif not out.tokens:
+            out.error = "no tokens in the stream"
+        else:
+            out.ok = True
     except Exception as e:   # a failed request is a data point, not a crash of the generator
         out.error = f"{type(e).__name__}: {e}"[:200]
     return out
@@ -199,7 +234,8 @@ def run_load(url: str, prompts: list, *, max_new_tokens: int, concurrency: int |
     if rate is None and concurrency is None:
         concurrency = 1
     payloads = [_payload(api, prompts[i % len(prompts)], max_new_tokens, model) for i in range(n)]
-    outcomes, secs, peak = asyncio.run(_run(url.rstrip("/"), payloads, concurrency, rate, stream, seed, timeout, api))
+    outcomes, secs, peak = asyncio.run(_stoppable(_run(url.rstrip("/"), payloads, concurrency, rate, stream, seed,
+                                                       timeout, api)))
     good = [o for o in outcomes if o.ok]
     tokens = sum(o.tokens for o in good)
     itl = [x for o in good for x in o.itl]
@@ -276,6 +312,31 @@ def _counts(text: str) -> list[int]:
     return [_positive(int)(x) for x in text.split(",")]
 
 
+_stop = {"signal": None, "loop": None, "task": None}   # main()'s signal, the level running now
+
+
+async def _stoppable(coro):
+    """``coro`` as the running level, which a signal main() caught cancels (a signal raising in the
+    middle of the event loop's own code, as Python's default does, left a half-made loop whose
+    teardown printed a traceback)."""
+    _stop.update(loop=asyncio.get_running_loop(), task=asyncio.current_task())
+    try:
+        if _stop["signal"] is not None:   # caught while the level started
+            coro.close()
+            raise asyncio.CancelledError
+        return await coro
+    finally:
+        _stop.update(loop=None, task=None)
+
+
+def _on_signal(signum, frame):  # noqa: ARG001
+    """SIGINT or SIGTERM: stop the level running (if any) and run no more."""
+    _stop["signal"] = signum
+    loop, task = _stop["loop"], _stop["task"]
+    if loop is not None and task is not None:
+        loop.call_soon_threadsafe(task.cancel)
+
+
 def main(argv=None):
     """Exit 0 when every request of every run was answered, 1 when some failed, 2 on bad input."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -340,12 +401,30 @@ def main(argv=None):
         print("loadgen: give --prompts FILE or --random-ids N", file=sys.stderr)
         return 2
     results = []
-    for c in args.concurrency or [None]:
-        res = run_load(args.url, prompts, max_new_tokens=args.max_new_tokens, concurrency=c, rate=args.rate,
-                       num_prompts=args.num_prompts, stream=not args.no_stream, seed=args.seed, api=args.api,
-                       model=args.model)
-        print_summary(res)
-        results.append(res)
+    # a signal stops the level running and keeps the finished ones (written to --out)
+    old = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for c in args.concurrency or [None]:
+            if _stop["signal"] is not None:
+                break
+            try:
+                res = run_load(args.url, prompts, max_new_tokens=args.max_new_tokens, concurrency=c, rate=args.rate,
+                               num_prompts=args.num_prompts, stream=not args.no_stream, seed=args.seed,
+                               api=args.api, model=args.model)
+            except asyncio.CancelledError:
+                break
+            print_summary(res)
+            results.append(res)
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    if _stop["signal"] is not None:
+        name = signal.Signals(_stop["signal"]).name
+        kept = f"; the {len(results)} finished level(s) written to {args.out}" if args.out and results else ""
+        if args.out and results:
+            write_text_atomic(args.out, json.dumps(results, indent=2) + "\n")
+        print(f"loadgen: interrupted by {name}{kept}", file=sys.stderr)
+        return 128 + _stop["signal"]
     if args.out:
         write_text_atomic(args.out, json.dumps(results, indent=2) + "\n")
     failed = sum(r["failed"] for r in results)
