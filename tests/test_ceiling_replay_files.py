@@ -83,3 +83,16 @@ def test_a_damaged_replay_is_refused(run_cli, tmp_path, doc, words):
     replay.write_text(json.dumps({"schema": "specpilot.replay/1", **doc}))
     code, out, err = run_cli("ceiling", "--replay", replay, "--step-ms", "10", "--ar-ms", "8")
     assert code == 2 and out == "" and words in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_rows_probes_step_says_it_leaves_drafting_out(run_cli):
+    """Paper 3.2's T_step includes drafting; a rows probe times the verify forward alone: the
+    speedup it gives reads high by the drafting's share, and a note says so (TLV's cycle did)."""
+    ex = ROUNDS / "smollm2-cpu" / "measure"
+    base = ("ceiling", "--replay", ex / "replay.json", "--rows-probe", ex / "rows.json", "--policy", "chain",
+            "--rows", "9", "--format", "json")
+    code, out, err = run_cli(*base)
+    assert code == 0, err
+    assert any("verify forward alone: drafting" in n for n in json.loads(out)["cost_model"]["notes"])
+    code, out, err = run_cli(*base, "--step-ms", "60")
+    assert code == 0 and not any("drafting" in n for n in json.loads(out)["cost_model"]["notes"]), out
