@@ -122,9 +122,17 @@ def _seed(name: str, d: Path):
         return "prompts.jsonl", ["run", "--model", "tiny", "--mode", "ar", "--prompts", "{in}", "--max-new-tokens", "4",
                                  "--outputs-out", "out.jsonl"], ("out.jsonl",)
     if name == "outputs":
-        (d / "sys.jsonl").write_text(_jsonl(_outputs(0)))
-        (d / "stock.jsonl").write_text(_jsonl(_outputs(1)))
+        from specpilot.engine.api import load_engine
+
         _tiny_scorer(d / "scorer")
+        # stock is the scorer's own greedy output (a stock it disagrees with is refused); the system
+        # differs from it at one token a prompt
+        engine = load_engine(f"engine:model={d / 'scorer'},mode=ar,threads=1")
+        stock = [dict(r, output_ids=engine.generate(r["prompt_ids"], 6).output_ids) for r in _outputs(0)]
+        system = [dict(r, output_ids=r["output_ids"][:3] + [(r["output_ids"][3] + 1) % V] + r["output_ids"][4:])
+                  for r in stock]
+        (d / "sys.jsonl").write_text(_jsonl(system))
+        (d / "stock.jsonl").write_text(_jsonl(stock))
         return "sys.jsonl", ["audit", "{in}", "--against", "stock.jsonl", "--scorer", "scorer", "--bootstrap",
                              "100"], ()
     if name == "memory":
