@@ -12,7 +12,7 @@ teacher-forced argmax/margin for every output token (``specpilot.auditors.scorer
   reference made the same choice; otherwise it is unexplained.
 - Verdict (paper 3.4): reject a system when its mismatch rate exceeds stock's by more than
   0.5 percentage points, or when it has more events than stock would have on as many tokens
-  (events > stock_events x tokens / stock_tokens). A system that produced no tokens while
+  (events > ceil(stock_events x tokens / stock_tokens)). A system that produced no tokens while
   stock did is rejected too (there is nothing to audit); one with < 90% of stock's tokens is
   flagged in the warnings.
 - Mismatches cluster within prompts, so intervals resample prompts, not tokens.
@@ -276,9 +276,7 @@ def audit(systems: list[Scored], stock: Scored, ar: Scored | None = None, *, del
             lo, hi = np.percentile(diffs, [2.5, 97.5])
             sa.diff_ci = (float(lo), float(hi))
             st_tokens = int(st_tok.sum())
-            # more frequent than stock: events > stock's rate x tokens, in whole numbers (ceil allowed
-            # 2 events on 1500 tokens against stock's 1 on 1000)
-            allowed = int(st_evt.sum()) * tokens // st_tokens if st_tokens else 0
+            allowed = math.ceil(int(st_evt.sum()) * tokens / st_tokens - 1e-9) if st_tokens else 0
             sa.events_allowed = int(allowed)
             # in exact fractions: 4/200 - 3/200 is 0.005000000000000001 in floats, "more than" 0.5 pp
             excess = (Fraction(int(n_mis.sum()), max(tokens, 1))
@@ -317,7 +315,7 @@ def audit(systems: list[Scored], stock: Scored, ar: Scored | None = None, *, del
         warnings.append("no --ar outputs: delta = 1/8 by default (phase 0 needs AR outputs)")
     verdict = "reject" if any(r.verdict == "reject" for r in rows) else "pass"
     rules = {"max_mismatch_increase": max_increase, "event_margin": 2 * d,
-             "events": "events > stock_events x tokens / stock_tokens"}
+             "events": "events > ceil(stock_events x tokens / stock_tokens)"}
     return AuditResult(verdict=verdict, delta=d, phase0=ph, systems=rows, rules=rules, bootstrap=bootstrap,
                        seed=seed, warnings=warnings)
 
