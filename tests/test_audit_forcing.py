@@ -511,3 +511,13 @@ def test_a_stock_the_scorer_disagrees_with_is_refused_or_warned():
         else:
             res = audit([sysm], stock, delta=0.125, bootstrap=50)
             assert any("differ from the scorer's greedy token at 10.0%" in w for w in res.warnings), res.warnings
+
+
+def test_a_system_that_stops_a_token_before_stock_keeps_stocks_events():
+    """Stock's 5 events on 192 tokens allow 5 on 191 (whole events, rounded up): an exact rate
+    comparison rejected a lossless prefix of stock's own outputs."""
+    margins = [[0.5] + [0] * 47] * 4 + [[0.5] + [0] * 47]   # 5 events over 5 prompts of 48 tokens: 240
+    stock = _scored("stock", "stock", _rows(5, 48), margins)
+    sys_ = _scored("s", "system", _rows(4, 48) + _rows(1, 47), margins[:4] + [[0.5] + [0] * 46])
+    res = audit([sys_], stock, delta=0.125, bootstrap=50)
+    assert res.systems[1].events == 5 and res.systems[1].events_allowed == 5 and res.systems[1].verdict == "pass"
