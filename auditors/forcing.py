@@ -33,10 +33,12 @@ from .scorer import TokenScores
 
 DELTA_STEP = 1.0 / 8.0
 MAX_MISMATCH_INCREASE = 0.005  # 0.5 percentage points
-# stock's own mismatch rate: its greedy tokens differ from the scorer's argmax only at near ties
-# (bf16 against an fp32 scorer: a few percent); far above, the scorer is another model
-STOCK_RATE_WARNED = 0.05
-STOCK_RATE_REFUSED = 0.5
+# stock's own events (mismatches with margin >= 2 delta): its greedy tokens differ from the
+# scorer's argmax at near ties (numerics: bf16 on random weights, 15% of tokens), seldom by a clear
+# margin; at most tokens, the scorer is another model. Rates of at least STOCK_EVENTS_MIN events.
+STOCK_EVENTS_WARNED = 0.05
+STOCK_EVENTS_REFUSED = 0.5
+STOCK_EVENTS_MIN = 8
 
 
 @dataclass
@@ -247,18 +249,20 @@ def audit(systems: list[Scored], stock: Scored, ar: Scored | None = None, *, del
         per[id(s)] = _per_prompt(s, order, d, [r for r in refs_all if r is not s])
     st_tok, st_mis, st_evt, _, _ = per[id(stock)]
     st_rate = st_mis.sum() / max(st_tok.sum(), 1)
-    if st_rate > STOCK_RATE_REFUSED:   # a gate against such a stock passes almost anything
-        raise InputError(f"{stock.outputs.source or stock.outputs.name}: stock's outputs differ from the scorer's "
-                         f"greedy token at {st_rate:.1%} of their tokens ({int(st_mis.sum())} of {int(st_tok.sum())}): "
-                         "the scorer is not the model that produced them greedily; score with the target model "
-                         "(--scorer)")
+    n_evt, n_tok = int(st_evt.sum()), int(st_tok.sum())
+    st_evt_rate = n_evt / n_tok if n_evt >= STOCK_EVENTS_MIN else 0.0
+    if st_evt_rate > STOCK_EVENTS_REFUSED:   # a gate against such a stock passes almost anything
+        raise InputError(f"{stock.outputs.source or stock.outputs.name}: the scorer's greedy token differs from "
+                         f"stock's by a clear margin (>= 2 delta = {2 * d:g}) at {st_evt_rate:.1%} of its tokens "
+                         f"({n_evt} of {n_tok}): the scorer is not the model that produced them greedily; score "
+                         "with the target model (--scorer)")
 
     rows: list[SystemAudit] = []
     warnings: list[str] = []
-    if st_rate > STOCK_RATE_WARNED:
-        warnings.append(f"stock's outputs differ from the scorer's greedy token at {st_rate:.1%} of their tokens: "
-                        "greedy outputs of the scorer's model differ only at near ties (numerics); is the scorer "
-                        "the target model, and was stock greedy?")
+    if st_evt_rate > STOCK_EVENTS_WARNED:
+        warnings.append(f"the scorer's greedy token differs from stock's by a clear margin at {st_evt_rate:.1%} of "
+                        "its tokens (events): greedy outputs of the scorer's model differ from it at near ties "
+                        "(numerics); is the scorer the target model, and was stock greedy?")
     for s in everyone:
         n_tok, n_mis, n_evt, n_unx, allm = per[id(s)]
         tokens = int(n_tok.sum())

@@ -499,18 +499,23 @@ def test_a_scorer_of_another_vocabulary_is_refused_before_it_scores(run_cli, tmp
 
 def test_a_stock_the_scorer_disagrees_with_is_refused_or_warned():
     """A scorer of another model (same vocabulary) disagreed with stock's greedy tokens at 98%: every
-    system passed against it. Over half: refused; over 5%: a warning."""
+    system passed against it. Clear mismatches (events) at over half of stock's tokens: refused;
+    over 5%: a warning. Near ties are numerics, at any rate (bf16 on random weights: 15%), and a
+    few events on a few tokens say nothing."""
     rows = _rows(4, 50)
-    for wrong, refused in ((30, True), (5, False)):
-        margins = [[0.5] * wrong + [0] * (50 - wrong)] * 4   # the scorer's argmax is another token there
+    for wrong, margin, verdict in ((30, 0.5, "refused"), (5, 0.5, "warned"), (45, 0.1, "quiet")):
+        margins = [[margin] * wrong + [0] * (50 - wrong)] * 4   # the scorer's argmax is another token there
         stock = _scored("stock", "stock", rows, margins)
         sysm = _scored("s", "system", rows, margins)
-        if refused:
-            with pytest.raises(forcing.InputError, match=r"at 60\.0% of their tokens \(120 of 200\): the scorer is not"):
+        if verdict == "refused":
+            with pytest.raises(forcing.InputError, match=r"at 60\.0% of its tokens \(120 of 200\): the scorer is not"):
                 audit([sysm], stock, delta=0.125, bootstrap=50)
-        else:
-            res = audit([sysm], stock, delta=0.125, bootstrap=50)
-            assert any("differ from the scorer's greedy token at 10.0%" in w for w in res.warnings), res.warnings
+            continue
+        res = audit([sysm], stock, delta=0.125, bootstrap=50)
+        assert any("clear margin at 10.0%" in w for w in res.warnings) == (verdict == "warned"), res.warnings
+    few = [[0.5, 0.5, 0.5, 0], [0.5, 0.5, 0.5, 0]]   # 6 events of 8 tokens: too few to tell
+    stock = _scored("stock", "stock", _rows(2, 4), few)
+    audit([_scored("s", "system", _rows(2, 4), few)], stock, delta=0.125, bootstrap=50)
 
 
 def test_a_system_that_stops_a_token_before_stock_keeps_stocks_events():
