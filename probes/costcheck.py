@@ -165,6 +165,9 @@ def check_run(run: RunFigures, replay: ReplayFigures | None = None, probe: RowsP
         verify_p = sum(t * n for t, n in times) / total
         rows = sorted(run.verify_by_rows)
         verify_from = f"rows probe {probe.source} at {rows[0]}..{rows[-1]} rows, weighted by the run's steps"
+    else:
+        notes.append("no --rows-probe: c(N) is the run's own verify forward and T_AR the AR run's own step; "
+                     "only tau is predicted from another file")
 
     # drafting (TLV: draft 1 + draft 2), the run's own; TLV's Q pass the rows probe's at the run's
     # N + 1 rows where it timed one there (probe rows --qview), else the run's own

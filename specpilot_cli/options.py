@@ -50,6 +50,8 @@ def not_blank(ctx, param, value):
     """Click callback for a text option (a model name, a system, GPU ids): an empty value is not the
     option left out."""
     if value is not None and not str(value).strip():
+        if param.required:
+            raise click.BadParameter("empty; give a value")
         left = f"leave {param.opts[0]} out" if param.param_type_name == "option" else "leave it out"
         raise click.BadParameter(f"empty; give a value, or {left}")
     return value

@@ -287,6 +287,7 @@ def test_check_tlv_run(run_cli, tmp_path, files):
     assert code == 0, err
     d = json.loads(out)
     assert d["policy"] == "tlv:16" and d["tlv_cycle_ms"]["cycle"] == pytest.approx(23.0)
+    assert any(n.startswith("no --rows-probe: c(N) is the run's own") for n in d["notes"]), d["notes"]
     terms = {t["term"]: t for t in d["terms"]}
     assert terms["drafting"]["measured"] == pytest.approx(1.0) and terms["Q pass"]["measured"] == pytest.approx(9.0)
     assert d["predicted_speedup"] == pytest.approx(6.0 * 10.5 / 23.0)

@@ -872,3 +872,5 @@ def test_an_empty_scorer_or_model_is_refused_in_every_verb(run_cli, argv):
     argv = [str(Path(__file__).resolve().parents[1] / a) if a.startswith("examples/") else a for a in argv]
     code, out, err = run_cli(*argv)
     assert code == 2 and out == "" and "empty; give a value" in _one_error(err), err
+    # audit's --scorer is required: "leave it out" would be refused next
+    assert ("leave --scorer out" in err) == (argv[0] != "audit" and "--scorer" in argv), err

@@ -280,3 +280,17 @@ def test_the_audits_warnings_are_checks_warnings(base, run_cli, tmp_path):
     assert code == 0, err
     doc = json.loads(out)
     assert doc["audit"]["warnings"] and all(f"audit: {w}" in doc["warnings"] for w in doc["audit"]["warnings"])
+
+
+def test_a_system_on_cuda_without_a_gpu_is_named_first(base, run_cli, tmp_path, monkeypatch):
+    """The committed H200 round's check said to give --scorer or --no-audit, neither of which helps:
+    its system itself needs the GPU."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    b = _baseline(base, tmp_path, lambda d: d.update(system=d["system"] + ",device=cuda",
+                                                     stock=d["stock"] + ",device=cuda"))
+    for extra in ([], ["--no-audit"]):
+        code, _, err = run_cli("check", "--baseline", b, "--runs", "4", *extra)
+        assert code == 3 and err.count("\n") == 1 and "the baseline's system" in err, err
+        assert "runs on CUDA and no CUDA GPU is visible: run the check on a machine with a GPU" in err, err

@@ -134,9 +134,13 @@ def run_check(baseline: dict, *, system: str | None = None, runs: int | None = N
     if audit and not any(r["output_ids"] for r in outs["stock"]):   # every verdict would pass on no evidence
         raise InputError(f"{baseline['_path']}: outputs.stock holds no tokens: the audit has nothing to compare "
                          "against; run the round again, or give --no-audit")
-    if audit and not scorer and EngineSpec.parse(baseline["stock"]).device.startswith("cuda"):
-        import torch
+    import torch
 
+    if EngineSpec.parse(sys_text).device.startswith("cuda") and not torch.cuda.is_available():
+        where = f"--system {sys_text}" if system else f"{baseline['_path']}: the baseline's system {sys_text}"
+        raise EnvironmentMissing(f"{where} runs on CUDA and no CUDA GPU is visible: run the check on a machine "
+                                 "with a GPU (the baseline's throughput is of its GPU)")
+    if audit and not scorer and EngineSpec.parse(baseline["stock"]).device.startswith("cuda"):
         if not torch.cuda.is_available():   # before the timed runs, not after them
             raise EnvironmentMissing(f"{baseline['_path']}: the audit's scorer is the baseline's stock engine "
                                      f"{baseline['stock']}, on CUDA, and no CUDA GPU is visible: give --scorer MODEL "
