@@ -123,8 +123,8 @@ def check(entry, results_dir: str | Path | None) -> EvidenceCheck:
             kinds.add("stale")
             continue
         if " ".join(str(item.get("what", "")).split()) != " ".join(r.what.split()):
-            out.append(f"{where}: stale: the text says {_short(item.get('what'))!r}, "
-                       f"{item['source']}.json now gives {_short(r.what)!r}")
+            says, gives = _where_they_differ(str(item.get("what", "")), r.what)
+            out.append(f"{where}: stale: the text says {says!r}, {item['source']}.json now gives {gives!r}")
             kinds.add("stale")
         elif item.get("hardware") != r.hardware:
             out.append(f"{where}: stale hardware {item.get('hardware')!r}; {item['source']}.json says {r.hardware!r}")
@@ -136,6 +136,16 @@ def check(entry, results_dir: str | Path | None) -> EvidenceCheck:
     else:
         status = "not checked" if results_dir is None else "current"
     return EvidenceCheck(status=status, problems=out)
+
+
+def _where_they_differ(a: str, b: str, before: int = 4, width: int = 90) -> tuple[str, str]:
+    """The two texts from a few words before their first difference (a long text's start is the
+    same in both: cut there, the two quotes read alike)."""
+    wa, wb = a.split(), b.split()
+    i = next((k for k, (x, y) in enumerate(zip(wa, wb)) if x != y), min(len(wa), len(wb)))
+    start = max(0, i - before)
+    lead = "..." if start else ""
+    return (_short(lead + " ".join(wa[start:]), width), _short(lead + " ".join(wb[start:]), width))
 
 
 def _short(text, width: int = 90) -> str:

@@ -423,3 +423,14 @@ def test_test_counts_named_in_evidence_are_what_pytest_collects():
     assert len(ids) == int(found.group(1)), proc.stdout[-2000:]   # one line per collected test
     for where, path, n in named:
         assert ids.count(path) == n, f"{where} says {path} has {n} tests; pytest collects {ids.count(path)}"
+
+
+def test_a_stale_long_text_is_quoted_where_it_differs():
+    """Both quotes were cut to the same 90-character start: the changed figure at the end was in
+    neither."""
+    from specpilot.bundles.evidence import _where_they_differ
+
+    head = "a kernel that only reads the W12 bytes (the read floor) is 1.470x of cuBLAS at 1 row and"
+    says, gives = _where_they_differ(head + " reaches 87.8% of the floor", head + " reaches 50.0% of the floor")
+    assert "87.8%" in says and "50.0%" in gives and says.startswith("...") and says != gives
+    assert _where_they_differ("short 1", "short 2") == ("short 1", "short 2")
