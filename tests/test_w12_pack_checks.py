@@ -212,3 +212,19 @@ def test_a_format_1_input_is_not_merged_into_a_format_2_table(tmp_path, run_cli)
     code, _, err = run_cli("w12", "pack", old, "-o", tmp_path / "y.safetensors", "--include", "*", "--device", "cpu")
     assert code == 2 and "its W12 tensors are format 1, new ones would be format 2" in err, err
     assert not (tmp_path / "y.safetensors").exists()
+
+
+def test_a_weight_whose_name_holds_w12_is_converted(tmp_path, run_cli):
+    """Only a packed tensor's stored parts (NAME.w12.records ...) are never converted: a bf16 weight
+    named layers.0.w12.q_proj.weight was skipped without a word, and --include 'layers.0.*' said
+    no tensor matched."""
+    src, dst = tmp_path / "m.safetensors", tmp_path / "o.safetensors"
+    g = torch.Generator().manual_seed(0)
+    save_file({"layers.0.w12.q_proj.weight": (torch.randn(32, 64, generator=g) * 0.02).bfloat16(),
+               "layers.1.q_proj.weight": (torch.randn(32, 64, generator=g) * 0.02).bfloat16()}, str(src))
+    code, out, err = run_cli("w12", "pack", src, "-o", dst, "--device", "cpu", "--format", "json")
+    assert code == 0 and json.loads(out)["converted"] == 2, (out, err)
+    code, out, err = run_cli("w12", "pack", src, "-o", tmp_path / "p.safetensors", "--include", "layers.0.*",
+                             "--device", "cpu", "--format", "json")
+    assert code == 0 and json.loads(out)["converted"] == 1, (out, err)
+    assert run_cli("w12", "verify", dst, "--against", src)[0] == 0

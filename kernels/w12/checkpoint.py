@@ -42,7 +42,8 @@ DEFAULT_INCLUDE = ("*proj.weight", "*fc1.weight", "*fc2.weight", "*c_fc.weight",
                    "*query_key_value.weight", "*dense*.weight", "*experts*.weight")
 DEFAULT_EXCLUDE = ("*embed*", "lm_head.weight", "*norm*")
 # the stored parts of an already packed tensor are never weights to convert, whatever the patterns say
-ALWAYS_EXCLUDE = ("*.w12.*",)
+# (by their full names: a weight whose name merely holds ".w12." is a weight)
+ALWAYS_EXCLUDE = tuple(f"*.w12.{p}" for p in PARTS)
 
 
 class W12TableError(W12FormatError):
