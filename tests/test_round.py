@@ -555,14 +555,17 @@ def _sglang_deployment(tmp_path) -> tuple[dict, int, int]:
                                                     for i in range(3)))
     stock_port, cand_port = _free_port(), _free_port()
     serve = f"{sys.executable} -m specpilot serve --engine {{engine}} --port {{port}}"
+    model = _tiny_hf(tmp_path / "scorer")   # the servers' model is the scorer: stock is its greedy output
     dep = {"schema": "specpilot.deployment/1", "name": "tiny behind fake SGLang servers", "dtype": "bf16",
            "drafter": "eagle", "batch": 1, "rows": 9, "policy": "chain:4", "sglang": {"version": "0.5.23"},
-           "prompts": "prompts.jsonl", "max_new_tokens": 8, "scorer": str(_tiny_hf(tmp_path / "scorer")),
+           "prompts": "prompts.jsonl", "max_new_tokens": 8, "scorer": str(model),
            "measurements": {"rows_probe": "rows.json", "lattices": ["lattice.jsonl"]},
            "servers": {"stock": {"url": f"http://127.0.0.1:{stock_port}", "ready_timeout": 120,
-                                 "start": serve.replace("{engine}", TINY).replace("{port}", str(stock_port))},
+                                 "start": serve.replace("{engine}", f"engine:model={model},mode=ar,threads=1")
+                                 .replace("{port}", str(stock_port))},
                        "candidate": {"port": cand_port, "ready_timeout": 120, "expected_start_s": 5},
-                       "candidates": {"tree": {"start": serve.replace("{engine}", "engine:model=tiny,mode=tree,nodes=8")}}}}
+                       "candidates": {"tree": {"start": serve.replace(
+                           "{engine}", f"engine:model={model},mode=tree,nodes=8,threads=1")}}}}
     return dep, stock_port, cand_port
 
 
