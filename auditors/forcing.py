@@ -35,7 +35,8 @@ DELTA_STEP = 1.0 / 8.0
 MAX_MISMATCH_INCREASE = 0.005  # 0.5 percentage points
 # stock's own events (mismatches with margin >= 2 delta): its greedy tokens differ from the
 # scorer's argmax at near ties (numerics: bf16 on random weights, 15% of tokens), seldom by a clear
-# margin; at most tokens, the scorer is another model. Rates of at least STOCK_EVENTS_MIN events.
+# margin; at most tokens, the scorer is another model. A rate needs STOCK_EVENTS_MIN events: a few
+# on a few tokens say nothing.
 STOCK_EVENTS_WARNED = 0.05
 STOCK_EVENTS_REFUSED = 0.5
 STOCK_EVENTS_MIN = 8

@@ -402,6 +402,7 @@ def main(argv=None):
         return 2
     results = []
     # a signal stops the level running and keeps the finished ones (written to --out)
+    _stop["signal"] = None
     old = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         for c in args.concurrency or [None]:
@@ -418,13 +419,14 @@ def main(argv=None):
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
-    if _stop["signal"] is not None:
-        name = signal.Signals(_stop["signal"]).name
+    caught, _stop["signal"] = _stop["signal"], None   # a library call after main() runs its load
+    if caught is not None:
+        name = signal.Signals(caught).name
         kept = f"; the {len(results)} finished level(s) written to {args.out}" if args.out and results else ""
         if args.out and results:
             write_text_atomic(args.out, json.dumps(results, indent=2) + "\n")
         print(f"loadgen: interrupted by {name}{kept}", file=sys.stderr)
-        return 128 + _stop["signal"]
+        return 128 + caught
     if args.out:
         write_text_atomic(args.out, json.dumps(results, indent=2) + "\n")
     failed = sum(r["failed"] for r in results)

@@ -41,8 +41,8 @@ def about_prompt(prompt_id, prefix: str = ""):
 
 
 def did_you_mean(word, choices) -> str:
-    """" (did you mean 'x'?)" for the choice closest to a misspelt ``word``, "" where none is close:
-    a hint, not the list of choices (a long list would be cut off in a one-line error)."""
+    """The hint ``" (did you mean 'x'?)"`` for the choice closest to a misspelt ``word``, "" where none
+    is close: a hint, not the list of choices (a long list would be cut off in a one-line error)."""
     import difflib
 
     close = difflib.get_close_matches(str(word), list(choices), n=1)

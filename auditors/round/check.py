@@ -140,11 +140,11 @@ def run_check(baseline: dict, *, system: str | None = None, runs: int | None = N
         where = f"--system {sys_text}" if system else f"{baseline['_path']}: the baseline's system {sys_text}"
         raise EnvironmentMissing(f"{where} runs on CUDA and no CUDA GPU is visible: run the check on a machine "
                                  "with a GPU (the baseline's throughput is of its GPU)")
-    if audit and not scorer and EngineSpec.parse(baseline["stock"]).device.startswith("cuda"):
-        if not torch.cuda.is_available():   # before the timed runs, not after them
-            raise EnvironmentMissing(f"{baseline['_path']}: the audit's scorer is the baseline's stock engine "
-                                     f"{baseline['stock']}, on CUDA, and no CUDA GPU is visible: give --scorer MODEL "
-                                     "(the target model), or --no-audit")
+    if (audit and not scorer and EngineSpec.parse(baseline["stock"]).device.startswith("cuda")
+            and not torch.cuda.is_available()):   # before the timed runs, not after them
+        raise EnvironmentMissing(f"{baseline['_path']}: the audit's scorer is the baseline's stock engine "
+                                 f"{baseline['stock']}, on CUDA, and no CUDA GPU is visible: give --scorer MODEL "
+                                 "(the target model), or --no-audit")
     from specpilot.auditors.systems import check_engine_prompts
 
     check_engine_prompts([(f"{baseline['_path']}: {sys_text}", sys_text)], prompts, max_new)
