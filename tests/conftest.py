@@ -288,6 +288,18 @@ def run_cli():
 NO_SHARED = "shared fixtures not found at"
 
 
+@pytest.fixture(scope="module")
+def loadgen():
+    """``benchmarks/loadgen.py`` as a module (it is a script beside the package, not in it)."""
+    bench = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    sys.path.insert(0, bench)
+    try:
+        import loadgen as mod
+    finally:
+        sys.path.remove(bench)
+    return mod
+
+
 @pytest.fixture
 def fixtures_dir():
     """``../shared/fixtures``: real traces of other projects, which this repository does not keep."""

@@ -87,16 +87,6 @@ def server():
     srv.server_close()
 
 
-@pytest.fixture(scope="module")
-def loadgen():
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        import loadgen as mod
-    finally:
-        sys.path.remove(str(REPO / "benchmarks"))
-    return mod
-
-
 def _load(loadgen, url, **kw):
     return loadgen.run_load(url, [[1, 2, 3]], max_new_tokens=8, num_prompts=3, **kw)
 

@@ -9,7 +9,6 @@ is a stand-in on loopback that takes 0.25 s per request and counts how many it h
 from __future__ import annotations
 
 import json
-import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -55,16 +54,6 @@ def slow_server():
     yield srv
     srv.shutdown()
     srv.server_close()
-
-
-@pytest.fixture(scope="module")
-def loadgen():
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        import loadgen as mod
-    finally:
-        sys.path.remove(str(REPO / "benchmarks"))
-    return mod
 
 
 def _run(loadgen, srv, tmp_path, *extra):
