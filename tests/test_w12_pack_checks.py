@@ -60,7 +60,11 @@ def test_packing_what_an_exclude_kept_later_converts_it_beside_the_others(tmp_pa
     assert run_cli("w12", "verify", tmp_path / "b", "--against", src)[0] == 0
     # nothing left to convert: the error says the rest is W12 already, and nothing is written
     code, _, err = run_cli("w12", "pack", tmp_path / "b", "-o", tmp_path / "c", "--device", "cpu")
-    assert code == 2 and "2 tensors are already W12; nothing written" in err and not (tmp_path / "c").exists(), err
+    assert code == 2 and "2 matching tensors are already W12; nothing written" in err and not (tmp_path / "c").exists(), err
+    # only those the patterns pick are counted
+    code, _, err = run_cli("w12", "pack", tmp_path / "b", "-o", tmp_path / "c", "--include", "*q_proj*",
+                           "--device", "cpu")
+    assert code == 2 and "; 1 matching tensors are already W12; nothing written" in err, err
 
 
 def test_a_packed_input_whose_table_does_not_hold_is_not_merged(tmp_path, run_cli):
@@ -221,9 +225,10 @@ def test_a_weight_whose_name_holds_w12_is_converted(tmp_path, run_cli):
     src, dst = tmp_path / "m.safetensors", tmp_path / "o.safetensors"
     g = torch.Generator().manual_seed(0)
     save_file({"layers.0.w12.q_proj.weight": (torch.randn(32, 64, generator=g) * 0.02).bfloat16(),
-               "layers.1.q_proj.weight": (torch.randn(32, 64, generator=g) * 0.02).bfloat16()}, str(src))
-    code, out, err = run_cli("w12", "pack", src, "-o", dst, "--device", "cpu", "--format", "json")
-    assert code == 0 and json.loads(out)["converted"] == 2, (out, err)
+               "layers.1.q_proj.weight": (torch.randn(32, 64, generator=g) * 0.02).bfloat16(),
+               "a.w12.records": (torch.randn(32, 64, generator=g) * 0.02).bfloat16()}, str(src))
+    code, out, err = run_cli("w12", "pack", src, "-o", dst, "--device", "cpu", "--include", "*", "--format", "json")
+    assert code == 0 and json.loads(out)["converted"] == 3, (out, err)   # a bf16 weight, whatever its name
     code, out, err = run_cli("w12", "pack", src, "-o", tmp_path / "p.safetensors", "--include", "layers.0.*",
                              "--device", "cpu", "--format", "json")
     assert code == 0 and json.loads(out)["converted"] == 1, (out, err)

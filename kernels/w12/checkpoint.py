@@ -41,9 +41,6 @@ PARTS = ("records", "low_exp", "esc_pos", "esc_bits")
 DEFAULT_INCLUDE = ("*proj.weight", "*fc1.weight", "*fc2.weight", "*c_fc.weight", "*c_proj.weight",
                    "*query_key_value.weight", "*dense*.weight", "*experts*.weight")
 DEFAULT_EXCLUDE = ("*embed*", "lm_head.weight", "*norm*")
-# the stored parts of an already packed tensor are never weights to convert, whatever the patterns say
-# (by their full names: a weight whose name merely holds ".w12." is a weight)
-ALWAYS_EXCLUDE = tuple(f"*.w12.{p}" for p in PARTS)
 
 
 class W12TableError(W12FormatError):
@@ -142,7 +139,7 @@ def patterns(include: Iterable[str] | None, exclude: Iterable[str] | None) -> tu
     it matches (``lm_head.weight``) is converted unless the user's own excludes drop it."""
     inc = tuple(include) if include else DEFAULT_INCLUDE
     exc = tuple(exclude) if exclude else (() if include else DEFAULT_EXCLUDE)
-    return inc, exc + ALWAYS_EXCLUDE
+    return inc, exc
 
 
 def w12_parts(name: str, t: W12Tensor) -> tuple[dict[str, torch.Tensor], dict]:
@@ -202,7 +199,7 @@ def pack_tensors(tensors: dict[str, torch.Tensor], meta: dict[str, str], include
             result.kept.append(name)
             if matched(name, t, include, exclude):           # picked, but an empty tensor
                 result.skipped_empty.append(name)
-            elif matched(name, t, include, ALWAYS_EXCLUDE):  # an exclude the user or the defaults chose dropped it
+            elif matched(name, t, include, ()):   # an exclude the user or the defaults chose dropped it
                 result.excluded.append(name)
             elif t.dim() != 2 and picked(name, include, exclude):   # a stacked (3-D) or scalar tensor
                 result.skipped_not_2d.append(name)
@@ -347,11 +344,12 @@ def _require_converted(res: PackResult, src: str, include, exclude, user_exclude
         if res.skipped_not_2d:
             extra += (f"; {len(res.skipped_not_2d)} tensors it matches are not 2-D (first: {res.skipped_not_2d[0]}, "
                       "kept as they are)")
-        if res.already:
-            extra += f"; {len(res.already)} tensors are already W12"
+        already = [n for n in res.already if picked(n, include, exclude)]
+        if already:
+            extra += f"; {len(already)} matching tensors are already W12"
         if res.excluded:
             shown = ", ".join(res.excluded[:3]) + (f" and {len(res.excluded) - 3} more" if len(res.excluded) > 3 else "")
-            pats = ", ".join(p for p in exclude if p not in ALWAYS_EXCLUDE)
+            pats = ", ".join(exclude)
             who = f"--exclude ({pats}) drops" if user_exclude else f"the default excludes ({pats}) drop"
             extra += f"; {shown} matched --include but {who} {'it' if len(res.excluded) == 1 else 'them'}"
         raise W12FormatError(f"{src}: no tensor matched --include ({', '.join(include)}) among bf16 2-D "
