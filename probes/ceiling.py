@@ -275,7 +275,8 @@ def compute_ceiling(req: CeilingRequest) -> CeilingResult:
         cost = cost_model(m.tau, m.step_ms, m.ar_ms, m.tau_best, m.profile_ms, m.floor_ms,
                           floor_peak_ms=m.floor_peak_ms, one_rank=rank is not None)
         cost.notes[:0] = passed_over_notes(m)
-        if req.rows_probe is not None and m.origins.get("step_ms") is req.rows_probe and m.tau > 1:   # paper 3.2
+        # paper 3.2: T_step includes drafting (a TLV cycle says itself what it leaves out)
+        if cycle is None and req.rows_probe is not None and m.origins.get("step_ms") is req.rows_probe and m.tau > 1:
             cost.notes.append(f"T_step is rows probe {req.rows_probe.source}'s verify forward alone: drafting and "
                               "the host's share of a step are not in it, so c reads low and the speedup high by "
                               "their share; give --step-ms (drafting included) or --run for a whole step")

@@ -117,8 +117,8 @@ def check_run(run: RunFigures, replay: ReplayFigures | None = None, probe: RowsP
                          + (f"; it is mode {ar_run.mode}" if ar_run.mode not in (None, "ar") else ""))
     if replay is None and probe is None:   # tau, c(N) and the step split would all be the run's own: a gate that cannot fail
         raise InputError(f"--check {src} with --ar-run alone predicts the run from itself (its own tau, c(N) and "
-                         "step split): give --replay (the tau of its lattice's replay) and/or --rows-probe (c(N) "
-                         "and T_AR)")
+                         "step split): give --rows-probe (c(N) and T_AR from a probe), and --replay for tau (a "
+                         "replay of the run's own lattice gives its own tau)")
     notes: list[str] = []
     policy = policy or run.policy
 

@@ -85,7 +85,7 @@ def test_a_damaged_replay_is_refused(run_cli, tmp_path, doc, words):
     assert code == 2 and out == "" and words in err and len(err.strip().splitlines()) == 1, err
 
 
-def test_a_rows_probes_step_says_it_leaves_drafting_out(run_cli):
+def test_a_rows_probes_step_says_it_leaves_drafting_out(run_cli, tmp_path):
     """Paper 3.2's T_step includes drafting; a rows probe times the verify forward alone: the
     speedup it gives reads high by the drafting's share, and a note says so (TLV's cycle did)."""
     ex = ROUNDS / "smollm2-cpu" / "measure"
@@ -96,3 +96,11 @@ def test_a_rows_probes_step_says_it_leaves_drafting_out(run_cli):
     assert any("verify forward alone: drafting" in n for n in json.loads(out)["cost_model"]["notes"])
     code, out, err = run_cli(*base, "--step-ms", "60")
     assert code == 0 and not any("drafting" in n for n in json.loads(out)["cost_model"]["notes"]), out
+    # a TLV cycle from the probe is its two passes, not a verify forward alone: its own note says the rest
+    tlv = tmp_path / "tlv.replay.json"
+    code, _, err = run_cli("replay", ex / "tlv.lattice.jsonl", "--policy", "tlv:16", "--format", "json", "--out", tlv)
+    assert code == 0, err
+    code, out, err = run_cli("ceiling", "--replay", tlv, "--policy", "tlv:16", "--rows-probe", ex / "rows.json",
+                             "--format", "json")
+    assert code == 0, err
+    assert not any("verify forward alone" in n for n in json.loads(out)["cost_model"]["notes"]), out

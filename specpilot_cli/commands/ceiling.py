@@ -44,8 +44,8 @@ from specpilot.output import Report, Section, count, emit, output_options
                    "and floor shape, which stand for --gpu, --rows, --batch and (with --model) the shape options not "
                    "given. --step-ms/--profile-ms win over it; inputs of another model, GPU or rows are refused.")
 @click.option("--replay", "replay_file", type=NonEmptyPath(dir_okay=False), metavar="FILE",
-              help="specpilot replay JSON: tau of --policy (the current system) and the best tau of any policy (the "
-                   "tree factor); its tau(N) curves give the by-node table.")
+              help="specpilot replay JSON: tau of --policy (the current system) and the best tau of any tree "
+                   "policy or tau(N) curve point (the tree factor); its curves give the by-node table.")
 @click.option("--rows-probe", "rows_file", type=NonEmptyPath(dir_okay=False), metavar="FILE",
               help="specpilot probe rows JSON: T_AR, and T_step at --rows where no --run or --profile gives one; its "
                    "T_step(N) gives the by-node table's c.")
@@ -56,8 +56,8 @@ from specpilot.output import Report, Section, count, emit, output_options
               help="Replay policy that is the current system (the others give the best reachable tau) "
                    "[default: the --run/--check run's (chain, best-first:N, tlv:N), else chain].")
 @click.option("--check", "check_file", type=NonEmptyPath(dir_okay=False), metavar="RUN.json",
-              help="Check the predicted speedup over AR against this run's measured one (with --replay and/or "
-                   "--rows-probe, and --ar-run or --rows-probe for T_AR); exit 1 beyond --tolerance, naming the "
+              help="Check the predicted speedup over AR against this run's measured one (--rows-probe for c(N) and "
+                   "T_AR, --replay for tau, --ar-run for the measured T_AR); exit 1 beyond --tolerance, naming the "
                    "term that is off.")
 @click.option("--ar-run", "ar_run_file", type=NonEmptyPath(dir_okay=False), metavar="AR_RUN.json",
               help="With --check: specpilot run --mode ar JSON on the same prompts (the AR reference).")
