@@ -233,3 +233,30 @@ def test_a_weight_whose_name_holds_w12_is_converted(tmp_path, run_cli):
                              "--device", "cpu", "--format", "json")
     assert code == 0 and json.loads(out)["converted"] == 1, (out, err)
     assert run_cli("w12", "verify", dst, "--against", src)[0] == 0
+
+
+@pytest.mark.parametrize("damage", ["entry", "table"])
+def test_stored_parts_the_table_does_not_name_are_refused(tmp_path, run_cli, damage):
+    """A packed file whose table lost an entry (or the whole table) packed with exit 0, copying the
+    weight's parts as plain tensors no entry names (the weight lost); stats and verify said OK."""
+    src, once, bad = tmp_path / "m.safetensors", tmp_path / "m.w12.safetensors", tmp_path / "bad.safetensors"
+    make_checkpoint(src)
+    assert run_cli("w12", "pack", src, "-o", once, "--device", "cpu")[0] == 0
+    meta, doc = table(once)
+    if damage == "entry":
+        del doc["tensors"][D]
+        meta["specpilot.w12"] = json.dumps(doc)
+    else:
+        del meta["specpilot.w12"]
+    save_file(load_file(str(once)), str(bad), metadata=meta)
+    lost = D if damage == "entry" else None
+    for argv in (("w12", "pack", bad, "-o", tmp_path / "x.safetensors", "--device", "cpu"),
+                 ("w12", "stats", bad), ("w12", "verify", bad)):
+        code, _, err = run_cli(*argv)
+        assert code == 2 and err.count("\n") == 1, (argv, err)
+        if damage == "table" and argv[1] != "pack":   # no table at all: said before any tensor is read
+            assert "no specpilot.w12 metadata" in err, err
+            continue
+        assert "table does not name (the table is damaged or missing)" in err, (argv, err)
+        assert lost is None or f"of a W12 weight {lost} " in err, err
+    assert not (tmp_path / "x.safetensors").exists()

@@ -163,7 +163,7 @@ def _carried_table(tensors: dict[str, torch.Tensor], meta: dict[str, str], sourc
     """The W12 entries of an already packed input, to carry over into the output as they are: each
     checked first (structure, stored parts, CRC-32), so a table is merged only when it describes its
     parts. A format 1 table is refused: one file holds one format version."""
-    info = w12_info(meta, source)
+    info = w12_info(meta, source, tensors)
     if not info:
         return {}
     doc = json.loads(meta[META_KEY])
@@ -360,7 +360,22 @@ def _require_converted(res: PackResult, src: str, include, exclude, user_exclude
 # read back, verify, stats
 # ----------------------------------------------------------------------------------------------
 
-def w12_info(meta: dict[str, str], source: str) -> dict:
+def w12_info(meta: dict[str, str], source: str, stored: dict[str, torch.Tensor] | None = None) -> dict:
+    """The file's W12 table (name -> entry; {} for a file without one). With the file's tensors
+    (``stored``), a stored part (``X.w12.records`` ..., in its part's dtype) of a weight the table
+    does not name is refused: the table is damaged or missing, and the weight would be lost."""
+    tensors = _w12_table(meta, source)
+    if stored is not None:
+        for name, t in stored.items():
+            base, sep, part = name.rpartition(".w12.")
+            if sep and part in PARTS and base not in tensors and t.dtype in (torch.uint8, torch.int16):
+                raise W12TableError(f"{source}: {name} is a stored part of a W12 weight {base} that the file's W12 "
+                                    "table does not name (the table is damaged or missing): the weight cannot be "
+                                    "restored; pack the original bf16 checkpoint again")
+    return tensors
+
+
+def _w12_table(meta: dict[str, str], source: str) -> dict:
     raw = meta.get(META_KEY)
     if raw is None:
         return {}
@@ -518,7 +533,7 @@ def verify(packed: str, against: str | None = None, progress: Callable | None = 
     present: set[str] = set()
     for f in ck.files:
         tensors, meta = read_file(f)
-        info = w12_info(meta, str(f))
+        info = w12_info(meta, str(f), tensors)
         any_w12 = any_w12 or bool(info)
         tables = tables or META_KEY in (meta or {})
         w12_names = {f"{n}.w12.{p}" for n in info for p in PARTS}
@@ -592,7 +607,7 @@ def stats(path: str) -> StatsResult:
     for f in ck.files:
         tensors, meta = read_file(f)
         tables = tables or META_KEY in (meta or {})
-        info = w12_info(meta, str(f))
+        info = w12_info(meta, str(f), tensors)
         names = set()
         for name, entry in info.items():
             t = load_w12(tensors, name, entry, str(f))
@@ -628,7 +643,7 @@ def restore_bf16(tensors: dict[str, torch.Tensor], meta: dict[str, str], source:
     """A packed file's tensors with every W12 weight restored to its bf16 original (its parts
     dropped), each checked against the sha256 ``pack`` recorded (W12FormatError where it differs);
     a file without W12 weights comes back as it is."""
-    info = w12_info(meta, source)
+    info = w12_info(meta, source, tensors)
     if not info:
         return tensors
     parts = {f"{n}.w12.{p}" for n in info for p in PARTS}
@@ -656,7 +671,7 @@ def load_into(model: torch.nn.Module, path: str, qpass: bool = False, strict: bo
     packed: dict[str, W12Tensor] = {}
     for f in ck.files:
         tensors, meta = read_file(f)
-        info = w12_info(meta, str(f))
+        info = w12_info(meta, str(f), tensors)
         parts = {f"{n}.w12.{p}" for n in info for p in PARTS}
         for name, entry in info.items():
             packed[name] = load_w12(tensors, name, entry, str(f))
