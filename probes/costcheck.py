@@ -115,7 +115,8 @@ def check_run(run: RunFigures, replay: ReplayFigures | None = None, probe: RowsP
     if ar_run is not None and (ar_run.mode not in (None, "ar") or ar_run.token_ms is None):
         raise InputError(f"--ar-run {ar_run.source}: give an AR run (mode ar) with per-request timing"
                          + (f"; it is mode {ar_run.mode}" if ar_run.mode not in (None, "ar") else ""))
-    if replay is None and probe is None:   # tau, c(N) and the step split would all be the run's own: a gate that cannot fail
+    # tau, c(N) and the step split would all be the run's own: a gate that cannot fail
+    if replay is None and probe is None:
         raise InputError(f"--check {src} with --ar-run alone predicts the run from itself (its own tau, c(N) and "
                          "step split): give --rows-probe (c(N) and T_AR from a probe), and --replay for tau (a "
                          "replay of the run's own lattice gives its own tau)")

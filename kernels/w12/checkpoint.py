@@ -364,15 +364,15 @@ def w12_info(meta: dict[str, str], source: str, stored: dict[str, torch.Tensor] 
     """The file's W12 table (name -> entry; {} for a file without one). With the file's tensors
     (``stored``), a stored part (``X.w12.records`` ..., in its part's dtype) of a weight the table
     does not name is refused: the table is damaged or missing, and the weight would be lost."""
-    tensors = _w12_table(meta, source)
+    table = _w12_table(meta, source)
     if stored is not None:
         for name, t in stored.items():
             base, sep, part = name.rpartition(".w12.")
-            if sep and part in PARTS and base not in tensors and t.dtype in (torch.uint8, torch.int16):
+            if sep and part in PARTS and base not in table and t.dtype in (torch.uint8, torch.int16):
                 raise W12TableError(f"{source}: {name} is a stored part of a W12 weight {base} that the file's W12 "
                                     "table does not name (the table is damaged or missing): the weight cannot be "
                                     "restored; pack the original bf16 checkpoint again")
-    return tensors
+    return table
 
 
 def _w12_table(meta: dict[str, str], source: str) -> dict:
