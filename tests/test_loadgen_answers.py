@@ -126,8 +126,8 @@ def test_an_interrupt_keeps_the_finished_levels(server, tmp_path, sig, code):
     and nothing written before)."""
     out = tmp_path / "lg.json"
     p = subprocess.Popen([sys.executable, str(REPO / "benchmarks" / "loadgen.py"), "--url", server + "/ok",
-                          "--random-ids", "3", "--num-prompts", "2", "--max-new-tokens", "100", "--concurrency",
-                          "1,1", "--out", str(out)],   # a level of about 2 s
+                          "--random-ids", "3", "--num-prompts", "2", "--max-new-tokens", "50", "--concurrency",
+                          "1,1", "--out", str(out)],   # a level of about 1 s
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env=dict(os.environ, PYTHONUNBUFFERED="1"))
     # wait for the first level's summary line, then interrupt the second
