@@ -224,6 +224,20 @@ def _sigint_delivered() -> None:
 
 _sigint_delivered()
 
+
+def _one_torch_thread_per_worker() -> None:
+    """Under pytest-xdist every worker is a process of its own: torch's default of a thread per core
+    in each of them oversubscribes the cores, and OpenMP's spinning threads made small engine steps
+    20x slower than alone (a batch decoder's warm-up: 14 s against 0.5 s). A test that needs more
+    threads sets them itself."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
+
+
+_one_torch_thread_per_worker()
+
 import specpilot.kernels.triton_env  # noqa: E402,F401  (chooses the interpreter before triton loads)
 
 _device_calls_skip_the_language_patch()
