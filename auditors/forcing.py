@@ -250,13 +250,13 @@ def audit(systems: list[Scored], stock: Scored, ar: Scored | None = None, *, del
         per[id(s)] = _per_prompt(s, order, d, [r for r in refs_all if r is not s])
     st_tok, st_mis, st_evt, _, _ = per[id(stock)]
     st_rate = st_mis.sum() / max(st_tok.sum(), 1)
-    n_evt, n_tok = int(st_evt.sum()), int(st_tok.sum())
-    st_evt_rate = n_evt / n_tok if n_evt >= STOCK_EVENTS_MIN else 0.0
+    st_events, st_tokens = int(st_evt.sum()), int(st_tok.sum())
+    st_evt_rate = st_events / st_tokens if st_events >= STOCK_EVENTS_MIN else 0.0
     if st_evt_rate > STOCK_EVENTS_REFUSED:   # a gate against such a stock passes almost anything
         raise InputError(f"{stock.outputs.source or stock.outputs.name}: the scorer's greedy token differs from "
                          f"stock's by a clear margin (>= 2 delta = {2 * d:g}) at {st_evt_rate:.1%} of its tokens "
-                         f"({n_evt} of {n_tok}): the scorer is not the model that produced them greedily; score "
-                         "with the target model (--scorer)")
+                         f"({st_events} of {st_tokens}): the scorer is not the model that produced them greedily; "
+                         "score with the target model (--scorer)")
 
     rows: list[SystemAudit] = []
     warnings: list[str] = []
@@ -280,7 +280,6 @@ def audit(systems: list[Scored], stock: Scored, ar: Scored | None = None, *, del
             diffs = n_mis[idx].sum(1) / np.maximum(ds, 1) - st_mis[idx].sum(1) / np.maximum(dst, 1)
             lo, hi = np.percentile(diffs, [2.5, 97.5])
             sa.diff_ci = (float(lo), float(hi))
-            st_tokens = int(st_tok.sum())
             # whole events, rounded up: stock's rate x tokens exactly rejected a lossless system that
             # stopped a token before stock with stock's own events (5 on 191 tokens against 5 on 192)
             allowed = math.ceil(int(st_evt.sum()) * tokens / st_tokens - 1e-9) if st_tokens else 0

@@ -102,11 +102,12 @@ def run_check(baseline: dict, *, system: str | None = None, runs: int | None = N
     # --system is typed (strict); the baseline's is stored (read leniently, see EngineSpec.parse)
     if system:
         try:
-            sys_text = str(EngineSpec.parse(system, strict=True))
+            spec = EngineSpec.parse(system, strict=True)
         except InputError as e:
             raise InputError(f"--system {system}: {e}") from None
     else:
-        sys_text = str(EngineSpec.parse(baseline["system"]))
+        spec = EngineSpec.parse(baseline["system"])
+    sys_text = str(spec)
     outs = baseline.get("outputs") or {}
     rows = outs.get("system") or outs.get("stock")
     if not rows:
@@ -136,7 +137,7 @@ def run_check(baseline: dict, *, system: str | None = None, runs: int | None = N
                          "against; run the round again, or give --no-audit")
     import torch
 
-    if EngineSpec.parse(sys_text).device.startswith("cuda") and not torch.cuda.is_available():
+    if spec.device.startswith("cuda") and not torch.cuda.is_available():
         where = f"--system {sys_text}" if system else f"{baseline['_path']}: the baseline's system {sys_text}"
         raise EnvironmentMissing(f"{where} runs on CUDA and no CUDA GPU is visible: run the check on a machine "
                                  "with a GPU (the baseline's throughput is of its GPU)")
@@ -190,7 +191,6 @@ def run_check(baseline: dict, *, system: str | None = None, runs: int | None = N
                                          f"outside the vocabulary of {sc_name} (0..{sc_vocab - 1}); is it the target "
                                          "model of these outputs?")
     res = CheckResult(system=sys_text, baseline=baseline["_path"], runs=n if timing else 0, fresh=[], reference=ref)
-    spec = EngineSpec.parse(sys_text)
     facts = engine_facts(spec)
     res.machine = facts.gpu or facts.cpu
     bf = baseline.get("facts") or {}
