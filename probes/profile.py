@@ -292,9 +292,17 @@ def build_profile(agg: Aggregate, table: RuleTable, floors: Floors | None = None
 
     # steps split at graph launches or idle gaps end where the next one starts: the last has no next
     # step, so its window is only its GPU span and its wall is left out of the wall figures
-    open_last = agg.step_mode != "range" and len(steps) > 1
-    if open_last:
-        by = {"graph": "CUDA graph launches", "gap": "idle gaps"}.get(agg.step_mode, agg.step_mode)
+    by = {"graph": "CUDA graph launches", "gap": "idle gaps"}.get(agg.step_mode)
+    open_last = by is not None and steps[-1] is agg.steps[-1]
+    if open_last and len(steps) == 1 and len(agg.steps) > 1:
+        raise InputError(f"{agg.path}: the only step left after --skip-steps {skip_steps} is the trace's last, "
+                         f"whose wall is unknown (steps split at {by} end where the next one starts); "
+                         f"skip at most {len(agg.steps) - 2}")
+    if open_last and len(steps) == 1:
+        open_last = False
+        notes.append(f"the trace holds one step (split at {by}): its wall is its GPU span, as no next step ends "
+                     "it, so the time outside its kernels is not measured")
+    elif open_last:
         notes.append(f"the last step's wall is left out of the wall figures: steps split at {by} end where the "
                      "next one starts, and it has no next step")
     wall = st.spread(s.wall_ns / 1e6 for s in (steps[:-1] if open_last else steps))

@@ -335,6 +335,26 @@ def test_graph_steps_leave_the_last_steps_open_wall_out(run_cli, tmp_path, fmt):
     assert any("the last step's wall is left out" in n for n in d["notes"])
 
 
+@pytest.mark.parametrize("fmt", ["nsys", "kineto"])
+def test_skipping_to_the_open_last_step_alone_is_refused_and_one_step_says_its_wall_is_its_span(run_cli, tmp_path,
+                                                                                            fmt):
+    """The last graph-launch step's GPU span is no wall: skipping every other step would make the span the
+    step wall (outside factor 1), so it is refused; a trace of one such step keeps its span with a note."""
+    spec = SynthSpec(steps=4, layers=1, graphs=True, step_gap_ns=2_000_000)
+    p = write_nsys_sqlite(tmp_path / "g.sqlite", spec) if fmt == "nsys" else write_kineto(tmp_path / "g.json", spec)
+    code, out, err = run_cli("profile", p, "--step-mode", "graph", "--skip-steps", "3", "--format", "json")
+    assert code == 2 and out == ""
+    assert "the only step left after --skip-steps 3 is the trace's last" in err and "skip at most 2" in err
+    code, out, err = run_cli("profile", p, "--step-mode", "graph", "--skip-steps", "2", "--format", "json")
+    assert code == 0, err
+    assert [s["wall_ms"] is None for s in json.loads(out)["per_step"]] == [False, True]
+    one = SynthSpec(steps=1, layers=1, graphs=True)
+    p1 = write_nsys_sqlite(tmp_path / "one.sqlite", one) if fmt == "nsys" else write_kineto(tmp_path / "one.json", one)
+    code, out, err = run_cli("profile", p1, "--step-mode", "graph", "--format", "json")
+    assert code == 0, err
+    assert any("the trace holds one step" in n and "not measured" in n for n in json.loads(out)["notes"])
+
+
 def _rank_trace(path, busy_us):
     """A Kineto trace of one rank: a decode_step_i range per step holding one kernel of busy_us[i]."""
     events = []
