@@ -21,7 +21,7 @@ from .ceiling_checks import (check_one_deployment, check_rows_probe_hardware, fi
 from .ceiling_inputs import (CeilingRequest, Measurements, ProfileFigures, ReplayFigures, RowsProbeFigures,
                              RunFigures, run_step_ms)
 from .costmodel import CostModel, best_tree_tau, cost_model, step_time
-from .floors import StepFloor
+from .floors import StepFloor, lm_head_dtype_of
 from .tlv_cycle import tlv_cycle
 
 # a profile's floor and --model's at the same rows: rounding in the JSON only
@@ -45,6 +45,7 @@ class CeilingResult:
     cycle: dict | None = None  # TLV: the cycle's terms (tlv_cycle)
     batch: int = 1  # requests per step of the deployment modelled
     c_probe: dict[int, float] = field(default_factory=dict)  # a rows probe's c(N) at the floors' rows it timed
+    storage: dict = field(default_factory=dict)  # the floors' LM head and KV dtypes and drafter (the JSON's shape)
 
     def c_floor(self, f: StepFloor) -> float | None:
         return f.total_floor_ms / self.ar_floor.total_floor_ms if self.ar_floor else None
@@ -64,7 +65,7 @@ class CeilingResult:
             "batch": self.batch,
             "gpu": self.gpu.summary() if self.gpu else None,
             "shape": ({"rows": [f.rows for f in self.floors], "batch": first.batch, "context": first.context,
-                       "weight_dtype": first.weight_dtype} if first else None),
+                       "weight_dtype": first.weight_dtype, **self.storage} if first else None),
             "fractions": self.fractions,
             "ar_floor_ms": self.ar_floor.total_floor_ms if self.ar_floor else None,
             "classes": ({k: v.as_dict() for k, v in first.classes.items()} if first else {}),
@@ -285,6 +286,12 @@ def compute_ceiling(req: CeilingRequest) -> CeilingResult:
     res = CeilingResult(model=model, gpu=gpu, floors=floors, ar_floor=ar_floor, cost=cost, measurements=m,
                         rows_for_cost=cost_rows, fractions={"flops": req.flops_fraction, "bandwidth": req.bw_fraction},
                         tau_curve=curves, batch=req.batch)
+    if floors:   # what else shaped the floors: a profile made against this file records it (profile --ceiling)
+        res.storage = {"lm_head_dtype": lm_head_dtype_of(req.weight_dtype, req.lm_head_dtype),
+                       "kv_dtype": req.kv_dtype}
+        if req.drafter is not None:
+            res.storage.update({"drafter": req.drafter.name, "draft_rows": req.draft_rows or floors[0].rows,
+                                "draft_passes": req.draft_passes})
     res.cycle = cycle
     p = req.rows_probe
     if p is not None and floors and p.ar_ms:

@@ -482,11 +482,21 @@ def floors_from_ceiling(path: str, rows: int | None = None) -> Floors:
     if isinstance(fr, dict):
         shape.update({k: fr[f] for k, f in (("bw_fraction", "bandwidth"), ("flops_fraction", "flops"))
                       if isinstance(fr.get(f), (int, float))})
-    dtype = (doc.get("shape") or {}).get("weight_dtype") if isinstance(doc.get("shape"), dict) else None
-    if dtype is not None:   # the floors are of these weights: ceiling --profile compares them with its own
-        if not isinstance(dtype, str) or not dtype:
-            raise InputError(f"{path}: ceiling's shape 'weight_dtype' must be a name")
-        shape["weight_dtype"] = dtype
+    doc_shape = doc.get("shape") if isinstance(doc.get("shape"), dict) else {}
+    # the floors are of these weights, LM head, KV cache and drafter: ceiling --profile --model takes them
+    for key in ("weight_dtype", "lm_head_dtype", "kv_dtype", "drafter"):
+        name = doc_shape.get(key)
+        if name is None:
+            continue
+        if not isinstance(name, str) or not name:
+            raise InputError(f"{path}: ceiling's shape {key!r} must be a name")
+        shape[key] = name
+    if "drafter" in shape:
+        for key in ("draft_rows", "draft_passes"):
+            n = doc_shape.get(key)
+            if not (isinstance(n, int) and not isinstance(n, bool) and n > 0):
+                raise InputError(f"{path}: ceiling's shape {key!r} must be a positive whole number (with a drafter)")
+            shape[key] = n
     total = block.get("total_floor_ms")
     if total is None:
         total = sum(c["floor_ms"] for c in out.values())

@@ -133,6 +133,30 @@ def test_ceiling_json_supplies_floors(run_cli, tmp_path):
     assert code == 0 and json.loads(out)["total_floor_ms"] == 0.03, err
 
 
+def test_a_profile_made_with_a_ceilings_floors_reads_back_with_model(run_cli, tmp_path):
+    """The ceiling JSON records its LM head and KV dtypes (and drafter); a profile made against it keeps them,
+    so ceiling --profile --model computes the same floors instead of refusing them as another shape."""
+    ceil, prof = tmp_path / "c.json", tmp_path / "p.json"
+    code, _, err = run_cli("ceiling", "--model", "llama-3.1-8b", "--gpu", "h200", "--context", 4096, "--kv-dtype", "fp8",
+                           "--lm-head-dtype", "fp8", "--weight-dtype", "w12", "--format", "json", "--out", ceil)
+    assert code == 0, err
+    shape = json.loads(ceil.read_text())["shape"]
+    assert (shape["weight_dtype"], shape["lm_head_dtype"], shape["kv_dtype"]) == ("w12", "fp8", "fp8")
+    code, _, err = run_cli("profile", H200_EAGER, "--step-range", "^decode_step", "--ceiling", ceil, "--format", "json",
+                           "--out", prof)
+    assert code == 0, err
+    assert json.loads(prof.read_text())["shape"]["lm_head_dtype"] == "fp8"
+    code, out, err = run_cli("ceiling", "--profile", prof, "--model", "llama-3.1-8b", "--tau", 2, "--ar-ms", 4,
+                             "--format", "json")
+    assert code == 0, err
+    assert json.loads(out)["shape"]["kv_dtype"] == "fp8"
+    doc = json.loads(ceil.read_text())
+    doc["shape"]["kv_dtype"] = 8
+    ceil.write_text(json.dumps(doc))
+    code, _, err = run_cli("profile", H200_EAGER, "--ceiling", ceil)
+    assert code == 2 and "ceiling's shape 'kv_dtype' must be a name" in err, err
+
+
 def test_the_floors_line_names_replaced_peaks(run_cli):
     code, out, err = run_cli("profile", H200_EAGER, "--step-range", "^decode_step", "--model", "llama-3.1-8b")
     assert code == 0 and "floors: step_floor(llama-3.1-8b, h200)\n" in out, out
