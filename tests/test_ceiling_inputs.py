@@ -227,6 +227,27 @@ def test_a_profile_of_a_gpu_outside_the_catalog_sets_floors_with_model(run_cli, 
     assert code == 0, err
 
 
+def test_a_profile_of_an_unknown_gpu_without_figures_is_named_not_this_machines(run_cli, tmp_path):
+    """A profile of a GPU the catalog lacks, made without floors, gives no figures: ceiling --model probed
+    this machine's GPU through NVML instead (exit 3 here; another card's floors on a GPU host)."""
+    prof = json.loads(H200_PROFILE.read_text())
+    prof["gpu"] = {"name": "NVIDIA A100-SXM4-40GB", "source": "TARGET_INFO_GPU"}
+    for k in ("total_floor_ms", "floor_peak_ms", "kernel_factor"):   # profiled without floors
+        prof[k] = None
+    for c in prof["classes"].values():
+        c.update({"bytes": None, "flops": None, "floor_ms": None, "efficiency": None})
+    p = tmp_path / "a100.json"
+    p.write_text(json.dumps(prof))
+    code, out, err = run_cli("ceiling", "--profile", p, "--model", "llama-3.1-8b", "--tau", "2", "--ar-ms", "4")
+    assert code == 2 and out == ""
+    assert one_error(err) == (f"specpilot: error: --profile {p}: the trace's GPU 'NVIDIA A100-SXM4-40GB' is not in the "
+                              "GPU catalog; name one with --gpu, or give --bandwidth and --flops")
+    code, out, err = run_cli("ceiling", "--profile", p, "--model", "llama-3.1-8b", "--bandwidth", "1.555", "--flops",
+                             "312", "--tau", "2", "--ar-ms", "4", "--format", "json")
+    assert code == 0, err
+    assert json.loads(out)["gpu"]["name"] == "NVIDIA A100-SXM4-40GB"
+
+
 def _profile(run_cli, tmp_path, name, *opts):
     out = tmp_path / name
     code, _, err = run_cli("profile", ROUNDS / "llama8b-h200" / "measure" / "trace.json.gz", "--model", "llama-3.1-8b",

@@ -88,6 +88,8 @@ def command(model_name, gpu_name, bandwidth, flops, fp8_flops, rows, batch, cont
 
     Floor of a class = max(FLOPs / (0.60 x peak), bytes / (0.90 x bandwidth)).
     """
+    from dataclasses import replace
+
     from specpilot.errors import InputError
     from specpilot.gpus import custom_gpu, get_gpu, with_overrides
     from specpilot.models import load_model_spec, model_inputs
@@ -150,6 +152,12 @@ def command(model_name, gpu_name, bandwidth, flops, fp8_flops, rows, batch, cont
             gpu = with_overrides(theirs, bandwidth, flops, fp8_flops)
         elif gpu_name == "auto" and bandwidth and flops:
             gpu = custom_gpu(bandwidth, flops, fp8_flops)
+            if prof is not None and (prof.gpu or {}).get("name"):   # the profiled card, by these figures
+                gpu = replace(gpu, name=prof.gpu["name"])
+        elif prof is not None and not typed("gpu_name") and (prof.gpu or {}).get("name"):
+            # the profiled step's GPU, not this machine's, sets the floors
+            raise InputError(f"--profile {prof.source}: the trace's GPU {prof.gpu['name']!r} is not in the GPU "
+                             "catalog; name one with --gpu, or give --bandwidth and --flops")
         else:
             gpu = with_overrides(get_gpu(gpu_name), bandwidth, flops, fp8_flops)
         if gpu.bf16_tflops != gpu.bf16_tflops:  # NaN: detected GPU without catalog FLOPs
