@@ -11,6 +11,7 @@ the root and every node of the draft-1 tree, the commit chain C and the second d
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -243,6 +244,7 @@ class PolicyResult:
     tau_ci: tuple[float, float]
     accepted_hist: list[int] = field(default_factory=list)  # steps by tau value 1..m+1
     built: float | None = None      # nodes the trees held, mean over steps (below N on a small lattice)
+    rows: dict[int, int] | None = None  # steps by rows verified (1 + the tree's nodes), where sizes are known
 
 
 @dataclass
@@ -256,6 +258,7 @@ class ReplayResult:
     policies: list[PolicyResult]
     curves: dict[str, dict[str, float]] | None = None
     rank_accept: list[float] | None = None
+    curve_rows: dict[str, dict[str, dict[str, int]]] | None = None   # per curve point: {rows verified: steps}
 
     def to_json(self) -> dict:
         d = {"schema": REPLAY_SCHEMA, "lattice": self.lattice, "steps": self.steps,
@@ -265,6 +268,8 @@ class ReplayResult:
                            "tau_ci": list(p.tau_ci), "tau_hist": p.accepted_hist} for p in self.policies]}
         if self.curves is not None:
             d["curves"] = self.curves
+        if self.curve_rows:
+            d["curve_rows"] = self.curve_rows
         if self.rank_accept is not None:
             d["sequoia_rank_acceptance"] = self.rank_accept
         return d
@@ -333,8 +338,6 @@ def replay(lattice: Lattice, policies: Sequence[Policy | str], nodes: Sequence[i
         ``SHARED_CAP`` x n nodes). ``adaptive`` (the engine's default ``block``): first each
         request's block of draft positions from its recent accepted lengths and its draft's
         confidence, and the positions past it cut. Per step: (tau, nodes of its request's tree)."""
-        import collections
-
         import torch
 
         from specpilot.engine.batch import rules
@@ -394,23 +397,28 @@ def replay(lattice: Lattice, policies: Sequence[Policy | str], nodes: Sequence[i
         t = np.minimum(np.array(taus, dtype=np.float64), cap)
         # a TLV cycle can accept past the lattice's m positions (C, then the second draft)
         hist = np.bincount(t.astype(int), minlength=m + 2)[1:max(m + 2, int(t.max()) + 1)].tolist()
-        built = None if any(x is None for x in sizes) else float(np.mean(sizes))
+        known = not any(x is None for x in sizes)
+        built = float(np.mean(sizes)) if known else None
+        rows = dict(sorted(collections.Counter(1 + int(x) for x in sizes).items())) if known else None
         return PolicyResult(p.spec, p.node_count(m), float(t.mean()),
-                            bootstrap_mean_ci(t, groups, n_boot, seed), hist, built)
+                            bootstrap_mean_ci(t, groups, n_boot, seed), hist, built, rows)
 
     results = [run(p) for p in pols]
     curves = None
+    curve_rows: dict[str, dict[str, dict[str, int]]] = {}
     if nodes:
         curves = {}
         for p, budgets in curve_budgets(pols, nodes, m):
-            curve = {str(n): run(p.with_nodes(n)).tau for n in budgets}
-            if curve:   # a family left with no budget has no curve
-                curves[p.curve_key] = curve
+            points = {str(n): run(p.with_nodes(n)) for n in budgets}
+            if points:   # a family left with no budget has no curve
+                curves[p.curve_key] = {n: r.tau for n, r in points.items()}
+                if all(r.rows for r in points.values()):
+                    curve_rows[p.curve_key] = {n: {str(k): v for k, v in r.rows.items()} for n, r in points.items()}
     rank = None
     if any(p.family == "sequoia" for p in pols):
         rank = [float(x) for x in next(p for p in pols if p.family == "sequoia").rank_accept]
     return ReplayResult(lattice.path, len(lattice.steps), len(lattice.requests), m, lattice.k,
-                        lattice.has_transitions, results, curves, rank)
+                        lattice.has_transitions, results, curves, rank, curve_rows or None)
 
 
 def default_policies(lattice: Lattice) -> list[str]:

@@ -20,7 +20,7 @@ from .ceiling_checks import (check_one_deployment, check_rows_probe_hardware, fi
                              probe_model_mismatch)
 from .ceiling_inputs import (CeilingRequest, Measurements, ProfileFigures, ReplayFigures, RowsProbeFigures,
                              RunFigures, run_step_ms)
-from .costmodel import CostModel, best_tree_tau, cost_model, step_time
+from .costmodel import CostModel, best_tree_tau, cost_model, mean_over_rows, mean_rows, step_time
 from .floors import StepFloor, lm_head_dtype_of
 from .tlv_cycle import tlv_cycle
 
@@ -40,7 +40,7 @@ class CeilingResult:
     fractions: dict[str, float]
     tau_curve: dict[str, dict[int, float]] = field(default_factory=dict)
     by_nodes: list[dict] = field(default_factory=list)  # predicted speedup tau(N) / c(N) per node budget
-    by_nodes_left_out: list[dict] = field(default_factory=list)  # budgets whose N + 1 rows the rows probe lacks
+    by_nodes_left_out: list[dict] = field(default_factory=list)  # budgets whose rows the rows probe does not cover
     warnings: list[str] = field(default_factory=list)
     cycle: dict | None = None  # TLV: the cycle's terms (tlv_cycle)
     batch: int = 1  # requests per step of the deployment modelled
@@ -418,30 +418,40 @@ def rows_probe_warnings(p: RowsProbeFigures) -> list[str]:
 
 def predict_by_nodes(req: CeilingRequest, curves: dict[str, dict[int, float]], step_curve: dict[int, float],
                      res: CeilingResult) -> list[dict]:
-    """Speedup tau(N) / c for every node budget N of the replay's tau(N) curves, c at the N + 1
-    rows a budget of N verifies (its nodes and the pending token they hang from).
+    """Speedup tau(N) / c for every node budget N of the replay's tau(N) curves, c the mean over
+    the replay's steps of their cost at the rows each verified (the tree's nodes and the pending
+    token they hang from: ``curve_rows``; N + 1 for every step in a replay that does not record it).
 
-    c is measured (rows probe: T_step(N + 1) / T_AR) when a rows probe is given (budgets whose
-    N + 1 rows it did not time are left out, never mixed with floors), else the model's floor c
-    (the regime where every kernel sits at its byte floor). The budgets a rows probe leaves out
-    go to ``res.by_nodes_left_out`` (``policy``, ``nodes``, ``rows``), which the report names.
+    c is measured (rows probe: T_step(rows) / T_AR, linear between two timed row counts:
+    ``interpolated``) when a rows probe is given (budgets with rows outside the probe's range are
+    left out, never mixed with floors), else the model's floor c (the regime where every kernel
+    sits at its byte floor). The budgets a rows probe leaves out go to ``res.by_nodes_left_out``
+    (``policy``, ``nodes``, ``rows``: their mean rows), which the report names.
     """
     m = res.measurements
     # the probe's steps over its own T_AR (a bare forward, as they are) where T_AR is the probe's,
     # also when the cost model put it on a profile's clock
     ar_ms = req.rows_probe.ar_ms if req.rows_probe is not None and m.origins.get("ar_ms") is req.rows_probe \
         else m.ar_ms
+    verified = req.replay.curve_rows if req.replay is not None else {}
     out = []
     for policy, pts in curves.items():
         for n, tau in sorted(pts.items()):
-            rows = n + 1
+            hist = (verified.get(policy) or {}).get(n) or {n + 1: 1}
             if step_curve:
-                if rows not in step_curve or not ar_ms:
-                    res.by_nodes_left_out.append({"policy": policy, "nodes": n, "rows": rows})
+                lo, hi = min(step_curve), max(step_curve)
+                # rows the probe timed, else linear between two it timed (as the round's model); never
+                # beyond them, nor mixed with floors
+                got = mean_over_rows(hist, lambda r: step_time(r, step_curve) if lo <= r <= hi else None) \
+                    if ar_ms else None
+                if got is None:
+                    res.by_nodes_left_out.append({"policy": policy, "nodes": n, "rows": mean_rows(hist)})
                     continue
-                c, source = step_curve[rows] / ar_ms, "measured"
+                c, rows = got[0] / ar_ms, got[1]
+                source = "measured" if all(r in step_curve for r in hist) else "interpolated"
             elif req.model is not None and req.gpu is not None and res.ar_floor is not None:
-                c, source = req.step_floor(rows).total_floor_ms / res.ar_floor.total_floor_ms, "floor"
+                ms, rows = mean_over_rows(hist, lambda r: req.step_floor(r).total_floor_ms)
+                c, source = ms / res.ar_floor.total_floor_ms, "floor"
             else:
                 continue
             out.append({"policy": policy, "nodes": n, "rows": rows, "tau": tau, "c": c, "c_source": source,

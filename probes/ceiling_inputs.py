@@ -79,6 +79,7 @@ class ReplayFigures:
     nodes: dict[str, int | None] = field(default_factory=dict)  # the nodes each policy verifies (chain: its depth)
     positions: int | None = None  # the lattice's draft positions m
     steps: int | None = None      # the lattice's verification steps (over all its requests)
+    curve_rows: dict[str, dict[int, dict[int, int]]] = field(default_factory=dict)  # per curve point: rows -> steps
 
     def name_of(self, policy: str) -> str | None:
         """The replay's name for ``policy``: itself, else the one policy of its family (``best-first``

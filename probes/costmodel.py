@@ -210,6 +210,26 @@ def step_time(rows: int, step_ms: dict[int, float]) -> float | None:
     return step_ms[lo] + (step_ms[hi] - step_ms[lo]) * (rows - lo) / (hi - lo)
 
 
+def mean_over_rows(rows: dict[int, int], cost) -> tuple[float, float] | None:
+    """(mean cost, mean rows) over steps by the rows each verified (``rows``: rows -> steps), with
+    ``cost(rows)`` a step's cost (T_step, or a floor); None where a row count has none. A budget of
+    N nodes verifies fewer than N + 1 rows where the drafter proposed fewer candidates (an n-gram
+    drafter often proposes none): c(N) is the mean over the steps it verifies, as the paper's
+    T_step(N) is the step's cost at the rows it runs."""
+    total = sum(rows.values())
+    costs = [(cost(r), k) for r, k in rows.items()]
+    if total <= 0 or any(c is None for c, _ in costs):
+        return None
+    return sum(c * k for c, k in costs) / total, mean_rows(rows)
+
+
+def mean_rows(rows: dict[int, int]) -> float | int:
+    """The mean of a {rows: steps} histogram (whole where every step verified the same rows)."""
+    if len(rows) == 1:
+        return next(iter(rows))
+    return sum(r * k for r, k in rows.items()) / sum(rows.values())
+
+
 def largest_factor_line(largest: str | None, factors: dict[str, float | None], name=str) -> str | None:
     """The sentence that names the factor to attack: the largest with its advice where it offers a
     gain (above 1), else that none does; None when no factor is known. ``name`` dresses the

@@ -190,7 +190,31 @@ def read_replay(path: str) -> ReplayFigures:
                              f"[1, {MAX_TAU}]")
     steps = doc.get("steps")
     steps = steps if is_int(steps) and steps >= 0 else None
-    return ReplayFigures(source=str(path), taus=taus, curves=curves, nodes=nodes, positions=m, steps=steps)
+    return ReplayFigures(source=str(path), taus=taus, curves=curves, nodes=nodes, positions=m, steps=steps,
+                         curve_rows=_curve_rows(path, doc.get("curve_rows"), curves))
+
+
+def _curve_rows(path, raw, curves: dict[str, dict[int, float]]) -> dict[str, dict[int, dict[int, int]]]:
+    """A replay's ``curve_rows`` (per curve point, steps by the rows they verified; absent in older files)."""
+    if raw is None:
+        return {}
+    out: dict[str, dict[int, dict[int, int]]] = {}
+    try:
+        for name, pts in raw.items():
+            out[name] = {}
+            for n, hist in pts.items():
+                got = {int(r): k for r, k in hist.items()}
+                if not got or not all(is_int(k) and k > 0 for k in got.values()) or \
+                        not all(1 <= r <= int(n) + 1 for r in got):
+                    raise ValueError
+                out[name][int(n)] = got
+    except (AttributeError, TypeError, ValueError, OverflowError):
+        raise InputError(f"{path}: 'curve_rows' must map each curve's node counts to {{rows verified: steps}}, "
+                         "rows from 1 to the nodes + 1") from None
+    for name, pts in out.items():
+        if set(pts) != set(curves.get(name, {})):
+            raise InputError(f"{path}: 'curve_rows' of {name!r} are not of the curve's node counts")
+    return out
 
 
 def read_rows_probe(path: str, batch: int | None = None, one_request: str | None = None) -> RowsProbeFigures:

@@ -291,6 +291,37 @@ def test_a_chains_tau_over_the_one_row_step_is_flagged(run_cli, tmp_path):
         assert doc["warnings"] == [] and doc["cost_model"]["step_ms"] == pytest.approx(10 + 0.1 * want)
 
 
+def test_by_node_c_is_the_mean_over_the_rows_the_replayed_steps_verify(run_cli, tmp_path):
+    """A budget of N verifies fewer than N + 1 rows where the drafter proposed fewer candidates: c is the
+    mean step cost over the replay's curve_rows (as the round models it), not the cost at N + 1 rows."""
+    from specpilot.auditors.round.modeling import expected_c
+
+    replay = tmp_path / "replay.json"
+    hist = {"1": 3, "5": 1, "9": 4}
+    replay.write_text(json.dumps({"schema": "specpilot.replay/1", "positions": 8, "policies": [
+        {"policy": "chain", "nodes": 8, "tau": 1.5}], "curves": {"chain": {"8": 1.5}},
+        "curve_rows": {"chain": {"8": hist}}}))
+    steps = {1: 10.0, 4: 10.4, 8: 11.0, 9: 11.2}
+    rows = tmp_path / "rows.json"
+    rows.write_text(json.dumps({"schema": "specpilot.rows/1", "ar_ms": 10.0, "ar_path": "fused", "warnings": [],
+                                "points": [{"rows": r, "step_ms": ms} for r, ms in steps.items()]}))
+    code, out, err = run_cli("ceiling", "--replay", replay, "--rows-probe", rows, "--rows", "9", "--format", "json")
+    assert code == 0, err
+    (row,) = json.loads(out)["by_nodes"]
+    want = (3 * 10.0 + (10.4 + (11.0 - 10.4) / 4) + 4 * 11.2) / 8 / 10.0   # 5 rows: between the probe's 4 and 8
+    assert row["c"] == pytest.approx(want) and row["rows"] == pytest.approx(44 / 8)
+    assert row["c_source"] == "interpolated"
+    assert row["c"] == pytest.approx(expected_c("chain", 8, steps, 10.0, {"chain": {"8": hist}})[0])
+    code, out, err = run_cli("ceiling", "--replay", replay, "--model", "smollm2-135m", "--gpu", "h200", "--format", "json")
+    assert code == 0, err
+    assert json.loads(out)["by_nodes"][0]["rows"] == pytest.approx(44 / 8)
+    doc = json.loads(replay.read_text())
+    doc["curve_rows"]["chain"]["8"] = {"12": 1}
+    replay.write_text(json.dumps(doc))
+    code, _, err = run_cli("ceiling", "--replay", replay, "--rows-probe", rows, "--rows", "9")
+    assert code == 2 and "'curve_rows' must map each curve's node counts" in err, err
+
+
 def test_budgets_the_probe_did_not_time_are_named(run_cli, tmp_path):
     """The by-node table leaves out budgets whose N + 1 rows the probe lacks, and says which."""
     replay = tmp_path / "replay.json"
@@ -303,7 +334,7 @@ def test_budgets_the_probe_did_not_time_are_named(run_cli, tmp_path):
     args = ("ceiling", "--replay", replay, "--rows-probe", rows, "--rows", "9")
     code, out, err = run_cli(*args)
     assert code == 0, err
-    assert ("did not time their N + 1 rows: best-first at 16, 32 nodes (17, 33 rows)" in out
+    assert ("did not time their rows (or counts on both sides of them): best-first at 16, 32 nodes (17, 33 rows)" in out
             and "chain at" not in out.split("Left out")[1]), out
     doc = json.loads(run_cli(*args, "--format", "json")[1])
     assert [(r["policy"], r["nodes"]) for r in doc["by_nodes"]] == [("chain", 8), ("best-first", 8)]

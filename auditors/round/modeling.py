@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from specpilot.fileio import is_int, is_num, need, need_fields
-from specpilot.probes.costmodel import step_time  # noqa: F401  (the round and ceiling --check share it)
+from specpilot.probes.costmodel import mean_over_rows, step_time  # noqa: F401  (step_time: ceiling --check too)
 
 SCHEMA = "specpilot.round-model/1"
 
@@ -100,14 +100,9 @@ def expected_c(family: str, n: int, step_ms: dict[int, float], ar_ms: float, ver
     """(c, mean rows) of a tree of budget ``n``: over the recorded steps when their row counts are
     known, else at N + 1 rows."""
     hist = (verify_rows.get(family) or {}).get(str(n))
-    if not hist:
-        t = step_time(n + 1, step_ms)
-        return None if t is None else (t / ar_ms, float(n + 1))
-    total = sum(hist.values())
-    times = [(step_time(int(r), step_ms), k) for r, k in hist.items()]
-    if any(t is None for t, _ in times):
-        return None
-    return (sum(t * k for t, k in times) / total / ar_ms, sum(int(r) * k for r, k in hist.items()) / total)
+    got = mean_over_rows({int(r): k for r, k in hist.items()} if hist else {n + 1: 1},
+                         lambda r: step_time(r, step_ms))
+    return None if got is None else (got[0] / ar_ms, got[1])
 
 
 def predict(curves: dict[str, dict[int, float]], step_ms: dict[int, float], ar_ms: float,

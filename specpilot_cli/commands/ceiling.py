@@ -325,7 +325,7 @@ def _report(res, run=None) -> Report:
     left_out = by_nodes_left_out(res)
     if res.by_nodes:
         best = max(res.by_nodes, key=lambda r: r["speedup"])
-        sections.append(Section("Predicted speedup by node budget N: tau(N) / c at its N + 1 rows",
+        sections.append(Section("Predicted speedup by node budget N: tau(N) / c at the rows its steps verify",
                                 ["policy", "nodes", "rows", "tau", "c", "c from", "speedup"],
                                 [[r["policy"], r["nodes"], r["rows"], r["tau"], r["c"], r["c_source"], r["speedup"]]
                                  for r in res.by_nodes],
@@ -395,11 +395,11 @@ def by_nodes_left_out(res) -> str | None:
     for r in res.by_nodes_left_out:
         by_policy.setdefault(r["policy"], []).append(r)
     parts = [f"{p} at {', '.join(str(r['nodes']) for r in rs)} nodes "
-             f"({', '.join(str(r['rows']) for r in rs)} rows)" for p, rs in by_policy.items()]
+             f"({', '.join(format(r['rows'], '.4g') for r in rs)} rows)" for p, rs in by_policy.items()]
     origin = res.measurements.origins.get("ar_ms")
     probe = f"rows probe {origin.source}" if getattr(origin, "source", None) else "the rows probe"
-    return (f"Left out, {probe} did not time their N + 1 rows: {'; '.join(parts)} (probe rows --rows "
-            "with those counts times them).")
+    return (f"Left out, {probe} did not time their rows (or counts on both sides of them): {'; '.join(parts)} "
+            "(probe rows --rows with those counts times them).")
 
 
 def _check(check_file, run_file, replay_file, rows_file, ar_run_file, profile_file, model_name, batch, policy,
