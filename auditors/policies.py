@@ -33,8 +33,10 @@ Policies (``parse_policy`` spells them the way the CLI does):
     the N best are kept.
 ``sequoia:N``
     A Sequoia-style static tree: acceptance probability by sibling rank is measured on a lattice
-    (``calibrate``), and the N rank-paths with the highest product of acceptance probabilities form
-    a fixed tree shape that every step instantiates with its own candidates.
+    (``calibrate``), and the N rank-paths with the highest product of acceptance probabilities, at
+    most as deep as that lattice's m positions, form one fixed tree shape. Every step instantiates
+    it with its own candidates: the nodes its draft has (a node past the step's own positions or
+    candidates, or on a ``-inf`` edge, is dropped with its subtree).
 ``oracle:K``
     Accept while the target's token is among the drafter's top K candidates at that position (an
     upper bound for any tree drawn from the top K).
@@ -128,6 +130,8 @@ class Policy:
     depth: int | None = None       # eagle2
     k: int | None = None           # oracle
     rank_accept: np.ndarray | None = field(default=None, repr=False)  # sequoia calibration
+    shape_depth: int | None = None  # sequoia: the depth its one shape may reach (the replayed drafts' m)
+    _shape: list | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def spec(self) -> str:
@@ -151,7 +155,7 @@ class Policy:
         return None
 
     def with_nodes(self, n: int) -> "Policy":
-        return Policy(self.family, n, self.topk, self.depth, self.k, self.rank_accept)
+        return Policy(self.family, n, self.topk, self.depth, self.k, self.rank_accept, self.shape_depth)
 
     def node_count(self, m: int) -> int | None:
         if self.family == "chain":
@@ -191,12 +195,19 @@ class Policy:
         if self.family == "sequoia":
             if self.rank_accept is None:
                 raise InputError("sequoia policy used before calibration (call Policy.calibrate)")
-            return sequoia_tree(step, sequoia_shape(self.rank_accept, self.nodes, step.m))
+            if self._shape is None:   # one shape for every step, not one per step's own depth
+                depth = self.nodes if self.shape_depth is None else self.shape_depth   # N nodes reach N deep at most
+                self._shape = sequoia_shape(self.rank_accept, self.nodes, depth)
+            return sequoia_tree(step, self._shape)
         raise InputError(f"policy {self.spec} does not build a tree")
 
-    def calibrate(self, steps: Sequence[StepView]) -> None:
+    def calibrate(self, steps: Sequence[StepView], depth: int | None = None) -> None:
+        """sequoia: measure acceptance by rank on ``steps``; its shape reaches ``depth`` positions
+        (default: the most any of ``steps`` has)."""
         if self.family == "sequoia":
             self.rank_accept = rank_acceptance(steps)
+            self.shape_depth = max(s.m for s in steps) if depth is None else depth
+            self._shape = None
 
 
 def _int(text: str, what: str, spec: str, lo: int = 1, hi: int = MAX_NODES) -> int:
@@ -379,7 +390,8 @@ def rank_acceptance(steps: Sequence[StepView]) -> np.ndarray:
 
     Walks each step's target path while it stays inside the lattice; at each reached position
     records the rank of the target's token among the candidates ordered by the edge score under
-    the accepted parent (K means: not among the candidates).
+    the accepted parent (K means: not among the candidates, or there on a ``-inf`` edge, which
+    no tree expands).
     """
     if not steps:
         raise InputError("sequoia: no lattice steps to measure acceptance by rank")
@@ -388,9 +400,9 @@ def rank_acceptance(steps: Sequence[StepView]) -> np.ndarray:
     for s in steps:
         parent = 0
         for d in range(s.m):
-            order = np.argsort(-s.edge_scores(d, parent), kind="stable")
-            ranked = s.tokens[d, order]
-            hit = np.nonzero(ranked == s.target[d])[0]
+            es = s.edge_scores(d, parent)
+            order = np.argsort(-es, kind="stable")
+            hit = np.nonzero((s.tokens[d, order] == s.target[d]) & np.isfinite(es[order]))[0]
             if hit.size == 0:
                 counts[k] += 1
                 break

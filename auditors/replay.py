@@ -292,7 +292,7 @@ def replay(lattice: Lattice, policies: Sequence[Policy | str], nodes: Sequence[i
             # acceptance by rank is 0/0 there: a shape from it would be made up
             raise InputError(f"sequoia: {(calibration or lattice).path} has no draft positions to measure acceptance "
                              "by rank from; calibrate on a lattice of a speculative run")
-        p.calibrate(calib_steps)
+        p.calibrate(calib_steps, depth=lattice.m)   # the shape as deep as the drafts it is replayed on
     ids: dict = {}
     groups = np.array([ids.setdefault(_req_key(s.request), len(ids)) for s in lattice.steps])
     m = lattice.m

@@ -65,6 +65,7 @@ class Verdict:
     blocks: int
     sd_log_ratio: float
     reason: str
+    seed: int = 0      # of the bootstrap: stored so that re-judging the samples gives the same interval
 
     @property
     def verdict(self) -> str:
@@ -188,7 +189,7 @@ def judge(samples: Sequence[Sample], *, higher_is_better: bool, aa_pairs: Sequen
         reason = f"lower bound {_pct(min(lo, t_lo))} <= threshold {_pct(need)}"
     sd = float(log_r.std(ddof=1)) if len(log_r) > 1 else 0.0
     return Verdict(gain, lo, hi, (t_lo, t_hi), noise_v, src, thr, approved, len(samples),
-                   n_blocks, sd, reason)
+                   n_blocks, sd, reason, seed)
 
 
 def _pct(ratio: float) -> str:
@@ -225,7 +226,7 @@ class TimingResult:
             "schedule": self.schedule, "warmup": self.warmup, "runs": len(self.samples),
             "samples": samples,
             "aa": [{"block": i, "first": a, "second": b} for i, (a, b) in enumerate(self.aa)],
-            "gain": v.gain, "ci_low": v.ci_low, "ci_high": v.ci_high, "t_ci": list(v.t_ci),
+            "gain": v.gain, "ci_low": v.ci_low, "ci_high": v.ci_high, "seed": v.seed, "t_ci": list(v.t_ci),
             "sd_log_ratio": v.sd_log_ratio, "noise": v.noise, "noise_source": v.noise_source,
             "changes_output": self.changes_output, "threshold": v.threshold,
             "approved": v.approved, "verdict": v.verdict, "reason": v.reason,
@@ -280,9 +281,10 @@ def parse_samples(d: dict, path) -> tuple[list[Sample], list[tuple[float, float]
 
 
 def rejudge(path, *, noise: float | None = None, changes_output: bool | None = None, n_boot: int = 4000,
-            seed: int = 0) -> TimingResult:
+            seed: int | None = None) -> TimingResult:
     """Judge the paired samples of a stored ``specpilot.timing/1`` file again (e.g. in CI, with
-    a given noise or the changes-output rule). Every sample is checked; the rule is the same."""
+    a given noise or the changes-output rule). Every sample is checked; the rule is the same.
+    ``seed``: the bootstrap's (None: the file's own ``seed``, 0 where it has none)."""
     from specpilot.fileio import reading
 
     with reading(path):
@@ -312,6 +314,11 @@ def _rejudge(d: dict, path, noise, changes_output, n_boot, seed) -> TimingResult
                          "make the rule stricter: give at least that or leave --noise out")
     if noise is None and d.get("noise_source") == "given":
         noise = was   # the run was judged by a given noise: its A/A split's own estimate could only loosen it
+    if seed is None:
+        seed = d.get("seed", 0)
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= 2**32 - 1:
+            raise InputError(f"{path}: 'seed' must be the whole number in [0, 4294967295] the run's bootstrap used, "
+                             f"got {seed!r}; the file is damaged")
     v = judge(samples, higher_is_better=hib, aa_pairs=aa, noise=noise, changes_output=co, n_boot=n_boot, seed=seed)
     keep = {k: d[k] for k in ("outputs_identical", "outputs_stable", "prompts", "max_new_tokens", "concurrency",
                               "changes_output_reason") if k in d}

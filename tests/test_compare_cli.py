@@ -290,6 +290,51 @@ def test_rejudge_from_stored_file(tmp_path, run_cli):
     assert code == 2 and "refusing to overwrite" in err
 
 
+def _noisy_timing(seed: int) -> dict:
+    """A stored timing of 12 ABBA blocks with a noisy gain near the threshold, judged with ``seed``."""
+    import numpy as np
+
+    from specpilot.auditors.timing import Sample, TimingResult, judge
+
+    rng = np.random.default_rng(1)
+    samples, aa = [], []
+    for b in range(12):
+        pair = [Sample(2 * b + i, b, 100 * (1 + rng.normal(0, 0.002)), 101.5 * (1 + rng.normal(0, 0.002)), order)
+                for i, order in enumerate(("AB", "BA"))]
+        samples += pair
+        aa.append((pair[0].base, pair[1].base))
+    v = judge(samples, higher_is_better=True, aa_pairs=aa, seed=seed)
+    return TimingResult("./emit.sh 100", "./emit.sh 101.5", "m.tps", "", True, "ABBA", False, samples, aa,
+                        v).to_json()
+
+
+def test_rejudge_uses_the_stored_seed(tmp_path, run_cli):
+    """--from re-judges with the run's own bootstrap seed (another seed moves the interval, which can
+    flip a borderline verdict); --seed overrides it; a file without one was judged with seed 0."""
+    t = tmp_path / "t.json"
+    stored = _noisy_timing(7)
+    assert stored["seed"] == 7
+    t.write_text(json.dumps(stored))
+    code, out, err = run_cli("compare", "--from", t, "--format", "json")
+    d = json.loads(out)
+    assert d["seed"] == 7 and (d["ci_low"], d["ci_high"]) == (stored["ci_low"], stored["ci_high"]), err
+    seed0 = _noisy_timing(0)
+    assert seed0["ci_low"] != stored["ci_low"]   # the seed matters for these samples
+    code, out, _ = run_cli("compare", "--from", t, "--seed", "0", "--format", "json")
+    assert json.loads(out)["seed"] == 0 and json.loads(out)["ci_low"] == seed0["ci_low"]
+    t.write_text(json.dumps({k: v for k, v in stored.items() if k != "seed"}))
+    code, out, _ = run_cli("compare", "--from", t, "--format", "json")
+    assert json.loads(out)["seed"] == 0 and json.loads(out)["ci_low"] == seed0["ci_low"]
+    for bad in ("7", True, -1, 2**32, 7.5):
+        t.write_text(json.dumps(dict(stored, seed=bad)))
+        code, _, err = run_cli("compare", "--from", t)
+        assert code == 2 and "'seed' must be the whole number" in one_error(err), (bad, err)
+    # a live run stores the seed it was judged with
+    code, _, err = run_cli("compare", "--base-cmd", emit_cmd(100), "--candidate-cmd", emit_cmd(102), "--metric",
+                           "tokens_per_s", "--runs", "4", "--warmup", "0", "--seed", "5", "--out", t, "--format", "json")
+    assert json.loads(t.read_text())["seed"] == 5, err
+
+
 def test_gpu_swap_failure_stops_the_other_run(tmp_path):
     from specpilot.errors import InputError
 

@@ -106,6 +106,29 @@ def test_sequoia_calibration_from_other_steps():
     assert tau("sequoia:3", step(), calib=chain_like) == 1
 
 
+def test_sequoia_shape_is_one_for_every_step():
+    """The shape comes from the calibration's deepest step (m=3 here), not from each step's own
+    depth: a 1-position step keeps the shape's depth-0 node and drops the rest."""
+    short = StepView(np.array([[5, 6]]), np.array([[-0.1, -0.2]]), None, np.array([6, 9]))
+    deep = StepView(np.array([[5, 6], [7, 8], [9, 10]]), np.array([[-0.1, -0.2]] * 3), None, np.array([5, 7, 9, 1]))
+    p = parse_policy("sequoia:2")
+    p.calibrate([short, deep])
+    assert np.allclose(p.rank_accept, [0.75, 0.25]) and p.shape_depth == 3
+    assert p.tree(short).tokens == [5] and p.verify(short) == (1, 1)
+    assert p.tree(deep).tokens == [5, 7] and p.verify(deep) == (3, 2)
+    # 4 nodes: (0), (0, 0), (0, 0, 0), then (1) (0.25), not (0, 0, 0, 0) (0.32), past m
+    assert p.with_nodes(4).tree(short).tokens == [5, 6] and len(p.with_nodes(4).tree(deep)) == 4
+    p.calibrate([short, deep], depth=1)   # a shape one position deep
+    assert p.tree(deep).tokens == [5, 6]
+
+
+def test_sequoia_rank_acceptance_skips_minus_infinity_candidates():
+    s = step(target=[10, 20, 30, 0])
+    s.logprobs[1, 0] = -np.inf
+    # 20 scores -inf: not accepted, although it sits among the candidates
+    assert np.allclose(rank_acceptance([s]), [0.5, 0, 0])
+
+
 def test_accept_length_uses_tree_paths():
     t = parse_policy("best-first:40").tree(step())
     assert accept_length(t, [12, 20, 31, 0]) == 3

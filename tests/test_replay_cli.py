@@ -646,6 +646,45 @@ def test_minus_infinity_scores_are_never_verified_by_any_policy(tmp_path, run_cl
                                                                              "oracle:2": 1.5}
 
 
+def _row(request, tokens, logprobs, target):
+    return {"schema": "specpilot.lattice/1", "request": request, "step": 0, "tokens": tokens, "logprobs": logprobs,
+            "transitions": None, "target": target}
+
+
+def test_sequoia_instantiates_one_shape_in_every_step(tmp_path, run_cli):
+    """Ranks accepted 3 of 4 times at rank 0, once at rank 1: the one 2-node shape is rank 0, then rank 0
+    under it. The 1-position step holds only its depth-0 node (the shape's second node is past its
+    draft) and accepts nothing (target 6 is rank 1); a shape made for its own depth took ranks 0 and 1
+    there and accepted 6 (tau 2.5, 2 nodes a step)."""
+    lat = write(tmp_path / "l.jsonl", [
+        _row("a", [[5, 6]], [[-0.1, -0.2]], [6, 9]),
+        _row("b", [[5, 6], [7, 8], [9, 10]], [[-0.1, -0.2]] * 3, [5, 7, 9, 1])])
+    code, out, err = run_cli("replay", lat, "--policy", "sequoia:2", "--nodes", "1,2", "--bootstrap", "100",
+                             "--format", "json")
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["sequoia_rank_acceptance"] == [0.75, 0.25]
+    p = d["policies"][0]
+    assert (p["tau"], p["nodes_built"], p["tau_hist"]) == (2.0, 1.5, [1, 0, 1, 0])
+    assert d["curves"]["sequoia"] == {"1": 1.5, "2": 2.0}
+    assert d["curve_rows"]["sequoia"]["2"] == {"2": 1, "3": 1}
+    # the same lattice as its own --calibrate file: the same shape
+    code, out, err = run_cli("replay", lat, "--policy", "sequoia:2", "--calibrate", lat, "--bootstrap", "100",
+                             "--format", "json")
+    assert code == 0 and json.loads(out)["policies"][0]["tau"] == 2.0, err
+
+
+def test_sequoia_acceptance_by_rank_counts_no_minus_infinity_candidate(tmp_path, run_cli):
+    """Row a's target token 7 is a candidate scored -inf: no tree expands it, so it is not accepted
+    (it was counted at rank 0: 1.000 instead of 0.750)."""
+    lat = write(tmp_path / "l.jsonl", [
+        _row("a", [[5, 6], [7, 8]], [[-0.1, -3.0], [float("-inf"), float("-inf")]], [5, 7, 9]),
+        _row("b", [[5, 6], [7, 8]], [[-0.1, -3.0], [-0.5, -1.0]], [5, 7, 9])])
+    code, out, err = run_cli("replay", lat, "--policy", "sequoia:2,oracle:2", "--bootstrap", "100")
+    assert code == 0, err
+    assert "sequoia acceptance by rank (measured): 0.750, 0.000" in out
+
+
 def test_eagle2_keeps_a_beam_of_topk_on_a_narrow_step(run_cli, tmp_path):
     """A step of two candidates per position with TOPK 4: every one of the four depth-1 nodes stays in
     the beam (2 + 4 + 8 = 14 nodes) and the target's path 2 -> 4 -> 6 is reached (tau 4). The beam

@@ -69,7 +69,8 @@ def _runs(ctx, param, value):
 @seed_option("the bootstrap interval")
 @click.option("--from", "from_file", type=NonEmptyPath(dir_okay=False), default=None, metavar="TIMING.json",
               help="Judge the samples of a stored specpilot.timing/1 file again (no runs; with --noise or "
-                   "--changes-output to apply a stricter rule).")
+                   "--changes-output to apply a stricter rule; the bootstrap uses the file's seed unless --seed is "
+                   "given).")
 @output_options
 def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, tokenizer, max_new_tokens, concurrency, runs, max_runs, warmup,
             gpus, noise, changes_output, timeout, partial_file, resume_file, seed, from_file, fmt, out):
@@ -117,7 +118,9 @@ def command(base, candidate, base_cmd, candidate_cmd, metric, prompts, tokenizer
             raise InputError(f"--noise {noise}: a fraction in [0, 1), e.g. 0.001 for 0.1%")
         from specpilot.auditors.timing import rejudge
 
-        result = rejudge(from_file, noise=noise, changes_output=changes_output or None, seed=seed)
+        # the stored run's seed unless one is typed: the same samples then give the same interval
+        result = rejudge(from_file, noise=noise, changes_output=changes_output or None,
+                         seed=seed if typed("seed") else None)
         emit(report(result), fmt, out, protect=[from_file])
         return 0 if result.verdict.approved else 1
 
