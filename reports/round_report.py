@@ -146,15 +146,19 @@ def build(res) -> list[Block]:
         speed = (f"{_n(m.tokens_per_s, 4)} tokens/s in a calibration run ({cal.get('tokens')} tokens)"
                  if cal.get("tokens") else   # an SGLang deployment: no engine of its own to calibrate
                  "no calibration run (its decode speed is measured by the stock server at the start of stage 4)")
-        b.append(Block("p", f"Current system `{m.system}`: {speed}. T_AR = {_n(m.ar_ms, 4)} ms; T_step(N) at "
-                            f"context {m.context} ({m.rows_method or 'not measured'}):"))
+        at = f"at context {m.context}" if m.context is not None else "at a context its rows probe does not record"
+        b.append(Block("p", f"Current system `{m.system}`: {speed}. T_AR = {_n(m.ar_ms, 4)} ms; T_step(N) {at} "
+                            f"({m.rows_method or 'not measured'}):"))
         if m.step_ms:
             b.append(Block("table", headers=["rows", "T_step ms", "c = T_step / T_AR"],
                            rows=[[r, _n(v), _n(v / m.ar_ms if m.ar_ms else None)] for r, v in sorted(m.step_ms.items())]))
         if m.replay:
             lat = m.lattice or {}
-            b.append(Block("p", f"Lattice recorded on {lat.get('prompts')} prompts x {lat.get('max_new_tokens')} new "
-                                f"tokens: {m.replay['steps']} verify steps, m = {m.replay['positions']} positions x "
+            # the round's own recording knows its run shape; a deployment's lattice files say only their steps
+            source = (f"Lattice recorded on {lat['prompts']} prompts x {lat['max_new_tokens']} new tokens"
+                      if lat.get("prompts") is not None and lat.get("max_new_tokens") is not None
+                      else f"Lattice from {', '.join(lat['files'])}" if lat.get("files") else "Lattice")
+            b.append(Block("p", f"{source}: {m.replay['steps']} verify steps, m = {m.replay['positions']} positions x "
                                 f"K = {m.replay['candidates']} candidates; replayed (tau = accepted + 1, 95% intervals "
                                 "resample requests):"))
             b.append(Block("table", headers=["policy", "nodes", "tau", "95% CI"],

@@ -4,6 +4,7 @@ on fake servers (the embedded engine's SGLang-compatible ``serve``), and the rea
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import socket
 import subprocess
@@ -125,6 +126,21 @@ def test_committed_example_rounds_rerender_to_their_reports(name, run_cli, tmp_p
     code, _, err = run_cli("report", tmp_path / name)
     assert code == 0, err
     assert (tmp_path / name / "report.md").read_text() == (src / "report.md").read_text()
+
+
+@pytest.mark.parametrize("name", ["smollm2-cpu", "llama8b-h200"])
+def test_committed_example_timings_quote_the_verdict_compare_from_gives(name):
+    """The stored verdict and reason of each example timing (and its copy in decisions.json) are
+    what 'specpilot compare --from' judges from its samples now (the lower of both bounds)."""
+    from specpilot.auditors.timing import rejudge
+
+    d = Path(__file__).resolve().parents[1] / "examples" / "rounds" / name / "approve"
+    copies = {x["id"]: x["timing"] for x in json.loads((d / "decisions.json").read_text())["decisions"] if x["timing"]}
+    for f in sorted(d.glob("*.timing.json")):
+        now = rejudge(f).to_json()
+        for stored in (json.loads(f.read_text()), copies[f.name.split(".")[0]]):
+            assert {k: stored[k] for k in ("approved", "verdict", "reason")} == \
+                {k: now[k] for k in ("approved", "verdict", "reason")}, f
 
 
 @pytest.mark.parametrize("stage, what", [("measure/measure.json", "round-measure (no field 'system')"),
@@ -548,8 +564,9 @@ def _sglang_deployment(tmp_path) -> tuple[dict, int, int]:
     lat = tmp_path / "lattice.jsonl"
     lat.write_text("".join(json.dumps(r) + "\n" for r in synthetic_rows(requests=3, steps=6, m=4, k=4,
                                                                         transitions=True)))
-    (tmp_path / "rows.json").write_text(json.dumps({"schema": "specpilot.rows/1", "ar_ms": 10.0, "points": [
-        {"rows": r, "step_ms": 10.0 + r * 0.1} for r in (1, 2, 3, 5, 9, 17, 33)]}))
+    (tmp_path / "rows.json").write_text(json.dumps({"schema": "specpilot.rows/1", "ar_ms": 10.0, "context": 84,
+                                                    "points": [{"rows": r, "step_ms": 10.0 + r * 0.1}
+                                                               for r in (1, 2, 3, 5, 9, 17, 33)]}))
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"schema": "specpilot.prompts/1", "id": f"p{i}",
                                                                 "prompt_ids": [40 + i, 41, 42, 43, 44] * 3}) + "\n"
                                                     for i in range(3)))
@@ -593,6 +610,42 @@ def test_sglang_deployment_runs_candidates_as_servers(tmp_path, run_cli):
     report = (tmp_path / "r" / "report.md").read_text()
     assert "no calibration run (its decode speed is measured by the stock server" in report
     assert "None tokens" not in report
+    # the probe's own context (the deployment's 1024 was shown), and what is known of a lattice file
+    # ("Lattice recorded on None prompts x None new tokens")
+    assert res.measurement.context == 84 and "T_step(N) at context 84 (rows probe rows.json)" in report, report
+    assert "Lattice from lattice.jsonl: 18 verify steps" in report and "None" not in report, report
+
+
+@pytest.mark.parametrize("context, words", [
+    (None, None),
+    ("84", "rows.json: rows probe 'context' must be a whole number >= 1, got '84'"),
+    (0, "rows.json: rows probe 'context' must be a whole number >= 1, got 0"),
+])
+def test_an_sglang_rows_probe_is_placed_at_its_own_context(tmp_path, context, words):
+    """A deployment's rows probe gives T_step(N) at the context it was probed at, not the deployment's;
+    one that does not say is not given the deployment's, and the report says so."""
+    from specpilot.auditors.round.deployment_file import read_deployment
+    from specpilot.auditors.round.measure import Measurement
+    from specpilot.auditors.round.sglang import measure_sglang
+    from specpilot.errors import InputError
+
+    rows = {"schema": "specpilot.rows/1", "ar_ms": 10.0, "points": [{"rows": r, "step_ms": 10.0 + r} for r in (1, 2)]}
+    if context is not None:
+        rows["context"] = context
+    (tmp_path / "rows.json").write_text(json.dumps(rows))
+    (tmp_path / "prompts.jsonl").write_text(json.dumps({"schema": "specpilot.prompts/1", "id": "p0",
+                                                        "prompt_ids": [1, 2]}) + "\n")
+    (tmp_path / "d.yaml").write_text(yaml.safe_dump({
+        "schema": "specpilot.deployment/1", "drafter": "eagle", "context": 1024, "prompts": "prompts.jsonl",
+        "measurements": {"rows_probe": "rows.json"}, "servers": {"stock": {"url": "http://127.0.0.1:1"}}}))
+    (tmp_path / "out").mkdir()
+    dep = read_deployment(tmp_path / "d.yaml")
+    if words:
+        with pytest.raises(InputError, match=re.escape(words)):
+            measure_sglang(dep, tmp_path / "out", lambda *a: None)
+        return
+    meas = measure_sglang(dep, tmp_path / "out", lambda *a: None)
+    assert meas.context is None and Measurement.from_json(meas.to_json()).context is None
 
 
 def test_a_candidate_whose_server_cannot_be_its_own_is_refused_and_the_round_reports(tmp_path, run_cli):

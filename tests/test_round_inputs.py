@@ -117,7 +117,7 @@ DECISION = {"id": "chain", "memory": None, "system": "engine:model=tiny,mode=cha
      "step_ms['9'] must be a number of milliseconds above 0, not 0"),
     ("measure/measure.json", lambda d: d.update(ar_ms=-3.0),
      "ar_ms must be a number of milliseconds above 0, or null, not -3.0"),
-    ("measure/measure.json", lambda d: d.update(context=0), "context must be a whole number >= 1, not 0"),
+    ("measure/measure.json", lambda d: d.update(context=0), "context must be a whole number >= 1 or null, not 0"),
     ("measure/measure.json", lambda d: d["calibration"].update(prefill_s="Infinity"),
      "calibration.prefill_s must be a number >= 0, not inf"),
     ("propose/candidates.json", lambda d: d["candidates"].append(

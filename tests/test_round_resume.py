@@ -175,7 +175,8 @@ def test_an_interrupted_round_reports_itself_unfinished_and_check_says_how_to_fi
                 raise KeyboardInterrupt
 
     r = tmp_path / "r"
-    cfg = RoundConfig(deployment=TINY, out_dir=str(r), budget_min=0.25, records_dir=str(tmp_path / "rec"),
+    # the interrupt comes from the second candidate's start, not the clock: a budget no loaded machine runs out of
+    cfg = RoundConfig(deployment=TINY, out_dir=str(r), budget_min=2.0, records_dir=str(tmp_path / "rec"),
                       candidates=["chain", "tree"], n_prompts=2, max_new_tokens=8)
     with pytest.raises(KeyboardInterrupt):
         run_round(cfg, notify=interrupt_at_the_second_candidate)
@@ -379,6 +380,33 @@ def test_an_interrupted_round_says_how_to_continue_it(tmp_path):
     assert e.value.__notes__ == [f"the round's files are in {r}; continue it with specpilot round --resume {r}"]
 
 
+def test_a_round_stopped_while_it_renders_its_report_says_how_to_write_it(done, tmp_path, run_cli, monkeypatch):
+    """SIGTERM after the last stage, in the report: the last line says that 'specpilot report DIR'
+    writes it (it said only 'interrupted by SIGTERM', and a resume then finds the round complete)."""
+    import signal
+
+    from specpilot import signals
+    from specpilot.reports import round_report
+
+    r = _copy(done, tmp_path)
+    shutil.copytree(done / "rec", tmp_path / "rec")
+    state = json.loads((r / "round.json").read_text())
+    state["config"]["records_dir"] = str(tmp_path / "rec")
+    state["stages"]["remember"]["status"] = "pending"
+    (r / "round.json").write_text(json.dumps(state))
+    (r / "report.md").unlink(missing_ok=True)
+
+    def stopped(_dir):
+        raise signals.Interrupted(signal.SIGTERM)
+
+    monkeypatch.setattr(round_report, "write_report", stopped)
+    code, _, err = run_cli("round", "--resume", r)
+    assert code == 143, err
+    assert err.splitlines()[-1] == (f"specpilot: interrupted by SIGTERM; the round's files are in {r}; its report is "
+                                    f"not written: specpilot report {r} writes it"), err
+    assert not (r / "report.md").exists()
+
+
 def test_resuming_a_finished_round_prints_its_summary_in_json(done, tmp_path, run_cli):
     r = _copy(done, tmp_path)
     before = _files(r)
@@ -420,6 +448,25 @@ def test_report_says_when_the_report_folder_is_a_file(done, tmp_path, run_cli):
     (r / "report").write_text("not a folder")
     code, _, err = run_cli("report", r)
     assert code == 2 and err.count("\n") == 1 and f"{r / 'report'}: not a folder" in err, err
+
+
+@pytest.mark.parametrize("name", ["report.md", "report.html"])
+@pytest.mark.parametrize("first", [True, False])
+def test_report_out_on_the_rounds_own_report_is_refused_as_such(done, tmp_path, run_cli, name, first):
+    """--out writes the list of what report wrote: over report.md it would replace the report (which
+    was refused as an 'input file', or, on a first render, after the report was written)."""
+    r = _copy(done, tmp_path)
+    if first:
+        for n in ("report.md", "report.html"):
+            (r / n).unlink(missing_ok=True)
+    before = _files(r)
+    code, _, err = run_cli("report", r, "--out", r / name)
+    assert code == 2 and err.count("\n") == 1, err
+    assert (f"--out {r / name}: refusing to overwrite the round's own {name} (it is rewritten by `specpilot report "
+            f"{r}`); choose another --out") in err, err
+    assert _files(r) == before
+    code, _, err = run_cli("report", r, "--out", r / "round.json")   # the round's real input files stay refused
+    assert code == 2 and "refusing to overwrite input file" in err and _files(r) == before, err
 
 
 def test_a_measure_stage_run_again_keeps_only_its_own_notes(tmp_path, run_cli):
@@ -489,6 +536,11 @@ def _reopen(r, *stages):
     ("prompts.jsonl", lambda row: row.update(prompt_ids=[10 ** 6]), "token id 1000000 is outside the vocabulary"),
     ("approve/stock.outputs.jsonl", lambda row: row.update(output_ids="x"),
      "stock.outputs.jsonl:1: output_ids must be a list of token ids"),
+    # the scorer indexed its logits with it: the resume crashed (IndexError) after the paired runs
+    ("approve/stock.outputs.jsonl", lambda row: row.update(output_ids=[t + 1000 for t in row["output_ids"]]),
+     "stock.outputs.jsonl:1: prompt 'p0': token id "),
+    ("approve/stock.outputs.jsonl", lambda row: row.update(id="p99"),
+     "stock.outputs.jsonl:1: prompt 'p99' is not one of the round's prompts (prompts.jsonl)"),
 ])
 def test_a_resume_refuses_damaged_prompts_or_outputs_before_its_stages_write(done, tmp_path, run_cli, rel, edit, words):
     """The prompts and reference outputs a resumed approve stage reads are checked before it starts
@@ -517,6 +569,24 @@ def test_a_resume_refuses_reference_outputs_that_miss_a_run_prompt(done, tmp_pat
     code, _, err = run_cli("round", "--resume", r)
     assert code == 2 and err.count("\n") == 1, err
     assert f"{f}: no output for prompt 'p1' (1 of the round's 2 run prompts)" in err, err
+    assert _files(r) == before and _files(done / "rec") == rec
+
+
+def test_a_resume_refuses_reference_outputs_of_other_prompts_naming_file_and_line(done, tmp_path, run_cli):
+    """Stock's rows given to other prompts (each id another prompt's row): named before any run (the
+    paired runs ran first, then the stage failed naming neither the file nor the line)."""
+    r = _copy(done, tmp_path)
+    _reopen(r, "approve", "remember")
+    (r / "approve" / "decisions.json").unlink()
+    f = r / "approve" / "stock.outputs.jsonl"
+    rows = [json.loads(line) for line in f.read_text().splitlines()]
+    assert len(rows) >= 2 and rows[0]["prompt_ids"] != rows[1]["prompt_ids"]
+    ids = [x["id"] for x in rows]
+    f.write_text("".join(json.dumps(dict(x, id=i)) + "\n" for x, i in zip(rows, ids[1:] + ids[:1])))
+    before, rec = _files(r), _files(done / "rec")
+    code, _, err = run_cli("round", "--resume", r)
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"{f}:1: prompt {ids[1]!r}: prompt_ids differ from those of the prompt in prompts.jsonl" in err, err
     assert _files(r) == before and _files(done / "rec") == rec
 
 

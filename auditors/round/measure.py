@@ -42,7 +42,7 @@ class Measurement:
     system: str                       # the engine spec measured (the current system)
     tokens_per_s: float               # calibration run of the current system
     calibration: dict                 # prompt, tokens, seconds, prefill_s
-    context: int                      # context T_step(N) was measured at
+    context: int | None               # context T_step(N) was measured at (None: a given rows probe does not say)
     ar_ms: float | None = None
     step_ms: dict[int, float] = field(default_factory=dict)   # rows -> ms
     rows_method: str | None = None
@@ -87,9 +87,11 @@ def _check_numbers(d: dict) -> None:
     measurements): a ValueError naming the field (the reader says the file is malformed)."""
     if "tokens_per_s" in d:   # a field missing is need_fields' to name
         need(is_num(d["tokens_per_s"]) and d["tokens_per_s"] >= 0, "tokens_per_s", "a number >= 0", d["tokens_per_s"])
-    for key in ("context", "current_rows"):
-        if key in d:
-            need(is_int(d[key]) and d[key] >= 1, key, "a whole number >= 1", d[key])
+    if d.get("context") is not None:
+        need(is_int(d["context"]) and d["context"] >= 1, "context", "a whole number >= 1 or null", d["context"])
+    if "current_rows" in d:
+        need(is_int(d["current_rows"]) and d["current_rows"] >= 1, "current_rows", "a whole number >= 1",
+             d["current_rows"])
     if d.get("ar_ms") is not None:
         need(is_num(d["ar_ms"]) and d["ar_ms"] > 0, "ar_ms", "a number of milliseconds above 0, or null", d["ar_ms"])
     for key, want in (("step_ms", "milliseconds per row count"), ("calibration", "an object"),
@@ -167,6 +169,9 @@ def _check_numbers(d: dict) -> None:
         if key in (lat or {}):
             need((is_num if key == "seconds" else is_int)(lat[key]) and lat[key] >= 0, f"lattice.{key}",
                  "a number of seconds" if key == "seconds" else "a whole number >= 0", lat[key])
+    if (lat or {}).get("files") is not None:   # a deployment's lattice files: the report names them
+        need(isinstance(lat["files"], list) and all(isinstance(x, str) for x in lat["files"]), "lattice.files",
+             "a list of file names", lat["files"])
     vr = d.get("verify_rows")
     need(vr is None or isinstance(vr, dict), "verify_rows", "an object of family -> nodes -> {rows: steps}", vr)
     for fam, by_n in (vr or {}).items():

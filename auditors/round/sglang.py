@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from specpilot.errors import EnvironmentMissing, InputError
-from specpilot.fileio import read_json, write_json_atomic
+from specpilot.fileio import is_int, read_json, write_json_atomic
 
 from .deployment_file import SGLangDeployment
 from .servers import Server, healthy, start_server
@@ -43,7 +43,12 @@ def measure_sglang(dep: SGLangDeployment, out: Path, notify) -> "object":
 
         fig = read_rows_probe(str(rp))
         meas.step_ms, meas.ar_ms, meas.rows_method = dict(fig.step_ms), fig.ar_ms, f"rows probe {rp.name}"
-        write_json_atomic(out / "rows.json", read_json(rp, kind="rows"))
+        doc = read_json(rp, kind="rows")
+        # T_step(N) is the probe's, at the context it was probed at (None: the file does not say), not the deployment's
+        meas.context = doc.get("context")
+        if meas.context is not None and not (is_int(meas.context) and meas.context >= 1):
+            raise InputError(f"{rp}: rows probe 'context' must be a whole number >= 1, got {meas.context!r}")
+        write_json_atomic(out / "rows.json", doc)
         meas.files["rows"] = "measure/rows.json"
     elif m.get("ar_ms") and m.get("step_ms"):
         meas.ar_ms = float(m["ar_ms"])

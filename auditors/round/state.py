@@ -264,21 +264,49 @@ def check_record_file(path: Path) -> dict | None:
 
 def check_round_inputs(d: Path, state: dict) -> None:
     """The files a resumed round's stages read as they were written: its prompts and the outputs
-    its approve and remember stages reuse (read_outputs names the file and line)."""
+    its approve and remember stages reuse (read_outputs names the file and line), each row of the
+    round's prompts, with its prompt_ids and with token ids in an engine round's vocabulary."""
     from specpilot.auditors.outputs import key, read_outputs
 
     prompts = read_round_prompts(d / "prompts.jsonl", state) if (d / "prompts.jsonl").is_file() else None
     refs = [d / "approve" / "stock.outputs.jsonl", d / "approve" / "ar.outputs.jsonl"]
     outs = refs + ([d / state["final_samples"]["outputs"]] if (state.get("final_samples") or {}).get("outputs") else [])
     n = (state.get("shape") or {}).get("prompts")
+    vocab = None
+    if state.get("kind") == "engine":   # the scorer indexes its logits with them: one outside crashed the audit
+        from specpilot.engine.api import model_vocab
+
+        vocab = model_vocab(state["stock"])
     for f in outs:
         if f.is_file():
             got = read_outputs(f)
+            _check_output_rows(f, got, prompts, vocab)
             if f in refs and prompts is not None and n:   # the approve stage pairs every run prompt against them
                 missing = [p.id for p in prompts[:n] if key(p.id) not in got.by_id]
                 if missing:
                     raise InputError(f"{f}: no output for prompt {missing[0]!r} ({len(missing)} of the round's {n} "
                                      "run prompts); the round's files are damaged")
+
+
+def _check_output_rows(f: Path, got, prompts, vocab: int | None) -> None:
+    """Each row of a reused outputs file is of one of the round's prompts, with that prompt's
+    token ids, and (``vocab``) holds token ids the model has: named by the file's line."""
+    from specpilot.auditors.outputs import key
+    from specpilot.fileio import iter_jsonl_numbered
+
+    asked = {key(p.id): list(p.prompt_ids) for p in prompts} if prompts is not None else None
+    for (line, _), row in zip(iter_jsonl_numbered(f), got.rows):   # read_outputs kept a row per line, in order
+        where = f"{f}:{line}: prompt {row.id!r}"
+        if asked is not None and key(row.id) not in asked:
+            raise InputError(f"{where} is not one of the round's prompts (prompts.jsonl); the round's files are "
+                             "damaged")
+        if asked is not None and row.prompt_ids != asked[key(row.id)]:
+            raise InputError(f"{where}: prompt_ids differ from those of the prompt in prompts.jsonl; the round's "
+                             "files are damaged")
+        bad = next((t for t in row.prompt_ids + row.output_ids if t >= vocab), None) if vocab else None
+        if bad is not None:
+            raise InputError(f"{where}: token id {bad} is outside the vocabulary (0..{vocab - 1}); the round's "
+                             "files are damaged")
 
 
 def load_round(path: str | Path) -> RoundResult:

@@ -30,6 +30,11 @@ def command(round_dir, fmt, out):
     if out:   # the round's files are its inputs, the report's two files what it writes
         from specpilot.fileio import check_output_path
 
+        own = next((n for n in ("report.md", "report.html") if Path(out).resolve() == (Path(round_dir) / n).resolve()),
+                   None)
+        if own:   # --out takes the list of what report wrote: over the report it would replace it
+            raise InputError(f"--out {out}: refusing to overwrite the round's own {own} (it is rewritten by "
+                             f"`specpilot report {round_dir}`); choose another --out")
         check_output_path(out, "--out", protect=[p for p in Path(round_dir).rglob("*") if p.is_file()])
     try:
         md, html = write_report(round_dir)

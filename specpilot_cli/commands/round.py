@@ -171,6 +171,10 @@ def command(deployment, budget, out_dir, resume_dir, dry_run, prompts, n_prompts
             md = html = None
             click.echo(f"specpilot: warning: report not rendered ({e}); run 'specpilot report {res.dir}' where "
                        "matplotlib is installed", err=True)
+        except KeyboardInterrupt as e:   # the stages' files are all written: only the report is not
+            e.add_note(f"the round's files are in {res.dir}; its report is not written: specpilot report {res.dir} "
+                       "writes it")
+            raise
     st = res.state
     rows = [[d.id, d.memory or "-", d.verdict.upper(), fmt_num((d.timing or {}).get("gain")),
              ((d.audit or {}).get("verdict") or "-").upper(), d.reason] for d in res.decisions]
