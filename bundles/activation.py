@@ -77,6 +77,15 @@ def not_writable(purelib: str | Path, why: str | None = None) -> EnvironmentMiss
     return EnvironmentMissing(f"{purelib} is not writable{f' ({why})' if why else ''}; run as the environment's owner")
 
 
+def not_replaceable(path: Path, purelib: str | Path, e: OSError, verb: str) -> EnvironmentMissing:
+    """The error of a ``path`` in ``purelib`` that cannot be replaced or removed (``verb``): EPERM where
+    the folder takes files is the file itself (immutable: chattr +i), so it is named; else the folder."""
+    if e.errno != errno.EPERM or not os.access(purelib, os.W_OK):
+        return not_writable(purelib, e.strerror)
+    return EnvironmentMissing(f"{path} cannot be {verb} ({e.strerror}), though {purelib} is writable; is it "
+                              "immutable (lsattr)? run as the environment's owner")
+
+
 def require_writable(purelib: str | Path) -> None:
     if not os.access(purelib, os.W_OK):
         raise not_writable(purelib)
@@ -90,7 +99,7 @@ def remove(path: Path, purelib: str | Path) -> None:
         pass
     except OSError as e:
         if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-            raise not_writable(purelib, e.strerror) from None
+            raise not_replaceable(path, purelib, e, "removed") from None
         raise
 
 
@@ -286,6 +295,8 @@ class StatusResult:
     problems: list[str]
     swept: list[str]
     launch: str | None = None   # the launch line of the activation as it matches (built again, not read)
+    # this SpecPilot's bundle modules the environment's SpecPilot has otherwise: apply run here would refuse it
+    differs: list[str] = field(default_factory=list)
 
     @property
     def matches(self) -> bool:
@@ -388,12 +399,33 @@ def check_composition(entries: dict[str, mem.Entry], ids: list[str], drafter: st
     return drafter
 
 
+def own_apply_command(executable: str, bundles: str, *, force: bool = False, experimental: bool = False,
+                      settings=(), dry_run: bool = False, model: str = "MODEL", drafter: str | None = None,
+                      fmt: str | None = None, out: str | None = None) -> str:
+    """The ``apply`` with these options as the environment of ``executable`` runs it with its own SpecPilot
+    (``EXE -m specpilot apply ...``, no --python: it applies to itself), every word shell-quoted."""
+    words = [executable, "-m", "specpilot", "apply", bundles]
+    if drafter:
+        words += ["--drafter", drafter]
+    for pair in settings or ():
+        words += ["--set", pair]
+    if model != "MODEL":
+        words += ["--model", model]
+    words += [flag for flag, on in (("--force", force), ("--experimental", experimental), ("--dry-run", dry_run)) if on]
+    if fmt and fmt != "table":
+        words += ["--format", fmt]
+    if out:
+        words += ["--out", out]
+    return " ".join(shlex.quote(w) for w in words)
+
+
 def apply(bundles: str, *, python: str | None = None, force: bool = False, experimental: bool = False,
           settings=(), dry_run: bool = False, memory_dir=None, model: str = "MODEL",
-          drafter: str | None = None, out: str | None = None) -> ApplyResult:
+          drafter: str | None = None, out: str | None = None, fmt: str | None = None) -> ApplyResult:
     """Check and write the activation (``out``: the report file the caller will write, refused when
-    it is the activation file itself). A signal that comes once the activation is renamed into
-    place does not undo it: the result says which signal (``interrupted``)."""
+    it is the activation file itself; ``fmt``: its format, for the command a refusal suggests). A signal
+    that comes once the activation is renamed into place does not undo it: the result says which
+    signal (``interrupted``)."""
     entries = mem.load_memory(memory_dir)
     asked = parse_bundle_list(bundles)
     for name in asked:
@@ -417,6 +449,8 @@ def apply(bundles: str, *, python: str | None = None, force: bool = False, exper
     state = mem.compose(entries, ids)
 
     env = probe(python, modules=state.fingerprints)
+    path = activation_path(env.purelib)
+    refuse_report_on_target(out, path, env)   # before any check of the environment, as every verb does
     require_sglang(env)
     checked = sorted({v for i in ids for v in entries[i].sglang_checked})
     if not env.supported or env.sglang_version not in checked:
@@ -435,11 +469,11 @@ def apply(bundles: str, *, python: str | None = None, force: bool = False, exper
     _require_specpilot(env)
     differ = sorted(m for m, fp in state.fingerprints.items() if env.fingerprints.get(m) != fp)
     if differ:
+        own = own_apply_command(env.executable, bundles, force=force, experimental=experimental, settings=settings,
+                                dry_run=dry_run, model=model, drafter=given, fmt=fmt, out=out)
         raise EnvironmentMissing(f"the SpecPilot installed in {env.prefix} differs from this one ({', '.join(differ)}); "
-                                 f"run that environment's own: {env.executable} -m specpilot apply {bundles}")
+                                 f"run that environment's own: {own}")
 
-    path = activation_path(env.purelib)
-    refuse_report_on_target(out, path, env)
     require_writable(env.purelib)   # a dry run too: it says whether apply would succeed
     launch = launch_command(entries, ids, values, env.executable, model, drafter, env.plugins)
     notes = launch_parts(entries, ids, values, drafter)[2]
@@ -479,7 +513,7 @@ def apply(bundles: str, *, python: str | None = None, force: bool = False, exper
                     with atomic_open(path, "w", on_commit=lambda: committed.append(True)) as fh:
                         fh.write(json.dumps(activation, indent=2) + "\n")
                 except PermissionError as e:   # an immutable activation (chattr +i): as revert says it
-                    raise not_writable(env.purelib, e.strerror) from None
+                    raise not_replaceable(path, env.purelib, e, "replaced") from None
     except signals.Interrupted as e:
         if not committed or res is None:
             raise
@@ -490,7 +524,8 @@ def apply(bundles: str, *, python: str | None = None, force: bool = False, exper
 def refuse_report_on_target(out: str | None, path: Path, env: TargetEnv) -> None:
     """InputError when the report file ``out`` is the activation file (existing or not: a report
     written there is an activation SGLang's plugin cannot read), or the target's interpreter (as
-    given or where a link leads) or a file of its site-packages or of SGLang, which the verbs read."""
+    given or where a link leads) or a file of its site-packages or of SGLang (its package and its
+    metadata, which may lie outside site-packages), which the verbs read."""
     if out is None:
         return
     if os.path.realpath(out) == os.path.realpath(path):
@@ -498,7 +533,8 @@ def refuse_report_on_target(out: str | None, path: Path, env: TargetEnv) -> None
                          "(or leave --out out)")
     from specpilot.fileio import check_output_path
 
-    check_output_path(out, "--out", protect=[env.python, env.executable, env.purelib, env.sglang_package])
+    check_output_path(out, "--out", protect=[env.python, env.executable, env.purelib, env.sglang_package,
+                                              env.sglang_metadata])
 
 
 def revert(python: str | None = None, out: str | None = None) -> RevertResult:
@@ -565,6 +601,7 @@ def status(python: str | None = None, memory_dir=None, out: str | None = None) -
                 problems.append("the bundles' hook set changed since apply (SpecPilot was updated); apply again")
             # the plugin would run (or miss) what the bundles do not name
             problems += [f"{p}; apply again" for p in mem.activation_problems(act, entries)]
+    differs: list[str] = []
     if env.specpilot_version is None:  # its modules are gone with it: this one problem says so
         problems.append("SpecPilot is no longer installed there: SGLang will not load the plugin")
     else:
@@ -573,6 +610,7 @@ def status(python: str | None = None, memory_dir=None, out: str | None = None) -
                 problems.append(f"bundle module {m} is missing from that environment; apply again")
             elif env.fingerprints[m] != fp:
                 problems.append(f"bundle module {m} in that environment changed since apply; apply again")
+        differs = specpilot_differs(python, env, act["closure"], memory_dir)
     launch = None
     if not problems:   # from the activation's bundles and settings, as apply builds it (its text may be edited)
         ids = act["closure"]
@@ -580,7 +618,20 @@ def status(python: str | None = None, memory_dir=None, out: str | None = None) -
         launch = launch_command(entries, ids, values, env.executable, launch_model(act) or "MODEL",
                                 act.get("drafter"), env.plugins)
     return StatusResult(path=str(path), env=env, activation=act, checks=checks, problems=problems, swept=swept,
-                        launch=launch)
+                        launch=launch, differs=differs)
+
+
+def specpilot_differs(python: str | None, env: TargetEnv, closure: list[str], memory_dir=None) -> list[str]:
+    """The modules of bundles ``closure`` whose source in ``env`` is not this SpecPilot's, which apply
+    run here refuses (none when this SpecPilot's memory cannot compose them: status says why)."""
+    try:
+        mine = mem.compose(mem.load_memory(memory_dir), closure).fingerprints
+    except InputError:
+        return []
+    theirs = env.fingerprints
+    if set(mine) - set(theirs):   # a module the activation does not name: fingerprinted there too
+        theirs = probe(python, modules=mine).fingerprints
+    return sorted(m for m, fp in mine.items() if theirs.get(m) != fp)
 
 
 def launch_model(act: dict) -> str | None:

@@ -208,6 +208,14 @@ def _names(value, what: str, source: str) -> list[str]:
     return [str(x) for x in items]
 
 
+def _texts(value, what: str, source: str) -> list[str]:
+    """A list of text items (contracts, limits, unverified)."""
+    items = _as_list(value, what, source)
+    if not all(isinstance(x, str) for x in items):
+        raise InputError(f"{source}: '{what}' must be a list of text items")
+    return [x.strip() for x in items]
+
+
 def _str_tuple(value, what: str, source: str, allowed) -> tuple[str, ...]:
     items = tuple(str(x) for x in _as_list(value, what, source))
     bad = [x for x in items if x not in allowed]
@@ -227,10 +235,13 @@ def parse_fits(raw: Any, source: str) -> Fits:
     batch = raw.get("batch", "any")
     if batch not in BATCH_SHAPES:
         raise InputError(f"{source}: fits.batch must be one of {', '.join(BATCH_SHAPES)}")
+    changes = raw.get("changes_output", False)
+    if not isinstance(changes, bool):   # bool("false") is True: text would read as yes
+        raise InputError(f"{source}: fits.changes_output must be true or false, not {changes!r}")
     return Fits(attacks=attacks, drafters=_str_tuple(raw.get("drafters"), "fits.drafters", source, tuple(DRAFTERS)),
                 targets=_str_tuple(raw.get("targets"), "fits.targets", source, TARGET_KINDS),
                 dtypes=tuple(str(x) for x in _as_list(raw.get("dtypes"), "fits.dtypes", source)),
-                batch=batch, changes_output=bool(raw.get("changes_output", False)))
+                batch=batch, changes_output=changes)
 
 
 def parse_variant(name: Any, v: Any, source: str) -> Variant:
@@ -275,6 +286,8 @@ def parse_entry(raw: Any, source: str, path: Path | None = None) -> Entry:
     missing = [k for k in _REQUIRED if k not in raw]
     if missing:
         raise InputError(f"{source}: missing field(s) {', '.join(missing)}")
+    if not isinstance(raw["summary"], str):
+        raise InputError(f"{source}: 'summary' must be text")
     if raw["status"] not in STATUSES:
         raise InputError(f"{source}: status must be one of {', '.join(STATUSES)}")
     code = raw["code"] or {}
@@ -338,7 +351,7 @@ def parse_entry(raw: Any, source: str, path: Path | None = None) -> Entry:
                               or not check.partition(":")[2]):
         raise InputError(f"{source}: 'code.settings_check' must be a 'module:function' of the entry's own modules")
     return Entry(
-        id=str(raw["id"]), summary=str(raw["summary"]).strip(), status=raw["status"],
+        id=str(raw["id"]), summary=raw["summary"].strip(), status=raw["status"],
         requires=_names(raw["requires"], "requires", source),
         sglang_checked=_names(sglang.get("checked"), "sglang.checked", source),
         modules=modules,
@@ -347,10 +360,10 @@ def parse_entry(raw: Any, source: str, path: Path | None = None) -> Entry:
         quantization=_names(code.get("quantization"), "code.quantization", source),
         setup=setup, launch=dict(launch),
         variants=variants,
-        contracts=[str(c).strip() for c in _as_list(raw["contracts"], "contracts", source)],
+        contracts=_texts(raw["contracts"], "contracts", source),
         evidence=_as_list(raw["evidence"], "evidence", source),
-        limits=[str(c).strip() for c in _as_list(raw["limits"], "limits", source)],
-        unverified=[str(c).strip() for c in _as_list(raw["unverified"], "unverified", source)],
+        limits=_texts(raw["limits"], "limits", source),
+        unverified=_texts(raw["unverified"], "unverified", source),
         system={"hooks": list(rec_hooks), "fingerprints": {str(k): v for k, v in rec_fp.items()}},
         path=path or Path(source), raw=raw, fits=parse_fits(raw.get("fits"), source),
         off_with=parse_off_with(raw.get("off_with"), source), settings_check=check,

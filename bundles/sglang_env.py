@@ -14,9 +14,12 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specpilot import signals
 from specpilot.errors import EnvironmentMissing, InputError
 
 from .contract import PLUGIN_GROUP, SUPPORTED_SGLANG
+
+PROBE_TIMEOUT = 60.0   # seconds the target interpreter has to answer the probe
 
 _PROBE = r"""
 import os, sys
@@ -31,10 +34,13 @@ except Exception as e:
     spec = None
 if spec is not None and spec.submodule_search_locations:
     try:
-        version = md.version("sglang")
+        dist = md.distribution("sglang")
+        version, meta = dist.version, getattr(dist, "_path", None)
     except md.PackageNotFoundError:
-        version = None
-    out["sglang"] = {"version": version, "package": list(spec.submodule_search_locations)[0]}
+        version = meta = None
+    # its metadata folder (.dist-info, .egg-info): beside the package where a .pth leads to it
+    out["sglang"] = {"version": version, "package": list(spec.submodule_search_locations)[0],
+                     "metadata": str(meta) if meta is not None else None}
 try:
     dist = md.distribution("specpilot")
     eps = [ep for ep in dist.entry_points if ep.group == PLUGIN_GROUP]
@@ -70,6 +76,7 @@ class TargetEnv:
     specpilot_entry_point: dict | None
     fingerprints: dict  # module -> sha256 of its source in the target environment (None: absent)
     plugins: list = field(default_factory=list)   # names of the environment's SGLang plugins (entry points)
+    sglang_metadata: str | None = None   # SGLang's .dist-info (or .egg-info) folder, which its version is read from
 
     @property
     def sglang_root(self) -> Path | None:
@@ -88,7 +95,8 @@ def _probe_shaped(info) -> bool:
     if not isinstance(info, dict) or not all(text(info.get(k)) for k in ("executable", "python", "prefix", "purelib")):
         return False
     sg, sp, fps = info.get("sglang"), info.get("specpilot"), info.get("fingerprints", {})
-    if sg is not None and not (isinstance(sg, dict) and text(sg.get("version"), True) and text(sg.get("package"))):
+    if sg is not None and not (isinstance(sg, dict) and text(sg.get("version"), True) and text(sg.get("package"))
+                               and text(sg.get("metadata"), True)):
         return False
     if sp is not None and not (isinstance(sp, dict) and text(sp.get("version"))
                                and isinstance(sp.get("entry_point") or {}, dict)):
@@ -99,9 +107,10 @@ def _probe_shaped(info) -> bool:
     return isinstance(fps, dict) and all(text(k) and text(v, True) for k, v in fps.items())
 
 
-def probe(python: str | None = None, timeout: float = 60.0, modules=()) -> TargetEnv:
+def probe(python: str | None = None, timeout: float | None = None, modules=()) -> TargetEnv:
     """Describe the environment of interpreter ``python`` (default: this one); ``modules``: also
-    fingerprint these modules' source files as that environment would import them."""
+    fingerprint these modules' source files as that environment would import them. ``timeout``
+    (default :data:`PROBE_TIMEOUT`) seconds without an answer is a missing environment (exit 3)."""
     if python is not None and not str(python).strip():
         raise InputError("--python: empty path; give the interpreter of the SGLang environment")
     python = python or sys.executable
@@ -110,24 +119,33 @@ def probe(python: str | None = None, timeout: float = 60.0, modules=()) -> Targe
         raise InputError(f"--python {python}: no such file")
     if not os.access(exe, os.X_OK) or exe.is_dir():
         raise InputError(f"--python {python}: not an executable Python interpreter")
+    timeout = PROBE_TIMEOUT if timeout is None else timeout
+    # -B: the probe must not leave __pycache__ files behind in the target environment
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+    script = f"MODULES = {sorted(modules)!r}\nPLUGIN_GROUP = {PLUGIN_GROUP!r}\n" + _PROBE
     try:
-        # -B: the probe must not leave __pycache__ files behind in the target environment
-        env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
-        script = f"MODULES = {sorted(modules)!r}\nPLUGIN_GROUP = {PLUGIN_GROUP!r}\n" + _PROBE
+        # its own process group: a wrapper script's children end with it on a timeout or a signal;
         # absolute: Path("./py") is "py", which subprocess would look up on $PATH
-        proc = subprocess.run([os.path.abspath(exe), "-B", "-c", script], capture_output=True, text=True,
-                              timeout=timeout, env=env)
+        proc = signals.spawn([os.path.abspath(exe), "-B", "-c", script], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=env)
     except OSError as e:
         raise InputError(f"--python {python}: cannot run it ({e.strerror or e})") from None
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        signals.end(proc, grace=0.5)
         raise EnvironmentMissing(f"--python {python}: did not answer within {timeout:.0f} s") from None
+    except BaseException:   # a signal (Interrupted) or another error while it runs
+        signals.end(proc, grace=0.5)
+        raise
+    signals.forget(proc)
     if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        last = (stderr.strip().splitlines() or ["no output"])[-1]
         if len(last) > 160:   # a program that is no Python may echo the whole probe script back
             last = last[:160] + "..."
         raise InputError(f"--python {python}: the probe failed ({last}); is it Python >= 3.10?")
     try:
-        info = json.loads(proc.stdout.strip().splitlines()[-1])
+        info = json.loads(stdout.strip().splitlines()[-1])
     except (json.JSONDecodeError, IndexError):
         info = None
     if not _probe_shaped(info):
@@ -139,4 +157,5 @@ def probe(python: str | None = None, timeout: float = 60.0, modules=()) -> Targe
         sglang_version=sg and sg.get("version"), sglang_package=sg and sg.get("package"),
         specpilot_version=sp and sp.get("version"), specpilot_entry_point=sp and sp.get("entry_point"),
         fingerprints=info.get("fingerprints") or {}, plugins=info.get("plugins", []),
+        sglang_metadata=sg and sg.get("metadata"),
     )

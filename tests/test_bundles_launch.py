@@ -167,7 +167,8 @@ def test_a_missing_sglang_module_is_named(run_cli, tmp_path):
 
 def test_an_activation_the_file_system_will_not_replace_is_an_unwritable_environment(run_cli, env, clean,
                                                                                       monkeypatch):
-    """chattr +i: os.replace fails with EPERM, which apply reports as revert does (exit 3)."""
+    """chattr +i: os.replace fails with EPERM in a writable folder, which apply reports naming the file, as
+    revert does (exit 3)."""
     import errno
     import os
 
@@ -182,6 +183,7 @@ def test_an_activation_the_file_system_will_not_replace_is_an_unwritable_environ
 
     monkeypatch.setattr(os, "replace", replace)
     code, _, err = run_cli("apply", "lattice-trace", "--python", env)
-    assert code == 3 and err.strip() == (f"specpilot: error: {clean.parent} is not writable (Operation not "
-                                         "permitted); run as the environment's owner"), err
+    assert code == 3 and err.strip() == (f"specpilot: error: {clean} cannot be replaced (Operation not permitted), "
+                                         f"though {clean.parent} is writable; is it immutable (lsattr)? run as the "
+                                         "environment's owner"), err
     assert clean.read_text() == before and not list(clean.parent.glob(f".{clean.name}.*.part"))

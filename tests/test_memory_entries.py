@@ -211,6 +211,15 @@ def test_list_and_show(run_cli):
     (lambda raw: raw["variants"]["node_budget"].update(range="x"), "variant 'node_budget': range must be"),
     (lambda raw: raw["variants"]["node_budget"].update(default=1000), "default 1000 must be a number in [2, 256]"),
     (lambda raw: raw["variants"]["node_budget"].update(order="up"), "order must be descending or absent"),
+    # text where YAML's true/false belongs would read as true (bool("false")), a number or list as text
+    (lambda raw: raw["fits"].update(changes_output="false"), "fits.changes_output must be true or false, not 'false'"),
+    (lambda raw: raw["fits"].update(changes_output="no"), "fits.changes_output must be true or false, not 'no'"),
+    (lambda raw: raw["fits"].update(changes_output=0), "fits.changes_output must be true or false, not 0"),
+    (lambda raw: raw.update(summary=5), "'summary' must be text"),
+    (lambda raw: raw.update(summary=["a"]), "'summary' must be text"),
+    (lambda raw: raw.update(limits=[1, 2]), "'limits' must be a list of text items"),
+    (lambda raw: raw.update(contracts=[{"a": 1}]), "'contracts' must be a list of text items"),
+    (lambda raw: raw.update(unverified="one"), "'unverified' must be a list"),
 ])
 def test_bad_entries_exit_2(run_cli, tmp_path, mutate, msg):
     d = _copy(tmp_path)

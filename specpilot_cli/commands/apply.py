@@ -54,7 +54,7 @@ def command(bundles, python, settings, drafter, model, force, experimental, dry_
     from specpilot.bundles.activation import apply
 
     res = apply(bundles, python=python, force=force, experimental=experimental, settings=settings,
-                dry_run=dry_run, model=model, drafter=drafter, out=out)
+                dry_run=dry_run, model=model, drafter=drafter, out=out, fmt=fmt)
     if res.interrupted:   # the signal came once the activation was in place: applied all the same
         click.echo(f"specpilot: {res.interrupted} came after {res.path} was written; the activation is in place",
                    err=True)

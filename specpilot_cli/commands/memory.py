@@ -145,6 +145,7 @@ def verify(ids, python, record, results_dir, memory_dir, fmt, out):
     if results_dir and not results.is_dir():
         raise InputError(f"--results {results_dir}: no such folder")
     inputs = _inputs(memory_dir, out, results, python)   # --python: the interpreter it runs is read too
+    env = _target(python, out) if python is not None else None
     entries = _load(memory_dir, "verify")
     texts = []
     if record:   # every entry's new text first, checked and verified as it would read before any file is written
@@ -157,7 +158,7 @@ def verify(ids, python, record, results_dir, memory_dir, fmt, out):
             new[e.id] = mem.parse_entry_text(text, e.path)   # as load_memory would read the file
         mem.check_relations(new)
         entries = new
-    rows, system_ok, evidence = _verify_rows(entries, ids, results, python)
+    rows, system_ok, evidence = _verify_rows(entries, ids, results, env)
     ok = all(r.ok for r in rows)
     lines = [f"{r.id}: {p}" for r in rows for p in r.problems]
     if record and ok:
@@ -181,9 +182,21 @@ def verify(ids, python, record, results_dir, memory_dir, fmt, out):
     return 0 if ok else 1
 
 
-def _verify_rows(entries, ids, results, python):
+def _target(python: str, out: str | None):
+    """The environment of ``--python`` with SGLang in it; an ``--out`` that is a file of it (its site-packages,
+    SGLang's package or metadata, the activation file) is refused first, as apply, status and revert do."""
+    from specpilot.bundles.activation import activation_path, refuse_report_on_target, require_sglang
+    from specpilot.bundles.sglang_env import probe
+
+    env = probe(python)
+    refuse_report_on_target(out, activation_path(env.purelib), env)
+    require_sglang(env)
+    return env
+
+
+def _verify_rows(entries, ids, results, env):
     """(rows, system reproduced per id, evidence check per id) of ``entries``' survival rule, their
-    evidence against ``results`` and, with ``python``, their hook targets against that SGLang."""
+    evidence against ``results`` and, with ``env`` (a :func:`_target`), their hook targets against its SGLang."""
     from specpilot.bundles import evidence as ev
     from specpilot.bundles import memory as mem
 
@@ -196,13 +209,9 @@ def _verify_rows(entries, ids, results, python):
         if not evidence[r.id].ok:
             r.problems += evidence[r.id].problems
             r.ok = False
-    if python is not None:
-        from specpilot.bundles.activation import require_sglang
+    if env is not None:
         from specpilot.bundles.inspect_sglang import check_targets
-        from specpilot.bundles.sglang_env import probe
 
-        env = probe(python)
-        require_sglang(env)
         for r in rows:
             if entries[r.id].status == "library":
                 continue

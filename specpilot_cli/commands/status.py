@@ -58,7 +58,8 @@ def command(python, fmt, out):
                 if v is None]
         first = f"install {' and '.join(gone)} there again, then " if gone else ""
         unchecked = unchecked_version(act, res.env.sglang_version)
-        cmd, left_out = reapply_command(act, python, unchecked)
+        # apply run by this SpecPilot refuses an environment whose SpecPilot differs: that one's own runs as printed
+        cmd, left_out = reapply_command(act, python, unchecked, own=res.env.executable if res.differs else None)
         failed = [c.target for c in res.checks if not c.ok]
         if failed:   # apply checks the same targets first: applying again would be refused
             lines += ["", f"do not launch with this activation; {len(failed)} hook target(s) no longer match this "
@@ -104,8 +105,10 @@ def unchecked_version(act: dict, version: str | None) -> bool:
     return version is not None and bool(checked) and version not in checked
 
 
-def reapply_command(act: dict, python: str | None, unchecked: bool = False) -> tuple[str | None, list[str]]:
-    """The ``specpilot apply`` command that writes ``act`` again: its bundles, --python, the drafter
+def reapply_command(act: dict, python: str | None, unchecked: bool = False,
+                    own: str | None = None) -> tuple[str | None, list[str]]:
+    """The ``specpilot apply`` command that writes ``act`` again (``own``: the environment's interpreter,
+    for its own ``OWN -m specpilot apply ...`` without --python): its bundles, --python, the drafter
     the launch was written for, the model, --experimental where a bundle is experimental, --force
     where it was forced or where the installed SGLang is one the bundles were not checked against
     (``unchecked``: :func:`unchecked_version`), and every setting that is not the variant's default;
@@ -127,8 +130,8 @@ def reapply_command(act: dict, python: str | None, unchecked: bool = False) -> t
         ids = mem.closure(entries, bundles)
     except Exception:   # a requirement this memory lacks: apply names it
         ids = bundles
-    words = ["specpilot", "apply", ",".join(bundles)]
-    if python:
+    words = ([own, "-m"] if own else []) + ["specpilot", "apply", ",".join(bundles)]
+    if python and not own:
         words += ["--python", python]
     drafter = act.get("drafter")
     if drafter and mem.composition_problems(entries, ids, drafter):   # apply would refuse the bundles on it
