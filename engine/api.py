@@ -111,8 +111,9 @@ class Engine:
 
     def run(self, prompts: list[dict], max_new_tokens: int, chat: bool | None = None, record_lattice: bool = False,
             progress=None) -> "RunResult":
-        """Generate every prompt (``{"id", "ids"}`` or ``{"id", "text"}``); text goes through the
-        chat template when ``chat`` (default: when the tokenizer has one)."""
+        """Generate every prompt (``{"id", "ids"}`` or ``{"id", "text"}``, ids unique); text goes
+        through the chat template when ``chat`` (default: when the tokenizer has one)."""
+        prompts = check_run_prompts(prompts)
         if chat is None:
             chat = self.has_chat_template
         chat = chat and any(pr.get("ids") is None for pr in prompts)   # token ids are never wrapped
@@ -184,6 +185,10 @@ class Engine:
                 bar.close()
         for r, res in zip(reqs, results):
             out.lattice_rows.extend(res.lattice_steps)
+            if self.spec.mode == "tlv" and res.tlv is None:   # the prefill ended it: no cycle, as generate says
+                from specpilot.engine.tlv import TLVStats
+
+                res.tlv = TLVStats(self.spec.nodes).to_json(timed=False)
             # a batched step serves every request at once: no step time of one request's own
             out.results.append(self._result_row(r.id, r.prompt_ids, res, None))
         out.batch = {"batch": dec.batch, **({"batch_asked": self.spec.batch} if dec.batch != self.spec.batch else {}),
@@ -194,6 +199,8 @@ class Engine:
     def encode(self, text: str, chat: bool = False) -> list[int]:
         from specpilot.fileio import unicode_text
 
+        if not isinstance(text, str):
+            raise InputError(f"encode takes text (a str), got {type(text).__name__}")
         unicode_text(text, "prompt")
         tok = self.tokenizer
         if tok is None:
@@ -211,20 +218,66 @@ class Engine:
 
     def encode_messages(self, messages: list[dict]) -> list[int]:
         """A conversation through the model's chat template, ready for the assistant's turn."""
+        if not self.has_chat_template:
+            raise InputError(f"model {self.model_name} has no chat template; encode the text as it is (encode(text))")
+        if (not isinstance(messages, (list, tuple)) or not messages
+                or not all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in messages)):
+            raise InputError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return [int(i) for i in ids]
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        from specpilot.engine.decode import integer_like
+
+        if isinstance(ids, (str, bytes, dict)) or not hasattr(ids, "__iter__"):
+            raise InputError(f"decode takes a sequence of token ids, got {type(ids).__name__}")
+        ids = list(ids)
+        vocab = self.model.spec.vocab_size
+        bad = next((t for t in ids if not integer_like(t) or not 0 <= int(t) < vocab), None)
+        if bad is not None:
+            raise InputError(f"decode: {bad!r} is no token id of model {self.model_name} (integers 0..{vocab - 1})")
         if self.tokenizer is None:
             return ""
-        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return self.tokenizer.decode([int(t) for t in ids], skip_special_tokens=skip_special_tokens)
+
+
+def check_run_prompts(prompts) -> list[dict]:
+    """:meth:`Engine.run`'s prompts as a list, each a dict with an ``id`` (a string or an integer,
+    unique) and ``ids`` or ``text`` (checked when it is encoded); InputError otherwise."""
+    if isinstance(prompts, (str, bytes, dict)) or not hasattr(prompts, "__iter__"):
+        raise InputError(f"prompts must be a list of {{'id': ..., 'ids': [...]}} or {{'id': ..., 'text': ...}} dicts, "
+                         f"got {type(prompts).__name__}")
+    prompts = list(prompts)
+    if not prompts:
+        raise InputError("no prompts: give at least one {'id': ..., 'ids': [...]} or {'id': ..., 'text': ...}")
+    seen = set()
+    for n, pr in enumerate(prompts):
+        if not isinstance(pr, dict):
+            raise InputError(f"prompt #{n}: a prompt is a dict ({{'id': ..., 'ids': [...]}} or {{'id': ..., "
+                             f"'text': ...}}), got {type(pr).__name__}")
+        if "id" not in pr:
+            raise InputError(f"prompt #{n}: no 'id' (a string or an integer naming it in the results)")
+        pid = pr["id"]
+        if isinstance(pid, bool) or not isinstance(pid, (str, int)):
+            raise InputError(f"prompt #{n}: 'id' must be a string or an integer, got {type(pid).__name__}")
+        if str(pid) in seen:   # results, outputs and lattice rows are matched by id (3 and "3" alike)
+            raise InputError(f"prompt #{n}: id {pid!r} is given twice; ids must be unique")
+        seen.add(str(pid))
+        if pr.get("ids") is not None and pr.get("text") is not None:
+            raise InputError(f"prompt {pid!r}: 'ids' or 'text', not both")
+    return prompts
 
 
 def batch_stats(dec) -> dict:
-    """A batch decoder's totals as the run JSON reports them."""
+    """A batch decoder's totals as the run JSON reports them: ``tau`` 1 where no request ran a verify
+    pass (every token from a prefill), as the run's own tau; in mode tlv a ``tlv`` block, of no
+    cycles there."""
+    from specpilot.engine.tlv import TLVStats
+
     st = dec.stats
+    tlv = st.tlv or (TLVStats(dec.nodes) if dec.mode == "tlv" else None)
     return {"verify_steps": st.verify_steps, "prefill_passes": st.prefill_passes,
             "prefill_seconds": st.prefill_seconds, "rows": st.rows,
             "verify_rows": st.verify_rows, "prompt_rows": st.prompt_rows,
@@ -234,11 +287,11 @@ def batch_stats(dec) -> dict:
             "drafted_positions": st.drafted_positions,
             "kept_positions": st.kept_positions, "proposed": st.proposed, "accepted": st.accepted,
             "request_steps": st.request_steps,
-            "tau": st.tau(), "step_seconds": st.step_seconds,
+            "tau": st.tau() if st.request_steps else 1.0, "step_seconds": st.step_seconds,
             "lattice_steps": st.lattice_steps, "lattice_rows": st.lattice_rows, "lattice_seconds": st.lattice_seconds,
             "bucket_graphs": len(dec.runner.graphs) if dec.runner is not None else 0,
             "mixed_graphs": len(dec.runner.mixed) if dec.runner is not None else 0,
-            **({"tlv": st.tlv.to_json(steps=st.tlv_steps)} if st.tlv else {})}
+            **({"tlv": tlv.to_json(steps=st.tlv_steps)} if tlv else {})}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -487,6 +540,9 @@ def load_engine(spec: EngineSpec | str) -> Engine:
     """Build the model, drafter and decoder a spec describes."""
     if isinstance(spec, str):
         spec = EngineSpec.parse(spec)
+    elif not isinstance(spec, EngineSpec):
+        raise InputError(f"load_engine takes an EngineSpec or its text (engine:model=NAME,mode=...), got "
+                         f"{type(spec).__name__}")
     resolve_model(spec.model, spec.random)   # an unknown or bad model is refused before torch loads (seconds)
     if spec.mode != "ar" and spec.drafter == "model":   # before either model loads: their configs say it
         vocab = model_vocab(spec)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import re
+import shlex
 import typing
 from dataclasses import MISSING, dataclass, field, fields, replace
 
@@ -73,6 +74,15 @@ def option(default, help: str, *, choices: tuple | None = None, range: tuple[int
     ``default_text`` (what a ``None`` default means, shown in the help)."""
     return field(default=default, metadata={"help": help, "choices": choices, "range": range, "label": label,
                                             "flag": flag, "default_text": default_text})
+
+
+def comma_refusal(shown: str, name: str, value: str) -> InputError:
+    """The refusal of a text option's value with a comma (``shown``: the option as the user gave it):
+    commas separate a spec text's options, so ``str(spec)`` would write a text that parse cannot read."""
+    way = (f"give the model through a path without one, e.g. a symlink: ln -s {shlex.quote(value)} "
+           f"{shlex.quote(value.replace(',', '_'))}" if name in ("model", "draft_model") else "leave the comma out")
+    return InputError(f"{shown} {value!r} holds a comma, which separates the options of an engine spec "
+                      f"(engine:key=value,..., as the run JSON's 'engine' field records it); {way}")
 
 
 def check_choice(label: str, value, choices: tuple) -> None:
@@ -301,6 +311,11 @@ class EngineSpec:
         # qview outside tlv too, when it is one of its choices (validate() refuses the others)
         for k in unused + (("qview",) if self.mode != "tlv" and self.qview in QVIEWS else ()):
             object.__setattr__(self, k, defaults[k])
+        # str(spec) must stay a text parse() reads (OptionInfo.convert names the flag for typed values)
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, str) and "," in v:
+                raise comma_refusal(f"engine option {f.name}", f.name, v)
 
     def inputs(self) -> list[str]:
         """The user's files this engine reads (its model and draft model given as paths), which an
@@ -523,4 +538,6 @@ class OptionInfo:
                 raise bad(iv, f"is out of range [{lo}, {hi}]")
             return iv
         text = str(v)
+        if "," in text:
+            raise comma_refusal(self.flag if as_flag else f"engine option {self.name}", self.name, text)
         return DTYPE_ALIASES.get(text, text) if self.name == "dtype" else text

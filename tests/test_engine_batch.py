@@ -551,7 +551,7 @@ def test_the_queue_bound_counts_the_free_slots_and_takes_a_list_whole():
     dec = eng.batch_decoder(batch=2, max_queue=1)
     for _ in range(3):   # two about to take the free slots, one waiting
         dec.submit(req())
-    with pytest.raises(QueueFull, match="1 requests are waiting for a slot already"):
+    with pytest.raises(QueueFull, match="^1 request is waiting for a slot already$"):
         dec.submit(req())
     dec = eng.batch_decoder(batch=2, max_queue=1)
     dec.submit(req())
@@ -565,6 +565,13 @@ def test_the_queue_bound_counts_the_free_slots_and_takes_a_list_whole():
     dec.submit_all([req(), req()])
     with pytest.raises(QueueFull, match=r"^all 2 slots are taken and no request may wait for one \(a queue of 0\)$"):
         dec.submit(req())
+    dec = eng.batch_decoder(batch=2, max_queue=0)
+    dec.submit(req())   # one slot taken, one free: a list of two needs both
+    with pytest.raises(QueueFull, match=r"^a list of 2 requests needs 2 free slots, 1 of 2 is free, and a queue of 0 "
+                                        "lets none wait for one$"):
+        dec.submit_all([req(), req()])
+    assert len(dec.waiting) == 1
+    dec.submit(req())
     dec = eng.batch_decoder(batch=2)   # no bound (run --batch)
     dec.submit_all([req() for _ in range(50)])
     assert len(dec.waiting) == 50

@@ -8,6 +8,7 @@ import json
 import click
 import pytest
 from click.testing import CliRunner
+from conftest import refused
 
 from specpilot.engine.spec import EngineSpec
 from specpilot.engine_options import engine_options, spec_from_cli
@@ -295,3 +296,24 @@ def test_library_callers_get_input_errors_for_arguments_of_the_wrong_kind():
         w = (torch.randn(128, 64, generator=torch.Generator().manual_seed(0)) * 0.02).bfloat16()
         with pytest.raises(EnvironmentMissing, match="no CUDA device here"):
             KernelPack.from_w12(encode(w), "cuda")
+
+
+def test_a_value_with_a_comma_is_refused_as_no_spec_text_could_hold_it(run_cli, tmp_path):
+    """Commas separate a spec text's options: a model folder named ``smol,v2`` ran, but the run
+    JSON's ``engine`` field (``str(spec)``) was then no spec ``--engine`` could read back."""
+    folder = tmp_path / "smol,v2"
+    folder.mkdir()
+    out = tmp_path / "run.json"
+    code, _, err = run_cli("run", "--model", folder, "--mode", "ar", "--prompt-ids", "1,2,3", "--max-new-tokens", "2",
+                           "--format", "json", "--out", out)
+    refused(code, err, f"--model '{folder}' holds a comma", "symlink")
+    assert not out.exists()
+    for kw in ({"model": "tiny,v2"}, {"model": "tiny", "mode": "chain", "drafter": "model", "draft_model": "a,b"}):
+        with pytest.raises(InputError, match=r"engine option \w+ '[^']*' holds a comma"):
+            EngineSpec.from_options(**kw)
+    with pytest.raises(InputError, match="holds a comma"):   # any spec, however it is made
+        EngineSpec(model="a,b")
+    with pytest.raises(InputError, match="holds a comma"):
+        EngineSpec(model="tiny").with_(model="a,b")
+    spec = EngineSpec.from_options(model=str(tmp_path / "smol=v2"), mode="ar")   # '=' needs nothing: keys hold none
+    assert EngineSpec.parse(str(spec)) == spec

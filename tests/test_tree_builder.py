@@ -156,3 +156,36 @@ def test_chain_equivalence_with_single_candidate_lattice(chain, target):
     path, toks = T.accept_greedy(ch, target)
     assert path == list(range(k))
     assert toks == list(target[:k + 1])
+
+
+@pytest.mark.parametrize("call,msg", [
+    (lambda: T.build_best_first([[1], [2], [3]], [[0.0]] * 3, None, 1.5), "node budget must be a whole number"),
+    (lambda: T.build_best_first([[1], [2], [3]], [[0.0]] * 3, None, None), "node budget must be a whole number"),
+    (lambda: T.build_best_first([[1]], [[0.0]], None, True), "node budget must be a whole number"),
+    (lambda: T.build_best_first([[1]], None, None, 2), "logprobs must be a list"),
+    (lambda: T.build_best_first(None, [[0.0]], None, 2), "tokens must be a list"),
+    (lambda: T.build_best_first([1], [[0.0]], None, 2), r"must be \[m\]\[K\] lists"),
+    (lambda: T.build_best_first([[1], [2]], [[-0.1], [-0.1]], [[5]], 2), r"must be \[m\]\[K\] lists"),
+    (lambda: T.build_best_first([[1]], [[2.0]], None, 2), "is 2.0; scores are log-probabilities"),
+    (lambda: T.build_best_first([[1]], [[math.inf]], None, 2), "is inf; scores are log-probabilities"),
+    (lambda: T.build_best_first([[1], [2]], [[-0.1], [-0.1]], [[[3.0]]], 2), "position 1 is 3.0"),
+    (lambda: T.build_best_first([[1]], [["x"]], None, 2), "is no number"),
+    (lambda: T.build_best_first_shared([([[1]], [[-0.1]])], 2), r"one \(tokens, logprobs, transitions\)"),
+    (lambda: T.accept_predictions(T.chain_tree([1, 2]), [1]), "1 predictions for a tree of 2 nodes"),
+    (lambda: T.accept_predictions(T.chain_tree([1, 2]), []), "0 predictions for a tree of 2 nodes"),
+    (lambda: T.accept_predictions(T.chain_tree([1, 2]), [1, 2, 3, 4]), "takes one per verified row: 3"),
+    (lambda: T.accept_greedy(T.chain_tree([1, 2]), None), "target tokens must be a list"),
+    (lambda: T.chain_tree([1, 2], [-0.1]), "chain of 2 tokens but 1 logprobs"),
+    (lambda: T.chain_tree([1], [0.5]), "scores are log-probabilities"),
+    (lambda: T.truncate(T.chain_tree([1, 2]), None), "must be a whole number"),
+])
+def test_bad_budgets_scores_and_predictions_raise_input_error(call, msg):
+    with pytest.raises(InputError, match=msg):
+        call()
+
+
+def test_whole_budgets_minus_infinity_and_rounding_still_build():
+    assert len(T.build_best_first([[1], [2], [3]], [[0.0]] * 3, None, 2.0)) == 2
+    assert len(T.build_best_first([[1], [2], [3]], [[0.0]] * 3, None, np.int64(3))) == 3
+    assert len(T.build_best_first([[1, 2]], [[5e-7, -math.inf]], None, 4)) == 1   # the lattice reader's tolerance
+    assert T.accept_predictions(T.chain_tree([1, 2]), [1, 2, 3]) == ([0, 1], [1, 2, 3])

@@ -139,9 +139,16 @@ class BatchDecoder:
             if self.max_queue is not None and len(self.waiting) + len(reqs) > self.max_queue + free:
                 ahead = max(0, len(self.waiting) - free)
                 if self.max_queue == 0:
-                    raise QueueFull(f"all {self.batch} slots are taken and no request may wait for one (a queue "
-                                    "of 0)")
-                raise QueueFull(f"{ahead} requests are waiting for a slot already" if len(reqs) == 1 else
+                    # free slots that the requests already waiting will not take
+                    open_ = max(0, free - len(self.waiting))
+                    if len(reqs) == 1 or open_ == 0:
+                        raise QueueFull(f"all {self.batch} slots are taken and no request may wait for one (a "
+                                        "queue of 0)")
+                    raise QueueFull(f"a list of {len(reqs)} requests needs {len(reqs)} free slots, "
+                                    f"{open_} of {self.batch} {'is' if open_ == 1 else 'are'} free, and a queue of 0 "
+                                    "lets none wait for one")
+                raise QueueFull((f"{ahead} request{' is' if ahead == 1 else 's are'} waiting for a slot already")
+                                if len(reqs) == 1 else
                                 f"{len(reqs)} requests with {ahead} waiting already would pass the queue's "
                                 f"{self.max_queue}")
             now = time.perf_counter()

@@ -7,9 +7,10 @@ tree keeps the ``n_nodes`` root paths with the highest path score ``sum log p(ch
 (paper 4.2). Because an edge score is a log-probability (<= 0), a child never outscores its
 parent, so popping a max-heap yields a prefix-closed tree whose nodes come parent-first.
 
-Rows of the lattice may be ragged (fewer than K candidates at a position); non-finite scores are
-never expanded. Ties are broken deterministically: higher score, then shallower depth, then the
-earlier parent node, then the lower candidate index.
+Rows of the lattice may be ragged (fewer than K candidates at a position); non-finite scores (-inf,
+NaN) are never expanded, and a score the builder reads above 0 (past ``SCORE_SLACK``, float rounding)
+is refused: it would let a child outscore its parent. Ties are broken deterministically: higher
+score, then shallower depth, then the earlier parent node, then the lower candidate index.
 
 Node numbering: node ``i`` of a tree is ``tokens[i]``; ``parents[i] == -1`` means a child of the
 root (the last committed token, which the verifier feeds as row 0 before the nodes).
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
@@ -28,6 +30,26 @@ from specpilot.errors import InputError
 
 if TYPE_CHECKING:
     import torch
+
+# how far above 0 a log-probability may round (the lattice reader's tolerance: a file it reads builds)
+SCORE_SLACK = 1e-6
+
+
+def _whole(v, what: str) -> int:
+    """``v`` as an int: an integer or a float of a whole number (not a bool); InputError otherwise."""
+    if not isinstance(v, bool):
+        try:
+            return operator.index(v)
+        except TypeError:
+            if isinstance(v, float) and v.is_integer():
+                return int(v)
+    raise InputError(f"{what} must be a whole number, got {v!r}")
+
+
+def _sized(v, what: str, shape: str) -> None:
+    """Refuse a ``v`` that is no sequence (a lattice's rows are lists: ``shape``)."""
+    if isinstance(v, (str, bytes)) or not hasattr(v, "__len__") or not hasattr(v, "__getitem__"):
+        raise InputError(f"{what} must be a list ({shape}), got {type(v).__name__}")
 
 
 @dataclass(frozen=True)
@@ -92,6 +114,26 @@ class BatchedTrees:
 
 
 def _edge_fn(tokens, logprobs, transitions, where: str):
+    _sized(tokens, f"{where}: tokens", "[m][K] token ids")
+    _sized(logprobs, f"{where}: logprobs", "[m][K] log-probabilities")
+    if transitions is not None:
+        _sized(transitions, f"{where}: transitions", "[m-1][K][K] log-probabilities, or None")
+    try:   # a row that is no list fails len() here
+        _check_shapes(tokens, logprobs, transitions, where)
+    except TypeError:
+        raise InputError(f"{where}: tokens and logprobs must be [m][K] lists (transitions [m-1][K][K] or "
+                         "None)") from None
+    m = len(tokens)
+
+    def edge(depth: int, parent_cand: int, j: int) -> float:
+        if transitions is None or depth == 0:
+            return float(logprobs[depth][j])
+        return float(transitions[depth - 1][parent_cand][j])
+
+    return m, edge
+
+
+def _check_shapes(tokens, logprobs, transitions, where: str) -> None:
     m = len(tokens)
     if len(logprobs) != m:
         raise InputError(f"{where}: tokens has {m} positions but logprobs has {len(logprobs)}")
@@ -105,13 +147,6 @@ def _edge_fn(tokens, logprobs, transitions, where: str):
             if len(t) != len(tokens[i]) or any(len(r) != len(tokens[i + 1]) for r in t):
                 raise InputError(f"{where}: transitions[{i}] must be [{len(tokens[i])}][{len(tokens[i + 1])}]")
 
-    def edge(depth: int, parent_cand: int, j: int) -> float:
-        if transitions is None or depth == 0:
-            return float(logprobs[depth][j])
-        return float(transitions[depth - 1][parent_cand][j])
-
-    return m, edge
-
 
 def build_best_first_shared(lattices: Sequence[tuple], n_nodes: int) -> list[DraftTree]:
     """One shared node budget over several requests' lattices (paper 4.4).
@@ -119,8 +154,12 @@ def build_best_first_shared(lattices: Sequence[tuple], n_nodes: int) -> list[Dra
     ``lattices`` holds ``(tokens, logprobs, transitions)`` per request. Nodes are taken from the
     highest path score over all requests; each request's share is itself a prefix-closed tree.
     """
+    n_nodes = _whole(n_nodes, "node budget")
     if n_nodes < 0:
         raise InputError(f"node budget must be >= 0, got {n_nodes}")
+    _sized(lattices, "lattices", "(tokens, logprobs, transitions) per request")
+    if not all(not isinstance(x, (str, bytes)) and hasattr(x, "__len__") and len(x) == 3 for x in lattices):
+        raise InputError("lattices must hold one (tokens, logprobs, transitions) per request")
     edges = [_edge_fn(t, lp, tr, f"lattice {r}") for r, (t, lp, tr) in enumerate(lattices)]
     heap: list = []
     per_req: list[dict] = [{"tokens": [], "parents": [], "depth": [], "cand": [], "score": []} for _ in lattices]
@@ -131,7 +170,13 @@ def build_best_first_shared(lattices: Sequence[tuple], n_nodes: int) -> list[Dra
             return
         toks = lattices[r][0][depth]
         for j in range(len(toks)):
-            s = edge(depth, cand, j)
+            try:
+                s = edge(depth, cand, j)
+            except (TypeError, ValueError):
+                raise InputError(f"lattice {r}: the score of candidate {j} at position {depth} is no number") from None
+            if s > SCORE_SLACK:   # checked where read: the engine builds a tree per step
+                raise InputError(f"lattice {r}: the score of candidate {j} at position {depth} is {s}; scores are "
+                                 "log-probabilities (<= 0, or -inf)")
             if not math.isfinite(s):
                 continue
             # key: best score first, then shallower, then request, then earlier parent, then lower cand
@@ -162,8 +207,15 @@ def build_best_first(tokens, logprobs, transitions, n_nodes: int) -> DraftTree:
 
 def chain_tree(tokens_top1: Sequence[int], logprobs: Sequence[float] | None = None) -> DraftTree:
     """The stock chain: node i is draft position i, child of node i-1."""
+    _sized(tokens_top1, "chain tokens", "one token id per draft position")
     n = len(tokens_top1)
+    if logprobs is not None:
+        _sized(logprobs, "chain logprobs", "one log-probability per draft position")
+        if len(logprobs) != n:
+            raise InputError(f"chain of {n} tokens but {len(logprobs)} logprobs")
     lp = [0.0] * n if logprobs is None else [float(x) for x in logprobs]
+    if any(x > SCORE_SLACK for x in lp):
+        raise InputError(f"chain logprobs {lp}: scores are log-probabilities (<= 0, or -inf)")
     score, acc = [], 0.0
     for x in lp:
         acc += x
@@ -175,7 +227,7 @@ def chain_tree(tokens_top1: Sequence[int], logprobs: Sequence[float] | None = No
 def truncate(tree: DraftTree, n: int) -> DraftTree:
     """The first ``n`` nodes of a best-first tree (equal to the tree of budget ``n``): nodes come
     parent-first, so any prefix is prefix-closed."""
-    n = max(0, min(int(n), len(tree)))
+    n = max(0, min(_whole(n, "truncate's node count"), len(tree)))
     return DraftTree(tree.tokens[:n], tree.parents[:n], tree.depth[:n], tree.cand[:n], tree.score[:n])
 
 
@@ -238,6 +290,7 @@ def accept_greedy(tree: DraftTree, target_tokens: Sequence[int]) -> tuple[list[i
     Returns ``(path, tokens)``: the accepted node indices and the committed tokens (the path's
     tokens followed by ``target_tokens[len(path)]`` when it exists). tau = len(path) + 1.
     """
+    _sized(target_tokens, "target tokens", "the target's greedy tokens")
     path: list[int] = []
     node = -1
     while len(path) < len(target_tokens):
@@ -256,7 +309,12 @@ def accept_greedy(tree: DraftTree, target_tokens: Sequence[int]) -> tuple[list[i
 def accept_predictions(tree: DraftTree, preds: Sequence[int]) -> tuple[list[int], list[int]]:
     """Greedy acceptance from the verifier's own argmaxes: ``preds[0]`` is the target's token
     after the root, ``preds[1 + i]`` the token after node i. Returns ``(path, tokens)`` with the
-    bonus token always present (so ``len(tokens) == len(path) + 1``)."""
+    bonus token always present (so ``len(tokens) == len(path) + 1``). ``preds`` has one token per
+    verified row: ``len(tree) + 1``."""
+    _sized(preds, "predictions", "one token per verified row")
+    if len(preds) != len(tree) + 1:
+        raise InputError(f"{len(preds)} predictions for a tree of {len(tree)} nodes; acceptance takes one per "
+                         f"verified row: {len(tree) + 1} (the root's and each node's)")
     path: list[int] = []
     node = -1
     want = int(preds[0])
