@@ -45,7 +45,8 @@ class ServeProcess:
         self.err: list[str] = []
         self._url = None
         self._found = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
 
     def _read(self):
         for line in self.proc.stderr:
@@ -64,10 +65,13 @@ class ServeProcess:
     def stop(self, timeout=60.0) -> tuple[int, str]:
         self.proc.send_signal(signal.SIGTERM)
         try:
-            out, _ = self.proc.communicate(timeout=timeout)
+            out, rest = self.proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.kill()
             pytest.fail("specpilot serve did not stop on SIGTERM")
+        # communicate reads stderr too: the last lines go to whichever reader gets them first
+        self._reader.join(timeout=10)
+        self.err.extend(rest.splitlines(keepends=True))
         return self.proc.returncode, out
 
     def kill(self):
