@@ -18,7 +18,7 @@ def test_run_takes_the_ids_generate_takes(batch):
         assert r["prompt_ids"] == [97, 98, 99] and all(type(t) is int for t in r["prompt_ids"])
         assert r["output_ids"] == want
     for bad, words in (({"id": 0, "ids": []}, "prompt 0: empty prompt"),
-                       ({"id": 0, "ids": [], "text": "ab"}, "prompt 0: empty prompt"),   # not the text instead
+                       ({"id": 0, "ids": [], "text": "ab"}, "prompt 0: 'ids' or 'text', not both"),   # not the text instead
                        ({"id": 3}, "prompt 3: a prompt needs 'ids' (token ids) or 'text'"),
                        ({"id": 0, "ids": [1.5, 2]}, "prompt_ids must be a sequence of integer token ids")):
         with pytest.raises(InputError, match=words.replace("(", r"\(").replace(")", r"\)")):

@@ -380,6 +380,17 @@ def test_an_interrupted_round_says_how_to_continue_it(tmp_path):
     assert e.value.__notes__ == [f"the round's files are in {r}; continue it with specpilot round --resume {r}"]
 
 
+def _remember_pending(done, tmp_path):
+    """A copy of the finished round whose remember stage is pending, its records in a copy of them."""
+    r = _copy(done, tmp_path)
+    shutil.copytree(done / "rec", tmp_path / "rec")
+    state = json.loads((r / "round.json").read_text())
+    state["config"]["records_dir"] = str(tmp_path / "rec")
+    state["stages"]["remember"]["status"] = "pending"
+    (r / "round.json").write_text(json.dumps(state))
+    return r
+
+
 def test_a_round_stopped_while_it_renders_its_report_says_how_to_write_it(done, tmp_path, run_cli, monkeypatch):
     """SIGTERM after the last stage, in the report: the last line says that 'specpilot report DIR'
     writes it (it said only 'interrupted by SIGTERM', and a resume then finds the round complete)."""
@@ -388,12 +399,7 @@ def test_a_round_stopped_while_it_renders_its_report_says_how_to_write_it(done, 
     from specpilot import signals
     from specpilot.reports import round_report
 
-    r = _copy(done, tmp_path)
-    shutil.copytree(done / "rec", tmp_path / "rec")
-    state = json.loads((r / "round.json").read_text())
-    state["config"]["records_dir"] = str(tmp_path / "rec")
-    state["stages"]["remember"]["status"] = "pending"
-    (r / "round.json").write_text(json.dumps(state))
+    r = _remember_pending(done, tmp_path)
     (r / "report.md").unlink(missing_ok=True)
 
     def stopped(_dir):
@@ -599,12 +605,7 @@ def test_a_resume_refuses_a_damaged_deployment_record_before_its_remember_stage(
     resume writes anything (it crashed there, or wrote the round's record copy and changes first)."""
     import yaml
 
-    r = _copy(done, tmp_path)
-    shutil.copytree(done / "rec", tmp_path / "rec")
-    state = json.loads((r / "round.json").read_text())
-    state["config"]["records_dir"] = str(tmp_path / "rec")
-    state["stages"]["remember"]["status"] = "pending"
-    (r / "round.json").write_text(json.dumps(state))
+    r = _remember_pending(done, tmp_path)
     f = next((tmp_path / "rec").glob("*.yaml"))
     doc = yaml.safe_load(f.read_text())
     edit(doc)
