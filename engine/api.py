@@ -245,7 +245,9 @@ class Engine:
 
 def check_run_prompts(prompts) -> list[dict]:
     """:meth:`Engine.run`'s prompts as a list, each a dict with an ``id`` (a string or an integer,
-    unique) and ``ids`` or ``text`` (checked when it is encoded); InputError otherwise."""
+    numpy's too, unique) and ``ids`` or ``text`` (checked when it is encoded); InputError otherwise."""
+    from specpilot.engine.decode import integer_like
+
     if isinstance(prompts, (str, bytes, dict)) or not hasattr(prompts, "__iter__"):
         raise InputError(f"prompts must be a list of {{'id': ..., 'ids': [...]}} or {{'id': ..., 'text': ...}} dicts, "
                          f"got {type(prompts).__name__}")
@@ -260,7 +262,7 @@ def check_run_prompts(prompts) -> list[dict]:
         if "id" not in pr:
             raise InputError(f"prompt #{n}: no 'id' (a string or an integer naming it in the results)")
         pid = pr["id"]
-        if isinstance(pid, bool) or not isinstance(pid, (str, int)):
+        if isinstance(pid, bool) or not (isinstance(pid, str) or integer_like(pid)):
             raise InputError(f"prompt #{n}: 'id' must be a string or an integer, got {type(pid).__name__}")
         if str(pid) in seen:   # results, outputs and lattice rows are matched by id (3 and "3" alike)
             raise InputError(f"prompt #{n}: id {pid!r} is given twice; ids must be unique")

@@ -201,16 +201,21 @@ def _curve_rows(path, raw, curves: dict[str, dict[int, float]]) -> dict[str, dic
     out: dict[str, dict[int, dict[int, int]]] = {}
     try:
         for name, pts in raw.items():
+            cap = 1
+            if name.split(":")[0] in ("shared", "adaptive"):   # a request's share: up to SHARED_CAP x its nodes
+                from specpilot.engine.batch.rules import SHARED_CAP
+
+                cap = SHARED_CAP
             out[name] = {}
             for n, hist in pts.items():
                 got = {int(r): k for r, k in hist.items()}
                 if not got or not all(is_int(k) and k > 0 for k in got.values()) or \
-                        not all(1 <= r <= int(n) + 1 for r in got):
+                        not all(1 <= r <= cap * int(n) + 1 for r in got):
                     raise ValueError
                 out[name][int(n)] = got
     except (AttributeError, TypeError, ValueError, OverflowError):
         raise InputError(f"{path}: 'curve_rows' must map each curve's node counts to {{rows verified: steps}}, "
-                         "rows from 1 to the nodes + 1") from None
+                         "rows from 1 to the nodes + 1 (a shared budget's request: twice its nodes + 1)") from None
     for name, pts in out.items():
         if set(pts) != set(curves.get(name, {})):
             raise InputError(f"{path}: 'curve_rows' of {name!r} are not of the curve's node counts")

@@ -322,6 +322,25 @@ def test_by_node_c_is_the_mean_over_the_rows_the_replayed_steps_verify(run_cli, 
     assert code == 2 and "'curve_rows' must map each curve's node counts" in err, err
 
 
+def test_a_shared_budgets_curve_rows_may_pass_its_nodes(run_cli, tmp_path):
+    """A request's share of a shared budget reaches twice its nodes: replay writes rows up to 2N + 1 for
+    shared and adaptive curves, which the reader refused as damage."""
+    replay = tmp_path / "replay.json"
+    replay.write_text(json.dumps({"schema": "specpilot.replay/1", "positions": 8, "policies": [
+        {"policy": "shared:4", "nodes": 4, "tau": 1.5}], "curves": {"shared": {"4": 1.5}},
+        "curve_rows": {"shared": {"4": {"1": 2, "9": 1}}}}))
+    args = ("ceiling", "--replay", replay, "--model", "smollm2-135m", "--gpu", "h200", "--rows", "5", "--policy",
+            "shared:4", "--format", "json")
+    code, out, err = run_cli(*args)
+    assert code == 0, err
+    assert json.loads(out)["by_nodes"][0]["rows"] == pytest.approx(11 / 3)
+    doc = json.loads(replay.read_text())
+    doc["curve_rows"]["shared"]["4"] = {"10": 1}
+    replay.write_text(json.dumps(doc))
+    code, _, err = run_cli(*args)
+    assert code == 2 and "twice its nodes + 1" in err, err
+
+
 def test_budgets_the_probe_did_not_time_are_named(run_cli, tmp_path):
     """The by-node table leaves out budgets whose N + 1 rows the probe lacks, and says which."""
     replay = tmp_path / "replay.json"

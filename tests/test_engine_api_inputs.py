@@ -36,6 +36,14 @@ def test_run_refuses_prompts_that_are_no_list_of_prompt_dicts(eng, prompts, msg)
         eng.run(prompts, max_new_tokens=2)
 
 
+def test_run_takes_numpy_integer_ids(eng):
+    """An id from a numpy array is an integer (it was refused as 'not an integer')."""
+    import numpy as np
+
+    r = eng.run([{"id": np.int64(1), "ids": [1, 2, 3]}], 2)
+    assert r.results[0]["id"] == 1
+
+
 def test_a_batched_run_refuses_them_too():
     eng = load_engine("engine:model=tiny,mode=ar,threads=1,batch=2")
     with pytest.raises(InputError, match="prompt #0: no 'id'"):
