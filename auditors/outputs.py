@@ -41,6 +41,7 @@ class OutputRow:
     # where known (audit collect): the limit it was generated under and the system that generated it
     max_new_tokens: int | None = None
     system: str | None = None
+    line: int | None = field(default=None, compare=False, repr=False)   # its line in the file read (messages)
 
     def to_json(self) -> dict:
         row = {"schema": OUTPUTS_SCHEMA, "id": self.id, "prompt_ids": self.prompt_ids, "output_ids": self.output_ids}
@@ -131,7 +132,7 @@ def read_outputs(path, name: str | None = None) -> Outputs:
         out = _token_list(obj["output_ids"], "output_ids", where, True)
         if limit is not None and len(out) > limit:
             raise InputError(f"{where}: {len(out)} output_ids, more than its \"max_new_tokens\" {limit}")
-        rows.append(OutputRow(id_, _token_list(obj["prompt_ids"], "prompt_ids", where, False), out, limit, system))
+        rows.append(OutputRow(id_, _token_list(obj["prompt_ids"], "prompt_ids", where, False), out, limit, system, n))
     if not rows:
         raise InputError(f"{path}: no outputs rows")
     return Outputs(name or path.name, rows, str(path))

@@ -434,12 +434,12 @@ def predict_by_nodes(req: CeilingRequest, curves: dict[str, dict[int, float]], s
     ar_ms = req.rows_probe.ar_ms if req.rows_probe is not None and m.origins.get("ar_ms") is req.rows_probe \
         else m.ar_ms
     verified = req.replay.curve_rows if req.replay is not None else {}
+    lo, hi = (min(step_curve), max(step_curve)) if step_curve else (None, None)
     out = []
     for policy, pts in curves.items():
         for n, tau in sorted(pts.items()):
             hist = (verified.get(policy) or {}).get(n) or {n + 1: 1}
             if step_curve:
-                lo, hi = min(step_curve), max(step_curve)
                 # rows the probe timed, else linear between two it timed (as the round's model); never
                 # beyond them, nor mixed with floors
                 got = mean_over_rows(hist, lambda r: step_time(r, step_curve) if lo <= r <= hi else None) \

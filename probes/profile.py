@@ -467,7 +467,7 @@ def floors_from_ceiling(path: str, rows: int | None = None) -> Floors:
     classes = block.get("classes") if isinstance(block, dict) else None
     if not isinstance(classes, dict) or not classes:
         raise InputError(f"{path}: ceiling has no per-class floors ('classes'); run specpilot ceiling with --model")
-    from specpilot.fileio import is_num
+    from specpilot.fileio import is_int, is_num
 
     out = {}
     for name, c in classes.items():
@@ -494,7 +494,7 @@ def floors_from_ceiling(path: str, rows: int | None = None) -> Floors:
     if "drafter" in shape:
         for key in ("draft_rows", "draft_passes"):
             n = doc_shape.get(key)
-            if not (isinstance(n, int) and not isinstance(n, bool) and n > 0):
+            if not (is_int(n) and n > 0):
                 raise InputError(f"{path}: ceiling's shape {key!r} must be a positive whole number (with a drafter)")
             shape[key] = n
     total = block.get("total_floor_ms")

@@ -292,11 +292,10 @@ def _check_output_rows(f: Path, got, prompts, vocab: int | None) -> None:
     """Each row of a reused outputs file is of one of the round's prompts, with that prompt's
     token ids, and (``vocab``) holds token ids the model has: named by the file's line."""
     from specpilot.auditors.outputs import key
-    from specpilot.fileio import iter_jsonl_numbered
 
     asked = {key(p.id): list(p.prompt_ids) for p in prompts} if prompts is not None else None
-    for (line, _), row in zip(iter_jsonl_numbered(f), got.rows):   # read_outputs kept a row per line, in order
-        where = f"{f}:{line}: prompt {row.id!r}"
+    for row in got.rows:
+        where = f"{f}:{row.line}: prompt {row.id!r}"
         if asked is not None and key(row.id) not in asked:
             raise InputError(f"{where} is not one of the round's prompts (prompts.jsonl); the round's files are "
                              "damaged")
